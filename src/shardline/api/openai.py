@@ -1,0 +1,272 @@
+"""OpenAI-compatible API: ``POST /v1/chat/completions`` and ``GET /v1/models``.
+
+Request and response shapes follow OpenAI's API reference (Chat Completions, the
+``chat.completion`` and ``chat.completion.chunk`` objects, server-sent events ending with
+``data: [DONE]``). Errors use OpenAI's body: ``{"error": {"message", "type", "param",
+"code"}}``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+import uuid
+from collections.abc import AsyncIterator
+from typing import Any, Literal
+
+from fastapi import APIRouter, Request
+from fastapi.responses import JSONResponse, StreamingResponse
+from pydantic import BaseModel, ConfigDict, Field
+
+from shardline.models.tokenizer import ChatTemplateError, IncrementalDetokenizer
+from shardline.node.node import InstanceFailedError, NoInstanceError, Node
+from shardline.runner.protocol import SamplingParams
+
+
+class OpenAIError(Exception):
+    """An error answered in OpenAI's format with an HTTP status."""
+
+    def __init__(self, status: int, message: str, type_: str = "invalid_request_error",
+                 param: str | None = None, code: str | None = None) -> None:
+        super().__init__(message)
+        self.status, self.message, self.type, self.param, self.code = status, message, type_, param, code
+
+    def response(self) -> JSONResponse:
+        return JSONResponse(status_code=self.status, content=error_body(self.message, self.type, self.param, self.code))
+
+
+def error_body(message: str, type_: str, param: str | None = None, code: str | None = None) -> dict:
+    return {"error": {"message": message, "type": type_, "param": param, "code": code}}
+
+
+class TextPart(BaseModel):
+    type: Literal["text"]
+    text: str
+
+
+class ChatMessage(BaseModel):
+    model_config = ConfigDict(extra="allow")
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: str | list[TextPart] | None = None
+
+    def text(self) -> str:
+        if self.content is None:
+            return ""
+        if isinstance(self.content, str):
+            return self.content
+        return "".join(part.text for part in self.content)
+
+
+class StreamOptions(BaseModel):
+    include_usage: bool = False
+
+
+class ChatCompletionRequest(BaseModel):
+    """The fields of OpenAI's request that shardline honours; others are accepted and ignored."""
+
+    model_config = ConfigDict(extra="allow")
+    model: str
+    messages: list[ChatMessage] = Field(min_length=1)
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    max_tokens: int | None = Field(default=None, ge=1)
+    max_completion_tokens: int | None = Field(default=None, ge=1)
+    temperature: float = Field(default=1.0, ge=0.0, le=2.0)
+    top_p: float = Field(default=1.0, gt=0.0, le=1.0)
+    top_k: int = Field(default=0, ge=0)
+    seed: int | None = None
+    stop: str | list[str] | None = None
+    n: int = Field(default=1, ge=1, le=1)
+    ignore_eos: bool = False  # as in vLLM: generate max_tokens whatever the model says
+
+
+class StopMatcher:
+    """Finds stop strings in streamed text, holding back text that may begin one."""
+
+    def __init__(self, stops: list[str]) -> None:
+        self.stops = [s for s in stops if s]
+        self.pending = ""
+
+    def feed(self, text: str) -> tuple[str, bool]:
+        """Return (text safe to send, whether a stop string was reached)."""
+        self.pending += text
+        for stop in self.stops:
+            index = self.pending.find(stop)
+            if index >= 0:
+                out, self.pending = self.pending[:index], ""
+                return out, True
+        hold = 0
+        for stop in self.stops:
+            for k in range(min(len(stop) - 1, len(self.pending)), 0, -1):
+                if self.pending.endswith(stop[:k]):
+                    hold = max(hold, k)
+                    break
+        out = self.pending[: len(self.pending) - hold]
+        self.pending = self.pending[len(out):]
+        return out, False
+
+    def flush(self) -> str:
+        out, self.pending = self.pending, ""
+        return out
+
+
+class Generation:
+    """One request's prepared inputs: prompt ids, limits and sampling."""
+
+    def __init__(self, node: Node, req: ChatCompletionRequest, prompt: list[int]) -> None:
+        self.node = node
+        self.req = req
+        self.prompt = prompt
+        inst = node.ready_instance(req.model)
+        limit = req.max_completion_tokens or req.max_tokens
+        room = inst.context - len(prompt)
+        if room < 1:
+            raise OpenAIError(
+                400,
+                f"the prompt is {len(prompt)} tokens; this model's context is {inst.context} tokens",
+                param="messages", code="context_length_exceeded",
+            )
+        self.max_tokens = min(limit, room) if limit else room
+        self.sampling = SamplingParams(req.temperature, req.top_p, req.top_k, req.seed)
+        tokenizer = node.tokenizers[req.model]
+        self.stop_ids = [] if req.ignore_eos else tokenizer.eos_token_ids
+        self.detokenizer = IncrementalDetokenizer(tokenizer)
+        self.stops = StopMatcher([req.stop] if isinstance(req.stop, str) else (req.stop or []))
+        self.completion_tokens = 0
+
+    async def texts(self) -> AsyncIterator[tuple[str, str | None]]:
+        """Yield (text delta, finish_reason or None) until the request ends."""
+        events = self.node.generate(self.req.model, self.prompt, self.max_tokens, self.sampling, self.stop_ids)
+        try:
+            async for event in events:
+                if event.token_id >= 0:
+                    self.completion_tokens += 1
+                finish = event.finish_reason
+                text = ""
+                if event.token_id >= 0 and event.token_id not in self.stop_ids:
+                    text, hit = self.stops.feed(self.detokenizer.push(event.token_id))
+                    if hit:
+                        yield text, "stop"
+                        return
+                if finish is not None:
+                    yield text + self.stops.flush(), "stop" if finish == "cancelled" else finish
+                    return
+                if text:
+                    yield text, None
+        finally:
+            await events.aclose()
+
+    def usage(self) -> dict:
+        return {
+            "prompt_tokens": len(self.prompt),
+            "completion_tokens": self.completion_tokens,
+            "total_tokens": len(self.prompt) + self.completion_tokens,
+        }
+
+
+def router(node: Node) -> APIRouter:
+    api = APIRouter()
+
+    @api.get("/v1/models")
+    async def list_models() -> dict:
+        return {
+            "object": "list",
+            "data": [
+                {"id": m["id"], "object": "model", "created": m["created"], "owned_by": "shardline"}
+                for m in node.models()
+            ],
+        }
+
+    @api.post("/v1/chat/completions")
+    async def chat_completions(req: ChatCompletionRequest, request: Request):
+        try:
+            gen = await prepare(node, req)
+        except OpenAIError as exc:
+            return exc.response()
+        completion_id = f"chatcmpl-{uuid.uuid4().hex}"
+        created = int(time.time())
+        if req.stream:
+            return StreamingResponse(
+                stream_chat(gen, completion_id, created, request),
+                media_type="text/event-stream",
+                headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
+            )
+        parts, finish = [], None
+        try:
+            async for text, finish in gen.texts():
+                parts.append(text)
+        except InstanceFailedError as exc:
+            return OpenAIError(503, str(exc), "server_error", code="instance_failed").response()
+        return {
+            "id": completion_id,
+            "object": "chat.completion",
+            "created": created,
+            "model": req.model,
+            "choices": [
+                {
+                    "index": 0,
+                    "message": {"role": "assistant", "content": "".join(parts)},
+                    "logprobs": None,
+                    "finish_reason": finish,
+                }
+            ],
+            "usage": gen.usage(),
+        }
+
+    return api
+
+
+async def prepare(node: Node, req: ChatCompletionRequest) -> Generation:
+    """Tokenize and check a request.
+
+    Raises:
+        OpenAIError: 404 for a model no instance serves, 400 for a bad prompt.
+    """
+    try:
+        node.ready_instance(req.model)
+    except NoInstanceError:
+        known = ", ".join(m["id"] for m in node.models()) or "none"
+        raise OpenAIError(404, f"The model '{req.model}' does not exist or is not loaded (available: {known})",
+                          param="model", code="model_not_found")
+    tokenizer = await asyncio.to_thread(node.tokenizer, req.model)
+    messages = [{"role": "system" if m.role == "developer" else m.role, "content": m.text()} for m in req.messages]
+    try:
+        prompt = await asyncio.to_thread(tokenizer.encode_chat, messages)
+    except ChatTemplateError as exc:
+        raise OpenAIError(400, str(exc), param="messages")
+    try:
+        return Generation(node, req, prompt)
+    except NoInstanceError as exc:
+        raise OpenAIError(404, str(exc), param="model", code="model_not_found")
+
+
+def _sse(data: Any) -> str:
+    return f"data: {json.dumps(data, ensure_ascii=False)}\n\n"
+
+
+async def stream_chat(gen: Generation, completion_id: str, created: int, request: Request) -> AsyncIterator[str]:
+    def chunk(delta: dict, finish: str | None) -> dict:
+        return {
+            "id": completion_id,
+            "object": "chat.completion.chunk",
+            "created": created,
+            "model": gen.req.model,
+            "choices": [{"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}],
+        }
+
+    yield _sse(chunk({"role": "assistant", "content": ""}, None))
+    try:
+        async for text, finish in gen.texts():
+            if text:
+                yield _sse(chunk({"content": text}, None))
+            if finish is not None:
+                yield _sse(chunk({}, finish))
+    except InstanceFailedError as exc:
+        yield _sse(error_body(str(exc), "server_error", code="instance_failed"))
+        return
+    if gen.req.stream_options and gen.req.stream_options.include_usage:
+        usage = {"id": completion_id, "object": "chat.completion.chunk", "created": created,
+                 "model": gen.req.model, "choices": [], "usage": gen.usage()}
+        yield _sse(usage)
+    yield "data: [DONE]\n\n"

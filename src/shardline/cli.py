@@ -1,0 +1,114 @@
+"""The ``shardline`` command: ``run`` one node, start a local ``cluster``, ``bench`` it."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+
+DEFAULT_PORT = 52415
+
+
+def _run(args: argparse.Namespace) -> int:
+    import uvicorn
+
+    from shardline.node.app import create_app
+    from shardline.node.node import Node
+
+    peers = [p.strip() for p in (args.peers or "").split(",") if p.strip()]
+    node = Node(
+        host=args.host,
+        port=args.port,
+        peers=peers,
+        node_id=args.node_id,
+        runner_threads=args.runner_threads,
+    )
+    logging.getLogger(__name__).info("node %s on %s", node.node_id, node.address)
+    uvicorn.run(create_app(node), host=args.bind or args.host, port=args.port, log_level="warning")
+    return 0
+
+
+def _cluster(args: argparse.Namespace) -> int:
+    from shardline.local_cluster import LocalCluster, LocalClusterError
+
+    cluster = LocalCluster(
+        nodes=args.nodes, base_port=args.port, runner_threads=args.runner_threads
+    )
+    try:
+        cluster.start()
+        instance = cluster.place(args.model, args.sharding)
+    except (LocalClusterError, KeyboardInterrupt) as exc:
+        cluster.stop()
+        print(f"shardline cluster: {exc}", file=sys.stderr)
+        return 1
+    url = cluster.url(0)
+    ranges = ", ".join(f"{r['layer_start']}-{r['layer_end'] - 1}" for r in instance["ranks"])
+    print(f"\nshardline: {args.nodes}-node {args.sharding} cluster serving {instance['model_id']}")
+    print(f"  layers per node: {ranges}")
+    print(f"  API: {url}/v1  (any node: ports {args.port}-{args.port + args.nodes - 1})")
+    print("  try:")
+    print(f"    curl {url}/v1/chat/completions -H 'Content-Type: application/json' \\")
+    print(f"      -d '{{\"model\": \"{instance['model_id']}\", \"messages\": "
+          f"[{{\"role\": \"user\", \"content\": \"What is the capital of France?\"}}]}}'")
+    print("  Ctrl-C stops the cluster.", flush=True)
+    try:
+        cluster.wait()
+    except KeyboardInterrupt:
+        pass
+    finally:
+        cluster.stop()
+    return 0
+
+
+def _bench(args: argparse.Namespace) -> int:
+    from shardline.bench.bench import main as bench_main
+
+    return bench_main(args)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    from shardline.models.store import DEFAULT_MODEL_ID
+
+    parser = argparse.ArgumentParser(prog="shardline", description=__doc__)
+    parser.add_argument("-v", "--verbose", action="store_true", help="log more")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    run = sub.add_parser("run", help="run one node")
+    run.add_argument("--host", default="127.0.0.1", help="address other nodes reach this node at")
+    run.add_argument("--bind", default=None, help="address to listen on (default: --host)")
+    run.add_argument("--port", type=int, default=DEFAULT_PORT, help="HTTP port (default %(default)s)")
+    run.add_argument("--peers", default="", help="other nodes as host:port,host:port")
+    run.add_argument("--node-id", default=None, help="this node's id (default: random)")
+    run.add_argument("--runner-threads", type=int, default=0, help="torch threads per runner (0: all cores)")
+    run.set_defaults(func=_run)
+
+    cluster = sub.add_parser("cluster", help="start N nodes on 127.0.0.1 and place a model across them")
+    cluster.add_argument("--nodes", type=int, default=3, help="how many nodes (default %(default)s)")
+    cluster.add_argument("--sharding", default="pipeline", choices=["pipeline"])
+    cluster.add_argument("--port", type=int, default=DEFAULT_PORT, help="first node's port; the others follow")
+    cluster.add_argument("--model", default=DEFAULT_MODEL_ID, help="model id or local path (default %(default)s)")
+    cluster.add_argument("--runner-threads", type=int, default=0, help="torch threads per runner (0: cores / nodes)")
+    cluster.set_defaults(func=_cluster)
+
+    bench = sub.add_parser("bench", help="measure prefill and decode tokens/s and TTFT")
+    from shardline.bench.bench import add_arguments
+
+    add_arguments(bench)
+    bench.set_defaults(func=_bench)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if getattr(args, "nodes", 1) < 1:
+        parser.error("--nodes must be at least 1")
+    logging.basicConfig(
+        level=logging.DEBUG if args.verbose else logging.INFO,
+        format="%(asctime)s %(name)s %(levelname)s %(message)s",
+    )
+    return args.func(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,152 @@
+"""N nodes on 127.0.0.1, each its own ``shardline run`` process, for ``shardline cluster``,
+the benchmark and the tests. The nodes talk only over the network, as on separate machines.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import httpx
+
+
+class LocalClusterError(RuntimeError):
+    """The local cluster could not start, or its model could not be placed."""
+
+
+class LocalCluster:
+    """Start, place a model on, and stop a cluster of local node processes.
+
+    Args:
+        nodes: how many nodes.
+        base_port: node i listens on ``base_port + i``.
+        runner_threads: torch threads per runner; 0 gives each node cores / nodes.
+        log_dir: where each node's output goes (``node-i.log``); None: inherit stdout.
+    """
+
+    def __init__(self, nodes: int, base_port: int, runner_threads: int = 0,
+                 log_dir: str | None = None) -> None:
+        self.n = nodes
+        self.base_port = base_port
+        self.runner_threads = runner_threads or max(1, (os.cpu_count() or 1) // nodes)
+        self.log_dir = log_dir
+        self.procs: list[subprocess.Popen | None] = []
+        self.instance: dict | None = None
+
+    def url(self, i: int) -> str:
+        return f"http://127.0.0.1:{self.base_port + i}"
+
+    def node_command(self, i: int) -> list[str]:
+        peers = ",".join(f"127.0.0.1:{self.base_port + j}" for j in range(self.n) if j != i)
+        return [sys.executable, "-m", "shardline.cli", "run", "--host", "127.0.0.1",
+                "--port", str(self.base_port + i), "--peers", peers,
+                "--runner-threads", str(self.runner_threads)]
+
+    def start_node(self, i: int) -> None:
+        out = None
+        if self.log_dir is not None:
+            os.makedirs(self.log_dir, exist_ok=True)
+            out = open(os.path.join(self.log_dir, f"node-{i}.log"), "ab")
+        proc = subprocess.Popen(self.node_command(i), stdout=out, stderr=subprocess.STDOUT if out else None,
+                                start_new_session=True)
+        if i < len(self.procs):
+            self.procs[i] = proc
+        else:
+            self.procs.append(proc)
+
+    def start(self, timeout_s: float = 60.0) -> None:
+        """Start every node and wait until each sees all the others.
+
+        Raises:
+            LocalClusterError: a node exited or the cluster did not form in time.
+        """
+        for i in range(self.n):
+            self.start_node(i)
+        deadline = time.time() + timeout_s
+        while time.time() < deadline:
+            self._check_alive()
+            try:
+                counts = [
+                    sum(1 for n in httpx.get(f"{self.url(i)}/cluster/nodes", timeout=2).json()["nodes"] if n["live"])
+                    for i in range(self.n)
+                ]
+                if all(c == self.n for c in counts):
+                    return
+            except (httpx.HTTPError, ValueError, KeyError):
+                pass
+            time.sleep(0.3)
+        raise LocalClusterError(f"the {self.n} nodes did not see each other within {timeout_s:.0f} s")
+
+    def _check_alive(self) -> None:
+        for i, proc in enumerate(self.procs):
+            if proc is not None and proc.poll() is not None:
+                raise LocalClusterError(f"node {i} exited with code {proc.returncode}")
+
+    def place(self, model: str | None, sharding: str = "pipeline", timeout_s: float = 300.0,
+              **options) -> dict:
+        """Place ``model`` across all nodes (node 0 is rank 0) and wait until it serves.
+
+        Raises:
+            LocalClusterError: placement was refused or the instance failed or timed out.
+        """
+        nodes = [httpx.get(f"{self.url(i)}/health", timeout=5).json()["node_id"] for i in range(self.n)]
+        body = {"model": model, "sharding": sharding, "nodes": nodes, **options}
+        response = httpx.post(f"{self.url(0)}/cluster/instances", json=body, timeout=120)
+        if response.status_code != 201:
+            raise LocalClusterError(f"placement refused: {response.json().get('detail', response.text)}")
+        instance_id = response.json()["instance_id"]
+        deadline = time.time() + timeout_s
+        while time.time() < deadline:
+            self._check_alive()
+            instances = {
+                i["instance_id"]: i
+                for i in httpx.get(f"{self.url(0)}/cluster/instances", timeout=5).json()["instances"]
+            }
+            inst = instances.get(instance_id)
+            if inst is not None and inst["status"] == "ready":
+                if self._all_nodes_ready(instance_id):
+                    self.instance = inst
+                    return inst
+            if inst is not None and inst["status"] == "failed":
+                raise LocalClusterError(f"instance failed: {inst['error']}")
+            time.sleep(0.3)
+        raise LocalClusterError(f"instance {instance_id} was not ready within {timeout_s:.0f} s")
+
+    def _all_nodes_ready(self, instance_id: str) -> bool:
+        for i in range(self.n):
+            try:
+                instances = httpx.get(f"{self.url(i)}/cluster/instances", timeout=5).json()["instances"]
+            except httpx.HTTPError:
+                return False
+            if not any(x["instance_id"] == instance_id and x["status"] == "ready" for x in instances):
+                return False
+        return True
+
+    def wait(self) -> None:
+        """Block until a node exits (or Ctrl-C)."""
+        while True:
+            self._check_alive()
+            time.sleep(0.5)
+
+    def stop(self) -> None:
+        """Stop every node; each node kills its runners on the way out."""
+        for proc in self.procs:
+            if proc is not None and proc.poll() is None:
+                proc.send_signal(signal.SIGINT)
+        for proc in self.procs:
+            if proc is None:
+                continue
+            try:
+                proc.wait(timeout=15)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+
+    def __enter__(self) -> "LocalCluster":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.stop()

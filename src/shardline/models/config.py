@@ -1,0 +1,174 @@
+"""Model configuration shared by the Llama, Qwen2 and Qwen3 families.
+
+One decoder serves all three families; the differences live here:
+
+- Llama (Llama 2/3, Mistral, SmolLM): no projection bias, no q/k norm.
+- Qwen2: bias on the q, k and v projections.
+- Qwen3: RMSNorm over each head of q and k before RoPE; explicit head_dim.
+
+Read from Hugging Face ``config.json`` (``from_hf_config``) or GGUF metadata
+(``from_gguf_metadata``, keys as documented in the GGUF spec,
+https://github.com/ggml-org/ggml/blob/master/docs/gguf.md).
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+SUPPORTED_ARCHITECTURES = ("llama", "qwen2", "qwen3")
+
+_HF_ARCHITECTURES = {
+    "LlamaForCausalLM": "llama",
+    "MistralForCausalLM": "llama",
+    "Qwen2ForCausalLM": "qwen2",
+    "Qwen3ForCausalLM": "qwen3",
+}
+
+
+class UnsupportedModelError(ValueError):
+    """The model's architecture or configuration is not one shardline can run."""
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """Shape and numerics of a decoder-only transformer.
+
+    All sizes are element counts; ``rope_theta`` is RoPE's base; ``rms_norm_eps`` is the
+    epsilon added to the mean square in RMSNorm.
+    """
+
+    architecture: str
+    num_layers: int
+    hidden_size: int
+    intermediate_size: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    vocab_size: int
+    rms_norm_eps: float
+    rope_theta: float
+    max_position_embeddings: int
+    tie_word_embeddings: bool
+    attention_bias: bool = False
+    qk_norm: bool = False
+    rope_scaling: dict[str, Any] | None = field(default=None)
+
+    def __post_init__(self) -> None:
+        if self.architecture not in SUPPORTED_ARCHITECTURES:
+            raise UnsupportedModelError(
+                f"architecture {self.architecture!r} is not supported "
+                f"(supported: {', '.join(SUPPORTED_ARCHITECTURES)})"
+            )
+        if self.num_heads % self.num_kv_heads:
+            raise UnsupportedModelError(
+                f"{self.num_heads} attention heads do not group evenly over "
+                f"{self.num_kv_heads} KV heads"
+            )
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> "ModelConfig":
+        return cls(**data)
+
+    def layer_param_count(self) -> int:
+        """Parameters in one decoder layer (weights only, norms included)."""
+        d, h = self.hidden_size, self.head_dim
+        q = d * self.num_heads * h
+        kv = 2 * d * self.num_kv_heads * h
+        o = self.num_heads * h * d
+        mlp = 3 * d * self.intermediate_size
+        return q + kv + o + mlp + 2 * d
+
+    def kv_bytes_per_token(self, bytes_per_element: int = 2) -> int:
+        """KV-cache bytes one token takes across all layers."""
+        return 2 * self.num_layers * self.num_kv_heads * self.head_dim * bytes_per_element
+
+    @classmethod
+    def from_hf_config(cls, cfg: dict[str, Any]) -> "ModelConfig":
+        """Build from a Hugging Face ``config.json`` dict.
+
+        Raises:
+            UnsupportedModelError: the architecture is not Llama, Mistral, Qwen2 or Qwen3.
+        """
+        names = cfg.get("architectures") or []
+        arch = next((_HF_ARCHITECTURES[n] for n in names if n in _HF_ARCHITECTURES), None)
+        if arch is None:
+            arch = {"llama": "llama", "mistral": "llama", "qwen2": "qwen2", "qwen3": "qwen3"}.get(
+                cfg.get("model_type", "")
+            )
+        if arch is None:
+            raise UnsupportedModelError(
+                f"model architectures {names or cfg.get('model_type')!r} are not supported "
+                f"(supported: {', '.join(sorted(_HF_ARCHITECTURES))})"
+            )
+        num_heads = cfg["num_attention_heads"]
+        hidden = cfg["hidden_size"]
+        return cls(
+            architecture=arch,
+            num_layers=cfg["num_hidden_layers"],
+            hidden_size=hidden,
+            intermediate_size=cfg["intermediate_size"],
+            num_heads=num_heads,
+            num_kv_heads=cfg.get("num_key_value_heads") or num_heads,
+            head_dim=cfg.get("head_dim") or hidden // num_heads,
+            vocab_size=cfg["vocab_size"],
+            rms_norm_eps=cfg.get("rms_norm_eps", 1e-6),
+            rope_theta=cfg.get("rope_theta", 10000.0),
+            max_position_embeddings=cfg.get("max_position_embeddings", 4096),
+            tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+            attention_bias=arch == "qwen2" or bool(cfg.get("attention_bias", False)),
+            qk_norm=arch == "qwen3",
+            rope_scaling=cfg.get("rope_scaling"),
+        )
+
+    @classmethod
+    def from_gguf_metadata(
+        cls, meta: dict[str, Any], tensor_names: set[str]
+    ) -> "ModelConfig":
+        """Build from GGUF key/value metadata and the file's tensor names.
+
+        Raises:
+            UnsupportedModelError: ``general.architecture`` is not llama, qwen2 or qwen3.
+        """
+        arch = meta.get("general.architecture")
+        if arch not in SUPPORTED_ARCHITECTURES:
+            raise UnsupportedModelError(
+                f"GGUF architecture {arch!r} is not supported "
+                f"(supported: {', '.join(SUPPORTED_ARCHITECTURES)})"
+            )
+
+        def key(name: str, default: Any = None) -> Any:
+            return meta.get(f"{arch}.{name}", default)
+
+        num_heads = int(key("attention.head_count"))
+        hidden = int(key("embedding_length"))
+        vocab = key("vocab_size")
+        if vocab is None:
+            vocab = len(meta["tokenizer.ggml.tokens"])
+        rope_scaling = None
+        if key("rope.scaling.type") not in (None, "none"):
+            rope_scaling = {
+                "rope_type": key("rope.scaling.type"),
+                "factor": key("rope.scaling.factor"),
+                "original_max_position_embeddings": key("rope.scaling.original_context_length"),
+            }
+        return cls(
+            architecture=arch,
+            num_layers=int(key("block_count")),
+            hidden_size=hidden,
+            intermediate_size=int(key("feed_forward_length")),
+            num_heads=num_heads,
+            num_kv_heads=int(key("attention.head_count_kv", num_heads)),
+            head_dim=int(key("attention.key_length", hidden // num_heads)),
+            vocab_size=int(vocab),
+            rms_norm_eps=float(key("attention.layer_norm_rms_epsilon", 1e-6)),
+            rope_theta=float(key("rope.freq_base", 10000.0)),
+            max_position_embeddings=int(key("context_length", 4096)),
+            tie_word_embeddings="output.weight" not in tensor_names,
+            attention_bias="blk.0.attn_q.bias" in tensor_names,
+            qk_norm="blk.0.attn_q_norm.weight" in tensor_names,
+            rope_scaling=rope_scaling,
+        )

@@ -1,0 +1,110 @@
+"""Tokenizer and chat template from the model's own files, through ``transformers``.
+
+For a GGUF file the tokenizer is rebuilt from the file's ``tokenizer.ggml.*`` metadata by
+transformers' GGUF converter; for a Hugging Face directory it is read from
+``tokenizer.json`` / ``tokenizer_config.json``. The chat template is the model's own
+(Jinja, rendered by transformers).
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+
+class ChatTemplateError(ValueError):
+    """The messages cannot be rendered by the model's chat template."""
+
+
+class Tokenizer:
+    """Encode, decode and render chats for one model.
+
+    Args:
+        path: a ``.gguf`` file or a Hugging Face model directory.
+    """
+
+    def __init__(self, path: str | Path) -> None:
+        import transformers
+        from transformers import AutoTokenizer
+
+        transformers.logging.set_verbosity_error()
+        path = Path(path)
+        if path.is_file():
+            self._tok = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
+        else:
+            self._tok = AutoTokenizer.from_pretrained(str(path))
+        self.eos_token_ids: list[int] = sorted(self._end_token_ids(path))
+
+    def _end_token_ids(self, path: Path) -> set[int]:
+        ids = set()
+        if self._tok.eos_token_id is not None:
+            ids.add(int(self._tok.eos_token_id))
+        generation_config = path / "generation_config.json" if path.is_dir() else None
+        if generation_config is not None and generation_config.is_file():
+            eos = json.loads(generation_config.read_text()).get("eos_token_id")
+            if isinstance(eos, int):
+                ids.add(eos)
+            elif isinstance(eos, list):
+                ids.update(int(e) for e in eos)
+        # Chat models end a turn with these even where the declared EOS is another token.
+        for token in ("<|im_end|>", "<|eot_id|>"):
+            token_id = self._tok.convert_tokens_to_ids(token)
+            if isinstance(token_id, int) and token_id != self._tok.unk_token_id:
+                ids.add(token_id)
+        return ids
+
+    @property
+    def vocab_size(self) -> int:
+        return len(self._tok)
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        """Token ids of ``text`` (the model's BOS is added when it asks for one)."""
+        return list(self._tok.encode(text, add_special_tokens=add_special_tokens))
+
+    def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
+        return self._tok.decode(ids, skip_special_tokens=skip_special_tokens)
+
+    def render_chat(self, messages: list[dict[str, Any]]) -> str:
+        """The prompt text for ``messages`` with the assistant's turn opened.
+
+        Raises:
+            ChatTemplateError: the template rejects the messages (e.g. roles out of order).
+        """
+        try:
+            return self._tok.apply_chat_template(
+                messages, add_generation_prompt=True, tokenize=False
+            )
+        except Exception as exc:  # jinja2's TemplateError and template-raised exceptions
+            raise ChatTemplateError(f"chat template failed: {exc}") from exc
+
+    def encode_chat(self, messages: list[dict[str, Any]]) -> list[int]:
+        """Token ids of the rendered chat; special tokens in the template are parsed."""
+        return self.encode(self.render_chat(messages), add_special_tokens=False)
+
+
+class IncrementalDetokenizer:
+    """Turns a growing list of token ids into text deltas.
+
+    Holds back text while the last tokens decode to an incomplete UTF-8 character (the
+    replacement character), and re-decodes only a short window each step, as text
+    generation servers do.
+    """
+
+    def __init__(self, tokenizer: Tokenizer) -> None:
+        self._tokenizer = tokenizer
+        self._ids: list[int] = []
+        self._prefix_offset = 0
+        self._read_offset = 0
+
+    def push(self, token_id: int) -> str:
+        """Add one token; return the newly completed text (possibly empty)."""
+        self._ids.append(token_id)
+        prefix = self._tokenizer.decode(self._ids[self._prefix_offset : self._read_offset])
+        full = self._tokenizer.decode(self._ids[self._prefix_offset :])
+        if len(full) > len(prefix) and not full.endswith("\ufffd"):
+            delta = full[len(prefix) :]
+            self._prefix_offset = self._read_offset
+            self._read_offset = len(self._ids)
+            return delta
+        return ""

@@ -1,0 +1,167 @@
+"""The node's HTTP server: public APIs, the cluster API and the node-to-node endpoints."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+from contextlib import asynccontextmanager
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, StreamingResponse
+from pydantic import BaseModel
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from shardline.api import openai
+from shardline.models.store import ModelNotFoundError
+from shardline.node.node import InstanceFailedError, NoInstanceError, Node, free_port
+from shardline.placement.pipeline import PlacementError
+from shardline.runner.protocol import SamplingParams
+
+log = logging.getLogger(__name__)
+
+
+class CreateInstance(BaseModel):
+    model: str | None = None
+    sharding: str = "pipeline"
+    nodes: list[str] | None = None
+    context: int | None = None
+    max_batch: int | None = None
+
+
+def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
+    errors = exc.errors()
+    if not errors:
+        return "invalid request", None
+    first = errors[0]
+    loc = [str(p) for p in first.get("loc", ()) if p != "body"]
+    param = ".".join(loc) or None
+    if first.get("type") == "json_invalid":
+        return "the request body is not valid JSON", None
+    return f"{param or 'body'}: {first.get('msg')}", param
+
+
+def create_app(node: Node) -> FastAPI:
+    @asynccontextmanager
+    async def lifespan(app: FastAPI):
+        await node.start()
+        try:
+            yield
+        finally:
+            await node.stop()
+
+    app = FastAPI(title="shardline", lifespan=lifespan)
+
+    @app.exception_handler(RequestValidationError)
+    async def on_validation(request: Request, exc: RequestValidationError):
+        message, param = _validation_message(exc)
+        if request.url.path.startswith("/v1/"):
+            return JSONResponse(status_code=400, content=openai.error_body(message, "invalid_request_error", param))
+        return JSONResponse(status_code=400, content={"detail": message})
+
+    @app.exception_handler(StarletteHTTPException)
+    async def on_http(request: Request, exc: StarletteHTTPException):
+        if request.url.path.startswith("/v1/"):
+            kind = "not_found_error" if exc.status_code == 404 else "invalid_request_error"
+            return JSONResponse(status_code=exc.status_code, content=openai.error_body(str(exc.detail), kind))
+        return JSONResponse(status_code=exc.status_code, content={"detail": exc.detail})
+
+    app.include_router(openai.router(node))
+
+    # -- health and cluster API ----------------------------------------------------------
+
+    @app.get("/health")
+    async def health() -> dict:
+        return {"status": "ok", "node_id": node.node_id}
+
+    @app.get("/cluster/nodes")
+    async def nodes() -> dict:
+        live = set(node.live_node_ids())
+        out = [dict(node.info(), live=True)]
+        for peer in node.peers.values():
+            out.append({"node_id": peer.node_id, "address": peer.address, "live": peer.node_id in live,
+                        "available_bytes": peer.available_bytes, "total_bytes": peer.total_bytes})
+        return {"coordinator": node.coordinator_id(), "nodes": out}
+
+    @app.get("/cluster/instances")
+    async def instances() -> dict:
+        return {"instances": [i.to_dict() for i in node.instances.values()]}
+
+    @app.post("/cluster/instances", status_code=201)
+    async def create_instance(body: CreateInstance):
+        if not node.is_coordinator():
+            coordinator = node.address_of(node.coordinator_id())
+            response = await node._http.post(f"http://{coordinator}/cluster/instances",
+                                              json=body.model_dump(), timeout=60.0)
+            return JSONResponse(status_code=response.status_code, content=response.json())
+        try:
+            inst = await node.create_instance(body.model, body.sharding, body.nodes, body.context, body.max_batch)
+        except ModelNotFoundError as exc:
+            return JSONResponse(status_code=404, content={"detail": str(exc)})
+        except PlacementError as exc:
+            return JSONResponse(status_code=409, content={"detail": str(exc)})
+        return inst.to_dict()
+
+    @app.delete("/cluster/instances/{instance_id}")
+    async def delete_instance(instance_id: str):
+        if not node.is_coordinator():
+            coordinator = node.address_of(node.coordinator_id())
+            response = await node._http.delete(f"http://{coordinator}/cluster/instances/{instance_id}")
+            return JSONResponse(status_code=response.status_code, content=response.json())
+        if not await node.delete_instance(instance_id):
+            return JSONResponse(status_code=404, content={"detail": f"no instance {instance_id}"})
+        return {"deleted": instance_id}
+
+    # -- node-to-node --------------------------------------------------------------------
+
+    @app.get("/internal/info")
+    async def info() -> dict:
+        return node.info()
+
+    @app.get("/internal/state")
+    async def get_state() -> dict:
+        return node.state()
+
+    @app.post("/internal/state")
+    async def put_state(request: Request) -> dict:
+        await node.apply_state(await request.json())
+        return {"version": node.state_version}
+
+    @app.get("/internal/free-port")
+    async def get_free_port() -> dict:
+        return {"port": free_port()}
+
+    @app.post("/internal/runner-status")
+    async def runner_status(request: Request) -> dict:
+        await node.runner_status(await request.json())
+        return {"ok": True}
+
+    @app.post("/internal/tasks")
+    async def tasks(request: Request) -> dict:
+        return {"delivered": node.deliver_local("tasks", await request.json())}
+
+    @app.post("/internal/cancel")
+    async def cancel(request: Request) -> dict:
+        return {"delivered": node.deliver_local("cancel", await request.json())}
+
+    @app.post("/internal/generate")
+    async def generate(request: Request):
+        body = await request.json()
+        events = node.generate(
+            body["model"], body["prompt"], body["max_tokens"],
+            SamplingParams(**body["sampling"]), body["stop_token_ids"],
+        )
+
+        async def lines():
+            try:
+                async for event in events:
+                    yield json.dumps(dataclasses.asdict(event)) + "\n"
+            except (InstanceFailedError, NoInstanceError) as exc:
+                yield json.dumps({"error": str(exc)}) + "\n"
+            finally:
+                await events.aclose()
+
+        return StreamingResponse(lines(), media_type="application/x-ndjson")
+
+    return app

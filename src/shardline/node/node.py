@@ -1,0 +1,571 @@
+"""A shardline node: membership, the replicated instance table, placement, request routing.
+
+One node runs per machine and never runs model code itself (its runners do). Nodes talk
+over HTTP (``/internal/*``):
+
+- membership: every node polls its peers' ``/internal/info`` each second; a node silent
+  for ``down_after_s`` is down. The coordinator is the live node with the smallest id.
+- instances: the coordinator places a model, writes the instance table, and pushes it to
+  every node (``/internal/state``); each node reconciles its runners with the table (starts
+  the ranks placed on it, stops those no longer there) and reports runner status back.
+- requests: the node that takes a request hands the task to every rank's node
+  (``/internal/tasks``); its own runner streams the tokens back. A node that hosts no rank
+  of the instance forwards the request to one that does (``/internal/generate``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import itertools
+import logging
+import socket
+import threading
+import time
+import uuid
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+
+import httpx
+import psutil
+
+from shardline.models.store import ModelNotFoundError, resolve_model
+from shardline.models.tokenizer import Tokenizer
+from shardline.node.worker import Worker
+from shardline.placement.pipeline import NodeCapacity, PlacementError, pipeline_layer_ranges
+from shardline.runner.protocol import (
+    Cancel,
+    Failed,
+    Loaded,
+    RunnerSpec,
+    SamplingParams,
+    Task,
+    TokenEvent,
+    Tokens,
+)
+
+log = logging.getLogger(__name__)
+
+SHARDINGS = ("pipeline",)
+
+
+class NoInstanceError(LookupError):
+    """No ready instance serves the requested model."""
+
+
+class InstanceFailedError(RuntimeError):
+    """The instance serving a request failed while the request was in flight."""
+
+
+@dataclass
+class RankPlacement:
+    node_id: str
+    address: str
+    layer_start: int
+    layer_end: int
+    status: str = "loading"  # loading | ready | failed
+    error: str | None = None
+
+
+@dataclass
+class Instance:
+    """A model placed on an ordered list of nodes (rank i on ``ranks[i]``)."""
+
+    instance_id: str
+    model_id: str
+    sharding: str
+    ranks: list[RankPlacement]
+    master_addr: str
+    master_port: int
+    context: int
+    max_batch: int
+    status: str = "loading"  # loading | ready | failed
+    error: str | None = None
+    created_at: float = field(default_factory=time.time)
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: dict) -> "Instance":
+        data = dict(data)
+        data["ranks"] = [RankPlacement(**r) for r in data["ranks"]]
+        return cls(**data)
+
+    def node_ids(self) -> list[str]:
+        return [r.node_id for r in self.ranks]
+
+
+@dataclass
+class Peer:
+    node_id: str
+    address: str
+    last_seen: float
+    available_bytes: int = 0
+    total_bytes: int = 0
+
+
+@dataclass
+class _Stream:
+    instance_id: str
+    queue: asyncio.Queue
+
+
+class Node:
+    """The node process's state and behaviour (the HTTP layer is in ``shardline.node.app``).
+
+    Args:
+        host: the address peers and runners of other nodes use to reach this node.
+        port: its HTTP port.
+        peers: ``host:port`` of other nodes to poll.
+        runner_threads: torch threads per runner (0: torch's default).
+        context, max_batch: defaults for new instances (tokens per sequence, sequences).
+    """
+
+    def __init__(
+        self,
+        host: str,
+        port: int,
+        peers: list[str],
+        node_id: str | None = None,
+        runner_threads: int = 0,
+        context: int = 4096,
+        max_batch: int = 8,
+        down_after_s: float = 5.0,
+    ) -> None:
+        self.node_id = node_id or uuid.uuid4().hex[:12]
+        self.host = host
+        self.port = port
+        self.address = f"{host}:{port}"
+        self.peer_addresses = [p for p in peers if p and p != self.address]
+        self.peers: dict[str, Peer] = {}
+        self.runner_threads = runner_threads
+        self.default_context = context
+        self.default_max_batch = max_batch
+        self.down_after_s = down_after_s
+        self.started_at = time.time()
+        self.instances: dict[str, Instance] = {}
+        self.state_version = 0
+        self.worker = Worker(self._on_runner_message)
+        self.streams: dict[int, _Stream] = {}
+        self.tokenizers: dict[str, Tokenizer] = {}
+        self._tokenizer_lock = threading.Lock()
+        self._task_counter = itertools.count()
+        self._salt = int(self.node_id[:3], 16) & 0x3FF
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._http: httpx.AsyncClient | None = None
+        self._background: list[asyncio.Task] = []
+        self._state_lock = asyncio.Lock()
+
+    # -- lifecycle -----------------------------------------------------------------------
+
+    async def start(self) -> None:
+        self._loop = asyncio.get_running_loop()
+        self._http = httpx.AsyncClient(timeout=httpx.Timeout(10.0, read=None))
+        self._background.append(asyncio.create_task(self._membership_loop()))
+
+    async def stop(self) -> None:
+        for task in self._background:
+            task.cancel()
+        self.worker.stop_all()
+        if self._http is not None:
+            await self._http.aclose()
+
+    # -- membership ----------------------------------------------------------------------
+
+    def info(self) -> dict:
+        memory = psutil.virtual_memory()
+        return {
+            "node_id": self.node_id,
+            "address": self.address,
+            "started_at": self.started_at,
+            "available_bytes": int(memory.available),
+            "total_bytes": int(memory.total),
+            "state_version": self.state_version,
+            "coordinator": self.coordinator_id(),
+        }
+
+    def live_node_ids(self) -> list[str]:
+        now = time.time()
+        live = [p.node_id for p in self.peers.values() if now - p.last_seen < self.down_after_s]
+        return sorted(live + [self.node_id])
+
+    def coordinator_id(self) -> str:
+        return self.live_node_ids()[0]
+
+    def is_coordinator(self) -> bool:
+        return self.coordinator_id() == self.node_id
+
+    def address_of(self, node_id: str) -> str:
+        if node_id == self.node_id:
+            return self.address
+        return self.peers[node_id].address
+
+    async def _membership_loop(self) -> None:
+        while True:
+            await asyncio.gather(*(self._poll(a) for a in self.peer_addresses))
+            await asyncio.sleep(1.0)
+
+    async def _poll(self, address: str) -> None:
+        try:
+            response = await self._http.get(f"http://{address}/internal/info", timeout=2.0)
+            data = response.json()
+        except (httpx.HTTPError, ValueError):
+            return
+        self.peers[data["node_id"]] = Peer(
+            data["node_id"], data["address"], time.time(),
+            data["available_bytes"], data["total_bytes"],
+        )
+        if data["node_id"] == self.coordinator_id() and data["state_version"] > self.state_version:
+            try:
+                state = (await self._http.get(f"http://{address}/internal/state")).json()
+                await self.apply_state(state)
+            except (httpx.HTTPError, ValueError):
+                pass
+
+    # -- replicated instance table -------------------------------------------------------
+
+    def state(self) -> dict:
+        return {
+            "version": self.state_version,
+            "instances": [i.to_dict() for i in self.instances.values()],
+        }
+
+    async def apply_state(self, state: dict) -> None:
+        """Adopt a newer instance table from the coordinator and reconcile runners."""
+        async with self._state_lock:
+            if state["version"] <= self.state_version:
+                return
+            self.state_version = state["version"]
+            self.instances = {d["instance_id"]: Instance.from_dict(d) for d in state["instances"]}
+        await self._reconcile()
+
+    async def _publish(self) -> None:
+        """Coordinator: bump the version and push the table to every live node."""
+        self.state_version += 1
+        state = self.state()
+        targets = [self.address_of(n) for n in self.live_node_ids() if n != self.node_id]
+        await asyncio.gather(
+            *(self._post(f"http://{a}/internal/state", state) for a in targets)
+        )
+        await self._reconcile()
+
+    async def _post(self, url: str, body: dict) -> httpx.Response | None:
+        try:
+            return await self._http.post(url, json=body, timeout=10.0)
+        except httpx.HTTPError as exc:
+            log.warning("POST %s failed: %s", url, exc)
+            return None
+
+    async def _reconcile(self) -> None:
+        """Start runners for ranks placed here; stop runners of instances gone or failed."""
+        wanted = {}
+        for inst in self.instances.values():
+            if inst.status == "failed":
+                continue
+            for rank, placement in enumerate(inst.ranks):
+                if placement.node_id == self.node_id:
+                    wanted[inst.instance_id] = (inst, rank, placement)
+        for instance_id in list(self.worker.runners):
+            if instance_id not in wanted:
+                await asyncio.to_thread(self.worker.stop, instance_id)
+                self._fail_streams(instance_id, "the instance was stopped")
+        for instance_id, (inst, rank, placement) in wanted.items():
+            if instance_id in self.worker.runners:
+                continue
+            ref = resolve_model(inst.model_id)
+            spec = RunnerSpec(
+                instance_id=instance_id,
+                node_id=self.node_id,
+                model_path=str(ref.path),
+                rank=rank,
+                world_size=len(inst.ranks),
+                layer_start=placement.layer_start,
+                layer_end=placement.layer_end,
+                master_addr=inst.master_addr,
+                master_port=inst.master_port,
+                max_batch=inst.max_batch,
+                context=inst.context,
+                threads=self.runner_threads,
+            )
+            self.worker.start(spec)
+            threading.Thread(target=self.tokenizer, args=(inst.model_id,), daemon=True).start()
+
+    def _on_runner_message(self, instance_id: str, message: object) -> None:
+        """Called from a runner's reader thread."""
+        loop = self._loop
+        if loop is None:
+            return
+        if isinstance(message, Tokens):
+            loop.call_soon_threadsafe(self._dispatch, message.events)
+        elif isinstance(message, (Loaded, Failed)):
+            status = "ready" if isinstance(message, Loaded) else "failed"
+            error = message.error if isinstance(message, Failed) else None
+            if isinstance(message, Failed):
+                loop.call_soon_threadsafe(self._fail_streams, instance_id, error)
+            asyncio.run_coroutine_threadsafe(
+                self._report_runner(instance_id, status, error), loop
+            )
+
+    async def _report_runner(self, instance_id: str, status: str, error: str | None) -> None:
+        body = {"instance_id": instance_id, "node_id": self.node_id, "status": status, "error": error}
+        coordinator = self.coordinator_id()
+        if coordinator == self.node_id:
+            await self.runner_status(body)
+        else:
+            await self._post(f"http://{self.address_of(coordinator)}/internal/runner-status", body)
+
+    async def runner_status(self, body: dict) -> None:
+        """Coordinator: a node reports one of its runners as ready or failed."""
+        inst = self.instances.get(body["instance_id"])
+        if inst is None:
+            return
+        for placement in inst.ranks:
+            if placement.node_id == body["node_id"]:
+                placement.status = body["status"]
+                placement.error = body["error"]
+        if body["status"] == "failed":
+            inst.status = "failed"
+            inst.error = f"rank on node {body['node_id']} failed: {body['error']}"
+        elif all(p.status == "ready" for p in inst.ranks) and inst.status == "loading":
+            inst.status = "ready"
+        await self._publish()
+
+    # -- placement -----------------------------------------------------------------------
+
+    async def create_instance(
+        self,
+        model: str | None,
+        sharding: str = "pipeline",
+        node_ids: list[str] | None = None,
+        context: int | None = None,
+        max_batch: int | None = None,
+    ) -> Instance:
+        """Coordinator: place ``model`` and start loading it.
+
+        Raises:
+            ModelNotFoundError: the model's files are not on this machine.
+            PlacementError: the sharding is unknown or the model does not fit the nodes.
+        """
+        if sharding not in SHARDINGS:
+            raise PlacementError(f"sharding {sharding!r} is not supported (supported: {', '.join(SHARDINGS)})")
+        ref = resolve_model(model)
+        from shardline.models.weights import open_weights
+
+        config = (await asyncio.to_thread(open_weights, ref.path)).config
+        live = self.live_node_ids()
+        chosen = node_ids or live
+        unknown = [n for n in chosen if n not in live]
+        if unknown:
+            raise PlacementError(f"nodes not in the cluster (or down): {', '.join(unknown)}")
+        capacities = [NodeCapacity(n, self._available_bytes(n)) for n in chosen]
+        context = context or min(self.default_context, config.max_position_embeddings)
+        max_batch = max_batch or self.default_max_batch
+        per_layer = (2 * config.layer_param_count()  # bf16 weights in memory
+                     + max_batch * context * config.kv_bytes_per_token() // config.num_layers)
+        ranges = pipeline_layer_ranges(config.num_layers, capacities, per_layer)
+        master_addr = self.address_of(chosen[0]).rsplit(":", 1)[0]
+        port = await self._free_port(chosen[0])
+        inst = Instance(
+            instance_id=uuid.uuid4().hex[:8],
+            model_id=ref.model_id,
+            sharding=sharding,
+            ranks=[
+                RankPlacement(n, self.address_of(n), s, e) for n, (s, e) in zip(chosen, ranges)
+            ],
+            master_addr=master_addr,
+            master_port=port,
+            context=context,
+            max_batch=max_batch,
+        )
+        self.instances[inst.instance_id] = inst
+        await self._publish()
+        return inst
+
+    def _available_bytes(self, node_id: str) -> int:
+        if node_id == self.node_id:
+            return int(psutil.virtual_memory().available)
+        return self.peers[node_id].available_bytes
+
+    async def _free_port(self, node_id: str) -> int:
+        if node_id == self.node_id:
+            return free_port()
+        response = await self._http.get(f"http://{self.address_of(node_id)}/internal/free-port")
+        return int(response.json()["port"])
+
+    async def delete_instance(self, instance_id: str) -> bool:
+        """Coordinator: remove an instance; its runners are stopped everywhere."""
+        if self.instances.pop(instance_id, None) is None:
+            return False
+        await self._publish()
+        return True
+
+    # -- requests ------------------------------------------------------------------------
+
+    def tokenizer(self, model_id: str) -> Tokenizer:
+        """The tokenizer of a model, loaded once per node (blocking: call off the loop)."""
+        with self._tokenizer_lock:
+            if model_id not in self.tokenizers:
+                self.tokenizers[model_id] = Tokenizer(resolve_model(model_id).path)
+            return self.tokenizers[model_id]
+
+    def ready_instance(self, model_id: str) -> Instance:
+        """A ready instance of the model, preferring one with a rank on this node.
+
+        Raises:
+            NoInstanceError: none is ready.
+        """
+        ready = [i for i in self.instances.values() if i.model_id == model_id and i.status == "ready"]
+        if not ready:
+            raise NoInstanceError(f"no ready instance serves model {model_id!r}")
+        ready.sort(key=lambda i: (self.node_id not in i.node_ids(), i.created_at))
+        return ready[0]
+
+    def models(self) -> list[dict]:
+        seen = {}
+        for inst in self.instances.values():
+            if inst.status != "failed":
+                seen.setdefault(inst.model_id, inst.created_at)
+        return [{"id": m, "created": int(t)} for m, t in seen.items()]
+
+    def new_task_id(self) -> int:
+        """int64 ids that sort by creation time: ms (41 bits) | node salt (10) | counter (12)."""
+        ms = int(time.time() * 1000) - 1_700_000_000_000
+        return (ms << 22) | (self._salt << 12) | (next(self._task_counter) & 0xFFF)
+
+    async def generate(
+        self,
+        model_id: str,
+        prompt: list[int],
+        max_tokens: int,
+        sampling: SamplingParams,
+        stop_token_ids: list[int],
+    ) -> AsyncIterator[TokenEvent]:
+        """Run one request on a ready instance and yield its token events.
+
+        Closing the iterator early cancels the request on every rank.
+
+        Raises:
+            NoInstanceError: no ready instance serves the model.
+            InstanceFailedError: the instance failed mid-request.
+        """
+        inst = self.ready_instance(model_id)
+        if self.node_id not in inst.node_ids():
+            async for event in self._forward(inst, model_id, prompt, max_tokens, sampling, stop_token_ids):
+                yield event
+            return
+        task = Task(
+            task_id=self.new_task_id(),
+            origin=self.node_id,
+            prompt=tuple(prompt),
+            max_tokens=max_tokens,
+            sampling=sampling,
+            stop_token_ids=tuple(stop_token_ids),
+        )
+        stream = _Stream(inst.instance_id, asyncio.Queue())
+        self.streams[task.task_id] = stream
+        finished = False
+        try:
+            await self._deliver(inst, "tasks", task_to_dict(task))
+            while True:
+                event = await stream.queue.get()
+                if isinstance(event, Exception):
+                    raise event
+                if event.finish_reason is not None:
+                    finished = True
+                yield event
+                if finished:
+                    return
+        finally:
+            self.streams.pop(task.task_id, None)
+            if not finished:
+                asyncio.get_running_loop().create_task(
+                    self._deliver(inst, "cancel", {"instance_id": inst.instance_id, "task_id": task.task_id})
+                )
+
+    async def _deliver(self, inst: Instance, kind: str, body: dict) -> None:
+        """Hand a task or a cancellation to the runner of every rank of ``inst``."""
+        body = dict(body, instance_id=inst.instance_id)
+        local = self.node_id in inst.node_ids()
+        if local:
+            self.deliver_local(kind, body)
+        remote = [r.address for r in inst.ranks if r.node_id != self.node_id]
+        await asyncio.gather(*(self._post(f"http://{a}/internal/{kind}", body) for a in remote))
+
+    def deliver_local(self, kind: str, body: dict) -> bool:
+        """Pass a task or cancellation to this node's runner of the instance."""
+        handle = self.worker.runners.get(body["instance_id"])
+        if handle is None:
+            return False
+        message = task_from_dict(body) if kind == "tasks" else Cancel(int(body["task_id"]))
+        return handle.send(message)
+
+    def _dispatch(self, events: tuple[TokenEvent, ...]) -> None:
+        for event in events:
+            stream = self.streams.get(event.task_id)
+            if stream is not None:
+                stream.queue.put_nowait(event)
+
+    def _fail_streams(self, instance_id: str, error: str | None) -> None:
+        for stream in list(self.streams.values()):
+            if stream.instance_id == instance_id:
+                stream.queue.put_nowait(InstanceFailedError(f"instance {instance_id} failed: {error}"))
+
+    async def _forward(self, inst, model_id, prompt, max_tokens, sampling, stop_token_ids):
+        """Run the request through a node that hosts a rank of ``inst``."""
+        import json
+
+        body = {
+            "model": model_id,
+            "prompt": prompt,
+            "max_tokens": max_tokens,
+            "sampling": dataclasses.asdict(sampling),
+            "stop_token_ids": stop_token_ids,
+        }
+        url = f"http://{inst.ranks[0].address}/internal/generate"
+        try:
+            async with self._http.stream("POST", url, json=body) as response:
+                if response.status_code != 200:
+                    raise InstanceFailedError(f"node {inst.ranks[0].node_id} refused: {response.status_code}")
+                async for line in response.aiter_lines():
+                    if not line:
+                        continue
+                    data = json.loads(line)
+                    if "error" in data:
+                        raise InstanceFailedError(data["error"])
+                    yield TokenEvent(**data)
+        except httpx.HTTPError as exc:
+            raise InstanceFailedError(f"lost node {inst.ranks[0].node_id}: {exc}") from exc
+
+
+def task_to_dict(task: Task) -> dict:
+    return dataclasses.asdict(task)
+
+
+def task_from_dict(data: dict) -> Task:
+    return Task(
+        task_id=int(data["task_id"]),
+        origin=data["origin"],
+        prompt=tuple(data["prompt"]),
+        max_tokens=int(data["max_tokens"]),
+        sampling=SamplingParams(**data["sampling"]),
+        stop_token_ids=tuple(data["stop_token_ids"]),
+    )
+
+
+def free_port() -> int:
+    """A TCP port that was free on this machine a moment ago."""
+    with socket.socket() as s:
+        s.bind(("", 0))
+        return s.getsockname()[1]
+
+
+__all__ = [
+    "Instance",
+    "InstanceFailedError",
+    "ModelNotFoundError",
+    "NoInstanceError",
+    "Node",
+    "PlacementError",
+    "free_port",
+]

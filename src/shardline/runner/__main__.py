@@ -1,0 +1,117 @@
+"""Runner process entry: ``python -m shardline.runner FD``.
+
+FD is this process's end of a socket pair with its node. The runner receives a RunnerSpec, joins the instance's process group
+(gloo on CPU, NCCL on CUDA), loads only its shard, and runs the engine loop. Any error is
+reported to the node as ``Failed`` and the process exits non-zero; if the node goes away
+the runner exits.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import queue
+import sys
+import threading
+import traceback
+from datetime import timedelta
+from multiprocessing.connection import Connection
+
+log = logging.getLogger("shardline.runner")
+
+
+def _read_inbox(conn, inbox: "queue.Queue[object]") -> None:
+    from shardline.runner.protocol import Shutdown
+
+    try:
+        while True:
+            inbox.put(conn.recv())
+    except (EOFError, OSError):
+        # The node is gone: nothing can reach this runner's clients any more.
+        inbox.put(Shutdown())
+        os._exit(3)
+
+
+def serve(conn) -> None:
+    import torch
+    import torch.distributed as dist
+
+    from shardline.models.llama import KVCache
+    from shardline.models.weights import load_shard, open_weights
+    from shardline.parallel.pipeline import PipelineStage
+    from shardline.runner.engine import Engine
+    from shardline.runner.protocol import Loaded, RunnerSpec, Tokens
+
+    spec: RunnerSpec = conn.recv()
+    if spec.threads:
+        torch.set_num_threads(spec.threads)
+    device = torch.device(spec.device)
+    dtype = getattr(torch, spec.dtype)
+    inbox: queue.Queue[object] = queue.Queue()
+    threading.Thread(target=_read_inbox, args=(conn, inbox), daemon=True).start()
+
+    group = None
+    comm_device = torch.device("cpu")
+    if spec.world_size > 1:
+        backend = "nccl" if device.type == "cuda" else "gloo"
+        if device.type == "cuda":
+            torch.cuda.set_device(device)
+            comm_device = device
+        dist.init_process_group(
+            backend,
+            init_method=f"tcp://{spec.master_addr}:{spec.master_port}",
+            rank=spec.rank,
+            world_size=spec.world_size,
+            timeout=timedelta(seconds=spec.collective_timeout_s),
+        )
+        group = dist.group.WORLD
+
+    source = open_weights(spec.model_path)
+    shard = load_shard(source, spec.layer_start, spec.layer_end, dtype=dtype, device=device)
+    cache = KVCache(
+        source.config, len(shard.layers), spec.max_batch, spec.context, dtype, device
+    )
+    stage = PipelineStage(shard, cache, spec.rank, spec.world_size)
+    param_bytes = sum(
+        p.numel() * p.element_size() for p in {id(p): p for p in shard.parameters()}.values()
+    )
+    if group is not None:
+        dist.barrier(group)  # every rank holds its shard before any serves
+    conn.send(
+        Loaded(tuple(source.tensors_read), source.bytes_read, param_bytes, cache.nbytes())
+    )
+    engine = Engine(
+        stage,
+        inbox,
+        emit=lambda events: conn.send(Tokens(tuple(events))),
+        node_id=spec.node_id,
+        group=group,
+        max_batch=spec.max_batch,
+        context=spec.context,
+        prefill_chunk=spec.prefill_chunk,
+        comm_device=comm_device,
+    )
+    engine.run()
+    if group is not None:
+        dist.destroy_process_group()
+
+
+def main() -> int:
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s runner %(message)s")
+    conn = Connection(int(sys.argv[1]))
+    try:
+        serve(conn)
+    except Exception as exc:  # noqa: BLE001 - every failure is reported, then exits
+        from shardline.runner.protocol import Failed
+
+        traceback.print_exc()
+        try:
+            conn.send(Failed(f"{type(exc).__name__}: {exc}"))
+        except OSError:
+            pass
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

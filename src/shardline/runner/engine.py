@@ -1,0 +1,225 @@
+"""The engine loop every rank of an instance runs in lockstep.
+
+Each step:
+
+1. drain the inbox (tasks and cancellations that reached this rank);
+2. agree with the other ranks on which tasks start and which are cancelled
+   (:mod:`shardline.runner.agreement`); agreed tasks queue in task-id order;
+3. admit queued tasks into free KV-cache slots (continuous batching);
+4. run one prefill chunk of the oldest sequence still prefilling, then one decode token
+   for every sequence that is generating;
+5. the last rank samples; the token ids are broadcast so every rank has them;
+6. the ranks whose node streams a task emit its tokens.
+
+Every decision in steps 2-5 depends only on state that is identical on all ranks, so all
+ranks make the same collective calls in the same order.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import time
+from collections import OrderedDict
+from dataclasses import dataclass, field
+from typing import Callable
+
+import torch
+
+from shardline.parallel.pipeline import PipelineStage
+from shardline.runner.agreement import agree
+from shardline.runner.protocol import Cancel, Shutdown, Task, TokenEvent
+from shardline.runner.sampling import Sampler
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class Sequence:
+    """A task admitted to the batch: its slot, prefill progress and generated tokens."""
+
+    task: Task
+    slot: int
+    prefilled: int = 0
+    generated: list[int] = field(default_factory=list)
+    sampler: Sampler | None = None
+
+    @property
+    def prompt_len(self) -> int:
+        return len(self.task.prompt)
+
+    @property
+    def next_position(self) -> int:
+        """Position of the next token fed to the model (the last generated one)."""
+        return self.prompt_len + len(self.generated) - 1
+
+
+class Engine:
+    """Lockstep scheduler and executor for one rank.
+
+    Args:
+        stage: this rank's pipeline stage (model shard + KV cache).
+        inbox: messages from the node: Task, Cancel, Shutdown.
+        emit: called with each step's TokenEvents for tasks this rank streams.
+        node_id: tasks whose ``origin`` equals it are emitted by this rank.
+        group: the instance's process group, or None for a single rank.
+        max_batch: KV-cache slots, the most sequences running at once.
+        context: most tokens per sequence.
+        prefill_chunk: most prompt tokens per prefill pass.
+        idle_wait_s: how long an idle rank waits on its inbox between agreement rounds.
+    """
+
+    def __init__(
+        self,
+        stage: PipelineStage,
+        inbox: "queue.Queue[object]",
+        emit: Callable[[list[TokenEvent]], None],
+        node_id: str,
+        group,
+        max_batch: int,
+        context: int,
+        prefill_chunk: int,
+        comm_device: torch.device | str = "cpu",
+        idle_wait_s: float = 0.005,
+    ) -> None:
+        self.stage = stage
+        self.inbox = inbox
+        self.emit = emit
+        self.node_id = node_id
+        self.group = group
+        self.max_batch = max_batch
+        self.context = context
+        self.prefill_chunk = prefill_chunk
+        self.comm_device = torch.device(comm_device)
+        self.idle_wait_s = idle_wait_s
+        self.held: dict[int, Task] = {}
+        self.pending_cancels: set[int] = set()
+        self.cancelled: OrderedDict[int, None] = OrderedDict()  # agreed, kept bounded
+        self.waiting: list[Task] = []
+        self.running: list[Sequence] = []
+        self.free_slots = list(range(max_batch))
+        self.stopping = False
+        self.steps = 0
+
+    # -- inbox and agreement -------------------------------------------------------------
+
+    def _take(self, message: object) -> None:
+        if isinstance(message, Task):
+            if message.task_id not in self.cancelled:
+                self.held[message.task_id] = message
+        elif isinstance(message, Cancel):
+            self.pending_cancels.add(message.task_id)
+        elif isinstance(message, Shutdown):
+            self.stopping = True
+
+    def drain_inbox(self) -> None:
+        idle = not (self.running or self.waiting or self.held or self.pending_cancels)
+        try:
+            if idle:
+                self._take(self.inbox.get(timeout=self.idle_wait_s))
+            while True:
+                self._take(self.inbox.get_nowait())
+        except queue.Empty:
+            pass
+
+    def apply_agreement(self) -> None:
+        agreement = agree(list(self.held), list(self.pending_cancels), self.group)
+        for task_id in agreement.tasks:
+            self.waiting.append(self.held.pop(task_id))
+        events = []
+        for task_id in agreement.cancels:
+            self.pending_cancels.discard(task_id)
+            self.cancelled[task_id] = None
+            if len(self.cancelled) > 10_000:
+                self.cancelled.popitem(last=False)
+            held = self.held.pop(task_id, None)
+            if held is not None and held.origin == self.node_id:
+                events.append(TokenEvent(task_id, -1, "cancelled", len(held.prompt)))
+            for task in [t for t in self.waiting if t.task_id == task_id]:
+                self.waiting.remove(task)
+                if task.origin == self.node_id:
+                    events.append(TokenEvent(task_id, -1, "cancelled", len(task.prompt)))
+            for seq in [s for s in self.running if s.task.task_id == task_id]:
+                self._finish(seq)
+                if seq.task.origin == self.node_id:
+                    events.append(TokenEvent(task_id, -1, "cancelled", seq.prompt_len))
+        if events:
+            self.emit(events)
+
+    # -- scheduling ----------------------------------------------------------------------
+
+    def admit(self) -> None:
+        while self.waiting and self.free_slots:
+            task = self.waiting.pop(0)
+            seq = Sequence(task, self.free_slots.pop(0))
+            if self.stage.is_last:
+                seq.sampler = Sampler(task.sampling)
+            self.running.append(seq)
+
+    def _finish(self, seq: Sequence) -> None:
+        self.running.remove(seq)
+        self.free_slots.append(seq.slot)
+        self.free_slots.sort()
+
+    # -- execution -----------------------------------------------------------------------
+
+    def step(self) -> None:
+        """One lockstep iteration (see the module docstring)."""
+        self.drain_inbox()
+        self.apply_agreement()
+        self.admit()
+        prefilling = next((s for s in self.running if s.prefilled < s.prompt_len), None)
+        if prefilling is not None:
+            self._prefill_chunk(prefilling)
+        decoding = [s for s in self.running if s.prefilled >= s.prompt_len and s.generated]
+        if decoding:
+            self._decode(decoding)
+        self.steps += 1
+
+    def _prefill_chunk(self, seq: Sequence) -> None:
+        start = seq.prefilled
+        length = min(self.prefill_chunk, seq.prompt_len - start)
+        last_chunk = start + length == seq.prompt_len
+        shard = self.stage.shard
+        batch = shard.prefill_batch(seq.slot, start, length, want_logits=last_chunk)
+        tokens = torch.tensor(seq.task.prompt[start : start + length], dtype=torch.long)
+        logits = self.stage.forward(tokens, batch)
+        seq.prefilled += length
+        if last_chunk:
+            self._sample_and_advance([seq], logits)
+
+    def _decode(self, seqs: list[Sequence]) -> None:
+        shard = self.stage.shard
+        batch = shard.decode_batch([s.slot for s in seqs], [s.next_position for s in seqs])
+        tokens = torch.tensor([s.generated[-1] for s in seqs], dtype=torch.long)
+        logits = self.stage.forward(tokens, batch)
+        self._sample_and_advance(seqs, logits)
+
+    def _sample_and_advance(self, seqs: list[Sequence], logits: torch.Tensor | None) -> None:
+        if self.stage.is_last:
+            chosen = [s.sampler.sample(logits[i]) for i, s in enumerate(seqs)]
+            ids = torch.tensor(chosen, dtype=torch.long, device=self.comm_device)
+        else:
+            ids = torch.empty(len(seqs), dtype=torch.long, device=self.comm_device)
+        ids = self.stage.share_tokens(ids).tolist()
+        events = []
+        for seq, token in zip(seqs, ids):
+            seq.generated.append(token)
+            finish = None
+            if token in seq.task.stop_token_ids:
+                finish = "stop"
+            elif len(seq.generated) >= seq.task.max_tokens:
+                finish = "length"
+            elif seq.prompt_len + len(seq.generated) >= self.context:
+                finish = "length"
+            if seq.task.origin == self.node_id:
+                events.append(TokenEvent(seq.task.task_id, token, finish, seq.prompt_len))
+            if finish is not None:
+                self._finish(seq)
+        if events:
+            self.emit(events)
+
+    def run(self) -> None:
+        """Step until a Shutdown message arrives. Errors propagate (the runner fails)."""
+        while not self.stopping:
+            self.step()

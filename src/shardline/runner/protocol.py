@@ -1,0 +1,137 @@
+"""Messages between a node and its runner subprocesses, and the runner's launch spec.
+
+The node listens on 127.0.0.1 with a ``multiprocessing.connection.Listener`` (pickled
+frames, HMAC-authenticated with a per-runner key); the runner connects, receives its
+:class:`RunnerSpec`, then exchanges the messages below.
+
+node -> runner:  ``Task``; ``Cancel``; ``Shutdown``.
+runner -> node:  ``Loaded`` (ready to serve); ``Tokens`` (one engine step's new tokens);
+                 ``Failed`` (the runner is exiting with an error).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """How to pick each next token.
+
+    temperature 0 means greedy (argmax). ``top_k`` 0 and ``top_p`` 1.0 disable those
+    filters. ``seed`` makes sampling reproducible for this request alone.
+    """
+
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    seed: int | None = None
+
+
+@dataclass(frozen=True)
+class Task:
+    """One generation request, as every rank of an instance receives it.
+
+    Attributes:
+        task_id: int64, unique in the cluster; ranks take agreed tasks in task-id order.
+        origin: node id that streams this task's tokens to its client.
+        prompt: token ids of the prompt.
+        max_tokens: most tokens to generate (the stop token included).
+        stop_token_ids: generation ends after emitting one of these.
+    """
+
+    task_id: int
+    origin: str
+    prompt: tuple[int, ...]
+    max_tokens: int
+    sampling: SamplingParams = field(default_factory=SamplingParams)
+    stop_token_ids: tuple[int, ...] = ()
+
+
+@dataclass(frozen=True)
+class Cancel:
+    task_id: int
+
+
+@dataclass(frozen=True)
+class Shutdown:
+    pass
+
+
+@dataclass(frozen=True)
+class Loaded:
+    """The runner joined its process group and holds its shard.
+
+    Attributes:
+        tensors: names of the weight tensors it read from the model files.
+        bytes_read: bytes of weight data it read from the files.
+        param_bytes: bytes its shard's parameters take in memory.
+        kv_cache_bytes: bytes its KV cache takes.
+    """
+
+    tensors: tuple[str, ...]
+    bytes_read: int
+    param_bytes: int
+    kv_cache_bytes: int
+
+
+@dataclass(frozen=True)
+class TokenEvent:
+    """A new token for a task; ``finish_reason`` is set on its last event.
+
+    ``token_id`` is -1 for an event that carries only an end (a cancellation).
+    finish_reason: "stop" (a stop token), "length" (max_tokens or the context is full),
+    "cancelled".
+    """
+
+    task_id: int
+    token_id: int
+    finish_reason: str | None = None
+    prompt_tokens: int = 0
+
+
+@dataclass(frozen=True)
+class Tokens:
+    events: tuple[TokenEvent, ...]
+
+
+@dataclass(frozen=True)
+class Failed:
+    error: str
+
+
+@dataclass(frozen=True)
+class RunnerSpec:
+    """Everything a runner needs to join its instance.
+
+    Attributes:
+        instance_id: the instance this runner serves.
+        node_id: the node that started it (tasks whose origin is this node are streamed).
+        model_path: a .gguf file or Hugging Face directory on this machine.
+        rank, world_size: this runner's place in the process group.
+        layer_start, layer_end: its layer range (pipeline sharding).
+        master_addr, master_port: rank 0's TCP rendezvous for torch.distributed.
+        device: "cpu" or "cuda[:N]"; the backend is gloo on CPU, NCCL on CUDA.
+        dtype: compute dtype name ("bfloat16", "float16", "float32").
+        max_batch: most sequences decoding together (KV-cache slots).
+        context: most tokens per sequence (prompt + generated).
+        prefill_chunk: most prompt tokens per prefill forward pass.
+        collective_timeout_s: seconds before a stalled collective fails the instance.
+    """
+
+    instance_id: str
+    node_id: str
+    model_path: str
+    rank: int
+    world_size: int
+    layer_start: int
+    layer_end: int
+    master_addr: str
+    master_port: int
+    device: str = "cpu"
+    dtype: str = "bfloat16"
+    max_batch: int = 8
+    context: int = 4096
+    prefill_chunk: int = 512
+    collective_timeout_s: float = 60.0
+    threads: int = 0
