@@ -17,7 +17,7 @@ from typing import Any, Literal
 
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, StreamingResponse
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from shardline.models.tokenizer import ChatTemplateError, IncrementalDetokenizer
 from shardline.node.node import InstanceFailedError, NoInstanceError, Node
@@ -179,8 +179,9 @@ def router(node: Node) -> APIRouter:
         }
 
     @api.post("/v1/chat/completions")
-    async def chat_completions(req: ChatCompletionRequest, request: Request):
+    async def chat_completions(request: Request):
         try:
+            req = await parse_body(request, ChatCompletionRequest)
             gen = await prepare(node, req)
         except OpenAIError as exc:
             return exc.response()
@@ -215,6 +216,26 @@ def router(node: Node) -> APIRouter:
         }
 
     return api
+
+
+async def parse_body(request: Request, model: type[BaseModel]) -> Any:
+    """Parse a JSON body (whatever its Content-Type) into ``model``.
+
+    Raises:
+        OpenAIError: 400 for a body that is not JSON or does not fit the model; the message
+            names the first offending field.
+    """
+    raw = await request.body()
+    try:
+        data = json.loads(raw)
+    except (json.JSONDecodeError, UnicodeDecodeError):
+        raise OpenAIError(400, "the request body is not valid JSON")
+    try:
+        return model.model_validate(data)
+    except ValidationError as exc:
+        first = exc.errors()[0]
+        param = ".".join(str(p) for p in first.get("loc", ())) or None
+        raise OpenAIError(400, f"{param or 'body'}: {first.get('msg')}", param=param)
 
 
 async def prepare(node: Node, req: ChatCompletionRequest) -> Generation:

@@ -65,6 +65,7 @@ class RankPlacement:
     layer_end: int
     status: str = "loading"  # loading | ready | failed
     error: str | None = None
+    loaded: dict | None = None  # the runner's Loaded report: layers and bytes it read
 
 
 @dataclass
@@ -301,14 +302,18 @@ class Node:
         elif isinstance(message, (Loaded, Failed)):
             status = "ready" if isinstance(message, Loaded) else "failed"
             error = message.error if isinstance(message, Failed) else None
+            loaded = dataclasses.asdict(message) if isinstance(message, Loaded) else None
             if isinstance(message, Failed):
                 loop.call_soon_threadsafe(self._fail_streams, instance_id, error)
             asyncio.run_coroutine_threadsafe(
-                self._report_runner(instance_id, status, error), loop
+                self._report_runner(instance_id, status, error, loaded), loop
             )
 
-    async def _report_runner(self, instance_id: str, status: str, error: str | None) -> None:
-        body = {"instance_id": instance_id, "node_id": self.node_id, "status": status, "error": error}
+    async def _report_runner(
+        self, instance_id: str, status: str, error: str | None, loaded: dict | None
+    ) -> None:
+        body = {"instance_id": instance_id, "node_id": self.node_id, "status": status,
+                "error": error, "loaded": loaded}
         coordinator = self.coordinator_id()
         if coordinator == self.node_id:
             await self.runner_status(body)
@@ -324,6 +329,7 @@ class Node:
             if placement.node_id == body["node_id"]:
                 placement.status = body["status"]
                 placement.error = body["error"]
+                placement.loaded = body.get("loaded")
         if body["status"] == "failed":
             inst.status = "failed"
             inst.error = f"rank on node {body['node_id']} failed: {body['error']}"

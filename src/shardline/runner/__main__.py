@@ -11,6 +11,7 @@ from __future__ import annotations
 import logging
 import os
 import queue
+import re
 import sys
 import threading
 import traceback
@@ -77,8 +78,11 @@ def serve(conn) -> None:
     )
     if group is not None:
         dist.barrier(group)  # every rank holds its shard before any serves
+    layers = sorted({int(m.group(1)) for name in source.tensors_read
+                     if (m := re.match(r"(?:blk|model\.layers)\.(\d+)\.", name))})
     conn.send(
-        Loaded(tuple(source.tensors_read), source.bytes_read, param_bytes, cache.nbytes())
+        Loaded(tuple(layers), len(source.tensors_read), source.bytes_read, param_bytes,
+               cache.nbytes())
     )
     engine = Engine(
         stage,

@@ -63,13 +63,15 @@ class Loaded:
     """The runner joined its process group and holds its shard.
 
     Attributes:
-        tensors: names of the weight tensors it read from the model files.
+        layers_read: global indices of the layers whose tensors it read from the files.
+        tensors_read: how many weight tensors it read.
         bytes_read: bytes of weight data it read from the files.
         param_bytes: bytes its shard's parameters take in memory.
         kv_cache_bytes: bytes its KV cache takes.
     """
 
-    tensors: tuple[str, ...]
+    layers_read: tuple[int, ...]
+    tensors_read: int
     bytes_read: int
     param_bytes: int
     kv_cache_bytes: int

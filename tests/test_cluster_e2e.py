@@ -1,0 +1,143 @@
+"""End to end: real node processes on 127.0.0.1 serving SmolLM2-135M-Instruct."""
+
+from __future__ import annotations
+
+import json
+import os
+
+import httpx
+import pytest
+
+from shardline.models.store import DEFAULT_MODEL_ID, default_model_path
+
+pytestmark = pytest.mark.timeout(300)
+
+PROMPTS = [
+    "What is the capital of France?",
+    "Write a haiku about the sea.",
+    "List three primary colours.",
+    "Explain what a CPU does in one sentence.",
+]
+
+
+def chat(url: str, content: str, **extra) -> httpx.Response:
+    body = {"model": DEFAULT_MODEL_ID, "messages": [{"role": "user", "content": content}],
+            "temperature": 0, **extra}
+    return httpx.post(f"{url}/v1/chat/completions", json=body, timeout=120)
+
+
+def test_capital_of_france_is_paris(cluster3):
+    response = chat(cluster3.url(0), "What is the capital of France?")
+    assert response.status_code == 200
+    body = response.json()
+    assert "Paris" in body["choices"][0]["message"]["content"]
+    assert body["choices"][0]["finish_reason"] == "stop"
+    assert body["object"] == "chat.completion"
+    usage = body["usage"]
+    assert usage["prompt_tokens"] > 10 and usage["completion_tokens"] > 0
+    assert usage["total_tokens"] == usage["prompt_tokens"] + usage["completion_tokens"]
+
+
+def test_three_node_pipeline_matches_one_node(cluster3, cluster1):
+    for i, prompt in enumerate(PROMPTS):
+        # Ask a different node of the 3-node cluster each time: any node serves.
+        three = chat(cluster3.url(i % 3), prompt, max_tokens=32).json()
+        one = chat(cluster1.url(0), prompt, max_tokens=32).json()
+        assert three["choices"][0]["message"]["content"] == one["choices"][0]["message"]["content"]
+        assert three["usage"] == one["usage"]
+
+
+def test_each_rank_reads_only_its_layers(cluster3):
+    instance = httpx.get(f"{cluster3.url(0)}/cluster/instances").json()["instances"][0]
+    ranks = instance["ranks"]
+    assert len(ranks) == 3
+    file_bytes = os.path.getsize(default_model_path())
+    covered = []
+    for rank in ranks:
+        loaded = rank["loaded"]
+        assert loaded["layers_read"] == list(range(rank["layer_start"], rank["layer_end"]))
+        assert loaded["bytes_read"] < file_bytes * 0.6
+        covered += loaded["layers_read"]
+    assert covered == list(range(30))
+    # Rank 0 reads the embedding, the last rank reads it again as the tied LM head;
+    # the middle rank reads neither, so it reads the least.
+    assert ranks[1]["loaded"]["bytes_read"] < min(ranks[0]["loaded"]["bytes_read"],
+                                                   ranks[2]["loaded"]["bytes_read"])
+
+
+def test_streaming_chunks_follow_openai_format(cluster3):
+    body = {"model": DEFAULT_MODEL_ID, "messages": [{"role": "user", "content": "Count from 1 to 20."}],
+            "temperature": 0, "max_tokens": 10, "stream": True,
+            "stream_options": {"include_usage": True}}
+    events = []
+    with httpx.stream("POST", f"{cluster3.url(1)}/v1/chat/completions", json=body, timeout=120) as r:
+        assert r.status_code == 200
+        assert r.headers["content-type"].startswith("text/event-stream")
+        for line in r.iter_lines():
+            if line.startswith("data: "):
+                events.append(line[len("data: "):])
+    assert events[-1] == "[DONE]"
+    chunks = [json.loads(e) for e in events[:-1]]
+    assert all(c["object"] == "chat.completion.chunk" for c in chunks)
+    assert len({c["id"] for c in chunks}) == 1
+    assert chunks[0]["choices"][0]["delta"]["role"] == "assistant"
+    finishes = [c["choices"][0]["finish_reason"] for c in chunks if c["choices"]]
+    assert finishes[-1] == "length" and all(f is None for f in finishes[:-1])
+    assert chunks[-1]["choices"] == [] and chunks[-1]["usage"]["completion_tokens"] == 10
+    text = "".join(c["choices"][0]["delta"].get("content", "") for c in chunks if c["choices"])
+    plain = chat(cluster3.url(0), "Count from 1 to 20.", max_tokens=10).json()
+    assert text == plain["choices"][0]["message"]["content"]
+
+
+def test_stop_string_ends_the_text(cluster3):
+    full = chat(cluster3.url(0), "Count from 1 to 20.", max_tokens=40).json()["choices"][0]["message"]["content"]
+    assert "5" in full
+    cut = chat(cluster3.url(0), "Count from 1 to 20.", max_tokens=40, stop=["5"]).json()
+    assert cut["choices"][0]["finish_reason"] == "stop"
+    assert cut["choices"][0]["message"]["content"] == full[: full.index("5")]
+
+
+@pytest.mark.parametrize(
+    "raw, status, param",
+    [
+        (b"{not json", 400, None),
+        (json.dumps({"model": DEFAULT_MODEL_ID}).encode(), 400, "messages"),
+        (json.dumps({"messages": [{"role": "user", "content": "hi"}]}).encode(), 400, "model"),
+        (json.dumps({"model": DEFAULT_MODEL_ID, "messages": "hi"}).encode(), 400, "messages"),
+        (json.dumps({"model": DEFAULT_MODEL_ID, "messages": [{"role": "user", "content": "hi"}],
+                     "temperature": "hot"}).encode(), 400, "temperature"),
+        (json.dumps({"model": DEFAULT_MODEL_ID, "messages": [{"role": "wizard", "content": "hi"}]}).encode(),
+         400, "messages.0.role"),
+        (json.dumps({"model": DEFAULT_MODEL_ID, "messages": [{"role": "user", "content": "hi"}],
+                     "max_tokens": 0}).encode(), 400, "max_tokens"),
+        (json.dumps({"model": "no-such/model", "messages": [{"role": "user", "content": "hi"}]}).encode(),
+         404, "model"),
+    ],
+)
+def test_bad_requests_get_openai_errors_and_server_keeps_serving(cluster3, raw, status, param):
+    response = httpx.post(f"{cluster3.url(2)}/v1/chat/completions", content=raw, timeout=30,
+                          headers={"Content-Type": "application/json"})
+    assert response.status_code == status
+    error = response.json()["error"]
+    assert error["message"] and error["type"]
+    assert error["param"] == param
+    assert chat(cluster3.url(2), "Say hi.", max_tokens=4).status_code == 200
+
+
+def test_unknown_model_error_code(cluster3):
+    response = httpx.post(f"{cluster3.url(0)}/v1/chat/completions", timeout=30, json={
+        "model": "no-such/model", "messages": [{"role": "user", "content": "hi"}]})
+    assert response.json()["error"]["code"] == "model_not_found"
+    assert DEFAULT_MODEL_ID in response.json()["error"]["message"]
+
+
+def test_models_lists_the_served_model(cluster3):
+    body = httpx.get(f"{cluster3.url(1)}/v1/models").json()
+    assert body["object"] == "list"
+    assert [m["id"] for m in body["data"]] == [DEFAULT_MODEL_ID]
+
+
+def test_prompt_longer_than_context_is_refused(cluster3):
+    response = chat(cluster3.url(0), "word " * 5000)
+    assert response.status_code == 400
+    assert response.json()["error"]["code"] == "context_length_exceeded"
