@@ -26,11 +26,12 @@ def pipeline_layer_ranges(
 ) -> list[tuple[int, int]]:
     """Split ``num_layers`` into one contiguous ``[start, end)`` range per node, in order.
 
-    Each node gets at least one layer and a share proportional to its available bytes.
+    Each node gets at least one layer, at most as many as fit in its available bytes, and
+    otherwise a share proportional to its available bytes (largest remainder first).
 
     Raises:
-        PlacementError: no nodes, more nodes than layers, or a node's share does not fit
-            (the message names the node and the shortfall in bytes).
+        PlacementError: no nodes, more nodes than layers, a node that cannot hold one layer,
+            or too little memory in all (the message names the nodes and shortfall in bytes).
     """
     if not nodes:
         raise PlacementError("no nodes to place the model on")
@@ -38,26 +39,34 @@ def pipeline_layer_ranges(
         raise PlacementError(
             f"{len(nodes)} nodes but only {num_layers} layers: each pipeline rank needs a layer"
         )
-    total = sum(max(n.available_bytes, 0) for n in nodes)
-    if total <= 0:
-        shares = [num_layers / len(nodes)] * len(nodes)
-    else:
-        shares = [num_layers * max(n.available_bytes, 0) / total for n in nodes]
-    counts = [max(1, int(s)) for s in shares]
-    while sum(counts) > num_layers:  # the max(1, .) floors can overshoot
-        i = max(range(len(counts)), key=lambda j: (counts[j] - shares[j], counts[j]))
-        counts[i] -= 1
-    by_remainder = sorted(range(len(nodes)), key=lambda j: shares[j] - counts[j], reverse=True)
-    for j in by_remainder[: num_layers - sum(counts)]:
+    per_layer = max(bytes_per_layer, 1)
+    caps = [max(n.available_bytes, 0) // per_layer for n in nodes]
+    for node, cap in zip(nodes, caps):
+        if cap < 1:
+            raise PlacementError(
+                f"node {node.node_id} needs {per_layer} bytes for one layer but has "
+                f"{node.available_bytes} available (short by {per_layer - node.available_bytes} bytes)"
+            )
+    if sum(caps) < num_layers:
+        short = (num_layers - sum(caps)) * per_layer
+        detail = ", ".join(
+            f"node {n.node_id} fits {c} ({n.available_bytes} bytes available)"
+            for n, c in zip(nodes, caps)
+        )
+        raise PlacementError(
+            f"{num_layers} layers of {per_layer} bytes need {num_layers * per_layer} bytes; "
+            f"{detail}: short by {short} bytes"
+        )
+    counts = [1] * len(nodes)
+    total = sum(n.available_bytes for n in nodes)
+    shares = [num_layers * n.available_bytes / total for n in nodes]
+    while sum(counts) < num_layers:
+        # Give the next layer to the node furthest below its share that still has room.
+        room = [j for j in range(len(nodes)) if counts[j] < caps[j]]
+        j = max(room, key=lambda j: (shares[j] - counts[j], -j))
         counts[j] += 1
     ranges, start = [], 0
-    for node, count in zip(nodes, counts):
-        need = count * bytes_per_layer
-        if need > node.available_bytes:
-            raise PlacementError(
-                f"node {node.node_id} needs {need} bytes for {count} layers but has "
-                f"{node.available_bytes} available (short by {need - node.available_bytes} bytes)"
-            )
+    for count in counts:
         ranges.append((start, start + count))
         start += count
     return ranges
