@@ -1,6 +1,62 @@
-"""Makes the shared test helpers (tests/tiny_models.py) importable as ``tiny_models``."""
+"""Shared fixtures: local clusters of real node processes on 127.0.0.1 with the real model.
 
-import sys
-from pathlib import Path
+pytest puts this folder on sys.path, so tests import the helpers in ``tiny_models`` directly.
+"""
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+from __future__ import annotations
+
+import socket
+
+import pytest
+
+from shardline.local_cluster import LocalCluster
+
+
+def free_port_block(count: int) -> int:
+    """A base port with ``count`` consecutive ports free a moment ago."""
+    for _ in range(200):
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            base = s.getsockname()[1]
+        if base + count >= 65535:
+            continue
+        ok = True
+        for port in range(base, base + count):
+            with socket.socket() as s:
+                try:
+                    s.bind(("127.0.0.1", port))
+                except OSError:
+                    ok = False
+                    break
+        if ok:
+            return base
+    raise RuntimeError("no free block of ports")
+
+
+def start_cluster(nodes: int, log_dir, **options) -> LocalCluster:
+    """Start ``nodes`` local nodes and place the default model across all of them."""
+    cluster = LocalCluster(nodes=nodes, base_port=free_port_block(nodes), runner_threads=1,
+                           log_dir=str(log_dir))
+    try:
+        cluster.start()
+        cluster.place(None, "pipeline", **options)
+    except BaseException:
+        cluster.stop()
+        raise
+    return cluster
+
+
+@pytest.fixture(scope="session")
+def cluster3(tmp_path_factory):
+    """A 3-node pipeline cluster serving the embedded default model."""
+    cluster = start_cluster(3, tmp_path_factory.mktemp("cluster3"))
+    yield cluster
+    cluster.stop()
+
+
+@pytest.fixture(scope="session")
+def cluster1(tmp_path_factory):
+    """A 1-node cluster serving the embedded default model."""
+    cluster = start_cluster(1, tmp_path_factory.mktemp("cluster1"))
+    yield cluster
+    cluster.stop()

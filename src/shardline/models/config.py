@@ -60,6 +60,11 @@ class ModelConfig:
                 f"architecture {self.architecture!r} is not supported "
                 f"(supported: {', '.join(SUPPORTED_ARCHITECTURES)})"
             )
+        kind = (self.rope_scaling or {}).get("rope_type") or (self.rope_scaling or {}).get("type")
+        if kind not in (None, "default", "llama3", "linear"):
+            raise UnsupportedModelError(
+                f"RoPE scaling {kind!r} is not supported (supported: llama3, linear)"
+            )
         if self.num_heads % self.num_kv_heads:
             raise UnsupportedModelError(
                 f"{self.num_heads} attention heads do not group evenly over "
@@ -106,6 +111,11 @@ class ModelConfig:
             )
         num_heads = cfg["num_attention_heads"]
         hidden = cfg["hidden_size"]
+        # transformers 5 writes rope_theta and the scaling inside "rope_parameters".
+        rope = cfg.get("rope_parameters") or {}
+        scaling = cfg.get("rope_scaling")
+        if scaling is None and rope.get("rope_type", "default") != "default":
+            scaling = rope
         return cls(
             architecture=arch,
             num_layers=cfg["num_hidden_layers"],
@@ -116,12 +126,12 @@ class ModelConfig:
             head_dim=cfg.get("head_dim") or hidden // num_heads,
             vocab_size=cfg["vocab_size"],
             rms_norm_eps=cfg.get("rms_norm_eps", 1e-6),
-            rope_theta=cfg.get("rope_theta", 10000.0),
+            rope_theta=cfg.get("rope_theta", rope.get("rope_theta", 10000.0)),
             max_position_embeddings=cfg.get("max_position_embeddings", 4096),
             tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
             attention_bias=arch == "qwen2" or bool(cfg.get("attention_bias", False)),
             qk_norm=arch == "qwen3",
-            rope_scaling=cfg.get("rope_scaling"),
+            rope_scaling=scaling,
         )
 
     @classmethod

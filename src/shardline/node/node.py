@@ -23,6 +23,7 @@ import socket
 import threading
 import time
 import uuid
+import zlib
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
@@ -152,7 +153,7 @@ class Node:
         self.tokenizers: dict[str, Tokenizer] = {}
         self._tokenizer_lock = threading.Lock()
         self._task_counter = itertools.count()
-        self._salt = int(self.node_id[:3], 16) & 0x3FF
+        self._salt = zlib.crc32(self.node_id.encode()) & 0x3FF
         self._loop: asyncio.AbstractEventLoop | None = None
         self._http: httpx.AsyncClient | None = None
         self._background: list[asyncio.Task] = []

@@ -80,7 +80,7 @@ class Engine:
         context: int,
         prefill_chunk: int,
         comm_device: torch.device | str = "cpu",
-        idle_wait_s: float = 0.005,
+        idle_wait_s: float = 0.05,
     ) -> None:
         self.stage = stage
         self.inbox = inbox

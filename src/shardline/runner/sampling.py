@@ -20,7 +20,7 @@ class Sampler:
         self.generator = None
         if params.temperature > 0:
             self.generator = torch.Generator()
-            seed = params.seed if params.seed is not None else torch.seed()
+            seed = params.seed if params.seed is not None else self.generator.seed()
             self.generator.manual_seed(seed % (2**63))
 
     def sample(self, logits: torch.Tensor) -> int:

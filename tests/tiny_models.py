@@ -1,0 +1,281 @@
+"""Tiny random-weight Llama / Qwen2 / Qwen3 models for the model tests.
+
+Built with ``transformers`` (used only as a test oracle and as a writer of Hugging Face
+checkpoints) and written as safetensors directories or GGUF files. All weights are
+re-drawn with a fixed seed so that norms, biases and attention are far from their
+trivial initial values (unit norm weights, zero biases, near-uniform attention would
+hide mapping mistakes such as swapped norms or a wrong RoPE).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from shardline.models.llama import KVCache
+
+VOCAB = 128
+HIDDEN = 64
+HEADS = 4
+KV_HEADS = 2
+HEAD_DIM = 16
+INTERMEDIATE = 128
+
+LLAMA3_SCALING = {
+    "rope_type": "llama3",
+    "factor": 8.0,
+    "low_freq_factor": 1.0,
+    "high_freq_factor": 4.0,
+    # Small, so that the tiny head_dim has low, medium and high frequency bands.
+    "original_max_position_embeddings": 16,
+}
+
+
+def hf_model(
+    arch: str,
+    *,
+    num_layers: int = 4,
+    rope_theta: float = 10000.0,
+    rope_scaling: dict | None = None,
+    tie: bool = False,
+    seed: int = 0,
+):
+    """A float32, eval-mode ``*ForCausalLM`` of ``arch`` ("llama", "qwen2", "qwen3")."""
+    import transformers
+
+    transformers.logging.set_verbosity_error()
+    kwargs = dict(
+        vocab_size=VOCAB,
+        hidden_size=HIDDEN,
+        intermediate_size=INTERMEDIATE,
+        num_hidden_layers=num_layers,
+        num_attention_heads=HEADS,
+        num_key_value_heads=KV_HEADS,
+        max_position_embeddings=256,
+        rms_norm_eps=1e-6,
+        rope_theta=rope_theta,
+        tie_word_embeddings=tie,
+        bos_token_id=None,
+        eos_token_id=None,
+        pad_token_id=None,
+    )
+    if rope_scaling is not None:
+        kwargs["rope_scaling"] = dict(rope_scaling)
+    if arch == "llama":
+        config_cls, model_cls = transformers.LlamaConfig, transformers.LlamaForCausalLM
+    elif arch == "qwen2":
+        config_cls, model_cls = transformers.Qwen2Config, transformers.Qwen2ForCausalLM
+        kwargs["use_sliding_window"] = False
+    elif arch == "qwen3":
+        config_cls, model_cls = transformers.Qwen3Config, transformers.Qwen3ForCausalLM
+        kwargs["head_dim"] = HEAD_DIM
+        kwargs["use_sliding_window"] = False
+    else:
+        raise ValueError(arch)
+    config = config_cls(**kwargs)
+    config._attn_implementation = "eager"
+    torch.manual_seed(seed)
+    model = model_cls(config).to(torch.float32).eval()
+    randomize(model, seed)
+    return model
+
+
+@torch.no_grad()
+def randomize(model: torch.nn.Module, seed: int) -> None:
+    """Re-draw every parameter: norms near 1, small biases, unit-variance projections."""
+    gen = torch.Generator().manual_seed(seed + 1000)
+    for name, param in model.named_parameters():
+        noise = torch.randn(param.shape, generator=gen, dtype=torch.float32)
+        if "norm" in name:
+            param.copy_(1.0 + 0.3 * noise)
+        elif name.endswith(".bias"):
+            param.copy_(0.5 * noise)
+        elif "embed_tokens" in name:
+            param.copy_(noise)
+        else:  # nn.Linear weight [out, in]
+            param.copy_(noise * (1.5 / math.sqrt(param.shape[1])))
+
+
+def save_hf(model, directory: Path, *, legacy_rope_keys: bool = False) -> Path:
+    """``save_pretrained`` as safetensors.
+
+    With ``legacy_rope_keys`` config.json is rewritten to the transformers 4.x layout found
+    in most Hub checkpoints (top-level ``rope_theta`` and ``rope_scaling``) instead of the
+    ``rope_parameters`` dict transformers 5 writes.
+    """
+    directory = Path(directory)
+    model.save_pretrained(directory, safe_serialization=True)
+    if legacy_rope_keys:
+        path = directory / "config.json"
+        cfg = json.loads(path.read_text())
+        rope = dict(cfg.pop("rope_parameters", None) or {})
+        cfg["rope_theta"] = rope.pop("rope_theta", 10000.0)
+        cfg["rope_scaling"] = rope if rope.get("rope_type", "default") != "default" else None
+        path.write_text(json.dumps(cfg, indent=2))
+    return directory
+
+
+def hf_logits(model, tokens: list[int]) -> torch.Tensor:
+    """float32 logits ``[len(tokens), vocab]`` of a full forward pass."""
+    with torch.no_grad():
+        return model(torch.tensor([tokens])).logits[0].float()
+
+
+def llama_cpp_permute(weight: np.ndarray, n_head: int) -> np.ndarray:
+    """The q/k row permutation of llama.cpp's convert_hf_to_gguf.py for ``llama``."""
+    return (
+        weight.reshape(n_head, 2, weight.shape[0] // n_head // 2, *weight.shape[1:])
+        .swapaxes(1, 2)
+        .reshape(weight.shape)
+    )
+
+
+def llama3_rope_factors(head_dim: int, theta: float, scaling: dict) -> np.ndarray:
+    """``rope_freqs.weight`` as convert_hf_to_gguf.py writes it for Llama 3 scaling."""
+    factor = scaling["factor"]
+    low, high = scaling["low_freq_factor"], scaling["high_freq_factor"]
+    old_ctx = scaling["original_max_position_embeddings"]
+    low_wavelen, high_wavelen = old_ctx / low, old_ctx / high
+    freqs = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim))
+    factors = []
+    for freq in freqs.tolist():
+        wavelen = 2 * math.pi / freq
+        if wavelen < high_wavelen:
+            factors.append(1.0)
+        elif wavelen > low_wavelen:
+            factors.append(factor)
+        else:
+            smooth = (old_ctx / wavelen - low) / (high - low)
+            factors.append(1 / ((1 - smooth) / factor + smooth))
+    return np.array(factors, dtype=np.float32)
+
+
+_GGUF_NAMES = {
+    "input_layernorm.weight": "attn_norm.weight",
+    "self_attn.q_proj.weight": "attn_q.weight",
+    "self_attn.k_proj.weight": "attn_k.weight",
+    "self_attn.v_proj.weight": "attn_v.weight",
+    "self_attn.q_proj.bias": "attn_q.bias",
+    "self_attn.k_proj.bias": "attn_k.bias",
+    "self_attn.v_proj.bias": "attn_v.bias",
+    "self_attn.o_proj.weight": "attn_output.weight",
+    "self_attn.q_norm.weight": "attn_q_norm.weight",
+    "self_attn.k_norm.weight": "attn_k_norm.weight",
+    "post_attention_layernorm.weight": "ffn_norm.weight",
+    "mlp.gate_proj.weight": "ffn_gate.weight",
+    "mlp.up_proj.weight": "ffn_up.weight",
+    "mlp.down_proj.weight": "ffn_down.weight",
+}
+
+
+def write_gguf(
+    model,
+    path: Path,
+    *,
+    arch: str,
+    rope_theta: float = 10000.0,
+    rope_factors: np.ndarray | None = None,
+    q8_0: tuple[str, ...] = (),
+) -> Path:
+    """Write ``model``'s weights as a GGUF file the way llama.cpp's converter lays them out.
+
+    q/k weights (and biases) of ``llama`` are permuted; ``q8_0`` names GGUF tensors to
+    store quantized as Q8_0 (everything else is F32). A tied model gets no output.weight.
+    """
+    import gguf
+    from gguf.quants import quantize
+
+    cfg = model.config
+    state = {k: v.detach().float().numpy() for k, v in model.state_dict().items()}
+    writer = gguf.GGUFWriter(str(path), arch)
+    writer.add_block_count(cfg.num_hidden_layers)
+    writer.add_context_length(cfg.max_position_embeddings)
+    writer.add_embedding_length(cfg.hidden_size)
+    writer.add_feed_forward_length(cfg.intermediate_size)
+    writer.add_head_count(cfg.num_attention_heads)
+    writer.add_head_count_kv(cfg.num_key_value_heads)
+    writer.add_key_length(HEAD_DIM)
+    writer.add_value_length(HEAD_DIM)
+    writer.add_layer_norm_rms_eps(cfg.rms_norm_eps)
+    writer.add_rope_freq_base(rope_theta)
+    writer.add_vocab_size(cfg.vocab_size)
+    writer.add_file_type(gguf.LlamaFileType.ALL_F32)
+
+    tensors: dict[str, np.ndarray] = {
+        "token_embd.weight": state["model.embed_tokens.weight"],
+        "output_norm.weight": state["model.norm.weight"],
+    }
+    if not cfg.tie_word_embeddings:
+        tensors["output.weight"] = state["lm_head.weight"]
+    if rope_factors is not None:
+        tensors["rope_freqs.weight"] = rope_factors
+    for i in range(cfg.num_hidden_layers):
+        prefix = f"model.layers.{i}."
+        for hf_name, gguf_name in _GGUF_NAMES.items():
+            if prefix + hf_name not in state:
+                continue
+            tensor = state[prefix + hf_name]
+            if arch == "llama" and hf_name.startswith(("self_attn.q_proj", "self_attn.k_proj")):
+                heads = cfg.num_attention_heads if "q_proj" in hf_name else cfg.num_key_value_heads
+                tensor = llama_cpp_permute(tensor, heads)
+            tensors[f"blk.{i}.{gguf_name}"] = tensor
+    for name, tensor in tensors.items():
+        tensor = np.ascontiguousarray(tensor, dtype=np.float32)
+        if name in q8_0:
+            qtype = gguf.GGMLQuantizationType.Q8_0
+            writer.add_tensor(name, quantize(tensor, qtype), raw_dtype=qtype)
+        else:
+            writer.add_tensor(name, tensor)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return Path(path)
+
+
+# --- driving a shardline shard --------------------------------------------------------
+
+
+def new_cache(shard, slots: int = 1, context: int = 64) -> KVCache:
+    return KVCache(
+        shard.config, shard.layer_end - shard.layer_start, slots, context, shard.dtype
+    )
+
+
+def run_pipeline(shards, caches, inputs: torch.Tensor, make_batch) -> torch.Tensor:
+    """Run ``inputs`` through consecutive shards; ``make_batch(shard)`` describes the step."""
+    h = inputs
+    for shard, cache in zip(shards, caches):
+        h = shard(h, make_batch(shard), cache)
+    return h
+
+
+def prefill(shard, cache, tokens: list[int], *, slot: int = 0, start: int = 0) -> torch.Tensor:
+    """Prefill ``tokens`` at positions ``start..``; float32 logits of the last one ``[vocab]``."""
+    batch = shard.prefill_batch(slot, start, len(tokens), True)
+    return shard(torch.tensor(tokens), batch, cache)[0]
+
+
+def decode(shard, cache, tokens: list[int], slots: list[int], positions: list[int]) -> torch.Tensor:
+    """One decode step; float32 logits ``[len(tokens), vocab]``."""
+    batch = shard.decode_batch(slots, positions)
+    return shard(torch.tensor(tokens), batch, cache)
+
+
+def greedy(shard, prompt: list[int], steps: int) -> tuple[list[int], list[torch.Tensor]]:
+    """Greedy continuation with the KV cache; the tokens and each step's logits."""
+    cache = new_cache(shard, context=len(prompt) + steps + 1)
+    logits = prefill(shard, cache, prompt)
+    out, all_logits = [], [logits]
+    for step in range(steps):
+        token = int(torch.argmax(logits))
+        out.append(token)
+        if step == steps - 1:
+            break
+        logits = decode(shard, cache, [token], [0], [len(prompt) + step])[0]
+        all_logits.append(logits)
+    return out, all_logits
