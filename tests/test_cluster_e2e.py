@@ -141,3 +141,10 @@ def test_prompt_longer_than_context_is_refused(cluster3):
     response = chat(cluster3.url(0), "word " * 5000)
     assert response.status_code == 400
     assert response.json()["error"]["code"] == "context_length_exceeded"
+
+
+def test_completion_longer_than_the_context_is_refused(cluster3):
+    response = chat(cluster3.url(0), "Hi", max_tokens=5000)
+    assert response.status_code == 400
+    error = response.json()["error"]
+    assert error["code"] == "context_length_exceeded" and error["param"] == "max_tokens"

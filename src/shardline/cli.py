@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import signal
 import sys
 
 DEFAULT_PORT = 52415
@@ -28,18 +29,24 @@ def _run(args: argparse.Namespace) -> int:
     return 0
 
 
+def _interrupt(signum, frame) -> None:
+    raise KeyboardInterrupt
+
+
 def _cluster(args: argparse.Namespace) -> int:
     from shardline.local_cluster import LocalCluster, LocalClusterError
 
     cluster = LocalCluster(
         nodes=args.nodes, base_port=args.port, runner_threads=args.runner_threads
     )
+    # SIGTERM stops the nodes as Ctrl-C does (they run in their own sessions).
+    signal.signal(signal.SIGTERM, _interrupt)
     try:
         cluster.start()
         instance = cluster.place(args.model, args.sharding)
     except (LocalClusterError, KeyboardInterrupt) as exc:
         cluster.stop()
-        print(f"shardline cluster: {exc}", file=sys.stderr)
+        print(f"shardline cluster: {exc or 'interrupted'}", file=sys.stderr)
         return 1
     url = cluster.url(0)
     ranges = ", ".join(f"{r['layer_start']}-{r['layer_end'] - 1}" for r in instance["ranks"])
@@ -53,6 +60,9 @@ def _cluster(args: argparse.Namespace) -> int:
     print("  Ctrl-C stops the cluster.", flush=True)
     try:
         cluster.wait()
+    except LocalClusterError as exc:
+        print(f"shardline cluster: {exc}; stopping the others", file=sys.stderr)
+        return 1
     except KeyboardInterrupt:
         pass
     finally:

@@ -121,13 +121,15 @@ class Generation:
         inst = node.ready_instance(req.model)
         limit = req.max_completion_tokens or req.max_tokens
         room = inst.context - len(prompt)
-        if room < 1:
+        if room < 1 or (limit is not None and limit > room):
+            asked = f" and {limit} for the completion" if limit is not None else ""
             raise OpenAIError(
                 400,
-                f"the prompt is {len(prompt)} tokens; this model's context is {inst.context} tokens",
-                param="messages", code="context_length_exceeded",
+                f"this model's context is {inst.context} tokens; the request asks for "
+                f"{len(prompt)} in the messages{asked}",
+                param="max_tokens" if room >= 1 else "messages", code="context_length_exceeded",
             )
-        self.max_tokens = min(limit, room) if limit else room
+        self.max_tokens = limit or room
         self.sampling = SamplingParams(req.temperature, req.top_p, req.top_k, req.seed)
         tokenizer = node.tokenizers[req.model]
         self.stop_ids = [] if req.ignore_eos else tokenizer.eos_token_ids

@@ -30,6 +30,7 @@ import argparse
 import asyncio
 import json
 import os
+import signal
 import socket
 import statistics
 import sys
@@ -420,22 +421,19 @@ def print_report(report: dict[str, Any], console=None) -> None:
     real_prompt = _median([lv["median_prompt_tokens"] for lv in levels])
     nodes = cfg["nodes"] if cfg["nodes"] is not None else "?"
     sharding = cfg["sharding"] or "?"
+    node_word = "node" if nodes == 1 else "nodes"
     console.print(
-        f"[bold]shardline bench[/bold]  model {cfg['model']} · nodes {nodes} · sharding {sharding} · "
-        f"prompt {cfg['prompt_tokens']} tokens (real {_fmt(real_prompt, 0)}) · gen {cfg['gen_tokens']} tokens"
-        f" · {cfg['url']}",
+        f"[bold]shardline bench[/bold] · {cfg['model']} · {nodes} {node_word} · {sharding} · "
+        f"prompt {cfg['prompt_tokens']} tokens (real {_fmt(real_prompt, 0)}) · gen {cfg['gen_tokens']} tokens",
         highlight=False,
     )
-    table = Table(caption=f"medians over the requests of each level; {AGGREGATE_DEFINITION}",
+    console.print(f"[dim]server {cfg['url']}[/dim]", highlight=False)
+    table = Table(caption=f"TTFT, prefill and per-request decode: medians over the level's requests.\n"
+                          f"{AGGREGATE_DEFINITION}.",
                   caption_justify="left")
-    table.add_column("concurrency", justify="right")
-    table.add_column("requests", justify="right")
-    table.add_column("prompt tok", justify="right")
-    table.add_column("gen tok", justify="right")
-    table.add_column("TTFT (ms)", justify="right")
-    table.add_column("prefill tok/s", justify="right")
-    table.add_column("decode tok/s\nper request", justify="right")
-    table.add_column("decode tok/s\naggregate", justify="right")
+    for title in ("concur-\nrency", "reqs", "prompt\ntokens", "gen\ntokens", "TTFT\n(ms)", "prefill\ntok/s",
+                  "decode\ntok/s\nper req.", "decode\ntok/s\naggregate"):
+        table.add_column(title, justify="right", no_wrap=True)
     for lv in levels:
         table.add_row(
             str(lv["concurrency"]),
@@ -529,16 +527,42 @@ def _server_info(url: str, model: str | None) -> tuple[str, int | None, str | No
         model = ids[0]
     elif model not in ids:
         raise BenchError(f"{url} does not serve {model!r} (it serves: {', '.join(ids)})")
-    nodes = sharding = None
-    try:  # shardline's cluster API; other OpenAI servers simply lack it
-        instances = httpx.get(f"{url}/cluster/instances", timeout=10).json()["instances"]
-        for inst in instances:
-            if inst["model_id"] == model and inst["status"] == "ready":
-                nodes, sharding = len(inst["ranks"]), inst["sharding"]
-                break
-    except (httpx.HTTPError, ValueError, KeyError, TypeError):
-        pass
+    nodes, sharding = _wait_ready(url, model)
     return model, nodes, sharding
+
+
+def _wait_ready(url: str, model: str, timeout_s: float = 120.0) -> tuple[int | None, str | None]:
+    """(nodes, sharding) of the model's ready shardline instance, waiting while it loads.
+
+    shardline's ``/v1/models`` already lists a model while it is loading; its cluster API
+    (``/cluster/instances``) tells when it serves. Other OpenAI servers lack that API:
+    (None, None) at once.
+
+    Raises:
+        BenchError: the model is still loading after ``timeout_s`` seconds, or it failed.
+    """
+    deadline = time.monotonic() + timeout_s
+    said = False
+    while True:
+        try:
+            response = httpx.get(f"{url}/cluster/instances", timeout=10)
+            instances = [i for i in response.json()["instances"] if i["model_id"] == model]
+        except (httpx.HTTPError, ValueError, KeyError, TypeError):
+            return None, None
+        for inst in instances:
+            if inst["status"] == "ready":
+                return len(inst["ranks"]), inst["sharding"]
+        if not any(i["status"] == "loading" for i in instances):
+            failed = [i.get("error") for i in instances if i["status"] == "failed"]
+            if failed:
+                raise BenchError(f"{model!r} failed on {url}: {failed[0]}")
+            return None, None
+        if time.monotonic() > deadline:
+            raise BenchError(f"{model!r} was still loading on {url} after {timeout_s:.0f} s")
+        if not said:
+            _progress(f"waiting for {model} to finish loading on {url}")
+            said = True
+        time.sleep(0.5)
 
 
 def _busy_port(base: int, count: int) -> int | None:
@@ -566,6 +590,11 @@ def _bench_url(args: argparse.Namespace, url: str, model: str, nodes: int | None
     )
     report = asyncio.run(run_bench(config, _progress))
     print_report(report)
+    short = [r["completion_tokens"] for lv in report["levels"] for r in lv["per_request"]
+             if r["completion_tokens"] < args.gen_tokens]
+    if short:
+        _progress(f"warning: {len(short)} request(s) generated fewer than {args.gen_tokens} tokens "
+                  f"(as few as {min(short)}): the server ignored ignore_eos or the context is full")
     if args.json_path:
         with open(args.json_path, "w") as f:
             json.dump(report, f, indent=2)
@@ -578,6 +607,24 @@ def main(args: argparse.Namespace) -> int:
     problem = _check_args(args)
     if problem:
         return _fail(problem)
+    # SIGTERM (e.g. from ``timeout``) must still stop a local cluster: its nodes run in
+    # their own sessions and would outlive this process.
+    try:
+        previous = signal.signal(signal.SIGTERM, _on_sigterm)
+    except ValueError:  # not the main thread
+        previous = None
+    try:
+        return _main(args)
+    finally:
+        if previous is not None:
+            signal.signal(signal.SIGTERM, previous)
+
+
+def _on_sigterm(signum, frame) -> None:
+    raise SystemExit(128 + signum)
+
+
+def _main(args: argparse.Namespace) -> int:
     cluster = None
     log_dir = None
     url = args.url.rstrip("/") if args.url else None

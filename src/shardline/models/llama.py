@@ -25,6 +25,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from shardline.models.config import ModelConfig
+from shardline.models.linear import Linear
 
 
 class KVCache:
@@ -61,9 +62,12 @@ class ForwardBatch:
 
     Attributes:
         prefill: True for a chunk of one sequence, False for one decode token per sequence.
-        slots: int64 ``[N]`` (decode) or ``[1]`` (prefill): KV-cache slots.
+        slot: the KV-cache slot of a prefill chunk or of a one-sequence decode, else -1.
+        start: the position of a prefill chunk's first row (0 for decode).
+        slots: int64 ``[N]``: KV-cache slot of each row (decode) or ``[1]`` (prefill).
         positions: int64 ``[N]``: position of each row.
-        cos, sin: ``[N, head_dim]`` RoPE tables for the rows, in the compute dtype.
+        cos, sin: ``[N, 1, head_dim]`` RoPE tables for the rows in the compute dtype; the
+            first half of ``sin`` is negated (rotate-half's sign).
         attn_mask: bool mask broadcastable to ``[B, heads, q_len, kv_len]`` (True = attend),
             or None for a plain causal prefill from position 0.
         kv_len: keys each query may see at most (the cache prefix to read).
@@ -71,6 +75,8 @@ class ForwardBatch:
     """
 
     prefill: bool
+    slot: int
+    start: int
     slots: torch.Tensor
     positions: torch.Tensor
     cos: torch.Tensor
@@ -81,7 +87,12 @@ class ForwardBatch:
 
 
 class RMSNorm(nn.Module):
-    """Root-mean-square layer norm (Zhang & Sennrich, 2019), computed in float32."""
+    """Root-mean-square layer norm (Zhang & Sennrich, 2019), normalized in float32.
+
+    As in the Hugging Face implementation: normalize in float32, round to the compute
+    dtype, then scale. torch's fused bfloat16 kernel is not precise enough for models with
+    large activations (SmolLM2 answers nonsense with it).
+    """
 
     def __init__(self, dim: int, eps: float) -> None:
         super().__init__()
@@ -91,11 +102,6 @@ class RMSNorm(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         normed = F.rms_norm(x.float(), (x.shape[-1],), eps=self.eps)
         return self.weight * normed.to(x.dtype)
-
-
-def rotate_half(x: torch.Tensor) -> torch.Tensor:
-    half = x.shape[-1] // 2
-    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
 
 
 def rope_inverse_frequencies(
@@ -138,8 +144,8 @@ class Attention(nn.Module):
         self.head_dim = config.head_dim
         q_out = config.num_heads * config.head_dim
         kv_out = config.num_kv_heads * config.head_dim
-        self.qkv = nn.Linear(config.hidden_size, q_out + 2 * kv_out, bias=config.attention_bias)
-        self.o = nn.Linear(q_out, config.hidden_size, bias=False)
+        self.qkv = Linear(config.hidden_size, q_out + 2 * kv_out, bias=config.attention_bias)
+        self.o = Linear(q_out, config.hidden_size, bias=False)
         self.q_norm = RMSNorm(config.head_dim, config.rms_norm_eps) if config.qk_norm else None
         self.k_norm = RMSNorm(config.head_dim, config.rms_norm_eps) if config.qk_norm else None
         self.split = (q_out, kv_out, kv_out)
@@ -147,49 +153,44 @@ class Attention(nn.Module):
     def forward(
         self, x: torch.Tensor, batch: ForwardBatch, k_cache: torch.Tensor, v_cache: torch.Tensor
     ) -> torch.Tensor:
-        n = x.shape[0]
-        q, k, v = self.qkv(x).split(self.split, dim=-1)
-        q = q.view(n, self.num_heads, self.head_dim)
-        k = k.view(n, self.num_kv_heads, self.head_dim)
-        v = v.view(n, self.num_kv_heads, self.head_dim)
+        n, heads, kv_heads, hd = x.shape[0], self.num_heads, self.num_kv_heads, self.head_dim
+        qkv = self.qkv(x)
+        qk = qkv[:, : (heads + kv_heads) * hd].view(n, heads + kv_heads, hd)
+        v = qkv[:, (heads + kv_heads) * hd :].view(n, kv_heads, hd)
         if self.q_norm is not None:
-            q = self.q_norm(q)
-            k = self.k_norm(k)
-        cos = batch.cos.unsqueeze(1)
-        sin = batch.sin.unsqueeze(1)
-        q = q * cos + rotate_half(q) * sin
-        k = k * cos + rotate_half(k) * sin
+            qk = torch.cat((self.q_norm(qk[:, :heads]), self.k_norm(qk[:, heads:])), dim=1)
+        # RoPE on q and k at once: x * cos + rotate_half(x) * sin, where rotate_half swaps
+        # the two halves of each head (flip) and batch.sin carries rotate_half's sign.
+        swapped = qk.view(n, heads + kv_heads, 2, hd // 2).flip(2).view(n, heads + kv_heads, hd)
+        qk = qk * batch.cos + swapped * batch.sin
+        q, k = qk[:, :heads], qk[:, heads:]
 
         if batch.prefill:
-            slot = int(batch.slots[0])
-            start = int(batch.positions[0])
+            slot, start = batch.slot, batch.start
             k_cache[slot, :, start : start + n] = k.transpose(0, 1)
             v_cache[slot, :, start : start + n] = v.transpose(0, 1)
-            keys = k_cache[slot : slot + 1, :, : batch.kv_len]
-            values = v_cache[slot : slot + 1, :, : batch.kv_len]
             out = F.scaled_dot_product_attention(
                 q.transpose(0, 1).unsqueeze(0),
-                keys,
-                values,
+                k_cache[slot : slot + 1, :, : batch.kv_len],
+                v_cache[slot : slot + 1, :, : batch.kv_len],
                 attn_mask=batch.attn_mask,
                 is_causal=batch.attn_mask is None,
                 enable_gqa=True,
             )  # [1, H, n, hd]
-            out = out.squeeze(0).transpose(0, 1).reshape(n, -1)
+            out = out.squeeze(0).transpose(0, 1).reshape(n, heads * hd)
         else:
             k_cache[batch.slots, :, batch.positions] = k
             v_cache[batch.slots, :, batch.positions] = v
-            if n == 1:
-                slot = int(batch.slots[0])
-                keys = k_cache[slot : slot + 1, :, : batch.kv_len]
-                values = v_cache[slot : slot + 1, :, : batch.kv_len]
+            if n == 1:  # one sequence: read its cache prefix in place, no gather
+                keys = k_cache[batch.slot : batch.slot + 1, :, : batch.kv_len]
+                values = v_cache[batch.slot : batch.slot + 1, :, : batch.kv_len]
             else:
                 keys = k_cache[batch.slots, :, : batch.kv_len]
                 values = v_cache[batch.slots, :, : batch.kv_len]
             out = F.scaled_dot_product_attention(
                 q.unsqueeze(2), keys, values, attn_mask=batch.attn_mask, enable_gqa=True
             )  # [N, H, 1, hd]
-            out = out.reshape(n, -1)
+            out = out.reshape(n, heads * hd)
         return self.o(out)
 
 
@@ -198,8 +199,8 @@ class MLP(nn.Module):
 
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
-        self.gate_up = nn.Linear(config.hidden_size, 2 * config.intermediate_size, bias=False)
-        self.down = nn.Linear(config.intermediate_size, config.hidden_size, bias=False)
+        self.gate_up = Linear(config.hidden_size, 2 * config.intermediate_size, bias=False)
+        self.down = Linear(config.intermediate_size, config.hidden_size, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = self.gate_up(x).chunk(2, dim=-1)
@@ -258,7 +259,7 @@ class DecoderShard(nn.Module):
         self.layers = nn.ModuleList(DecoderLayer(config) for _ in range(layer_end - layer_start))
         if self.is_last:
             self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-            self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+            self.lm_head = Linear(config.hidden_size, config.vocab_size, bias=False)
         else:
             self.norm = None
             self.lm_head = None
@@ -286,6 +287,8 @@ class DecoderShard(nn.Module):
         cos, sin = self._rope(positions)
         return ForwardBatch(
             prefill=True,
+            slot=slot,
+            start=start,
             slots=torch.tensor([slot], device=device),
             positions=positions,
             cos=cos,
@@ -307,6 +310,8 @@ class DecoderShard(nn.Module):
         cos, sin = self._rope(pos)
         return ForwardBatch(
             prefill=False,
+            slot=slots[0] if len(slots) == 1 else -1,
+            start=0,
             slots=torch.tensor(slots, dtype=torch.long, device=device),
             positions=pos,
             cos=cos,
@@ -317,9 +322,10 @@ class DecoderShard(nn.Module):
         )
 
     def _rope(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        freqs = positions.float().unsqueeze(1) * self.inv_freq.unsqueeze(0)
-        angles = torch.cat((freqs, freqs), dim=-1)
-        return angles.cos().to(self.dtype), angles.sin().to(self.dtype)
+        freqs = positions.float().unsqueeze(1) * self.inv_freq.unsqueeze(0)  # [N, hd/2]
+        cos = torch.cat((freqs.cos(), freqs.cos()), dim=-1)
+        sin = torch.cat((-freqs.sin(), freqs.sin()), dim=-1)
+        return cos.unsqueeze(1).to(self.dtype), sin.unsqueeze(1).to(self.dtype)
 
     @torch.inference_mode()
     def forward(self, inputs: torch.Tensor, batch: ForwardBatch, cache: KVCache) -> torch.Tensor:

@@ -284,12 +284,17 @@ def load_shard(
     layer_end: int,
     dtype: torch.dtype = torch.bfloat16,
     device: torch.device | str = "cpu",
+    int8_decode_rows: int = 0,
 ):
     """Build a :class:`~shardline.models.llama.DecoderShard` holding only its own weights.
+
+    ``int8_decode_rows`` > 0 (CPU only) adds an int8 copy of every linear weight, used for
+    inputs of at most that many rows (decode); see :mod:`shardline.models.linear`.
 
     Raises:
         WeightFormatError: a tensor is missing or misshapen.
     """
+    from shardline.models.linear import add_int8_decode_weights
     from shardline.models.llama import DecoderShard, rope_inverse_frequencies
 
     state = shard_state_dict(source, layer_start, layer_end, dtype)
@@ -302,5 +307,7 @@ def load_shard(
             f"shard weights do not match: missing {missing}, unexpected {unexpected}"
         )
     shard.inv_freq = rope_inverse_frequencies(source.config, source.rope_freq_factors).to(device)
+    if int8_decode_rows > 0 and torch.device(device).type == "cpu":
+        add_int8_decode_weights(shard, int8_decode_rows)
     shard.eval()
     return shard

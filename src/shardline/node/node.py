@@ -368,7 +368,8 @@ class Node:
         capacities = [NodeCapacity(n, self._available_bytes(n)) for n in chosen]
         context = context or min(self.default_context, config.max_position_embeddings)
         max_batch = max_batch or self.default_max_batch
-        per_layer = (2 * config.layer_param_count()  # bf16 weights in memory
+        # bf16 weights plus their int8 decode copy (3 bytes a weight) and the layer's KV cache.
+        per_layer = (3 * config.layer_param_count()
                      + max_batch * context * config.kv_bytes_per_token() // config.num_layers)
         ranges = pipeline_layer_ranges(config.num_layers, capacities, per_layer)
         master_addr = self.address_of(chosen[0]).rsplit(":", 1)[0]
@@ -429,9 +430,10 @@ class Node:
         return ready[0]
 
     def models(self) -> list[dict]:
+        """Models with a ready instance: ``[{"id", "created"}]``."""
         seen = {}
         for inst in self.instances.values():
-            if inst.status != "failed":
+            if inst.status == "ready":
                 seen.setdefault(inst.model_id, inst.created_at)
         return [{"id": m, "created": int(t)} for m, t in seen.items()]
 

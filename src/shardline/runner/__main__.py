@@ -37,6 +37,7 @@ def serve(conn) -> None:
     import torch
     import torch.distributed as dist
 
+    from shardline.models.linear import weight_bytes
     from shardline.models.llama import KVCache
     from shardline.models.weights import load_shard, open_weights
     from shardline.parallel.pipeline import PipelineStage
@@ -68,14 +69,13 @@ def serve(conn) -> None:
         group = dist.group.WORLD
 
     source = open_weights(spec.model_path)
-    shard = load_shard(source, spec.layer_start, spec.layer_end, dtype=dtype, device=device)
+    shard = load_shard(source, spec.layer_start, spec.layer_end, dtype=dtype, device=device,
+                       int8_decode_rows=spec.max_batch if spec.int8_decode else 0)
     cache = KVCache(
         source.config, len(shard.layers), spec.max_batch, spec.context, dtype, device
     )
     stage = PipelineStage(shard, cache, spec.rank, spec.world_size)
-    param_bytes = sum(
-        p.numel() * p.element_size() for p in {id(p): p for p in shard.parameters()}.values()
-    )
+    param_bytes = weight_bytes(shard)
     if group is not None:
         dist.barrier(group)  # every rank holds its shard before any serves
     layers = sorted({int(m.group(1)) for name in source.tensors_read

@@ -1,8 +1,8 @@
 """Messages between a node and its runner subprocesses, and the runner's launch spec.
 
-The node listens on 127.0.0.1 with a ``multiprocessing.connection.Listener`` (pickled
-frames, HMAC-authenticated with a per-runner key); the runner connects, receives its
-:class:`RunnerSpec`, then exchanges the messages below.
+The two talk over a socket pair with ``multiprocessing.connection.Connection`` framing
+(pickled objects); the runner first receives its :class:`RunnerSpec`, then the messages
+below.
 
 node -> runner:  ``Task``; ``Cancel``; ``Shutdown``.
 runner -> node:  ``Loaded`` (ready to serve); ``Tokens`` (one engine step's new tokens);
@@ -119,6 +119,8 @@ class RunnerSpec:
         context: most tokens per sequence (prompt + generated).
         prefill_chunk: most prompt tokens per prefill forward pass.
         collective_timeout_s: seconds before a stalled collective fails the instance.
+        threads: torch intra-op threads (0: torch's default).
+        int8_decode: keep an int8 copy of the weights for decode (CPU only).
     """
 
     instance_id: str
@@ -137,3 +139,4 @@ class RunnerSpec:
     prefill_chunk: int = 512
     collective_timeout_s: float = 60.0
     threads: int = 0
+    int8_decode: bool = True
