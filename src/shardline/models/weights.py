@@ -40,6 +40,10 @@ class WeightSource:
     def names(self) -> set[str]:
         raise NotImplementedError
 
+    def bits(self, name: str) -> float:
+        """Bits a weight of tensor ``name`` takes in the file (block scales included)."""
+        raise NotImplementedError
+
     def _read(self, name: str) -> torch.Tensor:
         raise NotImplementedError
 
@@ -73,6 +77,12 @@ class GGUFSource(WeightSource):
 
     def names(self) -> set[str]:
         return set(self._tensors)
+
+    def bits(self, name: str) -> float:
+        from gguf import GGML_QUANT_SIZES
+
+        block, size = GGML_QUANT_SIZES[self._tensors[name].tensor_type]
+        return 8 * size / block
 
     def _read(self, name: str) -> torch.Tensor:
         from gguf import GGMLQuantizationType
@@ -129,6 +139,10 @@ class SafetensorsSource(WeightSource):
 
     def names(self) -> set[str]:
         return set(self._where)
+
+    def bits(self, name: str) -> float:
+        dtype = self._handles[self._where[name]].get_slice(name).get_dtype()
+        return {"F32": 32, "F16": 16, "BF16": 16, "F8_E4M3": 8, "F8_E5M2": 8}.get(dtype, 16)
 
     def _read(self, name: str) -> torch.Tensor:
         tensor = self._handles[self._where[name]].get_tensor(name)
@@ -278,23 +292,35 @@ def shard_state_dict(
     return out
 
 
+def _linear_sources(source: WeightSource, module: str, layer_start: int) -> list[str]:
+    """Source tensor names behind one of DecoderShard's fused linear modules."""
+    if module == "lm_head":
+        head = "embed" if source.config.tie_word_embeddings else "head"
+        return [_names(source, None, head)]
+    _, local, block, kind = module.split(".")  # layers.<i>.<attn|mlp>.<qkv|o|gate_up|down>
+    parts = {"qkv": ["q", "k", "v"], "o": ["o"], "gate_up": ["gate", "up"], "down": ["down"]}[kind]
+    return [_names(source, layer_start + int(local), part) for part in parts]
+
+
 def load_shard(
     source: WeightSource,
     layer_start: int,
     layer_end: int,
     dtype: torch.dtype = torch.bfloat16,
     device: torch.device | str = "cpu",
-    int8_decode_rows: int = 0,
+    decode_rows: int = 0,
 ):
     """Build a :class:`~shardline.models.llama.DecoderShard` holding only its own weights.
 
-    ``int8_decode_rows`` > 0 (CPU only) adds an int8 copy of every linear weight, used for
-    inputs of at most that many rows (decode); see :mod:`shardline.models.linear`.
+    ``decode_rows`` > 0 (CPU only) adds a quantized copy of every linear weight, used for
+    inputs of at most that many rows (decode; see :mod:`shardline.models.linear`): int4
+    where the file stores the weight in about 5 bits or fewer (GGUF Q4_0, Q4_1, Q4_K, ...),
+    int8 otherwise.
 
     Raises:
         WeightFormatError: a tensor is missing or misshapen.
     """
-    from shardline.models.linear import add_int8_decode_weights
+    from shardline.models.linear import Linear
     from shardline.models.llama import DecoderShard, rope_inverse_frequencies
 
     state = shard_state_dict(source, layer_start, layer_end, dtype)
@@ -307,7 +333,10 @@ def load_shard(
             f"shard weights do not match: missing {missing}, unexpected {unexpected}"
         )
     shard.inv_freq = rope_inverse_frequencies(source.config, source.rope_freq_factors).to(device)
-    if int8_decode_rows > 0 and torch.device(device).type == "cpu":
-        add_int8_decode_weights(shard, int8_decode_rows)
+    if decode_rows > 0 and torch.device(device).type == "cpu":
+        for name, module in shard.named_modules():
+            if isinstance(module, Linear):
+                bits = max(source.bits(n) for n in _linear_sources(source, name, layer_start))
+                module.add_decode_copy(4 if bits <= 5.25 else 8, decode_rows)
     shard.eval()
     return shard

@@ -70,7 +70,7 @@ def serve(conn) -> None:
 
     source = open_weights(spec.model_path)
     shard = load_shard(source, spec.layer_start, spec.layer_end, dtype=dtype, device=device,
-                       int8_decode_rows=spec.max_batch if spec.int8_decode else 0)
+                       decode_rows=spec.max_batch if spec.quantized_decode else 0)
     cache = KVCache(
         source.config, len(shard.layers), spec.max_batch, spec.context, dtype, device
     )

@@ -120,7 +120,7 @@ class RunnerSpec:
         prefill_chunk: most prompt tokens per prefill forward pass.
         collective_timeout_s: seconds before a stalled collective fails the instance.
         threads: torch intra-op threads (0: torch's default).
-        int8_decode: keep an int8 copy of the weights for decode (CPU only).
+        quantized_decode: keep an int4/int8 copy of the weights for decode (CPU only).
     """
 
     instance_id: str
@@ -139,4 +139,4 @@ class RunnerSpec:
     prefill_chunk: int = 512
     collective_timeout_s: float = 60.0
     threads: int = 0
-    int8_decode: bool = True
+    quantized_decode: bool = True
