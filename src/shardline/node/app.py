@@ -86,7 +86,11 @@ def create_app(node: Node) -> FastAPI:
 
     @app.get("/cluster/instances")
     async def instances() -> dict:
-        return {"instances": [i.to_dict() for i in node.instances.values()]}
+        """The instance table; ``local_engine`` is this node's rank's batch (EngineStats)."""
+        return {"instances": [
+            dict(i.to_dict(), local_engine=node.engine_stats.get(i.instance_id))
+            for i in node.instances.values()
+        ]}
 
     @app.post("/cluster/instances", status_code=201)
     async def create_instance(body: CreateInstance):

@@ -36,6 +36,7 @@ from shardline.node.worker import Worker
 from shardline.placement.pipeline import NodeCapacity, PlacementError, pipeline_layer_ranges
 from shardline.runner.protocol import (
     Cancel,
+    EngineStats,
     Failed,
     Loaded,
     RunnerSpec,
@@ -150,6 +151,7 @@ class Node:
         self.state_version = 0
         self.worker = Worker(self._on_runner_message)
         self.streams: dict[int, _Stream] = {}
+        self.engine_stats: dict[str, dict] = {}  # instance id -> this node's rank's batch
         self.tokenizers: dict[str, Tokenizer] = {}
         self._tokenizer_lock = threading.Lock()
         self._task_counter = itertools.count()
@@ -300,6 +302,8 @@ class Node:
             return
         if isinstance(message, Tokens):
             loop.call_soon_threadsafe(self._dispatch, message.events)
+        elif isinstance(message, EngineStats):
+            self.engine_stats[instance_id] = dataclasses.asdict(message)
         elif isinstance(message, (Loaded, Failed)):
             status = "ready" if isinstance(message, Loaded) else "failed"
             error = message.error if isinstance(message, Failed) else None

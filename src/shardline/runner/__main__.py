@@ -42,7 +42,7 @@ def serve(conn) -> None:
     from shardline.models.weights import load_shard, open_weights
     from shardline.parallel.pipeline import PipelineStage
     from shardline.runner.engine import Engine
-    from shardline.runner.protocol import Loaded, RunnerSpec, Tokens
+    from shardline.runner.protocol import Loaded, RunnerSpec
 
     spec: RunnerSpec = conn.recv()
     if spec.threads:
@@ -87,7 +87,7 @@ def serve(conn) -> None:
     engine = Engine(
         stage,
         inbox,
-        emit=lambda events: conn.send(Tokens(tuple(events))),
+        send=conn.send,
         node_id=spec.node_id,
         group=group,
         max_batch=spec.max_batch,

@@ -28,7 +28,7 @@ import torch
 
 from shardline.parallel.pipeline import PipelineStage
 from shardline.runner.agreement import agree
-from shardline.runner.protocol import Cancel, Shutdown, Task, TokenEvent
+from shardline.runner.protocol import Cancel, EngineStats, Shutdown, Task, TokenEvent, Tokens
 from shardline.runner.sampling import Sampler
 
 log = logging.getLogger(__name__)
@@ -60,7 +60,8 @@ class Engine:
     Args:
         stage: this rank's pipeline stage (model shard + KV cache).
         inbox: messages from the node: Task, Cancel, Shutdown.
-        emit: called with each step's TokenEvents for tasks this rank streams.
+        send: called with each step's Tokens (events of tasks this rank streams) and with
+            EngineStats whenever the batch changed.
         node_id: tasks whose ``origin`` equals it are emitted by this rank.
         group: the instance's process group, or None for a single rank.
         max_batch: KV-cache slots, the most sequences running at once.
@@ -73,7 +74,7 @@ class Engine:
         self,
         stage: PipelineStage,
         inbox: "queue.Queue[object]",
-        emit: Callable[[list[TokenEvent]], None],
+        send: Callable[[object], None],
         node_id: str,
         group,
         max_batch: int,
@@ -84,7 +85,7 @@ class Engine:
     ) -> None:
         self.stage = stage
         self.inbox = inbox
-        self.emit = emit
+        self.send = send
         self.node_id = node_id
         self.group = group
         self.max_batch = max_batch
@@ -100,6 +101,7 @@ class Engine:
         self.free_slots = list(range(max_batch))
         self.stopping = False
         self.steps = 0
+        self._last_stats: EngineStats | None = None
 
     # -- inbox and agreement -------------------------------------------------------------
 
@@ -143,8 +145,7 @@ class Engine:
                 self._finish(seq)
                 if seq.task.origin == self.node_id:
                     events.append(TokenEvent(task_id, -1, "cancelled", seq.prompt_len))
-        if events:
-            self.emit(events)
+        self.emit(events)
 
     # -- scheduling ----------------------------------------------------------------------
 
@@ -175,6 +176,7 @@ class Engine:
         if decoding:
             self._decode(decoding)
         self.steps += 1
+        self.report()
 
     def _prefill_chunk(self, seq: Sequence) -> None:
         start = seq.prefilled
@@ -216,8 +218,27 @@ class Engine:
                 events.append(TokenEvent(seq.task.task_id, token, finish, seq.prompt_len))
             if finish is not None:
                 self._finish(seq)
+        self.emit(events)
+
+    def emit(self, events: list[TokenEvent]) -> None:
         if events:
-            self.emit(events)
+            self.send(Tokens(tuple(events)))
+
+    def report(self) -> None:
+        """Send EngineStats if the batch differs from the last report."""
+        stats = EngineStats(
+            running=tuple(s.task.task_id for s in self.running),
+            waiting=tuple(t.task_id for t in self.waiting),
+            held=tuple(sorted(self.held)),
+            free_slots=len(self.free_slots),
+            steps=self.steps,
+        )
+        last = self._last_stats
+        if last is None or (stats.running, stats.waiting, stats.held) != (
+            last.running, last.waiting, last.held
+        ):
+            self._last_stats = stats
+            self.send(stats)
 
     def run(self) -> None:
         """Step until a Shutdown message arrives. Errors propagate (the runner fails)."""

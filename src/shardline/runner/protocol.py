@@ -6,7 +6,7 @@ below.
 
 node -> runner:  ``Task``; ``Cancel``; ``Shutdown``.
 runner -> node:  ``Loaded`` (ready to serve); ``Tokens`` (one engine step's new tokens);
-                 ``Failed`` (the runner is exiting with an error).
+                 ``EngineStats`` (the batch changed); ``Failed`` (exiting with an error).
 """
 
 from __future__ import annotations
@@ -95,6 +95,25 @@ class TokenEvent:
 @dataclass(frozen=True)
 class Tokens:
     events: tuple[TokenEvent, ...]
+
+
+@dataclass(frozen=True)
+class EngineStats:
+    """A rank's batch after a step in which it changed.
+
+    Attributes:
+        running: task ids holding a KV-cache slot (prefilling or decoding).
+        waiting: agreed task ids waiting for a slot, in the order they will start.
+        held: task ids this rank holds that not every rank holds yet.
+        free_slots: KV-cache slots free.
+        steps: engine steps run so far.
+    """
+
+    running: tuple[int, ...]
+    waiting: tuple[int, ...]
+    held: tuple[int, ...]
+    free_slots: int
+    steps: int
 
 
 @dataclass(frozen=True)

@@ -1,0 +1,241 @@
+"""Real runner processes of a pipeline instance (tiny random model, gloo on 127.0.0.1).
+
+Each rank's inbox is fed directly, in a different order per rank, as the network might
+deliver it. If ranks started tasks in local arrival order, their send/recv shapes would
+disagree (the prompts have different lengths) and the instance would fail or hang.
+"""
+
+from __future__ import annotations
+
+import queue
+import random
+import socket
+import time
+from dataclasses import dataclass, field
+
+import pytest
+import torch
+
+import tiny_models as tm
+from shardline.node.worker import Worker
+from shardline.runner.protocol import (
+    Cancel,
+    EngineStats,
+    Failed,
+    Loaded,
+    RunnerSpec,
+    SamplingParams,
+    Task,
+    Tokens,
+)
+
+NODE = "test-node"
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@dataclass
+class Rank:
+    """One runner's messages: Loaded/Failed/Tokens in ``inbox``; the last EngineStats."""
+
+    worker: Worker | None = None
+    inbox: "queue.Queue[object]" = field(default_factory=queue.Queue)
+    stats: EngineStats | None = None
+
+    def receive(self, message: object) -> None:
+        if isinstance(message, EngineStats):
+            self.stats = message
+        else:
+            self.inbox.put(message)
+
+
+class Instance:
+    """``world`` runner processes forming one pipeline instance; one Worker per rank."""
+
+    def __init__(self, model_dir, world: int, max_batch: int = 4, context: int = 96) -> None:
+        self.ranks = []
+        port = free_port()
+        layers = 4
+        bounds = [round(i * layers / world) for i in range(world + 1)]
+        for r in range(world):
+            rank = Rank()
+            rank.worker = Worker(lambda _inst, msg, rank=rank: rank.receive(msg))
+            rank.worker.start(RunnerSpec(
+                instance_id="inst", node_id=NODE, model_path=str(model_dir), rank=r,
+                world_size=world, layer_start=bounds[r], layer_end=bounds[r + 1],
+                master_addr="127.0.0.1", master_port=port, dtype="float32",
+                max_batch=max_batch, context=context, prefill_chunk=8, threads=1,
+                collective_timeout_s=30, quantized_decode=False,
+            ))
+            self.ranks.append(rank)
+        for r, rank in enumerate(self.ranks):
+            message = self._next(rank, (Loaded, Failed), 120)
+            assert isinstance(message, Loaded), f"rank {r} failed to load: {message}"
+
+    @staticmethod
+    def _next(rank: Rank, kinds, timeout: float):
+        deadline = time.time() + timeout
+        while time.time() < deadline:
+            try:
+                message = rank.inbox.get(timeout=max(0.01, deadline - time.time()))
+            except queue.Empty:
+                break
+            if isinstance(message, Failed):
+                return message
+            if isinstance(message, kinds):
+                return message
+        raise TimeoutError(f"no {kinds} within {timeout} s")
+
+    def send(self, r: int, message: object) -> None:
+        assert self.ranks[r].worker.runners["inst"].send(message)
+
+    def collect(self, task_ids: set[int], timeout: float = 60) -> list[dict[int, list]]:
+        """Per rank: task id -> [(token, finish_reason), ...] until every task finished."""
+        results = []
+        for r, rank in enumerate(self.ranks):
+            out: dict[int, list] = {t: [] for t in task_ids}
+            done: set[int] = set()
+            deadline = time.time() + timeout
+            while done != task_ids:
+                message = self._next(rank, (Tokens,), deadline - time.time())
+                assert not isinstance(message, Failed), f"rank {r} failed: {message.error}"
+                for event in message.events:
+                    out[event.task_id].append((event.token_id, event.finish_reason))
+                    if event.finish_reason is not None:
+                        done.add(event.task_id)
+            results.append(out)
+        return results
+
+    def wait_stats(self, r: int, check, timeout: float = 10) -> EngineStats:
+        """Wait until rank r's latest EngineStats satisfies ``check``; return it."""
+        deadline = time.time() + timeout
+        while time.time() < deadline:
+            stats = self.ranks[r].stats
+            if stats is not None and check(stats):
+                return stats
+            time.sleep(0.005)
+        raise AssertionError(f"rank {r} stats never matched; last: {self.ranks[r].stats}")
+
+    def stop(self) -> None:
+        for rank in self.ranks:
+            rank.worker.stop_all()
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    path = tmp_path_factory.mktemp("tiny-llama")
+    tm.save_hf(tm.hf_model("llama", num_layers=4, seed=7), path)
+    return path
+
+
+def make_tasks(n: int, seed: int = 0, max_tokens: int = 12) -> list[Task]:
+    rng = random.Random(seed)
+    return [
+        Task(task_id=1000 + i, origin=NODE,
+             prompt=tuple(rng.randrange(tm.VOCAB) for _ in range(3 + 5 * i)),
+             max_tokens=max_tokens, sampling=SamplingParams(temperature=0.0))
+        for i in range(n)
+    ]
+
+
+def reference_tokens(model_dir, tasks: list[Task]) -> dict[int, list[int]]:
+    """Each task's greedy tokens from the one-shard model in this process."""
+    from shardline.models.weights import load_shard, open_weights
+
+    shard = load_shard(open_weights(model_dir), 0, 4, dtype=torch.float32)
+    return {t.task_id: tm.greedy(shard, list(t.prompt), t.max_tokens)[0] for t in tasks}
+
+
+@pytest.mark.timeout(180)
+@pytest.mark.parametrize("world", [2, 3])
+def test_tasks_delivered_in_different_orders_per_rank_all_complete(model_dir, world):
+    tasks = make_tasks(5)
+    instance = Instance(model_dir, world)
+    try:
+        orders = [list(tasks) for _ in range(world)]
+        for r, order in enumerate(orders):
+            random.Random(r).shuffle(order)
+        orders[0] = list(reversed(tasks))  # rank 0 sees the newest first
+        assert len({tuple(t.task_id for t in o) for o in orders}) > 1
+        for i in range(len(tasks)):  # interleave delivery, with delays, rank by rank
+            for r in range(world):
+                instance.send(r, orders[r][i])
+                time.sleep(0.01 * r)
+        results = instance.collect({t.task_id for t in tasks})
+        expected = reference_tokens(model_dir, tasks)
+        for r in range(world):
+            for task in tasks:
+                events = results[r][task.task_id]
+                assert [tok for tok, _ in events] == expected[task.task_id]
+                assert events[-1][1] == "length"
+    finally:
+        instance.stop()
+
+
+@pytest.mark.timeout(180)
+def test_a_cancel_seen_by_one_rank_ends_the_task_on_all_ranks_at_the_same_step(model_dir):
+    long, other = make_tasks(2, seed=3, max_tokens=60)
+    instance = Instance(model_dir, 3, context=128)
+    try:
+        for r in range(3):
+            instance.send(r, long)
+            instance.send(r, other)
+        time.sleep(0.3)
+        instance.send(2, Cancel(long.task_id))  # only the last rank hears of it
+        results = instance.collect({long.task_id, other.task_id})
+        ends = [results[r][long.task_id] for r in range(3)]
+        assert all(e[-1] == (-1, "cancelled") for e in ends)
+        assert ends[0] == ends[1] == ends[2]  # same tokens, cancelled at the same step
+        assert len(ends[0]) - 1 < 60
+        assert all(len(results[r][other.task_id]) == 60 for r in range(3))
+        for r in range(3):
+            instance.wait_stats(r, lambda s: s.running == () and s.free_slots == 4, timeout=1)
+    finally:
+        instance.stop()
+
+
+@pytest.mark.timeout(180)
+def test_a_task_cancelled_while_queued_produces_no_tokens(model_dir):
+    running, queued = make_tasks(2, seed=5, max_tokens=150)
+    instance = Instance(model_dir, 2, max_batch=1, context=192)
+    try:
+        for r in range(2):
+            instance.send(r, running)
+            instance.send(r, queued)
+        instance.wait_stats(0, lambda s: s.running == (running.task_id,)
+                            and s.waiting == (queued.task_id,))
+        instance.send(0, Cancel(queued.task_id))
+        results = instance.collect({running.task_id, queued.task_id})
+        for r in range(2):
+            assert results[r][queued.task_id] == [(-1, "cancelled")]
+            assert len(results[r][running.task_id]) == 150
+    finally:
+        instance.stop()
+
+
+@pytest.mark.timeout(180)
+def test_a_task_cancelled_before_it_arrives_never_starts(model_dir):
+    (task,) = make_tasks(1, seed=9)
+    instance = Instance(model_dir, 2)
+    try:
+        instance.send(1, Cancel(task.task_id))
+        time.sleep(0.3)  # the cancellation is agreed before any rank holds the task
+        for r in range(2):
+            instance.send(r, task)
+        (later,) = make_tasks(1, seed=10)
+        later = Task(task_id=2000, origin=NODE, prompt=later.prompt, max_tokens=3,
+                     sampling=later.sampling)
+        for r in range(2):
+            instance.send(r, later)
+        results = instance.collect({later.task_id})
+        for r in range(2):
+            assert len(results[r][later.task_id]) == 3
+        for r in range(2):
+            stats = instance.wait_stats(r, lambda s: s.running == ())
+            assert task.task_id not in stats.running + stats.waiting + stats.held
+    finally:
+        instance.stop()
