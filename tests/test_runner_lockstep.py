@@ -178,19 +178,20 @@ def test_tasks_delivered_in_different_orders_per_rank_all_complete(model_dir, wo
 
 @pytest.mark.timeout(180)
 def test_a_cancel_seen_by_one_rank_ends_the_task_on_all_ranks_at_the_same_step(model_dir):
-    long, other = make_tasks(2, seed=3, max_tokens=60)
-    instance = Instance(model_dir, 3, context=128)
+    long, other = make_tasks(2, seed=3, max_tokens=300)
+    other = Task(other.task_id, other.origin, other.prompt, 60, other.sampling)
+    instance = Instance(model_dir, 3, context=320)
     try:
         for r in range(3):
             instance.send(r, long)
             instance.send(r, other)
-        time.sleep(0.3)
+        instance.wait_stats(2, lambda s: long.task_id in s.running)
         instance.send(2, Cancel(long.task_id))  # only the last rank hears of it
         results = instance.collect({long.task_id, other.task_id})
         ends = [results[r][long.task_id] for r in range(3)]
         assert all(e[-1] == (-1, "cancelled") for e in ends)
         assert ends[0] == ends[1] == ends[2]  # same tokens, cancelled at the same step
-        assert len(ends[0]) - 1 < 60
+        assert len(ends[0]) - 1 < 300
         assert all(len(results[r][other.task_id]) == 60 for r in range(3))
         for r in range(3):
             instance.wait_stats(r, lambda s: s.running == () and s.free_slots == 4, timeout=1)
