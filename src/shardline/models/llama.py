@@ -62,15 +62,16 @@ class ForwardBatch:
 
     Attributes:
         prefill: True for a chunk of one sequence, False for one decode token per sequence.
-        slot: the KV-cache slot of a prefill chunk or of a one-sequence decode, else -1.
+        slot: the KV-cache slot of a prefill chunk (-1 for decode).
         start: the position of a prefill chunk's first row (0 for decode).
         slots: int64 ``[N]``: KV-cache slot of each row (decode) or ``[1]`` (prefill).
         positions: int64 ``[N]``: position of each row.
         cos, sin: ``[N, 1, head_dim]`` RoPE tables for the rows in the compute dtype; the
             first half of ``sin`` is negated (rotate-half's sign).
-        attn_mask: bool mask broadcastable to ``[B, heads, q_len, kv_len]`` (True = attend),
-            or None for a plain causal prefill from position 0.
-        kv_len: keys each query may see at most (the cache prefix to read).
+        attn_mask: prefill only: bool mask ``[q_len, kv_len]`` (True = attend), or None for
+            a plain causal prefill from position 0.
+        kv_len: prefill only: keys the chunk's last query sees (the cache prefix to read).
+        rows: decode only: ``(slot, keys to read)`` of each row's sequence.
         logit_rows: rows whose logits the last shard returns, int64 ``[M]``.
     """
 
@@ -83,6 +84,7 @@ class ForwardBatch:
     sin: torch.Tensor
     attn_mask: torch.Tensor | None
     kv_len: int
+    rows: list[tuple[int, int]]
     logit_rows: torch.Tensor
 
 
@@ -181,16 +183,19 @@ class Attention(nn.Module):
         else:
             k_cache[batch.slots, :, batch.positions] = k
             v_cache[batch.slots, :, batch.positions] = v
-            if n == 1:  # one sequence: read its cache prefix in place, no gather
-                keys = k_cache[batch.slot : batch.slot + 1, :, : batch.kv_len]
-                values = v_cache[batch.slot : batch.slot + 1, :, : batch.kv_len]
-            else:
-                keys = k_cache[batch.slots, :, : batch.kv_len]
-                values = v_cache[batch.slots, :, : batch.kv_len]
-            out = F.scaled_dot_product_attention(
-                q.unsqueeze(2), keys, values, attn_mask=batch.attn_mask, enable_gqa=True
-            )  # [N, H, 1, hd]
-            out = out.reshape(n, heads * hd)
+            # One attention call per sequence over exactly its own cache prefix (a view, no
+            # gather): a padded, masked batch call gives different bits for different
+            # padding, and a sequence's output must not depend on its batch.
+            outs = [
+                F.scaled_dot_product_attention(
+                    q[i : i + 1].unsqueeze(2),
+                    k_cache[slot : slot + 1, :, :length],
+                    v_cache[slot : slot + 1, :, :length],
+                    enable_gqa=True,
+                )  # [1, H, 1, hd]
+                for i, (slot, length) in enumerate(batch.rows)
+            ]
+            out = (outs[0] if n == 1 else torch.cat(outs)).reshape(n, heads * hd)
         return self.o(out)
 
 
@@ -295,6 +300,7 @@ class DecoderShard(nn.Module):
             sin=sin,
             attn_mask=mask,
             kv_len=start + length,
+            rows=[],
             logit_rows=rows,
         )
 
@@ -302,22 +308,18 @@ class DecoderShard(nn.Module):
         """Describe a decode step: one token at ``positions[i]`` for the sequence in ``slots[i]``."""
         device = self.device
         pos = torch.tensor(positions, dtype=torch.long, device=device)
-        kv_len = max(positions) + 1
-        mask = None
-        if len(positions) > 1:
-            keys = torch.arange(kv_len, device=device)
-            mask = (keys.unsqueeze(0) <= pos.unsqueeze(1))[:, None, None, :]  # [N,1,1,kv_len]
         cos, sin = self._rope(pos)
         return ForwardBatch(
             prefill=False,
-            slot=slots[0] if len(slots) == 1 else -1,
+            slot=-1,
             start=0,
             slots=torch.tensor(slots, dtype=torch.long, device=device),
             positions=pos,
             cos=cos,
             sin=sin,
-            attn_mask=mask,
-            kv_len=kv_len,
+            attn_mask=None,
+            kv_len=max(positions) + 1,
+            rows=[(slot, p + 1) for slot, p in zip(slots, positions)],
             logit_rows=torch.arange(len(positions), device=device),
         )
 

@@ -492,18 +492,37 @@ class Node:
         finally:
             self.streams.pop(task.task_id, None)
             if not finished:
-                asyncio.get_running_loop().create_task(
-                    self._deliver(inst, "cancel", {"instance_id": inst.instance_id, "task_id": task.task_id})
-                )
+                asyncio.get_running_loop().create_task(self._cancel(inst, task.task_id))
 
     async def _deliver(self, inst: Instance, kind: str, body: dict) -> None:
-        """Hand a task or a cancellation to the runner of every rank of ``inst``."""
+        """Hand a task or a cancellation to the runner of every rank of ``inst``.
+
+        Raises:
+            InstanceFailedError: a rank's node or runner could not be reached (a task that
+                some rank never receives would never start).
+        """
         body = dict(body, instance_id=inst.instance_id)
-        local = self.node_id in inst.node_ids()
-        if local:
-            self.deliver_local(kind, body)
-        remote = [r.address for r in inst.ranks if r.node_id != self.node_id]
-        await asyncio.gather(*(self._post(f"http://{a}/internal/{kind}", body) for a in remote))
+        missed = []
+        if self.node_id in inst.node_ids() and not self.deliver_local(kind, body):
+            missed.append(self.node_id)
+        remote = [r for r in inst.ranks if r.node_id != self.node_id]
+        responses = await asyncio.gather(
+            *(self._post(f"http://{r.address}/internal/{kind}", body) for r in remote)
+        )
+        for rank, response in zip(remote, responses):
+            if response is None or response.status_code != 200 or not response.json().get("delivered"):
+                missed.append(rank.node_id)
+        if missed:
+            raise InstanceFailedError(
+                f"instance {inst.instance_id}: could not reach the runner on node(s) {', '.join(missed)}"
+            )
+
+    async def _cancel(self, inst: Instance, task_id: int) -> None:
+        """Tell every rank to drop a task (best effort: a rank that is gone has no batch)."""
+        try:
+            await self._deliver(inst, "cancel", {"task_id": task_id})
+        except InstanceFailedError as exc:
+            log.warning("cancel of task %d: %s", task_id, exc)
 
     def deliver_local(self, kind: str, body: dict) -> bool:
         """Pass a task or cancellation to this node's runner of the instance."""
