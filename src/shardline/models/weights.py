@@ -28,8 +28,15 @@ class WeightFormatError(ValueError):
 
 
 class WeightSource:
-    """Named float tensors read on demand; counts the tensors and bytes it has read."""
+    """Named float tensors read on demand; counts the tensors and bytes it has read.
 
+    Subclasses name the file's tensors: ``TOP_NAMES`` (embed, norm, head), and per layer
+    ``LAYER_FORMAT`` filled with the layer index and a ``LAYER_NAMES`` entry.
+    """
+
+    TOP_NAMES: dict[str, str]
+    LAYER_FORMAT: str
+    LAYER_NAMES: dict[str, str]
     config: ModelConfig
     rope_freq_factors: torch.Tensor | None = None
 
@@ -62,6 +69,17 @@ class WeightSource:
 
 class GGUFSource(WeightSource):
     """Weights and configuration from one GGUF file (memory-mapped)."""
+
+    TOP_NAMES = {"embed": "token_embd.weight", "norm": "output_norm.weight",
+                 "head": "output.weight"}
+    LAYER_FORMAT = "blk.{layer}.{name}"
+    LAYER_NAMES = {
+        "attn_norm": "attn_norm.weight", "mlp_norm": "ffn_norm.weight",
+        "q": "attn_q.weight", "k": "attn_k.weight", "v": "attn_v.weight",
+        "q_bias": "attn_q.bias", "k_bias": "attn_k.bias", "v_bias": "attn_v.bias",
+        "o": "attn_output.weight", "q_norm": "attn_q_norm.weight", "k_norm": "attn_k_norm.weight",
+        "gate": "ffn_gate.weight", "up": "ffn_up.weight", "down": "ffn_down.weight",
+    }
 
     def __init__(self, path: str | Path) -> None:
         super().__init__()
@@ -116,6 +134,19 @@ def gguf_metadata(reader) -> dict:
 
 class SafetensorsSource(WeightSource):
     """Weights from a Hugging Face model directory (config.json + *.safetensors)."""
+
+    TOP_NAMES = {"embed": "model.embed_tokens.weight", "norm": "model.norm.weight",
+                 "head": "lm_head.weight"}
+    LAYER_FORMAT = "model.layers.{layer}.{name}"
+    LAYER_NAMES = {
+        "attn_norm": "input_layernorm.weight", "mlp_norm": "post_attention_layernorm.weight",
+        "q": "self_attn.q_proj.weight", "k": "self_attn.k_proj.weight",
+        "v": "self_attn.v_proj.weight", "q_bias": "self_attn.q_proj.bias",
+        "k_bias": "self_attn.k_proj.bias", "v_bias": "self_attn.v_proj.bias",
+        "o": "self_attn.o_proj.weight", "q_norm": "self_attn.q_norm.weight",
+        "k_norm": "self_attn.k_norm.weight", "gate": "mlp.gate_proj.weight",
+        "up": "mlp.up_proj.weight", "down": "mlp.down_proj.weight",
+    }
 
     def __init__(self, directory: str | Path) -> None:
         super().__init__()
@@ -180,48 +211,10 @@ def _unpermute_gguf_rope(weight: torch.Tensor, heads: int) -> torch.Tensor:
 
 
 def _names(source: WeightSource, layer: int | None, part: str) -> str:
-    """Source tensor name of ``part`` (shardline's name) in global ``layer``."""
-    if isinstance(source, GGUFSource):
-        top = {"embed": "token_embd.weight", "norm": "output_norm.weight", "head": "output.weight"}
-        if layer is None:
-            return top[part]
-        mapping = {
-            "attn_norm": "attn_norm.weight",
-            "q": "attn_q.weight",
-            "k": "attn_k.weight",
-            "v": "attn_v.weight",
-            "q_bias": "attn_q.bias",
-            "k_bias": "attn_k.bias",
-            "v_bias": "attn_v.bias",
-            "o": "attn_output.weight",
-            "q_norm": "attn_q_norm.weight",
-            "k_norm": "attn_k_norm.weight",
-            "mlp_norm": "ffn_norm.weight",
-            "gate": "ffn_gate.weight",
-            "up": "ffn_up.weight",
-            "down": "ffn_down.weight",
-        }
-        return f"blk.{layer}.{mapping[part]}"
-    top = {"embed": "model.embed_tokens.weight", "norm": "model.norm.weight", "head": "lm_head.weight"}
+    """Source tensor name of ``part`` (shardline's name) in global ``layer`` (None: top)."""
     if layer is None:
-        return top[part]
-    mapping = {
-        "attn_norm": "input_layernorm.weight",
-        "q": "self_attn.q_proj.weight",
-        "k": "self_attn.k_proj.weight",
-        "v": "self_attn.v_proj.weight",
-        "q_bias": "self_attn.q_proj.bias",
-        "k_bias": "self_attn.k_proj.bias",
-        "v_bias": "self_attn.v_proj.bias",
-        "o": "self_attn.o_proj.weight",
-        "q_norm": "self_attn.q_norm.weight",
-        "k_norm": "self_attn.k_norm.weight",
-        "mlp_norm": "post_attention_layernorm.weight",
-        "gate": "mlp.gate_proj.weight",
-        "up": "mlp.up_proj.weight",
-        "down": "mlp.down_proj.weight",
-    }
-    return f"model.layers.{layer}.{mapping[part]}"
+        return source.TOP_NAMES[part]
+    return source.LAYER_FORMAT.format(layer=layer, name=source.LAYER_NAMES[part])
 
 
 def shard_state_dict(
