@@ -13,7 +13,6 @@ from __future__ import annotations
 import json
 import os
 
-import numpy as np
 import pytest
 import torch
 from safetensors.torch import load_file, save_file

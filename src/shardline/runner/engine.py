@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import logging
 import queue
-import time
 from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Callable
