@@ -86,13 +86,15 @@ class LocalCluster:
                 raise LocalClusterError(f"node {i} exited with code {proc.returncode}")
 
     def place(self, model: str | None, sharding: str = "pipeline", timeout_s: float = 300.0,
-              **options) -> dict:
-        """Place ``model`` across all nodes (node 0 is rank 0) and wait until it serves.
+              on: list[int] | None = None, **options) -> dict:
+        """Place ``model`` on the nodes ``on`` (default all; the first is rank 0) and wait
+        until every node sees it ready.
 
         Raises:
             LocalClusterError: placement was refused or the instance failed or timed out.
         """
-        nodes = [httpx.get(f"{self.url(i)}/health", timeout=5).json()["node_id"] for i in range(self.n)]
+        indices = range(self.n) if on is None else on
+        nodes = [httpx.get(f"{self.url(i)}/health", timeout=5).json()["node_id"] for i in indices]
         body = {"model": model, "sharding": sharding, "nodes": nodes, **options}
         response = httpx.post(f"{self.url(0)}/cluster/instances", json=body, timeout=120)
         if response.status_code != 201:
