@@ -19,6 +19,8 @@ import asyncio
 import dataclasses
 import itertools
 import logging
+import os
+import signal
 import socket
 import threading
 import time
@@ -135,6 +137,7 @@ class Node:
         context: int = 4096,
         max_batch: int = 8,
         down_after_s: float = 5.0,
+        exit_with_parent: bool = False,
     ) -> None:
         self.node_id = node_id or uuid.uuid4().hex[:12]
         self.host = host
@@ -146,6 +149,7 @@ class Node:
         self.default_context = context
         self.default_max_batch = max_batch
         self.down_after_s = down_after_s
+        self.exit_with_parent = exit_with_parent
         self.started_at = time.time()
         self.instances: dict[str, Instance] = {}
         self.state_version = 0
@@ -167,6 +171,8 @@ class Node:
         self._loop = asyncio.get_running_loop()
         self._http = httpx.AsyncClient(timeout=httpx.Timeout(10.0, read=None))
         self._background.append(asyncio.create_task(self._membership_loop()))
+        if self.exit_with_parent:
+            self._background.append(asyncio.create_task(self._watch_parent(os.getppid())))
 
     async def stop(self) -> None:
         for task in self._background:
@@ -174,6 +180,13 @@ class Node:
         self.worker.stop_all()
         if self._http is not None:
             await self._http.aclose()
+
+    async def _watch_parent(self, parent: int) -> None:
+        """Shut down (as on Ctrl-C) once the process that started this node is gone."""
+        while os.getppid() == parent:
+            await asyncio.sleep(1.0)
+        log.warning("parent process %d is gone; stopping", parent)
+        os.kill(os.getpid(), signal.SIGINT)
 
     # -- membership ----------------------------------------------------------------------
 
