@@ -148,3 +148,16 @@ def test_completion_longer_than_the_context_is_refused(cluster3):
     assert response.status_code == 400
     error = response.json()["error"]
     assert error["code"] == "context_length_exceeded" and error["param"] == "max_tokens"
+
+
+def test_retrieve_one_model(cluster3):
+    found = httpx.get(f"{cluster3.url(0)}/v1/models/{DEFAULT_MODEL_ID}")
+    assert found.status_code == 200 and found.json()["id"] == DEFAULT_MODEL_ID
+    missing = httpx.get(f"{cluster3.url(0)}/v1/models/no-such/model")
+    assert missing.status_code == 404 and missing.json()["error"]["code"] == "model_not_found"
+
+
+def test_unknown_sharding_is_a_bad_request(cluster3):
+    response = httpx.post(f"{cluster3.url(0)}/cluster/instances", json={"sharding": "diagonal"}, timeout=30)
+    assert response.status_code == 400
+    assert "diagonal" in response.json()["detail"]

@@ -158,3 +158,13 @@ def test_a_node_without_a_rank_forwards_requests(tmp_path):
 
         text, times = asyncio.run(streamed())
         assert text and len(times) >= 2
+
+
+def test_a_non_streamed_request_is_cancelled_when_its_client_leaves(cluster3):
+    with pytest.raises(httpx.ReadTimeout):
+        httpx.post(f"{cluster3.url(2)}/v1/chat/completions", timeout=1.5,
+                   json=body("Tell me a very long story.", max_tokens=2000, ignore_eos=True))
+    left = time.monotonic()
+    while any(engine["running"] for engine in local_engines(cluster3)):
+        assert time.monotonic() - left < 2.0, "the abandoned request kept running"
+        time.sleep(0.05)

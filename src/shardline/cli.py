@@ -40,8 +40,10 @@ def _cluster(args: argparse.Namespace) -> int:
     cluster = LocalCluster(
         nodes=args.nodes, base_port=args.port, runner_threads=args.runner_threads
     )
-    # SIGTERM stops the nodes as Ctrl-C does (they run in their own sessions).
+    # SIGTERM and SIGINT stop the nodes (they run in their own sessions); SIGINT is set
+    # explicitly because a shell starts background jobs with it ignored.
     signal.signal(signal.SIGTERM, _interrupt)
+    signal.signal(signal.SIGINT, signal.default_int_handler)
     try:
         cluster.start()
         instance = cluster.place(args.model, args.sharding)
@@ -98,7 +100,8 @@ def build_parser() -> argparse.ArgumentParser:
     cluster = sub.add_parser("cluster", help="start N nodes on 127.0.0.1 and place a model across them")
     cluster.add_argument("--nodes", type=int, default=3, help="how many nodes (default %(default)s)")
     cluster.add_argument("--sharding", default="pipeline", choices=["pipeline"])
-    cluster.add_argument("--port", type=int, default=DEFAULT_PORT, help="first node's port; the others follow")
+    cluster.add_argument("--port", type=int, default=DEFAULT_PORT,
+                         help="first node's port; the others follow (default %(default)s)")
     cluster.add_argument("--model", default=DEFAULT_MODEL_ID, help="model id or local path (default %(default)s)")
     cluster.add_argument("--runner-threads", type=int, default=0, help="torch threads per runner (0: cores / nodes)")
     cluster.set_defaults(func=_cluster)
@@ -116,6 +119,9 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if getattr(args, "nodes", 1) < 1:
         parser.error("--nodes must be at least 1")
+    last_port = getattr(args, "port", DEFAULT_PORT) + getattr(args, "nodes", 1) - 1
+    if not 1 <= getattr(args, "port", DEFAULT_PORT) or last_port > 65535:
+        parser.error("ports must lie in 1-65535 (--port, plus one per extra node)")
     logging.basicConfig(
         level=logging.DEBUG if args.verbose else logging.INFO,
         format="%(asctime)s %(name)s %(levelname)s %(message)s",

@@ -170,6 +170,14 @@ class Generation:
 def router(node: Node) -> APIRouter:
     api = APIRouter()
 
+    @api.get("/v1/models/{model_id:path}")
+    async def get_model(model_id: str):
+        for m in node.models():
+            if m["id"] == model_id:
+                return {"id": m["id"], "object": "model", "created": m["created"], "owned_by": "shardline"}
+        return OpenAIError(404, f"The model '{model_id}' does not exist or is not loaded",
+                           param="model", code="model_not_found").response()
+
     @api.get("/v1/models")
     async def list_models() -> dict:
         return {
@@ -195,12 +203,12 @@ def router(node: Node) -> APIRouter:
                 media_type="text/event-stream",
                 headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
             )
-        parts, finish = [], None
         try:
-            async for text, finish in gen.texts():
-                parts.append(text)
+            parts, finish = await collect_unless_disconnected(gen, request)
         except InstanceFailedError as exc:
             return OpenAIError(503, str(exc), "server_error", code="instance_failed").response()
+        if finish is None:  # the client left; nobody reads this
+            return JSONResponse(status_code=499, content=error_body("client closed the request", "client_closed"))
         return {
             "id": completion_id,
             "object": "chat.completion",
@@ -218,6 +226,37 @@ def router(node: Node) -> APIRouter:
         }
 
     return api
+
+
+async def collect_unless_disconnected(
+    gen: Generation, request: Request, poll_s: float = 0.25
+) -> tuple[list[str], str | None]:
+    """Run a non-streamed generation to the end, or cancel it once the client disconnects.
+
+    Returns the text pieces and the finish reason (None when the client left).
+    Raises:
+        InstanceFailedError: the instance failed mid-request.
+    """
+    parts: list[str] = []
+    finish: str | None = None
+
+    async def consume() -> None:
+        nonlocal finish
+        async for text, finish in gen.texts():
+            parts.append(text)
+
+    task = asyncio.create_task(consume())
+    while not task.done():
+        await asyncio.wait({task}, timeout=poll_s)
+        if not task.done() and await request.is_disconnected():
+            task.cancel()  # closes the generation, which cancels the task on every rank
+            try:
+                await task
+            except asyncio.CancelledError:
+                pass
+            return parts, None
+    task.result()
+    return parts, finish
 
 
 async def parse_body(request: Request, model: type[BaseModel]) -> Any:
@@ -249,6 +288,10 @@ async def prepare(node: Node, req: ChatCompletionRequest) -> Generation:
     try:
         node.ready_instance(req.model)
     except NoInstanceError:
+        if any(i.model_id == req.model for i in node.instances.values()):
+            raise OpenAIError(503, f"The model '{req.model}' is being loaded or placed again; "
+                              "retry in a few seconds", "server_error", param="model",
+                              code="model_loading") from None
         known = ", ".join(m["id"] for m in node.models()) or "none"
         raise OpenAIError(404, f"The model '{req.model}' does not exist or is not loaded (available: {known})",
                           param="model", code="model_not_found") from None

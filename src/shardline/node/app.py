@@ -15,7 +15,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from shardline.api import openai
 from shardline.models.store import ModelNotFoundError
-from shardline.node.node import InstanceFailedError, NoInstanceError, Node, free_port
+from shardline.node.node import SHARDINGS, InstanceFailedError, NoInstanceError, Node, free_port
 from shardline.placement.pipeline import PlacementError
 from shardline.runner.protocol import SamplingParams
 
@@ -104,7 +104,8 @@ def create_app(node: Node) -> FastAPI:
         except ModelNotFoundError as exc:
             return JSONResponse(status_code=404, content={"detail": str(exc)})
         except PlacementError as exc:
-            return JSONResponse(status_code=409, content={"detail": str(exc)})
+            status = 400 if body.sharding not in SHARDINGS else 409
+            return JSONResponse(status_code=status, content={"detail": str(exc)})
         return inst.to_dict()
 
     @app.delete("/cluster/instances/{instance_id}")

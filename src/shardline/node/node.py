@@ -87,6 +87,8 @@ class Instance:
     status: str = "loading"  # loading | ready | failed
     error: str | None = None
     created_at: float = field(default_factory=time.time)
+    ready_at: float | None = None
+    retries: int = 0  # placements of this model that failed before serving, in a row
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
@@ -150,6 +152,7 @@ class Node:
         self.default_max_batch = max_batch
         self.down_after_s = down_after_s
         self.exit_with_parent = exit_with_parent
+        self.max_replacements = 3
         self.started_at = time.time()
         self.instances: dict[str, Instance] = {}
         self.state_version = 0
@@ -221,6 +224,12 @@ class Node:
     async def _membership_loop(self) -> None:
         while True:
             await asyncio.gather(*(self._poll(a) for a in self.peer_addresses))
+            if self.is_coordinator():
+                live = set(self.live_node_ids())
+                for inst in list(self.instances.values()):
+                    down = [n for n in inst.node_ids() if n not in live]
+                    if down and inst.status != "failed":
+                        await self._fail_instance(inst, f"node(s) {', '.join(down)} are down")
             await asyncio.sleep(1.0)
 
     async def _poll(self, address: str) -> None:
@@ -286,7 +295,8 @@ class Node:
         for instance_id in list(self.worker.runners):
             if instance_id not in wanted:
                 await asyncio.to_thread(self.worker.stop, instance_id)
-                self._fail_streams(instance_id, "the instance was stopped")
+                inst = self.instances.get(instance_id)
+                self._fail_streams(instance_id, inst.error if inst else "the instance was deleted")
         for instance_id, (inst, rank, placement) in wanted.items():
             if instance_id in self.worker.runners:
                 continue
@@ -349,11 +359,43 @@ class Node:
                 placement.error = body["error"]
                 placement.loaded = body.get("loaded")
         if body["status"] == "failed":
-            inst.status = "failed"
-            inst.error = f"rank on node {body['node_id']} failed: {body['error']}"
-        elif all(p.status == "ready" for p in inst.ranks) and inst.status == "loading":
-            inst.status = "ready"
+            await self._fail_instance(inst, f"rank on node {body['node_id']} failed: {body['error']}")
+            return
+        if all(p.status == "ready" for p in inst.ranks) and inst.status == "loading":
+            inst.status, inst.ready_at = "ready", time.time()
         await self._publish()
+
+    async def _fail_instance(self, inst: Instance, error: str) -> None:
+        """Coordinator: mark an instance failed (every node stops its runners and fails
+        its in-flight requests), then place the model again on the nodes that are live."""
+        if inst.status == "failed":
+            return
+        log.warning("instance %s failed: %s", inst.instance_id, error)
+        inst.status, inst.error = "failed", error
+        await self._publish()
+        task = asyncio.create_task(self._replace(inst))
+        self._background.append(task)
+
+    async def _replace(self, failed: Instance) -> None:
+        # Wait until a vanished node has missed its heartbeats, so it is not chosen again.
+        await asyncio.sleep(self.down_after_s + 1)
+        if self.instances.get(failed.instance_id) is not failed or not self.is_coordinator():
+            return
+        del self.instances[failed.instance_id]
+        retries = failed.retries + 1 if failed.ready_at is None else 0
+        if retries > self.max_replacements:
+            log.error("giving up on %s after %d failed placements", failed.model_id, retries)
+            await self._publish()
+            return
+        live = set(self.live_node_ids())
+        nodes = [n for n in failed.node_ids() if n in live] or None
+        try:
+            await self.create_instance(failed.model_id, failed.sharding, nodes,
+                                       context=failed.context, max_batch=failed.max_batch,
+                                       retries=retries)
+        except (PlacementError, ModelNotFoundError, httpx.HTTPError) as exc:
+            log.error("could not place %s again: %s", failed.model_id, exc)
+            await self._publish()
 
     # -- placement -----------------------------------------------------------------------
 
@@ -364,6 +406,7 @@ class Node:
         node_ids: list[str] | None = None,
         context: int | None = None,
         max_batch: int | None = None,
+        retries: int = 0,
     ) -> Instance:
         """Coordinator: place ``model`` and start loading it.
 
@@ -402,6 +445,7 @@ class Node:
             master_port=port,
             context=context,
             max_batch=max_batch,
+            retries=retries,
         )
         self.instances[inst.instance_id] = inst
         await self._publish()
@@ -554,7 +598,7 @@ class Node:
     def _fail_streams(self, instance_id: str, error: str | None) -> None:
         for stream in list(self.streams.values()):
             if stream.instance_id == instance_id:
-                stream.queue.put_nowait(InstanceFailedError(f"instance {instance_id} failed: {error}"))
+                stream.queue.put_nowait(InstanceFailedError(f"instance {instance_id}: {error}"))
 
     async def _forward(self, inst, model_id, prompt, max_tokens, sampling, stop_token_ids):
         """Run the request through a node that hosts a rank of ``inst``."""

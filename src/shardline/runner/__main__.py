@@ -100,6 +100,15 @@ def serve(conn) -> None:
         dist.destroy_process_group()
 
 
+def _peer_lost(exc: BaseException) -> bool:
+    """Whether a collective failed because a peer rank's connection went away."""
+    text = str(exc)
+    return isinstance(exc, RuntimeError) and any(
+        marker in text for marker in ("Connection closed by peer", "Connection reset by peer",
+                                      "Broken pipe", "Socket Timeout")
+    )
+
+
 def main() -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s runner %(message)s")
     conn = Connection(int(sys.argv[1]))
@@ -108,9 +117,15 @@ def main() -> int:
     except Exception as exc:  # noqa: BLE001 - every failure is reported, then exits
         from shardline.runner.protocol import Failed
 
-        traceback.print_exc()
+        if _peer_lost(exc):
+            # Another rank stopped (killed, deleted instance, node gone): expected, not a bug.
+            message = "lost contact with another rank of the instance"
+            log.error("%s: %s", message, str(exc).splitlines()[0])
+        else:
+            traceback.print_exc()
+            message = f"{type(exc).__name__}: {exc}"
         try:
-            conn.send(Failed(f"{type(exc).__name__}: {exc}"))
+            conn.send(Failed(message))
         except OSError:
             pass
         return 1

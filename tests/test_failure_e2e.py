@@ -1,0 +1,111 @@
+"""A runner or a node dies mid-stream: the client gets an error, nothing is left running,
+the model is placed again and serves (3-node pipeline, real model, real processes)."""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+
+import httpx
+import psutil
+import pytest
+
+from conftest import start_cluster
+from shardline.models.store import DEFAULT_MODEL_ID
+
+pytestmark = pytest.mark.timeout(300)
+
+
+def runners_of(node: psutil.Process) -> list[psutil.Process]:
+    return [p for p in node.children() if "shardline.runner" in " ".join(p.cmdline())]
+
+
+class Stream(threading.Thread):
+    """A long streamed completion; records when it ended and how."""
+
+    def __init__(self, url: str) -> None:
+        super().__init__(daemon=True)
+        self.url = url
+        self.tokens = 0
+        self.error: str | None = None
+        self.ended_at: float | None = None
+
+    def run(self) -> None:
+        payload = {"model": DEFAULT_MODEL_ID, "stream": True, "max_tokens": 3000, "ignore_eos": True,
+                   "messages": [{"role": "user", "content": "Tell me a very long story."}]}
+        try:
+            with httpx.stream("POST", f"{self.url}/v1/chat/completions", json=payload,
+                              timeout=120) as response:
+                for line in response.iter_lines():
+                    if not line.startswith("data: ") or line == "data: [DONE]":
+                        continue
+                    chunk = json.loads(line[len("data: "):])
+                    if "error" in chunk:
+                        self.error = chunk["error"]["message"]
+                        break
+                    self.tokens += 1
+        except httpx.HTTPError as exc:
+            self.error = f"connection: {exc}"
+        self.ended_at = time.monotonic()
+
+
+def wait_until_serving(cluster, node: int, timeout_s: float) -> str:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        try:
+            response = httpx.post(f"{cluster.url(node)}/v1/chat/completions", timeout=60, json={
+                "model": DEFAULT_MODEL_ID, "temperature": 0,
+                "messages": [{"role": "user", "content": "What is the capital of France?"}]})
+            if response.status_code == 200:
+                return response.json()["choices"][0]["message"]["content"]
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.5)
+    raise AssertionError(f"not serving again within {timeout_s} s")
+
+
+def coordinator_index(cluster) -> int:
+    coordinator = httpx.get(f"{cluster.url(0)}/cluster/nodes").json()["coordinator"]
+    ids = [httpx.get(f"{cluster.url(i)}/health").json()["node_id"] for i in range(cluster.n)]
+    return ids.index(coordinator)
+
+
+@pytest.mark.parametrize("victim", ["runner", "node"])
+def test_a_death_mid_stream_fails_fast_and_the_model_is_placed_again(tmp_path, victim):
+    cluster = start_cluster(3, tmp_path)
+    try:
+        # The victim is neither the coordinator nor the node the client talks to.
+        coordinator = coordinator_index(cluster)
+        target = 2 if coordinator != 2 else 1
+        (client_node,) = {0, 1, 2} - {coordinator, target}
+        nodes = [psutil.Process(p.pid) for p in cluster.procs]
+        old_runners = [r for n in nodes for r in runners_of(n)]
+        assert len(old_runners) == 3
+        stream = Stream(cluster.url(client_node))
+        stream.start()
+        while stream.tokens < 5:
+            assert stream.ended_at is None, stream.error
+            time.sleep(0.05)
+        killed_at = time.monotonic()
+        if victim == "runner":
+            runners_of(nodes[target])[0].kill()
+        else:
+            for proc in [*runners_of(nodes[target]), nodes[target]]:
+                proc.kill()
+        stream.join(timeout=30)
+        assert stream.ended_at is not None and stream.error, "the client got no error"
+        error_s = stream.ended_at - killed_at
+        gone, alive = psutil.wait_procs(old_runners, timeout=15)
+        assert not alive, f"runners of the failed instance still running: {alive}"
+        answer = wait_until_serving(cluster, client_node, timeout_s=60)
+        serving_s = time.monotonic() - killed_at
+        assert "Paris" in answer
+        instances = httpx.get(f"{cluster.url(client_node)}/cluster/instances").json()["instances"]
+        ready = [i for i in instances if i["status"] == "ready"]
+        assert len(ready) == 1 and len(ready[0]["ranks"]) == (3 if victim == "runner" else 2)
+        print(f"\n{victim} killed: client error after {error_s:.2f} s ({stream.error!r}); "
+              f"serving again after {serving_s:.1f} s")
+        assert error_s < 10
+    finally:
+        cluster.stop()
