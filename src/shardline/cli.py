@@ -24,6 +24,7 @@ def _run(args: argparse.Namespace) -> int:
         node_id=args.node_id,
         runner_threads=args.runner_threads,
         exit_with_parent=args.exit_with_parent,
+        watchdog_s=args.watchdog,
     )
     logging.getLogger(__name__).info("node %s on %s", node.node_id, node.address)
     uvicorn.run(create_app(node), host=args.bind or args.host, port=args.port, log_level="warning")
@@ -93,6 +94,8 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--peers", default="", help="other nodes as host:port,host:port")
     run.add_argument("--node-id", default=None, help="this node's id (default: random)")
     run.add_argument("--runner-threads", type=int, default=0, help="torch threads per runner (0: all cores)")
+    run.add_argument("--watchdog", type=float, default=10.0,
+                     help="seconds a runner may go silent before its instance fails (default %(default)s)")
     run.add_argument("--exit-with-parent", action="store_true",
                      help="stop when the process that started this node exits")
     run.set_defaults(func=_run)

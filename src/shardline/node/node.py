@@ -126,6 +126,7 @@ class Node:
         port: its HTTP port.
         peers: ``host:port`` of other nodes to poll.
         runner_threads: torch threads per runner (0: torch's default).
+        watchdog_s: a runner silent this many seconds is killed and its instance fails.
         context, max_batch: defaults for new instances (tokens per sequence, sequences).
     """
 
@@ -140,6 +141,7 @@ class Node:
         max_batch: int = 8,
         down_after_s: float = 5.0,
         exit_with_parent: bool = False,
+        watchdog_s: float = 10.0,
     ) -> None:
         self.node_id = node_id or uuid.uuid4().hex[:12]
         self.host = host
@@ -156,7 +158,7 @@ class Node:
         self.started_at = time.time()
         self.instances: dict[str, Instance] = {}
         self.state_version = 0
-        self.worker = Worker(self._on_runner_message)
+        self.worker = Worker(self._on_runner_message, watchdog_s=watchdog_s)
         self.streams: dict[int, _Stream] = {}
         self.engine_stats: dict[str, dict] = {}  # instance id -> this node's rank's batch
         self.tokenizers: dict[str, Tokenizer] = {}

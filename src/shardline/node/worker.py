@@ -14,11 +14,12 @@ import socket
 import subprocess
 import sys
 import threading
+import time
 from dataclasses import dataclass, field
 from multiprocessing.connection import Connection
 from typing import Callable
 
-from shardline.runner.protocol import Failed, Loaded, RunnerSpec
+from shardline.runner.protocol import Failed, Heartbeat, Loaded, RunnerSpec
 
 log = logging.getLogger(__name__)
 
@@ -34,6 +35,16 @@ class RunnerHandle:
     error: str | None = None
     loaded: Loaded | None = None
     send_lock: threading.Lock = field(default_factory=threading.Lock)
+    last_seen: float = field(default_factory=time.monotonic)  # last message, monotonic seconds
+    state_lock: threading.Lock = field(default_factory=threading.Lock)
+
+    def fail(self, error: str) -> bool:
+        """Mark the runner failed; False if it had already failed or been stopped."""
+        with self.state_lock:
+            if self.status in ("failed", "stopped"):
+                return False
+            self.status, self.error = "failed", error
+            return True
 
     def send(self, message: object) -> bool:
         """Send a message to the runner; False when it can no longer be reached."""
@@ -50,12 +61,19 @@ class RunnerHandle:
 class Worker:
     """Starts runners and reports what they say through ``on_message(instance_id, msg)``.
 
-    ``on_message`` is called from reader threads with Loaded, Tokens or Failed; a runner
-    that exits without a word is reported as Failed with its exit code.
+    ``on_message`` is called from reader threads with Loaded, Tokens, EngineStats or
+    Failed. A runner that exits without a word is reported as Failed with its exit code. A
+    serving runner silent for ``watchdog_s`` seconds (runners send a Heartbeat every second
+    from a thread of their own, also while computing) is killed and reported as Failed; so
+    is one that has not loaded within ``startup_s`` seconds (imports and the process-group
+    rendezvous can hold the interpreter for seconds on a busy machine).
     """
 
-    def __init__(self, on_message: Callable[[str, object], None]) -> None:
+    def __init__(self, on_message: Callable[[str, object], None], watchdog_s: float = 10.0,
+                 startup_s: float = 300.0) -> None:
         self.on_message = on_message
+        self.watchdog_s = watchdog_s
+        self.startup_s = startup_s
         self.runners: dict[str, RunnerHandle] = {}
         self._lock = threading.Lock()
 
@@ -81,7 +99,26 @@ class Worker:
         threading.Thread(
             target=self._serve, args=(handle,), daemon=True, name=f"runner-{spec.rank}"
         ).start()
+        threading.Thread(
+            target=self._watch, args=(handle,), daemon=True, name=f"watchdog-{spec.rank}"
+        ).start()
         return handle
+
+    def _watch(self, handle: RunnerHandle) -> None:
+        started = time.monotonic()
+        while handle.status not in ("failed", "stopped"):
+            time.sleep(0.25)
+            now = time.monotonic()
+            if handle.status == "ready":
+                silent = now - handle.last_seen
+                error = f"runner stopped responding for {silent:.0f} s (watchdog {self.watchdog_s:.0f} s)"
+                late = silent > self.watchdog_s
+            else:
+                error = f"runner did not load within {self.startup_s:.0f} s"
+                late = now - started > self.startup_s
+            if late and handle.fail(error):
+                self._kill(handle)
+                self.on_message(handle.spec.instance_id, Failed(error))
 
     def _serve(self, handle: RunnerHandle) -> None:
         instance_id = handle.spec.instance_id
@@ -89,10 +126,13 @@ class Worker:
             handle.conn.send(handle.spec)
             while True:
                 message = handle.conn.recv()
+                handle.last_seen = time.monotonic()
+                if isinstance(message, Heartbeat):
+                    continue
                 if isinstance(message, Loaded):
                     handle.status, handle.loaded = "ready", message
-                elif isinstance(message, Failed):
-                    handle.status, handle.error = "failed", message.error
+                elif isinstance(message, Failed) and not handle.fail(message.error):
+                    continue
                 self.on_message(instance_id, message)
         except (EOFError, OSError) as exc:
             if handle.status not in ("failed", "stopped"):
@@ -102,11 +142,9 @@ class Worker:
                         code = handle.process.wait(timeout=2)
                     except subprocess.TimeoutExpired:
                         code = None
-                handle.status = "failed"
-                handle.error = handle.error or (
-                    f"runner exited with code {code}" if code is not None else f"runner lost: {exc}"
-                )
-                self.on_message(instance_id, Failed(handle.error))
+                error = f"runner exited with code {code}" if code is not None else f"runner lost: {exc}"
+                if handle.fail(error):
+                    self.on_message(instance_id, Failed(error))
         finally:
             if handle.process.poll() is None and handle.status == "failed":
                 self._kill(handle)
@@ -116,7 +154,8 @@ class Worker:
         with self._lock:
             handle = self.runners.pop(instance_id, None)
         if handle is not None:
-            handle.status = "stopped"
+            with handle.state_lock:
+                handle.status = "stopped"
             self._kill(handle)
 
     def stop_all(self) -> None:

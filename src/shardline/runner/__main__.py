@@ -14,6 +14,7 @@ import queue
 import re
 import sys
 import threading
+import time
 import traceback
 from datetime import timedelta
 from multiprocessing.connection import Connection
@@ -33,7 +34,30 @@ def _read_inbox(conn, inbox: "queue.Queue[object]") -> None:
         os._exit(3)
 
 
-def serve(conn) -> None:
+class Outbox:
+    """Thread-safe sending to the node; a daemon thread sends a Heartbeat every second."""
+
+    def __init__(self, conn) -> None:
+        self.conn = conn
+        self.lock = threading.Lock()
+        threading.Thread(target=self._beat, daemon=True, name="heartbeat").start()
+
+    def send(self, message: object) -> None:
+        with self.lock:
+            self.conn.send(message)
+
+    def _beat(self) -> None:
+        from shardline.runner.protocol import Heartbeat
+
+        while True:
+            try:
+                self.send(Heartbeat())
+            except OSError:
+                return
+            time.sleep(1.0)
+
+
+def serve(conn, outbox: Outbox) -> None:
     import torch
     import torch.distributed as dist
 
@@ -80,14 +104,14 @@ def serve(conn) -> None:
         dist.barrier(group)  # every rank holds its shard before any serves
     layers = sorted({int(m.group(1)) for name in source.tensors_read
                      if (m := re.match(r"(?:blk|model\.layers)\.(\d+)\.", name))})
-    conn.send(
+    outbox.send(
         Loaded(tuple(layers), len(source.tensors_read), source.bytes_read, param_bytes,
                cache.nbytes())
     )
     engine = Engine(
         stage,
         inbox,
-        send=conn.send,
+        send=outbox.send,
         node_id=spec.node_id,
         group=group,
         max_batch=spec.max_batch,
@@ -112,8 +136,9 @@ def _peer_lost(exc: BaseException) -> bool:
 def main() -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s runner %(message)s")
     conn = Connection(int(sys.argv[1]))
+    outbox = Outbox(conn)
     try:
-        serve(conn)
+        serve(conn, outbox)
     except Exception as exc:  # noqa: BLE001 - every failure is reported, then exits
         from shardline.runner.protocol import Failed
 
@@ -125,7 +150,7 @@ def main() -> int:
             traceback.print_exc()
             message = f"{type(exc).__name__}: {exc}"
         try:
-            conn.send(Failed(message))
+            outbox.send(Failed(message))
         except OSError:
             pass
         return 1

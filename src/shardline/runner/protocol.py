@@ -6,7 +6,8 @@ below.
 
 node -> runner:  ``Task``; ``Cancel``; ``Shutdown``.
 runner -> node:  ``Loaded`` (ready to serve); ``Tokens`` (one engine step's new tokens);
-                 ``EngineStats`` (the batch changed); ``Failed`` (exiting with an error).
+                 ``EngineStats`` (the batch changed); ``Failed`` (exiting with an error);
+                 ``Heartbeat`` (every second, from its own thread: the node's watchdog).
 """
 
 from __future__ import annotations
@@ -114,6 +115,11 @@ class EngineStats:
     held: tuple[int, ...]
     free_slots: int
     steps: int
+
+
+@dataclass(frozen=True)
+class Heartbeat:
+    pass
 
 
 @dataclass(frozen=True)
