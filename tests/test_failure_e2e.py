@@ -112,3 +112,46 @@ def test_a_death_mid_stream_fails_fast_and_the_model_is_placed_again(tmp_path, v
         assert error_s < (15 if victim == "frozen runner" else 10)  # the watchdog is 10 s
     finally:
         cluster.stop()
+
+
+def test_a_model_whose_runners_cannot_load_fails_with_the_reason(tmp_path):
+    """Placement reads only config.json; the runners find a layer missing and fail. The
+    coordinator tries again a few times, then leaves the failed instance and its reason."""
+    import tiny_models as tm
+    from safetensors.torch import load_file, save_file
+
+    from shardline.local_cluster import LocalCluster, LocalClusterError
+
+    model_dir = tmp_path / "broken-model"
+    tm.save_hf(tm.hf_model("llama", num_layers=2, seed=1), model_dir)
+    weights = next(model_dir.glob("*.safetensors"))
+    tensors = load_file(weights)
+    del tensors["model.layers.1.mlp.down_proj.weight"]
+    save_file(tensors, weights, metadata={"format": "pt"})
+
+    from conftest import free_port_block
+
+    with LocalCluster(nodes=1, base_port=free_port_block(1), runner_threads=1,
+                      log_dir=str(tmp_path / "logs")) as cluster:
+        cluster.start()
+        with pytest.raises(LocalClusterError, match="down_proj"):
+            cluster.place(str(model_dir), timeout_s=60)
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline:  # retried, then given up, the reason kept
+            instances = httpx.get(f"{cluster.url(0)}/cluster/instances").json()["instances"]
+            if len(instances) == 1 and instances[0]["retries"] == 3 and instances[0]["status"] == "failed":
+                time.sleep(8)  # past the re-placement delay: no further attempt
+                again = httpx.get(f"{cluster.url(0)}/cluster/instances").json()["instances"]
+                assert [i["instance_id"] for i in again] == [instances[0]["instance_id"]]
+                break
+            time.sleep(0.5)
+        else:
+            raise AssertionError(f"never gave up: {instances}")
+        assert "model.layers.1.mlp.down_proj.weight" in instances[0]["error"]
+        response = httpx.post(f"{cluster.url(0)}/v1/chat/completions", timeout=30, json={
+            "model": "broken-model", "messages": [{"role": "user", "content": "hi"}]})
+        assert response.status_code == 503
+        assert "down_proj" in response.json()["error"]["message"]
+        runners = [p for p in psutil.Process(cluster.procs[0].pid).children()
+                   if "shardline.runner" in " ".join(p.cmdline())]
+        assert runners == []

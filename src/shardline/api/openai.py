@@ -288,10 +288,12 @@ async def prepare(node: Node, req: ChatCompletionRequest) -> Generation:
     try:
         node.ready_instance(req.model)
     except NoInstanceError:
-        if any(i.model_id == req.model for i in node.instances.values()):
-            raise OpenAIError(503, f"The model '{req.model}' is being loaded or placed again; "
-                              "retry in a few seconds", "server_error", param="model",
-                              code="model_loading") from None
+        placed = [i for i in node.instances.values() if i.model_id == req.model]
+        if placed:
+            detail = "; ".join(f"instance {i.instance_id} {i.status}" + (f": {i.error}" if i.error else "")
+                               for i in placed)
+            raise OpenAIError(503, f"The model '{req.model}' is not ready ({detail}); retry later",
+                              "server_error", param="model", code="model_not_ready") from None
         known = ", ".join(m["id"] for m in node.models()) or "none"
         raise OpenAIError(404, f"The model '{req.model}' does not exist or is not loaded (available: {known})",
                           param="model", code="model_not_found") from None

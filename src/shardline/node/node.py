@@ -27,6 +27,7 @@ import time
 import uuid
 import zlib
 from collections.abc import AsyncIterator
+from pathlib import Path
 from dataclasses import dataclass, field
 
 import httpx
@@ -78,6 +79,7 @@ class Instance:
 
     instance_id: str
     model_id: str
+    model_path: str  # where the coordinator found the files (each node may have its own copy)
     sharding: str
     ranks: list[RankPlacement]
     master_addr: str
@@ -302,11 +304,11 @@ class Node:
         for instance_id, (inst, rank, placement) in wanted.items():
             if instance_id in self.worker.runners:
                 continue
-            ref = resolve_model(inst.model_id)
+            path = self.model_path(inst.model_id)
             spec = RunnerSpec(
                 instance_id=instance_id,
                 node_id=self.node_id,
-                model_path=str(ref.path),
+                model_path=str(path),
                 rank=rank,
                 world_size=len(inst.ranks),
                 layer_start=placement.layer_start,
@@ -383,16 +385,20 @@ class Node:
         await asyncio.sleep(self.down_after_s + 1)
         if self.instances.get(failed.instance_id) is not failed or not self.is_coordinator():
             return
-        del self.instances[failed.instance_id]
         retries = failed.retries + 1 if failed.ready_at is None else 0
         if retries > self.max_replacements:
+            # Leave the failed instance in the table, so its error stays visible.
             log.error("giving up on %s after %d failed placements", failed.model_id, retries)
-            await self._publish()
             return
+        del self.instances[failed.instance_id]
         live = set(self.live_node_ids())
         nodes = [n for n in failed.node_ids() if n in live] or None
         try:
-            await self.create_instance(failed.model_id, failed.sharding, nodes,
+            try:
+                model = resolve_model(failed.model_id).model_id
+            except ModelNotFoundError:
+                model = failed.model_path  # placed from a local path: its id is the name
+            await self.create_instance(model, failed.sharding, nodes,
                                        context=failed.context, max_batch=failed.max_batch,
                                        retries=retries)
         except (PlacementError, ModelNotFoundError, httpx.HTTPError) as exc:
@@ -439,6 +445,7 @@ class Node:
         inst = Instance(
             instance_id=uuid.uuid4().hex[:8],
             model_id=ref.model_id,
+            model_path=str(ref.path),
             sharding=sharding,
             ranks=[
                 RankPlacement(n, self.address_of(n), s, e) for n, (s, e) in zip(chosen, ranges)
@@ -473,11 +480,25 @@ class Node:
 
     # -- requests ------------------------------------------------------------------------
 
+    def model_path(self, model_id: str) -> Path:
+        """This node's copy of a model: by id, else the path its instance was placed from.
+
+        Raises:
+            ModelNotFoundError: neither is on this machine.
+        """
+        try:
+            return resolve_model(model_id).path
+        except ModelNotFoundError:
+            for inst in self.instances.values():
+                if inst.model_id == model_id and Path(inst.model_path).exists():
+                    return Path(inst.model_path)
+            raise
+
     def tokenizer(self, model_id: str) -> Tokenizer:
         """The tokenizer of a model, loaded once per node (blocking: call off the loop)."""
         with self._tokenizer_lock:
             if model_id not in self.tokenizers:
-                self.tokenizers[model_id] = Tokenizer(resolve_model(model_id).path)
+                self.tokenizers[model_id] = Tokenizer(self.model_path(model_id))
             return self.tokenizers[model_id]
 
     def ready_instance(self, model_id: str) -> Instance:
