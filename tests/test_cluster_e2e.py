@@ -161,3 +161,10 @@ def test_unknown_sharding_is_a_bad_request(cluster3):
     response = httpx.post(f"{cluster3.url(0)}/cluster/instances", json={"sharding": "diagonal"}, timeout=30)
     assert response.status_code == 400
     assert "diagonal" in response.json()["detail"]
+
+
+def test_one_instance_by_id(cluster3):
+    listed = httpx.get(f"{cluster3.url(0)}/cluster/instances").json()["instances"][0]
+    one = httpx.get(f"{cluster3.url(1)}/cluster/instances/{listed['instance_id']}")
+    assert one.status_code == 200 and one.json()["ranks"] == listed["ranks"]
+    assert httpx.get(f"{cluster3.url(1)}/cluster/instances/nope").status_code == 404

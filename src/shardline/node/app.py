@@ -92,6 +92,13 @@ def create_app(node: Node) -> FastAPI:
             for i in node.instances.values()
         ]}
 
+    @app.get("/cluster/instances/{instance_id}")
+    async def instance(instance_id: str):
+        inst = node.instances.get(instance_id)
+        if inst is None:
+            return JSONResponse(status_code=404, content={"detail": f"no instance {instance_id}"})
+        return dict(inst.to_dict(), local_engine=node.engine_stats.get(instance_id))
+
     @app.post("/cluster/instances", status_code=201)
     async def create_instance(body: CreateInstance):
         if not node.is_coordinator():
