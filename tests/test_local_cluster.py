@@ -2,7 +2,6 @@
 
 import subprocess
 import sys
-import time
 
 import psutil
 import pytest
