@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import queue
 import random
-import socket
 import time
 from dataclasses import dataclass, field
 
@@ -17,6 +16,7 @@ import pytest
 import torch
 
 import tiny_models as tm
+from shardline.node.node import free_port
 from shardline.node.worker import Worker
 from shardline.runner.protocol import (
     Cancel,
@@ -30,12 +30,6 @@ from shardline.runner.protocol import (
 )
 
 NODE = "test-node"
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @dataclass

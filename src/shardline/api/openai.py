@@ -19,8 +19,8 @@ from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from shardline.models.tokenizer import ChatTemplateError, IncrementalDetokenizer
-from shardline.node.node import InstanceFailedError, NoInstanceError, Node
+from shardline.models.tokenizer import ChatTemplateError, IncrementalDetokenizer, Tokenizer
+from shardline.node.node import Instance, InstanceFailedError, NoInstanceError, Node
 from shardline.runner.protocol import SamplingParams
 
 
@@ -114,11 +114,11 @@ class StopMatcher:
 class Generation:
     """One request's prepared inputs: prompt ids, limits and sampling."""
 
-    def __init__(self, node: Node, req: ChatCompletionRequest, prompt: list[int]) -> None:
+    def __init__(self, node: Node, req: ChatCompletionRequest, prompt: list[int],
+                 inst: Instance, tokenizer: Tokenizer) -> None:
         self.node = node
         self.req = req
         self.prompt = prompt
-        inst = node.ready_instance(req.model)
         limit = req.max_completion_tokens or req.max_tokens
         room = inst.context - len(prompt)
         if room < 1 or (limit is not None and limit > room):
@@ -131,7 +131,6 @@ class Generation:
             )
         self.max_tokens = limit or room
         self.sampling = SamplingParams(req.temperature, req.top_p, req.top_k, req.seed)
-        tokenizer = node.tokenizers[req.model]
         self.stop_ids = [] if req.ignore_eos else tokenizer.eos_token_ids
         self.detokenizer = IncrementalDetokenizer(tokenizer)
         self.stops = StopMatcher([req.stop] if isinstance(req.stop, str) else (req.stop or []))
@@ -170,11 +169,14 @@ class Generation:
 def router(node: Node) -> APIRouter:
     api = APIRouter()
 
+    def model_object(m: dict) -> dict:
+        return {"id": m["id"], "object": "model", "created": m["created"], "owned_by": "shardline"}
+
     @api.get("/v1/models/{model_id:path}")
     async def get_model(model_id: str):
         for m in node.models():
             if m["id"] == model_id:
-                return {"id": m["id"], "object": "model", "created": m["created"], "owned_by": "shardline"}
+                return model_object(m)
         return OpenAIError(404, f"The model '{model_id}' does not exist or is not loaded",
                            param="model", code="model_not_found").response()
 
@@ -182,10 +184,7 @@ def router(node: Node) -> APIRouter:
     async def list_models() -> dict:
         return {
             "object": "list",
-            "data": [
-                {"id": m["id"], "object": "model", "created": m["created"], "owned_by": "shardline"}
-                for m in node.models()
-            ],
+            "data": [model_object(m) for m in node.models()],
         }
 
     @api.post("/v1/chat/completions")
@@ -199,7 +198,7 @@ def router(node: Node) -> APIRouter:
         created = int(time.time())
         if req.stream:
             return StreamingResponse(
-                stream_chat(gen, completion_id, created, request),
+                stream_chat(gen, completion_id, created),
                 media_type="text/event-stream",
                 headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
             )
@@ -286,7 +285,7 @@ async def prepare(node: Node, req: ChatCompletionRequest) -> Generation:
         OpenAIError: 404 for a model no instance serves, 400 for a bad prompt.
     """
     try:
-        node.ready_instance(req.model)
+        inst = node.ready_instance(req.model)
     except NoInstanceError:
         placed = [i for i in node.instances.values() if i.model_id == req.model]
         if placed:
@@ -303,38 +302,31 @@ async def prepare(node: Node, req: ChatCompletionRequest) -> Generation:
         prompt = await asyncio.to_thread(tokenizer.encode_chat, messages)
     except ChatTemplateError as exc:
         raise OpenAIError(400, str(exc), param="messages") from exc
-    try:
-        return Generation(node, req, prompt)
-    except NoInstanceError as exc:
-        raise OpenAIError(404, str(exc), param="model", code="model_not_found") from exc
+    return Generation(node, req, prompt, inst, tokenizer)
 
 
 def _sse(data: Any) -> str:
     return f"data: {json.dumps(data, ensure_ascii=False)}\n\n"
 
 
-async def stream_chat(gen: Generation, completion_id: str, created: int, request: Request) -> AsyncIterator[str]:
-    def chunk(delta: dict, finish: str | None) -> dict:
-        return {
-            "id": completion_id,
-            "object": "chat.completion.chunk",
-            "created": created,
-            "model": gen.req.model,
-            "choices": [{"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}],
-        }
+async def stream_chat(gen: Generation, completion_id: str, created: int) -> AsyncIterator[str]:
+    def chunk(choices: list[dict], **extra) -> dict:
+        return {"id": completion_id, "object": "chat.completion.chunk", "created": created,
+                "model": gen.req.model, "choices": choices, **extra}
 
-    yield _sse(chunk({"role": "assistant", "content": ""}, None))
+    def choice(delta: dict, finish: str | None) -> list[dict]:
+        return [{"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}]
+
+    yield _sse(chunk(choice({"role": "assistant", "content": ""}, None)))
     try:
         async for text, finish in gen.texts():
             if text:
-                yield _sse(chunk({"content": text}, None))
+                yield _sse(chunk(choice({"content": text}, None)))
             if finish is not None:
-                yield _sse(chunk({}, finish))
+                yield _sse(chunk(choice({}, finish)))
     except InstanceFailedError as exc:
         yield _sse(error_body(str(exc), "server_error", code="instance_failed"))
         return
     if gen.req.stream_options and gen.req.stream_options.include_usage:
-        usage = {"id": completion_id, "object": "chat.completion.chunk", "created": created,
-                 "model": gen.req.model, "choices": [], "usage": gen.usage()}
-        yield _sse(usage)
+        yield _sse(chunk([], usage=gen.usage()))
     yield "data: [DONE]\n\n"

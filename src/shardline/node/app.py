@@ -84,28 +84,26 @@ def create_app(node: Node) -> FastAPI:
                         "available_bytes": peer.available_bytes, "total_bytes": peer.total_bytes})
         return {"coordinator": node.coordinator_id(), "nodes": out}
 
+    def instance_view(inst) -> dict:
+        """An instance; ``local_engine`` is this node's rank's batch (EngineStats)."""
+        return dict(inst.to_dict(), local_engine=node.engine_stats.get(inst.instance_id))
+
     @app.get("/cluster/instances")
     async def instances() -> dict:
-        """The instance table; ``local_engine`` is this node's rank's batch (EngineStats)."""
-        return {"instances": [
-            dict(i.to_dict(), local_engine=node.engine_stats.get(i.instance_id))
-            for i in node.instances.values()
-        ]}
+        return {"instances": [instance_view(i) for i in node.instances.values()]}
 
     @app.get("/cluster/instances/{instance_id}")
     async def instance(instance_id: str):
         inst = node.instances.get(instance_id)
         if inst is None:
             return JSONResponse(status_code=404, content={"detail": f"no instance {instance_id}"})
-        return dict(inst.to_dict(), local_engine=node.engine_stats.get(instance_id))
+        return instance_view(inst)
 
     @app.post("/cluster/instances", status_code=201)
     async def create_instance(body: CreateInstance):
         if not node.is_coordinator():
-            coordinator = node.address_of(node.coordinator_id())
-            response = await node._http.post(f"http://{coordinator}/cluster/instances",
-                                              json=body.model_dump(), timeout=60.0)
-            return JSONResponse(status_code=response.status_code, content=response.json())
+            status, content = await node.ask_coordinator("POST", "/cluster/instances", body.model_dump())
+            return JSONResponse(status_code=status, content=content)
         try:
             inst = await node.create_instance(body.model, body.sharding, body.nodes, body.context, body.max_batch)
         except ModelNotFoundError as exc:
@@ -118,9 +116,8 @@ def create_app(node: Node) -> FastAPI:
     @app.delete("/cluster/instances/{instance_id}")
     async def delete_instance(instance_id: str):
         if not node.is_coordinator():
-            coordinator = node.address_of(node.coordinator_id())
-            response = await node._http.delete(f"http://{coordinator}/cluster/instances/{instance_id}")
-            return JSONResponse(status_code=response.status_code, content=response.json())
+            status, content = await node.ask_coordinator("DELETE", f"/cluster/instances/{instance_id}")
+            return JSONResponse(status_code=status, content=content)
         if not await node.delete_instance(instance_id):
             return JSONResponse(status_code=404, content={"detail": f"no instance {instance_id}"})
         return {"deleted": instance_id}

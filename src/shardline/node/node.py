@@ -18,6 +18,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import itertools
+import json
 import logging
 import os
 import signal
@@ -33,7 +34,7 @@ from dataclasses import dataclass, field
 import httpx
 import psutil
 
-from shardline.models.store import ModelNotFoundError, resolve_model
+from shardline.models.store import ModelNotFoundError, ModelRef, resolve_model
 from shardline.models.tokenizer import Tokenizer
 from shardline.node.worker import Worker
 from shardline.placement.pipeline import NodeCapacity, PlacementError, pipeline_layer_ranges
@@ -299,6 +300,7 @@ class Node:
         for instance_id in list(self.worker.runners):
             if instance_id not in wanted:
                 await asyncio.to_thread(self.worker.stop, instance_id)
+                self.engine_stats.pop(instance_id, None)
                 inst = self.instances.get(instance_id)
                 self._fail_streams(instance_id, inst.error if inst else "the instance was deleted")
         for instance_id, (inst, rank, placement) in wanted.items():
@@ -331,15 +333,13 @@ class Node:
             loop.call_soon_threadsafe(self._dispatch, message.events)
         elif isinstance(message, EngineStats):
             self.engine_stats[instance_id] = dataclasses.asdict(message)
-        elif isinstance(message, (Loaded, Failed)):
-            status = "ready" if isinstance(message, Loaded) else "failed"
-            error = message.error if isinstance(message, Failed) else None
-            loaded = dataclasses.asdict(message) if isinstance(message, Loaded) else None
-            if isinstance(message, Failed):
-                loop.call_soon_threadsafe(self._fail_streams, instance_id, error)
-            asyncio.run_coroutine_threadsafe(
-                self._report_runner(instance_id, status, error, loaded), loop
-            )
+        elif isinstance(message, Loaded):
+            report = self._report_runner(instance_id, "ready", None, dataclasses.asdict(message))
+            asyncio.run_coroutine_threadsafe(report, loop)
+        elif isinstance(message, Failed):
+            loop.call_soon_threadsafe(self._fail_streams, instance_id, message.error)
+            report = self._report_runner(instance_id, "failed", message.error, None)
+            asyncio.run_coroutine_threadsafe(report, loop)
 
     async def _report_runner(
         self, instance_id: str, status: str, error: str | None, loaded: dict | None
@@ -394,13 +394,9 @@ class Node:
         live = set(self.live_node_ids())
         nodes = [n for n in failed.node_ids() if n in live] or None
         try:
-            try:
-                model = resolve_model(failed.model_id).model_id
-            except ModelNotFoundError:
-                model = failed.model_path  # placed from a local path: its id is the name
-            await self.create_instance(model, failed.sharding, nodes,
-                                       context=failed.context, max_batch=failed.max_batch,
-                                       retries=retries)
+            ref = ModelRef(failed.model_id, Path(failed.model_path))
+            await self._place(ref, failed.sharding, nodes, failed.context, failed.max_batch,
+                              retries)
         except (PlacementError, ModelNotFoundError, httpx.HTTPError) as exc:
             log.error("could not place %s again: %s", failed.model_id, exc)
             await self._publish()
@@ -414,9 +410,8 @@ class Node:
         node_ids: list[str] | None = None,
         context: int | None = None,
         max_batch: int | None = None,
-        retries: int = 0,
     ) -> Instance:
-        """Coordinator: place ``model`` and start loading it.
+        """Coordinator: place ``model`` (an id or a local path) and start loading it.
 
         Raises:
             ModelNotFoundError: the model's files are not on this machine.
@@ -424,8 +419,18 @@ class Node:
         """
         if sharding not in SHARDINGS:
             raise PlacementError(f"sharding {sharding!r} is not supported (supported: {', '.join(SHARDINGS)})")
-        ref = resolve_model(model)
-        from shardline.models.weights import open_weights
+        return await self._place(resolve_model(model), sharding, node_ids, context, max_batch)
+
+    async def _place(
+        self,
+        ref: ModelRef,
+        sharding: str,
+        node_ids: list[str] | None,
+        context: int | None,
+        max_batch: int | None,
+        retries: int = 0,
+    ) -> Instance:
+        from shardline.models.weights import open_weights  # torch: imported only when placing
 
         config = (await asyncio.to_thread(open_weights, ref.path)).config
         live = self.live_node_ids()
@@ -470,6 +475,12 @@ class Node:
             return free_port()
         response = await self._http.get(f"http://{self.address_of(node_id)}/internal/free-port")
         return int(response.json()["port"])
+
+    async def ask_coordinator(self, method: str, path: str, body: dict | None = None) -> tuple[int, dict]:
+        """Send a cluster-API request to the coordinator; its status and JSON body."""
+        url = f"http://{self.address_of(self.coordinator_id())}{path}"
+        response = await self._http.request(method, url, json=body, timeout=60.0)
+        return response.status_code, response.json()
 
     async def delete_instance(self, instance_id: str) -> bool:
         """Coordinator: remove an instance; its runners are stopped everywhere."""
@@ -625,8 +636,6 @@ class Node:
 
     async def _forward(self, inst, model_id, prompt, max_tokens, sampling, stop_token_ids):
         """Run the request through a node that hosts a rank of ``inst``."""
-        import json
-
         body = {
             "model": model_id,
             "prompt": prompt,
