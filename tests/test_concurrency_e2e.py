@@ -118,7 +118,11 @@ def test_a_long_prompt_does_not_pause_running_streams_for_its_whole_prefill(clus
     longest = max(window_gaps)
     print(f"\n~2000-token prompt prefilled in {prefill_s:.2f} s while 4 streams decoded; "
           f"longest gap between their tokens then: {longest * 1000:.0f} ms")
-    assert longest < 0.5 * prefill_s
+    # The prompt is prefilled in 512-token chunks with a decode step between chunks, so
+    # every running stream gets tokens while it is prefilled (one whole-prompt prefill
+    # would give each at most one). Counted, not timed: timing flakes on a loaded machine.
+    during = [sum(sent < t < long_times[0] for t in times) for _, times in results]
+    assert all(n >= 2 for n in during), during
 
 
 def test_a_seeded_sample_is_the_same_whatever_runs_beside_it(cluster3):
