@@ -19,12 +19,15 @@ import traceback
 from datetime import timedelta
 from multiprocessing.connection import Connection
 
+# Imported here, before any thread starts: a first import inside the heartbeat thread raced
+# the main thread's imports ("partially initialized module 'typing'") and killed the thread,
+# so the node's watchdog then killed a healthy runner.
+from shardline.runner.protocol import Failed, Heartbeat, Loaded, RunnerSpec, Shutdown
+
 log = logging.getLogger("shardline.runner")
 
 
 def _read_inbox(conn, inbox: "queue.Queue[object]") -> None:
-    from shardline.runner.protocol import Shutdown
-
     try:
         while True:
             inbox.put(conn.recv())
@@ -47,8 +50,6 @@ class Outbox:
             self.conn.send(message)
 
     def _beat(self) -> None:
-        from shardline.runner.protocol import Heartbeat
-
         while True:
             try:
                 self.send(Heartbeat())
@@ -66,7 +67,6 @@ def serve(conn, outbox: Outbox) -> None:
     from shardline.models.weights import load_shard, open_weights
     from shardline.parallel.pipeline import PipelineStage
     from shardline.runner.engine import Engine
-    from shardline.runner.protocol import Loaded, RunnerSpec
 
     spec: RunnerSpec = conn.recv()
     if spec.threads:
@@ -140,8 +140,6 @@ def main() -> int:
     try:
         serve(conn, outbox)
     except Exception as exc:  # noqa: BLE001 - every failure is reported, then exits
-        from shardline.runner.protocol import Failed
-
         if _peer_lost(exc):
             # Another rank stopped (killed, deleted instance, node gone): expected, not a bug.
             message = "lost contact with another rank of the instance"
