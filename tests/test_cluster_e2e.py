@@ -89,6 +89,25 @@ def test_streaming_chunks_follow_openai_format(cluster3):
     assert text == plain["choices"][0]["message"]["content"]
 
 
+def test_long_prompt_streams_prefill_progress_when_asked(cluster3):
+    content = "Summarize: " + "the quick brown fox jumps over the lazy dog. " * 120
+    body = {"model": DEFAULT_MODEL_ID, "messages": [{"role": "user", "content": content}],
+            "temperature": 0, "max_tokens": 3, "stream": True, "return_progress": True,
+            "stream_options": {"include_usage": True}}
+    with httpx.stream("POST", f"{cluster3.url(1)}/v1/chat/completions", json=body, timeout=120) as r:
+        chunks = [json.loads(line[6:]) for line in r.iter_lines()
+                  if line.startswith("data: ") and line != "data: [DONE]"]
+    prompt_tokens = chunks[-1]["usage"]["prompt_tokens"]
+    assert prompt_tokens > 1100  # three 512-token prefill chunks
+    progress = [c["prompt_progress"] for c in chunks if "prompt_progress" in c]
+    assert [p["processed"] for p in progress] == [512, 1024, prompt_tokens]
+    assert all(p["total"] == prompt_tokens and p["time_ms"] >= 0 for p in progress)
+    first_text = next(i for i, c in enumerate(chunks) if c["choices"] and c["choices"][0]["delta"].get("content"))
+    last_progress = max(i for i, c in enumerate(chunks) if "prompt_progress" in c)
+    assert last_progress < first_text
+    assert all(c["choices"][0]["delta"] == {} for c in chunks if "prompt_progress" in c)
+
+
 def test_stop_string_ends_the_text(cluster3):
     full = chat(cluster3.url(0), "Count from 1 to 20.", max_tokens=40).json()["choices"][0]["message"]["content"]
     assert "5" in full

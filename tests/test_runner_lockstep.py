@@ -23,6 +23,7 @@ from shardline.runner.protocol import (
     EngineStats,
     Failed,
     Loaded,
+    PrefillProgress,
     RunnerSpec,
     SamplingParams,
     Task,
@@ -50,7 +51,8 @@ class Rank:
 class Instance:
     """``world`` runner processes forming one pipeline instance; one Worker per rank."""
 
-    def __init__(self, model_dir, world: int, max_batch: int = 4, context: int = 96) -> None:
+    def __init__(self, model_dir, world: int, max_batch: int = 4, context: int = 96,
+                 prefill_step_tokens: int = 1024, progress_timeout_s: float = 60) -> None:
         self.ranks = []
         port = free_port()
         layers = 4
@@ -63,7 +65,9 @@ class Instance:
                 world_size=world, layer_start=bounds[r], layer_end=bounds[r + 1],
                 master_addr="127.0.0.1", master_port=port, dtype="float32",
                 max_batch=max_batch, context=context, prefill_chunk=8, threads=1,
-                collective_timeout_s=30, quantized_decode=False,
+                prefill_step_tokens=prefill_step_tokens,
+                prefill_burst_tokens=prefill_step_tokens, collective_timeout_s=30,
+                progress_timeout_s=progress_timeout_s, quantized_decode=False,
             ))
             self.ranks.append(rank)
         for r, rank in enumerate(self.ranks):
@@ -88,7 +92,8 @@ class Instance:
         assert self.ranks[r].worker.runners["inst"].send(message)
 
     def collect(self, task_ids: set[int], timeout: float = 60) -> list[dict[int, list]]:
-        """Per rank: task id -> [(token, finish_reason), ...] until every task finished."""
+        """Per rank: task id -> [(token, finish_reason), ...] until every task finished
+        (prefill progress is skipped)."""
         results = []
         for r, rank in enumerate(self.ranks):
             out: dict[int, list] = {t: [] for t in task_ids}
@@ -98,6 +103,8 @@ class Instance:
                 message = self._next(rank, (Tokens,), deadline - time.time())
                 assert not isinstance(message, Failed), f"rank {r} failed: {message.error}"
                 for event in message.events:
+                    if isinstance(event, PrefillProgress):
+                        continue
                     out[event.task_id].append((event.token_id, event.finish_reason))
                     if event.finish_reason is not None:
                         done.add(event.task_id)
@@ -233,4 +240,100 @@ def test_a_task_cancelled_before_it_arrives_never_starts(model_dir):
             stats = instance.wait_stats(r, lambda s: s.running == ())
             assert task.task_id not in stats.running + stats.waiting + stats.held
     finally:
+        instance.stop()
+
+
+def progress_until(instance: Instance, r: int, task_id: int, done: int, timeout: float = 30) -> int:
+    """Read rank r's messages until its prefill of ``task_id`` reached ``done`` tokens."""
+    deadline = time.time() + timeout
+    while True:
+        message = instance._next(instance.ranks[r], (Tokens,), deadline - time.time())
+        assert not isinstance(message, Failed), message.error
+        for event in message.events:
+            assert event.task_id == task_id
+            assert isinstance(event, PrefillProgress), f"prefill ended before {done} tokens: {event}"
+            if event.done >= done:
+                return event.done
+
+
+@pytest.mark.timeout(240)
+def test_cancel_during_pipelined_prefill_at_several_chunks_then_serve_correctly(model_dir):
+    # 8-token chunks, 2 per step: a 240-token prompt takes 15 steps of 2 overlapped chunks.
+    instance = Instance(model_dir, 3, context=320, prefill_step_tokens=16)
+    long_prompt = tuple(random.Random(11).randrange(tm.VOCAB) for _ in range(240))
+    try:
+        for i, chunk in enumerate([1, 6, 14]):
+            task = Task(task_id=3000 + i, origin=NODE, prompt=long_prompt, max_tokens=5,
+                        sampling=SamplingParams(temperature=0.0))
+            for r in range(3):
+                instance.send(r, task)
+            reached = progress_until(instance, 2, task.task_id, chunk * 8)
+            instance.send(1, Cancel(task.task_id))  # a middle rank hears of it
+            results = instance.collect({task.task_id})
+            for r in range(3):
+                # the cancel came mid-prefill: no token was generated
+                assert results[r][task.task_id] == [(-1, "cancelled")], (chunk, reached)
+            for r in range(3):
+                instance.wait_stats(r, lambda s: s.running == () and s.free_slots == 4)
+            (after,) = make_tasks(1, seed=20 + i)
+            after = Task(task_id=4000 + i, origin=NODE, prompt=after.prompt, max_tokens=8,
+                         sampling=after.sampling)
+            for r in range(3):
+                instance.send(r, after)
+            results = instance.collect({after.task_id})
+            expected = reference_tokens(model_dir, [after])[after.task_id]
+            for r in range(3):
+                assert [tok for tok, _ in results[r][after.task_id]] == expected
+    finally:
+        instance.stop()
+
+
+@pytest.mark.timeout(120)
+def test_pipelined_prefill_of_a_long_prompt_matches_one_shard_and_reports_progress(model_dir):
+    prompt = tuple(random.Random(12).randrange(tm.VOCAB) for _ in range(83))  # not a chunk multiple
+    task = Task(task_id=5000, origin=NODE, prompt=prompt, max_tokens=6,
+                sampling=SamplingParams(temperature=0.0))
+    instance = Instance(model_dir, 3, context=128, prefill_step_tokens=24)
+    try:
+        for r in range(3):
+            instance.send(r, task)
+        progress = []
+        tokens = []
+        deadline = time.time() + 60
+        while not tokens or tokens[-1][1] is None:
+            message = instance._next(instance.ranks[2], (Tokens,), deadline - time.time())
+            assert not isinstance(message, Failed), message.error
+            for event in message.events:
+                if isinstance(event, PrefillProgress):
+                    progress.append((event.done, event.total))
+                else:
+                    tokens.append((event.token_id, event.finish_reason))
+        # 8-token chunks (3 per step); the last rank reports each chunk it has computed
+        assert progress == [(d, 83) for d in range(8, 83, 8)] + [(83, 83)]
+        assert [t for t, _ in tokens] == reference_tokens(model_dir, [task])[task.task_id]
+    finally:
+        instance.stop()
+
+
+@pytest.mark.timeout(120)
+def test_a_stalled_rank_fails_the_other_ranks_within_the_progress_timeout(model_dir):
+    import os
+    import signal
+
+    (task,) = make_tasks(1, seed=13, max_tokens=2000)
+    instance = Instance(model_dir, 3, context=2100, progress_timeout_s=2)
+    victim = instance.ranks[1].worker.runners["inst"].process.pid
+    try:
+        for r in range(3):
+            instance.send(r, task)
+        instance.wait_stats(0, lambda s: task.task_id in s.running)
+        os.kill(victim, signal.SIGSTOP)
+        stopped = time.monotonic()
+        for r in (0, 2):
+            message = instance._next(instance.ranks[r], (), timeout=15)
+            assert isinstance(message, Failed), message
+            assert "no progress" in message.error, message.error
+            assert time.monotonic() - stopped < 8  # timeout 2 s; the node watchdog is 10 s
+    finally:
+        os.kill(victim, signal.SIGCONT)
         instance.stop()

@@ -26,6 +26,7 @@ def _run(args: argparse.Namespace) -> int:
         runner_threads=args.runner_threads,
         exit_with_parent=args.exit_with_parent,
         watchdog_s=args.watchdog,
+        progress_timeout_s=args.progress_timeout,
     )
     logging.getLogger(__name__).info("node %s on %s", node.node_id, node.address)
     uvicorn.run(create_app(node), host=args.bind or args.host, port=args.port, log_level="warning")
@@ -99,6 +100,10 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--runner-threads", type=int, default=0, help="torch threads per runner (0: all cores)")
     run.add_argument("--watchdog", type=float, default=10.0,
                      help="seconds a runner may go silent before its instance fails (default %(default)s)")
+    run.add_argument("--progress-timeout", type=float, default=60.0,
+                     help="seconds a runner may wait inside an engine step without progress (a stalled "
+                          "peer or collective) before its instance fails; must exceed the time of one "
+                          "prefill chunk (default %(default)s)")
     run.add_argument("--exit-with-parent", action="store_true",
                      help="stop when the process that started this node exits")
     run.set_defaults(func=_run)

@@ -21,7 +21,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from shardline.models.tokenizer import ChatTemplateError, IncrementalDetokenizer, Tokenizer
 from shardline.node.node import Instance, InstanceFailedError, NoInstanceError, Node
-from shardline.runner.protocol import SamplingParams
+from shardline.runner.protocol import PrefillProgress, SamplingParams
 
 
 class OpenAIError(Exception):
@@ -79,6 +79,9 @@ class ChatCompletionRequest(BaseModel):
     stop: str | list[str] | None = None
     n: int = Field(default=1, ge=1, le=1)
     ignore_eos: bool = False  # as in vLLM: generate max_tokens whatever the model says
+    # As in llama.cpp's server: while a long prompt is prefilled, stream chunks with an empty
+    # delta and ``prompt_progress: {total, cache, processed, time_ms}``.
+    return_progress: bool = False
 
 
 class StopMatcher:
@@ -135,12 +138,17 @@ class Generation:
         self.detokenizer = IncrementalDetokenizer(tokenizer)
         self.stops = StopMatcher([req.stop] if isinstance(req.stop, str) else (req.stop or []))
         self.completion_tokens = 0
+        self.started = time.monotonic()
 
-    async def texts(self) -> AsyncIterator[tuple[str, str | None]]:
-        """Yield (text delta, finish_reason or None) until the request ends."""
+    async def texts(self) -> AsyncIterator[tuple[str, str | None] | PrefillProgress]:
+        """Yield (text delta, finish_reason or None) until the request ends; before the
+        first token, a PrefillProgress after each engine step of a long prompt's prefill."""
         events = self.node.generate(self.req.model, self.prompt, self.max_tokens, self.sampling, self.stop_ids)
         try:
             async for event in events:
+                if isinstance(event, PrefillProgress):
+                    yield event
+                    continue
                 if event.token_id >= 0:
                     self.completion_tokens += 1
                 finish = event.finish_reason
@@ -241,8 +249,10 @@ async def collect_unless_disconnected(
 
     async def consume() -> None:
         nonlocal finish
-        async for text, finish in gen.texts():
-            parts.append(text)
+        async for item in gen.texts():
+            if not isinstance(item, PrefillProgress):
+                text, finish = item
+                parts.append(text)
 
     task = asyncio.create_task(consume())
     while not task.done():
@@ -319,7 +329,14 @@ async def stream_chat(gen: Generation, completion_id: str, created: int) -> Asyn
 
     yield _sse(chunk(choice({"role": "assistant", "content": ""}, None)))
     try:
-        async for text, finish in gen.texts():
+        async for item in gen.texts():
+            if isinstance(item, PrefillProgress):
+                if gen.req.return_progress:
+                    progress = {"total": item.total, "cache": 0, "processed": item.done,
+                                "time_ms": round((time.monotonic() - gen.started) * 1000, 1)}
+                    yield _sse(chunk(choice({}, None), prompt_progress=progress))
+                continue
+            text, finish = item
             if text:
                 yield _sse(chunk(choice({"content": text}, None)))
             if finish is not None:

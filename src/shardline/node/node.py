@@ -46,6 +46,7 @@ from shardline.runner.protocol import (
     RunnerSpec,
     SamplingParams,
     Task,
+    PrefillProgress,
     TokenEvent,
     Tokens,
 )
@@ -130,6 +131,8 @@ class Node:
         peers: ``host:port`` of other nodes to poll.
         runner_threads: torch threads per runner (0: torch's default).
         watchdog_s: a runner silent this many seconds is killed and its instance fails.
+        progress_timeout_s: a runner that waits this many seconds inside an engine step
+            without progress (a stalled peer or collective) fails its instance.
         context, max_batch: defaults for new instances (tokens per sequence, sequences).
     """
 
@@ -145,6 +148,7 @@ class Node:
         down_after_s: float = 5.0,
         exit_with_parent: bool = False,
         watchdog_s: float = 10.0,
+        progress_timeout_s: float = 60.0,
     ) -> None:
         self.node_id = node_id or uuid.uuid4().hex[:12]
         self.host = host
@@ -153,6 +157,7 @@ class Node:
         self.peer_addresses = [p for p in peers if p and p != self.address]
         self.peers: dict[str, Peer] = {}
         self.runner_threads = runner_threads
+        self.progress_timeout_s = progress_timeout_s
         self.default_context = context
         self.default_max_batch = max_batch
         self.down_after_s = down_after_s
@@ -320,6 +325,7 @@ class Node:
                 max_batch=inst.max_batch,
                 context=inst.context,
                 threads=self.runner_threads,
+                progress_timeout_s=self.progress_timeout_s,
             )
             self.worker.start(spec)
             threading.Thread(target=self.tokenizer, args=(inst.model_id,), daemon=True).start()
@@ -544,8 +550,9 @@ class Node:
         max_tokens: int,
         sampling: SamplingParams,
         stop_token_ids: list[int],
-    ) -> AsyncIterator[TokenEvent]:
-        """Run one request on a ready instance and yield its token events.
+    ) -> AsyncIterator[TokenEvent | PrefillProgress]:
+        """Run one request on a ready instance and yield its events: the progress of a
+        prefill that takes more than one engine step, then its tokens.
 
         Closing the iterator early cancels the request on every rank.
 
@@ -575,7 +582,7 @@ class Node:
                 event = await stream.queue.get()
                 if isinstance(event, Exception):
                     raise event
-                if event.finish_reason is not None:
+                if isinstance(event, TokenEvent) and event.finish_reason is not None:
                     finished = True
                 yield event
                 if finished:
@@ -623,7 +630,7 @@ class Node:
         message = task_from_dict(body) if kind == "tasks" else Cancel(int(body["task_id"]))
         return handle.send(message)
 
-    def _dispatch(self, events: tuple[TokenEvent, ...]) -> None:
+    def _dispatch(self, events: tuple[TokenEvent | PrefillProgress, ...]) -> None:
         for event in events:
             stream = self.streams.get(event.task_id)
             if stream is not None:
@@ -654,7 +661,7 @@ class Node:
                     data = json.loads(line)
                     if "error" in data:
                         raise InstanceFailedError(data["error"])
-                    yield TokenEvent(**data)
+                    yield PrefillProgress(**data) if "done" in data else TokenEvent(**data)
         except httpx.HTTPError as exc:
             raise InstanceFailedError(f"lost node {inst.ranks[0].node_id}: {exc}") from exc
 

@@ -1,56 +1,104 @@
 """Pipeline parallelism: rank r holds a layer range and passes hidden states to rank r+1.
 
-A forward pass on a pipeline instance of world size P:
+One engine step on a pipeline instance of world size P runs a list of micro-batches (the
+decode batch and prefill chunks), each through every stage in order:
 
-    rank 0:      token ids -> embedding -> its layers -> send hidden to rank 1
-    rank 0<r<P-1: recv hidden from r-1 -> its layers -> send to r+1
-    rank P-1:    recv hidden from P-2 -> its layers -> norm -> LM head -> logits
+    rank 0:       token ids -> embedding -> its layers -> isend hidden to rank 1
+    rank 0<r<P-1: irecv hidden from r-1  -> its layers -> isend to r+1
+    rank P-1:     irecv hidden from P-2  -> its layers -> norm -> LM head -> logits
 
-Every rank knows the shape of each transfer from the step plan it shares with the others,
-so each send is matched by exactly one receive of the same shape.
+Sends are asynchronous and each rank posts the receives of all the step's micro-batches
+before it computes, so stage r computes micro-batch i+1 while stage r+1 computes
+micro-batch i and the transfer between them proceeds in the background: a step of W
+micro-batches takes about W + P - 1 stage times instead of W * P (GPipe's schedule,
+Huang et al., 2019, without the backward pass).
+
+Every rank derives the step's micro-batches (their count and shapes) from state that is
+identical on all ranks, so each send is matched by exactly one receive of the same shape,
+tagged with the micro-batch's index in the step. A rank waits for all its sends before the
+step ends, so no transfer outlives its step; cancellations only take effect between steps.
 """
 
 from __future__ import annotations
+
+from typing import Callable
 
 import torch
 import torch.distributed as dist
 
 from shardline.models.llama import DecoderShard, ForwardBatch, KVCache
+from shardline.parallel.progress import Progress
 
 
 class PipelineStage:
-    """This rank's part of the pipeline; world size 1 is a plain single-node model."""
+    """This rank's part of the pipeline; world size 1 is a plain single-node model.
 
-    def __init__(self, shard: DecoderShard, cache: KVCache, rank: int, world_size: int) -> None:
+    Attributes:
+        samples: True on the last rank, which holds the logits and samples the tokens.
+        progress: updated after every transfer and every micro-batch computed.
+    """
+
+    def __init__(self, shard: DecoderShard, cache: KVCache, rank: int, world_size: int,
+                 progress: Progress | None = None) -> None:
         self.shard = shard
         self.cache = cache
         self.rank = rank
         self.world_size = world_size
-        self.is_last = rank == world_size - 1
+        self.samples = rank == world_size - 1
+        self.progress = progress or Progress()
 
-    def forward(self, token_ids: torch.Tensor, batch: ForwardBatch) -> torch.Tensor | None:
-        """Run this stage for ``token_ids`` (int64 ``[N]``, known on every rank).
+    def run(
+        self,
+        microbatches: list[tuple[torch.Tensor, ForwardBatch]],
+        computed: Callable[[int], None] | None = None,
+    ) -> list[torch.Tensor | None]:
+        """Run each ``(token ids, batch)`` through this stage, in order.
 
-        Returns float32 logits ``[len(batch.logit_rows), vocab]`` on the last rank, None
-        elsewhere.
+        ``token ids`` is int64 ``[N]`` and known on every rank (only rank 0 reads it; the
+        others only need its length). ``computed(i)`` is called once this rank has
+        computed micro-batch i. Returns, per micro-batch, float32 logits
+        ``[len(batch.logit_rows), vocab]`` on the last rank and None elsewhere.
+
+        Raises:
+            RuntimeError: a transfer failed or timed out (a peer rank is gone or stalled).
         """
-        if self.rank == 0:
-            inputs = token_ids.to(self.shard.device)
-        else:
-            inputs = torch.empty(
-                (token_ids.shape[0], self.shard.config.hidden_size),
-                dtype=self.shard.dtype,
-                device=self.shard.device,
-            )
-            dist.recv(inputs, src=self.rank - 1)
-        out = self.shard(inputs, batch, self.cache)
-        if self.is_last:
-            return out
-        dist.send(out.contiguous(), dst=self.rank + 1)
-        return None
+        shard, progress = self.shard, self.progress
+        received = []
+        if self.rank > 0:
+            for tag, (tokens, _) in enumerate(microbatches):
+                buffer = torch.empty(
+                    (tokens.shape[0], shard.config.hidden_size), dtype=shard.dtype, device=shard.device
+                )
+                received.append((buffer, dist.irecv(buffer, src=self.rank - 1, tag=tag)))
+        sends = []
+        outputs: list[torch.Tensor | None] = []
+        for tag, (tokens, batch) in enumerate(microbatches):
+            if self.rank == 0:
+                inputs = tokens.to(shard.device)
+            else:
+                progress.mark(f"receiving micro-batch {tag} from rank {self.rank - 1}")
+                inputs, work = received[tag]
+                work.wait()
+            progress.mark(f"computing micro-batch {tag}")
+            out = shard(inputs, batch, self.cache)
+            if computed is not None:
+                computed(tag)
+            if self.samples:
+                outputs.append(out)
+            else:
+                out = out.contiguous()  # kept referenced until its send completes
+                sends.append((out, dist.isend(out, dst=self.rank + 1, tag=tag)))
+                outputs.append(None)
+        for tag, (_, work) in enumerate(sends):
+            progress.mark(f"sending micro-batch {tag} to rank {self.rank + 1}")
+            work.wait()
+        progress.mark("step done")
+        return outputs
 
     def share_tokens(self, tokens: torch.Tensor) -> torch.Tensor:
         """Broadcast the sampled token ids (int64 ``[M]``) from the last rank to all."""
         if self.world_size > 1:
+            self.progress.mark(f"receiving {tokens.shape[0]} sampled tokens from rank {self.world_size - 1}")
             dist.broadcast(tokens, src=self.world_size - 1)
+            self.progress.mark("tokens shared")
         return tokens

@@ -22,6 +22,7 @@ from multiprocessing.connection import Connection
 # Imported here, before any thread starts: a first import inside the heartbeat thread raced
 # the main thread's imports ("partially initialized module 'typing'") and killed the thread,
 # so the node's watchdog then killed a healthy runner.
+from shardline.parallel.progress import Progress
 from shardline.runner.protocol import Failed, Heartbeat, Loaded, RunnerSpec, Shutdown
 
 log = logging.getLogger("shardline.runner")
@@ -38,12 +39,24 @@ def _read_inbox(conn, inbox: "queue.Queue[object]") -> None:
 
 
 class Outbox:
-    """Thread-safe sending to the node; a daemon thread sends a Heartbeat every second."""
+    """Thread-safe sending to the node; a daemon thread sends a Heartbeat every second.
+
+    The same thread is the engine's progress watchdog once :meth:`watch` is called: a rank
+    that stays inside a step without progress for longer than the timeout (a peer that
+    stopped, a collective that never completes) reports ``Failed`` and exits, which fails
+    the instance; torch.distributed's own timeout is only the backstop.
+    """
 
     def __init__(self, conn) -> None:
         self.conn = conn
         self.lock = threading.Lock()
+        self.progress: Progress | None = None
+        self.progress_timeout_s = 0.0
         threading.Thread(target=self._beat, daemon=True, name="heartbeat").start()
+
+    def watch(self, progress: Progress, timeout_s: float) -> None:
+        self.progress_timeout_s = timeout_s
+        self.progress = progress
 
     def send(self, message: object) -> None:
         with self.lock:
@@ -53,9 +66,16 @@ class Outbox:
         while True:
             try:
                 self.send(Heartbeat())
+                progress = self.progress
+                if progress is not None and progress.stalled_for() > self.progress_timeout_s:
+                    error = (f"no progress for {progress.stalled_for():.0f} s while "
+                             f"{progress.doing} (progress timeout {self.progress_timeout_s:g} s)")
+                    log.error("%s", error)
+                    self.send(Failed(error))
+                    os._exit(4)
             except OSError:
                 return
-            time.sleep(1.0)
+            time.sleep(min(1.0, max(self.progress_timeout_s / 4, 0.1)))
 
 
 def serve(conn, outbox: Outbox) -> None:
@@ -98,10 +118,12 @@ def serve(conn, outbox: Outbox) -> None:
     cache = KVCache(
         source.config, len(shard.layers), spec.max_batch, spec.context, dtype, device
     )
-    stage = PipelineStage(shard, cache, spec.rank, spec.world_size)
+    progress = Progress()
+    stage = PipelineStage(shard, cache, spec.rank, spec.world_size, progress)
     param_bytes = weight_bytes(shard)
     if group is not None:
         dist.barrier(group)  # every rank holds its shard before any serves
+        outbox.watch(progress, spec.progress_timeout_s)
     layers = sorted({int(m.group(1)) for name in source.tensors_read
                      if (m := re.match(r"(?:blk|model\.layers)\.(\d+)\.", name))})
     outbox.send(
@@ -117,6 +139,8 @@ def serve(conn, outbox: Outbox) -> None:
         max_batch=spec.max_batch,
         context=spec.context,
         prefill_chunk=spec.prefill_chunk,
+        prefill_step_tokens=spec.prefill_step_tokens,
+        prefill_burst_tokens=spec.prefill_burst_tokens,
         comm_device=comm_device,
     )
     engine.run()

@@ -6,10 +6,16 @@ Each step:
 2. agree with the other ranks on which tasks start and which are cancelled
    (:mod:`shardline.runner.agreement`); agreed tasks queue in task-id order;
 3. admit queued tasks into free KV-cache slots (continuous batching);
-4. run one prefill chunk of the oldest sequence still prefilling, then one decode token
-   for every sequence that is generating;
-5. the last rank samples; the token ids are broadcast so every rank has them;
-6. the ranks whose node streams a task emit its tokens.
+4. run the step's micro-batches: one decode token for every sequence that is generating,
+   then prefill chunks of the sequences still prefilling, oldest first, up to a budget of
+   prompt tokens (whole chunks of ``prefill_chunk`` tokens, so a prompt is cut at the same
+   positions whatever else runs). The budget is small while other sequences decode, so a
+   long prompt delays their next token by little, and larger when none does, so a
+   pipeline's stages overlap many chunks (:mod:`shardline.parallel.pipeline`);
+5. the sampling rank samples every sequence that has new logits; one broadcast gives the
+   token ids to every rank;
+6. the ranks whose node streams a task emit its tokens; during its prefill they emit the
+   prompt tokens they have processed after each chunk.
 
 Every decision in steps 2-5 depends only on state that is identical on all ranks, so all
 ranks make the same collective calls in the same order.
@@ -27,7 +33,15 @@ import torch
 
 from shardline.parallel.pipeline import PipelineStage
 from shardline.runner.agreement import agree
-from shardline.runner.protocol import Cancel, EngineStats, Shutdown, Task, TokenEvent, Tokens
+from shardline.runner.protocol import (
+    Cancel,
+    EngineStats,
+    PrefillProgress,
+    Shutdown,
+    Task,
+    TokenEvent,
+    Tokens,
+)
 from shardline.runner.sampling import Sampler
 
 log = logging.getLogger(__name__)
@@ -65,7 +79,14 @@ class Engine:
         group: the instance's process group, or None for a single rank.
         max_batch: KV-cache slots, the most sequences running at once.
         context: most tokens per sequence.
-        prefill_chunk: most prompt tokens per prefill pass.
+        prefill_chunk: prompt tokens per prefill micro-batch (a sequence's last chunk may
+            be shorter).
+        prefill_step_tokens: most prompt tokens prefilled per step while other sequences
+            decode (at least one chunk): bounds how long a long prompt holds up their
+            next token.
+        prefill_burst_tokens: most prompt tokens prefilled per step while no sequence
+            decodes: more chunks per step keep a pipeline's stages busy; bounds how late
+            a cancellation or a new task's admission takes effect.
         idle_wait_s: how long an idle rank waits on its inbox between agreement rounds.
     """
 
@@ -79,6 +100,8 @@ class Engine:
         max_batch: int,
         context: int,
         prefill_chunk: int,
+        prefill_step_tokens: int,
+        prefill_burst_tokens: int,
         comm_device: torch.device | str = "cpu",
         idle_wait_s: float = 0.05,
     ) -> None:
@@ -90,6 +113,9 @@ class Engine:
         self.max_batch = max_batch
         self.context = context
         self.prefill_chunk = prefill_chunk
+        self.prefill_step_tokens = prefill_step_tokens
+        self.prefill_burst_tokens = prefill_burst_tokens
+        self.progress = stage.progress
         self.comm_device = torch.device(comm_device)
         self.idle_wait_s = idle_wait_s
         self.held: dict[int, Task] = {}
@@ -152,7 +178,7 @@ class Engine:
         while self.waiting and self.free_slots:
             task = self.waiting.pop(0)
             seq = Sequence(task, self.free_slots.pop(0))
-            if self.stage.is_last:
+            if self.stage.samples:
                 seq.sampler = Sampler(task.sampling)
             self.running.append(seq)
 
@@ -166,44 +192,73 @@ class Engine:
     def step(self) -> None:
         """One lockstep iteration (see the module docstring)."""
         self.drain_inbox()
+        self.progress.begin("agreeing on tasks with the other ranks")
         self.apply_agreement()
         self.admit()
-        prefilling = next((s for s in self.running if s.prefilled < s.prompt_len), None)
-        if prefilling is not None:
-            self._prefill_chunk(prefilling)
-        decoding = [s for s in self.running if s.prefilled >= s.prompt_len and s.generated]
-        if decoding:
-            self._decode(decoding)
+        self._run_micro_batches()
         self.steps += 1
+        self.progress.end()
         self.report()
 
-    def _prefill_chunk(self, seq: Sequence) -> None:
-        start = seq.prefilled
-        length = min(self.prefill_chunk, seq.prompt_len - start)
-        last_chunk = start + length == seq.prompt_len
-        shard = self.stage.shard
-        batch = shard.prefill_batch(seq.slot, start, length, want_logits=last_chunk)
-        tokens = torch.tensor(seq.task.prompt[start : start + length], dtype=torch.long)
-        logits = self.stage.forward(tokens, batch)
-        seq.prefilled += length
-        if last_chunk:
-            self._sample_and_advance([seq], logits)
+    def plan_prefill(self, budget: int) -> list[tuple[Sequence, int, int]]:
+        """This step's prefill chunks ``(sequence, start, length)``, oldest sequence first,
+        whole chunks up to ``budget`` prompt tokens (at least one chunk)."""
+        chunks: list[tuple[Sequence, int, int]] = []
+        for seq in self.running:
+            start = seq.prefilled
+            while start < seq.prompt_len:
+                length = min(self.prefill_chunk, seq.prompt_len - start)
+                if chunks and length > budget:
+                    return chunks
+                chunks.append((seq, start, length))
+                budget -= length
+                start += length
+        return chunks
 
-    def _decode(self, seqs: list[Sequence]) -> None:
+    def _run_micro_batches(self) -> None:
         shard = self.stage.shard
-        batch = shard.decode_batch([s.slot for s in seqs], [s.next_position for s in seqs])
-        tokens = torch.tensor([s.generated[-1] for s in seqs], dtype=torch.long)
-        logits = self.stage.forward(tokens, batch)
-        self._sample_and_advance(seqs, logits)
+        decoding = [s for s in self.running if s.prefilled >= s.prompt_len and s.generated]
+        chunks = self.plan_prefill(self.prefill_step_tokens if decoding else self.prefill_burst_tokens)
+        micro = []
+        if decoding:
+            batch = shard.decode_batch([s.slot for s in decoding], [s.next_position for s in decoding])
+            micro.append((torch.tensor([s.generated[-1] for s in decoding], dtype=torch.long), batch))
+        for seq, start, length in chunks:
+            last = start + length == seq.prompt_len
+            batch = shard.prefill_batch(seq.slot, start, length, want_logits=last)
+            micro.append((torch.tensor(seq.task.prompt[start : start + length], dtype=torch.long), batch))
+        if not micro:
+            return
+        first_chunk = 1 if decoding else 0
 
-    def _sample_and_advance(self, seqs: list[Sequence], logits: torch.Tensor | None) -> None:
-        if self.stage.is_last:
-            chosen = [s.sampler.sample(logits[i]) for i, s in enumerate(seqs)]
+        def computed(index: int) -> None:
+            if index >= first_chunk:
+                seq, start, length = chunks[index - first_chunk]
+                if seq.task.origin == self.node_id:
+                    self.emit([PrefillProgress(seq.task.task_id, start + length, seq.prompt_len)])
+
+        outputs = self.stage.run(micro, computed)
+        to_sample = list(decoding)
+        rows = [outputs[0][i] for i in range(len(decoding))] if decoding and self.stage.samples else []
+        for index, (seq, start, length) in enumerate(chunks, start=first_chunk):
+            seq.prefilled = start + length
+            if seq.prefilled == seq.prompt_len:
+                to_sample.append(seq)
+                if self.stage.samples:
+                    rows.append(outputs[index][0])
+        if to_sample:
+            self._sample_and_advance(to_sample, rows)
+
+    def _sample_and_advance(self, seqs: list[Sequence], logits: list[torch.Tensor]) -> None:
+        """Sample on the sampling rank (``logits``: float32 ``[vocab]`` per sequence), share
+        the ids with every rank, append them and end the sequences that finished."""
+        if self.stage.samples:
+            chosen = [s.sampler.sample(row) for s, row in zip(seqs, logits)]
             ids = torch.tensor(chosen, dtype=torch.long, device=self.comm_device)
         else:
             ids = torch.empty(len(seqs), dtype=torch.long, device=self.comm_device)
         ids = self.stage.share_tokens(ids).tolist()
-        events = []
+        events: list[TokenEvent | PrefillProgress] = []
         for seq, token in zip(seqs, ids):
             seq.generated.append(token)
             finish = None
@@ -219,7 +274,7 @@ class Engine:
                 self._finish(seq)
         self.emit(events)
 
-    def emit(self, events: list[TokenEvent]) -> None:
+    def emit(self, events: list[TokenEvent | PrefillProgress]) -> None:
         if events:
             self.send(Tokens(tuple(events)))
 

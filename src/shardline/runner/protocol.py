@@ -94,8 +94,19 @@ class TokenEvent:
 
 
 @dataclass(frozen=True)
+class PrefillProgress:
+    """A task's prompt is being prefilled: ``done`` of ``total`` prompt tokens so far."""
+
+    task_id: int
+    done: int
+    total: int
+
+
+@dataclass(frozen=True)
 class Tokens:
-    events: tuple[TokenEvent, ...]
+    """One engine step's events for the tasks this rank streams."""
+
+    events: tuple[TokenEvent | PrefillProgress, ...]
 
 
 @dataclass(frozen=True)
@@ -142,8 +153,16 @@ class RunnerSpec:
         dtype: compute dtype name ("bfloat16", "float16", "float32").
         max_batch: most sequences decoding together (KV-cache slots).
         context: most tokens per sequence (prompt + generated).
-        prefill_chunk: most prompt tokens per prefill forward pass.
-        collective_timeout_s: seconds before a stalled collective fails the instance.
+        prefill_chunk: prompt tokens per prefill micro-batch.
+        prefill_step_tokens: most prompt tokens prefilled per engine step while other
+            sequences decode.
+        prefill_burst_tokens: most prompt tokens prefilled per engine step while none
+            does.
+        collective_timeout_s: seconds before a collective fails (torch.distributed's
+            own timeout, a backstop behind the progress watchdog).
+        progress_timeout_s: seconds a rank may wait inside a step without progress (a
+            transfer, a collective or a micro-batch completing) before it fails the
+            instance.
         threads: torch intra-op threads (0: torch's default).
         quantized_decode: keep an int4/int8 copy of the weights for decode (CPU only).
     """
@@ -162,6 +181,9 @@ class RunnerSpec:
     max_batch: int = 8
     context: int = 4096
     prefill_chunk: int = 512
-    collective_timeout_s: float = 60.0
+    prefill_step_tokens: int = 512
+    prefill_burst_tokens: int = 4096
+    collective_timeout_s: float = 120.0
+    progress_timeout_s: float = 60.0
     threads: int = 0
     quantized_decode: bool = True
