@@ -1,0 +1,165 @@
+"""Ring attention: sequence-parallel prefill with the whole model on every rank.
+
+Liu, Zaharia and Abbeel, "Ring Attention with Blockwise Transformers for Near-Infinite
+Context" (2023). A prefill chunk of ``length`` tokens is split across the ``world`` ranks
+of a ring instance. In every layer each rank computes q, k and v for its own tokens; the
+k/v blocks then travel around the ring (rank r sends to r+1 and receives from r-1, in
+``world - 1`` hops) while each rank attends its queries to the block it holds and folds
+the result into a running output with the numerically stable online-softmax merge
+(running log-sum-exp, as in Milakov & Gimelshein, 2018, and FlashAttention, Dao et al.,
+2022). The transfer of the next block is posted before the current one is computed, so
+the two overlap.
+
+Causal balance: the chunk is cut into ``2 * world`` blocks and rank r takes blocks r and
+``2 * world - 1 - r`` (the zig-zag split of Brandon et al., "Striped Attention", 2023, and
+of Megatron-LM's context parallelism), so every rank has about the same number of
+unmasked query/key pairs.
+
+Every block that passes a rank is also written into that rank's KV cache, so once a layer
+has gone round the ring every rank holds the chunk's whole KV cache and decode runs on any
+rank without gathering anything.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.distributed as dist
+
+
+def block_bounds(length: int, world: int) -> list[tuple[int, int]]:
+    """The ``2 * world`` blocks ``(start, end)`` of a chunk, sizes differing by at most 1."""
+    blocks = 2 * world
+    cuts = [length * i // blocks for i in range(blocks + 1)]
+    return [(cuts[i], cuts[i + 1]) for i in range(blocks)]
+
+
+def zigzag_offsets(length: int, world: int, rank: int) -> torch.Tensor:
+    """Offsets within the chunk (int64 ``[n]``, ascending) of the tokens rank ``rank`` holds:
+    blocks ``rank`` and ``2 * world - 1 - rank`` of :func:`block_bounds`."""
+    bounds = block_bounds(length, world)
+    (a0, a1), (b0, b1) = bounds[rank], bounds[2 * world - 1 - rank]
+    return torch.cat((torch.arange(a0, a1), torch.arange(b0, b1)))
+
+
+def attend_block(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    q_pos: torch.Tensor,
+    k_pos: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Causal attention of queries to one key/value block, with its log-sum-exp.
+
+    Args:
+        q: ``[n, H, d]``; k, v: ``[m, KVH, d]`` with H a multiple of KVH (grouped-query
+            attention: query head h reads key head ``h // (H // KVH)``).
+        q_pos, k_pos: int64 ``[n]`` and ``[m]`` positions; query i sees key j when
+            ``k_pos[j] <= q_pos[i]``.
+
+    Returns:
+        ``out`` float32 ``[n, H, d]`` (softmax-weighted values, 0 for a query that sees no
+        key) and ``lse`` float32 ``[n, H]`` (log-sum-exp of the scaled scores, -inf for a
+        query that sees no key).
+    """
+    n, heads, d = q.shape
+    kv_heads = k.shape[1]
+    group = heads // kv_heads
+    qf = q.float().view(n, kv_heads, group, d).permute(1, 2, 0, 3)  # [KVH, G, n, d]
+    kf = k.float().permute(1, 0, 2).unsqueeze(1)  # [KVH, 1, m, d]
+    vf = v.float().permute(1, 0, 2).unsqueeze(1)
+    scores = (qf @ kf.transpose(-1, -2)) * (1.0 / math.sqrt(d))  # [KVH, G, n, m]
+    visible = k_pos.unsqueeze(0) <= q_pos.unsqueeze(1)  # [n, m]
+    scores = scores.masked_fill(~visible, float("-inf"))
+    lse = torch.logsumexp(scores, dim=-1)  # [KVH, G, n]
+    weights = torch.exp(scores - lse.unsqueeze(-1).clamp_min(torch.finfo(torch.float32).min))
+    out = weights.nan_to_num(0.0) @ vf  # [KVH, G, n, d]
+    out = out.permute(2, 0, 1, 3).reshape(n, heads, d)
+    return out, lse.permute(2, 0, 1).reshape(n, heads)
+
+
+def merge(
+    out_a: torch.Tensor, lse_a: torch.Tensor, out_b: torch.Tensor, lse_b: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Combine attention over two disjoint key sets into attention over their union.
+
+    ``out`` float32 ``[n, H, d]``, ``lse`` float32 ``[n, H]`` as from :func:`attend_block`.
+    With ``lse = log(sum(exp(scores)))`` for each part, the union's lse is
+    ``logaddexp(lse_a, lse_b)`` and its output the parts weighted by ``exp(lse_x - lse)``.
+    A part that saw no key (lse -inf) gets weight 0; if neither did, the result is
+    ``(0, -inf)``.
+    """
+    lse = torch.logaddexp(lse_a, lse_b)
+    safe = torch.where(torch.isinf(lse), torch.zeros_like(lse), lse)
+    wa = torch.exp(lse_a - safe).unsqueeze(-1)
+    wb = torch.exp(lse_b - safe).unsqueeze(-1)
+    return out_a * wa + out_b * wb, lse
+
+
+class RingContext:
+    """One ring prefill chunk as this rank sees it, shared by every layer of the pass.
+
+    Args:
+        group: the instance's process group (ranks ``0 .. world-1`` in ring order).
+        rank, world: this rank and the ring size.
+        slot: the sequence's KV-cache slot; start: the chunk's first position; length:
+            the chunk's tokens (all ranks together).
+        device: where the k/v blocks live.
+
+    Raises (from :meth:`attend`): RuntimeError when a transfer fails or times out.
+    """
+
+    def __init__(self, group, rank: int, world: int, slot: int, start: int, length: int,
+                 device: torch.device) -> None:
+        self.group, self.rank, self.world = group, rank, world
+        self.slot, self.start, self.length = slot, start, length
+        self.positions = [start + zigzag_offsets(length, world, r).to(device) for r in range(world)]
+        self.on_hop = None  # called after each hop (the progress watchdog)
+
+    def attend(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+        k_cache: torch.Tensor, v_cache: torch.Tensor,
+    ) -> torch.Tensor:
+        """Attention of this rank's queries to the cache prefix and the whole chunk.
+
+        q ``[n, H, d]``, k and v ``[n, KVH, d]`` for this rank's tokens (RoPE applied);
+        ``k_cache``/``v_cache`` ``[slots, KVH, context, d]`` of this layer: positions
+        before ``start`` are read, the chunk's k/v of every rank are written. Returns
+        ``[n, H * d]`` in q's dtype.
+        """
+        n, heads, d = q.shape
+        q_pos = self.positions[self.rank]
+        out, lse = None, None
+        if self.start > 0:
+            prefix = torch.arange(self.start, device=q.device)
+            out, lse = attend_block(q, k_cache[self.slot, :, : self.start].transpose(0, 1),
+                                    v_cache[self.slot, :, : self.start].transpose(0, 1), q_pos, prefix)
+        block = torch.stack((k, v)).contiguous()  # [2, n, KVH, d]
+        source = self.rank
+        for hop in range(self.world):
+            pending = []
+            if hop < self.world - 1:
+                src = (self.rank - 1) % self.world
+                incoming = torch.empty(
+                    (2, self.positions[(source - 1) % self.world].shape[0], *block.shape[2:]),
+                    dtype=block.dtype, device=block.device,
+                )
+                ops = [dist.P2POp(dist.isend, block, (self.rank + 1) % self.world, self.group),
+                       dist.P2POp(dist.irecv, incoming, src, self.group)]
+                pending = dist.batch_isend_irecv(ops)
+            k_pos = self.positions[source]
+            k_cache[self.slot, :, k_pos] = block[0].transpose(0, 1)
+            v_cache[self.slot, :, k_pos] = block[1].transpose(0, 1)
+            part_out, part_lse = attend_block(q, block[0], block[1], q_pos, k_pos)
+            if out is None:
+                out, lse = part_out, part_lse
+            else:
+                out, lse = merge(out, lse, part_out, part_lse)
+            for work in pending:
+                work.wait()
+            if pending:
+                block, source = incoming, (source - 1) % self.world
+            if self.on_hop is not None:
+                self.on_hop(hop)
+        return out.to(q.dtype).reshape(n, heads * d)

@@ -1,0 +1,94 @@
+"""Ring attention: the online-softmax merge, the zig-zag split and the ring itself (gloo)."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+import torch.multiprocessing as mp
+import torch.nn.functional as F
+
+from shardline.node.node import free_port
+from shardline.parallel.ring import RingContext, attend_block, block_bounds, merge, zigzag_offsets
+
+
+def plain_attention(q, k, v, q_pos, k_pos):
+    """Reference: float32 SDPA with an explicit position mask, ``[n, H, d]``."""
+    heads, kv_heads = q.shape[1], k.shape[1]
+    mask = k_pos.unsqueeze(0) <= q_pos.unsqueeze(1)
+    out = F.scaled_dot_product_attention(
+        q.float().transpose(0, 1), k.float().transpose(0, 1).repeat_interleave(heads // kv_heads, 0),
+        v.float().transpose(0, 1).repeat_interleave(heads // kv_heads, 0), attn_mask=mask)
+    return out.transpose(0, 1)
+
+
+def test_merging_blocks_equals_plain_attention_including_fully_masked_blocks():
+    torch.manual_seed(0)
+    n, m, heads, kv_heads, d = 9, 30, 6, 2, 16
+    q = torch.randn(n, heads, d)
+    k, v = torch.randn(m, kv_heads, d), torch.randn(m, kv_heads, d)
+    q_pos = torch.arange(10, 10 + n)
+    k_pos = torch.randperm(40)[:m]  # scattered positions, some after every query
+    expected = plain_attention(q, k, v, q_pos, k_pos)
+    parts = [torch.arange(0, 7), torch.arange(7, 19), torch.arange(19, 30)]
+    late = (k_pos > q_pos.max()).nonzero().flatten()
+    parts.append(late)  # a block no query may see: lse -inf everywhere, weight 0
+    out, lse = None, None
+    for idx in parts:
+        o, s = attend_block(q, k[idx], v[idx], q_pos, k_pos[idx])
+        out, lse = (o, s) if out is None else merge(out, lse, o, s)
+    assert torch.allclose(out, expected, atol=1e-5)
+    o, s = attend_block(q, k[late], v[late], q_pos, k_pos[late])
+    assert torch.isinf(s).all() and (o == 0).all()
+    both_empty = merge(o, s, o, s)
+    assert (both_empty[0] == 0).all() and torch.isinf(both_empty[1]).all()
+
+
+@pytest.mark.parametrize("length,world", [(100, 2), (101, 3), (7, 3), (3000, 3)])
+def test_zigzag_split_partitions_the_chunk_and_balances_causal_work(length, world):
+    offsets = [zigzag_offsets(length, world, r) for r in range(world)]
+    assert sorted(torch.cat(offsets).tolist()) == list(range(length))
+    sizes = [hi - lo for lo, hi in block_bounds(length, world)]
+    assert max(sizes) - min(sizes) <= 1
+    if length >= 100:
+        work = [int((o + 1).sum()) for o in offsets]  # keys each rank's queries see
+        assert max(work) / min(work) < 1.05
+
+
+def _ring_rank(rank, world, port, length, start, result_dir):
+    os.environ["GLOO_SOCKET_IFNAME"] = "lo"
+    torch.distributed.init_process_group(
+        "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+    torch.manual_seed(1)  # the same full tensors on every rank
+    heads, kv_heads, d, ctx = 4, 2, 8, 64
+    q_all = torch.randn(start + length, heads, d)
+    k_all, v_all = torch.randn(start + length, kv_heads, d), torch.randn(start + length, kv_heads, d)
+    k_cache, v_cache = torch.zeros(2, kv_heads, ctx, d), torch.zeros(2, kv_heads, ctx, d)
+    k_cache[1, :, :start], v_cache[1, :, :start] = k_all[:start].transpose(0, 1), v_all[:start].transpose(0, 1)
+    ring = RingContext(torch.distributed.group.WORLD, rank, world, slot=1, start=start,
+                       length=length, device=torch.device("cpu"))
+    mine = start + zigzag_offsets(length, world, rank)
+    out = ring.attend(q_all[mine], k_all[mine], v_all[mine], k_cache, v_cache)
+    torch.save({"positions": mine, "out": out, "k": k_cache[1, :, : start + length].clone(),
+                "v": v_cache[1, :, : start + length].clone()}, f"{result_dir}/{rank}.pt")
+    torch.distributed.destroy_process_group()
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("world,length,start", [(2, 37, 0), (3, 50, 11)])
+def test_ring_attention_across_processes_equals_plain_causal_attention(tmp_path, world, length, start):
+    mp.spawn(_ring_rank, args=(world, free_port(), length, start, str(tmp_path)), nprocs=world)
+    torch.manual_seed(1)
+    heads, kv_heads, d = 4, 2, 8
+    q_all = torch.randn(start + length, heads, d)
+    k_all, v_all = torch.randn(start + length, kv_heads, d), torch.randn(start + length, kv_heads, d)
+    positions = torch.arange(start + length)
+    expected = plain_attention(q_all[start:], k_all, v_all, positions[start:], positions)
+    for rank in range(world):
+        got = torch.load(tmp_path / f"{rank}.pt")
+        rows = got["positions"] - start
+        assert torch.allclose(got["out"].view(-1, heads, d), expected[rows], atol=1e-5)
+        # every rank's cache holds the whole chunk's k/v after the ring
+        assert torch.equal(got["k"], k_all.transpose(0, 1))
+        assert torch.equal(got["v"], v_all.transpose(0, 1))
