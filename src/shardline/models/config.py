@@ -71,6 +71,10 @@ class ModelConfig:
                 f"{self.num_kv_heads} KV heads"
             )
 
+    def kv_head_of(self, head: int) -> int:
+        """The KV head that query head ``head`` attends with (grouped-query attention)."""
+        return head // (self.num_heads // self.num_kv_heads)
+
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
 
@@ -181,4 +185,81 @@ class ModelConfig:
             attention_bias="blk.0.attn_q.bias" in tensor_names,
             qk_norm="blk.0.attn_q_norm.weight" in tensor_names,
             rope_scaling=rope_scaling,
+        )
+
+
+@dataclass(frozen=True)
+class TensorShare:
+    """One rank's part of every decoder layer under tensor parallelism.
+
+    The split of Megatron-LM (Shoeybi et al., 2019, "Megatron-LM: Training Multi-Billion
+    Parameter Language Models Using Model Parallelism", section 3): the q/k/v projections
+    and the MLP gate/up projections are split by output (a rank computes whole heads and a
+    range of intermediate columns), the attention output projection and the MLP down
+    projection by input (the same heads and columns), so every rank ends each block with a
+    partial sum of the full ``[N, hidden_size]`` output, which an all-reduce completes.
+
+    Attributes:
+        rank, world_size: this rank among the instance's tensor ranks.
+        heads: ``(start, end)``, the query heads of this rank (end exclusive).
+        kv_heads: the KV heads these query heads read, consecutive and ascending. With
+            grouped-query attention a KV head whose query heads span two ranks is held (and
+            computed) by both.
+        columns: ``(start, end)``, this rank's MLP intermediate columns.
+    """
+
+    rank: int
+    world_size: int
+    heads: tuple[int, int]
+    kv_heads: tuple[int, ...]
+    columns: tuple[int, int]
+
+    @property
+    def num_heads(self) -> int:
+        return self.heads[1] - self.heads[0]
+
+    @property
+    def num_kv_heads(self) -> int:
+        return len(self.kv_heads)
+
+    @property
+    def num_columns(self) -> int:
+        return self.columns[1] - self.columns[0]
+
+    def local_kv_heads(self, config: ModelConfig) -> list[int]:
+        """For each local query head, the index of its KV head among ``kv_heads``."""
+        first = self.kv_heads[0]
+        return [config.kv_head_of(h) - first for h in range(*self.heads)]
+
+    def check(self, config: ModelConfig) -> None:
+        """Raise ValueError unless this share fits ``config``'s shapes."""
+        start, end = self.heads
+        if not 0 <= start < end <= config.num_heads:
+            raise ValueError(f"head range {self.heads} is not inside [0, {config.num_heads})")
+        needed = sorted({config.kv_head_of(h) for h in range(start, end)})
+        kv = list(self.kv_heads)
+        if kv != list(range(needed[0], needed[-1] + 1)):
+            raise ValueError(
+                f"KV heads {self.kv_heads} are not the KV heads {tuple(needed)} that query "
+                f"heads [{start}, {end}) read"
+            )
+        c0, c1 = self.columns
+        if not 0 <= c0 < c1 <= config.intermediate_size:
+            raise ValueError(
+                f"MLP column range {self.columns} is not inside [0, {config.intermediate_size})"
+            )
+        if not 0 <= self.rank < self.world_size:
+            raise ValueError(f"rank {self.rank} is not in [0, {self.world_size})")
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> "TensorShare":
+        return cls(
+            rank=int(data["rank"]),
+            world_size=int(data["world_size"]),
+            heads=tuple(data["heads"]),
+            kv_heads=tuple(data["kv_heads"]),
+            columns=tuple(data["columns"]),
         )

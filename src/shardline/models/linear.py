@@ -88,9 +88,10 @@ class Linear(nn.Module):
 
 
 def weight_bytes(module: nn.Module) -> int:
-    """Bytes the module's weights take in memory: parameters (shared ones once) and the
+    """Bytes the module's weights take in memory: parameters (shared ones once, also when
+    two parameters hold the same memory, as a tied embedding and LM head do) and the
     quantized decode copies."""
-    params = {id(p): p for p in module.parameters()}.values()
+    params = {(p.data_ptr(), p.numel()): p for p in module.parameters()}.values()
     total = sum(p.numel() * p.element_size() for p in params)
     for layer in module.modules():
         if isinstance(layer, Linear) and layer.packed is not None:

@@ -4,6 +4,11 @@ A :class:`DecoderShard` holds a contiguous layer range ``[layer_start, layer_end
 model; the first shard also holds the token embedding, the last the final norm and the LM
 head. A one-node instance is the shard ``[0, num_layers)`` with both.
 
+Under tensor parallelism (``share``, a :class:`~shardline.models.config.TensorShare`) a
+shard holds every layer but only its heads and MLP columns of each (Megatron-LM's split,
+Shoeybi et al., 2019); the attention and MLP outputs are partial sums that the layer's
+``all_reduce`` (set by :class:`~shardline.parallel.tensor.TensorStage`) completes.
+
 Tokens are processed as a flat batch of rows, shape ``[N, hidden_size]``:
 
 - a prefill chunk is N consecutive positions of one sequence;
@@ -18,13 +23,14 @@ load to match it (see ``shardline.models.weights``).
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from shardline.models.config import ModelConfig
+from shardline.models.config import ModelConfig, TensorShare
 from shardline.models.linear import Linear
 
 
@@ -35,6 +41,9 @@ class KVCache:
     ``dtype``. A sequence owns one slot for its lifetime; position p of it lives at
     ``[slot, :, p]``. Bytes: ``2 * layers * slots * num_kv_heads * context * head_dim *
     element_size``.
+
+    ``num_kv_heads`` defaults to the model's; a tensor-parallel shard passes its own count
+    (``DecoderShard.num_kv_heads``), as it caches only its KV heads.
     """
 
     def __init__(
@@ -45,8 +54,10 @@ class KVCache:
         context: int,
         dtype: torch.dtype,
         device: torch.device | str = "cpu",
+        num_kv_heads: int | None = None,
     ) -> None:
-        shape = (slots, config.num_kv_heads, context, config.head_dim)
+        heads = config.num_kv_heads if num_kv_heads is None else num_kv_heads
+        shape = (slots, heads, context, config.head_dim)
         self.slots = slots
         self.context = context
         self.k = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
@@ -137,20 +148,37 @@ def rope_inverse_frequencies(
 
 
 class Attention(nn.Module):
-    """Grouped-query self-attention with fused q/k/v projection and a slot KV cache."""
+    """Grouped-query self-attention with fused q/k/v projection and a slot KV cache.
 
-    def __init__(self, config: ModelConfig) -> None:
+    With a tensor ``share`` it holds only the share's query heads and KV heads: ``qkv``
+    has ``(heads + 2 * kv_heads) * head_dim`` output rows, ``o`` takes
+    ``heads * head_dim`` inputs, and the output ``[N, hidden_size]`` is this rank's partial
+    sum. When the local query heads do not group evenly over the local KV heads (an uneven
+    split such as SmolLM2's 9 heads / 3 KV heads on 2 ranks: 5 query heads over KV heads
+    with 3 and 2 of them), the queries are padded to the largest group (``q_index``, a
+    padding query repeats a real one) so one ``enable_gqa`` attention call still serves
+    all heads, and the padding heads' outputs are dropped (``out_index``).
+    """
+
+    def __init__(self, config: ModelConfig, share: TensorShare | None = None) -> None:
         super().__init__()
-        self.num_heads = config.num_heads
-        self.num_kv_heads = config.num_kv_heads
+        self.num_heads = share.num_heads if share else config.num_heads
+        self.num_kv_heads = share.num_kv_heads if share else config.num_kv_heads
         self.head_dim = config.head_dim
-        q_out = config.num_heads * config.head_dim
-        kv_out = config.num_kv_heads * config.head_dim
+        q_out = self.num_heads * config.head_dim
+        kv_out = self.num_kv_heads * config.head_dim
         self.qkv = Linear(config.hidden_size, q_out + 2 * kv_out, bias=config.attention_bias)
         self.o = Linear(q_out, config.hidden_size, bias=False)
         self.q_norm = RMSNorm(config.head_dim, config.rms_norm_eps) if config.qk_norm else None
         self.k_norm = RMSNorm(config.head_dim, config.rms_norm_eps) if config.qk_norm else None
         self.split = (q_out, kv_out, kv_out)
+        q_index, out_index = _gqa_padding(share.local_kv_heads(config) if share else None,
+                                          self.num_kv_heads)
+        self.attn_heads = len(q_index) if q_index is not None else self.num_heads
+        # Explicitly on the CPU (not the meta device shards are built on); the loader moves
+        # them to the shard's device.
+        self.register_buffer("q_index", q_index, persistent=False)
+        self.register_buffer("out_index", out_index, persistent=False)
 
     def forward(
         self, x: torch.Tensor, batch: ForwardBatch, k_cache: torch.Tensor, v_cache: torch.Tensor
@@ -166,6 +194,9 @@ class Attention(nn.Module):
         swapped = qk.view(n, heads + kv_heads, 2, hd // 2).flip(2).view(n, heads + kv_heads, hd)
         qk = qk * batch.cos + swapped * batch.sin
         q, k = qk[:, :heads], qk[:, heads:]
+        if self.q_index is not None:
+            q = q.index_select(1, self.q_index)  # [n, attn_heads, hd]
+        attn_heads = self.attn_heads
 
         if batch.prefill:
             slot, start = batch.slot, batch.start
@@ -178,8 +209,8 @@ class Attention(nn.Module):
                 attn_mask=batch.attn_mask,
                 is_causal=batch.attn_mask is None,
                 enable_gqa=True,
-            )  # [1, H, n, hd]
-            out = out.squeeze(0).transpose(0, 1).reshape(n, heads * hd)
+            )  # [1, attn_heads, n, hd]
+            out = out.squeeze(0).transpose(0, 1)  # [n, attn_heads, hd]
         else:
             k_cache[batch.slots, :, batch.positions] = k
             v_cache[batch.slots, :, batch.positions] = v
@@ -192,20 +223,28 @@ class Attention(nn.Module):
                     k_cache[slot : slot + 1, :, :length],
                     v_cache[slot : slot + 1, :, :length],
                     enable_gqa=True,
-                )  # [1, H, 1, hd]
+                )  # [1, attn_heads, 1, hd]
                 for i, (slot, length) in enumerate(batch.rows)
             ]
-            out = (outs[0] if n == 1 else torch.cat(outs)).reshape(n, heads * hd)
-        return self.o(out)
+            out = (outs[0] if n == 1 else torch.cat(outs)).reshape(n, attn_heads, hd)
+        if self.out_index is not None:
+            out = out.index_select(1, self.out_index)
+        return self.o(out.reshape(n, heads * hd))
 
 
 class MLP(nn.Module):
-    """SwiGLU feed-forward (Shazeer, 2020) with fused gate/up projection."""
+    """SwiGLU feed-forward (Shazeer, 2020) with fused gate/up projection.
 
-    def __init__(self, config: ModelConfig) -> None:
+    With a tensor ``share`` it holds only the share's intermediate columns: ``gate_up``
+    ``[2 * columns, hidden]`` (gate rows, then up rows), ``down`` ``[hidden, columns]``;
+    the output ``[N, hidden_size]`` is this rank's partial sum.
+    """
+
+    def __init__(self, config: ModelConfig, share: TensorShare | None = None) -> None:
         super().__init__()
-        self.gate_up = Linear(config.hidden_size, 2 * config.intermediate_size, bias=False)
-        self.down = Linear(config.intermediate_size, config.hidden_size, bias=False)
+        inter = share.num_columns if share else config.intermediate_size
+        self.gate_up = Linear(config.hidden_size, 2 * inter, bias=False)
+        self.down = Linear(inter, config.hidden_size, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = self.gate_up(x).chunk(2, dim=-1)
@@ -213,20 +252,29 @@ class MLP(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    """Pre-norm transformer block: x + attn(norm(x)), then x + mlp(norm(x))."""
+    """Pre-norm transformer block: x + attn(norm(x)), then x + mlp(norm(x)).
 
-    def __init__(self, config: ModelConfig) -> None:
+    ``all_reduce`` (None: identity) completes the partial attention and MLP outputs of a
+    tensor-parallel layer: it takes ``[N, hidden_size]`` in the compute dtype and returns
+    the sum over the ranks, same shape and dtype.
+    """
+
+    def __init__(self, config: ModelConfig, share: TensorShare | None = None) -> None:
         super().__init__()
         self.attn_norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.attn = Attention(config)
+        self.attn = Attention(config, share)
         self.mlp_norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.mlp = MLP(config)
+        self.mlp = MLP(config, share)
+        self.all_reduce: Callable[[torch.Tensor], torch.Tensor] | None = None
 
     def forward(
         self, x: torch.Tensor, batch: ForwardBatch, k_cache: torch.Tensor, v_cache: torch.Tensor
     ) -> torch.Tensor:
-        x = x + self.attn(self.attn_norm(x), batch, k_cache, v_cache)
-        return x + self.mlp(self.mlp_norm(x))
+        if self.all_reduce is None:
+            x = x + self.attn(self.attn_norm(x), batch, k_cache, v_cache)
+            return x + self.mlp(self.mlp_norm(x))
+        x = x + self.all_reduce(self.attn(self.attn_norm(x), batch, k_cache, v_cache))
+        return x + self.all_reduce(self.mlp(self.mlp_norm(x)))
 
 
 class DecoderShard(nn.Module):
@@ -236,10 +284,16 @@ class DecoderShard(nn.Module):
         config: the whole model's configuration.
         layer_start, layer_end: global layer indices of this shard (end exclusive).
         rope_freq_factors: GGUF ``rope_freqs.weight`` (float32 ``[head_dim // 2]``) or None.
+        share: under tensor parallelism, this rank's heads and MLP columns of every layer
+            (the layer range must then be the whole model); None holds whole layers.
+        head: whether the last shard holds the final norm and LM head (default True).
+            A tensor-parallel rank that does not sample leaves them out: its hidden states
+            after the last layer are the same on every rank, and only the sampling rank
+            needs logits.
 
     ``forward`` takes int64 token ids ``[N]`` on the first shard and hidden states
     ``[N, hidden_size]`` (compute dtype) on the others; it returns hidden states, or on
-    the last shard float32 logits ``[len(batch.logit_rows), vocab_size]``.
+    the last shard with a head float32 logits ``[len(batch.logit_rows), vocab_size]``.
     """
 
     def __init__(
@@ -248,6 +302,8 @@ class DecoderShard(nn.Module):
         layer_start: int,
         layer_end: int,
         rope_freq_factors: torch.Tensor | None = None,
+        share: TensorShare | None = None,
+        head: bool = True,
     ) -> None:
         super().__init__()
         if not 0 <= layer_start < layer_end <= config.num_layers:
@@ -255,14 +311,21 @@ class DecoderShard(nn.Module):
                 f"layer range [{layer_start}, {layer_end}) is not inside "
                 f"[0, {config.num_layers})"
             )
+        if share is not None:
+            share.check(config)
+            if (layer_start, layer_end) != (0, config.num_layers):
+                raise ValueError("a tensor-parallel shard holds every layer")
         self.config = config
+        self.share = share
         self.layer_start = layer_start
         self.layer_end = layer_end
         self.is_first = layer_start == 0
         self.is_last = layer_end == config.num_layers
         self.embed = nn.Embedding(config.vocab_size, config.hidden_size) if self.is_first else None
-        self.layers = nn.ModuleList(DecoderLayer(config) for _ in range(layer_end - layer_start))
-        if self.is_last:
+        self.layers = nn.ModuleList(
+            DecoderLayer(config, share) for _ in range(layer_end - layer_start)
+        )
+        if self.is_last and head:
             self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
             self.lm_head = Linear(config.hidden_size, config.vocab_size, bias=False)
         else:
@@ -271,6 +334,16 @@ class DecoderShard(nn.Module):
         self.register_buffer(
             "inv_freq", rope_inverse_frequencies(config, rope_freq_factors), persistent=False
         )
+
+    @property
+    def num_kv_heads(self) -> int:
+        """KV heads this shard caches per layer (all of them unless tensor-parallel)."""
+        return self.layers[0].attn.num_kv_heads
+
+    def set_all_reduce(self, fn: Callable[[torch.Tensor], torch.Tensor] | None) -> None:
+        """Set every layer's all-reduce (see :class:`DecoderLayer`)."""
+        for layer in self.layers:
+            layer.all_reduce = fn
 
     @property
     def dtype(self) -> torch.dtype:
@@ -338,3 +411,31 @@ class DecoderShard(nn.Module):
             return h
         h = self.norm(h.index_select(0, batch.logit_rows))
         return self.lm_head(h).float()
+
+
+def _gqa_padding(
+    local_kv: list[int] | None, num_kv_heads: int
+) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    """Index tensors that pad uneven query groups to one group size (see :class:`Attention`).
+
+    ``local_kv[i]`` is the local KV head of local query head i (ascending). Returns
+    ``(q_index, out_index)``, int64 on the CPU: ``q_index`` ``[num_kv_heads * group]``
+    picks, for padded head j, the query head it copies (KV head ``j // group`` attends it,
+    as ``enable_gqa`` repeats each KV head ``group`` times); ``out_index``
+    ``[len(local_kv)]`` picks the real heads' outputs back. Both None when the groups
+    are already even.
+    """
+    if local_kv is None:
+        return None, None
+    counts = [local_kv.count(j) for j in range(num_kv_heads)]
+    group = max(counts)
+    if all(c == group for c in counts):
+        return None, None
+    q_index, out_index = [], []
+    for j in range(num_kv_heads):
+        mine = [i for i, kv in enumerate(local_kv) if kv == j]
+        out_index.extend(len(q_index) + k for k in range(len(mine)))
+        q_index.extend(mine + [mine[0]] * (group - len(mine)))
+    as_tensor = lambda v: torch.tensor(v, dtype=torch.long, device="cpu")  # noqa: E731
+    return as_tensor(q_index), as_tensor(out_index)
+

@@ -4,6 +4,13 @@ A rank reads only the tensors of its layer range (and the embedding or head wher
 shard holds them). Both formats are memory-mapped, so the bytes of other layers are never
 read; :attr:`WeightSource.bytes_read` counts what was.
 
+A tensor-parallel rank (:func:`load_tensor_shard`) reads only its slice of each split
+tensor: a range of rows (q/k/v, gate/up: whole heads, MLP columns) or of columns (o, down).
+safetensors slices through ``get_slice``; GGUF slices the memory-mapped blocks before
+dequantizing (rows always; columns when the range falls on the format's block boundaries,
+otherwise a few rows at a time, keeping only the wanted columns), so no rank holds the
+whole of a tensor it splits.
+
 Formats:
 - GGUF: https://github.com/ggml-org/ggml/blob/master/docs/gguf.md, read with the ``gguf``
   library, which also dequantizes every block format it knows. llama.cpp's converter
@@ -20,7 +27,9 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from shardline.models.config import ModelConfig
+from shardline.models.config import ModelConfig, TensorShare
+
+Span = tuple[int, int] | None  # (start, end) along one axis; None: all of it
 
 
 class WeightFormatError(ValueError):
@@ -51,20 +60,38 @@ class WeightSource:
         """Bits a weight of tensor ``name`` takes in the file (block scales included)."""
         raise NotImplementedError
 
-    def _read(self, name: str) -> torch.Tensor:
+    def _shape(self, name: str) -> tuple[int, ...]:
         raise NotImplementedError
 
-    def read(self, name: str) -> torch.Tensor:
-        """The tensor ``name`` as float32 (or its stored float dtype), PyTorch layout.
+    def _read(self, name: str, rows: Span, cols: Span) -> torch.Tensor:
+        raise NotImplementedError
+
+    def shape(self, name: str) -> tuple[int, ...]:
+        """The shape of tensor ``name`` in PyTorch layout, without reading it.
 
         Raises:
             WeightFormatError: the file has no tensor of that name.
         """
-        if name not in self.names():
-            raise WeightFormatError(f"tensor {name!r} is missing from the weights")
-        tensor = self._read(name)
+        self._check_name(name)
+        return self._shape(name)
+
+    def read(self, name: str, rows: Span = None, cols: Span = None) -> torch.Tensor:
+        """The tensor ``name`` as float32 (or its stored float dtype), PyTorch layout.
+
+        ``rows`` / ``cols`` (``(start, end)``, end exclusive) read only that slice of the
+        first / second axis; only the slice's bytes count in :attr:`bytes_read`.
+
+        Raises:
+            WeightFormatError: the file has no tensor of that name.
+        """
+        self._check_name(name)
+        tensor = self._read(name, rows, cols)
         self.tensors_read.append(name)
         return tensor
+
+    def _check_name(self, name: str) -> None:
+        if name not in self.names():
+            raise WeightFormatError(f"tensor {name!r} is missing from the weights")
 
 
 class GGUFSource(WeightSource):
@@ -102,21 +129,57 @@ class GGUFSource(WeightSource):
         block, size = GGML_QUANT_SIZES[self._tensors[name].tensor_type]
         return 8 * size / block
 
-    def _read(self, name: str) -> torch.Tensor:
+    def _shape(self, name: str) -> tuple[int, ...]:
+        return tuple(int(d) for d in reversed(self._tensors[name].shape))
+
+    # Rows dequantized at a time when a column range cuts through the format's blocks.
+    UNALIGNED_ROW_CHUNK = 64
+
+    def _read(self, name: str, rows: Span, cols: Span) -> torch.Tensor:
+        from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
+
+        t = self._tensors[name]
+        shape = self._shape(name)
+        if rows is None and cols is None:
+            self.bytes_read += int(t.n_bytes)
+            return torch.from_numpy(self._decode(t.data, t.tensor_type).reshape(shape))
+        # t.data is [rows, ...] for 1-D and 2-D tensors: elements for F32/F16, bytes for
+        # BF16 and the block formats (a row is whole blocks).
+        data = t.data if rows is None else t.data[rows[0] : rows[1]]
+        if cols is None or len(shape) < 2:
+            self.bytes_read += int(data.nbytes)
+            return torch.from_numpy(self._decode(data, t.tensor_type).reshape(-1, *shape[1:]))
+        c0, c1 = cols
+        if t.tensor_type in (GGMLQuantizationType.F32, GGMLQuantizationType.F16):
+            part = data[:, c0:c1]
+            self.bytes_read += int(part.nbytes)
+            return torch.from_numpy(self._decode(part, t.tensor_type))
+        block, size = GGML_QUANT_SIZES[t.tensor_type]
+        if c0 % block == 0 and (c1 % block == 0 or c1 == shape[1]):
+            part = data[:, c0 // block * size : -(-c1 // block) * size]
+            self.bytes_read += int(part.nbytes)
+            return torch.from_numpy(self._decode(part, t.tensor_type))
+        # The range cuts blocks: dequantize a few rows at a time and keep the columns.
+        self.bytes_read += int(data.nbytes)
+        step = self.UNALIGNED_ROW_CHUNK
+        pieces = [
+            self._decode(data[r : r + step], t.tensor_type)[:, c0:c1]
+            for r in range(0, data.shape[0], step)
+        ]
+        return torch.from_numpy(np.ascontiguousarray(np.concatenate(pieces)))
+
+    @staticmethod
+    def _decode(data: np.ndarray, tensor_type) -> np.ndarray:
+        """float32 (F16 stays float16) elements of memory-mapped GGUF data, a new array."""
         from gguf import GGMLQuantizationType
         from gguf.quants import dequantize
 
-        t = self._tensors[name]
-        self.bytes_read += int(t.n_bytes)
-        shape = tuple(int(d) for d in reversed(t.shape))
-        if t.tensor_type in (GGMLQuantizationType.F32, GGMLQuantizationType.F16):
-            array = np.array(t.data, copy=True)
-        elif t.tensor_type == GGMLQuantizationType.BF16:
-            raw = np.array(t.data, copy=True).view(np.uint16).astype(np.uint32) << 16
-            array = raw.view(np.float32)
-        else:
-            array = dequantize(t.data, t.tensor_type)
-        return torch.from_numpy(np.ascontiguousarray(array).reshape(shape))
+        if tensor_type in (GGMLQuantizationType.F32, GGMLQuantizationType.F16):
+            return np.array(data, copy=True)
+        if tensor_type == GGMLQuantizationType.BF16:
+            raw = np.ascontiguousarray(data).view(np.uint16).astype(np.uint32) << 16
+            return raw.view(np.float32)
+        return np.ascontiguousarray(dequantize(np.ascontiguousarray(data), tensor_type))
 
 
 def gguf_metadata(reader) -> dict:
@@ -175,8 +238,17 @@ class SafetensorsSource(WeightSource):
         dtype = self._handles[self._where[name]].get_slice(name).get_dtype()
         return {"F32": 32, "F16": 16, "BF16": 16, "F8_E4M3": 8, "F8_E5M2": 8}.get(dtype, 16)
 
-    def _read(self, name: str) -> torch.Tensor:
-        tensor = self._handles[self._where[name]].get_tensor(name)
+    def _shape(self, name: str) -> tuple[int, ...]:
+        return tuple(self._handles[self._where[name]].get_slice(name).get_shape())
+
+    def _read(self, name: str, rows: Span, cols: Span) -> torch.Tensor:
+        handle = self._handles[self._where[name]]
+        if rows is None and cols is None:
+            tensor = handle.get_tensor(name)
+        else:
+            r = slice(*rows) if rows is not None else slice(None)
+            tensor = handle.get_slice(name)[(r, slice(*cols)) if cols is not None else r]
+            tensor = tensor.contiguous()
         self.bytes_read += tensor.numel() * tensor.element_size()
         return tensor
 
@@ -218,13 +290,23 @@ def _names(source: WeightSource, layer: int | None, part: str) -> str:
 
 
 def shard_state_dict(
-    source: WeightSource, layer_start: int, layer_end: int, dtype: torch.dtype
+    source: WeightSource,
+    layer_start: int,
+    layer_end: int,
+    dtype: torch.dtype,
+    share: TensorShare | None = None,
+    head: bool = True,
 ) -> dict[str, torch.Tensor]:
     """The state dict of :class:`~shardline.models.llama.DecoderShard` for a layer range.
 
     Reads only the tensors of layers ``[layer_start, layer_end)``, plus the embedding when
-    ``layer_start == 0`` and the final norm and head (the embedding when tied) when the
-    range ends at the last layer. Every tensor is cast to ``dtype``.
+    ``layer_start == 0`` and, with ``head``, the final norm and head (the embedding when
+    tied) when the range ends at the last layer. Every tensor is cast to ``dtype``.
+
+    With a tensor ``share`` (the range must be the whole model) each layer's split tensors
+    are read as slices: q rows of the share's heads, k/v rows of its KV heads, gate/up rows
+    of its MLP columns, o columns of its heads and down columns of its MLP columns. Norms
+    (and the embedding, final norm and head) are read whole: every rank holds them.
 
     Raises:
         WeightFormatError: a tensor is missing or has an unexpected shape.
@@ -232,56 +314,79 @@ def shard_state_dict(
     config = source.config
     permuted = isinstance(source, GGUFSource) and config.architecture == "llama"
     out: dict[str, torch.Tensor] = {}
+    d, hd, inter = config.hidden_size, config.head_dim, config.intermediate_size
+    q_rows, kv_rows = config.num_heads * hd, config.num_kv_heads * hd
+
+    def span(start: int, end: int, full: int) -> Span:
+        return None if (start, end) == (0, full) else (start, end)
+
+    if share is None:
+        heads, kv_heads = config.num_heads, config.num_kv_heads
+        q_span = kv_span = col_span = None
+    else:
+        share.check(config)
+        heads, kv_heads = share.num_heads, share.num_kv_heads
+        q_span = span(share.heads[0] * hd, share.heads[1] * hd, q_rows)
+        kv0 = share.kv_heads[0]
+        kv_span = span(kv0 * hd, (kv0 + kv_heads) * hd, kv_rows)
+        col_span = span(*share.columns, inter)
 
     def get(layer: int | None, part: str) -> torch.Tensor:
         return source.read(_names(source, layer, part))
 
-    def check(name: str, tensor: torch.Tensor, shape: tuple[int, ...]) -> torch.Tensor:
-        if tuple(tensor.shape) != shape:
-            raise WeightFormatError(
-                f"{name} has shape {tuple(tensor.shape)}, expected {shape}"
-            )
-        return tensor
+    def get_checked(label: str, layer: int | None, part: str, shape: tuple[int, ...],
+                    rows: Span = None, cols: Span = None) -> torch.Tensor:
+        """Check the file's whole shape, then read the slice."""
+        name = _names(source, layer, part)
+        found = source.shape(name)
+        if found != shape:
+            raise WeightFormatError(f"{label} has shape {found}, expected {shape}")
+        return source.read(name, rows, cols)
 
-    d, hd = config.hidden_size, config.head_dim
-    q_rows, kv_rows = config.num_heads * hd, config.num_kv_heads * hd
     if layer_start == 0:
-        out["embed.weight"] = check("embedding", get(None, "embed"), (config.vocab_size, d)).to(dtype)
+        out["embed.weight"] = get_checked(
+            "embedding", None, "embed", (config.vocab_size, d)
+        ).to(dtype)
     for local, layer in enumerate(range(layer_start, layer_end)):
         p = f"layers.{local}."
-        q = check(f"layer {layer} q", get(layer, "q"), (q_rows, d))
-        k = check(f"layer {layer} k", get(layer, "k"), (kv_rows, d))
-        v = check(f"layer {layer} v", get(layer, "v"), (kv_rows, d))
-        if permuted:
-            q = _unpermute_gguf_rope(q, config.num_heads)
-            k = _unpermute_gguf_rope(k, config.num_kv_heads)
+        q = get_checked(f"layer {layer} q", layer, "q", (q_rows, d), q_span)
+        k = get_checked(f"layer {layer} k", layer, "k", (kv_rows, d), kv_span)
+        v = get_checked(f"layer {layer} v", layer, "v", (kv_rows, d), kv_span)
+        if permuted:  # llama.cpp permutes the rows within each head
+            q = _unpermute_gguf_rope(q, heads)
+            k = _unpermute_gguf_rope(k, kv_heads)
         out[p + "attn.qkv.weight"] = torch.cat((q, k, v)).to(dtype)
         if config.attention_bias:
-            qb, kb, vb = get(layer, "q_bias"), get(layer, "k_bias"), get(layer, "v_bias")
+            qb = source.read(_names(source, layer, "q_bias"), q_span)
+            kb = source.read(_names(source, layer, "k_bias"), kv_span)
+            vb = source.read(_names(source, layer, "v_bias"), kv_span)
             if permuted:
-                qb = _unpermute_gguf_rope(qb, config.num_heads)
-                kb = _unpermute_gguf_rope(kb, config.num_kv_heads)
+                qb = _unpermute_gguf_rope(qb, heads)
+                kb = _unpermute_gguf_rope(kb, kv_heads)
             out[p + "attn.qkv.bias"] = torch.cat((qb, kb, vb)).to(dtype)
-        out[p + "attn.o.weight"] = check(f"layer {layer} o", get(layer, "o"), (d, q_rows)).to(dtype)
+        out[p + "attn.o.weight"] = get_checked(
+            f"layer {layer} o", layer, "o", (d, q_rows), cols=q_span
+        ).to(dtype)
         if config.qk_norm:
             out[p + "attn.q_norm.weight"] = get(layer, "q_norm").to(dtype)
             out[p + "attn.k_norm.weight"] = get(layer, "k_norm").to(dtype)
         out[p + "attn_norm.weight"] = get(layer, "attn_norm").to(dtype)
         out[p + "mlp_norm.weight"] = get(layer, "mlp_norm").to(dtype)
-        inter = config.intermediate_size
-        gate = check(f"layer {layer} gate", get(layer, "gate"), (inter, d))
-        up = check(f"layer {layer} up", get(layer, "up"), (inter, d))
+        gate = get_checked(f"layer {layer} gate", layer, "gate", (inter, d), col_span)
+        up = get_checked(f"layer {layer} up", layer, "up", (inter, d), col_span)
         out[p + "mlp.gate_up.weight"] = torch.cat((gate, up)).to(dtype)
-        out[p + "mlp.down.weight"] = check(f"layer {layer} down", get(layer, "down"), (d, inter)).to(dtype)
-    if layer_end == config.num_layers:
+        out[p + "mlp.down.weight"] = get_checked(
+            f"layer {layer} down", layer, "down", (d, inter), cols=col_span
+        ).to(dtype)
+    if layer_end == config.num_layers and head:
         out["norm.weight"] = get(None, "norm").to(dtype)
         if config.tie_word_embeddings:
-            head = out.get("embed.weight")
-            if head is None:
-                head = get(None, "embed").to(dtype)
+            lm_head = out.get("embed.weight")
+            if lm_head is None:
+                lm_head = get_checked("LM head", None, "embed", (config.vocab_size, d)).to(dtype)
         else:
-            head = get(None, "head").to(dtype)
-        out["lm_head.weight"] = check("LM head", head, (config.vocab_size, d))
+            lm_head = get_checked("LM head", None, "head", (config.vocab_size, d)).to(dtype)
+        out["lm_head.weight"] = lm_head
     return out
 
 
@@ -313,12 +418,54 @@ def load_shard(
     Raises:
         WeightFormatError: a tensor is missing or misshapen.
     """
+    return _build_shard(source, layer_start, layer_end, dtype, device, decode_rows)
+
+
+def load_tensor_shard(
+    source: WeightSource,
+    share: TensorShare,
+    dtype: torch.dtype = torch.bfloat16,
+    device: torch.device | str = "cpu",
+    decode_rows: int = 0,
+    head: bool | None = None,
+):
+    """Build one tensor-parallel rank's :class:`~shardline.models.llama.DecoderShard`.
+
+    It holds every layer, but of each only the share's heads, KV heads and MLP columns
+    (read as slices, see :func:`shard_state_dict`), plus the whole token embedding on every
+    rank and the final norm and LM head where ``head`` (default: on rank 0, the rank that
+    samples; a tied head reuses the embedding). Its layers' outputs are partial sums until
+    :class:`~shardline.parallel.tensor.TensorStage` sets the all-reduce. ``decode_rows`` as
+    for :func:`load_shard`; the slices quantize exactly as the same rows and 32-column
+    groups of the whole tensor do (int4 groups stay aligned when the column ranges are
+    multiples of 32, as :mod:`shardline.placement.tensor` makes them).
+
+    Raises:
+        WeightFormatError: a tensor is missing or misshapen.
+        ValueError: the share does not fit the model.
+    """
+    if head is None:
+        head = share.rank == 0
+    return _build_shard(source, 0, source.config.num_layers, dtype, device, decode_rows,
+                        share=share, head=head)
+
+
+def _build_shard(
+    source: WeightSource,
+    layer_start: int,
+    layer_end: int,
+    dtype: torch.dtype,
+    device: torch.device | str,
+    decode_rows: int,
+    share: TensorShare | None = None,
+    head: bool = True,
+):
     from shardline.models.linear import Linear
     from shardline.models.llama import DecoderShard, rope_inverse_frequencies
 
-    state = shard_state_dict(source, layer_start, layer_end, dtype)
+    state = shard_state_dict(source, layer_start, layer_end, dtype, share=share, head=head)
     with torch.device("meta"):
-        shard = DecoderShard(source.config, layer_start, layer_end)
+        shard = DecoderShard(source.config, layer_start, layer_end, share=share, head=head)
     state = {k: v.to(device) for k, v in state.items()}
     missing, unexpected = shard.load_state_dict(state, strict=False, assign=True)
     if missing or unexpected:
@@ -326,6 +473,10 @@ def load_shard(
             f"shard weights do not match: missing {missing}, unexpected {unexpected}"
         )
     shard.inv_freq = rope_inverse_frequencies(source.config, source.rope_freq_factors).to(device)
+    for module in shard.modules():  # index buffers built on the CPU (see Attention)
+        for name, buffer in module.named_buffers(recurse=False):
+            if buffer.device != torch.device(device):
+                setattr(module, name, buffer.to(device))
     if decode_rows > 0 and torch.device(device).type == "cpu":
         for name, module in shard.named_modules():
             if isinstance(module, Linear):

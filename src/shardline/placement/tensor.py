@@ -1,0 +1,164 @@
+"""Tensor placement: which heads, KV heads and MLP columns each tensor rank holds.
+
+The split is Megatron-LM's (Shoeybi et al., 2019, "Megatron-LM: Training Multi-Billion
+Parameter Language Models Using Model Parallelism"): every rank holds every layer, but of
+each only a contiguous range of query heads (with the KV heads those heads read) and a
+contiguous range of MLP intermediate columns; two all-reduces per layer complete the
+outputs. The embedding is held whole by every rank; the final norm and LM head by the
+sampling rank (rank 0) only.
+
+Shapes that do not divide evenly are split unevenly rather than refused:
+
+- query heads: as evenly as possible, the larger shares first (SmolLM2-135M's 9 heads on 2
+  ranks: 5 and 4), in contiguous ranges;
+- KV heads (grouped-query attention): each rank holds the KV heads its query heads read, so
+  a KV head whose group of query heads spans two ranks is held and computed by both
+  (SmolLM2 on 2 ranks: KV heads 0-1 and 1-2);
+- MLP columns: in blocks of 32 (the int4 decode copy quantizes groups of 32 inputs of the
+  down projection and packs 16 outputs of gate/up), the larger shares first.
+
+A shape is refused (:class:`PlacementError`) when a rank would get no query head, when the
+intermediate size is not a multiple of 32, or when there are fewer blocks of 32 columns
+than ranks; a node whose available bytes cannot hold its rank's share is refused with the
+shortfall.
+
+Everything here is pure: no torch, no I/O.
+"""
+
+from __future__ import annotations
+
+from shardline.models.config import ModelConfig, TensorShare
+from shardline.placement.pipeline import NodeCapacity, PlacementError
+
+COLUMN_BLOCK = 32
+
+
+def _even(total: int, parts: int) -> list[tuple[int, int]]:
+    """``[0, total)`` as ``parts`` contiguous ranges, sizes differing by at most one,
+    larger ones first."""
+    base, extra = divmod(total, parts)
+    ranges, start = [], 0
+    for i in range(parts):
+        size = base + (1 if i < extra else 0)
+        ranges.append((start, start + size))
+        start += size
+    return ranges
+
+
+def tensor_shares(config: ModelConfig, world_size: int) -> list[TensorShare]:
+    """Each of ``world_size`` ranks' heads, KV heads and MLP columns (see the module doc).
+
+    Raises:
+        PlacementError: no ranks, more ranks than query heads, or an intermediate size that
+            does not split into at least ``world_size`` blocks of 32 columns.
+    """
+    if world_size < 1:
+        raise PlacementError("no nodes to place the model on")
+    if world_size > config.num_heads:
+        raise PlacementError(
+            f"{world_size} tensor ranks but only {config.num_heads} attention heads: "
+            f"each tensor rank needs at least one head"
+        )
+    inter = config.intermediate_size
+    if world_size > 1 and inter % COLUMN_BLOCK:
+        raise PlacementError(
+            f"intermediate size {inter} is not a multiple of {COLUMN_BLOCK}: the MLP columns "
+            f"cannot split in blocks of {COLUMN_BLOCK} across tensor ranks"
+        )
+    blocks = inter // COLUMN_BLOCK if world_size > 1 else 1
+    if blocks < world_size:
+        raise PlacementError(
+            f"intermediate size {inter} has only {blocks} blocks of {COLUMN_BLOCK} columns "
+            f"for {world_size} tensor ranks"
+        )
+    scale = COLUMN_BLOCK if world_size > 1 else inter
+    shares = []
+    for rank, (heads, cols) in enumerate(
+        zip(_even(config.num_heads, world_size), _even(blocks, world_size))
+    ):
+        first = config.kv_head_of(heads[0])
+        last = config.kv_head_of(heads[1] - 1)
+        shares.append(
+            TensorShare(
+                rank=rank,
+                world_size=world_size,
+                heads=heads,
+                kv_heads=tuple(range(first, last + 1)),
+                columns=(cols[0] * scale, cols[1] * scale),
+            )
+        )
+    return shares
+
+
+def tensor_rank_bytes(
+    config: ModelConfig,
+    share: TensorShare,
+    *,
+    context: int = 0,
+    max_batch: int = 0,
+    weight_bytes: float = 3.0,
+    embed_bytes: float = 2.0,
+    kv_element_bytes: int = 2,
+) -> int:
+    """Bytes one rank needs: its slices of every layer, the replicated parts, its KV cache.
+
+    Args:
+        weight_bytes: bytes a linear weight element takes in memory (default 3: bf16 for
+            prefill plus the int8 decode copy, as pipeline placement counts).
+        embed_bytes: bytes an embedding element takes (bf16: 2). Every rank holds the
+            embedding; rank 0 also the LM head (a tied head adds only its decode copy,
+            ``weight_bytes - embed_bytes`` per element).
+        context, max_batch, kv_element_bytes: the KV cache's tokens per sequence,
+            sequences and bytes per element; a rank caches only its own KV heads.
+    """
+    d, hd = config.hidden_size, config.head_dim
+    q, kv, cols = share.num_heads * hd, share.num_kv_heads * hd, share.num_columns
+    linear = d * (q + 2 * kv) + q * d + 3 * d * cols
+    norms = 2 * d + (2 * hd if config.qk_norm else 0)
+    bias = (q + 2 * kv) if config.attention_bias else 0
+    per_layer = linear * weight_bytes + (norms + bias) * embed_bytes
+    total = config.num_layers * per_layer + config.vocab_size * d * embed_bytes
+    if share.rank == 0:
+        head = weight_bytes - embed_bytes if config.tie_word_embeddings else weight_bytes
+        total += config.vocab_size * d * head + d * embed_bytes
+    kv_cache = 2 * config.num_layers * share.num_kv_heads * hd * kv_element_bytes
+    total += kv_cache * context * max_batch
+    return int(total)
+
+
+def tensor_placement(
+    config: ModelConfig,
+    nodes: list[NodeCapacity],
+    *,
+    context: int = 0,
+    max_batch: int = 0,
+    weight_bytes: float = 3.0,
+    embed_bytes: float = 2.0,
+    kv_element_bytes: int = 2,
+) -> list[TensorShare]:
+    """One :class:`TensorShare` per node, in rank order (node i is rank i).
+
+    Byte arguments as for :func:`tensor_rank_bytes`.
+
+    Raises:
+        PlacementError: the shape cannot split over ``len(nodes)`` ranks (see
+            :func:`tensor_shares`), or a node's available bytes cannot hold its rank's
+            share; the message names each such node, what it needs, has, and lacks.
+    """
+    shares = tensor_shares(config, len(nodes))
+    short = []
+    for node, share in zip(nodes, shares):
+        need = tensor_rank_bytes(
+            config, share, context=context, max_batch=max_batch, weight_bytes=weight_bytes,
+            embed_bytes=embed_bytes, kv_element_bytes=kv_element_bytes,
+        )
+        if need > node.available_bytes:
+            short.append(
+                f"node {node.node_id} (rank {share.rank}: heads {share.heads[0]}-"
+                f"{share.heads[1] - 1}, KV heads {list(share.kv_heads)}, MLP columns "
+                f"{share.columns[0]}-{share.columns[1] - 1}) needs {need} bytes but has "
+                f"{node.available_bytes} available (short by {need - node.available_bytes} bytes)"
+            )
+    if short:
+        raise PlacementError("tensor placement does not fit: " + "; ".join(short))
+    return shares
