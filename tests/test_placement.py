@@ -43,3 +43,16 @@ def test_refusal_names_node_and_shortfall():
 def test_more_nodes_than_layers_is_refused():
     with pytest.raises(PlacementError, match="only 2 layers"):
         pipeline_layer_ranges(2, [NodeCapacity(str(i), GB) for i in range(3)], 1)
+
+
+def test_ring_admission_names_the_node_and_its_shortfall():
+    from shardline.placement.ring import ring_admission, ring_working_bytes
+
+    working = ring_working_bytes(1024, 2, 9, 3, 64, 576, 1536, 2)
+    assert working > 2 * 4 * 9 * 512 * 512  # the float32 score blocks alone
+    ok = [NodeCapacity("a", 10**9), NodeCapacity("b", 10**9)]
+    ring_admission(ok, 4 * 10**8, 10**8, working)
+    with pytest.raises(PlacementError, match=r"node b has 500000000 bytes available \(short by"):
+        ring_admission([NodeCapacity("a", 10**9), NodeCapacity("b", 5 * 10**8)], 4 * 10**8, 10**8, working)
+    with pytest.raises(PlacementError, match="at least 2 nodes"):
+        ring_admission(ok[:1], 1, 1, 1)

@@ -33,6 +33,15 @@ def _run(args: argparse.Namespace) -> int:
     return 0
 
 
+def _rank_share(rank: dict) -> str:
+    """A rank's part of the model in words: its layers, or its heads and MLP columns."""
+    share = rank.get("tensor_share")
+    if share:
+        return (f"heads {share['heads'][0]}-{share['heads'][1] - 1}, "
+                f"columns {share['columns'][0]}-{share['columns'][1] - 1}")
+    return f"layers {rank['layer_start']}-{rank['layer_end'] - 1}"
+
+
 def _interrupt(signum, frame) -> None:
     raise KeyboardInterrupt
 
@@ -55,9 +64,9 @@ def _cluster(args: argparse.Namespace) -> int:
         print(f"shardline cluster: {exc or 'interrupted'}", file=sys.stderr)
         return 1
     url = cluster.url(0)
-    ranges = ", ".join(f"{r['layer_start']}-{r['layer_end'] - 1}" for r in instance["ranks"])
+    ranges = ", ".join(_rank_share(r) for r in instance["ranks"])
     print(f"\nshardline: {args.nodes}-node {args.sharding} cluster serving {instance['model_id']}")
-    print(f"  layers per node: {ranges}")
+    print(f"  per node: {ranges}")
     print(f"  API: {url}/v1  (any node: ports {args.port}-{args.port + args.nodes - 1})")
     print("  try:")
     print(f"    curl {url}/v1/chat/completions -H 'Content-Type: application/json' \\")
@@ -84,6 +93,7 @@ def _bench(args: argparse.Namespace) -> int:
 
 def build_parser() -> argparse.ArgumentParser:
     from shardline.models.store import DEFAULT_MODEL_ID
+    from shardline.placement.ranks import SHARDINGS
 
     parser = argparse.ArgumentParser(prog="shardline", description=__doc__)
     parser.add_argument("-v", "--verbose", action="store_true", help="log more")
@@ -110,7 +120,10 @@ def build_parser() -> argparse.ArgumentParser:
 
     cluster = sub.add_parser("cluster", help="start N nodes on 127.0.0.1 and place a model across them")
     cluster.add_argument("--nodes", type=int, default=3, help="how many nodes (default %(default)s)")
-    cluster.add_argument("--sharding", default="pipeline", choices=["pipeline"])
+    cluster.add_argument("--sharding", default="pipeline", choices=SHARDINGS,
+                         help="pipeline: a layer range per node; tensor: heads and MLP columns split "
+                              "across the nodes; ring: the whole model on every node, long prompts "
+                              "split across them (default %(default)s)")
     cluster.add_argument("--port", type=int, default=DEFAULT_PORT,
                          help="first node's port; the others follow (default %(default)s)")
     cluster.add_argument("--model", default=DEFAULT_MODEL_ID, help="model id or local path (default %(default)s)")

@@ -454,11 +454,12 @@ def print_report(report: dict[str, Any], console=None) -> None:
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """Add ``shardline bench``'s options to its subparser."""
     from shardline.models.store import DEFAULT_MODEL_ID
+    from shardline.placement.ranks import SHARDINGS
 
     parser.add_argument("--url", default=None,
                         help="benchmark this running node (http://host:port); default: start a local cluster")
     parser.add_argument("--nodes", type=int, default=1, help="nodes of the local cluster (default %(default)s)")
-    parser.add_argument("--sharding", default="pipeline", choices=["pipeline"],
+    parser.add_argument("--sharding", default="pipeline", choices=SHARDINGS,
                         help="sharding of the local cluster (default %(default)s)")
     parser.add_argument("--model", default=None,
                         help=f"model id or local path (default {DEFAULT_MODEL_ID}; "

@@ -84,6 +84,9 @@ class ForwardBatch:
         kv_len: prefill only: keys the chunk's last query sees (the cache prefix to read).
         rows: decode only: ``(slot, keys to read)`` of each row's sequence.
         logit_rows: rows whose logits the last shard returns, int64 ``[M]``.
+        ring: a ring prefill chunk's :class:`~shardline.parallel.ring.RingContext` (the
+            rows are this rank's zig-zag share of the chunk; attention goes round the
+            ring), else None.
     """
 
     prefill: bool
@@ -97,6 +100,7 @@ class ForwardBatch:
     kv_len: int
     rows: list[tuple[int, int]]
     logit_rows: torch.Tensor
+    ring: object | None = None
 
 
 class RMSNorm(nn.Module):
@@ -168,7 +172,7 @@ class Attention(nn.Module):
         q_out = self.num_heads * config.head_dim
         kv_out = self.num_kv_heads * config.head_dim
         self.qkv = Linear(config.hidden_size, q_out + 2 * kv_out, bias=config.attention_bias)
-        self.o = Linear(q_out, config.hidden_size, bias=False)
+        self.o = Linear(q_out, config.hidden_size, bias=False, partial=share is not None)
         self.q_norm = RMSNorm(config.head_dim, config.rms_norm_eps) if config.qk_norm else None
         self.k_norm = RMSNorm(config.head_dim, config.rms_norm_eps) if config.qk_norm else None
         self.split = (q_out, kv_out, kv_out)
@@ -198,7 +202,9 @@ class Attention(nn.Module):
             q = q.index_select(1, self.q_index)  # [n, attn_heads, hd]
         attn_heads = self.attn_heads
 
-        if batch.prefill:
+        if batch.ring is not None:
+            out = batch.ring.attend(q, k, v, k_cache, v_cache).view(n, attn_heads, hd)
+        elif batch.prefill:
             slot, start = batch.slot, batch.start
             k_cache[slot, :, start : start + n] = k.transpose(0, 1)
             v_cache[slot, :, start : start + n] = v.transpose(0, 1)
@@ -244,7 +250,7 @@ class MLP(nn.Module):
         super().__init__()
         inter = share.num_columns if share else config.intermediate_size
         self.gate_up = Linear(config.hidden_size, 2 * inter, bias=False)
-        self.down = Linear(inter, config.hidden_size, bias=False)
+        self.down = Linear(inter, config.hidden_size, bias=False, partial=share is not None)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = self.gate_up(x).chunk(2, dim=-1)
@@ -255,8 +261,9 @@ class DecoderLayer(nn.Module):
     """Pre-norm transformer block: x + attn(norm(x)), then x + mlp(norm(x)).
 
     ``all_reduce`` (None: identity) completes the partial attention and MLP outputs of a
-    tensor-parallel layer: it takes ``[N, hidden_size]`` in the compute dtype and returns
-    the sum over the ranks, same shape and dtype.
+    tensor-parallel layer: it takes ``[N, hidden_size]`` float32 partial sums (see
+    ``Linear.partial``) and returns the sum over the ranks; the sum is rounded to the
+    compute dtype once, as the one-rank layer rounds its whole output once.
     """
 
     def __init__(self, config: ModelConfig, share: TensorShare | None = None) -> None:
@@ -273,8 +280,8 @@ class DecoderLayer(nn.Module):
         if self.all_reduce is None:
             x = x + self.attn(self.attn_norm(x), batch, k_cache, v_cache)
             return x + self.mlp(self.mlp_norm(x))
-        x = x + self.all_reduce(self.attn(self.attn_norm(x), batch, k_cache, v_cache))
-        return x + self.all_reduce(self.mlp(self.mlp_norm(x)))
+        x = x + self.all_reduce(self.attn(self.attn_norm(x), batch, k_cache, v_cache)).to(x.dtype)
+        return x + self.all_reduce(self.mlp(self.mlp_norm(x))).to(x.dtype)
 
 
 class DecoderShard(nn.Module):
@@ -362,7 +369,7 @@ class DecoderShard(nn.Module):
             keys = torch.arange(start + length, device=device)
             mask = keys.unsqueeze(0) <= positions.unsqueeze(1)  # [length, start+length]
         rows = torch.tensor([length - 1] if want_logits else [], dtype=torch.long, device=device)
-        cos, sin = self._rope(positions)
+        cos, sin = self.rope(positions)
         return ForwardBatch(
             prefill=True,
             slot=slot,
@@ -381,7 +388,7 @@ class DecoderShard(nn.Module):
         """Describe a decode step: one token at ``positions[i]`` for the sequence in ``slots[i]``."""
         device = self.device
         pos = torch.tensor(positions, dtype=torch.long, device=device)
-        cos, sin = self._rope(pos)
+        cos, sin = self.rope(pos)
         return ForwardBatch(
             prefill=False,
             slot=-1,
@@ -396,7 +403,9 @@ class DecoderShard(nn.Module):
             logit_rows=torch.arange(len(positions), device=device),
         )
 
-    def _rope(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def rope(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """RoPE tables for int64 ``positions [N]``: cos and sin ``[N, 1, head_dim]`` in the
+        compute dtype, the first half of sin negated (see :class:`ForwardBatch`)."""
         freqs = positions.float().unsqueeze(1) * self.inv_freq.unsqueeze(0)  # [N, hd/2]
         cos = torch.cat((freqs.cos(), freqs.cos()), dim=-1)
         sin = torch.cat((-freqs.sin(), freqs.sin()), dim=-1)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import logging
+from typing import Literal
 from contextlib import asynccontextmanager
 
 from fastapi import FastAPI, Request
@@ -15,7 +16,8 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from shardline.api import openai
 from shardline.models.store import ModelNotFoundError
-from shardline.node.node import SHARDINGS, InstanceFailedError, NoInstanceError, Node, free_port
+from shardline.node.node import InstanceFailedError, NoInstanceError, Node, free_port
+from shardline.placement.ranks import SHARDINGS
 from shardline.placement.pipeline import PlacementError
 from shardline.runner.protocol import SamplingParams
 
@@ -28,6 +30,7 @@ class CreateInstance(BaseModel):
     nodes: list[str] | None = None
     context: int | None = None
     max_batch: int | None = None
+    dtype: Literal["bfloat16", "float16", "float32"] = "bfloat16"
 
 
 def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
@@ -105,7 +108,8 @@ def create_app(node: Node) -> FastAPI:
             status, content = await node.ask_coordinator("POST", "/cluster/instances", body.model_dump())
             return JSONResponse(status_code=status, content=content)
         try:
-            inst = await node.create_instance(body.model, body.sharding, body.nodes, body.context, body.max_batch)
+            inst = await node.create_instance(body.model, body.sharding, body.nodes, body.context, body.max_batch,
+                                              body.dtype)
         except ModelNotFoundError as exc:
             return JSONResponse(status_code=404, content={"detail": str(exc)})
         except PlacementError as exc:

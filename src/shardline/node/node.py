@@ -37,7 +37,8 @@ import psutil
 from shardline.models.store import ModelNotFoundError, ModelRef, resolve_model
 from shardline.models.tokenizer import Tokenizer
 from shardline.node.worker import Worker
-from shardline.placement.pipeline import NodeCapacity, PlacementError, pipeline_layer_ranges
+from shardline.placement.pipeline import NodeCapacity, PlacementError
+from shardline.placement.ranks import SHARDINGS, place_ranks, ring_prefill_chunk  # noqa: F401 (re-exported)
 from shardline.runner.protocol import (
     Cancel,
     EngineStats,
@@ -53,7 +54,6 @@ from shardline.runner.protocol import (
 
 log = logging.getLogger(__name__)
 
-SHARDINGS = ("pipeline",)
 
 
 class NoInstanceError(LookupError):
@@ -70,6 +70,7 @@ class RankPlacement:
     address: str
     layer_start: int
     layer_end: int
+    tensor_share: dict | None = None  # tensor sharding: heads, KV heads and MLP columns
     status: str = "loading"  # loading | ready | failed
     error: str | None = None
     loaded: dict | None = None  # the runner's Loaded report: layers and bytes it read
@@ -88,6 +89,7 @@ class Instance:
     master_port: int
     context: int
     max_batch: int
+    dtype: str = "bfloat16"  # compute dtype of every rank
     status: str = "loading"  # loading | ready | failed
     error: str | None = None
     created_at: float = field(default_factory=time.time)
@@ -312,20 +314,29 @@ class Node:
             if instance_id in self.worker.runners:
                 continue
             path = self.model_path(inst.model_id)
+            ring_chunks = {}
+            if inst.sharding == "ring":
+                chunk = ring_prefill_chunk(len(inst.ranks))
+                ring_chunks = {"prefill_chunk": chunk, "prefill_step_tokens": chunk,
+                               "prefill_burst_tokens": max(chunk, RunnerSpec.prefill_burst_tokens)}
             spec = RunnerSpec(
                 instance_id=instance_id,
                 node_id=self.node_id,
                 model_path=str(path),
                 rank=rank,
                 world_size=len(inst.ranks),
+                sharding=inst.sharding,
                 layer_start=placement.layer_start,
                 layer_end=placement.layer_end,
+                tensor_share=placement.tensor_share,
                 master_addr=inst.master_addr,
                 master_port=inst.master_port,
                 max_batch=inst.max_batch,
                 context=inst.context,
+                dtype=inst.dtype,
                 threads=self.runner_threads,
                 progress_timeout_s=self.progress_timeout_s,
+                **ring_chunks,
             )
             self.worker.start(spec)
             threading.Thread(target=self.tokenizer, args=(inst.model_id,), daemon=True).start()
@@ -402,7 +413,7 @@ class Node:
         try:
             ref = ModelRef(failed.model_id, Path(failed.model_path))
             await self._place(ref, failed.sharding, nodes, failed.context, failed.max_batch,
-                              retries)
+                              failed.dtype, retries)
         except (PlacementError, ModelNotFoundError, httpx.HTTPError) as exc:
             log.error("could not place %s again: %s", failed.model_id, exc)
             await self._publish()
@@ -416,8 +427,13 @@ class Node:
         node_ids: list[str] | None = None,
         context: int | None = None,
         max_batch: int | None = None,
+        dtype: str = "bfloat16",
     ) -> Instance:
         """Coordinator: place ``model`` (an id or a local path) and start loading it.
+
+        ``dtype`` is the ranks' compute dtype. bfloat16 halves the memory of float32; a
+        tensor instance in bfloat16 rounds its partial sums differently from one node and
+        may pick a different token where two are nearly tied, in float32 it does not.
 
         Raises:
             ModelNotFoundError: the model's files are not on this machine.
@@ -425,7 +441,7 @@ class Node:
         """
         if sharding not in SHARDINGS:
             raise PlacementError(f"sharding {sharding!r} is not supported (supported: {', '.join(SHARDINGS)})")
-        return await self._place(resolve_model(model), sharding, node_ids, context, max_batch)
+        return await self._place(resolve_model(model), sharding, node_ids, context, max_batch, dtype)
 
     async def _place(
         self,
@@ -434,6 +450,7 @@ class Node:
         node_ids: list[str] | None,
         context: int | None,
         max_batch: int | None,
+        dtype: str = "bfloat16",
         retries: int = 0,
     ) -> Instance:
         from shardline.models.weights import open_weights  # torch: imported only when placing
@@ -447,10 +464,7 @@ class Node:
         capacities = [NodeCapacity(n, self._available_bytes(n)) for n in chosen]
         context = context or min(self.default_context, config.max_position_embeddings)
         max_batch = max_batch or self.default_max_batch
-        # bf16 weights plus their int8 decode copy (3 bytes a weight) and the layer's KV cache.
-        per_layer = (3 * config.layer_param_count()
-                     + max_batch * context * config.kv_bytes_per_token() // config.num_layers)
-        ranges = pipeline_layer_ranges(config.num_layers, capacities, per_layer)
+        shares = place_ranks(config, sharding, capacities, context, max_batch, dtype)
         master_addr = self.address_of(chosen[0]).rsplit(":", 1)[0]
         port = await self._free_port(chosen[0])
         inst = Instance(
@@ -459,12 +473,15 @@ class Node:
             model_path=str(ref.path),
             sharding=sharding,
             ranks=[
-                RankPlacement(n, self.address_of(n), s, e) for n, (s, e) in zip(chosen, ranges)
+                RankPlacement(n, self.address_of(n), share.layer_start, share.layer_end,
+                              tensor_share=share.tensor_share)
+                for n, share in zip(chosen, shares)
             ],
             master_addr=master_addr,
             master_port=port,
             context=context,
             max_batch=max_batch,
+            dtype=dtype,
             retries=retries,
         )
         self.instances[inst.instance_id] = inst

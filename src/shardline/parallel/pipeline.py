@@ -28,40 +28,26 @@ import torch.distributed as dist
 
 from shardline.models.llama import DecoderShard, ForwardBatch, KVCache
 from shardline.parallel.progress import Progress
+from shardline.parallel.stage import Stage
 
 
-class PipelineStage:
+class PipelineStage(Stage):
     """This rank's part of the pipeline; world size 1 is a plain single-node model.
 
-    Attributes:
-        samples: True on the last rank, which holds the logits and samples the tokens.
-        progress: updated after every transfer and every micro-batch computed.
+    The last rank holds the logits and samples. See :class:`Stage` for the arguments.
     """
 
     def __init__(self, shard: DecoderShard, cache: KVCache, rank: int, world_size: int,
                  progress: Progress | None = None) -> None:
-        self.shard = shard
-        self.cache = cache
-        self.rank = rank
-        self.world_size = world_size
-        self.samples = rank == world_size - 1
-        self.progress = progress or Progress()
+        super().__init__(shard, cache, rank, world_size, sampler=world_size - 1, progress=progress)
 
     def run(
         self,
         microbatches: list[tuple[torch.Tensor, ForwardBatch]],
         computed: Callable[[int], None] | None = None,
     ) -> list[torch.Tensor | None]:
-        """Run each ``(token ids, batch)`` through this stage, in order.
-
-        ``token ids`` is int64 ``[N]`` and known on every rank (only rank 0 reads it; the
-        others only need its length). ``computed(i)`` is called once this rank has
-        computed micro-batch i. Returns, per micro-batch, float32 logits
-        ``[len(batch.logit_rows), vocab]`` on the last rank and None elsewhere.
-
-        Raises:
-            RuntimeError: a transfer failed or timed out (a peer rank is gone or stalled).
-        """
+        """See :meth:`Stage.run`; only rank 0 reads the token ids, the others receive
+        hidden states ``[N, hidden_size]`` from the previous rank."""
         shard, progress = self.shard, self.progress
         received = []
         if self.rank > 0:
@@ -94,11 +80,3 @@ class PipelineStage:
             work.wait()
         progress.mark("step done")
         return outputs
-
-    def share_tokens(self, tokens: torch.Tensor) -> torch.Tensor:
-        """Broadcast the sampled token ids (int64 ``[M]``) from the last rank to all."""
-        if self.world_size > 1:
-            self.progress.mark(f"receiving {tokens.shape[0]} sampled tokens from rank {self.world_size - 1}")
-            dist.broadcast(tokens, src=self.world_size - 1)
-            self.progress.mark("tokens shared")
-        return tokens

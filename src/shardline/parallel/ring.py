@@ -23,9 +23,14 @@ rank without gathering anything.
 from __future__ import annotations
 
 import math
+from typing import Callable
 
 import torch
 import torch.distributed as dist
+
+from shardline.models.llama import DecoderShard, ForwardBatch, KVCache
+from shardline.parallel.progress import Progress
+from shardline.parallel.stage import Stage
 
 
 def block_bounds(length: int, world: int) -> list[tuple[int, int]]:
@@ -163,3 +168,61 @@ class RingContext:
             if self.on_hop is not None:
                 self.on_hop(hop)
         return out.to(q.dtype).reshape(n, heads * d)
+
+
+class RingStage(Stage):
+    """This rank of a ring instance: the whole model, prompts split across the ranks.
+
+    A prefill chunk of at least ``min_tokens_per_rank * world_size`` tokens is prefilled
+    as a ring (each rank computes its zig-zag share, attention goes round the ring); a
+    shorter one, and every decode step, runs whole on every rank with no communication
+    (the KV caches are identical, so every rank computes the same). Rank 0 holds the last
+    position of every ring chunk (the zig-zag gives it the last block), so it samples.
+    See :class:`~shardline.parallel.stage.Stage` for the arguments.
+    """
+
+    def __init__(self, shard: DecoderShard, cache: KVCache, rank: int, world_size: int,
+                 group=None, progress: Progress | None = None, min_tokens_per_rank: int = 128) -> None:
+        super().__init__(shard, cache, rank, world_size, sampler=0, group=group, progress=progress)
+        self.min_tokens_per_rank = min_tokens_per_rank
+
+    def prefill_batch(self, slot: int, start: int, length: int, want_logits: bool) -> ForwardBatch:
+        """A ring chunk when long enough (rows: this rank's zig-zag share, logits of the
+        chunk's last position on rank 0), else the whole chunk on every rank."""
+        if self.world_size == 1 or length < self.min_tokens_per_rank * self.world_size:
+            return self.shard.prefill_batch(slot, start, length, want_logits)
+        ring = RingContext(self.group, self.rank, self.world_size, slot, start, length, self.shard.device)
+        positions = ring.positions[self.rank]
+        cos, sin = self.shard.rope(positions)
+        last = [positions.shape[0] - 1] if want_logits and self.samples else []
+        ring.on_hop = lambda hop: self.progress.mark(f"ring hop {hop + 1} of {self.world_size}")
+        return ForwardBatch(
+            prefill=True, slot=slot, start=start, slots=torch.tensor([slot]), positions=positions,
+            cos=cos, sin=sin, attn_mask=None, kv_len=start + length, rows=[],
+            logit_rows=torch.tensor(last, dtype=torch.long, device=self.shard.device), ring=ring,
+        )
+
+    def decode_batch(self, slots: list[int], positions: list[int]) -> ForwardBatch:
+        """A decode step, on every rank alike; only the sampling rank computes logits."""
+        batch = self.shard.decode_batch(slots, positions)
+        if not self.samples:
+            batch.logit_rows = batch.logit_rows[:0]
+        return batch
+
+    def run(
+        self,
+        microbatches: list[tuple[torch.Tensor, ForwardBatch]],
+        computed: Callable[[int], None] | None = None,
+    ) -> list[torch.Tensor | None]:
+        """See :meth:`Stage.run`: a ring chunk feeds this rank's share of the token ids."""
+        outputs: list[torch.Tensor | None] = []
+        for index, (tokens, batch) in enumerate(microbatches):
+            if batch.ring is not None:
+                tokens = tokens[batch.ring.positions[self.rank].cpu() - batch.start]
+            self.progress.mark(f"computing micro-batch {index}")
+            out = self.shard(tokens.to(self.shard.device), batch, self.cache)
+            if computed is not None:
+                computed(index)
+            outputs.append(out if self.samples else None)
+        self.progress.mark("step done")
+        return outputs

@@ -43,6 +43,8 @@ import torch.distributed as dist
 
 from shardline.models.config import TensorShare
 from shardline.models.llama import DecoderShard, ForwardBatch, KVCache
+from shardline.parallel.progress import Progress
+from shardline.parallel.stage import Stage
 
 
 def make_all_reduce(
@@ -65,28 +67,15 @@ def make_all_reduce(
     return all_reduce
 
 
-class _NoProgress:
-    def mark(self, doing: str) -> None:
-        pass
-
-
-class TensorStage:
+class TensorStage(Stage):
     """This rank's part of a tensor-parallel instance; world size 1 is a plain model.
 
-    Args:
+    Rank 0 holds the logits and samples. Args as for :class:`Stage`, and:
         shard: from :func:`~shardline.models.weights.load_tensor_shard` (every layer, this
             rank's heads and columns; the LM head on rank 0).
         cache: a :class:`KVCache` with ``num_kv_heads=shard.num_kv_heads``.
-        rank, world_size: this rank within ``group`` and the group's size.
-        group: the process group of the instance's ranks (None: the default group).
         reduce_dtype: dtype of the all-reduced sums (default float32; None: the compute
             dtype).
-        progress: anything with ``mark(str)`` (the runner's progress watchdog), marked
-            before each micro-batch and each token broadcast.
-
-    Attributes:
-        samples: True on rank 0, the one rank that holds logits and samples.
-        is_last: the same as ``samples`` (the name pipeline stages used).
     """
 
     def __init__(
@@ -97,7 +86,7 @@ class TensorStage:
         world_size: int,
         group: dist.ProcessGroup | None = None,
         reduce_dtype: torch.dtype | None = torch.float32,
-        progress=None,
+        progress: Progress | None = None,
     ) -> None:
         if world_size > 1 and shard.share is None:
             raise ValueError("a tensor stage of several ranks needs a tensor-parallel shard")
@@ -106,56 +95,27 @@ class TensorStage:
                 f"the KV cache holds {cache.k[0].shape[1]} KV heads, the shard "
                 f"{shard.num_kv_heads}"
             )
-        self.shard = shard
-        self.cache = cache
-        self.rank = rank
-        self.world_size = world_size
-        self.group = group
-        self.samples = rank == 0
-        self.is_last = self.samples
-        self.progress = progress or _NoProgress()
+        super().__init__(shard, cache, rank, world_size, sampler=0, group=group, progress=progress)
         if self.samples and shard.lm_head is None:
             raise ValueError("the sampling rank's shard has no LM head")
-        self.root = 0 if group is None or world_size == 1 else dist.get_global_rank(group, 0)
         shard.set_all_reduce(make_all_reduce(group, reduce_dtype) if world_size > 1 else None)
 
-    def forward(self, token_ids: torch.Tensor, batch: ForwardBatch) -> torch.Tensor | None:
-        """One micro-batch: :meth:`run` of ``[(token_ids, batch)]``."""
-        return self.run([(token_ids, batch)])[0]
-
     def run(
-        self, microbatches: list[tuple[torch.Tensor, ForwardBatch]]
+        self,
+        microbatches: list[tuple[torch.Tensor, ForwardBatch]],
+        computed: Callable[[int], None] | None = None,
     ) -> list[torch.Tensor | None]:
-        """Run each ``(token ids, batch)`` in order, on every rank alike.
-
-        ``token ids`` is int64 ``[N]``, the same on every rank (each embeds it); ``batch``
-        comes from ``shard.prefill_batch`` / ``shard.decode_batch``. Returns, per
-        micro-batch, float32 logits ``[len(batch.logit_rows), vocab]`` on the sampling
-        rank and None elsewhere. Each layer all-reduces twice, so every rank must run the
-        same micro-batches with the same shapes in the same order.
-
-        Raises:
-            RuntimeError: an all-reduce failed or timed out (a peer rank is gone or stalled).
-        """
+        """See :meth:`Stage.run`. Every rank embeds the token ids and each layer
+        all-reduces twice, so the micro-batches run one after another on every rank."""
         outputs: list[torch.Tensor | None] = []
         for index, (tokens, batch) in enumerate(microbatches):
             self.progress.mark(f"computing micro-batch {index} (all-reduces with every rank)")
             out = self.shard(tokens.to(self.shard.device), batch, self.cache)
+            if computed is not None:
+                computed(index)
             outputs.append(out if self.samples else None)
         self.progress.mark("step done")
         return outputs
-
-    def share_tokens(self, ids: torch.Tensor) -> torch.Tensor:
-        """Broadcast int64 token ids ``[M]`` from the sampling rank to all; in place.
-
-        ``ids`` must be on the group's communication device (the CPU for gloo, the GPU for
-        NCCL) and have the same length on every rank.
-        """
-        if self.world_size > 1:
-            self.progress.mark(f"receiving {ids.shape[0]} sampled tokens from rank 0")
-            dist.broadcast(ids, src=self.root, group=self.group)
-            self.progress.mark("tokens shared")
-        return ids
 
 
 def load_tensor_stage(
@@ -171,7 +131,7 @@ def load_tensor_stage(
     share: TensorShare | None = None,
     group: dist.ProcessGroup | None = None,
     reduce_dtype: torch.dtype | None = torch.float32,
-    progress=None,
+    progress: Progress | None = None,
 ) -> TensorStage:
     """Load this rank's shard and KV cache and wrap them in a :class:`TensorStage`.
 

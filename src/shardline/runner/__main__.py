@@ -78,14 +78,43 @@ class Outbox:
             time.sleep(min(1.0, max(self.progress_timeout_s / 4, 0.1)))
 
 
+def load_stage(spec: RunnerSpec, source, group, progress: Progress, dtype, device):
+    """Load this rank's shard and KV cache as the stage its instance's sharding needs.
+
+    Raises:
+        WeightFormatError: a tensor the shard needs is missing or has the wrong shape.
+        ValueError: an unknown sharding.
+    """
+    from shardline.models.config import TensorShare
+    from shardline.models.llama import KVCache
+    from shardline.models.weights import load_shard
+    from shardline.parallel.pipeline import PipelineStage
+    from shardline.parallel.ring import RingStage
+    from shardline.parallel.tensor import load_tensor_stage
+
+    decode_rows = spec.max_batch if spec.quantized_decode else 0
+    if spec.sharding == "tensor":
+        share = TensorShare.from_dict(spec.tensor_share) if spec.tensor_share else None
+        return load_tensor_stage(source, spec.rank, spec.world_size, slots=spec.max_batch,
+                                 context=spec.context, dtype=dtype, device=device,
+                                 decode_rows=decode_rows, share=share, group=group,
+                                 progress=progress)
+    if spec.sharding not in ("pipeline", "ring"):
+        raise ValueError(f"unknown sharding {spec.sharding!r}")
+    shard = load_shard(source, spec.layer_start, spec.layer_end, dtype=dtype, device=device,
+                       decode_rows=decode_rows)
+    cache = KVCache(source.config, len(shard.layers), spec.max_batch, spec.context, dtype, device)
+    if spec.sharding == "ring":
+        return RingStage(shard, cache, spec.rank, spec.world_size, group, progress)
+    return PipelineStage(shard, cache, spec.rank, spec.world_size, progress)
+
+
 def serve(conn, outbox: Outbox) -> None:
     import torch
     import torch.distributed as dist
 
     from shardline.models.linear import weight_bytes
-    from shardline.models.llama import KVCache
-    from shardline.models.weights import load_shard, open_weights
-    from shardline.parallel.pipeline import PipelineStage
+    from shardline.models.weights import open_weights
     from shardline.runner.engine import Engine
 
     spec: RunnerSpec = conn.recv()
@@ -113,14 +142,10 @@ def serve(conn, outbox: Outbox) -> None:
         group = dist.group.WORLD
 
     source = open_weights(spec.model_path)
-    shard = load_shard(source, spec.layer_start, spec.layer_end, dtype=dtype, device=device,
-                       decode_rows=spec.max_batch if spec.quantized_decode else 0)
-    cache = KVCache(
-        source.config, len(shard.layers), spec.max_batch, spec.context, dtype, device
-    )
     progress = Progress()
-    stage = PipelineStage(shard, cache, spec.rank, spec.world_size, progress)
-    param_bytes = weight_bytes(shard)
+    stage = load_stage(spec, source, group, progress, dtype, device)
+    cache = stage.cache
+    param_bytes = weight_bytes(stage.shard)
     if group is not None:
         dist.barrier(group)  # every rank holds its shard before any serves
         outbox.watch(progress, spec.progress_timeout_s)

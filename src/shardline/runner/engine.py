@@ -216,16 +216,16 @@ class Engine:
         return chunks
 
     def _run_micro_batches(self) -> None:
-        shard = self.stage.shard
+        stage = self.stage
         decoding = [s for s in self.running if s.prefilled >= s.prompt_len and s.generated]
         chunks = self.plan_prefill(self.prefill_step_tokens if decoding else self.prefill_burst_tokens)
         micro = []
         if decoding:
-            batch = shard.decode_batch([s.slot for s in decoding], [s.next_position for s in decoding])
+            batch = stage.decode_batch([s.slot for s in decoding], [s.next_position for s in decoding])
             micro.append((torch.tensor([s.generated[-1] for s in decoding], dtype=torch.long), batch))
         for seq, start, length in chunks:
             last = start + length == seq.prompt_len
-            batch = shard.prefill_batch(seq.slot, start, length, want_logits=last)
+            batch = stage.prefill_batch(seq.slot, start, length, want_logits=last)
             micro.append((torch.tensor(seq.task.prompt[start : start + length], dtype=torch.long), batch))
         if not micro:
             return

@@ -147,7 +147,12 @@ class RunnerSpec:
         node_id: the node that started it (tasks whose origin is this node are streamed).
         model_path: a .gguf file or Hugging Face directory on this machine.
         rank, world_size: this runner's place in the process group.
-        layer_start, layer_end: its layer range (pipeline sharding).
+        sharding: "pipeline" (a layer range per rank), "tensor" (every layer, a share of
+            the heads and MLP columns) or "ring" (the whole model; prompts split across
+            the ranks).
+        layer_start, layer_end: its layer range (the whole model for tensor and ring).
+        tensor_share: tensor sharding: this rank's ``TensorShare.to_dict()`` (None: the
+            even split of ``shardline.placement.tensor.tensor_shares``).
         master_addr, master_port: rank 0's TCP rendezvous for torch.distributed.
         device: "cpu" or "cuda[:N]"; the backend is gloo on CPU, NCCL on CUDA.
         dtype: compute dtype name ("bfloat16", "float16", "float32").
@@ -176,6 +181,8 @@ class RunnerSpec:
     layer_end: int
     master_addr: str
     master_port: int
+    sharding: str = "pipeline"
+    tensor_share: dict | None = None
     device: str = "cpu"
     dtype: str = "bfloat16"
     max_batch: int = 8
