@@ -23,26 +23,28 @@ def plain_attention(q, k, v, q_pos, k_pos):
     return out.transpose(0, 1)
 
 
-def test_merging_blocks_equals_plain_attention_including_fully_masked_blocks():
+@pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)])
+def test_merging_blocks_equals_plain_causal_attention_including_a_fully_masked_part(dtype, tol):
     torch.manual_seed(0)
-    n, m, heads, kv_heads, d = 9, 30, 6, 2, 16
-    q = torch.randn(n, heads, d)
-    k, v = torch.randn(m, kv_heads, d), torch.randn(m, kv_heads, d)
-    q_pos = torch.arange(10, 10 + n)
-    k_pos = torch.randperm(40)[:m]  # scattered positions, some after every query
-    expected = plain_attention(q, k, v, q_pos, k_pos)
-    parts = [torch.arange(0, 7), torch.arange(7, 19), torch.arange(19, 30)]
-    late = (k_pos > q_pos.max()).nonzero().flatten()
-    parts.append(late)  # a block no query may see: lse -inf everywhere, weight 0
+    heads, kv_heads, d = 6, 2, 16
+    q_all = torch.randn(40, heads, d, dtype=dtype)
+    k_all, v_all = torch.randn(40, kv_heads, d, dtype=dtype), torch.randn(40, kv_heads, d, dtype=dtype)
+    positions = torch.arange(40)
+    lo, hi = 25, 33  # the query block
+    expected = plain_attention(q_all[lo:hi], k_all[:hi], v_all[:hi], positions[lo:hi], positions[:hi])
+    q = q_all[lo:hi]
+    # keys before the block in three uneven parts, then the block itself (causal)
     out, lse = None, None
-    for idx in parts:
-        o, s = attend_block(q, k[idx], v[idx], q_pos, k_pos[idx])
-        out, lse = (o, s) if out is None else merge(out, lse, o, s)
-    assert torch.allclose(out, expected, atol=1e-5)
-    o, s = attend_block(q, k[late], v[late], q_pos, k_pos[late])
-    assert torch.isinf(s).all() and (o == 0).all()
-    both_empty = merge(o, s, o, s)
-    assert (both_empty[0] == 0).all() and torch.isinf(both_empty[1]).all()
+    for a, b, causal in [(0, 7, False), (7, 19, False), (19, 25, False), (lo, hi, True)]:
+        part = attend_block(q, k_all[a:b], v_all[a:b], causal)
+        out, lse = part if out is None else merge(out, lse, *part)
+    assert torch.allclose(out, expected, atol=tol)
+    # a part no query saw (lse -inf, as for keys after every query) weighs nothing
+    unseen = (torch.full_like(out, 7.0), torch.full_like(lse, float("-inf")))
+    merged = merge(out, lse, *unseen)
+    assert torch.equal(merged[0], out) and torch.equal(merged[1], lse)
+    both = merge(*unseen, *unseen)
+    assert (both[0] == 0).all() and torch.isinf(both[1]).all()
 
 
 @pytest.mark.parametrize("length,world", [(100, 2), (101, 3), (7, 3), (3000, 3)])

@@ -49,39 +49,33 @@ def zigzag_offsets(length: int, world: int, rank: int) -> torch.Tensor:
 
 
 def attend_block(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    q_pos: torch.Tensor,
-    k_pos: torch.Tensor,
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Causal attention of queries to one key/value block, with its log-sum-exp.
+    """Attention of a block of queries to a block of keys, with its log-sum-exp.
 
     Args:
         q: ``[n, H, d]``; k, v: ``[m, KVH, d]`` with H a multiple of KVH (grouped-query
             attention: query head h reads key head ``h // (H // KVH)``).
-        q_pos, k_pos: int64 ``[n]`` and ``[m]`` positions; query i sees key j when
-            ``k_pos[j] <= q_pos[i]``.
+        causal: the blocks cover the same positions (n == m) and query i sees keys 0..i;
+            otherwise every key precedes every query and all are seen.
 
     Returns:
-        ``out`` float32 ``[n, H, d]`` (softmax-weighted values, 0 for a query that sees no
-        key) and ``lse`` float32 ``[n, H]`` (log-sum-exp of the scaled scores, -inf for a
-        query that sees no key).
+        ``out`` float32 ``[n, H, d]`` and ``lse`` float32 ``[n, H]``, the log-sum-exp of
+        each query's scaled scores (torch's fused CPU/CUDA flash-attention kernel, which
+        returns it), computed in float32.
     """
     n, heads, d = q.shape
-    kv_heads = k.shape[1]
-    group = heads // kv_heads
-    qf = q.float().view(n, kv_heads, group, d).permute(1, 2, 0, 3)  # [KVH, G, n, d]
-    kf = k.float().permute(1, 0, 2).unsqueeze(1)  # [KVH, 1, m, d]
-    vf = v.float().permute(1, 0, 2).unsqueeze(1)
-    scores = (qf @ kf.transpose(-1, -2)) * (1.0 / math.sqrt(d))  # [KVH, G, n, m]
-    visible = k_pos.unsqueeze(0) <= q_pos.unsqueeze(1)  # [n, m]
-    scores = scores.masked_fill(~visible, float("-inf"))
-    lse = torch.logsumexp(scores, dim=-1)  # [KVH, G, n]
-    weights = torch.exp(scores - lse.unsqueeze(-1).clamp_min(torch.finfo(torch.float32).min))
-    out = weights.nan_to_num(0.0) @ vf  # [KVH, G, n, d]
-    out = out.permute(2, 0, 1, 3).reshape(n, heads, d)
-    return out, lse.permute(2, 0, 1).reshape(n, heads)
+    group = heads // k.shape[1]
+    # In float32: partial outputs rounded to bfloat16 before the merge changed SmolLM2's
+    # greedy continuation of a 2900-token prompt on 2 ranks; merged in float32 it does not.
+    qh = q.float().transpose(0, 1).unsqueeze(0)  # [1, H, n, d]
+    kh = k.float().transpose(0, 1).repeat_interleave(group, 0).unsqueeze(0)
+    vh = v.float().transpose(0, 1).repeat_interleave(group, 0).unsqueeze(0)
+    if q.device.type == "cuda":
+        out, lse = torch.ops.aten._scaled_dot_product_flash_attention(qh, kh, vh, 0.0, causal)[:2]
+    else:
+        out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(qh, kh, vh, 0.0, causal)
+    return out.squeeze(0).transpose(0, 1).float(), lse.squeeze(0).transpose(0, 1).float()
 
 
 def merge(
@@ -119,6 +113,9 @@ class RingContext:
                  device: torch.device) -> None:
         self.group, self.rank, self.world = group, rank, world
         self.slot, self.start, self.length = slot, start, length
+        bounds = block_bounds(length, world)
+        # Each rank's two blocks (start, end), offsets within the chunk, in position order.
+        self.blocks = [(bounds[r], bounds[2 * world - 1 - r]) for r in range(world)]
         self.positions = [start + zigzag_offsets(length, world, r).to(device) for r in range(world)]
         self.on_hop = None  # called after each hop (the progress watchdog)
 
@@ -134,12 +131,19 @@ class RingContext:
         ``[n, H * d]`` in q's dtype.
         """
         n, heads, d = q.shape
-        q_pos = self.positions[self.rank]
-        out, lse = None, None
+        mine = self.blocks[self.rank]  # this rank's two blocks: (start, end) within the chunk
+        splits = [hi - lo for lo, hi in mine]
+        q_parts = q.split(splits)
+        acc: list[tuple[torch.Tensor, torch.Tensor] | None] = [None, None]
+
+        def add(i: int, part: tuple[torch.Tensor, torch.Tensor]) -> None:
+            acc[i] = part if acc[i] is None else merge(*acc[i], *part)
+
         if self.start > 0:
-            prefix = torch.arange(self.start, device=q.device)
-            out, lse = attend_block(q, k_cache[self.slot, :, : self.start].transpose(0, 1),
-                                    v_cache[self.slot, :, : self.start].transpose(0, 1), q_pos, prefix)
+            k_prefix = k_cache[self.slot, :, : self.start].transpose(0, 1)
+            v_prefix = v_cache[self.slot, :, : self.start].transpose(0, 1)
+            for i in range(2):
+                add(i, attend_block(q_parts[i], k_prefix, v_prefix, causal=False))
         block = torch.stack((k, v)).contiguous()  # [2, n, KVH, d]
         source = self.rank
         for hop in range(self.world):
@@ -156,17 +160,22 @@ class RingContext:
             k_pos = self.positions[source]
             k_cache[self.slot, :, k_pos] = block[0].transpose(0, 1)
             v_cache[self.slot, :, k_pos] = block[1].transpose(0, 1)
-            part_out, part_lse = attend_block(q, block[0], block[1], q_pos, k_pos)
-            if out is None:
-                out, lse = part_out, part_lse
-            else:
-                out, lse = merge(out, lse, part_out, part_lse)
+            theirs = self.blocks[source]
+            k_parts = block[0].split([hi - lo for lo, hi in theirs])
+            v_parts = block[1].split([hi - lo for lo, hi in theirs])
+            for i, q_block in enumerate(mine):
+                for j, k_block in enumerate(theirs):
+                    if k_block[0] >= q_block[1] or k_block[0] == k_block[1] or q_block[0] == q_block[1]:
+                        continue  # keys after the queries (or an empty block): nothing seen
+                    add(i, attend_block(q_parts[i], k_parts[j], v_parts[j], causal=k_block == q_block))
             for work in pending:
                 work.wait()
             if pending:
                 block, source = incoming, (source - 1) % self.world
             if self.on_hop is not None:
                 self.on_hop(hop)
+        # Every query sees at least itself, so both of this rank's blocks have a result.
+        out = torch.cat([part[0] for part in acc if part is not None])
         return out.to(q.dtype).reshape(n, heads * d)
 
 
