@@ -62,15 +62,16 @@ def attend_block(
     Returns:
         ``out`` float32 ``[n, H, d]`` and ``lse`` float32 ``[n, H]``, the log-sum-exp of
         each query's scaled scores (torch's fused CPU/CUDA flash-attention kernel, which
-        returns it), computed in float32.
+        returns it), computed in q's dtype.
     """
     n, heads, d = q.shape
     group = heads // k.shape[1]
-    # In float32: partial outputs rounded to bfloat16 before the merge changed SmolLM2's
-    # greedy continuation of a 2900-token prompt on 2 ranks; merged in float32 it does not.
-    qh = q.float().transpose(0, 1).unsqueeze(0)  # [1, H, n, d]
-    kh = k.float().transpose(0, 1).repeat_interleave(group, 0).unsqueeze(0)
-    vh = v.float().transpose(0, 1).repeat_interleave(group, 0).unsqueeze(0)
+    # In the compute dtype, like one node's attention. Computing the blocks in float32 did
+    # not make bfloat16 ring instances agree with one node more often (it rounds where one
+    # node's bfloat16 kernel does not) and cost 2.5x the time.
+    qh = q.transpose(0, 1).unsqueeze(0)  # [1, H, n, d]
+    kh = k.transpose(0, 1).repeat_interleave(group, 0).unsqueeze(0)
+    vh = v.transpose(0, 1).repeat_interleave(group, 0).unsqueeze(0)
     if q.device.type == "cuda":
         out, lse = torch.ops.aten._scaled_dot_product_flash_attention(qh, kh, vh, 0.0, causal)[:2]
     else:
