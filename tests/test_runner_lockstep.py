@@ -329,11 +329,15 @@ def test_a_stalled_rank_fails_the_other_ranks_within_the_progress_timeout(model_
         instance.wait_stats(0, lambda s: task.task_id in s.running)
         os.kill(victim, signal.SIGSTOP)
         stopped = time.monotonic()
+        errors = []
         for r in (0, 2):
             message = instance._next(instance.ranks[r], (), timeout=15)
             assert isinstance(message, Failed), message
-            assert "no progress" in message.error, message.error
+            errors.append(message.error)
             assert time.monotonic() - stopped < 8  # timeout 2 s; the node watchdog is 10 s
+        # The first rank to time out exits, so the other may see it go first instead.
+        assert any("no progress" in e and "progress timeout 2 s" in e for e in errors), errors
+        assert all("no progress" in e or "lost contact" in e for e in errors), errors
     finally:
         os.kill(victim, signal.SIGCONT)
         instance.stop()
