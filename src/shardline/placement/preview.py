@@ -1,0 +1,332 @@
+"""Placement preview: the placements of a model a set of nodes allows, with predicted speed.
+
+:func:`preview` lists candidate placements (a sharding and the nodes in rank order), each
+either feasible, with its ranks' shares from :func:`~shardline.placement.ranks.place_ranks`
+and a predicted decode and prefill speed, or infeasible, with the
+:class:`~shardline.placement.pipeline.PlacementError` message that says which node lacks
+how many bytes or which shape cannot split. :func:`auto` picks the best feasible one.
+
+Memory is checked by ``place_ranks`` alone; this module only adds the speed model, which is
+a rough, first-order estimate (documented in :func:`predict_tokens_per_s`): good enough to
+rank candidates, not a benchmark.
+
+Everything here is pure: no torch, no I/O.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Mapping, Sequence
+
+from shardline.models.config import ModelConfig, TensorShare
+from shardline.placement.pipeline import NodeCapacity, PlacementError
+from shardline.placement.ranks import (
+    DTYPE_BYTES, SHARDINGS, RankShare, place_ranks, ring_prefill_chunk,
+)
+
+DECODE_WEIGHT_BYTES = 1.0
+"""Bytes decode reads per linear weight element (the int8 decode copy; int4 reads less)."""
+
+PREFILL_CHUNK_TOKENS = 512
+"""Prompt tokens per prefill chunk (per rank under ring); latencies are paid once a chunk."""
+
+
+@dataclass(frozen=True)
+class NodeProfile:
+    """A node as the preview sees it.
+
+    Attributes:
+        node_id: the node's id.
+        available_bytes: bytes of memory the node can give a model.
+        memory_bandwidth_bytes_per_s: bytes/s the node reads from memory (decode is bound
+            by the weights and KV cache read per token).
+        matmul_flops: floating-point operations/s the node sustains in matrix products
+            (prefill is bound by these).
+    """
+
+    node_id: str
+    available_bytes: int
+    memory_bandwidth_bytes_per_s: float
+    matmul_flops: float
+
+
+@dataclass(frozen=True)
+class Link:
+    """A network link between two nodes: one-way latency (s) and bandwidth (bytes/s)."""
+
+    latency_s: float
+    bandwidth_bytes_per_s: float
+
+
+DEFAULT_LINK = Link(latency_s=1e-3, bandwidth_bytes_per_s=100e6)
+"""Assumed for a pair of nodes missing from ``links``: 1 ms, 100 MB/s."""
+
+
+@dataclass(frozen=True)
+class Candidate:
+    """One placement: a sharding on nodes (in rank order), feasible or not.
+
+    Attributes:
+        sharding: ``"pipeline"``, ``"tensor"`` or ``"ring"``.
+        node_ids: the nodes, node i is rank i.
+        shares: each rank's share (``place_ranks``'s answer); empty when infeasible.
+        predicted_decode_tokens_per_s: tokens/s one sequence decodes at; None when infeasible.
+        predicted_prefill_tokens_per_s: prompt tokens/s one long prompt prefills at; None
+            when infeasible.
+        error: why the placement is refused (``PlacementError``'s message: the node and its
+            shortfall in bytes, or the shape that cannot split); None when feasible.
+    """
+
+    sharding: str
+    node_ids: tuple[str, ...]
+    shares: tuple[RankShare, ...] = ()
+    predicted_decode_tokens_per_s: float | None = None
+    predicted_prefill_tokens_per_s: float | None = None
+    error: str | None = None
+
+    @property
+    def feasible(self) -> bool:
+        return self.error is None
+
+
+def link_between(links: Mapping[tuple[str, str], Link] | None, a: str, b: str) -> Link:
+    """The link between nodes ``a`` and ``b`` (either key order), else :data:`DEFAULT_LINK`."""
+    links = links or {}
+    return links.get((a, b)) or links.get((b, a)) or DEFAULT_LINK
+
+
+def _check_dtype(dtype: str) -> None:
+    if dtype not in DTYPE_BYTES:
+        raise PlacementError(
+            f"dtype {dtype!r} is not supported (supported: {', '.join(DTYPE_BYTES)})"
+        )
+
+
+def _linear_per_layer(config: ModelConfig) -> int:
+    """Linear weight elements of one whole decoder layer (q, k, v, o, gate, up, down)."""
+    return config.layer_param_count() - 2 * config.hidden_size
+
+
+def _tensor_linear_per_layer(config: ModelConfig, share: TensorShare) -> int:
+    """Linear weight elements of one layer that a tensor rank holds (as tensor_rank_bytes)."""
+    d, hd = config.hidden_size, config.head_dim
+    q, kv = share.num_heads * hd, share.num_kv_heads * hd
+    return d * (q + 2 * kv) + q * d + 3 * d * share.num_columns
+
+
+def _secs(num: float, rate: float) -> float:
+    return num / rate if rate > 0 else float("inf")
+
+
+def _per_s(seconds: float) -> float:
+    return 1.0 / seconds if seconds > 0 else float("inf")
+
+
+def predict_tokens_per_s(
+    config: ModelConfig,
+    sharding: str,
+    nodes: Sequence[NodeProfile],
+    shares: Sequence[RankShare],
+    links: Mapping[tuple[str, str], Link] | None,
+    context: int,
+    dtype: str = "bfloat16",
+    *,
+    decode_weight_bytes: float = DECODE_WEIGHT_BYTES,
+) -> tuple[float, float]:
+    """Predicted (decode, prefill) tokens/s of a feasible placement (node i is rank i).
+
+    Decode is for one sequence; prefill for one long prompt. Notation: ``P`` ranks,
+    ``L = num_layers``, ``d = hidden_size``, ``e`` = bytes of a ``dtype`` element, ``w =
+    decode_weight_bytes`` (1: the int8 decode copy), ``bw_r`` and ``F_r`` rank r's memory
+    bandwidth (bytes/s) and matmul FLOP/s, ``lat``/``bw`` a link's latency (s) and bandwidth
+    (bytes/s), ``lat_max``/``bw_min`` the worst over all pairs of the placement's nodes.
+
+    Bytes rank r reads per decoded token::
+
+        B_r = w * (linear weight elements of r, the LM head on the sampling rank included)
+              + (KV bytes per token of r's layers or KV heads) * context / 2
+
+    (the KV cache read at the average context of a sequence that grows to ``context``;
+    embedding lookups and norms are negligible). ``N_r`` is r's linear weight elements
+    without the LM head (prefill computes logits for the last token only).
+
+    pipeline (the last rank samples and broadcasts the token id)::
+
+        decode s/token  = sum_r B_r / bw_r + sum_hops (lat + d*e / bw) + lat(last -> others)
+        prefill tokens/s = 1 / max(max_r 2*N_r / F_r,
+                                   max_hops d*e / bw + lat / PREFILL_CHUNK_TOKENS)
+          (chunks overlap across stages: the slowest stage or hop bounds the rate)
+
+    tensor (two all-reduces a layer of float32 partial sums, ring all-reduce; rank 0 samples)::
+
+        allreduce(n) = 2*(P-1)/P * n*d*4 / bw_min + (P-1) * lat_max      (n tokens)
+        decode s/token  = max_r B_r / bw_r + 2*L * allreduce(1) + lat_max
+        prefill s/token = max_r 2*N_r / F_r + 2*L * allreduce(C) / C      (C = 512-token chunk)
+          (the heads and columns split by shape, not by speed: the slowest rank bounds)
+
+    ring (every rank holds the whole model and decodes it; rank 0 samples)::
+
+        decode s/token  = max_r B_r / bw_r + lat_max        (B_r of the whole model)
+        prefill s/token = 2*N / (P * min_r F_r)              (an even zig-zag split)
+                          + (P-1)/P * kv_bytes_per_token / bw_min   (k/v blocks round the ring)
+                          + L*(P-1)*lat_max / (P * 512)      (a latency per layer and step)
+
+    A single node (P = 1) pays no link. Attention's FLOPs, compute/transfer overlap and
+    batching are ignored.
+
+    Raises:
+        PlacementError: an unknown sharding or dtype.
+    """
+    _check_dtype(dtype)
+    e = DTYPE_BYTES[dtype]
+    L, d = config.num_layers, config.hidden_size
+    P = len(nodes)
+    head = config.vocab_size * d
+    avg_tokens = context / 2
+    kv_token = config.kv_bytes_per_token(e)  # bytes, all layers, all KV heads
+    ids = [n.node_id for n in nodes]
+    pairs = [link_between(links, a, b) for i, a in enumerate(ids) for b in ids[i + 1:]]
+    lat_max = max((k.latency_s for k in pairs), default=0.0)
+    bw_min = min((k.bandwidth_bytes_per_s for k in pairs), default=float("inf"))
+    bcast = lat_max if P > 1 else 0.0
+
+    if sharding == "pipeline":
+        decode = prefill_stage = 0.0
+        for rank, (node, share) in enumerate(zip(nodes, shares)):
+            layers = share.layer_end - share.layer_start
+            linear = layers * _linear_per_layer(config)
+            read = decode_weight_bytes * (linear + (head if rank == P - 1 else 0))
+            read += kv_token * layers / L * avg_tokens
+            decode += _secs(read, node.memory_bandwidth_bytes_per_s)
+            prefill_stage = max(prefill_stage, _secs(2 * linear, node.matmul_flops))
+        for a, b in zip(ids, ids[1:]):
+            link = link_between(links, a, b)
+            hop = _secs(d * e, link.bandwidth_bytes_per_s)
+            decode += link.latency_s + hop
+            prefill_stage = max(prefill_stage, hop + link.latency_s / PREFILL_CHUNK_TOKENS)
+        last_bcast = max((link_between(links, ids[-1], o).latency_s for o in ids[:-1]),
+                         default=0.0)
+        return _per_s(decode + last_bcast), _per_s(prefill_stage)
+
+    if sharding == "tensor":
+        decode = prefill = 0.0
+        for rank, (node, share) in enumerate(zip(nodes, shares)):
+            ts = TensorShare.from_dict(share.tensor_share)
+            linear = L * _tensor_linear_per_layer(config, ts)
+            read = decode_weight_bytes * (linear + (head if rank == 0 else 0))
+            read += 2 * L * ts.num_kv_heads * config.head_dim * e * avg_tokens
+            decode = max(decode, _secs(read, node.memory_bandwidth_bytes_per_s))
+            prefill = max(prefill, _secs(2 * linear, node.matmul_flops))
+        if P > 1:
+            def allreduce(tokens: int) -> float:
+                return 2 * (P - 1) / P * tokens * d * 4 / bw_min + (P - 1) * lat_max
+            decode += 2 * L * allreduce(1) + bcast
+            prefill += 2 * L * allreduce(PREFILL_CHUNK_TOKENS) / PREFILL_CHUNK_TOKENS
+        return _per_s(decode), _per_s(prefill)
+
+    if sharding == "ring":
+        linear = L * _linear_per_layer(config)
+        read = decode_weight_bytes * (linear + head) + kv_token * avg_tokens
+        decode = max(_secs(read, n.memory_bandwidth_bytes_per_s) for n in nodes) + bcast
+        prefill = _secs(2 * linear, P * min(n.matmul_flops for n in nodes))
+        if P > 1:
+            prefill += (P - 1) / P * _secs(kv_token, bw_min)
+            prefill += L * (P - 1) * lat_max / ring_prefill_chunk(P, PREFILL_CHUNK_TOKENS)
+        return _per_s(decode), _per_s(prefill)
+
+    raise PlacementError(
+        f"sharding {sharding!r} is not supported (supported: {', '.join(SHARDINGS)})"
+    )
+
+
+def _subsets(nodes: Sequence[NodeProfile], max_nodes: int | None) -> list[list[NodeProfile]]:
+    """For k = 1 .. max_nodes, the k nodes with the most available bytes, most first (ties
+    in the given order)."""
+    ranked = sorted(nodes, key=lambda n: -n.available_bytes)
+    top = len(ranked) if max_nodes is None else min(max_nodes, len(ranked))
+    return [ranked[:k] for k in range(1, top + 1)]
+
+
+def preview(
+    config: ModelConfig,
+    nodes: Sequence[NodeProfile],
+    links: Mapping[tuple[str, str], Link] | None,
+    context: int,
+    max_batch: int,
+    dtype: str = "bfloat16",
+    shardings: Sequence[str] = SHARDINGS,
+    max_nodes: int | None = None,
+    *,
+    decode_weight_bytes: float = DECODE_WEIGHT_BYTES,
+) -> list[Candidate]:
+    """Every candidate placement of ``config`` on ``nodes``, feasible ones first, fastest first.
+
+    Candidates: for each k from 1 to ``max_nodes`` (default: all), the k nodes with the most
+    available bytes, in rank order by available bytes (most first), under each sharding in
+    ``shardings``. One node is only a pipeline of one (listed when ``"pipeline"`` is in
+    ``shardings``): tensor of one is the same placement and ring needs two.
+
+    Memory per rank is ``place_ranks``'s check with ``context`` tokens per sequence,
+    ``max_batch`` sequences and the compute ``dtype``; the speeds are
+    :func:`predict_tokens_per_s`'s (decode tokens/s of one sequence, prefill tokens/s).
+
+    Returns:
+        Feasible candidates sorted by predicted decode tokens/s, descending (ties: prefill
+        tokens/s descending, then fewer nodes), then the infeasible ones in enumeration
+        order, each with its ``error``.
+
+    Raises:
+        PlacementError: an unknown dtype (a ValueError).
+    """
+    _check_dtype(dtype)
+    feasible: list[Candidate] = []
+    infeasible: list[Candidate] = []
+    for subset in _subsets(nodes, max_nodes):
+        ids = tuple(n.node_id for n in subset)
+        capacities = [NodeCapacity(n.node_id, n.available_bytes) for n in subset]
+        for sharding in shardings:
+            if len(subset) == 1 and sharding != "pipeline":
+                continue
+            try:
+                shares = place_ranks(config, sharding, capacities, context, max_batch, dtype)
+            except PlacementError as exc:
+                infeasible.append(Candidate(sharding, ids, error=str(exc)))
+                continue
+            decode, prefill = predict_tokens_per_s(
+                config, sharding, subset, shares, links, context, dtype,
+                decode_weight_bytes=decode_weight_bytes,
+            )
+            feasible.append(Candidate(sharding, ids, tuple(shares), decode, prefill))
+    feasible.sort(key=lambda c: (-c.predicted_decode_tokens_per_s,
+                                 -c.predicted_prefill_tokens_per_s, len(c.node_ids)))
+    return feasible + infeasible
+
+
+def auto(
+    config: ModelConfig,
+    nodes: Sequence[NodeProfile],
+    links: Mapping[tuple[str, str], Link] | None,
+    context: int,
+    max_batch: int,
+    dtype: str = "bfloat16",
+    shardings: Sequence[str] = SHARDINGS,
+    max_nodes: int | None = None,
+    *,
+    decode_weight_bytes: float = DECODE_WEIGHT_BYTES,
+) -> Candidate:
+    """The feasible candidate of :func:`preview` with the highest predicted decode tokens/s.
+
+    Raises:
+        PlacementError: no candidate is feasible; the message lists each candidate's
+            sharding, nodes and why it was refused.
+    """
+    candidates = preview(config, nodes, links, context, max_batch, dtype, shardings, max_nodes,
+                         decode_weight_bytes=decode_weight_bytes)
+    if candidates and candidates[0].feasible:
+        return candidates[0]
+    if not candidates:
+        raise PlacementError("no placement to try: no nodes (or no sharding) given")
+    reasons = "; ".join(
+        f"{c.sharding} on [{', '.join(c.node_ids)}]: {c.error}" for c in candidates
+    )
+    raise PlacementError(f"no placement fits: {reasons}")

@@ -1,0 +1,186 @@
+"""Placement preview: candidates from place_ranks with predicted speeds, best first; refusals
+say which node lacks how many bytes or which shape cannot split."""
+
+import itertools
+
+import pytest
+
+from shardline.models.config import ModelConfig
+from shardline.placement.pipeline import NodeCapacity, PlacementError
+from shardline.placement.preview import (
+    DEFAULT_LINK,
+    Candidate,
+    Link,
+    NodeProfile,
+    auto,
+    link_between,
+    predict_tokens_per_s,
+    preview,
+)
+from shardline.placement.ranks import place_ranks
+
+pytestmark = pytest.mark.timeout(30)
+
+GB = 1 << 30
+
+
+def _smollm2(**changes) -> ModelConfig:
+    """SmolLM2-135M's shape unless changed."""
+    base = dict(
+        architecture="llama", num_layers=30, hidden_size=576, intermediate_size=1536,
+        num_heads=9, num_kv_heads=3, head_dim=64, vocab_size=49152, rms_norm_eps=1e-5,
+        rope_theta=100000.0, max_position_embeddings=8192, tie_word_embeddings=True,
+    )
+    base.update(changes)
+    return ModelConfig(**base)
+
+
+def _llama8b() -> ModelConfig:
+    """Llama-3-8B's shape."""
+    return _smollm2(num_layers=32, hidden_size=4096, intermediate_size=14336, num_heads=32,
+                    num_kv_heads=8, head_dim=128, vocab_size=128256, tie_word_embeddings=False)
+
+
+def _node(name: str, available: int = 64 * GB, bandwidth: float = 100e9,
+          flops: float = 10e12) -> NodeProfile:
+    return NodeProfile(name, available, bandwidth, flops)
+
+
+def _mesh(names, link: Link) -> dict:
+    return {(a, b): link for a, b in itertools.combinations(names, 2)}
+
+
+def _find(candidates, sharding, k) -> Candidate:
+    return next(c for c in candidates if c.sharding == sharding and len(c.node_ids) == k)
+
+
+def test_uneven_memory_gives_uneven_pipeline_ranges():
+    config = _smollm2()
+    nodes = [_node("small", 4 * GB), _node("big", 12 * GB)]
+    candidates = preview(config, nodes, {}, context=4096, max_batch=8, shardings=("pipeline",))
+    two = _find(candidates, "pipeline", 2)
+    assert two.feasible and two.node_ids == ("big", "small")  # ranked by memory
+    ranges = [(s.layer_start, s.layer_end) for s in two.shares]
+    assert ranges[0][0] == 0 and ranges[-1][1] == 30 and ranges[0][1] == ranges[1][0]
+    assert ranges[0][1] - ranges[0][0] > ranges[1][1] - ranges[1][0]
+    # The shares are place_ranks's, not a copy of its memory logic.
+    capacities = [NodeCapacity("big", 12 * GB), NodeCapacity("small", 4 * GB)]
+    assert list(two.shares) == place_ranks(config, "pipeline", capacities, 4096, 8)
+
+
+def test_one_node_is_a_pipeline_of_one_and_subsets_are_the_largest_nodes():
+    nodes = [_node("a", 8 * GB), _node("b", 16 * GB), _node("c", 12 * GB)]
+    candidates = preview(_smollm2(), nodes, {}, context=2048, max_batch=4)
+    singles = [c for c in candidates if len(c.node_ids) == 1]
+    assert [(c.sharding, c.node_ids) for c in singles] == [("pipeline", ("b",))]
+    assert {c.node_ids for c in candidates} == {("b",), ("b", "c"), ("b", "c", "a")}
+    assert len(candidates) == 1 + 3 + 3
+    limited = preview(_smollm2(), nodes, {}, context=2048, max_batch=4, max_nodes=2)
+    assert max(len(c.node_ids) for c in limited) == 2
+
+
+def test_a_model_that_does_not_fit_is_refused_with_node_and_shortfall():
+    nodes = [_node("n0", 2 * GB), _node("n1", 2 * GB)]
+    candidates = preview(_llama8b(), nodes, {}, context=4096, max_batch=1)
+    assert candidates and not any(c.feasible for c in candidates)
+    for c in candidates:
+        assert c.shares == () and c.predicted_decode_tokens_per_s is None
+        assert "short by" in c.error and "node n" in c.error
+    ring = _find(candidates, "ring", 2)
+    assert "node n0" in ring.error and "node n1" in ring.error
+    refusal = r"no placement fits: pipeline on \[n0\]: .*short by \d+ bytes"
+    with pytest.raises(PlacementError, match=refusal):
+        auto(_llama8b(), nodes, {}, context=4096, max_batch=1)
+
+
+def test_tensor_shapes_that_cannot_split_are_refused():
+    config = _smollm2(num_layers=4, hidden_size=64, intermediate_size=128, num_heads=2,
+                      num_kv_heads=1, head_dim=32, vocab_size=256)
+    nodes = [_node(f"n{i}") for i in range(3)]
+    candidates = preview(config, nodes, {}, context=256, max_batch=1, shardings=("tensor",))
+    three = _find(candidates, "tensor", 3)
+    assert not three.feasible
+    assert "3 tensor ranks but only 2 attention heads" in three.error
+    assert _find(candidates, "tensor", 2).feasible
+    assert candidates[-1] is three  # infeasible after feasible
+
+
+def test_previews_are_ordered_by_predicted_decode_tokens_per_s():
+    nodes = [_node("a", 24 * GB, bandwidth=50e9), _node("b", 20 * GB, bandwidth=200e9),
+             _node("c", 4 * GB, bandwidth=100e9)]
+    candidates = preview(_llama8b(), nodes, _mesh("abc", Link(50e-6, 10e9)), context=4096,
+                         max_batch=2)
+    feasible = [c for c in candidates if c.feasible]
+    assert len(feasible) >= 3 and any(not c.feasible for c in candidates)
+    seen_infeasible = False
+    for c in candidates:
+        seen_infeasible |= not c.feasible
+        assert c.feasible != seen_infeasible  # all feasible ones first
+    speeds = [c.predicted_decode_tokens_per_s for c in feasible]
+    assert speeds == sorted(speeds, reverse=True)
+    assert all(s > 0 and c.predicted_prefill_tokens_per_s > 0 for s, c in zip(speeds, feasible))
+
+
+def test_slow_links_rank_tensor_below_pipeline():
+    names = ["n0", "n1", "n2", "n3"]
+    nodes = [_node(n, 16 * GB) for n in names]
+    candidates = preview(_llama8b(), nodes, _mesh(names, Link(10e-3, 1e9)), context=4096,
+                         max_batch=1, shardings=("pipeline", "tensor"))
+    pipeline, tensor = _find(candidates, "pipeline", 4), _find(candidates, "tensor", 4)
+    assert pipeline.feasible and tensor.feasible
+    assert tensor.predicted_decode_tokens_per_s < pipeline.predicted_decode_tokens_per_s
+    assert candidates.index(tensor) > candidates.index(pipeline)
+
+
+def test_fast_links_and_equal_nodes_rank_tensor_above_pipeline_for_a_big_model():
+    names = ["n0", "n1", "n2", "n3"]
+    nodes = [_node(n, 16 * GB) for n in names]
+    candidates = preview(_llama8b(), nodes, _mesh(names, Link(5e-6, 50e9)), context=4096,
+                         max_batch=1, shardings=("pipeline", "tensor"))
+    pipeline, tensor = _find(candidates, "pipeline", 4), _find(candidates, "tensor", 4)
+    assert tensor.predicted_decode_tokens_per_s > 2 * pipeline.predicted_decode_tokens_per_s
+    assert candidates[0] is tensor
+    assert tensor.predicted_prefill_tokens_per_s > 0
+
+
+def test_pipeline_prediction_follows_the_formula():
+    config = _smollm2(num_layers=2, hidden_size=64, intermediate_size=128, num_heads=2,
+                      num_kv_heads=1, head_dim=32, vocab_size=256)
+    nodes = [_node("a", bandwidth=1e9, flops=1e12), _node("b", bandwidth=2e9, flops=1e12)]
+    links = {("b", "a"): Link(1e-3, 1e6)}  # either key order
+    shares = place_ranks(config, "pipeline", [NodeCapacity("a", GB), NodeCapacity("b", GB)], 100, 1)
+    assert [(s.layer_start, s.layer_end) for s in shares] == [(0, 1), (1, 2)]
+    decode, _ = predict_tokens_per_s(config, "pipeline", nodes, shares, links, context=100)
+    linear = config.layer_param_count() - 2 * 64
+    kv_layer = 2 * 1 * 32 * 2 * 50  # k and v, one KV head, bf16, 50 tokens on average
+    expected = ((linear + kv_layer) / 1e9 + (linear + 256 * 64 + kv_layer) / 2e9
+                + 1e-3 + 64 * 2 / 1e6 + 1e-3)
+    assert decode == pytest.approx(1 / expected)
+
+
+def test_missing_links_default_to_1ms_and_100MB_per_s():
+    assert DEFAULT_LINK == Link(1e-3, 100e6)
+    fast = Link(1e-6, 1e12)
+    assert link_between({("a", "b"): fast}, "b", "a") is fast
+    assert link_between({("a", "b"): fast}, "a", "c") == DEFAULT_LINK
+    assert link_between(None, "a", "b") == DEFAULT_LINK
+
+
+def test_auto_picks_the_first_feasible_candidate():
+    nodes = [_node("a", 24 * GB), _node("b", 24 * GB), _node("c", 1 * GB)]
+    links = _mesh("abc", Link(5e-6, 50e9))
+    candidates = preview(_llama8b(), nodes, links, context=4096, max_batch=1)
+    best = auto(_llama8b(), nodes, links, context=4096, max_batch=1)
+    assert best == candidates[0] and best.feasible
+    assert "c" not in best.node_ids  # every placement with the 1 GB node is refused
+    with pytest.raises(PlacementError, match="no placement to try"):
+        auto(_llama8b(), [], links, context=4096, max_batch=1)
+
+
+def test_unknown_sharding_is_an_infeasible_candidate_and_unknown_dtype_is_refused():
+    nodes = [_node("a"), _node("b")]
+    candidates = preview(_smollm2(), nodes, {}, 1024, 1, shardings=("pipeline", "expert"))
+    expert = _find(candidates, "expert", 2)
+    assert not expert.feasible and "not supported" in expert.error
+    with pytest.raises(PlacementError, match="dtype 'int3'"):
+        preview(_smollm2(), nodes, {}, 1024, 1, dtype="int3")
