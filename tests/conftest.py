@@ -36,7 +36,7 @@ def free_port_block(count: int) -> int:
 def start_cluster(nodes: int, log_dir, **options) -> LocalCluster:
     """Start ``nodes`` local nodes and place the default model across all of them."""
     cluster = LocalCluster(nodes=nodes, base_port=free_port_block(nodes), runner_threads=1,
-                           log_dir=str(log_dir))
+                           log_dir=str(log_dir), data_dir=str(log_dir))
     try:
         cluster.start()
         cluster.place(None, "pipeline", **options)

@@ -20,8 +20,9 @@ def _free_port() -> int:
 @pytest.fixture(scope="module")
 def node_url(tmp_path_factory):
     """URL of a 1-node cluster serving the embedded default model."""
+    log_dir = str(tmp_path_factory.mktemp("bench-cluster"))
     cluster = LocalCluster(nodes=1, base_port=_free_port(), runner_threads=1,
-                           log_dir=str(tmp_path_factory.mktemp("bench-cluster")))
+                           log_dir=log_dir, data_dir=log_dir)
     try:
         cluster.start(timeout_s=30)
         cluster.place(None, "pipeline", timeout_s=40)

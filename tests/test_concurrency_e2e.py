@@ -147,7 +147,7 @@ def test_a_node_without_a_rank_forwards_requests(tmp_path):
     from shardline.local_cluster import LocalCluster
 
     with LocalCluster(nodes=2, base_port=free_port_block(2), runner_threads=1,
-                      log_dir=str(tmp_path)) as cluster:
+                      log_dir=str(tmp_path), data_dir=str(tmp_path)) as cluster:
         cluster.start()
         instance = cluster.place(None, on=[0])
         assert len(instance["ranks"]) == 1

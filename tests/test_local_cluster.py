@@ -15,7 +15,7 @@ def test_nodes_stop_when_their_launcher_is_killed(tmp_path):
     launcher = subprocess.Popen(
         [sys.executable, "-c",
          "import time; from shardline.local_cluster import LocalCluster; "
-         f"c = LocalCluster(2, {base}, log_dir={str(tmp_path)!r}); c.start(); "
+         f"c = LocalCluster(2, {base}, log_dir={str(tmp_path)!r}, data_dir={str(tmp_path)!r}); c.start(); "
          "print('up', flush=True); time.sleep(600)"],
         stdout=subprocess.PIPE, text=True,
     )

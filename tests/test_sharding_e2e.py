@@ -42,8 +42,9 @@ LONG = " ".join(f"Fact {i}: the number {i} squared is {i * i}." for i in range(1
 @pytest.fixture(scope="module")
 def bare3(tmp_path_factory):
     """Three nodes with nothing placed."""
+    log_dir = str(tmp_path_factory.mktemp("bare3"))
     cluster = LocalCluster(nodes=3, base_port=free_port_block(3), runner_threads=1,
-                           log_dir=str(tmp_path_factory.mktemp("bare3")))
+                           log_dir=log_dir, data_dir=log_dir)
     try:
         cluster.start()
         yield cluster

@@ -5,8 +5,10 @@ from __future__ import annotations
 import argparse
 import importlib.metadata
 import logging
+import os
 import signal
 import sys
+from pathlib import Path
 
 DEFAULT_PORT = 52415
 
@@ -14,15 +16,27 @@ DEFAULT_PORT = 52415
 def _run(args: argparse.Namespace) -> int:
     import uvicorn
 
+    from shardline.node import identity
+
     from shardline.node.app import create_app
     from shardline.node.node import Node
 
     peers = [p.strip() for p in (args.peers or "").split(",") if p.strip()]
+    data_dir = Path(args.data_dir) if args.data_dir else identity.default_data_dir()
+    try:
+        key, generated = identity.cluster_key(data_dir, args.cluster_key or os.environ.get("SHARDLINE_CLUSTER_KEY"))
+    except ValueError as exc:
+        print(f"shardline run: {exc}", file=sys.stderr)
+        return 2
+    if generated:
+        print(f"shardline: new cluster key {key}\n  (saved in {data_dir}; start the other nodes with "
+              f"--cluster-key {key})", flush=True)
     node = Node(
         host=args.host,
         port=args.port,
         peers=peers,
-        node_id=args.node_id,
+        node_id=args.node_id or identity.node_id(data_dir),
+        cluster_key=key,
         runner_threads=args.runner_threads,
         exit_with_parent=args.exit_with_parent,
         watchdog_s=args.watchdog,
@@ -106,7 +120,13 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--bind", default=None, help="address to listen on (default: --host)")
     run.add_argument("--port", type=int, default=DEFAULT_PORT, help="HTTP port (default %(default)s)")
     run.add_argument("--peers", default="", help="other nodes as host:port,host:port")
-    run.add_argument("--node-id", default=None, help="this node's id (default: random)")
+    run.add_argument("--node-id", default=None,
+                     help="this node's id (default: the one in the data directory, made on first start)")
+    run.add_argument("--data-dir", default=None,
+                     help="where the node keeps its id and cluster key (default: $XDG_DATA_HOME/shardline)")
+    run.add_argument("--cluster-key", default=None,
+                     help="the cluster's shared secret (default: $SHARDLINE_CLUSTER_KEY, else the saved "
+                          "one, else a new one, printed at start)")
     run.add_argument("--runner-threads", type=int, default=0, help="torch threads per runner (0: all cores)")
     run.add_argument("--watchdog", type=float, default=10.0,
                      help="seconds a runner may go silent before its instance fails (default %(default)s)")

@@ -10,7 +10,11 @@ import subprocess
 import sys
 import time
 
+from pathlib import Path
+
 import httpx
+
+from shardline.node.identity import cluster_key, default_data_dir
 
 
 class LocalClusterError(RuntimeError):
@@ -25,10 +29,15 @@ class LocalCluster:
         base_port: node i listens on ``base_port + i``.
         runner_threads: torch threads per runner; 0 gives each node cores / nodes.
         log_dir: where each node's output goes (``node-i.log``); None: inherit stdout.
+        data_dir: node i keeps its id in ``data_dir/node-i``; the cluster's key is in
+            ``data_dir/cluster-key`` (default: ``local-cluster`` in shardline's data
+            directory, so a restarted local cluster keeps its ids).
     """
 
     def __init__(self, nodes: int, base_port: int, runner_threads: int = 0,
-                 log_dir: str | None = None) -> None:
+                 log_dir: str | None = None, data_dir: str | None = None) -> None:
+        self.data_dir = Path(data_dir) if data_dir else default_data_dir() / "local-cluster"
+        self.cluster_key, _ = cluster_key(self.data_dir)
         self.n = nodes
         self.base_port = base_port
         self.runner_threads = runner_threads or max(1, (os.cpu_count() or 1) // nodes)
@@ -43,15 +52,17 @@ class LocalCluster:
         peers = ",".join(f"127.0.0.1:{self.base_port + j}" for j in range(self.n) if j != i)
         return [sys.executable, "-m", "shardline.cli", "run", "--host", "127.0.0.1",
                 "--port", str(self.base_port + i), "--peers", peers,
-                "--runner-threads", str(self.runner_threads), "--exit-with-parent"]
+                "--runner-threads", str(self.runner_threads), "--exit-with-parent",
+                "--data-dir", str(self.data_dir / f"node-{i}")]
 
     def start_node(self, i: int) -> None:
         out = None
         if self.log_dir is not None:
             os.makedirs(self.log_dir, exist_ok=True)
             out = open(os.path.join(self.log_dir, f"node-{i}.log"), "ab")
+        env = dict(os.environ, SHARDLINE_CLUSTER_KEY=self.cluster_key)
         proc = subprocess.Popen(self.node_command(i), stdout=out, stderr=subprocess.STDOUT if out else None,
-                                start_new_session=True)
+                                start_new_session=True, env=env)
         if i < len(self.procs):
             self.procs[i] = proc
         else:

@@ -16,6 +16,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from shardline.api import openai
 from shardline.models.store import ModelNotFoundError
+from shardline.node.identity import key_matches
 from shardline.node.node import InstanceFailedError, NoInstanceError, Node, free_port
 from shardline.placement.ranks import SHARDINGS
 from shardline.placement.pipeline import PlacementError
@@ -69,6 +70,15 @@ def create_app(node: Node) -> FastAPI:
             kind = "not_found_error" if exc.status_code == 404 else "invalid_request_error"
             return JSONResponse(status_code=exc.status_code, content=openai.error_body(str(exc.detail), kind))
         return JSONResponse(status_code=exc.status_code, content={"detail": exc.detail})
+
+    @app.middleware("http")
+    async def require_cluster_key(request: Request, call_next):
+        # Node-to-node endpoints answer only members of this cluster.
+        if request.url.path.startswith("/internal/") and not key_matches(
+            request.headers.get("authorization"), node.cluster_key
+        ):
+            return JSONResponse(status_code=401, content={"detail": "wrong or missing cluster key"})
+        return await call_next(request)
 
     app.include_router(openai.router(node))
 

@@ -131,6 +131,8 @@ class Node:
         host: the address peers and runners of other nodes use to reach this node.
         port: its HTTP port.
         peers: ``host:port`` of other nodes to poll.
+        node_id: this node's lasting id (``shardline.node.identity.node_id``).
+        cluster_key: the shared secret every node-to-node request carries.
         runner_threads: torch threads per runner (0: torch's default).
         watchdog_s: a runner silent this many seconds is killed and its instance fails.
         progress_timeout_s: a runner that waits this many seconds inside an engine step
@@ -143,7 +145,8 @@ class Node:
         host: str,
         port: int,
         peers: list[str],
-        node_id: str | None = None,
+        node_id: str,
+        cluster_key: str,
         runner_threads: int = 0,
         context: int = 4096,
         max_batch: int = 8,
@@ -152,7 +155,8 @@ class Node:
         watchdog_s: float = 10.0,
         progress_timeout_s: float = 60.0,
     ) -> None:
-        self.node_id = node_id or uuid.uuid4().hex[:12]
+        self.node_id = node_id
+        self.cluster_key = cluster_key
         self.host = host
         self.port = port
         self.address = f"{host}:{port}"
@@ -179,12 +183,15 @@ class Node:
         self._http: httpx.AsyncClient | None = None
         self._background: list[asyncio.Task] = []
         self._state_lock = asyncio.Lock()
+        self._refused: set[str] = set()  # peer addresses that refused our cluster key
 
     # -- lifecycle -----------------------------------------------------------------------
 
     async def start(self) -> None:
         self._loop = asyncio.get_running_loop()
-        self._http = httpx.AsyncClient(timeout=httpx.Timeout(10.0, read=None))
+        # Every node-to-node request carries the cluster key (see shardline.node.identity).
+        self._http = httpx.AsyncClient(timeout=httpx.Timeout(10.0, read=None),
+                                       headers={"Authorization": f"Bearer {self.cluster_key}"})
         self._background.append(asyncio.create_task(self._membership_loop()))
         if self.exit_with_parent:
             self._background.append(asyncio.create_task(self._watch_parent(os.getppid())))
@@ -247,7 +254,13 @@ class Node:
     async def _poll(self, address: str) -> None:
         try:
             response = await self._http.get(f"http://{address}/internal/info", timeout=2.0)
+            if response.status_code == 401:
+                if address not in self._refused:
+                    self._refused.add(address)
+                    log.warning("%s refused this node's cluster key: it belongs to another cluster", address)
+                return
             data = response.json()
+            self._refused.discard(address)
         except (httpx.HTTPError, ValueError):
             return
         self.peers[data["node_id"]] = Peer(

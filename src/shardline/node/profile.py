@@ -1,0 +1,468 @@
+"""What a node can do: memory, accelerator, measured compute and memory speed, link speed.
+
+Two halves:
+
+- **Host profile** (:class:`HostProfile`, :func:`measure_host`, :func:`measure_host_async`):
+  memory from psutil, and the accelerator, matmul throughput and memory bandwidth measured
+  with torch. The torch half runs in a child process (``python -m shardline.node.profile``,
+  which prints one JSON object), so the node process itself never imports torch.
+- **Link profile** (:func:`add_link_routes`, :func:`measure_link`): two small HTTP routes a
+  node serves, ``GET /internal/ping`` and ``POST /internal/echo-bytes``, and a client that
+  times them over the node's existing ``httpx.AsyncClient``.
+
+Units everywhere: bytes, seconds, FLOP/s, bytes/s.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import dataclasses
+import json
+import os
+import re
+import statistics
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import psutil
+
+# Devices the child accepts: "auto" picks cuda, then mps, then cpu.
+_DEVICE_RE = re.compile(r"^(auto|cpu|mps|cuda(:\d+)?)$")
+
+# Square matmul sizes: CPU ~1024 (about 2.1 GFLOP a product); a GPU needs a bigger product
+# (4096: about 137 GFLOP) or kernel launches, not arithmetic, would be what is timed.
+_MATMUL_N_CPU = 1024
+_MATMUL_N_GPU = 4096
+
+# Bytes of the tensor copied to time memory bandwidth (source and destination each).
+_COPY_BYTES = 256 * 2**20
+
+
+@dataclass
+class HostProfile:
+    """One machine as a node sees it.
+
+    Attributes:
+        total_bytes: physical memory (psutil ``virtual_memory().total``), bytes.
+        available_bytes: memory available to new processes without swapping
+            (psutil ``virtual_memory().available``) when measured, bytes.
+        cpu_count: logical CPUs this process may run on (its affinity mask; else
+            ``os.cpu_count()``).
+        accelerator: the device runners would compute on: ``"cuda:0 NVIDIA H200"`` (index
+            and name), ``"mps"`` (Apple GPU), ``"cpu"``; ``"unknown"`` when the
+            measurement failed (see ``note``).
+        accelerator_total_bytes: the accelerator's memory, bytes (CUDA: NVML if
+            importable, else ``torch.cuda.mem_get_info``; MPS: torch's recommended
+            maximum working set, which shares the host's memory). 0 for cpu.
+        accelerator_free_bytes: of that, free when measured, bytes (CUDA: as reported by
+            the driver before this measurement allocated anything, with NVML; else after
+            torch's context was created). 0 for cpu.
+        matmul_flops: measured dense matmul throughput on that device, FLOP/s (2·n³
+            per n×n product, products of n=1024 on CPU and n=4096 on GPUs, averaged over
+            the timed window). In ``matmul_dtype``.
+        matmul_dtype: the dtype of ``matmul_flops``: ``"bfloat16"`` on GPUs (``"float16"``
+            where bf16 is unsupported); on CPU whichever of ``"bfloat16"`` and
+            ``"float32"`` was faster on this CPU.
+        memory_bandwidth_bytes_per_s: measured device memory bandwidth, bytes/s: bytes
+            read plus bytes written per second while copying a 256 MiB tensor into
+            another already allocated one (``dst.copy_(src)``: 512 MiB moved a copy,
+            the STREAM "copy" convention), averaged over several copies.
+        measure_s: wall time the measurement took (child start to exit), seconds.
+        note: why measured figures are missing (the measurement failed or timed out),
+            or what else is worth knowing; ``""`` when nothing.
+    """
+
+    total_bytes: int = 0
+    available_bytes: int = 0
+    cpu_count: int = 0
+    accelerator: str = "cpu"
+    accelerator_total_bytes: int = 0
+    accelerator_free_bytes: int = 0
+    matmul_flops: float = 0.0
+    matmul_dtype: str = ""
+    memory_bandwidth_bytes_per_s: float = 0.0
+    measure_s: float = 0.0
+    note: str = ""
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: dict) -> "HostProfile":
+        """Build from :meth:`to_dict`'s output; unknown keys are ignored and missing ones
+        take their defaults (so nodes of different versions can read each other's)."""
+        names = {f.name for f in dataclasses.fields(cls)}
+        return cls(**{k: v for k, v in data.items() if k in names})
+
+
+def _cpu_count() -> int:
+    try:
+        return len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        return os.cpu_count() or 1
+
+
+def _host_memory() -> dict:
+    memory = psutil.virtual_memory()
+    return {
+        "total_bytes": int(memory.total),
+        "available_bytes": int(memory.available),
+        "cpu_count": _cpu_count(),
+    }
+
+
+def _failed_profile(note: str, elapsed: float) -> HostProfile:
+    """Memory and CPUs (psutil, no torch needed) with zeros for what was to be measured."""
+    return HostProfile(**_host_memory(), accelerator="unknown", measure_s=elapsed, note=note)
+
+
+def _command(device: str, seconds: float) -> list[str]:
+    return [sys.executable, "-m", "shardline.node.profile", "--device", device,
+            "--seconds", repr(float(seconds))]
+
+
+def _parse(returncode: int | None, stdout: str, stderr: str, elapsed: float) -> HostProfile:
+    if returncode != 0:
+        tail = stderr.strip().splitlines()[-1:] or ["no message"]
+        return _failed_profile(f"profile child exited with {returncode}: {tail[0][-500:]}", elapsed)
+    lines = [line for line in stdout.splitlines() if line.strip()]
+    try:
+        profile = HostProfile.from_dict(json.loads(lines[-1]))
+    except (IndexError, ValueError, TypeError) as exc:
+        return _failed_profile(f"profile child printed no profile: {exc}", elapsed)
+    profile.measure_s = elapsed
+    return profile
+
+
+def measure_host(device: str = "auto", seconds: float = 0.5, timeout_s: float = 60.0) -> HostProfile:
+    """Measure this machine in a child process (torch is imported there, never here).
+
+    Args:
+        device: ``"auto"`` (CUDA if torch sees a GPU, else Apple MPS, else CPU), or
+            ``"cpu"``, ``"cuda"``, ``"cuda:N"``, ``"mps"``.
+        seconds: about how long the timed loops run in all: two thirds for matmuls
+            (split between bf16 and float32 on CPU), one third for memory copies. The
+            child also spends ~1.5-2 s importing torch (about 2.5-3 s in all on a 2-core
+            CPU with the default).
+        timeout_s: the child is killed after this many seconds.
+
+    Returns:
+        The profile. Never raises for a failed measurement: a child that fails, prints
+        no profile or times out gives psutil's memory figures, zeros for the measured
+        ones, ``accelerator="unknown"`` and the reason in ``note``.
+    """
+    start = time.perf_counter()
+    try:
+        done = subprocess.run(_command(device, seconds), capture_output=True, text=True,
+                              timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        return _failed_profile(f"profile child timed out after {timeout_s} s",
+                               time.perf_counter() - start)
+    except OSError as exc:
+        return _failed_profile(f"profile child did not start: {exc}", time.perf_counter() - start)
+    return _parse(done.returncode, done.stdout, done.stderr, time.perf_counter() - start)
+
+
+async def measure_host_async(device: str = "auto", seconds: float = 0.5,
+                             timeout_s: float = 60.0) -> HostProfile:
+    """:func:`measure_host` without blocking the event loop (``asyncio`` child process).
+
+    Same arguments and result; never raises for a failed measurement (a child that times
+    out is killed). Cancelling the awaiting task kills the child too.
+    """
+    start = time.perf_counter()
+    try:
+        proc = await asyncio.create_subprocess_exec(
+            *_command(device, seconds), stdin=asyncio.subprocess.DEVNULL,
+            stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE,
+        )
+    except OSError as exc:
+        return _failed_profile(f"profile child did not start: {exc}", time.perf_counter() - start)
+    try:
+        stdout, stderr = await asyncio.wait_for(proc.communicate(), timeout_s)
+    except asyncio.TimeoutError:
+        _kill(proc)
+        await proc.wait()
+        return _failed_profile(f"profile child timed out after {timeout_s} s",
+                               time.perf_counter() - start)
+    except BaseException:
+        _kill(proc)
+        raise
+    return _parse(proc.returncode, stdout.decode(errors="replace"),
+                  stderr.decode(errors="replace"), time.perf_counter() - start)
+
+
+def _kill(proc: asyncio.subprocess.Process) -> None:
+    if proc.returncode is None:
+        try:
+            proc.kill()
+        except ProcessLookupError:
+            pass
+
+
+# -- the child: torch measurements --------------------------------------------------------
+
+
+def _timed_rate(fn, work: float, budget_s: float, sync, min_runs: int = 1) -> float:
+    """``work`` units per second of ``fn()``: one untimed warm-up run, then runs in growing
+    batches (synchronized after each batch) until ``budget_s`` and ``min_runs`` are met."""
+    fn()
+    sync()
+    runs, batch = 0, 1
+    start = time.perf_counter()
+    while True:
+        for _ in range(batch):
+            fn()
+        sync()
+        runs += batch
+        elapsed = time.perf_counter() - start
+        if elapsed >= budget_s and runs >= min_runs:
+            return work * runs / elapsed
+        batch = min(batch * 2, 64)
+
+
+def _pick_device(torch, device: str):
+    if device == "auto":
+        if torch.cuda.is_available():
+            return torch.device("cuda", torch.cuda.current_device())
+        mps = getattr(torch.backends, "mps", None)
+        if mps is not None and mps.is_available():
+            return torch.device("mps")
+        return torch.device("cpu")
+    dev = torch.device(device)
+    if dev.type == "cuda":
+        if not torch.cuda.is_available():
+            raise RuntimeError("CUDA is not available to torch")
+        index = dev.index if dev.index is not None else torch.cuda.current_device()
+        if index >= torch.cuda.device_count():
+            raise RuntimeError(f"no CUDA device {index} ({torch.cuda.device_count()} visible)")
+        return torch.device("cuda", index)
+    if dev.type == "mps":
+        mps = getattr(torch.backends, "mps", None)
+        if mps is None or not mps.is_available():
+            raise RuntimeError("Apple MPS is not available to torch")
+    return dev
+
+
+def _nvml_memory(index: int) -> tuple[int, int] | None:
+    """(total, free) bytes of CUDA device ``index`` from NVML, or None without pynvml.
+
+    Assumes CUDA_VISIBLE_DEVICES, if set, lists plain indices (else NVML's numbering may
+    differ from torch's and None is returned)."""
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    if visible is not None:
+        ids = [v.strip() for v in visible.split(",") if v.strip()]
+        if index >= len(ids) or not ids[index].isdigit():
+            return None
+        index = int(ids[index])
+    try:
+        import pynvml  # noqa: PLC0415 (optional)
+    except ImportError:
+        return None
+    try:
+        pynvml.nvmlInit()
+        try:
+            info = pynvml.nvmlDeviceGetMemoryInfo(pynvml.nvmlDeviceGetHandleByIndex(index))
+            return int(info.total), int(info.free)
+        finally:
+            pynvml.nvmlShutdown()
+    except Exception:  # noqa: BLE001 (any NVML failure: fall back to torch)
+        return None
+
+
+def _measure(device: str, seconds: float) -> dict:
+    """The child's work: every HostProfile field as a dict (imports torch)."""
+    import torch  # noqa: PLC0415 (only in the child)
+
+    result = _host_memory()
+    dev = _pick_device(torch, device)
+    notes = []
+    if dev.type == "cuda":
+        nvml = _nvml_memory(dev.index)  # before torch creates a context on the device
+        torch.cuda.set_device(dev)
+        if nvml is None:
+            free, total = torch.cuda.mem_get_info(dev)
+        else:
+            total, free = nvml
+        result["accelerator"] = f"cuda:{dev.index} {torch.cuda.get_device_name(dev)}"
+        result["accelerator_total_bytes"], result["accelerator_free_bytes"] = int(total), int(free)
+
+        def sync() -> None:
+            torch.cuda.synchronize(dev)
+
+        dtypes = [torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16]
+        n = _MATMUL_N_GPU
+    elif dev.type == "mps":
+        total = int(torch.mps.recommended_max_memory()) if hasattr(torch.mps, "recommended_max_memory") \
+            else result["total_bytes"]
+        used = int(torch.mps.driver_allocated_memory()) if hasattr(torch.mps, "driver_allocated_memory") else 0
+        result["accelerator"] = "mps"
+        result["accelerator_total_bytes"] = total
+        result["accelerator_free_bytes"] = max(0, min(total - used, result["available_bytes"]))
+
+        def sync() -> None:
+            torch.mps.synchronize()
+
+        dtypes = [torch.bfloat16, torch.float16]  # bf16 needs macOS 14; the first that runs
+        n = _MATMUL_N_GPU
+    else:
+        result["accelerator"] = "cpu"
+        result["accelerator_total_bytes"] = result["accelerator_free_bytes"] = 0
+
+        def sync() -> None:
+            pass
+
+        dtypes = [torch.bfloat16, torch.float32]  # both timed; the faster is reported
+        n = _MATMUL_N_CPU
+
+    # Matmul: 2·n³ FLOP a product.
+    matmul_budget = seconds * 2 / 3
+    best_rate, best_dtype = 0.0, ""
+    for dtype in dtypes:
+        try:
+            a = torch.randn(n, n, device=dev).to(dtype)
+            b = torch.randn(n, n, device=dev).to(dtype)
+            rate = _timed_rate(lambda: torch.mm(a, b), 2.0 * n**3,
+                               matmul_budget / (len(dtypes) if dev.type == "cpu" else 1), sync)
+        except (RuntimeError, TypeError) as exc:  # a dtype this device lacks
+            notes.append(f"{str(dtype).removeprefix('torch.')} matmul failed: {str(exc)[:200]}")
+            continue
+        if rate > best_rate:
+            best_rate, best_dtype = rate, str(dtype).removeprefix("torch.")
+        if dev.type != "cpu":
+            break
+    result["matmul_flops"], result["matmul_dtype"] = best_rate, best_dtype
+
+    # Memory bandwidth: copy a 256 MiB tensor into another (read + write bytes per second).
+    size = _COPY_BYTES
+    if dev.type == "cpu":
+        size = min(size, result["available_bytes"] // 8)  # both tensors well within free memory
+    size = max(size // 4 * 4, 4)
+    src = torch.ones(size // 4, dtype=torch.float32, device=dev)
+    dst = torch.zeros_like(src)  # both touched: page faults are not timed
+    result["memory_bandwidth_bytes_per_s"] = _timed_rate(
+        lambda: dst.copy_(src), 2.0 * size, seconds / 3, sync, min_runs=3)
+    del src, dst
+    result["note"] = "; ".join(notes)
+    return result
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description="Print this machine's HostProfile as JSON.")
+    parser.add_argument("--device", default="auto", help="auto | cpu | cuda | cuda:N | mps")
+    parser.add_argument("--seconds", type=float, default=0.5, help="timed loops, about, in all")
+    args = parser.parse_args(argv)
+    if not _DEVICE_RE.match(args.device):
+        print(f"unknown device {args.device!r} (auto, cpu, cuda, cuda:N or mps)", file=sys.stderr)
+        return 2
+    try:
+        result = _measure(args.device, max(args.seconds, 0.0))
+    except Exception as exc:  # noqa: BLE001 (reported to the parent as the note)
+        print(f"{type(exc).__name__}: {exc}".replace("\n", " "), file=sys.stderr)
+        return 1
+    print(json.dumps(result), flush=True)
+    return 0
+
+
+# -- links between nodes -----------------------------------------------------------------
+
+
+def add_link_routes(app: Any) -> None:
+    """Register on a FastAPI ``app`` the two routes :func:`measure_link` times:
+
+    - ``GET /internal/ping`` -> ``{"ok": true}``
+    - ``POST /internal/echo-bytes``: reads the request body as it arrives, discards it,
+      and returns ``{"bytes": n}``, the number of bytes read.
+    """
+    from fastapi import Request  # noqa: PLC0415 (not needed by the profile child)
+
+    @app.get("/internal/ping")
+    async def ping() -> dict:
+        return {"ok": True}
+
+    @app.post("/internal/echo-bytes")
+    async def echo_bytes(request: Request) -> dict:
+        n = 0
+        async for chunk in request.stream():
+            n += len(chunk)
+        return {"bytes": n}
+
+
+async def measure_link(client: Any, base_url: str, payload_bytes: int = 4 * 2**20,
+                       pings: int = 5, *, transfers: int = 2, timeout_s: float = 30.0) -> dict:
+    """Measure the link to a peer node over ``client`` (an ``httpx.AsyncClient``).
+
+    Args:
+        client: the node's HTTP client (its connection pool is reused, so the pings also
+            open the connection the transfers then use).
+        base_url: the peer, e.g. ``"http://10.0.0.2:52415"`` (no trailing slash needed).
+        payload_bytes: bytes of body each ``POST /internal/echo-bytes`` sends.
+        pings: ``GET /internal/ping`` requests timed (one extra untimed first).
+        transfers: POSTs timed; the fastest counts.
+        timeout_s: per request.
+
+    Returns:
+        ``{"latency_s": float, "rtt_s": float, "bandwidth_bytes_per_s": float,
+        "payload_bytes": int, "transfer_s": float}``:
+
+        - ``rtt_s``: median round-trip time of the pings (request sent to response read,
+          including the peer's HTTP handling), seconds.
+        - ``latency_s``: one-way latency, taken as ``rtt_s / 2``, seconds.
+        - ``transfer_s``: the fastest POST of ``payload_bytes`` (upload, the peer's
+          ``{"bytes": n}`` reply included), seconds.
+        - ``bandwidth_bytes_per_s``: ``payload_bytes / transfer_s``, bytes/s, this node
+          to the peer. Not corrected for the round trip inside ``transfer_s``: with the
+          default 4 MiB that is small next to the transfer on LANs.
+
+    Raises:
+        httpx.HTTPError: the peer did not answer, or answered with an error status.
+        ValueError: the peer reported receiving a different number of bytes.
+    """
+    base = base_url.rstrip("/")
+    ping_url, echo_url = f"{base}/internal/ping", f"{base}/internal/echo-bytes"
+
+    async def ping() -> float:
+        start = time.perf_counter()
+        response = await client.get(ping_url, timeout=timeout_s)
+        response.raise_for_status()
+        response.read()
+        return time.perf_counter() - start
+
+    await ping()  # connection set-up is not latency
+    rtt = statistics.median([await ping() for _ in range(max(pings, 1))])
+
+    payload = bytes(payload_bytes)
+    best = float("inf")
+    for _ in range(max(transfers, 1)):
+        start = time.perf_counter()
+        response = await client.post(echo_url, content=payload, timeout=timeout_s,
+                                     headers={"content-type": "application/octet-stream"})
+        response.raise_for_status()
+        received = int(response.json()["bytes"])
+        best = min(best, time.perf_counter() - start)
+        if received != payload_bytes:
+            raise ValueError(f"{echo_url} received {received} bytes of {payload_bytes}")
+    return {
+        "latency_s": rtt / 2,
+        "rtt_s": rtt,
+        "bandwidth_bytes_per_s": payload_bytes / best if best > 0 else 0.0,
+        "payload_bytes": payload_bytes,
+        "transfer_s": best,
+    }
+
+
+__all__ = [
+    "HostProfile",
+    "add_link_routes",
+    "measure_host",
+    "measure_host_async",
+    "measure_link",
+]
+
+
+if __name__ == "__main__":
+    sys.exit(main())

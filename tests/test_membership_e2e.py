@@ -1,0 +1,105 @@
+"""Cluster membership on 127.0.0.1: the cluster key, lasting node ids, coordinator failover."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+
+import httpx
+import pytest
+
+from conftest import free_port_block
+from shardline.local_cluster import LocalCluster
+from shardline.models.store import DEFAULT_MODEL_ID
+
+pytestmark = pytest.mark.timeout(300)
+
+
+def views(cluster: LocalCluster, indices) -> dict[int, dict]:
+    return {i: httpx.get(f"{cluster.url(i)}/cluster/nodes", timeout=5).json() for i in indices}
+
+
+def wait_for(check, timeout: float, what: str):
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        try:
+            result = check()
+        except httpx.HTTPError:
+            result = None
+        if result:
+            return result
+        time.sleep(0.2)
+    raise AssertionError(f"not within {timeout} s: {what}")
+
+
+def test_a_node_without_the_cluster_key_cannot_join_or_read_state(tmp_path):
+    base = free_port_block(3)
+    with LocalCluster(nodes=2, base_port=base, log_dir=str(tmp_path), data_dir=str(tmp_path)) as cluster:
+        cluster.start()
+        stranger_port = base + 2
+        stranger = subprocess.Popen(
+            [sys.executable, "-m", "shardline.cli", "run", "--port", str(stranger_port),
+             "--peers", f"127.0.0.1:{base},127.0.0.1:{base + 1}", "--data-dir", str(tmp_path / "stranger"),
+             "--exit-with-parent"],
+            env=dict(os.environ, SHARDLINE_CLUSTER_KEY="not-the-right-key-at-all"),
+            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+        try:
+            stranger_url = f"http://127.0.0.1:{stranger_port}"
+            wait_for(lambda: httpx.get(f"{stranger_url}/health", timeout=2).status_code == 200, 30, "stranger up")
+            time.sleep(3)  # three membership rounds
+            for view in views(cluster, range(2)).values():
+                assert len(view["nodes"]) == 2  # the stranger is not a member
+            assert len(httpx.get(f"{stranger_url}/cluster/nodes").json()["nodes"]) == 1
+            state = f"{cluster.url(0)}/internal/state"
+            assert httpx.get(state).status_code == 401
+            assert httpx.get(state, headers={"Authorization": "Bearer not-the-right-key-at-all"}).status_code == 401
+            task = httpx.post(f"{cluster.url(0)}/internal/tasks", json={"task_id": 1},
+                              headers={"Authorization": "Bearer wrong"})
+            assert task.status_code == 401
+            right = {"Authorization": f"Bearer {cluster.cluster_key}"}
+            assert httpx.get(state, headers=right).status_code == 200
+        finally:
+            stranger.kill()
+            stranger.wait(10)
+
+
+def test_a_restarted_node_keeps_its_id_and_leaves_no_ghost(tmp_path):
+    with LocalCluster(nodes=2, base_port=free_port_block(2), log_dir=str(tmp_path),
+                      data_dir=str(tmp_path)) as cluster:
+        cluster.start()
+        before = httpx.get(f"{cluster.url(1)}/health").json()["node_id"]
+        cluster.procs[1].kill()
+        cluster.procs[1].wait(10)
+        cluster.start_node(1)
+        after = wait_for(lambda: httpx.get(f"{cluster.url(1)}/health", timeout=2).json()["node_id"], 30,
+                         "node 1 back")
+        assert after == before
+        wait_for(lambda: all(n["live"] for n in views(cluster, [0])[0]["nodes"]), 15, "node 1 live again")
+        assert sorted(n["node_id"] for n in views(cluster, [0])[0]["nodes"]) == sorted(
+            httpx.get(f"{cluster.url(i)}/health").json()["node_id"] for i in range(2))
+
+
+def test_killing_the_coordinator_elects_another_and_its_instances_keep_serving(tmp_path):
+    with LocalCluster(nodes=3, base_port=free_port_block(3), runner_threads=1, log_dir=str(tmp_path),
+                      data_dir=str(tmp_path)) as cluster:
+        cluster.start()
+        ids = [httpx.get(f"{cluster.url(i)}/health").json()["node_id"] for i in range(3)]
+        coordinator = ids.index(views(cluster, [0])[0]["coordinator"])
+        others = [i for i in range(3) if i != coordinator]
+        inst = cluster.place(None, "pipeline", on=others)
+        cluster.procs[coordinator].kill()
+        killed = time.time()
+        new = wait_for(lambda: {v["coordinator"] for v in views(cluster, others).values()} == {min(ids[i] for i in others)}
+                       and min(ids[i] for i in others), 10, "a new coordinator")
+        elected_after = time.time() - killed
+        print(f"\ncoordinator killed: {new} elected after {elected_after:.1f} s")
+        assert new != ids[coordinator]
+        for i in others:
+            listed = httpx.get(f"{cluster.url(i)}/cluster/instances").json()["instances"]
+            assert [(x["instance_id"], x["status"]) for x in listed] == [(inst["instance_id"], "ready")]
+            body = {"model": DEFAULT_MODEL_ID, "temperature": 0, "max_tokens": 16,
+                    "messages": [{"role": "user", "content": "What is the capital of France?"}]}
+            answer = httpx.post(f"{cluster.url(i)}/v1/chat/completions", json=body, timeout=60).json()
+            assert "Paris" in answer["choices"][0]["message"]["content"]

@@ -1,0 +1,108 @@
+"""Host and link profiling (shardline.node.profile): a real child process, links over ASGI."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import sys
+
+import httpx
+import pytest
+from fastapi import FastAPI
+
+from shardline.node.profile import (
+    HostProfile,
+    add_link_routes,
+    measure_host,
+    measure_host_async,
+    measure_link,
+)
+
+
+@pytest.fixture(scope="module")
+def host() -> HostProfile:
+    """One measurement (a child that imports torch, ~2.5 s here) shared by the tests."""
+    return measure_host(seconds=0.3)
+
+
+def test_measure_host_positive(host):
+    assert host.note == "", host.note
+    assert host.total_bytes > 0 and 0 < host.available_bytes <= host.total_bytes
+    assert host.cpu_count >= 1
+    assert host.matmul_flops > 1e8  # any CPU does 0.1 GFLOP/s
+    assert host.memory_bandwidth_bytes_per_s > 1e8
+    assert host.measure_s > 0
+    try:
+        import torch
+        cuda = torch.cuda.is_available()
+    except ImportError:
+        cuda = False
+    if host.accelerator == "cpu":
+        assert host.accelerator_total_bytes == host.accelerator_free_bytes == 0
+        assert host.matmul_dtype in ("bfloat16", "float32")
+    else:  # a machine with a GPU
+        assert host.accelerator == "mps" or host.accelerator.startswith("cuda:")
+        assert 0 < host.accelerator_free_bytes <= host.accelerator_total_bytes
+    if not cuda and sys.platform != "darwin":
+        assert host.accelerator == "cpu"
+
+
+def test_profile_json_round_trip(host):
+    text = json.dumps(host.to_dict())
+    assert HostProfile.from_dict(json.loads(text)) == host
+    # Other node versions: unknown keys ignored, missing keys defaulted.
+    older = HostProfile.from_dict({"total_bytes": 5, "future_field": 1})
+    assert older.total_bytes == 5 and older.matmul_flops == 0.0 and older.note == ""
+
+
+def test_failures_give_zeros_and_a_note():
+    async def run():
+        return await asyncio.gather(
+            measure_host_async(device="bogus"),  # rejected before torch is imported
+            measure_host_async(device="cuda:7", seconds=0.1),  # torch: no such device
+            measure_host_async(seconds=0.1, timeout_s=0.05),  # killed
+        )
+
+    bogus, cuda, slow = asyncio.run(run())
+    assert "unknown device" in bogus.note
+    assert "CUDA" in cuda.note
+    assert "timed out" in slow.note
+    for profile in (bogus, cuda, slow):
+        assert profile.accelerator == "unknown"
+        assert profile.matmul_flops == profile.memory_bandwidth_bytes_per_s == 0.0
+        assert profile.accelerator_total_bytes == profile.accelerator_free_bytes == 0
+        assert profile.total_bytes > 0  # psutil's figures are still there
+    assert "timed out" in measure_host(seconds=0.1, timeout_s=0.05).note
+
+
+def _client(app: FastAPI) -> httpx.AsyncClient:
+    return httpx.AsyncClient(transport=httpx.ASGITransport(app=app))
+
+
+def test_measure_link_over_asgi():
+    app = FastAPI()
+    add_link_routes(app)
+
+    async def run():
+        async with _client(app) as client:
+            ping = (await client.get("http://peer/internal/ping")).json()
+            echo = (await client.post("http://peer/internal/echo-bytes", content=b"x" * 1000)).json()
+            link = await measure_link(client, "http://peer/", payload_bytes=2**20, pings=3)
+        return ping, echo, link
+
+    ping, echo, link = asyncio.run(run())
+    assert ping == {"ok": True}
+    assert echo == {"bytes": 1000}
+    assert link["latency_s"] > 0 and link["rtt_s"] == pytest.approx(2 * link["latency_s"])
+    assert link["bandwidth_bytes_per_s"] > 0
+    assert link["payload_bytes"] == 2**20 and link["transfer_s"] > 0
+    assert link["bandwidth_bytes_per_s"] == pytest.approx(2**20 / link["transfer_s"])
+
+
+def test_measure_link_peer_without_routes_raises():
+    async def run():
+        async with _client(FastAPI()) as client:
+            await measure_link(client, "http://peer", payload_bytes=10, pings=1)
+
+    with pytest.raises(httpx.HTTPStatusError):
+        asyncio.run(run())
