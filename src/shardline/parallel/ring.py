@@ -22,7 +22,6 @@ rank without gathering anything.
 
 from __future__ import annotations
 
-import math
 from typing import Callable
 
 import torch
