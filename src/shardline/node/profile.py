@@ -380,16 +380,22 @@ def add_link_routes(app: Any) -> None:
     """
     from fastapi import Request  # noqa: PLC0415 (not needed by the profile child)
 
-    @app.get("/internal/ping")
     async def ping() -> dict:
         return {"ok": True}
 
-    @app.post("/internal/echo-bytes")
-    async def echo_bytes(request: Request) -> dict:
+    async def echo_bytes(request) -> dict:
         n = 0
         async for chunk in request.stream():
             n += len(chunk)
         return {"bytes": n}
+
+    # Real annotation objects: FastAPI could not resolve the string "Request" (this module
+    # uses postponed annotations and imports Request here only) and would take a query
+    # parameter for it.
+    ping.__annotations__ = {"return": dict}
+    echo_bytes.__annotations__ = {"request": Request, "return": dict}
+    app.add_api_route("/internal/ping", ping, methods=["GET"])
+    app.add_api_route("/internal/echo-bytes", echo_bytes, methods=["POST"])
 
 
 async def measure_link(client: Any, base_url: str, payload_bytes: int = 4 * 2**20,
