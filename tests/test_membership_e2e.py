@@ -103,3 +103,52 @@ def test_killing_the_coordinator_elects_another_and_its_instances_keep_serving(t
                     "messages": [{"role": "user", "content": "What is the capital of France?"}]}
             answer = httpx.post(f"{cluster.url(i)}/v1/chat/completions", json=body, timeout=60).json()
             assert "Paris" in answer["choices"][0]["message"]["content"]
+
+
+def multicast_on_loopback() -> bool:
+    """Whether an mDNS service registered on 127.0.0.1 is seen by a browser there."""
+    import socket
+
+    from zeroconf import IPVersion, ServiceBrowser, ServiceInfo, Zeroconf
+
+    found = []
+    first = Zeroconf(interfaces=["127.0.0.1"], ip_version=IPVersion.V4Only)
+    second = Zeroconf(interfaces=["127.0.0.1"], ip_version=IPVersion.V4Only)
+    try:
+        first.register_service(ServiceInfo("_shardline-probe._tcp.local.", "p._shardline-probe._tcp.local.",
+                                           addresses=[socket.inet_aton("127.0.0.1")], port=9))
+        ServiceBrowser(second, "_shardline-probe._tcp.local.",
+                       handlers=[lambda zeroconf, service_type, name, state_change: found.append(name)])
+        deadline = time.time() + 3
+        while not found and time.time() < deadline:
+            time.sleep(0.1)
+    finally:
+        first.close()
+        second.close()
+    return bool(found)
+
+
+def test_nodes_find_each_other_by_mdns_without_peers(tmp_path):
+    try:
+        usable = multicast_on_loopback()
+    except OSError as exc:
+        pytest.skip(f"no multicast socket on loopback here: {exc}")
+    if not usable:
+        pytest.skip("this machine does not deliver multicast on loopback, which mDNS needs")
+    base = free_port_block(2)
+    env = dict(os.environ, SHARDLINE_CLUSTER_KEY="mdns-test-key-0123456789")
+    procs = [subprocess.Popen(
+        [sys.executable, "-m", "shardline.cli", "run", "--port", str(base + i),
+         "--data-dir", str(tmp_path / f"n{i}"), "--exit-with-parent"],
+        env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+        for i in range(2)]
+    try:
+        started = time.time()
+        wait_for(lambda: all(
+            sum(n["live"] for n in httpx.get(f"http://127.0.0.1:{base + i}/cluster/nodes", timeout=2).json()["nodes"]) == 2
+            for i in range(2)), 30, "both nodes see each other")
+        print(f"\nmDNS: the nodes formed a cluster {time.time() - started:.1f} s after start")
+    finally:
+        for proc in procs:
+            proc.kill()
+            proc.wait(10)

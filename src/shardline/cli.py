@@ -41,6 +41,7 @@ def _run(args: argparse.Namespace) -> int:
         exit_with_parent=args.exit_with_parent,
         watchdog_s=args.watchdog,
         progress_timeout_s=args.progress_timeout,
+        mdns=not args.no_mdns,
     )
     logging.getLogger(__name__).info("node %s on %s", node.node_id, node.address)
     uvicorn.run(create_app(node), host=args.bind or args.host, port=args.port, log_level="warning")
@@ -134,6 +135,8 @@ def build_parser() -> argparse.ArgumentParser:
                      help="seconds a runner may wait inside an engine step without progress (a stalled "
                           "peer or collective) before its instance fails; must exceed the time of one "
                           "prefill chunk (default %(default)s)")
+    run.add_argument("--no-mdns", action="store_true",
+                     help="do not advertise this node or look for others by mDNS (use --peers only)")
     run.add_argument("--exit-with-parent", action="store_true",
                      help="stop when the process that started this node exits")
     run.set_defaults(func=_run)

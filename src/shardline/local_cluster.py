@@ -52,7 +52,7 @@ class LocalCluster:
         peers = ",".join(f"127.0.0.1:{self.base_port + j}" for j in range(self.n) if j != i)
         return [sys.executable, "-m", "shardline.cli", "run", "--host", "127.0.0.1",
                 "--port", str(self.base_port + i), "--peers", peers,
-                "--runner-threads", str(self.runner_threads), "--exit-with-parent",
+                "--runner-threads", str(self.runner_threads), "--exit-with-parent", "--no-mdns",
                 "--data-dir", str(self.data_dir / f"node-{i}")]
 
     def start_node(self, i: int) -> None:

@@ -131,6 +131,7 @@ class Node:
         host: the address peers and runners of other nodes use to reach this node.
         port: its HTTP port.
         peers: ``host:port`` of other nodes to poll.
+        mdns: also find peers of the same cluster on the LAN by mDNS.
         node_id: this node's lasting id (``shardline.node.identity.node_id``).
         cluster_key: the shared secret every node-to-node request carries.
         runner_threads: torch threads per runner (0: torch's default).
@@ -154,6 +155,7 @@ class Node:
         exit_with_parent: bool = False,
         watchdog_s: float = 10.0,
         progress_timeout_s: float = 60.0,
+        mdns: bool = False,
     ) -> None:
         self.node_id = node_id
         self.cluster_key = cluster_key
@@ -184,6 +186,11 @@ class Node:
         self._background: list[asyncio.Task] = []
         self._state_lock = asyncio.Lock()
         self._refused: set[str] = set()  # peer addresses that refused our cluster key
+        self.discovery = None
+        if mdns:
+            from shardline.node.discovery import Discovery
+
+            self.discovery = Discovery(node_id, host, port, cluster_key, self.add_peer)
 
     # -- lifecycle -----------------------------------------------------------------------
 
@@ -193,12 +200,20 @@ class Node:
         self._http = httpx.AsyncClient(timeout=httpx.Timeout(10.0, read=None),
                                        headers={"Authorization": f"Bearer {self.cluster_key}"})
         self._background.append(asyncio.create_task(self._membership_loop()))
+        if self.discovery is not None:
+            try:
+                await asyncio.to_thread(self.discovery.start)
+            except OSError as exc:
+                log.warning("mDNS discovery is off (%s); use --peers", exc)
+                self.discovery = None
         if self.exit_with_parent:
             self._background.append(asyncio.create_task(self._watch_parent(os.getppid())))
 
     async def stop(self) -> None:
         for task in self._background:
             task.cancel()
+        if self.discovery is not None:
+            await asyncio.to_thread(self.discovery.stop)
         self.worker.stop_all()
         if self._http is not None:
             await self._http.aclose()
@@ -223,6 +238,12 @@ class Node:
             "state_version": self.state_version,
             "coordinator": self.coordinator_id(),
         }
+
+    def add_peer(self, address: str) -> None:
+        """Poll ``host:port`` from now on (a peer found by mDNS; any thread)."""
+        if address != self.address and address not in self.peer_addresses:
+            log.info("found peer %s", address)
+            self.peer_addresses = self.peer_addresses + [address]
 
     def live_node_ids(self) -> list[str]:
         now = time.time()

@@ -1,0 +1,80 @@
+"""Finding the other nodes of a cluster on the LAN by mDNS / DNS-SD (RFC 6762, RFC 6763).
+
+Each node registers the service ``<node id>._shardline._tcp.local.`` with its HTTP address
+and port, and a TXT record ``cluster`` holding a fingerprint of its cluster key (the first
+16 hex digits of its SHA-256, which does not reveal the key). It browses for the same
+service type and hands the address of every node with the same fingerprint to its
+membership loop. Nodes of other clusters on the LAN are ignored; one that lies about the
+fingerprint is still refused by the key check of every request. Uses the zeroconf library.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import ipaddress
+import logging
+import socket
+from typing import Callable
+
+from zeroconf import IPVersion, ServiceBrowser, ServiceInfo, ServiceStateChange, Zeroconf
+
+log = logging.getLogger(__name__)
+
+SERVICE_TYPE = "_shardline._tcp.local."
+
+
+def key_fingerprint(cluster_key: str) -> str:
+    """16 hex digits of the key's SHA-256: equal keys match, the key stays secret."""
+    return hashlib.sha256(cluster_key.encode()).hexdigest()[:16]
+
+
+class Discovery:
+    """Advertise this node and report the ``host:port`` of each same-cluster node found.
+
+    Args:
+        node_id: this node's id (its service instance name).
+        host: the IPv4 address other nodes reach this node at (a loopback address keeps the
+            service on the loopback interface, for tests on one machine).
+        port: its HTTP port.
+        cluster_key: the key whose fingerprint is advertised and required of peers.
+        on_peer: called with ``"host:port"`` (from zeroconf's thread) for each peer found.
+
+    Raises (from :meth:`start`): OSError when no multicast socket can be opened.
+    """
+
+    def __init__(self, node_id: str, host: str, port: int, cluster_key: str,
+                 on_peer: Callable[[str], None]) -> None:
+        self.node_id = node_id
+        self.host = host
+        self.port = port
+        self.fingerprint = key_fingerprint(cluster_key)
+        self.on_peer = on_peer
+        self.zeroconf: Zeroconf | None = None
+        self.browser: ServiceBrowser | None = None
+        self.info = ServiceInfo(
+            SERVICE_TYPE, f"{node_id}.{SERVICE_TYPE}", addresses=[socket.inet_aton(host)], port=port,
+            properties={"node_id": node_id, "cluster": self.fingerprint},
+        )
+
+    def start(self) -> None:
+        loopback = ipaddress.ip_address(self.host).is_loopback
+        self.zeroconf = Zeroconf(interfaces=[self.host] if loopback else None, ip_version=IPVersion.V4Only)
+        self.zeroconf.register_service(self.info)
+        self.browser = ServiceBrowser(self.zeroconf, SERVICE_TYPE, handlers=[self._changed])
+
+    def _changed(self, zeroconf: Zeroconf, service_type: str, name: str,
+                 state_change: ServiceStateChange) -> None:
+        if state_change is ServiceStateChange.Removed or name == self.info.name:
+            return
+        info = zeroconf.get_service_info(service_type, name, timeout=3000)
+        if info is None or not info.parsed_addresses(IPVersion.V4Only):
+            return
+        if (info.properties or {}).get(b"cluster", b"").decode() != self.fingerprint:
+            return
+        self.on_peer(f"{info.parsed_addresses(IPVersion.V4Only)[0]}:{info.port}")
+
+    def stop(self) -> None:
+        if self.zeroconf is not None:
+            self.zeroconf.unregister_service(self.info)
+            self.zeroconf.close()
+            self.zeroconf = None
