@@ -152,3 +152,33 @@ def test_nodes_find_each_other_by_mdns_without_peers(tmp_path):
         for proc in procs:
             proc.kill()
             proc.wait(10)
+
+
+def test_nodes_report_profiles_and_links_and_auto_placement_takes_the_best_preview(tmp_path):
+    with LocalCluster(nodes=2, base_port=free_port_block(2), runner_threads=1, log_dir=str(tmp_path),
+                      data_dir=str(tmp_path)) as cluster:
+        cluster.start()
+
+        def profiled():
+            nodes = views(cluster, [0])[0]["nodes"]
+            return all(n["profile"] and n["profile"]["matmul_flops"] > 0 and n["links"] for n in nodes) and nodes
+
+        nodes = wait_for(profiled, 60, "profiles and links of both nodes")
+        for n in nodes:
+            profile = n["profile"]
+            assert profile["total_bytes"] > profile["available_bytes"] > 0
+            assert profile["memory_bandwidth_bytes_per_s"] > 0 and profile["accelerator"]
+            (link,) = n["links"].values()
+            assert link["latency_s"] > 0 and link["bandwidth_bytes_per_s"] > 0
+        preview = httpx.post(f"{cluster.url(1)}/cluster/placements/preview",
+                             json={"model": None}, timeout=60).json()["candidates"]
+        feasible = [c for c in preview if c["feasible"]]
+        speeds = [c["predicted_decode_tokens_per_s"] for c in feasible]
+        assert speeds == sorted(speeds, reverse=True) and len(feasible) >= 3
+        assert {c["sharding"] for c in feasible} >= {"pipeline", "tensor", "ring"}
+        inst = cluster.place(None, "auto")
+        best = feasible[0]
+        # (which node of two equal ones comes first depends on memory free at that moment)
+        assert (inst["sharding"], len(inst["ranks"])) == (best["sharding"], len(best["node_ids"]))
+        print(f"\nauto chose {best['sharding']} on {len(best['node_ids'])} node(s), predicted "
+              f"{best['predicted_decode_tokens_per_s']:.0f} tok/s decode")

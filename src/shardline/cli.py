@@ -80,7 +80,8 @@ def _cluster(args: argparse.Namespace) -> int:
         return 1
     url = cluster.url(0)
     ranges = ", ".join(_rank_share(r) for r in instance["ranks"])
-    print(f"\nshardline: {args.nodes}-node {args.sharding} cluster serving {instance['model_id']}")
+    print(f"\nshardline: {args.nodes}-node cluster serving {instance['model_id']} "
+          f"({instance['sharding']} on {len(instance['ranks'])} node(s))")
     print(f"  per node: {ranges}")
     print(f"  API: {url}/v1  (any node: ports {args.port}-{args.port + args.nodes - 1})")
     print("  try:")
@@ -143,10 +144,11 @@ def build_parser() -> argparse.ArgumentParser:
 
     cluster = sub.add_parser("cluster", help="start N nodes on 127.0.0.1 and place a model across them")
     cluster.add_argument("--nodes", type=int, default=3, help="how many nodes (default %(default)s)")
-    cluster.add_argument("--sharding", default="pipeline", choices=SHARDINGS,
+    cluster.add_argument("--sharding", default="pipeline", choices=("auto",) + SHARDINGS,
                          help="pipeline: a layer range per node; tensor: heads and MLP columns split "
                               "across the nodes; ring: the whole model on every node, long prompts "
-                              "split across them (default %(default)s)")
+                              "split across them; auto: the placement with the best predicted decode "
+                              "tokens/s (default %(default)s)")
     cluster.add_argument("--port", type=int, default=DEFAULT_PORT,
                          help="first node's port; the others follow (default %(default)s)")
     cluster.add_argument("--model", default=DEFAULT_MODEL_ID, help="model id or local path (default %(default)s)")

@@ -15,8 +15,9 @@ from pydantic import BaseModel
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from shardline.api import openai
-from shardline.models.store import ModelNotFoundError
+from shardline.models.store import ModelNotFoundError, resolve_model
 from shardline.node.identity import key_matches
+from shardline.node.profile import add_link_routes
 from shardline.node.node import InstanceFailedError, NoInstanceError, Node, free_port
 from shardline.placement.ranks import SHARDINGS
 from shardline.placement.pipeline import PlacementError
@@ -81,6 +82,7 @@ def create_app(node: Node) -> FastAPI:
         return await call_next(request)
 
     app.include_router(openai.router(node))
+    add_link_routes(app)
 
     # -- health and cluster API ----------------------------------------------------------
 
@@ -94,7 +96,8 @@ def create_app(node: Node) -> FastAPI:
         out = [dict(node.info(), live=True)]
         for peer in node.peers.values():
             out.append({"node_id": peer.node_id, "address": peer.address, "live": peer.node_id in live,
-                        "available_bytes": peer.available_bytes, "total_bytes": peer.total_bytes})
+                        "available_bytes": peer.available_bytes, "total_bytes": peer.total_bytes,
+                        "profile": peer.profile, "links": peer.links})
         return {"coordinator": node.coordinator_id(), "nodes": out}
 
     def instance_view(inst) -> dict:
@@ -112,6 +115,23 @@ def create_app(node: Node) -> FastAPI:
             return JSONResponse(status_code=404, content={"detail": f"no instance {instance_id}"})
         return instance_view(inst)
 
+    @app.post("/cluster/placements/preview")
+    async def placement_preview(body: CreateInstance):
+        """Feasible placements with predicted tokens/s (fastest first), then refused ones."""
+        try:
+            candidates = await node.preview(resolve_model(body.model), body.nodes, body.context,
+                                            body.max_batch, body.dtype)
+        except ModelNotFoundError as exc:
+            return JSONResponse(status_code=404, content={"detail": str(exc)})
+        except PlacementError as exc:
+            return JSONResponse(status_code=400, content={"detail": str(exc)})
+        return {"candidates": [
+            {"sharding": c.sharding, "node_ids": list(c.node_ids), "feasible": c.feasible,
+             "predicted_decode_tokens_per_s": c.predicted_decode_tokens_per_s,
+             "predicted_prefill_tokens_per_s": c.predicted_prefill_tokens_per_s,
+             "shares": [dataclasses.asdict(s) for s in c.shares], "error": c.error}
+            for c in candidates]}
+
     @app.post("/cluster/instances", status_code=201)
     async def create_instance(body: CreateInstance):
         if not node.is_coordinator():
@@ -123,7 +143,7 @@ def create_app(node: Node) -> FastAPI:
         except ModelNotFoundError as exc:
             return JSONResponse(status_code=404, content={"detail": str(exc)})
         except PlacementError as exc:
-            status = 400 if body.sharding not in SHARDINGS else 409
+            status = 400 if body.sharding not in SHARDINGS + ("auto",) else 409
             return JSONResponse(status_code=status, content={"detail": str(exc)})
         return inst.to_dict()
 

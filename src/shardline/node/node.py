@@ -116,6 +116,8 @@ class Peer:
     last_seen: float
     available_bytes: int = 0
     total_bytes: int = 0
+    profile: dict | None = None  # its HostProfile (shardline.node.profile)
+    links: dict[str, dict] = field(default_factory=dict)  # its measured links, by node id
 
 
 @dataclass
@@ -186,6 +188,9 @@ class Node:
         self._background: list[asyncio.Task] = []
         self._state_lock = asyncio.Lock()
         self._refused: set[str] = set()  # peer addresses that refused our cluster key
+        self.profile: dict | None = None  # HostProfile.to_dict(), measured once per machine
+        self.links: dict[str, dict] = {}  # node id -> measure_link result from this node
+        self._link_measured: dict[str, float] = {}
         self.discovery = None
         if mdns:
             from shardline.node.discovery import Discovery
@@ -200,6 +205,7 @@ class Node:
         self._http = httpx.AsyncClient(timeout=httpx.Timeout(10.0, read=None),
                                        headers={"Authorization": f"Bearer {self.cluster_key}"})
         self._background.append(asyncio.create_task(self._membership_loop()))
+        self._background.append(asyncio.create_task(self._profile_host()))
         if self.discovery is not None:
             try:
                 await asyncio.to_thread(self.discovery.start)
@@ -229,6 +235,9 @@ class Node:
 
     def info(self) -> dict:
         memory = psutil.virtual_memory()
+        profile = None
+        if self.profile is not None:
+            profile = dict(self.profile, available_bytes=int(memory.available))
         return {
             "node_id": self.node_id,
             "address": self.address,
@@ -237,7 +246,42 @@ class Node:
             "total_bytes": int(memory.total),
             "state_version": self.state_version,
             "coordinator": self.coordinator_id(),
+            "profile": profile,
+            "links": self.links,
         }
+
+    async def _profile_host(self) -> None:
+        """Measure this machine once (matmul FLOP/s, memory bandwidth, accelerator) and
+        keep it for a day in the data directory's ``host-profile.json``, shared by every
+        node on the machine; memory figures are read live in :meth:`info`."""
+        from shardline.node.identity import default_data_dir
+        from shardline.node.profile import HostProfile, measure_host_async
+
+        cache = default_data_dir() / "host-profile.json"
+        try:
+            if time.time() - cache.stat().st_mtime < 86_400:
+                self.profile = HostProfile.from_dict(json.loads(cache.read_text())).to_dict()
+                return
+        except (OSError, ValueError):
+            pass
+        profile = await measure_host_async(seconds=0.3)
+        self.profile = profile.to_dict()
+        if not profile.note:
+            try:
+                cache.parent.mkdir(parents=True, exist_ok=True)
+                cache.write_text(json.dumps(self.profile))
+            except OSError:
+                pass
+
+    async def _measure_link(self, node_id: str, address: str) -> None:
+        """Latency and bandwidth from this node to a peer (1 MiB upload), every 60 s."""
+        from shardline.node.profile import measure_link
+
+        self._link_measured[node_id] = time.time()
+        try:
+            self.links[node_id] = await measure_link(self._http, f"http://{address}", payload_bytes=2**20)
+        except (httpx.HTTPError, ValueError) as exc:
+            log.warning("could not measure the link to %s: %s", node_id, exc)
 
     def add_peer(self, address: str) -> None:
         """Poll ``host:port`` from now on (a peer found by mDNS; any thread)."""
@@ -286,8 +330,11 @@ class Node:
             return
         self.peers[data["node_id"]] = Peer(
             data["node_id"], data["address"], time.time(),
-            data["available_bytes"], data["total_bytes"],
+            data["available_bytes"], data["total_bytes"], data.get("profile"), data.get("links") or {},
         )
+        if time.time() - self._link_measured.get(data["node_id"], 0.0) > 60.0:
+            self._background = [t for t in self._background if not t.done()]
+            self._background.append(asyncio.create_task(self._measure_link(data["node_id"], address)))
         if data["node_id"] == self.coordinator_id() and data["state_version"] > self.state_version:
             try:
                 state = (await self._http.get(f"http://{address}/internal/state")).json()
@@ -473,9 +520,59 @@ class Node:
             ModelNotFoundError: the model's files are not on this machine.
             PlacementError: the sharding is unknown or the model does not fit the nodes.
         """
+        ref = resolve_model(model)
+        if sharding == "auto":
+            best = (await self.preview(ref, node_ids, context, max_batch, dtype, best_only=True))[0]
+            sharding, node_ids = best.sharding, list(best.node_ids)
         if sharding not in SHARDINGS:
-            raise PlacementError(f"sharding {sharding!r} is not supported (supported: {', '.join(SHARDINGS)})")
-        return await self._place(resolve_model(model), sharding, node_ids, context, max_batch, dtype)
+            raise PlacementError(f"sharding {sharding!r} is not supported (supported: auto, {', '.join(SHARDINGS)})")
+        return await self._place(ref, sharding, node_ids, context, max_batch, dtype)
+
+    def node_profiles(self, node_ids: list[str]):
+        """The preview's view of ``node_ids``: NodeProfile each, and the measured links.
+
+        A node whose profile is not measured yet counts with 10 GB/s and 100 GFLOP/s.
+        """
+        from shardline.placement.preview import Link, NodeProfile
+
+        profiles, links = [], {}
+        for node_id in node_ids:
+            if node_id == self.node_id:
+                profile, measured, available = self.profile or {}, self.links, self._available_bytes(node_id)
+            else:
+                peer = self.peers[node_id]
+                profile, measured, available = peer.profile or {}, peer.links, peer.available_bytes
+            profiles.append(NodeProfile(node_id, available,
+                                        profile.get("memory_bandwidth_bytes_per_s") or 10e9,
+                                        profile.get("matmul_flops") or 100e9))
+            for other, link in measured.items():
+                links[(node_id, other)] = Link(link["latency_s"], link["bandwidth_bytes_per_s"])
+        return profiles, links
+
+    async def preview(self, ref: ModelRef, node_ids: list[str] | None, context: int | None,
+                      max_batch: int | None, dtype: str = "bfloat16", best_only: bool = False):
+        """Candidate placements of a model on the live nodes, fastest predicted first
+        (``shardline.placement.preview``); with ``best_only`` just the best feasible one.
+
+        Raises:
+            PlacementError: unknown nodes; with ``best_only``, no placement fits (the
+                message gives each candidate's reason).
+        """
+        from shardline.models.weights import open_weights
+        from shardline.placement.preview import auto, preview
+
+        config = (await asyncio.to_thread(open_weights, ref.path)).config
+        live = self.live_node_ids()
+        chosen = node_ids or live
+        unknown = [n for n in chosen if n not in live]
+        if unknown:
+            raise PlacementError(f"nodes not in the cluster (or down): {', '.join(unknown)}")
+        profiles, links = self.node_profiles(chosen)
+        context = context or min(self.default_context, config.max_position_embeddings)
+        max_batch = max_batch or self.default_max_batch
+        if best_only:
+            return [auto(config, profiles, links, context, max_batch, dtype)]
+        return preview(config, profiles, links, context, max_batch, dtype)
 
     async def _place(
         self,
