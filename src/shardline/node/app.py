@@ -47,6 +47,27 @@ def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
     return f"{param or 'body'}: {first.get('msg')}", param
 
 
+class ClusterKeyMiddleware:
+    """Answer ``/internal/*`` (node-to-node) only to requests that carry the cluster key.
+
+    A plain ASGI middleware: Starlette's ``BaseHTTPMiddleware`` hides a client's disconnect
+    from the endpoint, and an abandoned non-streamed request then ran on for seconds.
+    """
+
+    def __init__(self, app, key: str) -> None:
+        self.app = app
+        self.key = key
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] == "http" and scope["path"].startswith("/internal/"):
+            authorization = dict(scope["headers"]).get(b"authorization", b"").decode("latin-1")
+            if not key_matches(authorization, self.key):
+                response = JSONResponse(status_code=401, content={"detail": "wrong or missing cluster key"})
+                await response(scope, receive, send)
+                return
+        await self.app(scope, receive, send)
+
+
 def create_app(node: Node) -> FastAPI:
     @asynccontextmanager
     async def lifespan(app: FastAPI):
@@ -72,14 +93,7 @@ def create_app(node: Node) -> FastAPI:
             return JSONResponse(status_code=exc.status_code, content=openai.error_body(str(exc.detail), kind))
         return JSONResponse(status_code=exc.status_code, content={"detail": exc.detail})
 
-    @app.middleware("http")
-    async def require_cluster_key(request: Request, call_next):
-        # Node-to-node endpoints answer only members of this cluster.
-        if request.url.path.startswith("/internal/") and not key_matches(
-            request.headers.get("authorization"), node.cluster_key
-        ):
-            return JSONResponse(status_code=401, content={"detail": "wrong or missing cluster key"})
-        return await call_next(request)
+    app.add_middleware(ClusterKeyMiddleware, key=node.cluster_key)
 
     app.include_router(openai.router(node))
     add_link_routes(app)

@@ -346,7 +346,6 @@ def _measure(device: str, seconds: float) -> dict:
     dst = torch.zeros_like(src)  # both touched: page faults are not timed
     result["memory_bandwidth_bytes_per_s"] = _timed_rate(
         lambda: dst.copy_(src), 2.0 * size, seconds / 3, sync, min_runs=3)
-    del src, dst
     result["note"] = "; ".join(notes)
     return result
 
