@@ -187,3 +187,25 @@ def test_one_instance_by_id(cluster3):
     one = httpx.get(f"{cluster3.url(1)}/cluster/instances/{listed['instance_id']}")
     assert one.status_code == 200 and one.json()["ranks"] == listed["ranks"]
     assert httpx.get(f"{cluster3.url(1)}/cluster/instances/nope").status_code == 404
+
+
+@pytest.mark.parametrize("extra, words", [
+    ({"nodes": ["a", "b", "a"]}, "listed twice: a"),
+    ({"context": -5}, "context"),
+    ({"max_batch": 0}, "max_batch"),
+    ({"nodes": []}, "nodes"),
+])
+def test_bad_placements_are_refused_before_anything_starts(cluster3, extra, words):
+    before = httpx.get(f"{cluster3.url(0)}/cluster/instances").json()["instances"]
+    response = httpx.post(f"{cluster3.url(0)}/cluster/instances", json={"sharding": "pipeline", **extra},
+                          timeout=30)
+    assert response.status_code == 400
+    assert words in response.json()["detail"]
+    assert httpx.get(f"{cluster3.url(0)}/cluster/instances").json()["instances"] == before
+
+
+def test_preview_keeps_to_the_sharding_asked_for(cluster3):
+    response = httpx.post(f"{cluster3.url(2)}/cluster/placements/preview", json={"sharding": "tensor"},
+                          timeout=60)
+    candidates = response.json()["candidates"]
+    assert candidates and {c["sharding"] for c in candidates} == {"tensor"}

@@ -30,13 +30,14 @@ class LocalCluster:
         runner_threads: torch threads per runner; 0 gives each node cores / nodes.
         log_dir: where each node's output goes (``node-i.log``); None: inherit stdout.
         data_dir: node i keeps its id in ``data_dir/node-i``; the cluster's key is in
-            ``data_dir/cluster-key`` (default: ``local-cluster`` in shardline's data
-            directory, so a restarted local cluster keeps its ids).
+            ``data_dir/cluster-key`` (default: ``local-cluster/<base_port>`` in shardline's
+            data directory, so a restarted local cluster keeps its ids, and two on other
+            ports do not share them).
     """
 
     def __init__(self, nodes: int, base_port: int, runner_threads: int = 0,
                  log_dir: str | None = None, data_dir: str | None = None) -> None:
-        self.data_dir = Path(data_dir) if data_dir else default_data_dir() / "local-cluster"
+        self.data_dir = Path(data_dir) if data_dir else default_data_dir() / "local-cluster" / str(base_port)
         self.cluster_key, _ = cluster_key(self.data_dir)
         self.n = nodes
         self.base_port = base_port

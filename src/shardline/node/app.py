@@ -11,7 +11,7 @@ from contextlib import asynccontextmanager
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, StreamingResponse
-from pydantic import BaseModel
+from pydantic import BaseModel, Field, field_validator
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from shardline.api import openai
@@ -29,10 +29,18 @@ log = logging.getLogger(__name__)
 class CreateInstance(BaseModel):
     model: str | None = None
     sharding: str = "pipeline"
-    nodes: list[str] | None = None
-    context: int | None = None
-    max_batch: int | None = None
+    nodes: list[str] | None = Field(default=None, min_length=1)
+    context: int | None = Field(default=None, ge=1)
+    max_batch: int | None = Field(default=None, ge=1)
     dtype: Literal["bfloat16", "float16", "float32"] = "bfloat16"
+
+    @field_validator("nodes")
+    @classmethod
+    def _distinct(cls, nodes: list[str] | None) -> list[str] | None:
+        if nodes is not None and len(set(nodes)) != len(nodes):
+            twice = sorted({n for n in nodes if nodes.count(n) > 1})
+            raise ValueError(f"a node can hold one rank of an instance; listed twice: {', '.join(twice)}")
+        return nodes
 
 
 def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
@@ -133,8 +141,9 @@ def create_app(node: Node) -> FastAPI:
     async def placement_preview(body: CreateInstance):
         """Feasible placements with predicted tokens/s (fastest first), then refused ones."""
         try:
+            shardings = SHARDINGS if body.sharding == "auto" else (body.sharding,)
             candidates = await node.preview(resolve_model(body.model), body.nodes, body.context,
-                                            body.max_batch, body.dtype)
+                                            body.max_batch, body.dtype, shardings=shardings)
         except ModelNotFoundError as exc:
             return JSONResponse(status_code=404, content={"detail": str(exc)})
         except PlacementError as exc:

@@ -550,7 +550,8 @@ class Node:
         return profiles, links
 
     async def preview(self, ref: ModelRef, node_ids: list[str] | None, context: int | None,
-                      max_batch: int | None, dtype: str = "bfloat16", best_only: bool = False):
+                      max_batch: int | None, dtype: str = "bfloat16", best_only: bool = False,
+                      shardings: tuple[str, ...] = SHARDINGS):
         """Candidate placements of a model on the live nodes, fastest predicted first
         (``shardline.placement.preview``); with ``best_only`` just the best feasible one.
 
@@ -572,7 +573,7 @@ class Node:
         max_batch = max_batch or self.default_max_batch
         if best_only:
             return [auto(config, profiles, links, context, max_batch, dtype)]
-        return preview(config, profiles, links, context, max_batch, dtype)
+        return preview(config, profiles, links, context, max_batch, dtype, shardings)
 
     async def _place(
         self,
