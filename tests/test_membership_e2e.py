@@ -171,7 +171,7 @@ def test_nodes_report_profiles_and_links_and_auto_placement_takes_the_best_previ
             (link,) = n["links"].values()
             assert link["latency_s"] > 0 and link["bandwidth_bytes_per_s"] > 0
         preview = httpx.post(f"{cluster.url(1)}/cluster/placements/preview",
-                             json={"model": None}, timeout=60).json()["candidates"]
+                             json={"model": None, "sharding": "auto"}, timeout=60).json()["candidates"]
         feasible = [c for c in preview if c["feasible"]]
         speeds = [c["predicted_decode_tokens_per_s"] for c in feasible]
         assert speeds == sorted(speeds, reverse=True) and len(feasible) >= 3
