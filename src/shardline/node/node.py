@@ -559,8 +559,23 @@ class Node:
             PlacementError: unknown nodes; with ``best_only``, no placement fits (the
                 message gives each candidate's reason).
         """
-        from shardline.models.weights import open_weights
         from shardline.placement.preview import auto, preview
+
+        config, chosen, context, max_batch = await self._placement_inputs(ref, node_ids, context, max_batch)
+        profiles, links = self.node_profiles(chosen)
+        if best_only:
+            return [auto(config, profiles, links, context, max_batch, dtype)]
+        return preview(config, profiles, links, context, max_batch, dtype, shardings)
+
+    async def _placement_inputs(self, ref: ModelRef, node_ids: list[str] | None, context: int | None,
+                                max_batch: int | None):
+        """The model's config, the chosen live nodes (default all) and the instance's context
+        and max_batch (defaults filled in), for placing or previewing.
+
+        Raises:
+            PlacementError: a chosen node is not in the cluster or is down.
+        """
+        from shardline.models.weights import open_weights  # torch: imported only when placing
 
         config = (await asyncio.to_thread(open_weights, ref.path)).config
         live = self.live_node_ids()
@@ -568,12 +583,8 @@ class Node:
         unknown = [n for n in chosen if n not in live]
         if unknown:
             raise PlacementError(f"nodes not in the cluster (or down): {', '.join(unknown)}")
-        profiles, links = self.node_profiles(chosen)
         context = context or min(self.default_context, config.max_position_embeddings)
-        max_batch = max_batch or self.default_max_batch
-        if best_only:
-            return [auto(config, profiles, links, context, max_batch, dtype)]
-        return preview(config, profiles, links, context, max_batch, dtype, shardings)
+        return config, chosen, context, max_batch or self.default_max_batch
 
     async def _place(
         self,
@@ -585,17 +596,8 @@ class Node:
         dtype: str = "bfloat16",
         retries: int = 0,
     ) -> Instance:
-        from shardline.models.weights import open_weights  # torch: imported only when placing
-
-        config = (await asyncio.to_thread(open_weights, ref.path)).config
-        live = self.live_node_ids()
-        chosen = node_ids or live
-        unknown = [n for n in chosen if n not in live]
-        if unknown:
-            raise PlacementError(f"nodes not in the cluster (or down): {', '.join(unknown)}")
+        config, chosen, context, max_batch = await self._placement_inputs(ref, node_ids, context, max_batch)
         capacities = [NodeCapacity(n, self._available_bytes(n)) for n in chosen]
-        context = context or min(self.default_context, config.max_position_embeddings)
-        max_batch = max_batch or self.default_max_batch
         shares = place_ranks(config, sharding, capacities, context, max_batch, dtype)
         master_addr = self.address_of(chosen[0]).rsplit(":", 1)[0]
         port = await self._free_port(chosen[0])
