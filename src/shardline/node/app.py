@@ -15,9 +15,11 @@ from pydantic import BaseModel, Field, field_validator
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from shardline.api import openai
-from shardline.models.store import ModelNotFoundError, resolve_model
+from shardline.models.config import UnsupportedModelError
+from shardline.models.store import DEFAULT_MODEL_ID, ModelNotFoundError, ModelStoreError
 from shardline.node.identity import key_matches
 from shardline.node.profile import add_link_routes
+from shardline.node.transfer import add_model_routes
 from shardline.node.node import InstanceFailedError, NoInstanceError, Node, free_port
 from shardline.placement.ranks import SHARDINGS
 from shardline.placement.pipeline import PlacementError
@@ -33,6 +35,7 @@ class CreateInstance(BaseModel):
     context: int | None = Field(default=None, ge=1)
     max_batch: int | None = Field(default=None, ge=1)
     dtype: Literal["bfloat16", "float16", "float32"] = "bfloat16"
+    force: bool = False  # skip memory admission
 
     @field_validator("nodes")
     @classmethod
@@ -105,6 +108,7 @@ def create_app(node: Node) -> FastAPI:
 
     app.include_router(openai.router(node))
     add_link_routes(app)
+    add_model_routes(app, node.store)
 
     # -- health and cluster API ----------------------------------------------------------
 
@@ -119,12 +123,34 @@ def create_app(node: Node) -> FastAPI:
         for peer in node.peers.values():
             out.append({"node_id": peer.node_id, "address": peer.address, "live": peer.node_id in live,
                         "available_bytes": peer.available_bytes, "total_bytes": peer.total_bytes,
-                        "profile": peer.profile, "links": peer.links})
+                        "profile": peer.profile, "links": peer.links, "models": peer.models})
         return {"coordinator": node.coordinator_id(), "nodes": out}
 
     def instance_view(inst) -> dict:
         """An instance; ``local_engine`` is this node's rank's batch (EngineStats)."""
         return dict(inst.to_dict(), local_engine=node.engine_stats.get(inst.instance_id))
+
+    @app.get("/cluster/models")
+    async def models() -> dict:
+        """Every model a live node holds (and the embedded default): which nodes hold
+        all of its files or some, its size, and its instances."""
+        live = set(node.live_node_ids())
+        stores = {node.node_id: node.store.summary()}
+        stores.update({p.node_id: p.models for p in node.peers.values() if p.node_id in live})
+        out: dict[str, dict] = {DEFAULT_MODEL_ID: {"model_id": DEFAULT_MODEL_ID, "format": "gguf",
+                                                   "total_bytes": None, "embedded": True,
+                                                   "complete_on": sorted(live), "partial_on": []}}
+        for node_id, summary in stores.items():
+            for model_id, entry in summary.items():
+                view = out.setdefault(model_id, {"model_id": model_id, "format": entry["format"],
+                                                 "total_bytes": entry["total_bytes"], "embedded": False,
+                                                 "complete_on": [], "partial_on": []})
+                complete = entry.get("complete", False)
+                view["complete_on" if complete else "partial_on"].append(node_id)
+        for view in out.values():
+            view["instances"] = [{"instance_id": i.instance_id, "status": i.status}
+                                 for i in node.instances.values() if i.model_id == view["model_id"]]
+        return {"models": sorted(out.values(), key=lambda v: v["model_id"])}
 
     @app.get("/cluster/instances")
     async def instances() -> dict:
@@ -142,11 +168,12 @@ def create_app(node: Node) -> FastAPI:
         """Feasible placements with predicted tokens/s (fastest first), then refused ones."""
         try:
             shardings = SHARDINGS if body.sharding == "auto" else (body.sharding,)
-            candidates = await node.preview(resolve_model(body.model), body.nodes, body.context,
-                                            body.max_batch, body.dtype, shardings=shardings)
+            candidates = await node.preview(await node.model_card(body.model), body.nodes, body.context,
+                                            body.max_batch, body.dtype, shardings=shardings,
+                                            force=body.force)
         except ModelNotFoundError as exc:
             return JSONResponse(status_code=404, content={"detail": str(exc)})
-        except PlacementError as exc:
+        except (PlacementError, ModelStoreError, UnsupportedModelError) as exc:
             return JSONResponse(status_code=400, content={"detail": str(exc)})
         return {"candidates": [
             {"sharding": c.sharding, "node_ids": list(c.node_ids), "feasible": c.feasible,
@@ -162,9 +189,11 @@ def create_app(node: Node) -> FastAPI:
             return JSONResponse(status_code=status, content=content)
         try:
             inst = await node.create_instance(body.model, body.sharding, body.nodes, body.context, body.max_batch,
-                                              body.dtype)
+                                              body.dtype, body.force)
         except ModelNotFoundError as exc:
             return JSONResponse(status_code=404, content={"detail": str(exc)})
+        except (ModelStoreError, UnsupportedModelError) as exc:
+            return JSONResponse(status_code=400, content={"detail": str(exc)})
         except PlacementError as exc:
             status = 400 if body.sharding not in SHARDINGS + ("auto",) else 409
             return JSONResponse(status_code=status, content={"detail": str(exc)})

@@ -23,7 +23,6 @@ import logging
 import os
 import signal
 import socket
-import threading
 import time
 import uuid
 import zlib
@@ -34,9 +33,11 @@ from dataclasses import dataclass, field
 import httpx
 import psutil
 
-from shardline.models.store import ModelNotFoundError, ModelRef, resolve_model
+from shardline.models.store import DEFAULT_MODEL_ID, Manifest, ModelCard, ModelNotFoundError, ModelStore
 from shardline.models.tokenizer import Tokenizer
+from shardline.node.transfer import CopyProgress, TransferError, fetch_files
 from shardline.node.worker import Worker
+from shardline.models.config import ModelConfig
 from shardline.placement.pipeline import NodeCapacity, PlacementError
 from shardline.placement.ranks import SHARDINGS, place_ranks, ring_prefill_chunk  # noqa: F401 (re-exported)
 from shardline.runner.protocol import (
@@ -71,9 +72,10 @@ class RankPlacement:
     layer_start: int
     layer_end: int
     tensor_share: dict | None = None  # tensor sharding: heads, KV heads and MLP columns
-    status: str = "loading"  # loading | ready | failed
+    status: str = "loading"  # loading | fetching | ready | failed
     error: str | None = None
     loaded: dict | None = None  # the runner's Loaded report: layers and bytes it read
+    fetched: dict | None = None  # while its node copies the shard's files: done_bytes, total_bytes
 
 
 @dataclass
@@ -82,7 +84,6 @@ class Instance:
 
     instance_id: str
     model_id: str
-    model_path: str  # where the coordinator found the files (each node may have its own copy)
     sharding: str
     ranks: list[RankPlacement]
     master_addr: str
@@ -95,6 +96,7 @@ class Instance:
     created_at: float = field(default_factory=time.time)
     ready_at: float | None = None
     retries: int = 0  # placements of this model that failed before serving, in a row
+    force: bool = False  # placed without memory admission (and placed again so)
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
@@ -118,6 +120,7 @@ class Peer:
     total_bytes: int = 0
     profile: dict | None = None  # its HostProfile (shardline.node.profile)
     links: dict[str, dict] = field(default_factory=dict)  # its measured links, by node id
+    models: dict[str, dict] = field(default_factory=dict)  # its ModelStore.summary()
 
 
 @dataclass
@@ -136,6 +139,10 @@ class Node:
         mdns: also find peers of the same cluster on the LAN by mDNS.
         node_id: this node's lasting id (``shardline.node.identity.node_id``).
         cluster_key: the shared secret every node-to-node request carries.
+        store: this node's model store; a rank whose files are not in it copies them from
+            a peer's (``shardline.node.transfer``).
+        memory_limit_bytes: the most memory this node offers to models (None: all that is
+            available).
         runner_threads: torch threads per runner (0: torch's default).
         watchdog_s: a runner silent this many seconds is killed and its instance fails.
         progress_timeout_s: a runner that waits this many seconds inside an engine step
@@ -150,6 +157,8 @@ class Node:
         peers: list[str],
         node_id: str,
         cluster_key: str,
+        store: ModelStore,
+        memory_limit_bytes: int | None = None,
         runner_threads: int = 0,
         context: int = 4096,
         max_batch: int = 8,
@@ -161,6 +170,8 @@ class Node:
     ) -> None:
         self.node_id = node_id
         self.cluster_key = cluster_key
+        self.store = store
+        self.memory_limit_bytes = memory_limit_bytes
         self.host = host
         self.port = port
         self.address = f"{host}:{port}"
@@ -180,7 +191,9 @@ class Node:
         self.streams: dict[int, _Stream] = {}
         self.engine_stats: dict[str, dict] = {}  # instance id -> this node's rank's batch
         self.tokenizers: dict[str, Tokenizer] = {}
-        self._tokenizer_lock = threading.Lock()
+        self._tokenizer_lock: asyncio.Lock | None = None
+        self._fetch_lock: asyncio.Lock | None = None
+        self._preparing: dict[str, asyncio.Task] = {}  # instance id -> getting its files
         self._task_counter = itertools.count()
         self._salt = zlib.crc32(self.node_id.encode()) & 0x3FF
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -201,6 +214,7 @@ class Node:
 
     async def start(self) -> None:
         self._loop = asyncio.get_running_loop()
+        self._tokenizer_lock, self._fetch_lock = asyncio.Lock(), asyncio.Lock()
         # Every node-to-node request carries the cluster key (see shardline.node.identity).
         self._http = httpx.AsyncClient(timeout=httpx.Timeout(10.0, read=None),
                                        headers={"Authorization": f"Bearer {self.cluster_key}"})
@@ -234,16 +248,18 @@ class Node:
     # -- membership ----------------------------------------------------------------------
 
     def info(self) -> dict:
-        memory = psutil.virtual_memory()
+        available = self._available_bytes(self.node_id)
         profile = None
         if self.profile is not None:
-            profile = dict(self.profile, available_bytes=int(memory.available))
+            profile = dict(self.profile, available_bytes=available)
         return {
             "node_id": self.node_id,
             "address": self.address,
             "started_at": self.started_at,
-            "available_bytes": int(memory.available),
-            "total_bytes": int(memory.total),
+            "available_bytes": available,
+            "total_bytes": int(psutil.virtual_memory().total),
+            "memory_limit_bytes": self.memory_limit_bytes,
+            "models": self.store.summary(),
             "state_version": self.state_version,
             "coordinator": self.coordinator_id(),
             "profile": profile,
@@ -331,6 +347,7 @@ class Node:
         self.peers[data["node_id"]] = Peer(
             data["node_id"], data["address"], time.time(),
             data["available_bytes"], data["total_bytes"], data.get("profile"), data.get("links") or {},
+            data.get("models") or {},
         )
         if time.time() - self._link_measured.get(data["node_id"], 0.0) > 60.0:
             self._background = [t for t in self._background if not t.done()]
@@ -385,6 +402,10 @@ class Node:
             for rank, placement in enumerate(inst.ranks):
                 if placement.node_id == self.node_id:
                     wanted[inst.instance_id] = (inst, rank, placement)
+        for instance_id, task in list(self._preparing.items()):
+            if instance_id not in wanted:
+                task.cancel()
+                self._preparing.pop(instance_id, None)
         for instance_id in list(self.worker.runners):
             if instance_id not in wanted:
                 await asyncio.to_thread(self.worker.stop, instance_id)
@@ -392,35 +413,146 @@ class Node:
                 inst = self.instances.get(instance_id)
                 self._fail_streams(instance_id, inst.error if inst else "the instance was deleted")
         for instance_id, (inst, rank, placement) in wanted.items():
-            if instance_id in self.worker.runners:
-                continue
-            path = self.model_path(inst.model_id)
-            ring_chunks = {}
-            if inst.sharding == "ring":
-                chunk = ring_prefill_chunk(len(inst.ranks))
-                ring_chunks = {"prefill_chunk": chunk, "prefill_step_tokens": chunk,
-                               "prefill_burst_tokens": max(chunk, RunnerSpec.prefill_burst_tokens)}
-            spec = RunnerSpec(
-                instance_id=instance_id,
-                node_id=self.node_id,
-                model_path=str(path),
-                rank=rank,
-                world_size=len(inst.ranks),
-                sharding=inst.sharding,
-                layer_start=placement.layer_start,
-                layer_end=placement.layer_end,
-                tensor_share=placement.tensor_share,
-                master_addr=inst.master_addr,
-                master_port=inst.master_port,
-                max_batch=inst.max_batch,
-                context=inst.context,
-                dtype=inst.dtype,
-                threads=self.runner_threads,
-                progress_timeout_s=self.progress_timeout_s,
-                **ring_chunks,
-            )
-            self.worker.start(spec)
-            threading.Thread(target=self.tokenizer, args=(inst.model_id,), daemon=True).start()
+            if instance_id not in self.worker.runners and instance_id not in self._preparing:
+                self._preparing[instance_id] = asyncio.create_task(self._prepare_rank(inst, rank, placement))
+
+    async def _prepare_rank(self, inst: Instance, rank: int, placement: RankPlacement) -> None:
+        """Get the files of this node's shard of ``inst`` (copying what is missing from a
+        peer), then start its runner; a failure to get them fails the rank."""
+        try:
+            weights = await self._shard_weights(inst, rank, placement)
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:  # any failure must fail the rank, not leave it loading
+            log.exception("getting the files of %s failed", inst.model_id)
+            self._preparing.pop(inst.instance_id, None)
+            await self._report_runner(inst.instance_id, "failed",
+                                      f"could not get the files of {inst.model_id}: {exc}", None)
+            return
+        self._preparing.pop(inst.instance_id, None)
+        current = self.instances.get(inst.instance_id)
+        if current is None or current.status == "failed" or inst.instance_id in self.worker.runners:
+            return
+        self._start_runner(current, rank, placement, weights)
+        self._background = [t for t in self._background if not t.done()]
+        self._background.append(asyncio.create_task(self._warm_tokenizer(inst.model_id)))
+
+    async def _warm_tokenizer(self, model_id: str) -> None:
+        try:
+            await self.tokenizer(model_id)
+        except (ModelNotFoundError, TransferError, httpx.HTTPError, OSError, ValueError) as exc:
+            log.warning("could not load the tokenizer of %s: %s", model_id, exc)
+
+    async def _shard_weights(self, inst: Instance, rank: int, placement: RankPlacement) -> Path:
+        """The local path the runner of ``rank`` opens, after copying from a peer the
+        files of its shard that this node's store lacks (progress goes to the coordinator).
+
+        Raises:
+            ModelNotFoundError: no live node has the files.
+            TransferError, httpx.HTTPError: every copy failed.
+        """
+        if inst.model_id == DEFAULT_MODEL_ID:
+            return self.store.weights_path(inst.model_id)
+        manifest = await self._manifest(inst.model_id)
+        top = inst.sharding != "pipeline" or rank in (0, len(inst.ranks) - 1)
+        needed = manifest.shard_files(placement.layer_start, placement.layer_end, top)
+
+        def progress(done: int, total: int) -> None:
+            report = self._report_runner(inst.instance_id, "fetching", None, None,
+                                         fetched={"done_bytes": done, "total_bytes": total})
+            asyncio.run_coroutine_threadsafe(report, self._loop)
+
+        await self._fetch(manifest, needed, progress)
+        return self.store.weights_path(inst.model_id)
+
+    async def _manifest(self, model_id: str) -> Manifest:
+        """The model's manifest from this node's store, else from a live peer's.
+
+        Raises:
+            ModelNotFoundError: no live node's store has the model.
+        """
+        manifest = self.store.manifest(model_id)
+        if manifest is not None:
+            return manifest
+        live = set(self.live_node_ids())
+        for peer in self.peers.values():
+            if peer.node_id in live and model_id in peer.models:
+                try:
+                    response = await self._http.get(f"http://{peer.address}/internal/models/manifest",
+                                                    params={"model": model_id})
+                    if response.status_code == 200:
+                        return Manifest.from_dict(response.json())
+                except (httpx.HTTPError, ValueError) as exc:
+                    log.warning("manifest of %s from %s: %s", model_id, peer.node_id, exc)
+        raise ModelNotFoundError(
+            f"model {model_id!r} is not on any node: add it with `shardline models add {model_id}` "
+            f"(a Hugging Face repo id) or `shardline models add PATH` (a .gguf file or a safetensors "
+            f"directory) on one node")
+
+    async def _fetch(self, manifest: Manifest, paths: list[str], on_progress=None) -> None:
+        """Copy ``paths`` of a model that this store lacks from a live peer that has them
+        all, trying each such peer in turn (a broken copy resumes from the next).
+
+        Raises:
+            ModelNotFoundError: no live peer has them.
+            TransferError, httpx.HTTPError: the last peer's copy failed.
+        """
+        async with self._fetch_lock:  # one copy at a time: a tokenizer and a shard share files
+            missing = self.store.missing(manifest.model_id, paths)
+            if not missing:
+                return
+            live = set(self.live_node_ids())
+            holders = [p for p in self.peers.values() if p.node_id in live
+                       and set(missing) <= set(p.models.get(manifest.model_id, {}).get("present", ()))]
+            if not holders:
+                raise ModelNotFoundError(f"no live node has the files {missing} of {manifest.model_id}")
+            total = sum(f.size for f in manifest.files if f.path in paths)
+            progress = CopyProgress(f"copying {manifest.model_id}", total, on_progress)
+            error: Exception | None = None
+            try:
+                for peer in holders:
+                    progress.done = 0  # fetch_files counts what is present as done
+                    try:
+                        with httpx.Client(headers={"Authorization": f"Bearer {self.cluster_key}"}) as client:
+                            received = await asyncio.to_thread(
+                                fetch_files, client, f"http://{peer.address}", self.store, manifest,
+                                paths, progress)
+                        log.info("copied %d bytes of %s from %s", received, manifest.model_id, peer.node_id)
+                        return
+                    except (TransferError, httpx.HTTPError) as exc:
+                        log.warning("copying %s from %s failed: %s", manifest.model_id, peer.node_id, exc)
+                        error = exc
+            finally:
+                progress.close()
+            raise error
+
+    def _start_runner(self, inst: Instance, rank: int, placement: RankPlacement, weights: Path) -> None:
+        """Start the runner of ``rank`` of ``inst`` on this node, reading ``weights``."""
+        ring_chunks = {}
+        if inst.sharding == "ring":
+            chunk = ring_prefill_chunk(len(inst.ranks))
+            ring_chunks = {"prefill_chunk": chunk, "prefill_step_tokens": chunk,
+                           "prefill_burst_tokens": max(chunk, RunnerSpec.prefill_burst_tokens)}
+        spec = RunnerSpec(
+            instance_id=inst.instance_id,
+            node_id=self.node_id,
+            model_path=str(weights),
+            rank=rank,
+            world_size=len(inst.ranks),
+            sharding=inst.sharding,
+            layer_start=placement.layer_start,
+            layer_end=placement.layer_end,
+            tensor_share=placement.tensor_share,
+            master_addr=inst.master_addr,
+            master_port=inst.master_port,
+            max_batch=inst.max_batch,
+            context=inst.context,
+            dtype=inst.dtype,
+            threads=self.runner_threads,
+            progress_timeout_s=self.progress_timeout_s,
+            **ring_chunks,
+        )
+        self.worker.start(spec)
 
     def _on_runner_message(self, instance_id: str, message: object) -> None:
         """Called from a runner's reader thread."""
@@ -440,10 +572,11 @@ class Node:
             asyncio.run_coroutine_threadsafe(report, loop)
 
     async def _report_runner(
-        self, instance_id: str, status: str, error: str | None, loaded: dict | None
+        self, instance_id: str, status: str, error: str | None, loaded: dict | None,
+        fetched: dict | None = None,
     ) -> None:
         body = {"instance_id": instance_id, "node_id": self.node_id, "status": status,
-                "error": error, "loaded": loaded}
+                "error": error, "loaded": loaded, "fetched": fetched}
         coordinator = self.coordinator_id()
         if coordinator == self.node_id:
             await self.runner_status(body)
@@ -451,15 +584,18 @@ class Node:
             await self._post(f"http://{self.address_of(coordinator)}/internal/runner-status", body)
 
     async def runner_status(self, body: dict) -> None:
-        """Coordinator: a node reports one of its runners as ready or failed."""
+        """Coordinator: a node reports one of its ranks as fetching files, ready or failed."""
         inst = self.instances.get(body["instance_id"])
-        if inst is None:
+        if inst is None or inst.status == "failed":
             return
         for placement in inst.ranks:
             if placement.node_id == body["node_id"]:
+                if body["status"] == "fetching" and placement.status == "ready":
+                    continue  # a late progress report
                 placement.status = body["status"]
                 placement.error = body["error"]
                 placement.loaded = body.get("loaded")
+                placement.fetched = body.get("fetched") or placement.fetched
         if body["status"] == "failed":
             await self._fail_instance(inst, f"rank on node {body['node_id']} failed: {body['error']}")
             return
@@ -492,9 +628,9 @@ class Node:
         live = set(self.live_node_ids())
         nodes = [n for n in failed.node_ids() if n in live] or None
         try:
-            ref = ModelRef(failed.model_id, Path(failed.model_path))
-            await self._place(ref, failed.sharding, nodes, failed.context, failed.max_batch,
-                              failed.dtype, retries)
+            card = await self.model_card(failed.model_id)
+            await self._place(card, failed.sharding, nodes, failed.context, failed.max_batch,
+                              failed.dtype, failed.force, retries)
         except (PlacementError, ModelNotFoundError, httpx.HTTPError) as exc:
             log.error("could not place %s again: %s", failed.model_id, exc)
             await self._publish()
@@ -509,24 +645,60 @@ class Node:
         context: int | None = None,
         max_batch: int | None = None,
         dtype: str = "bfloat16",
+        force: bool = False,
     ) -> Instance:
-        """Coordinator: place ``model`` (an id or a local path) and start loading it.
+        """Coordinator: place ``model`` (see :meth:`model_card`) and start loading it.
 
         ``dtype`` is the ranks' compute dtype. bfloat16 halves the memory of float32; a
         tensor instance in bfloat16 rounds its partial sums differently from one node and
         may pick a different token where two are nearly tied, in float32 it does not.
+        ``force`` skips memory admission: the user knows better than the measured memory
+        (a rank that then runs out of memory fails its instance).
 
         Raises:
-            ModelNotFoundError: the model's files are not on this machine.
+            ModelNotFoundError: no node has the model.
+            ModelStoreError, UnsupportedModelError: a local path that is not a model
+                shardline can run.
             PlacementError: the sharding is unknown or the model does not fit the nodes.
         """
-        ref = resolve_model(model)
+        card = await self.model_card(model)
         if sharding == "auto":
-            best = (await self.preview(ref, node_ids, context, max_batch, dtype, best_only=True))[0]
+            best = (await self.preview(card, node_ids, context, max_batch, dtype, best_only=True,
+                                       force=force))[0]
             sharding, node_ids = best.sharding, list(best.node_ids)
         if sharding not in SHARDINGS:
             raise PlacementError(f"sharding {sharding!r} is not supported (supported: auto, {', '.join(SHARDINGS)})")
-        return await self._place(ref, sharding, node_ids, context, max_batch, dtype)
+        return await self._place(card, sharding, node_ids, context, max_batch, dtype, force)
+
+    async def model_card(self, model: str | None) -> ModelCard:
+        """A model's id and config, for placement: the embedded default (None or its id), a
+        model in this node's store or a live peer's, a local path (added to this node's
+        store, whence the other nodes copy it), or a model in the local Hugging Face cache
+        (added the same way).
+
+        Raises:
+            ModelNotFoundError: none of these has it.
+            ModelStoreError, UnsupportedModelError: a path that is not a model shardline
+                can run.
+        """
+        model = model or DEFAULT_MODEL_ID
+        if model == DEFAULT_MODEL_ID or self.store.manifest(model) is not None:
+            return await asyncio.to_thread(self.store.card, model)
+        if Path(model).expanduser().exists():
+            manifest = await asyncio.to_thread(self.store.add_local, model)
+            return ModelCard(manifest.model_id, manifest.config)
+        try:
+            manifest = await self._manifest(model)
+        except ModelNotFoundError:
+            if "/" not in model:
+                raise
+            try:
+                manifest = await asyncio.to_thread(self.store.add_from_hub, model, False)
+            except ModelNotFoundError:
+                raise ModelNotFoundError(
+                    f"model {model!r} is not on any node, nor in the Hugging Face cache: add it with "
+                    f"`shardline models add {model}` (downloads it) on one node") from None
+        return ModelCard(manifest.model_id, manifest.config)
 
     def node_profiles(self, node_ids: list[str]):
         """The preview's view of ``node_ids``: NodeProfile each, and the measured links.
@@ -549,9 +721,9 @@ class Node:
                 links[(node_id, other)] = Link(link["latency_s"], link["bandwidth_bytes_per_s"])
         return profiles, links
 
-    async def preview(self, ref: ModelRef, node_ids: list[str] | None, context: int | None,
+    async def preview(self, card: ModelCard, node_ids: list[str] | None, context: int | None,
                       max_batch: int | None, dtype: str = "bfloat16", best_only: bool = False,
-                      shardings: tuple[str, ...] = SHARDINGS):
+                      shardings: tuple[str, ...] = SHARDINGS, force: bool = False):
         """Candidate placements of a model on the live nodes, fastest predicted first
         (``shardline.placement.preview``); with ``best_only`` just the best feasible one.
 
@@ -561,23 +733,21 @@ class Node:
         """
         from shardline.placement.preview import auto, preview
 
-        config, chosen, context, max_batch = await self._placement_inputs(ref, node_ids, context, max_batch)
+        config, chosen, context, max_batch = self._placement_inputs(card, node_ids, context, max_batch)
         profiles, links = self.node_profiles(chosen)
         if best_only:
-            return [auto(config, profiles, links, context, max_batch, dtype)]
-        return preview(config, profiles, links, context, max_batch, dtype, shardings)
+            return [auto(config, profiles, links, context, max_batch, dtype, admit=not force)]
+        return preview(config, profiles, links, context, max_batch, dtype, shardings, admit=not force)
 
-    async def _placement_inputs(self, ref: ModelRef, node_ids: list[str] | None, context: int | None,
-                                max_batch: int | None):
+    def _placement_inputs(self, card: ModelCard, node_ids: list[str] | None, context: int | None,
+                          max_batch: int | None):
         """The model's config, the chosen live nodes (default all) and the instance's context
         and max_batch (defaults filled in), for placing or previewing.
 
         Raises:
             PlacementError: a chosen node is not in the cluster or is down.
         """
-        from shardline.models.weights import open_weights  # torch: imported only when placing
-
-        config = (await asyncio.to_thread(open_weights, ref.path)).config
+        config = ModelConfig.from_dict(card.config)
         live = self.live_node_ids()
         chosen = node_ids or live
         unknown = [n for n in chosen if n not in live]
@@ -588,23 +758,23 @@ class Node:
 
     async def _place(
         self,
-        ref: ModelRef,
+        card: ModelCard,
         sharding: str,
         node_ids: list[str] | None,
         context: int | None,
         max_batch: int | None,
         dtype: str = "bfloat16",
+        force: bool = False,
         retries: int = 0,
     ) -> Instance:
-        config, chosen, context, max_batch = await self._placement_inputs(ref, node_ids, context, max_batch)
+        config, chosen, context, max_batch = self._placement_inputs(card, node_ids, context, max_batch)
         capacities = [NodeCapacity(n, self._available_bytes(n)) for n in chosen]
-        shares = place_ranks(config, sharding, capacities, context, max_batch, dtype)
+        shares = place_ranks(config, sharding, capacities, context, max_batch, dtype, admit=not force)
         master_addr = self.address_of(chosen[0]).rsplit(":", 1)[0]
         port = await self._free_port(chosen[0])
         inst = Instance(
             instance_id=uuid.uuid4().hex[:8],
-            model_id=ref.model_id,
-            model_path=str(ref.path),
+            model_id=card.model_id,
             sharding=sharding,
             ranks=[
                 RankPlacement(n, self.address_of(n), share.layer_start, share.layer_end,
@@ -617,14 +787,17 @@ class Node:
             max_batch=max_batch,
             dtype=dtype,
             retries=retries,
+            force=force,
         )
         self.instances[inst.instance_id] = inst
         await self._publish()
         return inst
 
     def _available_bytes(self, node_id: str) -> int:
+        """Bytes a node offers to models: its available memory, at most its memory limit."""
         if node_id == self.node_id:
-            return int(psutil.virtual_memory().available)
+            available = int(psutil.virtual_memory().available)
+            return available if self.memory_limit_bytes is None else min(available, self.memory_limit_bytes)
         return self.peers[node_id].available_bytes
 
     async def _free_port(self, node_id: str) -> int:
@@ -648,25 +821,21 @@ class Node:
 
     # -- requests ------------------------------------------------------------------------
 
-    def model_path(self, model_id: str) -> Path:
-        """This node's copy of a model: by id, else the path its instance was placed from.
+    async def tokenizer(self, model_id: str) -> Tokenizer:
+        """The tokenizer of a model, loaded once per node; a node without the model's
+        tokenizer files copies them (not the weights) from a peer.
 
         Raises:
-            ModelNotFoundError: neither is on this machine.
+            ModelNotFoundError: no live node has the model.
+            TransferError, httpx.HTTPError: the copy failed.
         """
-        try:
-            return resolve_model(model_id).path
-        except ModelNotFoundError:
-            for inst in self.instances.values():
-                if inst.model_id == model_id and Path(inst.model_path).exists():
-                    return Path(inst.model_path)
-            raise
-
-    def tokenizer(self, model_id: str) -> Tokenizer:
-        """The tokenizer of a model, loaded once per node (blocking: call off the loop)."""
-        with self._tokenizer_lock:
+        async with self._tokenizer_lock:
             if model_id not in self.tokenizers:
-                self.tokenizers[model_id] = Tokenizer(self.model_path(model_id))
+                if model_id != DEFAULT_MODEL_ID:
+                    manifest = await self._manifest(model_id)
+                    await self._fetch(manifest, manifest.tokenizer_files())
+                path = self.store.tokenizer_path(model_id)
+                self.tokenizers[model_id] = await asyncio.to_thread(Tokenizer, path)
             return self.tokenizers[model_id]
 
     def ready_instance(self, model_id: str) -> Instance:

@@ -22,12 +22,13 @@ class NodeCapacity:
 
 
 def pipeline_layer_ranges(
-    num_layers: int, nodes: list[NodeCapacity], bytes_per_layer: int
+    num_layers: int, nodes: list[NodeCapacity], bytes_per_layer: int, admit: bool = True
 ) -> list[tuple[int, int]]:
     """Split ``num_layers`` into one contiguous ``[start, end)`` range per node, in order.
 
     Each node gets at least one layer, at most as many as fit in its available bytes, and
     otherwise a share proportional to its available bytes (largest remainder first).
+    Without ``admit`` (a forced placement) no node is limited to what fits.
 
     Raises:
         PlacementError: no nodes, more nodes than layers, a node that cannot hold one layer,
@@ -40,7 +41,9 @@ def pipeline_layer_ranges(
             f"{len(nodes)} nodes but only {num_layers} layers: each pipeline rank needs a layer"
         )
     per_layer = max(bytes_per_layer, 1)
-    caps = [max(n.available_bytes, 0) // per_layer for n in nodes]
+    if not admit:
+        nodes = [NodeCapacity(n.node_id, max(n.available_bytes, 1)) for n in nodes]
+    caps = [max(n.available_bytes, 0) // per_layer if admit else num_layers for n in nodes]
     for node, cap in zip(nodes, caps):
         if cap < 1:
             raise PlacementError(

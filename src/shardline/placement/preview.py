@@ -258,6 +258,7 @@ def preview(
     max_nodes: int | None = None,
     *,
     decode_weight_bytes: float = DECODE_WEIGHT_BYTES,
+    admit: bool = True,
 ) -> list[Candidate]:
     """Every candidate placement of ``config`` on ``nodes``, feasible ones first, fastest first.
 
@@ -267,7 +268,8 @@ def preview(
     ``shardings``): tensor of one is the same placement and ring needs two.
 
     Memory per rank is ``place_ranks``'s check with ``context`` tokens per sequence,
-    ``max_batch`` sequences and the compute ``dtype``; the speeds are
+    ``max_batch`` sequences and the compute ``dtype`` (skipped when not ``admit``: a forced
+    placement); the speeds are
     :func:`predict_tokens_per_s`'s (decode tokens/s of one sequence, prefill tokens/s).
 
     Returns:
@@ -288,7 +290,7 @@ def preview(
             if len(subset) == 1 and sharding != "pipeline":
                 continue
             try:
-                shares = place_ranks(config, sharding, capacities, context, max_batch, dtype)
+                shares = place_ranks(config, sharding, capacities, context, max_batch, dtype, admit)
             except PlacementError as exc:
                 infeasible.append(Candidate(sharding, ids, error=str(exc)))
                 continue
@@ -313,6 +315,7 @@ def auto(
     max_nodes: int | None = None,
     *,
     decode_weight_bytes: float = DECODE_WEIGHT_BYTES,
+    admit: bool = True,
 ) -> Candidate:
     """The feasible candidate of :func:`preview` with the highest predicted decode tokens/s.
 
@@ -321,7 +324,7 @@ def auto(
             sharding, nodes and why it was refused.
     """
     candidates = preview(config, nodes, links, context, max_batch, dtype, shardings, max_nodes,
-                         decode_weight_bytes=decode_weight_bytes)
+                         decode_weight_bytes=decode_weight_bytes, admit=admit)
     if candidates and candidates[0].feasible:
         return candidates[0]
     if not candidates:

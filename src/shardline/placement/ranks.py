@@ -30,12 +30,14 @@ def ring_prefill_chunk(world_size: int, per_rank: int = 512) -> int:
 
 
 def place_ranks(config: ModelConfig, sharding: str, nodes: list[NodeCapacity], context: int,
-                max_batch: int, dtype: str = "bfloat16") -> list[RankShare]:
+                max_batch: int, dtype: str = "bfloat16", admit: bool = True) -> list[RankShare]:
     """Each node's share (node i is rank i) of a model under ``sharding``.
 
     Memory per rank: linear weights in ``dtype`` for prefill plus their int8 (or int4)
     decode copy (one byte an element at most), embeddings in ``dtype``, the KV cache of
     ``max_batch`` sequences of ``context`` tokens, and for ring the prefill working set.
+    Without ``admit`` (a forced placement) memory refuses nothing: pipeline layer ranges
+    still follow the nodes' available bytes, and shapes that cannot split are refused.
 
     Raises:
         PlacementError: an unknown sharding, or a model that does not fit or split; the
@@ -47,10 +49,10 @@ def place_ranks(config: ModelConfig, sharding: str, nodes: list[NodeCapacity], c
     kv_cache = max_batch * context * config.kv_bytes_per_token(embed_bytes)
     if sharding == "pipeline":
         per_layer = weight_bytes * config.layer_param_count() + kv_cache // layers
-        return [RankShare(s, e) for s, e in pipeline_layer_ranges(layers, nodes, per_layer)]
+        return [RankShare(s, e) for s, e in pipeline_layer_ranges(layers, nodes, per_layer, admit)]
     if sharding == "tensor":
         shares = tensor_placement(config, nodes, context=context, max_batch=max_batch,
-                                  weight_bytes=weight_bytes, embed_bytes=embed_bytes)
+                                  weight_bytes=weight_bytes, embed_bytes=embed_bytes, admit=admit)
         return [RankShare(0, layers, share.to_dict()) for share in shares]
     if sharding == "ring":
         embed = config.vocab_size * config.hidden_size
@@ -59,6 +61,6 @@ def place_ranks(config: ModelConfig, sharding: str, nodes: list[NodeCapacity], c
         working = ring_working_bytes(ring_prefill_chunk(len(nodes)), len(nodes), config.num_heads,
                                      config.num_kv_heads, config.head_dim, config.hidden_size,
                                      config.intermediate_size, embed_bytes)
-        ring_admission(nodes, weights, kv_cache, working)
+        ring_admission(nodes, weights, kv_cache, working, admit)
         return [RankShare(0, layers) for _ in nodes]
     raise PlacementError(f"sharding {sharding!r} is not supported (supported: {', '.join(SHARDINGS)})")

@@ -29,8 +29,9 @@ def ring_working_bytes(chunk_tokens: int, world: int, num_heads: int, num_kv_hea
 
 
 def ring_admission(nodes: list[NodeCapacity], weight_bytes: int, kv_cache_bytes: int,
-                   working_bytes: int) -> None:
-    """Check that every node fits a full replica: weights + KV cache + working set (bytes).
+                   working_bytes: int, admit: bool = True) -> None:
+    """Check that every node fits a full replica: weights + KV cache + working set (bytes);
+    without ``admit`` (a forced placement) only that there are 2 nodes or more.
 
     Raises:
         PlacementError: fewer than 2 nodes, or a node that lacks memory; the message names
@@ -39,7 +40,7 @@ def ring_admission(nodes: list[NodeCapacity], weight_bytes: int, kv_cache_bytes:
     if len(nodes) < 2:
         raise PlacementError("ring sharding needs at least 2 nodes (it splits the prompt across them)")
     need = weight_bytes + kv_cache_bytes + working_bytes
-    short = [n for n in nodes if n.available_bytes < need]
+    short = [n for n in nodes if n.available_bytes < need] if admit else []
     if short:
         detail = ", ".join(f"node {n.node_id} has {n.available_bytes} bytes available "
                            f"(short by {need - n.available_bytes} bytes)" for n in short)

@@ -135,10 +135,12 @@ def tensor_placement(
     weight_bytes: float = 3.0,
     embed_bytes: float = 2.0,
     kv_element_bytes: int = 2,
+    admit: bool = True,
 ) -> list[TensorShare]:
     """One :class:`TensorShare` per node, in rank order (node i is rank i).
 
-    Byte arguments as for :func:`tensor_rank_bytes`.
+    Byte arguments as for :func:`tensor_rank_bytes`; without ``admit`` (a forced placement)
+    memory is not checked.
 
     Raises:
         PlacementError: the shape cannot split over ``len(nodes)`` ranks (see
@@ -146,6 +148,8 @@ def tensor_placement(
             share; the message names each such node, what it needs, has, and lacks.
     """
     shares = tensor_shares(config, len(nodes))
+    if not admit:
+        return shares
     short = []
     for node, share in zip(nodes, shares):
         need = tensor_rank_bytes(

@@ -1,0 +1,256 @@
+"""The cluster commands of the ``shardline`` CLI: ``nodes``, ``instances``, ``place``,
+``delete`` and ``models``.
+
+All but ``models add`` / ``models remove`` are clients of a running node's cluster API
+(``--url``, default ``$SHARDLINE_URL`` or ``http://127.0.0.1:52415``; any node answers for
+the whole cluster) and print rich tables. ``models add`` and ``models remove`` change the
+model store in a data directory directly, so they work with no node running; a node sees
+the change at once.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+from pathlib import Path
+
+import httpx
+from rich.console import Console
+from rich.table import Table
+
+_console = Console()
+
+
+class CommandError(RuntimeError):
+    """A message for the user; the command exits with status 1."""
+
+
+def _request(args: argparse.Namespace, method: str, path: str, body: dict | None = None,
+             timeout_s: float = 120.0) -> dict:
+    """A cluster-API call; its JSON body.
+
+    Raises:
+        CommandError: no node answers at ``--url``, or it answered an error (its detail).
+    """
+    url = args.url.rstrip("/") + path
+    try:
+        response = httpx.request(method, url, json=body, timeout=timeout_s)
+    except httpx.HTTPError as exc:
+        raise CommandError(f"no shardline node answers at {args.url} ({exc}); start one with "
+                           f"`shardline run`, or give --url") from None
+    try:
+        data = response.json()
+    except ValueError:
+        data = {"detail": response.text}
+    if response.status_code >= 400:
+        raise CommandError(f"{response.status_code}: {data.get('detail', data)}")
+    return data
+
+
+def _gb(nbytes: int | None) -> str:
+    return "-" if nbytes is None else f"{nbytes / 1e9:.2f} GB"
+
+
+def _nodes(args: argparse.Namespace) -> None:
+    data = _request(args, "GET", "/cluster/nodes")
+    table = Table(title=f"coordinator: {data['coordinator']}")
+    for column in ("node", "address", "live", "available / total memory", "accelerator", "matmul",
+                   "models"):
+        table.add_column(column)
+    for n in data["nodes"]:
+        profile = n.get("profile") or {}
+        flops = profile.get("matmul_flops")
+        accelerator = profile.get("accelerator") or "-"
+        models = ", ".join(m + ("" if v.get("complete") else " (part)")
+                           for m, v in (n.get("models") or {}).items())
+        table.add_row(n["node_id"], n["address"], "yes" if n["live"] else "DOWN",
+                      f"{_gb(n.get('available_bytes'))} / {_gb(n.get('total_bytes'))}", str(accelerator),
+                      f"{flops / 1e12:.2f} TFLOP/s" if flops else "-", models or "-")
+    _console.print(table)
+
+
+def _rank_text(rank: dict) -> str:
+    share = rank.get("tensor_share")
+    part = (f"heads {share['heads'][0]}-{share['heads'][1] - 1}" if share
+            else f"layers {rank['layer_start']}-{rank['layer_end'] - 1}")
+    status = rank["status"]
+    fetched = rank.get("fetched")
+    if status == "fetching" and fetched:
+        status += f" {100 * fetched['done_bytes'] // max(fetched['total_bytes'], 1)}%"
+    return f"{rank['node_id']}: {part} ({status})"
+
+
+def _instances(args: argparse.Namespace) -> None:
+    data = _request(args, "GET", "/cluster/instances")
+    table = Table()
+    for column in ("instance", "model", "sharding", "dtype", "status", "ranks"):
+        table.add_column(column)
+    for i in data["instances"]:
+        status = i["status"] + (f": {i['error']}" if i.get("error") else "")
+        table.add_row(i["instance_id"], i["model_id"], i["sharding"], i["dtype"], status,
+                      "\n".join(_rank_text(r) for r in i["ranks"]))
+    _console.print(table if data["instances"] else "no instances")
+
+
+def _place(args: argparse.Namespace) -> None:
+    nodes = [n.strip() for n in args.nodes.split(",") if n.strip()] if args.nodes else None
+    body = {"model": args.model, "sharding": args.sharding, "nodes": nodes, "context": args.context,
+            "max_batch": args.max_batch, "dtype": args.dtype, "force": args.force}
+    if args.preview:
+        data = _request(args, "POST", "/cluster/placements/preview", body)
+        table = Table()
+        for column in ("sharding", "nodes", "decode tok/s", "prefill tok/s", "refused because"):
+            table.add_column(column)
+        for c in data["candidates"]:
+            table.add_row(c["sharding"], ", ".join(c["node_ids"]),
+                          f"{c['predicted_decode_tokens_per_s']:.1f}" if c["feasible"] else "-",
+                          f"{c['predicted_prefill_tokens_per_s']:.0f}" if c["feasible"] else "-",
+                          c["error"] or "")
+        _console.print(table)
+        return
+    inst = _request(args, "POST", "/cluster/instances", body)
+    _console.print(f"placed {inst['model_id']} as instance {inst['instance_id']} ({inst['sharding']})")
+    if args.no_wait:
+        return
+    deadline = time.monotonic() + args.timeout
+    shown = None
+    while time.monotonic() < deadline:
+        found = {i["instance_id"]: i for i in _request(args, "GET", "/cluster/instances")["instances"]}
+        inst = found.get(inst["instance_id"])
+        if inst is None:
+            raise CommandError("the instance is gone (deleted, or it failed and was placed again; "
+                               "see `shardline instances`)")
+        text = ", ".join(_rank_text(r) for r in inst["ranks"])
+        if text != shown:
+            _console.print(text)
+            shown = text
+        if inst["status"] == "ready":
+            _console.print(f"ready: {inst['model_id']} serves at {args.url.rstrip('/')}/v1")
+            return
+        if inst["status"] == "failed":
+            raise CommandError(f"instance {inst['instance_id']} failed: {inst['error']}")
+        time.sleep(0.5)
+    raise CommandError(f"instance {inst['instance_id']} was not ready within {args.timeout:.0f} s "
+                       f"(it goes on loading; see `shardline instances`)")
+
+
+def _delete(args: argparse.Namespace) -> None:
+    _request(args, "DELETE", f"/cluster/instances/{args.instance_id}")
+    _console.print(f"deleted {args.instance_id}")
+
+
+def _models_list(args: argparse.Namespace) -> None:
+    data = _request(args, "GET", "/cluster/models")
+    table = Table()
+    for column in ("model", "format", "size", "on nodes", "partly on", "instances"):
+        table.add_column(column)
+    for m in data["models"]:
+        table.add_row(m["model_id"], m["format"], "embedded" if m["embedded"] else _gb(m["total_bytes"]),
+                      ", ".join(m["complete_on"]), ", ".join(m["partial_on"]),
+                      ", ".join(f"{i['instance_id']} ({i['status']})" for i in m["instances"]))
+    _console.print(table)
+
+
+def _store(args: argparse.Namespace):
+    from shardline.models.store import ModelStore
+    from shardline.node.identity import default_data_dir
+
+    return ModelStore((Path(args.data_dir) if args.data_dir else default_data_dir()) / "models")
+
+
+def _models_add(args: argparse.Namespace) -> None:
+    from shardline.models.config import UnsupportedModelError
+    from shardline.models.store import ModelNotFoundError, ModelStoreError
+
+    store = _store(args)
+    try:
+        if Path(args.source).expanduser().exists():
+            manifest = store.add_local(args.source, args.id)
+        elif args.id is not None:
+            raise CommandError(f"{args.source} does not exist (--id names a local file or directory)")
+        else:
+            manifest = store.add_from_hub(args.source)
+    except (ModelStoreError, ModelNotFoundError, UnsupportedModelError) as exc:
+        raise CommandError(str(exc)) from None
+    _console.print(f"{manifest.model_id}: {len(manifest.files)} files, {_gb(manifest.total_bytes)} "
+                   f"({manifest.format}) in {store.model_dir(manifest.model_id)}")
+
+
+def _models_remove(args: argparse.Namespace) -> None:
+    from shardline.models.store import ModelStoreError
+
+    try:
+        removed = _store(args).remove(args.model_id)
+    except ModelStoreError as exc:
+        raise CommandError(str(exc)) from None
+    if not removed:
+        raise CommandError(f"{args.model_id} is not in the model store")
+    _console.print(f"removed {args.model_id}")
+
+
+def _run(func):
+    def run(args: argparse.Namespace) -> int:
+        try:
+            func(args)
+        except CommandError as exc:
+            print(f"shardline {args.command}: {exc}", file=sys.stderr)
+            return 1
+        return 0
+
+    return run
+
+
+def add_commands(sub, default_port: int) -> None:
+    """Add the cluster commands to the ``shardline`` parser's subparsers."""
+    from shardline.models.store import DEFAULT_MODEL_ID
+    from shardline.placement.ranks import SHARDINGS
+
+    url_default = os.environ.get("SHARDLINE_URL", f"http://127.0.0.1:{default_port}")
+
+    def client(name: str, help: str, func) -> argparse.ArgumentParser:
+        parser = sub.add_parser(name, help=help)
+        parser.add_argument("--url", default=url_default,
+                            help="a node of the cluster (default: $SHARDLINE_URL or %(default)s)")
+        parser.set_defaults(func=_run(func))
+        return parser
+
+    client("nodes", "list the cluster's nodes with their memory, accelerator and speed", _nodes)
+    client("instances", "list the placed models and each rank's share and status", _instances)
+    place = client("place", "place a model on the cluster and wait until it serves", _place)
+    place.add_argument("model", nargs="?", default=DEFAULT_MODEL_ID,
+                       help="a model id in some node's store, a local path (added to the store), or "
+                            "a Hugging Face repo id in the local cache (default %(default)s)")
+    place.add_argument("--sharding", default="auto", choices=("auto",) + SHARDINGS,
+                       help="default %(default)s: the placement with the best predicted tokens/s")
+    place.add_argument("--nodes", default=None, help="node ids, comma-separated, in rank order (default: all)")
+    place.add_argument("--context", type=int, default=None, help="tokens per sequence")
+    place.add_argument("--max-batch", type=int, default=None, help="sequences decoded together")
+    place.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float16", "float32"))
+    place.add_argument("--force", action="store_true",
+                       help="place even where the measured memory says it does not fit")
+    place.add_argument("--preview", action="store_true",
+                       help="list the feasible placements with predicted tokens/s instead")
+    place.add_argument("--no-wait", action="store_true", help="return once placed, before it loads")
+    place.add_argument("--timeout", type=float, default=600.0, help="seconds to wait (default %(default)s)")
+    delete = client("delete", "delete an instance (its runners stop on every node)", _delete)
+    delete.add_argument("instance_id")
+
+    models = sub.add_parser("models", help="the models of the cluster and of this machine's store")
+    models_sub = models.add_subparsers(dest="models_command", required=True)
+    listing = models_sub.add_parser("list", help="every model a live node holds, and where")
+    listing.add_argument("--url", default=url_default,
+                         help="a node of the cluster (default: $SHARDLINE_URL or %(default)s)")
+    listing.set_defaults(func=_run(_models_list))
+    add = models_sub.add_parser("add", help="add a model to this machine's store")
+    add.add_argument("source", help="a .gguf file, a Hugging Face safetensors directory, or a Hugging Face "
+                                    "repo id (downloaded; offline, taken from the Hugging Face cache)")
+    add.add_argument("--id", default=None, help="the model's id (default: the file stem, directory name "
+                                                "or repo id)")
+    remove = models_sub.add_parser("remove", help="delete a model from this machine's store")
+    remove.add_argument("model_id")
+    for parser, func in ((add, _models_add), (remove, _models_remove)):
+        parser.add_argument("--data-dir", default=None,
+                            help="the node's data directory (default: $XDG_DATA_HOME/shardline)")
+        parser.set_defaults(func=_run(func))

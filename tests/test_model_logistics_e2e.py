@@ -1,0 +1,108 @@
+"""Model logistics on a 3-node cluster (127.0.0.1): a model added to one node's store is
+copied to the nodes of its shard and served; a node with no rank copies only the
+tokenizer; memory admission refuses a node short of memory, and ``--force`` overrides it.
+Driven through the ``shardline`` CLI, as a user would."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import httpx
+import pytest
+
+from conftest import free_port_block
+from shardline.local_cluster import LocalCluster
+from shardline.models.store import ModelStore, default_model_path
+
+pytestmark = pytest.mark.timeout(400)
+
+MODEL = "test/smollm2"
+
+
+def shardline(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "shardline.cli", *args], capture_output=True, text=True,
+                          timeout=300, env=dict(os.environ, COLUMNS="250"))
+
+
+def ask(url: str) -> str:
+    response = httpx.post(f"{url}/v1/chat/completions", timeout=120, json={
+        "model": MODEL, "temperature": 0, "max_tokens": 12,
+        "messages": [{"role": "user", "content": "What is the capital of France?"}]})
+    assert response.status_code == 200, response.text
+    return response.json()["choices"][0]["message"]["content"]
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory):
+    """3 nodes with empty stores; node 2 offers models only 10 MB of memory."""
+    tmp = tmp_path_factory.mktemp("logistics")
+    cluster = LocalCluster(nodes=3, base_port=free_port_block(3), runner_threads=1, log_dir=str(tmp),
+                           data_dir=str(tmp), node_args={2: ["--memory-limit", "10MB"]})
+    cluster.start()
+    yield cluster
+    cluster.stop()
+
+
+def store_of(cluster: LocalCluster, i: int) -> ModelStore:
+    return ModelStore(cluster.node_data_dir(i) / "models")
+
+
+def node_ids(cluster: LocalCluster) -> list[str]:
+    return [httpx.get(f"{cluster.url(i)}/health", timeout=5).json()["node_id"] for i in range(cluster.n)]
+
+
+def test_a_model_added_on_one_node_is_copied_to_its_ranks_and_served(cluster):
+    ids = node_ids(cluster)
+    added = shardline("models", "add", str(default_model_path()), "--id", MODEL,
+                      "--data-dir", str(cluster.node_data_dir(0)))
+    assert added.returncode == 0, added.stderr
+    assert MODEL in added.stdout
+    assert store_of(cluster, 1).model_ids() == [] and store_of(cluster, 2).model_ids() == []
+
+    listed = shardline("models", "list", "--url", cluster.url(2))
+    assert listed.returncode == 0, listed.stderr
+    assert MODEL in listed.stdout and ids[0] in listed.stdout
+
+    placed = shardline("place", MODEL, "--sharding", "pipeline", "--nodes", f"{ids[0]},{ids[1]}",
+                       "--url", cluster.url(1))
+    assert placed.returncode == 0, placed.stdout + placed.stderr
+    assert "ready" in placed.stdout
+    gguf = default_model_path().name
+    assert gguf in store_of(cluster, 1).present(MODEL)
+    assert (store_of(cluster, 1).model_dir(MODEL) / gguf).read_bytes() == default_model_path().read_bytes()
+    instance = httpx.get(f"{cluster.url(0)}/cluster/instances", timeout=5).json()["instances"][0]
+    rank1 = instance["ranks"][1]
+    assert rank1["fetched"]["done_bytes"] == rank1["fetched"]["total_bytes"] >= default_model_path().stat().st_size
+
+    # Node 2 holds no rank: it copies the tokenizer (a few MB), not the weights, and serves.
+    assert "Paris" in ask(cluster.url(2))
+    present = store_of(cluster, 2).present(MODEL)
+    assert present and gguf not in present and all(p.startswith("tokenizer/") for p in present)
+
+    shown = shardline("instances", "--url", cluster.url(2))
+    assert instance["instance_id"] in shown.stdout and MODEL in shown.stdout
+    nodes = shardline("nodes", "--url", cluster.url(0))
+    assert all(i in nodes.stdout for i in ids)
+    deleted = shardline("delete", instance["instance_id"], "--url", cluster.url(2))
+    assert deleted.returncode == 0, deleted.stderr
+    assert httpx.get(f"{cluster.url(0)}/cluster/instances", timeout=5).json()["instances"] == []
+
+
+def test_a_node_short_of_memory_is_refused_unless_forced(cluster):
+    ids = node_ids(cluster)
+    if MODEL not in store_of(cluster, 0).model_ids():
+        store_of(cluster, 0).add_local(default_model_path(), MODEL)
+    refused = shardline("place", MODEL, "--sharding", "pipeline", "--url", cluster.url(0))
+    assert refused.returncode == 1
+    assert f"node {ids[2]} needs" in refused.stderr and "short by" in refused.stderr
+
+    forced = shardline("place", MODEL, "--sharding", "pipeline", "--force", "--url", cluster.url(0))
+    assert forced.returncode == 0, forced.stdout + forced.stderr
+    instance = httpx.get(f"{cluster.url(0)}/cluster/instances", timeout=5).json()["instances"][0]
+    assert instance["force"] is True
+    layers = {r["node_id"]: r["layer_end"] - r["layer_start"] for r in instance["ranks"]}
+    assert layers[ids[2]] == 1 and layers[ids[0]] + layers[ids[1]] == 29  # ranges follow memory
+    assert default_model_path().name in store_of(cluster, 2).present(MODEL)
+    assert "Paris" in ask(cluster.url(2))

@@ -1,0 +1,148 @@
+"""The model store: adding models from a path or the Hugging Face cache, manifests, and
+which files a rank's shard needs."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from pathlib import Path
+
+import pytest
+
+from shardline.models.store import (
+    DEFAULT_MODEL_ID,
+    ModelNotFoundError,
+    ModelStore,
+    ModelStoreError,
+    default_model_path,
+)
+from shardline.models.tokenizer import Tokenizer
+from shardline.models.weights import open_weights
+
+from tiny_models import hf_model
+
+pytestmark = pytest.mark.timeout(120)
+
+
+@pytest.fixture(scope="module")
+def split_model(tmp_path_factory) -> Path:
+    """A tiny 4-layer Llama saved as 14 safetensors files with an index."""
+    directory = tmp_path_factory.mktemp("split")
+    hf_model("llama", num_layers=4).save_pretrained(directory, safe_serialization=True, max_shard_size="60KB")
+    (directory / "pytorch_model.bin").write_bytes(b"not used")  # a file the store leaves out
+    return directory
+
+
+def test_adding_a_safetensors_directory_records_every_file_with_its_hash(tmp_path, split_model):
+    store = ModelStore(tmp_path / "models")
+    manifest = store.add_local(split_model, "test/tiny")
+
+    assert store.model_ids() == ["test/tiny"]
+    directory = store.model_dir("test/tiny")
+    assert directory == tmp_path / "models" / "test--tiny"
+    names = {f.path for f in manifest.files}
+    assert "pytorch_model.bin" not in names
+    assert names == {p.name for p in split_model.iterdir() if p.name != "pytorch_model.bin"}
+    for f in manifest.files:
+        data = (directory / f.path).read_bytes()
+        assert f.size == len(data) and f.sha256 == hashlib.sha256(data).hexdigest()
+        assert f.weights == f.path.endswith(".safetensors")
+    assert store.present("test/tiny") == names
+    assert manifest.config == open_weights(split_model).config.to_dict()
+    assert store.card("test/tiny").config == manifest.config
+    index = json.loads((split_model / "model.safetensors.index.json").read_text())["weight_map"]
+    assert manifest.weight_map == index
+    assert store.summary()["test/tiny"]["complete"] is True
+
+
+def test_a_pipeline_rank_needs_only_the_files_of_its_layers(tmp_path, split_model):
+    manifest = ModelStore(tmp_path / "models").add_local(split_model, "test/tiny")
+    weight_files = {f.path for f in manifest.files if f.weights}
+    small = set(manifest.tokenizer_files())
+    assert "config.json" in small and not small & weight_files
+
+    first = set(manifest.shard_files(0, 2, top=True))
+    middle = set(manifest.shard_files(1, 3, top=False))
+    last = set(manifest.shard_files(2, 4, top=True))
+    assert small <= first and small <= middle and small <= last
+    for rank_files, layers, top in ((first, range(0, 2), True), (middle, range(1, 3), False),
+                                    (last, range(2, 4), True)):
+        needed = {file for name, file in manifest.weight_map.items()
+                  if any(f"layers.{i}." in name for i in layers) or (top and "layers." not in name)}
+        assert rank_files & weight_files == needed
+    # A middle rank skips the files of other layers and of the embedding and head.
+    assert len(middle & weight_files) < len(weight_files)
+    assert (first | last) & weight_files == weight_files
+
+
+def test_adding_the_same_directory_again_keeps_the_entry(tmp_path, split_model):
+    store = ModelStore(tmp_path / "models")
+    first = store.add_local(split_model, "test/tiny")
+    stamp = (store.model_dir("test/tiny") / "manifest.json").stat().st_mtime_ns
+    assert store.add_local(split_model, "test/tiny") == first
+    assert (store.model_dir("test/tiny") / "manifest.json").stat().st_mtime_ns == stamp
+    assert store.remove("test/tiny") and store.model_ids() == []
+    assert not store.remove("test/tiny")
+
+
+def test_a_gguf_model_keeps_its_tokenizer_beside_it(tmp_path):
+    store = ModelStore(tmp_path / "models")
+    manifest = store.add_local(default_model_path(), "test/smollm2")
+
+    assert manifest.format == "gguf"
+    assert [f.path for f in manifest.files if f.weights] == [default_model_path().name]
+    assert manifest.shard_files(3, 7, top=False) == [f.path for f in manifest.files]
+    assert all(p.startswith("tokenizer/") for p in manifest.tokenizer_files())
+    assert store.weights_path("test/smollm2") == store.model_dir("test/smollm2") / default_model_path().name
+    # Hard-linked where the file system allows it: the same bytes, no copy.
+    assert os.path.samefile(store.weights_path("test/smollm2"), default_model_path()) or \
+        store.weights_path("test/smollm2").stat().st_size == default_model_path().stat().st_size
+    messages = [{"role": "user", "content": "What is the capital of France? été 東京"}]
+    saved = Tokenizer(store.tokenizer_path("test/smollm2"))
+    original = Tokenizer(default_model_path())
+    assert saved.encode_chat(messages) == original.encode_chat(messages)
+    assert saved.eos_token_ids == original.eos_token_ids
+    # The embedded default is found without being in the store.
+    assert store.weights_path(DEFAULT_MODEL_ID) == default_model_path()
+
+
+def test_bad_ids_and_paths_are_refused_with_the_reason(tmp_path, split_model):
+    store = ModelStore(tmp_path / "models")
+    with pytest.raises(ModelStoreError, match="org/name"):
+        store.add_local(split_model, "../escape")
+    with pytest.raises(ModelStoreError, match="org/name"):
+        store.add_local(split_model, "a/b/c")
+    (tmp_path / "notes.txt").write_text("hello")
+    with pytest.raises(ModelStoreError, match="neither a .gguf file nor a directory"):
+        store.add_local(tmp_path / "notes.txt")
+    with pytest.raises(ModelNotFoundError, match="not in the model store"):
+        store.weights_path("test/absent")
+    assert store.manifest("../../etc") is None
+
+
+def _fake_hub_cache(root: Path, repo_id: str, source: Path) -> None:
+    """The layout ``huggingface_hub`` keeps: refs/main names a snapshot of the files."""
+    repo = root / ("models--" + repo_id.replace("/", "--"))
+    snapshot = repo / "snapshots" / ("0" * 40)
+    snapshot.mkdir(parents=True)
+    (repo / "refs").mkdir()
+    (repo / "refs" / "main").write_text("0" * 40)
+    for file in source.iterdir():
+        (snapshot / file.name).write_bytes(file.read_bytes())
+
+
+def test_a_hub_model_is_added_offline_from_the_hugging_face_cache(tmp_path, split_model, monkeypatch):
+    from huggingface_hub import constants
+
+    _fake_hub_cache(tmp_path / "hub", "tinyorg/tiny-llama", split_model)
+    monkeypatch.setattr(constants, "HF_HUB_CACHE", str(tmp_path / "hub"))
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", True)
+    store = ModelStore(tmp_path / "models")
+
+    manifest = store.add_from_hub("tinyorg/tiny-llama")
+    assert manifest.model_id == "tinyorg/tiny-llama"
+    assert "pytorch_model.bin" not in {f.path for f in manifest.files}
+    assert store.summary()["tinyorg/tiny-llama"]["complete"]
+    with pytest.raises(ModelNotFoundError, match="not in the local Hugging Face cache"):
+        store.add_from_hub("tinyorg/absent")
