@@ -194,12 +194,15 @@ def test_one_instance_by_id(cluster3):
     ({"context": -5}, "context"),
     ({"max_batch": 0}, "max_batch"),
     ({"nodes": []}, "nodes"),
+    ({"nodes": ["a"], "min_nodes": 1}, "not both"),
+    ({"min_nodes": 3, "max_nodes": 2}, "min_nodes 3 is above max_nodes 2"),
+    ({"model": "no-such/model"}, "shardline models add no-such/model"),
 ])
 def test_bad_placements_are_refused_before_anything_starts(cluster3, extra, words):
     before = httpx.get(f"{cluster3.url(0)}/cluster/instances").json()["instances"]
     response = httpx.post(f"{cluster3.url(0)}/cluster/instances", json={"sharding": "pipeline", **extra},
                           timeout=30)
-    assert response.status_code == 400
+    assert response.status_code == (404 if "model" in extra else 400)
     assert words in response.json()["detail"]
     assert httpx.get(f"{cluster3.url(0)}/cluster/instances").json()["instances"] == before
 
@@ -209,3 +212,7 @@ def test_preview_keeps_to_the_sharding_asked_for(cluster3):
                           timeout=60)
     candidates = response.json()["candidates"]
     assert candidates and {c["sharding"] for c in candidates} == {"tensor"}
+    response = httpx.post(f"{cluster3.url(2)}/cluster/placements/preview",
+                          json={"sharding": "auto", "min_nodes": 2, "max_nodes": 2}, timeout=60)
+    counts = {len(c["node_ids"]) for c in response.json()["candidates"]}
+    assert counts == {2}

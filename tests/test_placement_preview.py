@@ -77,6 +77,8 @@ def test_one_node_is_a_pipeline_of_one_and_subsets_are_the_largest_nodes():
     assert len(candidates) == 1 + 3 + 3
     limited = preview(_smollm2(), nodes, {}, context=2048, max_batch=4, max_nodes=2)
     assert max(len(c.node_ids) for c in limited) == 2
+    at_least = preview(_smollm2(), nodes, {}, context=2048, max_batch=4, min_nodes=2)
+    assert {c.node_ids for c in at_least} == {("b", "c"), ("b", "c", "a")}
 
 
 def test_a_model_that_does_not_fit_is_refused_with_node_and_shortfall():

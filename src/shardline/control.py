@@ -97,7 +97,8 @@ def _instances(args: argparse.Namespace) -> None:
 def _place(args: argparse.Namespace) -> None:
     nodes = [n.strip() for n in args.nodes.split(",") if n.strip()] if args.nodes else None
     body = {"model": args.model, "sharding": args.sharding, "nodes": nodes, "context": args.context,
-            "max_batch": args.max_batch, "dtype": args.dtype, "force": args.force}
+            "max_batch": args.max_batch, "dtype": args.dtype, "force": args.force,
+            "min_nodes": args.min_nodes, "max_nodes": args.max_nodes}
     if args.preview:
         data = _request(args, "POST", "/cluster/placements/preview", body)
         table = Table()
@@ -224,7 +225,10 @@ def add_commands(sub, default_port: int) -> None:
                             "a Hugging Face repo id in the local cache (default %(default)s)")
     place.add_argument("--sharding", default="auto", choices=("auto",) + SHARDINGS,
                        help="default %(default)s: the placement with the best predicted tokens/s")
-    place.add_argument("--nodes", default=None, help="node ids, comma-separated, in rank order (default: all)")
+    place.add_argument("--nodes", default=None,
+                       help="node ids, comma-separated, in rank order (default: as --sharding chooses)")
+    place.add_argument("--min-nodes", type=int, default=None, help="without --nodes: use at least this many")
+    place.add_argument("--max-nodes", type=int, default=None, help="without --nodes: use at most this many")
     place.add_argument("--context", type=int, default=None, help="tokens per sequence")
     place.add_argument("--max-batch", type=int, default=None, help="sequences decoded together")
     place.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float16", "float32"))

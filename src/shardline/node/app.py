@@ -11,7 +11,7 @@ from contextlib import asynccontextmanager
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, StreamingResponse
-from pydantic import BaseModel, Field, field_validator
+from pydantic import BaseModel, Field, field_validator, model_validator
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from shardline.api import openai
@@ -36,6 +36,8 @@ class CreateInstance(BaseModel):
     max_batch: int | None = Field(default=None, ge=1)
     dtype: Literal["bfloat16", "float16", "float32"] = "bfloat16"
     force: bool = False  # skip memory admission
+    min_nodes: int | None = Field(default=None, ge=1)  # without "nodes": the fewest to use
+    max_nodes: int | None = Field(default=None, ge=1)  # without "nodes": the most to use
 
     @field_validator("nodes")
     @classmethod
@@ -44,6 +46,14 @@ class CreateInstance(BaseModel):
             twice = sorted({n for n in nodes if nodes.count(n) > 1})
             raise ValueError(f"a node can hold one rank of an instance; listed twice: {', '.join(twice)}")
         return nodes
+
+    @model_validator(mode="after")
+    def _node_counts(self) -> "CreateInstance":
+        if self.nodes is not None and (self.min_nodes or self.max_nodes):
+            raise ValueError("give nodes, or min_nodes / max_nodes, not both")
+        if self.min_nodes and self.max_nodes and self.min_nodes > self.max_nodes:
+            raise ValueError(f"min_nodes {self.min_nodes} is above max_nodes {self.max_nodes}")
+        return self
 
 
 def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
@@ -170,7 +180,8 @@ def create_app(node: Node) -> FastAPI:
             shardings = SHARDINGS if body.sharding == "auto" else (body.sharding,)
             candidates = await node.preview(await node.model_card(body.model), body.nodes, body.context,
                                             body.max_batch, body.dtype, shardings=shardings,
-                                            force=body.force)
+                                            force=body.force, min_nodes=body.min_nodes or 1,
+                                            max_nodes=body.max_nodes)
         except ModelNotFoundError as exc:
             return JSONResponse(status_code=404, content={"detail": str(exc)})
         except (PlacementError, ModelStoreError, UnsupportedModelError) as exc:
@@ -189,7 +200,7 @@ def create_app(node: Node) -> FastAPI:
             return JSONResponse(status_code=status, content=content)
         try:
             inst = await node.create_instance(body.model, body.sharding, body.nodes, body.context, body.max_batch,
-                                              body.dtype, body.force)
+                                              body.dtype, body.force, body.min_nodes, body.max_nodes)
         except ModelNotFoundError as exc:
             return JSONResponse(status_code=404, content={"detail": str(exc)})
         except (ModelStoreError, UnsupportedModelError) as exc:

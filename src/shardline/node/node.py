@@ -646,8 +646,14 @@ class Node:
         max_batch: int | None = None,
         dtype: str = "bfloat16",
         force: bool = False,
+        min_nodes: int | None = None,
+        max_nodes: int | None = None,
     ) -> Instance:
         """Coordinator: place ``model`` (see :meth:`model_card`) and start loading it.
+
+        On ``node_ids`` (in rank order) when given. Otherwise under ``"auto"`` sharding, or
+        with ``min_nodes`` / ``max_nodes``, the placement with the best predicted decode
+        tokens/s among the shardings allowed and those node counts; else all live nodes.
 
         ``dtype`` is the ranks' compute dtype. bfloat16 halves the memory of float32; a
         tensor instance in bfloat16 rounds its partial sums differently from one node and
@@ -662,12 +668,14 @@ class Node:
             PlacementError: the sharding is unknown or the model does not fit the nodes.
         """
         card = await self.model_card(model)
-        if sharding == "auto":
-            best = (await self.preview(card, node_ids, context, max_batch, dtype, best_only=True,
-                                       force=force))[0]
-            sharding, node_ids = best.sharding, list(best.node_ids)
-        if sharding not in SHARDINGS:
+        if sharding not in SHARDINGS + ("auto",):
             raise PlacementError(f"sharding {sharding!r} is not supported (supported: auto, {', '.join(SHARDINGS)})")
+        if sharding == "auto" or (node_ids is None and (min_nodes or max_nodes)):
+            shardings = SHARDINGS if sharding == "auto" else (sharding,)
+            best = (await self.preview(card, node_ids, context, max_batch, dtype, best_only=True,
+                                       shardings=shardings, force=force, min_nodes=min_nodes or 1,
+                                       max_nodes=max_nodes))[0]
+            sharding, node_ids = best.sharding, list(best.node_ids)
         return await self._place(card, sharding, node_ids, context, max_batch, dtype, force)
 
     async def model_card(self, model: str | None) -> ModelCard:
@@ -723,7 +731,8 @@ class Node:
 
     async def preview(self, card: ModelCard, node_ids: list[str] | None, context: int | None,
                       max_batch: int | None, dtype: str = "bfloat16", best_only: bool = False,
-                      shardings: tuple[str, ...] = SHARDINGS, force: bool = False):
+                      shardings: tuple[str, ...] = SHARDINGS, force: bool = False,
+                      min_nodes: int = 1, max_nodes: int | None = None):
         """Candidate placements of a model on the live nodes, fastest predicted first
         (``shardline.placement.preview``); with ``best_only`` just the best feasible one.
 
@@ -736,8 +745,10 @@ class Node:
         config, chosen, context, max_batch = self._placement_inputs(card, node_ids, context, max_batch)
         profiles, links = self.node_profiles(chosen)
         if best_only:
-            return [auto(config, profiles, links, context, max_batch, dtype, admit=not force)]
-        return preview(config, profiles, links, context, max_batch, dtype, shardings, admit=not force)
+            return [auto(config, profiles, links, context, max_batch, dtype, shardings, max_nodes,
+                         min_nodes=min_nodes, admit=not force)]
+        return preview(config, profiles, links, context, max_batch, dtype, shardings, max_nodes,
+                       min_nodes=min_nodes, admit=not force)
 
     def _placement_inputs(self, card: ModelCard, node_ids: list[str] | None, context: int | None,
                           max_batch: int | None):

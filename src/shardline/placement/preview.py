@@ -239,12 +239,13 @@ def predict_tokens_per_s(
     )
 
 
-def _subsets(nodes: Sequence[NodeProfile], max_nodes: int | None) -> list[list[NodeProfile]]:
-    """For k = 1 .. max_nodes, the k nodes with the most available bytes, most first (ties
-    in the given order)."""
+def _subsets(nodes: Sequence[NodeProfile], max_nodes: int | None,
+             min_nodes: int = 1) -> list[list[NodeProfile]]:
+    """For k = min_nodes .. max_nodes, the k nodes with the most available bytes, most first
+    (ties in the given order)."""
     ranked = sorted(nodes, key=lambda n: -n.available_bytes)
     top = len(ranked) if max_nodes is None else min(max_nodes, len(ranked))
-    return [ranked[:k] for k in range(1, top + 1)]
+    return [ranked[:k] for k in range(max(min_nodes, 1), top + 1)]
 
 
 def preview(
@@ -257,12 +258,13 @@ def preview(
     shardings: Sequence[str] = SHARDINGS,
     max_nodes: int | None = None,
     *,
+    min_nodes: int = 1,
     decode_weight_bytes: float = DECODE_WEIGHT_BYTES,
     admit: bool = True,
 ) -> list[Candidate]:
     """Every candidate placement of ``config`` on ``nodes``, feasible ones first, fastest first.
 
-    Candidates: for each k from 1 to ``max_nodes`` (default: all), the k nodes with the most
+    Candidates: for each k from ``min_nodes`` to ``max_nodes`` (default: all), the k nodes with the most
     available bytes, in rank order by available bytes (most first), under each sharding in
     ``shardings``. One node is only a pipeline of one (listed when ``"pipeline"`` is in
     ``shardings``): tensor of one is the same placement and ring needs two.
@@ -283,7 +285,7 @@ def preview(
     _check_dtype(dtype)
     feasible: list[Candidate] = []
     infeasible: list[Candidate] = []
-    for subset in _subsets(nodes, max_nodes):
+    for subset in _subsets(nodes, max_nodes, min_nodes):
         ids = tuple(n.node_id for n in subset)
         capacities = [NodeCapacity(n.node_id, n.available_bytes) for n in subset]
         for sharding in shardings:
@@ -314,6 +316,7 @@ def auto(
     shardings: Sequence[str] = SHARDINGS,
     max_nodes: int | None = None,
     *,
+    min_nodes: int = 1,
     decode_weight_bytes: float = DECODE_WEIGHT_BYTES,
     admit: bool = True,
 ) -> Candidate:
@@ -324,7 +327,7 @@ def auto(
             sharding, nodes and why it was refused.
     """
     candidates = preview(config, nodes, links, context, max_batch, dtype, shardings, max_nodes,
-                         decode_weight_bytes=decode_weight_bytes, admit=admit)
+                         min_nodes=min_nodes, decode_weight_bytes=decode_weight_bytes, admit=admit)
     if candidates and candidates[0].feasible:
         return candidates[0]
     if not candidates:
