@@ -1,0 +1,244 @@
+"""What every text API (OpenAI, Anthropic, Ollama) shares: finding the model's instance and
+tokenizer, checking the request against the context, and turning the node's token stream
+into text deltas with stop strings, for a client that may leave at any time.
+
+Each API parses its own request into a :class:`GenerationRequest` and formats the results
+and :class:`APIError` its own way.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import httpx
+from fastapi import Request
+
+from shardline.models.store import ModelNotFoundError
+from shardline.models.tokenizer import ChatTemplateError, IncrementalDetokenizer, Tokenizer
+from shardline.node.node import Instance, NoInstanceError, Node
+from shardline.node.transfer import TransferError
+from shardline.runner.protocol import PrefillProgress, SamplingParams
+
+
+class APIError(Exception):
+    """A request that cannot be served, with its HTTP status.
+
+    ``kind`` is one of ``invalid_request_error``, ``not_found_error``, ``server_error``;
+    ``param`` names the offending request field and ``code`` a machine-readable reason
+    (e.g. ``context_length_exceeded``), where known.
+    """
+
+    def __init__(self, status: int, message: str, kind: str = "invalid_request_error",
+                 param: str | None = None, code: str | None = None) -> None:
+        super().__init__(message)
+        self.status, self.message, self.kind, self.param, self.code = status, message, kind, param, code
+
+
+@dataclass
+class GenerationRequest:
+    """One request in the terms the engine runs it.
+
+    ``max_tokens`` None means as many as the context leaves. ``prompt`` is text (tokenized
+    with the model's BOS where it asks for one), token ids, or chat messages
+    (``[{"role", "content"}]``, rendered by the model's chat template).
+    """
+
+    model: str
+    prompt: str | list[int] | list[dict[str, Any]]
+    max_tokens: int | None = None
+    sampling: SamplingParams = field(default_factory=lambda: SamplingParams(1.0, 1.0, 0, None))
+    stop: list[str] = field(default_factory=list)
+    ignore_eos: bool = False
+    max_tokens_param: str = "max_tokens"  # the API's names of the limit and the prompt,
+    prompt_param: str = "prompt"  # for error messages
+
+
+class StopMatcher:
+    """Finds stop strings in streamed text, holding back text that may begin one."""
+
+    def __init__(self, stops: list[str]) -> None:
+        self.stops = [s for s in stops if s]
+        self.pending = ""
+
+    def feed(self, text: str) -> tuple[str, bool]:
+        """Return (text safe to send, whether a stop string was reached)."""
+        self.pending += text
+        for stop in self.stops:
+            index = self.pending.find(stop)
+            if index >= 0:
+                out, self.pending = self.pending[:index], ""
+                return out, True
+        hold = 0
+        for stop in self.stops:
+            for k in range(min(len(stop) - 1, len(self.pending)), 0, -1):
+                if self.pending.endswith(stop[:k]):
+                    hold = max(hold, k)
+                    break
+        out = self.pending[: len(self.pending) - hold]
+        self.pending = self.pending[len(out):]
+        return out, False
+
+    def flush(self) -> str:
+        out, self.pending = self.pending, ""
+        return out
+
+
+class Generation:
+    """A checked, tokenized request on its instance; :meth:`texts` runs it.
+
+    Attributes:
+        prompt: the prompt's token ids.
+        max_tokens: completion tokens at most (the request's, or what the context leaves).
+        completion_tokens: tokens generated so far.
+        started: ``time.monotonic()`` when prepared, seconds.
+    """
+
+    def __init__(self, node: Node, req: GenerationRequest, prompt: list[int], inst: Instance,
+                 tokenizer: Tokenizer) -> None:
+        self.node = node
+        self.req = req
+        self.prompt = prompt
+        self.tokenizer = tokenizer
+        room = inst.context - len(prompt)
+        if room < 1 or (req.max_tokens is not None and req.max_tokens > room):
+            asked = f" and {req.max_tokens} for the completion" if req.max_tokens is not None else ""
+            raise APIError(
+                400,
+                f"this model's context is {inst.context} tokens; the request asks for "
+                f"{len(prompt)} in the prompt{asked}",
+                param=req.max_tokens_param if room >= 1 else req.prompt_param, code="context_length_exceeded",
+            )
+        self.max_tokens = req.max_tokens or room
+        self.stop_ids = [] if req.ignore_eos else tokenizer.eos_token_ids
+        self.detokenizer = IncrementalDetokenizer(tokenizer)
+        self.stops = StopMatcher(req.stop)
+        self.completion_tokens = 0
+        self.started = time.monotonic()
+
+    async def texts(self) -> AsyncIterator[tuple[str, str | None] | PrefillProgress]:
+        """Yield (text delta, finish reason or None) until the request ends; before the
+        first token, a PrefillProgress after each engine step of a long prompt's prefill.
+
+        Finish reasons: ``stop`` (an end token or stop string), ``length`` (max_tokens).
+        Closing the iterator cancels the request on every rank.
+
+        Raises:
+            InstanceFailedError: the instance failed mid-request.
+        """
+        events = self.node.generate(self.req.model, self.prompt, self.max_tokens, self.req.sampling,
+                                    self.stop_ids)
+        try:
+            async for event in events:
+                if isinstance(event, PrefillProgress):
+                    yield event
+                    continue
+                if event.token_id >= 0:
+                    self.completion_tokens += 1
+                finish = event.finish_reason
+                text = ""
+                if event.token_id >= 0 and event.token_id not in self.stop_ids:
+                    text, hit = self.stops.feed(self.detokenizer.push(event.token_id))
+                    if hit:
+                        yield text, "stop"
+                        return
+                if finish is not None:
+                    yield text + self.stops.flush(), "stop" if finish == "cancelled" else finish
+                    return
+                if text:
+                    yield text, None
+        finally:
+            await events.aclose()
+
+    def usage(self) -> dict:
+        """OpenAI's usage object: prompt, completion and total tokens."""
+        return {
+            "prompt_tokens": len(self.prompt),
+            "completion_tokens": self.completion_tokens,
+            "total_tokens": len(self.prompt) + self.completion_tokens,
+        }
+
+    def prefill_progress(self, event: PrefillProgress) -> dict:
+        """llama.cpp server's ``prompt_progress``: ``{total, cache, processed, time_ms}``."""
+        return {"total": event.total, "cache": 0, "processed": event.done,
+                "time_ms": round((time.monotonic() - self.started) * 1000, 1)}
+
+
+async def prepare(node: Node, req: GenerationRequest) -> Generation:
+    """Find a ready instance and the tokenizer of ``req.model`` and tokenize the prompt.
+
+    Raises:
+        APIError: 404 for a model no instance serves; 503 for one still loading or whose
+            tokenizer cannot be had; 400 for messages the chat template refuses, token ids
+            outside the vocabulary, or a prompt and limit beyond the context.
+    """
+    try:
+        inst = node.ready_instance(req.model)
+    except NoInstanceError:
+        placed = [i for i in node.instances.values() if i.model_id == req.model]
+        if placed:
+            detail = "; ".join(f"instance {i.instance_id} {i.status}" + (f": {i.error}" if i.error else "")
+                               for i in placed)
+            raise APIError(503, f"The model '{req.model}' is not ready ({detail}); retry later",
+                           "server_error", param="model", code="model_not_ready") from None
+        known = ", ".join(m["id"] for m in node.models()) or "none"
+        raise APIError(404, f"The model '{req.model}' does not exist or is not loaded (available: {known})",
+                       "not_found_error", param="model", code="model_not_found") from None
+    try:
+        tokenizer = await node.tokenizer(req.model)
+    except (ModelNotFoundError, TransferError, httpx.HTTPError) as exc:
+        raise APIError(503, f"The model '{req.model}' cannot be tokenized on this node: {exc}",
+                       "server_error", param="model", code="model_not_ready") from exc
+    if isinstance(req.prompt, str):
+        prompt = await asyncio.to_thread(tokenizer.encode, req.prompt)
+    elif req.prompt and isinstance(req.prompt[0], dict):
+        try:
+            prompt = await asyncio.to_thread(tokenizer.encode_chat, req.prompt)
+        except ChatTemplateError as exc:
+            raise APIError(400, str(exc), param=req.prompt_param) from exc
+    else:
+        prompt = list(req.prompt)
+        bad = [t for t in prompt if not 0 <= t < tokenizer.vocab_size]
+        if bad:
+            raise APIError(400, f"token ids outside the vocabulary (0-{tokenizer.vocab_size - 1}): {bad[:5]}",
+                           param=req.prompt_param)
+    if not prompt:
+        raise APIError(400, "the prompt is empty", param=req.prompt_param)
+    return Generation(node, req, prompt, inst, tokenizer)
+
+
+async def collect_unless_disconnected(
+    gen: Generation, request: Request, poll_s: float = 0.25
+) -> tuple[list[str], str | None]:
+    """Run a non-streamed generation to the end, or cancel it once the client disconnects.
+
+    Returns the text pieces and the finish reason (None when the client left).
+
+    Raises:
+        InstanceFailedError: the instance failed mid-request.
+    """
+    parts: list[str] = []
+    finish: str | None = None
+
+    async def consume() -> None:
+        nonlocal finish
+        async for item in gen.texts():
+            if not isinstance(item, PrefillProgress):
+                text, finish = item
+                parts.append(text)
+
+    task = asyncio.create_task(consume())
+    while not task.done():
+        await asyncio.wait({task}, timeout=poll_s)
+        if not task.done() and await request.is_disconnected():
+            task.cancel()  # closes the generation, which cancels the task on every rank
+            try:
+                await task
+            except asyncio.CancelledError:
+                pass
+            return parts, None
+    task.result()
+    return parts, finish

@@ -1,0 +1,74 @@
+"""OpenAI's legacy Completions (``POST /v1/completions``) on the 3-node cluster."""
+
+from __future__ import annotations
+
+import json
+
+import httpx
+import pytest
+
+from shardline.models.store import DEFAULT_MODEL_ID
+
+pytestmark = pytest.mark.timeout(300)
+
+PROMPT = "The capital of France is the city of"
+
+
+def complete(url: str, **body) -> httpx.Response:
+    return httpx.post(f"{url}/v1/completions", json={"model": DEFAULT_MODEL_ID, "temperature": 0, **body},
+                      timeout=120)
+
+
+def test_a_text_prompt_is_continued(cluster3):
+    response = complete(cluster3.url(0), prompt=PROMPT, max_tokens=6)
+    assert response.status_code == 200, response.text
+    body = response.json()
+    assert body["object"] == "text_completion" and body["id"].startswith("cmpl-")
+    choice = body["choices"][0]
+    assert "Paris" in choice["text"] and not choice["text"].startswith(PROMPT)
+    assert choice["finish_reason"] == "length" and body["usage"]["completion_tokens"] == 6
+    echoed = complete(cluster3.url(1), prompt=[PROMPT], max_tokens=6, echo=True).json()
+    assert echoed["choices"][0]["text"] == PROMPT + choice["text"]
+    default = complete(cluster3.url(2), prompt="Once upon a time", ignore_eos=True).json()
+    assert default["usage"]["completion_tokens"] == 16  # OpenAI's default max_tokens here
+
+
+def test_streamed_text_equals_the_whole_answer(cluster3):
+    whole = complete(cluster3.url(0), prompt=PROMPT, max_tokens=8).json()["choices"][0]["text"]
+    with httpx.stream("POST", f"{cluster3.url(2)}/v1/completions", timeout=120, json={
+            "model": DEFAULT_MODEL_ID, "prompt": PROMPT, "max_tokens": 8, "temperature": 0,
+            "stream": True, "stream_options": {"include_usage": True}}) as response:
+        events = [line[6:] for line in response.iter_lines() if line.startswith("data: ")]
+    assert events[-1] == "[DONE]"
+    chunks = [json.loads(e) for e in events[:-1]]
+    assert all(c["object"] == "text_completion" for c in chunks)
+    text = "".join(c["choices"][0]["text"] for c in chunks if c["choices"])
+    assert text == whole
+    finishes = [c["choices"][0]["finish_reason"] for c in chunks if c["choices"]]
+    assert finishes[-1] == "length" and all(f is None for f in finishes[:-1])
+    assert chunks[-1]["usage"]["completion_tokens"] == 8
+
+
+def test_token_id_prompts_are_taken_as_they_are(cluster3):
+    echoed = complete(cluster3.url(0), prompt=PROMPT, max_tokens=1, echo=True).json()
+    tokens = echoed["usage"]["prompt_tokens"]
+    by_ids = complete(cluster3.url(0), prompt=list(range(100, 100 + tokens)), max_tokens=4, echo=True)
+    assert by_ids.status_code == 200 and by_ids.json()["usage"]["prompt_tokens"] == tokens
+
+
+@pytest.mark.parametrize("body, param, words", [
+    ({"prompt": [1, 2, 10**9]}, "prompt", "outside the vocabulary"),
+    ({"prompt": ["one", "two"]}, "prompt", "one prompt per request"),
+    ({"prompt": ""}, "prompt", None),
+    ({"prompt": "hi", "max_tokens": 0}, "max_tokens", None),
+    ({"prompt": "hi", "max_tokens": 10**6}, "max_tokens", "context"),
+    ({"prompt": "hi", "suffix": "tail"}, "suffix", None),
+])
+def test_bad_completions_get_openai_errors(cluster3, body, param, words):
+    response = complete(cluster3.url(1), **body)
+    assert response.status_code == 400, response.text
+    error = response.json()["error"]
+    assert error["type"] == "invalid_request_error" and error["param"] == param
+    if words:
+        assert words in error["message"]
+    assert complete(cluster3.url(1), prompt=PROMPT, max_tokens=2).status_code == 200
