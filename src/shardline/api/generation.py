@@ -9,6 +9,7 @@ and :class:`APIError` its own way.
 from __future__ import annotations
 
 import asyncio
+import json
 import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
@@ -16,6 +17,7 @@ from typing import Any
 
 import httpx
 from fastapi import Request
+from pydantic import BaseModel, ValidationError
 
 from shardline.models.store import ModelNotFoundError
 from shardline.models.tokenizer import ChatTemplateError, IncrementalDetokenizer, Tokenizer
@@ -63,6 +65,7 @@ class StopMatcher:
     def __init__(self, stops: list[str]) -> None:
         self.stops = [s for s in stops if s]
         self.pending = ""
+        self.matched: str | None = None  # the stop string reached, once reached
 
     def feed(self, text: str) -> tuple[str, bool]:
         """Return (text safe to send, whether a stop string was reached)."""
@@ -71,6 +74,7 @@ class StopMatcher:
             index = self.pending.find(stop)
             if index >= 0:
                 out, self.pending = self.pending[:index], ""
+                self.matched = stop
                 return out, True
         hold = 0
         for stop in self.stops:
@@ -95,6 +99,7 @@ class Generation:
         max_tokens: completion tokens at most (the request's, or what the context leaves).
         completion_tokens: tokens generated so far.
         started: ``time.monotonic()`` when prepared, seconds.
+        first_token_at: ``time.monotonic()`` of the first token, once there is one.
     """
 
     def __init__(self, node: Node, req: GenerationRequest, prompt: list[int], inst: Instance,
@@ -118,12 +123,14 @@ class Generation:
         self.stops = StopMatcher(req.stop)
         self.completion_tokens = 0
         self.started = time.monotonic()
+        self.first_token_at: float | None = None  # time.monotonic() of the first token
 
     async def texts(self) -> AsyncIterator[tuple[str, str | None] | PrefillProgress]:
         """Yield (text delta, finish reason or None) until the request ends; before the
         first token, a PrefillProgress after each engine step of a long prompt's prefill.
 
-        Finish reasons: ``stop`` (an end token or stop string), ``length`` (max_tokens).
+        Finish reasons: ``stop`` (an end token or a stop string, then in
+        ``self.stops.matched``), ``length`` (max_tokens).
         Closing the iterator cancels the request on every rank.
 
         Raises:
@@ -138,6 +145,7 @@ class Generation:
                     continue
                 if event.token_id >= 0:
                     self.completion_tokens += 1
+                    self.first_token_at = self.first_token_at or time.monotonic()
                 finish = event.finish_reason
                 text = ""
                 if event.token_id >= 0 and event.token_id not in self.stop_ids:
@@ -242,3 +250,23 @@ async def collect_unless_disconnected(
             return parts, None
     task.result()
     return parts, finish
+
+
+async def parse_body(request: Request, model: type[BaseModel]) -> Any:
+    """Parse a JSON body (whatever its Content-Type) into ``model``.
+
+    Raises:
+        APIError: 400 for a body that is not JSON or does not fit the model; the message
+            names the first offending field.
+    """
+    raw = await request.body()
+    try:
+        data = json.loads(raw)
+    except (json.JSONDecodeError, UnicodeDecodeError):
+        raise APIError(400, "the request body is not valid JSON") from None
+    try:
+        return model.model_validate(data)
+    except ValidationError as exc:
+        first = exc.errors()[0]
+        param = ".".join(str(p) for p in first.get("loc", ())) or None
+        raise APIError(400, f"{param or 'body'}: {first.get('msg')}", param=param) from None

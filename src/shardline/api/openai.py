@@ -17,13 +17,14 @@ from typing import Any, Literal
 
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, StreamingResponse
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field
 
 from shardline.api.generation import (
     APIError,
     Generation,
     GenerationRequest,
     collect_unless_disconnected,
+    parse_body,
     prepare,
 )
 from shardline.node.node import InstanceFailedError, Node
@@ -264,23 +265,3 @@ async def _stream(gen: Generation, shape: _ChatShape, return_progress: bool,
     if include_usage:
         yield _sse(shape.usage())
     yield "data: [DONE]\n\n"
-
-
-async def parse_body(request: Request, model: type[BaseModel]) -> Any:
-    """Parse a JSON body (whatever its Content-Type) into ``model``.
-
-    Raises:
-        APIError: 400 for a body that is not JSON or does not fit the model; the message
-            names the first offending field.
-    """
-    raw = await request.body()
-    try:
-        data = json.loads(raw)
-    except (json.JSONDecodeError, UnicodeDecodeError):
-        raise APIError(400, "the request body is not valid JSON") from None
-    try:
-        return model.model_validate(data)
-    except ValidationError as exc:
-        first = exc.errors()[0]
-        param = ".".join(str(p) for p in first.get("loc", ())) or None
-        raise APIError(400, f"{param or 'body'}: {first.get('msg')}", param=param) from None

@@ -1,0 +1,160 @@
+"""Anthropic-compatible API: ``POST /v1/messages`` (Claude Messages), streamed or not.
+
+Shapes follow Anthropic's Messages API reference: the request's ``system``, ``messages``
+(text content, as a string or text blocks), ``max_tokens`` (required), ``temperature``,
+``top_p``, ``top_k``, ``stop_sequences``, ``stream``; the ``message`` object with one text
+content block, ``stop_reason`` (``end_turn``, ``max_tokens``, ``stop_sequence``) and
+``usage``; server-sent events ``message_start``, ``content_block_start``, ``ping``,
+``content_block_delta``, ``content_block_stop``, ``message_delta``, ``message_stop``.
+Errors use Anthropic's body: ``{"type": "error", "error": {"type", "message"}}``.
+"""
+
+from __future__ import annotations
+
+import json
+import uuid
+from collections.abc import AsyncIterator
+from typing import Any, Literal
+
+from fastapi import APIRouter, Request
+from fastapi.responses import JSONResponse, StreamingResponse
+from pydantic import BaseModel, ConfigDict, Field
+
+from shardline.api.generation import (
+    APIError,
+    Generation,
+    GenerationRequest,
+    collect_unless_disconnected,
+    parse_body,
+    prepare,
+)
+from shardline.node.node import InstanceFailedError, Node
+from shardline.runner.protocol import PrefillProgress, SamplingParams
+
+# APIError kinds as Anthropic names them.
+_ERROR_TYPES = {"invalid_request_error": "invalid_request_error", "not_found_error": "not_found_error",
+                "server_error": "api_error"}
+
+
+def error_body(kind: str, message: str) -> dict:
+    return {"type": "error", "error": {"type": _ERROR_TYPES.get(kind, kind), "message": message}}
+
+
+def error_response(exc: APIError) -> JSONResponse:
+    """An :class:`APIError` in Anthropic's format (a model that is loading: 529 overloaded)."""
+    if exc.code == "model_not_ready":
+        return JSONResponse(status_code=529, content=error_body("overloaded_error", exc.message))
+    return JSONResponse(status_code=exc.status, content=error_body(exc.kind, exc.message))
+
+
+class TextBlock(BaseModel):
+    model_config = ConfigDict(extra="allow")  # e.g. cache_control
+    type: Literal["text"]
+    text: str
+
+
+class Message(BaseModel):
+    role: Literal["user", "assistant"]
+    content: str | list[TextBlock]
+
+    def text(self) -> str:
+        return self.content if isinstance(self.content, str) else "".join(b.text for b in self.content)
+
+
+class MessagesRequest(BaseModel):
+    """The fields of Anthropic's request that shardline honours; others are accepted and ignored."""
+
+    model_config = ConfigDict(extra="allow")
+    model: str
+    messages: list[Message] = Field(min_length=1)
+    max_tokens: int = Field(ge=1)
+    system: str | list[TextBlock] | None = None
+    temperature: float = Field(default=1.0, ge=0.0, le=1.0)
+    top_p: float = Field(default=1.0, gt=0.0, le=1.0)
+    top_k: int = Field(default=0, ge=0)
+    stop_sequences: list[str] | None = None
+    stream: bool = False
+
+    def to_generation(self) -> GenerationRequest:
+        chat = []
+        if self.system:
+            system = self.system if isinstance(self.system, str) else "".join(b.text for b in self.system)
+            chat.append({"role": "system", "content": system})
+        chat += [{"role": m.role, "content": m.text()} for m in self.messages]
+        return GenerationRequest(
+            model=self.model, prompt=chat, max_tokens=self.max_tokens,
+            sampling=SamplingParams(self.temperature, self.top_p, self.top_k, None),
+            stop=list(self.stop_sequences or []), prompt_param="messages")
+
+
+def _stop_reason(gen: Generation, finish: str) -> tuple[str, str | None]:
+    """Anthropic's ``stop_reason`` and ``stop_sequence`` for a finish reason."""
+    if finish == "length":
+        return "max_tokens", None
+    if gen.stops.matched is not None:
+        return "stop_sequence", gen.stops.matched
+    return "end_turn", None
+
+
+def router(node: Node) -> APIRouter:
+    api = APIRouter()
+
+    @api.post("/v1/messages")
+    async def messages(request: Request):
+        try:
+            req = await parse_body(request, MessagesRequest)
+            gen = await prepare(node, req.to_generation())
+        except APIError as exc:
+            return error_response(exc)
+        message_id = f"msg_{uuid.uuid4().hex}"
+        if req.stream:
+            return StreamingResponse(_stream(gen, req, message_id), media_type="text/event-stream",
+                                     headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+        try:
+            parts, finish = await collect_unless_disconnected(gen, request)
+        except InstanceFailedError as exc:
+            return error_response(APIError(500, str(exc), "server_error"))
+        if finish is None:  # the client left; nobody reads this
+            return JSONResponse(status_code=499, content=error_body("api_error", "client closed the request"))
+        reason, sequence = _stop_reason(gen, finish)
+        return dict(_message(gen, req, message_id, [{"type": "text", "text": "".join(parts)}]),
+                    stop_reason=reason, stop_sequence=sequence,
+                    usage={"input_tokens": len(gen.prompt), "output_tokens": gen.completion_tokens})
+
+    return api
+
+
+def _message(gen: Generation, req: MessagesRequest, message_id: str, content: list[dict]) -> dict:
+    return {"id": message_id, "type": "message", "role": "assistant", "model": req.model,
+            "content": content, "stop_reason": None, "stop_sequence": None,
+            "usage": {"input_tokens": len(gen.prompt), "output_tokens": 0}}
+
+
+def _event(name: str, data: dict[str, Any]) -> str:
+    return f"event: {name}\ndata: {json.dumps(data, ensure_ascii=False)}\n\n"
+
+
+async def _stream(gen: Generation, req: MessagesRequest, message_id: str) -> AsyncIterator[str]:
+    yield _event("message_start", {"type": "message_start", "message": _message(gen, req, message_id, [])})
+    yield _event("content_block_start", {"type": "content_block_start", "index": 0,
+                                         "content_block": {"type": "text", "text": ""}})
+    yield _event("ping", {"type": "ping"})
+    reason, sequence = "end_turn", None
+    try:
+        async for item in gen.texts():
+            if isinstance(item, PrefillProgress):
+                continue
+            text, finish = item
+            if text:
+                yield _event("content_block_delta", {"type": "content_block_delta", "index": 0,
+                                                     "delta": {"type": "text_delta", "text": text}})
+            if finish is not None:
+                reason, sequence = _stop_reason(gen, finish)
+    except InstanceFailedError as exc:
+        yield _event("error", error_body("api_error", str(exc)))
+        return
+    yield _event("content_block_stop", {"type": "content_block_stop", "index": 0})
+    yield _event("message_delta", {"type": "message_delta",
+                                   "delta": {"stop_reason": reason, "stop_sequence": sequence},
+                                   "usage": {"output_tokens": gen.completion_tokens}})
+    yield _event("message_stop", {"type": "message_stop"})
