@@ -87,6 +87,7 @@ def _cluster(args: argparse.Namespace) -> int:
           f"({instance['sharding']} on {len(instance['ranks'])} node(s))")
     print(f"  per node: {ranges}")
     print(f"  API: {url}/v1  (any node: ports {args.port}-{args.port + args.nodes - 1})")
+    print(f"  dashboard: {url}/")
     print("  try:")
     print(f"    curl {url}/v1/chat/completions -H 'Content-Type: application/json' \\")
     print(f"      -d '{{\"model\": \"{instance['model_id']}\", \"messages\": "

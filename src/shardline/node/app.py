@@ -5,12 +5,13 @@ from __future__ import annotations
 import dataclasses
 import json
 import logging
+from pathlib import Path
 from typing import Literal
 from contextlib import asynccontextmanager
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, StreamingResponse
+from fastapi.responses import FileResponse, JSONResponse, StreamingResponse
 from pydantic import BaseModel, Field, field_validator, model_validator
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
@@ -26,6 +27,8 @@ from shardline.placement.pipeline import PlacementError
 from shardline.runner.protocol import SamplingParams
 
 log = logging.getLogger(__name__)
+
+DASHBOARD = Path(__file__).resolve().parent.parent / "api" / "static" / "dashboard.html"
 
 
 class CreateInstance(BaseModel):
@@ -122,7 +125,12 @@ def create_app(node: Node) -> FastAPI:
     add_link_routes(app)
     add_model_routes(app, node.store)
 
-    # -- health and cluster API ----------------------------------------------------------
+    # -- dashboard, health and cluster API -----------------------------------------------
+
+    @app.get("/", include_in_schema=False)
+    async def dashboard():
+        """The web dashboard: nodes, instances and their shards, placing, a chat panel."""
+        return FileResponse(DASHBOARD, media_type="text/html")
 
     @app.get("/health")
     async def health() -> dict:
