@@ -28,6 +28,7 @@ from shardline.api.generation import (
     parse_body,
     prepare,
 )
+from shardline.api.metrics import RequestMetrics
 from shardline.node.node import InstanceFailedError, Node
 from shardline.runner.protocol import PrefillProgress, SamplingParams
 
@@ -84,7 +85,7 @@ class MessagesRequest(BaseModel):
         return GenerationRequest(
             model=self.model, prompt=chat, max_tokens=self.max_tokens,
             sampling=SamplingParams(self.temperature, self.top_p, self.top_k, None),
-            stop=list(self.stop_sequences or []), prompt_param="messages")
+            stop=list(self.stop_sequences or []), api="anthropic", prompt_param="messages")
 
 
 def _stop_reason(gen: Generation, finish: str) -> tuple[str, str | None]:
@@ -96,14 +97,14 @@ def _stop_reason(gen: Generation, finish: str) -> tuple[str, str | None]:
     return "end_turn", None
 
 
-def router(node: Node) -> APIRouter:
+def router(node: Node, metrics: RequestMetrics | None = None) -> APIRouter:
     api = APIRouter()
 
     @api.post("/v1/messages")
     async def messages(request: Request):
         try:
             req = await parse_body(request, MessagesRequest)
-            gen = await prepare(node, req.to_generation())
+            gen = await prepare(node, req.to_generation(), metrics)
         except APIError as exc:
             return error_response(exc)
         message_id = f"msg_{uuid.uuid4().hex}"

@@ -13,7 +13,7 @@ import json
 import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import httpx
 from fastapi import Request
@@ -21,9 +21,12 @@ from pydantic import BaseModel, ValidationError
 
 from shardline.models.store import ModelNotFoundError
 from shardline.models.tokenizer import ChatTemplateError, IncrementalDetokenizer, Tokenizer
-from shardline.node.node import Instance, NoInstanceError, Node
+from shardline.node.node import Instance, InstanceFailedError, NoInstanceError, Node
 from shardline.node.transfer import TransferError
 from shardline.runner.protocol import PrefillProgress, SamplingParams
+
+if TYPE_CHECKING:
+    from shardline.api.metrics import RequestMetrics
 
 
 class APIError(Exception):
@@ -55,6 +58,7 @@ class GenerationRequest:
     sampling: SamplingParams = field(default_factory=lambda: SamplingParams(1.0, 1.0, 0, None))
     stop: list[str] = field(default_factory=list)
     ignore_eos: bool = False
+    api: str = "openai"  # which API took it, for the metrics
     max_tokens_param: str = "max_tokens"  # the API's names of the limit and the prompt,
     prompt_param: str = "prompt"  # for error messages
 
@@ -103,8 +107,9 @@ class Generation:
     """
 
     def __init__(self, node: Node, req: GenerationRequest, prompt: list[int], inst: Instance,
-                 tokenizer: Tokenizer) -> None:
+                 tokenizer: Tokenizer, metrics: RequestMetrics | None = None) -> None:
         self.node = node
+        self.metrics = metrics
         self.req = req
         self.prompt = prompt
         self.tokenizer = tokenizer
@@ -138,6 +143,7 @@ class Generation:
         """
         events = self.node.generate(self.req.model, self.prompt, self.max_tokens, self.req.sampling,
                                     self.stop_ids)
+        ended = "cancelled"  # unless it finishes, or fails
         try:
             async for event in events:
                 if isinstance(event, PrefillProgress):
@@ -151,15 +157,25 @@ class Generation:
                 if event.token_id >= 0 and event.token_id not in self.stop_ids:
                     text, hit = self.stops.feed(self.detokenizer.push(event.token_id))
                     if hit:
+                        ended = "stop"
                         yield text, "stop"
                         return
                 if finish is not None:
-                    yield text + self.stops.flush(), "stop" if finish == "cancelled" else finish
+                    ended = "stop" if finish == "cancelled" else finish
+                    yield text + self.stops.flush(), ended
                     return
                 if text:
                     yield text, None
+        except InstanceFailedError:
+            ended = "error"
+            raise
         finally:
             await events.aclose()
+            if self.metrics is not None:
+                now = time.monotonic()
+                ttft = None if self.first_token_at is None else self.first_token_at - self.started
+                self.metrics.record(self.req.api, ended, len(self.prompt), self.completion_tokens, ttft,
+                                    now - self.started)
 
     def usage(self) -> dict:
         """OpenAI's usage object: prompt, completion and total tokens."""
@@ -175,7 +191,7 @@ class Generation:
                 "time_ms": round((time.monotonic() - self.started) * 1000, 1)}
 
 
-async def prepare(node: Node, req: GenerationRequest) -> Generation:
+async def prepare(node: Node, req: GenerationRequest, metrics: RequestMetrics | None = None) -> Generation:
     """Find a ready instance and the tokenizer of ``req.model`` and tokenize the prompt.
 
     Raises:
@@ -215,7 +231,7 @@ async def prepare(node: Node, req: GenerationRequest) -> Generation:
                            param=req.prompt_param)
     if not prompt:
         raise APIError(400, "the prompt is empty", param=req.prompt_param)
-    return Generation(node, req, prompt, inst, tokenizer)
+    return Generation(node, req, prompt, inst, tokenizer, metrics)
 
 
 async def collect_unless_disconnected(

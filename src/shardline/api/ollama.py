@@ -29,6 +29,7 @@ from shardline.api.generation import (
     parse_body,
     prepare,
 )
+from shardline.api.metrics import RequestMetrics
 from shardline.node.node import InstanceFailedError, Node
 from shardline.runner.protocol import PrefillProgress, SamplingParams
 
@@ -69,7 +70,8 @@ class _Request(BaseModel):
             model=self.model.removesuffix(":latest"), prompt=prompt,
             max_tokens=o.num_predict if o.num_predict > 0 else None,
             sampling=SamplingParams(min(o.temperature, 2.0), o.top_p, o.top_k, o.seed),
-            stop=list(o.stop or []), max_tokens_param="options.num_predict", prompt_param=prompt_param)
+            stop=list(o.stop or []), api="ollama", max_tokens_param="options.num_predict",
+            prompt_param=prompt_param)
 
 
 class ChatRequest(_Request):
@@ -95,7 +97,7 @@ def _now() -> str:
     return datetime.now(timezone.utc).isoformat()
 
 
-def router(node: Node) -> APIRouter:
+def router(node: Node, metrics: RequestMetrics | None = None) -> APIRouter:
     api = APIRouter()
 
     @api.get("/api/version")
@@ -116,7 +118,7 @@ def router(node: Node) -> APIRouter:
 
     @api.post("/api/chat")
     async def chat(request: Request):
-        return await _serve(node, request, ChatRequest,
+        return await _serve(node, metrics, request, ChatRequest,
                             lambda text: {"message": {"role": "assistant", "content": text}})
 
     @api.post("/api/generate")
@@ -132,16 +134,16 @@ def router(node: Node) -> APIRouter:
                 return error_response(APIError(404, f"model '{req.model}' not found"))
             return {"model": req.model, "created_at": _now(), "response": "", "done": True,
                     "done_reason": "load"}
-        return await _serve(node, request, GenerateRequest, lambda text: {"response": text}, req)
+        return await _serve(node, metrics, request, GenerateRequest, lambda text: {"response": text}, req)
 
     return api
 
 
-async def _serve(node: Node, request: Request, request_type: type[_Request],
+async def _serve(node: Node, metrics: RequestMetrics | None, request: Request, request_type: type[_Request],
                  content: Callable[[str], dict], req: _Request | None = None):
     try:
         req = req or await parse_body(request, request_type)
-        gen = await prepare(node, req.to_generation())
+        gen = await prepare(node, req.to_generation(), metrics)
     except APIError as exc:
         return error_response(exc)
     if req.stream:

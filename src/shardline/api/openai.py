@@ -27,6 +27,7 @@ from shardline.api.generation import (
     parse_body,
     prepare,
 )
+from shardline.api.metrics import RequestMetrics
 from shardline.node.node import InstanceFailedError, Node
 from shardline.runner.protocol import PrefillProgress, SamplingParams
 
@@ -119,7 +120,7 @@ class CompletionRequest(SamplingFields):
         return self.generation(prompt, self.max_tokens, "max_tokens", "prompt")
 
 
-def router(node: Node) -> APIRouter:
+def router(node: Node, metrics: RequestMetrics | None = None) -> APIRouter:
     api = APIRouter()
 
     def model_object(m: dict) -> dict:
@@ -142,11 +143,11 @@ def router(node: Node) -> APIRouter:
 
     @api.post("/v1/chat/completions")
     async def chat_completions(request: Request):
-        return await _serve(node, request, ChatCompletionRequest, "chatcmpl", _ChatShape)
+        return await _serve(node, metrics, request, ChatCompletionRequest, "chatcmpl", _ChatShape)
 
     @api.post("/v1/completions")
     async def completions(request: Request):
-        return await _serve(node, request, CompletionRequest, "cmpl", _CompletionShape)
+        return await _serve(node, metrics, request, CompletionRequest, "cmpl", _CompletionShape)
 
     return api
 
@@ -214,12 +215,13 @@ class _CompletionShape(_ChatShape):
         return dict(self._chunk(self.echo() + text, finish), usage=self.gen.usage())
 
 
-async def _serve(node: Node, request: Request, request_type: type[SamplingFields], id_prefix: str,
+async def _serve(node: Node, metrics: RequestMetrics | None, request: Request,
+                 request_type: type[SamplingFields], id_prefix: str,
                  shape_type: type[_ChatShape]):
     """Parse, prepare and run one request; stream it as server-sent events or answer whole."""
     try:
         req = await parse_body(request, request_type)
-        gen = await prepare(node, req.to_generation())
+        gen = await prepare(node, req.to_generation(), metrics)
     except APIError as exc:
         return error_response(exc)
     shape = shape_type(req, gen, f"{id_prefix}-{uuid.uuid4().hex}", int(time.time()))

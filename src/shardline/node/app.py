@@ -15,7 +15,7 @@ from fastapi.responses import FileResponse, JSONResponse, StreamingResponse
 from pydantic import BaseModel, Field, field_validator, model_validator
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from shardline.api import anthropic, ollama, openai
+from shardline.api import anthropic, metrics, ollama, openai
 from shardline.models.config import UnsupportedModelError
 from shardline.models.store import DEFAULT_MODEL_ID, ModelNotFoundError, ModelStoreError
 from shardline.node.identity import key_matches
@@ -119,9 +119,11 @@ def create_app(node: Node) -> FastAPI:
 
     app.add_middleware(ClusterKeyMiddleware, key=node.cluster_key)
 
-    app.include_router(openai.router(node))
-    app.include_router(anthropic.router(node))
-    app.include_router(ollama.router(node))
+    request_metrics = metrics.RequestMetrics(node)
+    app.include_router(openai.router(node, request_metrics))
+    app.include_router(anthropic.router(node, request_metrics))
+    app.include_router(ollama.router(node, request_metrics))
+    app.include_router(metrics.router(request_metrics))
     add_link_routes(app)
     add_model_routes(app, node.store)
 
