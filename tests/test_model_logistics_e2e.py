@@ -106,3 +106,32 @@ def test_a_node_short_of_memory_is_refused_unless_forced(cluster):
     assert layers[ids[2]] == 1 and layers[ids[0]] + layers[ids[1]] == 29  # ranges follow memory
     assert default_model_path().name in store_of(cluster, 2).present(MODEL)
     assert "Paris" in ask(cluster.url(2))
+
+
+def test_a_local_path_given_to_any_node_is_placed_and_each_rank_copies_only_its_files(cluster, tmp_path):
+    from tiny_models import hf_model
+
+    source = tmp_path / "tiny-split"
+    hf_model("llama", num_layers=4).save_pretrained(source, safe_serialization=True, max_shard_size="60KB")
+    ids = node_ids(cluster)
+    asked = max(range(3), key=lambda i: ids[i])  # not the coordinator (the smallest id)
+    placed = shardline("place", str(source), "--sharding", "pipeline", "--force", "--url", cluster.url(asked))
+    assert placed.returncode == 0, placed.stdout + placed.stderr
+    instance = next(i for i in httpx.get(f"{cluster.url(0)}/cluster/instances", timeout=5).json()["instances"]
+                    if i["model_id"] == "tiny-split")
+    assert instance["status"] == "ready"
+    manifest = store_of(cluster, asked).manifest("tiny-split")  # adopted by the node asked
+    assert store_of(cluster, asked).present("tiny-split") == {f.path for f in manifest.files}
+    weights = {f.path for f in manifest.files if f.weights}
+    ranks = instance["ranks"]
+    for rank_index, rank in enumerate(ranks):
+        i = ids.index(rank["node_id"])
+        if i == asked:
+            continue
+        top = rank_index in (0, len(ranks) - 1)
+        needed = set(manifest.shard_files(rank["layer_start"], rank["layer_end"], top))
+        assert store_of(cluster, i).present("tiny-split") == needed
+    middle = ids.index(ranks[1]["node_id"])
+    if middle != asked:
+        assert store_of(cluster, middle).present("tiny-split") & weights < weights
+    httpx.delete(f"{cluster.url(0)}/cluster/instances/{instance['instance_id']}", timeout=30)

@@ -190,7 +190,8 @@ def create_app(node: Node) -> FastAPI:
         """Feasible placements with predicted tokens/s (fastest first), then refused ones."""
         try:
             shardings = SHARDINGS if body.sharding == "auto" else (body.sharding,)
-            candidates = await node.preview(await node.model_card(body.model), body.nodes, body.context,
+            model_id = await node.adopt(body.model)
+            candidates = await node.preview(await node.model_card(model_id), body.nodes, body.context,
                                             body.max_batch, body.dtype, shardings=shardings,
                                             force=body.force, min_nodes=body.min_nodes or 1,
                                             max_nodes=body.max_nodes)
@@ -207,6 +208,12 @@ def create_app(node: Node) -> FastAPI:
 
     @app.post("/cluster/instances", status_code=201)
     async def create_instance(body: CreateInstance):
+        try:
+            # A path or cached repo on this machine goes into this node's store first, so the
+            # coordinator (perhaps another machine) finds it there by id.
+            body.model = await node.adopt(body.model)
+        except (ModelStoreError, UnsupportedModelError) as exc:
+            return JSONResponse(status_code=400, content={"detail": str(exc)})
         if not node.is_coordinator():
             status, content = await node.ask_coordinator("POST", "/cluster/instances", body.model_dump())
             return JSONResponse(status_code=status, content=content)

@@ -33,7 +33,14 @@ from dataclasses import dataclass, field
 import httpx
 import psutil
 
-from shardline.models.store import DEFAULT_MODEL_ID, Manifest, ModelCard, ModelNotFoundError, ModelStore
+from shardline.models.store import (
+    DEFAULT_MODEL_ID,
+    Manifest,
+    ModelCard,
+    ModelNotFoundError,
+    ModelStore,
+    ModelStoreError,
+)
 from shardline.models.tokenizer import Tokenizer
 from shardline.node.transfer import CopyProgress, TransferError, fetch_files
 from shardline.node.worker import Worker
@@ -474,9 +481,7 @@ class Node:
         manifest = self.store.manifest(model_id)
         if manifest is not None:
             return manifest
-        live = set(self.live_node_ids())
-        for peer in self.peers.values():
-            if peer.node_id in live and model_id in peer.models:
+        for peer in await self._peers_holding(lambda models: model_id in models):
                 try:
                     response = await self._http.get(f"http://{peer.address}/internal/models/manifest",
                                                     params={"model": model_id})
@@ -488,6 +493,17 @@ class Node:
             f"model {model_id!r} is not on any node: add it with `shardline models add {model_id}` "
             f"(a Hugging Face repo id) or `shardline models add PATH` (a .gguf file or a safetensors "
             f"directory) on one node")
+
+    async def _peers_holding(self, holds) -> list[Peer]:
+        """The live peers whose store summary satisfies ``holds(models)``; when none does,
+        after polling them all once (a model added a moment ago is in no summary yet)."""
+        for attempt in range(2):
+            live = set(self.live_node_ids())
+            found = [p for p in self.peers.values() if p.node_id in live and holds(p.models)]
+            if found or attempt:
+                return found
+            await asyncio.gather(*(self._poll(p.address) for p in self.peers.values() if p.node_id in live))
+        return []
 
     async def _fetch(self, manifest: Manifest, paths: list[str], on_progress=None) -> None:
         """Copy ``paths`` of a model that this store lacks from a live peer that has them
@@ -501,9 +517,8 @@ class Node:
             missing = self.store.missing(manifest.model_id, paths)
             if not missing:
                 return
-            live = set(self.live_node_ids())
-            holders = [p for p in self.peers.values() if p.node_id in live
-                       and set(missing) <= set(p.models.get(manifest.model_id, {}).get("present", ()))]
+            holders = await self._peers_holding(
+                lambda models: set(missing) <= set(models.get(manifest.model_id, {}).get("present", ())))
             if not holders:
                 raise ModelNotFoundError(f"no live node has the files {missing} of {manifest.model_id}")
             total = sum(f.size for f in manifest.files if f.path in paths)
@@ -649,7 +664,7 @@ class Node:
         min_nodes: int | None = None,
         max_nodes: int | None = None,
     ) -> Instance:
-        """Coordinator: place ``model`` (see :meth:`model_card`) and start loading it.
+        """Coordinator: place ``model`` (an id, see :meth:`adopt`) and start loading it.
 
         On ``node_ids`` (in rank order) when given. Otherwise under ``"auto"`` sharding, or
         with ``min_nodes`` / ``max_nodes``, the placement with the best predicted decode
@@ -667,7 +682,7 @@ class Node:
                 shardline can run.
             PlacementError: the sharding is unknown or the model does not fit the nodes.
         """
-        card = await self.model_card(model)
+        card = await self.model_card(await self.adopt(model))
         if sharding not in SHARDINGS + ("auto",):
             raise PlacementError(f"sharding {sharding!r} is not supported (supported: auto, {', '.join(SHARDINGS)})")
         if sharding == "auto" or (node_ids is None and (min_nodes or max_nodes)):
@@ -678,34 +693,40 @@ class Node:
             sharding, node_ids = best.sharding, list(best.node_ids)
         return await self._place(card, sharding, node_ids, context, max_batch, dtype, force)
 
-    async def model_card(self, model: str | None) -> ModelCard:
-        """A model's id and config, for placement: the embedded default (None or its id), a
-        model in this node's store or a live peer's, a local path (added to this node's
-        store, whence the other nodes copy it), or a model in the local Hugging Face cache
-        (added the same way).
+    async def adopt(self, model: str | None) -> str:
+        """The model id for what a request names, taking what only this machine has into
+        this node's store (whence the others copy it): a local path (a ``.gguf`` file or a
+        safetensors directory), or a repo id in this machine's Hugging Face cache that no
+        node's store holds. The default for None is the embedded default model.
 
         Raises:
-            ModelNotFoundError: none of these has it.
             ModelStoreError, UnsupportedModelError: a path that is not a model shardline
                 can run.
         """
         model = model or DEFAULT_MODEL_ID
-        if model == DEFAULT_MODEL_ID or self.store.manifest(model) is not None:
-            return await asyncio.to_thread(self.store.card, model)
+        live = set(self.live_node_ids())
+        if model == DEFAULT_MODEL_ID or self.store.manifest(model) is not None or any(
+                model in p.models for p in self.peers.values() if p.node_id in live):
+            return model
         if Path(model).expanduser().exists():
-            manifest = await asyncio.to_thread(self.store.add_local, model)
-            return ModelCard(manifest.model_id, manifest.config)
-        try:
-            manifest = await self._manifest(model)
-        except ModelNotFoundError:
-            if "/" not in model:
-                raise
+            return (await asyncio.to_thread(self.store.add_local, model)).model_id
+        if "/" in model:
             try:
-                manifest = await asyncio.to_thread(self.store.add_from_hub, model, False)
-            except ModelNotFoundError:
-                raise ModelNotFoundError(
-                    f"model {model!r} is not on any node, nor in the Hugging Face cache: add it with "
-                    f"`shardline models add {model}` (downloads it) on one node") from None
+                return (await asyncio.to_thread(self.store.add_from_hub, model, False)).model_id
+            except (ModelNotFoundError, ModelStoreError):
+                pass
+        return model
+
+    async def model_card(self, model_id: str) -> ModelCard:
+        """A model's id and config, for placement: the embedded default, or a model in this
+        node's store or a live peer's.
+
+        Raises:
+            ModelNotFoundError: none of these has it.
+        """
+        if model_id == DEFAULT_MODEL_ID or self.store.manifest(model_id) is not None:
+            return await asyncio.to_thread(self.store.card, model_id)
+        manifest = await self._manifest(model_id)
         return ModelCard(manifest.model_id, manifest.config)
 
     def node_profiles(self, node_ids: list[str]):
