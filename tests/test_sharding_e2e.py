@@ -1,7 +1,8 @@
 """End to end: tensor and ring instances on real node processes (127.0.0.1, real model).
 
 One 3-node cluster; each test places instances on some of its nodes, one at a time, and
-compares their text at temperature 0 with a one-node instance of the same compute dtype.
+compares their text at temperature 0 with a one-node instance of the same compute dtype
+(placed once for the module, before the others).
 
 Tensor and ring instances are compared in float32. In bfloat16 their partial results
 round differently from one node's: a tensor rank's matrix products have other shapes, and
@@ -34,8 +35,9 @@ PROMPTS = [
     "List three primary colours.",
     "Explain what a CPU does in one sentence.",
 ]
-# About 2900 tokens with the chat template: a ring prefill of 3 chunks on 2 ranks.
-LONG = " ".join(f"Fact {i}: the number {i} squared is {i * i}." for i in range(150)) + \
+# 2361 tokens with the chat template: a ring prefill of 3 chunks on 2 ranks (1024, 1024,
+# 313), of 2 on 3 ranks (1536, 825: not a multiple of 6, so the zig-zag blocks are uneven).
+LONG = " ".join(f"Fact {i}: the number {i} squared is {i * i}." for i in range(128)) + \
     " Question: what is 17 squared?"
 
 
@@ -50,6 +52,16 @@ def bare3(tmp_path_factory):
         yield cluster
     finally:
         cluster.stop()
+
+
+@pytest.fixture(scope="module")
+def one_node(bare3):
+    """A one-node float32 instance's text for each of PROMPTS and LONG (each request alone),
+    and the bytes of its weights."""
+    with placed(bare3, "pipeline", [0], "float32") as inst:
+        prompts = PROMPTS + [LONG]
+        reference = dict(zip(prompts, texts(bare3.url(0), prompts, 16)))
+        return {"texts": reference, "param_bytes": inst["ranks"][0]["loaded"]["param_bytes"]}
 
 
 @contextlib.contextmanager
@@ -91,10 +103,9 @@ def concurrent_texts(url: str, prompts: list[str], max_tokens: int) -> list[str]
     return asyncio.run(run())
 
 
-def test_tensor_instances_give_one_nodes_text_and_hold_a_share_of_the_weights(bare3):
-    with placed(bare3, "pipeline", [0], "float32") as one:
-        reference = texts(bare3.url(0), PROMPTS, 16)
-        one_bytes = one["ranks"][0]["loaded"]["param_bytes"]
+def test_tensor_instances_give_one_nodes_text_and_hold_a_share_of_the_weights(bare3, one_node):
+    reference = [one_node["texts"][p] for p in PROMPTS]
+    one_bytes = one_node["param_bytes"]
     with placed(bare3, "tensor", [0, 1], "float32") as inst:
         assert [r["tensor_share"]["heads"] for r in inst["ranks"]] == [[0, 5], [5, 9]]  # 9 heads
         assert texts(bare3.url(1), PROMPTS, 16) == reference
@@ -109,15 +120,14 @@ def test_tensor_instances_give_one_nodes_text_and_hold_a_share_of_the_weights(ba
         assert all(p < 0.55 * one_bytes for p in param), (param, one_bytes)
 
 
-def test_ring_instances_continue_a_long_prompt_as_one_node_does(bare3):
-    with placed(bare3, "pipeline", [0], "float32"):
-        reference = texts(bare3.url(0), [LONG] + PROMPTS[:2], 16)
+def test_ring_instances_continue_a_long_prompt_as_one_node_does(bare3, one_node):
+    reference = [one_node["texts"][p] for p in [LONG] + PROMPTS[:2]]
     with placed(bare3, "ring", [0, 1], "float32") as inst:
         assert texts(bare3.url(1), [LONG], 16) == reference[:1]
         # a long prompt and short ones at once, each as alone
         assert concurrent_texts(bare3.url(0), [LONG] + PROMPTS[:2], 16) == reference
         leave_during_prefill_and_check_every_rank_is_free(bare3, inst, reference[1])
-    with placed(bare3, "ring", [0, 1, 2], "float32"):  # 2900 tokens: not a multiple of 6
+    with placed(bare3, "ring", [0, 1, 2], "float32"):
         assert texts(bare3.url(2), [LONG], 16) == reference[:1]
 
 
