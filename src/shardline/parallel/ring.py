@@ -22,8 +22,6 @@ rank without gathering anything.
 
 from __future__ import annotations
 
-from typing import Callable
-
 import torch
 import torch.distributed as dist
 
@@ -187,7 +185,9 @@ class RingStage(Stage):
     shorter one, and every decode step, runs whole on every rank with no communication
     (the KV caches are identical, so every rank computes the same). Rank 0 holds the last
     position of every ring chunk (the zig-zag gives it the last block), so it samples.
-    See :class:`~shardline.parallel.stage.Stage` for the arguments.
+    :meth:`Stage.run <shardline.parallel.stage.Stage.run>` runs the micro-batches, a ring
+    chunk on this rank's share of its token ids (:meth:`local_tokens`). See
+    :class:`~shardline.parallel.stage.Stage` for the arguments.
     """
 
     def __init__(self, shard: DecoderShard, cache: KVCache, rank: int, world_size: int,
@@ -218,20 +218,9 @@ class RingStage(Stage):
             batch.logit_rows = batch.logit_rows[:0]
         return batch
 
-    def run(
-        self,
-        microbatches: list[tuple[torch.Tensor, ForwardBatch]],
-        computed: Callable[[int], None] | None = None,
-    ) -> list[torch.Tensor | None]:
-        """See :meth:`Stage.run`: a ring chunk feeds this rank's share of the token ids."""
-        outputs: list[torch.Tensor | None] = []
-        for index, (tokens, batch) in enumerate(microbatches):
-            if batch.ring is not None:
-                tokens = tokens[batch.ring.positions[self.rank].cpu() - batch.start]
-            self.progress.mark(f"computing micro-batch {index}")
-            out = self.shard(tokens.to(self.shard.device), batch, self.cache)
-            if computed is not None:
-                computed(index)
-            outputs.append(out if self.samples else None)
-        self.progress.mark("step done")
-        return outputs
+    def local_tokens(self, tokens: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
+        """A ring chunk's token ids at this rank's zig-zag positions (int64 ``[n]``, the
+        rows of ``batch``); every token id of any other batch."""
+        if batch.ring is None:
+            return tokens
+        return tokens[batch.ring.positions[self.rank].cpu() - batch.start]

@@ -5,6 +5,12 @@ chunks and decode steps (:meth:`Stage.prefill_batch`, :meth:`Stage.decode_batch`
 step's micro-batches with :meth:`run` (every rank of the instance runs the same list, the
 collectives inside depend on the sharding), lets the sampling rank sample, and shares the
 sampled ids with :meth:`share_tokens`.
+
+:meth:`Stage.run` is the loop of the shardings whose ranks all run every layer, each on its
+own part, with their collectives inside the layers (tensor: its heads and columns, two
+all-reduces a layer; ring: its share of a chunk's tokens, chosen by
+:meth:`Stage.local_tokens`, with the k/v hops inside attention). The pipeline, whose ranks
+pass hidden states to each other between their layers, overrides it.
 """
 
 from __future__ import annotations
@@ -33,6 +39,10 @@ class Stage:
         samples: True on the sampling rank.
     """
 
+    #: What a micro-batch's computation waits on besides this rank, for the progress
+    #: watchdog's report ("" where nothing; e.g. " (all-reduces with every rank)").
+    computing_waits_on = ""
+
     def __init__(self, shard: DecoderShard, cache: KVCache, rank: int, world_size: int,
                  sampler: int, group: dist.ProcessGroup | None = None,
                  progress: Progress | None = None) -> None:
@@ -54,6 +64,11 @@ class Stage:
         """A decode step: one token at ``positions[i]`` for the sequence in ``slots[i]``."""
         return self.shard.decode_batch(slots, positions)
 
+    def local_tokens(self, tokens: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
+        """The token ids this rank embeds for ``batch`` (int64, on the CPU): all of
+        ``tokens`` ``[N]`` here; a subclass may take a part (a ring rank's share)."""
+        return tokens
+
     def run(
         self,
         microbatches: list[tuple[torch.Tensor, ForwardBatch]],
@@ -64,11 +79,24 @@ class Stage:
         i. Returns, per micro-batch, float32 logits ``[len(batch.logit_rows), vocab]`` on
         the sampling rank and None elsewhere.
 
+        Here each rank embeds its :meth:`local_tokens` and runs its shard on them, one
+        micro-batch after another; the collectives, if any, are inside the shard's layers,
+        so every rank runs the micro-batches in the same order.
+
         Raises:
             RuntimeError: a transfer or collective failed or timed out (a peer rank is
                 gone or stalled).
         """
-        raise NotImplementedError
+        outputs: list[torch.Tensor | None] = []
+        for index, (tokens, batch) in enumerate(microbatches):
+            tokens = self.local_tokens(tokens, batch)
+            self.progress.mark(f"computing micro-batch {index}{self.computing_waits_on}")
+            out = self.shard(tokens.to(self.shard.device), batch, self.cache)
+            if computed is not None:
+                computed(index)
+            outputs.append(out if self.samples else None)
+        self.progress.mark("step done")
+        return outputs
 
     def share_tokens(self, ids: torch.Tensor) -> torch.Tensor:
         """Broadcast the sampled token ids (int64 ``[M]``, on the communication device:

@@ -42,7 +42,7 @@ import torch
 import torch.distributed as dist
 
 from shardline.models.config import TensorShare
-from shardline.models.llama import DecoderShard, ForwardBatch, KVCache
+from shardline.models.llama import DecoderShard, KVCache
 from shardline.parallel.progress import Progress
 from shardline.parallel.stage import Stage
 
@@ -70,13 +70,17 @@ def make_all_reduce(
 class TensorStage(Stage):
     """This rank's part of a tensor-parallel instance; world size 1 is a plain model.
 
-    Rank 0 holds the logits and samples. Args as for :class:`Stage`, and:
+    Rank 0 holds the logits and samples. :meth:`Stage.run` runs the micro-batches: every
+    rank embeds all the token ids and each layer all-reduces twice, so the micro-batches run
+    one after another on every rank. Args as for :class:`Stage`, and:
         shard: from :func:`~shardline.models.weights.load_tensor_shard` (every layer, this
             rank's heads and columns; the LM head on rank 0).
         cache: a :class:`KVCache` with ``num_kv_heads=shard.num_kv_heads``.
         reduce_dtype: dtype of the all-reduced sums (default float32; None: the compute
             dtype).
     """
+
+    computing_waits_on = " (all-reduces with every rank)"
 
     def __init__(
         self,
@@ -99,23 +103,6 @@ class TensorStage(Stage):
         if self.samples and shard.lm_head is None:
             raise ValueError("the sampling rank's shard has no LM head")
         shard.set_all_reduce(make_all_reduce(group, reduce_dtype) if world_size > 1 else None)
-
-    def run(
-        self,
-        microbatches: list[tuple[torch.Tensor, ForwardBatch]],
-        computed: Callable[[int], None] | None = None,
-    ) -> list[torch.Tensor | None]:
-        """See :meth:`Stage.run`. Every rank embeds the token ids and each layer
-        all-reduces twice, so the micro-batches run one after another on every rank."""
-        outputs: list[torch.Tensor | None] = []
-        for index, (tokens, batch) in enumerate(microbatches):
-            self.progress.mark(f"computing micro-batch {index} (all-reduces with every rank)")
-            out = self.shard(tokens.to(self.shard.device), batch, self.cache)
-            if computed is not None:
-                computed(index)
-            outputs.append(out if self.samples else None)
-        self.progress.mark("step done")
-        return outputs
 
 
 def load_tensor_stage(
