@@ -379,3 +379,19 @@ def test_unsupported_architectures(llama):
     with pytest.raises(UnsupportedModelError):
         ModelConfig.from_hf_config({**cfg, "architectures": ["LlamaForCausalLM"],
                                     "model_type": "llama", "num_key_value_heads": 3})
+
+
+def test_a_reopened_gguf_reads_the_same_from_its_cached_header(tmp_path, monkeypatch):
+    from shardline.models.weights import GGUFSource, _header_cache_file
+
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    model = tm.hf_model("qwen2", seed=5)
+    path = tm.write_gguf(model, tmp_path / "q8.gguf", arch="qwen2", rope_theta=THETA,
+                         q8_0=("blk.1.ffn_down.weight",))
+    first = GGUFSource(path)
+    assert _header_cache_file(path).is_file()
+    second = GGUFSource(path)
+    assert second.metadata == first.metadata and second.config == first.config
+    assert second.names() == first.names()
+    for name in first.names():
+        assert torch.equal(second.read(name), first.read(name)), name

@@ -105,6 +105,8 @@ def test_a_gguf_model_keeps_its_tokenizer_beside_it(tmp_path):
     assert saved.eos_token_ids == original.eos_token_ids
     # The embedded default is found without being in the store.
     assert store.weights_path(DEFAULT_MODEL_ID) == default_model_path()
+    default = Tokenizer(store.tokenizer_path(DEFAULT_MODEL_ID))  # saved once per machine
+    assert default.encode_chat(messages) == original.encode_chat(messages)
 
 
 def test_bad_ids_and_paths_are_refused_with_the_reason(tmp_path, split_model):

@@ -181,6 +181,30 @@ def _default_config() -> dict:
     return open_weights(default_model_path()).config.to_dict()
 
 
+def _default_tokenizer_dir() -> Path:
+    """The embedded default's tokenizer saved as Hugging Face tokenizer files, made once per
+    machine in ``$XDG_CACHE_HOME/shardline/tokenizers/``: rebuilding it from the GGUF's
+    metadata (transformers' GGUF converter) takes seconds at every node start otherwise."""
+    from shardline.models.tokenizer import Tokenizer
+
+    gguf_file = default_model_path()
+    stat = gguf_file.stat()
+    key = hashlib.sha256(f"{gguf_file}|{stat.st_size}|{stat.st_mtime_ns}".encode()).hexdigest()[:24]
+    base = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache")
+    target = base / "shardline" / "tokenizers" / key
+    if not target.is_dir():
+        target.parent.mkdir(parents=True, exist_ok=True)
+        staging = Path(tempfile.mkdtemp(prefix=".saving-", dir=target.parent))
+        try:
+            Tokenizer(gguf_file).save(staging)
+            staging.rename(target)
+        except OSError:  # another process saved it first
+            pass
+        finally:
+            shutil.rmtree(staging, ignore_errors=True)
+    return target
+
+
 def _link_or_copy(source: Path, target: Path) -> None:
     target.parent.mkdir(parents=True, exist_ok=True)
     try:
@@ -380,13 +404,14 @@ class ModelStore:
         return self.model_dir(model_id) / self._known(model_id).weights_path
 
     def tokenizer_path(self, model_id: str) -> Path:
-        """What :class:`~shardline.models.tokenizer.Tokenizer` reads for the model here.
+        """What :class:`~shardline.models.tokenizer.Tokenizer` reads for the model here
+        (blocking: the embedded default's tokenizer files are made on first use).
 
         Raises:
             ModelNotFoundError: the store does not know the model.
         """
         if model_id == DEFAULT_MODEL_ID:
-            return default_model_path()
+            return _default_tokenizer_dir()
         return self.model_dir(model_id) / self._known(model_id).tokenizer_path
 
     def card(self, model_id: str) -> ModelCard:

@@ -110,12 +110,20 @@ class GGUFSource(WeightSource):
 
     def __init__(self, path: str | Path) -> None:
         super().__init__()
-        from gguf import GGUFReader
-
         self.path = Path(path)
-        self.reader = GGUFReader(str(self.path))
+        cache = _header_cache_file(self.path)
+        try:
+            header = json.loads(cache.read_text())
+        except (OSError, ValueError):
+            header = None
+        self.reader = _reader_class()(str(self.path), header)
         self._tensors = {t.name: t for t in self.reader.tensors}
-        self.metadata = gguf_metadata(self.reader)
+        if header is not None:
+            self.metadata = header["metadata"]
+        else:
+            self.metadata = gguf_metadata(self.reader)
+            if "general.alignment" not in self.reader.fields:  # the cache assumes the default
+                _write_atomically(cache, json.dumps({"kv_end": self.reader.kv_end, "metadata": self.metadata}))
         self.config = ModelConfig.from_gguf_metadata(self.metadata, set(self._tensors))
         if "rope_freqs.weight" in self._tensors:
             self.rope_freq_factors = self.read("rope_freqs.weight").float()
@@ -180,6 +188,54 @@ class GGUFSource(WeightSource):
             raw = np.ascontiguousarray(data).view(np.uint16).astype(np.uint32) << 16
             return raw.view(np.float32)
         return np.ascontiguousarray(dequantize(np.ascontiguousarray(data), tensor_type))
+
+
+def _header_cache_file(path: Path) -> Path:
+    """Where the metadata of this GGUF file (by path, size and modification time) is kept:
+    ``$XDG_CACHE_HOME/shardline/gguf/``, shared by every process on the machine."""
+    import hashlib
+    import os
+
+    stat = path.stat()
+    key = hashlib.sha256(f"{path.resolve()}|{stat.st_size}|{stat.st_mtime_ns}".encode()).hexdigest()[:24]
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return Path(base) / "shardline" / "gguf" / f"{key}.json"
+
+
+def _write_atomically(path: Path, text: str) -> None:
+    import tempfile
+
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        with tempfile.NamedTemporaryFile("w", dir=path.parent, delete=False, suffix=".tmp") as f:
+            f.write(text)
+        Path(f.name).replace(path)
+    except OSError:
+        pass  # no cache: the next open parses the file again
+
+
+def _reader_class():
+    """``gguf.GGUFReader`` that can skip its key/value section.
+
+    The ``gguf`` library builds a memory-mapped view per element of every metadata array:
+    seconds for a tokenizer's tens of thousands of strings, at every open. With ``header``
+    (``{"kv_end", "metadata"}`` cached from a first full read) it jumps to the tensor infos,
+    which it still reads itself.
+    """
+    from gguf import GGUFReader
+
+    class HeaderCachedReader(GGUFReader):
+        def __init__(self, path: str, header: dict | None) -> None:
+            self._header = header
+            super().__init__(path)
+
+        def _build_fields(self, offs: int, count: int) -> int:
+            if self._header is not None:
+                return int(self._header["kv_end"])
+            self.kv_end = super()._build_fields(offs, count)
+            return self.kv_end
+
+    return HeaderCachedReader
 
 
 def gguf_metadata(reader) -> dict:

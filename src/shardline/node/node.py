@@ -866,8 +866,8 @@ class Node:
                 if model_id != DEFAULT_MODEL_ID:
                     manifest = await self._manifest(model_id)
                     await self._fetch(manifest, manifest.tokenizer_files())
-                path = self.store.tokenizer_path(model_id)
-                self.tokenizers[model_id] = await asyncio.to_thread(Tokenizer, path)
+                self.tokenizers[model_id] = await asyncio.to_thread(
+                    lambda: Tokenizer(self.store.tokenizer_path(model_id)))
             return self.tokenizers[model_id]
 
     def ready_instance(self, model_id: str) -> Instance:
