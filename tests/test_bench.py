@@ -3,32 +3,16 @@
 from __future__ import annotations
 
 import json
-import socket
 
 import pytest
 
 from shardline import cli
-from shardline.local_cluster import LocalCluster
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.fixture(scope="module")
-def node_url(tmp_path_factory):
-    """URL of a 1-node cluster serving the embedded default model."""
-    log_dir = str(tmp_path_factory.mktemp("bench-cluster"))
-    cluster = LocalCluster(nodes=1, base_port=_free_port(), runner_threads=1,
-                           log_dir=log_dir, data_dir=log_dir)
-    try:
-        cluster.start(timeout_s=30)
-        cluster.place(None, "pipeline", timeout_s=40)
-        yield cluster.url(0)
-    finally:
-        cluster.stop()
+def node_url(cluster1):
+    """URL of the shared 1-node cluster serving the embedded default model."""
+    return cluster1.url(0)
 
 
 @pytest.mark.timeout(90)

@@ -197,12 +197,13 @@ def test_one_instance_by_id(cluster3):
     ({"nodes": ["a"], "min_nodes": 1}, "not both"),
     ({"min_nodes": 3, "max_nodes": 2}, "min_nodes 3 is above max_nodes 2"),
     ({"model": "no-such/model"}, "shardline models add no-such/model"),
+    ({"model": "/no/such/dir/x.gguf"}, "no such file or directory"),
 ])
 def test_bad_placements_are_refused_before_anything_starts(cluster3, extra, words):
     before = httpx.get(f"{cluster3.url(0)}/cluster/instances").json()["instances"]
     response = httpx.post(f"{cluster3.url(0)}/cluster/instances", json={"sharding": "pipeline", **extra},
                           timeout=30)
-    assert response.status_code == (404 if "model" in extra else 400)
+    assert response.status_code == (404 if extra.get("model") == "no-such/model" else 400)
     assert words in response.json()["detail"]
     assert httpx.get(f"{cluster3.url(0)}/cluster/instances").json()["instances"] == before
 

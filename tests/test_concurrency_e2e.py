@@ -141,29 +141,6 @@ def test_a_seeded_sample_is_the_same_whatever_runs_beside_it(cluster3):
     assert alone and alone == beside
 
 
-def test_a_node_without_a_rank_forwards_requests(tmp_path):
-    from conftest import free_port_block
-
-    from shardline.local_cluster import LocalCluster
-
-    with LocalCluster(nodes=2, base_port=free_port_block(2), runner_threads=1,
-                      log_dir=str(tmp_path), data_dir=str(tmp_path)) as cluster:
-        cluster.start()
-        instance = cluster.place(None, on=[0])
-        assert len(instance["ranks"]) == 1
-        response = httpx.post(f"{cluster.url(1)}/v1/chat/completions", timeout=120,
-                              json=body("What is the capital of France?"))
-        assert response.status_code == 200
-        assert "Paris" in response.json()["choices"][0]["message"]["content"]
-
-        async def streamed():
-            async with httpx.AsyncClient(timeout=120) as client:
-                return await stream_text(client, cluster.url(1), body("Say hello.", max_tokens=8))
-
-        text, times = asyncio.run(streamed())
-        assert text and len(times) >= 2
-
-
 def test_a_non_streamed_request_is_cancelled_when_its_client_leaves(cluster3):
     with pytest.raises(httpx.ReadTimeout):
         httpx.post(f"{cluster3.url(2)}/v1/chat/completions", timeout=1.5,

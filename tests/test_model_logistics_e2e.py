@@ -76,8 +76,14 @@ def test_a_model_added_on_one_node_is_copied_to_its_ranks_and_served(cluster):
     rank1 = instance["ranks"][1]
     assert rank1["fetched"]["done_bytes"] == rank1["fetched"]["total_bytes"] >= default_model_path().stat().st_size
 
-    # Node 2 holds no rank: it copies the tokenizer (a few MB), not the weights, and serves.
+    # Node 2 holds no rank: it copies the tokenizer (a few MB), not the weights, and serves
+    # (forwarding to a node with a rank), streamed too.
     assert "Paris" in ask(cluster.url(2))
+    with httpx.stream("POST", f"{cluster.url(2)}/v1/chat/completions", timeout=120, json={
+            "model": MODEL, "stream": True, "max_tokens": 8,
+            "messages": [{"role": "user", "content": "Say hello."}]}) as response:
+        chunks = [line for line in response.iter_lines() if line.startswith("data: {")]
+    assert len(chunks) >= 3 and response.status_code == 200
     present = store_of(cluster, 2).present(MODEL)
     assert present and gguf not in present and all(p.startswith("tokenizer/") for p in present)
 

@@ -118,6 +118,13 @@ def test_bad_ids_and_paths_are_refused_with_the_reason(tmp_path, split_model):
     (tmp_path / "notes.txt").write_text("hello")
     with pytest.raises(ModelStoreError, match="neither a .gguf file nor a directory"):
         store.add_local(tmp_path / "notes.txt")
+    with pytest.raises(ModelStoreError, match="no such file or directory"):
+        store.add_local(tmp_path / "absent.gguf")
+    truncated = tmp_path / "truncated.gguf"
+    truncated.write_bytes(default_model_path().read_bytes()[:5_000_000])
+    with pytest.raises(ModelStoreError, match="not a model shardline can read"):
+        store.add_local(truncated)
+    assert store.model_ids() == [] and not list((tmp_path / "models").glob(".adding-*"))
     with pytest.raises(ModelNotFoundError, match="not in the model store"):
         store.weights_path("test/absent")
     assert store.manifest("../../etc") is None

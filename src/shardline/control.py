@@ -58,7 +58,7 @@ def _nodes(args: argparse.Namespace) -> None:
     table = Table(title=f"coordinator: {data['coordinator']}")
     for column in ("node", "address", "live", "available / total memory", "accelerator", "matmul",
                    "models"):
-        table.add_column(column)
+        table.add_column(column, no_wrap=column in ("node", "address"))
     for n in data["nodes"]:
         profile = n.get("profile") or {}
         flops = profile.get("matmul_flops")
@@ -86,7 +86,7 @@ def _instances(args: argparse.Namespace) -> None:
     data = _request(args, "GET", "/cluster/instances")
     table = Table()
     for column in ("instance", "model", "sharding", "dtype", "status", "ranks"):
-        table.add_column(column)
+        table.add_column(column, no_wrap=column == "instance")
     for i in data["instances"]:
         status = i["status"] + (f": {i['error']}" if i.get("error") else "")
         table.add_row(i["instance_id"], i["model_id"], i["sharding"], i["dtype"], status,
@@ -165,9 +165,11 @@ def _models_add(args: argparse.Namespace) -> None:
     from shardline.models.config import UnsupportedModelError
     from shardline.models.store import ModelNotFoundError, ModelStoreError
 
+    from shardline.models.store import looks_like_path
+
     store = _store(args)
     try:
-        if Path(args.source).expanduser().exists():
+        if Path(args.source).expanduser().exists() or looks_like_path(args.source):
             manifest = store.add_local(args.source, args.id)
         elif args.id is not None:
             raise CommandError(f"{args.source} does not exist (--id names a local file or directory)")

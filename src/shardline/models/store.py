@@ -36,6 +36,8 @@ import tempfile
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+from shardline.models.config import UnsupportedModelError
+
 log = logging.getLogger(__name__)
 
 DEFAULT_MODEL_ID = "HuggingFaceTB/SmolLM2-135M-Instruct"
@@ -146,6 +148,12 @@ def check_model_id(model_id: str) -> str:
         raise ModelStoreError(
             f"model id {model_id!r} is not of the form name or org/name (letters, digits, '.', '_', '-')")
     return model_id
+
+
+def looks_like_path(name: str) -> bool:
+    """Whether a model name is meant as a file system path (absolute, relative with ``./``
+    or ``../``, under ``~``, or a ``.gguf`` file) rather than a model id."""
+    return name.startswith(("/", "./", "../", "~")) or name.endswith(".gguf")
 
 
 def sha256_file(path: Path) -> str:
@@ -294,11 +302,14 @@ class ModelStore:
         adding the same path again costs no hashing.
 
         Raises:
-            ModelStoreError: a bad id, or a path that is not a model.
+            ModelStoreError: a bad id, a path that does not exist or is not a model (a
+                corrupt or truncated file).
             shardline.models.config.UnsupportedModelError: an architecture shardline
                 cannot run.
         """
         source = Path(path).expanduser()
+        if not source.exists():
+            raise ModelStoreError(f"{source}: no such file or directory")
         if source.is_file() and source.suffix == ".gguf":
             files = {source.name: source}
             fmt = "gguf"
@@ -326,11 +337,18 @@ class ModelStore:
         try:
             for name, file in files.items():
                 _link_or_copy(file, staging / name)
-            if fmt == "gguf":
-                from shardline.models.tokenizer import Tokenizer
+            try:
+                if fmt == "gguf":
+                    from shardline.models.tokenizer import Tokenizer
+                    from shardline.models.weights import open_weights
 
-                Tokenizer(staging / source.name).save(staging / GGUF_TOKENIZER_DIR)
-            manifest = self._describe(staging, model_id, fmt)
+                    open_weights(staging / source.name)  # a corrupt file fails here, quickly
+                    Tokenizer(staging / source.name).save(staging / GGUF_TOKENIZER_DIR)
+                manifest = self._describe(staging, model_id, fmt)
+            except UnsupportedModelError:
+                raise
+            except Exception as exc:  # the gguf and safetensors readers raise many kinds
+                raise ModelStoreError(f"{source} is not a model shardline can read: {exc}") from None
             (staging / MANIFEST).write_text(json.dumps(manifest.to_dict(), indent=1))
             target = self.model_dir(model_id)
             if target.exists():

@@ -40,6 +40,7 @@ from shardline.models.store import (
     ModelNotFoundError,
     ModelStore,
     ModelStoreError,
+    looks_like_path,
 )
 from shardline.models.tokenizer import Tokenizer
 from shardline.node.transfer import CopyProgress, TransferError, fetch_files
@@ -708,7 +709,7 @@ class Node:
         if model == DEFAULT_MODEL_ID or self.store.manifest(model) is not None or any(
                 model in p.models for p in self.peers.values() if p.node_id in live):
             return model
-        if Path(model).expanduser().exists():
+        if Path(model).expanduser().exists() or looks_like_path(model):
             return (await asyncio.to_thread(self.store.add_local, model)).model_id
         if "/" in model:
             try:
@@ -764,6 +765,8 @@ class Node:
         from shardline.placement.preview import auto, preview
 
         config, chosen, context, max_batch = self._placement_inputs(card, node_ids, context, max_batch)
+        if min_nodes > len(chosen):
+            raise PlacementError(f"min_nodes is {min_nodes} but there are only {len(chosen)} live nodes to use")
         profiles, links = self.node_profiles(chosen)
         if best_only:
             return [auto(config, profiles, links, context, max_batch, dtype, shardings, max_nodes,
