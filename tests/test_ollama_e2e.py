@@ -79,6 +79,7 @@ def test_tags_list_the_served_model_and_names_take_ollamas_tag(cluster3):
     ("/api/chat", {"model": DEFAULT_MODEL_ID, "messages": []}, 400),
     ("/api/chat", {"model": DEFAULT_MODEL_ID, "messages": [{"role": "user", "content": "hi"}],
                    "options": {"top_p": 5}}, 400),
+    ("/api/no-such-endpoint", {}, 404),
 ])
 def test_bad_requests_get_ollama_errors(cluster3, path, body, status):
     response = httpx.post(f"{cluster3.url(2)}{path}", json=body, timeout=60)

@@ -115,6 +115,8 @@ def create_app(node: Node) -> FastAPI:
         if request.url.path.startswith("/v1/"):
             kind = "not_found_error" if exc.status_code == 404 else "invalid_request_error"
             return JSONResponse(status_code=exc.status_code, content=openai.error_body(str(exc.detail), kind))
+        if request.url.path.startswith("/api/"):  # Ollama's error body
+            return JSONResponse(status_code=exc.status_code, content={"error": str(exc.detail)})
         return JSONResponse(status_code=exc.status_code, content={"detail": exc.detail})
 
     app.add_middleware(ClusterKeyMiddleware, key=node.cluster_key)
