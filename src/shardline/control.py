@@ -200,6 +200,10 @@ def _run(func):
         except CommandError as exc:
             print(f"shardline {args.command}: {exc}", file=sys.stderr)
             return 1
+        except KeyboardInterrupt:
+            print(f"shardline {args.command}: interrupted (a placed instance goes on loading: see "
+                  f"`shardline instances`)", file=sys.stderr)
+            return 130
         return 0
 
     return run
