@@ -36,6 +36,7 @@ import tempfile
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+from shardline.machine_cache import cache_path, write_atomically
 from shardline.models.config import UnsupportedModelError
 
 log = logging.getLogger(__name__)
@@ -196,10 +197,7 @@ def _default_tokenizer_dir() -> Path:
     from shardline.models.tokenizer import Tokenizer
 
     gguf_file = default_model_path()
-    stat = gguf_file.stat()
-    key = hashlib.sha256(f"{gguf_file}|{stat.st_size}|{stat.st_mtime_ns}".encode()).hexdigest()[:24]
-    base = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache")
-    target = base / "shardline" / "tokenizers" / key
+    target = cache_path("tokenizers", gguf_file)
     if not target.is_dir():
         target.parent.mkdir(parents=True, exist_ok=True)
         staging = Path(tempfile.mkdtemp(prefix=".saving-", dir=target.parent))
@@ -256,11 +254,7 @@ class ModelStore:
 
     def write_manifest(self, manifest: Manifest) -> None:
         """Record a model (before its files arrive from a peer)."""
-        directory = self.model_dir(manifest.model_id)
-        directory.mkdir(parents=True, exist_ok=True)
-        tmp = directory / (MANIFEST + ".tmp")
-        tmp.write_text(json.dumps(manifest.to_dict(), indent=1))
-        tmp.replace(directory / MANIFEST)
+        write_atomically(self.model_dir(manifest.model_id) / MANIFEST, json.dumps(manifest.to_dict(), indent=1))
 
     def present(self, model_id: str) -> set[str]:
         """The model's files that lie here under their own name with their manifest size."""

@@ -27,6 +27,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from shardline.machine_cache import cache_path, write_atomically
 from shardline.models.config import ModelConfig, TensorShare
 
 Span = tuple[int, int] | None  # (start, end) along one axis; None: all of it
@@ -123,7 +124,10 @@ class GGUFSource(WeightSource):
         else:
             self.metadata = gguf_metadata(self.reader)
             if "general.alignment" not in self.reader.fields:  # the cache assumes the default
-                _write_atomically(cache, json.dumps({"kv_end": self.reader.kv_end, "metadata": self.metadata}))
+                try:
+                    write_atomically(cache, json.dumps({"kv_end": self.reader.kv_end, "metadata": self.metadata}))
+                except OSError:
+                    pass  # no cache: the next open parses the file again
         self.config = ModelConfig.from_gguf_metadata(self.metadata, set(self._tensors))
         if "rope_freqs.weight" in self._tensors:
             self.rope_freq_factors = self.read("rope_freqs.weight").float()
@@ -191,27 +195,8 @@ class GGUFSource(WeightSource):
 
 
 def _header_cache_file(path: Path) -> Path:
-    """Where the metadata of this GGUF file (by path, size and modification time) is kept:
-    ``$XDG_CACHE_HOME/shardline/gguf/``, shared by every process on the machine."""
-    import hashlib
-    import os
-
-    stat = path.stat()
-    key = hashlib.sha256(f"{path.resolve()}|{stat.st_size}|{stat.st_mtime_ns}".encode()).hexdigest()[:24]
-    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-    return Path(base) / "shardline" / "gguf" / f"{key}.json"
-
-
-def _write_atomically(path: Path, text: str) -> None:
-    import tempfile
-
-    try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        with tempfile.NamedTemporaryFile("w", dir=path.parent, delete=False, suffix=".tmp") as f:
-            f.write(text)
-        Path(f.name).replace(path)
-    except OSError:
-        pass  # no cache: the next open parses the file again
+    """Where the metadata of this GGUF file is kept, for every process on the machine."""
+    return cache_path("gguf", path, ".json")
 
 
 def _reader_class():

@@ -1,0 +1,38 @@
+"""What shardline keeps per machine so that slow work is done once: files derived from
+another file (a GGUF's parsed metadata, a tokenizer rebuilt from it), in
+``$XDG_CACHE_HOME/shardline`` (``~/.cache/shardline`` when the variable is unset; XDG Base
+Directory Specification), keyed by the source file's path, size and modification time.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import tempfile
+from pathlib import Path
+
+
+def cache_path(kind: str, source: Path, suffix: str = "") -> Path:
+    """``<cache dir>/<kind>/<key><suffix>`` for what is derived from ``source``; a changed
+    or moved source gets a new key.
+
+    Raises:
+        OSError: ``source`` cannot be read (stat).
+    """
+    stat = source.stat()
+    key = hashlib.sha256(f"{source.resolve()}|{stat.st_size}|{stat.st_mtime_ns}".encode()).hexdigest()[:24]
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return Path(base) / "shardline" / kind / f"{key}{suffix}"
+
+
+def write_atomically(path: Path, text: str) -> None:
+    """Write ``text`` to ``path`` through a temporary file in its directory and a rename, so
+    a reader sees the old file or the new one, never part of one.
+
+    Raises:
+        OSError: the directory cannot be made or written.
+    """
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.NamedTemporaryFile("w", dir=path.parent, delete=False, suffix=".tmp") as f:
+        f.write(text)
+    Path(f.name).replace(path)
