@@ -51,20 +51,12 @@ def _run(args: argparse.Namespace) -> int:
     return 0
 
 
-def _rank_share(rank: dict) -> str:
-    """A rank's part of the model in words: its layers, or its heads and MLP columns."""
-    share = rank.get("tensor_share")
-    if share:
-        return (f"heads {share['heads'][0]}-{share['heads'][1] - 1}, "
-                f"columns {share['columns'][0]}-{share['columns'][1] - 1}")
-    return f"layers {rank['layer_start']}-{rank['layer_end'] - 1}"
-
-
 def _interrupt(signum, frame) -> None:
     raise KeyboardInterrupt
 
 
 def _cluster(args: argparse.Namespace) -> int:
+    from shardline.control import rank_share
     from shardline.local_cluster import LocalCluster, LocalClusterError
 
     cluster = LocalCluster(
@@ -82,7 +74,7 @@ def _cluster(args: argparse.Namespace) -> int:
         print(f"shardline cluster: {exc or 'interrupted'}", file=sys.stderr)
         return 1
     url = cluster.url(0)
-    ranges = ", ".join(_rank_share(r) for r in instance["ranks"])
+    ranges = ", ".join(rank_share(r) for r in instance["ranks"])
     print(f"\nshardline: {args.nodes}-node cluster serving {instance['model_id']} "
           f"({instance['sharding']} on {len(instance['ranks'])} node(s))")
     print(f"  per node: {ranges}")

@@ -71,10 +71,17 @@ def _nodes(args: argparse.Namespace) -> None:
     _console.print(table)
 
 
-def _rank_text(rank: dict) -> str:
+def rank_share(rank: dict) -> str:
+    """A rank's part of the model in words: its layers, or its heads and MLP columns."""
     share = rank.get("tensor_share")
-    part = (f"heads {share['heads'][0]}-{share['heads'][1] - 1}" if share
-            else f"layers {rank['layer_start']}-{rank['layer_end'] - 1}")
+    if share:
+        return (f"heads {share['heads'][0]}-{share['heads'][1] - 1}, "
+                f"columns {share['columns'][0]}-{share['columns'][1] - 1}")
+    return f"layers {rank['layer_start']}-{rank['layer_end'] - 1}"
+
+
+def _rank_text(rank: dict) -> str:
+    part = rank_share(rank)
     status = rank["status"]
     fetched = rank.get("fetched")
     if status == "fetching" and fetched:
