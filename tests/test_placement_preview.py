@@ -5,7 +5,6 @@ import itertools
 
 import pytest
 
-from shardline.models.config import ModelConfig
 from shardline.placement.pipeline import NodeCapacity, PlacementError
 from shardline.placement.preview import (
     DEFAULT_LINK,
@@ -19,26 +18,12 @@ from shardline.placement.preview import (
 )
 from shardline.placement.ranks import place_ranks
 
+from model_shapes import llama8b as _llama8b
+from model_shapes import smollm2 as _smollm2
+
 pytestmark = pytest.mark.timeout(30)
 
 GB = 1 << 30
-
-
-def _smollm2(**changes) -> ModelConfig:
-    """SmolLM2-135M's shape unless changed."""
-    base = dict(
-        architecture="llama", num_layers=30, hidden_size=576, intermediate_size=1536,
-        num_heads=9, num_kv_heads=3, head_dim=64, vocab_size=49152, rms_norm_eps=1e-5,
-        rope_theta=100000.0, max_position_embeddings=8192, tie_word_embeddings=True,
-    )
-    base.update(changes)
-    return ModelConfig(**base)
-
-
-def _llama8b() -> ModelConfig:
-    """Llama-3-8B's shape."""
-    return _smollm2(num_layers=32, hidden_size=4096, intermediate_size=14336, num_heads=32,
-                    num_kv_heads=8, head_dim=128, vocab_size=128256, tie_word_embeddings=False)
 
 
 def _node(name: str, available: int = 64 * GB, bandwidth: float = 100e9,

@@ -3,24 +3,14 @@ how many bytes."""
 
 import pytest
 
-from shardline.models.config import ModelConfig
 from shardline.placement.pipeline import NodeCapacity, PlacementError
 from shardline.placement.tensor import tensor_placement, tensor_rank_bytes, tensor_shares
+
+from model_shapes import smollm2 as _config
 
 pytestmark = pytest.mark.timeout(30)
 
 GB = 1 << 30
-
-
-def _config(**changes) -> ModelConfig:
-    """SmolLM2-135M's shape unless changed."""
-    base = dict(
-        architecture="llama", num_layers=30, hidden_size=576, intermediate_size=1536,
-        num_heads=9, num_kv_heads=3, head_dim=64, vocab_size=49152, rms_norm_eps=1e-5,
-        rope_theta=100000.0, max_position_embeddings=8192, tie_word_embeddings=True,
-    )
-    base.update(changes)
-    return ModelConfig(**base)
 
 
 def _nodes(n: int, available: int = 8 * GB) -> list[NodeCapacity]:

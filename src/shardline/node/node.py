@@ -33,6 +33,7 @@ from dataclasses import dataclass, field
 import httpx
 import psutil
 
+from shardline.models.config import ModelConfig
 from shardline.models.store import (
     DEFAULT_MODEL_ID,
     Manifest,
@@ -45,7 +46,6 @@ from shardline.models.store import (
 from shardline.models.tokenizer import Tokenizer
 from shardline.node.transfer import CopyProgress, TransferError, fetch_files
 from shardline.node.worker import Worker
-from shardline.models.config import ModelConfig
 from shardline.placement.pipeline import NodeCapacity, PlacementError
 from shardline.placement.ranks import SHARDINGS, place_ranks, ring_prefill_chunk  # noqa: F401 (re-exported)
 from shardline.runner.protocol import (
