@@ -234,13 +234,17 @@ class ModelStore:
 
     def model_ids(self) -> list[str]:
         """Ids of the models with a manifest here (complete or not), sorted."""
-        ids = []
-        for manifest in sorted(self.root.glob(f"*/{MANIFEST}")):
+        return [m.model_id for m in self._manifests()]
+
+    def _manifests(self) -> list[Manifest]:
+        """Every readable manifest here, by directory name."""
+        out = []
+        for path in sorted(self.root.glob(f"*/{MANIFEST}")):
             try:
-                ids.append(json.loads(manifest.read_text())["model_id"])
-            except (OSError, ValueError, KeyError):
-                log.warning("ignoring unreadable %s", manifest)
-        return ids
+                out.append(Manifest.from_dict(json.loads(path.read_text())))
+            except (OSError, ValueError, KeyError, TypeError):
+                log.warning("ignoring unreadable %s", path)
+        return out
 
     def manifest(self, model_id: str) -> Manifest | None:
         """The model's manifest, or None when the store does not know it."""
@@ -259,9 +263,10 @@ class ModelStore:
     def present(self, model_id: str) -> set[str]:
         """The model's files that lie here under their own name with their manifest size."""
         manifest = self.manifest(model_id)
-        if manifest is None:
-            return set()
-        directory = self.model_dir(model_id)
+        return set() if manifest is None else self._present(manifest)
+
+    def _present(self, manifest: Manifest) -> set[str]:
+        directory = self.model_dir(manifest.model_id)
         out = set()
         for f in manifest.files:
             try:
@@ -280,12 +285,10 @@ class ModelStore:
         """Per model id: ``{"format", "total_bytes", "present", "complete"}`` (the present
         file paths; whether they are all) — what a node tells its peers it can serve."""
         out = {}
-        for model_id in self.model_ids():
-            manifest = self.manifest(model_id)
-            if manifest is not None:
-                present = self.present(model_id)
-                out[model_id] = {"format": manifest.format, "total_bytes": manifest.total_bytes,
-                                 "present": sorted(present), "complete": len(present) == len(manifest.files)}
+        for manifest in self._manifests():  # read once each: peers ask every second
+            present = self._present(manifest)
+            out[manifest.model_id] = {"format": manifest.format, "total_bytes": manifest.total_bytes,
+                                      "present": sorted(present), "complete": len(present) == len(manifest.files)}
         return out
 
     def add_local(self, path: str | Path, model_id: str | None = None) -> Manifest:
