@@ -80,10 +80,10 @@ def test_a_model_added_on_one_node_is_copied_to_its_ranks_and_served(cluster):
     # (forwarding to a node with a rank), streamed too.
     assert "Paris" in ask(cluster.url(2))
     with httpx.stream("POST", f"{cluster.url(2)}/v1/chat/completions", timeout=120, json={
-            "model": MODEL, "stream": True, "max_tokens": 8,
+            "model": MODEL, "stream": True, "max_tokens": 8, "temperature": 0, "ignore_eos": True,
             "messages": [{"role": "user", "content": "Say hello."}]}) as response:
         chunks = [line for line in response.iter_lines() if line.startswith("data: {")]
-    assert len(chunks) >= 3 and response.status_code == 200
+    assert len(chunks) >= 3 and response.status_code == 200  # role, text, finish
     present = store_of(cluster, 2).present(MODEL)
     assert present and gguf not in present and all(p.startswith("tokenizer/") for p in present)
 
