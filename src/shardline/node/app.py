@@ -157,7 +157,8 @@ def create_app(node: Node) -> FastAPI:
     @app.get("/cluster/models")
     async def models() -> dict:
         """Every model a live node holds (and the embedded default): which nodes hold
-        all of its files or some, its size, and its instances."""
+        all of its files or some, its size, and its instances (the peers asked afresh)."""
+        await node.refresh_peers()
         live = set(node.live_node_ids())
         stores = {node.node_id: node.store.summary()}
         stores.update({p.node_id: p.models for p in node.peers.values() if p.node_id in live})

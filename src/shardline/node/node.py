@@ -503,8 +503,13 @@ class Node:
             found = [p for p in self.peers.values() if p.node_id in live and holds(p.models)]
             if found or attempt:
                 return found
-            await asyncio.gather(*(self._poll(p.address) for p in self.peers.values() if p.node_id in live))
+            await self.refresh_peers()
         return []
+
+    async def refresh_peers(self) -> None:
+        """Poll every live peer now, rather than within the second (their stores, memory)."""
+        live = set(self.live_node_ids())
+        await asyncio.gather(*(self._poll(p.address) for p in self.peers.values() if p.node_id in live))
 
     async def _fetch(self, manifest: Manifest, paths: list[str], on_progress=None) -> None:
         """Copy ``paths`` of a model that this store lacks from a live peer that has them
