@@ -1,0 +1,248 @@
+"""GGUF quantized blocks unpacked into integer groups, without changing a value.
+
+A GGUF weight row is a run of blocks; each block stores small unsigned integers ``q`` and
+the scale (and for some types a minimum) of each group of weights in it. This module
+turns a row range of such blocks into one :class:`GroupQuant`: ``q`` per weight, and a
+float32 ``scale`` and ``offset`` per group, such that ``w = q * scale + offset`` gives
+the value llama.cpp (and the ``gguf`` library's ``dequantize``, the oracle in the tests)
+gives for that weight, up to float32 rounding.
+
+Block layouts (ggml's ``ggml-common.h``; the GGUF spec,
+https://github.com/ggml-org/ggml/blob/master/docs/gguf.md):
+
+- Q4_0 (32 weights): f16 d, 16 bytes of nibbles; ``w = d * (q - 8)``.
+- Q4_1 (32): f16 d, f16 m, nibbles; ``w = d * q + m``.
+- Q5_0 (32): f16 d, 32 high bits, nibbles; ``w = d * (q - 16)``.
+- Q5_1 (32): f16 d, f16 m, 32 high bits, nibbles; ``w = d * q + m``.
+- Q8_0 (32): f16 d, 32 int8; ``w = d * q``.
+- Q4_K (256 = 8 groups of 32): f16 d, f16 dmin, 12 bytes of 6-bit group scales and
+  minimums, 128 bytes of nibbles; ``w = d * sc_j * q - dmin * m_j``.
+- Q5_K (256 = 8 x 32): as Q4_K plus 32 bytes of high bits.
+- Q6_K (256 = 16 groups of 16): 128 bytes low nibbles, 64 bytes of 2-bit highs, 16 int8
+  group scales, f16 d; ``w = d * sc_j * (q - 32)``.
+
+In the low-nibble byte runs, byte ``i`` of a 32-byte (or 16-byte) run holds weight ``i``
+in its low nibble and weight ``i + 32`` (``i + 16``) in its high nibble.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+
+class UnsupportedQuantization(ValueError):
+    """A GGUF tensor type that has no exact integer-group form here."""
+
+
+@dataclass
+class GroupQuant:
+    """Weights as unsigned integers with one scale and offset per group of a row.
+
+    Attributes:
+        q: uint8 ``[rows, cols]``, each in ``0 .. 2**bits - 1``.
+        scale, offset: float32 ``[rows, cols // group]``; weight ``[r, c]`` is
+            ``q[r, c] * scale[r, c // group] + offset[r, c // group]``.
+        bits: bits a ``q`` value needs (4, 5, 6 or 8).
+        group: weights per scale along a row (16 or 32).
+        symmetric_center: for types whose offset is ``-center * scale`` (Q4_0, Q5_0, Q8_0,
+            Q6_K), that center (8, 16, 128, 32); None where the offset is free.
+    """
+
+    q: np.ndarray
+    scale: np.ndarray
+    offset: np.ndarray
+    bits: int
+    group: int
+    symmetric_center: int | None
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return self.q.shape  # type: ignore[return-value]
+
+    def rows(self, start: int, end: int) -> GroupQuant:
+        """Rows ``[start, end)``."""
+        return GroupQuant(self.q[start:end], self.scale[start:end], self.offset[start:end],
+                          self.bits, self.group, self.symmetric_center)
+
+    def cols(self, start: int, end: int) -> GroupQuant:
+        """Columns ``[start, end)``; both must fall on group boundaries (or ``end`` at
+        the row's end).
+
+        Raises:
+            ValueError: a bound cuts through a group.
+        """
+        g = self.group
+        if start % g or (end % g and end != self.q.shape[1]):
+            raise ValueError(f"columns [{start}, {end}) cut through groups of {g}")
+        return GroupQuant(self.q[:, start:end], self.scale[:, start // g : -(-end // g)],
+                          self.offset[:, start // g : -(-end // g)], self.bits, g,
+                          self.symmetric_center)
+
+    def contiguous(self) -> GroupQuant:
+        """The same groups in C-contiguous arrays (after slicing)."""
+        return GroupQuant(np.ascontiguousarray(self.q), np.ascontiguousarray(self.scale),
+                          np.ascontiguousarray(self.offset), self.bits, self.group,
+                          self.symmetric_center)
+
+    def take_rows(self, index: np.ndarray) -> GroupQuant:
+        """Rows in the order of ``index`` (int ``[rows]``)."""
+        return GroupQuant(self.q[index], self.scale[index], self.offset[index], self.bits,
+                          self.group, self.symmetric_center)
+
+    def dequantize(self) -> np.ndarray:
+        """float32 ``[rows, cols]``."""
+        rows, cols = self.q.shape
+        g = self.group
+        q = self.q.astype(np.float32).reshape(rows, cols // g, g)
+        return (q * self.scale[..., None] + self.offset[..., None]).reshape(rows, cols)
+
+    @staticmethod
+    def concat(parts: list[GroupQuant]) -> GroupQuant:
+        """Rows of ``parts`` one after another (same columns, bits, group and center).
+
+        Raises:
+            ValueError: the parts differ in any of those.
+        """
+        first = parts[0]
+        for p in parts[1:]:
+            if (p.q.shape[1], p.group, p.bits, p.symmetric_center) != (
+                    first.q.shape[1], first.group, first.bits, first.symmetric_center):
+                raise ValueError("only groups of one shape and type concatenate")
+        return GroupQuant(np.concatenate([p.q for p in parts]),
+                          np.concatenate([p.scale for p in parts]),
+                          np.concatenate([p.offset for p in parts]),
+                          first.bits, first.group, first.symmetric_center)
+
+
+def _f16(raw: np.ndarray) -> np.ndarray:
+    """float32 of little-endian f16 stored as 2 uint8 on the last axis."""
+    return np.ascontiguousarray(raw).view(np.float16)[..., 0].astype(np.float32)
+
+
+def _nibbles(raw: np.ndarray, run: int) -> np.ndarray:
+    """uint8 values of nibble bytes ``[..., n]``: each run of ``run`` bytes holds weights
+    ``0..run-1`` in low nibbles, ``run..2*run-1`` in high ones."""
+    shape = raw.shape[:-1]
+    r = raw.reshape(*shape, -1, 1, run)
+    out = np.concatenate((r & 0x0F, r >> 4), axis=-2)
+    return out.reshape(*shape, -1)
+
+
+def _high_bits(raw: np.ndarray, count: int) -> np.ndarray:
+    """Bit ``i`` (little-endian) of ``raw`` ``[..., count // 8]`` for ``i < count``."""
+    bits = np.unpackbits(raw, axis=-1, bitorder="little")
+    return bits[..., :count]
+
+
+def _k_scales(raw: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Q4_K / Q5_K's 12 bytes ``[..., 12]`` -> 8 six-bit scales and 8 minimums."""
+    a, b, c = raw[..., 0:4], raw[..., 4:8], raw[..., 8:12]
+    sc = np.concatenate((a & 63, (c & 15) | ((a >> 6) << 4)), axis=-1)
+    mn = np.concatenate((b & 63, (c >> 4) | ((b >> 6) << 4)), axis=-1)
+    return sc.astype(np.float32), mn.astype(np.float32)
+
+
+def _unpack_q4_0(b):
+    d = _f16(b[..., 0:2])
+    return _nibbles(b[..., 2:18], 16), d, -8 * d, 4, 32, 8
+
+
+def _unpack_q4_1(b):
+    return _nibbles(b[..., 4:20], 16), _f16(b[..., 0:2]), _f16(b[..., 2:4]), 4, 32, None
+
+
+def _unpack_q5_0(b):
+    d = _f16(b[..., 0:2])
+    q = _nibbles(b[..., 6:22], 16) | (_high_bits(b[..., 2:6], 32) << 4)
+    return q, d, -16 * d, 5, 32, 16
+
+
+def _unpack_q5_1(b):
+    q = _nibbles(b[..., 8:24], 16) | (_high_bits(b[..., 4:8], 32) << 4)
+    return q, _f16(b[..., 0:2]), _f16(b[..., 2:4]), 5, 32, None
+
+
+def _unpack_q8_0(b):
+    d = _f16(b[..., 0:2])
+    q = (np.ascontiguousarray(b[..., 2:34]).view(np.int8).astype(np.int16) + 128).astype(np.uint8)
+    return q, d, -128 * d, 8, 32, 128
+
+
+def _unpack_q4_k(b):
+    d, dmin = _f16(b[..., 0:2])[..., None], _f16(b[..., 2:4])[..., None]
+    sc, mn = _k_scales(b[..., 4:16])
+    return _nibbles(b[..., 16:144], 32), d * sc, -(dmin * mn), 4, 32, None
+
+
+def _unpack_q5_k(b):
+    d, dmin = _f16(b[..., 0:2])[..., None], _f16(b[..., 2:4])[..., None]
+    sc, mn = _k_scales(b[..., 4:16])
+    # qh: bit j of byte l is the high bit of weight l of group j.
+    high = np.unpackbits(b[..., 16:48], axis=-1, bitorder="little")  # [..., 32 bytes * 8]
+    high = high.reshape(*b.shape[:-1], 32, 8).swapaxes(-1, -2).reshape(*b.shape[:-1], 256)
+    q = _nibbles(b[..., 48:176], 32) | (high << 4)
+    return q, d * sc, -(dmin * mn), 5, 32, None
+
+
+def _unpack_q6_k(b):
+    shape = b.shape[:-1]
+    ql, qh = b[..., 0:128], b[..., 128:192]
+    sc = np.ascontiguousarray(b[..., 192:208]).view(np.int8).astype(np.float32)
+    d = _f16(b[..., 208:210])[..., None]
+    # Each half of 128 weights: 64 bytes of ql (low nibbles of weights 0-63, high nibbles
+    # of 64-127) and 32 bytes of qh (bits 2i, 2i+1 of byte l: weight l + 32 i's top bits).
+    low = _nibbles(ql.reshape(*shape, 2, 64), 64)  # [..., 2, 128]
+    top = qh.reshape(*shape, 2, 1, 32) >> np.array([0, 2, 4, 6], dtype=np.uint8)[:, None]
+    top = (top & 3).reshape(*shape, 2, 128)
+    q = (low | (top << 4)).reshape(*shape, 256)
+    scale = d * sc
+    return q, scale, -32 * scale, 6, 16, 32
+
+
+# type name -> (weights per block, bytes per block, unpacker)
+_UNPACKERS = {
+    "Q4_0": (32, 18, _unpack_q4_0),
+    "Q4_1": (32, 20, _unpack_q4_1),
+    "Q5_0": (32, 22, _unpack_q5_0),
+    "Q5_1": (32, 24, _unpack_q5_1),
+    "Q8_0": (32, 34, _unpack_q8_0),
+    "Q4_K": (256, 144, _unpack_q4_k),
+    "Q5_K": (256, 176, _unpack_q5_k),
+    "Q6_K": (256, 210, _unpack_q6_k),
+}
+
+SUPPORTED_TYPES = tuple(_UNPACKERS)
+
+
+def block_weights(type_name: str) -> int:
+    """Weights per block of a supported type.
+
+    Raises:
+        UnsupportedQuantization: the type is not one of :data:`SUPPORTED_TYPES`.
+    """
+    if type_name not in _UNPACKERS:
+        raise UnsupportedQuantization(f"GGUF type {type_name} has no integer-group form")
+    return _UNPACKERS[type_name][0]
+
+
+def unpack_blocks(type_name: str, data: np.ndarray) -> GroupQuant:
+    """Unpack uint8 block bytes ``[rows, blocks * block_bytes]`` of GGUF type
+    ``type_name`` (e.g. ``"Q4_K"``) into a :class:`GroupQuant` of ``[rows, blocks *
+    block_weights]`` weights.
+
+    Raises:
+        UnsupportedQuantization: the type is not one of :data:`SUPPORTED_TYPES`.
+    """
+    block_weights(type_name)
+    per_block, size, unpack = _UNPACKERS[type_name]
+    rows = data.shape[0]
+    blocks = np.ascontiguousarray(data).reshape(rows, -1, size)
+    q, scale, offset, bits, group, center = unpack(blocks)
+    return GroupQuant(
+        np.ascontiguousarray(q.reshape(rows, -1).astype(np.uint8)),
+        np.ascontiguousarray(np.asarray(scale, np.float32).reshape(rows, -1)),
+        np.ascontiguousarray(np.asarray(offset, np.float32).reshape(rows, -1)),
+        bits, group, center,
+    )

@@ -1,0 +1,53 @@
+"""GGUF blocks unpack to integer groups that give exactly the gguf library's values."""
+
+import numpy as np
+import pytest
+from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
+from gguf.quants import dequantize
+
+from shardline.models.gguf_quants import SUPPORTED_TYPES, GroupQuant, unpack_blocks
+
+pytestmark = pytest.mark.timeout(60)
+
+# Byte offsets of each type's f16 scale fields, set to finite values in random blocks.
+F16_FIELDS = {"Q4_0": [0], "Q4_1": [0, 2], "Q5_0": [0], "Q5_1": [0, 2], "Q8_0": [0],
+              "Q4_K": [0, 2], "Q5_K": [0, 2], "Q6_K": [208]}
+
+
+def random_blocks(type_name: str, rows: int, blocks: int, seed: int = 0) -> np.ndarray:
+    """uint8 ``[rows, blocks * block_bytes]``: random quants, finite f16 scales."""
+    rng = np.random.default_rng(seed)
+    _, size = GGML_QUANT_SIZES[GGMLQuantizationType[type_name]]
+    data = rng.integers(0, 256, (rows, blocks, size), dtype=np.uint8)
+    for at in F16_FIELDS[type_name]:
+        scales = (rng.standard_normal((rows, blocks)) * 0.01).astype(np.float16)
+        data[..., at:at + 2] = scales[..., None].view(np.uint8).reshape(rows, blocks, 2)
+    return data.reshape(rows, blocks * size)
+
+
+@pytest.mark.parametrize("type_name", SUPPORTED_TYPES)
+def test_unpacked_groups_give_the_gguf_librarys_values(type_name):
+    data = random_blocks(type_name, rows=6, blocks=3)
+    oracle = dequantize(data, GGMLQuantizationType[type_name])
+    unpacked = unpack_blocks(type_name, data)
+    assert unpacked.q.max() < 2 ** unpacked.bits
+    got = unpacked.dequantize()
+    assert got.shape == oracle.shape
+    np.testing.assert_allclose(got, oracle, rtol=1e-6, atol=1e-6 * np.abs(oracle).max())
+
+
+@pytest.mark.parametrize("type_name", ["Q4_0", "Q8_0", "Q6_K"])
+def test_symmetric_types_have_offset_minus_center_times_scale(type_name):
+    unpacked = unpack_blocks(type_name, random_blocks(type_name, rows=2, blocks=1))
+    np.testing.assert_array_equal(unpacked.offset, -unpacked.symmetric_center * unpacked.scale)
+
+
+def test_column_and_row_slices_keep_values():
+    data = random_blocks("Q4_K", rows=4, blocks=2)
+    whole = unpack_blocks("Q4_K", data)
+    part = whole.rows(1, 3).cols(64, 256)
+    np.testing.assert_array_equal(part.dequantize(), whole.dequantize()[1:3, 64:256])
+    with pytest.raises(ValueError, match="cut through groups"):
+        whole.cols(16, 64)
+    both = GroupQuant.concat([whole.rows(0, 1), whole.rows(3, 4)])
+    np.testing.assert_array_equal(both.dequantize(), whole.dequantize()[[0, 3]])
