@@ -1,84 +1,129 @@
-"""The quantized decode copy of the linear weights: accuracy and batch independence."""
+"""Resident weights in the file's own quantization: exact values, exact products, batch
+independence, and what a shard holds."""
 
+import numpy as np
 import pytest
 import torch
+from gguf import GGMLQuantizationType
+from gguf.quants import dequantize
+from test_gguf_quants import random_blocks
 
 import tiny_models as tm
-from shardline.models.linear import Linear, weight_bytes
-from shardline.models.weights import load_shard, open_weights
+from shardline.models.gguf_quants import SUPPORTED_TYPES, unpack_blocks
+from shardline.models.linear import (
+    DenseWeight,
+    Int4Planes,
+    Int8Groups,
+    Linear,
+    int4pack_layout,
+    resident_weight,
+    weight_bytes,
+)
+from shardline.models.shard_loader import load_shard
+from shardline.models.weights import open_weights
 
 pytestmark = pytest.mark.timeout(60)
 
-
-def make_linear(rows: int, cols: int, bits: int, max_rows: int, bias: bool = False,
-                weight: torch.Tensor | None = None) -> Linear:
-    layer = Linear(cols, rows, bias=bias)
-    with torch.no_grad():
-        layer.weight.copy_(torch.randn(rows, cols) if weight is None else weight)
-        if bias:
-            layer.bias.copy_(torch.randn(rows))
-    layer.to(torch.bfloat16)
-    layer.add_decode_copy(bits, max_rows)
-    return layer
+ROWS, BLOCKS = 64, 2  # 64 output rows, 64 (or 512 for K-types) inputs
 
 
-@pytest.mark.parametrize("bits, tolerance", [(8, 0.02), (4, 0.15)])
-def test_quantized_path_is_close_to_the_bf16_path(bits, tolerance):
-    torch.manual_seed(0)
-    layer = make_linear(96, 64, bits, max_rows=4, bias=True)
-    assert layer.decode_bits == bits
-    x = torch.randn(3, 64, dtype=torch.bfloat16)
-    exact = torch.nn.functional.linear(x.float(), layer.weight.float(), layer.bias.float())
-    got = layer(x).float()
-    assert (got - exact).norm() / exact.norm() < tolerance
+def resident(type_name: str, dtype: torch.dtype, seed: int = 0):
+    data = random_blocks(type_name, rows=ROWS, blocks=BLOCKS, seed=seed)
+    oracle = torch.from_numpy(dequantize(data, GGMLQuantizationType[type_name])).double()
+    return resident_weight(unpack_blocks(type_name, data), dtype), oracle
 
 
-def test_int4_is_exact_for_weights_on_a_4_bit_grid():
-    """A Q4_1-style weight (16 levels per group of 32) survives the int4 copy unchanged."""
-    torch.manual_seed(1)
-    q = torch.randint(0, 16, (48, 64)).float()
-    q[:, ::32] = 0  # every group uses its lowest and highest level, as Q4_1's do
-    q[:, 1::32] = 15
-    scale = torch.rand(48, 2).repeat_interleave(32, dim=1) / 8 + 0.01
-    low = torch.randn(48, 2).repeat_interleave(32, dim=1)
-    weight = (q * scale + low).bfloat16().float()
-    layer = make_linear(48, 64, 4, max_rows=1, weight=weight)
-    x = torch.randn(1, 64, dtype=torch.bfloat16)
-    reference = torch.nn.functional.linear(x.float(), layer.weight.float())
-    assert (layer(x).float() - reference).abs().max() < 0.05 * reference.abs().max()
+@pytest.mark.parametrize("type_name", SUPPORTED_TYPES)
+def test_resident_weight_holds_the_files_values(type_name):
+    """float32 scales: the values are the gguf library's to float32 rounding."""
+    held, oracle = resident(type_name, torch.float32)
+    expected = Int8Groups if type_name == "Q6_K" else Int4Planes  # Q6_K: groups of 16
+    assert isinstance(held, expected)
+    got = held.dequantize(torch.float64)
+    assert (got - oracle).abs().max() <= 1e-6 * oracle.abs().max()
 
 
-def test_int4_falls_back_to_int8_when_groups_do_not_fit():
-    assert make_linear(16, 48, 4, max_rows=1).decode_bits == 8
+@pytest.mark.parametrize("type_name", SUPPORTED_TYPES)
+def test_decode_product_matches_the_files_values(type_name):
+    """The kernel's product with the resident weight against float64 with the file's
+    values: within 1e-3 relative error (float32 activations)."""
+    held, oracle = resident(type_name, torch.float32, seed=1)
+    x = torch.randn(3, oracle.shape[1], generator=torch.Generator().manual_seed(2))
+    got = held.matmul(x).double()
+    reference = x.double() @ oracle.T
+    assert ((got - reference).norm() / reference.norm()).item() < 1e-3
 
 
-def test_rows_over_the_limit_use_the_bf16_weight():
-    torch.manual_seed(1)
-    layer = make_linear(32, 32, 4, max_rows=2)
-    x = torch.randn(5, 32, dtype=torch.bfloat16)
-    assert torch.equal(layer(x), torch.nn.functional.linear(x, layer.weight))
+@pytest.mark.parametrize("type_name", ["Q4_1", "Q4_K", "Q8_0", "Q6_K"])
+def test_bfloat16_differs_only_by_rounding_the_scales(type_name):
+    held, oracle = resident(type_name, torch.bfloat16, seed=3)
+    got = held.dequantize(torch.float64)
+    # bf16 keeps 8 significant bits: each scale (and zero) is off by at most 2**-8 of itself.
+    assert ((got - oracle).norm() / oracle.norm()).item() < 2 ** -8
 
 
-@pytest.mark.parametrize("bits", [4, 8])
-def test_each_row_is_computed_independently_of_the_batch(bits):
-    torch.manual_seed(2)
-    layer = make_linear(208, 64, bits, max_rows=8)
-    x = torch.randn(8, 64, dtype=torch.bfloat16)
+@pytest.mark.parametrize("type_name", ["Q4_0", "Q8_0", "Q5_1", "Q6_K"])
+def test_embedding_rows_are_the_weights_rows(type_name):
+    held, oracle = resident(type_name, torch.float32, seed=4)
+    if isinstance(held, Int4Planes) and not held.rows_readable():
+        pytest.skip("torch's int4 layout on this CPU is not one the row reader knows")
+    ids = torch.tensor([5, 0, 63, 5])
+    got = held.embed(ids, torch.float32).double()
+    assert (got - oracle[ids]).abs().max() <= 1e-6 * oracle.abs().max()
+
+
+def test_int4_layout_is_understood_on_this_machine():
+    """x86 CPUs with AVX2 or AVX-512 (every CI and development machine) have one."""
+    layout = int4pack_layout()
+    assert layout is not None
+    block, position = layout
+    assert sorted(position.tolist()) == list(range(block))
+
+
+@pytest.mark.parametrize("type_name", ["Q4_1", "Q8_0", "Q6_K"])
+def test_each_row_is_computed_independently_of_the_batch(type_name):
+    held, _ = resident(type_name, torch.bfloat16, seed=5)
+    layer = Linear(held.shape[1], held.shape[0])
+    layer.set_parts([held])
+    x = torch.randn(8, held.shape[1], dtype=torch.bfloat16)
     together = layer(x)
     for i in range(8):
         assert torch.equal(layer(x[i : i + 1]), together[i : i + 1])
 
 
-def test_weight_bytes_counts_the_quantized_copy():
-    layer = make_linear(32, 16, 8, max_rows=1)
-    assert weight_bytes(layer) == 32 * 16 * 2 + 32 * 16 + 32 * 2
+def test_parts_of_different_types_stack_by_rows():
+    q, q_oracle = resident("Q4_K", torch.float32)
+    v, v_oracle = resident("Q6_K", torch.float32)
+    layer = Linear(q.shape[1], 2 * ROWS)
+    layer.set_parts([q, v])
+    x = torch.randn(2, q.shape[1])
+    reference = x.double() @ torch.cat((q_oracle, v_oracle)).T
+    assert ((layer(x).double() - reference).norm() / reference.norm()).item() < 1e-3
+    with pytest.raises(ValueError, match="do not make"):
+        layer.set_parts([q])
 
 
-def test_batched_quantized_decode_gives_the_same_greedy_tokens_as_alone(tmp_path):
+def test_float_weights_stay_dense_and_exact():
+    w = torch.randn(32, 16, dtype=torch.bfloat16)
+    held = resident_weight(w, torch.bfloat16)
+    assert isinstance(held, DenseWeight) and torch.equal(held.weight, w)
+
+
+def test_weight_bytes_counts_a_shared_weight_once():
+    held, _ = resident("Q8_0", torch.bfloat16)
+    a, b = Linear(held.shape[1], ROWS), Linear(held.shape[1], ROWS)
+    a.set_parts([held])
+    b.set_parts([held])
+    both = torch.nn.ModuleList([a, b])
+    assert weight_bytes(both) == held.nbytes()
+    # two int4 planes: half a byte each per weight, plus a bf16 scale and zero per 32
+    assert held.nbytes() == 2 * (ROWS * 64 // 2 + ROWS * 2 * 2 * 2)
+
+
+def test_batched_decode_gives_the_same_greedy_tokens_as_alone(tmp_path):
     model = tm.hf_model("llama", num_layers=3, seed=3)
     tm.save_hf(model, tmp_path)
-    shard = load_shard(open_weights(tmp_path), 0, 3, dtype=torch.bfloat16, decode_rows=4)
-    assert all(m.decode_bits == 8 for m in shard.modules() if isinstance(m, Linear))
+    shard = load_shard(open_weights(tmp_path), 0, 3, dtype=torch.bfloat16)
     prompts = [[5, 9, 2, 7, 1], [3, 3, 8, 1, 4, 6, 2, 9, 11]]
 
     def run(which: list[int], steps: int = 6) -> dict[int, list[int]]:
@@ -97,11 +142,21 @@ def test_batched_quantized_decode_gives_the_same_greedy_tokens_as_alone(tmp_path
     assert together[1] == run([1])[1]
 
 
-def test_gguf_4_bit_weights_get_an_int4_copy():
+def test_the_default_gguf_is_held_in_its_own_bits():
+    """SmolLM2's Q4_1 layers are one int4 plane, its Q8_0 tied embedding two, shared by
+    the LM head; the shard's weights take about the file's bytes for them."""
     from shardline.models.store import default_model_path
 
     source = open_weights(default_model_path())
-    shard = load_shard(source, 29, 30, decode_rows=8)
-    bits = {name: m.decode_bits for name, m in shard.named_modules() if isinstance(m, Linear)}
-    assert bits["layers.0.mlp.down"] == 4  # Q4_1 in the file
-    assert bits["lm_head"] == 8  # the tied embedding is Q8_0 in the file
+    shard = load_shard(source, 0, 30)
+    down = shard.layers[0].mlp.down.parts
+    assert len(down) == 1 and isinstance(down[0], Int4Planes) and len(down[0].packed) == 1
+    assert shard.lm_head.parts[0] is shard.embed.weight
+    assert len(shard.embed.weight.packed) == 2
+    file_bytes = source.path.stat().st_size
+    assert abs(weight_bytes(shard) - file_bytes) < 0.05 * file_bytes
+    # the first row of the embedding is the file's
+    data = source._tensors["token_embd.weight"].data[:1]
+    row = dequantize(np.ascontiguousarray(data), GGMLQuantizationType.Q8_0)
+    got = shard.embed(torch.tensor([0])).float().numpy()
+    np.testing.assert_allclose(got, row, rtol=2 ** -7, atol=1e-6)

@@ -17,7 +17,8 @@ import pytest
 import torch
 
 import tiny_models as tm
-from shardline.models.weights import load_shard, open_weights
+from shardline.models.shard_loader import load_shard
+from shardline.models.weights import open_weights
 
 LOGIT_ATOL = 1e-4
 NEW_TOKENS = 8

@@ -19,7 +19,8 @@ from safetensors.torch import load_file, save_file
 
 import tiny_models as tm
 from shardline.models.config import ModelConfig, UnsupportedModelError
-from shardline.models.weights import WeightFormatError, load_shard, open_weights
+from shardline.models.shard_loader import load_shard
+from shardline.models.weights import WeightFormatError, open_weights
 
 LAYERS = 4
 THETA = 500_000.0
@@ -139,7 +140,7 @@ def test_tied_last_shard_reads_embedding_as_head(tmp_path):
     shard = load_shard(source, 2, 4, dtype=torch.float32)
     assert "model.embed_tokens.weight" in source.tensors_read
     assert shard.embed is None
-    torch.testing.assert_close(shard.lm_head.weight, model.model.embed_tokens.weight.detach(),
+    torch.testing.assert_close(shard.lm_head.dequantized(), model.model.embed_tokens.weight.detach(),
                                rtol=0, atol=0)
 
 
@@ -275,8 +276,8 @@ def test_gguf_permutation_is_undone(llama, tmp_path):
     stored = torch.from_numpy(open_weights(path).read("blk.0.attn_q.weight").numpy().copy())
     assert not torch.equal(stored, q)  # the file really holds the permuted rows
     torch.testing.assert_close(stored, torch.from_numpy(tm.llama_cpp_permute(q.numpy(), tm.HEADS)))
-    torch.testing.assert_close(gg.layers[0].attn.qkv.weight[: q.shape[0]], q, rtol=0, atol=0)
-    torch.testing.assert_close(st.layers[0].attn.qkv.weight, gg.layers[0].attn.qkv.weight)
+    torch.testing.assert_close(gg.layers[0].attn.qkv.dequantized()[: q.shape[0]], q, rtol=0, atol=0)
+    torch.testing.assert_close(st.layers[0].attn.qkv.dequantized(), gg.layers[0].attn.qkv.dequantized())
 
 
 @pytest.mark.timeout(30)
@@ -301,13 +302,13 @@ def test_gguf_q8_0_tensors(llama, tmp_path):
 
     layers = model.model.layers
     # Q8_0 blocks run along rows, so the row permutation commutes with quantization.
-    torch.testing.assert_close(gg.layers[0].attn.qkv.weight[:64],
+    torch.testing.assert_close(gg.layers[0].attn.qkv.dequantized()[:64],
                                q8(layers[0].self_attn.q_proj.weight), rtol=0, atol=0)
-    torch.testing.assert_close(gg.layers[1].attn.qkv.weight[64:96],
+    torch.testing.assert_close(gg.layers[1].attn.qkv.dequantized()[64:96],
                                q8(layers[1].self_attn.k_proj.weight), rtol=0, atol=0)
-    torch.testing.assert_close(gg.layers[2].mlp.down.weight,
+    torch.testing.assert_close(gg.layers[2].mlp.down.dequantized(),
                                q8(layers[2].mlp.down_proj.weight), rtol=0, atol=0)
-    torch.testing.assert_close(gg.embed.weight, q8(model.model.embed_tokens.weight),
+    torch.testing.assert_close(gg.embed.weight.dequantize(torch.float32), q8(model.model.embed_tokens.weight),
                                rtol=0, atol=0)
 
     st = _whole(directory)

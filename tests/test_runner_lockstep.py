@@ -67,7 +67,7 @@ class Instance:
                 max_batch=max_batch, context=context, prefill_chunk=8, threads=1,
                 prefill_step_tokens=prefill_step_tokens,
                 prefill_burst_tokens=prefill_step_tokens, collective_timeout_s=30,
-                progress_timeout_s=progress_timeout_s, quantized_decode=False,
+                progress_timeout_s=progress_timeout_s,
             ))
             self.ranks.append(rank)
         for r, rank in enumerate(self.ranks):
@@ -145,7 +145,8 @@ def make_tasks(n: int, seed: int = 0, max_tokens: int = 12) -> list[Task]:
 
 def reference_tokens(model_dir, tasks: list[Task]) -> dict[int, list[int]]:
     """Each task's greedy tokens from the one-shard model in this process."""
-    from shardline.models.weights import load_shard, open_weights
+    from shardline.models.shard_loader import load_shard
+    from shardline.models.weights import open_weights
 
     shard = load_shard(open_weights(model_dir), 0, 4, dtype=torch.float32)
     return {t.task_id: tm.greedy(shard, list(t.prompt), t.max_tokens)[0] for t in tasks}

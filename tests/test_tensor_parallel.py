@@ -28,9 +28,10 @@ import torch.multiprocessing as mp
 
 import tiny_models as tm
 from shardline.models.config import TensorShare
-from shardline.models.linear import weight_bytes
+from shardline.models.linear import Linear, weight_bytes
 from shardline.models.llama import KVCache
-from shardline.models.weights import load_shard, load_tensor_shard, open_weights
+from shardline.models.shard_loader import load_shard, load_tensor_shard
+from shardline.models.weights import open_weights
 from shardline.parallel.tensor import TensorStage, load_tensor_stage
 from shardline.placement.tensor import tensor_shares
 
@@ -138,14 +139,13 @@ def greedy_schedule(stage: TensorStage, prompts: list[list[int]], steps: int):
     return tokens, step_logits
 
 
-def _one_rank(path, dtype, decode_rows, steps):
+def _one_rank(path, dtype, steps):
     """The reference: the whole model in one shard, one thread (as each rank runs)."""
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
         source = open_weights(path)
-        shard = load_shard(source, 0, source.config.num_layers, dtype=dtype,
-                           decode_rows=decode_rows)
+        shard = load_shard(source, 0, source.config.num_layers, dtype=dtype)
         cache = KVCache(source.config, len(shard.layers), 2, 64, dtype)
         stage = TensorStage(shard, cache, 0, 1)
         tokens, logits = greedy_schedule(stage, _prompts(source.config.vocab_size), steps)
@@ -237,7 +237,7 @@ def _tiny_job(rank, world, paths, steps):
 def _smollm2_job(rank, world, path, steps):
     source = open_weights(path)
     share = tensor_shares(source.config, world)[rank]
-    shard = load_tensor_shard(source, share, dtype=torch.bfloat16, decode_rows=8)
+    shard = load_tensor_shard(source, share, dtype=torch.bfloat16)
     out = {"share": share, "layer_bytes": _layer_linear_bytes(shard),
            "all_bytes": weight_bytes(shard), "bytes_read": source.bytes_read}
     for reduce_dtype in (torch.float32, torch.bfloat16):
@@ -262,7 +262,7 @@ def test_tiny_models_match_one_rank(tiny_paths, tmp_path, world):
     steps = 4
     results = spawn_ranks(world, _tiny_job, (tiny_paths, steps), tmp_path, timeout=75)
     for name, path in tiny_paths.items():
-        one, tokens, logits = _one_rank(path, torch.float32, 0, steps)
+        one, tokens, logits = _one_rank(path, torch.float32, steps)
         config = one.config
         ranks = [r[name] for r in results]
         assert all(r["tokens"] == tokens for r in ranks), name  # every rank got the tokens
@@ -290,6 +290,10 @@ def test_tiny_models_match_one_rank(tiny_paths, tmp_path, world):
                 d * (2 * q + 2 * kv) + 3 * d * share.num_columns
                 + ((q + 2 * kv) if config.attention_bias else 0)
             ) + norms
+            if name.endswith("gguf"):  # float32 Q8_0 downs: a byte each, float32 scale
+                cols = share.num_columns  # and offset per 32
+                expect += len(Q8_0_TENSORS) * (d * cols + cols // 32 * d * 2 * 4
+                                               - d * cols * esize)
             assert r["layer_bytes"] == expect, (name, share)
         extra_kv = (sum(s.num_kv_heads for s in shares) - config.num_kv_heads) * hd
         extra = LAYERS * esize * 2 * extra_kv * (d + (1 if config.attention_bias else 0))
@@ -316,6 +320,22 @@ def _smollm2_path() -> Path:
 SMOLLM2_LOGIT_TOLERANCE = 1.0
 
 
+def _agree_until_a_near_tie(got_tokens, tokens, got_logits, logits, tolerance):
+    """bfloat16 ranks round differently from one rank: each prompt's logits agree within
+    ``tolerance`` while its tokens agree, and a token may differ only where the one-rank
+    logits nearly tie (the two tokens' logits within ``tolerance``); later steps then
+    continue other text and are not compared."""
+    for p, (mine, reference) in enumerate(zip(got_tokens, tokens, strict=True)):
+        for step, (a, b) in enumerate(zip(mine, reference, strict=True)):
+            diff = (got_logits[step][p] - logits[step][p]).abs().max().item()
+            assert diff <= tolerance, (p, step, diff)
+            if a != b:
+                gap = (logits[step][p][b] - logits[step][p][a]).item()
+                print(f"prompt {p} step {step}: token {a} for {b}, one-rank gap {gap:.3f}")
+                assert gap <= tolerance, (p, step, gap)
+                break
+
+
 @pytest.mark.slow
 @pytest.mark.timeout(90)
 @pytest.mark.parametrize("world", [2])  # 3 ranks: tests/test_sharding_e2e.py
@@ -325,15 +345,15 @@ def test_smollm2_matches_one_rank(tmp_path, world):
     path = _smollm2_path()
     steps = 6
     results = spawn_ranks(world, _smollm2_job, (path, steps), tmp_path, timeout=75)
-    one, tokens, logits = _one_rank(path, torch.bfloat16, 8, steps)
+    one, tokens, logits = _one_rank(path, torch.bfloat16, steps)
     for key in ("torch.float32", "torch.bfloat16"):
         got = results[0][key]
         diff = _max_diff(got["logits"], logits)
         print(f"\nSmolLM2 {world} ranks, all-reduce in {key}: max|logit diff| {diff:.3f}, "
               f"tokens equal: {got['tokens'] == tokens}")
         assert all(r[key]["tokens"] == got["tokens"] for r in results[1:])
-        assert got["tokens"] == tokens, key
-        assert diff <= SMOLLM2_LOGIT_TOLERANCE, (key, diff)
+        _agree_until_a_near_tie(got["tokens"], tokens, got["logits"], logits,
+                                SMOLLM2_LOGIT_TOLERANCE)
     whole = _layer_linear_bytes(one)
     held = [r["layer_bytes"] for r in results]
     print(f"layer bytes per rank {held} of {whole}; all weights per rank "
@@ -356,6 +376,11 @@ def test_one_rank_share_equals_load_shard(tiny_paths):
     single = load_tensor_shard(source, share, dtype=torch.float32)
     for name, tensor in whole.state_dict().items():
         torch.testing.assert_close(single.state_dict()[name], tensor, rtol=0, atol=0, msg=name)
+    linears = dict(single.named_modules())
+    for name, module in whole.named_modules():
+        if isinstance(module, Linear):
+            torch.testing.assert_close(linears[name].dequantized(), module.dequantized(),
+                                       rtol=0, atol=0, msg=name)
 
 
 @pytest.mark.parametrize("name", ["llama-9h3kv-gguf", "qwen2-9h3kv-bias"])

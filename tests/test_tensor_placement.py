@@ -5,6 +5,12 @@ import pytest
 
 from shardline.placement.pipeline import NodeCapacity, PlacementError
 from shardline.placement.tensor import tensor_placement, tensor_rank_bytes, tensor_shares
+from shardline.placement.ranks import (
+    RankShare,
+    model_param_count,
+    place_ranks,
+    resident_bytes_per_weight,
+)
 
 from model_shapes import smollm2 as _config
 
@@ -80,7 +86,7 @@ def test_no_nodes_is_refused():
 def test_rank_bytes_count_the_share():
     config = _config()
     shares = tensor_shares(config, 3)
-    per_rank = [tensor_rank_bytes(config, s, weight_bytes=2, embed_bytes=2) for s in shares]
+    per_rank = [tensor_rank_bytes(config, s, weight_bytes=2) for s in shares]
     embed = 49152 * 576 * 2
     layer_elements = 576 * (192 + 2 * 64) + 192 * 576 + 3 * 576 * 512
     assert per_rank[1] == per_rank[2] == 30 * (layer_elements + 2 * 576) * 2 + embed
@@ -109,7 +115,6 @@ def test_refusal_names_the_node_and_shortfall():
 
 
 def test_a_forced_placement_skips_memory_but_not_shapes():
-    from shardline.placement.ranks import place_ranks
 
     starved = _nodes(3, available=1_000_000)
     for sharding in ("pipeline", "tensor", "ring"):
@@ -125,3 +130,22 @@ def test_a_forced_placement_skips_memory_but_not_shapes():
         place_ranks(_config(), "ring", starved[:1], 4096, 8, admit=False)
     with pytest.raises(PlacementError, match="each tensor rank needs at least one head"):
         place_ranks(_config(), "tensor", _nodes(10, available=1), 4096, 8, admit=False)
+
+
+def test_resident_bytes_follow_the_files_bits():
+    """A 4-bit file's weights count about its own bytes (15% margin for int4 planes'
+    scales); a 16-bit file's count the compute dtype's; an unknown size counts the dtype."""
+    config = _config()
+    params = model_param_count(config)
+    q4 = resident_bytes_per_weight(config, int(0.6 * params), "bfloat16")
+    assert q4 == pytest.approx(1.15 * 0.6, rel=1e-6)
+    assert resident_bytes_per_weight(config, 2 * params, "float32") == 4
+    assert resident_bytes_per_weight(config, 0, "bfloat16") == 2
+    small = place_ranks(config, "pipeline", [NodeCapacity("a", GB)], 512, 1,
+                        weight_file_bytes=int(0.6 * params))
+    assert small == [RankShare(0, config.num_layers)]
+    # The same node cannot hold the model counted at 2 bytes a weight with a big cache.
+    tight = NodeCapacity("a", int(1.2 * params))
+    place_ranks(config, "pipeline", [tight], 512, 1, weight_file_bytes=int(0.6 * params))
+    with pytest.raises(PlacementError, match="short by"):
+        place_ranks(config, "pipeline", [tight], 512, 1)

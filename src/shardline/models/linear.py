@@ -1,112 +1,443 @@
-"""The model's linear layers, with a quantized weight copy for decode on CPU.
+"""Linear weights held once, in the file's own quantization, and the kernels that read them.
 
-Decode multiplies a few rows (one per running sequence) by each weight matrix, so it is
-bound by the bytes of weight read per token. On CPU, oneDNN's bf16 GEMM is slow for so few
-rows; torch's weight-only kernels read fewer bytes and run much faster there:
+A weight is one of three resident forms (:data:`ResidentWeight`), chosen at load from what
+the file stores, never by quantizing again:
 
-- int8: ``torch._weight_int8pack_mm``, symmetric, one scale per output channel;
-- int4: ``torch._weight_int4pack_mm_for_cpu``, asymmetric, a scale and zero per group of
-  32 inputs (``w = (q - 8) * scale + zero``, q in 0..15), the layout torchao and gpt-fast
-  use. A GGUF Q4_0/Q4_1 block maps onto it directly (Q4_1: ``w = d * q + m``).
+- :class:`DenseWeight`: 16-bit (or float32) values, for F16/BF16/F32 tensors
+  (safetensors models, GGUF norms); ``F.linear``.
+- :class:`Int4Planes`: GGUF types with one scale per 32 weights (Q4_0, Q4_1, Q4_K, Q5_0,
+  Q5_1, Q5_K, Q8_0). A 4-bit type is one plane in torch's CPU int4 layout
+  (``torch._weight_int4pack_mm_for_cpu``: ``w = (p - 8) * scale + zero``, per group of 32
+  inputs, the layout torchao and gpt-fast use); a 5- to 8-bit type is two planes, its
+  low and high nibbles (``q = 16 * high + low``), whose products add up. Each plane's
+  zero is an exact power-of-two multiple of its scale for the symmetric types, so only
+  the rounding of each scale (and a Q4_1/K-type minimum) to the compute dtype differs
+  from the file's values.
+- :class:`Int8Groups`: the rest (Q6_K's groups of 16, or shapes torch's int4 kernel does
+  not take): one byte a weight plus a scale and offset per group, dequantized into a
+  temporary compute-dtype matrix for each product.
 
-Measured on the 2-core development machine for SmolLM2-135M's 30 layers of one-row decode
-GEMMs, weights streamed from memory: int8 11.5 ms, int4 4.4 ms.
-Prefill (many rows) keeps the bf16 GEMM, which uses AVX-512 BF16 / AMX.
-
-Which kernel runs depends only on the number of rows, and both kernels compute each row
-independently of the others, so a sequence's output does not depend on what else is in
-its batch.
+On CPU torch's int4 kernel reads about half a byte per weight and is fast for the few rows
+of a decode step (SmolLM2's 30 layers of one-row GEMMs: int4 4.4 ms against int8 11.5 ms on
+the development machine); it is used for every row count, so a sequence's output does not
+depend on its batch (the kernel computes each row alone). On CUDA every form is
+dequantized per product (the CPU int4 layout is not CUDA's).
 """
 
 from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from shardline.models.gguf_quants import GroupQuant
+
+INT4_GROUP = 32
+
+KERNEL_MAX_ROWS = 64
+"""Products of at most this many rows (a decode step's sequences) take torch's int4
+kernel, which computes each row on its own: up to this batch size a sequence's output does
+not depend on what else is in its batch."""
+
+
+@dataclass
+class DenseWeight:
+    """``weight`` ``[out, in]`` in the compute dtype."""
+
+    weight: torch.Tensor
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return tuple(self.weight.shape)  # type: ignore[return-value]
+
+    def nbytes(self) -> int:
+        return self.weight.numel() * self.weight.element_size()
+
+    def matmul(self, x: torch.Tensor) -> torch.Tensor:
+        """``x @ weight.T`` for ``x`` ``[rows, in]`` in the weight's dtype."""
+        return F.linear(x, self.weight.to(x.dtype))
+
+    def dequantize(self, dtype: torch.dtype) -> torch.Tensor:
+        return self.weight.to(dtype)
+
+    def embed(self, ids: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        return self.weight.index_select(0, ids).to(dtype)
+
+
+DEQUANT_SCRATCH_BYTES = 64 << 20
+"""Scratch for a dense product's dequantized weight rows (float32 and the compute
+dtype): a product dequantizes as many output rows at a time as fit, in multiples of 256
+rows (a multiple of torch's int4 block); a whole matrix of up to 11M weights at once."""
+
+_SCRATCH: dict[tuple[str, torch.dtype], torch.Tensor] = {}
+
+
+def _scratch(name: str, rows: int, cols: int, dtype: torch.dtype) -> torch.Tensor:
+    """A reused ``[rows, cols]`` buffer (one per name and dtype, grown as needed), so a
+    dequantized weight block is written into memory already mapped, not fresh pages."""
+    buf = _SCRATCH.get((name, dtype))
+    if buf is None or buf.numel() < rows * cols:
+        buf = torch.empty(rows * cols, dtype=dtype)
+        _SCRATCH[(name, dtype)] = buf
+    return buf[: rows * cols].view(rows, cols)
+
+
+def _blocked_product(x: torch.Tensor, out_features: int, rows) -> torch.Tensor:
+    """``x @ W.T`` with ``W``'s output rows dequantized a block at a time (see
+    :data:`DEQUANT_SCRATCH_BYTES`) by ``rows(start, end, dtype)`` (a scratch view, valid
+    until the next call)."""
+    block = max(256, DEQUANT_SCRATCH_BYTES // (6 * x.shape[1]) // 256 * 256)
+    if out_features <= block:
+        return F.linear(x, rows(0, out_features, x.dtype))
+    out = torch.empty(x.shape[0], out_features, dtype=x.dtype)
+    for start in range(0, out_features, block):
+        end = min(start + block, out_features)
+        out[:, start:end] = F.linear(x, rows(start, end, x.dtype))
+    return out
+
+
+@dataclass
+class Int8Groups:
+    """``q`` uint8 ``[out, in]`` with ``scale`` and ``offset`` ``[out, in // group]``
+    in float32: ``w = q * scale + offset``, computed in float32 and rounded once to the
+    compute dtype when used."""
+
+    q: torch.Tensor
+    scale: torch.Tensor
+    offset: torch.Tensor
+    group: int
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return tuple(self.q.shape)  # type: ignore[return-value]
+
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in (self.q, self.scale, self.offset))
+
+    def _fill(self, work: torch.Tensor, q: torch.Tensor, scale: torch.Tensor,
+              offset: torch.Tensor) -> torch.Tensor:
+        # In float32 (rounded once afterwards): in bfloat16, ``q * scale`` would round
+        # before the offset (often -128 * scale) cancels most of it. Three plain passes
+        # beat one mixed-dtype addcmul, which converts its inputs first.
+        rows, cols = q.shape
+        groups = work.copy_(q).view(rows, cols // self.group, self.group)
+        groups.mul_(scale[..., None]).add_(offset[..., None])
+        return work
+
+    def _rows(self, start: int, end: int, dtype: torch.dtype) -> torch.Tensor:
+        rows, cols = end - start, self.q.shape[1]
+        work = _scratch("work", rows, cols, torch.float32)
+        self._fill(work, self.q[start:end], self.scale[start:end], self.offset[start:end])
+        return work if dtype == torch.float32 else _scratch("out", rows, cols, dtype).copy_(work)
+
+    def dequantize(self, dtype: torch.dtype) -> torch.Tensor:
+        return self._rows(0, self.q.shape[0], dtype).clone()
+
+    def matmul(self, x: torch.Tensor) -> torch.Tensor:
+        return _blocked_product(x, self.q.shape[0], self._rows)
+
+    def embed(self, ids: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        work = torch.empty(len(ids), self.q.shape[1])
+        return self._fill(work, self.q[ids], self.scale[ids], self.offset[ids]).to(dtype)
+
+
+@dataclass
+class Int4Planes:
+    """One or two int4 planes: ``packed[i]`` (torch's CPU int4 layout of ``[out, in]``)
+    with ``scales_zeros[i]`` ``[in // 32, out, 2]`` in the compute dtype. The weight is
+    the sum of the planes' ``(p - 8) * scale + zero``."""
+
+    packed: list[torch.Tensor]
+    scales_zeros: list[torch.Tensor]
+    out_features: int
+    in_features: int
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return (self.out_features, self.in_features)
+
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in self.packed + self.scales_zeros)
+
+    def matmul(self, x: torch.Tensor) -> torch.Tensor:
+        """``x @ W.T`` for ``x`` ``[rows, in]``: torch's int4 kernel for at most
+        :data:`KERNEL_MAX_ROWS` rows of a 16-bit ``x`` (decode), else the weight
+        dequantized block by block into scratch and a dense GEMM (prefill: the kernel is
+        2.8x slower than dequantizing and ``F.linear`` for 512 rows of a 576 x 3072
+        product; in float32 it has no fast path at all: 20x slower for one row)."""
+        x = x.contiguous()
+        dense = x.shape[0] > KERNEL_MAX_ROWS or x.dtype == torch.float32
+        if dense and self.rows_readable():
+            return _blocked_product(x, self.out_features, self._rows)
+        y = None
+        for packed, sz in zip(self.packed, self.scales_zeros):
+            part = torch._weight_int4pack_mm_for_cpu(x, packed, INT4_GROUP, sz.to(x.dtype))
+            y = part if y is None else y + part
+        return y
+
+    def _plane(self, i: int, start: int, end: int, out: torch.Tensor) -> None:
+        """Write plane ``i``'s rows ``[start, end)`` (multiples of the layout's block) into
+        float32 ``out`` ``[rows, in]`` as ``(p - 8) * scale + zero``."""
+        block, position = int4pack_layout()  # type: ignore[misc]
+        rows, k, half = end - start, self.in_features, block // 2
+        packed = self.packed[i].view(-1, k, half)[start // block : -(-end // block)]
+        # The nibbles into row order (uint8 scratch), then one contiguous conversion:
+        # 0.63 ms for a 3072 x 576 plane against 1.0 ms converting the strided view.
+        nibbles = _scratch("nibbles", rows, k, torch.uint8).view(-1, block, k)
+        if torch.equal(position[:half], torch.arange(0, block, 2)):  # lows, then highs
+            nibbles[:, :half].copy_((packed & 15).transpose(1, 2))
+            nibbles[:, half:].copy_((packed >> 4).transpose(1, 2))
+        elif torch.equal(position, torch.arange(block)):  # rows alternate low, high
+            pairs = nibbles.view(-1, half, 2, k)
+            pairs[:, :, 0].copy_((packed & 15).transpose(1, 2))
+            pairs[:, :, 1].copy_((packed >> 4).transpose(1, 2))
+        else:
+            both = torch.stack((packed & 15, packed >> 4), dim=-1).view(-1, k, block)
+            nibbles.copy_(both.index_select(2, position).transpose(1, 2))
+        out.copy_(nibbles.view(rows, k))
+        sz = self.scales_zeros[i][:, start:end].float()  # [in / 32, rows, 2]
+        scale, zero = sz[..., 0].t(), sz[..., 1].t()  # [rows, in / 32]
+        groups = out.view(rows, k // INT4_GROUP, INT4_GROUP)
+        groups.mul_(scale[..., None]).add_((zero - 8 * scale)[..., None])
+
+    def _rows(self, start: int, end: int, dtype: torch.dtype) -> torch.Tensor:
+        """Rows ``[start, end)`` in ``dtype`` (a scratch view): the planes' values summed
+        in float32 and rounded once."""
+        rows, k = end - start, self.in_features
+        work = _scratch("work", rows, k, torch.float32)
+        self._plane(0, start, end, work)
+        if len(self.packed) > 1:
+            other = _scratch("plane", rows, k, torch.float32)
+            self._plane(1, start, end, other)
+            work += other
+        if dtype == torch.float32:
+            return work
+        return _scratch("out", rows, k, dtype).copy_(work)
+
+    def _plane_rows(self, i: int, ids: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        block, position = int4pack_layout()  # type: ignore[misc]
+        k = self.in_features
+        packed = self.packed[i].view(-1, k, block // 2)
+        pos = position[ids % block]
+        nibbles = packed[(ids // block)[:, None], torch.arange(k)[None, :], (pos // 2)[:, None]]
+        p = (nibbles >> (4 * (pos % 2))[:, None]) & 15  # [len(ids), in]
+        sz = self.scales_zeros[i][:, ids].to(dtype)  # [in / 32, len(ids), 2]
+        scale = sz[..., 0].t().repeat_interleave(INT4_GROUP, dim=1)
+        zero = sz[..., 1].t().repeat_interleave(INT4_GROUP, dim=1)
+        return (p.to(dtype) - 8) * scale + zero
+
+    def embed(self, ids: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        """Rows ``ids`` (int64 ``[T]``) of the weight, ``[T, in]`` in ``dtype``."""
+        rows = self._plane_rows(0, ids, torch.float32)
+        for i in range(1, len(self.packed)):
+            rows = rows + self._plane_rows(i, ids, torch.float32)
+        return rows.to(dtype)
+
+    def dequantize(self, dtype: torch.dtype) -> torch.Tensor:
+        """The weight ``[out, in]`` in ``dtype`` (a new tensor)."""
+        if self.rows_readable():
+            return self._rows(0, self.out_features, dtype).clone()
+        # The kernel's product with the identity: W.T, exactly (float32).
+        planes = Int4Planes(self.packed, [sz.float() for sz in self.scales_zeros],
+                            self.out_features, self.in_features)
+        return planes.matmul(torch.eye(self.in_features)).t().to(dtype)
+
+    def rows_readable(self) -> bool:
+        """Whether rows can be read from this layout on this machine (else products of
+        any size take the kernel, and the embedding keeps its own copy)."""
+        layout = int4pack_layout()
+        return layout is not None and self.out_features % layout[0] == 0
+
+
+ResidentWeight = DenseWeight | Int8Groups | Int4Planes
+
+
+def resident_weight(source: GroupQuant | torch.Tensor, dtype: torch.dtype,
+                    device: torch.device | str = "cpu", int4: bool = True) -> ResidentWeight:
+    """The resident form of one weight ``[out, in]``: a float tensor stays dense in
+    ``dtype``; integer groups become :class:`Int4Planes` where ``int4`` allows, the group
+    is 32, the device is the CPU and torch's int4 kernel takes the shape (``in`` a
+    multiple of 32, ``out`` of 16), else :class:`Int8Groups`. No value changes beyond
+    rounding scales to ``dtype``.
+    """
+    if isinstance(source, torch.Tensor):
+        return DenseWeight(source.to(device=device, dtype=dtype))
+    source = source.contiguous()
+    rows, cols = source.shape
+    on_cpu = torch.device(device).type == "cpu"
+    if int4 and on_cpu and source.group == INT4_GROUP and cols % INT4_GROUP == 0 and rows % 16 == 0:
+        return _int4_planes(source, dtype)
+    return Int8Groups(torch.from_numpy(source.q).to(device),
+                      torch.from_numpy(source.scale).to(device),
+                      torch.from_numpy(source.offset).to(device), source.group)
+
+
+def _int4_planes(g: GroupQuant, dtype: torch.dtype) -> Int4Planes:
+    """Split integer groups of 32 into one (<= 4 bits) or two int4 planes."""
+    rows, cols = g.shape
+    scale = torch.from_numpy(g.scale)  # [rows, cols / 32] float32
+    offset = torch.from_numpy(g.offset)
+    q = torch.from_numpy(g.q)
+    planes: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = []  # (p, scale, zero)
+    if g.bits <= 4:
+        # w = q * s + o = (q - 8) * s + (o + 8 s)
+        planes.append((q, scale, offset + 8 * scale))
+    else:
+        # q = 16 h + l: w = l * s + 16 h s + o. Low plane: (l - 8) s + 8 s (+ o when free).
+        low, high = q & 15, q >> 4
+        if g.symmetric_center is not None:
+            # o = -c s: the high plane takes it, p = h + 8 - c / 16 (in 0..15 for Q5_0,
+            # Q8_0 and Q6_K), so every zero is 8 s or 0: exact in any float format.
+            shift = 8 - g.symmetric_center // 16
+            planes.append((low, scale, 8 * scale))
+            planes.append((high + shift, 16 * scale, torch.zeros_like(scale)))
+        else:
+            planes.append((low, scale, offset + 8 * scale))
+            planes.append((high + 8, 16 * scale, torch.zeros_like(scale)))
+    packed, scales_zeros = [], []
+    for p, s, z in planes:
+        packed.append(torch._convert_weight_to_int4pack_for_cpu(p.to(torch.int32).contiguous(), 1))
+        scales_zeros.append(torch.stack((s, z), dim=-1).transpose(0, 1).contiguous().to(dtype))
+    return Int4Planes(packed, scales_zeros, rows, cols)
+
+
+@functools.cache
+def int4pack_layout() -> tuple[int, torch.Tensor] | None:
+    """How torch's CPU int4 packing places rows, found by packing a probe matrix.
+
+    The packed weight is ``[out / B, in, B / 2]`` bytes for a block of ``B`` rows (64 with
+    AVX-512, 32 with AVX2 and elsewhere), and the byte ``j``'s two nibbles hold two of the
+    block's rows in an order that depends on the CPU capability torch dispatched to.
+    Returns ``(B, position)`` with ``position[r]`` (int64 ``[B]``) the nibble index
+    ``2 * j + high`` that holds row ``r`` of a block, verified on a random matrix; None when
+    no candidate block fits (then rows are not read from the packed form).
+    """
+    for block in (64, 32, 16, 128):
+        rows = torch.arange(block * 2)
+        probe_lo = (rows % 16)[:, None].expand(-1, 32).to(torch.int32).contiguous()
+        probe_hi = (rows // 16)[:, None].expand(-1, 32).to(torch.int32).contiguous()
+        try:
+            lo = _nibble_order(torch._convert_weight_to_int4pack_for_cpu(probe_lo, 1), block)
+            hi = _nibble_order(torch._convert_weight_to_int4pack_for_cpu(probe_hi, 1), block)
+        except (RuntimeError, ValueError):
+            continue
+        found = hi * 16 + lo  # row (within the block) held by each nibble index
+        if sorted(found.tolist()) != list(range(block)):
+            continue
+        position = torch.empty(block, dtype=torch.long)
+        position[found] = torch.arange(block)
+        if _layout_holds(block, position):
+            return block, position
+    return None
+
+
+def _nibble_order(packed: torch.Tensor, block: int) -> torch.Tensor:
+    """Nibble values of the first block's first column, in nibble index order."""
+    first = packed.reshape(-1)[: block // 2]  # block 0, column 0: B / 2 bytes
+    if first.numel() != block // 2:
+        raise ValueError("probe too small")
+    return torch.stack((first & 15, first >> 4), dim=1).reshape(-1).long() % block
+
+
+def _layout_holds(block: int, position: torch.Tensor) -> bool:
+    generator = torch.Generator().manual_seed(0)
+    q = torch.randint(0, 16, (block * 3, 96), generator=generator, dtype=torch.int32)
+    planes = Int4Planes([torch._convert_weight_to_int4pack_for_cpu(q, 1)],
+                        [torch.stack((torch.ones(3, block * 3), torch.full((3, block * 3), 8.0)), -1)],
+                        block * 3, 96)
+    ids = torch.arange(block * 3)
+    packed = planes.packed[0].view(-1, 96, block // 2)
+    if packed.shape[0] != 3:
+        return False
+    pos = position[ids % block]
+    nibbles = packed[(ids // block)[:, None], torch.arange(96)[None, :], (pos // 2)[:, None]]
+    return bool(torch.equal(((nibbles >> (4 * (pos % 2))[:, None]) & 15).to(torch.int32), q))
+
 
 class Linear(nn.Module):
-    """``y = x @ weight.T (+ bias)`` for ``x`` of shape ``[rows, in_features]``.
+    """``y = x @ W.T (+ bias)`` for ``x`` of shape ``[rows, in_features]``, ``W`` held as
+    one or more :data:`ResidentWeight` parts stacked along the output rows (a fused q/k/v
+    whose v is stored in another GGUF type keeps two parts).
 
     Attributes:
-        weight: ``[out_features, in_features]`` in the compute dtype.
+        parts: the weight's row blocks, top to bottom (set by the loader).
         bias: ``[out_features]`` or None.
-        decode_bits: 0 (no quantized copy), 8 or 4.
-        packed: the quantized copy: int8 ``[out, in]``, or int4 packed by
-            ``torch._convert_weight_to_int4pack_for_cpu``.
-        scales: int8: ``[out]``; int4: ``[in / 32, out, 2]`` (scale, zero), compute dtype.
-        decode_max_rows: inputs with at most this many rows use the quantized copy.
         partial: the output is one tensor-parallel rank's partial sum: computed and
             returned in float32, so that the all-reduced sum rounds to the compute dtype
             once, like the one-rank output (rounding each partial first made SmolLM2's
             2-rank logits differ from 1 rank's by up to 1.3 and change greedy tokens).
     """
 
-    INT4_GROUP = 32
-
     def __init__(self, in_features: int, out_features: int, bias: bool = False,
                  partial: bool = False) -> None:
         super().__init__()
+        self.in_features = in_features
+        self.out_features = out_features
         self.partial = partial
-        self.weight = nn.Parameter(torch.empty(out_features, in_features), requires_grad=False)
+        self.parts: list[ResidentWeight] = []
         self.bias = nn.Parameter(torch.empty(out_features), requires_grad=False) if bias else None
-        self.decode_bits = 0
-        self.packed: torch.Tensor | None = None
-        self.scales: torch.Tensor | None = None
-        self.decode_max_rows = 0
 
-    def add_decode_copy(self, bits: int, max_rows: int) -> None:
-        """Quantize the weight for inputs of at most ``max_rows`` rows (CPU, bf16/float32).
+    def set_parts(self, parts: list[ResidentWeight]) -> None:
+        """Hold ``parts`` (their rows add up to ``out_features``).
 
-        ``bits`` 4 needs ``in_features`` divisible by 32 and ``out_features`` by 16 (the
-        packing kernel's tiles) and falls back to 8 otherwise.
-        Costs one byte (int8) or about 5/8 byte (int4) per weight element.
+        Raises:
+            ValueError: the parts' shapes do not make ``[out_features, in_features]``.
         """
-        w = self.weight.detach().float()
-        if bits == 4 and w.shape[1] % self.INT4_GROUP == 0 and w.shape[0] % 16 == 0:
-            groups = w.view(w.shape[0], -1, self.INT4_GROUP)  # [out, in/32, 32]
-            low = groups.amin(dim=2)
-            scale = ((groups.amax(dim=2) - low) / 15).clamp(min=1e-12)
-            q = torch.round((groups - low[..., None]) / scale[..., None]).clamp(0, 15)
-            q = q.view_as(w).to(torch.int32)
-            self.packed = torch._convert_weight_to_int4pack_for_cpu(q, 1)
-            zero = low + 8 * scale
-            self.scales = torch.stack((scale, zero), dim=-1).transpose(0, 1).contiguous()
-            self.scales = self.scales.to(self.weight.dtype)
-            self.decode_bits = 4
-        else:
-            scale = w.abs().amax(dim=1).clamp(min=1e-12) / 127.0
-            self.packed = torch.round(w / scale[:, None]).clamp(-127, 127).to(torch.int8)
-            self.scales = scale.to(self.weight.dtype)
-            self.decode_bits = 8
-        self.decode_max_rows = max_rows
+        rows = sum(p.shape[0] for p in parts)
+        if rows != self.out_features or any(p.shape[1] != self.in_features for p in parts):
+            raise ValueError(f"weight parts {[p.shape for p in parts]} do not make "
+                             f"[{self.out_features}, {self.in_features}]")
+        self.parts = parts
+
+    def nbytes(self) -> int:
+        """Bytes of the resident weight (not the bias)."""
+        return sum(p.nbytes() for p in self.parts)
+
+    def dequantized(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        """The whole weight ``[out_features, in_features]`` in ``dtype`` (for tests and
+        checks; the forward pass never builds it)."""
+        return torch.cat([p.dequantize(dtype) for p in self.parts])
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """``x`` ``[rows, in_features]`` in the compute dtype; returns ``[rows,
         out_features]`` in the compute dtype (float32 when ``partial``)."""
         if self.partial:
             x = x.float()
-        if self.decode_bits and x.shape[0] <= self.decode_max_rows:
-            scales = self.scales.float() if self.partial else self.scales
-            if self.decode_bits == 4:
-                y = torch._weight_int4pack_mm_for_cpu(x.contiguous(), self.packed, self.INT4_GROUP, scales)
-            else:
-                y = torch._weight_int8pack_mm(x.contiguous(), self.packed, scales)
-            return y if self.bias is None else y + self.bias
-        if self.partial:
-            bias = None if self.bias is None else self.bias.float()
-            return F.linear(x, self.weight.float(), bias)
-        return F.linear(x, self.weight, self.bias)
+        outs = [p.matmul(x) for p in self.parts]
+        y = outs[0] if len(outs) == 1 else torch.cat(outs, dim=-1)
+        return y if self.bias is None else y + self.bias.to(y.dtype)
+
+
+class Embedding(nn.Module):
+    """Token embedding over a resident weight ``[vocab, hidden]``: rows are dequantized
+    as they are looked up. A tied LM head shares the same weight object."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.weight: ResidentWeight | None = None
+        self.dtype = torch.float32
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        """int64 ``ids`` ``[N]`` -> ``[N, hidden]`` in the compute dtype."""
+        assert self.weight is not None
+        return self.weight.embed(ids, self.dtype)
 
 
 def weight_bytes(module: nn.Module) -> int:
-    """Bytes the module's weights take in memory: parameters (shared ones once, also when
-    two parameters hold the same memory, as a tied embedding and LM head do) and the
-    quantized decode copies."""
+    """Bytes the module's weights take in memory: parameters and buffers' values (norms,
+    biases) plus each resident linear and embedding weight, counted once when shared (a
+    tied embedding and LM head)."""
     params = {(p.data_ptr(), p.numel()): p for p in module.parameters()}.values()
     total = sum(p.numel() * p.element_size() for p in params)
+    seen: set[int] = set()
     for layer in module.modules():
-        if isinstance(layer, Linear) and layer.packed is not None:
-            for t in (layer.packed, layer.scales):
-                total += t.numel() * t.element_size()
+        held = layer.parts if isinstance(layer, Linear) else (
+            [layer.weight] if isinstance(layer, Embedding) and layer.weight is not None else [])
+        for part in held:
+            if id(part) not in seen:
+                seen.add(id(part))
+                total += part.nbytes()
     return total

@@ -31,7 +31,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from shardline.models.config import ModelConfig, TensorShare
-from shardline.models.linear import Linear
+from shardline.models.linear import Embedding, Linear
 
 
 class KVCache:
@@ -39,8 +39,13 @@ class KVCache:
 
     Per local layer two tensors of shape ``[slots, num_kv_heads, context, head_dim]`` in
     ``dtype``. A sequence owns one slot for its lifetime; position p of it lives at
-    ``[slot, :, p]``. Bytes: ``2 * layers * slots * num_kv_heads * context * head_dim *
-    element_size``.
+    ``[slot, :, p]``. Bytes reserved: ``2 * layers * slots * num_kv_heads * context *
+    head_dim * element_size``.
+
+    On the CPU the cache is one zero-filled anonymous mapping (``numpy.zeros`` of that
+    size is ``calloc``, which the kernel backs with pages only when written), so memory
+    is taken as positions are written, a page (4 KiB: 32 positions of a 64-wide bf16
+    head) at a time, and a slot's pages stay with it once touched.
 
     ``num_kv_heads`` defaults to the model's; a tensor-parallel shard passes its own count
     (``DecoderShard.num_kv_heads``), as it caches only its KV heads.
@@ -57,13 +62,22 @@ class KVCache:
         num_kv_heads: int | None = None,
     ) -> None:
         heads = config.num_kv_heads if num_kv_heads is None else num_kv_heads
-        shape = (slots, heads, context, config.head_dim)
+        shape = (2, num_layers, slots, heads, context, config.head_dim)
         self.slots = slots
         self.context = context
-        self.k = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
-        self.v = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+        if torch.device(device).type == "cpu":
+            import numpy as np
+
+            size = torch.empty((), dtype=dtype).element_size()
+            raw = np.zeros(math.prod(shape) * size, dtype=np.uint8)
+            both = torch.from_numpy(raw).view(dtype).view(shape)
+        else:
+            both = torch.zeros(shape, dtype=dtype, device=device)
+        self.k = list(both[0].unbind(0))
+        self.v = list(both[1].unbind(0))
 
     def nbytes(self) -> int:
+        """Bytes reserved (every slot at full context)."""
         return sum(t.numel() * t.element_size() for t in self.k + self.v)
 
 
@@ -328,7 +342,7 @@ class DecoderShard(nn.Module):
         self.layer_end = layer_end
         self.is_first = layer_start == 0
         self.is_last = layer_end == config.num_layers
-        self.embed = nn.Embedding(config.vocab_size, config.hidden_size) if self.is_first else None
+        self.embed = Embedding() if self.is_first else None
         self.layers = nn.ModuleList(
             DecoderLayer(config, share) for _ in range(layer_end - layer_start)
         )
@@ -354,11 +368,12 @@ class DecoderShard(nn.Module):
 
     @property
     def dtype(self) -> torch.dtype:
-        return self.layers[0].attn.qkv.weight.dtype
+        """The compute dtype (the norms' weights are held in it)."""
+        return self.layers[0].attn_norm.weight.dtype
 
     @property
     def device(self) -> torch.device:
-        return self.layers[0].attn.qkv.weight.device
+        return self.layers[0].attn_norm.weight.device
 
     def prefill_batch(self, slot: int, start: int, length: int, want_logits: bool) -> ForwardBatch:
         """Describe a prefill chunk: positions ``start .. start+length-1`` of ``slot``."""

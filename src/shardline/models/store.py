@@ -88,6 +88,15 @@ class Manifest:
         return sum(f.size for f in self.files)
 
     @property
+    def weight_file_bytes(self) -> int:
+        """Bytes of the files that hold weights (not the tokenizer's)."""
+        return sum(f.size for f in self.files if f.weights)
+
+    def card(self) -> ModelCard:
+        """What placement reads of this model."""
+        return ModelCard(self.model_id, self.config, self.weight_file_bytes)
+
+    @property
     def weights_path(self) -> str:
         """What :func:`shardline.models.weights.open_weights` opens, relative to the
         model's directory: the ``.gguf`` file, or ``.`` for a safetensors directory."""
@@ -133,10 +142,13 @@ class Manifest:
 
 @dataclass(frozen=True)
 class ModelCard:
-    """A model as placement sees it: its id and its config (``ModelConfig.to_dict()``)."""
+    """A model as placement sees it: its id, its config (``ModelConfig.to_dict()``) and
+    the bytes of its weight files (0: unknown), from which placement tells what a weight
+    takes in memory (:func:`shardline.placement.ranks.resident_bytes_per_weight`)."""
 
     model_id: str
     config: dict
+    weight_file_bytes: int = 0
 
 
 def check_model_id(model_id: str) -> str:
@@ -436,8 +448,8 @@ class ModelStore:
             ModelNotFoundError: the store does not know the model.
         """
         if model_id == DEFAULT_MODEL_ID:
-            return ModelCard(model_id, _default_config())
-        return ModelCard(model_id, self._known(model_id).config)
+            return ModelCard(model_id, _default_config(), default_model_path().stat().st_size)
+        return self._known(model_id).card()
 
     def _known(self, model_id: str) -> Manifest:
         manifest = self.manifest(model_id)

@@ -1,21 +1,19 @@
-"""Reading one shard's weights from GGUF files or Hugging Face safetensors directories.
+"""Reading a model's tensors from GGUF files or Hugging Face safetensors directories.
 
-A rank reads only the tensors of its layer range (and the embedding or head where its
-shard holds them). Both formats are memory-mapped, so the bytes of other layers are never
-read; :attr:`WeightSource.bytes_read` counts what was.
+Both formats are memory-mapped, so the bytes of tensors a rank does not read are never
+read; :attr:`WeightSource.bytes_read` counts what was. A slice (a range of rows, or of
+columns) reads only its bytes: safetensors through ``get_slice``; GGUF by slicing the
+memory-mapped blocks (rows always; columns on the format's block boundaries, otherwise
+a few rows at a time, keeping only the wanted columns).
 
-A tensor-parallel rank (:func:`load_tensor_shard`) reads only its slice of each split
-tensor: a range of rows (q/k/v, gate/up: whole heads, MLP columns) or of columns (o, down).
-safetensors slices through ``get_slice``; GGUF slices the memory-mapped blocks before
-dequantizing (rows always; columns when the range falls on the format's block boundaries,
-otherwise a few rows at a time, keeping only the wanted columns), so no rank holds the
-whole of a tensor it splits.
+:meth:`WeightSource.read_weight` gives a quantized GGUF weight as the file stores it
+(:class:`~shardline.models.gguf_quants.GroupQuant`, exact); :meth:`WeightSource.read` gives
+float values. Which tensors a rank reads is :mod:`shardline.models.shard_loader`'s.
 
 Formats:
 - GGUF: https://github.com/ggml-org/ggml/blob/master/docs/gguf.md, read with the ``gguf``
-  library, which also dequantizes every block format it knows. llama.cpp's converter
-  stores the q and k projections of ``llama`` models permuted for interleaved RoPE; they
-  are un-permuted here so one RoPE (rotate-half) serves both formats.
+  library (metadata, tensor infos, and the float values of types with no integer-group
+  form here).
 - safetensors: https://huggingface.co/docs/safetensors, read with ``safe_open``.
 """
 
@@ -28,7 +26,8 @@ import numpy as np
 import torch
 
 from shardline.machine_cache import cache_path, write_atomically
-from shardline.models.config import ModelConfig, TensorShare
+from shardline.models.config import ModelConfig
+from shardline.models.gguf_quants import SUPPORTED_TYPES, GroupQuant, unpack_blocks
 
 Span = tuple[int, int] | None  # (start, end) along one axis; None: all of it
 
@@ -90,6 +89,17 @@ class WeightSource:
         self.tensors_read.append(name)
         return tensor
 
+    def read_weight(self, name: str, rows: Span = None,
+                    cols: Span = None) -> torch.Tensor | GroupQuant:
+        """A linear weight as the file stores it: :class:`GroupQuant` for a quantized
+        GGUF type that has an exact integer-group form and whose column range falls on
+        its groups, else the float tensor of :meth:`read`.
+
+        Raises:
+            WeightFormatError: the file has no tensor of that name.
+        """
+        return self.read(name, rows, cols)
+
     def _check_name(self, name: str) -> None:
         if name not in self.names():
             raise WeightFormatError(f"tensor {name!r} is missing from the weights")
@@ -143,6 +153,32 @@ class GGUFSource(WeightSource):
 
     def _shape(self, name: str) -> tuple[int, ...]:
         return tuple(int(d) for d in reversed(self._tensors[name].shape))
+
+    def read_weight(self, name: str, rows: Span = None,
+                    cols: Span = None) -> torch.Tensor | GroupQuant:
+        from gguf import GGML_QUANT_SIZES
+
+        self._check_name(name)
+        t = self._tensors[name]
+        type_name = t.tensor_type.name
+        if type_name not in SUPPORTED_TYPES or len(self._shape(name)) != 2:
+            return self.read(name, rows, cols)
+        block, size = GGML_QUANT_SIZES[t.tensor_type]
+        data = t.data if rows is None else t.data[rows[0] : rows[1]]
+        if cols is None:
+            part = data
+        else:
+            first = cols[0] // block
+            part = data[:, first * size : -(-cols[1] // block) * size]
+        groups = unpack_blocks(type_name, part)
+        if cols is not None:
+            try:
+                groups = groups.cols(cols[0] - first * block, cols[1] - first * block)
+            except ValueError:
+                return self.read(name, rows, cols)  # the range cuts groups: exact floats
+        self.bytes_read += int(part.nbytes)
+        self.tensors_read.append(name)
+        return groups.contiguous()
 
     # Rows dequantized at a time when a column range cuts through the format's blocks.
     UNALIGNED_ROW_CHUNK = 64
@@ -311,217 +347,3 @@ def open_weights(path: str | Path) -> WeightSource:
     raise WeightFormatError(
         f"{path} is neither a .gguf file nor a directory with config.json and safetensors"
     )
-
-
-def _unpermute_gguf_rope(weight: torch.Tensor, heads: int) -> torch.Tensor:
-    """Undo llama.cpp's q/k row permutation (interleaved -> rotate-half RoPE layout)."""
-    rows = weight.shape[0]
-    rest = weight.shape[1:]
-    head_dim = rows // heads
-    return (
-        weight.reshape(heads, head_dim // 2, 2, *rest).transpose(1, 2).reshape(rows, *rest)
-    )
-
-
-def _names(source: WeightSource, layer: int | None, part: str) -> str:
-    """Source tensor name of ``part`` (shardline's name) in global ``layer`` (None: top)."""
-    if layer is None:
-        return source.TOP_NAMES[part]
-    return source.LAYER_FORMAT.format(layer=layer, name=source.LAYER_NAMES[part])
-
-
-def shard_state_dict(
-    source: WeightSource,
-    layer_start: int,
-    layer_end: int,
-    dtype: torch.dtype,
-    share: TensorShare | None = None,
-    head: bool = True,
-) -> dict[str, torch.Tensor]:
-    """The state dict of :class:`~shardline.models.llama.DecoderShard` for a layer range.
-
-    Reads only the tensors of layers ``[layer_start, layer_end)``, plus the embedding when
-    ``layer_start == 0`` and, with ``head``, the final norm and head (the embedding when
-    tied) when the range ends at the last layer. Every tensor is cast to ``dtype``.
-
-    With a tensor ``share`` (the range must be the whole model) each layer's split tensors
-    are read as slices: q rows of the share's heads, k/v rows of its KV heads, gate/up rows
-    of its MLP columns, o columns of its heads and down columns of its MLP columns. Norms
-    (and the embedding, final norm and head) are read whole: every rank holds them.
-
-    Raises:
-        WeightFormatError: a tensor is missing or has an unexpected shape.
-    """
-    config = source.config
-    permuted = isinstance(source, GGUFSource) and config.architecture == "llama"
-    out: dict[str, torch.Tensor] = {}
-    d, hd, inter = config.hidden_size, config.head_dim, config.intermediate_size
-    q_rows, kv_rows = config.num_heads * hd, config.num_kv_heads * hd
-
-    def span(start: int, end: int, full: int) -> Span:
-        return None if (start, end) == (0, full) else (start, end)
-
-    if share is None:
-        heads, kv_heads = config.num_heads, config.num_kv_heads
-        q_span = kv_span = col_span = None
-    else:
-        share.check(config)
-        heads, kv_heads = share.num_heads, share.num_kv_heads
-        q_span = span(share.heads[0] * hd, share.heads[1] * hd, q_rows)
-        kv0 = share.kv_heads[0]
-        kv_span = span(kv0 * hd, (kv0 + kv_heads) * hd, kv_rows)
-        col_span = span(*share.columns, inter)
-
-    def get(layer: int | None, part: str) -> torch.Tensor:
-        return source.read(_names(source, layer, part))
-
-    def get_checked(label: str, layer: int | None, part: str, shape: tuple[int, ...],
-                    rows: Span = None, cols: Span = None) -> torch.Tensor:
-        """Check the file's whole shape, then read the slice."""
-        name = _names(source, layer, part)
-        found = source.shape(name)
-        if found != shape:
-            raise WeightFormatError(f"{label} has shape {found}, expected {shape}")
-        return source.read(name, rows, cols)
-
-    if layer_start == 0:
-        out["embed.weight"] = get_checked(
-            "embedding", None, "embed", (config.vocab_size, d)
-        ).to(dtype)
-    for local, layer in enumerate(range(layer_start, layer_end)):
-        p = f"layers.{local}."
-        q = get_checked(f"layer {layer} q", layer, "q", (q_rows, d), q_span)
-        k = get_checked(f"layer {layer} k", layer, "k", (kv_rows, d), kv_span)
-        v = get_checked(f"layer {layer} v", layer, "v", (kv_rows, d), kv_span)
-        if permuted:  # llama.cpp permutes the rows within each head
-            q = _unpermute_gguf_rope(q, heads)
-            k = _unpermute_gguf_rope(k, kv_heads)
-        out[p + "attn.qkv.weight"] = torch.cat((q, k, v)).to(dtype)
-        if config.attention_bias:
-            qb = source.read(_names(source, layer, "q_bias"), q_span)
-            kb = source.read(_names(source, layer, "k_bias"), kv_span)
-            vb = source.read(_names(source, layer, "v_bias"), kv_span)
-            if permuted:
-                qb = _unpermute_gguf_rope(qb, heads)
-                kb = _unpermute_gguf_rope(kb, kv_heads)
-            out[p + "attn.qkv.bias"] = torch.cat((qb, kb, vb)).to(dtype)
-        out[p + "attn.o.weight"] = get_checked(
-            f"layer {layer} o", layer, "o", (d, q_rows), cols=q_span
-        ).to(dtype)
-        if config.qk_norm:
-            out[p + "attn.q_norm.weight"] = get(layer, "q_norm").to(dtype)
-            out[p + "attn.k_norm.weight"] = get(layer, "k_norm").to(dtype)
-        out[p + "attn_norm.weight"] = get(layer, "attn_norm").to(dtype)
-        out[p + "mlp_norm.weight"] = get(layer, "mlp_norm").to(dtype)
-        gate = get_checked(f"layer {layer} gate", layer, "gate", (inter, d), col_span)
-        up = get_checked(f"layer {layer} up", layer, "up", (inter, d), col_span)
-        out[p + "mlp.gate_up.weight"] = torch.cat((gate, up)).to(dtype)
-        out[p + "mlp.down.weight"] = get_checked(
-            f"layer {layer} down", layer, "down", (d, inter), cols=col_span
-        ).to(dtype)
-    if layer_end == config.num_layers and head:
-        out["norm.weight"] = get(None, "norm").to(dtype)
-        if config.tie_word_embeddings:
-            lm_head = out.get("embed.weight")
-            if lm_head is None:
-                lm_head = get_checked("LM head", None, "embed", (config.vocab_size, d)).to(dtype)
-        else:
-            lm_head = get_checked("LM head", None, "head", (config.vocab_size, d)).to(dtype)
-        out["lm_head.weight"] = lm_head
-    return out
-
-
-def _linear_sources(source: WeightSource, module: str, layer_start: int) -> list[str]:
-    """Source tensor names behind one of DecoderShard's fused linear modules."""
-    if module == "lm_head":
-        head = "embed" if source.config.tie_word_embeddings else "head"
-        return [_names(source, None, head)]
-    _, local, block, kind = module.split(".")  # layers.<i>.<attn|mlp>.<qkv|o|gate_up|down>
-    parts = {"qkv": ["q", "k", "v"], "o": ["o"], "gate_up": ["gate", "up"], "down": ["down"]}[kind]
-    return [_names(source, layer_start + int(local), part) for part in parts]
-
-
-def load_shard(
-    source: WeightSource,
-    layer_start: int,
-    layer_end: int,
-    dtype: torch.dtype = torch.bfloat16,
-    device: torch.device | str = "cpu",
-    decode_rows: int = 0,
-):
-    """Build a :class:`~shardline.models.llama.DecoderShard` holding only its own weights.
-
-    ``decode_rows`` > 0 (CPU only) adds a quantized copy of every linear weight, used for
-    inputs of at most that many rows (decode; see :mod:`shardline.models.linear`): int4
-    where the file stores the weight in about 5 bits or fewer (GGUF Q4_0, Q4_1, Q4_K, ...),
-    int8 otherwise.
-
-    Raises:
-        WeightFormatError: a tensor is missing or misshapen.
-    """
-    return _build_shard(source, layer_start, layer_end, dtype, device, decode_rows)
-
-
-def load_tensor_shard(
-    source: WeightSource,
-    share: TensorShare,
-    dtype: torch.dtype = torch.bfloat16,
-    device: torch.device | str = "cpu",
-    decode_rows: int = 0,
-    head: bool | None = None,
-):
-    """Build one tensor-parallel rank's :class:`~shardline.models.llama.DecoderShard`.
-
-    It holds every layer, but of each only the share's heads, KV heads and MLP columns
-    (read as slices, see :func:`shard_state_dict`), plus the whole token embedding on every
-    rank and the final norm and LM head where ``head`` (default: on rank 0, the rank that
-    samples; a tied head reuses the embedding). Its layers' outputs are partial sums until
-    :class:`~shardline.parallel.tensor.TensorStage` sets the all-reduce. ``decode_rows`` as
-    for :func:`load_shard`; the slices quantize exactly as the same rows and 32-column
-    groups of the whole tensor do (int4 groups stay aligned when the column ranges are
-    multiples of 32, as :mod:`shardline.placement.tensor` makes them).
-
-    Raises:
-        WeightFormatError: a tensor is missing or misshapen.
-        ValueError: the share does not fit the model.
-    """
-    if head is None:
-        head = share.rank == 0
-    return _build_shard(source, 0, source.config.num_layers, dtype, device, decode_rows,
-                        share=share, head=head)
-
-
-def _build_shard(
-    source: WeightSource,
-    layer_start: int,
-    layer_end: int,
-    dtype: torch.dtype,
-    device: torch.device | str,
-    decode_rows: int,
-    share: TensorShare | None = None,
-    head: bool = True,
-):
-    from shardline.models.linear import Linear
-    from shardline.models.llama import DecoderShard, rope_inverse_frequencies
-
-    state = shard_state_dict(source, layer_start, layer_end, dtype, share=share, head=head)
-    with torch.device("meta"):
-        shard = DecoderShard(source.config, layer_start, layer_end, share=share, head=head)
-    state = {k: v.to(device) for k, v in state.items()}
-    missing, unexpected = shard.load_state_dict(state, strict=False, assign=True)
-    if missing or unexpected:
-        raise WeightFormatError(
-            f"shard weights do not match: missing {missing}, unexpected {unexpected}"
-        )
-    shard.inv_freq = rope_inverse_frequencies(source.config, source.rope_freq_factors).to(device)
-    for module in shard.modules():  # index buffers built on the CPU (see Attention)
-        for name, buffer in module.named_buffers(recurse=False):
-            if buffer.device != torch.device(device):
-                setattr(module, name, buffer.to(device))
-    if decode_rows > 0 and torch.device(device).type == "cpu":
-        for name, module in shard.named_modules():
-            if isinstance(module, Linear):
-                bits = max(source.bits(n) for n in _linear_sources(source, name, layer_start))
-                module.add_decode_copy(4 if bits <= 5.25 else 8, decode_rows)
-    shard.eval()
-    return shard

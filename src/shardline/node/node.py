@@ -733,7 +733,7 @@ class Node:
         if model_id == DEFAULT_MODEL_ID or self.store.manifest(model_id) is not None:
             return await asyncio.to_thread(self.store.card, model_id)
         manifest = await self._manifest(model_id)
-        return ModelCard(manifest.model_id, manifest.config)
+        return manifest.card()
 
     def node_profiles(self, node_ids: list[str]):
         """The preview's view of ``node_ids``: NodeProfile each, and the measured links.
@@ -775,9 +775,11 @@ class Node:
         profiles, links = self.node_profiles(chosen)
         if best_only:
             return [auto(config, profiles, links, context, max_batch, dtype, shardings, max_nodes,
-                         min_nodes=min_nodes, admit=not force)]
+                         min_nodes=min_nodes, weight_file_bytes=card.weight_file_bytes,
+                         admit=not force)]
         return preview(config, profiles, links, context, max_batch, dtype, shardings, max_nodes,
-                       min_nodes=min_nodes, admit=not force)
+                       min_nodes=min_nodes, weight_file_bytes=card.weight_file_bytes,
+                       admit=not force)
 
     def _placement_inputs(self, card: ModelCard, node_ids: list[str] | None, context: int | None,
                           max_batch: int | None):
@@ -809,7 +811,8 @@ class Node:
     ) -> Instance:
         config, chosen, context, max_batch = self._placement_inputs(card, node_ids, context, max_batch)
         capacities = [NodeCapacity(n, self._available_bytes(n)) for n in chosen]
-        shares = place_ranks(config, sharding, capacities, context, max_batch, dtype, admit=not force)
+        shares = place_ranks(config, sharding, capacities, context, max_batch, dtype,
+                             admit=not force, weight_file_bytes=card.weight_file_bytes)
         master_addr = self.address_of(chosen[0]).rsplit(":", 1)[0]
         port = await self._free_port(chosen[0])
         inst = Instance(

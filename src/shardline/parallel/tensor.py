@@ -73,7 +73,7 @@ class TensorStage(Stage):
     Rank 0 holds the logits and samples. :meth:`Stage.run` runs the micro-batches: every
     rank embeds all the token ids and each layer all-reduces twice, so the micro-batches run
     one after another on every rank. Args as for :class:`Stage`, and:
-        shard: from :func:`~shardline.models.weights.load_tensor_shard` (every layer, this
+        shard: from :func:`~shardline.models.shard_loader.load_tensor_shard` (every layer, this
             rank's heads and columns; the LM head on rank 0).
         cache: a :class:`KVCache` with ``num_kv_heads=shard.num_kv_heads``.
         reduce_dtype: dtype of the all-reduced sums (default float32; None: the compute
@@ -114,7 +114,6 @@ def load_tensor_stage(
     context: int,
     dtype: torch.dtype = torch.bfloat16,
     device: torch.device | str = "cpu",
-    decode_rows: int = 0,
     share: TensorShare | None = None,
     group: dist.ProcessGroup | None = None,
     reduce_dtype: torch.dtype | None = torch.float32,
@@ -126,9 +125,9 @@ def load_tensor_stage(
     :func:`shardline.placement.tensor.tensor_shares` ``(source.config, world_size)[rank]``
     (every rank must use the same split). ``slots`` and ``context``: the KV cache's
     sequences and tokens per sequence. Other arguments as for
-    :func:`~shardline.models.weights.load_tensor_shard` and :class:`TensorStage`.
+    :func:`~shardline.models.shard_loader.load_tensor_shard` and :class:`TensorStage`.
     """
-    from shardline.models.weights import load_tensor_shard
+    from shardline.models.shard_loader import load_tensor_shard
     from shardline.placement.tensor import tensor_shares
 
     if share is None:
@@ -136,8 +135,7 @@ def load_tensor_stage(
     if (share.rank, share.world_size) != (rank, world_size):
         raise ValueError(f"share of rank {share.rank}/{share.world_size} given to rank "
                          f"{rank}/{world_size}")
-    shard = load_tensor_shard(source, share, dtype=dtype, device=device,
-                              decode_rows=decode_rows)
+    shard = load_tensor_shard(source, share, dtype=dtype, device=device)
     cache = KVCache(source.config, len(shard.layers), slots, context, dtype, device,
                     num_kv_heads=shard.num_kv_heads)
     return TensorStage(shard, cache, rank, world_size, group=group,

@@ -21,11 +21,11 @@ from typing import Mapping, Sequence
 from shardline.models.config import ModelConfig, TensorShare
 from shardline.placement.pipeline import NodeCapacity, PlacementError
 from shardline.placement.ranks import (
-    DTYPE_BYTES, SHARDINGS, RankShare, place_ranks, ring_prefill_chunk,
+    DTYPE_BYTES, SHARDINGS, RankShare, place_ranks, resident_bytes_per_weight, ring_prefill_chunk,
 )
 
 DECODE_WEIGHT_BYTES = 1.0
-"""Bytes decode reads per linear weight element (the int8 decode copy; int4 reads less)."""
+"""Bytes decode reads per weight element where the caller gives none (8-bit weights)."""
 
 PREFILL_CHUNK_TOKENS = 512
 """Prompt tokens per prefill chunk (per rank under ring); latencies are paid once a chunk."""
@@ -137,7 +137,7 @@ def predict_tokens_per_s(
 
     Decode is for one sequence; prefill for one long prompt. Notation: ``P`` ranks,
     ``L = num_layers``, ``d = hidden_size``, ``e`` = bytes of a ``dtype`` element, ``w =
-    decode_weight_bytes`` (1: the int8 decode copy), ``bw_r`` and ``F_r`` rank r's memory
+    decode_weight_bytes`` (bytes a weight takes resident), ``bw_r`` and ``F_r`` rank r's memory
     bandwidth (bytes/s) and matmul FLOP/s, ``lat``/``bw`` a link's latency (s) and bandwidth
     (bytes/s), ``lat_max``/``bw_min`` the worst over all pairs of the placement's nodes.
 
@@ -259,7 +259,7 @@ def preview(
     max_nodes: int | None = None,
     *,
     min_nodes: int = 1,
-    decode_weight_bytes: float = DECODE_WEIGHT_BYTES,
+    weight_file_bytes: int = 0,
     admit: bool = True,
 ) -> list[Candidate]:
     """Every candidate placement of ``config`` on ``nodes``, feasible ones first, fastest first.
@@ -271,8 +271,10 @@ def preview(
 
     Memory per rank is ``place_ranks``'s check with ``context`` tokens per sequence,
     ``max_batch`` sequences and the compute ``dtype`` (skipped when not ``admit``: a forced
-    placement); the speeds are
-    :func:`predict_tokens_per_s`'s (decode tokens/s of one sequence, prefill tokens/s).
+    placement) with ``weight_file_bytes`` (the model's weight files, 0: unknown); the
+    speeds are :func:`predict_tokens_per_s`'s (decode tokens/s of one sequence, prefill
+    tokens/s), decode reading :func:`~shardline.placement.ranks.resident_bytes_per_weight`
+    bytes a weight.
 
     Returns:
         Feasible candidates sorted by predicted decode tokens/s, descending (ties: prefill
@@ -283,6 +285,7 @@ def preview(
         PlacementError: an unknown dtype (a ValueError).
     """
     _check_dtype(dtype)
+    decode_weight_bytes = resident_bytes_per_weight(config, weight_file_bytes, dtype)
     feasible: list[Candidate] = []
     infeasible: list[Candidate] = []
     for subset in _subsets(nodes, max_nodes, min_nodes):
@@ -292,7 +295,8 @@ def preview(
             if len(subset) == 1 and sharding != "pipeline":
                 continue
             try:
-                shares = place_ranks(config, sharding, capacities, context, max_batch, dtype, admit)
+                shares = place_ranks(config, sharding, capacities, context, max_batch, dtype,
+                                     admit, weight_file_bytes)
             except PlacementError as exc:
                 infeasible.append(Candidate(sharding, ids, error=str(exc)))
                 continue
@@ -317,7 +321,7 @@ def auto(
     max_nodes: int | None = None,
     *,
     min_nodes: int = 1,
-    decode_weight_bytes: float = DECODE_WEIGHT_BYTES,
+    weight_file_bytes: int = 0,
     admit: bool = True,
 ) -> Candidate:
     """The feasible candidate of :func:`preview` with the highest predicted decode tokens/s.
@@ -327,7 +331,7 @@ def auto(
             sharding, nodes and why it was refused.
     """
     candidates = preview(config, nodes, links, context, max_batch, dtype, shardings, max_nodes,
-                         min_nodes=min_nodes, decode_weight_bytes=decode_weight_bytes, admit=admit)
+                         min_nodes=min_nodes, weight_file_bytes=weight_file_bytes, admit=admit)
     if candidates and candidates[0].feasible:
         return candidates[0]
     if not candidates:

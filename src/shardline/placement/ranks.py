@@ -29,38 +29,62 @@ def ring_prefill_chunk(world_size: int, per_rank: int = 512) -> int:
     return per_rank * world_size
 
 
+def model_param_count(config: ModelConfig) -> int:
+    """Weight elements of the whole model: layers, embedding, and an untied head."""
+    embed = config.vocab_size * config.hidden_size
+    return (config.num_layers * config.layer_param_count()
+            + embed * (1 if config.tie_word_embeddings else 2))
+
+
+def resident_bytes_per_weight(config: ModelConfig, weight_file_bytes: int, dtype: str) -> float:
+    """Bytes a weight element takes in a runner's memory, on average.
+
+    Quantized GGUF weights stay in the file's bits (:mod:`shardline.models.linear`): about
+    the file's bytes per weight, up to 15% more (two int4 planes hold an 8-bit type in 10
+    bits, Q6_K takes 9 of its 6.6). 16-bit and float32 files are held in ``dtype``.
+    ``weight_file_bytes`` 0 (unknown) counts every weight in ``dtype``.
+    """
+    if weight_file_bytes <= 0:
+        return float(DTYPE_BYTES[dtype])
+    per_weight = weight_file_bytes / model_param_count(config)
+    if per_weight >= 1.9:  # a 16- or 32-bit file: held in the compute dtype
+        return float(DTYPE_BYTES[dtype])
+    return min(1.15 * per_weight, float(DTYPE_BYTES[dtype]))
+
+
 def place_ranks(config: ModelConfig, sharding: str, nodes: list[NodeCapacity], context: int,
-                max_batch: int, dtype: str = "bfloat16", admit: bool = True) -> list[RankShare]:
+                max_batch: int, dtype: str = "bfloat16", admit: bool = True,
+                weight_file_bytes: int = 0) -> list[RankShare]:
     """Each node's share (node i is rank i) of a model under ``sharding``.
 
-    Memory per rank: linear weights in ``dtype`` for prefill plus their int8 (or int4)
-    decode copy (one byte an element at most), embeddings in ``dtype``, the KV cache of
-    ``max_batch`` sequences of ``context`` tokens, and for ring the prefill working set.
-    Without ``admit`` (a forced placement) memory refuses nothing: pipeline layer ranges
-    still follow the nodes' available bytes, and shapes that cannot split are refused.
+    Memory per rank: its weights at :func:`resident_bytes_per_weight` each (the file's
+    quantization; ``weight_file_bytes`` of the model's weight files, 0 if unknown), the KV
+    cache of ``max_batch`` sequences of ``context`` tokens in ``dtype``, and for ring the
+    prefill working set. Without ``admit`` (a forced placement) memory refuses nothing:
+    pipeline layer ranges still follow the nodes' available bytes, and shapes that cannot
+    split are refused.
 
     Raises:
         PlacementError: an unknown sharding, or a model that does not fit or split; the
             message names the node and the shortfall in bytes, or the shape that cannot split.
     """
     layers = config.num_layers
-    embed_bytes = DTYPE_BYTES[dtype]
-    weight_bytes = embed_bytes + 1
-    kv_cache = max_batch * context * config.kv_bytes_per_token(embed_bytes)
+    kv_bytes = DTYPE_BYTES[dtype]
+    weight_bytes = resident_bytes_per_weight(config, weight_file_bytes, dtype)
+    kv_cache = max_batch * context * config.kv_bytes_per_token(kv_bytes)
     if sharding == "pipeline":
         per_layer = weight_bytes * config.layer_param_count() + kv_cache // layers
         return [RankShare(s, e) for s, e in pipeline_layer_ranges(layers, nodes, per_layer, admit)]
     if sharding == "tensor":
         shares = tensor_placement(config, nodes, context=context, max_batch=max_batch,
-                                  weight_bytes=weight_bytes, embed_bytes=embed_bytes, admit=admit)
+                                  weight_bytes=weight_bytes, kv_element_bytes=kv_bytes,
+                                  admit=admit)
         return [RankShare(0, layers, share.to_dict()) for share in shares]
     if sharding == "ring":
-        embed = config.vocab_size * config.hidden_size
-        head = weight_bytes - embed_bytes if config.tie_word_embeddings else weight_bytes
-        weights = weight_bytes * layers * config.layer_param_count() + embed * (embed_bytes + head)
+        weights = int(weight_bytes * model_param_count(config))
         working = ring_working_bytes(ring_prefill_chunk(len(nodes)), len(nodes), config.num_heads,
                                      config.num_kv_heads, config.head_dim, config.hidden_size,
-                                     config.intermediate_size, embed_bytes)
+                                     config.intermediate_size, kv_bytes)
         ring_admission(nodes, weights, kv_cache, working, admit)
         return [RankShare(0, layers) for _ in nodes]
     raise PlacementError(f"sharding {sharding!r} is not supported (supported: {', '.join(SHARDINGS)})")

@@ -96,18 +96,16 @@ def tensor_rank_bytes(
     *,
     context: int = 0,
     max_batch: int = 0,
-    weight_bytes: float = 3.0,
-    embed_bytes: float = 2.0,
+    weight_bytes: float = 2.0,
     kv_element_bytes: int = 2,
 ) -> int:
     """Bytes one rank needs: its slices of every layer, the replicated parts, its KV cache.
 
     Args:
-        weight_bytes: bytes a linear weight element takes in memory (default 3: bf16 for
-            prefill plus the int8 decode copy, as pipeline placement counts).
-        embed_bytes: bytes an embedding element takes (bf16: 2). Every rank holds the
-            embedding; rank 0 also the LM head (a tied head adds only its decode copy,
-            ``weight_bytes - embed_bytes`` per element).
+        weight_bytes: bytes a weight element takes in memory (norms, embedding and head
+            included; see :func:`shardline.placement.ranks.resident_bytes_per_weight`).
+            Every rank holds the embedding; rank 0 also the LM head (a tied head shares
+            the embedding's memory).
         context, max_batch, kv_element_bytes: the KV cache's tokens per sequence,
             sequences and bytes per element; a rank caches only its own KV heads.
     """
@@ -116,11 +114,11 @@ def tensor_rank_bytes(
     linear = d * (q + 2 * kv) + q * d + 3 * d * cols
     norms = 2 * d + (2 * hd if config.qk_norm else 0)
     bias = (q + 2 * kv) if config.attention_bias else 0
-    per_layer = linear * weight_bytes + (norms + bias) * embed_bytes
-    total = config.num_layers * per_layer + config.vocab_size * d * embed_bytes
+    per_layer = linear * weight_bytes + (norms + bias) * kv_element_bytes
+    total = config.num_layers * per_layer + config.vocab_size * d * weight_bytes
     if share.rank == 0:
-        head = weight_bytes - embed_bytes if config.tie_word_embeddings else weight_bytes
-        total += config.vocab_size * d * head + d * embed_bytes
+        head = 0 if config.tie_word_embeddings else weight_bytes
+        total += config.vocab_size * d * head + d * kv_element_bytes
     kv_cache = 2 * config.num_layers * share.num_kv_heads * hd * kv_element_bytes
     total += kv_cache * context * max_batch
     return int(total)
@@ -132,8 +130,7 @@ def tensor_placement(
     *,
     context: int = 0,
     max_batch: int = 0,
-    weight_bytes: float = 3.0,
-    embed_bytes: float = 2.0,
+    weight_bytes: float = 2.0,
     kv_element_bytes: int = 2,
     admit: bool = True,
 ) -> list[TensorShare]:
@@ -154,7 +151,7 @@ def tensor_placement(
     for node, share in zip(nodes, shares):
         need = tensor_rank_bytes(
             config, share, context=context, max_batch=max_batch, weight_bytes=weight_bytes,
-            embed_bytes=embed_bytes, kv_element_bytes=kv_element_bytes,
+            kv_element_bytes=kv_element_bytes,
         )
         if need > node.available_bytes:
             short.append(

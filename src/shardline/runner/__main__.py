@@ -8,6 +8,7 @@ the runner exits.
 
 from __future__ import annotations
 
+import gc
 import logging
 import os
 import queue
@@ -87,22 +88,20 @@ def load_stage(spec: RunnerSpec, source, group, progress: Progress, dtype, devic
     """
     from shardline.models.config import TensorShare
     from shardline.models.llama import KVCache
-    from shardline.models.weights import load_shard
+    from shardline.models.shard_loader import load_shard
     from shardline.parallel.pipeline import PipelineStage
     from shardline.parallel.ring import RingStage
     from shardline.parallel.tensor import load_tensor_stage
 
-    decode_rows = spec.max_batch if spec.quantized_decode else 0
     if spec.sharding == "tensor":
         share = TensorShare.from_dict(spec.tensor_share) if spec.tensor_share else None
         return load_tensor_stage(source, spec.rank, spec.world_size, slots=spec.max_batch,
                                  context=spec.context, dtype=dtype, device=device,
-                                 decode_rows=decode_rows, share=share, group=group,
+                                 share=share, group=group,
                                  progress=progress)
     if spec.sharding not in ("pipeline", "ring"):
         raise ValueError(f"unknown sharding {spec.sharding!r}")
-    shard = load_shard(source, spec.layer_start, spec.layer_end, dtype=dtype, device=device,
-                       decode_rows=decode_rows)
+    shard = load_shard(source, spec.layer_start, spec.layer_end, dtype=dtype, device=device)
     cache = KVCache(source.config, len(shard.layers), spec.max_batch, spec.context, dtype, device)
     if spec.sharding == "ring":
         return RingStage(shard, cache, spec.rank, spec.world_size, group, progress)
@@ -155,6 +154,10 @@ def serve(conn, outbox: Outbox) -> None:
         Loaded(tuple(layers), len(source.tensors_read), source.bytes_read, param_bytes,
                cache.nbytes())
     )
+    # Unmap the weight file: every weight is held in its resident form now, and the
+    # file's pages would otherwise count in this process's memory.
+    del source
+    gc.collect()
     engine = Engine(
         stage,
         inbox,

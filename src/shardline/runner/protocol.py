@@ -169,7 +169,6 @@ class RunnerSpec:
             transfer, a collective or a micro-batch completing) before it fails the
             instance.
         threads: torch intra-op threads (0: torch's default).
-        quantized_decode: keep an int4/int8 copy of the weights for decode (CPU only).
     """
 
     instance_id: str
@@ -193,4 +192,3 @@ class RunnerSpec:
     collective_timeout_s: float = 120.0
     progress_timeout_s: float = 60.0
     threads: int = 0
-    quantized_decode: bool = True

@@ -1,0 +1,280 @@
+"""Building one rank's :class:`~shardline.models.llama.DecoderShard` from a weight file.
+
+A rank reads only the tensors of its layer range (and the embedding or head where its
+shard holds them), tensor by tensor from the memory-mapped file, and turns each into its
+resident form (:mod:`shardline.models.linear`) before reading the next, so no more than one
+tensor is ever held in a temporary form. A quantized GGUF weight stays in its own
+quantization (exact); a 16-bit or float32 weight is held in the compute dtype.
+
+A tensor-parallel rank reads only its slice of each split tensor: a range of rows (q/k/v,
+gate/up: whole heads, MLP columns) or of columns (o, down; the range falls on the
+format's groups of 32, as :mod:`shardline.placement.tensor` makes it, else that tensor is
+read as exact floats), so no rank holds the whole of a tensor it splits.
+
+llama.cpp's converter stores the q and k projections of ``llama`` models permuted for
+interleaved RoPE; their rows are put back here so one RoPE (rotate-half) serves both
+formats.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import numpy as np
+import torch
+
+from shardline.models.config import TensorShare
+from shardline.models.gguf_quants import GroupQuant
+from shardline.models.linear import (
+    Embedding,
+    Int4Planes,
+    Int8Groups,
+    Linear,
+    ResidentWeight,
+    resident_weight,
+)
+from shardline.models.weights import GGUFSource, Span, WeightFormatError, WeightSource
+
+Part = torch.Tensor | GroupQuant
+
+
+def _unpermute_index(rows: int, heads: int) -> np.ndarray:
+    """Row order that undoes llama.cpp's q/k permutation (interleaved -> rotate-half)."""
+    head_dim = rows // heads
+    return np.arange(rows).reshape(heads, head_dim // 2, 2).transpose(0, 2, 1).reshape(rows)
+
+
+def _take_rows(part: Part, index: np.ndarray) -> Part:
+    if isinstance(part, GroupQuant):
+        return part.take_rows(index)
+    return part[torch.from_numpy(index)]
+
+
+def _names(source: WeightSource, layer: int | None, part: str) -> str:
+    """Source tensor name of ``part`` (shardline's name) in global ``layer`` (None: top)."""
+    if layer is None:
+        return source.TOP_NAMES[part]
+    return source.LAYER_FORMAT.format(layer=layer, name=source.LAYER_NAMES[part])
+
+
+def _stack(parts: list[Part]) -> list[Part]:
+    """Adjacent row blocks merged where they share a form (a fused q/k/v of one type is
+    one block; a v stored in another type stays its own)."""
+    out: list[Part] = []
+    for part in parts:
+        last = out[-1] if out else None
+        if isinstance(part, torch.Tensor) and isinstance(last, torch.Tensor):
+            out[-1] = torch.cat((last, part.to(last.dtype)))
+        elif (isinstance(part, GroupQuant) and isinstance(last, GroupQuant)
+              and (part.group, part.bits, part.symmetric_center) == (
+                  last.group, last.bits, last.symmetric_center)):
+            out[-1] = GroupQuant.concat([last, part])
+        else:
+            out.append(part)
+    return out
+
+
+def shard_tensors(
+    source: WeightSource,
+    layer_start: int,
+    layer_end: int,
+    share: TensorShare | None = None,
+    head: bool = True,
+) -> Iterator[tuple[str, list[Part] | torch.Tensor]]:
+    """The weights of a :class:`~shardline.models.llama.DecoderShard`, one at a time.
+
+    Yields ``(name, value)``: for a linear module (``layers.<i>.attn.qkv``, ``...o``,
+    ``...mlp.gate_up``, ``...down``, ``lm_head``) and ``embed`` a list of row blocks
+    (float tensors or :class:`GroupQuant`, as the file stores them); for a norm or bias
+    parameter its float tensor. Reads layers ``[layer_start, layer_end)``, the embedding
+    when ``layer_start == 0`` and, with ``head``, the final norm and head (the embedding
+    when tied) when the range ends at the last layer.
+
+    With a tensor ``share`` (the range must be the whole model) each layer's split tensors
+    are read as slices: q rows of the share's heads, k/v rows of its KV heads, gate/up rows
+    of its MLP columns, o columns of its heads and down columns of its MLP columns.
+
+    Raises:
+        WeightFormatError: a tensor is missing or has an unexpected shape.
+    """
+    config = source.config
+    permuted = isinstance(source, GGUFSource) and config.architecture == "llama"
+    d, hd, inter = config.hidden_size, config.head_dim, config.intermediate_size
+    q_rows, kv_rows = config.num_heads * hd, config.num_kv_heads * hd
+
+    def span(start: int, end: int, full: int) -> Span:
+        return None if (start, end) == (0, full) else (start, end)
+
+    if share is None:
+        heads, kv_heads = config.num_heads, config.num_kv_heads
+        q_span = kv_span = col_span = None
+    else:
+        share.check(config)
+        heads, kv_heads = share.num_heads, share.num_kv_heads
+        q_span = span(share.heads[0] * hd, share.heads[1] * hd, q_rows)
+        kv0 = share.kv_heads[0]
+        kv_span = span(kv0 * hd, (kv0 + kv_heads) * hd, kv_rows)
+        col_span = span(*share.columns, inter)
+
+    def weight(label: str, layer: int | None, part: str, shape: tuple[int, ...],
+               rows: Span = None, cols: Span = None) -> Part:
+        """Check the file's whole shape, then read the slice as the file stores it."""
+        name = _names(source, layer, part)
+        found = source.shape(name)
+        if found != shape:
+            raise WeightFormatError(f"{label} has shape {found}, expected {shape}")
+        return source.read_weight(name, rows, cols)
+
+    def vector(layer: int | None, part: str, rows: Span = None) -> torch.Tensor:
+        return source.read(_names(source, layer, part), rows)
+
+    if layer_start == 0:
+        yield "embed", [weight("embedding", None, "embed", (config.vocab_size, d))]
+    for local, layer in enumerate(range(layer_start, layer_end)):
+        p = f"layers.{local}."
+        q = weight(f"layer {layer} q", layer, "q", (q_rows, d), q_span)
+        k = weight(f"layer {layer} k", layer, "k", (kv_rows, d), kv_span)
+        v = weight(f"layer {layer} v", layer, "v", (kv_rows, d), kv_span)
+        if permuted:
+            q = _take_rows(q, _unpermute_index(heads * hd, heads))
+            k = _take_rows(k, _unpermute_index(kv_heads * hd, kv_heads))
+        yield p + "attn.qkv", _stack([q, k, v])
+        if config.attention_bias:
+            qb, kb, vb = (vector(layer, n, s) for n, s in
+                          (("q_bias", q_span), ("k_bias", kv_span), ("v_bias", kv_span)))
+            if permuted:
+                qb = qb[torch.from_numpy(_unpermute_index(heads * hd, heads))]
+                kb = kb[torch.from_numpy(_unpermute_index(kv_heads * hd, kv_heads))]
+            yield p + "attn.qkv.bias", torch.cat((qb, kb, vb))
+        yield p + "attn.o", [weight(f"layer {layer} o", layer, "o", (d, q_rows), cols=q_span)]
+        if config.qk_norm:
+            yield p + "attn.q_norm.weight", vector(layer, "q_norm")
+            yield p + "attn.k_norm.weight", vector(layer, "k_norm")
+        yield p + "attn_norm.weight", vector(layer, "attn_norm")
+        yield p + "mlp_norm.weight", vector(layer, "mlp_norm")
+        gate = weight(f"layer {layer} gate", layer, "gate", (inter, d), col_span)
+        up = weight(f"layer {layer} up", layer, "up", (inter, d), col_span)
+        yield p + "mlp.gate_up", _stack([gate, up])
+        yield p + "mlp.down", [weight(f"layer {layer} down", layer, "down", (d, inter),
+                                      cols=col_span)]
+    if layer_end == config.num_layers and head:
+        yield "norm.weight", vector(None, "norm")
+        tied = config.tie_word_embeddings
+        if not (tied and layer_start == 0):  # a tied head on the first shard reuses embed
+            yield "lm_head", [weight("LM head", None, "embed" if tied else "head",
+                                     (config.vocab_size, d))]
+
+
+def load_shard(
+    source: WeightSource,
+    layer_start: int,
+    layer_end: int,
+    dtype: torch.dtype = torch.bfloat16,
+    device: torch.device | str = "cpu",
+):
+    """Build a :class:`~shardline.models.llama.DecoderShard` holding only its own weights,
+    each in its resident form (see :mod:`shardline.models.linear`).
+
+    Raises:
+        WeightFormatError: a tensor is missing or misshapen.
+    """
+    return _build_shard(source, layer_start, layer_end, dtype, device)
+
+
+def load_tensor_shard(
+    source: WeightSource,
+    share: TensorShare,
+    dtype: torch.dtype = torch.bfloat16,
+    device: torch.device | str = "cpu",
+    head: bool | None = None,
+):
+    """Build one tensor-parallel rank's :class:`~shardline.models.llama.DecoderShard`.
+
+    It holds every layer, but of each only the share's heads, KV heads and MLP columns
+    (read as slices, see :func:`shard_tensors`), plus the whole token embedding on every
+    rank and the final norm and LM head where ``head`` (default: on rank 0, the rank that
+    samples; a tied head reuses the embedding). Its layers' outputs are partial sums until
+    :class:`~shardline.parallel.tensor.TensorStage` sets the all-reduce. The slices hold
+    exactly the values of the same rows and columns of the whole tensor.
+
+    Raises:
+        WeightFormatError: a tensor is missing or misshapen.
+        ValueError: the share does not fit the model.
+    """
+    if head is None:
+        head = share.rank == 0
+    return _build_shard(source, 0, source.config.num_layers, dtype, device, share=share,
+                        head=head)
+
+
+def _int4_for(dtype: torch.dtype) -> bool:
+    """Whether weights are held as int4 planes: in bfloat16 and float16. A float32
+    instance (a precision mode) holds one byte a weight (:class:`Int8Groups`), which it
+    dequantizes faster per product (SmolLM2 decode 23.8 tok/s against 7.6 with planes)."""
+    return dtype != torch.float32
+
+
+def _embedding_weight(part: Part, dtype: torch.dtype,
+                      device: torch.device | str) -> ResidentWeight:
+    """The embedding's resident form: the same as the weight would take as a linear layer
+    (so a first pipeline rank's rows equal a one-node shard's, whose tied LM head shares
+    them), unless rows cannot be read from torch's int4 layout on this machine."""
+    held = resident_weight(part, dtype, device, int4=_int4_for(dtype))
+    if isinstance(held, Int4Planes) and not held.rows_readable():
+        return resident_weight(part, dtype, device, int4=False)
+    return held
+
+
+def _build_shard(
+    source: WeightSource,
+    layer_start: int,
+    layer_end: int,
+    dtype: torch.dtype,
+    device: torch.device | str,
+    share: TensorShare | None = None,
+    head: bool = True,
+):
+    from shardline.models.llama import DecoderShard, rope_inverse_frequencies
+
+    config = source.config
+    # Built on the CPU: it holds only norms and biases until the weights are attached
+    # (the meta device would import torch's meta kernels, ~80 MB for nothing).
+    shard = DecoderShard(config, layer_start, layer_end, share=share, head=head)
+    tied_here = config.tie_word_embeddings and layer_start == 0 and shard.lm_head is not None
+    modules = dict(shard.named_modules())
+    dense: dict[str, torch.Tensor] = {}
+    for name, value in shard_tensors(source, layer_start, layer_end, share=share, head=head):
+        if isinstance(value, torch.Tensor):
+            dense[name] = value.to(device=device, dtype=dtype)
+            continue
+        if name == "embed":
+            (part,) = value
+            embed_weight = _embedding_weight(part, dtype, device)
+            shard.embed.weight = embed_weight
+            shard.embed.dtype = dtype
+            if tied_here:
+                head_weight = embed_weight
+                if isinstance(embed_weight, Int8Groups):  # decode wants int4 planes
+                    candidate = resident_weight(part, dtype, device, int4=_int4_for(dtype))
+                    head_weight = candidate if isinstance(candidate, Int4Planes) else embed_weight
+                shard.lm_head.set_parts([head_weight])
+            continue
+        module = modules[name]
+        assert isinstance(module, Linear)
+        module.set_parts([resident_weight(p, dtype, device, int4=_int4_for(dtype))
+                          for p in value])
+    missing, unexpected = shard.load_state_dict(dense, strict=False, assign=True)
+    if missing or unexpected:
+        raise WeightFormatError(
+            f"shard weights do not match: missing {missing}, unexpected {unexpected}"
+        )
+    shard.inv_freq = rope_inverse_frequencies(config, source.rope_freq_factors).to(device)
+    for module in shard.modules():  # index buffers built on the CPU (see Attention)
+        for name, buffer in module.named_buffers(recurse=False):
+            if buffer.device != torch.device(device):
+                setattr(module, name, buffer.to(device))
+    for name, module in shard.named_modules():
+        if isinstance(module, Linear) and not module.parts:
+            raise WeightFormatError(f"no weight was read for {name}")
+    shard.eval()
+    return shard
