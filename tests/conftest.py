@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import socket
 
+import httpx
 import pytest
 
 from shardline.local_cluster import LocalCluster
@@ -31,6 +32,13 @@ def free_port_block(count: int) -> int:
         if ok:
             return base
     raise RuntimeError("no free block of ports")
+
+
+def placed(url: str) -> list[dict]:
+    """The instance table, without the answering node's live figures (its rank's batch
+    and memory, which change from one second to the next)."""
+    instances = httpx.get(f"{url}/cluster/instances", timeout=10).json()["instances"]
+    return [{k: v for k, v in inst.items() if not k.startswith("local_")} for inst in instances]
 
 
 def start_cluster(nodes: int, log_dir, **options) -> LocalCluster:

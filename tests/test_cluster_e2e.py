@@ -7,6 +7,7 @@ import os
 
 import httpx
 import pytest
+from conftest import placed
 
 from shardline.models.store import DEFAULT_MODEL_ID, default_model_path
 
@@ -200,12 +201,12 @@ def test_one_instance_by_id(cluster3):
     ({"model": "/no/such/dir/x.gguf"}, "no such file or directory"),
 ])
 def test_bad_placements_are_refused_before_anything_starts(cluster3, extra, words):
-    before = httpx.get(f"{cluster3.url(0)}/cluster/instances").json()["instances"]
+    before = placed(cluster3.url(0))
     response = httpx.post(f"{cluster3.url(0)}/cluster/instances", json={"sharding": "pipeline", **extra},
                           timeout=30)
     assert response.status_code == (404 if extra.get("model") == "no-such/model" else 400)
     assert words in response.json()["detail"]
-    assert httpx.get(f"{cluster3.url(0)}/cluster/instances").json()["instances"] == before
+    assert placed(cluster3.url(0)) == before
 
 
 def test_preview_keeps_to_the_sharding_asked_for(cluster3):

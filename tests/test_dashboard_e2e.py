@@ -8,6 +8,7 @@ import shutil
 
 import httpx
 import pytest
+from conftest import placed
 
 pytestmark = pytest.mark.timeout(240)
 
@@ -59,9 +60,9 @@ def test_a_refused_placement_says_why(cluster1, browser):
     page = browser.new_page()
     page.goto(cluster1.url(0) + "/", wait_until="domcontentloaded")
     page.wait_for_function("document.querySelector('#place-model').options.length > 0")
-    before = httpx.get(f"{cluster1.url(0)}/cluster/instances", timeout=10).json()["instances"]
+    before = placed(cluster1.url(0))
     page.select_option("#place-sharding", "ring")
     page.click("#place")
     page.wait_for_function("document.querySelector('#place-status').textContent.includes('at least 2 nodes')")
-    assert httpx.get(f"{cluster1.url(0)}/cluster/instances", timeout=10).json()["instances"] == before
+    assert placed(cluster1.url(0)) == before
     page.close()

@@ -160,3 +160,15 @@ def test_the_default_gguf_is_held_in_its_own_bits():
     row = dequantize(np.ascontiguousarray(data), GGMLQuantizationType.Q8_0)
     got = shard.embed(torch.tensor([0])).float().numpy()
     np.testing.assert_allclose(got, row, rtol=2 ** -7, atol=1e-6)
+
+
+def test_planes_packed_in_row_blocks_equal_planes_packed_whole(monkeypatch):
+    import shardline.models.linear as linear
+
+    data = random_blocks("Q8_0", rows=256, blocks=2, seed=7)
+    groups = unpack_blocks("Q8_0", data)
+    whole = resident_weight(groups, torch.bfloat16)
+    monkeypatch.setattr(linear, "PACK_ROWS", 64)
+    blocked = resident_weight(groups, torch.bfloat16)
+    for a, b in zip(whole.packed + whole.scales_zeros, blocked.packed + blocked.scales_zeros):
+        assert torch.equal(a, b)

@@ -9,6 +9,7 @@ from shardline.placement.ranks import (
     RankShare,
     model_param_count,
     place_ranks,
+    rank_bytes,
     resident_bytes_per_weight,
 )
 
@@ -144,8 +145,9 @@ def test_resident_bytes_follow_the_files_bits():
     small = place_ranks(config, "pipeline", [NodeCapacity("a", GB)], 512, 1,
                         weight_file_bytes=int(0.6 * params))
     assert small == [RankShare(0, config.num_layers)]
-    # The same node cannot hold the model counted at 2 bytes a weight with a big cache.
-    tight = NodeCapacity("a", int(1.2 * params))
+    # A node that holds the model counted in its file's bits cannot hold it at 2 bytes.
+    need = rank_bytes(config, "pipeline", small, 0, 512, 1, weight_file_bytes=int(0.6 * params))
+    tight = NodeCapacity("a", need)
     place_ranks(config, "pipeline", [tight], 512, 1, weight_file_bytes=int(0.6 * params))
     with pytest.raises(PlacementError, match="short by"):
         place_ranks(config, "pipeline", [tight], 512, 1)

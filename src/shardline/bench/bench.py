@@ -478,6 +478,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="requests per concurrency level, at least the concurrency (default %(default)s)")
     parser.add_argument("--json", dest="json_path", default=None, metavar="PATH",
                         help="also write the results as JSON to PATH")
+    parser.add_argument("--memory", action="store_true",
+                        help="after the workload, print each rank's memory: file bytes of its shard, "
+                             "placement's estimate, resident set steady and at its peaks")
     parser.add_argument("--warmup", action=argparse.BooleanOptionalAction, default=True,
                         help="send one unmeasured request first (default on)")
 
@@ -591,6 +594,14 @@ def _bench_url(args: argparse.Namespace, url: str, model: str, nodes: int | None
     )
     report = asyncio.run(run_bench(config, _progress))
     print_report(report)
+    if args.memory:
+        from shardline.bench.memory import MemoryReportError, print_memory, rank_memory
+
+        try:
+            report["memory"] = rank_memory(url, model)
+        except MemoryReportError as exc:
+            raise BenchError(f"memory report: {exc}") from exc
+        print_memory(report["memory"])
     short = [r["completion_tokens"] for lv in report["levels"] for r in lv["per_request"]
              if r["completion_tokens"] < args.gen_tokens]
     if short:

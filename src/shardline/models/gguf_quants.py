@@ -166,7 +166,7 @@ def _unpack_q5_1(b):
 
 def _unpack_q8_0(b):
     d = _f16(b[..., 0:2])
-    q = (np.ascontiguousarray(b[..., 2:34]).view(np.int8).astype(np.int16) + 128).astype(np.uint8)
+    q = b[..., 2:34] ^ np.uint8(0x80)  # int8 + 128 as uint8: the sign bit flipped
     return q, d, -128 * d, 8, 32, 128
 
 
@@ -227,10 +227,14 @@ def block_weights(type_name: str) -> int:
     return _UNPACKERS[type_name][0]
 
 
+UNPACK_ROWS = 4096
+"""Rows unpacked at a time into the result, bounding the temporaries to that many rows."""
+
+
 def unpack_blocks(type_name: str, data: np.ndarray) -> GroupQuant:
     """Unpack uint8 block bytes ``[rows, blocks * block_bytes]`` of GGUF type
     ``type_name`` (e.g. ``"Q4_K"``) into a :class:`GroupQuant` of ``[rows, blocks *
-    block_weights]`` weights.
+    block_weights]`` weights, :data:`UNPACK_ROWS` rows at a time.
 
     Raises:
         UnsupportedQuantization: the type is not one of :data:`SUPPORTED_TYPES`.
@@ -238,11 +242,19 @@ def unpack_blocks(type_name: str, data: np.ndarray) -> GroupQuant:
     block_weights(type_name)
     per_block, size, unpack = _UNPACKERS[type_name]
     rows = data.shape[0]
-    blocks = np.ascontiguousarray(data).reshape(rows, -1, size)
-    q, scale, offset, bits, group, center = unpack(blocks)
-    return GroupQuant(
-        np.ascontiguousarray(q.reshape(rows, -1).astype(np.uint8)),
-        np.ascontiguousarray(np.asarray(scale, np.float32).reshape(rows, -1)),
-        np.ascontiguousarray(np.asarray(offset, np.float32).reshape(rows, -1)),
-        bits, group, center,
-    )
+    blocks = data.reshape(rows, -1, size)
+    out: GroupQuant | None = None
+    for start in range(0, rows, UNPACK_ROWS):
+        q, scale, offset, bits, group, center = unpack(
+            np.ascontiguousarray(blocks[start : start + UNPACK_ROWS]))
+        n = q.shape[0]
+        if out is None:
+            cols = blocks.shape[1] * per_block
+            out = GroupQuant(np.empty((rows, cols), np.uint8),
+                             np.empty((rows, cols // group), np.float32),
+                             np.empty((rows, cols // group), np.float32), bits, group, center)
+        out.q[start : start + n] = q.reshape(n, -1)
+        out.scale[start : start + n] = np.asarray(scale, np.float32).reshape(n, -1)
+        out.offset[start : start + n] = np.asarray(offset, np.float32).reshape(n, -1)
+    assert out is not None
+    return out

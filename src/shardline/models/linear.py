@@ -275,8 +275,22 @@ def resident_weight(source: GroupQuant | torch.Tensor, dtype: torch.dtype,
                       torch.from_numpy(source.offset).to(device), source.group)
 
 
+PACK_ROWS = 4096
+"""Rows packed at a time (a multiple of every int4 block), bounding the loader's int32
+temporaries to this many rows of the largest tensor (an embedding's)."""
+
+
 def _int4_planes(g: GroupQuant, dtype: torch.dtype) -> Int4Planes:
-    """Split integer groups of 32 into one (<= 4 bits) or two int4 planes."""
+    """Split integer groups of 32 into one (<= 4 bits) or two int4 planes, packing
+    :data:`PACK_ROWS` rows at a time (torch's packed layout is a run of row blocks, so
+    packed row blocks concatenate)."""
+    if g.shape[0] > PACK_ROWS:
+        blocks = [_int4_planes(g.rows(start, start + PACK_ROWS), dtype)
+                  for start in range(0, g.shape[0], PACK_ROWS)]
+        planes = len(blocks[0].packed)
+        return Int4Planes([torch.cat([b.packed[i] for b in blocks]) for i in range(planes)],
+                          [torch.cat([b.scales_zeros[i] for b in blocks], dim=1)
+                           for i in range(planes)], g.shape[0], g.shape[1])
     rows, cols = g.shape
     scale = torch.from_numpy(g.scale)  # [rows, cols / 32] float32
     offset = torch.from_numpy(g.offset)

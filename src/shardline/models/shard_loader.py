@@ -18,6 +18,9 @@ formats.
 
 from __future__ import annotations
 
+import contextlib
+import ctypes
+import ctypes.util
 from collections.abc import Iterator
 
 import numpy as np
@@ -207,6 +210,45 @@ def load_tensor_shard(
                         head=head)
 
 
+def _libc():
+    try:
+        return ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+    except OSError:
+        return None
+
+
+def release_free_memory() -> None:
+    """Hand freed heap pages back to the system. glibc keeps them otherwise, so a loading
+    rank's temporaries (each tensor's integer groups and the packing's int32 copies)
+    would stay in its resident memory: SmolLM2 on one node held 514 MiB instead of 355
+    after loading. A no-op where the C library has no ``malloc_trim``."""
+    libc = _libc()
+    if libc is not None and hasattr(libc, "malloc_trim"):
+        libc.malloc_trim(0)
+
+
+_M_MMAP_THRESHOLD = -3  # glibc's mallopt parameter
+
+
+@contextlib.contextmanager
+def large_allocations_mapped() -> Iterator[None]:
+    """While loading, allocations of 1 MiB or more get their own mapping, returned to the
+    system when freed. glibc's default raises that threshold to each large block freed
+    (up to 32 MiB), after which the loader's temporaries fill the heap and stay: the
+    last pipeline rank of SmolLM2 peaked at 580 MiB for 300 steady, 358 with this. After
+    loading the threshold is 32 MiB (what glibc's would grow to), so a step's activations
+    reuse heap memory. A no-op where the C library has no ``mallopt``."""
+    libc = _libc()
+    if libc is None or not hasattr(libc, "mallopt"):
+        yield
+        return
+    libc.mallopt(_M_MMAP_THRESHOLD, 1 << 20)
+    try:
+        yield
+    finally:
+        libc.mallopt(_M_MMAP_THRESHOLD, 32 << 20)
+
+
 def _int4_for(dtype: torch.dtype) -> bool:
     """Whether weights are held as int4 planes: in bfloat16 and float16. A float32
     instance (a precision mode) holds one byte a weight (:class:`Int8Groups`), which it
@@ -258,11 +300,15 @@ def _build_shard(
                     candidate = resident_weight(part, dtype, device, int4=_int4_for(dtype))
                     head_weight = candidate if isinstance(candidate, Int4Planes) else embed_weight
                 shard.lm_head.set_parts([head_weight])
+            del part, value
+            release_free_memory()
             continue
         module = modules[name]
         assert isinstance(module, Linear)
         module.set_parts([resident_weight(p, dtype, device, int4=_int4_for(dtype))
                           for p in value])
+        del value
+        release_free_memory()  # keeps the load's peak near the weights held so far
     missing, unexpected = shard.load_state_dict(dense, strict=False, assign=True)
     if missing or unexpected:
         raise WeightFormatError(

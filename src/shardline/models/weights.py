@@ -20,6 +20,7 @@ Formats:
 from __future__ import annotations
 
 import json
+import mmap
 from pathlib import Path
 
 import numpy as np
@@ -178,7 +179,25 @@ class GGUFSource(WeightSource):
                 return self.read(name, rows, cols)  # the range cuts groups: exact floats
         self.bytes_read += int(part.nbytes)
         self.tensors_read.append(name)
-        return groups.contiguous()
+        groups = groups.contiguous()
+        self._drop_pages(t)
+        return groups
+
+    def _drop_pages(self, tensor) -> None:
+        """Let the kernel drop the file pages of a tensor already converted, so a loading
+        rank's memory does not also hold the file's bytes (they are clean, read-only
+        pages: read again on demand)."""
+        mapping = getattr(self.reader.data, "_mmap", None)
+        if mapping is None or not hasattr(mapping, "madvise"):
+            return
+        page = mmap.PAGESIZE
+        start = -(-int(tensor.data_offset) // page) * page
+        end = (int(tensor.data_offset) + int(tensor.n_bytes)) // page * page
+        if end > start:
+            try:
+                mapping.madvise(mmap.MADV_DONTNEED, start, end - start)
+            except (OSError, ValueError):
+                pass
 
     # Rows dequantized at a time when a column range cuts through the format's blocks.
     UNALIGNED_ROW_CHUNK = 64

@@ -146,13 +146,16 @@ def create_app(node: Node) -> FastAPI:
         out = [dict(node.info(), live=True)]
         for peer in node.peers.values():
             out.append({"node_id": peer.node_id, "address": peer.address, "live": peer.node_id in live,
-                        "available_bytes": peer.available_bytes, "total_bytes": peer.total_bytes,
+                        "available_bytes": node.memory_of(peer.node_id)["free_bytes"],
+                        **node.memory_of(peer.node_id), "total_bytes": peer.total_bytes,
                         "profile": peer.profile, "links": peer.links, "models": peer.models})
         return {"coordinator": node.coordinator_id(), "nodes": out}
 
     def instance_view(inst) -> dict:
-        """An instance; ``local_engine`` is this node's rank's batch (EngineStats)."""
-        return dict(inst.to_dict(), local_engine=node.engine_stats.get(inst.instance_id))
+        """An instance; ``local_engine`` is this node's rank's batch (EngineStats) and
+        ``local_memory`` its runner's memory (see ``Worker.memory``)."""
+        return dict(inst.to_dict(), local_engine=node.engine_stats.get(inst.instance_id),
+                    local_memory=node.worker.memory(inst.instance_id))
 
     @app.get("/cluster/models")
     async def models() -> dict:

@@ -47,7 +47,8 @@ from shardline.models.tokenizer import Tokenizer
 from shardline.node.transfer import CopyProgress, TransferError, fetch_files
 from shardline.node.worker import Worker
 from shardline.placement.pipeline import NodeCapacity, PlacementError
-from shardline.placement.ranks import SHARDINGS, place_ranks, ring_prefill_chunk  # noqa: F401 (re-exported)
+from shardline.placement.memory import committed_bytes, free_bytes
+from shardline.placement.ranks import SHARDINGS, place_ranks, rank_bytes, ring_prefill_chunk  # noqa: F401 (re-exported)
 from shardline.runner.protocol import (
     Cancel,
     EngineStats,
@@ -84,6 +85,7 @@ class RankPlacement:
     error: str | None = None
     loaded: dict | None = None  # the runner's Loaded report: layers and bytes it read
     fetched: dict | None = None  # while its node copies the shard's files: done_bytes, total_bytes
+    estimated_bytes: int = 0  # what placement counts this rank to hold (placement.ranks.rank_bytes)
 
 
 @dataclass
@@ -129,6 +131,7 @@ class Peer:
     profile: dict | None = None  # its HostProfile (shardline.node.profile)
     links: dict[str, dict] = field(default_factory=dict)  # its measured links, by node id
     models: dict[str, dict] = field(default_factory=dict)  # its ModelStore.summary()
+    offered_bytes: int = 0  # what it offers to models in all (its limit, or what is free)
 
 
 @dataclass
@@ -265,6 +268,7 @@ class Node:
             "address": self.address,
             "started_at": self.started_at,
             "available_bytes": available,
+            **self.memory_of(self.node_id),
             "total_bytes": int(psutil.virtual_memory().total),
             "memory_limit_bytes": self.memory_limit_bytes,
             "models": self.store.summary(),
@@ -356,6 +360,7 @@ class Node:
             data["node_id"], data["address"], time.time(),
             data["available_bytes"], data["total_bytes"], data.get("profile"), data.get("links") or {},
             data.get("models") or {},
+            offered_bytes=data.get("offered_bytes", data["available_bytes"]),
         )
         if time.time() - self._link_measured.get(data["node_id"], 0.0) > 60.0:
             self._background = [t for t in self._background if not t.done()]
@@ -748,7 +753,7 @@ class Node:
                 profile, measured, available = self.profile or {}, self.links, self._available_bytes(node_id)
             else:
                 peer = self.peers[node_id]
-                profile, measured, available = peer.profile or {}, peer.links, peer.available_bytes
+                profile, measured, available = peer.profile or {}, peer.links, self._available_bytes(node_id)
             profiles.append(NodeProfile(node_id, available,
                                         profile.get("memory_bandwidth_bytes_per_s") or 10e9,
                                         profile.get("matmul_flops") or 100e9))
@@ -813,6 +818,8 @@ class Node:
         capacities = [NodeCapacity(n, self._available_bytes(n)) for n in chosen]
         shares = place_ranks(config, sharding, capacities, context, max_batch, dtype,
                              admit=not force, weight_file_bytes=card.weight_file_bytes)
+        estimated = [rank_bytes(config, sharding, shares, r, context, max_batch, dtype,
+                                card.weight_file_bytes) for r in range(len(shares))]
         master_addr = self.address_of(chosen[0]).rsplit(":", 1)[0]
         port = await self._free_port(chosen[0])
         inst = Instance(
@@ -821,8 +828,8 @@ class Node:
             sharding=sharding,
             ranks=[
                 RankPlacement(n, self.address_of(n), share.layer_start, share.layer_end,
-                              tensor_share=share.tensor_share)
-                for n, share in zip(chosen, shares)
+                              tensor_share=share.tensor_share, estimated_bytes=need)
+                for n, share, need in zip(chosen, shares, estimated)
             ],
             master_addr=master_addr,
             master_port=port,
@@ -836,12 +843,34 @@ class Node:
         await self._publish()
         return inst
 
+    def _offered_bytes(self) -> int:
+        """Bytes this node offers to models in all: its memory limit, else the memory the
+        system has available plus what its own runners hold (theirs to keep)."""
+        if self.memory_limit_bytes is not None:
+            return self.memory_limit_bytes
+        return int(psutil.virtual_memory().available) + self.worker.resident_bytes()
+
+    def _committed_bytes(self, node_id: str) -> int:
+        """What placement counts the ranks on ``node_id`` of this node's instance table
+        (every instance not failed) to hold."""
+        ranks = ((r.node_id, r.estimated_bytes) for inst in self.instances.values()
+                 if inst.status != "failed" for r in inst.ranks)
+        return committed_bytes(ranks, node_id)
+
+    def memory_of(self, node_id: str) -> dict:
+        """``offered_bytes``, ``committed_bytes`` and ``free_bytes`` of a live node (see
+        :meth:`_available_bytes`)."""
+        offered = self._offered_bytes() if node_id == self.node_id else self.peers[node_id].offered_bytes
+        committed = self._committed_bytes(node_id)
+        return {"offered_bytes": offered, "committed_bytes": committed,
+                "free_bytes": free_bytes(offered, committed)}
+
     def _available_bytes(self, node_id: str) -> int:
-        """Bytes a node offers to models: its available memory, at most its memory limit."""
-        if node_id == self.node_id:
-            available = int(psutil.virtual_memory().available)
-            return available if self.memory_limit_bytes is None else min(available, self.memory_limit_bytes)
-        return self.peers[node_id].available_bytes
+        """Bytes a node can give the next placement: what it offers less what the ranks
+        placed on it hold (counted from this node's own table, so placements in a row
+        never count the same bytes twice)."""
+        offered = self._offered_bytes() if node_id == self.node_id else self.peers[node_id].offered_bytes
+        return free_bytes(offered, self._committed_bytes(node_id))
 
     async def _free_port(self, node_id: str) -> int:
         if node_id == self.node_id:

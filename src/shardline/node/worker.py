@@ -34,6 +34,7 @@ class RunnerHandle:
     status: str = "loading"  # loading | ready | failed | stopped
     error: str | None = None
     loaded: Loaded | None = None
+    memory: Heartbeat | None = None  # the last heartbeat: resident and peak bytes
     send_lock: threading.Lock = field(default_factory=threading.Lock)
     last_seen: float = field(default_factory=time.monotonic)  # last message, monotonic seconds
     state_lock: threading.Lock = field(default_factory=threading.Lock)
@@ -128,6 +129,7 @@ class Worker:
                 message = handle.conn.recv()
                 handle.last_seen = time.monotonic()
                 if isinstance(message, Heartbeat):
+                    handle.memory = message
                     continue
                 if isinstance(message, Loaded):
                     handle.status, handle.loaded = "ready", message
@@ -148,6 +150,26 @@ class Worker:
         finally:
             if handle.process.poll() is None and handle.status == "failed":
                 self._kill(handle)
+
+    def memory(self, instance_id: str) -> dict | None:
+        """The instance's runner's memory on this node: ``rss_bytes`` and
+        ``peak_rss_bytes`` from its last heartbeat, ``load_peak_rss_bytes`` and
+        ``loaded_rss_bytes`` from its Loaded report; None without a runner."""
+        handle = self.runners.get(instance_id)
+        if handle is None:
+            return None
+        beat, loaded = handle.memory, handle.loaded
+        return {
+            "rss_bytes": beat.rss_bytes if beat else None,
+            "peak_rss_bytes": beat.peak_rss_bytes if beat else None,
+            "loaded_rss_bytes": loaded.rss_bytes if loaded else None,
+            "load_peak_rss_bytes": loaded.peak_rss_bytes if loaded else None,
+        }
+
+    def resident_bytes(self) -> int:
+        """Resident bytes of this node's live runners, as they last reported."""
+        return sum(h.memory.rss_bytes for h in list(self.runners.values())
+                   if h.memory is not None and h.status not in ("failed", "stopped"))
 
     def stop(self, instance_id: str) -> None:
         """Kill the runner of an instance (if any) and reap it."""

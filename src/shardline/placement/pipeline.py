@@ -22,13 +22,16 @@ class NodeCapacity:
 
 
 def pipeline_layer_ranges(
-    num_layers: int, nodes: list[NodeCapacity], bytes_per_layer: int, admit: bool = True
+    num_layers: int, nodes: list[NodeCapacity], bytes_per_layer: int, admit: bool = True,
+    fixed_bytes: list[int] | None = None,
 ) -> list[tuple[int, int]]:
     """Split ``num_layers`` into one contiguous ``[start, end)`` range per node, in order.
 
-    Each node gets at least one layer, at most as many as fit in its available bytes, and
-    otherwise a share proportional to its available bytes (largest remainder first).
-    Without ``admit`` (a forced placement) no node is limited to what fits.
+    Each node gets at least one layer, at most as many as fit in its available bytes
+    less its ``fixed_bytes`` (what its rank holds besides layers: the runtime, the
+    embedding on the first rank, the head on the last; default none), and otherwise a
+    share proportional to its available bytes (largest remainder first). Without
+    ``admit`` (a forced placement) no node is limited to what fits.
 
     Raises:
         PlacementError: no nodes, more nodes than layers, a node that cannot hold one layer,
@@ -41,20 +44,25 @@ def pipeline_layer_ranges(
             f"{len(nodes)} nodes but only {num_layers} layers: each pipeline rank needs a layer"
         )
     per_layer = max(bytes_per_layer, 1)
+    fixed = fixed_bytes or [0] * len(nodes)
     if not admit:
         nodes = [NodeCapacity(n.node_id, max(n.available_bytes, 1)) for n in nodes]
-    caps = [max(n.available_bytes, 0) // per_layer if admit else num_layers for n in nodes]
-    for node, cap in zip(nodes, caps):
+    caps = [max(n.available_bytes - f, 0) // per_layer if admit else num_layers
+            for n, f in zip(nodes, fixed)]
+    for node, cap, f in zip(nodes, caps, fixed):
         if cap < 1:
+            need = per_layer + f
             raise PlacementError(
-                f"node {node.node_id} needs {per_layer} bytes for one layer but has "
-                f"{node.available_bytes} available (short by {per_layer - node.available_bytes} bytes)"
+                f"node {node.node_id} needs {need} bytes for one layer (and what its rank "
+                f"holds besides) but has {node.available_bytes} available (short by "
+                f"{need - node.available_bytes} bytes)"
             )
     if sum(caps) < num_layers:
         short = (num_layers - sum(caps)) * per_layer
         detail = ", ".join(
-            f"node {n.node_id} fits {c} ({n.available_bytes} bytes available)"
-            for n, c in zip(nodes, caps)
+            f"node {n.node_id} fits {c} ({n.available_bytes} bytes available, {f} of them "
+            f"for what its rank holds besides layers)"
+            for n, c, f in zip(nodes, caps, fixed)
         )
         raise PlacementError(
             f"{num_layers} layers of {per_layer} bytes need {num_layers * per_layer} bytes; "

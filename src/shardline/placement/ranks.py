@@ -4,10 +4,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from shardline.models.config import ModelConfig
+from shardline.models.config import ModelConfig, TensorShare
+from shardline.placement.memory import RUNTIME_BASELINE_BYTES, prefill_scratch_bytes
 from shardline.placement.pipeline import NodeCapacity, PlacementError, pipeline_layer_ranges
 from shardline.placement.ring import ring_admission, ring_working_bytes
-from shardline.placement.tensor import tensor_placement
+from shardline.placement.tensor import tensor_placement, tensor_rank_bytes
 
 SHARDINGS = ("pipeline", "tensor", "ring")
 
@@ -52,15 +53,64 @@ def resident_bytes_per_weight(config: ModelConfig, weight_file_bytes: int, dtype
     return min(1.15 * per_weight, float(DTYPE_BYTES[dtype]))
 
 
+def _runtime_and_scratch(config: ModelConfig, baseline_bytes: int) -> int:
+    """What every rank holds besides weights and KV cache: its runtime and the scratch of
+    a prefill chunk."""
+    largest = 2 * config.intermediate_size * config.hidden_size  # the fused gate/up
+    return baseline_bytes + prefill_scratch_bytes(config.hidden_size, config.intermediate_size,
+                                                  largest)
+
+
+def _pipeline_fixed(config: ModelConfig, rank: int, world_size: int, weight_bytes: float) -> int:
+    """Bytes a pipeline rank holds outside its layers: the embedding on the first, the
+    final norm and head on the last (a tied head on a one-rank shard shares the embedding)."""
+    embed = config.vocab_size * config.hidden_size * weight_bytes
+    held = embed if rank == 0 else 0
+    if rank == world_size - 1 and not (config.tie_word_embeddings and world_size == 1):
+        held += embed
+    return int(held)
+
+
+def rank_bytes(config: ModelConfig, sharding: str, shares: list[RankShare], rank: int,
+               context: int, max_batch: int, dtype: str = "bfloat16",
+               weight_file_bytes: int = 0, baseline_bytes: int = RUNTIME_BASELINE_BYTES) -> int:
+    """Bytes rank ``rank`` of a placement (``shares``, one per rank) holds in memory: its
+    runtime (``baseline_bytes``), prefill scratch, weights at
+    :func:`resident_bytes_per_weight` each, and its KV cache of ``max_batch`` sequences of
+    ``context`` tokens in ``dtype`` (a tensor rank only its KV heads); ring adds the
+    ring prefill's working set. The same figure :func:`place_ranks` admits by.
+    """
+    world = len(shares)
+    kv_bytes = DTYPE_BYTES[dtype]
+    weight_bytes = resident_bytes_per_weight(config, weight_file_bytes, dtype)
+    fixed = _runtime_and_scratch(config, baseline_bytes)
+    share = shares[rank]
+    if sharding == "tensor":
+        assert share.tensor_share is not None
+        return fixed + tensor_rank_bytes(config, TensorShare.from_dict(share.tensor_share),
+                                         context=context, max_batch=max_batch,
+                                         weight_bytes=weight_bytes, kv_element_bytes=kv_bytes)
+    kv_per_layer = max_batch * context * config.kv_bytes_per_token(kv_bytes) // config.num_layers
+    if sharding == "ring":
+        working = ring_working_bytes(ring_prefill_chunk(world), world, config.num_heads,
+                                     config.num_kv_heads, config.head_dim, config.hidden_size,
+                                     config.intermediate_size, kv_bytes)
+        return (fixed + int(weight_bytes * model_param_count(config))
+                + kv_per_layer * config.num_layers + working)
+    layers = share.layer_end - share.layer_start
+    per_layer = int(weight_bytes * config.layer_param_count()) + kv_per_layer
+    return fixed + _pipeline_fixed(config, rank, world, weight_bytes) + layers * per_layer
+
+
 def place_ranks(config: ModelConfig, sharding: str, nodes: list[NodeCapacity], context: int,
                 max_batch: int, dtype: str = "bfloat16", admit: bool = True,
-                weight_file_bytes: int = 0) -> list[RankShare]:
+                weight_file_bytes: int = 0,
+                baseline_bytes: int = RUNTIME_BASELINE_BYTES) -> list[RankShare]:
     """Each node's share (node i is rank i) of a model under ``sharding``.
 
-    Memory per rank: its weights at :func:`resident_bytes_per_weight` each (the file's
-    quantization; ``weight_file_bytes`` of the model's weight files, 0 if unknown), the KV
-    cache of ``max_batch`` sequences of ``context`` tokens in ``dtype``, and for ring the
-    prefill working set. Without ``admit`` (a forced placement) memory refuses nothing:
+    Each rank must fit :func:`rank_bytes` (runtime, prefill scratch, weights in the file's
+    quantization from ``weight_file_bytes``, KV cache, ring's working set) in its node's
+    available bytes. Without ``admit`` (a forced placement) memory refuses nothing:
     pipeline layer ranges still follow the nodes' available bytes, and shapes that cannot
     split are refused.
 
@@ -72,16 +122,20 @@ def place_ranks(config: ModelConfig, sharding: str, nodes: list[NodeCapacity], c
     kv_bytes = DTYPE_BYTES[dtype]
     weight_bytes = resident_bytes_per_weight(config, weight_file_bytes, dtype)
     kv_cache = max_batch * context * config.kv_bytes_per_token(kv_bytes)
+    fixed = _runtime_and_scratch(config, baseline_bytes)
     if sharding == "pipeline":
-        per_layer = weight_bytes * config.layer_param_count() + kv_cache // layers
-        return [RankShare(s, e) for s, e in pipeline_layer_ranges(layers, nodes, per_layer, admit)]
+        per_layer = int(weight_bytes * config.layer_param_count()) + kv_cache // layers
+        rank_fixed = [fixed + _pipeline_fixed(config, r, len(nodes), weight_bytes)
+                      for r in range(len(nodes))]
+        return [RankShare(s, e) for s, e in
+                pipeline_layer_ranges(layers, nodes, per_layer, admit, rank_fixed)]
     if sharding == "tensor":
         shares = tensor_placement(config, nodes, context=context, max_batch=max_batch,
                                   weight_bytes=weight_bytes, kv_element_bytes=kv_bytes,
-                                  admit=admit)
+                                  admit=admit, fixed_bytes=fixed)
         return [RankShare(0, layers, share.to_dict()) for share in shares]
     if sharding == "ring":
-        weights = int(weight_bytes * model_param_count(config))
+        weights = int(weight_bytes * model_param_count(config)) + fixed
         working = ring_working_bytes(ring_prefill_chunk(len(nodes)), len(nodes), config.num_heads,
                                      config.num_kv_heads, config.head_dim, config.hidden_size,
                                      config.intermediate_size, kv_bytes)

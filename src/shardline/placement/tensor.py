@@ -133,11 +133,13 @@ def tensor_placement(
     weight_bytes: float = 2.0,
     kv_element_bytes: int = 2,
     admit: bool = True,
+    fixed_bytes: int = 0,
 ) -> list[TensorShare]:
     """One :class:`TensorShare` per node, in rank order (node i is rank i).
 
-    Byte arguments as for :func:`tensor_rank_bytes`; without ``admit`` (a forced placement)
-    memory is not checked.
+    Byte arguments as for :func:`tensor_rank_bytes`, plus ``fixed_bytes`` each rank holds
+    besides (its runtime and scratch); without ``admit`` (a forced placement) memory is
+    not checked.
 
     Raises:
         PlacementError: the shape cannot split over ``len(nodes)`` ranks (see
@@ -152,7 +154,7 @@ def tensor_placement(
         need = tensor_rank_bytes(
             config, share, context=context, max_batch=max_batch, weight_bytes=weight_bytes,
             kv_element_bytes=kv_element_bytes,
-        )
+        ) + fixed_bytes
         if need > node.available_bytes:
             short.append(
                 f"node {node.node_id} (rank {share.rank}: heads {share.heads[0]}-"

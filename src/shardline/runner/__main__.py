@@ -66,7 +66,7 @@ class Outbox:
     def _beat(self) -> None:
         while True:
             try:
-                self.send(Heartbeat())
+                self.send(Heartbeat(*memory_now()))
                 progress = self.progress
                 if progress is not None and progress.stalled_for() > self.progress_timeout_s:
                     error = (f"no progress for {progress.stalled_for():.0f} s while "
@@ -77,6 +77,17 @@ class Outbox:
             except OSError:
                 return
             time.sleep(min(1.0, max(self.progress_timeout_s / 4, 0.1)))
+
+
+def memory_now() -> tuple[int, int]:
+    """This process's resident set size and its peak so far, in bytes (``getrusage``:
+    kilobytes on Linux, bytes on macOS)."""
+    import resource
+
+    import psutil
+
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return psutil.Process().memory_info().rss, peak if sys.platform == "darwin" else peak * 1024
 
 
 def load_stage(spec: RunnerSpec, source, group, progress: Progress, dtype, device):
@@ -113,6 +124,7 @@ def serve(conn, outbox: Outbox) -> None:
     import torch.distributed as dist
 
     from shardline.models.linear import weight_bytes
+    from shardline.models.shard_loader import large_allocations_mapped, release_free_memory
     from shardline.models.weights import open_weights
     from shardline.runner.engine import Engine
 
@@ -142,7 +154,8 @@ def serve(conn, outbox: Outbox) -> None:
 
     source = open_weights(spec.model_path)
     progress = Progress()
-    stage = load_stage(spec, source, group, progress, dtype, device)
+    with large_allocations_mapped():
+        stage = load_stage(spec, source, group, progress, dtype, device)
     cache = stage.cache
     param_bytes = weight_bytes(stage.shard)
     if group is not None:
@@ -150,14 +163,14 @@ def serve(conn, outbox: Outbox) -> None:
         outbox.watch(progress, spec.progress_timeout_s)
     layers = sorted({int(m.group(1)) for name in source.tensors_read
                      if (m := re.match(r"(?:blk|model\.layers)\.(\d+)\.", name))})
-    outbox.send(
-        Loaded(tuple(layers), len(source.tensors_read), source.bytes_read, param_bytes,
-               cache.nbytes())
-    )
     # Unmap the weight file: every weight is held in its resident form now, and the
     # file's pages would otherwise count in this process's memory.
+    tensors_read, bytes_read = len(source.tensors_read), source.bytes_read
     del source
     gc.collect()
+    release_free_memory()
+    outbox.send(Loaded(tuple(layers), tensors_read, bytes_read, param_bytes, cache.nbytes(),
+                       *memory_now()))
     engine = Engine(
         stage,
         inbox,

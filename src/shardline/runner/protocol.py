@@ -68,7 +68,8 @@ class Loaded:
         tensors_read: how many weight tensors it read.
         bytes_read: bytes of weight data it read from the files.
         param_bytes: bytes its shard's parameters take in memory.
-        kv_cache_bytes: bytes its KV cache takes.
+        kv_cache_bytes: bytes its KV cache reserves.
+        rss_bytes, peak_rss_bytes: its memory once loaded, and the peak while loading.
     """
 
     layers_read: tuple[int, ...]
@@ -76,6 +77,8 @@ class Loaded:
     bytes_read: int
     param_bytes: int
     kv_cache_bytes: int
+    rss_bytes: int = 0
+    peak_rss_bytes: int = 0
 
 
 @dataclass(frozen=True)
@@ -130,7 +133,11 @@ class EngineStats:
 
 @dataclass(frozen=True)
 class Heartbeat:
-    pass
+    """The runner is alive; its memory now and at most so far (bytes: resident set
+    size, and its peak as the kernel counts it)."""
+
+    rss_bytes: int = 0
+    peak_rss_bytes: int = 0
 
 
 @dataclass(frozen=True)

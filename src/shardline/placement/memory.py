@@ -1,0 +1,46 @@
+"""What a rank holds in memory, and what each node has left: pure functions over values.
+
+A rank's runner holds (:func:`rank_bytes`): the process's runtime (Python and torch,
+measured once per machine by the node's profile, else :data:`RUNTIME_BASELINE_BYTES`), its
+weights at :func:`~shardline.placement.ranks.resident_bytes_per_weight` each (the file's
+own quantization), its KV cache reservation, and the scratch a prefill chunk needs (a
+dequantized weight block and the chunk's activations).
+
+A node offers ``offered`` bytes (its ``--memory-limit``, else the memory the system has
+available plus what its own runners hold); the estimates of the ranks placed on it are
+``committed``; the rest is ``free``, what the next placement may use. The coordinator
+computes ``committed`` from its own instance table, so two placements in a row cannot
+both count the same bytes.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+RUNTIME_BASELINE_BYTES = 256 * 2**20
+"""A runner's memory before it loads anything (Python, torch, shardline), where the node
+has not measured it: 240-250 MiB measured on Linux x86-64 with torch 2.13."""
+
+DEQUANT_SCRATCH_BYTES = 64 << 20  # shardline.models.linear's bound
+
+
+def prefill_scratch_bytes(hidden: int, intermediate: int, largest_weight: int,
+                          chunk_tokens: int = 512) -> int:
+    """Scratch of one prefill chunk: the dequantized block of the largest weight (float32
+    work and plane, uint8 nibbles, the compute dtype: 11 bytes an element, at most
+    :data:`DEQUANT_SCRATCH_BYTES` plus nibbles) and the chunk's float32 activations
+    (hidden states, the fused gate/up output and the attention's q/k/v, about
+    ``chunk * (4 * hidden + 2 * intermediate)`` elements)."""
+    dequant = min(11 * largest_weight, DEQUANT_SCRATCH_BYTES * 11 // 6)
+    return dequant + 4 * chunk_tokens * (4 * hidden + 2 * intermediate)
+
+
+def committed_bytes(ranks: Iterable[tuple[str, int]], node_id: str) -> int:
+    """Bytes committed on ``node_id``: the sum of ``(node, estimated bytes)`` of the live
+    instances' ranks placed on it."""
+    return sum(b for n, b in ranks if n == node_id)
+
+
+def free_bytes(offered: int, committed: int) -> int:
+    """What a node can still give: ``offered - committed``, never below 0."""
+    return max(0, offered - committed)

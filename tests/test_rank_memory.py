@@ -1,0 +1,86 @@
+"""What each rank is counted to hold, and what a node has left after placements: tables
+over pure functions (no processes)."""
+
+import pytest
+from model_shapes import smollm2 as smollm2_config
+
+from shardline.placement.memory import (
+    RUNTIME_BASELINE_BYTES,
+    committed_bytes,
+    free_bytes,
+    prefill_scratch_bytes,
+)
+from shardline.placement.pipeline import NodeCapacity, PlacementError, pipeline_layer_ranges
+from shardline.placement.ranks import RankShare, model_param_count, place_ranks, rank_bytes
+
+pytestmark = pytest.mark.timeout(10)
+
+MB = 1 << 20
+FILE = 101_885_989  # SmolLM2-135M Q4_1's GGUF
+
+
+@pytest.mark.parametrize("ranks, node, expected", [
+    ([], "a", 0),
+    ([("a", 5), ("b", 7), ("a", 11)], "a", 16),
+    ([("a", 5), ("b", 7)], "c", 0),
+])
+def test_committed_bytes_sum_the_nodes_ranks(ranks, node, expected):
+    assert committed_bytes(ranks, node) == expected
+
+
+@pytest.mark.parametrize("offered, committed, expected", [
+    (100, 0, 100), (100, 40, 60), (100, 100, 0), (100, 150, 0),
+])
+def test_free_bytes_never_go_below_zero(offered, committed, expected):
+    assert free_bytes(offered, committed) == expected
+
+
+def test_one_rank_holds_about_the_file_plus_runtime_cache_and_scratch():
+    config = smollm2_config()
+    need = rank_bytes(config, "pipeline", [RankShare(0, 30)], 0, context=256, max_batch=1,
+                      dtype="bfloat16", weight_file_bytes=FILE)
+    kv = 256 * config.kv_bytes_per_token(2)
+    weights = need - RUNTIME_BASELINE_BYTES - kv - prefill_scratch_bytes(
+        config.hidden_size, config.intermediate_size,
+        2 * config.intermediate_size * config.hidden_size)
+    assert FILE <= weights <= 1.16 * FILE  # the tied head shares the embedding
+
+
+@pytest.mark.parametrize("sharding", ["pipeline", "tensor"])
+def test_ranks_of_three_add_up_to_about_one_node_plus_two_runtimes(sharding):
+    config = smollm2_config()
+    nodes = [NodeCapacity(n, 8 << 30) for n in "abc"]
+    shares = place_ranks(config, sharding, nodes, 256, 1, weight_file_bytes=FILE)
+    three = [rank_bytes(config, sharding, shares, r, 256, 1, "bfloat16", FILE) for r in range(3)]
+    one = rank_bytes(config, "pipeline", [RankShare(0, 30)], 0, 256, 1, "bfloat16", FILE)
+    fixed = RUNTIME_BASELINE_BYTES + prefill_scratch_bytes(
+        config.hidden_size, config.intermediate_size,
+        2 * config.intermediate_size * config.hidden_size)
+    extra = sum(three) - one - 2 * fixed
+    # Pipeline: the last rank's tied head is a second copy of the embedding; tensor: every
+    # rank holds the embedding, and KV head 1 sits on two ranks.
+    embed = 1.15 * FILE / model_param_count(config) * config.vocab_size * config.hidden_size
+    assert 0 <= extra <= 2.05 * embed, (three, one)
+
+
+def test_pipeline_ranges_leave_room_for_each_ranks_fixed_bytes():
+    nodes = [NodeCapacity("a", 100), NodeCapacity("b", 100)]
+    # 10 layers of 10 bytes; rank 0 must also hold 60 bytes (embedding, runtime).
+    assert pipeline_layer_ranges(10, nodes, 10, fixed_bytes=[60, 0]) == [(0, 4), (4, 10)]
+    with pytest.raises(PlacementError, match="node a needs 70 bytes"):
+        pipeline_layer_ranges(10, [NodeCapacity("a", 69), NodeCapacity("b", 1000)], 10,
+                              fixed_bytes=[60, 0])
+
+
+def test_the_default_context_does_not_fit_under_400_mb_a_node():
+    """4096 tokens x 8 sequences of SmolLM2's KV cache (755 MB) fit neither one node
+    capped at 400 MB nor three; a small context fits one node capped at 500 MB, and the
+    rank is counted to hold less than that."""
+    config = smollm2_config()
+    capped = [NodeCapacity(n, 400 * MB) for n in "abc"]
+    for on in (capped[:1], capped):
+        with pytest.raises(PlacementError, match="short by"):
+            place_ranks(config, "pipeline", on, 4096, 8, weight_file_bytes=FILE)
+    shares = place_ranks(config, "pipeline", [NodeCapacity("a", 500 * MB)], 256, 1,
+                         weight_file_bytes=FILE)
+    assert rank_bytes(config, "pipeline", shares, 0, 256, 1, "bfloat16", FILE) <= 500 * MB
