@@ -34,7 +34,7 @@ def test_a_full_node_takes_no_more_than_fits():
 
 
 def test_refusal_names_node_and_shortfall():
-    with pytest.raises(PlacementError, match=r"node tiny needs 1000 bytes .*short by 500 bytes"):
+    with pytest.raises(PlacementError, match=r"node tiny needs at least 1000 bytes .*short by at least 500 bytes"):
         pipeline_layer_ranges(4, [NodeCapacity("roomy", 10_000), NodeCapacity("tiny", 500)], 1_000)
     with pytest.raises(PlacementError, match=r"node a fits 5 .* node b fits 5 .*short by 2000 bytes"):
         pipeline_layer_ranges(12, [NodeCapacity("a", 5_000), NodeCapacity("b", 5_500)], 1_000)

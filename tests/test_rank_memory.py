@@ -67,7 +67,7 @@ def test_pipeline_ranges_leave_room_for_each_ranks_fixed_bytes():
     nodes = [NodeCapacity("a", 100), NodeCapacity("b", 100)]
     # 10 layers of 10 bytes; rank 0 must also hold 60 bytes (embedding, runtime).
     assert pipeline_layer_ranges(10, nodes, 10, fixed_bytes=[60, 0]) == [(0, 4), (4, 10)]
-    with pytest.raises(PlacementError, match="node a needs 70 bytes"):
+    with pytest.raises(PlacementError, match="node a needs at least 70 bytes"):
         pipeline_layer_ranges(10, [NodeCapacity("a", 69), NodeCapacity("b", 1000)], 10,
                               fixed_bytes=[60, 0])
 

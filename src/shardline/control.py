@@ -56,8 +56,8 @@ def _gb(nbytes: int | None) -> str:
 def _nodes(args: argparse.Namespace) -> None:
     data = _request(args, "GET", "/cluster/nodes")
     table = Table(title=f"coordinator: {data['coordinator']}")
-    for column in ("node", "address", "live", "available / total memory", "accelerator", "matmul",
-                   "models"):
+    for column in ("node", "address", "live", "free / offered memory", "committed", "accelerator",
+                   "matmul", "models"):
         table.add_column(column, no_wrap=column in ("node", "address"))
     for n in data["nodes"]:
         profile = n.get("profile") or {}
@@ -66,7 +66,8 @@ def _nodes(args: argparse.Namespace) -> None:
         models = ", ".join(m + ("" if v.get("complete") else " (part)")
                            for m, v in (n.get("models") or {}).items())
         table.add_row(n["node_id"], n["address"], "yes" if n["live"] else "DOWN",
-                      f"{_gb(n.get('available_bytes'))} / {_gb(n.get('total_bytes'))}", str(accelerator),
+                      f"{_gb(n.get('free_bytes'))} / {_gb(n.get('offered_bytes'))}",
+                      _gb(n.get("committed_bytes")), str(accelerator),
                       f"{flops / 1e12:.2f} TFLOP/s" if flops else "-", models or "-")
     _console.print(table)
 

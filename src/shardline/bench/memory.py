@@ -10,6 +10,7 @@ the Python and torch runtime each runner carries.
 
 from __future__ import annotations
 
+import sys
 from typing import Any
 
 import httpx
@@ -74,7 +75,8 @@ def print_memory(rows: list[dict[str, Any]], console=None) -> None:
     from rich.console import Console
     from rich.table import Table
 
-    console = console or Console()
+    # Wide enough for every column when the output is not a terminal (rich assumes 80).
+    console = console or Console(width=None if sys.stdout.isatty() else 120)
     table = Table(caption="MiB. file: the model's bytes the rank read; est.: what placement "
                           "counted it to hold; RSS: its resident set after the workload; peak, "
                           "load peak: the highest so far and while loading.",

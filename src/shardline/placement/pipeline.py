@@ -53,9 +53,9 @@ def pipeline_layer_ranges(
         if cap < 1:
             need = per_layer + f
             raise PlacementError(
-                f"node {node.node_id} needs {need} bytes for one layer (and what its rank "
-                f"holds besides) but has {node.available_bytes} available (short by "
-                f"{need - node.available_bytes} bytes)"
+                f"node {node.node_id} needs at least {need} bytes (one layer and what its "
+                f"rank holds besides) but has {node.available_bytes} available (short by "
+                f"at least {need - node.available_bytes} bytes)"
             )
     if sum(caps) < num_layers:
         short = (num_layers - sum(caps)) * per_layer

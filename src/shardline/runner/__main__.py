@@ -87,7 +87,9 @@ def memory_now() -> tuple[int, int]:
     import psutil
 
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-    return psutil.Process().memory_info().rss, peak if sys.platform == "darwin" else peak * 1024
+    peak = peak if sys.platform == "darwin" else peak * 1024
+    rss = psutil.Process().memory_info().rss
+    return rss, max(peak, rss)  # the kernel's peak can lag the resident set by a page run
 
 
 def load_stage(spec: RunnerSpec, source, group, progress: Progress, dtype, device):
