@@ -59,8 +59,10 @@ def _cluster(args: argparse.Namespace) -> int:
     from shardline.control import rank_share
     from shardline.local_cluster import LocalCluster, LocalClusterError
 
+    limit = {i: ["--memory-limit", str(args.memory_limit)] for i in range(args.nodes)} \
+        if args.memory_limit is not None else None
     cluster = LocalCluster(
-        nodes=args.nodes, base_port=args.port, runner_threads=args.runner_threads
+        nodes=args.nodes, base_port=args.port, runner_threads=args.runner_threads, node_args=limit
     )
     # SIGTERM and SIGINT stop the nodes (they run in their own sessions); SIGINT is set
     # explicitly because a shell starts background jobs with it ignored.
@@ -153,6 +155,9 @@ def build_parser() -> argparse.ArgumentParser:
                          help="first node's port; the others follow (default %(default)s)")
     cluster.add_argument("--model", default=DEFAULT_MODEL_ID, help="model id or local path (default %(default)s)")
     cluster.add_argument("--runner-threads", type=int, default=0, help="torch threads per runner (0: cores / nodes)")
+    cluster.add_argument("--memory-limit", type=byte_size, default=None,
+                         help="the most memory each node offers to models, e.g. 600MB (default: all "
+                              "that is available)")
     cluster.set_defaults(func=_cluster)
 
     bench = sub.add_parser("bench", help="measure prefill and decode tokens/s and TTFT")

@@ -71,6 +71,11 @@ def _pipeline_fixed(config: ModelConfig, rank: int, world_size: int, weight_byte
     return int(held)
 
 
+def _kv_hint(kv_cache: int, context: int, max_batch: int) -> str:
+    return (f"a KV cache of {max_batch} sequences of {context} tokens is {kv_cache} bytes for "
+            f"the whole model: a smaller context or max_batch needs less")
+
+
 def rank_bytes(config: ModelConfig, sharding: str, shares: list[RankShare], rank: int,
                context: int, max_batch: int, dtype: str = "bfloat16",
                weight_file_bytes: int = 0, baseline_bytes: int = RUNTIME_BASELINE_BYTES) -> int:
@@ -110,14 +115,28 @@ def place_ranks(config: ModelConfig, sharding: str, nodes: list[NodeCapacity], c
 
     Each rank must fit :func:`rank_bytes` (runtime, prefill scratch, weights in the file's
     quantization from ``weight_file_bytes``, KV cache, ring's working set) in its node's
-    available bytes. Without ``admit`` (a forced placement) memory refuses nothing:
-    pipeline layer ranges still follow the nodes' available bytes, and shapes that cannot
-    split are refused.
+    available bytes; a memory refusal also says what the KV cache takes. Without
+    ``admit`` (a forced placement) memory refuses nothing: pipeline layer ranges still
+    follow the nodes' available bytes, and shapes that cannot split are refused.
 
     Raises:
         PlacementError: an unknown sharding, or a model that does not fit or split; the
             message names the node and the shortfall in bytes, or the shape that cannot split.
     """
+    try:
+        return _place(config, sharding, nodes, context, max_batch, dtype, admit,
+                      weight_file_bytes, baseline_bytes)
+    except PlacementError as exc:
+        if "short by" not in str(exc):
+            raise
+        kv = max_batch * context * config.kv_bytes_per_token(DTYPE_BYTES[dtype])
+        raise PlacementError(f"{exc}; {_kv_hint(kv, context, max_batch)}") from None
+
+
+def _place(config: ModelConfig, sharding: str, nodes: list[NodeCapacity], context: int,
+           max_batch: int, dtype: str, admit: bool, weight_file_bytes: int,
+           baseline_bytes: int) -> list[RankShare]:
+    """:func:`place_ranks` without the KV hint."""
     layers = config.num_layers
     kv_bytes = DTYPE_BYTES[dtype]
     weight_bytes = resident_bytes_per_weight(config, weight_file_bytes, dtype)
