@@ -2,27 +2,13 @@
 
 import numpy as np
 import pytest
-from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
+from gguf import GGMLQuantizationType
 from gguf.quants import dequantize
 
 from shardline.models.gguf_quants import SUPPORTED_TYPES, GroupQuant, unpack_blocks
+from tiny_models import random_quant_blocks as random_blocks
 
 pytestmark = pytest.mark.timeout(60)
-
-# Byte offsets of each type's f16 scale fields, set to finite values in random blocks.
-F16_FIELDS = {"Q4_0": [0], "Q4_1": [0, 2], "Q5_0": [0], "Q5_1": [0, 2], "Q8_0": [0],
-              "Q4_K": [0, 2], "Q5_K": [0, 2], "Q6_K": [208]}
-
-
-def random_blocks(type_name: str, rows: int, blocks: int, seed: int = 0) -> np.ndarray:
-    """uint8 ``[rows, blocks * block_bytes]``: random quants, finite f16 scales."""
-    rng = np.random.default_rng(seed)
-    _, size = GGML_QUANT_SIZES[GGMLQuantizationType[type_name]]
-    data = rng.integers(0, 256, (rows, blocks, size), dtype=np.uint8)
-    for at in F16_FIELDS[type_name]:
-        scales = (rng.standard_normal((rows, blocks)) * 0.01).astype(np.float16)
-        data[..., at:at + 2] = scales[..., None].view(np.uint8).reshape(rows, blocks, 2)
-    return data.reshape(rows, blocks * size)
 
 
 @pytest.mark.parametrize("type_name", SUPPORTED_TYPES)

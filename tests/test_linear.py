@@ -6,9 +6,9 @@ import pytest
 import torch
 from gguf import GGMLQuantizationType
 from gguf.quants import dequantize
-from test_gguf_quants import random_blocks
 
 import tiny_models as tm
+from tiny_models import random_quant_blocks as random_blocks
 from shardline.models.gguf_quants import SUPPORTED_TYPES, unpack_blocks
 from shardline.models.linear import (
     DenseWeight,

@@ -180,11 +180,14 @@ def write_gguf(
     rope_theta: float = 10000.0,
     rope_factors: np.ndarray | None = None,
     q8_0: tuple[str, ...] = (),
+    random_quants: dict[str, str] | None = None,
 ) -> Path:
     """Write ``model``'s weights as a GGUF file the way llama.cpp's converter lays them out.
 
     q/k weights (and biases) of ``llama`` are permuted; ``q8_0`` names GGUF tensors to
-    store quantized as Q8_0 (everything else is F32). A tied model gets no output.weight.
+    store quantized as Q8_0, ``random_quants`` tensors to replace by random blocks of a
+    GGUF type (``{"blk.0.ffn_down.weight": "Q6_K"}``: the gguf library has no quantizer
+    for the K types), and everything else is F32. A tied model gets no output.weight.
     """
     import gguf
     from gguf.quants import quantize
@@ -198,8 +201,9 @@ def write_gguf(
     writer.add_feed_forward_length(cfg.intermediate_size)
     writer.add_head_count(cfg.num_attention_heads)
     writer.add_head_count_kv(cfg.num_key_value_heads)
-    writer.add_key_length(HEAD_DIM)
-    writer.add_value_length(HEAD_DIM)
+    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+    writer.add_key_length(head_dim)
+    writer.add_value_length(head_dim)
     writer.add_layer_norm_rms_eps(cfg.rms_norm_eps)
     writer.add_rope_freq_base(rope_theta)
     writer.add_vocab_size(cfg.vocab_size)
@@ -225,7 +229,13 @@ def write_gguf(
             tensors[f"blk.{i}.{gguf_name}"] = tensor
     for name, tensor in tensors.items():
         tensor = np.ascontiguousarray(tensor, dtype=np.float32)
-        if name in q8_0:
+        if name in (random_quants or {}):
+            qtype = gguf.GGMLQuantizationType[random_quants[name]]
+            rows, cols = tensor.shape
+            blocks = cols // gguf.GGML_QUANT_SIZES[qtype][0]
+            data = random_quant_blocks(random_quants[name], rows, blocks, seed=len(name))
+            writer.add_tensor(name, data, raw_dtype=qtype)
+        elif name in q8_0:
             qtype = gguf.GGMLQuantizationType.Q8_0
             writer.add_tensor(name, quantize(tensor, qtype), raw_dtype=qtype)
         else:
@@ -235,6 +245,25 @@ def write_gguf(
     writer.write_tensors_to_file()
     writer.close()
     return Path(path)
+
+
+# GGUF block byte offsets of each type's f16 scale fields (set to finite values below).
+F16_FIELDS = {"Q4_0": [0], "Q4_1": [0, 2], "Q5_0": [0], "Q5_1": [0, 2], "Q8_0": [0],
+              "Q4_K": [0, 2], "Q5_K": [0, 2], "Q6_K": [208]}
+
+
+def random_quant_blocks(type_name: str, rows: int, blocks: int, seed: int = 0) -> np.ndarray:
+    """uint8 ``[rows, blocks * block_bytes]`` of GGUF type ``type_name``: random quants and
+    group scales, finite f16 super-block scales (about 0.01)."""
+    import gguf
+
+    rng = np.random.default_rng(seed)
+    _, size = gguf.GGML_QUANT_SIZES[gguf.GGMLQuantizationType[type_name]]
+    data = rng.integers(0, 256, (rows, blocks, size), dtype=np.uint8)
+    for at in F16_FIELDS[type_name]:
+        scales = (rng.standard_normal((rows, blocks)) * 0.01).astype(np.float16)
+        data[..., at:at + 2] = scales[..., None].view(np.uint8).reshape(rows, blocks, 2)
+    return data.reshape(rows, blocks * size)
 
 
 # --- driving a shardline shard --------------------------------------------------------
