@@ -5,10 +5,12 @@ import pytest
 from model_shapes import smollm2 as smollm2_config
 
 from shardline.placement.memory import (
+    RUNNER_IMPORTS_BYTES,
     RUNTIME_BASELINE_BYTES,
     committed_bytes,
     free_bytes,
     prefill_scratch_bytes,
+    runtime_baseline,
 )
 from shardline.placement.pipeline import NodeCapacity, PlacementError, pipeline_layer_ranges
 from shardline.placement.ranks import RankShare, model_param_count, place_ranks, rank_bytes
@@ -84,3 +86,14 @@ def test_the_default_context_does_not_fit_under_400_mb_a_node():
     shares = place_ranks(config, "pipeline", [NodeCapacity("a", 500 * MB)], 256, 1,
                          weight_file_bytes=FILE)
     assert rank_bytes(config, "pipeline", shares, 0, 256, 1, "bfloat16", FILE) <= 500 * MB
+
+
+@pytest.mark.parametrize("measured, expected", [
+    ([], RUNTIME_BASELINE_BYTES),
+    ([0, 0], RUNTIME_BASELINE_BYTES),
+    ([224 * MB, 230 * MB], 230 * MB + RUNNER_IMPORTS_BYTES),
+    ([224 * MB, 0], RUNTIME_BASELINE_BYTES),  # an unmeasured node counts the default
+    ([600 * MB, 0], 600 * MB + RUNNER_IMPORTS_BYTES),  # a CUDA runtime, say
+])
+def test_runtime_baseline_is_the_largest_measured_else_the_default(measured, expected):
+    assert runtime_baseline(measured) == expected

@@ -13,15 +13,17 @@ the file stores, never by quantizing again:
   zero is an exact power-of-two multiple of its scale for the symmetric types, so only
   the rounding of each scale (and a Q4_1/K-type minimum) to the compute dtype differs
   from the file's values.
-- :class:`Int8Groups`: the rest (Q6_K's groups of 16, or shapes torch's int4 kernel does
-  not take): one byte a weight plus a scale and offset per group, dequantized into a
-  temporary compute-dtype matrix for each product.
+- :class:`Int8Groups`: the rest (Q6_K's groups of 16, shapes torch's int4 kernel does not
+  take, float32 instances, CUDA): one byte a weight plus a float32 scale and offset per
+  group, dequantized into reused scratch for each product.
 
 On CPU torch's int4 kernel reads about half a byte per weight and is fast for the few rows
 of a decode step (SmolLM2's 30 layers of one-row GEMMs: int4 4.4 ms against int8 11.5 ms on
-the development machine); it is used for every row count, so a sequence's output does not
-depend on its batch (the kernel computes each row alone). On CUDA every form is
-dequantized per product (the CPU int4 layout is not CUDA's).
+the development machine); it serves every product of up to :data:`KERNEL_MAX_ROWS` rows,
+so a decoding sequence's output does not depend on its batch (the kernel computes each row
+alone). Larger products (prefill chunks) dequantize the weight, a block of rows at a time,
+into reused scratch (:data:`DEQUANT_SCRATCH_BYTES`) and run a dense GEMM. On CUDA every
+quantized form is dequantized per product (the CPU int4 layout is not CUDA's).
 """
 
 from __future__ import annotations
@@ -269,7 +271,10 @@ def resident_weight(source: GroupQuant | torch.Tensor, dtype: torch.dtype,
     rows, cols = source.shape
     on_cpu = torch.device(device).type == "cpu"
     if int4 and on_cpu and source.group == INT4_GROUP and cols % INT4_GROUP == 0 and rows % 16 == 0:
-        return _int4_planes(source, dtype)
+        try:
+            return _int4_planes(source, dtype)
+        except RuntimeError:  # a torch build without the CPU int4 kernel for this shape
+            pass
     return Int8Groups(torch.from_numpy(source.q).to(device),
                       torch.from_numpy(source.scale).to(device),
                       torch.from_numpy(source.offset).to(device), source.group)

@@ -29,7 +29,6 @@ import torch
 from shardline.models.config import TensorShare
 from shardline.models.gguf_quants import GroupQuant
 from shardline.models.linear import (
-    Embedding,
     Int4Planes,
     Int8Groups,
     Linear,

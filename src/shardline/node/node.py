@@ -47,7 +47,7 @@ from shardline.models.tokenizer import Tokenizer
 from shardline.node.transfer import CopyProgress, TransferError, fetch_files
 from shardline.node.worker import Worker
 from shardline.placement.pipeline import NodeCapacity, PlacementError
-from shardline.placement.memory import committed_bytes, free_bytes
+from shardline.placement.memory import committed_bytes, free_bytes, runtime_baseline
 from shardline.placement.ranks import SHARDINGS, place_ranks, rank_bytes, ring_prefill_chunk  # noqa: F401 (re-exported)
 from shardline.runner.protocol import (
     Cancel,
@@ -778,13 +778,15 @@ class Node:
         if min_nodes > len(chosen):
             raise PlacementError(f"min_nodes is {min_nodes} but there are only {len(chosen)} live nodes to use")
         profiles, links = self.node_profiles(chosen)
+        baseline = runtime_baseline([self._profile_of(n).get("runtime_baseline_bytes") or 0
+                                     for n in chosen])
+        options = dict(min_nodes=min_nodes, weight_file_bytes=card.weight_file_bytes,
+                       baseline_bytes=baseline, admit=not force)
         if best_only:
             return [auto(config, profiles, links, context, max_batch, dtype, shardings, max_nodes,
-                         min_nodes=min_nodes, weight_file_bytes=card.weight_file_bytes,
-                         admit=not force)]
+                         **options)]
         return preview(config, profiles, links, context, max_batch, dtype, shardings, max_nodes,
-                       min_nodes=min_nodes, weight_file_bytes=card.weight_file_bytes,
-                       admit=not force)
+                       **options)
 
     def _placement_inputs(self, card: ModelCard, node_ids: list[str] | None, context: int | None,
                           max_batch: int | None):
@@ -816,10 +818,13 @@ class Node:
     ) -> Instance:
         config, chosen, context, max_batch = self._placement_inputs(card, node_ids, context, max_batch)
         capacities = [NodeCapacity(n, self._available_bytes(n)) for n in chosen]
+        baseline = runtime_baseline([self._profile_of(n).get("runtime_baseline_bytes") or 0
+                                     for n in chosen])
         shares = place_ranks(config, sharding, capacities, context, max_batch, dtype,
-                             admit=not force, weight_file_bytes=card.weight_file_bytes)
+                             admit=not force, weight_file_bytes=card.weight_file_bytes,
+                             baseline_bytes=baseline)
         estimated = [rank_bytes(config, sharding, shares, r, context, max_batch, dtype,
-                                card.weight_file_bytes) for r in range(len(shares))]
+                                card.weight_file_bytes, baseline) for r in range(len(shares))]
         master_addr = self.address_of(chosen[0]).rsplit(":", 1)[0]
         port = await self._free_port(chosen[0])
         inst = Instance(
@@ -856,6 +861,12 @@ class Node:
         ranks = ((r.node_id, r.estimated_bytes) for inst in self.instances.values()
                  if inst.status != "failed" for r in inst.ranks)
         return committed_bytes(ranks, node_id)
+
+    def _profile_of(self, node_id: str) -> dict:
+        """A live node's HostProfile as a dict ({} while unmeasured)."""
+        if node_id == self.node_id:
+            return self.profile or {}
+        return self.peers[node_id].profile or {}
 
     def memory_of(self, node_id: str) -> dict:
         """``offered_bytes``, ``committed_bytes`` and ``free_bytes`` of a live node (see

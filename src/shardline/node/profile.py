@@ -71,6 +71,9 @@ class HostProfile:
             read plus bytes written per second while copying a 256 MiB tensor into
             another already allocated one (``dst.copy_(src)``: 512 MiB moved a copy,
             the STREAM "copy" convention), averaged over several copies.
+        runtime_baseline_bytes: the measuring child's resident memory right after
+            importing torch and running one small product on its device, bytes: what a
+            runner holds before its shard (placement counts it per rank; 0: unmeasured).
         measure_s: wall time the measurement took (child start to exit), seconds.
         note: why measured figures are missing (the measurement failed or timed out),
             or what else is worth knowing; ``""`` when nothing.
@@ -85,6 +88,7 @@ class HostProfile:
     matmul_flops: float = 0.0
     matmul_dtype: str = ""
     memory_bandwidth_bytes_per_s: float = 0.0
+    runtime_baseline_bytes: int = 0
     measure_s: float = 0.0
     note: str = ""
 
@@ -280,6 +284,10 @@ def _measure(device: str, seconds: float) -> dict:
 
     result = _host_memory()
     dev = _pick_device(torch, device)
+    probe = torch.ones(64, 64, device=dev)
+    (probe @ probe).sum().item()  # the device's runtime (CUDA context, kernels) in memory
+    result["runtime_baseline_bytes"] = int(psutil.Process().memory_info().rss)
+    del probe
     notes = []
     if dev.type == "cuda":
         nvml = _nvml_memory(dev.index)  # before torch creates a context on the device

@@ -21,7 +21,20 @@ RUNTIME_BASELINE_BYTES = 256 * 2**20
 """A runner's memory before it loads anything (Python, torch, shardline), where the node
 has not measured it: 240-250 MiB measured on Linux x86-64 with torch 2.13."""
 
+RUNNER_IMPORTS_BYTES = 24 * 2**20
+"""What a runner imports beyond a bare torch process (shardline, numpy, gguf, psutil)."""
+
 DEQUANT_SCRATCH_BYTES = 64 << 20  # shardline.models.linear's bound
+
+
+def runtime_baseline(measured: list[int]) -> int:
+    """The runtime bytes to count per rank on nodes whose profiles measured ``measured``
+    (``HostProfile.runtime_baseline_bytes`` each; 0: not measured): the largest measured
+    plus :data:`RUNNER_IMPORTS_BYTES`, or :data:`RUNTIME_BASELINE_BYTES` where a node has
+    not measured it."""
+    if not measured or any(m <= 0 for m in measured):
+        return max([RUNTIME_BASELINE_BYTES] + [m + RUNNER_IMPORTS_BYTES for m in measured])
+    return max(measured) + RUNNER_IMPORTS_BYTES
 
 
 def prefill_scratch_bytes(hidden: int, intermediate: int, largest_weight: int,

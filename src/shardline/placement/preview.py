@@ -19,6 +19,7 @@ from dataclasses import dataclass
 from typing import Mapping, Sequence
 
 from shardline.models.config import ModelConfig, TensorShare
+from shardline.placement.memory import RUNTIME_BASELINE_BYTES
 from shardline.placement.pipeline import NodeCapacity, PlacementError
 from shardline.placement.ranks import (
     DTYPE_BYTES, SHARDINGS, RankShare, place_ranks, resident_bytes_per_weight, ring_prefill_chunk,
@@ -260,6 +261,7 @@ def preview(
     *,
     min_nodes: int = 1,
     weight_file_bytes: int = 0,
+    baseline_bytes: int = RUNTIME_BASELINE_BYTES,
     admit: bool = True,
 ) -> list[Candidate]:
     """Every candidate placement of ``config`` on ``nodes``, feasible ones first, fastest first.
@@ -271,7 +273,8 @@ def preview(
 
     Memory per rank is ``place_ranks``'s check with ``context`` tokens per sequence,
     ``max_batch`` sequences and the compute ``dtype`` (skipped when not ``admit``: a forced
-    placement) with ``weight_file_bytes`` (the model's weight files, 0: unknown); the
+    placement) with ``weight_file_bytes`` (the model's weight files, 0: unknown) and
+    ``baseline_bytes`` of runtime per rank; the
     speeds are :func:`predict_tokens_per_s`'s (decode tokens/s of one sequence, prefill
     tokens/s), decode reading :func:`~shardline.placement.ranks.resident_bytes_per_weight`
     bytes a weight.
@@ -296,7 +299,7 @@ def preview(
                 continue
             try:
                 shares = place_ranks(config, sharding, capacities, context, max_batch, dtype,
-                                     admit, weight_file_bytes)
+                                     admit, weight_file_bytes, baseline_bytes)
             except PlacementError as exc:
                 infeasible.append(Candidate(sharding, ids, error=str(exc)))
                 continue
@@ -322,6 +325,7 @@ def auto(
     *,
     min_nodes: int = 1,
     weight_file_bytes: int = 0,
+    baseline_bytes: int = RUNTIME_BASELINE_BYTES,
     admit: bool = True,
 ) -> Candidate:
     """The feasible candidate of :func:`preview` with the highest predicted decode tokens/s.
@@ -331,7 +335,8 @@ def auto(
             sharding, nodes and why it was refused.
     """
     candidates = preview(config, nodes, links, context, max_batch, dtype, shardings, max_nodes,
-                         min_nodes=min_nodes, weight_file_bytes=weight_file_bytes, admit=admit)
+                         min_nodes=min_nodes, weight_file_bytes=weight_file_bytes,
+                         baseline_bytes=baseline_bytes, admit=admit)
     if candidates and candidates[0].feasible:
         return candidates[0]
     if not candidates:
