@@ -778,10 +778,8 @@ class Node:
         if min_nodes > len(chosen):
             raise PlacementError(f"min_nodes is {min_nodes} but there are only {len(chosen)} live nodes to use")
         profiles, links = self.node_profiles(chosen)
-        baseline = runtime_baseline([self._profile_of(n).get("runtime_baseline_bytes") or 0
-                                     for n in chosen])
         options = dict(min_nodes=min_nodes, weight_file_bytes=card.weight_file_bytes,
-                       baseline_bytes=baseline, admit=not force)
+                       baseline_bytes=self._runtime_baseline(chosen), admit=not force)
         if best_only:
             return [auto(config, profiles, links, context, max_batch, dtype, shardings, max_nodes,
                          **options)]
@@ -818,8 +816,7 @@ class Node:
     ) -> Instance:
         config, chosen, context, max_batch = self._placement_inputs(card, node_ids, context, max_batch)
         capacities = [NodeCapacity(n, self._available_bytes(n)) for n in chosen]
-        baseline = runtime_baseline([self._profile_of(n).get("runtime_baseline_bytes") or 0
-                                     for n in chosen])
+        baseline = self._runtime_baseline(chosen)
         shares = place_ranks(config, sharding, capacities, context, max_batch, dtype,
                              admit=not force, weight_file_bytes=card.weight_file_bytes,
                              baseline_bytes=baseline)
@@ -862,11 +859,11 @@ class Node:
                  if inst.status != "failed" for r in inst.ranks)
         return committed_bytes(ranks, node_id)
 
-    def _profile_of(self, node_id: str) -> dict:
-        """A live node's HostProfile as a dict ({} while unmeasured)."""
-        if node_id == self.node_id:
-            return self.profile or {}
-        return self.peers[node_id].profile or {}
+    def _runtime_baseline(self, node_ids: list[str]) -> int:
+        """Runtime bytes to count per rank on these live nodes, from their profiles."""
+        profiles = [(self.profile if n == self.node_id else self.peers[n].profile) or {}
+                    for n in node_ids]
+        return runtime_baseline([p.get("runtime_baseline_bytes") or 0 for p in profiles])
 
     def memory_of(self, node_id: str) -> dict:
         """``offered_bytes``, ``committed_bytes`` and ``free_bytes`` of a live node (see
@@ -880,8 +877,7 @@ class Node:
         """Bytes a node can give the next placement: what it offers less what the ranks
         placed on it hold (counted from this node's own table, so placements in a row
         never count the same bytes twice)."""
-        offered = self._offered_bytes() if node_id == self.node_id else self.peers[node_id].offered_bytes
-        return free_bytes(offered, self._committed_bytes(node_id))
+        return self.memory_of(node_id)["free_bytes"]
 
     async def _free_port(self, node_id: str) -> int:
         if node_id == self.node_id:

@@ -24,7 +24,11 @@ has not measured it: 240-250 MiB measured on Linux x86-64 with torch 2.13."""
 RUNNER_IMPORTS_BYTES = 24 * 2**20
 """What a runner imports beyond a bare torch process (shardline, numpy, gguf, psutil)."""
 
-DEQUANT_SCRATCH_BYTES = 64 << 20  # shardline.models.linear's bound
+DEQUANT_SCRATCH_BYTES = 64 << 20
+"""Scratch for a dense product's dequantized weight rows (float32 and the compute
+dtype, :mod:`shardline.models.linear`): a product dequantizes as many output rows at a
+time as fit, in multiples of 256 rows (a multiple of torch's int4 block); a whole matrix
+of up to 11M weights at once."""
 
 
 def runtime_baseline(measured: list[int]) -> int:

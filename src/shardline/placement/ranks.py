@@ -71,6 +71,13 @@ def _pipeline_fixed(config: ModelConfig, rank: int, world_size: int, weight_byte
     return int(held)
 
 
+def _ring_working(config: ModelConfig, world_size: int, kv_bytes: int) -> int:
+    """Bytes of a ring prefill's working set on each of ``world_size`` ranks."""
+    return ring_working_bytes(ring_prefill_chunk(world_size), world_size, config.num_heads,
+                              config.num_kv_heads, config.head_dim, config.hidden_size,
+                              config.intermediate_size, kv_bytes)
+
+
 def _kv_hint(kv_cache: int, context: int, max_batch: int) -> str:
     return (f"a KV cache of {max_batch} sequences of {context} tokens is {kv_cache} bytes for "
             f"the whole model: a smaller context or max_batch needs less")
@@ -97,11 +104,8 @@ def rank_bytes(config: ModelConfig, sharding: str, shares: list[RankShare], rank
                                          weight_bytes=weight_bytes, kv_element_bytes=kv_bytes)
     kv_per_layer = max_batch * context * config.kv_bytes_per_token(kv_bytes) // config.num_layers
     if sharding == "ring":
-        working = ring_working_bytes(ring_prefill_chunk(world), world, config.num_heads,
-                                     config.num_kv_heads, config.head_dim, config.hidden_size,
-                                     config.intermediate_size, kv_bytes)
         return (fixed + int(weight_bytes * model_param_count(config))
-                + kv_per_layer * config.num_layers + working)
+                + kv_per_layer * config.num_layers + _ring_working(config, world, kv_bytes))
     layers = share.layer_end - share.layer_start
     per_layer = int(weight_bytes * config.layer_param_count()) + kv_per_layer
     return fixed + _pipeline_fixed(config, rank, world, weight_bytes) + layers * per_layer
@@ -155,9 +159,6 @@ def _place(config: ModelConfig, sharding: str, nodes: list[NodeCapacity], contex
         return [RankShare(0, layers, share.to_dict()) for share in shares]
     if sharding == "ring":
         weights = int(weight_bytes * model_param_count(config)) + fixed
-        working = ring_working_bytes(ring_prefill_chunk(len(nodes)), len(nodes), config.num_heads,
-                                     config.num_kv_heads, config.head_dim, config.hidden_size,
-                                     config.intermediate_size, kv_bytes)
-        ring_admission(nodes, weights, kv_cache, working, admit)
+        ring_admission(nodes, weights, kv_cache, _ring_working(config, len(nodes), kv_bytes), admit)
         return [RankShare(0, layers) for _ in nodes]
     raise PlacementError(f"sharding {sharding!r} is not supported (supported: {', '.join(SHARDINGS)})")
