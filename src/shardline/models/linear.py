@@ -36,6 +36,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from shardline.models.gguf_quants import GroupQuant
+from shardline.placement.memory import DEQUANT_SCRATCH_BYTES
 
 INT4_GROUP = 32
 
@@ -69,10 +70,6 @@ class DenseWeight:
         return self.weight.index_select(0, ids).to(dtype)
 
 
-DEQUANT_SCRATCH_BYTES = 64 << 20
-"""Scratch for a dense product's dequantized weight rows (float32 and the compute
-dtype): a product dequantizes as many output rows at a time as fit, in multiples of 256
-rows (a multiple of torch's int4 block); a whole matrix of up to 11M weights at once."""
 
 _SCRATCH: dict[tuple[str, torch.dtype], torch.Tensor] = {}
 
@@ -85,6 +82,13 @@ def _scratch(name: str, rows: int, cols: int, dtype: torch.dtype) -> torch.Tenso
         buf = torch.empty(rows * cols, dtype=dtype)
         _SCRATCH[(name, dtype)] = buf
     return buf[: rows * cols].view(rows, cols)
+
+
+def _in_dtype(work: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """float32 scratch ``work`` in ``dtype``: itself, or rounded once into scratch."""
+    if dtype == torch.float32:
+        return work
+    return _scratch("out", work.shape[0], work.shape[1], dtype).copy_(work)
 
 
 def _blocked_product(x: torch.Tensor, out_features: int, rows) -> torch.Tensor:
@@ -133,7 +137,7 @@ class Int8Groups:
         rows, cols = end - start, self.q.shape[1]
         work = _scratch("work", rows, cols, torch.float32)
         self._fill(work, self.q[start:end], self.scale[start:end], self.offset[start:end])
-        return work if dtype == torch.float32 else _scratch("out", rows, cols, dtype).copy_(work)
+        return _in_dtype(work, dtype)
 
     def dequantize(self, dtype: torch.dtype) -> torch.Tensor:
         return self._rows(0, self.q.shape[0], dtype).clone()
@@ -189,10 +193,11 @@ class Int4Planes:
         # The nibbles into row order (uint8 scratch), then one contiguous conversion:
         # 0.63 ms for a 3072 x 576 plane against 1.0 ms converting the strided view.
         nibbles = _scratch("nibbles", rows, k, torch.uint8).view(-1, block, k)
-        if torch.equal(position[:half], torch.arange(0, block, 2)):  # lows, then highs
+        order = _nibble_row_order()
+        if order == "halves":  # lows hold the block's first rows, highs the rest
             nibbles[:, :half].copy_((packed & 15).transpose(1, 2))
             nibbles[:, half:].copy_((packed >> 4).transpose(1, 2))
-        elif torch.equal(position, torch.arange(block)):  # rows alternate low, high
+        elif order == "alternate":  # rows alternate low, high
             pairs = nibbles.view(-1, half, 2, k)
             pairs[:, :, 0].copy_((packed & 15).transpose(1, 2))
             pairs[:, :, 1].copy_((packed >> 4).transpose(1, 2))
@@ -215,17 +220,11 @@ class Int4Planes:
             other = _scratch("plane", rows, k, torch.float32)
             self._plane(1, start, end, other)
             work += other
-        if dtype == torch.float32:
-            return work
-        return _scratch("out", rows, k, dtype).copy_(work)
+        return _in_dtype(work, dtype)
 
     def _plane_rows(self, i: int, ids: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         block, position = int4pack_layout()  # type: ignore[misc]
-        k = self.in_features
-        packed = self.packed[i].view(-1, k, block // 2)
-        pos = position[ids % block]
-        nibbles = packed[(ids // block)[:, None], torch.arange(k)[None, :], (pos // 2)[:, None]]
-        p = (nibbles >> (4 * (pos % 2))[:, None]) & 15  # [len(ids), in]
+        p = _gather_rows(self.packed[i], self.in_features, block, position, ids)
         sz = self.scales_zeros[i][:, ids].to(dtype)  # [in / 32, len(ids), 2]
         scale = sz[..., 0].t().repeat_interleave(INT4_GROUP, dim=1)
         zero = sz[..., 1].t().repeat_interleave(INT4_GROUP, dim=1)
@@ -361,19 +360,37 @@ def _nibble_order(packed: torch.Tensor, block: int) -> torch.Tensor:
     return torch.stack((first & 15, first >> 4), dim=1).reshape(-1).long() % block
 
 
+def _gather_rows(packed: torch.Tensor, in_features: int, block: int, position: torch.Tensor,
+                 ids: torch.Tensor) -> torch.Tensor:
+    """The 4-bit values of rows ``ids`` (int64 ``[T]``) of a packed plane, uint8
+    ``[T, in_features]``, for the layout ``(block, position)`` of :func:`int4pack_layout`."""
+    packed = packed.view(-1, in_features, block // 2)
+    pos = position[ids % block]
+    nibbles = packed[(ids // block)[:, None], torch.arange(in_features)[None, :],
+                     (pos // 2)[:, None]]
+    return (nibbles >> (4 * (pos % 2))[:, None]) & 15
+
+
 def _layout_holds(block: int, position: torch.Tensor) -> bool:
+    """Whether ``(block, position)`` reads back a random packed matrix's rows."""
     generator = torch.Generator().manual_seed(0)
     q = torch.randint(0, 16, (block * 3, 96), generator=generator, dtype=torch.int32)
-    planes = Int4Planes([torch._convert_weight_to_int4pack_for_cpu(q, 1)],
-                        [torch.stack((torch.ones(3, block * 3), torch.full((3, block * 3), 8.0)), -1)],
-                        block * 3, 96)
-    ids = torch.arange(block * 3)
-    packed = planes.packed[0].view(-1, 96, block // 2)
-    if packed.shape[0] != 3:
-        return False
-    pos = position[ids % block]
-    nibbles = packed[(ids // block)[:, None], torch.arange(96)[None, :], (pos // 2)[:, None]]
-    return bool(torch.equal(((nibbles >> (4 * (pos % 2))[:, None]) & 15).to(torch.int32), q))
+    packed = torch._convert_weight_to_int4pack_for_cpu(q, 1)
+    rows = _gather_rows(packed, 96, block, position, torch.arange(block * 3))
+    return bool(torch.equal(rows.to(torch.int32), q))
+
+
+@functools.cache
+def _nibble_row_order() -> str:
+    """How a layout's nibbles map to its rows, for :meth:`Int4Planes._plane`:
+    ``"halves"`` (byte j: row j low, row j + B/2 high; AVX-512 and AVX2), ``"alternate"``
+    (byte j: rows 2j and 2j + 1), else ``"other"``."""
+    block, position = int4pack_layout()  # type: ignore[misc]
+    if torch.equal(position[: block // 2], torch.arange(0, block, 2)):
+        return "halves"
+    if torch.equal(position, torch.arange(block)):
+        return "alternate"
+    return "other"
 
 
 class Linear(nn.Module):

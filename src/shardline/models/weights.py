@@ -88,6 +88,7 @@ class WeightSource:
         self._check_name(name)
         tensor = self._read(name, rows, cols)
         self.tensors_read.append(name)
+        self._release(name)
         return tensor
 
     def read_weight(self, name: str, rows: Span = None,
@@ -100,6 +101,10 @@ class WeightSource:
             WeightFormatError: the file has no tensor of that name.
         """
         return self.read(name, rows, cols)
+
+    def _release(self, name: str) -> None:
+        """Called once tensor ``name`` is read into memory of its own: a source may let
+        go of the file bytes behind it."""
 
     def _check_name(self, name: str) -> None:
         if name not in self.names():
@@ -180,13 +185,14 @@ class GGUFSource(WeightSource):
         self.bytes_read += int(part.nbytes)
         self.tensors_read.append(name)
         groups = groups.contiguous()
-        self._drop_pages(t)
+        self._release(name)
         return groups
 
-    def _drop_pages(self, tensor) -> None:
-        """Let the kernel drop the file pages of a tensor already converted, so a loading
-        rank's memory does not also hold the file's bytes (they are clean, read-only
-        pages: read again on demand)."""
+    def _release(self, name: str) -> None:
+        """Let the kernel drop the file pages of a tensor already read (every read copies
+        out of the mapping), so a loading rank's memory does not also hold the file's
+        bytes (they are clean, read-only pages: read again on demand)."""
+        tensor = self._tensors[name]
         mapping = getattr(self.reader.data, "_mmap", None)
         if mapping is None or not hasattr(mapping, "madvise"):
             return
