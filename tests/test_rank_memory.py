@@ -5,7 +5,7 @@ import pytest
 from model_shapes import smollm2 as smollm2_config
 
 from shardline.placement.memory import (
-    RUNNER_IMPORTS_BYTES,
+    RUNNER_EXTRA_BYTES,
     RUNTIME_BASELINE_BYTES,
     committed_bytes,
     free_bytes,
@@ -91,9 +91,9 @@ def test_the_default_context_does_not_fit_under_400_mb_a_node():
 @pytest.mark.parametrize("measured, expected", [
     ([], RUNTIME_BASELINE_BYTES),
     ([0, 0], RUNTIME_BASELINE_BYTES),
-    ([224 * MB, 230 * MB], 230 * MB + RUNNER_IMPORTS_BYTES),
+    ([224 * MB, 230 * MB], 230 * MB + RUNNER_EXTRA_BYTES),
     ([224 * MB, 0], RUNTIME_BASELINE_BYTES),  # an unmeasured node counts the default
-    ([600 * MB, 0], 600 * MB + RUNNER_IMPORTS_BYTES),  # a CUDA runtime, say
+    ([600 * MB, 0], 600 * MB + RUNNER_EXTRA_BYTES),  # a CUDA runtime, say
 ])
 def test_runtime_baseline_is_the_largest_measured_else_the_default(measured, expected):
     assert runtime_baseline(measured) == expected

@@ -23,7 +23,8 @@ class MemoryReportError(RuntimeError):
 def rank_memory(url: str, model: str, timeout_s: float = 10.0) -> list[dict[str, Any]]:
     """One row per rank of ``model``'s ready instance on the cluster at ``url``: ``rank``,
     ``node_id``, ``share`` (layers or heads), ``file_bytes`` (read from the model's
-    files), ``estimated_bytes``, ``rss_bytes``, ``peak_rss_bytes``, ``load_peak_rss_bytes``
+    files), ``estimated_bytes``, ``runtime_rss_bytes`` (before any weight), ``rss_bytes``,
+    ``peak_rss_bytes``, ``load_peak_rss_bytes``
     (bytes; None where a node did not say).
 
     Raises:
@@ -57,6 +58,7 @@ def rank_memory(url: str, model: str, timeout_s: float = 10.0) -> list[dict[str,
             "rss_bytes": memory.get("rss_bytes"),
             "peak_rss_bytes": memory.get("peak_rss_bytes"),
             "load_peak_rss_bytes": memory.get("load_peak_rss_bytes"),
+            "runtime_rss_bytes": memory.get("runtime_rss_bytes"),
         })
     return rows
 
@@ -78,15 +80,17 @@ def print_memory(rows: list[dict[str, Any]], console=None) -> None:
     # Wide enough for every column when the output is not a terminal (rich assumes 80).
     console = console or Console(width=None if sys.stdout.isatty() else 120)
     table = Table(caption="MiB. file: the model's bytes the rank read; est.: what placement "
-                          "counted it to hold; RSS: its resident set after the workload; peak, "
-                          "load peak: the highest so far and while loading.",
+                          "counted it to hold; runtime: its resident set before any weight; RSS: "
+                          "after the workload; peak, load peak: the highest so far and while "
+                          "loading.",
                   caption_justify="left")
-    for title in ("rank", "node", "share", "file", "est.", "RSS", "peak", "load\npeak",
+    for title in ("rank", "node", "share", "file", "est.", "runtime", "RSS", "peak", "load\npeak",
                   "est.\n/RSS", "load\n/RSS"):
         table.add_column(title, justify="right", no_wrap=True)
     for row in rows:
         table.add_row(str(row["rank"]), row["node_id"][:8], row["share"], _mib(row["file_bytes"]),
-                      _mib(row["estimated_bytes"]), _mib(row["rss_bytes"]),
+                      _mib(row["estimated_bytes"]), _mib(row["runtime_rss_bytes"]),
+                      _mib(row["rss_bytes"]),
                       _mib(row["peak_rss_bytes"]), _mib(row["load_peak_rss_bytes"]),
                       _ratio(row["estimated_bytes"], row["rss_bytes"]),
                       _ratio(row["load_peak_rss_bytes"], row["rss_bytes"]))

@@ -72,8 +72,9 @@ class HostProfile:
             another already allocated one (``dst.copy_(src)``: 512 MiB moved a copy,
             the STREAM "copy" convention), averaged over several copies.
         runtime_baseline_bytes: the measuring child's resident memory right after
-            importing torch and running one small product on its device, bytes: what a
-            runner holds before its shard (placement counts it per rank; 0: unmeasured).
+            importing torch and a runner's modules, running one small product on its
+            device and torch's int4 layout probe, bytes: what a runner holds before its
+            shard (placement counts it per rank; 0: unmeasured).
         measure_s: wall time the measurement took (child start to exit), seconds.
         note: why measured figures are missing (the measurement failed or timed out),
             or what else is worth knowing; ``""`` when nothing.
@@ -278,6 +279,18 @@ def _nvml_memory(index: int) -> tuple[int, int] | None:
         return None
 
 
+def _runner_runtime() -> None:
+    """Load what a runner has before it reads its shard: its modules (the model code,
+    the parallel stages, torch.distributed) and torch's int4 layout probe."""
+    import shardline.parallel.pipeline  # noqa: F401, PLC0415 (only in the child)
+    import shardline.parallel.ring  # noqa: F401, PLC0415
+    import shardline.parallel.tensor  # noqa: F401, PLC0415
+    import shardline.runner.engine  # noqa: F401, PLC0415
+    from shardline.models.linear import int4pack_layout  # noqa: PLC0415
+
+    int4pack_layout()
+
+
 def _measure(device: str, seconds: float) -> dict:
     """The child's work: every HostProfile field as a dict (imports torch)."""
     import torch  # noqa: PLC0415 (only in the child)
@@ -286,6 +299,7 @@ def _measure(device: str, seconds: float) -> dict:
     dev = _pick_device(torch, device)
     probe = torch.ones(64, 64, device=dev)
     (probe @ probe).sum().item()  # the device's runtime (CUDA context, kernels) in memory
+    _runner_runtime()
     result["runtime_baseline_bytes"] = int(psutil.Process().memory_info().rss)
     del probe
     notes = []

@@ -153,8 +153,9 @@ class Worker:
 
     def memory(self, instance_id: str) -> dict | None:
         """The instance's runner's memory on this node: ``rss_bytes`` and
-        ``peak_rss_bytes`` from its last heartbeat, ``load_peak_rss_bytes`` and
-        ``loaded_rss_bytes`` from its Loaded report; None without a runner."""
+        ``peak_rss_bytes`` from its last heartbeat, ``load_peak_rss_bytes``,
+        ``loaded_rss_bytes`` and ``runtime_rss_bytes`` (before any weight) from its Loaded
+        report; None without a runner."""
         handle = self.runners.get(instance_id)
         if handle is None:
             return None
@@ -164,6 +165,7 @@ class Worker:
             "peak_rss_bytes": beat.peak_rss_bytes if beat else None,
             "loaded_rss_bytes": loaded.rss_bytes if loaded else None,
             "load_peak_rss_bytes": loaded.peak_rss_bytes if loaded else None,
+            "runtime_rss_bytes": loaded.runtime_rss_bytes if loaded else None,
         }
 
     def resident_bytes(self) -> int:

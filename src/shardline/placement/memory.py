@@ -21,8 +21,9 @@ RUNTIME_BASELINE_BYTES = 256 * 2**20
 """A runner's memory before it loads anything (Python, torch, shardline), where the node
 has not measured it: 240-250 MiB measured on Linux x86-64 with torch 2.13."""
 
-RUNNER_IMPORTS_BYTES = 24 * 2**20
-"""What a runner imports beyond a bare torch process (shardline, numpy, gguf, psutil)."""
+RUNNER_EXTRA_BYTES = 24 * 2**20
+"""What a runner holds beyond the node profile's measured runtime: its process group,
+threads and the compute kernels' buffers (12-14 MiB measured on Linux x86-64)."""
 
 DEQUANT_SCRATCH_BYTES = 64 << 20
 """Scratch for a dense product's dequantized weight rows (float32 and the compute
@@ -34,11 +35,11 @@ of up to 11M weights at once."""
 def runtime_baseline(measured: list[int]) -> int:
     """The runtime bytes to count per rank on nodes whose profiles measured ``measured``
     (``HostProfile.runtime_baseline_bytes`` each; 0: not measured): the largest measured
-    plus :data:`RUNNER_IMPORTS_BYTES`, or :data:`RUNTIME_BASELINE_BYTES` where a node has
+    plus :data:`RUNNER_EXTRA_BYTES`, or :data:`RUNTIME_BASELINE_BYTES` where a node has
     not measured it."""
     if not measured or any(m <= 0 for m in measured):
-        return max([RUNTIME_BASELINE_BYTES] + [m + RUNNER_IMPORTS_BYTES for m in measured])
-    return max(measured) + RUNNER_IMPORTS_BYTES
+        return max([RUNTIME_BASELINE_BYTES] + [m + RUNNER_EXTRA_BYTES for m in measured])
+    return max(measured) + RUNNER_EXTRA_BYTES
 
 
 def prefill_scratch_bytes(hidden: int, intermediate: int, largest_weight: int,

@@ -154,6 +154,7 @@ def serve(conn, outbox: Outbox) -> None:
         )
         group = dist.group.WORLD
 
+    runtime_rss, _ = memory_now()
     source = open_weights(spec.model_path)
     progress = Progress()
     with large_allocations_mapped():
@@ -172,7 +173,7 @@ def serve(conn, outbox: Outbox) -> None:
     gc.collect()
     release_free_memory()
     outbox.send(Loaded(tuple(layers), tensors_read, bytes_read, param_bytes, cache.nbytes(),
-                       *memory_now()))
+                       *memory_now(), runtime_rss))
     engine = Engine(
         stage,
         inbox,

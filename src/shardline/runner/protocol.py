@@ -70,6 +70,8 @@ class Loaded:
         param_bytes: bytes its shard's parameters take in memory.
         kv_cache_bytes: bytes its KV cache reserves.
         rss_bytes, peak_rss_bytes: its memory once loaded, and the peak while loading.
+        runtime_rss_bytes: its memory before it read any weight (Python, torch, its
+            process group): the runtime placement counts per rank.
     """
 
     layers_read: tuple[int, ...]
@@ -79,6 +81,7 @@ class Loaded:
     kv_cache_bytes: int
     rss_bytes: int = 0
     peak_rss_bytes: int = 0
+    runtime_rss_bytes: int = 0
 
 
 @dataclass(frozen=True)
