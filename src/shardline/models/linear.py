@@ -79,7 +79,8 @@ def _scratch(name: str, rows: int, cols: int, dtype: torch.dtype) -> torch.Tenso
     dequantized weight block is written into memory already mapped, not fresh pages."""
     buf = _SCRATCH.get((name, dtype))
     if buf is None or buf.numel() < rows * cols:
-        buf = torch.empty(rows * cols, dtype=dtype)
+        with torch.inference_mode(False):  # a normal tensor: written in and out of inference mode
+            buf = torch.empty(rows * cols, dtype=dtype)
         _SCRATCH[(name, dtype)] = buf
     return buf[: rows * cols].view(rows, cols)
 
