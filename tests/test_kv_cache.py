@@ -28,3 +28,23 @@ def test_memory_is_taken_as_positions_are_written():
     # 4 KiB pages, not 2 MiB huge pages (which took about half of the whole cache)
     assert written < 80 * MIB
     assert cache.k[0][5].abs().sum().item() == 0  # unwritten slots read as zeros
+
+
+def test_a_released_slot_gives_its_memory_back_and_reads_zeros():
+    process = psutil.Process()
+    cache = KVCache(smollm2(), 30, 4, 1000, torch.bfloat16)  # 1000 -> 1024 positions
+    assert cache.block_tokens == 32 and cache.blocks_for(1) == 32 and cache.blocks_for(33) == 64
+    assert cache.bytes_per_token == 2 * 30 * 3 * 64 * 2
+    before = process.memory_info().rss
+    for layer in range(30):
+        for slot in (1, 2):
+            cache.k[layer][slot, :, :1000] = 1
+            cache.v[layer][slot, :, :1000] = 1
+    written = process.memory_info().rss - before
+    cache.release(1)
+    released = process.memory_info().rss - before
+    print(f"\nRSS: +{written / MIB:.1f} MiB written, +{released / MIB:.1f} MiB after one release")
+    assert written > 2 * 20 * MIB  # two sequences of 1000 tokens: 2 x 22 MiB
+    assert written - released > 20 * MIB  # one sequence's pages went back
+    assert cache.k[29][1].abs().sum().item() == 0 and cache.v[0][1].abs().sum().item() == 0
+    assert cache.k[29][2, :, :1000].min().item() == 1  # the other slot keeps its keys

@@ -104,3 +104,15 @@ def test_the_cap_refuses_a_second_placement_and_nodes_show_what_is_committed(cap
         assert node["offered_bytes"] == CAP
         assert node["committed_bytes"] == estimates[node["node_id"]]
         assert node["free_bytes"] == CAP - node["committed_bytes"]
+
+
+def test_the_kv_pool_is_shown_and_one_too_small_for_a_context_is_a_400(capped):
+    cluster, inst = capped
+    assert inst["kv_tokens"] == 256 and inst["kv_cache_bytes"] is None  # 1 x 256 tokens
+    response = httpx.post(f"{cluster.url(0)}/cluster/instances", timeout=30, json={
+        "model": None, "sharding": "pipeline", "context": 256, "kv_cache_bytes": 1000})
+    assert response.status_code == 400
+    assert "kv_cache_bytes 1000 holds 0 tokens" in response.json()["detail"]
+    preview = httpx.post(f"{cluster.url(0)}/cluster/placements/preview", timeout=30, json={
+        "model": None, "sharding": "pipeline", "context": 256, "kv_cache_bytes": 1000})
+    assert preview.status_code == 400 and "kv_cache_bytes" in preview.json()["detail"]

@@ -13,7 +13,16 @@ from shardline.placement.memory import (
     runtime_baseline,
 )
 from shardline.placement.pipeline import NodeCapacity, PlacementError, pipeline_layer_ranges
-from shardline.placement.ranks import RankShare, model_param_count, place_ranks, rank_bytes
+from shardline.placement.ranks import (
+    KVCacheRequestError,
+    RankShare,
+    kv_pool_tokens,
+    kv_tokens_for_bytes,
+    model_param_count,
+    place_ranks,
+    place_with_kv_pool,
+    rank_bytes,
+)
 
 pytestmark = pytest.mark.timeout(10)
 
@@ -97,3 +106,47 @@ def test_the_default_context_does_not_fit_under_400_mb_a_node():
 ])
 def test_runtime_baseline_is_the_largest_measured_else_the_default(measured, expected):
     assert runtime_baseline(measured) == expected
+
+
+@pytest.mark.parametrize("context, max_batch, asked, expected", [
+    (4096, 8, None, 32768),  # max_batch sequences of context tokens
+    (4096, 8, 10_000, 10_000),
+    (4096, 8, 100_000, 32768),  # never more than the batch can use
+])
+def test_kv_pool_tokens(context, max_batch, asked, expected):
+    assert kv_pool_tokens(context, max_batch, asked) == expected
+
+
+def test_kv_cache_bytes_convert_to_tokens_and_must_hold_one_context():
+    config = smollm2_config()  # 30 layers x 3 KV heads x 64 x 2 (K, V) x 2 bytes a token
+    per_token = 23_040
+    assert kv_tokens_for_bytes(config, 100 * per_token + 5, "bfloat16", 64) == 100
+    assert kv_tokens_for_bytes(config, 100 * per_token, "float32", 50) == 50
+    with pytest.raises(KVCacheRequestError, match=r"holds 99 tokens.*context \(100 tokens\)"):
+        kv_tokens_for_bytes(config, 99 * per_token, "bfloat16", 100)
+
+
+def test_the_default_pool_shrinks_to_what_fits_and_an_asked_one_does_not():
+    """Under a 600 MB cap 8 sequences of 4096 tokens do not fit (755 MB of KV): the default
+    pool is the most tokens that do, at least one context; an explicit pool is kept or
+    refused."""
+    config = smollm2_config()
+    capped = [NodeCapacity("a", 600 * MB)]
+    shares, tokens = place_with_kv_pool(config, "pipeline", capped, 4096, 8,
+                                        weight_file_bytes=FILE)
+    assert 4096 <= tokens < 32768
+    need = rank_bytes(config, "pipeline", shares, 0, 4096, 8, "bfloat16", FILE, kv_tokens=tokens)
+    assert need <= 600 * MB
+    with pytest.raises(PlacementError, match="short by"):  # one more token does not fit
+        place_ranks(config, "pipeline", capped, 4096, 8, weight_file_bytes=FILE,
+                    kv_tokens=tokens + 1)
+    roomy = [NodeCapacity("a", 4000 * MB)]
+    assert place_with_kv_pool(config, "pipeline", roomy, 4096, 8)[1] == 32768
+    assert place_with_kv_pool(config, "pipeline", capped, 4096, 8, weight_file_bytes=FILE,
+                              kv_tokens=5000)[1] == 5000
+    with pytest.raises(PlacementError, match="KV cache of 20000 tokens"):
+        place_with_kv_pool(config, "pipeline", capped, 4096, 8, weight_file_bytes=FILE,
+                           kv_tokens=20_000)
+    tiny = [NodeCapacity("a", 450 * MB)]
+    with pytest.raises(PlacementError, match="KV cache of 4096 tokens"):  # not even one context
+        place_with_kv_pool(config, "pipeline", tiny, 4096, 8, weight_file_bytes=FILE)

@@ -40,10 +40,12 @@ class Rank:
     worker: Worker | None = None
     inbox: "queue.Queue[object]" = field(default_factory=queue.Queue)
     stats: EngineStats | None = None
+    history: list[EngineStats] = field(default_factory=list)
 
     def receive(self, message: object) -> None:
         if isinstance(message, EngineStats):
             self.stats = message
+            self.history.append(message)
         else:
             self.inbox.put(message)
 
@@ -52,7 +54,8 @@ class Instance:
     """``world`` runner processes forming one pipeline instance; one Worker per rank."""
 
     def __init__(self, model_dir, world: int, max_batch: int = 4, context: int = 96,
-                 prefill_step_tokens: int = 1024, progress_timeout_s: float = 60) -> None:
+                 prefill_step_tokens: int = 1024, progress_timeout_s: float = 60,
+                 kv_tokens: int = 0) -> None:
         self.ranks = []
         port = free_port()
         layers = 4
@@ -64,7 +67,8 @@ class Instance:
                 instance_id="inst", node_id=NODE, model_path=str(model_dir), rank=r,
                 world_size=world, layer_start=bounds[r], layer_end=bounds[r + 1],
                 master_addr="127.0.0.1", master_port=port, dtype="float32",
-                max_batch=max_batch, context=context, prefill_chunk=8, threads=1,
+                max_batch=max_batch, context=context, kv_tokens=kv_tokens, prefill_chunk=8,
+                threads=1,
                 prefill_step_tokens=prefill_step_tokens,
                 prefill_burst_tokens=prefill_step_tokens, collective_timeout_s=30,
                 progress_timeout_s=progress_timeout_s,
@@ -174,6 +178,31 @@ def test_tasks_delivered_in_different_orders_per_rank_all_complete(model_dir, wo
                 events = results[r][task.task_id]
                 assert [tok for tok, _ in events] == expected[task.task_id]
                 assert events[-1][1] == "length"
+    finally:
+        instance.stop()
+
+
+@pytest.mark.timeout(180)
+def test_a_small_kv_pool_runs_tasks_as_blocks_free_up_with_the_same_tokens(model_dir):
+    """A pool of 128 tokens (two blocks of 64 float32 positions of the tiny model's
+    16-wide heads) with 4 slots: each task reserves one block, so at most two run at once
+    and the rest wait; every task still gets the one-shard model's tokens, and the pool is
+    whole again at the end."""
+    tasks = make_tasks(5)
+    instance = Instance(model_dir, 2, kv_tokens=128)
+    try:
+        for r in range(2):
+            for task in tasks:
+                instance.send(r, task)
+        results = instance.collect({t.task_id for t in tasks})
+        expected = reference_tokens(model_dir, tasks)
+        for r in range(2):
+            for task in tasks:
+                assert [tok for tok, _ in results[r][task.task_id]] == expected[task.task_id]
+            instance.wait_stats(r, lambda s: s.running == () and s.free_kv_tokens == 128)
+            history = instance.ranks[r].history
+            assert max(len(s.running) for s in history) == 2
+            assert any(s.waiting and s.free_slots >= 2 for s in history)  # waiting for blocks
     finally:
         instance.stop()
 

@@ -93,7 +93,7 @@ def test_rank_bytes_count_the_share():
     assert per_rank[1] == per_rank[2] == 30 * (layer_elements + 2 * 576) * 2 + embed
     assert per_rank[0] == per_rank[1] + 576 * 2  # a tied head in bf16 adds the final norm
     # The KV cache holds only the rank's KV heads: 1 of 3.
-    with_cache = tensor_rank_bytes(config, shares[1], context=4096, max_batch=8)
+    with_cache = tensor_rank_bytes(config, shares[1], kv_tokens=4096 * 8)
     without = tensor_rank_bytes(config, shares[1])
     assert with_cache - without == config.kv_bytes_per_token() // 3 * 4096 * 8
 
@@ -101,10 +101,10 @@ def test_rank_bytes_count_the_share():
 def test_refusal_names_the_node_and_shortfall():
     config = _config()
     shares = tensor_shares(config, 2)
-    need = [tensor_rank_bytes(config, s, context=2048, max_batch=4) for s in shares]
+    need = [tensor_rank_bytes(config, s, kv_tokens=2048 * 4) for s in shares]
     nodes = [NodeCapacity("roomy", 8 * GB), NodeCapacity("tiny", need[1] - 1000)]
     with pytest.raises(PlacementError) as info:
-        tensor_placement(config, nodes, context=2048, max_batch=4)
+        tensor_placement(config, nodes, kv_tokens=2048 * 4)
     message = str(info.value)
     assert f"node tiny (rank 1: heads 5-8, KV heads [1, 2], MLP columns 768-1535) needs " \
            f"{need[1]} bytes" in message
@@ -112,7 +112,7 @@ def test_refusal_names_the_node_and_shortfall():
     assert "roomy" not in message
     # Enough bytes: placed.
     nodes = [NodeCapacity("a", need[0]), NodeCapacity("b", need[1])]
-    assert tensor_placement(config, nodes, context=2048, max_batch=4) == shares
+    assert tensor_placement(config, nodes, kv_tokens=2048 * 4) == shares
 
 
 def test_a_forced_placement_skips_memory_but_not_shapes():

@@ -106,6 +106,7 @@ def _bench(args: argparse.Namespace) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
+    from shardline.control import byte_size
     from shardline.models.store import DEFAULT_MODEL_ID
     from shardline.placement.ranks import SHARDINGS
 
@@ -170,16 +171,6 @@ def build_parser() -> argparse.ArgumentParser:
 
     add_commands(sub, DEFAULT_PORT)
     return parser
-
-
-def byte_size(text: str) -> int:
-    """``8GB``, ``512MiB`` or a number of bytes, as an int (argparse type)."""
-    from pydantic import ByteSize, TypeAdapter, ValidationError
-
-    try:
-        return int(TypeAdapter(ByteSize).validate_python(text))
-    except ValidationError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a size (e.g. 8GB, 512MiB, 1000000)") from None
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -102,11 +102,22 @@ def _instances(args: argparse.Namespace) -> None:
     _console.print(table if data["instances"] else "no instances")
 
 
+def byte_size(text: str) -> int:
+    """``8GB``, ``512MiB`` or a number of bytes, as an int (argparse type)."""
+    from pydantic import ByteSize, TypeAdapter, ValidationError
+
+    try:
+        return int(TypeAdapter(ByteSize).validate_python(text))
+    except ValidationError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a size (e.g. 8GB, 512MiB, 1000000)") from None
+
+
 def _place(args: argparse.Namespace) -> None:
     nodes = [n.strip() for n in args.nodes.split(",") if n.strip()] if args.nodes else None
     body = {"model": args.model, "sharding": args.sharding, "nodes": nodes, "context": args.context,
             "max_batch": args.max_batch, "dtype": args.dtype, "force": args.force,
-            "min_nodes": args.min_nodes, "max_nodes": args.max_nodes}
+            "min_nodes": args.min_nodes, "max_nodes": args.max_nodes,
+            "kv_cache_bytes": args.kv_cache_bytes}
     if args.preview:
         data = _request(args, "POST", "/cluster/placements/preview", body)
         table = Table()
@@ -245,6 +256,10 @@ def add_commands(sub, default_port: int) -> None:
     place.add_argument("--max-nodes", type=int, default=None, help="without --nodes: use at most this many")
     place.add_argument("--context", type=int, default=None, help="tokens per sequence")
     place.add_argument("--max-batch", type=int, default=None, help="sequences decoded together")
+    place.add_argument("--kv-cache-bytes", type=byte_size, default=None,
+                       help="the KV cache of all ranks together, e.g. 256MB (default: max-batch "
+                            "sequences of the context, or as much as fits); requests wait for "
+                            "its blocks")
     place.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float16", "float32"))
     place.add_argument("--force", action="store_true",
                        help="place even where the measured memory says it does not fit")

@@ -22,7 +22,7 @@ from shardline.node.identity import key_matches
 from shardline.node.profile import add_link_routes
 from shardline.node.transfer import add_model_routes
 from shardline.node.node import InstanceFailedError, NoInstanceError, Node, free_port
-from shardline.placement.ranks import SHARDINGS
+from shardline.placement.ranks import SHARDINGS, KVCacheRequestError
 from shardline.placement.pipeline import PlacementError
 from shardline.runner.protocol import SamplingParams
 
@@ -37,6 +37,7 @@ class CreateInstance(BaseModel):
     nodes: list[str] | None = Field(default=None, min_length=1)
     context: int | None = Field(default=None, ge=1)
     max_batch: int | None = Field(default=None, ge=1)
+    kv_cache_bytes: int | None = Field(default=None, ge=1)  # the KV pool, all ranks together
     dtype: Literal["bfloat16", "float16", "float32"] = "bfloat16"
     force: bool = False  # skip memory admission
     min_nodes: int | None = Field(default=None, ge=1)  # without "nodes": the fewest to use
@@ -200,10 +201,11 @@ def create_app(node: Node) -> FastAPI:
             candidates = await node.preview(await node.model_card(model_id), body.nodes, body.context,
                                             body.max_batch, body.dtype, shardings=shardings,
                                             force=body.force, min_nodes=body.min_nodes or 1,
-                                            max_nodes=body.max_nodes)
+                                            max_nodes=body.max_nodes,
+                                            kv_cache_bytes=body.kv_cache_bytes)
         except ModelNotFoundError as exc:
             return JSONResponse(status_code=404, content={"detail": str(exc)})
-        except (PlacementError, ModelStoreError, UnsupportedModelError) as exc:
+        except (PlacementError, ModelStoreError, UnsupportedModelError, KVCacheRequestError) as exc:
             return JSONResponse(status_code=400, content={"detail": str(exc)})
         return {"candidates": [
             {"sharding": c.sharding, "node_ids": list(c.node_ids), "feasible": c.feasible,
@@ -225,10 +227,11 @@ def create_app(node: Node) -> FastAPI:
             return JSONResponse(status_code=status, content=content)
         try:
             inst = await node.create_instance(body.model, body.sharding, body.nodes, body.context, body.max_batch,
-                                              body.dtype, body.force, body.min_nodes, body.max_nodes)
+                                              body.dtype, body.force, body.min_nodes, body.max_nodes,
+                                              body.kv_cache_bytes)
         except ModelNotFoundError as exc:
             return JSONResponse(status_code=404, content={"detail": str(exc)})
-        except (ModelStoreError, UnsupportedModelError) as exc:
+        except (ModelStoreError, UnsupportedModelError, KVCacheRequestError) as exc:
             return JSONResponse(status_code=400, content={"detail": str(exc)})
         except PlacementError as exc:
             status = 400 if body.sharding not in SHARDINGS + ("auto",) else 409

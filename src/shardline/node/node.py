@@ -48,7 +48,13 @@ from shardline.node.transfer import CopyProgress, TransferError, fetch_files
 from shardline.node.worker import Worker
 from shardline.placement.pipeline import NodeCapacity, PlacementError
 from shardline.placement.memory import committed_bytes, free_bytes, runtime_baseline
-from shardline.placement.ranks import SHARDINGS, place_ranks, rank_bytes, ring_prefill_chunk  # noqa: F401 (re-exported)
+from shardline.placement.ranks import (
+    SHARDINGS,
+    kv_tokens_for_bytes,
+    place_with_kv_pool,
+    rank_bytes,
+    ring_prefill_chunk,
+)
 from shardline.runner.protocol import (
     Cancel,
     EngineStats,
@@ -101,6 +107,8 @@ class Instance:
     context: int
     max_batch: int
     dtype: str = "bfloat16"  # compute dtype of every rank
+    kv_tokens: int = 0  # tokens its KV pool holds, all sequences together (0: max_batch x context)
+    kv_cache_bytes: int | None = None  # the pool size asked for when placing (None: what fits)
     status: str = "loading"  # loading | ready | failed
     error: str | None = None
     created_at: float = field(default_factory=time.time)
@@ -573,6 +581,7 @@ class Node:
             master_port=inst.master_port,
             max_batch=inst.max_batch,
             context=inst.context,
+            kv_tokens=inst.kv_tokens,
             dtype=inst.dtype,
             threads=self.runner_threads,
             progress_timeout_s=self.progress_timeout_s,
@@ -656,7 +665,7 @@ class Node:
         try:
             card = await self.model_card(failed.model_id)
             await self._place(card, failed.sharding, nodes, failed.context, failed.max_batch,
-                              failed.dtype, failed.force, retries)
+                              failed.dtype, failed.force, retries, failed.kv_cache_bytes)
         except (PlacementError, ModelNotFoundError, httpx.HTTPError) as exc:
             log.error("could not place %s again: %s", failed.model_id, exc)
             await self._publish()
@@ -674,6 +683,7 @@ class Node:
         force: bool = False,
         min_nodes: int | None = None,
         max_nodes: int | None = None,
+        kv_cache_bytes: int | None = None,
     ) -> Instance:
         """Coordinator: place ``model`` (an id, see :meth:`adopt`) and start loading it.
 
@@ -685,13 +695,17 @@ class Node:
         tensor instance in bfloat16 rounds its partial sums differently from one node and
         may pick a different token where two are nearly tied, in float32 it does not.
         ``force`` skips memory admission: the user knows better than the measured memory
-        (a rank that then runs out of memory fails its instance).
+        (a rank that then runs out of memory fails its instance). ``kv_cache_bytes`` sizes
+        the KV pool (the whole model's, all ranks together); without it the pool is
+        ``max_batch`` sequences of ``context`` tokens, or as much as fits
+        (:func:`~shardline.placement.ranks.place_with_kv_pool`).
 
         Raises:
             ModelNotFoundError: no node has the model.
             ModelStoreError, UnsupportedModelError: a local path that is not a model
                 shardline can run.
             PlacementError: the sharding is unknown or the model does not fit the nodes.
+            KVCacheRequestError: ``kv_cache_bytes`` holds less than one sequence.
         """
         card = await self.model_card(await self.adopt(model))
         if sharding not in SHARDINGS + ("auto",):
@@ -700,9 +714,10 @@ class Node:
             shardings = SHARDINGS if sharding == "auto" else (sharding,)
             best = (await self.preview(card, node_ids, context, max_batch, dtype, best_only=True,
                                        shardings=shardings, force=force, min_nodes=min_nodes or 1,
-                                       max_nodes=max_nodes))[0]
+                                       max_nodes=max_nodes, kv_cache_bytes=kv_cache_bytes))[0]
             sharding, node_ids = best.sharding, list(best.node_ids)
-        return await self._place(card, sharding, node_ids, context, max_batch, dtype, force)
+        return await self._place(card, sharding, node_ids, context, max_batch, dtype, force,
+                                 kv_cache_bytes=kv_cache_bytes)
 
     async def adopt(self, model: str | None) -> str:
         """The model id for what a request names, taking what only this machine has into
@@ -764,7 +779,8 @@ class Node:
     async def preview(self, card: ModelCard, node_ids: list[str] | None, context: int | None,
                       max_batch: int | None, dtype: str = "bfloat16", best_only: bool = False,
                       shardings: tuple[str, ...] = SHARDINGS, force: bool = False,
-                      min_nodes: int = 1, max_nodes: int | None = None):
+                      min_nodes: int = 1, max_nodes: int | None = None,
+                      kv_cache_bytes: int | None = None):
         """Candidate placements of a model on the live nodes, fastest predicted first
         (``shardline.placement.preview``); with ``best_only`` just the best feasible one.
 
@@ -778,8 +794,11 @@ class Node:
         if min_nodes > len(chosen):
             raise PlacementError(f"min_nodes is {min_nodes} but there are only {len(chosen)} live nodes to use")
         profiles, links = self.node_profiles(chosen)
+        kv_tokens = (None if kv_cache_bytes is None
+                     else kv_tokens_for_bytes(config, kv_cache_bytes, dtype, context))
         options = dict(min_nodes=min_nodes, weight_file_bytes=card.weight_file_bytes,
-                       baseline_bytes=self._runtime_baseline(chosen), admit=not force)
+                       baseline_bytes=self._runtime_baseline(chosen), admit=not force,
+                       kv_tokens=kv_tokens)
         if best_only:
             return [auto(config, profiles, links, context, max_batch, dtype, shardings, max_nodes,
                          **options)]
@@ -813,15 +832,19 @@ class Node:
         dtype: str = "bfloat16",
         force: bool = False,
         retries: int = 0,
+        kv_cache_bytes: int | None = None,
     ) -> Instance:
         config, chosen, context, max_batch = self._placement_inputs(card, node_ids, context, max_batch)
+        asked = (None if kv_cache_bytes is None
+                 else kv_tokens_for_bytes(config, kv_cache_bytes, dtype, context))
         capacities = [NodeCapacity(n, self._available_bytes(n)) for n in chosen]
         baseline = self._runtime_baseline(chosen)
-        shares = place_ranks(config, sharding, capacities, context, max_batch, dtype,
-                             admit=not force, weight_file_bytes=card.weight_file_bytes,
-                             baseline_bytes=baseline)
+        shares, kv_tokens = place_with_kv_pool(
+            config, sharding, capacities, context, max_batch, dtype, admit=not force,
+            weight_file_bytes=card.weight_file_bytes, baseline_bytes=baseline, kv_tokens=asked)
         estimated = [rank_bytes(config, sharding, shares, r, context, max_batch, dtype,
-                                card.weight_file_bytes, baseline) for r in range(len(shares))]
+                                card.weight_file_bytes, baseline, kv_tokens=kv_tokens)
+                     for r in range(len(shares))]
         master_addr = self.address_of(chosen[0]).rsplit(":", 1)[0]
         port = await self._free_port(chosen[0])
         inst = Instance(
@@ -838,6 +861,8 @@ class Node:
             context=context,
             max_batch=max_batch,
             dtype=dtype,
+            kv_tokens=kv_tokens,
+            kv_cache_bytes=kv_cache_bytes,
             retries=retries,
             force=force,
         )

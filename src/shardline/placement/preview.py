@@ -1,12 +1,12 @@
 """Placement preview: the placements of a model a set of nodes allows, with predicted speed.
 
 :func:`preview` lists candidate placements (a sharding and the nodes in rank order), each
-either feasible, with its ranks' shares from :func:`~shardline.placement.ranks.place_ranks`
+either feasible, with its ranks' shares from :func:`~shardline.placement.ranks.place_with_kv_pool`
 and a predicted decode and prefill speed, or infeasible, with the
 :class:`~shardline.placement.pipeline.PlacementError` message that says which node lacks
 how many bytes or which shape cannot split. :func:`auto` picks the best feasible one.
 
-Memory is checked by ``place_ranks`` alone; this module only adds the speed model, which is
+Memory is checked by ``place_with_kv_pool`` alone; this module only adds the speed model, which is
 a rough, first-order estimate (documented in :func:`predict_tokens_per_s`): good enough to
 rank candidates, not a benchmark.
 
@@ -22,7 +22,7 @@ from shardline.models.config import ModelConfig, TensorShare
 from shardline.placement.memory import RUNTIME_BASELINE_BYTES
 from shardline.placement.pipeline import NodeCapacity, PlacementError
 from shardline.placement.ranks import (
-    DTYPE_BYTES, SHARDINGS, RankShare, place_ranks, resident_bytes_per_weight, ring_prefill_chunk,
+    DTYPE_BYTES, SHARDINGS, RankShare, place_with_kv_pool, resident_bytes_per_weight, ring_prefill_chunk,
 )
 
 DECODE_WEIGHT_BYTES = 1.0
@@ -70,7 +70,7 @@ class Candidate:
     Attributes:
         sharding: ``"pipeline"``, ``"tensor"`` or ``"ring"``.
         node_ids: the nodes, node i is rank i.
-        shares: each rank's share (``place_ranks``'s answer); empty when infeasible.
+        shares: each rank's share (``place_with_kv_pool``'s answer); empty when infeasible.
         predicted_decode_tokens_per_s: tokens/s one sequence decodes at; None when infeasible.
         predicted_prefill_tokens_per_s: prompt tokens/s one long prompt prefills at; None
             when infeasible.
@@ -263,6 +263,7 @@ def preview(
     weight_file_bytes: int = 0,
     baseline_bytes: int = RUNTIME_BASELINE_BYTES,
     admit: bool = True,
+    kv_tokens: int | None = None,
 ) -> list[Candidate]:
     """Every candidate placement of ``config`` on ``nodes``, feasible ones first, fastest first.
 
@@ -271,8 +272,9 @@ def preview(
     ``shardings``. One node is only a pipeline of one (listed when ``"pipeline"`` is in
     ``shardings``): tensor of one is the same placement and ring needs two.
 
-    Memory per rank is ``place_ranks``'s check with ``context`` tokens per sequence,
-    ``max_batch`` sequences and the compute ``dtype`` (skipped when not ``admit``: a forced
+    Memory per rank is ``place_with_kv_pool``'s check with ``context`` tokens per sequence,
+    ``max_batch`` sequences, a KV pool of ``kv_tokens`` (None: as much as fits, up to
+    ``max_batch`` x ``context``) and the compute ``dtype`` (skipped when not ``admit``: a forced
     placement) with ``weight_file_bytes`` (the model's weight files, 0: unknown) and
     ``baseline_bytes`` of runtime per rank; the
     speeds are :func:`predict_tokens_per_s`'s (decode tokens/s of one sequence, prefill
@@ -298,8 +300,9 @@ def preview(
             if len(subset) == 1 and sharding != "pipeline":
                 continue
             try:
-                shares = place_ranks(config, sharding, capacities, context, max_batch, dtype,
-                                     admit, weight_file_bytes, baseline_bytes)
+                shares, _ = place_with_kv_pool(config, sharding, capacities, context,
+                                               max_batch, dtype, admit, weight_file_bytes,
+                                               baseline_bytes, kv_tokens)
             except PlacementError as exc:
                 infeasible.append(Candidate(sharding, ids, error=str(exc)))
                 continue
@@ -327,6 +330,7 @@ def auto(
     weight_file_bytes: int = 0,
     baseline_bytes: int = RUNTIME_BASELINE_BYTES,
     admit: bool = True,
+    kv_tokens: int | None = None,
 ) -> Candidate:
     """The feasible candidate of :func:`preview` with the highest predicted decode tokens/s.
 
@@ -336,7 +340,7 @@ def auto(
     """
     candidates = preview(config, nodes, links, context, max_batch, dtype, shardings, max_nodes,
                          min_nodes=min_nodes, weight_file_bytes=weight_file_bytes,
-                         baseline_bytes=baseline_bytes, admit=admit)
+                         baseline_bytes=baseline_bytes, admit=admit, kv_tokens=kv_tokens)
     if candidates and candidates[0].feasible:
         return candidates[0]
     if not candidates:

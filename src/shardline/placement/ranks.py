@@ -78,20 +78,52 @@ def _ring_working(config: ModelConfig, world_size: int, kv_bytes: int) -> int:
                               config.intermediate_size, kv_bytes)
 
 
-def _kv_hint(kv_cache: int, context: int, max_batch: int) -> str:
-    return (f"a KV cache of {max_batch} sequences of {context} tokens is {kv_cache} bytes for "
-            f"the whole model: a smaller context or max_batch needs less")
+def _kv_hint(kv_cache: int, kv_tokens: int) -> str:
+    return (f"a KV cache of {kv_tokens} tokens is {kv_cache} bytes for the whole model: a "
+            f"smaller kv_cache_bytes, context or max_batch needs less")
+
+
+class KVCacheRequestError(ValueError):
+    """A ``kv_cache_bytes`` that cannot hold one sequence of the instance's context."""
+
+
+def kv_pool_tokens(context: int, max_batch: int, kv_tokens: int | None = None) -> int:
+    """Tokens an instance's KV pool holds: ``kv_tokens`` when set, at most ``max_batch``
+    sequences of ``context`` tokens (what the batch can use); else exactly that."""
+    full = max_batch * context
+    return full if kv_tokens is None else min(kv_tokens, full)
+
+
+def kv_tokens_for_bytes(config: ModelConfig, kv_cache_bytes: int, dtype: str,
+                        context: int) -> int:
+    """Tokens a KV pool of ``kv_cache_bytes`` (the whole model's, all ranks together)
+    holds in ``dtype``.
+
+    Raises:
+        KVCacheRequestError: fewer tokens than one sequence of ``context`` tokens.
+    """
+    per_token = config.kv_bytes_per_token(DTYPE_BYTES[dtype])
+    tokens = kv_cache_bytes // per_token
+    if tokens < context:
+        raise KVCacheRequestError(
+            f"kv_cache_bytes {kv_cache_bytes} holds {tokens} tokens of this model "
+            f"({per_token} bytes each in {dtype}), fewer than one sequence of the context "
+            f"({context} tokens): give at least {context * per_token} or a smaller context")
+    return tokens
 
 
 def rank_bytes(config: ModelConfig, sharding: str, shares: list[RankShare], rank: int,
                context: int, max_batch: int, dtype: str = "bfloat16",
-               weight_file_bytes: int = 0, baseline_bytes: int = RUNTIME_BASELINE_BYTES) -> int:
+               weight_file_bytes: int = 0, baseline_bytes: int = RUNTIME_BASELINE_BYTES,
+               kv_tokens: int | None = None) -> int:
     """Bytes rank ``rank`` of a placement (``shares``, one per rank) holds in memory: its
     runtime (``baseline_bytes``), prefill scratch, weights at
-    :func:`resident_bytes_per_weight` each, and its KV cache of ``max_batch`` sequences of
-    ``context`` tokens in ``dtype`` (a tensor rank only its KV heads); ring adds the
-    ring prefill's working set. The same figure :func:`place_ranks` admits by.
+    :func:`resident_bytes_per_weight` each, and its part of a KV pool of
+    :func:`kv_pool_tokens` tokens in ``dtype`` (its layers; a tensor rank only its KV
+    heads); ring adds the ring prefill's working set. The same figure
+    :func:`place_ranks` admits by.
     """
+    tokens = kv_pool_tokens(context, max_batch, kv_tokens)
     world = len(shares)
     kv_bytes = DTYPE_BYTES[dtype]
     weight_bytes = resident_bytes_per_weight(config, weight_file_bytes, dtype)
@@ -100,9 +132,9 @@ def rank_bytes(config: ModelConfig, sharding: str, shares: list[RankShare], rank
     if sharding == "tensor":
         assert share.tensor_share is not None
         return fixed + tensor_rank_bytes(config, TensorShare.from_dict(share.tensor_share),
-                                         context=context, max_batch=max_batch,
-                                         weight_bytes=weight_bytes, kv_element_bytes=kv_bytes)
-    kv_per_layer = max_batch * context * config.kv_bytes_per_token(kv_bytes) // config.num_layers
+                                         kv_tokens=tokens, weight_bytes=weight_bytes,
+                                         kv_element_bytes=kv_bytes)
+    kv_per_layer = tokens * config.kv_bytes_per_token(kv_bytes) // config.num_layers
     if sharding == "ring":
         return (fixed + int(weight_bytes * model_param_count(config))
                 + kv_per_layer * config.num_layers + _ring_working(config, world, kv_bytes))
@@ -114,11 +146,13 @@ def rank_bytes(config: ModelConfig, sharding: str, shares: list[RankShare], rank
 def place_ranks(config: ModelConfig, sharding: str, nodes: list[NodeCapacity], context: int,
                 max_batch: int, dtype: str = "bfloat16", admit: bool = True,
                 weight_file_bytes: int = 0,
-                baseline_bytes: int = RUNTIME_BASELINE_BYTES) -> list[RankShare]:
+                baseline_bytes: int = RUNTIME_BASELINE_BYTES,
+                kv_tokens: int | None = None) -> list[RankShare]:
     """Each node's share (node i is rank i) of a model under ``sharding``.
 
     Each rank must fit :func:`rank_bytes` (runtime, prefill scratch, weights in the file's
-    quantization from ``weight_file_bytes``, KV cache, ring's working set) in its node's
+    quantization from ``weight_file_bytes``, its part of the KV pool of
+    :func:`kv_pool_tokens` tokens, ring's working set) in its node's
     available bytes; a memory refusal also says what the KV cache takes. Without
     ``admit`` (a forced placement) memory refuses nothing: pipeline layer ranges still
     follow the nodes' available bytes, and shapes that cannot split are refused.
@@ -127,24 +161,63 @@ def place_ranks(config: ModelConfig, sharding: str, nodes: list[NodeCapacity], c
         PlacementError: an unknown sharding, or a model that does not fit or split; the
             message names the node and the shortfall in bytes, or the shape that cannot split.
     """
+    tokens = kv_pool_tokens(context, max_batch, kv_tokens)
     try:
-        return _place(config, sharding, nodes, context, max_batch, dtype, admit,
-                      weight_file_bytes, baseline_bytes)
+        return _place(config, sharding, nodes, tokens, dtype, admit, weight_file_bytes,
+                      baseline_bytes)
     except PlacementError as exc:
         if "short by" not in str(exc):
             raise
-        kv = max_batch * context * config.kv_bytes_per_token(DTYPE_BYTES[dtype])
-        raise PlacementError(f"{exc}; {_kv_hint(kv, context, max_batch)}") from None
+        kv = tokens * config.kv_bytes_per_token(DTYPE_BYTES[dtype])
+        raise PlacementError(f"{exc}; {_kv_hint(kv, tokens)}") from None
 
 
-def _place(config: ModelConfig, sharding: str, nodes: list[NodeCapacity], context: int,
-           max_batch: int, dtype: str, admit: bool, weight_file_bytes: int,
+def place_with_kv_pool(config: ModelConfig, sharding: str, nodes: list[NodeCapacity],
+                       context: int, max_batch: int, dtype: str = "bfloat16",
+                       admit: bool = True, weight_file_bytes: int = 0,
+                       baseline_bytes: int = RUNTIME_BASELINE_BYTES,
+                       kv_tokens: int | None = None) -> tuple[list[RankShare], int]:
+    """:func:`place_ranks` and the KV pool's tokens it was placed with.
+
+    With ``kv_tokens`` (or without ``admit``) the pool is :func:`kv_pool_tokens`. Without,
+    it is ``max_batch`` sequences of ``context`` tokens where that fits, else the most
+    tokens that fit (found by bisection), at least one sequence of ``context``: the
+    model is placed with a smaller pool rather than refused, and requests beyond the
+    pool wait for blocks.
+
+    Raises:
+        PlacementError: as :func:`place_ranks`; the model does not fit even with a pool
+            of one sequence of ``context`` tokens.
+    """
+    args = (config, sharding, nodes, context, max_batch, dtype, admit, weight_file_bytes,
+            baseline_bytes)
+    full = kv_pool_tokens(context, max_batch, kv_tokens)
+    if kv_tokens is not None or not admit:
+        return place_ranks(*args, kv_tokens=full), full
+    try:
+        return place_ranks(*args, kv_tokens=full), full
+    except PlacementError as exc:
+        if "short by" not in str(exc):
+            raise
+    best = (place_ranks(*args, kv_tokens=context), context)  # raises: nothing fits
+    low, high = context, full - 1  # the most tokens that fit lies in [low, high]
+    while low < high:
+        mid = (low + high + 1) // 2
+        try:
+            best, low = (place_ranks(*args, kv_tokens=mid), mid), mid
+        except PlacementError:
+            high = mid - 1
+    return best
+
+
+def _place(config: ModelConfig, sharding: str, nodes: list[NodeCapacity], kv_tokens: int,
+           dtype: str, admit: bool, weight_file_bytes: int,
            baseline_bytes: int) -> list[RankShare]:
     """:func:`place_ranks` without the KV hint."""
     layers = config.num_layers
     kv_bytes = DTYPE_BYTES[dtype]
     weight_bytes = resident_bytes_per_weight(config, weight_file_bytes, dtype)
-    kv_cache = max_batch * context * config.kv_bytes_per_token(kv_bytes)
+    kv_cache = kv_tokens * config.kv_bytes_per_token(kv_bytes)
     fixed = _runtime_and_scratch(config, baseline_bytes)
     if sharding == "pipeline":
         per_layer = int(weight_bytes * config.layer_param_count()) + kv_cache // layers
@@ -153,7 +226,7 @@ def _place(config: ModelConfig, sharding: str, nodes: list[NodeCapacity], contex
         return [RankShare(s, e) for s, e in
                 pipeline_layer_ranges(layers, nodes, per_layer, admit, rank_fixed)]
     if sharding == "tensor":
-        shares = tensor_placement(config, nodes, context=context, max_batch=max_batch,
+        shares = tensor_placement(config, nodes, kv_tokens=kv_tokens,
                                   weight_bytes=weight_bytes, kv_element_bytes=kv_bytes,
                                   admit=admit, fixed_bytes=fixed)
         return [RankShare(0, layers, share.to_dict()) for share in shares]

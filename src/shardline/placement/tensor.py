@@ -94,8 +94,7 @@ def tensor_rank_bytes(
     config: ModelConfig,
     share: TensorShare,
     *,
-    context: int = 0,
-    max_batch: int = 0,
+    kv_tokens: int = 0,
     weight_bytes: float = 2.0,
     kv_element_bytes: int = 2,
 ) -> int:
@@ -106,8 +105,8 @@ def tensor_rank_bytes(
             included; see :func:`shardline.placement.ranks.resident_bytes_per_weight`).
             Every rank holds the embedding; rank 0 also the LM head (a tied head shares
             the embedding's memory).
-        context, max_batch, kv_element_bytes: the KV cache's tokens per sequence,
-            sequences and bytes per element; a rank caches only its own KV heads.
+        kv_tokens, kv_element_bytes: the KV pool's tokens (all sequences together) and
+            bytes per element; a rank caches only its own KV heads.
     """
     d, hd = config.hidden_size, config.head_dim
     q, kv, cols = share.num_heads * hd, share.num_kv_heads * hd, share.num_columns
@@ -120,7 +119,7 @@ def tensor_rank_bytes(
         head = 0 if config.tie_word_embeddings else weight_bytes
         total += config.vocab_size * d * head + d * kv_element_bytes
     kv_cache = 2 * config.num_layers * share.num_kv_heads * hd * kv_element_bytes
-    total += kv_cache * context * max_batch
+    total += kv_cache * kv_tokens
     return int(total)
 
 
@@ -128,8 +127,7 @@ def tensor_placement(
     config: ModelConfig,
     nodes: list[NodeCapacity],
     *,
-    context: int = 0,
-    max_batch: int = 0,
+    kv_tokens: int = 0,
     weight_bytes: float = 2.0,
     kv_element_bytes: int = 2,
     admit: bool = True,
@@ -152,7 +150,7 @@ def tensor_placement(
     short = []
     for node, share in zip(nodes, shares):
         need = tensor_rank_bytes(
-            config, share, context=context, max_batch=max_batch, weight_bytes=weight_bytes,
+            config, share, kv_tokens=kv_tokens, weight_bytes=weight_bytes,
             kv_element_bytes=kv_element_bytes,
         ) + fixed_bytes
         if need > node.available_bytes:

@@ -172,7 +172,8 @@ def serve(conn, outbox: Outbox) -> None:
     del source
     gc.collect()
     release_free_memory()
-    outbox.send(Loaded(tuple(layers), tensors_read, bytes_read, param_bytes, cache.nbytes(),
+    pool_bytes = (spec.kv_tokens or spec.max_batch * spec.context) * cache.bytes_per_token
+    outbox.send(Loaded(tuple(layers), tensors_read, bytes_read, param_bytes, pool_bytes,
                        *memory_now(), runtime_rss))
     engine = Engine(
         stage,
@@ -186,6 +187,7 @@ def serve(conn, outbox: Outbox) -> None:
         prefill_step_tokens=spec.prefill_step_tokens,
         prefill_burst_tokens=spec.prefill_burst_tokens,
         comm_device=comm_device,
+        kv_tokens=spec.kv_tokens,
     )
     engine.run()
     if group is not None:

@@ -5,7 +5,8 @@ Each step:
 1. drain the inbox (tasks and cancellations that reached this rank);
 2. agree with the other ranks on which tasks start and which are cancelled
    (:mod:`shardline.runner.agreement`); agreed tasks queue in task-id order;
-3. admit queued tasks into free KV-cache slots (continuous batching);
+3. admit queued tasks, in order, while a KV-cache slot is free and the KV pool has the
+   blocks a task reserves (:func:`kv_reservation`; continuous batching);
 4. run the step's micro-batches: one decode token for every sequence that is generating,
    then prefill chunks of the sequences still prefilling, oldest first, up to a budget of
    prompt tokens (whole chunks of ``prefill_chunk`` tokens, so a prompt is cut at the same
@@ -47,12 +48,37 @@ from shardline.runner.sampling import Sampler
 log = logging.getLogger(__name__)
 
 
+def kv_reservation(prompt_tokens: int, max_tokens: int, context: int, block_tokens: int,
+                   pool_tokens: int) -> int:
+    """KV-pool tokens a task reserves for its lifetime: its prompt and ``max_tokens``
+    completion tokens (at most ``context`` in all), rounded up to whole blocks of
+    ``block_tokens`` (the pages its positions take), at most the pool's
+    ``pool_tokens``."""
+    tokens = min(prompt_tokens + max_tokens, context)
+    return min(-(-tokens // block_tokens) * block_tokens, pool_tokens)
+
+
+def admissible(needs: list[int], free_slots: int, free_tokens: int) -> int:
+    """How many of the waiting tasks, in order, start now: each takes a slot and its
+    reservation (``needs``, tokens) while both last; the first that does not fit and
+    every task behind it wait (first come, first served)."""
+    started = 0
+    for need in needs:
+        if started == free_slots or need > free_tokens:
+            break
+        free_tokens -= need
+        started += 1
+    return started
+
+
 @dataclass
 class Sequence:
-    """A task admitted to the batch: its slot, prefill progress and generated tokens."""
+    """A task admitted to the batch: its slot, KV reservation (tokens), prefill progress
+    and generated tokens."""
 
     task: Task
     slot: int
+    kv_reserved: int = 0
     prefilled: int = 0
     generated: list[int] = field(default_factory=list)
     sampler: Sampler | None = None
@@ -79,6 +105,8 @@ class Engine:
         group: the instance's process group, or None for a single rank.
         max_batch: KV-cache slots, the most sequences running at once.
         context: most tokens per sequence.
+        kv_tokens: tokens of the KV pool, all sequences together (0: ``max_batch`` x
+            ``context``).
         prefill_chunk: prompt tokens per prefill micro-batch (a sequence's last chunk may
             be shorter).
         prefill_step_tokens: most prompt tokens prefilled per step while other sequences
@@ -104,6 +132,7 @@ class Engine:
         prefill_burst_tokens: int,
         comm_device: torch.device | str = "cpu",
         idle_wait_s: float = 0.05,
+        kv_tokens: int = 0,
     ) -> None:
         self.stage = stage
         self.inbox = inbox
@@ -124,6 +153,8 @@ class Engine:
         self.waiting: list[Task] = []
         self.running: list[Sequence] = []
         self.free_slots = list(range(max_batch))
+        self.kv_tokens = kv_tokens or max_batch * context
+        self.free_kv_tokens = self.kv_tokens
         self.stopping = False
         self.steps = 0
         self._last_stats: EngineStats | None = None
@@ -175,15 +206,21 @@ class Engine:
     # -- scheduling ----------------------------------------------------------------------
 
     def admit(self) -> None:
-        while self.waiting and self.free_slots:
+        block = self.stage.cache.block_tokens
+        needs = [kv_reservation(len(t.prompt), t.max_tokens, self.context, block, self.kv_tokens)
+                 for t in self.waiting]
+        for need in needs[: admissible(needs, len(self.free_slots), self.free_kv_tokens)]:
             task = self.waiting.pop(0)
-            seq = Sequence(task, self.free_slots.pop(0))
+            seq = Sequence(task, self.free_slots.pop(0), kv_reserved=need)
+            self.free_kv_tokens -= need
             if self.stage.samples:
                 seq.sampler = Sampler(task.sampling)
             self.running.append(seq)
 
     def _finish(self, seq: Sequence) -> None:
         self.running.remove(seq)
+        self.stage.cache.release(seq.slot)
+        self.free_kv_tokens += seq.kv_reserved
         self.free_slots.append(seq.slot)
         self.free_slots.sort()
 
@@ -286,6 +323,7 @@ class Engine:
             held=tuple(sorted(self.held)),
             free_slots=len(self.free_slots),
             steps=self.steps,
+            free_kv_tokens=self.free_kv_tokens,
         )
         last = self._last_stats
         if last is None or (stats.running, stats.waiting, stats.held) != (

@@ -68,7 +68,7 @@ class Loaded:
         tensors_read: how many weight tensors it read.
         bytes_read: bytes of weight data it read from the files.
         param_bytes: bytes its shard's parameters take in memory.
-        kv_cache_bytes: bytes its KV cache reserves.
+        kv_cache_bytes: bytes its part of the KV pool holds when full.
         rss_bytes, peak_rss_bytes: its memory once loaded, and the peak while loading.
         runtime_rss_bytes: its memory before it read any weight (Python, torch, its
             process group): the runtime placement counts per rank.
@@ -121,10 +121,12 @@ class EngineStats:
 
     Attributes:
         running: task ids holding a KV-cache slot (prefilling or decoding).
-        waiting: agreed task ids waiting for a slot, in the order they will start.
+        waiting: agreed task ids waiting for a slot and KV blocks, in the order they will
+            start.
         held: task ids this rank holds that not every rank holds yet.
         free_slots: KV-cache slots free.
         steps: engine steps run so far.
+        free_kv_tokens: tokens of the KV pool no running sequence has reserved.
     """
 
     running: tuple[int, ...]
@@ -132,6 +134,7 @@ class EngineStats:
     held: tuple[int, ...]
     free_slots: int
     steps: int
+    free_kv_tokens: int = 0
 
 
 @dataclass(frozen=True)
@@ -168,6 +171,9 @@ class RunnerSpec:
         dtype: compute dtype name ("bfloat16", "float16", "float32").
         max_batch: most sequences decoding together (KV-cache slots).
         context: most tokens per sequence (prompt + generated).
+        kv_tokens: tokens the KV pool holds, all sequences together (0: ``max_batch`` x
+            ``context``); a sequence is admitted when the pool has its prompt plus its
+            ``max_tokens`` (at most ``context``) in whole blocks.
         prefill_chunk: prompt tokens per prefill micro-batch.
         prefill_step_tokens: most prompt tokens prefilled per engine step while other
             sequences decode.
@@ -196,6 +202,7 @@ class RunnerSpec:
     dtype: str = "bfloat16"
     max_batch: int = 8
     context: int = 4096
+    kv_tokens: int = 0
     prefill_chunk: int = 512
     prefill_step_tokens: int = 512
     prefill_burst_tokens: int = 4096

@@ -1,0 +1,34 @@
+"""Which waiting tasks start, by KV-cache slots and KV-pool blocks: tables over the
+engine's pure admission functions."""
+
+import pytest
+
+from shardline.runner.engine import admissible, kv_reservation
+
+pytestmark = pytest.mark.timeout(10)
+
+
+@pytest.mark.parametrize("prompt, max_tokens, context, block, pool, expected", [
+    (10, 20, 4096, 32, 32768, 32),  # 30 tokens: one block
+    (30, 3, 4096, 32, 32768, 64),  # 33 tokens: two blocks
+    (100, 10_000, 4096, 32, 32768, 4096),  # never beyond the context
+    (100, 10_000, 1000, 32, 32768, 1024),  # ... in whole blocks
+    (100, 10_000, 1000, 32, 1000, 1000),  # ... and never beyond the pool
+    (5, 5, 96, 1, 96, 10),
+])
+def test_a_task_reserves_its_prompt_and_completion_in_whole_blocks(
+        prompt, max_tokens, context, block, pool, expected):
+    assert kv_reservation(prompt, max_tokens, context, block, pool) == expected
+
+
+@pytest.mark.parametrize("needs, slots, free, started", [
+    ([], 4, 100, 0),
+    ([32, 32, 32], 4, 100, 3),
+    ([32, 32, 32], 2, 100, 2),  # slots run out first
+    ([64, 64], 4, 100, 1),  # blocks run out
+    ([128, 32], 4, 100, 0),  # first come, first served: a small task waits behind a big one
+    ([32, 96, 32], 4, 100, 1),
+    ([100], 1, 100, 1),
+])
+def test_tasks_start_in_order_while_slots_and_blocks_last(needs, slots, free, started):
+    assert admissible(needs, slots, free) == started
