@@ -1,6 +1,7 @@
 """Model logistics on a 3-node cluster (127.0.0.1): a model added to one node's store is
 copied to the nodes of its shard and served; a node with no rank copies only the
-tokenizer; memory admission refuses a node short of memory, and ``--force`` overrides it.
+tokenizer; memory admission refuses a node short of memory, and ``--force`` overrides it;
+a safetensors model placed with ``--quantize int4`` is held in 4-bit groups.
 Driven through the ``shardline`` CLI, as a user would."""
 
 from __future__ import annotations
@@ -121,11 +122,14 @@ def test_a_local_path_given_to_any_node_is_placed_and_each_rank_copies_only_its_
     hf_model("llama", num_layers=4).save_pretrained(source, safe_serialization=True, max_shard_size="60KB")
     ids = node_ids(cluster)
     asked = max(range(3), key=lambda i: ids[i])  # not the coordinator (the smallest id)
-    placed = shardline("place", str(source), "--sharding", "pipeline", "--force", "--url", cluster.url(asked))
+    placed = shardline("place", str(source), "--sharding", "pipeline", "--force", "--quantize", "int4",
+                       "--url", cluster.url(asked))
     assert placed.returncode == 0, placed.stdout + placed.stderr
     instance = next(i for i in httpx.get(f"{cluster.url(0)}/cluster/instances", timeout=5).json()["instances"]
                     if i["model_id"] == "tiny-split")
-    assert instance["status"] == "ready"
+    assert instance["status"] == "ready" and instance["quantize"] == "int4"
+    for rank in instance["ranks"]:  # float32 files held in 5 bits a weight (norms in 16)
+        assert rank["loaded"]["param_bytes"] < 0.25 * rank["loaded"]["bytes_read"], rank
     manifest = store_of(cluster, asked).manifest("tiny-split")  # adopted by the node asked
     assert store_of(cluster, asked).present("tiny-split") == {f.path for f in manifest.files}
     weights = {f.path for f in manifest.files if f.weights}

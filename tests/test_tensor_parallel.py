@@ -27,7 +27,7 @@ import torch
 import torch.multiprocessing as mp
 
 import tiny_models as tm
-from shardline.models.config import TensorShare
+from shardline.models.config import Quantize, TensorShare
 from shardline.models.linear import Linear, weight_bytes
 from shardline.models.llama import KVCache
 from shardline.models.shard_loader import load_shard, load_tensor_shard
@@ -139,13 +139,13 @@ def greedy_schedule(stage: TensorStage, prompts: list[list[int]], steps: int):
     return tokens, step_logits
 
 
-def _one_rank(path, dtype, steps):
+def _one_rank(path, dtype, steps, quantize=None):
     """The reference: the whole model in one shard, one thread (as each rank runs)."""
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
         source = open_weights(path)
-        shard = load_shard(source, 0, source.config.num_layers, dtype=dtype)
+        shard = load_shard(source, 0, source.config.num_layers, dtype=dtype, quantize=quantize)
         cache = KVCache(source.config, len(shard.layers), 2, 64, dtype)
         stage = TensorStage(shard, cache, 0, 1)
         tokens, logits = greedy_schedule(stage, _prompts(source.config.vocab_size), steps)
@@ -234,6 +234,14 @@ def _tiny_job(rank, world, paths, steps):
     return out
 
 
+def _quantized_job(rank, world, path, steps):
+    source = open_weights(path)
+    stage = load_tensor_stage(source, rank, world, slots=2, context=64, dtype=torch.float32,
+                              quantize=Quantize.INT4)
+    tokens, logits = greedy_schedule(stage, _prompts(source.config.vocab_size), steps)
+    return {"tokens": tokens, "logits": logits}
+
+
 def _smollm2_job(rank, world, path, steps):
     source = open_weights(path)
     share = tensor_shares(source.config, world)[rank]
@@ -299,6 +307,20 @@ def test_tiny_models_match_one_rank(tiny_paths, tmp_path, world):
         extra = LAYERS * esize * 2 * extra_kv * (d + (1 if config.attention_bias else 0))
         assert sum(held) == whole + extra + (world - 1) * norms, name
         print(f"  layer bytes per rank {held} of {whole}")
+
+
+@pytest.mark.timeout(90)
+def test_weights_quantized_on_load_give_one_ranks_tokens_on_two_ranks(tiny_paths, tmp_path):
+    """int4 on load: each tensor rank quantizes its own slices (whole heads, MLP columns in
+    blocks of 32) into the groups one node has, so in float32 two ranks give one rank's
+    greedy tokens and its logits."""
+    path = tiny_paths["llama-4h2kv"]
+    results = spawn_ranks(2, _quantized_job, (path, 4), tmp_path, timeout=75)
+    _, tokens, logits = _one_rank(path, torch.float32, 4, quantize=Quantize.INT4)
+    _, _, dense_logits = _one_rank(path, torch.float32, 4)
+    assert results[0]["tokens"] == tokens == results[1]["tokens"]
+    assert _max_diff(results[0]["logits"], logits) <= 1e-4
+    assert _max_diff(logits, dense_logits) > 1e-3  # the weights were quantized
 
 
 def _smollm2_path() -> Path:

@@ -117,7 +117,7 @@ def _place(args: argparse.Namespace) -> None:
     body = {"model": args.model, "sharding": args.sharding, "nodes": nodes, "context": args.context,
             "max_batch": args.max_batch, "dtype": args.dtype, "force": args.force,
             "min_nodes": args.min_nodes, "max_nodes": args.max_nodes,
-            "kv_cache_bytes": args.kv_cache_bytes}
+            "kv_cache_bytes": args.kv_cache_bytes, "quantize": args.quantize}
     if args.preview:
         data = _request(args, "POST", "/cluster/placements/preview", body)
         table = Table()
@@ -261,6 +261,10 @@ def add_commands(sub, default_port: int) -> None:
                             "sequences of the context, or as much as fits); requests wait for "
                             "its blocks")
     place.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float16", "float32"))
+    place.add_argument("--quantize", default=None, choices=("int8", "int4"),
+                       help="quantize the weights a model's files hold in 16 or 32 bits on load "
+                            "(int8: 10 bits a weight, int4: 5; quantized GGUF weights stay as "
+                            "they are)")
     place.add_argument("--force", action="store_true",
                        help="place even where the measured memory says it does not fit")
     place.add_argument("--preview", action="store_true",

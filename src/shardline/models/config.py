@@ -14,6 +14,7 @@ https://github.com/ggml-org/ggml/blob/master/docs/gguf.md).
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field
+from enum import Enum
 from typing import Any
 
 SUPPORTED_ARCHITECTURES = ("llama", "qwen2", "qwen3")
@@ -263,3 +264,17 @@ class TensorShare:
             kv_heads=tuple(data["kv_heads"]),
             columns=tuple(data["columns"]),
         )
+
+
+class Quantize(str, Enum):
+    """How weights a file holds in 16 or 32 bits are quantized on load
+    (:mod:`shardline.models.quantize`)."""
+
+    INT8 = "int8"
+    INT4 = "int4"
+
+    @property
+    def bytes_per_weight(self) -> float:
+        """Bytes a weight takes once held (:mod:`shardline.models.linear`): int8 as two int4
+        planes (10 bits), int4 as one (5 bits), each with a 16-bit scale and zero per 32."""
+        return 1.25 if self is Quantize.INT8 else 0.625

@@ -290,12 +290,20 @@ def _int4_planes(g: GroupQuant, dtype: torch.dtype) -> Int4Planes:
     :data:`PACK_ROWS` rows at a time (torch's packed layout is a run of row blocks, so
     packed row blocks concatenate)."""
     if g.shape[0] > PACK_ROWS:
-        blocks = [_int4_planes(g.rows(start, start + PACK_ROWS), dtype)
-                  for start in range(0, g.shape[0], PACK_ROWS)]
-        planes = len(blocks[0].packed)
-        return Int4Planes([torch.cat([b.packed[i] for b in blocks]) for i in range(planes)],
-                          [torch.cat([b.scales_zeros[i] for b in blocks], dim=1)
-                           for i in range(planes)], g.shape[0], g.shape[1])
+        held: Int4Planes | None = None
+        for start in range(0, g.shape[0], PACK_ROWS):
+            block = _int4_planes(g.rows(start, start + PACK_ROWS), dtype)
+            if held is None:  # the whole weight's planes, filled block by block (no concat copy)
+                held = Int4Planes(
+                    [torch.empty((g.shape[0], *p.shape[1:]), dtype=p.dtype) for p in block.packed],
+                    [torch.empty((sz.shape[0], g.shape[0], 2), dtype=sz.dtype)
+                     for sz in block.scales_zeros], g.shape[0], g.shape[1])
+            end = start + block.out_features
+            for i, (packed, sz) in enumerate(zip(block.packed, block.scales_zeros)):
+                held.packed[i][start:end] = packed
+                held.scales_zeros[i][:, start:end] = sz
+        assert held is not None
+        return held
     rows, cols = g.shape
     scale = torch.from_numpy(g.scale)  # [rows, cols / 32] float32
     offset = torch.from_numpy(g.offset)

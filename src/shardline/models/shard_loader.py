@@ -26,7 +26,7 @@ from collections.abc import Iterator
 import numpy as np
 import torch
 
-from shardline.models.config import TensorShare
+from shardline.models.config import Quantize, TensorShare
 from shardline.models.gguf_quants import GroupQuant
 from shardline.models.linear import (
     Int4Planes,
@@ -35,6 +35,7 @@ from shardline.models.linear import (
     ResidentWeight,
     resident_weight,
 )
+from shardline.models.quantize import quantizable, quantize_groups
 from shardline.models.weights import GGUFSource, Span, WeightFormatError, WeightSource
 
 Part = torch.Tensor | GroupQuant
@@ -173,14 +174,17 @@ def load_shard(
     layer_end: int,
     dtype: torch.dtype = torch.bfloat16,
     device: torch.device | str = "cpu",
+    quantize: Quantize | None = None,
 ):
     """Build a :class:`~shardline.models.llama.DecoderShard` holding only its own weights,
-    each in its resident form (see :mod:`shardline.models.linear`).
+    each in its resident form (see :mod:`shardline.models.linear`); with ``quantize`` the
+    linear weights and embedding a file stores in 16 or 32 bits are quantized on load
+    (:mod:`shardline.models.quantize`; a file's quantized weights stay as they are).
 
     Raises:
         WeightFormatError: a tensor is missing or misshapen.
     """
-    return _build_shard(source, layer_start, layer_end, dtype, device)
+    return _build_shard(source, layer_start, layer_end, dtype, device, quantize=quantize)
 
 
 def load_tensor_shard(
@@ -189,8 +193,10 @@ def load_tensor_shard(
     dtype: torch.dtype = torch.bfloat16,
     device: torch.device | str = "cpu",
     head: bool | None = None,
+    quantize: Quantize | None = None,
 ):
-    """Build one tensor-parallel rank's :class:`~shardline.models.llama.DecoderShard`.
+    """Build one tensor-parallel rank's :class:`~shardline.models.llama.DecoderShard`
+    (``quantize`` as for :func:`load_shard`).
 
     It holds every layer, but of each only the share's heads, KV heads and MLP columns
     (read as slices, see :func:`shard_tensors`), plus the whole token embedding on every
@@ -206,7 +212,7 @@ def load_tensor_shard(
     if head is None:
         head = share.rank == 0
     return _build_shard(source, 0, source.config.num_layers, dtype, device, share=share,
-                        head=head)
+                        head=head, quantize=quantize)
 
 
 def _libc():
@@ -274,8 +280,15 @@ def _build_shard(
     device: torch.device | str,
     share: TensorShare | None = None,
     head: bool = True,
+    quantize: Quantize | None = None,
 ):
     from shardline.models.llama import DecoderShard, rope_inverse_frequencies
+
+    def held(part: Part) -> Part:
+        """The part as the loader holds it: quantized on load where asked and it can be."""
+        if quantize is not None and isinstance(part, torch.Tensor) and quantizable(part):
+            return quantize_groups(part, quantize)
+        return part
 
     config = source.config
     # Built on the CPU: it holds only norms and biases until the weights are attached
@@ -289,7 +302,7 @@ def _build_shard(
             dense[name] = value.to(device=device, dtype=dtype)
             continue
         if name == "embed":
-            (part,) = value
+            part = held(value[0])
             embed_weight = _embedding_weight(part, dtype, device)
             shard.embed.weight = embed_weight
             shard.embed.dtype = dtype
@@ -304,7 +317,7 @@ def _build_shard(
             continue
         module = modules[name]
         assert isinstance(module, Linear)
-        module.set_parts([resident_weight(p, dtype, device, int4=_int4_for(dtype))
+        module.set_parts([resident_weight(held(p), dtype, device, int4=_int4_for(dtype))
                           for p in value])
         del value
         release_free_memory()  # keeps the load's peak near the weights held so far

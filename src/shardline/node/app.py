@@ -38,6 +38,7 @@ class CreateInstance(BaseModel):
     context: int | None = Field(default=None, ge=1)
     max_batch: int | None = Field(default=None, ge=1)
     kv_cache_bytes: int | None = Field(default=None, ge=1)  # the KV pool, all ranks together
+    quantize: Literal["int8", "int4"] | None = None  # 16/32-bit weights quantized on load
     dtype: Literal["bfloat16", "float16", "float32"] = "bfloat16"
     force: bool = False  # skip memory admission
     min_nodes: int | None = Field(default=None, ge=1)  # without "nodes": the fewest to use
@@ -202,7 +203,8 @@ def create_app(node: Node) -> FastAPI:
                                             body.max_batch, body.dtype, shardings=shardings,
                                             force=body.force, min_nodes=body.min_nodes or 1,
                                             max_nodes=body.max_nodes,
-                                            kv_cache_bytes=body.kv_cache_bytes)
+                                            kv_cache_bytes=body.kv_cache_bytes,
+                                            quantize=body.quantize)
         except ModelNotFoundError as exc:
             return JSONResponse(status_code=404, content={"detail": str(exc)})
         except (PlacementError, ModelStoreError, UnsupportedModelError, KVCacheRequestError) as exc:
@@ -228,7 +230,7 @@ def create_app(node: Node) -> FastAPI:
         try:
             inst = await node.create_instance(body.model, body.sharding, body.nodes, body.context, body.max_batch,
                                               body.dtype, body.force, body.min_nodes, body.max_nodes,
-                                              body.kv_cache_bytes)
+                                              body.kv_cache_bytes, body.quantize)
         except ModelNotFoundError as exc:
             return JSONResponse(status_code=404, content={"detail": str(exc)})
         except (ModelStoreError, UnsupportedModelError, KVCacheRequestError) as exc:

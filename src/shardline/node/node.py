@@ -33,7 +33,7 @@ from dataclasses import dataclass, field
 import httpx
 import psutil
 
-from shardline.models.config import ModelConfig
+from shardline.models.config import ModelConfig, Quantize
 from shardline.models.store import (
     DEFAULT_MODEL_ID,
     Manifest,
@@ -109,6 +109,7 @@ class Instance:
     dtype: str = "bfloat16"  # compute dtype of every rank
     kv_tokens: int = 0  # tokens its KV pool holds, all sequences together (0: max_batch x context)
     kv_cache_bytes: int | None = None  # the pool size asked for when placing (None: what fits)
+    quantize: str | None = None  # "int8" | "int4": 16/32-bit weights quantized on load
     status: str = "loading"  # loading | ready | failed
     error: str | None = None
     created_at: float = field(default_factory=time.time)
@@ -583,6 +584,7 @@ class Node:
             context=inst.context,
             kv_tokens=inst.kv_tokens,
             dtype=inst.dtype,
+            quantize=inst.quantize,
             threads=self.runner_threads,
             progress_timeout_s=self.progress_timeout_s,
             **ring_chunks,
@@ -665,7 +667,8 @@ class Node:
         try:
             card = await self.model_card(failed.model_id)
             await self._place(card, failed.sharding, nodes, failed.context, failed.max_batch,
-                              failed.dtype, failed.force, retries, failed.kv_cache_bytes)
+                              failed.dtype, failed.force, retries, failed.kv_cache_bytes,
+                              failed.quantize)
         except (PlacementError, ModelNotFoundError, httpx.HTTPError) as exc:
             log.error("could not place %s again: %s", failed.model_id, exc)
             await self._publish()
@@ -684,6 +687,7 @@ class Node:
         min_nodes: int | None = None,
         max_nodes: int | None = None,
         kv_cache_bytes: int | None = None,
+        quantize: str | None = None,
     ) -> Instance:
         """Coordinator: place ``model`` (an id, see :meth:`adopt`) and start loading it.
 
@@ -698,7 +702,8 @@ class Node:
         (a rank that then runs out of memory fails its instance). ``kv_cache_bytes`` sizes
         the KV pool (the whole model's, all ranks together); without it the pool is
         ``max_batch`` sequences of ``context`` tokens, or as much as fits
-        (:func:`~shardline.placement.ranks.place_with_kv_pool`).
+        (:func:`~shardline.placement.ranks.place_with_kv_pool`). ``quantize`` (``"int8"``,
+        ``"int4"``) quantizes the weights the files hold in 16 or 32 bits on load.
 
         Raises:
             ModelNotFoundError: no node has the model.
@@ -714,10 +719,11 @@ class Node:
             shardings = SHARDINGS if sharding == "auto" else (sharding,)
             best = (await self.preview(card, node_ids, context, max_batch, dtype, best_only=True,
                                        shardings=shardings, force=force, min_nodes=min_nodes or 1,
-                                       max_nodes=max_nodes, kv_cache_bytes=kv_cache_bytes))[0]
+                                       max_nodes=max_nodes, kv_cache_bytes=kv_cache_bytes,
+                                       quantize=quantize))[0]
             sharding, node_ids = best.sharding, list(best.node_ids)
         return await self._place(card, sharding, node_ids, context, max_batch, dtype, force,
-                                 kv_cache_bytes=kv_cache_bytes)
+                                 kv_cache_bytes=kv_cache_bytes, quantize=quantize)
 
     async def adopt(self, model: str | None) -> str:
         """The model id for what a request names, taking what only this machine has into
@@ -780,7 +786,7 @@ class Node:
                       max_batch: int | None, dtype: str = "bfloat16", best_only: bool = False,
                       shardings: tuple[str, ...] = SHARDINGS, force: bool = False,
                       min_nodes: int = 1, max_nodes: int | None = None,
-                      kv_cache_bytes: int | None = None):
+                      kv_cache_bytes: int | None = None, quantize: str | None = None):
         """Candidate placements of a model on the live nodes, fastest predicted first
         (``shardline.placement.preview``); with ``best_only`` just the best feasible one.
 
@@ -798,7 +804,7 @@ class Node:
                      else kv_tokens_for_bytes(config, kv_cache_bytes, dtype, context))
         options = dict(min_nodes=min_nodes, weight_file_bytes=card.weight_file_bytes,
                        baseline_bytes=self._runtime_baseline(chosen), admit=not force,
-                       kv_tokens=kv_tokens)
+                       kv_tokens=kv_tokens, quantize=Quantize(quantize) if quantize else None)
         if best_only:
             return [auto(config, profiles, links, context, max_batch, dtype, shardings, max_nodes,
                          **options)]
@@ -833,17 +839,21 @@ class Node:
         force: bool = False,
         retries: int = 0,
         kv_cache_bytes: int | None = None,
+        quantize: str | None = None,
     ) -> Instance:
         config, chosen, context, max_batch = self._placement_inputs(card, node_ids, context, max_batch)
         asked = (None if kv_cache_bytes is None
                  else kv_tokens_for_bytes(config, kv_cache_bytes, dtype, context))
         capacities = [NodeCapacity(n, self._available_bytes(n)) for n in chosen]
         baseline = self._runtime_baseline(chosen)
+        quantized = Quantize(quantize) if quantize else None
         shares, kv_tokens = place_with_kv_pool(
             config, sharding, capacities, context, max_batch, dtype, admit=not force,
-            weight_file_bytes=card.weight_file_bytes, baseline_bytes=baseline, kv_tokens=asked)
+            weight_file_bytes=card.weight_file_bytes, baseline_bytes=baseline, kv_tokens=asked,
+            quantize=quantized)
         estimated = [rank_bytes(config, sharding, shares, r, context, max_batch, dtype,
-                                card.weight_file_bytes, baseline, kv_tokens=kv_tokens)
+                                card.weight_file_bytes, baseline, kv_tokens=kv_tokens,
+                                quantize=quantized)
                      for r in range(len(shares))]
         master_addr = self.address_of(chosen[0]).rsplit(":", 1)[0]
         port = await self._free_port(chosen[0])
@@ -863,6 +873,7 @@ class Node:
             dtype=dtype,
             kv_tokens=kv_tokens,
             kv_cache_bytes=kv_cache_bytes,
+            quantize=quantize,
             retries=retries,
             force=force,
         )

@@ -118,13 +118,14 @@ def load_tensor_stage(
     group: dist.ProcessGroup | None = None,
     reduce_dtype: torch.dtype | None = torch.float32,
     progress: Progress | None = None,
+    quantize=None,
 ) -> TensorStage:
     """Load this rank's shard and KV cache and wrap them in a :class:`TensorStage`.
 
     ``source`` is a :class:`~shardline.models.weights.WeightSource`; ``share`` defaults to
     :func:`shardline.placement.tensor.tensor_shares` ``(source.config, world_size)[rank]``
     (every rank must use the same split). ``slots`` and ``context``: the KV cache's
-    sequences and tokens per sequence. Other arguments as for
+    sequences and tokens per sequence. Other arguments (``quantize`` among them) as for
     :func:`~shardline.models.shard_loader.load_tensor_shard` and :class:`TensorStage`.
     """
     from shardline.models.shard_loader import load_tensor_shard
@@ -135,7 +136,7 @@ def load_tensor_stage(
     if (share.rank, share.world_size) != (rank, world_size):
         raise ValueError(f"share of rank {share.rank}/{share.world_size} given to rank "
                          f"{rank}/{world_size}")
-    shard = load_tensor_shard(source, share, dtype=dtype, device=device)
+    shard = load_tensor_shard(source, share, dtype=dtype, device=device, quantize=quantize)
     cache = KVCache(source.config, len(shard.layers), slots, context, dtype, device,
                     num_kv_heads=shard.num_kv_heads)
     return TensorStage(shard, cache, rank, world_size, group=group,

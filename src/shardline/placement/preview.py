@@ -18,7 +18,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Mapping, Sequence
 
-from shardline.models.config import ModelConfig, TensorShare
+from shardline.models.config import ModelConfig, Quantize, TensorShare
 from shardline.placement.memory import RUNTIME_BASELINE_BYTES
 from shardline.placement.pipeline import NodeCapacity, PlacementError
 from shardline.placement.ranks import (
@@ -264,6 +264,7 @@ def preview(
     baseline_bytes: int = RUNTIME_BASELINE_BYTES,
     admit: bool = True,
     kv_tokens: int | None = None,
+    quantize: Quantize | None = None,
 ) -> list[Candidate]:
     """Every candidate placement of ``config`` on ``nodes``, feasible ones first, fastest first.
 
@@ -274,7 +275,8 @@ def preview(
 
     Memory per rank is ``place_with_kv_pool``'s check with ``context`` tokens per sequence,
     ``max_batch`` sequences, a KV pool of ``kv_tokens`` (None: as much as fits, up to
-    ``max_batch`` x ``context``) and the compute ``dtype`` (skipped when not ``admit``: a forced
+    ``max_batch`` x ``context``), weights quantized on load by ``quantize`` (None: not) and
+    the compute ``dtype`` (skipped when not ``admit``: a forced
     placement) with ``weight_file_bytes`` (the model's weight files, 0: unknown) and
     ``baseline_bytes`` of runtime per rank; the
     speeds are :func:`predict_tokens_per_s`'s (decode tokens/s of one sequence, prefill
@@ -290,7 +292,7 @@ def preview(
         PlacementError: an unknown dtype (a ValueError).
     """
     _check_dtype(dtype)
-    decode_weight_bytes = resident_bytes_per_weight(config, weight_file_bytes, dtype)
+    decode_weight_bytes = resident_bytes_per_weight(config, weight_file_bytes, dtype, quantize)
     feasible: list[Candidate] = []
     infeasible: list[Candidate] = []
     for subset in _subsets(nodes, max_nodes, min_nodes):
@@ -302,7 +304,7 @@ def preview(
             try:
                 shares, _ = place_with_kv_pool(config, sharding, capacities, context,
                                                max_batch, dtype, admit, weight_file_bytes,
-                                               baseline_bytes, kv_tokens)
+                                               baseline_bytes, kv_tokens, quantize)
             except PlacementError as exc:
                 infeasible.append(Candidate(sharding, ids, error=str(exc)))
                 continue
@@ -331,6 +333,7 @@ def auto(
     baseline_bytes: int = RUNTIME_BASELINE_BYTES,
     admit: bool = True,
     kv_tokens: int | None = None,
+    quantize: Quantize | None = None,
 ) -> Candidate:
     """The feasible candidate of :func:`preview` with the highest predicted decode tokens/s.
 
@@ -340,7 +343,8 @@ def auto(
     """
     candidates = preview(config, nodes, links, context, max_batch, dtype, shardings, max_nodes,
                          min_nodes=min_nodes, weight_file_bytes=weight_file_bytes,
-                         baseline_bytes=baseline_bytes, admit=admit, kv_tokens=kv_tokens)
+                         baseline_bytes=baseline_bytes, admit=admit, kv_tokens=kv_tokens,
+                         quantize=quantize)
     if candidates and candidates[0].feasible:
         return candidates[0]
     if not candidates:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from shardline.models.config import ModelConfig, TensorShare
+from shardline.models.config import ModelConfig, Quantize, TensorShare
 from shardline.placement.memory import RUNTIME_BASELINE_BYTES, prefill_scratch_bytes
 from shardline.placement.pipeline import NodeCapacity, PlacementError, pipeline_layer_ranges
 from shardline.placement.ring import ring_admission, ring_working_bytes
@@ -37,19 +37,22 @@ def model_param_count(config: ModelConfig) -> int:
             + embed * (1 if config.tie_word_embeddings else 2))
 
 
-def resident_bytes_per_weight(config: ModelConfig, weight_file_bytes: int, dtype: str) -> float:
+def resident_bytes_per_weight(config: ModelConfig, weight_file_bytes: int, dtype: str,
+                              quantize: Quantize | None = None) -> float:
     """Bytes a weight element takes in a runner's memory, on average.
 
     Quantized GGUF weights stay in the file's bits (:mod:`shardline.models.linear`): about
     the file's bytes per weight, up to 15% more (two int4 planes hold an 8-bit type in 10
-    bits, Q6_K takes 9 of its 6.6). 16-bit and float32 files are held in ``dtype``.
-    ``weight_file_bytes`` 0 (unknown) counts every weight in ``dtype``.
+    bits, Q6_K takes 9 of its 6.6). 16-bit and float32 files are held in ``dtype``, or
+    with ``quantize`` in its bits (:attr:`Quantize.bytes_per_weight`).
+    ``weight_file_bytes`` 0 (unknown) counts a 16-bit file.
     """
+    held = float(DTYPE_BYTES[dtype]) if quantize is None else quantize.bytes_per_weight
     if weight_file_bytes <= 0:
-        return float(DTYPE_BYTES[dtype])
+        return held
     per_weight = weight_file_bytes / model_param_count(config)
-    if per_weight >= 1.9:  # a 16- or 32-bit file: held in the compute dtype
-        return float(DTYPE_BYTES[dtype])
+    if per_weight >= 1.9:  # a 16- or 32-bit file: held in the compute dtype (or quantized)
+        return held
     return min(1.15 * per_weight, float(DTYPE_BYTES[dtype]))
 
 
@@ -115,10 +118,11 @@ def kv_tokens_for_bytes(config: ModelConfig, kv_cache_bytes: int, dtype: str,
 def rank_bytes(config: ModelConfig, sharding: str, shares: list[RankShare], rank: int,
                context: int, max_batch: int, dtype: str = "bfloat16",
                weight_file_bytes: int = 0, baseline_bytes: int = RUNTIME_BASELINE_BYTES,
-               kv_tokens: int | None = None) -> int:
+               kv_tokens: int | None = None, quantize: Quantize | None = None) -> int:
     """Bytes rank ``rank`` of a placement (``shares``, one per rank) holds in memory: its
     runtime (``baseline_bytes``), prefill scratch, weights at
-    :func:`resident_bytes_per_weight` each, and its part of a KV pool of
+    :func:`resident_bytes_per_weight` each (``quantize``: quantized on load), and its
+    part of a KV pool of
     :func:`kv_pool_tokens` tokens in ``dtype`` (its layers; a tensor rank only its KV
     heads); ring adds the ring prefill's working set. The same figure
     :func:`place_ranks` admits by.
@@ -126,7 +130,7 @@ def rank_bytes(config: ModelConfig, sharding: str, shares: list[RankShare], rank
     tokens = kv_pool_tokens(context, max_batch, kv_tokens)
     world = len(shares)
     kv_bytes = DTYPE_BYTES[dtype]
-    weight_bytes = resident_bytes_per_weight(config, weight_file_bytes, dtype)
+    weight_bytes = resident_bytes_per_weight(config, weight_file_bytes, dtype, quantize)
     fixed = _runtime_and_scratch(config, baseline_bytes)
     share = shares[rank]
     if sharding == "tensor":
@@ -147,7 +151,8 @@ def place_ranks(config: ModelConfig, sharding: str, nodes: list[NodeCapacity], c
                 max_batch: int, dtype: str = "bfloat16", admit: bool = True,
                 weight_file_bytes: int = 0,
                 baseline_bytes: int = RUNTIME_BASELINE_BYTES,
-                kv_tokens: int | None = None) -> list[RankShare]:
+                kv_tokens: int | None = None,
+                quantize: Quantize | None = None) -> list[RankShare]:
     """Each node's share (node i is rank i) of a model under ``sharding``.
 
     Each rank must fit :func:`rank_bytes` (runtime, prefill scratch, weights in the file's
@@ -163,7 +168,8 @@ def place_ranks(config: ModelConfig, sharding: str, nodes: list[NodeCapacity], c
     """
     tokens = kv_pool_tokens(context, max_batch, kv_tokens)
     try:
-        return _place(config, sharding, nodes, tokens, dtype, admit, weight_file_bytes,
+        return _place(config, sharding, nodes, tokens, dtype, admit,
+                      resident_bytes_per_weight(config, weight_file_bytes, dtype, quantize),
                       baseline_bytes)
     except PlacementError as exc:
         if "short by" not in str(exc):
@@ -176,7 +182,8 @@ def place_with_kv_pool(config: ModelConfig, sharding: str, nodes: list[NodeCapac
                        context: int, max_batch: int, dtype: str = "bfloat16",
                        admit: bool = True, weight_file_bytes: int = 0,
                        baseline_bytes: int = RUNTIME_BASELINE_BYTES,
-                       kv_tokens: int | None = None) -> tuple[list[RankShare], int]:
+                       kv_tokens: int | None = None,
+                       quantize: Quantize | None = None) -> tuple[list[RankShare], int]:
     """:func:`place_ranks` and the KV pool's tokens it was placed with.
 
     With ``kv_tokens`` (or without ``admit``) the pool is :func:`kv_pool_tokens`. Without,
@@ -189,34 +196,35 @@ def place_with_kv_pool(config: ModelConfig, sharding: str, nodes: list[NodeCapac
         PlacementError: as :func:`place_ranks`; the model does not fit even with a pool
             of one sequence of ``context`` tokens.
     """
-    args = (config, sharding, nodes, context, max_batch, dtype, admit, weight_file_bytes,
-            baseline_bytes)
+    def place(tokens: int) -> list[RankShare]:
+        return place_ranks(config, sharding, nodes, context, max_batch, dtype, admit,
+                           weight_file_bytes, baseline_bytes, kv_tokens=tokens, quantize=quantize)
+
     full = kv_pool_tokens(context, max_batch, kv_tokens)
     if kv_tokens is not None or not admit:
-        return place_ranks(*args, kv_tokens=full), full
+        return place(full), full
     try:
-        return place_ranks(*args, kv_tokens=full), full
+        return place(full), full
     except PlacementError as exc:
         if "short by" not in str(exc):
             raise
-    best = (place_ranks(*args, kv_tokens=context), context)  # raises: nothing fits
+    best = (place(context), context)  # raises: nothing fits
     low, high = context, full - 1  # the most tokens that fit lies in [low, high]
     while low < high:
         mid = (low + high + 1) // 2
         try:
-            best, low = (place_ranks(*args, kv_tokens=mid), mid), mid
+            best, low = (place(mid), mid), mid
         except PlacementError:
             high = mid - 1
     return best
 
 
 def _place(config: ModelConfig, sharding: str, nodes: list[NodeCapacity], kv_tokens: int,
-           dtype: str, admit: bool, weight_file_bytes: int,
+           dtype: str, admit: bool, weight_bytes: float,
            baseline_bytes: int) -> list[RankShare]:
-    """:func:`place_ranks` without the KV hint."""
+    """:func:`place_ranks` without the KV hint, weights at ``weight_bytes`` each."""
     layers = config.num_layers
     kv_bytes = DTYPE_BYTES[dtype]
-    weight_bytes = resident_bytes_per_weight(config, weight_file_bytes, dtype)
     kv_cache = kv_tokens * config.kv_bytes_per_token(kv_bytes)
     fixed = _runtime_and_scratch(config, baseline_bytes)
     if sharding == "pipeline":

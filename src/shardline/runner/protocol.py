@@ -169,6 +169,8 @@ class RunnerSpec:
         master_addr, master_port: rank 0's TCP rendezvous for torch.distributed.
         device: "cpu" or "cuda[:N]"; the backend is gloo on CPU, NCCL on CUDA.
         dtype: compute dtype name ("bfloat16", "float16", "float32").
+        quantize: "int8" or "int4" to quantize the weights the files hold in 16 or 32
+            bits on load (:mod:`shardline.models.quantize`), or None.
         max_batch: most sequences decoding together (KV-cache slots).
         context: most tokens per sequence (prompt + generated).
         kv_tokens: tokens the KV pool holds, all sequences together (0: ``max_batch`` x
@@ -200,6 +202,7 @@ class RunnerSpec:
     tensor_share: dict | None = None
     device: str = "cpu"
     dtype: str = "bfloat16"
+    quantize: str | None = None
     max_batch: int = 8
     context: int = 4096
     kv_tokens: int = 0
