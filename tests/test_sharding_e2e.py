@@ -11,6 +11,9 @@ moves SmolLM2's logits by up to about 0.8 (tensor, tests/test_tensor_parallel.py
 to change a greedy token where two are nearly tied (seen: 3 of 4 chat prompts within 24
 tokens on tensor 2; the long prompt here within 12 tokens on ring 2). In float32 all of
 them give one node's text (measured, and asserted below).
+
+The same holds for SmolLM2 as a 16-bit safetensors model (tests/smollm2_safetensors.py),
+which is also placed quantized on load (int8, int4) and asked the same prompts.
 """
 
 from __future__ import annotations
@@ -25,7 +28,8 @@ import pytest
 
 from conftest import free_port_block
 from shardline.local_cluster import LocalCluster
-from shardline.models.store import DEFAULT_MODEL_ID
+from shardline.models.store import DEFAULT_MODEL_ID, ModelStore
+from smollm2_safetensors import write_smollm2_safetensors
 
 pytestmark = pytest.mark.timeout(600)
 
@@ -65,8 +69,9 @@ def one_node(bare3):
 
 
 @contextlib.contextmanager
-def placed(cluster: LocalCluster, sharding: str, on: list[int], dtype: str = "bfloat16"):
-    inst = cluster.place(None, sharding, on=on, dtype=dtype)
+def placed(cluster: LocalCluster, sharding: str, on: list[int], dtype: str = "bfloat16",
+           model: str | None = None, **options):
+    inst = cluster.place(model, sharding, on=on, dtype=dtype, **options)
     try:
         yield inst
     finally:
@@ -76,15 +81,16 @@ def placed(cluster: LocalCluster, sharding: str, on: list[int], dtype: str = "bf
             time.sleep(0.2)
 
 
-def body(content: str, max_tokens: int, **extra) -> dict:
-    return {"model": DEFAULT_MODEL_ID, "messages": [{"role": "user", "content": content}],
+def body(content: str, max_tokens: int, model: str = DEFAULT_MODEL_ID, **extra) -> dict:
+    return {"model": model, "messages": [{"role": "user", "content": content}],
             "temperature": 0, "max_tokens": max_tokens, **extra}
 
 
-def texts(url: str, prompts: list[str], max_tokens: int) -> list[str]:
+def texts(url: str, prompts: list[str], max_tokens: int, model: str = DEFAULT_MODEL_ID) -> list[str]:
     out = []
     for prompt in prompts:
-        response = httpx.post(f"{url}/v1/chat/completions", json=body(prompt, max_tokens), timeout=300)
+        response = httpx.post(f"{url}/v1/chat/completions", json=body(prompt, max_tokens, model),
+                              timeout=300)
         assert response.status_code == 200, response.text
         out.append(response.json()["choices"][0]["message"]["content"])
     return out
@@ -151,3 +157,39 @@ def leave_during_prefill_and_check_every_rank_is_free(cluster, inst, paris: str)
     else:
         raise AssertionError(f"ranks still busy: {engines}")
     assert texts(cluster.url(0), PROMPTS[:1], 16) == [paris]
+
+
+SAFETENSORS = "test/smollm2-safetensors"
+
+
+@pytest.fixture(scope="module")
+def safetensors_model(bare3, tmp_path_factory):
+    """SmolLM2 as a 16-bit safetensors directory (tests/smollm2_safetensors.py) in every
+    node's store."""
+    path = write_smollm2_safetensors(tmp_path_factory.mktemp("smollm2-st") / "model")
+    for i in range(bare3.n):
+        ModelStore(bare3.node_data_dir(i) / "models").add_local(path, SAFETENSORS)
+    return SAFETENSORS
+
+
+def test_a_safetensors_models_tensor_ranks_give_one_nodes_text_in_float32(bare3, safetensors_model):
+    with placed(bare3, "pipeline", [0], "float32", model=safetensors_model):
+        one = texts(bare3.url(0), PROMPTS, 16, safetensors_model)
+    with placed(bare3, "tensor", [0, 1], "float32", model=safetensors_model):
+        assert texts(bare3.url(0), PROMPTS, 16, safetensors_model) == one
+
+
+def test_a_safetensors_model_quantized_on_load_holds_its_bits_and_answers(bare3, safetensors_model):
+    held, answers = {}, {}
+    for quantize in (None, "int8", "int4"):
+        with placed(bare3, "pipeline", [0], model=safetensors_model, quantize=quantize) as inst:
+            held[quantize] = inst["ranks"][0]["loaded"]["param_bytes"]
+            answers[quantize] = texts(bare3.url(0), PROMPTS, 16, safetensors_model)
+    for quantize in ("int8", "int4"):
+        same = sum(a == b for a, b in zip(answers[quantize], answers[None]))
+        print(f"\n{quantize}: {held[quantize] / 2**20:.0f} MiB of weights against "
+              f"{held[None] / 2**20:.0f} in bfloat16; {same} of {len(PROMPTS)} answers as in "
+              f"bfloat16; {answers[quantize]}")
+    # int8: 10 bits a weight; int4: 5 bits, with the embedding (a fifth of SmolLM2) in 10
+    assert held["int8"] < 0.66 * held[None] and held["int4"] < 0.4 * held[None]
+    assert "Paris" in answers["int8"][0] and "Paris" in answers["int4"][0]

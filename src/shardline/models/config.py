@@ -278,3 +278,10 @@ class Quantize(str, Enum):
         """Bytes a weight takes once held (:mod:`shardline.models.linear`): int8 as two int4
         planes (10 bits), int4 as one (5 bits), each with a 16-bit scale and zero per 32."""
         return 1.25 if self is Quantize.INT8 else 0.625
+
+    @property
+    def vocab(self) -> "Quantize":
+        """How the embedding and LM head are quantized: int8 at least, as llama.cpp's
+        4-bit mixes keep them in more bits (SmolLM2 with a 4-bit embedding and tied head
+        no longer knows the capital of France; with an int8 one it does)."""
+        return Quantize.INT8

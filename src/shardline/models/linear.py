@@ -313,17 +313,21 @@ def _int4_planes(g: GroupQuant, dtype: torch.dtype) -> Int4Planes:
         # w = q * s + o = (q - 8) * s + (o + 8 s)
         planes.append((q, scale, offset + 8 * scale))
     else:
-        # q = 16 h + l: w = l * s + 16 h s + o. Low plane: (l - 8) s + 8 s (+ o when free).
+        # q = 16 h + l: w = l * s + 16 h s + o. The low plane is centred, (l - 8) s with no
+        # zero, and the high plane takes the rest: (p - 8) 16 s + 8 s (+ o). Decode adds the
+        # two planes' products, each rounded to the compute dtype; a centred low plane's
+        # product stays small, where an uncentred one (l s, all positive) grows with the
+        # sum of the inputs and the two large products cancel (int8 on load in bfloat16:
+        # SmolLM2 answered "L'Etoile" for the capital of France).
         low, high = q & 15, q >> 4
+        planes.append((low, scale, torch.zeros_like(scale)))
         if g.symmetric_center is not None:
             # o = -c s: the high plane takes it, p = h + 8 - c / 16 (in 0..15 for Q5_0,
             # Q8_0 and Q6_K), so every zero is 8 s or 0: exact in any float format.
             shift = 8 - g.symmetric_center // 16
-            planes.append((low, scale, 8 * scale))
-            planes.append((high + shift, 16 * scale, torch.zeros_like(scale)))
+            planes.append((high + shift, 16 * scale, 8 * scale))
         else:
-            planes.append((low, scale, offset + 8 * scale))
-            planes.append((high + 8, 16 * scale, torch.zeros_like(scale)))
+            planes.append((high + 8, 16 * scale, offset + 8 * scale))
     packed, scales_zeros = [], []
     for p, s, z in planes:
         packed.append(torch._convert_weight_to_int4pack_for_cpu(p.to(torch.int32).contiguous(), 1))

@@ -9,7 +9,9 @@ spec's Q8_0 and Q4_1 blocks, https://github.com/ggml-org/ggml/blob/master/docs/g
 - ``int4``: asymmetric, ``w ~ d * q + m`` with ``m = min(w)``, ``d = (max(w) - m) / 15``
   per group (Q4_1's rule): one int4 plane, 5 bits a weight.
 
-The result is a :class:`~shardline.models.gguf_quants.GroupQuant`, which the loader holds
+The embedding and LM head are quantized in int8 either way (``Quantize.vocab``), as
+llama.cpp's 4-bit mixes keep them in more bits. The result is a
+:class:`~shardline.models.gguf_quants.GroupQuant`, which the loader holds
 like a GGUF file's own groups (:func:`~shardline.models.linear.resident_weight`). Groups
 lie along a row, so a tensor-parallel rank's slice (whole heads, MLP columns in blocks of
 32) quantizes to exactly the groups one node has for the same weights.

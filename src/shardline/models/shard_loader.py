@@ -284,10 +284,11 @@ def _build_shard(
 ):
     from shardline.models.llama import DecoderShard, rope_inverse_frequencies
 
-    def held(part: Part) -> Part:
-        """The part as the loader holds it: quantized on load where asked and it can be."""
+    def held(part: Part, vocab: bool = False) -> Part:
+        """The part as the loader holds it: quantized on load where asked and it can be
+        (the embedding and LM head as :attr:`Quantize.vocab` says)."""
         if quantize is not None and isinstance(part, torch.Tensor) and quantizable(part):
-            return quantize_groups(part, quantize)
+            return quantize_groups(part, quantize.vocab if vocab else quantize)
         return part
 
     config = source.config
@@ -302,7 +303,7 @@ def _build_shard(
             dense[name] = value.to(device=device, dtype=dtype)
             continue
         if name == "embed":
-            part = held(value[0])
+            part = held(value[0], vocab=True)
             embed_weight = _embedding_weight(part, dtype, device)
             shard.embed.weight = embed_weight
             shard.embed.dtype = dtype
@@ -317,8 +318,8 @@ def _build_shard(
             continue
         module = modules[name]
         assert isinstance(module, Linear)
-        module.set_parts([resident_weight(held(p), dtype, device, int4=_int4_for(dtype))
-                          for p in value])
+        module.set_parts([resident_weight(held(p, vocab=name == "lm_head"), dtype, device,
+                                          int4=_int4_for(dtype)) for p in value])
         del value
         release_free_memory()  # keeps the load's peak near the weights held so far
     missing, unexpected = shard.load_state_dict(dense, strict=False, assign=True)

@@ -30,11 +30,14 @@ def ring_prefill_chunk(world_size: int, per_rank: int = 512) -> int:
     return per_rank * world_size
 
 
+def _vocab_params(config: ModelConfig) -> int:
+    """Weight elements of the embedding and an untied head."""
+    return config.vocab_size * config.hidden_size * (1 if config.tie_word_embeddings else 2)
+
+
 def model_param_count(config: ModelConfig) -> int:
     """Weight elements of the whole model: layers, embedding, and an untied head."""
-    embed = config.vocab_size * config.hidden_size
-    return (config.num_layers * config.layer_param_count()
-            + embed * (1 if config.tie_word_embeddings else 2))
+    return config.num_layers * config.layer_param_count() + _vocab_params(config)
 
 
 def resident_bytes_per_weight(config: ModelConfig, weight_file_bytes: int, dtype: str,
@@ -56,6 +59,15 @@ def resident_bytes_per_weight(config: ModelConfig, weight_file_bytes: int, dtype
     return min(1.15 * per_weight, float(DTYPE_BYTES[dtype]))
 
 
+def held_bytes_per_weight(config: ModelConfig, weight_file_bytes: int, dtype: str,
+                          quantize: Quantize | None = None) -> tuple[float, float]:
+    """:func:`resident_bytes_per_weight` of the layers' weights and of the embedding and LM
+    head, which quantizing on load keeps in int8 at least (:attr:`Quantize.vocab`)."""
+    return (resident_bytes_per_weight(config, weight_file_bytes, dtype, quantize),
+            resident_bytes_per_weight(config, weight_file_bytes, dtype,
+                                      quantize.vocab if quantize else None))
+
+
 def _runtime_and_scratch(config: ModelConfig, baseline_bytes: int) -> int:
     """What every rank holds besides weights and KV cache: its runtime and the scratch of
     a prefill chunk."""
@@ -64,10 +76,10 @@ def _runtime_and_scratch(config: ModelConfig, baseline_bytes: int) -> int:
                                                   largest)
 
 
-def _pipeline_fixed(config: ModelConfig, rank: int, world_size: int, weight_bytes: float) -> int:
+def _pipeline_fixed(config: ModelConfig, rank: int, world_size: int, vocab_bytes: float) -> int:
     """Bytes a pipeline rank holds outside its layers: the embedding on the first, the
     final norm and head on the last (a tied head on a one-rank shard shares the embedding)."""
-    embed = config.vocab_size * config.hidden_size * weight_bytes
+    embed = config.vocab_size * config.hidden_size * vocab_bytes
     held = embed if rank == 0 else 0
     if rank == world_size - 1 and not (config.tie_word_embeddings and world_size == 1):
         held += embed
@@ -130,21 +142,27 @@ def rank_bytes(config: ModelConfig, sharding: str, shares: list[RankShare], rank
     tokens = kv_pool_tokens(context, max_batch, kv_tokens)
     world = len(shares)
     kv_bytes = DTYPE_BYTES[dtype]
-    weight_bytes = resident_bytes_per_weight(config, weight_file_bytes, dtype, quantize)
+    weight_bytes, vocab_bytes = held_bytes_per_weight(config, weight_file_bytes, dtype, quantize)
     fixed = _runtime_and_scratch(config, baseline_bytes)
     share = shares[rank]
     if sharding == "tensor":
         assert share.tensor_share is not None
         return fixed + tensor_rank_bytes(config, TensorShare.from_dict(share.tensor_share),
                                          kv_tokens=tokens, weight_bytes=weight_bytes,
-                                         kv_element_bytes=kv_bytes)
+                                         kv_element_bytes=kv_bytes, vocab_bytes=vocab_bytes)
     kv_per_layer = tokens * config.kv_bytes_per_token(kv_bytes) // config.num_layers
     if sharding == "ring":
-        return (fixed + int(weight_bytes * model_param_count(config))
+        return (fixed + _ring_weights(config, weight_bytes, vocab_bytes)
                 + kv_per_layer * config.num_layers + _ring_working(config, world, kv_bytes))
     layers = share.layer_end - share.layer_start
     per_layer = int(weight_bytes * config.layer_param_count()) + kv_per_layer
-    return fixed + _pipeline_fixed(config, rank, world, weight_bytes) + layers * per_layer
+    return fixed + _pipeline_fixed(config, rank, world, vocab_bytes) + layers * per_layer
+
+
+def _ring_weights(config: ModelConfig, weight_bytes: float, vocab_bytes: float) -> int:
+    """Bytes of the whole model's weights (what every ring rank holds)."""
+    return int(weight_bytes * config.num_layers * config.layer_param_count()
+               + vocab_bytes * _vocab_params(config))
 
 
 def place_ranks(config: ModelConfig, sharding: str, nodes: list[NodeCapacity], context: int,
@@ -169,7 +187,7 @@ def place_ranks(config: ModelConfig, sharding: str, nodes: list[NodeCapacity], c
     tokens = kv_pool_tokens(context, max_batch, kv_tokens)
     try:
         return _place(config, sharding, nodes, tokens, dtype, admit,
-                      resident_bytes_per_weight(config, weight_file_bytes, dtype, quantize),
+                      held_bytes_per_weight(config, weight_file_bytes, dtype, quantize),
                       baseline_bytes)
     except PlacementError as exc:
         if "short by" not in str(exc):
@@ -220,26 +238,29 @@ def place_with_kv_pool(config: ModelConfig, sharding: str, nodes: list[NodeCapac
 
 
 def _place(config: ModelConfig, sharding: str, nodes: list[NodeCapacity], kv_tokens: int,
-           dtype: str, admit: bool, weight_bytes: float,
+           dtype: str, admit: bool, held: tuple[float, float],
            baseline_bytes: int) -> list[RankShare]:
-    """:func:`place_ranks` without the KV hint, weights at ``weight_bytes`` each."""
+    """:func:`place_ranks` without the KV hint, weights at ``held`` bytes each (layers,
+    embedding and head: :func:`held_bytes_per_weight`)."""
+    weight_bytes, vocab_bytes = held
     layers = config.num_layers
     kv_bytes = DTYPE_BYTES[dtype]
     kv_cache = kv_tokens * config.kv_bytes_per_token(kv_bytes)
     fixed = _runtime_and_scratch(config, baseline_bytes)
     if sharding == "pipeline":
         per_layer = int(weight_bytes * config.layer_param_count()) + kv_cache // layers
-        rank_fixed = [fixed + _pipeline_fixed(config, r, len(nodes), weight_bytes)
+        rank_fixed = [fixed + _pipeline_fixed(config, r, len(nodes), vocab_bytes)
                       for r in range(len(nodes))]
         return [RankShare(s, e) for s, e in
                 pipeline_layer_ranges(layers, nodes, per_layer, admit, rank_fixed)]
     if sharding == "tensor":
         shares = tensor_placement(config, nodes, kv_tokens=kv_tokens,
                                   weight_bytes=weight_bytes, kv_element_bytes=kv_bytes,
+                                  vocab_bytes=vocab_bytes,
                                   admit=admit, fixed_bytes=fixed)
         return [RankShare(0, layers, share.to_dict()) for share in shares]
     if sharding == "ring":
-        weights = int(weight_bytes * model_param_count(config)) + fixed
+        weights = _ring_weights(config, weight_bytes, vocab_bytes) + fixed
         ring_admission(nodes, weights, kv_cache, _ring_working(config, len(nodes), kv_bytes), admit)
         return [RankShare(0, layers) for _ in nodes]
     raise PlacementError(f"sharding {sharding!r} is not supported (supported: {', '.join(SHARDINGS)})")

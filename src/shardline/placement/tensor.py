@@ -97,12 +97,14 @@ def tensor_rank_bytes(
     kv_tokens: int = 0,
     weight_bytes: float = 2.0,
     kv_element_bytes: int = 2,
+    vocab_bytes: float | None = None,
 ) -> int:
     """Bytes one rank needs: its slices of every layer, the replicated parts, its KV cache.
 
     Args:
-        weight_bytes: bytes a weight element takes in memory (norms, embedding and head
-            included; see :func:`shardline.placement.ranks.resident_bytes_per_weight`).
+        weight_bytes: bytes a layer's weight element takes in memory (see
+            :func:`shardline.placement.ranks.resident_bytes_per_weight`).
+        vocab_bytes: the same for the embedding and LM head (None: ``weight_bytes``).
             Every rank holds the embedding; rank 0 also the LM head (a tied head shares
             the embedding's memory).
         kv_tokens, kv_element_bytes: the KV pool's tokens (all sequences together) and
@@ -114,9 +116,10 @@ def tensor_rank_bytes(
     norms = 2 * d + (2 * hd if config.qk_norm else 0)
     bias = (q + 2 * kv) if config.attention_bias else 0
     per_layer = linear * weight_bytes + (norms + bias) * kv_element_bytes
-    total = config.num_layers * per_layer + config.vocab_size * d * weight_bytes
+    vocab = weight_bytes if vocab_bytes is None else vocab_bytes
+    total = config.num_layers * per_layer + config.vocab_size * d * vocab
     if share.rank == 0:
-        head = 0 if config.tie_word_embeddings else weight_bytes
+        head = 0 if config.tie_word_embeddings else vocab
         total += config.vocab_size * d * head + d * kv_element_bytes
     kv_cache = 2 * config.num_layers * share.num_kv_heads * hd * kv_element_bytes
     total += kv_cache * kv_tokens
@@ -130,6 +133,7 @@ def tensor_placement(
     kv_tokens: int = 0,
     weight_bytes: float = 2.0,
     kv_element_bytes: int = 2,
+    vocab_bytes: float | None = None,
     admit: bool = True,
     fixed_bytes: int = 0,
 ) -> list[TensorShare]:
@@ -150,7 +154,7 @@ def tensor_placement(
     short = []
     for node, share in zip(nodes, shares):
         need = tensor_rank_bytes(
-            config, share, kv_tokens=kv_tokens, weight_bytes=weight_bytes,
+            config, share, kv_tokens=kv_tokens, weight_bytes=weight_bytes, vocab_bytes=vocab_bytes,
             kv_element_bytes=kv_element_bytes,
         ) + fixed_bytes
         if need > node.available_bytes:
