@@ -172,3 +172,30 @@ def test_planes_packed_in_row_blocks_equal_planes_packed_whole(monkeypatch):
     blocked = resident_weight(groups, torch.bfloat16)
     for a, b in zip(whole.packed + whole.scales_zeros, blocked.packed + blocked.scales_zeros):
         assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("type_name", ["Q4_1", "Q8_0", "Q5_K"])
+def test_an_lm_heads_largest_logits_are_float32_products(type_name):
+    """The LM head's top outputs are recomputed in float32 from the weight's rows: within
+    float32 rounding of the exact product of the bfloat16 input, where the 16-bit output
+    is off by up to a bfloat16 step."""
+    held, _ = resident(type_name, torch.bfloat16, seed=5)
+    head = Linear(held.shape[1], held.shape[0], logits=True)
+    head.set_parts([held])
+    x = (torch.randn(2, held.shape[1], generator=torch.Generator().manual_seed(6)) * 4 + 2)
+    x = x.to(torch.bfloat16)
+    exact = x.double() @ held.dequantize(torch.float64).T
+    y = head(x)
+    assert y.dtype == torch.float32
+    top = exact.topk(4, dim=-1).indices
+    refined = (y.gather(1, top).double() - exact.gather(1, top)).abs().max().item()
+    plain = (held.matmul(x).double().gather(1, top) - exact.gather(1, top)).abs().max().item()
+    assert refined < 1e-4 * exact.abs().max().item() < plain
+    assert torch.equal(y.argmax(dim=-1), exact.argmax(dim=-1))
+
+
+def test_an_lm_head_takes_no_rows():
+    held, _ = resident("Q4_1", torch.bfloat16)
+    head = Linear(held.shape[1], held.shape[0], logits=True)
+    head.set_parts([held])
+    assert head(torch.empty(0, held.shape[1], dtype=torch.bfloat16)).shape == (0, held.shape[0])

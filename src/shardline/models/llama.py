@@ -386,7 +386,7 @@ class DecoderShard(nn.Module):
         )
         if self.is_last and head:
             self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-            self.lm_head = Linear(config.hidden_size, config.vocab_size, bias=False)
+            self.lm_head = Linear(config.hidden_size, config.vocab_size, bias=False, logits=True)
         else:
             self.norm = None
             self.lm_head = None

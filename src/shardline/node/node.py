@@ -288,13 +288,15 @@ class Node:
         }
 
     async def _profile_host(self) -> None:
-        """Measure this machine once (matmul FLOP/s, memory bandwidth, accelerator) and
-        keep it for a day in the data directory's ``host-profile.json``, shared by every
-        node on the machine; memory figures are read live in :meth:`info`."""
+        """Measure this machine once (matmul FLOP/s, memory bandwidth, accelerator, a
+        runner's runtime) and keep it for a day in the data directory's
+        ``host-profile-v<PROFILE_FORMAT>.json``, shared by every node on the machine (a
+        profile of another format, measured otherwise, is measured again); memory figures
+        are read live in :meth:`info`."""
         from shardline.node.identity import default_data_dir
-        from shardline.node.profile import HostProfile, measure_host_async
+        from shardline.node.profile import PROFILE_FORMAT, HostProfile, measure_host_async
 
-        cache = default_data_dir() / "host-profile.json"
+        cache = default_data_dir() / f"host-profile-v{PROFILE_FORMAT}.json"
         try:
             if time.time() - cache.stat().st_mtime < 86_400:
                 self.profile = HostProfile.from_dict(json.loads(cache.read_text())).to_dict()

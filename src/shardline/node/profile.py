@@ -42,6 +42,11 @@ _MATMUL_N_GPU = 4096
 _COPY_BYTES = 256 * 2**20
 
 
+PROFILE_FORMAT = 2
+"""What a :class:`HostProfile` measures and how; a node measures again rather than use a
+cached profile of another format (2: the runtime baseline runs a tiny model)."""
+
+
 @dataclass
 class HostProfile:
     """One machine as a node sees it.
@@ -73,8 +78,8 @@ class HostProfile:
             the STREAM "copy" convention), averaged over several copies.
         runtime_baseline_bytes: the measuring child's resident memory right after
             importing torch and a runner's modules, running one small product on its
-            device and torch's int4 layout probe, bytes: what a runner holds before its
-            shard (placement counts it per rank; 0: unmeasured).
+            device and a tiny model's prefill and decode on the CPU, bytes: what a runner
+            holds besides its shard (placement counts it per rank; 0: unmeasured).
         measure_s: wall time the measurement took (child start to exit), seconds.
         note: why measured figures are missing (the measurement failed or timed out),
             or what else is worth knowing; ``""`` when nothing.
@@ -280,15 +285,40 @@ def _nvml_memory(index: int) -> tuple[int, int] | None:
 
 
 def _runner_runtime() -> None:
-    """Load what a runner has before it reads its shard: its modules (the model code,
-    the parallel stages, torch.distributed) and torch's int4 layout probe."""
+    """Run what a runner runs, on a tiny random model (2 layers, 256 wide, int4 weights):
+    its modules (the model code, the parallel stages, torch.distributed), torch's int4
+    layout probe, a prefill of 96 tokens (dequantized products) and a decode step (the
+    int4 kernel), so that the code and buffers those kernels bring count in the runtime
+    (a runner's memory grew by ~30 MiB beyond a bare torch process once it served)."""
     import shardline.parallel.pipeline  # noqa: F401, PLC0415 (only in the child)
     import shardline.parallel.ring  # noqa: F401, PLC0415
     import shardline.parallel.tensor  # noqa: F401, PLC0415
     import shardline.runner.engine  # noqa: F401, PLC0415
-    from shardline.models.linear import int4pack_layout  # noqa: PLC0415
+    import torch  # noqa: PLC0415
+    from shardline.models.config import ModelConfig, Quantize  # noqa: PLC0415
+    from shardline.models.linear import Linear, resident_weight  # noqa: PLC0415
+    from shardline.models.llama import DecoderShard, KVCache  # noqa: PLC0415
+    from shardline.models.quantize import quantize_groups  # noqa: PLC0415
 
-    int4pack_layout()
+    dtype, generator = torch.bfloat16, torch.Generator().manual_seed(0)
+
+    def weight(rows: int, cols: int):
+        values = torch.randn(rows, cols, generator=generator) * 0.05
+        return resident_weight(quantize_groups(values, Quantize.INT4), dtype)
+
+    config = ModelConfig("llama", 2, 256, 512, 4, 2, 64, 512, 1e-5, 10000.0, 128, True)
+    shard = DecoderShard(config, 0, 2)
+    for param in shard.parameters():
+        param.data = param.data.to(dtype)
+    for module in shard.modules():
+        if isinstance(module, Linear) and module is not shard.lm_head:
+            module.set_parts([weight(module.out_features, module.in_features)])
+    shard.embed.weight, shard.embed.dtype = weight(512, 256), dtype
+    shard.lm_head.set_parts([shard.embed.weight])
+    cache = KVCache(config, 2, 1, 128, dtype)
+    ids = torch.randint(0, 512, (96,), generator=generator)
+    shard(ids, shard.prefill_batch(0, 0, 96, want_logits=True), cache)
+    shard(ids[:1], shard.decode_batch([0], [96]), cache)
 
 
 def _measure(device: str, seconds: float) -> dict:
