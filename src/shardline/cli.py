@@ -45,6 +45,7 @@ def _run(args: argparse.Namespace) -> int:
         watchdog_s=args.watchdog,
         progress_timeout_s=args.progress_timeout,
         mdns=not args.no_mdns,
+        state_path=data_dir / "cluster-state.json",
     )
     logging.getLogger(__name__).info("node %s on %s", node.node_id, node.address)
     uvicorn.run(create_app(node), host=args.bind or args.host, port=args.port, log_level="warning")

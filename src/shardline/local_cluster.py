@@ -78,27 +78,41 @@ class LocalCluster:
             self.procs.append(proc)
 
     def start(self, timeout_s: float = 60.0) -> None:
-        """Start every node and wait until each sees all the others.
+        """Start every node and wait until the cluster has formed (:meth:`formed`).
 
         Raises:
             LocalClusterError: a node exited or the cluster did not form in time.
         """
         for i in range(self.n):
             self.start_node(i)
+        self.wait_formed(range(self.n), timeout_s)
+
+    def formed(self, indices) -> bool:
+        """Whether the nodes ``indices`` each see all of them live and hold one table from
+        the coordinator they agree on (its current term's)."""
+        try:
+            views = [httpx.get(f"{self.url(i)}/cluster/nodes", timeout=2).json() for i in indices]
+        except (httpx.HTTPError, ValueError):
+            return False
+        live = [sum(1 for n in v["nodes"] if n["live"]) for v in views]
+        agreed = {(v["coordinator"], tuple(sorted(v["epoch"].items()))) for v in views}
+        return (all(c == len(views) for c in live) and len(agreed) == 1
+                and views[0]["epoch"]["coordinator"] == views[0]["coordinator"])
+
+    def wait_formed(self, indices, timeout_s: float = 60.0) -> None:
+        """Wait until :meth:`formed`.
+
+        Raises:
+            LocalClusterError: a node exited or the cluster did not form in time.
+        """
+        indices = list(indices)
         deadline = time.time() + timeout_s
         while time.time() < deadline:
             self._check_alive()
-            try:
-                counts = [
-                    sum(1 for n in httpx.get(f"{self.url(i)}/cluster/nodes", timeout=2).json()["nodes"] if n["live"])
-                    for i in range(self.n)
-                ]
-                if all(c == self.n for c in counts):
-                    return
-            except (httpx.HTTPError, ValueError, KeyError):
-                pass
+            if self.formed(indices):
+                return
             time.sleep(0.3)
-        raise LocalClusterError(f"the {self.n} nodes did not see each other within {timeout_s:.0f} s")
+        raise LocalClusterError(f"the nodes {indices} did not form a cluster within {timeout_s:.0f} s")
 
     def _check_alive(self) -> None:
         for i, proc in enumerate(self.procs):

@@ -151,7 +151,7 @@ def create_app(node: Node) -> FastAPI:
                         "available_bytes": node.memory_of(peer.node_id)["free_bytes"],
                         **node.memory_of(peer.node_id), "total_bytes": peer.total_bytes,
                         "profile": peer.profile, "links": peer.links, "models": peer.models})
-        return {"coordinator": node.coordinator_id(), "nodes": out}
+        return {"coordinator": node.coordinator_id(), "epoch": node.epoch.to_dict(), "nodes": out}
 
     def instance_view(inst) -> dict:
         """An instance; ``local_engine`` is this node's rank's batch (EngineStats) and
@@ -260,17 +260,27 @@ def create_app(node: Node) -> FastAPI:
         return node.state()
 
     @app.post("/internal/state")
-    async def put_state(request: Request) -> dict:
-        await node.apply_state(await request.json())
-        return {"version": node.state_version}
+    async def put_state(request: Request):
+        """A coordinator's table: adopted when its epoch is newer than this node's, else
+        refused with 409 (an older term's, or a replay)."""
+        try:
+            adopted = await node.apply_state(await request.json())
+        except (ValueError, KeyError, TypeError) as exc:
+            return JSONResponse(status_code=400, content={"detail": f"not a state: {exc!r}"})
+        epoch = node.epoch.to_dict()
+        if not adopted:
+            return JSONResponse(status_code=409, content={
+                "detail": "the state is not newer than this node's", "epoch": epoch})
+        return {"epoch": epoch}
 
     @app.get("/internal/free-port")
     async def get_free_port() -> dict:
         return {"port": free_port()}
 
     @app.post("/internal/runner-status")
-    async def runner_status(request: Request) -> dict:
-        await node.runner_status(await request.json())
+    async def runner_status(request: Request):
+        if not await node.runner_status(await request.json()):
+            return JSONResponse(status_code=503, content={"detail": "this node does not coordinate"})
         return {"ok": True}
 
     @app.post("/internal/tasks")

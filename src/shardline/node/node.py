@@ -4,10 +4,12 @@ One node runs per machine and never runs model code itself (its runners do). Nod
 over HTTP (``/internal/*``):
 
 - membership: every node polls its peers' ``/internal/info`` each second; a node silent
-  for ``down_after_s`` is down. The coordinator is the live node with the smallest id.
+  for ``down_after_s`` is down. The coordinator is the live node with the smallest id,
+  once settled (``shardline.node.cluster_state``: terms, epochs and their invariants).
 - instances: the coordinator places a model, writes the instance table, and pushes it to
-  every node (``/internal/state``); each node reconciles its runners with the table (starts
-  the ranks placed on it, stops those no longer there) and reports runner status back.
+  every node (``/internal/state``) with its epoch; a node adopts only a newer epoch and
+  keeps the table on disk. Each node reconciles its runners with the table (starts the
+  ranks placed on it, stops those no longer there) and reports runner status back.
 - requests: the node that takes a request hands the task to every rank's node
   (``/internal/tasks``); its own runner streams the tokens back. A node that hosts no rank
   of the instance forwards the request to one that does (``/internal/generate``).
@@ -46,6 +48,8 @@ from shardline.models.store import (
 from shardline.models.tokenizer import Tokenizer
 from shardline.node.transfer import CopyProgress, TransferError, fetch_files
 from shardline.node.worker import Worker
+from shardline.machine_cache import write_atomically
+from shardline.node.cluster_state import Epoch, lost_instances, newer, next_term, paused, settled
 from shardline.placement.pipeline import NodeCapacity, PlacementError
 from shardline.placement.memory import committed_bytes, free_bytes, runtime_baseline
 from shardline.placement.ranks import (
@@ -92,6 +96,7 @@ class RankPlacement:
     loaded: dict | None = None  # the runner's Loaded report: layers and bytes it read
     fetched: dict | None = None  # while its node copies the shard's files: done_bytes, total_bytes
     estimated_bytes: int = 0  # what placement counts this rank to hold (placement.ranks.rank_bytes)
+    incarnation: float = 0.0  # its node's start time when placed (the rank dies with the node)
 
 
 @dataclass
@@ -141,6 +146,8 @@ class Peer:
     links: dict[str, dict] = field(default_factory=dict)  # its measured links, by node id
     models: dict[str, dict] = field(default_factory=dict)  # its ModelStore.summary()
     offered_bytes: int = 0  # what it offers to models in all (its limit, or what is free)
+    started_at: float = 0.0  # its incarnation: a restart changes it
+    epoch: Epoch = field(default_factory=Epoch)  # of the table it holds
 
 
 @dataclass
@@ -187,6 +194,7 @@ class Node:
         watchdog_s: float = 10.0,
         progress_timeout_s: float = 60.0,
         mdns: bool = False,
+        state_path: Path | None = None,
     ) -> None:
         self.node_id = node_id
         self.cluster_key = cluster_key
@@ -206,7 +214,13 @@ class Node:
         self.max_replacements = 3
         self.started_at = time.time()
         self.instances: dict[str, Instance] = {}
-        self.state_version = 0
+        self.epoch = Epoch()  # of the instance table held (cluster_state)
+        self.state_path = state_path  # where the table and its epoch are kept
+        self._acting_term: int | None = None  # the term this node coordinates, if it does
+        self._settled_since = self.started_at  # start, or resumption from a pause
+        self._heard_all_at: float | None = None  # the last round every peer answered
+        self._last_tick = self.started_at
+        self._load_state()
         self.worker = Worker(self._on_runner_message, watchdog_s=watchdog_s)
         self.streams: dict[int, _Stream] = {}
         self.engine_stats: dict[str, dict] = {}  # instance id -> this node's rank's batch
@@ -281,8 +295,9 @@ class Node:
             "total_bytes": int(psutil.virtual_memory().total),
             "memory_limit_bytes": self.memory_limit_bytes,
             "models": self.store.summary(),
-            "state_version": self.state_version,
+            "epoch": self.epoch.to_dict(),
             "coordinator": self.coordinator_id(),
+            "settled": self.is_settled(),
             "profile": profile,
             "links": self.links,
         }
@@ -337,7 +352,18 @@ class Node:
         return self.live_node_ids()[0]
 
     def is_coordinator(self) -> bool:
-        return self.coordinator_id() == self.node_id
+        """Whether this node acts as coordinator: the smallest live id, settled, in a term
+        it started."""
+        return self.coordinator_id() == self.node_id and self._acting_term is not None
+
+    def is_settled(self) -> bool:
+        """Whether this node has heard the cluster for an election window since it
+        started or resumed (cluster_state rule 3)."""
+        return settled(time.time(), self._settled_since, self.down_after_s, self._heard_all_at)
+
+    def incarnation_of(self, node_id: str) -> float:
+        """A node's start time as last heard (this node's own for itself)."""
+        return self.started_at if node_id == self.node_id else self.peers[node_id].started_at
 
     def address_of(self, node_id: str) -> str:
         if node_id == self.node_id:
@@ -346,69 +372,151 @@ class Node:
 
     async def _membership_loop(self) -> None:
         while True:
-            await asyncio.gather(*(self._poll(a) for a in self.peer_addresses))
+            now = time.time()
+            if paused(now, self._last_tick, self.down_after_s):
+                log.warning("this node was paused for %.0f s: it hears the cluster again "
+                            "before it acts as coordinator", now - self._last_tick)
+                self._settled_since, self._acting_term = now, None
+            self._last_tick = now
+            answered = await asyncio.gather(*(self._poll(a) for a in self.peer_addresses))
+            self._last_tick = time.time()
+            if all(answered):
+                self._heard_all_at = self._last_tick
+            if self.coordinator_id() != self.node_id:
+                self._acting_term = None
+            elif self._acting_term is None and self.is_settled():
+                await self._start_term()
             if self.is_coordinator():
-                live = set(self.live_node_ids())
-                for inst in list(self.instances.values()):
-                    down = [n for n in inst.node_ids() if n not in live]
-                    if down and inst.status != "failed":
-                        await self._fail_instance(inst, f"node(s) {', '.join(down)} are down")
+                await self._fail_lost_instances()
+            await self._report_unknown_statuses()
             await asyncio.sleep(1.0)
 
-    async def _poll(self, address: str) -> None:
+    async def _start_term(self) -> None:
+        """Become coordinator: a term above every one seen (cluster_state rule 2), then
+        fail the instances whose ranks are gone, and publish."""
+        term = next_term(self.epoch, [p.epoch for p in self.peers.values()])
+        self.epoch, self._acting_term = Epoch(term, 0, self.node_id), term
+        log.info("coordinator for term %d", term)
+        await self._publish()
+        for inst in [i for i in self.instances.values() if i.status == "failed"]:
+            # failed before this term (perhaps while no node coordinated): place it again
+            self._background.append(asyncio.create_task(self._replace(inst)))
+
+    async def _fail_lost_instances(self) -> None:
+        """Coordinator: fail the instances with a rank on a node that is down, or that
+        restarted since the placement (cluster_state rule 5)."""
+        live = set(self.live_node_ids())
+        incarnations = {p.node_id: p.started_at for p in self.peers.values()}
+        incarnations[self.node_id] = self.started_at
+        active = [i for i in self.instances.values() if i.status != "failed"]
+        restarted = set(lost_instances(
+            {i.instance_id: [(r.node_id, r.incarnation) for r in i.ranks] for i in active},
+            incarnations))
+        for inst in active:
+            down = [n for n in inst.node_ids() if n not in live]
+            if down:
+                await self._fail_instance(inst, f"node(s) {', '.join(down)} are down")
+            elif inst.instance_id in restarted:
+                gone = [r.node_id for r in inst.ranks if r.incarnation
+                        and incarnations.get(r.node_id, r.incarnation) != r.incarnation]
+                await self._fail_instance(inst, f"node(s) {', '.join(gone)} restarted: their ranks are gone")
+
+    async def _poll(self, address: str) -> bool:
+        """Ask a peer for its info (and a newer table, when it holds one); whether it
+        answered as a member."""
         try:
             response = await self._http.get(f"http://{address}/internal/info", timeout=2.0)
             if response.status_code == 401:
                 if address not in self._refused:
                     self._refused.add(address)
                     log.warning("%s refused this node's cluster key: it belongs to another cluster", address)
-                return
+                return False
             data = response.json()
             self._refused.discard(address)
         except (httpx.HTTPError, ValueError):
-            return
+            return False
+        try:
+            epoch = Epoch.from_dict(data["epoch"])
+        except (KeyError, TypeError, ValueError):
+            return False  # not a node of this version
         self.peers[data["node_id"]] = Peer(
             data["node_id"], data["address"], time.time(),
             data["available_bytes"], data["total_bytes"], data.get("profile"), data.get("links") or {},
             data.get("models") or {},
             offered_bytes=data.get("offered_bytes", data["available_bytes"]),
+            started_at=float(data.get("started_at") or 0.0), epoch=epoch,
         )
         if time.time() - self._link_measured.get(data["node_id"], 0.0) > 60.0:
             self._background = [t for t in self._background if not t.done()]
             self._background.append(asyncio.create_task(self._measure_link(data["node_id"], address)))
-        if data["node_id"] == self.coordinator_id() and data["state_version"] > self.state_version:
+        if newer(epoch, self.epoch):  # the newest table wins, whoever holds it (rule 4)
             try:
                 state = (await self._http.get(f"http://{address}/internal/state")).json()
                 await self.apply_state(state)
-            except (httpx.HTTPError, ValueError):
-                pass
+            except (httpx.HTTPError, ValueError, KeyError, TypeError):
+                return False
+        return True
 
     # -- replicated instance table -------------------------------------------------------
 
     def state(self) -> dict:
         return {
-            "version": self.state_version,
+            "epoch": self.epoch.to_dict(),
             "instances": [i.to_dict() for i in self.instances.values()],
         }
 
-    async def apply_state(self, state: dict) -> None:
-        """Adopt a newer instance table from the coordinator and reconcile runners."""
+    async def apply_state(self, state: dict) -> bool:
+        """Adopt a table of a newer epoch (cluster_state rule 1), keep it on disk and
+        reconcile runners; False (nothing changes) for one not newer than this node's.
+
+        Raises:
+            KeyError, TypeError, ValueError: ``state`` is not a state.
+        """
+        epoch = Epoch.from_dict(state["epoch"])
+        instances = {d["instance_id"]: Instance.from_dict(d) for d in state["instances"]}
         async with self._state_lock:
-            if state["version"] <= self.state_version:
-                return
-            self.state_version = state["version"]
-            self.instances = {d["instance_id"]: Instance.from_dict(d) for d in state["instances"]}
+            if not newer(epoch, self.epoch):
+                return False
+            self.epoch, self.instances = epoch, instances
+            if self._acting_term is not None and epoch.coordinator != self.node_id:
+                self._acting_term = None  # another coordinator's newer table: start over
+            self._save_state()
         await self._reconcile()
+        return True
 
     async def _publish(self) -> None:
-        """Coordinator: bump the version and push the table to every live node."""
-        self.state_version += 1
-        state = self.state()
-        targets = [self.address_of(n) for n in self.live_node_ids() if n != self.node_id]
-        await asyncio.gather(
-            *(self._post(f"http://{a}/internal/state", state) for a in targets)
-        )
+        """Coordinator: the next epoch of its term; keep the table on disk and push it to
+        every live node. A node not (yet) acting as coordinator only reconciles."""
+        if self.is_coordinator():
+            self.epoch = self.epoch.next()
+            self._save_state()
+            state = self.state()
+            targets = [self.address_of(n) for n in self.live_node_ids() if n != self.node_id]
+            await asyncio.gather(
+                *(self._post(f"http://{a}/internal/state", state) for a in targets)
+            )
         await self._reconcile()
+
+    def _save_state(self) -> None:
+        """Keep the table and its epoch in ``state_path`` (rule 1 across restarts)."""
+        if self.state_path is None:
+            return
+        try:
+            write_atomically(self.state_path, json.dumps(self.state()))
+        except OSError as exc:
+            log.warning("could not keep the instance table in %s: %s", self.state_path, exc)
+
+    def _load_state(self) -> None:
+        """The table and epoch kept before a restart, as desired state: no runner starts
+        from it until a coordinator publishes (its ranks died with the old process)."""
+        if self.state_path is None or not self.state_path.exists():
+            return
+        try:
+            data = json.loads(self.state_path.read_text())
+            self.epoch = Epoch.from_dict(data["epoch"])
+            self.instances = {d["instance_id"]: Instance.from_dict(d) for d in data["instances"]}
+        except (OSError, ValueError, KeyError, TypeError) as exc:
+            log.warning("ignoring the kept instance table %s: %s", self.state_path, exc)
 
     async def _post(self, url: str, body: dict) -> httpx.Response | None:
         try:
@@ -439,6 +547,19 @@ class Node:
         for instance_id, (inst, rank, placement) in wanted.items():
             if instance_id not in self.worker.runners and instance_id not in self._preparing:
                 self._preparing[instance_id] = asyncio.create_task(self._prepare_rank(inst, rank, placement))
+
+    async def _report_unknown_statuses(self) -> None:
+        """Report again each of this node's ranks whose runner is ready or failed where the
+        table says otherwise: the report went to a coordinator that has since changed, or
+        to none while one was taking over."""
+        for inst in list(self.instances.values()):
+            handle = self.worker.runners.get(inst.instance_id)
+            if inst.status == "failed" or handle is None or handle.status not in ("ready", "failed"):
+                continue
+            mine = [r for r in inst.ranks if r.node_id == self.node_id]
+            if mine and mine[0].status != handle.status:
+                loaded = dataclasses.asdict(handle.loaded) if handle.loaded else None
+                await self._report_runner(inst.instance_id, handle.status, handle.error, loaded)
 
     async def _prepare_rank(self, inst: Instance, rank: int, placement: RankPlacement) -> None:
         """Get the files of this node's shard of ``inst`` (copying what is missing from a
@@ -617,16 +738,21 @@ class Node:
         body = {"instance_id": instance_id, "node_id": self.node_id, "status": status,
                 "error": error, "loaded": loaded, "fetched": fetched}
         coordinator = self.coordinator_id()
-        if coordinator == self.node_id:
-            await self.runner_status(body)
-        else:
+        if coordinator != self.node_id:
             await self._post(f"http://{self.address_of(coordinator)}/internal/runner-status", body)
+        elif self.is_coordinator():
+            await self.runner_status(body)
+        # else: this node is taking over; the status is reported again once it coordinates
 
-    async def runner_status(self, body: dict) -> None:
-        """Coordinator: a node reports one of its ranks as fetching files, ready or failed."""
+    async def runner_status(self, body: dict) -> bool:
+        """Coordinator: a node reports one of its ranks as fetching files, ready or failed.
+        False (nothing changes) where this node does not coordinate: only the coordinator
+        changes the table (the reporter reports again)."""
+        if not self.is_coordinator():
+            return False
         inst = self.instances.get(body["instance_id"])
         if inst is None or inst.status == "failed":
-            return
+            return True
         for placement in inst.ranks:
             if placement.node_id == body["node_id"]:
                 if body["status"] == "fetching" and placement.status == "ready":
@@ -637,10 +763,11 @@ class Node:
                 placement.fetched = body.get("fetched") or placement.fetched
         if body["status"] == "failed":
             await self._fail_instance(inst, f"rank on node {body['node_id']} failed: {body['error']}")
-            return
+            return True
         if all(p.status == "ready" for p in inst.ranks) and inst.status == "loading":
             inst.status, inst.ready_at = "ready", time.time()
         await self._publish()
+        return True
 
     async def _fail_instance(self, inst: Instance, error: str) -> None:
         """Coordinator: mark an instance failed (every node stops its runners and fails
@@ -865,7 +992,8 @@ class Node:
             sharding=sharding,
             ranks=[
                 RankPlacement(n, self.address_of(n), share.layer_start, share.layer_end,
-                              tensor_share=share.tensor_share, estimated_bytes=need)
+                              tensor_share=share.tensor_share, estimated_bytes=need,
+                              incarnation=self.incarnation_of(n))
                 for n, share, need in zip(chosen, shares, estimated)
             ],
             master_addr=master_addr,
@@ -924,7 +1052,10 @@ class Node:
         return int(response.json()["port"])
 
     async def ask_coordinator(self, method: str, path: str, body: dict | None = None) -> tuple[int, dict]:
-        """Send a cluster-API request to the coordinator; its status and JSON body."""
+        """Send a cluster-API request to the coordinator; its status and JSON body (503
+        while this node, the next coordinator, still hears the cluster)."""
+        if self.coordinator_id() == self.node_id:
+            return 503, {"detail": "this node is taking over as coordinator; try again in a few seconds"}
         url = f"http://{self.address_of(self.coordinator_id())}{path}"
         response = await self._http.request(method, url, json=body, timeout=60.0)
         return response.status_code, response.json()

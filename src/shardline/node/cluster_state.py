@@ -1,0 +1,97 @@
+"""Which replicated instance table wins, and who may publish one: pure functions.
+
+The coordinator (the live, settled node with the smallest id) publishes the instance table
+to every node; each publication carries an :class:`Epoch`. The rules, and the invariants
+they keep:
+
+1. A node adopts a table only if its epoch is newer than the node's own (:func:`newer`),
+   and keeps the epoch of what it adopted or published on disk: a node's epoch never
+   goes back, across restarts too.
+2. A node that becomes coordinator starts a new term (:func:`next_term`), greater than
+   every term it has seen (its own, persisted, and its peers'), and publishes only in it.
+   Anything a former coordinator publishes afterwards carries an older term and is
+   refused, so a paused or restarted coordinator cannot overwrite the newer table; a
+   forged state of an older term is refused the same way.
+3. A node acts as coordinator only once it is settled (:func:`settled`): since it
+   started or resumed from a pause, every peer answered a membership round (and a newer
+   table, if a peer had one, was adopted in that round) or an election window passed, so
+   a returning node first learns (and adopts) the newer term's table.
+4. Two sides of a partition may each start a term; when it heals, every node adopts the
+   table of the greatest epoch (term, then sequence, then coordinator id: a total
+   order), and the coordinator then starts a term above it: the cluster converges on
+   one table.
+5. Ranks do not survive their node: a rank whose node restarted since the instance was
+   placed (its incarnation, the node's start time, changed) is lost, and the coordinator
+   fails and places again every instance with a lost rank (:func:`lost_instances`), when
+   it starts a term and whenever it sees a node come back.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True, order=True)
+class Epoch:
+    """When a table was published: ``term`` (one per coordinator's tenure), ``seq`` (its
+    publications in that term, from 1) and the publishing ``coordinator``'s id (which
+    orders two tables of one term from two sides of a partition)."""
+
+    term: int = 0
+    seq: int = 0
+    coordinator: str = ""
+
+    def to_dict(self) -> dict:
+        return {"term": self.term, "seq": self.seq, "coordinator": self.coordinator}
+
+    @classmethod
+    def from_dict(cls, data: Mapping) -> "Epoch":
+        """Raises: KeyError, TypeError, ValueError: not an epoch."""
+        return cls(int(data["term"]), int(data["seq"]), str(data["coordinator"]))
+
+    def next(self) -> "Epoch":
+        """The next publication in this term."""
+        return Epoch(self.term, self.seq + 1, self.coordinator)
+
+
+def newer(theirs: Epoch, mine: Epoch) -> bool:
+    """Whether a table published at ``theirs`` replaces one held at ``mine``."""
+    return theirs > mine
+
+
+def next_term(own: Epoch, seen: Iterable[Epoch]) -> int:
+    """The term a new coordinator starts: above its own and every term it has seen."""
+    return max([own.term, *(e.term for e in seen)]) + 1
+
+
+def settled(now: float, since: float, window_s: float, heard_all_at: float | None) -> bool:
+    """Whether a node that started (or resumed from a pause) at ``since`` has heard the
+    cluster by ``now`` (seconds): a whole membership round in which every peer answered
+    (at ``heard_all_at``; None: none yet) after ``since``, or else the election window
+    ``window_s`` (a peer that does not answer may be restarting)."""
+    return now - since >= window_s or (heard_all_at is not None and heard_all_at > since)
+
+
+def paused(now: float, last_tick: float, window_s: float) -> bool:
+    """Whether the gap since the node's last membership round (``last_tick``) means it
+    was paused (a stopped process, a sleeping laptop): longer than the window."""
+    return now - last_tick > window_s
+
+
+def lost_instances(ranks: Mapping[str, Iterable[tuple[str, float]]],
+                   incarnations: Mapping[str, float]) -> list[str]:
+    """Instances with a rank whose node restarted since the placement.
+
+    Args:
+        ranks: instance id -> ``(node id, the node's incarnation when placed)`` per rank
+            (0.0: not recorded, never lost by this rule).
+        incarnations: node id -> its incarnation now (its start time), for the nodes
+            heard from; a node not heard from is judged by liveness elsewhere.
+
+    Returns:
+        The lost instances' ids, in ``ranks``' order.
+    """
+    return [instance_id for instance_id, placed in ranks.items()
+            if any(then and node in incarnations and incarnations[node] != then
+                   for node, then in placed)]

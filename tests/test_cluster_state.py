@@ -1,0 +1,66 @@
+"""Which instance table wins and who may publish: tables over the pure rules of
+shardline.node.cluster_state (no processes)."""
+
+import pytest
+
+from shardline.node.cluster_state import Epoch, lost_instances, newer, next_term, paused, settled
+
+pytestmark = pytest.mark.timeout(10)
+
+
+@pytest.mark.parametrize("theirs, mine, adopted", [
+    (Epoch(2, 1, "b"), Epoch(1, 9, "a"), True),  # a newer term wins over any sequence
+    (Epoch(1, 9, "a"), Epoch(2, 1, "b"), False),  # an older term is refused (a paused coordinator)
+    (Epoch(2, 4, "b"), Epoch(2, 3, "b"), True),  # the next publication of the term
+    (Epoch(2, 3, "b"), Epoch(2, 3, "b"), False),  # a replay
+    (Epoch(2, 3, "c"), Epoch(2, 3, "b"), True),  # one term from two sides: a total order
+    (Epoch(2, 3, "b"), Epoch(2, 3, "c"), False),
+    (Epoch(1, 1, "a"), Epoch(), True),  # a new node takes the first table it hears
+    (Epoch(), Epoch(1, 1, "a"), False),
+])
+def test_only_a_newer_epoch_replaces_a_table(theirs, mine, adopted):
+    assert newer(theirs, mine) is adopted
+
+
+@pytest.mark.parametrize("own, seen, term", [
+    (Epoch(), [], 1),
+    (Epoch(3, 7, "a"), [Epoch(1, 2, "b")], 4),
+    (Epoch(1, 2, "a"), [Epoch(5, 1, "b"), Epoch(2, 9, "c")], 6),  # above every term seen
+])
+def test_a_new_coordinator_starts_a_term_above_every_term_seen(own, seen, term):
+    assert next_term(own, seen) == term
+
+
+@pytest.mark.parametrize("now, since, heard_all_at, result", [
+    (100.0, 99.0, None, False),  # just started, no round heard every peer yet
+    (100.0, 99.0, 99.5, True),  # every peer answered a round since the start
+    (100.0, 99.0, 98.0, False),  # ... but that round was before the pause
+    (100.0, 94.0, None, True),  # the window passed: a peer that is down is not waited for
+])
+def test_a_node_coordinates_only_once_it_has_heard_the_cluster(now, since, heard_all_at, result):
+    assert settled(now, since, 5.0, heard_all_at) is result
+
+
+@pytest.mark.parametrize("now, last_tick, result", [(100.0, 99.0, False), (100.0, 94.9, True)])
+def test_a_long_gap_between_rounds_is_a_pause(now, last_tick, result):
+    assert paused(now, last_tick, 5.0) is result
+
+
+def test_ranks_on_a_node_that_restarted_are_lost():
+    ranks = {
+        "i1": [("a", 10.0), ("b", 20.0)],
+        "i2": [("b", 20.0), ("c", 30.0)],
+        "i3": [("a", 0.0)],  # placed before incarnations were recorded
+        "i4": [("d", 40.0)],  # d not heard from: liveness decides, not this rule
+    }
+    assert lost_instances(ranks, {"a": 10.0, "b": 20.0, "c": 31.0}) == ["i2"]
+    assert lost_instances(ranks, {"a": 11.0, "b": 20.0, "c": 30.0}) == ["i1"]
+    assert lost_instances(ranks, {"a": 10.0, "b": 20.0, "c": 30.0, "d": 40.0}) == []
+
+
+def test_an_epoch_round_trips_and_a_malformed_one_is_refused():
+    epoch = Epoch(3, 4, "node-a")
+    assert Epoch.from_dict(epoch.to_dict()) == epoch and epoch.next() == Epoch(3, 5, "node-a")
+    for bad in ({}, {"term": "x", "seq": 1, "coordinator": "a"}, {"term": 1}):
+        with pytest.raises((KeyError, TypeError, ValueError)):
+            Epoch.from_dict(bad)

@@ -1,0 +1,125 @@
+"""The control plane across restarts (3 nodes on 127.0.0.1, real model): a coordinator
+that restarts, soon or late, rejoins without splitting the cluster, and the model is
+served again; a restart of every node places the kept models again; a state of an older
+term is refused (shardline.node.cluster_state)."""
+
+from __future__ import annotations
+
+import signal
+import time
+
+import httpx
+import pytest
+
+from conftest import free_port_block
+from shardline.local_cluster import LocalCluster
+from shardline.models.store import DEFAULT_MODEL_ID
+
+pytestmark = pytest.mark.timeout(300)
+
+
+def ids_of(cluster: LocalCluster) -> list[str]:
+    return [httpx.get(f"{cluster.url(i)}/health", timeout=5).json()["node_id"] for i in range(cluster.n)]
+
+
+def answer(url: str) -> str | None:
+    """The chat answer of the node at ``url``, or None while it cannot serve."""
+    try:
+        response = httpx.post(f"{url}/v1/chat/completions", timeout=60, json={
+            "model": DEFAULT_MODEL_ID, "temperature": 0, "max_tokens": 12,
+            "messages": [{"role": "user", "content": "What is the capital of France?"}]})
+    except httpx.HTTPError:
+        return None
+    return response.json()["choices"][0]["message"]["content"] if response.status_code == 200 else None
+
+
+def wait_until(check, timeout_s: float, what: str):
+    deadline = time.time() + timeout_s
+    while time.time() < deadline:
+        result = check()
+        if result:
+            return result
+        time.sleep(0.5)
+    raise AssertionError(f"not within {timeout_s} s: {what}")
+
+
+def tables(cluster: LocalCluster) -> list[tuple]:
+    """Each node's (epoch, [(instance id, status)])."""
+    out = []
+    for i in range(cluster.n):
+        state = httpx.get(f"{cluster.url(i)}/internal/state", timeout=5,
+                          headers={"Authorization": f"Bearer {cluster.cluster_key}"}).json()
+        out.append((tuple(state["epoch"].values()),
+                    sorted((x["instance_id"], x["status"]) for x in state["instances"])))
+    return out
+
+
+def healed(cluster: LocalCluster) -> bool:
+    """One table everywhere, one ready instance in it, and every node serves."""
+    if not cluster.formed(range(cluster.n)):
+        return False
+    held = tables(cluster)
+    if len(set(map(repr, held))) != 1 or [s for _, s in held[0][1]] != ["ready"]:
+        return False
+    return all("Paris" in (answer(cluster.url(i)) or "") for i in range(cluster.n))
+
+
+@pytest.fixture
+def cluster(tmp_path):
+    cluster = LocalCluster(nodes=3, base_port=free_port_block(3), runner_threads=1,
+                           log_dir=str(tmp_path), data_dir=str(tmp_path))
+    cluster.start()
+    try:
+        cluster.place(None, "pipeline")
+        yield cluster
+    finally:
+        cluster.stop()
+
+
+@pytest.mark.parametrize("down_s", [3, 12])
+def test_a_restarted_coordinator_rejoins_and_the_model_is_served_again(cluster, down_s):
+    """Back within the failover window (3 s) or after another node took over (12 s)."""
+    ids = ids_of(cluster)
+    first = ids.index(min(ids))
+    epoch_before = tables(cluster)[0][0]
+    cluster.procs[first].kill()
+    cluster.procs[first].wait(10)
+    time.sleep(down_s)
+    cluster.start_node(first)
+    back = time.time()
+    wait_until(lambda: healed(cluster), 90, "one table, a ready instance, every node serving")
+    print(f"\ncoordinator down {down_s} s: healed {time.time() - back:.1f} s after its return")
+    epoch, _ = tables(cluster)[0]
+    assert epoch[0] > epoch_before[0]  # a newer term
+    assert epoch[2] == min(ids)  # whose coordinator is the returned node, the smallest id
+    # The cluster API works through any node: delete, then nothing is listed anywhere.
+    instance_id = tables(cluster)[0][1][0][0]
+    other = next(i for i in range(3) if i != first)
+    assert httpx.delete(f"{cluster.url(other)}/cluster/instances/{instance_id}", timeout=30).status_code == 200
+    wait_until(lambda: all(s == [] for _, s in tables(cluster)), 15, "the instance gone everywhere")
+
+
+def test_every_node_restarted_places_the_kept_model_again(cluster):
+    for proc in cluster.procs:
+        proc.send_signal(signal.SIGTERM)
+    for proc in cluster.procs:
+        proc.wait(30)
+    for i in range(cluster.n):
+        cluster.start_node(i)
+    back = time.time()
+    wait_until(lambda: healed(cluster), 120, "the kept model served again")
+    print(f"\nall nodes restarted: serving again {time.time() - back:.1f} s later")
+
+
+def test_a_state_of_an_older_term_or_not_a_state_is_refused(cluster):
+    key = {"Authorization": f"Bearer {cluster.cluster_key}"}
+    url = f"{cluster.url(1)}/internal/state"
+    held = httpx.get(url, headers=key, timeout=5).json()
+    older = dict(held, epoch=dict(held["epoch"], term=held["epoch"]["term"] - 1, seq=10**6),
+                 instances=[])
+    refused = httpx.post(url, json=older, headers=key, timeout=5)
+    assert refused.status_code == 409 and refused.json()["epoch"] == held["epoch"]
+    assert httpx.post(url, json={"instances": []}, headers=key, timeout=5).status_code == 400
+    assert httpx.post(url, json=older, timeout=5).status_code == 401  # no key
+    assert httpx.get(url, headers=key, timeout=5).json() == held  # nothing changed
+    assert "Paris" in answer(cluster.url(1))
