@@ -1,4 +1,5 @@
-"""The local cluster's node processes do not outlive the process that started them."""
+"""The local cluster: its node processes do not outlive the process that started them, and
+a node that exits leaves the others serving (or, with restart, is started again)."""
 
 import subprocess
 import sys
@@ -33,3 +34,38 @@ def test_nodes_stop_when_their_launcher_is_killed(tmp_path):
         for proc in nodes:
             if proc.is_running():
                 proc.kill()
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("restart", [False, True])
+def test_a_node_that_exits_leaves_the_others_serving_or_is_started_again(tmp_path, restart):
+    import threading
+    import time
+
+    import httpx
+
+    from shardline.local_cluster import LocalCluster
+
+    cluster = LocalCluster(2, free_port_block(2), log_dir=str(tmp_path), data_dir=str(tmp_path))
+    lines: list[str] = []
+    try:
+        cluster.start()
+        node_id = httpx.get(f"{cluster.url(1)}/health", timeout=5).json()["node_id"]
+        watcher = threading.Thread(
+            target=lambda: lines.extend(cluster.supervise(restart=restart, poll_s=0.1)), daemon=True)
+        watcher.start()
+        cluster.procs[1].kill()
+        deadline = time.time() + 60
+        want = 2 if restart else 1
+        while len(lines) < want and time.time() < deadline:
+            time.sleep(0.1)
+        assert lines[0] == f"node 1 ({cluster.url(1)}) exited with code -9"
+        assert httpx.get(f"{cluster.url(0)}/health", timeout=5).status_code == 200  # a survivor
+        if restart:
+            assert lines[1] == "node 1 started again"
+            cluster.wait_formed([0, 1])  # back, with its id
+            assert httpx.get(f"{cluster.url(1)}/health", timeout=5).json()["node_id"] == node_id
+        else:
+            assert cluster.procs[1] is None and cluster.procs[0].poll() is None
+    finally:
+        cluster.stop()

@@ -89,10 +89,9 @@ def _cluster(args: argparse.Namespace) -> int:
           f"[{{\"role\": \"user\", \"content\": \"What is the capital of France?\"}}]}}'")
     print("  Ctrl-C stops the cluster.", flush=True)
     try:
-        cluster.wait()
-    except LocalClusterError as exc:
-        print(f"shardline cluster: {exc}; stopping the others", file=sys.stderr)
-        return 1
+        for line in cluster.supervise(restart=args.restart):
+            print(f"shardline cluster: {line}" + ("" if args.restart else "; the others keep serving"),
+                  file=sys.stderr, flush=True)
     except KeyboardInterrupt:
         pass
     finally:
@@ -160,6 +159,9 @@ def build_parser() -> argparse.ArgumentParser:
     cluster.add_argument("--memory-limit", type=byte_size, default=None,
                          help="the most memory each node offers to models, e.g. 600MB (default: all "
                               "that is available)")
+    cluster.add_argument("--restart", action="store_true",
+                         help="start a node that exits again (same port, id and data directory); "
+                              "without it the others keep serving")
     cluster.set_defaults(func=_cluster)
 
     bench = sub.add_parser("bench", help="measure prefill and decode tokens/s and TTFT")

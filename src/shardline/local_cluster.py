@@ -9,6 +9,7 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
 
 from pathlib import Path
 
@@ -161,11 +162,22 @@ class LocalCluster:
                 return False
         return True
 
-    def wait(self) -> None:
-        """Block until a node exits (or Ctrl-C)."""
-        while True:
-            self._check_alive()
-            time.sleep(0.5)
+    def supervise(self, restart: bool = False, poll_s: float = 0.5) -> Iterator[str]:
+        """Watch the nodes until every one has exited (or Ctrl-C): yields a line for each
+        node that exits and, with ``restart``, starts it again (same port, id and data
+        directory, as a service manager would) and yields that too. The others keep
+        serving either way."""
+        while any(p is not None and p.poll() is None for p in self.procs) or restart:
+            for i, proc in enumerate(self.procs):
+                if proc is None or proc.poll() is None:
+                    continue
+                yield f"node {i} ({self.url(i)}) exited with code {proc.returncode}"
+                if restart:
+                    self.start_node(i)
+                    yield f"node {i} started again"
+                else:
+                    self.procs[i] = None
+            time.sleep(poll_s)
 
     def stop(self) -> None:
         """Stop every node; each node kills its runners on the way out."""
