@@ -218,3 +218,14 @@ def test_preview_keeps_to_the_sharding_asked_for(cluster3):
                           json={"sharding": "auto", "min_nodes": 2, "max_nodes": 2}, timeout=60)
     counts = {len(c["node_ids"]) for c in response.json()["candidates"]}
     assert counts == {2}
+
+
+def test_preview_shows_the_kv_pool_each_placement_would_have(cluster3):
+    asked = {"sharding": "pipeline", "context": 1024, "max_batch": 4}
+    response = httpx.post(f"{cluster3.url(1)}/cluster/placements/preview", timeout=60,
+                          json=dict(asked, kv_cache_bytes=2048 * 23040))  # SmolLM2: 23,040 B a token
+    feasible = [c for c in response.json()["candidates"] if c["feasible"]]
+    assert feasible and {c["kv_tokens"] for c in feasible} == {2048}
+    capped = httpx.post(f"{cluster3.url(1)}/cluster/placements/preview", timeout=60,
+                        json=dict(asked, kv_cache_bytes=10**12)).json()["candidates"]
+    assert {c["kv_tokens"] for c in capped if c["feasible"]} == {4 * 1024}  # max_batch x context

@@ -123,3 +123,24 @@ def test_a_state_of_an_older_term_or_not_a_state_is_refused(cluster):
     assert httpx.post(url, json=older, timeout=5).status_code == 401  # no key
     assert httpx.get(url, headers=key, timeout=5).json() == held  # nothing changed
     assert "Paris" in answer(cluster.url(1))
+
+
+def test_a_paused_coordinator_resumes_without_splitting_the_cluster(cluster):
+    """SIGSTOP for 20 s (a closed laptop lid), then SIGCONT: the others took over in a newer
+    term; the resumed node adopts their table instead of pushing its stale one."""
+    ids = ids_of(cluster)
+    first = ids.index(min(ids))
+    others = [i for i in range(3) if i != first]
+    epoch_before = tables(cluster)[0][0]
+    cluster.procs[first].send_signal(signal.SIGSTOP)
+    try:
+        time.sleep(20)
+        took_over = {httpx.get(f"{cluster.url(i)}/cluster/nodes", timeout=5).json()["epoch"]["term"]
+                     for i in others}
+    finally:
+        cluster.procs[first].send_signal(signal.SIGCONT)
+    resumed = time.time()
+    assert min(took_over) > epoch_before[0]  # the others moved on while it was stopped
+    wait_until(lambda: healed(cluster), 90, "one table, a ready instance, every node serving")
+    print(f"\ncoordinator paused 20 s: healed {time.time() - resumed:.1f} s after it resumed")
+    assert tables(cluster)[0][0][0] > max(took_over)  # it took over again, in a newer term

@@ -121,14 +121,18 @@ def _place(args: argparse.Namespace) -> None:
     if args.preview:
         data = _request(args, "POST", "/cluster/placements/preview", body)
         table = Table()
-        for column in ("sharding", "nodes", "decode tok/s", "prefill tok/s", "refused because"):
+        for column in ("sharding", "nodes", "decode tok/s", "prefill tok/s", "KV tokens",
+                       "refused because"):
             table.add_column(column)
         for c in data["candidates"]:
             table.add_row(c["sharding"], ", ".join(c["node_ids"]),
                           f"{c['predicted_decode_tokens_per_s']:.1f}" if c["feasible"] else "-",
                           f"{c['predicted_prefill_tokens_per_s']:.0f}" if c["feasible"] else "-",
+                          f"{c['kv_tokens']:,}" if c["feasible"] else "-",
                           c["error"] or "")
         _console.print(table)
+        if not any(c["feasible"] for c in data["candidates"]):
+            raise CommandError("no placement fits (the reasons are above)")
         return
     inst = _request(args, "POST", "/cluster/instances", body)
     _console.print(f"placed {inst['model_id']} as instance {inst['instance_id']} ({inst['sharding']})")
@@ -257,9 +261,9 @@ def add_commands(sub, default_port: int) -> None:
     place.add_argument("--context", type=int, default=None, help="tokens per sequence")
     place.add_argument("--max-batch", type=int, default=None, help="sequences decoded together")
     place.add_argument("--kv-cache-bytes", type=byte_size, default=None,
-                       help="the KV cache of all ranks together, e.g. 256MB (default: max-batch "
-                            "sequences of the context, or as much as fits); requests wait for "
-                            "its blocks")
+                       help="the KV pool, e.g. 256MB: the whole model's keys and values (a ring "
+                            "rank holds all of it), at most max-batch sequences of the context "
+                            "(default: that, or as much as fits); requests wait for its blocks")
     place.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float16", "float32"))
     place.add_argument("--quantize", default=None, choices=("int8", "int4"),
                        help="quantize the weights a model's files hold in 16 or 32 bits on load "

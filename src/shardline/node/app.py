@@ -213,7 +213,8 @@ def create_app(node: Node) -> FastAPI:
             {"sharding": c.sharding, "node_ids": list(c.node_ids), "feasible": c.feasible,
              "predicted_decode_tokens_per_s": c.predicted_decode_tokens_per_s,
              "predicted_prefill_tokens_per_s": c.predicted_prefill_tokens_per_s,
-             "shares": [dataclasses.asdict(s) for s in c.shares], "error": c.error}
+             "shares": [dataclasses.asdict(s) for s in c.shares], "error": c.error,
+             "kv_tokens": c.kv_tokens}
             for c in candidates]}
 
     @app.post("/cluster/instances", status_code=201)

@@ -766,6 +766,8 @@ class Node:
             return True
         if all(p.status == "ready" for p in inst.ranks) and inst.status == "loading":
             inst.status, inst.ready_at = "ready", time.time()
+            log.info("instance %s of %s is ready: %s on %d node(s)", inst.instance_id,
+                     inst.model_id, inst.sharding, len(inst.ranks))
         await self._publish()
         return True
 
@@ -1008,6 +1010,8 @@ class Node:
             force=force,
         )
         self.instances[inst.instance_id] = inst
+        log.info("placed %s as instance %s (%s on %s)", card.model_id, inst.instance_id,
+                 sharding, ", ".join(chosen))
         await self._publish()
         return inst
 

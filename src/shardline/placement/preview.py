@@ -76,6 +76,8 @@ class Candidate:
             when infeasible.
         error: why the placement is refused (``PlacementError``'s message: the node and its
             shortfall in bytes, or the shape that cannot split); None when feasible.
+        kv_tokens: the KV pool it would have (tokens, all sequences together); 0 when
+            infeasible.
     """
 
     sharding: str
@@ -84,6 +86,7 @@ class Candidate:
     predicted_decode_tokens_per_s: float | None = None
     predicted_prefill_tokens_per_s: float | None = None
     error: str | None = None
+    kv_tokens: int = 0
 
     @property
     def feasible(self) -> bool:
@@ -302,7 +305,7 @@ def preview(
             if len(subset) == 1 and sharding != "pipeline":
                 continue
             try:
-                shares, _ = place_with_kv_pool(config, sharding, capacities, context,
+                shares, kv_pool = place_with_kv_pool(config, sharding, capacities, context,
                                                max_batch, dtype, admit, weight_file_bytes,
                                                baseline_bytes, kv_tokens, quantize)
             except PlacementError as exc:
@@ -312,7 +315,8 @@ def preview(
                 config, sharding, subset, shares, links, context, dtype,
                 decode_weight_bytes=decode_weight_bytes,
             )
-            feasible.append(Candidate(sharding, ids, tuple(shares), decode, prefill))
+            feasible.append(Candidate(sharding, ids, tuple(shares), decode, prefill,
+                                      kv_tokens=kv_pool))
     feasible.sort(key=lambda c: (-c.predicted_decode_tokens_per_s,
                                  -c.predicted_prefill_tokens_per_s, len(c.node_ids)))
     return feasible + infeasible
