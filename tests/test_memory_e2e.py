@@ -17,7 +17,7 @@ from shardline.placement.memory import runtime_baseline
 
 pytestmark = pytest.mark.timeout(300)
 
-CAP = 600_000_000  # bytes each node offers
+CAP = 400_000_000  # bytes each node offers: one placement fits, a second does not
 MIB = 2**20
 
 
@@ -95,7 +95,7 @@ def test_each_rank_holds_about_its_file_bytes_and_what_placement_counted(capped)
         param_bytes = next(r for r in loaded if r["node_id"] == rank["node_id"])["loaded"]["param_bytes"]
         assert param_bytes <= 1.15 * file_bytes  # the weights held: about the file's bytes
         assert 0.85 * steady <= estimate <= 1.15 * steady  # what placement counted: 6-12% over
-        assert load_peak <= 1.2 * steady  # measured 0.94-1.08
+        assert load_peak <= 1.25 * steady  # measured 0.97-1.19 (the last rank: its head)
         assert mem["peak_rss_bytes"] <= CAP  # the cap holds
 
 

@@ -4,8 +4,9 @@ After the workload, every rank's node is asked for its runner's memory
 (``GET /cluster/instances``, ``local_memory``): the resident set now (steady, after the
 workload) and its peak, and the peak while loading. Beside them: the bytes of the
 model's files the rank read for its shard, and what placement counted it to hold
-(``estimated_bytes``). Resident sets are the operating system's (RSS), so they include
-the Python and torch runtime each runner carries.
+(``estimated_bytes``). Resident memory is private memory (:mod:`shardline.process_memory`:
+anonymous pages, not the libraries' shared, reclaimable file pages), Python's and torch's
+runtime included.
 """
 
 from __future__ import annotations
@@ -80,9 +81,9 @@ def print_memory(rows: list[dict[str, Any]], console=None) -> None:
     # Wide enough for every column when the output is not a terminal (rich assumes 80).
     console = console or Console(width=None if sys.stdout.isatty() else 120)
     table = Table(caption="MiB. file: the model's bytes the rank read; est.: what placement "
-                          "counted it to hold; runtime: its resident set before any weight; RSS: "
-                          "after the workload; peak, load peak: the highest so far and while "
-                          "loading.",
+                          "counted it to hold; runtime: its private resident memory before any "
+                          "weight; RSS: the same after the workload; peak, load peak: the "
+                          "highest so far and while loading.",
                   caption_justify="left")
     for title in ("rank", "node", "share", "file", "est.", "runtime", "RSS", "peak", "load\npeak",
                   "est.\n/RSS", "load\n/RSS"):

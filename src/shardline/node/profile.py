@@ -30,6 +30,8 @@ from typing import Any
 
 import psutil
 
+from shardline.process_memory import memory_now
+
 # Devices the child accepts: "auto" picks cuda, then mps, then cpu.
 _DEVICE_RE = re.compile(r"^(auto|cpu|mps|cuda(:\d+)?)$")
 
@@ -42,9 +44,10 @@ _MATMUL_N_GPU = 4096
 _COPY_BYTES = 256 * 2**20
 
 
-PROFILE_FORMAT = 2
+PROFILE_FORMAT = 3
 """What a :class:`HostProfile` measures and how; a node measures again rather than use a
-cached profile of another format (2: the runtime baseline runs a tiny model)."""
+cached profile of another format (2: the runtime baseline runs a tiny model; 3: and
+counts private memory only)."""
 
 
 @dataclass
@@ -76,10 +79,11 @@ class HostProfile:
             read plus bytes written per second while copying a 256 MiB tensor into
             another already allocated one (``dst.copy_(src)``: 512 MiB moved a copy,
             the STREAM "copy" convention), averaged over several copies.
-        runtime_baseline_bytes: the measuring child's resident memory right after
-            importing torch and a runner's modules, running one small product on its
-            device and a tiny model's prefill and decode on the CPU, bytes: what a runner
-            holds besides its shard (placement counts it per rank; 0: unmeasured).
+        runtime_baseline_bytes: the measuring child's private resident memory
+            (:mod:`shardline.process_memory`) right after importing torch and a runner's
+            modules, running one small product on its device and a tiny model's prefill
+            and decode on the CPU, bytes: what a runner holds besides its shard
+            (placement counts it per rank; 0: unmeasured).
         measure_s: wall time the measurement took (child start to exit), seconds.
         note: why measured figures are missing (the measurement failed or timed out),
             or what else is worth knowing; ``""`` when nothing.
@@ -330,7 +334,7 @@ def _measure(device: str, seconds: float) -> dict:
     probe = torch.ones(64, 64, device=dev)
     (probe @ probe).sum().item()  # the device's runtime (CUDA context, kernels) in memory
     _runner_runtime()
-    result["runtime_baseline_bytes"] = int(psutil.Process().memory_info().rss)
+    result["runtime_baseline_bytes"] = memory_now()[0]
     del probe
     notes = []
     if dev.type == "cuda":

@@ -1,7 +1,8 @@
 """What a rank holds in memory, and what each node has left: pure functions over values.
 
-A rank's runner holds (:func:`rank_bytes`): the process's runtime (Python and torch,
-measured once per machine by the node's profile, else :data:`RUNTIME_BASELINE_BYTES`), its
+A rank's runner holds (:func:`rank_bytes`), in private memory
+(:mod:`shardline.process_memory`): the process's runtime (Python and torch, measured once
+per machine by the node's profile, else :data:`RUNTIME_BASELINE_BYTES`), its
 weights at :func:`~shardline.placement.ranks.resident_bytes_per_weight` each (the file's
 own quantization), its KV cache reservation, and the scratch a prefill chunk needs (a
 dequantized weight block and the chunk's activations).
@@ -18,12 +19,13 @@ from __future__ import annotations
 from collections.abc import Iterable
 
 RUNTIME_BASELINE_BYTES = 256 * 2**20
-"""A runner's memory before it loads anything (Python, torch, shardline), where the node
-has not measured it: 240-250 MiB measured on Linux x86-64 with torch 2.13."""
+"""A runner's private memory besides its shard (Python, torch, shardline, the kernels'
+buffers), where the node has not measured it: 150-160 MiB measured on Linux x86-64 with
+torch 2.13, counted with room to spare (another platform's runtime is unknown)."""
 
-RUNNER_EXTRA_BYTES = 24 * 2**20
-"""What a runner holds beyond the node profile's measured runtime: its process group,
-threads and the compute kernels' buffers (12-14 MiB measured on Linux x86-64)."""
+RUNNER_EXTRA_BYTES = 8 * 2**20
+"""What a runner holds beyond the node profile's measured runtime (which already ran a
+tiny model's kernels): its process group and threads (a few MiB on Linux x86-64)."""
 
 DEQUANT_SCRATCH_BYTES = 64 << 20
 """Scratch for a dense product's dequantized weight rows (float32 and the compute

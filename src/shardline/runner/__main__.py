@@ -24,6 +24,7 @@ from multiprocessing.connection import Connection
 # the main thread's imports ("partially initialized module 'typing'") and killed the thread,
 # so the node's watchdog then killed a healthy runner.
 from shardline.parallel.progress import Progress
+from shardline.process_memory import memory_now
 from shardline.runner.protocol import Failed, Heartbeat, Loaded, RunnerSpec, Shutdown
 
 log = logging.getLogger("shardline.runner")
@@ -77,19 +78,6 @@ class Outbox:
             except OSError:
                 return
             time.sleep(min(1.0, max(self.progress_timeout_s / 4, 0.1)))
-
-
-def memory_now() -> tuple[int, int]:
-    """This process's resident set size and its peak so far, in bytes (``getrusage``:
-    kilobytes on Linux, bytes on macOS)."""
-    import resource
-
-    import psutil
-
-    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-    peak = peak if sys.platform == "darwin" else peak * 1024
-    rss = psutil.Process().memory_info().rss
-    return rss, max(peak, rss)  # the kernel's peak can lag the resident set by a page run
 
 
 def load_stage(spec: RunnerSpec, source, group, progress: Progress, dtype, device):

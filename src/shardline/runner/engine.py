@@ -32,7 +32,6 @@ from typing import Callable
 
 import torch
 
-from shardline.models.shard_loader import release_free_memory
 from shardline.parallel.pipeline import PipelineStage
 from shardline.runner.agreement import agree
 from shardline.runner.protocol import (
@@ -233,12 +232,9 @@ class Engine:
         self.progress.begin("agreeing on tasks with the other ranks")
         self.apply_agreement()
         self.admit()
-        busy = bool(self.running)
         self._run_micro_batches()
         self.steps += 1
         self.progress.end()
-        if busy and not (self.running or self.waiting):
-            release_free_memory()  # the batch drained: its activations' heap goes back
         self.report()
 
     def plan_prefill(self, budget: int) -> list[tuple[Sequence, int, int]]:

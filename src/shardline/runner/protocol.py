@@ -139,8 +139,8 @@ class EngineStats:
 
 @dataclass(frozen=True)
 class Heartbeat:
-    """The runner is alive; its memory now and at most so far (bytes: resident set
-    size, and its peak as the kernel counts it)."""
+    """The runner is alive; its memory now and at most so far (bytes: private resident
+    memory, :mod:`shardline.process_memory`: the libraries' shared file pages left out)."""
 
     rss_bytes: int = 0
     peak_rss_bytes: int = 0
