@@ -106,7 +106,8 @@ class Engine:
         max_batch: KV-cache slots, the most sequences running at once.
         context: most tokens per sequence.
         kv_tokens: tokens of the KV pool, all sequences together (0: ``max_batch`` x
-            ``context``).
+            ``context``, which is rounded up to whole blocks a sequence, so every slot can
+            hold a whole context).
         prefill_chunk: prompt tokens per prefill micro-batch (a sequence's last chunk may
             be shorter).
         prefill_step_tokens: most prompt tokens prefilled per step while other sequences
@@ -153,7 +154,8 @@ class Engine:
         self.waiting: list[Task] = []
         self.running: list[Sequence] = []
         self.free_slots = list(range(max_batch))
-        self.kv_tokens = kv_tokens or max_batch * context
+        full = max_batch * stage.cache.blocks_for(context)  # every slot a whole context
+        self.kv_tokens = full if not kv_tokens or kv_tokens >= max_batch * context else kv_tokens
         self.free_kv_tokens = self.kv_tokens
         self.stopping = False
         self.steps = 0
