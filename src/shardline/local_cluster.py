@@ -49,6 +49,7 @@ class LocalCluster:
         self.log_dir = log_dir
         self.node_args = node_args or {}
         self.procs: list[subprocess.Popen | None] = []
+        self.stopping = False
         self.instance: dict | None = None
 
     def url(self, i: int) -> str:
@@ -167,9 +168,10 @@ class LocalCluster:
         node that exits and, with ``restart``, starts it again (same port, id and data
         directory, as a service manager would) and yields that too. The others keep
         serving either way."""
-        while any(p is not None and p.poll() is None for p in self.procs) or restart:
+        while not self.stopping and (any(p is not None and p.poll() is None for p in self.procs)
+                                     or restart):
             for i, proc in enumerate(self.procs):
-                if proc is None or proc.poll() is None:
+                if self.stopping or proc is None or proc.poll() is None:
                     continue
                 yield f"node {i} ({self.url(i)}) exited with code {proc.returncode}"
                 if restart:
@@ -180,7 +182,9 @@ class LocalCluster:
             time.sleep(poll_s)
 
     def stop(self) -> None:
-        """Stop every node; each node kills its runners on the way out."""
+        """Stop every node; each node kills its runners on the way out (and
+        :meth:`supervise` ends instead of starting them again)."""
+        self.stopping = True
         for proc in self.procs:
             if proc is not None and proc.poll() is None:
                 proc.send_signal(signal.SIGINT)
