@@ -13,6 +13,11 @@ class PlacementError(ValueError):
     """The model cannot be placed on the given nodes; the message says why."""
 
 
+class MemoryShortError(PlacementError):
+    """A node has fewer available bytes than its rank would hold; the message names the
+    node and the shortfall ("short by ... bytes")."""
+
+
 @dataclass(frozen=True)
 class NodeCapacity:
     """A node as placement sees it: its id and the bytes it can give a model."""
@@ -52,7 +57,7 @@ def pipeline_layer_ranges(
     for node, cap, f in zip(nodes, caps, fixed):
         if cap < 1:
             need = per_layer + f
-            raise PlacementError(
+            raise MemoryShortError(
                 f"node {node.node_id} needs at least {need} bytes (one layer and what its "
                 f"rank holds besides) but has {node.available_bytes} available (short by "
                 f"at least {need - node.available_bytes} bytes)"
@@ -64,7 +69,7 @@ def pipeline_layer_ranges(
             f"for what its rank holds besides layers)"
             for n, c, f in zip(nodes, caps, fixed)
         )
-        raise PlacementError(
+        raise MemoryShortError(
             f"{num_layers} layers of {per_layer} bytes need {num_layers * per_layer} bytes; "
             f"{detail}: short by {short} bytes"
         )

@@ -6,7 +6,12 @@ from dataclasses import dataclass
 
 from shardline.models.config import ModelConfig, Quantize, TensorShare
 from shardline.placement.memory import RUNTIME_BASELINE_BYTES, prefill_scratch_bytes
-from shardline.placement.pipeline import NodeCapacity, PlacementError, pipeline_layer_ranges
+from shardline.placement.pipeline import (
+    MemoryShortError,
+    NodeCapacity,
+    PlacementError,
+    pipeline_layer_ranges,
+)
 from shardline.placement.ring import ring_admission, ring_working_bytes
 from shardline.placement.tensor import tensor_placement, tensor_rank_bytes
 
@@ -189,11 +194,9 @@ def place_ranks(config: ModelConfig, sharding: str, nodes: list[NodeCapacity], c
         return _place(config, sharding, nodes, tokens, dtype, admit,
                       held_bytes_per_weight(config, weight_file_bytes, dtype, quantize),
                       baseline_bytes)
-    except PlacementError as exc:
-        if "short by" not in str(exc):
-            raise
+    except MemoryShortError as exc:
         kv = tokens * config.kv_bytes_per_token(DTYPE_BYTES[dtype])
-        raise PlacementError(f"{exc}; {_kv_hint(kv, tokens)}") from None
+        raise MemoryShortError(f"{exc}; {_kv_hint(kv, tokens)}") from None
 
 
 def place_with_kv_pool(config: ModelConfig, sharding: str, nodes: list[NodeCapacity],
@@ -219,12 +222,10 @@ def place_with_kv_pool(config: ModelConfig, sharding: str, nodes: list[NodeCapac
                            weight_file_bytes, baseline_bytes, kv_tokens=tokens, quantize=quantize)
 
     full = kv_pool_tokens(context, max_batch, kv_tokens)
-    if kv_tokens is not None or not admit:
-        return place(full), full
     try:
         return place(full), full
-    except PlacementError as exc:
-        if "short by" not in str(exc):
+    except MemoryShortError:
+        if kv_tokens is not None:
             raise
     best = (place(context), context)  # raises: nothing fits
     low, high = context, full - 1  # the most tokens that fit lies in [low, high]
@@ -232,7 +233,7 @@ def place_with_kv_pool(config: ModelConfig, sharding: str, nodes: list[NodeCapac
         mid = (low + high + 1) // 2
         try:
             best, low = (place(mid), mid), mid
-        except PlacementError:
+        except MemoryShortError:
             high = mid - 1
     return best
 

@@ -7,7 +7,7 @@ full context for every slot, and the prefill working set of one ring chunk.
 
 from __future__ import annotations
 
-from shardline.placement.pipeline import NodeCapacity, PlacementError
+from shardline.placement.pipeline import MemoryShortError, NodeCapacity, PlacementError
 
 
 def ring_working_bytes(chunk_tokens: int, world: int, num_heads: int, num_kv_heads: int,
@@ -44,7 +44,7 @@ def ring_admission(nodes: list[NodeCapacity], weight_bytes: int, kv_cache_bytes:
     if short:
         detail = ", ".join(f"node {n.node_id} has {n.available_bytes} bytes available "
                            f"(short by {need - n.available_bytes} bytes)" for n in short)
-        raise PlacementError(
+        raise MemoryShortError(
             f"every ring rank holds the whole model: {weight_bytes} bytes of weights + "
             f"{kv_cache_bytes} bytes of KV cache + {working_bytes} bytes of prefill working "
             f"set = {need} bytes; {detail}"

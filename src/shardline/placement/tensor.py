@@ -28,7 +28,7 @@ Everything here is pure: no torch, no I/O.
 from __future__ import annotations
 
 from shardline.models.config import ModelConfig, TensorShare
-from shardline.placement.pipeline import NodeCapacity, PlacementError
+from shardline.placement.pipeline import MemoryShortError, NodeCapacity, PlacementError
 
 COLUMN_BLOCK = 32
 
@@ -165,5 +165,5 @@ def tensor_placement(
                 f"{node.available_bytes} available (short by {need - node.available_bytes} bytes)"
             )
     if short:
-        raise PlacementError("tensor placement does not fit: " + "; ".join(short))
+        raise MemoryShortError("tensor placement does not fit: " + "; ".join(short))
     return shares
