@@ -3,7 +3,7 @@ engine's pure admission functions."""
 
 import pytest
 
-from shardline.runner.engine import admissible, kv_reservation
+from shardline.runner.engine import admissible, kv_reservation, pool_tokens
 
 pytestmark = pytest.mark.timeout(10)
 
@@ -32,3 +32,14 @@ def test_a_task_reserves_its_prompt_and_completion_in_whole_blocks(
 ])
 def test_tasks_start_in_order_while_slots_and_blocks_last(needs, slots, free, started):
     assert admissible(needs, slots, free) == started
+
+
+@pytest.mark.parametrize("asked, max_batch, context, block, expected", [
+    (0, 8, 4096, 32, 8 * 4096),  # the default: max_batch contexts
+    (0, 8, 1000, 32, 8 * 1024),  # ... each in whole blocks
+    (5000, 8, 1000, 32, 5000),  # a smaller pool, as placed
+    (9000, 8, 1000, 32, 8 * 1024),  # the batch cannot use more than its contexts
+])
+def test_a_ranks_pool_holds_what_was_placed_or_every_slot_a_whole_context(
+        asked, max_batch, context, block, expected):
+    assert pool_tokens(asked, max_batch, context, block) == expected

@@ -118,7 +118,7 @@ def serve(conn, outbox: Outbox) -> None:
     from shardline.models.linear import weight_bytes
     from shardline.models.shard_loader import large_allocations_mapped, release_free_memory
     from shardline.models.weights import open_weights
-    from shardline.runner.engine import Engine
+    from shardline.runner.engine import Engine, pool_tokens
 
     spec: RunnerSpec = conn.recv()
     if spec.threads:
@@ -162,7 +162,8 @@ def serve(conn, outbox: Outbox) -> None:
     del source
     gc.collect()
     release_free_memory()
-    pool_bytes = (spec.kv_tokens or spec.max_batch * spec.context) * cache.bytes_per_token
+    pool = pool_tokens(spec.kv_tokens, spec.max_batch, spec.context, cache.block_tokens)
+    pool_bytes = pool * cache.bytes_per_token
     outbox.send(Loaded(tuple(layers), tensors_read, bytes_read, param_bytes, pool_bytes,
                        *memory_now(), runtime_rss))
     engine = Engine(

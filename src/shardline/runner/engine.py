@@ -58,6 +58,15 @@ def kv_reservation(prompt_tokens: int, max_tokens: int, context: int, block_toke
     return min(-(-tokens // block_tokens) * block_tokens, pool_tokens)
 
 
+def pool_tokens(kv_tokens: int, max_batch: int, context: int, block_tokens: int) -> int:
+    """Tokens of a rank's KV pool: ``kv_tokens``, or where that is 0 or at least
+    ``max_batch`` x ``context``, ``max_batch`` whole contexts in blocks of ``block_tokens``
+    (so every slot can take a whole context)."""
+    if kv_tokens and kv_tokens < max_batch * context:
+        return kv_tokens
+    return max_batch * -(-context // block_tokens) * block_tokens
+
+
 def admissible(needs: list[int], free_slots: int, free_tokens: int) -> int:
     """How many of the waiting tasks, in order, start now: each takes a slot and its
     reservation (``needs``, tokens) while both last; the first that does not fit and
@@ -105,9 +114,8 @@ class Engine:
         group: the instance's process group, or None for a single rank.
         max_batch: KV-cache slots, the most sequences running at once.
         context: most tokens per sequence.
-        kv_tokens: tokens of the KV pool, all sequences together (0: ``max_batch`` x
-            ``context``, which is rounded up to whole blocks a sequence, so every slot can
-            hold a whole context).
+        kv_tokens: tokens of the KV pool, all sequences together (see
+            :func:`pool_tokens`; 0: ``max_batch`` whole contexts).
         prefill_chunk: prompt tokens per prefill micro-batch (a sequence's last chunk may
             be shorter).
         prefill_step_tokens: most prompt tokens prefilled per step while other sequences
@@ -154,8 +162,7 @@ class Engine:
         self.waiting: list[Task] = []
         self.running: list[Sequence] = []
         self.free_slots = list(range(max_batch))
-        full = max_batch * stage.cache.blocks_for(context)  # every slot a whole context
-        self.kv_tokens = full if not kv_tokens or kv_tokens >= max_batch * context else kv_tokens
+        self.kv_tokens = pool_tokens(kv_tokens, max_batch, context, stage.cache.block_tokens)
         self.free_kv_tokens = self.kv_tokens
         self.stopping = False
         self.steps = 0
