@@ -53,9 +53,10 @@ def test_ranks_on_a_node_that_restarted_are_lost():
         "i3": [("a", 0.0)],  # placed before incarnations were recorded
         "i4": [("d", 40.0)],  # d not heard from: liveness decides, not this rule
     }
-    assert lost_instances(ranks, {"a": 10.0, "b": 20.0, "c": 31.0}) == ["i2"]
-    assert lost_instances(ranks, {"a": 11.0, "b": 20.0, "c": 30.0}) == ["i1"]
-    assert lost_instances(ranks, {"a": 10.0, "b": 20.0, "c": 30.0, "d": 40.0}) == []
+    assert lost_instances(ranks, {"a": 10.0, "b": 20.0, "c": 31.0}) == {"i2": ["c"]}
+    assert lost_instances(ranks, {"a": 11.0, "b": 20.0, "c": 30.0}) == {"i1": ["a"]}
+    assert lost_instances(ranks, {"a": 10.0, "b": 21.0, "c": 31.0}) == {"i1": ["b"], "i2": ["b", "c"]}
+    assert lost_instances(ranks, {"a": 10.0, "b": 20.0, "c": 30.0, "d": 40.0}) == {}
 
 
 def test_an_epoch_round_trips_and_a_malformed_one_is_refused():

@@ -80,8 +80,8 @@ def paused(now: float, last_tick: float, window_s: float) -> bool:
 
 
 def lost_instances(ranks: Mapping[str, Iterable[tuple[str, float]]],
-                   incarnations: Mapping[str, float]) -> list[str]:
-    """Instances with a rank whose node restarted since the placement.
+                   incarnations: Mapping[str, float]) -> dict[str, list[str]]:
+    """Instances with a rank whose node restarted since the placement, and those nodes.
 
     Args:
         ranks: instance id -> ``(node id, the node's incarnation when placed)`` per rank
@@ -90,8 +90,13 @@ def lost_instances(ranks: Mapping[str, Iterable[tuple[str, float]]],
             heard from; a node not heard from is judged by liveness elsewhere.
 
     Returns:
-        The lost instances' ids, in ``ranks``' order.
+        instance id -> the ids of its restarted nodes, for the lost instances, in
+        ``ranks``' order.
     """
-    return [instance_id for instance_id, placed in ranks.items()
-            if any(then and node in incarnations and incarnations[node] != then
-                   for node, then in placed)]
+    lost = {}
+    for instance_id, placed in ranks.items():
+        gone = [node for node, then in placed
+                if then and node in incarnations and incarnations[node] != then]
+        if gone:
+            lost[instance_id] = gone
+    return lost

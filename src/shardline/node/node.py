@@ -409,17 +409,16 @@ class Node:
         incarnations = {p.node_id: p.started_at for p in self.peers.values()}
         incarnations[self.node_id] = self.started_at
         active = [i for i in self.instances.values() if i.status != "failed"]
-        restarted = set(lost_instances(
+        restarted = lost_instances(
             {i.instance_id: [(r.node_id, r.incarnation) for r in i.ranks] for i in active},
-            incarnations))
+            incarnations)
         for inst in active:
             down = [n for n in inst.node_ids() if n not in live]
             if down:
                 await self._fail_instance(inst, f"node(s) {', '.join(down)} are down")
             elif inst.instance_id in restarted:
-                gone = [r.node_id for r in inst.ranks if r.incarnation
-                        and incarnations.get(r.node_id, r.incarnation) != r.incarnation]
-                await self._fail_instance(inst, f"node(s) {', '.join(gone)} restarted: their ranks are gone")
+                gone = ", ".join(restarted[inst.instance_id])
+                await self._fail_instance(inst, f"node(s) {gone} restarted: their ranks are gone")
 
     async def _poll(self, address: str) -> bool:
         """Ask a peer for its info (and a newer table, when it holds one); whether it
