@@ -1,5 +1,6 @@
-"""The local cluster: its node processes do not outlive the process that started them, and
-a node that exits leaves the others serving (or, with restart, is started again)."""
+"""The local cluster: its node processes do not outlive the process that started them, a
+node that exits leaves the others serving (or, with restart, is started again), and a
+cluster started again serves its kept model once, not twice."""
 
 import subprocess
 import sys
@@ -69,3 +70,32 @@ def test_a_node_that_exits_leaves_the_others_serving_or_is_started_again(tmp_pat
             assert cluster.procs[1] is None and cluster.procs[0].poll() is None
     finally:
         cluster.stop()
+
+
+@pytest.mark.timeout(180)
+def test_a_cluster_started_again_serves_its_kept_model_once(tmp_path):
+    """``shardline cluster`` run twice with the same data: the nodes' kept instance is
+    placed again by the coordinator, and serve() waits for it instead of adding a second
+    (each run of the README's command used to add one more instance, and runner)."""
+    from shardline.local_cluster import LocalCluster
+
+    base = free_port_block(1)
+    first = LocalCluster(1, base, log_dir=str(tmp_path), data_dir=str(tmp_path))
+    try:
+        first.start()
+        kept = first.serve(None, context=256, max_batch=1)
+    finally:
+        first.stop()
+    again = LocalCluster(1, base, log_dir=str(tmp_path), data_dir=str(tmp_path))
+    try:
+        again.start()
+        served = again.serve(None, context=256, max_batch=1)
+        assert served["instance_id"] != kept["instance_id"]  # placed again: its old rank is gone
+        assert served["context"] == 256  # as it was placed, not the defaults
+        table = again.instances()
+        assert [i["instance_id"] for i in table] == [served["instance_id"]], [(i["instance_id"], i["status"], i["error"], i["created_at"]) for i in table]
+        runners = [p for p in psutil.Process(again.procs[0].pid).children(recursive=True)
+                   if "shardline.runner" in " ".join(p.cmdline())]
+        assert len(runners) == 1
+    finally:
+        again.stop()

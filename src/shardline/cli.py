@@ -71,7 +71,7 @@ def _cluster(args: argparse.Namespace) -> int:
     signal.signal(signal.SIGINT, signal.default_int_handler)
     try:
         cluster.start()
-        instance = cluster.place(args.model, args.sharding)
+        instance = cluster.serve(args.model, args.sharding)
     except (LocalClusterError, KeyboardInterrupt) as exc:
         cluster.stop()
         print(f"shardline cluster: {exc or 'interrupted'}", file=sys.stderr)

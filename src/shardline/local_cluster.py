@@ -18,6 +18,11 @@ import httpx
 from shardline.node.identity import cluster_key, default_data_dir
 
 
+KEPT_REPLACE_S = 20.0
+"""How long :meth:`LocalCluster.serve` waits for a kept instance that failed with its old
+ranks to be placed again (the coordinator waits ``down_after_s + 1``, 6 s by default)."""
+
+
 class LocalClusterError(RuntimeError):
     """The local cluster could not start, or its model could not be placed."""
 
@@ -152,6 +157,49 @@ class LocalCluster:
                 raise LocalClusterError(f"instance failed: {inst['error']}")
             time.sleep(0.3)
         raise LocalClusterError(f"instance {instance_id} was not ready within {timeout_s:.0f} s")
+
+    def instances(self) -> list[dict]:
+        """The instance table, as node 0 sees it."""
+        return httpx.get(f"{self.url(0)}/cluster/instances", timeout=5).json()["instances"]
+
+    def serve(self, model: str | None, sharding: str = "pipeline", timeout_s: float = 300.0,
+              **options) -> dict:
+        """The instance serving ``model`` with ``sharding``, placed once across restarts.
+
+        The nodes keep their instance table on disk: after a restart the coordinator finds
+        a kept instance's ranks gone, fails it and places it again (after
+        :data:`KEPT_REPLACE_S`). Such an instance (its model id is ``model``, or the
+        default model's for None) is waited for instead of placing a second copy beside
+        it; one that does not come back in time is deleted and the model placed anew
+        (:meth:`place`, with ``options``).
+
+        Raises:
+            LocalClusterError: placement was refused or the instance failed or timed out.
+        """
+        from shardline.models.store import DEFAULT_MODEL_ID
+
+        model_id = model or DEFAULT_MODEL_ID
+        deadline, kept = time.time() + timeout_s, []
+        replaced_by = time.time() + KEPT_REPLACE_S
+        while time.time() < deadline:
+            self._check_alive()
+            kept = [i for i in self.instances()
+                    if i["model_id"] == model_id and i["sharding"] == sharding]
+            for inst in kept:
+                if inst["status"] == "ready" and self._all_nodes_ready(inst["instance_id"]):
+                    self.instance = inst
+                    return inst
+            if not kept or (all(i["status"] == "failed" for i in kept) and time.time() > replaced_by):
+                break
+            time.sleep(0.3)
+        self.clear([i["instance_id"] for i in kept])
+        return self.place(model, sharding, max(1.0, deadline - time.time()), **options)
+
+    def clear(self, instance_ids: list[str] | None = None) -> None:
+        """Delete the instances ``instance_ids`` (default: every instance in the table)."""
+        ids = [i["instance_id"] for i in self.instances()] if instance_ids is None else instance_ids
+        for instance_id in ids:
+            httpx.delete(f"{self.url(0)}/cluster/instances/{instance_id}", timeout=30)
 
     def _all_nodes_ready(self, instance_id: str) -> bool:
         for i in range(self.n):

@@ -658,6 +658,7 @@ def _main(args: argparse.Namespace) -> int:
                                    runner_threads=args.runner_threads, log_dir=log_dir)
             cluster.start()
             _progress(f"placing {args.model or DEFAULT_MODEL_ID} ({args.sharding})")
+            cluster.clear()  # instances the bench's own nodes kept from an earlier run
             instance = cluster.place(args.model or DEFAULT_MODEL_ID, args.sharding)
             url = cluster.url(0)
             model, nodes, sharding = instance["model_id"], len(instance["ranks"]), instance["sharding"]

@@ -791,7 +791,6 @@ class Node:
             # Leave the failed instance in the table, so its error stays visible.
             log.error("giving up on %s after %d failed placements", failed.model_id, retries)
             return
-        del self.instances[failed.instance_id]
         live = set(self.live_node_ids())
         nodes = [n for n in failed.node_ids() if n in live] or None
         try:
@@ -800,7 +799,15 @@ class Node:
                               failed.dtype, failed.force, retries, failed.kv_cache_bytes,
                               failed.quantize)
         except (PlacementError, ModelNotFoundError, httpx.HTTPError) as exc:
+            # Left in the table with its error; a later term tries again.
             log.error("could not place %s again: %s", failed.model_id, exc)
+            failed.error = f"{failed.error}; not placed again: {exc}"
+            await self._publish()
+            return
+        # Only now, so the table never shows the model without an instance in between (a
+        # client waiting for the kept model would place a second one).
+        if self.instances.get(failed.instance_id) is failed:
+            del self.instances[failed.instance_id]
             await self._publish()
 
     # -- placement -----------------------------------------------------------------------
