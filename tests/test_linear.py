@@ -162,16 +162,32 @@ def test_the_default_gguf_is_held_in_its_own_bits():
     np.testing.assert_allclose(got, row, rtol=2 ** -7, atol=1e-6)
 
 
-def test_planes_packed_in_row_blocks_equal_planes_packed_whole(monkeypatch):
+@pytest.mark.parametrize("type_name", ["Q8_0", "Q6_K", "F32"])
+def test_a_weight_converted_in_row_blocks_equals_one_converted_whole(monkeypatch, type_name):
+    """In blocks of PACK_ROWS rows, from the whole groups or read block by block from the
+    file (RowBlocks, the loader's embedding and head): the same resident weight."""
     import shardline.models.linear as linear
 
-    data = random_blocks("Q8_0", rows=256, blocks=2, seed=7)
-    groups = unpack_blocks("Q8_0", data)
+    if type_name == "F32":
+        groups = torch.randn(256, 64, generator=torch.Generator().manual_seed(7))
+    else:
+        groups = unpack_blocks(type_name, random_blocks(type_name, rows=256, blocks=2, seed=7))
     whole = resident_weight(groups, torch.bfloat16)
     monkeypatch.setattr(linear, "PACK_ROWS", 64)
-    blocked = resident_weight(groups, torch.bfloat16)
-    for a, b in zip(whole.packed + whole.scales_zeros, blocked.packed + blocked.scales_zeros):
-        assert torch.equal(a, b)
+    reads = []
+
+    def read(start, end):
+        reads.append((start, end))
+        return groups[start:end] if type_name == "F32" else groups.rows(start, end)
+
+    for blocked in (resident_weight(groups, torch.bfloat16),
+                    resident_weight(linear.RowBlocks(read, (256, groups.shape[1])), torch.bfloat16)):
+        assert type(blocked) is type(whole)
+        assert torch.equal(blocked.dequantize(torch.float32), whole.dequantize(torch.float32))
+        if isinstance(whole, Int4Planes):
+            for a, b in zip(whole.packed + whole.scales_zeros, blocked.packed + blocked.scales_zeros):
+                assert torch.equal(a, b)
+    assert reads == [(0, 64), (64, 128), (128, 192), (192, 256)]
 
 
 @pytest.mark.parametrize("type_name", ["Q4_1", "Q8_0", "Q5_K"])
@@ -199,3 +215,22 @@ def test_an_lm_head_takes_no_rows():
     head = Linear(held.shape[1], held.shape[0], logits=True)
     head.set_parts([held])
     assert head(torch.empty(0, held.shape[1], dtype=torch.bfloat16)).shape == (0, held.shape[0])
+
+
+@pytest.mark.parametrize("type_name", ["Q4_1", "Q8_0", "Q5_K", "Q6_K"])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_compiled_dequant_is_the_eager_code_bit_for_bit(type_name, dtype):
+    """A prefill product's weight block from the compiled kernel (one and two int4 planes,
+    int8 groups) equals the eager torch code's, and so does the product."""
+    from shardline.models import native_dequant
+
+    if native_dequant.kernels() is None:
+        pytest.skip("no C compiler on this machine: the eager code is the only path")
+    data = random_blocks(type_name, rows=256, blocks=4, seed=5)
+    held = resident_weight(unpack_blocks(type_name, data), dtype)
+    if isinstance(held, Int4Planes) and dtype == torch.bfloat16:  # float32 planes: eager
+        assert held._kernel_half(dtype) is not None, "the kernel reads this machine's layout"
+    eager = held._rows(64, 192, dtype).clone()
+    assert torch.equal(held._columns(64, 192, dtype).t(), eager)
+    x = torch.randn(80, held.shape[1], generator=torch.Generator().manual_seed(6)).to(dtype)
+    assert torch.equal(held.matmul(x), torch.mm(x, held._rows(0, 256, dtype).t()))

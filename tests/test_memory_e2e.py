@@ -94,8 +94,8 @@ def test_each_rank_holds_about_its_file_bytes_and_what_placement_counted(capped)
         print(runner_breakdown(cluster, rank["address"]))
         param_bytes = next(r for r in loaded if r["node_id"] == rank["node_id"])["loaded"]["param_bytes"]
         assert param_bytes <= 1.15 * file_bytes  # the weights held: about the file's bytes
-        assert 0.85 * steady <= estimate <= 1.15 * steady  # what placement counted: 6-12% over
-        assert load_peak <= 1.25 * steady  # measured 0.97-1.19 (the last rank: its head)
+        assert 0.85 * steady <= estimate <= 1.15 * steady  # what placement counted: 2-10% over
+        assert load_peak <= 1.2 * steady  # the bound; measured 1.02-1.09
         assert mem["peak_rss_bytes"] <= CAP  # the cap holds
 
 

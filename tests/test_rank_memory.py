@@ -53,7 +53,7 @@ def test_one_rank_holds_about_the_file_plus_runtime_cache_and_scratch():
     kv = 256 * config.kv_bytes_per_token(2)
     weights = need - RUNTIME_BASELINE_BYTES - kv - prefill_scratch_bytes(
         config.hidden_size, config.intermediate_size,
-        2 * config.intermediate_size * config.hidden_size)
+        2 * config.intermediate_size * config.hidden_size, 2)
     assert FILE <= weights <= 1.16 * FILE  # the tied head shares the embedding
 
 
@@ -66,7 +66,7 @@ def test_ranks_of_three_add_up_to_about_one_node_plus_two_runtimes(sharding):
     one = rank_bytes(config, "pipeline", [RankShare(0, 30)], 0, 256, 1, "bfloat16", FILE)
     fixed = RUNTIME_BASELINE_BYTES + prefill_scratch_bytes(
         config.hidden_size, config.intermediate_size,
-        2 * config.intermediate_size * config.hidden_size)
+        2 * config.intermediate_size * config.hidden_size, 2)
     extra = sum(three) - one - 2 * fixed
     # Pipeline: the last rank's tied head is a second copy of the embedding; tensor: every
     # rank holds the embedding, and KV head 1 sits on two ranks.

@@ -22,19 +22,23 @@ of a decode step (SmolLM2's 30 layers of one-row GEMMs: int4 4.4 ms against int8
 the development machine); it serves every product of up to :data:`KERNEL_MAX_ROWS` rows,
 so a decoding sequence's output does not depend on its batch (the kernel computes each row
 alone). Larger products (prefill chunks) dequantize the weight, a block of rows at a time,
-into reused scratch (:data:`DEQUANT_SCRATCH_BYTES`) and run a dense GEMM. On CUDA every
+into reused scratch (:data:`DEQUANT_SCRATCH_BYTES`) and run a dense GEMM: with the compiled
+kernel of :mod:`shardline.models.native_dequant` where it builds, else with torch ops
+(the reference: the kernel's values are the same bit for bit). On CUDA every
 quantized form is dequantized per product (the CPU int4 layout is not CUDA's).
 """
 
 from __future__ import annotations
 
 import functools
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from shardline.models import native_dequant
 from shardline.models.gguf_quants import GroupQuant
 from shardline.placement.memory import DEQUANT_SCRATCH_BYTES
 
@@ -83,7 +87,9 @@ def _scratch(name: str, rows: int, cols: int, dtype: torch.dtype) -> torch.Tenso
     buf = _SCRATCH.get((name, dtype))
     if buf is None or buf.numel() < rows * cols:
         with torch.inference_mode(False):  # a normal tensor: written in and out of inference mode
-            buf = torch.empty(rows * cols, dtype=dtype)
+            raw = torch.empty(rows * cols * dtype.itemsize + 4096, dtype=torch.uint8)
+        skip = -raw.data_ptr() % 4096
+        buf = raw[skip: skip + rows * cols * dtype.itemsize].view(dtype)
         _SCRATCH[(name, dtype)] = buf
     return buf[: rows * cols].view(rows, cols)
 
@@ -95,18 +101,26 @@ def _in_dtype(work: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     return _scratch("out", work.shape[0], work.shape[1], dtype).copy_(work)
 
 
-def _blocked_product(x: torch.Tensor, out_features: int, rows) -> torch.Tensor:
-    """``x @ W.T`` with ``W``'s output rows dequantized a block at a time (see
-    :data:`DEQUANT_SCRATCH_BYTES`) by ``rows(start, end, dtype)`` (a scratch view, valid
-    until the next call)."""
-    block = max(256, DEQUANT_SCRATCH_BYTES // (6 * x.shape[1]) // 256 * 256)
+def _blocked_product(x: torch.Tensor, out_features: int, columns,
+                     scratch_per_weight: int) -> torch.Tensor:
+    """``x @ W.T`` with ``W``'s output rows dequantized a block at a time by
+    ``columns(start, end, dtype)``, which returns ``W.T``'s columns ``[in, end - start]``
+    (a scratch view, valid until the next call, possibly a transposed one: the GEMM reads
+    either layout) using ``scratch_per_weight`` bytes of scratch a weight: blocks of a
+    multiple of 256 rows within :data:`DEQUANT_SCRATCH_BYTES`."""
+    block = max(256, DEQUANT_SCRATCH_BYTES // (scratch_per_weight * x.shape[1]) // 256 * 256)
     if out_features <= block:
-        return F.linear(x, rows(0, out_features, x.dtype))
+        return torch.mm(x, columns(0, out_features, x.dtype))
     out = torch.empty(x.shape[0], out_features, dtype=x.dtype)
     for start in range(0, out_features, block):
         end = min(start + block, out_features)
-        out[:, start:end] = F.linear(x, rows(start, end, x.dtype))
+        out[:, start:end] = torch.mm(x, columns(start, end, x.dtype))
     return out
+
+
+def _native(dtype: torch.dtype):
+    """The compiled kernels when they can write ``dtype``, else None (eager torch ops)."""
+    return native_dequant.kernels() if dtype in (torch.bfloat16, torch.float32) else None
 
 
 @dataclass
@@ -143,11 +157,21 @@ class Int8Groups:
         self._fill(work, self.q[start:end], self.scale[start:end], self.offset[start:end])
         return _in_dtype(work, dtype)
 
+    def _columns(self, start: int, end: int, dtype: torch.dtype) -> torch.Tensor:
+        """``W.T``'s columns ``[start, end)`` (a transposed scratch view): the compiled
+        kernel where there is one, else :meth:`_rows`."""
+        if _native(dtype) is None:
+            return self._rows(start, end, dtype).t()
+        out = _scratch("out", end - start, self.q.shape[1], dtype)
+        return native_dequant.int8_groups(self.q[start:end], self.scale[start:end],
+                                          self.offset[start:end], self.group, out).t()
+
     def dequantize(self, dtype: torch.dtype) -> torch.Tensor:
         return self._rows(0, self.q.shape[0], dtype).clone()
 
     def matmul(self, x: torch.Tensor) -> torch.Tensor:
-        return _blocked_product(x, self.q.shape[0], self._rows)
+        per_weight = x.element_size() if _native(x.dtype) else 6  # float32 work + output
+        return _blocked_product(x, self.q.shape[0], self._columns, per_weight)
 
     def embed(self, ids: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         work = torch.empty(len(ids), self.q.shape[1])
@@ -181,7 +205,9 @@ class Int4Planes:
         x = x.contiguous()
         dense = x.shape[0] > KERNEL_MAX_ROWS or x.dtype == torch.float32
         if dense and self.rows_readable():
-            return _blocked_product(x, self.out_features, self._rows)
+            # the kernel's output, or float32 work, plane and nibbles and the output
+            per_weight = x.element_size() if self._kernel_half(x.dtype) else 11
+            return _blocked_product(x, self.out_features, self._columns, per_weight)
         y = None
         for packed, sz in zip(self.packed, self.scales_zeros):
             part = torch._weight_int4pack_mm_for_cpu(x, packed, INT4_GROUP, sz.to(x.dtype))
@@ -226,6 +252,26 @@ class Int4Planes:
             work += other
         return _in_dtype(work, dtype)
 
+    def _kernel_half(self, dtype: torch.dtype) -> int | None:
+        """The compiled kernel's half block (16 or 32) for this machine's layout, or None
+        where the eager code runs (no kernels, another nibble order, or scales or
+        ``dtype`` in float16)."""
+        layout = int4pack_layout()
+        if (_native(dtype) is None or layout is None or _nibble_row_order() != "halves"
+                or self.scales_zeros[0].dtype != torch.bfloat16):
+            return None
+        return layout[0] // 2 if layout[0] in (32, 64) else None
+
+    def _columns(self, start: int, end: int, dtype: torch.dtype) -> torch.Tensor:
+        """``W.T``'s columns ``[start, end)``, ``[in, end - start]`` in ``dtype`` (a scratch
+        view, maybe transposed): the compiled kernel where there is one, else :meth:`_rows`."""
+        half = self._kernel_half(dtype)
+        if half is None:
+            return self._rows(start, end, dtype).t()
+        out = _scratch("out", self.in_features, end - start, dtype)
+        return native_dequant.int4_planes_t(list(zip(self.packed, self.scales_zeros)), half,
+                                            start, out)
+
     def _plane_rows(self, i: int, ids: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         block, position = int4pack_layout()  # type: ignore[misc]
         p = _gather_rows(self.packed[i], self.in_features, block, position, ids)
@@ -260,53 +306,108 @@ class Int4Planes:
 ResidentWeight = DenseWeight | Int8Groups | Int4Planes
 
 
-def resident_weight(source: GroupQuant | torch.Tensor, dtype: torch.dtype,
+@dataclass
+class RowBlocks:
+    """A weight ``[rows, in]`` read from its file a block of rows at a time:
+    ``read(start, end)`` returns rows ``[start, end)`` as the file stores them (a
+    :class:`GroupQuant` or a float tensor). The loader reads the embedding and LM head,
+    the largest tensors, this way, so it never holds one whole in its unpacked form."""
+
+    read: Callable[[int, int], GroupQuant | torch.Tensor]
+    shape: tuple[int, int]
+
+
+PACK_ROWS = 4096
+"""Rows converted at a time (a multiple of every int4 block), bounding the loader's
+temporaries (unpacked groups, the packing's int32 copies) to this many rows of a tensor."""
+
+
+def resident_weight(source: GroupQuant | torch.Tensor | RowBlocks, dtype: torch.dtype,
                     device: torch.device | str = "cpu", int4: bool = True) -> ResidentWeight:
     """The resident form of one weight ``[out, in]``: a float tensor stays dense in
     ``dtype``; integer groups become :class:`Int4Planes` where ``int4`` allows, the group
     is 32, the device is the CPU and torch's int4 kernel takes the shape (``in`` a
     multiple of 32, ``out`` of 16), else :class:`Int8Groups`. No value changes beyond
-    rounding scales to ``dtype``.
+    rounding scales to ``dtype``. A weight of more than :data:`PACK_ROWS` rows is
+    converted (and, from :class:`RowBlocks`, read) that many rows at a time into one
+    resident weight allocated once.
     """
-    if isinstance(source, torch.Tensor):
-        return DenseWeight(source.to(device=device, dtype=dtype))
-    source = source.contiguous()
+    if isinstance(source, RowBlocks):
+        read = source.read
+    elif isinstance(source, GroupQuant):
+        read = source.rows
+    else:
+        read = lambda start, end: source[start:end]  # noqa: E731
     rows, cols = source.shape
-    on_cpu = torch.device(device).type == "cpu"
-    if int4 and on_cpu and source.group == INT4_GROUP and cols % INT4_GROUP == 0 and rows % 16 == 0:
-        try:
-            return _int4_planes(source, dtype)
-        except RuntimeError:  # a torch build without the CPU int4 kernel for this shape
-            pass
-    return Int8Groups(torch.from_numpy(source.q).to(device),
-                      torch.from_numpy(source.scale).to(device),
-                      torch.from_numpy(source.offset).to(device), source.group)
+    first = read(0, min(rows, PACK_ROWS))
+    convert: Callable[[GroupQuant | torch.Tensor], ResidentWeight]
+    if isinstance(first, torch.Tensor):
+        convert = lambda t: DenseWeight(t.to(device=device, dtype=dtype))  # type: ignore[union-attr]  # noqa: E731
+    elif (int4 and torch.device(device).type == "cpu" and first.group == INT4_GROUP
+          and cols % INT4_GROUP == 0 and rows % 16 == 0 and _int4_kernel_takes(first, dtype)):
+        convert = lambda g: _int4_planes(g.contiguous(), dtype)  # type: ignore[union-attr]  # noqa: E731
+    else:
+        convert = lambda g: _int8_groups(g.contiguous(), device)  # type: ignore[union-attr]  # noqa: E731
+    held = convert(first)
+    if rows <= PACK_ROWS:
+        return held
+    whole = _empty_rows(held, rows)
+    _set_rows(whole, 0, held)
+    del first, held
+    for start in range(PACK_ROWS, rows, PACK_ROWS):
+        _set_rows(whole, start, convert(read(start, min(rows, start + PACK_ROWS))))
+    return whole
 
 
-PACK_ROWS = 4096
-"""Rows packed at a time (a multiple of every int4 block), bounding the loader's int32
-temporaries to this many rows of the largest tensor (an embedding's)."""
+def _int4_kernel_takes(g: GroupQuant, dtype: torch.dtype) -> bool:
+    """Whether this torch build packs ``g``'s kind of weight for its CPU int4 kernel."""
+    try:
+        _int4_planes(g.rows(0, 16).contiguous(), dtype)
+        return True
+    except RuntimeError:  # a torch build without the CPU int4 kernel for this shape
+        return False
+
+
+def _int8_groups(g: GroupQuant, device: torch.device | str) -> Int8Groups:
+    return Int8Groups(torch.from_numpy(g.q).to(device), torch.from_numpy(g.scale).to(device),
+                      torch.from_numpy(g.offset).to(device), g.group)
+
+
+def _empty_rows(like: ResidentWeight, rows: int) -> ResidentWeight:
+    """A resident weight of ``like``'s form and columns with ``rows`` rows, unfilled."""
+    def grown(t: torch.Tensor, dim: int = 0) -> torch.Tensor:
+        shape = list(t.shape)
+        shape[dim] = rows
+        return torch.empty(shape, dtype=t.dtype, device=t.device)
+
+    if isinstance(like, DenseWeight):
+        return DenseWeight(grown(like.weight))
+    if isinstance(like, Int8Groups):
+        return Int8Groups(grown(like.q), grown(like.scale), grown(like.offset), like.group)
+    # torch's packed layout is a run of row blocks along its first dimension
+    return Int4Planes([grown(p) for p in like.packed], [grown(sz, 1) for sz in like.scales_zeros],
+                      rows, like.in_features)
+
+
+def _set_rows(whole: ResidentWeight, start: int, part: ResidentWeight) -> None:
+    """Copy ``part`` (of ``whole``'s form) into ``whole``'s rows from ``start``."""
+    end = start + part.shape[0]
+    if isinstance(whole, DenseWeight) and isinstance(part, DenseWeight):
+        whole.weight[start:end] = part.weight
+    elif isinstance(whole, Int8Groups) and isinstance(part, Int8Groups):
+        whole.q[start:end], whole.scale[start:end] = part.q, part.scale
+        whole.offset[start:end] = part.offset
+    elif isinstance(whole, Int4Planes) and isinstance(part, Int4Planes):
+        for i, (packed, sz) in enumerate(zip(part.packed, part.scales_zeros)):
+            whole.packed[i][start:end] = packed
+            whole.scales_zeros[i][:, start:end] = sz
+    else:
+        raise TypeError(f"row block {type(part).__name__} into {type(whole).__name__}")
 
 
 def _int4_planes(g: GroupQuant, dtype: torch.dtype) -> Int4Planes:
-    """Split integer groups of 32 into one (<= 4 bits) or two int4 planes, packing
-    :data:`PACK_ROWS` rows at a time (torch's packed layout is a run of row blocks, so
-    packed row blocks concatenate)."""
-    if g.shape[0] > PACK_ROWS:
-        held: Int4Planes | None = None
-        for start in range(0, g.shape[0], PACK_ROWS):
-            block = _int4_planes(g.rows(start, start + PACK_ROWS), dtype)
-            if held is None:  # the whole weight's planes, filled block by block (no concat copy)
-                held = Int4Planes(
-                    [torch.empty((g.shape[0], *p.shape[1:]), dtype=p.dtype) for p in block.packed],
-                    [torch.empty((sz.shape[0], g.shape[0], 2), dtype=sz.dtype)
-                     for sz in block.scales_zeros], g.shape[0], g.shape[1])
-            end = start + block.out_features
-            for i, (packed, sz) in enumerate(zip(block.packed, block.scales_zeros)):
-                held.packed[i][start:end] = packed
-                held.scales_zeros[i][:, start:end] = sz
-        assert held is not None
-        return held
+    """Split integer groups of 32 (at most :data:`PACK_ROWS` rows) into one (<= 4 bits)
+    or two int4 planes."""
     rows, cols = g.shape
     scale = torch.from_numpy(g.scale)  # [rows, cols / 32] float32
     offset = torch.from_numpy(g.offset)

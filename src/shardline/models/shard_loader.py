@@ -30,9 +30,9 @@ from shardline.models.config import Quantize, TensorShare
 from shardline.models.gguf_quants import GroupQuant
 from shardline.models.linear import (
     Int4Planes,
-    Int8Groups,
     Linear,
     ResidentWeight,
+    RowBlocks,
     resident_weight,
 )
 from shardline.models.quantize import quantizable, quantize_groups
@@ -83,12 +83,14 @@ def shard_tensors(
     layer_end: int,
     share: TensorShare | None = None,
     head: bool = True,
-) -> Iterator[tuple[str, list[Part] | torch.Tensor]]:
+) -> Iterator[tuple[str, list[Part] | list[RowBlocks] | torch.Tensor]]:
     """The weights of a :class:`~shardline.models.llama.DecoderShard`, one at a time.
 
     Yields ``(name, value)``: for a linear module (``layers.<i>.attn.qkv``, ``...o``,
-    ``...mlp.gate_up``, ``...down``, ``lm_head``) and ``embed`` a list of row blocks
-    (float tensors or :class:`GroupQuant`, as the file stores them); for a norm or bias
+    ``...mlp.gate_up``, ``...down``) a list of row blocks (float tensors or
+    :class:`GroupQuant`, as the file stores them); for ``embed`` and ``lm_head`` one
+    :class:`~shardline.models.linear.RowBlocks` (read when converted, a block of rows at
+    a time); for a norm or bias
     parameter its float tensor. Reads layers ``[layer_start, layer_end)``, the embedding
     when ``layer_start == 0`` and, with ``head``, the final norm and head (the embedding
     when tied) when the range ends at the last layer.
@@ -128,11 +130,19 @@ def shard_tensors(
             raise WeightFormatError(f"{label} has shape {found}, expected {shape}")
         return source.read_weight(name, rows, cols)
 
+    def row_blocks(label: str, part: str, shape: tuple[int, int]) -> RowBlocks:
+        """A whole top-level weight (embedding, head), to read a block of rows at a time."""
+        name = _names(source, None, part)
+        found = source.shape(name)
+        if found != shape:
+            raise WeightFormatError(f"{label} has shape {found}, expected {shape}")
+        return RowBlocks(lambda start, end: source.read_weight(name, (start, end)), shape)
+
     def vector(layer: int | None, part: str, rows: Span = None) -> torch.Tensor:
         return source.read(_names(source, layer, part), rows)
 
     if layer_start == 0:
-        yield "embed", [weight("embedding", None, "embed", (config.vocab_size, d))]
+        yield "embed", [row_blocks("embedding", "embed", (config.vocab_size, d))]
     for local, layer in enumerate(range(layer_start, layer_end)):
         p = f"layers.{local}."
         q = weight(f"layer {layer} q", layer, "q", (q_rows, d), q_span)
@@ -164,8 +174,8 @@ def shard_tensors(
         yield "norm.weight", vector(None, "norm")
         tied = config.tie_word_embeddings
         if not (tied and layer_start == 0):  # a tied head on the first shard reuses embed
-            yield "lm_head", [weight("LM head", None, "embed" if tied else "head",
-                                     (config.vocab_size, d))]
+            yield "lm_head", [row_blocks("LM head", "embed" if tied else "head",
+                                         (config.vocab_size, d))]
 
 
 def load_shard(
@@ -266,15 +276,16 @@ def _int4_for(dtype: torch.dtype) -> bool:
     return dtype != torch.float32
 
 
-def _embedding_weight(part: Part, dtype: torch.dtype,
-                      device: torch.device | str) -> ResidentWeight:
-    """The embedding's resident form: the same as the weight would take as a linear layer
-    (so a first pipeline rank's rows equal a one-node shard's, whose tied LM head shares
-    them), unless rows cannot be read from torch's int4 layout on this machine."""
+def _embedding_weights(part: Part | RowBlocks, dtype: torch.dtype,
+                       device: torch.device | str) -> tuple[ResidentWeight, ResidentWeight]:
+    """The embedding's resident form and a tied LM head's: both the form the weight takes
+    as a linear layer, one object (so a first pipeline rank's rows equal a one-node
+    shard's), unless rows cannot be read from torch's int4 layout on this machine: then
+    the embedding is held as int8 groups and the head keeps the int4 planes decode wants."""
     held = resident_weight(part, dtype, device, int4=_int4_for(dtype))
     if isinstance(held, Int4Planes) and not held.rows_readable():
-        return resident_weight(part, dtype, device, int4=False)
-    return held
+        return resident_weight(part, dtype, device, int4=False), held
+    return held, held
 
 
 def _build_shard(
@@ -289,9 +300,12 @@ def _build_shard(
 ):
     from shardline.models.llama import DecoderShard, rope_inverse_frequencies
 
-    def held(part: Part, vocab: bool = False) -> Part:
+    def held(part: Part | RowBlocks, vocab: bool = False) -> Part | RowBlocks:
         """The part as the loader holds it: quantized on load where asked and it can be
-        (the embedding and LM head as :attr:`Quantize.vocab` says)."""
+        (the embedding and LM head as :attr:`Quantize.vocab` says; block by block)."""
+        if isinstance(part, RowBlocks):
+            read = part.read
+            return RowBlocks(lambda start, end: held(read(start, end), vocab), part.shape)  # type: ignore[arg-type,return-value]
         if quantize is not None and isinstance(part, torch.Tensor) and quantizable(part):
             return quantize_groups(part, quantize.vocab if vocab else quantize)
         return part
@@ -308,17 +322,12 @@ def _build_shard(
             dense[name] = value.to(device=device, dtype=dtype)
             continue
         if name == "embed":
-            part = held(value[0], vocab=True)
-            embed_weight = _embedding_weight(part, dtype, device)
+            embed_weight, head_weight = _embedding_weights(held(value[0], vocab=True), dtype, device)
             shard.embed.weight = embed_weight
             shard.embed.dtype = dtype
             if tied_here:
-                head_weight = embed_weight
-                if isinstance(embed_weight, Int8Groups):  # decode wants int4 planes
-                    candidate = resident_weight(part, dtype, device, int4=_int4_for(dtype))
-                    head_weight = candidate if isinstance(candidate, Int4Planes) else embed_weight
                 shard.lm_head.set_parts([head_weight])
-            del part, value
+            del value, head_weight
             release_free_memory()
             continue
         module = modules[name]

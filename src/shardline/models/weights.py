@@ -87,9 +87,15 @@ class WeightSource:
         """
         self._check_name(name)
         tensor = self._read(name, rows, cols)
-        self.tensors_read.append(name)
+        self._note_read(name)
         self._release(name)
         return tensor
+
+    def _note_read(self, name: str) -> None:
+        """Count ``name`` in :attr:`tensors_read` (once for consecutive reads of its row
+        blocks)."""
+        if not self.tensors_read or self.tensors_read[-1] != name:
+            self.tensors_read.append(name)
 
     def read_weight(self, name: str, rows: Span = None,
                     cols: Span = None) -> torch.Tensor | GroupQuant:
@@ -183,7 +189,7 @@ class GGUFSource(WeightSource):
             except ValueError:
                 return self.read(name, rows, cols)  # the range cuts groups: exact floats
         self.bytes_read += int(part.nbytes)
-        self.tensors_read.append(name)
+        self._note_read(name)
         groups = groups.contiguous()
         self._release(name)
         return groups

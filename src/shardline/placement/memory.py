@@ -28,10 +28,13 @@ RUNNER_EXTRA_BYTES = 8 * 2**20
 tiny model's kernels): its process group and threads (a few MiB on Linux x86-64)."""
 
 DEQUANT_SCRATCH_BYTES = 64 << 20
-"""Scratch for a dense product's dequantized weight rows (float32 and the compute
-dtype, :mod:`shardline.models.linear`): a product dequantizes as many output rows at a
-time as fit, in multiples of 256 rows (a multiple of torch's int4 block); a whole matrix
-of up to 11M weights at once."""
+"""Scratch for a dense product's dequantized weight rows (:mod:`shardline.models.linear`):
+a product dequantizes as many output rows at a time as fit, in multiples of 256 rows (a
+multiple of torch's int4 block). The compiled kernels write the compute dtype only (a
+whole matrix of up to 32M bfloat16 weights at once); the eager code they replace where
+no C compiler works also holds float32 work, a second plane and the nibbles (11 bytes a
+weight, so at most 6M weights at once, and up to 9 bytes a weight more than placement
+counts)."""
 
 
 def runtime_baseline(measured: list[int]) -> int:
@@ -45,13 +48,12 @@ def runtime_baseline(measured: list[int]) -> int:
 
 
 def prefill_scratch_bytes(hidden: int, intermediate: int, largest_weight: int,
-                          chunk_tokens: int = 512) -> int:
-    """Scratch of one prefill chunk: the dequantized block of the largest weight (float32
-    work and plane, uint8 nibbles, the compute dtype: 11 bytes an element, at most
-    :data:`DEQUANT_SCRATCH_BYTES` plus nibbles) and the chunk's float32 activations
-    (hidden states, the fused gate/up output and the attention's q/k/v, about
-    ``chunk * (4 * hidden + 2 * intermediate)`` elements)."""
-    dequant = min(11 * largest_weight, DEQUANT_SCRATCH_BYTES * 11 // 6)
+                          dtype_bytes: int, chunk_tokens: int = 512) -> int:
+    """Scratch of one prefill chunk: the largest weight dequantized into the compute dtype
+    of ``dtype_bytes`` bytes (at most :data:`DEQUANT_SCRATCH_BYTES`) and the chunk's
+    float32 activations (hidden states, the fused gate/up output and the attention's
+    q/k/v, about ``chunk * (4 * hidden + 2 * intermediate)`` elements)."""
+    dequant = min(dtype_bytes * largest_weight, DEQUANT_SCRATCH_BYTES)
     return dequant + 4 * chunk_tokens * (4 * hidden + 2 * intermediate)
 
 

@@ -73,12 +73,12 @@ def held_bytes_per_weight(config: ModelConfig, weight_file_bytes: int, dtype: st
                                       quantize.vocab if quantize else None))
 
 
-def _runtime_and_scratch(config: ModelConfig, baseline_bytes: int) -> int:
+def _runtime_and_scratch(config: ModelConfig, baseline_bytes: int, dtype: str) -> int:
     """What every rank holds besides weights and KV cache: its runtime and the scratch of
-    a prefill chunk."""
+    a prefill chunk in ``dtype``."""
     largest = 2 * config.intermediate_size * config.hidden_size  # the fused gate/up
     return baseline_bytes + prefill_scratch_bytes(config.hidden_size, config.intermediate_size,
-                                                  largest)
+                                                  largest, DTYPE_BYTES[dtype])
 
 
 def _pipeline_fixed(config: ModelConfig, rank: int, world_size: int, vocab_bytes: float) -> int:
@@ -148,7 +148,7 @@ def rank_bytes(config: ModelConfig, sharding: str, shares: list[RankShare], rank
     world = len(shares)
     kv_bytes = DTYPE_BYTES[dtype]
     weight_bytes, vocab_bytes = held_bytes_per_weight(config, weight_file_bytes, dtype, quantize)
-    fixed = _runtime_and_scratch(config, baseline_bytes)
+    fixed = _runtime_and_scratch(config, baseline_bytes, dtype)
     share = shares[rank]
     if sharding == "tensor":
         assert share.tensor_share is not None
@@ -247,7 +247,7 @@ def _place(config: ModelConfig, sharding: str, nodes: list[NodeCapacity], kv_tok
     layers = config.num_layers
     kv_bytes = DTYPE_BYTES[dtype]
     kv_cache = kv_tokens * config.kv_bytes_per_token(kv_bytes)
-    fixed = _runtime_and_scratch(config, baseline_bytes)
+    fixed = _runtime_and_scratch(config, baseline_bytes, dtype)
     if sharding == "pipeline":
         per_layer = int(weight_bytes * config.layer_param_count()) + kv_cache // layers
         rank_fixed = [fixed + _pipeline_fixed(config, r, len(nodes), vocab_bytes)

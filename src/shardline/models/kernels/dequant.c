@@ -1,0 +1,110 @@
+/* Dequantization of shardline's resident weights into a compute-dtype scratch block, one
+ * pass over the packed bytes (see shardline/models/native_dequant.py, which compiles and
+ * loads this file, and shardline/models/linear.py, whose eager torch code computes the same
+ * values and is the reference).
+ *
+ * Every value is computed in float32 as (p * scale + zero) with no fused multiply-add
+ * (built with -ffp-contract=off), summed over the planes, and rounded once to the output
+ * dtype: bit for bit what the eager code computes.
+ *
+ * bfloat16 rounding is round-to-nearest-even on the float32 bits (the weights are finite).
+ */
+#include <stdint.h>
+#include <string.h>
+
+static inline uint16_t to_bf16(float f) {
+    uint32_t u;
+    memcpy(&u, &f, 4);
+    u += 0x7FFFu + ((u >> 16) & 1u);
+    return (uint16_t)(u >> 16);
+}
+
+static inline float from_bf16(uint16_t h) {
+    uint32_t u = (uint32_t)h << 16;
+    float f;
+    memcpy(&f, &u, 4);
+    return f;
+}
+
+/* torch's CPU int4 layout (torch._convert_weight_to_int4pack_for_cpu) for blocks of
+ * 2 * HALF rows, "halves" order: a plane is [out / (2 HALF), K, HALF] bytes, and byte j of
+ * a block's column k holds row j (low nibble) and row j + HALF (high nibble). Its scales
+ * and zeros are bfloat16 [K / 32, out, 2]: w = (p - 8) * scale + zero.
+ *
+ * Writes rows [r0, r0 + rows) of W as W^T: out[k * rows + r] for k < K, r < rows, where
+ * W is the sum over the planes (one, or two when p1 is not NULL); r0 and rows are
+ * multiples of 2 * HALF; p0 and p1 point at the planes' first byte, sz0 and sz1 at their
+ * scales. */
+#define INT4_KERNEL(HALF)                                                                   \
+    static inline void int4_plane_##HALF(const uint8_t *restrict a, const float *restrict s,  \
+                                         const float *restrict z, float *restrict t,          \
+                                         int add) {                                           \
+        if (add) {                                                                           \
+            for (int j = 0; j < HALF; j++) {                                                 \
+                t[j] += (float)(a[j] & 15) * s[j] + z[j];                                    \
+                t[j + HALF] += (float)(a[j] >> 4) * s[j + HALF] + z[j + HALF];               \
+            }                                                                                \
+        } else {                                                                             \
+            for (int j = 0; j < HALF; j++) {                                                 \
+                t[j] = (float)(a[j] & 15) * s[j] + z[j];                                     \
+                t[j + HALF] = (float)(a[j] >> 4) * s[j + HALF] + z[j + HALF];                \
+            }                                                                                \
+        }                                                                                    \
+    }                                                                                        \
+    void int4_planes_t_##HALF(const uint8_t *p0, const uint16_t *sz0, const uint8_t *p1,    \
+                              const uint16_t *sz1, int64_t out_features, int64_t r0,          \
+                              int64_t rows, int64_t K, void *out, int bf16) {                \
+        float t[2 * HALF] __attribute__((aligned(64)));                                      \
+        float s[2][2 * HALF], z[2][2 * HALF];                                                \
+        const uint8_t *planes[2] = {p0, p1};                                                 \
+        const uint16_t *scales[2] = {sz0, sz1};                                              \
+        int count = p1 ? 2 : 1;                                                              \
+        for (int64_t b = 0; b < rows / (2 * HALF); b++) {                                    \
+            int64_t row = r0 + b * 2 * HALF;                                                 \
+            for (int64_t g = 0; g < K / 32; g++) {                                           \
+                for (int i = 0; i < count; i++) {                                            \
+                    const uint16_t *sz = scales[i] + (g * out_features + row) * 2;           \
+                    for (int j = 0; j < 2 * HALF; j++) {                                     \
+                        s[i][j] = from_bf16(sz[2 * j]);                                      \
+                        z[i][j] = from_bf16(sz[2 * j + 1]) - 8 * s[i][j];                    \
+                    }                                                                        \
+                }                                                                            \
+                for (int64_t k = g * 32; k < g * 32 + 32; k++) {                             \
+                    for (int i = 0; i < count; i++)                                          \
+                        int4_plane_##HALF(planes[i] + (b * K + k) * HALF, s[i], z[i], t, i);  \
+                    int64_t o = k * rows + b * 2 * HALF;                                     \
+                    if (bf16) {                                                              \
+                        uint16_t *restrict d = (uint16_t *)out + o;                          \
+                        for (int j = 0; j < 2 * HALF; j++) d[j] = to_bf16(t[j]);             \
+                    } else {                                                                 \
+                        float *restrict d = (float *)out + o;                                \
+                        for (int j = 0; j < 2 * HALF; j++) d[j] = t[j];                      \
+                    }                                                                        \
+                }                                                                            \
+            }                                                                                \
+        }                                                                                    \
+    }
+
+INT4_KERNEL(32)
+INT4_KERNEL(16)
+
+/* One byte a weight: q uint8 [rows, K], scale and offset float32 [rows, K / group].
+ * Writes W row-major: out[r * K + k] = q * scale + offset. */
+void int8_groups(const uint8_t *restrict q, const float *restrict scale,
+                 const float *restrict offset, int64_t rows, int64_t K, int64_t group,
+                 void *out, int bf16) {
+    int64_t groups = K / group;
+    for (int64_t r = 0; r < rows; r++) {
+        for (int64_t g = 0; g < groups; g++) {
+            const uint8_t *restrict a = q + r * K + g * group;
+            float s = scale[r * groups + g], o = offset[r * groups + g];
+            if (bf16) {
+                uint16_t *restrict d = (uint16_t *)out + r * K + g * group;
+                for (int64_t j = 0; j < group; j++) d[j] = to_bf16((float)a[j] * s + o);
+            } else {
+                float *restrict d = (float *)out + r * K + g * group;
+                for (int64_t j = 0; j < group; j++) d[j] = (float)a[j] * s + o;
+            }
+        }
+    }
+}
