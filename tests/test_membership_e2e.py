@@ -182,3 +182,29 @@ def test_nodes_report_profiles_and_links_and_auto_placement_takes_the_best_previ
         assert (inst["sharding"], len(inst["ranks"])) == (best["sharding"], len(best["node_ids"]))
         print(f"\nauto chose {best['sharding']} on {len(best['node_ids'])} node(s), predicted "
               f"{best['predicted_decode_tokens_per_s']:.0f} tok/s decode")
+
+
+def test_a_late_joiner_that_knows_one_member_is_known_by_all(tmp_path):
+    """A 4th node started with --peers naming only node 0 (issue 13, case 6): every node
+    lists all four as live, the three old ones included."""
+    with LocalCluster(nodes=3, base_port=free_port_block(4), log_dir=str(tmp_path),
+                      data_dir=str(tmp_path)) as cluster:
+        cluster.start()
+        late_port = cluster.base_port + 3
+        command = [sys.executable, "-m", "shardline.cli", "run", "--host", "127.0.0.1",
+                   "--port", str(late_port), "--peers", f"127.0.0.1:{cluster.base_port}",
+                   "--exit-with-parent", "--no-mdns", "--data-dir", str(tmp_path / "late")]
+        with open(tmp_path / "late.log", "ab") as log:
+            late = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT,
+                                    env=dict(os.environ, SHARDLINE_CLUSTER_KEY=cluster.cluster_key))
+        try:
+            urls = [cluster.url(i) for i in range(3)] + [f"http://127.0.0.1:{late_port}"]
+
+            def everyone_sees_four():
+                seen = [httpx.get(f"{u}/cluster/nodes", timeout=2).json()["nodes"] for u in urls]
+                return all(sum(n["live"] for n in nodes) == 4 for nodes in seen)
+
+            wait_for(everyone_sees_four, 20, "all four nodes live in every node's view")
+        finally:
+            late.terminate()
+            late.wait(15)

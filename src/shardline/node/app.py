@@ -21,7 +21,7 @@ from shardline.models.store import DEFAULT_MODEL_ID, ModelNotFoundError, ModelSt
 from shardline.node.identity import key_matches
 from shardline.node.profile import add_link_routes
 from shardline.node.transfer import add_model_routes
-from shardline.node.node import InstanceFailedError, NoInstanceError, Node, free_port
+from shardline.node.node import MEMBER_HEADER, InstanceFailedError, NoInstanceError, Node, free_port
 from shardline.placement.ranks import SHARDINGS, KVCacheRequestError
 from shardline.placement.pipeline import PlacementError
 from shardline.runner.protocol import SamplingParams
@@ -253,7 +253,10 @@ def create_app(node: Node) -> FastAPI:
     # -- node-to-node --------------------------------------------------------------------
 
     @app.get("/internal/info")
-    async def info() -> dict:
+    async def info(request: Request) -> dict:
+        caller = request.headers.get(MEMBER_HEADER)
+        if caller:
+            node.add_peer(caller)
         return node.info()
 
     @app.get("/internal/state")

@@ -3,7 +3,9 @@
 One node runs per machine and never runs model code itself (its runners do). Nodes talk
 over HTTP (``/internal/*``):
 
-- membership: every node polls its peers' ``/internal/info`` each second; a node silent
+- membership: every node polls its peers' ``/internal/info`` each second, naming itself
+  (:data:`MEMBER_HEADER`); the polled node adds it to its peers and answers with the
+  members it knows, so a node that contacts one member joins all of them. A node silent
   for ``down_after_s`` is down. The coordinator is the live node with the smallest id,
   once settled (``shardline.node.cluster_state``: terms, epochs and their invariants).
 - instances: the coordinator places a model, writes the instance table, and pushes it to
@@ -82,6 +84,11 @@ class NoInstanceError(LookupError):
 
 class InstanceFailedError(RuntimeError):
     """The instance serving a request failed while the request was in flight."""
+
+
+MEMBER_HEADER = "X-Shardline-Node"
+"""The header a node's poll carries its own address in: the polled member adds it to its
+peers (a node that knows one member becomes known to all)."""
 
 
 @dataclass
@@ -300,7 +307,14 @@ class Node:
             "settled": self.is_settled(),
             "profile": profile,
             "links": self.links,
+            "members": self.member_addresses(),
         }
+
+    def member_addresses(self) -> list[str]:
+        """Addresses of the live peers: told to every node that polls this one, so that a
+        node that contacted one member comes to know (and be known by) all of them."""
+        now = time.time()
+        return sorted(p.address for p in self.peers.values() if now - p.last_seen < self.down_after_s)
 
     async def _profile_host(self) -> None:
         """Measure this machine once (matmul FLOP/s, memory bandwidth, accelerator, a
@@ -338,7 +352,11 @@ class Node:
             log.warning("could not measure the link to %s: %s", node_id, exc)
 
     def add_peer(self, address: str) -> None:
-        """Poll ``host:port`` from now on (a peer found by mDNS; any thread)."""
+        """Poll ``host:port`` from now on (a peer found by mDNS, one that polled this node,
+        or a member another member named; any thread). Anything else is ignored."""
+        host, _, port = address.rpartition(":")
+        if not host or not port.isdigit() or not 0 < int(port) < 65536:
+            return
         if address != self.address and address not in self.peer_addresses:
             log.info("found peer %s", address)
             self.peer_addresses = self.peer_addresses + [address]
@@ -424,7 +442,8 @@ class Node:
         """Ask a peer for its info (and a newer table, when it holds one); whether it
         answered as a member."""
         try:
-            response = await self._http.get(f"http://{address}/internal/info", timeout=2.0)
+            response = await self._http.get(f"http://{address}/internal/info", timeout=2.0,
+                                            headers={MEMBER_HEADER: self.address})
             if response.status_code == 401:
                 if address not in self._refused:
                     self._refused.add(address)
@@ -445,6 +464,9 @@ class Node:
             offered_bytes=data.get("offered_bytes", data["available_bytes"]),
             started_at=float(data.get("started_at") or 0.0), epoch=epoch,
         )
+        for member in data.get("members") or []:  # membership both ways, through any member
+            if isinstance(member, str):
+                self.add_peer(member)
         if time.time() - self._link_measured.get(data["node_id"], 0.0) > 60.0:
             self._background = [t for t in self._background if not t.done()]
             self._background.append(asyncio.create_task(self._measure_link(data["node_id"], address)))
