@@ -3,7 +3,16 @@ shardline.node.cluster_state (no processes)."""
 
 import pytest
 
-from shardline.node.cluster_state import Epoch, lost_instances, newer, next_term, paused, settled
+from shardline.node.cluster_state import (
+    Epoch,
+    RejoinView,
+    lost_instances,
+    newer,
+    next_term,
+    paused,
+    rejoinable,
+    settled,
+)
 
 pytestmark = pytest.mark.timeout(10)
 
@@ -65,3 +74,19 @@ def test_an_epoch_round_trips_and_a_malformed_one_is_refused():
     for bad in ({}, {"term": "x", "seq": 1, "coordinator": "a"}, {"term": 1}):
         with pytest.raises((KeyError, TypeError, ValueError)):
             Epoch.from_dict(bad)
+
+
+@pytest.mark.parametrize("view, live, rejoins", [
+    # a returning node: placed on a, b after c was lost; all three live, idle
+    (RejoinView("ready", ("a", "b"), ("a", "b", "c"), False), "abc", True),
+    (RejoinView("ready", ("a", "b"), ("a", "b", "c"), True), "abc", False),  # busy: later
+    (RejoinView("ready", ("a", "b"), ("a", "b", "c"), False), "ab", False),  # c still down
+    (RejoinView("loading", ("a", "b"), ("a", "b", "c"), False), "abc", False),
+    (RejoinView("failed", ("a", "b"), ("a", "b", "c"), False), "abc", False),
+    (RejoinView("ready", ("a", "b", "c"), (), False), "abc", False),  # never reduced
+    (RejoinView("ready", ("a", "b", "c"), ("a", "b", "c"), False), "abc", False),  # back already
+    (RejoinView("ready", ("a",), ("a", "c"), False), "abcd", True),
+    (RejoinView("ready", ("a", "d"), ("a", "c"), False), "abcd", False),  # not a subset
+])
+def test_an_idle_instance_placed_on_fewer_nodes_rejoins_them_when_all_are_back(view, live, rejoins):
+    assert rejoinable({"i": view}, live) == (["i"] if rejoins else [])

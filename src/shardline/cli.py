@@ -46,6 +46,7 @@ def _run(args: argparse.Namespace) -> int:
         progress_timeout_s=args.progress_timeout,
         mdns=not args.no_mdns,
         state_path=data_dir / "cluster-state.json",
+        rejoin=not args.no_rejoin,
     )
     logging.getLogger(__name__).info("node %s on %s", node.node_id, node.address)
     uvicorn.run(create_app(node), host=args.bind or args.host, port=args.port, log_level="warning")
@@ -139,6 +140,9 @@ def build_parser() -> argparse.ArgumentParser:
                      help="seconds a runner may wait inside an engine step without progress (a stalled "
                           "peer or collective) before its instance fails; must exceed the time of one "
                           "prefill chunk (default %(default)s)")
+    run.add_argument("--no-rejoin", action="store_true",
+                     help="when this node coordinates, do not place an instance that lost "
+                          "nodes on them again when they return")
     run.add_argument("--no-mdns", action="store_true",
                      help="do not advertise this node or look for others by mDNS (use --peers only)")
     run.add_argument("--exit-with-parent", action="store_true",

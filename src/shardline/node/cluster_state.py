@@ -24,6 +24,10 @@ they keep:
    placed (its incarnation, the node's start time, changed) is lost, and the coordinator
    fails and places again every instance with a lost rank (:func:`lost_instances`), when
    it starts a term and whenever it sees a node come back.
+6. An instance placed again on fewer nodes than before (some were down) remembers the
+   nodes it wanted; when they are all live again and the instance is idle, the
+   coordinator places it on them again (:func:`rejoinable`), so a returning node gets its
+   share back.
 """
 
 from __future__ import annotations
@@ -100,3 +104,24 @@ def lost_instances(ranks: Mapping[str, Iterable[tuple[str, float]]],
         if gone:
             lost[instance_id] = gone
     return lost
+
+
+@dataclass(frozen=True)
+class RejoinView:
+    """What :func:`rejoinable` needs of an instance: its ``status``, the nodes its ranks
+    are on, the nodes it wanted (placed on before some were lost; empty: as placed) and
+    whether any node reports a request running or waiting on it."""
+
+    status: str
+    nodes: tuple[str, ...]
+    wanted: tuple[str, ...]
+    busy: bool
+
+
+def rejoinable(instances: Mapping[str, RejoinView], live: Iterable[str]) -> list[str]:
+    """The instances to place again on their wanted nodes (rule 6): ready, idle, on fewer
+    nodes than they wanted, with every wanted node live. In ``instances``' order."""
+    up = set(live)
+    return [instance_id for instance_id, view in instances.items()
+            if view.status == "ready" and not view.busy and view.wanted
+            and set(view.nodes) < set(view.wanted) and set(view.wanted) <= up]

@@ -51,7 +51,16 @@ from shardline.models.tokenizer import Tokenizer
 from shardline.node.transfer import CopyProgress, TransferError, fetch_files
 from shardline.node.worker import Worker
 from shardline.machine_cache import write_atomically
-from shardline.node.cluster_state import Epoch, lost_instances, newer, next_term, paused, settled
+from shardline.node.cluster_state import (
+    Epoch,
+    RejoinView,
+    lost_instances,
+    newer,
+    next_term,
+    paused,
+    rejoinable,
+    settled,
+)
 from shardline.placement.pipeline import NodeCapacity, PlacementError
 from shardline.placement.memory import committed_bytes, free_bytes, runtime_baseline
 from shardline.placement.ranks import (
@@ -127,6 +136,7 @@ class Instance:
     created_at: float = field(default_factory=time.time)
     ready_at: float | None = None
     retries: int = 0  # placements of this model that failed before serving, in a row
+    wanted_nodes: list[str] = field(default_factory=list)  # placed on before nodes were lost
     force: bool = False  # placed without memory admission (and placed again so)
 
     def to_dict(self) -> dict:
@@ -155,6 +165,7 @@ class Peer:
     offered_bytes: int = 0  # what it offers to models in all (its limit, or what is free)
     started_at: float = 0.0  # its incarnation: a restart changes it
     epoch: Epoch = field(default_factory=Epoch)  # of the table it holds
+    busy: tuple[str, ...] = ()  # instances with requests running or waiting on its ranks
 
 
 @dataclass
@@ -202,6 +213,7 @@ class Node:
         progress_timeout_s: float = 60.0,
         mdns: bool = False,
         state_path: Path | None = None,
+        rejoin: bool = True,
     ) -> None:
         self.node_id = node_id
         self.cluster_key = cluster_key
@@ -219,6 +231,7 @@ class Node:
         self.down_after_s = down_after_s
         self.exit_with_parent = exit_with_parent
         self.max_replacements = 3
+        self.rejoin = rejoin  # place an instance again on its returning nodes (rule 6)
         self.started_at = time.time()
         self.instances: dict[str, Instance] = {}
         self.epoch = Epoch()  # of the instance table held (cluster_state)
@@ -308,7 +321,13 @@ class Node:
             "profile": profile,
             "links": self.links,
             "members": self.member_addresses(),
+            "busy": self.busy_instances(),
         }
+
+    def busy_instances(self) -> list[str]:
+        """Instances whose rank on this node has requests running, waiting or held."""
+        return sorted(i for i, stats in self.engine_stats.items()
+                      if stats.get("running") or stats.get("waiting") or stats.get("held"))
 
     def member_addresses(self) -> list[str]:
         """Addresses of the live peers: told to every node that polls this one, so that a
@@ -406,6 +425,8 @@ class Node:
                 await self._start_term()
             if self.is_coordinator():
                 await self._fail_lost_instances()
+                if self.rejoin:
+                    await self._rejoin_returned_nodes()
             await self._report_unknown_statuses()
             await asyncio.sleep(1.0)
 
@@ -438,6 +459,34 @@ class Node:
                 gone = ", ".join(restarted[inst.instance_id])
                 await self._fail_instance(inst, f"node(s) {gone} restarted: their ranks are gone")
 
+    async def _rejoin_returned_nodes(self) -> None:
+        """Coordinator: place an idle instance that runs on fewer nodes than it was placed
+        on again on all of them, once they are all back (cluster_state rule 6). Its old
+        ranks stop when the new table is published; if the new placement is refused the
+        instance stays as it is and is not tried again."""
+        live = self.live_node_ids()
+        now = time.time()
+        busy = set(self.busy_instances()).union(
+            *(p.busy for p in self.peers.values() if now - p.last_seen < self.down_after_s))
+        views = {i.instance_id: RejoinView(i.status, tuple(i.node_ids()), tuple(i.wanted_nodes),
+                                           i.instance_id in busy)
+                 for i in self.instances.values()}
+        for instance_id in rejoinable(views, live):
+            inst = self.instances.pop(instance_id)
+            try:
+                card = await self.model_card(inst.model_id)
+                await self._place(card, inst.sharding, list(inst.wanted_nodes), inst.context,
+                                  inst.max_batch, inst.dtype, inst.force, 0,
+                                  inst.kv_cache_bytes, inst.quantize)
+            except (PlacementError, ModelNotFoundError, httpx.HTTPError) as exc:
+                log.warning("could not place %s on its returning node(s) again: %s",
+                            inst.model_id, exc)
+                inst.wanted_nodes = []
+                self.instances[instance_id] = inst
+                continue
+            log.info("instance %s of %s: its node(s) are back; placed again on %s",
+                     instance_id, inst.model_id, ", ".join(inst.wanted_nodes))
+
     async def _poll(self, address: str) -> bool:
         """Ask a peer for its info (and a newer table, when it holds one); whether it
         answered as a member."""
@@ -463,6 +512,7 @@ class Node:
             data.get("models") or {},
             offered_bytes=data.get("offered_bytes", data["available_bytes"]),
             started_at=float(data.get("started_at") or 0.0), epoch=epoch,
+            busy=tuple(str(i) for i in data.get("busy") or ()),
         )
         for member in data.get("members") or []:  # membership both ways, through any member
             if isinstance(member, str):
@@ -814,12 +864,13 @@ class Node:
             log.error("giving up on %s after %d failed placements", failed.model_id, retries)
             return
         live = set(self.live_node_ids())
-        nodes = [n for n in failed.node_ids() if n in live] or None
+        wanted = failed.wanted_nodes or failed.node_ids()
+        nodes = [n for n in wanted if n in live] or None
         try:
             card = await self.model_card(failed.model_id)
             await self._place(card, failed.sharding, nodes, failed.context, failed.max_batch,
                               failed.dtype, failed.force, retries, failed.kv_cache_bytes,
-                              failed.quantize)
+                              failed.quantize, wanted_nodes=wanted)
         except (PlacementError, ModelNotFoundError, httpx.HTTPError) as exc:
             # Left in the table with its error; a later term tries again.
             log.error("could not place %s again: %s", failed.model_id, exc)
@@ -999,7 +1050,10 @@ class Node:
         retries: int = 0,
         kv_cache_bytes: int | None = None,
         quantize: str | None = None,
+        wanted_nodes: list[str] | None = None,
     ) -> Instance:
+        """Place ``card`` and publish the instance. ``wanted_nodes``: the nodes a failed
+        instance was placed on; kept on the new one when it gets fewer of them (rule 6)."""
         config, chosen, context, max_batch = self._placement_inputs(card, node_ids, context, max_batch)
         asked = (None if kv_cache_bytes is None
                  else kv_tokens_for_bytes(config, kv_cache_bytes, dtype, context))
@@ -1036,6 +1090,7 @@ class Node:
             quantize=quantize,
             retries=retries,
             force=force,
+            wanted_nodes=list(wanted_nodes) if wanted_nodes and set(chosen) < set(wanted_nodes) else [],
         )
         self.instances[inst.instance_id] = inst
         log.info("placed %s as instance %s (%s on %s)", card.model_id, inst.instance_id,
