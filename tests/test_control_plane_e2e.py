@@ -124,6 +124,52 @@ def test_a_returning_node_gets_its_share_again(cluster):
     print(f"node back: holds a share again {time.time() - back:.1f} s after its return")
 
 
+def test_a_killed_runner_is_named_in_the_error_the_table_and_health(cluster):
+    """kill -9 of the runner of rank 1 during a stream taken by node 0 (issue 13, case 7):
+    the stream's error, the instance and its ranks name rank 1's node (the others only
+    stopped), /health?cluster=1 says the model is not served until it is placed again."""
+    import json
+    import threading
+
+    import psutil
+
+    inst = httpx.get(f"{cluster.url(0)}/cluster/instances", timeout=5).json()["instances"][0]
+    victim = inst["ranks"][1]["node_id"]
+    node = psutil.Process(cluster.procs[ids_of(cluster).index(victim)].pid)
+    runner = next(p for p in node.children(recursive=True) if "shardline.runner" in " ".join(p.cmdline()))
+    assert httpx.get(f"{cluster.url(0)}/health?cluster=1", timeout=5).status_code == 200
+    events: list[dict] = []
+    started = threading.Event()
+
+    def stream() -> None:
+        with httpx.stream("POST", f"{cluster.url(0)}/v1/chat/completions", timeout=120, json={
+                "model": DEFAULT_MODEL_ID, "stream": True, "max_tokens": 400, "temperature": 0,
+                "messages": [{"role": "user", "content": "Count from 1 to 300, one per line."}]}) as r:
+            for line in r.iter_lines():
+                if line.startswith("data: {"):
+                    events.append(json.loads(line[6:]))
+                    started.set()
+
+    reader = threading.Thread(target=stream, daemon=True)
+    reader.start()
+    assert started.wait(60)
+    runner.kill()
+    killed = time.time()
+    reader.join(60)
+    errors = [e["error"]["message"] for e in events if "error" in e]
+    assert errors and f"rank 1 on node {victim}" in errors[0], errors
+    print(f"\nrunner killed: error at the client {time.time() - killed:.1f} s later: {errors[0]}")
+    failed = next(x for x in httpx.get(f"{cluster.url(0)}/cluster/instances", timeout=5).json()["instances"]
+                  if x["instance_id"] == inst["instance_id"])
+    assert failed["status"] == "failed" and victim in failed["error"]
+    assert [r["status"] for r in failed["ranks"]] == ["stopped", "failed", "stopped"]
+    health = httpx.get(f"{cluster.url(2)}/health?cluster=1", timeout=5)
+    assert health.status_code == 503 and health.json()["models"][DEFAULT_MODEL_ID]["ready"] is False
+    wait_until(lambda: healed(cluster), 90, "the model placed again and served")
+    assert httpx.get(f"{cluster.url(2)}/health?cluster=1", timeout=5).status_code == 200
+    print(f"serving again {time.time() - killed:.1f} s after the kill")
+
+
 def test_every_node_restarted_places_the_kept_model_again(cluster):
     for proc in cluster.procs:
         proc.send_signal(signal.SIGTERM)

@@ -139,8 +139,29 @@ def create_app(node: Node) -> FastAPI:
         return FileResponse(DASHBOARD, media_type="text/html")
 
     @app.get("/health")
-    async def health() -> dict:
-        return {"status": "ok", "node_id": node.node_id}
+    async def health(cluster: bool = False):
+        """This node's own state: its id, the coordinator it follows, the term of the table
+        it holds, and its ranks (instance, rank, status). With ``?cluster=1`` also each
+        placed model's readiness: 503 with ``"status": "degraded"`` while a placed model
+        has no ready instance (a load balancer's check that the cluster serves)."""
+        own = [{"instance_id": inst.instance_id, "model_id": inst.model_id, "rank": rank,
+                "status": placement.status}
+               for inst in node.instances.values()
+               for rank, placement in enumerate(inst.ranks) if placement.node_id == node.node_id]
+        body = {"status": "ok", "node_id": node.node_id, "coordinator": node.coordinator_id(),
+                "term": node.epoch.term, "settled": node.is_settled(), "ranks": own}
+        if not cluster:
+            return body
+        models: dict[str, dict] = {}
+        for inst in node.instances.values():
+            entry = models.setdefault(inst.model_id, {"ready": False, "instances": []})
+            entry["ready"] = entry["ready"] or inst.status == "ready"
+            entry["instances"].append({"instance_id": inst.instance_id, "status": inst.status,
+                                       "error": inst.error})
+        body["models"] = models
+        if all(m["ready"] for m in models.values()):
+            return body
+        return JSONResponse(status_code=503, content=dict(body, status="degraded"))
 
     @app.get("/cluster/nodes")
     async def nodes() -> dict:

@@ -107,7 +107,7 @@ class RankPlacement:
     layer_start: int
     layer_end: int
     tensor_share: dict | None = None  # tensor sharding: heads, KV heads and MLP columns
-    status: str = "loading"  # loading | fetching | ready | failed
+    status: str = "loading"  # loading | fetching | ready | failed | stopped (another rank failed)
     error: str | None = None
     loaded: dict | None = None  # the runner's Loaded report: layers and bytes it read
     fetched: dict | None = None  # while its node copies the shard's files: done_bytes, total_bytes
@@ -454,6 +454,9 @@ class Node:
         for inst in active:
             down = [n for n in inst.node_ids() if n not in live]
             if down:
+                for placement in inst.ranks:
+                    if placement.node_id in down:
+                        placement.status = "failed"
                 await self._fail_instance(inst, f"node(s) {', '.join(down)} are down")
             elif inst.instance_id in restarted:
                 gone = ", ".join(restarted[inst.instance_id])
@@ -798,16 +801,20 @@ class Node:
             report = self._report_runner(instance_id, "ready", None, dataclasses.asdict(message))
             asyncio.run_coroutine_threadsafe(report, loop)
         elif isinstance(message, Failed):
-            loop.call_soon_threadsafe(self._fail_streams, instance_id, message.error)
-            report = self._report_runner(instance_id, "failed", message.error, None)
+            if message.peer_lost:  # the coordinator names the rank that failed: wait for it
+                asyncio.run_coroutine_threadsafe(self._fail_streams_when_known(instance_id, message.error), loop)
+            else:
+                loop.call_soon_threadsafe(self._fail_streams, instance_id, message.error)
+            report = self._report_runner(instance_id, "failed", message.error, None,
+                                         peer_lost=message.peer_lost)
             asyncio.run_coroutine_threadsafe(report, loop)
 
     async def _report_runner(
         self, instance_id: str, status: str, error: str | None, loaded: dict | None,
-        fetched: dict | None = None,
+        fetched: dict | None = None, peer_lost: bool = False,
     ) -> None:
         body = {"instance_id": instance_id, "node_id": self.node_id, "status": status,
-                "error": error, "loaded": loaded, "fetched": fetched}
+                "error": error, "loaded": loaded, "fetched": fetched, "peer_lost": peer_lost}
         coordinator = self.coordinator_id()
         if coordinator != self.node_id:
             await self._post(f"http://{self.address_of(coordinator)}/internal/runner-status", body)
@@ -828,12 +835,23 @@ class Node:
             if placement.node_id == body["node_id"]:
                 if body["status"] == "fetching" and placement.status == "ready":
                     continue  # a late progress report
-                placement.status = body["status"]
+                # a rank that only lost contact with a failed one stopped; it did not fail
+                placement.status = "stopped" if body.get("peer_lost") else body["status"]
                 placement.error = body["error"]
                 placement.loaded = body.get("loaded")
                 placement.fetched = body.get("fetched") or placement.fetched
         if body["status"] == "failed":
-            await self._fail_instance(inst, f"rank on node {body['node_id']} failed: {body['error']}")
+            rank = next(r for r, p in enumerate(inst.ranks) if p.node_id == body["node_id"])
+            if body.get("peer_lost"):
+                # Only a symptom: another rank failed or its node went down. Wait for that
+                # rank's own report (or its node's silence) to name it.
+                self._background.append(asyncio.create_task(
+                    self._fail_after_grace(inst, f"rank {rank} on node {body['node_id']} "
+                                                 f"{body['error']}")))
+                await self._publish()
+                return True
+            await self._fail_instance(inst, f"rank {rank} on node {body['node_id']} failed: "
+                                            f"{body['error']}")
             return True
         if all(p.status == "ready" for p in inst.ranks) and inst.status == "loading":
             inst.status, inst.ready_at = "ready", time.time()
@@ -842,6 +860,38 @@ class Node:
         await self._publish()
         return True
 
+    async def _fail_after_grace(self, inst: Instance, error: str) -> None:
+        """Coordinator: fail ``inst`` with ``error`` (a rank that lost contact with
+        another) unless, within a grace, the rank that failed reported
+        its own failure or its node was found down (then that is what the error names):
+        a grace of ``down_after_s + 1``, the time a killed node takes to be found down."""
+        deadline = time.time() + self.down_after_s + 1.0
+        while time.time() < deadline and inst.status != "failed":
+            down = [(r, p.node_id) for r, p in enumerate(inst.ranks)
+                    if p.node_id not in self.live_node_ids()]
+            if down:
+                for r, _ in down:
+                    inst.ranks[r].status = "failed"
+                named = ", ".join(f"rank {r} on node {n}" for r, n in down)
+                await self._fail_instance(inst, f"{named}: node down")
+                return
+            await asyncio.sleep(0.2)
+        if self.instances.get(inst.instance_id) is inst:
+            await self._fail_instance(inst, error)
+
+    async def _fail_streams_when_known(self, instance_id: str, error: str) -> None:
+        """Fail this node's requests on ``instance_id`` with the error the coordinator
+        gives the instance (naming the rank that failed), or ``error`` if none comes within
+        the grace."""
+        deadline = time.time() + self.down_after_s + 3.0
+        while time.time() < deadline:
+            inst = self.instances.get(instance_id)
+            if inst is None or inst.status == "failed":
+                break
+            await asyncio.sleep(0.1)
+        inst = self.instances.get(instance_id)
+        self._fail_streams(instance_id, inst.error if inst is not None and inst.error else error)
+
     async def _fail_instance(self, inst: Instance, error: str) -> None:
         """Coordinator: mark an instance failed (every node stops its runners and fails
         its in-flight requests), then place the model again on the nodes that are live."""
@@ -849,6 +899,9 @@ class Node:
             return
         log.warning("instance %s failed: %s", inst.instance_id, error)
         inst.status, inst.error = "failed", error
+        for placement in inst.ranks:  # every node stops its ranks of a failed instance
+            if placement.status != "failed":
+                placement.status = "stopped"
         await self._publish()
         task = asyncio.create_task(self._replace(inst))
         self._background.append(task)

@@ -201,7 +201,8 @@ def main() -> int:
     try:
         serve(conn, outbox)
     except Exception as exc:  # noqa: BLE001 - every failure is reported, then exits
-        if _peer_lost(exc):
+        peer_lost = _peer_lost(exc)
+        if peer_lost:
             # Another rank stopped (killed, deleted instance, node gone): expected, not a bug.
             message = "lost contact with another rank of the instance"
             log.error("%s: %s", message, str(exc).splitlines()[0])
@@ -209,7 +210,7 @@ def main() -> int:
             traceback.print_exc()
             message = f"{type(exc).__name__}: {exc}"
         try:
-            outbox.send(Failed(message))
+            outbox.send(Failed(message, peer_lost=peer_lost))
         except OSError:
             pass
         return 1

@@ -148,7 +148,12 @@ class Heartbeat:
 
 @dataclass(frozen=True)
 class Failed:
+    """The runner failed with ``error``; ``peer_lost``: only because another rank of its
+    instance went away (a collective or send found its peer gone), not a failure of its
+    own, so the coordinator names the rank that did fail."""
+
     error: str
+    peer_lost: bool = False
 
 
 @dataclass(frozen=True)
