@@ -80,12 +80,13 @@ def test_int4_layout_is_understood_on_this_machine():
     assert sorted(position.tolist()) == list(range(block))
 
 
-@pytest.mark.parametrize("type_name", ["Q4_1", "Q8_0", "Q6_K"])
-def test_each_row_is_computed_independently_of_the_batch(type_name):
-    held, _ = resident(type_name, torch.bfloat16, seed=5)
+@pytest.mark.parametrize("type_name, dtype", [("Q4_1", torch.bfloat16), ("Q8_0", torch.bfloat16),
+                                              ("Q6_K", torch.bfloat16), ("Q6_K", torch.float32)])
+def test_each_row_is_computed_independently_of_the_batch(type_name, dtype):
+    held, _ = resident(type_name, dtype, seed=5)
     layer = Linear(held.shape[1], held.shape[0])
     layer.set_parts([held])
-    x = torch.randn(8, held.shape[1], dtype=torch.bfloat16)
+    x = torch.randn(8, held.shape[1], dtype=dtype)
     together = layer(x)
     for i in range(8):
         assert torch.equal(layer(x[i : i + 1]), together[i : i + 1])

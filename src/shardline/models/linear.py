@@ -170,6 +170,12 @@ class Int8Groups:
         return self._rows(0, self.q.shape[0], dtype).clone()
 
     def matmul(self, x: torch.Tensor) -> torch.Tensor:
+        """``x @ W.T`` for ``x`` ``[rows, in]``: up to :data:`KERNEL_MAX_ROWS` rows (decode)
+        a product that reads one byte a weight (the compiled kernel, in float32, each row
+        on its own), else the weight dequantized block by block and a dense GEMM."""
+        if x.shape[0] <= KERNEL_MAX_ROWS and self.group % 8 == 0 and native_dequant.kernels():
+            return native_dequant.int8_groups_gemv(self.q, self.scale, self.offset, self.group,
+                                                   x.float()).to(x.dtype)
         per_weight = x.element_size() if _native(x.dtype) else 6  # float32 work + output
         return _blocked_product(x, self.q.shape[0], self._columns, per_weight)
 

@@ -100,6 +100,7 @@ def kernels() -> ctypes.CDLL | None:
         for name in ("int4_planes_t_32", "int4_planes_t_16"):
             getattr(lib, name).argtypes = [_P, _P, _P, _P, _I, _I, _I, _I, _P, ctypes.c_int]
         lib.int8_groups.argtypes = [_P, _P, _P, _I, _I, _I, _P, ctypes.c_int]
+        lib.int8_groups_gemv.argtypes = [_P, _P, _P, _I, _I, _I, _P, _P, _I, _P]
         return lib
     log.warning("no C compiler could build %s: prefill dequantizes with torch ops (slower)",
                 SOURCE.name)
@@ -162,3 +163,28 @@ def int8_groups(q: torch.Tensor, scale: torch.Tensor, offset: torch.Tensor, grou
     lib.int8_groups(_ptr(q), _ptr(scale), _ptr(offset), rows, K, group, _ptr(out),
                     int(out.dtype == torch.bfloat16))
     return out
+
+
+def int8_groups_gemv(q: torch.Tensor, scale: torch.Tensor, offset: torch.Tensor, group: int,
+                     x: torch.Tensor) -> torch.Tensor:
+    """``x @ W.T`` in float32 ``[M, rows]`` for a few rows of float32 ``x`` ``[M, K]`` and
+    ``W = q * scale + offset`` (``q`` uint8 ``[rows, K]``, float32 ``scale`` and
+    ``offset`` ``[rows, K / group]``, ``group`` a multiple of 8), reading one byte a
+    weight and never dequantizing it (decode). Each output row depends only on its row of
+    ``x``; sums are in float32 (another order than a GEMM's: within float32 rounding).
+
+    Raises:
+        RuntimeError: the kernels are not built (:func:`kernels` is None).
+    """
+    lib = kernels()
+    if lib is None:
+        raise RuntimeError("dequant kernels are not available")
+    rows, K = q.shape
+    M = x.shape[0]
+    assert x.dtype == torch.float32 and x.shape[1] == K and group % 8 == 0
+    x = x.contiguous()
+    xsum = x.view(M, K // group, group).sum(-1).contiguous()
+    y = torch.empty(M, rows)
+    lib.int8_groups_gemv(_ptr(q), _ptr(scale), _ptr(offset), rows, K, group, _ptr(x),
+                         _ptr(xsum), M, _ptr(y))
+    return y

@@ -108,3 +108,50 @@ void int8_groups(const uint8_t *restrict q, const float *restrict scale,
         }
     }
 }
+
+#ifdef __AVX2__
+#include <immintrin.h>
+#endif
+
+/* Adds s * q[j] * x[j] for j < n (a multiple of 8) into 8 float32 lanes (lane j % 8). */
+static inline void dot_u8_f32(const uint8_t *restrict q, const float *restrict x, int64_t n,
+                               float s, float *restrict lanes) {
+#ifdef __AVX2__
+    __m256 acc = _mm256_loadu_ps(lanes);
+    __m256 sv = _mm256_set1_ps(s);
+    for (int64_t j = 0; j < n; j += 8) {
+        __m256 qf = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(q + j))));
+        acc = _mm256_add_ps(acc, _mm256_mul_ps(sv, _mm256_mul_ps(qf, _mm256_loadu_ps(x + j))));
+    }
+    _mm256_storeu_ps(lanes, acc);
+#else
+    for (int64_t j = 0; j < n; j += 8)
+        for (int l = 0; l < 8; l++) lanes[l] += s * ((float)q[j + l] * x[j + l]);
+#endif
+}
+
+/* A product of few rows with int8 groups, without dequantizing the weight (decode):
+ * y[m * rows + r] = sum over k of scale[r, g(k)] * q[r, k] * x[m, k], plus sum over
+ * groups g of offset[r, g] * xsum[m * groups + g], for x float32 [M, K] and xsum float32
+ * [M, K / group] (each group's sum of x), accumulated in 8 float32 lanes. Each output is computed on its own, so a row's result does not
+ * depend on the other rows of x. group is a multiple of 8. */
+void int8_groups_gemv(const uint8_t *restrict q, const float *restrict scale,
+                      const float *restrict offset, int64_t rows, int64_t K, int64_t group,
+                      const float *restrict x, const float *restrict xsum, int64_t M,
+                      float *restrict y) {
+    int64_t groups = K / group;
+    for (int64_t r = 0; r < rows; r++) {
+        const uint8_t *restrict qr = q + r * K;
+        for (int64_t m = 0; m < M; m++) {
+            const float *restrict xm = x + m * K;
+            float lanes[8] = {0};
+            float total = 0.0f;
+            for (int64_t g = 0; g < groups; g++) {
+                dot_u8_f32(qr + g * group, xm + g * group, group, scale[r * groups + g], lanes);
+                total += offset[r * groups + g] * xsum[m * groups + g];
+            }
+            for (int l = 0; l < 8; l++) total += lanes[l];
+            y[m * rows + r] = total;
+        }
+    }
+}
