@@ -107,6 +107,18 @@ def kernels() -> ctypes.CDLL | None:
     return None
 
 
+def _loaded() -> ctypes.CDLL:
+    """:func:`kernels`, which the caller has checked are built.
+
+    Raises:
+        RuntimeError: they are not.
+    """
+    lib = kernels()
+    if lib is None:
+        raise RuntimeError("dequant kernels are not available")
+    return lib
+
+
 def _ptr(t: torch.Tensor | None) -> int | None:
     if t is None:
         return None
@@ -129,9 +141,7 @@ def int4_planes_t(planes: list[tuple[torch.Tensor, torch.Tensor]], half: int, st
     Raises:
         RuntimeError: the kernels are not built (:func:`kernels` is None).
     """
-    lib = kernels()
-    if lib is None:
-        raise RuntimeError("dequant kernels are not available")
+    lib = _loaded()
     K, rows = out.shape
     block = 2 * half
     assert out.dtype in (torch.bfloat16, torch.float32) and rows % block == 0 == start % block
@@ -155,9 +165,7 @@ def int8_groups(q: torch.Tensor, scale: torch.Tensor, offset: torch.Tensor, grou
     Raises:
         RuntimeError: the kernels are not built (:func:`kernels` is None).
     """
-    lib = kernels()
-    if lib is None:
-        raise RuntimeError("dequant kernels are not available")
+    lib = _loaded()
     rows, K = q.shape
     assert out.shape == q.shape and out.dtype in (torch.bfloat16, torch.float32)
     lib.int8_groups(_ptr(q), _ptr(scale), _ptr(offset), rows, K, group, _ptr(out),
@@ -176,9 +184,7 @@ def int8_groups_gemv(q: torch.Tensor, scale: torch.Tensor, offset: torch.Tensor,
     Raises:
         RuntimeError: the kernels are not built (:func:`kernels` is None).
     """
-    lib = kernels()
-    if lib is None:
-        raise RuntimeError("dequant kernels are not available")
+    lib = _loaded()
     rows, K = q.shape
     M = x.shape[0]
     assert x.dtype == torch.float32 and x.shape[1] == K and group % 8 == 0
