@@ -14,7 +14,7 @@ https://github.com/ggml-org/ggml/blob/master/docs/gguf.md).
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field
-from enum import Enum
+from enum import Enum, StrEnum
 from typing import Any
 
 SUPPORTED_ARCHITECTURES = ("llama", "qwen2", "qwen3")
@@ -264,6 +264,18 @@ class TensorShare:
             kv_heads=tuple(data["kv_heads"]),
             columns=tuple(data["columns"]),
         )
+
+
+class Sharding(StrEnum):
+    """How an instance's model is split across its ranks."""
+
+    PIPELINE = "pipeline"
+    """Each rank holds a range of layers; activations go rank to rank."""
+    TENSOR = "tensor"
+    """Each rank holds every layer's share of the heads and MLP columns; all-reduce."""
+    RING = "ring"
+    """Each rank holds the whole model; prompts are split across the ranks (ring
+    attention), decode runs on every rank."""
 
 
 class Quantize(str, Enum):

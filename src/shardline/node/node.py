@@ -37,7 +37,7 @@ from dataclasses import dataclass, field
 import httpx
 import psutil
 
-from shardline.models.config import ModelConfig, Quantize
+from shardline.models.config import ModelConfig, Quantize, Sharding
 from shardline.models.store import (
     DEFAULT_MODEL_ID,
     Manifest,
@@ -121,7 +121,7 @@ class Instance:
 
     instance_id: str
     model_id: str
-    sharding: str
+    sharding: Sharding
     ranks: list[RankPlacement]
     master_addr: str
     master_port: int
@@ -146,6 +146,7 @@ class Instance:
     def from_dict(cls, data: dict) -> "Instance":
         data = dict(data)
         data["ranks"] = [RankPlacement(**r) for r in data["ranks"]]
+        data["sharding"] = Sharding(data["sharding"])
         return cls(**data)
 
     def node_ids(self) -> list[str]:
@@ -673,7 +674,7 @@ class Node:
         if inst.model_id == DEFAULT_MODEL_ID:
             return self.store.weights_path(inst.model_id)
         manifest = await self._manifest(inst.model_id)
-        top = inst.sharding != "pipeline" or rank in (0, len(inst.ranks) - 1)
+        top = inst.sharding != Sharding.PIPELINE or rank in (0, len(inst.ranks) - 1)
         needed = manifest.shard_files(placement.layer_start, placement.layer_end, top)
 
         def progress(done: int, total: int) -> None:
@@ -761,7 +762,7 @@ class Node:
     def _start_runner(self, inst: Instance, rank: int, placement: RankPlacement, weights: Path) -> None:
         """Start the runner of ``rank`` of ``inst`` on this node, reading ``weights``."""
         ring_chunks = {}
-        if inst.sharding == "ring":
+        if inst.sharding == Sharding.RING:
             chunk = ring_prefill_chunk(len(inst.ranks))
             ring_chunks = {"prefill_chunk": chunk, "prefill_step_tokens": chunk,
                            "prefill_burst_tokens": max(chunk, RunnerSpec.prefill_burst_tokens)}
@@ -1094,7 +1095,7 @@ class Node:
     async def _place(
         self,
         card: ModelCard,
-        sharding: str,
+        sharding: Sharding,
         node_ids: list[str] | None,
         context: int | None,
         max_batch: int | None,
@@ -1126,7 +1127,7 @@ class Node:
         inst = Instance(
             instance_id=uuid.uuid4().hex[:8],
             model_id=card.model_id,
-            sharding=sharding,
+            sharding=Sharding(sharding),
             ranks=[
                 RankPlacement(n, self.address_of(n), share.layer_start, share.layer_end,
                               tensor_share=share.tensor_share, estimated_bytes=need,

@@ -18,7 +18,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Mapping, Sequence
 
-from shardline.models.config import ModelConfig, Quantize, TensorShare
+from shardline.models.config import ModelConfig, Quantize, Sharding, TensorShare
 from shardline.placement.memory import RUNTIME_BASELINE_BYTES
 from shardline.placement.pipeline import NodeCapacity, PlacementError
 from shardline.placement.ranks import (
@@ -80,7 +80,7 @@ class Candidate:
             infeasible.
     """
 
-    sharding: str
+    sharding: Sharding
     node_ids: tuple[str, ...]
     shares: tuple[RankShare, ...] = ()
     predicted_decode_tokens_per_s: float | None = None
@@ -128,7 +128,7 @@ def _per_s(seconds: float) -> float:
 
 def predict_tokens_per_s(
     config: ModelConfig,
-    sharding: str,
+    sharding: Sharding,
     nodes: Sequence[NodeProfile],
     shares: Sequence[RankShare],
     links: Mapping[tuple[str, str], Link] | None,
@@ -194,7 +194,7 @@ def predict_tokens_per_s(
     bw_min = min((k.bandwidth_bytes_per_s for k in pairs), default=float("inf"))
     bcast = lat_max if P > 1 else 0.0
 
-    if sharding == "pipeline":
+    if sharding == Sharding.PIPELINE:
         decode = prefill_stage = 0.0
         for rank, (node, share) in enumerate(zip(nodes, shares)):
             layers = share.layer_end - share.layer_start
@@ -212,7 +212,7 @@ def predict_tokens_per_s(
                          default=0.0)
         return _per_s(decode + last_bcast), _per_s(prefill_stage)
 
-    if sharding == "tensor":
+    if sharding == Sharding.TENSOR:
         decode = prefill = 0.0
         for rank, (node, share) in enumerate(zip(nodes, shares)):
             ts = TensorShare.from_dict(share.tensor_share)
@@ -228,7 +228,7 @@ def predict_tokens_per_s(
             prefill += 2 * L * allreduce(PREFILL_CHUNK_TOKENS) / PREFILL_CHUNK_TOKENS
         return _per_s(decode), _per_s(prefill)
 
-    if sharding == "ring":
+    if sharding == Sharding.RING:
         linear = L * _linear_per_layer(config)
         read = decode_weight_bytes * (linear + head) + kv_token * avg_tokens
         decode = max(_secs(read, n.memory_bandwidth_bytes_per_s) for n in nodes) + bcast
@@ -302,7 +302,7 @@ def preview(
         ids = tuple(n.node_id for n in subset)
         capacities = [NodeCapacity(n.node_id, n.available_bytes) for n in subset]
         for sharding in shardings:
-            if len(subset) == 1 and sharding != "pipeline":
+            if len(subset) == 1 and sharding != Sharding.PIPELINE:
                 continue
             try:
                 shares, kv_pool = place_with_kv_pool(config, sharding, capacities, context,

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from shardline.models.config import ModelConfig, Quantize, TensorShare
+from shardline.models.config import ModelConfig, Quantize, Sharding, TensorShare
 from shardline.placement.memory import RUNTIME_BASELINE_BYTES, prefill_scratch_bytes
 from shardline.placement.pipeline import (
     MemoryShortError,
@@ -15,7 +15,7 @@ from shardline.placement.pipeline import (
 from shardline.placement.ring import ring_admission, ring_working_bytes
 from shardline.placement.tensor import tensor_placement, tensor_rank_bytes
 
-SHARDINGS = ("pipeline", "tensor", "ring")
+SHARDINGS = tuple(Sharding)
 
 DTYPE_BYTES = {"bfloat16": 2, "float16": 2, "float32": 4}
 
@@ -132,7 +132,7 @@ def kv_tokens_for_bytes(config: ModelConfig, kv_cache_bytes: int, dtype: str,
     return tokens
 
 
-def rank_bytes(config: ModelConfig, sharding: str, shares: list[RankShare], rank: int,
+def rank_bytes(config: ModelConfig, sharding: Sharding, shares: list[RankShare], rank: int,
                context: int, max_batch: int, dtype: str = "bfloat16",
                weight_file_bytes: int = 0, baseline_bytes: int = RUNTIME_BASELINE_BYTES,
                kv_tokens: int | None = None, quantize: Quantize | None = None) -> int:
@@ -150,13 +150,13 @@ def rank_bytes(config: ModelConfig, sharding: str, shares: list[RankShare], rank
     weight_bytes, vocab_bytes = held_bytes_per_weight(config, weight_file_bytes, dtype, quantize)
     fixed = _runtime_and_scratch(config, baseline_bytes, dtype)
     share = shares[rank]
-    if sharding == "tensor":
+    if sharding == Sharding.TENSOR:
         assert share.tensor_share is not None
         return fixed + tensor_rank_bytes(config, TensorShare.from_dict(share.tensor_share),
                                          kv_tokens=tokens, weight_bytes=weight_bytes,
                                          kv_element_bytes=kv_bytes, vocab_bytes=vocab_bytes)
     kv_per_layer = tokens * config.kv_bytes_per_token(kv_bytes) // config.num_layers
-    if sharding == "ring":
+    if sharding == Sharding.RING:
         return (fixed + _ring_weights(config, weight_bytes, vocab_bytes)
                 + kv_per_layer * config.num_layers + _ring_working(config, world, kv_bytes))
     layers = share.layer_end - share.layer_start
@@ -170,7 +170,7 @@ def _ring_weights(config: ModelConfig, weight_bytes: float, vocab_bytes: float) 
                + vocab_bytes * _vocab_params(config))
 
 
-def place_ranks(config: ModelConfig, sharding: str, nodes: list[NodeCapacity], context: int,
+def place_ranks(config: ModelConfig, sharding: Sharding, nodes: list[NodeCapacity], context: int,
                 max_batch: int, dtype: str = "bfloat16", admit: bool = True,
                 weight_file_bytes: int = 0,
                 baseline_bytes: int = RUNTIME_BASELINE_BYTES,
@@ -199,7 +199,7 @@ def place_ranks(config: ModelConfig, sharding: str, nodes: list[NodeCapacity], c
         raise MemoryShortError(f"{exc}; {_kv_hint(kv, tokens)}") from None
 
 
-def place_with_kv_pool(config: ModelConfig, sharding: str, nodes: list[NodeCapacity],
+def place_with_kv_pool(config: ModelConfig, sharding: Sharding, nodes: list[NodeCapacity],
                        context: int, max_batch: int, dtype: str = "bfloat16",
                        admit: bool = True, weight_file_bytes: int = 0,
                        baseline_bytes: int = RUNTIME_BASELINE_BYTES,
@@ -238,7 +238,7 @@ def place_with_kv_pool(config: ModelConfig, sharding: str, nodes: list[NodeCapac
     return best
 
 
-def _place(config: ModelConfig, sharding: str, nodes: list[NodeCapacity], kv_tokens: int,
+def _place(config: ModelConfig, sharding: Sharding, nodes: list[NodeCapacity], kv_tokens: int,
            dtype: str, admit: bool, held: tuple[float, float],
            baseline_bytes: int) -> list[RankShare]:
     """:func:`place_ranks` without the KV hint, weights at ``held`` bytes each (layers,
@@ -248,19 +248,19 @@ def _place(config: ModelConfig, sharding: str, nodes: list[NodeCapacity], kv_tok
     kv_bytes = DTYPE_BYTES[dtype]
     kv_cache = kv_tokens * config.kv_bytes_per_token(kv_bytes)
     fixed = _runtime_and_scratch(config, baseline_bytes, dtype)
-    if sharding == "pipeline":
+    if sharding == Sharding.PIPELINE:
         per_layer = int(weight_bytes * config.layer_param_count()) + kv_cache // layers
         rank_fixed = [fixed + _pipeline_fixed(config, r, len(nodes), vocab_bytes)
                       for r in range(len(nodes))]
         return [RankShare(s, e) for s, e in
                 pipeline_layer_ranges(layers, nodes, per_layer, admit, rank_fixed)]
-    if sharding == "tensor":
+    if sharding == Sharding.TENSOR:
         shares = tensor_placement(config, nodes, kv_tokens=kv_tokens,
                                   weight_bytes=weight_bytes, kv_element_bytes=kv_bytes,
                                   vocab_bytes=vocab_bytes,
                                   admit=admit, fixed_bytes=fixed)
         return [RankShare(0, layers, share.to_dict()) for share in shares]
-    if sharding == "ring":
+    if sharding == Sharding.RING:
         weights = _ring_weights(config, weight_bytes, vocab_bytes) + fixed
         ring_admission(nodes, weights, kv_cache, _ring_working(config, len(nodes), kv_bytes), admit)
         return [RankShare(0, layers) for _ in nodes]

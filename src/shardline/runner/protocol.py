@@ -14,6 +14,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from shardline.models.config import Sharding
+
 
 @dataclass(frozen=True)
 class SamplingParams:
@@ -203,7 +205,7 @@ class RunnerSpec:
     layer_end: int
     master_addr: str
     master_port: int
-    sharding: str = "pipeline"
+    sharding: Sharding = Sharding.PIPELINE
     tensor_share: dict | None = None
     device: str = "cpu"
     dtype: str = "bfloat16"
