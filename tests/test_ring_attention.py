@@ -9,7 +9,7 @@ import torch
 import torch.multiprocessing as mp
 import torch.nn.functional as F
 
-from shardline.node.node import free_port
+from shardline.node.coordinator import free_port
 from shardline.parallel.ring import RingContext, attend_block, block_bounds, merge, zigzag_offsets
 
 

@@ -16,7 +16,7 @@ import pytest
 import torch
 
 import tiny_models as tm
-from shardline.node.node import free_port
+from shardline.node.coordinator import free_port
 from shardline.node.worker import Worker
 from shardline.runner.protocol import (
     Cancel,

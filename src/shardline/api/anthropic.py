@@ -29,7 +29,8 @@ from shardline.api.generation import (
     prepare,
 )
 from shardline.api.metrics import RequestMetrics
-from shardline.node.node import InstanceFailedError, Node
+from shardline.node.node import Node
+from shardline.node.table import InstanceFailedError
 from shardline.runner.protocol import PrefillProgress, SamplingParams
 
 # APIError kinds as Anthropic names them.

@@ -21,7 +21,8 @@ from pydantic import BaseModel, ValidationError
 
 from shardline.models.store import ModelNotFoundError
 from shardline.models.tokenizer import ChatTemplateError, IncrementalDetokenizer, Tokenizer
-from shardline.node.node import Instance, InstanceFailedError, NoInstanceError, Node
+from shardline.node.node import Node
+from shardline.node.table import Instance, InstanceFailedError, NoInstanceError
 from shardline.node.transfer import TransferError
 from shardline.runner.protocol import PrefillProgress, SamplingParams
 
@@ -141,7 +142,7 @@ class Generation:
         Raises:
             InstanceFailedError: the instance failed mid-request.
         """
-        events = self.node.generate(self.req.model, self.prompt, self.max_tokens, self.req.sampling,
+        events = self.node.router.generate(self.req.model, self.prompt, self.max_tokens, self.req.sampling,
                                     self.stop_ids)
         ended = "cancelled"  # unless it finishes, or fails
         try:
@@ -200,7 +201,7 @@ async def prepare(node: Node, req: GenerationRequest, metrics: RequestMetrics | 
             outside the vocabulary, or a prompt and limit beyond the context.
     """
     try:
-        inst = node.ready_instance(req.model)
+        inst = node.router.ready_instance(req.model)
     except NoInstanceError:
         placed = [i for i in node.instances.values() if i.model_id == req.model]
         if placed:
@@ -208,11 +209,11 @@ async def prepare(node: Node, req: GenerationRequest, metrics: RequestMetrics | 
                                for i in placed)
             raise APIError(503, f"The model '{req.model}' is not ready ({detail}); retry later",
                            "server_error", param="model", code="model_not_ready") from None
-        known = ", ".join(m["id"] for m in node.models()) or "none"
+        known = ", ".join(m["id"] for m in node.router.models()) or "none"
         raise APIError(404, f"The model '{req.model}' does not exist or is not loaded (available: {known})",
                        "not_found_error", param="model", code="model_not_found") from None
     try:
-        tokenizer = await node.tokenizer(req.model)
+        tokenizer = await node.logistics.tokenizer(req.model)
     except (ModelNotFoundError, TransferError, httpx.HTTPError) as exc:
         raise APIError(503, f"The model '{req.model}' cannot be tokenized on this node: {exc}",
                        "server_error", param="model", code="model_not_ready") from exc

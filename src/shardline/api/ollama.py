@@ -30,7 +30,8 @@ from shardline.api.generation import (
     prepare,
 )
 from shardline.api.metrics import RequestMetrics
-from shardline.node.node import InstanceFailedError, Node
+from shardline.node.node import Node
+from shardline.node.table import InstanceFailedError
 from shardline.runner.protocol import PrefillProgress, SamplingParams
 
 OLLAMA_API_VERSION = "0.12.0"  # the Ollama release whose API this follows
@@ -107,8 +108,8 @@ def router(node: Node, metrics: RequestMetrics | None = None) -> APIRouter:
     @api.get("/api/tags")
     async def tags() -> dict:
         out = []
-        for m in node.models():
-            inst = node.ready_instance(m["id"])
+        for m in node.router.models():
+            inst = node.router.ready_instance(m["id"])
             out.append({"name": m["id"], "model": m["id"],
                         "modified_at": datetime.fromtimestamp(m["created"], timezone.utc).isoformat(),
                         "size": sum((r.loaded or {}).get("param_bytes", 0) for r in inst.ranks),
@@ -129,7 +130,7 @@ def router(node: Node, metrics: RequestMetrics | None = None) -> APIRouter:
             return error_response(exc)
         if not req.prompt:  # Ollama's way to load a model: answer that it is ready, or why not
             try:
-                node.ready_instance(req.model.removesuffix(":latest"))
+                node.router.ready_instance(req.model.removesuffix(":latest"))
             except LookupError:
                 return error_response(APIError(404, f"model '{req.model}' not found"))
             return {"model": req.model, "created_at": _now(), "response": "", "done": True,

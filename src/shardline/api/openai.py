@@ -28,7 +28,8 @@ from shardline.api.generation import (
     prepare,
 )
 from shardline.api.metrics import RequestMetrics
-from shardline.node.node import InstanceFailedError, Node
+from shardline.node.node import Node
+from shardline.node.table import InstanceFailedError
 from shardline.runner.protocol import PrefillProgress, SamplingParams
 
 
@@ -128,7 +129,7 @@ def router(node: Node, metrics: RequestMetrics | None = None) -> APIRouter:
 
     @api.get("/v1/models/{model_id:path}")
     async def get_model(model_id: str):
-        for m in node.models():
+        for m in node.router.models():
             if m["id"] == model_id:
                 return model_object(m)
         return error_response(APIError(404, f"The model '{model_id}' does not exist or is not loaded",
@@ -138,7 +139,7 @@ def router(node: Node, metrics: RequestMetrics | None = None) -> APIRouter:
     async def list_models() -> dict:
         return {
             "object": "list",
-            "data": [model_object(m) for m in node.models()],
+            "data": [model_object(m) for m in node.router.models()],
         }
 
     @api.post("/v1/chat/completions")

@@ -21,7 +21,9 @@ from shardline.models.store import DEFAULT_MODEL_ID, ModelNotFoundError, ModelSt
 from shardline.node.identity import key_matches
 from shardline.node.profile import add_link_routes
 from shardline.node.transfer import add_model_routes
-from shardline.node.node import MEMBER_HEADER, InstanceFailedError, NoInstanceError, Node, free_port
+from shardline.node.coordinator import free_port
+from shardline.node.node import MEMBER_HEADER, Node
+from shardline.node.table import InstanceFailedError, NoInstanceError
 from shardline.placement.ranks import SHARDINGS, KVCacheRequestError
 from shardline.placement.pipeline import PlacementError
 from shardline.runner.protocol import SamplingParams
@@ -169,8 +171,8 @@ def create_app(node: Node) -> FastAPI:
         out = [dict(node.info(), live=True)]
         for peer in node.peers.values():
             out.append({"node_id": peer.node_id, "address": peer.address, "live": peer.node_id in live,
-                        "available_bytes": node.memory_of(peer.node_id)["free_bytes"],
-                        **node.memory_of(peer.node_id), "total_bytes": peer.total_bytes,
+                        "available_bytes": node.coordinator.memory_of(peer.node_id)["free_bytes"],
+                        **node.coordinator.memory_of(peer.node_id), "total_bytes": peer.total_bytes,
                         "profile": peer.profile, "links": peer.links, "models": peer.models})
         return {"coordinator": node.coordinator_id(), "epoch": node.epoch.to_dict(), "nodes": out}
 
@@ -184,7 +186,7 @@ def create_app(node: Node) -> FastAPI:
     async def models() -> dict:
         """Every model a live node holds (and the embedded default): which nodes hold
         all of its files or some, its size, and its instances (the peers asked afresh)."""
-        await node.refresh_peers()
+        await node.logistics.refresh_peers()
         live = set(node.live_node_ids())
         stores = {node.node_id: node.store.summary()}
         stores.update({p.node_id: p.models for p in node.peers.values() if p.node_id in live})
@@ -219,8 +221,8 @@ def create_app(node: Node) -> FastAPI:
         """Feasible placements with predicted tokens/s (fastest first), then refused ones."""
         try:
             shardings = SHARDINGS if body.sharding == "auto" else (body.sharding,)
-            model_id = await node.adopt(body.model)
-            candidates = await node.preview(await node.model_card(model_id), body.nodes, body.context,
+            model_id = await node.logistics.adopt(body.model)
+            candidates = await node.coordinator.preview(await node.logistics.model_card(model_id), body.nodes, body.context,
                                             body.max_batch, body.dtype, shardings=shardings,
                                             force=body.force, min_nodes=body.min_nodes or 1,
                                             max_nodes=body.max_nodes,
@@ -243,14 +245,14 @@ def create_app(node: Node) -> FastAPI:
         try:
             # A path or cached repo on this machine goes into this node's store first, so the
             # coordinator (perhaps another machine) finds it there by id.
-            body.model = await node.adopt(body.model)
+            body.model = await node.logistics.adopt(body.model)
         except (ModelStoreError, UnsupportedModelError) as exc:
             return JSONResponse(status_code=400, content={"detail": str(exc)})
         if not node.is_coordinator():
             status, content = await node.ask_coordinator("POST", "/cluster/instances", body.model_dump())
             return JSONResponse(status_code=status, content=content)
         try:
-            inst = await node.create_instance(body.model, body.sharding, body.nodes, body.context, body.max_batch,
+            inst = await node.coordinator.create_instance(body.model, body.sharding, body.nodes, body.context, body.max_batch,
                                               body.dtype, body.force, body.min_nodes, body.max_nodes,
                                               body.kv_cache_bytes, body.quantize)
         except ModelNotFoundError as exc:
@@ -267,7 +269,7 @@ def create_app(node: Node) -> FastAPI:
         if not node.is_coordinator():
             status, content = await node.ask_coordinator("DELETE", f"/cluster/instances/{instance_id}")
             return JSONResponse(status_code=status, content=content)
-        if not await node.delete_instance(instance_id):
+        if not await node.coordinator.delete_instance(instance_id):
             return JSONResponse(status_code=404, content={"detail": f"no instance {instance_id}"})
         return {"deleted": instance_id}
 
@@ -304,22 +306,22 @@ def create_app(node: Node) -> FastAPI:
 
     @app.post("/internal/runner-status")
     async def runner_status(request: Request):
-        if not await node.runner_status(await request.json()):
+        if not await node.coordinator.runner_status(await request.json()):
             return JSONResponse(status_code=503, content={"detail": "this node does not coordinate"})
         return {"ok": True}
 
     @app.post("/internal/tasks")
     async def tasks(request: Request) -> dict:
-        return {"delivered": node.deliver_local("tasks", await request.json())}
+        return {"delivered": node.router.deliver_local("tasks", await request.json())}
 
     @app.post("/internal/cancel")
     async def cancel(request: Request) -> dict:
-        return {"delivered": node.deliver_local("cancel", await request.json())}
+        return {"delivered": node.router.deliver_local("cancel", await request.json())}
 
     @app.post("/internal/generate")
     async def generate(request: Request):
         body = await request.json()
-        events = node.generate(
+        events = node.router.generate(
             body["model"], body["prompt"], body["max_tokens"],
             SamplingParams(**body["sampling"]), body["stop_token_ids"],
         )

@@ -1,0 +1,433 @@
+"""The coordinator's decisions: placing a model (memory admission, the placement
+preview), failing an instance and placing it again, placing it on returning nodes, and
+the runner status reports that change the instance table. Only the acting coordinator
+changes the table (:mod:`shardline.node.cluster_state`); it publishes through the node
+(:meth:`shardline.node.node.Node.publish`)."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import asyncio
+import logging
+import socket
+import time
+import uuid
+
+import httpx
+import psutil
+
+from shardline.models.config import ModelConfig, Quantize, Sharding
+from shardline.models.store import (
+    ModelCard,
+    ModelNotFoundError,
+)
+from shardline.node.cluster_state import (
+    RejoinView,
+    lost_instances,
+    rejoinable,
+)
+from shardline.placement.pipeline import NodeCapacity, PlacementError
+from shardline.placement.memory import committed_bytes, free_bytes, runtime_baseline
+from shardline.placement.ranks import (
+    SHARDINGS,
+    kv_tokens_for_bytes,
+    place_with_kv_pool,
+    rank_bytes,
+)
+
+from shardline.node.table import Instance, RankPlacement
+
+if TYPE_CHECKING:
+    from shardline.node.node import Node
+
+log = logging.getLogger(__name__)
+
+
+def free_port() -> int:
+    """A TCP port that was free on this machine a moment ago."""
+    with socket.socket() as s:
+        s.bind(("", 0))
+        return s.getsockname()[1]
+
+
+
+class Coordinator:
+    """The coordinator's decisions: placing a model (memory admission, the placement (one per node; its state is the node's)."""
+
+    def __init__(self, node: "Node") -> None:
+        self.node = node
+
+    async def _fail_lost_instances(self) -> None:
+        """Coordinator: fail the instances with a rank on a node that is down, or that
+        restarted since the placement (cluster_state rule 5)."""
+        live = set(self.node.live_node_ids())
+        incarnations = {p.node_id: p.started_at for p in self.node.peers.values()}
+        incarnations[self.node.node_id] = self.node.started_at
+        active = [i for i in self.node.instances.values() if i.status != "failed"]
+        restarted = lost_instances(
+            {i.instance_id: [(r.node_id, r.incarnation) for r in i.ranks] for i in active},
+            incarnations)
+        for inst in active:
+            down = [n for n in inst.node_ids() if n not in live]
+            if down:
+                for placement in inst.ranks:
+                    if placement.node_id in down:
+                        placement.status = "failed"
+                await self._fail_instance(inst, f"node(s) {', '.join(down)} are down")
+            elif inst.instance_id in restarted:
+                gone = ", ".join(restarted[inst.instance_id])
+                await self._fail_instance(inst, f"node(s) {gone} restarted: their ranks are gone")
+
+    async def _rejoin_returned_nodes(self) -> None:
+        """Coordinator: place an idle instance that runs on fewer nodes than it was placed
+        on again on all of them, once they are all back (cluster_state rule 6). Its old
+        ranks stop when the new table is published; if the new placement is refused the
+        instance stays as it is and is not tried again."""
+        live = self.node.live_node_ids()
+        now = time.time()
+        busy = set(self.node.busy_instances()).union(
+            *(p.busy for p in self.node.peers.values() if now - p.last_seen < self.node.down_after_s))
+        views = {i.instance_id: RejoinView(i.status, tuple(i.node_ids()), tuple(i.wanted_nodes),
+                                           i.instance_id in busy)
+                 for i in self.node.instances.values()}
+        for instance_id in rejoinable(views, live):
+            inst = self.node.instances.pop(instance_id)
+            try:
+                card = await self.node.logistics.model_card(inst.model_id)
+                await self._place(card, inst.sharding, list(inst.wanted_nodes), inst.context,
+                                  inst.max_batch, inst.dtype, inst.force, 0,
+                                  inst.kv_cache_bytes, inst.quantize)
+            except (PlacementError, ModelNotFoundError, httpx.HTTPError) as exc:
+                log.warning("could not place %s on its returning node(s) again: %s",
+                            inst.model_id, exc)
+                inst.wanted_nodes = []
+                self.node.instances[instance_id] = inst
+                continue
+            log.info("instance %s of %s: its node(s) are back; placed again on %s",
+                     instance_id, inst.model_id, ", ".join(inst.wanted_nodes))
+
+    async def runner_status(self, body: dict) -> bool:
+        """Coordinator: a node reports one of its ranks as fetching files, ready or failed.
+        False (nothing changes) where this node does not coordinate: only the coordinator
+        changes the table (the reporter reports again)."""
+        if not self.node.is_coordinator():
+            return False
+        inst = self.node.instances.get(body["instance_id"])
+        if inst is None or inst.status == "failed":
+            return True
+        for placement in inst.ranks:
+            if placement.node_id == body["node_id"]:
+                if body["status"] == "fetching" and placement.status == "ready":
+                    continue  # a late progress report
+                # a rank that only lost contact with a failed one stopped; it did not fail
+                placement.status = "stopped" if body.get("peer_lost") else body["status"]
+                placement.error = body["error"]
+                placement.loaded = body.get("loaded")
+                placement.fetched = body.get("fetched") or placement.fetched
+        if body["status"] == "failed":
+            rank = next(r for r, p in enumerate(inst.ranks) if p.node_id == body["node_id"])
+            if body.get("peer_lost"):
+                # Only a symptom: another rank failed or its node went down. Wait for that
+                # rank's own report (or its node's silence) to name it.
+                self.node._background.append(asyncio.create_task(
+                    self._fail_after_grace(inst, f"rank {rank} on node {body['node_id']} "
+                                                 f"{body['error']}")))
+                await self.node._publish()
+                return True
+            await self._fail_instance(inst, f"rank {rank} on node {body['node_id']} failed: "
+                                            f"{body['error']}")
+            return True
+        if all(p.status == "ready" for p in inst.ranks) and inst.status == "loading":
+            inst.status, inst.ready_at = "ready", time.time()
+            log.info("instance %s of %s is ready: %s on %d node(s)", inst.instance_id,
+                     inst.model_id, inst.sharding, len(inst.ranks))
+        await self.node._publish()
+        return True
+
+    async def _fail_after_grace(self, inst: Instance, error: str) -> None:
+        """Coordinator: fail ``inst`` with ``error`` (a rank that lost contact with
+        another) unless, within a grace, the rank that failed reported
+        its own failure or its node was found down (then that is what the error names):
+        a grace of ``down_after_s + 1``, the time a killed node takes to be found down."""
+        deadline = time.time() + self.node.down_after_s + 1.0
+        while time.time() < deadline and inst.status != "failed":
+            down = [(r, p.node_id) for r, p in enumerate(inst.ranks)
+                    if p.node_id not in self.node.live_node_ids()]
+            if down:
+                for r, _ in down:
+                    inst.ranks[r].status = "failed"
+                named = ", ".join(f"rank {r} on node {n}" for r, n in down)
+                await self._fail_instance(inst, f"{named}: node down")
+                return
+            await asyncio.sleep(0.2)
+        if self.node.instances.get(inst.instance_id) is inst:
+            await self._fail_instance(inst, error)
+
+    async def _fail_instance(self, inst: Instance, error: str) -> None:
+        """Coordinator: mark an instance failed (every node stops its runners and fails
+        its in-flight requests), then place the model again on the nodes that are live."""
+        if inst.status == "failed":
+            return
+        log.warning("instance %s failed: %s", inst.instance_id, error)
+        inst.status, inst.error = "failed", error
+        for placement in inst.ranks:  # every node stops its ranks of a failed instance
+            if placement.status != "failed":
+                placement.status = "stopped"
+        await self.node._publish()
+        task = asyncio.create_task(self._replace(inst))
+        self.node._background.append(task)
+
+    async def _replace(self, failed: Instance) -> None:
+        # Wait until a vanished node has missed its heartbeats, so it is not chosen again.
+        await asyncio.sleep(self.node.down_after_s + 1)
+        if self.node.instances.get(failed.instance_id) is not failed or not self.node.is_coordinator():
+            return
+        retries = failed.retries + 1 if failed.ready_at is None else 0
+        if retries > self.node.max_replacements:
+            # Leave the failed instance in the table, so its error stays visible.
+            log.error("giving up on %s after %d failed placements", failed.model_id, retries)
+            return
+        live = set(self.node.live_node_ids())
+        wanted = failed.wanted_nodes or failed.node_ids()
+        nodes = [n for n in wanted if n in live] or None
+        try:
+            card = await self.node.logistics.model_card(failed.model_id)
+            await self._place(card, failed.sharding, nodes, failed.context, failed.max_batch,
+                              failed.dtype, failed.force, retries, failed.kv_cache_bytes,
+                              failed.quantize, wanted_nodes=wanted)
+        except (PlacementError, ModelNotFoundError, httpx.HTTPError) as exc:
+            # Left in the table with its error; a later term tries again.
+            log.error("could not place %s again: %s", failed.model_id, exc)
+            failed.error = f"{failed.error}; not placed again: {exc}"
+            await self.node._publish()
+            return
+        # Only now, so the table never shows the model without an instance in between (a
+        # client waiting for the kept model would place a second one).
+        if self.node.instances.get(failed.instance_id) is failed:
+            del self.node.instances[failed.instance_id]
+            await self.node._publish()
+
+    async def create_instance(
+        self,
+        model: str | None,
+        sharding: str = "pipeline",
+        node_ids: list[str] | None = None,
+        context: int | None = None,
+        max_batch: int | None = None,
+        dtype: str = "bfloat16",
+        force: bool = False,
+        min_nodes: int | None = None,
+        max_nodes: int | None = None,
+        kv_cache_bytes: int | None = None,
+        quantize: str | None = None,
+    ) -> Instance:
+        """Coordinator: place ``model`` (an id, see :meth:`adopt`) and start loading it.
+
+        On ``node_ids`` (in rank order) when given. Otherwise under ``"auto"`` sharding, or
+        with ``min_nodes`` / ``max_nodes``, the placement with the best predicted decode
+        tokens/s among the shardings allowed and those node counts; else all live nodes.
+
+        ``dtype`` is the ranks' compute dtype. bfloat16 halves the memory of float32; a
+        tensor instance in bfloat16 rounds its partial sums differently from one node and
+        may pick a different token where two are nearly tied, in float32 it does not.
+        ``force`` skips memory admission: the user knows better than the measured memory
+        (a rank that then runs out of memory fails its instance). ``kv_cache_bytes`` sizes
+        the KV pool (the whole model's, all ranks together); without it the pool is
+        ``max_batch`` sequences of ``context`` tokens, or as much as fits
+        (:func:`~shardline.placement.ranks.place_with_kv_pool`). ``quantize`` (``"int8"``,
+        ``"int4"``) quantizes the weights the files hold in 16 or 32 bits on load.
+
+        Raises:
+            ModelNotFoundError: no node has the model.
+            ModelStoreError, UnsupportedModelError: a local path that is not a model
+                shardline can run.
+            PlacementError: the sharding is unknown or the model does not fit the nodes.
+            KVCacheRequestError: ``kv_cache_bytes`` holds less than one sequence.
+        """
+        card = await self.node.logistics.model_card(await self.node.logistics.adopt(model))
+        if sharding not in SHARDINGS + ("auto",):
+            raise PlacementError(f"sharding {sharding!r} is not supported (supported: auto, {', '.join(SHARDINGS)})")
+        if sharding == "auto" or (node_ids is None and (min_nodes or max_nodes)):
+            shardings = SHARDINGS if sharding == "auto" else (sharding,)
+            best = (await self.preview(card, node_ids, context, max_batch, dtype, best_only=True,
+                                       shardings=shardings, force=force, min_nodes=min_nodes or 1,
+                                       max_nodes=max_nodes, kv_cache_bytes=kv_cache_bytes,
+                                       quantize=quantize))[0]
+            sharding, node_ids = best.sharding, list(best.node_ids)
+        return await self._place(card, sharding, node_ids, context, max_batch, dtype, force,
+                                 kv_cache_bytes=kv_cache_bytes, quantize=quantize)
+
+    def node_profiles(self, node_ids: list[str]):
+        """The preview's view of ``node_ids``: NodeProfile each, and the measured links.
+
+        A node whose profile is not measured yet counts with 10 GB/s and 100 GFLOP/s.
+        """
+        from shardline.placement.preview import Link, NodeProfile
+
+        profiles, links = [], {}
+        for node_id in node_ids:
+            if node_id == self.node.node_id:
+                profile, measured, available = self.node.profile or {}, self.node.links, self._available_bytes(node_id)
+            else:
+                peer = self.node.peers[node_id]
+                profile, measured, available = peer.profile or {}, peer.links, self._available_bytes(node_id)
+            profiles.append(NodeProfile(node_id, available,
+                                        profile.get("memory_bandwidth_bytes_per_s") or 10e9,
+                                        profile.get("matmul_flops") or 100e9))
+            for other, link in measured.items():
+                links[(node_id, other)] = Link(link["latency_s"], link["bandwidth_bytes_per_s"])
+        return profiles, links
+
+    async def preview(self, card: ModelCard, node_ids: list[str] | None, context: int | None,
+                      max_batch: int | None, dtype: str = "bfloat16", best_only: bool = False,
+                      shardings: tuple[str, ...] = SHARDINGS, force: bool = False,
+                      min_nodes: int = 1, max_nodes: int | None = None,
+                      kv_cache_bytes: int | None = None, quantize: str | None = None):
+        """Candidate placements of a model on the live nodes, fastest predicted first
+        (``shardline.placement.preview``); with ``best_only`` just the best feasible one.
+
+        Raises:
+            PlacementError: unknown nodes; with ``best_only``, no placement fits (the
+                message gives each candidate's reason).
+        """
+        from shardline.placement.preview import auto, preview
+
+        config, chosen, context, max_batch = self._placement_inputs(card, node_ids, context, max_batch)
+        if min_nodes > len(chosen):
+            raise PlacementError(f"min_nodes is {min_nodes} but there are only {len(chosen)} live nodes to use")
+        profiles, links = self.node_profiles(chosen)
+        kv_tokens = (None if kv_cache_bytes is None
+                     else kv_tokens_for_bytes(config, kv_cache_bytes, dtype, context))
+        options = dict(min_nodes=min_nodes, weight_file_bytes=card.weight_file_bytes,
+                       baseline_bytes=self._runtime_baseline(chosen), admit=not force,
+                       kv_tokens=kv_tokens, quantize=Quantize(quantize) if quantize else None)
+        if best_only:
+            return [auto(config, profiles, links, context, max_batch, dtype, shardings, max_nodes,
+                         **options)]
+        return preview(config, profiles, links, context, max_batch, dtype, shardings, max_nodes,
+                       **options)
+
+    def _placement_inputs(self, card: ModelCard, node_ids: list[str] | None, context: int | None,
+                          max_batch: int | None):
+        """The model's config, the chosen live nodes (default all) and the instance's context
+        and max_batch (defaults filled in), for placing or previewing.
+
+        Raises:
+            PlacementError: a chosen node is not in the cluster or is down.
+        """
+        config = ModelConfig.from_dict(card.config)
+        live = self.node.live_node_ids()
+        chosen = node_ids or live
+        unknown = [n for n in chosen if n not in live]
+        if unknown:
+            raise PlacementError(f"nodes not in the cluster (or down): {', '.join(unknown)}")
+        context = context or min(self.node.default_context, config.max_position_embeddings)
+        return config, chosen, context, max_batch or self.node.default_max_batch
+
+    async def _place(
+        self,
+        card: ModelCard,
+        sharding: Sharding,
+        node_ids: list[str] | None,
+        context: int | None,
+        max_batch: int | None,
+        dtype: str = "bfloat16",
+        force: bool = False,
+        retries: int = 0,
+        kv_cache_bytes: int | None = None,
+        quantize: str | None = None,
+        wanted_nodes: list[str] | None = None,
+    ) -> Instance:
+        """Place ``card`` and publish the instance. ``wanted_nodes``: the nodes a failed
+        instance was placed on; kept on the new one when it gets fewer of them (rule 6)."""
+        config, chosen, context, max_batch = self._placement_inputs(card, node_ids, context, max_batch)
+        asked = (None if kv_cache_bytes is None
+                 else kv_tokens_for_bytes(config, kv_cache_bytes, dtype, context))
+        capacities = [NodeCapacity(n, self._available_bytes(n)) for n in chosen]
+        baseline = self._runtime_baseline(chosen)
+        quantized = Quantize(quantize) if quantize else None
+        shares, kv_tokens = place_with_kv_pool(
+            config, sharding, capacities, context, max_batch, dtype, admit=not force,
+            weight_file_bytes=card.weight_file_bytes, baseline_bytes=baseline, kv_tokens=asked,
+            quantize=quantized)
+        estimated = [rank_bytes(config, sharding, shares, r, context, max_batch, dtype,
+                                card.weight_file_bytes, baseline, kv_tokens=kv_tokens,
+                                quantize=quantized)
+                     for r in range(len(shares))]
+        master_addr = self.node.address_of(chosen[0]).rsplit(":", 1)[0]
+        port = await self._free_port(chosen[0])
+        inst = Instance(
+            instance_id=uuid.uuid4().hex[:8],
+            model_id=card.model_id,
+            sharding=Sharding(sharding),
+            ranks=[
+                RankPlacement(n, self.node.address_of(n), share.layer_start, share.layer_end,
+                              tensor_share=share.tensor_share, estimated_bytes=need,
+                              incarnation=self.node.incarnation_of(n))
+                for n, share, need in zip(chosen, shares, estimated)
+            ],
+            master_addr=master_addr,
+            master_port=port,
+            context=context,
+            max_batch=max_batch,
+            dtype=dtype,
+            kv_tokens=kv_tokens,
+            kv_cache_bytes=kv_cache_bytes,
+            quantize=quantize,
+            retries=retries,
+            force=force,
+            wanted_nodes=list(wanted_nodes) if wanted_nodes and set(chosen) < set(wanted_nodes) else [],
+        )
+        self.node.instances[inst.instance_id] = inst
+        log.info("placed %s as instance %s (%s on %s)", card.model_id, inst.instance_id,
+                 sharding, ", ".join(chosen))
+        await self.node._publish()
+        return inst
+
+    def _offered_bytes(self) -> int:
+        """Bytes this node offers to models in all: its memory limit, else the memory the
+        system has available plus what its own runners hold (theirs to keep)."""
+        if self.node.memory_limit_bytes is not None:
+            return self.node.memory_limit_bytes
+        return int(psutil.virtual_memory().available) + self.node.worker.resident_bytes()
+
+    def _committed_bytes(self, node_id: str) -> int:
+        """What placement counts the ranks on ``node_id`` of this node's instance table
+        (every instance not failed) to hold."""
+        ranks = ((r.node_id, r.estimated_bytes) for inst in self.node.instances.values()
+                 if inst.status != "failed" for r in inst.ranks)
+        return committed_bytes(ranks, node_id)
+
+    def _runtime_baseline(self, node_ids: list[str]) -> int:
+        """Runtime bytes to count per rank on these live nodes, from their profiles."""
+        profiles = [(self.node.profile if n == self.node.node_id else self.node.peers[n].profile) or {}
+                    for n in node_ids]
+        return runtime_baseline([p.get("runtime_baseline_bytes") or 0 for p in profiles])
+
+    def memory_of(self, node_id: str) -> dict:
+        """``offered_bytes``, ``committed_bytes`` and ``free_bytes`` of a live node (see
+        :meth:`_available_bytes`)."""
+        offered = self._offered_bytes() if node_id == self.node.node_id else self.node.peers[node_id].offered_bytes
+        committed = self._committed_bytes(node_id)
+        return {"offered_bytes": offered, "committed_bytes": committed,
+                "free_bytes": free_bytes(offered, committed)}
+
+    def _available_bytes(self, node_id: str) -> int:
+        """Bytes a node can give the next placement: what it offers less what the ranks
+        placed on it hold (counted from this node's own table, so placements in a row
+        never count the same bytes twice)."""
+        return self.memory_of(node_id)["free_bytes"]
+
+    async def _free_port(self, node_id: str) -> int:
+        if node_id == self.node.node_id:
+            return free_port()
+        response = await self.node._http.get(f"http://{self.node.address_of(node_id)}/internal/free-port")
+        return int(response.json()["port"])
+
+    async def delete_instance(self, instance_id: str) -> bool:
+        """Coordinator: remove an instance; its runners are stopped everywhere."""
+        if self.node.instances.pop(instance_id, None) is None:
+            return False
+        await self.node._publish()
+        return True

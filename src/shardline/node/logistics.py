@@ -1,0 +1,193 @@
+"""Model logistics: model cards and tokenizers, manifests, and copying a rank's files
+from the peers that hold them into this node's store."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import asyncio
+import logging
+from pathlib import Path
+
+import httpx
+
+from shardline.models.config import Sharding
+from shardline.models.store import (
+    DEFAULT_MODEL_ID,
+    Manifest,
+    ModelCard,
+    ModelNotFoundError,
+    ModelStoreError,
+    looks_like_path,
+)
+from shardline.models.tokenizer import Tokenizer
+from shardline.node.transfer import CopyProgress, TransferError, fetch_files
+
+from shardline.node.table import Instance, Peer, RankPlacement
+
+if TYPE_CHECKING:
+    from shardline.node.node import Node
+
+log = logging.getLogger(__name__)
+
+
+class ModelLogistics:
+    """Model logistics: model cards and tokenizers, manifests, and copying a rank's files (one per node; its state is the node's)."""
+
+    def __init__(self, node: "Node") -> None:
+        self.node = node
+
+    async def _warm_tokenizer(self, model_id: str) -> None:
+        try:
+            await self.tokenizer(model_id)
+        except (ModelNotFoundError, TransferError, httpx.HTTPError, OSError, ValueError) as exc:
+            log.warning("could not load the tokenizer of %s: %s", model_id, exc)
+
+    async def _shard_weights(self, inst: Instance, rank: int, placement: RankPlacement) -> Path:
+        """The local path the runner of ``rank`` opens, after copying from a peer the
+        files of its shard that this node's store lacks (progress goes to the coordinator).
+
+        Raises:
+            ModelNotFoundError: no live node has the files.
+            TransferError, httpx.HTTPError: every copy failed.
+        """
+        if inst.model_id == DEFAULT_MODEL_ID:
+            return self.node.store.weights_path(inst.model_id)
+        manifest = await self._manifest(inst.model_id)
+        top = inst.sharding != Sharding.PIPELINE or rank in (0, len(inst.ranks) - 1)
+        needed = manifest.shard_files(placement.layer_start, placement.layer_end, top)
+
+        def progress(done: int, total: int) -> None:
+            report = self.node.supervisor._report_runner(inst.instance_id, "fetching", None, None,
+                                         fetched={"done_bytes": done, "total_bytes": total})
+            asyncio.run_coroutine_threadsafe(report, self.node._loop)
+
+        await self._fetch(manifest, needed, progress)
+        return self.node.store.weights_path(inst.model_id)
+
+    async def _manifest(self, model_id: str) -> Manifest:
+        """The model's manifest from this node's store, else from a live peer's.
+
+        Raises:
+            ModelNotFoundError: no live node's store has the model.
+        """
+        manifest = self.node.store.manifest(model_id)
+        if manifest is not None:
+            return manifest
+        for peer in await self._peers_holding(lambda models: model_id in models):
+                try:
+                    response = await self.node._http.get(f"http://{peer.address}/internal/models/manifest",
+                                                    params={"model": model_id})
+                    if response.status_code == 200:
+                        return Manifest.from_dict(response.json())
+                except (httpx.HTTPError, ValueError) as exc:
+                    log.warning("manifest of %s from %s: %s", model_id, peer.node_id, exc)
+        raise ModelNotFoundError(
+            f"model {model_id!r} is not on any node: add it with `shardline models add {model_id}` "
+            f"(a Hugging Face repo id) or `shardline models add PATH` (a .gguf file or a safetensors "
+            f"directory) on one node")
+
+    async def _peers_holding(self, holds) -> list[Peer]:
+        """The live peers whose store summary satisfies ``holds(models)``; when none does,
+        after polling them all once (a model added a moment ago is in no summary yet)."""
+        for attempt in range(2):
+            live = set(self.node.live_node_ids())
+            found = [p for p in self.node.peers.values() if p.node_id in live and holds(p.models)]
+            if found or attempt:
+                return found
+            await self.refresh_peers()
+        return []
+
+    async def refresh_peers(self) -> None:
+        """Poll every live peer now, rather than within the second (their stores, memory)."""
+        live = set(self.node.live_node_ids())
+        await asyncio.gather(*(self.node._poll(p.address) for p in self.node.peers.values() if p.node_id in live))
+
+    async def _fetch(self, manifest: Manifest, paths: list[str], on_progress=None) -> None:
+        """Copy ``paths`` of a model that this store lacks from a live peer that has them
+        all, trying each such peer in turn (a broken copy resumes from the next).
+
+        Raises:
+            ModelNotFoundError: no live peer has them.
+            TransferError, httpx.HTTPError: the last peer's copy failed.
+        """
+        async with self.node._fetch_lock:  # one copy at a time: a tokenizer and a shard share files
+            missing = self.node.store.missing(manifest.model_id, paths)
+            if not missing:
+                return
+            holders = await self._peers_holding(
+                lambda models: set(missing) <= set(models.get(manifest.model_id, {}).get("present", ())))
+            if not holders:
+                raise ModelNotFoundError(f"no live node has the files {missing} of {manifest.model_id}")
+            total = sum(f.size for f in manifest.files if f.path in paths)
+            progress = CopyProgress(f"copying {manifest.model_id}", total, on_progress)
+            error: Exception | None = None
+            try:
+                for peer in holders:
+                    progress.done = 0  # fetch_files counts what is present as done
+                    try:
+                        with httpx.Client(headers={"Authorization": f"Bearer {self.node.cluster_key}"}) as client:
+                            received = await asyncio.to_thread(
+                                fetch_files, client, f"http://{peer.address}", self.node.store, manifest,
+                                paths, progress)
+                        log.info("copied %d bytes of %s from %s", received, manifest.model_id, peer.node_id)
+                        return
+                    except (TransferError, httpx.HTTPError) as exc:
+                        log.warning("copying %s from %s failed: %s", manifest.model_id, peer.node_id, exc)
+                        error = exc
+            finally:
+                progress.close()
+            raise error
+
+    async def adopt(self, model: str | None) -> str:
+        """The model id for what a request names, taking what only this machine has into
+        this node's store (whence the others copy it): a local path (a ``.gguf`` file or a
+        safetensors directory), or a repo id in this machine's Hugging Face cache that no
+        node's store holds. The default for None is the embedded default model.
+
+        Raises:
+            ModelStoreError, UnsupportedModelError: a path that is not a model shardline
+                can run.
+        """
+        model = model or DEFAULT_MODEL_ID
+        live = set(self.node.live_node_ids())
+        if model == DEFAULT_MODEL_ID or self.node.store.manifest(model) is not None or any(
+                model in p.models for p in self.node.peers.values() if p.node_id in live):
+            return model
+        if Path(model).expanduser().exists() or looks_like_path(model):
+            return (await asyncio.to_thread(self.node.store.add_local, model)).model_id
+        if "/" in model:
+            try:
+                return (await asyncio.to_thread(self.node.store.add_from_hub, model, False)).model_id
+            except (ModelNotFoundError, ModelStoreError):
+                pass
+        return model
+
+    async def model_card(self, model_id: str) -> ModelCard:
+        """A model's id and config, for placement: the embedded default, or a model in this
+        node's store or a live peer's.
+
+        Raises:
+            ModelNotFoundError: none of these has it.
+        """
+        if model_id == DEFAULT_MODEL_ID or self.node.store.manifest(model_id) is not None:
+            return await asyncio.to_thread(self.node.store.card, model_id)
+        manifest = await self._manifest(model_id)
+        return manifest.card()
+
+    async def tokenizer(self, model_id: str) -> Tokenizer:
+        """The tokenizer of a model, loaded once per node; a node without the model's
+        tokenizer files copies them (not the weights) from a peer.
+
+        Raises:
+            ModelNotFoundError: no live node has the model.
+            TransferError, httpx.HTTPError: the copy failed.
+        """
+        async with self.node._tokenizer_lock:
+            if model_id not in self.node.tokenizers:
+                if model_id != DEFAULT_MODEL_ID:
+                    manifest = await self._manifest(model_id)
+                    await self._fetch(manifest, manifest.tokenizer_files())
+                self.node.tokenizers[model_id] = await asyncio.to_thread(
+                    lambda: Tokenizer(self.node.store.tokenizer_path(model_id)))
+            return self.node.tokenizers[model_id]

@@ -1,0 +1,208 @@
+"""Request routing: a request taken by this node is handed to every rank's node of a
+ready instance of its model (or forwarded to a node that hosts one), and its tokens are
+streamed back from this node's runner."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import asyncio
+import dataclasses
+import json
+import logging
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+
+import httpx
+
+from shardline.runner.protocol import (
+    Cancel,
+    SamplingParams,
+    Task,
+    PrefillProgress,
+    TokenEvent,
+)
+
+from shardline.node.table import Instance, InstanceFailedError, NoInstanceError
+
+if TYPE_CHECKING:
+    from shardline.node.node import Node
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class _Stream:
+    instance_id: str
+    queue: asyncio.Queue
+
+
+def task_to_dict(task: Task) -> dict:
+    return dataclasses.asdict(task)
+
+
+def task_from_dict(data: dict) -> Task:
+    return Task(
+        task_id=int(data["task_id"]),
+        origin=data["origin"],
+        prompt=tuple(data["prompt"]),
+        max_tokens=int(data["max_tokens"]),
+        sampling=SamplingParams(**data["sampling"]),
+        stop_token_ids=tuple(data["stop_token_ids"]),
+    )
+
+
+
+class Router:
+    """Request routing: a request taken by this node is handed to every rank's node of a (one per node; its state is the node's)."""
+
+    def __init__(self, node: "Node") -> None:
+        self.node = node
+
+    def ready_instance(self, model_id: str) -> Instance:
+        """A ready instance of the model, preferring one with a rank on this node.
+
+        Raises:
+            NoInstanceError: none is ready.
+        """
+        ready = [i for i in self.node.instances.values() if i.model_id == model_id and i.status == "ready"]
+        if not ready:
+            raise NoInstanceError(f"no ready instance serves model {model_id!r}")
+        ready.sort(key=lambda i: (self.node.node_id not in i.node_ids(), i.created_at))
+        return ready[0]
+
+    def models(self) -> list[dict]:
+        """Models with a ready instance: ``[{"id", "created"}]``."""
+        seen = {}
+        for inst in self.node.instances.values():
+            if inst.status == "ready":
+                seen.setdefault(inst.model_id, inst.created_at)
+        return [{"id": m, "created": int(t)} for m, t in seen.items()]
+
+    def new_task_id(self) -> int:
+        """int64 ids that sort by creation time: ms (41 bits) | node salt (10) | counter (12)."""
+        ms = int(time.time() * 1000) - 1_700_000_000_000
+        return (ms << 22) | (self.node._salt << 12) | (next(self.node._task_counter) & 0xFFF)
+
+    async def generate(
+        self,
+        model_id: str,
+        prompt: list[int],
+        max_tokens: int,
+        sampling: SamplingParams,
+        stop_token_ids: list[int],
+    ) -> AsyncIterator[TokenEvent | PrefillProgress]:
+        """Run one request on a ready instance and yield its events: the progress of a
+        prefill that takes more than one engine step, then its tokens.
+
+        Closing the iterator early cancels the request on every rank.
+
+        Raises:
+            NoInstanceError: no ready instance serves the model.
+            InstanceFailedError: the instance failed mid-request.
+        """
+        inst = self.ready_instance(model_id)
+        if self.node.node_id not in inst.node_ids():
+            async for event in self._forward(inst, model_id, prompt, max_tokens, sampling, stop_token_ids):
+                yield event
+            return
+        task = Task(
+            task_id=self.new_task_id(),
+            origin=self.node.node_id,
+            prompt=tuple(prompt),
+            max_tokens=max_tokens,
+            sampling=sampling,
+            stop_token_ids=tuple(stop_token_ids),
+        )
+        stream = _Stream(inst.instance_id, asyncio.Queue())
+        self.node.streams[task.task_id] = stream
+        finished = False
+        try:
+            await self._deliver(inst, "tasks", task_to_dict(task))
+            while True:
+                event = await stream.queue.get()
+                if isinstance(event, Exception):
+                    raise event
+                if isinstance(event, TokenEvent) and event.finish_reason is not None:
+                    finished = True
+                yield event
+                if finished:
+                    return
+        finally:
+            self.node.streams.pop(task.task_id, None)
+            if not finished:
+                asyncio.get_running_loop().create_task(self._cancel(inst, task.task_id))
+
+    async def _deliver(self, inst: Instance, kind: str, body: dict) -> None:
+        """Hand a task or a cancellation to the runner of every rank of ``inst``.
+
+        Raises:
+            InstanceFailedError: a rank's node or runner could not be reached (a task that
+                some rank never receives would never start).
+        """
+        body = dict(body, instance_id=inst.instance_id)
+        missed = []
+        if self.node.node_id in inst.node_ids() and not self.deliver_local(kind, body):
+            missed.append(self.node.node_id)
+        remote = [r for r in inst.ranks if r.node_id != self.node.node_id]
+        responses = await asyncio.gather(
+            *(self.node._post(f"http://{r.address}/internal/{kind}", body) for r in remote)
+        )
+        for rank, response in zip(remote, responses):
+            if response is None or response.status_code != 200 or not response.json().get("delivered"):
+                missed.append(rank.node_id)
+        if missed:
+            raise InstanceFailedError(
+                f"instance {inst.instance_id}: could not reach the runner on node(s) {', '.join(missed)}"
+            )
+
+    async def _cancel(self, inst: Instance, task_id: int) -> None:
+        """Tell every rank to drop a task (best effort: a rank that is gone has no batch)."""
+        try:
+            await self._deliver(inst, "cancel", {"task_id": task_id})
+        except InstanceFailedError as exc:
+            log.warning("cancel of task %d: %s", task_id, exc)
+
+    def deliver_local(self, kind: str, body: dict) -> bool:
+        """Pass a task or cancellation to this node's runner of the instance."""
+        handle = self.node.worker.runners.get(body["instance_id"])
+        if handle is None:
+            return False
+        message = task_from_dict(body) if kind == "tasks" else Cancel(int(body["task_id"]))
+        return handle.send(message)
+
+    def _dispatch(self, events: tuple[TokenEvent | PrefillProgress, ...]) -> None:
+        for event in events:
+            stream = self.node.streams.get(event.task_id)
+            if stream is not None:
+                stream.queue.put_nowait(event)
+
+    def _fail_streams(self, instance_id: str, error: str | None) -> None:
+        for stream in list(self.node.streams.values()):
+            if stream.instance_id == instance_id:
+                stream.queue.put_nowait(InstanceFailedError(f"instance {instance_id}: {error}"))
+
+    async def _forward(self, inst, model_id, prompt, max_tokens, sampling, stop_token_ids):
+        """Run the request through a node that hosts a rank of ``inst``."""
+        body = {
+            "model": model_id,
+            "prompt": prompt,
+            "max_tokens": max_tokens,
+            "sampling": dataclasses.asdict(sampling),
+            "stop_token_ids": stop_token_ids,
+        }
+        url = f"http://{inst.ranks[0].address}/internal/generate"
+        try:
+            async with self.node._http.stream("POST", url, json=body) as response:
+                if response.status_code != 200:
+                    raise InstanceFailedError(f"node {inst.ranks[0].node_id} refused: {response.status_code}")
+                async for line in response.aiter_lines():
+                    if not line:
+                        continue
+                    data = json.loads(line)
+                    if "error" in data:
+                        raise InstanceFailedError(data["error"])
+                    yield PrefillProgress(**data) if "done" in data else TokenEvent(**data)
+        except httpx.HTTPError as exc:
+            raise InstanceFailedError(f"lost node {inst.ranks[0].node_id}: {exc}") from exc

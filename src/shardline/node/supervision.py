@@ -1,0 +1,173 @@
+"""Runner supervision: reconcile this node's runners with the instance table (fetch a
+rank's files, start its runner, stop those no longer placed here), relay what runners
+report (loaded, failed, batches, tokens) and report rank status to the coordinator."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import asyncio
+import dataclasses
+import logging
+import time
+from pathlib import Path
+
+
+from shardline.models.config import Sharding
+from shardline.placement.ranks import (
+    ring_prefill_chunk,
+)
+from shardline.runner.protocol import (
+    EngineStats,
+    Failed,
+    Loaded,
+    RunnerSpec,
+    Tokens,
+)
+
+from shardline.node.table import Instance, RankPlacement
+
+if TYPE_CHECKING:
+    from shardline.node.node import Node
+
+log = logging.getLogger(__name__)
+
+
+class Supervisor:
+    """Runner supervision: reconcile this node's runners with the instance table (fetch a (one per node; its state is the node's)."""
+
+    def __init__(self, node: "Node") -> None:
+        self.node = node
+
+    async def _reconcile(self) -> None:
+        """Start runners for ranks placed here; stop runners of instances gone or failed."""
+        wanted = {}
+        for inst in self.node.instances.values():
+            if inst.status == "failed":
+                continue
+            for rank, placement in enumerate(inst.ranks):
+                if placement.node_id == self.node.node_id:
+                    wanted[inst.instance_id] = (inst, rank, placement)
+        for instance_id, task in list(self.node._preparing.items()):
+            if instance_id not in wanted:
+                task.cancel()
+                self.node._preparing.pop(instance_id, None)
+        for instance_id in list(self.node.worker.runners):
+            if instance_id not in wanted:
+                await asyncio.to_thread(self.node.worker.stop, instance_id)
+                self.node.engine_stats.pop(instance_id, None)
+                inst = self.node.instances.get(instance_id)
+                self.node.router._fail_streams(instance_id, inst.error if inst else "the instance was deleted")
+        for instance_id, (inst, rank, placement) in wanted.items():
+            if instance_id not in self.node.worker.runners and instance_id not in self.node._preparing:
+                self.node._preparing[instance_id] = asyncio.create_task(self._prepare_rank(inst, rank, placement))
+
+    async def _report_unknown_statuses(self) -> None:
+        """Report again each of this node's ranks whose runner is ready or failed where the
+        table says otherwise: the report went to a coordinator that has since changed, or
+        to none while one was taking over."""
+        for inst in list(self.node.instances.values()):
+            handle = self.node.worker.runners.get(inst.instance_id)
+            if inst.status == "failed" or handle is None or handle.status not in ("ready", "failed"):
+                continue
+            mine = [r for r in inst.ranks if r.node_id == self.node.node_id]
+            if mine and mine[0].status != handle.status:
+                loaded = dataclasses.asdict(handle.loaded) if handle.loaded else None
+                await self._report_runner(inst.instance_id, handle.status, handle.error, loaded)
+
+    async def _prepare_rank(self, inst: Instance, rank: int, placement: RankPlacement) -> None:
+        """Get the files of this node's shard of ``inst`` (copying what is missing from a
+        peer), then start its runner; a failure to get them fails the rank."""
+        try:
+            weights = await self.node.logistics._shard_weights(inst, rank, placement)
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:  # any failure must fail the rank, not leave it loading
+            log.exception("getting the files of %s failed", inst.model_id)
+            self.node._preparing.pop(inst.instance_id, None)
+            await self._report_runner(inst.instance_id, "failed",
+                                      f"could not get the files of {inst.model_id}: {exc}", None)
+            return
+        self.node._preparing.pop(inst.instance_id, None)
+        current = self.node.instances.get(inst.instance_id)
+        if current is None or current.status == "failed" or inst.instance_id in self.node.worker.runners:
+            return
+        self._start_runner(current, rank, placement, weights)
+        self.node._background = [t for t in self.node._background if not t.done()]
+        self.node._background.append(asyncio.create_task(self.node.logistics._warm_tokenizer(inst.model_id)))
+
+    def _start_runner(self, inst: Instance, rank: int, placement: RankPlacement, weights: Path) -> None:
+        """Start the runner of ``rank`` of ``inst`` on this node, reading ``weights``."""
+        ring_chunks = {}
+        if inst.sharding == Sharding.RING:
+            chunk = ring_prefill_chunk(len(inst.ranks))
+            ring_chunks = {"prefill_chunk": chunk, "prefill_step_tokens": chunk,
+                           "prefill_burst_tokens": max(chunk, RunnerSpec.prefill_burst_tokens)}
+        spec = RunnerSpec(
+            instance_id=inst.instance_id,
+            node_id=self.node.node_id,
+            model_path=str(weights),
+            rank=rank,
+            world_size=len(inst.ranks),
+            sharding=inst.sharding,
+            layer_start=placement.layer_start,
+            layer_end=placement.layer_end,
+            tensor_share=placement.tensor_share,
+            master_addr=inst.master_addr,
+            master_port=inst.master_port,
+            max_batch=inst.max_batch,
+            context=inst.context,
+            kv_tokens=inst.kv_tokens,
+            dtype=inst.dtype,
+            quantize=inst.quantize,
+            threads=self.node.runner_threads,
+            progress_timeout_s=self.node.progress_timeout_s,
+            **ring_chunks,
+        )
+        self.node.worker.start(spec)
+
+    def _on_runner_message(self, instance_id: str, message: object) -> None:
+        """Called from a runner's reader thread."""
+        loop = self.node._loop
+        if loop is None:
+            return
+        if isinstance(message, Tokens):
+            loop.call_soon_threadsafe(self.node.router._dispatch, message.events)
+        elif isinstance(message, EngineStats):
+            self.node.engine_stats[instance_id] = dataclasses.asdict(message)
+        elif isinstance(message, Loaded):
+            report = self._report_runner(instance_id, "ready", None, dataclasses.asdict(message))
+            asyncio.run_coroutine_threadsafe(report, loop)
+        elif isinstance(message, Failed):
+            if message.peer_lost:  # the coordinator names the rank that failed: wait for it
+                asyncio.run_coroutine_threadsafe(self._fail_streams_when_known(instance_id, message.error), loop)
+            else:
+                loop.call_soon_threadsafe(self.node.router._fail_streams, instance_id, message.error)
+            report = self._report_runner(instance_id, "failed", message.error, None,
+                                         peer_lost=message.peer_lost)
+            asyncio.run_coroutine_threadsafe(report, loop)
+
+    async def _report_runner(
+        self, instance_id: str, status: str, error: str | None, loaded: dict | None,
+        fetched: dict | None = None, peer_lost: bool = False,
+    ) -> None:
+        body = {"instance_id": instance_id, "node_id": self.node.node_id, "status": status,
+                "error": error, "loaded": loaded, "fetched": fetched, "peer_lost": peer_lost}
+        coordinator = self.node.coordinator_id()
+        if coordinator != self.node.node_id:
+            await self.node._post(f"http://{self.node.address_of(coordinator)}/internal/runner-status", body)
+        elif self.node.is_coordinator():
+            await self.node.coordinator.runner_status(body)
+
+    async def _fail_streams_when_known(self, instance_id: str, error: str) -> None:
+        """Fail this node's requests on ``instance_id`` with the error the coordinator
+        gives the instance (naming the rank that failed), or ``error`` if none comes within
+        the grace."""
+        deadline = time.time() + self.node.down_after_s + 3.0
+        while time.time() < deadline:
+            inst = self.node.instances.get(instance_id)
+            if inst is None or inst.status == "failed":
+                break
+            await asyncio.sleep(0.1)
+        inst = self.node.instances.get(instance_id)
+        self.node.router._fail_streams(instance_id, inst.error if inst is not None and inst.error else error)

@@ -1,0 +1,92 @@
+"""The replicated instance table's values: an instance and its ranks' placements, the
+peers a node knows, and the errors a request meets when no instance serves it."""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from dataclasses import dataclass, field
+
+
+from shardline.models.config import Sharding
+from shardline.node.cluster_state import (
+    Epoch,
+)
+
+
+class NoInstanceError(LookupError):
+    """No ready instance serves the requested model."""
+
+
+class InstanceFailedError(RuntimeError):
+    """The instance serving a request failed while the request was in flight."""
+
+
+@dataclass
+class RankPlacement:
+    node_id: str
+    address: str
+    layer_start: int
+    layer_end: int
+    tensor_share: dict | None = None  # tensor sharding: heads, KV heads and MLP columns
+    status: str = "loading"  # loading | fetching | ready | failed | stopped (another rank failed)
+    error: str | None = None
+    loaded: dict | None = None  # the runner's Loaded report: layers and bytes it read
+    fetched: dict | None = None  # while its node copies the shard's files: done_bytes, total_bytes
+    estimated_bytes: int = 0  # what placement counts this rank to hold (placement.ranks.rank_bytes)
+    incarnation: float = 0.0  # its node's start time when placed (the rank dies with the node)
+
+
+@dataclass
+class Instance:
+    """A model placed on an ordered list of nodes (rank i on ``ranks[i]``)."""
+
+    instance_id: str
+    model_id: str
+    sharding: Sharding
+    ranks: list[RankPlacement]
+    master_addr: str
+    master_port: int
+    context: int
+    max_batch: int
+    dtype: str = "bfloat16"  # compute dtype of every rank
+    kv_tokens: int = 0  # tokens its KV pool holds, all sequences together (0: max_batch x context)
+    kv_cache_bytes: int | None = None  # the pool size asked for when placing (None: what fits)
+    quantize: str | None = None  # "int8" | "int4": 16/32-bit weights quantized on load
+    status: str = "loading"  # loading | ready | failed
+    error: str | None = None
+    created_at: float = field(default_factory=time.time)
+    ready_at: float | None = None
+    retries: int = 0  # placements of this model that failed before serving, in a row
+    wanted_nodes: list[str] = field(default_factory=list)  # placed on before nodes were lost
+    force: bool = False  # placed without memory admission (and placed again so)
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: dict) -> "Instance":
+        data = dict(data)
+        data["ranks"] = [RankPlacement(**r) for r in data["ranks"]]
+        data["sharding"] = Sharding(data["sharding"])
+        return cls(**data)
+
+    def node_ids(self) -> list[str]:
+        return [r.node_id for r in self.ranks]
+
+
+@dataclass
+class Peer:
+    node_id: str
+    address: str
+    last_seen: float
+    available_bytes: int = 0
+    total_bytes: int = 0
+    profile: dict | None = None  # its HostProfile (shardline.node.profile)
+    links: dict[str, dict] = field(default_factory=dict)  # its measured links, by node id
+    models: dict[str, dict] = field(default_factory=dict)  # its ModelStore.summary()
+    offered_bytes: int = 0  # what it offers to models in all (its limit, or what is free)
+    started_at: float = 0.0  # its incarnation: a restart changes it
+    epoch: Epoch = field(default_factory=Epoch)  # of the table it holds
+    busy: tuple[str, ...] = ()  # instances with requests running or waiting on its ranks
+
