@@ -5,9 +5,9 @@ from __future__ import annotations
 import dataclasses
 import json
 import logging
+from contextlib import asynccontextmanager
 from pathlib import Path
 from typing import Literal
-from contextlib import asynccontextmanager
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -18,14 +18,14 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from shardline.api import anthropic, metrics, ollama, openai
 from shardline.models.config import UnsupportedModelError
 from shardline.models.store import DEFAULT_MODEL_ID, ModelNotFoundError, ModelStoreError
-from shardline.node.identity import key_matches
-from shardline.node.profile import add_link_routes
-from shardline.node.transfer import add_model_routes
 from shardline.node.coordinator import free_port
+from shardline.node.identity import key_matches
 from shardline.node.node import MEMBER_HEADER, Node
+from shardline.node.profile import add_link_routes
 from shardline.node.table import InstanceFailedError, NoInstanceError
-from shardline.placement.ranks import SHARDINGS, KVCacheRequestError
+from shardline.node.transfer import add_model_routes
 from shardline.placement.pipeline import PlacementError
+from shardline.placement.ranks import SHARDINGS, KVCacheRequestError
 from shardline.runner.protocol import SamplingParams
 
 log = logging.getLogger(__name__)

@@ -2,17 +2,16 @@
 preview), failing an instance and placing it again, placing it on returning nodes, and
 the runner status reports that change the instance table. Only the acting coordinator
 changes the table (:mod:`shardline.node.cluster_state`); it publishes through the node
-(:meth:`shardline.node.node.Node.publish`)."""
+(``Node._publish``)."""
 
 from __future__ import annotations
-
-from typing import TYPE_CHECKING
 
 import asyncio
 import logging
 import socket
 import time
 import uuid
+from typing import TYPE_CHECKING
 
 import httpx
 import psutil
@@ -27,16 +26,15 @@ from shardline.node.cluster_state import (
     lost_instances,
     rejoinable,
 )
-from shardline.placement.pipeline import NodeCapacity, PlacementError
+from shardline.node.table import Instance, RankPlacement
 from shardline.placement.memory import committed_bytes, free_bytes, runtime_baseline
+from shardline.placement.pipeline import NodeCapacity, PlacementError
 from shardline.placement.ranks import (
     SHARDINGS,
     kv_tokens_for_bytes,
     place_with_kv_pool,
     rank_bytes,
 )
-
-from shardline.node.table import Instance, RankPlacement
 
 if TYPE_CHECKING:
     from shardline.node.node import Node
@@ -51,9 +49,9 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-
 class Coordinator:
-    """The coordinator's decisions: placing a model (memory admission, the placement (one per node; its state is the node's)."""
+    """The coordinator's decisions on the node's instance table (acted on only while the
+    node coordinates). One per node; the state is the node's."""
 
     def __init__(self, node: "Node") -> None:
         self.node = node

@@ -3,11 +3,10 @@ from the peers that hold them into this node's store."""
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 import asyncio
 import logging
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import httpx
 
@@ -21,9 +20,8 @@ from shardline.models.store import (
     looks_like_path,
 )
 from shardline.models.tokenizer import Tokenizer
-from shardline.node.transfer import CopyProgress, TransferError, fetch_files
-
 from shardline.node.table import Instance, Peer, RankPlacement
+from shardline.node.transfer import CopyProgress, TransferError, fetch_files
 
 if TYPE_CHECKING:
     from shardline.node.node import Node
@@ -32,7 +30,8 @@ log = logging.getLogger(__name__)
 
 
 class ModelLogistics:
-    """Model logistics: model cards and tokenizers, manifests, and copying a rank's files (one per node; its state is the node's)."""
+    """Model cards, tokenizers and model files for this node. One per node; the state is
+    the node's."""
 
     def __init__(self, node: "Node") -> None:
         self.node = node

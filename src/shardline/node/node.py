@@ -36,12 +36,11 @@ from pathlib import Path
 import httpx
 import psutil
 
+from shardline.machine_cache import write_atomically
 from shardline.models.store import (
     ModelStore,
 )
 from shardline.models.tokenizer import Tokenizer
-from shardline.node.worker import Worker
-from shardline.machine_cache import write_atomically
 from shardline.node.cluster_state import (
     Epoch,
     newer,
@@ -49,12 +48,12 @@ from shardline.node.cluster_state import (
     paused,
     settled,
 )
-
 from shardline.node.coordinator import Coordinator
 from shardline.node.logistics import ModelLogistics
-from shardline.node.routing import Router, _Stream
+from shardline.node.routing import RequestStream, Router
 from shardline.node.supervision import Supervisor
 from shardline.node.table import Instance, Peer
+from shardline.node.worker import Worker
 
 log = logging.getLogger(__name__)
 
@@ -143,7 +142,7 @@ class Node:
         self.logistics = ModelLogistics(self)
         self.router = Router(self)
         self.worker = Worker(self.supervisor._on_runner_message, watchdog_s=watchdog_s)
-        self.streams: dict[int, _Stream] = {}
+        self.streams: dict[int, RequestStream] = {}
         self.engine_stats: dict[str, dict] = {}  # instance id -> this node's rank's batch
         self.tokenizers: dict[str, Tokenizer] = {}
         self._tokenizer_lock: asyncio.Lock | None = None
@@ -243,7 +242,11 @@ class Node:
         profile of another format, measured otherwise, is measured again); memory figures
         are read live in :meth:`info`."""
         from shardline.node.identity import default_data_dir
-        from shardline.node.profile import PROFILE_FORMAT, HostProfile, measure_host_async
+        from shardline.node.profile import (
+            PROFILE_FORMAT,
+            HostProfile,
+            measure_host_async,
+        )
 
         cache = default_data_dir() / f"host-profile-v{PROFILE_FORMAT}.json"
         try:

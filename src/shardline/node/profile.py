@@ -294,11 +294,12 @@ def _runner_runtime() -> None:
     layout probe, a prefill of 96 tokens (dequantized products) and a decode step (the
     int4 kernel), so that the code and buffers those kernels bring count in the runtime
     (a runner's memory grew by ~30 MiB beyond a bare torch process once it served)."""
+    import torch  # noqa: PLC0415
+
     import shardline.parallel.pipeline  # noqa: F401, PLC0415 (only in the child)
     import shardline.parallel.ring  # noqa: F401, PLC0415
     import shardline.parallel.tensor  # noqa: F401, PLC0415
     import shardline.runner.engine  # noqa: F401, PLC0415
-    import torch  # noqa: PLC0415
     from shardline.models.config import ModelConfig, Quantize  # noqa: PLC0415
     from shardline.models.linear import Linear, resident_weight  # noqa: PLC0415
     from shardline.models.llama import DecoderShard, KVCache  # noqa: PLC0415

@@ -4,8 +4,6 @@ streamed back from this node's runner."""
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 import asyncio
 import dataclasses
 import json
@@ -13,18 +11,18 @@ import logging
 import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import httpx
 
+from shardline.node.table import Instance, InstanceFailedError, NoInstanceError
 from shardline.runner.protocol import (
     Cancel,
+    PrefillProgress,
     SamplingParams,
     Task,
-    PrefillProgress,
     TokenEvent,
 )
-
-from shardline.node.table import Instance, InstanceFailedError, NoInstanceError
 
 if TYPE_CHECKING:
     from shardline.node.node import Node
@@ -33,7 +31,10 @@ log = logging.getLogger(__name__)
 
 
 @dataclass
-class _Stream:
+class RequestStream:
+    """A request this node took: its instance and the queue its token events (or the
+    instance's failure) arrive on."""
+
     instance_id: str
     queue: asyncio.Queue
 
@@ -53,9 +54,9 @@ def task_from_dict(data: dict) -> Task:
     )
 
 
-
 class Router:
-    """Request routing: a request taken by this node is handed to every rank's node of a (one per node; its state is the node's)."""
+    """Requests taken by this node, to the ranks that run them. One per node; the state is
+    the node's."""
 
     def __init__(self, node: "Node") -> None:
         self.node = node
@@ -115,7 +116,7 @@ class Router:
             sampling=sampling,
             stop_token_ids=tuple(stop_token_ids),
         )
-        stream = _Stream(inst.instance_id, asyncio.Queue())
+        stream = RequestStream(inst.instance_id, asyncio.Queue())
         self.node.streams[task.task_id] = stream
         finished = False
         try:

@@ -4,16 +4,15 @@ report (loaded, failed, batches, tokens) and report rank status to the coordinat
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 import asyncio
 import dataclasses
 import logging
 import time
 from pathlib import Path
-
+from typing import TYPE_CHECKING
 
 from shardline.models.config import Sharding
+from shardline.node.table import Instance, RankPlacement
 from shardline.placement.ranks import (
     ring_prefill_chunk,
 )
@@ -25,8 +24,6 @@ from shardline.runner.protocol import (
     Tokens,
 )
 
-from shardline.node.table import Instance, RankPlacement
-
 if TYPE_CHECKING:
     from shardline.node.node import Node
 
@@ -34,7 +31,8 @@ log = logging.getLogger(__name__)
 
 
 class Supervisor:
-    """Runner supervision: reconcile this node's runners with the instance table (fetch a (one per node; its state is the node's)."""
+    """This node's runners against the instance table, and their reports. One per node;
+    the state is the node's."""
 
     def __init__(self, node: "Node") -> None:
         self.node = node

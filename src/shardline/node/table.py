@@ -7,7 +7,6 @@ import dataclasses
 import time
 from dataclasses import dataclass, field
 
-
 from shardline.models.config import Sharding
 from shardline.node.cluster_state import (
     Epoch,

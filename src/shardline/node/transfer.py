@@ -21,7 +21,13 @@ import httpx
 from fastapi import FastAPI
 from fastapi.responses import FileResponse, JSONResponse
 
-from shardline.models.store import PARTIAL_SUFFIX, Manifest, ModelFile, ModelStore, ModelStoreError
+from shardline.models.store import (
+    PARTIAL_SUFFIX,
+    Manifest,
+    ModelFile,
+    ModelStore,
+    ModelStoreError,
+)
 
 log = logging.getLogger(__name__)
 
@@ -73,8 +79,14 @@ class CopyProgress:
         self._logged = -1
         self._bar = None
         if sys.stderr.isatty():
-            from rich.progress import (BarColumn, DownloadColumn, Progress, TextColumn,
-                                       TimeRemainingColumn, TransferSpeedColumn)
+            from rich.progress import (
+                BarColumn,
+                DownloadColumn,
+                Progress,
+                TextColumn,
+                TimeRemainingColumn,
+                TransferSpeedColumn,
+            )
 
             self._bar = Progress(TextColumn("{task.description}"), BarColumn(), DownloadColumn(),
                                  TransferSpeedColumn(), TimeRemainingColumn())
