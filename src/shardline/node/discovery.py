@@ -39,13 +39,14 @@ class Discovery:
 
     Args:
         node_id: this node's id (its service instance name).
-        host: the IPv4 address other nodes reach this node at (a loopback address keeps the
-            service on the loopback interface, for tests on one machine).
+        host: the IPv4 address other nodes reach this node at; the service is advertised
+            on the interface that holds it (loopback for tests on one machine).
         port: its HTTP port.
         cluster_key: the key whose fingerprint is advertised and required of peers.
         on_peer: called with ``"host:port"`` (from zeroconf's thread) for each peer found.
 
-    Raises (from :meth:`start`): OSError when no multicast socket can be opened.
+    Raises (from :meth:`start`): OSError when no multicast socket can be opened;
+    ValueError when ``host`` is not an IPv4 address.
     """
 
     def __init__(self, node_id: str, host: str, port: int, cluster_key: str,
@@ -63,8 +64,10 @@ class Discovery:
         )
 
     def start(self) -> None:
-        loopback = ipaddress.ip_address(self.host).is_loopback
-        self.zeroconf = Zeroconf(interfaces=[self.host] if loopback else None, ip_version=IPVersion.V4Only)
+        # On the interface that holds the advertised address (a node started with a LAN
+        # address failed to start here: zeroconf takes no None for "all interfaces").
+        ipaddress.IPv4Address(self.host)  # an address, not a name: ValueError otherwise
+        self.zeroconf = Zeroconf(interfaces=[self.host], ip_version=IPVersion.V4Only)
         self.zeroconf.register_service(self.info)
         self.browser = ServiceBrowser(self.zeroconf, SERVICE_TYPE, handlers=[self._changed])
 

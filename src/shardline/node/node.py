@@ -177,7 +177,7 @@ class Node:
         if self.discovery is not None:
             try:
                 await asyncio.to_thread(self.discovery.start)
-            except OSError as exc:
+            except (OSError, ValueError) as exc:
                 log.warning("mDNS discovery is off (%s); use --peers", exc)
                 self.discovery = None
         if self.exit_with_parent:
