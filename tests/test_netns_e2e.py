@@ -1,6 +1,6 @@
 """Nodes in separate network stacks (tests/netns.py: network namespaces on a bridge, root
-only): mDNS discovery with no peer list, and a rate-limited link that the measured link
-profile reports."""
+only): mDNS discovery with no peer list, a rate-limited link that the measured link
+profile reports, and a partition that heals into one state."""
 
 from __future__ import annotations
 
@@ -13,6 +13,7 @@ import httpx
 import pytest
 
 import netns
+from shardline.models.store import DEFAULT_MODEL_ID
 
 REASON = netns.unavailable()
 pytestmark = [pytest.mark.timeout(120), pytest.mark.skipif(REASON is not None, reason=REASON or "")]
@@ -85,5 +86,65 @@ def test_a_rate_limited_link_is_measured_at_its_rate(tmp_path):
             bandwidth = wait_for(measured, 60, "node 0's measured link to node 1")
             print(f"\ntbf 20 Mbit/s: measured {bandwidth * 8 / 1e6:.1f} Mbit/s")
             assert 0.7 * rate_bytes <= bandwidth <= 1.3 * rate_bytes
+        finally:
+            stop(procs)
+
+
+def chat(hosts: netns.Hosts, i: int) -> str | None:
+    try:
+        response = httpx.post(f"http://{hosts.addresses[i]}:{PORT}/v1/chat/completions", timeout=30, json={
+            "model": DEFAULT_MODEL_ID, "temperature": 0, "max_tokens": 12,
+            "messages": [{"role": "user", "content": "What is the capital of France?"}]})
+    except httpx.HTTPError:
+        return None
+    return response.json()["choices"][0]["message"]["content"] if response.status_code == 200 else None
+
+
+def table(hosts: netns.Hosts, i: int) -> tuple:
+    state = httpx.get(f"http://{hosts.addresses[i]}:{PORT}/internal/state", timeout=2,
+                      headers={"Authorization": f"Bearer {KEY}"}).json()
+    return (tuple(state["epoch"].values()),
+            tuple(sorted((x["instance_id"], x["status"]) for x in state["instances"])))
+
+
+@pytest.mark.timeout(240)
+def test_a_partition_heals_into_one_state_and_one_serving_instance(tmp_path):
+    """Three nodes serving the model; one host's link cut for 20 s: the other two serve;
+    once it is back every node holds one table (same epoch) with one instance, served by
+    every node (issue 13)."""
+    with netns.Hosts(3) as hosts:
+        procs = [start_node(hosts, i, tmp_path, "--no-mdns", "--runner-threads", "1", "--peers",
+                            ",".join(f"{a}:{PORT}" for a in hosts.addresses if a != hosts.addresses[i]))
+                 for i in range(3)]
+        try:
+            wait_for(lambda: all(sum(n["live"] for n in nodes_view(hosts, i)) == 3 for i in range(3)),
+                     30, "a 3-node cluster")
+            placed = httpx.post(f"http://{hosts.addresses[0]}:{PORT}/cluster/instances", timeout=60,
+                                json={"model": None, "sharding": "pipeline", "context": 512})
+            assert placed.status_code == 201, placed.text
+            wait_for(lambda: all("Paris" in (chat(hosts, i) or "") for i in range(3)), 90, "served by all")
+            ids = [httpx.get(f"http://{a}:{PORT}/health", timeout=2).json()["node_id"] for a in hosts.addresses]
+            cut = ids.index(max(ids))
+            majority = [i for i in range(3) if i != cut]
+            hosts.link(cut, up=False)
+            started = time.time()
+            wait_for(lambda: all("Paris" in (chat(hosts, i) or "") for i in majority), 60,
+                     "the majority side serving")
+            print(f"\npartition: the majority serves {time.time() - started:.1f} s after the cut")
+            time.sleep(max(0.0, 20 - (time.time() - started)))
+            hosts.link(cut, up=True)
+            healed = time.time()
+
+            def one_state():
+                held = [table(hosts, i) for i in range(3)]
+                return len(set(held)) == 1 and len(held[0][1]) == 1
+
+            wait_for(one_state, 15, "one table on every node, with one instance")
+            print(f"healed: one table {time.time() - healed:.1f} s after the link came back")
+            wait_for(lambda: all("Paris" in (chat(hosts, i) or "") for i in range(3)), 90,
+                     "every node serving again")
+            print(f"every node serving {time.time() - healed:.1f} s after the link came back")
+            held = [table(hosts, i) for i in range(3)]
+            assert len(set(held)) == 1 and [s for _, s in held[0][1]] == ["ready"]
         finally:
             stop(procs)

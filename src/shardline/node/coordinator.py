@@ -55,6 +55,7 @@ class Coordinator:
 
     def __init__(self, node: "Node") -> None:
         self.node = node
+        self.replacing: set[str] = set()  # failed instances being placed again
 
     async def _fail_lost_instances(self) -> None:
         """Coordinator: fail the instances with a rank on a node that is down, or that
@@ -177,10 +178,20 @@ class Coordinator:
         self.node._background.append(task)
 
     async def _replace(self, failed: Instance) -> None:
-        # Wait until a vanished node has missed its heartbeats, so it is not chosen again.
-        await asyncio.sleep(self.node.down_after_s + 1)
-        if self.node.instances.get(failed.instance_id) is not failed or not self.node.is_coordinator():
+        """Place a failed instance again (once: a second call for the same instance while
+        one runs does nothing), after ``down_after_s + 1`` so that a vanished node has
+        missed its heartbeats and is not chosen again."""
+        if failed.instance_id in self.replacing:
             return
+        self.replacing.add(failed.instance_id)
+        try:
+            await asyncio.sleep(self.node.down_after_s + 1)
+            if self.node.instances.get(failed.instance_id) is failed and self.node.is_coordinator():
+                await self._place_again(failed)
+        finally:
+            self.replacing.discard(failed.instance_id)
+
+    async def _place_again(self, failed: Instance) -> None:
         retries = failed.retries + 1 if failed.ready_at is None else 0
         if retries > self.node.max_replacements:
             # Leave the failed instance in the table, so its error stays visible.

@@ -340,9 +340,12 @@ class Node:
         term = next_term(self.epoch, [p.epoch for p in self.peers.values()])
         self.epoch, self._acting_term = Epoch(term, 0, self.node_id), term
         log.info("coordinator for term %d", term)
+        # failed before this term (perhaps while no node coordinated): placed again. Taken
+        # before publishing: one that fails while this publishes is placed again by its
+        # own failure.
+        failed = [i for i in self.instances.values() if i.status == "failed"]
         await self._publish()
-        for inst in [i for i in self.instances.values() if i.status == "failed"]:
-            # failed before this term (perhaps while no node coordinated): place it again
+        for inst in failed:
             self._background.append(asyncio.create_task(self.coordinator._replace(inst)))
 
 
