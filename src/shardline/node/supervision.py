@@ -113,6 +113,7 @@ class Supervisor:
             tensor_share=placement.tensor_share,
             master_addr=inst.master_addr,
             master_port=inst.master_port,
+            host=self.node.host,
             max_batch=inst.max_batch,
             context=inst.context,
             kv_tokens=inst.kv_tokens,

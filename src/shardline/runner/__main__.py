@@ -80,6 +80,24 @@ class Outbox:
             time.sleep(min(1.0, max(self.progress_timeout_s / 4, 0.1)))
 
 
+def _use_interface_of(host: str | None) -> None:
+    """Make gloo and NCCL open their sockets on the network interface that holds ``host``
+    (``GLOO_SOCKET_IFNAME``, ``NCCL_SOCKET_IFNAME``, unless already set). Left to
+    themselves they use the address the machine's hostname resolves to, which on many
+    Linux installs is 127.0.1.1: ranks on other machines then cannot connect (seen
+    between network namespaces: "connectFullMesh failed ... remote=[127.0.0.1]")."""
+    if not host:
+        return
+    import psutil
+
+    for name, addresses in psutil.net_if_addrs().items():
+        if any(a.address == host for a in addresses):
+            os.environ.setdefault("GLOO_SOCKET_IFNAME", name)
+            os.environ.setdefault("NCCL_SOCKET_IFNAME", name)
+            return
+    log.warning("no network interface holds %s: collectives use the backend's default", host)
+
+
 def load_stage(spec: RunnerSpec, source, group, progress: Progress, dtype, device):
     """Load this rank's shard and KV cache as the stage its instance's sharding needs.
 
@@ -135,6 +153,7 @@ def serve(conn, outbox: Outbox) -> None:
         if device.type == "cuda":
             torch.cuda.set_device(device)
             comm_device = device
+        _use_interface_of(spec.host)
         dist.init_process_group(
             backend,
             init_method=f"tcp://{spec.master_addr}:{spec.master_port}",

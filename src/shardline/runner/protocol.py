@@ -174,6 +174,9 @@ class RunnerSpec:
         tensor_share: tensor sharding: this rank's ``TensorShare.to_dict()`` (None: the
             even split of ``shardline.placement.tensor.tensor_shares``).
         master_addr, master_port: rank 0's TCP rendezvous for torch.distributed.
+        host: this rank's node's address; the collectives' sockets use the interface that
+            holds it (None: the backend's own choice, the address the machine's hostname
+            resolves to, often 127.0.1.1).
         device: "cpu" or "cuda[:N]"; the backend is gloo on CPU, NCCL on CUDA.
         dtype: compute dtype name ("bfloat16", "float16", "float32").
         quantize: "int8" or "int4" to quantize the weights the files hold in 16 or 32
@@ -207,6 +210,7 @@ class RunnerSpec:
     master_port: int
     sharding: Sharding = Sharding.PIPELINE
     tensor_share: dict | None = None
+    host: str | None = None
     device: str = "cpu"
     dtype: str = "bfloat16"
     quantize: str | None = None
