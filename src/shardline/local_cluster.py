@@ -167,11 +167,11 @@ class LocalCluster:
         """The instance serving ``model`` with ``sharding``, placed once across restarts.
 
         The nodes keep their instance table on disk: after a restart the coordinator finds
-        a kept instance's ranks gone, fails it and places it again (after
-        :data:`KEPT_REPLACE_S`). Such an instance (its model id is ``model``, or the
-        default model's for None) is waited for instead of placing a second copy beside
-        it; one that does not come back in time is deleted and the model placed anew
-        (:meth:`place`, with ``options``).
+        a kept instance's ranks gone, fails it and places it again. Such an instance (its
+        model id is ``model``, or the default model's for None) is waited for instead of
+        placing a second copy beside it; one still failed after :data:`KEPT_REPLACE_S`
+        (not placed again) is deleted and the model placed anew (:meth:`place`, with
+        ``options``).
 
         Raises:
             LocalClusterError: placement was refused or the instance failed or timed out.
@@ -192,6 +192,9 @@ class LocalCluster:
             if not kept or (all(i["status"] == "failed" for i in kept) and time.time() > replaced_by):
                 break
             time.sleep(0.3)
+        else:
+            raise LocalClusterError(f"the kept instance of {model_id} was not ready within "
+                                    f"{timeout_s:.0f} s")
         self.clear([i["instance_id"] for i in kept])
         return self.place(model, sharding, max(1.0, deadline - time.time()), **options)
 

@@ -222,12 +222,14 @@ def create_app(node: Node) -> FastAPI:
         try:
             shardings = SHARDINGS if body.sharding == "auto" else (body.sharding,)
             model_id = await node.logistics.adopt(body.model)
-            candidates = await node.coordinator.preview(await node.logistics.model_card(model_id), body.nodes, body.context,
-                                            body.max_batch, body.dtype, shardings=shardings,
-                                            force=body.force, min_nodes=body.min_nodes or 1,
-                                            max_nodes=body.max_nodes,
-                                            kv_cache_bytes=body.kv_cache_bytes,
-                                            quantize=body.quantize)
+            card = await node.logistics.model_card(model_id)
+            candidates = await node.coordinator.preview(card, body.nodes, body.context,
+                                                        body.max_batch, body.dtype,
+                                                        shardings=shardings, force=body.force,
+                                                        min_nodes=body.min_nodes or 1,
+                                                        max_nodes=body.max_nodes,
+                                                        kv_cache_bytes=body.kv_cache_bytes,
+                                                        quantize=body.quantize)
         except ModelNotFoundError as exc:
             return JSONResponse(status_code=404, content={"detail": str(exc)})
         except (PlacementError, ModelStoreError, UnsupportedModelError, KVCacheRequestError) as exc:
@@ -252,9 +254,9 @@ def create_app(node: Node) -> FastAPI:
             status, content = await node.ask_coordinator("POST", "/cluster/instances", body.model_dump())
             return JSONResponse(status_code=status, content=content)
         try:
-            inst = await node.coordinator.create_instance(body.model, body.sharding, body.nodes, body.context, body.max_batch,
-                                              body.dtype, body.force, body.min_nodes, body.max_nodes,
-                                              body.kv_cache_bytes, body.quantize)
+            inst = await node.coordinator.create_instance(
+                body.model, body.sharding, body.nodes, body.context, body.max_batch, body.dtype,
+                body.force, body.min_nodes, body.max_nodes, body.kv_cache_bytes, body.quantize)
         except ModelNotFoundError as exc:
             return JSONResponse(status_code=404, content={"detail": str(exc)})
         except (ModelStoreError, UnsupportedModelError, KVCacheRequestError) as exc:
