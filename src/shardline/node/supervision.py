@@ -71,7 +71,8 @@ class Supervisor:
             mine = [r for r in inst.ranks if r.node_id == self.node.node_id]
             if mine and mine[0].status != handle.status:
                 loaded = dataclasses.asdict(handle.loaded) if handle.loaded else None
-                await self._report_runner(inst.instance_id, handle.status, handle.error, loaded)
+                await self._report_runner(inst.instance_id, handle.status, handle.error, loaded,
+                                          peer_lost=handle.peer_lost)
 
     async def _prepare_rank(self, inst: Instance, rank: int, placement: RankPlacement) -> None:
         """Get the files of this node's shard of ``inst`` (copying what is missing from a

@@ -33,18 +33,19 @@ class RunnerHandle:
     conn: Connection
     status: str = "loading"  # loading | ready | failed | stopped
     error: str | None = None
+    peer_lost: bool = False  # it failed only because another rank went away (Failed)
     loaded: Loaded | None = None
     memory: Heartbeat | None = None  # the last heartbeat: resident and peak bytes
     send_lock: threading.Lock = field(default_factory=threading.Lock)
     last_seen: float = field(default_factory=time.monotonic)  # last message, monotonic seconds
     state_lock: threading.Lock = field(default_factory=threading.Lock)
 
-    def fail(self, error: str) -> bool:
+    def fail(self, error: str, peer_lost: bool = False) -> bool:
         """Mark the runner failed; False if it had already failed or been stopped."""
         with self.state_lock:
             if self.status in ("failed", "stopped"):
                 return False
-            self.status, self.error = "failed", error
+            self.status, self.error, self.peer_lost = "failed", error, peer_lost
             return True
 
     def send(self, message: object) -> bool:
@@ -133,7 +134,7 @@ class Worker:
                     continue
                 if isinstance(message, Loaded):
                     handle.status, handle.loaded = "ready", message
-                elif isinstance(message, Failed) and not handle.fail(message.error):
+                elif isinstance(message, Failed) and not handle.fail(message.error, message.peer_lost):
                     continue
                 self.on_message(instance_id, message)
         except (EOFError, OSError) as exc:
