@@ -41,6 +41,20 @@ def placed(url: str) -> list[dict]:
     return [{k: v for k, v in inst.items() if not k.startswith("local_")} for inst in instances]
 
 
+def capital_answer(url: str) -> str | None:
+    """The default model's greedy answer to "What is the capital of France?" from the node
+    at ``url`` (``http://host:port``), or None while it cannot serve."""
+    from shardline.models.store import DEFAULT_MODEL_ID
+
+    try:
+        response = httpx.post(f"{url}/v1/chat/completions", timeout=60, json={
+            "model": DEFAULT_MODEL_ID, "temperature": 0, "max_tokens": 12,
+            "messages": [{"role": "user", "content": "What is the capital of France?"}]})
+    except httpx.HTTPError:
+        return None
+    return response.json()["choices"][0]["message"]["content"] if response.status_code == 200 else None
+
+
 def start_cluster(nodes: int, log_dir, **options) -> LocalCluster:
     """Start ``nodes`` local nodes and place the default model across all of them."""
     cluster = LocalCluster(nodes=nodes, base_port=free_port_block(nodes), runner_threads=1,

@@ -11,6 +11,7 @@ import time
 import httpx
 import pytest
 
+from conftest import capital_answer as answer
 from conftest import free_port_block
 from shardline.local_cluster import LocalCluster
 from shardline.models.store import DEFAULT_MODEL_ID
@@ -20,17 +21,6 @@ pytestmark = pytest.mark.timeout(300)
 
 def ids_of(cluster: LocalCluster) -> list[str]:
     return [httpx.get(f"{cluster.url(i)}/health", timeout=5).json()["node_id"] for i in range(cluster.n)]
-
-
-def answer(url: str) -> str | None:
-    """The chat answer of the node at ``url``, or None while it cannot serve."""
-    try:
-        response = httpx.post(f"{url}/v1/chat/completions", timeout=60, json={
-            "model": DEFAULT_MODEL_ID, "temperature": 0, "max_tokens": 12,
-            "messages": [{"role": "user", "content": "What is the capital of France?"}]})
-    except httpx.HTTPError:
-        return None
-    return response.json()["choices"][0]["message"]["content"] if response.status_code == 200 else None
 
 
 def wait_until(check, timeout_s: float, what: str):

@@ -13,7 +13,7 @@ import httpx
 import pytest
 
 import netns
-from shardline.models.store import DEFAULT_MODEL_ID
+from conftest import capital_answer
 
 REASON = netns.unavailable()
 pytestmark = [pytest.mark.timeout(120), pytest.mark.skipif(REASON is not None, reason=REASON or "")]
@@ -91,13 +91,7 @@ def test_a_rate_limited_link_is_measured_at_its_rate(tmp_path):
 
 
 def chat(hosts: netns.Hosts, i: int) -> str | None:
-    try:
-        response = httpx.post(f"http://{hosts.addresses[i]}:{PORT}/v1/chat/completions", timeout=30, json={
-            "model": DEFAULT_MODEL_ID, "temperature": 0, "max_tokens": 12,
-            "messages": [{"role": "user", "content": "What is the capital of France?"}]})
-    except httpx.HTTPError:
-        return None
-    return response.json()["choices"][0]["message"]["content"] if response.status_code == 200 else None
+    return capital_answer(f"http://{hosts.addresses[i]}:{PORT}")
 
 
 def table(hosts: netns.Hosts, i: int) -> tuple:
