@@ -86,7 +86,8 @@ def _cluster(args: argparse.Namespace) -> int:
     print(f"  dashboard: {url}/")
     print("  try:")
     print(f"    curl {url}/v1/chat/completions -H 'Content-Type: application/json' \\")
-    print(f"      -d '{{\"model\": \"{instance['model_id']}\", \"messages\": "
+    print(f"      -d '{{\"model\": \"{instance['model_id']}\", \"max_tokens\": 64, "
+          f"\"temperature\": 0, \"messages\": "
           f"[{{\"role\": \"user\", \"content\": \"What is the capital of France?\"}}]}}'")
     print("  Ctrl-C stops the cluster.", flush=True)
     try:

@@ -159,7 +159,11 @@ class Router:
             )
 
     async def _cancel(self, inst: Instance, task_id: int) -> None:
-        """Tell every rank to drop a task (best effort: a rank that is gone has no batch)."""
+        """Tell every rank to drop a task (best effort: a rank that is gone has no batch;
+        nothing to do once the instance failed, its runners are stopped)."""
+        current = self.node.instances.get(inst.instance_id)
+        if current is None or current.status == "failed":
+            return
         try:
             await self._deliver(inst, "cancel", {"task_id": task_id})
         except InstanceFailedError as exc:
