@@ -84,9 +84,7 @@ class Coordinator:
         ranks stop when the new table is published; if the new placement is refused the
         instance stays as it is and is not tried again."""
         live = self.node.live_node_ids()
-        now = time.time()
-        busy = set(self.node.busy_instances()).union(
-            *(p.busy for p in self.node.peers.values() if now - p.last_seen < self.node.down_after_s))
+        busy = set(self.node.busy_instances()).union(*(p.busy for p in self.node.live_peers()))
         views = {i.instance_id: RejoinView(i.status, tuple(i.node_ids()), tuple(i.wanted_nodes),
                                            i.instance_id in busy)
                  for i in self.node.instances.values()}

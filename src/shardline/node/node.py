@@ -232,8 +232,7 @@ class Node:
     def member_addresses(self) -> list[str]:
         """Addresses of the live peers: told to every node that polls this one, so that a
         node that contacted one member comes to know (and be known by) all of them."""
-        now = time.time()
-        return sorted(p.address for p in self.peers.values() if now - p.last_seen < self.down_after_s)
+        return sorted(p.address for p in self.live_peers())
 
     async def _profile_host(self) -> None:
         """Measure this machine once (matmul FLOP/s, memory bandwidth, accelerator, a
@@ -284,10 +283,13 @@ class Node:
             log.info("found peer %s", address)
             self.peer_addresses = self.peer_addresses + [address]
 
-    def live_node_ids(self) -> list[str]:
+    def live_peers(self) -> list[Peer]:
+        """The peers heard from within ``down_after_s``."""
         now = time.time()
-        live = [p.node_id for p in self.peers.values() if now - p.last_seen < self.down_after_s]
-        return sorted(live + [self.node_id])
+        return [p for p in self.peers.values() if now - p.last_seen < self.down_after_s]
+
+    def live_node_ids(self) -> list[str]:
+        return sorted([p.node_id for p in self.live_peers()] + [self.node_id])
 
     def coordinator_id(self) -> str:
         return self.live_node_ids()[0]
