@@ -12,6 +12,12 @@ import tempfile
 from pathlib import Path
 
 
+def cache_dir() -> Path:
+    """``$XDG_CACHE_HOME/shardline``, or ``~/.cache/shardline``."""
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return Path(base) / "shardline"
+
+
 def cache_path(kind: str, source: Path, suffix: str = "") -> Path:
     """``<cache dir>/<kind>/<key><suffix>`` for what is derived from ``source``; a changed
     or moved source gets a new key.
@@ -21,8 +27,7 @@ def cache_path(kind: str, source: Path, suffix: str = "") -> Path:
     """
     stat = source.stat()
     key = hashlib.sha256(f"{source.resolve()}|{stat.st_size}|{stat.st_mtime_ns}".encode()).hexdigest()[:24]
-    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-    return Path(base) / "shardline" / kind / f"{key}{suffix}"
+    return cache_dir() / kind / f"{key}{suffix}"
 
 
 def write_atomically(path: Path, text: str) -> None:

@@ -29,6 +29,8 @@ from pathlib import Path
 
 import torch
 
+from shardline.machine_cache import cache_dir
+
 log = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).with_name("kernels") / "dequant.c"
@@ -61,8 +63,7 @@ def _library_path(flags: list[str]) -> Path:
     for part in (SOURCE.read_bytes(), _compiler().encode(), " ".join(flags).encode(),
                  _cpu_key().encode()):
         digest.update(part)
-    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-    return Path(base) / "shardline" / "kernels" / f"dequant-{digest.hexdigest()[:20]}.so"
+    return cache_dir() / "kernels" / f"dequant-{digest.hexdigest()[:20]}.so"
 
 
 def _build(flags: list[str]) -> Path:
