@@ -347,14 +347,20 @@ def resident_weight(source: GroupQuant | torch.Tensor | RowBlocks, dtype: torch.
     rows, cols = source.shape
     first = read(0, min(rows, PACK_ROWS))
     convert: Callable[[GroupQuant | torch.Tensor], ResidentWeight]
+    held: ResidentWeight | None = None
     if isinstance(first, torch.Tensor):
         convert = lambda t: DenseWeight(t.to(device=device, dtype=dtype))  # type: ignore[union-attr]  # noqa: E731
-    elif (int4 and torch.device(device).type == "cpu" and first.group == INT4_GROUP
-          and cols % INT4_GROUP == 0 and rows % 16 == 0 and _int4_kernel_takes(first, dtype)):
-        convert = lambda g: _int4_planes(g.contiguous(), dtype)  # type: ignore[union-attr]  # noqa: E731
     else:
         convert = lambda g: _int8_groups(g.contiguous(), device)  # type: ignore[union-attr]  # noqa: E731
-    held = convert(first)
+        if (int4 and torch.device(device).type == "cpu" and first.group == INT4_GROUP
+                and cols % INT4_GROUP == 0 and rows % 16 == 0):
+            try:
+                held = _int4_planes(first.contiguous(), dtype)
+                convert = lambda g: _int4_planes(g.contiguous(), dtype)  # type: ignore[union-attr]  # noqa: E731
+            except RuntimeError:  # a torch build without the CPU int4 kernel for this shape
+                pass
+    if held is None:
+        held = convert(first)
     if rows <= PACK_ROWS:
         return held
     whole = _empty_rows(held, rows)
@@ -363,15 +369,6 @@ def resident_weight(source: GroupQuant | torch.Tensor | RowBlocks, dtype: torch.
     for start in range(PACK_ROWS, rows, PACK_ROWS):
         _set_rows(whole, start, convert(read(start, min(rows, start + PACK_ROWS))))
     return whole
-
-
-def _int4_kernel_takes(g: GroupQuant, dtype: torch.dtype) -> bool:
-    """Whether this torch build packs ``g``'s kind of weight for its CPU int4 kernel."""
-    try:
-        _int4_planes(g.rows(0, 16).contiguous(), dtype)
-        return True
-    except RuntimeError:  # a torch build without the CPU int4 kernel for this shape
-        return False
 
 
 def _int8_groups(g: GroupQuant, device: torch.device | str) -> Int8Groups:
