@@ -9,7 +9,8 @@ from gguf import GGMLQuantizationType
 from gguf.quants import dequantize
 
 import tiny_models as tm
-from shardline.models.linear import Int4Planes, Int8Groups
+from shardline.models.linear import Int4Planes
+from shardline.models.packed_groups import PackedGroups
 from shardline.models.shard_loader import load_shard, load_tensor_shard
 from shardline.models.weights import open_weights
 from shardline.placement.tensor import tensor_shares
@@ -56,8 +57,8 @@ def test_k_quant_weights_hold_the_files_values(kquant_gguf):
         assert (got - expected).abs().max() <= 1e-6 * expected.abs().max(), name
     bf16 = load_shard(open_weights(kquant_gguf), 0, 2, dtype=torch.bfloat16)
     forms = {m: type(dict(bf16.named_modules())[m].parts[0]) for _, m in K_TENSORS.values()}
-    assert forms == {"layers.0.attn.o": Int4Planes, "layers.0.mlp.down": Int8Groups,
-                     "layers.1.mlp.down": Int4Planes}
+    assert forms == {"layers.0.attn.o": Int4Planes, "layers.0.mlp.down": PackedGroups,
+                     "layers.1.mlp.down": PackedGroups}
 
 
 @pytest.mark.parametrize("world", [2, 3])

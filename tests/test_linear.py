@@ -13,12 +13,13 @@ from shardline.models.gguf_quants import SUPPORTED_TYPES, unpack_blocks
 from shardline.models.linear import (
     DenseWeight,
     Int4Planes,
-    Int8Groups,
     Linear,
+    gemm_dtype,
     int4pack_layout,
     resident_weight,
     weight_bytes,
 )
+from shardline.models.packed_groups import PackedGroups
 from shardline.models.shard_loader import load_shard
 from shardline.models.weights import open_weights
 
@@ -37,7 +38,7 @@ def resident(type_name: str, dtype: torch.dtype, seed: int = 0):
 def test_resident_weight_holds_the_files_values(type_name):
     """float32 scales: the values are the gguf library's to float32 rounding."""
     held, oracle = resident(type_name, torch.float32)
-    expected = Int8Groups if type_name == "Q6_K" else Int4Planes  # Q6_K: groups of 16
+    expected = PackedGroups if type_name in ("Q5_0", "Q5_1", "Q5_K", "Q6_K") else Int4Planes
     assert isinstance(held, expected)
     got = held.dequantize(torch.float64)
     assert (got - oracle).abs().max() <= 1e-6 * oracle.abs().max()
@@ -229,14 +230,47 @@ def test_compiled_dequant_is_the_eager_code_bit_for_bit(type_name, dtype):
         pytest.skip("no C compiler on this machine: the eager code is the only path")
     data = random_blocks(type_name, rows=256, blocks=4, seed=5)
     held = resident_weight(unpack_blocks(type_name, data), dtype)
+    x = torch.randn(80, held.shape[1], generator=torch.Generator().manual_seed(6)).to(dtype)
+    gemm = gemm_dtype(dtype)  # float32 for bfloat16 where this CPU has no bfloat16 GEMM
+    if isinstance(held, PackedGroups):
+        values = held._eager_rows(dtype)
+        assert torch.equal(held.dequantize(dtype), values)
+        product = torch.mm(x.to(gemm), held._eager_rows(gemm).t()).to(dtype)  # the kernel's layout
+        assert torch.equal(held.matmul(x), product)
+        return
     if isinstance(held, Int4Planes) and dtype == torch.bfloat16:  # float32 planes: eager
         assert held._kernel_half(dtype) is not None, "the kernel reads this machine's layout"
     eager = held._rows(64, 192, dtype).clone()
     assert torch.equal(held._columns(64, 192, dtype).t(), eager)
     # The reference GEMM reads the eager values in the layout the kernel writes: a bf16
     # GEMM's summation order may depend on its operand's strides (it does on AVX2).
-    columns = held._columns(0, 256, dtype)
-    reference = torch.empty_strided(columns.shape, columns.stride(), dtype=dtype)
-    reference.copy_(held._rows(0, 256, dtype).t())
-    x = torch.randn(80, held.shape[1], generator=torch.Generator().manual_seed(6)).to(dtype)
-    assert torch.equal(held.matmul(x), torch.mm(x, reference))
+    columns = held._columns(0, 256, gemm)
+    reference = torch.empty_strided(columns.shape, columns.stride(), dtype=gemm)
+    reference.copy_(held._rows(0, 256, gemm).t())
+    assert torch.equal(held.matmul(x), torch.mm(x.to(gemm), reference).to(dtype))
+
+
+@pytest.mark.parametrize("type_name, bits", [("Q6_K", 7), ("Q5_K", 6), ("Q5_0", 5.5), ("Q5_1", 6)])
+def test_five_and_six_bit_types_are_held_in_about_their_files_bits(type_name, bits):
+    """bfloat16: the integers' bits plus a bfloat16 scale (and offset) per group, against
+    the file's 6.56 (Q6_K), 5.5 (Q5_K, Q5_0) and 6 (Q5_1) bits a weight."""
+    held, _ = resident(type_name, torch.bfloat16)
+    assert isinstance(held, PackedGroups)
+    assert held.nbytes() * 8 / (held.shape[0] * held.shape[1]) == bits
+
+
+def test_packed_groups_without_a_compiler_give_the_same_values(monkeypatch):
+    """The eager torch path (no C compiler) dequantizes bit for bit as the kernel does, and
+    its products (decode and prefill sizes) agree within float32 rounding."""
+    from shardline.models import native_dequant
+
+    if native_dequant.kernels() is None:
+        pytest.skip("no C compiler on this machine: the eager code is the only path")
+    held, _ = resident("Q6_K", torch.float32, seed=8)
+    x = torch.randn(100, held.shape[1], generator=torch.Generator().manual_seed(9))
+    compiled = held.dequantize(torch.bfloat16), held.matmul(x[:3]), held.matmul(x)
+    monkeypatch.setattr(native_dequant, "kernels", lambda: None)
+    eager = held.dequantize(torch.bfloat16), held.matmul(x[:3]), held.matmul(x)
+    assert torch.equal(compiled[0], eager[0])
+    for a, b in zip(compiled[1:], eager[1:]):
+        assert ((a - b).norm() / b.norm()).item() < 1e-6

@@ -252,18 +252,86 @@ F16_FIELDS = {"Q4_0": [0], "Q4_1": [0, 2], "Q5_0": [0], "Q5_1": [0, 2], "Q8_0": 
               "Q4_K": [0, 2], "Q5_K": [0, 2], "Q6_K": [208]}
 
 
-def random_quant_blocks(type_name: str, rows: int, blocks: int, seed: int = 0) -> np.ndarray:
+def random_quant_blocks(type_name: str, rows: int, blocks: int, seed: int = 0,
+                        scale: float = 0.01) -> np.ndarray:
     """uint8 ``[rows, blocks * block_bytes]`` of GGUF type ``type_name``: random quants and
-    group scales, finite f16 super-block scales (about 0.01)."""
+    group scales, finite f16 super-block scales (about ``scale``)."""
     import gguf
 
     rng = np.random.default_rng(seed)
     _, size = gguf.GGML_QUANT_SIZES[gguf.GGMLQuantizationType[type_name]]
     data = rng.integers(0, 256, (rows, blocks, size), dtype=np.uint8)
     for at in F16_FIELDS[type_name]:
-        scales = (rng.standard_normal((rows, blocks)) * 0.01).astype(np.float16)
+        scales = (rng.standard_normal((rows, blocks)) * scale).astype(np.float16)
         data[..., at:at + 2] = scales[..., None].view(np.uint8).reshape(rows, blocks, 2)
     return data.reshape(rows, blocks * size)
+
+
+def q4_k_m_type(name: str, layers: int) -> str:
+    """The GGUF type llama.cpp's Q4_K_M gives a 2-D weight of a model with a tied embedding
+    (``llama_tensor_get_type`` in its src/llama-quant.cpp): Q6_K for the embedding and for
+    ``attn_v`` and ``ffn_down`` of the layers its ``use_more_bits`` picks, Q4_K elsewhere."""
+    if name == "token_embd.weight":
+        return "Q6_K"
+    layer = int(name.split(".")[1])
+    more = layer < layers // 8 or layer >= 7 * layers // 8 or (layer - layers // 8) % 3 == 2
+    return "Q6_K" if more and name.endswith(("attn_v.weight", "ffn_down.weight")) else "Q4_K"
+
+
+def write_q4_k_m_gguf(path: Path, tokenizer_from: Path, *, layers: int, hidden: int,
+                      intermediate: int, heads: int, kv_heads: int, seed: int = 0) -> Path:
+    """A Qwen2 GGUF of random weights in llama.cpp's Q4_K_M mix of types
+    (:func:`q4_k_m_type`; F32 norms and biases) with a tied embedding and the tokenizer
+    metadata (``tokenizer.*``) of the GGUF ``tokenizer_from``: a K-quant model that is
+    served like a real one, at any size, without a download. Weights are about 1e-3 in
+    magnitude, so activations stay finite."""
+    import gguf
+
+    source = gguf.GGUFReader(str(tokenizer_from))
+    vocab = len(source.fields["tokenizer.ggml.tokens"].data)
+    writer = gguf.GGUFWriter(str(path), "qwen2")
+    writer.add_block_count(layers)
+    writer.add_context_length(4096)
+    writer.add_embedding_length(hidden)
+    writer.add_feed_forward_length(intermediate)
+    writer.add_head_count(heads)
+    writer.add_head_count_kv(kv_heads)
+    writer.add_layer_norm_rms_eps(1e-6)
+    writer.add_rope_freq_base(1_000_000.0)
+    writer.add_vocab_size(vocab)
+    writer.add_file_type(gguf.LlamaFileType.MOSTLY_Q4_K_M)
+    for name, field in source.fields.items():
+        if name.startswith("tokenizer."):
+            sub = field.types[1] if field.types[0] == gguf.GGUFValueType.ARRAY else None
+            writer.add_key_value(name, field.contents(), field.types[0], sub)
+    head_dim, kv = hidden // heads, hidden // heads * kv_heads
+    shapes = {"token_embd.weight": (vocab, hidden)}
+    rng = np.random.default_rng(seed)
+    vectors = {"output_norm.weight": np.ones(hidden, np.float32)}
+    for i in range(layers):
+        shapes |= {f"blk.{i}.attn_q.weight": (hidden, hidden), f"blk.{i}.attn_k.weight": (kv, hidden),
+                   f"blk.{i}.attn_v.weight": (kv, hidden), f"blk.{i}.attn_output.weight": (hidden, hidden),
+                   f"blk.{i}.ffn_gate.weight": (intermediate, hidden),
+                   f"blk.{i}.ffn_up.weight": (intermediate, hidden),
+                   f"blk.{i}.ffn_down.weight": (hidden, intermediate)}
+        vectors |= {f"blk.{i}.attn_norm.weight": np.ones(hidden, np.float32),
+                    f"blk.{i}.ffn_norm.weight": np.ones(hidden, np.float32)}
+        for part, size in (("q", hidden), ("k", kv), ("v", kv)):
+            vectors[f"blk.{i}.attn_{part}.bias"] = (rng.standard_normal(size) * 0.01).astype(np.float32)
+    assert head_dim * heads == hidden
+    for n, (name, (rows, cols)) in enumerate(shapes.items()):
+        type_name = q4_k_m_type(name, layers)
+        qtype = gguf.GGMLQuantizationType[type_name]
+        blocks = cols // gguf.GGML_QUANT_SIZES[qtype][0]
+        writer.add_tensor(name, random_quant_blocks(type_name, rows, blocks, seed=seed + n,
+                                                    scale=1e-4), raw_dtype=qtype)
+    for name, vector in vectors.items():
+        writer.add_tensor(name, vector)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return Path(path)
 
 
 # --- driving a shardline shard --------------------------------------------------------

@@ -1,20 +1,22 @@
 """Linear weights held once, in the file's own quantization, and the kernels that read them.
 
-A weight is one of three resident forms (:data:`ResidentWeight`), chosen at load from what
+A weight is one of four resident forms (:data:`ResidentWeight`), chosen at load from what
 the file stores, never by quantizing again:
 
 - :class:`DenseWeight`: 16-bit (or float32) values, for F16/BF16/F32 tensors
   (safetensors models, GGUF norms); ``F.linear``.
-- :class:`Int4Planes`: GGUF types with one scale per 32 weights (Q4_0, Q4_1, Q4_K, Q5_0,
-  Q5_1, Q5_K, Q8_0). A 4-bit type is one plane in torch's CPU int4 layout
+- :class:`~shardline.models.packed_groups.PackedGroups`: the 5- and 6-bit types (Q5_0,
+  Q5_1, Q5_K, Q6_K) in about their file's bits, read by the compiled kernels.
+- :class:`Int4Planes`: other GGUF types with one scale per 32 weights (Q4_0, Q4_1, Q4_K,
+  Q8_0). A 4-bit type is one plane in torch's CPU int4 layout
   (``torch._weight_int4pack_mm_for_cpu``: ``w = (p - 8) * scale + zero``, per group of 32
-  inputs, the layout torchao and gpt-fast use); a 5- to 8-bit type is two planes, its
+  inputs, the layout torchao and gpt-fast use); an 8-bit type is two planes, its
   low and high nibbles (``q = 16 * high + low``), whose products add up. Each plane's
   zero is an exact power-of-two multiple of its scale for the symmetric types, so only
   the rounding of each scale (and a Q4_1/K-type minimum) to the compute dtype differs
   from the file's values.
-- :class:`Int8Groups`: the rest (Q6_K's groups of 16, shapes torch's int4 kernel does not
-  take, float32 instances, CUDA): one byte a weight plus a float32 scale and offset per
+- :class:`Int8Groups`: the rest (shapes torch's int4 kernel does not take, float32
+  instances, CUDA): one byte a weight plus a float32 scale and offset per
   group, dequantized into reused scratch for each product.
 
 On CPU torch's int4 kernel reads about half a byte per weight and is fast for the few rows
@@ -40,6 +42,7 @@ from torch import nn
 
 from shardline.models import native_dequant
 from shardline.models.gguf_quants import GroupQuant
+from shardline.models.packed_groups import PackedGroups, pack_groups, packs
 from shardline.placement.memory import DEQUANT_SCRATCH_BYTES
 
 INT4_GROUP = 32
@@ -67,8 +70,17 @@ class DenseWeight:
         return self.weight.numel() * self.weight.element_size()
 
     def matmul(self, x: torch.Tensor) -> torch.Tensor:
-        """``x @ weight.T`` for ``x`` ``[rows, in]`` in the weight's dtype."""
-        return F.linear(x, self.weight.to(x.dtype))
+        """``x @ weight.T`` for ``x`` ``[rows, in]`` in the weight's dtype: a prefill
+        product whose GEMM runs in another dtype (:func:`gemm_dtype`) converts the weight
+        a block of rows at a time into scratch."""
+        if x.shape[0] <= KERNEL_MAX_ROWS or gemm_dtype(x.dtype) == x.dtype:
+            return F.linear(x, self.weight.to(x.dtype))
+
+        def columns(start: int, end: int, dtype: torch.dtype) -> torch.Tensor:
+            out = _scratch("out", end - start, self.weight.shape[1], dtype)
+            return out.copy_(self.weight[start:end]).t()
+
+        return _blocked_product(x, self.weight.shape[0], columns)
 
     def dequantize(self, dtype: torch.dtype) -> torch.Tensor:
         return self.weight.to(dtype)
@@ -101,20 +113,40 @@ def _in_dtype(work: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     return _scratch("out", work.shape[0], work.shape[1], dtype).copy_(work)
 
 
+@functools.cache
+def gemm_dtype(dtype: torch.dtype) -> torch.dtype:
+    """The dtype a prefill GEMM with activations in ``dtype`` runs in: float32 for bfloat16
+    on a CPU whose oneDNN has no bfloat16 GEMM (AVX2 without AVX-512: torch's fallback
+    ran a 512 x 576 x 1536 product at 15 GFLOP/s against 89 in float32 on a 2-core AMD
+    EPYC), else ``dtype``. The inputs are bfloat16 values either way and a bfloat16 GEMM
+    accumulates in float32 too; the output is rounded to ``dtype`` once."""
+    if dtype != torch.bfloat16:
+        return dtype
+    try:
+        fast = bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
+    except (AttributeError, RuntimeError):  # a build without oneDNN's query
+        fast = True
+    return dtype if fast else torch.float32
+
+
 def _blocked_product(x: torch.Tensor, out_features: int, columns,
-                     scratch_per_weight: int) -> torch.Tensor:
+                     work_per_weight: int = 0) -> torch.Tensor:
     """``x @ W.T`` with ``W``'s output rows dequantized a block at a time by
     ``columns(start, end, dtype)``, which returns ``W.T``'s columns ``[in, end - start]``
-    (a scratch view, valid until the next call, possibly a transposed one: the GEMM reads
-    either layout) using ``scratch_per_weight`` bytes of scratch a weight: blocks of a
-    multiple of 256 rows within :data:`DEQUANT_SCRATCH_BYTES`."""
-    block = max(256, DEQUANT_SCRATCH_BYTES // (scratch_per_weight * x.shape[1]) // 256 * 256)
+    in the GEMM's dtype (:func:`gemm_dtype`; a scratch view, valid until the next call,
+    possibly a transposed one: the GEMM reads either layout) using that dtype's bytes
+    plus ``work_per_weight`` bytes of scratch a weight: blocks of a multiple of 256 rows
+    within :data:`DEQUANT_SCRATCH_BYTES`. Returns ``[rows, out_features]`` in ``x``'s dtype."""
+    gemm = gemm_dtype(x.dtype)
+    per_weight = gemm.itemsize + work_per_weight
+    block = max(256, DEQUANT_SCRATCH_BYTES // (per_weight * x.shape[1]) // 256 * 256)
+    xin = x.to(gemm)
     if out_features <= block:
-        return torch.mm(x, columns(0, out_features, x.dtype))
+        return torch.mm(xin, columns(0, out_features, gemm)).to(x.dtype)
     out = torch.empty(x.shape[0], out_features, dtype=x.dtype)
     for start in range(0, out_features, block):
         end = min(start + block, out_features)
-        out[:, start:end] = torch.mm(x, columns(start, end, x.dtype))
+        out[:, start:end] = torch.mm(xin, columns(start, end, gemm))
     return out
 
 
@@ -176,8 +208,8 @@ class Int8Groups:
         if x.shape[0] <= KERNEL_MAX_ROWS and self.group % 8 == 0 and native_dequant.kernels():
             return native_dequant.int8_groups_gemv(self.q, self.scale, self.offset, self.group,
                                                    x.float()).to(x.dtype)
-        per_weight = x.element_size() if _native(x.dtype) else 6  # float32 work + output
-        return _blocked_product(x, self.q.shape[0], self._columns, per_weight)
+        work = 0 if _native(x.dtype) else 4  # float32 work
+        return _blocked_product(x, self.q.shape[0], self._columns, work)
 
     def embed(self, ids: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         work = torch.empty(len(ids), self.q.shape[1])
@@ -211,9 +243,9 @@ class Int4Planes:
         x = x.contiguous()
         dense = x.shape[0] > KERNEL_MAX_ROWS or x.dtype == torch.float32
         if dense and self.rows_readable():
-            # the kernel's output, or float32 work, plane and nibbles and the output
-            per_weight = x.element_size() if self._kernel_half(x.dtype) else 11
-            return _blocked_product(x, self.out_features, self._columns, per_weight)
+            # the kernel writes the output; else float32 work, plane and nibbles
+            work = 0 if self._kernel_half(gemm_dtype(x.dtype)) else 9
+            return _blocked_product(x, self.out_features, self._columns, work)
         y = None
         for packed, sz in zip(self.packed, self.scales_zeros):
             part = torch._weight_int4pack_mm_for_cpu(x, packed, INT4_GROUP, sz.to(x.dtype))
@@ -309,7 +341,7 @@ class Int4Planes:
         return layout is not None and self.out_features % layout[0] == 0
 
 
-ResidentWeight = DenseWeight | Int8Groups | Int4Planes
+ResidentWeight = DenseWeight | Int8Groups | Int4Planes | PackedGroups
 
 
 @dataclass
@@ -331,9 +363,11 @@ temporaries (unpacked groups, the packing's int32 copies) to this many rows of a
 def resident_weight(source: GroupQuant | torch.Tensor | RowBlocks, dtype: torch.dtype,
                     device: torch.device | str = "cpu", int4: bool = True) -> ResidentWeight:
     """The resident form of one weight ``[out, in]``: a float tensor stays dense in
-    ``dtype``; integer groups become :class:`Int4Planes` where ``int4`` allows, the group
-    is 32, the device is the CPU and torch's int4 kernel takes the shape (``in`` a
-    multiple of 32, ``out`` of 16), else :class:`Int8Groups`. No value changes beyond
+    ``dtype``; 5- and 6-bit integer groups become :class:`PackedGroups` where
+    :func:`~shardline.models.packed_groups.packs` allows; other integer groups become
+    :class:`Int4Planes` where ``int4`` allows, the group is 32, the device is the CPU and
+    torch's int4 kernel takes the shape (``in`` a multiple of 32, ``out`` of 16), else
+    :class:`Int8Groups`. No value changes beyond
     rounding scales to ``dtype``. A weight of more than :data:`PACK_ROWS` rows is
     converted (and, from :class:`RowBlocks`, read) that many rows at a time into one
     resident weight allocated once.
@@ -350,6 +384,8 @@ def resident_weight(source: GroupQuant | torch.Tensor | RowBlocks, dtype: torch.
     held: ResidentWeight | None = None
     if isinstance(first, torch.Tensor):
         convert = lambda t: DenseWeight(t.to(device=device, dtype=dtype))  # type: ignore[union-attr]  # noqa: E731
+    elif packs(first, device, dtype):
+        convert = lambda g: pack_groups(g, dtype)  # type: ignore[arg-type]  # noqa: E731
     else:
         convert = lambda g: _int8_groups(g.contiguous(), device)  # type: ignore[union-attr]  # noqa: E731
         if (int4 and torch.device(device).type == "cpu" and first.group == INT4_GROUP
@@ -387,6 +423,8 @@ def _empty_rows(like: ResidentWeight, rows: int) -> ResidentWeight:
         return DenseWeight(grown(like.weight))
     if isinstance(like, Int8Groups):
         return Int8Groups(grown(like.q), grown(like.scale), grown(like.offset), like.group)
+    if isinstance(like, PackedGroups):
+        return like.empty_rows(rows)
     # torch's packed layout is a run of row blocks along its first dimension
     return Int4Planes([grown(p) for p in like.packed], [grown(sz, 1) for sz in like.scales_zeros],
                       rows, like.in_features)
@@ -400,6 +438,8 @@ def _set_rows(whole: ResidentWeight, start: int, part: ResidentWeight) -> None:
     elif isinstance(whole, Int8Groups) and isinstance(part, Int8Groups):
         whole.q[start:end], whole.scale[start:end] = part.q, part.scale
         whole.offset[start:end] = part.offset
+    elif isinstance(whole, PackedGroups) and isinstance(part, PackedGroups):
+        whole.set_rows(start, part)
     elif isinstance(whole, Int4Planes) and isinstance(part, Int4Planes):
         for i, (packed, sz) in enumerate(zip(part.packed, part.scales_zeros)):
             whole.packed[i][start:end] = packed

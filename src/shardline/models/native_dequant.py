@@ -40,6 +40,9 @@ TUNED_FLAGS = ["-march=native"]
 
 COMPILE_TIMEOUT_S = 120
 
+PACKED_SEGMENT = 1024
+"""``SEGMENT`` of ``packed_groups_gemv`` in the C source: float32 values of its row buffer."""
+
 _P = ctypes.c_void_p
 _I = ctypes.c_int64
 
@@ -102,6 +105,10 @@ def kernels() -> ctypes.CDLL | None:
             getattr(lib, name).argtypes = [_P, _P, _P, _P, _I, _I, _I, _I, _P, ctypes.c_int]
         lib.int8_groups.argtypes = [_P, _P, _P, _I, _I, _I, _P, ctypes.c_int]
         lib.int8_groups_gemv.argtypes = [_P, _P, _P, _I, _I, _I, _P, _P, _I, _P]
+        _C = ctypes.c_int
+        lib.packed_groups_rows.argtypes = [_P, _P, _P, _P, _C, _C, _I, _I, _I, _C, _P, _C, _P]
+        lib.packed_groups_gemv.argtypes = [_P, _P, _P, _P, _C, _C, _I, _I, _I, _C, _P, _P, _I,
+                                           _P, _P]
         return lib
     log.warning("no C compiler could build %s: prefill dequantizes with torch ops (slower)",
                 SOURCE.name)
@@ -194,4 +201,48 @@ def int8_groups_gemv(q: torch.Tensor, scale: torch.Tensor, offset: torch.Tensor,
     y = torch.empty(M, rows)
     lib.int8_groups_gemv(_ptr(q), _ptr(scale), _ptr(offset), rows, K, group, _ptr(x),
                          _ptr(xsum), M, _ptr(y))
+    return y
+
+
+def _packed_args(w) -> list:
+    """The kernel arguments that describe a :class:`~shardline.models.packed_groups.
+    PackedGroups` weight (its first row onwards)."""
+    assert w.scale.dtype in (torch.bfloat16, torch.float32)
+    return [_ptr(w.low), _ptr(w.high), _ptr(w.scale), _ptr(w.offset), w.center, w.bits - 4,
+            w.group, w.shape[0], w.shape[1], int(w.scale.dtype == torch.bfloat16)]
+
+
+def packed_groups_rows(w, out: torch.Tensor) -> torch.Tensor:
+    """Fill ``out`` ``[rows, K]`` (bfloat16 or float32) with the values of ``w``, a
+    :class:`~shardline.models.packed_groups.PackedGroups` of that shape.
+
+    Raises:
+        RuntimeError: the kernels are not built (:func:`kernels` is None).
+    """
+    lib = _loaded()
+    assert tuple(out.shape) == w.shape and out.dtype in (torch.bfloat16, torch.float32)
+    work = torch.empty(w.shape[1])
+    lib.packed_groups_rows(*_packed_args(w), _ptr(out), int(out.dtype == torch.bfloat16),
+                           _ptr(work))
+    return out
+
+
+def packed_groups_gemv(w, x: torch.Tensor) -> torch.Tensor:
+    """``x @ W.T`` in float32 ``[M, rows]`` for float32 ``x`` ``[M, K]`` and ``W`` a
+    :class:`~shardline.models.packed_groups.PackedGroups` ``[rows, K]`` (decode): per
+    group, the integers' products with ``x`` summed in float32 and scaled once (the
+    offset's share from the group's sum of ``x``), each chunk of the weight unpacked once
+    for all rows of ``x``; an output row depends only on its row of ``x``.
+
+    Raises:
+        RuntimeError: the kernels are not built (:func:`kernels` is None).
+    """
+    lib = _loaded()
+    M, K = x.shape
+    assert x.dtype == torch.float32 and K == w.shape[1] and K % 8 == 0
+    x = x.contiguous()
+    xsum = x.view(M, K // w.group, w.group).sum(-1).contiguous()
+    y = torch.empty(M, w.shape[0])
+    work = torch.empty(PACKED_SEGMENT + 16 * M)
+    lib.packed_groups_gemv(*_packed_args(w), _ptr(x), _ptr(xsum), M, _ptr(y), _ptr(work))
     return y

@@ -50,8 +50,8 @@ def resident_bytes_per_weight(config: ModelConfig, weight_file_bytes: int, dtype
     """Bytes a weight element takes in a runner's memory, on average.
 
     Quantized GGUF weights stay in the file's bits (:mod:`shardline.models.linear`): about
-    the file's bytes per weight, up to 15% more (two int4 planes hold an 8-bit type in 10
-    bits, Q6_K takes 9 of its 6.6). 16-bit and float32 files are held in ``dtype``, or
+    the file's bytes per weight, up to 15% more (Q4_K takes 5 bits of its 4.5, Q6_K 7 of
+    its 6.56; two int4 planes hold Q8_0 in 10 of its 8.5). 16-bit and float32 files are held in ``dtype``, or
     with ``quantize`` in its bits (:attr:`Quantize.bytes_per_weight`).
     ``weight_file_bytes`` 0 (unknown) counts a 16-bit file.
     """

@@ -11,6 +11,9 @@
  */
 #include <stdint.h>
 #include <string.h>
+#ifdef __AVX2__
+#include <immintrin.h>
+#endif
 
 static inline uint16_t to_bf16(float f) {
     uint32_t u;
@@ -109,10 +112,6 @@ void int8_groups(const uint8_t *restrict q, const float *restrict scale,
     }
 }
 
-#ifdef __AVX2__
-#include <immintrin.h>
-#endif
-
 /* Adds s * q[j] * x[j] for j < n (a multiple of 8) into 8 float32 lanes (lane j % 8). */
 static inline void dot_u8_f32(const uint8_t *restrict q, const float *restrict x, int64_t n,
                                float s, float *restrict lanes) {
@@ -153,5 +152,223 @@ void int8_groups_gemv(const uint8_t *restrict q, const float *restrict scale,
             for (int l = 0; l < 8; l++) total += lanes[l];
             y[m * rows + r] = total;
         }
+    }
+}
+
+/* 5- or 6-bit integer groups split into a nibble plane and a high-bit plane
+ * (shardline/models/packed_groups.py). A row is a run of 32-weight chunks; chunk c has
+ * 16 bytes of low nibbles at low[16 c] (byte j: weight j in the low nibble, weight j + 16
+ * in the high one) and 4 hb bytes of high bits at high[4 hb c], hb = bits - 4: for hb = 2,
+ * byte j (< 8) holds weights j, j + 8, j + 16, j + 24 in bits 0-1, 2-3, 4-5, 6-7; for
+ * hb = 1, weight i's bit is bit i of the little-endian 32-bit word. scale, and offset
+ * where it is not NULL, hold one value per group of `group` weights (16 or 32), bfloat16
+ * when scales_bf16 else float32: w = q * scale + offset, or (q - center) * scale without
+ * one (the form of GGUF's symmetric types, e.g. Q6_K's d * sc * (q - 32)). */
+typedef struct {
+    const uint8_t *low, *high;
+    const void *scale, *offset;
+    int center, hb, scales_bf16;
+    int64_t group, K;
+} packed_row_t;
+
+static inline float scalar_at(const void *p, int64_t i, int bf16) {
+    return bf16 ? from_bf16(((const uint16_t *)p)[i]) : ((const float *)p)[i];
+}
+
+static inline packed_row_t packed_at(packed_row_t w, int64_t r) {
+    int64_t groups = w.K / w.group, size = w.scales_bf16 ? 2 : 4;
+    w.low += r * w.K / 2;
+    w.high += r * w.K * w.hb / 8;
+    w.scale = (const char *)w.scale + r * groups * size;
+    if (w.offset) w.offset = (const char *)w.offset + r * groups * size;
+    return w;
+}
+
+/* Chunk c's 32 integers (0 .. 2^bits - 1). */
+static inline void chunk_ints(const packed_row_t *w, int64_t c, int32_t *restrict q) {
+    const uint8_t *l = w->low + c * 16, *h = w->high + c * 4 * w->hb;
+    for (int j = 0; j < 16; j++) {
+        q[j] = l[j] & 15;
+        q[j + 16] = l[j] >> 4;
+    }
+    if (w->hb == 2) {
+        for (int j = 0; j < 8; j++)
+            for (int part = 0; part < 4; part++) q[j + 8 * part] |= ((h[j] >> (2 * part)) & 3) << 4;
+    } else {
+        for (int i = 0; i < 32; i++) q[i] |= ((h[i / 8] >> (i % 8)) & 1) << 4;
+    }
+}
+
+/* Writes rows [0, rows) row-major into out (bfloat16 when out_bf16, else float32), each
+ * value computed in float32 without fused multiply-adds; the pointers are at the first
+ * row; work is float32 [K]. */
+void packed_groups_rows(const uint8_t *low, const uint8_t *high, const void *scale,
+                        const void *offset, int center, int hb, int64_t group, int64_t rows,
+                        int64_t K, int scales_bf16, void *out, int out_bf16, float *work) {
+    packed_row_t first = {low, high, scale, offset, center, hb, scales_bf16, group, K};
+    for (int64_t r = 0; r < rows; r++) {
+        packed_row_t w = packed_at(first, r);
+        float *d = out_bf16 ? work : (float *)out + r * K;
+        int32_t q[32];
+        for (int64_t c = 0; c < K / 32; c++) {
+            chunk_ints(&w, c, q);
+            for (int j0 = 0; j0 < 32; j0 += (int)group) {
+                int64_t g = (c * 32 + j0) / group;
+                float s = scalar_at(w.scale, g, scales_bf16);
+                float *restrict dg = d + c * 32 + j0;
+                if (w.offset) {
+                    float o = scalar_at(w.offset, g, scales_bf16);
+                    for (int j = 0; j < group; j++) dg[j] = (float)q[j0 + j] * s + o;
+                } else {
+                    for (int j = 0; j < group; j++) dg[j] = (float)(q[j0 + j] - center) * s;
+                }
+            }
+        }
+        if (out_bf16) {
+            uint16_t *restrict o = (uint16_t *)out + r * K;
+            for (int64_t k = 0; k < K; k++) o[k] = to_bf16(d[k]);
+        }
+    }
+}
+
+/* The decode product. For each group, g = the sum over its weights of q' * x (q' = q -
+ * center, or q with an offset) in 8 float32 lanes, then acc += scale * g (lane-wise), and
+ * with an offset o += offset * (the group's sum of x, xsum); the output is acc's lanes
+ * summed, plus o. One sequence takes its products as a chunk is unpacked; more take them
+ * from the chunk's values unpacked once into float32 work (the same operations in the
+ * same order: an output does not depend on the other rows of x). */
+#ifdef __AVX2__
+/* Chunk c's 32 integers q' as four float32 vectors (weights 0-7, 8-15, 16-23, 24-31). */
+static inline void chunk_vectors(const packed_row_t *w, int64_t c, __m256 *f) {
+    const __m128i m4 = _mm_set1_epi8(15);
+    __m128i lb = _mm_loadu_si128((const __m128i *)(w->low + c * 16));
+    __m256i nib = _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(lb, 4), m4), _mm_and_si128(lb, m4));
+    __m256i hi;
+    if (w->hb == 2) {
+        int64_t h;
+        memcpy(&h, w->high + c * 8, 8);
+        hi = _mm256_and_si256(_mm256_srlv_epi64(_mm256_set1_epi64x(h), _mm256_setr_epi64x(0, 2, 4, 6)),
+                              _mm256_set1_epi8(3));
+    } else {
+        int32_t h;
+        memcpy(&h, w->high + c * 4, 4);
+        const __m256i spread = _mm256_setr_epi8(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1,
+                                                2, 2, 2, 2, 2, 2, 2, 2, 3, 3, 3, 3, 3, 3, 3, 3);
+        const __m256i bits = _mm256_set1_epi64x((int64_t)0x8040201008040201ULL);
+        __m256i hv = _mm256_shuffle_epi8(_mm256_set1_epi32(h), spread);
+        hi = _mm256_and_si256(_mm256_cmpeq_epi8(_mm256_and_si256(hv, bits), bits), _mm256_set1_epi8(1));
+    }
+    __m256i q = _mm256_or_si256(nib, _mm256_slli_epi16(hi, 4));
+    __m128i lo128, hi128;
+    if (w->offset) {
+        lo128 = _mm256_castsi256_si128(q);
+        hi128 = _mm256_extracti128_si256(q, 1);
+        f[0] = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(lo128));
+        f[1] = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(lo128, 8)));
+        f[2] = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(hi128));
+        f[3] = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(hi128, 8)));
+    } else {
+        q = _mm256_sub_epi8(q, _mm256_set1_epi8((char)w->center));
+        lo128 = _mm256_castsi256_si128(q);
+        hi128 = _mm256_extracti128_si256(q, 1);
+        f[0] = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(lo128));
+        f[1] = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(lo128, 8)));
+        f[2] = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(hi128));
+        f[3] = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(hi128, 8)));
+    }
+}
+
+/* Chunk c's products with x (its 32 values) into acc and o. */
+static inline void chunk_dot(const packed_row_t *w, int64_t c, const __m256 *f,
+                             const float *restrict x, const float *restrict xsum, __m256 *acc,
+                             float *o) {
+    __m256 p0 = _mm256_mul_ps(f[0], _mm256_loadu_ps(x));
+    __m256 p2 = _mm256_mul_ps(f[2], _mm256_loadu_ps(x + 16));
+    p0 = _mm256_add_ps(p0, _mm256_mul_ps(f[1], _mm256_loadu_ps(x + 8)));
+    p2 = _mm256_add_ps(p2, _mm256_mul_ps(f[3], _mm256_loadu_ps(x + 24)));
+    if (w->group == 16) {
+        int64_t g = 2 * c;
+        *acc = _mm256_add_ps(*acc, _mm256_mul_ps(_mm256_set1_ps(scalar_at(w->scale, g, w->scales_bf16)), p0));
+        *acc = _mm256_add_ps(*acc, _mm256_mul_ps(_mm256_set1_ps(scalar_at(w->scale, g + 1, w->scales_bf16)), p2));
+        if (w->offset) {
+            *o += scalar_at(w->offset, g, w->scales_bf16) * xsum[g];
+            *o += scalar_at(w->offset, g + 1, w->scales_bf16) * xsum[g + 1];
+        }
+    } else {
+        *acc = _mm256_add_ps(*acc, _mm256_mul_ps(_mm256_set1_ps(scalar_at(w->scale, c, w->scales_bf16)),
+                                                 _mm256_add_ps(p0, p2)));
+        if (w->offset) *o += scalar_at(w->offset, c, w->scales_bf16) * xsum[c];
+    }
+}
+#endif
+
+/* y[m * rows + r] = sum over k of W[r, k] * x[m, k] for x float32 [M, K] with xsum float32
+ * [M, K / group] (each group's sum of x; read only with offsets); work holds
+ * PACKED_SEGMENT + 16 M float32. */
+#define SEGMENT 1024 /* weights unpacked at a time for several sequences: a multiple of 32 */
+void packed_groups_gemv(const uint8_t *low, const uint8_t *high, const void *scale,
+                        const void *offset, int center, int hb, int64_t group, int64_t rows,
+                        int64_t K, int scales_bf16, const float *restrict x,
+                        const float *restrict xsum, int64_t M, float *restrict y,
+                        float *restrict work) {
+    packed_row_t first = {low, high, scale, offset, center, hb, scales_bf16, group, K};
+    int64_t groups = K / group;
+    for (int64_t r = 0; r < rows; r++) {
+        packed_row_t w = packed_at(first, r);
+#ifdef __AVX2__
+        float *state = work + SEGMENT; /* per sequence: 8 lanes of acc, then o */
+        if (M == 1) {
+            __m256 acc = _mm256_setzero_ps(), f[4];
+            float o = 0.0f;
+            for (int64_t c = 0; c < K / 32; c++) {
+                chunk_vectors(&w, c, f);
+                chunk_dot(&w, c, f, x + c * 32, xsum, &acc, &o);
+            }
+            _mm256_storeu_ps(state, acc);
+            state[8] = o;
+        } else {
+            memset(state, 0, (size_t)(16 * M) * sizeof(float));
+            for (int64_t k0 = 0; k0 < K; k0 += SEGMENT) {
+                int64_t n = K - k0 < SEGMENT ? K - k0 : SEGMENT;
+                for (int64_t i = 0; i < n; i += 32) {
+                    __m256 f[4];
+                    chunk_vectors(&w, (k0 + i) / 32, f);
+                    for (int v = 0; v < 4; v++) _mm256_storeu_ps(work + i + 8 * v, f[v]);
+                }
+                for (int64_t m = 0; m < M; m++) {
+                    __m256 acc = _mm256_loadu_ps(state + 16 * m), f[4];
+                    float o = state[16 * m + 8];
+                    for (int64_t i = 0; i < n; i += 32) {
+                        for (int v = 0; v < 4; v++) f[v] = _mm256_loadu_ps(work + i + 8 * v);
+                        chunk_dot(&w, (k0 + i) / 32, f, x + m * K + k0 + i, xsum + m * groups, &acc, &o);
+                    }
+                    _mm256_storeu_ps(state + 16 * m, acc);
+                    state[16 * m + 8] = o;
+                }
+            }
+        }
+        for (int64_t m = 0; m < M; m++) {
+            float total = 0.0f;
+            for (int l = 0; l < 8; l++) total += state[16 * m + l];
+            y[m * rows + r] = total + state[16 * m + 8];
+        }
+#else
+        for (int64_t m = 0; m < M; m++) {
+            const float *xm = x + m * K;
+            float acc = 0.0f, o = 0.0f;
+            int32_t q[32];
+            for (int64_t c = 0; c < K / 32; c++) {
+                chunk_ints(&w, c, q);
+                for (int64_t g = c * 32 / group; g < (c + 1) * 32 / group; g++) {
+                    float part = 0.0f;
+                    for (int64_t k = g * group; k < (g + 1) * group; k++)
+                        part += (float)(w.offset ? q[k - c * 32] : q[k - c * 32] - center) * xm[k];
+                    acc += scalar_at(w.scale, g, scales_bf16) * part;
+                    if (w.offset) o += scalar_at(w.offset, g, scales_bf16) * xsum[m * groups + g];
+                }
+            }
+            y[m * rows + r] = acc + o;
+        }
+#endif
     }
 }
