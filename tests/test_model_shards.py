@@ -382,15 +382,41 @@ def test_unsupported_architectures(llama):
                                     "model_type": "llama", "num_key_value_heads": 3})
 
 
+def test_a_copied_gguf_finds_the_metadata_its_original_cached(tmp_path, monkeypatch):
+    """The cache is keyed by content: a peer's copy (another inode, another path) opens
+    without parsing the key/value section again (the parse's transient memory would land
+    in the runner that loads it)."""
+    import shutil
+
+    from shardline.models import gguf_header
+    from shardline.models.weights import GGUFSource
+
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    path = tm.write_gguf(tm.hf_model("qwen2", seed=6), tmp_path / "a.gguf", arch="qwen2",
+                         rope_theta=THETA)
+    first = GGUFSource(path)
+    copy = tmp_path / "elsewhere" / "b.gguf"
+    copy.parent.mkdir()
+    shutil.copy(path, copy)
+
+    def parse(reader):
+        raise AssertionError("the copy's metadata was parsed again")
+
+    monkeypatch.setattr(gguf_header, "gguf_metadata", parse)
+    again = GGUFSource(copy)
+    assert again.metadata == first.metadata and again.config == first.config
+
+
 def test_a_reopened_gguf_reads_the_same_from_its_cached_header(tmp_path, monkeypatch):
-    from shardline.models.weights import GGUFSource, _header_cache_file
+    from shardline.models.gguf_header import header_cache_file
+    from shardline.models.weights import GGUFSource
 
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
     model = tm.hf_model("qwen2", seed=5)
     path = tm.write_gguf(model, tmp_path / "q8.gguf", arch="qwen2", rope_theta=THETA,
                          q8_0=("blk.1.ffn_down.weight",))
     first = GGUFSource(path)
-    assert _header_cache_file(path).is_file()
+    assert header_cache_file(path).is_file()
     second = GGUFSource(path)
     assert second.metadata == first.metadata and second.config == first.config
     assert second.names() == first.names()

@@ -19,14 +19,17 @@ def cache_dir() -> Path:
 
 
 def cache_path(kind: str, source: Path, suffix: str = "") -> Path:
-    """``<cache dir>/<kind>/<key><suffix>`` for what is derived from ``source``; a changed
-    or moved source gets a new key.
+    """``<cache dir>/<kind>/<key><suffix>`` for what is derived from ``source``, keyed by
+    the file itself (device, inode, size, modification time): a changed or copied source
+    gets a new key, a renamed one (the model store stages a file and moves it into place)
+    keeps it.
 
     Raises:
         OSError: ``source`` cannot be read (stat).
     """
     stat = source.stat()
-    key = hashlib.sha256(f"{source.resolve()}|{stat.st_size}|{stat.st_mtime_ns}".encode()).hexdigest()[:24]
+    identity = f"{stat.st_dev}|{stat.st_ino}|{stat.st_size}|{stat.st_mtime_ns}"
+    key = hashlib.sha256(identity.encode()).hexdigest()[:24]
     return cache_dir() / kind / f"{key}{suffix}"
 
 

@@ -26,8 +26,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from shardline.machine_cache import cache_path, write_atomically
 from shardline.models.config import ModelConfig
+from shardline.models.gguf_header import open_gguf
 from shardline.models.gguf_quants import SUPPORTED_TYPES, GroupQuant, unpack_blocks
 
 Span = tuple[int, int] | None  # (start, end) along one axis; None: all of it
@@ -134,22 +134,8 @@ class GGUFSource(WeightSource):
     def __init__(self, path: str | Path) -> None:
         super().__init__()
         self.path = Path(path)
-        cache = _header_cache_file(self.path)
-        try:
-            header = json.loads(cache.read_text())
-        except (OSError, ValueError):
-            header = None
-        self.reader = _reader_class()(str(self.path), header)
+        self.reader, self.metadata = open_gguf(self.path)
         self._tensors = {t.name: t for t in self.reader.tensors}
-        if header is not None:
-            self.metadata = header["metadata"]
-        else:
-            self.metadata = gguf_metadata(self.reader)
-            if "general.alignment" not in self.reader.fields:  # the cache assumes the default
-                try:
-                    write_atomically(cache, json.dumps({"kv_end": self.reader.kv_end, "metadata": self.metadata}))
-                except OSError:
-                    pass  # no cache: the next open parses the file again
         self.config = ModelConfig.from_gguf_metadata(self.metadata, set(self._tensors))
         if "rope_freqs.weight" in self._tensors:
             self.rope_freq_factors = self.read("rope_freqs.weight").float()
@@ -259,48 +245,6 @@ class GGUFSource(WeightSource):
             raw = np.ascontiguousarray(data).view(np.uint16).astype(np.uint32) << 16
             return raw.view(np.float32)
         return np.ascontiguousarray(dequantize(np.ascontiguousarray(data), tensor_type))
-
-
-def _header_cache_file(path: Path) -> Path:
-    """Where the metadata of this GGUF file is kept, for every process on the machine."""
-    return cache_path("gguf", path, ".json")
-
-
-def _reader_class():
-    """``gguf.GGUFReader`` that can skip its key/value section.
-
-    The ``gguf`` library builds a memory-mapped view per element of every metadata array:
-    seconds for a tokenizer's tens of thousands of strings, at every open. With ``header``
-    (``{"kv_end", "metadata"}`` cached from a first full read) it jumps to the tensor infos,
-    which it still reads itself.
-    """
-    from gguf import GGUFReader
-
-    class HeaderCachedReader(GGUFReader):
-        def __init__(self, path: str, header: dict | None) -> None:
-            self._header = header
-            super().__init__(path)
-
-        def _build_fields(self, offs: int, count: int) -> int:
-            if self._header is not None:
-                return int(self._header["kv_end"])
-            self.kv_end = super()._build_fields(offs, count)
-            return self.kv_end
-
-    return HeaderCachedReader
-
-
-def gguf_metadata(reader) -> dict:
-    """GGUF key/value metadata as plain Python values (strings, numbers, lists)."""
-    meta = {}
-    for key, field in reader.fields.items():
-        if key.startswith("GGUF."):
-            continue
-        try:
-            meta[key] = field.contents()
-        except Exception:  # noqa: BLE001 - an unreadable optional field is left out
-            continue
-    return meta
 
 
 class SafetensorsSource(WeightSource):

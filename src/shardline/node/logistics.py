@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import subprocess
+import sys
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -27,6 +29,8 @@ if TYPE_CHECKING:
     from shardline.node.node import Node
 
 log = logging.getLogger(__name__)
+
+GGUF_HEADER_TIMEOUT_S = 300
 
 
 class ModelLogistics:
@@ -130,6 +134,7 @@ class ModelLogistics:
                                 fetch_files, client, f"http://{peer.address}", self.node.store, manifest,
                                 paths, progress)
                         log.info("copied %d bytes of %s from %s", received, manifest.model_id, peer.node_id)
+                        await self._parse_gguf_headers(manifest, missing)
                         return
                     except (TransferError, httpx.HTTPError) as exc:
                         log.warning("copying %s from %s failed: %s", manifest.model_id, peer.node_id, exc)
@@ -137,6 +142,22 @@ class ModelLogistics:
             finally:
                 progress.close()
             raise error
+
+    async def _parse_gguf_headers(self, manifest: Manifest, paths: list[str]) -> None:
+        """Parse the metadata of each copied ``.gguf`` file once, in a short-lived process
+        (:mod:`shardline.models.gguf_header`), so that the runners that load it find it
+        cached rather than each paying the parse's transient memory while loading. A
+        failure is logged: the runner then parses it itself."""
+        for path in paths:
+            if not path.endswith(".gguf"):
+                continue
+            file = self.node.store.model_dir(manifest.model_id) / path
+            command = [sys.executable, "-m", "shardline.models.gguf_header", str(file)]
+            try:
+                await asyncio.to_thread(subprocess.run, command, check=True, capture_output=True,
+                                        timeout=GGUF_HEADER_TIMEOUT_S)
+            except (OSError, subprocess.SubprocessError) as exc:
+                log.warning("parsing %s's metadata ahead of its runners failed: %s", file, exc)
 
     async def adopt(self, model: str | None) -> str:
         """The model id for what a request names, taking what only this machine has into

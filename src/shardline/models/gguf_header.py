@@ -1,0 +1,109 @@
+"""A GGUF file's key/value metadata and tensor infos, with the metadata cached per machine.
+
+The ``gguf`` library's reader builds a memory-mapped view per element of every metadata
+array: seconds, and a transient ~170 MB, for a 49,152-token tokenizer, at every open. The
+first open writes the parsed metadata to ``<cache dir>/gguf/<key>.json``; later opens jump
+over the key/value section to the tensor infos, which the library still reads itself.
+
+The key is the file's content (its size and first :data:`HEADER_FINGERPRINT_BYTES`), so a
+copy from a peer or a renamed file finds what the first open parsed. The node warms the
+cache for a file it has just copied by running this module (``python -m
+shardline.models.gguf_header FILE``) in a short-lived process, so that the parse's
+transient memory lands neither in the node (which does not import torch) nor in a runner
+while it loads. This module imports neither torch nor shardline's model code.
+
+Format: https://github.com/ggml-org/ggml/blob/master/docs/gguf.md.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+from shardline.machine_cache import cache_dir, write_atomically
+
+HEADER_FINGERPRINT_BYTES = 32 << 20
+"""Bytes from a GGUF file's start that key its cached metadata (with its size): they hold
+the key/value section of any real model (a 151,643-token tokenizer is ~7 MB); a section
+that ends beyond them is not cached."""
+
+
+def header_cache_file(path: Path) -> Path:
+    """Where the metadata of the GGUF file at ``path`` is kept.
+
+    Raises:
+        OSError: the file cannot be read.
+    """
+    digest = hashlib.sha256(str(path.stat().st_size).encode())
+    with open(path, "rb") as f:
+        digest.update(f.read(HEADER_FINGERPRINT_BYTES))
+    return cache_dir() / "gguf" / f"{digest.hexdigest()[:24]}.json"
+
+
+def _reader_class():
+    """``gguf.GGUFReader`` that can skip its key/value section given a cached header
+    (``{"kv_end", "metadata"}``)."""
+    from gguf import GGUFReader
+
+    class HeaderCachedReader(GGUFReader):
+        def __init__(self, path: str, header: dict | None) -> None:
+            self._header = header
+            super().__init__(path)
+
+        def _build_fields(self, offs: int, count: int) -> int:
+            if self._header is not None:
+                return int(self._header["kv_end"])
+            self.kv_end = super()._build_fields(offs, count)
+            return self.kv_end
+
+    return HeaderCachedReader
+
+
+def gguf_metadata(reader) -> dict[str, Any]:
+    """GGUF key/value metadata as plain Python values (strings, numbers, lists)."""
+    meta = {}
+    for key, field in reader.fields.items():
+        if key.startswith("GGUF."):
+            continue
+        try:
+            meta[key] = field.contents()
+        except Exception:  # noqa: BLE001 - an unreadable optional field is left out
+            continue
+    return meta
+
+
+def open_gguf(path: Path) -> tuple[Any, dict[str, Any]]:
+    """``(reader, metadata)`` of the GGUF file at ``path``: a ``gguf.GGUFReader`` (tensor
+    infos, memory-mapped data) and the key/value metadata, from the cache where it holds
+    this file's, else parsed and then cached (unless the file sets its own alignment,
+    which the skipping reader does not read, or its section is beyond the key's bytes).
+
+    Raises:
+        OSError, ValueError: the file cannot be read or is not GGUF (the ``gguf``
+            library's errors).
+    """
+    cache = header_cache_file(path)
+    try:
+        header = json.loads(cache.read_text())
+        if header["kv_end"] > HEADER_FINGERPRINT_BYTES:
+            header = None
+    except (OSError, ValueError, KeyError, TypeError):
+        header = None
+    reader = _reader_class()(str(path), header)
+    if header is not None:
+        return reader, header["metadata"]
+    metadata = gguf_metadata(reader)
+    if "general.alignment" not in reader.fields and reader.kv_end <= HEADER_FINGERPRINT_BYTES:
+        try:
+            write_atomically(cache, json.dumps({"kv_end": reader.kv_end, "metadata": metadata}))
+        except OSError:
+            pass  # no cache: the next open parses the file again
+    return reader, metadata
+
+
+if __name__ == "__main__":  # warm the cache: python -m shardline.models.gguf_header FILE...
+    for name in sys.argv[1:]:
+        open_gguf(Path(name))
