@@ -240,6 +240,11 @@ def write_gguf(
             writer.add_tensor(name, quantize(tensor, qtype), raw_dtype=qtype)
         else:
             writer.add_tensor(name, tensor)
+    return _written(writer, path)
+
+
+def _written(writer, path) -> Path:
+    """Write a ``gguf.GGUFWriter``'s header, metadata and tensors to ``path``."""
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
@@ -327,11 +332,7 @@ def write_q4_k_m_gguf(path: Path, tokenizer_from: Path, *, layers: int, hidden: 
                                                     scale=1e-4), raw_dtype=qtype)
     for name, vector in vectors.items():
         writer.add_tensor(name, vector)
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
-    return Path(path)
+    return _written(writer, path)
 
 
 # --- driving a shardline shard --------------------------------------------------------
