@@ -37,7 +37,10 @@ def test_a_message_is_answered_as_the_openai_api_answers_it(cluster3):
     assert body["type"] == "message" and body["role"] == "assistant" and body["id"].startswith("msg_")
     assert [block["type"] for block in body["content"]] == ["text"]
     text = body["content"][0]["text"]
-    assert "Paris" in text
+    # Not "Paris": with this system prompt SmolLM2's first token is a near-tie in bfloat16
+    # ("La" 24.3599 against "The" 24.3559 on an AVX2 CPU, the other way on AVX-512), so
+    # the text depends on the CPU; what this API owes is the OpenAI API's answer.
+    assert text.strip()
     assert body["stop_reason"] in ("end_turn", "max_tokens") and body["stop_sequence"] is None
     assert body["usage"]["input_tokens"] > 10 and 0 < body["usage"]["output_tokens"] <= 20
     assert text == openai_text(cluster3.url(1), QUESTION, 20)
