@@ -4,8 +4,7 @@ tensor-2 and as pipeline-3, and SmolLM2's Q4_1 GGUF on 1 node and as tensor-2
 (tests/test_memory_e2e.py has it on pipeline-3). Each rank holds about its shard's file
 bytes of weights, placement's estimate is within 15% of all it holds after a fixed
 workload (weights, KV cache, a full prefill chunk's scratch, the runtime), and loading
-peaks at most 1.2x that. Then three nodes capped at 800, 400 and 250 MB: a
-placement fits every rank under its node's cap, or is refused."""
+peaks at most 1.2x that."""
 
 from __future__ import annotations
 
@@ -17,7 +16,7 @@ import pytest
 import tiny_models as tm
 from conftest import free_port_block
 from shardline.bench.memory import rank_memory
-from shardline.local_cluster import LocalCluster, LocalClusterError
+from shardline.local_cluster import LocalCluster
 from shardline.models.store import default_model_path
 
 pytestmark = pytest.mark.timeout(600)
@@ -71,33 +70,3 @@ def test_a_rank_holds_about_its_file_bytes(kquant, model, sharding, nodes):
     finally:
         cluster.clear([inst["instance_id"]])
 
-
-CAPS = [800_000_000, 400_000_000, 250_000_000]
-
-
-def test_caps_of_800_400_and_250_mb_hold(tmp_path):
-    """SmolLM2 on three nodes capped at 800, 400 and 250 MB (the issue's case, where ranks
-    used 1327, 967 and 1064 MB): placed, every rank's peak stays under its node's cap; or
-    the placement is refused naming the shortfall."""
-    cluster = LocalCluster(nodes=3, base_port=free_port_block(3), runner_threads=1,
-                           log_dir=str(tmp_path), data_dir=str(tmp_path),
-                           node_args={i: ["--memory-limit", str(cap)] for i, cap in enumerate(CAPS)})
-    cluster.start()
-    try:
-        try:
-            inst = cluster.place(None, "pipeline", context=1024, max_batch=1)
-        except LocalClusterError as exc:
-            assert "short by" in str(exc)
-            return
-        response = httpx.post(f"{cluster.url(0)}/v1/completions", timeout=180, json={
-            "model": inst["model_id"], "prompt": PROMPT, "max_tokens": 8, "temperature": 0})
-        assert response.status_code == 200, response.text
-        time.sleep(2 * HEARTBEAT_S)
-        caps = {httpx.get(f"{cluster.url(i)}/health", timeout=5).json()["node_id"]: cap
-                for i, cap in enumerate(CAPS)}
-        for row in rank_memory(cluster.url(0), inst["model_id"]):
-            print(f"\n{row['share']} on a {caps[row['node_id']] / 1e6:.0f} MB node: estimate "
-                  f"{row['estimated_bytes'] / 1e6:.0f} MB, peak {row['peak_rss_bytes'] / 1e6:.0f} MB")
-            assert row["peak_rss_bytes"] <= caps[row["node_id"]]
-    finally:
-        cluster.stop()
