@@ -353,6 +353,7 @@ void packed_groups_gemv(const uint8_t *low, const uint8_t *high, const void *sca
             y[m * rows + r] = total + state[16 * m + 8];
         }
 #else
+        (void)work;
         for (int64_t m = 0; m < M; m++) {
             const float *xm = x + m * K;
             float acc = 0.0f, o = 0.0f;
