@@ -9,7 +9,7 @@ from gguf import GGMLQuantizationType
 from gguf.quants import dequantize
 
 import tiny_models as tm
-from shardline.models.linear import Int4Planes
+from shardline.models.int4_planes import Int4Planes
 from shardline.models.packed_groups import PackedGroups
 from shardline.models.shard_loader import load_shard, load_tensor_shard
 from shardline.models.weights import open_weights

@@ -6,7 +6,8 @@ import torch
 
 import tiny_models as tm
 from shardline.models.config import Quantize
-from shardline.models.linear import Int4Planes, weight_bytes
+from shardline.models.int4_planes import Int4Planes
+from shardline.models.linear import weight_bytes
 from shardline.models.quantize import quantize_groups
 from shardline.models.shard_loader import load_shard
 from shardline.models.weights import open_weights

@@ -32,7 +32,6 @@ quantized form is dequantized per product (the CPU int4 layout is not CUDA's).
 
 from __future__ import annotations
 
-import functools
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -42,18 +41,19 @@ from torch import nn
 
 from shardline.models import native_dequant
 from shardline.models.gguf_quants import GroupQuant
+from shardline.models.int4_planes import INT4_GROUP, Int4Planes, pack_int4_planes
 from shardline.models.packed_groups import PackedGroups, pack_groups, packs
-from shardline.placement.memory import DEQUANT_SCRATCH_BYTES
-
-INT4_GROUP = 32
+from shardline.models.products import (
+    KERNEL_MAX_ROWS,
+    blocked_product,
+    gemm_dtype,
+    in_dtype,
+    native,
+    scratch,
+)
 
 REFINED_LOGITS = 16
 """Outputs per row of the LM head recomputed in float32 (:attr:`Linear.logits`)."""
-
-KERNEL_MAX_ROWS = 64
-"""Products of at most this many rows (a decode step's sequences) take torch's int4
-kernel, which computes each row on its own: up to this batch size a sequence's output does
-not depend on what else is in its batch."""
 
 
 @dataclass
@@ -77,10 +77,10 @@ class DenseWeight:
             return F.linear(x, self.weight.to(x.dtype))
 
         def columns(start: int, end: int, dtype: torch.dtype) -> torch.Tensor:
-            out = _scratch("out", end - start, self.weight.shape[1], dtype)
+            out = scratch("out", end - start, self.weight.shape[1], dtype)
             return out.copy_(self.weight[start:end]).t()
 
-        return _blocked_product(x, self.weight.shape[0], columns)
+        return blocked_product(x, self.weight.shape[0], columns)
 
     def dequantize(self, dtype: torch.dtype) -> torch.Tensor:
         return self.weight.to(dtype)
@@ -88,71 +88,6 @@ class DenseWeight:
     def embed(self, ids: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         return self.weight.index_select(0, ids).to(dtype)
 
-
-
-_SCRATCH: dict[tuple[str, torch.dtype], torch.Tensor] = {}
-
-
-def _scratch(name: str, rows: int, cols: int, dtype: torch.dtype) -> torch.Tensor:
-    """A reused ``[rows, cols]`` buffer (one per name and dtype, grown as needed), so a
-    dequantized weight block is written into memory already mapped, not fresh pages."""
-    buf = _SCRATCH.get((name, dtype))
-    if buf is None or buf.numel() < rows * cols:
-        with torch.inference_mode(False):  # a normal tensor: written in and out of inference mode
-            raw = torch.empty(rows * cols * dtype.itemsize + 4096, dtype=torch.uint8)
-        skip = -raw.data_ptr() % 4096
-        buf = raw[skip: skip + rows * cols * dtype.itemsize].view(dtype)
-        _SCRATCH[(name, dtype)] = buf
-    return buf[: rows * cols].view(rows, cols)
-
-
-def _in_dtype(work: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """float32 scratch ``work`` in ``dtype``: itself, or rounded once into scratch."""
-    if dtype == torch.float32:
-        return work
-    return _scratch("out", work.shape[0], work.shape[1], dtype).copy_(work)
-
-
-@functools.cache
-def gemm_dtype(dtype: torch.dtype) -> torch.dtype:
-    """The dtype a prefill GEMM with activations in ``dtype`` runs in: float32 for bfloat16
-    on a CPU whose oneDNN has no bfloat16 GEMM (AVX2 without AVX-512: torch's fallback
-    ran a 512 x 576 x 1536 product at 15 GFLOP/s against 89 in float32 on a 2-core AMD
-    EPYC), else ``dtype``. The inputs are bfloat16 values either way and a bfloat16 GEMM
-    accumulates in float32 too; the output is rounded to ``dtype`` once."""
-    if dtype != torch.bfloat16:
-        return dtype
-    try:
-        fast = bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
-    except (AttributeError, RuntimeError):  # a build without oneDNN's query
-        fast = True
-    return dtype if fast else torch.float32
-
-
-def _blocked_product(x: torch.Tensor, out_features: int, columns,
-                     work_per_weight: int = 0) -> torch.Tensor:
-    """``x @ W.T`` with ``W``'s output rows dequantized a block at a time by
-    ``columns(start, end, dtype)``, which returns ``W.T``'s columns ``[in, end - start]``
-    in the GEMM's dtype (:func:`gemm_dtype`; a scratch view, valid until the next call,
-    possibly a transposed one: the GEMM reads either layout) using that dtype's bytes
-    plus ``work_per_weight`` bytes of scratch a weight: blocks of a multiple of 256 rows
-    within :data:`DEQUANT_SCRATCH_BYTES`. Returns ``[rows, out_features]`` in ``x``'s dtype."""
-    gemm = gemm_dtype(x.dtype)
-    per_weight = gemm.itemsize + work_per_weight
-    block = max(256, DEQUANT_SCRATCH_BYTES // (per_weight * x.shape[1]) // 256 * 256)
-    xin = x.to(gemm)
-    if out_features <= block:
-        return torch.mm(xin, columns(0, out_features, gemm)).to(x.dtype)
-    out = torch.empty(x.shape[0], out_features, dtype=x.dtype)
-    for start in range(0, out_features, block):
-        end = min(start + block, out_features)
-        out[:, start:end] = torch.mm(xin, columns(start, end, gemm))
-    return out
-
-
-def _native(dtype: torch.dtype):
-    """The compiled kernels when they can write ``dtype``, else None (eager torch ops)."""
-    return native_dequant.kernels() if dtype in (torch.bfloat16, torch.float32) else None
 
 
 @dataclass
@@ -185,16 +120,16 @@ class Int8Groups:
 
     def _rows(self, start: int, end: int, dtype: torch.dtype) -> torch.Tensor:
         rows, cols = end - start, self.q.shape[1]
-        work = _scratch("work", rows, cols, torch.float32)
+        work = scratch("work", rows, cols, torch.float32)
         self._fill(work, self.q[start:end], self.scale[start:end], self.offset[start:end])
-        return _in_dtype(work, dtype)
+        return in_dtype(work, dtype)
 
     def _columns(self, start: int, end: int, dtype: torch.dtype) -> torch.Tensor:
         """``W.T``'s columns ``[start, end)`` (a transposed scratch view): the compiled
         kernel where there is one, else :meth:`_rows`."""
-        if _native(dtype) is None:
+        if native(dtype) is None:
             return self._rows(start, end, dtype).t()
-        out = _scratch("out", end - start, self.q.shape[1], dtype)
+        out = scratch("out", end - start, self.q.shape[1], dtype)
         return native_dequant.int8_groups(self.q[start:end], self.scale[start:end],
                                           self.offset[start:end], self.group, out).t()
 
@@ -208,137 +143,13 @@ class Int8Groups:
         if x.shape[0] <= KERNEL_MAX_ROWS and self.group % 8 == 0 and native_dequant.kernels():
             return native_dequant.int8_groups_gemv(self.q, self.scale, self.offset, self.group,
                                                    x.float()).to(x.dtype)
-        work = 0 if _native(x.dtype) else 4  # float32 work
-        return _blocked_product(x, self.q.shape[0], self._columns, work)
+        work = 0 if native(x.dtype) else 4  # float32 work
+        return blocked_product(x, self.q.shape[0], self._columns, work)
 
     def embed(self, ids: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         work = torch.empty(len(ids), self.q.shape[1])
         return self._fill(work, self.q[ids], self.scale[ids], self.offset[ids]).to(dtype)
 
-
-@dataclass
-class Int4Planes:
-    """One or two int4 planes: ``packed[i]`` (torch's CPU int4 layout of ``[out, in]``)
-    with ``scales_zeros[i]`` ``[in // 32, out, 2]`` in the compute dtype. The weight is
-    the sum of the planes' ``(p - 8) * scale + zero``."""
-
-    packed: list[torch.Tensor]
-    scales_zeros: list[torch.Tensor]
-    out_features: int
-    in_features: int
-
-    @property
-    def shape(self) -> tuple[int, int]:
-        return (self.out_features, self.in_features)
-
-    def nbytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in self.packed + self.scales_zeros)
-
-    def matmul(self, x: torch.Tensor) -> torch.Tensor:
-        """``x @ W.T`` for ``x`` ``[rows, in]``: torch's int4 kernel for at most
-        :data:`KERNEL_MAX_ROWS` rows of a 16-bit ``x`` (decode), else the weight
-        dequantized block by block into scratch and a dense GEMM (prefill: the kernel is
-        2.8x slower than dequantizing and ``F.linear`` for 512 rows of a 576 x 3072
-        product; in float32 it has no fast path at all: 20x slower for one row)."""
-        x = x.contiguous()
-        dense = x.shape[0] > KERNEL_MAX_ROWS or x.dtype == torch.float32
-        if dense and self.rows_readable():
-            # the kernel writes the output; else float32 work, plane and nibbles
-            work = 0 if self._kernel_half(gemm_dtype(x.dtype)) else 9
-            return _blocked_product(x, self.out_features, self._columns, work)
-        y = None
-        for packed, sz in zip(self.packed, self.scales_zeros):
-            part = torch._weight_int4pack_mm_for_cpu(x, packed, INT4_GROUP, sz.to(x.dtype))
-            y = part if y is None else y + part
-        return y
-
-    def _plane(self, i: int, start: int, end: int, out: torch.Tensor) -> None:
-        """Write plane ``i``'s rows ``[start, end)`` (multiples of the layout's block) into
-        float32 ``out`` ``[rows, in]`` as ``(p - 8) * scale + zero``."""
-        block, position = int4pack_layout()  # type: ignore[misc]
-        rows, k, half = end - start, self.in_features, block // 2
-        packed = self.packed[i].view(-1, k, half)[start // block : -(-end // block)]
-        # The nibbles into row order (uint8 scratch), then one contiguous conversion:
-        # 0.63 ms for a 3072 x 576 plane against 1.0 ms converting the strided view.
-        nibbles = _scratch("nibbles", rows, k, torch.uint8).view(-1, block, k)
-        order = _nibble_row_order()
-        if order == "halves":  # lows hold the block's first rows, highs the rest
-            nibbles[:, :half].copy_((packed & 15).transpose(1, 2))
-            nibbles[:, half:].copy_((packed >> 4).transpose(1, 2))
-        elif order == "alternate":  # rows alternate low, high
-            pairs = nibbles.view(-1, half, 2, k)
-            pairs[:, :, 0].copy_((packed & 15).transpose(1, 2))
-            pairs[:, :, 1].copy_((packed >> 4).transpose(1, 2))
-        else:
-            both = torch.stack((packed & 15, packed >> 4), dim=-1).view(-1, k, block)
-            nibbles.copy_(both.index_select(2, position).transpose(1, 2))
-        out.copy_(nibbles.view(rows, k))
-        sz = self.scales_zeros[i][:, start:end].float()  # [in / 32, rows, 2]
-        scale, zero = sz[..., 0].t(), sz[..., 1].t()  # [rows, in / 32]
-        groups = out.view(rows, k // INT4_GROUP, INT4_GROUP)
-        groups.mul_(scale[..., None]).add_((zero - 8 * scale)[..., None])
-
-    def _rows(self, start: int, end: int, dtype: torch.dtype) -> torch.Tensor:
-        """Rows ``[start, end)`` in ``dtype`` (a scratch view): the planes' values summed
-        in float32 and rounded once."""
-        rows, k = end - start, self.in_features
-        work = _scratch("work", rows, k, torch.float32)
-        self._plane(0, start, end, work)
-        if len(self.packed) > 1:
-            other = _scratch("plane", rows, k, torch.float32)
-            self._plane(1, start, end, other)
-            work += other
-        return _in_dtype(work, dtype)
-
-    def _kernel_half(self, dtype: torch.dtype) -> int | None:
-        """The compiled kernel's half block (16 or 32) for this machine's layout, or None
-        where the eager code runs (no kernels, another nibble order, or scales or
-        ``dtype`` in float16)."""
-        layout = int4pack_layout()
-        if (_native(dtype) is None or layout is None or _nibble_row_order() != "halves"
-                or self.scales_zeros[0].dtype != torch.bfloat16):
-            return None
-        return layout[0] // 2 if layout[0] in (32, 64) else None
-
-    def _columns(self, start: int, end: int, dtype: torch.dtype) -> torch.Tensor:
-        """``W.T``'s columns ``[start, end)``, ``[in, end - start]`` in ``dtype`` (a scratch
-        view, maybe transposed): the compiled kernel where there is one, else :meth:`_rows`."""
-        half = self._kernel_half(dtype)
-        if half is None:
-            return self._rows(start, end, dtype).t()
-        out = _scratch("out", self.in_features, end - start, dtype)
-        return native_dequant.int4_planes_t(list(zip(self.packed, self.scales_zeros)), half,
-                                            start, out)
-
-    def _plane_rows(self, i: int, ids: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-        block, position = int4pack_layout()  # type: ignore[misc]
-        p = _gather_rows(self.packed[i], self.in_features, block, position, ids)
-        sz = self.scales_zeros[i][:, ids].to(dtype)  # [in / 32, len(ids), 2]
-        scale = sz[..., 0].t().repeat_interleave(INT4_GROUP, dim=1)
-        zero = sz[..., 1].t().repeat_interleave(INT4_GROUP, dim=1)
-        return (p.to(dtype) - 8) * scale + zero
-
-    def embed(self, ids: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-        """Rows ``ids`` (int64 ``[T]``) of the weight, ``[T, in]`` in ``dtype``."""
-        rows = self._plane_rows(0, ids, torch.float32)
-        for i in range(1, len(self.packed)):
-            rows = rows + self._plane_rows(i, ids, torch.float32)
-        return rows.to(dtype)
-
-    def dequantize(self, dtype: torch.dtype) -> torch.Tensor:
-        """The weight ``[out, in]`` in ``dtype`` (a new tensor)."""
-        if self.rows_readable():
-            return self._rows(0, self.out_features, dtype).clone()
-        # The kernel's product with the identity: W.T, exactly (float32).
-        planes = Int4Planes(self.packed, [sz.float() for sz in self.scales_zeros],
-                            self.out_features, self.in_features)
-        return planes.matmul(torch.eye(self.in_features)).t().to(dtype)
-
-    def rows_readable(self) -> bool:
-        """Whether rows can be read from this layout on this machine (else products of
-        any size take the kernel, and the embedding keeps its own copy)."""
-        layout = int4pack_layout()
-        return layout is not None and self.out_features % layout[0] == 0
 
 
 ResidentWeight = DenseWeight | Int8Groups | Int4Planes | PackedGroups
@@ -391,8 +202,8 @@ def resident_weight(source: GroupQuant | torch.Tensor | RowBlocks, dtype: torch.
         if (int4 and torch.device(device).type == "cpu" and first.group == INT4_GROUP
                 and cols % INT4_GROUP == 0 and rows % 16 == 0):
             try:
-                held = _int4_planes(first.contiguous(), dtype)
-                convert = lambda g: _int4_planes(g.contiguous(), dtype)  # type: ignore[union-attr]  # noqa: E731
+                held = pack_int4_planes(first.contiguous(), dtype)
+                convert = lambda g: pack_int4_planes(g.contiguous(), dtype)  # type: ignore[union-attr]  # noqa: E731
             except RuntimeError:  # a torch build without the CPU int4 kernel for this shape
                 pass
     if held is None:
@@ -448,109 +259,6 @@ def _set_rows(whole: ResidentWeight, start: int, part: ResidentWeight) -> None:
         raise TypeError(f"row block {type(part).__name__} into {type(whole).__name__}")
 
 
-def _int4_planes(g: GroupQuant, dtype: torch.dtype) -> Int4Planes:
-    """Split integer groups of 32 (at most :data:`PACK_ROWS` rows) into one (<= 4 bits)
-    or two int4 planes."""
-    rows, cols = g.shape
-    scale = torch.from_numpy(g.scale)  # [rows, cols / 32] float32
-    offset = torch.from_numpy(g.offset)
-    q = torch.from_numpy(g.q)
-    planes: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = []  # (p, scale, zero)
-    if g.bits <= 4:
-        # w = q * s + o = (q - 8) * s + (o + 8 s)
-        planes.append((q, scale, offset + 8 * scale))
-    else:
-        # q = 16 h + l: w = l * s + 16 h s + o. The low plane is centred, (l - 8) s with no
-        # zero, and the high plane takes the rest: (p - 8) 16 s + 8 s (+ o). Decode adds the
-        # two planes' products, each rounded to the compute dtype; a centred low plane's
-        # product stays small, where an uncentred one (l s, all positive) grows with the
-        # sum of the inputs and the two large products cancel (int8 on load in bfloat16:
-        # SmolLM2 answered "L'Etoile" for the capital of France).
-        low, high = q & 15, q >> 4
-        planes.append((low, scale, torch.zeros_like(scale)))
-        if g.symmetric_center is not None:
-            # o = -c s: the high plane takes it, p = h + 8 - c / 16 (in 0..15 for Q5_0,
-            # Q8_0 and Q6_K), so every zero is 8 s or 0: exact in any float format.
-            shift = 8 - g.symmetric_center // 16
-            planes.append((high + shift, 16 * scale, 8 * scale))
-        else:
-            planes.append((high + 8, 16 * scale, offset + 8 * scale))
-    packed, scales_zeros = [], []
-    for p, s, z in planes:
-        packed.append(torch._convert_weight_to_int4pack_for_cpu(p.to(torch.int32).contiguous(), 1))
-        scales_zeros.append(torch.stack((s, z), dim=-1).transpose(0, 1).contiguous().to(dtype))
-    return Int4Planes(packed, scales_zeros, rows, cols)
-
-
-@functools.cache
-def int4pack_layout() -> tuple[int, torch.Tensor] | None:
-    """How torch's CPU int4 packing places rows, found by packing a probe matrix.
-
-    The packed weight is ``[out / B, in, B / 2]`` bytes for a block of ``B`` rows (64 with
-    AVX-512, 32 with AVX2 and elsewhere), and the byte ``j``'s two nibbles hold two of the
-    block's rows in an order that depends on the CPU capability torch dispatched to.
-    Returns ``(B, position)`` with ``position[r]`` (int64 ``[B]``) the nibble index
-    ``2 * j + high`` that holds row ``r`` of a block, verified on a random matrix; None when
-    no candidate block fits (then rows are not read from the packed form).
-    """
-    for block in (64, 32, 16, 128):
-        rows = torch.arange(block * 2)
-        probe_lo = (rows % 16)[:, None].expand(-1, 32).to(torch.int32).contiguous()
-        probe_hi = (rows // 16)[:, None].expand(-1, 32).to(torch.int32).contiguous()
-        try:
-            lo = _nibble_order(torch._convert_weight_to_int4pack_for_cpu(probe_lo, 1), block)
-            hi = _nibble_order(torch._convert_weight_to_int4pack_for_cpu(probe_hi, 1), block)
-        except (RuntimeError, ValueError):
-            continue
-        found = hi * 16 + lo  # row (within the block) held by each nibble index
-        if sorted(found.tolist()) != list(range(block)):
-            continue
-        position = torch.empty(block, dtype=torch.long)
-        position[found] = torch.arange(block)
-        if _layout_holds(block, position):
-            return block, position
-    return None
-
-
-def _nibble_order(packed: torch.Tensor, block: int) -> torch.Tensor:
-    """Nibble values of the first block's first column, in nibble index order."""
-    first = packed.reshape(-1)[: block // 2]  # block 0, column 0: B / 2 bytes
-    if first.numel() != block // 2:
-        raise ValueError("probe too small")
-    return torch.stack((first & 15, first >> 4), dim=1).reshape(-1).long() % block
-
-
-def _gather_rows(packed: torch.Tensor, in_features: int, block: int, position: torch.Tensor,
-                 ids: torch.Tensor) -> torch.Tensor:
-    """The 4-bit values of rows ``ids`` (int64 ``[T]``) of a packed plane, uint8
-    ``[T, in_features]``, for the layout ``(block, position)`` of :func:`int4pack_layout`."""
-    packed = packed.view(-1, in_features, block // 2)
-    pos = position[ids % block]
-    nibbles = packed[(ids // block)[:, None], torch.arange(in_features)[None, :],
-                     (pos // 2)[:, None]]
-    return (nibbles >> (4 * (pos % 2))[:, None]) & 15
-
-
-def _layout_holds(block: int, position: torch.Tensor) -> bool:
-    """Whether ``(block, position)`` reads back a random packed matrix's rows."""
-    generator = torch.Generator().manual_seed(0)
-    q = torch.randint(0, 16, (block * 3, 96), generator=generator, dtype=torch.int32)
-    packed = torch._convert_weight_to_int4pack_for_cpu(q, 1)
-    rows = _gather_rows(packed, 96, block, position, torch.arange(block * 3))
-    return bool(torch.equal(rows.to(torch.int32), q))
-
-
-@functools.cache
-def _nibble_row_order() -> str:
-    """How a layout's nibbles map to its rows, for :meth:`Int4Planes._plane`:
-    ``"halves"`` (byte j: row j low, row j + B/2 high; AVX-512 and AVX2), ``"alternate"``
-    (byte j: rows 2j and 2j + 1), else ``"other"``."""
-    block, position = int4pack_layout()  # type: ignore[misc]
-    if torch.equal(position[: block // 2], torch.arange(0, block, 2)):
-        return "halves"
-    if torch.equal(position, torch.arange(block)):
-        return "alternate"
-    return "other"
 
 
 class Linear(nn.Module):

@@ -139,7 +139,7 @@ def int4_planes_t(planes: list[tuple[torch.Tensor, torch.Tensor]], half: int, st
     """Fill ``out`` ``[K, rows]`` (bfloat16 or float32) with rows ``[start, start + rows)``
     of ``W`` transposed, ``W`` the sum of one or two int4 planes in torch's CPU layout
     with ``half`` = block rows / 2 (16 or 32) and the "halves" nibble order
-    (:func:`shardline.models.linear.int4pack_layout`).
+    (:func:`shardline.models.int4_planes.int4pack_layout`).
 
     Args:
         planes: per plane ``(packed uint8 [out / (2 half), K, half], scales_zeros bfloat16

@@ -32,6 +32,7 @@ import torch
 
 from shardline.models import native_dequant
 from shardline.models.gguf_quants import GroupQuant
+from shardline.models.products import KERNEL_MAX_ROWS, blocked_product, scratch
 
 CHUNK = 32
 """Weights per chunk of the layout."""
@@ -141,20 +142,18 @@ class PackedGroups:
         return picked.dequantize(dtype)
 
     def matmul(self, x: torch.Tensor) -> torch.Tensor:
-        """``x @ W.T`` for ``x`` ``[rows, in]``: up to ``KERNEL_MAX_ROWS`` rows (decode)
+        """``x @ W.T`` for ``x`` ``[rows, in]``: up to :data:`~shardline.models.products.KERNEL_MAX_ROWS` rows (decode)
         the kernel's row-at-a-time product in float32, else blocks of rows dequantized into
         scratch and a dense GEMM (prefill)."""
-        from shardline.models import linear  # noqa: PLC0415  (linear holds the resident forms)
-
-        if x.shape[0] <= linear.KERNEL_MAX_ROWS and native_dequant.kernels():
+        if x.shape[0] <= KERNEL_MAX_ROWS and native_dequant.kernels():
             return native_dequant.packed_groups_gemv(self, x.float()).to(x.dtype)
 
         def columns(start: int, end: int, dtype: torch.dtype) -> torch.Tensor:
-            out = linear._scratch("out", end - start, self.shape[1], dtype)
+            out = scratch("out", end - start, self.shape[1], dtype)
             return self.rows(start, end)._rows_into(out).t()
 
         work = 4 if native_dequant.kernels() is None else 0  # the eager float32 values
-        return linear._blocked_product(x, self.shape[0], columns, work)
+        return blocked_product(x, self.shape[0], columns, work)
 
 
 def pack_groups(g: GroupQuant, dtype: torch.dtype) -> PackedGroups:

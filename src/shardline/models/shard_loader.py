@@ -28,13 +28,8 @@ import torch
 
 from shardline.models.config import Quantize, TensorShare
 from shardline.models.gguf_quants import GroupQuant
-from shardline.models.linear import (
-    Int4Planes,
-    Linear,
-    ResidentWeight,
-    RowBlocks,
-    resident_weight,
-)
+from shardline.models.int4_planes import Int4Planes
+from shardline.models.linear import Linear, ResidentWeight, RowBlocks, resident_weight
 from shardline.models.quantize import quantizable, quantize_groups
 from shardline.models.weights import GGUFSource, Span, WeightFormatError, WeightSource
 

@@ -1,0 +1,86 @@
+"""Products of an activation with a resident weight that share one machinery: reused
+scratch buffers, the GEMM's dtype on this CPU, and the blocked product that dequantizes a
+weight a block of output rows at a time into scratch for a dense GEMM (prefill).
+
+Used by every resident form (:mod:`shardline.models.linear`,
+:mod:`shardline.models.int4_planes`, :mod:`shardline.models.packed_groups`).
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+
+from shardline.models import native_dequant
+from shardline.placement.memory import DEQUANT_SCRATCH_BYTES
+
+KERNEL_MAX_ROWS = 64
+"""Products of at most this many rows (a decode step's sequences) take torch's int4
+kernel, which computes each row on its own: up to this batch size a sequence's output does
+not depend on what else is in its batch."""
+
+SCRATCH_BUFFERS: dict[tuple[str, torch.dtype], torch.Tensor] = {}
+
+
+def scratch(name: str, rows: int, cols: int, dtype: torch.dtype) -> torch.Tensor:
+    """A reused ``[rows, cols]`` buffer (one per name and dtype, grown as needed), so a
+    dequantized weight block is written into memory already mapped, not fresh pages."""
+    buf = SCRATCH_BUFFERS.get((name, dtype))
+    if buf is None or buf.numel() < rows * cols:
+        with torch.inference_mode(False):  # a normal tensor: written in and out of inference mode
+            raw = torch.empty(rows * cols * dtype.itemsize + 4096, dtype=torch.uint8)
+        skip = -raw.data_ptr() % 4096
+        buf = raw[skip: skip + rows * cols * dtype.itemsize].view(dtype)
+        SCRATCH_BUFFERS[(name, dtype)] = buf
+    return buf[: rows * cols].view(rows, cols)
+
+
+def in_dtype(work: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """float32 scratch ``work`` in ``dtype``: itself, or rounded once into scratch."""
+    if dtype == torch.float32:
+        return work
+    return scratch("out", work.shape[0], work.shape[1], dtype).copy_(work)
+
+
+@functools.cache
+def gemm_dtype(dtype: torch.dtype) -> torch.dtype:
+    """The dtype a prefill GEMM with activations in ``dtype`` runs in: float32 for bfloat16
+    on a CPU whose oneDNN has no bfloat16 GEMM (AVX2 without AVX-512: torch's fallback
+    ran a 512 x 576 x 1536 product at 15 GFLOP/s against 89 in float32 on a 2-core AMD
+    EPYC), else ``dtype``. The inputs are bfloat16 values either way and a bfloat16 GEMM
+    accumulates in float32 too; the output is rounded to ``dtype`` once."""
+    if dtype != torch.bfloat16:
+        return dtype
+    try:
+        fast = bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
+    except (AttributeError, RuntimeError):  # a build without oneDNN's query
+        fast = True
+    return dtype if fast else torch.float32
+
+
+def blocked_product(x: torch.Tensor, out_features: int, columns,
+                     work_per_weight: int = 0) -> torch.Tensor:
+    """``x @ W.T`` with ``W``'s output rows dequantized a block at a time by
+    ``columns(start, end, dtype)``, which returns ``W.T``'s columns ``[in, end - start]``
+    in the GEMM's dtype (:func:`gemm_dtype`; a scratch view, valid until the next call,
+    possibly a transposed one: the GEMM reads either layout) using that dtype's bytes
+    plus ``work_per_weight`` bytes of scratch a weight: blocks of a multiple of 256 rows
+    within :data:`DEQUANT_SCRATCH_BYTES`. Returns ``[rows, out_features]`` in ``x``'s dtype."""
+    gemm = gemm_dtype(x.dtype)
+    per_weight = gemm.itemsize + work_per_weight
+    block = max(256, DEQUANT_SCRATCH_BYTES // (per_weight * x.shape[1]) // 256 * 256)
+    xin = x.to(gemm)
+    if out_features <= block:
+        return torch.mm(xin, columns(0, out_features, gemm)).to(x.dtype)
+    out = torch.empty(x.shape[0], out_features, dtype=x.dtype)
+    for start in range(0, out_features, block):
+        end = min(start + block, out_features)
+        out[:, start:end] = torch.mm(xin, columns(start, end, gemm))
+    return out
+
+
+def native(dtype: torch.dtype):
+    """The compiled kernels when they can write ``dtype``, else None (eager torch ops)."""
+    return native_dequant.kernels() if dtype in (torch.bfloat16, torch.float32) else None
+
