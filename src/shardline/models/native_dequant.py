@@ -241,7 +241,8 @@ def packed_groups_gemv(w, x: torch.Tensor) -> torch.Tensor:
     M, K = x.shape
     assert x.dtype == torch.float32 and K == w.shape[1] and K % 8 == 0
     x = x.contiguous()
-    xsum = x.view(M, K // w.group, w.group).sum(-1).contiguous()
+    # each group's sum of x, read only for an offset (a symmetric type has none)
+    xsum = None if w.offset is None else x.view(M, K // w.group, w.group).sum(-1).contiguous()
     y = torch.empty(M, w.shape[0])
     work = torch.empty(PACKED_SEGMENT + 16 * M)
     lib.packed_groups_gemv(*_packed_args(w), _ptr(x), _ptr(xsum), M, _ptr(y), _ptr(work))
