@@ -65,10 +65,10 @@ def test_memory_table_shows_each_figure_and_ratios():
 
     mib = 2**20
     rows = [{"rank": 0, "node_id": "abcdef123456", "share": "layers 0-9", "file_bytes": 50 * mib,
-             "estimated_bytes": 330 * mib, "runtime_rss_bytes": 223 * mib, "rss_bytes": 300 * mib,
+             "estimated_bytes": 330 * mib, "baseline_bytes": 230 * mib, "runtime_rss_bytes": 223 * mib, "rss_bytes": 300 * mib,
              "peak_rss_bytes": 360 * mib, "load_peak_rss_bytes": 345 * mib},
             {"rank": 1, "node_id": "0123456789ab", "share": "layers 10-19", "file_bytes": None,
-             "estimated_bytes": None, "runtime_rss_bytes": None, "rss_bytes": None,
+             "estimated_bytes": None, "baseline_bytes": None, "runtime_rss_bytes": None, "rss_bytes": None,
              "peak_rss_bytes": None, "load_peak_rss_bytes": None}]
     console = Console(record=True, width=200)
     print_memory(rows, console)
@@ -76,5 +76,5 @@ def test_memory_table_shows_each_figure_and_ratios():
     assert "runtime" in text
     first = next(line for line in text.splitlines() if "abcdef12" in line)
     cells = [c.strip() for c in first.split("│") if c.strip()]
-    assert cells[3:] == ["50", "330", "223", "300", "360", "345", "1.10", "1.15"]
+    assert cells[3:] == ["50", "330", "230", "223", "300", "360", "345", "0.92", "1.15"]
     assert "n/a" in next(line for line in text.splitlines() if "01234567" in line)

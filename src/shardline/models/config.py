@@ -141,9 +141,10 @@ class ModelConfig:
 
     @classmethod
     def from_gguf_metadata(
-        cls, meta: dict[str, Any], tensor_names: set[str]
+        cls, meta: dict[str, Any], tensor_names: set[str], embedding_rows: int = 0
     ) -> "ModelConfig":
-        """Build from GGUF key/value metadata and the file's tensor names.
+        """Build from GGUF key/value metadata, the file's tensor names and the token
+        embedding's rows (the vocabulary, where the metadata has no ``vocab_size``).
 
         Raises:
             UnsupportedModelError: ``general.architecture`` is not llama, qwen2 or qwen3.
@@ -160,9 +161,7 @@ class ModelConfig:
 
         num_heads = int(key("attention.head_count"))
         hidden = int(key("embedding_length"))
-        vocab = key("vocab_size")
-        if vocab is None:
-            vocab = len(meta["tokenizer.ggml.tokens"])
+        vocab = key("vocab_size") or embedding_rows
         rope_scaling = None
         if key("rope.scaling.type") not in (None, "none"):
             rope_scaling = {

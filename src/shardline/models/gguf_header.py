@@ -40,7 +40,7 @@ def header_cache_file(path: Path) -> Path:
     digest = hashlib.sha256(str(path.stat().st_size).encode())
     with open(path, "rb") as f:
         digest.update(f.read(HEADER_FINGERPRINT_BYTES))
-    return cache_dir() / "gguf" / f"{digest.hexdigest()[:24]}.json"
+    return cache_dir() / "gguf" / f"{digest.hexdigest()[:24]}.meta.json"
 
 
 def _reader_class():
@@ -62,11 +62,18 @@ def _reader_class():
     return HeaderCachedReader
 
 
+TOKENIZER_ARRAYS = "tokenizer.ggml."
+"""The prefix of the tokenizer's keys (vocabulary, scores, merges), left out of the
+metadata here: a runner needs the model's shape, not 49,152 strings (~10 MiB of Python
+objects that stayed in its memory); the tokenizer reads them from the file itself."""
+
+
 def gguf_metadata(reader) -> dict[str, Any]:
-    """GGUF key/value metadata as plain Python values (strings, numbers, lists)."""
+    """GGUF key/value metadata as plain Python values (strings, numbers, lists), without
+    the tokenizer's arrays (:data:`TOKENIZER_ARRAYS`; its scalar keys stay)."""
     meta = {}
     for key, field in reader.fields.items():
-        if key.startswith("GGUF."):
+        if key.startswith("GGUF.") or (key.startswith(TOKENIZER_ARRAYS) and len(field.data) > 1):
             continue
         try:
             meta[key] = field.contents()

@@ -36,6 +36,11 @@ def scratch(name: str, rows: int, cols: int, dtype: torch.dtype) -> torch.Tensor
     return buf[: rows * cols].view(rows, cols)
 
 
+def release_scratch() -> None:
+    """Drop every scratch buffer (an idle rank's; the next product allocates afresh)."""
+    SCRATCH_BUFFERS.clear()
+
+
 def in_dtype(work: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """float32 scratch ``work`` in ``dtype``: itself, or rounded once into scratch."""
     if dtype == torch.float32:

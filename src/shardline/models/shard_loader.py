@@ -18,10 +18,6 @@ formats.
 
 from __future__ import annotations
 
-import contextlib
-import ctypes
-import ctypes.util
-from collections.abc import Iterator
 
 import numpy as np
 import torch
@@ -32,6 +28,7 @@ from shardline.models.int4_planes import Int4Planes
 from shardline.models.linear import Linear, ResidentWeight, RowBlocks, resident_weight
 from shardline.models.quantize import quantizable, quantize_groups
 from shardline.models.weights import GGUFSource, Span, WeightFormatError, WeightSource
+from shardline.process_memory import release_free_memory
 
 Part = torch.Tensor | GroupQuant
 
@@ -218,50 +215,6 @@ def load_tensor_shard(
         head = share.rank == 0
     return _build_shard(source, 0, source.config.num_layers, dtype, device, share=share,
                         head=head, quantize=quantize)
-
-
-def _libc():
-    try:
-        return ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
-    except OSError:
-        return None
-
-
-def release_free_memory() -> None:
-    """Hand freed heap pages back to the system. glibc keeps them otherwise, so a loading
-    rank's temporaries (each tensor's integer groups and the packing's int32 copies)
-    would stay in its resident memory: SmolLM2 on one node held 514 MiB instead of 355
-    after loading. A no-op where the C library has no ``malloc_trim``."""
-    libc = _libc()
-    if libc is not None and hasattr(libc, "malloc_trim"):
-        libc.malloc_trim(0)
-
-
-_M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD = -1, -3  # glibc's mallopt parameters
-
-
-@contextlib.contextmanager
-def large_allocations_mapped() -> Iterator[None]:
-    """While loading, allocations of 1 MiB or more get their own mapping, returned to the
-    system when freed. glibc's default raises that threshold to each large block freed
-    (up to 32 MiB), after which the loader's temporaries fill the heap and stay: the
-    last pipeline rank of SmolLM2 peaked at 580 MiB for 300 steady, 358 with this. After
-    loading the threshold is 32 MiB and the heap is trimmed only above 64 MiB free (where
-    glibc's own adjustment would settle): setting a threshold turns that adjustment off,
-    and the default 128 KiB trim threshold then handed a step's freed activations back to
-    the system and faulted them in again on the next layer (50,000 page faults a
-    512-token prefill of SmolLM2, 10-15% of its time). A no-op where the C library has no
-    ``mallopt``."""
-    libc = _libc()
-    if libc is None or not hasattr(libc, "mallopt"):
-        yield
-        return
-    libc.mallopt(_M_MMAP_THRESHOLD, 1 << 20)
-    try:
-        yield
-    finally:
-        libc.mallopt(_M_MMAP_THRESHOLD, 32 << 20)
-        libc.mallopt(_M_TRIM_THRESHOLD, 64 << 20)
 
 
 def _int4_for(dtype: torch.dtype) -> bool:

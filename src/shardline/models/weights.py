@@ -136,7 +136,9 @@ class GGUFSource(WeightSource):
         self.path = Path(path)
         self.reader, self.metadata = open_gguf(self.path)
         self._tensors = {t.name: t for t in self.reader.tensors}
-        self.config = ModelConfig.from_gguf_metadata(self.metadata, set(self._tensors))
+        embedding = self._tensors.get("token_embd.weight")
+        self.config = ModelConfig.from_gguf_metadata(
+            self.metadata, set(self._tensors), int(embedding.shape[-1]) if embedding else 0)
         if "rope_freqs.weight" in self._tensors:
             self.rope_freq_factors = self.read("rope_freqs.weight").float()
 

@@ -290,12 +290,14 @@ def _nvml_memory(index: int) -> tuple[int, int] | None:
 
 def _runner_runtime() -> None:
     """Run what a runner runs, on a tiny random model (2 layers, 256 wide, int4 weights):
-    its modules (the model code, the parallel stages, torch.distributed), torch's int4
+    its modules (the model code, the weight readers, the parallel stages), torch's int4
     layout probe, a prefill of 96 tokens (dequantized products) and a decode step (the
     int4 kernel), so that the code and buffers those kernels bring count in the runtime
     (a runner's memory grew by ~30 MiB beyond a bare torch process once it served)."""
+    import gguf  # noqa: F401, PLC0415 (the weight files' reader)
     import torch  # noqa: PLC0415
 
+    import shardline.models.weights  # noqa: F401, PLC0415
     import shardline.parallel.pipeline  # noqa: F401, PLC0415 (only in the child)
     import shardline.parallel.ring  # noqa: F401, PLC0415
     import shardline.parallel.tensor  # noqa: F401, PLC0415

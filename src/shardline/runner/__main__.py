@@ -134,8 +134,8 @@ def serve(conn, outbox: Outbox) -> None:
     import torch.distributed as dist
 
     from shardline.models.linear import weight_bytes
-    from shardline.models.shard_loader import large_allocations_mapped, release_free_memory
     from shardline.models.weights import open_weights
+    from shardline.process_memory import large_allocations_mapped, release_free_memory
     from shardline.runner.engine import Engine, pool_tokens
 
     spec: RunnerSpec = conn.recv()
@@ -198,10 +198,22 @@ def serve(conn, outbox: Outbox) -> None:
         prefill_burst_tokens=spec.prefill_burst_tokens,
         comm_device=comm_device,
         kv_tokens=spec.kv_tokens,
+        on_idle=_release_idle_memory,
     )
     engine.run()
     if group is not None:
         dist.destroy_process_group()
+
+
+def _release_idle_memory() -> None:
+    """An idle rank's memory back to its weights and runtime: the prefill scratch and the
+    activations' freed heap go back to the system (the next prefill faults them in again
+    once, a few milliseconds a MiB)."""
+    from shardline.models.products import release_scratch
+    from shardline.process_memory import release_free_memory
+
+    release_scratch()
+    release_free_memory()
 
 
 def _peer_lost(exc: BaseException) -> bool:

@@ -125,6 +125,9 @@ class Engine:
             decodes: more chunks per step keep a pipeline's stages busy; bounds how late
             a cancellation or a new task's admission takes effect.
         idle_wait_s: how long an idle rank waits on its inbox between agreement rounds.
+        on_idle: called once each time the rank falls idle after work (no sequence
+            running or waiting): the runner hands its prefill scratch and freed heap back
+            to the system there, so an idle rank holds its weights and runtime only.
     """
 
     def __init__(
@@ -142,6 +145,7 @@ class Engine:
         comm_device: torch.device | str = "cpu",
         idle_wait_s: float = 0.05,
         kv_tokens: int = 0,
+        on_idle: Callable[[], None] | None = None,
     ) -> None:
         self.stage = stage
         self.inbox = inbox
@@ -167,6 +171,8 @@ class Engine:
         self.stopping = False
         self.steps = 0
         self._last_stats: EngineStats | None = None
+        self.on_idle = on_idle
+        self._worked = False  # ran a forward pass since on_idle was last called
 
     # -- inbox and agreement -------------------------------------------------------------
 
@@ -241,7 +247,12 @@ class Engine:
         self.progress.begin("agreeing on tasks with the other ranks")
         self.apply_agreement()
         self.admit()
+        if self.running:
+            self._worked = True
         self._run_micro_batches()
+        if self._worked and not (self.running or self.waiting) and self.on_idle is not None:
+            self._worked = False
+            self.on_idle()
         self.steps += 1
         self.progress.end()
         self.report()
