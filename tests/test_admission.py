@@ -1,9 +1,9 @@
 """Which waiting tasks start, by KV-cache slots and KV-pool blocks: tables over the
-engine's pure admission functions."""
+engine's pure admission functions; and when an idle rank hands its scratch back."""
 
 import pytest
 
-from shardline.runner.engine import admissible, kv_reservation, pool_tokens
+from shardline.runner.engine import admissible, idle_release, kv_reservation, pool_tokens
 
 pytestmark = pytest.mark.timeout(10)
 
@@ -43,3 +43,17 @@ def test_tasks_start_in_order_while_slots_and_blocks_last(needs, slots, free, st
 def test_a_ranks_pool_holds_what_was_placed_or_every_slot_a_whole_context(
         asked, max_batch, context, block, expected):
     assert pool_tokens(asked, max_batch, context, block) == expected
+
+
+@pytest.mark.parametrize("worked, busy, idle_since, now, expected", [
+    (True, True, None, 10.0, (False, None)),    # busy: not idle
+    (True, True, 9.0, 10.0, (False, None)),     # busy again: the idle time resets
+    (False, False, None, 10.0, (False, None)),  # idle, but nothing to hand back
+    (True, False, None, 10.0, (False, 10.0)),   # just fell idle: the clock starts
+    (True, False, 9.8, 10.0, (False, 9.8)),     # idle 0.2 s of 0.5
+    (True, False, 9.5, 10.0, (True, None)),     # idle 0.5 s: hand it back
+    (True, False, 1.0, 10.0, (True, None)),
+])
+def test_an_idle_rank_hands_its_scratch_back_after_the_delay(worked, busy, idle_since, now,
+                                                             expected):
+    assert idle_release(worked, busy, idle_since, now, 0.5) == expected

@@ -51,7 +51,7 @@ def run_workload(cluster) -> None:
         "model": DEFAULT_MODEL_ID, "temperature": 0, "max_tokens": 16,
         "messages": [{"role": "user", "content": "What is the capital of France?"}]})
     assert "Paris" in response.json()["choices"][0]["message"]["content"]
-    time.sleep(2.0)  # a runner reports its memory every second
+    time.sleep(2.5)  # idle 0.5 s, a runner hands its scratch back; it reports every second
 
 
 def runner_breakdown(cluster, address: str) -> str:

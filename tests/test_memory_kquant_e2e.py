@@ -54,7 +54,7 @@ def test_a_rank_holds_about_its_file_bytes(kquant, model, sharding, nodes):
         response = httpx.post(f"{cluster.url(0)}/v1/completions", timeout=180, json={
             "model": model, "prompt": PROMPT, "max_tokens": 8, "temperature": 0})
         assert response.status_code == 200, response.text
-        time.sleep(2 * HEARTBEAT_S)  # a report from after the workload, idle
+        time.sleep(0.5 + 2 * HEARTBEAT_S)  # a report from after the idle release (0.5 s)
         rows = rank_memory(cluster.url(0), model)
         assert len(rows) == len(nodes)
         view = next(i for i in cluster.instances() if i["instance_id"] == inst["instance_id"])
