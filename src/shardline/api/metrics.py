@@ -16,6 +16,7 @@ from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
 from shardline.node.node import Node
+from shardline.node.status import InstanceStatus
 
 # Seconds: TTFT from a few ms (a short prompt on a GPU) to minutes (a long CPU prefill).
 _TTFT_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
@@ -60,8 +61,9 @@ class _ClusterCollector:
         live = GaugeMetricFamily("shardline_nodes_live", "Live nodes this node sees, itself included")
         live.add_metric([], len(node.live_node_ids()))
         instances = GaugeMetricFamily("shardline_instances", "Instances by status", labels=["status"])
-        for status in ("loading", "ready", "failed"):
-            instances.add_metric([status], sum(1 for i in node.instances.values() if i.status == status))
+        for status in InstanceStatus:
+            instances.add_metric([status.value],
+                                 sum(1 for i in node.instances.values() if i.status == status))
         memory = GaugeMetricFamily("shardline_available_memory_bytes", "Memory this node offers to models")
         memory.add_metric([], node.info()["available_bytes"])
         running = GaugeMetricFamily("shardline_running_sequences", "Sequences in this node's rank's batch",

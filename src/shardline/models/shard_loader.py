@@ -18,6 +18,7 @@ formats.
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 
 import numpy as np
 import torch

@@ -22,8 +22,10 @@ from shardline.node.coordinator import free_port
 from shardline.node.identity import key_matches
 from shardline.node.node import MEMBER_HEADER, Node
 from shardline.node.profile import add_link_routes
+from shardline.node.status import InstanceStatus
 from shardline.node.table import InstanceFailedError, NoInstanceError
 from shardline.node.transfer import add_model_routes
+from shardline.node.wire import RankReport
 from shardline.placement.pipeline import PlacementError
 from shardline.placement.ranks import SHARDINGS, KVCacheRequestError
 from shardline.runner.protocol import SamplingParams
@@ -157,7 +159,7 @@ def create_app(node: Node) -> FastAPI:
         models: dict[str, dict] = {}
         for inst in node.instances.values():
             entry = models.setdefault(inst.model_id, {"ready": False, "instances": []})
-            entry["ready"] = entry["ready"] or inst.status == "ready"
+            entry["ready"] = entry["ready"] or inst.status == InstanceStatus.READY
             entry["instances"].append({"instance_id": inst.instance_id, "status": inst.status,
                                        "error": inst.error})
         body["models"] = models
@@ -286,7 +288,7 @@ def create_app(node: Node) -> FastAPI:
 
     @app.get("/internal/state")
     async def get_state() -> dict:
-        return node.state()
+        return node.cluster_state.to_dict()
 
     @app.post("/internal/state")
     async def put_state(request: Request):
@@ -307,8 +309,8 @@ def create_app(node: Node) -> FastAPI:
         return {"port": free_port()}
 
     @app.post("/internal/runner-status")
-    async def runner_status(request: Request):
-        if not await node.coordinator.runner_status(await request.json()):
+    async def runner_status(report: RankReport):
+        if not await node.coordinator.runner_status(report.event()):
             return JSONResponse(status_code=503, content={"detail": "this node does not coordinate"})
         return {"ok": True}
 

@@ -35,6 +35,8 @@ from __future__ import annotations
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 
+from shardline.node.status import InstanceStatus
+
 
 @dataclass(frozen=True, order=True)
 class Epoch:
@@ -123,5 +125,5 @@ def rejoinable(instances: Mapping[str, RejoinView], live: Iterable[str]) -> list
     nodes than they wanted, with every wanted node live. In ``instances``' order."""
     up = set(live)
     return [instance_id for instance_id, view in instances.items()
-            if view.status == "ready" and not view.busy and view.wanted
+            if view.status == InstanceStatus.READY and not view.busy and view.wanted
             and set(view.nodes) < set(view.wanted) and set(view.wanted) <= up]

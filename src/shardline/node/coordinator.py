@@ -1,8 +1,8 @@
 """The coordinator's decisions: placing a model (memory admission, the placement
 preview), failing an instance and placing it again, placing it on returning nodes, and
 the runner status reports that change the instance table. Only the acting coordinator
-changes the table (:mod:`shardline.node.cluster_state`); it publishes through the node
-(``Node._publish``)."""
+changes the table (:mod:`shardline.node.cluster_state`), by events
+(:mod:`shardline.node.state`) it commits through the node (``Node.commit``)."""
 
 from __future__ import annotations
 
@@ -21,11 +21,19 @@ from shardline.models.store import (
     ModelCard,
     ModelNotFoundError,
 )
-from shardline.node.cluster_state import (
-    RejoinView,
-    lost_instances,
-    rejoinable,
+from shardline.node.cluster_state import RejoinView, rejoinable
+from shardline.node.state import (
+    Deleted,
+    InstanceFailed,
+    NotPlacedAgain,
+    Placed,
+    RankReported,
+    RejoinDropped,
+    apply,
+    down_rank_failure,
+    lost_rank_failures,
 )
+from shardline.node.status import InstanceStatus, RankStatus
 from shardline.node.table import Instance, RankPlacement
 from shardline.placement.memory import committed_bytes, free_bytes, runtime_baseline
 from shardline.placement.pipeline import NodeCapacity, PlacementError
@@ -60,23 +68,11 @@ class Coordinator:
     async def _fail_lost_instances(self) -> None:
         """Coordinator: fail the instances with a rank on a node that is down, or that
         restarted since the placement (cluster_state rule 5)."""
-        live = set(self.node.live_node_ids())
         incarnations = {p.node_id: p.started_at for p in self.node.peers.values()}
         incarnations[self.node.node_id] = self.node.started_at
-        active = [i for i in self.node.instances.values() if i.status != "failed"]
-        restarted = lost_instances(
-            {i.instance_id: [(r.node_id, r.incarnation) for r in i.ranks] for i in active},
-            incarnations)
-        for inst in active:
-            down = [n for n in inst.node_ids() if n not in live]
-            if down:
-                for placement in inst.ranks:
-                    if placement.node_id in down:
-                        placement.status = "failed"
-                await self._fail_instance(inst, f"node(s) {', '.join(down)} are down")
-            elif inst.instance_id in restarted:
-                gone = ", ".join(restarted[inst.instance_id])
-                await self._fail_instance(inst, f"node(s) {gone} restarted: their ranks are gone")
+        for event in lost_rank_failures(self.node.cluster_state, set(self.node.live_node_ids()),
+                                        incarnations):
+            await self._fail_instance(event)
 
     async def _rejoin_returned_nodes(self) -> None:
         """Coordinator: place an idle instance that runs on fewer nodes than it was placed
@@ -89,7 +85,10 @@ class Coordinator:
                                            i.instance_id in busy)
                  for i in self.node.instances.values()}
         for instance_id in rejoinable(views, live):
-            inst = self.node.instances.pop(instance_id)
+            inst = self.node.instances[instance_id]
+            # Out of the table while placing, so that its ranks' bytes are not counted
+            # against the placement that replaces them; published with the new instance.
+            self.node.cluster_state = apply(self.node.cluster_state, Deleted(instance_id))
             try:
                 card = await self.node.logistics.model_card(inst.model_id)
                 await self._place(card, inst.sharding, list(inst.wanted_nodes), inst.context,
@@ -98,96 +97,81 @@ class Coordinator:
             except (PlacementError, ModelNotFoundError, httpx.HTTPError) as exc:
                 log.warning("could not place %s on its returning node(s) again: %s",
                             inst.model_id, exc)
-                inst.wanted_nodes = []
-                self.node.instances[instance_id] = inst
+                await self.node.commit(Placed(inst), RejoinDropped(instance_id))
                 continue
             log.info("instance %s of %s: its node(s) are back; placed again on %s",
                      instance_id, inst.model_id, ", ".join(inst.wanted_nodes))
 
-    async def runner_status(self, body: dict) -> bool:
+    async def runner_status(self, report: RankReported) -> bool:
         """Coordinator: a node reports one of its ranks as fetching files, ready or failed.
         False (nothing changes) where this node does not coordinate: only the coordinator
         changes the table (the reporter reports again)."""
         if not self.node.is_coordinator():
             return False
-        inst = self.node.instances.get(body["instance_id"])
-        if inst is None or inst.status == "failed":
+        before = self.node.instances.get(report.instance_id)
+        await self.node.commit(report)
+        after = self.node.instances.get(report.instance_id)
+        if before is None or after is None or before.status == InstanceStatus.FAILED:
             return True
-        for placement in inst.ranks:
-            if placement.node_id == body["node_id"]:
-                if body["status"] == "fetching" and placement.status == "ready":
-                    continue  # a late progress report
-                # a rank that only lost contact with a failed one stopped; it did not fail
-                placement.status = "stopped" if body.get("peer_lost") else body["status"]
-                placement.error = body["error"]
-                placement.loaded = body.get("loaded")
-                placement.fetched = body.get("fetched") or placement.fetched
-        if body["status"] == "failed":
-            rank = next(r for r, p in enumerate(inst.ranks) if p.node_id == body["node_id"])
-            if body.get("peer_lost"):
-                # Only a symptom: another rank failed or its node went down. Wait for that
-                # rank's own report (or its node's silence) to name it.
-                self.node._background.append(asyncio.create_task(
-                    self._fail_after_grace(inst, f"rank {rank} on node {body['node_id']} "
-                                                 f"{body['error']}")))
-                await self.node._publish()
-                return True
-            await self._fail_instance(inst, f"rank {rank} on node {body['node_id']} failed: "
-                                            f"{body['error']}")
-            return True
-        if all(p.status == "ready" for p in inst.ranks) and inst.status == "loading":
-            inst.status, inst.ready_at = "ready", time.time()
-            log.info("instance %s of %s is ready: %s on %d node(s)", inst.instance_id,
-                     inst.model_id, inst.sharding, len(inst.ranks))
-        await self.node._publish()
+        if after.status == InstanceStatus.FAILED:
+            log.warning("instance %s failed: %s", after.instance_id, after.error)
+            self._background(self._replace(after.instance_id))
+        elif report.status == RankStatus.FAILED:  # only lost a peer
+            # Only a symptom: another rank failed or its node went down. Wait for that
+            # rank's own report (or its node's silence) to name it.
+            rank = after.node_ids().index(report.node_id)
+            self._background(self._fail_after_grace(
+                report.instance_id, f"rank {rank} on node {report.node_id} {report.error}"))
+        elif after.status == InstanceStatus.READY and before.status == InstanceStatus.LOADING:
+            log.info("instance %s of %s is ready: %s on %d node(s)", after.instance_id,
+                     after.model_id, after.sharding, len(after.ranks))
         return True
 
-    async def _fail_after_grace(self, inst: Instance, error: str) -> None:
-        """Coordinator: fail ``inst`` with ``error`` (a rank that lost contact with
+    def _background(self, coroutine) -> None:
+        self.node._background.append(asyncio.create_task(coroutine))
+
+    async def _fail_after_grace(self, instance_id: str, error: str) -> None:
+        """Coordinator: fail ``instance_id`` with ``error`` (a rank that lost contact with
         another) unless, within a grace, the rank that failed reported
         its own failure or its node was found down (then that is what the error names):
         a grace of ``down_after_s + 1``, the time a killed node takes to be found down."""
         deadline = time.time() + self.node.down_after_s + 1.0
-        while time.time() < deadline and inst.status != "failed":
-            down = [(r, p.node_id) for r, p in enumerate(inst.ranks)
-                    if p.node_id not in self.node.live_node_ids()]
-            if down:
-                for r, _ in down:
-                    inst.ranks[r].status = "failed"
-                named = ", ".join(f"rank {r} on node {n}" for r, n in down)
-                await self._fail_instance(inst, f"{named}: node down")
+        while time.time() < deadline:
+            inst = self.node.instances.get(instance_id)
+            if inst is None or inst.status == InstanceStatus.FAILED:
+                return
+            down = down_rank_failure(inst, set(self.node.live_node_ids()))
+            if down is not None:
+                await self._fail_instance(down)
                 return
             await asyncio.sleep(0.2)
-        if self.node.instances.get(inst.instance_id) is inst:
-            await self._fail_instance(inst, error)
+        await self._fail_instance(InstanceFailed(instance_id, error))
 
-    async def _fail_instance(self, inst: Instance, error: str) -> None:
+    async def _fail_instance(self, event: InstanceFailed) -> None:
         """Coordinator: mark an instance failed (every node stops its runners and fails
         its in-flight requests), then place the model again on the nodes that are live."""
-        if inst.status == "failed":
+        inst = self.node.instances.get(event.instance_id)
+        if inst is None or inst.status == InstanceStatus.FAILED:
             return
-        log.warning("instance %s failed: %s", inst.instance_id, error)
-        inst.status, inst.error = "failed", error
-        for placement in inst.ranks:  # every node stops its ranks of a failed instance
-            if placement.status != "failed":
-                placement.status = "stopped"
-        await self.node._publish()
-        task = asyncio.create_task(self._replace(inst))
-        self.node._background.append(task)
+        log.warning("instance %s failed: %s", event.instance_id, event.error)
+        await self.node.commit(event)
+        self._background(self._replace(event.instance_id))
 
-    async def _replace(self, failed: Instance) -> None:
+    async def _replace(self, instance_id: str) -> None:
         """Place a failed instance again (once: a second call for the same instance while
         one runs does nothing), after ``down_after_s + 1`` so that a vanished node has
         missed its heartbeats and is not chosen again."""
-        if failed.instance_id in self.replacing:
+        if instance_id in self.replacing:
             return
-        self.replacing.add(failed.instance_id)
+        self.replacing.add(instance_id)
         try:
             await asyncio.sleep(self.node.down_after_s + 1)
-            if self.node.instances.get(failed.instance_id) is failed and self.node.is_coordinator():
+            failed = self.node.instances.get(instance_id)
+            if failed is not None and failed.status == InstanceStatus.FAILED \
+                    and self.node.is_coordinator():
                 await self._place_again(failed)
         finally:
-            self.replacing.discard(failed.instance_id)
+            self.replacing.discard(instance_id)
 
     async def _place_again(self, failed: Instance) -> None:
         retries = failed.retries + 1 if failed.ready_at is None else 0
@@ -196,7 +180,7 @@ class Coordinator:
             log.error("giving up on %s after %d failed placements", failed.model_id, retries)
             return
         live = set(self.node.live_node_ids())
-        wanted = failed.wanted_nodes or failed.node_ids()
+        wanted = list(failed.wanted_nodes) or failed.node_ids()
         nodes = [n for n in wanted if n in live] or None
         try:
             card = await self.node.logistics.model_card(failed.model_id)
@@ -206,14 +190,12 @@ class Coordinator:
         except (PlacementError, ModelNotFoundError, httpx.HTTPError) as exc:
             # Left in the table with its error; a later term tries again.
             log.error("could not place %s again: %s", failed.model_id, exc)
-            failed.error = f"{failed.error}; not placed again: {exc}"
-            await self.node._publish()
+            await self.node.commit(NotPlacedAgain(failed.instance_id, str(exc)))
             return
         # Only now, so the table never shows the model without an instance in between (a
         # client waiting for the kept model would place a second one).
-        if self.node.instances.get(failed.instance_id) is failed:
-            del self.node.instances[failed.instance_id]
-            await self.node._publish()
+        if failed.instance_id in self.node.instances:
+            await self.node.commit(Deleted(failed.instance_id))
 
     async def create_instance(
         self,
@@ -368,12 +350,12 @@ class Coordinator:
             instance_id=uuid.uuid4().hex[:8],
             model_id=card.model_id,
             sharding=Sharding(sharding),
-            ranks=[
+            ranks=tuple(
                 RankPlacement(n, self.node.address_of(n), share.layer_start, share.layer_end,
                               tensor_share=share.tensor_share, estimated_bytes=need,
                               incarnation=self.node.incarnation_of(n))
                 for n, share, need in zip(chosen, shares, estimated)
-            ],
+            ),
             master_addr=master_addr,
             master_port=port,
             context=context,
@@ -384,12 +366,11 @@ class Coordinator:
             quantize=quantize,
             retries=retries,
             force=force,
-            wanted_nodes=list(wanted_nodes) if wanted_nodes and set(chosen) < set(wanted_nodes) else [],
+            wanted_nodes=tuple(wanted_nodes) if wanted_nodes and set(chosen) < set(wanted_nodes) else (),
         )
-        self.node.instances[inst.instance_id] = inst
         log.info("placed %s as instance %s (%s on %s)", card.model_id, inst.instance_id,
                  sharding, ", ".join(chosen))
-        await self.node._publish()
+        await self.node.commit(Placed(inst))
         return inst
 
     def _offered_bytes(self) -> int:
@@ -403,7 +384,7 @@ class Coordinator:
         """What placement counts the ranks on ``node_id`` of this node's instance table
         (every instance not failed) to hold."""
         ranks = ((r.node_id, r.estimated_bytes) for inst in self.node.instances.values()
-                 if inst.status != "failed" for r in inst.ranks)
+                 if inst.status != InstanceStatus.FAILED for r in inst.ranks)
         return committed_bytes(ranks, node_id)
 
     def _runtime_baseline(self, node_ids: list[str]) -> int:
@@ -434,7 +415,7 @@ class Coordinator:
 
     async def delete_instance(self, instance_id: str) -> bool:
         """Coordinator: remove an instance; its runners are stopped everywhere."""
-        if self.node.instances.pop(instance_id, None) is None:
+        if instance_id not in self.node.instances:
             return False
-        await self.node._publish()
+        await self.node.commit(Deleted(instance_id))
         return True

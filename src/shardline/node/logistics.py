@@ -22,6 +22,7 @@ from shardline.models.store import (
     looks_like_path,
 )
 from shardline.models.tokenizer import Tokenizer
+from shardline.node.status import RankStatus
 from shardline.node.table import Instance, Peer, RankPlacement
 from shardline.node.transfer import CopyProgress, TransferError, fetch_files
 
@@ -61,7 +62,7 @@ class ModelLogistics:
         needed = manifest.shard_files(placement.layer_start, placement.layer_end, top)
 
         def progress(done: int, total: int) -> None:
-            report = self.node.supervisor._report_runner(inst.instance_id, "fetching", None, None,
+            report = self.node.supervisor._report_runner(inst.instance_id, RankStatus.FETCHING, None, None,
                                          fetched={"done_bytes": done, "total_bytes": total})
             asyncio.run_coroutine_threadsafe(report, self.node._loop)
 

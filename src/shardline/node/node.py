@@ -31,6 +31,7 @@ import os
 import signal
 import time
 import zlib
+from collections.abc import Mapping
 from pathlib import Path
 
 import httpx
@@ -51,6 +52,15 @@ from shardline.node.cluster_state import (
 from shardline.node.coordinator import Coordinator
 from shardline.node.logistics import ModelLogistics
 from shardline.node.routing import RequestStream, Router
+from shardline.node.state import (
+    Adopted,
+    ClusterState,
+    Event,
+    Published,
+    TermStarted,
+    apply,
+)
+from shardline.node.status import InstanceStatus
 from shardline.node.supervision import Supervisor
 from shardline.node.table import Instance, Peer
 from shardline.node.worker import Worker
@@ -128,8 +138,7 @@ class Node:
         self.max_replacements = 3
         self.rejoin = rejoin  # place an instance again on its returning nodes (rule 6)
         self.started_at = time.time()
-        self.instances: dict[str, Instance] = {}
-        self.epoch = Epoch()  # of the instance table held (cluster_state)
+        self.cluster_state = ClusterState()  # the instance table and its epoch (node.state)
         self.state_path = state_path  # where the table and its epoch are kept
         self._acting_term: int | None = None  # the term this node coordinates, if it does
         self._settled_since = self.started_at  # start, or resumption from a pause
@@ -340,17 +349,16 @@ class Node:
         """Become coordinator: a term above every one seen (cluster_state rule 2), then
         fail the instances whose ranks are gone, and publish."""
         term = next_term(self.epoch, [p.epoch for p in self.peers.values()])
-        self.epoch, self._acting_term = Epoch(term, 0, self.node_id), term
+        self.cluster_state = apply(self.cluster_state, TermStarted(term, self.node_id))
+        self._acting_term = term
         log.info("coordinator for term %d", term)
         # failed before this term (perhaps while no node coordinated): placed again. Taken
         # before publishing: one that fails while this publishes is placed again by its
         # own failure.
-        failed = [i for i in self.instances.values() if i.status == "failed"]
+        failed = [i for i in self.instances.values() if i.status == InstanceStatus.FAILED]
         await self._publish()
         for inst in failed:
             self._background.append(asyncio.create_task(self.coordinator._replace(inst)))
-
-
 
     async def _poll(self, address: str) -> bool:
         """Ask a peer for its info (and a newer table, when it holds one); whether it
@@ -395,26 +403,36 @@ class Node:
 
     # -- replicated instance table -------------------------------------------------------
 
-    def state(self) -> dict:
-        return {
-            "epoch": self.epoch.to_dict(),
-            "instances": [i.to_dict() for i in self.instances.values()],
-        }
+    @property
+    def instances(self) -> Mapping[str, Instance]:
+        """The instance table held (read-only: changed by events, :meth:`commit`)."""
+        return self.cluster_state.instances
 
-    async def apply_state(self, state: dict) -> bool:
+    @property
+    def epoch(self) -> Epoch:
+        """The epoch of the table held."""
+        return self.cluster_state.epoch
+
+    async def commit(self, *events: Event) -> None:
+        """Coordinator: apply ``events`` to the table, then publish it."""
+        for event in events:
+            self.cluster_state = apply(self.cluster_state, event)
+        await self._publish()
+
+    async def apply_state(self, data: dict) -> bool:
         """Adopt a table of a newer epoch (cluster_state rule 1), keep it on disk and
         reconcile runners; False (nothing changes) for one not newer than this node's.
 
         Raises:
-            KeyError, TypeError, ValueError: ``state`` is not a state.
+            KeyError, TypeError, ValueError: ``data`` is not a state.
         """
-        epoch = Epoch.from_dict(state["epoch"])
-        instances = {d["instance_id"]: Instance.from_dict(d) for d in state["instances"]}
+        theirs = ClusterState.from_dict(data)
         async with self._state_lock:
-            if not newer(epoch, self.epoch):
+            adopted = apply(self.cluster_state, Adopted(theirs))
+            if adopted is self.cluster_state:
                 return False
-            self.epoch, self.instances = epoch, instances
-            if self._acting_term is not None and epoch.coordinator != self.node_id:
+            self.cluster_state = adopted
+            if self._acting_term is not None and self.epoch.coordinator != self.node_id:
                 self._acting_term = None  # another coordinator's newer table: start over
             self._save_state()
         await self.supervisor._reconcile()
@@ -424,9 +442,9 @@ class Node:
         """Coordinator: the next epoch of its term; keep the table on disk and push it to
         every live node. A node not (yet) acting as coordinator only reconciles."""
         if self.is_coordinator():
-            self.epoch = self.epoch.next()
+            self.cluster_state = apply(self.cluster_state, Published())
             self._save_state()
-            state = self.state()
+            state = self.cluster_state.to_dict()
             targets = [self.address_of(n) for n in self.live_node_ids() if n != self.node_id]
             await asyncio.gather(
                 *(self._post(f"http://{a}/internal/state", state) for a in targets)
@@ -438,7 +456,7 @@ class Node:
         if self.state_path is None:
             return
         try:
-            write_atomically(self.state_path, json.dumps(self.state()))
+            write_atomically(self.state_path, json.dumps(self.cluster_state.to_dict()))
         except OSError as exc:
             log.warning("could not keep the instance table in %s: %s", self.state_path, exc)
 
@@ -448,9 +466,7 @@ class Node:
         if self.state_path is None or not self.state_path.exists():
             return
         try:
-            data = json.loads(self.state_path.read_text())
-            self.epoch = Epoch.from_dict(data["epoch"])
-            self.instances = {d["instance_id"]: Instance.from_dict(d) for d in data["instances"]}
+            self.cluster_state = ClusterState.from_dict(json.loads(self.state_path.read_text()))
         except (OSError, ValueError, KeyError, TypeError) as exc:
             log.warning("ignoring the kept instance table %s: %s", self.state_path, exc)
 
@@ -461,38 +477,7 @@ class Node:
             log.warning("POST %s failed: %s", url, exc)
             return None
 
-
-
-
-
-
-
-
-
-
-
-
-        # else: this node is taking over; the status is reported again once it coordinates
-
-
-
-
-
-
-    # -- placement -----------------------------------------------------------------------
-
-
-
-
-
-
-
-
-
-
-
-
-
+    # -- the cluster API through the coordinator -----------------------------------------
 
     async def ask_coordinator(self, method: str, path: str, body: dict | None = None) -> tuple[int, dict]:
         """Send a cluster-API request to the coordinator; its status and JSON body (503
@@ -502,6 +487,3 @@ class Node:
         url = f"http://{self.address_of(self.coordinator_id())}{path}"
         response = await self._http.request(method, url, json=body, timeout=60.0)
         return response.status_code, response.json()
-
-
-    # -- requests ------------------------------------------------------------------------

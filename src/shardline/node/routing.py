@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING
 
 import httpx
 
+from shardline.node.status import InstanceStatus
 from shardline.node.table import Instance, InstanceFailedError, NoInstanceError
 from shardline.runner.protocol import (
     Cancel,
@@ -67,7 +68,7 @@ class Router:
         Raises:
             NoInstanceError: none is ready.
         """
-        ready = [i for i in self.node.instances.values() if i.model_id == model_id and i.status == "ready"]
+        ready = [i for i in self.node.instances.values() if i.model_id == model_id and i.status == InstanceStatus.READY]
         if not ready:
             raise NoInstanceError(f"no ready instance serves model {model_id!r}")
         ready.sort(key=lambda i: (self.node.node_id not in i.node_ids(), i.created_at))
@@ -77,7 +78,7 @@ class Router:
         """Models with a ready instance: ``[{"id", "created"}]``."""
         seen = {}
         for inst in self.node.instances.values():
-            if inst.status == "ready":
+            if inst.status == InstanceStatus.READY:
                 seen.setdefault(inst.model_id, inst.created_at)
         return [{"id": m, "created": int(t)} for m, t in seen.items()]
 
@@ -162,7 +163,7 @@ class Router:
         """Tell every rank to drop a task (best effort: a rank that is gone has no batch;
         nothing to do once the instance failed, its runners are stopped)."""
         current = self.node.instances.get(inst.instance_id)
-        if current is None or current.status == "failed":
+        if current is None or current.status == InstanceStatus.FAILED:
             return
         try:
             await self._deliver(inst, "cancel", {"task_id": task_id})

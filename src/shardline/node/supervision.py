@@ -12,7 +12,10 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from shardline.models.config import Sharding
+from shardline.node.state import plan_runners, stale_ranks
+from shardline.node.status import InstanceStatus, RankStatus
 from shardline.node.table import Instance, RankPlacement
+from shardline.node.wire import RankReport
 from shardline.placement.ranks import (
     ring_prefill_chunk,
 )
@@ -38,41 +41,33 @@ class Supervisor:
         self.node = node
 
     async def _reconcile(self) -> None:
-        """Start runners for ranks placed here; stop runners of instances gone or failed."""
-        wanted = {}
-        for inst in self.node.instances.values():
-            if inst.status == "failed":
-                continue
-            for rank, placement in enumerate(inst.ranks):
-                if placement.node_id == self.node.node_id:
-                    wanted[inst.instance_id] = (inst, rank, placement)
-        for instance_id, task in list(self.node._preparing.items()):
-            if instance_id not in wanted:
-                task.cancel()
-                self.node._preparing.pop(instance_id, None)
-        for instance_id in list(self.node.worker.runners):
-            if instance_id not in wanted:
-                await asyncio.to_thread(self.node.worker.stop, instance_id)
-                self.node.engine_stats.pop(instance_id, None)
-                inst = self.node.instances.get(instance_id)
-                self.node.router._fail_streams(instance_id, inst.error if inst else "the instance was deleted")
-        for instance_id, (inst, rank, placement) in wanted.items():
-            if instance_id not in self.node.worker.runners and instance_id not in self.node._preparing:
-                self.node._preparing[instance_id] = asyncio.create_task(self._prepare_rank(inst, rank, placement))
+        """Start runners for ranks placed here; stop runners of instances gone or failed
+        (:func:`~shardline.node.state.plan_runners`)."""
+        node = self.node
+        plan = plan_runners(node.cluster_state, node.node_id, frozenset(node.worker.runners),
+                            frozenset(node._preparing))
+        for instance_id in plan.cancel:
+            node._preparing.pop(instance_id).cancel()
+        for instance_id in plan.stop:
+            await asyncio.to_thread(node.worker.stop, instance_id)
+            node.engine_stats.pop(instance_id, None)
+            inst = node.instances.get(instance_id)
+            node.router._fail_streams(instance_id, inst.error if inst else "the instance was deleted")
+        for instance_id, rank in plan.start:
+            inst = node.instances[instance_id]
+            node._preparing[instance_id] = asyncio.create_task(
+                self._prepare_rank(inst, rank, inst.ranks[rank]))
 
     async def _report_unknown_statuses(self) -> None:
         """Report again each of this node's ranks whose runner is ready or failed where the
-        table says otherwise: the report went to a coordinator that has since changed, or
-        to none while one was taking over."""
-        for inst in list(self.node.instances.values()):
-            handle = self.node.worker.runners.get(inst.instance_id)
-            if inst.status == "failed" or handle is None or handle.status not in ("ready", "failed"):
-                continue
-            mine = [r for r in inst.ranks if r.node_id == self.node.node_id]
-            if mine and mine[0].status != handle.status:
-                loaded = dataclasses.asdict(handle.loaded) if handle.loaded else None
-                await self._report_runner(inst.instance_id, handle.status, handle.error, loaded,
-                                          peer_lost=handle.peer_lost)
+        table says otherwise (:func:`~shardline.node.state.stale_ranks`)."""
+        runners = dict(self.node.worker.runners)
+        for instance_id in stale_ranks(self.node.cluster_state, self.node.node_id,
+                                       {i: h.status for i, h in runners.items()}):
+            handle = runners[instance_id]
+            loaded = dataclasses.asdict(handle.loaded) if handle.loaded else None
+            await self._report_runner(instance_id, handle.status, handle.error, loaded,
+                                      peer_lost=handle.peer_lost)
 
     async def _prepare_rank(self, inst: Instance, rank: int, placement: RankPlacement) -> None:
         """Get the files of this node's shard of ``inst`` (copying what is missing from a
@@ -84,12 +79,13 @@ class Supervisor:
         except Exception as exc:  # any failure must fail the rank, not leave it loading
             log.exception("getting the files of %s failed", inst.model_id)
             self.node._preparing.pop(inst.instance_id, None)
-            await self._report_runner(inst.instance_id, "failed",
+            await self._report_runner(inst.instance_id, RankStatus.FAILED,
                                       f"could not get the files of {inst.model_id}: {exc}", None)
             return
         self.node._preparing.pop(inst.instance_id, None)
         current = self.node.instances.get(inst.instance_id)
-        if current is None or current.status == "failed" or inst.instance_id in self.node.worker.runners:
+        if current is None or current.status == InstanceStatus.FAILED \
+                or inst.instance_id in self.node.worker.runners:
             return
         self._start_runner(current, rank, placement, weights)
         self.node._background = [t for t in self.node._background if not t.done()]
@@ -136,28 +132,33 @@ class Supervisor:
         elif isinstance(message, EngineStats):
             self.node.engine_stats[instance_id] = dataclasses.asdict(message)
         elif isinstance(message, Loaded):
-            report = self._report_runner(instance_id, "ready", None, dataclasses.asdict(message))
+            report = self._report_runner(instance_id, RankStatus.READY, None,
+                                         dataclasses.asdict(message))
             asyncio.run_coroutine_threadsafe(report, loop)
         elif isinstance(message, Failed):
             if message.peer_lost:  # the coordinator names the rank that failed: wait for it
                 asyncio.run_coroutine_threadsafe(self._fail_streams_when_known(instance_id, message.error), loop)
             else:
                 loop.call_soon_threadsafe(self.node.router._fail_streams, instance_id, message.error)
-            report = self._report_runner(instance_id, "failed", message.error, None,
+            report = self._report_runner(instance_id, RankStatus.FAILED, message.error, None,
                                          peer_lost=message.peer_lost)
             asyncio.run_coroutine_threadsafe(report, loop)
 
     async def _report_runner(
-        self, instance_id: str, status: str, error: str | None, loaded: dict | None,
+        self, instance_id: str, status: RankStatus, error: str | None, loaded: dict | None,
         fetched: dict | None = None, peer_lost: bool = False,
     ) -> None:
-        body = {"instance_id": instance_id, "node_id": self.node.node_id, "status": status,
-                "error": error, "loaded": loaded, "fetched": fetched, "peer_lost": peer_lost}
+        """Report this node's rank of ``instance_id`` to the coordinator (itself, or over
+        ``/internal/runner-status``); a report that finds no coordinator is made again by
+        :meth:`_report_unknown_statuses`."""
+        report = RankReport(instance_id=instance_id, node_id=self.node.node_id, status=status,
+                            error=error, loaded=loaded, fetched=fetched, peer_lost=peer_lost)
         coordinator = self.node.coordinator_id()
         if coordinator != self.node.node_id:
-            await self.node._post(f"http://{self.node.address_of(coordinator)}/internal/runner-status", body)
+            await self.node._post(f"http://{self.node.address_of(coordinator)}/internal/runner-status",
+                                  report.model_dump(mode="json"))
         elif self.node.is_coordinator():
-            await self.node.coordinator.runner_status(body)
+            await self.node.coordinator.runner_status(report.event())
 
     async def _fail_streams_when_known(self, instance_id: str, error: str) -> None:
         """Fail this node's requests on ``instance_id`` with the error the coordinator
@@ -166,7 +167,7 @@ class Supervisor:
         deadline = time.time() + self.node.down_after_s + 3.0
         while time.time() < deadline:
             inst = self.node.instances.get(instance_id)
-            if inst is None or inst.status == "failed":
+            if inst is None or inst.status == InstanceStatus.FAILED:
                 break
             await asyncio.sleep(0.1)
         inst = self.node.instances.get(instance_id)

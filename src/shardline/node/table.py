@@ -1,5 +1,6 @@
-"""The replicated instance table's values: an instance and its ranks' placements, the
-peers a node knows, and the errors a request meets when no instance serves it."""
+"""The replicated instance table's values: an instance and its ranks' placements (frozen:
+changed only by :func:`shardline.node.state.apply`), the peers a node knows, and the
+errors a request meets when no instance serves it."""
 
 from __future__ import annotations
 
@@ -8,9 +9,8 @@ import time
 from dataclasses import dataclass, field
 
 from shardline.models.config import Sharding
-from shardline.node.cluster_state import (
-    Epoch,
-)
+from shardline.node.cluster_state import Epoch
+from shardline.node.status import InstanceStatus, RankStatus
 
 
 class NoInstanceError(LookupError):
@@ -21,14 +21,16 @@ class InstanceFailedError(RuntimeError):
     """The instance serving a request failed while the request was in flight."""
 
 
-@dataclass
+@dataclass(frozen=True)
 class RankPlacement:
+    """Where rank i of an instance runs, what it holds and its status."""
+
     node_id: str
     address: str
     layer_start: int
     layer_end: int
     tensor_share: dict | None = None  # tensor sharding: heads, KV heads and MLP columns
-    status: str = "loading"  # loading | fetching | ready | failed | stopped (another rank failed)
+    status: RankStatus = RankStatus.LOADING
     error: str | None = None
     loaded: dict | None = None  # the runner's Loaded report: layers and bytes it read
     fetched: dict | None = None  # while its node copies the shard's files: done_bytes, total_bytes
@@ -36,14 +38,14 @@ class RankPlacement:
     incarnation: float = 0.0  # its node's start time when placed (the rank dies with the node)
 
 
-@dataclass
+@dataclass(frozen=True)
 class Instance:
     """A model placed on an ordered list of nodes (rank i on ``ranks[i]``)."""
 
     instance_id: str
     model_id: str
     sharding: Sharding
-    ranks: list[RankPlacement]
+    ranks: tuple[RankPlacement, ...]
     master_addr: str
     master_port: int
     context: int
@@ -52,12 +54,12 @@ class Instance:
     kv_tokens: int = 0  # tokens its KV pool holds, all sequences together (0: max_batch x context)
     kv_cache_bytes: int | None = None  # the pool size asked for when placing (None: what fits)
     quantize: str | None = None  # "int8" | "int4": 16/32-bit weights quantized on load
-    status: str = "loading"  # loading | ready | failed
+    status: InstanceStatus = InstanceStatus.LOADING
     error: str | None = None
     created_at: float = field(default_factory=time.time)
     ready_at: float | None = None
     retries: int = 0  # placements of this model that failed before serving, in a row
-    wanted_nodes: list[str] = field(default_factory=list)  # placed on before nodes were lost
+    wanted_nodes: tuple[str, ...] = ()  # placed on before nodes were lost
     force: bool = False  # placed without memory admission (and placed again so)
 
     def to_dict(self) -> dict:
@@ -65,9 +67,13 @@ class Instance:
 
     @classmethod
     def from_dict(cls, data: dict) -> "Instance":
+        """Raises: KeyError, TypeError, ValueError: not an instance."""
         data = dict(data)
-        data["ranks"] = [RankPlacement(**r) for r in data["ranks"]]
+        data["ranks"] = tuple(RankPlacement(**dict(r, status=RankStatus(r.get("status", "loading"))))
+                              for r in data["ranks"])
         data["sharding"] = Sharding(data["sharding"])
+        data["status"] = InstanceStatus(data.get("status", "loading"))
+        data["wanted_nodes"] = tuple(data.get("wanted_nodes") or ())
         return cls(**data)
 
     def node_ids(self) -> list[str]:
@@ -88,4 +94,3 @@ class Peer:
     started_at: float = 0.0  # its incarnation: a restart changes it
     epoch: Epoch = field(default_factory=Epoch)  # of the table it holds
     busy: tuple[str, ...] = ()  # instances with requests running or waiting on its ranks
-

@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 from multiprocessing.connection import Connection
 from typing import Callable
 
+from shardline.node.status import RankStatus
 from shardline.runner.protocol import Failed, Heartbeat, Loaded, RunnerSpec
 
 log = logging.getLogger(__name__)
@@ -31,7 +32,7 @@ class RunnerHandle:
     spec: RunnerSpec
     process: subprocess.Popen
     conn: Connection
-    status: str = "loading"  # loading | ready | failed | stopped
+    status: RankStatus = RankStatus.LOADING  # loading, ready, failed or stopped
     error: str | None = None
     peer_lost: bool = False  # it failed only because another rank went away (Failed)
     loaded: Loaded | None = None
@@ -43,14 +44,14 @@ class RunnerHandle:
     def fail(self, error: str, peer_lost: bool = False) -> bool:
         """Mark the runner failed; False if it had already failed or been stopped."""
         with self.state_lock:
-            if self.status in ("failed", "stopped"):
+            if self.status in (RankStatus.FAILED, RankStatus.STOPPED):
                 return False
-            self.status, self.error, self.peer_lost = "failed", error, peer_lost
+            self.status, self.error, self.peer_lost = RankStatus.FAILED, error, peer_lost
             return True
 
     def send(self, message: object) -> bool:
         """Send a message to the runner; False when it can no longer be reached."""
-        if self.status in ("failed", "stopped"):
+        if self.status in (RankStatus.FAILED, RankStatus.STOPPED):
             return False
         try:
             with self.send_lock:
@@ -108,10 +109,10 @@ class Worker:
 
     def _watch(self, handle: RunnerHandle) -> None:
         started = time.monotonic()
-        while handle.status not in ("failed", "stopped"):
+        while handle.status not in (RankStatus.FAILED, RankStatus.STOPPED):
             time.sleep(0.25)
             now = time.monotonic()
-            if handle.status == "ready":
+            if handle.status == RankStatus.READY:
                 silent = now - handle.last_seen
                 error = f"runner stopped responding for {silent:.0f} s (watchdog {self.watchdog_s:.0f} s)"
                 late = silent > self.watchdog_s
@@ -133,12 +134,12 @@ class Worker:
                     handle.memory = message
                     continue
                 if isinstance(message, Loaded):
-                    handle.status, handle.loaded = "ready", message
+                    handle.status, handle.loaded = RankStatus.READY, message
                 elif isinstance(message, Failed) and not handle.fail(message.error, message.peer_lost):
                     continue
                 self.on_message(instance_id, message)
         except (EOFError, OSError) as exc:
-            if handle.status not in ("failed", "stopped"):
+            if handle.status not in (RankStatus.FAILED, RankStatus.STOPPED):
                 code = handle.process.poll()
                 if code is None:
                     try:
@@ -149,7 +150,7 @@ class Worker:
                 if handle.fail(error):
                     self.on_message(instance_id, Failed(error))
         finally:
-            if handle.process.poll() is None and handle.status == "failed":
+            if handle.process.poll() is None and handle.status == RankStatus.FAILED:
                 self._kill(handle)
 
     def memory(self, instance_id: str) -> dict | None:
@@ -172,7 +173,7 @@ class Worker:
     def resident_bytes(self) -> int:
         """Resident bytes of this node's live runners, as they last reported."""
         return sum(h.memory.rss_bytes for h in list(self.runners.values())
-                   if h.memory is not None and h.status not in ("failed", "stopped"))
+                   if h.memory is not None and h.status not in (RankStatus.FAILED, RankStatus.STOPPED))
 
     def stop(self, instance_id: str) -> None:
         """Kill the runner of an instance (if any) and reap it."""
@@ -180,7 +181,7 @@ class Worker:
             handle = self.runners.pop(instance_id, None)
         if handle is not None:
             with handle.state_lock:
-                handle.status = "stopped"
+                handle.status = RankStatus.STOPPED
             self._kill(handle)
 
     def stop_all(self) -> None:

@@ -1,0 +1,210 @@
+"""The cluster state machine: tables over shardline.node.state's pure ``apply`` and the
+plans read off the state (no processes; milliseconds each)."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+
+from shardline.models.config import Sharding
+from shardline.node.cluster_state import Epoch
+from shardline.node.state import (
+    Adopted,
+    ClusterState,
+    Deleted,
+    InstanceFailed,
+    NotPlacedAgain,
+    Placed,
+    Published,
+    RankReported,
+    RejoinDropped,
+    RunnerPlan,
+    TermStarted,
+    apply,
+    down_rank_failure,
+    lost_rank_failures,
+    plan_runners,
+    stale_ranks,
+)
+from shardline.node.status import InstanceStatus as I
+from shardline.node.status import RankStatus as R
+from shardline.node.table import Instance, RankPlacement
+
+pytestmark = pytest.mark.timeout(10)
+
+
+def inst(instance_id="i1", nodes=("a", "b", "c"), status=I.LOADING, ranks=None, **kw) -> Instance:
+    """An instance of pipeline ranks on ``nodes`` (statuses ``ranks``, default loading)."""
+    ranks = ranks or [R.LOADING] * len(nodes)
+    return Instance(instance_id, "m", Sharding.PIPELINE,
+                    tuple(RankPlacement(n, f"{n}:1", 0, 1, status=s, incarnation=1.0)
+                          for n, s in zip(nodes, ranks)),
+                    "a", 1, 256, 1, status=status, created_at=0.0, **kw)
+
+
+def state(*instances: Instance, epoch=Epoch(3, 2, "a")) -> ClusterState:
+    return ClusterState(epoch, {i.instance_id: i for i in instances})
+
+
+def summary(s: ClusterState) -> dict:
+    """Each instance's status and its ranks' statuses, in short."""
+    return {k: (v.status, tuple(r.status for r in v.ranks)) for k, v in s.instances.items()}
+
+
+LOADING = (I.LOADING, (R.LOADING,) * 3)
+
+# (before, event, after: summary of the state after the event)
+TRANSITIONS = [
+    ("place", state(), Placed(inst()), {"i1": LOADING}),
+    ("place a second", state(inst()), Placed(inst("i2")), {"i1": LOADING, "i2": LOADING}),
+    ("delete", state(inst(), inst("i2")), Deleted("i1"), {"i2": LOADING}),
+    ("delete what is not there", state(inst()), Deleted("zz"), {"i1": LOADING}),
+    ("delete a failed instance", state(inst(status=I.FAILED)), Deleted("i1"), {}),
+    ("a rank fetches", state(inst()), RankReported("i1", "b", R.FETCHING),
+     {"i1": (I.LOADING, (R.LOADING, R.FETCHING, R.LOADING))}),
+    ("a late fetch report after ready", state(inst(ranks=[R.READY] * 2 + [R.LOADING])),
+     RankReported("i1", "b", R.FETCHING), {"i1": (I.LOADING, (R.READY, R.READY, R.LOADING))}),
+    ("one rank ready", state(inst()), RankReported("i1", "a", R.READY),
+     {"i1": (I.LOADING, (R.READY, R.LOADING, R.LOADING))}),
+    ("the last rank ready: the instance is", state(inst(ranks=[R.READY, R.READY, R.LOADING])),
+     RankReported("i1", "c", R.READY, at=5.0), {"i1": (I.READY, (R.READY,) * 3)}),
+    ("a rank fails: the others stop", state(inst(ranks=[R.READY, R.READY, R.LOADING])),
+     RankReported("i1", "b", R.FAILED, "boom"), {"i1": (I.FAILED, (R.STOPPED, R.FAILED, R.STOPPED))}),
+    ("a rank of a ready instance fails", state(inst(status=I.READY, ranks=[R.READY] * 3)),
+     RankReported("i1", "c", R.FAILED, "oom"), {"i1": (I.FAILED, (R.STOPPED, R.STOPPED, R.FAILED))}),
+    ("a rank that lost a peer stops", state(inst(status=I.READY, ranks=[R.READY] * 3)),
+     RankReported("i1", "a", R.FAILED, "lost", peer_lost=True),
+     {"i1": (I.READY, (R.STOPPED, R.READY, R.READY))}),
+    ("a report on a failed instance", state(inst(status=I.FAILED, ranks=[R.FAILED] + [R.STOPPED] * 2)),
+     RankReported("i1", "b", R.READY), {"i1": (I.FAILED, (R.FAILED, R.STOPPED, R.STOPPED))}),
+    ("a report on an unknown instance", state(inst()), RankReported("zz", "a", R.READY),
+     {"i1": LOADING}),
+    ("a report from a node without a rank", state(inst()), RankReported("i1", "x", R.FAILED),
+     {"i1": LOADING}),
+    ("the coordinator fails an instance: down node failed", state(inst(ranks=[R.READY] * 3)),
+     InstanceFailed("i1", "down", ("b",)), {"i1": (I.FAILED, (R.STOPPED, R.FAILED, R.STOPPED))}),
+    ("failed with no node named: all stop", state(inst(ranks=[R.READY] * 3)),
+     InstanceFailed("i1", "restarted"), {"i1": (I.FAILED, (R.STOPPED,) * 3)}),
+    ("a failed rank stays failed", state(inst(ranks=[R.FAILED, R.READY, R.READY])),
+     InstanceFailed("i1", "x"), {"i1": (I.FAILED, (R.FAILED, R.STOPPED, R.STOPPED))}),
+    ("failing an unknown instance", state(inst()), InstanceFailed("zz", "x"), {"i1": LOADING}),
+    ("rejoin dropped", state(inst()), RejoinDropped("i1"), {"i1": LOADING}),
+]
+
+
+@pytest.mark.parametrize("before, event, after", [t[1:] for t in TRANSITIONS],
+                         ids=[t[0] for t in TRANSITIONS])
+def test_apply(before, event, after):
+    kept = copy.deepcopy(before)
+    assert summary(apply(before, event)) == after
+    assert before == kept  # apply never changes its input
+
+
+def test_the_instance_is_ready_at_the_last_report_and_once():
+    s = state(inst(ranks=[R.READY, R.READY, R.LOADING]))
+    s = apply(s, RankReported("i1", "c", R.READY, at=5.0))
+    assert s.instances["i1"].ready_at == 5.0
+    s = apply(s, RankReported("i1", "c", R.READY, at=9.0))  # reported again
+    assert s.instances["i1"].ready_at == 5.0
+
+
+def test_a_failed_rank_is_named_in_the_instance_error_and_keeps_its_own():
+    s = apply(state(inst()), RankReported("i1", "b", R.FAILED, "out of memory"))
+    assert s.instances["i1"].error == "rank 1 on node b failed: out of memory"
+    assert s.instances["i1"].ranks[1].error == "out of memory"
+
+
+def test_the_first_failure_is_the_one_kept():
+    s = apply(state(inst()), InstanceFailed("i1", "first"))
+    assert apply(s, InstanceFailed("i1", "second")).instances["i1"].error == "first"
+
+
+def test_a_report_carries_what_the_rank_loaded_and_fetched():
+    s = apply(state(inst()), RankReported("i1", "a", R.FETCHING, fetched={"done_bytes": 5}))
+    s = apply(s, RankReported("i1", "a", R.READY, loaded={"param_bytes": 9}))
+    rank = s.instances["i1"].ranks[0]
+    assert (rank.fetched, rank.loaded) == ({"done_bytes": 5}, {"param_bytes": 9})
+
+
+def test_not_placed_again_says_why_and_rejoin_dropped_forgets_the_nodes():
+    s = apply(state(inst(status=I.FAILED, error="node b down")), NotPlacedAgain("i1", "no memory"))
+    assert s.instances["i1"].error == "node b down; not placed again: no memory"
+    s = apply(state(inst(wanted_nodes=("a", "b", "c", "d"))), RejoinDropped("i1"))
+    assert s.instances["i1"].wanted_nodes == ()
+
+
+@pytest.mark.parametrize("before, event, epoch", [
+    (Epoch(3, 2, "a"), TermStarted(5, "b"), Epoch(5, 0, "b")),
+    (Epoch(3, 2, "a"), Published(), Epoch(3, 3, "a")),
+    (Epoch(0, 0, ""), Published(), Epoch(0, 1, "")),
+], ids=["a term starts at sequence 0", "publishing is the next sequence", "from nothing"])
+def test_epochs(before, event, epoch):
+    assert apply(state(inst(), epoch=before), event).epoch == epoch
+
+
+@pytest.mark.parametrize("theirs, adopted", [
+    (Epoch(4, 1, "b"), True), (Epoch(3, 3, "a"), True), (Epoch(3, 2, "a"), False),
+    (Epoch(3, 1, "a"), False), (Epoch(2, 9, "c"), False),
+], ids=["newer term", "next sequence", "a replay", "older sequence", "older term"])
+def test_only_a_newer_table_is_adopted(theirs, adopted):
+    mine = state(inst())
+    theirs_state = state(inst("other"), epoch=theirs)
+    assert (apply(mine, Adopted(theirs_state)) == theirs_state) is adopted
+    if not adopted:
+        assert apply(mine, Adopted(theirs_state)) is mine
+
+
+def test_a_state_round_trips_through_its_wire_form():
+    s = apply(state(inst(ranks=[R.READY] * 3)), InstanceFailed("i1", "x", ("b",)))
+    back = ClusterState.from_dict(copy.deepcopy(s.to_dict()))
+    assert back == s
+    assert isinstance(back.instances["i1"].status, I) and isinstance(back.instances["i1"].ranks[0].status, R)
+
+
+# -- decisions --------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("instances, live, incarnations, failed", [
+    ([inst()], {"a", "b", "c"}, {"a": 1.0, "b": 1.0, "c": 1.0}, []),
+    ([inst()], {"a", "c"}, {"a": 1.0, "b": 1.0, "c": 1.0}, [("i1", ("b",))]),
+    ([inst()], {"a", "b", "c"}, {"a": 1.0, "b": 2.0, "c": 1.0}, [("i1", ())]),
+    ([inst(status=I.FAILED)], {"a"}, {"a": 1.0}, []),
+    ([inst(), inst("i2", nodes=("a",))], {"a"}, {"a": 1.0, "b": 1.0, "c": 1.0},
+     [("i1", ("b", "c"))]),
+], ids=["all there", "a node down", "a node restarted", "already failed", "only the instance with a lost rank"])
+def test_lost_ranks_fail_their_instances(instances, live, incarnations, failed):
+    events = lost_rank_failures(state(*instances), live, incarnations)
+    assert [(e.instance_id, e.failed_nodes) for e in events] == failed
+
+
+def test_down_ranks_are_named_by_rank_and_node():
+    event = down_rank_failure(inst(), {"a", "c"})
+    assert event == InstanceFailed("i1", "rank 1 on node b: node down", ("b",))
+    assert down_rank_failure(inst(), {"a", "b", "c"}) is None
+
+
+@pytest.mark.parametrize("instances, node, running, preparing, plan", [
+    ([inst()], "b", set(), set(), RunnerPlan(start=(("i1", 1),))),
+    ([inst()], "b", {"i1"}, set(), RunnerPlan()),
+    ([inst()], "b", set(), {"i1"}, RunnerPlan()),
+    ([inst(status=I.FAILED)], "b", {"i1"}, set(), RunnerPlan(stop=("i1",))),
+    ([], "b", {"i1"}, {"i2"}, RunnerPlan(stop=("i1",), cancel=("i2",))),
+    ([inst()], "x", set(), set(), RunnerPlan()),
+    ([inst(), inst("i2", nodes=("c", "b"))], "b", {"i1"}, set(), RunnerPlan(start=(("i2", 1),))),
+], ids=["start its rank", "already running", "getting its files", "failed: stop",
+        "deleted: stop and cancel", "no rank here", "a second instance"])
+def test_a_node_plans_its_runners_from_the_table(instances, node, running, preparing, plan):
+    assert plan_runners(state(*instances), node, frozenset(running), frozenset(preparing)) == plan
+
+
+@pytest.mark.parametrize("ranks, status, runner, stale", [
+    ([R.LOADING] * 3, I.LOADING, R.READY, True),  # ready, not yet in the table
+    ([R.READY] * 3, I.READY, R.READY, False),
+    ([R.READY] * 3, I.READY, R.FAILED, True),
+    ([R.FAILED] + [R.STOPPED] * 2, I.FAILED, R.FAILED, False),  # failed: nothing to say
+    ([R.LOADING] * 3, I.LOADING, R.LOADING, False),  # still loading: nothing to say
+], ids=["ready unknown", "agreed", "failed unknown", "instance failed", "loading"])
+def test_a_rank_the_table_shows_otherwise_is_reported_again(ranks, status, runner, stale):
+    s = state(inst(status=status, ranks=ranks))
+    assert stale_ranks(s, "a", {"i1": runner}) == (("i1",) if stale else ())
