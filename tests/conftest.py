@@ -41,15 +41,22 @@ def placed(url: str) -> list[dict]:
     return [{k: v for k, v in inst.items() if not k.startswith("local_")} for inst in instances]
 
 
+CAPITAL_QUESTION = "What is the name of the capital of France?"
+"""A question the default model answers with "Paris" by a clear margin: its greedy first
+token stays "The" in float32 and bfloat16 alike (top-2 logit gap ~2.6 on SmolLM2-135M
+Q8_0), where "What is the capital of France?" is a near-tie (0.03 in bfloat16 on a CPU
+with AMX, whose answer then starts "L'Étoile")."""
+
+
 def capital_answer(url: str) -> str | None:
-    """The default model's greedy answer to "What is the capital of France?" from the node
+    """The default model's greedy answer to :data:`CAPITAL_QUESTION` from the node
     at ``url`` (``http://host:port``), or None while it cannot serve."""
     from shardline.models.store import DEFAULT_MODEL_ID
 
     try:
         response = httpx.post(f"{url}/v1/chat/completions", timeout=60, json={
             "model": DEFAULT_MODEL_ID, "temperature": 0, "max_tokens": 12,
-            "messages": [{"role": "user", "content": "What is the capital of France?"}]})
+            "messages": [{"role": "user", "content": CAPITAL_QUESTION}]})
     except httpx.HTTPError:
         return None
     return response.json()["choices"][0]["message"]["content"] if response.status_code == 200 else None

@@ -3,7 +3,12 @@ engine's pure admission functions; and when an idle rank hands its scratch back.
 
 import pytest
 
-from shardline.runner.engine import admissible, idle_release, kv_reservation, pool_tokens
+from shardline.runner.engine import (
+    admissible,
+    idle_release,
+    kv_reservation,
+    pool_tokens,
+)
 
 pytestmark = pytest.mark.timeout(10)
 

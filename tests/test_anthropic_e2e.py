@@ -6,18 +6,18 @@ import json
 
 import httpx
 import pytest
+from conftest import CAPITAL_QUESTION
 
 from shardline.models.store import DEFAULT_MODEL_ID
 
 pytestmark = pytest.mark.timeout(300)
 
 SYSTEM = "You are a helpful assistant."
-QUESTION = "What is the capital of France?"
 
 
 def messages(url: str, **body) -> httpx.Response:
     body = {"model": DEFAULT_MODEL_ID, "max_tokens": 20, "temperature": 0,
-            "messages": [{"role": "user", "content": QUESTION}], **body}
+            "messages": [{"role": "user", "content": CAPITAL_QUESTION}], **body}
     return httpx.post(f"{url}/v1/messages", json=body, timeout=120,
                       headers={"x-api-key": "unused", "anthropic-version": "2023-06-01"})
 
@@ -31,7 +31,7 @@ def openai_text(url: str, content: str, max_tokens: int) -> str:
 
 def test_a_message_is_answered_as_the_openai_api_answers_it(cluster3):
     response = messages(cluster3.url(0), system=[{"type": "text", "text": SYSTEM}],
-                        messages=[{"role": "user", "content": [{"type": "text", "text": QUESTION}]}])
+                        messages=[{"role": "user", "content": [{"type": "text", "text": CAPITAL_QUESTION}]}])
     assert response.status_code == 200, response.text
     body = response.json()
     assert body["type"] == "message" and body["role"] == "assistant" and body["id"].startswith("msg_")
@@ -43,7 +43,7 @@ def test_a_message_is_answered_as_the_openai_api_answers_it(cluster3):
     assert text.strip()
     assert body["stop_reason"] in ("end_turn", "max_tokens") and body["stop_sequence"] is None
     assert body["usage"]["input_tokens"] > 10 and 0 < body["usage"]["output_tokens"] <= 20
-    assert text == openai_text(cluster3.url(1), QUESTION, 20)
+    assert text == openai_text(cluster3.url(1), CAPITAL_QUESTION, 20)
 
 
 def test_a_stop_sequence_ends_the_message_and_is_named(cluster3):
@@ -59,7 +59,7 @@ def test_streamed_events_follow_anthropics_order(cluster3):
     whole = messages(cluster3.url(0), max_tokens=6).json()
     with httpx.stream("POST", f"{cluster3.url(2)}/v1/messages", timeout=120, json={
             "model": DEFAULT_MODEL_ID, "max_tokens": 6, "temperature": 0, "stream": True,
-            "messages": [{"role": "user", "content": QUESTION}]}) as response:
+            "messages": [{"role": "user", "content": CAPITAL_QUESTION}]}) as response:
         assert response.headers["content-type"].startswith("text/event-stream")
         lines = [line for line in response.iter_lines() if line]
     names = [line[len("event: "):] for line in lines if line.startswith("event: ")]

@@ -7,14 +7,14 @@ import os
 
 import httpx
 import pytest
-from conftest import placed
+from conftest import CAPITAL_QUESTION, placed
 
 from shardline.models.store import DEFAULT_MODEL_ID, default_model_path
 
 pytestmark = pytest.mark.timeout(300)
 
 PROMPTS = [
-    "What is the capital of France?",
+    CAPITAL_QUESTION,
     "Write a haiku about the sea.",
     "List three primary colours.",
     "Explain what a CPU does in one sentence.",
@@ -28,7 +28,7 @@ def chat(url: str, content: str, **extra) -> httpx.Response:
 
 
 def test_capital_of_france_is_paris(cluster3):
-    response = chat(cluster3.url(0), "What is the capital of France?")
+    response = chat(cluster3.url(0), CAPITAL_QUESTION)
     assert response.status_code == 200
     body = response.json()
     assert "Paris" in body["choices"][0]["message"]["content"]

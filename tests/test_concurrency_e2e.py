@@ -8,6 +8,7 @@ import time
 
 import httpx
 import pytest
+from conftest import CAPITAL_QUESTION
 
 from shardline.models.store import DEFAULT_MODEL_ID
 
@@ -88,7 +89,7 @@ def test_a_client_that_disconnects_frees_its_slot_on_every_rank(cluster3):
     freed_s = time.monotonic() - closed
     print(f"\nslot freed on every rank {freed_s * 1000:.0f} ms after the client left")
     after = httpx.post(f"{cluster3.url(0)}/v1/chat/completions",
-                       json=body("What is the capital of France?"), timeout=60).json()
+                       json=body(CAPITAL_QUESTION), timeout=60).json()
     assert "Paris" in after["choices"][0]["message"]["content"]
 
 

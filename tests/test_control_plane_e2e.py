@@ -10,9 +10,9 @@ import time
 
 import httpx
 import pytest
-
 from conftest import capital_answer as answer
 from conftest import free_port_block
+
 from shardline.local_cluster import LocalCluster
 from shardline.models.store import DEFAULT_MODEL_ID
 

@@ -8,7 +8,7 @@ import shutil
 
 import httpx
 import pytest
-from conftest import placed
+from conftest import CAPITAL_QUESTION, placed
 
 pytestmark = pytest.mark.timeout(240)
 
@@ -45,7 +45,7 @@ def test_the_dashboard_shows_the_cluster_and_chats(cluster3, browser):
 
     page.wait_for_function("document.querySelector('#chat-model').value !== ''")
     page.fill("#chat-temperature", "0")
-    page.fill("#chat-input", "What is the capital of France?")
+    page.fill("#chat-input", CAPITAL_QUESTION)
     page.click("#chat-send")
     page.wait_for_function("document.querySelector('#chat-send').disabled === false "
                            "&& document.querySelectorAll('.msg.assistant').length === 1 "

@@ -11,8 +11,8 @@ import time
 import httpx
 import psutil
 import pytest
+from conftest import CAPITAL_QUESTION, start_cluster
 
-from conftest import start_cluster
 from shardline.models.store import DEFAULT_MODEL_ID
 
 pytestmark = pytest.mark.timeout(300)
@@ -57,7 +57,7 @@ def wait_until_serving(cluster, node: int, timeout_s: float) -> str:
         try:
             response = httpx.post(f"{cluster.url(node)}/v1/chat/completions", timeout=60, json={
                 "model": DEFAULT_MODEL_ID, "temperature": 0,
-                "messages": [{"role": "user", "content": "What is the capital of France?"}]})
+                "messages": [{"role": "user", "content": CAPITAL_QUESTION}]})
             if response.status_code == 200:
                 return response.json()["choices"][0]["message"]["content"]
         except httpx.HTTPError:

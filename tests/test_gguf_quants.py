@@ -4,9 +4,9 @@ import numpy as np
 import pytest
 from gguf import GGMLQuantizationType
 from gguf.quants import dequantize
+from tiny_models import random_quant_blocks as random_blocks
 
 from shardline.models.gguf_quants import SUPPORTED_TYPES, GroupQuant, unpack_blocks
-from tiny_models import random_quant_blocks as random_blocks
 
 pytestmark = pytest.mark.timeout(60)
 

@@ -4,11 +4,11 @@ them, also where a rank's columns start inside a super-block."""
 
 import numpy as np
 import pytest
+import tiny_models as tm
 import torch
 from gguf import GGMLQuantizationType
 from gguf.quants import dequantize
 
-import tiny_models as tm
 from shardline.models.int4_planes import Int4Planes
 from shardline.models.packed_groups import PackedGroups
 from shardline.models.shard_loader import load_shard, load_tensor_shard

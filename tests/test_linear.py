@@ -3,17 +3,17 @@ independence, and what a shard holds."""
 
 import numpy as np
 import pytest
+import tiny_models as tm
 import torch
 from gguf import GGMLQuantizationType
 from gguf.quants import dequantize
-
-import tiny_models as tm
 from tiny_models import random_quant_blocks as random_blocks
+
 from shardline.models.gguf_quants import SUPPORTED_TYPES, unpack_blocks
 from shardline.models.int4_planes import Int4Planes, int4pack_layout
 from shardline.models.linear import DenseWeight, Linear, resident_weight, weight_bytes
-from shardline.models.products import gemm_dtype
 from shardline.models.packed_groups import PackedGroups
+from shardline.models.products import gemm_dtype
 from shardline.models.shard_loader import load_shard
 from shardline.models.weights import open_weights
 

@@ -7,7 +7,6 @@ import sys
 
 import psutil
 import pytest
-
 from conftest import free_port_block
 
 

@@ -9,8 +9,8 @@ import time
 
 import httpx
 import pytest
+from conftest import CAPITAL_QUESTION, free_port_block
 
-from conftest import free_port_block
 from shardline.local_cluster import LocalCluster
 from shardline.models.store import DEFAULT_MODEL_ID
 
@@ -100,7 +100,7 @@ def test_killing_the_coordinator_elects_another_and_its_instances_keep_serving(t
             listed = httpx.get(f"{cluster.url(i)}/cluster/instances").json()["instances"]
             assert [(x["instance_id"], x["status"]) for x in listed] == [(inst["instance_id"], "ready")]
             body = {"model": DEFAULT_MODEL_ID, "temperature": 0, "max_tokens": 16,
-                    "messages": [{"role": "user", "content": "What is the capital of France?"}]}
+                    "messages": [{"role": "user", "content": CAPITAL_QUESTION}]}
             answer = httpx.post(f"{cluster.url(i)}/v1/chat/completions", json=body, timeout=60).json()
             assert "Paris" in answer["choices"][0]["message"]["content"]
 

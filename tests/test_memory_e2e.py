@@ -11,9 +11,9 @@ from pathlib import Path
 import httpx
 import psutil
 import pytest
-
-from conftest import free_port_block
+from conftest import CAPITAL_QUESTION, free_port_block
 from memory_bounds import MIB, check_rank, describe
+
 from shardline.bench.memory import rank_memory
 from shardline.local_cluster import LocalCluster, LocalClusterError
 from shardline.models.store import DEFAULT_MODEL_ID
@@ -49,7 +49,7 @@ def run_workload(cluster) -> None:
     assert long.status_code == 200, long.text
     response = httpx.post(f"{cluster.url(0)}/v1/chat/completions", timeout=120, json={
         "model": DEFAULT_MODEL_ID, "temperature": 0, "max_tokens": 16,
-        "messages": [{"role": "user", "content": "What is the capital of France?"}]})
+        "messages": [{"role": "user", "content": CAPITAL_QUESTION}]})
     assert "Paris" in response.json()["choices"][0]["message"]["content"]
     time.sleep(2.5)  # idle 0.5 s, a runner hands its scratch back; it reports every second
 

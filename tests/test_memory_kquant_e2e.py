@@ -13,10 +13,10 @@ import time
 
 import httpx
 import pytest
-
 import tiny_models as tm
 from conftest import free_port_block
 from memory_bounds import check_rank, describe
+
 from shardline.bench.memory import rank_memory
 from shardline.local_cluster import LocalCluster
 from shardline.models.store import default_model_path

@@ -12,8 +12,8 @@ import sys
 
 import httpx
 import pytest
+from conftest import CAPITAL_QUESTION, free_port_block
 
-from conftest import free_port_block
 from shardline.local_cluster import LocalCluster
 from shardline.models.store import ModelStore, default_model_path
 
@@ -30,7 +30,7 @@ def shardline(*args: str) -> subprocess.CompletedProcess:
 def ask(url: str) -> str:
     response = httpx.post(f"{url}/v1/chat/completions", timeout=120, json={
         "model": MODEL, "temperature": 0, "max_tokens": 12,
-        "messages": [{"role": "user", "content": "What is the capital of France?"}]})
+        "messages": [{"role": "user", "content": CAPITAL_QUESTION}]})
     assert response.status_code == 200, response.text
     return response.json()["choices"][0]["message"]["content"]
 

@@ -14,9 +14,9 @@ from __future__ import annotations
 import dataclasses
 
 import pytest
+import tiny_models as tm
 import torch
 
-import tiny_models as tm
 from shardline.models.shard_loader import load_shard
 from shardline.models.weights import open_weights
 

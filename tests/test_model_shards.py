@@ -14,10 +14,10 @@ import json
 import os
 
 import pytest
+import tiny_models as tm
 import torch
 from safetensors.torch import load_file, save_file
 
-import tiny_models as tm
 from shardline.models.config import ModelConfig, UnsupportedModelError
 from shardline.models.shard_loader import load_shard
 from shardline.models.weights import WeightFormatError, open_weights

@@ -9,6 +9,7 @@ import os
 from pathlib import Path
 
 import pytest
+from tiny_models import hf_model
 
 from shardline.models.store import (
     DEFAULT_MODEL_ID,
@@ -19,8 +20,6 @@ from shardline.models.store import (
 )
 from shardline.models.tokenizer import Tokenizer
 from shardline.models.weights import open_weights
-
-from tiny_models import hf_model
 
 pytestmark = pytest.mark.timeout(120)
 

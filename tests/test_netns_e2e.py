@@ -10,9 +10,8 @@ import sys
 import time
 
 import httpx
-import pytest
-
 import netns
+import pytest
 from conftest import capital_answer
 
 REASON = netns.unavailable()

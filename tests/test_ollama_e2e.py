@@ -6,12 +6,12 @@ import json
 
 import httpx
 import pytest
+from conftest import CAPITAL_QUESTION
 
 from shardline.models.store import DEFAULT_MODEL_ID
 
 pytestmark = pytest.mark.timeout(300)
 
-QUESTION = "What is the capital of France?"
 GREEDY = {"temperature": 0, "num_predict": 12}
 
 
@@ -22,7 +22,7 @@ def post(url: str, path: str, **body) -> httpx.Response:
 def openai_text(url: str, max_tokens: int) -> str:
     response = httpx.post(f"{url}/v1/chat/completions", timeout=120, json={
         "model": DEFAULT_MODEL_ID, "temperature": 0, "max_tokens": max_tokens,
-        "messages": [{"role": "user", "content": QUESTION}]})
+        "messages": [{"role": "user", "content": CAPITAL_QUESTION}]})
     return response.json()["choices"][0]["message"]["content"]
 
 
@@ -34,7 +34,7 @@ def ndjson(url: str, path: str, **body) -> list[dict]:
 
 def test_chat_answers_as_the_openai_api_does(cluster3):
     body = post(cluster3.url(0), "/api/chat", stream=False, options=GREEDY,
-                messages=[{"role": "user", "content": QUESTION}]).json()
+                messages=[{"role": "user", "content": CAPITAL_QUESTION}]).json()
     assert body["done"] is True and body["message"]["role"] == "assistant"
     assert "Paris" in body["message"]["content"]
     assert body["message"]["content"] == openai_text(cluster3.url(1), 12)
@@ -44,16 +44,16 @@ def test_chat_answers_as_the_openai_api_does(cluster3):
 
 def test_chat_streams_by_default(cluster3):
     whole = post(cluster3.url(0), "/api/chat", stream=False, options=GREEDY,
-                 messages=[{"role": "user", "content": QUESTION}]).json()
+                 messages=[{"role": "user", "content": CAPITAL_QUESTION}]).json()
     lines = ndjson(cluster3.url(2), "/api/chat", options=GREEDY,
-                   messages=[{"role": "user", "content": QUESTION}])
+                   messages=[{"role": "user", "content": CAPITAL_QUESTION}])
     assert [line["done"] for line in lines] == [False] * (len(lines) - 1) + [True]
     assert "".join(line["message"]["content"] for line in lines) == whole["message"]["content"]
     assert lines[-1]["eval_count"] == whole["eval_count"]
 
 
 def test_generate_applies_the_chat_template_unless_raw(cluster3):
-    templated = post(cluster3.url(1), "/api/generate", prompt=QUESTION, stream=False, options=GREEDY).json()
+    templated = post(cluster3.url(1), "/api/generate", prompt=CAPITAL_QUESTION, stream=False, options=GREEDY).json()
     assert templated["response"] == openai_text(cluster3.url(0), 12)
     raw = ndjson(cluster3.url(1), "/api/generate", prompt="The capital of France is the city of", raw=True,
                  options={"temperature": 0, "num_predict": 5})
@@ -69,7 +69,7 @@ def test_tags_list_the_served_model_and_names_take_ollamas_tag(cluster3):
     assert loaded["done"] is True and loaded["done_reason"] == "load"
     tagged = httpx.post(f"{cluster3.url(0)}/api/chat", timeout=120, json={
         "model": DEFAULT_MODEL_ID + ":latest", "stream": False, "options": GREEDY,
-        "messages": [{"role": "user", "content": QUESTION}]})
+        "messages": [{"role": "user", "content": CAPITAL_QUESTION}]})
     assert tagged.status_code == 200 and "Paris" in tagged.json()["message"]["content"]
 
 

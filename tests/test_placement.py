@@ -2,7 +2,11 @@
 
 import pytest
 
-from shardline.placement.pipeline import NodeCapacity, PlacementError, pipeline_layer_ranges
+from shardline.placement.pipeline import (
+    NodeCapacity,
+    PlacementError,
+    pipeline_layer_ranges,
+)
 
 pytestmark = pytest.mark.timeout(30)
 

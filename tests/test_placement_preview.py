@@ -4,6 +4,8 @@ say which node lacks how many bytes or which shape cannot split."""
 import itertools
 
 import pytest
+from model_shapes import llama8b as _llama8b
+from model_shapes import smollm2 as _smollm2
 
 from shardline.placement.pipeline import NodeCapacity, PlacementError
 from shardline.placement.preview import (
@@ -17,9 +19,6 @@ from shardline.placement.preview import (
     preview,
 )
 from shardline.placement.ranks import place_ranks
-
-from model_shapes import llama8b as _llama8b
-from model_shapes import smollm2 as _smollm2
 
 pytestmark = pytest.mark.timeout(30)
 

@@ -2,9 +2,9 @@
 how a tensor is sliced, and what a loaded shard then holds."""
 
 import pytest
+import tiny_models as tm
 import torch
 
-import tiny_models as tm
 from shardline.models.config import Quantize
 from shardline.models.int4_planes import Int4Planes
 from shardline.models.linear import weight_bytes

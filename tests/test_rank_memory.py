@@ -12,7 +12,11 @@ from shardline.placement.memory import (
     prefill_scratch_bytes,
     runtime_baseline,
 )
-from shardline.placement.pipeline import NodeCapacity, PlacementError, pipeline_layer_ranges
+from shardline.placement.pipeline import (
+    NodeCapacity,
+    PlacementError,
+    pipeline_layer_ranges,
+)
 from shardline.placement.ranks import (
     KVCacheRequestError,
     RankShare,

@@ -10,7 +10,13 @@ import torch.multiprocessing as mp
 import torch.nn.functional as F
 
 from shardline.node.coordinator import free_port
-from shardline.parallel.ring import RingContext, attend_block, block_bounds, merge, zigzag_offsets
+from shardline.parallel.ring import (
+    RingContext,
+    attend_block,
+    block_bounds,
+    merge,
+    zigzag_offsets,
+)
 
 
 def plain_attention(q, k, v, q_pos, k_pos):

@@ -13,9 +13,9 @@ import time
 from dataclasses import dataclass, field
 
 import pytest
+import tiny_models as tm
 import torch
 
-import tiny_models as tm
 from shardline.node.coordinator import free_port
 from shardline.node.worker import Worker
 from shardline.runner.protocol import (

@@ -25,16 +25,16 @@ import time
 
 import httpx
 import pytest
+from conftest import CAPITAL_QUESTION, free_port_block
+from smollm2_safetensors import write_smollm2_safetensors
 
-from conftest import free_port_block
 from shardline.local_cluster import LocalCluster
 from shardline.models.store import DEFAULT_MODEL_ID, ModelStore
-from smollm2_safetensors import write_smollm2_safetensors
 
 pytestmark = pytest.mark.timeout(600)
 
 PROMPTS = [
-    "What is the capital of France?",
+    CAPITAL_QUESTION,
     "Write a haiku about the sea.",
     "List three primary colours.",
     "Explain what a CPU does in one sentence.",

@@ -23,10 +23,10 @@ from datetime import timedelta
 from pathlib import Path
 
 import pytest
+import tiny_models as tm
 import torch
 import torch.multiprocessing as mp
 
-import tiny_models as tm
 from shardline.models.config import Quantize, TensorShare
 from shardline.models.linear import Linear, weight_bytes
 from shardline.models.llama import KVCache

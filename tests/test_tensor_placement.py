@@ -2,9 +2,9 @@
 how many bytes."""
 
 import pytest
+from model_shapes import smollm2 as _config
 
 from shardline.placement.pipeline import NodeCapacity, PlacementError
-from shardline.placement.tensor import tensor_placement, tensor_rank_bytes, tensor_shares
 from shardline.placement.ranks import (
     RankShare,
     model_param_count,
@@ -12,8 +12,11 @@ from shardline.placement.ranks import (
     rank_bytes,
     resident_bytes_per_weight,
 )
-
-from model_shapes import smollm2 as _config
+from shardline.placement.tensor import (
+    tensor_placement,
+    tensor_rank_bytes,
+    tensor_shares,
+)
 
 pytestmark = pytest.mark.timeout(30)
 

@@ -6,11 +6,10 @@ from __future__ import annotations
 import pytest
 from fastapi import FastAPI
 from fastapi.testclient import TestClient
+from tiny_models import hf_model
 
 from shardline.models.store import ModelStore
 from shardline.node.transfer import TransferError, add_model_routes, fetch_files
-
-from tiny_models import hf_model
 
 pytestmark = pytest.mark.timeout(120)
 
