@@ -13,12 +13,11 @@ import httpx
 import pytest
 from fastapi import FastAPI
 
+from shardline.node.link_probe import add_link_routes, measure_link
 from shardline.node.profile import (
     HostProfile,
-    add_link_routes,
     measure_host,
     measure_host_async,
-    measure_link,
 )
 
 
@@ -110,6 +109,8 @@ def test_measure_link_peer_without_routes_raises():
 
 
 def test_node_side_does_not_import_torch():
-    code = ("import sys, shardline.node.profile as p; from fastapi import FastAPI; "
-            "p.add_link_routes(FastAPI()); assert 'torch' not in sys.modules")
+    """The node process (its HTTP app, the profile and link probe) never imports torch:
+    only its runners and the profile's child do."""
+    code = ("import sys, shardline.node.app, shardline.node.profile, shardline.node.link_probe as p; "
+            "from fastapi import FastAPI; p.add_link_routes(FastAPI()); assert 'torch' not in sys.modules")
     subprocess.run([sys.executable, "-c", code], check=True, timeout=30)

@@ -16,6 +16,7 @@ import pytest
 import tiny_models as tm
 import torch
 
+from shardline.models.config import RankShare
 from shardline.node.coordinator import free_port
 from shardline.node.worker import Worker
 from shardline.runner.protocol import (
@@ -65,7 +66,7 @@ class Instance:
             rank.worker = Worker(lambda _inst, msg, rank=rank: rank.receive(msg))
             rank.worker.start(RunnerSpec(
                 instance_id="inst", node_id=NODE, model_path=str(model_dir), rank=r,
-                world_size=world, layer_start=bounds[r], layer_end=bounds[r + 1],
+                world_size=world, share=RankShare(bounds[r], bounds[r + 1]),
                 master_addr="127.0.0.1", master_port=port, dtype="float32",
                 max_batch=max_batch, context=context, kv_tokens=kv_tokens, prefill_chunk=8,
                 threads=1,

@@ -7,7 +7,7 @@ import copy
 
 import pytest
 
-from shardline.models.config import Sharding
+from shardline.models.config import RankShare, Sharding
 from shardline.node.cluster_state import Epoch
 from shardline.node.state import (
     Adopted,
@@ -30,15 +30,16 @@ from shardline.node.state import (
 from shardline.node.status import InstanceStatus as I
 from shardline.node.status import RankStatus as R
 from shardline.node.table import Instance, RankPlacement
+from shardline.node.wire import StateMessage
 
-pytestmark = pytest.mark.timeout(10)
+pytestmark = [pytest.mark.fast, pytest.mark.timeout(10)]
 
 
 def inst(instance_id="i1", nodes=("a", "b", "c"), status=I.LOADING, ranks=None, **kw) -> Instance:
     """An instance of pipeline ranks on ``nodes`` (statuses ``ranks``, default loading)."""
     ranks = ranks or [R.LOADING] * len(nodes)
     return Instance(instance_id, "m", Sharding.PIPELINE,
-                    tuple(RankPlacement(n, f"{n}:1", 0, 1, status=s, incarnation=1.0)
+                    tuple(RankPlacement(n, f"{n}:1", RankShare(0, 1), status=s, incarnation=1.0)
                           for n, s in zip(nodes, ranks)),
                     "a", 1, 256, 1, status=status, created_at=0.0, **kw)
 
@@ -157,7 +158,7 @@ def test_only_a_newer_table_is_adopted(theirs, adopted):
 
 def test_a_state_round_trips_through_its_wire_form():
     s = apply(state(inst(ranks=[R.READY] * 3)), InstanceFailed("i1", "x", ("b",)))
-    back = ClusterState.from_dict(copy.deepcopy(s.to_dict()))
+    back = StateMessage.model_validate_json(StateMessage.of(s).model_dump_json()).state()
     assert back == s
     assert isinstance(back.instances["i1"].status, I) and isinstance(back.instances["i1"].ranks[0].status, R)
 

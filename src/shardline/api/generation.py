@@ -15,16 +15,20 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-import httpx
 from fastapi import Request
 from pydantic import BaseModel, ValidationError
 
 from shardline.models.store import ModelNotFoundError
-from shardline.models.tokenizer import ChatTemplateError, IncrementalDetokenizer, Tokenizer
+from shardline.models.tokenizer import (
+    ChatTemplateError,
+    IncrementalDetokenizer,
+    Tokenizer,
+)
 from shardline.node.node import Node
+from shardline.node.peer_client import PeerError
 from shardline.node.table import Instance, InstanceFailedError, NoInstanceError
 from shardline.node.transfer import TransferError
-from shardline.runner.protocol import PrefillProgress, SamplingParams
+from shardline.runner.protocol import PrefillProgress, SamplingParams, TokenRequest
 
 if TYPE_CHECKING:
     from shardline.api.metrics import RequestMetrics
@@ -142,8 +146,8 @@ class Generation:
         Raises:
             InstanceFailedError: the instance failed mid-request.
         """
-        events = self.node.router.generate(self.req.model, self.prompt, self.max_tokens, self.req.sampling,
-                                    self.stop_ids)
+        events = self.node.router.generate(TokenRequest(
+            self.req.model, tuple(self.prompt), self.max_tokens, self.req.sampling, tuple(self.stop_ids)))
         ended = "cancelled"  # unless it finishes, or fails
         try:
             async for event in events:
@@ -214,7 +218,7 @@ async def prepare(node: Node, req: GenerationRequest, metrics: RequestMetrics | 
                        "not_found_error", param="model", code="model_not_found") from None
     try:
         tokenizer = await node.logistics.tokenizer(req.model)
-    except (ModelNotFoundError, TransferError, httpx.HTTPError) as exc:
+    except (ModelNotFoundError, TransferError, PeerError) as exc:
         raise APIError(503, f"The model '{req.model}' cannot be tokenized on this node: {exc}",
                        "server_error", param="model", code="model_not_ready") from exc
     if isinstance(req.prompt, str):
@@ -225,7 +229,7 @@ async def prepare(node: Node, req: GenerationRequest, metrics: RequestMetrics | 
         except ChatTemplateError as exc:
             raise APIError(400, str(exc), param=req.prompt_param) from exc
     else:
-        prompt = list(req.prompt)
+        prompt = [t for t in req.prompt if isinstance(t, int)]  # token ids: a list of dicts went above
         bad = [t for t in prompt if not 0 <= t < tokenizer.vocab_size]
         if bad:
             raise APIError(400, f"token ids outside the vocabulary (0-{tokenizer.vocab_size - 1}): {bad[:5]}",

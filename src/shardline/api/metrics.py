@@ -65,7 +65,7 @@ class _ClusterCollector:
             instances.add_metric([status.value],
                                  sum(1 for i in node.instances.values() if i.status == status))
         memory = GaugeMetricFamily("shardline_available_memory_bytes", "Memory this node offers to models")
-        memory.add_metric([], node.info()["available_bytes"])
+        memory.add_metric([], node.info().available_bytes)
         running = GaugeMetricFamily("shardline_running_sequences", "Sequences in this node's rank's batch",
                                     labels=["instance"])
         waiting = GaugeMetricFamily("shardline_waiting_sequences", "Requests waiting for a slot",

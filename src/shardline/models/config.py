@@ -251,18 +251,24 @@ class TensorShare:
         if not 0 <= self.rank < self.world_size:
             raise ValueError(f"rank {self.rank} is not in [0, {self.world_size})")
 
-    def to_dict(self) -> dict[str, Any]:
-        return asdict(self)
 
-    @classmethod
-    def from_dict(cls, data: dict[str, Any]) -> "TensorShare":
-        return cls(
-            rank=int(data["rank"]),
-            world_size=int(data["world_size"]),
-            heads=tuple(data["heads"]),
-            kv_heads=tuple(data["kv_heads"]),
-            columns=tuple(data["columns"]),
-        )
+
+@dataclass(frozen=True)
+class RankShare:
+    """What one rank of an instance holds: the layers ``[layer_start, layer_end)`` and,
+    under tensor sharding, its heads and MLP columns of each of them (``tensor_share``;
+    None where a rank holds whole layers: pipeline, ring, and tensor on one rank). The one
+    type placement decides (``shardline.placement.ranks``), the instance table records
+    (``shardline.node.table.RankPlacement``) and a runner loads
+    (``shardline.runner.protocol.RunnerSpec``)."""
+
+    layer_start: int
+    layer_end: int
+    tensor_share: TensorShare | None = None
+
+    @property
+    def num_layers(self) -> int:
+        return self.layer_end - self.layer_start
 
 
 class Sharding(StrEnum):

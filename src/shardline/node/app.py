@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import dataclasses
-import json
 import logging
 from contextlib import asynccontextmanager
 from pathlib import Path
@@ -20,15 +19,26 @@ from shardline.models.config import UnsupportedModelError
 from shardline.models.store import DEFAULT_MODEL_ID, ModelNotFoundError, ModelStoreError
 from shardline.node.coordinator import free_port
 from shardline.node.identity import key_matches
-from shardline.node.node import MEMBER_HEADER, Node
-from shardline.node.profile import add_link_routes
+from shardline.node.link_probe import add_link_routes
+from shardline.node.node import Node
+from shardline.node.peer_client import MEMBER_HEADER
 from shardline.node.status import InstanceStatus
 from shardline.node.table import InstanceFailedError, NoInstanceError
 from shardline.node.transfer import add_model_routes
-from shardline.node.wire import RankReport
+from shardline.node.wire import (
+    CancelMessage,
+    Delivered,
+    FreePort,
+    NodeInfo,
+    RankReport,
+    StateMessage,
+    StateReply,
+    StreamLine,
+    TaskMessage,
+)
 from shardline.placement.pipeline import PlacementError
-from shardline.placement.ranks import SHARDINGS, KVCacheRequestError
-from shardline.runner.protocol import SamplingParams
+from shardline.placement.ranks import SHARDINGS, KVCacheRequestError, shardings_named
+from shardline.runner.protocol import Cancel, PrefillProgress, TokenRequest
 
 log = logging.getLogger(__name__)
 
@@ -170,7 +180,7 @@ def create_app(node: Node) -> FastAPI:
     @app.get("/cluster/nodes")
     async def nodes() -> dict:
         live = set(node.live_node_ids())
-        out = [dict(node.info(), live=True)]
+        out = [dict(node.info().model_dump(mode="json"), live=True)]
         for peer in node.peers.values():
             out.append({"node_id": peer.node_id, "address": peer.address, "live": peer.node_id in live,
                         "available_bytes": node.coordinator.memory_of(peer.node_id)["free_bytes"],
@@ -222,7 +232,7 @@ def create_app(node: Node) -> FastAPI:
     async def placement_preview(body: CreateInstance):
         """Feasible placements with predicted tokens/s (fastest first), then refused ones."""
         try:
-            shardings = SHARDINGS if body.sharding == "auto" else (body.sharding,)
+            shardings = shardings_named(body.sharding)
             model_id = await node.logistics.adopt(body.model)
             card = await node.logistics.model_card(model_id)
             candidates = await node.coordinator.preview(card, body.nodes, body.context,
@@ -280,33 +290,28 @@ def create_app(node: Node) -> FastAPI:
     # -- node-to-node --------------------------------------------------------------------
 
     @app.get("/internal/info")
-    async def info(request: Request) -> dict:
+    async def info(request: Request) -> NodeInfo:
         caller = request.headers.get(MEMBER_HEADER)
         if caller:
             node.add_peer(caller)
         return node.info()
 
     @app.get("/internal/state")
-    async def get_state() -> dict:
-        return node.cluster_state.to_dict()
+    async def get_state() -> StateMessage:
+        return StateMessage.of(node.cluster_state)
 
     @app.post("/internal/state")
-    async def put_state(request: Request):
+    async def put_state(message: StateMessage):
         """A coordinator's table: adopted when its epoch is newer than this node's, else
         refused with 409 (an older term's, or a replay)."""
-        try:
-            adopted = await node.apply_state(await request.json())
-        except (ValueError, KeyError, TypeError) as exc:
-            return JSONResponse(status_code=400, content={"detail": f"not a state: {exc!r}"})
-        epoch = node.epoch.to_dict()
-        if not adopted:
-            return JSONResponse(status_code=409, content={
-                "detail": "the state is not newer than this node's", "epoch": epoch})
-        return {"epoch": epoch}
+        if not await node.apply_state(message.state()):
+            return JSONResponse(status_code=409, content=StateReply(
+                epoch=node.epoch, detail="the state is not newer than this node's").model_dump(mode="json"))
+        return StateReply(epoch=node.epoch)
 
     @app.get("/internal/free-port")
-    async def get_free_port() -> dict:
-        return {"port": free_port()}
+    async def get_free_port() -> FreePort:
+        return FreePort(port=free_port())
 
     @app.post("/internal/runner-status")
     async def runner_status(report: RankReport):
@@ -315,27 +320,24 @@ def create_app(node: Node) -> FastAPI:
         return {"ok": True}
 
     @app.post("/internal/tasks")
-    async def tasks(request: Request) -> dict:
-        return {"delivered": node.router.deliver_local("tasks", await request.json())}
+    async def tasks(message: TaskMessage) -> Delivered:
+        return Delivered(delivered=node.router.deliver_local(message.instance_id, message.task))
 
     @app.post("/internal/cancel")
-    async def cancel(request: Request) -> dict:
-        return {"delivered": node.router.deliver_local("cancel", await request.json())}
+    async def cancel(message: CancelMessage) -> Delivered:
+        return Delivered(delivered=node.router.deliver_local(message.instance_id, Cancel(message.task_id)))
 
     @app.post("/internal/generate")
-    async def generate(request: Request):
-        body = await request.json()
-        events = node.router.generate(
-            body["model"], body["prompt"], body["max_tokens"],
-            SamplingParams(**body["sampling"]), body["stop_token_ids"],
-        )
+    async def generate(request: TokenRequest):
+        events = node.router.generate(request)
 
         async def lines():
             try:
                 async for event in events:
-                    yield json.dumps(dataclasses.asdict(event)) + "\n"
+                    line = StreamLine(progress=event) if isinstance(event, PrefillProgress) else StreamLine(token=event)
+                    yield line.model_dump_json() + "\n"
             except (InstanceFailedError, NoInstanceError) as exc:
-                yield json.dumps({"error": str(exc)}) + "\n"
+                yield StreamLine(error=str(exc)).model_dump_json() + "\n"
             finally:
                 await events.aclose()
 

@@ -44,21 +44,20 @@ class Epoch:
     publications in that term, from 1) and the publishing ``coordinator``'s id (which
     orders two tables of one term from two sides of a partition)."""
 
-    term: int = 0
-    seq: int = 0
-    coordinator: str = ""
+    term: int
+    seq: int
+    coordinator: str
 
     def to_dict(self) -> dict:
         return {"term": self.term, "seq": self.seq, "coordinator": self.coordinator}
 
-    @classmethod
-    def from_dict(cls, data: Mapping) -> "Epoch":
-        """Raises: KeyError, TypeError, ValueError: not an epoch."""
-        return cls(int(data["term"]), int(data["seq"]), str(data["coordinator"]))
-
     def next(self) -> "Epoch":
         """The next publication in this term."""
         return Epoch(self.term, self.seq + 1, self.coordinator)
+
+
+NO_EPOCH = Epoch(0, 0, "")
+"""The epoch of a node that has held no published table: older than every one."""
 
 
 def newer(theirs: Epoch, mine: Epoch) -> bool:

@@ -13,7 +13,6 @@ import time
 import uuid
 from typing import TYPE_CHECKING
 
-import httpx
 import psutil
 
 from shardline.models.config import ModelConfig, Quantize, Sharding
@@ -22,6 +21,7 @@ from shardline.models.store import (
     ModelNotFoundError,
 )
 from shardline.node.cluster_state import RejoinView, rejoinable
+from shardline.node.peer_client import PeerError
 from shardline.node.state import (
     Deleted,
     InstanceFailed,
@@ -42,6 +42,7 @@ from shardline.placement.ranks import (
     kv_tokens_for_bytes,
     place_with_kv_pool,
     rank_bytes,
+    shardings_named,
 )
 
 if TYPE_CHECKING:
@@ -94,7 +95,7 @@ class Coordinator:
                 await self._place(card, inst.sharding, list(inst.wanted_nodes), inst.context,
                                   inst.max_batch, inst.dtype, inst.force, 0,
                                   inst.kv_cache_bytes, inst.quantize)
-            except (PlacementError, ModelNotFoundError, httpx.HTTPError) as exc:
+            except (PlacementError, ModelNotFoundError, PeerError) as exc:
                 log.warning("could not place %s on its returning node(s) again: %s",
                             inst.model_id, exc)
                 await self.node.commit(Placed(inst), RejoinDropped(instance_id))
@@ -187,7 +188,7 @@ class Coordinator:
             await self._place(card, failed.sharding, nodes, failed.context, failed.max_batch,
                               failed.dtype, failed.force, retries, failed.kv_cache_bytes,
                               failed.quantize, wanted_nodes=wanted)
-        except (PlacementError, ModelNotFoundError, httpx.HTTPError) as exc:
+        except (PlacementError, ModelNotFoundError, PeerError) as exc:
             # Left in the table with its error; a later term tries again.
             log.error("could not place %s again: %s", failed.model_id, exc)
             await self.node.commit(NotPlacedAgain(failed.instance_id, str(exc)))
@@ -235,16 +236,15 @@ class Coordinator:
             KVCacheRequestError: ``kv_cache_bytes`` holds less than one sequence.
         """
         card = await self.node.logistics.model_card(await self.node.logistics.adopt(model))
-        if sharding not in SHARDINGS + ("auto",):
-            raise PlacementError(f"sharding {sharding!r} is not supported (supported: auto, {', '.join(SHARDINGS)})")
-        if sharding == "auto" or (node_ids is None and (min_nodes or max_nodes)):
-            shardings = SHARDINGS if sharding == "auto" else (sharding,)
+        shardings = shardings_named(sharding)
+        chosen = shardings[0]
+        if len(shardings) > 1 or (node_ids is None and (min_nodes or max_nodes)):
             best = (await self.preview(card, node_ids, context, max_batch, dtype, best_only=True,
-                                       shardings=shardings, force=force, min_nodes=min_nodes or 1,
-                                       max_nodes=max_nodes, kv_cache_bytes=kv_cache_bytes,
-                                       quantize=quantize))[0]
-            sharding, node_ids = best.sharding, list(best.node_ids)
-        return await self._place(card, sharding, node_ids, context, max_batch, dtype, force,
+                                       shardings=shardings, force=force,
+                                       min_nodes=min_nodes or 1, max_nodes=max_nodes,
+                                       kv_cache_bytes=kv_cache_bytes, quantize=quantize))[0]
+            chosen, node_ids = best.sharding, list(best.node_ids)
+        return await self._place(card, chosen, node_ids, context, max_batch, dtype, force,
                                  kv_cache_bytes=kv_cache_bytes, quantize=quantize)
 
     def node_profiles(self, node_ids: list[str]):
@@ -270,7 +270,7 @@ class Coordinator:
 
     async def preview(self, card: ModelCard, node_ids: list[str] | None, context: int | None,
                       max_batch: int | None, dtype: str = "bfloat16", best_only: bool = False,
-                      shardings: tuple[str, ...] = SHARDINGS, force: bool = False,
+                      shardings: tuple[Sharding, ...] = SHARDINGS, force: bool = False,
                       min_nodes: int = 1, max_nodes: int | None = None,
                       kv_cache_bytes: int | None = None, quantize: str | None = None):
         """Candidate placements of a model on the live nodes, fastest predicted first
@@ -288,14 +288,13 @@ class Coordinator:
         profiles, links = self.node_profiles(chosen)
         kv_tokens = (None if kv_cache_bytes is None
                      else kv_tokens_for_bytes(config, kv_cache_bytes, dtype, context))
-        options = dict(min_nodes=min_nodes, weight_file_bytes=card.weight_file_bytes,
-                       baseline_bytes=self._runtime_baseline(chosen), admit=not force,
-                       kv_tokens=kv_tokens, quantize=Quantize(quantize) if quantize else None)
-        if best_only:
-            return [auto(config, profiles, links, context, max_batch, dtype, shardings, max_nodes,
-                         **options)]
-        return preview(config, profiles, links, context, max_batch, dtype, shardings, max_nodes,
-                       **options)
+        choose = auto if best_only else preview
+        chosen_placements = choose(
+            config, profiles, links, context, max_batch, dtype, shardings, max_nodes,
+            min_nodes=min_nodes, weight_file_bytes=card.weight_file_bytes,
+            baseline_bytes=self._runtime_baseline(chosen), admit=not force, kv_tokens=kv_tokens,
+            quantize=Quantize(quantize) if quantize else None)
+        return [chosen_placements] if best_only else chosen_placements
 
     def _placement_inputs(self, card: ModelCard, node_ids: list[str] | None, context: int | None,
                           max_batch: int | None):
@@ -351,8 +350,7 @@ class Coordinator:
             model_id=card.model_id,
             sharding=Sharding(sharding),
             ranks=tuple(
-                RankPlacement(n, self.node.address_of(n), share.layer_start, share.layer_end,
-                              tensor_share=share.tensor_share, estimated_bytes=need,
+                RankPlacement(n, self.node.address_of(n), share, estimated_bytes=need,
                               incarnation=self.node.incarnation_of(n))
                 for n, share, need in zip(chosen, shares, estimated)
             ),
@@ -410,8 +408,7 @@ class Coordinator:
     async def _free_port(self, node_id: str) -> int:
         if node_id == self.node.node_id:
             return free_port()
-        response = await self.node._http.get(f"http://{self.node.address_of(node_id)}/internal/free-port")
-        return int(response.json()["port"])
+        return await self.node.peer_client.free_port(self.node.address_of(node_id))
 
     async def delete_instance(self, instance_id: str) -> bool:
         """Coordinator: remove an instance; its runners are stopped everywhere."""

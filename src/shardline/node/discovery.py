@@ -78,7 +78,7 @@ class Discovery:
         info = zeroconf.get_service_info(service_type, name, timeout=3000)
         if info is None or not info.parsed_addresses(IPVersion.V4Only):
             return
-        if (info.properties or {}).get(b"cluster", b"").decode() != self.fingerprint:
+        if ((info.properties or {}).get(b"cluster") or b"").decode() != self.fingerprint:
             return
         self.on_peer(f"{info.parsed_addresses(IPVersion.V4Only)[0]}:{info.port}")
 

@@ -10,8 +10,6 @@ import sys
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-import httpx
-
 from shardline.models.config import Sharding
 from shardline.models.store import (
     DEFAULT_MODEL_ID,
@@ -22,9 +20,10 @@ from shardline.models.store import (
     looks_like_path,
 )
 from shardline.models.tokenizer import Tokenizer
+from shardline.node.peer_client import PeerError
 from shardline.node.status import RankStatus
 from shardline.node.table import Instance, Peer, RankPlacement
-from shardline.node.transfer import CopyProgress, TransferError, fetch_files
+from shardline.node.transfer import CopyProgress, TransferError
 
 if TYPE_CHECKING:
     from shardline.node.node import Node
@@ -44,7 +43,7 @@ class ModelLogistics:
     async def _warm_tokenizer(self, model_id: str) -> None:
         try:
             await self.tokenizer(model_id)
-        except (ModelNotFoundError, TransferError, httpx.HTTPError, OSError, ValueError) as exc:
+        except (ModelNotFoundError, TransferError, PeerError, OSError, ValueError) as exc:
             log.warning("could not load the tokenizer of %s: %s", model_id, exc)
 
     async def _shard_weights(self, inst: Instance, rank: int, placement: RankPlacement) -> Path:
@@ -53,18 +52,20 @@ class ModelLogistics:
 
         Raises:
             ModelNotFoundError: no live node has the files.
-            TransferError, httpx.HTTPError: every copy failed.
+            TransferError, PeerError: every copy failed.
         """
         if inst.model_id == DEFAULT_MODEL_ID:
             return self.node.store.weights_path(inst.model_id)
         manifest = await self._manifest(inst.model_id)
         top = inst.sharding != Sharding.PIPELINE or rank in (0, len(inst.ranks) - 1)
-        needed = manifest.shard_files(placement.layer_start, placement.layer_end, top)
+        needed = manifest.shard_files(placement.share.layer_start, placement.share.layer_end, top)
 
-        def progress(done: int, total: int) -> None:
+        loop = asyncio.get_running_loop()
+
+        def progress(done: int, total: int) -> None:  # called from the copy's thread
             report = self.node.supervisor._report_runner(inst.instance_id, RankStatus.FETCHING, None, None,
                                          fetched={"done_bytes": done, "total_bytes": total})
-            asyncio.run_coroutine_threadsafe(report, self.node._loop)
+            asyncio.run_coroutine_threadsafe(report, loop)
 
         await self._fetch(manifest, needed, progress)
         return self.node.store.weights_path(inst.model_id)
@@ -80,11 +81,10 @@ class ModelLogistics:
             return manifest
         for peer in await self._peers_holding(lambda models: model_id in models):
                 try:
-                    response = await self.node._http.get(f"http://{peer.address}/internal/models/manifest",
-                                                    params={"model": model_id})
-                    if response.status_code == 200:
-                        return Manifest.from_dict(response.json())
-                except (httpx.HTTPError, ValueError) as exc:
+                    manifest = await self.node.peer_client.manifest(peer.address, model_id)
+                    if manifest is not None:
+                        return manifest
+                except PeerError as exc:
                     log.warning("manifest of %s from %s: %s", model_id, peer.node_id, exc)
         raise ModelNotFoundError(
             f"model {model_id!r} is not on any node: add it with `shardline models add {model_id}` "
@@ -113,7 +113,7 @@ class ModelLogistics:
 
         Raises:
             ModelNotFoundError: no live peer has them.
-            TransferError, httpx.HTTPError: the last peer's copy failed.
+            TransferError, PeerError: the last peer's copy failed.
         """
         async with self.node._fetch_lock:  # one copy at a time: a tokenizer and a shard share files
             missing = self.node.store.missing(manifest.model_id, paths)
@@ -125,19 +125,17 @@ class ModelLogistics:
                 raise ModelNotFoundError(f"no live node has the files {missing} of {manifest.model_id}")
             total = sum(f.size for f in manifest.files if f.path in paths)
             progress = CopyProgress(f"copying {manifest.model_id}", total, on_progress)
-            error: Exception | None = None
+            error: Exception = ModelNotFoundError(f"no live node has the files of {manifest.model_id}")
             try:
                 for peer in holders:
                     progress.done = 0  # fetch_files counts what is present as done
                     try:
-                        with httpx.Client(headers={"Authorization": f"Bearer {self.node.cluster_key}"}) as client:
-                            received = await asyncio.to_thread(
-                                fetch_files, client, f"http://{peer.address}", self.node.store, manifest,
-                                paths, progress)
+                        received = await self.node.peer_client.copy_files(
+                            peer.address, self.node.store, manifest, paths, progress)
                         log.info("copied %d bytes of %s from %s", received, manifest.model_id, peer.node_id)
                         await self._parse_gguf_headers(manifest, missing)
                         return
-                    except (TransferError, httpx.HTTPError) as exc:
+                    except (TransferError, PeerError) as exc:
                         log.warning("copying %s from %s failed: %s", manifest.model_id, peer.node_id, exc)
                         error = exc
             finally:
@@ -202,7 +200,7 @@ class ModelLogistics:
 
         Raises:
             ModelNotFoundError: no live node has the model.
-            TransferError, httpx.HTTPError: the copy failed.
+            TransferError, PeerError: the copy failed.
         """
         async with self.node._tokenizer_lock:
             if model_id not in self.node.tokenizers:

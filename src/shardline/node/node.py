@@ -4,7 +4,7 @@ One node runs per machine and never runs model code itself (its runners do). Nod
 over HTTP (``/internal/*``):
 
 - membership: every node polls its peers' ``/internal/info`` each second, naming itself
-  (:data:`MEMBER_HEADER`); the polled node adds it to its peers and answers with the
+  (``peer_client.MEMBER_HEADER``); the polled node adds it to its peers and answers with the
   members it knows, so a node that contacts one member joins all of them. A node silent
   for ``down_after_s`` is down. The coordinator is the live node with the smallest id,
   once settled (``shardline.node.cluster_state``: terms, epochs and their invariants).
@@ -18,7 +18,8 @@ over HTTP (``/internal/*``):
 
 This module holds membership and the replicated table; the coordinator's decisions, runner
 supervision, model logistics and request routing are the roles in ``coordinator.py``,
-``supervision.py``, ``logistics.py`` and ``routing.py``, each given the node.
+``supervision.py``, ``logistics.py`` and ``routing.py``, each given the node. Every
+message between nodes is a ``wire.py`` model sent through ``peer_client.PeerClient``.
 """
 
 from __future__ import annotations
@@ -34,7 +35,6 @@ import zlib
 from collections.abc import Mapping
 from pathlib import Path
 
-import httpx
 import psutil
 
 from shardline.machine_cache import write_atomically
@@ -51,6 +51,7 @@ from shardline.node.cluster_state import (
 )
 from shardline.node.coordinator import Coordinator
 from shardline.node.logistics import ModelLogistics
+from shardline.node.peer_client import KeyRefusedError, PeerClient, PeerError
 from shardline.node.routing import RequestStream, Router
 from shardline.node.state import (
     Adopted,
@@ -63,15 +64,10 @@ from shardline.node.state import (
 from shardline.node.status import InstanceStatus
 from shardline.node.supervision import Supervisor
 from shardline.node.table import Instance, Peer
+from shardline.node.wire import NodeInfo, StateMessage
 from shardline.node.worker import Worker
 
 log = logging.getLogger(__name__)
-
-
-MEMBER_HEADER = "X-Shardline-Node"
-"""The header a node's poll carries its own address in: the polled member adds it to its
-peers (a node that knows one member becomes known to all)."""
-
 
 
 class Node:
@@ -154,13 +150,13 @@ class Node:
         self.streams: dict[int, RequestStream] = {}
         self.engine_stats: dict[str, dict] = {}  # instance id -> this node's rank's batch
         self.tokenizers: dict[str, Tokenizer] = {}
-        self._tokenizer_lock: asyncio.Lock | None = None
-        self._fetch_lock: asyncio.Lock | None = None
+        self._tokenizer_lock = asyncio.Lock()
+        self._fetch_lock = asyncio.Lock()
         self._preparing: dict[str, asyncio.Task] = {}  # instance id -> getting its files
         self._task_counter = itertools.count()
         self._salt = zlib.crc32(self.node_id.encode()) & 0x3FF
         self._loop: asyncio.AbstractEventLoop | None = None
-        self._http: httpx.AsyncClient | None = None
+        self.peer_client = PeerClient(self.cluster_key, self.address)  # every node-to-node call
         self._background: list[asyncio.Task] = []
         self._state_lock = asyncio.Lock()
         self._refused: set[str] = set()  # peer addresses that refused our cluster key
@@ -177,10 +173,6 @@ class Node:
 
     async def start(self) -> None:
         self._loop = asyncio.get_running_loop()
-        self._tokenizer_lock, self._fetch_lock = asyncio.Lock(), asyncio.Lock()
-        # Every node-to-node request carries the cluster key (see shardline.node.identity).
-        self._http = httpx.AsyncClient(timeout=httpx.Timeout(10.0, read=None),
-                                       headers={"Authorization": f"Bearer {self.cluster_key}"})
         self._background.append(asyncio.create_task(self._membership_loop()))
         self._background.append(asyncio.create_task(self._profile_host()))
         if self.discovery is not None:
@@ -198,8 +190,7 @@ class Node:
         if self.discovery is not None:
             await asyncio.to_thread(self.discovery.stop)
         self.worker.stop_all()
-        if self._http is not None:
-            await self._http.aclose()
+        await self.peer_client.aclose()
 
     async def _watch_parent(self, parent: int) -> None:
         """Shut down (as on Ctrl-C) once the process that started this node is gone."""
@@ -210,28 +201,20 @@ class Node:
 
     # -- membership ----------------------------------------------------------------------
 
-    def info(self) -> dict:
-        available = self.coordinator._available_bytes(self.node_id)
+    def info(self) -> NodeInfo:
+        """This node as its peers see it (``GET /internal/info``)."""
+        memory = self.coordinator.memory_of(self.node_id)
         profile = None
         if self.profile is not None:
-            profile = dict(self.profile, available_bytes=available)
-        return {
-            "node_id": self.node_id,
-            "address": self.address,
-            "started_at": self.started_at,
-            "available_bytes": available,
-            **self.coordinator.memory_of(self.node_id),
-            "total_bytes": int(psutil.virtual_memory().total),
-            "memory_limit_bytes": self.memory_limit_bytes,
-            "models": self.store.summary(),
-            "epoch": self.epoch.to_dict(),
-            "coordinator": self.coordinator_id(),
-            "settled": self.is_settled(),
-            "profile": profile,
-            "links": self.links,
-            "members": self.member_addresses(),
-            "busy": self.busy_instances(),
-        }
+            profile = dict(self.profile, available_bytes=memory["free_bytes"])
+        return NodeInfo(
+            node_id=self.node_id, address=self.address, started_at=self.started_at,
+            available_bytes=memory["free_bytes"], **memory,
+            total_bytes=int(psutil.virtual_memory().total), memory_limit_bytes=self.memory_limit_bytes,
+            models=self.store.summary(), epoch=self.epoch, coordinator=self.coordinator_id(),
+            settled=self.is_settled(), profile=profile, links=self.links,
+            members=self.member_addresses(), busy=self.busy_instances(),
+        )
 
     def busy_instances(self) -> list[str]:
         """Instances whose rank on this node has requests running, waiting or held."""
@@ -274,12 +257,10 @@ class Node:
 
     async def _measure_link(self, node_id: str, address: str) -> None:
         """Latency and bandwidth from this node to a peer (1 MiB upload), every 60 s."""
-        from shardline.node.profile import measure_link
-
         self._link_measured[node_id] = time.time()
         try:
-            self.links[node_id] = await measure_link(self._http, f"http://{address}", payload_bytes=2**20)
-        except (httpx.HTTPError, ValueError) as exc:
+            self.links[node_id] = await self.peer_client.measure_link(address)
+        except PeerError as exc:
             log.warning("could not measure the link to %s: %s", node_id, exc)
 
     def add_peer(self, address: str) -> None:
@@ -358,46 +339,35 @@ class Node:
         failed = [i for i in self.instances.values() if i.status == InstanceStatus.FAILED]
         await self._publish()
         for inst in failed:
-            self._background.append(asyncio.create_task(self.coordinator._replace(inst)))
+            self._background.append(asyncio.create_task(self.coordinator._replace(inst.instance_id)))
 
     async def _poll(self, address: str) -> bool:
         """Ask a peer for its info (and a newer table, when it holds one); whether it
         answered as a member."""
         try:
-            response = await self._http.get(f"http://{address}/internal/info", timeout=2.0,
-                                            headers={MEMBER_HEADER: self.address})
-            if response.status_code == 401:
-                if address not in self._refused:
-                    self._refused.add(address)
-                    log.warning("%s refused this node's cluster key: it belongs to another cluster", address)
-                return False
-            data = response.json()
-            self._refused.discard(address)
-        except (httpx.HTTPError, ValueError):
+            info = await self.peer_client.info(address)
+        except KeyRefusedError as exc:
+            if address not in self._refused:
+                self._refused.add(address)
+                log.warning("%s: it belongs to another cluster", exc)
             return False
-        try:
-            epoch = Epoch.from_dict(data["epoch"])
-        except (KeyError, TypeError, ValueError):
-            return False  # not a node of this version
-        self.peers[data["node_id"]] = Peer(
-            data["node_id"], data["address"], time.time(),
-            data["available_bytes"], data["total_bytes"], data.get("profile"), data.get("links") or {},
-            data.get("models") or {},
-            offered_bytes=data.get("offered_bytes", data["available_bytes"]),
-            started_at=float(data.get("started_at") or 0.0), epoch=epoch,
-            busy=tuple(str(i) for i in data.get("busy") or ()),
+        except PeerError:
+            return False  # down, or not a node of this version
+        self._refused.discard(address)
+        self.peers[info.node_id] = Peer(
+            info.node_id, info.address, time.time(), info.available_bytes, info.total_bytes,
+            info.profile, info.links, info.models, offered_bytes=info.offered_bytes,
+            started_at=info.started_at, epoch=info.epoch, busy=tuple(info.busy),
         )
-        for member in data.get("members") or []:  # membership both ways, through any member
-            if isinstance(member, str):
-                self.add_peer(member)
-        if time.time() - self._link_measured.get(data["node_id"], 0.0) > 60.0:
+        for member in info.members:  # membership both ways, through any member
+            self.add_peer(member)
+        if time.time() - self._link_measured.get(info.node_id, 0.0) > 60.0:
             self._background = [t for t in self._background if not t.done()]
-            self._background.append(asyncio.create_task(self._measure_link(data["node_id"], address)))
-        if newer(epoch, self.epoch):  # the newest table wins, whoever holds it (rule 4)
+            self._background.append(asyncio.create_task(self._measure_link(info.node_id, address)))
+        if newer(info.epoch, self.epoch):  # the newest table wins, whoever holds it (rule 4)
             try:
-                state = (await self._http.get(f"http://{address}/internal/state")).json()
-                await self.apply_state(state)
-            except (httpx.HTTPError, ValueError, KeyError, TypeError):
+                await self.apply_state(await self.peer_client.state(address))
+            except PeerError:
                 return False
         return True
 
@@ -419,14 +389,9 @@ class Node:
             self.cluster_state = apply(self.cluster_state, event)
         await self._publish()
 
-    async def apply_state(self, data: dict) -> bool:
+    async def apply_state(self, theirs: ClusterState) -> bool:
         """Adopt a table of a newer epoch (cluster_state rule 1), keep it on disk and
-        reconcile runners; False (nothing changes) for one not newer than this node's.
-
-        Raises:
-            KeyError, TypeError, ValueError: ``data`` is not a state.
-        """
-        theirs = ClusterState.from_dict(data)
+        reconcile runners; False (nothing changes) for one not newer than this node's."""
         async with self._state_lock:
             adopted = apply(self.cluster_state, Adopted(theirs))
             if adopted is self.cluster_state:
@@ -444,11 +409,15 @@ class Node:
         if self.is_coordinator():
             self.cluster_state = apply(self.cluster_state, Published())
             self._save_state()
-            state = self.cluster_state.to_dict()
             targets = [self.address_of(n) for n in self.live_node_ids() if n != self.node_id]
-            await asyncio.gather(
-                *(self._post(f"http://{a}/internal/state", state) for a in targets)
+            results = await asyncio.gather(
+                *(self.peer_client.push_state(a, self.cluster_state) for a in targets), return_exceptions=True
             )
+            for address, result in zip(targets, results):
+                if isinstance(result, PeerError):
+                    log.warning("could not publish the table to %s: %s", address, result)
+                elif isinstance(result, BaseException):
+                    raise result
         await self.supervisor._reconcile()
 
     def _save_state(self) -> None:
@@ -456,7 +425,7 @@ class Node:
         if self.state_path is None:
             return
         try:
-            write_atomically(self.state_path, json.dumps(self.cluster_state.to_dict()))
+            write_atomically(self.state_path, StateMessage.of(self.cluster_state).model_dump_json())
         except OSError as exc:
             log.warning("could not keep the instance table in %s: %s", self.state_path, exc)
 
@@ -466,24 +435,19 @@ class Node:
         if self.state_path is None or not self.state_path.exists():
             return
         try:
-            self.cluster_state = ClusterState.from_dict(json.loads(self.state_path.read_text()))
-        except (OSError, ValueError, KeyError, TypeError) as exc:
+            self.cluster_state = StateMessage.model_validate_json(self.state_path.read_bytes()).state()
+        except (OSError, ValueError) as exc:  # pydantic's ValidationError is a ValueError
             log.warning("ignoring the kept instance table %s: %s", self.state_path, exc)
-
-    async def _post(self, url: str, body: dict) -> httpx.Response | None:
-        try:
-            return await self._http.post(url, json=body, timeout=10.0)
-        except httpx.HTTPError as exc:
-            log.warning("POST %s failed: %s", url, exc)
-            return None
 
     # -- the cluster API through the coordinator -----------------------------------------
 
     async def ask_coordinator(self, method: str, path: str, body: dict | None = None) -> tuple[int, dict]:
         """Send a cluster-API request to the coordinator; its status and JSON body (503
-        while this node, the next coordinator, still hears the cluster)."""
+        while this node, the next coordinator, still hears the cluster, or when the
+        coordinator cannot be reached)."""
         if self.coordinator_id() == self.node_id:
             return 503, {"detail": "this node is taking over as coordinator; try again in a few seconds"}
-        url = f"http://{self.address_of(self.coordinator_id())}{path}"
-        response = await self._http.request(method, url, json=body, timeout=60.0)
-        return response.status_code, response.json()
+        try:
+            return await self.peer_client.forward(method, self.address_of(self.coordinator_id()), path, body)
+        except PeerError as exc:
+            return 503, {"detail": f"the coordinator could not be reached: {exc}"}

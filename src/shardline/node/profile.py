@@ -1,14 +1,9 @@
-"""What a node can do: memory, accelerator, measured compute and memory speed, link speed.
-
-Two halves:
-
-- **Host profile** (:class:`HostProfile`, :func:`measure_host`, :func:`measure_host_async`):
-  memory from psutil, and the accelerator, matmul throughput and memory bandwidth measured
-  with torch. The torch half runs in a child process (``python -m shardline.node.profile``,
-  which prints one JSON object), so the node process itself never imports torch.
-- **Link profile** (:func:`add_link_routes`, :func:`measure_link`): two small HTTP routes a
-  node serves, ``GET /internal/ping`` and ``POST /internal/echo-bytes``, and a client that
-  times them over the node's existing ``httpx.AsyncClient``.
+"""What a node's machine can do (:class:`HostProfile`, :func:`measure_host`,
+:func:`measure_host_async`): memory from psutil, and the accelerator, matmul throughput
+and memory bandwidth measured with torch. The torch half runs in a child process
+(``python -m shardline.node.profile``, which prints one JSON object), so the node process
+itself never imports torch. Links between nodes are measured by
+``shardline.node.link_probe``.
 
 Units everywhere: bytes, seconds, FLOP/s, bytes/s.
 """
@@ -21,12 +16,10 @@ import dataclasses
 import json
 import os
 import re
-import statistics
 import subprocess
 import sys
 import time
 from dataclasses import dataclass
-from typing import Any
 
 import psutil
 
@@ -303,8 +296,9 @@ def _runner_runtime() -> None:
     import shardline.parallel.tensor  # noqa: F401, PLC0415
     import shardline.runner.engine  # noqa: F401, PLC0415
     from shardline.models.config import ModelConfig, Quantize  # noqa: PLC0415
+    from shardline.models.kv_cache import KVCache  # noqa: PLC0415
     from shardline.models.linear import Linear, resident_weight  # noqa: PLC0415
-    from shardline.models.llama import DecoderShard, KVCache  # noqa: PLC0415
+    from shardline.models.llama import DecoderShard  # noqa: PLC0415
     from shardline.models.quantize import quantize_groups  # noqa: PLC0415
 
     dtype, generator = torch.bfloat16, torch.Generator().manual_seed(0)
@@ -320,6 +314,7 @@ def _runner_runtime() -> None:
     for module in shard.modules():
         if isinstance(module, Linear) and module is not shard.lm_head:
             module.set_parts([weight(module.out_features, module.in_features)])
+    assert shard.embed is not None and shard.lm_head is not None  # one shard: both ends
     shard.embed.weight, shard.embed.dtype = weight(512, 256), dtype
     shard.lm_head.set_parts([shard.embed.weight])
     cache = KVCache(config, 2, 1, 128, dtype)
@@ -426,105 +421,10 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
-# -- links between nodes -----------------------------------------------------------------
-
-
-def add_link_routes(app: Any) -> None:
-    """Register on a FastAPI ``app`` the two routes :func:`measure_link` times:
-
-    - ``GET /internal/ping`` -> ``{"ok": true}``
-    - ``POST /internal/echo-bytes``: reads the request body as it arrives, discards it,
-      and returns ``{"bytes": n}``, the number of bytes read.
-    """
-    from fastapi import Request  # noqa: PLC0415 (not needed by the profile child)
-
-    async def ping() -> dict:
-        return {"ok": True}
-
-    async def echo_bytes(request) -> dict:
-        n = 0
-        async for chunk in request.stream():
-            n += len(chunk)
-        return {"bytes": n}
-
-    # Real annotation objects: FastAPI could not resolve the string "Request" (this module
-    # uses postponed annotations and imports Request here only) and would take a query
-    # parameter for it.
-    ping.__annotations__ = {"return": dict}
-    echo_bytes.__annotations__ = {"request": Request, "return": dict}
-    app.add_api_route("/internal/ping", ping, methods=["GET"])
-    app.add_api_route("/internal/echo-bytes", echo_bytes, methods=["POST"])
-
-
-async def measure_link(client: Any, base_url: str, payload_bytes: int = 4 * 2**20,
-                       pings: int = 5, *, transfers: int = 2, timeout_s: float = 30.0) -> dict:
-    """Measure the link to a peer node over ``client`` (an ``httpx.AsyncClient``).
-
-    Args:
-        client: the node's HTTP client (its connection pool is reused, so the pings also
-            open the connection the transfers then use).
-        base_url: the peer, e.g. ``"http://10.0.0.2:52415"`` (no trailing slash needed).
-        payload_bytes: bytes of body each ``POST /internal/echo-bytes`` sends.
-        pings: ``GET /internal/ping`` requests timed (one extra untimed first).
-        transfers: POSTs timed; the fastest counts.
-        timeout_s: per request.
-
-    Returns:
-        ``{"latency_s": float, "rtt_s": float, "bandwidth_bytes_per_s": float,
-        "payload_bytes": int, "transfer_s": float}``:
-
-        - ``rtt_s``: median round-trip time of the pings (request sent to response read,
-          including the peer's HTTP handling), seconds.
-        - ``latency_s``: one-way latency, taken as ``rtt_s / 2``, seconds.
-        - ``transfer_s``: the fastest POST of ``payload_bytes`` (upload, the peer's
-          ``{"bytes": n}`` reply included), seconds.
-        - ``bandwidth_bytes_per_s``: ``payload_bytes / transfer_s``, bytes/s, this node
-          to the peer. Not corrected for the round trip inside ``transfer_s``: with the
-          default 4 MiB that is small next to the transfer on LANs.
-
-    Raises:
-        httpx.HTTPError: the peer did not answer, or answered with an error status.
-        ValueError: the peer reported receiving a different number of bytes.
-    """
-    base = base_url.rstrip("/")
-    ping_url, echo_url = f"{base}/internal/ping", f"{base}/internal/echo-bytes"
-
-    async def ping() -> float:
-        start = time.perf_counter()
-        response = await client.get(ping_url, timeout=timeout_s)
-        response.raise_for_status()
-        response.read()
-        return time.perf_counter() - start
-
-    await ping()  # connection set-up is not latency
-    rtt = statistics.median([await ping() for _ in range(max(pings, 1))])
-
-    payload = bytes(payload_bytes)
-    best = float("inf")
-    for _ in range(max(transfers, 1)):
-        start = time.perf_counter()
-        response = await client.post(echo_url, content=payload, timeout=timeout_s,
-                                     headers={"content-type": "application/octet-stream"})
-        response.raise_for_status()
-        received = int(response.json()["bytes"])
-        best = min(best, time.perf_counter() - start)
-        if received != payload_bytes:
-            raise ValueError(f"{echo_url} received {received} bytes of {payload_bytes}")
-    return {
-        "latency_s": rtt / 2,
-        "rtt_s": rtt,
-        "bandwidth_bytes_per_s": payload_bytes / best if best > 0 else 0.0,
-        "payload_bytes": payload_bytes,
-        "transfer_s": best,
-    }
-
-
 __all__ = [
     "HostProfile",
-    "add_link_routes",
     "measure_host",
     "measure_host_async",
-    "measure_link",
 ]
 
 

@@ -5,24 +5,22 @@ streamed back from this node's runner."""
 from __future__ import annotations
 
 import asyncio
-import dataclasses
-import json
 import logging
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-import httpx
-
+from shardline.node.peer_client import PeerError
 from shardline.node.status import InstanceStatus
 from shardline.node.table import Instance, InstanceFailedError, NoInstanceError
+from shardline.node.wire import CancelMessage, TaskMessage
 from shardline.runner.protocol import (
     Cancel,
     PrefillProgress,
-    SamplingParams,
     Task,
     TokenEvent,
+    TokenRequest,
 )
 
 if TYPE_CHECKING:
@@ -38,21 +36,6 @@ class RequestStream:
 
     instance_id: str
     queue: asyncio.Queue
-
-
-def task_to_dict(task: Task) -> dict:
-    return dataclasses.asdict(task)
-
-
-def task_from_dict(data: dict) -> Task:
-    return Task(
-        task_id=int(data["task_id"]),
-        origin=data["origin"],
-        prompt=tuple(data["prompt"]),
-        max_tokens=int(data["max_tokens"]),
-        sampling=SamplingParams(**data["sampling"]),
-        stop_token_ids=tuple(data["stop_token_ids"]),
-    )
 
 
 class Router:
@@ -76,7 +59,7 @@ class Router:
 
     def models(self) -> list[dict]:
         """Models with a ready instance: ``[{"id", "created"}]``."""
-        seen = {}
+        seen: dict[str, float] = {}
         for inst in self.node.instances.values():
             if inst.status == InstanceStatus.READY:
                 seen.setdefault(inst.model_id, inst.created_at)
@@ -87,16 +70,9 @@ class Router:
         ms = int(time.time() * 1000) - 1_700_000_000_000
         return (ms << 22) | (self.node._salt << 12) | (next(self.node._task_counter) & 0xFFF)
 
-    async def generate(
-        self,
-        model_id: str,
-        prompt: list[int],
-        max_tokens: int,
-        sampling: SamplingParams,
-        stop_token_ids: list[int],
-    ) -> AsyncIterator[TokenEvent | PrefillProgress]:
-        """Run one request on a ready instance and yield its events: the progress of a
-        prefill that takes more than one engine step, then its tokens.
+    async def generate(self, request: TokenRequest) -> AsyncGenerator[TokenEvent | PrefillProgress, None]:
+        """Run one request on a ready instance of its model and yield its events: the
+        progress of a prefill that takes more than one engine step, then its tokens.
 
         Closing the iterator early cancels the request on every rank.
 
@@ -104,24 +80,17 @@ class Router:
             NoInstanceError: no ready instance serves the model.
             InstanceFailedError: the instance failed mid-request.
         """
-        inst = self.ready_instance(model_id)
+        inst = self.ready_instance(request.model_id)
         if self.node.node_id not in inst.node_ids():
-            async for event in self._forward(inst, model_id, prompt, max_tokens, sampling, stop_token_ids):
+            async for event in self._forward(inst, request):
                 yield event
             return
-        task = Task(
-            task_id=self.new_task_id(),
-            origin=self.node.node_id,
-            prompt=tuple(prompt),
-            max_tokens=max_tokens,
-            sampling=sampling,
-            stop_token_ids=tuple(stop_token_ids),
-        )
+        task = Task.of(self.new_task_id(), self.node.node_id, request)
         stream = RequestStream(inst.instance_id, asyncio.Queue())
         self.node.streams[task.task_id] = stream
         finished = False
         try:
-            await self._deliver(inst, "tasks", task_to_dict(task))
+            await self._deliver(inst, TaskMessage(instance_id=inst.instance_id, task=task))
             while True:
                 event = await stream.queue.get()
                 if isinstance(event, Exception):
@@ -136,23 +105,25 @@ class Router:
             if not finished:
                 asyncio.get_running_loop().create_task(self._cancel(inst, task.task_id))
 
-    async def _deliver(self, inst: Instance, kind: str, body: dict) -> None:
+    async def _deliver(self, inst: Instance, message: TaskMessage | CancelMessage) -> None:
         """Hand a task or a cancellation to the runner of every rank of ``inst``.
 
         Raises:
             InstanceFailedError: a rank's node or runner could not be reached (a task that
                 some rank never receives would never start).
         """
-        body = dict(body, instance_id=inst.instance_id)
+        local = message.task if isinstance(message, TaskMessage) else Cancel(message.task_id)
         missed = []
-        if self.node.node_id in inst.node_ids() and not self.deliver_local(kind, body):
+        if self.node.node_id in inst.node_ids() and not self.deliver_local(inst.instance_id, local):
             missed.append(self.node.node_id)
         remote = [r for r in inst.ranks if r.node_id != self.node.node_id]
-        responses = await asyncio.gather(
-            *(self.node._post(f"http://{r.address}/internal/{kind}", body) for r in remote)
+        results = await asyncio.gather(
+            *(self.node.peer_client.deliver(r.address, message) for r in remote), return_exceptions=True
         )
-        for rank, response in zip(remote, responses):
-            if response is None or response.status_code != 200 or not response.json().get("delivered"):
+        for rank, result in zip(remote, results):
+            if isinstance(result, BaseException) and not isinstance(result, PeerError):
+                raise result
+            if result is not True:
                 missed.append(rank.node_id)
         if missed:
             raise InstanceFailedError(
@@ -166,17 +137,15 @@ class Router:
         if current is None or current.status == InstanceStatus.FAILED:
             return
         try:
-            await self._deliver(inst, "cancel", {"task_id": task_id})
+            await self._deliver(inst, CancelMessage(instance_id=inst.instance_id, task_id=task_id))
         except InstanceFailedError as exc:
             log.warning("cancel of task %d: %s", task_id, exc)
 
-    def deliver_local(self, kind: str, body: dict) -> bool:
-        """Pass a task or cancellation to this node's runner of the instance."""
-        handle = self.node.worker.runners.get(body["instance_id"])
-        if handle is None:
-            return False
-        message = task_from_dict(body) if kind == "tasks" else Cancel(int(body["task_id"]))
-        return handle.send(message)
+    def deliver_local(self, instance_id: str, message: Task | Cancel) -> bool:
+        """Pass a task or cancellation to this node's runner of the instance; whether it
+        took it."""
+        handle = self.node.worker.runners.get(instance_id)
+        return handle is not None and handle.send(message)
 
     def _dispatch(self, events: tuple[TokenEvent | PrefillProgress, ...]) -> None:
         for event in events:
@@ -189,26 +158,14 @@ class Router:
             if stream.instance_id == instance_id:
                 stream.queue.put_nowait(InstanceFailedError(f"instance {instance_id}: {error}"))
 
-    async def _forward(self, inst, model_id, prompt, max_tokens, sampling, stop_token_ids):
-        """Run the request through a node that hosts a rank of ``inst``."""
-        body = {
-            "model": model_id,
-            "prompt": prompt,
-            "max_tokens": max_tokens,
-            "sampling": dataclasses.asdict(sampling),
-            "stop_token_ids": stop_token_ids,
-        }
-        url = f"http://{inst.ranks[0].address}/internal/generate"
+    async def _forward(self, inst: Instance, request: TokenRequest) -> AsyncGenerator[TokenEvent | PrefillProgress, None]:
+        """Run the request through the node of the instance's first rank.
+
+        Raises:
+            InstanceFailedError: that node could not be reached, or the request failed there.
+        """
         try:
-            async with self.node._http.stream("POST", url, json=body) as response:
-                if response.status_code != 200:
-                    raise InstanceFailedError(f"node {inst.ranks[0].node_id} refused: {response.status_code}")
-                async for line in response.aiter_lines():
-                    if not line:
-                        continue
-                    data = json.loads(line)
-                    if "error" in data:
-                        raise InstanceFailedError(data["error"])
-                    yield PrefillProgress(**data) if "done" in data else TokenEvent(**data)
-        except httpx.HTTPError as exc:
-            raise InstanceFailedError(f"lost node {inst.ranks[0].node_id}: {exc}") from exc
+            async for event in self.node.peer_client.generate(inst.ranks[0].address, request):
+                yield event
+        except PeerError as exc:
+            raise InstanceFailedError(f"node {inst.ranks[0].node_id}: {exc}") from exc

@@ -32,9 +32,9 @@ import dataclasses
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
-from shardline.node.cluster_state import Epoch, lost_instances, newer
+from shardline.node.cluster_state import NO_EPOCH, Epoch, lost_instances, newer
 from shardline.node.status import InstanceStatus, RankStatus
-from shardline.node.table import Instance, RankPlacement
+from shardline.node.table import Instance
 
 
 @dataclass(frozen=True)
@@ -42,19 +42,8 @@ class ClusterState:
     """The instance table (instance id -> :class:`Instance`) and the epoch it was
     published at. Treated as immutable: :func:`apply` builds a new one."""
 
-    epoch: Epoch = field(default_factory=Epoch)
+    epoch: Epoch = NO_EPOCH
     instances: Mapping[str, Instance] = field(default_factory=dict)
-
-    def to_dict(self) -> dict:
-        """The wire and disk form (``/internal/state``, ``cluster-state.json``)."""
-        return {"epoch": self.epoch.to_dict(),
-                "instances": [i.to_dict() for i in self.instances.values()]}
-
-    @classmethod
-    def from_dict(cls, data: Mapping) -> "ClusterState":
-        """Raises: KeyError, TypeError, ValueError: not a state."""
-        instances = {d["instance_id"]: Instance.from_dict(d) for d in data["instances"]}
-        return cls(Epoch.from_dict(data["epoch"]), instances)
 
 
 # -- events ------------------------------------------------------------------------------
@@ -283,10 +272,3 @@ def stale_ranks(state: ClusterState, node_id: str,
             out.append(inst.instance_id)
     return tuple(out)
 
-
-def rank_of(inst: Instance, node_id: str) -> tuple[int, RankPlacement] | None:
-    """``(rank, placement)`` of ``node_id`` in ``inst``, or None."""
-    for r, placement in enumerate(inst.ranks):
-        if placement.node_id == node_id:
-            return r, placement
-    return None

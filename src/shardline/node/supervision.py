@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from shardline.models.config import Sharding
+from shardline.node.peer_client import PeerError
 from shardline.node.state import plan_runners, stale_ranks
 from shardline.node.status import InstanceStatus, RankStatus
 from shardline.node.table import Instance, RankPlacement
@@ -93,11 +94,10 @@ class Supervisor:
 
     def _start_runner(self, inst: Instance, rank: int, placement: RankPlacement, weights: Path) -> None:
         """Start the runner of ``rank`` of ``inst`` on this node, reading ``weights``."""
-        ring_chunks = {}
+        chunk, step, burst = RunnerSpec.prefill_chunk, RunnerSpec.prefill_step_tokens, RunnerSpec.prefill_burst_tokens
         if inst.sharding == Sharding.RING:
-            chunk = ring_prefill_chunk(len(inst.ranks))
-            ring_chunks = {"prefill_chunk": chunk, "prefill_step_tokens": chunk,
-                           "prefill_burst_tokens": max(chunk, RunnerSpec.prefill_burst_tokens)}
+            chunk = step = ring_prefill_chunk(len(inst.ranks))
+            burst = max(chunk, burst)
         spec = RunnerSpec(
             instance_id=inst.instance_id,
             node_id=self.node.node_id,
@@ -105,9 +105,7 @@ class Supervisor:
             rank=rank,
             world_size=len(inst.ranks),
             sharding=inst.sharding,
-            layer_start=placement.layer_start,
-            layer_end=placement.layer_end,
-            tensor_share=placement.tensor_share,
+            share=placement.share,
             master_addr=inst.master_addr,
             master_port=inst.master_port,
             host=self.node.host,
@@ -118,7 +116,7 @@ class Supervisor:
             quantize=inst.quantize,
             threads=self.node.runner_threads,
             progress_timeout_s=self.node.progress_timeout_s,
-            **ring_chunks,
+            prefill_chunk=chunk, prefill_step_tokens=step, prefill_burst_tokens=burst,
         )
         self.node.worker.start(spec)
 
@@ -155,8 +153,10 @@ class Supervisor:
                             error=error, loaded=loaded, fetched=fetched, peer_lost=peer_lost)
         coordinator = self.node.coordinator_id()
         if coordinator != self.node.node_id:
-            await self.node._post(f"http://{self.node.address_of(coordinator)}/internal/runner-status",
-                                  report.model_dump(mode="json"))
+            try:
+                await self.node.peer_client.report(self.node.address_of(coordinator), report)
+            except PeerError as exc:
+                log.warning("report of %s to the coordinator: %s", instance_id, exc)
         elif self.node.is_coordinator():
             await self.node.coordinator.runner_status(report.event())
 

@@ -8,8 +8,8 @@ import dataclasses
 import time
 from dataclasses import dataclass, field
 
-from shardline.models.config import Sharding
-from shardline.node.cluster_state import Epoch
+from shardline.models.config import RankShare, Sharding
+from shardline.node.cluster_state import NO_EPOCH, Epoch
 from shardline.node.status import InstanceStatus, RankStatus
 
 
@@ -27,9 +27,7 @@ class RankPlacement:
 
     node_id: str
     address: str
-    layer_start: int
-    layer_end: int
-    tensor_share: dict | None = None  # tensor sharding: heads, KV heads and MLP columns
+    share: RankShare  # its layers, and under tensor sharding its heads and columns
     status: RankStatus = RankStatus.LOADING
     error: str | None = None
     loaded: dict | None = None  # the runner's Loaded report: layers and bytes it read
@@ -63,18 +61,13 @@ class Instance:
     force: bool = False  # placed without memory admission (and placed again so)
 
     def to_dict(self) -> dict:
-        return dataclasses.asdict(self)
-
-    @classmethod
-    def from_dict(cls, data: dict) -> "Instance":
-        """Raises: KeyError, TypeError, ValueError: not an instance."""
-        data = dict(data)
-        data["ranks"] = tuple(RankPlacement(**dict(r, status=RankStatus(r.get("status", "loading"))))
-                              for r in data["ranks"])
-        data["sharding"] = Sharding(data["sharding"])
-        data["status"] = InstanceStatus(data.get("status", "loading"))
-        data["wanted_nodes"] = tuple(data.get("wanted_nodes") or ())
-        return cls(**data)
+        """A JSON view (the cluster API's, each rank's share flattened into it:
+        ``layer_start``, ``layer_end``, ``tensor_share``); the wire form is
+        ``wire.StateMessage``'s."""
+        view = dataclasses.asdict(self)
+        view["ranks"] = [{**{k: v for k, v in rank.items() if k != "share"}, **rank["share"]}
+                         for rank in view["ranks"]]
+        return view
 
     def node_ids(self) -> list[str]:
         return [r.node_id for r in self.ranks]
@@ -92,5 +85,5 @@ class Peer:
     models: dict[str, dict] = field(default_factory=dict)  # its ModelStore.summary()
     offered_bytes: int = 0  # what it offers to models in all (its limit, or what is free)
     started_at: float = 0.0  # its incarnation: a restart changes it
-    epoch: Epoch = field(default_factory=Epoch)  # of the table it holds
+    epoch: Epoch = NO_EPOCH  # of the table it holds
     busy: tuple[str, ...] = ()  # instances with requests running or waiting on its ranks

@@ -1,8 +1,21 @@
 """What nodes send each other over ``/internal``: one pydantic model per message, so a
-malformed message is a 400 naming the field, never a half-read dict.
+malformed message is refused (a 400 naming the field, or a :class:`PeerError` on the
+sending side), never half read. :class:`~shardline.node.peer_client.PeerClient` sends
+them; ``shardline.node.app`` receives them.
 
-Format: JSON bodies; the instance table itself is :class:`~shardline.node.state.ClusterState`'s
-``to_dict`` form.
+Format: JSON bodies. Domain values that already are frozen dataclasses (the instance
+table's :class:`~shardline.node.table.Instance`, a runner's
+:class:`~shardline.runner.protocol.Task`) are validated field by field by pydantic, which
+also refuses fields they do not have.
+
+Routes: ``GET /internal/info`` -> :class:`NodeInfo`; ``GET /internal/state`` ->
+:class:`StateMessage`; ``POST /internal/state`` :class:`StateMessage` -> :class:`StateReply`
+(409 when not newer); ``GET /internal/free-port`` -> :class:`FreePort`; ``POST
+/internal/runner-status`` :class:`RankReport`; ``POST /internal/tasks``
+:class:`TaskMessage` and ``POST /internal/cancel`` :class:`CancelMessage` -> :class:`Delivered`;
+``POST /internal/generate`` :class:`~shardline.runner.protocol.GenerationRequest` -> lines
+of :class:`StreamLine` (NDJSON). Model files (``shardline.node.transfer``) and the link
+probe (``shardline.node.link_probe``) carry raw bytes.
 """
 
 from __future__ import annotations
@@ -11,15 +24,81 @@ import time
 
 from pydantic import BaseModel, ConfigDict
 
-from shardline.node.state import RankReported
+from shardline.node.cluster_state import Epoch
+from shardline.node.state import ClusterState, RankReported
 from shardline.node.status import RankStatus
+from shardline.node.table import Instance
+from shardline.runner.protocol import PrefillProgress, Task, TokenEvent
 
 
-class RankReport(BaseModel):
-    """``POST /internal/runner-status``: a node reports its rank of an instance to the
-    coordinator (:class:`~shardline.node.state.RankReported`)."""
+class Message(BaseModel):
+    """A node-to-node message: unknown fields are refused."""
 
     model_config = ConfigDict(extra="forbid")
+
+
+class NodeInfo(Message):
+    """``GET /internal/info``: a node as its peers see it (the poll that also carries the
+    caller's address, so membership goes both ways).
+
+    Bytes are bytes of memory: ``offered_bytes`` what the node offers to models,
+    ``committed_bytes`` what ranks placed on it hold, ``free_bytes`` and
+    ``available_bytes`` (the same) what is left; ``started_at`` is its start (seconds
+    since the epoch: a restart changes it); ``profile`` its measured
+    :class:`~shardline.node.profile.HostProfile`; ``links`` the links it measured, by node id.
+    """
+
+    node_id: str
+    address: str
+    started_at: float
+    available_bytes: int
+    offered_bytes: int
+    committed_bytes: int
+    free_bytes: int
+    total_bytes: int
+    memory_limit_bytes: int | None
+    models: dict[str, dict]
+    epoch: Epoch
+    coordinator: str
+    settled: bool
+    profile: dict | None
+    links: dict[str, dict]
+    members: list[str]
+    busy: list[str]
+
+
+class StateMessage(Message):
+    """The instance table and its epoch: ``GET``/``POST /internal/state`` and the
+    ``cluster-state.json`` a node keeps on disk."""
+
+    epoch: Epoch
+    instances: list[Instance]
+
+    @classmethod
+    def of(cls, state: ClusterState) -> "StateMessage":
+        return cls(epoch=state.epoch, instances=list(state.instances.values()))
+
+    def state(self) -> ClusterState:
+        return ClusterState(self.epoch, {i.instance_id: i for i in self.instances})
+
+
+class StateReply(Message):
+    """The answer to ``POST /internal/state``: the receiver's epoch after it (200: adopted;
+    409: not newer than the one it holds, with ``detail``)."""
+
+    epoch: Epoch
+    detail: str | None = None
+
+
+class FreePort(Message):
+    """``GET /internal/free-port``: a TCP port free on the answering node now."""
+
+    port: int
+
+
+class RankReport(Message):
+    """``POST /internal/runner-status``: a node reports its rank of an instance to the
+    coordinator (:class:`~shardline.node.state.RankReported`)."""
 
     instance_id: str
     node_id: str
@@ -34,3 +113,32 @@ class RankReport(BaseModel):
         return RankReported(self.instance_id, self.node_id, self.status, self.error,
                             self.loaded, self.fetched, self.peer_lost,
                             time.time() if at is None else at)
+
+
+class TaskMessage(Message):
+    """``POST /internal/tasks``: a task for the rank of ``instance_id`` on the receiver."""
+
+    instance_id: str
+    task: Task
+
+
+class CancelMessage(Message):
+    """``POST /internal/cancel``: drop task ``task_id`` from that rank's batch."""
+
+    instance_id: str
+    task_id: int
+
+
+class Delivered(Message):
+    """Whether the receiver's runner of the instance took the task or cancellation."""
+
+    delivered: bool
+
+
+class StreamLine(Message):
+    """One line of ``POST /internal/generate``'s stream: exactly one of a token, a
+    prefill's progress, or the error that ended the request."""
+
+    token: TokenEvent | None = None
+    progress: PrefillProgress | None = None
+    error: str | None = None

@@ -18,11 +18,15 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Mapping, Sequence
 
-from shardline.models.config import ModelConfig, Quantize, Sharding, TensorShare
+from shardline.models.config import ModelConfig, Quantize, RankShare, Sharding, TensorShare
 from shardline.placement.memory import RUNTIME_BASELINE_BYTES
 from shardline.placement.pipeline import NodeCapacity, PlacementError
 from shardline.placement.ranks import (
-    DTYPE_BYTES, SHARDINGS, RankShare, place_with_kv_pool, resident_bytes_per_weight, ring_prefill_chunk,
+    DTYPE_BYTES,
+    SHARDINGS,
+    place_with_kv_pool,
+    resident_bytes_per_weight,
+    ring_prefill_chunk,
 )
 
 DECODE_WEIGHT_BYTES = 1.0
@@ -197,7 +201,7 @@ def predict_tokens_per_s(
     if sharding == Sharding.PIPELINE:
         decode = prefill_stage = 0.0
         for rank, (node, share) in enumerate(zip(nodes, shares)):
-            layers = share.layer_end - share.layer_start
+            layers = share.num_layers
             linear = layers * _linear_per_layer(config)
             read = decode_weight_bytes * (linear + (head if rank == P - 1 else 0))
             read += kv_token * layers / L * avg_tokens
@@ -215,7 +219,8 @@ def predict_tokens_per_s(
     if sharding == Sharding.TENSOR:
         decode = prefill = 0.0
         for rank, (node, share) in enumerate(zip(nodes, shares)):
-            ts = TensorShare.from_dict(share.tensor_share)
+            ts = share.tensor_share
+            assert ts is not None  # tensor placement gives every rank its share
             linear = L * _tensor_linear_per_layer(config, ts)
             read = decode_weight_bytes * (linear + (head if rank == 0 else 0))
             read += 2 * L * ts.num_kv_heads * config.head_dim * e * avg_tokens
@@ -259,7 +264,7 @@ def preview(
     context: int,
     max_batch: int,
     dtype: str = "bfloat16",
-    shardings: Sequence[str] = SHARDINGS,
+    shardings: Sequence[Sharding] = SHARDINGS,
     max_nodes: int | None = None,
     *,
     min_nodes: int = 1,
@@ -317,8 +322,8 @@ def preview(
             )
             feasible.append(Candidate(sharding, ids, tuple(shares), decode, prefill,
                                       kv_tokens=kv_pool))
-    feasible.sort(key=lambda c: (-c.predicted_decode_tokens_per_s,
-                                 -c.predicted_prefill_tokens_per_s, len(c.node_ids)))
+    feasible.sort(key=lambda c: (-(c.predicted_decode_tokens_per_s or 0.0),
+                                 -(c.predicted_prefill_tokens_per_s or 0.0), len(c.node_ids)))
     return feasible + infeasible
 
 
@@ -329,7 +334,7 @@ def auto(
     context: int,
     max_batch: int,
     dtype: str = "bfloat16",
-    shardings: Sequence[str] = SHARDINGS,
+    shardings: Sequence[Sharding] = SHARDINGS,
     max_nodes: int | None = None,
     *,
     min_nodes: int = 1,

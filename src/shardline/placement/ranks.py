@@ -2,9 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
-from shardline.models.config import ModelConfig, Quantize, Sharding, TensorShare
+from shardline.models.config import ModelConfig, Quantize, RankShare, Sharding
 from shardline.placement.memory import RUNTIME_BASELINE_BYTES, prefill_scratch_bytes
 from shardline.placement.pipeline import (
     MemoryShortError,
@@ -17,17 +15,20 @@ from shardline.placement.tensor import tensor_placement, tensor_rank_bytes
 
 SHARDINGS = tuple(Sharding)
 
+
+def shardings_named(name: str) -> tuple[Sharding, ...]:
+    """The shardings a placement request names: one, or every one for ``"auto"``.
+
+    Raises:
+        PlacementError: no sharding has that name.
+    """
+    if name == "auto":
+        return SHARDINGS
+    if name not in SHARDINGS:
+        raise PlacementError(f"sharding {name!r} is not supported (supported: auto, {', '.join(SHARDINGS)})")
+    return (Sharding(name),)
+
 DTYPE_BYTES = {"bfloat16": 2, "float16": 2, "float32": 4}
-
-
-@dataclass(frozen=True)
-class RankShare:
-    """One rank's part: its layer range, and under tensor sharding its heads and columns
-    (``TensorShare.to_dict()``)."""
-
-    layer_start: int
-    layer_end: int
-    tensor_share: dict | None = None
 
 
 def ring_prefill_chunk(world_size: int, per_rank: int = 512) -> int:
@@ -152,16 +153,15 @@ def rank_bytes(config: ModelConfig, sharding: Sharding, shares: list[RankShare],
     share = shares[rank]
     if sharding == Sharding.TENSOR:
         assert share.tensor_share is not None
-        return fixed + tensor_rank_bytes(config, TensorShare.from_dict(share.tensor_share),
+        return fixed + tensor_rank_bytes(config, share.tensor_share,
                                          kv_tokens=tokens, weight_bytes=weight_bytes,
                                          kv_element_bytes=kv_bytes, vocab_bytes=vocab_bytes)
     kv_per_layer = tokens * config.kv_bytes_per_token(kv_bytes) // config.num_layers
     if sharding == Sharding.RING:
         return (fixed + _ring_weights(config, weight_bytes, vocab_bytes)
                 + kv_per_layer * config.num_layers + _ring_working(config, world, kv_bytes))
-    layers = share.layer_end - share.layer_start
     per_layer = int(weight_bytes * config.layer_param_count()) + kv_per_layer
-    return fixed + _pipeline_fixed(config, rank, world, vocab_bytes) + layers * per_layer
+    return fixed + _pipeline_fixed(config, rank, world, vocab_bytes) + share.num_layers * per_layer
 
 
 def _ring_weights(config: ModelConfig, weight_bytes: float, vocab_bytes: float) -> int:
@@ -259,7 +259,7 @@ def _place(config: ModelConfig, sharding: Sharding, nodes: list[NodeCapacity], k
                                   weight_bytes=weight_bytes, kv_element_bytes=kv_bytes,
                                   vocab_bytes=vocab_bytes,
                                   admit=admit, fixed_bytes=fixed)
-        return [RankShare(0, layers, share.to_dict()) for share in shares]
+        return [RankShare(0, layers, share) for share in shares]
     if sharding == Sharding.RING:
         weights = _ring_weights(config, weight_bytes, vocab_bytes) + fixed
         ring_admission(nodes, weights, kv_cache, _ring_working(config, len(nodes), kv_bytes), admit)

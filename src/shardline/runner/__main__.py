@@ -105,8 +105,8 @@ def load_stage(spec: RunnerSpec, source, group, progress: Progress, dtype, devic
         WeightFormatError: a tensor the shard needs is missing or has the wrong shape.
         ValueError: an unknown sharding.
     """
-    from shardline.models.config import Quantize, Sharding, TensorShare
-    from shardline.models.llama import KVCache
+    from shardline.models.config import Quantize, Sharding
+    from shardline.models.kv_cache import KVCache
     from shardline.models.shard_loader import load_shard
     from shardline.parallel.pipeline import PipelineStage
     from shardline.parallel.ring import RingStage
@@ -114,14 +114,13 @@ def load_stage(spec: RunnerSpec, source, group, progress: Progress, dtype, devic
 
     quantize = Quantize(spec.quantize) if spec.quantize else None
     if spec.sharding == Sharding.TENSOR:
-        share = TensorShare.from_dict(spec.tensor_share) if spec.tensor_share else None
         return load_tensor_stage(source, spec.rank, spec.world_size, slots=spec.max_batch,
                                  context=spec.context, dtype=dtype, device=device,
-                                 share=share, group=group,
+                                 share=spec.share.tensor_share, group=group,
                                  progress=progress, quantize=quantize)
     if spec.sharding not in (Sharding.PIPELINE, Sharding.RING):
         raise ValueError(f"unknown sharding {spec.sharding!r}")
-    shard = load_shard(source, spec.layer_start, spec.layer_end, dtype=dtype, device=device,
+    shard = load_shard(source, spec.share.layer_start, spec.share.layer_end, dtype=dtype, device=device,
                        quantize=quantize)
     cache = KVCache(source.config, len(shard.layers), spec.max_batch, spec.context, dtype, device)
     if spec.sharding == Sharding.RING:

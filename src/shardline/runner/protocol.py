@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from shardline.models.config import Sharding
+from shardline.models.config import RankShare, Sharding
 
 
 @dataclass(frozen=True)
@@ -29,6 +29,25 @@ class SamplingParams:
     top_p: float = 1.0
     top_k: int = 0
     seed: int | None = None
+
+
+@dataclass(frozen=True)
+class TokenRequest:
+    """One generation request in token ids, as a node routes it to an instance.
+
+    Attributes:
+        model_id: the model asked for (an instance of it serves the request).
+        prompt: token ids of the prompt.
+        max_tokens: most tokens to generate (the stop token included).
+        sampling: how each next token is picked.
+        stop_token_ids: generation ends after emitting one of these.
+    """
+
+    model_id: str
+    prompt: tuple[int, ...]
+    max_tokens: int
+    sampling: SamplingParams = field(default_factory=SamplingParams)
+    stop_token_ids: tuple[int, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -49,6 +68,12 @@ class Task:
     max_tokens: int
     sampling: SamplingParams = field(default_factory=SamplingParams)
     stop_token_ids: tuple[int, ...] = ()
+
+    @classmethod
+    def of(cls, task_id: int, origin: str, request: TokenRequest) -> "Task":
+        """The task every rank runs for ``request``."""
+        return cls(task_id, origin, request.prompt, request.max_tokens, request.sampling,
+                   request.stop_token_ids)
 
 
 @dataclass(frozen=True)
@@ -170,9 +195,9 @@ class RunnerSpec:
         sharding: "pipeline" (a layer range per rank), "tensor" (every layer, a share of
             the heads and MLP columns) or "ring" (the whole model; prompts split across
             the ranks).
-        layer_start, layer_end: its layer range (the whole model for tensor and ring).
-        tensor_share: tensor sharding: this rank's ``TensorShare.to_dict()`` (None: the
-            even split of ``shardline.placement.tensor.tensor_shares``).
+        share: what it holds: its layer range (the whole model for tensor and ring) and
+            under tensor sharding its heads and columns (None there: the even split of
+            ``shardline.placement.tensor.tensor_shares``).
         master_addr, master_port: rank 0's TCP rendezvous for torch.distributed.
         host: this rank's node's address; the collectives' sockets use the interface that
             holds it (None: the backend's own choice, the address the machine's hostname
@@ -204,12 +229,10 @@ class RunnerSpec:
     model_path: str
     rank: int
     world_size: int
-    layer_start: int
-    layer_end: int
+    share: RankShare
     master_addr: str
     master_port: int
     sharding: Sharding = Sharding.PIPELINE
-    tensor_share: dict | None = None
     host: str | None = None
     device: str = "cpu"
     dtype: str = "bfloat16"
