@@ -102,7 +102,7 @@ def _cluster(args: argparse.Namespace) -> int:
 
 
 def _bench(args: argparse.Namespace) -> int:
-    from shardline.bench.bench import main as bench_main
+    from shardline.bench.command import main as bench_main
 
     return bench_main(args)
 
@@ -170,7 +170,7 @@ def build_parser() -> argparse.ArgumentParser:
     cluster.set_defaults(func=_cluster)
 
     bench = sub.add_parser("bench", help="measure prefill and decode tokens/s and TTFT")
-    from shardline.bench.bench import add_arguments
+    from shardline.bench.command import add_arguments
 
     add_arguments(bench)
     bench.set_defaults(func=_bench)

@@ -142,10 +142,10 @@ def _place(args: argparse.Namespace) -> None:
     shown = None
     while time.monotonic() < deadline:
         found = {i["instance_id"]: i for i in _request(args, "GET", "/cluster/instances")["instances"]}
-        inst = found.get(inst["instance_id"])
-        if inst is None:
+        if inst["instance_id"] not in found:
             raise CommandError("the instance is gone (deleted, or it failed and was placed again; "
                                "see `shardline instances`)")
+        inst = found[inst["instance_id"]]
         text = ", ".join(_rank_text(r) for r in inst["ranks"])
         if text != shown:
             _console.print(text)
@@ -186,9 +186,11 @@ def _store(args: argparse.Namespace):
 
 def _models_add(args: argparse.Namespace) -> None:
     from shardline.models.config import UnsupportedModelError
-    from shardline.models.store import ModelNotFoundError, ModelStoreError
-
-    from shardline.models.store import looks_like_path
+    from shardline.models.store import (
+        ModelNotFoundError,
+        ModelStoreError,
+        looks_like_path,
+    )
 
     store = _store(args)
     try:

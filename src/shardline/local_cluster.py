@@ -10,13 +10,11 @@ import subprocess
 import sys
 import time
 from collections.abc import Iterator
-
 from pathlib import Path
 
 import httpx
 
 from shardline.node.identity import cluster_key, default_data_dir
-
 
 KEPT_REPLACE_S = 20.0
 """How long :meth:`LocalCluster.serve` waits for a kept instance that failed with its old

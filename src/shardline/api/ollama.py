@@ -74,6 +74,10 @@ class _Request(BaseModel):
             stop=list(o.stop or []), api="ollama", max_tokens_param="options.num_predict",
             prompt_param=prompt_param)
 
+    def to_generation(self) -> GenerationRequest:
+        """The request as every API's generation takes it (each Ollama route its own)."""
+        raise NotImplementedError
+
 
 class ChatRequest(_Request):
     messages: list[OllamaMessage] = Field(min_length=1)

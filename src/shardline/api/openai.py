@@ -156,10 +156,11 @@ def router(node: Node, metrics: RequestMetrics | None = None) -> APIRouter:
 class _ChatShape:
     """The objects of Chat Completions: ``chat.completion`` and its chunks."""
 
-    def __init__(self, req: ChatCompletionRequest, gen: Generation, completion_id: str, created: int) -> None:
+    def __init__(self, req: SamplingFields, gen: Generation, completion_id: str, created: int) -> None:
         self.req, self.gen, self.id, self.created = req, gen, completion_id, created
 
-    def _chunk(self, delta: dict | None, finish: str | None, **extra) -> dict:
+    def _chunk(self, delta: Any, finish: str | None, **extra) -> dict:
+        """A chunk whose choice carries ``delta`` (a message delta; None: no choice)."""
         choices = [] if delta is None else [{"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}]
         return {"id": self.id, "object": "chat.completion.chunk", "created": self.created,
                 "model": self.req.model, "choices": choices, **extra}
@@ -189,18 +190,22 @@ class _ChatShape:
 class _CompletionShape(_ChatShape):
     """The objects of the legacy Completions: ``text_completion`` (streamed the same)."""
 
-    def _chunk(self, text: str | None, finish: str | None, **extra) -> dict:
-        choices = [] if text is None else [{"index": 0, "text": text, "logprobs": None, "finish_reason": finish}]
+    def _chunk(self, delta: Any, finish: str | None, **extra) -> dict:
+        """A chunk whose choice carries ``delta``, here the text (None: no choice)."""
+        choices = [] if delta is None else [{"index": 0, "text": delta, "logprobs": None, "finish_reason": finish}]
         return {"id": self.id, "object": "text_completion", "created": self.created,
                 "model": self.req.model, "choices": choices, **extra}
 
     def echo(self) -> str:
+        """The prompt, when the request asks for it back (``echo``)."""
+        assert isinstance(self.req, CompletionRequest)
         if not self.req.echo:
             return ""
         prompt = self.gen.req.prompt
         return prompt if isinstance(prompt, str) else self.gen.tokenizer.decode(self.gen.prompt)
 
     def first(self) -> dict | None:
+        assert isinstance(self.req, CompletionRequest)
         return self._chunk(self.echo(), None) if self.req.echo else None
 
     def text(self, text: str) -> dict:

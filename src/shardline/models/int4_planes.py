@@ -60,6 +60,7 @@ class Int4Planes:
         for packed, sz in zip(self.packed, self.scales_zeros):
             part = torch._weight_int4pack_mm_for_cpu(x, packed, INT4_GROUP, sz.to(x.dtype))
             y = part if y is None else y + part
+        assert y is not None  # at least one plane
         return y
 
     def _plane(self, i: int, start: int, end: int, out: torch.Tensor) -> None:

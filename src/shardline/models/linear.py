@@ -198,12 +198,13 @@ def resident_weight(source: GroupQuant | torch.Tensor | RowBlocks, dtype: torch.
     elif packs(first, device, dtype):
         convert = lambda g: pack_groups(g, dtype)  # type: ignore[arg-type]  # noqa: E731
     else:
-        convert = lambda g: _int8_groups(g.contiguous(), device)  # type: ignore[union-attr]  # noqa: E731
+        assert isinstance(first, GroupQuant)
+        convert = lambda g: _int8_groups(g.contiguous(), device)  # type: ignore[union-attr, arg-type]  # noqa: E731
         if (int4 and torch.device(device).type == "cpu" and first.group == INT4_GROUP
                 and cols % INT4_GROUP == 0 and rows % 16 == 0):
             try:
                 held = pack_int4_planes(first.contiguous(), dtype)
-                convert = lambda g: pack_int4_planes(g.contiguous(), dtype)  # type: ignore[union-attr]  # noqa: E731
+                convert = lambda g: pack_int4_planes(g.contiguous(), dtype)  # type: ignore[union-attr, arg-type]  # noqa: E731
             except RuntimeError:  # a torch build without the CPU int4 kernel for this shape
                 pass
     if held is None:

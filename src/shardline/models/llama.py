@@ -14,7 +14,7 @@ Tokens are processed as a flat batch of rows, shape ``[N, hidden_size]``:
 - a prefill chunk is N consecutive positions of one sequence;
 - a decode step is one new position for each of N sequences.
 
-Attention reads and writes a preallocated, slot-indexed KV cache (:class:`KVCache`), so
+Attention reads and writes a preallocated, slot-indexed KV cache (:class:`~shardline.models.kv_cache.KVCache`), so
 no cache memory is allocated per token. RoPE uses the rotate-half convention of the
 Hugging Face implementation (Su et al., RoFormer, 2021); GGUF weights are un-permuted on
 load to match it (see ``shardline.models.weights``).
@@ -23,100 +23,20 @@ load to match it (see ``shardline.models.weights``).
 from __future__ import annotations
 
 import math
-import mmap
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import TYPE_CHECKING, cast
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from shardline.models.config import ModelConfig, TensorShare
+from shardline.models.kv_cache import KVCache
 from shardline.models.linear import Embedding, Linear
 
-
-KV_BLOCK_BYTES = 4096
-"""Bytes of one head's block of positions: the unit the engine counts KV memory in (a
-4 KiB page on Linux x86-64; fixed, so every rank of an instance counts the same)."""
-
-
-class KVCache:
-    """Key/value cache for the layers of one shard.
-
-    Per local layer two tensors of shape ``[slots, num_kv_heads, positions, head_dim]`` in
-    ``dtype`` (``positions``: ``context`` rounded up to :attr:`block_tokens`). A sequence
-    owns one slot while it runs; position p of it lives at ``[slot, :, p]``, so attention
-    reads a sequence's keys as one view.
-
-    On the CPU the cache is one anonymous mapping that the kernel backs with memory only
-    as it is written, a page at a time: a block of :attr:`block_tokens` positions of one
-    head (:data:`KV_BLOCK_BYTES`: 32 positions of a 64-wide bfloat16 head), the way a paged KV cache hands out blocks
-    as sequences grow, with the blocks of a sequence contiguous in virtual memory
-    (vAttention, Prabhu et al. 2024, arXiv:2405.04437). :meth:`release` returns a slot's
-    pages to the system when its sequence ends; how many tokens may be written at once is
-    the engine's KV budget (:class:`~shardline.runner.engine.Engine`). Elsewhere (CUDA)
-    the whole cache is allocated up front.
-
-    ``num_kv_heads`` defaults to the model's; a tensor-parallel shard passes its own count
-    (``DecoderShard.num_kv_heads``), as it caches only its KV heads.
-    """
-
-    def __init__(
-        self,
-        config: ModelConfig,
-        num_layers: int,
-        slots: int,
-        context: int,
-        dtype: torch.dtype,
-        device: torch.device | str = "cpu",
-        num_kv_heads: int | None = None,
-    ) -> None:
-        heads = config.num_kv_heads if num_kv_heads is None else num_kv_heads
-        element = torch.empty((), dtype=dtype).element_size()
-        self.block_tokens = max(1, KV_BLOCK_BYTES // (config.head_dim * element))
-        positions = -(-context // self.block_tokens) * self.block_tokens
-        shape = (2, num_layers, slots, heads, positions, config.head_dim)
-        self.slots = slots
-        self.context = context
-        self.bytes_per_token = 2 * num_layers * heads * config.head_dim * element
-        self._slot_bytes = heads * positions * config.head_dim * element  # one layer's K (or V)
-        self._mapping = None
-        if torch.device(device).type == "cpu":
-            size = math.prod(shape) * element
-            # A private anonymous mapping: zero pages until written, a page at a time, and
-            # MADV_DONTNEED frees them (a shared one keeps them). Not huge pages: with them
-            # one written position took 2 MiB (numpy's large arrays ask for them: 864 MiB
-            # resident for SmolLM2 with 4 short requests, against ~400).
-            self._mapping = mmap.mmap(-1, max(size, 1), flags=mmap.MAP_PRIVATE)
-            if hasattr(mmap, "MADV_NOHUGEPAGE"):
-                self._mapping.madvise(mmap.MADV_NOHUGEPAGE)
-            both = torch.frombuffer(self._mapping, dtype=torch.uint8, count=size)
-            both = both.view(dtype).view(shape)
-        else:
-            both = torch.zeros(shape, dtype=dtype, device=device)
-        self.k = list(both[0].unbind(0))
-        self.v = list(both[1].unbind(0))
-
-    def nbytes(self) -> int:
-        """Bytes of address space reserved (every slot at full context)."""
-        return sum(t.numel() * t.element_size() for t in self.k + self.v)
-
-    def blocks_for(self, tokens: int) -> int:
-        """Tokens rounded up to whole blocks: what ``tokens`` positions of a sequence take."""
-        return -(-tokens // self.block_tokens) * self.block_tokens
-
-    def release(self, slot: int) -> None:
-        """Give the memory of ``slot``'s written positions back to the system (its
-        sequence ended); they read as zeros until written again. A no-op off the CPU and
-        where the system has no ``MADV_DONTNEED``."""
-        advice = getattr(mmap, "MADV_DONTNEED", None)
-        if self._mapping is None or advice is None:
-            return
-        start, step = slot * self._slot_bytes, self.slots * self._slot_bytes
-        if self._slot_bytes % mmap.PAGESIZE:  # not page-aligned: nothing whole to give back
-            return
-        for region in range(2 * len(self.k)):  # (K, V) x layers, each [slots, ...]
-            self._mapping.madvise(advice, region * step + start, self._slot_bytes)
+if TYPE_CHECKING:
+    from shardline.parallel.ring import RingContext
 
 
 @dataclass
@@ -152,7 +72,7 @@ class ForwardBatch:
     kv_len: int
     rows: list[tuple[int, int]]
     logit_rows: torch.Tensor
-    ring: object | None = None
+    ring: RingContext | None = None
 
 
 class RMSNorm(nn.Module):
@@ -216,6 +136,9 @@ class Attention(nn.Module):
     all heads, and the padding heads' outputs are dropped (``out_index``).
     """
 
+    q_index: torch.Tensor | None  # buffers (see __init__)
+    out_index: torch.Tensor | None
+
     def __init__(self, config: ModelConfig, share: TensorShare | None = None) -> None:
         super().__init__()
         self.num_heads = share.num_heads if share else config.num_heads
@@ -243,7 +166,7 @@ class Attention(nn.Module):
         qkv = self.qkv(x)
         qk = qkv[:, : (heads + kv_heads) * hd].view(n, heads + kv_heads, hd)
         v = qkv[:, (heads + kv_heads) * hd :].view(n, kv_heads, hd)
-        if self.q_norm is not None:
+        if self.q_norm is not None and self.k_norm is not None:
             qk = torch.cat((self.q_norm(qk[:, :heads]), self.k_norm(qk[:, heads:])), dim=1)
         # RoPE on q and k at once: x * cos + rotate_half(x) * sin, where rotate_half swaps
         # the two halves of each head (flip) and batch.sin carries rotate_half's sign.
@@ -355,6 +278,8 @@ class DecoderShard(nn.Module):
     the last shard with a head float32 logits ``[len(batch.logit_rows), vocab_size]``.
     """
 
+    inv_freq: torch.Tensor  # a buffer: RoPE inverse frequencies, float32 [head_dim // 2]
+
     def __init__(
         self,
         config: ModelConfig,
@@ -384,12 +309,11 @@ class DecoderShard(nn.Module):
         self.layers = nn.ModuleList(
             DecoderLayer(config, share) for _ in range(layer_end - layer_start)
         )
+        self.norm: RMSNorm | None = None
+        self.lm_head: Linear | None = None
         if self.is_last and head:
             self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
             self.lm_head = Linear(config.hidden_size, config.vocab_size, bias=False, logits=True)
-        else:
-            self.norm = None
-            self.lm_head = None
         self.register_buffer(
             "inv_freq", rope_inverse_frequencies(config, rope_freq_factors), persistent=False
         )
@@ -397,21 +321,25 @@ class DecoderShard(nn.Module):
     @property
     def num_kv_heads(self) -> int:
         """KV heads this shard caches per layer (all of them unless tensor-parallel)."""
-        return self.layers[0].attn.num_kv_heads
+        return self._layer(0).attn.num_kv_heads
 
     def set_all_reduce(self, fn: Callable[[torch.Tensor], torch.Tensor] | None) -> None:
         """Set every layer's all-reduce (see :class:`DecoderLayer`)."""
-        for layer in self.layers:
-            layer.all_reduce = fn
+        for i in range(len(self.layers)):
+            self._layer(i).all_reduce = fn
+
+    def _layer(self, i: int) -> DecoderLayer:
+        """Layer ``i`` of this shard (0: its first), typed."""
+        return cast(DecoderLayer, self.layers[i])
 
     @property
     def dtype(self) -> torch.dtype:
         """The compute dtype (the norms' weights are held in it)."""
-        return self.layers[0].attn_norm.weight.dtype
+        return self._layer(0).attn_norm.weight.dtype
 
     @property
     def device(self) -> torch.device:
-        return self.layers[0].attn_norm.weight.device
+        return self._layer(0).attn_norm.weight.device
 
     def prefill_batch(self, slot: int, start: int, length: int, want_logits: bool) -> ForwardBatch:
         """Describe a prefill chunk: positions ``start .. start+length-1`` of ``slot``."""
@@ -469,7 +397,7 @@ class DecoderShard(nn.Module):
         h = self.embed(inputs) if self.embed is not None else inputs
         for i, layer in enumerate(self.layers):
             h = layer(h, batch, cache.k[i], cache.v[i])
-        if self.lm_head is None:
+        if self.lm_head is None or self.norm is None:
             return h
         h = self.norm(h.index_select(0, batch.logit_rows))
         return self.lm_head(h).float()
@@ -493,7 +421,8 @@ def _gqa_padding(
     group = max(counts)
     if all(c == group for c in counts):
         return None, None
-    q_index, out_index = [], []
+    q_index: list[int] = []
+    out_index: list[int] = []
     for j in range(num_kv_heads):
         mine = [i for i, kv in enumerate(local_kv) if kv == j]
         out_index.extend(len(q_index) + k for k in range(len(mine)))

@@ -271,10 +271,11 @@ def _build_shard(
             dense[name] = value.to(device=device, dtype=dtype)
             continue
         if name == "embed":
+            assert shard.embed is not None and (shard.lm_head is not None or not tied_here)
             embed_weight, head_weight = _embedding_weights(held(value[0], vocab=True), dtype, device)
             shard.embed.weight = embed_weight
             shard.embed.dtype = dtype
-            if tied_here:
+            if tied_here and shard.lm_head is not None:
                 shard.lm_head.set_parts([head_weight])
             del value, head_weight
             release_free_memory()

@@ -71,7 +71,7 @@ class Tokenizer:
         return list(self._tok.encode(text, add_special_tokens=add_special_tokens))
 
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
-        return self._tok.decode(ids, skip_special_tokens=skip_special_tokens)
+        return str(self._tok.decode(ids, skip_special_tokens=skip_special_tokens))
 
     def render_chat(self, messages: list[dict[str, Any]]) -> str:
         """The prompt text for ``messages`` with the assistant's turn opened.
@@ -80,9 +80,9 @@ class Tokenizer:
             ChatTemplateError: the template rejects the messages (e.g. roles out of order).
         """
         try:
-            return self._tok.apply_chat_template(
+            return str(self._tok.apply_chat_template(
                 messages, add_generation_prompt=True, tokenize=False
-            )
+            ))
         except Exception as exc:  # jinja2's TemplateError and template-raised exceptions
             raise ChatTemplateError(f"chat template failed: {exc}") from exc
 

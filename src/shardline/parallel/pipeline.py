@@ -26,7 +26,8 @@ from typing import Callable
 import torch
 import torch.distributed as dist
 
-from shardline.models.llama import DecoderShard, ForwardBatch, KVCache
+from shardline.models.kv_cache import KVCache
+from shardline.models.llama import DecoderShard, ForwardBatch
 from shardline.parallel.progress import Progress
 from shardline.parallel.stage import Stage
 
@@ -64,6 +65,7 @@ class PipelineStage(Stage):
             else:
                 progress.mark(f"receiving micro-batch {tag} from rank {self.rank - 1}")
                 inputs, work = received[tag]
+                assert work is not None  # irecv returns its work outside a coalescing context
                 work.wait()
             progress.mark(f"computing micro-batch {tag}")
             out = shard(inputs, batch, self.cache)
@@ -77,6 +79,7 @@ class PipelineStage(Stage):
                 outputs.append(None)
         for tag, (_, work) in enumerate(sends):
             progress.mark(f"sending micro-batch {tag} to rank {self.rank + 1}")
+            assert work is not None  # isend returns its work outside a coalescing context
             work.wait()
         progress.mark("step done")
         return outputs

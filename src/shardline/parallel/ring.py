@@ -22,10 +22,13 @@ rank without gathering anything.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 import torch.distributed as dist
 
-from shardline.models.llama import DecoderShard, ForwardBatch, KVCache
+from shardline.models.kv_cache import KVCache
+from shardline.models.llama import DecoderShard, ForwardBatch
 from shardline.parallel.progress import Progress
 from shardline.parallel.stage import Stage
 
@@ -115,7 +118,7 @@ class RingContext:
         # Each rank's two blocks (start, end), offsets within the chunk, in position order.
         self.blocks = [(bounds[r], bounds[2 * world - 1 - r]) for r in range(world)]
         self.positions = [start + zigzag_offsets(length, world, r).to(device) for r in range(world)]
-        self.on_hop = None  # called after each hop (the progress watchdog)
+        self.on_hop: Callable[[int], None] | None = None  # called after each hop (the progress watchdog)
 
     def attend(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
@@ -135,7 +138,8 @@ class RingContext:
         acc: list[tuple[torch.Tensor, torch.Tensor] | None] = [None, None]
 
         def add(i: int, part: tuple[torch.Tensor, torch.Tensor]) -> None:
-            acc[i] = part if acc[i] is None else merge(*acc[i], *part)
+            held = acc[i]
+            acc[i] = part if held is None else merge(*held, *part)
 
         if self.start > 0:
             k_prefix = k_cache[self.slot, :, : self.start].transpose(0, 1)

@@ -20,7 +20,8 @@ from typing import Callable
 import torch
 import torch.distributed as dist
 
-from shardline.models.llama import DecoderShard, ForwardBatch, KVCache
+from shardline.models.kv_cache import KVCache
+from shardline.models.llama import DecoderShard, ForwardBatch
 from shardline.parallel.progress import Progress
 
 

@@ -42,7 +42,8 @@ import torch
 import torch.distributed as dist
 
 from shardline.models.config import TensorShare
-from shardline.models.llama import DecoderShard, KVCache
+from shardline.models.kv_cache import KVCache
+from shardline.models.llama import DecoderShard
 from shardline.parallel.progress import Progress
 from shardline.parallel.stage import Stage
 

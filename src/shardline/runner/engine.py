@@ -222,7 +222,7 @@ class Engine:
         agreement = agree(list(self.held), list(self.pending_cancels), self.group)
         for task_id in agreement.tasks:
             self.waiting.append(self.held.pop(task_id))
-        events = []
+        events: list[TokenEvent | PrefillProgress] = []
         for task_id in agreement.cancels:
             self.pending_cancels.discard(task_id)
             self.cancelled[task_id] = None
@@ -323,13 +323,19 @@ class Engine:
 
         outputs = self.stage.run(micro, computed)
         to_sample = list(decoding)
-        rows = [outputs[0][i] for i in range(len(decoding))] if decoding and self.stage.samples else []
+        rows: list[torch.Tensor] = []
+        if decoding and self.stage.samples:
+            logits = outputs[0]
+            assert logits is not None  # the sampling rank has logits for every micro-batch
+            rows = [logits[i] for i in range(len(decoding))]
         for index, (seq, start, length) in enumerate(chunks, start=first_chunk):
             seq.prefilled = start + length
             if seq.prefilled == seq.prompt_len:
                 to_sample.append(seq)
                 if self.stage.samples:
-                    rows.append(outputs[index][0])
+                    chunk_logits = outputs[index]
+                    assert chunk_logits is not None
+                    rows.append(chunk_logits[0])
         if to_sample:
             self._sample_and_advance(to_sample, rows)
 
@@ -337,11 +343,14 @@ class Engine:
         """Sample on the sampling rank (``logits``: float32 ``[vocab]`` per sequence), share
         the ids with every rank, append them and end the sequences that finished."""
         if self.stage.samples:
-            chosen = [s.sampler.sample(row) for s, row in zip(seqs, logits)]
-            ids = torch.tensor(chosen, dtype=torch.long, device=self.comm_device)
+            chosen = []
+            for s, row in zip(seqs, logits):
+                assert s.sampler is not None  # admitted on the sampling rank with one
+                chosen.append(s.sampler.sample(row))
+            sampled = torch.tensor(chosen, dtype=torch.long, device=self.comm_device)
         else:
-            ids = torch.empty(len(seqs), dtype=torch.long, device=self.comm_device)
-        ids = self.stage.share_tokens(ids).tolist()
+            sampled = torch.empty(len(seqs), dtype=torch.long, device=self.comm_device)
+        ids = self.stage.share_tokens(sampled).tolist()
         events: list[TokenEvent | PrefillProgress] = []
         for seq, token in zip(seqs, ids):
             seq.generated.append(token)

@@ -1,0 +1,302 @@
+"""``shardline bench`` as a command: its options, checks, the local cluster it starts
+without ``--url``, and the printed report. The measurements are
+:mod:`shardline.bench.bench`'s."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import signal
+import socket
+import sys
+import tempfile
+import time
+from typing import Any
+
+import httpx
+
+from shardline.bench.bench import (
+    AGGREGATE_DEFINITION,
+    DEFAULT_PORT,
+    BenchConfig,
+    BenchError,
+    error_message,
+    median,
+    run_bench,
+)
+from shardline.local_cluster import LocalCluster, LocalClusterError
+
+
+def _fmt(value: float | None, digits: int = 1) -> str:
+    return "n/a" if value is None else f"{value:,.{digits}f}"
+
+
+def print_report(report: dict[str, Any], console=None) -> None:
+    """Print the header line and a rich table of the per-level figures."""
+    from rich.console import Console
+    from rich.table import Table
+
+    console = console or Console()
+    cfg = report["config"]
+    levels = report["levels"]
+    real_prompt = median([lv["median_prompt_tokens"] for lv in levels])
+    nodes = cfg["nodes"] if cfg["nodes"] is not None else "?"
+    sharding = cfg["sharding"] or "?"
+    node_word = "node" if nodes == 1 else "nodes"
+    console.print(
+        f"[bold]shardline bench[/bold] · {cfg['model']} · {nodes} {node_word} · {sharding} · "
+        f"prompt {cfg['prompt_tokens']} tokens (real {_fmt(real_prompt, 0)}) · gen {cfg['gen_tokens']} tokens",
+        highlight=False,
+    )
+    console.print(f"[dim]server {cfg['url']}[/dim]", highlight=False)
+    table = Table(caption=f"TTFT, prefill and per-request decode: medians over the level's requests.\n"
+                          f"{AGGREGATE_DEFINITION}.",
+                  caption_justify="left")
+    for title in ("concur-\nrency", "reqs", "prompt\ntokens", "gen\ntokens", "TTFT\n(ms)", "prefill\ntok/s",
+                  "decode\ntok/s\nper req.", "decode\ntok/s\naggregate"):
+        table.add_column(title, justify="right", no_wrap=True)
+    for lv in levels:
+        table.add_row(
+            str(lv["concurrency"]),
+            str(lv["requests"]),
+            _fmt(lv["median_prompt_tokens"], 0),
+            _fmt(lv["median_completion_tokens"], 0),
+            _fmt(lv["median_ttft_ms"], 1),
+            _fmt(lv["median_prefill_tokens_per_s"], 1),
+            _fmt(lv["median_decode_tokens_per_s"], 1),
+            _fmt(lv["aggregate_decode_tokens_per_s"], 1),
+        )
+    console.print(table)
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """Add ``shardline bench``'s options to its subparser."""
+    from shardline.models.store import DEFAULT_MODEL_ID
+    from shardline.placement.ranks import SHARDINGS
+
+    parser.add_argument("--url", default=None,
+                        help="benchmark this running node (http://host:port); default: start a local cluster")
+    parser.add_argument("--nodes", type=int, default=1, help="nodes of the local cluster (default %(default)s)")
+    parser.add_argument("--sharding", default="pipeline", choices=SHARDINGS,
+                        help="sharding of the local cluster (default %(default)s)")
+    parser.add_argument("--model", default=None,
+                        help=f"model id or local path (default {DEFAULT_MODEL_ID}; "
+                             "with --url: the node's first model)")
+    parser.add_argument("--port", type=int, default=DEFAULT_PORT,
+                        help="first port of the local cluster (default %(default)s)")
+    parser.add_argument("--runner-threads", type=int, default=0,
+                        help="torch threads per runner of the local cluster (0: cores / nodes)")
+    parser.add_argument("--prompt-tokens", type=int, default=512,
+                        help="prompt length in tokens, chat template included (default %(default)s)")
+    parser.add_argument("--gen-tokens", type=int, default=128,
+                        help="tokens generated per request (default %(default)s)")
+    parser.add_argument("--concurrency", type=int, nargs="+", default=[1],
+                        help="requests in flight at once; several values give several levels (default 1)")
+    parser.add_argument("--runs", type=int, default=3,
+                        help="requests per concurrency level, at least the concurrency (default %(default)s)")
+    parser.add_argument("--json", dest="json_path", default=None, metavar="PATH",
+                        help="also write the results as JSON to PATH")
+    parser.add_argument("--memory", action="store_true",
+                        help="after the workload, print each rank's memory: file bytes of its shard, "
+                             "placement's estimate, resident set steady and at its peaks")
+    parser.add_argument("--warmup", action=argparse.BooleanOptionalAction, default=True,
+                        help="send one unmeasured request first (default on)")
+
+
+def _fail(message: str) -> int:
+    print(f"shardline bench: {message}", file=sys.stderr)
+    return 1
+
+
+def _check_args(args: argparse.Namespace) -> str | None:
+    if args.prompt_tokens < 1:
+        return "--prompt-tokens must be at least 1"
+    if args.gen_tokens < 2:
+        return "--gen-tokens must be at least 2 (decode speed needs two tokens)"
+    if any(c < 1 for c in args.concurrency):
+        return "--concurrency values must be at least 1"
+    if args.runs < 1:
+        return "--runs must be at least 1"
+    if args.nodes < 1:
+        return "--nodes must be at least 1"
+    if args.json_path:
+        folder = os.path.dirname(os.path.abspath(args.json_path))
+        if not os.path.isdir(folder):
+            return f"--json {args.json_path}: folder {folder} does not exist"
+    return None
+
+
+def _describe_connect_error(url: str, exc: Exception) -> str:
+    if isinstance(exc, httpx.TimeoutException):
+        return f"{url} did not answer in time ({type(exc).__name__})"
+    if isinstance(exc, httpx.ConnectError):
+        return f"cannot reach {url}: {exc or 'connection failed'}"
+    return f"request to {url} failed: {type(exc).__name__}: {exc}"
+
+
+def _server_info(url: str, model: str | None) -> tuple[str, int | None, str | None]:
+    """(model id, nodes, sharding) of a running server; nodes/sharding None if unknown."""
+    response = httpx.get(f"{url}/v1/models", timeout=10)
+    if response.status_code != 200:
+        raise BenchError(error_message(response, response.content))
+    try:
+        ids = [m["id"] for m in response.json()["data"]]
+    except (ValueError, KeyError, TypeError) as exc:
+        raise BenchError(f"{url}/v1/models did not answer with a model list") from exc
+    if not ids:
+        raise BenchError(f"{url} serves no model yet (GET /v1/models is empty)")
+    if model is None:
+        model = ids[0]
+    elif model not in ids:
+        raise BenchError(f"{url} does not serve {model!r} (it serves: {', '.join(ids)})")
+    nodes, sharding = _wait_ready(url, model)
+    return model, nodes, sharding
+
+
+def _wait_ready(url: str, model: str, timeout_s: float = 120.0) -> tuple[int | None, str | None]:
+    """(nodes, sharding) of the model's ready shardline instance, waiting while it loads.
+
+    shardline's ``/v1/models`` already lists a model while it is loading; its cluster API
+    (``/cluster/instances``) tells when it serves. Other OpenAI servers lack that API:
+    (None, None) at once.
+
+    Raises:
+        BenchError: the model is still loading after ``timeout_s`` seconds, or it failed.
+    """
+    deadline = time.monotonic() + timeout_s
+    said = False
+    while True:
+        try:
+            response = httpx.get(f"{url}/cluster/instances", timeout=10)
+            instances = [i for i in response.json()["instances"] if i["model_id"] == model]
+        except (httpx.HTTPError, ValueError, KeyError, TypeError):
+            return None, None
+        for inst in instances:
+            if inst["status"] == "ready":
+                return len(inst["ranks"]), inst["sharding"]
+        if not any(i["status"] == "loading" for i in instances):
+            failed = [i.get("error") for i in instances if i["status"] == "failed"]
+            if failed:
+                raise BenchError(f"{model!r} failed on {url}: {failed[0]}")
+            return None, None
+        if time.monotonic() > deadline:
+            raise BenchError(f"{model!r} was still loading on {url} after {timeout_s:.0f} s")
+        if not said:
+            _progress(f"waiting for {model} to finish loading on {url}")
+            said = True
+        time.sleep(0.5)
+
+
+def _busy_port(base: int, count: int) -> int | None:
+    """The first port in ``base .. base+count-1`` that something already listens on, else None."""
+    for port in range(base, base + count):
+        with socket.socket() as s:
+            s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                return port
+    return None
+
+
+def _progress(message: str) -> None:
+    print(f"shardline bench: {message}", file=sys.stderr, flush=True)
+
+
+def _bench_url(args: argparse.Namespace, url: str, model: str, nodes: int | None,
+               sharding: str | None) -> int:
+    config = BenchConfig(
+        url=url, model=model, nodes=nodes, sharding=sharding,
+        prompt_tokens=args.prompt_tokens, gen_tokens=args.gen_tokens,
+        concurrency=list(args.concurrency), runs=args.runs, warmup=args.warmup,
+    )
+    report = asyncio.run(run_bench(config, _progress))
+    print_report(report)
+    if args.memory:
+        from shardline.bench.memory import MemoryReportError, print_memory, rank_memory
+
+        try:
+            report["memory"] = rank_memory(url, model)
+        except MemoryReportError as exc:
+            raise BenchError(f"memory report: {exc}") from exc
+        print_memory(report["memory"])
+    short = [r["completion_tokens"] for lv in report["levels"] for r in lv["per_request"]
+             if r["completion_tokens"] < args.gen_tokens]
+    if short:
+        _progress(f"warning: {len(short)} request(s) generated fewer than {args.gen_tokens} tokens "
+                  f"(as few as {min(short)}): the server ignored ignore_eos or the context is full")
+    if args.json_path:
+        with open(args.json_path, "w") as f:
+            json.dump(report, f, indent=2)
+        _progress(f"wrote {args.json_path}")
+    return 0
+
+
+def main(args: argparse.Namespace) -> int:
+    """Run ``shardline bench``; 0 on success, 1 with a one-line message on stderr otherwise."""
+    problem = _check_args(args)
+    if problem:
+        return _fail(problem)
+    # SIGTERM (e.g. from ``timeout``) must still stop a local cluster: its nodes run in
+    # their own sessions and would outlive this process.
+    try:
+        previous = signal.signal(signal.SIGTERM, _on_sigterm)
+    except ValueError:  # not the main thread
+        previous = None
+    try:
+        return _main(args)
+    finally:
+        if previous is not None:
+            signal.signal(signal.SIGTERM, previous)
+
+
+def _on_sigterm(signum, frame) -> None:
+    raise SystemExit(128 + signum)
+
+
+def _main(args: argparse.Namespace) -> int:
+    cluster = None
+    log_dir = None
+    url = args.url.rstrip("/") if args.url else None
+    try:
+        if url is not None:
+            if "://" not in url:
+                url = f"http://{url}"
+            model, nodes, sharding = _server_info(url, args.model)
+        else:
+            from shardline.models.store import DEFAULT_MODEL_ID
+
+            busy = _busy_port(args.port, args.nodes)
+            if busy is not None:
+                return _fail(f"port {busy} is in use; pick other ports with --port, or bench it with --url")
+            log_dir = tempfile.mkdtemp(prefix="shardline-bench-")
+            _progress(f"starting a {args.nodes}-node cluster on ports {args.port}-"
+                      f"{args.port + args.nodes - 1} (node logs in {log_dir})")
+            cluster = LocalCluster(nodes=args.nodes, base_port=args.port,
+                                   runner_threads=args.runner_threads, log_dir=log_dir)
+            cluster.start()
+            _progress(f"placing {args.model or DEFAULT_MODEL_ID} ({args.sharding})")
+            cluster.clear()  # instances the bench's own nodes kept from an earlier run
+            instance = cluster.place(args.model or DEFAULT_MODEL_ID, args.sharding)
+            url = cluster.url(0)
+            model, nodes, sharding = instance["model_id"], len(instance["ranks"]), instance["sharding"]
+        return _bench_url(args, url, model, nodes, sharding)
+    except BenchError as exc:
+        return _fail(str(exc))
+    except httpx.HTTPError as exc:
+        target = url or (cluster.url(0) if cluster is not None else "the cluster")
+        return _fail(_describe_connect_error(target, exc))
+    except OSError as exc:  # e.g. --json PATH not writable
+        return _fail(str(exc))
+    except KeyboardInterrupt:
+        print("shardline bench: interrupted", file=sys.stderr)
+        return 130
+    except LocalClusterError as exc:
+        where = f" (node logs in {log_dir})" if log_dir else ""
+        return _fail(f"local cluster: {exc}{where}")
+    finally:
+        if cluster is not None:
+            _progress("stopping the local cluster")
+            cluster.stop()

@@ -1,0 +1,94 @@
+"""The KV cache of a decoder shard: keys and values of every slot's positions, held as
+address space that takes memory only as positions are written (see :class:`KVCache`)."""
+
+from __future__ import annotations
+
+import math
+import mmap
+
+import torch
+
+from shardline.models.config import ModelConfig
+
+KV_BLOCK_BYTES = 4096
+"""Bytes of one head's block of positions: the unit the engine counts KV memory in (a
+4 KiB page on Linux x86-64; fixed, so every rank of an instance counts the same)."""
+
+
+class KVCache:
+    """Key/value cache for the layers of one shard.
+
+    Per local layer two tensors of shape ``[slots, num_kv_heads, positions, head_dim]`` in
+    ``dtype`` (``positions``: ``context`` rounded up to :attr:`block_tokens`). A sequence
+    owns one slot while it runs; position p of it lives at ``[slot, :, p]``, so attention
+    reads a sequence's keys as one view.
+
+    On the CPU the cache is one anonymous mapping that the kernel backs with memory only
+    as it is written, a page at a time: a block of :attr:`block_tokens` positions of one
+    head (:data:`KV_BLOCK_BYTES`: 32 positions of a 64-wide bfloat16 head), the way a paged KV cache hands out blocks
+    as sequences grow, with the blocks of a sequence contiguous in virtual memory
+    (vAttention, Prabhu et al. 2024, arXiv:2405.04437). :meth:`release` returns a slot's
+    pages to the system when its sequence ends; how many tokens may be written at once is
+    the engine's KV budget (:class:`~shardline.runner.engine.Engine`). Elsewhere (CUDA)
+    the whole cache is allocated up front.
+
+    ``num_kv_heads`` defaults to the model's; a tensor-parallel shard passes its own count
+    (``DecoderShard.num_kv_heads``), as it caches only its KV heads.
+    """
+
+    def __init__(
+        self,
+        config: ModelConfig,
+        num_layers: int,
+        slots: int,
+        context: int,
+        dtype: torch.dtype,
+        device: torch.device | str = "cpu",
+        num_kv_heads: int | None = None,
+    ) -> None:
+        heads = config.num_kv_heads if num_kv_heads is None else num_kv_heads
+        element = torch.empty((), dtype=dtype).element_size()
+        self.block_tokens = max(1, KV_BLOCK_BYTES // (config.head_dim * element))
+        positions = -(-context // self.block_tokens) * self.block_tokens
+        shape = (2, num_layers, slots, heads, positions, config.head_dim)
+        self.slots = slots
+        self.context = context
+        self.bytes_per_token = 2 * num_layers * heads * config.head_dim * element
+        self._slot_bytes = heads * positions * config.head_dim * element  # one layer's K (or V)
+        self._mapping = None
+        if torch.device(device).type == "cpu":
+            size = math.prod(shape) * element
+            # A private anonymous mapping: zero pages until written, a page at a time, and
+            # MADV_DONTNEED frees them (a shared one keeps them). Not huge pages: with them
+            # one written position took 2 MiB (numpy's large arrays ask for them: 864 MiB
+            # resident for SmolLM2 with 4 short requests, against ~400).
+            self._mapping = mmap.mmap(-1, max(size, 1), flags=mmap.MAP_PRIVATE)
+            if hasattr(mmap, "MADV_NOHUGEPAGE"):
+                self._mapping.madvise(mmap.MADV_NOHUGEPAGE)
+            both = torch.frombuffer(self._mapping, dtype=torch.uint8, count=size)
+            both = both.view(dtype).view(shape)
+        else:
+            both = torch.zeros(shape, dtype=dtype, device=device)
+        self.k = list(both[0].unbind(0))
+        self.v = list(both[1].unbind(0))
+
+    def nbytes(self) -> int:
+        """Bytes of address space reserved (every slot at full context)."""
+        return sum(t.numel() * t.element_size() for t in self.k + self.v)
+
+    def blocks_for(self, tokens: int) -> int:
+        """Tokens rounded up to whole blocks: what ``tokens`` positions of a sequence take."""
+        return -(-tokens // self.block_tokens) * self.block_tokens
+
+    def release(self, slot: int) -> None:
+        """Give the memory of ``slot``'s written positions back to the system (its
+        sequence ended); they read as zeros until written again. A no-op off the CPU and
+        where the system has no ``MADV_DONTNEED``."""
+        advice = getattr(mmap, "MADV_DONTNEED", None)
+        if self._mapping is None or advice is None:
+            return
+        start, step = slot * self._slot_bytes, self.slots * self._slot_bytes
+        if self._slot_bytes % mmap.PAGESIZE:  # not page-aligned: nothing whole to give back
+            return
+        for region in range(2 * len(self.k)):  # (K, V) x layers, each [slots, ...]
+            self._mapping.madvise(advice, region * step + start, self._slot_bytes)

@@ -1,0 +1,28 @@
+"""The code passes ruff and mypy with the project's settings (pyproject.toml's
+``[tool.ruff]`` and ``[tool.mypy]``)."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+@pytest.mark.fast
+@pytest.mark.timeout(120)
+def test_ruff_finds_nothing():
+    result = subprocess.run([sys.executable, "-m", "ruff", "check", "--no-cache", "src", "tests"],
+                            cwd=ROOT, capture_output=True, text=True, timeout=100)
+    assert result.returncode == 0, result.stdout + result.stderr
+
+
+@pytest.mark.timeout(600)
+def test_mypy_finds_nothing():
+    """Type-checks src/shardline (about a minute on 2 cores without mypy's cache)."""
+    result = subprocess.run([sys.executable, "-m", "mypy"], cwd=ROOT, capture_output=True, text=True,
+                            timeout=580)
+    assert result.returncode == 0, result.stdout + result.stderr
