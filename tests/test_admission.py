@@ -10,7 +10,7 @@ from shardline.runner.engine import (
     pool_tokens,
 )
 
-pytestmark = pytest.mark.timeout(10)
+pytestmark = [pytest.mark.fast, pytest.mark.timeout(10)]
 
 
 @pytest.mark.parametrize("prompt, max_tokens, context, block, pool, expected", [

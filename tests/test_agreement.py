@@ -4,7 +4,7 @@ import pytest
 
 from shardline.runner.agreement import agree, decide, encode_proposal
 
-pytestmark = pytest.mark.timeout(30)
+pytestmark = [pytest.mark.fast, pytest.mark.timeout(30)]
 
 
 def test_task_starts_only_when_every_rank_holds_it():

@@ -5,7 +5,7 @@ import pytest
 import torch
 from model_shapes import smollm2
 
-from shardline.models.llama import KVCache
+from shardline.models.kv_cache import KVCache
 
 pytestmark = pytest.mark.timeout(30)
 

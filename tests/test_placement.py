@@ -8,7 +8,7 @@ from shardline.placement.pipeline import (
     pipeline_layer_ranges,
 )
 
-pytestmark = pytest.mark.timeout(30)
+pytestmark = [pytest.mark.fast, pytest.mark.timeout(30)]
 
 GB = 1 << 30
 

@@ -20,7 +20,7 @@ from shardline.placement.preview import (
 )
 from shardline.placement.ranks import place_ranks
 
-pytestmark = pytest.mark.timeout(30)
+pytestmark = [pytest.mark.fast, pytest.mark.timeout(30)]
 
 GB = 1 << 30
 

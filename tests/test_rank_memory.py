@@ -28,7 +28,7 @@ from shardline.placement.ranks import (
     rank_bytes,
 )
 
-pytestmark = pytest.mark.timeout(10)
+pytestmark = [pytest.mark.fast, pytest.mark.timeout(10)]
 
 MB = 1 << 20
 FILE = 101_885_989  # SmolLM2-135M Q4_1's GGUF

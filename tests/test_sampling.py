@@ -8,6 +8,8 @@ import torch
 from shardline.runner.protocol import SamplingParams
 from shardline.runner.sampling import Sampler
 
+pytestmark = pytest.mark.fast
+
 VOCAB = 50
 
 

@@ -28,8 +28,8 @@ import torch
 import torch.multiprocessing as mp
 
 from shardline.models.config import Quantize, TensorShare
+from shardline.models.kv_cache import KVCache
 from shardline.models.linear import Linear, weight_bytes
-from shardline.models.llama import KVCache
 from shardline.models.shard_loader import load_shard, load_tensor_shard
 from shardline.models.weights import open_weights
 from shardline.parallel.tensor import TensorStage, load_tensor_stage
@@ -358,7 +358,6 @@ def _agree_until_a_near_tie(got_tokens, tokens, got_logits, logits, tolerance):
                 break
 
 
-@pytest.mark.slow
 @pytest.mark.timeout(90)
 @pytest.mark.parametrize("world", [2])  # 3 ranks: tests/test_sharding_e2e.py
 def test_smollm2_matches_one_rank(tmp_path, world):

@@ -18,7 +18,7 @@ from shardline.placement.tensor import (
     tensor_shares,
 )
 
-pytestmark = pytest.mark.timeout(30)
+pytestmark = [pytest.mark.fast, pytest.mark.timeout(30)]
 
 GB = 1 << 30
 

@@ -16,7 +16,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from shardline.models.llama import KVCache
+from shardline.models.kv_cache import KVCache
 
 VOCAB = 128
 HIDDEN = 64
