@@ -102,9 +102,10 @@ def table(hosts: netns.Hosts, i: int) -> tuple:
 
 @pytest.mark.timeout(240)
 def test_a_partition_heals_into_one_state_and_one_serving_instance(tmp_path):
-    """Three nodes serving the model; one host's link cut for 20 s: the other two serve;
-    once it is back every node holds one table (same epoch) with one instance, served by
-    every node (issue 13)."""
+    """Three nodes serving the model; the coordinator's link (the smallest id) cut for
+    20 s: the other two elect a coordinator in a newer term and serve, while the cut node
+    goes on alone in its old term; once it is back every node holds one table (same
+    epoch) with one instance, served by every node (issue 13)."""
     with netns.Hosts(3) as hosts:
         procs = [start_node(hosts, i, tmp_path, "--no-mdns", "--runner-threads", "1", "--peers",
                             ",".join(f"{a}:{PORT}" for a in hosts.addresses if a != hosts.addresses[i]))
@@ -117,7 +118,7 @@ def test_a_partition_heals_into_one_state_and_one_serving_instance(tmp_path):
             assert placed.status_code == 201, placed.text
             wait_for(lambda: all("Paris" in (chat(hosts, i) or "") for i in range(3)), 90, "served by all")
             ids = [httpx.get(f"http://{a}:{PORT}/health", timeout=2).json()["node_id"] for a in hosts.addresses]
-            cut = ids.index(max(ids))
+            cut = ids.index(min(ids))  # the coordinator
             majority = [i for i in range(3) if i != cut]
             hosts.link(cut, up=False)
             started = time.time()
