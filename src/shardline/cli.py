@@ -88,7 +88,7 @@ def _cluster(args: argparse.Namespace) -> int:
     print(f"    curl {url}/v1/chat/completions -H 'Content-Type: application/json' \\")
     print(f"      -d '{{\"model\": \"{instance['model_id']}\", \"max_tokens\": 64, "
           f"\"temperature\": 0, \"messages\": "
-          f"[{{\"role\": \"user\", \"content\": \"What is the capital of France?\"}}]}}'")
+          f"[{{\"role\": \"user\", \"content\": \"What is the name of the capital of France?\"}}]}}'")
     print("  Ctrl-C stops the cluster.", flush=True)
     try:
         for line in cluster.supervise(restart=args.restart):
