@@ -1,6 +1,7 @@
 """The one client a node talks to other nodes through: each ``/internal`` route as a
 method that sends and returns :mod:`shardline.node.wire` messages, over one connection
-pool that carries the cluster key (``shardline.node.identity``).
+pool that carries the cluster key (``shardline.node.identity``); model file copies run in a
+worker thread on a blocking client with the same headers.
 
 A peer that cannot be reached, answers with an unexpected status, or sends a message
 that does not validate raises :class:`PeerError`; a peer that refuses the key raises

@@ -13,7 +13,7 @@ Routes: ``GET /internal/info`` -> :class:`NodeInfo`; ``GET /internal/state`` ->
 (409 when not newer); ``GET /internal/free-port`` -> :class:`FreePort`; ``POST
 /internal/runner-status`` :class:`RankReport`; ``POST /internal/tasks``
 :class:`TaskMessage` and ``POST /internal/cancel`` :class:`CancelMessage` -> :class:`Delivered`;
-``POST /internal/generate`` :class:`~shardline.runner.protocol.GenerationRequest` -> lines
+``POST /internal/generate`` :class:`~shardline.runner.protocol.TokenRequest` -> lines
 of :class:`StreamLine` (NDJSON). Model files (``shardline.node.transfer``) and the link
 probe (``shardline.node.link_probe``) carry raw bytes.
 """
