@@ -209,3 +209,60 @@ def test_a_node_plans_its_runners_from_the_table(instances, node, running, prepa
 def test_a_rank_the_table_shows_otherwise_is_reported_again(ranks, status, runner, stale):
     s = state(inst(status=status, ranks=ranks))
     assert stale_ranks(s, "a", {"i1": runner}) == (("i1",) if stale else ())
+
+
+# -- the invariants over random event sequences ------------------------------------------
+
+
+def random_event(rng, s: ClusterState, fresh: list[int]):
+    """One event a cluster could see next, of every kind, about known or unknown
+    instances and nodes."""
+    ids = list(s.instances) + ["gone"]
+    kind = rng.randrange(9)
+    if kind == 0:
+        fresh[0] += 1
+        return Placed(inst(f"i{fresh[0]}", nodes=tuple(rng.sample("abcd", rng.randint(1, 3)))))
+    if kind == 1:
+        return Deleted(rng.choice(ids))
+    if kind in (2, 3, 4):
+        return RankReported(rng.choice(ids), rng.choice("abcd"), rng.choice(list(R)),
+                            error=rng.choice([None, "boom"]), peer_lost=rng.random() < 0.2,
+                            at=float(rng.randint(1, 100)))
+    if kind == 5:
+        return InstanceFailed(rng.choice(ids), "lost", tuple(rng.sample("abcd", rng.randint(0, 2))))
+    if kind == 6:
+        return rng.choice([NotPlacedAgain(rng.choice(ids), "no room"), RejoinDropped(rng.choice(ids))])
+    if kind == 7:
+        return rng.choice([Published(), TermStarted(rng.randint(0, 6), rng.choice("abcd"))])
+    theirs = state(epoch=Epoch(rng.randint(0, 6), rng.randint(0, 5), rng.choice("abcd")))
+    return Adopted(theirs)
+
+
+@pytest.mark.parametrize("seed", range(20))
+def test_the_invariants_hold_over_random_event_sequences(seed):
+    """state.py's invariants 1-5 after every one of 300 random events (apply never changes
+    its input, either)."""
+    import random
+
+    rng = random.Random(seed)
+    s, fresh = state(), [0]
+    for _ in range(300):
+        event = random_event(rng, s, fresh)
+        before = copy.deepcopy(s)
+        after = apply(s, event)
+        assert s == before  # the input is unchanged
+        assert after.epoch >= s.epoch  # 5: the epoch never goes back
+        for instance_id, new in after.instances.items():
+            old = s.instances.get(instance_id)
+            if isinstance(event, Adopted) and after is event.state:
+                continue  # another coordinator's table, taken whole
+            if old is not None and old.status == I.FAILED:
+                assert new.status == I.FAILED  # 1: a failed instance stays failed
+            if new.status == I.READY:
+                assert all(r.status == R.READY for r in new.ranks) or old.status == I.READY  # 2
+                assert new.ready_at is not None
+                if old is not None and old.ready_at is not None:
+                    assert new.ready_at == old.ready_at  # 2: ready_at set once
+            if new.status == I.FAILED and (old is None or old.status != I.FAILED):
+                assert all(r.status in (R.FAILED, R.STOPPED) for r in new.ranks)  # 4
+        s = after

@@ -166,21 +166,24 @@ def _reported(inst: Instance, event: RankReported) -> Instance:
 def apply(state: ClusterState, event: Event) -> ClusterState:
     """The state after ``event``; ``state`` itself is unchanged. An event about an
     instance the table does not hold (or, but for deletion, one that failed) changes
-    nothing; so does a report from a node that holds none of its ranks."""
+    nothing; so do a report from a node that holds none of its ranks, ``NotPlacedAgain``
+    about an instance that has not failed, and a term not above the table's."""
     if isinstance(event, Placed):
         return _with(state, event.instance)
     if isinstance(event, Deleted):
         return dataclasses.replace(state, instances={
             k: v for k, v in state.instances.items() if k != event.instance_id})
-    if isinstance(event, TermStarted):
+    if isinstance(event, TermStarted):  # only a term above the table's (invariant 5)
+        if event.term <= state.epoch.term:
+            return state
         return dataclasses.replace(state, epoch=Epoch(event.term, 0, event.coordinator))
     if isinstance(event, Published):
         return dataclasses.replace(state, epoch=state.epoch.next())
     if isinstance(event, Adopted):
         return event.state if newer(event.state.epoch, state.epoch) else state
     inst = state.instances.get(event.instance_id)
-    if inst is None or inst.status == InstanceStatus.FAILED and not isinstance(event, NotPlacedAgain):
-        return state
+    if inst is None or (inst.status == InstanceStatus.FAILED) != isinstance(event, NotPlacedAgain):
+        return state  # NotPlacedAgain is about a failed instance; every other event about a live one
     if isinstance(event, RankReported):
         if event.node_id not in inst.node_ids():
             return state
