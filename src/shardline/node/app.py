@@ -14,7 +14,7 @@ from fastapi.responses import FileResponse, JSONResponse, StreamingResponse
 from pydantic import BaseModel, Field, field_validator, model_validator
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from shardline.api import anthropic, metrics, ollama, openai
+from shardline.api import anthropic, errors, metrics, ollama, openai
 from shardline.models.config import UnsupportedModelError
 from shardline.models.store import DEFAULT_MODEL_ID, ModelNotFoundError, ModelStoreError
 from shardline.node.coordinator import free_port
@@ -122,18 +122,11 @@ def create_app(node: Node) -> FastAPI:
     @app.exception_handler(RequestValidationError)
     async def on_validation(request: Request, exc: RequestValidationError):
         message, param = _validation_message(exc)
-        if request.url.path.startswith("/v1/"):
-            return JSONResponse(status_code=400, content=openai.error_body(message, "invalid_request_error", param))
-        return JSONResponse(status_code=400, content={"detail": message})
+        return errors.error_response(request.url.path, 400, message, param)
 
     @app.exception_handler(StarletteHTTPException)
     async def on_http(request: Request, exc: StarletteHTTPException):
-        if request.url.path.startswith("/v1/"):
-            kind = "not_found_error" if exc.status_code == 404 else "invalid_request_error"
-            return JSONResponse(status_code=exc.status_code, content=openai.error_body(str(exc.detail), kind))
-        if request.url.path.startswith("/api/"):  # Ollama's error body
-            return JSONResponse(status_code=exc.status_code, content={"error": str(exc.detail)})
-        return JSONResponse(status_code=exc.status_code, content={"detail": exc.detail})
+        return errors.error_response(request.url.path, exc.status_code, str(exc.detail), headers=exc.headers)
 
     app.add_middleware(ClusterKeyMiddleware, key=node.cluster_key)
 
