@@ -11,6 +11,13 @@ import httpx
 import pytest
 
 from shardline.local_cluster import LocalCluster
+from shardline.node.signing import SignedAuth, signing_key
+
+
+def member_client(cluster_key: str, timeout_s: float = 5.0) -> httpx.Client:
+    """An HTTP client that signs its requests as a member of the cluster with
+    ``cluster_key`` would (for tests that read or send ``/internal`` messages)."""
+    return httpx.Client(auth=SignedAuth(signing_key(cluster_key)), timeout=timeout_s)
 
 
 def free_port_block(count: int) -> int:

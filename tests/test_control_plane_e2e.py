@@ -11,7 +11,7 @@ import time
 import httpx
 import pytest
 from conftest import capital_answer as answer
-from conftest import free_port_block
+from conftest import free_port_block, member_client
 
 from shardline.local_cluster import LocalCluster
 from shardline.models.store import DEFAULT_MODEL_ID
@@ -36,9 +36,9 @@ def wait_until(check, timeout_s: float, what: str):
 def tables(cluster: LocalCluster) -> list[tuple]:
     """Each node's (epoch, [(instance id, status)])."""
     out = []
-    for i in range(cluster.n):
-        state = httpx.get(f"{cluster.url(i)}/internal/state", timeout=5,
-                          headers={"Authorization": f"Bearer {cluster.cluster_key}"}).json()
+    with member_client(cluster.cluster_key) as client:
+        states = [client.get(f"{cluster.url(i)}/internal/state").json() for i in range(cluster.n)]
+    for state in states:
         out.append((tuple(state["epoch"].values()),
                     sorted((x["instance_id"], x["status"]) for x in state["instances"])))
     return out
@@ -183,16 +183,16 @@ def test_every_node_restarted_places_the_kept_model_again(cluster):
 
 
 def test_a_state_of_an_older_term_or_not_a_state_is_refused(cluster):
-    key = {"Authorization": f"Bearer {cluster.cluster_key}"}
     url = f"{cluster.url(1)}/internal/state"
-    held = httpx.get(url, headers=key, timeout=5).json()
-    older = dict(held, epoch=dict(held["epoch"], term=held["epoch"]["term"] - 1, seq=10**6),
-                 instances=[])
-    refused = httpx.post(url, json=older, headers=key, timeout=5)
-    assert refused.status_code == 409 and refused.json()["epoch"] == held["epoch"]
-    assert httpx.post(url, json={"instances": []}, headers=key, timeout=5).status_code == 400
-    assert httpx.post(url, json=older, timeout=5).status_code == 401  # no key
-    assert httpx.get(url, headers=key, timeout=5).json() == held  # nothing changed
+    with member_client(cluster.cluster_key) as member:
+        held = member.get(url).json()
+        older = dict(held, epoch=dict(held["epoch"], term=held["epoch"]["term"] - 1, seq=10**6),
+                     instances=[])
+        refused = member.post(url, json=older)
+        assert refused.status_code == 409 and refused.json()["epoch"] == held["epoch"]
+        assert member.post(url, json={"instances": []}).status_code == 400
+        assert httpx.post(url, json=older, timeout=5).status_code == 401  # not signed
+        assert member.get(url).json() == held  # nothing changed
     assert "Paris" in answer(cluster.url(1))
 
 

@@ -2,14 +2,16 @@
 
 from __future__ import annotations
 
+import http.server
 import os
 import subprocess
 import sys
+import threading
 import time
 
 import httpx
 import pytest
-from conftest import CAPITAL_QUESTION, free_port_block
+from conftest import CAPITAL_QUESTION, free_port_block, member_client
 
 from shardline.local_cluster import LocalCluster
 from shardline.models.store import DEFAULT_MODEL_ID
@@ -34,9 +36,31 @@ def wait_for(check, timeout: float, what: str):
     raise AssertionError(f"not within {timeout} s: {what}")
 
 
+class FakePeer(http.server.BaseHTTPRequestHandler):
+    """An address listed as a peer that is not one: records what it is sent, answers 401."""
+
+    received: list[bytes] = []
+
+    def _record(self) -> None:
+        body = self.rfile.read(int(self.headers.get("Content-Length") or 0))
+        FakePeer.received.append(f"{self.requestline}\n{self.headers}".encode() + body)
+        self.send_response(401)
+        self.send_header("Content-Length", "0")
+        self.end_headers()
+
+    do_GET = do_POST = _record
+
+    def log_message(self, *args) -> None:
+        pass
+
+
 def test_a_node_without_the_cluster_key_cannot_join_or_read_state(tmp_path):
-    base = free_port_block(3)
-    with LocalCluster(nodes=2, base_port=base, log_dir=str(tmp_path), data_dir=str(tmp_path)) as cluster:
+    base = free_port_block(4)
+    fake = http.server.ThreadingHTTPServer(("127.0.0.1", base + 3), FakePeer)
+    threading.Thread(target=fake.serve_forever, daemon=True).start()
+    peers = {0: ["--peers", f"127.0.0.1:{base + 1},127.0.0.1:{base + 3}"]}
+    with LocalCluster(nodes=2, base_port=base, log_dir=str(tmp_path), data_dir=str(tmp_path),
+                      node_args=peers) as cluster:
         cluster.start()
         stranger_port = base + 2
         stranger = subprocess.Popen(
@@ -50,19 +74,33 @@ def test_a_node_without_the_cluster_key_cannot_join_or_read_state(tmp_path):
             wait_for(lambda: httpx.get(f"{stranger_url}/health", timeout=2).status_code == 200, 30, "stranger up")
             time.sleep(3)  # three membership rounds
             for view in views(cluster, range(2)).values():
-                assert len(view["nodes"]) == 2  # the stranger is not a member
+                assert len(view["nodes"]) == 2  # neither the stranger nor the fake peer is a member
             assert len(httpx.get(f"{stranger_url}/cluster/nodes").json()["nodes"]) == 1
+            # The fake peer was polled, and got no key material: signatures only.
+            assert len(FakePeer.received) >= 3
+            for request in FakePeer.received:
+                assert cluster.cluster_key.encode() not in request and b"Bearer" not in request
+                assert b"X-Shardline-Auth: t=" in request
             state = f"{cluster.url(0)}/internal/state"
             assert httpx.get(state).status_code == 401
-            assert httpx.get(state, headers={"Authorization": "Bearer not-the-right-key-at-all"}).status_code == 401
-            task = httpx.post(f"{cluster.url(0)}/internal/tasks", json={"task_id": 1},
-                              headers={"Authorization": "Bearer wrong"})
-            assert task.status_code == 401
-            right = {"Authorization": f"Bearer {cluster.cluster_key}"}
-            assert httpx.get(state, headers=right).status_code == 200
+            assert httpx.get(state, headers={"Authorization": f"Bearer {cluster.cluster_key}"}).status_code == 401
+            with member_client("not-the-right-key-at-all") as stranger_client:
+                assert stranger_client.get(state).status_code == 401
+                task = stranger_client.post(f"{cluster.url(0)}/internal/tasks", json={"task_id": 1})
+                assert task.status_code == 401
+            with member_client(cluster.cluster_key) as member:
+                answer = member.get(state)
+                assert answer.status_code == 200 and answer.headers["X-Shardline-Auth"]
+                # A recorded request, replayed to its node or sent on to another, is refused.
+                request = answer.request
+                for url in (state, f"{cluster.url(1)}/internal/state"):
+                    replay = httpx.get(url, headers={"X-Shardline-Auth": request.headers["X-Shardline-Auth"],
+                                                     "Host": request.headers["Host"]})
+                    assert replay.status_code == 401, replay.text
         finally:
             stranger.kill()
             stranger.wait(10)
+            fake.shutdown()
 
 
 def test_a_restarted_node_keeps_its_id_and_leaves_no_ghost(tmp_path):

@@ -12,7 +12,7 @@ import time
 import httpx
 import netns
 import pytest
-from conftest import capital_answer
+from conftest import capital_answer, member_client
 
 REASON = netns.unavailable()
 pytestmark = [pytest.mark.timeout(120), pytest.mark.skipif(REASON is not None, reason=REASON or "")]
@@ -25,7 +25,7 @@ def start_node(hosts: netns.Hosts, i: int, tmp_path, *extra: str) -> subprocess.
     command = hosts.command(i, [sys.executable, "-m", "shardline.cli", "run",
                                 "--host", hosts.addresses[i], "--port", str(PORT),
                                 "--data-dir", str(tmp_path / f"node-{i}"), "--exit-with-parent",
-                                *extra])
+                                "--no-api-key", *extra])
     log = open(tmp_path / f"node-{i}.log", "ab")
     return subprocess.Popen(command, env=dict(os.environ, SHARDLINE_CLUSTER_KEY=KEY),
                             stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
@@ -94,8 +94,8 @@ def chat(hosts: netns.Hosts, i: int) -> str | None:
 
 
 def table(hosts: netns.Hosts, i: int) -> tuple:
-    state = httpx.get(f"http://{hosts.addresses[i]}:{PORT}/internal/state", timeout=2,
-                      headers={"Authorization": f"Bearer {KEY}"}).json()
+    with member_client(KEY, timeout_s=2) as client:
+        state = client.get(f"http://{hosts.addresses[i]}:{PORT}/internal/state").json()
     return (tuple(state["epoch"].values()),
             tuple(sorted((x["instance_id"], x["status"]) for x in state["instances"])))
 

@@ -20,8 +20,21 @@ def _run(args: argparse.Namespace) -> int:
     from shardline.models.store import ModelStore
     from shardline.node import identity
     from shardline.node.app import create_app
+    from shardline.node.http_guard import GuardConfig, is_loopback, local_names
     from shardline.node.node import Node
 
+    api_key = args.api_key or os.environ.get("SHARDLINE_API_KEY") or None
+    bind = args.bind or args.host
+    if api_key is None and not args.no_api_key and not is_loopback(bind):
+        print(f"shardline run: listening on {bind}, which other machines reach, needs an API key: "
+              f"give --api-key (or SHARDLINE_API_KEY), or --no-api-key to serve anyone who can "
+              f"reach it", file=sys.stderr)
+        return 2
+    if api_key is not None and len(api_key) < 8:
+        print("shardline run: the API key must be at least 8 characters", file=sys.stderr)
+        return 2
+    guard = GuardConfig(api_key=api_key, allowed_hosts=local_names([args.host, *args.allowed_host]),
+                        cors_origins=frozenset(args.cors_origin))
     peers = [p.strip() for p in (args.peers or "").split(",") if p.strip()]
     data_dir = Path(args.data_dir) if args.data_dir else identity.default_data_dir()
     try:
@@ -49,7 +62,7 @@ def _run(args: argparse.Namespace) -> int:
         rejoin=not args.no_rejoin,
     )
     logging.getLogger(__name__).info("node %s on %s", node.node_id, node.address)
-    uvicorn.run(create_app(node), host=args.bind or args.host, port=args.port, log_level="warning")
+    uvicorn.run(create_app(node, guard), host=args.bind or args.host, port=args.port, log_level="warning")
     return 0
 
 
@@ -64,7 +77,8 @@ def _cluster(args: argparse.Namespace) -> int:
     limit = {i: ["--memory-limit", str(args.memory_limit)] for i in range(args.nodes)} \
         if args.memory_limit is not None else None
     cluster = LocalCluster(
-        nodes=args.nodes, base_port=args.port, runner_threads=args.runner_threads, node_args=limit
+        nodes=args.nodes, base_port=args.port, runner_threads=args.runner_threads, node_args=limit,
+        api_key=args.api_key,
     )
     # SIGTERM and SIGINT stop the nodes (they run in their own sessions); SIGINT is set
     # explicitly because a shell starts background jobs with it ignored.
@@ -85,7 +99,8 @@ def _cluster(args: argparse.Namespace) -> int:
     print(f"  API: {url}/v1  (any node: ports {args.port}-{args.port + args.nodes - 1})")
     print(f"  dashboard: {url}/")
     print("  try:")
-    print(f"    curl {url}/v1/chat/completions -H 'Content-Type: application/json' \\")
+    auth = " -H 'Authorization: Bearer $SHARDLINE_API_KEY'" if cluster.api_key else ""
+    print(f"    curl {url}/v1/chat/completions -H 'Content-Type: application/json'{auth} \\")
     print(f"      -d '{{\"model\": \"{instance['model_id']}\", \"max_tokens\": 64, "
           f"\"temperature\": 0, \"messages\": "
           f"[{{\"role\": \"user\", \"content\": \"What is the name of the capital of France?\"}}]}}'")
@@ -134,6 +149,20 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--cluster-key", default=None,
                      help="the cluster's shared secret (default: $SHARDLINE_CLUSTER_KEY, else the saved "
                           "one, else a new one, printed at start)")
+    run.add_argument("--api-key", default=None,
+                     help="the key API clients must send (Authorization: Bearer, or x-api-key); default "
+                          "$SHARDLINE_API_KEY. Required when listening on an address other machines "
+                          "reach, unless --no-api-key")
+    run.add_argument("--no-api-key", action="store_true",
+                     help="serve without an API key on a non-loopback address (anyone who reaches "
+                          "the port can use and change the cluster)")
+    run.add_argument("--allowed-host", action="append", default=[], metavar="NAME",
+                     help="a name clients may reach this node by (the Host header), besides its "
+                          "addresses and host name; '*' allows any (repeatable)")
+    run.add_argument("--cors-origin", action="append", default=[], metavar="ORIGIN",
+                     help="a web origin (e.g. http://localhost:3000) whose pages may call this node "
+                          "from a browser; '*' allows any (repeatable; default: none but the "
+                          "node's own dashboard)")
     run.add_argument("--runner-threads", type=int, default=0, help="torch threads per runner (0: all cores)")
     run.add_argument("--watchdog", type=float, default=10.0,
                      help="seconds a runner may go silent before its instance fails (default %(default)s)")
@@ -164,6 +193,9 @@ def build_parser() -> argparse.ArgumentParser:
     cluster.add_argument("--memory-limit", type=byte_size, default=None,
                          help="the most memory each node offers to models, e.g. 600MB (default: all "
                               "that is available)")
+    cluster.add_argument("--api-key", default=None,
+                         help="an API key the nodes require of clients (default: $SHARDLINE_API_KEY, "
+                              "else none: the nodes listen on 127.0.0.1 only)")
     cluster.add_argument("--restart", action="store_true",
                          help="start a node that exits again (same port, id and data directory); "
                               "without it the others keep serving")

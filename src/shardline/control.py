@@ -36,7 +36,9 @@ def _request(args: argparse.Namespace, method: str, path: str, body: dict | None
     """
     url = args.url.rstrip("/") + path
     try:
-        response = httpx.request(method, url, json=body, timeout=timeout_s)
+        key = args.api_key or os.environ.get("SHARDLINE_API_KEY")
+        headers = {"Authorization": f"Bearer {key}"} if key else {}
+        response = httpx.request(method, url, json=body, timeout=timeout_s, headers=headers)
     except httpx.HTTPError as exc:
         raise CommandError(f"no shardline node answers at {args.url} ({exc}); start one with "
                            f"`shardline run`, or give --url") from None
@@ -241,10 +243,15 @@ def add_commands(sub, default_port: int) -> None:
 
     url_default = os.environ.get("SHARDLINE_URL", f"http://127.0.0.1:{default_port}")
 
-    def client(name: str, help: str, func) -> argparse.ArgumentParser:
-        parser = sub.add_parser(name, help=help)
+    def add_url(parser: argparse.ArgumentParser) -> None:
         parser.add_argument("--url", default=url_default,
                             help="a node of the cluster (default: $SHARDLINE_URL or %(default)s)")
+        parser.add_argument("--api-key", default=None,
+                            help="the cluster's API key, if it has one (default: $SHARDLINE_API_KEY)")
+
+    def client(name: str, help: str, func) -> argparse.ArgumentParser:
+        parser = sub.add_parser(name, help=help)
+        add_url(parser)
         parser.set_defaults(func=_run(func))
         return parser
 
@@ -283,8 +290,7 @@ def add_commands(sub, default_port: int) -> None:
     models = sub.add_parser("models", help="the models of the cluster and of this machine's store")
     models_sub = models.add_subparsers(dest="models_command", required=True)
     listing = models_sub.add_parser("list", help="every model a live node holds, and where")
-    listing.add_argument("--url", default=url_default,
-                         help="a node of the cluster (default: $SHARDLINE_URL or %(default)s)")
+    add_url(listing)
     listing.set_defaults(func=_run(_models_list))
     add = models_sub.add_parser("add", help="add a model to this machine's store")
     add.add_argument("source", help="a .gguf file, a Hugging Face safetensors directory, or a Hugging Face "

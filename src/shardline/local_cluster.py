@@ -39,13 +39,17 @@ class LocalCluster:
             ports do not share them). Node i's model store is ``data_dir/node-i/models``.
         node_args: more ``shardline run`` arguments for some nodes, by index (e.g.
             ``{1: ["--memory-limit", "200MB"]}``).
+        api_key: the API key the nodes require (default: ``$SHARDLINE_API_KEY``, else none:
+            the nodes listen on 127.0.0.1 only); the launcher's own requests send it.
     """
 
     def __init__(self, nodes: int, base_port: int, runner_threads: int = 0,
                  log_dir: str | None = None, data_dir: str | None = None,
-                 node_args: dict[int, list[str]] | None = None) -> None:
+                 node_args: dict[int, list[str]] | None = None, api_key: str | None = None) -> None:
         self.data_dir = Path(data_dir) if data_dir else default_data_dir() / "local-cluster" / str(base_port)
         self.cluster_key, _ = cluster_key(self.data_dir)
+        self.api_key = api_key or os.environ.get("SHARDLINE_API_KEY") or None
+        self.headers = {"Authorization": f"Bearer {self.api_key}"} if self.api_key else {}
         self.n = nodes
         self.base_port = base_port
         self.runner_threads = runner_threads or max(1, (os.cpu_count() or 1) // nodes)
@@ -75,6 +79,8 @@ class LocalCluster:
             os.makedirs(self.log_dir, exist_ok=True)
             out = open(os.path.join(self.log_dir, f"node-{i}.log"), "ab")
         env = dict(os.environ, SHARDLINE_CLUSTER_KEY=self.cluster_key)
+        if self.api_key:
+            env["SHARDLINE_API_KEY"] = self.api_key
         proc = subprocess.Popen(self.node_command(i), stdout=out, stderr=subprocess.STDOUT if out else None,
                                 start_new_session=True, env=env)
         if i < len(self.procs):
@@ -96,7 +102,7 @@ class LocalCluster:
         """Whether the nodes ``indices`` each see all of them live and hold one table from
         the coordinator they agree on (its current term's)."""
         try:
-            views = [httpx.get(f"{self.url(i)}/cluster/nodes", timeout=2).json() for i in indices]
+            views = [httpx.get(f"{self.url(i)}/cluster/nodes", timeout=2, headers=self.headers).json() for i in indices]
         except (httpx.HTTPError, ValueError):
             return False
         live = [sum(1 for n in v["nodes"] if n["live"]) for v in views]
@@ -133,9 +139,9 @@ class LocalCluster:
             LocalClusterError: placement was refused or the instance failed or timed out.
         """
         indices = range(self.n) if on is None else on
-        nodes = [httpx.get(f"{self.url(i)}/health", timeout=5).json()["node_id"] for i in indices]
+        nodes = [httpx.get(f"{self.url(i)}/health", timeout=5, headers=self.headers).json()["node_id"] for i in indices]
         body = {"model": model, "sharding": sharding, "nodes": nodes, **options}
-        response = httpx.post(f"{self.url(0)}/cluster/instances", json=body, timeout=120)
+        response = httpx.post(f"{self.url(0)}/cluster/instances", json=body, timeout=120, headers=self.headers)
         if response.status_code != 201:
             raise LocalClusterError(f"placement refused: {response.json().get('detail', response.text)}")
         instance_id = response.json()["instance_id"]
@@ -144,7 +150,7 @@ class LocalCluster:
             self._check_alive()
             instances = {
                 i["instance_id"]: i
-                for i in httpx.get(f"{self.url(0)}/cluster/instances", timeout=5).json()["instances"]
+                for i in httpx.get(f"{self.url(0)}/cluster/instances", timeout=5, headers=self.headers).json()["instances"]
             }
             inst = instances.get(instance_id)
             if inst is not None and inst["status"] == "ready":
@@ -158,7 +164,7 @@ class LocalCluster:
 
     def instances(self) -> list[dict]:
         """The instance table, as node 0 sees it."""
-        return httpx.get(f"{self.url(0)}/cluster/instances", timeout=5).json()["instances"]
+        return httpx.get(f"{self.url(0)}/cluster/instances", timeout=5, headers=self.headers).json()["instances"]
 
     def serve(self, model: str | None, sharding: str = "pipeline", timeout_s: float = 300.0,
               **options) -> dict:
@@ -200,12 +206,12 @@ class LocalCluster:
         """Delete the instances ``instance_ids`` (default: every instance in the table)."""
         ids = [i["instance_id"] for i in self.instances()] if instance_ids is None else instance_ids
         for instance_id in ids:
-            httpx.delete(f"{self.url(0)}/cluster/instances/{instance_id}", timeout=30)
+            httpx.delete(f"{self.url(0)}/cluster/instances/{instance_id}", timeout=30, headers=self.headers)
 
     def _all_nodes_ready(self, instance_id: str) -> bool:
         for i in range(self.n):
             try:
-                instances = httpx.get(f"{self.url(i)}/cluster/instances", timeout=5).json()["instances"]
+                instances = httpx.get(f"{self.url(i)}/cluster/instances", timeout=5, headers=self.headers).json()["instances"]
             except httpx.HTTPError:
                 return False
             if not any(x["instance_id"] == instance_id and x["status"] == "ready" for x in instances):

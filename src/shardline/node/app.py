@@ -10,6 +10,7 @@ from typing import Literal
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
+from fastapi.middleware.cors import CORSMiddleware
 from fastapi.responses import FileResponse, JSONResponse, StreamingResponse
 from pydantic import BaseModel, Field, field_validator, model_validator
 from starlette.exceptions import HTTPException as StarletteHTTPException
@@ -18,10 +19,10 @@ from shardline.api import anthropic, errors, metrics, ollama, openai
 from shardline.models.config import UnsupportedModelError
 from shardline.models.store import DEFAULT_MODEL_ID, ModelNotFoundError, ModelStoreError
 from shardline.node.coordinator import free_port
-from shardline.node.identity import key_matches
+from shardline.node.http_guard import GuardConfig, GuardMiddleware, SignatureMiddleware
 from shardline.node.link_probe import add_link_routes
 from shardline.node.node import Node
-from shardline.node.peer_client import MEMBER_HEADER
+from shardline.node.signing import MEMBER_HEADER
 from shardline.node.status import InstanceStatus
 from shardline.node.table import InstanceFailedError, NoInstanceError
 from shardline.node.transfer import add_model_routes
@@ -87,28 +88,9 @@ def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
     return f"{param or 'body'}: {first.get('msg')}", param
 
 
-class ClusterKeyMiddleware:
-    """Answer ``/internal/*`` (node-to-node) only to requests that carry the cluster key.
-
-    A plain ASGI middleware: Starlette's ``BaseHTTPMiddleware`` hides a client's disconnect
-    from the endpoint, and an abandoned non-streamed request then ran on for seconds.
-    """
-
-    def __init__(self, app, key: str) -> None:
-        self.app = app
-        self.key = key
-
-    async def __call__(self, scope, receive, send) -> None:
-        if scope["type"] == "http" and scope["path"].startswith("/internal/"):
-            authorization = dict(scope["headers"]).get(b"authorization", b"").decode("latin-1")
-            if not key_matches(authorization, self.key):
-                response = JSONResponse(status_code=401, content={"detail": "wrong or missing cluster key"})
-                await response(scope, receive, send)
-                return
-        await self.app(scope, receive, send)
-
-
-def create_app(node: Node) -> FastAPI:
+def create_app(node: Node, guard: GuardConfig) -> FastAPI:
+    """The node's FastAPI app. ``guard``: the API key, Host allow-list and CORS origins
+    (:mod:`shardline.node.http_guard`)."""
     @asynccontextmanager
     async def lifespan(app: FastAPI):
         await node.start()
@@ -128,7 +110,13 @@ def create_app(node: Node) -> FastAPI:
     async def on_http(request: Request, exc: StarletteHTTPException):
         return errors.error_response(request.url.path, exc.status_code, str(exc.detail), headers=exc.headers)
 
-    app.add_middleware(ClusterKeyMiddleware, key=node.cluster_key)
+    # The last added runs first: CORS (preflight and headers for allowed origins, refusals
+    # included), then node signatures, then Host / origin / API key.
+    app.add_middleware(GuardMiddleware, config=guard)
+    app.add_middleware(SignatureMiddleware, key=node.signing_key, names=guard.allowed_hosts)
+    if guard.cors_origins:
+        app.add_middleware(CORSMiddleware, allow_origins=sorted(guard.cors_origins), allow_methods=["*"],
+                           allow_headers=["*"], expose_headers=["Retry-After"], max_age=600)
 
     request_metrics = metrics.RequestMetrics(node)
     app.include_router(openai.router(node, request_metrics))

@@ -1,16 +1,15 @@
 """Finding the other nodes of a cluster on the LAN by mDNS / DNS-SD (RFC 6762, RFC 6763).
 
 Each node registers the service ``<node id>._shardline._tcp.local.`` with its HTTP address
-and port, and a TXT record ``cluster`` holding a fingerprint of its cluster key (the first
-16 hex digits of its SHA-256, which does not reveal the key). It browses for the same
-service type and hands the address of every node with the same fingerprint to its
-membership loop. Nodes of other clusters on the LAN are ignored; one that lies about the
-fingerprint is still refused by the key check of every request. Uses the zeroconf library.
+and port. It browses for the same service type and hands the address of every node found
+to its membership loop, whose signed polls (``shardline.node.signing``) tell members from
+nodes of other clusters on the LAN: those answer 401 and are left out. Nothing derived from
+the cluster key is advertised (a fingerprint would let anyone on the LAN test guesses of
+the key offline). Uses the zeroconf library.
 """
 
 from __future__ import annotations
 
-import hashlib
 import ipaddress
 import logging
 import socket
@@ -29,38 +28,30 @@ log = logging.getLogger(__name__)
 SERVICE_TYPE = "_shardline._tcp.local."
 
 
-def key_fingerprint(cluster_key: str) -> str:
-    """16 hex digits of the key's SHA-256: equal keys match, the key stays secret."""
-    return hashlib.sha256(cluster_key.encode()).hexdigest()[:16]
-
-
 class Discovery:
-    """Advertise this node and report the ``host:port`` of each same-cluster node found.
+    """Advertise this node and report the ``host:port`` of each shardline node found.
 
     Args:
         node_id: this node's id (its service instance name).
         host: the IPv4 address other nodes reach this node at; the service is advertised
             on the interface that holds it (loopback for tests on one machine).
         port: its HTTP port.
-        cluster_key: the key whose fingerprint is advertised and required of peers.
         on_peer: called with ``"host:port"`` (from zeroconf's thread) for each peer found.
 
     Raises (from :meth:`start`): OSError when no multicast socket can be opened;
     ValueError when ``host`` is not an IPv4 address.
     """
 
-    def __init__(self, node_id: str, host: str, port: int, cluster_key: str,
-                 on_peer: Callable[[str], None]) -> None:
+    def __init__(self, node_id: str, host: str, port: int, on_peer: Callable[[str], None]) -> None:
         self.node_id = node_id
         self.host = host
         self.port = port
-        self.fingerprint = key_fingerprint(cluster_key)
         self.on_peer = on_peer
         self.zeroconf: Zeroconf | None = None
         self.browser: ServiceBrowser | None = None
         self.info = ServiceInfo(
             SERVICE_TYPE, f"{node_id}.{SERVICE_TYPE}", addresses=[socket.inet_aton(host)], port=port,
-            properties={"node_id": node_id, "cluster": self.fingerprint},
+            properties={"node_id": node_id},
         )
 
     def start(self) -> None:
@@ -77,8 +68,6 @@ class Discovery:
             return
         info = zeroconf.get_service_info(service_type, name, timeout=3000)
         if info is None or not info.parsed_addresses(IPVersion.V4Only):
-            return
-        if ((info.properties or {}).get(b"cluster") or b"").decode() != self.fingerprint:
             return
         self.on_peer(f"{info.parsed_addresses(IPVersion.V4Only)[0]}:{info.port}")
 

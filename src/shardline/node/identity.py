@@ -8,15 +8,14 @@ variable is unset; XDG Base Directory Specification), or ``--data-dir``. It hold
 - ``cluster-key``: the shared secret of the node's cluster, generated on first start
   unless one is given (``--cluster-key`` or ``SHARDLINE_CLUSTER_KEY``), and kept.
 
-Every node-to-node request carries the key as ``Authorization: Bearer <key>``; a node
-answers ``/internal/*`` only with the right key (:func:`key_matches`), so a machine without
-it can neither join, read the cluster's state nor submit work, and two clusters can share a
-LAN.
+Every node-to-node request and answer is signed with a key derived from it
+(``shardline.node.signing``); the key itself never leaves the machine. A node answers
+``/internal/*`` only to signed requests, so a machine without the key can neither join, read
+the cluster's state nor submit work, and two clusters can share a LAN.
 """
 
 from __future__ import annotations
 
-import hmac
 import os
 import secrets
 import uuid
@@ -66,10 +65,3 @@ def cluster_key(data_dir: Path, given: str | None = None) -> tuple[str, bool]:
         return given, False
     existed = path.exists() and path.read_text().strip() != ""
     return _read_or_create(path, lambda: secrets.token_urlsafe(24)), not existed
-
-
-def key_matches(authorization: str | None, key: str) -> bool:
-    """Whether an ``Authorization`` header carries ``key`` (constant-time comparison)."""
-    if not authorization or not authorization.startswith("Bearer "):
-        return False
-    return hmac.compare_digest(authorization[len("Bearer "):].encode(), key.encode())

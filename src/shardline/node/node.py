@@ -53,6 +53,7 @@ from shardline.node.coordinator import Coordinator
 from shardline.node.logistics import ModelLogistics
 from shardline.node.peer_client import KeyRefusedError, PeerClient, PeerError
 from shardline.node.routing import RequestStream, Router
+from shardline.node.signing import signing_key
 from shardline.node.state import (
     Adopted,
     ClusterState,
@@ -84,7 +85,8 @@ class Node:
         peers: ``host:port`` of other nodes to poll.
         mdns: also find peers of the same cluster on the LAN by mDNS.
         node_id: this node's lasting id (``shardline.node.identity.node_id``).
-        cluster_key: the shared secret every node-to-node request carries.
+        cluster_key: the cluster's shared secret; every node-to-node request and answer is
+            signed with a key derived from it (``shardline.node.signing``), never sent.
         store: this node's model store; a rank whose files are not in it copies them from
             a peer's (``shardline.node.transfer``).
         memory_limit_bytes: the most memory this node offers to models (None: all that is
@@ -117,7 +119,6 @@ class Node:
         rejoin: bool = True,
     ) -> None:
         self.node_id = node_id
-        self.cluster_key = cluster_key
         self.store = store
         self.memory_limit_bytes = memory_limit_bytes
         self.host = host
@@ -156,7 +157,8 @@ class Node:
         self._task_counter = itertools.count()
         self._salt = zlib.crc32(self.node_id.encode()) & 0x3FF
         self._loop: asyncio.AbstractEventLoop | None = None
-        self.peer_client = PeerClient(self.cluster_key, self.address)  # every node-to-node call
+        self.signing_key = signing_key(cluster_key)  # scrypt: tens of ms, once
+        self.peer_client = PeerClient(self.signing_key, self.address)  # every node-to-node call
         self._background: list[asyncio.Task] = []
         self._state_lock = asyncio.Lock()
         self._refused: set[str] = set()  # peer addresses that refused our cluster key
@@ -167,7 +169,7 @@ class Node:
         if mdns:
             from shardline.node.discovery import Discovery
 
-            self.discovery = Discovery(node_id, host, port, cluster_key, self.add_peer)
+            self.discovery = Discovery(node_id, host, port, self.add_peer)
 
     # -- lifecycle -----------------------------------------------------------------------
 

@@ -1,11 +1,11 @@
 """The one client a node talks to other nodes through: each ``/internal`` route as a
 method that sends and returns :mod:`shardline.node.wire` messages, over one connection
-pool that carries the cluster key (``shardline.node.identity``); model file copies run in a
-worker thread on a blocking client with the same headers.
+pool that signs every request (:mod:`shardline.node.signing`: the cluster key is never
+sent); model file copies run in a worker thread on a blocking client that signs the same way.
 
-A peer that cannot be reached, answers with an unexpected status, or sends a message
-that does not validate raises :class:`PeerError`; a peer that refuses the key raises
-:class:`KeyRefusedError`. Callers decide what a failure means (a missed poll, a rank that
+A peer that cannot be reached, answers with an unexpected status, answers without a good
+signature, or sends a message that does not validate raises :class:`PeerError`; a peer that
+refuses this node's signature raises :class:`KeyRefusedError`. Callers decide what a failure means (a missed poll, a rank that
 never got its task).
 """
 
@@ -22,6 +22,7 @@ import pydantic
 
 from shardline.models.store import Manifest, ModelStore
 from shardline.node.link_probe import measure_link
+from shardline.node.signing import MEMBER_HEADER, SignatureError, SignedAuth, check_answer
 from shardline.node.state import ClusterState
 from shardline.node.table import InstanceFailedError
 from shardline.node.transfer import CopyProgress, fetch_files
@@ -38,31 +39,35 @@ from shardline.node.wire import (
 )
 from shardline.runner.protocol import PrefillProgress, TokenEvent, TokenRequest
 
-MEMBER_HEADER = "X-Shardline-Node"
-"""The header a node's poll carries its own address in: the polled member adds it to its
-peers (a node that knows one member becomes known to all)."""
-
 
 class PeerError(RuntimeError):
     """A peer could not be reached or did not answer as a node of this version does."""
 
 
 class KeyRefusedError(PeerError):
-    """The peer answered 401: it belongs to another cluster (another key)."""
+    """The peer answered 401: it belongs to another cluster (another key), or its clock is
+    more than ``signing.CLOCK_SKEW_S`` off (the message says which)."""
 
 
 class PeerClient:
     """Node-to-node calls (``host:port`` addresses). Use inside the node's event loop.
 
     Args:
-        cluster_key: the shared secret, sent as a bearer token on every request.
+        signing_key: the cluster's signing key (:func:`shardline.node.signing.signing_key`).
         own_address: this node's ``host:port``, named in polls (:data:`MEMBER_HEADER`).
     """
 
-    def __init__(self, cluster_key: str, own_address: str) -> None:
+    def __init__(self, signing_key: bytes, own_address: str) -> None:
         self.own_address = own_address
-        self.http = httpx.AsyncClient(timeout=httpx.Timeout(10.0, read=None),
-                                      headers={"Authorization": f"Bearer {cluster_key}"})
+        self.key = signing_key
+        self.auth = SignedAuth(signing_key)
+        self.http = httpx.AsyncClient(timeout=httpx.Timeout(10.0, read=None), auth=self.auth)
+
+    def _check(self, response: httpx.Response, where: str, streamed: bool = False) -> None:
+        try:
+            check_answer(self.key, response, streamed)
+        except SignatureError as exc:
+            raise PeerError(f"{where}: {exc}") from exc
 
     async def aclose(self) -> None:
         await self.http.aclose()
@@ -78,7 +83,8 @@ class PeerClient:
         except httpx.HTTPError as exc:
             raise PeerError(f"{method} {address}{path}: {exc!r}") from exc
         if response.status_code == 401:
-            raise KeyRefusedError(f"{address} refused this node's cluster key")
+            raise KeyRefusedError(f"{address} refused this node's signature: {_detail(response)}")
+        self._check(response, f"{method} {address}{path}")
         if response.status_code not in ok:
             raise PeerError(f"{method} {address}{path}: {response.status_code} {response.text[:200]}")
         return response
@@ -141,6 +147,7 @@ class PeerClient:
                                         headers={"Content-Type": "application/json"}) as response:
                 if response.status_code != 200:
                     raise PeerError(f"{address} refused the request: {response.status_code}")
+                self._check(response, f"{address}/internal/generate", streamed=True)
                 async for raw in response.aiter_lines():
                     if not raw:
                         continue
@@ -190,7 +197,7 @@ class PeerClient:
             PeerError: the connection failed (what arrived is kept for a resume).
         """
         def copy() -> int:
-            with httpx.Client(headers=dict(self.http.headers)) as client:
+            with httpx.Client(auth=self.auth) as client:
                 return fetch_files(client, f"http://{address}", store, manifest, paths, progress)
 
         try:
@@ -207,6 +214,15 @@ class PeerClient:
         """
         try:
             response = await self.http.request(method, f"http://{address}{path}", json=body, timeout=60.0)
+            self._check(response, f"{method} {address}{path}")
             return response.status_code, response.json()
         except (httpx.HTTPError, ValueError) as exc:
             raise PeerError(f"{method} {address}{path}: {exc!r}") from exc
+
+
+def _detail(response: httpx.Response) -> str:
+    """The reason in a refusal's JSON body (``{"detail": ...}``), or its status."""
+    try:
+        return str(response.json()["detail"])
+    except (ValueError, KeyError, TypeError):
+        return str(response.status_code)
