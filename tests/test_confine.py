@@ -187,3 +187,18 @@ def test_a_local_path_is_taken_only_under_a_root_after_resolving(tmp_path):
                  str(allowed / "dirlink" / "m.gguf"), str(allowed / ".." / "outside" / "m.gguf"),
                  str(allowed) + "2/m.gguf", "/etc/passwd", "a\x00b", "~nosuchuser__/x.gguf"):
         assert resolve_under(name, roots) is None, name
+
+
+def test_a_local_cluster_allows_the_directory_of_the_model_it_is_given(tmp_path, monkeypatch):
+    from shardline.local_cluster import LocalCluster, model_dirs_for
+
+    (tmp_path / "m.gguf").write_bytes(b"")
+    (tmp_path / "st").mkdir()
+    monkeypatch.chdir(tmp_path)
+    assert model_dirs_for(str(tmp_path / "m.gguf")) == [str(tmp_path.resolve())]
+    assert model_dirs_for("m.gguf") == [str(tmp_path.resolve())]  # relative, as the nodes see it
+    assert model_dirs_for(str(tmp_path / "absent.gguf")) == [str(tmp_path.resolve())]
+    assert model_dirs_for("./st") == [str((tmp_path / "st").resolve())]
+    assert model_dirs_for("org/model") == [] and model_dirs_for(None) == []
+    command = LocalCluster(2, 50000, data_dir=str(tmp_path), model_dirs=[tmp_path / "st", "/m"]).node_command(1)
+    assert " ".join(command).count("--model-dir") == 2 and str(tmp_path / "st") in command
