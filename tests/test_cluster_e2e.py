@@ -198,7 +198,7 @@ def test_one_instance_by_id(cluster3):
     ({"nodes": ["a"], "min_nodes": 1}, "not both"),
     ({"min_nodes": 3, "max_nodes": 2}, "min_nodes 3 is above max_nodes 2"),
     ({"model": "no-such/model"}, "shardline models add no-such/model"),
-    ({"model": "/no/such/dir/x.gguf"}, "no such file or directory"),
+    ({"model": "/no/such/dir/x.gguf"}, "nor a path under a --model-dir"),
 ])
 def test_bad_placements_are_refused_before_anything_starts(cluster3, extra, words):
     before = placed(cluster3.url(0))

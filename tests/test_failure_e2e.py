@@ -169,7 +169,8 @@ def test_a_model_whose_runners_cannot_load_fails_with_the_reason(tmp_path):
     from conftest import free_port_block
 
     with LocalCluster(nodes=1, base_port=free_port_block(1), runner_threads=1,
-                      log_dir=str(tmp_path / "logs"), data_dir=str(tmp_path / "logs")) as cluster:
+                      log_dir=str(tmp_path / "logs"), data_dir=str(tmp_path / "logs"),
+                      model_dirs=[model_dir]) as cluster:
         cluster.start()
         with pytest.raises(LocalClusterError, match="down_proj"):
             cluster.place(str(model_dir), timeout_s=60)

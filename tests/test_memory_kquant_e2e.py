@@ -34,7 +34,7 @@ def kquant(tmp_path_factory):
     path = tm.write_q4_k_m_gguf(tmp / "qwen2-q4_k_m.gguf", default_model_path(), layers=8,
                                 hidden=1024, intermediate=2816, heads=16, kv_heads=4)
     cluster = LocalCluster(nodes=3, base_port=free_port_block(3), runner_threads=1,
-                           log_dir=str(tmp), data_dir=str(tmp))
+                           log_dir=str(tmp), data_dir=str(tmp), model_dirs=[path.parent])
     cluster.start()
     try:
         yield cluster, str(path)

@@ -9,6 +9,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+from pathlib import Path
 
 import httpx
 import pytest
@@ -37,10 +38,13 @@ def ask(url: str) -> str:
 
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory):
-    """3 nodes with empty stores; node 2 offers models only 10 MB of memory."""
+    """3 nodes with empty stores; node 2 offers models only 10 MB of memory. Each takes
+    local models from ``local-models/`` (``--model-dir``)."""
     tmp = tmp_path_factory.mktemp("logistics")
+    (tmp / "local-models").mkdir()
     cluster = LocalCluster(nodes=3, base_port=free_port_block(3), runner_threads=1, log_dir=str(tmp),
-                           data_dir=str(tmp), node_args={2: ["--memory-limit", "10MB"]})
+                           data_dir=str(tmp), node_args={2: ["--memory-limit", "10MB"]},
+                           model_dirs=[tmp / "local-models"])
     cluster.start()
     yield cluster
     cluster.stop()
@@ -115,10 +119,10 @@ def test_a_node_short_of_memory_is_refused_unless_forced(cluster):
     assert "Paris" in ask(cluster.url(2))
 
 
-def test_a_local_path_given_to_any_node_is_placed_and_each_rank_copies_only_its_files(cluster, tmp_path):
+def test_a_local_path_given_to_any_node_is_placed_and_each_rank_copies_only_its_files(cluster):
     from tiny_models import hf_model
 
-    source = tmp_path / "tiny-split"
+    source = Path(cluster.model_dirs[0]) / "tiny-split"  # under the nodes' --model-dir
     hf_model("llama", num_layers=4).save_pretrained(source, safe_serialization=True, max_shard_size="60KB")
     ids = node_ids(cluster)
     asked = max(range(3), key=lambda i: ids[i])  # not the coordinator (the smallest id)

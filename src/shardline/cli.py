@@ -36,6 +36,11 @@ def _run(args: argparse.Namespace) -> int:
     guard = GuardConfig(api_key=api_key, allowed_hosts=local_names([args.host, *args.allowed_host]),
                         cors_origins=frozenset(args.cors_origin))
     peers = [p.strip() for p in (args.peers or "").split(",") if p.strip()]
+    model_dirs = [Path(d).expanduser() for d in args.model_dir or []]
+    not_dirs = [str(d) for d in model_dirs if not d.is_dir()]
+    if not_dirs:
+        print(f"shardline run: --model-dir {', '.join(not_dirs)}: not a directory", file=sys.stderr)
+        return 2
     data_dir = Path(args.data_dir) if args.data_dir else identity.default_data_dir()
     try:
         key, generated = identity.cluster_key(data_dir, args.cluster_key or os.environ.get("SHARDLINE_CLUSTER_KEY"))
@@ -60,6 +65,7 @@ def _run(args: argparse.Namespace) -> int:
         mdns=not args.no_mdns,
         state_path=data_dir / "cluster-state.json",
         rejoin=not args.no_rejoin,
+        model_dirs=model_dirs,
     )
     logging.getLogger(__name__).info("node %s on %s", node.node_id, node.address)
     uvicorn.run(create_app(node, guard), host=args.bind or args.host, port=args.port, log_level="warning")
@@ -72,13 +78,13 @@ def _interrupt(signum, frame) -> None:
 
 def _cluster(args: argparse.Namespace) -> int:
     from shardline.control import rank_share
-    from shardline.local_cluster import LocalCluster, LocalClusterError
+    from shardline.local_cluster import LocalCluster, LocalClusterError, model_dirs_for
 
     limit = {i: ["--memory-limit", str(args.memory_limit)] for i in range(args.nodes)} \
         if args.memory_limit is not None else None
     cluster = LocalCluster(
         nodes=args.nodes, base_port=args.port, runner_threads=args.runner_threads, node_args=limit,
-        api_key=args.api_key,
+        api_key=args.api_key, model_dirs=model_dirs_for(args.model) + (args.model_dir or []),
     )
     # SIGTERM and SIGINT stop the nodes (they run in their own sessions); SIGINT is set
     # explicitly because a shell starts background jobs with it ignored.
@@ -175,6 +181,10 @@ def build_parser() -> argparse.ArgumentParser:
                           "nodes on them again when they return")
     run.add_argument("--no-mdns", action="store_true",
                      help="do not advertise this node or look for others by mDNS (use --peers only)")
+    run.add_argument("--model-dir", action="append", default=None, metavar="DIR",
+                     help="a directory under which a client of the cluster API may name a local "
+                          ".gguf file or safetensors directory as a model (repeatable; the model "
+                          "store is always one; other paths are refused)")
     run.add_argument("--exit-with-parent", action="store_true",
                      help="stop when the process that started this node exits")
     run.set_defaults(func=_run)
@@ -189,6 +199,9 @@ def build_parser() -> argparse.ArgumentParser:
     cluster.add_argument("--port", type=int, default=DEFAULT_PORT,
                          help="first node's port; the others follow (default %(default)s)")
     cluster.add_argument("--model", default=DEFAULT_MODEL_ID, help="model id or local path (default %(default)s)")
+    cluster.add_argument("--model-dir", action="append", default=None, metavar="DIR",
+                         help="more directories the nodes take local models from (repeatable; "
+                              "--model's own directory is passed on by itself)")
     cluster.add_argument("--runner-threads", type=int, default=0, help="torch threads per runner (0: cores / nodes)")
     cluster.add_argument("--memory-limit", type=byte_size, default=None,
                          help="the most memory each node offers to models, e.g. 600MB (default: all "

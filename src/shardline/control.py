@@ -259,8 +259,9 @@ def add_commands(sub, default_port: int) -> None:
     client("instances", "list the placed models and each rank's share and status", _instances)
     place = client("place", "place a model on the cluster and wait until it serves", _place)
     place.add_argument("model", nargs="?", default=DEFAULT_MODEL_ID,
-                       help="a model id in some node's store, a local path (added to the store), or "
-                            "a Hugging Face repo id in the local cache (default %(default)s)")
+                       help="a model id in some node's store, a path on the node's machine under one "
+                            "of its --model-dir (added to its store), or a Hugging Face repo id in "
+                            "the local cache (default %(default)s)")
     place.add_argument("--sharding", default="auto", choices=("auto",) + SHARDINGS,
                        help="default %(default)s: the placement with the best predicted tokens/s")
     place.add_argument("--nodes", default=None,

@@ -9,7 +9,7 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 
 import httpx
@@ -19,6 +19,21 @@ from shardline.node.identity import cluster_key, default_data_dir
 KEPT_REPLACE_S = 20.0
 """How long :meth:`LocalCluster.serve` waits for a kept instance that failed with its old
 ranks to be placed again (the coordinator waits ``down_after_s + 1``, 6 s by default)."""
+
+
+def model_dirs_for(model: str | None) -> list[str]:
+    """The ``--model-dir`` a local cluster's nodes need to take in ``model`` by its path:
+    a ``.gguf`` file's directory, or a safetensors directory itself (resolved); none for a
+    model id (a name that neither looks like a path nor exists)."""
+    from shardline.models.store import looks_like_path
+
+    if model is None:
+        return []
+    path = Path(model).expanduser()
+    if not (looks_like_path(model) or path.exists()):
+        return []
+    real = path.resolve()
+    return [str(real if real.is_dir() else real.parent)]
 
 
 class LocalClusterError(RuntimeError):
@@ -41,11 +56,14 @@ class LocalCluster:
             ``{1: ["--memory-limit", "200MB"]}``).
         api_key: the API key the nodes require (default: ``$SHARDLINE_API_KEY``, else none:
             the nodes listen on 127.0.0.1 only); the launcher's own requests send it.
+        model_dirs: directories every node takes local models from (``--model-dir``): a
+            model placed by its local path must lie under one (see :func:`model_dirs_for`).
     """
 
     def __init__(self, nodes: int, base_port: int, runner_threads: int = 0,
                  log_dir: str | None = None, data_dir: str | None = None,
-                 node_args: dict[int, list[str]] | None = None, api_key: str | None = None) -> None:
+                 node_args: dict[int, list[str]] | None = None, api_key: str | None = None,
+                 model_dirs: Sequence[str | Path] | None = None) -> None:
         self.data_dir = Path(data_dir) if data_dir else default_data_dir() / "local-cluster" / str(base_port)
         self.cluster_key, _ = cluster_key(self.data_dir)
         self.api_key = api_key or os.environ.get("SHARDLINE_API_KEY") or None
@@ -55,6 +73,7 @@ class LocalCluster:
         self.runner_threads = runner_threads or max(1, (os.cpu_count() or 1) // nodes)
         self.log_dir = log_dir
         self.node_args = node_args or {}
+        self.model_dirs = [str(d) for d in model_dirs or []]
         self.procs: list[subprocess.Popen | None] = []
         self.stopping = False
         self.instance: dict | None = None
@@ -67,7 +86,8 @@ class LocalCluster:
         return [sys.executable, "-m", "shardline.cli", "run", "--host", "127.0.0.1",
                 "--port", str(self.base_port + i), "--peers", peers,
                 "--runner-threads", str(self.runner_threads), "--exit-with-parent", "--no-mdns",
-                "--data-dir", str(self.node_data_dir(i)), *self.node_args.get(i, [])]
+                "--data-dir", str(self.node_data_dir(i)),
+                *(arg for d in self.model_dirs for arg in ("--model-dir", d)), *self.node_args.get(i, [])]
 
     def node_data_dir(self, i: int) -> Path:
         """Node i's data directory (its id, and its model store in ``models/``)."""

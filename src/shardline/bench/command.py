@@ -26,7 +26,7 @@ from shardline.bench.bench import (
     median,
     run_bench,
 )
-from shardline.local_cluster import LocalCluster, LocalClusterError
+from shardline.local_cluster import LocalCluster, LocalClusterError, model_dirs_for
 
 
 def _fmt(value: float | None, digits: int = 1) -> str:
@@ -275,7 +275,8 @@ def _main(args: argparse.Namespace) -> int:
             _progress(f"starting a {args.nodes}-node cluster on ports {args.port}-"
                       f"{args.port + args.nodes - 1} (node logs in {log_dir})")
             cluster = LocalCluster(nodes=args.nodes, base_port=args.port,
-                                   runner_threads=args.runner_threads, log_dir=log_dir)
+                                   runner_threads=args.runner_threads, log_dir=log_dir,
+                                   model_dirs=model_dirs_for(args.model))
             cluster.start()
             _progress(f"placing {args.model or DEFAULT_MODEL_ID} ({args.sharding})")
             cluster.clear()  # instances the bench's own nodes kept from an earlier run

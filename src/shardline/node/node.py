@@ -96,6 +96,9 @@ class Node:
         progress_timeout_s: a runner that waits this many seconds inside an engine step
             without progress (a stalled peer or collective) fails its instance.
         context, max_batch: defaults for new instances (tokens per sequence, sequences).
+        model_dirs: directories under which a client may name a local path as a model
+            (``--model-dir``); the store's directory is always one. A path elsewhere is
+            refused (``ModelLogistics.adopt``).
     """
 
     def __init__(
@@ -117,9 +120,11 @@ class Node:
         mdns: bool = False,
         state_path: Path | None = None,
         rejoin: bool = True,
+        model_dirs: list[Path] | None = None,
     ) -> None:
         self.node_id = node_id
         self.store = store
+        self.model_dirs = [store.root, *(Path(d) for d in model_dirs or [])]
         self.memory_limit_bytes = memory_limit_bytes
         self.host = host
         self.port = port

@@ -14,18 +14,20 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import json
+import logging
 from collections.abc import AsyncGenerator
 from typing import Any
 
 import httpx
 import pydantic
 
+from shardline.models.confine import UnsafePathError
 from shardline.models.store import Manifest, ModelStore
 from shardline.node.link_probe import measure_link
 from shardline.node.signing import MEMBER_HEADER, SignatureError, SignedAuth, check_answer
 from shardline.node.state import ClusterState
 from shardline.node.table import InstanceFailedError
-from shardline.node.transfer import CopyProgress, fetch_files
+from shardline.node.transfer import CopyProgress, TransferError, fetch_files
 from shardline.node.wire import (
     CancelMessage,
     Delivered,
@@ -38,6 +40,8 @@ from shardline.node.wire import (
     TaskMessage,
 )
 from shardline.runner.protocol import PrefillProgress, TokenEvent, TokenRequest
+
+log = logging.getLogger(__name__)
 
 
 class PeerError(RuntimeError):
@@ -168,15 +172,26 @@ class PeerClient:
             raise PeerError(f"{address}: not a stream line: {exc}") from exc
 
     async def manifest(self, address: str, model_id: str) -> Manifest | None:
-        """A model's manifest from the peer's store (None: it does not hold the model)."""
+        """A model's manifest from the peer's store (None: it does not hold the model),
+        checked by ``Manifest.from_dict`` (no file path leaves the model's directory).
+
+        Raises:
+            PeerError: the call failed, or the answer is not a safe manifest of ``model_id``
+                (the reason is logged too).
+        """
         response = await self._call("GET", address, "/internal/models/manifest", ok=(200, 404),
                                     params={"model": model_id})
         if response.status_code == 404:
             return None
         try:
-            return Manifest.from_dict(response.json())
+            manifest = Manifest.from_dict(response.json())
         except (ValueError, KeyError, TypeError) as exc:
-            raise PeerError(f"{address}: not a manifest: {exc!r}") from exc
+            log.warning("refused the manifest of %s from %s: %s", model_id, address, exc)
+            raise PeerError(f"{address}: not a manifest: {exc}") from exc
+        if manifest.model_id != model_id:
+            log.warning("refused the manifest of %s from %s: it is %s's", model_id, address, manifest.model_id)
+            raise PeerError(f"{address}: sent the manifest of {manifest.model_id!r} for {model_id!r}")
+        return manifest
 
     async def measure_link(self, address: str) -> dict:
         """Latency and bandwidth to the peer (a 1 MiB upload), by
@@ -193,7 +208,8 @@ class PeerClient:
         the bytes received.
 
         Raises:
-            TransferError: a file arrived wrong, or the peer lacks it.
+            TransferError: a file arrived wrong, the peer lacks it, or a file would lie
+                outside the model's directory in the store (refused, nothing written there).
             PeerError: the connection failed (what arrived is kept for a resume).
         """
         def copy() -> int:
@@ -204,6 +220,8 @@ class PeerClient:
             return await asyncio.to_thread(copy)
         except httpx.HTTPError as exc:
             raise PeerError(f"copy from {address}: {exc!r}") from exc
+        except UnsafePathError as exc:
+            raise TransferError(f"copy from {address} refused: {exc}") from exc
 
     async def forward(self, method: str, address: str, path: str, body: dict | None) -> tuple[int, Any]:
         """A cluster-API request sent on to another node (the coordinator): its status

@@ -6,12 +6,19 @@ like every ``/internal`` route) with Starlette's ``FileResponse``, which answers
 that lacks files of its shard fetches them (:func:`fetch_files`): each into
 ``<file>.partial``, continued from its current size after an interruption, and renamed to
 its own name only once its size and SHA-256 equal the manifest's.
+
+Paths stay in the store (:mod:`shardline.models.confine`): a peer's manifest is checked
+where it is parsed (``Manifest.from_dict``), and every file is written, or served, only
+at a real path inside its model's directory (``ModelStore.confined_path``: no ``..``, no
+absolute path, no symlink pointing out), opened with ``O_NOFOLLOW``. A refusal is logged
+and raised as :class:`UnsafePathError`.
 """
 
 from __future__ import annotations
 
 import hashlib
 import logging
+import os
 import sys
 import time
 from collections.abc import Callable
@@ -21,6 +28,7 @@ import httpx
 from fastapi import FastAPI
 from fastapi.responses import FileResponse, JSONResponse
 
+from shardline.models.confine import UnsafePathError, check_manifest_json
 from shardline.models.store import (
     PARTIAL_SUFFIX,
     Manifest,
@@ -52,10 +60,16 @@ def add_model_routes(app: FastAPI, store: ModelStore) -> None:
     @app.get("/internal/models/file")
     async def model_file(model: str, path: str):
         found = _manifest_or_none(store, model)
-        # Only files named in the manifest, so a path cannot leave the model's directory.
+        missing = JSONResponse(status_code=404, content={"detail": f"{model}: no file {path!r} here"})
+        # Only files named in the manifest, at a real path inside the model's directory.
         if found is None or path not in store.present(model):
-            return JSONResponse(status_code=404, content={"detail": f"{model}: no file {path!r} here"})
-        return FileResponse(store.model_dir(model) / path, media_type="application/octet-stream")
+            return missing
+        try:
+            real = store.confined_path(model, path)
+        except (UnsafePathError, ModelStoreError) as exc:
+            log.warning("refused to serve %s/%s: %s", model, path, exc)
+            return missing
+        return FileResponse(real, media_type="application/octet-stream")
 
 
 def _manifest_or_none(store: ModelStore, model: str) -> Manifest | None:
@@ -122,9 +136,16 @@ def fetch_files(client: httpx.Client, base_url: str, store: ModelStore, manifest
     Raises:
         TransferError: the peer answered an error, or a copy's size or SHA-256 is not the
             manifest's (the corrupt ``.partial`` is deleted, so a retry starts afresh).
+        UnsafePathError: a file, or the model's directory, would lie outside the model's
+            directory in the store (a symlink pointing out); nothing is written there.
         httpx.HTTPError: the connection failed (the ``.partial`` is kept for a resume).
     """
-    store.write_manifest(manifest)
+    try:
+        check_manifest_json(manifest.to_dict())  # again: a Manifest need not come from from_dict
+        store.write_manifest(manifest)
+    except UnsafePathError as exc:
+        log.warning("refused to record %s from %s: %s", manifest.model_id, base_url, exc)
+        raise
     present = store.present(manifest.model_id)
     received = 0
     for entry in manifest.files:
@@ -137,9 +158,14 @@ def fetch_files(client: httpx.Client, base_url: str, store: ModelStore, manifest
 
 def _fetch_file(client: httpx.Client, base_url: str, store: ModelStore, model_id: str,
                 entry: ModelFile, progress: CopyProgress | None) -> int:
-    target = store.model_dir(model_id) / entry.path
-    partial = target.with_name(target.name + PARTIAL_SUFFIX)
-    partial.parent.mkdir(parents=True, exist_ok=True)
+    try:  # checked before making its directory, and again after, before any write
+        target = store.confined_path(model_id, entry.path)
+        target.parent.mkdir(parents=True, exist_ok=True)
+        target = store.confined_path(model_id, entry.path)
+        partial = store.confined_path(model_id, entry.path + PARTIAL_SUFFIX)
+    except UnsafePathError as exc:
+        log.warning("refused to copy %s/%s from %s: %s", model_id, entry.path, base_url, exc)
+        raise
     offset = partial.stat().st_size if partial.exists() else 0
     if offset > entry.size:
         partial.unlink()
@@ -160,7 +186,8 @@ def _fetch_file(client: httpx.Client, base_url: str, store: ModelStore, model_id
                 hasher, offset = hashlib.sha256(), 0
             elif response.status_code not in (200, 206):
                 raise TransferError(f"{base_url} answered {response.status_code} for {model_id}/{entry.path}")
-            with open(partial, "ab" if offset else "wb") as out:
+            flags = os.O_WRONLY | os.O_CREAT | os.O_NOFOLLOW | (os.O_APPEND if offset else os.O_TRUNC)
+            with os.fdopen(os.open(partial, flags, 0o644), "wb") as out:
                 for chunk in response.iter_bytes(CHUNK_BYTES):
                     out.write(chunk)
                     hasher.update(chunk)
