@@ -99,7 +99,7 @@ def bind_failure(address: str, port: int, error: OSError) -> str:
     reason = error.strerror or str(error)
     return (f"cannot listen on {address}:{port} for the instance's process group ({reason}): "
             f"the port was taken since it was chosen, or {address} is not an address of this "
-            f"machine (--host must be one); placing the instance again picks another port")
+            f"machine (--host must be one); the instance is placed again on another port")
 
 
 def listen(address: str, port: int) -> socket.socket:
