@@ -9,7 +9,6 @@ forwards its messages to the node's event loop.
 from __future__ import annotations
 
 import logging
-import os
 import socket
 import subprocess
 import sys
@@ -83,12 +82,11 @@ class Worker:
     def start(self, spec: RunnerSpec) -> RunnerHandle:
         """Spawn a runner for ``spec`` and return at once; it reports Loaded or Failed."""
         ours, theirs = socket.socketpair()
-        env = dict(os.environ)
-        if spec.master_addr.startswith("127.") or spec.master_addr == "localhost":
-            env.setdefault("GLOO_SOCKET_IFNAME", "lo0" if sys.platform == "darwin" else "lo")
+        # The runner binds its process group's sockets to spec.host itself
+        # (shardline.runner.rendezvous); a GLOO_SOCKET_IFNAME in the node's environment
+        # is the user's override and passes through.
         process = subprocess.Popen(
             [sys.executable, "-m", "shardline.runner", str(theirs.fileno())],
-            env=env,
             pass_fds=(theirs.fileno(),),
             start_new_session=True,
         )

@@ -26,6 +26,7 @@ from multiprocessing.connection import Connection
 from shardline.parallel.progress import Progress
 from shardline.process_memory import memory_now
 from shardline.runner.protocol import Failed, Heartbeat, Loaded, RunnerSpec, Shutdown
+from shardline.runner.rendezvous import join
 
 log = logging.getLogger("shardline.runner")
 
@@ -80,24 +81,6 @@ class Outbox:
             time.sleep(min(1.0, max(self.progress_timeout_s / 4, 0.1)))
 
 
-def _use_interface_of(host: str | None) -> None:
-    """Make gloo and NCCL open their sockets on the network interface that holds ``host``
-    (``GLOO_SOCKET_IFNAME``, ``NCCL_SOCKET_IFNAME``, unless already set). Left to
-    themselves they use the address the machine's hostname resolves to, which on many
-    Linux installs is 127.0.1.1: ranks on other machines then cannot connect (seen
-    between network namespaces: "connectFullMesh failed ... remote=[127.0.0.1]")."""
-    if not host:
-        return
-    import psutil
-
-    for name, addresses in psutil.net_if_addrs().items():
-        if any(a.address == host for a in addresses):
-            os.environ.setdefault("GLOO_SOCKET_IFNAME", name)
-            os.environ.setdefault("NCCL_SOCKET_IFNAME", name)
-            return
-    log.warning("no network interface holds %s: collectives use the backend's default", host)
-
-
 def load_stage(spec: RunnerSpec, source, group, progress: Progress, dtype, device):
     """Load this rank's shard and KV cache as the stage its instance's sharding needs.
 
@@ -148,18 +131,11 @@ def serve(conn, outbox: Outbox) -> None:
     group = None
     comm_device = torch.device("cpu")
     if spec.world_size > 1:
-        backend = "nccl" if device.type == "cuda" else "gloo"
         if device.type == "cuda":
             torch.cuda.set_device(device)
             comm_device = device
-        _use_interface_of(spec.host)
-        dist.init_process_group(
-            backend,
-            init_method=f"tcp://{spec.master_addr}:{spec.master_port}",
-            rank=spec.rank,
-            world_size=spec.world_size,
-            timeout=timedelta(seconds=spec.collective_timeout_s),
-        )
+        join(spec.rank, spec.world_size, spec.master_addr, spec.master_port, spec.host,
+             cuda=device.type == "cuda", timeout=timedelta(seconds=spec.collective_timeout_s))
         group = dist.group.WORLD
 
     runtime_rss, _ = memory_now()

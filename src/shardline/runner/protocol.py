@@ -198,10 +198,12 @@ class RunnerSpec:
         share: what it holds: its layer range (the whole model for tensor and ring) and
             under tensor sharding its heads and columns (None there: the even split of
             ``shardline.placement.tensor.tensor_shares``).
-        master_addr, master_port: rank 0's TCP rendezvous for torch.distributed.
-        host: this rank's node's address; the collectives' sockets use the interface that
-            holds it (None: the backend's own choice, the address the machine's hostname
-            resolves to, often 127.0.1.1).
+        master_addr, master_port: rank 0's TCP rendezvous for torch.distributed (its
+            node's address; rank 0 listens there only).
+        host: this rank's node's address; gloo's sockets bind to it, NCCL's to the
+            interface that holds it (None: the backend's own choice, the address the
+            machine's hostname resolves to, often 127.0.1.1);
+            :mod:`shardline.runner.rendezvous`.
         device: "cpu" or "cuda[:N]"; the backend is gloo on CPU, NCCL on CUDA.
         dtype: compute dtype name ("bfloat16", "float16", "float32").
         quantize: "int8" or "int4" to quantize the weights the files hold in 16 or 32
