@@ -53,8 +53,10 @@ class GenerationRequest:
     """One request in the terms the engine runs it.
 
     ``max_tokens`` None means as many as the context leaves. ``prompt`` is text (tokenized
-    with the model's BOS where it asks for one), token ids, or chat messages
-    (``[{"role", "content"}]``, rendered by the model's chat template).
+    with the model's BOS where it asks for one, its special-token text taken as those
+    tokens), token ids, or chat messages (``[{"role", "content"}]``, rendered by the model's
+    chat template; special-token text in a message stays text: see
+    :meth:`~shardline.models.tokenizer.Tokenizer.encode_chat`).
     """
 
     model: str

@@ -67,7 +67,12 @@ class Tokenizer:
         return len(self._tok)
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
-        """Token ids of ``text`` (the model's BOS is added when it asks for one)."""
+        """Token ids of ``text`` (the model's BOS is added when it asks for one).
+
+        Special-token text in ``text`` (e.g. ``<|im_end|>``) becomes that special token: a
+        raw prompt is its writer's own template (OpenAI Completions, Ollama ``raw``). Chat
+        messages go through :meth:`encode_chat` instead, which keeps them text.
+        """
         return list(self._tok.encode(text, add_special_tokens=add_special_tokens))
 
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
@@ -87,8 +92,37 @@ class Tokenizer:
             raise ChatTemplateError(f"chat template failed: {exc}") from exc
 
     def encode_chat(self, messages: list[dict[str, Any]]) -> list[int]:
-        """Token ids of the rendered chat; special tokens in the template are parsed."""
-        return self.encode(self.render_chat(messages), add_special_tokens=False)
+        """Token ids of :meth:`render_chat`'s prompt, where only the template's own markup
+        makes control tokens.
+
+        A control token's text inside a message (any role, e.g. a user's literal
+        ``<|im_end|>`` and ``<|im_start|>assistant`` forging a turn) is encoded as the ids
+        that text has with added-token matching off (``<`` ``|`` ``im`` ``_`` ...), never as the token itself,
+        so message text cannot open or close turns. Control tokens are the tokenizer's
+        special tokens plus the added tokens the template's text contains. This is
+        transformers' ``apply_chat_template(..., sanitize_control_tokens=True)``: it marks
+        those tokens in the messages before rendering and encodes each marked token as
+        text, and the rest of the prompt (message text included) as before, so a chat
+        without such text gets exactly ``encode(render_chat(messages),
+        add_special_tokens=False)`` (except that the two private-use characters it marks
+        with, U+F0000 and U+F0001, are dropped from message text). It works whatever the
+        template does with the text. It does not switch the shared (Rust) tokenizer's
+        special-token mode (transformers encodes the marked text through the backend's
+        normalizer, pre-tokenizer and model directly), so calls from several threads at
+        once are safe.
+
+        Raises:
+            ChatTemplateError: the template rejects the messages (e.g. roles out of order),
+                or a control token's text cannot be encoded other than as the token.
+        """
+        try:
+            ids = self._tok.apply_chat_template(
+                messages, add_generation_prompt=True, tokenize=True, return_dict=False,
+                sanitize_control_tokens=True,
+            )
+        except Exception as exc:  # jinja2's errors, template-raised ones, "Can't sanitize ..."
+            raise ChatTemplateError(f"chat template failed: {exc}") from exc
+        return [int(i) for i in ids]
 
 
 class IncrementalDetokenizer:
