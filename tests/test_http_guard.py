@@ -9,7 +9,6 @@ from shardline.node.http_guard import (
     RequestFacts,
     check,
     host_name,
-    is_loopback,
     names_this_node,
 )
 
@@ -175,10 +174,3 @@ def test_host_name(value, name):
 ])
 def test_a_signed_request_must_name_this_node(host, port, ok):
     assert names_this_node(host, HOSTS, port) == ok
-
-
-@pytest.mark.parametrize("host, loopback", [("127.0.0.1", True), ("127.1.2.3", True), ("::1", True),
-                                            ("localhost", True), ("0.0.0.0", False), ("10.0.0.5", False),
-                                            ("box.local", False), ("::", False)])
-def test_is_loopback(host, loopback):
-    assert is_loopback(host) == loopback

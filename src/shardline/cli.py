@@ -20,8 +20,9 @@ def _run(args: argparse.Namespace) -> int:
     from shardline.models.store import ModelStore
     from shardline.node import identity
     from shardline.node.app import create_app
-    from shardline.node.http_guard import GuardConfig, is_loopback, local_names
+    from shardline.node.http_guard import GuardConfig, local_names
     from shardline.node.node import Node
+    from shardline.runner.rendezvous import is_loopback
 
     api_key = args.api_key or os.environ.get("SHARDLINE_API_KEY") or None
     bind = args.bind or args.host

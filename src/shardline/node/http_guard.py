@@ -22,7 +22,6 @@ Allowed origins get their CORS headers and preflight answers from Starlette's
 from __future__ import annotations
 
 import hmac
-import ipaddress
 import logging
 import socket
 import time
@@ -138,16 +137,6 @@ def names_this_node(host: str | None, names: frozenset[str], port: int | None) -
         return False
     _, _, given_port = host.rpartition(":")
     return host_name(host) in names and (port is None or given_port == str(port))
-
-
-def is_loopback(host: str) -> bool:
-    """Whether ``host`` (an address or name a server binds) reaches this machine only."""
-    if host.lower() == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        return False
 
 
 def local_names(extra: list[str] | tuple[str, ...] = ()) -> frozenset[str]:
