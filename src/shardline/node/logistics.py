@@ -17,7 +17,9 @@ from shardline.models.store import (
     ModelCard,
     ModelNotFoundError,
     ModelStoreError,
+    check_model_id,
     looks_like_path,
+    shown,
 )
 from shardline.models.tokenizer import Tokenizer
 from shardline.node.peer_client import PeerError
@@ -166,15 +168,23 @@ class ModelLogistics:
 
         Raises:
             ModelStoreError, UnsupportedModelError: a path that is not a model shardline
-                can run.
+                can run, or a name that is neither a path nor a model id.
         """
         model = model or DEFAULT_MODEL_ID
         live = set(self.node.live_node_ids())
         if model == DEFAULT_MODEL_ID or self.node.store.manifest(model) is not None or any(
                 model in p.models for p in self.node.peers.values() if p.node_id in live):
             return model
-        if Path(model).expanduser().exists() or looks_like_path(model):
-            return (await asyncio.to_thread(self.node.store.add_local, model)).model_id
+        try:
+            is_path = looks_like_path(model) or Path(model).expanduser().exists()
+        except OSError:  # not a name a path can have (too long: ENAMETOOLONG)
+            is_path = False
+        if is_path:
+            try:
+                return (await asyncio.to_thread(self.node.store.add_local, model)).model_id
+            except OSError as exc:
+                raise ModelStoreError(f"cannot read the model at {shown(model)}: {exc.strerror}") from exc
+        check_model_id(model)  # neither a path nor an id: a clear 400, not a failed lookup
         if "/" in model:
             try:
                 return (await asyncio.to_thread(self.node.store.add_from_hub, model, False)).model_id
