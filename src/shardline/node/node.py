@@ -52,6 +52,7 @@ from shardline.node.cluster_state import (
 from shardline.node.coordinator import Coordinator
 from shardline.node.logistics import ModelLogistics
 from shardline.node.peer_client import KeyRefusedError, PeerClient, PeerError
+from shardline.node.queue_bound import DEFAULT_MAX_WAITING
 from shardline.node.routing import RequestStream, Router
 from shardline.node.state import (
     Adopted,
@@ -94,6 +95,8 @@ class Node:
         progress_timeout_s: a runner that waits this many seconds inside an engine step
             without progress (a stalled peer or collective) fails its instance.
         context, max_batch: defaults for new instances (tokens per sequence, sequences).
+        max_waiting: the most requests this node lets wait for a slot of one instance;
+            more are refused with 429 (``shardline.node.queue_bound``).
     """
 
     def __init__(
@@ -115,6 +118,7 @@ class Node:
         mdns: bool = False,
         state_path: Path | None = None,
         rejoin: bool = True,
+        max_waiting: int = DEFAULT_MAX_WAITING,
     ) -> None:
         self.node_id = node_id
         self.cluster_key = cluster_key
@@ -129,6 +133,7 @@ class Node:
         self.progress_timeout_s = progress_timeout_s
         self.default_context = context
         self.default_max_batch = max_batch
+        self.max_waiting = max_waiting
         self.down_after_s = down_after_s
         self.exit_with_parent = exit_with_parent
         self.max_replacements = 3

@@ -22,6 +22,7 @@ import pydantic
 
 from shardline.models.store import Manifest, ModelStore
 from shardline.node.link_probe import measure_link
+from shardline.node.queue_bound import QueueFullError, retry_after
 from shardline.node.state import ClusterState
 from shardline.node.table import InstanceFailedError
 from shardline.node.transfer import CopyProgress, fetch_files
@@ -132,6 +133,8 @@ class PeerClient:
 
         Raises:
             PeerError: the peer could not be reached, or refused the request.
+            QueueFullError: the peer refused it with 429 (as many requests wait there as
+                it queues).
             InstanceFailedError: the request failed there (the peer's error, which names
                 the rank that failed).
         """
@@ -139,6 +142,9 @@ class PeerClient:
         try:
             async with self.http.stream("POST", f"http://{address}/internal/generate", content=body,
                                         headers={"Content-Type": "application/json"}) as response:
+                if response.status_code == 429:
+                    raise QueueFullError(f"{address}: the model's queue is full; retry later",
+                                         retry_after(response.headers.get("retry-after")))
                 if response.status_code != 200:
                     raise PeerError(f"{address} refused the request: {response.status_code}")
                 async for raw in response.aiter_lines():
