@@ -13,6 +13,7 @@ Formats, from each API's reference:
 from __future__ import annotations
 
 import enum
+from collections.abc import Mapping
 
 from starlette.responses import JSONResponse
 
@@ -61,7 +62,7 @@ def error_body(api: API, status: int, message: str, param: str | None = None,
 
 
 def error_response(path: str, status: int, message: str, param: str | None = None,
-                   code: str | None = None, headers: dict[str, str] | None = None) -> JSONResponse:
+                   code: str | None = None, headers: Mapping[str, str] | None = None) -> JSONResponse:
     """A JSON error answer for a request to ``path``, in that path's API format."""
     return JSONResponse(status_code=status, content=error_body(api_of(path), status, message, param, code),
                         headers=headers)

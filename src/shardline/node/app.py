@@ -17,11 +17,13 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from shardline.api import anthropic, errors, metrics, ollama, openai
 from shardline.models.config import UnsupportedModelError
 from shardline.models.store import DEFAULT_MODEL_ID, ModelNotFoundError, ModelStoreError
+from shardline.node.bounds import DEFAULT_MAX_BODY_BYTES, RequestBoundsMiddleware
 from shardline.node.coordinator import free_port
 from shardline.node.identity import key_matches
 from shardline.node.link_probe import add_link_routes
 from shardline.node.node import Node
 from shardline.node.peer_client import MEMBER_HEADER
+from shardline.node.queue_bound import QueueFullError
 from shardline.node.status import InstanceStatus
 from shardline.node.table import InstanceFailedError, NoInstanceError
 from shardline.node.transfer import add_model_routes
@@ -108,7 +110,9 @@ class ClusterKeyMiddleware:
         await self.app(scope, receive, send)
 
 
-def create_app(node: Node) -> FastAPI:
+def create_app(node: Node, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES) -> FastAPI:
+    """The node's app; request bodies over ``max_body_bytes`` are refused (413)."""
+
     @asynccontextmanager
     async def lifespan(app: FastAPI):
         await node.start()
@@ -128,7 +132,19 @@ def create_app(node: Node) -> FastAPI:
     async def on_http(request: Request, exc: StarletteHTTPException):
         return errors.error_response(request.url.path, exc.status_code, str(exc.detail), headers=exc.headers)
 
+    @app.exception_handler(QueueFullError)
+    async def on_queue_full(request: Request, exc: QueueFullError):
+        return errors.error_response(request.url.path, 429, str(exc), code="queue_full",
+                                     headers={"Retry-After": str(exc.retry_after_s)})
+
+    @app.exception_handler(Exception)
+    async def on_unexpected(request: Request, exc: Exception):
+        """A JSON 500 in the API's format; the traceback goes to the log (uvicorn's)."""
+        log.error("%s %s failed: %r", request.method, request.url.path, exc)
+        return errors.error_response(request.url.path, 500, "internal error: the node's log has the details")
+
     app.add_middleware(ClusterKeyMiddleware, key=node.cluster_key)
+    app.add_middleware(RequestBoundsMiddleware, max_body_bytes=max_body_bytes)
 
     request_metrics = metrics.RequestMetrics(node)
     app.include_router(openai.router(node, request_metrics))
@@ -322,7 +338,11 @@ def create_app(node: Node) -> FastAPI:
 
     @app.post("/internal/generate")
     async def generate(request: TokenRequest):
-        events = node.router.generate(request)
+        try:  # a full queue is a 429 here (QueueFullError), before the stream begins
+            task_id = node.router.reserve(node.router.ready_instance(request.model_id), request)
+        except NoInstanceError:
+            task_id = None  # told in the stream
+        events = node.router.generate(request, task_id)
 
         async def lines():
             try:
