@@ -20,6 +20,7 @@ def _run(args: argparse.Namespace) -> int:
     from shardline.models.store import ModelStore
     from shardline.node import identity
     from shardline.node.app import create_app
+    from shardline.node.header_timeout import header_timeout_protocol
     from shardline.node.http_guard import GuardConfig, local_names
     from shardline.node.node import Node
     from shardline.runner.rendezvous import is_loopback
@@ -67,10 +68,23 @@ def _run(args: argparse.Namespace) -> int:
         state_path=data_dir / "cluster-state.json",
         rejoin=not args.no_rejoin,
         model_dirs=model_dirs,
+        max_waiting=args.max_waiting,
     )
     logging.getLogger(__name__).info("node %s on %s", node.node_id, node.address)
-    uvicorn.run(create_app(node, guard), host=args.bind or args.host, port=args.port, log_level="warning")
+    uvicorn.run(create_app(node, guard, max_body_bytes=args.max_body_bytes), host=args.bind or args.host,
+                port=args.port, log_level="warning", http=header_timeout_protocol(args.header_timeout))
     return 0
+
+
+def _non_negative_int(text: str) -> int:
+    """An int of at least 0 (argparse type)."""
+    try:
+        value = int(text)
+    except ValueError:
+        value = -1
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number of at least 0")
+    return value
 
 
 def _interrupt(signum, frame) -> None:
@@ -132,6 +146,9 @@ def _bench(args: argparse.Namespace) -> int:
 def build_parser() -> argparse.ArgumentParser:
     from shardline.control import byte_size
     from shardline.models.store import DEFAULT_MODEL_ID
+    from shardline.node.bounds import DEFAULT_MAX_BODY_BYTES
+    from shardline.node.header_timeout import DEFAULT_HEADER_TIMEOUT_S
+    from shardline.node.queue_bound import DEFAULT_MAX_WAITING
     from shardline.placement.ranks import SHARDINGS
 
     parser = argparse.ArgumentParser(prog="shardline", description=__doc__)
@@ -186,6 +203,15 @@ def build_parser() -> argparse.ArgumentParser:
                      help="a directory under which a client of the cluster API may name a local "
                           ".gguf file or safetensors directory as a model (repeatable; the model "
                           "store is always one; other paths are refused)")
+    run.add_argument("--max-body-bytes", type=byte_size, default=DEFAULT_MAX_BODY_BYTES,
+                     help="the largest request body this node takes, e.g. 16MiB; larger ones get 413 "
+                          "(default %(default)s bytes)")
+    run.add_argument("--max-waiting", type=_non_negative_int, default=DEFAULT_MAX_WAITING,
+                     help="requests this node lets wait for one instance's batch; more get 429 with "
+                          "Retry-After (default %(default)s)")
+    run.add_argument("--header-timeout", type=float, default=DEFAULT_HEADER_TIMEOUT_S,
+                     help="seconds a client has to send a request's headers before the connection "
+                          "is closed (default %(default)s)")
     run.add_argument("--exit-with-parent", action="store_true",
                      help="stop when the process that started this node exits")
     run.set_defaults(func=_run)
@@ -230,6 +256,8 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
+    if args.command == "run" and not args.header_timeout > 0:
+        parser.error("--header-timeout must be above 0 seconds")
     if args.command in ("run", "cluster", "bench"):
         nodes = getattr(args, "nodes", 1)
         if nodes < 1:

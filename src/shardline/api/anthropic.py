@@ -30,6 +30,7 @@ from shardline.api.generation import (
 )
 from shardline.api.metrics import RequestMetrics
 from shardline.node.node import Node
+from shardline.node.queue_bound import QueueFullError
 from shardline.node.table import InstanceFailedError
 from shardline.runner.protocol import PrefillProgress, SamplingParams
 
@@ -152,6 +153,9 @@ async def _stream(gen: Generation, req: MessagesRequest, message_id: str) -> Asy
                                                      "delta": {"type": "text_delta", "text": text}})
             if finish is not None:
                 reason, sequence = _stop_reason(gen, finish)
+    except QueueFullError as exc:  # a forwarded request the rank's node refused
+        yield _event("error", error_body("rate_limit_error", str(exc)))
+        return
     except InstanceFailedError as exc:
         yield _event("error", error_body("api_error", str(exc)))
         return

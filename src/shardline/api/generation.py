@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING, Any
 from fastapi import Request
 from pydantic import BaseModel, ValidationError
 
+from shardline.api.prompt_bounds import min_prompt_tokens
 from shardline.models.store import ModelNotFoundError
 from shardline.models.tokenizer import (
     ChatTemplateError,
@@ -136,6 +137,7 @@ class Generation:
         self.completion_tokens = 0
         self.started = time.monotonic()
         self.first_token_at: float | None = None  # time.monotonic() of the first token
+        self.task_id: int | None = None  # its place in the instance's queue (Router.reserve)
 
     async def texts(self) -> AsyncIterator[tuple[str, str | None] | PrefillProgress]:
         """Yield (text delta, finish reason or None) until the request ends; before the
@@ -149,7 +151,8 @@ class Generation:
             InstanceFailedError: the instance failed mid-request.
         """
         events = self.node.router.generate(TokenRequest(
-            self.req.model, tuple(self.prompt), self.max_tokens, self.req.sampling, tuple(self.stop_ids)))
+            self.req.model, tuple(self.prompt), self.max_tokens, self.req.sampling, tuple(self.stop_ids)),
+            self.task_id)
         ended = "cancelled"  # unless it finishes, or fails
         try:
             async for event in events:
@@ -199,12 +202,17 @@ class Generation:
 
 
 async def prepare(node: Node, req: GenerationRequest, metrics: RequestMetrics | None = None) -> Generation:
-    """Find a ready instance and the tokenizer of ``req.model`` and tokenize the prompt.
+    """Find a ready instance and the tokenizer of ``req.model``, tokenize the prompt and
+    take the request's place in the instance's queue.
 
     Raises:
         APIError: 404 for a model no instance serves; 503 for one still loading or whose
             tokenizer cannot be had; 400 for messages the chat template refuses, token ids
-            outside the vocabulary, or a prompt and limit beyond the context.
+            outside the vocabulary, or a prompt and limit beyond the context (a text or
+            chat prompt whose characters alone prove it too long is refused before it is
+            tokenized: :mod:`shardline.api.prompt_bounds`).
+        QueueFullError: as many requests wait for the instance as this node queues (the
+            app answers 429 with ``Retry-After``).
     """
     try:
         inst = node.router.ready_instance(req.model)
@@ -223,6 +231,12 @@ async def prepare(node: Node, req: GenerationRequest, metrics: RequestMetrics | 
     except (ModelNotFoundError, TransferError, PeerError) as exc:
         raise APIError(503, f"The model '{req.model}' cannot be tokenized on this node: {exc}",
                        "server_error", param="model", code="model_not_ready") from exc
+    if isinstance(req.prompt, str) or (req.prompt and isinstance(req.prompt[0], dict)):
+        at_least = min_prompt_tokens(req.prompt, tokenizer.max_token_chars)  # type: ignore[arg-type]
+        if at_least > inst.context:
+            raise APIError(400, f"this model's context is {inst.context} tokens; the request asks for at "
+                                f"least {at_least} in the prompt", param=req.prompt_param,
+                           code="context_length_exceeded")
     if isinstance(req.prompt, str):
         prompt = await asyncio.to_thread(tokenizer.encode, req.prompt)
     elif req.prompt and isinstance(req.prompt[0], dict):
@@ -238,7 +252,9 @@ async def prepare(node: Node, req: GenerationRequest, metrics: RequestMetrics | 
                            param=req.prompt_param)
     if not prompt:
         raise APIError(400, "the prompt is empty", param=req.prompt_param)
-    return Generation(node, req, prompt, inst, tokenizer, metrics)
+    gen = Generation(node, req, prompt, inst, tokenizer, metrics)
+    gen.task_id = node.router.reserve(inst, gen)  # after the last await: counted one by one
+    return gen
 
 
 async def collect_unless_disconnected(

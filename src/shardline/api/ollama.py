@@ -31,6 +31,7 @@ from shardline.api.generation import (
 )
 from shardline.api.metrics import RequestMetrics
 from shardline.node.node import Node
+from shardline.node.queue_bound import QueueFullError
 from shardline.node.table import InstanceFailedError
 from shardline.runner.protocol import PrefillProgress, SamplingParams
 
@@ -186,5 +187,5 @@ async def _stream(gen: Generation, req: _Request, content: Callable[[str], dict]
                 yield line({"model": req.model, "created_at": _now(), **content(text), "done": False})
             if finish is not None:
                 yield line(_final(gen, req, content(""), finish))
-    except InstanceFailedError as exc:
+    except (InstanceFailedError, QueueFullError) as exc:  # QueueFullError: a forwarded request refused
         yield line({"error": str(exc)})

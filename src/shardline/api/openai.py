@@ -29,6 +29,7 @@ from shardline.api.generation import (
 )
 from shardline.api.metrics import RequestMetrics
 from shardline.node.node import Node
+from shardline.node.queue_bound import QueueFullError
 from shardline.node.table import InstanceFailedError
 from shardline.runner.protocol import PrefillProgress, SamplingParams
 
@@ -267,6 +268,9 @@ async def _stream(gen: Generation, shape: _ChatShape, return_progress: bool,
                 yield _sse(shape.text(text))
             if finish is not None:
                 yield _sse(shape.finish(finish))
+    except QueueFullError as exc:  # a forwarded request the rank's node refused
+        yield _sse(error_body(str(exc), "rate_limit_exceeded", code="queue_full"))
+        return
     except InstanceFailedError as exc:
         yield _sse(error_body(str(exc), "server_error", code="instance_failed"))
         return

@@ -164,19 +164,32 @@ class ModelCard:
     weight_file_bytes: int = 0
 
 
+MAX_ID_PART_CHARS = 96  # Hugging Face's limit on an org and a repo name (huggingface_hub validate_repo_id)
+
+
 def check_model_id(model_id: object) -> str:
     """``model_id`` if it is ``name`` or ``org/name`` (letters, digits, ``._-``; each part
-    starting with a letter or digit; no ``..``; at most :data:`MAX_ID_CHARS` characters), so
-    that its directory (:meth:`ModelStore.model_dir`) is one name in the store.
+    starting with a letter or digit and at most :data:`MAX_ID_PART_CHARS` characters, so its
+    directory name fits any file system; no ``..``; at most :data:`MAX_ID_CHARS` characters
+    in all), so that its directory (:meth:`ModelStore.model_dir`) is one name in the store.
 
     Raises:
         ModelStoreError: it is not.
     """
-    if not isinstance(model_id, str) or len(model_id) > MAX_ID_CHARS or not _ID.fullmatch(model_id) \
-            or ".." in model_id:
+    if not isinstance(model_id, str):
+        raise ModelStoreError(f"a model id is a string, not {type(model_id).__name__}")
+    if len(model_id) > MAX_ID_CHARS or any(len(part) > MAX_ID_PART_CHARS for part in model_id.split("/")):
+        raise ModelStoreError(f"model id {shown(model_id)} is too long: a name and an org are at most "
+                              f"{MAX_ID_PART_CHARS} characters each")
+    if not _ID.fullmatch(model_id) or ".." in model_id:
         raise ModelStoreError(
-            f"model id {model_id!r} is not of the form name or org/name (letters, digits, '.', '_', '-')")
+            f"model id {shown(model_id)} is not of the form name or org/name (letters, digits, '.', '_', '-')")
     return model_id
+
+
+def shown(name: str, limit: int = 80) -> str:
+    """``repr(name)``, cut to about ``limit`` characters (for messages)."""
+    return repr(name) if len(name) <= limit else f"{name[:limit]!r}... ({len(name)} characters)"
 
 
 def looks_like_path(name: str) -> bool:

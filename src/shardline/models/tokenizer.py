@@ -8,6 +8,7 @@ transformers' GGUF converter; for a Hugging Face directory it is read from
 
 from __future__ import annotations
 
+import functools
 import json
 from pathlib import Path
 from typing import Any
@@ -65,6 +66,12 @@ class Tokenizer:
     @property
     def vocab_size(self) -> int:
         return len(self._tok)
+
+    @functools.cached_property
+    def max_token_chars(self) -> int:
+        """Characters of the longest token string in the vocabulary, added and special
+        tokens included (in a byte-level vocabulary a character stands for one byte)."""
+        return max((len(token) for token in self._tok.get_vocab()), default=1)
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         """Token ids of ``text`` (the model's BOS is added when it asks for one).

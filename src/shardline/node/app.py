@@ -18,10 +18,12 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from shardline.api import anthropic, errors, metrics, ollama, openai
 from shardline.models.config import UnsupportedModelError
 from shardline.models.store import DEFAULT_MODEL_ID, ModelNotFoundError, ModelStoreError
+from shardline.node.bounds import DEFAULT_MAX_BODY_BYTES, RequestBoundsMiddleware
 from shardline.node.coordinator import free_port
 from shardline.node.http_guard import GuardConfig, GuardMiddleware, SignatureMiddleware
 from shardline.node.link_probe import add_link_routes
 from shardline.node.node import Node
+from shardline.node.queue_bound import QueueFullError
 from shardline.node.signing import MEMBER_HEADER
 from shardline.node.status import InstanceStatus
 from shardline.node.table import InstanceFailedError, NoInstanceError
@@ -88,9 +90,11 @@ def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
     return f"{param or 'body'}: {first.get('msg')}", param
 
 
-def create_app(node: Node, guard: GuardConfig) -> FastAPI:
+def create_app(node: Node, guard: GuardConfig, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES) -> FastAPI:
     """The node's FastAPI app. ``guard``: the API key, Host allow-list and CORS origins
-    (:mod:`shardline.node.http_guard`)."""
+    (:mod:`shardline.node.http_guard`); request bodies over ``max_body_bytes`` are refused
+    (413, :mod:`shardline.node.bounds`)."""
+
     @asynccontextmanager
     async def lifespan(app: FastAPI):
         await node.start()
@@ -110,10 +114,23 @@ def create_app(node: Node, guard: GuardConfig) -> FastAPI:
     async def on_http(request: Request, exc: StarletteHTTPException):
         return errors.error_response(request.url.path, exc.status_code, str(exc.detail), headers=exc.headers)
 
+    @app.exception_handler(QueueFullError)
+    async def on_queue_full(request: Request, exc: QueueFullError):
+        return errors.error_response(request.url.path, 429, str(exc), code="queue_full",
+                                     headers={"Retry-After": str(exc.retry_after_s)})
+
+    @app.exception_handler(Exception)
+    async def on_unexpected(request: Request, exc: Exception):
+        """A JSON 500 in the API's format; the traceback goes to the log (uvicorn's)."""
+        log.error("%s %s failed: %r", request.method, request.url.path, exc)
+        return errors.error_response(request.url.path, 500, "internal error: the node's log has the details")
+
     # The last added runs first: CORS (preflight and headers for allowed origins, refusals
-    # included), then node signatures, then Host / origin / API key.
+    # included), then the body bounds, then node signatures (which read a body within
+    # them), then Host / origin / API key.
     app.add_middleware(GuardMiddleware, config=guard)
     app.add_middleware(SignatureMiddleware, key=node.signing_key, names=guard.allowed_hosts)
+    app.add_middleware(RequestBoundsMiddleware, max_body_bytes=max_body_bytes)
     if guard.cors_origins:
         app.add_middleware(CORSMiddleware, allow_origins=sorted(guard.cors_origins), allow_methods=["*"],
                            allow_headers=["*"], expose_headers=["Retry-After"], max_age=600)
@@ -310,7 +327,11 @@ def create_app(node: Node, guard: GuardConfig) -> FastAPI:
 
     @app.post("/internal/generate")
     async def generate(request: TokenRequest):
-        events = node.router.generate(request)
+        try:  # a full queue is a 429 here (QueueFullError), before the stream begins
+            task_id = node.router.reserve(node.router.ready_instance(request.model_id), request)
+        except NoInstanceError:
+            task_id = None  # told in the stream
+        events = node.router.generate(request, task_id)
 
         async def lines():
             try:

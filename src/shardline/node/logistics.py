@@ -18,7 +18,9 @@ from shardline.models.store import (
     ModelCard,
     ModelNotFoundError,
     ModelStoreError,
+    check_model_id,
     looks_like_path,
+    shown,
 )
 from shardline.models.tokenizer import Tokenizer
 from shardline.node.peer_client import PeerError
@@ -170,21 +172,30 @@ class ModelLogistics:
 
         Raises:
             ModelStoreError, UnsupportedModelError: a path outside the model directories,
-                or one under them that is not a model shardline can run.
+                one under them that is not a model shardline can run, or a name that is
+                neither a path nor a model id.
         """
         model = model or DEFAULT_MODEL_ID
         live = set(self.node.live_node_ids())
         if model == DEFAULT_MODEL_ID or self.node.store.manifest(model) is not None or any(
                 model in p.models for p in self.node.peers.values() if p.node_id in live):
             return model
-        local = resolve_under(model, self.node.model_dirs)
-        if local is not None and (local.exists() or looks_like_path(model)):
-            return (await asyncio.to_thread(self.node.store.add_local, model)).model_id
+        try:
+            local = resolve_under(model, self.node.model_dirs)
+            exists = local is not None and local.exists()
+        except OSError:  # not a name a path can have (too long: ENAMETOOLONG)
+            local, exists = None, False
+        if local is not None and (exists or looks_like_path(model)):
+            try:
+                return (await asyncio.to_thread(self.node.store.add_local, model)).model_id
+            except OSError as exc:
+                raise ModelStoreError(f"cannot read the model at {shown(model)}: {exc.strerror}") from exc
         if looks_like_path(model):
             log.warning("refused to take in %r: its real path is under none of the model directories %s",
                         model, [str(d) for d in self.node.model_dirs])
             raise ModelStoreError(
-                f"model {model[:200]!r} is not a model id known to the cluster, nor a path under a --model-dir")
+                f"model {shown(model)} is not a model id known to the cluster, nor a path under a --model-dir")
+        check_model_id(model)  # neither a path nor an id: a clear 400, not a failed lookup
         if "/" in model:
             try:
                 return (await asyncio.to_thread(self.node.store.add_from_hub, model, False)).model_id

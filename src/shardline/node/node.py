@@ -52,6 +52,7 @@ from shardline.node.cluster_state import (
 from shardline.node.coordinator import Coordinator
 from shardline.node.logistics import ModelLogistics
 from shardline.node.peer_client import KeyRefusedError, PeerClient, PeerError
+from shardline.node.queue_bound import DEFAULT_MAX_WAITING
 from shardline.node.routing import RequestStream, Router
 from shardline.node.signing import signing_key
 from shardline.node.state import (
@@ -99,6 +100,8 @@ class Node:
         model_dirs: directories under which a client may name a local path as a model
             (``--model-dir``); the store's directory is always one. A path elsewhere is
             refused (``ModelLogistics.adopt``).
+        max_waiting: the most requests this node lets wait for a slot of one instance;
+            more are refused with 429 (``shardline.node.queue_bound``).
     """
 
     def __init__(
@@ -121,6 +124,7 @@ class Node:
         state_path: Path | None = None,
         rejoin: bool = True,
         model_dirs: list[Path] | None = None,
+        max_waiting: int = DEFAULT_MAX_WAITING,
     ) -> None:
         self.node_id = node_id
         self.store = store
@@ -135,6 +139,7 @@ class Node:
         self.progress_timeout_s = progress_timeout_s
         self.default_context = context
         self.default_max_batch = max_batch
+        self.max_waiting = max_waiting
         self.down_after_s = down_after_s
         self.exit_with_parent = exit_with_parent
         self.max_replacements = 3

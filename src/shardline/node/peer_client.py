@@ -24,6 +24,7 @@ import pydantic
 from shardline.models.confine import UnsafePathError
 from shardline.models.store import Manifest, ModelStore
 from shardline.node.link_probe import measure_link
+from shardline.node.queue_bound import QueueFullError, retry_after
 from shardline.node.signing import MEMBER_HEADER, SignatureError, SignedAuth, check_answer
 from shardline.node.state import ClusterState
 from shardline.node.table import InstanceFailedError
@@ -142,6 +143,8 @@ class PeerClient:
 
         Raises:
             PeerError: the peer could not be reached, or refused the request.
+            QueueFullError: the peer refused it with 429 (as many requests wait there as
+                it queues).
             InstanceFailedError: the request failed there (the peer's error, which names
                 the rank that failed).
         """
@@ -149,6 +152,9 @@ class PeerClient:
         try:
             async with self.http.stream("POST", f"http://{address}/internal/generate", content=body,
                                         headers={"Content-Type": "application/json"}) as response:
+                if response.status_code == 429:
+                    raise QueueFullError(f"{address}: the model's queue is full; retry later",
+                                         retry_after(response.headers.get("retry-after")))
                 if response.status_code != 200:
                     raise PeerError(f"{address} refused the request: {response.status_code}")
                 self._check(response, f"{address}/internal/generate", streamed=True)

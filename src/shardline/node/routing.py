@@ -7,11 +7,13 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+import weakref
 from collections.abc import AsyncGenerator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from shardline.node.peer_client import PeerError
+from shardline.node.queue_bound import QueueFullError, admits, waiting_count
 from shardline.node.status import InstanceStatus
 from shardline.node.table import Instance, InstanceFailedError, NoInstanceError
 from shardline.node.wire import CancelMessage, TaskMessage
@@ -70,24 +72,63 @@ class Router:
         ms = int(time.time() * 1000) - 1_700_000_000_000
         return (ms << 22) | (self.node._salt << 12) | (next(self.node._task_counter) & 0xFFF)
 
-    async def generate(self, request: TokenRequest) -> AsyncGenerator[TokenEvent | PrefillProgress, None]:
+    def reserve(self, inst: Instance, owner: object) -> int | None:
+        """Take a place in the queue of ``inst`` for a request this node runs: check the
+        bound on waiting requests (:mod:`shardline.node.queue_bound`) and register the
+        request's stream under a new task id, which :meth:`generate` then runs. The place
+        is given up when :meth:`generate` ends, or when ``owner`` (what holds the id) is
+        garbage collected without running it. None where this node holds no rank of
+        ``inst`` (the node it forwards to decides there).
+
+        Raises:
+            QueueFullError: as many requests wait as the instance takes.
+        """
+        if self.node.node_id not in inst.node_ids():
+            return None
+        task_id = self._register(inst)
+        weakref.finalize(owner, self.node.streams.pop, task_id, None)
+        return task_id
+
+    def _register(self, inst: Instance) -> int:
+        """Check the queue bound and register a stream for a new task of ``inst`` (no
+        ``await`` between the two, so concurrent requests are counted one by one)."""
+        own = {task_id for task_id, s in self.node.streams.items() if s.instance_id == inst.instance_id}
+        waiting = waiting_count(own, self.node.engine_stats.get(inst.instance_id))
+        if not admits(waiting, self.node.max_waiting):
+            raise QueueFullError(f"the model {inst.model_id!r} has {waiting} requests waiting, as many "
+                                 f"as this node queues ({self.node.max_waiting}); retry later")
+        task_id = self.new_task_id()
+        self.node.streams[task_id] = RequestStream(inst.instance_id, asyncio.Queue())
+        return task_id
+
+    async def generate(self, request: TokenRequest,
+                       task_id: int | None = None) -> AsyncGenerator[TokenEvent | PrefillProgress, None]:
         """Run one request on a ready instance of its model and yield its events: the
         progress of a prefill that takes more than one engine step, then its tokens.
+        ``task_id``: the place :meth:`reserve` took for it, if one was taken.
 
         Closing the iterator early cancels the request on every rank.
 
         Raises:
             NoInstanceError: no ready instance serves the model.
+            QueueFullError: as many requests wait as the instance takes (here, or on the
+                node forwarded to).
             InstanceFailedError: the instance failed mid-request.
         """
-        inst = self.ready_instance(request.model_id)
-        if self.node.node_id not in inst.node_ids():
-            async for event in self._forward(inst, request):
-                yield event
-            return
-        task = Task.of(self.new_task_id(), self.node.node_id, request)
-        stream = RequestStream(inst.instance_id, asyncio.Queue())
-        self.node.streams[task.task_id] = stream
+        stream = None if task_id is None else self.node.streams.get(task_id)
+        inst = None if stream is None else self.node.instances.get(stream.instance_id)
+        if inst is None:
+            if task_id is not None:
+                self.node.streams.pop(task_id, None)  # its instance is gone: find another
+            inst = self.ready_instance(request.model_id)
+            if self.node.node_id not in inst.node_ids():
+                async for event in self._forward(inst, request):
+                    yield event
+                return
+            task_id = self._register(inst)
+            stream = self.node.streams[task_id]
+        assert task_id is not None and stream is not None
+        task = Task.of(task_id, self.node.node_id, request)
         finished = False
         try:
             await self._deliver(inst, TaskMessage(instance_id=inst.instance_id, task=task))

@@ -1,0 +1,207 @@
+"""Request bounds as pure decisions: JSON nesting depth, the queue bound, the prompt's
+lower bound of tokens, model id length (tables); the body middleware on a bare ASGI app."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+
+import pytest
+
+from shardline.api.prompt_bounds import SAFETY, min_prompt_tokens
+from shardline.models.store import ModelStoreError, check_model_id
+from shardline.node.bounds import JsonDepthScanner, RequestBoundsMiddleware, json_depth
+from shardline.node.queue_bound import RETRY_AFTER_S, admits, retry_after, waiting_count
+
+pytestmark = [pytest.mark.fast, pytest.mark.timeout(30)]
+
+
+@pytest.mark.parametrize("text, depth", [
+    (b"", 0),
+    (b"1", 0),
+    (b'"[[[["', 0),  # brackets in a string
+    (b"[]", 1),
+    (b"{}", 1),
+    (b'{"a": [1, {"b": [2]}]}', 4),
+    (b'[[], [[]], []]', 3),
+    (b'["\\"[[[", [1]]', 2),  # an escaped quote does not end the string
+    (b'["\\\\", [[1]]]', 3),  # an escaped backslash does
+    (b'{"a\\u005b": 1}', 1),
+    (b"[" * 1000 + b"]" * 1000, 1000),
+    (b"[]," * 1000, 1),
+    ('["é[", {"ü": ["{"]}]'.encode(), 3),
+])
+def test_json_depth(text, depth):
+    assert json_depth(text) == depth
+    if text:  # the same fed in pieces of every size, cut anywhere (strings and escapes too)
+        for size in (1, 2, 3, 7):
+            scanner = JsonDepthScanner()
+            for i in range(0, len(text), size):
+                scanner.feed(text[i:i + size])
+            assert scanner.max_depth == depth, size
+
+
+def test_json_depth_agrees_with_the_parser_on_generated_json():
+    def nest(n: int) -> object:
+        value: object = "x[{\\\""
+        for i in range(n):
+            value = [value, {"k": i}] if i % 2 else {"k[": value, "n": "}"}
+        return value
+
+    def depth(value: object) -> int:
+        if isinstance(value, list):
+            return 1 + max(map(depth, value), default=0)
+        if isinstance(value, dict):
+            return 1 + max(map(depth, value.values()), default=0)
+        return 0
+
+    for n in range(12):
+        value = nest(n)
+        assert json_depth(json.dumps(value).encode()) == depth(value), n
+
+
+def test_json_depth_of_a_large_flat_body_is_quick():
+    body = b'{"messages": [' + b'{"role": "user", "content": "[{}] \\" text"},' * 200_000 + b"{}]}"
+    started = time.perf_counter()
+    assert json_depth(body) == 3
+    adversarial = b"[]," * 3_000_000
+    assert json_depth(adversarial) == 1
+    assert time.perf_counter() - started < 3.0
+
+
+@pytest.mark.parametrize("own, stats, waiting", [
+    (set(), None, 0),
+    ({1, 2}, None, 2),  # before the first stats: all of this node's requests
+    ({1}, {"running": [1], "waiting": [], "held": [], "free_slots": 0}, 0),
+    ({1, 2}, {"running": [1], "waiting": [2], "held": [], "free_slots": 0}, 1),
+    ({1, 2, 3}, {"running": [1], "waiting": [2], "held": [], "free_slots": 3}, 2),  # 3 queues behind 2
+    ({1, 2, 3}, {"running": [1], "waiting": [], "held": [], "free_slots": 1}, 1),  # 2 and 3: one slot
+    ({1, 2, 3}, {"running": [1], "waiting": [], "held": [], "free_slots": 4}, 0),
+    (set(), {"running": [], "waiting": [7, 8], "held": [9], "free_slots": 0}, 3),  # other nodes' tasks
+    ({7}, {"running": [], "waiting": [7, 8], "held": [], "free_slots": 0}, 2),  # counted once
+])
+def test_waiting_count(own, stats, waiting):
+    assert waiting_count(own, stats) == waiting
+
+
+@pytest.mark.parametrize("waiting, bound, admitted", [
+    (0, 64, True), (63, 64, True), (64, 64, False), (65, 64, False), (0, 0, False), (1, 2, True),
+])
+def test_admits(waiting, bound, admitted):
+    assert admits(waiting, bound) is admitted
+
+
+@pytest.mark.parametrize("header, seconds", [
+    (None, RETRY_AFTER_S), ("5", 5), (" 12 ", 12), ("Wed, 21 Oct 2015 07:28:00 GMT", RETRY_AFTER_S), ("-1", RETRY_AFTER_S),
+])
+def test_retry_after(header, seconds):
+    assert retry_after(header) == seconds
+
+
+@pytest.mark.parametrize("prompt, longest, tokens", [
+    ("", 10, 0),
+    ("a", 10, 1),
+    ("a" * 40, 10, 1),
+    ("a" * 41, 10, 2),
+    ("a" * 4_000_000, 16, 4_000_000 // (16 * SAFETY)),
+    ([{"role": "user", "content": "hi"}], 10, 1),
+    ([{"role": "user", "content": "hi"}] * 500, 100, 500),  # one per turn at least
+    ([{"role": "assistant", "content": "x" * 10_000}], 1, 0),  # a template may shorten it
+    ([{"role": "system", "content": "x" * 400}, {"role": "user", "content": ""}], 10, 10),
+])
+def test_min_prompt_tokens(prompt, longest, tokens):
+    assert min_prompt_tokens(prompt, longest) == tokens
+
+
+@pytest.mark.parametrize("model_id, ok", [
+    ("HuggingFaceTB/SmolLM2-135M-Instruct", True),
+    ("a" * 96, True),
+    ("a" * 96 + "/" + "b" * 96, True),
+    ("a" * 97, False),
+    ("org/" + "b" * 5000, False),
+    ("a/../b", False),
+])
+def test_check_model_id_bounds_the_length(model_id, ok):
+    if ok:
+        assert check_model_id(model_id) == model_id
+    else:
+        with pytest.raises(ModelStoreError) as info:
+            check_model_id(model_id)
+        assert len(str(info.value)) < 300  # the id is cut in the message
+
+
+def _run_app(middleware_args: dict, headers: list, chunks: list[bytes], path: str = "/v1/chat/completions"):
+    """Run a request through the middleware around an app that reads the whole body and
+    answers 200; return (messages sent, bytes the app received)."""
+    received = []
+
+    async def app(scope, receive, send):
+        while True:
+            message = await receive()
+            received.append(message.get("body", b""))
+            if not message.get("more_body"):
+                break
+        await send({"type": "http.response.start", "status": 200, "headers": []})
+        await send({"type": "http.response.body", "body": b"ok"})
+
+    incoming = [{"type": "http.request", "body": c, "more_body": i < len(chunks) - 1} for i, c in enumerate(chunks)]
+    sent = []
+
+    async def receive():
+        return incoming.pop(0)
+
+    async def send(message):
+        sent.append(message)
+
+    scope = {"type": "http", "method": "POST", "path": path, "headers": headers}
+    asyncio.run(RequestBoundsMiddleware(app, **middleware_args)(scope, receive, send))
+    return sent, b"".join(received)
+
+
+def _status_and_body(sent) -> tuple[int, dict | bytes]:
+    body = b"".join(m.get("body", b"") for m in sent if m["type"] == "http.response.body")
+    try:
+        return sent[0]["status"], json.loads(body)
+    except ValueError:
+        return sent[0]["status"], body
+
+
+def test_middleware_refuses_a_content_length_over_the_limit_unread():
+    sent, received = _run_app({"max_body_bytes": 100}, [(b"content-length", b"101")], [b"x" * 101])
+    status, body = _status_and_body(sent)
+    assert status == 413 and received == b""
+    assert body["error"]["code"] == "request_too_large"
+
+
+@pytest.mark.parametrize("chunks, path, status, shape", [
+    ([b"[1]"] * 10, "/v1/chat/completions", 200, None),  # 30 bytes, depth 1
+    ([b"x" * 60] * 2, "/api/chat", 413, "error"),  # no Content-Length: counted as it comes
+    ([b"[" * 40, b"[" * 40], "/cluster/instances", 400, "detail"),  # 80 deep
+    ([b"[" * 40, b"[" * 40], "/v1/messages", 400, "type"),
+])
+def test_middleware_counts_and_scans_chunks(chunks, path, status, shape):
+    sent, received = _run_app({"max_body_bytes": 100, "max_json_depth": 64}, [], chunks, path)
+    got, body = _status_and_body(sent)
+    assert got == status
+    if status == 200:
+        assert body == b"ok" and received == b"".join(chunks)
+    else:
+        assert shape in body
+        assert len([m for m in sent if m["type"] == "http.response.start"]) == 1  # the app's answer dropped
+
+
+def test_middleware_does_not_scan_octet_streams():
+    sent, _ = _run_app({"max_json_depth": 2}, [(b"content-type", b"application/octet-stream")], [b"[[[[[[[["])
+    assert _status_and_body(sent)[0] == 200
+
+
+def test_run_defaults_are_the_issues_bounds():
+    from shardline.cli import build_parser
+
+    args = build_parser().parse_args(["run"])
+    assert (args.max_body_bytes, args.max_waiting, args.header_timeout) == (16 * 1024 * 1024, 64, 10.0)
+    args = build_parser().parse_args(["run", "--max-body-bytes", "1MiB", "--max-waiting", "0"])
+    assert (args.max_body_bytes, args.max_waiting) == (1 << 20, 0)
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["run", "--max-waiting", "-1"])
