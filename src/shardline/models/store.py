@@ -51,7 +51,6 @@ GGUF_TOKENIZER_DIR = "tokenizer"
 # Files of a Hugging Face directory that shardline uses; others (*.bin, *.pt, ...) stay out.
 HF_PATTERNS = ("*.safetensors", "*.json", "*.jinja", "*.model", "*.txt", "*.tiktoken")
 _ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]*(/[A-Za-z0-9][A-Za-z0-9._-]*)?")
-MAX_ID_CHARS = 200
 _LAYER = re.compile(r"\.layers\.(\d+)\.")
 
 
@@ -170,15 +169,15 @@ MAX_ID_PART_CHARS = 96  # Hugging Face's limit on an org and a repo name (huggin
 def check_model_id(model_id: object) -> str:
     """``model_id`` if it is ``name`` or ``org/name`` (letters, digits, ``._-``; each part
     starting with a letter or digit and at most :data:`MAX_ID_PART_CHARS` characters, so its
-    directory name fits any file system; no ``..``; at most :data:`MAX_ID_CHARS` characters
-    in all), so that its directory (:meth:`ModelStore.model_dir`) is one name in the store.
+    directory name fits any file system; no ``..``), so that its directory
+    (:meth:`ModelStore.model_dir`) is one name in the store.
 
     Raises:
         ModelStoreError: it is not.
     """
     if not isinstance(model_id, str):
         raise ModelStoreError(f"a model id is a string, not {type(model_id).__name__}")
-    if len(model_id) > MAX_ID_CHARS or any(len(part) > MAX_ID_PART_CHARS for part in model_id.split("/")):
+    if any(len(part) > MAX_ID_PART_CHARS for part in model_id.split("/")):
         raise ModelStoreError(f"model id {shown(model_id)} is too long: a name and an org are at most "
                               f"{MAX_ID_PART_CHARS} characters each")
     if not _ID.fullmatch(model_id) or ".." in model_id:
