@@ -1,11 +1,9 @@
 """Request bounds on a real node (issue 14, item 5): body size, JSON depth, model id
 length, the cheap context check, the queue bound, the header timeout, and 500s in JSON.
 
-One node serving the default model with ``max_batch`` 1, ``--max-waiting 2`` and
-``--header-timeout 2``: the queue bound is tested at 2 instead of the default 64 (one
-request runs, two wait, the fourth of four is refused), which costs seconds where 65
-requests would cost minutes; the decision is the same function (``queue_bound.admits``,
-table-tested at 64 in test_bounds.py).
+One node serving the default model with ``max_batch`` 1, the default ``--max-waiting``
+(64) and ``--header-timeout 2``: one request runs, 64 wait, and the next is refused (the
+decision, ``queue_bound.admits``, is also table-tested in test_bounds.py).
 """
 
 from __future__ import annotations
@@ -22,19 +20,20 @@ from conftest import free_port_block
 
 from shardline.local_cluster import LocalCluster
 from shardline.models.store import DEFAULT_MODEL_ID
+from shardline.node.queue_bound import DEFAULT_MAX_WAITING
 
 pytestmark = pytest.mark.timeout(300)
 
 HEADER_TIMEOUT_S = 2
+WAITING = DEFAULT_MAX_WAITING  # the 66th concurrent request: 1 runs, 64 wait, it gets 429
 
 
 @pytest.fixture(scope="module")
 def bounded(tmp_path_factory):
-    """A 1-node cluster: max_batch 1, --max-waiting 2, --header-timeout 2."""
+    """A 1-node cluster: max_batch 1, the default --max-waiting (64), --header-timeout 2."""
     log_dir = tmp_path_factory.mktemp("bounds")
     cluster = LocalCluster(nodes=1, base_port=free_port_block(1), runner_threads=1, log_dir=str(log_dir),
-                           data_dir=str(log_dir), node_args={0: ["--max-waiting", "2", "--header-timeout",
-                                                                 str(HEADER_TIMEOUT_S)]})
+                           data_dir=str(log_dir), node_args={0: ["--header-timeout", str(HEADER_TIMEOUT_S)]})
     try:
         cluster.start()
         cluster.place(None, "pipeline", max_batch=1)
@@ -160,22 +159,22 @@ def test_past_the_waiting_bound_a_request_gets_429_and_the_others_are_served(bou
         first_tokens: dict[int, float] = {}
         async with httpx.AsyncClient(timeout=120) as client:
             tasks = [asyncio.create_task(stream(client, 0, results, first_tokens))]
-            for i in (1, 2):  # one runs (max_batch 1), then two wait
+            for i in range(1, WAITING + 1):  # one runs (max_batch 1), then 64 wait
                 deadline = time.monotonic() + 60
                 while i - 1 not in results and time.monotonic() < deadline:
                     await asyncio.sleep(0.05)
                 tasks.append(asyncio.create_task(stream(client, i, results, first_tokens)))
             deadline = time.monotonic() + 60
-            while await waiting() < 2 and time.monotonic() < deadline:
+            while await waiting() < WAITING and time.monotonic() < deadline:
                 await asyncio.sleep(0.1)
-            assert await waiting() == 2
+            assert await waiting() == WAITING
             refused = await client.post(f"{url}/v1/chat/completions", json=chat("One more."))
             assert refused.status_code == 429, refused.text
             assert refused.json()["error"]["type"] == "rate_limit_exceeded"
             assert int(refused.headers["Retry-After"]) >= 1
             anthropic = await client.post(f"{url}/v1/messages", json=chat("One more.", max_tokens=5))
             assert anthropic.status_code == 429 and anthropic.json()["error"]["type"] == "rate_limit_error"
-            assert [results[i].status_code for i in range(3)] == [200, 200, 200]
+            assert [results[i].status_code for i in range(WAITING + 1)] == [200] * (WAITING + 1)
             assert 0 in first_tokens  # the running one streams meanwhile
             tasks[0].cancel()  # the first leaves: the next waiting one starts and streams
             deadline = time.monotonic() + 60

@@ -174,3 +174,17 @@ def test_host_name(value, name):
 ])
 def test_a_signed_request_must_name_this_node(host, port, ok):
     assert names_this_node(host, HOSTS, port) == ok
+
+
+def test_the_link_probe_upload_is_signed_without_its_body():
+    import httpx
+
+    request = next(signing.SignedAuth(KEY).auth_flow(
+        httpx.Request("POST", f"http://{HOST}/internal/echo-bytes", content=b"x" * 1000)))
+    header = request.headers[signing.AUTH_HEADER]
+    assert verify(header, target="/internal/echo-bytes", body=None)
+    with pytest.raises(signing.SignatureError):
+        verify(header, target="/internal/echo-bytes", body=b"x" * 1000)
+    tasks = next(signing.SignedAuth(KEY).auth_flow(httpx.Request("POST", f"http://{HOST}/internal/tasks",
+                                                                 content=b"{}")))
+    assert verify(tasks.headers[signing.AUTH_HEADER], target="/internal/tasks", body=b"{}")

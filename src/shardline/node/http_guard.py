@@ -194,7 +194,8 @@ class SignatureMiddleware:
         names: this node's names and addresses (the Host of a request for it).
 
     A request's body is read whole before the check (node-to-node bodies are small: tables,
-    tasks, a prompt's token ids, a 1 MiB link probe), then handed on unchanged.
+    tasks, a prompt's token ids), then handed on unchanged; the link probe's upload
+    (:data:`~shardline.node.signing.UNHASHED_PATHS`) is not signed, and streams through.
     """
 
     def __init__(self, app, key: bytes, names: frozenset[str]) -> None:
@@ -213,15 +214,17 @@ class SignatureMiddleware:
         if header is None and not internal:
             await self.app(scope, receive, send)
             return
-        chunks = []
-        while True:
-            message = await receive()
-            if message["type"] != "http.request":
-                return  # the client left
-            chunks.append(message.get("body", b""))
-            if not message.get("more_body"):
-                break
-        body = b"".join(chunks)
+        body: bytes | None = None  # not read for a route whose body is not signed
+        if scope["path"] not in signing.UNHASHED_PATHS:
+            chunks = []
+            while True:
+                message = await receive()
+                if message["type"] != "http.request":
+                    return  # the client left
+                chunks.append(message.get("body", b""))
+                if not message.get("more_body"):
+                    break
+            body = b"".join(chunks)
         target = scope.get("raw_path") or scope["path"].encode()
         if scope.get("query_string"):
             target += b"?" + scope["query_string"]
@@ -239,7 +242,7 @@ class SignatureMiddleware:
             await response(scope, receive, send)
             return
         scope = dict(scope, **{MEMBER_SCOPE_KEY: True})
-        replayed = False
+        replayed = body is None
 
         async def replay():
             nonlocal replayed
