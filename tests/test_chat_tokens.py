@@ -133,8 +133,9 @@ def prepared(tokenizer: Tokenizer, request: Any) -> list[int]:
     async def tokenizer_of(model: str) -> Tokenizer:
         return tokenizer
 
-    node: Any = SimpleNamespace(router=SimpleNamespace(ready_instance=lambda model: SimpleNamespace(context=8192)),
-                                logistics=SimpleNamespace(tokenizer=tokenizer_of))
+    router = SimpleNamespace(ready_instance=lambda model: SimpleNamespace(context=8192),
+                             reserve=lambda inst, gen: 1)  # the queue bound: always room here
+    node: Any = SimpleNamespace(router=router, logistics=SimpleNamespace(tokenizer=tokenizer_of))
     return asyncio.run(prepare(node, request.to_generation())).prompt
 
 
