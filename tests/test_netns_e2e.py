@@ -103,12 +103,23 @@ def table(hosts: netns.Hosts, i: int) -> tuple:
             tuple(sorted((x["instance_id"], x["status"]) for x in state["instances"])))
 
 
+def listening_in(hosts: netns.Hosts, i: int, pids: set[int]) -> list[str]:
+    """The local ``address:port`` of each TCP socket the processes ``pids`` listen on in
+    host ``i``'s namespace (``ss``: psutil reads only the caller's namespace)."""
+    out = subprocess.run(hosts.command(i, ["ss", "-Hltnp"]), check=True, capture_output=True,
+                         text=True).stdout
+    return [line.split()[3] for line in out.splitlines()
+            if {int(p) for p in re.findall(r"pid=(\d+)", line)} & pids]
+
+
 @pytest.mark.timeout(240)
 def test_a_partition_heals_into_one_state_and_one_serving_instance(tmp_path):
     """Three nodes serving the model; the coordinator's link (the smallest id) cut for
     20 s: the other two elect a coordinator in a newer term and serve, while the cut node
     goes on alone in its old term; once it is back every node holds one table (same
-    epoch) with one instance, served by every node (issue 13)."""
+    epoch) with one instance, served by every node (issue 13). Before the cut: each
+    runner's listening sockets (rank 0's store, gloo) are on its host's address, not on
+    every interface nor on loopback (issue 14)."""
     with netns.Hosts(3) as hosts:
         procs = [start_node(hosts, i, tmp_path, "--no-mdns", "--runner-threads", "1", "--peers",
                             ",".join(f"{a}:{PORT}" for a in hosts.addresses if a != hosts.addresses[i]))
@@ -120,6 +131,12 @@ def test_a_partition_heals_into_one_state_and_one_serving_instance(tmp_path):
                                 json={"model": None, "sharding": "pipeline", "context": 512})
             assert placed.status_code == 201, placed.text
             wait_for(lambda: all("Paris" in (chat(hosts, i) or "") for i in range(3)), 90, "served by all")
+            for i, proc in enumerate(procs):  # the data plane listens on the host's address only
+                runners = {c.pid for c in psutil.Process(proc.pid).children(recursive=True)
+                           if "shardline.runner" in c.cmdline()}
+                assert len(runners) == 1
+                found = listening_in(hosts, i, runners)
+                assert found and all(a.rsplit(":", 1)[0] == hosts.addresses[i] for a in found), found
             ids = [httpx.get(f"http://{a}:{PORT}/health", timeout=2).json()["node_id"] for a in hosts.addresses]
             cut = ids.index(min(ids))  # the coordinator
             majority = [i for i in range(3) if i != cut]
@@ -143,38 +160,5 @@ def test_a_partition_heals_into_one_state_and_one_serving_instance(tmp_path):
             print(f"every node serving {time.time() - healed:.1f} s after the link came back")
             held = [table(hosts, i) for i in range(3)]
             assert len(set(held)) == 1 and [s for _, s in held[0][1]] == ["ready"]
-        finally:
-            stop(procs)
-
-
-def listening_in(hosts: netns.Hosts, i: int, pids: set[int]) -> list[str]:
-    """The local ``address:port`` of each TCP socket the processes ``pids`` listen on in
-    host ``i``'s namespace (``ss``: psutil reads only the caller's namespace)."""
-    out = subprocess.run(hosts.command(i, ["ss", "-Hltnp"]), check=True, capture_output=True,
-                         text=True).stdout
-    return [line.split()[3] for line in out.splitlines()
-            if {int(p) for p in re.findall(r"pid=(\d+)", line)} & pids]
-
-
-@pytest.mark.timeout(180)
-def test_runners_listen_on_their_host_address_only(tmp_path):
-    """A 2-host instance: each runner's listening sockets (rank 0's store, gloo) are on its
-    host's address, not on every interface nor on loopback, and the instance serves."""
-    with netns.Hosts(2) as hosts:
-        procs = [start_node(hosts, i, tmp_path, "--no-mdns", "--runner-threads", "1", "--peers",
-                            f"{hosts.addresses[1 - i]}:{PORT}") for i in range(2)]
-        try:
-            wait_for(lambda: all(sum(n["live"] for n in nodes_view(hosts, i)) == 2 for i in range(2)),
-                     30, "a 2-node cluster")
-            placed = httpx.post(f"http://{hosts.addresses[0]}:{PORT}/cluster/instances", timeout=60,
-                                json={"model": None, "sharding": "pipeline", "context": 512})
-            assert placed.status_code == 201, placed.text
-            wait_for(lambda: all("Paris" in (chat(hosts, i) or "") for i in range(2)), 90, "served by both")
-            for i, proc in enumerate(procs):
-                runners = {c.pid for c in psutil.Process(proc.pid).children(recursive=True)
-                           if "shardline.runner" in c.cmdline()}
-                assert len(runners) == 1
-                found = listening_in(hosts, i, runners)
-                assert found and all(a.rsplit(":", 1)[0] == hosts.addresses[i] for a in found), found
         finally:
             stop(procs)
