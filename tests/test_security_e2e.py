@@ -108,3 +108,16 @@ def test_a_node_on_a_lan_address_needs_an_api_key(tmp_path):
     done = subprocess.run(command, capture_output=True, text=True, timeout=60,
                           env={"PATH": "/usr/bin:/bin", "HOME": str(tmp_path)})
     assert done.returncode == 2 and "--api-key" in done.stderr and "--no-api-key" in done.stderr
+
+
+def test_the_cluster_commands_send_the_key(keyed):
+    command = [sys.executable, "-m", "shardline.cli", "instances", "--url", keyed]
+    refused = subprocess.run(command, capture_output=True, text=True, timeout=60,
+                             env={"PATH": "/usr/bin:/bin", "COLUMNS": "200"})
+    assert refused.returncode == 1 and "401" in refused.stderr
+    listed = subprocess.run(command + ["--api-key", API_KEY], capture_output=True, text=True, timeout=60,
+                            env={"PATH": "/usr/bin:/bin", "COLUMNS": "200"})
+    assert listed.returncode == 0 and "ready" in listed.stdout, listed.stderr
+    from_env = subprocess.run(command, capture_output=True, text=True, timeout=60,
+                              env={"PATH": "/usr/bin:/bin", "COLUMNS": "200", "SHARDLINE_API_KEY": API_KEY})
+    assert from_env.returncode == 0

@@ -23,6 +23,13 @@ from rich.table import Table
 _console = Console()
 
 
+def api_key_headers(api_key: str | None = None) -> dict[str, str]:
+    """The header a client of a node sends its API key in: ``api_key``, else
+    ``$SHARDLINE_API_KEY``; none when neither is set."""
+    key = api_key or os.environ.get("SHARDLINE_API_KEY")
+    return {"Authorization": f"Bearer {key}"} if key else {}
+
+
 class CommandError(RuntimeError):
     """A message for the user; the command exits with status 1."""
 
@@ -36,9 +43,7 @@ def _request(args: argparse.Namespace, method: str, path: str, body: dict | None
     """
     url = args.url.rstrip("/") + path
     try:
-        key = args.api_key or os.environ.get("SHARDLINE_API_KEY")
-        headers = {"Authorization": f"Bearer {key}"} if key else {}
-        response = httpx.request(method, url, json=body, timeout=timeout_s, headers=headers)
+        response = httpx.request(method, url, json=body, timeout=timeout_s, headers=api_key_headers(args.api_key))
     except httpx.HTTPError as exc:
         raise CommandError(f"no shardline node answers at {args.url} ({exc}); start one with "
                            f"`shardline run`, or give --url") from None

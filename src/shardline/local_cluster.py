@@ -14,6 +14,7 @@ from pathlib import Path
 
 import httpx
 
+from shardline.control import api_key_headers
 from shardline.node.identity import cluster_key, default_data_dir
 
 KEPT_REPLACE_S = 20.0
@@ -67,7 +68,7 @@ class LocalCluster:
         self.data_dir = Path(data_dir) if data_dir else default_data_dir() / "local-cluster" / str(base_port)
         self.cluster_key, _ = cluster_key(self.data_dir)
         self.api_key = api_key or os.environ.get("SHARDLINE_API_KEY") or None
-        self.headers = {"Authorization": f"Bearer {self.api_key}"} if self.api_key else {}
+        self.headers = api_key_headers(self.api_key)
         self.n = nodes
         self.base_port = base_port
         self.runner_threads = runner_threads or max(1, (os.cpu_count() or 1) // nodes)

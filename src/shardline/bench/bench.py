@@ -365,8 +365,9 @@ class BenchConfig:
     warmup: bool
 
 
-async def run_bench(config: BenchConfig, progress=None) -> dict[str, Any]:
-    """Calibrate the prompt, warm up, run every concurrency level.
+async def run_bench(config: BenchConfig, progress=None, headers: dict[str, str] | None = None) -> dict[str, Any]:
+    """Calibrate the prompt, warm up, run every concurrency level; ``headers`` go with
+    every request (an API key's: kept out of the report).
 
     Returns:
         ``{"config": ..., "prompt_words": ..., "calibrated_prompt_tokens": ...,
@@ -378,7 +379,7 @@ async def run_bench(config: BenchConfig, progress=None) -> dict[str, Any]:
     say = progress or (lambda _msg: None)
     timeout = httpx.Timeout(30.0, read=600.0)
     limits = httpx.Limits(max_connections=max(config.concurrency) + 4)
-    async with httpx.AsyncClient(timeout=timeout, limits=limits) as client:
+    async with httpx.AsyncClient(timeout=timeout, limits=limits, headers=headers) as client:
         say(f"calibrating a prompt of about {config.prompt_tokens} tokens")
         words, calibrated = await calibrate_words(client, config.url, config.model, config.prompt_tokens)
         if config.warmup:

@@ -26,6 +26,7 @@ from shardline.bench.bench import (
     median,
     run_bench,
 )
+from shardline.control import api_key_headers
 from shardline.local_cluster import LocalCluster, LocalClusterError, model_dirs_for
 
 
@@ -78,6 +79,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
     parser.add_argument("--url", default=None,
                         help="benchmark this running node (http://host:port); default: start a local cluster")
+    parser.add_argument("--api-key", default=None,
+                        help="the API key of the node at --url, or the one the local cluster's nodes "
+                             "require (default: $SHARDLINE_API_KEY, else none)")
     parser.add_argument("--nodes", type=int, default=1, help="nodes of the local cluster (default %(default)s)")
     parser.add_argument("--sharding", default="pipeline", choices=SHARDINGS,
                         help="sharding of the local cluster (default %(default)s)")
@@ -136,9 +140,10 @@ def _describe_connect_error(url: str, exc: Exception) -> str:
     return f"request to {url} failed: {type(exc).__name__}: {exc}"
 
 
-def _server_info(url: str, model: str | None) -> tuple[str, int | None, str | None]:
-    """(model id, nodes, sharding) of a running server; nodes/sharding None if unknown."""
-    response = httpx.get(f"{url}/v1/models", timeout=10)
+def _server_info(url: str, model: str | None, headers: dict[str, str]) -> tuple[str, int | None, str | None]:
+    """(model id, nodes, sharding) of a running server; nodes/sharding None if unknown.
+    ``headers``: the API key's (:func:`shardline.control.api_key_headers`)."""
+    response = httpx.get(f"{url}/v1/models", timeout=10, headers=headers)
     if response.status_code != 200:
         raise BenchError(error_message(response, response.content))
     try:
@@ -151,11 +156,12 @@ def _server_info(url: str, model: str | None) -> tuple[str, int | None, str | No
         model = ids[0]
     elif model not in ids:
         raise BenchError(f"{url} does not serve {model!r} (it serves: {', '.join(ids)})")
-    nodes, sharding = _wait_ready(url, model)
+    nodes, sharding = _wait_ready(url, model, headers)
     return model, nodes, sharding
 
 
-def _wait_ready(url: str, model: str, timeout_s: float = 120.0) -> tuple[int | None, str | None]:
+def _wait_ready(url: str, model: str, headers: dict[str, str],
+                timeout_s: float = 120.0) -> tuple[int | None, str | None]:
     """(nodes, sharding) of the model's ready shardline instance, waiting while it loads.
 
     shardline's ``/v1/models`` already lists a model while it is loading; its cluster API
@@ -169,7 +175,7 @@ def _wait_ready(url: str, model: str, timeout_s: float = 120.0) -> tuple[int | N
     said = False
     while True:
         try:
-            response = httpx.get(f"{url}/cluster/instances", timeout=10)
+            response = httpx.get(f"{url}/cluster/instances", timeout=10, headers=headers)
             instances = [i for i in response.json()["instances"] if i["model_id"] == model]
         except (httpx.HTTPError, ValueError, KeyError, TypeError):
             return None, None
@@ -212,13 +218,14 @@ def _bench_url(args: argparse.Namespace, url: str, model: str, nodes: int | None
         prompt_tokens=args.prompt_tokens, gen_tokens=args.gen_tokens,
         concurrency=list(args.concurrency), runs=args.runs, warmup=args.warmup,
     )
-    report = asyncio.run(run_bench(config, _progress))
+    headers = api_key_headers(args.api_key)
+    report = asyncio.run(run_bench(config, _progress, headers))
     print_report(report)
     if args.memory:
         from shardline.bench.memory import MemoryReportError, print_memory, rank_memory
 
         try:
-            report["memory"] = rank_memory(url, model)
+            report["memory"] = rank_memory(url, model, headers)
         except MemoryReportError as exc:
             raise BenchError(f"memory report: {exc}") from exc
         print_memory(report["memory"])
@@ -264,7 +271,7 @@ def _main(args: argparse.Namespace) -> int:
         if url is not None:
             if "://" not in url:
                 url = f"http://{url}"
-            model, nodes, sharding = _server_info(url, args.model)
+            model, nodes, sharding = _server_info(url, args.model, api_key_headers(args.api_key))
         else:
             from shardline.models.store import DEFAULT_MODEL_ID
 
@@ -276,7 +283,7 @@ def _main(args: argparse.Namespace) -> int:
                       f"{args.port + args.nodes - 1} (node logs in {log_dir})")
             cluster = LocalCluster(nodes=args.nodes, base_port=args.port,
                                    runner_threads=args.runner_threads, log_dir=log_dir,
-                                   model_dirs=model_dirs_for(args.model))
+                                   model_dirs=model_dirs_for(args.model), api_key=args.api_key)
             cluster.start()
             _progress(f"placing {args.model or DEFAULT_MODEL_ID} ({args.sharding})")
             cluster.clear()  # instances the bench's own nodes kept from an earlier run

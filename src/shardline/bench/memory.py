@@ -26,7 +26,8 @@ class MemoryReportError(RuntimeError):
     """The instance or a rank's node could not be asked."""
 
 
-def rank_memory(url: str, model: str, timeout_s: float = 10.0) -> list[dict[str, Any]]:
+def rank_memory(url: str, model: str, headers: dict[str, str] | None = None,
+                timeout_s: float = 10.0) -> list[dict[str, Any]]:
     """One row per rank of ``model``'s ready instance on the cluster at ``url``: ``rank``,
     ``node_id``, ``share`` (layers or heads), ``file_bytes`` (read from the model's
     files), ``estimated_bytes``, ``baseline_bytes`` (the runtime placement counts on its
@@ -37,8 +38,8 @@ def rank_memory(url: str, model: str, timeout_s: float = 10.0) -> list[dict[str,
         MemoryReportError: no ready instance of ``model``, or a node did not answer.
     """
     try:
-        instances = httpx.get(f"{url}/cluster/instances", timeout=timeout_s).json()["instances"]
-        nodes = httpx.get(f"{url}/cluster/nodes", timeout=timeout_s).json()["nodes"]
+        instances = httpx.get(f"{url}/cluster/instances", timeout=timeout_s, headers=headers).json()["instances"]
+        nodes = httpx.get(f"{url}/cluster/nodes", timeout=timeout_s, headers=headers).json()["nodes"]
     except (httpx.HTTPError, ValueError, KeyError) as exc:
         raise MemoryReportError(f"{url}: {exc}") from exc
     baselines = {n["node_id"]: runtime_baseline([(n.get("profile") or {}).get(
@@ -51,7 +52,7 @@ def rank_memory(url: str, model: str, timeout_s: float = 10.0) -> list[dict[str,
     for r, rank in enumerate(inst["ranks"]):
         try:
             views = httpx.get(f"http://{rank['address']}/cluster/instances",
-                              timeout=timeout_s).json()["instances"]
+                              timeout=timeout_s, headers=headers).json()["instances"]
         except (httpx.HTTPError, ValueError, KeyError) as exc:
             raise MemoryReportError(f"node {rank['node_id']} ({rank['address']}): {exc}") from exc
         mine = next((v for v in views if v["instance_id"] == inst["instance_id"]), None)
