@@ -182,7 +182,9 @@ def test_every_node_restarted_places_the_kept_model_again(cluster):
     print(f"\nall nodes restarted: serving again {time.time() - back:.1f} s later")
 
 
-def test_a_state_of_an_older_term_or_not_a_state_is_refused(cluster):
+def test_a_state_of_an_older_term_or_not_a_state_is_refused(cluster3):
+    """On the session's shared cluster: the refused states change nothing."""
+    cluster = cluster3
     url = f"{cluster.url(1)}/internal/state"
     with member_client(cluster.cluster_key) as member:
         held = member.get(url).json()
