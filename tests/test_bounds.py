@@ -107,8 +107,10 @@ def test_retry_after(header, seconds):
     ("a" * 4_000_000, 16, 4_000_000 // (16 * SAFETY)),
     ([{"role": "user", "content": "hi"}], 10, 1),
     ([{"role": "user", "content": "hi"}] * 500, 100, 500),  # one per turn at least
-    ([{"role": "assistant", "content": "x" * 10_000}], 1, 0),  # a template may shorten it
+    ([{"role": "assistant", "content": "x" * 10_000}], 1, 1),  # a template may shorten it: its turn
     ([{"role": "system", "content": "x" * 400}, {"role": "user", "content": ""}], 10, 10),
+    ([{"role": "user"}] * 1_000_000, 80, 1_000_000),  # empty turns are turns too
+    ([{"role": "user", "content": ""}, {"role": "assistant", "content": None}], 80, 2),
 ])
 def test_min_prompt_tokens(prompt, longest, tokens):
     assert min_prompt_tokens(prompt, longest) == tokens
@@ -191,9 +193,25 @@ def test_middleware_counts_and_scans_chunks(chunks, path, status, shape):
         assert len([m for m in sent if m["type"] == "http.response.start"]) == 1  # the app's answer dropped
 
 
-def test_middleware_does_not_scan_octet_streams():
-    sent, _ = _run_app({"max_json_depth": 2}, [(b"content-type", b"application/octet-stream")], [b"[[[[[[[["])
+def test_middleware_scans_every_content_type_but_not_the_link_probe_upload():
+    octet = [(b"content-type", b"application/octet-stream")]
+    sent, _ = _run_app({"max_json_depth": 2}, octet, [b"[[[[[[[["], "/v1/chat/completions")
+    assert _status_and_body(sent)[0] == 400  # the APIs parse JSON whatever its type
+    sent, _ = _run_app({"max_json_depth": 2}, octet, [b"[[[[[[[["], "/internal/echo-bytes")
     assert _status_and_body(sent)[0] == 200
+
+
+@pytest.mark.parametrize("first, refused", [
+    ('{"a": 1}'.encode("utf-16"), True), ('{"a": 1}'.encode("utf-16-le"), True),
+    ('{"a": 1}'.encode("utf-16-be"), True), ('{"a": 1}'.encode("utf-32"), True),
+    (b'{"a": 1}', False), ('{"é": 1}'.encode(), False),
+])
+def test_middleware_refuses_json_that_is_not_utf8(first, refused):
+    sent, _ = _run_app({}, [], [first], "/v1/chat/completions")
+    status, body = _status_and_body(sent)
+    assert (status == 400) == refused
+    if refused:
+        assert body["error"]["code"] == "not_utf8"
 
 
 def test_run_defaults_are_the_issues_bounds():
@@ -205,3 +223,15 @@ def test_run_defaults_are_the_issues_bounds():
     assert (args.max_body_bytes, args.max_waiting) == (1 << 20, 0)
     with pytest.raises(SystemExit):
         build_parser().parse_args(["run", "--max-waiting", "-1"])
+
+
+def test_middleware_refuses_too_many_objects():
+    messages = b'{"messages": [' + b",".join([b'{"role": "user"}'] * 11) + b"]}"
+    sent, _ = _run_app({"max_json_objects": 10}, [], [messages[:50], messages[50:]])
+    status, body = _status_and_body(sent)
+    assert status == 400 and body["error"]["code"] == "json_too_many_objects"
+    sent, _ = _run_app({"max_json_objects": 12}, [], [messages])
+    assert _status_and_body(sent)[0] == 200
+    strings = b'{"content": "' + b"{" * 1000 + b'"}'  # braces inside a string are text
+    sent, _ = _run_app({"max_json_objects": 10}, [], [strings])
+    assert _status_and_body(sent)[0] == 200

@@ -191,3 +191,22 @@ def test_the_link_probe_upload_is_signed_without_its_body():
     tasks = next(signing.SignedAuth(KEY).auth_flow(httpx.Request("POST", f"http://{HOST}/internal/tasks",
                                                                  content=b"{}")))
     assert verify(tasks.headers[signing.AUTH_HEADER], target="/internal/tasks", body=b"{}", now=now)
+
+
+def test_a_request_signed_before_the_node_started_is_refused():
+    """A restart empties the nonce cache: what was recorded before it must not pass."""
+    restarted = signing.NonceCache(not_before=NOW)
+    with pytest.raises(signing.SignatureError, match="before this node started"):
+        verify(signed(now=NOW - 5), now=NOW + 1, nonces=restarted)
+    assert verify(signed(now=NOW), now=NOW + 1, nonces=restarted)
+
+
+def test_freshness_is_checked_without_the_body():
+    nonces = signing.NonceCache()
+    header = signed()
+    assert signing.check_fresh(header, NOW, nonces).time == int(NOW)
+    verify(header, nonces=nonces)
+    with pytest.raises(signing.SignatureError, match="replayed"):
+        signing.check_fresh(header, NOW + 1, nonces)
+    with pytest.raises(signing.SignatureError, match="clock"):
+        signing.check_fresh(signed(now=NOW - 120), NOW, nonces)

@@ -154,3 +154,22 @@ def test_a_hub_model_is_added_offline_from_the_hugging_face_cache(tmp_path, spli
     assert store.summary()["tinyorg/tiny-llama"]["complete"]
     with pytest.raises(ModelNotFoundError, match="not in the local Hugging Face cache"):
         store.add_from_hub("tinyorg/absent")
+
+
+def test_a_symlink_out_of_the_model_directories_is_not_taken_in(tmp_path, split_model):
+    """A client's model directory (under --model-dir) holding a link to a file elsewhere:
+    refused, nothing of it in the store; the same directory without the link is taken in."""
+    allowed, outside = tmp_path / "allowed", tmp_path / "outside"
+    outside.mkdir()
+    (outside / "secret.txt").write_text("not for the store")
+    model = allowed / "tiny"
+    model.mkdir(parents=True)
+    for file in split_model.iterdir():
+        os.link(file, model / file.name)
+    (model / "notes.txt").symlink_to(outside / "secret.txt")
+    store = ModelStore(tmp_path / "models")
+    with pytest.raises(ModelStoreError, match="notes.txt resolve"):
+        store.add_local(model, "test/tiny", roots=[allowed])
+    assert store.model_ids() == []
+    (model / "notes.txt").unlink()
+    assert store.add_local(model, "test/tiny", roots=[allowed]).model_id == "test/tiny"

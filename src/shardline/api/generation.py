@@ -291,18 +291,31 @@ async def collect_unless_disconnected(
     return parts, finish
 
 
+PARSE_IN_THREAD_BYTES = 256 * 1024
+"""Bodies at least this large are parsed and validated in a worker thread, so the event
+loop goes on answering peers' polls meanwhile (a 16 MiB body of a million messages held
+it for seconds, long enough for the cluster to count the node down)."""
+
+
 async def parse_body(request: Request, model: type[BaseModel]) -> Any:
-    """Parse a JSON body (whatever its Content-Type) into ``model``.
+    """Parse a JSON body (whatever its Content-Type; UTF-8, as RFC 8259 requires between
+    systems) into ``model``.
 
     Raises:
-        APIError: 400 for a body that is not JSON or does not fit the model; the message
-            names the first offending field.
+        APIError: 400 for a body that is not UTF-8 JSON or does not fit the model; the
+            message names the first offending field.
     """
     raw = await request.body()
+    if len(raw) >= PARSE_IN_THREAD_BYTES:
+        return await asyncio.to_thread(_parse, raw, model)
+    return _parse(raw, model)
+
+
+def _parse(raw: bytes, model: type[BaseModel]) -> Any:
     try:
-        data = json.loads(raw)
+        data = json.loads(raw.decode("utf-8"))
     except (json.JSONDecodeError, UnicodeDecodeError):
-        raise APIError(400, "the request body is not valid JSON") from None
+        raise APIError(400, "the request body is not valid JSON (UTF-8)") from None
     try:
         return model.model_validate(data)
     except ValidationError as exc:

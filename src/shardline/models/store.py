@@ -33,12 +33,20 @@ import os
 import re
 import shutil
 import tempfile
+from collections.abc import Iterable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from shardline.machine_cache import cache_path, write_atomically
 from shardline.models.config import UnsupportedModelError
-from shardline.models.confine import MANIFEST, UnsafePathError, check_manifest_json, check_relative_path, confined
+from shardline.models.confine import (
+    MANIFEST,
+    UnsafePathError,
+    check_manifest_json,
+    check_relative_path,
+    confined,
+    resolve_under,
+)
 from shardline.models.confine import PARTIAL_SUFFIX as PARTIAL_SUFFIX  # for importers of the store
 
 log = logging.getLogger(__name__)
@@ -351,16 +359,20 @@ class ModelStore:
                                       "present": sorted(present), "complete": len(present) == len(manifest.files)}
         return out
 
-    def add_local(self, path: str | Path, model_id: str | None = None) -> Manifest:
+    def add_local(self, path: str | Path, model_id: str | None = None,
+                  roots: Iterable[Path] | None = None) -> Manifest:
         """Add a ``.gguf`` file or a Hugging Face safetensors directory under ``model_id``
         (default: the file's stem or the directory's name); hard-linked where possible.
+        With ``roots`` (a client's ``--model-dir`` list), every file taken must lie under
+        one of them once its symlinks are resolved (a link inside a model directory to a
+        file elsewhere would bring that file into the store, whence peers copy it).
 
         A model already here with the same files (names and sizes) is kept as it is, so
         adding the same path again costs no hashing.
 
         Raises:
             ModelStoreError: a bad id, a path that does not exist or is not a model (a
-                corrupt or truncated file).
+                corrupt or truncated file), or a file that resolves outside ``roots``.
             shardline.models.config.UnsupportedModelError: an architecture shardline
                 cannot run.
         """
@@ -382,6 +394,12 @@ class ModelStore:
         else:
             raise ModelStoreError(
                 f"{source} is neither a .gguf file nor a directory with config.json and safetensors")
+        if roots is not None:
+            roots = list(roots)
+            outside = sorted(name for name, file in files.items() if resolve_under(str(file), roots) is None)
+            if outside:
+                raise ModelStoreError(f"{source}: {', '.join(outside)} resolve(s) outside the model "
+                                      f"directories (a symlink to elsewhere)")
         model_id = check_model_id(model_id or (source.stem if fmt == "gguf" else source.name))
         known = self.manifest(model_id)
         if known is not None and self.present(model_id) == {f.path for f in known.files} and \

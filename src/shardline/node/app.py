@@ -20,7 +20,7 @@ from shardline.models.config import UnsupportedModelError
 from shardline.models.store import DEFAULT_MODEL_ID, ModelNotFoundError, ModelStoreError
 from shardline.node.bounds import DEFAULT_MAX_BODY_BYTES, RequestBoundsMiddleware
 from shardline.node.coordinator import free_port
-from shardline.node.http_guard import GuardConfig, GuardMiddleware, SignatureMiddleware
+from shardline.node.http_guard import GuardConfig, GuardMiddleware, SignatureMiddleware, check_key, check_place
 from shardline.node.link_probe import add_link_routes
 from shardline.node.node import Node
 from shardline.node.queue_bound import QueueFullError
@@ -125,15 +125,16 @@ def create_app(node: Node, guard: GuardConfig, max_body_bytes: int = DEFAULT_MAX
         log.error("%s %s failed: %r", request.method, request.url.path, exc)
         return errors.error_response(request.url.path, 500, "internal error: the node's log has the details")
 
-    # The last added runs first: CORS (preflight and headers for allowed origins, refusals
-    # included), then the body bounds, then node signatures (which read a body within
-    # them), then Host / origin / API key.
-    app.add_middleware(GuardMiddleware, config=guard)
+    # The last added runs first: Host and origin (a disallowed origin's preflight too),
+    # CORS (preflight and headers for allowed origins, refusals included), the body
+    # bounds, node signatures (which read a body within them), the API key.
+    app.add_middleware(GuardMiddleware, config=guard, decide=check_key)
     app.add_middleware(SignatureMiddleware, key=node.signing_key, names=guard.allowed_hosts)
     app.add_middleware(RequestBoundsMiddleware, max_body_bytes=max_body_bytes)
     if guard.cors_origins:
         app.add_middleware(CORSMiddleware, allow_origins=sorted(guard.cors_origins), allow_methods=["*"],
                            allow_headers=["*"], expose_headers=["Retry-After"], max_age=600)
+    app.add_middleware(GuardMiddleware, config=guard, decide=check_place)
 
     request_metrics = metrics.RequestMetrics(node)
     app.include_router(openai.router(node, request_metrics))
@@ -148,7 +149,10 @@ def create_app(node: Node, guard: GuardConfig, max_body_bytes: int = DEFAULT_MAX
     @app.get("/", include_in_schema=False)
     async def dashboard():
         """The web dashboard: nodes, instances and their shards, placing, a chat panel."""
-        return FileResponse(DASHBOARD, media_type="text/html")
+        # Not inside another site's frame: a framed dashboard is same-origin to the node,
+        # and a click there (say on Delete) would be the node's own page's (clickjacking).
+        return FileResponse(DASHBOARD, media_type="text/html", headers={
+            "X-Frame-Options": "DENY", "Content-Security-Policy": "frame-ancestors 'none'"})
 
     @app.get("/health")
     async def health(cluster: bool = False):

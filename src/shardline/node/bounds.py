@@ -21,14 +21,23 @@ from itertools import accumulate
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from shardline.api import errors
+from shardline.node.link_probe import UPLOAD_PATH
 
 log = logging.getLogger(__name__)
 
 DEFAULT_MAX_BODY_BYTES = 16 * 1024 * 1024
 DEFAULT_MAX_JSON_DEPTH = 64
+DEFAULT_MAX_JSON_OBJECTS = 65_536
+"""Objects (``{``) a body may hold: parsing and validating a million tiny ones (16 MiB of
+empty chat messages) held the GIL, and so the node's event loop, for about 5 s; a chat
+that fits any context has far fewer (each message takes a token at least)."""
 
-# Bodies that are not JSON (the link probe's upload) are only counted, not scanned.
-_NOT_JSON = (b"application/octet-stream", b"multipart/")
+# The one route whose body is not JSON (the link probe's upload) is only counted; every
+# other body is scanned whatever its Content-Type (the APIs parse JSON sent as any type).
+_NOT_JSON_PATHS = frozenset({UPLOAD_PATH})
+# JSON other than UTF-8 (RFC 8259 asks UTF-8 between systems): UTF-16/32 put a NUL in the
+# first bytes of any JSON text, or start with a byte order mark; the scan would misread it.
+_NOT_UTF8_STARTS = (b"\xfe\xff", b"\xff\xfe", b"\x00")
 
 _BRACKETS_ONLY = bytes(b for b in range(256) if b not in b"[]{}")
 _STEP = [0] * 256
@@ -46,11 +55,13 @@ class JsonDepthScanner:
     Attributes:
         depth: the nesting depth at the end of the data fed so far.
         max_depth: the deepest nesting seen so far (``[]`` is 1, ``[[]]`` 2).
+        objects: the objects (``{``) opened so far.
     """
 
     def __init__(self) -> None:
         self.depth = 0
         self.max_depth = 0
+        self.objects = 0
         self._in_string = False
         self._escape = False  # the last piece ended inside a string, just after a backslash
 
@@ -75,7 +86,9 @@ class JsonDepthScanner:
 
     def _structure(self, segment: bytes) -> None:
         """Brackets of a segment outside strings (C-speed counts where they cannot go deeper)."""
-        opens = segment.count(b"[") + segment.count(b"{")
+        objects = segment.count(b"{")
+        self.objects += objects
+        opens = segment.count(b"[") + objects
         if opens == 0:
             self.depth -= segment.count(b"]") + segment.count(b"}")
             return
@@ -104,7 +117,7 @@ class _Refused(Exception):
 
 class RequestBoundsMiddleware:
     """Refuse a request whose body is over ``max_body_bytes`` (413) or whose JSON nests
-    deeper than ``max_json_depth`` (400).
+    deeper than ``max_json_depth`` or holds more than ``max_json_objects`` objects (400).
 
     A ``Content-Length`` over the limit is answered at once, unread. Otherwise the body's
     chunks are counted and scanned as the handler receives them; at the first chunk over
@@ -115,18 +128,22 @@ class RequestBoundsMiddleware:
     Args:
         app: the ASGI app.
         max_body_bytes: the most bytes of body a request may carry.
-        max_json_depth: the deepest nesting of ``[``/``{`` a body may have (bodies whose
-            Content-Type is ``application/octet-stream`` or ``multipart/*`` are not scanned).
+        max_json_depth: the deepest nesting of ``[``/``{`` a body may have (every body
+            but the link probe's upload is scanned, whatever its Content-Type; JSON in
+            UTF-16 or UTF-32 is refused).
+        max_json_objects: the most objects (``{``) a body may hold.
     """
 
     def __init__(self, app: ASGIApp, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
-                 max_json_depth: int = DEFAULT_MAX_JSON_DEPTH) -> None:
+                 max_json_depth: int = DEFAULT_MAX_JSON_DEPTH,
+                 max_json_objects: int = DEFAULT_MAX_JSON_OBJECTS) -> None:
         if max_body_bytes < 0 or max_json_depth < 1:
             raise ValueError(f"bounds must be positive: max_body_bytes {max_body_bytes}, "
                              f"max_json_depth {max_json_depth}")
         self.app = app
         self.max_body_bytes = max_body_bytes
         self.max_json_depth = max_json_depth
+        self.max_json_objects = max_json_objects
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
@@ -136,12 +153,11 @@ class RequestBoundsMiddleware:
         headers = dict(scope["headers"])
         length = headers.get(b"content-length")
         if length is not None and length.strip().isdigit() and int(length) > self.max_body_bytes:
-            await self._refuse(scope, 413, self._too_large(), send)
+            await self._refuse(scope, 413, self._too_large(), "request_too_large", send)
             return
-        content_type = headers.get(b"content-type", b"").lower()
-        scanner = None if content_type.startswith(_NOT_JSON) else JsonDepthScanner()
+        scanner = None if path in _NOT_JSON_PATHS else JsonDepthScanner()
         received = 0
-        refusal: tuple[int, str] | None = None
+        refusal: tuple[int, str, str] | None = None  # status, message, code
         started = False
 
         async def bounded_receive() -> Message:
@@ -151,9 +167,15 @@ class RequestBoundsMiddleware:
                 chunk = message.get("body", b"")
                 received += len(chunk)
                 if received > self.max_body_bytes:
-                    refusal = (413, self._too_large())
+                    refusal = (413, self._too_large(), "request_too_large")
+                elif scanner is not None and received == len(chunk) and _not_utf8(chunk):
+                    refusal = (400, "the request body is not UTF-8 JSON", "not_utf8")
                 elif scanner is not None and scanner.feed(chunk) > self.max_json_depth:
-                    refusal = (400, f"the request's JSON nests deeper than {self.max_json_depth} levels")
+                    refusal = (400, f"the request's JSON nests deeper than {self.max_json_depth} levels",
+                               "json_too_deep")
+                elif scanner is not None and scanner.objects > self.max_json_objects:
+                    refusal = (400, f"the request's JSON holds more than {self.max_json_objects} objects",
+                               "json_too_many_objects")
                 if refusal is not None:
                     raise _Refused(refusal[1])
             return message
@@ -174,18 +196,22 @@ class RequestBoundsMiddleware:
         if refusal is not None:
             if started:
                 raise _Refused(refusal[1])  # too late to answer: the server closes the connection
-            await self._refuse(scope, refusal[0], refusal[1], send)
+            await self._refuse(scope, *refusal, send)
 
     def _too_large(self) -> str:
         return f"the request body is over this node's limit of {self.max_body_bytes} bytes"
 
     @staticmethod
-    async def _refuse(scope: Scope, status: int, message: str, send: Send) -> None:
+    async def _refuse(scope: Scope, status: int, message: str, code: str, send: Send) -> None:
         """Send the refusal; ``Connection: close``, as the rest of the body stays unread."""
-        code = "request_too_large" if status == 413 else "json_too_deep"
         response = errors.error_response(scope["path"], status, message, code=code,
                                          headers={"Connection": "close"})
         await response(scope, _no_receive, send)
+
+
+def _not_utf8(first: bytes) -> bool:
+    """Whether a body's first chunk shows JSON in UTF-16 or UTF-32 (RFC 8259 section 8.1)."""
+    return first.startswith(_NOT_UTF8_STARTS) or b"\x00" in first[1:4]
 
 
 async def _no_receive() -> Message:

@@ -7,15 +7,16 @@ from the endpoint, and an abandoned non-streamed request then ran on for seconds
 - :class:`SignatureMiddleware` checks a node's signature (:mod:`shardline.node.signing`) on
   every ``/internal`` request, and on any other request that carries one (a cluster-API
   request another node forwards to the coordinator), and signs its answers.
-- :class:`GuardMiddleware` applies :func:`check`, a pure decision over the request's
-  facts: the Host header must name this node (DNS rebinding), an ``Origin`` other than the
-  node's own must be one of ``--cors-origin`` whatever the content type (a page elsewhere
-  cannot drive the node from a browser), and with an API key every route but the public
-  ones (:data:`PUBLIC_PATHS`) needs it, as ``Authorization: Bearer`` (OpenAI, Ollama) or
+- :class:`GuardMiddleware` applies :func:`check`'s two halves, pure decisions over the
+  request's facts. Outermost, :func:`check_place`: the Host header must name this node (DNS
+  rebinding), an ``Origin`` other than the node's own must be one of ``--cors-origin``
+  whatever the content type (a page elsewhere cannot drive the node from a browser). Inside
+  the signature check, :func:`check_key`: with an API key every route but the public ones
+  (:data:`PUBLIC_PATHS`) needs it, as ``Authorization: Bearer`` (OpenAI, Ollama) or
   ``x-api-key`` (Anthropic), unless a cluster member signed the request.
 
 Allowed origins get their CORS headers and preflight answers from Starlette's
-``CORSMiddleware`` (outside these). Refusals are JSON in the path's API format
+``CORSMiddleware`` (between the two, so a 401 carries them). Refusals are JSON in the path's API format
 (:mod:`shardline.api.errors`).
 """
 
@@ -25,6 +26,7 @@ import hmac
 import logging
 import socket
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from urllib.parse import urlsplit
 
@@ -104,11 +106,15 @@ def _presented_key(facts: RequestFacts) -> str | None:
 
 
 def check(config: GuardConfig, facts: RequestFacts) -> Refusal | None:
-    """Whether a request may go on (None) or how it is refused.
+    """Whether a request may go on (None) or how it is refused: :func:`check_place`, then
+    :func:`check_key`."""
+    return check_place(config, facts) or check_key(config, facts)
 
-    ``/internal`` routes are left to the signature check. The order: Host (403), Origin
-    (403), API key (401, with ``WWW-Authenticate: Bearer``).
-    """
+
+def check_place(config: GuardConfig, facts: RequestFacts) -> Refusal | None:
+    """Where a request comes from: its Host must name this node (403), its Origin be the
+    node's own or an allowed one (403; a preflight too). ``/internal`` routes are left to
+    the signature check."""
     if facts.path.startswith("/internal/"):
         return None
     if facts.host is not None and ANY not in config.allowed_hosts \
@@ -119,7 +125,13 @@ def check(config: GuardConfig, facts: RequestFacts) -> Refusal | None:
             and ANY not in config.cors_origins and facts.origin not in config.cors_origins:
         return Refusal(403, f"cross-origin request from {facts.origin} refused; start the node with "
                             f"--cors-origin {facts.origin} to allow that origin")
-    if config.api_key is None or facts.member or facts.path in PUBLIC_PATHS:
+    return None
+
+
+def check_key(config: GuardConfig, facts: RequestFacts) -> Refusal | None:
+    """The API key, when the node has one (401, with ``WWW-Authenticate: Bearer``): not on
+    :data:`PUBLIC_PATHS`, ``/internal`` or a request a cluster member signed."""
+    if config.api_key is None or facts.member or facts.path in PUBLIC_PATHS or facts.path.startswith("/internal/"):
         return None
     presented = _presented_key(facts)
     if not presented:
@@ -161,11 +173,14 @@ def _headers(scope) -> dict[str, str]:
 
 
 class GuardMiddleware:
-    """ASGI middleware applying :func:`check` to every HTTP request."""
+    """ASGI middleware applying ``decide`` (:func:`check_place` or :func:`check_key`) to
+    every HTTP request."""
 
-    def __init__(self, app, config: GuardConfig) -> None:
+    def __init__(self, app, config: GuardConfig,
+                 decide: Callable[[GuardConfig, RequestFacts], Refusal | None]) -> None:
         self.app = app
         self.config = config
+        self.decide = decide
 
     async def __call__(self, scope, receive, send) -> None:
         if scope["type"] == "http":
@@ -173,7 +188,7 @@ class GuardMiddleware:
             facts = RequestFacts(scope["method"], scope["path"], headers.get("host"), headers.get("origin"),
                                  headers.get("authorization"), headers.get("x-api-key"),
                                  bool(scope.get(MEMBER_SCOPE_KEY)))
-            refusal = check(self.config, facts)
+            refusal = self.decide(self.config, facts)
             if refusal is not None:
                 response = errors.error_response(scope["path"], refusal.status, refusal.message,
                                                  headers=refusal.headers)
@@ -193,16 +208,18 @@ class SignatureMiddleware:
         key: the cluster's signing key.
         names: this node's names and addresses (the Host of a request for it).
 
-    A request's body is read whole before the check (node-to-node bodies are small: tables,
-    tasks, a prompt's token ids), then handed on unchanged; the link probe's upload
-    (:data:`~shardline.node.signing.UNHASHED_PATHS`) is not signed, and streams through.
+    The checks that need no body (Host, time, nonce: :func:`~shardline.node.signing.check_fresh`)
+    come first, so a request without a fresh signature is refused unread; then the body is
+    read whole (node-to-node bodies are small: tables, tasks, a prompt's token ids), the MAC
+    checked, and the body handed on unchanged. The link probe's upload
+    (:data:`~shardline.node.signing.UNHASHED_PATHS`) is not hashed, and streams through.
     """
 
     def __init__(self, app, key: bytes, names: frozenset[str]) -> None:
         self.app = app
         self.key = key
         self.names = names - {ANY}
-        self.nonces = signing.NonceCache()
+        self.nonces = signing.NonceCache(not_before=time.time())  # nothing signed before this start
 
     async def __call__(self, scope, receive, send) -> None:
         if scope["type"] != "http":
@@ -214,26 +231,21 @@ class SignatureMiddleware:
         if header is None and not internal:
             await self.app(scope, receive, send)
             return
-        body: bytes | None = None  # not read for a route whose body is not signed
-        if scope["path"] not in signing.UNHASHED_PATHS:
-            chunks = []
-            while True:
-                message = await receive()
-                if message["type"] != "http.request":
-                    return  # the client left
-                chunks.append(message.get("body", b""))
-                if not message.get("more_body"):
-                    break
-            body = b"".join(chunks)
-        target = scope.get("raw_path") or scope["path"].encode()
-        if scope.get("query_string"):
-            target += b"?" + scope["query_string"]
         host = headers.get("host")
-        request = signing.SignedRequest(scope["method"], target.decode("latin-1"), host or "",
-                                        headers.get(signing.MEMBER_HEADER.lower(), ""), body)
-        try:
+        try:  # what needs no body first: a stranger's request is refused unread
             if not names_this_node(host, self.names, (scope.get("server") or (None, None))[1]):
                 raise signing.SignatureError(f"a request for {host!r}, not this node")
+            signing.check_fresh(header, time.time(), self.nonces)
+            body: bytes | None = None  # not read for a route whose body is not signed
+            if scope["path"] not in signing.UNHASHED_PATHS:
+                body = await _read_body(receive)
+                if body is None:
+                    return  # the client left
+            target = scope.get("raw_path") or scope["path"].encode()
+            if scope.get("query_string"):
+                target += b"?" + scope["query_string"]
+            request = signing.SignedRequest(scope["method"], target.decode("latin-1"), host or "",
+                                            headers.get(signing.MEMBER_HEADER.lower(), ""), body)
             signature = signing.verify_request(self.key, header, request, time.time(), self.nonces)
         except signing.SignatureError as exc:
             log.warning("refused %s %s from %s: %s", scope["method"], scope["path"],
@@ -284,3 +296,15 @@ class SignatureMiddleware:
         headers = list(start.get("headers", [])) + [(signing.AUTH_HEADER.lower().encode(),
                                                      signature.header().encode())]
         return dict(start, headers=headers)
+
+
+async def _read_body(receive) -> bytes | None:
+    """A request's whole body from an ASGI ``receive``; None if the client left first."""
+    chunks = []
+    while True:
+        message = await receive()
+        if message["type"] != "http.request":
+            return None
+        chunks.append(message.get("body", b""))
+        if not message.get("more_body"):
+            return b"".join(chunks)

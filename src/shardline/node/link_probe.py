@@ -12,6 +12,10 @@ import statistics
 import time
 from typing import Any
 
+UPLOAD_PATH = "/internal/echo-bytes"
+"""The route the probe uploads its payload to: bytes the receiver discards (not JSON, and
+not hashed for the signature: see ``shardline.node.signing.UNHASHED_PATHS``)."""
+
 
 def add_link_routes(app: Any) -> None:
     """Register on a FastAPI ``app`` the two routes :func:`measure_link` times:
@@ -37,7 +41,7 @@ def add_link_routes(app: Any) -> None:
     ping.__annotations__ = {"return": dict}
     echo_bytes.__annotations__ = {"request": Request, "return": dict}
     app.add_api_route("/internal/ping", ping, methods=["GET"])
-    app.add_api_route("/internal/echo-bytes", echo_bytes, methods=["POST"])
+    app.add_api_route(UPLOAD_PATH, echo_bytes, methods=["POST"])
 
 
 async def measure_link(client: Any, base_url: str, payload_bytes: int = 4 * 2**20,
@@ -71,7 +75,7 @@ async def measure_link(client: Any, base_url: str, payload_bytes: int = 4 * 2**2
         ValueError: the peer reported receiving a different number of bytes.
     """
     base = base_url.rstrip("/")
-    ping_url, echo_url = f"{base}/internal/ping", f"{base}/internal/echo-bytes"
+    ping_url, echo_url = f"{base}/internal/ping", f"{base}{UPLOAD_PATH}"
 
     async def ping() -> float:
         start = time.perf_counter()

@@ -187,7 +187,8 @@ class ModelLogistics:
             local, exists = None, False
         if local is not None and (exists or looks_like_path(model)):
             try:
-                return (await asyncio.to_thread(self.node.store.add_local, model)).model_id
+                return (await asyncio.to_thread(self.node.store.add_local, model, None,
+                                                self.node.model_dirs)).model_id
             except OSError as exc:
                 raise ModelStoreError(f"cannot read the model at {shown(model)}: {exc.strerror}") from exc
         if looks_like_path(model):

@@ -9,9 +9,10 @@ where the HMAC (RFC 2104, stdlib ``hmac``) is taken with the cluster's *signing 
 node it is for), the :data:`MEMBER_HEADER` (the sender's address, when it names one), the
 time, the nonce and the SHA-256 of the body, one per line. The receiver checks the MAC, that
 the Host names itself (``shardline.node.http_guard``), that the time lies within
-:data:`CLOCK_SKEW_S` of its own clock, and that it has not seen the nonce in that window
-(:class:`NonceCache`): a recorded request can be replayed neither to its node nor to another. The answer carries
-the same header, a MAC over ``shardline-v1 response``, the request's nonce, the status, the
+:data:`CLOCK_SKEW_S` of its own clock and not before the receiver started, and that it has
+not seen the nonce in that window (:class:`NonceCache`): a recorded request can be replayed
+neither to its node (also not after a restart, which empties the cache) nor to another. The
+answer carries the same header, a MAC over ``shardline-v1 response``, the request's nonce, the status, the
 content type and the body's SHA-256 (``stream`` for a streamed body: the tokens of
 ``/internal/generate`` and model file bytes; file bytes are checked against the SHA-256 in
 the signed manifest), so a node without the key cannot answer as a member either.
@@ -33,6 +34,8 @@ from dataclasses import dataclass
 
 import httpx
 
+from shardline.node.link_probe import UPLOAD_PATH
+
 AUTH_HEADER = "X-Shardline-Auth"
 MEMBER_HEADER = "X-Shardline-Node"
 """The header a node's poll carries its own address in: the polled member adds it to its
@@ -44,7 +47,7 @@ STREAM_BODY = "stream"
 """The body hash an answer with a streamed body is signed with, and a request to one of
 :data:`UNHASHED_PATHS`."""
 
-UNHASHED_PATHS = frozenset({"/internal/echo-bytes"})
+UNHASHED_PATHS = frozenset({UPLOAD_PATH})
 """Routes whose request body is not hashed: the link probe's upload, bytes the receiver
 discards, whose hashing (about 2 ms a MiB on each side) would count as link time."""
 
@@ -137,12 +140,21 @@ class NonceCache:
             every time a request could still be accepted).
         max_entries: the most nonces held; when full, the oldest are dropped first (a
             flood of valid requests, which only a key holder can send).
+        not_before: unix seconds; requests signed earlier are refused (the time the cache
+            started empty: what it saw before a restart it no longer holds). A peer whose
+            clock lags this one's by d seconds is refused for the first d seconds.
     """
 
-    def __init__(self, window_s: float = 2 * CLOCK_SKEW_S, max_entries: int = 200_000) -> None:
+    def __init__(self, window_s: float = 2 * CLOCK_SKEW_S, max_entries: int = 200_000,
+                 not_before: float = 0.0) -> None:
         self.window_s = window_s
         self.max_entries = max_entries
+        self.not_before = int(not_before)
         self._seen: dict[str, float] = {}  # nonce -> when seen; insertion order is time order
+
+    def seen(self, nonce: str) -> bool:
+        """Whether ``nonce`` is held (seen within the window)."""
+        return nonce in self._seen
 
     def add(self, nonce: str, now: float) -> bool:
         """Remember ``nonce`` seen at ``now``; False when it was seen within the window."""
@@ -157,19 +169,36 @@ class NonceCache:
         return True
 
 
-def verify_request(key: bytes, header: str | None, request: SignedRequest, now: float,
-                   nonces: NonceCache) -> Signature:
-    """Check a request's signature; the parsed signature when good.
+def check_fresh(header: str | None, now: float, nonces: NonceCache) -> Signature:
+    """The checks of :func:`verify_request` that need no body: the header's form, its time
+    (within :data:`CLOCK_SKEW_S` of ``now``, not before ``nonces.not_before``) and a nonce not
+    seen; a receiver makes them before it reads the body.
 
     Raises:
-        SignatureError: missing or malformed, the time outside :data:`CLOCK_SKEW_S` of
-            ``now`` (the message gives the offset), a wrong MAC, or a nonce seen before.
+        SignatureError: see :func:`verify_request`.
     """
     signature = Signature.parse(header)
     offset = signature.time - now
     if abs(offset) > CLOCK_SKEW_S:
         raise SignatureError(f"the request's time is {offset:+.0f} s from this node's clock "
                              f"(allowed: {CLOCK_SKEW_S:.0f} s): set the clocks right (NTP)")
+    if signature.time < nonces.not_before:
+        raise SignatureError("signed before this node started: a replayed request")
+    if nonces.seen(signature.nonce):
+        raise SignatureError("a replayed request (nonce seen before)")
+    return signature
+
+
+def verify_request(key: bytes, header: str | None, request: SignedRequest, now: float,
+                   nonces: NonceCache) -> Signature:
+    """Check a request's signature; the parsed signature when good.
+
+    Raises:
+        SignatureError: missing or malformed, the time outside :data:`CLOCK_SKEW_S` of
+            ``now`` (the message gives the offset) or before ``nonces.not_before``, a wrong
+            MAC, or a nonce seen before.
+    """
+    signature = check_fresh(header, now, nonces)
     expected = sign_request(key, request, signature.time, signature.nonce)
     if not hmac.compare_digest(expected.mac, signature.mac):
         raise SignatureError("wrong signature: another cluster key")
