@@ -120,7 +120,7 @@ def _cluster(args: argparse.Namespace) -> int:
     print(f"  API: {url}/v1  (any node: ports {args.port}-{args.port + args.nodes - 1})")
     print(f"  dashboard: {url}/")
     print("  try:")
-    auth = " -H 'Authorization: Bearer $SHARDLINE_API_KEY'" if cluster.api_key else ""
+    auth = ' -H "Authorization: Bearer $SHARDLINE_API_KEY"' if cluster.api_key else ""  # the shell expands it
     print(f"    curl {url}/v1/chat/completions -H 'Content-Type: application/json'{auth} \\")
     print(f"      -d '{{\"model\": \"{instance['model_id']}\", \"max_tokens\": 64, "
           f"\"temperature\": 0, \"messages\": "
