@@ -69,6 +69,8 @@ def test_cluster_writes_need_the_key(keyed):
 def test_health_metrics_and_dashboard_page_are_open(keyed):
     for path in ("/health", "/metrics", "/"):
         assert httpx.get(keyed + path, timeout=10).status_code == 200, path
+    for path in ("/health", "/"):
+        assert httpx.head(keyed + path, timeout=10).status_code == 200, path
     page = httpx.get(keyed + "/", timeout=10)  # never inside another site's frame (clickjacking)
     assert page.headers["x-frame-options"] == "DENY"
     assert page.headers["content-security-policy"] == "frame-ancestors 'none'"

@@ -146,7 +146,7 @@ def create_app(node: Node, guard: GuardConfig, max_body_bytes: int = DEFAULT_MAX
 
     # -- dashboard, health and cluster API -----------------------------------------------
 
-    @app.get("/", include_in_schema=False)
+    @app.api_route("/", methods=["GET", "HEAD"], include_in_schema=False)
     async def dashboard():
         """The web dashboard: nodes, instances and their shards, placing, a chat panel."""
         # Not inside another site's frame: a framed dashboard is same-origin to the node,
@@ -154,7 +154,7 @@ def create_app(node: Node, guard: GuardConfig, max_body_bytes: int = DEFAULT_MAX
         return FileResponse(DASHBOARD, media_type="text/html", headers={
             "X-Frame-Options": "DENY", "Content-Security-Policy": "frame-ancestors 'none'"})
 
-    @app.get("/health")
+    @app.api_route("/health", methods=["GET", "HEAD"])  # HEAD: load balancers
     async def health(cluster: bool = False):
         """This node's own state: its id, the coordinator it follows, the term of the table
         it holds, and its ranks (instance, rank, status). With ``?cluster=1`` also each
