@@ -220,6 +220,7 @@ class SignatureMiddleware:
         self.key = key
         self.names = names - {ANY}
         self.nonces = signing.NonceCache(not_before=time.time())  # nothing signed before this start
+        self._warned: set[str] = set()  # client addresses whose refusal was logged as a warning
 
     async def __call__(self, scope, receive, send) -> None:
         if scope["type"] != "http":
@@ -248,8 +249,12 @@ class SignatureMiddleware:
                                             headers.get(signing.MEMBER_HEADER.lower(), ""), body)
             signature = signing.verify_request(self.key, header, request, time.time(), self.nonces)
         except signing.SignatureError as exc:
-            log.warning("refused %s %s from %s: %s", scope["method"], scope["path"],
-                        (scope.get("client") or ("?",))[0], exc)
+            client = (scope.get("client") or ("?",))[0]
+            first = client not in self._warned and len(self._warned) < 1024  # a stranger polls each second
+            self._warned.add(client)
+            log.log(logging.WARNING if first else logging.DEBUG, "refused %s %s from %s: %s%s",
+                    scope["method"], scope["path"], client, exc, " (further refusals of it: debug log)"
+                    if first else "")
             response = errors.error_response(scope["path"], 401, str(exc))
             await response(scope, receive, send)
             return
