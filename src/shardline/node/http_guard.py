@@ -236,7 +236,7 @@ class SignatureMiddleware:
         try:  # what needs no body first: a stranger's request is refused unread
             if not names_this_node(host, self.names, (scope.get("server") or (None, None))[1]):
                 raise signing.SignatureError(f"a request for {host!r}, not this node")
-            signing.check_fresh(header, time.time(), self.nonces)
+            fresh = signing.check_fresh(header, time.time(), self.nonces)
             body: bytes | None = None  # not read for a route whose body is not signed
             if scope["path"] not in signing.UNHASHED_PATHS:
                 body = await _read_body(receive)
@@ -247,7 +247,7 @@ class SignatureMiddleware:
                 target += b"?" + scope["query_string"]
             request = signing.SignedRequest(scope["method"], target.decode("latin-1"), host or "",
                                             headers.get(signing.MEMBER_HEADER.lower(), ""), body)
-            signature = signing.verify_request(self.key, header, request, time.time(), self.nonces)
+            signature = signing.check_mac(self.key, fresh, request, time.time(), self.nonces)
         except signing.SignatureError as exc:
             client = (scope.get("client") or ("?",))[0]
             first = client not in self._warned and len(self._warned) < 1024  # a stranger polls each second

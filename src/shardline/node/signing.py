@@ -198,7 +198,17 @@ def verify_request(key: bytes, header: str | None, request: SignedRequest, now: 
             ``now`` (the message gives the offset) or before ``nonces.not_before``, a wrong
             MAC, or a nonce seen before.
     """
-    signature = check_fresh(header, now, nonces)
+    return check_mac(key, check_fresh(header, now, nonces), request, now, nonces)
+
+
+def check_mac(key: bytes, signature: Signature, request: SignedRequest, now: float,
+              nonces: NonceCache) -> Signature:
+    """The rest of :func:`verify_request` for a ``signature`` :func:`check_fresh` passed:
+    its MAC over ``request``, then its nonce recorded; ``signature`` when good.
+
+    Raises:
+        SignatureError: a wrong MAC, or the nonce seen meanwhile.
+    """
     expected = sign_request(key, request, signature.time, signature.nonce)
     if not hmac.compare_digest(expected.mac, signature.mac):
         raise SignatureError("wrong signature: another cluster key")
