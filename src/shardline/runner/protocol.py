@@ -19,16 +19,41 @@ from shardline.models.config import RankShare, Sharding
 
 @dataclass(frozen=True)
 class SamplingParams:
-    """How to pick each next token.
+    """How to pick each next token, for one sequence.
 
-    temperature 0 means greedy (argmax). ``top_k`` 0 and ``top_p`` 1.0 disable those
-    filters. ``seed`` makes sampling reproducible for this request alone.
+    temperature 0 means greedy (argmax). ``top_k`` 0, ``top_p`` 1.0 and ``min_p`` 0.0
+    disable those filters. ``seed`` makes sampling reproducible for this request alone.
+    Every field at its default leaves the logits untouched, so greedy output is
+    bit-identical to plain argmax.
+
+    Attributes:
+        min_p: keep tokens whose probability is at least ``min_p`` times the most likely
+            one's (Nguyen et al., "Turning Up the Heat: Min-p Sampling", 2024).
+        frequency_penalty, presence_penalty: subtracted from a token's logit per time it
+            was generated, and once if it was (OpenAI's definition; generated tokens only).
+        repetition_penalty: a logit of a token seen in the prompt or the output is divided
+            by it when positive, multiplied when negative (Keskar et al., CTRL, 2019);
+            ``repeat_last_n`` > 0 looks at the last that many tokens only.
+        logit_bias: ``(token id, bias)`` pairs added to the logits before sampling.
+        logprobs: None for none; k >= 0: each token's log-probability and the k most
+            likely tokens' (log-softmax of the model's logits, before any of the above).
+        grammar: an llguidance grammar (the JSON text of a ``TopLevelGrammar``) the output
+            must match: tokens it forbids are masked on the sampling rank (constrained
+            decoding); None: unconstrained.
     """
 
     temperature: float = 1.0
     top_p: float = 1.0
     top_k: int = 0
     seed: int | None = None
+    min_p: float = 0.0
+    frequency_penalty: float = 0.0
+    presence_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    repeat_last_n: int = 0
+    logit_bias: tuple[tuple[int, float], ...] = ()
+    logprobs: int | None = None
+    grammar: str | None = None
 
 
 @dataclass(frozen=True)
@@ -118,12 +143,16 @@ class TokenEvent:
     ``token_id`` is -1 for an event that carries only an end (a cancellation).
     finish_reason: "stop" (a stop token), "length" (max_tokens or the context is full),
     "cancelled".
+    ``logprob`` and ``top_logprobs`` ((token id, log-probability) pairs, most likely
+    first) are set when the task's sampling asked for ``logprobs``.
     """
 
     task_id: int
     token_id: int
     finish_reason: str | None = None
     prompt_tokens: int = 0
+    logprob: float | None = None
+    top_logprobs: tuple[tuple[int, float], ...] = ()
 
 
 @dataclass(frozen=True)
