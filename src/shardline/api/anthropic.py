@@ -11,10 +11,11 @@ Errors use Anthropic's body: ``{"type": "error", "error": {"type", "message"}}``
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import uuid
 from collections.abc import AsyncIterator
-from typing import Any, Literal
+from typing import Any, ClassVar, Literal
 
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, StreamingResponse
@@ -27,8 +28,10 @@ from shardline.api.generation import (
     collect_unless_disconnected,
     parse_body,
     prepare,
+    tokenize,
 )
 from shardline.api.metrics import RequestMetrics
+from shardline.api.params import Endpoint
 from shardline.node.node import Node
 from shardline.node.queue_bound import QueueFullError
 from shardline.node.table import InstanceFailedError
@@ -64,30 +67,58 @@ class Message(BaseModel):
         return self.content if isinstance(self.content, str) else "".join(b.text for b in self.content)
 
 
-class MessagesRequest(BaseModel):
-    """The fields of Anthropic's request that shardline honours; others are accepted and ignored."""
+class Metadata(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    user_id: str | None = Field(default=None, max_length=256)
 
-    model_config = ConfigDict(extra="allow")
+
+class CountTokensRequest(BaseModel):
+    """``POST /v1/messages/count_tokens``: the prompt part of a Messages request
+    (:data:`shardline.api.params.PARAMETERS` lists its fields)."""
+
+    ENDPOINT: ClassVar[Endpoint] = Endpoint.COUNT_TOKENS
+    model_config = ConfigDict(extra="forbid")
     model: str
     messages: list[Message] = Field(min_length=1)
-    max_tokens: int = Field(ge=1)
     system: str | list[TextBlock] | None = None
-    temperature: float = Field(default=1.0, ge=0.0, le=1.0)
-    top_p: float = Field(default=1.0, gt=0.0, le=1.0)
-    top_k: int = Field(default=0, ge=0)
-    stop_sequences: list[str] | None = None
-    stream: bool = False
+    thinking: dict | None = None  # {"type": "disabled"} only (params.screen refuses the rest)
 
-    def to_generation(self) -> GenerationRequest:
+    def chat(self) -> list[dict]:
+        """The conversation as chat-template messages (the system prompt first)."""
         chat = []
         if self.system:
             system = self.system if isinstance(self.system, str) else "".join(b.text for b in self.system)
             chat.append({"role": "system", "content": system})
-        chat += [{"role": m.role, "content": m.text()} for m in self.messages]
-        return GenerationRequest(
-            model=self.model, prompt=chat, max_tokens=self.max_tokens,
-            sampling=SamplingParams(self.temperature, self.top_p, self.top_k, None),
-            stop=list(self.stop_sequences or []), api="anthropic", prompt_param="messages")
+        return chat + [{"role": m.role, "content": m.text()} for m in self.messages]
+
+    def to_generation(self) -> GenerationRequest:
+        """A last assistant message is the start of the reply (a prefill): continued, not
+        answered with a new turn."""
+        return GenerationRequest(model=self.model, prompt=self.chat(), api="anthropic", prompt_param="messages",
+                                 continue_final_message=self.messages[-1].role == "assistant")
+
+
+class MessagesRequest(CountTokensRequest):
+    """A Messages request (:data:`shardline.api.params.PARAMETERS` lists each field and
+    what it does; the rest are refused)."""
+
+    ENDPOINT = Endpoint.MESSAGES
+    max_tokens: int = Field(ge=1)
+    temperature: float = Field(default=1.0, ge=0.0, le=1.0)
+    top_p: float = Field(default=1.0, ge=0.0, le=1.0)
+    top_k: int = Field(default=0, ge=0)
+    stop_sequences: list[str] | None = None
+    stream: bool = False
+    metadata: Metadata | None = None
+    service_tier: str | None = None
+
+    def to_generation(self) -> GenerationRequest:
+        greedy = self.top_p == 0.0
+        return dataclasses.replace(
+            super().to_generation(), max_tokens=self.max_tokens,
+            sampling=SamplingParams(0.0 if greedy else self.temperature, 1.0 if greedy else self.top_p,
+                                    self.top_k, None),
+            stop=list(self.stop_sequences or []))
 
 
 def _stop_reason(gen: Generation, finish: str) -> tuple[str, str | None]:
@@ -114,15 +145,25 @@ def router(node: Node, metrics: RequestMetrics | None = None) -> APIRouter:
             return StreamingResponse(_stream(gen, req, message_id), media_type="text/event-stream",
                                      headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
         try:
-            parts, finish = await collect_unless_disconnected(gen, request)
+            chunks, finish = await collect_unless_disconnected(gen, request)
         except InstanceFailedError as exc:
             return error_response(APIError(500, str(exc), "server_error"))
         if finish is None:  # the client left; nobody reads this
             return JSONResponse(status_code=499, content=error_body("api_error", "client closed the request"))
         reason, sequence = _stop_reason(gen, finish)
-        return dict(_message(gen, req, message_id, [{"type": "text", "text": "".join(parts)}]),
+        return dict(_message(gen, req, message_id, [{"type": "text", "text": "".join(c.text for c in chunks)}]),
                     stop_reason=reason, stop_sequence=sequence,
                     usage={"input_tokens": len(gen.prompt), "output_tokens": gen.completion_tokens})
+
+    @api.post("/v1/messages/count_tokens")
+    async def count_tokens(request: Request):
+        """The prompt's tokens as /v1/messages would count them: ``{"input_tokens": N}``."""
+        try:
+            req = await parse_body(request, CountTokensRequest)
+            _, _, prompt = await tokenize(node, req.to_generation())
+        except APIError as exc:
+            return error_response(exc)
+        return {"input_tokens": len(prompt)}
 
     return api
 
@@ -147,12 +188,11 @@ async def _stream(gen: Generation, req: MessagesRequest, message_id: str) -> Asy
         async for item in gen.texts():
             if isinstance(item, PrefillProgress):
                 continue
-            text, finish = item
-            if text:
+            if item.text:
                 yield _event("content_block_delta", {"type": "content_block_delta", "index": 0,
-                                                     "delta": {"type": "text_delta", "text": text}})
-            if finish is not None:
-                reason, sequence = _stop_reason(gen, finish)
+                                                     "delta": {"type": "text_delta", "text": item.text}})
+            if item.finish is not None:
+                reason, sequence = _stop_reason(gen, item.finish)
     except QueueFullError as exc:  # a forwarded request the rank's node refused
         yield _event("error", error_body("rate_limit_error", str(exc)))
         return

@@ -9,6 +9,7 @@ and :class:`APIError` its own way.
 from __future__ import annotations
 
 import asyncio
+import functools
 import json
 import time
 from collections.abc import AsyncIterator
@@ -18,6 +19,8 @@ from typing import TYPE_CHECKING, Any
 from fastapi import Request
 from pydantic import BaseModel, ValidationError
 
+from shardline.api.logprobs import TokenLogprob, token_logprob
+from shardline.api.params import Endpoint, ParamError, screen
 from shardline.api.prompt_bounds import min_prompt_tokens
 from shardline.models.store import ModelNotFoundError
 from shardline.models.tokenizer import (
@@ -29,7 +32,7 @@ from shardline.node.node import Node
 from shardline.node.peer_client import PeerError
 from shardline.node.table import Instance, InstanceFailedError, NoInstanceError
 from shardline.node.transfer import TransferError
-from shardline.runner.protocol import PrefillProgress, SamplingParams, TokenRequest
+from shardline.runner.protocol import PrefillProgress, SamplingParams, TokenEvent, TokenRequest
 
 if TYPE_CHECKING:
     from shardline.api.metrics import RequestMetrics
@@ -69,6 +72,25 @@ class GenerationRequest:
     api: str = "openai"  # which API took it, for the metrics
     max_tokens_param: str = "max_tokens"  # the API's names of the limit and the prompt,
     prompt_param: str = "prompt"  # for error messages
+    context: int | None = None  # the request's own context window (Ollama's num_ctx), at most the instance's
+    continue_final_message: bool = False  # a last assistant message is continued (a prefill)
+
+
+@dataclass(frozen=True)
+class Chunk:
+    """A piece of a generation's output, as :meth:`Generation.texts` yields it.
+
+    Attributes:
+        text: content text (possibly empty).
+        finish: None until the last chunk; then ``stop`` (an end token or a stop string),
+            ``length`` (max_tokens or the context) or ``cancelled``.
+        logprobs: the tokens generated since the last chunk, with their log-probabilities,
+            when the request asked for them.
+    """
+
+    text: str = ""
+    finish: str | None = None
+    logprobs: tuple[TokenLogprob, ...] = ()
 
 
 class StopMatcher:
@@ -119,14 +141,17 @@ class Generation:
         self.node = node
         self.metrics = metrics
         self.req = req
+        self.instance = inst
         self.prompt = prompt
         self.tokenizer = tokenizer
-        room = inst.context - len(prompt)
+        context = min(inst.context, req.context or inst.context)
+        room = context - len(prompt)
         if room < 1 or (req.max_tokens is not None and req.max_tokens > room):
             asked = f" and {req.max_tokens} for the completion" if req.max_tokens is not None else ""
+            whose = "this model's" if context == inst.context else "the request's"
             raise APIError(
                 400,
-                f"this model's context is {inst.context} tokens; the request asks for "
+                f"{whose} context is {context} tokens; the request asks for "
                 f"{len(prompt)} in the prompt{asked}",
                 param=req.max_tokens_param if room >= 1 else req.prompt_param, code="context_length_exceeded",
             )
@@ -139,13 +164,14 @@ class Generation:
         self.first_token_at: float | None = None  # time.monotonic() of the first token
         self.task_id: int | None = None  # its place in the instance's queue (Router.reserve)
 
-    async def texts(self) -> AsyncIterator[tuple[str, str | None] | PrefillProgress]:
-        """Yield (text delta, finish reason or None) until the request ends; before the
-        first token, a PrefillProgress after each engine step of a long prompt's prefill.
+    async def texts(self) -> AsyncIterator[Chunk | PrefillProgress]:
+        """Yield :class:`Chunk` s until the request ends, the last with its finish reason;
+        before the first token, a PrefillProgress after each engine step of a long
+        prompt's prefill.
 
-        Finish reasons: ``stop`` (an end token or a stop string, then in
-        ``self.stops.matched``), ``length`` (max_tokens).
-        Closing the iterator cancels the request on every rank.
+        A stop string ends the output before it (then in ``self.stops.matched``); end
+        tokens are not part of the text nor of the logprobs. Closing the iterator cancels
+        the request on every rank.
 
         Raises:
             InstanceFailedError: the instance failed mid-request.
@@ -154,6 +180,7 @@ class Generation:
             self.req.model, tuple(self.prompt), self.max_tokens, self.req.sampling, tuple(self.stop_ids)),
             self.task_id)
         ended = "cancelled"  # unless it finishes, or fails
+        logprobs: list[TokenLogprob] = []
         try:
             async for event in events:
                 if isinstance(event, PrefillProgress):
@@ -165,17 +192,20 @@ class Generation:
                 finish = event.finish_reason
                 text = ""
                 if event.token_id >= 0 and event.token_id not in self.stop_ids:
+                    if event.logprob is not None:
+                        logprobs.append(self._logprob(event))
                     text, hit = self.stops.feed(self.detokenizer.push(event.token_id))
                     if hit:
                         ended = "stop"
-                        yield text, "stop"
+                        yield Chunk(text, "stop", tuple(logprobs))
                         return
                 if finish is not None:
                     ended = "stop" if finish == "cancelled" else finish
-                    yield text + self.stops.flush(), ended
+                    yield Chunk(text + self.stops.flush(), ended, tuple(logprobs))
                     return
-                if text:
-                    yield text, None
+                if text or logprobs:
+                    yield Chunk(text, None, tuple(logprobs))
+                    logprobs = []
         except InstanceFailedError:
             ended = "error"
             raise
@@ -186,6 +216,18 @@ class Generation:
                 ttft = None if self.first_token_at is None else self.first_token_at - self.started
                 self.metrics.record(self.req.api, ended, len(self.prompt), self.completion_tokens, ttft,
                                     now - self.started)
+
+    def _logprob(self, event: TokenEvent) -> TokenLogprob:
+        assert event.logprob is not None
+        return token_logprob(self.tokenizer.piece, event.token_id, event.logprob, event.top_logprobs)
+
+    @property
+    def fingerprint(self) -> str:
+        """OpenAI's ``system_fingerprint``: the instance's id, sharding, ranks and dtype
+        (and quantization), which change when the model is placed again."""
+        inst = self.instance
+        quant = f"-{inst.quantize}" if inst.quantize else ""
+        return f"fp_{inst.instance_id[:12]}-{inst.sharding}{len(inst.ranks)}-{inst.dtype}{quant}"
 
     def usage(self) -> dict:
         """OpenAI's usage object: prompt, completion and total tokens."""
@@ -206,13 +248,25 @@ async def prepare(node: Node, req: GenerationRequest, metrics: RequestMetrics | 
     take the request's place in the instance's queue.
 
     Raises:
-        APIError: 404 for a model no instance serves; 503 for one still loading or whose
-            tokenizer cannot be had; 400 for messages the chat template refuses, token ids
-            outside the vocabulary, or a prompt and limit beyond the context (a text or
-            chat prompt whose characters alone prove it too long is refused before it is
-            tokenized: :mod:`shardline.api.prompt_bounds`).
+        APIError: as :func:`tokenize`; 400 for a prompt and limit beyond the context.
         QueueFullError: as many requests wait for the instance as this node queues (the
             app answers 429 with ``Retry-After``).
+    """
+    inst, tokenizer, prompt = await tokenize(node, req)
+    gen = Generation(node, req, prompt, inst, tokenizer, metrics)
+    gen.task_id = node.router.reserve(inst, gen)  # after the last await: counted one by one
+    return gen
+
+
+async def tokenize(node: Node, req: GenerationRequest) -> tuple[Instance, Tokenizer, list[int]]:
+    """The ready instance, the tokenizer and the prompt's token ids of ``req``.
+
+    Raises:
+        APIError: 404 for a model no instance serves; 503 for one still loading or whose
+            tokenizer cannot be had; 400 for messages the chat template refuses, token ids
+            outside the vocabulary, ``logit_bias`` ids outside it, or a text or chat prompt
+            whose characters alone prove it longer than the context (refused before it is
+            tokenized: :mod:`shardline.api.prompt_bounds`).
     """
     try:
         inst = node.router.ready_instance(req.model)
@@ -240,8 +294,11 @@ async def prepare(node: Node, req: GenerationRequest, metrics: RequestMetrics | 
     if isinstance(req.prompt, str):
         prompt = await asyncio.to_thread(tokenizer.encode, req.prompt)
     elif req.prompt and isinstance(req.prompt[0], dict):
+        options: dict[str, Any] = {}
+        if req.continue_final_message:
+            options["continue_final_message"] = True
         try:
-            prompt = await asyncio.to_thread(tokenizer.encode_chat, req.prompt)
+            prompt = await asyncio.to_thread(functools.partial(tokenizer.encode_chat, req.prompt, **options))
         except ChatTemplateError as exc:
             raise APIError(400, str(exc), param=req.prompt_param) from exc
     else:
@@ -252,30 +309,32 @@ async def prepare(node: Node, req: GenerationRequest, metrics: RequestMetrics | 
                            param=req.prompt_param)
     if not prompt:
         raise APIError(400, "the prompt is empty", param=req.prompt_param)
-    gen = Generation(node, req, prompt, inst, tokenizer, metrics)
-    gen.task_id = node.router.reserve(inst, gen)  # after the last await: counted one by one
-    return gen
+    outside = [t for t, _ in req.sampling.logit_bias if not 0 <= t < tokenizer.vocab_size]
+    if outside:
+        raise APIError(400, f"logit_bias: token ids outside the vocabulary (0-{tokenizer.vocab_size - 1}): "
+                            f"{outside[:5]}", param="logit_bias")
+    return inst, tokenizer, prompt
 
 
 async def collect_unless_disconnected(
     gen: Generation, request: Request, poll_s: float = 0.25
-) -> tuple[list[str], str | None]:
+) -> tuple[list[Chunk], str | None]:
     """Run a non-streamed generation to the end, or cancel it once the client disconnects.
 
-    Returns the text pieces and the finish reason (None when the client left).
+    Returns the chunks and the finish reason (None when the client left).
 
     Raises:
         InstanceFailedError: the instance failed mid-request.
     """
-    parts: list[str] = []
+    parts: list[Chunk] = []
     finish: str | None = None
 
     async def consume() -> None:
         nonlocal finish
         async for item in gen.texts():
             if not isinstance(item, PrefillProgress):
-                text, finish = item
-                parts.append(text)
+                parts.append(item)
+                finish = item.finish
 
     task = asyncio.create_task(consume())
     while not task.done():
@@ -289,6 +348,47 @@ async def collect_unless_disconnected(
             return parts, None
     task.result()
     return parts, finish
+
+
+async def merge_streams(streams: list[AsyncIterator[Any]]) -> AsyncIterator[tuple[int, Any]]:
+    """Yield ``(index, item)`` from several async iterators as their items come (the
+    ``n`` choices of one request). Ends when all have ended; an error from one is raised
+    at once. Closing it (or an error) closes every stream, which cancels their requests.
+    """
+    if len(streams) == 1:
+        async for item in streams[0]:
+            yield 0, item
+        return
+    done = object()
+    queue: asyncio.Queue[tuple[int, Any, BaseException | None]] = asyncio.Queue()
+
+    async def pump(index: int, stream: AsyncIterator[Any]) -> None:
+        try:
+            async for item in stream:
+                await queue.put((index, item, None))
+            await queue.put((index, done, None))
+        except Exception as exc:  # handed to the consumer, raised there
+            await queue.put((index, done, exc))
+
+    tasks = [asyncio.create_task(pump(i, s)) for i, s in enumerate(streams)]
+    try:
+        remaining = len(tasks)
+        while remaining:
+            index, item, error = await queue.get()
+            if error is not None:
+                raise error
+            if item is done:
+                remaining -= 1
+            else:
+                yield index, item
+    finally:
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        for stream in streams:
+            aclose = getattr(stream, "aclose", None)
+            if aclose is not None:
+                await aclose()
 
 
 PARSE_IN_THREAD_BYTES = 256 * 1024
@@ -316,9 +416,24 @@ def _parse(raw: bytes, model: type[BaseModel]) -> Any:
         data = json.loads(raw.decode("utf-8"))
     except (json.JSONDecodeError, UnicodeDecodeError):
         raise APIError(400, "the request body is not valid JSON (UTF-8)") from None
+    endpoint = getattr(model, "ENDPOINT", None)
+    if endpoint is not None:
+        try:
+            data = screen(endpoint, data)
+        except ParamError as exc:
+            raise APIError(400, exc.message, param=exc.param) from None
+        if endpoint in (Endpoint.OLLAMA_CHAT, Endpoint.OLLAMA_GENERATE) and isinstance(data.get("options"), dict):
+            try:
+                data["options"] = screen(Endpoint.OLLAMA_OPTIONS, data["options"])
+            except ParamError as exc:
+                raise APIError(400, f"options.{exc.message}", param=f"options.{exc.param}") from None
     try:
         return model.model_validate(data)
     except ValidationError as exc:
         first = exc.errors()[0]
         param = ".".join(str(p) for p in first.get("loc", ())) or None
-        raise APIError(400, f"{param or 'body'}: {first.get('msg')}", param=param) from None
+        message = str(first.get("msg")).removeprefix("Value error, ")
+        if param is None and ": " in message:  # a check of several fields names the one at fault
+            param = message.split(": ", 1)[0]
+            raise APIError(400, message, param=param) from None
+        raise APIError(400, f"{param or 'body'}: {message}", param=param) from None

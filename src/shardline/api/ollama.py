@@ -15,7 +15,7 @@ import json
 import time
 from collections.abc import AsyncIterator, Callable
 from datetime import datetime, timezone
-from typing import Literal
+from typing import Any, ClassVar, Literal
 
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, StreamingResponse
@@ -29,7 +29,10 @@ from shardline.api.generation import (
     parse_body,
     prepare,
 )
+from shardline.api.logprobs import ollama_logprobs
 from shardline.api.metrics import RequestMetrics
+from shardline.api.params import Endpoint
+from shardline.api.structured import json_grammar
 from shardline.node.node import Node
 from shardline.node.queue_bound import QueueFullError
 from shardline.node.table import InstanceFailedError
@@ -43,15 +46,34 @@ def error_response(exc: APIError) -> JSONResponse:
 
 
 class Options(BaseModel):
-    """The model options shardline honours; others (num_ctx, mirostat, ...) are ignored."""
+    """The model options shardline honours (:data:`shardline.api.params.PARAMETERS`; the
+    others are refused there). Defaults are Ollama's, except ``repeat_penalty`` (off)."""
 
-    model_config = ConfigDict(extra="allow")
+    model_config = ConfigDict(extra="forbid")
     temperature: float = Field(default=0.8, ge=0.0)
-    top_p: float = Field(default=0.9, gt=0.0, le=1.0)
+    top_p: float = Field(default=0.9, ge=0.0, le=1.0)
     top_k: int = Field(default=40, ge=0)
+    min_p: float = Field(default=0.0, ge=0.0, le=1.0)
     seed: int | None = None
     num_predict: int = -1  # -1: until the context is full
+    num_ctx: int | None = Field(default=None, ge=1)
     stop: list[str] | None = None
+    repeat_penalty: float = Field(default=1.0, gt=0.0)
+    repeat_last_n: int = Field(default=64, ge=-1)  # -1: the whole context, 0: off (Ollama's)
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    typical_p: float = 1.0
+    tfs_z: float = 1.0
+    mirostat: int = 0
+
+    def sampling(self, logprobs: int | None, grammar: str | None) -> SamplingParams:
+        greedy = self.top_p == 0.0
+        repeat = self.repeat_penalty if self.repeat_last_n != 0 else 1.0
+        return SamplingParams(
+            0.0 if greedy else min(self.temperature, 2.0), 1.0 if greedy else self.top_p, self.top_k, self.seed,
+            min_p=self.min_p, frequency_penalty=self.frequency_penalty, presence_penalty=self.presence_penalty,
+            repetition_penalty=repeat, repeat_last_n=max(self.repeat_last_n, 0), logprobs=logprobs,
+            grammar=grammar)
 
 
 class OllamaMessage(BaseModel):
@@ -61,19 +83,34 @@ class OllamaMessage(BaseModel):
 
 
 class _Request(BaseModel):
-    model_config = ConfigDict(extra="allow")
+    ENDPOINT: ClassVar[Endpoint]
+    model_config = ConfigDict(extra="forbid")
     model: str
     stream: bool = True
     options: Options = Field(default_factory=Options)
+    format: Literal["json"] | dict[str, Any] | None = None
+    logprobs: bool = False
+    top_logprobs: int = Field(default=0, ge=0, le=20)
+    images: list[str] | None = None
+    think: bool | None = None
+
+    def grammar(self) -> str | None:
+        """``format``: "json" (any JSON object, as llama.cpp's JSON grammar) or a JSON schema."""
+        if self.format is None:
+            return None
+        try:
+            return json_grammar(None if self.format == "json" else self.format)
+        except ValueError as exc:
+            raise APIError(400, f"format: {exc}", param="format") from exc
 
     def generation(self, prompt, prompt_param: str) -> GenerationRequest:
         o = self.options
         return GenerationRequest(
             model=self.model.removesuffix(":latest"), prompt=prompt,
             max_tokens=o.num_predict if o.num_predict > 0 else None,
-            sampling=SamplingParams(min(o.temperature, 2.0), o.top_p, o.top_k, o.seed),
+            sampling=o.sampling(self.top_logprobs if self.logprobs else None, self.grammar()),
             stop=list(o.stop or []), api="ollama", max_tokens_param="options.num_predict",
-            prompt_param=prompt_param)
+            prompt_param=prompt_param, context=o.num_ctx)
 
     def to_generation(self) -> GenerationRequest:
         """The request as every API's generation takes it (each Ollama route its own)."""
@@ -81,6 +118,7 @@ class _Request(BaseModel):
 
 
 class ChatRequest(_Request):
+    ENDPOINT = Endpoint.OLLAMA_CHAT
     messages: list[OllamaMessage] = Field(min_length=1)
 
     def to_generation(self) -> GenerationRequest:
@@ -88,6 +126,7 @@ class ChatRequest(_Request):
 
 
 class GenerateRequest(_Request):
+    ENDPOINT = Endpoint.OLLAMA_GENERATE
     prompt: str = ""
     system: str | None = None
     raw: bool = False  # true: the prompt as it is, without the chat template
@@ -155,12 +194,15 @@ async def _serve(node: Node, metrics: RequestMetrics | None, request: Request, r
     if req.stream:
         return StreamingResponse(_stream(gen, req, content), media_type="application/x-ndjson")
     try:
-        parts, finish = await collect_unless_disconnected(gen, request)
+        chunks, finish = await collect_unless_disconnected(gen, request)
     except InstanceFailedError as exc:
         return error_response(APIError(500, str(exc)))
     if finish is None:  # the client left; nobody reads this
         return JSONResponse(status_code=499, content={"error": "client closed the request"})
-    return _final(gen, req, content("".join(parts)), finish)
+    body = content("".join(c.text for c in chunks))
+    if req.logprobs:
+        body["logprobs"] = ollama_logprobs([t for c in chunks for t in c.logprobs])
+    return _final(gen, req, body, finish)
 
 
 def _final(gen: Generation, req: _Request, body: dict, finish: str) -> dict:
@@ -182,10 +224,12 @@ async def _stream(gen: Generation, req: _Request, content: Callable[[str], dict]
         async for item in gen.texts():
             if isinstance(item, PrefillProgress):
                 continue
-            text, finish = item
-            if text:
-                yield line({"model": req.model, "created_at": _now(), **content(text), "done": False})
-            if finish is not None:
-                yield line(_final(gen, req, content(""), finish))
+            if item.text or item.logprobs:
+                body = content(item.text)
+                if req.logprobs:
+                    body["logprobs"] = ollama_logprobs(list(item.logprobs))
+                yield line({"model": req.model, "created_at": _now(), **body, "done": False})
+            if item.finish is not None:
+                yield line(_final(gen, req, content(""), item.finish))
     except (InstanceFailedError, QueueFullError) as exc:  # QueueFullError: a forwarded request refused
         yield line({"error": str(exc)})

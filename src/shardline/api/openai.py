@@ -9,29 +9,39 @@ body: ``{"error": {"message", "type", "param", "code"}}``.
 
 from __future__ import annotations
 
+import asyncio
+import dataclasses
 import json
 import time
 import uuid
 from collections.abc import AsyncIterator
-from typing import Any, Literal
+from typing import Any, ClassVar, Literal
 
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, StreamingResponse
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from shardline.api.generation import (
     APIError,
+    Chunk,
     Generation,
     GenerationRequest,
     collect_unless_disconnected,
+    merge_streams,
     parse_body,
     prepare,
 )
+from shardline.api.logprobs import chat_logprobs, completion_logprobs
 from shardline.api.metrics import RequestMetrics
+from shardline.api.params import Endpoint
+from shardline.api.structured import json_grammar
 from shardline.node.node import Node
 from shardline.node.queue_bound import QueueFullError
 from shardline.node.table import InstanceFailedError
 from shardline.runner.protocol import PrefillProgress, SamplingParams
+
+MAX_CHOICES = 8
+"""Most choices (``n``) one request may ask for: each is its own sequence in the batch."""
 
 
 def error_body(message: str, type_: str, param: str | None = None, code: str | None = None) -> dict:
@@ -62,40 +72,130 @@ class ChatMessage(BaseModel):
 
 
 class StreamOptions(BaseModel):
+    model_config = ConfigDict(extra="forbid")
     include_usage: bool = False
+    include_obfuscation: bool = False  # no obfuscation field is sent either way
 
 
 class SamplingFields(BaseModel):
-    """The fields both OpenAI requests share; others are accepted and ignored."""
+    """The fields both OpenAI requests share (:data:`shardline.api.params.PARAMETERS`
+    lists each and what it does; :func:`~shardline.api.params.screen` refuses the rest
+    before these are validated). Ranges are the reference's."""
 
-    model_config = ConfigDict(extra="allow")
+    ENDPOINT: ClassVar[Endpoint]
+    model_config = ConfigDict(extra="forbid")
     model: str
     stream: bool = False
     stream_options: StreamOptions | None = None
     temperature: float = Field(default=1.0, ge=0.0, le=2.0)
-    top_p: float = Field(default=1.0, gt=0.0, le=1.0)
+    top_p: float = Field(default=1.0, ge=0.0, le=1.0)
     top_k: int = Field(default=0, ge=0)
+    min_p: float = Field(default=0.0, ge=0.0, le=1.0)
     seed: int | None = None
-    stop: str | list[str] | None = None
-    n: int = Field(default=1, ge=1, le=1)
+    stop: str | list[str] | None = Field(default=None, max_length=4)
+    n: int = Field(default=1, ge=1, le=MAX_CHOICES)
+    frequency_penalty: float = Field(default=0.0, ge=-2.0, le=2.0)
+    presence_penalty: float = Field(default=0.0, ge=-2.0, le=2.0)
+    repetition_penalty: float = Field(default=1.0, gt=0.0, le=10.0)
+    logit_bias: dict[int, float] | None = None
+    user: str | None = None
+    safety_identifier: str | None = None
+    prompt_cache_key: str | None = None
+    service_tier: str | None = None
+    store: bool = False
+    metadata: dict[str, str] | None = None
     ignore_eos: bool = False  # as in vLLM: generate max_tokens whatever the model says
     # As in llama.cpp's server: while a long prompt is prefilled, stream chunks with an empty
     # delta (text) and ``prompt_progress: {total, cache, processed, time_ms}``.
     return_progress: bool = False
 
+    @model_validator(mode="after")
+    def _check_bias(self):
+        for token, bias in (self.logit_bias or {}).items():
+            if not -100.0 <= bias <= 100.0:
+                raise ValueError(f"logit_bias: the bias of token {token} must be between -100 and 100")
+        return self
+
+    def logprobs_wanted(self) -> int | None:
+        """Alternatives per token the request wants (None: no logprobs)."""
+        return None
+
+    def grammar(self) -> str | None:
+        """The llguidance grammar the output must match, if any."""
+        return None
+
+    def sampling(self, choice: int = 0) -> SamplingParams:
+        """The sampling of choice ``choice`` (a seeded request's choices take seed,
+        seed + 1, ...: n choices of one seed would all be the same)."""
+        greedy = self.top_p == 0.0
+        return SamplingParams(
+            temperature=0.0 if greedy else self.temperature, top_p=1.0 if greedy else self.top_p,
+            top_k=self.top_k, seed=None if self.seed is None else self.seed + choice, min_p=self.min_p,
+            frequency_penalty=self.frequency_penalty, presence_penalty=self.presence_penalty,
+            repetition_penalty=self.repetition_penalty,
+            logit_bias=tuple(sorted((self.logit_bias or {}).items())),
+            logprobs=self.logprobs_wanted(), grammar=self.grammar())
+
     def generation(self, prompt, max_tokens: int | None, max_tokens_param: str,
                    prompt_param: str) -> GenerationRequest:
         return GenerationRequest(
-            model=self.model, prompt=prompt, max_tokens=max_tokens,
-            sampling=SamplingParams(self.temperature, self.top_p, self.top_k, self.seed),
+            model=self.model, prompt=prompt, max_tokens=max_tokens, sampling=self.sampling(),
             stop=[self.stop] if isinstance(self.stop, str) else list(self.stop or []),
             ignore_eos=self.ignore_eos, max_tokens_param=max_tokens_param, prompt_param=prompt_param)
 
 
+class JSONSchemaFormat(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    name: str = Field(max_length=64, pattern=r"^[A-Za-z0-9_-]+$")
+    description: str | None = None
+    schema_: dict[str, Any] | None = Field(default=None, alias="schema")
+    strict: bool | None = None
+
+
+class ResponseFormat(BaseModel):
+    """``response_format``: ``text``, ``json_object`` (any JSON object) or ``json_schema``."""
+
+    model_config = ConfigDict(extra="forbid")
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JSONSchemaFormat | None = None
+
+    @model_validator(mode="after")
+    def _schema_given(self):
+        if (self.type == "json_schema") != (self.json_schema is not None):
+            raise ValueError("json_schema is required with (and only with) type json_schema")
+        return self
+
+    def grammar(self) -> str | None:
+        if self.type == "text":
+            return None
+        schema = self.json_schema.schema_ if self.json_schema is not None else None
+        try:
+            return json_grammar(schema or ({"type": "object"} if self.json_schema is not None else None))
+        except ValueError as exc:
+            raise APIError(400, f"response_format: {exc}", param="response_format") from exc
+
+
 class ChatCompletionRequest(SamplingFields):
+    ENDPOINT = Endpoint.CHAT
     messages: list[ChatMessage] = Field(min_length=1)
     max_tokens: int | None = Field(default=None, ge=1)
     max_completion_tokens: int | None = Field(default=None, ge=1)
+    logprobs: bool = False
+    top_logprobs: int | None = Field(default=None, ge=0, le=20)
+    response_format: ResponseFormat | None = None
+    modalities: list[str] | None = None
+
+    @model_validator(mode="after")
+    def _logprobs_asked(self):
+        if self.top_logprobs is not None and not self.logprobs:
+            raise ValueError("top_logprobs: logprobs must be true when top_logprobs is set")
+        return self
+
+    def logprobs_wanted(self) -> int | None:
+        return (self.top_logprobs or 0) if self.logprobs else None
+
+    def grammar(self) -> str | None:
+        return None if self.response_format is None else self.response_format.grammar()
 
     def to_generation(self) -> GenerationRequest:
         messages = [{"role": "system" if m.role == "developer" else m.role, "content": m.text()}
@@ -108,10 +208,15 @@ class ChatCompletionRequest(SamplingFields):
 class CompletionRequest(SamplingFields):
     """The legacy Completions request: a text prompt (or one list of token ids)."""
 
+    ENDPOINT = Endpoint.COMPLETIONS
     prompt: str | list[str] | list[int] = Field(min_length=1)
     max_tokens: int = Field(default=16, ge=1)  # OpenAI's default for this endpoint
     echo: bool = False  # the answer begins with the prompt's text
-    suffix: None = None  # insertion is not supported
+    logprobs: int | None = Field(default=None, ge=0, le=5)  # the legacy API's limit
+    best_of: int = 1
+
+    def logprobs_wanted(self) -> int | None:
+        return self.logprobs
 
     def to_generation(self) -> GenerationRequest:
         prompt = self.prompt
@@ -157,117 +262,169 @@ def router(node: Node, metrics: RequestMetrics | None = None) -> APIRouter:
 class _ChatShape:
     """The objects of Chat Completions: ``chat.completion`` and its chunks."""
 
-    def __init__(self, req: SamplingFields, gen: Generation, completion_id: str, created: int) -> None:
-        self.req, self.gen, self.id, self.created = req, gen, completion_id, created
+    def __init__(self, req: SamplingFields, gens: list[Generation], completion_id: str, created: int) -> None:
+        self.req, self.gens, self.id, self.created = req, gens, completion_id, created
+        self.fingerprint = gens[0].fingerprint
 
-    def _chunk(self, delta: Any, finish: str | None, **extra) -> dict:
-        """A chunk whose choice carries ``delta`` (a message delta; None: no choice)."""
-        choices = [] if delta is None else [{"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}]
+    def _chunk(self, index: int, delta: Any, finish: str | None, logprobs: dict | None = None, **extra) -> dict:
+        """A chunk whose choice ``index`` carries ``delta`` (a message delta; None: no choice)."""
+        choices = [] if delta is None else [{"index": index, "delta": delta, "logprobs": logprobs,
+                                              "finish_reason": finish}]
         return {"id": self.id, "object": "chat.completion.chunk", "created": self.created,
-                "model": self.req.model, "choices": choices, **extra}
+                "model": self.req.model, "system_fingerprint": self.fingerprint, "choices": choices, **extra}
 
-    def first(self) -> dict | None:
-        return self._chunk({"role": "assistant", "content": ""}, None)
+    def _logprobs(self, index: int, chunk: Chunk) -> dict | None:
+        return chat_logprobs(list(chunk.logprobs)) if self.req.logprobs_wanted() is not None else None
 
-    def text(self, text: str) -> dict:
-        return self._chunk({"content": text}, None)
+    def first(self, index: int) -> dict | None:
+        return self._chunk(index, {"role": "assistant", "content": ""}, None)
 
-    def finish(self, reason: str) -> dict:
-        return self._chunk({}, reason)
+    def piece(self, index: int, chunk: Chunk) -> dict | None:
+        """The chunk for one piece of output (None: nothing to send)."""
+        if not chunk.text and not chunk.logprobs:
+            return None
+        return self._chunk(index, {"content": chunk.text}, None, self._logprobs(index, chunk))
 
-    def progress(self, progress: dict) -> dict:
-        return self._chunk({}, None, prompt_progress=progress)
+    def finish(self, index: int, reason: str) -> dict:
+        return self._chunk(index, {}, reason)
+
+    def progress(self, index: int, progress: dict) -> dict:
+        return self._chunk(index, {}, None, prompt_progress=progress)
 
     def usage(self) -> dict:
-        return self._chunk(None, None, usage=self.gen.usage())
+        return self._chunk(0, None, None, usage=self.usage_of())
 
-    def whole(self, text: str, finish: str) -> dict:
+    def usage_of(self) -> dict:
+        """Usage over every choice: the prompt once (n choices share it), all completions."""
+        usage = self.gens[0].usage()
+        completion = sum(g.completion_tokens for g in self.gens)
+        return dict(usage, completion_tokens=completion, total_tokens=usage["prompt_tokens"] + completion)
+
+    def choice(self, index: int, chunks: list[Chunk], finish: str) -> dict:
+        logprobs = None
+        if self.req.logprobs_wanted() is not None:
+            logprobs = chat_logprobs([t for c in chunks for t in c.logprobs])
+        return {"index": index, "message": {"role": "assistant", "content": "".join(c.text for c in chunks)},
+                "logprobs": logprobs, "finish_reason": finish}
+
+    def whole(self, choices: list[dict]) -> dict:
         return {"id": self.id, "object": "chat.completion", "created": self.created, "model": self.req.model,
-                "choices": [{"index": 0, "message": {"role": "assistant", "content": text},
-                             "logprobs": None, "finish_reason": finish}],
-                "usage": self.gen.usage()}
+                "system_fingerprint": self.fingerprint, "choices": choices, "usage": self.usage_of()}
 
 
 class _CompletionShape(_ChatShape):
     """The objects of the legacy Completions: ``text_completion`` (streamed the same)."""
 
-    def _chunk(self, delta: Any, finish: str | None, **extra) -> dict:
+    def __init__(self, req: SamplingFields, gens: list[Generation], completion_id: str, created: int) -> None:
+        super().__init__(req, gens, completion_id, created)
+        self.offsets = [0] * len(gens)  # characters of each choice's text sent so far
+
+    def _chunk(self, index: int, delta: Any, finish: str | None, logprobs: dict | None = None, **extra) -> dict:
         """A chunk whose choice carries ``delta``, here the text (None: no choice)."""
-        choices = [] if delta is None else [{"index": 0, "text": delta, "logprobs": None, "finish_reason": finish}]
+        choices = [] if delta is None else [{"index": index, "text": delta, "logprobs": logprobs,
+                                              "finish_reason": finish}]
         return {"id": self.id, "object": "text_completion", "created": self.created,
-                "model": self.req.model, "choices": choices, **extra}
+                "model": self.req.model, "system_fingerprint": self.fingerprint, "choices": choices, **extra}
 
     def echo(self) -> str:
         """The prompt, when the request asks for it back (``echo``)."""
         assert isinstance(self.req, CompletionRequest)
         if not self.req.echo:
             return ""
-        prompt = self.gen.req.prompt
-        return prompt if isinstance(prompt, str) else self.gen.tokenizer.decode(self.gen.prompt)
+        gen = self.gens[0]
+        prompt = gen.req.prompt
+        return prompt if isinstance(prompt, str) else gen.tokenizer.decode(gen.prompt)
 
-    def first(self) -> dict | None:
+    def _logprobs(self, index: int, chunk: Chunk) -> dict | None:
+        if self.req.logprobs_wanted() is None:
+            return None
+        out = completion_logprobs(list(chunk.logprobs), self.offsets[index])
+        self.offsets[index] += sum(len(t.token) for t in chunk.logprobs)
+        return out
+
+    def first(self, index: int) -> dict | None:
         assert isinstance(self.req, CompletionRequest)
-        return self._chunk(self.echo(), None) if self.req.echo else None
+        if not self.req.echo:
+            return None
+        self.offsets[index] = len(self.echo())
+        return self._chunk(index, self.echo(), None)
 
-    def text(self, text: str) -> dict:
-        return self._chunk(text, None)
+    def piece(self, index: int, chunk: Chunk) -> dict | None:
+        if not chunk.text and not chunk.logprobs:
+            return None
+        return self._chunk(index, chunk.text, None, self._logprobs(index, chunk))
 
-    def finish(self, reason: str) -> dict:
-        return self._chunk("", reason)
+    def finish(self, index: int, reason: str) -> dict:
+        return self._chunk(index, "", reason)
 
-    def progress(self, progress: dict) -> dict:
-        return self._chunk("", None, prompt_progress=progress)
+    def progress(self, index: int, progress: dict) -> dict:
+        return self._chunk(index, "", None, prompt_progress=progress)
 
-    def whole(self, text: str, finish: str) -> dict:
-        return dict(self._chunk(self.echo() + text, finish), usage=self.gen.usage())
+    def choice(self, index: int, chunks: list[Chunk], finish: str) -> dict:
+        echo = self.echo()
+        logprobs = None
+        if self.req.logprobs_wanted() is not None:
+            logprobs = completion_logprobs([t for c in chunks for t in c.logprobs], len(echo))
+        return {"index": index, "text": echo + "".join(c.text for c in chunks), "logprobs": logprobs,
+                "finish_reason": finish}
+
+    def whole(self, choices: list[dict]) -> dict:
+        return {"id": self.id, "object": "text_completion", "created": self.created, "model": self.req.model,
+                "system_fingerprint": self.fingerprint, "choices": choices, "usage": self.usage_of()}
 
 
 async def _serve(node: Node, metrics: RequestMetrics | None, request: Request,
                  request_type: type[SamplingFields], id_prefix: str,
                  shape_type: type[_ChatShape]):
-    """Parse, prepare and run one request; stream it as server-sent events or answer whole."""
+    """Parse, prepare and run one request (``n`` sequences); stream it as server-sent
+    events or answer whole."""
     try:
         req = await parse_body(request, request_type)
-        gen = await prepare(node, req.to_generation(), metrics)
+        first = req.to_generation()
+        gens = [await prepare(node, first, metrics)]
+        for choice in range(1, req.n):
+            gens.append(await prepare(node, dataclasses.replace(first, sampling=req.sampling(choice)), metrics))
     except APIError as exc:
         return error_response(exc)
-    shape = shape_type(req, gen, f"{id_prefix}-{uuid.uuid4().hex}", int(time.time()))
+    shape = shape_type(req, gens, f"{id_prefix}-{uuid.uuid4().hex}", int(time.time()))
     if req.stream:
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
         return StreamingResponse(
-            _stream(gen, shape, req.return_progress, include_usage),
+            _stream(gens, shape, req.return_progress, include_usage),
             media_type="text/event-stream",
             headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
         )
-    try:
-        parts, finish = await collect_unless_disconnected(gen, request)
+    try:  # the choices run together, each its own sequence in the batch
+        results = await asyncio.gather(*(collect_unless_disconnected(g, request) for g in gens))
     except InstanceFailedError as exc:
         return error_response(APIError(503, str(exc), "server_error", code="instance_failed"))
-    if finish is None:  # the client left; nobody reads this
+    if any(finish is None for _, finish in results):  # the client left; nobody reads this
         return JSONResponse(status_code=499, content=error_body("client closed the request", "client_closed"))
-    return shape.whole("".join(parts), finish)
+    return shape.whole([shape.choice(index, chunks, finish or "stop")
+                        for index, (chunks, finish) in enumerate(results)])
 
 
 def _sse(data: Any) -> str:
     return f"data: {json.dumps(data, ensure_ascii=False)}\n\n"
 
 
-async def _stream(gen: Generation, shape: _ChatShape, return_progress: bool,
+async def _stream(gens: list[Generation], shape: _ChatShape, return_progress: bool,
                   include_usage: bool) -> AsyncIterator[str]:
-    first = shape.first()
-    if first is not None:
-        yield _sse(first)
+    for index in range(len(gens)):
+        first = shape.first(index)
+        if first is not None:
+            yield _sse(first)
     try:
-        async for item in gen.texts():
+        async for index, item in merge_streams([g.texts() for g in gens]):
             if isinstance(item, PrefillProgress):
                 if return_progress:
-                    yield _sse(shape.progress(gen.prefill_progress(item)))
+                    yield _sse(shape.progress(index, gens[index].prefill_progress(item)))
                 continue
-            text, finish = item
-            if text:
-                yield _sse(shape.text(text))
-            if finish is not None:
-                yield _sse(shape.finish(finish))
+            piece = shape.piece(index, item)
+            if piece is not None:
+                yield _sse(piece)
+            if item.finish is not None:
+                yield _sse(shape.finish(index, item.finish))
     except QueueFullError as exc:  # a forwarded request the rank's node refused
         yield _sse(error_body(str(exc), "rate_limit_exceeded", code="queue_full"))
         return

@@ -82,6 +82,11 @@ class Tokenizer:
         """
         return list(self._tok.encode(text, add_special_tokens=add_special_tokens))
 
+    def piece(self, token_id: int) -> str:
+        """The vocabulary piece of one token id (e.g. ``ĠParis``; see
+        :func:`shardline.api.logprobs.piece_bytes` for its bytes)."""
+        return str(self._tok.convert_ids_to_tokens(token_id))
+
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
         return str(self._tok.decode(ids, skip_special_tokens=skip_special_tokens))
 

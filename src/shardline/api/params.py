@@ -1,0 +1,271 @@
+"""Which request parameters each API endpoint honours, and the screen that refuses the rest.
+
+The rule: every parameter of an API's reference either works as that reference says or is
+refused with a 400 naming it; nothing is accepted and ignored. :data:`PARAMETERS` is the
+one table of it (the README's table of API parameters is rendered from it, and each row
+names the test that checks it). :func:`screen` runs on every request body before its
+fields are validated:
+
+- a ``null`` value is taken as the parameter's default (clients send null for "unset");
+- a refused parameter is allowed only at a value that asks for nothing (``store: false``,
+  ``modalities: ["text"]``, ...), else 400 naming it;
+- a parameter the table does not know is refused as the API itself refuses it (OpenAI:
+  "Unrecognized request argument supplied"; Anthropic: "Extra inputs are not permitted").
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from enum import Enum
+from typing import Any
+
+
+class Endpoint(str, Enum):
+    """The generation endpoints whose parameters are screened."""
+
+    CHAT = "POST /v1/chat/completions"
+    COMPLETIONS = "POST /v1/completions"
+    RESPONSES = "POST /v1/responses"
+    MESSAGES = "POST /v1/messages"
+    COUNT_TOKENS = "POST /v1/messages/count_tokens"
+    OLLAMA_CHAT = "POST /api/chat"
+    OLLAMA_GENERATE = "POST /api/generate"
+    OLLAMA_OPTIONS = "options of /api/chat and /api/generate"
+
+
+class ParamError(ValueError):
+    """A parameter refused by :func:`screen`: ``param`` names it."""
+
+    def __init__(self, param: str, message: str) -> None:
+        super().__init__(message)
+        self.param, self.message = param, message
+
+
+@dataclass(frozen=True)
+class Param:
+    """One row of the table: a parameter of an endpoint, whether it works, how, and the
+    test that checks it (``file.py::test_name``).
+
+    ``allowed``: for a refused parameter, the values that ask for nothing and pass."""
+
+    endpoint: Endpoint
+    name: str
+    works: bool
+    note: str
+    test: str
+    allowed: tuple[Any, ...] = ()
+
+
+def screen(endpoint: Endpoint, data: Any, table: tuple[Param, ...] | None = None) -> Any:
+    """``data`` (a parsed JSON body) with its null parameters dropped, after refusing what
+    :data:`PARAMETERS` refuses for ``endpoint``; bodies that are not objects pass as they
+    are (the request model refuses them).
+
+    Raises:
+        ParamError: a refused parameter at a value other than its ``allowed`` ones, or one
+            the table does not list for the endpoint.
+    """
+    if not isinstance(data, dict):
+        return data
+    rows = {p.name: p for p in (PARAMETERS if table is None else table) if p.endpoint == endpoint}
+    out = {}
+    for name, value in data.items():
+        if value is None:
+            continue
+        row = rows.get(name)
+        if row is None:
+            raise ParamError(name, _unknown(endpoint, name))
+        if not row.works and value not in row.allowed:
+            raise ParamError(name, f"{name}: {row.note}")
+        out[name] = value
+    return out
+
+
+def _unknown(endpoint: Endpoint, name: str) -> str:
+    if endpoint in (Endpoint.MESSAGES, Endpoint.COUNT_TOKENS):
+        return f"{name}: Extra inputs are not permitted"
+    if endpoint is Endpoint.OLLAMA_OPTIONS:
+        return f"{name}: not an option shardline knows"
+    if endpoint in (Endpoint.OLLAMA_CHAT, Endpoint.OLLAMA_GENERATE):
+        return f"{name}: not a parameter of this endpoint"
+    return f"Unrecognized request argument supplied: {name}"
+
+
+def _rows(endpoint: Endpoint, test_file: str, *rows: tuple) -> tuple[Param, ...]:
+    """Rows of one endpoint: ``(name, works, note, test[, allowed])``; a test without
+    ``::`` is a function of ``test_file``."""
+    out = []
+    for name, works, note, test, *allowed in rows:
+        out.append(Param(endpoint, name, works, note, test if "::" in test else f"{test_file}::{test}",
+                         tuple(allowed[0]) if allowed else ()))
+    return tuple(out)
+
+
+_E2E = "test_api_params_e2e.py"
+_REFUSED = "test_refused_parameters"
+_OPENAI_SAMPLING: tuple[tuple, ...] = (
+    ("model", True, "the model's id (GET /v1/models)", "test_cluster_e2e.py::test_unknown_model_error_code"),
+    ("stream", True, "server-sent events ending with data: [DONE]",
+     "test_cluster_e2e.py::test_streaming_chunks_follow_openai_format"),
+    ("stream_options", True, "include_usage: a last chunk with the usage",
+     "test_cluster_e2e.py::test_streaming_chunks_follow_openai_format"),
+    ("temperature", True, "0-2 (0: greedy); null: 1", "test_null_is_the_default"),
+    ("top_p", True, "0-1 (0: greedy); null: 1", "test_top_p_zero_is_greedy"),
+    ("seed", True, "reproducible sampling for this request alone", "test_seed_reproduces_a_sample"),
+    ("stop", True, "up to 4 strings; the text ends before the first", "test_cluster_e2e.py::test_stop_string_ends_the_text"),
+    ("n", True, "1-8 choices, each its own sequence in the batch", "test_n_choices"),
+    ("frequency_penalty", True, "-2 to 2, per time a token was generated", "test_penalties_change_a_repetitive_answer"),
+    ("presence_penalty", True, "-2 to 2, once for each token generated", "test_penalties_change_a_repetitive_answer"),
+    ("logit_bias", True, "token id -> -100..100 added to its logit", "test_logit_bias_bans_a_token"),
+    ("user", True, "an end-user id: recorded nowhere, as the reference allows", "test_identifiers_are_accepted"),
+    ("safety_identifier", True, "an end-user id: recorded nowhere", "test_identifiers_are_accepted"),
+    ("prompt_cache_key", True, "a cache hint (no prefix cache yet: no effect on output)",
+     "test_identifiers_are_accepted"),
+    ("service_tier", False, "only 'auto' or 'default' (one tier here)", _REFUSED, ("auto", "default")),
+    ("store", False, "stored completions are not kept (false only)", _REFUSED, (False,)),
+    ("metadata", False, "stored completions are not kept (metadata needs store)", _REFUSED, ({},)),
+    # shardline's extensions, as vLLM and llama.cpp's server take them
+    ("top_k", True, "extension (vLLM): the k most likely tokens only", "test_sampling_extensions_are_checked"),
+    ("min_p", True, "extension (vLLM): drop tokens under min_p x the top one's probability",
+     "test_sampling_extensions_are_checked"),
+    ("repetition_penalty", True, "extension (vLLM): CTRL's penalty over prompt and output",
+     "test_penalties_change_a_repetitive_answer"),
+    ("ignore_eos", True, "extension (vLLM): generate max_tokens whatever the model says",
+     "test_sampling_extensions_are_checked"),
+    ("return_progress", True, "extension (llama.cpp): prefill progress chunks while streaming",
+     "test_cluster_e2e.py::test_long_prompt_streams_prefill_progress_when_asked"),
+)
+
+_OLLAMA_COMMON: tuple[tuple, ...] = (
+    ("model", True, "the model's id, with or without :latest", "test_ollama_e2e.py::test_tags_list_the_served_model_and_names_take_ollamas_tag"),
+    ("stream", True, "newline-delimited JSON (default true)", "test_ollama_e2e.py::test_chat_streams_by_default"),
+    ("options", True, "see the options rows", "test_ollama_options_work"),
+    ("format", True, '"json" or a JSON schema: constrained decoding', "test_ollama_format_parses"),
+    ("keep_alive", True, "0 unloads; a duration unloads after that idle time; negative: never",
+     "test_ollama_show_e2e.py::test_keep_alive_zero_unloads"),
+    ("logprobs", True, "each token's log-probability", "test_logprobs_match_the_greedy_choice"),
+    ("top_logprobs", True, "0-20 alternatives per token", "test_logprobs_match_the_greedy_choice"),
+    ("images", False, "text only", _REFUSED, ([],)),
+    ("think", False, "not a thinking model (false only)", _REFUSED, (False,)),
+)
+
+PARAMETERS: tuple[Param, ...] = (
+    *_rows(Endpoint.CHAT, _E2E, *_OPENAI_SAMPLING,
+          ("messages", True, "system/developer/user/assistant/tool; text parts only", "test_content_parts_are_checked"),
+          ("max_completion_tokens", True, "most completion tokens", "test_cluster_e2e.py::test_completion_longer_than_the_context_is_refused"),
+          ("max_tokens", True, "most completion tokens (older name)", "test_cluster_e2e.py::test_completion_longer_than_the_context_is_refused"),
+          ("logprobs", True, "each token's log-probability", "test_logprobs_match_the_greedy_choice"),
+          ("top_logprobs", True, "0-20 alternatives per token (needs logprobs)", "test_logprobs_match_the_greedy_choice"),
+          ("response_format", True, "text, json_object, json_schema: constrained decoding",
+           "test_response_format_json_schema_parses"),
+          ("tools", True, "function tools, rendered by the model's chat template", "test_tools_e2e.py::test_openai_tool_round_trip"),
+          ("tool_choice", True, "none, auto, required, or a named function (forced by grammar)",
+           "test_tools_e2e.py::test_openai_tool_round_trip"),
+          ("parallel_tool_calls", True, "false: at most one call", "test_tools_e2e.py::test_openai_tool_round_trip"),
+          ("modalities", False, "text only", _REFUSED, (["text"],)),
+          ("audio", False, "text only: no audio output", _REFUSED),
+          ("prediction", False, "predicted outputs are not supported", _REFUSED),
+          ("reasoning_effort", False, "not a reasoning model", _REFUSED),
+          ("verbosity", False, "not supported (a reasoning models' setting)", _REFUSED),
+          ("web_search_options", False, "no web search", _REFUSED),
+          ("functions", False, "deprecated: use tools", _REFUSED),
+          ("function_call", False, "deprecated: use tool_choice", _REFUSED),
+          ),
+    *_rows(Endpoint.COMPLETIONS, _E2E, *_OPENAI_SAMPLING,
+          ("prompt", True, "a text, one text in a list, or token ids", "test_completions_e2e.py::test_token_id_prompts_are_taken_as_they_are"),
+          ("max_tokens", True, "most completion tokens (default 16)", "test_completions_e2e.py::test_a_text_prompt_is_continued"),
+          ("logprobs", True, "0-5: each token's log-probability and that many alternatives",
+           "test_logprobs_match_the_greedy_choice"),
+          ("echo", True, "the prompt first in the text", "test_completions_e2e.py::test_a_text_prompt_is_continued"),
+          ("best_of", False, "only 1 (no server-side ranking)", _REFUSED, (1,)),
+          ("suffix", False, "insertion is not supported", _REFUSED),
+          ),
+    *_rows(Endpoint.MESSAGES, _E2E,
+          ("model", True, "the model's id", "test_anthropic_e2e.py::test_bad_requests_get_anthropic_errors"),
+          ("messages", True, "user/assistant turns; text, tool_use and tool_result blocks; a last assistant "
+           "turn is continued (prefill)", "test_assistant_prefill_is_continued"),
+          ("max_tokens", True, "most output tokens", "test_anthropic_e2e.py::test_a_message_is_answered_as_the_openai_api_answers_it"),
+          ("system", True, "a string or text blocks", "test_anthropic_e2e.py::test_a_message_is_answered_as_the_openai_api_answers_it"),
+          ("temperature", True, "0-1", "test_anthropic_sampling_is_checked"),
+          ("top_p", True, "0-1", "test_anthropic_sampling_is_checked"),
+          ("top_k", True, "the k most likely tokens only", "test_anthropic_sampling_is_checked"),
+          ("stop_sequences", True, "the text ends before the first; stop_reason stop_sequence",
+           "test_anthropic_e2e.py::test_a_stop_sequence_ends_the_message_and_is_named"),
+          ("stream", True, "Anthropic's event stream", "test_anthropic_e2e.py::test_streamed_events_follow_anthropics_order"),
+          ("metadata", True, "user_id: an end-user id, recorded nowhere", "test_identifiers_are_accepted"),
+          ("tools", True, "client tools {name, description, input_schema}", "test_tools_e2e.py::test_anthropic_tool_round_trip"),
+          ("tool_choice", True, "auto, any, tool (forced by grammar), none", "test_tools_e2e.py::test_anthropic_tool_round_trip"),
+          ("service_tier", False, "only 'auto' or 'standard_only' (one tier here)", _REFUSED, ("auto", "standard_only")),
+          ("thinking", False, "not a reasoning model (disabled only)", _REFUSED, ({"type": "disabled"},)),
+          ("container", False, "no code-execution containers", _REFUSED),
+          ("mcp_servers", False, "no MCP connector", _REFUSED),
+          ("context_management", False, "not supported", _REFUSED),
+          ),
+    *_rows(Endpoint.COUNT_TOKENS, _E2E,
+          ("model", True, "the model's id", "test_count_tokens_matches_the_message_usage"),
+          ("messages", True, "as in /v1/messages", "test_count_tokens_matches_the_message_usage"),
+          ("system", True, "as in /v1/messages", "test_count_tokens_matches_the_message_usage"),
+          ("tools", True, "counted as the template renders them", "test_count_tokens_matches_the_message_usage"),
+          ("tool_choice", True, "as in /v1/messages", "test_count_tokens_matches_the_message_usage"),
+          ("thinking", False, "not a reasoning model (disabled only)", _REFUSED, ({"type": "disabled"},)),
+          ("mcp_servers", False, "no MCP connector", _REFUSED),
+          ),
+    *_rows(Endpoint.OLLAMA_CHAT, _E2E, *_OLLAMA_COMMON,
+           ("messages", True, "system/user/assistant/tool; none: load the model", "test_ollama_e2e.py::test_chat_answers_as_the_openai_api_does"),
+           ("tools", True, "function tools; calls in message.tool_calls", "test_tools_e2e.py::test_ollama_tool_round_trip"),
+           ),
+    *_rows(Endpoint.OLLAMA_GENERATE, _E2E, *_OLLAMA_COMMON,
+           ("prompt", True, "rendered as a user turn by the chat template unless raw; none: load the model",
+            "test_ollama_e2e.py::test_generate_applies_the_chat_template_unless_raw"),
+           ("system", True, "a system turn before the prompt", "test_ollama_e2e.py::test_generate_applies_the_chat_template_unless_raw"),
+           ("raw", True, "the prompt as it is, no template", "test_ollama_e2e.py::test_generate_applies_the_chat_template_unless_raw"),
+           ("suffix", False, "insertion is not supported", _REFUSED),
+           ("template", False, "the model's own chat template only", _REFUSED),
+           ("context", False, "deprecated token context: send the conversation instead", _REFUSED),
+           *((name, False, "not an image generation model", _REFUSED) for name in ("width", "height", "steps")),
+           ),
+    *_rows(Endpoint.OLLAMA_OPTIONS, _E2E,
+           ("temperature", True, "default 0.8 (Ollama's)", "test_ollama_options_work"),
+           ("top_p", True, "default 0.9", "test_ollama_options_work"),
+           ("top_k", True, "default 40", "test_ollama_options_work"),
+           ("min_p", True, "default 0", "test_ollama_options_work"),
+           ("seed", True, "reproducible sampling", "test_ollama_options_work"),
+           ("num_predict", True, "most tokens; -1: until the context is full", "test_ollama_options_work"),
+           ("stop", True, "stop strings", "test_ollama_options_work"),
+           ("num_ctx", True, "the request's context window, at most the instance's", "test_ollama_options_work"),
+           ("repeat_penalty", True, "CTRL's penalty; default 1.0 here (off)", "test_penalties_change_a_repetitive_answer"),
+           ("repeat_last_n", True, "tokens the repeat penalty looks back at (0: all)", "test_ollama_options_work"),
+           ("presence_penalty", True, "as OpenAI's", "test_penalties_change_a_repetitive_answer"),
+           ("frequency_penalty", True, "as OpenAI's", "test_penalties_change_a_repetitive_answer"),
+           ("typical_p", False, "locally typical sampling is not supported (1.0 only)", _REFUSED, (1.0, 1)),
+           ("tfs_z", False, "tail-free sampling is not supported (1.0 only)", _REFUSED, (1.0, 1)),
+           ("mirostat", False, "mirostat is not supported (0 only)", _REFUSED, (0,)),
+           ("mirostat_tau", False, "mirostat is not supported", _REFUSED),
+           ("mirostat_eta", False, "mirostat is not supported", _REFUSED),
+           ("penalize_newline", False, "not supported", _REFUSED),
+           *((name, False, "set by shardline's placement, not per request", _REFUSED)
+             for name in ("num_keep", "numa", "num_batch", "num_gpu", "main_gpu", "use_mmap", "use_mlock",
+                          "num_thread", "low_vram", "f16_kv", "vocab_only")),
+           ),
+)
+
+
+def render_table(table: tuple[Param, ...] = PARAMETERS) -> str:
+    """The README's table of API parameters (Markdown): a section per endpoint, a row per
+    parameter with what it does or why it is refused, and the test that checks it."""
+    out = []
+    for endpoint in Endpoint:
+        rows = [p for p in table if p.endpoint is endpoint]
+        if not rows:
+            continue
+        out += [f"**{endpoint.value}**", "", "| parameter | | what it does / why refused | test |", "|---|---|---|---|"]
+        for p in rows:
+            allowed = f" (accepted: {', '.join(json.dumps(v) for v in p.allowed)})" if p.allowed else ""
+            out.append(f"| `{p.name}` | {'works' if p.works else 'refused'} | {p.note}{allowed} | `{p.test}` |")
+        out.append("")
+    return "\n".join(out)
+
+
+if __name__ == "__main__":  # the README's table: python -m shardline.api.params
+    print(render_table())

@@ -1,0 +1,91 @@
+"""The table of API parameters (:mod:`shardline.api.params`): the screen by tables, and the
+table kept true to the request models, the tests it names and the README."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import pytest
+
+from shardline.api import anthropic, ollama, openai
+from shardline.api.params import PARAMETERS, Endpoint, Param, ParamError, render_table, screen
+
+pytestmark = pytest.mark.fast
+
+ROOT = Path(__file__).resolve().parent.parent
+T = (
+    Param(Endpoint.CHAT, "model", True, "", "t"),
+    Param(Endpoint.CHAT, "store", False, "not kept", "t", (False,)),
+    Param(Endpoint.CHAT, "audio", False, "text only", "t"),
+    Param(Endpoint.MESSAGES, "model", True, "", "t"),
+    Param(Endpoint.OLLAMA_OPTIONS, "top_k", True, "", "t"),
+)
+
+
+@pytest.mark.parametrize("endpoint,data,out", [
+    (Endpoint.CHAT, {"model": "m"}, {"model": "m"}),
+    (Endpoint.CHAT, {"model": "m", "audio": None, "store": None}, {"model": "m"}),  # null: the default
+    (Endpoint.CHAT, {"model": "m", "store": False}, {"model": "m", "store": False}),  # asks for nothing
+    (Endpoint.CHAT, ["not", "an", "object"], ["not", "an", "object"]),  # the model refuses it
+])
+def test_screen_passes(endpoint, data, out):
+    assert screen(endpoint, data, T) == out
+
+
+@pytest.mark.parametrize("endpoint,data,param,words", [
+    (Endpoint.CHAT, {"model": "m", "store": True}, "store", "store: not kept"),
+    (Endpoint.CHAT, {"audio": {"voice": "x"}}, "audio", "audio: text only"),
+    (Endpoint.CHAT, {"foo": 1}, "foo", "Unrecognized request argument supplied: foo"),
+    (Endpoint.MESSAGES, {"foo": 1}, "foo", "foo: Extra inputs are not permitted"),
+    (Endpoint.OLLAMA_OPTIONS, {"mirostat_x": 1}, "mirostat_x", "mirostat_x: not an option"),
+    (Endpoint.OLLAMA_CHAT, {"foo": 1}, "foo", "foo: not a parameter of this endpoint"),
+])
+def test_screen_refuses(endpoint, data, param, words):
+    with pytest.raises(ParamError) as caught:
+        screen(endpoint, data, T)
+    assert caught.value.param == param and words in caught.value.message
+
+
+MODELS = {
+    Endpoint.CHAT: openai.ChatCompletionRequest,
+    Endpoint.COMPLETIONS: openai.CompletionRequest,
+    Endpoint.MESSAGES: anthropic.MessagesRequest,
+    Endpoint.COUNT_TOKENS: anthropic.CountTokensRequest,
+    Endpoint.OLLAMA_CHAT: ollama.ChatRequest,
+    Endpoint.OLLAMA_GENERATE: ollama.GenerateRequest,
+    Endpoint.OLLAMA_OPTIONS: ollama.Options,
+}
+
+
+@pytest.mark.parametrize("endpoint", list(MODELS))
+def test_every_field_of_a_request_model_has_a_row(endpoint):
+    """A field the model validates is a row of the table, and every row that works is a
+    field (a refused one may be a field too, to validate its allowed value)."""
+    fields = {f.alias or name for name, f in MODELS[endpoint].model_fields.items()}
+    rows = {p.name: p for p in PARAMETERS if p.endpoint is endpoint}
+    assert fields - set(rows) == set()
+    assert {name for name, p in rows.items() if p.works} - fields == set()
+
+
+def test_each_row_names_a_test_that_exists():
+    missing = []
+    for p in PARAMETERS:
+        file, name = p.test.split("::")
+        path = ROOT / "tests" / file
+        if not path.is_file() or not re.search(rf"^(async )?def {re.escape(name)}\(", path.read_text(), re.M):
+            missing.append(f"{p.endpoint.name} {p.name}: {p.test}")
+    assert missing == []
+
+
+def test_each_parameter_has_one_row():
+    keys = [(p.endpoint, p.name) for p in PARAMETERS]
+    assert len(keys) == len(set(keys))
+
+
+def test_the_readme_table_is_the_table():
+    readme = (ROOT / "README.md").read_text()
+    start, end = "<!-- parameters: begin -->", "<!-- parameters: end -->"
+    assert start in readme and end in readme, "the README lacks the parameter table's markers"
+    table = readme.split(start, 1)[1].split(end, 1)[0].strip()
+    assert table == render_table().strip(), "run: python -m shardline.api.params > table; paste it in the README"
