@@ -18,6 +18,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
+from shardline.api import generation
 from shardline.api.generation import APIError, GenerationRequest
 from shardline.runner.protocol import SamplingParams
 
@@ -385,6 +386,11 @@ def to_generation(req: ResponsesRequest, history: list[dict], new_items: list[di
         extra.update(tools=tools, tool_choice=choice)
     elif mode in ("required", "named"):
         raise bad(f"tool_choice {mode} needs tools", "tool_choice")
+    if params.logprobs is not None and not hasattr(generation, "Chunk"):
+        # TODO(lead): Generation.texts() yielding Chunk objects with logprobs (interfaces15.md
+        # §4); until then the runner's logprobs cannot reach the answer, so they are refused.
+        raise bad(f"include '{LOGPROBS_INCLUDE}' is not available in this build yet", "include",
+                  "unsupported_parameter")
     kind, schema = text_format(req.text)
     if kind != "text":
         # TODO(lead): shardline.api.structured.json_grammar (interfaces15.md §2), on
