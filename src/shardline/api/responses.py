@@ -205,6 +205,7 @@ async def _stream(gen: Generation, builder: OutputBuilder, keep) -> AsyncIterato
         for event in builder.fail(str(exc), "server_error"):
             yield _sse(event)
         return
-    for event in builder.finish(finish or "stop", usage_object(len(gen.prompt), gen.completion_tokens)):
+    events = builder.finish(finish or "stop", usage_object(len(gen.prompt), gen.completion_tokens))
+    keep(builder.response)  # before the last event: a client may continue from it at once
+    for event in events:
         yield _sse(event)
-    keep(builder.response)
