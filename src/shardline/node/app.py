@@ -15,7 +15,7 @@ from fastapi.responses import FileResponse, JSONResponse, StreamingResponse
 from pydantic import BaseModel, Field, field_validator, model_validator
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from shardline.api import anthropic, errors, metrics, ollama, openai
+from shardline.api import anthropic, errors, metrics, ollama, openai, responses
 from shardline.models.config import UnsupportedModelError
 from shardline.models.store import DEFAULT_MODEL_ID, ModelNotFoundError, ModelStoreError
 from shardline.node.bounds import DEFAULT_MAX_BODY_BYTES, RequestBoundsMiddleware
@@ -138,6 +138,7 @@ def create_app(node: Node, guard: GuardConfig, max_body_bytes: int = DEFAULT_MAX
 
     request_metrics = metrics.RequestMetrics(node)
     app.include_router(openai.router(node, request_metrics))
+    app.include_router(responses.router(node, request_metrics))
     app.include_router(anthropic.router(node, request_metrics))
     app.include_router(ollama.router(node, request_metrics))
     app.include_router(metrics.router(request_metrics))

@@ -1,0 +1,211 @@
+"""OpenAI's Responses API: ``POST /v1/responses`` (whole or streamed as server-sent events),
+``GET`` and ``DELETE /v1/responses/{id}``.
+
+The request is checked and mapped in :mod:`shardline.api.responses_request`, the answer
+built in :mod:`shardline.api.responses_output`; responses with ``store`` (the default) are
+kept in this node's memory (:mod:`shardline.api.response_store`) for
+``previous_response_id``. Errors use OpenAI's body (:func:`shardline.api.openai.error_response`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import copy
+import json
+import time
+from collections.abc import AsyncIterator
+from typing import Any
+
+from fastapi import APIRouter, Request
+from fastapi.responses import JSONResponse, StreamingResponse
+
+from shardline.api.generation import PARSE_IN_THREAD_BYTES, APIError, Generation, prepare
+from shardline.api.metrics import RequestMetrics
+from shardline.api.openai import error_body, error_response
+from shardline.api.response_store import ResponseStore, StoredResponse
+from shardline.api.responses_output import OutputBuilder, Piece, new_id, usage_object
+from shardline.api.responses_request import (
+    LOGPROBS_INCLUDE,
+    ResponsesRequest,
+    bad,
+    check_fields,
+    normalize_input,
+    to_generation,
+)
+from shardline.node.node import Node
+from shardline.node.queue_bound import QueueFullError
+from shardline.node.table import InstanceFailedError
+from shardline.runner.protocol import PrefillProgress
+
+RETRIEVE_QUERY = {"include", "include[]", "stream", "starting_after", "include_obfuscation"}
+
+
+def _decode(raw: bytes) -> Any:
+    try:
+        return json.loads(raw.decode("utf-8"))
+    except (json.JSONDecodeError, UnicodeDecodeError):
+        raise APIError(400, "the request body is not valid JSON (UTF-8)") from None
+
+
+async def parse_request(request: Request) -> ResponsesRequest:
+    """The body of a ``POST /v1/responses``, checked (:func:`check_fields`).
+
+    Raises:
+        APIError: 400 for a body that is not UTF-8 JSON, or a field refused or out of range.
+    """
+    raw = await request.body()
+    if len(raw) >= PARSE_IN_THREAD_BYTES:
+        return await asyncio.to_thread(lambda: check_fields(_decode(raw)))
+    return check_fields(_decode(raw))
+
+
+async def pieces(gen: Generation) -> AsyncIterator[Piece]:
+    """The generation's output as :class:`Piece` objects: the one place this API reads
+    ``Generation.texts()``, which yields ``(text, finish)`` tuples today and ``Chunk``
+    objects (interfaces15.md §4) once the lead's change lands; both are read here.
+
+    Raises:
+        InstanceFailedError: the instance failed mid-request.
+    """
+    async for item in gen.texts():
+        if isinstance(item, PrefillProgress):
+            continue
+        if isinstance(item, tuple):
+            yield Piece(item[0], item[1])
+        else:  # a Chunk: text, finish, tool_calls, logprobs
+            yield Piece(getattr(item, "text"), getattr(item, "finish"), tuple(getattr(item, "tool_calls")),
+                        tuple(getattr(item, "logprobs")))
+
+
+def _sse(event: dict) -> str:
+    return f"event: {event['type']}\ndata: {json.dumps(event, ensure_ascii=False)}\n\n"
+
+
+def not_found(response_id: str) -> APIError:
+    return APIError(404, f"Response with id '{response_id}' not found.", "invalid_request_error",
+                    param="response_id", code="response_not_found")
+
+
+def router(node: Node, metrics: RequestMetrics | None = None, store: ResponseStore | None = None) -> APIRouter:
+    """The Responses API's routes on ``node``; stored responses go to ``store`` (a new
+    :class:`ResponseStore` with its default bounds when None)."""
+    api = APIRouter()
+    responses = store if store is not None else ResponseStore()
+
+    def keep(req: ResponsesRequest, items: list[dict], response: dict) -> None:
+        if req.store is not False:
+            size = len(json.dumps([response, items], ensure_ascii=False))
+            responses.put(response["id"], StoredResponse(copy.deepcopy(response), tuple(items), size))
+
+    @api.post("/v1/responses")
+    async def create(request: Request):
+        try:
+            req = await parse_request(request)
+            history: list[dict] = []
+            new_items = normalize_input(req.input, req.model)
+            if req.previous_response_id is not None:
+                previous = responses.get(req.previous_response_id)
+                if previous is None:
+                    raise APIError(404, f"Previous response with id '{req.previous_response_id}' not found.",
+                                   param="previous_response_id", code="previous_response_not_found")
+                history = previous.conversation()
+            gen = await prepare(node, to_generation(req, history, new_items), metrics)
+        except APIError as exc:
+            return error_response(exc)
+        builder = OutputBuilder(req, new_id("resp"), int(time.time()))
+        items = history + new_items
+        if req.stream:
+            return StreamingResponse(_stream(gen, builder, lambda r: keep(req, items, r)),
+                                     media_type="text/event-stream",
+                                     headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+        try:
+            finish = await _collect(gen, builder, request)
+        except InstanceFailedError as exc:
+            return error_response(APIError(503, str(exc), "server_error", code="instance_failed"))
+        if finish is None:  # the client left; nobody reads this
+            return JSONResponse(status_code=499, content=error_body("client closed the request", "client_closed"))
+        builder.finish(finish, usage_object(len(gen.prompt), gen.completion_tokens))
+        keep(req, items, builder.response)
+        return builder.response
+
+    @api.get("/v1/responses/{response_id}")
+    async def retrieve(response_id: str, request: Request):
+        query = request.query_params
+        try:
+            for key in query:
+                if key not in RETRIEVE_QUERY:
+                    raise bad(f"Unknown parameter: '{key}'.", key, "unknown_parameter")
+            if query.get("stream", "false").lower() not in ("false", "0"):
+                raise bad("stream is for background responses, which this server does not run", "stream",
+                          "unsupported_parameter")
+            for value in query.getlist("include") + query.getlist("include[]"):
+                if value != LOGPROBS_INCLUDE:
+                    raise bad(f"include '{value}' is not supported by this server", "include",
+                              "unsupported_parameter")
+            entry = responses.get(response_id)
+            if entry is None:
+                raise not_found(response_id)
+        except APIError as exc:
+            return error_response(exc)
+        return entry.response
+
+    @api.delete("/v1/responses/{response_id}")
+    async def delete(response_id: str):
+        if not responses.delete(response_id):
+            return error_response(not_found(response_id))
+        return {"id": response_id, "object": "response.deleted", "deleted": True}
+
+    return api
+
+
+async def _collect(gen: Generation, builder: OutputBuilder, request: Request, poll_s: float = 0.25) -> str | None:
+    """Run a non-streamed generation into ``builder``, or cancel it once the client
+    disconnects; the finish reason (None when the client left).
+
+    Raises:
+        InstanceFailedError: the instance failed mid-request.
+    """
+    finish: str | None = None
+
+    async def consume() -> None:
+        nonlocal finish
+        async for piece in pieces(gen):
+            builder.feed(piece)
+            finish = piece.finish or finish
+
+    task = asyncio.create_task(consume())
+    while not task.done():
+        await asyncio.wait({task}, timeout=poll_s)
+        if not task.done() and await request.is_disconnected():
+            task.cancel()  # closes the generation, which cancels the task on every rank
+            try:
+                await task
+            except asyncio.CancelledError:
+                pass
+            return None
+    task.result()
+    return finish or "stop"
+
+
+async def _stream(gen: Generation, builder: OutputBuilder, keep) -> AsyncIterator[str]:
+    """The server-sent events of a streamed response; ``keep`` stores the finished one."""
+    for event in builder.start():
+        yield _sse(event)
+    finish: str | None = None
+    try:
+        async for piece in pieces(gen):
+            for event in builder.feed(piece):
+                yield _sse(event)
+            finish = piece.finish or finish
+    except QueueFullError as exc:  # a forwarded request the rank's node refused
+        for event in builder.fail(str(exc), "rate_limit_exceeded"):
+            yield _sse(event)
+        return
+    except InstanceFailedError as exc:
+        for event in builder.fail(str(exc), "server_error"):
+            yield _sse(event)
+        return
+    events = builder.finish(finish or "stop", usage_object(len(gen.prompt), gen.completion_tokens))
+    keep(builder.response)  # before the last event: a client may continue from it at once
+    for event in events:
+        yield _sse(event)
