@@ -10,7 +10,6 @@ import pytest
 from openai.types.responses import Response, ResponseStreamEvent
 from pydantic import TypeAdapter
 
-from shardline.api import generation
 from shardline.api.generation import APIError
 from shardline.api.response_store import ResponseStore, StoredResponse
 from shardline.api.responses_output import OutputBuilder, Piece, usage_object
@@ -229,12 +228,6 @@ def test_tools_are_refused_until_wired():
     assert refused(to_generation, req, [], normalize_input("hi", "m")).param == "tools"
 
 
-@pytest.mark.skipif(hasattr(generation, "Chunk"), reason="logprobs are wired")
-def test_logprobs_are_refused_until_wired():
-    req = check_fields(dict(BASE, include=["message.output_text.logprobs"]))
-    assert refused(to_generation, req, [], normalize_input("hi", "m")).param == "include"
-
-
 # -- output ------------------------------------------------------------------------------
 
 EVENTS: TypeAdapter = TypeAdapter(ResponseStreamEvent)
@@ -352,8 +345,3 @@ def test_store_conversation_and_delete():
     with pytest.raises(ValueError):
         ResponseStore(0)
 
-
-@pytest.mark.skipif(importlib.util.find_spec("shardline.api.structured") is not None, reason="formats are wired")
-def test_json_formats_are_refused_until_wired():
-    req = check_fields(dict(BASE, text={"format": {"type": "json_object"}}))
-    assert refused(to_generation, req, [], normalize_input("hi", "m")).param == "text.format"

@@ -60,21 +60,15 @@ async def parse_request(request: Request) -> ResponsesRequest:
 
 
 async def pieces(gen: Generation) -> AsyncIterator[Piece]:
-    """The generation's output as :class:`Piece` objects: the one place this API reads
-    ``Generation.texts()``, which yields ``(text, finish)`` tuples today and ``Chunk``
-    objects (interfaces15.md §4) once the lead's change lands; both are read here.
+    """The generation's output as :class:`Piece` objects (its chunks, without the prefill
+    progress).
 
     Raises:
         InstanceFailedError: the instance failed mid-request.
     """
     async for item in gen.texts():
-        if isinstance(item, PrefillProgress):
-            continue
-        if isinstance(item, tuple):
-            yield Piece(item[0], item[1])
-        else:  # a Chunk: text, finish, tool_calls, logprobs
-            yield Piece(getattr(item, "text"), getattr(item, "finish"), tuple(getattr(item, "tool_calls")),
-                        tuple(getattr(item, "logprobs")))
+        if not isinstance(item, PrefillProgress):
+            yield Piece(item.text, item.finish, tuple(getattr(item, "tool_calls", ())), item.logprobs)
 
 
 def _sse(event: dict) -> str:

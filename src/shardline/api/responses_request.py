@@ -18,8 +18,8 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from shardline.api import generation
 from shardline.api.generation import APIError, GenerationRequest
+from shardline.api.structured import json_grammar
 from shardline.runner.protocol import SamplingParams
 
 # Fields that work (see ResponsesRequest), and fields accepted only as null (or, for a
@@ -386,22 +386,10 @@ def to_generation(req: ResponsesRequest, history: list[dict], new_items: list[di
         extra.update(tools=tools, tool_choice=choice)
     elif mode in ("required", "named"):
         raise bad(f"tool_choice {mode} needs tools", "tool_choice")
-    if params.logprobs is not None and not hasattr(generation, "Chunk"):
-        # TODO(lead): Generation.texts() yielding Chunk objects with logprobs (interfaces15.md
-        # §4); until then the runner's logprobs cannot reach the answer, so they are refused.
-        raise bad(f"include '{LOGPROBS_INCLUDE}' is not available in this build yet", "include",
-                  "unsupported_parameter")
     kind, schema = text_format(req.text)
     if kind != "text":
-        # TODO(lead): shardline.api.structured.json_grammar (interfaces15.md §2), on
-        # SamplingParams.grammar (already on main).
         try:
-            from shardline.api import structured  # type: ignore[attr-defined]
-        except ImportError:
-            raise bad("structured output (text.format) is not available in this build yet", "text.format",
-                      "unsupported_parameter") from None
-        try:
-            params = dataclasses.replace(params, grammar=structured.json_grammar(schema))
+            params = dataclasses.replace(params, grammar=json_grammar(schema))
         except ValueError as exc:
             raise bad(f"text.format.schema: {exc}", "text.format.schema") from exc
     return GenerationRequest(model=req.model, prompt=messages, max_tokens=req.max_output_tokens,
