@@ -18,8 +18,9 @@ from typing import Any, Literal
 
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, StreamingResponse
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
+from shardline.api.content import check_parts
 from shardline.api.generation import (
     APIError,
     Generation,
@@ -77,6 +78,12 @@ class MessagesRequest(BaseModel):
     top_k: int = Field(default=0, ge=0)
     stop_sequences: list[str] | None = None
     stream: bool = False
+
+    @model_validator(mode="before")
+    @classmethod
+    def _text_parts(cls, data: Any) -> Any:
+        check_parts(data, "anthropic")  # APIError: an empty or media block, by name
+        return data
 
     def to_generation(self) -> GenerationRequest:
         chat = []
