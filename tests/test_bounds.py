@@ -179,7 +179,7 @@ def test_middleware_refuses_a_content_length_over_the_limit_unread():
 @pytest.mark.parametrize("chunks, path, status, shape", [
     ([b"[1]"] * 10, "/v1/chat/completions", 200, None),  # 30 bytes, depth 1
     ([b"x" * 60] * 2, "/api/chat", 413, "error"),  # no Content-Length: counted as it comes
-    ([b"[" * 40, b"[" * 40], "/cluster/instances", 400, "detail"),  # 80 deep
+    ([b"[" * 40, b"[" * 40], "/cluster/instances", 400, "error"),  # 80 deep
     ([b"[" * 40, b"[" * 40], "/v1/messages", 400, "type"),
 ])
 def test_middleware_counts_and_scans_chunks(chunks, path, status, shape):

@@ -81,8 +81,8 @@ def test_a_20_mb_body_gets_413_at_once_and_is_not_read(bounded):
     ("/v1/messages", lambda b: b["error"]["message"]),
     ("/api/chat", lambda b: b["error"]),
     ("/api/generate", lambda b: b["error"]),
-    ("/cluster/instances", lambda b: b["detail"]),
-    ("/cluster/placements/preview", lambda b: b["detail"]),
+    ("/cluster/instances", lambda b: b["error"]["message"]),
+    ("/cluster/placements/preview", lambda b: b["error"]["message"]),
 ])
 def test_json_nested_1000_deep_gets_400_in_the_apis_format(bounded, path, message):
     body = b'{"model": "m", "messages": ' + b"[" * 1000 + b"]" * 1000 + b"}"
@@ -97,7 +97,7 @@ def test_json_nested_1000_deep_gets_400_in_the_apis_format(bounded, path, messag
 def test_a_5000_character_model_name_gets_400_naming_the_problem(bounded, path, model):
     response = httpx.post(bounded.url(0) + path, json={"model": model}, timeout=30)
     assert response.status_code == 400, response.text
-    detail = response.json()["detail"]
+    detail = response.json()["error"]["message"]
     assert "too long" in detail or "nor a path under a --model-dir" in detail  # ./...: a path, not allowed
     assert len(detail) < 400
 
@@ -236,4 +236,4 @@ def test_a_handler_that_raises_gets_a_json_500_in_the_apis_format(tmp_path):
     assert responses["/v1/boom"].json()["error"]["type"] == "server_error"
     assert responses["/v1/messages/boom"].json()["error"]["type"] == "api_error"
     assert "internal error" in responses["/api/boom"].json()["error"]
-    assert "internal error" in responses["/cluster/boom"].json()["detail"]
+    assert "internal error" in responses["/cluster/boom"].json()["error"]["message"]

@@ -180,7 +180,7 @@ def test_retrieve_one_model(cluster3):
 def test_unknown_sharding_is_a_bad_request(cluster3):
     response = httpx.post(f"{cluster3.url(0)}/cluster/instances", json={"sharding": "diagonal"}, timeout=30)
     assert response.status_code == 400
-    assert "diagonal" in response.json()["detail"]
+    assert "diagonal" in response.json()["error"]["message"]
 
 
 def test_one_instance_by_id(cluster3):
@@ -205,7 +205,7 @@ def test_bad_placements_are_refused_before_anything_starts(cluster3, extra, word
     response = httpx.post(f"{cluster3.url(0)}/cluster/instances", json={"sharding": "pipeline", **extra},
                           timeout=30)
     assert response.status_code == (404 if extra.get("model") == "no-such/model" else 400)
-    assert words in response.json()["detail"]
+    assert words in response.json()["error"]["message"]
     assert placed(cluster3.url(0)) == before
 
 

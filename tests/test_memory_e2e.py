@@ -112,7 +112,7 @@ def test_the_kv_pool_is_shown_and_one_too_small_for_a_context_is_a_400(capped):
     response = httpx.post(f"{cluster.url(0)}/cluster/instances", timeout=30, json={
         "model": None, "sharding": "pipeline", "context": 256, "kv_cache_bytes": 1000})
     assert response.status_code == 400
-    assert "kv_cache_bytes 1000 holds 0 tokens" in response.json()["detail"]
+    assert "kv_cache_bytes 1000 holds 0 tokens" in response.json()["error"]["message"]
     preview = httpx.post(f"{cluster.url(0)}/cluster/placements/preview", timeout=30, json={
         "model": None, "sharding": "pipeline", "context": 256, "kv_cache_bytes": 1000})
-    assert preview.status_code == 400 and "kv_cache_bytes" in preview.json()["detail"]
+    assert preview.status_code == 400 and "kv_cache_bytes" in preview.json()["error"]["message"]

@@ -51,7 +51,7 @@ def test_a_path_outside_the_model_dirs_is_refused_alike_whether_it_exists(setup,
         response = httpx.post(f"{cluster.url(0)}{route}", json={"model": name, "sharding": "pipeline"},
                               timeout=60)
         assert response.status_code == 400, (what, response.text)
-        detail = response.json()["detail"]
+        detail = response.json()["error"]["message"]
         assert REFUSED in detail, (what, detail)
         answers[what] = detail.replace(repr(name), "NAME")
     assert len(set(answers.values())) == 1, answers
@@ -67,7 +67,7 @@ def test_a_path_under_a_model_dir_is_taken_in(setup):
     assert "tiny" in ModelStore(cluster.node_data_dir(0) / "models").model_ids()
     absent = httpx.post(f"{cluster.url(0)}/cluster/placements/preview", timeout=60,
                         json={"model": str(allowed / "absent.gguf"), "sharding": "pipeline"})
-    assert absent.status_code == 400 and "no such file" in absent.json()["detail"]  # allowed: may say
+    assert absent.status_code == 400 and "no such file" in absent.json()["error"]["message"]  # allowed: may say
 
 
 def test_a_model_dir_that_is_not_a_directory_stops_the_node(tmp_path, capsys):

@@ -76,7 +76,7 @@ def test_tags_list_the_served_model_and_names_take_ollamas_tag(cluster3):
 @pytest.mark.parametrize("path, body, status", [
     ("/api/chat", {"model": "no-such-model", "messages": [{"role": "user", "content": "hi"}]}, 404),
     ("/api/generate", {"model": "no-such-model"}, 404),
-    ("/api/chat", {"model": DEFAULT_MODEL_ID, "messages": []}, 400),
+    ("/api/chat", {"model": DEFAULT_MODEL_ID, "messages": [], "keep_alive": "soon"}, 400),
     ("/api/chat", {"model": DEFAULT_MODEL_ID, "messages": [{"role": "user", "content": "hi"}],
                    "options": {"top_p": 5}}, 400),
     ("/api/no-such-endpoint", {}, 404),

@@ -47,8 +47,8 @@ CHAT = {"model": DEFAULT_MODEL_ID, "messages": HI, "max_tokens": 2}
     ("POST", "/api/chat", {"model": DEFAULT_MODEL_ID, "messages": HI, "stream": False,
                            "options": {"num_predict": 2}}, BEARER, lambda e: e["error"]),
     ("GET", "/api/tags", None, BEARER, lambda e: e["error"]),
-    ("GET", "/cluster/nodes", None, BEARER, lambda e: e["detail"]),
-    ("POST", "/cluster/placements/preview", {"sharding": "pipeline"}, BEARER, lambda e: e["detail"]),
+    ("GET", "/cluster/nodes", None, BEARER, lambda e: e["error"]["message"]),
+    ("POST", "/cluster/placements/preview", {"sharding": "pipeline"}, BEARER, lambda e: e["error"]["message"]),
 ])
 def test_every_api_needs_the_key_and_answers_in_its_format(keyed, method, path, body, good, error):
     for headers in ({}, {"Authorization": "Bearer wrong-key-1234"}, {"x-api-key": "wrong-key-1234"}):
@@ -78,7 +78,7 @@ def test_health_metrics_and_dashboard_page_are_open(keyed):
 
 def test_a_rebinding_host_is_refused(keyed):
     response = httpx.get(f"{keyed}/health", headers={"Host": "attacker.example:80"}, timeout=10)
-    assert response.status_code == 403 and "--allowed-host attacker.example" in response.json()["detail"]
+    assert response.status_code == 403 and "--allowed-host attacker.example" in response.json()["error"]["message"]
     chat = httpx.post(f"{keyed}/v1/chat/completions", json=CHAT, timeout=10,
                       headers={"Host": "attacker.example", **BEARER})
     assert chat.status_code == 403 and chat.json()["error"]["message"]

@@ -20,6 +20,8 @@ import httpx
 from rich.console import Console
 from rich.table import Table
 
+from shardline.api.errors import error_message
+
 _console = Console()
 
 
@@ -52,7 +54,7 @@ def _request(args: argparse.Namespace, method: str, path: str, body: dict | None
     except ValueError:
         data = {"detail": response.text}
     if response.status_code >= 400:
-        raise CommandError(f"{response.status_code}: {data.get('detail', data)}")
+        raise CommandError(f"{response.status_code}: {error_message(data) or data}")
     return data
 
 

@@ -14,6 +14,7 @@ from pathlib import Path
 
 import httpx
 
+from shardline.api.errors import error_message
 from shardline.control import api_key_headers
 from shardline.node.identity import cluster_key, default_data_dir
 
@@ -164,7 +165,7 @@ class LocalCluster:
         body = {"model": model, "sharding": sharding, "nodes": nodes, **options}
         response = httpx.post(f"{self.url(0)}/cluster/instances", json=body, timeout=120, headers=self.headers)
         if response.status_code != 201:
-            raise LocalClusterError(f"placement refused: {response.json().get('detail', response.text)}")
+            raise LocalClusterError(f"placement refused: {error_message(response.json()) or response.text}")
         instance_id = response.json()["instance_id"]
         deadline = time.time() + timeout_s
         while time.time() < deadline:

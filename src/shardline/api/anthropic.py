@@ -19,8 +19,9 @@ from typing import Any, ClassVar, Literal
 
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, StreamingResponse
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
+from shardline.api.content import check_parts
 from shardline.api.generation import (
     APIError,
     Generation,
@@ -82,6 +83,12 @@ class CountTokensRequest(BaseModel):
     messages: list[Message] = Field(min_length=1)
     system: str | list[TextBlock] | None = None
     thinking: dict | None = None  # {"type": "disabled"} only (params.screen refuses the rest)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _text_parts(cls, data: Any) -> Any:
+        check_parts(data, "anthropic")  # APIError: an empty or media block, by name
+        return data
 
     def chat(self) -> list[dict]:
         """The conversation as chat-template messages (the system prompt first)."""

@@ -7,7 +7,10 @@ Formats, from each API's reference:
 - OpenAI (``/v1/*``): ``{"error": {"message", "type", "param", "code"}}``;
 - Anthropic (``/v1/messages*``): ``{"type": "error", "error": {"type", "message"}}``;
 - Ollama (``/api/*``): ``{"error": message}``;
-- everything else (cluster API, ``/internal``, ``/health``): ``{"detail": message}``.
+- the node-to-node endpoints (``/internal/*``): ``{"detail": message}`` (what every node
+  version reads from a peer);
+- everything else (the cluster API ``/cluster/*``, ``/health``, ``/metrics``, the dashboard,
+  unknown paths): OpenAI's shape, ``{"error": {"message", "type", "param", "code"}}``.
 """
 
 from __future__ import annotations
@@ -24,7 +27,8 @@ class API(enum.Enum):
     OPENAI = "openai"
     ANTHROPIC = "anthropic"
     OLLAMA = "ollama"
-    CLUSTER = "cluster"  # the cluster API, /internal, /health, /metrics, the dashboard
+    INTERNAL = "internal"  # node to node: /internal/*
+    CLUSTER = "cluster"  # the cluster API, /health, /metrics, the dashboard, unknown paths
 
 
 def api_of(path: str) -> API:
@@ -35,6 +39,8 @@ def api_of(path: str) -> API:
         return API.OPENAI
     if path.startswith("/api/"):
         return API.OLLAMA
+    if path.startswith("/internal/"):
+        return API.INTERNAL
     return API.CLUSTER
 
 
@@ -49,8 +55,9 @@ _ANTHROPIC_TYPES = {400: "invalid_request_error", 401: "authentication_error", 4
 
 def error_body(api: API, status: int, message: str, param: str | None = None,
                code: str | None = None) -> dict:
-    """The JSON error body ``api`` answers an HTTP ``status`` with (see the module doc)."""
-    if api is API.OPENAI:
+    """The JSON error body ``api`` answers an HTTP ``status`` with (see the module doc);
+    ``param`` names the offending request field, ``code`` a machine-readable reason."""
+    if api in (API.OPENAI, API.CLUSTER):
         kind = _OPENAI_TYPES.get(status, "server_error" if status >= 500 else "invalid_request_error")
         return {"error": {"message": message, "type": kind, "param": param, "code": code}}
     if api is API.ANTHROPIC:
@@ -59,6 +66,20 @@ def error_body(api: API, status: int, message: str, param: str | None = None,
     if api is API.OLLAMA:
         return {"error": message}
     return {"detail": message}
+
+
+def error_message(body: object) -> str | None:
+    """The message in an error body of any of the shapes above (for clients of the
+    cluster API: the CLI, the launcher, the benchmark), or None when it has none."""
+    if not isinstance(body, dict):
+        return None
+    error = body.get("error")
+    if isinstance(error, dict) and error.get("message") is not None:
+        return str(error["message"])
+    if isinstance(error, str):
+        return error
+    detail = body.get("detail")
+    return None if detail is None else str(detail)
 
 
 def error_response(path: str, status: int, message: str, param: str | None = None,

@@ -1,5 +1,6 @@
-"""Ollama-compatible API: ``POST /api/chat``, ``POST /api/generate``, ``GET /api/tags``,
-``GET /api/version``.
+"""Ollama-compatible API: ``POST /api/chat``, ``POST /api/generate``, ``POST /api/show``,
+``GET /api/tags``, ``GET /api/ps``, ``GET /api/version``; ``POST /api/embed`` and
+``/api/embeddings`` refused (no embedding model can be placed).
 
 Shapes follow Ollama's API documentation (docs/api.md in ollama/ollama): requests with
 ``options`` (``temperature``, ``top_p``, ``top_k``, ``seed``, ``num_predict``, ``stop``;
@@ -7,6 +8,12 @@ Ollama's defaults 0.8, 0.9, 40, none, until the context is full, none) and ``str
 (default true: newline-delimited JSON objects, the last with ``"done": true``,
 ``done_reason`` and the token counts and durations in nanoseconds). Errors are
 ``{"error": message}``. A model answers to its id, with or without Ollama's ``:latest`` tag.
+
+``keep_alive`` (:mod:`shardline.api.keep_alive`): ``0`` unloads the model (deletes its
+instances through the coordinator), a duration unloads it after that long idle, absent
+changes nothing. A chat without messages or a generate without a prompt loads (answers
+``done_reason: "load"`` once the model is ready) or, with ``keep_alive: 0``, unloads
+(``"unload"``). Images are refused: every model shardline runs takes text only.
 """
 
 from __future__ import annotations
@@ -19,8 +26,9 @@ from typing import Any, ClassVar, Literal
 
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, StreamingResponse
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
+from shardline.api.content import check_parts
 from shardline.api.generation import (
     APIError,
     Generation,
@@ -29,13 +37,19 @@ from shardline.api.generation import (
     parse_body,
     prepare,
 )
+from shardline.api.keep_alive import KeepAlive, parse_keep_alive, unload
 from shardline.api.logprobs import ollama_logprobs
 from shardline.api.metrics import RequestMetrics
+from shardline.api.model_facts import ModelFacts, held_bytes, model_facts, placed
 from shardline.api.params import Endpoint
 from shardline.api.structured import json_grammar
+from shardline.models.store import ModelNotFoundError
 from shardline.node.node import Node
+from shardline.node.peer_client import PeerError
 from shardline.node.queue_bound import QueueFullError
+from shardline.node.status import InstanceStatus
 from shardline.node.table import InstanceFailedError
+from shardline.node.transfer import TransferError
 from shardline.runner.protocol import PrefillProgress, SamplingParams
 
 OLLAMA_API_VERSION = "0.12.0"  # the Ollama release whose API this follows
@@ -103,6 +117,29 @@ class _Request(BaseModel):
         except ValueError as exc:
             raise APIError(400, f"format: {exc}", param="format") from exc
 
+    keep_alive: Any = None  # a duration or seconds: parse_keep_alive
+
+    @model_validator(mode="before")
+    @classmethod
+    def _text_only(cls, data: Any) -> Any:
+        check_parts(data, "ollama")  # APIError: images, by name
+        return data
+
+    def keep_alive_s(self) -> float | None:
+        """``keep_alive`` in seconds (:func:`parse_keep_alive`).
+
+        Raises:
+            APIError: 400 naming keep_alive for a value that is not a duration.
+        """
+        try:
+            return parse_keep_alive(self.keep_alive)
+        except ValueError as exc:
+            raise APIError(400, str(exc), param="keep_alive") from None
+
+    def has_input(self) -> bool:
+        """Whether there is something to generate from (else: load or unload)."""
+        raise NotImplementedError
+
     def generation(self, prompt, prompt_param: str) -> GenerationRequest:
         o = self.options
         return GenerationRequest(
@@ -119,7 +156,10 @@ class _Request(BaseModel):
 
 class ChatRequest(_Request):
     ENDPOINT = Endpoint.OLLAMA_CHAT
-    messages: list[OllamaMessage] = Field(min_length=1)
+    messages: list[OllamaMessage] = Field(default_factory=list)  # none: load or unload the model
+
+    def has_input(self) -> bool:
+        return bool(self.messages)
 
     def to_generation(self) -> GenerationRequest:
         return self.generation([{"role": m.role, "content": m.content} for m in self.messages], "messages")
@@ -131,6 +171,9 @@ class GenerateRequest(_Request):
     system: str | None = None
     raw: bool = False  # true: the prompt as it is, without the chat template
 
+    def has_input(self) -> bool:
+        return bool(self.prompt)
+
     def to_generation(self) -> GenerationRequest:
         if self.raw:
             return self.generation(self.prompt, "prompt")
@@ -138,65 +181,223 @@ class GenerateRequest(_Request):
         return self.generation(chat + [{"role": "user", "content": self.prompt}], "prompt")
 
 
+class ShowRequest(BaseModel):
+    model_config = ConfigDict(extra="allow")  # verbose: the tokenizer's arrays are never listed
+    model: str
+
+
+FOREVER = datetime(9999, 12, 31, 23, 59, 59, tzinfo=timezone.utc).isoformat()
+"""``expires_at`` of a model without a keep_alive deadline (shardline keeps placed models)."""
+
+
 def _now() -> str:
     return datetime.now(timezone.utc).isoformat()
 
 
-def router(node: Node, metrics: RequestMetrics | None = None) -> APIRouter:
+def _at(seconds: float | None) -> str:
+    """An ISO 8601 time from ``time.time()`` seconds (None or infinite: :data:`FOREVER`)."""
+    if seconds is None or seconds == float("inf"):
+        return FOREVER
+    return datetime.fromtimestamp(seconds, timezone.utc).isoformat()
+
+
+def default_parameters(context: int | None) -> dict[str, Any]:
+    """The options shardline applies when a request gives none (:class:`Options`' defaults)
+    and the context of the model's instance (``num_ctx``)."""
+    out: dict[str, Any] = {name: Options.model_fields[name].default for name in ("temperature", "top_k", "top_p")}
+    if context:
+        out["num_ctx"] = context
+    return out
+
+
+def parameters_text(parameters: dict[str, Any]) -> str:
+    """Ollama's ``parameters`` text: a line per parameter, its name padded to 30 columns."""
+    return "\n".join(f"{name:<30} {value}" for name, value in parameters.items())
+
+
+def modelfile_text(model: str, template: str | None, parameters: dict[str, Any]) -> str:
+    """A Modelfile that names the model, its chat template and the default parameters."""
+    lines = [f"# Modelfile generated by shardline for {model}", f"FROM {model}"]
+    if template:
+        lines.append(f'TEMPLATE """{template}"""')
+    lines += [f"PARAMETER {name} {value}" for name, value in parameters.items()]
+    return "\n".join(lines) + "\n"
+
+
+def capabilities(template: str | None) -> list[str]:
+    """Ollama's ``capabilities``: completion, and tools where the chat template renders a
+    ``tools`` variable (the template's text mentions it)."""
+    return ["completion"] + (["tools"] if template and "tools" in template else [])
+
+
+def _template_of(tokenizer: Any) -> str | None:
+    """The tokenizer's chat template text (a named set: the default one)."""
+    template = getattr(tokenizer, "chat_template", None) or getattr(getattr(tokenizer, "_tok", None),
+                                                                    "chat_template", None)
+    if isinstance(template, dict):
+        template = template.get("default") or next(iter(template.values()), None)
+    return template if isinstance(template, str) else None
+
+
+def _not_found(model: str) -> JSONResponse:
+    return error_response(APIError(404, f"model '{model}' not found", "not_found_error", param="model"))
+
+
+def router(node: Node, metrics: RequestMetrics | None = None, keep: KeepAlive | None = None) -> APIRouter:
+    """The Ollama routes; ``keep``: the node's keep_alive deadlines (a new set if None)."""
     api = APIRouter()
+    keep = keep if keep is not None else KeepAlive()
+    facts_cache: dict[str, ModelFacts] = {}
+
+    async def facts(model_id: str) -> ModelFacts:
+        """Raises APIError: 404 for a model no node holds, 503 when it cannot be read."""
+        try:
+            return await model_facts(node, model_id, facts_cache)
+        except ModelNotFoundError:
+            raise APIError(404, f"model '{model_id}' not found", "not_found_error", param="model") from None
+        except (TransferError, PeerError, OSError) as exc:
+            raise APIError(503, f"model '{model_id}' cannot be described on this node: {exc}") from exc
 
     @api.get("/api/version")
     async def version() -> dict:
         return {"version": OLLAMA_API_VERSION}
 
     @api.get("/api/tags")
-    async def tags() -> dict:
+    async def tags():
+        """The served models; ``size`` is their weight files' bytes, ``digest`` as
+        :mod:`shardline.api.model_facts` says."""
         out = []
         for m in node.router.models():
             inst = node.router.ready_instance(m["id"])
+            try:
+                f = await facts(m["id"])
+            except APIError as exc:
+                return error_response(exc)
             out.append({"name": m["id"], "model": m["id"],
                         "modified_at": datetime.fromtimestamp(m["created"], timezone.utc).isoformat(),
-                        "size": sum((r.loaded or {}).get("param_bytes", 0) for r in inst.ranks),
-                        "digest": "", "details": {"format": "", "family": "", "parameter_size": "",
-                                                  "quantization_level": "", "sharding": inst.sharding}})
+                        "size": f.file_bytes, "digest": f.digest,
+                        "details": dict(f.details(), sharding=inst.sharding)})
         return {"models": out}
+
+    @api.get("/api/ps")
+    async def ps():
+        """The models with a ready instance: bytes their ranks hold (``size``; on GPUs
+        ``size_vram``), and when keep_alive unloads them (``expires_at``)."""
+        out: dict[str, dict] = {}
+        for inst in node.instances.values():
+            if inst.status != InstanceStatus.READY:
+                continue
+            try:
+                f = await facts(inst.model_id)
+            except APIError as exc:
+                return error_response(exc)
+            size, vram = held_bytes(inst)
+            deadline = keep.expiries.get(inst.instance_id)
+            entry = out.setdefault(inst.model_id, {
+                "name": inst.model_id, "model": inst.model_id, "size": 0, "digest": f.digest,
+                "details": f.details(), "expires_at": deadline, "size_vram": 0, "context_length": 0})
+            entry["size"] += size
+            entry["size_vram"] += vram
+            entry["context_length"] = max(entry["context_length"], inst.context)
+            if entry["expires_at"] is not None:  # the latest of its instances' (none: for ever)
+                entry["expires_at"] = None if deadline is None else max(entry["expires_at"], deadline)
+        return {"models": [dict(e, expires_at=_at(e["expires_at"])) for e in out.values()]}
+
+    @api.post("/api/show")
+    async def show(request: Request):
+        try:
+            req = await parse_body(request, ShowRequest)
+            model = req.model.removesuffix(":latest")
+            instances = placed(node, model)
+            if not instances:
+                return _not_found(req.model)
+            f = await facts(model)
+            try:
+                template = _template_of(await node.logistics.tokenizer(model))
+            except (ModelNotFoundError, TransferError, PeerError) as exc:
+                raise APIError(503, f"model '{model}' cannot be described on this node: {exc}") from exc
+        except APIError as exc:
+            return error_response(exc)
+        parameters = default_parameters(max(i.context for i in instances))
+        return {"modelfile": modelfile_text(model, template, parameters), "parameters": parameters_text(parameters),
+                "template": template or "", "details": f.details(), "model_info": f.model_info(),
+                "capabilities": capabilities(template),
+                "modified_at": datetime.fromtimestamp(min(i.created_at for i in instances), timezone.utc).isoformat()}
+
+    @api.post("/api/embed")
+    async def embed(request: Request):
+        return await _refuse_embeddings(node, request)
+
+    @api.post("/api/embeddings")
+    async def embeddings(request: Request):
+        return await _refuse_embeddings(node, request)
 
     @api.post("/api/chat")
     async def chat(request: Request):
-        return await _serve(node, metrics, request, ChatRequest,
+        return await _serve(node, metrics, keep, request, ChatRequest,
                             lambda text: {"message": {"role": "assistant", "content": text}})
 
     @api.post("/api/generate")
     async def generate(request: Request):
-        try:
-            req = await parse_body(request, GenerateRequest)
-        except APIError as exc:
-            return error_response(exc)
-        if not req.prompt:  # Ollama's way to load a model: answer that it is ready, or why not
-            try:
-                node.router.ready_instance(req.model.removesuffix(":latest"))
-            except LookupError:
-                return error_response(APIError(404, f"model '{req.model}' not found"))
-            return {"model": req.model, "created_at": _now(), "response": "", "done": True,
-                    "done_reason": "load"}
-        return await _serve(node, metrics, request, GenerateRequest, lambda text: {"response": text}, req)
+        return await _serve(node, metrics, keep, request, GenerateRequest, lambda text: {"response": text})
 
     return api
 
 
-async def _serve(node: Node, metrics: RequestMetrics | None, request: Request, request_type: type[_Request],
-                 content: Callable[[str], dict], req: _Request | None = None):
+async def _refuse_embeddings(node: Node, request: Request) -> JSONResponse:
+    """400 for a placed model (none computes embeddings), 404 for another."""
     try:
-        req = req or await parse_body(request, request_type)
+        req = await parse_body(request, ShowRequest)
+    except APIError as exc:
+        return error_response(exc)
+    if not placed(node, req.model.removesuffix(":latest")):
+        return _not_found(req.model)
+    return error_response(APIError(400, f"model '{req.model}' does not support embeddings", param="model"))
+
+
+async def _load(node: Node, keep: KeepAlive, req: _Request, seconds: float | None,
+                content: Callable[[str], dict]) -> JSONResponse | dict:
+    """A request with nothing to generate: unload the model (``keep_alive`` 0), else answer
+    that it is loaded (and keep it ``seconds``), or why not."""
+    model = req.model.removesuffix(":latest")
+    instances = placed(node, model)
+    if not instances:
+        return _not_found(req.model)
+    if seconds == 0:
+        for inst in instances:
+            status, body = await unload(node, inst.instance_id)
+            if status >= 400 and status != 404:  # 404: gone meanwhile
+                return error_response(APIError(status, f"model '{req.model}' could not be unloaded: {body}"))
+        return {"model": req.model, "created_at": _now(), **content(""), "done": True, "done_reason": "unload"}
+    ready = [i for i in instances if i.status == InstanceStatus.READY]
+    if not ready:
+        detail = "; ".join(f"instance {i.instance_id} {i.status}" for i in instances)
+        return error_response(APIError(503, f"model '{req.model}' is not ready ({detail}); retry later"))
+    if seconds is not None:
+        keep.keep([i.instance_id for i in instances], seconds)
+    return {"model": req.model, "created_at": _now(), **content(""), "done": True, "done_reason": "load"}
+
+
+async def _serve(node: Node, metrics: RequestMetrics | None, keep: KeepAlive, request: Request,
+                 request_type: type[_Request], content: Callable[[str], dict]):
+    try:
+        req = await parse_body(request, request_type)
+        seconds = req.keep_alive_s()
+        if not req.has_input():
+            return await _load(node, keep, req, seconds, content)
         gen = await prepare(node, req.to_generation(), metrics)
     except APIError as exc:
         return error_response(exc)
+    ids = [i.instance_id for i in placed(node, gen.req.model)]
     if req.stream:
-        return StreamingResponse(_stream(gen, req, content), media_type="application/x-ndjson")
+        return StreamingResponse(_stream(gen, req, content, keep, ids, seconds), media_type="application/x-ndjson")
+    keep.begin(ids)
     try:
         chunks, finish = await collect_unless_disconnected(gen, request)
     except InstanceFailedError as exc:
         return error_response(APIError(500, str(exc)))
+    finally:
+        keep.end(ids, seconds)
     if finish is None:  # the client left; nobody reads this
         return JSONResponse(status_code=499, content={"error": "client closed the request"})
     body = content("".join(c.text for c in chunks))
@@ -216,10 +417,12 @@ def _final(gen: Generation, req: _Request, body: dict, finish: str) -> dict:
             "eval_count": gen.completion_tokens, "eval_duration": int((now - first) * 1e9)}
 
 
-async def _stream(gen: Generation, req: _Request, content: Callable[[str], dict]) -> AsyncIterator[str]:
+async def _stream(gen: Generation, req: _Request, content: Callable[[str], dict], keep: KeepAlive,
+                  ids: list[str], seconds: float | None) -> AsyncIterator[str]:
     def line(data: dict) -> str:
         return json.dumps(data, ensure_ascii=False) + "\n"
 
+    keep.begin(ids)
     try:
         async for item in gen.texts():
             if isinstance(item, PrefillProgress):
@@ -233,3 +436,5 @@ async def _stream(gen: Generation, req: _Request, content: Callable[[str], dict]
                 yield line(_final(gen, req, content(""), item.finish))
     except (InstanceFailedError, QueueFullError) as exc:  # QueueFullError: a forwarded request refused
         yield line({"error": str(exc)})
+    finally:
+        keep.end(ids, seconds)

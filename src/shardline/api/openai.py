@@ -21,6 +21,7 @@ from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
+from shardline.api.content import check_parts
 from shardline.api.generation import (
     APIError,
     Chunk,
@@ -197,6 +198,12 @@ class ChatCompletionRequest(SamplingFields):
     def grammar(self) -> str | None:
         return None if self.response_format is None else self.response_format.grammar()
 
+    @model_validator(mode="before")
+    @classmethod
+    def _text_parts(cls, data: Any) -> Any:
+        check_parts(data, "openai")  # APIError: an empty or media part, by name
+        return data
+
     def to_generation(self) -> GenerationRequest:
         messages = [{"role": "system" if m.role == "developer" else m.role, "content": m.text()}
                     for m in self.messages]
@@ -227,6 +234,13 @@ class CompletionRequest(SamplingFields):
         return self.generation(prompt, self.max_tokens, "max_tokens", "prompt")
 
 
+class EmbeddingsRequest(BaseModel):
+    """OpenAI's embeddings request, as far as refusing it needs."""
+
+    model_config = ConfigDict(extra="allow")
+    model: str
+
+
 def router(node: Node, metrics: RequestMetrics | None = None) -> APIRouter:
     api = APIRouter()
 
@@ -247,6 +261,20 @@ def router(node: Node, metrics: RequestMetrics | None = None) -> APIRouter:
             "object": "list",
             "data": [model_object(m) for m in node.router.models()],
         }
+
+    @api.post("/v1/embeddings")
+    async def embeddings(request: Request):
+        """Refused: no model shardline places computes embeddings (400 for a placed model,
+        404 for another)."""
+        try:
+            req = await parse_body(request, EmbeddingsRequest)
+        except APIError as exc:
+            return error_response(exc)
+        if not any(i.model_id == req.model for i in node.instances.values()):
+            return error_response(APIError(404, f"The model '{req.model}' does not exist or is not loaded",
+                                           "not_found_error", param="model", code="model_not_found"))
+        return error_response(APIError(400, f"model '{req.model}' does not support embeddings",
+                                       param="model", code="model_not_supported"))
 
     @api.post("/v1/chat/completions")
     async def chat_completions(request: Request):

@@ -143,7 +143,7 @@ _OLLAMA_COMMON: tuple[tuple, ...] = (
     ("options", True, "see the options rows", "test_ollama_options_work"),
     ("format", True, '"json" or a JSON schema: constrained decoding', "test_ollama_format_parses"),
     ("keep_alive", True, "0 unloads; a duration unloads after that idle time; negative: never",
-     "test_ollama_show_e2e.py::test_keep_alive_zero_unloads"),
+     "test_ollama_client_e2e.py::test_keep_alive_unloads"),
     ("logprobs", True, "each token's log-probability", "test_logprobs_match_the_greedy_choice"),
     ("top_logprobs", True, "0-20 alternatives per token", "test_logprobs_match_the_greedy_choice"),
     ("images", False, "text only", _REFUSED, ([],)),

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import logging
 from contextlib import asynccontextmanager
@@ -16,10 +17,12 @@ from pydantic import BaseModel, Field, field_validator, model_validator
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from shardline.api import anthropic, errors, metrics, ollama, openai, responses
+from shardline.api.keep_alive import KeepAlive, unload
 from shardline.models.config import UnsupportedModelError
 from shardline.models.store import DEFAULT_MODEL_ID, ModelNotFoundError, ModelStoreError
 from shardline.node.bounds import DEFAULT_MAX_BODY_BYTES, RequestBoundsMiddleware
 from shardline.node.coordinator import free_port
+from shardline.node.http_extras import SCOPE_KEY, RequestIdMiddleware, allowed_methods
 from shardline.node.http_guard import GuardConfig, GuardMiddleware, SignatureMiddleware, check_key, check_place
 from shardline.node.link_probe import add_link_routes
 from shardline.node.node import Node
@@ -90,17 +93,27 @@ def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
     return f"{param or 'body'}: {first.get('msg')}", param
 
 
+def cluster_error(status: int, message: str, param: str | None = None) -> JSONResponse:
+    """An error answer of the cluster API (``{"error": {"message", "type", "param", "code"}}``,
+    :mod:`shardline.api.errors`)."""
+    return JSONResponse(status_code=status, content=errors.error_body(errors.API.CLUSTER, status, message, param))
+
+
 def create_app(node: Node, guard: GuardConfig, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES) -> FastAPI:
     """The node's FastAPI app. ``guard``: the API key, Host allow-list and CORS origins
     (:mod:`shardline.node.http_guard`); request bodies over ``max_body_bytes`` are refused
     (413, :mod:`shardline.node.bounds`)."""
 
+    keep_alive = KeepAlive()
+
     @asynccontextmanager
     async def lifespan(app: FastAPI):
         await node.start()
+        expiry = asyncio.create_task(keep_alive.run(node))
         try:
             yield
         finally:
+            expiry.cancel()
             await node.stop()
 
     app = FastAPI(title="shardline", lifespan=lifespan)
@@ -112,7 +125,10 @@ def create_app(node: Node, guard: GuardConfig, max_body_bytes: int = DEFAULT_MAX
 
     @app.exception_handler(StarletteHTTPException)
     async def on_http(request: Request, exc: StarletteHTTPException):
-        return errors.error_response(request.url.path, exc.status_code, str(exc.detail), headers=exc.headers)
+        headers = dict(exc.headers or {})
+        if exc.status_code == 405:  # every method the path takes, not the first route's
+            headers["Allow"] = allowed_methods(app.router.routes, request.scope) or headers.get("Allow", "")
+        return errors.error_response(request.url.path, exc.status_code, str(exc.detail), headers=headers)
 
     @app.exception_handler(QueueFullError)
     async def on_queue_full(request: Request, exc: QueueFullError):
@@ -123,7 +139,10 @@ def create_app(node: Node, guard: GuardConfig, max_body_bytes: int = DEFAULT_MAX
     async def on_unexpected(request: Request, exc: Exception):
         """A JSON 500 in the API's format; the traceback goes to the log (uvicorn's)."""
         log.error("%s %s failed: %r", request.method, request.url.path, exc)
-        return errors.error_response(request.url.path, 500, "internal error: the node's log has the details")
+        # Answered outside the middleware (Starlette's ServerErrorMiddleware): its id here.
+        rid = request.scope.get(SCOPE_KEY)
+        return errors.error_response(request.url.path, 500, "internal error: the node's log has the details",
+                                     headers={"X-Request-Id": rid} if rid else None)
 
     # The last added runs first: Host and origin (a disallowed origin's preflight too),
     # CORS (preflight and headers for allowed origins, refusals included), the body
@@ -133,14 +152,15 @@ def create_app(node: Node, guard: GuardConfig, max_body_bytes: int = DEFAULT_MAX
     app.add_middleware(RequestBoundsMiddleware, max_body_bytes=max_body_bytes)
     if guard.cors_origins:
         app.add_middleware(CORSMiddleware, allow_origins=sorted(guard.cors_origins), allow_methods=["*"],
-                           allow_headers=["*"], expose_headers=["Retry-After"], max_age=600)
+                           allow_headers=["*"], expose_headers=["Retry-After", "X-Request-Id"], max_age=600)
     app.add_middleware(GuardMiddleware, config=guard, decide=check_place)
+    app.add_middleware(RequestIdMiddleware)  # outermost: every answer carries the id
 
     request_metrics = metrics.RequestMetrics(node)
     app.include_router(openai.router(node, request_metrics))
     app.include_router(responses.router(node, request_metrics))
     app.include_router(anthropic.router(node, request_metrics))
-    app.include_router(ollama.router(node, request_metrics))
+    app.include_router(ollama.router(node, request_metrics, keep_alive))
     app.include_router(metrics.router(request_metrics))
     add_link_routes(app)
     add_model_routes(app, node.store)
@@ -228,7 +248,7 @@ def create_app(node: Node, guard: GuardConfig, max_body_bytes: int = DEFAULT_MAX
     async def instance(instance_id: str):
         inst = node.instances.get(instance_id)
         if inst is None:
-            return JSONResponse(status_code=404, content={"detail": f"no instance {instance_id}"})
+            return cluster_error(404, f"no instance {instance_id}", "instance_id")
         return instance_view(inst)
 
     @app.post("/cluster/placements/preview")
@@ -246,9 +266,9 @@ def create_app(node: Node, guard: GuardConfig, max_body_bytes: int = DEFAULT_MAX
                                                         kv_cache_bytes=body.kv_cache_bytes,
                                                         quantize=body.quantize)
         except ModelNotFoundError as exc:
-            return JSONResponse(status_code=404, content={"detail": str(exc)})
+            return cluster_error(404, str(exc), "model")
         except (PlacementError, ModelStoreError, UnsupportedModelError, KVCacheRequestError) as exc:
-            return JSONResponse(status_code=400, content={"detail": str(exc)})
+            return cluster_error(400, str(exc))
         return {"candidates": [
             {"sharding": c.sharding, "node_ids": list(c.node_ids), "feasible": c.feasible,
              "predicted_decode_tokens_per_s": c.predicted_decode_tokens_per_s,
@@ -264,7 +284,7 @@ def create_app(node: Node, guard: GuardConfig, max_body_bytes: int = DEFAULT_MAX
             # coordinator (perhaps another machine) finds it there by id.
             body.model = await node.logistics.adopt(body.model)
         except (ModelStoreError, UnsupportedModelError) as exc:
-            return JSONResponse(status_code=400, content={"detail": str(exc)})
+            return cluster_error(400, str(exc), "model")
         if not node.is_coordinator():
             status, content = await node.ask_coordinator("POST", "/cluster/instances", body.model_dump())
             return JSONResponse(status_code=status, content=content)
@@ -273,22 +293,18 @@ def create_app(node: Node, guard: GuardConfig, max_body_bytes: int = DEFAULT_MAX
                 body.model, body.sharding, body.nodes, body.context, body.max_batch, body.dtype,
                 body.force, body.min_nodes, body.max_nodes, body.kv_cache_bytes, body.quantize)
         except ModelNotFoundError as exc:
-            return JSONResponse(status_code=404, content={"detail": str(exc)})
+            return cluster_error(404, str(exc), "model")
         except (ModelStoreError, UnsupportedModelError, KVCacheRequestError) as exc:
-            return JSONResponse(status_code=400, content={"detail": str(exc)})
+            return cluster_error(400, str(exc))
         except PlacementError as exc:
             status = 400 if body.sharding not in SHARDINGS + ("auto",) else 409
-            return JSONResponse(status_code=status, content={"detail": str(exc)})
+            return cluster_error(status, str(exc))
         return inst.to_dict()
 
     @app.delete("/cluster/instances/{instance_id}")
     async def delete_instance(instance_id: str):
-        if not node.is_coordinator():
-            status, content = await node.ask_coordinator("DELETE", f"/cluster/instances/{instance_id}")
-            return JSONResponse(status_code=status, content=content)
-        if not await node.coordinator.delete_instance(instance_id):
-            return JSONResponse(status_code=404, content={"detail": f"no instance {instance_id}"})
-        return {"deleted": instance_id}
+        status, content = await unload(node, instance_id)  # through the coordinator
+        return JSONResponse(status_code=status, content=content)
 
     # -- node-to-node --------------------------------------------------------------------
 

@@ -37,6 +37,7 @@ from pathlib import Path
 
 import psutil
 
+from shardline.api.errors import API, error_body
 from shardline.machine_cache import write_atomically
 from shardline.models.store import (
     ModelStore,
@@ -458,8 +459,9 @@ class Node:
         while this node, the next coordinator, still hears the cluster, or when the
         coordinator cannot be reached)."""
         if self.coordinator_id() == self.node_id:
-            return 503, {"detail": "this node is taking over as coordinator; try again in a few seconds"}
+            return 503, error_body(API.CLUSTER, 503, "this node is taking over as coordinator; try again in a few "
+                                                    "seconds")
         try:
             return await self.peer_client.forward(method, self.address_of(self.coordinator_id()), path, body)
         except PeerError as exc:
-            return 503, {"detail": f"the coordinator could not be reached: {exc}"}
+            return 503, error_body(API.CLUSTER, 503, f"the coordinator could not be reached: {exc}")

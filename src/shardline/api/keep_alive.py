@@ -1,0 +1,152 @@
+"""Ollama's ``keep_alive``: how long a model stays placed after a request.
+
+Ollama's forms (docs/api.md, "keep_alive"; its ``api.Duration``): a duration string as Go's
+``time.ParseDuration`` reads it (``"5m"``, ``"1h30m"``, ``"300ms"``, ``"0"``), or a number
+of seconds; a negative value keeps the model loaded for ever; ``0`` unloads it.
+
+shardline differs in one default: a request without ``keep_alive`` changes nothing, and a
+placed model stays placed (Ollama unloads after 5 minutes unless told otherwise), because a
+cluster's placement is an explicit act (``POST /cluster/instances``). With ``0`` the node
+deletes every instance of the model through the coordinator (as ``DELETE
+/cluster/instances/{id}`` does) once no request of it runs; with a duration the node
+records a deadline per instance (this node's: another node that took no such request does
+not know it) and deletes the instance once that much time has passed idle after the last
+request that set it. The node checks the deadlines every :data:`CHECK_INTERVAL_S`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import math
+import re
+import time
+from collections import Counter
+from collections.abc import Collection, Iterable, Mapping
+from typing import TYPE_CHECKING
+
+from shardline.api.errors import API, error_body
+
+if TYPE_CHECKING:
+    from shardline.node.node import Node
+
+log = logging.getLogger(__name__)
+
+CHECK_INTERVAL_S = 1.0
+"""How often the node looks for instances whose keep_alive has run out, seconds."""
+
+_UNITS = {"ns": 1e-9, "us": 1e-6, "µs": 1e-6, "μs": 1e-6, "ms": 1e-3, "s": 1.0, "m": 60.0, "h": 3600.0}
+_PART = re.compile(r"(\d+\.?\d*|\.\d+)(ns|us|µs|μs|ms|s|m|h)")
+_DURATION = re.compile(r"(?:(?:\d+\.?\d*|\.\d+)(?:ns|us|µs|μs|ms|s|m|h))+")
+
+
+def parse_keep_alive(value: object) -> float | None:
+    """``keep_alive`` in seconds: None when absent (None), ``math.inf`` for a negative one
+    (for ever), else the duration (0: unload now).
+
+    Accepts a JSON number of seconds, or a Go duration string: an optional sign, then one or
+    more decimal numbers each with a unit (ns, us, µs, ms, s, m, h), or ``"0"``.
+
+    Raises:
+        ValueError: anything else (a boolean, a string without units such as ``"10"``, an
+            unknown unit, NaN); the message names ``keep_alive``.
+    """
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, (int, float, str)):
+        raise ValueError(f"keep_alive must be a duration such as \"5m\" or a number of seconds, not {value!r}")
+    if isinstance(value, str):
+        text = value.strip()
+        sign = -1.0 if text.startswith("-") else 1.0
+        body = text[1:] if text[:1] in "+-" else text
+        if body == "0":
+            seconds = 0.0
+        elif _DURATION.fullmatch(body):
+            seconds = sum(float(n) * _UNITS[unit] for n, unit in _PART.findall(body))
+        else:
+            raise ValueError(f"keep_alive: {value!r} is not a duration (e.g. \"5m\", \"1h30m\", \"0\", or a "
+                             f"number of seconds)")
+        seconds *= sign
+    else:
+        seconds = float(value)
+    if math.isnan(seconds):
+        raise ValueError("keep_alive must not be NaN")
+    return math.inf if seconds < 0 else seconds
+
+
+def expired(now: float, expiries: Mapping[str, float], busy: Collection[str]) -> list[str]:
+    """The instance ids whose deadline (``time.time()`` seconds) is at or before ``now``
+    and that have no request running (``busy``), sorted."""
+    return sorted(i for i, deadline in expiries.items() if deadline <= now and i not in busy)
+
+
+class KeepAlive:
+    """One node's keep_alive deadlines and its Ollama requests in flight.
+
+    Attributes:
+        expiries: instance id -> ``time.time()`` deadline (``math.inf``: for ever).
+        running: instance id -> Ollama requests of it this node runs now.
+    """
+
+    def __init__(self) -> None:
+        self.expiries: dict[str, float] = {}
+        self.running: Counter[str] = Counter()
+
+    def begin(self, instance_ids: Iterable[str]) -> None:
+        """A request of these instances started (they are busy until :meth:`end`)."""
+        self.running.update(instance_ids)
+
+    def end(self, instance_ids: Iterable[str], seconds: float | None, now: float | None = None) -> None:
+        """A request ended; with ``seconds`` (its keep_alive), their deadline is that long
+        from now."""
+        self.running.subtract(instance_ids)
+        self.running = +self.running  # drop zeros
+        if seconds is not None:
+            self.keep(instance_ids, seconds, now)
+
+    def keep(self, instance_ids: Iterable[str], seconds: float, now: float | None = None) -> None:
+        """Keep the instances ``seconds`` from ``now`` (default: the time now)."""
+        deadline = (time.time() if now is None else now) + seconds
+        for instance_id in instance_ids:
+            self.expiries[instance_id] = deadline
+
+    def busy(self, node: "Node") -> set[str]:
+        """The instances with a request running anywhere this node knows of: its own
+        Ollama requests, the requests its ranks run or that it took, and its peers' busy
+        instances (as of their last poll)."""
+        out = set(self.running) | set(node.busy_instances())
+        out |= {s.instance_id for s in node.streams.values()}
+        for peer in node.peers.values():
+            out |= set(peer.busy)
+        return out
+
+    async def check(self, node: "Node", now: float | None = None) -> list[str]:
+        """Delete the instances whose deadline passed while idle, and forget deadlines of
+        instances that are gone; the ids deleted."""
+        for instance_id in [i for i in self.expiries if i not in node.instances]:
+            del self.expiries[instance_id]
+        due = expired(time.time() if now is None else now, self.expiries, self.busy(node))
+        for instance_id in due:
+            del self.expiries[instance_id]
+            status, body = await unload(node, instance_id)
+            log.info("keep_alive: unloading instance %s: %s %s", instance_id, status, body)
+        return due
+
+    async def run(self, node: "Node") -> None:
+        """Check every :data:`CHECK_INTERVAL_S` until cancelled."""
+        while True:
+            await asyncio.sleep(CHECK_INTERVAL_S)
+            try:
+                await self.check(node)
+            except Exception as exc:  # noqa: BLE001 - the loop must outlive one failed check
+                log.warning("keep_alive check failed: %r", exc)
+
+
+async def unload(node: "Node", instance_id: str) -> tuple[int, dict]:
+    """Delete an instance through the coordinator, as ``DELETE /cluster/instances/{id}``
+    does: the HTTP status and body that request would answer."""
+    if not node.is_coordinator():
+        return await node.ask_coordinator("DELETE", f"/cluster/instances/{instance_id}")
+    if not await node.coordinator.delete_instance(instance_id):
+        return 404, error_body(API.CLUSTER, 404, f"no instance {instance_id}", "instance_id")
+    return 200, {"deleted": instance_id}

@@ -1,0 +1,71 @@
+"""Small HTTP conventions every answer of the node follows: ``X-Request-Id`` echoed (or
+made) on each response, and a 405's ``Allow`` header listing every method the path takes.
+"""
+
+from __future__ import annotations
+
+import uuid
+from collections.abc import Callable, Iterable
+
+from starlette.routing import Match
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+REQUEST_ID_HEADER = "X-Request-Id"
+MAX_REQUEST_ID_CHARS = 128
+SCOPE_KEY = "shardline.request_id"
+"""Where the middleware leaves the request's id in the ASGI scope (for handlers that answer
+outside it, such as the app's handler of unexpected exceptions)."""
+
+
+def request_id(given: str | None, new: Callable[[], str] = lambda: uuid.uuid4().hex) -> str:
+    """The id a response carries: the client's ``X-Request-Id`` when it is 1 to
+    :data:`MAX_REQUEST_ID_CHARS` printable ASCII characters (space to ``~``) without
+    leading or trailing spaces, else a new one (``new()``, by default a uuid4's 32 hex
+    digits), so that a header a client made cannot inject anything into logs or answers."""
+    if (given and len(given) <= MAX_REQUEST_ID_CHARS and given == given.strip()
+            and all(" " <= c <= "~" for c in given)):
+        return given
+    return new()
+
+
+class RequestIdMiddleware:
+    """Echo the request's ``X-Request-Id`` (or a new one, see :func:`request_id`) on every
+    HTTP response, and leave it in the scope under :data:`SCOPE_KEY`."""
+
+    def __init__(self, app: ASGIApp) -> None:
+        self.app = app
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        given = next((v.decode("latin-1") for k, v in scope.get("headers", ())
+                      if k.lower() == b"x-request-id"), None)
+        rid = request_id(given)
+        scope[SCOPE_KEY] = rid
+
+        async def send_with_id(message: Message) -> None:
+            if message["type"] == "http.response.start":
+                headers = [(k, v) for k, v in message.get("headers", ()) if k.lower() != b"x-request-id"]
+                message = dict(message, headers=headers + [(b"x-request-id", rid.encode("latin-1"))])
+            await send(message)
+
+        await self.app(scope, receive, send_with_id)
+
+
+def allow_value(method_sets: Iterable[Iterable[str]]) -> str:
+    """An ``Allow`` header's value: the union of the methods of every route that matches a
+    path (RFC 9110 section 10.2.1), sorted, comma-separated."""
+    return ", ".join(sorted({m.upper() for methods in method_sets for m in methods}))
+
+
+def allowed_methods(routes: Iterable, scope: Scope) -> str:
+    """``Allow`` for a request that met a 405: the methods of every route of ``routes``
+    (Starlette's) whose path matches the request's. Starlette's own header names only the
+    first such route's methods (``GET`` for a path served by a GET and a POST route)."""
+    sets = []
+    for route in routes:
+        methods = getattr(route, "methods", None)
+        if methods and route.matches(scope)[0] != Match.NONE:
+            sets.append(methods)
+    return allow_value(sets)
