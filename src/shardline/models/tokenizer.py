@@ -13,6 +13,8 @@ import json
 from pathlib import Path
 from typing import Any
 
+from shardline.models.tool_prompt import template_reads_tools, with_dict_arguments, with_tools_in_text
+
 
 class ChatTemplateError(ValueError):
     """The messages cannot be rendered by the model's chat template."""
@@ -90,24 +92,53 @@ class Tokenizer:
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
         return str(self._tok.decode(ids, skip_special_tokens=skip_special_tokens))
 
-    def render_chat(self, messages: list[dict[str, Any]]) -> str:
-        """The prompt text for ``messages`` with the assistant's turn opened.
+    @property
+    def chat_template(self) -> str | None:
+        """The chat template's Jinja text that a chat with tools is rendered with (of a model
+        with several named templates, its ``tool_use`` one, else its ``default``), or None
+        for a model without one."""
+        template = self._tok.chat_template
+        if isinstance(template, dict):
+            template = template.get("tool_use") or template.get("default")
+        return template if isinstance(template, str) else None
+
+    @functools.cached_property
+    def supports_tools(self) -> bool:
+        """Whether the chat template renders a ``tools`` argument (it reads the variable)."""
+        return template_reads_tools(self.chat_template)
+
+    def render_chat(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None,
+                    continue_final_message: bool = False) -> str:
+        """The prompt text for ``messages`` with the assistant's turn opened, or with the
+        final (assistant) message left open to be continued (``continue_final_message``:
+        Anthropic's prefill; transformers' option of that name).
+
+        ``tools`` are OpenAI function tools. A template that takes tools renders them (and
+        the history's calls and results) itself; for one that does not, they are listed in
+        a Hermes-style system message and the history's calls and results written as
+        ``<tool_call>`` / ``<tool_response>`` text (see :func:`with_tools_in_text`), so the
+        model answers in :attr:`~shardline.api.tools.ToolFormat.HERMES`. Assistant call
+        ``arguments`` given as JSON text are passed to the template as dicts.
 
         Raises:
-            ChatTemplateError: the template rejects the messages (e.g. roles out of order).
+            ChatTemplateError: the template rejects the messages (e.g. roles out of order),
+                or there is no final message to continue.
         """
+        messages, tools = self._chat_inputs(messages, tools)
         try:
             return str(self._tok.apply_chat_template(
-                messages, add_generation_prompt=True, tokenize=False
+                messages, tools=tools, add_generation_prompt=not continue_final_message,
+                continue_final_message=continue_final_message, tokenize=False,
             ))
         except Exception as exc:  # jinja2's TemplateError and template-raised exceptions
             raise ChatTemplateError(f"chat template failed: {exc}") from exc
 
-    def encode_chat(self, messages: list[dict[str, Any]]) -> list[int]:
-        """Token ids of :meth:`render_chat`'s prompt, where only the template's own markup
-        makes control tokens.
+    def encode_chat(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None,
+                    continue_final_message: bool = False) -> list[int]:
+        """Token ids of :meth:`render_chat`'s prompt (same arguments), where only the
+        template's own markup makes control tokens.
 
-        A control token's text inside a message (any role, e.g. a user's literal
+        A control token's text inside a message or tool (any role, e.g. a user's literal
         ``<|im_end|>`` and ``<|im_start|>assistant`` forging a turn) is encoded as the ids
         that text has with added-token matching off (``<`` ``|`` ``im`` ``_`` ...), never as the token itself,
         so message text cannot open or close turns. Control tokens are the tokenizer's
@@ -125,16 +156,30 @@ class Tokenizer:
 
         Raises:
             ChatTemplateError: the template rejects the messages (e.g. roles out of order),
-                or a control token's text cannot be encoded other than as the token.
+                there is no final message to continue, or a control token's text cannot be
+                encoded other than as the token.
         """
+        messages, tools = self._chat_inputs(messages, tools)
         try:
             ids = self._tok.apply_chat_template(
-                messages, add_generation_prompt=True, tokenize=True, return_dict=False,
+                messages, tools=tools, add_generation_prompt=not continue_final_message,
+                continue_final_message=continue_final_message, tokenize=True, return_dict=False,
                 sanitize_control_tokens=True,
             )
         except Exception as exc:  # jinja2's errors, template-raised ones, "Can't sanitize ..."
             raise ChatTemplateError(f"chat template failed: {exc}") from exc
         return [int(i) for i in ids]
+
+    def _chat_inputs(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None
+                     ) -> tuple[list[dict[str, Any]], list[dict[str, Any]] | None]:
+        """The messages and tools to give the template (a chat without tools unchanged)."""
+        tools = tools or None
+        has_calls = any(m.get("tool_calls") for m in messages)
+        if tools is None and not has_calls:
+            return messages, None
+        if self.supports_tools:
+            return [with_dict_arguments(m) for m in messages], tools
+        return with_tools_in_text(messages, tools), None
 
 
 class IncrementalDetokenizer:

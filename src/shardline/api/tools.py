@@ -1,0 +1,431 @@
+"""Tool calling: which format a model calls tools in, checks of the tools and of a chat's
+tool history, a streaming parser of the model's calls, and the grammar that forces a call.
+
+Formats (the two families' own chat templates and model cards are the sources):
+
+- :attr:`ToolFormat.HERMES`: each call is ``<tool_call>\\n{"name": ..., "arguments":
+  {...}}\\n</tool_call>``, several calls being several blocks, with text around them
+  (Qwen2, Qwen2.5, Qwen3, NousResearch Hermes 2/3, and shardline's own system-prompt
+  fallback for templates that take no tools).
+- :attr:`ToolFormat.LLAMA3_JSON`: the whole reply is one JSON object ``{"name": ...,
+  "parameters": {...}}`` (Llama 3.1 / 3.2 with user-defined tools), possibly after
+  ``<|python_tag|>``.
+
+Tools are OpenAI function tools (``{"type": "function", "function": {"name",
+"description", "parameters"}}``); chat messages are Hugging Face's chat-template format
+(assistant ``tool_calls`` with ``arguments`` a dict, ``tool`` role results).
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import secrets
+from dataclasses import dataclass
+from enum import Enum
+from typing import Any
+
+TOOL_CALL_OPEN = "<tool_call>"
+TOOL_CALL_CLOSE = "</tool_call>"
+PYTHON_TAG = "<|python_tag|>"
+
+TOOL_NAME = re.compile(r"[A-Za-z0-9_.:\-]{1,128}")
+"""Tool names accepted: OpenAI's ``^[a-zA-Z0-9_-]{1,64}$`` widened to Anthropic's length
+and the dots and colons some MCP servers use. Nothing in it needs escaping in JSON."""
+
+_JSON_STYLE = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
+"""llguidance JSON options for forced arguments: the spacing of Python's ``json.dumps``,
+which is how both families' templates write calls, and no free whitespace for a small
+model to loop on."""
+
+
+class ToolFormat(Enum):
+    """How a model writes tool calls (see the module docstring)."""
+
+    HERMES = "hermes"
+    LLAMA3_JSON = "llama3_json"
+
+
+def tool_format(chat_template: str | None) -> ToolFormat:
+    """The tool-call format of the model whose chat template text is ``chat_template``.
+
+    A template that writes ``<tool_call>`` is HERMES. One that takes ``tools`` and is of
+    the Llama 3 family (``<|eot_id|>``, ``<|python_tag|>`` or a ``"parameters"`` call
+    instruction) is LLAMA3_JSON. Anything else, a template without tool support included
+    (the tokenizer then lists the tools in a Hermes-style system prompt itself), is HERMES.
+    """
+    text = chat_template or ""
+    if TOOL_CALL_OPEN in text:
+        return ToolFormat.HERMES
+    if re.search(r"\btools\b", text) and any(
+            mark in text for mark in ("<|eot_id|>", PYTHON_TAG, '"parameters"')):
+        return ToolFormat.LLAMA3_JSON
+    return ToolFormat.HERMES
+
+
+class ToolChoiceMode(Enum):
+    """OpenAI's ``tool_choice``: none, auto, required, or one named function."""
+
+    NONE = "none"
+    AUTO = "auto"
+    REQUIRED = "required"
+    NAMED = "named"
+
+
+@dataclass(frozen=True)
+class ToolChoice:
+    """A request's tool choice; ``name`` is the function's for :attr:`ToolChoiceMode.NAMED`."""
+
+    mode: ToolChoiceMode
+    name: str | None = None
+
+
+@dataclass(frozen=True)
+class ToolCall:
+    """One call the model made: ``arguments`` is JSON text of an object; ``id`` is
+    ``call_`` and 24 hex digits, new for each call."""
+
+    id: str
+    name: str
+    arguments: str
+
+    @staticmethod
+    def new(name: str, arguments: dict[str, Any]) -> ToolCall:
+        """A call with a fresh id and ``arguments`` written as JSON (non-ASCII kept)."""
+        return ToolCall(id=f"call_{secrets.token_hex(12)}", name=name,
+                        arguments=json.dumps(arguments, ensure_ascii=False))
+
+
+def tool_names(tools: list[dict[str, Any]] | None) -> set[str]:
+    """The function names of ``tools`` (checked ones: see :func:`check_tools`)."""
+    return {tool["function"]["name"] for tool in tools or ()}
+
+
+def check_tools(tools: list[dict[str, Any]], choice: ToolChoice) -> None:
+    """Check OpenAI-style function tools and the tool choice against them.
+
+    Raises:
+        ValueError: naming the first problem by its path (``tools[1].function.name ...``):
+            tools not a list, a tool that is not a ``function`` tool, a missing or malformed
+            name (see :data:`TOOL_NAME`), a description that is not a string, a
+            ``parameters`` schema that is not a JSON object schema, a duplicate name; or a
+            ``required`` / named choice with no tools, a named choice not among the tools.
+    """
+    if not isinstance(tools, list):
+        raise ValueError("tools must be a list of function tools")
+    seen: set[str] = set()
+    for i, tool in enumerate(tools):
+        where = f"tools[{i}]"
+        if not isinstance(tool, dict) or tool.get("type") != "function":
+            raise ValueError(f"{where} must be an object with type 'function'")
+        function = tool.get("function")
+        if not isinstance(function, dict):
+            raise ValueError(f"{where}.function must be an object")
+        name = function.get("name")
+        if not isinstance(name, str) or not TOOL_NAME.fullmatch(name):
+            raise ValueError(f"{where}.function.name must be 1 to 128 letters, digits, '_', '-', '.' or ':', "
+                             f"got {name!r}")
+        if name in seen:
+            raise ValueError(f"{where}.function.name {name!r} is used by an earlier tool")
+        seen.add(name)
+        description = function.get("description")
+        if description is not None and not isinstance(description, str):
+            raise ValueError(f"{where}.function.description must be a string")
+        parameters = function.get("parameters")
+        if parameters is not None and (not isinstance(parameters, dict)
+                                       or parameters.get("type", "object") != "object"):
+            raise ValueError(f"{where}.function.parameters must be a JSON schema of type 'object'")
+    if choice.mode in (ToolChoiceMode.REQUIRED, ToolChoiceMode.NAMED) and not tools:
+        raise ValueError(f"tool_choice {choice.mode.value!r} needs at least one tool in tools")
+    if choice.mode is ToolChoiceMode.NAMED and choice.name not in seen:
+        raise ValueError(f"tool_choice names function {choice.name!r}, which is not among the tools")
+
+
+def call_arguments(arguments: Any) -> dict[str, Any] | None:
+    """``arguments`` as a dict: a dict as it is, JSON text of an object parsed; else None."""
+    if isinstance(arguments, dict):
+        return arguments
+    if isinstance(arguments, str):
+        try:
+            value = json.loads(arguments)
+        except ValueError:
+            return None
+        return value if isinstance(value, dict) else None
+    return None
+
+
+def check_history(messages: list[dict[str, Any]]) -> None:
+    """Check the tool calls and results in a chat's history (Hugging Face format).
+
+    Raises:
+        ValueError: naming the first malformed entry by its path: an assistant
+            ``tool_calls`` that is not a list, an entry without a function name, one whose
+            ``arguments`` are not a JSON object (a dict, or text that parses as one); a
+            ``tool`` message whose ``tool_call_id`` is given but matches no earlier call's
+            ``id``.
+    """
+    call_ids: set[str] = set()
+    for i, message in enumerate(messages):
+        role = message.get("role")
+        calls = message.get("tool_calls")
+        if role == "assistant" and calls is not None:
+            if not isinstance(calls, list):
+                raise ValueError(f"messages[{i}].tool_calls must be a list")
+            for j, call in enumerate(calls):
+                where = f"messages[{i}].tool_calls[{j}]"
+                function = call.get("function") if isinstance(call, dict) else None
+                if not isinstance(function, dict) or not isinstance(function.get("name"), str) \
+                        or not function["name"]:
+                    raise ValueError(f"{where}.function.name is missing")
+                if call_arguments(function.get("arguments")) is None:
+                    raise ValueError(f"{where}.function.arguments is not a JSON object: "
+                                     f"{str(function.get('arguments'))[:200]!r}")
+                if isinstance(call.get("id"), str):
+                    call_ids.add(call["id"])
+        elif role == "tool" and message.get("tool_call_id") is not None:
+            if message["tool_call_id"] not in call_ids:
+                raise ValueError(f"messages[{i}].tool_call_id {message['tool_call_id']!r} matches no earlier "
+                                 "assistant tool call")
+
+
+def _call_from(value: Any, names: set[str]) -> ToolCall | None:
+    """A call from a parsed JSON value ``{"name", "arguments" | "parameters"}`` naming one
+    of ``names``; None when it is not one."""
+    if not isinstance(value, dict) or value.get("name") not in names:
+        return None
+    arguments = value.get("arguments", value.get("parameters", {}))
+    parsed = call_arguments(arguments)
+    return None if parsed is None else ToolCall.new(value["name"], parsed)
+
+
+def _partial_suffix(text: str, marker: str) -> int:
+    """Length of the longest end of ``text`` that is a proper beginning of ``marker``."""
+    for n in range(min(len(text), len(marker) - 1), 0, -1):
+        if marker.startswith(text[-n:]):
+            return n
+    return 0
+
+
+class ToolCallParser:
+    """Splits a model's streamed output into content text and tool calls.
+
+    Feed text deltas of any size (split anywhere, inside a tag too); each :meth:`feed`
+    returns the content text and complete calls now known, in order, and :meth:`finish`
+    the rest at the end of the output. Text that may begin a call is held back until it is
+    known, so call text never comes out as content. A call whose JSON does not parse or
+    that names a tool not in ``tool_names`` comes out as content text, whole.
+
+    HERMES: calls are ``<tool_call>...</tool_call>`` blocks anywhere in the text; the
+    whitespace next to a call is dropped, the rest of the text is content. A block still
+    open at the end is a call if its JSON is a complete call, content otherwise.
+    LLAMA3_JSON: the reply is calls only if it starts (after whitespace, and an optional
+    ``<|python_tag|>``) with ``{`` and each JSON object in it (separated by whitespace or
+    ``;``) is ``{"name", "parameters" | "arguments"}``; otherwise it is all content.
+    """
+
+    def __init__(self, fmt: ToolFormat, tool_names: set[str]) -> None:
+        self._fmt = fmt
+        self._names = set(tool_names)
+        self._buffer = ""  # text not yet given out
+        self._in_call = False  # HERMES: inside a <tool_call> block
+        self._made_call = False
+        self._after_call = False  # HERMES: whitespace after a call is dropped
+        self._space = ""  # HERMES: the whitespace dropped before the open call
+        self._mode = "start"  # LLAMA3_JSON: "start" (undecided), "calls", "content"
+        self._pos = 0  # LLAMA3_JSON: the next character of the buffer to scan
+        self._start = 0  # where the open JSON object began
+        self._depth = 0
+        self._in_string = False
+        self._escape = False
+
+    def feed(self, text: str) -> list[str | ToolCall]:
+        """Content text and complete calls from ``text`` and what was held back before."""
+        self._buffer += text
+        if self._fmt is ToolFormat.HERMES:
+            return self._hermes(final=False)
+        return self._llama(final=False)
+
+    def finish(self) -> list[str | ToolCall]:
+        """Everything still held back, at the end of the output."""
+        out = self._hermes(final=True) if self._fmt is ToolFormat.HERMES else self._llama(final=True)
+        self._buffer = ""
+        return out
+
+    def _hermes(self, final: bool) -> list[str | ToolCall]:
+        out: list[str | ToolCall] = []
+        while True:
+            if self._in_call:
+                end = self._buffer.find(TOOL_CALL_CLOSE)
+                if end < 0:
+                    if final:
+                        body = self._buffer
+                        call = self._parse_body(body)
+                        out.append(call if call is not None else self._space + TOOL_CALL_OPEN + body)
+                        self._made_call |= call is not None
+                        self._buffer = ""
+                    return _merged(out)
+                body = self._buffer[:end]
+                self._buffer = self._buffer[end + len(TOOL_CALL_CLOSE):]
+                self._in_call = False
+                call = self._parse_body(body)
+                if call is None:  # content, with the whitespace it came with
+                    out.append(self._space + TOOL_CALL_OPEN + body + TOOL_CALL_CLOSE)
+                else:
+                    out.append(call)
+                    self._made_call = self._after_call = True
+                continue
+            if self._after_call:
+                self._buffer = self._buffer.lstrip()
+                self._after_call = not self._buffer
+            start = self._buffer.find(TOOL_CALL_OPEN)
+            if start >= 0:
+                before = self._buffer[:start]
+                text = before.rstrip()
+                out.append(text)
+                self._space = before[len(text):]
+                self._buffer = self._buffer[start + len(TOOL_CALL_OPEN):]
+                self._in_call = True
+                continue
+            if final:
+                tail = self._buffer
+                if tail.strip() or not self._made_call:
+                    out.append(tail)
+                self._buffer = ""
+                return _merged(out)
+            keep = _partial_suffix(self._buffer, TOOL_CALL_OPEN)
+            head = self._buffer[:len(self._buffer) - keep]
+            sent = head.rstrip()  # whitespace before a call is dropped: hold it back too
+            if sent:
+                out.append(sent)
+            self._buffer = self._buffer[len(sent):]
+            return _merged(out)
+
+    def _parse_body(self, body: str) -> ToolCall | None:
+        try:
+            value = json.loads(body)
+        except ValueError:
+            return None
+        return _call_from(value, self._names)
+
+    def _llama(self, final: bool) -> list[str | ToolCall]:
+        if self._mode == "start":
+            rest = self._buffer.lstrip()
+            if rest.startswith(PYTHON_TAG):
+                rest = rest[len(PYTHON_TAG):].lstrip()
+            if rest.startswith("{"):
+                self._mode, self._pos = "calls", len(self._buffer) - len(rest)
+            elif not final and (not rest or PYTHON_TAG.startswith(rest)):
+                return []  # whitespace or (part of) the tag: not yet known
+            else:
+                self._mode = "content"
+        out: list[str | ToolCall] = []
+        if self._mode == "calls":
+            out, complete = self._scan_calls()
+            if complete and not (final and self._depth > 0):
+                if final:
+                    self._buffer = ""
+                return out
+            self._mode = "content"  # not calls after all: what is left is content
+            if self._made_call:  # text after calls: without the separator before it
+                self._buffer = self._buffer.lstrip().lstrip(";").lstrip()
+        if self._buffer:
+            out.append(self._buffer)
+            self._buffer = ""
+        return out
+
+    def _scan_calls(self) -> tuple[list[str | ToolCall], bool]:
+        """Calls completed in the buffer (cut from it); False once text that is not a
+        call (or a separator) is met."""
+        out: list[str | ToolCall] = []
+        text = self._buffer
+        while self._pos < len(text):
+            ch = text[self._pos]
+            if self._depth == 0:
+                if ch == "{":
+                    self._start, self._depth = self._pos, 1
+                elif not (ch.isspace() or ch == ";"):
+                    return out, False
+            elif self._in_string:
+                if self._escape:
+                    self._escape = False
+                elif ch == "\\":
+                    self._escape = True
+                elif ch == '"':
+                    self._in_string = False
+            elif ch == '"':
+                self._in_string = True
+            elif ch == "{":
+                self._depth += 1
+            elif ch == "}":
+                self._depth -= 1
+                if self._depth == 0:
+                    call = self._parse_body(text[self._start:self._pos + 1])
+                    if call is None:
+                        return out, False
+                    out.append(call)
+                    self._made_call = True
+                    text = self._buffer = text[self._pos + 1:]
+                    self._pos = 0
+                    continue
+            self._pos += 1
+        return out, True
+
+
+def _merged(items: list[str | ToolCall]) -> list[str | ToolCall]:
+    """``items`` with adjacent texts joined and empty texts dropped."""
+    out: list[str | ToolCall] = []
+    for item in items:
+        if isinstance(item, str):
+            if not item:
+                continue
+            if out and isinstance(out[-1], str):
+                out[-1] += item
+                continue
+        out.append(item)
+    return out
+
+
+def _arguments_schema(tool: dict[str, Any]) -> dict[str, Any]:
+    schema = dict(tool["function"].get("parameters") or {"type": "object"})
+    schema["x-guidance"] = {**_JSON_STYLE, **(schema.get("x-guidance") or {})}
+    return schema
+
+
+def tool_call_grammar(fmt: ToolFormat, tools: list[dict[str, Any]], choice: ToolChoice) -> str | None:
+    """An llguidance grammar (its JSON text, for ``SamplingParams.grammar``) that forces
+    exactly one call in ``fmt``: of any of ``tools`` for REQUIRED, of the named one for
+    NAMED, its arguments matching the tool's ``parameters`` schema (written with
+    ``json.dumps``'s spacing). After the call only the end of the output may follow (EOS).
+    None for NONE and AUTO (nothing is forced). ``tools`` and ``choice`` are checked ones
+    (:func:`check_tools`). Built as Lark text with ``%json`` embedded schemas
+    (llguidance's syntax, docs/syntax.md in its repository).
+
+    Raises:
+        ValueError: a tool's ``parameters`` schema that llguidance cannot compile, naming
+            the tool.
+    """
+    import llguidance
+
+    if choice.mode in (ToolChoiceMode.NONE, ToolChoiceMode.AUTO):
+        return None
+    chosen = [t for t in tools if choice.mode is ToolChoiceMode.REQUIRED or t["function"]["name"] == choice.name]
+    if not chosen:
+        raise ValueError(f"tool_choice {choice.mode.value!r} has no tool to call")
+    key = "arguments" if fmt is ToolFormat.HERMES else "parameters"
+    open_, close = (f"{TOOL_CALL_OPEN}\n", f"}}\n{TOOL_CALL_CLOSE}") if fmt is ToolFormat.HERMES else ("", "}")
+    rules = []
+    for i, tool in enumerate(chosen):
+        name = tool["function"]["name"]
+        schema = json.dumps(_arguments_schema(tool))
+        problem = llguidance.LLMatcher.validate_grammar(
+            llguidance.LLMatcher.grammar_from_lark(f"start: %json {schema}"))
+        if problem:
+            raise ValueError(f"tools: the parameters schema of function {name!r} cannot be enforced: {problem}")
+        head = f'{open_}{{"name": {json.dumps(name)}, "{key}": '
+        rules.append(f"call_{i}: {json.dumps(head)} %json {schema} {json.dumps(close)}")
+    lark = "start: " + " | ".join(f"call_{i}" for i in range(len(chosen))) + "\n" + "\n".join(rules) + "\n"
+    grammar = llguidance.LLMatcher.grammar_from_lark(lark)
+    problem = llguidance.LLMatcher.validate_grammar(grammar)
+    if problem:
+        raise ValueError(f"tools: the tool-call grammar does not compile: {problem}")
+    return str(grammar)

@@ -1,0 +1,129 @@
+"""Tiny random-weight chat models for the tool-calling tests: the real SmolLM2 tokenizer
+(vocabulary 49152, from the embedded GGUF) with a chat template of one of the two tool-call
+families, written here for these tests (not the vendors' text):
+
+- ``"qwen"``: Qwen2.5's layout: ChatML turns, the tools in the system turn between
+  ``<tools></tools>``, calls as ``<tool_call>`` JSON, results as ``<tool_response>`` blocks
+  in a user turn. Its tool format is HERMES.
+- ``"llama"``: Llama 3.1's layout: ``<|start_header_id|>role<|end_header_id|>`` headers and
+  ``<|eot_id|>`` ends, the tools as JSON in the system turn with an instruction to answer
+  ``{"name": ..., "parameters": ...}``, calls written so, results in an ``ipython`` turn.
+  Its tool format is LLAMA3_JSON. SmolLM2's vocabulary has none of Llama's special
+  tokens, so the markup is plain text here (the format is what these tests are about); the
+  turn still ends with SmolLM2's end token.
+
+The weights are random, so what the model says must be forced (logit bias, grammar) by
+the tests that use it.
+"""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+QWEN_STYLE_TEMPLATE = r"""
+{%- set ns = namespace(start=0) -%}
+{%- if messages and messages[0].role == 'system' %}{% set ns.start = 1 %}{% endif -%}
+{%- if tools -%}
+  {{- '<|im_start|>system\n' -}}
+  {%- if ns.start %}{{- messages[0].content + '\n\n' -}}{% endif -%}
+  {{- 'Functions you may call, one JSON schema per line:\n<tools>\n' -}}
+  {%- for tool in tools %}{{- tool | tojson + '\n' -}}{% endfor -%}
+  {{- '</tools>\nTo call a function, answer with one block per call:\n<tool_call>\n'
+      + '{"name": "<function name>", "arguments": <the arguments as a JSON object>}\n</tool_call><|im_end|>\n' -}}
+{%- elif ns.start -%}
+  {{- '<|im_start|>system\n' + messages[0].content + '<|im_end|>\n' -}}
+{%- endif -%}
+{%- for message in messages[ns.start:] -%}
+  {%- if message.role == 'tool' -%}
+    {%- if loop.first or loop.previtem.role != 'tool' %}{{- '<|im_start|>user' -}}{% endif -%}
+    {{- '\n<tool_response>\n' + message.content + '\n</tool_response>' -}}
+    {%- if loop.last or loop.nextitem.role != 'tool' %}{{- '<|im_end|>\n' -}}{% endif -%}
+  {%- elif message.role == 'assistant' -%}
+    {{- '<|im_start|>assistant' -}}
+    {%- if message.content %}{{- '\n' + message.content -}}{% endif -%}
+    {%- for call in message.tool_calls or [] -%}
+      {{- '\n<tool_call>\n{"name": ' + call.function.name | tojson + ', "arguments": '
+          + call.function.arguments | tojson + '}\n</tool_call>' -}}
+    {%- endfor -%}
+    {{- '<|im_end|>\n' -}}
+  {%- else -%}
+    {{- '<|im_start|>' + message.role + '\n' + message.content + '<|im_end|>\n' -}}
+  {%- endif -%}
+{%- endfor -%}
+{%- if add_generation_prompt %}{{- '<|im_start|>assistant\n' -}}{% endif -%}
+"""
+
+LLAMA_STYLE_TEMPLATE = r"""
+{%- set ns = namespace(start=0, system='') -%}
+{%- if messages and messages[0].role == 'system' -%}
+  {%- set ns.start = 1 %}{% set ns.system = messages[0].content -%}
+{%- endif -%}
+{{- '<|start_header_id|>system<|end_header_id|>\n\n' + ns.system -}}
+{%- if tools -%}
+  {%- if ns.system %}{{- '\n\n' -}}{% endif -%}
+  {{- 'You may call the functions below. To call one, reply with nothing but a JSON object '
+      + '{"name": function name, "parameters": object of argument names and values}.\n\n' -}}
+  {%- for tool in tools %}{{- tool | tojson + '\n' -}}{% endfor -%}
+{%- endif -%}
+{{- '<|eot_id|>' -}}
+{%- for message in messages[ns.start:] -%}
+  {%- if message.role == 'assistant' and message.tool_calls -%}
+    {{- '<|start_header_id|>assistant<|end_header_id|>\n\n' -}}
+    {%- for call in message.tool_calls -%}
+      {%- if not loop.first %}{{- '; ' -}}{% endif -%}
+      {{- '{"name": ' + call.function.name | tojson + ', "parameters": ' + call.function.arguments | tojson + '}' -}}
+    {%- endfor -%}
+    {{- '<|eot_id|>' -}}
+  {%- elif message.role == 'tool' -%}
+    {{- '<|start_header_id|>ipython<|end_header_id|>\n\n' + message.content + '<|eot_id|>' -}}
+  {%- else -%}
+    {{- '<|start_header_id|>' + message.role + '<|end_header_id|>\n\n' + message.content + '<|eot_id|>' -}}
+  {%- endif -%}
+{%- endfor -%}
+{%- if add_generation_prompt %}{{- '<|start_header_id|>assistant<|end_header_id|>\n\n' -}}{% endif -%}
+"""
+
+TEMPLATES = {"qwen": QWEN_STYLE_TEMPLATE, "llama": LLAMA_STYLE_TEMPLATE}
+
+
+def write_chat_tokenizer(directory: Path, style: str) -> Path:
+    """Write SmolLM2's tokenizer files with the ``style`` template ("qwen" or "llama")
+    into ``directory`` (created); returns it."""
+    from shardline.models.store import DEFAULT_MODEL_ID, ModelStore
+
+    directory = Path(directory)
+    # The embedded model's tokenizer files, saved from its GGUF once per machine (the
+    # conversion takes ~13 s); the store argument is not used for the default model.
+    source = ModelStore(directory / "unused-store").tokenizer_path(DEFAULT_MODEL_ID)
+    shutil.copytree(source, directory, dirs_exist_ok=True)
+    (directory / "chat_template.jinja").write_text(TEMPLATES[style])
+    return directory
+
+
+def write_tiny_chat_model(directory: Path, style: str, *, layers: int = 2, seed: int = 0) -> Path:
+    """A tiny random-weight model directory (safetensors, float32, hidden size 64, tied
+    embeddings, context 4096) with SmolLM2's tokenizer and the ``style`` chat template:
+    Qwen2 architecture for "qwen", Llama for "llama". Takes a few seconds."""
+    import torch
+    import transformers
+    from tiny_models import randomize, save_hf
+
+    if style not in TEMPLATES:
+        raise ValueError(f"style must be one of {sorted(TEMPLATES)}, got {style!r}")
+    transformers.logging.set_verbosity_error()
+    kwargs = dict(vocab_size=49152, hidden_size=64, intermediate_size=128, num_hidden_layers=layers,
+                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=4096,
+                  rms_norm_eps=1e-6, rope_theta=10000.0, tie_word_embeddings=True,
+                  bos_token_id=None, eos_token_id=None, pad_token_id=None)
+    if style == "qwen":
+        config = transformers.Qwen2Config(use_sliding_window=False, **kwargs)
+        model = transformers.Qwen2ForCausalLM(config)
+    else:
+        config = transformers.LlamaConfig(**kwargs)
+        model = transformers.LlamaForCausalLM(config)
+    torch.manual_seed(seed)
+    model = model.to(torch.float32).eval()
+    randomize(model, seed)
+    save_hf(model, Path(directory))
+    return write_chat_tokenizer(Path(directory), style)  # its generation_config.json: the end tokens
