@@ -15,7 +15,7 @@ import dataclasses
 import json
 import uuid
 from collections.abc import AsyncIterator
-from typing import Any, ClassVar, Literal
+from typing import Annotated, Any, ClassVar, Literal
 
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, StreamingResponse
@@ -33,6 +33,7 @@ from shardline.api.generation import (
 )
 from shardline.api.metrics import RequestMetrics
 from shardline.api.params import Endpoint
+from shardline.api.tools import ToolCall, ToolChoice, ToolChoiceMode
 from shardline.node.node import Node
 from shardline.node.queue_bound import QueueFullError
 from shardline.node.table import InstanceFailedError
@@ -60,12 +61,94 @@ class TextBlock(BaseModel):
     text: str
 
 
-class Message(BaseModel):
-    role: Literal["user", "assistant"]
-    content: str | list[TextBlock]
+class ToolUseBlock(BaseModel):
+    """An assistant's tool call: ``{type: "tool_use", id, name, input}``."""
+
+    model_config = ConfigDict(extra="forbid")
+    type: Literal["tool_use"]
+    id: str
+    name: str
+    input: dict[str, Any]
+    cache_control: dict | None = None
+
+
+class ToolResultBlock(BaseModel):
+    """A tool's result in a user turn: ``{type: "tool_result", tool_use_id, content,
+    is_error}`` (content a string or text blocks)."""
+
+    model_config = ConfigDict(extra="forbid")
+    type: Literal["tool_result"]
+    tool_use_id: str
+    content: str | list[TextBlock] = ""
+    is_error: bool = False
+    cache_control: dict | None = None
 
     def text(self) -> str:
-        return self.content if isinstance(self.content, str) else "".join(b.text for b in self.content)
+        text = self.content if isinstance(self.content, str) else "".join(b.text for b in self.content)
+        return f"Error: {text}" if self.is_error else text
+
+
+Block = Annotated[TextBlock | ToolUseBlock | ToolResultBlock, Field(discriminator="type")]
+
+
+class Message(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    role: Literal["user", "assistant"]
+    content: str | list[Block]
+
+    def text(self) -> str:
+        if isinstance(self.content, str):
+            return self.content
+        return "".join(b.text for b in self.content if isinstance(b, TextBlock))
+
+    def chat(self) -> list[dict[str, Any]]:
+        """The turn in the chat template's form: tool results first, as ``tool`` messages,
+        then the text; an assistant's tool_use blocks as its ``tool_calls``."""
+        blocks = [] if isinstance(self.content, str) else self.content
+        out: list[dict[str, Any]] = [{"role": "tool", "content": b.text(), "tool_call_id": b.tool_use_id}
+                                     for b in blocks if isinstance(b, ToolResultBlock)]
+        calls = [{"id": b.id, "type": "function", "function": {"name": b.name, "arguments": b.input}}
+                 for b in blocks if isinstance(b, ToolUseBlock)]
+        text = self.text()
+        if calls:
+            out.append({"role": "assistant", "content": text or None, "tool_calls": calls})
+        elif text or not out:
+            out.append({"role": self.role, "content": text})
+        return out
+
+
+class Tool(BaseModel):
+    """A client tool: ``{name, description, input_schema}`` (server tools are refused)."""
+
+    model_config = ConfigDict(extra="forbid")
+    type: Literal["custom"] | None = None
+    name: str
+    description: str | None = None
+    input_schema: dict[str, Any]
+    cache_control: dict | None = None
+
+    def function(self) -> dict[str, Any]:
+        function: dict[str, Any] = {"name": self.name, "parameters": self.input_schema}
+        if self.description is not None:
+            function["description"] = self.description
+        return {"type": "function", "function": function}
+
+
+class ToolChoiceParam(BaseModel):
+    """``tool_choice``: ``{type: auto | any | tool | none, name, disable_parallel_tool_use}``."""
+
+    model_config = ConfigDict(extra="forbid")
+    type: Literal["auto", "any", "tool", "none"]
+    name: str | None = None
+    disable_parallel_tool_use: bool = False
+
+    def choice(self) -> ToolChoice:
+        if self.type == "tool":
+            if self.name is None:
+                raise APIError(400, "tool_choice.name: required with type tool", param="tool_choice.name")
+            return ToolChoice(ToolChoiceMode.NAMED, self.name)
+        return ToolChoice({"auto": ToolChoiceMode.AUTO, "any": ToolChoiceMode.REQUIRED,
+                           "none": ToolChoiceMode.NONE}[self.type])
 
 
 class Metadata(BaseModel):
@@ -83,6 +166,8 @@ class CountTokensRequest(BaseModel):
     messages: list[Message] = Field(min_length=1)
     system: str | list[TextBlock] | None = None
     thinking: dict | None = None  # {"type": "disabled"} only (params.screen refuses the rest)
+    tools: list[Tool] | None = None
+    tool_choice: ToolChoiceParam | None = None
 
     @model_validator(mode="before")
     @classmethod
@@ -92,17 +177,22 @@ class CountTokensRequest(BaseModel):
 
     def chat(self) -> list[dict]:
         """The conversation as chat-template messages (the system prompt first)."""
-        chat = []
+        chat: list[dict] = []
         if self.system:
             system = self.system if isinstance(self.system, str) else "".join(b.text for b in self.system)
             chat.append({"role": "system", "content": system})
-        return chat + [{"role": m.role, "content": m.text()} for m in self.messages]
+        for m in self.messages:
+            chat += m.chat()
+        return chat
 
     def to_generation(self) -> GenerationRequest:
         """A last assistant message is the start of the reply (a prefill): continued, not
         answered with a new turn."""
+        choice = self.tool_choice or ToolChoiceParam(type="auto")
         return GenerationRequest(model=self.model, prompt=self.chat(), api="anthropic", prompt_param="messages",
-                                 continue_final_message=self.messages[-1].role == "assistant")
+                                 continue_final_message=self.messages[-1].role == "assistant",
+                                 tools=[t.function() for t in self.tools or []], tool_choice=choice.choice(),
+                                 max_tool_calls=1 if choice.disable_parallel_tool_use else None)
 
 
 class MessagesRequest(CountTokensRequest):
@@ -132,6 +222,8 @@ def _stop_reason(gen: Generation, finish: str) -> tuple[str, str | None]:
     """Anthropic's ``stop_reason`` and ``stop_sequence`` for a finish reason."""
     if finish == "length":
         return "max_tokens", None
+    if finish == "tool_calls":
+        return "tool_use", None
     if gen.stops.matched is not None:
         return "stop_sequence", gen.stops.matched
     return "end_turn", None
@@ -158,7 +250,10 @@ def router(node: Node, metrics: RequestMetrics | None = None) -> APIRouter:
         if finish is None:  # the client left; nobody reads this
             return JSONResponse(status_code=499, content=error_body("api_error", "client closed the request"))
         reason, sequence = _stop_reason(gen, finish)
-        return dict(_message(gen, req, message_id, [{"type": "text", "text": "".join(c.text for c in chunks)}]),
+        text = "".join(c.text for c in chunks)
+        calls = [_tool_use(call) for c in chunks for call in c.tool_calls]
+        content = ([{"type": "text", "text": text}] if text or not calls else []) + calls
+        return dict(_message(gen, req, message_id, content),
                     stop_reason=reason, stop_sequence=sequence,
                     usage={"input_tokens": len(gen.prompt), "output_tokens": gen.completion_tokens})
 
@@ -185,8 +280,18 @@ def _event(name: str, data: dict[str, Any]) -> str:
     return f"event: {name}\ndata: {json.dumps(data, ensure_ascii=False)}\n\n"
 
 
+def _tool_use(call: ToolCall) -> dict:
+    """A tool call as a ``tool_use`` content block (``toolu_`` ids, as Anthropic's)."""
+    return {"type": "tool_use", "id": "toolu_" + call.id.removeprefix("call_"), "name": call.name,
+            "input": json.loads(call.arguments)}
+
+
 async def _stream(gen: Generation, req: MessagesRequest, message_id: str) -> AsyncIterator[str]:
+    """Anthropic's events: a text block open from the start; each tool call a
+    ``tool_use`` block whose input comes as one ``input_json_delta``; text after a call
+    opens a new text block."""
     yield _event("message_start", {"type": "message_start", "message": _message(gen, req, message_id, [])})
+    index, open_text = 0, True
     yield _event("content_block_start", {"type": "content_block_start", "index": 0,
                                          "content_block": {"type": "text", "text": ""}})
     yield _event("ping", {"type": "ping"})
@@ -196,8 +301,23 @@ async def _stream(gen: Generation, req: MessagesRequest, message_id: str) -> Asy
             if isinstance(item, PrefillProgress):
                 continue
             if item.text:
-                yield _event("content_block_delta", {"type": "content_block_delta", "index": 0,
+                if not open_text:
+                    index, open_text = index + 1, True
+                    yield _event("content_block_start", {"type": "content_block_start", "index": index,
+                                                         "content_block": {"type": "text", "text": ""}})
+                yield _event("content_block_delta", {"type": "content_block_delta", "index": index,
                                                      "delta": {"type": "text_delta", "text": item.text}})
+            for call in item.tool_calls:
+                if open_text:
+                    yield _event("content_block_stop", {"type": "content_block_stop", "index": index})
+                    open_text = False
+                index += 1
+                block = _tool_use(call)
+                yield _event("content_block_start", {"type": "content_block_start", "index": index,
+                                                     "content_block": dict(block, input={})})
+                yield _event("content_block_delta", {"type": "content_block_delta", "index": index, "delta": {
+                    "type": "input_json_delta", "partial_json": json.dumps(block["input"], ensure_ascii=False)}})
+                yield _event("content_block_stop", {"type": "content_block_stop", "index": index})
             if item.finish is not None:
                 reason, sequence = _stop_reason(gen, item.finish)
     except QueueFullError as exc:  # a forwarded request the rank's node refused
@@ -206,7 +326,8 @@ async def _stream(gen: Generation, req: MessagesRequest, message_id: str) -> Asy
     except InstanceFailedError as exc:
         yield _event("error", error_body("api_error", str(exc)))
         return
-    yield _event("content_block_stop", {"type": "content_block_stop", "index": 0})
+    if open_text:
+        yield _event("content_block_stop", {"type": "content_block_stop", "index": index})
     yield _event("message_delta", {"type": "message_delta",
                                    "delta": {"stop_reason": reason, "stop_sequence": sequence},
                                    "usage": {"output_tokens": gen.completion_tokens}})

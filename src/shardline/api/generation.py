@@ -9,6 +9,7 @@ and :class:`APIError` its own way.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import functools
 import json
 import time
@@ -22,6 +23,17 @@ from pydantic import BaseModel, ValidationError
 from shardline.api.logprobs import TokenLogprob, token_logprob
 from shardline.api.params import Endpoint, ParamError, screen
 from shardline.api.prompt_bounds import min_prompt_tokens
+from shardline.api.tools import (
+    ToolCall,
+    ToolCallParser,
+    ToolChoice,
+    ToolChoiceMode,
+    check_history,
+    check_tools,
+    tool_call_grammar,
+    tool_format,
+    tool_names,
+)
 from shardline.models.store import ModelNotFoundError
 from shardline.models.tokenizer import (
     ChatTemplateError,
@@ -74,6 +86,14 @@ class GenerationRequest:
     prompt_param: str = "prompt"  # for error messages
     context: int | None = None  # the request's own context window (Ollama's num_ctx), at most the instance's
     continue_final_message: bool = False  # a last assistant message is continued (a prefill)
+    tools: list[dict[str, Any]] = field(default_factory=list)  # OpenAI function tools (api.tools)
+    tool_choice: ToolChoice = field(default_factory=lambda: ToolChoice(ToolChoiceMode.AUTO))
+    max_tool_calls: int | None = None  # 1: parallel_tool_calls false (later calls dropped)
+
+    @property
+    def offers_tools(self) -> bool:
+        """Tools are rendered into the prompt and calls parsed from the output."""
+        return bool(self.tools) and self.tool_choice.mode is not ToolChoiceMode.NONE
 
 
 @dataclass(frozen=True)
@@ -83,14 +103,18 @@ class Chunk:
     Attributes:
         text: content text (possibly empty).
         finish: None until the last chunk; then ``stop`` (an end token or a stop string),
-            ``length`` (max_tokens or the context) or ``cancelled``.
+            ``length`` (max_tokens or the context), ``tool_calls`` (it ended after calling
+            tools) or ``cancelled``.
         logprobs: the tokens generated since the last chunk, with their log-probabilities,
             when the request asked for them.
+        tool_calls: calls the output made, each once complete (their text is never in
+            ``text``: :class:`~shardline.api.tools.ToolCallParser`).
     """
 
     text: str = ""
     finish: str | None = None
     logprobs: tuple[TokenLogprob, ...] = ()
+    tool_calls: tuple[ToolCall, ...] = ()
 
 
 class StopMatcher:
@@ -137,7 +161,8 @@ class Generation:
     """
 
     def __init__(self, node: Node, req: GenerationRequest, prompt: list[int], inst: Instance,
-                 tokenizer: Tokenizer, metrics: RequestMetrics | None = None) -> None:
+                 tokenizer: Tokenizer, metrics: RequestMetrics | None = None,
+                 sampling: SamplingParams | None = None) -> None:
         self.node = node
         self.metrics = metrics
         self.req = req
@@ -156,7 +181,9 @@ class Generation:
                 param=req.max_tokens_param if room >= 1 else req.prompt_param, code="context_length_exceeded",
             )
         self.max_tokens = req.max_tokens or room
-        self.stop_ids = [] if req.ignore_eos else tokenizer.eos_token_ids
+        self.sampling = sampling or req.sampling
+        self.stop_ids = [] if req.ignore_eos and self.sampling.grammar is None else tokenizer.eos_token_ids
+        self.calls = 0  # tool calls made so far
         self.detokenizer = IncrementalDetokenizer(tokenizer)
         self.stops = StopMatcher(req.stop)
         self.completion_tokens = 0
@@ -177,10 +204,11 @@ class Generation:
             InstanceFailedError: the instance failed mid-request.
         """
         events = self.node.router.generate(TokenRequest(
-            self.req.model, tuple(self.prompt), self.max_tokens, self.req.sampling, tuple(self.stop_ids)),
+            self.req.model, tuple(self.prompt), self.max_tokens, self.sampling, tuple(self.stop_ids)),
             self.task_id)
         ended = "cancelled"  # unless it finishes, or fails
         logprobs: list[TokenLogprob] = []
+        parser = ToolCallParser(self.tool_format, tool_names(self.req.tools)) if self.req.offers_tools else None
         try:
             async for event in events:
                 if isinstance(event, PrefillProgress):
@@ -190,21 +218,23 @@ class Generation:
                     self.completion_tokens += 1
                     self.first_token_at = self.first_token_at or time.monotonic()
                 finish = event.finish_reason
-                text = ""
+                text, hit = "", False
                 if event.token_id >= 0 and event.token_id not in self.stop_ids:
                     if event.logprob is not None:
                         logprobs.append(self._logprob(event))
                     text, hit = self.stops.feed(self.detokenizer.push(event.token_id))
-                    if hit:
-                        ended = "stop"
-                        yield Chunk(text, "stop", tuple(logprobs))
-                        return
+                if hit:
+                    finish = "stop"
+                elif finish is not None:
+                    finish = "stop" if finish == "cancelled" else finish
+                    text += self.stops.flush()
+                chunk = self._chunk(parser, text, finish, tuple(logprobs))
                 if finish is not None:
-                    ended = "stop" if finish == "cancelled" else finish
-                    yield Chunk(text + self.stops.flush(), ended, tuple(logprobs))
+                    ended = chunk.finish or finish
+                    yield chunk
                     return
-                if text or logprobs:
-                    yield Chunk(text, None, tuple(logprobs))
+                if chunk.text or chunk.logprobs or chunk.tool_calls:
+                    yield chunk
                     logprobs = []
         except InstanceFailedError:
             ended = "error"
@@ -216,6 +246,30 @@ class Generation:
                 ttft = None if self.first_token_at is None else self.first_token_at - self.started
                 self.metrics.record(self.req.api, ended, len(self.prompt), self.completion_tokens, ttft,
                                     now - self.started)
+
+    def _chunk(self, parser: ToolCallParser | None, text: str, finish: str | None,
+               logprobs: tuple[TokenLogprob, ...]) -> Chunk:
+        """The chunk of ``text`` (tool calls parsed out of it when tools are offered); a
+        finished output that made calls ends ``tool_calls``."""
+        if parser is None:
+            return Chunk(text, finish, logprobs)
+        items = parser.feed(text) + (parser.finish() if finish is not None else [])
+        calls = []
+        for item in items:
+            if isinstance(item, ToolCall):
+                self.calls += 1
+                if self.req.max_tool_calls is None or self.calls <= self.req.max_tool_calls:
+                    calls.append(item)
+        content = "".join(item for item in items if isinstance(item, str))
+        if finish == "stop" and self.calls:
+            finish = "tool_calls"
+        return Chunk(content, finish, logprobs, tuple(calls))
+
+    @functools.cached_property
+    def tool_format(self):
+        """How this model writes tool calls (its template's format; the tokenizer's own
+        Hermes-style prompt where the template takes no tools)."""
+        return tool_format(self.tokenizer.chat_template if self.tokenizer.supports_tools else None)
 
     def _logprob(self, event: TokenEvent) -> TokenLogprob:
         assert event.logprob is not None
@@ -253,9 +307,31 @@ async def prepare(node: Node, req: GenerationRequest, metrics: RequestMetrics | 
             app answers 429 with ``Retry-After``).
     """
     inst, tokenizer, prompt = await tokenize(node, req)
-    gen = Generation(node, req, prompt, inst, tokenizer, metrics)
+    sampling = req.sampling
+    if req.offers_tools and req.tool_choice.mode in (ToolChoiceMode.REQUIRED, ToolChoiceMode.NAMED):
+        sampling = await asyncio.to_thread(_forced_call, req, tokenizer)
+    gen = Generation(node, req, prompt, inst, tokenizer, metrics, sampling)
     gen.task_id = node.router.reserve(inst, gen)  # after the last await: counted one by one
     return gen
+
+
+def _forced_call(req: GenerationRequest, tokenizer: Tokenizer) -> SamplingParams:
+    """The sampling of a request whose tool choice forces a call: its grammar is the
+    call's (:func:`~shardline.api.tools.tool_call_grammar`).
+
+    Raises:
+        APIError: 400 when the request also constrains its output otherwise
+            (``response_format``), or a tool's schema does not compile.
+    """
+    if req.sampling.grammar is not None:
+        raise APIError(400, "tool_choice: a forced tool call cannot be combined with a structured output format",
+                       param="tool_choice")
+    fmt = tool_format(tokenizer.chat_template if tokenizer.supports_tools else None)
+    try:
+        grammar = tool_call_grammar(fmt, req.tools, req.tool_choice)
+    except ValueError as exc:
+        raise APIError(400, str(exc), param="tools") from exc
+    return dataclasses.replace(req.sampling, grammar=grammar)
 
 
 async def tokenize(node: Node, req: GenerationRequest) -> tuple[Instance, Tokenizer, list[int]]:
@@ -268,6 +344,11 @@ async def tokenize(node: Node, req: GenerationRequest) -> tuple[Instance, Tokeni
             whose characters alone prove it longer than the context (refused before it is
             tokenized: :mod:`shardline.api.prompt_bounds`).
     """
+    if req.tools or req.tool_choice.mode in (ToolChoiceMode.REQUIRED, ToolChoiceMode.NAMED):
+        try:
+            check_tools(req.tools, req.tool_choice)
+        except ValueError as exc:
+            raise APIError(400, str(exc), param="tool_choice" if str(exc).startswith("tool_choice") else "tools") from exc
     try:
         inst = node.router.ready_instance(req.model)
     except NoInstanceError:
@@ -294,11 +375,14 @@ async def tokenize(node: Node, req: GenerationRequest) -> tuple[Instance, Tokeni
     if isinstance(req.prompt, str):
         prompt = await asyncio.to_thread(tokenizer.encode, req.prompt)
     elif req.prompt and isinstance(req.prompt[0], dict):
-        options: dict[str, Any] = {}
-        if req.continue_final_message:
-            options["continue_final_message"] = True
         try:
-            prompt = await asyncio.to_thread(functools.partial(tokenizer.encode_chat, req.prompt, **options))
+            check_history(req.prompt)  # type: ignore[arg-type]
+        except ValueError as exc:
+            raise APIError(400, str(exc), param=req.prompt_param) from exc
+        encode = functools.partial(tokenizer.encode_chat, req.prompt, tools=req.tools if req.offers_tools else None,
+                                   continue_final_message=req.continue_final_message)
+        try:
+            prompt = await asyncio.to_thread(encode)
         except ChatTemplateError as exc:
             raise APIError(400, str(exc), param=req.prompt_param) from exc
     else:

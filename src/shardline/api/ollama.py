@@ -18,6 +18,7 @@ changes nothing. A chat without messages or a generate without a prompt loads (a
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import time
 from collections.abc import AsyncIterator, Callable
@@ -43,6 +44,7 @@ from shardline.api.metrics import RequestMetrics
 from shardline.api.model_facts import ModelFacts, held_bytes, model_facts, placed
 from shardline.api.params import Endpoint
 from shardline.api.structured import json_grammar
+from shardline.api.tools import ToolCall, openai_tool_choice
 from shardline.models.store import ModelNotFoundError
 from shardline.node.node import Node
 from shardline.node.peer_client import PeerError
@@ -91,9 +93,24 @@ class Options(BaseModel):
 
 
 class OllamaMessage(BaseModel):
-    model_config = ConfigDict(extra="allow")
+    """A message: text, an assistant's ``tool_calls`` (``[{function: {name, arguments}}]``,
+    arguments an object) and a tool result's ``tool_name``."""
+
+    model_config = ConfigDict(extra="forbid")
     role: Literal["system", "user", "assistant", "tool"]
     content: str = ""
+    images: list[str] | None = None  # refused unless empty (content.check_parts)
+    tool_calls: list[dict[str, Any]] | None = None
+    tool_name: str | None = None
+    thinking: str | None = None  # a thinking model's reasoning: dropped from the history, as Ollama does
+
+    def chat(self) -> dict[str, Any]:
+        out: dict[str, Any] = {"role": self.role, "content": self.content}
+        if self.tool_calls:
+            out["tool_calls"] = [{"type": "function", **call} for call in self.tool_calls]
+        if self.tool_name is not None:
+            out["name"] = self.tool_name
+        return out
 
 
 class _Request(BaseModel):
@@ -161,8 +178,16 @@ class ChatRequest(_Request):
     def has_input(self) -> bool:
         return bool(self.messages)
 
+    tools: list[dict[str, Any]] | None = None
+    tool_choice: str | dict[str, Any] = "auto"  # an extension: OpenAI's values (Ollama has none)
+
     def to_generation(self) -> GenerationRequest:
-        return self.generation([{"role": m.role, "content": m.content} for m in self.messages], "messages")
+        try:
+            choice = openai_tool_choice(self.tool_choice)
+        except ValueError as exc:
+            raise APIError(400, str(exc), param="tool_choice") from None
+        return dataclasses.replace(self.generation([m.chat() for m in self.messages], "messages"),
+                                   tools=list(self.tools or []), tool_choice=choice)
 
 
 class GenerateRequest(_Request):
@@ -334,12 +359,11 @@ def router(node: Node, metrics: RequestMetrics | None = None, keep: KeepAlive | 
 
     @api.post("/api/chat")
     async def chat(request: Request):
-        return await _serve(node, metrics, keep, request, ChatRequest,
-                            lambda text: {"message": {"role": "assistant", "content": text}})
+        return await _serve(node, metrics, keep, request, ChatRequest, _chat_message)
 
     @api.post("/api/generate")
     async def generate(request: Request):
-        return await _serve(node, metrics, keep, request, GenerateRequest, lambda text: {"response": text})
+        return await _serve(node, metrics, keep, request, GenerateRequest, lambda text, calls=(): {"response": text})
 
     return api
 
@@ -356,7 +380,7 @@ async def _refuse_embeddings(node: Node, request: Request) -> JSONResponse:
 
 
 async def _load(node: Node, keep: KeepAlive, req: _Request, seconds: float | None,
-                content: Callable[[str], dict]) -> JSONResponse | dict:
+                content: Callable[..., dict]) -> JSONResponse | dict:
     """A request with nothing to generate: unload the model (``keep_alive`` 0), else answer
     that it is loaded (and keep it ``seconds``), or why not."""
     model = req.model.removesuffix(":latest")
@@ -379,7 +403,7 @@ async def _load(node: Node, keep: KeepAlive, req: _Request, seconds: float | Non
 
 
 async def _serve(node: Node, metrics: RequestMetrics | None, keep: KeepAlive, request: Request,
-                 request_type: type[_Request], content: Callable[[str], dict]):
+                 request_type: type[_Request], content: Callable[..., dict]):
     try:
         req = await parse_body(request, request_type)
         seconds = req.keep_alive_s()
@@ -400,7 +424,7 @@ async def _serve(node: Node, metrics: RequestMetrics | None, keep: KeepAlive, re
         keep.end(ids, seconds)
     if finish is None:  # the client left; nobody reads this
         return JSONResponse(status_code=499, content={"error": "client closed the request"})
-    body = content("".join(c.text for c in chunks))
+    body = content("".join(c.text for c in chunks), tuple(call for c in chunks for call in c.tool_calls))
     if req.logprobs:
         body["logprobs"] = ollama_logprobs([t for c in chunks for t in c.logprobs])
     return _final(gen, req, body, finish)
@@ -411,13 +435,21 @@ def _final(gen: Generation, req: _Request, body: dict, finish: str) -> dict:
     prompt's is the time to the first token)."""
     now = time.monotonic()
     first = gen.first_token_at or now
-    return {"model": req.model, "created_at": _now(), **body, "done": True, "done_reason": finish,
+    return {"model": req.model, "created_at": _now(), **body, "done": True, "done_reason": "stop" if finish == "tool_calls" else finish,
             "total_duration": int((now - gen.started) * 1e9), "load_duration": 0,
             "prompt_eval_count": len(gen.prompt), "prompt_eval_duration": int((first - gen.started) * 1e9),
             "eval_count": gen.completion_tokens, "eval_duration": int((now - first) * 1e9)}
 
 
-async def _stream(gen: Generation, req: _Request, content: Callable[[str], dict], keep: KeepAlive,
+def _chat_message(text: str, calls: tuple[ToolCall, ...] = ()) -> dict:
+    """The ``message`` of a chat answer; tool calls with their arguments as objects."""
+    message: dict[str, Any] = {"role": "assistant", "content": text}
+    if calls:
+        message["tool_calls"] = [{"function": {"name": c.name, "arguments": json.loads(c.arguments)}} for c in calls]
+    return {"message": message}
+
+
+async def _stream(gen: Generation, req: _Request, content: Callable[..., dict], keep: KeepAlive,
                   ids: list[str], seconds: float | None) -> AsyncIterator[str]:
     def line(data: dict) -> str:
         return json.dumps(data, ensure_ascii=False) + "\n"
@@ -427,8 +459,8 @@ async def _stream(gen: Generation, req: _Request, content: Callable[[str], dict]
         async for item in gen.texts():
             if isinstance(item, PrefillProgress):
                 continue
-            if item.text or item.logprobs:
-                body = content(item.text)
+            if item.text or item.logprobs or item.tool_calls:
+                body = content(item.text, item.tool_calls)
                 if req.logprobs:
                     body["logprobs"] = ollama_logprobs(list(item.logprobs))
                 yield line({"model": req.model, "created_at": _now(), **body, "done": False})

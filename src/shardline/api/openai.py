@@ -36,6 +36,7 @@ from shardline.api.logprobs import chat_logprobs, completion_logprobs
 from shardline.api.metrics import RequestMetrics
 from shardline.api.params import Endpoint
 from shardline.api.structured import json_grammar
+from shardline.api.tools import ToolCall, ToolChoice, openai_tool_choice
 from shardline.node.node import Node
 from shardline.node.queue_bound import QueueFullError
 from shardline.node.table import InstanceFailedError
@@ -60,9 +61,28 @@ class TextPart(BaseModel):
 
 
 class ChatMessage(BaseModel):
-    model_config = ConfigDict(extra="allow")
+    """A message: its text (a string or text parts), an assistant's ``tool_calls``
+    (``[{id, type: "function", function: {name, arguments: JSON text}}]``) and a tool
+    result's ``tool_call_id``."""
+
+    model_config = ConfigDict(extra="forbid")
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[TextPart] | None = None
+    name: str | None = None
+    tool_calls: list[dict[str, Any]] | None = None
+    tool_call_id: str | None = None
+    refusal: str | None = None
+
+    def chat(self) -> dict[str, Any]:
+        """The message in the chat template's form (developer is system)."""
+        out: dict[str, Any] = {"role": "system" if self.role == "developer" else self.role, "content": self.text()}
+        if self.tool_calls:
+            out["tool_calls"] = self.tool_calls
+        if self.tool_call_id is not None:
+            out["tool_call_id"] = self.tool_call_id
+        if self.name is not None and self.role == "tool":
+            out["name"] = self.name
+        return out
 
     def text(self) -> str:
         if self.content is None:
@@ -185,6 +205,9 @@ class ChatCompletionRequest(SamplingFields):
     top_logprobs: int | None = Field(default=None, ge=0, le=20)
     response_format: ResponseFormat | None = None
     modalities: list[str] | None = None
+    tools: list[dict[str, Any]] | None = None
+    tool_choice: Literal["none", "auto", "required"] | dict[str, Any] = "auto"
+    parallel_tool_calls: bool = True
 
     @model_validator(mode="after")
     def _logprobs_asked(self):
@@ -205,11 +228,18 @@ class ChatCompletionRequest(SamplingFields):
         return data
 
     def to_generation(self) -> GenerationRequest:
-        messages = [{"role": "system" if m.role == "developer" else m.role, "content": m.text()}
-                    for m in self.messages]
         limit = self.max_completion_tokens or self.max_tokens
         param = "max_completion_tokens" if self.max_completion_tokens else "max_tokens"
-        return self.generation(messages, limit, param, "messages")
+        return dataclasses.replace(
+            self.generation([m.chat() for m in self.messages], limit, param, "messages"),
+            tools=list(self.tools or []), tool_choice=self.choice(),
+            max_tool_calls=None if self.parallel_tool_calls else 1)
+
+    def choice(self) -> ToolChoice:
+        try:
+            return openai_tool_choice(self.tool_choice)
+        except ValueError as exc:
+            raise APIError(400, str(exc), param="tool_choice") from None
 
 
 class CompletionRequest(SamplingFields):
@@ -293,6 +323,7 @@ class _ChatShape:
     def __init__(self, req: SamplingFields, gens: list[Generation], completion_id: str, created: int) -> None:
         self.req, self.gens, self.id, self.created = req, gens, completion_id, created
         self.fingerprint = gens[0].fingerprint
+        self.calls_sent: dict[int, int] = {}  # tool calls streamed so far, per choice
 
     def _chunk(self, index: int, delta: Any, finish: str | None, logprobs: dict | None = None, **extra) -> dict:
         """A chunk whose choice ``index`` carries ``delta`` (a message delta; None: no choice)."""
@@ -308,10 +339,16 @@ class _ChatShape:
         return self._chunk(index, {"role": "assistant", "content": ""}, None)
 
     def piece(self, index: int, chunk: Chunk) -> dict | None:
-        """The chunk for one piece of output (None: nothing to send)."""
-        if not chunk.text and not chunk.logprobs:
+        """The chunk for one piece of output (None: nothing to send); each tool call
+        whole in one delta, numbered per choice."""
+        if not chunk.text and not chunk.logprobs and not chunk.tool_calls:
             return None
-        return self._chunk(index, {"content": chunk.text}, None, self._logprobs(index, chunk))
+        delta: dict[str, Any] = {"content": chunk.text} if chunk.text or chunk.logprobs else {}
+        if chunk.tool_calls:
+            first = self.calls_sent.get(index, 0)
+            delta["tool_calls"] = [dict(_call_object(call), index=first + i) for i, call in enumerate(chunk.tool_calls)]
+            self.calls_sent[index] = first + len(chunk.tool_calls)
+        return self._chunk(index, delta, None, self._logprobs(index, chunk))
 
     def finish(self, index: int, reason: str) -> dict:
         return self._chunk(index, {}, reason)
@@ -332,8 +369,12 @@ class _ChatShape:
         logprobs = None
         if self.req.logprobs_wanted() is not None:
             logprobs = chat_logprobs([t for c in chunks for t in c.logprobs])
-        return {"index": index, "message": {"role": "assistant", "content": "".join(c.text for c in chunks)},
-                "logprobs": logprobs, "finish_reason": finish}
+        message: dict[str, Any] = {"role": "assistant", "content": "".join(c.text for c in chunks)}
+        calls = [call for c in chunks for call in c.tool_calls]
+        if calls:
+            message["content"] = message["content"] or None
+            message["tool_calls"] = [_call_object(call) for call in calls]
+        return {"index": index, "message": message, "logprobs": logprobs, "finish_reason": finish}
 
     def whole(self, choices: list[dict]) -> dict:
         return {"id": self.id, "object": "chat.completion", "created": self.created, "model": self.req.model,
@@ -430,6 +471,11 @@ async def _serve(node: Node, metrics: RequestMetrics | None, request: Request,
         return JSONResponse(status_code=499, content=error_body("client closed the request", "client_closed"))
     return shape.whole([shape.choice(index, chunks, finish or "stop")
                         for index, (chunks, finish) in enumerate(results)])
+
+
+def _call_object(call: ToolCall) -> dict:
+    """A tool call as Chat Completions writes it (arguments as JSON text)."""
+    return {"id": call.id, "type": "function", "function": {"name": call.name, "arguments": call.arguments}}
 
 
 def _sse(data: Any) -> str:

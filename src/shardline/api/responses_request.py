@@ -20,6 +20,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from shardline.api.generation import APIError, GenerationRequest
 from shardline.api.structured import json_grammar
+from shardline.api.tools import ToolChoice, ToolChoiceMode, check_history, check_tools
 from shardline.runner.protocol import SamplingParams
 
 # Fields that work (see ResponsesRequest), and fields accepted only as null (or, for a
@@ -364,26 +365,16 @@ def to_generation(req: ResponsesRequest, history: list[dict], new_items: list[di
     """
     messages = chat_messages(req.instructions, history + new_items, len(history))
     tools, mode, name = parse_tools(req.tools, req.tool_choice)
-    fields = {f.name for f in dataclasses.fields(GenerationRequest)}
     params = sampling(req)
     extra: dict[str, Any] = {}
     if tools or any("tool_calls" in m or m["role"] == "tool" for m in messages):
-        # TODO(lead): GenerationRequest.tools / tool_choice (interfaces15.md §4) and
-        # shardline.api.tools (§3). Until both exist, tools and call items are refused.
+        choice = ToolChoice(ToolChoiceMode[mode.upper()], name)
         try:
-            from shardline.api import tools as tool_module  # type: ignore[attr-defined]
-        except ImportError:
-            tool_module = None
-        if tool_module is None or "tools" not in fields:
-            param = "tools" if tools else "input"
-            raise bad("function tools are not available in this build yet", param, "unsupported_parameter")
-        choice = tool_module.ToolChoice(tool_module.ToolChoiceMode[mode.upper()], name)
-        try:
-            tool_module.check_tools(tools, choice)
-            tool_module.check_history(messages)
+            check_tools(tools, choice)
+            check_history(messages)
         except ValueError as exc:
             raise bad(str(exc), "tools" if tools else "input") from exc
-        extra.update(tools=tools, tool_choice=choice)
+        extra.update(tools=tools, tool_choice=choice, max_tool_calls=None if req.parallel_tool_calls is not False else 1)
     elif mode in ("required", "named"):
         raise bad(f"tool_choice {mode} needs tools", "tool_choice")
     kind, schema = text_format(req.text)

@@ -96,6 +96,23 @@ class ToolCall:
                         arguments=json.dumps(arguments, ensure_ascii=False))
 
 
+def openai_tool_choice(value: Any) -> ToolChoice:
+    """OpenAI's ``tool_choice``: ``"none"``, ``"auto"``, ``"required"`` or ``{"type":
+    "function", "function": {"name": ...}}``.
+
+    Raises:
+        ValueError: any other value.
+    """
+    if isinstance(value, str) and value in ("none", "auto", "required"):
+        return ToolChoice(ToolChoiceMode(value))
+    if isinstance(value, dict) and value.get("type") == "function" and isinstance(value.get("function"), dict):
+        name = value["function"].get("name")
+        if isinstance(name, str):
+            return ToolChoice(ToolChoiceMode.NAMED, name)
+    raise ValueError('tool_choice: expected "none", "auto", "required" or '
+                     '{"type": "function", "function": {"name": ...}}')
+
+
 def tool_names(tools: list[dict[str, Any]] | None) -> set[str]:
     """The function names of ``tools`` (checked ones: see :func:`check_tools`)."""
     return {tool["function"]["name"] for tool in tools or ()}
