@@ -183,14 +183,35 @@ def test_penalties_change_a_repeated_tokens_logit_by_the_right_amount(
 def test_repeat_last_n_window_forgets_old_tokens():
     from shardline.runner.sampling import TokenCounts
 
-    counts = TokenCounts(prompt=(1, 2, 2, 3), last_n=3)
-    counts.start(VOCAB)
-    assert counts.window[[1, 2, 3]].tolist() == [0.0, 2.0, 1.0]
-    for token in (4, 5, 6):
+    counts = TokenCounts(VOCAB, prompt=(1, 2, 2, 3), last_n=3)
+    assert counts.window.counts[[1, 2, 3]].tolist() == [0.0, 2.0, 1.0]
+    assert sorted(counts.window.ids().tolist()) == [2, 3]
+    for token in (4, 5, 6, VOCAB + 3):  # an id past the vocabulary is not counted
         counts.add(token)
-    assert counts.window[[2, 3, 4, 5, 6]].tolist() == [0.0, 0.0, 1.0, 1.0, 1.0]
-    assert counts.generated[[2, 4, 5, 6]].tolist() == [0.0, 1.0, 1.0, 1.0]
-    assert counts.window.sum().item() == 3
+    assert counts.window.counts[[2, 3, 4, 5, 6]].tolist() == [0.0, 0.0, 0.0, 1.0, 1.0]
+    assert sorted(counts.window.ids().tolist()) == [5, 6]
+    assert counts.generated.counts[[2, 4, 5, 6]].tolist() == [0.0, 1.0, 1.0, 1.0]
+    assert sorted(counts.generated.ids().tolist()) == [4, 5, 6]
+
+
+@pytest.mark.timeout(10)
+def test_tally_matches_a_recount_after_many_adds_and_removes():
+    import random
+    from collections import Counter
+
+    from shardline.runner.sampling import TokenCounts
+
+    rng = random.Random(0)
+    prompt = tuple(rng.randrange(VOCAB) for _ in range(30))
+    counts = TokenCounts(VOCAB, prompt, last_n=17)
+    history = list(prompt)
+    for _ in range(500):  # a window sliding over many repeats exercises swap-removal
+        token = rng.randrange(VOCAB)
+        counts.add(token)
+        history.append(token)
+        window = Counter(history[-17:])
+        assert {int(t): int(counts.window.counts[t]) for t in counts.window.ids()} == dict(window)
+    assert sum(counts.generated.counts) == 500
 
 
 @pytest.mark.timeout(10)

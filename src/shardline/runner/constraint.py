@@ -20,13 +20,16 @@ unconstrained.
 
 The llguidance tokenizer is built from the model's own tokenizer
 (:class:`shardline.models.tokenizer.Tokenizer`, then ``llguidance.hf.from_tokenizer``) on
-the first constrained task only, and kept (about 1.5 s for SmolLM2's 49,152 tokens).
+the first constrained task only, and kept (about 1.5 s for SmolLM2's 49,152 tokens from
+its tokenizer files: :func:`tokenizer_source`). That first task's token waits for it, and
+so does the rest of the batch (the engine is one loop).
 """
 
 from __future__ import annotations
 
 import logging
 import threading
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -65,19 +68,51 @@ class GrammarTokenizer:
 
         from shardline.models.tokenizer import Tokenizer
 
-        tokenizer = Tokenizer(self.model_path)
+        source = tokenizer_source(Path(self.model_path))
+        log.info("building the grammar tokenizer from %s", source)
+        tokenizer = Tokenizer(source)
         return llguidance.hf.from_tokenizer(tokenizer._tok, eos_token=tokenizer.eos_token_ids)
 
 
-def allowed_tokens(bitmask: np.ndarray, vocab: int) -> torch.Tensor:
-    """The bool ``[vocab]`` of tokens a bitmask allows: llguidance's int32 words, token
-    ``i`` in bit ``i % 32`` of word ``i // 32`` (little-endian); tokens past the mask's
-    end are not allowed."""
+def tokenizer_source(model_path: Path) -> Path:
+    """Where to read a model's tokenizer from: for a ``.gguf`` file, the Hugging Face
+    tokenizer files saved for it where they exist (the model store's ``tokenizer/`` beside
+    it, or the machine cache's copy it makes of the embedded default's), since rebuilding
+    a tokenizer from GGUF metadata takes seconds to tens of seconds (SmolLM2: about 1 s
+    from the files, 5-20 s from the GGUF); else ``model_path`` itself."""
+    from shardline.machine_cache import cache_path
+    from shardline.models.store import GGUF_TOKENIZER_DIR
+
+    if not model_path.is_file():
+        return model_path
+    candidates = [model_path.parent / GGUF_TOKENIZER_DIR]
+    try:
+        candidates.append(cache_path("tokenizers", model_path))
+    except OSError:
+        pass
+    for candidate in candidates:
+        if (candidate / "tokenizer.json").is_file():
+            return candidate
+    return model_path
+
+
+def allowed_bits(bitmask: np.ndarray, vocab: int) -> np.ndarray:
+    """The uint8 ``[vocab]`` (1: allowed, 0: not) of a bitmask: llguidance's int32 words,
+    token ``i`` in bit ``i % 32`` of word ``i // 32`` (little-endian); tokens past the
+    mask's end are not allowed."""
     bits = np.unpackbits(bitmask.view(np.uint8), bitorder="little")
-    allowed = np.zeros(vocab, dtype=bool)
-    n = min(vocab, bits.shape[0])
-    allowed[:n] = bits[:n]
-    return torch.from_numpy(allowed)
+    if bits.shape[0] >= vocab:
+        return bits[:vocab]
+    return np.concatenate([bits, np.zeros(vocab - bits.shape[0], dtype=np.uint8)])
+
+
+def mask_logits(logits: torch.Tensor, bits: np.ndarray) -> None:
+    """Add -inf to the logits ``[vocab]`` where ``bits`` (uint8 ``[vocab]``) is 0 and 0.0
+    where it is 1, in place. Arithmetic rather than a boolean ``masked_fill``: (bit - 1)
+    times 1e38 twice overflows to -inf or stays 0, with no branch per token (3-10x faster
+    on a CPU, the mask being scattered over the vocabulary)."""
+    add = torch.from_numpy(bits).to(torch.float32).sub_(1).mul_(1e38).mul_(1e38)
+    logits.add_(add)
 
 
 class Constraint:
@@ -116,38 +151,42 @@ class Constraint:
         return cls(matcher, tuple(int(t) for t in llt.eos_tokens), stop_token_ids,
                    vocab=int(llt.vocab_size))
 
-    def allowed(self, vocab: int) -> torch.Tensor:
-        """The bool ``[vocab]`` of tokens allowed next."""
+    def bits(self, vocab: int) -> np.ndarray:
+        """The uint8 ``[vocab]`` of tokens allowed next (1) and not (0)."""
         if self.failed is None and self.matcher.is_error():
             self.failed = self.matcher.get_error()
             log.error("grammar matcher failed, ending the sequence: %s", self.failed)
         if self.failed is not None:
             return self._only_stop(vocab)
         self.matcher.unsafe_compute_mask_ptr(self._mask.ctypes.data, self._mask.nbytes)
-        allowed = allowed_tokens(self._mask, vocab)
+        bits = allowed_bits(self._mask, vocab).copy()
         if self.stop_token_ids:
             ends = [t for t in self.eos_tokens if t < vocab]
-            may_end = bool(allowed[ends].any()) if ends else False
-            allowed[ends] = False
+            may_end = bool(bits[ends].any()) if ends else False
+            bits[ends] = 0
             if may_end:
-                allowed[[t for t in self.stop_token_ids if 0 <= t < vocab]] = True
-        if not bool(allowed.any()):
+                bits[[t for t in self.stop_token_ids if 0 <= t < vocab]] = 1
+        if not bits.any():
             self.failed = "the grammar allows no token"
             log.error("grammar allows no token, ending the sequence")
             return self._only_stop(vocab)
-        return allowed
+        return bits
 
-    def _only_stop(self, vocab: int) -> torch.Tensor:
-        allowed = torch.zeros(vocab, dtype=torch.bool)
+    def allowed(self, vocab: int) -> torch.Tensor:
+        """The bool ``[vocab]`` of tokens allowed next."""
+        return torch.from_numpy(self.bits(vocab).astype(bool))
+
+    def _only_stop(self, vocab: int) -> np.ndarray:
         stops = [t for t in self.stop_token_ids if 0 <= t < vocab]
         if not stops:
-            return torch.ones(vocab, dtype=torch.bool)  # nothing ends it: unconstrained
-        allowed[stops] = True
-        return allowed
+            return np.ones(vocab, dtype=np.uint8)  # nothing ends it: unconstrained
+        bits = np.zeros(vocab, dtype=np.uint8)
+        bits[stops] = 1
+        return bits
 
     def apply(self, logits: torch.Tensor) -> None:
         """Set the logits ``[vocab]`` of tokens the grammar forbids to -inf, in place."""
-        logits.masked_fill_(~self.allowed(logits.shape[-1]), float("-inf"))
+        mask_logits(logits, self.bits(logits.shape[-1]))
 
     def consume(self, token: int) -> None:
         """Advance the matcher past ``token`` (a stop token ends the sequence instead)."""

@@ -28,8 +28,8 @@ Log-probabilities (``logprobs``) are the log-softmax of the model's float32 logi
 they come out of the LM head, *before* any of the steps above (so they describe the
 model, not the sampler; OpenAI's are likewise those of the model's distribution).
 
-Per-token counts for the penalties are kept incrementally (one update per token, a count
-tensor of the vocabulary's size), never recounted from the history.
+Per-token counts for the penalties are kept incrementally (O(1) per token: :class:`Tally`),
+never recounted from the history, and only the logits of the tokens seen are touched.
 """
 
 from __future__ import annotations
@@ -39,6 +39,7 @@ from collections import deque
 from dataclasses import dataclass
 from typing import Protocol
 
+import numpy as np
 import torch
 
 from shardline.runner.protocol import SamplingParams
@@ -82,22 +83,23 @@ def apply_logit_bias(logits: torch.Tensor, bias: tuple[tuple[int, float], ...]) 
     return logits
 
 
-def apply_frequency_presence(logits: torch.Tensor, counts: torch.Tensor, frequency: float,
-                             presence: float) -> torch.Tensor:
-    """OpenAI's penalties: ``logits - counts * frequency - (counts > 0) * presence``, with
-    ``counts`` ``[vocab]`` how often each token was generated (float32)."""
-    penalty = counts * frequency
-    if presence:
-        penalty += (counts > 0).to(logits.dtype) * presence
-    return logits - penalty
+def apply_frequency_presence(logits: torch.Tensor, ids: torch.Tensor, counts: torch.Tensor,
+                             frequency: float, presence: float) -> torch.Tensor:
+    """OpenAI's penalties, ``logit[j] -= count[j] * frequency + (count[j] > 0) * presence``,
+    for the generated tokens ``ids`` (int64 ``[n]``, distinct) with their ``counts``
+    (float32 ``[n]``, each > 0); the other logits (count 0) are unchanged. In place;
+    returned. Only the seen tokens are touched: O(n), not O(vocab)."""
+    logits[ids] = logits[ids] - (counts * frequency + presence)
+    return logits
 
 
-def apply_repetition_penalty(logits: torch.Tensor, seen: torch.Tensor, penalty: float) -> torch.Tensor:
-    """CTRL's rule for the tokens with ``seen`` ``[vocab]`` > 0: a positive logit divided by
-    ``penalty``, a negative one multiplied (so ``penalty`` > 1 always makes them less
-    likely); the others unchanged."""
-    penalised = torch.where(logits > 0, logits / penalty, logits * penalty)
-    return torch.where(seen > 0, penalised, logits)
+def apply_repetition_penalty(logits: torch.Tensor, ids: torch.Tensor, penalty: float) -> torch.Tensor:
+    """CTRL's rule for the seen tokens ``ids`` (int64 ``[n]``, distinct): a positive logit
+    divided by ``penalty``, a negative one multiplied (so ``penalty`` > 1 always makes them
+    less likely); the others unchanged. In place; returned."""
+    seen = logits[ids]
+    logits[ids] = torch.where(seen > 0, seen / penalty, seen * penalty)
+    return logits
 
 
 def apply_min_p(logits: torch.Tensor, min_p: float) -> torch.Tensor:
@@ -123,46 +125,77 @@ def token_logprobs(logits: torch.Tensor, token: int, k: int) -> tuple[float, tup
 # -- per-sequence state -------------------------------------------------------------------
 
 
-class TokenCounts:
-    """How often each token occurs, kept up to date one token at a time.
+class Tally:
+    """Counts of tokens in a vocabulary of ``vocab``, and the distinct tokens counted, both
+    kept up to date in O(1) a token: a dense float32 count per token and the ids with a
+    count > 0 in a buffer (a token whose count falls to 0 swaps with the last)."""
 
-    ``generated`` counts the output (frequency and presence penalties); ``window`` counts
-    the prompt and the output, or their last ``last_n`` tokens when ``last_n`` > 0
-    (repetition penalty). Both are float32 ``[vocab]``, made at the first
-    :meth:`start` (when the vocabulary's size is known from the logits)."""
+    def __init__(self, vocab: int) -> None:
+        self.counts = np.zeros(vocab, dtype=np.float32)
+        self._ids = np.zeros(64, dtype=np.int64)
+        self._where: dict[int, int] = {}
 
-    def __init__(self, prompt: tuple[int, ...], last_n: int) -> None:
-        self.prompt = prompt
-        self.last_n = last_n
-        self.recent: deque[int] = deque()
-        self.generated = torch.zeros(0)
-        self.window = torch.zeros(0)
-
-    def start(self, vocab: int) -> None:
-        """Count the prompt (once, O(prompt)) for a vocabulary of ``vocab`` tokens."""
-        self.generated = torch.zeros(vocab, dtype=torch.float32)
-        tokens = self.prompt[-self.last_n:] if self.last_n > 0 else self.prompt
-        ids = torch.tensor([t for t in tokens if 0 <= t < vocab], dtype=torch.long)
-        self.window = torch.bincount(ids, minlength=vocab).to(torch.float32)
-        if self.last_n > 0:
-            self.recent.extend(tokens)
-
-    @property
-    def started(self) -> bool:
-        return self.generated.numel() > 0
+    def start(self, tokens: tuple[int, ...]) -> None:
+        """Count ``tokens`` into an empty tally at once (vectorised: a long prompt)."""
+        vocab = self.counts.shape[0]
+        array = np.asarray(tokens, dtype=np.int64)
+        array = array[(array >= 0) & (array < vocab)]
+        self.counts = np.bincount(array, minlength=vocab).astype(np.float32)
+        ids = np.flatnonzero(self.counts)
+        self._ids = np.zeros(max(64, 2 * ids.shape[0]), dtype=np.int64)
+        self._ids[: ids.shape[0]] = ids
+        self._where = dict(zip(ids.tolist(), range(ids.shape[0])))
 
     def add(self, token: int) -> None:
-        """Count a generated token; O(1)."""
-        vocab = self.generated.numel()
-        if 0 <= token < vocab:
-            self.generated[token] += 1
-            self.window[token] += 1
+        if not 0 <= token < self.counts.shape[0]:
+            return  # not a token of the logits (the API checks ids against the tokenizer)
+        if self.counts[token] == 0:
+            n = len(self._where)
+            if n == self._ids.shape[0]:
+                self._ids = np.resize(self._ids, 2 * n)
+            self._ids[n] = token
+            self._where[token] = n
+        self.counts[token] += 1
+
+    def remove(self, token: int) -> None:
+        if not 0 <= token < self.counts.shape[0] or self.counts[token] == 0:
+            return
+        self.counts[token] -= 1
+        if self.counts[token] == 0:
+            at = self._where.pop(token)
+            last = len(self._where)
+            if at != last:
+                moved = int(self._ids[last])
+                self._ids[at] = moved
+                self._where[moved] = at
+
+    def ids(self) -> np.ndarray:
+        """The distinct tokens counted (int64, a view: read before the next change)."""
+        return self._ids[: len(self._where)]
+
+
+class TokenCounts:
+    """How often each token occurs, for the penalties: ``generated`` counts the output
+    (frequency and presence penalties), ``window`` the prompt and the output, or their last
+    ``last_n`` tokens when ``last_n`` > 0 (repetition penalty). The prompt is counted once
+    (O(prompt)); each generated token after that is O(1)."""
+
+    def __init__(self, vocab: int, prompt: tuple[int, ...], last_n: int) -> None:
+        self.last_n = last_n
+        self.generated = Tally(vocab)
+        self.window = Tally(vocab)
+        tokens = prompt[-last_n:] if last_n > 0 else prompt
+        self.window.start(tokens)
+        self.recent: deque[int] = deque(tokens if last_n > 0 else ())
+
+    def add(self, token: int) -> None:
+        """Count a generated token."""
+        self.generated.add(token)
+        self.window.add(token)
         if self.last_n > 0:
             self.recent.append(token)
             if len(self.recent) > self.last_n:
-                old = self.recent.popleft()
-                if 0 <= old < vocab:
-                    self.window[old] -= 1
+                self.window.remove(self.recent.popleft())
 
 
 class Sampler:
@@ -186,7 +219,8 @@ class Sampler:
             self.generator.manual_seed(seed % (2**63))
         self.penalised = (params.frequency_penalty != 0 or params.presence_penalty != 0
                           or params.repetition_penalty != 1.0)
-        self.counts = TokenCounts(prompt, params.repeat_last_n) if self.penalised else None
+        self.prompt = prompt
+        self.counts: TokenCounts | None = None  # made at the first token (the vocabulary's size)
         self.processed = self.penalised or bool(params.logit_bias) or constraint is not None
 
     def sample(self, logits: torch.Tensor) -> int:
@@ -199,7 +233,9 @@ class Sampler:
         p = self.params
         x = self.process(logits) if self.processed else logits
         token = self._pick(x)
-        if self.counts is not None:
+        if self.penalised:
+            if self.counts is None:
+                self.counts = TokenCounts(logits.shape[-1], self.prompt, p.repeat_last_n)
             self.counts.add(token)
         if self.constraint is not None:
             self.constraint.consume(token)
@@ -214,14 +250,20 @@ class Sampler:
         x = logits.float().clone()
         if p.logit_bias:
             x = apply_logit_bias(x, p.logit_bias)
-        if self.counts is not None:
-            if not self.counts.started:
-                self.counts.start(x.shape[-1])
+        if self.penalised:
+            if self.counts is None:
+                self.counts = TokenCounts(x.shape[-1], self.prompt, p.repeat_last_n)
             if p.frequency_penalty or p.presence_penalty:
-                x = apply_frequency_presence(x, self.counts.generated, p.frequency_penalty,
-                                             p.presence_penalty)
+                generated = self.counts.generated
+                ids = generated.ids()
+                if ids.shape[0]:
+                    x = apply_frequency_presence(x, torch.from_numpy(ids.copy()),
+                                                 torch.from_numpy(generated.counts[ids]),
+                                                 p.frequency_penalty, p.presence_penalty)
             if p.repetition_penalty != 1.0:
-                x = apply_repetition_penalty(x, self.counts.window, p.repetition_penalty)
+                ids = self.counts.window.ids()
+                if ids.shape[0]:
+                    x = apply_repetition_penalty(x, torch.from_numpy(ids.copy()), p.repetition_penalty)
         if self.constraint is not None:
             self.constraint.apply(x)
         return x
