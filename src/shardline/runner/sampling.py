@@ -229,8 +229,13 @@ class Sampler:
 
     def choose(self, logits: torch.Tensor) -> Choice:
         """Pick a token from float32 logits ``[vocab]`` (left untouched), with its
-        log-probabilities when the params ask for them; counts it."""
+        log-probabilities when the params ask for them; counts it. Logits on a GPU are
+        copied to the CPU first unless the sampling is the plain argmax (which stays
+        where it is: today's path)."""
         p = self.params
+        if logits.device.type != "cpu" and (self.processed or p.logprobs is not None
+                                            or (p.temperature > 0 and p.top_k != 1)):
+            logits = logits.cpu()  # the counts, masks and generator are on the CPU
         x = self.process(logits) if self.processed else logits
         token = self._pick(x)
         if self.penalised:
