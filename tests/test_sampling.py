@@ -1,12 +1,15 @@
-"""shardline.runner.sampling.Sampler: greedy, seeding, top-k and top-p."""
+"""shardline.runner.sampling.Sampler: greedy, seeding, top-k, top-p, logit bias, penalties,
+min_p and log-probabilities."""
 
 from __future__ import annotations
+
+import math
 
 import pytest
 import torch
 
 from shardline.runner.protocol import SamplingParams
-from shardline.runner.sampling import Sampler
+from shardline.runner.sampling import Choice, Sampler
 
 pytestmark = pytest.mark.fast
 
@@ -119,3 +122,160 @@ def test_unseeded_samplers_are_independent():
     a = Sampler(SamplingParams(temperature=1.0))
     b = Sampler(SamplingParams(temperature=1.0))
     assert [a.sample(logits) for _ in range(30)] != [b.sample(logits) for _ in range(30)]
+
+
+# -- issue 15: logit bias, penalties, min_p, logprobs -----------------------------------
+
+
+@pytest.mark.timeout(10)
+def test_defaults_leave_the_logits_untouched_and_argmax_bit_identical():
+    sampler = Sampler(SamplingParams(temperature=0.0))
+    assert not sampler.processed and sampler.counts is None and sampler.constraint is None
+    for seed in range(20):
+        logits = _logits(seed)
+        before = logits.clone()
+        assert sampler.choose(logits) == Choice(int(torch.argmax(before)))
+        assert torch.equal(logits, before)
+
+
+@pytest.mark.timeout(10)
+def test_logit_bias_minus_100_removes_the_token_greedy_would_pick():
+    logits = _logits(1)
+    best = int(torch.argmax(logits))
+    second = int(torch.topk(logits, 2).indices[1])
+    sampler = Sampler(SamplingParams(temperature=0.0, logit_bias=((best, -100.0),)))
+    assert sampler.sample(logits) == second
+    assert int(torch.argmax(logits)) == best  # the model's logits are not modified
+    boosted = Sampler(SamplingParams(temperature=0.0, logit_bias=((7, 100.0), (VOCAB + 5, 9.0))))
+    assert boosted.sample(logits) == 7  # an id past the vocabulary is ignored
+
+
+@pytest.mark.timeout(10)
+@pytest.mark.parametrize("frequency,presence,repetition,last_n,expected", [
+    # token 3: generated twice, in the prompt once; token 4: prompt only; token 5: never.
+    (0.5, 0.0, 1.0, 0, {3: 2.0 - 2 * 0.5, 4: -1.0, 5: 1.0}),
+    (0.0, 0.7, 1.0, 0, {3: 2.0 - 0.7, 4: -1.0, 5: 1.0}),
+    (0.5, 0.7, 1.0, 0, {3: 2.0 - 1.0 - 0.7, 4: -1.0, 5: 1.0}),
+    (-0.5, 0.0, 1.0, 0, {3: 2.0 + 1.0, 4: -1.0, 5: 1.0}),  # negative: encourages repeats
+    (0.0, 0.0, 2.0, 0, {3: 2.0 / 2, 4: -1.0 * 2, 5: 1.0}),  # CTRL: divide > 0, multiply < 0
+    (0.0, 0.0, 2.0, 2, {3: 2.0 / 2, 4: -1.0, 5: 1.0}),  # window of the last 2 of 4, 3, 3, 3: 4 out
+    (0.0, 0.0, 2.0, 4, {3: 2.0 / 2, 4: -1.0 * 2, 5: 1.0}),  # 4, 3, 3, 3: all in
+    (0.5, 0.0, 2.0, 0, {3: (2.0 - 1.0) / 2, 4: -2.0, 5: 1.0}),  # frequency first, then CTRL
+])
+def test_penalties_change_a_repeated_tokens_logit_by_the_right_amount(
+        frequency, presence, repetition, last_n, expected):
+    sampler = Sampler(SamplingParams(temperature=0.0, frequency_penalty=frequency,
+                                     presence_penalty=presence, repetition_penalty=repetition,
+                                     repeat_last_n=last_n), prompt=(4, 3))
+    logits = torch.zeros(VOCAB)
+    logits[[3, 4, 5]] = torch.tensor([2.0, -1.0, 1.0])
+    for _ in range(2):  # the sampler counts what it picks: force token 3 twice
+        forced = logits.clone()
+        forced[3] = 1e6
+        assert sampler.sample(forced) == 3
+    processed = sampler.process(logits)
+    for token, value in expected.items():
+        assert processed[token].item() == pytest.approx(value), token
+    assert processed[0].item() == 0.0  # unseen tokens untouched
+
+
+@pytest.mark.timeout(10)
+def test_repeat_last_n_window_forgets_old_tokens():
+    from shardline.runner.sampling import TokenCounts
+
+    counts = TokenCounts(VOCAB, prompt=(1, 2, 2, 3), last_n=3)
+    assert counts.window.counts[[1, 2, 3]].tolist() == [0.0, 2.0, 1.0]
+    assert sorted(counts.window.ids().tolist()) == [2, 3]
+    for token in (4, 5, 6, VOCAB + 3):  # an id past the vocabulary is not counted
+        counts.add(token)
+    assert counts.window.counts[[2, 3, 4, 5, 6]].tolist() == [0.0, 0.0, 0.0, 1.0, 1.0]
+    assert sorted(counts.window.ids().tolist()) == [5, 6]
+    assert counts.generated.counts[[2, 4, 5, 6]].tolist() == [0.0, 1.0, 1.0, 1.0]
+    assert sorted(counts.generated.ids().tolist()) == [4, 5, 6]
+
+
+@pytest.mark.timeout(10)
+def test_tally_matches_a_recount_after_many_adds_and_removes():
+    import random
+    from collections import Counter
+
+    from shardline.runner.sampling import TokenCounts
+
+    rng = random.Random(0)
+    prompt = tuple(rng.randrange(VOCAB) for _ in range(30))
+    counts = TokenCounts(VOCAB, prompt, last_n=17)
+    history = list(prompt)
+    for _ in range(500):  # a window sliding over many repeats exercises swap-removal
+        token = rng.randrange(VOCAB)
+        counts.add(token)
+        history.append(token)
+        window = Counter(history[-17:])
+        assert {int(t): int(counts.window.counts[t]) for t in counts.window.ids()} == dict(window)
+    assert sum(counts.generated.counts) == 500
+
+
+@pytest.mark.timeout(10)
+@pytest.mark.parametrize("min_p,kept", [
+    # probabilities 0.5, 0.3, 0.15, 0.05 (ids 1, 3, 0, 2): kept where p >= min_p * 0.5
+    (0.05, {0, 1, 2, 3}), (0.2, {0, 1, 3}), (0.5, {1, 3}), (0.7, {1}), (1.0, {1}),
+])
+def test_min_p_keeps_tokens_at_least_min_p_of_the_best(min_p, kept):
+    from shardline.runner.sampling import apply_min_p
+
+    logits = torch.tensor([0.15, 0.5, 0.05, 0.3]).log()
+    filtered = apply_min_p(logits, min_p)
+    assert set(torch.nonzero(torch.isfinite(filtered)).flatten().tolist()) == kept
+    sampler = Sampler(SamplingParams(temperature=1.0, min_p=min_p, seed=3))
+    assert {sampler.sample(logits) for _ in range(400)} == kept
+
+
+@pytest.mark.timeout(10)
+def test_top_p_zero_is_greedy():
+    sampler = Sampler(SamplingParams(temperature=1.0, top_p=0.0, seed=4))
+    for seed in range(30):
+        logits = _logits(seed, scale=0.1)
+        assert sampler.sample(logits) == int(torch.argmax(logits))
+
+
+@pytest.mark.timeout(10)
+@pytest.mark.parametrize("k", [0, 1, 5, 20, 50])
+def test_logprobs_top_entry_is_the_argmax_at_temperature_zero_and_sum_at_most_one(k):
+    sampler = Sampler(SamplingParams(temperature=0.0, logprobs=k))
+    for seed in range(10):
+        logits = _logits(seed)
+        choice = sampler.choose(logits)
+        expected = torch.log_softmax(logits, -1)
+        assert choice.token == int(torch.argmax(logits))
+        assert choice.logprob == pytest.approx(expected[choice.token].item())
+        assert len(choice.top) == min(k, 20)
+        if k:
+            assert choice.top[0] == (choice.token, choice.logprob)
+            values = [lp for _, lp in choice.top]
+            assert values == sorted(values, reverse=True)
+            assert sum(math.exp(lp) for lp in values) <= 1.0 + 1e-6
+
+
+@pytest.mark.timeout(10)
+def test_logprobs_are_the_models_before_the_processors():
+    logits = _logits(5)
+    best = int(torch.argmax(logits))
+    sampler = Sampler(SamplingParams(temperature=0.0, logprobs=2, logit_bias=((best, -100.0),)))
+    choice = sampler.choose(logits)
+    assert choice.token != best
+    assert choice.top[0][0] == best  # the model's own top token, whatever the bias did
+    assert choice.logprob == pytest.approx(torch.log_softmax(logits, -1)[choice.token].item())
+
+
+@pytest.mark.timeout(10)
+def test_logprob_table_round_trip():
+    from shardline.runner.engine import logprob_table, logprob_width, read_logprobs
+
+    assert logprob_width([None, None]) is None
+    assert logprob_width([None, 0]) == 0
+    assert logprob_width([3, 50, None]) == 20
+    choices = [Choice(5, -0.25, ((5, -0.25), (9, -2.5), (1, -3.0))), Choice(7), Choice(2, -1.5)]
+    table = logprob_table(choices, 3)
+    assert table.shape == (3, 7) and table.dtype == torch.float32
+    rows = table.tolist()
+    assert read_logprobs(rows[0], 3, 2) == (-0.25, ((5, -0.25), (9, -2.5)))
+    assert read_logprobs(rows[2], 3, 0) == (-1.5, ())

@@ -43,13 +43,16 @@ def hf_model(
     rope_scaling: dict | None = None,
     tie: bool = False,
     seed: int = 0,
+    vocab: int = VOCAB,
 ):
-    """A float32, eval-mode ``*ForCausalLM`` of ``arch`` ("llama", "qwen2", "qwen3")."""
+    """A float32, eval-mode ``*ForCausalLM`` of ``arch`` ("llama", "qwen2", "qwen3") with a
+    vocabulary of ``vocab`` tokens (49,152 to pair it with SmolLM2's tokenizer:
+    :func:`save_with_tokenizer`)."""
     import transformers
 
     transformers.logging.set_verbosity_error()
     kwargs = dict(
-        vocab_size=VOCAB,
+        vocab_size=vocab,
         hidden_size=HIDDEN,
         intermediate_size=INTERMEDIATE,
         num_hidden_layers=num_layers,
@@ -117,6 +120,21 @@ def save_hf(model, directory: Path, *, legacy_rope_keys: bool = False) -> Path:
         cfg["rope_scaling"] = rope if rope.get("rope_type", "default") != "default" else None
         path.write_text(json.dumps(cfg, indent=2))
     return directory
+
+
+SMOLLM2_VOCAB = 49152
+
+
+def save_with_tokenizer(directory: Path, *, num_layers: int = 4, seed: int = 0) -> Path:
+    """A tiny random llama with SmolLM2's vocabulary, saved as safetensors with the embedded
+    SmolLM2 GGUF's tokenizer files beside it, so the directory is a model a runner serves
+    and tokenizes (constrained decoding needs a real tokenizer). Takes a few seconds."""
+    from shardline.models.store import default_model_path
+    from shardline.models.tokenizer import Tokenizer
+
+    save_hf(hf_model("llama", num_layers=num_layers, seed=seed, vocab=SMOLLM2_VOCAB), directory)
+    Tokenizer(default_model_path()).save(directory)
+    return Path(directory)
 
 
 def hf_logits(model, tokens: list[int]) -> torch.Tensor:

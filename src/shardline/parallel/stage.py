@@ -102,9 +102,20 @@ class Stage:
     def share_tokens(self, ids: torch.Tensor) -> torch.Tensor:
         """Broadcast the sampled token ids (int64 ``[M]``, on the communication device:
         the CPU for gloo, the GPU for NCCL) from the sampling rank to all; in place."""
+        return self._from_sampler(ids, f"{ids.shape[0]} sampled tokens", "tokens shared")
+
+    def share_logprobs(self, table: torch.Tensor) -> torch.Tensor:
+        """Broadcast a step's log-probability table (float32 ``[M, 1 + 2k]``,
+        :func:`shardline.runner.engine.logprob_table`, on the communication device) from
+        the sampling rank to all; in place. Called only in steps where a sequence asks for
+        log-probabilities, on every rank alike."""
+        return self._from_sampler(table, f"log-probabilities of {table.shape[0]} tokens",
+                                  "log-probabilities shared")
+
+    def _from_sampler(self, tensor: torch.Tensor, what: str, done: str) -> torch.Tensor:
         if self.world_size > 1:
-            self.progress.mark(f"receiving {ids.shape[0]} sampled tokens from rank {self.sampler}")
+            self.progress.mark(f"receiving {what} from rank {self.sampler}")
             root = self.sampler if self.group is None else dist.get_global_rank(self.group, self.sampler)
-            dist.broadcast(ids, src=root, group=self.group)
-            self.progress.mark("tokens shared")
-        return ids
+            dist.broadcast(tensor, src=root, group=self.group)
+            self.progress.mark(done)
+        return tensor

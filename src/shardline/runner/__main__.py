@@ -118,6 +118,7 @@ def serve(conn, outbox: Outbox) -> None:
     from shardline.models.linear import weight_bytes
     from shardline.models.weights import open_weights
     from shardline.process_memory import large_allocations_mapped, release_free_memory
+    from shardline.runner.constraint import GrammarTokenizer
     from shardline.runner.engine import Engine, pool_tokens
 
     spec: RunnerSpec = conn.recv()
@@ -174,6 +175,7 @@ def serve(conn, outbox: Outbox) -> None:
         comm_device=comm_device,
         kv_tokens=spec.kv_tokens,
         on_idle=_release_idle_memory,
+        grammar_tokenizer=GrammarTokenizer(spec.model_path),
     )
     engine.run()
     if group is not None:

@@ -13,8 +13,11 @@ Each step:
    positions whatever else runs). The budget is small while other sequences decode, so a
    long prompt delays their next token by little, and larger when none does, so a
    pipeline's stages overlap many chunks (:mod:`shardline.parallel.pipeline`);
-5. the sampling rank samples every sequence that has new logits; one broadcast gives the
-   token ids to every rank;
+5. the sampling rank samples every sequence that has new logits
+   (:mod:`shardline.runner.sampling`, each sequence by its own parameters and, where it
+   has a grammar, its own mask: :mod:`shardline.runner.constraint`); one broadcast gives
+   the token ids to every rank, and when a sequence of the step asks for log-probabilities
+   (every rank knows which do) a second one gives them (:func:`logprob_table`);
 6. the ranks whose node streams a task emit its tokens; during its prefill they emit the
    prompt tokens they have processed after each chunk.
 
@@ -35,6 +38,7 @@ import torch
 
 from shardline.parallel.pipeline import PipelineStage
 from shardline.runner.agreement import agree
+from shardline.runner.constraint import Constraint
 from shardline.runner.protocol import (
     Cancel,
     EngineStats,
@@ -44,7 +48,7 @@ from shardline.runner.protocol import (
     TokenEvent,
     Tokens,
 )
-from shardline.runner.sampling import Sampler
+from shardline.runner.sampling import MAX_TOP_LOGPROBS, Choice, Sampler
 
 log = logging.getLogger(__name__)
 
@@ -94,6 +98,38 @@ def admissible(needs: list[int], free_slots: int, free_tokens: int) -> int:
         free_tokens -= need
         started += 1
     return started
+
+
+def logprob_width(wanted: list[int | None]) -> int | None:
+    """Top entries per row of a step's log-probability table: the most any sequence of
+    the step asks for (at most :data:`MAX_TOP_LOGPROBS`), or None when none asks (no
+    table, no broadcast). ``wanted``: each sequence's ``sampling.logprobs``."""
+    asked = [min(k, MAX_TOP_LOGPROBS) for k in wanted if k is not None]
+    return max(asked) if asked else None
+
+
+def logprob_table(choices: list[Choice], width: int) -> torch.Tensor:
+    """The float32 ``[len(choices), 1 + 2 * width]`` table the sampling rank broadcasts:
+    per row the chosen token's log-probability, then ``width`` top token ids (exact in
+    float32 below 2**24), then their log-probabilities; unused entries NaN."""
+    table = torch.full((len(choices), 1 + 2 * width), float("nan"), dtype=torch.float32)
+    for row, choice in enumerate(choices):
+        if choice.logprob is None:
+            continue
+        table[row, 0] = choice.logprob
+        for j, (token, logprob) in enumerate(choice.top[:width]):
+            table[row, 1 + j] = float(token)
+            table[row, 1 + width + j] = logprob
+    return table
+
+
+def read_logprobs(row: list[float], width: int, k: int) -> tuple[float, tuple[tuple[int, float], ...]]:
+    """A row of :func:`logprob_table` back as the chosen token's log-probability and its
+    ``k`` top entries."""
+    k = min(k, width)
+    top = tuple((int(row[1 + j]), row[1 + width + j]) for j in range(k)
+                if row[1 + j] == row[1 + j])  # NaN: the vocabulary has fewer tokens
+    return row[0], top
 
 
 @dataclass
@@ -148,6 +184,10 @@ class Engine:
             again (SmolLM2's 512-token TTFT 1.4 s -> 1.6-1.9 s when released after every
             request), and requests back to back should not pay it.
         idle_release_s: seconds idle before ``on_idle``.
+        grammar_tokenizer: returns the llguidance tokenizer for constrained tasks (called
+            on the sampling rank at the first task with a grammar;
+            :class:`shardline.runner.constraint.GrammarTokenizer`); None: a task with a
+            grammar is ended at once (logged).
     """
 
     def __init__(
@@ -167,6 +207,7 @@ class Engine:
         kv_tokens: int = 0,
         on_idle: Callable[[], None] | None = None,
         idle_release_s: float = 0.5,
+        grammar_tokenizer: Callable[[], object] | None = None,
     ) -> None:
         self.stage = stage
         self.inbox = inbox
@@ -196,6 +237,7 @@ class Engine:
         self.idle_release_s = idle_release_s
         self._worked = False  # ran a forward pass since on_idle was last called
         self._idle_since: float | None = None
+        self.grammar_tokenizer = grammar_tokenizer
 
     # -- inbox and agreement -------------------------------------------------------------
 
@@ -252,8 +294,20 @@ class Engine:
             seq = Sequence(task, self.free_slots.pop(0), kv_reserved=need)
             self.free_kv_tokens -= need
             if self.stage.samples:
-                seq.sampler = Sampler(task.sampling)
+                seq.sampler = self._sampler(task)
             self.running.append(seq)
+
+    def _sampler(self, task: Task) -> Sampler:
+        constraint = None
+        if task.sampling.grammar is not None:
+            constraint = Constraint.start(task.sampling.grammar, self._grammar_tokenizer,
+                                          task.stop_token_ids, task.task_id)
+        return Sampler(task.sampling, task.prompt, constraint)
+
+    def _grammar_tokenizer(self) -> object:
+        if self.grammar_tokenizer is None:
+            raise RuntimeError("this runner has no tokenizer for grammars")
+        return self.grammar_tokenizer()
 
     def _finish(self, seq: Sequence) -> None:
         self.running.remove(seq)
@@ -341,18 +395,30 @@ class Engine:
 
     def _sample_and_advance(self, seqs: list[Sequence], logits: list[torch.Tensor]) -> None:
         """Sample on the sampling rank (``logits``: float32 ``[vocab]`` per sequence), share
-        the ids with every rank, append them and end the sequences that finished."""
+        the ids (and the log-probabilities, when any sequence asks) with every rank,
+        append them and end the sequences that finished."""
+        wanted = [s.task.sampling.logprobs for s in seqs]
+        width = logprob_width(wanted)  # the same on every rank: all know the params
+        table: torch.Tensor | None = None
         if self.stage.samples:
-            chosen = []
+            choices = []
             for s, row in zip(seqs, logits):
                 assert s.sampler is not None  # admitted on the sampling rank with one
-                chosen.append(s.sampler.sample(row))
-            sampled = torch.tensor(chosen, dtype=torch.long, device=self.comm_device)
+                choices.append(s.sampler.choose(row))
+            sampled = torch.tensor([c.token for c in choices], dtype=torch.long, device=self.comm_device)
+            if width is not None:
+                table = logprob_table(choices, width).to(self.comm_device)
         else:
             sampled = torch.empty(len(seqs), dtype=torch.long, device=self.comm_device)
+            if width is not None:
+                table = torch.empty((len(seqs), 1 + 2 * width), dtype=torch.float32,
+                                    device=self.comm_device)
         ids = self.stage.share_tokens(sampled).tolist()
+        rows: list[list[float]] = []
+        if table is not None and width is not None:
+            rows = self.stage.share_logprobs(table).cpu().tolist()
         events: list[TokenEvent | PrefillProgress] = []
-        for seq, token in zip(seqs, ids):
+        for index, (seq, token) in enumerate(zip(seqs, ids)):
             seq.generated.append(token)
             finish = None
             if token in seq.task.stop_token_ids:
@@ -362,7 +428,13 @@ class Engine:
             elif seq.prompt_len + len(seq.generated) >= self.context:
                 finish = "length"
             if seq.task.origin == self.node_id:
-                events.append(TokenEvent(seq.task.task_id, token, finish, seq.prompt_len))
+                k = wanted[index]
+                if k is not None and width is not None:
+                    logprob, top = read_logprobs(rows[index], width, k)
+                    events.append(TokenEvent(seq.task.task_id, token, finish, seq.prompt_len,
+                                             logprob, top))
+                else:
+                    events.append(TokenEvent(seq.task.task_id, token, finish, seq.prompt_len))
             if finish is not None:
                 self._finish(seq)
         self.emit(events)
