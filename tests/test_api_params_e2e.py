@@ -138,26 +138,28 @@ def test_n_choices(url):
 
 
 def test_penalties_change_a_repetitive_answer(url):
+    prompt = "banana banana banana banana banana banana banana banana"
+
     def text(**extra) -> str:
-        body = httpx.post(f"{url}/v1/chat/completions", timeout=120, json={
-            "model": M, "messages": BANANAS, "max_tokens": 24, "temperature": 0, **extra}).json()
-        return body["choices"][0]["message"]["content"]
+        body = httpx.post(f"{url}/v1/completions", timeout=120, json={
+            "model": M, "prompt": prompt, "max_tokens": 16, "temperature": 0, **extra}).json()
+        return body["choices"][0]["text"]
 
     plain = text()
-    assert plain.lower().count("banana") >= 5
+    assert plain.lower().count("banana") >= 5, plain
     for extra in ({"frequency_penalty": 2.0}, {"presence_penalty": 2.0}, {"repetition_penalty": 1.5}):
         penalised = text(**extra)
-        assert penalised != plain and penalised.lower().count("banana") < plain.lower().count("banana"), extra
+        assert penalised.lower().count("banana") < plain.lower().count("banana"), (extra, penalised)
     assert text(frequency_penalty=0.0, presence_penalty=0.0, repetition_penalty=1.0) == plain
     for extra in ({"frequency_penalty": 2.5}, {"presence_penalty": -3}, {"repetition_penalty": 0}):
         response = httpx.post(f"{url}/v1/chat/completions", timeout=60,
                               json={"model": M, "messages": BANANAS, **extra})
         assert response.status_code == 400 and response.json()["error"]["param"] == next(iter(extra))
-    ollama = [httpx.post(f"{url}/api/chat", timeout=120, json={
-        "model": M, "messages": BANANAS, "stream": False,
-        "options": {"temperature": 0, "num_predict": 24, **options}}).json()["message"]["content"]
+    ollama = [httpx.post(f"{url}/api/generate", timeout=120, json={
+        "model": M, "prompt": prompt, "raw": True, "stream": False,
+        "options": {"temperature": 0, "num_predict": 16, **options}}).json()["response"]
         for options in ({}, {"repeat_penalty": 1.5}, {"frequency_penalty": 2.0}, {"presence_penalty": 2.0})]
-    assert ollama[0] == plain and all(o != plain for o in ollama[1:])
+    assert ollama[0] == plain and all(o.lower().count("banana") < plain.lower().count("banana") for o in ollama[1:])
 
 
 def test_logit_bias_bans_a_token(url):
@@ -218,7 +220,7 @@ def test_identifiers_are_accepted(url):
     plain = _chat(url)["choices"][0]["message"]
     tagged = _chat(url, user="u-1", safety_identifier="s-1", prompt_cache_key="k-1")
     assert tagged["choices"][0]["message"] == plain
-    response = _post(url, Endpoint.MESSAGES, metadata={"user_id": "u-1"})
+    response = _post(url, Endpoint.MESSAGES, metadata={"user_id": "u-1"}, cache_control={"type": "ephemeral"})
     assert response.status_code == 200, response.text
 
 
@@ -236,15 +238,17 @@ def test_sampling_extensions_are_checked(url):
 
 
 def test_response_format_json_schema_parses(url):
-    schema = {"type": "object", "properties": {"city": {"type": "string"}, "population": {"type": "integer"}},
+    schema = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 24},
+                                               "population": {"type": "integer", "maximum": 10**9}},
               "required": ["city", "population"], "additionalProperties": False}
-    body = _chat(url, max_tokens=60, response_format={
+    body = _chat(url, max_tokens=80, response_format={
         "type": "json_schema", "json_schema": {"name": "city", "schema": schema, "strict": True}})
+    assert body["choices"][0]["finish_reason"] == "stop", body
     value = json.loads(body["choices"][0]["message"]["content"])
     assert set(value) == {"city", "population"} and isinstance(value["population"], int)
-    anything = json.loads(_chat(url, max_tokens=60, response_format={"type": "json_object"})
-                          ["choices"][0]["message"]["content"])
-    assert isinstance(anything, dict)
+    anything = _chat(url, max_tokens=200, response_format={"type": "json_object"})["choices"][0]
+    assert anything["finish_reason"] == "stop", anything
+    assert isinstance(json.loads(anything["message"]["content"]), dict)
     bad = httpx.post(f"{url}/v1/chat/completions", timeout=60, json={
         "model": M, "messages": CHAT, "response_format": {"type": "json_schema",
                                                           "json_schema": {"name": "x", "schema": {"type": "nope"}}}})
@@ -252,11 +256,12 @@ def test_response_format_json_schema_parses(url):
 
 
 def test_ollama_format_parses(url):
-    schema = {"type": "object", "properties": {"capital": {"type": "string"}}, "required": ["capital"]}
+    schema = {"type": "object", "properties": {"capital": {"type": "string", "maxLength": 24}}, "required": ["capital"]}
     for fmt in ("json", schema):
         answer = httpx.post(f"{url}/api/chat", timeout=120, json={
             "model": M, "messages": CHAT, "stream": False, "format": fmt,
-            "options": {"temperature": 0, "num_predict": 60}}).json()
+            "options": {"temperature": 0, "num_predict": 200}}).json()
+        assert answer["done_reason"] == "stop", answer
         value = json.loads(answer["message"]["content"])
         assert isinstance(value, dict) and (fmt == "json" or isinstance(value["capital"], str))
 
@@ -308,3 +313,14 @@ def test_anthropic_sampling_is_checked(url):
     greedy = _post(url, Endpoint.MESSAGES, temperature=0, max_tokens=12).json()["content"][0]["text"]
     for extra in ({"top_p": 0, "temperature": 1}, {"top_k": 1, "temperature": 1}):
         assert _post(url, Endpoint.MESSAGES, max_tokens=12, **extra).json()["content"][0]["text"] == greedy
+
+
+def test_anthropic_output_format_parses(url):
+    schema = {"type": "object", "properties": {"capital": {"type": "string", "maxLength": 24}},
+              "required": ["capital"], "additionalProperties": False}
+    body = _post(url, Endpoint.MESSAGES, max_tokens=80, temperature=0,
+                 output_config={"format": {"type": "json_schema", "schema": schema}}).json()
+    assert body["stop_reason"] == "end_turn", body
+    assert isinstance(json.loads(body["content"][0]["text"])["capital"], str)
+    effort = _post(url, Endpoint.MESSAGES, output_config={"effort": "high"})
+    assert effort.status_code == 400 and "effort" in effort.text

@@ -33,6 +33,7 @@ from shardline.api.generation import (
 )
 from shardline.api.metrics import RequestMetrics
 from shardline.api.params import Endpoint
+from shardline.api.structured import json_grammar
 from shardline.api.tools import ToolCall, ToolChoice, ToolChoiceMode
 from shardline.node.node import Node
 from shardline.node.queue_bound import QueueFullError
@@ -70,6 +71,8 @@ class ToolUseBlock(BaseModel):
     name: str
     input: dict[str, Any]
     cache_control: dict | None = None
+    caller: None = None  # set only for server-side (code execution) callers, which are not run here
+    toolset_name: None = None
 
 
 class ToolResultBlock(BaseModel):
@@ -195,6 +198,29 @@ class CountTokensRequest(BaseModel):
                                  max_tool_calls=1 if choice.disable_parallel_tool_use else None)
 
 
+class OutputFormat(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    type: Literal["json_schema"]
+    schema_: dict[str, Any] = Field(alias="schema")
+
+
+class OutputConfig(BaseModel):
+    """``output_config``: ``format`` (structured output by constrained decoding);
+    ``effort`` refused (not a reasoning model)."""
+
+    model_config = ConfigDict(extra="forbid")
+    format: OutputFormat | None = None
+    effort: None = None
+
+    def grammar(self) -> str | None:
+        if self.format is None:
+            return None
+        try:
+            return json_grammar(self.format.schema_)
+        except ValueError as exc:
+            raise APIError(400, f"output_config.format.schema: {exc}", param="output_config") from exc
+
+
 class MessagesRequest(CountTokensRequest):
     """A Messages request (:data:`shardline.api.params.PARAMETERS` lists each field and
     what it does; the rest are refused)."""
@@ -208,13 +234,17 @@ class MessagesRequest(CountTokensRequest):
     stream: bool = False
     metadata: Metadata | None = None
     service_tier: str | None = None
+    speed: str | None = None
+    cache_control: dict[str, Any] | None = None
+    output_config: OutputConfig | None = None
 
     def to_generation(self) -> GenerationRequest:
         greedy = self.top_p == 0.0
         return dataclasses.replace(
             super().to_generation(), max_tokens=self.max_tokens,
             sampling=SamplingParams(0.0 if greedy else self.temperature, 1.0 if greedy else self.top_p,
-                                    self.top_k, None),
+                                    self.top_k, None,
+                                    grammar=None if self.output_config is None else self.output_config.grammar()),
             stop=list(self.stop_sequences or []))
 
 
