@@ -25,6 +25,7 @@ BASE = {
     Endpoint.COMPLETIONS: ("/v1/completions", {"model": M, "prompt": "The capital of France is", "max_tokens": 4}),
     Endpoint.MESSAGES: ("/v1/messages", {"model": M, "messages": CHAT, "max_tokens": 4}),
     Endpoint.COUNT_TOKENS: ("/v1/messages/count_tokens", {"model": M, "messages": CHAT}),
+    Endpoint.RESPONSES: ("/v1/responses", {"model": M, "input": CAPITAL_QUESTION, "max_output_tokens": 4}),
     Endpoint.OLLAMA_CHAT: ("/api/chat", {"model": M, "messages": CHAT, "stream": False,
                                          "options": {"num_predict": 4}}),
     Endpoint.OLLAMA_GENERATE: ("/api/generate", {"model": M, "prompt": CAPITAL_QUESTION, "stream": False,
@@ -324,3 +325,19 @@ def test_anthropic_output_format_parses(url):
     assert isinstance(json.loads(body["content"][0]["text"])["capital"], str)
     effort = _post(url, Endpoint.MESSAGES, output_config={"effort": "high"})
     assert effort.status_code == 400 and "effort" in effort.text
+
+
+def test_responses_format_and_logprobs(url):
+    schema = {"type": "object", "properties": {"capital": {"type": "string", "maxLength": 24}},
+              "required": ["capital"], "additionalProperties": False}
+    body = httpx.post(f"{url}/v1/responses", timeout=60, json={
+        "model": M, "input": CAPITAL_QUESTION, "temperature": 0, "max_output_tokens": 80,
+        "text": {"format": {"type": "json_schema", "name": "answer", "schema": schema}}}).json()
+    assert body["status"] == "completed", body
+    assert isinstance(json.loads(body["output"][0]["content"][0]["text"])["capital"], str)
+    body = httpx.post(f"{url}/v1/responses", timeout=60, json={
+        "model": M, "input": CAPITAL_QUESTION, "temperature": 0, "max_output_tokens": 8, "top_logprobs": 2,
+        "include": ["message.output_text.logprobs"]}).json()
+    part = body["output"][0]["content"][0]
+    assert "".join(t["token"] for t in part["logprobs"]) == part["text"]
+    _check_logprobs(part["logprobs"], 2)

@@ -10,6 +10,7 @@ import pytest
 
 from shardline.api import anthropic, ollama, openai
 from shardline.api.params import PARAMETERS, Endpoint, Param, ParamError, render_table, screen
+from shardline.api.responses_request import ResponsesRequest
 
 pytestmark = pytest.mark.fast
 
@@ -55,6 +56,7 @@ MODELS = {
     Endpoint.OLLAMA_CHAT: ollama.ChatRequest,
     Endpoint.OLLAMA_GENERATE: ollama.GenerateRequest,
     Endpoint.OLLAMA_OPTIONS: ollama.Options,
+    Endpoint.RESPONSES: ResponsesRequest,
 }
 
 

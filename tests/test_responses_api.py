@@ -3,7 +3,6 @@
 
 from __future__ import annotations
 
-import importlib.util
 from types import SimpleNamespace
 
 import pytest
@@ -11,6 +10,7 @@ from openai.types.responses import Response, ResponseStreamEvent
 from pydantic import TypeAdapter
 
 from shardline.api.generation import APIError
+from shardline.api.logprobs import TokenLogprob, TopLogprob
 from shardline.api.response_store import ResponseStore, StoredResponse
 from shardline.api.responses_output import OutputBuilder, Piece, usage_object
 from shardline.api.responses_request import (
@@ -222,12 +222,6 @@ def test_a_request_maps_to_a_generation_request():
     assert refused(to_generation, check_fields(dict(BASE, tool_choice="required")), [], []).param == "tool_choice"
 
 
-@pytest.mark.skipif(importlib.util.find_spec("shardline.api.tools") is not None, reason="tools are wired")
-def test_tools_are_refused_until_wired():
-    req = check_fields(dict(BASE, tools=[{"type": "function", "name": "f", "parameters": None}]))
-    assert refused(to_generation, req, [], normalize_input("hi", "m")).param == "tools"
-
-
 # -- output ------------------------------------------------------------------------------
 
 EVENTS: TypeAdapter = TypeAdapter(ResponseStreamEvent)
@@ -289,7 +283,7 @@ def test_tool_calls_are_function_call_items():
 
 
 def test_logprobs_only_when_included():
-    entry = SimpleNamespace(token="a", logprob=-0.1, bytes=[97], top=(("a", -0.1, [97]), ("b", -2.5, [98])))
+    entry = TokenLogprob("a", -0.1, [97], (TopLogprob("a", -0.1, [97]), TopLogprob("b", -2.5, [98])))
     _, events = build({"include": ["message.output_text.logprobs"], "top_logprobs": 2},
                       [Piece("a", None, (), (entry,))], "stop")
     part = Response.model_validate(events[-1]["response"]).output[0].content[0]  # type: ignore[union-attr]

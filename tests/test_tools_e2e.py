@@ -151,6 +151,24 @@ def test_ollama_tool_round_trip(url, style):
     assert bad.status_code == 400 and "arguments" in bad.json()["error"]
 
 
+@pytest.mark.parametrize("style", STYLES)
+def test_responses_tool_round_trip(url, style):
+    client = openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0)
+    tool = {"type": "function", **WEATHER["function"]}
+    first = client.responses.create(model=style, input="What is the weather in Paris?", tools=[tool],
+                                    tool_choice="required", temperature=0, max_output_tokens=60)
+    [call] = [item for item in first.output if item.type == "function_call"]
+    assert call.name == "get_weather" and isinstance(json.loads(call.arguments), dict)
+    assert not [item for item in first.output if item.type == "message" and item.content[0].text]
+    answer = client.responses.create(model=style, previous_response_id=first.id, tools=[tool], tool_choice="none",
+                                     input=[{"type": "function_call_output", "call_id": call.call_id,
+                                             "output": "Sunny"}], temperature=0, max_output_tokens=5)
+    assert answer.status in ("completed", "incomplete") and answer.output[0].type == "message"
+    alone = client.responses.create(model=style, input="What is the weather in Paris?", tools=[tool],
+                                    tool_choice="none", max_output_tokens=1, store=False)
+    assert answer.usage.input_tokens > alone.usage.input_tokens + 10  # the call and its output are in the prompt
+
+
 def test_a_call_in_the_output_never_reaches_the_content(url):
     """tool_choice auto on noise: whatever the text, no call markup in the content."""
     body = httpx.post(f"{url}/v1/chat/completions", timeout=60, json={

@@ -93,10 +93,12 @@ def token_logprob(piece_of, token_id: int, logprob: float, top: tuple[tuple[int,
 def chat_logprobs(tokens: list[TokenLogprob]) -> dict:
     """OpenAI Chat Completions' ``logprobs`` object: ``{"content": [{token, logprob, bytes,
     top_logprobs: [{token, logprob, bytes}]}], "refusal": null}``."""
-    return {"content": [_chat_entry(t) for t in tokens], "refusal": None}
+    return {"content": [logprob_entry(t) for t in tokens], "refusal": None}
 
 
-def _chat_entry(t: TokenLogprob) -> dict:
+def logprob_entry(t: TokenLogprob) -> dict:
+    """One token's entry as OpenAI (Chat Completions, Responses) and Ollama write it:
+    ``{token, logprob, bytes, top_logprobs: [{token, logprob, bytes}]}``."""
     return {"token": t.token, "logprob": t.logprob, "bytes": t.bytes,
             "top_logprobs": [{"token": a.token, "logprob": a.logprob, "bytes": a.bytes} for a in t.top]}
 
@@ -115,4 +117,4 @@ def completion_logprobs(tokens: list[TokenLogprob], offset: int) -> dict:
 
 def ollama_logprobs(tokens: list[TokenLogprob]) -> list[dict]:
     """Ollama's ``logprobs``: ``[{token, logprob, bytes, top_logprobs: [...]}]``."""
-    return [_chat_entry(t) for t in tokens]
+    return [logprob_entry(t) for t in tokens]

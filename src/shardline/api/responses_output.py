@@ -21,6 +21,7 @@ import uuid
 from dataclasses import dataclass
 from typing import Any
 
+from shardline.api.logprobs import logprob_entry
 from shardline.api.responses_request import LOGPROBS_INCLUDE, ResponsesRequest
 
 
@@ -76,9 +77,6 @@ def response_skeleton(req: ResponsesRequest, response_id: str, created_at: int) 
     }
 
 
-def _logprob(entry: Any) -> dict:
-    return {"token": entry.token, "logprob": entry.logprob, "bytes": list(entry.bytes),
-            "top_logprobs": [{"token": t, "logprob": lp, "bytes": list(b)} for t, lp, b in entry.top]}
 
 
 class OutputBuilder:
@@ -169,7 +167,7 @@ class OutputBuilder:
                 events += self._open_message()
             assert self.message is not None
             part, index = self.message["content"][0], self.output.index(self.message)
-            logprobs = [_logprob(e) for e in piece.logprobs] if self.logprobs else []
+            logprobs = [logprob_entry(e) for e in piece.logprobs] if self.logprobs else []
             part["text"] += piece.text
             part["logprobs"] += logprobs
             events.append(self._pad(self._event("response.output_text.delta", item_id=self.message["id"],

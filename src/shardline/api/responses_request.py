@@ -19,20 +19,11 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from shardline.api.generation import APIError, GenerationRequest
+from shardline.api.params import PARAMETERS, Endpoint
 from shardline.api.structured import json_grammar
 from shardline.api.tools import ToolChoice, ToolChoiceMode, check_history, check_tools
 from shardline.runner.protocol import SamplingParams
 
-# Fields that work (see ResponsesRequest), and fields accepted only as null (or, for a
-# few, a value that asks for nothing: the default).
-FIELDS = {"model", "input", "instructions", "max_output_tokens", "temperature", "top_p", "stream",
-          "stream_options", "store", "previous_response_id", "tools", "tool_choice", "parallel_tool_calls",
-          "text", "metadata", "user", "safety_identifier", "prompt_cache_key", "truncation", "include",
-          "top_logprobs", "max_tool_calls", "service_tier", "background", "reasoning"}
-NULL_ONLY: dict[str, tuple[Any, ...]] = {
-    "access_programs": (None,), "background_options": (None,), "context_management": (None, []),
-    "conversation": (None,), "image": (None,), "moderation": (None,), "prompt": (None,),
-    "prompt_cache_options": (None,), "prompt_cache_retention": (None,)}
 # Values of fields that work, which this server does not serve.
 SERVICE_TIERS = (None, "auto", "default")
 LOGPROBS_INCLUDE = "message.output_text.logprobs"
@@ -126,6 +117,14 @@ def check_fields(body: Any) -> ResponsesRequest:
             raise bad("metadata keys are at most 64 characters and values 512", "metadata")
     text_format(req.text)  # checked here, built where the request is mapped
     return req
+
+
+_ROWS = {p.name: p for p in PARAMETERS if p.endpoint is Endpoint.RESPONSES}
+FIELDS = {name for name in _ROWS if name in ResponsesRequest.model_fields}
+"""Fields validated by :class:`ResponsesRequest` (rows of
+:data:`shardline.api.params.PARAMETERS`; a few refused at some values by :func:`check_fields`)."""
+NULL_ONLY: dict[str, tuple[Any, ...]] = {name: (None, *p.allowed) for name, p in _ROWS.items() if name not in FIELDS}
+"""Fields of the reference accepted only as null (or a value that asks for nothing)."""
 
 
 # -- input items -------------------------------------------------------------------------
