@@ -19,7 +19,14 @@ from typing import Any
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
-from shardline.api.generation import PARSE_IN_THREAD_BYTES, APIError, Generation, prepare
+from shardline.api.generation import (
+    PARSE_IN_THREAD_BYTES,
+    APIError,
+    Chunk,
+    Generation,
+    collect_unless_disconnected,
+    prepare,
+)
 from shardline.api.metrics import RequestMetrics
 from shardline.api.openai import error_body, error_response
 from shardline.api.response_store import ResponseStore, StoredResponse
@@ -68,7 +75,11 @@ async def pieces(gen: Generation) -> AsyncIterator[Piece]:
     """
     async for item in gen.texts():
         if not isinstance(item, PrefillProgress):
-            yield Piece(item.text, item.finish, tuple(getattr(item, "tool_calls", ())), item.logprobs)
+            yield _piece(item)
+
+
+def _piece(chunk: Chunk) -> Piece:
+    return Piece(chunk.text, chunk.finish, chunk.tool_calls, chunk.logprobs)
 
 
 def _sse(event: dict) -> str:
@@ -113,11 +124,13 @@ def router(node: Node, metrics: RequestMetrics | None = None, store: ResponseSto
                                      media_type="text/event-stream",
                                      headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
         try:
-            finish = await _collect(gen, builder, request)
+            chunks, finish = await collect_unless_disconnected(gen, request)
         except InstanceFailedError as exc:
             return error_response(APIError(503, str(exc), "server_error", code="instance_failed"))
         if finish is None:  # the client left; nobody reads this
             return JSONResponse(status_code=499, content=error_body("client closed the request", "client_closed"))
+        for chunk in chunks:
+            builder.feed(_piece(chunk))
         builder.finish(finish, usage_object(len(gen.prompt), gen.completion_tokens))
         keep(req, items, builder.response)
         return builder.response
@@ -150,35 +163,6 @@ def router(node: Node, metrics: RequestMetrics | None = None, store: ResponseSto
         return {"id": response_id, "object": "response.deleted", "deleted": True}
 
     return api
-
-
-async def _collect(gen: Generation, builder: OutputBuilder, request: Request, poll_s: float = 0.25) -> str | None:
-    """Run a non-streamed generation into ``builder``, or cancel it once the client
-    disconnects; the finish reason (None when the client left).
-
-    Raises:
-        InstanceFailedError: the instance failed mid-request.
-    """
-    finish: str | None = None
-
-    async def consume() -> None:
-        nonlocal finish
-        async for piece in pieces(gen):
-            builder.feed(piece)
-            finish = piece.finish or finish
-
-    task = asyncio.create_task(consume())
-    while not task.done():
-        await asyncio.wait({task}, timeout=poll_s)
-        if not task.done() and await request.is_disconnected():
-            task.cancel()  # closes the generation, which cancels the task on every rank
-            try:
-                await task
-            except asyncio.CancelledError:
-                pass
-            return None
-    task.result()
-    return finish or "stop"
 
 
 async def _stream(gen: Generation, builder: OutputBuilder, keep) -> AsyncIterator[str]:

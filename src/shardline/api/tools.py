@@ -25,6 +25,8 @@ from dataclasses import dataclass
 from enum import Enum
 from typing import Any
 
+from shardline.models.tool_prompt import call_arguments
+
 TOOL_CALL_OPEN = "<tool_call>"
 TOOL_CALL_CLOSE = "</tool_call>"
 PYTHON_TAG = "<|python_tag|>"
@@ -156,19 +158,6 @@ def check_tools(tools: list[dict[str, Any]], choice: ToolChoice) -> None:
         raise ValueError(f"tool_choice {choice.mode.value!r} needs at least one tool in tools")
     if choice.mode is ToolChoiceMode.NAMED and choice.name not in seen:
         raise ValueError(f"tool_choice names function {choice.name!r}, which is not among the tools")
-
-
-def call_arguments(arguments: Any) -> dict[str, Any] | None:
-    """``arguments`` as a dict: a dict as it is, JSON text of an object parsed; else None."""
-    if isinstance(arguments, dict):
-        return arguments
-    if isinstance(arguments, str):
-        try:
-            value = json.loads(arguments)
-        except ValueError:
-            return None
-        return value if isinstance(value, dict) else None
-    return None
 
 
 def check_history(messages: list[dict[str, Any]]) -> None:

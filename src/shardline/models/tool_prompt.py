@@ -30,15 +30,23 @@ def template_reads_tools(template: str | None) -> bool:
     return "tools" in jinja2.meta.find_undeclared_variables(ast)
 
 
-def _arguments(arguments: Any) -> Any:
-    """Call arguments as a dict where they are JSON text of an object; else as given."""
+def call_arguments(arguments: Any) -> dict[str, Any] | None:
+    """``arguments`` as a dict: a dict as it is, JSON text of an object parsed; else None."""
+    if isinstance(arguments, dict):
+        return arguments
     if isinstance(arguments, str):
         try:
             value = json.loads(arguments)
         except ValueError:
-            return arguments
-        return value if isinstance(value, dict) else arguments
-    return arguments
+            return None
+        return value if isinstance(value, dict) else None
+    return None
+
+
+def _arguments(arguments: Any) -> Any:
+    """Call arguments as a dict where they are JSON text of an object; else as given."""
+    parsed = call_arguments(arguments)
+    return arguments if parsed is None else parsed
 
 
 def with_dict_arguments(message: dict[str, Any]) -> dict[str, Any]:

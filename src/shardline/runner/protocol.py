@@ -37,9 +37,11 @@ class SamplingParams:
         logit_bias: ``(token id, bias)`` pairs added to the logits before sampling.
         logprobs: None for none; k >= 0: each token's log-probability and the k most
             likely tokens' (log-softmax of the model's logits, before any of the above).
-        grammar: an llguidance grammar (the JSON text of a ``TopLevelGrammar``) the output
-            must match: tokens it forbids are masked on the sampling rank (constrained
-            decoding); None: unconstrained.
+        grammar: an llguidance grammar the output must match (what
+            ``LLMatcher.grammar_from_json_schema`` / ``grammar_from_lark`` return: a
+            ``TopLevelGrammar``'s JSON text or Lark text): tokens it forbids are masked on
+            the sampling rank (constrained decoding, :mod:`shardline.runner.constraint`);
+            None: unconstrained.
     """
 
     temperature: float = 1.0
