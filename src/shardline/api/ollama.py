@@ -305,7 +305,7 @@ def router(node: Node, metrics: RequestMetrics | None = None, keep: KeepAlive | 
         return {"models": out}
 
     @api.get("/api/ps")
-    async def ps() -> dict:
+    async def ps() -> dict | JSONResponse:
         """The models with a ready instance: bytes their ranks hold (``size``; on GPUs
         ``size_vram``), and when keep_alive unloads them (``expires_at``)."""
         out: dict[str, dict] = {}
