@@ -304,7 +304,7 @@ def router(node: Node, metrics: RequestMetrics | None = None, keep: KeepAlive | 
                         "details": dict(f.details(), sharding=inst.sharding)})
         return {"models": out}
 
-    @api.get("/api/ps")
+    @api.get("/api/ps", response_model=None)
     async def ps() -> dict | JSONResponse:
         """The models with a ready instance: bytes their ranks hold (``size``; on GPUs
         ``size_vram``), and when keep_alive unloads them (``expires_at``)."""
