@@ -195,18 +195,19 @@ def test_bad_text_formats_are_named(text, param):
     assert refused(text_format, text).param == param
 
 
-@pytest.mark.parametrize("extra, temperature, top_p, logprobs", [
-    ({}, 1.0, 1.0, None),
-    ({"temperature": None, "top_p": None}, 1.0, 1.0, None),
-    ({"temperature": 0.7, "top_p": 0.9}, 0.7, 0.9, None),
-    ({"temperature": 0.7, "top_p": 0}, 0.0, 1.0, None),  # top_p 0: greedy
-    ({"top_logprobs": 3}, 1.0, 1.0, None),  # logprobs only with include
-    ({"include": ["message.output_text.logprobs"]}, 1.0, 1.0, 0),
-    ({"include": ["message.output_text.logprobs"], "top_logprobs": 5}, 1.0, 1.0, 5),
+@pytest.mark.parametrize("extra, temperature, top_p, logprobs, greedy", [
+    ({}, 1.0, 1.0, None, False),
+    ({"temperature": None, "top_p": None}, 1.0, 1.0, None, False),
+    ({"temperature": 0.7, "top_p": 0.9}, 0.7, 0.9, None, False),
+    ({"temperature": 0.7, "top_p": 0}, 0.7, 0.0, None, True),  # top_p 0: greedy
+    ({"temperature": 0}, 0.0, 1.0, None, True),
+    ({"top_logprobs": 3}, 1.0, 1.0, None, False),  # logprobs only with include
+    ({"include": ["message.output_text.logprobs"]}, 1.0, 1.0, 0, False),
+    ({"include": ["message.output_text.logprobs"], "top_logprobs": 5}, 1.0, 1.0, 5, False),
 ])
-def test_sampling(extra, temperature, top_p, logprobs):
+def test_sampling(extra, temperature, top_p, logprobs, greedy):
     params = sampling(check_fields(dict(BASE, **extra)))
-    assert (params.temperature, params.top_p, params.logprobs) == (temperature, top_p, logprobs)
+    assert (params.temperature, params.top_p, params.logprobs, params.greedy) == (temperature, top_p, logprobs, greedy)
 
 
 def test_a_request_maps_to_a_generation_request():

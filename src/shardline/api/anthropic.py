@@ -239,11 +239,9 @@ class MessagesRequest(CountTokensRequest):
     output_config: OutputConfig | None = None
 
     def to_generation(self) -> GenerationRequest:
-        greedy = self.top_p == 0.0
         return dataclasses.replace(
             super().to_generation(), max_tokens=self.max_tokens,
-            sampling=SamplingParams(0.0 if greedy else self.temperature, 1.0 if greedy else self.top_p,
-                                    self.top_k, None,
+            sampling=SamplingParams(self.temperature, self.top_p, self.top_k, None,
                                     grammar=None if self.output_config is None else self.output_config.grammar()),
             stop=list(self.stop_sequences or []))
 

@@ -28,6 +28,7 @@ from shardline.api.tools import (
     ToolCallParser,
     ToolChoice,
     ToolChoiceMode,
+    ToolFormat,
     check_history,
     check_tools,
     tool_call_grammar,
@@ -266,10 +267,8 @@ class Generation:
         return Chunk(content, finish, logprobs, tuple(calls))
 
     @functools.cached_property
-    def tool_format(self):
-        """How this model writes tool calls (its template's format; the tokenizer's own
-        Hermes-style prompt where the template takes no tools)."""
-        return tool_format(self.tokenizer.chat_template if self.tokenizer.supports_tools else None)
+    def tool_format(self) -> ToolFormat:
+        return model_tool_format(self.tokenizer)
 
     def _logprob(self, event: TokenEvent) -> TokenLogprob:
         assert event.logprob is not None
@@ -315,6 +314,12 @@ async def prepare(node: Node, req: GenerationRequest, metrics: RequestMetrics | 
     return gen
 
 
+def model_tool_format(tokenizer: Tokenizer) -> ToolFormat:
+    """How the model of ``tokenizer`` writes tool calls: its template's format, or the
+    tokenizer's own Hermes-style prompt where the template takes no tools."""
+    return tool_format(tokenizer.chat_template if tokenizer.supports_tools else None)
+
+
 def _forced_call(req: GenerationRequest, tokenizer: Tokenizer) -> SamplingParams:
     """The sampling of a request whose tool choice forces a call: its grammar is the
     call's (:func:`~shardline.api.tools.tool_call_grammar`).
@@ -326,9 +331,8 @@ def _forced_call(req: GenerationRequest, tokenizer: Tokenizer) -> SamplingParams
     if req.sampling.grammar is not None:
         raise APIError(400, "tool_choice: a forced tool call cannot be combined with a structured output format",
                        param="tool_choice")
-    fmt = tool_format(tokenizer.chat_template if tokenizer.supports_tools else None)
     try:
-        grammar = tool_call_grammar(fmt, req.tools, req.tool_choice)
+        grammar = tool_call_grammar(model_tool_format(tokenizer), req.tools, req.tool_choice)
     except ValueError as exc:
         raise APIError(400, str(exc), param="tools") from exc
     return dataclasses.replace(req.sampling, grammar=grammar)

@@ -83,10 +83,9 @@ class Options(BaseModel):
     mirostat: int = 0
 
     def sampling(self, logprobs: int | None, grammar: str | None) -> SamplingParams:
-        greedy = self.top_p == 0.0
         repeat = self.repeat_penalty if self.repeat_last_n != 0 else 1.0
         return SamplingParams(
-            0.0 if greedy else min(self.temperature, 2.0), 1.0 if greedy else self.top_p, self.top_k, self.seed,
+            min(self.temperature, 2.0), self.top_p, self.top_k, self.seed,
             min_p=self.min_p, frequency_penalty=self.frequency_penalty, presence_penalty=self.presence_penalty,
             repetition_penalty=repeat, repeat_last_n=max(self.repeat_last_n, 0), logprobs=logprobs,
             grammar=grammar)

@@ -148,9 +148,8 @@ class SamplingFields(BaseModel):
     def sampling(self, choice: int = 0) -> SamplingParams:
         """The sampling of choice ``choice`` (a seeded request's choices take seed,
         seed + 1, ...: n choices of one seed would all be the same)."""
-        greedy = self.top_p == 0.0
         return SamplingParams(
-            temperature=0.0 if greedy else self.temperature, top_p=1.0 if greedy else self.top_p,
+            temperature=self.temperature, top_p=self.top_p,
             top_k=self.top_k, seed=None if self.seed is None else self.seed + choice, min_p=self.min_p,
             frequency_penalty=self.frequency_penalty, presence_penalty=self.presence_penalty,
             repetition_penalty=self.repetition_penalty,

@@ -343,12 +343,10 @@ def text_format(text: dict | None) -> tuple[str, dict | None]:
 # -- the generation request --------------------------------------------------------------
 
 def sampling(req: ResponsesRequest) -> SamplingParams:
-    """Temperature and top_p (null: their defaults, 1; ``top_p`` 0: greedy, as OpenAI
-    treats it), and logprobs when ``include`` asks for them (``top_logprobs`` of them)."""
+    """Temperature and top_p (null: their defaults, 1; ``top_p`` 0 is greedy in the
+    sampler), and logprobs when ``include`` asks for them (``top_logprobs`` of them)."""
     temperature = 1.0 if req.temperature is None else req.temperature
     top_p = 1.0 if req.top_p is None else req.top_p
-    if top_p == 0.0:
-        temperature, top_p = 0.0, 1.0
     logprobs = (req.top_logprobs or 0) if LOGPROBS_INCLUDE in (req.include or []) else None
     return SamplingParams(temperature, top_p, 0, None, logprobs=logprobs)
 

@@ -21,7 +21,8 @@ from shardline.models.config import RankShare, Sharding
 class SamplingParams:
     """How to pick each next token, for one sequence.
 
-    temperature 0 means greedy (argmax). ``top_k`` 0, ``top_p`` 1.0 and ``min_p`` 0.0
+    temperature 0, ``top_k`` 1 or ``top_p`` 0 mean greedy (argmax: :attr:`greedy`, as
+    OpenAI treats ``top_p`` 0). ``top_k`` 0, ``top_p`` 1.0 and ``min_p`` 0.0
     disable those filters. ``seed`` makes sampling reproducible for this request alone.
     Every field at its default leaves the logits untouched, so greedy output is
     bit-identical to plain argmax.
@@ -56,6 +57,11 @@ class SamplingParams:
     logit_bias: tuple[tuple[int, float], ...] = ()
     logprobs: int | None = None
     grammar: str | None = None
+
+    @property
+    def greedy(self) -> bool:
+        """The argmax is taken: temperature 0, top-k 1 or top-p 0 leave one token."""
+        return self.temperature <= 0 or self.top_k == 1 or self.top_p <= 0
 
 
 @dataclass(frozen=True)

@@ -16,7 +16,7 @@ The logits go through these steps, in this order, each skipped at its default:
 5. ``min_p`` (Nguyen et al., "Turning Up the Heat: Min-p Sampling", 2024): tokens less
    likely than ``min_p`` times the most likely one are dropped; applied to the logits
    before the temperature, as llama.cpp's default chain does;
-6. temperature 0 (or top-k 1): the argmax; otherwise temperature, top-k, then top-p
+6. temperature 0 (or top-k 1, or top-p 0): the argmax; otherwise temperature, top-k, then top-p
    (Holtzman et al., "The Curious Case of Neural Text Degeneration", 2019: keep the
    smallest set of most likely tokens whose probabilities sum to at least p; top-p 0
    keeps the most likely token alone) and a draw from the sequence's own generator.
@@ -213,7 +213,7 @@ class Sampler:
         self.params = params
         self.constraint = constraint
         self.generator = None
-        if params.temperature > 0:
+        if not params.greedy:
             self.generator = torch.Generator()
             seed = params.seed if params.seed is not None else self.generator.seed()
             self.generator.manual_seed(seed % (2**63))
@@ -234,7 +234,7 @@ class Sampler:
         where it is: today's path)."""
         p = self.params
         if logits.device.type != "cpu" and (self.processed or p.logprobs is not None
-                                            or (p.temperature > 0 and p.top_k != 1)):
+                                            or not p.greedy):
             logits = logits.cpu()  # the counts, masks and generator are on the CPU
         x = self.process(logits) if self.processed else logits
         token = self._pick(x)
@@ -275,7 +275,7 @@ class Sampler:
 
     def _pick(self, logits: torch.Tensor) -> int:
         p = self.params
-        if p.temperature <= 0 or p.top_k == 1:
+        if p.greedy:
             return int(torch.argmax(logits))
         if 0 < p.min_p <= 1:
             logits = apply_min_p(logits.float(), p.min_p)
@@ -288,8 +288,7 @@ class Sampler:
         probs = torch.softmax(values, dim=-1)
         if p.top_p < 1.0:
             cumulative = torch.cumsum(probs, dim=-1)
-            keep = cumulative - probs < p.top_p  # keeps the most likely token when top_p > 0
-            keep[0] = True  # and when top_p is 0 (greedy)
+            keep = cumulative - probs < p.top_p  # always keeps the most likely token (top_p > 0 here)
             probs = torch.where(keep, probs, torch.zeros_like(probs))
         choice = torch.multinomial(probs, 1, generator=self.generator)
         return int(indices[choice])
