@@ -2,7 +2,7 @@
 
 import pytest
 
-from shardline.runner.agreement import agree, decide, encode_proposal
+from shardline.runner.agreement import decide, encode_proposal, sampled_tokens
 
 pytestmark = [pytest.mark.fast, pytest.mark.timeout(30)]
 
@@ -33,6 +33,9 @@ def test_more_than_k_pending_wait_for_a_later_step():
     assert result.tasks == (1, 2)
 
 
-def test_single_rank_agrees_with_itself():
-    result = agree([2, 1], [5], group=None)
-    assert result.tasks == (1, 2) and result.cancels == (5,)
+def test_tokens_ride_after_the_proposal_and_come_from_the_sampling_rank():
+    k = 2
+    proposals = [encode_proposal([3], [], k, [0, 0]), encode_proposal([3, 4], [9], k, [11, 12])]
+    assert sampled_tokens(proposals, sampler=1, k=k) == [11, 12]
+    assert decide(proposals, k) == decide([p[: 2 + 2 * k] for p in proposals], k)
+    assert decide(proposals, k).tasks == (3,) and decide(proposals, k).cancels == (9,)

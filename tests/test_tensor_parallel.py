@@ -34,6 +34,7 @@ from shardline.models.shard_loader import load_shard, load_tensor_shard
 from shardline.models.weights import open_weights
 from shardline.parallel.tensor import TensorStage, load_tensor_stage
 from shardline.placement.tensor import tensor_shares
+from shardline.runner.agreement import encode_proposal, sampled_tokens
 
 LAYERS = 3
 THETA = 500_000.0
@@ -128,7 +129,7 @@ def greedy_schedule(stage: TensorStage, prompts: list[list[int]], steps: int):
             ids = logits.argmax(dim=-1)
         else:
             ids = torch.zeros(2, dtype=torch.long)
-        ids = stage.share_tokens(ids).tolist()
+        ids = sampled_tokens(stage.gather(encode_proposal([], [], 1, ids.tolist())), stage.sampler, 1)
         for seq, token in zip(tokens, ids):
             seq.append(token)
         if step == steps:

@@ -4,7 +4,7 @@ A stage holds this rank's model shard and KV cache. The engine asks it to descri
 chunks and decode steps (:meth:`Stage.prefill_batch`, :meth:`Stage.decode_batch`), runs a
 step's micro-batches with :meth:`run` (every rank of the instance runs the same list, the
 collectives inside depend on the sharding), lets the sampling rank sample, and shares the
-sampled ids with :meth:`share_tokens`.
+sampled ids and the next step's agreement with :meth:`gather`.
 
 :meth:`Stage.run` is the loop of the shardings whose ranks all run every layer, each on its
 own part, with their collectives inside the layers (tensor: its heads and columns, two
@@ -99,23 +99,28 @@ class Stage:
         self.progress.mark("step done")
         return outputs
 
-    def share_tokens(self, ids: torch.Tensor) -> torch.Tensor:
-        """Broadcast the sampled token ids (int64 ``[M]``, on the communication device:
-        the CPU for gloo, the GPU for NCCL) from the sampling rank to all; in place."""
-        return self._from_sampler(ids, f"{ids.shape[0]} sampled tokens", "tokens shared")
+    def gather(self, proposal: torch.Tensor) -> list[torch.Tensor]:
+        """All-gather each rank's proposal (int64 ``[2 + 2k + M]``, the same length on
+        every rank, on the communication device: the CPU for gloo, the GPU for NCCL;
+        :mod:`shardline.runner.agreement`): the step's agreement and, from the sampling
+        rank, its sampled ids. Returns the proposals in group-rank order, on the CPU."""
+        if self.world_size == 1:
+            return [proposal.cpu()]
+        self.progress.mark("exchanging tasks and sampled tokens with every rank")
+        gathered = [torch.empty_like(proposal) for _ in range(self.world_size)]
+        dist.all_gather(gathered, proposal, group=self.group)
+        self.progress.mark("exchanged")
+        return list(torch.stack(gathered).cpu().unbind(0))
 
     def share_logprobs(self, table: torch.Tensor) -> torch.Tensor:
         """Broadcast a step's log-probability table (float32 ``[M, 1 + 2k]``,
         :func:`shardline.runner.engine.logprob_table`, on the communication device) from
         the sampling rank to all; in place. Called only in steps where a sequence asks for
         log-probabilities, on every rank alike."""
-        return self._from_sampler(table, f"log-probabilities of {table.shape[0]} tokens",
-                                  "log-probabilities shared")
-
-    def _from_sampler(self, tensor: torch.Tensor, what: str, done: str) -> torch.Tensor:
         if self.world_size > 1:
-            self.progress.mark(f"receiving {what} from rank {self.sampler}")
+            self.progress.mark(f"receiving log-probabilities of {table.shape[0]} tokens "
+                               f"from rank {self.sampler}")
             root = self.sampler if self.group is None else dist.get_global_rank(self.group, self.sampler)
-            dist.broadcast(tensor, src=root, group=self.group)
-            self.progress.mark(done)
-        return tensor
+            dist.broadcast(table, src=root, group=self.group)
+            self.progress.mark("log-probabilities shared")
+        return table

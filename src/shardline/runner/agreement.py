@@ -1,15 +1,22 @@
-"""Agreement among the ranks of an instance on which tasks start and which are cancelled.
+"""Agreement among the ranks of an instance on which tasks start and which are cancelled,
+exchanged in the same collective as a step's sampled token ids.
 
 Each rank receives tasks and cancellations on its own, in whatever order the network
 delivers them. Before any collective that belongs to a task, all ranks must take the same
 tasks in the same order, or their collectives pair up across different requests and the
-instance hangs. Every engine step each rank all-gathers a fixed-size int64 vector:
+instance hangs. Once a step, each rank all-gathers a fixed-size int64 vector (its
+*proposal*):
 
-    [n_tasks, n_cancels, task ids (k slots), cancelled ids (k slots)]
+    [n_tasks, n_cancels, task ids (k slots), cancelled ids (k slots), sampled ids (M)]
 
 - a task is agreed when every rank lists it (intersection); agreed tasks are taken in
   ascending task-id order, identical on every rank;
-- a cancellation is agreed when any rank lists it (union): only its id is needed.
+- a cancellation is agreed when any rank lists it (union): only its id is needed;
+- the sampled ids (M: the sequences sampled this step, a count every rank knows) are the
+  sampling rank's; the other ranks send zeros there. One all-gather thus both shares the
+  step's tokens and agrees on the next step's tasks: on a pipeline over gloo (a ring
+  all-gather) the last rank's tokens reach the first rank after one hop, as a broadcast
+  would, and the separate agreement round each step costs is gone.
 
 Every rank computes the result from the same gathered data, so all agree at the same step.
 """
@@ -19,7 +26,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-import torch.distributed as dist
 
 
 @dataclass(frozen=True)
@@ -30,14 +36,18 @@ class Agreement:
     cancels: tuple[int, ...]
 
 
-def encode_proposal(task_ids: list[int], cancel_ids: list[int], k: int) -> torch.Tensor:
-    """int64 ``[2 + 2k]``: the k smallest of each list; later ones wait for a later step."""
+def encode_proposal(task_ids: list[int], cancel_ids: list[int], k: int,
+                    tokens: list[int] | None = None) -> torch.Tensor:
+    """int64 ``[2 + 2k + M]``: the k smallest of each list (later ones wait for a later
+    step), then ``tokens`` (``M`` sampled ids; none: ``M = 0``)."""
     tasks = sorted(task_ids)[:k]
     cancels = sorted(cancel_ids)[:k]
-    vec = torch.zeros(2 + 2 * k, dtype=torch.int64)
+    vec = torch.zeros(2 + 2 * k + len(tokens or ()), dtype=torch.int64)
     vec[0], vec[1] = len(tasks), len(cancels)
     vec[2 : 2 + len(tasks)] = torch.tensor(tasks, dtype=torch.int64)
     vec[2 + k : 2 + k + len(cancels)] = torch.tensor(cancels, dtype=torch.int64)
+    if tokens:
+        vec[2 + 2 * k :] = torch.tensor(tokens, dtype=torch.int64)
     return vec
 
 
@@ -53,17 +63,6 @@ def decide(proposals: list[torch.Tensor], k: int) -> Agreement:
     return Agreement(tuple(sorted(held or ())), tuple(sorted(cancels)))
 
 
-def agree(
-    task_ids: list[int], cancel_ids: list[int], group: dist.ProcessGroup | None, k: int = 32
-) -> Agreement:
-    """All-gather this rank's held task ids and cancellations; return what all agree on.
-
-    With no process group (one rank) everything held is agreed at once.
-    Raises whatever the collective raises on timeout or a lost peer (the instance fails).
-    """
-    mine = encode_proposal(task_ids, cancel_ids, k)
-    if group is None:
-        return decide([mine], k)
-    gathered = [torch.empty_like(mine) for _ in range(dist.get_world_size(group))]
-    dist.all_gather(gathered, mine, group=group)
-    return decide(gathered, k)
+def sampled_tokens(proposals: list[torch.Tensor], sampler: int, k: int) -> list[int]:
+    """The sampled ids the sampling rank (group rank ``sampler``) put in its proposal."""
+    return proposals[sampler][2 + 2 * k :].tolist()

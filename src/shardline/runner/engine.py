@@ -3,8 +3,9 @@
 Each step:
 
 1. drain the inbox (tasks and cancellations that reached this rank);
-2. agree with the other ranks on which tasks start and which are cancelled
-   (:mod:`shardline.runner.agreement`); agreed tasks queue in task-id order;
+2. unless the last step already did (step 5), agree with the other ranks on which tasks
+   start and which are cancelled (:mod:`shardline.runner.agreement`); agreed tasks queue
+   in task-id order;
 3. admit queued tasks, in order, while a KV-cache slot is free and the KV pool has the
    blocks a task reserves (:func:`kv_reservation`; continuous batching);
 4. run the step's micro-batches: one decode token for every sequence that is generating,
@@ -15,9 +16,10 @@ Each step:
    pipeline's stages overlap many chunks (:mod:`shardline.parallel.pipeline`);
 5. the sampling rank samples every sequence that has new logits
    (:mod:`shardline.runner.sampling`, each sequence by its own parameters and, where it
-   has a grammar, its own mask: :mod:`shardline.runner.constraint`); one broadcast gives
-   the token ids to every rank, and when a sequence of the step asks for log-probabilities
-   (every rank knows which do) a second one gives them (:func:`logprob_table`);
+   has a grammar, its own mask: :mod:`shardline.runner.constraint`); one all-gather gives
+   the token ids to every rank and agrees on the next step's tasks and cancellations at
+   once, and when a sequence of the step asks for log-probabilities (every rank knows
+   which do) a broadcast gives them (:func:`logprob_table`);
 6. the ranks whose node streams a task emit its tokens; during its prefill they emit the
    prompt tokens they have processed after each chunk.
 
@@ -37,7 +39,7 @@ from typing import Callable
 import torch
 
 from shardline.parallel.pipeline import PipelineStage
-from shardline.runner.agreement import agree
+from shardline.runner.agreement import Agreement, decide, encode_proposal, sampled_tokens
 from shardline.runner.constraint import Constraint
 from shardline.runner.protocol import (
     Cancel,
@@ -51,6 +53,10 @@ from shardline.runner.protocol import (
 from shardline.runner.sampling import MAX_TOP_LOGPROBS, Choice, Sampler
 
 log = logging.getLogger(__name__)
+
+AGREE_K = 32
+"""Most tasks (and, apart, cancellations) a rank proposes in one step; more wait for the
+next (:func:`shardline.runner.agreement.encode_proposal`)."""
 
 
 def kv_reservation(prompt_tokens: int, max_tokens: int, context: int, block_tokens: int,
@@ -237,6 +243,7 @@ class Engine:
         self.idle_release_s = idle_release_s
         self._worked = False  # ran a forward pass since on_idle was last called
         self._idle_since: float | None = None
+        self._agreed = False  # the last step's token exchange agreed on this step's tasks
         self.grammar_tokenizer = grammar_tokenizer
 
     # -- inbox and agreement -------------------------------------------------------------
@@ -260,8 +267,17 @@ class Engine:
         except queue.Empty:
             pass
 
-    def apply_agreement(self) -> None:
-        agreement = agree(list(self.held), list(self.pending_cancels), self.group)
+    def exchange(self, tokens: list[int]) -> tuple[Agreement, list[int]]:
+        """Propose the held tasks and pending cancellations, with this step's sampled
+        ``tokens`` (the sampling rank's; the others pass as many zeros), and all-gather:
+        returns the agreement and the sampling rank's tokens."""
+        proposal = encode_proposal(list(self.held), list(self.pending_cancels), AGREE_K, tokens)
+        gathered = self.stage.gather(proposal.to(self.comm_device))
+        return decide(gathered, AGREE_K), sampled_tokens(gathered, self.stage.sampler, AGREE_K)
+
+    def apply_agreement(self, agreement: Agreement) -> None:
+        """Queue the agreed tasks; end the agreed cancellations (emitting ``cancelled``
+        for the tasks this rank streams)."""
         for task_id in agreement.tasks:
             self.waiting.append(self.held.pop(task_id))
         events: list[TokenEvent | PrefillProgress] = []
@@ -322,7 +338,9 @@ class Engine:
         """One lockstep iteration (see the module docstring)."""
         self.drain_inbox()
         self.progress.begin("agreeing on tasks with the other ranks")
-        self.apply_agreement()
+        if not self._agreed:
+            self.apply_agreement(self.exchange([])[0])
+        self._agreed = False
         self.admit()
         if self.running:
             self._worked = True
@@ -396,7 +414,8 @@ class Engine:
     def _sample_and_advance(self, seqs: list[Sequence], logits: list[torch.Tensor]) -> None:
         """Sample on the sampling rank (``logits``: float32 ``[vocab]`` per sequence), share
         the ids (and the log-probabilities, when any sequence asks) with every rank,
-        append them and end the sequences that finished."""
+        append them and end the sequences that finished; then apply the agreement on the
+        next step's tasks exchanged with the ids (:meth:`exchange`)."""
         wanted = [s.task.sampling.logprobs for s in seqs]
         width = logprob_width(wanted)  # the same on every rank: all know the params
         table: torch.Tensor | None = None
@@ -405,15 +424,15 @@ class Engine:
             for s, row in zip(seqs, logits):
                 assert s.sampler is not None  # admitted on the sampling rank with one
                 choices.append(s.sampler.choose(row))
-            sampled = torch.tensor([c.token for c in choices], dtype=torch.long, device=self.comm_device)
+            sampled = [c.token for c in choices]
             if width is not None:
                 table = logprob_table(choices, width).to(self.comm_device)
         else:
-            sampled = torch.empty(len(seqs), dtype=torch.long, device=self.comm_device)
+            sampled = [0] * len(seqs)
             if width is not None:
                 table = torch.empty((len(seqs), 1 + 2 * width), dtype=torch.float32,
                                     device=self.comm_device)
-        ids = self.stage.share_tokens(sampled).tolist()
+        agreement, ids = self.exchange(sampled)
         rows: list[list[float]] = []
         if table is not None and width is not None:
             rows = self.stage.share_logprobs(table).cpu().tolist()
@@ -438,6 +457,8 @@ class Engine:
             if finish is not None:
                 self._finish(seq)
         self.emit(events)
+        self.apply_agreement(agreement)
+        self._agreed = True
 
     def emit(self, events: list[TokenEvent | PrefillProgress]) -> None:
         if events:
