@@ -4,10 +4,15 @@ it refuses (no server; milliseconds each)."""
 
 from __future__ import annotations
 
+import asyncio
+import json
+
+import httpx
 import pytest
 
 from shardline import cli
-from shardline.bench.bench import build_prompt, chat_question
+from shardline.api.params import Endpoint, screen
+from shardline.bench.bench import build_prompt, chat_question, stream_request
 from shardline.bench.compare import (
     LEVEL_FIGURES,
     Workload,
@@ -145,3 +150,40 @@ def test_prompts_differ_from_request_to_request():
 def test_bad_options_are_one_line_errors(argv, message, capsys):
     assert cli.main(["bench", "--url", "http://127.0.0.1:1", *argv]) == 1
     assert capsys.readouterr().err.strip() == f"shardline bench: {message}"
+
+
+def _sse(*events: dict) -> bytes:
+    return b"".join(f"data: {json.dumps(e)}\n\n".encode() for e in events) + b"data: [DONE]\n\n"
+
+
+@pytest.mark.parametrize("usage, expected", [
+    # the stream's usage wins over the chunks counted
+    ({"prompt_tokens": 40, "completion_tokens": 3}, (40, 3, "usage")),
+    # no usage (a server without stream_options): content chunks counted, calibrated prompt length
+    (None, (37, 2, "chunks")),
+])
+def test_stream_request_counts_chunks_where_the_stream_has_no_usage(usage, expected):
+    events = [{"choices": [{"delta": {"role": "assistant"}}]},
+              {"choices": [{"delta": {"content": "Hel"}}]},
+              {"choices": [{"delta": {"content": "lo"}}]},
+              {"choices": [{"delta": {}, "finish_reason": "length"}]}]
+    if usage:
+        events.append({"choices": [], "usage": usage})
+    bodies = []
+
+    def handler(request: httpx.Request) -> httpx.Response:
+        bodies.append(request.content)
+        return httpx.Response(200, content=_sse(*events), headers={"content-type": "text/event-stream"})
+
+    async def go():
+        async with httpx.AsyncClient(transport=httpx.MockTransport(handler)) as client:
+            return await stream_request(client, "http://x", "m", "hi", 3, prompt_tokens=37)
+
+    result = asyncio.run(go())
+    assert (result.prompt_tokens, result.completion_tokens, result.usage_from) == expected
+    assert len(result.chunk_times_s) == 2 and result.ttft_s == result.chunk_times_s[0]
+    body = json.loads(bodies[0])
+    # only fields vLLM and llama-server take, and shardline's parameter screen lets pass
+    assert set(body) == {"model", "messages", "temperature", "max_tokens", "ignore_eos", "stream", "stream_options"}
+    assert body["stream_options"] == {"include_usage": True}
+    assert screen(Endpoint.CHAT, body) == body
