@@ -146,6 +146,8 @@ def test_prompts_differ_from_request_to_request():
     (["--rounds", "0"], "--rounds must be at least 1"),
     (["--chat-requests", "-1"], "--chat-requests must be at least 0"),
     (["--prompt-tokens", "128", "0"], "--prompt-tokens values must be at least 1"),
+    (["--prompt-tokens", "128", "128"], "--prompt-tokens values must differ (each gives its own levels)"),
+    (["--concurrency", "1", "4", "1"], "--concurrency values must differ (each gives its own levels)"),
 ])
 def test_bad_options_are_one_line_errors(argv, message, capsys):
     assert cli.main(["bench", "--url", "http://127.0.0.1:1", *argv]) == 1

@@ -75,7 +75,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="after the workload, print each rank's memory: file bytes of its shard, "
                              "placement's estimate, resident set steady and at its peaks")
     parser.add_argument("--warmup", action=argparse.BooleanOptionalAction, default=True,
-                        help="send one unmeasured request first (default on)")
+                        help="send each server one unmeasured request first (default on)")
 
 
 def _fail(message: str) -> int:
@@ -90,6 +90,9 @@ def _check_args(args: argparse.Namespace) -> str | None:
         return "--gen-tokens must be at least 2 (decode speed needs two tokens)"
     if any(c < 1 for c in args.concurrency):
         return "--concurrency values must be at least 1"
+    for option, values in (("--prompt-tokens", args.prompt_tokens), ("--concurrency", args.concurrency)):
+        if len(set(values)) < len(values):
+            return f"{option} values must differ (each gives its own levels)"
     if args.runs < 1:
         return "--runs must be at least 1"
     if args.chat_requests < 0:
