@@ -1,10 +1,12 @@
-"""``shardline bench`` against a real 1-node cluster, and its clean failure on a dead URL."""
+"""``shardline bench`` against a real 1-node cluster, against a second one (compare mode),
+and its one-line errors."""
 
 from __future__ import annotations
 
 import json
 
 import pytest
+from conftest import start_cluster
 
 from shardline import cli
 
@@ -19,24 +21,72 @@ def node_url(cluster1):
 def test_bench_against_running_node_writes_positive_figures(node_url, tmp_path, capsys):
     out = tmp_path / "bench.json"
     code = cli.main(["bench", "--url", node_url, "--prompt-tokens", "32", "--gen-tokens", "8",
-                     "--runs", "1", "--no-warmup", "--json", str(out)])
+                     "--runs", "1", "--chat-requests", "2", "--no-warmup", "--json", str(out)])
     captured = capsys.readouterr()
     assert code == 0, captured.err
     report = json.loads(out.read_text())
-    assert report["config"]["model"] == "HuggingFaceTB/SmolLM2-135M-Instruct"
-    assert report["config"]["nodes"] == 1
-    [level] = report["levels"]
-    assert level["concurrency"] == 1 and level["requests"] == 1
-    assert level["median_ttft_ms"] > 0
-    assert level["median_prefill_tokens_per_s"] > 0
-    assert level["median_decode_tokens_per_s"] > 0
-    assert level["aggregate_decode_tokens_per_s"] > 0
-    [request] = level["per_request"]
+    [server] = report["servers"]
+    assert server["model"] == "HuggingFaceTB/SmolLM2-135M-Instruct"
+    assert server["nodes"] == 1 and server["usage_from"] == "usage"
+    level, chat = report["workloads"]
+    assert (level["kind"], level["concurrency"], level["requests"]) == ("level", 1, 1)
+    figures = level["results"]["shardline"]["figures"]
+    assert figures["median_ttft_ms"] > 0
+    assert figures["median_prefill_tokens_per_s"] > 0
+    assert figures["median_decode_tokens_per_s"] > 0
+    assert figures["aggregate_decode_tokens_per_s"] > 0
+    [round_] = level["results"]["shardline"]["rounds"]
+    [request] = round_["per_request"]
     assert request["completion_tokens"] == 8  # ignore_eos: exactly --gen-tokens
     assert request["prompt_tokens"] > 0
     assert 0 < request["ttft_s"] <= request["end_s"]
-    # the table is printed with the figures
-    assert "TTFT" in captured.out and "prefill" in captured.out
+    assert chat["kind"] == "chat" and chat["results"]["shardline"]["figures"]["median_ttft_ms"] > 0
+    assert "ratios" not in level and "rows" not in report  # one server: nothing to compare
+    # the table is printed with the figures, and the short chat's TTFT below it
+    assert "TTFT" in captured.out and "prefill" in captured.out and "short chat" in captured.out
+
+
+@pytest.fixture(scope="module")
+def second_url(tmp_path_factory):
+    """URL of a second 1-node cluster serving the embedded default model."""
+    cluster = start_cluster(1, tmp_path_factory.mktemp("second"))
+    yield cluster.url(0)
+    cluster.stop()
+
+
+@pytest.mark.timeout(120)
+def test_bench_against_a_second_shardline_interleaves_and_gives_ratios(node_url, second_url, tmp_path, capsys):
+    out = tmp_path / "compare.json"
+    code = cli.main(["bench", "--url", node_url, "--against", second_url, "--prompt-tokens", "32",
+                     "--gen-tokens", "8", "--concurrency", "1", "2", "--runs", "1", "--rounds", "2",
+                     "--chat-requests", "2", "--no-warmup", "--json", str(out)])
+    captured = capsys.readouterr()
+    assert code == 0, captured.err
+    report = json.loads(out.read_text())
+    assert [(s["name"], s["url"]) for s in report["servers"]] == [("shardline", node_url), ("other", second_url)]
+    assert report["servers"][1]["model"] == "HuggingFaceTB/SmolLM2-135M-Instruct"  # its first model
+    names = ["prompt 32 c=1", "prompt 32 c=2", "short chat"]
+    assert [w["name"] for w in report["workloads"]] == names
+    # every unit alternates between the servers, every workload in every round
+    assert [(o["round"], o["workload"], o["server"]) for o in report["order"]] == [
+        (r, w, s) for r in range(2) for w in names for s in ("shardline", "other")]
+    starts = [o["start_s"] for o in report["order"]]
+    assert starts == sorted(starts)
+    for w in report["workloads"]:
+        for name in ("shardline", "other"):
+            result = w["results"][name]
+            assert len(result["rounds"]) == 2
+            assert result["figures"]["median_ttft_ms"] > 0
+            if w["kind"] == "level":
+                assert result["figures"]["median_decode_tokens_per_s"] > 0
+                assert result["figures"]["aggregate_decode_tokens_per_s"] > 0
+                assert all(r["completion_tokens"] == 8 for lv in result["rounds"] for r in lv["per_request"])
+                assert [lv["requests"] for lv in result["rounds"]] == [w["concurrency"]] * 2
+        a, b = (w["results"][n]["figures"] for n in ("shardline", "other"))
+        for key, value in w["ratios"].items():
+            assert value == pytest.approx(a[key] / b[key])
+    assert len(report["rows"]) == 2 * 4 + 1
+    assert "ratio" in captured.out and second_url in captured.out
 
 
 @pytest.mark.timeout(30)
@@ -48,6 +98,25 @@ def test_unreachable_url_is_a_one_line_error(capsys):
     assert len(lines) == 1
     assert "http://127.0.0.1:1" in lines[0] and "reach" in lines[0]
     assert "Traceback" not in captured.err
+
+
+@pytest.mark.timeout(30)
+def test_unreachable_against_url_is_a_one_line_error_naming_it(node_url, capsys):
+    code = cli.main(["bench", "--url", node_url, "--against", "127.0.0.1:1", "--runs", "1"])
+    captured = capsys.readouterr()
+    assert code == 1
+    [line] = captured.err.strip().splitlines()
+    assert line.startswith("shardline bench: --against: cannot reach http://127.0.0.1:1"), line
+
+
+@pytest.mark.timeout(30)
+def test_model_missing_on_the_other_server_is_a_one_line_error(node_url, capsys):
+    code = cli.main(["bench", "--url", node_url, "--against", node_url, "--against-model", "no/such-model"])
+    captured = capsys.readouterr()
+    assert code == 1
+    [line] = captured.err.strip().splitlines()
+    assert line.startswith("shardline bench: --against: ") and "no/such-model" in line
+    assert node_url in line and "SmolLM2" in line  # the server, and the models it does serve
 
 
 @pytest.mark.timeout(60)

@@ -241,7 +241,8 @@ def build_parser() -> argparse.ArgumentParser:
                               "without it the others keep serving")
     cluster.set_defaults(func=_cluster)
 
-    bench = sub.add_parser("bench", help="measure prefill and decode tokens/s and TTFT")
+    bench = sub.add_parser("bench", help="measure prefill and decode tokens/s and TTFT; "
+                                              "--against URL: side by side with another server")
     from shardline.bench.command import add_arguments
 
     add_arguments(bench)

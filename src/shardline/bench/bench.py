@@ -1,12 +1,14 @@
-"""``shardline bench``: prefill tokens/s, decode tokens/s and TTFT of a (local) cluster.
+"""``shardline bench``'s measurements: one streamed request, one concurrency level, and the
+prompts they send.
 
-The benchmark talks to the OpenAI-compatible API only (``GET /v1/models`` and streamed
-``POST /v1/chat/completions``), as vLLM's ``benchmark_serving`` does, so it measures what a
-client sees: HTTP, tokenization and the chat template are included in every figure.
-
-The command (``shardline.bench.command``) without ``--url`` starts a local cluster
-(``shardline.local_cluster.LocalCluster``), places the model, benchmarks node 0 and stops
-the cluster again.
+The benchmark talks to the OpenAI-compatible API only (``GET /v1/models``, streamed and
+non-streamed ``POST /v1/chat/completions``), as vLLM's ``benchmark_serving`` does, so it
+measures what a client sees: HTTP, tokenization and the chat template are included in every
+figure, and any OpenAI-compatible server (llama.cpp's ``llama-server``, vLLM, another
+shardline) can be measured the same way. Every request body holds only ``model``,
+``messages``, ``temperature``, ``max_tokens``, ``ignore_eos``, ``stream`` and
+``stream_options``, fields shardline (:mod:`shardline.api.params`), vLLM and llama-server
+all take.
 
 Per request (times in seconds from the moment the request is sent):
 
@@ -14,15 +16,22 @@ Per request (times in seconds from the moment the request is sent):
 - prefill tokens/s: prompt tokens (from the response's ``usage``) / TTFT;
 - decode tokens/s: (completion tokens - 1) / (last content chunk - first content chunk).
 
-Per concurrency level c (``--runs`` requests, at least c, at most c in flight at once):
+Token counts come from the usage of the stream's last chunk (``stream_options:
+{include_usage: true}``); a server that sends none has its content chunks counted as
+completion tokens and the calibrated prompt length taken as its prompt tokens
+(``usage_from: "chunks"`` in the figures).
+
+Per concurrency level c (its requests, at most c in flight at once):
 
 - aggregate decode tokens/s: all completion tokens of the level / the level's wall time
   (first request sent to last request finished, so prefill time is included; this is
   vLLM's "output token throughput").
 
-The prompt is repeated varied English text sized to about ``--prompt-tokens`` tokens of the
+The prompt is repeated varied English text sized to about the asked number of tokens of the
 full chat prompt (template included): its length is calibrated against the server's own
-token counts with a few one-token requests before the measured ones.
+token counts (``usage.prompt_tokens`` of non-streamed one-token requests). Each request's
+text starts at another word, so a server's prompt cache (llama-server keeps each slot's last
+prompt) finds only the instruction line and the template's prefix in common.
 """
 
 from __future__ import annotations
@@ -31,7 +40,7 @@ import asyncio
 import json
 import statistics
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from typing import Any
 
 import httpx
@@ -66,7 +75,22 @@ _SENTENCES = [
     "Volunteers planted two hundred trees along the highway to reduce noise and dust.",
     "An old sailor told stories of storms, islands and the fish he never managed to catch.",
 ]
+_MIN_SENTENCE_WORDS = min(len(s.split()) for s in _SENTENCES)
 _PROMPT_PREFIX = "Read the following text, then summarise it in a few sentences.\n\n"
+_CHAT_QUESTIONS = [  # each 37 tokens with SmolLM2's chat template and its default system prompt
+    "What is the capital of France?",
+    "How many legs has a spider?",
+    "Which planet is nearest the sun?",
+    "What do blue and yellow make?",
+    "Who wrote the famous play Hamlet?",
+    "Which ocean is the largest one?",
+    "How many days has leap year?",
+    "Which gas do plants take in?",
+    "At what temperature does water boil?",
+    "Which animal is called the king?",
+    "What language is spoken in Brazil?",
+    "How many minutes make an hour?",
+]
 
 
 class BenchError(RuntimeError):
@@ -81,14 +105,24 @@ def build_prompt(words: int, variant: int = 0) -> str:
 
     Args:
         words: number of words of text after the instruction line.
-        variant: which sentence the text starts at, so requests differ at the front.
+        variant: where the text starts: sentence ``variant % 20``, skipping the first
+            ``variant // 20`` words, so the first 240 variants all differ right after the
+            instruction line (then they repeat).
     """
+    variant %= len(_SENTENCES) * _MIN_SENTENCE_WORDS
     out: list[str] = []
     i = variant
-    while len(out) < words:
+    skip = variant // len(_SENTENCES)
+    while len(out) < words + skip:
         out.extend(_SENTENCES[i % len(_SENTENCES)].split())
         i += 1
-    return _PROMPT_PREFIX + " ".join(out[:words])
+    return _PROMPT_PREFIX + " ".join(out[skip:skip + words])
+
+
+def chat_question(variant: int) -> str:
+    """A short chat question (``variant`` picks one of 12, in turn): with SmolLM2's chat
+    template and its default system prompt 37 prompt tokens (the issue's short chat)."""
+    return _CHAT_QUESTIONS[variant % len(_CHAT_QUESTIONS)]
 
 
 # -- one request -------------------------------------------------------------------------
@@ -101,6 +135,9 @@ class RequestResult:
     Attributes:
         prompt_tokens: prompt length in tokens, from the response's usage.
         completion_tokens: generated tokens, from the response's usage.
+        usage_from: ``"usage"``, or ``"chunks"`` where the stream had no usage: then the
+            completion tokens are the content chunks counted and the prompt tokens the
+            calibrated length.
         ttft_s: time to the first content chunk (seconds), None if none had content.
         chunk_times_s: arrival time of every content chunk (seconds).
         end_s: time the stream ended (seconds).
@@ -110,6 +147,7 @@ class RequestResult:
     prompt_tokens: int
     completion_tokens: int
     ttft_s: float | None
+    usage_from: str = "usage"
     chunk_times_s: list[float] = field(default_factory=list)
     end_s: float = 0.0
     start_s: float = 0.0
@@ -152,6 +190,15 @@ def error_message(response: httpx.Response, body: bytes) -> str:
     return f"HTTP {response.status_code} from {response.request.url}: {message}"
 
 
+def connect_error_message(url: str, exc: Exception) -> str:
+    """One line naming a failed connection to ``url`` (a timeout, a refused connection, ...)."""
+    if isinstance(exc, httpx.TimeoutException):
+        return f"{url} did not answer in time ({type(exc).__name__})"
+    if isinstance(exc, httpx.ConnectError):
+        return f"cannot reach {url}: {exc or 'connection failed'}"
+    return f"request to {url} failed: {type(exc).__name__}: {exc}"
+
+
 def _chat_body(model: str, prompt: str, max_tokens: int, stream: bool) -> dict[str, Any]:
     body: dict[str, Any] = {
         "model": model,
@@ -167,18 +214,20 @@ def _chat_body(model: str, prompt: str, max_tokens: int, stream: bool) -> dict[s
 
 
 async def stream_request(client: httpx.AsyncClient, url: str, model: str, prompt: str,
-                         max_tokens: int) -> RequestResult:
+                         max_tokens: int, prompt_tokens: int = 0) -> RequestResult:
     """Send one streamed chat completion and time it.
 
     Args:
         url: the server's base URL (``http://host:port``).
         max_tokens: completion tokens to ask for (``ignore_eos`` makes it generate them all).
+        prompt_tokens: the prompt's calibrated length, taken where the stream has no usage.
 
     Returns:
         The request's token counts and timings (seconds).
 
     Raises:
-        BenchError: an HTTP error, an error event in the stream, or no usage in the stream.
+        BenchError: an HTTP error or an error event in the stream.
+        httpx.HTTPError: the connection failed.
     """
     body = _chat_body(model, prompt, max_tokens, stream=True)
     start = time.perf_counter()
@@ -213,7 +262,8 @@ async def stream_request(client: httpx.AsyncClient, url: str, model: str, prompt
                     break
         end = time.perf_counter() - start
     if usage is None:
-        raise BenchError(f"{url} sent no usage in the stream (stream_options.include_usage unsupported?)")
+        return RequestResult(prompt_tokens=prompt_tokens, completion_tokens=len(chunk_times), ttft_s=ttft,
+                             usage_from="chunks", chunk_times_s=chunk_times, end_s=end)
     return RequestResult(
         prompt_tokens=int(usage.get("prompt_tokens", 0)),
         completion_tokens=int(usage.get("completion_tokens", 0)),
@@ -293,6 +343,7 @@ def summarize_level(concurrency: int, results: list[RequestResult], wall_s: floa
         "aggregate_decode_tokens_per_s": total_completion / wall_s if wall_s > 0 else None,
         "total_completion_tokens": total_completion,
         "wall_s": wall_s,
+        "usage_from": "usage" if all(r.usage_from == "usage" for r in results) else "chunks",
         "per_request": [
             {
                 "prompt_tokens": r.prompt_tokens,
@@ -309,14 +360,20 @@ def summarize_level(concurrency: int, results: list[RequestResult], wall_s: floa
     }
 
 
-async def run_level(client: httpx.AsyncClient, url: str, model: str, words: int, gen_tokens: int,
-                    concurrency: int, requests: int) -> dict[str, Any]:
-    """Send ``requests`` requests with at most ``concurrency`` in flight; summarise them.
+async def run_level(client: httpx.AsyncClient, url: str, model: str, prompts: list[str], gen_tokens: int,
+                    concurrency: int, prompt_tokens: int = 0) -> dict[str, Any]:
+    """Send one request per prompt with at most ``concurrency`` in flight; summarise them
+    (:func:`summarize_level`).
 
     Args:
-        words: prompt text length in words (from :func:`calibrate_words`).
+        prompts: the requests' user messages (:func:`build_prompt`, :func:`chat_question`).
         gen_tokens: completion tokens per request.
+        prompt_tokens: the prompts' calibrated length, for a server whose stream has no usage.
+
+    Raises:
+        BenchError, httpx.HTTPError: the first request that failed (:func:`stream_request`).
     """
+    requests = len(prompts)
     queue: asyncio.Queue[int] = asyncio.Queue()
     for i in range(requests):
         queue.put_nowait(i)
@@ -330,7 +387,7 @@ async def run_level(client: httpx.AsyncClient, url: str, model: str, words: int,
             except asyncio.QueueEmpty:
                 return
             sent = time.perf_counter() - level_start
-            result = await stream_request(client, url, model, build_prompt(words, variant=i), gen_tokens)
+            result = await stream_request(client, url, model, prompts[i], gen_tokens, prompt_tokens)
             result.start_s = sent
             results.append(result)
 
@@ -345,57 +402,3 @@ async def run_level(client: httpx.AsyncClient, url: str, model: str, words: int,
         raise first from None
     wall = time.perf_counter() - level_start
     return summarize_level(concurrency, results, wall)
-
-
-# -- the whole benchmark -----------------------------------------------------------------
-
-
-@dataclass
-class BenchConfig:
-    """What to measure. Token counts in tokens."""
-
-    url: str
-    model: str
-    nodes: int | None
-    sharding: str | None
-    prompt_tokens: int
-    gen_tokens: int
-    concurrency: list[int]
-    runs: int
-    warmup: bool
-
-
-async def run_bench(config: BenchConfig, progress=None, headers: dict[str, str] | None = None) -> dict[str, Any]:
-    """Calibrate the prompt, warm up, run every concurrency level; ``headers`` go with
-    every request (an API key's: kept out of the report).
-
-    Returns:
-        ``{"config": ..., "prompt_words": ..., "calibrated_prompt_tokens": ...,
-        "aggregate_definition": ..., "levels": [summarize_level(...), ...]}``.
-
-    Raises:
-        BenchError: an HTTP error or a malformed answer.
-    """
-    say = progress or (lambda _msg: None)
-    timeout = httpx.Timeout(30.0, read=600.0)
-    limits = httpx.Limits(max_connections=max(config.concurrency) + 4)
-    async with httpx.AsyncClient(timeout=timeout, limits=limits, headers=headers) as client:
-        say(f"calibrating a prompt of about {config.prompt_tokens} tokens")
-        words, calibrated = await calibrate_words(client, config.url, config.model, config.prompt_tokens)
-        if config.warmup:
-            say("warm-up request")
-            await stream_request(client, config.url, config.model, build_prompt(words, variant=7),
-                                 config.gen_tokens)
-        levels = []
-        for c in config.concurrency:
-            n = max(config.runs, c)
-            say(f"concurrency {c}: {n} requests")
-            levels.append(await run_level(client, config.url, config.model, words,
-                                          config.gen_tokens, c, n))
-    return {
-        "config": asdict(config),
-        "prompt_words": words,
-        "calibrated_prompt_tokens": calibrated,
-        "aggregate_definition": AGGREGATE_DEFINITION,
-        "levels": levels,
-    }

@@ -1,6 +1,7 @@
-"""``shardline bench`` as a command: its options, checks, the local cluster it starts
-without ``--url``, and the printed report. The measurements are
-:mod:`shardline.bench.bench`'s."""
+"""``shardline bench`` as a command: its options, checks, the servers it measures (the local
+cluster it starts without ``--url``; with ``--against URL`` another OpenAI-compatible server
+beside it) and the report it prints and writes. The workloads are
+:mod:`shardline.bench.compare`'s, the measurements :mod:`shardline.bench.bench`'s."""
 
 from __future__ import annotations
 
@@ -13,63 +14,16 @@ import socket
 import sys
 import tempfile
 import time
-from typing import Any
 
 import httpx
 
-from shardline.bench.bench import (
-    AGGREGATE_DEFINITION,
-    DEFAULT_PORT,
-    BenchConfig,
-    BenchError,
-    error_message,
-    median,
-    run_bench,
-)
+from shardline.bench.bench import DEFAULT_PORT, BenchError, connect_error_message, error_message
+from shardline.bench.compare import OTHER, SHARDLINE, BenchConfig, Server, run_workloads
 from shardline.control import api_key_headers
 from shardline.local_cluster import LocalCluster, LocalClusterError, model_dirs_for
 
-
-def _fmt(value: float | None, digits: int = 1) -> str:
-    return "n/a" if value is None else f"{value:,.{digits}f}"
-
-
-def print_report(report: dict[str, Any], console=None) -> None:
-    """Print the header line and a rich table of the per-level figures."""
-    from rich.console import Console
-    from rich.table import Table
-
-    console = console or Console()
-    cfg = report["config"]
-    levels = report["levels"]
-    real_prompt = median([lv["median_prompt_tokens"] for lv in levels])
-    nodes = cfg["nodes"] if cfg["nodes"] is not None else "?"
-    sharding = cfg["sharding"] or "?"
-    node_word = "node" if nodes == 1 else "nodes"
-    console.print(
-        f"[bold]shardline bench[/bold] · {cfg['model']} · {nodes} {node_word} · {sharding} · "
-        f"prompt {cfg['prompt_tokens']} tokens (real {_fmt(real_prompt, 0)}) · gen {cfg['gen_tokens']} tokens",
-        highlight=False,
-    )
-    console.print(f"[dim]server {cfg['url']}[/dim]", highlight=False)
-    table = Table(caption=f"TTFT, prefill and per-request decode: medians over the level's requests.\n"
-                          f"{AGGREGATE_DEFINITION}.",
-                  caption_justify="left")
-    for title in ("concur-\nrency", "reqs", "prompt\ntokens", "gen\ntokens", "TTFT\n(ms)", "prefill\ntok/s",
-                  "decode\ntok/s\nper req.", "decode\ntok/s\naggregate"):
-        table.add_column(title, justify="right", no_wrap=True)
-    for lv in levels:
-        table.add_row(
-            str(lv["concurrency"]),
-            str(lv["requests"]),
-            _fmt(lv["median_prompt_tokens"], 0),
-            _fmt(lv["median_completion_tokens"], 0),
-            _fmt(lv["median_ttft_ms"], 1),
-            _fmt(lv["median_prefill_tokens_per_s"], 1),
-            _fmt(lv["median_decode_tokens_per_s"], 1),
-            _fmt(lv["aggregate_decode_tokens_per_s"], 1),
-        )
-    console.print(table)
+DEFAULT_ROUNDS_AGAINST = 3
+"""Rounds with ``--against`` (one without)."""
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -92,21 +46,36 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="first port of the local cluster (default %(default)s)")
     parser.add_argument("--runner-threads", type=int, default=0,
                         help="torch threads per runner of the local cluster (0: cores / nodes)")
-    parser.add_argument("--prompt-tokens", type=int, default=512,
-                        help="prompt length in tokens, chat template included (default %(default)s)")
+    parser.add_argument("--prompt-tokens", type=int, nargs="+", default=[512],
+                        help="prompt length in tokens, chat template included; several values give "
+                             "several levels (default 512)")
     parser.add_argument("--gen-tokens", type=int, default=128,
                         help="tokens generated per request (default %(default)s)")
     parser.add_argument("--concurrency", type=int, nargs="+", default=[1],
                         help="requests in flight at once; several values give several levels (default 1)")
     parser.add_argument("--runs", type=int, default=3,
-                        help="requests per concurrency level, at least the concurrency (default %(default)s)")
+                        help="requests per level and round, at least the concurrency (default %(default)s)")
+    parser.add_argument("--chat-requests", type=int, default=4,
+                        help="short chat questions (about 37 prompt tokens) per round, for its TTFT; "
+                             "0: none (default %(default)s)")
+    parser.add_argument("--rounds", type=int, default=None,
+                        help="times every level and the short chat run; figures are medians over rounds "
+                             f"(default 1, with --against {DEFAULT_ROUNDS_AGAINST})")
+    parser.add_argument("--against", default=None, metavar="URL",
+                        help="also benchmark this OpenAI-compatible server (llama.cpp's llama-server, vLLM, "
+                             "another shardline), interleaved with shardline, and print the ratios")
+    parser.add_argument("--against-model", default=None,
+                        help="model id at --against (default: its first in GET /v1/models)")
+    parser.add_argument("--against-api-key", default=None,
+                        help="API key of the server at --against (default none)")
     parser.add_argument("--json", dest="json_path", default=None, metavar="PATH",
-                        help="also write the results as JSON to PATH")
+                        help="also write the results (with --against: both servers', the ratios and the "
+                             "order the units ran in) as JSON to PATH")
     parser.add_argument("--memory", action="store_true",
                         help="after the workload, print each rank's memory: file bytes of its shard, "
                              "placement's estimate, resident set steady and at its peaks")
     parser.add_argument("--warmup", action=argparse.BooleanOptionalAction, default=True,
-                        help="send one unmeasured request first (default on)")
+                        help="send each server one unmeasured request first (default on)")
 
 
 def _fail(message: str) -> int:
@@ -115,14 +84,25 @@ def _fail(message: str) -> int:
 
 
 def _check_args(args: argparse.Namespace) -> str | None:
-    if args.prompt_tokens < 1:
-        return "--prompt-tokens must be at least 1"
+    if any(p < 1 for p in args.prompt_tokens):
+        return "--prompt-tokens values must be at least 1"
     if args.gen_tokens < 2:
         return "--gen-tokens must be at least 2 (decode speed needs two tokens)"
     if any(c < 1 for c in args.concurrency):
         return "--concurrency values must be at least 1"
+    for option, values in (("--prompt-tokens", args.prompt_tokens), ("--concurrency", args.concurrency)):
+        if len(set(values)) < len(values):
+            return f"{option} values must differ (each gives its own levels)"
     if args.runs < 1:
         return "--runs must be at least 1"
+    if args.chat_requests < 0:
+        return "--chat-requests must be at least 0"
+    if args.rounds is not None and args.rounds < 1:
+        return "--rounds must be at least 1"
+    if args.against is None:
+        for option in ("against_model", "against_api_key"):
+            if getattr(args, option) is not None:
+                return f"--{option.replace('_', '-')} needs --against URL"
     if args.nodes < 1:
         return "--nodes must be at least 1"
     if args.json_path:
@@ -132,32 +112,37 @@ def _check_args(args: argparse.Namespace) -> str | None:
     return None
 
 
-def _describe_connect_error(url: str, exc: Exception) -> str:
-    if isinstance(exc, httpx.TimeoutException):
-        return f"{url} did not answer in time ({type(exc).__name__})"
-    if isinstance(exc, httpx.ConnectError):
-        return f"cannot reach {url}: {exc or 'connection failed'}"
-    return f"request to {url} failed: {type(exc).__name__}: {exc}"
+def _normal_url(url: str) -> str:
+    url = url.rstrip("/")
+    return url if "://" in url else f"http://{url}"
 
 
-def _server_info(url: str, model: str | None, headers: dict[str, str]) -> tuple[str, int | None, str | None]:
-    """(model id, nodes, sharding) of a running server; nodes/sharding None if unknown.
-    ``headers``: the API key's (:func:`shardline.control.api_key_headers`)."""
-    response = httpx.get(f"{url}/v1/models", timeout=10, headers=headers)
-    if response.status_code != 200:
-        raise BenchError(error_message(response, response.content))
+def _server(name: str, url: str, model: str | None, headers: dict[str, str]) -> Server:
+    """The running server at ``url`` (its model: ``model``, else its first); for a shardline
+    node its instance's nodes and sharding, waiting while it loads.
+    ``headers``: the API key's (:func:`shardline.control.api_key_headers`).
+
+    Raises:
+        BenchError: ``url`` cannot be reached, lists no model, or does not serve ``model``.
+    """
     try:
-        ids = [m["id"] for m in response.json()["data"]]
-    except (ValueError, KeyError, TypeError) as exc:
-        raise BenchError(f"{url}/v1/models did not answer with a model list") from exc
-    if not ids:
-        raise BenchError(f"{url} serves no model yet (GET /v1/models is empty)")
-    if model is None:
-        model = ids[0]
-    elif model not in ids:
-        raise BenchError(f"{url} does not serve {model!r} (it serves: {', '.join(ids)})")
-    nodes, sharding = _wait_ready(url, model, headers)
-    return model, nodes, sharding
+        response = httpx.get(f"{url}/v1/models", timeout=10, headers=headers)
+        if response.status_code != 200:
+            raise BenchError(error_message(response, response.content))
+        try:
+            ids = [m["id"] for m in response.json()["data"]]
+        except (ValueError, KeyError, TypeError) as exc:
+            raise BenchError(f"{url}/v1/models did not answer with a model list") from exc
+        if not ids:
+            raise BenchError(f"{url} serves no model yet (GET /v1/models is empty)")
+        if model is None:
+            model = ids[0]
+        elif model not in ids:
+            raise BenchError(f"{url} does not serve {model!r} (it serves: {', '.join(ids)})")
+        nodes, sharding = _wait_ready(url, model, headers)
+    except httpx.HTTPError as exc:
+        raise BenchError(connect_error_message(url, exc)) from exc
+    return Server(name, url, model, headers, nodes, sharding)
 
 
 def _wait_ready(url: str, model: str, headers: dict[str, str],
@@ -211,29 +196,37 @@ def _progress(message: str) -> None:
     print(f"shardline bench: {message}", file=sys.stderr, flush=True)
 
 
-def _bench_url(args: argparse.Namespace, url: str, model: str, nodes: int | None,
-               sharding: str | None) -> int:
-    config = BenchConfig(
-        url=url, model=model, nodes=nodes, sharding=sharding,
-        prompt_tokens=args.prompt_tokens, gen_tokens=args.gen_tokens,
-        concurrency=list(args.concurrency), runs=args.runs, warmup=args.warmup,
-    )
-    headers = api_key_headers(args.api_key)
-    report = asyncio.run(run_bench(config, _progress, headers))
-    print_report(report)
+def _bench(args: argparse.Namespace, servers: list[Server]) -> int:
+    rounds = args.rounds or (DEFAULT_ROUNDS_AGAINST if len(servers) == 2 else 1)
+    config = BenchConfig(prompt_tokens=list(args.prompt_tokens), gen_tokens=args.gen_tokens,
+                         concurrency=list(args.concurrency), runs=args.runs, rounds=rounds,
+                         chat_requests=args.chat_requests, warmup=args.warmup)
+    report = asyncio.run(run_workloads(servers, config, _progress))
+    from shardline.bench.report import print_comparison, print_report
+
+    if len(servers) == 2:
+        print_comparison(report)
+    else:
+        print_report(report)
+    shardline = servers[0]
     if args.memory:
         from shardline.bench.memory import MemoryReportError, print_memory, rank_memory
 
         try:
-            report["memory"] = rank_memory(url, model, headers)
+            report["memory"] = rank_memory(shardline.url, shardline.model, shardline.headers)
         except MemoryReportError as exc:
             raise BenchError(f"memory report: {exc}") from exc
         print_memory(report["memory"])
-    short = [r["completion_tokens"] for lv in report["levels"] for r in lv["per_request"]
+    for server in report["servers"]:
+        if server["usage_from"] == "chunks":
+            _progress(f"{server['name']} ({server['url']}) sent no usage in its streams: completion tokens "
+                      "are its content chunks counted, prompt tokens the calibrated length")
+    short = [(w["name"], r["completion_tokens"]) for w in report["workloads"] if w["kind"] == "level"
+             for n in w["results"] for lv in w["results"][n]["rounds"] for r in lv["per_request"]
              if r["completion_tokens"] < args.gen_tokens]
     if short:
         _progress(f"warning: {len(short)} request(s) generated fewer than {args.gen_tokens} tokens "
-                  f"(as few as {min(short)}): the server ignored ignore_eos or the context is full")
+                  f"(as few as {min(n for _, n in short)}): the server ignored ignore_eos or the context is full")
     if args.json_path:
         with open(args.json_path, "w") as f:
             json.dump(report, f, indent=2)
@@ -266,12 +259,17 @@ def _on_sigterm(signum, frame) -> None:
 def _main(args: argparse.Namespace) -> int:
     cluster = None
     log_dir = None
-    url = args.url.rstrip("/") if args.url else None
     try:
-        if url is not None:
-            if "://" not in url:
-                url = f"http://{url}"
-            model, nodes, sharding = _server_info(url, args.model, api_key_headers(args.api_key))
+        other = None
+        if args.against is not None:  # checked first: a wrong URL fails before a cluster starts
+            key = args.against_api_key
+            try:
+                other = _server(OTHER, _normal_url(args.against), args.against_model,
+                                {"Authorization": f"Bearer {key}"} if key else {})
+            except BenchError as exc:
+                return _fail(f"--against: {exc}")
+        if args.url is not None:
+            shardline = _server(SHARDLINE, _normal_url(args.url), args.model, api_key_headers(args.api_key))
         else:
             from shardline.models.store import DEFAULT_MODEL_ID
 
@@ -288,14 +286,14 @@ def _main(args: argparse.Namespace) -> int:
             _progress(f"placing {args.model or DEFAULT_MODEL_ID} ({args.sharding})")
             cluster.clear()  # instances the bench's own nodes kept from an earlier run
             instance = cluster.place(args.model or DEFAULT_MODEL_ID, args.sharding)
-            url = cluster.url(0)
-            model, nodes, sharding = instance["model_id"], len(instance["ranks"]), instance["sharding"]
-        return _bench_url(args, url, model, nodes, sharding)
+            shardline = Server(SHARDLINE, cluster.url(0), instance["model_id"], api_key_headers(args.api_key),
+                               len(instance["ranks"]), instance["sharding"])
+        return _bench(args, [shardline] if other is None else [shardline, other])
     except BenchError as exc:
         return _fail(str(exc))
     except httpx.HTTPError as exc:
-        target = url or (cluster.url(0) if cluster is not None else "the cluster")
-        return _fail(_describe_connect_error(target, exc))
+        target = cluster.url(0) if cluster is not None else "the cluster"
+        return _fail(connect_error_message(target, exc))
     except OSError as exc:  # e.g. --json PATH not writable
         return _fail(str(exc))
     except KeyboardInterrupt:

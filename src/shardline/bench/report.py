@@ -1,0 +1,100 @@
+"""``shardline bench``'s printed report: a table of one server's figures, or of two
+servers' figures side by side with their ratios (:mod:`shardline.bench.compare`'s report)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from shardline.bench.compare import RATIO_DEFINITION
+
+
+def _fmt(value: float | None, digits: int = 1) -> str:
+    return "n/a" if value is None else f"{value:,.{digits}f}"
+
+
+def _ratio(value: float | None) -> str:
+    return "n/a" if value is None else f"{value:.2f}x"
+
+
+def _server_line(server: dict[str, Any]) -> str:
+    """``url · model · N nodes · sharding · prompt tokens target→real, ...``."""
+    parts = [server["url"], server["model"]]
+    if server["nodes"] is not None:
+        parts.append(f"{server['nodes']} {'node' if server['nodes'] == 1 else 'nodes'}")
+    if server["sharding"]:
+        parts.append(server["sharding"])
+    real = ", ".join(f"{p['target']}→{p['tokens']}" for p in server["prompts"])
+    parts.append(f"prompt tokens {real}")
+    if server["chat_prompt_tokens"] is not None:
+        parts.append(f"chat {server['chat_prompt_tokens']}")
+    if server.get("usage_from") == "chunks":
+        parts.append("no usage in its stream: completion tokens counted as content chunks")
+    return " · ".join(parts)
+
+
+def _header(report: dict[str, Any]) -> str:
+    cfg = report["config"]
+    rounds = cfg["rounds"]
+    text = (f"[bold]shardline bench[/bold] · prompt {' / '.join(map(str, cfg['prompt_tokens']))} tokens · "
+            f"gen {cfg['gen_tokens']} tokens · concurrency {' / '.join(map(str, cfg['concurrency']))}")
+    if rounds > 1:
+        text += f" · {rounds} rounds, medians"
+    return text
+
+
+def print_report(report: dict[str, Any], console=None) -> None:
+    """Print one server's figures: a row per level (prompt length x concurrency), then the
+    short chat's TTFT."""
+    from rich.console import Console
+    from rich.table import Table
+
+    console = console or Console()
+    [server] = report["servers"]
+    console.print(_header(report), highlight=False)
+    console.print(f"[dim]{_server_line(server)}[/dim]", highlight=False)
+    name = server["name"]
+    table = Table(caption="TTFT, prefill and per-request decode: medians over the level's requests.\n"
+                          f"{report['aggregate_definition']}.", caption_justify="left")
+    for title in ("concur-\nrency", "reqs", "prompt\ntokens", "gen\ntokens", "TTFT\n(ms)", "prefill\ntok/s",
+                  "decode\ntok/s\nper req.", "decode\ntok/s\naggregate"):
+        table.add_column(title, justify="right", no_wrap=True)
+    chat = None
+    for w in report["workloads"]:
+        fig = w["results"][name]["figures"]
+        if w["kind"] != "level":
+            chat = fig
+            continue
+        table.add_row(str(w["concurrency"]), str(fig["requests"]), _fmt(fig["median_prompt_tokens"], 0),
+                      _fmt(fig["median_completion_tokens"], 0), _fmt(fig["median_ttft_ms"]),
+                      _fmt(fig["median_prefill_tokens_per_s"]), _fmt(fig["median_decode_tokens_per_s"]),
+                      _fmt(fig["aggregate_decode_tokens_per_s"]))
+    console.print(table)
+    if chat is not None:
+        console.print(f"short chat ({_fmt(chat['median_prompt_tokens'], 0)} prompt tokens): "
+                      f"TTFT {_fmt(chat['median_ttft_ms'])} ms (median of {chat['requests']})", highlight=False)
+
+
+def print_comparison(report: dict[str, Any], console=None) -> None:
+    """Print two servers' figures side by side: a row per workload and figure with both
+    values, the ratio (first / second) and which direction is better (``higher`` for
+    tokens/s, ``lower`` for TTFT)."""
+    from rich.console import Console
+    from rich.table import Table
+
+    console = console or Console()
+    first, second = report["servers"]
+    console.print(_header(report) + " · interleaved", highlight=False)
+    for server in (first, second):
+        console.print(f"[dim]{server['name']}: {_server_line(server)}[/dim]", highlight=False)
+    table = Table(caption=f"{RATIO_DEFINITION}.\n{report['aggregate_definition']}.", caption_justify="left")
+    table.add_column("workload")
+    table.add_column("figure", no_wrap=True)
+    for title in (first["name"], second["name"], "ratio"):
+        table.add_column(title, justify="right", no_wrap=True)
+    table.add_column("better", no_wrap=True)
+    previous = None
+    for row in report["rows"]:
+        table.add_row("" if row["workload"] == previous else row["workload"], row["figure"],
+                      _fmt(row[first["name"]]), _fmt(row[second["name"]]), _ratio(row["ratio"]), row["better"])
+        previous = row["workload"]
+    console.print(table)
