@@ -28,12 +28,19 @@ from shardline.placement.ranks import (
     resident_bytes_per_weight,
     ring_prefill_chunk,
 )
+from shardline.placement.served import Basis, PlacementKey, ServedSpeed, calibrate
 
 DECODE_WEIGHT_BYTES = 1.0
 """Bytes decode reads per weight element where the caller gives none (8-bit weights)."""
 
 PREFILL_CHUNK_TOKENS = 512
 """Prompt tokens per prefill chunk (per rank under ring); latencies are paid once a chunk."""
+
+STEP_LAYERS = 3.0
+"""What a decode step costs beyond its layers on the rank that samples, in layers' fixed
+cost (``NodeProfile.decode_layer_s``): the embedding lookup, the final norm, the LM head's
+call, the sampler, the engine loop and the token's way to the node. Fitted on a 2-core
+Zen 5 VM (SmolLM2-135M, int4, 1 runner thread; figures in ``predict_tokens_per_s``)."""
 
 
 @dataclass(frozen=True)
@@ -47,12 +54,28 @@ class NodeProfile:
             by the weights and KV cache read per token).
         matmul_flops: floating-point operations/s the node sustains in matrix products
             (prefill is bound by these).
+        decode_layer_s: seconds a decoder layer costs a one-sequence decode step besides
+            reading its weights (its small ops; ``HostProfile.decode_layer_s``); 0:
+            unknown, counted as nothing.
+        decode_weight_bytes_per_s: resident weight bytes/s the runner's one-row product
+            reads (``HostProfile.decode_weight_bytes_per_s``): decode reads weights at the
+            lower of this and the memory bandwidth; 0: unknown, the bandwidth alone.
     """
 
     node_id: str
     available_bytes: int
     memory_bandwidth_bytes_per_s: float
     matmul_flops: float
+    decode_layer_s: float = 0.0
+    decode_weight_bytes_per_s: float = 0.0
+
+    @property
+    def weight_read_bytes_per_s(self) -> float:
+        """Bytes/s decode reads weights at: the lower of the memory bandwidth and the
+        product's own rate (where measured)."""
+        rate = self.decode_weight_bytes_per_s
+        bandwidth = self.memory_bandwidth_bytes_per_s
+        return min(bandwidth, rate) if rate > 0 else bandwidth
 
 
 @dataclass(frozen=True)
@@ -82,6 +105,12 @@ class Candidate:
             shortfall in bytes, or the shape that cannot split); None when feasible.
         kv_tokens: the KV pool it would have (tokens, all sequences together); 0 when
             infeasible.
+        model_decode_tokens_per_s, model_prefill_tokens_per_s: the first-order
+            prediction (:func:`predict_tokens_per_s`) before what the cluster measured
+            corrected it into the ``predicted_*`` figures; None when infeasible.
+        decode_basis, prefill_basis: where each ``predicted_*`` figure comes from
+            (:data:`shardline.placement.served.Basis`: ``"model"``, ``"measured"``,
+            ``"scaled"``).
     """
 
     sharding: Sharding
@@ -91,6 +120,10 @@ class Candidate:
     predicted_prefill_tokens_per_s: float | None = None
     error: str | None = None
     kv_tokens: int = 0
+    model_decode_tokens_per_s: float | None = None
+    model_prefill_tokens_per_s: float | None = None
+    decode_basis: Basis = "model"
+    prefill_basis: Basis = "model"
 
     @property
     def feasible(self) -> bool:
@@ -130,6 +163,14 @@ def _per_s(seconds: float) -> float:
     return 1.0 / seconds if seconds > 0 else float("inf")
 
 
+def _step_s(node: NodeProfile, weight_bytes: float, kv_bytes: float, layers: float) -> float:
+    """Seconds ``node`` takes for its part of a one-sequence decode step: its weights at
+    its weight-read rate, its KV cache at its memory bandwidth, ``layers`` layers' fixed
+    cost."""
+    return (_secs(weight_bytes, node.weight_read_bytes_per_s)
+            + _secs(kv_bytes, node.memory_bandwidth_bytes_per_s) + layers * node.decode_layer_s)
+
+
 def predict_tokens_per_s(
     config: ModelConfig,
     sharding: Sharding,
@@ -146,41 +187,57 @@ def predict_tokens_per_s(
     Decode is for one sequence; prefill for one long prompt. Notation: ``P`` ranks,
     ``L = num_layers``, ``d = hidden_size``, ``e`` = bytes of a ``dtype`` element, ``w =
     decode_weight_bytes`` (bytes a weight takes resident), ``bw_r`` and ``F_r`` rank r's memory
-    bandwidth (bytes/s) and matmul FLOP/s, ``lat``/``bw`` a link's latency (s) and bandwidth
-    (bytes/s), ``lat_max``/``bw_min`` the worst over all pairs of the placement's nodes.
+    bandwidth (bytes/s) and matmul FLOP/s, ``wr_r`` the rate its decode product reads
+    weights at (``NodeProfile.weight_read_bytes_per_s``: the lower of ``bw_r`` and the
+    int4 kernel's measured rate), ``o_r`` its ``decode_layer_s`` (the fixed cost of a layer
+    in a decode step, s), ``L_r`` its layers, ``lat``/``bw`` a link's latency (s) and
+    bandwidth (bytes/s), ``lat_max``/``bw_min`` the worst over all pairs of the placement's
+    nodes.
 
-    Bytes rank r reads per decoded token::
+    What rank r reads per decoded token::
 
-        B_r = w * (linear weight elements of r, the LM head on the sampling rank included)
-              + (KV bytes per token of r's layers or KV heads) * context / 2
+        W_r = w * (linear weight elements of r, the LM head on the sampling rank included)
+        K_r = (KV bytes per token of r's layers or KV heads) * context / 2
 
     (the KV cache read at the average context of a sequence that grows to ``context``;
-    embedding lookups and norms are negligible). ``N_r`` is r's linear weight elements
-    without the LM head (prefill computes logits for the last token only).
+    embedding lookups are negligible). ``N_r`` is r's linear weight elements without the
+    LM head (prefill computes logits for the last token only). A rank's decode step costs::
+
+        T_r = W_r / wr_r + K_r / bw_r + L_r * o_r
+
+    plus ``STEP_LAYERS * o_r`` on the rank that samples. A small model's decode on a CPU is
+    bound by its per-layer small ops (norms, rotary, attention's reshapes, residuals: ~60
+    torch calls a layer) and by the int4 kernel's unpacking, not by memory bandwidth: on
+    the 2-core VM these were fitted on, SmolLM2-135M int4, one runner thread, the weights'
+    ~75 MB resident read at 7-8 GB/s took ~10 ms a token and 30 layers' small ops ~8 ms,
+    against the ~7 ms the bandwidth alone predicted (figures in the README).
 
     pipeline (the last rank samples and broadcasts the token id)::
 
-        decode s/token  = sum_r B_r / bw_r + sum_hops (lat + d*e / bw) + lat(last -> others)
-        prefill tokens/s = 1 / max(max_r 2*N_r / F_r,
+        decode s/token  = sum_r T_r + STEP_LAYERS * o_last
+                          + sum_hops (lat + d*e / bw) + lat(last -> others)
+        prefill tokens/s = 1 / max(max_r (2*N_r / F_r + L_r * o_r / PREFILL_CHUNK_TOKENS),
                                    max_hops d*e / bw + lat / PREFILL_CHUNK_TOKENS)
           (chunks overlap across stages: the slowest stage or hop bounds the rate)
 
     tensor (two all-reduces a layer of float32 partial sums, ring all-reduce; rank 0 samples)::
 
         allreduce(n) = 2*(P-1)/P * n*d*4 / bw_min + (P-1) * lat_max      (n tokens)
-        decode s/token  = max_r B_r / bw_r + 2*L * allreduce(1) + lat_max
-        prefill s/token = max_r 2*N_r / F_r + 2*L * allreduce(C) / C      (C = 512-token chunk)
+        decode s/token  = max_r T_r + STEP_LAYERS * o_0 + 2*L * allreduce(1) + lat_max
+        prefill s/token = max_r (2*N_r / F_r + L * o_r / C) + 2*L * allreduce(C) / C
+                          (C = 512-token chunk)
           (the heads and columns split by shape, not by speed: the slowest rank bounds)
 
     ring (every rank holds the whole model and decodes it; rank 0 samples)::
 
-        decode s/token  = max_r B_r / bw_r + lat_max        (B_r of the whole model)
-        prefill s/token = 2*N / (P * min_r F_r)              (an even zig-zag split)
+        decode s/token  = max_r T_r + STEP_LAYERS * o_0 + lat_max   (B_r of the whole model)
+        prefill s/token = 2*N / (P * min_r F_r) + L * max_r o_r / C   (an even zig-zag split)
                           + (P-1)/P * kv_bytes_per_token / bw_min   (k/v blocks round the ring)
                           + L*(P-1)*lat_max / (P * 512)      (a latency per layer and step)
 
     A single node (P = 1) pays no link. Attention's FLOPs, compute/transfer overlap and
-    batching are ignored.
+    batching are ignored. With ``o_r = 0`` (a profile that did not measure it) this is the
+    bandwidth-bound model alone.
 
     Raises:
         PlacementError: an unknown sharding or dtype.
@@ -203,10 +260,11 @@ def predict_tokens_per_s(
         for rank, (node, share) in enumerate(zip(nodes, shares)):
             layers = share.num_layers
             linear = layers * _linear_per_layer(config)
-            read = decode_weight_bytes * (linear + (head if rank == P - 1 else 0))
-            read += kv_token * layers / L * avg_tokens
-            decode += _secs(read, node.memory_bandwidth_bytes_per_s)
-            prefill_stage = max(prefill_stage, _secs(2 * linear, node.matmul_flops))
+            weights = decode_weight_bytes * (linear + (head if rank == P - 1 else 0))
+            decode += _step_s(node, weights, kv_token * layers / L * avg_tokens,
+                              layers + (STEP_LAYERS if rank == P - 1 else 0.0))
+            prefill_stage = max(prefill_stage, _secs(2 * linear, node.matmul_flops)
+                                + layers * node.decode_layer_s / PREFILL_CHUNK_TOKENS)
         for a, b in zip(ids, ids[1:]):
             link = link_between(links, a, b)
             hop = _secs(d * e, link.bandwidth_bytes_per_s)
@@ -222,10 +280,12 @@ def predict_tokens_per_s(
             ts = share.tensor_share
             assert ts is not None  # tensor placement gives every rank its share
             linear = L * _tensor_linear_per_layer(config, ts)
-            read = decode_weight_bytes * (linear + (head if rank == 0 else 0))
-            read += 2 * L * ts.num_kv_heads * config.head_dim * e * avg_tokens
-            decode = max(decode, _secs(read, node.memory_bandwidth_bytes_per_s))
-            prefill = max(prefill, _secs(2 * linear, node.matmul_flops))
+            weights = decode_weight_bytes * (linear + (head if rank == 0 else 0))
+            kv = 2 * L * ts.num_kv_heads * config.head_dim * e * avg_tokens
+            decode = max(decode, _step_s(node, weights, kv, L))
+            prefill = max(prefill, _secs(2 * linear, node.matmul_flops)
+                          + L * node.decode_layer_s / PREFILL_CHUNK_TOKENS)
+        decode += STEP_LAYERS * nodes[0].decode_layer_s
         if P > 1:
             def allreduce(tokens: int) -> float:
                 return 2 * (P - 1) / P * tokens * d * 4 / bw_min + (P - 1) * lat_max
@@ -235,9 +295,11 @@ def predict_tokens_per_s(
 
     if sharding == Sharding.RING:
         linear = L * _linear_per_layer(config)
-        read = decode_weight_bytes * (linear + head) + kv_token * avg_tokens
-        decode = max(_secs(read, n.memory_bandwidth_bytes_per_s) for n in nodes) + bcast
+        weights = decode_weight_bytes * (linear + head)
+        decode = max(_step_s(n, weights, kv_token * avg_tokens, L) for n in nodes)
+        decode += STEP_LAYERS * nodes[0].decode_layer_s + bcast
         prefill = _secs(2 * linear, P * min(n.matmul_flops for n in nodes))
+        prefill += L * max(n.decode_layer_s for n in nodes) / PREFILL_CHUNK_TOKENS
         if P > 1:
             prefill += (P - 1) / P * _secs(kv_token, bw_min)
             prefill += L * (P - 1) * lat_max / ring_prefill_chunk(P, PREFILL_CHUNK_TOKENS)
@@ -273,6 +335,8 @@ def preview(
     admit: bool = True,
     kv_tokens: int | None = None,
     quantize: Quantize | None = None,
+    model_id: str = "",
+    served: Sequence[ServedSpeed] = (),
 ) -> list[Candidate]:
     """Every candidate placement of ``config`` on ``nodes``, feasible ones first, fastest first.
 
@@ -289,7 +353,9 @@ def preview(
     ``baseline_bytes`` of runtime per rank; the
     speeds are :func:`predict_tokens_per_s`'s (decode tokens/s of one sequence, prefill
     tokens/s), decode reading :func:`~shardline.placement.ranks.resident_bytes_per_weight`
-    bytes a weight.
+    bytes a weight, then corrected by what placements of ``model_id`` measured while
+    serving (``served``: :func:`shardline.placement.served.calibrate`'s rule; the
+    uncorrected figures stay in ``model_*``).
 
     Returns:
         Feasible candidates sorted by predicted decode tokens/s, descending (ties: prefill
@@ -316,12 +382,17 @@ def preview(
             except PlacementError as exc:
                 infeasible.append(Candidate(sharding, ids, error=str(exc)))
                 continue
-            decode, prefill = predict_tokens_per_s(
+            model = predict_tokens_per_s(
                 config, sharding, subset, shares, links, context, dtype,
                 decode_weight_bytes=decode_weight_bytes,
             )
+            key = PlacementKey(model_id, str(sharding), ids, dtype,
+                               quantize.value if quantize else None)
+            decode, prefill, decode_basis, prefill_basis = calibrate(key, model, served)
             feasible.append(Candidate(sharding, ids, tuple(shares), decode, prefill,
-                                      kv_tokens=kv_pool))
+                                      kv_tokens=kv_pool, model_decode_tokens_per_s=model[0],
+                                      model_prefill_tokens_per_s=model[1],
+                                      decode_basis=decode_basis, prefill_basis=prefill_basis))
     feasible.sort(key=lambda c: (-(c.predicted_decode_tokens_per_s or 0.0),
                                  -(c.predicted_prefill_tokens_per_s or 0.0), len(c.node_ids)))
     return feasible + infeasible
@@ -343,6 +414,8 @@ def auto(
     admit: bool = True,
     kv_tokens: int | None = None,
     quantize: Quantize | None = None,
+    model_id: str = "",
+    served: Sequence[ServedSpeed] = (),
 ) -> Candidate:
     """The feasible candidate of :func:`preview` with the highest predicted decode tokens/s.
 
@@ -353,7 +426,7 @@ def auto(
     candidates = preview(config, nodes, links, context, max_batch, dtype, shardings, max_nodes,
                          min_nodes=min_nodes, weight_file_bytes=weight_file_bytes,
                          baseline_bytes=baseline_bytes, admit=admit, kv_tokens=kv_tokens,
-                         quantize=quantize)
+                         quantize=quantize, model_id=model_id, served=served)
     if candidates and candidates[0].feasible:
         return candidates[0]
     if not candidates:
