@@ -21,6 +21,7 @@ from shardline.placement.served import (
     merge,
     record,
     request_rates,
+    with_prediction,
 )
 
 pytestmark = [pytest.mark.fast, pytest.mark.timeout(30)]
@@ -74,13 +75,18 @@ KEY = PlacementKey("m", "pipeline", ("a",), "bfloat16", None)
 def test_record_keeps_the_newest_samples_and_the_median():
     speed = None
     for i in range(KEEP_SAMPLES + 4):
-        speed = record(speed, KEY, float(i), None if i % 2 else 1000.0, (50.0, 900.0), at=i)
+        speed = record(speed, KEY, float(i), None if i % 2 else 1000.0, position=100.0 + i, at=i)
     assert speed is not None
     assert speed.decode_samples == tuple(float(i) for i in range(4, KEEP_SAMPLES + 4))
     assert speed.decode_tokens_per_s == pytest.approx((11 + 12) / 2)
+    assert speed.context == 2 * (100 + 11.5)  # twice the median position: the preview's context
     assert speed.prefill_tokens_per_s == 1000.0 and len(speed.prefill_samples) == KEEP_SAMPLES // 2 + 2
+    # a prefill-only request adds no decode sample nor position
+    assert record(speed, KEY, None, 5.0, 9999.0, 50).decode_positions == speed.decode_positions
+    speed = with_prediction(speed, (50.0, 900.0))
     assert (speed.predicted_decode_tokens_per_s, speed.at) == (50.0, KEEP_SAMPLES + 3)
     assert ServedSpeed.from_dict(speed.to_dict()) == speed  # its JSON form reads back
+    assert ServedSpeed(KEY).context is None
 
 
 def test_merge_keeps_the_newest_record_of_each_placement():
@@ -91,7 +97,7 @@ def test_merge_keeps_the_newest_record_of_each_placement():
 
 def _served(nodes, decode, prefill, predicted=(100.0, 1000.0), model="m", sharding="pipeline"):
     return ServedSpeed(PlacementKey(model, sharding, nodes), (decode,) if decode else (),
-                       (prefill,) if prefill else (), *predicted)
+                       (prefill,) if prefill else (), (100.0,) if decode else (), *predicted)
 
 
 @pytest.mark.parametrize("key_nodes, speeds, want", [

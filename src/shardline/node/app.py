@@ -215,16 +215,18 @@ def create_app(node: Node, guard: GuardConfig, max_body_bytes: int = DEFAULT_MAX
     async def instance_view(inst, served: dict) -> dict:
         """An instance; ``local_engine`` is this node's rank's batch (EngineStats),
         ``local_memory`` its runner's memory (see ``Worker.memory``) and ``speed`` the
-        preview's first-order prediction for its placement now beside what the cluster
+        preview's first-order prediction for its placement now (decode at the context
+        its measured requests ran at, else the instance's) beside what the cluster
         measured it doing (``served``: ``Coordinator.served_speeds()``; None: no request
         measured yet) and how many requests each figure is the median of."""
-        decode, prefill = await node.coordinator.first_order(inst)
         measured = served.get(placement_key(inst))
+        decode, prefill = await node.coordinator.first_order(inst, measured.context if measured else None)
         speed = {"predicted_decode_tokens_per_s": decode or None,
                  "predicted_prefill_tokens_per_s": prefill or None,
                  "measured_decode_tokens_per_s": measured.decode_tokens_per_s if measured else None,
                  "measured_prefill_tokens_per_s": measured.prefill_tokens_per_s if measured else None,
                  "decode_samples": len(measured.decode_samples) if measured else 0,
+                 "decode_context": measured.context if measured else inst.context,
                  "prefill_samples": len(measured.prefill_samples) if measured else 0}
         return dict(inst.to_dict(), local_engine=node.engine_stats.get(inst.instance_id),
                     local_memory=node.worker.memory(inst.instance_id), speed=speed)

@@ -316,10 +316,11 @@ class Coordinator:
                         continue  # a node of another version
         return merge(records)
 
-    async def first_order(self, inst: Instance) -> tuple[float, float]:
+    async def first_order(self, inst: Instance, context: int | None = None) -> tuple[float, float]:
         """The preview's first-order (decode, prefill) tokens/s for an instance's
-        placement, from its nodes' profiles now; (0, 0) when a node of it is not known
-        or its model card cannot be read."""
+        placement, from its nodes' profiles now, decode for sequences growing to
+        ``context`` tokens (None: the instance's context); (0, 0) when a node of it is
+        not known or its model card cannot be read."""
         from shardline.placement.preview import predict_tokens_per_s
 
         try:
@@ -329,7 +330,8 @@ class Coordinator:
             weight = resident_bytes_per_weight(config, card.weight_file_bytes, inst.dtype,
                                                Quantize(inst.quantize) if inst.quantize else None)
             return predict_tokens_per_s(config, inst.sharding, profiles, [r.share for r in inst.ranks],
-                                        links, inst.context, inst.dtype, decode_weight_bytes=weight)
+                                        links, context or inst.context, inst.dtype,
+                                        decode_weight_bytes=weight)
         except (KeyError, ModelNotFoundError, PeerError, PlacementError) as exc:
             log.info("no prediction for instance %s: %s", inst.instance_id, exc)
             return 0.0, 0.0

@@ -26,7 +26,13 @@ from typing import TYPE_CHECKING
 
 from shardline.machine_cache import write_atomically
 from shardline.node.status import InstanceStatus, RankStatus
-from shardline.placement.served import PlacementKey, ServedSpeed, record, request_rates
+from shardline.placement.served import (
+    PlacementKey,
+    ServedSpeed,
+    record,
+    request_rates,
+    with_prediction,
+)
 
 if TYPE_CHECKING:
     from shardline.node.node import Node
@@ -189,14 +195,17 @@ class ServedLog:
     def to_list(self) -> list[dict]:
         return [s.to_dict() for s in self.speeds.values()]
 
-    async def add(self, inst: "Instance", decode: float | None, prefill: float | None) -> None:
-        """Record one request's rates for ``inst``'s placement, with the first-order
-        prediction for it now."""
+    async def add(self, inst: "Instance", decode: float | None, prefill: float | None,
+                  position: float) -> None:
+        """Record one request's rates for ``inst``'s placement (``position``: its decode's
+        mean position), with the first-order prediction for it now (decode at the
+        samples' context)."""
         if decode is None and prefill is None:
             return
-        predicted = await self.node.coordinator.first_order(inst)
         key = placement_key(inst)
-        self.speeds[key] = record(self.speeds.get(key), key, decode, prefill, predicted, time.time())
+        speed = record(self.speeds.get(key), key, decode, prefill, position, time.time())
+        predicted = await self.node.coordinator.first_order(inst, speed.context)
+        self.speeds[key] = with_prediction(speed, predicted)
         if self.path is not None:
             try:
                 write_atomically(self.path, json.dumps(self.to_list()))
@@ -236,6 +245,11 @@ class RequestTiming:
             self.alone = False
         self.last_token_at = now
         self.generated += 1
+
+    @property
+    def position(self) -> float:
+        """Its decode's mean position in the sequence, tokens."""
+        return self.prompt_tokens + self.generated / 2
 
     def rates(self) -> tuple[float | None, float | None]:
         """(decode, prefill) tokens/s (:func:`~shardline.placement.served.request_rates`)."""

@@ -36,6 +36,13 @@ DECODE_WEIGHT_BYTES = 1.0
 PREFILL_CHUNK_TOKENS = 512
 """Prompt tokens per prefill chunk (per rank under ring); latencies are paid once a chunk."""
 
+PREFILL_ACTIVATION_BYTES = 64.0
+"""Bytes of memory traffic a prompt token's prefill costs per layer and per activation
+element (``hidden_size + intermediate_size``) besides its products: the norms, rotary,
+SiLU, products of gates, residual adds and causal attention over a 512-token chunk.
+Fitted on a 2-core VM (SmolLM2-135M, one thread: 0.26 s of a 512-token chunk's 0.44 s
+outside the products, ~8 ns an element at ~8 GB/s)."""
+
 STEP_LAYERS = 3.0
 """What a decode step costs beyond its layers on the rank that samples, in layers' fixed
 cost (``NodeProfile.decode_layer_s``): the embedding lookup, the final norm, the LM head's
@@ -171,6 +178,16 @@ def _step_s(node: NodeProfile, weight_bytes: float, kv_bytes: float, layers: flo
             + _secs(kv_bytes, node.memory_bandwidth_bytes_per_s) + layers * node.decode_layer_s)
 
 
+def _prefill_s(node: NodeProfile, flops: float, layers: float, activations: float) -> float:
+    """Seconds ``node`` takes a prompt token for ``flops`` of products, ``activations``
+    (layer, element) of its layers' other work (norms, activation function, residuals,
+    attention at a chunk's length: :data:`PREFILL_ACTIVATION_BYTES` each at its memory
+    bandwidth) and ``layers`` layers' fixed cost, paid once a chunk."""
+    return (_secs(flops, node.matmul_flops)
+            + _secs(activations * PREFILL_ACTIVATION_BYTES, node.memory_bandwidth_bytes_per_s)
+            + layers * node.decode_layer_s / PREFILL_CHUNK_TOKENS)
+
+
 def predict_tokens_per_s(
     config: ModelConfig,
     sharding: Sharding,
@@ -201,9 +218,13 @@ def predict_tokens_per_s(
 
     (the KV cache read at the average context of a sequence that grows to ``context``;
     embedding lookups are negligible). ``N_r`` is r's linear weight elements without the
-    LM head (prefill computes logits for the last token only). A rank's decode step costs::
+    LM head (prefill computes logits for the last token only), ``A = d +
+    intermediate_size`` a token's activation elements in a layer. A rank's decode step and
+    a prompt token's prefill on it cost::
 
         T_r = W_r / wr_r + K_r / bw_r + L_r * o_r
+        Q_r = 2*N_r / F_r + L_r * A * PREFILL_ACTIVATION_BYTES / bw_r + L_r * o_r / C
+              (C = PREFILL_CHUNK_TOKENS: a chunk pays the layers' fixed cost once)
 
     plus ``STEP_LAYERS * o_r`` on the rank that samples. A small model's decode on a CPU is
     bound by its per-layer small ops (norms, rotary, attention's reshapes, residuals: ~60
@@ -216,28 +237,29 @@ def predict_tokens_per_s(
 
         decode s/token  = sum_r T_r + STEP_LAYERS * o_last
                           + sum_hops (lat + d*e / bw) + lat(last -> others)
-        prefill tokens/s = 1 / max(max_r (2*N_r / F_r + L_r * o_r / PREFILL_CHUNK_TOKENS),
-                                   max_hops d*e / bw + lat / PREFILL_CHUNK_TOKENS)
+        prefill tokens/s = 1 / max(max_r Q_r, max_hops d*e / bw + lat / C)
           (chunks overlap across stages: the slowest stage or hop bounds the rate)
 
     tensor (two all-reduces a layer of float32 partial sums, ring all-reduce; rank 0 samples)::
 
         allreduce(n) = 2*(P-1)/P * n*d*4 / bw_min + (P-1) * lat_max      (n tokens)
         decode s/token  = max_r T_r + STEP_LAYERS * o_0 + 2*L * allreduce(1) + lat_max
-        prefill s/token = max_r (2*N_r / F_r + L * o_r / C) + 2*L * allreduce(C) / C
-                          (C = 512-token chunk)
+        prefill s/token = max_r Q_r + 2*L * allreduce(C) / C
+                          (Q_r with r's heads and columns: A = d + r's columns)
           (the heads and columns split by shape, not by speed: the slowest rank bounds)
 
     ring (every rank holds the whole model and decodes it; rank 0 samples)::
 
         decode s/token  = max_r T_r + STEP_LAYERS * o_0 + lat_max   (B_r of the whole model)
-        prefill s/token = 2*N / (P * min_r F_r) + L * max_r o_r / C   (an even zig-zag split)
+        prefill s/token = max_r Q_r / P     (an even zig-zag split; Q_r of the whole model,
+                                             its fixed cost not divided)
                           + (P-1)/P * kv_bytes_per_token / bw_min   (k/v blocks round the ring)
                           + L*(P-1)*lat_max / (P * 512)      (a latency per layer and step)
 
-    A single node (P = 1) pays no link. Attention's FLOPs, compute/transfer overlap and
-    batching are ignored. With ``o_r = 0`` (a profile that did not measure it) this is the
-    bandwidth-bound model alone.
+    A single node (P = 1) pays no link. Compute/transfer overlap and batching are
+    ignored; attention is in ``PREFILL_ACTIVATION_BYTES`` at a chunk's length and in
+    ``K_r`` for decode. With ``o_r = 0`` and no weight-read rate (a profile that did not
+    measure them) decode is the bandwidth-bound model alone.
 
     Raises:
         PlacementError: an unknown sharding or dtype.
@@ -254,6 +276,7 @@ def predict_tokens_per_s(
     lat_max = max((k.latency_s for k in pairs), default=0.0)
     bw_min = min((k.bandwidth_bytes_per_s for k in pairs), default=float("inf"))
     bcast = lat_max if P > 1 else 0.0
+    act = d + config.intermediate_size  # activation elements a token has in a layer
 
     if sharding == Sharding.PIPELINE:
         decode = prefill_stage = 0.0
@@ -263,8 +286,7 @@ def predict_tokens_per_s(
             weights = decode_weight_bytes * (linear + (head if rank == P - 1 else 0))
             decode += _step_s(node, weights, kv_token * layers / L * avg_tokens,
                               layers + (STEP_LAYERS if rank == P - 1 else 0.0))
-            prefill_stage = max(prefill_stage, _secs(2 * linear, node.matmul_flops)
-                                + layers * node.decode_layer_s / PREFILL_CHUNK_TOKENS)
+            prefill_stage = max(prefill_stage, _prefill_s(node, 2 * linear, layers, layers * act))
         for a, b in zip(ids, ids[1:]):
             link = link_between(links, a, b)
             hop = _secs(d * e, link.bandwidth_bytes_per_s)
@@ -283,8 +305,7 @@ def predict_tokens_per_s(
             weights = decode_weight_bytes * (linear + (head if rank == 0 else 0))
             kv = 2 * L * ts.num_kv_heads * config.head_dim * e * avg_tokens
             decode = max(decode, _step_s(node, weights, kv, L))
-            prefill = max(prefill, _secs(2 * linear, node.matmul_flops)
-                          + L * node.decode_layer_s / PREFILL_CHUNK_TOKENS)
+            prefill = max(prefill, _prefill_s(node, 2 * linear, L, L * (d + ts.num_columns)))
         decode += STEP_LAYERS * nodes[0].decode_layer_s
         if P > 1:
             def allreduce(tokens: int) -> float:
@@ -298,8 +319,7 @@ def predict_tokens_per_s(
         weights = decode_weight_bytes * (linear + head)
         decode = max(_step_s(n, weights, kv_token * avg_tokens, L) for n in nodes)
         decode += STEP_LAYERS * nodes[0].decode_layer_s + bcast
-        prefill = _secs(2 * linear, P * min(n.matmul_flops for n in nodes))
-        prefill += L * max(n.decode_layer_s for n in nodes) / PREFILL_CHUNK_TOKENS
+        prefill = max(_prefill_s(n, 2 * linear / P, L, L * act / P) for n in nodes)
         if P > 1:
             prefill += (P - 1) / P * _secs(kv_token, bw_min)
             prefill += L * (P - 1) * lat_max / ring_prefill_chunk(P, PREFILL_CHUNK_TOKENS)

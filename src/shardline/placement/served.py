@@ -75,15 +75,20 @@ class ServedSpeed:
         prefill_samples: per-request prefill rates of prompts of at least
             :data:`MIN_PREFILL_TOKENS` that started with nothing else running, prompt
             tokens/s.
+        decode_positions: each decode sample's mean position in its sequence (prompt
+            tokens plus half the generated ones: the KV cache its steps read, on
+            average), tokens.
         predicted_decode_tokens_per_s, predicted_prefill_tokens_per_s: the first-order
             prediction for this placement when the last sample was taken (from the
-            profiles then; 0: unknown), for the ratio :func:`calibrate` scales others by.
+            profiles then, decode at the samples' median position, :attr:`context`; 0:
+            unknown), for the ratio :func:`calibrate` scales others by.
         at: when the last sample was taken, seconds since the epoch.
     """
 
     key: PlacementKey
     decode_samples: tuple[float, ...] = ()
     prefill_samples: tuple[float, ...] = ()
+    decode_positions: tuple[float, ...] = ()
     predicted_decode_tokens_per_s: float = 0.0
     predicted_prefill_tokens_per_s: float = 0.0
     at: float = 0.0
@@ -92,6 +97,15 @@ class ServedSpeed:
     def decode_tokens_per_s(self) -> float | None:
         """The median measured decode rate, tokens/s (None: no sample)."""
         return statistics.median(self.decode_samples) if self.decode_samples else None
+
+    @property
+    def context(self) -> int | None:
+        """The context to predict the decode samples at: twice their median position
+        (the preview reads the KV cache of a sequence growing to ``context`` at
+        ``context / 2``), at least 2; None: no sample."""
+        if not self.decode_positions:
+            return None
+        return max(2, round(2 * statistics.median(self.decode_positions)))
 
     @property
     def prefill_tokens_per_s(self) -> float | None:
@@ -114,6 +128,7 @@ class ServedSpeed:
         key["node_ids"] = tuple(key["node_ids"])
         return cls(PlacementKey(**key), tuple(float(x) for x in data.get("decode_samples", ())),
                    tuple(float(x) for x in data.get("prefill_samples", ())),
+                   tuple(float(x) for x in data.get("decode_positions", ())),
                    float(data.get("predicted_decode_tokens_per_s") or 0.0),
                    float(data.get("predicted_prefill_tokens_per_s") or 0.0),
                    float(data.get("at") or 0.0))
@@ -122,7 +137,8 @@ class ServedSpeed:
 def request_rates(prompt_tokens: int, generated: int, sent_at: float,
                   first_token_at: float | None, last_token_at: float | None,
                   alone: bool, started_alone: bool) -> tuple[float | None, float | None]:
-    """(decode, prefill) tokens/s one finished request shows, or None for each it cannot.
+    """(decode, prefill) tokens/s one finished request shows, or None for each it cannot
+    (its decode's mean position is ``prompt_tokens + generated / 2``).
 
     Args:
         prompt_tokens: tokens of its prompt.
@@ -152,14 +168,25 @@ def request_rates(prompt_tokens: int, generated: int, sent_at: float,
 
 
 def record(previous: ServedSpeed | None, key: PlacementKey, decode: float | None,
-           prefill: float | None, predicted: tuple[float, float], at: float) -> ServedSpeed:
-    """``previous`` (None: nothing yet) with one request's rates added (None: not taken),
-    the newest :data:`KEEP_SAMPLES` of each kept, and the prediction ``(decode, prefill)``
-    for the placement now."""
+           prefill: float | None, position: float, at: float) -> ServedSpeed:
+    """``previous`` (None: nothing yet) with one request's rates added (None: not taken;
+    ``position``: the decode sample's mean position, tokens), the newest
+    :data:`KEEP_SAMPLES` of each kept; its prediction is set by :func:`with_prediction`."""
     old = previous or ServedSpeed(key)
-    decodes = (old.decode_samples + ((decode,) if decode is not None else ()))[-KEEP_SAMPLES:]
+    decodes, positions = old.decode_samples, old.decode_positions
+    if decode is not None:
+        decodes, positions = decodes + (decode,), positions + (position,)
     prefills = (old.prefill_samples + ((prefill,) if prefill is not None else ()))[-KEEP_SAMPLES:]
-    return ServedSpeed(key, decodes, prefills, predicted[0], predicted[1], at)
+    return dataclasses.replace(old, decode_samples=decodes[-KEEP_SAMPLES:],
+                               decode_positions=positions[-KEEP_SAMPLES:],
+                               prefill_samples=prefills, at=at)
+
+
+def with_prediction(speed: ServedSpeed, predicted: tuple[float, float]) -> ServedSpeed:
+    """``speed`` with the model's (decode at :attr:`ServedSpeed.context`, prefill)
+    tokens/s for its placement."""
+    return dataclasses.replace(speed, predicted_decode_tokens_per_s=predicted[0],
+                               predicted_prefill_tokens_per_s=predicted[1])
 
 
 def merge(speeds: Iterable[ServedSpeed]) -> dict[PlacementKey, ServedSpeed]:
@@ -212,4 +239,5 @@ def calibrate(key: PlacementKey, predicted: tuple[float, float],
     return decode, prefill, decode_basis, prefill_basis
 
 
-__all__ = ["PlacementKey", "ServedSpeed", "calibrate", "merge", "record", "request_rates"]
+__all__ = ["PlacementKey", "ServedSpeed", "calibrate", "merge", "record", "request_rates",
+           "with_prediction"]
