@@ -218,9 +218,11 @@ def create_app(node: Node, guard: GuardConfig, max_body_bytes: int = DEFAULT_MAX
         preview's first-order prediction for its placement now (decode at the context
         its measured requests ran at, else the instance's) beside what the cluster
         measured it doing (``served``: ``Coordinator.served_speeds()``; None: no request
-        measured yet) and how many requests each figure is the median of."""
+        measured yet, or the model's card is still being read) and how many requests each
+        figure is the median of."""
         measured = served.get(placement_key(inst))
-        decode, prefill = await node.coordinator.first_order(inst, measured.context if measured else None)
+        decode, prefill = await node.coordinator.first_order(inst, measured.context if measured else None,
+                                                             wait=False)
         speed = {"predicted_decode_tokens_per_s": decode or None,
                  "predicted_prefill_tokens_per_s": prefill or None,
                  "measured_decode_tokens_per_s": measured.decode_tokens_per_s if measured else None,

@@ -67,6 +67,8 @@ class Coordinator:
     def __init__(self, node: "Node") -> None:
         self.node = node
         self.replacing: set[str] = set()  # failed instances being placed again
+        self._cards: dict[str, ModelCard] = {}  # model id -> card, for first_order
+        self._reading: set[str] = set()  # model ids whose card is read in the background
 
     async def _fail_lost_instances(self) -> None:
         """Coordinator: fail the instances with a rank on a node that is down, or that
@@ -316,15 +318,25 @@ class Coordinator:
                         continue  # a node of another version
         return merge(records)
 
-    async def first_order(self, inst: Instance, context: int | None = None) -> tuple[float, float]:
+    async def first_order(self, inst: Instance, context: int | None = None,
+                          wait: bool = True) -> tuple[float, float]:
         """The preview's first-order (decode, prefill) tokens/s for an instance's
         placement, from its nodes' profiles now, decode for sequences growing to
         ``context`` tokens (None: the instance's context); (0, 0) when a node of it is
-        not known or its model card cannot be read."""
+        not known or its model card cannot be read (cards are read once a model; the
+        first read of a GGUF's takes seconds: without ``wait``, (0, 0) while it is read
+        in the background)."""
         from shardline.placement.preview import predict_tokens_per_s
 
         try:
-            card = await self.node.logistics.model_card(inst.model_id)
+            card = self._cards.get(inst.model_id)
+            if card is None and not wait:
+                if inst.model_id not in self._reading:
+                    self._reading.add(inst.model_id)
+                    self._background(self.first_order(inst))
+                return 0.0, 0.0
+            if card is None:  # read once a model: the instance list calls this each time
+                card = self._cards[inst.model_id] = await self.node.logistics.model_card(inst.model_id)
             config = ModelConfig.from_dict(card.config)
             profiles, links = self.node_profiles(inst.node_ids())
             weight = resident_bytes_per_weight(config, card.weight_file_bytes, inst.dtype,
@@ -335,6 +347,9 @@ class Coordinator:
         except (KeyError, ModelNotFoundError, PeerError, PlacementError) as exc:
             log.info("no prediction for instance %s: %s", inst.instance_id, exc)
             return 0.0, 0.0
+        finally:
+            if wait:
+                self._reading.discard(inst.model_id)
 
     def _placement_inputs(self, card: ModelCard, node_ids: list[str] | None, context: int | None,
                           max_batch: int | None):
