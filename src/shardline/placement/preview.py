@@ -40,14 +40,16 @@ PREFILL_ACTIVATION_BYTES = 64.0
 """Bytes of memory traffic a prompt token's prefill costs per layer and per activation
 element (``hidden_size + intermediate_size``) besides its products: the norms, rotary,
 SiLU, products of gates, residual adds and causal attention over a 512-token chunk.
-Fitted on a 2-core VM (SmolLM2-135M, one thread: 0.26 s of a 512-token chunk's 0.44 s
-outside the products, ~8 ns an element at ~8 GB/s)."""
+Fitted with torch.profiler on a 2-vCPU VM (SmolLM2-135M, one thread: 0.26 s of a
+512-token chunk's 0.44 s of CPU time outside the products, ~8 ns an element at ~8 GB/s)."""
 
 STEP_LAYERS = 3.0
 """What a decode step costs beyond its layers on the rank that samples, in layers' fixed
 cost (``NodeProfile.decode_layer_s``): the embedding lookup, the final norm, the LM head's
-call, the sampler, the engine loop and the token's way to the node. Fitted on a 2-core
-Zen 5 VM (SmolLM2-135M, int4, 1 runner thread; figures in ``predict_tokens_per_s``)."""
+call and its float32 refinement (a top-k: ~0.4 ms a step on a 2-vCPU VM), the sampler, the
+engine loop and the token's way to the node. An estimate from torch.profiler's count of
+those ops, not a fit (the served speeds correct what it misses:
+:mod:`shardline.placement.served`)."""
 
 
 @dataclass(frozen=True)
@@ -228,10 +230,12 @@ def predict_tokens_per_s(
 
     plus ``STEP_LAYERS * o_r`` on the rank that samples. A small model's decode on a CPU is
     bound by its per-layer small ops (norms, rotary, attention's reshapes, residuals: ~60
-    torch calls a layer) and by the int4 kernel's unpacking, not by memory bandwidth: on
-    the 2-core VM these were fitted on, SmolLM2-135M int4, one runner thread, the weights'
-    ~75 MB resident read at 7-8 GB/s took ~10 ms a token and 30 layers' small ops ~8 ms,
-    against the ~7 ms the bandwidth alone predicted (figures in the README).
+    torch calls a layer) and by the int4 kernel's unpacking, not by memory bandwidth. On
+    the 2-vCPU VM this was checked on (SmolLM2-135M int4, one runner thread, the machine
+    loaded by others: load average 5-8), 102 MB of resident weights were read at the int4
+    product's 6-9 GB/s and a layer's fixed cost was 0.6-0.9 ms, so the fixed costs were
+    about half of a ~50 ms step; the bandwidth-only model (``o = 0``, weights at the copy
+    bandwidth) missed them.
 
     pipeline (the last rank samples and broadcasts the token id)::
 
