@@ -24,7 +24,7 @@ from shardline.node.profile import (
 @pytest.fixture(scope="module")
 def host() -> HostProfile:
     """One measurement (a child that imports torch, ~2.5 s here) shared by the tests."""
-    return measure_host(seconds=0.3)
+    return measure_host(seconds=0.3, threads=1, samples=3)
 
 
 def test_measure_host_positive(host):
@@ -33,7 +33,11 @@ def test_measure_host_positive(host):
     assert host.cpu_count >= 1
     assert host.matmul_flops > 1e8  # any CPU does 0.1 GFLOP/s
     assert host.memory_bandwidth_bytes_per_s > 1e8
-    assert host.measure_s > 0
+    assert host.measure_s > 0 and host.measured_at > 0
+    assert (host.threads, host.samples) == (1, 3)
+    if host.accelerator == "cpu":  # a decode step's fixed cost and the int4 product's rate
+        assert 1e-6 < host.decode_layer_s < 0.1
+        assert host.decode_weight_bytes_per_s > 1e7
     # No GPU for torch here: a CPU-only torch build, or no NVIDIA driver (torch is not
     # imported in this process to find out; that takes seconds).
     cuda = "+cpu" not in importlib.metadata.version("torch") and os.path.exists("/dev/nvidiactl")

@@ -99,15 +99,30 @@ def _rank_text(rank: dict) -> str:
     return f"{rank['node_id']}: {part} ({status})"
 
 
+def speed_text(predicted: float | None, measured: float | None, samples: int) -> str:
+    """``predicted / measured (n)`` tokens/s for a table cell: ``-`` for a figure not
+    known, ``n`` the requests the measured figure is the median of."""
+    def figure(value: float | None) -> str:
+        return "-" if value is None else f"{value:,.0f}" if value >= 100 else f"{value:.1f}"
+
+    return f"{figure(predicted)} / {figure(measured)}" + (f" ({samples})" if samples else "")
+
+
 def _instances(args: argparse.Namespace) -> None:
     data = _request(args, "GET", "/cluster/instances")
     table = Table()
-    for column in ("instance", "model", "sharding", "dtype", "status", "ranks"):
+    for column in ("instance", "model", "sharding", "dtype", "status", "ranks",
+                   "decode tok/s\npredicted / measured", "prefill tok/s\npredicted / measured"):
         table.add_column(column, no_wrap=column == "instance")
     for i in data["instances"]:
         status = i["status"] + (f": {i['error']}" if i.get("error") else "")
+        speed = i.get("speed") or {}
         table.add_row(i["instance_id"], i["model_id"], i["sharding"], i["dtype"], status,
-                      "\n".join(_rank_text(r) for r in i["ranks"]))
+                      "\n".join(_rank_text(r) for r in i["ranks"]),
+                      speed_text(speed.get("predicted_decode_tokens_per_s"),
+                                 speed.get("measured_decode_tokens_per_s"), speed.get("decode_samples", 0)),
+                      speed_text(speed.get("predicted_prefill_tokens_per_s"),
+                                 speed.get("measured_prefill_tokens_per_s"), speed.get("prefill_samples", 0)))
     _console.print(table if data["instances"] else "no instances")
 
 
@@ -134,9 +149,13 @@ def _place(args: argparse.Namespace) -> None:
                        "refused because"):
             table.add_column(column)
         for c in data["candidates"]:
+            # "measured": this placement served; "scaled": the model corrected by others'
+            basis = {"measured": " (measured)", "scaled": " (scaled)"}
             table.add_row(c["sharding"], ", ".join(c["node_ids"]),
-                          f"{c['predicted_decode_tokens_per_s']:.1f}" if c["feasible"] else "-",
-                          f"{c['predicted_prefill_tokens_per_s']:.0f}" if c["feasible"] else "-",
+                          f"{c['predicted_decode_tokens_per_s']:.1f}{basis.get(c.get('decode_basis'), '')}"
+                          if c["feasible"] else "-",
+                          f"{c['predicted_prefill_tokens_per_s']:.0f}{basis.get(c.get('prefill_basis'), '')}"
+                          if c["feasible"] else "-",
                           f"{c['kv_tokens']:,}" if c["feasible"] else "-",
                           c["error"] or "")
         _console.print(table)

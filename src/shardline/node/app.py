@@ -28,6 +28,7 @@ from shardline.node.link_probe import add_link_routes
 from shardline.node.node import Node
 from shardline.node.queue_bound import QueueFullError
 from shardline.node.signing import MEMBER_HEADER
+from shardline.node.speeds import placement_key
 from shardline.node.status import InstanceStatus
 from shardline.node.table import InstanceFailedError, NoInstanceError
 from shardline.node.transfer import add_model_routes
@@ -211,11 +212,26 @@ def create_app(node: Node, guard: GuardConfig, max_body_bytes: int = DEFAULT_MAX
                         "profile": peer.profile, "links": peer.links, "models": peer.models})
         return {"coordinator": node.coordinator_id(), "epoch": node.epoch.to_dict(), "nodes": out}
 
-    def instance_view(inst) -> dict:
-        """An instance; ``local_engine`` is this node's rank's batch (EngineStats) and
-        ``local_memory`` its runner's memory (see ``Worker.memory``)."""
+    async def instance_view(inst, served: dict) -> dict:
+        """An instance; ``local_engine`` is this node's rank's batch (EngineStats),
+        ``local_memory`` its runner's memory (see ``Worker.memory``) and ``speed`` the
+        preview's first-order prediction for its placement now (decode at the context
+        its measured requests ran at, else the instance's) beside what the cluster
+        measured it doing (``served``: ``Coordinator.served_speeds()``; None: no request
+        measured yet, or the model's card is still being read) and how many requests each
+        figure is the median of."""
+        measured = served.get(placement_key(inst))
+        decode, prefill = await node.coordinator.first_order(inst, measured.context if measured else None,
+                                                             wait=False)
+        speed = {"predicted_decode_tokens_per_s": decode or None,
+                 "predicted_prefill_tokens_per_s": prefill or None,
+                 "measured_decode_tokens_per_s": measured.decode_tokens_per_s if measured else None,
+                 "measured_prefill_tokens_per_s": measured.prefill_tokens_per_s if measured else None,
+                 "decode_samples": len(measured.decode_samples) if measured else 0,
+                 "decode_context": measured.context if measured else inst.context,
+                 "prefill_samples": len(measured.prefill_samples) if measured else 0}
         return dict(inst.to_dict(), local_engine=node.engine_stats.get(inst.instance_id),
-                    local_memory=node.worker.memory(inst.instance_id))
+                    local_memory=node.worker.memory(inst.instance_id), speed=speed)
 
     @app.get("/cluster/models")
     async def models() -> dict:
@@ -242,14 +258,15 @@ def create_app(node: Node, guard: GuardConfig, max_body_bytes: int = DEFAULT_MAX
 
     @app.get("/cluster/instances")
     async def instances() -> dict:
-        return {"instances": [instance_view(i) for i in node.instances.values()]}
+        served = node.coordinator.served_speeds()
+        return {"instances": [await instance_view(i, served) for i in node.instances.values()]}
 
     @app.get("/cluster/instances/{instance_id}")
     async def instance(instance_id: str):
         inst = node.instances.get(instance_id)
         if inst is None:
             return cluster_error(404, f"no instance {instance_id}", "instance_id")
-        return instance_view(inst)
+        return await instance_view(inst, node.coordinator.served_speeds())
 
     @app.post("/cluster/placements/preview")
     async def placement_preview(body: CreateInstance):
@@ -273,6 +290,9 @@ def create_app(node: Node, guard: GuardConfig, max_body_bytes: int = DEFAULT_MAX
             {"sharding": c.sharding, "node_ids": list(c.node_ids), "feasible": c.feasible,
              "predicted_decode_tokens_per_s": c.predicted_decode_tokens_per_s,
              "predicted_prefill_tokens_per_s": c.predicted_prefill_tokens_per_s,
+             "model_decode_tokens_per_s": c.model_decode_tokens_per_s,
+             "model_prefill_tokens_per_s": c.model_prefill_tokens_per_s,
+             "decode_basis": c.decode_basis, "prefill_basis": c.prefill_basis,
              "shares": [dataclasses.asdict(s) for s in c.shares], "error": c.error,
              "kv_tokens": c.kv_tokens}
             for c in candidates]}

@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import asyncio
 import itertools
-import json
 import logging
 import os
 import signal
@@ -56,6 +55,7 @@ from shardline.node.peer_client import KeyRefusedError, PeerClient, PeerError
 from shardline.node.queue_bound import DEFAULT_MAX_WAITING
 from shardline.node.routing import RequestStream, Router
 from shardline.node.signing import signing_key
+from shardline.node.speeds import HostProfiler, ServedLog
 from shardline.node.state import (
     Adopted,
     ClusterState,
@@ -173,9 +173,14 @@ class Node:
         self._background: list[asyncio.Task] = []
         self._state_lock = asyncio.Lock()
         self._refused: set[str] = set()  # peer addresses that refused our cluster key
-        self.profile: dict | None = None  # HostProfile.to_dict(), measured once per machine
+        self.profile: dict | None = None  # HostProfile.to_dict(): node.speeds.HostProfiler
         self.links: dict[str, dict] = {}  # node id -> measure_link result from this node
         self._link_measured: dict[str, float] = {}
+        from shardline.node.identity import default_data_dir
+        from shardline.node.profile import PROFILE_FORMAT
+
+        self.profiler = HostProfiler(self, default_data_dir() / f"host-profile-v{PROFILE_FORMAT}.json")
+        self.served = ServedLog(self, None if state_path is None else state_path.parent / "served-speeds.json")
         self.discovery = None
         if mdns:
             from shardline.node.discovery import Discovery
@@ -187,7 +192,7 @@ class Node:
     async def start(self) -> None:
         self._loop = asyncio.get_running_loop()
         self._background.append(asyncio.create_task(self._membership_loop()))
-        self._background.append(asyncio.create_task(self._profile_host()))
+        self._background.append(asyncio.create_task(self.profiler.run()))
         if self.discovery is not None:
             try:
                 await asyncio.to_thread(self.discovery.start)
@@ -227,6 +232,7 @@ class Node:
             models=self.store.summary(), epoch=self.epoch, coordinator=self.coordinator_id(),
             settled=self.is_settled(), profile=profile, links=self.links,
             members=self.member_addresses(), busy=self.busy_instances(),
+            served=self.served.to_list(),
         )
 
     def busy_instances(self) -> list[str]:
@@ -238,35 +244,6 @@ class Node:
         """Addresses of the live peers: told to every node that polls this one, so that a
         node that contacted one member comes to know (and be known by) all of them."""
         return sorted(p.address for p in self.live_peers())
-
-    async def _profile_host(self) -> None:
-        """Measure this machine once (matmul FLOP/s, memory bandwidth, accelerator, a
-        runner's runtime) and keep it for a day in the data directory's
-        ``host-profile-v<PROFILE_FORMAT>.json``, shared by every node on the machine (a
-        profile of another format, measured otherwise, is measured again); memory figures
-        are read live in :meth:`info`."""
-        from shardline.node.identity import default_data_dir
-        from shardline.node.profile import (
-            PROFILE_FORMAT,
-            HostProfile,
-            measure_host_async,
-        )
-
-        cache = default_data_dir() / f"host-profile-v{PROFILE_FORMAT}.json"
-        try:
-            if time.time() - cache.stat().st_mtime < 86_400:
-                self.profile = HostProfile.from_dict(json.loads(cache.read_text())).to_dict()
-                return
-        except (OSError, ValueError):
-            pass
-        profile = await measure_host_async(seconds=0.3)
-        self.profile = profile.to_dict()
-        if not profile.note:
-            try:
-                cache.parent.mkdir(parents=True, exist_ok=True)
-                cache.write_text(json.dumps(self.profile))
-            except OSError:
-                pass
 
     async def _measure_link(self, node_id: str, address: str) -> None:
         """Latency and bandwidth from this node to a peer (1 MiB upload), every 60 s."""
@@ -371,6 +348,7 @@ class Node:
             info.node_id, info.address, time.time(), info.available_bytes, info.total_bytes,
             info.profile, info.links, info.models, offered_bytes=info.offered_bytes,
             started_at=info.started_at, epoch=info.epoch, busy=tuple(info.busy),
+            served=info.served,
         )
         for member in info.members:  # membership both ways, through any member
             self.add_peer(member)

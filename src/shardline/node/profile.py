@@ -16,6 +16,7 @@ import dataclasses
 import json
 import os
 import re
+import statistics
 import subprocess
 import sys
 import time
@@ -23,6 +24,7 @@ from dataclasses import dataclass
 
 import psutil
 
+from shardline.node.profile_decode import decode_weight_rate, runner_runtime
 from shardline.process_memory import memory_now
 
 # Devices the child accepts: "auto" picks cuda, then mps, then cpu.
@@ -37,10 +39,12 @@ _MATMUL_N_GPU = 4096
 _COPY_BYTES = 256 * 2**20
 
 
-PROFILE_FORMAT = 3
+PROFILE_FORMAT = 4
 """What a :class:`HostProfile` measures and how; a node measures again rather than use a
 cached profile of another format (2: the runtime baseline runs a tiny model; 3: and
-counts private memory only)."""
+counts private memory only; 4: rates are medians of several samples, taken with the
+runners' thread count, and ``decode_layer_s`` and ``decode_weight_bytes_per_s`` are
+measured)."""
 
 
 @dataclass
@@ -77,6 +81,23 @@ class HostProfile:
             modules, running one small product on its device and a tiny model's prefill
             and decode on the CPU, bytes: what a runner holds besides its shard
             (placement counts it per rank; 0: unmeasured).
+        decode_layer_s: the fixed cost of one decoder layer in a one-sequence decode step,
+            seconds: the median time of a decode step of a tiny random model (2 layers
+            256 wide, int4 weights: its weights are read in microseconds, so what is timed
+            is the ~60 small torch ops a layer runs, attention over 96 cached tokens
+            included), divided by its layers. Measured for a CPU device only (0: unmeasured,
+            or a GPU).
+        decode_weight_bytes_per_s: resident weight bytes/s the runner's weight-only
+            product reads for one row (a decode step's products): a [2048, 2048] int4
+            weight in its resident form (:func:`~shardline.models.linear.resident_weight`)
+            times a bfloat16 row, the median of timed calls, on the CPU. Decode reads its
+            weights at the lower of this and ``memory_bandwidth_bytes_per_s`` (the kernel
+            unpacks int4 at a rate of its own). Measured for a CPU device only (0:
+            unmeasured, or a GPU).
+        threads: torch intra-op threads the measurement ran with (a runner's
+            ``--runner-threads``; 0: torch's default).
+        samples: how many timed windows each rate is the median of.
+        measured_at: when it was measured, seconds since the epoch.
         measure_s: wall time the measurement took (child start to exit), seconds.
         note: why measured figures are missing (the measurement failed or timed out),
             or what else is worth knowing; ``""`` when nothing.
@@ -92,6 +113,11 @@ class HostProfile:
     matmul_dtype: str = ""
     memory_bandwidth_bytes_per_s: float = 0.0
     runtime_baseline_bytes: int = 0
+    decode_layer_s: float = 0.0
+    decode_weight_bytes_per_s: float = 0.0
+    threads: int = 0
+    samples: int = 0
+    measured_at: float = 0.0
     measure_s: float = 0.0
     note: str = ""
 
@@ -127,9 +153,10 @@ def _failed_profile(note: str, elapsed: float) -> HostProfile:
     return HostProfile(**_host_memory(), accelerator="unknown", measure_s=elapsed, note=note)
 
 
-def _command(device: str, seconds: float) -> list[str]:
+def _command(device: str, seconds: float, threads: int, samples: int) -> list[str]:
     return [sys.executable, "-m", "shardline.node.profile", "--device", device,
-            "--seconds", repr(float(seconds))]
+            "--seconds", repr(float(seconds)), "--threads", str(int(threads)),
+            "--samples", str(int(samples))]
 
 
 def _parse(returncode: int | None, stdout: str, stderr: str, elapsed: float) -> HostProfile:
@@ -142,10 +169,12 @@ def _parse(returncode: int | None, stdout: str, stderr: str, elapsed: float) -> 
     except (IndexError, ValueError, TypeError) as exc:
         return _failed_profile(f"profile child printed no profile: {exc}", elapsed)
     profile.measure_s = elapsed
+    profile.measured_at = time.time()
     return profile
 
 
-def measure_host(device: str = "auto", seconds: float = 0.5, timeout_s: float = 60.0) -> HostProfile:
+def measure_host(device: str = "auto", seconds: float = 0.5, timeout_s: float = 60.0,
+                 threads: int = 0, samples: int = 5) -> HostProfile:
     """Measure this machine in a child process (torch is imported there, never here).
 
     Args:
@@ -156,6 +185,10 @@ def measure_host(device: str = "auto", seconds: float = 0.5, timeout_s: float = 
             child also spends ~1.5-2 s importing torch (about 2.5-3 s in all on a 2-core
             CPU with the default).
         timeout_s: the child is killed after this many seconds.
+        threads: torch intra-op threads in the child (0: torch's default), as a runner
+            of this node would run with.
+        samples: each rate is the median of this many timed windows (at least 1), so a
+            burst of load from elsewhere moves it less than a mean would.
 
     Returns:
         The profile. Never raises for a failed measurement: a child that fails, prints
@@ -164,7 +197,7 @@ def measure_host(device: str = "auto", seconds: float = 0.5, timeout_s: float = 
     """
     start = time.perf_counter()
     try:
-        done = subprocess.run(_command(device, seconds), capture_output=True, text=True,
+        done = subprocess.run(_command(device, seconds, threads, samples), capture_output=True, text=True,
                               timeout=timeout_s)
     except subprocess.TimeoutExpired:
         return _failed_profile(f"profile child timed out after {timeout_s} s",
@@ -175,7 +208,8 @@ def measure_host(device: str = "auto", seconds: float = 0.5, timeout_s: float = 
 
 
 async def measure_host_async(device: str = "auto", seconds: float = 0.5,
-                             timeout_s: float = 60.0) -> HostProfile:
+                             timeout_s: float = 60.0, threads: int = 0,
+                             samples: int = 5) -> HostProfile:
     """:func:`measure_host` without blocking the event loop (``asyncio`` child process).
 
     Same arguments and result; never raises for a failed measurement (a child that times
@@ -184,7 +218,7 @@ async def measure_host_async(device: str = "auto", seconds: float = 0.5,
     start = time.perf_counter()
     try:
         proc = await asyncio.create_subprocess_exec(
-            *_command(device, seconds), stdin=asyncio.subprocess.DEVNULL,
+            *_command(device, seconds, threads, samples), stdin=asyncio.subprocess.DEVNULL,
             stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE,
         )
     except OSError as exc:
@@ -214,22 +248,27 @@ def _kill(proc: asyncio.subprocess.Process) -> None:
 # -- the child: torch measurements --------------------------------------------------------
 
 
-def _timed_rate(fn, work: float, budget_s: float, sync, min_runs: int = 1) -> float:
-    """``work`` units per second of ``fn()``: one untimed warm-up run, then runs in growing
-    batches (synchronized after each batch) until ``budget_s`` and ``min_runs`` are met."""
+def _timed_rate(fn, work: float, budget_s: float, sync, samples: int = 1) -> float:
+    """``work`` units per second of ``fn()``: one untimed warm-up run, then ``samples``
+    timed windows of ``budget_s / samples`` each (runs in growing batches, synchronized
+    after each batch, until the window is over); the median window's rate."""
     fn()
     sync()
-    runs, batch = 0, 1
-    start = time.perf_counter()
-    while True:
-        for _ in range(batch):
-            fn()
-        sync()
-        runs += batch
-        elapsed = time.perf_counter() - start
-        if elapsed >= budget_s and runs >= min_runs:
-            return work * runs / elapsed
-        batch = min(batch * 2, 64)
+    rates = []
+    for _ in range(max(samples, 1)):
+        runs, batch = 0, 1
+        start = time.perf_counter()
+        while True:
+            for _ in range(batch):
+                fn()
+            sync()
+            runs += batch
+            elapsed = time.perf_counter() - start
+            if elapsed >= budget_s / max(samples, 1):
+                break
+            batch = min(batch * 2, 64)
+        rates.append(work * runs / elapsed)
+    return statistics.median(rates)
 
 
 def _pick_device(torch, device: str):
@@ -281,58 +320,22 @@ def _nvml_memory(index: int) -> tuple[int, int] | None:
         return None
 
 
-def _runner_runtime() -> None:
-    """Run what a runner runs, on a tiny random model (2 layers, 256 wide, int4 weights):
-    its modules (the model code, the weight readers, the parallel stages), torch's int4
-    layout probe, a prefill of 96 tokens (dequantized products) and a decode step (the
-    int4 kernel), so that the code and buffers those kernels bring count in the runtime
-    (a runner's memory grew by ~30 MiB beyond a bare torch process once it served)."""
-    import gguf  # noqa: F401, PLC0415 (the weight files' reader)
-    import torch  # noqa: PLC0415
-
-    import shardline.models.weights  # noqa: F401, PLC0415
-    import shardline.parallel.pipeline  # noqa: F401, PLC0415 (only in the child)
-    import shardline.parallel.ring  # noqa: F401, PLC0415
-    import shardline.parallel.tensor  # noqa: F401, PLC0415
-    import shardline.runner.engine  # noqa: F401, PLC0415
-    from shardline.models.config import ModelConfig, Quantize  # noqa: PLC0415
-    from shardline.models.kv_cache import KVCache  # noqa: PLC0415
-    from shardline.models.linear import Linear, resident_weight  # noqa: PLC0415
-    from shardline.models.llama import DecoderShard  # noqa: PLC0415
-    from shardline.models.quantize import quantize_groups  # noqa: PLC0415
-
-    dtype, generator = torch.bfloat16, torch.Generator().manual_seed(0)
-
-    def weight(rows: int, cols: int):
-        values = torch.randn(rows, cols, generator=generator) * 0.05
-        return resident_weight(quantize_groups(values, Quantize.INT4), dtype)
-
-    config = ModelConfig("llama", 2, 256, 512, 4, 2, 64, 512, 1e-5, 10000.0, 128, True)
-    shard = DecoderShard(config, 0, 2)
-    for param in shard.parameters():
-        param.data = param.data.to(dtype)
-    for module in shard.modules():
-        if isinstance(module, Linear) and module is not shard.lm_head:
-            module.set_parts([weight(module.out_features, module.in_features)])
-    assert shard.embed is not None and shard.lm_head is not None  # one shard: both ends
-    shard.embed.weight, shard.embed.dtype = weight(512, 256), dtype
-    shard.lm_head.set_parts([shard.embed.weight])
-    cache = KVCache(config, 2, 1, 128, dtype)
-    ids = torch.randint(0, 512, (96,), generator=generator)
-    shard(ids, shard.prefill_batch(0, 0, 96, want_logits=True), cache)
-    shard(ids[:1], shard.decode_batch([0], [96]), cache)
-
-
-def _measure(device: str, seconds: float) -> dict:
+def _measure(device: str, seconds: float, threads: int = 0, samples: int = 1) -> dict:
     """The child's work: every HostProfile field as a dict (imports torch)."""
     import torch  # noqa: PLC0415 (only in the child)
 
+    if threads > 0:
+        torch.set_num_threads(threads)
     result = _host_memory()
+    result["threads"], result["samples"] = threads, samples
     dev = _pick_device(torch, device)
     probe = torch.ones(64, 64, device=dev)
     (probe @ probe).sum().item()  # the device's runtime (CUDA context, kernels) in memory
-    _runner_runtime()
+    layer_s = runner_runtime()  # on the CPU: a figure for CPU runners only
     result["runtime_baseline_bytes"] = memory_now()[0]
+    if dev.type == "cpu":
+        result["decode_layer_s"] = layer_s
+        result["decode_weight_bytes_per_s"] = decode_weight_rate(samples)  # after: not a runner's
     del probe
     notes = []
     if dev.type == "cuda":
@@ -381,7 +384,8 @@ def _measure(device: str, seconds: float) -> dict:
             a = torch.randn(n, n, device=dev).to(dtype)
             b = torch.randn(n, n, device=dev).to(dtype)
             rate = _timed_rate(lambda: torch.mm(a, b), 2.0 * n**3,
-                               matmul_budget / (len(dtypes) if dev.type == "cpu" else 1), sync)
+                               matmul_budget / (len(dtypes) if dev.type == "cpu" else 1), sync,
+                               samples=samples)
         except (RuntimeError, TypeError) as exc:  # a dtype this device lacks
             notes.append(f"{str(dtype).removeprefix('torch.')} matmul failed: {str(exc)[:200]}")
             continue
@@ -399,7 +403,7 @@ def _measure(device: str, seconds: float) -> dict:
     src = torch.ones(size // 4, dtype=torch.float32, device=dev)
     dst = torch.zeros_like(src)  # both touched: page faults are not timed
     result["memory_bandwidth_bytes_per_s"] = _timed_rate(
-        lambda: dst.copy_(src), 2.0 * size, seconds / 3, sync, min_runs=3)
+        lambda: dst.copy_(src), 2.0 * size, seconds / 3, sync, samples=max(samples, 3))
     result["note"] = "; ".join(notes)
     return result
 
@@ -408,12 +412,15 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description="Print this machine's HostProfile as JSON.")
     parser.add_argument("--device", default="auto", help="auto | cpu | cuda | cuda:N | mps")
     parser.add_argument("--seconds", type=float, default=0.5, help="timed loops, about, in all")
+    parser.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
+    parser.add_argument("--samples", type=int, default=1, help="timed windows per rate (median)")
     args = parser.parse_args(argv)
     if not _DEVICE_RE.match(args.device):
         print(f"unknown device {args.device!r} (auto, cpu, cuda, cuda:N or mps)", file=sys.stderr)
         return 2
     try:
-        result = _measure(args.device, max(args.seconds, 0.0))
+        result = _measure(args.device, max(args.seconds, 0.0), max(args.threads, 0),
+                          max(args.samples, 1))
     except Exception as exc:  # noqa: BLE001 (reported to the parent as the note)
         print(f"{type(exc).__name__}: {exc}".replace("\n", " "), file=sys.stderr)
         return 1

@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING
 
 from shardline.node.peer_client import PeerError
 from shardline.node.queue_bound import QueueFullError, admits, waiting_count
+from shardline.node.speeds import RequestTiming
 from shardline.node.status import InstanceStatus
 from shardline.node.table import Instance, InstanceFailedError, NoInstanceError
 from shardline.node.wire import CancelMessage, TaskMessage
@@ -46,6 +47,7 @@ class Router:
 
     def __init__(self, node: "Node") -> None:
         self.node = node
+        self._recording: set[asyncio.Task] = set()
 
     def ready_instance(self, model_id: str) -> Instance:
         """A ready instance of the model, preferring one with a rank on this node.
@@ -130,14 +132,21 @@ class Router:
         assert task_id is not None and stream is not None
         task = Task.of(task_id, self.node.node_id, request)
         finished = False
+        stats = self.node.engine_stats
+        timing = RequestTiming.start(task_id, len(request.prompt), stats.get(inst.instance_id))
         try:
             await self._deliver(inst, TaskMessage(instance_id=inst.instance_id, task=task))
             while True:
                 event = await stream.queue.get()
                 if isinstance(event, Exception):
                     raise event
-                if isinstance(event, TokenEvent) and event.finish_reason is not None:
-                    finished = True
+                if isinstance(event, TokenEvent):
+                    if event.token_id >= 0:
+                        timing.token(stats.get(inst.instance_id))
+                    if event.finish_reason is not None:
+                        finished = True
+                        if event.finish_reason != "cancelled":
+                            self._record(inst, timing)
                 yield event
                 if finished:
                     return
@@ -145,6 +154,16 @@ class Router:
             self.node.streams.pop(task.task_id, None)
             if not finished:
                 asyncio.get_running_loop().create_task(self._cancel(inst, task.task_id))
+
+    def _record(self, inst: Instance, timing: RequestTiming) -> None:
+        """Keep what a finished request shows of its instance's speed (in the background:
+        its prediction may read the model's card)."""
+        decode, prefill = timing.rates()
+        if decode is not None or prefill is not None:
+            task = asyncio.get_running_loop().create_task(self.node.served.add(inst, decode, prefill,
+                                                                                timing.position))
+            self._recording.add(task)  # held until done (the loop keeps weak references)
+            task.add_done_callback(self._recording.discard)
 
     async def _deliver(self, inst: Instance, message: TaskMessage | CancelMessage) -> None:
         """Hand a task or a cancellation to the runner of every rank of ``inst``.

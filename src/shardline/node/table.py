@@ -87,3 +87,4 @@ class Peer:
     started_at: float = 0.0  # its incarnation: a restart changes it
     epoch: Epoch = NO_EPOCH  # of the table it holds
     busy: tuple[str, ...] = ()  # instances with requests running or waiting on its ranks
+    served: list[dict] = field(default_factory=list)  # its ServedSpeed records (placement.served)

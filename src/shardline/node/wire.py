@@ -45,7 +45,9 @@ class NodeInfo(Message):
     ``committed_bytes`` what ranks placed on it hold, ``free_bytes`` and
     ``available_bytes`` (the same) what is left; ``started_at`` is its start (seconds
     since the epoch: a restart changes it); ``profile`` its measured
-    :class:`~shardline.node.profile.HostProfile`; ``links`` the links it measured, by node id.
+    :class:`~shardline.node.profile.HostProfile`; ``links`` the links it measured, by node id;
+    ``served`` what the placements it streamed requests of did
+    (:meth:`~shardline.placement.served.ServedSpeed.to_dict` each).
     """
 
     node_id: str
@@ -65,6 +67,7 @@ class NodeInfo(Message):
     links: dict[str, dict]
     members: list[str]
     busy: list[str]
+    served: list[dict] = []
 
 
 class StateMessage(Message):

@@ -28,12 +28,28 @@ from shardline.placement.ranks import (
     resident_bytes_per_weight,
     ring_prefill_chunk,
 )
+from shardline.placement.served import Basis, PlacementKey, ServedSpeed, calibrate
 
 DECODE_WEIGHT_BYTES = 1.0
 """Bytes decode reads per weight element where the caller gives none (8-bit weights)."""
 
 PREFILL_CHUNK_TOKENS = 512
 """Prompt tokens per prefill chunk (per rank under ring); latencies are paid once a chunk."""
+
+PREFILL_ACTIVATION_BYTES = 64.0
+"""Bytes of memory traffic a prompt token's prefill costs per layer and per activation
+element (``hidden_size + intermediate_size``) besides its products: the norms, rotary,
+SiLU, products of gates, residual adds and causal attention over a 512-token chunk.
+Fitted with torch.profiler on a 2-vCPU VM (SmolLM2-135M, one thread: 0.26 s of a
+512-token chunk's 0.44 s of CPU time outside the products, ~8 ns an element at ~8 GB/s)."""
+
+STEP_LAYERS = 3.0
+"""What a decode step costs beyond its layers on the rank that samples, in layers' fixed
+cost (``NodeProfile.decode_layer_s``): the embedding lookup, the final norm, the LM head's
+call and its float32 refinement (a top-k: ~0.4 ms a step on a 2-vCPU VM), the sampler, the
+engine loop and the token's way to the node. An estimate from torch.profiler's count of
+those ops, not a fit (the served speeds correct what it misses:
+:mod:`shardline.placement.served`)."""
 
 
 @dataclass(frozen=True)
@@ -47,12 +63,28 @@ class NodeProfile:
             by the weights and KV cache read per token).
         matmul_flops: floating-point operations/s the node sustains in matrix products
             (prefill is bound by these).
+        decode_layer_s: seconds a decoder layer costs a one-sequence decode step besides
+            reading its weights (its small ops; ``HostProfile.decode_layer_s``); 0:
+            unknown, counted as nothing.
+        decode_weight_bytes_per_s: resident weight bytes/s the runner's one-row product
+            reads (``HostProfile.decode_weight_bytes_per_s``): decode reads weights at the
+            lower of this and the memory bandwidth; 0: unknown, the bandwidth alone.
     """
 
     node_id: str
     available_bytes: int
     memory_bandwidth_bytes_per_s: float
     matmul_flops: float
+    decode_layer_s: float = 0.0
+    decode_weight_bytes_per_s: float = 0.0
+
+    @property
+    def weight_read_bytes_per_s(self) -> float:
+        """Bytes/s decode reads weights at: the lower of the memory bandwidth and the
+        product's own rate (where measured)."""
+        rate = self.decode_weight_bytes_per_s
+        bandwidth = self.memory_bandwidth_bytes_per_s
+        return min(bandwidth, rate) if rate > 0 else bandwidth
 
 
 @dataclass(frozen=True)
@@ -82,6 +114,12 @@ class Candidate:
             shortfall in bytes, or the shape that cannot split); None when feasible.
         kv_tokens: the KV pool it would have (tokens, all sequences together); 0 when
             infeasible.
+        model_decode_tokens_per_s, model_prefill_tokens_per_s: the first-order
+            prediction (:func:`predict_tokens_per_s`) before what the cluster measured
+            corrected it into the ``predicted_*`` figures; None when infeasible.
+        decode_basis, prefill_basis: where each ``predicted_*`` figure comes from
+            (:data:`shardline.placement.served.Basis`: ``"model"``, ``"measured"``,
+            ``"scaled"``).
     """
 
     sharding: Sharding
@@ -91,6 +129,10 @@ class Candidate:
     predicted_prefill_tokens_per_s: float | None = None
     error: str | None = None
     kv_tokens: int = 0
+    model_decode_tokens_per_s: float | None = None
+    model_prefill_tokens_per_s: float | None = None
+    decode_basis: Basis = "model"
+    prefill_basis: Basis = "model"
 
     @property
     def feasible(self) -> bool:
@@ -130,6 +172,24 @@ def _per_s(seconds: float) -> float:
     return 1.0 / seconds if seconds > 0 else float("inf")
 
 
+def _step_s(node: NodeProfile, weight_bytes: float, kv_bytes: float, layers: float) -> float:
+    """Seconds ``node`` takes for its part of a one-sequence decode step: its weights at
+    its weight-read rate, its KV cache at its memory bandwidth, ``layers`` layers' fixed
+    cost."""
+    return (_secs(weight_bytes, node.weight_read_bytes_per_s)
+            + _secs(kv_bytes, node.memory_bandwidth_bytes_per_s) + layers * node.decode_layer_s)
+
+
+def _prefill_s(node: NodeProfile, flops: float, layers: float, activations: float) -> float:
+    """Seconds ``node`` takes a prompt token for ``flops`` of products, ``activations``
+    (layer, element) of its layers' other work (norms, activation function, residuals,
+    attention at a chunk's length: :data:`PREFILL_ACTIVATION_BYTES` each at its memory
+    bandwidth) and ``layers`` layers' fixed cost, paid once a chunk."""
+    return (_secs(flops, node.matmul_flops)
+            + _secs(activations * PREFILL_ACTIVATION_BYTES, node.memory_bandwidth_bytes_per_s)
+            + layers * node.decode_layer_s / PREFILL_CHUNK_TOKENS)
+
+
 def predict_tokens_per_s(
     config: ModelConfig,
     sharding: Sharding,
@@ -146,41 +206,64 @@ def predict_tokens_per_s(
     Decode is for one sequence; prefill for one long prompt. Notation: ``P`` ranks,
     ``L = num_layers``, ``d = hidden_size``, ``e`` = bytes of a ``dtype`` element, ``w =
     decode_weight_bytes`` (bytes a weight takes resident), ``bw_r`` and ``F_r`` rank r's memory
-    bandwidth (bytes/s) and matmul FLOP/s, ``lat``/``bw`` a link's latency (s) and bandwidth
-    (bytes/s), ``lat_max``/``bw_min`` the worst over all pairs of the placement's nodes.
+    bandwidth (bytes/s) and matmul FLOP/s, ``wr_r`` the rate its decode product reads
+    weights at (``NodeProfile.weight_read_bytes_per_s``: the lower of ``bw_r`` and the
+    int4 kernel's measured rate), ``o_r`` its ``decode_layer_s`` (the fixed cost of a layer
+    in a decode step, s), ``L_r`` its layers, ``lat``/``bw`` a link's latency (s) and
+    bandwidth (bytes/s), ``lat_max``/``bw_min`` the worst over all pairs of the placement's
+    nodes.
 
-    Bytes rank r reads per decoded token::
+    What rank r reads per decoded token::
 
-        B_r = w * (linear weight elements of r, the LM head on the sampling rank included)
-              + (KV bytes per token of r's layers or KV heads) * context / 2
+        W_r = w * (linear weight elements of r, the LM head on the sampling rank included)
+        K_r = (KV bytes per token of r's layers or KV heads) * context / 2
 
     (the KV cache read at the average context of a sequence that grows to ``context``;
-    embedding lookups and norms are negligible). ``N_r`` is r's linear weight elements
-    without the LM head (prefill computes logits for the last token only).
+    embedding lookups are negligible). ``N_r`` is r's linear weight elements without the
+    LM head (prefill computes logits for the last token only), ``A = d +
+    intermediate_size`` a token's activation elements in a layer. A rank's decode step and
+    a prompt token's prefill on it cost::
+
+        T_r = W_r / wr_r + K_r / bw_r + L_r * o_r
+        Q_r = 2*N_r / F_r + L_r * A * PREFILL_ACTIVATION_BYTES / bw_r + L_r * o_r / C
+              (C = PREFILL_CHUNK_TOKENS: a chunk pays the layers' fixed cost once)
+
+    plus ``STEP_LAYERS * o_r`` on the rank that samples. A small model's decode on a CPU is
+    bound by its per-layer small ops (norms, rotary, attention's reshapes, residuals: ~60
+    torch calls a layer) and by the int4 kernel's unpacking, not by memory bandwidth. On
+    the 2-vCPU VM this was checked on (SmolLM2-135M int4, one runner thread, the machine
+    loaded by others: load average 5-8), 102 MB of resident weights were read at the int4
+    product's 6-9 GB/s and a layer's fixed cost was 0.6-0.9 ms, so the fixed costs were
+    about half of a ~50 ms step; the bandwidth-only model (``o = 0``, weights at the copy
+    bandwidth) missed them.
 
     pipeline (the last rank samples and broadcasts the token id)::
 
-        decode s/token  = sum_r B_r / bw_r + sum_hops (lat + d*e / bw) + lat(last -> others)
-        prefill tokens/s = 1 / max(max_r 2*N_r / F_r,
-                                   max_hops d*e / bw + lat / PREFILL_CHUNK_TOKENS)
+        decode s/token  = sum_r T_r + STEP_LAYERS * o_last
+                          + sum_hops (lat + d*e / bw) + lat(last -> others)
+        prefill tokens/s = 1 / max(max_r Q_r, max_hops d*e / bw + lat / C)
           (chunks overlap across stages: the slowest stage or hop bounds the rate)
 
     tensor (two all-reduces a layer of float32 partial sums, ring all-reduce; rank 0 samples)::
 
         allreduce(n) = 2*(P-1)/P * n*d*4 / bw_min + (P-1) * lat_max      (n tokens)
-        decode s/token  = max_r B_r / bw_r + 2*L * allreduce(1) + lat_max
-        prefill s/token = max_r 2*N_r / F_r + 2*L * allreduce(C) / C      (C = 512-token chunk)
+        decode s/token  = max_r T_r + STEP_LAYERS * o_0 + 2*L * allreduce(1) + lat_max
+        prefill s/token = max_r Q_r + 2*L * allreduce(C) / C
+                          (Q_r with r's heads and columns: A = d + r's columns)
           (the heads and columns split by shape, not by speed: the slowest rank bounds)
 
     ring (every rank holds the whole model and decodes it; rank 0 samples)::
 
-        decode s/token  = max_r B_r / bw_r + lat_max        (B_r of the whole model)
-        prefill s/token = 2*N / (P * min_r F_r)              (an even zig-zag split)
+        decode s/token  = max_r T_r + STEP_LAYERS * o_0 + lat_max   (B_r of the whole model)
+        prefill s/token = max_r Q_r / P     (an even zig-zag split; Q_r of the whole model,
+                                             its fixed cost not divided)
                           + (P-1)/P * kv_bytes_per_token / bw_min   (k/v blocks round the ring)
                           + L*(P-1)*lat_max / (P * 512)      (a latency per layer and step)
 
-    A single node (P = 1) pays no link. Attention's FLOPs, compute/transfer overlap and
-    batching are ignored.
+    A single node (P = 1) pays no link. Compute/transfer overlap and batching are
+    ignored; attention is in ``PREFILL_ACTIVATION_BYTES`` at a chunk's length and in
+    ``K_r`` for decode. With ``o_r = 0`` and no weight-read rate (a profile that did not
+    measure them) decode is the bandwidth-bound model alone.
 
     Raises:
         PlacementError: an unknown sharding or dtype.
@@ -197,16 +280,17 @@ def predict_tokens_per_s(
     lat_max = max((k.latency_s for k in pairs), default=0.0)
     bw_min = min((k.bandwidth_bytes_per_s for k in pairs), default=float("inf"))
     bcast = lat_max if P > 1 else 0.0
+    act = d + config.intermediate_size  # activation elements a token has in a layer
 
     if sharding == Sharding.PIPELINE:
         decode = prefill_stage = 0.0
         for rank, (node, share) in enumerate(zip(nodes, shares)):
             layers = share.num_layers
             linear = layers * _linear_per_layer(config)
-            read = decode_weight_bytes * (linear + (head if rank == P - 1 else 0))
-            read += kv_token * layers / L * avg_tokens
-            decode += _secs(read, node.memory_bandwidth_bytes_per_s)
-            prefill_stage = max(prefill_stage, _secs(2 * linear, node.matmul_flops))
+            weights = decode_weight_bytes * (linear + (head if rank == P - 1 else 0))
+            decode += _step_s(node, weights, kv_token * layers / L * avg_tokens,
+                              layers + (STEP_LAYERS if rank == P - 1 else 0.0))
+            prefill_stage = max(prefill_stage, _prefill_s(node, 2 * linear, layers, layers * act))
         for a, b in zip(ids, ids[1:]):
             link = link_between(links, a, b)
             hop = _secs(d * e, link.bandwidth_bytes_per_s)
@@ -222,10 +306,11 @@ def predict_tokens_per_s(
             ts = share.tensor_share
             assert ts is not None  # tensor placement gives every rank its share
             linear = L * _tensor_linear_per_layer(config, ts)
-            read = decode_weight_bytes * (linear + (head if rank == 0 else 0))
-            read += 2 * L * ts.num_kv_heads * config.head_dim * e * avg_tokens
-            decode = max(decode, _secs(read, node.memory_bandwidth_bytes_per_s))
-            prefill = max(prefill, _secs(2 * linear, node.matmul_flops))
+            weights = decode_weight_bytes * (linear + (head if rank == 0 else 0))
+            kv = 2 * L * ts.num_kv_heads * config.head_dim * e * avg_tokens
+            decode = max(decode, _step_s(node, weights, kv, L))
+            prefill = max(prefill, _prefill_s(node, 2 * linear, L, L * (d + ts.num_columns)))
+        decode += STEP_LAYERS * nodes[0].decode_layer_s
         if P > 1:
             def allreduce(tokens: int) -> float:
                 return 2 * (P - 1) / P * tokens * d * 4 / bw_min + (P - 1) * lat_max
@@ -235,9 +320,10 @@ def predict_tokens_per_s(
 
     if sharding == Sharding.RING:
         linear = L * _linear_per_layer(config)
-        read = decode_weight_bytes * (linear + head) + kv_token * avg_tokens
-        decode = max(_secs(read, n.memory_bandwidth_bytes_per_s) for n in nodes) + bcast
-        prefill = _secs(2 * linear, P * min(n.matmul_flops for n in nodes))
+        weights = decode_weight_bytes * (linear + head)
+        decode = max(_step_s(n, weights, kv_token * avg_tokens, L) for n in nodes)
+        decode += STEP_LAYERS * nodes[0].decode_layer_s + bcast
+        prefill = max(_prefill_s(n, 2 * linear / P, L, L * act / P) for n in nodes)
         if P > 1:
             prefill += (P - 1) / P * _secs(kv_token, bw_min)
             prefill += L * (P - 1) * lat_max / ring_prefill_chunk(P, PREFILL_CHUNK_TOKENS)
@@ -273,6 +359,8 @@ def preview(
     admit: bool = True,
     kv_tokens: int | None = None,
     quantize: Quantize | None = None,
+    model_id: str = "",
+    served: Sequence[ServedSpeed] = (),
 ) -> list[Candidate]:
     """Every candidate placement of ``config`` on ``nodes``, feasible ones first, fastest first.
 
@@ -289,7 +377,9 @@ def preview(
     ``baseline_bytes`` of runtime per rank; the
     speeds are :func:`predict_tokens_per_s`'s (decode tokens/s of one sequence, prefill
     tokens/s), decode reading :func:`~shardline.placement.ranks.resident_bytes_per_weight`
-    bytes a weight.
+    bytes a weight, then corrected by what placements of ``model_id`` measured while
+    serving (``served``: :func:`shardline.placement.served.calibrate`'s rule; the
+    uncorrected figures stay in ``model_*``).
 
     Returns:
         Feasible candidates sorted by predicted decode tokens/s, descending (ties: prefill
@@ -316,12 +406,17 @@ def preview(
             except PlacementError as exc:
                 infeasible.append(Candidate(sharding, ids, error=str(exc)))
                 continue
-            decode, prefill = predict_tokens_per_s(
+            model = predict_tokens_per_s(
                 config, sharding, subset, shares, links, context, dtype,
                 decode_weight_bytes=decode_weight_bytes,
             )
+            key = PlacementKey(model_id, str(sharding), ids, dtype,
+                               quantize.value if quantize else None)
+            decode, prefill, decode_basis, prefill_basis = calibrate(key, model, served)
             feasible.append(Candidate(sharding, ids, tuple(shares), decode, prefill,
-                                      kv_tokens=kv_pool))
+                                      kv_tokens=kv_pool, model_decode_tokens_per_s=model[0],
+                                      model_prefill_tokens_per_s=model[1],
+                                      decode_basis=decode_basis, prefill_basis=prefill_basis))
     feasible.sort(key=lambda c: (-(c.predicted_decode_tokens_per_s or 0.0),
                                  -(c.predicted_prefill_tokens_per_s or 0.0), len(c.node_ids)))
     return feasible + infeasible
@@ -343,6 +438,8 @@ def auto(
     admit: bool = True,
     kv_tokens: int | None = None,
     quantize: Quantize | None = None,
+    model_id: str = "",
+    served: Sequence[ServedSpeed] = (),
 ) -> Candidate:
     """The feasible candidate of :func:`preview` with the highest predicted decode tokens/s.
 
@@ -353,7 +450,7 @@ def auto(
     candidates = preview(config, nodes, links, context, max_batch, dtype, shardings, max_nodes,
                          min_nodes=min_nodes, weight_file_bytes=weight_file_bytes,
                          baseline_bytes=baseline_bytes, admit=admit, kv_tokens=kv_tokens,
-                         quantize=quantize)
+                         quantize=quantize, model_id=model_id, served=served)
     if candidates and candidates[0].feasible:
         return candidates[0]
     if not candidates:

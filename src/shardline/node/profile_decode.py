@@ -1,0 +1,99 @@
+"""What a runner's decode step costs on this machine, timed in the profile child
+(``python -m shardline.node.profile``; torch is imported inside each function, never by
+the node): :func:`runner_runtime` (a tiny model's decode step per layer) and
+:func:`decode_weight_rate` (the int4 one-row product's weight-read rate).
+
+Units: seconds, bytes/s.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+
+# Decode steps of the tiny runner model timed for ``decode_layer_s`` (the median is kept).
+DECODE_STEPS = 15
+
+# The weight a one-row product is timed on for ``decode_weight_bytes_per_s``: [rows, cols]
+# int4 (2.6 MB resident; quantized in ~0.3 s on a 2-core VM).
+DECODE_WEIGHT_SHAPE = (2048, 2048)
+
+
+def runner_runtime() -> float:
+    """Run what a runner runs, on a tiny random model (2 layers, 256 wide, int4 weights):
+    its modules (the model code, the weight readers, the parallel stages), torch's int4
+    layout probe, a prefill of 96 tokens (dequantized products) and decode steps (the
+    int4 kernel), so that the code and buffers those kernels bring count in the runtime
+    (a runner's memory grew by ~30 MiB beyond a bare torch process once it served).
+
+    Returns:
+        The median of ``DECODE_STEPS`` timed decode steps (after one untimed) divided by
+        the model's layers: seconds a decoder layer costs a decode step beyond reading
+        its weights (``HostProfile.decode_layer_s``)."""
+    import gguf  # noqa: F401, PLC0415 (the weight files' reader)
+    import torch  # noqa: PLC0415
+
+    import shardline.models.weights  # noqa: F401, PLC0415
+    import shardline.parallel.pipeline  # noqa: F401, PLC0415 (only in the child)
+    import shardline.parallel.ring  # noqa: F401, PLC0415
+    import shardline.parallel.tensor  # noqa: F401, PLC0415
+    import shardline.runner.engine  # noqa: F401, PLC0415
+    from shardline.models.config import ModelConfig, Quantize  # noqa: PLC0415
+    from shardline.models.kv_cache import KVCache  # noqa: PLC0415
+    from shardline.models.linear import Linear, resident_weight  # noqa: PLC0415
+    from shardline.models.llama import DecoderShard  # noqa: PLC0415
+    from shardline.models.quantize import quantize_groups  # noqa: PLC0415
+
+    dtype, generator = torch.bfloat16, torch.Generator().manual_seed(0)
+
+    def weight(rows: int, cols: int):
+        values = torch.randn(rows, cols, generator=generator) * 0.05
+        return resident_weight(quantize_groups(values, Quantize.INT4), dtype)
+
+    config = ModelConfig("llama", 2, 256, 512, 4, 2, 64, 512, 1e-5, 10000.0, 128, True)
+    shard = DecoderShard(config, 0, 2)
+    for param in shard.parameters():
+        param.data = param.data.to(dtype)
+    for module in shard.modules():
+        if isinstance(module, Linear) and module is not shard.lm_head:
+            module.set_parts([weight(module.out_features, module.in_features)])
+    assert shard.embed is not None and shard.lm_head is not None  # one shard: both ends
+    shard.embed.weight, shard.embed.dtype = weight(512, 256), dtype
+    shard.lm_head.set_parts([shard.embed.weight])
+    cache = KVCache(config, 2, 1, 128, dtype)
+    ids = torch.randint(0, 512, (96,), generator=generator)
+    times = []
+    with torch.inference_mode():
+        shard(ids, shard.prefill_batch(0, 0, 96, want_logits=True), cache)
+        for step in range(DECODE_STEPS + 1):
+            start = time.perf_counter()
+            shard(ids[:1], shard.decode_batch([0], [96]), cache)
+            times.append(time.perf_counter() - start)
+    return statistics.median(times[1:]) / config.num_layers
+
+
+def decode_weight_rate(samples: int) -> float:
+    """``HostProfile.decode_weight_bytes_per_s``: resident bytes / median seconds of a
+    one-row product with an int4 weight of ``DECODE_WEIGHT_SHAPE`` (CPU, bfloat16)."""
+    import torch  # noqa: PLC0415
+
+    from shardline.models.config import Quantize  # noqa: PLC0415
+    from shardline.models.linear import Linear, resident_weight  # noqa: PLC0415
+    from shardline.models.quantize import quantize_groups  # noqa: PLC0415
+
+    rows, cols = DECODE_WEIGHT_SHAPE
+    values = torch.randn(rows, cols, generator=torch.Generator().manual_seed(1)) * 0.05
+    linear = Linear(cols, rows)
+    linear.set_parts([resident_weight(quantize_groups(values, Quantize.INT4), torch.bfloat16)])
+    row = torch.randn(1, cols).to(torch.bfloat16)
+    times = []
+    with torch.inference_mode():
+        linear(row)
+        for _ in range(max(samples, 1) * 6):
+            start = time.perf_counter()
+            linear(row)
+            times.append(time.perf_counter() - start)
+    return linear.nbytes() / statistics.median(times)
+
+
+__all__ = ["decode_weight_rate", "runner_runtime"]

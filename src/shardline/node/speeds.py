@@ -1,0 +1,275 @@
+"""What a node knows of speed: its machine's profile, measured when the node is idle
+(:class:`HostProfiler`), and what the placements it served really did
+(:class:`ServedLog`, fed by :class:`RequestTiming` from the requests it streams).
+
+The profile: a node starts from the machine's cached profile (``host-profile-v<N>.json``
+in the data directory, shared by the nodes of a machine) as a first guess, and measures
+again (:func:`~shardline.node.profile.measure_host_async`: a child process, rates the
+median of several samples) only while it is idle (:func:`node_idle`: no request in
+flight, no runner of it loading or serving), at once when it has no first guess, else
+once it has been idle for ``idle_s``, and again every ``interval_s`` it is idle for
+(:func:`measure_due`). A measurement the node stops being idle during is killed and
+thrown away: a profile taken while its runners work measures them, not the machine.
+It never holds up the node's start: it runs in the background. Nodes of one machine (a
+local cluster) share the file: each waits ``idle_s`` plus up to 10 s by its id before it
+measures, and takes a profile another node of the machine measured within
+``interval_s`` instead of measuring again.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import time
+import zlib
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from shardline.machine_cache import write_atomically
+from shardline.node.status import InstanceStatus, RankStatus
+from shardline.placement.served import (
+    PlacementKey,
+    ServedSpeed,
+    record,
+    request_rates,
+    with_prediction,
+)
+
+if TYPE_CHECKING:
+    from shardline.node.node import Node
+    from shardline.node.table import Instance
+
+log = logging.getLogger(__name__)
+
+IDLE_S = 10.0
+"""Seconds a node with a first-guess profile stays idle before it measures its machine."""
+
+INTERVAL_S = 3600.0
+"""Seconds between measurements of an idle node's machine."""
+
+PROFILE_SECONDS = 1.0
+"""The timed loops of one measurement, seconds in all (child start and imports aside)."""
+
+PROFILE_SAMPLES = 5
+"""Timed windows each measured rate is the median of."""
+
+_SETTLED = (RankStatus.READY, RankStatus.FAILED, RankStatus.STOPPED)
+
+
+def node_idle(in_flight: int, busy: Iterable[str], rank_statuses: Iterable[RankStatus]) -> bool:
+    """Whether a node's runners leave its machine alone: no request of it in flight
+    (``in_flight`` streams), no instance with requests on its rank (``busy``), and none
+    of its ranks starting, fetching or loading (``rank_statuses``)."""
+    return in_flight == 0 and not list(busy) and all(s in _SETTLED for s in rank_statuses)
+
+
+def measure_due(now: float, idle_since: float | None, measured_at: float | None,
+                first_guess: bool, idle_s: float = IDLE_S, interval_s: float = INTERVAL_S) -> bool:
+    """Whether to measure the machine now.
+
+    Args:
+        now, idle_since: seconds on one clock; ``idle_since`` None: the node is not idle.
+        measured_at: when this node last measured (or tried to), None: never.
+        first_guess: it holds a cached profile to go on with meanwhile.
+        idle_s: idle seconds before a measurement, when there is a profile to go on with.
+        interval_s: seconds between measurements.
+    """
+    if idle_since is None:
+        return False
+    if measured_at is None and not first_guess:
+        return True
+    if measured_at is not None and now - measured_at < interval_s:
+        return False
+    return now - idle_since >= idle_s
+
+
+class HostProfiler:
+    """The node's :class:`~shardline.node.profile.HostProfile` (``node.profile``, a dict):
+    the cached one first, measured again while the node is idle (module docstring).
+
+    Args:
+        node: the node (its runners' thread count, its state).
+        cache: the machine's profile file (None: none).
+        idle_s, interval_s: :func:`measure_due`'s.
+    """
+
+    def __init__(self, node: "Node", cache: Path | None, idle_s: float = IDLE_S,
+                 interval_s: float = INTERVAL_S) -> None:
+        self.node = node
+        self.cache = cache
+        self.idle_s = idle_s + zlib.crc32(node.node_id.encode()) % 1000 / 100  # staggered
+        self.interval_s = interval_s
+        self.measured_at: float | None = None  # time.monotonic() of the last try
+
+    def idle(self) -> bool:
+        node = self.node
+        statuses = [r.status for inst in node.instances.values()
+                    if inst.status != InstanceStatus.FAILED
+                    for r in inst.ranks if r.node_id == node.node_id]
+        return node_idle(len(node.streams), node.busy_instances(), statuses)
+
+    def first_guess(self) -> dict | None:
+        """The cached profile, if it was measured with this node's runner threads."""
+        from shardline.node.profile import HostProfile
+
+        if self.cache is None:
+            return None
+        try:
+            cached = HostProfile.from_dict(json.loads(self.cache.read_text()))
+        except (OSError, ValueError, TypeError):
+            return None
+        return cached.to_dict() if cached.threads == self.node.runner_threads else None
+
+    def _fresh_cache(self) -> dict | None:
+        """The cached profile when another node of this machine measured it within
+        ``interval_s`` and after this node's own."""
+        cached = self.first_guess()
+        if cached is None:
+            return None
+        mine = (self.node.profile or {}).get("measured_at") or 0.0
+        fresh = time.time() - cached["measured_at"] < self.interval_s
+        return cached if fresh and cached["measured_at"] > mine else None
+
+    async def run(self) -> None:
+        """Forever: keep ``node.profile`` (the first guess, then idle measurements)."""
+        self.node.profile = self.first_guess()
+        guessed = self.node.profile is not None
+        idle_since: float | None = None
+        while True:
+            now = time.monotonic()
+            idle_since = (idle_since or now) if self.idle() else None
+            if measure_due(now, idle_since, self.measured_at, guessed, self.idle_s, self.interval_s):
+                self.measured_at = now
+                fresh = self._fresh_cache()
+                if fresh is not None:
+                    self.node.profile = fresh
+                    guessed = True
+                elif await self._measure_while_idle():
+                    guessed = True
+                idle_since = None
+            await asyncio.sleep(1.0)
+
+    async def _measure_while_idle(self) -> bool:
+        """Measure; kill the child and keep nothing if the node stops being idle first.
+        Whether a profile was taken."""
+        from shardline.node.profile import measure_host_async
+
+        task = asyncio.create_task(measure_host_async(
+            seconds=PROFILE_SECONDS, threads=self.node.runner_threads, samples=PROFILE_SAMPLES))
+        while not task.done():
+            await asyncio.wait({task}, timeout=0.25)
+            if not task.done() and not self.idle():
+                task.cancel()
+                log.info("host profile: the node got busy; measuring again once it is idle")
+                self.measured_at = None if self.node.profile is None else self.measured_at
+                return False
+        profile = task.result()
+        if profile.note:
+            log.warning("host profile: %s", profile.note)
+            if self.node.profile is not None:
+                return False  # keep what it had
+        self.node.profile = profile.to_dict()
+        log.info("host profile: %.0f GFLOP/s, %.1f GB/s, %.2f ms a decode layer",
+                 profile.matmul_flops / 1e9, profile.memory_bandwidth_bytes_per_s / 1e9,
+                 profile.decode_layer_s * 1e3)
+        if not profile.note and self.cache is not None:
+            try:
+                write_atomically(self.cache, json.dumps(self.node.profile))
+            except OSError:
+                pass
+        return not profile.note
+
+
+def placement_key(inst: "Instance") -> PlacementKey:
+    """The placement an instance is, for its speed."""
+    return PlacementKey(inst.model_id, str(inst.sharding), tuple(inst.node_ids()), inst.dtype,
+                        inst.quantize)
+
+
+class ServedLog:
+    """The speeds of the placements this node streamed requests of
+    (:class:`~shardline.placement.served.ServedSpeed` each), kept in ``path`` (None: in
+    memory only) and told to peers in its ``NodeInfo.served``."""
+
+    def __init__(self, node: "Node", path: Path | None) -> None:
+        self.node = node
+        self.path = path
+        self.speeds: dict[PlacementKey, ServedSpeed] = {}
+        self._load()
+
+    def _load(self) -> None:
+        if self.path is None or not self.path.exists():
+            return
+        try:
+            for item in json.loads(self.path.read_text()):
+                speed = ServedSpeed.from_dict(item)
+                self.speeds[speed.key] = speed
+        except (OSError, ValueError, TypeError, KeyError) as exc:
+            log.warning("ignoring the kept speeds %s: %s", self.path, exc)
+
+    def to_list(self) -> list[dict]:
+        return [s.to_dict() for s in self.speeds.values()]
+
+    async def add(self, inst: "Instance", decode: float | None, prefill: float | None,
+                  position: float) -> None:
+        """Record one request's rates for ``inst``'s placement (``position``: its decode's
+        mean position), with the first-order prediction for it now (decode at the
+        samples' context)."""
+        if decode is None and prefill is None:
+            return
+        key = placement_key(inst)
+        speed = record(self.speeds.get(key), key, decode, prefill, position, time.time())
+        predicted = await self.node.coordinator.first_order(inst, speed.context)
+        self.speeds[key] = with_prediction(speed, predicted)
+        if self.path is not None:
+            try:
+                write_atomically(self.path, json.dumps(self.to_list()))
+            except OSError as exc:
+                log.warning("could not keep the speeds in %s: %s", self.path, exc)
+
+
+@dataclass
+class RequestTiming:
+    """One request this node streams, timed for :class:`ServedLog` (``time.monotonic()``
+    seconds). ``alone``/``started_alone``: see
+    :func:`~shardline.placement.served.request_rates`."""
+
+    task_id: int
+    prompt_tokens: int
+    sent_at: float
+    started_alone: bool
+    first_token_at: float | None = None
+    last_token_at: float | None = None
+    generated: int = 0
+    alone: bool = True
+
+    @classmethod
+    def start(cls, task_id: int, prompt_tokens: int, stats: Mapping | None) -> "RequestTiming":
+        """Before the task is handed over; ``stats``: the instance's batch on this node
+        (``EngineStats`` as a dict, None: none yet)."""
+        return cls(task_id, prompt_tokens, time.monotonic(), not (stats or {}).get("running"))
+
+    def token(self, stats: Mapping | None) -> None:
+        """A token of the request reached the node; ``stats`` its batch now."""
+        now = time.monotonic()
+        others = set((stats or {}).get("running") or ()) - {self.task_id}
+        if self.first_token_at is None:
+            self.first_token_at = now
+            self.started_alone = self.started_alone and not others
+        elif others:
+            self.alone = False
+        self.last_token_at = now
+        self.generated += 1
+
+    @property
+    def position(self) -> float:
+        """Its decode's mean position in the sequence, tokens."""
+        return self.prompt_tokens + self.generated / 2
+
+    def rates(self) -> tuple[float | None, float | None]:
+        """(decode, prefill) tokens/s (:func:`~shardline.placement.served.request_rates`)."""
+        return request_rates(self.prompt_tokens, self.generated, self.sent_at, self.first_token_at,
+                             self.last_token_at, self.alone, self.started_alone)

@@ -1,0 +1,243 @@
+"""Measured speeds of placements that served, and how they correct the preview's model.
+
+The preview predicts tokens/s from the nodes' profiles
+(:func:`~shardline.placement.preview.predict_tokens_per_s`); once an instance has served,
+its node knows what it really did. A node that streams a request to its client times it
+(:func:`request_rates`) and keeps the figures of each placement it served
+(:class:`ServedSpeed`, :func:`record`); the coordinator, previewing a model, corrects each
+candidate's predicted figures with what the cluster has measured (:func:`calibrate`):
+
+1. the same placement (model, sharding, nodes in rank order, dtype, quantization)
+   measured: the measured figure;
+2. else placements of the same model, dtype and quantization measured on nodes that
+   share one with the candidate: the predicted figure times the median of their
+   measured / predicted ratios (the model's error on those machines, carried over);
+3. else the predicted figure.
+
+Decode and prefill are corrected each on its own (a placement may have measured one
+and not the other). Everything here is pure: no I/O, no clock.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import statistics
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+
+KEEP_SAMPLES = 16
+"""Per-request rates a :class:`ServedSpeed` keeps of each kind (the newest); its figure is
+their median."""
+
+MIN_DECODE_TOKENS = 8
+"""Generated tokens a request needs for its decode rate to count (the first token is the
+prefill's; the rate is taken over the tokens after it)."""
+
+MIN_PREFILL_TOKENS = 256
+"""Prompt tokens a request needs for its prefill rate to count: the time to the first
+token also holds a fixed part (the task's agreement round, one engine wake-up, the
+first token's sampling and delivery; ~10-30 ms on a 2-core VM), which would understate
+the rate of a short prompt against the preview's "one long prompt"."""
+
+Basis = str
+"""Where a candidate's figure comes from: ``"model"`` (the first-order prediction),
+``"measured"`` (this very placement served) or ``"scaled"`` (the prediction times the
+measured / predicted ratio of placements of the same model on some of its nodes)."""
+
+
+@dataclass(frozen=True)
+class PlacementKey:
+    """What makes two instances the same placement for speed.
+
+    Attributes:
+        model_id: the model.
+        sharding: ``"pipeline"``, ``"tensor"`` or ``"ring"``.
+        node_ids: the nodes in rank order.
+        dtype: the compute dtype.
+        quantize: ``"int8"`` / ``"int4"`` quantization on load, or None.
+    """
+
+    model_id: str
+    sharding: str
+    node_ids: tuple[str, ...]
+    dtype: str = "bfloat16"
+    quantize: str | None = None
+
+
+@dataclass(frozen=True)
+class ServedSpeed:
+    """What one placement did while serving, and what the model had predicted for it.
+
+    Attributes:
+        key: the placement.
+        decode_samples: per-request decode rates of one sequence alone in the batch,
+            tokens/s, oldest first (at most :data:`KEEP_SAMPLES`).
+        prefill_samples: per-request prefill rates of prompts of at least
+            :data:`MIN_PREFILL_TOKENS` that started with nothing else running, prompt
+            tokens/s.
+        decode_positions: each decode sample's mean position in its sequence (prompt
+            tokens plus half the generated ones: the KV cache its steps read, on
+            average), tokens.
+        predicted_decode_tokens_per_s, predicted_prefill_tokens_per_s: the first-order
+            prediction for this placement when the last sample was taken (from the
+            profiles then, decode at the samples' median position, :attr:`context`; 0:
+            unknown), for the ratio :func:`calibrate` scales others by.
+        at: when the last sample was taken, seconds since the epoch.
+    """
+
+    key: PlacementKey
+    decode_samples: tuple[float, ...] = ()
+    prefill_samples: tuple[float, ...] = ()
+    decode_positions: tuple[float, ...] = ()
+    predicted_decode_tokens_per_s: float = 0.0
+    predicted_prefill_tokens_per_s: float = 0.0
+    at: float = 0.0
+
+    @property
+    def decode_tokens_per_s(self) -> float | None:
+        """The median measured decode rate, tokens/s (None: no sample)."""
+        return statistics.median(self.decode_samples) if self.decode_samples else None
+
+    @property
+    def context(self) -> int | None:
+        """The context to predict the decode samples at: twice their median position
+        (the preview reads the KV cache of a sequence growing to ``context`` at
+        ``context / 2``), at least 2; None: no sample."""
+        if not self.decode_positions:
+            return None
+        return max(2, round(2 * statistics.median(self.decode_positions)))
+
+    @property
+    def prefill_tokens_per_s(self) -> float | None:
+        """The median measured prefill rate, prompt tokens/s (None: no sample)."""
+        return statistics.median(self.prefill_samples) if self.prefill_samples else None
+
+    def to_dict(self) -> dict:
+        """A JSON form (:meth:`from_dict` reads it back), with the medians added."""
+        return dict(dataclasses.asdict(self), decode_tokens_per_s=self.decode_tokens_per_s,
+                    prefill_tokens_per_s=self.prefill_tokens_per_s)
+
+    @classmethod
+    def from_dict(cls, data: dict) -> "ServedSpeed":
+        """Read :meth:`to_dict`'s form.
+
+        Raises:
+            KeyError, TypeError, ValueError: not that form.
+        """
+        key = dict(data["key"])
+        key["node_ids"] = tuple(key["node_ids"])
+        return cls(PlacementKey(**key), tuple(float(x) for x in data.get("decode_samples", ())),
+                   tuple(float(x) for x in data.get("prefill_samples", ())),
+                   tuple(float(x) for x in data.get("decode_positions", ())),
+                   float(data.get("predicted_decode_tokens_per_s") or 0.0),
+                   float(data.get("predicted_prefill_tokens_per_s") or 0.0),
+                   float(data.get("at") or 0.0))
+
+
+def request_rates(prompt_tokens: int, generated: int, sent_at: float,
+                  first_token_at: float | None, last_token_at: float | None,
+                  alone: bool, started_alone: bool) -> tuple[float | None, float | None]:
+    """(decode, prefill) tokens/s one finished request shows, or None for each it cannot
+    (its decode's mean position is ``prompt_tokens + generated / 2``).
+
+    Args:
+        prompt_tokens: tokens of its prompt.
+        generated: tokens it generated (the first one included).
+        sent_at, first_token_at, last_token_at: when the task was handed to its ranks
+            and when its first and last tokens reached the node, seconds on one clock.
+        alone: no other sequence ran in its instance's batch from its first token to
+            its last (decode of one sequence, what the preview predicts).
+        started_alone: nothing else ran in the batch when it was handed over and up to
+            its first token (its prefill had the ranks to itself).
+
+    Returns:
+        decode: ``(generated - 1) / (last_token_at - first_token_at)`` when ``alone``
+        and ``generated >= MIN_DECODE_TOKENS``; prefill: ``prompt_tokens /
+        (first_token_at - sent_at)`` when ``started_alone`` and ``prompt_tokens >=
+        MIN_PREFILL_TOKENS``.
+    """
+    decode = prefill = None
+    if first_token_at is not None:
+        span = (last_token_at or first_token_at) - first_token_at
+        if alone and generated >= MIN_DECODE_TOKENS and span > 0:
+            decode = (generated - 1) / span
+        ttft = first_token_at - sent_at
+        if started_alone and prompt_tokens >= MIN_PREFILL_TOKENS and ttft > 0:
+            prefill = prompt_tokens / ttft
+    return decode, prefill
+
+
+def record(previous: ServedSpeed | None, key: PlacementKey, decode: float | None,
+           prefill: float | None, position: float, at: float) -> ServedSpeed:
+    """``previous`` (None: nothing yet) with one request's rates added (None: not taken;
+    ``position``: the decode sample's mean position, tokens), the newest
+    :data:`KEEP_SAMPLES` of each kept; its prediction is set by :func:`with_prediction`."""
+    old = previous or ServedSpeed(key)
+    decodes, positions = old.decode_samples, old.decode_positions
+    if decode is not None:
+        decodes, positions = decodes + (decode,), positions + (position,)
+    prefills = (old.prefill_samples + ((prefill,) if prefill is not None else ()))[-KEEP_SAMPLES:]
+    return dataclasses.replace(old, decode_samples=decodes[-KEEP_SAMPLES:],
+                               decode_positions=positions[-KEEP_SAMPLES:],
+                               prefill_samples=prefills, at=at)
+
+
+def with_prediction(speed: ServedSpeed, predicted: tuple[float, float]) -> ServedSpeed:
+    """``speed`` with the model's (decode at :attr:`ServedSpeed.context`, prefill)
+    tokens/s for its placement."""
+    return dataclasses.replace(speed, predicted_decode_tokens_per_s=predicted[0],
+                               predicted_prefill_tokens_per_s=predicted[1])
+
+
+def merge(speeds: Iterable[ServedSpeed]) -> dict[PlacementKey, ServedSpeed]:
+    """One figure per placement from several nodes' records: for each key, the record
+    taken last (each node times only the requests it streamed; the newest reflects the
+    code and load of now)."""
+    out: dict[PlacementKey, ServedSpeed] = {}
+    for speed in speeds:
+        kept = out.get(speed.key)
+        if kept is None or speed.at > kept.at:
+            out[speed.key] = speed
+    return out
+
+
+def _one(predicted: float, measured: float | None,
+         related: Sequence[tuple[float | None, float]]) -> tuple[float, Basis]:
+    if measured is not None:
+        return measured, "measured"
+    ratios = [m / p for m, p in related if m is not None and p > 0]
+    if ratios and predicted > 0:
+        return predicted * statistics.median(ratios), "scaled"
+    return predicted, "model"
+
+
+def calibrate(key: PlacementKey, predicted: tuple[float, float],
+              speeds: Sequence[ServedSpeed]) -> tuple[float, float, Basis, Basis]:
+    """The candidate ``key``'s (decode, prefill) tokens/s corrected by what the cluster
+    measured (the module's rule: measured, else scaled, else predicted), and the basis of
+    each.
+
+    Args:
+        key: the candidate placement.
+        predicted: the model's (decode, prefill) tokens/s for it.
+        speeds: the cluster's records (:func:`merge`'s values).
+
+    Returns:
+        ``(decode, prefill, decode_basis, prefill_basis)``.
+    """
+    exact = next((s for s in speeds if s.key == key), None)
+    nodes = set(key.node_ids)
+    related = [s for s in speeds if s.key != key and s.key.model_id == key.model_id
+               and s.key.dtype == key.dtype and s.key.quantize == key.quantize
+               and nodes & set(s.key.node_ids)]
+    decode, decode_basis = _one(
+        predicted[0], exact.decode_tokens_per_s if exact else None,
+        [(s.decode_tokens_per_s, s.predicted_decode_tokens_per_s) for s in related])
+    prefill, prefill_basis = _one(
+        predicted[1], exact.prefill_tokens_per_s if exact else None,
+        [(s.prefill_tokens_per_s, s.predicted_prefill_tokens_per_s) for s in related])
+    return decode, prefill, decode_basis, prefill_basis
+
+
+__all__ = ["PlacementKey", "ServedSpeed", "calibrate", "merge", "record", "request_rates",
+           "with_prediction"]

@@ -1,0 +1,179 @@
+"""Profiles that hold, by tables: when a node measures its machine, what a request's timing
+shows, how measured speeds correct the preview, and the decode model's per-layer and
+weight-read terms."""
+
+from __future__ import annotations
+
+import pytest
+from model_shapes import smollm2 as _smollm2
+
+from shardline.control import speed_text
+from shardline.models.config import RankShare
+from shardline.node.speeds import measure_due, node_idle
+from shardline.node.status import RankStatus
+from shardline.placement.preview import STEP_LAYERS, NodeProfile, predict_tokens_per_s, preview
+from shardline.placement.served import (
+    KEEP_SAMPLES,
+    MIN_PREFILL_TOKENS,
+    PlacementKey,
+    ServedSpeed,
+    calibrate,
+    merge,
+    record,
+    request_rates,
+    with_prediction,
+)
+
+pytestmark = [pytest.mark.fast, pytest.mark.timeout(30)]
+
+GB = 1 << 30
+R, L, F, S = RankStatus.READY, RankStatus.LOADING, RankStatus.FETCHING, RankStatus.STOPPED
+
+
+@pytest.mark.parametrize("in_flight, busy, statuses, idle", [
+    (0, [], [], True),  # no runner at all
+    (0, [], [R, S, RankStatus.FAILED], True),  # runners that settled
+    (1, [], [R], False),  # a request in flight
+    (0, ["i1"], [R], False),  # a rank with requests
+    (0, [], [R, L], False),  # a runner loading
+    (0, [], [F], False),  # files being fetched
+])
+def test_node_idle(in_flight, busy, statuses, idle):
+    assert node_idle(in_flight, busy, statuses) is idle
+
+
+@pytest.mark.parametrize("now, idle_since, measured_at, guess, due", [
+    (100, None, None, False, False),  # busy: never
+    (100, 100, None, False, True),  # nothing to go on: at once
+    (100, 95, None, True, False),  # a cached guess: after IDLE_S (10 s) idle
+    (100, 90, None, True, True),
+    (4000, 3990, 100, True, True),  # an hour since the last, idle long enough
+    (4000, 3999, 100, True, False),  # not idle long enough yet
+    (3000, 1000, 100, True, False),  # within the hour
+])
+def test_measure_due(now, idle_since, measured_at, guess, due):
+    assert measure_due(now, idle_since, measured_at, guess, idle_s=10, interval_s=3600) is due
+
+
+@pytest.mark.parametrize("prompt, generated, first, last, alone, started_alone, want", [
+    # 9 tokens, 8 after the first in 0.1 s: 80 tok/s; 512 prompt tokens in 0.25 s
+    (512, 9, 1.25, 1.35, True, True, (80.0, 2048.0)),
+    (512, 9, 1.25, 1.35, False, True, (None, 2048.0)),  # shared the batch while decoding
+    (512, 9, 1.25, 1.35, True, False, (80.0, None)),  # something else ran at its start
+    (MIN_PREFILL_TOKENS - 1, 9, 1.25, 1.35, True, True, (80.0, None)),  # prompt too short
+    (512, 7, 1.25, 1.35, True, True, (None, 2048.0)),  # too few tokens for a decode rate
+    (512, 0, None, None, True, True, (None, None)),  # no token at all
+])
+def test_request_rates(prompt, generated, first, last, alone, started_alone, want):
+    got = request_rates(prompt, generated, 1.0, first, last, alone, started_alone)
+    assert tuple(None if rate is None else round(rate, 6) for rate in got) == want
+
+
+KEY = PlacementKey("m", "pipeline", ("a",), "bfloat16", None)
+
+
+def test_record_keeps_the_newest_samples_and_the_median():
+    speed = None
+    for i in range(KEEP_SAMPLES + 4):
+        speed = record(speed, KEY, float(i), None if i % 2 else 1000.0, position=100.0 + i, at=i)
+    assert speed is not None
+    assert speed.decode_samples == tuple(float(i) for i in range(4, KEEP_SAMPLES + 4))
+    assert speed.decode_tokens_per_s == pytest.approx((11 + 12) / 2)
+    assert speed.context == 2 * (100 + 11.5)  # twice the median position: the preview's context
+    assert speed.prefill_tokens_per_s == 1000.0 and len(speed.prefill_samples) == KEEP_SAMPLES // 2 + 2
+    # a prefill-only request adds no decode sample nor position
+    assert record(speed, KEY, None, 5.0, 9999.0, 50).decode_positions == speed.decode_positions
+    speed = with_prediction(speed, (50.0, 900.0))
+    assert (speed.predicted_decode_tokens_per_s, speed.at) == (50.0, KEEP_SAMPLES + 3)
+    assert ServedSpeed.from_dict(speed.to_dict()) == speed  # its JSON form reads back
+    assert ServedSpeed(KEY).context is None
+
+
+def test_merge_keeps_the_newest_record_of_each_placement():
+    old, new = ServedSpeed(KEY, (1.0,), at=1), ServedSpeed(KEY, (2.0,), at=2)
+    other = ServedSpeed(PlacementKey("m", "pipeline", ("b",)), (3.0,), at=0)
+    assert merge([new, old, other]) == {KEY: new, other.key: other}
+
+
+def _served(nodes, decode, prefill, predicted=(100.0, 1000.0), model="m", sharding="pipeline"):
+    return ServedSpeed(PlacementKey(model, sharding, nodes), (decode,) if decode else (),
+                       (prefill,) if prefill else (), (100.0,) if decode else (), *predicted)
+
+
+@pytest.mark.parametrize("key_nodes, speeds, want", [
+    # nothing measured: the model's figures
+    (("a",), [], (100.0, 1000.0, "model", "model")),
+    # the same placement: its measured figures
+    (("a",), [_served(("a",), 60.0, 2000.0)], (60.0, 2000.0, "measured", "measured")),
+    # measured decode only: prefill scaled by nothing else, so the model's
+    (("a",), [_served(("a",), 60.0, None)], (60.0, 1000.0, "measured", "model")),
+    # another node set sharing node a: the model times its measured/predicted ratio
+    (("a", "b"), [_served(("a",), 50.0, 3000.0)], (50.0, 3000.0, "scaled", "scaled")),
+    # ratios of two related placements: their median (0.5 and 1.0 -> 0.75)
+    (("a", "b"), [_served(("a",), 50.0, None), _served(("b",), 100.0, None)],
+     (75.0, 1000.0, "scaled", "model")),
+    # unrelated: other nodes, or another model
+    (("a",), [_served(("c",), 10.0, 10.0), _served(("a",), 10.0, 10.0, model="x")],
+     (100.0, 1000.0, "model", "model")),
+])
+def test_calibrate(key_nodes, speeds, want):
+    got = calibrate(PlacementKey("m", "pipeline", key_nodes), (100.0, 1000.0), speeds)
+    assert got == pytest.approx(want)
+
+
+def _node(name, o=0.0, weight_rate=0.0, bandwidth=10e9, flops=1e12):
+    return NodeProfile(name, 64 * GB, bandwidth, flops, o, weight_rate)
+
+
+def test_decode_model_adds_layer_cost_and_the_slower_weight_read():
+    config = _smollm2()
+    one = [RankShare(0, config.num_layers)]
+    base = predict_tokens_per_s(config, "pipeline", [_node("a")], one, {}, 2048,
+                                decode_weight_bytes=0.5)
+    layered = predict_tokens_per_s(config, "pipeline", [_node("a", o=2e-4)], one, {}, 2048,
+                                   decode_weight_bytes=0.5)
+    # 1/decode grows by exactly (L + STEP_LAYERS) * o; prefill by L * o / 512 a token
+    assert 1 / layered[0] - 1 / base[0] == pytest.approx((config.num_layers + STEP_LAYERS) * 2e-4)
+    assert 1 / layered[1] - 1 / base[1] == pytest.approx(config.num_layers * 2e-4 / 512)
+    # a weight-read rate below the bandwidth slows decode; one above it changes nothing
+    slow = predict_tokens_per_s(config, "pipeline", [_node("a", weight_rate=5e9)], one, {}, 2048,
+                                decode_weight_bytes=0.5)
+    fast = predict_tokens_per_s(config, "pipeline", [_node("a", weight_rate=50e9)], one, {}, 2048,
+                                decode_weight_bytes=0.5)
+    assert slow[0] < base[0] and fast == pytest.approx(base)
+    weights = 0.5 * (config.num_layers * (config.layer_param_count() - 2 * config.hidden_size)
+                     + config.vocab_size * config.hidden_size)
+    assert 1 / slow[0] - 1 / base[0] == pytest.approx(weights / 5e9 - weights / 10e9)
+
+
+@pytest.mark.parametrize("sharding", ["pipeline", "tensor", "ring"])
+def test_every_sharding_pays_the_layer_cost(sharding):
+    config = _smollm2()
+    plain = preview(config, [_node("a"), _node("b")], {}, 2048, 4, shardings=(sharding,), min_nodes=2)
+    costly = preview(config, [_node("a", o=1e-3), _node("b", o=1e-3)], {}, 2048, 4,
+                     shardings=(sharding,), min_nodes=2)
+    assert costly[0].feasible and costly[0].model_decode_tokens_per_s < plain[0].model_decode_tokens_per_s
+
+
+def test_preview_ranks_by_measured_speed():
+    """The model prefers one node to a pipeline over two (no link to pay); once both
+    served, what they measured decides, and the model's figures stay beside it."""
+    config = _smollm2()
+    nodes = [_node("a"), _node("b")]
+    first = preview(config, nodes, {}, 2048, 4, shardings=("pipeline",), model_id="m")
+    assert [c.node_ids for c in first] == [("a",), ("a", "b")]
+    assert first[0].decode_basis == "model"
+    served = [_served(("a",), 30.0, None), _served(("a", "b"), 45.0, None)]
+    later = preview(config, nodes, {}, 2048, 4, shardings=("pipeline",), model_id="m", served=served)
+    assert [c.node_ids for c in later] == [("a", "b"), ("a",)]
+    assert later[0].predicted_decode_tokens_per_s == 45.0 and later[0].decode_basis == "measured"
+    assert later[1].model_decode_tokens_per_s == first[0].model_decode_tokens_per_s
+
+
+@pytest.mark.parametrize("predicted, measured, samples, text", [
+    (95.04, 101.2, 3, "95.0 / 101 (3)"),
+    (None, None, 0, "- / -"),
+    (2345.6, None, 0, "2,346 / -"),
+])
+def test_speed_text(predicted, measured, samples, text):
+    assert speed_text(predicted, measured, samples) == text
