@@ -45,12 +45,18 @@ class Int4Planes:
         return sum(t.numel() * t.element_size() for t in self.packed + self.scales_zeros)
 
     def matmul(self, x: torch.Tensor) -> torch.Tensor:
-        """``x @ W.T`` for ``x`` ``[rows, in]``: torch's int4 kernel for at most
-        :data:`KERNEL_MAX_ROWS` rows of a 16-bit ``x`` (decode), else the weight
-        dequantized block by block into scratch and a dense GEMM (prefill: the kernel is
-        2.8x slower than dequantizing and ``F.linear`` for 512 rows of a 576 x 3072
-        product; in float32 it has no fast path at all: 20x slower for one row)."""
+        """``x @ W.T`` for ``x`` ``[rows, in]``. Up to :data:`KERNEL_MAX_ROWS` rows (decode):
+        the compiled decode product (:func:`~shardline.models.native_dequant.
+        int4_planes_gemv`: each weight group unpacked once for all rows, the planes summed
+        in float32, each row's result independent of the others) where it is built, else
+        torch's int4 kernel for a 16-bit ``x``. Larger products (prefill), and float32
+        where the compiled product is not built, dequantize the weight block by block into
+        scratch for a dense GEMM (torch's kernel is 2.8x slower than that for 512 rows of a
+        576 x 3072 product, and in float32 has no fast path at all: 20x slower for one
+        row)."""
         x = x.contiguous()
+        if x.shape[0] <= KERNEL_MAX_ROWS and self._gemv(x.dtype):
+            return native_dequant.int4_planes_gemv(list(zip(self.packed, self.scales_zeros)), x)
         dense = x.shape[0] > KERNEL_MAX_ROWS or x.dtype == torch.float32
         if dense and self.rows_readable():
             # the kernel writes the output; else float32 work, plane and nibbles
@@ -62,6 +68,15 @@ class Int4Planes:
             y = part if y is None else y + part
         assert y is not None  # at least one plane
         return y
+
+    def _gemv(self, dtype: torch.dtype) -> bool:
+        """Whether the compiled decode product takes this weight with ``dtype``
+        activations: built here, blocks of 64 rows in the "halves" order, bfloat16
+        scales, bfloat16 or float32 activations."""
+        return (dtype in (torch.bfloat16, torch.float32)
+                and self.scales_zeros[0].dtype == torch.bfloat16
+                and self._kernel_half(torch.bfloat16) == 32 and self.rows_readable()
+                and native_dequant.int4_gemv_built())
 
     def _plane(self, i: int, start: int, end: int, out: torch.Tensor) -> None:
         """Write plane ``i``'s rows ``[start, end)`` (multiples of the layout's block) into

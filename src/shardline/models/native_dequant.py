@@ -35,8 +35,10 @@ log = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).with_name("kernels") / "dequant.c"
 FLAGS = ["-O3", "-ffp-contract=off", "-shared", "-fPIC"]
-TUNED_FLAGS = ["-march=native"]
-"""Tried first (vector width of this CPU); the library is then keyed by the CPU's flags."""
+TUNED_FLAGS = ["-march=native", "-fopenmp"]
+"""Tried first (vector width of this CPU, and threads); the library is then keyed by the
+CPU's flags. ``-fopenmp`` links ``libgomp.so.1``: torch's own copy, already loaded by
+then, so the decode product's threads are torch's (``torch.set_num_threads``)."""
 
 COMPILE_TIMEOUT_S = 120
 
@@ -94,7 +96,7 @@ def _build(flags: list[str]) -> Path:
 def kernels() -> ctypes.CDLL | None:
     """The loaded kernels, built on first use; None where they cannot be built (logged
     once)."""
-    for flags in (FLAGS + TUNED_FLAGS, FLAGS):
+    for flags in (FLAGS + TUNED_FLAGS, FLAGS + TUNED_FLAGS[:1], FLAGS):
         try:
             lib = ctypes.CDLL(str(_build(flags)))
         except (OSError, subprocess.SubprocessError) as e:
@@ -103,6 +105,8 @@ def kernels() -> ctypes.CDLL | None:
             continue
         for name in ("int4_planes_t_32", "int4_planes_t_16"):
             getattr(lib, name).argtypes = [_P, _P, _P, _P, _I, _I, _I, _I, _P, ctypes.c_int]
+        lib.int4_planes_gemv.argtypes = [_P, _P, _P, _P, _I, _I, _P, _I, _I, _P, _P, ctypes.c_int]
+        lib.int4_planes_gemv_built.restype = ctypes.c_int
         lib.int8_groups.argtypes = [_P, _P, _P, _I, _I, _I, _P, ctypes.c_int]
         lib.int8_groups_gemv.argtypes = [_P, _P, _P, _I, _I, _I, _P, _P, _I, _P]
         _C = ctypes.c_int
@@ -163,6 +167,63 @@ def int4_planes_t(planes: list[tuple[torch.Tensor, torch.Tensor]], half: int, st
     getattr(lib, f"int4_planes_t_{half}")(*pointers, out_features, start, rows, K, _ptr(out),
                                           int(out.dtype == torch.bfloat16))
     return out
+
+
+@functools.cache
+def int4_gemv_built() -> bool:
+    """Whether :func:`int4_planes_gemv` runs here: the kernels are built for a CPU with
+    AVX-512 BF16 and VBMI (else decode keeps torch's int4 kernel)."""
+    lib = kernels()
+    return lib is not None and bool(lib.int4_planes_gemv_built())
+
+
+def int4_planes_gemv(planes: list[tuple[torch.Tensor, torch.Tensor]], x: torch.Tensor
+                     ) -> torch.Tensor:
+    """``x @ W.T`` ``[M, N]`` in ``x``'s dtype for ``x`` ``[M, K]`` (bfloat16 or float32,
+    ``M`` <= 64) and ``W`` ``[N, K]`` the sum of one or two int4 planes in torch's CPU
+    layout with blocks of 64 rows in the "halves" nibble order
+    (:func:`shardline.models.int4_planes.int4pack_layout`): each plane ``(packed uint8
+    [N / 64, K, 32], scales_zeros bfloat16 [K / 32, N, 2])``, ``w = (p - 8) * scale +
+    zero``. Each weight group is unpacked once for all rows; every product is exact and
+    sums are in float32, in an order that does not depend on ``M``, so an output row is
+    the same bits whatever rows run beside it. A float32 ``x`` is split into three
+    bfloat16 terms that sum to it exactly (so its products are exact too).
+
+    Raises:
+        RuntimeError: the kernels are not built with this product
+            (:func:`int4_gemv_built` is False).
+        ValueError: a shape, dtype or row count the kernel does not take.
+    """
+    if not int4_gemv_built():
+        raise RuntimeError("the int4 decode kernel is not built on this machine")
+    M, K = x.shape
+    N = planes[0][1].shape[1]
+    if not 1 <= len(planes) <= 2 or M > 64 or N % 64 or K % 32:
+        raise ValueError(f"int4 decode product: {len(planes)} planes, x {tuple(x.shape)}, "
+                         f"{N} outputs (at most 64 rows, N a multiple of 64, K of 32)")
+    if x.dtype == torch.bfloat16:
+        terms = x.contiguous()
+    elif x.dtype == torch.float32:
+        hi = x.bfloat16()
+        rest = x - hi.float()
+        mid = rest.bfloat16()
+        terms = torch.stack((hi, mid, (rest - mid.float()).bfloat16()), dim=1).contiguous()
+    else:
+        raise ValueError(f"int4 decode product of {x.dtype} activations")
+    pointers: list[int | None] = []
+    for packed, sz in planes:
+        if packed.dtype != torch.uint8 or sz.dtype != torch.bfloat16 or sz.shape != (K // 32, N, 2):
+            raise ValueError("int4 decode product: planes are uint8 with bfloat16 [K / 32, N, 2] scales")
+        pointers += [_ptr(packed), _ptr(sz)]
+    if len(planes) == 1:
+        pointers += [None, None]
+    y = torch.empty(M, N, dtype=x.dtype)
+    if M == 0:
+        return y
+    work = torch.empty(M * K // 32)
+    _loaded().int4_planes_gemv(*pointers, N, K, _ptr(terms), M, 1 if terms.dim() == 2 else 3,
+                               _ptr(work), _ptr(y), int(x.dtype == torch.bfloat16))
+    return y
 
 
 def int8_groups(q: torch.Tensor, scale: torch.Tensor, offset: torch.Tensor, group: int,

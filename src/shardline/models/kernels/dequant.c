@@ -373,3 +373,145 @@ void packed_groups_gemv(const uint8_t *low, const uint8_t *high, const void *sca
 #endif
     }
 }
+
+/* The decode product of one or two int4 planes (torch's CPU layout, blocks of 64 rows,
+ * "halves" order: byte j of a block's column k holds row j low and row j + 32 high;
+ * bfloat16 scales and zeros [K / 32, N, 2], w = (p - 8) * scale + zero) with M rows of
+ * bfloat16 activations, for AVX-512 with BF16 and VBMI:
+ *
+ *   y[m, n] = sum over planes and groups g of  s * P + (z - 24 s) * X,
+ *   P = sum over the group's k of (16 + p[n, k]) * x[m, k]   (vdpbf16ps, float32 sums),
+ *   X = the group's sum of x[m, k]                           (float32).
+ *
+ * 16 + p is exact in bfloat16 (bits 0x4180 | p << 3), so the weight's nibbles become
+ * bfloat16 operands with one byte permutation and no lookup, and every product is exact.
+ * x is `terms` bfloat16 rows per activation row ([M, terms, K]: 1 for bfloat16
+ * activations; 3 for float32 ones, split so that their sum is the float32 value), all
+ * summed into the same P. Each weight group is unpacked once per step into 4 KiB of L1
+ * and multiplied into every row; a row's operations and their order do not depend on M
+ * or on the other rows, so its result does not either (the unit tests check bit
+ * equality). Threads (OpenMP: torch's own runtime, already loaded) split the blocks of
+ * 64 output rows. work holds M * K / 32 float32 (the group sums). y is [M, N], bfloat16
+ * when y_bf16 else float32. */
+#if defined(__AVX512BF16__) && defined(__AVX512VBMI__)
+int int4_planes_gemv_built(void) { return 1; }
+
+/* Plane column pair (k, k + 1) of a 64-row block (64 bytes at a) as four bfloat16-pair
+ * vectors: w[j] lane i = (16 + p[16 j + i, k], 16 + p[16 j + i, k + 1]). */
+static inline void pair_operands(const uint8_t *a, __m512i *w) {
+    const __m512i idx0 = _mm512_set_epi8(
+        64, 47, 64, 15, 64, 46, 64, 14, 64, 45, 64, 13, 64, 44, 64, 12,
+        64, 43, 64, 11, 64, 42, 64, 10, 64, 41, 64, 9, 64, 40, 64, 8,
+        64, 39, 64, 7, 64, 38, 64, 6, 64, 37, 64, 5, 64, 36, 64, 4,
+        64, 35, 64, 3, 64, 34, 64, 2, 64, 33, 64, 1, 64, 32, 64, 0);
+    const __m512i idx1 = _mm512_add_epi8(idx0, _mm512_set1_epi32(0x00100010));
+    const __m512i top = _mm512_set1_epi8(0x41);
+    const __m512i nib = _mm512_set1_epi8(0x78), bit7 = _mm512_set1_epi8((char)0x80);
+    __m512i v = _mm512_loadu_si512(a);
+    /* (v << 3) & 0x78 | 0x80 per byte: the low nibble as 16 + p's low bfloat16 byte */
+    __m512i lo = _mm512_ternarylogic_epi32(_mm512_slli_epi16(v, 3), nib, bit7, 0xEA);
+    __m512i hi = _mm512_ternarylogic_epi32(_mm512_srli_epi16(v, 1), nib, bit7, 0xEA);
+    w[0] = _mm512_permutex2var_epi8(lo, idx0, top);
+    w[1] = _mm512_permutex2var_epi8(lo, idx1, top);
+    w[2] = _mm512_permutex2var_epi8(hi, idx0, top);
+    w[3] = _mm512_permutex2var_epi8(hi, idx1, top);
+}
+
+/* Group g's products for rows [m, m + rows) (rows 1 or 2, a constant after inlining):
+ * each row's sums take the same operations in the same order either way. */
+static inline __attribute__((always_inline)) void group_rows(
+        __m512i (*w)[16][4], __m512 (*s)[4], __m512 (*zz)[4], int count, const uint16_t *x,
+        const float *work, float *acc, int64_t m, int rows, int64_t terms, int64_t K,
+        int64_t groups, int64_t g) {
+    for (int i = 0; i < count; i++) {
+        __m512 part[2][8];
+        for (int r = 0; r < rows; r++)
+            for (int j = 0; j < 8; j++) part[r][j] = _mm512_setzero_ps();
+        for (int64_t t = 0; t < terms; t++) {
+#pragma GCC unroll 16
+            for (int pair = 0; pair < 16; pair++) {
+                __m512bh xb[2];
+#pragma GCC unroll 2
+                for (int r = 0; r < rows; r++) {
+                    uint32_t two;
+                    memcpy(&two, x + ((m + r) * terms + t) * K + g * 32 + 2 * pair, 4);
+                    xb[r] = (__m512bh)_mm512_set1_epi32((int)two);
+                }
+#pragma GCC unroll 4
+                for (int j = 0; j < 4; j++) {
+                    __m512bh wj = (__m512bh)w[i][pair][j];
+#pragma GCC unroll 2
+                    for (int r = 0; r < rows; r++)
+                        part[r][(pair & 1) * 4 + j] = _mm512_dpbf16_ps(part[r][(pair & 1) * 4 + j], wj, xb[r]);
+                }
+            }
+        }
+        for (int r = 0; r < rows; r++) {
+            __m512 xs = _mm512_set1_ps(work[(m + r) * groups + g]);
+            float *am = acc + (m + r) * 64;
+            for (int j = 0; j < 4; j++) {
+                __m512 a = _mm512_load_ps(am + 16 * j);
+                a = _mm512_fmadd_ps(s[i][j], _mm512_add_ps(part[r][j], part[r][4 + j]), a);
+                _mm512_store_ps(am + 16 * j, _mm512_fmadd_ps(zz[i][j], xs, a));
+            }
+        }
+    }
+}
+
+void int4_planes_gemv(const uint8_t *p0, const uint16_t *sz0, const uint8_t *p1,
+                      const uint16_t *sz1, int64_t N, int64_t K, const uint16_t *x,
+                      int64_t M, int64_t terms, float *work, void *y, int y_bf16) {
+    int64_t groups = K / 32;
+    const uint8_t *planes[2] = {p0, p1};
+    const uint16_t *scales[2] = {sz0, sz1};
+    int count = p1 ? 2 : 1;
+    for (int64_t m = 0; m < M; m++) /* each group's sum of x, in one fixed order */
+        for (int64_t g = 0; g < groups; g++) {
+            __m512 s0 = _mm512_setzero_ps(), s1 = _mm512_setzero_ps();
+            for (int64_t t = 0; t < terms; t++) {
+                const uint16_t *xt = x + (m * terms + t) * K + g * 32;
+                __m512i both = _mm512_loadu_si512(xt);
+                s0 = _mm512_add_ps(s0, _mm512_castsi512_ps(_mm512_slli_epi32(both, 16)));
+                s1 = _mm512_add_ps(s1, _mm512_castsi512_ps(
+                    _mm512_and_si512(both, _mm512_set1_epi32((int)0xFFFF0000u))));
+            }
+            work[m * groups + g] = _mm512_reduce_add_ps(_mm512_add_ps(s0, s1));
+        }
+#pragma omp parallel for schedule(static)
+    for (int64_t b = 0; b < N / 64; b++) {
+        float acc[64 * 64] __attribute__((aligned(64)));
+        __m512i w[2][16][4];
+        for (int64_t i = 0; i < M * 64; i++) acc[i] = 0.0f;
+        for (int64_t g = 0; g < groups; g++) {
+            __m512 s[2][4], zz[2][4];
+            for (int i = 0; i < count; i++) {
+                for (int pair = 0; pair < 16; pair++)
+                    pair_operands(planes[i] + (b * K + g * 32 + 2 * pair) * 32, w[i][pair]);
+                const uint16_t *sz = scales[i] + (g * N + b * 64) * 2;
+                for (int j = 0; j < 4; j++) { /* lanes (scale, zero): bfloat16 to float32 */
+                    __m512i both = _mm512_loadu_si512(sz + 32 * j);
+                    s[i][j] = _mm512_castsi512_ps(_mm512_slli_epi32(both, 16));
+                    __m512 z = _mm512_castsi512_ps(
+                        _mm512_and_si512(both, _mm512_set1_epi32((int)0xFFFF0000u)));
+                    zz[i][j] = _mm512_sub_ps(z, _mm512_mul_ps(_mm512_set1_ps(24.0f), s[i][j]));
+                }
+            }
+            int64_t m = 0;
+            for (; m + 2 <= M; m += 2) /* two rows at a time: more independent sums */
+                group_rows(w, s, zz, count, x, work, acc, m, 2, terms, K, groups, g);
+            if (m < M)
+                group_rows(w, s, zz, count, x, work, acc, m, 1, terms, K, groups, g);
+        }
+        for (int64_t m = 0; m < M; m++) {
+            if (y_bf16) {
+                uint16_t *d = (uint16_t *)y + m * N + b * 64;
+                for (int j = 0; j < 64; j++) d[j] = to_bf16(acc[m * 64 + j]);
+            } else {
+                memcpy((float *)y + m * N + b * 64, acc + m * 64, 64 * sizeof(float));
+            }
+        }
+    }
+}
+#else
+int int4_planes_gemv_built(void) { return 0; }
+#endif
