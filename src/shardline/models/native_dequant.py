@@ -45,6 +45,11 @@ COMPILE_TIMEOUT_S = 120
 PACKED_SEGMENT = 1024
 """``SEGMENT`` of ``packed_groups_gemv`` in the C source: float32 values of its row buffer."""
 
+AMX = True
+"""Whether :func:`int4_planes_gemv` uses AMX tiles where the CPU has them and Linux grants
+them (each row's result is the same bits whatever the batch either way, but not the same
+bits on both paths); the tests turn it off to check the vector path."""
+
 _P = ctypes.c_void_p
 _I = ctypes.c_int64
 
@@ -105,11 +110,11 @@ def kernels() -> ctypes.CDLL | None:
             continue
         for name in ("int4_planes_t_32", "int4_planes_t_16"):
             getattr(lib, name).argtypes = [_P, _P, _P, _P, _I, _I, _I, _I, _P, ctypes.c_int]
-        lib.int4_planes_gemv.argtypes = [_P, _P, _P, _P, _I, _I, _P, _I, _I, _P, _P, ctypes.c_int]
+        _C = ctypes.c_int
+        lib.int4_planes_gemv.argtypes = [_P, _P, _P, _P, _I, _I, _P, _C, _I, _P, _P, _P, _C]
         lib.int4_planes_gemv_built.restype = ctypes.c_int
         lib.int8_groups.argtypes = [_P, _P, _P, _I, _I, _I, _P, ctypes.c_int]
         lib.int8_groups_gemv.argtypes = [_P, _P, _P, _I, _I, _I, _P, _P, _I, _P]
-        _C = ctypes.c_int
         lib.packed_groups_rows.argtypes = [_P, _P, _P, _P, _C, _C, _I, _I, _I, _C, _P, _C, _P]
         lib.packed_groups_gemv.argtypes = [_P, _P, _P, _P, _C, _C, _I, _I, _I, _C, _P, _P, _I,
                                            _P, _P]
@@ -201,14 +206,7 @@ def int4_planes_gemv(planes: list[tuple[torch.Tensor, torch.Tensor]], x: torch.T
     if not 1 <= len(planes) <= 2 or M > 64 or N % 64 or K % 32:
         raise ValueError(f"int4 decode product: {len(planes)} planes, x {tuple(x.shape)}, "
                          f"{N} outputs (at most 64 rows, N a multiple of 64, K of 32)")
-    if x.dtype == torch.bfloat16:
-        terms = x.contiguous()
-    elif x.dtype == torch.float32:
-        hi = x.bfloat16()
-        rest = x - hi.float()
-        mid = rest.bfloat16()
-        terms = torch.stack((hi, mid, (rest - mid.float()).bfloat16()), dim=1).contiguous()
-    else:
+    if x.dtype not in (torch.bfloat16, torch.float32):
         raise ValueError(f"int4 decode product of {x.dtype} activations")
     pointers: list[int | None] = []
     for packed, sz in planes:
@@ -220,9 +218,14 @@ def int4_planes_gemv(planes: list[tuple[torch.Tensor, torch.Tensor]], x: torch.T
     y = torch.empty(M, N, dtype=x.dtype)
     if M == 0:
         return y
-    work = torch.empty(M * K // 32)
-    _loaded().int4_planes_gemv(*pointers, N, K, _ptr(terms), M, 1 if terms.dim() == 2 else 3,
-                               _ptr(work), _ptr(y), int(x.dtype == torch.bfloat16))
+    from shardline.models.products import scratch  # products imports this module
+
+    terms = 3 if x.dtype == torch.float32 else 1
+    tile = 16 // terms * terms  # the kernel pads the terms' rows to whole tiles of this
+    xp = scratch("gemv_x", -(-M * terms // tile) * tile, K, torch.bfloat16)
+    work = scratch("gemv_sums", M, K // 32, torch.float32)
+    _loaded().int4_planes_gemv(*pointers, N, K, _ptr(x.contiguous()), int(terms == 3), M,
+                               _ptr(xp), _ptr(work), _ptr(y), int(AMX))
     return y
 
 

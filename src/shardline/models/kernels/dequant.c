@@ -458,25 +458,50 @@ static inline __attribute__((always_inline)) void group_rows(
     }
 }
 
-void int4_planes_gemv(const uint8_t *p0, const uint16_t *sz0, const uint8_t *p1,
-                      const uint16_t *sz1, int64_t N, int64_t K, const uint16_t *x,
-                      int64_t M, int64_t terms, float *work, void *y, int y_bf16) {
-    int64_t groups = K / 32;
-    const uint8_t *planes[2] = {p0, p1};
-    const uint16_t *scales[2] = {sz0, sz1};
-    int count = p1 ? 2 : 1;
-    for (int64_t m = 0; m < M; m++) /* each group's sum of x, in one fixed order */
-        for (int64_t g = 0; g < groups; g++) {
-            __m512 s0 = _mm512_setzero_ps(), s1 = _mm512_setzero_ps();
-            for (int64_t t = 0; t < terms; t++) {
-                const uint16_t *xt = x + (m * terms + t) * K + g * 32;
-                __m512i both = _mm512_loadu_si512(xt);
-                s0 = _mm512_add_ps(s0, _mm512_castsi512_ps(_mm512_slli_epi32(both, 16)));
-                s1 = _mm512_add_ps(s1, _mm512_castsi512_ps(
-                    _mm512_and_si512(both, _mm512_set1_epi32((int)0xFFFF0000u))));
-            }
-            work[m * groups + g] = _mm512_reduce_add_ps(_mm512_add_ps(s0, s1));
+/* Plane i's group g of block b: the operands (pair_operands) and, per 16 outputs, the
+ * scale s and z - 24 s as float32. */
+static inline void group_operands(const uint8_t *plane, const uint16_t *scales, int64_t b,
+                                  int64_t g, int64_t N, int64_t K, __m512i (*w)[4],
+                                  __m512 *s, __m512 *zz) {
+    for (int pair = 0; pair < 16; pair++)
+        pair_operands(plane + (b * K + g * 32 + 2 * pair) * 32, w[pair]);
+    const uint16_t *sz = scales + (g * N + b * 64) * 2;
+    for (int j = 0; j < 4; j++) { /* lanes (scale, zero): bfloat16 to float32 */
+        __m512i both = _mm512_loadu_si512(sz + 32 * j);
+        s[j] = _mm512_castsi512_ps(_mm512_slli_epi32(both, 16));
+        __m512 z = _mm512_castsi512_ps(_mm512_and_si512(both, _mm512_set1_epi32((int)0xFFFF0000u)));
+        zz[j] = _mm512_sub_ps(z, _mm512_mul_ps(_mm512_set1_ps(24.0f), s[j]));
+    }
+}
+
+/* acc row += s * P + zz * xs for the 64 outputs of a block (P: 64 float32). */
+static inline void scale_into(float *am, const float *P, const __m512 *s, const __m512 *zz,
+                              float xs) {
+    __m512 xv = _mm512_set1_ps(xs);
+    for (int j = 0; j < 4; j++) {
+        __m512 a = _mm512_load_ps(am + 16 * j);
+        a = _mm512_fmadd_ps(s[j], _mm512_loadu_ps(P + 16 * j), a);
+        _mm512_store_ps(am + 16 * j, _mm512_fmadd_ps(zz[j], xv, a));
+    }
+}
+
+static inline void store_rows(const float *acc, int64_t M, int64_t N, int64_t b, void *y,
+                              int y_bf16) {
+    for (int64_t m = 0; m < M; m++) {
+        if (y_bf16) {
+            uint16_t *d = (uint16_t *)y + m * N + b * 64;
+            for (int j = 0; j < 64; j++) d[j] = to_bf16(acc[m * 64 + j]);
+        } else {
+            memcpy((float *)y + m * N + b * 64, acc + m * 64, 64 * sizeof(float));
         }
+    }
+}
+
+/* The vector path: vdpbf16ps, two rows at a time. */
+static void gemv_vector(const uint8_t **planes, const uint16_t **scales, int count, int64_t N,
+                        int64_t K, const uint16_t *x, int64_t M, int64_t terms,
+                        const float *xsum, void *y, int y_bf16) {
+    int64_t groups = K / 32;
 #pragma omp parallel for schedule(static)
     for (int64_t b = 0; b < N / 64; b++) {
         float acc[64 * 64] __attribute__((aligned(64)));
@@ -484,33 +509,147 @@ void int4_planes_gemv(const uint8_t *p0, const uint16_t *sz0, const uint8_t *p1,
         for (int64_t i = 0; i < M * 64; i++) acc[i] = 0.0f;
         for (int64_t g = 0; g < groups; g++) {
             __m512 s[2][4], zz[2][4];
-            for (int i = 0; i < count; i++) {
-                for (int pair = 0; pair < 16; pair++)
-                    pair_operands(planes[i] + (b * K + g * 32 + 2 * pair) * 32, w[i][pair]);
-                const uint16_t *sz = scales[i] + (g * N + b * 64) * 2;
-                for (int j = 0; j < 4; j++) { /* lanes (scale, zero): bfloat16 to float32 */
-                    __m512i both = _mm512_loadu_si512(sz + 32 * j);
-                    s[i][j] = _mm512_castsi512_ps(_mm512_slli_epi32(both, 16));
-                    __m512 z = _mm512_castsi512_ps(
-                        _mm512_and_si512(both, _mm512_set1_epi32((int)0xFFFF0000u)));
-                    zz[i][j] = _mm512_sub_ps(z, _mm512_mul_ps(_mm512_set1_ps(24.0f), s[i][j]));
-                }
-            }
+            for (int i = 0; i < count; i++)
+                group_operands(planes[i], scales[i], b, g, N, K, w[i], s[i], zz[i]);
             int64_t m = 0;
             for (; m + 2 <= M; m += 2) /* two rows at a time: more independent sums */
-                group_rows(w, s, zz, count, x, work, acc, m, 2, terms, K, groups, g);
+                group_rows(w, s, zz, count, x, xsum, acc, m, 2, terms, K, groups, g);
             if (m < M)
-                group_rows(w, s, zz, count, x, work, acc, m, 1, terms, K, groups, g);
+                group_rows(w, s, zz, count, x, xsum, acc, m, 1, terms, K, groups, g);
         }
-        for (int64_t m = 0; m < M; m++) {
-            if (y_bf16) {
-                uint16_t *d = (uint16_t *)y + m * N + b * 64;
-                for (int j = 0; j < 64; j++) d[j] = to_bf16(acc[m * 64 + j]);
-            } else {
-                memcpy((float *)y + m * N + b * 64, acc + m * 64, 64 * sizeof(float));
-            }
-        }
+        store_rows(acc, M, N, b, y, y_bf16);
     }
+}
+
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__)
+#include <sys/syscall.h>
+#include <unistd.h>
+
+/* Whether this process may use AMX tiles (Linux asks each process to request them). */
+static int amx_allowed(void) {
+    static int state; /* 0 unknown, 1 yes, -1 no */
+    if (!state) state = syscall(SYS_arch_prctl, 0x1023 /* ARCH_REQ_XCOMP_PERM */,
+                                18 /* XFEATURE_XTILEDATA */) == 0 ? 1 : -1;
+    return state == 1;
+}
+
+/* The AMX path: per group, tdpbf16ps of a tile of activation rows (`tile` rows: whole
+ * rows' terms: 16 or 15, fewer when M is smaller) with the group's 4 operand tiles of 16
+ * outputs; each output element is its own sum, so a row's result does not depend on the
+ * other rows of its tile or on how many there are. x has its rows padded with zeros to a
+ * multiple of 16 / terms * terms. */
+static void gemv_amx(const uint8_t **planes, const uint16_t **scales, int count, int64_t N,
+                     int64_t K, const uint16_t *x, int64_t M, int64_t terms,
+                     const float *xsum, void *y, int y_bf16) {
+    int64_t groups = K / 32, tile = 16 / terms * terms;
+    if (M * terms < tile) tile = M * terms; /* fewer rows: a smaller tile */
+    int64_t per = tile / terms;
+    int64_t tiles = (M + per - 1) / per;
+#pragma omp parallel
+    {
+        struct {
+            uint8_t palette, start;
+            uint8_t pad[14];
+            uint16_t colsb[16];
+            uint8_t rows[16];
+        } __attribute__((aligned(64))) cfg;
+        memset(&cfg, 0, sizeof cfg);
+        cfg.palette = 1;
+        for (int t = 0; t < 7; t++) {
+            cfg.colsb[t] = 64;
+            cfg.rows[t] = t < 5 ? (uint8_t)tile : 16; /* C 0-3, A 4: rows; B 5, 6: pairs */
+        }
+        _tile_loadconfig(&cfg);
+#pragma omp for schedule(static)
+        for (int64_t b = 0; b < N / 64; b++) {
+            float acc[64 * 64] __attribute__((aligned(64)));
+            float c[16 * 64] __attribute__((aligned(64)));
+            __m512i w[16][4];
+            for (int64_t i = 0; i < M * 64; i++) acc[i] = 0.0f;
+            for (int64_t g = 0; g < groups; g++) {
+                for (int i = 0; i < count; i++) {
+                    __m512 s[4], zz[4];
+                    group_operands(planes[i], scales[i], b, g, N, K, w, s, zz);
+                    for (int64_t rt = 0; rt < tiles; rt++) {
+                        _tile_zero(0);
+                        _tile_zero(1);
+                        _tile_zero(2);
+                        _tile_zero(3);
+                        _tile_loadd(4, x + rt * tile * K + g * 32, K * 2);
+                        _tile_loadd(5, &w[0][0], 256);
+                        _tile_dpbf16ps(0, 4, 5);
+                        _tile_loadd(6, &w[0][1], 256);
+                        _tile_dpbf16ps(1, 4, 6);
+                        _tile_loadd(5, &w[0][2], 256);
+                        _tile_dpbf16ps(2, 4, 5);
+                        _tile_loadd(6, &w[0][3], 256);
+                        _tile_dpbf16ps(3, 4, 6);
+                        _tile_stored(0, c, 256);
+                        _tile_stored(1, c + 16, 256);
+                        _tile_stored(2, c + 32, 256);
+                        _tile_stored(3, c + 48, 256);
+                        for (int64_t r = 0; r < per && rt * per + r < M; r++) {
+                            int64_t m = rt * per + r;
+                            float *P = c + r * terms * 64;
+                            for (int64_t t = 1; t < terms; t++) /* the terms, in order */
+                                for (int j = 0; j < 64; j++) P[j] += P[t * 64 + j];
+                            scale_into(acc + m * 64, P, s, zz, xsum[m * groups + g]);
+                        }
+                    }
+                }
+            }
+            store_rows(acc, M, N, b, y, y_bf16);
+        }
+        _tile_release();
+    }
+}
+#endif
+
+/* x is M rows of K bfloat16, or float32 when x_f32 (then each value becomes three
+ * bfloat16 terms, hi + mid + lo, whose sum is the value); xp receives the terms' rows
+ * ([M, terms, K]) padded with zero rows to a multiple of 16 / terms * terms, and work the
+ * group sums (M * K / 32 float32). y is [M, N] in x's dtype. AMX tiles where the CPU has
+ * them, Linux grants them and allow_amx, else the vector path (other bits, as invariant). */
+void int4_planes_gemv(const uint8_t *p0, const uint16_t *sz0, const uint8_t *p1,
+                      const uint16_t *sz1, int64_t N, int64_t K, const void *x, int x_f32,
+                      int64_t M, uint16_t *xp, float *work, void *y, int allow_amx) {
+    int64_t groups = K / 32, terms = x_f32 ? 3 : 1, tile = 16 / terms * terms;
+    int64_t padded = (M * terms + tile - 1) / tile * tile;
+    const uint8_t *planes[2] = {p0, p1};
+    const uint16_t *scales[2] = {sz0, sz1};
+    int count = p1 ? 2 : 1;
+    if (x_f32) {
+        for (int64_t m = 0; m < M; m++)
+            for (int64_t k = 0; k < K; k++) {
+                float v = ((const float *)x)[m * K + k];
+                uint16_t hi = to_bf16(v), mid = to_bf16(v - from_bf16(hi));
+                xp[(m * 3) * K + k] = hi;
+                xp[(m * 3 + 1) * K + k] = mid;
+                xp[(m * 3 + 2) * K + k] = to_bf16(v - from_bf16(hi) - from_bf16(mid));
+            }
+    } else {
+        memcpy(xp, x, (size_t)(M * K) * 2);
+    }
+    memset(xp + M * terms * K, 0, (size_t)((padded - M * terms) * K) * 2);
+    for (int64_t m = 0; m < M; m++) /* each group's sum of x, in one fixed order */
+        for (int64_t g = 0; g < groups; g++) {
+            __m512 s0 = _mm512_setzero_ps(), s1 = _mm512_setzero_ps();
+            for (int64_t t = 0; t < terms; t++) {
+                const uint16_t *xt = xp + (m * terms + t) * K + g * 32;
+                __m512i both = _mm512_loadu_si512(xt);
+                s0 = _mm512_add_ps(s0, _mm512_castsi512_ps(_mm512_slli_epi32(both, 16)));
+                s1 = _mm512_add_ps(s1, _mm512_castsi512_ps(
+                    _mm512_and_si512(both, _mm512_set1_epi32((int)0xFFFF0000u))));
+            }
+            work[m * groups + g] = _mm512_reduce_add_ps(_mm512_add_ps(s0, s1));
+        }
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__)
+    if (allow_amx && amx_allowed()) {
+        gemv_amx(planes, scales, count, N, K, xp, M, terms, work, y, !x_f32);
+        return;
+    }
+#endif
+    gemv_vector(planes, scales, count, N, K, xp, M, terms, work, y, !x_f32);
 }
 #else
 int int4_planes_gemv_built(void) { return 0; }
