@@ -1,4 +1,4 @@
-"""The compiled int4-plane decode product (``native_dequant.int4_planes_gemv``): against a
+"""The compiled int4-plane decode product (``native_dequant.Int4Gemv``): against a
 float64 reference per shape, and each row the same bits whatever rows run beside it."""
 
 import pytest
@@ -36,7 +36,7 @@ def planes_of(count: int, out: int, k: int, seed: int = 0) -> Int4Planes:
 
 
 def product(held: Int4Planes, x: torch.Tensor) -> torch.Tensor:
-    return native_dequant.int4_planes_gemv(list(zip(held.packed, held.scales_zeros)), x)
+    return native_dequant.Int4Gemv(list(zip(held.packed, held.scales_zeros)))(x)
 
 
 @pytest.mark.parametrize("count", [1, 2])
@@ -80,8 +80,21 @@ def test_decode_takes_the_compiled_product():
     assert torch.equal(held.matmul(x), product(held, x))
 
 
+def test_planes_the_kernel_does_not_take_keep_torchs_kernel():
+    """A second plane whose scales are not 16 times the first's cannot share one sum."""
+    held = planes_of(2, 64, 32)
+    held.scales_zeros[1][..., 0] *= 2
+    assert native_dequant.Int4Gemv.refusal(list(zip(held.packed, held.scales_zeros)))
+    x = torch.randn(2, 32).to(torch.bfloat16)
+    assert held._gemv() is None
+    reference = x.double() @ held.dequantize(torch.float32).double().T
+    assert ((held.matmul(x).double() - reference).norm() / reference.norm()).item() < 1e-2
+
+
 def test_bad_input_is_refused():
     held = planes_of(1, 64, 32)
+    with pytest.raises(ValueError, match="one or two"):
+        native_dequant.Int4Gemv([])
     with pytest.raises(ValueError, match="at most 64 rows"):
         product(held, torch.randn(65, 32).to(torch.bfloat16))
     with pytest.raises(ValueError, match="float16"):

@@ -6,7 +6,7 @@ projection 1536 -> 576, each one Q4_1-like plane, and the tied Q8_0 LM head 576 
 as two planes) with 1, 4 and 8 rows of bfloat16 activations, through torch's CPU int4
 kernel (``torch._weight_int4pack_mm_for_cpu``, one call per plane, summed: the path before
 the compiled decode product) and through the compiled product
-(:func:`shardline.models.native_dequant.int4_planes_gemv`). The two alternate, A B A B, and
+(:class:`shardline.models.native_dequant.Int4Gemv`). The two alternate, A B A B, and
 each figure is the median of the rounds; it prints ms per step for each, the ratio torch /
 compiled, and each path's cost at ``r`` rows over its cost at one row.
 
@@ -16,6 +16,7 @@ The weights are random (the cost does not depend on the values).
 from __future__ import annotations
 
 import argparse
+import functools
 import statistics
 import time
 from collections.abc import Callable
@@ -36,12 +37,15 @@ SHAPES = [  # (name, out, in, planes, per step)
 
 
 def random_planes(out: int, k: int, count: int, seed: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    """``count`` int4 planes ``[out, k]`` in torch's CPU layout with bfloat16 scales."""
+    """``count`` int4 planes ``[out, k]`` in torch's CPU layout with bfloat16 scales (a
+    second plane's 16 times the first's, as an 8-bit type's high nibbles)."""
     gen = torch.Generator().manual_seed(seed)
+    scale = (torch.randn(k // INT4_GROUP, out, generator=gen) * 0.01).to(torch.bfloat16)
     planes = []
-    for _ in range(count):
+    for i in range(count):
         q = torch.randint(0, 16, (out, k), generator=gen, dtype=torch.int32)
-        sz = (torch.randn(k // INT4_GROUP, out, 2, generator=gen) * 0.01).to(torch.bfloat16)
+        zero = (torch.randn(k // INT4_GROUP, out, generator=gen) * 0.01).to(torch.bfloat16)
+        sz = torch.stack((scale * 16 ** i, zero), dim=-1).contiguous()
         planes.append((torch._convert_weight_to_int4pack_for_cpu(q, 1), sz))
     return planes
 
@@ -56,14 +60,16 @@ def torch_product(planes: list[tuple[torch.Tensor, torch.Tensor]], x: torch.Tens
     return y
 
 
-def step_ms(product: Callable, weights: list, inputs: dict[int, torch.Tensor], repeat: int) -> float:
-    """Milliseconds of one decode step's products (``repeat`` steps, mean)."""
+def step_ms(products: list[Callable[[torch.Tensor], torch.Tensor]],
+            inputs: dict[int, torch.Tensor], repeat: int) -> float:
+    """Milliseconds of one decode step's products (``repeat`` steps, mean): ``products``
+    per :data:`SHAPES` entry."""
     started = time.perf_counter()
     for _ in range(repeat):
-        for (_, _, k, _, times), planes in zip(SHAPES, weights):
+        for (_, _, k, _, times), product in zip(SHAPES, products):
             x = inputs[k]
             for _ in range(times):
-                product(planes, x)
+                product(x)
     return (time.perf_counter() - started) / repeat * 1e3
 
 
@@ -80,7 +86,8 @@ def main(argv: list[str] | None = None) -> None:
         raise SystemExit("the compiled int4 decode product is not built on this machine "
                          "(it needs AVX-512 BF16 and VBMI and a C compiler)")
     weights = [random_planes(out, k, count, seed) for seed, (_, out, k, count, _) in enumerate(SHAPES)]
-    paths = {"torch": torch_product, "compiled": native_dequant.int4_planes_gemv}
+    paths = {"torch": [functools.partial(torch_product, planes) for planes in weights],
+             "compiled": [native_dequant.Int4Gemv(planes) for planes in weights]}
     print(f"threads {torch.get_num_threads()}; one step = {LAYERS} layers + LM head; "
           f"medians of {args.rounds} alternations")
     print(f"{'rows':>4} {'torch ms':>9} {'compiled ms':>12} {'torch/compiled':>15}"
@@ -90,11 +97,11 @@ def main(argv: list[str] | None = None) -> None:
         gen = torch.Generator().manual_seed(rows)
         inputs = {k: torch.randn(rows, k, generator=gen).to(torch.bfloat16) for k in (576, 1536)}
         times: dict[str, list[float]] = {name: [] for name in paths}
-        for name, product in paths.items():  # warm up
-            step_ms(product, weights, inputs, 1)
+        for products in paths.values():  # warm up
+            step_ms(products, inputs, 1)
         for _ in range(args.rounds):
-            for name, product in paths.items():
-                times[name].append(step_ms(product, weights, inputs, args.repeat))
+            for name, products in paths.items():
+                times[name].append(step_ms(products, inputs, args.repeat))
         med = {name: statistics.median(t) for name, t in times.items()}
         one = one or med
         print(f"{rows:>4} {med['torch']:>9.2f} {med['compiled']:>12.2f} "
