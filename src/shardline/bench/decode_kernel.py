@@ -86,7 +86,8 @@ def main(argv: list[str] | None = None) -> None:
         raise SystemExit("the compiled int4 decode product is not built on this machine "
                          "(it needs AVX-512 BF16 and VBMI and a C compiler)")
     weights = [random_planes(out, k, count, seed) for seed, (_, out, k, count, _) in enumerate(SHAPES)]
-    paths = {"torch": [functools.partial(torch_product, planes) for planes in weights],
+    paths: dict[str, list[Callable[[torch.Tensor], torch.Tensor]]] = {
+        "torch": [functools.partial(torch_product, planes) for planes in weights],
              "compiled": [native_dequant.Int4Gemv(planes) for planes in weights]}
     print(f"threads {torch.get_num_threads()}; one step = {LAYERS} layers + LM head; "
           f"medians of {args.rounds} alternations")

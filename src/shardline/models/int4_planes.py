@@ -36,8 +36,8 @@ class Int4Planes:
     scales_zeros: list[torch.Tensor]
     out_features: int
     in_features: int
-    gemv: native_dequant.Int4Gemv | bool | None = field(default=None, repr=False, compare=False)
-    """The compiled decode product (:meth:`_gemv`): None until the first decode product,
+    gemv: native_dequant.Int4Gemv | bool = field(default=True, repr=False, compare=False)
+    """The compiled decode product (:meth:`_gemv`): True until the first decode product,
     False where it does not take this weight."""
 
     @property
@@ -79,12 +79,12 @@ class Int4Planes:
         it does not take it: not built here, another layout than blocks of 64 rows in the
         "halves" order, or planes it refuses (:meth:`~shardline.models.native_dequant.
         Int4Gemv.refusal`: scales not in bfloat16, ...)."""
-        if self.gemv is None:
+        if self.gemv is True:
             planes = list(zip(self.packed, self.scales_zeros))
             takes = (native_dequant.int4_gemv_built() and self._kernel_half(torch.bfloat16) == 32
                      and self.rows_readable() and native_dequant.Int4Gemv.refusal(planes) is None)
             self.gemv = native_dequant.Int4Gemv(planes) if takes else False
-        return self.gemv or None
+        return self.gemv if isinstance(self.gemv, native_dequant.Int4Gemv) else None
 
     def _plane(self, i: int, start: int, end: int, out: torch.Tensor) -> None:
         """Write plane ``i``'s rows ``[start, end)`` (multiples of the layout's block) into
