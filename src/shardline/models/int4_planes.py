@@ -8,7 +8,7 @@ embedding lookups.
 from __future__ import annotations
 
 import functools
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -36,6 +36,9 @@ class Int4Planes:
     scales_zeros: list[torch.Tensor]
     out_features: int
     in_features: int
+    gemv: native_dequant.Int4Gemv | bool = field(default=True, repr=False, compare=False)
+    """The compiled decode product (:meth:`_gemv`): True until the first decode product,
+    False where it does not take this weight."""
 
     @property
     def shape(self) -> tuple[int, int]:
@@ -45,11 +48,19 @@ class Int4Planes:
         return sum(t.numel() * t.element_size() for t in self.packed + self.scales_zeros)
 
     def matmul(self, x: torch.Tensor) -> torch.Tensor:
-        """``x @ W.T`` for ``x`` ``[rows, in]``: torch's int4 kernel for at most
-        :data:`KERNEL_MAX_ROWS` rows of a 16-bit ``x`` (decode), else the weight
-        dequantized block by block into scratch and a dense GEMM (prefill: the kernel is
-        2.8x slower than dequantizing and ``F.linear`` for 512 rows of a 576 x 3072
-        product; in float32 it has no fast path at all: 20x slower for one row)."""
+        """``x @ W.T`` for ``x`` ``[rows, in]``. Up to :data:`KERNEL_MAX_ROWS` rows (decode):
+        the compiled decode product (:class:`~shardline.models.native_dequant.Int4Gemv`:
+        each weight group unpacked once for all rows, the planes summed
+        in float32, each row's result independent of the others) where it is built, else
+        torch's int4 kernel for a 16-bit ``x``. Larger products (prefill), and float32
+        where the compiled product is not built, dequantize the weight block by block into
+        scratch for a dense GEMM (torch's kernel is 2.8x slower than that for 512 rows of a
+        576 x 3072 product, and in float32 has no fast path at all: 20x slower for one
+        row)."""
+        if x.shape[0] <= KERNEL_MAX_ROWS and x.dtype in (torch.bfloat16, torch.float32):
+            gemv = self._gemv()
+            if gemv is not None:
+                return gemv(x)
         x = x.contiguous()
         dense = x.shape[0] > KERNEL_MAX_ROWS or x.dtype == torch.float32
         if dense and self.rows_readable():
@@ -62,6 +73,18 @@ class Int4Planes:
             y = part if y is None else y + part
         assert y is not None  # at least one plane
         return y
+
+    def _gemv(self) -> native_dequant.Int4Gemv | None:
+        """The compiled decode product of this weight (made on first use), or None where
+        it does not take it: not built here, another layout than blocks of 64 rows in the
+        "halves" order, or planes it refuses (:meth:`~shardline.models.native_dequant.
+        Int4Gemv.refusal`: scales not in bfloat16, ...)."""
+        if self.gemv is True:
+            planes = list(zip(self.packed, self.scales_zeros))
+            takes = (native_dequant.int4_gemv_built() and self._kernel_half(torch.bfloat16) == 32
+                     and self.rows_readable() and native_dequant.Int4Gemv.refusal(planes) is None)
+            self.gemv = native_dequant.Int4Gemv(planes) if takes else False
+        return self.gemv if isinstance(self.gemv, native_dequant.Int4Gemv) else None
 
     def _plane(self, i: int, start: int, end: int, out: torch.Tensor) -> None:
         """Write plane ``i``'s rows ``[start, end)`` (multiples of the layout's block) into

@@ -35,13 +35,20 @@ log = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).with_name("kernels") / "dequant.c"
 FLAGS = ["-O3", "-ffp-contract=off", "-shared", "-fPIC"]
-TUNED_FLAGS = ["-march=native"]
-"""Tried first (vector width of this CPU); the library is then keyed by the CPU's flags."""
+TUNED_FLAGS = ["-march=native", "-fopenmp"]
+"""Tried first (vector width of this CPU, and threads); the library is then keyed by the
+CPU's flags. ``-fopenmp`` links ``libgomp.so.1``: torch's own copy, already loaded by
+then, so the decode product's threads are torch's (``torch.set_num_threads``)."""
 
 COMPILE_TIMEOUT_S = 120
 
 PACKED_SEGMENT = 1024
 """``SEGMENT`` of ``packed_groups_gemv`` in the C source: float32 values of its row buffer."""
+
+AMX = True
+"""Whether :class:`Int4Gemv` uses AMX tiles where the CPU has them and Linux grants
+them (each row's result is the same bits whatever the batch either way, but not the same
+bits on both paths); the tests turn it off to check the vector path."""
 
 _P = ctypes.c_void_p
 _I = ctypes.c_int64
@@ -94,7 +101,7 @@ def _build(flags: list[str]) -> Path:
 def kernels() -> ctypes.CDLL | None:
     """The loaded kernels, built on first use; None where they cannot be built (logged
     once)."""
-    for flags in (FLAGS + TUNED_FLAGS, FLAGS):
+    for flags in (FLAGS + TUNED_FLAGS, FLAGS + TUNED_FLAGS[:1], FLAGS):
         try:
             lib = ctypes.CDLL(str(_build(flags)))
         except (OSError, subprocess.SubprocessError) as e:
@@ -103,9 +110,11 @@ def kernels() -> ctypes.CDLL | None:
             continue
         for name in ("int4_planes_t_32", "int4_planes_t_16"):
             getattr(lib, name).argtypes = [_P, _P, _P, _P, _I, _I, _I, _I, _P, ctypes.c_int]
+        _C = ctypes.c_int
+        lib.int4_planes_gemv.argtypes = [_P, _P, _C, _I, _P, _C]
+        lib.int4_planes_gemv_built.restype = ctypes.c_int
         lib.int8_groups.argtypes = [_P, _P, _P, _I, _I, _I, _P, ctypes.c_int]
         lib.int8_groups_gemv.argtypes = [_P, _P, _P, _I, _I, _I, _P, _P, _I, _P]
-        _C = ctypes.c_int
         lib.packed_groups_rows.argtypes = [_P, _P, _P, _P, _C, _C, _I, _I, _I, _C, _P, _C, _P]
         lib.packed_groups_gemv.argtypes = [_P, _P, _P, _P, _C, _C, _I, _I, _I, _C, _P, _P, _I,
                                            _P, _P]
@@ -163,6 +172,90 @@ def int4_planes_t(planes: list[tuple[torch.Tensor, torch.Tensor]], half: int, st
     getattr(lib, f"int4_planes_t_{half}")(*pointers, out_features, start, rows, K, _ptr(out),
                                           int(out.dtype == torch.bfloat16))
     return out
+
+
+@functools.cache
+def int4_gemv_built() -> bool:
+    """Whether :class:`Int4Gemv` runs here: the kernels are built for a CPU with
+    AVX-512 BF16 and VBMI (else decode keeps torch's int4 kernel)."""
+    lib = kernels()
+    return lib is not None and bool(lib.int4_planes_gemv_built())
+
+
+class _Int4Weight(ctypes.Structure):
+    """``int4_gemv_t`` of the C source."""
+
+    _fields_ = [("p0", _P), ("sz0", _P), ("p1", _P), ("sz1", _P), ("N", _I), ("K", _I)]
+
+
+class Int4Gemv:
+    """``x @ W.T`` for a few rows (decode) of ``W`` ``[N, K]``, the sum of one or two int4
+    planes in torch's CPU layout with blocks of 64 rows in the "halves" nibble order
+    (:func:`shardline.models.int4_planes.int4pack_layout`), each ``(packed uint8
+    [N / 64, K, 32], scales_zeros bfloat16 [K / 32, N, 2])``, ``w = (p - 8) * scale +
+    zero``: the compiled ``int4_planes_gemv``. Each weight group is unpacked once for all
+    rows; every product is exact and sums are float32, in an order that does not depend on
+    the number of rows, so an output row is the same bits whatever rows run beside it.
+    Checked once here, so that a call costs little more than the kernel (a decode step
+    makes 121 of them for SmolLM2).
+
+    Raises:
+        RuntimeError: the kernels are not built with this product
+            (:func:`int4_gemv_built` is False).
+        ValueError: planes the kernel does not take.
+    """
+
+    def __init__(self, planes: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
+        if not int4_gemv_built():
+            raise RuntimeError("the int4 decode kernel is not built on this machine")
+        refusal = self.refusal(planes)
+        if refusal:
+            raise ValueError(f"int4 decode product: {refusal}")
+        self.N, self.K = planes[0][1].shape[1], planes[0][1].shape[0] * 32
+        pointers = [_ptr(t) for plane in planes for t in plane] + [None, None] * (2 - len(planes))
+        self._weight = _Int4Weight(*pointers, self.N, self.K)
+        self._address = ctypes.addressof(self._weight)
+        self._planes = planes  # held: the kernel reads their memory
+        self._kernel = _loaded().int4_planes_gemv
+
+    @staticmethod
+    def refusal(planes: list[tuple[torch.Tensor, torch.Tensor]]) -> str | None:
+        """Why the kernel does not take ``planes``, or None: it takes one or two planes of
+        ``N`` (a multiple of 64) by ``K`` uint8 nibbles with bfloat16 scales and zeros
+        ``[K / 32, N, 2]``, a second plane's scales 16 times the first's (as
+        :func:`~shardline.models.int4_planes.pack_int4_planes` makes them: one sum holds
+        both planes)."""
+        if not 1 <= len(planes) <= 2:
+            return f"{len(planes)} planes (one or two)"
+        groups, N, _ = planes[0][1].shape
+        if N % 64:
+            return f"{N} rows (a multiple of 64)"
+        for packed, sz in planes:
+            if (packed.dtype != torch.uint8 or packed.numel() != N * groups * 16
+                    or sz.dtype != torch.bfloat16 or sz.shape != (groups, N, 2)):
+                return "planes of N * K / 2 bytes with bfloat16 [K / 32, N, 2] scales and zeros"
+        if len(planes) == 2 and not torch.equal(planes[1][1][..., 0].float(),
+                                                16 * planes[0][1][..., 0].float()):
+            return "a second plane whose scales are not 16 times the first's"
+        return None
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        """``x`` ``[M, K]`` bfloat16 or float32, ``M`` <= 64 -> ``[M, N]`` in its dtype. A
+        float32 ``x`` is split into three bfloat16 terms that sum to it exactly (its
+        products are exact too).
+
+        Raises:
+            ValueError: another dtype, width or more rows.
+        """
+        M, K = x.shape
+        if M > 64 or K != self.K or x.dtype not in (torch.bfloat16, torch.float32):
+            raise ValueError(f"int4 decode product of {x.dtype} x {tuple(x.shape)} with "
+                             f"[{self.N}, {self.K}] (at most 64 rows, bfloat16 or float32)")
+        y = torch.empty(M, self.N, dtype=x.dtype)
+        if self._kernel(self._address, x.contiguous().data_ptr(), x.dtype == torch.float32, M,
+                        y.data_ptr(), AMX):
+            raise MemoryError("int4 decode product: no memory for the activations' copy")
+        return y
 
 
 def int8_groups(q: torch.Tensor, scale: torch.Tensor, offset: torch.Tensor, group: int,

@@ -16,9 +16,11 @@ from shardline.models import native_dequant
 from shardline.placement.memory import DEQUANT_SCRATCH_BYTES
 
 KERNEL_MAX_ROWS = 64
-"""Products of at most this many rows (a decode step's sequences) take torch's int4
-kernel, which computes each row on its own: up to this batch size a sequence's output does
-not depend on what else is in its batch."""
+"""Products of at most this many rows (a decode step's sequences) take a decode kernel
+that computes each row on its own (the compiled int4-plane product,
+:class:`~shardline.models.native_dequant.Int4Gemv`, else torch's int4 kernel; the packed
+and int8 groups' compiled products): up to this batch size a sequence's output does not
+depend on what else is in its batch."""
 
 SCRATCH_BUFFERS: dict[tuple[str, torch.dtype], torch.Tensor] = {}
 

@@ -10,6 +10,7 @@
  * bfloat16 rounding is round-to-nearest-even on the float32 bits (the weights are finite).
  */
 #include <stdint.h>
+#include <stdlib.h>
 #include <string.h>
 #ifdef __AVX2__
 #include <immintrin.h>
@@ -373,3 +374,316 @@ void packed_groups_gemv(const uint8_t *low, const uint8_t *high, const void *sca
 #endif
     }
 }
+
+/* The decode product of one or two int4 planes (torch's CPU layout, blocks of 64 rows,
+ * "halves" order: byte j of a block's column k holds row j low and row j + 32 high;
+ * bfloat16 scales and zeros [K / 32, N, 2], w = (p - 8) * scale + zero; a second plane's
+ * scales are 16 times the first's, as shardline/models/int4_planes.py packs 8-bit types)
+ * with M rows of activations, for AVX-512 with BF16 and VBMI:
+ *
+ *   y[m, n] = sum over groups g of  s * P + Z * X,
+ *   P = sum over the group's k of (16 + p[n, k]) * x[m, k]               one plane,
+ *       sum over the group's k of (16 + p + 16 (16 + p')) * x[m, k]      two planes,
+ *   X = the group's sum of x[m, k],  Z = z - 24 s,  or z + z' - 408 s,
+ *
+ * with s, z the first plane's scale and zero and z' the second's zero, all in float32.
+ * 16 + p is exact in bfloat16 (bits 0x4180 | p << 3), and 16 (16 + p') too (0x4380 |
+ * p' << 3), so the nibbles become bfloat16 operands with one byte permutation and no
+ * lookup, every product is exact, and both planes add into one sum. x is `terms`
+ * bfloat16 rows per activation row ([M, terms, K]: 1 for bfloat16 activations; 3 for
+ * float32 ones, split so that their sum is the float32 value), all summed into the same
+ * P. Each weight group is unpacked once per step into a few KiB of L1 and multiplied
+ * into every row; a row's operations and their order do not depend on M or on the other
+ * rows, so its result does not either (the unit tests check bit equality). Threads
+ * (OpenMP: torch's own runtime, already loaded) split the blocks of 64 output rows. */
+#if defined(__AVX512BF16__) && defined(__AVX512VBMI__)
+int int4_planes_gemv_built(void) { return 1; }
+
+/* Plane column pair (k, k + 1) of a 64-row block (64 bytes at a) as four bfloat16-pair
+ * vectors: w[j] lane i = (e (16 + p[16 j + i, k]), e (16 + p[16 j + i, k + 1])), e = 1
+ * when top is 0x41, 16 when it is 0x43 (the bfloat16's high byte). */
+static inline void pair_operands(const uint8_t *a, char top_byte, __m512i *w) {
+    const __m512i idx0 = _mm512_set_epi8(
+        64, 47, 64, 15, 64, 46, 64, 14, 64, 45, 64, 13, 64, 44, 64, 12,
+        64, 43, 64, 11, 64, 42, 64, 10, 64, 41, 64, 9, 64, 40, 64, 8,
+        64, 39, 64, 7, 64, 38, 64, 6, 64, 37, 64, 5, 64, 36, 64, 4,
+        64, 35, 64, 3, 64, 34, 64, 2, 64, 33, 64, 1, 64, 32, 64, 0);
+    const __m512i idx1 = _mm512_add_epi8(idx0, _mm512_set1_epi32(0x00100010));
+    const __m512i top = _mm512_set1_epi8(top_byte);
+    const __m512i nib = _mm512_set1_epi8(0x78), bit7 = _mm512_set1_epi8((char)0x80);
+    __m512i v = _mm512_loadu_si512(a);
+    /* (v << 3) & 0x78 | 0x80 per byte: the low nibble as the operand's low byte */
+    __m512i lo = _mm512_ternarylogic_epi32(_mm512_slli_epi16(v, 3), nib, bit7, 0xEA);
+    __m512i hi = _mm512_ternarylogic_epi32(_mm512_srli_epi16(v, 1), nib, bit7, 0xEA);
+    w[0] = _mm512_permutex2var_epi8(lo, idx0, top);
+    w[1] = _mm512_permutex2var_epi8(lo, idx1, top);
+    w[2] = _mm512_permutex2var_epi8(hi, idx0, top);
+    w[3] = _mm512_permutex2var_epi8(hi, idx1, top);
+}
+
+#define AHEAD 1 /* groups read ahead */
+
+/* Group g of block b: the planes' operands (count * 16 pairs of pair_operands) and, per
+ * 16 outputs, s and Z in float32. */
+static inline void group_operands(const uint8_t **planes, const uint16_t **scales, int count,
+                                  int64_t b, int64_t g, int64_t N, int64_t K,
+                                  __m512i (*w)[4], __m512 *s, __m512 *Z) {
+    for (int i = 0; i < count; i++) {
+        if (g + AHEAD < K / 32) { /* the next group (its scales are N * 4 bytes on) */
+            const char *later = (const char *)(planes[i] + (b * K + (g + AHEAD) * 32) * 32);
+            for (int line = 0; line < 16; line++) _mm_prefetch(later + 64 * line, _MM_HINT_T0);
+            later = (const char *)(scales[i] + ((g + AHEAD) * N + b * 64) * 2);
+            for (int line = 0; line < 4; line++) _mm_prefetch(later + 64 * line, _MM_HINT_T0);
+        }
+        for (int pair = 0; pair < 16; pair++)
+            pair_operands(planes[i] + (b * K + g * 32 + 2 * pair) * 32, i ? 0x43 : 0x41,
+                          w[16 * i + pair]);
+    }
+    const __m512i high = _mm512_set1_epi32((int)0xFFFF0000u);
+    for (int j = 0; j < 4; j++) { /* lanes (scale, zero): bfloat16 to float32 */
+        __m512i both = _mm512_loadu_si512(scales[0] + (g * N + b * 64 + 16 * j) * 2);
+        s[j] = _mm512_castsi512_ps(_mm512_slli_epi32(both, 16));
+        __m512 z = _mm512_castsi512_ps(_mm512_and_si512(both, high));
+        if (count == 2) {
+            __m512i other = _mm512_loadu_si512(scales[1] + (g * N + b * 64 + 16 * j) * 2);
+            z = _mm512_add_ps(z, _mm512_castsi512_ps(_mm512_and_si512(other, high)));
+        }
+        Z[j] = _mm512_sub_ps(z, _mm512_mul_ps(_mm512_set1_ps(count == 2 ? 408.0f : 24.0f), s[j]));
+    }
+}
+
+/* acc row += s * P + Z * xs for the 64 outputs of a block (P: 64 float32, as 4 vectors). */
+static inline void scale_into(float *am, const __m512 *P, const __m512 *s, const __m512 *Z,
+                              float xs) {
+    __m512 xv = _mm512_set1_ps(xs);
+    for (int j = 0; j < 4; j++) {
+        __m512 a = _mm512_fmadd_ps(s[j], P[j], _mm512_load_ps(am + 16 * j));
+        _mm512_store_ps(am + 16 * j, _mm512_fmadd_ps(Z[j], xv, a));
+    }
+}
+
+/* Group g's products for rows [m, m + rows) (rows 1 or 2, a constant after inlining):
+ * each row's sums take the same operations in the same order either way. */
+static inline __attribute__((always_inline)) void group_rows(
+        __m512i (*w)[4], const __m512 *s, const __m512 *Z, int count, const uint16_t *x,
+        const float *xsum, float *acc, int64_t m, int rows, int64_t terms, int64_t K,
+        int64_t groups, int64_t g) {
+    __m512 part[2][8];
+    for (int r = 0; r < rows; r++)
+        for (int j = 0; j < 8; j++) part[r][j] = _mm512_setzero_ps();
+    for (int i = 0; i < count; i++) {
+        for (int64_t t = 0; t < terms; t++) {
+#pragma GCC unroll 16
+            for (int pair = 0; pair < 16; pair++) {
+                __m512bh xb[2];
+#pragma GCC unroll 2
+                for (int r = 0; r < rows; r++) {
+                    uint32_t two;
+                    memcpy(&two, x + ((m + r) * terms + t) * K + g * 32 + 2 * pair, 4);
+                    xb[r] = (__m512bh)_mm512_set1_epi32((int)two);
+                }
+#pragma GCC unroll 4
+                for (int j = 0; j < 4; j++) {
+                    __m512bh wj = (__m512bh)w[16 * i + pair][j];
+#pragma GCC unroll 2
+                    for (int r = 0; r < rows; r++)
+                        part[r][(pair & 1) * 4 + j] =
+                            _mm512_dpbf16_ps(part[r][(pair & 1) * 4 + j], wj, xb[r]);
+                }
+            }
+        }
+    }
+    for (int r = 0; r < rows; r++) {
+        __m512 P[4];
+        for (int j = 0; j < 4; j++) P[j] = _mm512_add_ps(part[r][j], part[r][4 + j]);
+        scale_into(acc + (m + r) * 64, P, s, Z, xsum[(m + r) * groups + g]);
+    }
+}
+
+static inline void store_rows(const float *acc, int64_t M, int64_t N, int64_t b, void *y,
+                              int y_bf16) {
+    for (int64_t m = 0; m < M; m++) {
+        if (y_bf16) {
+            uint16_t *d = (uint16_t *)y + m * N + b * 64;
+            for (int j = 0; j < 64; j++) d[j] = to_bf16(acc[m * 64 + j]);
+        } else {
+            memcpy((float *)y + m * N + b * 64, acc + m * 64, 64 * sizeof(float));
+        }
+    }
+}
+
+/* The vector path: vdpbf16ps, two rows at a time. */
+static void gemv_vector(const uint8_t **planes, const uint16_t **scales, int count, int64_t N,
+                        int64_t K, const uint16_t *x, int64_t M, int64_t terms,
+                        const float *xsum, void *y, int y_bf16) {
+    int64_t groups = K / 32;
+#pragma omp parallel for schedule(static)
+    for (int64_t b = 0; b < N / 64; b++) {
+        float acc[64 * 64] __attribute__((aligned(64)));
+        __m512i w[32][4];
+        for (int64_t i = 0; i < M * 64; i++) acc[i] = 0.0f;
+        for (int64_t g = 0; g < groups; g++) {
+            __m512 s[4], Z[4];
+            group_operands(planes, scales, count, b, g, N, K, w, s, Z);
+            int64_t m = 0;
+            for (; m + 2 <= M; m += 2) /* two rows at a time: more independent sums */
+                group_rows(w, s, Z, count, x, xsum, acc, m, 2, terms, K, groups, g);
+            if (m < M)
+                group_rows(w, s, Z, count, x, xsum, acc, m, 1, terms, K, groups, g);
+        }
+        store_rows(acc, M, N, b, y, y_bf16);
+    }
+}
+
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__)
+#include <sys/syscall.h>
+#include <unistd.h>
+
+/* Whether this process may use AMX tiles (Linux asks each process to request them). */
+static int amx_allowed(void) {
+    static int state; /* 0 unknown, 1 yes, -1 no */
+    if (!state) state = syscall(SYS_arch_prctl, 0x1023 /* ARCH_REQ_XCOMP_PERM */,
+                                18 /* XFEATURE_XTILEDATA */) == 0 ? 1 : -1;
+    return state == 1;
+}
+
+/* The AMX path: per group, tdpbf16ps of a tile of activation rows (`tile` rows of whole
+ * rows' terms: 16 or 15, fewer when M is smaller) with the group's operand tiles of 16
+ * outputs; each output element is its own sum, so a row's result does not depend on the
+ * other rows of its tile or on how many there are. x has its rows padded with zeros to
+ * a multiple of 16 / terms * terms. */
+static void gemv_amx(const uint8_t **planes, const uint16_t **scales, int count, int64_t N,
+                     int64_t K, const uint16_t *x, int64_t M, int64_t terms,
+                     const float *xsum, void *y, int y_bf16) {
+    int64_t groups = K / 32, tile = 16 / terms * terms;
+    if (M * terms < tile) tile = M * terms; /* fewer rows: a smaller tile */
+    int64_t per = tile / terms, tiles = (M + per - 1) / per;
+#pragma omp parallel
+    {
+        struct {
+            uint8_t palette, start;
+            uint8_t pad[14];
+            uint16_t colsb[16];
+            uint8_t rows[16];
+        } __attribute__((aligned(64))) cfg;
+        memset(&cfg, 0, sizeof cfg);
+        cfg.palette = 1;
+        for (int t = 0; t < 7; t++) {
+            cfg.colsb[t] = 64;
+            cfg.rows[t] = t < 5 ? (uint8_t)tile : 16; /* C 0-3, A 4: rows; B 5, 6: pairs */
+        }
+        _tile_loadconfig(&cfg);
+#pragma omp for schedule(static)
+        for (int64_t b = 0; b < N / 64; b++) {
+            float acc[64 * 64] __attribute__((aligned(64)));
+            float c[16 * 64] __attribute__((aligned(64)));
+            __m512i w[32][4];
+            for (int64_t i = 0; i < M * 64; i++) acc[i] = 0.0f;
+            for (int64_t g = 0; g < groups; g++) {
+                __m512 s[4], Z[4];
+                group_operands(planes, scales, count, b, g, N, K, w, s, Z);
+                for (int64_t rt = 0; rt < tiles; rt++) {
+                    _tile_zero(0);
+                    _tile_zero(1);
+                    _tile_zero(2);
+                    _tile_zero(3);
+                    _tile_loadd(4, x + rt * tile * K + g * 32, K * 2);
+                    for (int i = 0; i < count; i++) {
+                        _tile_loadd(5, &w[16 * i][0], 256);
+                        _tile_dpbf16ps(0, 4, 5);
+                        _tile_loadd(6, &w[16 * i][1], 256);
+                        _tile_dpbf16ps(1, 4, 6);
+                        _tile_loadd(5, &w[16 * i][2], 256);
+                        _tile_dpbf16ps(2, 4, 5);
+                        _tile_loadd(6, &w[16 * i][3], 256);
+                        _tile_dpbf16ps(3, 4, 6);
+                    }
+                    _tile_stored(0, c, 256);
+                    _tile_stored(1, c + 16, 256);
+                    _tile_stored(2, c + 32, 256);
+                    _tile_stored(3, c + 48, 256);
+                    for (int64_t r = 0; r < per && rt * per + r < M; r++) {
+                        int64_t m = rt * per + r;
+                        const float *row = c + r * terms * 64;
+                        __m512 P[4];
+                        for (int j = 0; j < 4; j++) {
+                            P[j] = _mm512_load_ps(row + 16 * j);
+                            for (int64_t t = 1; t < terms; t++) /* the terms, in order */
+                                P[j] = _mm512_add_ps(P[j], _mm512_load_ps(row + t * 64 + 16 * j));
+                        }
+                        scale_into(acc + m * 64, P, s, Z, xsum[m * groups + g]);
+                    }
+                }
+            }
+            store_rows(acc, M, N, b, y, y_bf16);
+        }
+        _tile_release();
+    }
+}
+#endif
+
+/* A weight for int4_planes_gemv: the planes' bytes and scales (p1, sz1 NULL for one). */
+typedef struct {
+    const uint8_t *p0;
+    const uint16_t *sz0;
+    const uint8_t *p1;
+    const uint16_t *sz1;
+    int64_t N, K;
+} int4_gemv_t;
+
+/* y = x @ W^T for x M rows of K bfloat16, or float32 when x_f32 (then each value becomes
+ * three bfloat16 terms, hi + mid + lo, whose sum is the value); y is [M, N] in x's dtype.
+ * The terms' rows are copied into a buffer, padded with zero rows to a multiple of
+ * 16 / terms * terms, followed by the group sums. AMX tiles where the CPU has them, Linux
+ * grants them and allow_amx, else the vector path (other bits, as invariant). Returns 0,
+ * or -1 when the buffer cannot be allocated. */
+int int4_planes_gemv(const int4_gemv_t *weight, const void *x, int x_f32, int64_t M, void *y,
+                     int allow_amx) {
+    int64_t N = weight->N, K = weight->K;
+    int64_t groups = K / 32, terms = x_f32 ? 3 : 1, tile = 16 / terms * terms;
+    if (M <= 0) return 0;
+    int64_t padded = (M * terms + tile - 1) / tile * tile;
+    size_t bytes = (size_t)(padded * K * 2 + M * groups * 4 + 63) / 64 * 64;
+    uint16_t *xp = aligned_alloc(64, bytes);
+    if (!xp) return -1;
+    float *work = (float *)(xp + padded * K);
+    const uint8_t *planes[2] = {weight->p0, weight->p1};
+    const uint16_t *scales[2] = {weight->sz0, weight->sz1};
+    int count = weight->p1 ? 2 : 1;
+    if (x_f32) {
+        for (int64_t m = 0; m < M; m++)
+            for (int64_t k = 0; k < K; k++) {
+                float v = ((const float *)x)[m * K + k];
+                uint16_t hi = to_bf16(v), mid = to_bf16(v - from_bf16(hi));
+                xp[(m * 3) * K + k] = hi;
+                xp[(m * 3 + 1) * K + k] = mid;
+                xp[(m * 3 + 2) * K + k] = to_bf16(v - from_bf16(hi) - from_bf16(mid));
+            }
+    } else {
+        memcpy(xp, x, (size_t)(M * K) * 2);
+    }
+    memset(xp + M * terms * K, 0, (size_t)((padded - M * terms) * K) * 2);
+    for (int64_t m = 0; m < M; m++) /* each group's sum of x, in one fixed order */
+        for (int64_t g = 0; g < groups; g++) {
+            __m512 s0 = _mm512_setzero_ps(), s1 = _mm512_setzero_ps();
+            for (int64_t t = 0; t < terms; t++) {
+                const uint16_t *xt = xp + (m * terms + t) * K + g * 32;
+                __m512i both = _mm512_loadu_si512(xt);
+                s0 = _mm512_add_ps(s0, _mm512_castsi512_ps(_mm512_slli_epi32(both, 16)));
+                s1 = _mm512_add_ps(s1, _mm512_castsi512_ps(
+                    _mm512_and_si512(both, _mm512_set1_epi32((int)0xFFFF0000u))));
+            }
+            work[m * groups + g] = _mm512_reduce_add_ps(_mm512_add_ps(s0, s1));
+        }
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__)
+    if (allow_amx && amx_allowed())
+        gemv_amx(planes, scales, count, N, K, xp, M, terms, work, y, !x_f32);
+    else
+#endif
+        gemv_vector(planes, scales, count, N, K, xp, M, terms, work, y, !x_f32);
+    free(xp);
+    return 0;
+}
+#else
+int int4_planes_gemv_built(void) { return 0; }
+#endif

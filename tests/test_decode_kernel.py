@@ -1,0 +1,102 @@
+"""The compiled int4-plane decode product (``native_dequant.Int4Gemv``): against a
+float64 reference per shape, and each row the same bits whatever rows run beside it."""
+
+import pytest
+import torch
+from tiny_models import random_quant_blocks
+
+from shardline.models import native_dequant
+from shardline.models.gguf_quants import unpack_blocks
+from shardline.models.int4_planes import Int4Planes, pack_int4_planes
+
+pytestmark = [
+    pytest.mark.fast,
+    pytest.mark.timeout(60),
+    pytest.mark.skipif(not native_dequant.int4_gemv_built(),
+                       reason="the compiled int4 decode product needs AVX-512 BF16 and VBMI"),
+]
+
+@pytest.fixture(params=["amx", "vector"], autouse=True)
+def path(request, monkeypatch):
+    """Each test on both paths (AMX runs only where the CPU has it)."""
+    monkeypatch.setattr(native_dequant, "AMX", request.param == "amx")
+    return request.param
+
+
+TYPES = {1: "Q4_1", 2: "Q8_0"}  # planes: a 4-bit type is one, an 8-bit type two
+SHAPES = [(64, 32), (128, 96), (192, 576)]  # (out, in)
+ROWS = [1, 2, 7, 8, 15, 16, 17, 33, 64]
+
+
+def planes_of(count: int, out: int, k: int, seed: int = 0) -> Int4Planes:
+    blocks = random_quant_blocks(TYPES[count], rows=out, blocks=k // 32, seed=seed)
+    held = pack_int4_planes(unpack_blocks(TYPES[count], blocks), torch.bfloat16)
+    assert len(held.packed) == count
+    return held
+
+
+def product(held: Int4Planes, x: torch.Tensor) -> torch.Tensor:
+    return native_dequant.Int4Gemv(list(zip(held.packed, held.scales_zeros)))(x)
+
+
+@pytest.mark.parametrize("count", [1, 2])
+@pytest.mark.parametrize("out, k", SHAPES)
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_product_matches_float64(count, out, k, dtype):
+    """Every product is exact and sums are float32: the error is the output's rounding
+    (bfloat16: 2**-9 relative) and float32 sums, which carry 16 + p and cancel the 16 in
+    the group's zero term (a few float32 steps of the sums' scale: 4e-6)."""
+    held = planes_of(count, out, k, seed=out + k)
+    weight = held.dequantize(torch.float32).double()  # the held values, exactly
+    gen = torch.Generator().manual_seed(count)
+    for rows in ROWS:
+        x = torch.randn(rows, k, generator=gen).to(dtype)
+        got = product(held, x)
+        assert got.dtype == dtype and got.shape == (rows, out)
+        reference = x.double() @ weight.T
+        error = (got.double() - reference).abs()
+        scale = x.double().abs() @ weight.abs().T  # what the sums' rounding scales with
+        if dtype == torch.bfloat16:
+            assert (error <= 2 ** -8 * reference.abs() + 4e-6 * scale).all()
+        else:
+            assert (error <= 4e-6 * scale).all()
+
+
+@pytest.mark.parametrize("count", [1, 2])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_each_row_is_the_same_bits_whatever_runs_beside_it(count, dtype):
+    held = planes_of(count, 192, 576, seed=3)
+    x = torch.randn(64, 576, generator=torch.Generator().manual_seed(4)).to(dtype)
+    alone = torch.cat([product(held, x[i : i + 1]) for i in range(64)])
+    for rows in (2, 8, 17, 64):
+        assert torch.equal(product(held, x[:rows]), alone[:rows]), rows
+    # the same row among other rows (shifted: another tile position)
+    assert torch.equal(product(held, x[5:13])[0], alone[5])
+
+
+def test_decode_takes_the_compiled_product():
+    held = planes_of(2, 128, 96)
+    x = torch.randn(3, 96).to(torch.bfloat16)
+    assert torch.equal(held.matmul(x), product(held, x))
+
+
+def test_planes_the_kernel_does_not_take_keep_torchs_kernel():
+    """A second plane whose scales are not 16 times the first's cannot share one sum."""
+    held = planes_of(2, 64, 32)
+    held.scales_zeros[1][..., 0] *= 2
+    assert native_dequant.Int4Gemv.refusal(list(zip(held.packed, held.scales_zeros)))
+    x = torch.randn(2, 32).to(torch.bfloat16)
+    assert held._gemv() is None
+    reference = x.double() @ held.dequantize(torch.float32).double().T
+    assert ((held.matmul(x).double() - reference).norm() / reference.norm()).item() < 1e-2
+
+
+def test_bad_input_is_refused():
+    held = planes_of(1, 64, 32)
+    with pytest.raises(ValueError, match="one or two"):
+        native_dequant.Int4Gemv([])
+    with pytest.raises(ValueError, match="at most 64 rows"):
+        product(held, torch.randn(65, 32).to(torch.bfloat16))
+    with pytest.raises(ValueError, match="float16"):
+        product(held, torch.randn(2, 32).to(torch.float16))
+    assert product(held, torch.randn(0, 32)).shape == (0, 64)
