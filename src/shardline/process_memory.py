@@ -27,10 +27,11 @@ from pathlib import Path
 _STATUS = Path("/proc/self/status")
 
 
-def _status_kib() -> dict[str, int] | None:
-    """``/proc/self/status``'s memory lines in KiB, or None where there is none."""
+def _status_kib(status: Path = _STATUS) -> dict[str, int] | None:
+    """A ``/proc/<pid>/status``'s memory lines in KiB (this process's by default), or None
+    where there is none."""
     try:
-        lines = _STATUS.read_text().splitlines()
+        lines = status.read_text().splitlines()
     except OSError:
         return None
     out = {}
@@ -62,6 +63,15 @@ def memory_now() -> tuple[int, int]:
     peak = peak if sys.platform == "darwin" else peak * 1024
     rss = psutil.Process().memory_info().rss
     return rss, max(peak, rss)  # the kernel's peak can lag the resident set by a page run
+
+
+def private_bytes_of(pid: int) -> int | None:
+    """Another process's private resident bytes (``RssAnon + RssShmem``, as
+    :func:`memory_now`), or None where ``/proc`` does not tell (not Linux, or it exited)."""
+    status = _status_kib(Path(f"/proc/{pid}/status"))
+    if status is None or "RssAnon" not in status:
+        return None
+    return (status["RssAnon"] + status.get("RssShmem", 0)) * 1024
 
 
 @functools.cache

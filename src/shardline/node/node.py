@@ -3,10 +3,10 @@
 One node runs per machine and never runs model code itself (its runners do). Nodes talk
 over HTTP (``/internal/*``):
 
-- membership: every node polls its peers' ``/internal/info`` each second, naming itself
-  (``peer_client.MEMBER_HEADER``); the polled node adds it to its peers and answers with the
-  members it knows, so a node that contacts one member joins all of them. A node silent
-  for ``down_after_s`` is down. The coordinator is the live node with the smallest id,
+- membership: every node polls its peers' ``/internal/info`` each second (five times a
+  second until it is settled), naming itself (``peer_client.MEMBER_HEADER``); the polled
+  node adds it to its peers and answers with the members it knows, so a node that
+  contacts one member joins all of them. A node silent for ``down_after_s`` is down. The coordinator is the live node with the smallest id,
   once settled (``shardline.node.cluster_state``: terms, epochs and their invariants).
 - instances: the coordinator places a model, writes the instance table, and pushes it to
   every node (``/internal/state``) with its epoch; a node adopts only a newer epoch and
@@ -72,6 +72,11 @@ from shardline.node.worker import Worker
 
 log = logging.getLogger(__name__)
 
+POLL_S = 1.0
+"""Seconds between membership rounds (each polls every peer's ``/internal/info``)."""
+STARTUP_POLL_S = 0.2
+"""Seconds between rounds until the node is settled (at most the election window)."""
+
 
 class Node:
     """A node: its state, its membership (polling peers, terms, who coordinates) and the
@@ -103,6 +108,8 @@ class Node:
             refused (``ModelLogistics.adopt``).
         max_waiting: the most requests this node lets wait for a slot of one instance;
             more are refused with 429 (``shardline.node.queue_bound``).
+        spare_runner: keep a runner started ahead of the next rank placed here, its
+            imports done (``shardline.node.worker``).
     """
 
     def __init__(
@@ -126,6 +133,7 @@ class Node:
         rejoin: bool = True,
         model_dirs: list[Path] | None = None,
         max_waiting: int = DEFAULT_MAX_WAITING,
+        spare_runner: bool = True,
     ) -> None:
         self.node_id = node_id
         self.store = store
@@ -158,7 +166,7 @@ class Node:
         self.supervisor = Supervisor(self)
         self.logistics = ModelLogistics(self)
         self.router = Router(self)
-        self.worker = Worker(self.supervisor._on_runner_message, watchdog_s=watchdog_s)
+        self.worker = Worker(self.supervisor._on_runner_message, watchdog_s=watchdog_s, spare=spare_runner)
         self.streams: dict[int, RequestStream] = {}
         self.engine_stats: dict[str, dict] = {}  # instance id -> this node's rank's batch
         self.tokenizers: dict[str, Tokenizer] = {}
@@ -186,6 +194,7 @@ class Node:
 
     async def start(self) -> None:
         self._loop = asyncio.get_running_loop()
+        self.worker.start_spare()  # its imports overlap the node's start-up and election
         self._background.append(asyncio.create_task(self._membership_loop()))
         self._background.append(asyncio.create_task(self._profile_host()))
         if self.discovery is not None:
@@ -337,7 +346,9 @@ class Node:
                 if self.rejoin:
                     await self.coordinator._rejoin_returned_nodes()
             await self.supervisor._report_unknown_statuses()
-            await asyncio.sleep(1.0)
+            # every second; faster until settled, so that a cluster starting together
+            # elects its coordinator as soon as every peer listens
+            await asyncio.sleep(POLL_S if self.is_settled() else STARTUP_POLL_S)
 
     async def _start_term(self) -> None:
         """Become coordinator: a term above every one seen (cluster_state rule 2), then

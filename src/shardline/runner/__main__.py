@@ -42,7 +42,8 @@ def _read_inbox(conn, inbox: "queue.Queue[object]") -> None:
 
 
 class Outbox:
-    """Thread-safe sending to the node; a daemon thread sends a Heartbeat every second.
+    """Thread-safe sending to the node; a daemon thread sends a Heartbeat every second
+    (from :meth:`start_beating`).
 
     The same thread is the engine's progress watchdog once :meth:`watch` is called: a rank
     that stays inside a step without progress for longer than the timeout (a peer that
@@ -55,6 +56,10 @@ class Outbox:
         self.lock = threading.Lock()
         self.progress: Progress | None = None
         self.progress_timeout_s = 0.0
+
+    def start_beating(self) -> None:
+        """Start the heartbeat thread (once the runner has its spec: a pre-started runner
+        waits for one silently)."""
         threading.Thread(target=self._beat, daemon=True, name="heartbeat").start()
 
     def watch(self, progress: Progress, timeout_s: float) -> None:
@@ -111,7 +116,11 @@ def load_stage(spec: RunnerSpec, source, group, progress: Progress, dtype, devic
     return PipelineStage(shard, cache, spec.rank, spec.world_size, progress)
 
 
-def serve(conn, outbox: Outbox) -> None:
+def serve(conn, outbox: Outbox, started: float) -> None:
+    """Import what a rank needs, then wait for the node's RunnerSpec (a runner may be
+    started ahead of its placement: ``Worker``'s pre-started runner), join the process
+    group, load the shard, report Loaded and run the engine. ``started``: the process's
+    start (``time.monotonic()``), for the log line that times the phases."""
     import torch
     import torch.distributed as dist
 
@@ -121,7 +130,10 @@ def serve(conn, outbox: Outbox) -> None:
     from shardline.runner.constraint import GrammarTokenizer
     from shardline.runner.engine import Engine, pool_tokens
 
+    imported = time.monotonic()
     spec: RunnerSpec = conn.recv()
+    given = time.monotonic()
+    outbox.start_beating()
     if spec.threads:
         torch.set_num_threads(spec.threads)
     device = torch.device(spec.device)
@@ -139,6 +151,7 @@ def serve(conn, outbox: Outbox) -> None:
              cuda=device.type == "cuda", timeout=timedelta(seconds=spec.collective_timeout_s))
         group = dist.group.WORLD
 
+    joined = time.monotonic()
     runtime_rss, _ = memory_now()
     source = open_weights(spec.model_path)
     progress = Progress()
@@ -161,6 +174,10 @@ def serve(conn, outbox: Outbox) -> None:
     pool_bytes = pool * cache.bytes_per_token
     outbox.send(Loaded(tuple(layers), tensors_read, bytes_read, param_bytes, pool_bytes,
                        *memory_now(), runtime_rss))
+    log.info("rank %d of %s loaded in %.2f s from its spec (imports %.2f s%s, process group "
+             "%.2f s, shard %.2f s)", spec.rank, spec.instance_id, time.monotonic() - given,
+             imported - started, ", done before the spec" if given - imported > 0.05 else "",
+             joined - given, time.monotonic() - joined)
     engine = Engine(
         stage,
         inbox,
@@ -204,10 +221,11 @@ def _peer_lost(exc: BaseException) -> bool:
 
 def main() -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s runner %(message)s")
+    started = time.monotonic()
     conn = Connection(int(sys.argv[1]))
     outbox = Outbox(conn)
     try:
-        serve(conn, outbox)
+        serve(conn, outbox, started)
     except Exception as exc:  # noqa: BLE001 - every failure is reported, then exits
         peer_lost = _peer_lost(exc)
         if peer_lost:
