@@ -30,6 +30,9 @@ from shardline.runner.rendezvous import join
 
 log = logging.getLogger("shardline.runner")
 
+LOAD_THREADS = 1
+"""torch threads while a rank loads its shard (``RunnerSpec.threads`` serve)."""
+
 
 def _read_inbox(conn, inbox: "queue.Queue[object]") -> None:
     try:
@@ -134,8 +137,11 @@ def serve(conn, outbox: Outbox, started: float) -> None:
     spec: RunnerSpec = conn.recv()
     given = time.monotonic()
     outbox.start_beating()
-    if spec.threads:
-        torch.set_num_threads(spec.threads)
+    serving_threads = spec.threads or torch.get_num_threads()
+    # Loading is thousands of small ops per shard: one thread. With two, SmolLM2's load
+    # took 3-4x the CPU (4-7 s against 1.1-1.5 s) and 3x the time on a busy 2-core
+    # machine, OpenMP's workers spinning between ops.
+    torch.set_num_threads(LOAD_THREADS)
     device = torch.device(spec.device)
     dtype = getattr(torch, spec.dtype)
     inbox: queue.Queue[object] = queue.Queue()
@@ -159,6 +165,7 @@ def serve(conn, outbox: Outbox, started: float) -> None:
         stage = load_stage(spec, source, group, progress, dtype, device)
     cache = stage.cache
     param_bytes = weight_bytes(stage.shard)
+    torch.set_num_threads(serving_threads)
     if group is not None:
         dist.barrier(group)  # every rank holds its shard before any serves
         outbox.watch(progress, spec.progress_timeout_s)
