@@ -1,6 +1,6 @@
 """The pre-started runner (``Worker(spare=True)``): the next rank placed on a node runs in
-it, a new one is started once that rank has loaded or failed, one that exits while
-waiting is replaced, and one that keeps exiting soon after it starts is given up."""
+it, none starts while a rank loads, one that exits while waiting is replaced, one that
+keeps exiting soon after it starts is given up, and a node starts a new one once idle."""
 
 from __future__ import annotations
 
@@ -45,11 +45,15 @@ def test_the_next_rank_runs_in_the_spare_and_another_is_started():
         assert first is not None and first.process.poll() is None
         handle = worker.start(spec())
         assert handle.process is first.process  # the pre-started process got the spec
-        assert worker.spare is None  # none started while that rank loads
+        worker.start_spare()
+        assert worker.spare is None  # none starts while that rank loads
         message = messages.get(timeout=60)
         assert isinstance(message, Failed) and "nonexistent" in message.error, message
-        second = wait_for(lambda: worker.spare, what="a new spare after the rank failed")
-        assert second.process.pid != first.process.pid and second.process.poll() is None
+        wait_for(lambda: not worker.loading(), what="the failed rank to stop loading")
+        worker.start_spare()
+        second = worker.spare
+        assert second is not None and second.process.pid != first.process.pid
+        assert second.process.poll() is None
     finally:
         worker.stop_all()
     assert second.process.poll() is not None  # stop_all takes the spare down too
@@ -89,7 +93,8 @@ def test_a_local_cluster_places_its_model_in_the_pre_started_runner(tmp_path):
         before = wait_for(runners, what="the node's pre-started runner")
         assert len(before) == 1
         cluster.place(None, "pipeline", context=256, max_batch=1)
-        after = wait_for(lambda: r if len(r := runners()) == 2 else None, what="a new spare after loading")
+        after = wait_for(lambda: r if len(r := runners()) == 2 else None,
+                         what="a new spare once the node is idle")
         assert before < after  # the rank runs in the process started ahead, beside a new spare
         answer = capital_answer(cluster.url(0))
         assert answer is not None and "Paris" in answer

@@ -76,6 +76,9 @@ POLL_S = 1.0
 """Seconds between membership rounds (each polls every peer's ``/internal/info``)."""
 STARTUP_POLL_S = 0.2
 """Seconds between rounds until the node is settled (at most the election window)."""
+SPARE_IDLE_S = 3.0
+"""A pre-started runner is started again once no rank of the node has loaded or served for
+this long (``shardline.node.worker``): not while a load or a request needs the CPU."""
 
 
 class Node:
@@ -160,6 +163,7 @@ class Node:
         self._settled_since = self.started_at  # start, or resumption from a pause
         self._heard_all_at: float | None = None  # the last round every peer answered
         self._last_tick = self.started_at
+        self._busy_at = float("-inf")  # when a rank here last loaded or served
         self._load_state()
         # the roles, each with this node's state (the node is their composition root)
         self.coordinator = Coordinator(self)
@@ -195,6 +199,7 @@ class Node:
     async def start(self) -> None:
         self._loop = asyncio.get_running_loop()
         self.worker.start_spare()  # its imports overlap the node's start-up and election
+        # (later ones: the membership loop, once idle)
         self._background.append(asyncio.create_task(self._membership_loop()))
         self._background.append(asyncio.create_task(self._profile_host()))
         if self.discovery is not None:
@@ -346,6 +351,10 @@ class Node:
                 if self.rejoin:
                     await self.coordinator._rejoin_returned_nodes()
             await self.supervisor._report_unknown_statuses()
+            if self.busy_instances() or self.worker.loading():
+                self._busy_at = time.time()
+            elif time.time() - self._busy_at >= SPARE_IDLE_S:
+                await asyncio.to_thread(self.worker.start_spare)
             # every second; faster until settled, so that a cluster starting together
             # elects its coordinator as soon as every peer listens
             await asyncio.sleep(POLL_S if self.is_settled() else STARTUP_POLL_S)

@@ -8,10 +8,11 @@ forwards its messages to the node's event loop.
 A runner imports torch and the model code (1.5-3 s on a 2-core machine) before it reads
 its spec, so the worker keeps one started ahead (``spare``): it has imported everything and
 waits, silent, for the spec of the next rank placed on this node, which then skips the
-imports. A new one is started once no runner of the node is loading (not to take CPU from
-a load), and again when one exits while waiting (not after :data:`SPARE_MAX_EARLY_EXITS`
-exits in a row within :data:`SPARE_EARLY_S` of their start: a runner that cannot start is
-left to the ranks' own error reports).
+imports. The node starts one at its own start and, after one is used, once it has been
+idle a while (``Node``: its imports would take CPU from a load or the first requests);
+one that exits while waiting is replaced (not after :data:`SPARE_MAX_EARLY_EXITS` exits in
+a row within :data:`SPARE_EARLY_S` of their start: a runner that cannot start is left to
+the ranks' own error reports).
 """
 
 from __future__ import annotations
@@ -124,10 +125,13 @@ class Worker:
         theirs.close()
         return process, Connection(ours.detach())
 
+    def loading(self) -> bool:
+        """Whether a runner of this node is loading its shard."""
+        return any(h.status == RankStatus.LOADING for h in list(self.runners.values()))
+
     def start_spare(self) -> None:
         """Start a runner ahead of its rank, unless pre-starting is off, one is waiting
-        already, or a runner of this node is loading (it would take that load's CPU; this
-        is called again when it has loaded)."""
+        already, or a runner of this node is loading (it would take that load's CPU)."""
         with self._lock:
             if (not self.spare_enabled or self._stopped or self.spare is not None
                     or any(h.status == RankStatus.LOADING for h in self.runners.values())):
@@ -211,7 +215,6 @@ class Worker:
                     continue
                 if isinstance(message, Loaded):
                     handle.status, handle.loaded = RankStatus.READY, message
-                    self.start_spare()
                 elif isinstance(message, Failed) and not handle.fail(message.error, message.peer_lost):
                     continue
                 self.on_message(instance_id, message)
@@ -229,7 +232,6 @@ class Worker:
         finally:
             if handle.process.poll() is None and handle.status == RankStatus.FAILED:
                 self._kill(handle)
-            self.start_spare()
 
     def memory(self, instance_id: str) -> dict | None:
         """The instance's runner's memory on this node: ``rss_bytes`` and
