@@ -175,6 +175,7 @@ class Node:
         self.engine_stats: dict[str, dict] = {}  # instance id -> this node's rank's batch
         self.tokenizers: dict[str, Tokenizer] = {}
         self._tokenizer_lock = asyncio.Lock()
+        self._warming: set[str] = set()  # model ids whose tokenizer warm_tokenizer loads
         self._fetch_lock = asyncio.Lock()
         self._preparing: dict[str, asyncio.Task] = {}  # instance id -> getting its files
         self._task_counter = itertools.count()
@@ -242,6 +243,25 @@ class Node:
             settled=self.is_settled(), profile=profile, links=self.links,
             members=self.member_addresses(), busy=self.busy_instances(),
         )
+
+    def warm_tokenizer(self, model_id: str) -> None:
+        """Load a model's tokenizer in the background, unless loaded or loading. The node
+        of an instance's rank 0 does so when the instance is placed (the first requests
+        of ``shardline cluster`` go there); the other nodes of its ranks once idle, not to
+        take the CPU a load or the first requests need (transformers' import alone is
+        2.5 s of CPU); a request on a node without it loads it first."""
+        if model_id in self.tokenizers or model_id in self._warming:
+            return
+        self._warming.add(model_id)
+
+        async def warm() -> None:
+            try:
+                await self.logistics._warm_tokenizer(model_id)
+            finally:
+                self._warming.discard(model_id)
+
+        self._background = [t for t in self._background if not t.done()]
+        self._background.append(asyncio.create_task(warm()))
 
     def busy_instances(self) -> list[str]:
         """Instances whose rank on this node has requests running, waiting or held."""
@@ -354,6 +374,8 @@ class Node:
             if self.busy_instances() or self.worker.loading():
                 self._busy_at = time.time()
             elif time.time() - self._busy_at >= SPARE_IDLE_S:
+                for model_id in {i.model_id for i in self.instances.values() if self.node_id in i.node_ids()}:
+                    self.warm_tokenizer(model_id)
                 await asyncio.to_thread(self.worker.start_spare)
             # every second; faster until settled, so that a cluster starting together
             # elects its coordinator as soon as every peer listens
