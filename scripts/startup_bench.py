@@ -7,9 +7,10 @@ Runs ``shardline cluster --nodes N`` from one or more source trees, interleaved 
   "placed ... as instance", "instance ... is ready" (the coordinator's clock);
 - ``answer``: launch to the first 200 of a chat completion (the client's clock, polling
   every 50 ms from the moment the process starts);
-- ``again``: with ``--place-again``, DELETE the instance, POST it again through the
-  cluster API (as the README's "Using it" shows) and time it to ``ready`` on every node;
-  ``again_answer`` to the first answer after that.
+- ``again``: with ``--place-again``, ``--settle`` seconds after the first answer (a
+  cluster that has been up a while: each node starts its next pre-started runner once idle),
+  DELETE the instance, POST it again through the cluster API (as the README's "Using it"
+  shows) and time it to ``ready`` on every node; ``again_answer`` to the first answer after.
 
 Each launch gets a fresh cluster directory (new ids, no kept instance table; ``--kept``
 instead times a restart of the cluster that the previous launch of the same variant
@@ -90,7 +91,7 @@ def place_again(url: str, nodes: int, port: int, deadline: float) -> tuple[float
 
 
 def launch(src: str, nodes: int, port: int, data_home: Path, log: Path, again: bool, keep: bool,
-           timeout_s: float) -> dict[str, float]:
+           timeout_s: float, settle_s: float = 0.0) -> dict[str, float]:
     """One launch of ``shardline cluster`` from ``src``; seconds from launch to each event."""
     cluster_dir = data_home / "shardline" / "local-cluster" / str(port)
     if not keep:
@@ -105,6 +106,7 @@ def launch(src: str, nodes: int, port: int, data_home: Path, log: Path, again: b
             url = f"http://127.0.0.1:{port}"
             times = {"answer": wait_answer(url, start + timeout_s) - start}
             if again:
+                time.sleep(settle_s)
                 times["again"], times["again_answer"] = place_again(url, nodes, port, start + 2 * timeout_s)
         finally:
             proc.send_signal(signal.SIGINT)
@@ -126,6 +128,8 @@ def main() -> int:
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--port", type=int, default=23400)
     parser.add_argument("--place-again", action="store_true", help="also DELETE and place again")
+    parser.add_argument("--settle", type=float, default=10.0,
+                        help="seconds between the first answer and placing again (default %(default)s)")
     parser.add_argument("--kept", action="store_true",
                         help="time a restart that finds the previous launch's kept instance")
     parser.add_argument("--data-home", default=None,
@@ -148,7 +152,7 @@ def main() -> int:
                 for name, src in variants:
                     log = logs / f"{name}-{n}-{r}.log"
                     times = launch(src, n, ports[name, n], data_home, log, args.place_again, args.kept,
-                                   args.timeout)
+                                   args.timeout, args.settle)
                     results.setdefault((name, n), []).append(times)
                     print(f"round {r} nodes {n} {name}: " + "  ".join(f"{k} {v:.2f}" for k, v in sorted(times.items())),
                           flush=True)
