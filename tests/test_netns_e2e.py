@@ -28,7 +28,7 @@ def start_node(hosts: netns.Hosts, i: int, tmp_path, *extra: str) -> subprocess.
     command = hosts.command(i, [sys.executable, "-m", "shardline.cli", "run",
                                 "--host", hosts.addresses[i], "--port", str(PORT),
                                 "--data-dir", str(tmp_path / f"node-{i}"), "--exit-with-parent",
-                                "--no-api-key", *extra])
+                                "--no-api-key", "--no-spare-runner", *extra])
     log = open(tmp_path / f"node-{i}.log", "ab")
     return subprocess.Popen(command, env=dict(os.environ, SHARDLINE_CLUSTER_KEY=KEY),
                             stdout=log, stderr=subprocess.STDOUT, start_new_session=True)

@@ -168,15 +168,18 @@ def test_a_state_round_trips_through_its_wire_form():
 
 @pytest.mark.parametrize("instances, live, incarnations, failed", [
     ([inst()], {"a", "b", "c"}, {"a": 1.0, "b": 1.0, "c": 1.0}, []),
-    ([inst()], {"a", "c"}, {"a": 1.0, "b": 1.0, "c": 1.0}, [("i1", ("b",))]),
-    ([inst()], {"a", "b", "c"}, {"a": 1.0, "b": 2.0, "c": 1.0}, [("i1", ())]),
+    ([inst()], {"a", "c"}, {"a": 1.0, "b": 1.0, "c": 1.0}, [("i1", ("b",), False)]),
+    ([inst()], {"a", "b", "c"}, {"a": 1.0, "b": 2.0, "c": 1.0}, [("i1", (), True)]),
+    ([inst()], {"a", "b"}, {"a": 1.0, "b": 2.0, "c": 1.0}, [("i1", ("c",), False)]),
     ([inst(status=I.FAILED)], {"a"}, {"a": 1.0}, []),
     ([inst(), inst("i2", nodes=("a",))], {"a"}, {"a": 1.0, "b": 1.0, "c": 1.0},
-     [("i1", ("b", "c"))]),
-], ids=["all there", "a node down", "a node restarted", "already failed", "only the instance with a lost rank"])
+     [("i1", ("b", "c"), False)]),
+], ids=["all there", "a node down", "a node restarted", "one restarted, one down", "already failed",
+        "only the instance with a lost rank"])
 def test_lost_ranks_fail_their_instances(instances, live, incarnations, failed):
+    """A restart (every node live) is placed again at once; a node down waits to be sure."""
     events = lost_rank_failures(state(*instances), live, incarnations)
-    assert [(e.instance_id, e.failed_nodes) for e in events] == failed
+    assert [(e.instance_id, e.failed_nodes, e.at_once) for e in events] == failed
 
 
 def test_down_ranks_are_named_by_rank_and_node():

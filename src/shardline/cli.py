@@ -69,6 +69,7 @@ def _run(args: argparse.Namespace) -> int:
         rejoin=not args.no_rejoin,
         model_dirs=model_dirs,
         max_waiting=args.max_waiting,
+        spare_runner=not args.no_spare_runner,
     )
     logging.getLogger(__name__).info("node %s on %s", node.node_id, node.address)
     uvicorn.run(create_app(node, guard, max_body_bytes=args.max_body_bytes), host=args.bind or args.host,
@@ -100,6 +101,7 @@ def _cluster(args: argparse.Namespace) -> int:
     cluster = LocalCluster(
         nodes=args.nodes, base_port=args.port, runner_threads=args.runner_threads, node_args=limit,
         api_key=args.api_key, model_dirs=model_dirs_for(args.model) + (args.model_dir or []),
+        spare_runners=True,
     )
     # SIGTERM and SIGINT stop the nodes (they run in their own sessions); SIGINT is set
     # explicitly because a shell starts background jobs with it ignored.
@@ -194,6 +196,9 @@ def build_parser() -> argparse.ArgumentParser:
                      help="seconds a runner may wait inside an engine step without progress (a stalled "
                           "peer or collective) before its instance fails; must exceed the time of one "
                           "prefill chunk (default %(default)s)")
+    run.add_argument("--no-spare-runner", action="store_true",
+                     help="start each runner when its rank is placed, rather than keeping one "
+                          "started ahead with its imports done (it holds ~100 MB while it waits)")
     run.add_argument("--no-rejoin", action="store_true",
                      help="when this node coordinates, do not place an instance that lost "
                           "nodes on them again when they return")

@@ -38,6 +38,10 @@ def model_dirs_for(model: str | None) -> list[str]:
     return [str(real if real.is_dir() else real.parent)]
 
 
+POLL_S = 0.1
+"""How often the launcher asks the nodes whether the cluster formed and the model serves."""
+
+
 class LocalClusterError(RuntimeError):
     """The local cluster could not start, or its model could not be placed."""
 
@@ -60,12 +64,15 @@ class LocalCluster:
             the nodes listen on 127.0.0.1 only); the launcher's own requests send it.
         model_dirs: directories every node takes local models from (``--model-dir``): a
             model placed by its local path must lie under one (see :func:`model_dirs_for`).
+        spare_runners: each node keeps a runner started ahead (``shardline run``'s
+            default); off (``--no-spare-runner``) unless asked, so that every runner
+            process under a node is a rank's.
     """
 
     def __init__(self, nodes: int, base_port: int, runner_threads: int = 0,
                  log_dir: str | None = None, data_dir: str | None = None,
                  node_args: dict[int, list[str]] | None = None, api_key: str | None = None,
-                 model_dirs: Sequence[str | Path] | None = None) -> None:
+                 model_dirs: Sequence[str | Path] | None = None, spare_runners: bool = False) -> None:
         self.data_dir = Path(data_dir) if data_dir else default_data_dir() / "local-cluster" / str(base_port)
         self.cluster_key, _ = cluster_key(self.data_dir)
         self.api_key = api_key or os.environ.get("SHARDLINE_API_KEY") or None
@@ -76,6 +83,7 @@ class LocalCluster:
         self.log_dir = log_dir
         self.node_args = node_args or {}
         self.model_dirs = [str(d) for d in model_dirs or []]
+        self.spare_runners = spare_runners
         self.procs: list[subprocess.Popen | None] = []
         self.stopping = False
         self.instance: dict | None = None
@@ -88,7 +96,7 @@ class LocalCluster:
         return [sys.executable, "-m", "shardline.cli", "run", "--host", "127.0.0.1",
                 "--port", str(self.base_port + i), "--peers", peers,
                 "--runner-threads", str(self.runner_threads), "--exit-with-parent", "--no-mdns",
-                "--data-dir", str(self.node_data_dir(i)),
+                "--data-dir", str(self.node_data_dir(i)), *([] if self.spare_runners else ["--no-spare-runner"]),
                 *(arg for d in self.model_dirs for arg in ("--model-dir", d)), *self.node_args.get(i, [])]
 
     def node_data_dir(self, i: int) -> Path:
@@ -144,7 +152,7 @@ class LocalCluster:
             self._check_alive()
             if self.formed(indices):
                 return
-            time.sleep(0.3)
+            time.sleep(POLL_S)
         raise LocalClusterError(f"the nodes {indices} did not form a cluster within {timeout_s:.0f} s")
 
     def _check_alive(self) -> None:
@@ -181,7 +189,7 @@ class LocalCluster:
                     return inst
             if inst is not None and inst["status"] == "failed":
                 raise LocalClusterError(f"instance failed: {inst['error']}")
-            time.sleep(0.3)
+            time.sleep(POLL_S)
         raise LocalClusterError(f"instance {instance_id} was not ready within {timeout_s:.0f} s")
 
     def instances(self) -> list[dict]:
@@ -217,7 +225,7 @@ class LocalCluster:
                     return inst
             if not kept or (all(i["status"] == "failed" for i in kept) and time.time() > replaced_by):
                 break
-            time.sleep(0.3)
+            time.sleep(POLL_S)
         else:
             raise LocalClusterError(f"the kept instance of {model_id} was not ready within "
                                     f"{timeout_s:.0f} s")

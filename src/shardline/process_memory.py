@@ -19,6 +19,7 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import ctypes.util
+import functools
 import sys
 from collections.abc import Iterator
 from pathlib import Path
@@ -26,10 +27,11 @@ from pathlib import Path
 _STATUS = Path("/proc/self/status")
 
 
-def _status_kib() -> dict[str, int] | None:
-    """``/proc/self/status``'s memory lines in KiB, or None where there is none."""
+def _status_kib(status: Path = _STATUS) -> dict[str, int] | None:
+    """A ``/proc/<pid>/status``'s memory lines in KiB (this process's by default), or None
+    where there is none."""
     try:
-        lines = _STATUS.read_text().splitlines()
+        lines = status.read_text().splitlines()
     except OSError:
         return None
     out = {}
@@ -63,7 +65,19 @@ def memory_now() -> tuple[int, int]:
     return rss, max(peak, rss)  # the kernel's peak can lag the resident set by a page run
 
 
+def private_bytes_of(pid: int) -> int | None:
+    """Another process's private resident bytes (``RssAnon + RssShmem``, as
+    :func:`memory_now`), or None where ``/proc`` does not tell (not Linux, or it exited)."""
+    status = _status_kib(Path(f"/proc/{pid}/status"))
+    if status is None or "RssAnon" not in status:
+        return None
+    return (status["RssAnon"] + status.get("RssShmem", 0)) * 1024
+
+
+@functools.cache
 def _libc():
+    """The C library, opened once per process: ``find_library`` runs ``ldconfig -p`` in a
+    subprocess each call (121 calls, 0.8 s of a SmolLM2 load, when it was not cached)."""
     try:
         return ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
     except OSError:

@@ -111,6 +111,22 @@ def open_gguf(path: Path) -> tuple[Any, dict[str, Any]]:
     return reader, metadata
 
 
+def gguf_config(reader, metadata: dict[str, Any]):
+    """The :class:`~shardline.models.config.ModelConfig` of an opened GGUF file (``reader``
+    and ``metadata`` from :func:`open_gguf`): its metadata, tensor names and the token
+    embedding's rows. Needs no torch, so a node can read a model's shape cheaply.
+
+    Raises:
+        UnsupportedModelError: the architecture is not one shardline runs.
+    """
+    from shardline.models.config import ModelConfig
+
+    tensors = {t.name: t for t in reader.tensors}
+    embedding = tensors.get("token_embd.weight")
+    return ModelConfig.from_gguf_metadata(metadata, set(tensors),
+                                          int(embedding.shape[-1]) if embedding is not None else 0)
+
+
 if __name__ == "__main__":  # warm the cache: python -m shardline.models.gguf_header FILE...
     for name in sys.argv[1:]:
         open_gguf(Path(name))

@@ -231,11 +231,12 @@ def default_model_path() -> Path:
 
 @functools.cache
 def _default_config() -> dict:
-    """The embedded default's config, read once per process: the ``gguf`` library takes
-    seconds to parse the GGUF's metadata (its 49,152 tokenizer strings)."""
-    from shardline.models.weights import open_weights  # torch: only when placing
+    """The embedded default's config, read once per process from its GGUF's metadata
+    (cached per machine: :func:`~shardline.models.gguf_header.open_gguf`) without torch,
+    which the node does not import (it took 1.5-3 s of the first placement)."""
+    from shardline.models.gguf_header import gguf_config, open_gguf
 
-    return open_weights(default_model_path()).config.to_dict()
+    return gguf_config(*open_gguf(default_model_path())).to_dict()
 
 
 def _default_tokenizer_dir() -> Path:

@@ -27,7 +27,7 @@ import numpy as np
 import torch
 
 from shardline.models.config import ModelConfig
-from shardline.models.gguf_header import open_gguf
+from shardline.models.gguf_header import gguf_config, open_gguf
 from shardline.models.gguf_quants import SUPPORTED_TYPES, GroupQuant, unpack_blocks
 
 Span = tuple[int, int] | None  # (start, end) along one axis; None: all of it
@@ -136,9 +136,7 @@ class GGUFSource(WeightSource):
         self.path = Path(path)
         self.reader, self.metadata = open_gguf(self.path)
         self._tensors = {t.name: t for t in self.reader.tensors}
-        embedding = self._tensors.get("token_embd.weight")
-        self.config = ModelConfig.from_gguf_metadata(
-            self.metadata, set(self._tensors), int(embedding.shape[-1]) if embedding else 0)
+        self.config = gguf_config(self.reader, self.metadata)
         if "rope_freqs.weight" in self._tensors:
             self.rope_freq_factors = self.read("rope_freqs.weight").float()
 

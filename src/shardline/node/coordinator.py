@@ -160,17 +160,20 @@ class Coordinator:
             return
         log.warning("instance %s failed: %s", event.instance_id, event.error)
         await self.node.commit(event)
-        self._background(self._replace(event.instance_id))
+        self._background(self._replace(event.instance_id, wait=not event.at_once))
 
-    async def _replace(self, instance_id: str) -> None:
+    async def _replace(self, instance_id: str, wait: bool = True) -> None:
         """Place a failed instance again (once: a second call for the same instance while
         one runs does nothing), after ``down_after_s + 1`` so that a vanished node has
-        missed its heartbeats and is not chosen again."""
+        missed its heartbeats and is not chosen again; at once without ``wait`` (its
+        ranks died with restarted nodes that have been heard since, e.g. a cluster started
+        again with its kept table)."""
         if instance_id in self.replacing:
             return
         self.replacing.add(instance_id)
         try:
-            await asyncio.sleep(self.node.down_after_s + 1)
+            if wait:
+                await asyncio.sleep(self.node.down_after_s + 1)
             failed = self.node.instances.get(instance_id)
             if failed is not None and failed.status == InstanceStatus.FAILED \
                     and self.node.is_coordinator():

@@ -3,10 +3,10 @@
 One node runs per machine and never runs model code itself (its runners do). Nodes talk
 over HTTP (``/internal/*``):
 
-- membership: every node polls its peers' ``/internal/info`` each second, naming itself
-  (``peer_client.MEMBER_HEADER``); the polled node adds it to its peers and answers with the
-  members it knows, so a node that contacts one member joins all of them. A node silent
-  for ``down_after_s`` is down. The coordinator is the live node with the smallest id,
+- membership: every node polls its peers' ``/internal/info`` each second (five times a
+  second until it is settled), naming itself (``peer_client.MEMBER_HEADER``); the polled
+  node adds it to its peers and answers with the members it knows, so a node that
+  contacts one member joins all of them. A node silent for ``down_after_s`` is down. The coordinator is the live node with the smallest id,
   once settled (``shardline.node.cluster_state``: terms, epochs and their invariants).
 - instances: the coordinator places a model, writes the instance table, and pushes it to
   every node (``/internal/state``) with its epoch; a node adopts only a newer epoch and
@@ -72,6 +72,14 @@ from shardline.node.worker import Worker
 
 log = logging.getLogger(__name__)
 
+POLL_S = 1.0
+"""Seconds between membership rounds (each polls every peer's ``/internal/info``)."""
+STARTUP_POLL_S = 0.2
+"""Seconds between rounds until the node is settled (at most the election window)."""
+SPARE_IDLE_S = 3.0
+"""A pre-started runner is started again once no rank of the node has loaded or served for
+this long (``shardline.node.worker``): not while a load or a request needs the CPU."""
+
 
 class Node:
     """A node: its state, its membership (polling peers, terms, who coordinates) and the
@@ -103,6 +111,8 @@ class Node:
             refused (``ModelLogistics.adopt``).
         max_waiting: the most requests this node lets wait for a slot of one instance;
             more are refused with 429 (``shardline.node.queue_bound``).
+        spare_runner: keep a runner started ahead of the next rank placed here, its
+            imports done (``shardline.node.worker``).
     """
 
     def __init__(
@@ -126,6 +136,7 @@ class Node:
         rejoin: bool = True,
         model_dirs: list[Path] | None = None,
         max_waiting: int = DEFAULT_MAX_WAITING,
+        spare_runner: bool = True,
     ) -> None:
         self.node_id = node_id
         self.store = store
@@ -152,17 +163,19 @@ class Node:
         self._settled_since = self.started_at  # start, or resumption from a pause
         self._heard_all_at: float | None = None  # the last round every peer answered
         self._last_tick = self.started_at
+        self._busy_at = float("-inf")  # when a rank here last loaded or served
         self._load_state()
         # the roles, each with this node's state (the node is their composition root)
         self.coordinator = Coordinator(self)
         self.supervisor = Supervisor(self)
         self.logistics = ModelLogistics(self)
         self.router = Router(self)
-        self.worker = Worker(self.supervisor._on_runner_message, watchdog_s=watchdog_s)
+        self.worker = Worker(self.supervisor._on_runner_message, watchdog_s=watchdog_s, spare=spare_runner)
         self.streams: dict[int, RequestStream] = {}
         self.engine_stats: dict[str, dict] = {}  # instance id -> this node's rank's batch
         self.tokenizers: dict[str, Tokenizer] = {}
         self._tokenizer_lock = asyncio.Lock()
+        self._warming: set[str] = set()  # model ids whose tokenizer warm_tokenizer loads
         self._fetch_lock = asyncio.Lock()
         self._preparing: dict[str, asyncio.Task] = {}  # instance id -> getting its files
         self._task_counter = itertools.count()
@@ -191,6 +204,8 @@ class Node:
 
     async def start(self) -> None:
         self._loop = asyncio.get_running_loop()
+        self.worker.start_spare()  # its imports overlap the node's start-up and election
+        # (later ones: the membership loop, once idle)
         self._background.append(asyncio.create_task(self._membership_loop()))
         self._background.append(asyncio.create_task(self.profiler.run()))
         if self.discovery is not None:
@@ -234,6 +249,25 @@ class Node:
             members=self.member_addresses(), busy=self.busy_instances(),
             served=self.served.to_list(),
         )
+
+    def warm_tokenizer(self, model_id: str) -> None:
+        """Load a model's tokenizer in the background, unless loaded or loading. The node
+        of an instance's rank 0 does so when the instance is placed (the first requests
+        of ``shardline cluster`` go there); the other nodes of its ranks once idle, not to
+        take the CPU a load or the first requests need (transformers' import alone is
+        2.5 s of CPU); a request on a node without it loads it first."""
+        if model_id in self.tokenizers or model_id in self._warming:
+            return
+        self._warming.add(model_id)
+
+        async def warm() -> None:
+            try:
+                await self.logistics._warm_tokenizer(model_id)
+            finally:
+                self._warming.discard(model_id)
+
+        self._background = [t for t in self._background if not t.done()]
+        self._background.append(asyncio.create_task(warm()))
 
     def busy_instances(self) -> list[str]:
         """Instances whose rank on this node has requests running, waiting or held."""
@@ -314,7 +348,15 @@ class Node:
                 if self.rejoin:
                     await self.coordinator._rejoin_returned_nodes()
             await self.supervisor._report_unknown_statuses()
-            await asyncio.sleep(1.0)
+            if self.busy_instances() or self.worker.loading():
+                self._busy_at = time.time()
+            elif time.time() - self._busy_at >= SPARE_IDLE_S:
+                for model_id in {i.model_id for i in self.instances.values() if self.node_id in i.node_ids()}:
+                    self.warm_tokenizer(model_id)
+                await asyncio.to_thread(self.worker.start_spare)
+            # every second; faster until settled, so that a cluster starting together
+            # elects its coordinator as soon as every peer listens
+            await asyncio.sleep(POLL_S if self.is_settled() else STARTUP_POLL_S)
 
     async def _start_term(self) -> None:
         """Become coordinator: a term above every one seen (cluster_state rule 2), then

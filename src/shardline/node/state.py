@@ -82,11 +82,14 @@ class RankReported:
 @dataclass(frozen=True)
 class InstanceFailed:
     """The coordinator fails an instance: ranks on ``failed_nodes`` (down, restarted) are
-    failed, the others stopped."""
+    failed, the others stopped. ``at_once``: every node of the instance is live and its
+    lost ranks died with a restart (heard since), so it is placed again at once rather
+    than after a node may have been found down (``Coordinator._replace``)."""
 
     instance_id: str
     error: str
     failed_nodes: tuple[str, ...] = ()
+    at_once: bool = False
 
 
 @dataclass(frozen=True)
@@ -219,7 +222,7 @@ def lost_rank_failures(state: ClusterState, live: set[str],
         elif inst.instance_id in restarted:
             gone = ", ".join(restarted[inst.instance_id])
             events.append(InstanceFailed(inst.instance_id,
-                                         f"node(s) {gone} restarted: their ranks are gone"))
+                                         f"node(s) {gone} restarted: their ranks are gone", at_once=True))
     return events
 
 

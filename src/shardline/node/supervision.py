@@ -89,8 +89,8 @@ class Supervisor:
                 or inst.instance_id in self.node.worker.runners:
             return
         self._start_runner(current, rank, placement, weights)
-        self.node._background = [t for t in self.node._background if not t.done()]
-        self.node._background.append(asyncio.create_task(self.node.logistics._warm_tokenizer(inst.model_id)))
+        if rank == 0:  # the others' nodes load it once idle (Node._membership_loop)
+            self.node.warm_tokenizer(inst.model_id)
 
     def _start_runner(self, inst: Instance, rank: int, placement: RankPlacement, weights: Path) -> None:
         """Start the runner of ``rank`` of ``inst`` on this node, reading ``weights``."""

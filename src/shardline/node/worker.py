@@ -4,6 +4,15 @@ Each runner is a ``python -m shardline.runner FD`` subprocess that talks to the 
 one end of a socket pair (``multiprocessing.connection.Connection`` framing), so no port is
 opened and a runner's death is seen at once as end-of-file. A reader thread per runner
 forwards its messages to the node's event loop.
+
+A runner imports torch and the model code (1.5-3 s on a 2-core machine) before it reads
+its spec, so the worker keeps one started ahead (``spare``): it has imported everything and
+waits, silent, for the spec of the next rank placed on this node, which then skips the
+imports. The node starts one at its own start and, after one is used, once it has been
+idle a while (``Node``: its imports would take CPU from a load or the first requests);
+one that exits while waiting is replaced (not after :data:`SPARE_MAX_EARLY_EXITS` exits in
+a row within :data:`SPARE_EARLY_S` of their start: a runner that cannot start is left to
+the ranks' own error reports).
 """
 
 from __future__ import annotations
@@ -19,9 +28,24 @@ from multiprocessing.connection import Connection
 from typing import Callable
 
 from shardline.node.status import RankStatus
+from shardline.process_memory import private_bytes_of
 from shardline.runner.protocol import Failed, Heartbeat, Loaded, RunnerSpec
 
 log = logging.getLogger(__name__)
+
+SPARE_EARLY_S = 60.0
+"""A pre-started runner that exits within this many seconds of its start exited early."""
+SPARE_MAX_EARLY_EXITS = 3
+"""After this many early exits in a row the worker stops pre-starting runners."""
+
+
+@dataclass
+class Spare:
+    """A runner started ahead of its rank, waiting for a spec."""
+
+    process: subprocess.Popen
+    conn: Connection
+    started: float = field(default_factory=time.monotonic)
 
 
 @dataclass
@@ -69,18 +93,26 @@ class Worker:
     from a thread of their own, also while computing) is killed and reported as Failed; so
     is one that has not loaded within ``startup_s`` seconds (imports and the process-group
     rendezvous can hold the interpreter for seconds on a busy machine).
+
+    With ``spare``, one runner is kept started ahead (see the module's docstring):
+    :meth:`start_spare` starts it, :meth:`start` hands it the next spec.
     """
 
     def __init__(self, on_message: Callable[[str, object], None], watchdog_s: float = 10.0,
-                 startup_s: float = 300.0) -> None:
+                 startup_s: float = 300.0, spare: bool = False) -> None:
         self.on_message = on_message
         self.watchdog_s = watchdog_s
         self.startup_s = startup_s
         self.runners: dict[str, RunnerHandle] = {}
         self._lock = threading.Lock()
+        self.spare_enabled = spare
+        self.spare: Spare | None = None
+        self._early_exits = 0
+        self._stopped = False
 
-    def start(self, spec: RunnerSpec) -> RunnerHandle:
-        """Spawn a runner for ``spec`` and return at once; it reports Loaded or Failed."""
+    @staticmethod
+    def _spawn() -> tuple[subprocess.Popen, Connection]:
+        """A runner process and the node's end of its socket pair."""
         ours, theirs = socket.socketpair()
         # The runner binds its process group's sockets to spec.host itself
         # (shardline.runner.rendezvous); a GLOO_SOCKET_IFNAME in the node's environment
@@ -91,8 +123,58 @@ class Worker:
             start_new_session=True,
         )
         theirs.close()
-        handle = RunnerHandle(spec=spec, process=process, conn=Connection(ours.detach()))
+        return process, Connection(ours.detach())
+
+    def loading(self) -> bool:
+        """Whether a runner of this node is loading its shard."""
+        return any(h.status == RankStatus.LOADING for h in list(self.runners.values()))
+
+    def start_spare(self) -> None:
+        """Start a runner ahead of its rank, unless pre-starting is off, one is waiting
+        already, or a runner of this node is loading (it would take that load's CPU)."""
         with self._lock:
+            if (not self.spare_enabled or self._stopped or self.spare is not None
+                    or any(h.status == RankStatus.LOADING for h in self.runners.values())):
+                return
+            spare = self.spare = Spare(*self._spawn())
+        threading.Thread(target=self._watch_spare, args=(spare,), daemon=True, name="spare-runner").start()
+
+    def _watch_spare(self, spare: Spare) -> None:
+        """Replace the pre-started runner if it exits while waiting for a spec."""
+        code = spare.process.wait()
+        with self._lock:
+            if self.spare is not spare:
+                return  # it became a rank (or the worker stopped)
+            self.spare = None
+            early = time.monotonic() - spare.started < SPARE_EARLY_S
+            self._early_exits = self._early_exits + 1 if early else 0
+            if self._early_exits >= SPARE_MAX_EARLY_EXITS:
+                self.spare_enabled = False
+        spare.conn.close()
+        if not self.spare_enabled:
+            log.error("the pre-started runner exited with code %s, %d times in a row soon after "
+                      "starting: runners start when placed from now on", code, self._early_exits)
+            return
+        log.warning("the pre-started runner exited with code %s; starting another", code)
+        self.start_spare()
+
+    def spare_bytes(self) -> int:
+        """Private resident bytes of the waiting pre-started runner (0 without one)."""
+        spare = self.spare
+        return (private_bytes_of(spare.process.pid) or 0) if spare is not None else 0
+
+    def start(self, spec: RunnerSpec) -> RunnerHandle:
+        """Run ``spec`` on the pre-started runner, or else a new one, and return at once; it
+        reports Loaded or Failed."""
+        with self._lock:  # taken and registered as loading at once: no spare starts between
+            spare, self.spare = self.spare, None
+            if spare is not None and spare.process.poll() is None:
+                process, conn = spare.process, spare.conn
+            else:
+                if spare is not None:
+                    spare.conn.close()
+                process, conn = self._spawn()
+            handle = RunnerHandle(spec=spec, process=process, conn=conn)
             old = self.runners.get(spec.instance_id)
             self.runners[spec.instance_id] = handle
         if old is not None:
@@ -169,9 +251,11 @@ class Worker:
         }
 
     def resident_bytes(self) -> int:
-        """Resident bytes of this node's live runners, as they last reported."""
-        return sum(h.memory.rss_bytes for h in list(self.runners.values())
-                   if h.memory is not None and h.status not in (RankStatus.FAILED, RankStatus.STOPPED))
+        """Resident bytes of this node's live runners, as they last reported, and of the
+        pre-started one (the next rank's runtime, which placement counts for that rank)."""
+        return self.spare_bytes() + sum(
+            h.memory.rss_bytes for h in list(self.runners.values())
+            if h.memory is not None and h.status not in (RankStatus.FAILED, RankStatus.STOPPED))
 
     def stop(self, instance_id: str) -> None:
         """Kill the runner of an instance (if any) and reap it."""
@@ -183,6 +267,14 @@ class Worker:
             self._kill(handle)
 
     def stop_all(self) -> None:
+        """Kill every runner, the pre-started one too, and start no more."""
+        with self._lock:
+            self._stopped = True
+            spare, self.spare = self.spare, None
+        if spare is not None:
+            spare.process.kill()
+            spare.process.wait()
+            spare.conn.close()
         for instance_id in list(self.runners):
             self.stop(instance_id)
 

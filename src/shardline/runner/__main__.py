@@ -30,6 +30,9 @@ from shardline.runner.rendezvous import join
 
 log = logging.getLogger("shardline.runner")
 
+LOAD_THREADS = 1
+"""torch threads while a rank loads its shard (``RunnerSpec.threads`` serve)."""
+
 
 def _read_inbox(conn, inbox: "queue.Queue[object]") -> None:
     try:
@@ -42,7 +45,8 @@ def _read_inbox(conn, inbox: "queue.Queue[object]") -> None:
 
 
 class Outbox:
-    """Thread-safe sending to the node; a daemon thread sends a Heartbeat every second.
+    """Thread-safe sending to the node; a daemon thread sends a Heartbeat every second
+    (from :meth:`start_beating`).
 
     The same thread is the engine's progress watchdog once :meth:`watch` is called: a rank
     that stays inside a step without progress for longer than the timeout (a peer that
@@ -55,6 +59,10 @@ class Outbox:
         self.lock = threading.Lock()
         self.progress: Progress | None = None
         self.progress_timeout_s = 0.0
+
+    def start_beating(self) -> None:
+        """Start the heartbeat thread (once the runner has its spec: a pre-started runner
+        waits for one silently)."""
         threading.Thread(target=self._beat, daemon=True, name="heartbeat").start()
 
     def watch(self, progress: Progress, timeout_s: float) -> None:
@@ -111,7 +119,11 @@ def load_stage(spec: RunnerSpec, source, group, progress: Progress, dtype, devic
     return PipelineStage(shard, cache, spec.rank, spec.world_size, progress)
 
 
-def serve(conn, outbox: Outbox) -> None:
+def serve(conn, outbox: Outbox, started: float) -> None:
+    """Import what a rank needs, then wait for the node's RunnerSpec (a runner may be
+    started ahead of its placement: ``Worker``'s pre-started runner), join the process
+    group, load the shard, report Loaded and run the engine. ``started``: the process's
+    start (``time.monotonic()``), for the log line that times the phases."""
     import torch
     import torch.distributed as dist
 
@@ -121,9 +133,15 @@ def serve(conn, outbox: Outbox) -> None:
     from shardline.runner.constraint import GrammarTokenizer
     from shardline.runner.engine import Engine, pool_tokens
 
+    imported = time.monotonic()
     spec: RunnerSpec = conn.recv()
-    if spec.threads:
-        torch.set_num_threads(spec.threads)
+    given = time.monotonic()
+    outbox.start_beating()
+    serving_threads = spec.threads or torch.get_num_threads()
+    # Loading is thousands of small ops per shard: one thread. With two, SmolLM2's load
+    # took 3-4x the CPU (4-7 s against 1.1-1.5 s) and 3x the time on a busy 2-core
+    # machine, OpenMP's workers spinning between ops.
+    torch.set_num_threads(LOAD_THREADS)
     device = torch.device(spec.device)
     dtype = getattr(torch, spec.dtype)
     inbox: queue.Queue[object] = queue.Queue()
@@ -139,6 +157,7 @@ def serve(conn, outbox: Outbox) -> None:
              cuda=device.type == "cuda", timeout=timedelta(seconds=spec.collective_timeout_s))
         group = dist.group.WORLD
 
+    joined = time.monotonic()
     runtime_rss, _ = memory_now()
     source = open_weights(spec.model_path)
     progress = Progress()
@@ -146,6 +165,7 @@ def serve(conn, outbox: Outbox) -> None:
         stage = load_stage(spec, source, group, progress, dtype, device)
     cache = stage.cache
     param_bytes = weight_bytes(stage.shard)
+    torch.set_num_threads(serving_threads)
     if group is not None:
         dist.barrier(group)  # every rank holds its shard before any serves
         outbox.watch(progress, spec.progress_timeout_s)
@@ -161,6 +181,10 @@ def serve(conn, outbox: Outbox) -> None:
     pool_bytes = pool * cache.bytes_per_token
     outbox.send(Loaded(tuple(layers), tensors_read, bytes_read, param_bytes, pool_bytes,
                        *memory_now(), runtime_rss))
+    log.info("rank %d of %s loaded in %.2f s from its spec (imports %.2f s%s, process group "
+             "%.2f s, shard %.2f s)", spec.rank, spec.instance_id, time.monotonic() - given,
+             imported - started, ", done before the spec" if given - imported > 0.05 else "",
+             joined - given, time.monotonic() - joined)
     engine = Engine(
         stage,
         inbox,
@@ -204,10 +228,11 @@ def _peer_lost(exc: BaseException) -> bool:
 
 def main() -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s runner %(message)s")
+    started = time.monotonic()
     conn = Connection(int(sys.argv[1]))
     outbox = Outbox(conn)
     try:
-        serve(conn, outbox)
+        serve(conn, outbox, started)
     except Exception as exc:  # noqa: BLE001 - every failure is reported, then exits
         peer_lost = _peer_lost(exc)
         if peer_lost:
