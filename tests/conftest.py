@@ -6,12 +6,33 @@ pytest puts this folder on sys.path, so tests import the helpers in ``tiny_model
 from __future__ import annotations
 
 import socket
+import time
 
 import httpx
 import pytest
 
 from shardline.local_cluster import LocalCluster
 from shardline.node.signing import SignedAuth, signing_key
+
+
+def wait_until(check, timeout_s: float = 60.0, what: str = "a condition", interval_s: float = 0.1,
+               tolerate: tuple[type[BaseException], ...] = ()):
+    """Call ``check`` every ``interval_s`` seconds until it returns something truthy, and
+    return that; an exception of a ``tolerate`` type counts as not yet.
+
+    Raises:
+        AssertionError: not within ``timeout_s`` seconds (naming ``what``).
+    """
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        try:
+            result = check()
+        except tolerate:
+            result = None
+        if result:
+            return result
+        time.sleep(interval_s)
+    raise AssertionError(f"not within {timeout_s} s: {what}")
 
 
 def member_client(cluster_key: str, timeout_s: float = 5.0) -> httpx.Client:

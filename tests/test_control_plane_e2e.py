@@ -11,7 +11,7 @@ import time
 import httpx
 import pytest
 from conftest import capital_answer as answer
-from conftest import free_port_block, member_client
+from conftest import free_port_block, member_client, wait_until
 
 from shardline.local_cluster import LocalCluster
 from shardline.models.store import DEFAULT_MODEL_ID
@@ -22,15 +22,6 @@ pytestmark = pytest.mark.timeout(300)
 def ids_of(cluster: LocalCluster) -> list[str]:
     return [httpx.get(f"{cluster.url(i)}/health", timeout=5).json()["node_id"] for i in range(cluster.n)]
 
-
-def wait_until(check, timeout_s: float, what: str):
-    deadline = time.time() + timeout_s
-    while time.time() < deadline:
-        result = check()
-        if result:
-            return result
-        time.sleep(0.5)
-    raise AssertionError(f"not within {timeout_s} s: {what}")
 
 
 def tables(cluster: LocalCluster) -> list[tuple]:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import http.server
 import os
 import subprocess
@@ -11,7 +12,7 @@ import time
 
 import httpx
 import pytest
-from conftest import CAPITAL_QUESTION, free_port_block, member_client
+from conftest import CAPITAL_QUESTION, free_port_block, member_client, wait_until
 
 from shardline.local_cluster import LocalCluster
 from shardline.models.store import DEFAULT_MODEL_ID
@@ -23,18 +24,7 @@ def views(cluster: LocalCluster, indices) -> dict[int, dict]:
     return {i: httpx.get(f"{cluster.url(i)}/cluster/nodes", timeout=5).json() for i in indices}
 
 
-def wait_for(check, timeout: float, what: str):
-    deadline = time.time() + timeout
-    while time.time() < deadline:
-        try:
-            result = check()
-        except httpx.HTTPError:
-            result = None
-        if result:
-            return result
-        time.sleep(0.2)
-    raise AssertionError(f"not within {timeout} s: {what}")
-
+wait_for = functools.partial(wait_until, interval_s=0.2, tolerate=(httpx.HTTPError,))
 
 class FakePeer(http.server.BaseHTTPRequestHandler):
     """An address listed as a peer that is not one: records what it is sent, answers 401."""

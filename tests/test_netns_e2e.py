@@ -5,6 +5,7 @@ host's address only."""
 
 from __future__ import annotations
 
+import functools
 import os
 import re
 import subprocess
@@ -15,7 +16,7 @@ import httpx
 import netns
 import psutil
 import pytest
-from conftest import capital_answer, member_client
+from conftest import capital_answer, member_client, wait_until
 
 REASON = netns.unavailable()
 pytestmark = [pytest.mark.timeout(120), pytest.mark.skipif(REASON is not None, reason=REASON or "")]
@@ -38,18 +39,8 @@ def nodes_view(hosts: netns.Hosts, i: int) -> list[dict]:
     return httpx.get(f"http://{hosts.addresses[i]}:{PORT}/cluster/nodes", timeout=2).json()["nodes"]
 
 
-def wait_for(check, timeout_s: float, what: str):
-    deadline = time.time() + timeout_s
-    while time.time() < deadline:
-        try:
-            result = check()
-        except (httpx.HTTPError, KeyError, ValueError):
-            result = None
-        if result:
-            return result
-        time.sleep(0.3)
-    raise AssertionError(f"not within {timeout_s} s: {what}")
-
+wait_for = functools.partial(wait_until, interval_s=0.3,
+                             tolerate=(httpx.HTTPError, KeyError, ValueError))
 
 def stop(procs: list[subprocess.Popen]) -> None:
     for proc in procs:

@@ -5,28 +5,17 @@ keeps exiting soon after it starts is given up, and a node starts a new one once
 from __future__ import annotations
 
 import queue
-import time
 
 import psutil
 import pytest
 from conftest import capital_answer, free_port_block
+from conftest import wait_until as wait_for
 
 from shardline.models.config import RankShare
 from shardline.node.worker import SPARE_MAX_EARLY_EXITS, Worker
 from shardline.runner.protocol import Failed, RunnerSpec
 
 pytestmark = pytest.mark.timeout(180)
-
-
-def wait_for(predicate, timeout_s: float = 60.0, what: str = "condition"):
-    """Poll ``predicate`` every 50 ms until it returns something truthy; that value."""
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        value = predicate()
-        if value:
-            return value
-        time.sleep(0.05)
-    raise AssertionError(f"timed out waiting for {what}")
 
 
 def spec(instance_id: str = "inst") -> RunnerSpec:
