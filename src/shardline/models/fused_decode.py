@@ -42,6 +42,9 @@ log = logging.getLogger(__name__)
 MAX_HEAD_DIM = 256
 """``MAX_HD`` of the C source."""
 
+MAX_GROUP = 16
+"""``MAX_GROUP`` of the C source: query heads per KV head."""
+
 _P = ctypes.c_void_p
 _I = ctypes.c_int64
 _POINTERS = ("qkv", "o", "gate_up", "down", "attn_norm", "mlp_norm", "qkv_bias", "q_norm",
@@ -91,7 +94,7 @@ def refusal(shard: DecoderShard) -> str | None:
     do: the kernels are built here (AVX-512 BF16 and VBMI), the compute dtype is bfloat16
     on the CPU, the shard holds whole layers (no tensor share, no all-reduce, no padded
     query groups), head_dim, hidden and intermediate sizes are multiples of 16 (head_dim at
-    most :data:`MAX_HEAD_DIM`), and each layer's four products are int4 planes the
+    most :data:`MAX_HEAD_DIM`), at most :data:`MAX_GROUP` query heads a KV head, and each layer's four products are int4 planes the
     compiled decode product takes. Qwen2's q/k/v bias and Qwen3's q/k norms are
     supported."""
     config = shard.config
@@ -104,6 +107,8 @@ def refusal(shard: DecoderShard) -> str | None:
     sizes = (config.hidden_size, config.head_dim, config.intermediate_size)
     if any(size % 16 for size in sizes) or config.head_dim > MAX_HEAD_DIM:
         return f"hidden, head_dim, intermediate {sizes} (multiples of 16, head_dim <= 256)"
+    if config.num_heads % config.num_kv_heads or config.num_heads > MAX_GROUP * config.num_kv_heads:
+        return f"{config.num_heads} query heads over {config.num_kv_heads} KV heads (<= 16 each)"
     for i, module in enumerate(shard.layers):
         layer = cast(DecoderLayer, module)
         if layer.all_reduce is not None or layer.attn.q_index is not None:

@@ -9,7 +9,7 @@
  *   qkv = h @ Wqkv^T (+ bias)            (int4_planes_gemv, dequant.c)
  *   q, k = rms_norm per head (Qwen3), then RoPE: bf(bf(a * cos) + bf(rot(a) * sin))
  *   k, v -> the slot's cache at the row's position ([slots, kv_heads, positions, hd])
- *   a  = softmax(q k^T / sqrt(hd)) v     over positions 0 .. position, float32 throughout
+ *   a  = softmax(q k^T / sqrt(hd)) v     over positions 0 .. position, in float32
  *                                        (online softmax, Milakov & Gimelshein 2018),
  *                                        query head h reading KV head h / group
  *   x  = bf(x + a @ Wo^T)
@@ -18,7 +18,7 @@
  * Each row is computed by the same instructions in the same order whatever the other
  * rows of the step (the products guarantee it, and everything else is per row), so its
  * result is the same bits in any batch. Threads (OpenMP) split the products' output
- * blocks and the attention's (row, head) pairs. */
+ * blocks and the attention's (row, KV head) pairs. */
 #include <math.h>
 #include <stdint.h>
 #include <stdlib.h>
@@ -39,13 +39,15 @@ typedef struct {
     uint16_t *k_cache, *v_cache;          /* [slots, kv_heads, positions, hd] */
 } decode_layer_t;
 
-/* The model's sizes (hidden and hd multiples of 16, hd at most MAX_HD). */
+/* The model's sizes (hidden and hd multiples of 16, hd at most MAX_HD, heads / kv_heads
+ * at most MAX_GROUP). */
 typedef struct {
     int64_t hidden, heads, kv_heads, hd, inter, slots, positions;
     float eps;
 } decode_shape_t;
 
 #define MAX_HD 256
+#define MAX_GROUP 16 /* query heads a KV head serves */
 #define CHUNK 128 /* keys scored at a time */
 
 static inline __m512 load16(const uint16_t *p) {
@@ -89,51 +91,82 @@ static void rms_norm(const uint16_t *x, const uint16_t *w, int64_t n, float eps,
         out[i] = to_bf16(from_bf16(w[i]) * from_bf16(to_bf16(from_bf16(x[i]) * r)));
 }
 
-/* One query head of one row: out[hd] = softmax(q K^T * scale) V over L keys (K, V: hd
- * bfloat16 a key). */
-static void attend(const uint16_t *q16, const uint16_t *K, const uint16_t *V, int64_t L,
-                   int64_t hd, float scale, uint16_t *out) {
-    __m512 q[MAX_HD / 16], acc[MAX_HD / 16];
+static inline float sum8(__m256 v) {
+    __m128 a = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    a = _mm_add_ps(a, _mm_movehl_ps(a, a));
+    return _mm_cvtss_f32(_mm_add_ss(a, _mm_movehdup_ps(a)));
+}
+
+/* The query heads of one KV head (group of them, q16: group x hd bfloat16) of one row:
+ * out[g] = softmax(q[g] K^T * scale) V over L keys (K, V: hd bfloat16 a key), each key
+ * and value read once for the group. Scores: bfloat16 products (exact in float32) summed
+ * in float32 (vdpbf16ps); the rest in float32. */
+static void attend(const uint16_t *q16, int64_t group, const uint16_t *K, const uint16_t *V,
+                   int64_t L, int64_t hd, float scale, uint16_t *out) {
+    __m256bh q[MAX_GROUP][MAX_HD / 16];
+    __m512 acc[MAX_GROUP][MAX_HD / 16];
+    float s[MAX_GROUP][CHUNK] __attribute__((aligned(64)));
+    float best[MAX_GROUP], total[MAX_GROUP];
     int64_t vecs = hd / 16;
-    for (int64_t d = 0; d < vecs; d++) {
-        q[d] = _mm512_mul_ps(load16(q16 + 16 * d), _mm512_set1_ps(scale));
-        acc[d] = _mm512_setzero_ps();
+    for (int64_t g = 0; g < group; g++) {
+        for (int64_t d = 0; d < vecs; d++) {
+            q[g][d] = (__m256bh)_mm256_loadu_si256((const __m256i *)(q16 + g * hd + 16 * d));
+            acc[g][d] = _mm512_setzero_ps();
+        }
+        best[g] = -INFINITY;
+        total[g] = 0.0f;
     }
-    float s[CHUNK] __attribute__((aligned(64)));
-    float best = -INFINITY, total = 0.0f;
     for (int64_t t0 = 0; t0 < L; t0 += CHUNK) {
         int64_t n = L - t0 < CHUNK ? L - t0 : CHUNK;
-        float top = -INFINITY;
+        float top[MAX_GROUP];
+        for (int64_t g = 0; g < group; g++) top[g] = -INFINITY;
         for (int64_t t = 0; t < n; t++) {
             const uint16_t *k = K + (t0 + t) * hd;
-            __m512 dot = _mm512_mul_ps(q[0], load16(k));
-            for (int64_t d = 1; d < vecs; d++) dot = _mm512_fmadd_ps(q[d], load16(k + 16 * d), dot);
-            s[t] = _mm512_reduce_add_ps(dot);
-            top = s[t] > top ? s[t] : top;
+            __m256bh kv[MAX_HD / 16];
+            for (int64_t d = 0; d < vecs; d++)
+                kv[d] = (__m256bh)_mm256_loadu_si256((const __m256i *)(k + 16 * d));
+            for (int64_t g = 0; g < group; g++) {
+                __m256 dot = _mm256_setzero_ps();
+                for (int64_t d = 0; d < vecs; d++) dot = _mm256_dpbf16_ps(dot, q[g][d], kv[d]);
+                float v = sum8(dot) * scale;
+                s[g][t] = v;
+                top[g] = v > top[g] ? v : top[g];
+            }
         }
-        float now = top > best ? top : best;
-        float keep = expf(best - now); /* 0 for the first chunk */
-        best = now;
-        __m512 sum = _mm512_setzero_ps(), m = _mm512_set1_ps(now);
-        for (int64_t t = 0; t < n; t += 16) {
-            __mmask16 live = n - t >= 16 ? 0xFFFF : (__mmask16)((1u << (n - t)) - 1);
-            __m512 p = _mm512_maskz_mov_ps(live, exp16(_mm512_sub_ps(_mm512_load_ps(s + t), m)));
-            _mm512_store_ps(s + t, p);
-            sum = _mm512_add_ps(sum, p);
+        for (int64_t g = 0; g < group; g++) {
+            float now = top[g] > best[g] ? top[g] : best[g];
+            float keep = expf(best[g] - now); /* 0 for the first chunk */
+            best[g] = now;
+            __m512 sum = _mm512_setzero_ps(), m = _mm512_set1_ps(now);
+            for (int64_t t = 0; t < n; t += 16) {
+                __mmask16 live = n - t >= 16 ? 0xFFFF : (__mmask16)((1u << (n - t)) - 1);
+                /* below e^-60 (relative to the largest, 1) a weight is 0: no denormals */
+                __m512 x = _mm512_sub_ps(_mm512_load_ps(s[g] + t), m);
+                live &= _mm512_cmp_ps_mask(x, _mm512_set1_ps(-60.0f), _CMP_GE_OQ);
+                __m512 p = _mm512_maskz_mov_ps(live, exp16(x));
+                _mm512_store_ps(s[g] + t, p);
+                sum = _mm512_add_ps(sum, p);
+            }
+            total[g] = total[g] * keep + _mm512_reduce_add_ps(sum);
+            __m512 kp = _mm512_set1_ps(keep);
+            for (int64_t d = 0; d < vecs; d++) acc[g][d] = _mm512_mul_ps(acc[g][d], kp);
         }
-        total = total * keep + _mm512_reduce_add_ps(sum);
-        __m512 kv = _mm512_set1_ps(keep);
-        for (int64_t d = 0; d < vecs; d++) acc[d] = _mm512_mul_ps(acc[d], kv);
         for (int64_t t = 0; t < n; t++) {
             const uint16_t *v = V + (t0 + t) * hd;
-            __m512 p = _mm512_set1_ps(s[t]);
-            for (int64_t d = 0; d < vecs; d++) acc[d] = _mm512_fmadd_ps(p, load16(v + 16 * d), acc[d]);
+            __m512 vv[MAX_HD / 16];
+            for (int64_t d = 0; d < vecs; d++) vv[d] = load16(v + 16 * d);
+            for (int64_t g = 0; g < group; g++) {
+                __m512 p = _mm512_set1_ps(s[g][t]);
+                for (int64_t d = 0; d < vecs; d++) acc[g][d] = _mm512_fmadd_ps(p, vv[d], acc[g][d]);
+            }
         }
     }
-    __m512 inv = _mm512_set1_ps(1.0f / total);
-    for (int64_t d = 0; d < vecs; d++)
-        _mm256_storeu_si256((__m256i *)(out + 16 * d),
-                            (__m256i)_mm512_cvtneps_pbh(_mm512_mul_ps(acc[d], inv)));
+    for (int64_t g = 0; g < group; g++) {
+        __m512 inv = _mm512_set1_ps(1.0f / total[g]);
+        for (int64_t d = 0; d < vecs; d++)
+            _mm256_storeu_si256((__m256i *)(out + g * hd + 16 * d),
+                                (__m256i)_mm512_cvtneps_pbh(_mm512_mul_ps(acc[g][d], inv)));
+    }
 }
 
 /* In place on a row's q and k heads (heads + kv_heads of hd): the per-head norms (if
@@ -193,11 +226,12 @@ int decode_layers(const decode_shape_t *S, const decode_layer_t *layers, int64_t
             }
         }
 #pragma omp parallel for schedule(static)
-        for (int64_t task = 0; task < M * heads; task++) {
-            int64_t m = task / heads, q = task % heads;
-            int64_t base = (slots[m] * kvh + q / group) * S->positions * hd;
-            attend(qkv + m * qkv_n + q * hd, Lr->k_cache + base, Lr->v_cache + base,
-                   positions[m] + 1, hd, scale, att + m * heads * hd + q * hd);
+        for (int64_t task = 0; task < M * kvh; task++) {
+            int64_t m = task / kvh, j = task % kvh;
+            int64_t base = (slots[m] * kvh + j) * S->positions * hd;
+            attend(qkv + m * qkv_n + j * group * hd, group, Lr->k_cache + base,
+                   Lr->v_cache + base, positions[m] + 1, hd, scale,
+                   att + m * heads * hd + j * group * hd);
         }
         if ((rc = int4_planes_gemv(Lr->o, att, 0, M, y, allow_amx))) break;
         add_rows(x, y, M * H);
