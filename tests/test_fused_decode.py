@@ -124,6 +124,23 @@ def test_fused_layers_match_the_torch_path(shard, rows, attention, monkeypatch):
         assert ((mine - theirs).norm() / theirs.norm()).item() < bound
 
 
+def test_long_prefixes_split_in_blocks_match_the_torch_path(shard, monkeypatch):
+    """Beyond 512 keys (``SPLIT``) a row's attention runs in blocks combined in order;
+    against the torch path with float32 attention (see above), and row by row."""
+    _float32_attention(monkeypatch)
+    lengths = [511, 512, 513, 1100]
+    cache = _prefilled(shard, lengths)
+    saved = _snapshot(cache)
+    ours = _layers(shard, True, list(range(4)), lengths, cache)
+    for row in range(4):
+        _restore(cache, saved)
+        assert torch.equal(_layers(shard, True, [row], [lengths[row]], cache)[0], ours[row])
+    _restore(cache, saved)
+    reference = _layers(shard, False, list(range(4)), lengths, cache)
+    error = (ours.float() - reference.float()).norm(dim=1) / reference.float().norm(dim=1)
+    assert error.max().item() < 2e-3, error
+
+
 def test_each_row_is_the_same_bits_whatever_runs_beside_it(shard):
     lengths = [5, 17, 2, 40, 9, 23, 31, 12]
     cache = _prefilled(shard, lengths)

@@ -18,7 +18,9 @@
  * Each row is computed by the same instructions in the same order whatever the other
  * rows of the step (the products guarantee it, and everything else is per row), so its
  * result is the same bits in any batch. Threads (OpenMP) split the products' output
- * blocks and the attention's (row, KV head) pairs. */
+ * blocks and the attention's (row, KV head, block of SPLIT keys) tasks; a row's blocks
+ * depend on its length alone and are combined in order (flash-decoding's split of the
+ * keys, Dao et al. 2023). */
 #include <math.h>
 #include <stdint.h>
 #include <stdlib.h>
@@ -49,6 +51,7 @@ typedef struct {
 #define MAX_HD 256
 #define MAX_GROUP 16 /* query heads a KV head serves */
 #define CHUNK 128 /* keys scored at a time */
+#define SPLIT 512 /* keys a thread takes: a row's keys split in blocks by its length alone */
 
 static inline __m512 load16(const uint16_t *p) {
     return _mm512_castsi512_ps(
@@ -97,12 +100,13 @@ static inline float sum8(__m256 v) {
     return _mm_cvtss_f32(_mm_add_ss(a, _mm_movehdup_ps(a)));
 }
 
-/* The query heads of one KV head (group of them, q16: group x hd bfloat16) of one row:
- * out[g] = softmax(q[g] K^T * scale) V over L keys (K, V: hd bfloat16 a key), each key
- * and value read once for the group. Scores: bfloat16 products (exact in float32) summed
- * in float32 (vdpbf16ps); the rest in float32. */
+/* The query heads of one KV head (group of them, q16: group x hd bfloat16) of one row
+ * over L keys (K, V: hd bfloat16 a key), each key and value read once for the group:
+ * per head g, part[g] = (m, l, a[hd]) with m the largest score q[g] k * scale, l the sum
+ * of e^(score - m) and a the sum of e^(score - m) v, in float32. Scores: bfloat16
+ * products (exact in float32) summed in float32 (vdpbf16ps). */
 static void attend(const uint16_t *q16, int64_t group, const uint16_t *K, const uint16_t *V,
-                   int64_t L, int64_t hd, float scale, uint16_t *out) {
+                   int64_t L, int64_t hd, float scale, float *part) {
     __m256bh q[MAX_GROUP][MAX_HD / 16];
     __m512 acc[MAX_GROUP][MAX_HD / 16];
     float s[MAX_GROUP][CHUNK] __attribute__((aligned(64)));
@@ -162,11 +166,32 @@ static void attend(const uint16_t *q16, int64_t group, const uint16_t *K, const 
         }
     }
     for (int64_t g = 0; g < group; g++) {
-        __m512 inv = _mm512_set1_ps(1.0f / total[g]);
-        for (int64_t d = 0; d < vecs; d++)
-            _mm256_storeu_si256((__m256i *)(out + g * hd + 16 * d),
-                                (__m256i)_mm512_cvtneps_pbh(_mm512_mul_ps(acc[g][d], inv)));
+        float *pg = part + g * (hd + 2);
+        pg[0] = best[g];
+        pg[1] = total[g];
+        for (int64_t d = 0; d < vecs; d++) _mm512_storeu_ps(pg + 2 + 16 * d, acc[g][d]);
     }
+}
+
+/* out[hd] (bfloat16) = the attention of one query head from its blocks' parts (each
+ * (m, l, a[hd]), `stride` floats apart), combined in block order. */
+static void combine(const float *part, int64_t blocks, int64_t stride, int64_t hd,
+                    uint16_t *out) {
+    float best = part[0], total = 0.0f;
+    for (int64_t b = 1; b < blocks; b++) best = part[b * stride] > best ? part[b * stride] : best;
+    __m512 acc[MAX_HD / 16];
+    for (int64_t d = 0; d < hd / 16; d++) acc[d] = _mm512_setzero_ps();
+    for (int64_t b = 0; b < blocks; b++) {
+        const float *pb = part + b * stride;
+        float w = expf(pb[0] - best);
+        total += pb[1] * w;
+        for (int64_t d = 0; d < hd / 16; d++)
+            acc[d] = _mm512_fmadd_ps(_mm512_set1_ps(w), _mm512_loadu_ps(pb + 2 + 16 * d), acc[d]);
+    }
+    __m512 inv = _mm512_set1_ps(1.0f / total);
+    for (int64_t d = 0; d < hd / 16; d++)
+        _mm256_storeu_si256((__m256i *)(out + 16 * d),
+                            (__m256i)_mm512_cvtneps_pbh(_mm512_mul_ps(acc[d], inv)));
 }
 
 /* In place on a row's q and k heads (heads + kv_heads of hd): the per-head norms (if
@@ -208,6 +233,26 @@ int decode_layers(const decode_shape_t *S, const decode_layer_t *layers, int64_t
     if (!work) return -1;
     uint16_t *h = work, *qkv = h + M * H, *att = qkv + M * qkv_n, *y = att + M * heads * hd;
     uint16_t *gu = y + M * H, *act = gu + M * 2 * S->inter;
+    /* attention tasks: (row, KV head, block of SPLIT keys), a (row, KV head)'s blocks
+     * adjacent; each writes group parts of hd + 2 floats */
+    int64_t tasks = 0;
+    for (int64_t m = 0; m < M; m++) tasks += kvh * (positions[m] / SPLIT + 1);
+    int64_t *task_row = malloc((size_t)tasks * 3 * sizeof(int64_t));
+    float *parts = malloc((size_t)(tasks * group * (hd + 2)) * sizeof(float));
+    if (!task_row || !parts) {
+        free(task_row);
+        free(parts);
+        free(work);
+        return -1;
+    }
+    int64_t *task_kv = task_row + tasks, *task_block = task_kv + tasks, t = 0;
+    for (int64_t m = 0; m < M; m++)
+        for (int64_t j = 0; j < kvh; j++)
+            for (int64_t b = 0; b <= positions[m] / SPLIT; b++, t++) {
+                task_row[t] = m;
+                task_kv[t] = j;
+                task_block[t] = b;
+            }
     float scale = 1.0f / sqrtf((float)hd);
     int rc = 0;
     for (int64_t l = 0; l < count && !rc; l++) {
@@ -226,12 +271,20 @@ int decode_layers(const decode_shape_t *S, const decode_layer_t *layers, int64_t
             }
         }
 #pragma omp parallel for schedule(static)
-        for (int64_t task = 0; task < M * kvh; task++) {
-            int64_t m = task / kvh, j = task % kvh;
-            int64_t base = (slots[m] * kvh + j) * S->positions * hd;
+        for (int64_t task = 0; task < tasks; task++) {
+            int64_t m = task_row[task], j = task_kv[task], b = task_block[task];
+            int64_t base = (slots[m] * kvh + j) * S->positions * hd + b * SPLIT * hd;
+            int64_t keys = positions[m] + 1 - b * SPLIT;
             attend(qkv + m * qkv_n + j * group * hd, group, Lr->k_cache + base,
-                   Lr->v_cache + base, positions[m] + 1, hd, scale,
-                   att + m * heads * hd + j * group * hd);
+                   Lr->v_cache + base, keys < SPLIT ? keys : SPLIT, hd, scale,
+                   parts + task * group * (hd + 2));
+        }
+        for (int64_t task = 0; task < tasks; task++) { /* each (row, KV head)'s first block */
+            if (task_block[task]) continue;
+            int64_t m = task_row[task], j = task_kv[task], blocks = positions[m] / SPLIT + 1;
+            for (int64_t g = 0; g < group; g++)
+                combine(parts + (task * group + g) * (hd + 2), blocks, group * (hd + 2), hd,
+                        att + m * heads * hd + (j * group + g) * hd);
         }
         if ((rc = int4_planes_gemv(Lr->o, att, 0, M, y, allow_amx))) break;
         add_rows(x, y, M * H);
@@ -251,6 +304,8 @@ int decode_layers(const decode_shape_t *S, const decode_layer_t *layers, int64_t
         if ((rc = int4_planes_gemv(Lr->down, act, 0, M, y, allow_amx))) break;
         add_rows(x, y, M * H);
     }
+    free(task_row);
+    free(parts);
     free(work);
     return rc;
 }
