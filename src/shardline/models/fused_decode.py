@@ -8,11 +8,11 @@ layer and each row of the step, the same computation as :class:`~shardline.model
 DecoderLayer` with the same bfloat16 rounding points (RMSNorm normalized in float32,
 rounded, scaled; the int4-plane products of :class:`~shardline.models.native_dequant.
 Int4Gemv`, called from C; RoPE; the cache write; one-query attention in float32 over the
-slot's prefix; the residual adds; SwiGLU), so it differs from the torch path only where
-their float32 sums run in another order (the norms' sums of squares, the attention, and
-the exponentials of softmax and SiLU): bfloat16 rounding of the layer outputs then
-differs in a few places. Each row is computed by the same instructions whatever the
-other rows, so a sequence's tokens do not depend on its batch.
+slot's prefix; the residual adds; SwiGLU). It differs from the torch path mainly in
+the attention: torch's bfloat16 attention rounds its probabilities to bfloat16, the
+fused one keeps them in float32 (against the torch path with float32 attention the tiny
+test models' outputs are the same bits). Each row is computed by the same instructions
+whatever the other rows, so a sequence's tokens do not depend on its batch.
 
 It runs only where everything in the shard is supported (:func:`refusal`); elsewhere,
 and for prefill, the torch path (the reference) runs. The decision is made once per
