@@ -34,8 +34,10 @@ from torch import nn
 from shardline.models.config import ModelConfig, TensorShare
 from shardline.models.kv_cache import KVCache
 from shardline.models.linear import Embedding, Linear
+from shardline.models.products import KERNEL_MAX_ROWS
 
 if TYPE_CHECKING:
+    from shardline.models.fused_decode import FusedDecode
     from shardline.parallel.ring import RingContext
 
 
@@ -276,9 +278,14 @@ class DecoderShard(nn.Module):
     ``forward`` takes int64 token ids ``[N]`` on the first shard and hidden states
     ``[N, hidden_size]`` (compute dtype) on the others; it returns hidden states, or on
     the last shard with a head float32 logits ``[len(batch.logit_rows), vocab_size]``.
+
+    ``fused`` (set by the loader, :func:`shardline.models.fused_decode.for_shard`): the
+    compiled decode layers that run its decode steps (of up to ``KERNEL_MAX_ROWS`` rows),
+    or None (the layers' torch ops run every step).
     """
 
     inv_freq: torch.Tensor  # a buffer: RoPE inverse frequencies, float32 [head_dim // 2]
+    fused: FusedDecode | None = None
 
     def __init__(
         self,
@@ -395,8 +402,12 @@ class DecoderShard(nn.Module):
     @torch.inference_mode()
     def forward(self, inputs: torch.Tensor, batch: ForwardBatch, cache: KVCache) -> torch.Tensor:
         h = self.embed(inputs) if self.embed is not None else inputs
-        for i, layer in enumerate(self.layers):
-            h = layer(h, batch, cache.k[i], cache.v[i])
+        if self.fused is not None and not batch.prefill and batch.ring is None and (
+                len(h) <= KERNEL_MAX_ROWS):
+            h = self.fused(h, batch, cache)
+        else:
+            for i, layer in enumerate(self.layers):
+                h = layer(h, batch, cache.k[i], cache.v[i])
         if self.lm_head is None or self.norm is None:
             return h
         h = self.norm(h.index_select(0, batch.logit_rows))

@@ -1,6 +1,7 @@
-"""The compiled dequantization kernels (``kernels/dequant.c``): built once per machine
-with the system C compiler, kept in ``$XDG_CACHE_HOME/shardline/kernels/``, loaded with
-ctypes.
+"""The compiled kernels (every ``.c`` file of ``kernels/``, one library: the
+dequantization and decode products of ``dequant.c``, the fused decode layers of
+``decode_layer.c``): built once per machine with the system C compiler, kept in
+``$XDG_CACHE_HOME/shardline/kernels/``, loaded with ctypes.
 
 A prefill chunk's product dequantizes each weight block into scratch and runs a dense GEMM
 (:mod:`shardline.models.linear`). Done with torch's element-wise ops, that takes five
@@ -33,7 +34,9 @@ from shardline.machine_cache import cache_dir
 
 log = logging.getLogger(__name__)
 
-SOURCE = Path(__file__).with_name("kernels") / "dequant.c"
+KERNELS = Path(__file__).with_name("kernels")
+SOURCES = sorted(KERNELS.glob("*.c"))
+"""Compiled together; they share ``kernels.h``."""
 FLAGS = ["-O3", "-ffp-contract=off", "-shared", "-fPIC"]
 TUNED_FLAGS = ["-march=native", "-fopenmp"]
 """Tried first (vector width of this CPU, and threads); the library is then keyed by the
@@ -70,8 +73,8 @@ def _cpu_key() -> str:
 
 def _library_path(flags: list[str]) -> Path:
     digest = hashlib.sha256()
-    for part in (SOURCE.read_bytes(), _compiler().encode(), " ".join(flags).encode(),
-                 _cpu_key().encode()):
+    texts = [path.read_bytes() for path in sorted(KERNELS.glob("*.[ch]"))]
+    for part in (*texts, _compiler().encode(), " ".join(flags).encode(), _cpu_key().encode()):
         digest.update(part)
     return cache_dir() / "kernels" / f"dequant-{digest.hexdigest()[:20]}.so"
 
@@ -89,7 +92,7 @@ def _build(flags: list[str]) -> Path:
     with tempfile.NamedTemporaryFile(dir=path.parent, suffix=".so.tmp", delete=False) as tmp:
         pass
     try:
-        subprocess.run([_compiler(), *flags, str(SOURCE), "-o", tmp.name], check=True,
+        subprocess.run([_compiler(), *flags, *map(str, SOURCES), "-o", tmp.name], check=True,
                        capture_output=True, timeout=COMPILE_TIMEOUT_S)
         Path(tmp.name).replace(path)  # atomic: runners starting together each build, one wins
     finally:
@@ -118,9 +121,12 @@ def kernels() -> ctypes.CDLL | None:
         lib.packed_groups_rows.argtypes = [_P, _P, _P, _P, _C, _C, _I, _I, _I, _C, _P, _C, _P]
         lib.packed_groups_gemv.argtypes = [_P, _P, _P, _P, _C, _C, _I, _I, _I, _C, _P, _P, _I,
                                            _P, _P]
+        lib.decode_layers_built.restype = ctypes.c_int
+        lib.decode_layers.argtypes = [_P, _P, _I, _P, _I, _P, _P, _P, _P, _C]
+        lib.decode_layers.restype = ctypes.c_int
         return lib
     log.warning("no C compiler could build %s: prefill dequantizes with torch ops (slower)",
-                SOURCE.name)
+                " ".join(path.name for path in SOURCES))
     return None
 
 
@@ -214,7 +220,8 @@ class Int4Gemv:
         self.N, self.K = planes[0][1].shape[1], planes[0][1].shape[0] * 32
         pointers = [_ptr(t) for plane in planes for t in plane] + [None, None] * (2 - len(planes))
         self._weight = _Int4Weight(*pointers, self.N, self.K)
-        self._address = ctypes.addressof(self._weight)
+        self.address = ctypes.addressof(self._weight)
+        """Where the C ``int4_gemv_t`` lies (the fused decode layers take it)."""
         self._planes = planes  # held: the kernel reads their memory
         self._kernel = _loaded().int4_planes_gemv
 
@@ -252,7 +259,7 @@ class Int4Gemv:
             raise ValueError(f"int4 decode product of {x.dtype} x {tuple(x.shape)} with "
                              f"[{self.N}, {self.K}] (at most 64 rows, bfloat16 or float32)")
         y = torch.empty(M, self.N, dtype=x.dtype)
-        if self._kernel(self._address, x.contiguous().data_ptr(), x.dtype == torch.float32, M,
+        if self._kernel(self.address, x.contiguous().data_ptr(), x.dtype == torch.float32, M,
                         y.data_ptr(), AMX):
             raise MemoryError("int4 decode product: no memory for the activations' copy")
         return y

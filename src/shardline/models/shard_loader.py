@@ -247,6 +247,7 @@ def _build_shard(
     head: bool = True,
     quantize: Quantize | None = None,
 ):
+    from shardline.models import fused_decode
     from shardline.models.llama import DecoderShard, rope_inverse_frequencies
 
     def held(part: Part | RowBlocks, vocab: bool = False) -> Part | RowBlocks:
@@ -300,4 +301,5 @@ def _build_shard(
         if isinstance(module, Linear) and not module.parts:
             raise WeightFormatError(f"no weight was read for {name}")
     shard.eval()
+    shard.fused = fused_decode.for_shard(shard)
     return shard

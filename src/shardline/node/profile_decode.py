@@ -23,8 +23,9 @@ def runner_runtime() -> float:
     """Run what a runner runs, on a tiny random model (2 layers, 256 wide, int4 weights):
     its modules (the model code, the weight readers, the parallel stages), torch's int4
     layout probe, a prefill of 96 tokens (dequantized products) and decode steps (the
-    int4 kernel), so that the code and buffers those kernels bring count in the runtime
-    (a runner's memory grew by ~30 MiB beyond a bare torch process once it served).
+    fused decode layers where they run, else the layers' torch ops), so that the code
+    and buffers those kernels bring count in the runtime (a runner's memory grew by
+    ~30 MiB beyond a bare torch process once it served).
 
     Returns:
         The median of ``DECODE_STEPS`` timed decode steps (after one untimed) divided by
@@ -39,6 +40,7 @@ def runner_runtime() -> float:
     import shardline.parallel.tensor  # noqa: F401, PLC0415
     import shardline.runner.engine  # noqa: F401, PLC0415
     from shardline.models.config import ModelConfig, Quantize  # noqa: PLC0415
+    from shardline.models.fused_decode import for_shard  # noqa: PLC0415
     from shardline.models.kv_cache import KVCache  # noqa: PLC0415
     from shardline.models.linear import Linear, resident_weight  # noqa: PLC0415
     from shardline.models.llama import DecoderShard  # noqa: PLC0415
@@ -60,6 +62,7 @@ def runner_runtime() -> float:
     assert shard.embed is not None and shard.lm_head is not None  # one shard: both ends
     shard.embed.weight, shard.embed.dtype = weight(512, 256), dtype
     shard.lm_head.set_parts([shard.embed.weight])
+    shard.fused = for_shard(shard)  # as the loader decides: a runner's decode path
     cache = KVCache(config, 2, 1, 128, dtype)
     ids = torch.randint(0, 512, (96,), generator=generator)
     times = []

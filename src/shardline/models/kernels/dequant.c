@@ -6,29 +6,14 @@
  * Every value is computed in float32 as (p * scale + zero) with no fused multiply-add
  * (built with -ffp-contract=off), summed over the planes, and rounded once to the output
  * dtype: bit for bit what the eager code computes.
- *
- * bfloat16 rounding is round-to-nearest-even on the float32 bits (the weights are finite).
  */
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
+#include "kernels.h"
 #ifdef __AVX2__
 #include <immintrin.h>
 #endif
-
-static inline uint16_t to_bf16(float f) {
-    uint32_t u;
-    memcpy(&u, &f, 4);
-    u += 0x7FFFu + ((u >> 16) & 1u);
-    return (uint16_t)(u >> 16);
-}
-
-static inline float from_bf16(uint16_t h) {
-    uint32_t u = (uint32_t)h << 16;
-    float f;
-    memcpy(&f, &u, 4);
-    return f;
-}
 
 /* torch's CPU int4 layout (torch._convert_weight_to_int4pack_for_cpu) for blocks of
  * 2 * HALF rows, "halves" order: a plane is [out / (2 HALF), K, HALF] bytes, and byte j of
@@ -621,15 +606,6 @@ static void gemv_amx(const uint8_t **planes, const uint16_t **scales, int count,
     }
 }
 #endif
-
-/* A weight for int4_planes_gemv: the planes' bytes and scales (p1, sz1 NULL for one). */
-typedef struct {
-    const uint8_t *p0;
-    const uint16_t *sz0;
-    const uint8_t *p1;
-    const uint16_t *sz1;
-    int64_t N, K;
-} int4_gemv_t;
 
 /* y = x @ W^T for x M rows of K bfloat16, or float32 when x_f32 (then each value becomes
  * three bfloat16 terms, hi + mid + lo, whose sum is the value); y is [M, N] in x's dtype.

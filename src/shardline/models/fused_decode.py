@@ -1,0 +1,230 @@
+"""Fused decode layers: every decoder layer of a decode step in one call to compiled code
+(``kernels/decode_layer.c``), where the torch path makes ~65 small torch ops a layer.
+
+A SmolLM2-135M decode step on the torch path is ~2,000 torch ops of 2-75 us each (norms,
+views, RoPE, the cache writes, one attention call per sequence, residual adds) around 121
+weight products; the products are a quarter of the step. The fused path runs, for each
+layer and each row of the step, the same computation as :class:`~shardline.models.llama.
+DecoderLayer` with the same bfloat16 rounding points (RMSNorm normalized in float32,
+rounded, scaled; the int4-plane products of :class:`~shardline.models.native_dequant.
+Int4Gemv`, called from C; RoPE; the cache write; one-query attention in float32 over the
+slot's prefix; the residual adds; SwiGLU). It differs from the torch path mainly in
+the attention: torch's bfloat16 attention rounds its probabilities to bfloat16, the
+fused one keeps them in float32 (against the torch path with float32 attention the tiny
+test models' outputs are the same bits). Each row is computed by the same instructions
+whatever the other rows, so a sequence's tokens do not depend on its batch.
+
+It runs only where everything in the shard is supported (:func:`refusal`); elsewhere,
+and for prefill, the torch path (the reference) runs. The decision is made once per
+shard at load (:func:`for_shard`), and logged.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import logging
+import weakref
+from typing import TYPE_CHECKING, cast
+
+import torch
+
+from shardline.models import native_dequant
+from shardline.models.int4_planes import Int4Planes
+from shardline.models.kv_cache import KVCache
+from shardline.models.linear import Linear
+from shardline.models.llama import DecoderLayer
+
+if TYPE_CHECKING:
+    from shardline.models.llama import DecoderShard, ForwardBatch
+
+log = logging.getLogger(__name__)
+
+MAX_HEAD_DIM = 256
+"""``MAX_HD`` of the C source."""
+
+MAX_GROUP = 16
+"""``MAX_GROUP`` of the C source: query heads per KV head."""
+
+_P = ctypes.c_void_p
+_I = ctypes.c_int64
+_POINTERS = ("qkv", "o", "gate_up", "down", "attn_norm", "mlp_norm", "qkv_bias", "q_norm",
+             "k_norm", "k_cache", "v_cache")
+
+
+class _Layer(ctypes.Structure):
+    """``decode_layer_t`` of the C source."""
+
+    _fields_ = [(name, _P) for name in _POINTERS]
+
+
+class _Shape(ctypes.Structure):
+    """``decode_shape_t`` of the C source."""
+
+    _fields_ = [*((name, _I) for name in ("hidden", "heads", "kv_heads", "hd", "inter", "slots",
+                                          "positions")), ("eps", ctypes.c_float)]
+
+
+def _built() -> bool:
+    lib = native_dequant.kernels()
+    return (lib is not None and native_dequant.int4_gemv_built()
+            and bool(lib.decode_layers_built()))
+
+
+def _product_refusal(linear: Linear) -> str | None:
+    """Why the fused layers cannot take ``linear``'s product, or None: one int4-plane part
+    that the compiled decode product takes, returned in the compute dtype."""
+    if linear.partial or linear.logits:
+        return "a partial or logits product"
+    if _gemv(linear) is None:
+        if len(linear.parts) != 1 or not isinstance(linear.parts[0], Int4Planes):
+            return f"weight held as {[type(p).__name__ for p in linear.parts]} (one Int4Planes)"
+        return "int4 planes the compiled decode product does not take"
+    return None
+
+
+def _gemv(linear: Linear) -> native_dequant.Int4Gemv | None:
+    """The compiled decode product of ``linear``'s weight where it is one part of int4
+    planes that the product takes, else None."""
+    parts = linear.parts
+    return parts[0]._gemv() if len(parts) == 1 and isinstance(parts[0], Int4Planes) else None
+
+
+def refusal(shard: DecoderShard) -> str | None:
+    """Why the fused decode layers do not run ``shard``'s decode steps, or None where they
+    do: the kernels are built here (AVX-512 BF16 and VBMI), the compute dtype is bfloat16
+    on the CPU, the shard holds whole layers (no tensor share, no all-reduce, no padded
+    query groups), head_dim, hidden and intermediate sizes are multiples of 16 (head_dim at
+    most :data:`MAX_HEAD_DIM`), at most :data:`MAX_GROUP` query heads a KV head, and each layer's four products are int4 planes the
+    compiled decode product takes. Qwen2's q/k/v bias and Qwen3's q/k norms are
+    supported."""
+    config = shard.config
+    if not _built():
+        return "the compiled decode kernels are not built here (AVX-512 BF16 and VBMI)"
+    if shard.dtype != torch.bfloat16 or shard.device.type != "cpu":
+        return f"compute dtype {shard.dtype} on {shard.device.type} (bfloat16 on the CPU)"
+    if shard.share is not None:
+        return "a tensor-parallel share"
+    sizes = (config.hidden_size, config.head_dim, config.intermediate_size)
+    if any(size % 16 for size in sizes) or config.head_dim > MAX_HEAD_DIM:
+        return f"hidden, head_dim, intermediate {sizes} (multiples of 16, head_dim <= 256)"
+    if config.num_heads % config.num_kv_heads or config.num_heads > MAX_GROUP * config.num_kv_heads:
+        return f"{config.num_heads} query heads over {config.num_kv_heads} KV heads (<= 16 each)"
+    for i, module in enumerate(shard.layers):
+        layer = cast(DecoderLayer, module)
+        if layer.all_reduce is not None or layer.attn.q_index is not None:
+            return f"layer {i}: an all-reduce or padded query groups"
+        for name, linear in (("qkv", layer.attn.qkv), ("o", layer.attn.o),
+                             ("gate_up", layer.mlp.gate_up), ("down", layer.mlp.down)):
+            why = _product_refusal(linear)
+            if why is None and name != "qkv" and linear.bias is not None:
+                why = "a bias"
+            if why:
+                return f"layer {i} {name}: {why}"
+    return None
+
+
+def for_shard(shard: DecoderShard) -> FusedDecode | None:
+    """The fused decode layers of ``shard``, or None where :func:`refusal` says why not;
+    logs which path its decode steps take."""
+    why = refusal(shard)
+    where = f"layers [{shard.layer_start}, {shard.layer_end})"
+    if why:
+        log.info("decode of %s: torch ops per layer (%s)", where, why)
+        return None
+    log.info("decode of %s: fused decode layers (one compiled call a step)", where)
+    return FusedDecode(shard)
+
+
+class FusedDecode:
+    """A shard's decoder layers for decode steps, as one call of ``decode_layers``.
+
+    Holds the C description of each layer (its products' ``int4_gemv_t``, bfloat16
+    copies of the norms' weights and the q/k/v bias) and, for the last KV cache it ran
+    with, the cache pointers. Build it with :func:`for_shard` (this trusts
+    :func:`refusal`).
+    """
+
+    def __init__(self, shard: DecoderShard) -> None:
+        config = shard.config
+        self._lib = native_dequant._loaded()
+        self._held: list[object] = []  # what the pointers point into
+        self._layers: list[dict[str, int | None]] = []
+        for module in shard.layers:
+            layer = cast(DecoderLayer, module)
+            attn, mlp = layer.attn, layer.mlp
+            ptrs: dict[str, int | None] = {}
+            for name, linear in (("qkv", attn.qkv), ("o", attn.o), ("gate_up", mlp.gate_up),
+                                 ("down", mlp.down)):
+                gemv = _gemv(linear)
+                assert gemv is not None, "taken by refusal()"
+                self._held.append(gemv)
+                ptrs[name] = gemv.address
+            vectors = (("attn_norm", layer.attn_norm.weight), ("mlp_norm", layer.mlp_norm.weight),
+                       ("qkv_bias", attn.qkv.bias),
+                       ("q_norm", attn.q_norm.weight if attn.q_norm else None),
+                       ("k_norm", attn.k_norm.weight if attn.k_norm else None))
+            for name, vector in vectors:
+                if vector is None:
+                    ptrs[name] = None
+                    continue
+                held = vector.detach().to(torch.bfloat16).contiguous()
+                self._held.append(held)
+                ptrs[name] = held.data_ptr()
+            self._layers.append(ptrs)
+        self._sizes = (config.hidden_size, config.num_heads, config.num_kv_heads,
+                       config.head_dim, config.intermediate_size)
+        self._eps = config.rms_norm_eps
+        self._cache: weakref.ref[KVCache] | None = None
+        self._array: ctypes.Array[_Layer] | None = None
+        self._shape = _Shape()
+
+    def _bind(self, cache: KVCache) -> None:
+        """Point the layers at ``cache``'s tensors.
+
+        Raises:
+            ValueError: a cache of another shape or dtype than the shard's layers.
+        """
+        hidden, heads, kv_heads, hd, inter = self._sizes
+        if len(cache.k) != len(self._layers):
+            raise ValueError(f"a KV cache of {len(cache.k)} layers for {len(self._layers)}")
+        array = (_Layer * len(self._layers))()
+        for entry, ptrs, k, v in zip(array, self._layers, cache.k, cache.v):
+            for t in (k, v):
+                if (t.dtype != torch.bfloat16 or not t.is_contiguous() or t.device.type != "cpu"
+                        or t.shape[1] != kv_heads or t.shape[3] != hd):
+                    raise ValueError(f"KV cache {t.dtype} {tuple(t.shape)}: the fused decode "
+                                     f"layers take contiguous bfloat16 [slots, {kv_heads}, "
+                                     f"positions, {hd}]")
+            values = ptrs | {"k_cache": k.data_ptr(), "v_cache": v.data_ptr()}
+            for name in _POINTERS:
+                setattr(entry, name, values[name])
+        slots, _, positions, _ = cache.k[0].shape
+        self._shape = _Shape(hidden, heads, kv_heads, hd, inter, slots, positions, self._eps)
+        self._array, self._cache = array, weakref.ref(cache)
+
+    def __call__(self, h: torch.Tensor, batch: ForwardBatch, cache: KVCache) -> torch.Tensor:
+        """The layers' output for a decode step: ``h`` ``[N, hidden]`` bfloat16 (N <= 64,
+        one row per sequence of ``batch``) -> a new ``[N, hidden]`` bfloat16; writes each
+        row's key and value into ``cache`` at its slot and position.
+
+        Raises:
+            ValueError: a slot or position outside ``cache``, or a cache of another shape.
+            MemoryError: no memory for the step's scratch.
+        """
+        if self._cache is None or self._cache() is not cache:
+            self._bind(cache)
+        x = h.to(torch.bfloat16, copy=True).contiguous()
+        slots, positions = batch.slots.contiguous(), batch.positions.contiguous()
+        cos, sin = batch.cos.contiguous(), batch.sin.contiguous()
+        assert self._array is not None
+        rc = self._lib.decode_layers(
+            ctypes.addressof(self._shape), ctypes.addressof(self._array), len(self._layers),
+            x.data_ptr(), x.shape[0], slots.data_ptr(), positions.data_ptr(), cos.data_ptr(),
+            sin.data_ptr(), native_dequant.AMX)
+        if rc == -2:
+            raise ValueError(f"decode rows at slots {batch.slots.tolist()} positions "
+                             f"{batch.positions.tolist()}: outside the KV cache "
+                             f"{tuple(cache.k[0].shape)}")
+        if rc:
+            raise MemoryError("fused decode layers: no memory for the step's scratch")
+        return x

@@ -1,0 +1,314 @@
+/* Fused decode layers: a decode step's decoder layers in one call (see
+ * shardline/models/fused_decode.py, which decides where this runs, and
+ * shardline/models/llama.py, whose torch code is the reference it follows op for op).
+ *
+ * For each layer and each row (one sequence's new token) of the step, in bfloat16 with
+ * the rounding points of the torch code:
+ *
+ *   h  = rms_norm(x) * w1                (normalized in float32, rounded, scaled, rounded)
+ *   qkv = h @ Wqkv^T (+ bias)            (int4_planes_gemv, dequant.c)
+ *   q, k = rms_norm per head (Qwen3), then RoPE: bf(bf(a * cos) + bf(rot(a) * sin))
+ *   k, v -> the slot's cache at the row's position ([slots, kv_heads, positions, hd])
+ *   a  = softmax(q k^T / sqrt(hd)) v     over positions 0 .. position, in float32
+ *                                        (online softmax, Milakov & Gimelshein 2018),
+ *                                        query head h reading KV head h / group
+ *   x  = bf(x + a @ Wo^T)
+ *   h  = rms_norm(x) * w2;  g, u = h @ Wgu^T;  x = bf(x + bf(bf(silu(g)) * u) @ Wd^T)
+ *
+ * Each row is computed by the same instructions in the same order whatever the other
+ * rows of the step (the products guarantee it, and everything else is per row), so its
+ * result is the same bits in any batch. Threads (OpenMP) split the products' output
+ * blocks and the attention's (row, KV head, block of SPLIT keys) tasks; a row's blocks
+ * depend on its length alone and are combined in order (flash-decoding's split of the
+ * keys, Dao et al. 2023). */
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+#include "kernels.h"
+
+#if defined(__AVX512BF16__) && defined(__AVX512VBMI__)
+#include <immintrin.h>
+
+int decode_layers_built(void) { return 1; }
+
+/* One layer's weights and cache (bfloat16 vectors; NULL where the model has none). */
+typedef struct {
+    const int4_gemv_t *qkv, *o, *gate_up, *down;
+    const uint16_t *attn_norm, *mlp_norm; /* [hidden] */
+    const uint16_t *qkv_bias;             /* [(heads + 2 kv_heads) hd] or NULL */
+    const uint16_t *q_norm, *k_norm;      /* [hd] or NULL */
+    uint16_t *k_cache, *v_cache;          /* [slots, kv_heads, positions, hd] */
+} decode_layer_t;
+
+/* The model's sizes (hidden and hd multiples of 16, hd at most MAX_HD, heads / kv_heads
+ * at most MAX_GROUP). */
+typedef struct {
+    int64_t hidden, heads, kv_heads, hd, inter, slots, positions;
+    float eps;
+} decode_shape_t;
+
+#define MAX_HD 256
+#define MAX_GROUP 16 /* query heads a KV head serves */
+#define CHUNK 128 /* keys scored at a time */
+#define SPLIT 512 /* keys a thread takes: a row's keys split in blocks by its length alone */
+
+static inline __m512 load16(const uint16_t *p) {
+    return _mm512_castsi512_ps(
+        _mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)p)), 16));
+}
+
+/* v rounded to bfloat16 (round to nearest even), back in float32. */
+static inline __m512 round16(__m512 v) {
+    return _mm512_castsi512_ps(
+        _mm512_slli_epi32(_mm512_cvtepu16_epi32((__m256i)_mm512_cvtneps_pbh(v)), 16));
+}
+
+/* e^x for x in [-87, 88] (clamped), Cephes' expf polynomial: within 2 float32 ulp. */
+static inline __m512 exp16(__m512 x) {
+    x = _mm512_min_ps(_mm512_max_ps(x, _mm512_set1_ps(-87.0f)), _mm512_set1_ps(88.0f));
+    __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
+                                    _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
+    r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
+    __m512 p = _mm512_set1_ps(1.9875691500e-4f);
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
+    __m512 y = _mm512_add_ps(_mm512_fmadd_ps(p, _mm512_mul_ps(r, r), r), _mm512_set1_ps(1.0f));
+    return _mm512_scalef_ps(y, n);
+}
+
+/* out = bf(w * bf(x / sqrt(mean(x^2) + eps))), n a multiple of 16 (RMSNorm of llama.py). */
+static void rms_norm(const uint16_t *x, const uint16_t *w, int64_t n, float eps,
+                     uint16_t *out) {
+    __m512 acc = _mm512_setzero_ps();
+    for (int64_t i = 0; i < n; i += 16) {
+        __m512 v = load16(x + i);
+        acc = _mm512_fmadd_ps(v, v, acc);
+    }
+    float r = 1.0f / sqrtf(_mm512_reduce_add_ps(acc) / (float)n + eps);
+    for (int64_t i = 0; i < n; i++)
+        out[i] = to_bf16(from_bf16(w[i]) * from_bf16(to_bf16(from_bf16(x[i]) * r)));
+}
+
+static inline float sum8(__m256 v) {
+    __m128 a = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    a = _mm_add_ps(a, _mm_movehl_ps(a, a));
+    return _mm_cvtss_f32(_mm_add_ss(a, _mm_movehdup_ps(a)));
+}
+
+/* The query heads of one KV head (group of them, q16: group x hd bfloat16) of one row
+ * over L keys (K, V: hd bfloat16 a key), each key and value read once for the group:
+ * per head g, part[g] = (m, l, a[hd]) with m the largest score q[g] k * scale, l the sum
+ * of e^(score - m) and a the sum of e^(score - m) v, in float32. Scores: bfloat16
+ * products (exact in float32) summed in float32 (vdpbf16ps). */
+static void attend(const uint16_t *q16, int64_t group, const uint16_t *K, const uint16_t *V,
+                   int64_t L, int64_t hd, float scale, float *part) {
+    __m256bh q[MAX_GROUP][MAX_HD / 16];
+    __m512 acc[MAX_GROUP][MAX_HD / 16];
+    float s[MAX_GROUP][CHUNK] __attribute__((aligned(64)));
+    float best[MAX_GROUP], total[MAX_GROUP];
+    int64_t vecs = hd / 16;
+    for (int64_t g = 0; g < group; g++) {
+        for (int64_t d = 0; d < vecs; d++) {
+            q[g][d] = (__m256bh)_mm256_loadu_si256((const __m256i *)(q16 + g * hd + 16 * d));
+            acc[g][d] = _mm512_setzero_ps();
+        }
+        best[g] = -INFINITY;
+        total[g] = 0.0f;
+    }
+    for (int64_t t0 = 0; t0 < L; t0 += CHUNK) {
+        int64_t n = L - t0 < CHUNK ? L - t0 : CHUNK;
+        float top[MAX_GROUP];
+        for (int64_t g = 0; g < group; g++) top[g] = -INFINITY;
+        for (int64_t t = 0; t < n; t++) {
+            const uint16_t *k = K + (t0 + t) * hd;
+            __m256bh kv[MAX_HD / 16];
+            for (int64_t d = 0; d < vecs; d++)
+                kv[d] = (__m256bh)_mm256_loadu_si256((const __m256i *)(k + 16 * d));
+            for (int64_t g = 0; g < group; g++) {
+                __m256 dot = _mm256_setzero_ps();
+                for (int64_t d = 0; d < vecs; d++) dot = _mm256_dpbf16_ps(dot, q[g][d], kv[d]);
+                float v = sum8(dot) * scale;
+                s[g][t] = v;
+                top[g] = v > top[g] ? v : top[g];
+            }
+        }
+        for (int64_t g = 0; g < group; g++) {
+            float now = top[g] > best[g] ? top[g] : best[g];
+            float keep = expf(best[g] - now); /* 0 for the first chunk */
+            best[g] = now;
+            __m512 sum = _mm512_setzero_ps(), m = _mm512_set1_ps(now);
+            for (int64_t t = 0; t < n; t += 16) {
+                __mmask16 live = n - t >= 16 ? 0xFFFF : (__mmask16)((1u << (n - t)) - 1);
+                /* below e^-60 (relative to the largest, 1) a weight is 0: no denormals */
+                __m512 x = _mm512_sub_ps(_mm512_load_ps(s[g] + t), m);
+                live &= _mm512_cmp_ps_mask(x, _mm512_set1_ps(-60.0f), _CMP_GE_OQ);
+                __m512 p = _mm512_maskz_mov_ps(live, exp16(x));
+                _mm512_store_ps(s[g] + t, p);
+                sum = _mm512_add_ps(sum, p);
+            }
+            total[g] = total[g] * keep + _mm512_reduce_add_ps(sum);
+            __m512 kp = _mm512_set1_ps(keep);
+            for (int64_t d = 0; d < vecs; d++) acc[g][d] = _mm512_mul_ps(acc[g][d], kp);
+        }
+        for (int64_t t = 0; t < n; t++) {
+            const uint16_t *v = V + (t0 + t) * hd;
+            __m512 vv[MAX_HD / 16];
+            for (int64_t d = 0; d < vecs; d++) vv[d] = load16(v + 16 * d);
+            for (int64_t g = 0; g < group; g++) {
+                __m512 p = _mm512_set1_ps(s[g][t]);
+                for (int64_t d = 0; d < vecs; d++) acc[g][d] = _mm512_fmadd_ps(p, vv[d], acc[g][d]);
+            }
+        }
+    }
+    for (int64_t g = 0; g < group; g++) {
+        float *pg = part + g * (hd + 2);
+        pg[0] = best[g];
+        pg[1] = total[g];
+        for (int64_t d = 0; d < vecs; d++) _mm512_storeu_ps(pg + 2 + 16 * d, acc[g][d]);
+    }
+}
+
+/* out[hd] (bfloat16) = the attention of one query head from its blocks' parts (each
+ * (m, l, a[hd]), `stride` floats apart), combined in block order. */
+static void combine(const float *part, int64_t blocks, int64_t stride, int64_t hd,
+                    uint16_t *out) {
+    float best = part[0], total = 0.0f;
+    for (int64_t b = 1; b < blocks; b++) best = part[b * stride] > best ? part[b * stride] : best;
+    __m512 acc[MAX_HD / 16];
+    for (int64_t d = 0; d < hd / 16; d++) acc[d] = _mm512_setzero_ps();
+    for (int64_t b = 0; b < blocks; b++) {
+        const float *pb = part + b * stride;
+        float w = expf(pb[0] - best);
+        total += pb[1] * w;
+        for (int64_t d = 0; d < hd / 16; d++)
+            acc[d] = _mm512_fmadd_ps(_mm512_set1_ps(w), _mm512_loadu_ps(pb + 2 + 16 * d), acc[d]);
+    }
+    __m512 inv = _mm512_set1_ps(1.0f / total);
+    for (int64_t d = 0; d < hd / 16; d++)
+        _mm256_storeu_si256((__m256i *)(out + 16 * d),
+                            (__m256i)_mm512_cvtneps_pbh(_mm512_mul_ps(acc[d], inv)));
+}
+
+/* In place on a row's q and k heads (heads + kv_heads of hd): the per-head norms (if
+ * any), then RoPE with the row's bfloat16 cos and sin [hd] (sin's first half negated). */
+static void norm_and_rope(const decode_shape_t *S, const decode_layer_t *Lr, uint16_t *qk,
+                          const uint16_t *cos, const uint16_t *sin) {
+    int64_t hd = S->hd, half = hd / 2;
+    uint16_t a[MAX_HD];
+    for (int64_t h = 0; h < S->heads + S->kv_heads; h++) {
+        uint16_t *x = qk + h * hd;
+        const uint16_t *w = h < S->heads ? Lr->q_norm : Lr->k_norm;
+        if (w) rms_norm(x, w, hd, S->eps, x);
+        memcpy(a, x, (size_t)hd * 2);
+        for (int64_t d = 0; d < hd; d++) {
+            float c = from_bf16(to_bf16(from_bf16(a[d]) * from_bf16(cos[d])));
+            float r = from_bf16(to_bf16(from_bf16(a[(d + half) % hd]) * from_bf16(sin[d])));
+            x[d] = to_bf16(c + r);
+        }
+    }
+}
+
+static inline void add_rows(uint16_t *x, const uint16_t *y, int64_t n) {
+    for (int64_t i = 0; i < n; i++) x[i] = to_bf16(from_bf16(x[i]) + from_bf16(y[i]));
+}
+
+/* The layers, in order, on x [M, hidden] bfloat16 (in place), for the rows' cache slots
+ * and positions and bfloat16 RoPE tables cos, sin [M, hd]. Returns 0; -1 when scratch
+ * cannot be allocated; -2 when a slot or position is outside the cache (nothing written). */
+int decode_layers(const decode_shape_t *S, const decode_layer_t *layers, int64_t count,
+                  uint16_t *x, int64_t M, const int64_t *slots, const int64_t *positions,
+                  const uint16_t *cos, const uint16_t *sin, int allow_amx) {
+    int64_t H = S->hidden, hd = S->hd, heads = S->heads, kvh = S->kv_heads;
+    int64_t qkv_n = (heads + 2 * kvh) * hd, group = heads / kvh;
+    for (int64_t m = 0; m < M; m++)
+        if (slots[m] < 0 || slots[m] >= S->slots || positions[m] < 0 || positions[m] >= S->positions)
+            return -2;
+    size_t per_row = (size_t)(2 * H + qkv_n + heads * hd + 3 * S->inter);
+    uint16_t *work = malloc((size_t)M * per_row * 2);
+    if (!work) return -1;
+    uint16_t *h = work, *qkv = h + M * H, *att = qkv + M * qkv_n, *y = att + M * heads * hd;
+    uint16_t *gu = y + M * H, *act = gu + M * 2 * S->inter;
+    /* attention tasks: (row, KV head, block of SPLIT keys), a (row, KV head)'s blocks
+     * adjacent; each writes group parts of hd + 2 floats */
+    int64_t tasks = 0;
+    for (int64_t m = 0; m < M; m++) tasks += kvh * (positions[m] / SPLIT + 1);
+    int64_t *task_row = malloc((size_t)tasks * 3 * sizeof(int64_t));
+    float *parts = malloc((size_t)(tasks * group * (hd + 2)) * sizeof(float));
+    if (!task_row || !parts) {
+        free(task_row);
+        free(parts);
+        free(work);
+        return -1;
+    }
+    int64_t *task_kv = task_row + tasks, *task_block = task_kv + tasks, t = 0;
+    for (int64_t m = 0; m < M; m++)
+        for (int64_t j = 0; j < kvh; j++)
+            for (int64_t b = 0; b <= positions[m] / SPLIT; b++, t++) {
+                task_row[t] = m;
+                task_kv[t] = j;
+                task_block[t] = b;
+            }
+    float scale = 1.0f / sqrtf((float)hd);
+    int rc = 0;
+    for (int64_t l = 0; l < count && !rc; l++) {
+        const decode_layer_t *Lr = layers + l;
+        for (int64_t m = 0; m < M; m++) rms_norm(x + m * H, Lr->attn_norm, H, S->eps, h + m * H);
+        if ((rc = int4_planes_gemv(Lr->qkv, h, 0, M, qkv, allow_amx))) break;
+        for (int64_t m = 0; m < M; m++) {
+            uint16_t *row = qkv + m * qkv_n;
+            if (Lr->qkv_bias) add_rows(row, Lr->qkv_bias, qkv_n);
+            norm_and_rope(S, Lr, row, cos + m * hd, sin + m * hd);
+            int64_t at = (slots[m] * kvh * S->positions + positions[m]) * hd;
+            for (int64_t j = 0; j < kvh; j++) {
+                memcpy(Lr->k_cache + at + j * S->positions * hd, row + (heads + j) * hd, (size_t)hd * 2);
+                memcpy(Lr->v_cache + at + j * S->positions * hd, row + (heads + kvh + j) * hd,
+                       (size_t)hd * 2);
+            }
+        }
+#pragma omp parallel for schedule(static)
+        for (int64_t task = 0; task < tasks; task++) {
+            int64_t m = task_row[task], j = task_kv[task], b = task_block[task];
+            int64_t base = (slots[m] * kvh + j) * S->positions * hd + b * SPLIT * hd;
+            int64_t keys = positions[m] + 1 - b * SPLIT;
+            attend(qkv + m * qkv_n + j * group * hd, group, Lr->k_cache + base,
+                   Lr->v_cache + base, keys < SPLIT ? keys : SPLIT, hd, scale,
+                   parts + task * group * (hd + 2));
+        }
+        for (int64_t task = 0; task < tasks; task++) { /* each (row, KV head)'s first block */
+            if (task_block[task]) continue;
+            int64_t m = task_row[task], j = task_kv[task], blocks = positions[m] / SPLIT + 1;
+            for (int64_t g = 0; g < group; g++)
+                combine(parts + (task * group + g) * (hd + 2), blocks, group * (hd + 2), hd,
+                        att + m * heads * hd + (j * group + g) * hd);
+        }
+        if ((rc = int4_planes_gemv(Lr->o, att, 0, M, y, allow_amx))) break;
+        add_rows(x, y, M * H);
+        for (int64_t m = 0; m < M; m++) rms_norm(x + m * H, Lr->mlp_norm, H, S->eps, h + m * H);
+        if ((rc = int4_planes_gemv(Lr->gate_up, h, 0, M, gu, allow_amx))) break;
+        for (int64_t m = 0; m < M; m++) {
+            const uint16_t *g = gu + m * 2 * S->inter, *u = g + S->inter;
+            uint16_t *a = act + m * S->inter;
+            for (int64_t i = 0; i < S->inter; i += 16) { /* bf(bf(silu(g)) * u) */
+                __m512 gv = load16(g + i);
+                __m512 e = exp16(_mm512_sub_ps(_mm512_setzero_ps(), gv));
+                __m512 silu = _mm512_div_ps(gv, _mm512_add_ps(_mm512_set1_ps(1.0f), e));
+                _mm256_storeu_si256((__m256i *)(a + i), (__m256i)_mm512_cvtneps_pbh(
+                                        _mm512_mul_ps(round16(silu), load16(u + i))));
+            }
+        }
+        if ((rc = int4_planes_gemv(Lr->down, act, 0, M, y, allow_amx))) break;
+        add_rows(x, y, M * H);
+    }
+    free(task_row);
+    free(parts);
+    free(work);
+    return rc;
+}
+#else
+int decode_layers_built(void) { return 0; }
+#endif
