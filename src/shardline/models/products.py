@@ -28,14 +28,17 @@ SCRATCH_BUFFERS: dict[tuple[str, torch.dtype], torch.Tensor] = {}
 def scratch(name: str, rows: int, cols: int, dtype: torch.dtype) -> torch.Tensor:
     """A reused ``[rows, cols]`` buffer (one per name and dtype, grown as needed), so a
     dequantized weight block is written into memory already mapped, not fresh pages."""
-    buf = SCRATCH_BUFFERS.get((name, dtype))
-    if buf is None or buf.numel() < rows * cols:
-        with torch.inference_mode(False):  # a normal tensor: written in and out of inference mode
+    # Normal tensors and views, made outside inference mode even when called inside it:
+    # the buffer is written both in and out of inference mode (a view made in inference
+    # mode may not be updated in place outside it).
+    with torch.inference_mode(False):
+        buf = SCRATCH_BUFFERS.get((name, dtype))
+        if buf is None or buf.numel() < rows * cols:
             raw = torch.empty(rows * cols * dtype.itemsize + 4096, dtype=torch.uint8)
-        skip = -raw.data_ptr() % 4096
-        buf = raw[skip: skip + rows * cols * dtype.itemsize].view(dtype)
-        SCRATCH_BUFFERS[(name, dtype)] = buf
-    return buf[: rows * cols].view(rows, cols)
+            skip = -raw.data_ptr() % 4096
+            buf = raw[skip: skip + rows * cols * dtype.itemsize].view(dtype)
+            SCRATCH_BUFFERS[(name, dtype)] = buf
+        return buf[: rows * cols].view(rows, cols)
 
 
 def release_scratch() -> None:
