@@ -39,12 +39,12 @@ _MATMUL_N_GPU = 4096
 _COPY_BYTES = 256 * 2**20
 
 
-PROFILE_FORMAT = 4
+PROFILE_FORMAT = 5
 """What a :class:`HostProfile` measures and how; a node measures again rather than use a
 cached profile of another format (2: the runtime baseline runs a tiny model; 3: and
 counts private memory only; 4: rates are medians of several samples, taken with the
 runners' thread count, and ``decode_layer_s`` and ``decode_weight_bytes_per_s`` are
-measured)."""
+measured; 5: ``decode_layer_s`` from a 16-layer probe, the runners' decode path)."""
 
 
 @dataclass
@@ -82,10 +82,11 @@ class HostProfile:
             and decode on the CPU, bytes: what a runner holds besides its shard
             (placement counts it per rank; 0: unmeasured).
         decode_layer_s: the fixed cost of one decoder layer in a one-sequence decode step,
-            seconds: the median time of a decode step of a tiny random model (2 layers
-            256 wide, int4 weights: its weights are read in microseconds, so what is timed
-            is the ~60 small torch ops a layer runs, attention over 96 cached tokens
-            included), divided by its layers. Measured for a CPU device only (0: unmeasured,
+            seconds: the median time of a decode step of a tiny random model
+            (``profile_decode.PROBE_LAYERS`` layers 256 wide, int4 weights: its weights
+            are read in microseconds, so what is timed is a layer's fixed cost on the
+            runners' decode path, fused or torch ops, attention over 96 cached tokens
+            included, and the step's own share), divided by its layers. Measured for a CPU device only (0: unmeasured,
             or a GPU).
         decode_weight_bytes_per_s: resident weight bytes/s the runner's weight-only
             product reads for one row (a decode step's products): a [2048, 2048] int4

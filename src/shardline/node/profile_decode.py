@@ -14,13 +14,19 @@ import time
 # Decode steps of the tiny runner model timed for ``decode_layer_s`` (the median is kept).
 DECODE_STEPS = 15
 
+PROBE_LAYERS = 16
+"""Layers of the tiny model whose decode step gives a layer's fixed cost: the step's own
+cost (embedding, head, the sampled rows) is spread over as many layers as a small model
+has. Over 2 layers it counted 8x a layer, and once the fused decode layers made a layer
+~20 us, SmolLM2's decode was predicted at 0.45x its measured speed."""
+
 # The weight a one-row product is timed on for ``decode_weight_bytes_per_s``: [rows, cols]
 # int4 (2.6 MB resident; quantized in ~0.3 s on a 2-core VM).
 DECODE_WEIGHT_SHAPE = (2048, 2048)
 
 
 def runner_runtime() -> float:
-    """Run what a runner runs, on a tiny random model (2 layers, 256 wide, int4 weights):
+    """Run what a runner runs, on a tiny random model (:data:`PROBE_LAYERS` layers, 256 wide, int4 weights):
     its modules (the model code, the weight readers, the parallel stages), torch's int4
     layout probe, a prefill of 96 tokens (dequantized products) and decode steps (the
     fused decode layers where they run, else the layers' torch ops), so that the code
@@ -52,8 +58,9 @@ def runner_runtime() -> float:
         values = torch.randn(rows, cols, generator=generator) * 0.05
         return resident_weight(quantize_groups(values, Quantize.INT4), dtype)
 
-    config = ModelConfig("llama", 2, 256, 512, 4, 2, 64, 512, 1e-5, 10000.0, 128, True)
-    shard = DecoderShard(config, 0, 2)
+    config = ModelConfig("llama", PROBE_LAYERS, 256, 512, 4, 2, 64, 512, 1e-5, 10000.0, 128,
+                         True)
+    shard = DecoderShard(config, 0, PROBE_LAYERS)
     for param in shard.parameters():
         param.data = param.data.to(dtype)
     for module in shard.modules():
@@ -63,7 +70,7 @@ def runner_runtime() -> float:
     shard.embed.weight, shard.embed.dtype = weight(512, 256), dtype
     shard.lm_head.set_parts([shard.embed.weight])
     shard.fused = for_shard(shard)  # as the loader decides: a runner's decode path
-    cache = KVCache(config, 2, 1, 128, dtype)
+    cache = KVCache(config, PROBE_LAYERS, 1, 128, dtype)
     ids = torch.randint(0, 512, (96,), generator=generator)
     times = []
     with torch.inference_mode():
