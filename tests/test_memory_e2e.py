@@ -11,7 +11,7 @@ from pathlib import Path
 import httpx
 import psutil
 import pytest
-from conftest import CAPITAL_QUESTION, free_port_block
+from conftest import CAPITAL_QUESTION, free_port_block, wait_until
 from memory_bounds import MIB, check_rank, describe
 
 from shardline.bench.memory import rank_memory
@@ -31,6 +31,10 @@ def capped(tmp_path_factory):
                            node_args={i: ["--memory-limit", str(cap)] for i, cap in enumerate(CAPS)})
     cluster.start()
     try:
+        wait_until(lambda: all((n["profile"] or {}).get("runtime_baseline_bytes") for n in
+                               httpx.get(f"{cluster.url(0)}/cluster/nodes").json()["nodes"]),
+                   120, "every node's measured runtime baseline (else placement counts 256 MiB)",
+                   interval_s=0.5, tolerate=(httpx.HTTPError,))
         inst = cluster.place(None, "pipeline", context=256, max_batch=1)
         yield cluster, inst
     finally:

@@ -25,7 +25,7 @@ from dataclasses import dataclass
 import psutil
 
 from shardline.node.profile_decode import decode_weight_rate, runner_runtime
-from shardline.process_memory import memory_now
+from shardline.process_memory import memory_now, release_free_memory
 
 # Devices the child accepts: "auto" picks cuda, then mps, then cpu.
 _DEVICE_RE = re.compile(r"^(auto|cpu|mps|cuda(:\d+)?)$")
@@ -39,12 +39,13 @@ _MATMUL_N_GPU = 4096
 _COPY_BYTES = 256 * 2**20
 
 
-PROFILE_FORMAT = 5
+PROFILE_FORMAT = 6
 """What a :class:`HostProfile` measures and how; a node measures again rather than use a
 cached profile of another format (2: the runtime baseline runs a tiny model; 3: and
 counts private memory only; 4: rates are medians of several samples, taken with the
 runners' thread count, and ``decode_layer_s`` and ``decode_weight_bytes_per_s`` are
-measured; 5: ``decode_layer_s`` from a 16-layer probe, the runners' decode path)."""
+measured; 5: ``decode_layer_s`` from a 16-layer probe, the runners' decode path; 6: the
+runtime baseline without the probe's freed heap)."""
 
 
 @dataclass
@@ -333,6 +334,7 @@ def _measure(device: str, seconds: float, threads: int = 0, samples: int = 1) ->
     probe = torch.ones(64, 64, device=dev)
     (probe @ probe).sum().item()  # the device's runtime (CUDA context, kernels) in memory
     layer_s = runner_runtime()  # on the CPU: a figure for CPU runners only
+    release_free_memory()  # the probe model's freed heap: a runner trims its own after loading
     result["runtime_baseline_bytes"] = memory_now()[0]
     if dev.type == "cpu":
         result["decode_layer_s"] = layer_s
