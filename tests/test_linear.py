@@ -67,6 +67,25 @@ def test_embedding_rows_are_the_weights_rows(type_name):
     assert (got - oracle[ids]).abs().max() <= 1e-6 * oracle.abs().max()
 
 
+@pytest.mark.parametrize("type_name", ["Q4_1", "Q8_0"])  # one int4 plane, two
+def test_compiled_row_lookup_is_the_torch_ops_bit_for_bit(type_name):
+    """An embedding lookup (and the LM head's refined rows) through the compiled kernel
+    gives the bits of the torch ops it replaces, in float32 and rounded to bfloat16."""
+    from shardline.models import native_dequant
+
+    if native_dequant.kernels() is None:
+        pytest.skip("no C compiler on this machine: the torch ops are the only path")
+    data = random_blocks(type_name, rows=256, blocks=4, seed=7)
+    held = resident_weight(unpack_blocks(type_name, data), torch.bfloat16)
+    if not held.rows_readable():
+        pytest.skip("torch's int4 layout on this CPU is not one the row reader knows")
+    ids = torch.tensor([255, 0, 64, 7, 7, 130])
+    eager = sum(held._plane_rows(i, ids, torch.float32) for i in range(len(held.packed)))
+    assert len(held.packed) == (2 if type_name == "Q8_0" else 1)
+    assert torch.equal(held.embed(ids, torch.float32), eager)
+    assert torch.equal(held.embed(ids, torch.bfloat16), eager.to(torch.bfloat16))
+
+
 def test_int4_layout_is_understood_on_this_machine():
     """x86 CPUs with AVX2 or AVX-512 (every CI and development machine) have one."""
     layout = int4pack_layout()

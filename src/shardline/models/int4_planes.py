@@ -153,7 +153,17 @@ class Int4Planes:
         return (p.to(dtype) - 8) * scale + zero
 
     def embed(self, ids: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-        """Rows ``ids`` (int64 ``[T]``) of the weight, ``[T, in]`` in ``dtype``."""
+        """Rows ``ids`` (int64 ``[T]``) of the weight, ``[T, in]`` in ``dtype``: computed in
+        float32 as each plane's ``(p - 8) * scale + zero``, summed, rounded once; by the
+        compiled kernel (:func:`~shardline.models.native_dequant.int4_planes_rows`) where it
+        is built (a decode step's lookup: ~25 torch ops otherwise), else by torch ops."""
+        if (native_dequant.kernels() is not None and self.rows_readable()
+                and all(sz.dtype == torch.bfloat16 for sz in self.scales_zeros)):
+            block, position = int4pack_layout()  # type: ignore[misc]
+            out = torch.empty(ids.numel(), self.in_features)
+            native_dequant.int4_planes_rows(list(zip(self.packed, self.scales_zeros)), block,
+                                            position, ids.reshape(-1).long(), out)
+            return out if dtype == torch.float32 else out.to(dtype)
         rows = self._plane_rows(0, ids, torch.float32)
         for i in range(1, len(self.packed)):
             rows = rows + self._plane_rows(i, ids, torch.float32)

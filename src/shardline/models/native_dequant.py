@@ -115,6 +115,7 @@ def kernels() -> ctypes.CDLL | None:
             getattr(lib, name).argtypes = [_P, _P, _P, _P, _I, _I, _I, _I, _P, ctypes.c_int]
         _C = ctypes.c_int
         lib.int4_planes_gemv.argtypes = [_P, _P, _C, _I, _P, _C]
+        lib.int4_planes_rows.argtypes = [_P, _P, _P, _P, _I, _I, _I, _P, _P, _I, _P]
         lib.int4_planes_gemv_built.restype = ctypes.c_int
         lib.int8_groups.argtypes = [_P, _P, _P, _I, _I, _I, _P, ctypes.c_int]
         lib.int8_groups_gemv.argtypes = [_P, _P, _P, _I, _I, _I, _P, _P, _I, _P]
@@ -177,6 +178,37 @@ def int4_planes_t(planes: list[tuple[torch.Tensor, torch.Tensor]], half: int, st
     out_features = planes[0][1].shape[1]
     getattr(lib, f"int4_planes_t_{half}")(*pointers, out_features, start, rows, K, _ptr(out),
                                           int(out.dtype == torch.bfloat16))
+    return out
+
+
+def int4_planes_rows(planes: list[tuple[torch.Tensor, torch.Tensor]], block: int,
+                     position: torch.Tensor, ids: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+    """Fill float32 ``out`` ``[len(ids), K]`` with rows ``ids`` of ``W``, the sum of one or
+    two int4 planes in torch's CPU layout of blocks of ``block`` rows, a block's row ``r``
+    at nibble ``position[r]`` (:func:`shardline.models.int4_planes.int4pack_layout`):
+    per plane ``(p - 8) * scale + zero`` in float32, planes summed; the same bits as
+    :meth:`~shardline.models.int4_planes.Int4Planes.embed`'s torch code.
+
+    Args:
+        planes: per plane ``(packed uint8 [out / block, K, block / 2], scales_zeros
+            bfloat16 [K / 32, out, 2])``.
+        position: int64 ``[block]``; ids: int64 ``[T]``, each below ``out``.
+
+    Raises:
+        RuntimeError: the kernels are not built (:func:`kernels` is None).
+    """
+    lib = _loaded()
+    K = out.shape[1]
+    assert out.dtype == torch.float32 and out.shape[0] == ids.numel() and K % 32 == 0
+    assert ids.dtype == position.dtype == torch.int64
+    pointers: list[int | None] = []
+    for packed, sz in planes:
+        assert packed.dtype == torch.uint8 and sz.dtype == torch.bfloat16
+        pointers += [_ptr(packed), _ptr(sz)]
+    if len(planes) == 1:
+        pointers += [None, None]
+    lib.int4_planes_rows(*pointers, planes[0][1].shape[1], K, block, _ptr(position.contiguous()),
+                         _ptr(ids.contiguous()), ids.numel(), _ptr(out))
     return out
 
 

@@ -77,6 +77,40 @@
 INT4_KERNEL(32)
 INT4_KERNEL(16)
 
+/* Rows ids[0 .. n) of W, the sum of one or two int4 planes (p1, sz1 NULL for one) in
+ * torch's CPU layout of blocks of `block` rows in any nibble order: a plane is
+ * [out / block, K, block / 2] bytes, and a block's row r is nibble position[r] of its
+ * column's bytes (byte position / 2, the high nibble where it is odd); scales and zeros
+ * bfloat16 [K / 32, out, 2]. Writes float32 out[i * K + k] = the planes' (p - 8) * scale
+ * + zero summed in plane order, in float32 without fused multiply-adds: the values
+ * Int4Planes.embed's torch ops compute (shardline/models/int4_planes.py), bit for bit.
+ * For embedding lookups and the LM head's refined logits, a few rows at a time. */
+void int4_planes_rows(const uint8_t *p0, const uint16_t *sz0, const uint8_t *p1,
+                      const uint16_t *sz1, int64_t out_features, int64_t K, int64_t block,
+                      const int64_t *position, const int64_t *ids, int64_t n, float *out) {
+    int64_t half = block / 2;
+    const uint8_t *planes[2] = {p0, p1};
+    const uint16_t *scales[2] = {sz0, sz1};
+    int count = p1 ? 2 : 1;
+    for (int64_t i = 0; i < n; i++) {
+        int64_t id = ids[i], pos = position[id % block];
+        int shift = 4 * (int)(pos % 2);
+        float *restrict o = out + i * K;
+        for (int plane = 0; plane < count; plane++) {
+            const uint8_t *restrict a = planes[plane] + (id / block) * K * half + pos / 2;
+            const uint16_t *sz = scales[plane];
+            for (int64_t g = 0; g < K / 32; g++) {
+                float s = from_bf16(sz[(g * out_features + id) * 2]);
+                float z = from_bf16(sz[(g * out_features + id) * 2 + 1]);
+                for (int64_t k = g * 32; k < g * 32 + 32; k++) {
+                    float v = ((float)((a[k * half] >> shift) & 15) - 8.0f) * s + z;
+                    o[k] = plane ? o[k] + v : v;
+                }
+            }
+        }
+    }
+}
+
 /* One byte a weight: q uint8 [rows, K], scale and offset float32 [rows, K / group].
  * Writes W row-major: out[r * K + k] = q * scale + offset. */
 void int8_groups(const uint8_t *restrict q, const float *restrict scale,
