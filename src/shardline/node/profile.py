@@ -39,13 +39,14 @@ _MATMUL_N_GPU = 4096
 _COPY_BYTES = 256 * 2**20
 
 
-PROFILE_FORMAT = 6
+PROFILE_FORMAT = 7
 """What a :class:`HostProfile` measures and how; a node measures again rather than use a
 cached profile of another format (2: the runtime baseline runs a tiny model; 3: and
 counts private memory only; 4: rates are medians of several samples, taken with the
 runners' thread count, and ``decode_layer_s`` and ``decode_weight_bytes_per_s`` are
 measured; 5: ``decode_layer_s`` from a 16-layer probe, the runners' decode path; 6: the
-runtime baseline without the probe's freed heap)."""
+runtime baseline without the probe's freed heap; 7: the decode figures from the least
+time of their calls)."""
 
 
 @dataclass
@@ -83,7 +84,7 @@ class HostProfile:
             and decode on the CPU, bytes: what a runner holds besides its shard
             (placement counts it per rank; 0: unmeasured).
         decode_layer_s: the fixed cost of one decoder layer in a one-sequence decode step,
-            seconds: the median time of a decode step of a tiny random model
+            seconds: the least time of a decode step of a tiny random model
             (``profile_decode.PROBE_LAYERS`` layers 256 wide, int4 weights: its weights
             are read in microseconds, so what is timed is a layer's fixed cost on the
             runners' decode path, fused or torch ops, attention over 96 cached tokens
@@ -92,7 +93,7 @@ class HostProfile:
         decode_weight_bytes_per_s: resident weight bytes/s the runner's weight-only
             product reads for one row (a decode step's products): a [2048, 2048] int4
             weight in its resident form (:func:`~shardline.models.linear.resident_weight`)
-            times a bfloat16 row, the median of timed calls, on the CPU. Decode reads its
+            times a bfloat16 row, the least time of its timed calls, on the CPU. Decode reads its
             weights at the lower of this and ``memory_bandwidth_bytes_per_s`` (the kernel
             unpacks int4 at a rate of its own). Measured for a CPU device only (0:
             unmeasured, or a GPU).

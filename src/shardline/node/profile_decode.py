@@ -4,14 +4,20 @@ the node): :func:`runner_runtime` (a tiny model's decode step per layer) and
 :func:`decode_weight_rate` (the int4 one-row product's weight-read rate).
 
 Units: seconds, bytes/s.
+
+Both keep the least time of their timed calls, not the median: other work on the machine
+only adds to a call's time, and a node measures as it starts, beside its pre-started
+runner importing torch and other local nodes starting (the median then took the int4
+product's rate at 6.2 GB/s where it runs at 9.7, and the preview predicted 35% under the
+measured decode). What a runner loses to its own node and clients is learnt from served
+speeds (:mod:`shardline.placement.served`).
 """
 
 from __future__ import annotations
 
-import statistics
 import time
 
-# Decode steps of the tiny runner model timed for ``decode_layer_s`` (the median is kept).
+# Decode steps of the tiny runner model timed for ``decode_layer_s`` (the least is kept).
 DECODE_STEPS = 15
 
 PROBE_LAYERS = 16
@@ -34,7 +40,7 @@ def runner_runtime() -> float:
     ~30 MiB beyond a bare torch process once it served).
 
     Returns:
-        The median of ``DECODE_STEPS`` timed decode steps (after one untimed) divided by
+        The least of ``DECODE_STEPS`` timed decode steps (after one untimed) divided by
         the model's layers: seconds a decoder layer costs a decode step beyond reading
         its weights (``HostProfile.decode_layer_s``)."""
     import gguf  # noqa: F401, PLC0415 (the weight files' reader)
@@ -79,11 +85,11 @@ def runner_runtime() -> float:
             start = time.perf_counter()
             shard(ids[:1], shard.decode_batch([0], [96]), cache)
             times.append(time.perf_counter() - start)
-    return statistics.median(times[1:]) / config.num_layers
+    return min(times[1:]) / config.num_layers
 
 
 def decode_weight_rate(samples: int) -> float:
-    """``HostProfile.decode_weight_bytes_per_s``: resident bytes / median seconds of a
+    """``HostProfile.decode_weight_bytes_per_s``: resident bytes / least seconds of a
     one-row product with an int4 weight of ``DECODE_WEIGHT_SHAPE`` (CPU, bfloat16)."""
     import torch  # noqa: PLC0415
 
@@ -103,7 +109,7 @@ def decode_weight_rate(samples: int) -> float:
             start = time.perf_counter()
             linear(row)
             times.append(time.perf_counter() - start)
-    return linear.nbytes() / statistics.median(times)
+    return linear.nbytes() / min(times)
 
 
 __all__ = ["decode_weight_rate", "runner_runtime"]
