@@ -57,6 +57,7 @@ def cluster(tmp_path):
         cluster.stop()
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("down_s", [3, 30])
 def test_a_restarted_coordinator_rejoins_and_the_model_is_served_again(cluster, down_s):
     """Back within the failover window (3 s, as a service manager restarts it) or long
@@ -96,6 +97,7 @@ def ranks_of_ready(cluster: LocalCluster, i: int) -> int:
     return len(ready[0]["ranks"]) if len(ready) == 1 else 0
 
 
+@pytest.mark.slow
 def test_a_returning_node_gets_its_share_again(cluster):
     """A non-coordinator node killed: the model is placed again on the other two; the
     node restarted (same id): once the instance is idle it is placed on all three again
@@ -161,6 +163,7 @@ def test_a_killed_runner_is_named_in_the_error_the_table_and_health(cluster):
     print(f"serving again {time.time() - killed:.1f} s after the kill")
 
 
+@pytest.mark.slow
 def test_every_node_restarted_places_the_kept_model_again(cluster):
     for proc in cluster.procs:
         proc.send_signal(signal.SIGTERM)
@@ -189,6 +192,7 @@ def test_a_state_of_an_older_term_or_not_a_state_is_refused(cluster3):
     assert "Paris" in answer(cluster.url(1))
 
 
+@pytest.mark.slow
 def test_a_paused_coordinator_resumes_without_splitting_the_cluster(cluster):
     """SIGSTOP for 20 s (a closed laptop lid), then SIGCONT: the others took over in a newer
     term; the resumed node adopts their table instead of pushing its stale one."""

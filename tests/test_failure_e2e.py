@@ -151,6 +151,7 @@ def test_a_death_mid_stream_fails_fast_and_the_model_is_placed_again(cluster, vi
     assert error_s < (15 if victim == "frozen runner" else 10)  # the watchdog is 10 s
 
 
+@pytest.mark.slow
 def test_a_model_whose_runners_cannot_load_fails_with_the_reason(tmp_path):
     """Placement reads only config.json; the runners find a layer missing and fail. The
     coordinator tries again a few times, then leaves the failed instance and its reason."""

@@ -109,6 +109,7 @@ def test_a_restarted_node_keeps_its_id_and_leaves_no_ghost(tmp_path):
             httpx.get(f"{cluster.url(i)}/health").json()["node_id"] for i in range(2))
 
 
+@pytest.mark.slow
 def test_killing_the_coordinator_elects_another_and_its_instances_keep_serving(tmp_path):
     with LocalCluster(nodes=3, base_port=free_port_block(3), runner_threads=1, log_dir=str(tmp_path),
                       data_dir=str(tmp_path)) as cluster:

@@ -58,6 +58,7 @@ def node_ids(cluster: LocalCluster) -> list[str]:
     return [httpx.get(f"{cluster.url(i)}/health", timeout=5).json()["node_id"] for i in range(cluster.n)]
 
 
+@pytest.mark.slow
 def test_a_model_added_on_one_node_is_copied_to_its_ranks_and_served(cluster):
     ids = node_ids(cluster)
     added = shardline("models", "add", str(default_model_path()), "--id", MODEL,

@@ -103,6 +103,7 @@ def listening_in(hosts: netns.Hosts, i: int, pids: set[int]) -> list[str]:
             if {int(p) for p in re.findall(r"pid=(\d+)", line)} & pids]
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(240)
 def test_a_partition_heals_into_one_state_and_one_serving_instance(tmp_path):
     """Three nodes serving the model; the coordinator's link (the smallest id) cut for

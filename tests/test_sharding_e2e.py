@@ -109,6 +109,7 @@ def concurrent_texts(url: str, prompts: list[str], max_tokens: int) -> list[str]
     return asyncio.run(run())
 
 
+@pytest.mark.slow
 def test_tensor_instances_give_one_nodes_text_and_hold_a_share_of_the_weights(bare3, one_node):
     reference = [one_node["texts"][p] for p in PROMPTS]
     one_bytes = one_node["param_bytes"]
@@ -126,6 +127,7 @@ def test_tensor_instances_give_one_nodes_text_and_hold_a_share_of_the_weights(ba
         assert all(p < 0.55 * one_bytes for p in param), (param, one_bytes)
 
 
+@pytest.mark.slow
 def test_ring_instances_continue_a_long_prompt_as_one_node_does(bare3, one_node):
     reference = [one_node["texts"][p] for p in [LONG] + PROMPTS[:2]]
     with placed(bare3, "ring", [0, 1], "float32") as inst:
@@ -172,6 +174,7 @@ def safetensors_model(bare3, tmp_path_factory):
     return SAFETENSORS
 
 
+@pytest.mark.slow
 def test_a_safetensors_models_tensor_ranks_give_one_nodes_text_in_float32(bare3, safetensors_model):
     with placed(bare3, "pipeline", [0], "float32", model=safetensors_model):
         one = texts(bare3.url(0), PROMPTS, 16, safetensors_model)
@@ -179,6 +182,7 @@ def test_a_safetensors_models_tensor_ranks_give_one_nodes_text_in_float32(bare3,
         assert texts(bare3.url(0), PROMPTS, 16, safetensors_model) == one
 
 
+@pytest.mark.slow
 def test_a_safetensors_model_quantized_on_load_holds_its_bits_and_answers(bare3, safetensors_model):
     held, answers = {}, {}
     for quantize in (None, "int8", "int4"):

@@ -39,6 +39,7 @@ def _chat(url: str, content: str, max_tokens: int) -> dict:
     return response.json()
 
 
+@pytest.mark.slow
 def test_predicted_decode_is_near_the_measured_rate(tmp_path):
     cluster = start_cluster(1, tmp_path)
     try:
