@@ -84,6 +84,9 @@ def test_compiled_row_lookup_is_the_torch_ops_bit_for_bit(type_name):
     assert len(held.packed) == (2 if type_name == "Q8_0" else 1)
     assert torch.equal(held.embed(ids, torch.float32), eager)
     assert torch.equal(held.embed(ids, torch.bfloat16), eager.to(torch.bfloat16))
+    for bad in (256, -1):  # never read past the planes
+        with pytest.raises(IndexError):
+            held.embed(torch.tensor([3, bad]), torch.float32)
 
 
 def test_int4_layout_is_understood_on_this_machine():

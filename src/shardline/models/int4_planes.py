@@ -156,9 +156,15 @@ class Int4Planes:
         """Rows ``ids`` (int64 ``[T]``) of the weight, ``[T, in]`` in ``dtype``: computed in
         float32 as each plane's ``(p - 8) * scale + zero``, summed, rounded once; by the
         compiled kernel (:func:`~shardline.models.native_dequant.int4_planes_rows`) where it
-        is built (a decode step's lookup: ~25 torch ops otherwise), else by torch ops."""
+        is built (a decode step's lookup: ~25 torch ops otherwise), else by torch ops.
+
+        Raises:
+            IndexError: an id outside ``[0, out)`` (as torch's indexing raises).
+        """
         if (native_dequant.kernels() is not None and self.rows_readable()
                 and all(sz.dtype == torch.bfloat16 for sz in self.scales_zeros)):
+            if ids.numel() and not 0 <= int(ids.min()) <= int(ids.max()) < self.out_features:
+                raise IndexError(f"row ids {ids.tolist()[:8]} outside 0-{self.out_features - 1}")
             block, position = int4pack_layout()  # type: ignore[misc]
             out = torch.empty(ids.numel(), self.in_features)
             native_dequant.int4_planes_rows(list(zip(self.packed, self.scales_zeros)), block,
