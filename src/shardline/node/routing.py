@@ -112,17 +112,22 @@ class Router:
         Closing the iterator early cancels the request on every rank.
 
         Raises:
-            NoInstanceError: no ready instance serves the model.
             QueueFullError: as many requests wait as the instance takes (here, or on the
                 node forwarded to).
-            InstanceFailedError: the instance failed mid-request.
+            InstanceFailedError: the instance failed mid-request, or none is ready when it
+                starts (the API found one ready before tokenizing; it has gone since, e.g.
+                its nodes restarted: a 503 to retry, not an internal error).
         """
         stream = None if task_id is None else self.node.streams.get(task_id)
         inst = None if stream is None else self.node.instances.get(stream.instance_id)
         if inst is None:
             if task_id is not None:
                 self.node.streams.pop(task_id, None)  # its instance is gone: find another
-            inst = self.ready_instance(request.model_id)
+            try:
+                inst = self.ready_instance(request.model_id)
+            except NoInstanceError as exc:
+                raise InstanceFailedError(f"{exc} any more (its instance failed or its nodes "
+                                          "restarted since the request came); retry later") from None
             if self.node.node_id not in inst.node_ids():
                 async for event in self._forward(inst, request):
                     yield event
