@@ -1,13 +1,17 @@
 """The local cluster: its node processes do not outlive the process that started them, a
 node that exits leaves the others serving (or, with restart, is started again), and a
-cluster started again serves its kept model once, not twice."""
+cluster started again serves its kept model once, not twice; one on ports in use is
+refused."""
 
+import socket
 import subprocess
 import sys
 
 import psutil
 import pytest
 from conftest import free_port_block
+
+from shardline.local_cluster import LocalCluster, LocalClusterError, ports_in_use
 
 
 @pytest.mark.timeout(90)
@@ -44,7 +48,6 @@ def test_a_node_that_exits_leaves_the_others_serving_or_is_started_again(tmp_pat
 
     import httpx
 
-    from shardline.local_cluster import LocalCluster
 
     cluster = LocalCluster(2, free_port_block(2), log_dir=str(tmp_path), data_dir=str(tmp_path))
     lines: list[str] = []
@@ -76,7 +79,6 @@ def test_a_cluster_started_again_serves_its_kept_model_once(tmp_path):
     """``shardline cluster`` run twice with the same data: the nodes' kept instance is
     placed again by the coordinator, and serve() waits for it instead of adding a second
     (each run of the README's command used to add one more instance, and runner)."""
-    from shardline.local_cluster import LocalCluster
 
     base = free_port_block(1)
     first = LocalCluster(1, base, log_dir=str(tmp_path), data_dir=str(tmp_path))
@@ -98,3 +100,18 @@ def test_a_cluster_started_again_serves_its_kept_model_once(tmp_path):
         assert len(runners) == 1
     finally:
         again.stop()
+
+
+def test_a_cluster_on_ports_in_use_is_refused_before_any_node_starts(tmp_path):
+    """A second ``shardline cluster`` on the ports of a running one: refused naming the
+    port, where its nodes used to exit at once while the running cluster answered the
+    readiness checks for them (and the launcher printed the banner, exit status 0)."""
+    base = free_port_block(2)
+    with socket.socket() as listener:
+        listener.bind(("127.0.0.1", base + 1))
+        listener.listen()
+        cluster = LocalCluster(nodes=2, base_port=base, log_dir=str(tmp_path), data_dir=str(tmp_path))
+        with pytest.raises(LocalClusterError, match=f"{base + 1}.*in use"):
+            cluster.start()
+        assert cluster.procs == []
+    assert ports_in_use([base, base + 1]) == []  # closed: free again

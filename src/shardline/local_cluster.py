@@ -6,10 +6,11 @@ from __future__ import annotations
 
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from pathlib import Path
 
 import httpx
@@ -40,6 +41,21 @@ def model_dirs_for(model: str | None) -> list[str]:
 
 POLL_S = 0.1
 """How often the launcher asks the nodes whether the cluster formed and the model serves."""
+
+
+def ports_in_use(ports: Iterable[int], host: str = "127.0.0.1") -> list[int]:
+    """The TCP ports of ``ports`` that something listens on at ``host``: a bind fails there
+    (with ``SO_REUSEADDR``, as uvicorn binds, so a port whose connections are only closing
+    counts as free)."""
+    busy = []
+    for port in ports:
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
+            probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            try:
+                probe.bind((host, port))
+            except OSError:
+                busy.append(port)
+    return busy
 
 
 class LocalClusterError(RuntimeError):
@@ -122,8 +138,15 @@ class LocalCluster:
         """Start every node and wait until the cluster has formed (:meth:`formed`).
 
         Raises:
-            LocalClusterError: a node exited or the cluster did not form in time.
+            LocalClusterError: a port is in use (else a running cluster on them would
+                answer for the new nodes, which exit), a node exited, or the cluster did
+                not form in time.
         """
+        busy = ports_in_use(range(self.base_port, self.base_port + self.n))
+        if busy:
+            raise LocalClusterError(
+                f"port(s) {', '.join(map(str, busy))} on 127.0.0.1 are in use (another shardline "
+                f"cluster?): stop what listens there or pass another --port")
         for i in range(self.n):
             self.start_node(i)
         self.wait_formed(range(self.n), timeout_s)
