@@ -48,7 +48,6 @@ def test_a_node_that_exits_leaves_the_others_serving_or_is_started_again(tmp_pat
 
     import httpx
 
-
     cluster = LocalCluster(2, free_port_block(2), log_dir=str(tmp_path), data_dir=str(tmp_path))
     lines: list[str] = []
     try:
@@ -79,7 +78,6 @@ def test_a_cluster_started_again_serves_its_kept_model_once(tmp_path):
     """``shardline cluster`` run twice with the same data: the nodes' kept instance is
     placed again by the coordinator, and serve() waits for it instead of adding a second
     (each run of the README's command used to add one more instance, and runner)."""
-
     base = free_port_block(1)
     first = LocalCluster(1, base, log_dir=str(tmp_path), data_dir=str(tmp_path))
     try:

@@ -150,6 +150,17 @@ def _ptr(t: torch.Tensor | None) -> int | None:
     return t.data_ptr()
 
 
+def _plane_pointers(planes: list[tuple[torch.Tensor, torch.Tensor]],
+                    byte_offset: int = 0) -> list[int | None]:
+    """``p0, sz0, p1, sz1`` for the C kernels: each int4 plane's packed bytes (from
+    ``byte_offset``) and its bfloat16 scales, None for a second plane where there is one."""
+    pointers: list[int | None] = []
+    for packed, sz in planes:
+        assert packed.dtype == torch.uint8 and sz.dtype == torch.bfloat16
+        pointers += [_ptr(packed) + byte_offset, _ptr(sz)]  # type: ignore[operator]
+    return pointers + [None, None] * (2 - len(planes))
+
+
 def int4_planes_t(planes: list[tuple[torch.Tensor, torch.Tensor]], half: int, start: int,
                   out: torch.Tensor) -> torch.Tensor:
     """Fill ``out`` ``[K, rows]`` (bfloat16 or float32) with rows ``[start, start + rows)``
@@ -169,12 +180,7 @@ def int4_planes_t(planes: list[tuple[torch.Tensor, torch.Tensor]], half: int, st
     K, rows = out.shape
     block = 2 * half
     assert out.dtype in (torch.bfloat16, torch.float32) and rows % block == 0 == start % block
-    pointers: list[int | None] = []
-    for packed, sz in planes:
-        assert packed.dtype == torch.uint8 and sz.dtype == torch.bfloat16
-        pointers += [_ptr(packed) + start // block * K * half, _ptr(sz)]  # type: ignore[operator]
-    if len(planes) == 1:
-        pointers += [None, None]
+    pointers = _plane_pointers(planes, start // block * K * half)
     out_features = planes[0][1].shape[1]
     getattr(lib, f"int4_planes_t_{half}")(*pointers, out_features, start, rows, K, _ptr(out),
                                           int(out.dtype == torch.bfloat16))
@@ -201,13 +207,7 @@ def int4_planes_rows(planes: list[tuple[torch.Tensor, torch.Tensor]], block: int
     K = out.shape[1]
     assert out.dtype == torch.float32 and out.shape[0] == ids.numel() and K % 32 == 0
     assert ids.dtype == position.dtype == torch.int64
-    pointers: list[int | None] = []
-    for packed, sz in planes:
-        assert packed.dtype == torch.uint8 and sz.dtype == torch.bfloat16
-        pointers += [_ptr(packed), _ptr(sz)]
-    if len(planes) == 1:
-        pointers += [None, None]
-    lib.int4_planes_rows(*pointers, planes[0][1].shape[1], K, block, _ptr(position.contiguous()),
+    lib.int4_planes_rows(*_plane_pointers(planes), planes[0][1].shape[1], K, block, _ptr(position.contiguous()),
                          _ptr(ids.contiguous()), ids.numel(), _ptr(out))
     return out
 
@@ -250,8 +250,7 @@ class Int4Gemv:
         if refusal:
             raise ValueError(f"int4 decode product: {refusal}")
         self.N, self.K = planes[0][1].shape[1], planes[0][1].shape[0] * 32
-        pointers = [_ptr(t) for plane in planes for t in plane] + [None, None] * (2 - len(planes))
-        self._weight = _Int4Weight(*pointers, self.N, self.K)
+        self._weight = _Int4Weight(*_plane_pointers(planes), self.N, self.K)
         self.address = ctypes.addressof(self._weight)
         """Where the C ``int4_gemv_t`` lies (the fused decode layers take it)."""
         self._planes = planes  # held: the kernel reads their memory
