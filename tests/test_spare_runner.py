@@ -12,7 +12,7 @@ from conftest import capital_answer, free_port_block
 from conftest import wait_until as wait_for
 
 from shardline.models.config import RankShare
-from shardline.node.worker import SPARE_MAX_EARLY_EXITS, Worker
+from shardline.node.worker import SPARE_MAX_EARLY_EXITS, Spare, Worker, spawn_runner
 from shardline.runner.protocol import Failed, RunnerSpec
 
 pytestmark = pytest.mark.timeout(180)
@@ -89,3 +89,21 @@ def test_a_local_cluster_places_its_model_in_the_pre_started_runner(tmp_path):
         assert answer is not None and "Paris" in answer
     finally:
         cluster.stop()
+
+
+def test_a_runner_started_before_the_node_is_kept_as_its_spare_or_else_stopped():
+    kept = Worker(lambda _instance, _message: None, spare=True)
+    refused = Worker(lambda _instance, _message: None, spare=False)
+    early = Spare(*spawn_runner())
+    unwanted = Spare(*spawn_runner())
+    try:
+        kept.start_spare(early)
+        assert kept.spare is early  # the runner started ahead, not a new one
+        refused.start_spare(unwanted)
+        assert refused.spare is None
+        unwanted.process.wait(timeout=60)  # its end of the socket closed: it exits
+    finally:
+        kept.stop_all()
+        refused.stop_all()
+        unwanted.process.kill()
+    assert early.process.wait(timeout=60) is not None

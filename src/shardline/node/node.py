@@ -68,7 +68,7 @@ from shardline.node.status import InstanceStatus
 from shardline.node.supervision import Supervisor
 from shardline.node.table import Instance, Peer
 from shardline.node.wire import NodeInfo, StateMessage
-from shardline.node.worker import Worker
+from shardline.node.worker import Spare, Worker
 
 log = logging.getLogger(__name__)
 
@@ -113,6 +113,8 @@ class Node:
             more are refused with 429 (``shardline.node.queue_bound``).
         spare_runner: keep a runner started ahead of the next rank placed here, its
             imports done (``shardline.node.worker``).
+        first_spare: the first such runner, started already (the ``run`` command starts it
+            before importing the node, so their imports overlap).
     """
 
     def __init__(
@@ -137,6 +139,7 @@ class Node:
         model_dirs: list[Path] | None = None,
         max_waiting: int = DEFAULT_MAX_WAITING,
         spare_runner: bool = True,
+        first_spare: Spare | None = None,
     ) -> None:
         self.node_id = node_id
         self.store = store
@@ -171,6 +174,7 @@ class Node:
         self.logistics = ModelLogistics(self)
         self.router = Router(self)
         self.worker = Worker(self.supervisor._on_runner_message, watchdog_s=watchdog_s, spare=spare_runner)
+        self._first_spare = first_spare
         self.streams: dict[int, RequestStream] = {}
         self.engine_stats: dict[str, dict] = {}  # instance id -> this node's rank's batch
         self.tokenizers: dict[str, Tokenizer] = {}
@@ -204,7 +208,9 @@ class Node:
 
     async def start(self) -> None:
         self._loop = asyncio.get_running_loop()
-        self.worker.start_spare()  # its imports overlap the node's start-up and election
+        # its imports overlap the node's start-up and election
+        self.worker.start_spare(self._first_spare)
+        self._first_spare = None
         # (later ones: the membership loop, once idle)
         self._background.append(asyncio.create_task(self._membership_loop()))
         self._background.append(asyncio.create_task(self.profiler.run()))

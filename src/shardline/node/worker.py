@@ -8,7 +8,8 @@ forwards its messages to the node's event loop.
 A runner imports torch and the model code (1.5-3 s on a 2-core machine) before it reads
 its spec, so the worker keeps one started ahead (``spare``): it has imported everything and
 waits, silent, for the spec of the next rank placed on this node, which then skips the
-imports. The node starts one at its own start and, after one is used, once it has been
+imports. The ``run`` command starts the first before importing the node itself (the two
+processes' imports overlap) and, after one is used, the node starts another once it has been
 idle a while (``Node``: its imports would take CPU from a load or the first requests);
 one that exits while waiting is replaced (not after :data:`SPARE_MAX_EARLY_EXITS` exits in
 a row within :data:`SPARE_EARLY_S` of their start: a runner that cannot start is left to
@@ -37,6 +38,26 @@ SPARE_EARLY_S = 60.0
 """A pre-started runner that exits within this many seconds of its start exited early."""
 SPARE_MAX_EARLY_EXITS = 3
 """After this many early exits in a row the worker stops pre-starting runners."""
+
+
+def spawn_runner() -> tuple[subprocess.Popen, Connection]:
+    """A runner process (``python -m shardline.runner FD``, in a session of its own) and the
+    node's end of its socket pair. The runner exits when that end closes.
+
+    Raises:
+        OSError: the process cannot be started.
+    """
+    ours, theirs = socket.socketpair()
+    # The runner binds its process group's sockets to spec.host itself
+    # (shardline.runner.rendezvous); a GLOO_SOCKET_IFNAME in the node's environment
+    # is the user's override and passes through.
+    process = subprocess.Popen(
+        [sys.executable, "-m", "shardline.runner", str(theirs.fileno())],
+        pass_fds=(theirs.fileno(),),
+        start_new_session=True,
+    )
+    theirs.close()
+    return process, Connection(ours.detach())
 
 
 @dataclass
@@ -110,33 +131,22 @@ class Worker:
         self._early_exits = 0
         self._stopped = False
 
-    @staticmethod
-    def _spawn() -> tuple[subprocess.Popen, Connection]:
-        """A runner process and the node's end of its socket pair."""
-        ours, theirs = socket.socketpair()
-        # The runner binds its process group's sockets to spec.host itself
-        # (shardline.runner.rendezvous); a GLOO_SOCKET_IFNAME in the node's environment
-        # is the user's override and passes through.
-        process = subprocess.Popen(
-            [sys.executable, "-m", "shardline.runner", str(theirs.fileno())],
-            pass_fds=(theirs.fileno(),),
-            start_new_session=True,
-        )
-        theirs.close()
-        return process, Connection(ours.detach())
-
     def loading(self) -> bool:
         """Whether a runner of this node is loading its shard."""
         return any(h.status == RankStatus.LOADING for h in list(self.runners.values()))
 
-    def start_spare(self) -> None:
+    def start_spare(self, started: Spare | None = None) -> None:
         """Start a runner ahead of its rank, unless pre-starting is off, one is waiting
-        already, or a runner of this node is loading (it would take that load's CPU)."""
+        already, or a runner of this node is loading (it would take that load's CPU).
+        ``started``: a runner already started for this (the node's command starts the first
+        before its own imports), kept instead of a new one, or else stopped."""
         with self._lock:
             if (not self.spare_enabled or self._stopped or self.spare is not None
                     or any(h.status == RankStatus.LOADING for h in self.runners.values())):
+                if started is not None:
+                    started.conn.close()  # the runner exits at end-of-file
                 return
-            spare = self.spare = Spare(*self._spawn())
+            spare = self.spare = started or Spare(*spawn_runner())
         threading.Thread(target=self._watch_spare, args=(spare,), daemon=True, name="spare-runner").start()
 
     def _watch_spare(self, spare: Spare) -> None:
@@ -173,7 +183,7 @@ class Worker:
             else:
                 if spare is not None:
                     spare.conn.close()
-                process, conn = self._spawn()
+                process, conn = spawn_runner()
             handle = RunnerHandle(spec=spec, process=process, conn=conn)
             old = self.runners.get(spec.instance_id)
             self.runners[spec.instance_id] = handle
