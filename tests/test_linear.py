@@ -89,6 +89,30 @@ def test_compiled_row_lookup_is_the_torch_ops_bit_for_bit(type_name):
             held.embed(torch.tensor([3, bad]), torch.float32)
 
 
+@pytest.mark.parametrize("shift, add, top", [(0, 0, 16), (0, 0, 256), (4, 0, 256), (4, 8, 32),
+                                            (4, 6, 64)])
+def test_compiled_int4_packing_is_torchs_bit_for_bit(shift, add, top):
+    """The load's packing kernel writes the bytes torch's int4 packing makes of the same
+    plane values: a 4-bit weight, an 8-bit one's low and high planes (Q8_0), a 5-bit
+    high plane re-centred (Q5_1), a 6-bit one's (Q6_K)."""
+    from shardline.models import native_dequant
+
+    layout = int4pack_layout()
+    if native_dequant.kernels() is None or layout is None:
+        pytest.skip("no C compiler or no known int4 layout here: torch packs")
+    from shardline.models.int4_planes import _nibble_row_order
+
+    if _nibble_row_order() != "halves":
+        pytest.skip("this CPU's int4 layout is not the one the kernel writes")
+    gen = torch.Generator().manual_seed(shift * 100 + add + top)
+    q = torch.randint(0, top, (3 * layout[0], 96), generator=gen).to(torch.uint8)
+    values = ((q >> shift) & 15) + add
+    assert int(values.max()) <= 15
+    expected = torch._convert_weight_to_int4pack_for_cpu(values.to(torch.int32), 1)
+    got = native_dequant.int4_pack_halves(q, shift, add, layout[0])
+    assert got.shape == expected.shape and torch.equal(got, expected)
+
+
 def test_int4_layout_is_understood_on_this_machine():
     """x86 CPUs with AVX2 or AVX-512 (every CI and development machine) have one."""
     layout = int4pack_layout()

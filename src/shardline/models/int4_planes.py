@@ -193,16 +193,18 @@ class Int4Planes:
 
 
 def pack_int4_planes(g: GroupQuant, dtype: torch.dtype) -> Int4Planes:
-    """Split integer groups of 32 (at most :data:`PACK_ROWS` rows) into one (<= 4 bits)
-    or two int4 planes."""
+    """Split integer groups of 32 into one (<= 4 bits)
+    or two int4 planes, packed by the compiled :func:`~shardline.models.native_dequant.
+    int4_pack_halves` where this machine's layout is the one it writes, else by torch."""
     rows, cols = g.shape
     scale = torch.from_numpy(g.scale)  # [rows, cols / 32] float32
     offset = torch.from_numpy(g.offset)
     q = torch.from_numpy(g.q)
-    planes: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = []  # (p, scale, zero)
+    # (shift, add, scale, zero): the plane's p = ((q >> shift) & 15) + add
+    planes: list[tuple[int, int, torch.Tensor, torch.Tensor]] = []
     if g.bits <= 4:
         # w = q * s + o = (q - 8) * s + (o + 8 s)
-        planes.append((q, scale, offset + 8 * scale))
+        planes.append((0, 0, scale, offset + 8 * scale))
     else:
         # q = 16 h + l: w = l * s + 16 h s + o. The low plane is centred, (l - 8) s with no
         # zero, and the high plane takes the rest: (p - 8) 16 s + 8 s (+ o). Decode adds the
@@ -210,18 +212,23 @@ def pack_int4_planes(g: GroupQuant, dtype: torch.dtype) -> Int4Planes:
         # product stays small, where an uncentred one (l s, all positive) grows with the
         # sum of the inputs and the two large products cancel (int8 on load in bfloat16:
         # SmolLM2 answered "L'Etoile" for the capital of France).
-        low, high = q & 15, q >> 4
-        planes.append((low, scale, torch.zeros_like(scale)))
+        planes.append((0, 0, scale, torch.zeros_like(scale)))
         if g.symmetric_center is not None:
             # o = -c s: the high plane takes it, p = h + 8 - c / 16 (in 0..15 for Q5_0,
             # Q8_0 and Q6_K), so every zero is 8 s or 0: exact in any float format.
-            shift = 8 - g.symmetric_center // 16
-            planes.append((high + shift, 16 * scale, 8 * scale))
+            planes.append((4, 8 - g.symmetric_center // 16, 16 * scale, 8 * scale))
         else:
-            planes.append((high + 8, 16 * scale, offset + 8 * scale))
+            planes.append((4, 8, 16 * scale, offset + 8 * scale))
+    layout = int4pack_layout()
+    compiled = (native_dequant.kernels() is not None and layout is not None
+                and rows % layout[0] == 0 and _nibble_row_order() == "halves")
     packed, scales_zeros = [], []
-    for p, s, z in planes:
-        packed.append(torch._convert_weight_to_int4pack_for_cpu(p.to(torch.int32).contiguous(), 1))
+    for shift, add, s, z in planes:
+        if compiled:
+            packed.append(native_dequant.int4_pack_halves(q, shift, add, layout[0]))  # type: ignore[index]
+        else:
+            p = ((q >> shift) & 15) + add
+            packed.append(torch._convert_weight_to_int4pack_for_cpu(p.to(torch.int32).contiguous(), 1))
         scales_zeros.append(torch.stack((s, z), dim=-1).transpose(0, 1).contiguous().to(dtype))
     return Int4Planes(packed, scales_zeros, rows, cols)
 

@@ -122,6 +122,7 @@ def kernels() -> ctypes.CDLL | None:
         lib.packed_groups_rows.argtypes = [_P, _P, _P, _P, _C, _C, _I, _I, _I, _C, _P, _C, _P]
         lib.packed_groups_gemv.argtypes = [_P, _P, _P, _P, _C, _C, _I, _I, _I, _C, _P, _P, _I,
                                            _P, _P]
+        lib.int4_pack_halves.argtypes = [_P, _I, _I, _C, _C, _I, _P]
         lib.decode_layers_built.restype = ctypes.c_int
         lib.decode_layers.argtypes = [_P, _P, _I, _P, _I, _P, _P, _P, _P, _C]
         lib.decode_layers.restype = ctypes.c_int
@@ -209,6 +210,24 @@ def int4_planes_rows(planes: list[tuple[torch.Tensor, torch.Tensor]], block: int
     assert ids.dtype == position.dtype == torch.int64
     lib.int4_planes_rows(*_plane_pointers(planes), planes[0][1].shape[1], K, block, _ptr(position.contiguous()),
                          _ptr(ids.contiguous()), ids.numel(), _ptr(out))
+    return out
+
+
+def int4_pack_halves(q: torch.Tensor, shift: int, add: int, block: int) -> torch.Tensor:
+    """Pack ``((q >> shift) & 15) + add`` of uint8 ``q`` ``[rows, cols]`` (values the
+    caller keeps in 0..15) into torch's CPU int4 layout for blocks of ``block`` rows in the
+    "halves" nibble order (:func:`shardline.models.int4_planes.int4pack_layout`): uint8
+    ``[rows, cols / 2]``, the bytes ``torch._convert_weight_to_int4pack_for_cpu`` makes of
+    those values as int32 (without that int32 copy of every weight).
+
+    Raises:
+        RuntimeError: the kernels are not built (:func:`kernels` is None).
+    """
+    lib = _loaded()
+    rows, cols = q.shape
+    assert q.dtype == torch.uint8 and rows % block == 0 and cols % 2 == 0
+    out = torch.empty(rows, cols // 2, dtype=torch.uint8)
+    lib.int4_pack_halves(_ptr(q.contiguous()), rows, cols, shift, add, block // 2, _ptr(out))
     return out
 
 
