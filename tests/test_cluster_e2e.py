@@ -6,6 +6,7 @@ import json
 import os
 
 import httpx
+import psutil
 import pytest
 from conftest import CAPITAL_QUESTION, placed
 
@@ -37,6 +38,18 @@ def test_capital_of_france_is_paris(cluster3):
     usage = body["usage"]
     assert usage["prompt_tokens"] > 10 and usage["completion_tokens"] > 0
     assert usage["total_tokens"] == usage["prompt_tokens"] + usage["completion_tokens"]
+
+
+def test_node_processes_never_load_torch_only_their_runners_do(cluster3):
+    """A node tokenizes and serves without torch (transformers would import it: seconds of
+    CPU at start-up and ~200 MB held); its runners compute with it."""
+    assert chat(cluster3.url(1), "Hi", max_tokens=2).status_code == 200  # tokenizers loaded
+    for proc in cluster3.procs:
+        assert proc is not None
+        node = psutil.Process(proc.pid)
+        assert not any("libtorch" in m.path for m in node.memory_maps())
+        runners = [c for c in node.children() if "shardline.runner" in " ".join(c.cmdline())]
+        assert runners and any("libtorch" in m.path for m in runners[0].memory_maps())
 
 
 def test_three_node_pipeline_matches_one_node(cluster3, cluster1):

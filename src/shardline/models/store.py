@@ -38,7 +38,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from shardline.machine_cache import cache_path, write_atomically
-from shardline.models.config import UnsupportedModelError
+from shardline.models.config import ModelConfig, UnsupportedModelError
 from shardline.models.confine import (
     MANIFEST,
     UnsafePathError,
@@ -239,11 +239,27 @@ def _default_config() -> dict:
     return gguf_config(*open_gguf(default_model_path())).to_dict()
 
 
+def _weights_config(path: Path) -> ModelConfig:
+    """The model configuration of a GGUF file or a Hugging Face directory, read without
+    torch (the node process runs without it: :mod:`shardline.models.tokenizer`).
+
+    Raises:
+        OSError, ValueError: the file cannot be read or is not GGUF, or config.json is
+            not JSON.
+        shardline.models.config.UnsupportedModelError: an architecture shardline cannot run.
+    """
+    if path.is_file():
+        from shardline.models.gguf_header import gguf_config, open_gguf
+
+        return gguf_config(*open_gguf(path))
+    return ModelConfig.from_hf_config(json.loads((path / "config.json").read_text()))
+
+
 def _default_tokenizer_dir() -> Path:
     """The embedded default's tokenizer saved as Hugging Face tokenizer files, made once per
     machine in ``$XDG_CACHE_HOME/shardline/tokenizers/``: rebuilding it from the GGUF's
     metadata (transformers' GGUF converter) takes seconds at every node start otherwise."""
-    from shardline.models.tokenizer import Tokenizer
+    from shardline.models.tokenizer import save_tokenizer_files
 
     gguf_file = default_model_path()
     target = cache_path("tokenizers", gguf_file)
@@ -251,7 +267,7 @@ def _default_tokenizer_dir() -> Path:
         target.parent.mkdir(parents=True, exist_ok=True)
         staging = Path(tempfile.mkdtemp(prefix=".saving-", dir=target.parent))
         try:
-            Tokenizer(gguf_file).save(staging)
+            save_tokenizer_files(gguf_file, staging)
             staging.rename(target)
         except OSError:  # another process saved it first
             pass
@@ -415,11 +431,10 @@ class ModelStore:
                 _link_or_copy(file, staging / name)
             try:
                 if fmt == "gguf":
-                    from shardline.models.tokenizer import Tokenizer
-                    from shardline.models.weights import open_weights
+                    from shardline.models.tokenizer import save_tokenizer_files
 
-                    open_weights(staging / source.name)  # a corrupt file fails here, quickly
-                    Tokenizer(staging / source.name).save(staging / GGUF_TOKENIZER_DIR)
+                    _weights_config(staging / source.name)  # a corrupt file fails here, quickly
+                    save_tokenizer_files(staging / source.name, staging / GGUF_TOKENIZER_DIR)
                 manifest = self._describe(staging, model_id, fmt)
             except UnsupportedModelError:
                 raise
@@ -465,8 +480,6 @@ class ModelStore:
         return self.add_local(local, repo_id)
 
     def _describe(self, directory: Path, model_id: str, fmt: str) -> Manifest:
-        from shardline.models.weights import open_weights  # torch: only when adding
-
         files, weight_map = [], {}
         for file in sorted(p for p in directory.rglob("*") if p.is_file()):
             rel = file.relative_to(directory).as_posix()
@@ -481,9 +494,9 @@ class ModelStore:
 
             for f in files:
                 if f.path.endswith(".safetensors"):
-                    with safe_open(str(directory / f.path), framework="pt") as handle:
+                    with safe_open(str(directory / f.path), framework="np") as handle:
                         weight_map.update({name: f.path for name in handle.keys()})
-        config = open_weights(weights_path).config.to_dict()
+        config = _weights_config(weights_path).to_dict()
         return Manifest(model_id, fmt, tuple(files), config, weight_map)
 
     def weights_path(self, model_id: str) -> Path:
