@@ -37,3 +37,29 @@ def test_column_and_row_slices_keep_values():
         whole.cols(16, 64)
     both = GroupQuant.concat([whole.rows(0, 1), whole.rows(3, 4)])
     np.testing.assert_array_equal(both.dequantize(), whole.dequantize()[[0, 3]])
+
+
+@pytest.mark.parametrize("type_name", ["Q4_0", "Q4_1", "Q8_0"])
+def test_compiled_unpacking_gives_the_numpy_unpackers_groups(type_name):
+    """The load's one-pass kernel, on random blocks whose f16 scales include subnormals,
+    zeros, negative zero and infinities: the same q, scales, offsets and form bit for bit."""
+    from shardline.models import native_dequant
+
+    if native_dequant.kernels() is None:
+        pytest.skip("no C compiler on this machine: numpy unpacks")
+    data = random_blocks(type_name, rows=40, blocks=5, seed=3)
+    halves = np.array([0x0001, 0x03FF, 0x0000, 0x8000, 0x7C00, 0xFC00, 0x8123, 0x3C00], np.uint16)
+    f16_at = [0, 2] if type_name == "Q4_1" else [0]
+    size = data.shape[1] // 5
+    for i, h in enumerate(halves):
+        row, block = divmod(i, 5)
+        for at in f16_at:
+            data[row, block * size + at : block * size + at + 2] = np.frombuffer(h.tobytes(), np.uint8)
+    numpy_groups = unpack_blocks(type_name, data)
+    compiled = native_dequant.unpack_blocks(type_name, data)
+    for field in ("q", "scale", "offset"):
+        got, want = getattr(compiled, field), getattr(numpy_groups, field)
+        assert got.dtype == want.dtype and got.shape == want.shape
+        np.testing.assert_array_equal(got.view(np.uint8), want.view(np.uint8), err_msg=field)
+    assert (compiled.bits, compiled.group, compiled.symmetric_center) == (
+        numpy_groups.bits, numpy_groups.group, numpy_groups.symmetric_center)

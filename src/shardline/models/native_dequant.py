@@ -28,9 +28,12 @@ import sysconfig
 import tempfile
 from pathlib import Path
 
+import numpy as np
 import torch
 
 from shardline.machine_cache import cache_dir
+from shardline.models import gguf_quants
+from shardline.models.gguf_quants import GroupQuant
 
 log = logging.getLogger(__name__)
 
@@ -123,6 +126,7 @@ def kernels() -> ctypes.CDLL | None:
         lib.packed_groups_gemv.argtypes = [_P, _P, _P, _P, _C, _C, _I, _I, _I, _C, _P, _P, _I,
                                            _P, _P]
         lib.int4_pack_halves.argtypes = [_P, _I, _I, _C, _C, _I, _P]
+        lib.unpack_blocks_32.argtypes = [_P, _I, _I, _C, _P, _P, _P]
         lib.decode_layers_built.restype = ctypes.c_int
         lib.decode_layers.argtypes = [_P, _P, _I, _P, _I, _P, _P, _P, _P, _C]
         lib.decode_layers.restype = ctypes.c_int
@@ -229,6 +233,32 @@ def int4_pack_halves(q: torch.Tensor, shift: int, add: int, block: int) -> torch
     out = torch.empty(rows, cols // 2, dtype=torch.uint8)
     lib.int4_pack_halves(_ptr(q.contiguous()), rows, cols, shift, add, block // 2, _ptr(out))
     return out
+
+
+_BLOCKS_32 = {"Q4_0": (0, 18, 4, 8), "Q4_1": (1, 20, 4, None), "Q8_0": (2, 34, 8, 128)}
+"""GGUF types ``unpack_blocks_32`` unpacks: (its kind, bytes a block, bits, center)."""
+
+
+def unpack_blocks(type_name: str, data: np.ndarray) -> GroupQuant:
+    """:func:`shardline.models.gguf_quants.unpack_blocks` (same arguments, the same
+    values), in one compiled pass for Q4_0, Q4_1 and Q8_0 where the kernels are built.
+
+    Raises:
+        UnsupportedQuantization: the type has no integer-group form.
+    """
+    lib = kernels()
+    if lib is None or type_name not in _BLOCKS_32:
+        return gguf_quants.unpack_blocks(type_name, data)
+    kind, size, bits, center = _BLOCKS_32[type_name]
+    rows = data.shape[0]
+    blocks = data.reshape(rows, -1).shape[1] // size
+    data = np.ascontiguousarray(data)
+    q = np.empty((rows, blocks * 32), np.uint8)
+    scale = np.empty((rows, blocks), np.float32)
+    offset = np.empty((rows, blocks), np.float32)
+    lib.unpack_blocks_32(data.ctypes.data, rows, blocks, kind, q.ctypes.data, scale.ctypes.data,
+                         offset.ctypes.data)
+    return gguf_quants.GroupQuant(q, scale, offset, bits, 32, center)
 
 
 @functools.cache

@@ -26,9 +26,10 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from shardline.models import native_dequant
 from shardline.models.config import ModelConfig
 from shardline.models.gguf_header import gguf_config, open_gguf
-from shardline.models.gguf_quants import SUPPORTED_TYPES, GroupQuant, unpack_blocks
+from shardline.models.gguf_quants import SUPPORTED_TYPES, GroupQuant
 
 Span = tuple[int, int] | None  # (start, end) along one axis; None: all of it
 
@@ -168,7 +169,7 @@ class GGUFSource(WeightSource):
         else:
             first = cols[0] // block
             part = data[:, first * size : -(-cols[1] // block) * size]
-        groups = unpack_blocks(type_name, part)
+        groups = native_dequant.unpack_blocks(type_name, part)
         if cols is not None:
             try:
                 groups = groups.cols(cols[0] - first * block, cols[1] - first * block)
