@@ -4,7 +4,6 @@ work a running cluster (``nodes``, ``instances``, ``place``, ``delete``, ``model
 from __future__ import annotations
 
 import argparse
-import importlib.metadata
 import logging
 import os
 import signal
@@ -162,6 +161,16 @@ def _bench(args: argparse.Namespace) -> int:
     return bench_main(args)
 
 
+class _Version(argparse.Action):
+    """``--version``: read from the installed package's metadata when asked (importing
+    importlib.metadata costs every process ~40 ms otherwise)."""
+
+    def __call__(self, parser, namespace, values, option_string=None) -> None:
+        import importlib.metadata
+
+        parser.exit(message=f"shardline {importlib.metadata.version('shardline')}\n")
+
+
 def build_parser() -> argparse.ArgumentParser:
     from shardline.control import byte_size
     from shardline.models.store import DEFAULT_MODEL_ID
@@ -172,8 +181,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     parser = argparse.ArgumentParser(prog="shardline", description=__doc__)
     parser.add_argument("-v", "--verbose", action="store_true", help="log more")
-    parser.add_argument("--version", action="version",
-                        version=f"shardline {importlib.metadata.version('shardline')}")
+    parser.add_argument("--version", action=_Version, nargs=0, help="print the version and exit")
     sub = parser.add_subparsers(dest="command", required=True)
 
     run = sub.add_parser("run", help="run one node")
@@ -265,7 +273,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     bench = sub.add_parser("bench", help="measure prefill and decode tokens/s and TTFT; "
                                               "--against URL: side by side with another server")
-    from shardline.bench.command import add_arguments
+    from shardline.bench.arguments import add_arguments
 
     add_arguments(bench)
     bench.set_defaults(func=_bench)

@@ -11,18 +11,25 @@ the change at once.
 from __future__ import annotations
 
 import argparse
+import functools
 import os
 import sys
 import time
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-import httpx
-from rich.console import Console
-from rich.table import Table
+if TYPE_CHECKING:
+    from rich.console import Console
 
-from shardline.api.errors import error_message
+# httpx and rich are imported where used: every shardline process builds the CLI's parser
+# (add_commands), and a node's runner starts only after it (~0.15 s of imports).
 
-_console = Console()
+
+@functools.cache
+def _console() -> Console:
+    from rich.console import Console
+
+    return Console()
 
 
 def api_key_headers(api_key: str | None = None) -> dict[str, str]:
@@ -43,6 +50,10 @@ def _request(args: argparse.Namespace, method: str, path: str, body: dict | None
     Raises:
         CommandError: no node answers at ``--url``, or it answered an error (its detail).
     """
+    import httpx
+
+    from shardline.api.errors import error_message
+
     url = args.url.rstrip("/") + path
     try:
         response = httpx.request(method, url, json=body, timeout=timeout_s, headers=api_key_headers(args.api_key))
@@ -63,6 +74,8 @@ def _gb(nbytes: int | None) -> str:
 
 
 def _nodes(args: argparse.Namespace) -> None:
+    from rich.table import Table
+
     data = _request(args, "GET", "/cluster/nodes")
     table = Table(title=f"coordinator: {data['coordinator']}")
     for column in ("node", "address", "live", "free / offered memory", "committed", "accelerator",
@@ -78,7 +91,7 @@ def _nodes(args: argparse.Namespace) -> None:
                       f"{_gb(n.get('free_bytes'))} / {_gb(n.get('offered_bytes'))}",
                       _gb(n.get("committed_bytes")), str(accelerator),
                       f"{flops / 1e12:.2f} TFLOP/s" if flops else "-", models or "-")
-    _console.print(table)
+    _console().print(table)
 
 
 def rank_share(rank: dict) -> str:
@@ -109,6 +122,8 @@ def speed_text(predicted: float | None, measured: float | None, samples: int) ->
 
 
 def _instances(args: argparse.Namespace) -> None:
+    from rich.table import Table
+
     data = _request(args, "GET", "/cluster/instances")
     table = Table()
     for column in ("instance", "model", "sharding", "dtype", "status", "ranks",
@@ -123,7 +138,7 @@ def _instances(args: argparse.Namespace) -> None:
                                  speed.get("measured_decode_tokens_per_s"), speed.get("decode_samples", 0)),
                       speed_text(speed.get("predicted_prefill_tokens_per_s"),
                                  speed.get("measured_prefill_tokens_per_s"), speed.get("prefill_samples", 0)))
-    _console.print(table if data["instances"] else "no instances")
+    _console().print(table if data["instances"] else "no instances")
 
 
 def byte_size(text: str) -> int:
@@ -137,6 +152,8 @@ def byte_size(text: str) -> int:
 
 
 def _place(args: argparse.Namespace) -> None:
+    from rich.table import Table
+
     nodes = [n.strip() for n in args.nodes.split(",") if n.strip()] if args.nodes else None
     body = {"model": args.model, "sharding": args.sharding, "nodes": nodes, "context": args.context,
             "max_batch": args.max_batch, "dtype": args.dtype, "force": args.force,
@@ -158,12 +175,12 @@ def _place(args: argparse.Namespace) -> None:
                           if c["feasible"] else "-",
                           f"{c['kv_tokens']:,}" if c["feasible"] else "-",
                           c["error"] or "")
-        _console.print(table)
+        _console().print(table)
         if not any(c["feasible"] for c in data["candidates"]):
             raise CommandError("no placement fits (the reasons are above)")
         return
     inst = _request(args, "POST", "/cluster/instances", body)
-    _console.print(f"placed {inst['model_id']} as instance {inst['instance_id']} ({inst['sharding']})")
+    _console().print(f"placed {inst['model_id']} as instance {inst['instance_id']} ({inst['sharding']})")
     if args.no_wait:
         return
     deadline = time.monotonic() + args.timeout
@@ -176,10 +193,10 @@ def _place(args: argparse.Namespace) -> None:
         inst = found[inst["instance_id"]]
         text = ", ".join(_rank_text(r) for r in inst["ranks"])
         if text != shown:
-            _console.print(text)
+            _console().print(text)
             shown = text
         if inst["status"] == "ready":
-            _console.print(f"ready: {inst['model_id']} serves at {args.url.rstrip('/')}/v1")
+            _console().print(f"ready: {inst['model_id']} serves at {args.url.rstrip('/')}/v1")
             return
         if inst["status"] == "failed":
             raise CommandError(f"instance {inst['instance_id']} failed: {inst['error']}")
@@ -190,10 +207,12 @@ def _place(args: argparse.Namespace) -> None:
 
 def _delete(args: argparse.Namespace) -> None:
     _request(args, "DELETE", f"/cluster/instances/{args.instance_id}")
-    _console.print(f"deleted {args.instance_id}")
+    _console().print(f"deleted {args.instance_id}")
 
 
 def _models_list(args: argparse.Namespace) -> None:
+    from rich.table import Table
+
     data = _request(args, "GET", "/cluster/models")
     table = Table()
     for column in ("model", "format", "size", "on nodes", "partly on", "instances"):
@@ -202,7 +221,7 @@ def _models_list(args: argparse.Namespace) -> None:
         table.add_row(m["model_id"], m["format"], "embedded" if m["embedded"] else _gb(m["total_bytes"]),
                       ", ".join(m["complete_on"]), ", ".join(m["partial_on"]),
                       ", ".join(f"{i['instance_id']} ({i['status']})" for i in m["instances"]))
-    _console.print(table)
+    _console().print(table)
 
 
 def _store(args: argparse.Namespace):
@@ -230,7 +249,7 @@ def _models_add(args: argparse.Namespace) -> None:
             manifest = store.add_from_hub(args.source)
     except (ModelStoreError, ModelNotFoundError, UnsupportedModelError) as exc:
         raise CommandError(str(exc)) from None
-    _console.print(f"{manifest.model_id}: {len(manifest.files)} files, {_gb(manifest.total_bytes)} "
+    _console().print(f"{manifest.model_id}: {len(manifest.files)} files, {_gb(manifest.total_bytes)} "
                    f"({manifest.format}) in {store.model_dir(manifest.model_id)}")
 
 
@@ -243,7 +262,7 @@ def _models_remove(args: argparse.Namespace) -> None:
         raise CommandError(str(exc)) from None
     if not removed:
         raise CommandError(f"{args.model_id} is not in the model store")
-    _console.print(f"removed {args.model_id}")
+    _console().print(f"removed {args.model_id}")
 
 
 def _run(func):

@@ -45,8 +45,6 @@ from typing import Any
 
 import httpx
 
-DEFAULT_PORT = 52600
-
 AGGREGATE_DEFINITION = (
     "aggregate decode tokens/s = total completion tokens of the level / wall time of the level "
     "(first request sent to last request finished, prefill included)"

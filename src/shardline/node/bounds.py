@@ -17,11 +17,12 @@ from __future__ import annotations
 
 import logging
 from itertools import accumulate
+from typing import TYPE_CHECKING
 
-from starlette.types import ASGIApp, Message, Receive, Scope, Send
-
-from shardline.api import errors
 from shardline.node.link_probe import UPLOAD_PATH
+
+if TYPE_CHECKING:
+    from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 log = logging.getLogger(__name__)
 
@@ -204,6 +205,8 @@ class RequestBoundsMiddleware:
     @staticmethod
     async def _refuse(scope: Scope, status: int, message: str, code: str, send: Send) -> None:
         """Send the refusal; ``Connection: close``, as the rest of the body stays unread."""
+        from shardline.api import errors  # not for the CLI's parser
+
         response = errors.error_response(scope["path"], status, message, code=code,
                                          headers={"Connection": "close"})
         await response(scope, _no_receive, send)

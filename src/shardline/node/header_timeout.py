@@ -15,8 +15,6 @@ from __future__ import annotations
 import asyncio
 import logging
 
-from uvicorn.protocols.http.h11_impl import H11Protocol
-
 log = logging.getLogger(__name__)
 
 DEFAULT_HEADER_TIMEOUT_S = 10.0
@@ -32,6 +30,7 @@ def header_timeout_protocol(timeout_s: float) -> type[asyncio.Protocol]:
     """
     if not timeout_s > 0:
         raise ValueError(f"the header timeout must be positive, not {timeout_s}")
+    from uvicorn.protocols.http.h11_impl import H11Protocol  # not for the CLI's parser
 
     class HeaderTimeoutH11Protocol(H11Protocol):
         _header_timer: asyncio.TimerHandle | None = None

@@ -1,0 +1,65 @@
+"""The options of ``shardline bench``, apart from the command (:mod:`shardline.bench.command`),
+whose imports (httpx, the local cluster) every shardline process would pay otherwise: each
+builds the whole CLI parser before it starts anything."""
+
+from __future__ import annotations
+
+import argparse
+
+DEFAULT_PORT = 52600
+"""First port of the local cluster ``shardline bench`` starts without ``--url``."""
+
+DEFAULT_ROUNDS_AGAINST = 3
+"""Rounds with ``--against`` (one without)."""
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """Add ``shardline bench``'s options to its subparser."""
+    from shardline.models.store import DEFAULT_MODEL_ID
+    from shardline.placement.ranks import SHARDINGS
+
+    parser.add_argument("--url", default=None,
+                        help="benchmark this running node (http://host:port); default: start a local cluster")
+    parser.add_argument("--api-key", default=None,
+                        help="the API key of the node at --url, or the one the local cluster's nodes "
+                             "require (default: $SHARDLINE_API_KEY, else none)")
+    parser.add_argument("--nodes", type=int, default=1, help="nodes of the local cluster (default %(default)s)")
+    parser.add_argument("--sharding", default="pipeline", choices=SHARDINGS,
+                        help="sharding of the local cluster (default %(default)s)")
+    parser.add_argument("--model", default=None,
+                        help=f"model id or local path (default {DEFAULT_MODEL_ID}; "
+                             "with --url: the node's first model)")
+    parser.add_argument("--port", type=int, default=DEFAULT_PORT,
+                        help="first port of the local cluster (default %(default)s)")
+    parser.add_argument("--runner-threads", type=int, default=0,
+                        help="torch threads per runner of the local cluster (0: cores / nodes)")
+    parser.add_argument("--prompt-tokens", type=int, nargs="+", default=[512],
+                        help="prompt length in tokens, chat template included; several values give "
+                             "several levels (default 512)")
+    parser.add_argument("--gen-tokens", type=int, default=128,
+                        help="tokens generated per request (default %(default)s)")
+    parser.add_argument("--concurrency", type=int, nargs="+", default=[1],
+                        help="requests in flight at once; several values give several levels (default 1)")
+    parser.add_argument("--runs", type=int, default=3,
+                        help="requests per level and round, at least the concurrency (default %(default)s)")
+    parser.add_argument("--chat-requests", type=int, default=4,
+                        help="short chat questions (about 37 prompt tokens) per round, for its TTFT; "
+                             "0: none (default %(default)s)")
+    parser.add_argument("--rounds", type=int, default=None,
+                        help="times every level and the short chat run; figures are medians over rounds "
+                             f"(default 1, with --against {DEFAULT_ROUNDS_AGAINST})")
+    parser.add_argument("--against", default=None, metavar="URL",
+                        help="also benchmark this OpenAI-compatible server (llama.cpp's llama-server, vLLM, "
+                             "another shardline), interleaved with shardline, and print the ratios")
+    parser.add_argument("--against-model", default=None,
+                        help="model id at --against (default: its first in GET /v1/models)")
+    parser.add_argument("--against-api-key", default=None,
+                        help="API key of the server at --against (default none)")
+    parser.add_argument("--json", dest="json_path", default=None, metavar="PATH",
+                        help="also write the results (with --against: both servers', the ratios and the "
+                             "order the units ran in) as JSON to PATH")
+    parser.add_argument("--memory", action="store_true",
+                        help="after the workload, print each rank's memory: file bytes of its shard, "
+                             "placement's estimate, resident set steady and at its peaks")
+    parser.add_argument("--warmup", action=argparse.BooleanOptionalAction, default=True,
+                        help="send each server one unmeasured request first (default on)")
