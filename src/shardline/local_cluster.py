@@ -11,13 +11,15 @@ import subprocess
 import sys
 import time
 from collections.abc import Iterable, Iterator, Sequence
+from functools import cached_property
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-import httpx
-
-from shardline.api.errors import error_message
 from shardline.control import api_key_headers
 from shardline.node.identity import cluster_key, default_data_dir
+
+if TYPE_CHECKING:
+    import httpx
 
 KEPT_REPLACE_S = 20.0
 """How long :meth:`LocalCluster.serve` waits for a kept instance that failed with its old
@@ -93,10 +95,6 @@ class LocalCluster:
         self.cluster_key, _ = cluster_key(self.data_dir)
         self.api_key = api_key or os.environ.get("SHARDLINE_API_KEY") or None
         self.headers = api_key_headers(self.api_key)
-        # One client for every request: httpx.get() makes a client (and its TLS context)
-        # per call, ~28 ms of CPU, so polling every 0.1 s took a quarter of a core from the
-        # nodes starting beside it.
-        self.http = httpx.Client(headers=self.headers, timeout=5)
         self.n = nodes
         self.base_port = base_port
         self.runner_threads = runner_threads or max(1, (os.cpu_count() or 1) // nodes)
@@ -107,6 +105,15 @@ class LocalCluster:
         self.procs: list[subprocess.Popen | None] = []
         self.stopping = False
         self.instance: dict | None = None
+
+    @cached_property
+    def http(self) -> httpx.Client:
+        """The one client of every request (made on first use: httpx's import would delay
+        the nodes' start). httpx.get() makes a client and TLS context per call, ~28 ms of
+        CPU: polling every 0.1 s took a quarter of a core from the nodes starting beside it."""
+        import httpx
+
+        return httpx.Client(headers=self.headers, timeout=5)
 
     def url(self, i: int) -> str:
         return f"http://127.0.0.1:{self.base_port + i}"
@@ -158,6 +165,8 @@ class LocalCluster:
     def formed(self, indices) -> bool:
         """Whether the nodes ``indices`` each see all of them live and hold one table from
         the coordinator they agree on (its current term's)."""
+        import httpx
+
         try:
             views = [self.http.get(f"{self.url(i)}/cluster/nodes", timeout=2).json() for i in indices]
         except (httpx.HTTPError, ValueError):
@@ -200,6 +209,8 @@ class LocalCluster:
         body = {"model": model, "sharding": sharding, "nodes": nodes, **options}
         response = self.http.post(f"{self.url(0)}/cluster/instances", json=body, timeout=120)
         if response.status_code != 201:
+            from shardline.api.errors import error_message
+
             raise LocalClusterError(f"placement refused: {error_message(response.json()) or response.text}")
         instance_id = response.json()["instance_id"]
         deadline = time.time() + timeout_s
@@ -266,6 +277,8 @@ class LocalCluster:
             self.http.delete(f"{self.url(0)}/cluster/instances/{instance_id}", timeout=30)
 
     def _all_nodes_ready(self, instance_id: str) -> bool:
+        import httpx
+
         for i in range(self.n):
             try:
                 instances = self.http.get(f"{self.url(i)}/cluster/instances", timeout=5).json()["instances"]

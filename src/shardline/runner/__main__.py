@@ -124,9 +124,12 @@ def serve(conn, outbox: Outbox, started: float) -> None:
     started ahead of its placement: ``Worker``'s pre-started runner), join the process
     group, load the shard, report Loaded and run the engine. ``started``: the process's
     start (``time.monotonic()``), for the log line that times the phases."""
+    import gguf  # noqa: F401 (open_weights' reader; with yaml ~0.14 s, before the spec)
     import torch
     import torch.distributed as dist
 
+    import shardline.models.shard_loader  # noqa: F401 (load_stage's, before the spec too)
+    import shardline.parallel.pipeline  # noqa: F401
     from shardline.models.linear import weight_bytes
     from shardline.models.weights import open_weights
     from shardline.process_memory import large_allocations_mapped, release_free_memory
