@@ -279,6 +279,9 @@ def test_ollama_options_work(url):
     assert len(sampled) == 1
     small = chat(num_ctx=8, num_predict=4)
     assert small.status_code == 400 and "8 tokens" in small.json()["error"]
+    below = chat(num_predict=-3)  # -1 and -2 are Ollama's "no limit" and "fill the context"
+    assert below.status_code == 400 and "num_predict" in below.json()["error"]
+    assert chat(num_predict=-2).json()["done_reason"] in ("stop", "length")
     greedy = chat(num_predict=12).json()["message"]["content"]
     for options in ({"top_k": 1, "temperature": 1.0, "seed": 2}, {"min_p": 1.0, "temperature": 1.0, "seed": 2},
                     {"top_p": 0.0, "temperature": 1.0}, {"repeat_last_n": 0, "repeat_penalty": 1.5}):

@@ -71,7 +71,8 @@ class Options(BaseModel):
     top_k: int = Field(default=40, ge=0)
     min_p: float = Field(default=0.0, ge=0.0, le=1.0)
     seed: int | None = None
-    num_predict: int = -1  # -1: until the context is full
+    # -1 (no limit) and -2 (Ollama's "fill the context") both run until the context is full
+    num_predict: int = Field(default=-1, ge=-2)
     num_ctx: int | None = Field(default=None, ge=1)
     stop: list[str] | None = None
     repeat_penalty: float = Field(default=1.0, gt=0.0)

@@ -282,7 +282,7 @@ PARAMETERS: tuple[Param, ...] = (
            ("top_k", True, "default 40", "test_ollama_options_work"),
            ("min_p", True, "default 0", "test_ollama_options_work"),
            ("seed", True, "reproducible sampling", "test_ollama_options_work"),
-           ("num_predict", True, "most tokens; -1: until the context is full", "test_ollama_options_work"),
+           ("num_predict", True, "most tokens; -1 or -2 (fill the context): until the context is full; less is refused", "test_ollama_options_work"),
            ("stop", True, "stop strings", "test_ollama_options_work"),
            ("num_ctx", True, "the request's context window, at most the instance's", "test_ollama_options_work"),
            ("repeat_penalty", True, "CTRL's penalty; default 1.0 here (off)", "test_penalties_change_a_repetitive_answer"),
