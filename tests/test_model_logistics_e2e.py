@@ -24,8 +24,10 @@ MODEL = "test/smollm2"
 
 
 def shardline(*args: str) -> subprocess.CompletedProcess:
+    """The command's output to a pipe (no $COLUMNS: tables take the pipe's width)."""
+    env = {k: v for k, v in os.environ.items() if k != "COLUMNS"}
     return subprocess.run([sys.executable, "-m", "shardline.cli", *args], capture_output=True, text=True,
-                          timeout=300, env=dict(os.environ, COLUMNS="250"))
+                          timeout=300, env=env)
 
 
 def ask(url: str) -> str:
@@ -97,6 +99,7 @@ def test_a_model_added_on_one_node_is_copied_to_its_ranks_and_served(cluster):
     assert instance["instance_id"] in shown.stdout and MODEL in shown.stdout
     nodes = shardline("nodes", "--url", cluster.url(0))
     assert all(i in nodes.stdout for i in ids)
+    assert "free / offered memory" in nodes.stdout  # one line a row: 80 columns wrapped it
     deleted = shardline("delete", instance["instance_id"], "--url", cluster.url(2))
     assert deleted.returncode == 0, deleted.stderr
     assert httpx.get(f"{cluster.url(0)}/cluster/instances", timeout=5).json()["instances"] == []

@@ -25,11 +25,17 @@ if TYPE_CHECKING:
 # (add_commands), and a node's runner starts only after it (~0.15 s of imports).
 
 
+PIPE_WIDTH = 240
+"""Columns of tables printed to a pipe or file without ``$COLUMNS`` (rich's default of 80
+wrapped ``nodes`` cells over several lines); a terminal gets its own width."""
+
+
 @functools.cache
 def _console() -> Console:
     from rich.console import Console
 
-    return Console()
+    piped = not sys.stdout.isatty() and "COLUMNS" not in os.environ
+    return Console(width=PIPE_WIDTH) if piped else Console()
 
 
 def api_key_headers(api_key: str | None = None) -> dict[str, str]:
