@@ -44,7 +44,8 @@ def test_node_idle(in_flight, busy, statuses, idle):
 
 @pytest.mark.parametrize("now, idle_since, measured_at, guess, due", [
     (100, None, None, False, False),  # busy: never
-    (100, 100, None, False, True),  # nothing to go on: at once
+    (100, 100, None, False, False),  # nothing to go on: after FIRST_IDLE_S (3 s) idle,
+    (103, 100, None, False, True),  # not at the start, where a placement comes at once
     (100, 95, None, True, False),  # a cached guess: after IDLE_S (10 s) idle
     (100, 90, None, True, True),
     (4000, 3990, 100, True, True),  # an hour since the last, idle long enough

@@ -67,6 +67,7 @@ class Coordinator:
     def __init__(self, node: "Node") -> None:
         self.node = node
         self.replacing: set[str] = set()  # failed instances being placed again
+        self._announced: set[str] = set()  # instances whose "is ready" was logged
         self._cards: dict[str, ModelCard] = {}  # model id -> card, for first_order
         self._reading: set[str] = set()  # model ids whose card is read in the background
 
@@ -127,7 +128,10 @@ class Coordinator:
             rank = after.node_ids().index(report.node_id)
             self._background(self._fail_after_grace(
                 report.instance_id, f"rank {rank} on node {report.node_id} {report.error}"))
-        elif after.status == InstanceStatus.READY and before.status == InstanceStatus.LOADING:
+        elif (after.status == InstanceStatus.READY and before.status == InstanceStatus.LOADING
+              and after.instance_id not in self._announced):
+            # two ranks' reports committed together both see loading -> ready: said once
+            self._announced.add(after.instance_id)
             log.info("instance %s of %s is ready: %s on %d node(s)", after.instance_id,
                      after.model_id, after.sharding, len(after.ranks))
         return True
@@ -158,7 +162,10 @@ class Coordinator:
         inst = self.node.instances.get(event.instance_id)
         if inst is None or inst.status == InstanceStatus.FAILED:
             return
-        log.warning("instance %s failed: %s", event.instance_id, event.error)
+        if event.at_once:  # the ranks went with their restarted nodes: expected, not a fault
+            log.info("instance %s ended: %s; placing it again", event.instance_id, event.error)
+        else:
+            log.warning("instance %s failed: %s", event.instance_id, event.error)
         await self.node.commit(event)
         self._background(self._replace(event.instance_id, wait=not event.at_once))
 

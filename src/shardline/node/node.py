@@ -196,7 +196,11 @@ class Node:
         from shardline.node.identity import default_data_dir
         from shardline.node.profile import PROFILE_FORMAT
 
-        self.profiler = HostProfiler(self, default_data_dir() / f"host-profile-v{PROFILE_FORMAT}.json")
+        # one file per runner thread count: nodes of 1- and 3-node local clusters run
+        # runners on 2 and 1 threads here, and a shared file made every start of the
+        # other kind measure (a torch child beside the start-up, killed at placement)
+        self.profiler = HostProfiler(
+            self, default_data_dir() / f"host-profile-v{PROFILE_FORMAT}-threads{runner_threads}.json")
         self.served = ServedLog(self, None if state_path is None else state_path.parent / "served-speeds.json")
         self.discovery = None
         if mdns:

@@ -2,12 +2,13 @@
 (:class:`HostProfiler`), and what the placements it served really did
 (:class:`ServedLog`, fed by :class:`RequestTiming` from the requests it streams).
 
-The profile: a node starts from the machine's cached profile (``host-profile-v<N>.json``
-in the data directory, shared by the nodes of a machine) as a first guess, and measures
+The profile: a node starts from the machine's cached profile
+(``host-profile-v<N>-threads<T>.json`` in the data directory, shared by the nodes of a
+machine whose runners have T threads) as a first guess, and measures
 again (:func:`~shardline.node.profile.measure_host_async`: a child process, rates the
 median of several samples) only while it is idle (:func:`node_idle`: no request in
-flight, no runner of it loading or serving), at once when it has no first guess, else
-once it has been idle for ``idle_s``, and again every ``interval_s`` it is idle for
+flight, no runner of it loading or serving), after :data:`FIRST_IDLE_S` idle when it has
+no first guess, else once it has been idle for ``idle_s``, and again every ``interval_s`` it is idle for
 (:func:`measure_due`). A measurement the node stops being idle during is killed and
 thrown away: a profile taken while its runners work measures them, not the machine.
 It never holds up the node's start: it runs in the background. Nodes of one machine (a
@@ -47,6 +48,11 @@ log = logging.getLogger(__name__)
 IDLE_S = 10.0
 """Seconds a node with a first-guess profile stays idle before it measures its machine."""
 
+FIRST_IDLE_S = 3.0
+"""Seconds a node with no profile at all stays idle before it measures: not at its very
+start, where a local cluster places a model within a second and the measurement (a child
+importing torch, 1.5 s of CPU) would only be killed, having taken that CPU from the start."""
+
 INTERVAL_S = 3600.0
 """Seconds between measurements of an idle node's machine."""
 
@@ -80,7 +86,7 @@ def measure_due(now: float, idle_since: float | None, measured_at: float | None,
     if idle_since is None:
         return False
     if measured_at is None and not first_guess:
-        return True
+        return now - idle_since >= FIRST_IDLE_S
     if measured_at is not None and now - measured_at < interval_s:
         return False
     return now - idle_since >= idle_s
@@ -163,7 +169,7 @@ class HostProfiler:
             await asyncio.wait({task}, timeout=0.25)
             if not task.done() and not self.idle():
                 task.cancel()
-                log.info("host profile: the node got busy; measuring again once it is idle")
+                log.debug("host profile: the node got busy; measuring again once it is idle")
                 self.measured_at = None if self.node.profile is None else self.measured_at
                 return False
         profile = task.result()
