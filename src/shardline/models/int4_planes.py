@@ -193,9 +193,9 @@ class Int4Planes:
 
 
 def pack_int4_planes(g: GroupQuant, dtype: torch.dtype) -> Int4Planes:
-    """Split integer groups of 32 into one (<= 4 bits)
-    or two int4 planes, packed by the compiled :func:`~shardline.models.native_dequant.
-    int4_pack_halves` where this machine's layout is the one it writes, else by torch."""
+    """Split integer groups of 32 into one (<= 4 bits) or two int4 planes, packed by the
+    compiled :func:`~shardline.models.native_dequant.int4_pack_halves` where this machine's
+    layout is the one it writes, else by torch."""
     rows, cols = g.shape
     scale = torch.from_numpy(g.scale)  # [rows, cols / 32] float32
     offset = torch.from_numpy(g.offset)

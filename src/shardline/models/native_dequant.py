@@ -33,7 +33,6 @@ import torch
 
 from shardline.machine_cache import cache_dir
 from shardline.models import gguf_quants
-from shardline.models.gguf_quants import GroupQuant
 
 log = logging.getLogger(__name__)
 
@@ -239,7 +238,7 @@ _BLOCKS_32 = {"Q4_0": (0, 18, 4, 8), "Q4_1": (1, 20, 4, None), "Q8_0": (2, 34, 8
 """GGUF types ``unpack_blocks_32`` unpacks: (its kind, bytes a block, bits, center)."""
 
 
-def unpack_blocks(type_name: str, data: np.ndarray) -> GroupQuant:
+def unpack_blocks(type_name: str, data: np.ndarray) -> gguf_quants.GroupQuant:
     """:func:`shardline.models.gguf_quants.unpack_blocks` (same arguments, the same
     values), in one compiled pass for Q4_0, Q4_1 and Q8_0 where the kernels are built.
 
