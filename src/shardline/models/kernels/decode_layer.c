@@ -89,9 +89,10 @@ static void rms_norm(const uint16_t *x, const uint16_t *w, int64_t n, float eps,
         __m512 v = load16(x + i);
         acc = _mm512_fmadd_ps(v, v, acc);
     }
-    float r = 1.0f / sqrtf(_mm512_reduce_add_ps(acc) / (float)n + eps);
-    for (int64_t i = 0; i < n; i++)
-        out[i] = to_bf16(from_bf16(w[i]) * from_bf16(to_bf16(from_bf16(x[i]) * r)));
+    __m512 r = _mm512_set1_ps(1.0f / sqrtf(_mm512_reduce_add_ps(acc) / (float)n + eps));
+    for (int64_t i = 0; i < n; i += 16) /* bf(w * bf(x * r)): vcvtneps2bf16 rounds as to_bf16 */
+        _mm256_storeu_si256((__m256i *)(out + i), (__m256i)_mm512_cvtneps_pbh(_mm512_mul_ps(
+                                load16(w + i), round16(_mm512_mul_ps(load16(x + i), r)))));
 }
 
 static inline float sum8(__m256 v) {
@@ -205,7 +206,15 @@ static void norm_and_rope(const decode_shape_t *S, const decode_layer_t *Lr, uin
         const uint16_t *w = h < S->heads ? Lr->q_norm : Lr->k_norm;
         if (w) rms_norm(x, w, hd, S->eps, x);
         memcpy(a, x, (size_t)hd * 2);
-        for (int64_t d = 0; d < hd; d++) {
+        int64_t d = 0;
+        if (half % 16 == 0) /* 16 lanes never straddle the halves */
+            for (; d < hd; d += 16) {
+                __m512 c = round16(_mm512_mul_ps(load16(a + d), load16(cos + d)));
+                __m512 r = round16(_mm512_mul_ps(load16(a + (d + half) % hd), load16(sin + d)));
+                _mm256_storeu_si256((__m256i *)(x + d),
+                                    (__m256i)_mm512_cvtneps_pbh(_mm512_add_ps(c, r)));
+            }
+        for (; d < hd; d++) {
             float c = from_bf16(to_bf16(from_bf16(a[d]) * from_bf16(cos[d])));
             float r = from_bf16(to_bf16(from_bf16(a[(d + half) % hd]) * from_bf16(sin[d])));
             x[d] = to_bf16(c + r);
@@ -213,8 +222,11 @@ static void norm_and_rope(const decode_shape_t *S, const decode_layer_t *Lr, uin
     }
 }
 
+/* x = bf(x + y), n a multiple of 16. */
 static inline void add_rows(uint16_t *x, const uint16_t *y, int64_t n) {
-    for (int64_t i = 0; i < n; i++) x[i] = to_bf16(from_bf16(x[i]) + from_bf16(y[i]));
+    for (int64_t i = 0; i < n; i += 16)
+        _mm256_storeu_si256((__m256i *)(x + i), (__m256i)_mm512_cvtneps_pbh(
+                                _mm512_add_ps(load16(x + i), load16(y + i))));
 }
 
 /* The layers, in order, on x [M, hidden] bfloat16 (in place), for the rows' cache slots
