@@ -19,7 +19,8 @@ def _run(args: argparse.Namespace) -> int:
     # of CPU beside the runners' start-up and ~200 MB held for nothing. A None in
     # sys.modules makes "import torch" fail here, so transformers takes its torch-free path
     # (https://docs.python.org/3/reference/import.html#the-module-cache).
-    sys.modules["torch"] = None  # type: ignore[assignment]
+    if "torch" not in sys.modules:  # (a process that has it, e.g. a test's, keeps it)
+        sys.modules["torch"] = None  # type: ignore[assignment]
     os.environ.setdefault("TRANSFORMERS_NO_ADVISORY_WARNINGS", "1")  # "PyTorch was not found"
     from shardline.node import identity
     from shardline.runner.rendezvous import is_loopback
