@@ -225,6 +225,16 @@ def test_run_defaults_are_the_issues_bounds():
         build_parser().parse_args(["run", "--max-waiting", "-1"])
 
 
+def test_version_goes_to_stdout(capsys):
+    """As argparse's own version action prints it: v=$(shardline --version) captures it."""
+    from shardline.cli import build_parser
+
+    with pytest.raises(SystemExit) as exited:
+        build_parser().parse_args(["--version"])
+    out, err = capsys.readouterr()
+    assert exited.value.code == 0 and out.startswith("shardline ") and err == ""
+
+
 def test_middleware_refuses_too_many_objects():
     messages = b'{"messages": [' + b",".join([b'{"role": "user"}'] * 11) + b"]}"
     sent, _ = _run_app({"max_json_objects": 10}, [], [messages[:50], messages[50:]])

@@ -169,7 +169,8 @@ class _Version(argparse.Action):
     def __call__(self, parser, namespace, values, option_string=None) -> None:
         import importlib.metadata
 
-        parser.exit(message=f"shardline {importlib.metadata.version('shardline')}\n")
+        print(f"shardline {importlib.metadata.version('shardline')}")  # stdout, as argparse's
+        parser.exit()
 
 
 def build_parser() -> argparse.ArgumentParser:
