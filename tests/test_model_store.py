@@ -173,3 +173,32 @@ def test_a_symlink_out_of_the_model_directories_is_not_taken_in(tmp_path, split_
     assert store.model_ids() == []
     (model / "notes.txt").unlink()
     assert store.add_local(model, "test/tiny", roots=[allowed]).model_id == "test/tiny"
+
+
+def test_nodes_starting_together_convert_the_default_tokenizer_once(tmp_path, monkeypatch):
+    """The embedded default's tokenizer files are made once per machine: processes (here
+    threads, each with its own lock file handle) asking at once wait for the first."""
+    import threading
+    import time
+
+    from shardline.models import store as store_module
+    from shardline.models import tokenizer as tokenizer_module
+
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    calls = []
+
+    def convert(gguf_file, directory):
+        calls.append(gguf_file)
+        time.sleep(0.3)
+        (Path(directory) / "tokenizer.json").write_text("{}")
+
+    monkeypatch.setattr(tokenizer_module, "save_tokenizer_files", convert)
+    found: list[Path] = []
+    threads = [threading.Thread(target=lambda: found.append(store_module._default_tokenizer_dir()))
+               for _ in range(3)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=30)
+    assert len(calls) == 1 and len(found) == 3 and len(set(found)) == 1
+    assert (found[0] / "tokenizer.json").is_file()

