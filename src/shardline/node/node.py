@@ -216,6 +216,7 @@ class Node:
         self.worker.start_spare(self._first_spare)
         self._first_spare = None
         # (later ones: the membership loop, once idle)
+        self._last_tick = time.time()  # the time since construction (a busy start) is no pause
         self._background.append(asyncio.create_task(self._membership_loop()))
         self._background.append(asyncio.create_task(self.profiler.run()))
         if self.discovery is not None:
