@@ -314,3 +314,20 @@ def test_packed_groups_without_a_compiler_give_the_same_values(monkeypatch):
     assert torch.equal(compiled[0], eager[0])
     for a, b in zip(compiled[1:], eager[1:]):
         assert ((a - b).norm() / b.norm()).item() < 1e-6
+
+
+def test_unfinished_kernel_builds_older_than_a_build_are_removed(tmp_path):
+    """A builder killed between compiling and renaming leaves a ``*.so.tmp``; the next
+    build removes such files once no build could still be writing them."""
+    import os
+
+    from shardline.models.native_dequant import COMPILE_TIMEOUT_S, remove_stale_builds
+
+    old, fresh, library = tmp_path / "a.so.tmp", tmp_path / "b.so.tmp", tmp_path / "c.so"
+    for f in (old, fresh, library):
+        f.write_bytes(b"x")
+    now = fresh.stat().st_mtime + 1
+    os.utime(old, (now - COMPILE_TIMEOUT_S - 5,) * 2)
+    os.utime(library, (now - COMPILE_TIMEOUT_S - 5,) * 2)
+    assert remove_stale_builds(tmp_path, now) == [old]
+    assert not old.exists() and fresh.exists() and library.exists()

@@ -26,6 +26,7 @@ import platform
 import subprocess
 import sysconfig
 import tempfile
+import time
 from pathlib import Path
 
 import numpy as np
@@ -81,6 +82,22 @@ def _library_path(flags: list[str]) -> Path:
     return cache_dir() / "kernels" / f"dequant-{digest.hexdigest()[:20]}.so"
 
 
+def remove_stale_builds(directory: Path, now: float) -> list[Path]:
+    """Delete the unfinished libraries (``*.so.tmp``) in ``directory`` older than
+    :data:`COMPILE_TIMEOUT_S` (time.time() seconds ``now``): their builder was killed
+    between compiling and renaming (a host-profile child stopped mid-start, say), and no
+    build lasts longer. The paths deleted."""
+    stale = []
+    for leftover in directory.glob("*.so.tmp"):
+        try:
+            if now - leftover.stat().st_mtime > COMPILE_TIMEOUT_S:
+                leftover.unlink()
+                stale.append(leftover)
+        except OSError:  # another process removed or renamed it
+            continue
+    return stale
+
+
 def _build(flags: list[str]) -> Path:
     """The library built with ``flags`` (compiled now unless already in the cache).
 
@@ -91,6 +108,7 @@ def _build(flags: list[str]) -> Path:
     if path.exists():
         return path
     path.parent.mkdir(parents=True, exist_ok=True)
+    remove_stale_builds(path.parent, time.time())
     with tempfile.NamedTemporaryFile(dir=path.parent, suffix=".so.tmp", delete=False) as tmp:
         pass
     try:
