@@ -277,7 +277,11 @@ def _default_tokenizer_dir() -> Path:
         staging = Path(tempfile.mkdtemp(prefix=".saving-", dir=target.parent))
         try:
             save_tokenizer_files(gguf_file, staging)
-            staging.rename(target)
+            try:
+                staging.rename(target)
+            except OSError:  # a process that takes no lock (an older version) saved it
+                if not target.is_dir():
+                    raise
         finally:
             shutil.rmtree(staging, ignore_errors=True)
     return target
