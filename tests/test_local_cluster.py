@@ -100,6 +100,46 @@ def test_a_cluster_started_again_serves_its_kept_model_once(tmp_path):
         again.stop()
 
 
+@pytest.mark.timeout(180)
+def test_nodes_stopped_during_a_stream_end_it_and_keep_their_instance(tmp_path):
+    """Ctrl-C (SIGINT to every node) while a stream is open: the stream ends with an error
+    in the API's format, and the nodes stop without recording a failure of the instance
+    their peers stopped with (the coordinator used to wait for the stream, fail the
+    instance ~5 s later when its peers were gone, and save that)."""
+    import json
+    import threading
+
+    import httpx
+    from conftest import start_cluster
+
+    cluster = start_cluster(2, tmp_path)
+    instance_id = cluster.instances()[0]["instance_id"]
+    lines: list[str] = []
+    body = {"model": "HuggingFaceTB/SmolLM2-135M-Instruct", "stream": True, "max_tokens": 2000,
+            "ignore_eos": True, "messages": [{"role": "user", "content": "Count."}]}
+
+    def stream() -> None:
+        try:
+            with httpx.stream("POST", f"{cluster.url(0)}/v1/chat/completions", json=body,
+                              timeout=60) as response:
+                lines.extend(line for line in response.iter_lines() if line)
+        except httpx.HTTPError:
+            pass
+
+    reader = threading.Thread(target=stream)
+    reader.start()
+    try:
+        while len(lines) < 3 and reader.is_alive():  # tokens are flowing
+            threading.Event().wait(0.05)
+    finally:
+        cluster.stop()
+    reader.join(timeout=30)
+    assert lines and "stopping" in lines[-1], lines[-2:]
+    for i in range(2):
+        saved = json.loads((cluster.node_data_dir(i) / "cluster-state.json").read_text())
+        assert [(x["instance_id"], x["status"]) for x in saved["instances"]] == [(instance_id, "ready")]
+
+
 def test_a_cluster_on_ports_in_use_is_refused_before_any_node_starts(tmp_path):
     """A second ``shardline cluster`` on the ports of a running one: refused naming the
     port, where its nodes used to exit at once while the running cluster answered the

@@ -89,8 +89,22 @@ def _run(args: argparse.Namespace) -> int:
         first_spare=first_spare,
     )
     logging.getLogger(__name__).info("node %s on %s", node.node_id, node.address)
-    uvicorn.run(create_app(node, guard, max_body_bytes=args.max_body_bytes), host=args.bind or args.host,
-                port=args.port, log_level="warning", http=header_timeout_protocol(args.header_timeout))
+
+    class NodeServer(uvicorn.Server):
+        """uvicorn's server, which on Ctrl-C or SIGTERM first tells the node (its open
+        streams end, so the server need not wait for them while the peers stop)."""
+
+        def handle_exit(self, sig, frame) -> None:
+            node.stopping()
+            super().handle_exit(sig, frame)
+
+    server = NodeServer(uvicorn.Config(create_app(node, guard, max_body_bytes=args.max_body_bytes),
+                                       host=args.bind or args.host, port=args.port, log_level="warning",
+                                       http=header_timeout_protocol(args.header_timeout)))
+    try:
+        server.run()
+    except KeyboardInterrupt:  # the signal uvicorn raises again once it has stopped (as uvicorn.run)
+        pass
     return 0
 
 

@@ -66,7 +66,7 @@ from shardline.node.state import (
 )
 from shardline.node.status import InstanceStatus
 from shardline.node.supervision import Supervisor
-from shardline.node.table import Instance, Peer
+from shardline.node.table import Instance, InstanceFailedError, Peer
 from shardline.node.wire import NodeInfo, StateMessage
 from shardline.node.worker import Spare, Worker
 
@@ -185,6 +185,7 @@ class Node:
         self._task_counter = itertools.count()
         self._salt = zlib.crc32(self.node_id.encode()) & 0x3FF
         self._loop: asyncio.AbstractEventLoop | None = None
+        self._stopping = False  # told to stop: changes and watches nothing more
         self.signing_key = signing_key(cluster_key)  # scrypt: tens of ms, once
         self.peer_client = PeerClient(self.signing_key, self.address)  # every node-to-node call
         self._background: list[asyncio.Task] = []
@@ -227,6 +228,24 @@ class Node:
                 self.discovery = None
         if self.exit_with_parent:
             self._background.append(asyncio.create_task(self._watch_parent(os.getppid())))
+
+    def stopping(self) -> None:
+        """The node was told to stop (Ctrl-C, SIGTERM; any thread may call this): from now
+        it watches and places nothing (a peer stopping with it is no failure to record),
+        and its open requests end with an error, so that the HTTP server, which waits for
+        them, stops at once."""
+        if self._loop is not None:
+            self._loop.call_soon_threadsafe(self._begin_stop)
+
+    def is_stopping(self) -> bool:
+        return self._stopping
+
+    def _begin_stop(self) -> None:
+        self._stopping = True
+        for task in self._background:
+            task.cancel()
+        for stream in list(self.streams.values()):
+            stream.queue.put_nowait(InstanceFailedError("the node is stopping"))
 
     async def stop(self) -> None:
         for task in self._background:
@@ -428,7 +447,10 @@ class Node:
         return self.cluster_state.epoch
 
     async def commit(self, *events: Event) -> None:
-        """Coordinator: apply ``events`` to the table, then publish it."""
+        """Coordinator: apply ``events`` to the table, then publish it (nothing once the
+        node is stopping: :meth:`stopping`)."""
+        if self.is_stopping():
+            return
         for event in events:
             self.cluster_state = apply(self.cluster_state, event)
         await self._publish()

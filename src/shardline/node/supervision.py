@@ -149,6 +149,8 @@ class Supervisor:
         """Report this node's rank of ``instance_id`` to the coordinator (itself, or over
         ``/internal/runner-status``); a report that finds no coordinator is made again by
         :meth:`_report_unknown_statuses`."""
+        if self.node.is_stopping():
+            return  # its ranks stop with it: nothing for the coordinator to act on
         report = RankReport(instance_id=instance_id, node_id=self.node.node_id, status=status,
                             error=error, loaded=loaded, fetched=fetched, peer_lost=peer_lost)
         coordinator = self.node.coordinator_id()
