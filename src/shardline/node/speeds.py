@@ -8,8 +8,8 @@ machine whose runners have T threads) as a first guess, and measures
 again (:func:`~shardline.node.profile.measure_host_async`: a child process, rates the
 median of several samples) only while it is idle (:func:`node_idle`: no request in
 flight, no runner of it loading or serving), after :data:`FIRST_IDLE_S` idle when it has
-no first guess, else once it has been idle for ``idle_s``, and again every ``interval_s`` it is idle for
-(:func:`measure_due`). A measurement the node stops being idle during is killed and
+no first guess, else once it has been idle for ``idle_s``, and again every ``interval_s``
+it is idle for (:func:`measure_due`). A measurement the node stops being idle during is killed and
 thrown away: a profile taken while its runners work measures them, not the machine.
 It never holds up the node's start: it runs in the background. Nodes of one machine (a
 local cluster) share the file: each waits ``idle_s`` plus up to 10 s by its id before it
