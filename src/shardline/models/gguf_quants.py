@@ -227,6 +227,16 @@ def block_weights(type_name: str) -> int:
     return _UNPACKERS[type_name][0]
 
 
+def block_bytes(type_name: str) -> int:
+    """Bytes per block of a supported type.
+
+    Raises:
+        UnsupportedQuantization: the type is not one of :data:`SUPPORTED_TYPES`.
+    """
+    block_weights(type_name)
+    return _UNPACKERS[type_name][1]
+
+
 UNPACK_ROWS = 4096
 """Rows unpacked at a time into the result, bounding the temporaries to that many rows."""
 

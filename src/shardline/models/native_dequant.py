@@ -252,8 +252,8 @@ def int4_pack_halves(q: torch.Tensor, shift: int, add: int, block: int) -> torch
     return out
 
 
-_BLOCKS_32 = {"Q4_0": (0, 18, 4, 8), "Q4_1": (1, 20, 4, None), "Q8_0": (2, 34, 8, 128)}
-"""GGUF types ``unpack_blocks_32`` unpacks: (its kind, bytes a block, bits, center)."""
+_BLOCKS_32 = {"Q4_0": (0, 4, 8), "Q4_1": (1, 4, None), "Q8_0": (2, 8, 128)}
+"""GGUF types ``unpack_blocks_32`` unpacks: (its kind, bits, center)."""
 
 
 def unpack_blocks(type_name: str, data: np.ndarray) -> gguf_quants.GroupQuant:
@@ -266,9 +266,9 @@ def unpack_blocks(type_name: str, data: np.ndarray) -> gguf_quants.GroupQuant:
     lib = kernels()
     if lib is None or type_name not in _BLOCKS_32:
         return gguf_quants.unpack_blocks(type_name, data)
-    kind, size, bits, center = _BLOCKS_32[type_name]
+    kind, bits, center = _BLOCKS_32[type_name]
     rows = data.shape[0]
-    blocks = data.reshape(rows, -1).shape[1] // size
+    blocks = data.reshape(rows, -1).shape[1] // gguf_quants.block_bytes(type_name)
     data = np.ascontiguousarray(data)
     q = np.empty((rows, blocks * 32), np.uint8)
     scale = np.empty((rows, blocks), np.float32)
