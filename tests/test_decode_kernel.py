@@ -1,5 +1,6 @@
 """The compiled int4-plane decode product (``native_dequant.Int4Gemv``): against a
-float64 reference per shape, and each row the same bits whatever rows run beside it."""
+float64 reference per shape (of the activations rounded to int8 groups), and each row the
+same bits whatever rows run beside it."""
 
 import pytest
 import torch
@@ -13,14 +14,8 @@ pytestmark = [
     pytest.mark.fast,
     pytest.mark.timeout(60),
     pytest.mark.skipif(not native_dequant.int4_gemv_built(),
-                       reason="the compiled int4 decode product needs AVX-512 BF16 and VBMI"),
+                       reason="the compiled int4 decode product needs AVX-512 VNNI and VBMI"),
 ]
-
-@pytest.fixture(params=["amx", "vector"], autouse=True)
-def path(request, monkeypatch):
-    """Each test on both paths (AMX runs only where the CPU has it)."""
-    monkeypatch.setattr(native_dequant, "AMX", request.param == "amx")
-    return request.param
 
 
 TYPES = {1: "Q4_1", 2: "Q8_0"}  # planes: a 4-bit type is one, an 8-bit type two
@@ -39,27 +34,48 @@ def product(held: Int4Planes, x: torch.Tensor) -> torch.Tensor:
     return native_dequant.Int4Gemv(list(zip(held.packed, held.scales_zeros)))(x)
 
 
+def int8_groups(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``x`` ``[M, K]`` rounded as the kernel rounds it: per group of 32, ``d = max |x| /
+    127`` and ``q = round(x * (127 / max |x|))`` (ties to even), all in float32. Returns
+    ``d q`` in float64 and ``d`` ``[M, K / 32]``."""
+    v = x.float().view(x.shape[0], -1, 32)
+    amax = v.abs().amax(-1, keepdim=True)
+    # a tensor divided (a Python number over a tensor is a reciprocal times the number)
+    inv = torch.where(amax > 0, torch.full_like(amax, 127.0) / amax, torch.zeros_like(amax))
+    q = torch.round(v * inv)
+    d = amax / 127.0
+    return (q.double() * d.double()).view(x.shape), d.squeeze(-1)
+
+
 @pytest.mark.parametrize("count", [1, 2])
 @pytest.mark.parametrize("out, k", SHAPES)
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 def test_product_matches_float64(count, out, k, dtype):
-    """Every product is exact and sums are float32: the error is the output's rounding
-    (bfloat16: 2**-9 relative) and float32 sums, which carry 16 + p and cancel the 16 in
-    the group's zero term (a few float32 steps of the sums' scale: 4e-6)."""
+    """The product of the int8-rounded activations with the weights: its integer sums are
+    exact, so the error is the output's rounding (bfloat16: 2**-9 relative) and a few
+    float32 steps of the sums' scale (4e-6) from scaling them per group; and the rounded
+    activations are within half a step of the activations."""
     held = planes_of(count, out, k, seed=out + k)
     weight = held.dequantize(torch.float32).double()  # the held values, exactly
     gen = torch.Generator().manual_seed(count)
     for rows in ROWS:
         x = torch.randn(rows, k, generator=gen).to(dtype)
+        x[0, :32] = 0  # a group of zeros (d = 0)
+        x[-1, -32:] *= 1000  # a group far larger than its neighbours
         got = product(held, x)
         assert got.dtype == dtype and got.shape == (rows, out)
-        reference = x.double() @ weight.T
+        rounded, d = int8_groups(x)
+        reference = rounded @ weight.T
         error = (got.double() - reference).abs()
-        scale = x.double().abs() @ weight.abs().T  # what the sums' rounding scales with
+        scale = rounded.abs() @ weight.abs().T  # what the sums' rounding scales with
         if dtype == torch.bfloat16:
             assert (error <= 2 ** -8 * reference.abs() + 4e-6 * scale).all()
         else:
             assert (error <= 4e-6 * scale).all()
+        half_step = d.double().repeat_interleave(32, dim=1) / 2
+        exact = x.double() @ weight.T
+        assert ((got.double() - exact).abs()
+                <= half_step @ weight.abs().T + 2 ** -8 * exact.abs() + 4e-6 * scale).all()
 
 
 @pytest.mark.parametrize("count", [1, 2])

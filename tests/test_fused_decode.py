@@ -15,7 +15,7 @@ pytestmark = [pytest.mark.fast, pytest.mark.timeout(60)]
 
 needs_kernels = pytest.mark.skipif(
     not native_dequant.int4_gemv_built(),
-    reason="the fused decode layers need the compiled int4 decode product (AVX-512 BF16, VBMI)")
+    reason="the fused decode layers need the compiled int4 decode product (AVX-512 BF16, VNNI, VBMI)")
 
 LAYERS = 3
 MATRICES = ("attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate", "ffn_up", "ffn_down")
@@ -99,14 +99,16 @@ def test_fused_layers_match_the_torch_path(shard, rows, attention, monkeypatch):
     """Both paths round to bfloat16 at the same points. torch's bfloat16 attention
     rounds its probabilities to bfloat16 before multiplying them into V, the fused
     attention keeps them in float32: about one bfloat16 step (2**-8 relative) on the
-    attention output, carried through the later layers (measured: at most 1.6e-2
-    relative on the output rows). With the torch path's attention in float32 the two
+    attention output, which moves the products' int8 rounding of their inputs now and
+    then (a step is 1/127 of its group's largest value) and is carried through the
+    later layers (measured: at most 4.6e-2 relative on the output rows of these random
+    models). With the torch path's attention in float32 the two
     differ only where float32 sums run in another order (norms' sums of squares, the
     attention's sums, exp), which moves a bfloat16 rounding now and then (measured: no
     difference at all on these models). The cache rows written agree the same way."""
     if attention == "float32":
         _float32_attention(monkeypatch)
-    bound = 2e-2 if attention == "bfloat16" else 2e-3
+    bound = 6e-2 if attention == "bfloat16" else 2e-3
     lengths = [3 + 11 * i for i in range(rows)]  # different cache lengths, 3 .. 47
     cache = _prefilled(shard, lengths)
     saved = _snapshot(cache)
@@ -155,7 +157,10 @@ def test_each_row_is_the_same_bits_whatever_runs_beside_it(shard):
     assert torch.equal(backwards.flip(0), together)
 
 
-def test_greedy_text_is_the_torch_paths(shard):
+def test_greedy_text_is_the_torch_paths(shard, monkeypatch):
+    """With the torch path's attention in float32 (see above: bfloat16 probabilities
+    turn near-ties of these random models' logits)."""
+    _float32_attention(monkeypatch)
     prompt = _tokens(99, 9)
     fused, _ = tm.greedy(shard, prompt, 8)
     held, shard.fused = shard.fused, None

@@ -70,9 +70,10 @@ def test_a_loaded_shard_holds_its_16_bit_weights_in_the_quantized_bits(tmp_path)
         got = tm.prefill(shard, tm.new_cache(shard), prompt)
         cos = torch.nn.functional.cosine_similarity(got, want, dim=0).item()
         print(f"{mode.value}: cosine with bf16 logits {cos:.5f}")
-        # int4 on a random model's flat weights loses much (0.83 measured); the bound is
-        # loose, the exactness is below
-        assert cos > (0.999 if mode is Quantize.INT8 else 0.7), mode
+        # int4 on a random model's flat weights loses much (0.83 measured); int8 0.9990
+        # (its products' inputs rounded to int8 too); the bounds are loose, the exactness
+        # is below
+        assert cos > (0.998 if mode is Quantize.INT8 else 0.7), mode
         assert not torch.equal(got, want)
     exact = load_shard(open_weights(path), 0, 2, dtype=torch.float32)
     file_values = exact.layers[0].mlp.down.parts[0].weight  # the file's float32 values

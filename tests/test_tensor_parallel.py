@@ -338,9 +338,12 @@ def _smollm2_path() -> Path:
 # differently now and then; the difference grows over 30 layers. Measured (max over the 7
 # steps), with the partial sums of o/down kept in float32 (Linear.partial): all-reduce in
 # float32 0.50 (2 ranks) and 0.56 (3 ranks); in bfloat16 (each partial rounded first) 0.76
-# and 0.80. For scale, the one-rank model itself moves by 0.35-0.83 between bfloat16 and
-# float32 weights. tests/test_sharding_e2e.py checks that in float32 the text is one node's.
-SMOLLM2_LOGIT_TOLERANCE = 1.0
+# and 0.80. Products of up to 64 rows (these short prompts and decode) round their inputs to
+# int8 groups, where such a difference moves a rounding by a step (1/127 of the group's
+# largest) now and then: 2 ranks, float32 1.0 and bfloat16 1.2 since. For scale, the
+# one-rank model itself moves by 0.35-0.83 between bfloat16 and float32 weights.
+# tests/test_sharding_e2e.py checks that in float32 the text is one node's.
+SMOLLM2_LOGIT_TOLERANCE = 1.5
 
 
 def _agree_until_a_near_tie(got_tokens, tokens, got_logits, logits, tolerance):

@@ -84,7 +84,7 @@ def main(argv: list[str] | None = None) -> None:
         torch.set_num_threads(args.threads)
     if not native_dequant.int4_gemv_built():
         raise SystemExit("the compiled int4 decode product is not built on this machine "
-                         "(it needs AVX-512 BF16 and VBMI and a C compiler)")
+                         "(it needs AVX-512 VNNI and VBMI and a C compiler)")
     weights = [random_planes(out, k, count, seed) for seed, (_, out, k, count, _) in enumerate(SHAPES)]
     paths: dict[str, list[Callable[[torch.Tensor], torch.Tensor]]] = {
         "torch": [functools.partial(torch_product, planes) for planes in weights],

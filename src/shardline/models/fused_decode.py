@@ -91,7 +91,7 @@ def _gemv(linear: Linear) -> native_dequant.Int4Gemv | None:
 
 def refusal(shard: DecoderShard) -> str | None:
     """Why the fused decode layers do not run ``shard``'s decode steps, or None where they
-    do: the kernels are built here (AVX-512 BF16 and VBMI), the compute dtype is bfloat16
+    do: the kernels are built here (AVX-512 BF16, VNNI and VBMI), the compute dtype is bfloat16
     on the CPU, the shard holds whole layers (no tensor share, no all-reduce, no padded
     query groups), head_dim, hidden and intermediate sizes are multiples of 16 (head_dim at
     most :data:`MAX_HEAD_DIM`), at most :data:`MAX_GROUP` query heads a KV head, and each layer's four products are int4 planes the
@@ -99,7 +99,7 @@ def refusal(shard: DecoderShard) -> str | None:
     supported."""
     config = shard.config
     if not _built():
-        return "the compiled decode kernels are not built here (AVX-512 BF16 and VBMI)"
+        return "the compiled decode kernels are not built here (AVX-512 BF16, VNNI and VBMI)"
     if shard.dtype != torch.bfloat16 or shard.device.type != "cpu":
         return f"compute dtype {shard.dtype} on {shard.device.type} (bfloat16 on the CPU)"
     if shard.share is not None:
@@ -220,7 +220,7 @@ class FusedDecode:
         rc = self._lib.decode_layers(
             ctypes.addressof(self._shape), ctypes.addressof(self._array), len(self._layers),
             x.data_ptr(), x.shape[0], slots.data_ptr(), positions.data_ptr(), cos.data_ptr(),
-            sin.data_ptr(), native_dequant.AMX)
+            sin.data_ptr())
         if rc == -2:
             raise ValueError(f"decode rows at slots {batch.slots.tolist()} positions "
                              f"{batch.positions.tolist()}: outside the KV cache "

@@ -50,8 +50,8 @@ class Int4Planes:
     def matmul(self, x: torch.Tensor) -> torch.Tensor:
         """``x @ W.T`` for ``x`` ``[rows, in]``. Up to :data:`KERNEL_MAX_ROWS` rows (decode):
         the compiled decode product (:class:`~shardline.models.native_dequant.Int4Gemv`:
-        each weight group unpacked once for all rows, the planes summed
-        in float32, each row's result independent of the others) where it is built, else
+        ``x`` rounded to int8 groups, each weight group unpacked once for all rows, each
+        row's result independent of the others) where it is built, else
         torch's int4 kernel for a 16-bit ``x``. Larger products (prefill), and float32
         where the compiled product is not built, dequantize the weight block by block into
         scratch for a dense GEMM (torch's kernel is 2.8x slower than that for 512 rows of a

@@ -22,9 +22,9 @@ the file stores, never by quantizing again:
 On CPU the int4 planes are read at about half a byte per weight by a decode product for
 the few rows of a decode step (SmolLM2's 30 layers of one-row GEMMs: int4 4.4 ms against
 int8 11.5 ms on the development machine): the compiled
-:class:`~shardline.models.native_dequant.Int4Gemv` where it builds (AVX-512 BF16; AMX
-tiles where present), which unpacks each weight group once for every row of the step,
-else torch's int4 kernel. Either serves every product of up to :data:`KERNEL_MAX_ROWS`
+:class:`~shardline.models.native_dequant.Int4Gemv` where it builds (AVX-512 VNNI and
+VBMI), which rounds each row's activations to int8 groups and unpacks each weight group
+once for every row of the step, else torch's int4 kernel. Either serves every product of up to :data:`KERNEL_MAX_ROWS`
 rows, so a decoding sequence's output does not depend on its batch (each row is computed
 by the same operations whatever the batch). Larger products (prefill chunks) dequantize the weight, a block of rows at a time,
 into reused scratch (:data:`DEQUANT_SCRATCH_BYTES`) and run a dense GEMM: with the compiled

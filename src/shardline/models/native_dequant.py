@@ -51,11 +51,6 @@ COMPILE_TIMEOUT_S = 120
 PACKED_SEGMENT = 1024
 """``SEGMENT`` of ``packed_groups_gemv`` in the C source: float32 values of its row buffer."""
 
-AMX = True
-"""Whether :class:`Int4Gemv` uses AMX tiles where the CPU has them and Linux grants
-them (each row's result is the same bits whatever the batch either way, but not the same
-bits on both paths); the tests turn it off to check the vector path."""
-
 _P = ctypes.c_void_p
 _I = ctypes.c_int64
 
@@ -134,7 +129,7 @@ def kernels() -> ctypes.CDLL | None:
         for name in ("int4_planes_t_32", "int4_planes_t_16"):
             getattr(lib, name).argtypes = [_P, _P, _P, _P, _I, _I, _I, _I, _P, ctypes.c_int]
         _C = ctypes.c_int
-        lib.int4_planes_gemv.argtypes = [_P, _P, _C, _I, _P, _C]
+        lib.int4_planes_gemv.argtypes = [_P, _P, _C, _I, _P]
         lib.int4_planes_rows.argtypes = [_P, _P, _P, _P, _I, _I, _I, _P, _P, _I, _P]
         lib.int4_planes_gemv_built.restype = ctypes.c_int
         lib.int8_groups.argtypes = [_P, _P, _P, _I, _I, _I, _P, ctypes.c_int]
@@ -145,7 +140,7 @@ def kernels() -> ctypes.CDLL | None:
         lib.int4_pack_halves.argtypes = [_P, _I, _I, _C, _C, _I, _P]
         lib.unpack_blocks_32.argtypes = [_P, _I, _I, _C, _P, _P, _P]
         lib.decode_layers_built.restype = ctypes.c_int
-        lib.decode_layers.argtypes = [_P, _P, _I, _P, _I, _P, _P, _P, _P, _C]
+        lib.decode_layers.argtypes = [_P, _P, _I, _P, _I, _P, _P, _P, _P]
         lib.decode_layers.restype = ctypes.c_int
         return lib
     log.warning("no C compiler could build %s: prefill dequantizes with torch ops (slower)",
@@ -281,7 +276,7 @@ def unpack_blocks(type_name: str, data: np.ndarray) -> gguf_quants.GroupQuant:
 @functools.cache
 def int4_gemv_built() -> bool:
     """Whether :class:`Int4Gemv` runs here: the kernels are built for a CPU with
-    AVX-512 BF16 and VBMI (else decode keeps torch's int4 kernel)."""
+    AVX-512 VNNI and VBMI (else decode keeps torch's int4 kernel)."""
     lib = kernels()
     return lib is not None and bool(lib.int4_planes_gemv_built())
 
@@ -297,9 +292,12 @@ class Int4Gemv:
     planes in torch's CPU layout with blocks of 64 rows in the "halves" nibble order
     (:func:`shardline.models.int4_planes.int4pack_layout`), each ``(packed uint8
     [N / 64, K, 32], scales_zeros bfloat16 [K / 32, N, 2])``, ``w = (p - 8) * scale +
-    zero``: the compiled ``int4_planes_gemv``. Each weight group is unpacked once for all
-    rows; every product is exact and sums are float32, in an order that does not depend on
-    the number of rows, so an output row is the same bits whatever rows run beside it.
+    zero``: the compiled ``int4_planes_gemv``. Each row of ``x`` is rounded to int8 in
+    groups of 32 (``d = max |x| / 127`` per group, ``q = round(x / d)``: llama.cpp's Q8_1
+    blocks) and the result is ``(d q) @ W.T`` up to float32 rounding: each weight group is
+    unpacked once into bytes for all rows, its products with ``q`` summed exactly in int32
+    (``vpdpbusd``) and scaled once per group in float32, in an order that does not depend
+    on the number of rows, so an output row is the same bits whatever rows run beside it.
     Checked once here, so that a call costs little more than the kernel (a decode step
     makes 121 of them for SmolLM2).
 
@@ -344,9 +342,7 @@ class Int4Gemv:
         return None
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        """``x`` ``[M, K]`` bfloat16 or float32, ``M`` <= 64 -> ``[M, N]`` in its dtype. A
-        float32 ``x`` is split into three bfloat16 terms that sum to it exactly (its
-        products are exact too).
+        """``x`` ``[M, K]`` bfloat16 or float32, ``M`` <= 64 -> ``[M, N]`` in its dtype.
 
         Raises:
             ValueError: another dtype, width or more rows.
@@ -357,8 +353,8 @@ class Int4Gemv:
                              f"[{self.N}, {self.K}] (at most 64 rows, bfloat16 or float32)")
         y = torch.empty(M, self.N, dtype=x.dtype)
         if self._kernel(self.address, x.contiguous().data_ptr(), x.dtype == torch.float32, M,
-                        y.data_ptr(), AMX):
-            raise MemoryError("int4 decode product: no memory for the activations' copy")
+                        y.data_ptr()):
+            raise MemoryError("int4 decode product: no memory for the activations' int8 copy")
         return y
 
 

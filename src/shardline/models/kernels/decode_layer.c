@@ -27,7 +27,7 @@
 #include <string.h>
 #include "kernels.h"
 
-#if defined(__AVX512BF16__) && defined(__AVX512VBMI__)
+#if defined(__AVX512BF16__) && INT4_GEMV_BUILT
 #include <immintrin.h>
 
 int decode_layers_built(void) { return 1; }
@@ -234,7 +234,7 @@ static inline void add_rows(uint16_t *x, const uint16_t *y, int64_t n) {
  * cannot be allocated; -2 when a slot or position is outside the cache (nothing written). */
 int decode_layers(const decode_shape_t *S, const decode_layer_t *layers, int64_t count,
                   uint16_t *x, int64_t M, const int64_t *slots, const int64_t *positions,
-                  const uint16_t *cos, const uint16_t *sin, int allow_amx) {
+                  const uint16_t *cos, const uint16_t *sin) {
     int64_t H = S->hidden, hd = S->hd, heads = S->heads, kvh = S->kv_heads;
     int64_t qkv_n = (heads + 2 * kvh) * hd, group = heads / kvh;
     for (int64_t m = 0; m < M; m++)
@@ -270,7 +270,7 @@ int decode_layers(const decode_shape_t *S, const decode_layer_t *layers, int64_t
     for (int64_t l = 0; l < count && !rc; l++) {
         const decode_layer_t *Lr = layers + l;
         for (int64_t m = 0; m < M; m++) rms_norm(x + m * H, Lr->attn_norm, H, S->eps, h + m * H);
-        if ((rc = int4_planes_gemv(Lr->qkv, h, 0, M, qkv, allow_amx))) break;
+        if ((rc = int4_planes_gemv(Lr->qkv, h, 0, M, qkv))) break;
         for (int64_t m = 0; m < M; m++) {
             uint16_t *row = qkv + m * qkv_n;
             if (Lr->qkv_bias) add_rows(row, Lr->qkv_bias, qkv_n);
@@ -298,10 +298,10 @@ int decode_layers(const decode_shape_t *S, const decode_layer_t *layers, int64_t
                 combine(parts + (task * group + g) * (hd + 2), blocks, group * (hd + 2), hd,
                         att + m * heads * hd + (j * group + g) * hd);
         }
-        if ((rc = int4_planes_gemv(Lr->o, att, 0, M, y, allow_amx))) break;
+        if ((rc = int4_planes_gemv(Lr->o, att, 0, M, y))) break;
         add_rows(x, y, M * H);
         for (int64_t m = 0; m < M; m++) rms_norm(x + m * H, Lr->mlp_norm, H, S->eps, h + m * H);
-        if ((rc = int4_planes_gemv(Lr->gate_up, h, 0, M, gu, allow_amx))) break;
+        if ((rc = int4_planes_gemv(Lr->gate_up, h, 0, M, gu))) break;
         for (int64_t m = 0; m < M; m++) {
             const uint16_t *g = gu + m * 2 * S->inter, *u = g + S->inter;
             uint16_t *a = act + m * S->inter;
@@ -313,7 +313,7 @@ int decode_layers(const decode_shape_t *S, const decode_layer_t *layers, int64_t
                                         _mm512_mul_ps(round16(silu), load16(u + i))));
             }
         }
-        if ((rc = int4_planes_gemv(Lr->down, act, 0, M, y, allow_amx))) break;
+        if ((rc = int4_planes_gemv(Lr->down, act, 0, M, y))) break;
         add_rows(x, y, M * H);
     }
     free(task_row);

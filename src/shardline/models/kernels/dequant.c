@@ -398,300 +398,181 @@ void packed_groups_gemv(const uint8_t *low, const uint8_t *high, const void *sca
  * "halves" order: byte j of a block's column k holds row j low and row j + 32 high;
  * bfloat16 scales and zeros [K / 32, N, 2], w = (p - 8) * scale + zero; a second plane's
  * scales are 16 times the first's, as shardline/models/int4_planes.py packs 8-bit types)
- * with M rows of activations, for AVX-512 with BF16 and VBMI:
+ * with M rows of activations quantized to int8, for AVX-512 with VNNI and VBMI:
  *
- *   y[m, n] = sum over groups g of  s * P + Z * X,
- *   P = sum over the group's k of (16 + p[n, k]) * x[m, k]               one plane,
- *       sum over the group's k of (16 + p + 16 (16 + p')) * x[m, k]      two planes,
- *   X = the group's sum of x[m, k],  Z = z - 24 s,  or z + z' - 408 s,
+ *   y[m, n] = sum over groups g of  s d P + Z X,
+ *   P = sum over the group's k of u[n, k] q[m, k]        in int32, exact,
+ *   u = p (one plane) or p + 16 p' (two: one byte), 0 <= u < 256,
+ *   q = round(x[m, k] / d) in [-127, 127],  d = max |x[m, k]| / 127 over the group,
+ *   X = d times the group's sum of q,  Z = z - 8 s,  or z + z' - 136 s,
  *
- * with s, z the first plane's scale and zero and z' the second's zero, all in float32.
- * 16 + p is exact in bfloat16 (bits 0x4180 | p << 3), and 16 (16 + p') too (0x4380 |
- * p' << 3), so the nibbles become bfloat16 operands with one byte permutation and no
- * lookup, every product is exact, and both planes add into one sum. x is `terms`
- * bfloat16 rows per activation row ([M, terms, K]: 1 for bfloat16 activations; 3 for
- * float32 ones, split so that their sum is the float32 value), all summed into the same
- * P. Each weight group is unpacked once per step into a few KiB of L1 and multiplied
- * into every row; a row's operations and their order do not depend on M or on the other
- * rows, so its result does not either (the unit tests check bit equality). Threads
- * (OpenMP: torch's own runtime, already loaded) split the blocks of 64 output rows. */
-#if defined(__AVX512BF16__) && defined(__AVX512VBMI__)
+ * with s, z the first plane's scale and zero and z' the second's zero, in float32: the
+ * product of the rounded activations d q with the weights, up to float32 rounding. The
+ * activations' int8 groups are llama.cpp's Q8_1 blocks for its quantized dot products
+ * (ggml-quants.c, quantize_row_q8_1); the products are vpdpbusd's (u8 by s8, four at a
+ * time into int32).
+ * Each weight group is unpacked once per step into 2 KiB of L1 (one byte permutation for
+ * 16 rows by 4 columns) and multiplied into every row; a row's operations and their
+ * order do not depend on M or on the other rows (its integer sums are exact, its float
+ * ones in a fixed order), so its result is the same bits in any batch. Threads (OpenMP:
+ * torch's own runtime, already loaded) split the blocks of 64 output rows. */
+#if INT4_GEMV_BUILT
 int int4_planes_gemv_built(void) { return 1; }
-
-/* Plane column pair (k, k + 1) of a 64-row block (64 bytes at a) as four bfloat16-pair
- * vectors: w[j] lane i = (e (16 + p[16 j + i, k]), e (16 + p[16 j + i, k + 1])), e = 1
- * when top is 0x41, 16 when it is 0x43 (the bfloat16's high byte). */
-static inline void pair_operands(const uint8_t *a, char top_byte, __m512i *w) {
-    const __m512i idx0 = _mm512_set_epi8(
-        64, 47, 64, 15, 64, 46, 64, 14, 64, 45, 64, 13, 64, 44, 64, 12,
-        64, 43, 64, 11, 64, 42, 64, 10, 64, 41, 64, 9, 64, 40, 64, 8,
-        64, 39, 64, 7, 64, 38, 64, 6, 64, 37, 64, 5, 64, 36, 64, 4,
-        64, 35, 64, 3, 64, 34, 64, 2, 64, 33, 64, 1, 64, 32, 64, 0);
-    const __m512i idx1 = _mm512_add_epi8(idx0, _mm512_set1_epi32(0x00100010));
-    const __m512i top = _mm512_set1_epi8(top_byte);
-    const __m512i nib = _mm512_set1_epi8(0x78), bit7 = _mm512_set1_epi8((char)0x80);
-    __m512i v = _mm512_loadu_si512(a);
-    /* (v << 3) & 0x78 | 0x80 per byte: the low nibble as the operand's low byte */
-    __m512i lo = _mm512_ternarylogic_epi32(_mm512_slli_epi16(v, 3), nib, bit7, 0xEA);
-    __m512i hi = _mm512_ternarylogic_epi32(_mm512_srli_epi16(v, 1), nib, bit7, 0xEA);
-    w[0] = _mm512_permutex2var_epi8(lo, idx0, top);
-    w[1] = _mm512_permutex2var_epi8(lo, idx1, top);
-    w[2] = _mm512_permutex2var_epi8(hi, idx0, top);
-    w[3] = _mm512_permutex2var_epi8(hi, idx1, top);
-}
 
 #define AHEAD 1 /* groups read ahead */
 
-/* Group g of block b: the planes' operands (count * 16 pairs of pair_operands) and, per
- * 16 outputs, s and Z in float32. */
+/* Group g of block b as u bytes: w[4 j + r] holds rows 16 r .. 16 r + 15 (one per 32-bit
+ * lane) by columns 32 g + 4 j .. + 3 (one per byte), and per 16 outputs s and Z. */
 static inline void group_operands(const uint8_t **planes, const uint16_t **scales, int count,
                                   int64_t b, int64_t g, int64_t N, int64_t K,
-                                  __m512i (*w)[4], __m512 *s, __m512 *Z) {
-    for (int i = 0; i < count; i++) {
+                                  __m512i *w, __m512 *s, __m512 *Z) {
+    /* lane i of a quad: bytes i, 32 + i of columns (k, k + 1) and of (k + 2, k + 3) */
+    const __m512i spread = _mm512_set_epi8(
+        111, 79, 47, 15, 110, 78, 46, 14, 109, 77, 45, 13, 108, 76, 44, 12,
+        107, 75, 43, 11, 106, 74, 42, 10, 105, 73, 41, 9, 104, 72, 40, 8,
+        103, 71, 39, 7, 102, 70, 38, 6, 101, 69, 37, 5, 100, 68, 36, 4,
+        99, 67, 35, 3, 98, 66, 34, 2, 97, 65, 33, 1, 96, 64, 32, 0);
+    const __m512i spread16 = _mm512_add_epi8(spread, _mm512_set1_epi8(16));
+    const __m512i low = _mm512_set1_epi8(0x0F);
+    for (int i = 0; i < count; i++)
         if (g + AHEAD < K / 32) { /* the next group (its scales are N * 4 bytes on) */
             const char *later = (const char *)(planes[i] + (b * K + (g + AHEAD) * 32) * 32);
             for (int line = 0; line < 16; line++) _mm_prefetch(later + 64 * line, _MM_HINT_T0);
             later = (const char *)(scales[i] + ((g + AHEAD) * N + b * 64) * 2);
             for (int line = 0; line < 4; line++) _mm_prefetch(later + 64 * line, _MM_HINT_T0);
         }
-        for (int pair = 0; pair < 16; pair++)
-            pair_operands(planes[i] + (b * K + g * 32 + 2 * pair) * 32, i ? 0x43 : 0x41,
-                          w[16 * i + pair]);
+    for (int j = 0; j < 8; j++) {
+        __m512i r0[2], r16[2]; /* low nibbles rows 0-15 (16-31), high rows 32-47 (48-63) */
+        for (int i = 0; i < count; i++) {
+            const uint8_t *a = planes[i] + (b * K + g * 32 + 4 * j) * 32;
+            __m512i ab = _mm512_loadu_si512(a), cd = _mm512_loadu_si512(a + 64);
+            r0[i] = _mm512_permutex2var_epi8(ab, spread, cd);
+            r16[i] = _mm512_permutex2var_epi8(ab, spread16, cd);
+        }
+        if (count == 1) {
+            w[4 * j] = _mm512_and_si512(r0[0], low);
+            w[4 * j + 1] = _mm512_and_si512(r16[0], low);
+            w[4 * j + 2] = _mm512_and_si512(_mm512_srli_epi16(r0[0], 4), low);
+            w[4 * j + 3] = _mm512_and_si512(_mm512_srli_epi16(r16[0], 4), low);
+        } else { /* (low ? first : second) bits: p | p' << 4 */
+            w[4 * j] = _mm512_ternarylogic_epi32(low, r0[0], _mm512_slli_epi16(r0[1], 4), 0xCA);
+            w[4 * j + 1] = _mm512_ternarylogic_epi32(low, r16[0], _mm512_slli_epi16(r16[1], 4), 0xCA);
+            w[4 * j + 2] = _mm512_ternarylogic_epi32(low, _mm512_srli_epi16(r0[0], 4), r0[1], 0xCA);
+            w[4 * j + 3] = _mm512_ternarylogic_epi32(low, _mm512_srli_epi16(r16[0], 4), r16[1], 0xCA);
+        }
     }
     const __m512i high = _mm512_set1_epi32((int)0xFFFF0000u);
-    for (int j = 0; j < 4; j++) { /* lanes (scale, zero): bfloat16 to float32 */
-        __m512i both = _mm512_loadu_si512(scales[0] + (g * N + b * 64 + 16 * j) * 2);
-        s[j] = _mm512_castsi512_ps(_mm512_slli_epi32(both, 16));
+    for (int r = 0; r < 4; r++) { /* lanes (scale, zero): bfloat16 to float32 */
+        __m512i both = _mm512_loadu_si512(scales[0] + (g * N + b * 64 + 16 * r) * 2);
+        s[r] = _mm512_castsi512_ps(_mm512_slli_epi32(both, 16));
         __m512 z = _mm512_castsi512_ps(_mm512_and_si512(both, high));
         if (count == 2) {
-            __m512i other = _mm512_loadu_si512(scales[1] + (g * N + b * 64 + 16 * j) * 2);
+            __m512i other = _mm512_loadu_si512(scales[1] + (g * N + b * 64 + 16 * r) * 2);
             z = _mm512_add_ps(z, _mm512_castsi512_ps(_mm512_and_si512(other, high)));
         }
-        Z[j] = _mm512_sub_ps(z, _mm512_mul_ps(_mm512_set1_ps(count == 2 ? 408.0f : 24.0f), s[j]));
+        Z[r] = _mm512_sub_ps(z, _mm512_mul_ps(_mm512_set1_ps(count == 2 ? 136.0f : 8.0f), s[r]));
     }
 }
 
-/* acc row += s * P + Z * xs for the 64 outputs of a block (P: 64 float32, as 4 vectors). */
-static inline void scale_into(float *am, const __m512 *P, const __m512 *s, const __m512 *Z,
-                              float xs) {
-    __m512 xv = _mm512_set1_ps(xs);
-    for (int j = 0; j < 4; j++) {
-        __m512 a = _mm512_fmadd_ps(s[j], P[j], _mm512_load_ps(am + 16 * j));
-        _mm512_store_ps(am + 16 * j, _mm512_fmadd_ps(Z[j], xv, a));
-    }
-}
-
-/* Group g's products for rows [m, m + rows) (rows 1 or 2, a constant after inlining):
- * each row's sums take the same operations in the same order either way. */
+/* Group g's products for rows [m, m + rows) (rows 1 or 2, a constant after inlining),
+ * added into acc (64 float32 a row): each row's sums take the same operations in the same
+ * order either way. q: int8 [M, K]; d, xsum: float32 [M, K / 32]. */
 static inline __attribute__((always_inline)) void group_rows(
-        __m512i (*w)[4], const __m512 *s, const __m512 *Z, int count, const uint16_t *x,
-        const float *xsum, float *acc, int64_t m, int rows, int64_t terms, int64_t K,
-        int64_t groups, int64_t g) {
-    __m512 part[2][8];
+        const __m512i *w, const __m512 *s, const __m512 *Z, const int8_t *q, const float *d,
+        const float *xsum, float *acc, int64_t m, int rows, int64_t K, int64_t g) {
+    __m512i part[2][4];
     for (int r = 0; r < rows; r++)
-        for (int j = 0; j < 8; j++) part[r][j] = _mm512_setzero_ps();
-    for (int i = 0; i < count; i++) {
-        for (int64_t t = 0; t < terms; t++) {
-#pragma GCC unroll 16
-            for (int pair = 0; pair < 16; pair++) {
-                __m512bh xb[2];
+        for (int j = 0; j < 4; j++) part[r][j] = _mm512_setzero_si512();
+#pragma GCC unroll 8
+    for (int j = 0; j < 8; j++) {
+        __m512i xq[2];
 #pragma GCC unroll 2
-                for (int r = 0; r < rows; r++) {
-                    uint32_t two;
-                    memcpy(&two, x + ((m + r) * terms + t) * K + g * 32 + 2 * pair, 4);
-                    xb[r] = (__m512bh)_mm512_set1_epi32((int)two);
-                }
-#pragma GCC unroll 4
-                for (int j = 0; j < 4; j++) {
-                    __m512bh wj = (__m512bh)w[16 * i + pair][j];
-#pragma GCC unroll 2
-                    for (int r = 0; r < rows; r++)
-                        part[r][(pair & 1) * 4 + j] =
-                            _mm512_dpbf16_ps(part[r][(pair & 1) * 4 + j], wj, xb[r]);
-                }
-            }
+        for (int r = 0; r < rows; r++) {
+            int32_t four;
+            memcpy(&four, q + (m + r) * K + g * 32 + 4 * j, 4);
+            xq[r] = _mm512_set1_epi32(four);
         }
+#pragma GCC unroll 4
+        for (int i = 0; i < 4; i++)
+#pragma GCC unroll 2
+            for (int r = 0; r < rows; r++)
+                part[r][i] = _mm512_dpbusd_epi32(part[r][i], w[4 * j + i], xq[r]);
     }
     for (int r = 0; r < rows; r++) {
-        __m512 P[4];
-        for (int j = 0; j < 4; j++) P[j] = _mm512_add_ps(part[r][j], part[r][4 + j]);
-        scale_into(acc + (m + r) * 64, P, s, Z, xsum[(m + r) * groups + g]);
-    }
-}
-
-static inline void store_rows(const float *acc, int64_t M, int64_t N, int64_t b, void *y,
-                              int y_bf16) {
-    for (int64_t m = 0; m < M; m++) {
-        if (y_bf16) {
-            uint16_t *d = (uint16_t *)y + m * N + b * 64;
-            for (int j = 0; j < 64; j++) d[j] = to_bf16(acc[m * 64 + j]);
-        } else {
-            memcpy((float *)y + m * N + b * 64, acc + m * 64, 64 * sizeof(float));
+        float *am = acc + (m + r) * 64;
+        __m512 dv = _mm512_set1_ps(d[(m + r) * (K / 32) + g]);
+        __m512 xv = _mm512_set1_ps(xsum[(m + r) * (K / 32) + g]);
+        for (int i = 0; i < 4; i++) {
+            __m512 a = _mm512_fmadd_ps(_mm512_mul_ps(s[i], dv), _mm512_cvtepi32_ps(part[r][i]),
+                                       _mm512_load_ps(am + 16 * i));
+            _mm512_store_ps(am + 16 * i, _mm512_fmadd_ps(Z[i], xv, a));
         }
     }
 }
 
-/* The vector path: vdpbf16ps, two rows at a time. */
-static void gemv_vector(const uint8_t **planes, const uint16_t **scales, int count, int64_t N,
-                        int64_t K, const uint16_t *x, int64_t M, int64_t terms,
-                        const float *xsum, void *y, int y_bf16) {
-    int64_t groups = K / 32;
+/* Row x (K bfloat16, or float32 when x_f32) as int8 groups of 32: q, and per group d
+ * and d times the sum of q. */
+static void quantize_row(const void *x, int x_f32, int64_t K, int8_t *q, float *d, float *xsum) {
+    const __m512 magnitude = _mm512_castsi512_ps(_mm512_set1_epi32(0x7FFFFFFF));
+    for (int64_t g = 0; g < K / 32; g++) {
+        __m512 v[2];
+        for (int h = 0; h < 2; h++) {
+            int64_t k = g * 32 + 16 * h;
+            v[h] = x_f32 ? _mm512_loadu_ps((const float *)x + k)
+                         : _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(
+                               _mm256_loadu_si256((const __m256i *)((const uint16_t *)x + k))), 16));
+        }
+        float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_and_ps(v[0], magnitude),
+                                                         _mm512_and_ps(v[1], magnitude)));
+        __m512 inv = _mm512_set1_ps(amax > 0.0f ? 127.0f / amax : 0.0f);
+        __m512i q0 = _mm512_cvtps_epi32(_mm512_mul_ps(v[0], inv)); /* nearest, ties to even */
+        __m512i q1 = _mm512_cvtps_epi32(_mm512_mul_ps(v[1], inv));
+        _mm_storeu_si128((__m128i *)(q + g * 32), _mm512_cvtsepi32_epi8(q0));
+        _mm_storeu_si128((__m128i *)(q + g * 32 + 16), _mm512_cvtsepi32_epi8(q1));
+        d[g] = amax / 127.0f;
+        xsum[g] = d[g] * (float)_mm512_reduce_add_epi32(_mm512_add_epi32(q0, q1));
+    }
+}
+
+/* y = x @ W^T for x M rows of K bfloat16, or float32 when x_f32; y is [M, N] in x's
+ * dtype. Returns 0, or -1 when the activations' int8 copy cannot be allocated. */
+int int4_planes_gemv(const int4_gemv_t *weight, const void *x, int x_f32, int64_t M, void *y) {
+    int64_t N = weight->N, K = weight->K, groups = K / 32;
+    if (M <= 0) return 0;
+    size_t bytes = (size_t)(M * K + 2 * M * groups * 4 + 63) / 64 * 64;
+    int8_t *q = aligned_alloc(64, bytes);
+    if (!q) return -1;
+    float *d = (float *)(q + M * K), *xsum = d + M * groups;
+    for (int64_t m = 0; m < M; m++)
+        quantize_row((const char *)x + m * K * (x_f32 ? 4 : 2), x_f32, K, q + m * K,
+                     d + m * groups, xsum + m * groups);
+    const uint8_t *planes[2] = {weight->p0, weight->p1};
+    const uint16_t *scales[2] = {weight->sz0, weight->sz1};
+    int count = weight->p1 ? 2 : 1;
 #pragma omp parallel for schedule(static)
     for (int64_t b = 0; b < N / 64; b++) {
         float acc[64 * 64] __attribute__((aligned(64)));
-        __m512i w[32][4];
+        __m512i w[32];
         for (int64_t i = 0; i < M * 64; i++) acc[i] = 0.0f;
         for (int64_t g = 0; g < groups; g++) {
             __m512 s[4], Z[4];
             group_operands(planes, scales, count, b, g, N, K, w, s, Z);
             int64_t m = 0;
             for (; m + 2 <= M; m += 2) /* two rows at a time: more independent sums */
-                group_rows(w, s, Z, count, x, xsum, acc, m, 2, terms, K, groups, g);
+                group_rows(w, s, Z, q, d, xsum, acc, m, 2, K, g);
             if (m < M)
-                group_rows(w, s, Z, count, x, xsum, acc, m, 1, terms, K, groups, g);
+                group_rows(w, s, Z, q, d, xsum, acc, m, 1, K, g);
         }
-        store_rows(acc, M, N, b, y, y_bf16);
-    }
-}
-
-#if defined(__AMX_TILE__) && defined(__AMX_BF16__)
-#include <sys/syscall.h>
-#include <unistd.h>
-
-/* Whether this process may use AMX tiles (Linux asks each process to request them). */
-static int amx_allowed(void) {
-    static int state; /* 0 unknown, 1 yes, -1 no */
-    if (!state) state = syscall(SYS_arch_prctl, 0x1023 /* ARCH_REQ_XCOMP_PERM */,
-                                18 /* XFEATURE_XTILEDATA */) == 0 ? 1 : -1;
-    return state == 1;
-}
-
-/* The AMX path: per group, tdpbf16ps of a tile of activation rows (`tile` rows of whole
- * rows' terms: 16 or 15, fewer when M is smaller) with the group's operand tiles of 16
- * outputs; each output element is its own sum, so a row's result does not depend on the
- * other rows of its tile or on how many there are. x has its rows padded with zeros to
- * a multiple of 16 / terms * terms. */
-static void gemv_amx(const uint8_t **planes, const uint16_t **scales, int count, int64_t N,
-                     int64_t K, const uint16_t *x, int64_t M, int64_t terms,
-                     const float *xsum, void *y, int y_bf16) {
-    int64_t groups = K / 32, tile = 16 / terms * terms;
-    if (M * terms < tile) tile = M * terms; /* fewer rows: a smaller tile */
-    int64_t per = tile / terms, tiles = (M + per - 1) / per;
-#pragma omp parallel
-    {
-        struct {
-            uint8_t palette, start;
-            uint8_t pad[14];
-            uint16_t colsb[16];
-            uint8_t rows[16];
-        } __attribute__((aligned(64))) cfg;
-        memset(&cfg, 0, sizeof cfg);
-        cfg.palette = 1;
-        for (int t = 0; t < 7; t++) {
-            cfg.colsb[t] = 64;
-            cfg.rows[t] = t < 5 ? (uint8_t)tile : 16; /* C 0-3, A 4: rows; B 5, 6: pairs */
-        }
-        _tile_loadconfig(&cfg);
-#pragma omp for schedule(static)
-        for (int64_t b = 0; b < N / 64; b++) {
-            float acc[64 * 64] __attribute__((aligned(64)));
-            float c[16 * 64] __attribute__((aligned(64)));
-            __m512i w[32][4];
-            for (int64_t i = 0; i < M * 64; i++) acc[i] = 0.0f;
-            for (int64_t g = 0; g < groups; g++) {
-                __m512 s[4], Z[4];
-                group_operands(planes, scales, count, b, g, N, K, w, s, Z);
-                for (int64_t rt = 0; rt < tiles; rt++) {
-                    _tile_zero(0);
-                    _tile_zero(1);
-                    _tile_zero(2);
-                    _tile_zero(3);
-                    _tile_loadd(4, x + rt * tile * K + g * 32, K * 2);
-                    for (int i = 0; i < count; i++) {
-                        _tile_loadd(5, &w[16 * i][0], 256);
-                        _tile_dpbf16ps(0, 4, 5);
-                        _tile_loadd(6, &w[16 * i][1], 256);
-                        _tile_dpbf16ps(1, 4, 6);
-                        _tile_loadd(5, &w[16 * i][2], 256);
-                        _tile_dpbf16ps(2, 4, 5);
-                        _tile_loadd(6, &w[16 * i][3], 256);
-                        _tile_dpbf16ps(3, 4, 6);
-                    }
-                    _tile_stored(0, c, 256);
-                    _tile_stored(1, c + 16, 256);
-                    _tile_stored(2, c + 32, 256);
-                    _tile_stored(3, c + 48, 256);
-                    for (int64_t r = 0; r < per && rt * per + r < M; r++) {
-                        int64_t m = rt * per + r;
-                        const float *row = c + r * terms * 64;
-                        __m512 P[4];
-                        for (int j = 0; j < 4; j++) {
-                            P[j] = _mm512_load_ps(row + 16 * j);
-                            for (int64_t t = 1; t < terms; t++) /* the terms, in order */
-                                P[j] = _mm512_add_ps(P[j], _mm512_load_ps(row + t * 64 + 16 * j));
-                        }
-                        scale_into(acc + m * 64, P, s, Z, xsum[m * groups + g]);
-                    }
-                }
+        for (int64_t m = 0; m < M; m++) {
+            if (x_f32) {
+                memcpy((float *)y + m * N + b * 64, acc + m * 64, 64 * sizeof(float));
+            } else {
+                uint16_t *out = (uint16_t *)y + m * N + b * 64;
+                for (int j = 0; j < 64; j++) out[j] = to_bf16(acc[m * 64 + j]);
             }
-            store_rows(acc, M, N, b, y, y_bf16);
         }
-        _tile_release();
     }
-}
-#endif
-
-/* y = x @ W^T for x M rows of K bfloat16, or float32 when x_f32 (then each value becomes
- * three bfloat16 terms, hi + mid + lo, whose sum is the value); y is [M, N] in x's dtype.
- * The terms' rows are copied into a buffer, padded with zero rows to a multiple of
- * 16 / terms * terms, followed by the group sums. AMX tiles where the CPU has them, Linux
- * grants them and allow_amx, else the vector path (other bits, as invariant). Returns 0,
- * or -1 when the buffer cannot be allocated. */
-int int4_planes_gemv(const int4_gemv_t *weight, const void *x, int x_f32, int64_t M, void *y,
-                     int allow_amx) {
-    int64_t N = weight->N, K = weight->K;
-    int64_t groups = K / 32, terms = x_f32 ? 3 : 1, tile = 16 / terms * terms;
-    if (M <= 0) return 0;
-    int64_t padded = (M * terms + tile - 1) / tile * tile;
-    size_t bytes = (size_t)(padded * K * 2 + M * groups * 4 + 63) / 64 * 64;
-    uint16_t *xp = aligned_alloc(64, bytes);
-    if (!xp) return -1;
-    float *work = (float *)(xp + padded * K);
-    const uint8_t *planes[2] = {weight->p0, weight->p1};
-    const uint16_t *scales[2] = {weight->sz0, weight->sz1};
-    int count = weight->p1 ? 2 : 1;
-    if (x_f32) {
-        for (int64_t m = 0; m < M; m++)
-            for (int64_t k = 0; k < K; k++) {
-                float v = ((const float *)x)[m * K + k];
-                uint16_t hi = to_bf16(v), mid = to_bf16(v - from_bf16(hi));
-                xp[(m * 3) * K + k] = hi;
-                xp[(m * 3 + 1) * K + k] = mid;
-                xp[(m * 3 + 2) * K + k] = to_bf16(v - from_bf16(hi) - from_bf16(mid));
-            }
-    } else {
-        memcpy(xp, x, (size_t)(M * K) * 2);
-    }
-    memset(xp + M * terms * K, 0, (size_t)((padded - M * terms) * K) * 2);
-    for (int64_t m = 0; m < M; m++) /* each group's sum of x, in one fixed order */
-        for (int64_t g = 0; g < groups; g++) {
-            __m512 s0 = _mm512_setzero_ps(), s1 = _mm512_setzero_ps();
-            for (int64_t t = 0; t < terms; t++) {
-                const uint16_t *xt = xp + (m * terms + t) * K + g * 32;
-                __m512i both = _mm512_loadu_si512(xt);
-                s0 = _mm512_add_ps(s0, _mm512_castsi512_ps(_mm512_slli_epi32(both, 16)));
-                s1 = _mm512_add_ps(s1, _mm512_castsi512_ps(
-                    _mm512_and_si512(both, _mm512_set1_epi32((int)0xFFFF0000u))));
-            }
-            work[m * groups + g] = _mm512_reduce_add_ps(_mm512_add_ps(s0, s1));
-        }
-#if defined(__AMX_TILE__) && defined(__AMX_BF16__)
-    if (allow_amx && amx_allowed())
-        gemv_amx(planes, scales, count, N, K, xp, M, terms, work, y, !x_f32);
-    else
-#endif
-        gemv_vector(planes, scales, count, N, K, xp, M, terms, work, y, !x_f32);
-    free(xp);
+    free(q);
     return 0;
 }
 #else

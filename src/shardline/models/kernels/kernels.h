@@ -30,8 +30,14 @@ typedef struct {
     int64_t N, K;
 } int4_gemv_t;
 
-/* y = x @ W^T (see dequant.c); built only with AVX-512 BF16 and VBMI. */
-int int4_planes_gemv(const int4_gemv_t *weight, const void *x, int x_f32, int64_t M, void *y,
-                     int allow_amx);
+/* Whether int4_planes_gemv is built: it needs AVX-512 VNNI and VBMI. */
+#if defined(__AVX512VNNI__) && defined(__AVX512VBMI__)
+#define INT4_GEMV_BUILT 1
+#else
+#define INT4_GEMV_BUILT 0
+#endif
+
+/* y = x @ W^T with x's rows quantized to int8 groups (see dequant.c). */
+int int4_planes_gemv(const int4_gemv_t *weight, const void *x, int x_f32, int64_t M, void *y);
 
 #endif
