@@ -74,8 +74,68 @@
         }                                                                                    \
     }
 
-INT4_KERNEL(32)
 INT4_KERNEL(16)
+#if defined(__AVX512F__) && defined(__AVX512BW__)
+/* int4_planes_t_32 with AVX-512 and threads: the same float32 operations on 16 rows at a
+ * time (a product and a sum, no fused multiply-add; to_bf16's rounding in integers), so
+ * the same bits. */
+static inline __m512 plane_16(__m128i nibbles, __m512 s, __m512 z) {
+    return _mm512_add_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(nibbles)), s), z);
+}
+
+static inline __m256i bf16_16(__m512 v) {
+    __m512i u = _mm512_castps_si512(v);
+    __m512i odd = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
+    u = _mm512_add_epi32(u, _mm512_add_epi32(_mm512_set1_epi32(0x7FFF), odd));
+    return _mm512_cvtepi32_epi16(_mm512_srli_epi32(u, 16));
+}
+
+void int4_planes_t_32(const uint8_t *p0, const uint16_t *sz0, const uint8_t *p1,
+                      const uint16_t *sz1, int64_t out_features, int64_t r0, int64_t rows,
+                      int64_t K, void *out, int bf16) {
+    const uint8_t *planes[2] = {p0, p1};
+    const uint16_t *scales[2] = {sz0, sz1};
+    int count = p1 ? 2 : 1;
+    const __m256i low = _mm256_set1_epi8(0x0F);
+#pragma omp parallel for schedule(static)
+    for (int64_t b = 0; b < rows / 64; b++) {
+        int64_t row = r0 + b * 64;
+        for (int64_t g = 0; g < K / 32; g++) {
+            __m512 s[2][4], z[2][4];
+            for (int i = 0; i < count; i++)
+                for (int j = 0; j < 4; j++) { /* (scale, zero) pairs of 16 rows */
+                    __m512i both = _mm512_loadu_si512(scales[i] + (g * out_features + row + 16 * j) * 2);
+                    s[i][j] = _mm512_castsi512_ps(_mm512_slli_epi32(both, 16));
+                    __m512 zero = _mm512_castsi512_ps(_mm512_and_si512(both, _mm512_set1_epi32((int)0xFFFF0000u)));
+                    z[i][j] = _mm512_sub_ps(zero, _mm512_mul_ps(_mm512_set1_ps(8.0f), s[i][j]));
+                }
+            for (int64_t k = g * 32; k < g * 32 + 32; k++) {
+                __m512 t[4] = {0}; /* each set by the first plane */
+                for (int i = 0; i < count; i++) {
+                    __m256i v = _mm256_loadu_si256((const __m256i *)(planes[i] + (b * K + k) * 32));
+                    __m256i lo = _mm256_and_si256(v, low);
+                    __m256i hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), low);
+                    __m128i part[4] = {_mm256_castsi256_si128(lo), _mm256_extracti128_si256(lo, 1),
+                                       _mm256_castsi256_si128(hi), _mm256_extracti128_si256(hi, 1)};
+                    for (int j = 0; j < 4; j++) {
+                        __m512 w = plane_16(part[j], s[i][j], z[i][j]);
+                        t[j] = i ? _mm512_add_ps(t[j], w) : w;
+                    }
+                }
+                int64_t o = k * rows + b * 64;
+                for (int j = 0; j < 4; j++) {
+                    if (bf16)
+                        _mm256_storeu_si256((__m256i *)((uint16_t *)out + o + 16 * j), bf16_16(t[j]));
+                    else
+                        _mm512_storeu_ps((float *)out + o + 16 * j, t[j]);
+                }
+            }
+        }
+    }
+}
+#else
+INT4_KERNEL(32)
+#endif
 
 /* Rows ids[0 .. n) of W, the sum of one or two int4 planes (p1, sz1 NULL for one) in
  * torch's CPU layout of blocks of `block` rows in any nibble order: a plane is
