@@ -39,14 +39,15 @@ _MATMUL_N_GPU = 4096
 _COPY_BYTES = 256 * 2**20
 
 
-PROFILE_FORMAT = 7
+PROFILE_FORMAT = 8
 """What a :class:`HostProfile` measures and how; a node measures again rather than use a
 cached profile of another format (2: the runtime baseline runs a tiny model; 3: and
 counts private memory only; 4: rates are medians of several samples, taken with the
 runners' thread count, and ``decode_layer_s`` and ``decode_weight_bytes_per_s`` are
 measured; 5: ``decode_layer_s`` from a 16-layer probe, the runners' decode path; 6: the
 runtime baseline without the probe's freed heap; 7: the decode figures from the least
-time of their calls)."""
+time of their calls; 8: the decode product rounds its inputs to int8, which changed its
+rate)."""
 
 
 @dataclass
