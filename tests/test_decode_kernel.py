@@ -20,7 +20,7 @@ pytestmark = [
 
 TYPES = {1: "Q4_1", 2: "Q8_0"}  # planes: a 4-bit type is one, an 8-bit type two
 SHAPES = [(64, 32), (128, 96), (192, 576)]  # (out, in)
-ROWS = [1, 2, 7, 8, 15, 16, 17, 33, 64]
+ROWS = [1, 2, 7, 8, 15, 16, 17, 33, 64, 65, 130]  # beyond 64: tiles of 64 rows
 
 
 def planes_of(count: int, out: int, k: int, seed: int = 0) -> Int4Planes:
@@ -82,18 +82,26 @@ def test_product_matches_float64(count, out, k, dtype):
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 def test_each_row_is_the_same_bits_whatever_runs_beside_it(count, dtype):
     held = planes_of(count, 192, 576, seed=3)
-    x = torch.randn(64, 576, generator=torch.Generator().manual_seed(4)).to(dtype)
-    alone = torch.cat([product(held, x[i : i + 1]) for i in range(64)])
-    for rows in (2, 8, 17, 64):
+    x = torch.randn(130, 576, generator=torch.Generator().manual_seed(4)).to(dtype)
+    alone = torch.cat([product(held, x[i : i + 1]) for i in range(130)])
+    for rows in (2, 8, 17, 64, 65, 130):
         assert torch.equal(product(held, x[:rows]), alone[:rows]), rows
     # the same row among other rows (shifted: another tile position)
     assert torch.equal(product(held, x[5:13])[0], alone[5])
 
 
-def test_decode_takes_the_compiled_product():
+def test_decode_takes_the_compiled_product(monkeypatch):
     held = planes_of(2, 128, 96)
     x = torch.randn(3, 96).to(torch.bfloat16)
     assert torch.equal(held.matmul(x), product(held, x))
+    chunk = torch.randn(80, 96).to(torch.bfloat16)  # a prefill chunk: where no AMX
+    monkeypatch.setattr(native_dequant, "int8_prefill", lambda: True)
+    assert torch.equal(held.matmul(chunk), product(held, chunk))
+    monkeypatch.setattr(native_dequant, "int8_prefill", lambda: False)  # the GEMM's
+    reference = chunk.double() @ held.dequantize(torch.float32).double().T
+    got = held.matmul(chunk).double()
+    assert not torch.equal(held.matmul(chunk), product(held, chunk))
+    assert ((got - reference).norm() / reference.norm()).item() < 1e-2
 
 
 def test_planes_the_kernel_does_not_take_keep_torchs_kernel():
@@ -111,8 +119,8 @@ def test_bad_input_is_refused():
     held = planes_of(1, 64, 32)
     with pytest.raises(ValueError, match="one or two"):
         native_dequant.Int4Gemv([])
-    with pytest.raises(ValueError, match="at most 64 rows"):
-        product(held, torch.randn(65, 32).to(torch.bfloat16))
+    with pytest.raises(ValueError, match="bfloat16 or float32"):
+        product(held, torch.randn(2, 64).to(torch.bfloat16))
     with pytest.raises(ValueError, match="float16"):
         product(held, torch.randn(2, 32).to(torch.float16))
     assert product(held, torch.randn(0, 32)).shape == (0, 64)

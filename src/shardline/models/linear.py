@@ -26,7 +26,9 @@ int8 11.5 ms on the development machine): the compiled
 VBMI), which rounds each row's activations to int8 groups and unpacks each weight group
 once for every row of the step, else torch's int4 kernel. Either serves every product of up to :data:`KERNEL_MAX_ROWS`
 rows, so a decoding sequence's output does not depend on its batch (each row is computed
-by the same operations whatever the batch). Larger products (prefill chunks) dequantize the weight, a block of rows at a time,
+by the same operations whatever the batch); the compiled one serves prefill chunks too
+where the CPU has no AMX (:func:`~shardline.models.native_dequant.int8_prefill`). Larger
+products (prefill chunks) otherwise dequantize the weight, a block of rows at a time,
 into reused scratch (:data:`DEQUANT_SCRATCH_BYTES`) and run a dense GEMM: with the compiled
 kernel of :mod:`shardline.models.native_dequant` where it builds, else with torch ops
 (the reference: the kernel's values are the same bit for bit). On CUDA every

@@ -535,8 +535,8 @@ static inline void group_operands(const uint8_t **planes, const uint16_t **scale
 }
 
 /* Group g's products for rows [m, m + rows) (rows 1 or 2, a constant after inlining),
- * added into acc (64 float32 a row): each row's sums take the same operations in the same
- * order either way. q: int8 [M, K]; d, xsum: float32 [M, K / 32]. */
+ * added into acc (64 float32 a row, from row m's): each row's sums take the same
+ * operations in the same order either way. q: int8 [M, K]; d, xsum: float32 [M, K / 32]. */
 static inline __attribute__((always_inline)) void group_rows(
         const __m512i *w, const __m512 *s, const __m512 *Z, const int8_t *q, const float *d,
         const float *xsum, float *acc, int64_t m, int rows, int64_t K, int64_t g) {
@@ -559,7 +559,7 @@ static inline __attribute__((always_inline)) void group_rows(
                 part[r][i] = _mm512_dpbusd_epi32(part[r][i], w[4 * j + i], xq[r]);
     }
     for (int r = 0; r < rows; r++) {
-        float *am = acc + (m + r) * 64;
+        float *am = acc + r * 64;
         __m512 dv = _mm512_set1_ps(d[(m + r) * (K / 32) + g]);
         __m512 xv = _mm512_set1_ps(xsum[(m + r) * (K / 32) + g]);
         for (int i = 0; i < 4; i++) {
@@ -595,7 +595,9 @@ static void quantize_row(const void *x, int x_f32, int64_t K, int8_t *q, float *
 }
 
 /* y = x @ W^T for x M rows of K bfloat16, or float32 when x_f32; y is [M, N] in x's
- * dtype. Returns 0, or -1 when the activations' int8 copy cannot be allocated. */
+ * dtype. Threads take (block of 64 outputs, tile of 64 rows) pairs: a tile unpacks the
+ * block's groups again (a prefill chunk's rows), a row's operations stay its own.
+ * Returns 0, or -1 when the activations' int8 copy cannot be allocated. */
 int int4_planes_gemv(const int4_gemv_t *weight, const void *x, int x_f32, int64_t M, void *y) {
     int64_t N = weight->N, K = weight->K, groups = K / 32;
     if (M <= 0) return 0;
@@ -609,26 +611,31 @@ int int4_planes_gemv(const int4_gemv_t *weight, const void *x, int x_f32, int64_
     const uint8_t *planes[2] = {weight->p0, weight->p1};
     const uint16_t *scales[2] = {weight->sz0, weight->sz1};
     int count = weight->p1 ? 2 : 1;
-#pragma omp parallel for schedule(static)
+    int64_t tiles = (M + 63) / 64;
+#pragma omp parallel for collapse(2) schedule(static)
     for (int64_t b = 0; b < N / 64; b++) {
-        float acc[64 * 64] __attribute__((aligned(64)));
-        __m512i w[32];
-        for (int64_t i = 0; i < M * 64; i++) acc[i] = 0.0f;
-        for (int64_t g = 0; g < groups; g++) {
-            __m512 s[4], Z[4];
-            group_operands(planes, scales, count, b, g, N, K, w, s, Z);
-            int64_t m = 0;
-            for (; m + 2 <= M; m += 2) /* two rows at a time: more independent sums */
-                group_rows(w, s, Z, q, d, xsum, acc, m, 2, K, g);
-            if (m < M)
-                group_rows(w, s, Z, q, d, xsum, acc, m, 1, K, g);
-        }
-        for (int64_t m = 0; m < M; m++) {
-            if (x_f32) {
-                memcpy((float *)y + m * N + b * 64, acc + m * 64, 64 * sizeof(float));
-            } else {
-                uint16_t *out = (uint16_t *)y + m * N + b * 64;
-                for (int j = 0; j < 64; j++) out[j] = to_bf16(acc[m * 64 + j]);
+        for (int64_t t = 0; t < tiles; t++) {
+            float acc[64 * 64] __attribute__((aligned(64)));
+            __m512i w[32];
+            int64_t m0 = t * 64, end = m0 + 64 < M ? m0 + 64 : M;
+            for (int64_t i = 0; i < (end - m0) * 64; i++) acc[i] = 0.0f;
+            for (int64_t g = 0; g < groups; g++) {
+                __m512 s[4], Z[4];
+                group_operands(planes, scales, count, b, g, N, K, w, s, Z);
+                int64_t m = m0;
+                for (; m + 2 <= end; m += 2) /* two rows at a time: more independent sums */
+                    group_rows(w, s, Z, q, d, xsum, acc + (m - m0) * 64, m, 2, K, g);
+                if (m < end)
+                    group_rows(w, s, Z, q, d, xsum, acc + (m - m0) * 64, m, 1, K, g);
+            }
+            for (int64_t m = m0; m < end; m++) {
+                const float *row = acc + (m - m0) * 64;
+                if (x_f32) {
+                    memcpy((float *)y + m * N + b * 64, row, 64 * sizeof(float));
+                } else {
+                    uint16_t *out = (uint16_t *)y + m * N + b * 64;
+                    for (int j = 0; j < 64; j++) out[j] = to_bf16(row[j]);
+                }
             }
         }
     }
