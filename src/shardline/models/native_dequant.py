@@ -304,7 +304,8 @@ class _Int4Weight(ctypes.Structure):
 
 
 class Int4Gemv:
-    """``x @ W.T`` for a few rows (decode) of ``W`` ``[N, K]``, the sum of one or two int4
+    """``x @ W.T`` for a decode step's rows (and a prefill chunk's where
+    :func:`int8_prefill`) of ``W`` ``[N, K]``, the sum of one or two int4
     planes in torch's CPU layout with blocks of 64 rows in the "halves" nibble order
     (:func:`shardline.models.int4_planes.int4pack_layout`), each ``(packed uint8
     [N / 64, K, 32], scales_zeros bfloat16 [K / 32, N, 2])``, ``w = (p - 8) * scale +
