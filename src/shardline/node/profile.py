@@ -39,7 +39,7 @@ _MATMUL_N_GPU = 4096
 _COPY_BYTES = 256 * 2**20
 
 
-PROFILE_FORMAT = 8
+PROFILE_FORMAT = 9
 """What a :class:`HostProfile` measures and how; a node measures again rather than use a
 cached profile of another format (2: the runtime baseline runs a tiny model; 3: and
 counts private memory only; 4: rates are medians of several samples, taken with the
@@ -47,7 +47,7 @@ runners' thread count, and ``decode_layer_s`` and ``decode_weight_bytes_per_s`` 
 measured; 5: ``decode_layer_s`` from a 16-layer probe, the runners' decode path; 6: the
 runtime baseline without the probe's freed heap; 7: the decode figures from the least
 time of their calls; 8: the decode product rounds its inputs to int8, which changed its
-rate)."""
+rate; 9: that rate timed over 64 MB of weights, read from memory as a model's are)."""
 
 
 @dataclass
