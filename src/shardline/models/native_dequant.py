@@ -289,12 +289,7 @@ def int8_prefill() -> bool:
     which oneDNN's GEMM would be the faster. On a 2-core Zen 4 (AVX-512 BF16, no AMX) a
     SmolLM2 prefill of 128 tokens took 111 ms against 179 ms with the GEMM, 512 tokens
     610 against 743 ms, 2048 tokens 2.75 against 3.03 s."""
-    if not int4_gemv_built():
-        return False
-    try:
-        return "amx_bf16" not in Path("/proc/cpuinfo").read_text()
-    except OSError:
-        return True
+    return int4_gemv_built() and "amx_bf16" not in _cpu_key()
 
 
 class _Int4Weight(ctypes.Structure):

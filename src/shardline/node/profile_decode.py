@@ -30,11 +30,11 @@ has. Over 2 layers it counted 8x a layer, and once the fused decode layers made 
 # int4 (2.6 MB resident; quantized in ~0.3 s on a 2-core VM).
 DECODE_WEIGHT_SHAPE = (2048, 2048)
 
-DECODE_WEIGHT_BYTES = 64 << 20
+DECODE_PROBE_BYTES = 64 << 20
 """Resident bytes the one-row products are timed over (copies of the weight, each read
-once a pass): a model's decode step reads its weights from memory, not from cache, and
-with the int8 decode product one 2.6 MB weight read from cache ran at 21 GB/s where
-SmolLM2's 90 MB step ran at ~9 (the preview predicted decode 2.6x too fast)."""
+once a pass): a model's decode step reads its weights from memory, not from cache (on
+the 2-core Zen 4 VM the two probes read about the same at 1 thread: 15.1 GB/s for one
+2.6 MB weight, 16.2 GB/s for 64 MB, in separate runs)."""
 
 
 def runner_runtime() -> float:
@@ -97,7 +97,7 @@ def runner_runtime() -> float:
 def decode_weight_rate(samples: int) -> float:
     """``HostProfile.decode_weight_bytes_per_s``: resident bytes / least seconds of
     one-row products with copies of an int4 weight of ``DECODE_WEIGHT_SHAPE`` (CPU,
-    bfloat16), :data:`DECODE_WEIGHT_BYTES` in all, each read once a pass."""
+    bfloat16), :data:`DECODE_PROBE_BYTES` in all, each read once a pass."""
     import copy  # noqa: PLC0415
 
     import torch  # noqa: PLC0415
@@ -111,7 +111,7 @@ def decode_weight_rate(samples: int) -> float:
     linear = Linear(cols, rows)
     linear.set_parts([resident_weight(quantize_groups(values, Quantize.INT4), torch.bfloat16)])
     linears = [linear] + [copy.deepcopy(linear)
-                          for _ in range(max(DECODE_WEIGHT_BYTES // linear.nbytes(), 1) - 1)]
+                          for _ in range(max(DECODE_PROBE_BYTES // linear.nbytes(), 1) - 1)]
     row = torch.randn(1, cols).to(torch.bfloat16)
     times = []
     with torch.inference_mode():

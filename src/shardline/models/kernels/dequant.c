@@ -83,11 +83,19 @@ static inline __m512 plane_16(__m128i nibbles, __m512 s, __m512 z) {
     return _mm512_add_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(nibbles)), s), z);
 }
 
+/* to_bf16 of 16 float32 lanes. */
 static inline __m256i bf16_16(__m512 v) {
     __m512i u = _mm512_castps_si512(v);
     __m512i odd = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
     u = _mm512_add_epi32(u, _mm512_add_epi32(_mm512_set1_epi32(0x7FFF), odd));
     return _mm512_cvtepi32_epi16(_mm512_srli_epi32(u, 16));
+}
+
+/* 16 (scale, zero) bfloat16 pairs at sz as float32 scales s and zeros z. */
+static inline void scale_zero_16(const uint16_t *sz, __m512 *s, __m512 *z) {
+    __m512i both = _mm512_loadu_si512(sz);
+    *s = _mm512_castsi512_ps(_mm512_slli_epi32(both, 16));
+    *z = _mm512_castsi512_ps(_mm512_and_si512(both, _mm512_set1_epi32((int)0xFFFF0000u)));
 }
 
 void int4_planes_t_32(const uint8_t *p0, const uint16_t *sz0, const uint8_t *p1,
@@ -104,9 +112,8 @@ void int4_planes_t_32(const uint8_t *p0, const uint16_t *sz0, const uint8_t *p1,
             __m512 s[2][4], z[2][4];
             for (int i = 0; i < count; i++)
                 for (int j = 0; j < 4; j++) { /* (scale, zero) pairs of 16 rows */
-                    __m512i both = _mm512_loadu_si512(scales[i] + (g * out_features + row + 16 * j) * 2);
-                    s[i][j] = _mm512_castsi512_ps(_mm512_slli_epi32(both, 16));
-                    __m512 zero = _mm512_castsi512_ps(_mm512_and_si512(both, _mm512_set1_epi32((int)0xFFFF0000u)));
+                    __m512 zero;
+                    scale_zero_16(scales[i] + (g * out_features + row + 16 * j) * 2, &s[i][j], &zero);
                     z[i][j] = _mm512_sub_ps(zero, _mm512_mul_ps(_mm512_set1_ps(8.0f), s[i][j]));
                 }
             for (int64_t k = g * 32; k < g * 32 + 32; k++) {
@@ -471,11 +478,12 @@ void packed_groups_gemv(const uint8_t *low, const uint8_t *high, const void *sca
  * activations' int8 groups are llama.cpp's Q8_1 blocks for its quantized dot products
  * (ggml-quants.c, quantize_row_q8_1); the products are vpdpbusd's (u8 by s8, four at a
  * time into int32).
- * Each weight group is unpacked once per step into 2 KiB of L1 (one byte permutation for
- * 16 rows by 4 columns) and multiplied into every row; a row's operations and their
- * order do not depend on M or on the other rows (its integer sums are exact, its float
- * ones in a fixed order), so its result is the same bits in any batch. Threads (OpenMP:
- * torch's own runtime, already loaded) split the blocks of 64 output rows. */
+ * Each weight group is unpacked into 2 KiB of L1 (one byte permutation for 16 rows by 4
+ * columns) once per tile of 64 rows (a decode step's are one tile) and multiplied into
+ * each of its rows; a row's operations and their order do not depend on M or on the other
+ * rows (its integer sums are exact, its float ones in a fixed order), so its result is
+ * the same bits in any batch. Threads (OpenMP: torch's own runtime, already loaded) split
+ * the (block of 64 outputs, tile) pairs. */
 #if INT4_GEMV_BUILT
 int int4_planes_gemv_built(void) { return 1; }
 
@@ -521,14 +529,12 @@ static inline void group_operands(const uint8_t **planes, const uint16_t **scale
             w[4 * j + 3] = _mm512_ternarylogic_epi32(low, _mm512_srli_epi16(r16[0], 4), r16[1], 0xCA);
         }
     }
-    const __m512i high = _mm512_set1_epi32((int)0xFFFF0000u);
-    for (int r = 0; r < 4; r++) { /* lanes (scale, zero): bfloat16 to float32 */
-        __m512i both = _mm512_loadu_si512(scales[0] + (g * N + b * 64 + 16 * r) * 2);
-        s[r] = _mm512_castsi512_ps(_mm512_slli_epi32(both, 16));
-        __m512 z = _mm512_castsi512_ps(_mm512_and_si512(both, high));
+    for (int r = 0; r < 4; r++) {
+        __m512 z, s1, z1;
+        scale_zero_16(scales[0] + (g * N + b * 64 + 16 * r) * 2, &s[r], &z);
         if (count == 2) {
-            __m512i other = _mm512_loadu_si512(scales[1] + (g * N + b * 64 + 16 * r) * 2);
-            z = _mm512_add_ps(z, _mm512_castsi512_ps(_mm512_and_si512(other, high)));
+            scale_zero_16(scales[1] + (g * N + b * 64 + 16 * r) * 2, &s1, &z1);
+            z = _mm512_add_ps(z, z1);
         }
         Z[r] = _mm512_sub_ps(z, _mm512_mul_ps(_mm512_set1_ps(count == 2 ? 136.0f : 8.0f), s[r]));
     }
@@ -634,7 +640,8 @@ int int4_planes_gemv(const int4_gemv_t *weight, const void *x, int x_f32, int64_
                     memcpy((float *)y + m * N + b * 64, row, 64 * sizeof(float));
                 } else {
                     uint16_t *out = (uint16_t *)y + m * N + b * 64;
-                    for (int j = 0; j < 64; j++) out[j] = to_bf16(row[j]);
+                    for (int j = 0; j < 4; j++)
+                        _mm256_storeu_si256((__m256i *)(out + 16 * j), bf16_16(_mm512_load_ps(row + 16 * j)));
                 }
             }
         }

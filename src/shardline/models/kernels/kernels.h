@@ -30,8 +30,9 @@ typedef struct {
     int64_t N, K;
 } int4_gemv_t;
 
-/* Whether int4_planes_gemv is built: it needs AVX-512 VNNI and VBMI. */
-#if defined(__AVX512VNNI__) && defined(__AVX512VBMI__)
+/* Whether int4_planes_gemv is built: it needs AVX-512 VNNI and VBMI (with BW, which
+ * VBMI implies, for dequant.c's AVX-512 helpers). */
+#if defined(__AVX512VNNI__) && defined(__AVX512VBMI__) && defined(__AVX512BW__)
 #define INT4_GEMV_BUILT 1
 #else
 #define INT4_GEMV_BUILT 0
