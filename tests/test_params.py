@@ -3,12 +3,14 @@ table kept true to the request models, the tests it names and the README."""
 
 from __future__ import annotations
 
+import json
 import re
 from pathlib import Path
 
 import pytest
 
 from shardline.api import anthropic, ollama, openai
+from shardline.api.generation import APIError, parse_raw
 from shardline.api.params import PARAMETERS, Endpoint, Param, ParamError, render_table, screen
 from shardline.api.responses_request import ResponsesRequest
 
@@ -91,3 +93,36 @@ def test_the_readme_table_is_the_table():
     assert start in readme and end in readme, "the README lacks the parameter table's markers"
     table = readme.split(start, 1)[1].split(end, 1)[0].strip()
     assert table == render_table().strip(), "run: python -m shardline.api.params > table; paste it in the README"
+
+
+@pytest.mark.parametrize("model,body,param", [
+    (openai.ChatCompletionRequest, {"max_tokens": "3"}, "max_tokens"),
+    (openai.ChatCompletionRequest, {"max_tokens": True}, "max_tokens"),
+    (openai.ChatCompletionRequest, {"max_tokens": 3.5}, "max_tokens"),
+    (openai.ChatCompletionRequest, {"temperature": "0.5"}, "temperature"),
+    (openai.ChatCompletionRequest, {"stream": 1}, "stream"),
+    (openai.ChatCompletionRequest, {"logit_bias": {"x": 1}}, "logit_bias.x.[key]"),
+    (openai.CompletionRequest, {"echo": "true"}, "echo"),
+    (anthropic.MessagesRequest, {"max_tokens": "16"}, "max_tokens"),
+    (ollama.ChatRequest, {"stream": "false"}, "stream"),
+    (ollama.ChatRequest, {"options": {"num_predict": "8"}}, "options.num_predict"),
+])
+def test_parse_refuses_values_of_the_wrong_json_type(model, body, param):
+    """A string or boolean where a number belongs (or the reverse) is a 400 naming the
+    field, not coerced: "3" is not 3 and true is not 1."""
+    base = {"model": "m", "messages": [{"role": "user", "content": "x"}]}
+    if model is openai.CompletionRequest:
+        base = {"model": "m", "prompt": "x"}
+    if model is anthropic.MessagesRequest:
+        base["max_tokens"] = 8
+    with pytest.raises(APIError) as caught:
+        parse_raw(json.dumps({**base, **body}).encode(), model)
+    assert caught.value.status == 400 and caught.value.param == param, caught.value.message
+
+
+def test_parse_keeps_what_json_means():
+    """Integers pass for floats, and logit_bias's object keys are read as token ids."""
+    req = parse_raw(json.dumps({"model": "m", "messages": [{"role": "user", "content": "x"}],
+                                "temperature": 1, "logit_bias": {"7042": -100}}).encode(),
+                    openai.ChatCompletionRequest)
+    assert req.temperature == 1.0 and req.logit_bias == {7042: -100.0}

@@ -19,7 +19,7 @@ from typing import Annotated, Any, ClassVar, Literal
 
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, StreamingResponse
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field
 
 from shardline.api.content import check_parts
 from shardline.api.generation import (
@@ -172,11 +172,11 @@ class CountTokensRequest(BaseModel):
     tools: list[Tool] | None = None
     tool_choice: ToolChoiceParam | None = None
 
-    @model_validator(mode="before")
-    @classmethod
-    def _text_parts(cls, data: Any) -> Any:
-        check_parts(data, "anthropic")  # APIError: an empty or media block, by name
-        return data
+    @staticmethod
+    def check_raw(data: Any) -> None:
+        """Refuse, in the raw body (before its strict JSON validation), an empty or media block, by name
+        (:func:`~shardline.api.content.check_parts`)."""
+        check_parts(data, "anthropic")
 
     def chat(self) -> list[dict]:
         """The conversation as chat-template messages (the system prompt first)."""

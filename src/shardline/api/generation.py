@@ -495,11 +495,20 @@ async def parse_body(request: Request, model: type[BaseModel]) -> Any:
     """
     raw = await request.body()
     if len(raw) >= PARSE_IN_THREAD_BYTES:
-        return await asyncio.to_thread(_parse, raw, model)
-    return _parse(raw, model)
+        return await asyncio.to_thread(parse_raw, raw, model)
+    return parse_raw(raw, model)
 
 
-def _parse(raw: bytes, model: type[BaseModel]) -> Any:
+def parse_raw(raw: bytes, model: type[BaseModel]) -> Any:
+    """A request body's bytes as ``model``: parsed, screened (:func:`~shardline.api.params.screen`
+    for a model with an ``ENDPOINT``), checked raw (a model's ``check_raw``), then validated
+    with strict JSON types: a string or a boolean is not a number, a number is not a boolean,
+    as in the APIs' own servers (OpenAI: "Invalid type for 'max_tokens': expected an
+    integer").
+
+    Raises:
+        APIError: 400, as :func:`parse_body` says.
+    """
     try:
         data = json.loads(raw.decode("utf-8"))
     except (json.JSONDecodeError, UnicodeDecodeError):
@@ -515,8 +524,14 @@ def _parse(raw: bytes, model: type[BaseModel]) -> Any:
                 data["options"] = screen(Endpoint.OLLAMA_OPTIONS, data["options"])
             except ParamError as exc:
                 raise APIError(400, f"options.{exc.message}", param=f"options.{exc.param}") from None
+    check_raw = getattr(model, "check_raw", None)
+    if check_raw is not None:
+        check_raw(data)  # APIError: what the body's raw form tells (an image part, by name)
     try:
-        return model.model_validate(data)
+        # Strict JSON types, as the APIs' references type them: "3" or true is not an
+        # integer, 1 is not a boolean (JSON mode still reads object keys as the ints
+        # logit_bias wants).
+        return model.model_validate_json(json.dumps(data), strict=True)
     except ValidationError as exc:
         first = exc.errors()[0]
         param = ".".join(str(p) for p in first.get("loc", ())) or None

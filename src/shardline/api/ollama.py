@@ -27,7 +27,7 @@ from typing import Any, ClassVar, Literal
 
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, StreamingResponse
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field
 
 from shardline.api.content import check_parts
 from shardline.api.generation import (
@@ -136,11 +136,11 @@ class _Request(BaseModel):
 
     keep_alive: Any = None  # a duration or seconds: parse_keep_alive
 
-    @model_validator(mode="before")
-    @classmethod
-    def _text_only(cls, data: Any) -> Any:
-        check_parts(data, "ollama")  # APIError: images, by name
-        return data
+    @staticmethod
+    def check_raw(data: Any) -> None:
+        """Refuse, in the raw body (before its strict JSON validation), images, by name
+        (:func:`~shardline.api.content.check_parts`)."""
+        check_parts(data, "ollama")
 
     def keep_alive_s(self) -> float | None:
         """``keep_alive`` in seconds (:func:`parse_keep_alive`).

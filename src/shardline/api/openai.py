@@ -208,6 +208,12 @@ class ChatCompletionRequest(SamplingFields):
     tool_choice: Literal["none", "auto", "required"] | dict[str, Any] = "auto"
     parallel_tool_calls: bool = True
 
+    @staticmethod
+    def check_raw(data: Any) -> None:
+        """Refuse, in the raw body (before its strict JSON validation), an empty or media part, by name
+        (:func:`~shardline.api.content.check_parts`)."""
+        check_parts(data, "openai")
+
     @model_validator(mode="after")
     def _logprobs_asked(self):
         if self.top_logprobs is not None and not self.logprobs:
@@ -219,12 +225,6 @@ class ChatCompletionRequest(SamplingFields):
 
     def grammar(self) -> str | None:
         return None if self.response_format is None else self.response_format.grammar()
-
-    @model_validator(mode="before")
-    @classmethod
-    def _text_parts(cls, data: Any) -> Any:
-        check_parts(data, "openai")  # APIError: an empty or media part, by name
-        return data
 
     def to_generation(self) -> GenerationRequest:
         limit = self.max_completion_tokens or self.max_tokens

@@ -89,7 +89,8 @@ def check_fields(body: Any) -> ResponsesRequest:
         elif name not in FIELDS:
             raise bad(f"Unknown parameter: '{name}'.", name, "unknown_parameter")
     try:
-        req = ResponsesRequest.model_validate({k: v for k, v in body.items() if k not in NULL_ONLY})
+        req = ResponsesRequest.model_validate_json(  # strict JSON types, as in _parse
+            json.dumps({k: v for k, v in body.items() if k not in NULL_ONLY}), strict=True)
     except ValidationError as exc:
         first = exc.errors()[0]
         param = ".".join(str(p) for p in first.get("loc", ())) or None
