@@ -11,7 +11,7 @@ from tiny_models import random_quant_blocks as random_blocks
 
 from shardline.models.gguf_quants import SUPPORTED_TYPES, unpack_blocks
 from shardline.models.int4_planes import Int4Planes, int4pack_layout
-from shardline.models.linear import DenseWeight, Linear, resident_weight, weight_bytes
+from shardline.models.linear import DenseWeight, Linear, resident_weight, top_ids, weight_bytes
 from shardline.models.packed_groups import PackedGroups
 from shardline.models.products import gemm_dtype
 from shardline.models.shard_loader import load_shard
@@ -334,3 +334,28 @@ def test_unfinished_kernel_builds_older_than_a_build_are_removed(tmp_path):
     os.utime(library, (now - COMPILE_TIMEOUT_S - 5,) * 2)
     assert remove_stale_builds(tmp_path, now) == [old]
     assert not old.exists() and fresh.exists() and library.exists()
+
+
+@pytest.mark.fast
+@pytest.mark.parametrize("rows,n,k", [(1, 49152, 16), (8, 4096, 16), (3, 64 * 16, 16), (2, 1000, 16), (2, 256, 16)])
+def test_top_ids_are_the_largest_entries(rows, n, k):
+    """The blocked first pass keeps every one of a row's k largest (the clustered rows put
+    them all in one block, or one per block; n = 1000 and 4 blocks take torch.topk)."""
+    gen = torch.Generator().manual_seed(n)
+    y = torch.randn(rows, n, generator=gen)
+    y[0, 128:128 + k] += 10.0  # all in one block
+    if rows > 1:
+        y[1, ::64] += 10.0  # one per block
+    got = top_ids(y, k)
+    want = y.topk(k, dim=-1).indices
+    assert got.shape == (rows, k)
+    assert torch.equal(got.sort(-1).values, want.sort(-1).values)
+
+
+@pytest.mark.fast
+def test_top_ids_on_ties_keeps_the_top_values():
+    """With more than k equal largest entries, which k is free: their values are the top."""
+    y = torch.zeros(2, 4096)
+    y[:, ::7] = 1.0  # 586 entries tie for the largest
+    got = top_ids(y, 16)
+    assert bool((y.gather(1, got) == 1.0).all())

@@ -333,7 +333,7 @@ class Linear(nn.Module):
         if x.dtype == torch.float32 or not len(y) or self.out_features < REFINED_LOGITS or any(
                 isinstance(p, Int4Planes) and not p.rows_readable() for p in self.parts):
             return y
-        ids = y.topk(REFINED_LOGITS, dim=-1).indices  # [rows, k]
+        ids = top_ids(y, REFINED_LOGITS)  # [rows, k]
         weight = torch.empty(ids.numel(), self.in_features)
         flat, start = ids.reshape(-1), 0
         for part in self.parts:  # each id's row from the part that holds it
@@ -344,6 +344,29 @@ class Linear(nn.Module):
             start = end
         exact = torch.bmm(weight.view(*ids.shape, -1), x.float().unsqueeze(-1)).squeeze(-1)
         return y.scatter_(1, ids, exact)
+
+
+TOP_BLOCK = 64
+"""Logits per block of :func:`top_ids`' first pass."""
+
+
+def top_ids(y: torch.Tensor, k: int) -> torch.Tensor:
+    """The indices (int64 ``[rows, k]``, in no set order) of the ``k`` largest entries of
+    each row of float32 ``y`` ``[rows, n]``, as ``y.topk(k).indices`` up to the order of
+    ties: first the largest entry of each block of :data:`TOP_BLOCK`, then the ``k`` blocks
+    with the largest, whose ``k * TOP_BLOCK`` entries hold every one of the row's ``k``
+    largest (each of those lies in a block whose largest entry is at least the row's
+    k-th largest, and at most ``k`` blocks have one), then the top ``k`` of those. A 49,152-entry
+    row's top 16: 0.05 ms against torch.topk's 0.17 ms; 8 rows 0.19 against 0.59 ms
+    (2-core Sapphire Rapids VM). A row length that is not a multiple of the block, or
+    under ``k`` blocks, takes torch.topk."""
+    rows, n = y.shape
+    if n % TOP_BLOCK or n // TOP_BLOCK < k:
+        return y.topk(k, dim=-1).indices
+    blocks = y.reshape(rows, n // TOP_BLOCK, TOP_BLOCK).amax(-1).topk(k, dim=-1).indices  # [rows, k]
+    candidates = (blocks.unsqueeze(-1) * TOP_BLOCK + torch.arange(TOP_BLOCK, device=y.device)).view(rows, -1)
+    best = y.gather(1, candidates).topk(k, dim=-1).indices
+    return candidates.gather(1, best)
 
 
 class Embedding(nn.Module):

@@ -276,6 +276,11 @@ class Sampler:
     def _pick(self, logits: torch.Tensor) -> int:
         p = self.params
         if p.greedy:
+            if logits.device.type == "cpu":
+                # numpy's argmax is vectorized: 8 us for SmolLM2's 49,152 logits where
+                # torch.argmax took 150 us (2-core Sapphire Rapids VM), a step's 8 rows
+                # 1.2 ms. Both take the first of equal maxima, NaN counted largest.
+                return int(logits.numpy().argmax())
             return int(torch.argmax(logits))
         if 0 < p.min_p <= 1:
             logits = apply_min_p(logits.float(), p.min_p)
