@@ -121,8 +121,11 @@ def test_bad_ids_and_paths_are_refused_with_the_reason(tmp_path, split_model):
         store.add_local(tmp_path / "absent.gguf")
     truncated = tmp_path / "truncated.gguf"
     truncated.write_bytes(default_model_path().read_bytes()[:5_000_000])
-    with pytest.raises(ModelStoreError, match="not a model shardline can read"):
+    with pytest.raises(ModelStoreError, match="not a model shardline can read: a GGUF file cut short"):
         store.add_local(truncated)
+    (tmp_path / "text.gguf").write_text("hello")
+    with pytest.raises(ModelStoreError, match="not a GGUF file"):
+        store.add_local(tmp_path / "text.gguf")
     assert store.model_ids() == [] and not list((tmp_path / "models").glob(".adding-*"))
     with pytest.raises(ModelNotFoundError, match="not in the model store"):
         store.weights_path("test/absent")

@@ -89,8 +89,9 @@ def open_gguf(path: Path) -> tuple[Any, dict[str, Any]]:
     which the skipping reader does not read, or its section is beyond the key's bytes).
 
     Raises:
-        OSError, ValueError: the file cannot be read or is not GGUF (the ``gguf``
-            library's errors).
+        OSError: the file cannot be read.
+        ValueError: the file is not GGUF, or is cut short or corrupt (the message says
+            which, with the ``gguf`` library's own error).
     """
     cache = header_cache_file(path)
     try:
@@ -99,7 +100,10 @@ def open_gguf(path: Path) -> tuple[Any, dict[str, Any]]:
             header = None
     except (OSError, ValueError, KeyError, TypeError):
         header = None
-    reader = _reader_class()(str(path), header)
+    try:
+        reader = _reader_class()(str(path), header)
+    except (ValueError, IndexError, KeyError, TypeError) as exc:
+        raise ValueError(_unreadable(path, exc)) from exc
     if header is not None:
         return reader, header["metadata"]
     metadata = gguf_metadata(reader)
@@ -109,6 +113,19 @@ def open_gguf(path: Path) -> tuple[Any, dict[str, Any]]:
         except OSError:
             pass  # no cache: the next open parses the file again
     return reader, metadata
+
+
+def _unreadable(path: Path, exc: Exception) -> str:
+    """Why the GGUF reader failed on ``path``, in words: not GGUF at all (no ``GGUF`` magic,
+    the format's first 4 bytes), or GGUF cut short or corrupt (a partial download or copy
+    most often), with the file's size and the reader's own error."""
+    with open(path, "rb") as f:
+        magic = f.read(4)
+    size = path.stat().st_size
+    if magic != b"GGUF":
+        return f"not a GGUF file (it starts with {magic!r}, not b'GGUF')"
+    return (f"a GGUF file cut short or corrupt ({size:,} bytes: a partial download or copy?); "
+            f"the gguf reader says: {type(exc).__name__}: {exc}")
 
 
 def gguf_config(reader, metadata: dict[str, Any]):
