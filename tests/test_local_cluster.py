@@ -101,6 +101,36 @@ def test_a_cluster_started_again_serves_its_kept_model_once(tmp_path):
 
 
 @pytest.mark.timeout(180)
+def test_a_kept_instance_deleted_while_it_is_placed_again_stays_deleted(tmp_path):
+    """A cluster started again places its kept instance again; deleting it meanwhile (as
+    ``shardline bench`` clears its nodes' table before it places its own) must not let
+    the re-placement land after the delete: the bench once served from two runners of
+    one model on 2 cores, one of them cold."""
+    import time
+
+    base = free_port_block(1)
+    first = LocalCluster(1, base, log_dir=str(tmp_path), data_dir=str(tmp_path))
+    try:
+        first.start()
+        first.place(None, context=256, max_batch=1)
+    finally:
+        first.stop()
+    again = LocalCluster(1, base, log_dir=str(tmp_path), data_dir=str(tmp_path))
+    try:
+        again.start()
+        again.clear()  # within the re-placement's reading of the model card
+        placed = again.place(None, context=256, max_batch=1)
+        deadline = time.monotonic() + 10  # a late re-placement would show within this
+        while time.monotonic() < deadline:
+            table = again.instances()
+            assert [i["instance_id"] for i in table] == [placed["instance_id"]], \
+                [(i["instance_id"], i["status"]) for i in table]
+            time.sleep(0.5)
+    finally:
+        again.stop()
+
+
+@pytest.mark.timeout(180)
 def test_nodes_stopped_during_a_stream_end_it_and_keep_their_instance(tmp_path):
     """Ctrl-C (SIGINT to every node) while a stream is open: the stream ends with an error
     in the API's format, and the nodes stop without recording a failure of the instance

@@ -60,6 +60,10 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+class _Deleted(Exception):
+    """The failed instance a placement was to replace was deleted meanwhile."""
+
+
 class Coordinator:
     """The coordinator's decisions on the node's instance table (acted on only while the
     node coordinates). One per node; the state is the node's."""
@@ -201,7 +205,11 @@ class Coordinator:
             card = await self.node.logistics.model_card(failed.model_id)
             await self._place(card, failed.sharding, nodes, failed.context, failed.max_batch,
                               failed.dtype, failed.force, retries, failed.kv_cache_bytes,
-                              failed.quantize, wanted_nodes=wanted)
+                              failed.quantize, wanted_nodes=wanted, replaces=failed.instance_id)
+        except _Deleted:
+            log.info("not placing %s again: its instance %s was deleted meanwhile",
+                     failed.model_id, failed.instance_id)
+            return
         except (PlacementError, ModelNotFoundError, PeerError) as exc:
             # Left in the table with its error; a later term tries again.
             log.error("could not place %s again: %s", failed.model_id, exc)
@@ -391,9 +399,17 @@ class Coordinator:
         kv_cache_bytes: int | None = None,
         quantize: str | None = None,
         wanted_nodes: list[str] | None = None,
+        replaces: str | None = None,
     ) -> Instance:
         """Place ``card`` and publish the instance. ``wanted_nodes``: the nodes a failed
-        instance was placed on; kept on the new one when it gets fewer of them (rule 6)."""
+        instance was placed on; kept on the new one when it gets fewer of them (rule 6).
+        ``replaces``: the failed instance this placement stands in for.
+
+        Raises:
+            _Deleted: ``replaces`` left the table while this placement awaited (a user
+                deleted it, e.g. ``shardline bench`` clearing its nodes' kept table);
+                publishing would add an instance nobody asked for beside theirs.
+        """
         config, chosen, context, max_batch = self._placement_inputs(card, node_ids, context, max_batch)
         asked = (None if kv_cache_bytes is None
                  else kv_tokens_for_bytes(config, kv_cache_bytes, dtype, context))
@@ -431,6 +447,8 @@ class Coordinator:
             force=force,
             wanted_nodes=tuple(wanted_nodes) if wanted_nodes and set(chosen) < set(wanted_nodes) else (),
         )
+        if replaces is not None and replaces not in self.node.instances:
+            raise _Deleted(replaces)
         log.info("placed %s as instance %s (%s on %s)", card.model_id, inst.instance_id,
                  sharding, ", ".join(chosen))
         await self.node.commit(Placed(inst))
