@@ -42,6 +42,16 @@ def test_node_idle(in_flight, busy, statuses, idle):
     assert node_idle(in_flight, busy, statuses) is idle
 
 
+@pytest.mark.parametrize("other_load_percent, idle", [
+    (3.0, True),  # heartbeats and event loops
+    (19.9, True),
+    (20.0, False),  # another program at work on the machine's CPUs
+    (95.0, False),  # e.g. llama-server decoding beside an idle node
+])
+def test_other_programs_load_makes_a_node_not_idle(other_load_percent, idle):
+    assert node_idle(0, [], [R], other_load_percent) is idle
+
+
 @pytest.mark.parametrize("now, idle_since, measured_at, guess, due", [
     (100, None, None, False, False),  # busy: never
     (100, 100, None, False, False),  # nothing to go on: after FIRST_IDLE_S (3 s) idle,

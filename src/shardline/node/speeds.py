@@ -7,10 +7,16 @@ The profile: a node starts from the machine's cached profile
 machine whose runners have T threads) as a first guess, and measures
 again (:func:`~shardline.node.profile.measure_host_async`: a child process, rates the
 median of several samples) only while it is idle (:func:`node_idle`: no request in
-flight, no runner of it loading or serving), after :data:`FIRST_IDLE_S` idle when it has
-no first guess, else once it has been idle for ``idle_s``, and again every ``interval_s``
-it is idle for (:func:`measure_due`). A measurement the node stops being idle during is killed and
-thrown away: a profile taken while its runners work measures them, not the machine.
+flight, no runner of it loading or serving, and under :data:`OTHER_LOAD_PERCENT` of the
+CPUs used by other programs, ``psutil.cpu_percent``), after :data:`FIRST_IDLE_S` idle
+when it has no first guess, else once it has been idle for ``idle_s``, and again every
+``interval_s`` it is idle for (:func:`measure_due`). A measurement the node stops being
+idle during is killed and thrown away, and tried again once it is idle: a profile taken
+while its runners work measures them, not the machine. Other programs' load is checked
+before it starts (the child's own start spikes the load): a node serving nothing while
+llama-server decoded on its 2 cores measured 39 ms a decode layer where the idle
+machine takes under 0.1 ms, and cached that for the machine. With no profile at all it
+measures whatever the load: better than none, and measured again later.
 It never holds up the node's start: it runs in the background. Nodes of one machine (a
 local cluster) share the file: each waits ``idle_s`` plus up to 10 s by its id before it
 measures, and takes a profile another node of the machine measured within
@@ -28,6 +34,8 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
+
+import psutil
 
 from shardline.machine_cache import write_atomically
 from shardline.node.status import InstanceStatus, RankStatus
@@ -62,14 +70,23 @@ PROFILE_SECONDS = 1.0
 PROFILE_SAMPLES = 5
 """Timed windows each measured rate is the median of."""
 
+OTHER_LOAD_PERCENT = 20.0
+"""Percent of all the machine's CPUs that other work may use while the node counts as
+idle: an idle node and its siblings of a local cluster use a few percent (heartbeats,
+the event loop); another program decoding on the cores uses most of them."""
+
 _SETTLED = (RankStatus.READY, RankStatus.FAILED, RankStatus.STOPPED)
 
 
-def node_idle(in_flight: int, busy: Iterable[str], rank_statuses: Iterable[RankStatus]) -> bool:
+def node_idle(in_flight: int, busy: Iterable[str], rank_statuses: Iterable[RankStatus],
+              other_load_percent: float = 0.0) -> bool:
     """Whether a node's runners leave its machine alone: no request of it in flight
-    (``in_flight`` streams), no instance with requests on its rank (``busy``), and none
-    of its ranks starting, fetching or loading (``rank_statuses``)."""
-    return in_flight == 0 and not list(busy) and all(s in _SETTLED for s in rank_statuses)
+    (``in_flight`` streams), no instance with requests on its rank (``busy``), none of
+    its ranks starting, fetching or loading (``rank_statuses``), and other work using
+    under :data:`OTHER_LOAD_PERCENT` of the machine's CPUs (``other_load_percent``:
+    percent of all CPUs, the system's use less what the node's own measurement uses)."""
+    return (in_flight == 0 and not list(busy) and all(s in _SETTLED for s in rank_statuses)
+            and other_load_percent < OTHER_LOAD_PERCENT)
 
 
 def measure_due(now: float, idle_since: float | None, measured_at: float | None,
@@ -110,12 +127,17 @@ class HostProfiler:
         self.interval_s = interval_s
         self.measured_at: float | None = None  # time.monotonic() of the last try
 
-    def idle(self) -> bool:
+    def idle(self, any_load: bool = False) -> bool:
+        """:func:`node_idle` now, with the machine's load since the last call (each call
+        starts a window). ``any_load``: other programs' load does not count (the node
+        has no profile yet, or its measurement runs: the child's own start spikes the
+        load, and the samples' median outlasts a burst)."""
         node = self.node
         statuses = [r.status for inst in node.instances.values()
                     if inst.status != InstanceStatus.FAILED
                     for r in inst.ranks if r.node_id == node.node_id]
-        return node_idle(len(node.streams), node.busy_instances(), statuses)
+        other = 0.0 if any_load else psutil.cpu_percent()
+        return node_idle(len(node.streams), node.busy_instances(), statuses, other)
 
     def first_guess(self) -> dict | None:
         """The cached profile, if it was measured with this node's runner threads."""
@@ -146,31 +168,32 @@ class HostProfiler:
         idle_since: float | None = None
         while True:
             now = time.monotonic()
-            idle_since = (idle_since or now) if self.idle() else None
+            idle_since = (idle_since or now) if self.idle(any_load=not guessed) else None
             if measure_due(now, idle_since, self.measured_at, guessed, self.idle_s, self.interval_s):
-                self.measured_at = now
+                tried_before, self.measured_at = self.measured_at, now
                 fresh = self._fresh_cache()
                 if fresh is not None:
                     self.node.profile = fresh
                     guessed = True
-                elif await self._measure_while_idle():
+                elif await self._measure_while_idle(tried_before):
                     guessed = True
                 idle_since = None
             await asyncio.sleep(1.0)
 
-    async def _measure_while_idle(self) -> bool:
-        """Measure; kill the child and keep nothing if the node stops being idle first.
-        Whether a profile was taken."""
+    async def _measure_while_idle(self, tried_before: float | None) -> bool:
+        """Measure; kill the child and keep nothing if the node stops being idle first
+        (``measured_at`` back to ``tried_before``: measured again once idle). Whether a
+        profile was taken."""
         from shardline.node.profile import measure_host_async
 
         task = asyncio.create_task(measure_host_async(
             seconds=PROFILE_SECONDS, threads=self.node.runner_threads, samples=PROFILE_SAMPLES))
         while not task.done():
             await asyncio.wait({task}, timeout=0.25)
-            if not task.done() and not self.idle():
+            if not task.done() and not self.idle(any_load=True):
                 task.cancel()
                 log.debug("host profile: the node got busy; measuring again once it is idle")
-                self.measured_at = None if self.node.profile is None else self.measured_at
+                self.measured_at = tried_before  # this try does not count
                 return False
         profile = task.result()
         if profile.note:
