@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 from model_shapes import smollm2 as _smollm2
 
-from shardline.control import speed_text
+from shardline.control import serving_by_node, speed_text
 from shardline.models.config import RankShare
 from shardline.node.speeds import measure_due, node_idle
 from shardline.node.status import RankStatus
@@ -188,3 +188,14 @@ def test_preview_ranks_by_measured_speed():
 ])
 def test_speed_text(predicted, measured, samples, text):
     assert speed_text(predicted, measured, samples) == text
+
+
+def test_nodes_list_the_models_they_serve():
+    """``shardline nodes`` showed "models: -" for a node serving the embedded model
+    (that column is the node's store, which the packaged GGUF is not in)."""
+    def inst(model, status, *nodes):
+        return {"model_id": model, "status": status, "ranks": [{"node_id": n} for n in nodes]}
+
+    table = [inst("a", "ready", "n1", "n2"), inst("b", "loading", "n2"), inst("a", "ready", "n2"),
+             inst("c", "failed", "n3")]
+    assert serving_by_node(table) == {"n1": ["a"], "n2": ["a", "b"]}

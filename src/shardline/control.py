@@ -79,24 +79,40 @@ def _gb(nbytes: int | None) -> str:
     return "-" if nbytes is None else f"{nbytes / 1e9:.2f} GB"
 
 
+def serving_by_node(instances: list[dict]) -> dict[str, list[str]]:
+    """The model ids each node holds a rank of (``GET /cluster/instances``' entries):
+    node id -> model ids in table order, each once; failed instances left out."""
+    serving: dict[str, list[str]] = {}
+    for inst in instances:
+        if inst["status"] == "failed":
+            continue
+        for rank in inst["ranks"]:
+            models = serving.setdefault(rank["node_id"], [])
+            if inst["model_id"] not in models:
+                models.append(inst["model_id"])
+    return serving
+
+
 def _nodes(args: argparse.Namespace) -> None:
     from rich.table import Table
 
     data = _request(args, "GET", "/cluster/nodes")
+    serving = serving_by_node(_request(args, "GET", "/cluster/instances")["instances"])
     table = Table(title=f"coordinator: {data['coordinator']}")
     for column in ("node", "address", "live", "free / offered memory", "committed", "accelerator",
-                   "matmul", "models"):
+                   "matmul", "serving", "in its store"):
         table.add_column(column, no_wrap=column in ("node", "address"))
     for n in data["nodes"]:
         profile = n.get("profile") or {}
         flops = profile.get("matmul_flops")
         accelerator = profile.get("accelerator") or "-"
-        models = ", ".join(m + ("" if v.get("complete") else " (part)")
+        stored = ", ".join(m + ("" if v.get("complete") else " (part)")
                            for m, v in (n.get("models") or {}).items())
         table.add_row(n["node_id"], n["address"], "yes" if n["live"] else "DOWN",
                       f"{_gb(n.get('free_bytes'))} / {_gb(n.get('offered_bytes'))}",
                       _gb(n.get("committed_bytes")), str(accelerator),
-                      f"{flops / 1e12:.2f} TFLOP/s" if flops else "-", models or "-")
+                      f"{flops / 1e12:.2f} TFLOP/s" if flops else "-",
+                      ", ".join(serving.get(n["node_id"], [])) or "-", stored or "-")
     _console().print(table)
 
 
