@@ -143,7 +143,7 @@ def _cluster(args: argparse.Namespace) -> int:
         instance = cluster.serve(args.model, args.sharding)
     except (LocalClusterError, KeyboardInterrupt) as exc:
         cluster.stop()
-        print(f"shardline cluster: {exc or 'interrupted'}", file=sys.stderr)
+        print(f"shardline cluster: {str(exc) or 'interrupted'}", file=sys.stderr)
         return 1
     url = cluster.url(0)
     ranges = ", ".join(rank_share(r) for r in instance["ranks"])
