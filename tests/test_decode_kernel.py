@@ -95,9 +95,9 @@ def test_decode_takes_the_compiled_product(monkeypatch):
     x = torch.randn(3, 96).to(torch.bfloat16)
     assert torch.equal(held.matmul(x), product(held, x))
     chunk = torch.randn(80, 96).to(torch.bfloat16)  # a prefill chunk: where no AMX
-    monkeypatch.setattr(native_dequant, "int8_prefill", lambda: True)
+    monkeypatch.setattr(native_dequant, "int8_prefill", lambda rows: True)
     assert torch.equal(held.matmul(chunk), product(held, chunk))
-    monkeypatch.setattr(native_dequant, "int8_prefill", lambda: False)  # the GEMM's
+    monkeypatch.setattr(native_dequant, "int8_prefill", lambda rows: False)  # the GEMM's
     reference = chunk.double() @ held.dequantize(torch.float32).double().T
     got = held.matmul(chunk)
     assert not torch.equal(got, product(held, chunk))
@@ -124,3 +124,12 @@ def test_bad_input_is_refused():
     with pytest.raises(ValueError, match="float16"):
         product(held, torch.randn(2, 32).to(torch.float16))
     assert product(held, torch.randn(0, 32)).shape == (0, 64)
+
+
+@pytest.mark.parametrize("rows, amx, takes", [
+    (65, False, True), (4096, False, True),  # no AMX: every chunk
+    (65, True, True), (384, True, True),  # AMX: short chunks (the int8 product is faster)
+    (385, True, False), (512, True, False),  # AMX: oneDNN's GEMM on the tiles
+])
+def test_which_prefill_chunks_take_the_int8_product(rows, amx, takes):
+    assert native_dequant.int8_prefill_takes(rows, amx) is takes

@@ -267,7 +267,7 @@ def test_compiled_dequant_is_the_eager_code_bit_for_bit(type_name, dtype, monkey
     where the CPU has AMX tiles)."""
     from shardline.models import native_dequant
 
-    monkeypatch.setattr(native_dequant, "int8_prefill", lambda: False)
+    monkeypatch.setattr(native_dequant, "int8_prefill", lambda rows: False)
 
     if native_dequant.kernels() is None:
         pytest.skip("no C compiler on this machine: the eager code is the only path")

@@ -281,15 +281,36 @@ def int4_gemv_built() -> bool:
     return lib is not None and bool(lib.int4_planes_gemv_built())
 
 
+AMX_INT8_PREFILL_ROWS = 384
+"""Prefill chunks of up to this many rows take :class:`Int4Gemv` on a CPU with AMX tiles
+too; larger ones the dequantized bfloat16 GEMM (oneDNN on the tiles). Measured on a
+2-vCPU Sapphire Rapids VM (SmolLM2 prefill, ``int8 / GEMM`` ms): 128 tokens 144 / 226,
+192 237 / 309, 256 318 / 370, 384 430 / 450, 512 482 / 427, 2048 2854 / 2547."""
+
+
+def int8_prefill_takes(rows: int, amx: bool) -> bool:
+    """Whether a prefill chunk of ``rows`` rows (more than
+    :data:`~shardline.models.products.KERNEL_MAX_ROWS`) takes the int8 product, given the
+    product is built and whether the CPU has AMX tiles (``amx``)."""
+    return not amx or rows <= AMX_INT8_PREFILL_ROWS
+
+
+def int8_prefill(rows: int) -> bool:
+    """Whether a prefill chunk of ``rows`` rows (more than
+    :data:`~shardline.models.products.KERNEL_MAX_ROWS`) takes :class:`Int4Gemv` too,
+    rather than a dequantized block and torch's bfloat16 GEMM: where it is built, always
+    where the CPU has no AMX tiles (Linux's ``amx_bf16`` flag), and for chunks up to
+    :data:`AMX_INT8_PREFILL_ROWS` rows where it has (:func:`int8_prefill_takes`). On a
+    2-core Zen 4 (AVX-512 BF16, no AMX) a SmolLM2 prefill of 128 tokens took 111 ms
+    against 179 ms with the GEMM, 512 tokens 610 against 743 ms, 2048 tokens 2.75
+    against 3.03 s."""
+    return int4_gemv_built() and int8_prefill_takes(rows, _has_amx())
+
+
 @functools.cache
-def int8_prefill() -> bool:
-    """Whether prefill chunks (more than :data:`~shardline.models.products.KERNEL_MAX_ROWS`
-    rows) take :class:`Int4Gemv` too, rather than a dequantized block and torch's bfloat16
-    GEMM: where it is built and the CPU has no AMX tiles (Linux's ``amx_bf16`` flag), on
-    which oneDNN's GEMM would be the faster. On a 2-core Zen 4 (AVX-512 BF16, no AMX) a
-    SmolLM2 prefill of 128 tokens took 111 ms against 179 ms with the GEMM, 512 tokens
-    610 against 743 ms, 2048 tokens 2.75 against 3.03 s."""
-    return int4_gemv_built() and "amx_bf16" not in _cpu_key()
+def _has_amx() -> bool:
+    """Whether the CPU has AMX bfloat16 tiles (Linux's ``amx_bf16`` flag)."""
+    return "amx_bf16" in _cpu_key()
 
 
 class _Int4Weight(ctypes.Structure):
