@@ -279,3 +279,53 @@ def test_logprob_table_round_trip():
     rows = table.tolist()
     assert read_logprobs(rows[0], 3, 2) == (-0.25, ((5, -0.25), (9, -2.5)))
     assert read_logprobs(rows[2], 3, 0) == (-1.5, ())
+
+
+# -- sampling without a full sort ---------------------------------------------------------
+
+
+def _sorted_nucleus(logits: torch.Tensor, top_p: float) -> set[int]:
+    """Top-p by the definition: sort everything, keep while the mass before is < top_p."""
+    probs, ids = torch.sort(torch.softmax(logits.double(), -1), descending=True)
+    keep = torch.cumsum(probs, -1) - probs < top_p
+    return set(ids[keep].tolist())
+
+
+@pytest.mark.timeout(10)
+@pytest.mark.parametrize("scale, top_p", [
+    (3.0, 0.9), (3.0, 0.5), (1.0, 0.95),  # a peaked model: the nucleus is among the top 256
+    (0.05, 0.9), (0.05, 0.2),  # near-flat over 49,152: thousands kept, the candidates widen
+])
+def test_nucleus_is_top_p_by_its_definition(scale, top_p):
+    from shardline.runner.sampling import nucleus
+
+    logits = torch.randn(49152, generator=torch.Generator().manual_seed(3)) * scale
+    probs, ids = nucleus(logits, top_p)
+    assert set(ids.tolist()) == _sorted_nucleus(logits, top_p)
+    assert torch.all(probs[:-1] >= probs[1:])  # most likely first
+    assert torch.allclose(probs, torch.softmax(logits.double(), -1)[ids])  # not renormalised
+
+
+@pytest.mark.timeout(10)
+def test_draw_follows_the_probabilities_and_never_a_zero():
+    from shardline.runner.sampling import draw
+
+    probs = torch.tensor([0.0, 2.0, 0.0, 1.0, 1.0, 0.0])  # unnormalised, zeros at both ends
+    g = torch.Generator().manual_seed(4)
+    draws = [draw(probs, g) for _ in range(8000)]
+    assert set(draws) == {1, 3, 4}
+    for index, share in ((1, 0.5), (3, 0.25), (4, 0.25)):
+        assert abs(draws.count(index) / len(draws) - share) < 0.02
+
+
+@pytest.mark.timeout(10)
+def test_default_sampling_is_the_softmax_of_the_whole_vocabulary():
+    """temperature 1, no top-k or top-p (OpenAI's defaults) draw from every token by its
+    probability: the three likeliest of a 49,152-token row at their shares."""
+    logits = torch.full((49152,), -30.0)
+    logits[[7, 40000, 49151]] = torch.tensor([1.0, 0.0, 0.0])
+    sampler = Sampler(SamplingParams(temperature=1.0, seed=2))
+    draws = [sampler.sample(logits) for _ in range(4000)]
+    assert set(draws) == {7, 40000, 49151}
+    expected = torch.softmax(torch.tensor([1.0, 0.0, 0.0]), -1)[0].item()  # 0.576
+    assert abs(draws.count(7) / len(draws) - expected) < 0.03
