@@ -1,6 +1,7 @@
 """The fused decode layers (``models/fused_decode.py``, ``kernels/decode_layer.c``)
 against the torch path they replace, on tiny int4-plane models: close outputs, each row
-the same bits whatever runs beside it, the same greedy text; and where they run."""
+the same bits whatever runs beside it, the same greedy text, short prefill chunks the same
+bits as their tokens decoded one by one; and where they run."""
 
 import pytest
 import tiny_models as tm
@@ -169,6 +170,47 @@ def test_greedy_text_is_the_torch_paths(shard, monkeypatch):
     finally:
         shard.fused = held
     assert fused == reference
+
+
+@pytest.mark.parametrize("start, length", [(0, 1), (0, 9), (0, 64), (13, 20)])
+def test_a_prefill_chunk_is_its_tokens_decoded_one_by_one(shard, start, length):
+    """A prefill chunk of up to 64 tokens runs through the fused layers as one row per
+    token (the kernel writes every row's key and value before any row attends): its last
+    logits and the cache it writes are the same bits as decoding its tokens one at a
+    time after the same prefix."""
+    tokens = _tokens(7, start + length)
+    chunked = tm.new_cache(shard, context=start + length + 1)
+    one_by_one = tm.new_cache(shard, context=start + length + 1)
+    if start:
+        tm.prefill(shard, chunked, tokens[:start])
+        tm.prefill(shard, one_by_one, tokens[:start])
+    with torch.inference_mode():
+        logits = tm.prefill(shard, chunked, tokens[start:], start=start)
+        for position in range(start, start + length):
+            last = tm.decode(shard, one_by_one, [tokens[position]], [0], [position])[0]
+    assert torch.equal(logits, last)
+    for a, b in zip(chunked.k + chunked.v, one_by_one.k + one_by_one.v):
+        assert torch.equal(a[:, :, : start + length], b[:, :, : start + length])
+
+
+def test_a_fused_prefill_matches_the_torch_path(shard, monkeypatch):
+    """Against the layer-by-layer torch path with its attention in float32 (see
+    ``test_fused_layers_match_the_torch_path``), a chunk after a prefix included."""
+    _float32_attention(monkeypatch)
+    tokens = _tokens(8, 40)
+
+    def last_logits() -> torch.Tensor:
+        cache = tm.new_cache(shard, context=41)
+        tm.prefill(shard, cache, tokens[:25])
+        return tm.prefill(shard, cache, tokens[25:], start=25)
+
+    ours = last_logits()
+    held, shard.fused = shard.fused, None
+    try:
+        reference = last_logits()
+    finally:
+        shard.fused = held
+    assert ((ours - reference).norm() / reference.norm()).item() < 2e-3
 
 
 def test_a_position_outside_the_cache_is_refused(shard):

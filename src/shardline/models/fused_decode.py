@@ -15,7 +15,12 @@ test models' outputs are the same bits). Each row is computed by the same instru
 whatever the other rows, so a sequence's tokens do not depend on its batch.
 
 It runs only where everything in the shard is supported (:func:`refusal`); elsewhere,
-and for prefill, the torch path (the reference) runs. The decision is made once per
+and for prefill chunks of more than
+:data:`~shardline.models.llama.FUSED_PREFILL_MAX_ROWS` tokens, the torch path (the
+reference) runs. A shorter chunk is a row per token at its own position of the one slot:
+the kernel writes every row's key and value before any row attends, so each row sees the
+chunk's rows before it, and the chunk's logits and cache are the bits its tokens decoded
+one by one would give. The decision is made once per
 shard at load (:func:`for_shard`), and logged.
 """
 
@@ -204,8 +209,9 @@ class FusedDecode:
 
     def __call__(self, h: torch.Tensor, batch: ForwardBatch, cache: KVCache) -> torch.Tensor:
         """The layers' output for a decode step: ``h`` ``[N, hidden]`` bfloat16 (N <= 64,
-        one row per sequence of ``batch``) -> a new ``[N, hidden]`` bfloat16; writes each
-        row's key and value into ``cache`` at its slot and position.
+        one row per sequence of ``batch``, or per token of a prefill chunk ``batch``) ->
+        a new ``[N, hidden]`` bfloat16; writes each row's key and value into ``cache`` at
+        its slot and position.
 
         Raises:
             ValueError: a slot or position outside ``cache``, or a cache of another shape.
@@ -214,7 +220,8 @@ class FusedDecode:
         if self._cache is None or self._cache() is not cache:
             self._bind(cache)
         x = h.to(torch.bfloat16, copy=True).contiguous()
-        slots, positions = batch.slots.contiguous(), batch.positions.contiguous()
+        slots = batch.slots.expand(len(x)) if batch.prefill else batch.slots
+        slots, positions = slots.contiguous(), batch.positions.contiguous()
         cos, sin = batch.cos.contiguous(), batch.sin.contiguous()
         assert self._array is not None
         rc = self._lib.decode_layers(

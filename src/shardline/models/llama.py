@@ -36,6 +36,11 @@ from shardline.models.kv_cache import KVCache
 from shardline.models.linear import Embedding, Linear
 from shardline.models.products import KERNEL_MAX_ROWS
 
+FUSED_PREFILL_MAX_ROWS = 64
+"""Prefill chunks of up to this many tokens run through the fused decode layers too (each
+token a row at its own position of the one slot: the kernel writes every row's key and
+value before any row attends, so row i sees the chunk's rows before it)."""
+
 if TYPE_CHECKING:
     from shardline.models.fused_decode import FusedDecode
     from shardline.parallel.ring import RingContext
@@ -280,8 +285,9 @@ class DecoderShard(nn.Module):
     the last shard with a head float32 logits ``[len(batch.logit_rows), vocab_size]``.
 
     ``fused`` (set by the loader, :func:`shardline.models.fused_decode.for_shard`): the
-    compiled decode layers that run its decode steps (of up to ``KERNEL_MAX_ROWS`` rows),
-    or None (the layers' torch ops run every step).
+    compiled decode layers that run its decode steps (of up to ``KERNEL_MAX_ROWS`` rows)
+    and prefill chunks (of up to :data:`FUSED_PREFILL_MAX_ROWS` tokens), or None (the
+    layers' torch ops run every step).
     """
 
     inv_freq: torch.Tensor  # a buffer: RoPE inverse frequencies, float32 [head_dim // 2]
@@ -402,8 +408,8 @@ class DecoderShard(nn.Module):
     @torch.inference_mode()
     def forward(self, inputs: torch.Tensor, batch: ForwardBatch, cache: KVCache) -> torch.Tensor:
         h = self.embed(inputs) if self.embed is not None else inputs
-        if self.fused is not None and not batch.prefill and batch.ring is None and (
-                len(h) <= KERNEL_MAX_ROWS):
+        if self.fused is not None and batch.ring is None and len(h) <= (
+                FUSED_PREFILL_MAX_ROWS if batch.prefill else KERNEL_MAX_ROWS):
             h = self.fused(h, batch, cache)
         else:
             for i, layer in enumerate(self.layers):
