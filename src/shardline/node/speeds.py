@@ -82,9 +82,10 @@ def node_idle(in_flight: int, busy: Iterable[str], rank_statuses: Iterable[RankS
               other_load_percent: float = 0.0) -> bool:
     """Whether a node's runners leave its machine alone: no request of it in flight
     (``in_flight`` streams), no instance with requests on its rank (``busy``), none of
-    its ranks starting, fetching or loading (``rank_statuses``), and other work using
-    under :data:`OTHER_LOAD_PERCENT` of the machine's CPUs (``other_load_percent``:
-    percent of all CPUs, the system's use less what the node's own measurement uses)."""
+    its ranks starting, fetching or loading (``rank_statuses``), and other programs using
+    under :data:`OTHER_LOAD_PERCENT` of the machine's CPUs (``other_load_percent``: the
+    system-wide use, percent of all CPUs, over the last second; 0 where it does not
+    count)."""
     return (in_flight == 0 and not list(busy) and all(s in _SETTLED for s in rank_statuses)
             and other_load_percent < OTHER_LOAD_PERCENT)
 
