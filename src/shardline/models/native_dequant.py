@@ -1,6 +1,6 @@
 """The compiled kernels (every ``.c`` file of ``kernels/``, one library: the
-dequantization and decode products of ``dequant.c``, the fused decode layers of
-``decode_layer.c``): built once per machine with the system C compiler, kept in
+dequantization and small decode products of ``dequant.c``, the int8-activation product
+of int4 planes of ``int4_gemv.c``, the fused decode layers of ``decode_layer.c``): built once per machine with the system C compiler, kept in
 ``$XDG_CACHE_HOME/shardline/kernels/``, loaded with ctypes.
 
 A prefill chunk's product dequantizes each weight block into scratch and runs a dense GEMM

@@ -6,7 +6,7 @@
  * the rounding points of the torch code:
  *
  *   h  = rms_norm(x) * w1                (normalized in float32, rounded, scaled, rounded)
- *   qkv = h @ Wqkv^T (+ bias)            (int4_planes_gemv, dequant.c)
+ *   qkv = h @ Wqkv^T (+ bias)            (int4_planes_gemv, int4_gemv.c)
  *   q, k = rms_norm per head (Qwen3), then RoPE: bf(bf(a * cos) + bf(rot(a) * sin))
  *   k, v -> the slot's cache at the row's position ([slots, kv_heads, positions, hd])
  *   a  = softmax(q k^T / sqrt(hd)) v     over positions 0 .. position, in float32

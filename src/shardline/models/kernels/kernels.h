@@ -1,6 +1,6 @@
 /* What the kernel sources share (shardline/models/native_dequant.py compiles every .c
  * file of this folder into one library): bfloat16 conversions and the int4-plane decode
- * product's weight (dequant.c), which the fused decode layers (decode_layer.c) call. */
+ * product's weight (int4_gemv.c), which the fused decode layers (decode_layer.c) call. */
 #ifndef SHARDLINE_KERNELS_H
 #define SHARDLINE_KERNELS_H
 #include <stdint.h>
@@ -21,6 +21,25 @@ static inline float from_bf16(uint16_t h) {
     return f;
 }
 
+#if defined(__AVX512F__) && defined(__AVX512BW__)
+#include <immintrin.h>
+
+/* to_bf16 of 16 float32 lanes. */
+static inline __m256i bf16_16(__m512 v) {
+    __m512i u = _mm512_castps_si512(v);
+    __m512i odd = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
+    u = _mm512_add_epi32(u, _mm512_add_epi32(_mm512_set1_epi32(0x7FFF), odd));
+    return _mm512_cvtepi32_epi16(_mm512_srli_epi32(u, 16));
+}
+
+/* 16 (scale, zero) bfloat16 pairs at sz as float32 scales s and zeros z. */
+static inline void scale_zero_16(const uint16_t *sz, __m512 *s, __m512 *z) {
+    __m512i both = _mm512_loadu_si512(sz);
+    *s = _mm512_castsi512_ps(_mm512_slli_epi32(both, 16));
+    *z = _mm512_castsi512_ps(_mm512_and_si512(both, _mm512_set1_epi32((int)0xFFFF0000u)));
+}
+#endif
+
 /* A weight for int4_planes_gemv: the planes' bytes and scales (p1, sz1 NULL for one). */
 typedef struct {
     const uint8_t *p0;
@@ -31,14 +50,14 @@ typedef struct {
 } int4_gemv_t;
 
 /* Whether int4_planes_gemv is built: it needs AVX-512 VNNI and VBMI (with BW, which
- * VBMI implies, for dequant.c's AVX-512 helpers). */
+ * VBMI implies, for the AVX-512 helpers). */
 #if defined(__AVX512VNNI__) && defined(__AVX512VBMI__) && defined(__AVX512BW__)
 #define INT4_GEMV_BUILT 1
 #else
 #define INT4_GEMV_BUILT 0
 #endif
 
-/* y = x @ W^T with x's rows quantized to int8 groups (see dequant.c). */
+/* y = x @ W^T with x's rows quantized to int8 groups (see int4_gemv.c). */
 int int4_planes_gemv(const int4_gemv_t *weight, const void *x, int x_f32, int64_t M, void *y);
 
 #endif
