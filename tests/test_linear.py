@@ -79,11 +79,13 @@ def test_compiled_row_lookup_is_the_torch_ops_bit_for_bit(type_name):
     held = resident_weight(unpack_blocks(type_name, data), torch.bfloat16)
     if not held.rows_readable():
         pytest.skip("torch's int4 layout on this CPU is not one the row reader knows")
-    ids = torch.tensor([255, 0, 64, 7, 7, 130])
-    eager = sum(held._plane_rows(i, ids, torch.float32) for i in range(len(held.packed)))
     assert len(held.packed) == (2 if type_name == "Q8_0" else 1)
-    assert torch.equal(held.embed(ids, torch.float32), eager)
-    assert torch.equal(held.embed(ids, torch.bfloat16), eager.to(torch.bfloat16))
+    few = torch.tensor([255, 0, 64, 7, 7, 130])
+    many = torch.randint(0, 256, (40,), generator=torch.Generator().manual_seed(3))  # threaded
+    for ids in (few, many):
+        eager = sum(held._plane_rows(i, ids, torch.float32) for i in range(len(held.packed)))
+        assert torch.equal(held.embed(ids, torch.float32), eager)
+        assert torch.equal(held.embed(ids, torch.bfloat16), eager.to(torch.bfloat16))
     for bad in (256, -1):  # never read past the planes
         with pytest.raises(IndexError):
             held.embed(torch.tensor([3, bad]), torch.float32)

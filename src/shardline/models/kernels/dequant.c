@@ -136,7 +136,8 @@ INT4_KERNEL(32)
  * bfloat16 [K / 32, out, 2]. Writes float32 out[i * K + k] = the planes' (p - 8) * scale
  * + zero summed in plane order, in float32 without fused multiply-adds: the values
  * Int4Planes.embed's torch ops compute (shardline/models/int4_planes.py), bit for bit.
- * For embedding lookups and the LM head's refined logits, a few rows at a time. */
+ * For embedding lookups and the LM head's refined logits, a few rows at a time (each row
+ * reads one byte in 32 of its planes' memory: threads take rows from 16 on). */
 void int4_planes_rows(const uint8_t *p0, const uint16_t *sz0, const uint8_t *p1,
                       const uint16_t *sz1, int64_t out_features, int64_t K, int64_t block,
                       const int64_t *position, const int64_t *ids, int64_t n, float *out) {
@@ -144,6 +145,7 @@ void int4_planes_rows(const uint8_t *p0, const uint16_t *sz0, const uint8_t *p1,
     const uint8_t *planes[2] = {p0, p1};
     const uint16_t *scales[2] = {sz0, sz1};
     int count = p1 ? 2 : 1;
+#pragma omp parallel for schedule(static) if (n >= 16)
     for (int64_t i = 0; i < n; i++) {
         int64_t id = ids[i], pos = position[id % block];
         int shift = 4 * (int)(pos % 2);
