@@ -112,7 +112,8 @@ def three_live_nodes_and_a_three_rank_instance(cluster, timeout_s: float = 90) -
 
 
 # The node victim last: the others need a third node, which it leaves dead.
-@pytest.mark.parametrize("victim", ["runner", "frozen runner", "node"])
+@pytest.mark.parametrize("victim", [
+    "runner", pytest.param("frozen runner", marks=pytest.mark.slow), "node"])
 def test_a_death_mid_stream_fails_fast_and_the_model_is_placed_again(cluster, victim):
     three_live_nodes_and_a_three_rank_instance(cluster)
     # The victim is neither the coordinator nor the node the client talks to.

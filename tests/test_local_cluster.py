@@ -100,6 +100,7 @@ def test_a_cluster_started_again_serves_its_kept_model_once(tmp_path):
         again.stop()
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(180)
 def test_a_kept_instance_deleted_while_it_is_placed_again_stays_deleted(tmp_path):
     """A cluster started again places its kept instance again; deleting it meanwhile (as

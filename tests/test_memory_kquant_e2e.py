@@ -43,8 +43,10 @@ def kquant(tmp_path_factory):
 
 
 @pytest.mark.parametrize("model, sharding, nodes", [
-    ("q4_k_m", "pipeline", [0]), ("q4_k_m", "tensor", [0, 1]), ("q4_k_m", "pipeline", [0, 1, 2]),
-    ("smollm2", "pipeline", [0]), ("smollm2", "tensor", [0, 1])])
+    ("q4_k_m", "pipeline", [0]), ("q4_k_m", "tensor", [0, 1]),
+    pytest.param("q4_k_m", "pipeline", [0, 1, 2], marks=pytest.mark.slow),
+    pytest.param("smollm2", "pipeline", [0], marks=pytest.mark.slow),
+    pytest.param("smollm2", "tensor", [0, 1], marks=pytest.mark.slow)])
 def test_a_rank_holds_about_its_file_bytes(kquant, model, sharding, nodes):
     cluster, path = kquant
     inst = cluster.place(path if model == "q4_k_m" else None, sharding, on=nodes, context=1024,

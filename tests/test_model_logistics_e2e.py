@@ -105,6 +105,7 @@ def test_a_model_added_on_one_node_is_copied_to_its_ranks_and_served(cluster):
     assert httpx.get(f"{cluster.url(0)}/cluster/instances", timeout=5).json()["instances"] == []
 
 
+@pytest.mark.slow
 def test_a_node_short_of_memory_is_refused_unless_forced(cluster):
     ids = node_ids(cluster)
     if MODEL not in store_of(cluster, 0).model_ids():

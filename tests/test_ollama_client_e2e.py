@@ -87,6 +87,7 @@ def _gone(url: str, deadline_s: float) -> float:
     raise AssertionError(f"the model was still placed after {deadline_s} s")
 
 
+@pytest.mark.slow
 def test_keep_alive_unloads(tmp_path):
     cluster = start_cluster(1, tmp_path)
     try:
