@@ -127,9 +127,44 @@ def test_bad_input_is_refused():
 
 
 @pytest.mark.parametrize("rows, amx, takes", [
-    (65, False, True), (4096, False, True),  # no AMX: every chunk
-    (65, True, True), (384, True, True),  # AMX: short chunks (the int8 product is faster)
-    (385, True, False), (512, True, False),  # AMX: oneDNN's GEMM on the tiles
+    (65, False, True), (4096, False, True),  # no AMX prefill product: every chunk
+    (65, True, True), (95, True, True),  # AMX: short chunks (the int8 product is faster)
+    (96, True, False), (512, True, False),  # AMX: Int4Gemv.prefill on the tiles
 ])
 def test_which_prefill_chunks_take_the_int8_product(rows, amx, takes):
     assert native_dequant.int8_prefill_takes(rows, amx) is takes
+
+
+amx = pytest.mark.skipif(not native_dequant.amx_ready(),
+                         reason="the AMX prefill product needs AMX-BF16 tiles (and Linux's leave)")
+
+
+@amx
+@pytest.mark.parametrize("count", [1, 2])
+@pytest.mark.parametrize("out, k", SHAPES)
+@pytest.mark.parametrize("rows", [1, 17, 96, 130])
+def test_amx_prefill_is_the_dequantized_weights_product(count, out, k, rows):
+    """The AMX prefill product is x times the bfloat16 weight (dequantized as the GEMM
+    path dequantizes it) with float32 sums, rounded once to bfloat16: against float64."""
+    held = planes_of(count, out, k, seed=rows)
+    x = torch.randn(rows, k, generator=torch.Generator().manual_seed(out)).to(torch.bfloat16)
+    gemv = native_dequant.Int4Gemv(list(zip(held.packed, held.scales_zeros)))
+    reference = x.double() @ held.dequantize(torch.bfloat16).double().T
+    got = gemv.prefill(x)
+    assert got.shape == (rows, out) and got.dtype == torch.bfloat16
+    # float32 sums, then one bfloat16 rounding: within 2^-8 of each value (plus sums' error)
+    tolerance = reference.abs() * 2.0 ** -8 + 1e-5 * reference.abs().max()
+    assert ((got.double() - reference).abs() <= tolerance).all()
+
+
+@amx
+def test_prefill_chunks_from_96_rows_take_the_amx_product():
+    held = planes_of(2, 128, 96)
+    gemv = native_dequant.Int4Gemv(list(zip(held.packed, held.scales_zeros)))
+    for rows in (96, 200):
+        chunk = torch.randn(rows, 96).to(torch.bfloat16)
+        assert torch.equal(held.matmul(chunk), gemv.prefill(chunk))
+    chunk = torch.randn(95, 96).to(torch.bfloat16)
+    assert torch.equal(held.matmul(chunk), product(held, chunk))  # the int8 product
+    with pytest.raises(ValueError, match="bfloat16"):
+        gemv.prefill(torch.randn(100, 96))

@@ -53,12 +53,18 @@ class Int4Planes:
         ``x`` rounded to int8 groups, each weight group unpacked once for all rows, each
         row's result independent of the others) where it is built, else
         torch's int4 kernel for a 16-bit ``x``. Larger products (prefill chunks) take the
-        compiled product too where :func:`~shardline.models.native_dequant.int8_prefill`
-        (no AMX tiles, or a chunk of few rows); else they, and float32 where the compiled product is not built,
-        dequantize the weight block by block into
+        AMX product where :func:`~shardline.models.native_dequant.amx_prefill` (AMX tiles,
+        chunks from 96 rows), else the compiled int8 product where
+        :func:`~shardline.models.native_dequant.int8_prefill`; else they, and float32
+        where the compiled product is not built, dequantize the weight block by block into
         scratch for a dense GEMM (torch's kernel is 2.8x slower than that for 512 rows of a
         576 x 3072 product, and in float32 has no fast path at all: 20x slower for one
         row)."""
+        if (x.shape[0] > KERNEL_MAX_ROWS and x.dtype == torch.bfloat16
+                and native_dequant.amx_prefill(x.shape[0])):
+            gemv = self._gemv()
+            if gemv is not None:
+                return gemv.prefill(x)
         if x.dtype in (torch.bfloat16, torch.float32) and (
                 x.shape[0] <= KERNEL_MAX_ROWS or native_dequant.int8_prefill(x.shape[0])):
             gemv = self._gemv()

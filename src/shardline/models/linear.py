@@ -27,8 +27,9 @@ VBMI), which rounds each row's activations to int8 groups and unpacks each weigh
 once for every row of the step, else torch's int4 kernel. Either serves every product of up to :data:`KERNEL_MAX_ROWS`
 rows, so a decoding sequence's output does not depend on its batch (each row is computed
 by the same operations whatever the batch); the compiled one serves prefill chunks too
-where the CPU has no AMX, and chunks of up to 384 rows where it has
-(:func:`~shardline.models.native_dequant.int8_prefill`). Larger
+where the CPU has no AMX, and chunks of fewer than 96 rows where it has
+(:func:`~shardline.models.native_dequant.int8_prefill`; longer ones take its AMX product,
+:meth:`~shardline.models.native_dequant.Int4Gemv.prefill`). Larger
 products (prefill chunks) otherwise dequantize the weight, a block of rows at a time,
 into reused scratch (:data:`DEQUANT_SCRATCH_BYTES`) and run a dense GEMM: with the compiled
 kernel of :mod:`shardline.models.native_dequant` where it builds, else with torch ops

@@ -1,7 +1,9 @@
 """The compiled kernels (every ``.c`` file of ``kernels/``, one library: the
 dequantization and small decode products of ``dequant.c``, the int8-activation product
-of int4 planes of ``int4_gemv.c``, the fused decode layers of ``decode_layer.c``): built once per machine with the system C compiler, kept in
-``$XDG_CACHE_HOME/shardline/kernels/``, loaded with ctypes.
+of int4 planes of ``int4_gemv.c`` and their prefill product on AMX tiles of
+``amx_prefill.c``, the fused decode layers of ``decode_layer.c``): built once per machine
+with the system C compiler, kept in ``$XDG_CACHE_HOME/shardline/kernels/``, loaded with
+ctypes.
 
 A prefill chunk's product dequantizes each weight block into scratch and runs a dense GEMM
 (:mod:`shardline.models.linear`). Done with torch's element-wise ops, that takes five
@@ -132,6 +134,8 @@ def kernels() -> ctypes.CDLL | None:
         lib.int4_planes_gemv.argtypes = [_P, _P, _C, _I, _P]
         lib.int4_planes_rows.argtypes = [_P, _P, _P, _P, _I, _I, _I, _P, _P, _I, _P]
         lib.int4_planes_gemv_built.restype = ctypes.c_int
+        lib.int4_amx_prefill_ready.restype = ctypes.c_int
+        lib.int4_planes_amx_prefill.argtypes = [_P, _P, _I, _P]
         lib.int8_groups.argtypes = [_P, _P, _P, _I, _I, _I, _P, ctypes.c_int]
         lib.int8_groups_gemv.argtypes = [_P, _P, _P, _I, _I, _I, _P, _P, _I, _P]
         lib.packed_groups_rows.argtypes = [_P, _P, _P, _P, _C, _C, _I, _I, _I, _C, _P, _C, _P]
@@ -281,36 +285,47 @@ def int4_gemv_built() -> bool:
     return lib is not None and bool(lib.int4_planes_gemv_built())
 
 
-AMX_INT8_PREFILL_ROWS = 384
-"""Prefill chunks of up to this many rows take :class:`Int4Gemv` on a CPU with AMX tiles
-too; larger ones the dequantized bfloat16 GEMM (oneDNN on the tiles). Measured on a
-2-vCPU Sapphire Rapids VM (SmolLM2 prefill, ``int8 / GEMM`` ms): 128 tokens 144 / 226,
-192 237 / 309, 256 318 / 370, 384 430 / 450, 512 482 / 427, 2048 2854 / 2547."""
+AMX_PREFILL_MIN_ROWS = 96
+"""Prefill chunks of at least this many rows take :meth:`Int4Gemv.prefill` where
+:func:`amx_ready`; shorter ones the int8 product. Measured on a 2-vCPU Sapphire Rapids VM
+(SmolLM2 prefill, interleaved, ``tiles / before`` ms, before: the int8 product up to 384
+rows, oneDNN's GEMM of the dequantized weight beyond): 80 tokens 97 / 93, 96 97 / 105,
+128 122 / 135, 192 183 / 220, 384 265 / 360, 512 415 / 424 (the same logits as oneDNN's
+bit for bit)."""
 
 
 def int8_prefill_takes(rows: int, amx: bool) -> bool:
     """Whether a prefill chunk of ``rows`` rows (more than
     :data:`~shardline.models.products.KERNEL_MAX_ROWS`) takes the int8 product, given the
-    product is built and whether the CPU has AMX tiles (``amx``)."""
-    return not amx or rows <= AMX_INT8_PREFILL_ROWS
+    product is built and whether the AMX prefill product is ready (``amx``)."""
+    return not amx or rows < AMX_PREFILL_MIN_ROWS
 
 
 def int8_prefill(rows: int) -> bool:
     """Whether a prefill chunk of ``rows`` rows (more than
     :data:`~shardline.models.products.KERNEL_MAX_ROWS`) takes :class:`Int4Gemv` too,
-    rather than a dequantized block and torch's bfloat16 GEMM: where it is built, always
-    where the CPU has no AMX tiles (Linux's ``amx_bf16`` flag), and for chunks up to
-    :data:`AMX_INT8_PREFILL_ROWS` rows where it has (:func:`int8_prefill_takes`). On a
+    rather than a dequantized block and torch's GEMM: where it is built, unless the chunk
+    takes :meth:`Int4Gemv.prefill` (:func:`amx_prefill`; :func:`int8_prefill_takes`). On a
     2-core Zen 4 (AVX-512 BF16, no AMX) a SmolLM2 prefill of 128 tokens took 111 ms
     against 179 ms with the GEMM, 512 tokens 610 against 743 ms, 2048 tokens 2.75
     against 3.03 s."""
-    return int4_gemv_built() and int8_prefill_takes(rows, _has_amx())
+    return int4_gemv_built() and int8_prefill_takes(rows, amx_ready())
+
+
+def amx_prefill(rows: int) -> bool:
+    """Whether a bfloat16 prefill chunk of ``rows`` rows (more than
+    :data:`~shardline.models.products.KERNEL_MAX_ROWS`) takes :meth:`Int4Gemv.prefill`:
+    where :func:`amx_ready`, from :data:`AMX_PREFILL_MIN_ROWS` rows."""
+    return amx_ready() and not int8_prefill_takes(rows, True)
 
 
 @functools.cache
-def _has_amx() -> bool:
-    """Whether the CPU has AMX bfloat16 tiles (Linux's ``amx_bf16`` flag)."""
-    return "amx_bf16" in _cpu_key()
+def amx_ready() -> bool:
+    """Whether :meth:`Int4Gemv.prefill` runs here: the kernels are built with AMX-BF16
+    tiles (a CPU that has them, a compiler that knows them) and Linux lets this process use
+    them."""
+    lib = kernels()
+    return int4_gemv_built() and lib is not None and bool(lib.int4_amx_prefill_ready())
 
 
 class _Int4Weight(ctypes.Structure):
@@ -373,6 +388,31 @@ class Int4Gemv:
                                                 16 * planes[0][1][..., 0].float()):
             return "a second plane whose scales are not 16 times the first's"
         return None
+
+    def prefill(self, x: torch.Tensor) -> torch.Tensor:
+        """``x`` ``[M, K]`` bfloat16 -> ``[M, N]`` bfloat16 on AMX tiles (where
+        :func:`amx_ready`; the compiled ``int4_planes_amx_prefill``): each block of 64
+        outputs dequantized once to bfloat16 (the values the dequantized-weight GEMM
+        multiplies), multiplied with ``x`` as it is in float32 sums, rounded to bfloat16:
+        the GEMM's result up to the order of float32 sums, without writing the whole
+        dequantized weight to memory.
+
+        Raises:
+            ValueError: another dtype or width.
+            RuntimeError: the tiles may not be used here.
+        """
+        M, K = x.shape
+        if K != self.K or x.dtype != torch.bfloat16:
+            raise ValueError(f"int4 prefill product of {x.dtype} x {tuple(x.shape)} with "
+                             f"[{self.N}, {self.K}] (bfloat16)")
+        y = torch.empty(M, self.N, dtype=x.dtype)
+        rc = _loaded().int4_planes_amx_prefill(self.address, x.contiguous().data_ptr(), M,
+                                               y.data_ptr())
+        if rc == -1:
+            raise MemoryError("int4 prefill product: no memory for its scratch")
+        if rc:
+            raise RuntimeError("int4 prefill product: AMX tiles are not available")
+        return y
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         """``x`` ``[M, K]`` bfloat16 or float32 -> ``[M, N]`` in its dtype.
