@@ -112,8 +112,13 @@ def test_keep_alive_unloads(tmp_path):
         unloaded = client.generate(DEFAULT_MODEL_ID, keep_alive=0)
         assert unloaded.done and unloaded.done_reason == "unload"
         assert _gone(url, 5) < 1 and client.ps().models == []
-        with pytest.raises(ollama.ResponseError) as caught:
-            client.generate(DEFAULT_MODEL_ID)
-        assert caught.value.status_code == 404
+        # As in Ollama, a request loads the model again (placed by the cluster, waited for).
+        loaded = client.generate(DEFAULT_MODEL_ID)
+        assert loaded.done and loaded.done_reason == "load"
+        assert [m.model for m in client.ps().models] == [DEFAULT_MODEL_ID]
+        client.generate(DEFAULT_MODEL_ID, keep_alive=0)
+        assert _gone(url, 5) < 1
+        answer = client.chat(DEFAULT_MODEL_ID, messages=QUESTION, options=GREEDY)  # loads it too
+        assert "Paris" in answer.message.content
     finally:
         cluster.stop()

@@ -6,7 +6,10 @@ of seconds; a negative value keeps the model loaded for ever; ``0`` unloads it.
 
 shardline differs in one default: a request without ``keep_alive`` changes nothing, and a
 placed model stays placed (Ollama unloads after 5 minutes unless told otherwise), because a
-cluster's placement is an explicit act (``POST /cluster/instances``). With ``0`` the node
+cluster's placement is an explicit act (``POST /cluster/instances``). As in Ollama, a request
+for a model the cluster has no instance of loads it (:meth:`KeepAlive.load`: placed as
+``POST /cluster/instances`` with ``sharding: auto`` places it, then waited for), so a
+client's ``keep_alive`` never leaves the model out of reach. With ``0`` the node
 deletes every instance of the model through the coordinator (as ``DELETE
 /cluster/instances/{id}`` does) once no request of it runs; with a duration the node
 records a deadline per instance (this node's: another node that took no such request does
@@ -34,6 +37,11 @@ log = logging.getLogger(__name__)
 
 CHECK_INTERVAL_S = 1.0
 """How often the node looks for instances whose keep_alive has run out, seconds."""
+
+LOAD_TIMEOUT_S = 300.0
+"""How long a request waits for a model it loads to be ready, seconds."""
+
+LOAD_POLL_S = 0.2
 
 _UNITS = {"ns": 1e-9, "us": 1e-6, "µs": 1e-6, "μs": 1e-6, "ms": 1e-3, "s": 1.0, "m": 60.0, "h": 3600.0}
 _PART = re.compile(r"(\d+\.?\d*|\.\d+)(ns|us|µs|μs|ms|s|m|h)")
@@ -91,6 +99,39 @@ class KeepAlive:
     def __init__(self) -> None:
         self.expiries: dict[str, float] = {}
         self.running: Counter[str] = Counter()
+        self._loading: dict[str, asyncio.Lock] = {}
+
+    async def load(self, node: "Node", model: str,
+                   timeout_s: float = LOAD_TIMEOUT_S) -> tuple[int, dict] | None:
+        """Make sure ``model`` has a ready instance, as Ollama loads the model a request
+        names: place one (``sharding: auto``, through the coordinator) when the node's
+        table has none, then wait until one is ready. One placement at a time per model
+        on this node (concurrent requests wait for the same one). None when an instance is
+        ready; else the status and cluster-API body of why not: the placement's refusal
+        (404 for an unknown model, 409 for no room), 500 when every instance failed, 503
+        after ``timeout_s`` seconds."""
+        from shardline.node.create_instance import CreateInstance, create
+        from shardline.node.status import InstanceStatus
+
+        def instances() -> list:
+            return [i for i in node.instances.values() if i.model_id == model]
+
+        async with self._loading.setdefault(model, asyncio.Lock()):
+            if not instances():
+                status, body = await create(node, CreateInstance(model=model, sharding="auto"))
+                if status >= 400:
+                    return status, body
+                log.info("loading %s on request: instance %s", model, body.get("instance_id"))
+            deadline = time.monotonic() + timeout_s
+            while time.monotonic() < deadline:
+                statuses = [i.status for i in instances()]
+                if InstanceStatus.READY in statuses:
+                    return None
+                if statuses and all(s == InstanceStatus.FAILED for s in statuses):
+                    failed = "; ".join(f"{i.instance_id}: {i.error}" for i in instances())
+                    return 500, error_body(API.CLUSTER, 500, f"model {model} failed to load ({failed})")
+                await asyncio.sleep(LOAD_POLL_S)
+        return 503, error_body(API.CLUSTER, 503, f"model {model} was not ready after {timeout_s:g} s")
 
     def begin(self, instance_ids: Iterable[str]) -> None:
         """A request of these instances started (they are busy until :meth:`end`)."""

@@ -13,7 +13,9 @@ Ollama's defaults 0.8, 0.9, 40, none, until the context is full, none) and ``str
 instances through the coordinator), a duration unloads it after that long idle, absent
 changes nothing. A chat without messages or a generate without a prompt loads (answers
 ``done_reason: "load"`` once the model is ready) or, with ``keep_alive: 0``, unloads
-(``"unload"``). Images are refused: every model shardline runs takes text only.
+(``"unload"``). As in Ollama, a request for a model the cluster can place but has not
+placed loads it first (:meth:`~shardline.api.keep_alive.KeepAlive.load`). Images are
+refused: every model shardline runs takes text only.
 """
 
 from __future__ import annotations
@@ -381,25 +383,39 @@ async def _refuse_embeddings(node: Node, request: Request) -> JSONResponse:
 
 async def _load(node: Node, keep: KeepAlive, req: _Request, seconds: float | None,
                 content: Callable[..., dict]) -> JSONResponse | dict:
-    """A request with nothing to generate: unload the model (``keep_alive`` 0), else answer
-    that it is loaded (and keep it ``seconds``), or why not."""
+    """A request with nothing to generate: unload the model (``keep_alive`` 0; nothing to
+    do when it is not placed), else load it (:func:`_loaded`) and answer that it is loaded
+    (and keep it ``seconds``), or why not."""
     model = req.model.removesuffix(":latest")
     instances = placed(node, model)
-    if not instances:
-        return _not_found(req.model)
     if seconds == 0:
         for inst in instances:
             status, body = await unload(node, inst.instance_id)
             if status >= 400 and status != 404:  # 404: gone meanwhile
                 return error_response(APIError(status, f"model '{req.model}' could not be unloaded: {body}"))
         return {"model": req.model, "created_at": _now(), **content(""), "done": True, "done_reason": "unload"}
-    ready = [i for i in instances if i.status == InstanceStatus.READY]
-    if not ready:
-        detail = "; ".join(f"instance {i.instance_id} {i.status}" for i in instances)
-        return error_response(APIError(503, f"model '{req.model}' is not ready ({detail}); retry later"))
+    refused = await _loaded(node, keep, req.model)
+    if refused is not None:
+        return refused
+    instances = placed(node, model)
     if seconds is not None:
         keep.keep([i.instance_id for i in instances], seconds)
     return {"model": req.model, "created_at": _now(), **content(""), "done": True, "done_reason": "load"}
+
+
+async def _loaded(node: Node, keep: KeepAlive, name: str) -> JSONResponse | None:
+    """Load model ``name`` (its id, or with ``:latest``) as Ollama does on a request
+    (:meth:`~shardline.api.keep_alive.KeepAlive.load`); None once it is ready, else the
+    Ollama error answer (404 for a model the cluster does not know)."""
+    refused = await keep.load(node, name.removesuffix(":latest"))
+    if refused is None:
+        return None
+    status, body = refused
+    error = body.get("error", {}) if isinstance(body, dict) else {}
+    if status == 404 or (status == 400 and error.get("param") == "model"):  # unknown, or no id
+        return _not_found(name)
+    message = error.get("message", str(body))
+    return error_response(APIError(status, f"model '{name}' could not be loaded: {message}"))
 
 
 async def _serve(node: Node, metrics: RequestMetrics | None, keep: KeepAlive, request: Request,
@@ -409,6 +425,10 @@ async def _serve(node: Node, metrics: RequestMetrics | None, keep: KeepAlive, re
         seconds = req.keep_alive_s()
         if not req.has_input():
             return await _load(node, keep, req, seconds, content)
+        if not placed(node, req.model.removesuffix(":latest")):
+            refused = await _loaded(node, keep, req.model)
+            if refused is not None:
+                return refused
         gen = await prepare(node, req.to_generation(), metrics)
     except APIError as exc:
         return error_response(exc)

@@ -7,13 +7,11 @@ import dataclasses
 import logging
 from contextlib import asynccontextmanager
 from pathlib import Path
-from typing import Literal
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.middleware.cors import CORSMiddleware
 from fastapi.responses import FileResponse, JSONResponse, StreamingResponse
-from pydantic import BaseModel, Field, field_validator, model_validator
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from shardline.api import anthropic, errors, metrics, ollama, openai, responses
@@ -22,6 +20,7 @@ from shardline.models.config import UnsupportedModelError
 from shardline.models.store import DEFAULT_MODEL_ID, ModelNotFoundError, ModelStoreError
 from shardline.node.bounds import DEFAULT_MAX_BODY_BYTES, RequestBoundsMiddleware
 from shardline.node.coordinator import free_port
+from shardline.node.create_instance import CreateInstance, create
 from shardline.node.http_extras import SCOPE_KEY, RequestIdMiddleware, allowed_methods
 from shardline.node.http_guard import GuardConfig, GuardMiddleware, SignatureMiddleware, check_key, check_place
 from shardline.node.link_probe import add_link_routes
@@ -44,42 +43,12 @@ from shardline.node.wire import (
     TaskMessage,
 )
 from shardline.placement.pipeline import PlacementError
-from shardline.placement.ranks import SHARDINGS, KVCacheRequestError, shardings_named
+from shardline.placement.ranks import KVCacheRequestError, shardings_named
 from shardline.runner.protocol import Cancel, PrefillProgress, TokenRequest
 
 log = logging.getLogger(__name__)
 
 DASHBOARD = Path(__file__).resolve().parent.parent / "api" / "static" / "dashboard.html"
-
-
-class CreateInstance(BaseModel):
-    model: str | None = None
-    sharding: str = "pipeline"
-    nodes: list[str] | None = Field(default=None, min_length=1)
-    context: int | None = Field(default=None, ge=1)
-    max_batch: int | None = Field(default=None, ge=1)
-    kv_cache_bytes: int | None = Field(default=None, ge=1)  # the KV pool, all ranks together
-    quantize: Literal["int8", "int4"] | None = None  # 16/32-bit weights quantized on load
-    dtype: Literal["bfloat16", "float16", "float32"] = "bfloat16"
-    force: bool = False  # skip memory admission
-    min_nodes: int | None = Field(default=None, ge=1)  # without "nodes": the fewest to use
-    max_nodes: int | None = Field(default=None, ge=1)  # without "nodes": the most to use
-
-    @field_validator("nodes")
-    @classmethod
-    def _distinct(cls, nodes: list[str] | None) -> list[str] | None:
-        if nodes is not None and len(set(nodes)) != len(nodes):
-            twice = sorted({n for n in nodes if nodes.count(n) > 1})
-            raise ValueError(f"a node can hold one rank of an instance; listed twice: {', '.join(twice)}")
-        return nodes
-
-    @model_validator(mode="after")
-    def _node_counts(self) -> "CreateInstance":
-        if self.nodes is not None and (self.min_nodes or self.max_nodes):
-            raise ValueError("give nodes, or min_nodes / max_nodes, not both")
-        if self.min_nodes and self.max_nodes and self.min_nodes > self.max_nodes:
-            raise ValueError(f"min_nodes {self.min_nodes} is above max_nodes {self.max_nodes}")
-        return self
 
 
 def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
@@ -299,27 +268,8 @@ def create_app(node: Node, guard: GuardConfig, max_body_bytes: int = DEFAULT_MAX
 
     @app.post("/cluster/instances", status_code=201)
     async def create_instance(body: CreateInstance):
-        try:
-            # A path or cached repo on this machine goes into this node's store first, so the
-            # coordinator (perhaps another machine) finds it there by id.
-            body.model = await node.logistics.adopt(body.model)
-        except (ModelStoreError, UnsupportedModelError) as exc:
-            return cluster_error(400, str(exc), "model")
-        if not node.is_coordinator():
-            status, content = await node.ask_coordinator("POST", "/cluster/instances", body.model_dump())
-            return JSONResponse(status_code=status, content=content)
-        try:
-            inst = await node.coordinator.create_instance(
-                body.model, body.sharding, body.nodes, body.context, body.max_batch, body.dtype,
-                body.force, body.min_nodes, body.max_nodes, body.kv_cache_bytes, body.quantize)
-        except ModelNotFoundError as exc:
-            return cluster_error(404, str(exc), "model")
-        except (ModelStoreError, UnsupportedModelError, KVCacheRequestError) as exc:
-            return cluster_error(400, str(exc))
-        except PlacementError as exc:
-            status = 400 if body.sharding not in SHARDINGS + ("auto",) else 409
-            return cluster_error(status, str(exc))
-        return inst.to_dict()
+        status, content = await create(node, body)
+        return JSONResponse(status_code=status, content=content)
 
     @app.delete("/cluster/instances/{instance_id}")
     async def delete_instance(instance_id: str):

@@ -1,0 +1,73 @@
+"""Placing an instance as ``POST /cluster/instances`` does: its body (:class:`CreateInstance`)
+and :func:`create`, which the route and Ollama's load on demand (:mod:`shardline.api.keep_alive`)
+both call."""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import BaseModel, Field, field_validator, model_validator
+
+from shardline.api.errors import API, error_body
+from shardline.models.config import UnsupportedModelError
+from shardline.models.store import ModelNotFoundError, ModelStoreError
+from shardline.node.node import Node
+from shardline.placement.pipeline import PlacementError
+from shardline.placement.ranks import SHARDINGS, KVCacheRequestError
+
+
+class CreateInstance(BaseModel):
+    model: str | None = None
+    sharding: str = "pipeline"
+    nodes: list[str] | None = Field(default=None, min_length=1)
+    context: int | None = Field(default=None, ge=1)
+    max_batch: int | None = Field(default=None, ge=1)
+    kv_cache_bytes: int | None = Field(default=None, ge=1)  # the KV pool, all ranks together
+    quantize: Literal["int8", "int4"] | None = None  # 16/32-bit weights quantized on load
+    dtype: Literal["bfloat16", "float16", "float32"] = "bfloat16"
+    force: bool = False  # skip memory admission
+    min_nodes: int | None = Field(default=None, ge=1)  # without "nodes": the fewest to use
+    max_nodes: int | None = Field(default=None, ge=1)  # without "nodes": the most to use
+
+    @field_validator("nodes")
+    @classmethod
+    def _distinct(cls, nodes: list[str] | None) -> list[str] | None:
+        if nodes is not None and len(set(nodes)) != len(nodes):
+            twice = sorted({n for n in nodes if nodes.count(n) > 1})
+            raise ValueError(f"a node can hold one rank of an instance; listed twice: {', '.join(twice)}")
+        return nodes
+
+    @model_validator(mode="after")
+    def _node_counts(self) -> "CreateInstance":
+        if self.nodes is not None and (self.min_nodes or self.max_nodes):
+            raise ValueError("give nodes, or min_nodes / max_nodes, not both")
+        if self.min_nodes and self.max_nodes and self.min_nodes > self.max_nodes:
+            raise ValueError(f"min_nodes {self.min_nodes} is above max_nodes {self.max_nodes}")
+        return self
+
+
+async def create(node: Node, body: CreateInstance) -> tuple[int, dict]:
+    """Place ``body``'s instance through the coordinator (this node, or a request to it): the
+    HTTP status and JSON body ``POST /cluster/instances`` answers (201 and the instance; 400
+    for a model or a request that cannot be placed, 404 for an unknown model, 409 when the
+    cluster has no room, 503 while there is no coordinator to ask)."""
+    try:
+        # A path or cached repo on this machine goes into this node's store first, so the
+        # coordinator (perhaps another machine) finds it there by id.
+        body.model = await node.logistics.adopt(body.model)
+    except (ModelStoreError, UnsupportedModelError) as exc:
+        return 400, error_body(API.CLUSTER, 400, str(exc), "model")
+    if not node.is_coordinator():
+        return await node.ask_coordinator("POST", "/cluster/instances", body.model_dump())
+    try:
+        inst = await node.coordinator.create_instance(
+            body.model, body.sharding, body.nodes, body.context, body.max_batch, body.dtype,
+            body.force, body.min_nodes, body.max_nodes, body.kv_cache_bytes, body.quantize)
+    except ModelNotFoundError as exc:
+        return 404, error_body(API.CLUSTER, 404, str(exc), "model")
+    except (ModelStoreError, UnsupportedModelError, KVCacheRequestError) as exc:
+        return 400, error_body(API.CLUSTER, 400, str(exc))
+    except PlacementError as exc:
+        status = 400 if body.sharding not in SHARDINGS + ("auto",) else 409
+        return status, error_body(API.CLUSTER, status, str(exc))
+    return 201, inst.to_dict()
