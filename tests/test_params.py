@@ -101,7 +101,9 @@ def test_the_readme_table_is_the_table():
     (openai.ChatCompletionRequest, {"max_tokens": 3.5}, "max_tokens"),
     (openai.ChatCompletionRequest, {"temperature": "0.5"}, "temperature"),
     (openai.ChatCompletionRequest, {"stream": 1}, "stream"),
-    (openai.ChatCompletionRequest, {"logit_bias": {"x": 1}}, "logit_bias.x.[key]"),
+    (openai.ChatCompletionRequest, {"logit_bias": {"x": 1}}, "logit_bias.x"),
+    (openai.ChatCompletionRequest, {"stop": 5}, "stop"),
+    (ollama.ChatRequest, {"format": "xml"}, "format"),
     (openai.CompletionRequest, {"echo": "true"}, "echo"),
     (anthropic.MessagesRequest, {"max_tokens": "16"}, "max_tokens"),
     (ollama.ChatRequest, {"stream": "false"}, "stream"),
@@ -126,3 +128,29 @@ def test_parse_keeps_what_json_means():
                                 "temperature": 1, "logit_bias": {"7042": -100}}).encode(),
                     openai.ChatCompletionRequest)
     assert req.temperature == 1.0 and req.logit_bias == {7042: -100.0}
+
+
+@pytest.mark.parametrize("model,body,param", [
+    (openai.ChatCompletionRequest, {"stream_options": {"include_usage": True}}, "stream_options"),
+    (openai.ChatCompletionRequest, {"tools": []}, "tools"),
+    (openai.ChatCompletionRequest, {"seed": 2**70}, "seed"),
+    (openai.ChatCompletionRequest, {"stop": ["a", "b", "c", "d", "e"]}, "stop"),
+    (openai.CompletionRequest, {"echo": True, "logprobs": 1}, "echo"),
+    (ollama.ChatRequest, {"top_logprobs": 3}, "top_logprobs"),
+])
+def test_parse_refuses_what_would_be_ignored(model, body, param):
+    """Values the reference refuses, or that would be accepted and do nothing (stream_options
+    without a stream, top_logprobs without logprobs, echo's missing prompt logprobs)."""
+    base = {"model": "m", "prompt": "x"} if model is openai.CompletionRequest else {
+        "model": "m", "messages": [{"role": "user", "content": "x"}]}
+    with pytest.raises(APIError) as caught:
+        parse_raw(json.dumps({**base, **body}).encode(), model)
+    assert caught.value.status == 400 and caught.value.param == param, caught.value.message
+
+
+@pytest.mark.parametrize("stop, sequences", [("Paris", ["Paris"]), ("a longer stop", ["a longer stop"]),
+                                              (["a", "b", "c", "d"], ["a", "b", "c", "d"])])
+def test_a_stop_string_of_any_length_is_one_sequence(stop, sequences):
+    req = parse_raw(json.dumps({"model": "m", "messages": [{"role": "user", "content": "x"}],
+                                "stop": stop}).encode(), openai.ChatCompletionRequest)
+    assert req.to_generation().stop == sequences

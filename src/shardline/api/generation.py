@@ -499,6 +499,16 @@ async def parse_body(request: Request, model: type[BaseModel]) -> Any:
     return parse_raw(raw, model)
 
 
+_TYPE_TAGS = frozenset({"str", "int", "float", "bool", "list", "dict", "none"})
+
+
+def _union_tag(part: object) -> bool:
+    """Whether a pydantic error location part names a union's branch or a dict's key
+    (``str``, ``list[str]``, ``literal['json']``, ``[key]``) rather than a field or index."""
+    return isinstance(part, str) and (part in _TYPE_TAGS or "[" in part
+                                      or part.startswith(("constrained-", "function-")))
+
+
 def parse_raw(raw: bytes, model: type[BaseModel]) -> Any:
     """A request body's bytes as ``model``: parsed, screened (:func:`~shardline.api.params.screen`
     for a model with an ``ENDPOINT``), checked raw (a model's ``check_raw``), then validated
@@ -533,8 +543,12 @@ def parse_raw(raw: bytes, model: type[BaseModel]) -> Any:
         # logit_bias wants).
         return model.model_validate_json(json.dumps(data), strict=True)
     except ValidationError as exc:
-        first = exc.errors()[0]
-        param = ".".join(str(p) for p in first.get("loc", ())) or None
+        errors = exc.errors()
+        # Of a union's branches, the one whose type the value has ("stop": a list of 5 is
+        # refused for its length, not for not being a string); pydantic's branch tags
+        # ("str", "list[str]", "[key]") are not part of the parameter's name.
+        first = next((e for e in errors if not str(e.get("type", "")).endswith("_type")), errors[0])
+        param = ".".join(str(p) for p in first.get("loc", ()) if not _union_tag(p)) or None
         message = str(first.get("msg")).removeprefix("Value error, ")
         if param is None and ": " in message:  # a check of several fields names the one at fault
             param = message.split(": ", 1)[0]

@@ -29,7 +29,7 @@ from typing import Any, ClassVar, Literal
 
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, StreamingResponse
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from shardline.api.content import check_parts
 from shardline.api.generation import (
@@ -126,6 +126,12 @@ class _Request(BaseModel):
     top_logprobs: int = Field(default=0, ge=0, le=20)
     images: list[str] | None = None
     think: bool | None = None
+
+    @model_validator(mode="after")
+    def _logprobs_asked(self):
+        if self.top_logprobs and not self.logprobs:
+            raise ValueError("top_logprobs: logprobs must be true when top_logprobs is set")
+        return self
 
     def grammar(self) -> str | None:
         """``format``: "json" (any JSON object, as llama.cpp's JSON grammar) or a JSON schema."""

@@ -15,7 +15,7 @@ import json
 import time
 import uuid
 from collections.abc import AsyncIterator
-from typing import Any, ClassVar, Literal
+from typing import Annotated, Any, ClassVar, Literal
 
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, StreamingResponse
@@ -112,8 +112,8 @@ class SamplingFields(BaseModel):
     top_p: float = Field(default=1.0, ge=0.0, le=1.0)
     top_k: int = Field(default=0, ge=0)
     min_p: float = Field(default=0.0, ge=0.0, le=1.0)
-    seed: int | None = None
-    stop: str | list[str] | None = Field(default=None, max_length=4)
+    seed: int | None = Field(default=None, ge=-(2**63), le=2**63 - 1)  # int64, as OpenAI's
+    stop: str | Annotated[list[str], Field(max_length=4)] | None = None  # up to 4 sequences
     n: int = Field(default=1, ge=1, le=MAX_CHOICES)
     frequency_penalty: float = Field(default=0.0, ge=-2.0, le=2.0)
     presence_penalty: float = Field(default=0.0, ge=-2.0, le=2.0)
@@ -135,6 +135,8 @@ class SamplingFields(BaseModel):
         for token, bias in (self.logit_bias or {}).items():
             if not -100.0 <= bias <= 100.0:
                 raise ValueError(f"logit_bias: the bias of token {token} must be between -100 and 100")
+        if self.stream_options is not None and not self.stream:
+            raise ValueError("stream_options: only allowed when stream is true")
         return self
 
     def logprobs_wanted(self) -> int | None:
@@ -204,7 +206,7 @@ class ChatCompletionRequest(SamplingFields):
     top_logprobs: int | None = Field(default=None, ge=0, le=20)
     response_format: ResponseFormat | None = None
     modalities: list[str] | None = None
-    tools: list[dict[str, Any]] | None = None
+    tools: Annotated[list[dict[str, Any]], Field(min_length=1)] | None = None
     tool_choice: Literal["none", "auto", "required"] | dict[str, Any] = "auto"
     parallel_tool_calls: bool = True
 
@@ -250,6 +252,13 @@ class CompletionRequest(SamplingFields):
     echo: bool = False  # the answer begins with the prompt's text
     logprobs: int | None = Field(default=None, ge=0, le=5)  # the legacy API's limit
     best_of: int = 1
+
+    @model_validator(mode="after")
+    def _echo_logprobs(self):
+        if self.echo and self.logprobs is not None:  # the prompt's would be missing
+            raise ValueError("echo: the prompt's logprobs are not computed; echo and logprobs "
+                             "cannot be combined")
+        return self
 
     def logprobs_wanted(self) -> int | None:
         return self.logprobs
