@@ -74,6 +74,7 @@ class Coordinator:
         self._announced: set[str] = set()  # instances whose "is ready" was logged
         self._cards: dict[str, ModelCard] = {}  # model id -> card, for first_order
         self._reading: set[str] = set()  # model ids whose card is read in the background
+        self._unpredicted: set[str] = set()  # instance ids whose preview could not be computed (logged)
 
     async def _fail_lost_instances(self) -> None:
         """Coordinator: fail the instances with a rank on a node that is down, or that
@@ -363,7 +364,12 @@ class Coordinator:
                                         links, context or inst.context, inst.dtype,
                                         decode_weight_bytes=weight)
         except (KeyError, ModelNotFoundError, PeerError, PlacementError) as exc:
-            log.info("no prediction for instance %s: %s", inst.instance_id, exc)
+            # Once an instance: every listing asks again (a failed instance's dead node
+            # stays unknown; a dashboard lists every second).
+            if inst.instance_id not in self._unpredicted:
+                self._unpredicted.add(inst.instance_id)
+                reason = f"node {exc} is not known" if isinstance(exc, KeyError) else str(exc)
+                log.info("no prediction for instance %s: %s", inst.instance_id, reason)
             return 0.0, 0.0
         finally:
             if wait:
