@@ -65,7 +65,7 @@ def test_streamed_events_follow_anthropics_order(cluster3):
     names = [line[len("event: "):] for line in lines if line.startswith("event: ")]
     data = [json.loads(line[len("data: "):]) for line in lines if line.startswith("data: ")]
     assert [d["type"] for d in data] == names
-    assert names[:3] == ["message_start", "content_block_start", "ping"]
+    assert names[:3] == ["message_start", "ping", "content_block_start"]
     assert names[-3:] == ["content_block_stop", "message_delta", "message_stop"]
     assert set(names[3:-3]) == {"content_block_delta"}
     assert data[0]["message"]["usage"]["input_tokens"] == whole["usage"]["input_tokens"]

@@ -114,6 +114,8 @@ def test_anthropic_tool_round_trip(url, style):
         final = stream.get_final_message()
     assert final.stop_reason == "tool_use"
     assert [(b.name, b.input) for b in final.content if b.type == "tool_use"] == [(use.name, use.input)]
+    # the streamed blocks are the answer's: no empty text block before a forced call
+    assert [b.type for b in final.content] == [b.type for b in first.content] == ["tool_use"]
 
     history = [*ASK, {"role": "assistant", "content": [use.model_dump()]},
                {"role": "user", "content": [{"type": "tool_result", "tool_use_id": use.id, "content": "Sunny"}]}]

@@ -315,14 +315,13 @@ def _tool_use(call: ToolCall) -> dict:
 
 
 async def _stream(gen: Generation, req: MessagesRequest, message_id: str) -> AsyncIterator[str]:
-    """Anthropic's events: a text block open from the start; each tool call a
-    ``tool_use`` block whose input comes as one ``input_json_delta``; text after a call
-    opens a new text block."""
+    """Anthropic's events, the blocks of the non-streamed answer's ``content``: text opens
+    a text block; each tool call is a ``tool_use`` block whose input comes as one
+    ``input_json_delta``; text after a call opens a new text block; an answer with
+    neither is one empty text block."""
     yield _event("message_start", {"type": "message_start", "message": _message(gen, req, message_id, [])})
-    index, open_text = 0, True
-    yield _event("content_block_start", {"type": "content_block_start", "index": 0,
-                                         "content_block": {"type": "text", "text": ""}})
     yield _event("ping", {"type": "ping"})
+    index, open_text = -1, False
     reason, sequence = "end_turn", None
     try:
         async for item in gen.texts():
@@ -354,6 +353,10 @@ async def _stream(gen: Generation, req: MessagesRequest, message_id: str) -> Asy
     except InstanceFailedError as exc:
         yield _event("error", error_body("api_error", str(exc)))
         return
+    if index < 0:  # no text and no call: the non-streamed answer's one empty text block
+        index, open_text = 0, True
+        yield _event("content_block_start", {"type": "content_block_start", "index": 0,
+                                             "content_block": {"type": "text", "text": ""}})
     if open_text:
         yield _event("content_block_stop", {"type": "content_block_stop", "index": index})
     yield _event("message_delta", {"type": "message_delta",
