@@ -5,6 +5,9 @@ keeps exiting soon after it starts is given up, and a node starts a new one once
 from __future__ import annotations
 
 import queue
+import socket
+import subprocess
+import sys
 
 import psutil
 import pytest
@@ -107,3 +110,15 @@ def test_a_runner_started_before_the_node_is_kept_as_its_spare_or_else_stopped()
         refused.stop_all()
         unwanted.process.kill()
     assert early.process.wait(timeout=60) is not None
+
+
+def test_a_runner_whose_node_leaves_before_its_spec_exits_quietly():
+    """A pre-started runner whose node stops (Ctrl-C during a cluster's start) exits with
+    0 and no traceback when its socket closes before a spec came."""
+    ours, theirs = socket.socketpair()
+    process = subprocess.Popen([sys.executable, "-m", "shardline.runner", str(theirs.fileno())],
+                               pass_fds=(theirs.fileno(),), stderr=subprocess.PIPE, text=True)
+    theirs.close()
+    ours.close()
+    _, err = process.communicate(timeout=120)
+    assert process.returncode == 0 and "Traceback" not in err, err

@@ -137,7 +137,10 @@ def serve(conn, outbox: Outbox, started: float) -> None:
     from shardline.runner.engine import Engine, pool_tokens
 
     imported = time.monotonic()
-    spec: RunnerSpec = conn.recv()
+    try:
+        spec: RunnerSpec = conn.recv()
+    except EOFError:  # a pre-started runner whose node stopped before giving it a shard
+        return
     given = time.monotonic()
     outbox.start_beating()
     serving_threads = spec.threads or torch.get_num_threads()
