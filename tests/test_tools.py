@@ -84,8 +84,8 @@ def test_check_tools_accepts(tools, choice):
     ([weather(parameters={"type": "array"})], AUTO, "tools[0].function.parameters must be a JSON schema of type"),
     ([weather(parameters=[1])], AUTO, "tools[0].function.parameters must be"),
     ([{"type": "function", "function": {"name": "x", "description": 3}}], AUTO, "tools[0].function.description"),
-    ([], REQUIRED, "tool_choice 'required' needs at least one tool"),
-    ([], ToolChoice(ToolChoiceMode.NAMED, "x"), "tool_choice 'named' needs at least one tool"),
+    ([], REQUIRED, "tool_choice asks for a tool call, which needs at least one tool"),
+    ([], ToolChoice(ToolChoiceMode.NAMED, "x"), "tool_choice asks for a tool call, which needs at least one tool"),
     ([weather()], ToolChoice(ToolChoiceMode.NAMED, "other"), "names function 'other', which is not among"),
 ])
 def test_check_tools_refuses_naming_the_problem(tools, choice, message):

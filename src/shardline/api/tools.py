@@ -155,7 +155,7 @@ def check_tools(tools: list[dict[str, Any]], choice: ToolChoice) -> None:
                                        or parameters.get("type", "object") != "object"):
             raise ValueError(f"{where}.function.parameters must be a JSON schema of type 'object'")
     if choice.mode in (ToolChoiceMode.REQUIRED, ToolChoiceMode.NAMED) and not tools:
-        raise ValueError(f"tool_choice {choice.mode.value!r} needs at least one tool in tools")
+        raise ValueError("tool_choice asks for a tool call, which needs at least one tool in tools")
     if choice.mode is ToolChoiceMode.NAMED and choice.name not in seen:
         raise ValueError(f"tool_choice names function {choice.name!r}, which is not among the tools")
 
