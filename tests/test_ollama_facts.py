@@ -10,7 +10,7 @@ import pytest
 from shardline.api.content import check_parts
 from shardline.api.errors import API, error_body, error_message
 from shardline.api.generation import APIError
-from shardline.api.keep_alive import KeepAlive, expired, parse_keep_alive
+from shardline.api.keep_alive import KeepAlive, expired, load_state, parse_keep_alive
 from shardline.api.model_facts import (
     dtype_quantization,
     gguf_quantization,
@@ -20,6 +20,7 @@ from shardline.api.model_facts import (
 )
 from shardline.api.ollama import capabilities, default_parameters, modelfile_text, parameters_text
 from shardline.node.http_extras import allow_value, request_id
+from shardline.node.status import InstanceStatus
 
 pytestmark = pytest.mark.fast
 
@@ -49,6 +50,19 @@ def test_keep_alive_refuses_what_is_not_a_duration(value):
 ])
 def test_expired_instances_are_the_idle_ones_past_their_deadline(now, expiries, busy, due):
     assert expired(now, expiries, busy) == due
+
+
+R, L, F = InstanceStatus.READY, InstanceStatus.LOADING, InstanceStatus.FAILED
+
+
+@pytest.mark.parametrize("statuses, state", [
+    ([], None),  # placed, not yet in this node's table
+    ([L], None), ([L, F], None),  # one still loading
+    ([R], True), ([F, R], True),  # one ready
+    ([F], False), ([F, F], False),  # every one failed
+])
+def test_a_model_loaded_on_request_is_ready_failed_or_still_loading(statuses, state):
+    assert load_state(statuses) is state
 
 
 def test_keep_alive_deadline_counts_from_the_end_of_the_last_request():

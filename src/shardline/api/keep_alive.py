@@ -29,6 +29,7 @@ from collections.abc import Collection, Iterable, Mapping
 from typing import TYPE_CHECKING
 
 from shardline.api.errors import API, error_body
+from shardline.node.status import InstanceStatus
 
 if TYPE_CHECKING:
     from shardline.node.node import Node
@@ -88,6 +89,17 @@ def expired(now: float, expiries: Mapping[str, float], busy: Collection[str]) ->
     return sorted(i for i, deadline in expiries.items() if deadline <= now and i not in busy)
 
 
+def load_state(statuses: Collection[InstanceStatus]) -> bool | None:
+    """Whether a model whose instances have ``statuses`` is loaded: True once one is ready,
+    False when there are some and every one failed, None while it is still loading (or
+    placed but not yet in this node's table)."""
+    if InstanceStatus.READY in statuses:
+        return True
+    if statuses and all(s == InstanceStatus.FAILED for s in statuses):
+        return False
+    return None
+
+
 class KeepAlive:
     """One node's keep_alive deadlines and its Ollama requests in flight.
 
@@ -111,7 +123,6 @@ class KeepAlive:
         (404 for an unknown model, 409 for no room), 500 when every instance failed, 503
         after ``timeout_s`` seconds."""
         from shardline.node.create_instance import CreateInstance, create
-        from shardline.node.status import InstanceStatus
 
         def instances() -> list:
             return [i for i in node.instances.values() if i.model_id == model]
@@ -124,10 +135,10 @@ class KeepAlive:
                 log.info("loading %s on request: instance %s", model, body.get("instance_id"))
             deadline = time.monotonic() + timeout_s
             while time.monotonic() < deadline:
-                statuses = [i.status for i in instances()]
-                if InstanceStatus.READY in statuses:
+                state = load_state([i.status for i in instances()])
+                if state:
                     return None
-                if statuses and all(s == InstanceStatus.FAILED for s in statuses):
+                if state is False:
                     failed = "; ".join(f"{i.instance_id}: {i.error}" for i in instances())
                     return 500, error_body(API.CLUSTER, 500, f"model {model} failed to load ({failed})")
                 await asyncio.sleep(LOAD_POLL_S)
