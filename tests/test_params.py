@@ -136,6 +136,7 @@ def test_parse_keeps_what_json_means():
     (openai.ChatCompletionRequest, {"seed": 2**70}, "seed"),
     (openai.ChatCompletionRequest, {"stop": ["a", "b", "c", "d", "e"]}, "stop"),
     (openai.CompletionRequest, {"echo": True, "logprobs": 1}, "echo"),
+    (openai.CompletionRequest, {"prompt": ""}, "prompt"),
     (ollama.ChatRequest, {"top_logprobs": 3}, "top_logprobs"),
 ])
 def test_parse_refuses_what_would_be_ignored(model, body, param):
