@@ -245,3 +245,40 @@ def test_middleware_refuses_too_many_objects():
     strings = b'{"content": "' + b"{" * 1000 + b'"}'  # braces inside a string are text
     sent, _ = _run_app({"max_json_objects": 10}, [], [strings])
     assert _status_and_body(sent)[0] == 200
+
+
+def test_middleware_answers_408_to_a_body_that_stops_coming():
+    """Headers and part of a body, then nothing: 408 after the body timeout, not a
+    connection held for ever; once the body is complete, receive waits unbounded (a
+    streaming handler waits on it for the client's disconnect)."""
+    waited = []
+
+    async def app(scope, receive, send):
+        message = await receive()
+        while message.get("more_body"):
+            message = await receive()
+        waited.append(await receive())  # after the body: the disconnect, however late
+        await send({"type": "http.response.start", "status": 200, "headers": []})
+        await send({"type": "http.response.body", "body": b"ok"})
+
+    def run(messages: list, delays: list[float]) -> list:
+        sent = []
+
+        async def receive():
+            await asyncio.sleep(delays.pop(0))
+            return messages.pop(0)
+
+        async def send(message):
+            sent.append(message)
+
+        scope = {"type": "http", "method": "POST", "path": "/v1/chat/completions",
+                 "headers": [(b"content-length", b"100")]}
+        asyncio.run(RequestBoundsMiddleware(app, body_timeout_s=0.2)(scope, receive, send))
+        return sent
+
+    stalled = run([{"type": "http.request", "body": b"{", "more_body": True}], [0.0, 10.0])
+    status, body = _status_and_body(stalled)
+    assert status == 408 and body["error"]["code"] == "request_timeout"
+    done = run([{"type": "http.request", "body": b"{}", "more_body": False}, {"type": "http.disconnect"}],
+               [0.1, 0.5])
+    assert _status_and_body(done)[0] == 200 and waited == [{"type": "http.disconnect"}]

@@ -11,8 +11,9 @@ from pathlib import Path
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.middleware.cors import CORSMiddleware
-from fastapi.responses import FileResponse, JSONResponse, StreamingResponse
+from fastapi.responses import FileResponse, JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.requests import ClientDisconnect
 
 from shardline.api import anthropic, errors, metrics, ollama, openai, responses
 from shardline.api.keep_alive import KeepAlive, unload
@@ -104,6 +105,13 @@ def create_app(node: Node, guard: GuardConfig, max_body_bytes: int = DEFAULT_MAX
     async def on_queue_full(request: Request, exc: QueueFullError):
         return errors.error_response(request.url.path, 429, str(exc), code="queue_full",
                                      headers={"Retry-After": str(exc.retry_after_s)})
+
+    @app.exception_handler(ClientDisconnect)
+    async def on_client_gone(request: Request, exc: ClientDisconnect):
+        """A client that left before its request was read: one line, not a traceback."""
+        log.info("%s %s: the client disconnected before its request was read", request.method,
+                 request.url.path)
+        return Response(status_code=499)  # nobody reads it
 
     @app.exception_handler(Exception)
     async def on_unexpected(request: Request, exc: Exception):

@@ -1,6 +1,8 @@
 """Request bounds checked as a request's body arrives, before any handler parses it: its
-size (413) and the nesting depth of its JSON (400), each answered in the format of the API
-the path belongs to (:mod:`shardline.api.errors`).
+size (413), the nesting depth of its JSON (400) and the time between its chunks (408: a
+client that sends headers and part of a body, then nothing, is not held for ever; nginx's
+``client_body_timeout`` bounds the same), each answered in the format of the API the path
+belongs to (:mod:`shardline.api.errors`).
 
 A plain ASGI middleware, not Starlette's ``BaseHTTPMiddleware`` (which hides a client's
 disconnect from the endpoint). It keeps no copy of the body: it counts the bytes of each
@@ -15,6 +17,7 @@ the body, in ``text/plain`` where no handler does.
 
 from __future__ import annotations
 
+import asyncio
 import logging
 from itertools import accumulate
 from typing import TYPE_CHECKING
@@ -28,6 +31,8 @@ log = logging.getLogger(__name__)
 
 DEFAULT_MAX_BODY_BYTES = 16 * 1024 * 1024
 DEFAULT_MAX_JSON_DEPTH = 64
+DEFAULT_BODY_TIMEOUT_S = 30.0
+"""Longest wait for the next chunk of a request's body, seconds (nginx's default is 60)."""
 DEFAULT_MAX_JSON_OBJECTS = 65_536
 """Objects (``{``) a body may hold: parsing and validating a million tiny ones (16 MiB of
 empty chat messages) held the GIL, and so the node's event loop, for about 5 s; a chat
@@ -133,14 +138,19 @@ class RequestBoundsMiddleware:
             but the link probe's upload is scanned, whatever its Content-Type; JSON in
             UTF-16 or UTF-32 is refused).
         max_json_objects: the most objects (``{``) a body may hold.
+        body_timeout_s: the longest wait for the next chunk of a body still arriving
+            (408 after it); none once the body is complete (a handler then waits on
+            ``receive`` for the client's disconnect, for as long as it streams).
     """
 
     def __init__(self, app: ASGIApp, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
                  max_json_depth: int = DEFAULT_MAX_JSON_DEPTH,
-                 max_json_objects: int = DEFAULT_MAX_JSON_OBJECTS) -> None:
-        if max_body_bytes < 0 or max_json_depth < 1:
+                 max_json_objects: int = DEFAULT_MAX_JSON_OBJECTS,
+                 body_timeout_s: float = DEFAULT_BODY_TIMEOUT_S) -> None:
+        if max_body_bytes < 0 or max_json_depth < 1 or not body_timeout_s > 0:
             raise ValueError(f"bounds must be positive: max_body_bytes {max_body_bytes}, "
-                             f"max_json_depth {max_json_depth}")
+                             f"max_json_depth {max_json_depth}, body_timeout_s {body_timeout_s}")
+        self.body_timeout_s = body_timeout_s
         self.app = app
         self.max_body_bytes = max_body_bytes
         self.max_json_depth = max_json_depth
@@ -160,10 +170,20 @@ class RequestBoundsMiddleware:
         received = 0
         refusal: tuple[int, str, str] | None = None  # status, message, code
         started = False
+        body_done = False  # the last body chunk (more_body false) or a disconnect came
 
         async def bounded_receive() -> Message:
-            nonlocal received, refusal
-            message = await receive()
+            nonlocal received, refusal, body_done
+            if body_done:
+                return await receive()
+            try:
+                message = await asyncio.wait_for(receive(), self.body_timeout_s)
+            except TimeoutError:
+                refusal = (408, f"no more of the request body came in {self.body_timeout_s:g} s",
+                           "request_timeout")
+                raise _Refused(refusal[1]) from None
+            if message["type"] != "http.request" or not message.get("more_body", False):
+                body_done = True
             if message["type"] == "http.request":
                 chunk = message.get("body", b"")
                 received += len(chunk)
