@@ -110,7 +110,7 @@ def test_the_cap_refuses_a_second_placement_and_nodes_show_what_is_committed(cap
         assert node["free_bytes"] == cap - node["committed_bytes"]
 
 
-def test_the_kv_pool_is_shown_and_one_too_small_for_a_context_is_a_400(capped):
+def test_a_kv_pool_too_small_for_a_context_or_a_context_over_the_trained_one_is_a_400(capped):
     cluster, inst = capped
     assert inst["kv_tokens"] == 256 and inst["kv_cache_bytes"] is None  # 1 x 256 tokens
     response = httpx.post(f"{cluster.url(0)}/cluster/instances", timeout=30, json={
@@ -120,3 +120,7 @@ def test_the_kv_pool_is_shown_and_one_too_small_for_a_context_is_a_400(capped):
     preview = httpx.post(f"{cluster.url(0)}/cluster/placements/preview", timeout=30, json={
         "model": None, "sharding": "pipeline", "context": 256, "kv_cache_bytes": 1000})
     assert preview.status_code == 400 and "kv_cache_bytes" in preview.json()["error"]["message"]
+    for route in ("/cluster/instances", "/cluster/placements/preview"):  # over SmolLM2's 8192
+        over = httpx.post(f"{cluster.url(0)}{route}", timeout=30, json={
+            "model": None, "sharding": "pipeline", "context": 16384})
+        assert over.status_code == 400 and "trained context of 8192" in over.json()["error"]["message"]

@@ -18,8 +18,10 @@ from shardline.placement.pipeline import (
     pipeline_layer_ranges,
 )
 from shardline.placement.ranks import (
+    ContextRequestError,
     KVCacheRequestError,
     RankShare,
+    check_context,
     kv_pool_tokens,
     kv_tokens_for_bytes,
     model_param_count,
@@ -154,3 +156,14 @@ def test_the_default_pool_shrinks_to_what_fits_and_an_asked_one_does_not():
     tiny = [NodeCapacity("a", 450 * MB)]
     with pytest.raises(PlacementError, match="KV cache of 4096 tokens"):  # not even one context
         place_with_kv_pool(config, "pipeline", tiny, 4096, 8, weight_file_bytes=FILE)
+
+
+@pytest.mark.parametrize("context, trained, refused", [(8192, 8192, False), (1, 8192, False),
+                                                       (8193, 8192, True), (16384, 8192, True)])
+def test_a_context_over_the_trained_one_is_refused(context, trained, refused):
+    if refused:
+        with pytest.raises(ContextRequestError, match=f"context {context} is over m's trained context "
+                                                      f"of {trained} tokens"):
+            check_context(context, trained, "m")
+    else:
+        check_context(context, trained, "m")

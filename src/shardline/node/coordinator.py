@@ -39,6 +39,8 @@ from shardline.placement.memory import committed_bytes, free_bytes, runtime_base
 from shardline.placement.pipeline import NodeCapacity, PlacementError
 from shardline.placement.ranks import (
     SHARDINGS,
+    ContextRequestError,
+    check_context,
     kv_tokens_for_bytes,
     place_with_kv_pool,
     rank_bytes,
@@ -211,7 +213,7 @@ class Coordinator:
             log.info("not placing %s again: its instance %s was deleted meanwhile",
                      failed.model_id, failed.instance_id)
             return
-        except (PlacementError, ModelNotFoundError, PeerError) as exc:
+        except (PlacementError, ModelNotFoundError, PeerError, ContextRequestError) as exc:
             # Left in the table with its error; a later term tries again.
             log.error("could not place %s again: %s", failed.model_id, exc)
             await self.node.commit(NotPlacedAgain(failed.instance_id, str(exc)))
@@ -382,6 +384,7 @@ class Coordinator:
 
         Raises:
             PlacementError: a chosen node is not in the cluster or is down.
+            ContextRequestError: a context over the model's trained one.
         """
         config = ModelConfig.from_dict(card.config)
         live = self.node.live_node_ids()
@@ -390,6 +393,7 @@ class Coordinator:
         if unknown:
             raise PlacementError(f"nodes not in the cluster (or down): {', '.join(unknown)}")
         context = context or min(self.node.default_context, config.max_position_embeddings)
+        check_context(context, config.max_position_embeddings, card.model_id)
         return config, chosen, context, max_batch or self.node.default_max_batch
 
     async def _place(

@@ -108,6 +108,24 @@ class KVCacheRequestError(ValueError):
     """A ``kv_cache_bytes`` that cannot hold one sequence of the instance's context."""
 
 
+class ContextRequestError(ValueError):
+    """A context longer than the model was trained for."""
+
+
+def check_context(context: int, trained: int, model: str) -> None:
+    """Refuse a ``context`` (tokens) over the model's trained context (``trained``: its
+    ``max_position_embeddings``, or GGUF's ``context_length``, already the extended one
+    where the config scales RoPE): positions past it were never trained, and nothing here
+    scales RoPE further (llama.cpp warns; vLLM refuses such a ``max_model_len``).
+
+    Raises:
+        ContextRequestError: ``context`` is over ``trained``.
+    """
+    if context > trained:
+        raise ContextRequestError(f"context {context} is over {model}'s trained context of {trained} "
+                                  f"tokens: ask for {trained} or fewer")
+
+
 def kv_pool_tokens(context: int, max_batch: int, kv_tokens: int | None = None) -> int:
     """Tokens an instance's KV pool holds: ``kv_tokens`` when set, at most ``max_batch``
     sequences of ``context`` tokens (what the batch can use); else exactly that."""
