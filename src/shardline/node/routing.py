@@ -178,9 +178,10 @@ class Router:
                 some rank never receives would never start).
         """
         local = message.task if isinstance(message, TaskMessage) else Cancel(message.task_id)
-        missed = []
+        missed = []  # why, per rank that did not take it
         if self.node.node_id in inst.node_ids() and not self.deliver_local(inst.instance_id, local):
-            missed.append(self.node.node_id)
+            missed.append(f"this node's runner ({self.node.node_id}) is not running (it stops when "
+                          f"another rank of the instance fails)")
         remote = [r for r in inst.ranks if r.node_id != self.node.node_id]
         results = await asyncio.gather(
             *(self.node.peer_client.deliver(r.address, message) for r in remote), return_exceptions=True
@@ -189,11 +190,10 @@ class Router:
             if isinstance(result, BaseException) and not isinstance(result, PeerError):
                 raise result
             if result is not True:
-                missed.append(rank.node_id)
+                missed.append(f"node {rank.node_id} did not take it (down, or its runner stopped)")
         if missed:
-            raise InstanceFailedError(
-                f"instance {inst.instance_id}: could not reach the runner on node(s) {', '.join(missed)}"
-            )
+            raise InstanceFailedError(f"instance {inst.instance_id}: the request could not be handed "
+                                      f"to every rank: {'; '.join(missed)}")
 
     async def _cancel(self, inst: Instance, task_id: int) -> None:
         """Tell every rank to drop a task (best effort: a rank that is gone has no batch;
