@@ -189,3 +189,13 @@ def test_stream_request_counts_chunks_where_the_stream_has_no_usage(usage, expec
     assert set(body) == {"model", "messages", "temperature", "max_tokens", "ignore_eos", "stream", "stream_options"}
     assert body["stream_options"] == {"include_usage": True}
     assert screen(Endpoint.CHAT, body) == body
+
+
+@pytest.mark.parametrize("given, root", [
+    ("127.0.0.1:8080", "http://127.0.0.1:8080"), ("http://h:1/", "http://h:1"),
+    ("http://h:1/v1", "http://h:1"), ("https://h/v1/", "https://h"),  # an OpenAI client's base URL
+])
+def test_a_server_url_is_its_root(given, root):
+    from shardline.bench.command import _normal_url
+
+    assert _normal_url(given) == root

@@ -223,7 +223,7 @@ def _place(args: argparse.Namespace) -> None:
         if inst["status"] == "failed":
             raise CommandError(f"instance {inst['instance_id']} failed: {inst['error']}")
         time.sleep(0.5)
-    raise CommandError(f"instance {inst['instance_id']} was not ready within {args.timeout:.0f} s "
+    raise CommandError(f"instance {inst['instance_id']} was not ready within {args.timeout:g} s "
                        f"(it goes on loading; see `shardline instances`)")
 
 

@@ -228,7 +228,7 @@ class LocalCluster:
             if inst is not None and inst["status"] == "failed":
                 raise LocalClusterError(f"instance failed: {inst['error']}")
             time.sleep(POLL_S)
-        raise LocalClusterError(f"instance {instance_id} was not ready within {timeout_s:.0f} s")
+        raise LocalClusterError(f"instance {instance_id} was not ready within {timeout_s:g} s")
 
     def instances(self) -> list[dict]:
         """The instance table, as node 0 sees it."""

@@ -59,7 +59,9 @@ def _check_args(args: argparse.Namespace) -> str | None:
 
 
 def _normal_url(url: str) -> str:
-    url = url.rstrip("/")
+    """A server's root URL: ``http://`` when no scheme is given, without a trailing ``/`` or
+    the ``/v1`` of an OpenAI client's base URL (the bench adds the API paths itself)."""
+    url = url.rstrip("/").removesuffix("/v1")
     return url if "://" in url else f"http://{url}"
 
 

@@ -312,7 +312,7 @@ class Coordinator:
 
         config, chosen, context, max_batch = self._placement_inputs(card, node_ids, context, max_batch)
         if min_nodes > len(chosen):
-            raise PlacementError(f"min_nodes is {min_nodes} but there are only {len(chosen)} live nodes to use")
+            raise PlacementError(f"min_nodes is {min_nodes} but {len(chosen)} live node(s) can be used")
         profiles, links = self.node_profiles(chosen)
         kv_tokens = (None if kv_cache_bytes is None
                      else kv_tokens_for_bytes(config, kv_cache_bytes, dtype, context))
