@@ -114,6 +114,8 @@ def test_bad_ids_and_paths_are_refused_with_the_reason(tmp_path, split_model):
         store.add_local(split_model, "../escape")
     with pytest.raises(ModelStoreError, match="org/name"):
         store.add_local(split_model, "a/b/c")
+    with pytest.raises(ModelStoreError, match="org/name"):  # an empty id is not the default
+        store.add_local(split_model, "")
     (tmp_path / "notes.txt").write_text("hello")
     with pytest.raises(ModelStoreError, match="neither a .gguf file nor a directory"):
         store.add_local(tmp_path / "notes.txt")

@@ -109,7 +109,8 @@ def _nodes(args: argparse.Namespace) -> None:
         stored = ", ".join(m + ("" if v.get("complete") else " (part)")
                            for m, v in (n.get("models") or {}).items())
         table.add_row(n["node_id"], n["address"], "yes" if n["live"] else "DOWN",
-                      f"{_gb(n.get('free_bytes'))} / {_gb(n.get('offered_bytes'))}",
+                      f"{_gb(n.get('free_bytes'))} / {_gb(n.get('offered_bytes'))}" if n["live"]
+                      else "- (down)",  # its last report: nothing to place on
                       _gb(n.get("committed_bytes")), str(accelerator),
                       f"{flops / 1e12:.2f} TFLOP/s" if flops else "-",
                       ", ".join(serving.get(n["node_id"], [])) or "-", stored or "-")

@@ -428,7 +428,8 @@ class ModelStore:
             if outside:
                 raise ModelStoreError(f"{source}: {', '.join(outside)} resolve(s) outside the model "
                                       f"directories (a symlink to elsewhere)")
-        model_id = check_model_id(model_id or (source.stem if fmt == "gguf" else source.name))
+        model_id = check_model_id(model_id if model_id is not None  # "" is refused, not defaulted
+                                  else source.stem if fmt == "gguf" else source.name)
         known = self.manifest(model_id)
         if known is not None and self.present(model_id) == {f.path for f in known.files} and \
                 {f.path: f.size for f in known.files if f.weights} == \
