@@ -129,6 +129,8 @@ class KeepAlive:
 
         async with self._loading.setdefault(model, asyncio.Lock()):
             if not instances():
+                if not _known(node, model):  # not 503 when no coordinator answers: it is unknown
+                    return 404, error_body(API.CLUSTER, 404, f"no node holds a model {model}", "model")
                 status, body = await create(node, CreateInstance(model=model, sharding="auto"))
                 if status >= 400:
                     return status, body
@@ -192,6 +194,15 @@ class KeepAlive:
                 await self.check(node)
             except Exception as exc:  # noqa: BLE001 - the loop must outlive one failed check
                 log.warning("keep_alive check failed: %r", exc)
+
+
+def _known(node: "Node", model: str) -> bool:
+    """Whether ``model`` is the embedded default or in the store of this node or of a peer
+    (as the peer last reported it)."""
+    from shardline.models.store import DEFAULT_MODEL_ID
+
+    return (model == DEFAULT_MODEL_ID or model in node.store.summary()
+            or any(model in (peer.models or {}) for peer in node.peers.values()))
 
 
 async def unload(node: "Node", instance_id: str) -> tuple[int, dict]:
