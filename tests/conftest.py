@@ -63,10 +63,12 @@ def free_port_block(count: int) -> int:
 
 
 def placed(url: str) -> list[dict]:
-    """The instance table, without the answering node's live figures (its rank's batch
-    and memory, which change from one second to the next)."""
+    """The instance table, without the live figures: the answering node's rank's batch and
+    memory, and ``speed`` (predicted from the nodes' profiles now, which a node re-measures
+    when idle, beside the measured rate), which change from one second to the next."""
     instances = httpx.get(f"{url}/cluster/instances", timeout=10).json()["instances"]
-    return [{k: v for k, v in inst.items() if not k.startswith("local_")} for inst in instances]
+    return [{k: v for k, v in inst.items() if not k.startswith("local_") and k != "speed"}
+            for inst in instances]
 
 
 CAPITAL_QUESTION = "What is the name of the capital of France?"
