@@ -29,6 +29,7 @@ from collections.abc import Collection, Iterable, Mapping
 from typing import TYPE_CHECKING
 
 from shardline.api.errors import API, error_body
+from shardline.api.model_facts import placed
 from shardline.node.status import InstanceStatus
 
 if TYPE_CHECKING:
@@ -124,12 +125,9 @@ class KeepAlive:
         after ``timeout_s`` seconds."""
         from shardline.node.create_instance import CreateInstance, create
 
-        def instances() -> list:
-            return [i for i in node.instances.values() if i.model_id == model]
-
         async with self._loading.setdefault(model, asyncio.Lock()):
-            if not instances():
-                if not _known(node, model):  # not 503 when no coordinator answers: it is unknown
+            if not placed(node, model):
+                if not node.logistics.held(model):  # not 503 when no coordinator answers: unknown
                     return 404, error_body(API.CLUSTER, 404, f"no node holds a model {model}", "model")
                 status, body = await create(node, CreateInstance(model=model, sharding="auto"))
                 if status >= 400:
@@ -137,11 +135,11 @@ class KeepAlive:
                 log.info("loading %s on request: instance %s", model, body.get("instance_id"))
             deadline = time.monotonic() + timeout_s
             while time.monotonic() < deadline:
-                state = load_state([i.status for i in instances()])
+                state = load_state([i.status for i in placed(node, model)])
                 if state:
                     return None
                 if state is False:
-                    failed = "; ".join(f"{i.instance_id}: {i.error}" for i in instances())
+                    failed = "; ".join(f"{i.instance_id}: {i.error}" for i in placed(node, model))
                     return 500, error_body(API.CLUSTER, 500, f"model {model} failed to load ({failed})")
                 await asyncio.sleep(LOAD_POLL_S)
         return 503, error_body(API.CLUSTER, 503, f"model {model} was not ready after {timeout_s:g} s")
@@ -194,15 +192,6 @@ class KeepAlive:
                 await self.check(node)
             except Exception as exc:  # noqa: BLE001 - the loop must outlive one failed check
                 log.warning("keep_alive check failed: %r", exc)
-
-
-def _known(node: "Node", model: str) -> bool:
-    """Whether ``model`` is the embedded default or in the store of this node or of a peer
-    (as the peer last reported it)."""
-    from shardline.models.store import DEFAULT_MODEL_ID
-
-    return (model == DEFAULT_MODEL_ID or model in node.store.summary()
-            or any(model in (peer.models or {}) for peer in node.peers.values()))
 
 
 async def unload(node: "Node", instance_id: str) -> tuple[int, dict]:

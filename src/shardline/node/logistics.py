@@ -176,9 +176,7 @@ class ModelLogistics:
                 neither a path nor a model id.
         """
         model = model or DEFAULT_MODEL_ID
-        live = set(self.node.live_node_ids())
-        if model == DEFAULT_MODEL_ID or self.node.store.manifest(model) is not None or any(
-                model in p.models for p in self.node.peers.values() if p.node_id in live):
+        if self.held(model):
             return model
         try:
             local = resolve_under(model, self.node.model_dirs)
@@ -203,6 +201,13 @@ class ModelLogistics:
             except (ModelNotFoundError, ModelStoreError):
                 pass
         return model
+
+    def held(self, model_id: str) -> bool:
+        """Whether ``model_id`` is the embedded default, in this node's store, or in a live
+        peer's (as the peer last reported its store)."""
+        live = set(self.node.live_node_ids())
+        return model_id == DEFAULT_MODEL_ID or self.node.store.manifest(model_id) is not None or any(
+            model_id in p.models for p in self.node.peers.values() if p.node_id in live)
 
     async def model_card(self, model_id: str) -> ModelCard:
         """A model's id and config, for placement: the embedded default, or a model in this
