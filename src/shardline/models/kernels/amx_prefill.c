@@ -51,36 +51,20 @@ static void configure(void) {
 /* Block b (outputs 64 b .. 64 b + 63) of W as B tiles: wb[(k / 2) * 128 + n * 2 + k % 2] =
  * W[64 b + n, k] in bfloat16. */
 static void dequantize_block(const int4_gemv_t *w, int64_t b, uint16_t *wb) {
-    const uint8_t *planes[2] = {w->p0, w->p1};
     const uint16_t *scales[2] = {w->sz0, w->sz1};
     int count = w->p1 ? 2 : 1;
     int64_t N = w->N, K = w->K;
-    const __m128i low = _mm_set1_epi8(0x0F);
     for (int64_t g = 0; g < K / 32; g++) {
         __m512 s[2][4], z[2][4];
         for (int i = 0; i < count; i++)
-            for (int r = 0; r < 4; r++) {
-                scale_zero_16(scales[i] + (g * N + b * 64 + 16 * r) * 2, &s[i][r], &z[i][r]);
-                z[i][r] = _mm512_sub_ps(z[i][r], _mm512_mul_ps(_mm512_set1_ps(8.0f), s[i][r]));
-            }
+            for (int r = 0; r < 4; r++)
+                plane_scale_zero_16(scales[i] + (g * N + b * 64 + 16 * r) * 2, &s[i][r], &z[i][r]);
         for (int64_t k = g * 32; k < g * 32 + 32; k += 2) {
             __m256i pair[2][4]; /* columns k, k + 1; outputs 16 r .. 16 r + 15 */
             for (int c = 0; c < 2; c++) {
                 __m512 t[4];
-                for (int i = 0; i < count; i++) {
-                    const uint8_t *a = planes[i] + (b * K + k + c) * 32;
-                    __m128i lo = _mm_loadu_si128((const __m128i *)a);
-                    __m128i hi = _mm_loadu_si128((const __m128i *)(a + 16));
-                    __m128i nib[4] = {_mm_and_si128(lo, low), _mm_and_si128(hi, low),
-                                      _mm_and_si128(_mm_srli_epi16(lo, 4), low),
-                                      _mm_and_si128(_mm_srli_epi16(hi, 4), low)};
-                    for (int r = 0; r < 4; r++) {
-                        __m512 v = _mm512_add_ps(
-                            _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(nib[r])), s[i][r]),
-                            z[i][r]);
-                        t[r] = i ? _mm512_add_ps(t[r], v) : v;
-                    }
-                }
+                int64_t at = (b * K + k + c) * 32;
+                block_column_64(w->p0 + at, w->p1 ? w->p1 + at : NULL, s, z, t);
                 for (int r = 0; r < 4; r++) pair[c][r] = bf16_16(t[r]);
             }
             uint16_t *row = wb + (k / 2) * 128;

@@ -79,41 +79,23 @@ INT4_KERNEL(16)
 /* int4_planes_t_32 with AVX-512 and threads: the same float32 operations on 16 rows at a
  * time (a product and a sum, no fused multiply-add; to_bf16's rounding in integers), so
  * the same bits. */
-static inline __m512 plane_16(__m128i nibbles, __m512 s, __m512 z) {
-    return _mm512_add_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(nibbles)), s), z);
-}
-
 void int4_planes_t_32(const uint8_t *p0, const uint16_t *sz0, const uint8_t *p1,
                       const uint16_t *sz1, int64_t out_features, int64_t r0, int64_t rows,
                       int64_t K, void *out, int bf16) {
     const uint8_t *planes[2] = {p0, p1};
     const uint16_t *scales[2] = {sz0, sz1};
     int count = p1 ? 2 : 1;
-    const __m256i low = _mm256_set1_epi8(0x0F);
 #pragma omp parallel for schedule(static)
     for (int64_t b = 0; b < rows / 64; b++) {
         int64_t row = r0 + b * 64;
         for (int64_t g = 0; g < K / 32; g++) {
             __m512 s[2][4], z[2][4];
             for (int i = 0; i < count; i++)
-                for (int j = 0; j < 4; j++) { /* (scale, zero) pairs of 16 rows */
-                    __m512 zero;
-                    scale_zero_16(scales[i] + (g * out_features + row + 16 * j) * 2, &s[i][j], &zero);
-                    z[i][j] = _mm512_sub_ps(zero, _mm512_mul_ps(_mm512_set1_ps(8.0f), s[i][j]));
-                }
+                for (int j = 0; j < 4; j++) /* (scale, zero) pairs of 16 rows */
+                    plane_scale_zero_16(scales[i] + (g * out_features + row + 16 * j) * 2, &s[i][j], &z[i][j]);
             for (int64_t k = g * 32; k < g * 32 + 32; k++) {
-                __m512 t[4] = {0}; /* each set by the first plane */
-                for (int i = 0; i < count; i++) {
-                    __m256i v = _mm256_loadu_si256((const __m256i *)(planes[i] + (b * K + k) * 32));
-                    __m256i lo = _mm256_and_si256(v, low);
-                    __m256i hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), low);
-                    __m128i part[4] = {_mm256_castsi256_si128(lo), _mm256_extracti128_si256(lo, 1),
-                                       _mm256_castsi256_si128(hi), _mm256_extracti128_si256(hi, 1)};
-                    for (int j = 0; j < 4; j++) {
-                        __m512 w = plane_16(part[j], s[i][j], z[i][j]);
-                        t[j] = i ? _mm512_add_ps(t[j], w) : w;
-                    }
-                }
+                __m512 t[4];
+                block_column_64(planes[0] + (b * K + k) * 32, p1 ? p1 + (b * K + k) * 32 : NULL, s, z, t);
                 int64_t o = k * rows + b * 64;
                 for (int j = 0; j < 4; j++) {
                     if (bf16)

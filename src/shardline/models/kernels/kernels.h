@@ -38,6 +38,36 @@ static inline void scale_zero_16(const uint16_t *sz, __m512 *s, __m512 *z) {
     *s = _mm512_castsi512_ps(_mm512_slli_epi32(both, 16));
     *z = _mm512_castsi512_ps(_mm512_and_si512(both, _mm512_set1_epi32((int)0xFFFF0000u)));
 }
+
+/* An int4 plane's scales s and centred zeros z - 8 s of 16 rows (w = p s + (z - 8 s)), from
+ * its (scale, zero) bfloat16 pairs at sz. */
+static inline void plane_scale_zero_16(const uint16_t *sz, __m512 *s, __m512 *z) {
+    scale_zero_16(sz, s, z);
+    *z = _mm512_sub_ps(*z, _mm512_mul_ps(_mm512_set1_ps(8.0f), *s));
+}
+
+/* Column k of a block of 64 rows of one or two int4 planes in torch's "halves" layout
+ * (col0, col1: the column's 32 bytes in each plane, byte j holding row j low and row j + 32
+ * high; col1 NULL for one plane) as float32: t[r] holds rows 16 r .. 16 r + 15, each plane's
+ * p s + z (plane_scale_zero_16's s[i][r], z[i][r]) summed in plane order, without fused
+ * multiply-adds: the eager code's values, bit for bit. */
+static inline void block_column_64(const uint8_t *col0, const uint8_t *col1, __m512 s[2][4],
+                                   __m512 z[2][4], __m512 t[4]) {
+    const __m256i low = _mm256_set1_epi8(0x0F);
+    const uint8_t *cols[2] = {col0, col1};
+    for (int i = 0; i < (col1 ? 2 : 1); i++) {
+        __m256i v = _mm256_loadu_si256((const __m256i *)cols[i]);
+        __m256i lo = _mm256_and_si256(v, low);
+        __m256i hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), low);
+        __m128i part[4] = {_mm256_castsi256_si128(lo), _mm256_extracti128_si256(lo, 1),
+                           _mm256_castsi256_si128(hi), _mm256_extracti128_si256(hi, 1)};
+        for (int r = 0; r < 4; r++) {
+            __m512 w = _mm512_add_ps(
+                _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(part[r])), s[i][r]), z[i][r]);
+            t[r] = i ? _mm512_add_ps(t[r], w) : w;
+        }
+    }
+}
 #endif
 
 /* A weight for int4_planes_gemv: the planes' bytes and scales (p1, sz1 NULL for one). */
