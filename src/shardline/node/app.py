@@ -44,7 +44,7 @@ from shardline.node.wire import (
     TaskMessage,
 )
 from shardline.placement.pipeline import PlacementError
-from shardline.placement.ranks import ContextRequestError, KVCacheRequestError, shardings_named
+from shardline.placement.ranks import PlacementRequestError, shardings_named
 from shardline.runner.protocol import Cancel, PrefillProgress, TokenRequest
 
 log = logging.getLogger(__name__)
@@ -261,8 +261,7 @@ def create_app(node: Node, guard: GuardConfig, max_body_bytes: int = DEFAULT_MAX
                                                         quantize=body.quantize)
         except ModelNotFoundError as exc:
             return cluster_error(404, str(exc), "model")
-        except (PlacementError, ModelStoreError, UnsupportedModelError, KVCacheRequestError,
-                ContextRequestError) as exc:
+        except (PlacementError, ModelStoreError, UnsupportedModelError, PlacementRequestError) as exc:
             return cluster_error(400, str(exc))
         return {"candidates": [
             {"sharding": c.sharding, "node_ids": list(c.node_ids), "feasible": c.feasible,

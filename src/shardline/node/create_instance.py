@@ -13,7 +13,7 @@ from shardline.models.config import UnsupportedModelError
 from shardline.models.store import ModelNotFoundError, ModelStoreError
 from shardline.node.node import Node
 from shardline.placement.pipeline import PlacementError
-from shardline.placement.ranks import SHARDINGS, ContextRequestError, KVCacheRequestError
+from shardline.placement.ranks import SHARDINGS, PlacementRequestError
 
 
 class CreateInstance(BaseModel):
@@ -65,7 +65,7 @@ async def create(node: Node, body: CreateInstance) -> tuple[int, dict]:
             body.force, body.min_nodes, body.max_nodes, body.kv_cache_bytes, body.quantize)
     except ModelNotFoundError as exc:
         return 404, error_body(API.CLUSTER, 404, str(exc), "model")
-    except (ModelStoreError, UnsupportedModelError, KVCacheRequestError, ContextRequestError) as exc:
+    except (ModelStoreError, UnsupportedModelError, PlacementRequestError) as exc:
         return 400, error_body(API.CLUSTER, 400, str(exc))
     except PlacementError as exc:
         status = 400 if body.sharding not in SHARDINGS + ("auto",) else 409

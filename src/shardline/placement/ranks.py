@@ -104,11 +104,16 @@ def _kv_hint(kv_cache: int, kv_tokens: int) -> str:
             f"smaller kv_cache_bytes, context or max_batch needs less")
 
 
-class KVCacheRequestError(ValueError):
+class PlacementRequestError(ValueError):
+    """A placement request that no cluster could satisfy (a 400, where a cluster without
+    room for it is a :class:`~shardline.placement.pipeline.PlacementError`)."""
+
+
+class KVCacheRequestError(PlacementRequestError):
     """A ``kv_cache_bytes`` that cannot hold one sequence of the instance's context."""
 
 
-class ContextRequestError(ValueError):
+class ContextRequestError(PlacementRequestError):
     """A context longer than the model was trained for."""
 
 
