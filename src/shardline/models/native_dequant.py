@@ -316,7 +316,7 @@ def amx_prefill(rows: int) -> bool:
     """Whether a bfloat16 prefill chunk of ``rows`` rows (more than
     :data:`~shardline.models.products.KERNEL_MAX_ROWS`) takes :meth:`Int4Gemv.prefill`:
     where :func:`amx_ready`, from :data:`AMX_PREFILL_MIN_ROWS` rows."""
-    return amx_ready() and not int8_prefill_takes(rows, True)
+    return rows >= AMX_PREFILL_MIN_ROWS and amx_ready()
 
 
 @functools.cache
