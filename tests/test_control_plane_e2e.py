@@ -141,7 +141,8 @@ def test_a_killed_runner_is_named_in_the_error_the_table_and_health(cluster):
             for line in r.iter_lines():
                 if line.startswith("data: {"):
                     events.append(json.loads(line[6:]))
-                    started.set()
+                    if any(c["delta"].get("content") for c in events[-1].get("choices", [])):
+                        started.set()  # a token: every rank has the request (the role chunk comes before)
 
     reader = threading.Thread(target=stream, daemon=True)
     reader.start()
