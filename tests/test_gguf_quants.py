@@ -39,7 +39,12 @@ def test_column_and_row_slices_keep_values():
     np.testing.assert_array_equal(both.dequantize(), whole.dequantize()[[0, 3]])
 
 
-@pytest.mark.parametrize("type_name", ["Q4_0", "Q4_1", "Q8_0"])
+F16_AT = {"Q4_0": [0], "Q4_1": [0, 2], "Q5_0": [0], "Q5_1": [0, 2], "Q8_0": [0], "Q4_K": [0, 2],
+          "Q5_K": [0, 2], "Q6_K": [208]}
+"""Byte offsets of each type's f16 scales (and minimums) in its block (ggml-common.h)."""
+
+
+@pytest.mark.parametrize("type_name", SUPPORTED_TYPES)
 def test_compiled_unpacking_gives_the_numpy_unpackers_groups(type_name):
     """The load's one-pass kernel, on random blocks whose f16 scales include subnormals,
     zeros, negative zero and infinities: the same q, scales, offsets and form bit for bit."""
@@ -49,7 +54,7 @@ def test_compiled_unpacking_gives_the_numpy_unpackers_groups(type_name):
         pytest.skip("no C compiler on this machine: numpy unpacks")
     data = random_blocks(type_name, rows=40, blocks=5, seed=3)
     halves = np.array([0x0001, 0x03FF, 0x0000, 0x8000, 0x7C00, 0xFC00, 0x8123, 0x3C00], np.uint16)
-    f16_at = [0, 2] if type_name == "Q4_1" else [0]
+    f16_at = F16_AT[type_name]
     size = data.shape[1] // 5
     for i, h in enumerate(halves):
         row, block = divmod(i, 5)

@@ -304,6 +304,25 @@ def test_five_and_six_bit_types_are_held_in_about_their_files_bits(type_name, bi
     assert held.nbytes() * 8 / (held.shape[0] * held.shape[1]) == bits
 
 
+@pytest.mark.parametrize("bits", [5, 6])
+def test_compiled_packing_gives_numpys_bytes(monkeypatch, bits):
+    """The load's compiled ``pack_groups_bits`` lays out 5- and 6-bit integers in the same
+    bytes as the numpy code it replaces (every value of each bit width, at every place)."""
+    import numpy as np
+
+    from shardline.models import native_dequant
+    from shardline.models.packed_groups import _packed_bits
+
+    if native_dequant.kernels() is None:
+        pytest.skip("no C compiler on this machine: numpy packs")
+    q = np.random.default_rng(bits).integers(0, 2 ** bits, (24, 256), dtype=np.uint8)
+    compiled = _packed_bits(q, bits)
+    monkeypatch.setattr(native_dequant, "kernels", lambda: None)
+    for got, want in zip(compiled, _packed_bits(q, bits)):
+        assert got.dtype == want.dtype and got.shape == want.shape
+        assert np.array_equal(got, want)
+
+
 def test_packed_groups_without_a_compiler_give_the_same_values(monkeypatch):
     """The eager torch path (no C compiler) dequantizes bit for bit as the kernel does, and
     its products (decode and prefill sizes) agree within float32 rounding."""

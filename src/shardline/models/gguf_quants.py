@@ -28,6 +28,7 @@ in its low nibble and weight ``i + 32`` (``i + 16``) in its high nibble.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import numpy as np
 
@@ -146,34 +147,34 @@ def _k_scales(raw: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
 
 def _unpack_q4_0(b):
     d = _f16(b[..., 0:2])
-    return _nibbles(b[..., 2:18], 16), d, -8 * d, 4, 32, 8
+    return _nibbles(b[..., 2:18], 16), d, -8 * d
 
 
 def _unpack_q4_1(b):
-    return _nibbles(b[..., 4:20], 16), _f16(b[..., 0:2]), _f16(b[..., 2:4]), 4, 32, None
+    return _nibbles(b[..., 4:20], 16), _f16(b[..., 0:2]), _f16(b[..., 2:4])
 
 
 def _unpack_q5_0(b):
     d = _f16(b[..., 0:2])
     q = _nibbles(b[..., 6:22], 16) | (_high_bits(b[..., 2:6], 32) << 4)
-    return q, d, -16 * d, 5, 32, 16
+    return q, d, -16 * d
 
 
 def _unpack_q5_1(b):
     q = _nibbles(b[..., 8:24], 16) | (_high_bits(b[..., 4:8], 32) << 4)
-    return q, _f16(b[..., 0:2]), _f16(b[..., 2:4]), 5, 32, None
+    return q, _f16(b[..., 0:2]), _f16(b[..., 2:4])
 
 
 def _unpack_q8_0(b):
     d = _f16(b[..., 0:2])
     q = b[..., 2:34] ^ np.uint8(0x80)  # int8 + 128 as uint8: the sign bit flipped
-    return q, d, -128 * d, 8, 32, 128
+    return q, d, -128 * d
 
 
 def _unpack_q4_k(b):
     d, dmin = _f16(b[..., 0:2])[..., None], _f16(b[..., 2:4])[..., None]
     sc, mn = _k_scales(b[..., 4:16])
-    return _nibbles(b[..., 16:144], 32), d * sc, -(dmin * mn), 4, 32, None
+    return _nibbles(b[..., 16:144], 32), d * sc, -(dmin * mn)
 
 
 def _unpack_q5_k(b):
@@ -183,7 +184,7 @@ def _unpack_q5_k(b):
     high = np.unpackbits(b[..., 16:48], axis=-1, bitorder="little")  # [..., 32 bytes * 8]
     high = high.reshape(*b.shape[:-1], 32, 8).swapaxes(-1, -2).reshape(*b.shape[:-1], 256)
     q = _nibbles(b[..., 48:176], 32) | (high << 4)
-    return q, d * sc, -(dmin * mn), 5, 32, None
+    return q, d * sc, -(dmin * mn)
 
 
 def _unpack_q6_k(b):
@@ -198,19 +199,27 @@ def _unpack_q6_k(b):
     top = (top & 3).reshape(*shape, 2, 128)
     q = (low | (top << 4)).reshape(*shape, 256)
     scale = d * sc
-    return q, scale, -32 * scale, 6, 16, 32
+    return q, scale, -32 * scale
 
 
-# type name -> (weights per block, bytes per block, unpacker)
+class GroupForm(NamedTuple):
+    """The integer-group form a GGUF type unpacks to (see :class:`GroupQuant`)."""
+
+    bits: int
+    group: int
+    symmetric_center: int | None
+
+
+# type name -> (weights per block, bytes per block, group form, unpacker)
 _UNPACKERS = {
-    "Q4_0": (32, 18, _unpack_q4_0),
-    "Q4_1": (32, 20, _unpack_q4_1),
-    "Q5_0": (32, 22, _unpack_q5_0),
-    "Q5_1": (32, 24, _unpack_q5_1),
-    "Q8_0": (32, 34, _unpack_q8_0),
-    "Q4_K": (256, 144, _unpack_q4_k),
-    "Q5_K": (256, 176, _unpack_q5_k),
-    "Q6_K": (256, 210, _unpack_q6_k),
+    "Q4_0": (32, 18, GroupForm(4, 32, 8), _unpack_q4_0),
+    "Q4_1": (32, 20, GroupForm(4, 32, None), _unpack_q4_1),
+    "Q5_0": (32, 22, GroupForm(5, 32, 16), _unpack_q5_0),
+    "Q5_1": (32, 24, GroupForm(5, 32, None), _unpack_q5_1),
+    "Q8_0": (32, 34, GroupForm(8, 32, 128), _unpack_q8_0),
+    "Q4_K": (256, 144, GroupForm(4, 32, None), _unpack_q4_k),
+    "Q5_K": (256, 176, GroupForm(5, 32, None), _unpack_q5_k),
+    "Q6_K": (256, 210, GroupForm(6, 16, 32), _unpack_q6_k),
 }
 
 SUPPORTED_TYPES = tuple(_UNPACKERS)
@@ -237,6 +246,16 @@ def block_bytes(type_name: str) -> int:
     return _UNPACKERS[type_name][1]
 
 
+def group_form(type_name: str) -> GroupForm:
+    """The bits, group size and symmetric centre a supported type unpacks to.
+
+    Raises:
+        UnsupportedQuantization: the type is not one of :data:`SUPPORTED_TYPES`.
+    """
+    block_weights(type_name)
+    return _UNPACKERS[type_name][2]
+
+
 UNPACK_ROWS = 4096
 """Rows unpacked at a time into the result, bounding the temporaries to that many rows."""
 
@@ -250,21 +269,16 @@ def unpack_blocks(type_name: str, data: np.ndarray) -> GroupQuant:
         UnsupportedQuantization: the type is not one of :data:`SUPPORTED_TYPES`.
     """
     block_weights(type_name)
-    per_block, size, unpack = _UNPACKERS[type_name]
+    per_block, size, form, unpack = _UNPACKERS[type_name]
     rows = data.shape[0]
     blocks = data.reshape(rows, -1, size)
-    out: GroupQuant | None = None
+    cols = blocks.shape[1] * per_block
+    out = GroupQuant(np.empty((rows, cols), np.uint8), np.empty((rows, cols // form.group), np.float32),
+                     np.empty((rows, cols // form.group), np.float32), *form)
     for start in range(0, rows, UNPACK_ROWS):
-        q, scale, offset, bits, group, center = unpack(
-            np.ascontiguousarray(blocks[start : start + UNPACK_ROWS]))
+        q, scale, offset = unpack(np.ascontiguousarray(blocks[start : start + UNPACK_ROWS]))
         n = q.shape[0]
-        if out is None:
-            cols = blocks.shape[1] * per_block
-            out = GroupQuant(np.empty((rows, cols), np.uint8),
-                             np.empty((rows, cols // group), np.float32),
-                             np.empty((rows, cols // group), np.float32), bits, group, center)
         out.q[start : start + n] = q.reshape(n, -1)
         out.scale[start : start + n] = np.asarray(scale, np.float32).reshape(n, -1)
         out.offset[start : start + n] = np.asarray(offset, np.float32).reshape(n, -1)
-    assert out is not None
     return out

@@ -142,7 +142,8 @@ def kernels() -> ctypes.CDLL | None:
         lib.packed_groups_gemv.argtypes = [_P, _P, _P, _P, _C, _C, _I, _I, _I, _C, _P, _P, _I,
                                            _P, _P]
         lib.int4_pack_halves.argtypes = [_P, _I, _I, _C, _C, _I, _P]
-        lib.unpack_blocks_32.argtypes = [_P, _I, _I, _C, _P, _P, _P]
+        lib.unpack_blocks.argtypes = [_P, _I, _I, _C, _P, _P, _P]
+        lib.pack_groups_bits.argtypes = [_P, _I, _I, _C, _P, _P]
         lib.decode_layers_built.restype = ctypes.c_int
         lib.decode_layers.argtypes = [_P, _P, _I, _P, _I, _P, _P, _P, _P]
         lib.decode_layers.restype = ctypes.c_int
@@ -251,30 +252,31 @@ def int4_pack_halves(q: torch.Tensor, shift: int, add: int, block: int) -> torch
     return out
 
 
-_BLOCKS_32 = {"Q4_0": (0, 4, 8), "Q4_1": (1, 4, None), "Q8_0": (2, 8, 128)}
-"""GGUF types ``unpack_blocks_32`` unpacks: (its kind, bits, center)."""
+_UNPACKED = ("Q4_0", "Q4_1", "Q8_0", "Q5_0", "Q5_1", "Q4_K", "Q5_K", "Q6_K")
+"""GGUF types ``unpack_blocks`` in ``repack.c`` unpacks, in the order of its kinds."""
 
 
 def unpack_blocks(type_name: str, data: np.ndarray) -> gguf_quants.GroupQuant:
     """:func:`shardline.models.gguf_quants.unpack_blocks` (same arguments, the same
-    values), in one compiled pass for Q4_0, Q4_1 and Q8_0 where the kernels are built.
+    values bit for bit), in one compiled pass where the kernels are built.
 
     Raises:
         UnsupportedQuantization: the type has no integer-group form.
     """
     lib = kernels()
-    if lib is None or type_name not in _BLOCKS_32:
+    if lib is None or type_name not in _UNPACKED:
         return gguf_quants.unpack_blocks(type_name, data)
-    kind, bits, center = _BLOCKS_32[type_name]
+    form = gguf_quants.group_form(type_name)
     rows = data.shape[0]
     blocks = data.reshape(rows, -1).shape[1] // gguf_quants.block_bytes(type_name)
+    cols = blocks * gguf_quants.block_weights(type_name)
     data = np.ascontiguousarray(data)
-    q = np.empty((rows, blocks * 32), np.uint8)
-    scale = np.empty((rows, blocks), np.float32)
-    offset = np.empty((rows, blocks), np.float32)
-    lib.unpack_blocks_32(data.ctypes.data, rows, blocks, kind, q.ctypes.data, scale.ctypes.data,
-                         offset.ctypes.data)
-    return gguf_quants.GroupQuant(q, scale, offset, bits, 32, center)
+    q = np.empty((rows, cols), np.uint8)
+    scale = np.empty((rows, cols // form.group), np.float32)
+    offset = np.empty((rows, cols // form.group), np.float32)
+    lib.unpack_blocks(data.ctypes.data, rows, blocks, _UNPACKED.index(type_name), q.ctypes.data,
+                      scale.ctypes.data, offset.ctypes.data)
+    return gguf_quants.GroupQuant(q, scale, offset, form.bits, form.group, form.symmetric_center)
 
 
 @functools.cache

@@ -159,20 +159,33 @@ class PackedGroups:
 def pack_groups(g: GroupQuant, dtype: torch.dtype) -> PackedGroups:
     """``g`` (5- or 6-bit, :func:`packs`) in the packed layout, scales and offsets rounded
     to ``dtype``; no other value changes."""
-    rows, cols = g.shape
-    q = np.ascontiguousarray(g.q).reshape(rows, cols // CHUNK, CHUNK)
-    low = (q[..., : CHUNK // 2] & 15) | ((q[..., CHUNK // 2 :] & 15) << 4)
-    top = q >> 4
-    if g.bits == 6:  # byte j: weights j, j + 8, j + 16, j + 24 in bit pairs 0-1 .. 6-7
-        pairs = top.reshape(rows, cols // CHUNK, 4, 8) << (2 * np.arange(4, dtype=np.uint8))[:, None]
-        high_bytes = np.bitwise_or.reduce(pairs, axis=2)
-    else:  # bit i of the word: weight i
-        bits = top.reshape(rows, cols // CHUNK, 4, 8) << np.arange(8, dtype=np.uint8)
-        high_bytes = np.bitwise_or.reduce(bits, axis=3)
+    low_bytes, high_bytes = _packed_bits(np.ascontiguousarray(g.q), g.bits)
     symmetric = g.symmetric_center is not None
     return PackedGroups(
-        torch.from_numpy(np.ascontiguousarray(low).reshape(rows, cols // 2)),
-        torch.from_numpy(np.ascontiguousarray(high_bytes).reshape(rows, -1)),
+        torch.from_numpy(low_bytes),
+        torch.from_numpy(high_bytes),
         torch.from_numpy(np.ascontiguousarray(g.scale)).to(dtype),
         None if symmetric else torch.from_numpy(np.ascontiguousarray(g.offset)).to(dtype),
         g.symmetric_center or 0, g.bits, g.group)
+
+
+def _packed_bits(q: np.ndarray, bits: int) -> tuple[np.ndarray, np.ndarray]:
+    """The low-nibble and high-bit planes of uint8 ``q`` ``[rows, cols]`` (5 or 6 bits):
+    uint8 ``[rows, cols / 2]`` and ``[rows, cols * (bits - 4) / 8]``, by the compiled
+    ``pack_groups_bits`` where it is built, else by numpy (the same bytes)."""
+    rows, cols = q.shape
+    lib = native_dequant.kernels()
+    if lib is not None:
+        low = np.empty((rows, cols // 2), np.uint8)
+        high = np.empty((rows, cols * (bits - 4) // 8), np.uint8)
+        lib.pack_groups_bits(q.ctypes.data, rows, cols, bits, low.ctypes.data, high.ctypes.data)
+        return low, high
+    chunks = q.reshape(rows, cols // CHUNK, CHUNK)
+    low = (chunks[..., : CHUNK // 2] & 15) | ((chunks[..., CHUNK // 2 :] & 15) << 4)
+    top = chunks >> 4
+    if bits == 6:  # byte j: weights j, j + 8, j + 16, j + 24 in bit pairs 0-1 .. 6-7
+        pairs = top.reshape(rows, cols // CHUNK, 4, 8) << (2 * np.arange(4, dtype=np.uint8))[:, None]
+        high = np.bitwise_or.reduce(pairs, axis=2)
+    else:  # bit i of the word: weight i
+        high = np.bitwise_or.reduce(top.reshape(rows, cols // CHUNK, 4, 8) << np.arange(8, dtype=np.uint8), axis=3)
+    return np.ascontiguousarray(low).reshape(rows, cols // 2), np.ascontiguousarray(high).reshape(rows, -1)
