@@ -323,6 +323,32 @@ def test_compiled_packing_gives_numpys_bytes(monkeypatch, bits):
         assert np.array_equal(got, want)
 
 
+def test_compiled_scales_and_zeros_round_as_torch_does(monkeypatch):
+    """The load's compiled bfloat16 layout of an int4 plane's scales and zeros: the bits
+    torch's rounding gives (ties to even, infinities, subnormals; a NaN stays a NaN, whose
+    bits torch's own paths do not agree on), in place at a row offset of a larger weight."""
+    from shardline.models import native_dequant
+
+    if native_dequant.kernels() is None:
+        pytest.skip("no C compiler on this machine: torch lays them out")
+    g = torch.Generator().manual_seed(5)
+    scale, zero = torch.randn(16, 6, generator=g), torch.randn(16, 6, generator=g) * 1e-3
+    special = torch.tensor([1 + 2 ** -8, 1 + 3 * 2 ** -8, float("inf"), -float("inf"), 3.4e38,
+                            1e-40, -0.0, 3.0e38])  # two ties, then the edges
+    scale.view(-1)[: len(special)] = special
+    zero.view(-1)[-len(special):] = special
+    compiled = torch.full((6, 40, 2), 7, dtype=torch.bfloat16)
+    native_dequant.scales_zeros_into(scale, zero, compiled, 16)
+    monkeypatch.setattr(native_dequant, "kernels", lambda: None)
+    eager = torch.full((6, 40, 2), 7, dtype=torch.bfloat16)
+    native_dequant.scales_zeros_into(scale, zero, eager, 16)
+    assert torch.equal(compiled.view(torch.int16), eager.view(torch.int16))
+    assert (eager[:, :16] == 7).all() and (eager[:, 32:] == 7).all()
+    monkeypatch.undo()
+    native_dequant.scales_zeros_into(torch.full((2, 6), float("nan")), zero[:2], compiled, 0)
+    assert compiled[:, :2, 0].isnan().all()
+
+
 def test_packed_groups_without_a_compiler_give_the_same_values(monkeypatch):
     """The eager torch path (no C compiler) dequantizes bit for bit as the kernel does, and
     its products (decode and prefill sizes) agree within float32 rounding."""

@@ -201,10 +201,13 @@ class Int4Planes:
 
 
 
-def pack_int4_planes(g: GroupQuant, dtype: torch.dtype) -> Int4Planes:
+def pack_int4_planes(g: GroupQuant, dtype: torch.dtype, into: Int4Planes | None = None,
+                     start: int = 0) -> Int4Planes:
     """Split integer groups of 32 into one (<= 4 bits) or two int4 planes, packed by the
     compiled :func:`~shardline.models.native_dequant.int4_pack_halves` where this machine's
-    layout is the one it writes, else by torch."""
+    layout is the one it writes, else by torch. With ``into`` (an :class:`Int4Planes` of the
+    same planes, columns and dtype), written into its rows ``[start, start + rows)``
+    (``start`` a multiple of the layout's block) and returned; else into a new one."""
     rows, cols = g.shape
     scale = torch.from_numpy(g.scale)  # [rows, cols / 32] float32
     offset = torch.from_numpy(g.offset)
@@ -228,18 +231,23 @@ def pack_int4_planes(g: GroupQuant, dtype: torch.dtype) -> Int4Planes:
             planes.append((4, 8 - g.symmetric_center // 16, 16 * scale, 8 * scale))
         else:
             planes.append((4, 8, 16 * scale, offset + 8 * scale))
+    if into is None:
+        into = Int4Planes([torch.empty(rows, cols // 2, dtype=torch.uint8) for _ in planes],
+                          [torch.empty(cols // INT4_GROUP, rows, 2, dtype=dtype) for _ in planes],
+                          rows, cols)
+    assert len(into.packed) == len(planes) and into.in_features == cols
     layout = int4pack_layout()
     compiled = (native_dequant.kernels() is not None and layout is not None
                 and rows % layout[0] == 0 and _nibble_row_order() == "halves")
-    packed, scales_zeros = [], []
-    for shift, add, s, z in planes:
+    for i, (shift, add, s, z) in enumerate(planes):
+        out = into.packed[i][start : start + rows]
         if compiled:
-            packed.append(native_dequant.int4_pack_halves(q, shift, add, layout[0]))  # type: ignore[index]
+            native_dequant.int4_pack_halves(q, shift, add, layout[0], out=out)  # type: ignore[index]
         else:
             p = ((q >> shift) & 15) + add
-            packed.append(torch._convert_weight_to_int4pack_for_cpu(p.to(torch.int32).contiguous(), 1))
-        scales_zeros.append(torch.stack((s, z), dim=-1).transpose(0, 1).contiguous().to(dtype))
-    return Int4Planes(packed, scales_zeros, rows, cols)
+            out.copy_(torch._convert_weight_to_int4pack_for_cpu(p.to(torch.int32).contiguous(), 1))
+        native_dequant.scales_zeros_into(s, z, into.scales_zeros[i], start)
+    return into
 
 
 @functools.cache

@@ -222,7 +222,11 @@ def resident_weight(source: GroupQuant | torch.Tensor | RowBlocks, dtype: torch.
     _set_rows(whole, 0, held)
     del first, held
     for start in range(PACK_ROWS, rows, PACK_ROWS):
-        _set_rows(whole, start, convert(read(start, min(rows, start + PACK_ROWS))))
+        part = read(start, min(rows, start + PACK_ROWS))
+        if isinstance(whole, Int4Planes):  # packed in place: no copy of each block
+            pack_int4_planes(part.contiguous(), dtype, into=whole, start=start)  # type: ignore[union-attr, arg-type]
+        else:
+            _set_rows(whole, start, convert(part))
     return whole
 
 

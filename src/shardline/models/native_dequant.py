@@ -19,6 +19,7 @@ Where no compiler works (or the platform's int4 layout is not the one the kernel
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import functools
 import hashlib
@@ -29,6 +30,7 @@ import subprocess
 import sysconfig
 import tempfile
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import numpy as np
@@ -141,9 +143,10 @@ def kernels() -> ctypes.CDLL | None:
         lib.packed_groups_rows.argtypes = [_P, _P, _P, _P, _C, _C, _I, _I, _I, _C, _P, _C, _P]
         lib.packed_groups_gemv.argtypes = [_P, _P, _P, _P, _C, _C, _I, _I, _I, _C, _P, _P, _I,
                                            _P, _P]
-        lib.int4_pack_halves.argtypes = [_P, _I, _I, _C, _C, _I, _P]
-        lib.unpack_blocks.argtypes = [_P, _I, _I, _C, _P, _P, _P]
-        lib.pack_groups_bits.argtypes = [_P, _I, _I, _C, _P, _P]
+        lib.int4_pack_halves.argtypes = [_P, _I, _I, _C, _C, _I, _P, _C]
+        lib.unpack_blocks.argtypes = [_P, _I, _I, _C, _P, _P, _P, _C]
+        lib.pack_groups_bits.argtypes = [_P, _I, _I, _C, _P, _P, _C]
+        lib.scales_zeros_bf16.argtypes = [_P, _P, _I, _I, _P, _I, _I, _C]
         lib.decode_layers_built.restype = ctypes.c_int
         lib.decode_layers.argtypes = [_P, _P, _I, _P, _I, _P, _P, _P, _P]
         lib.decode_layers.restype = ctypes.c_int
@@ -234,12 +237,36 @@ def int4_planes_rows(planes: list[tuple[torch.Tensor, torch.Tensor]], block: int
     return out
 
 
-def int4_pack_halves(q: torch.Tensor, shift: int, add: int, block: int) -> torch.Tensor:
+_load_threads = 1
+
+
+def load_threads() -> int:
+    """Threads of a load's compiled passes (:func:`unpack_blocks`, :func:`int4_pack_halves`,
+    the 5/6-bit packing): 1, or what :func:`loading_with` sets."""
+    return _load_threads
+
+
+@contextlib.contextmanager
+def loading_with(threads: int) -> Iterator[None]:
+    """Within the block, a load's compiled passes run on ``threads`` threads (OpenMP); the
+    load's torch ops keep torch's own setting. Each pass splits rows, so the bytes are the
+    same with any count."""
+    global _load_threads
+    before, _load_threads = _load_threads, max(1, threads)
+    try:
+        yield
+    finally:
+        _load_threads = before
+
+
+def int4_pack_halves(q: torch.Tensor, shift: int, add: int, block: int,
+                     out: torch.Tensor | None = None) -> torch.Tensor:
     """Pack ``((q >> shift) & 15) + add`` of uint8 ``q`` ``[rows, cols]`` (values the
     caller keeps in 0..15) into torch's CPU int4 layout for blocks of ``block`` rows in the
     "halves" nibble order (:func:`shardline.models.int4_planes.int4pack_layout`): uint8
     ``[rows, cols / 2]``, the bytes ``torch._convert_weight_to_int4pack_for_cpu`` makes of
-    those values as int32 (without that int32 copy of every weight).
+    those values as int32 (without that int32 copy of every weight); written into ``out``
+    (contiguous, that shape) where given.
 
     Raises:
         RuntimeError: the kernels are not built (:func:`kernels` is None).
@@ -247,9 +274,28 @@ def int4_pack_halves(q: torch.Tensor, shift: int, add: int, block: int) -> torch
     lib = _loaded()
     rows, cols = q.shape
     assert q.dtype == torch.uint8 and rows % block == 0 and cols % 2 == 0
-    out = torch.empty(rows, cols // 2, dtype=torch.uint8)
-    lib.int4_pack_halves(_ptr(q.contiguous()), rows, cols, shift, add, block // 2, _ptr(out))
+    q = q.contiguous()  # held while the kernel reads it
+    if out is None:
+        out = torch.empty(rows, cols // 2, dtype=torch.uint8)
+    assert out.shape == (rows, cols // 2) and out.dtype == torch.uint8 and out.is_contiguous()
+    lib.int4_pack_halves(_ptr(q), rows, cols, shift, add, block // 2, _ptr(out), load_threads())
     return out
+
+
+def scales_zeros_into(scale: torch.Tensor, zero: torch.Tensor, out: torch.Tensor, start: int) -> None:
+    """Write a plane's float32 ``scale`` and ``zero`` ``[rows, groups]`` into rows
+    ``[start, start + rows)`` of ``out`` ``[groups, out_rows, 2]`` (torch's int4 layout of
+    scales and zeros), rounded to ``out``'s dtype as torch rounds: compiled for bfloat16
+    where the kernels are built, else by torch."""
+    rows, groups = scale.shape
+    lib = kernels()
+    if lib is None or out.dtype != torch.bfloat16 or not out.is_contiguous():
+        out[:, start : start + rows] = torch.stack((scale, zero), dim=-1).to(out.dtype).transpose(0, 1)
+        return
+    assert out.shape[0] == groups and out.shape[2] == 2 and start + rows <= out.shape[1]
+    scale, zero = scale.contiguous(), zero.contiguous()  # held while the kernel reads them
+    lib.scales_zeros_bf16(_ptr(scale), _ptr(zero), rows, groups, _ptr(out), out.shape[1], start,
+                          load_threads())
 
 
 _UNPACKED = ("Q4_0", "Q4_1", "Q8_0", "Q5_0", "Q5_1", "Q4_K", "Q5_K", "Q6_K")
@@ -275,7 +321,7 @@ def unpack_blocks(type_name: str, data: np.ndarray) -> gguf_quants.GroupQuant:
     scale = np.empty((rows, cols // form.group), np.float32)
     offset = np.empty((rows, cols // form.group), np.float32)
     lib.unpack_blocks(data.ctypes.data, rows, blocks, _UNPACKED.index(type_name), q.ctypes.data,
-                      scale.ctypes.data, offset.ctypes.data)
+                      scale.ctypes.data, offset.ctypes.data, load_threads())
     return gguf_quants.GroupQuant(q, scale, offset, form.bits, form.group, form.symmetric_center)
 
 

@@ -178,7 +178,8 @@ def _packed_bits(q: np.ndarray, bits: int) -> tuple[np.ndarray, np.ndarray]:
     if lib is not None:
         low = np.empty((rows, cols // 2), np.uint8)
         high = np.empty((rows, cols * (bits - 4) // 8), np.uint8)
-        lib.pack_groups_bits(q.ctypes.data, rows, cols, bits, low.ctypes.data, high.ctypes.data)
+        lib.pack_groups_bits(q.ctypes.data, rows, cols, bits, low.ctypes.data, high.ctypes.data,
+                             native_dequant.load_threads())
         return low, high
     chunks = q.reshape(rows, cols // CHUNK, CHUNK)
     low = (chunks[..., : CHUNK // 2] & 15) | ((chunks[..., CHUNK // 2 :] & 15) << 4)

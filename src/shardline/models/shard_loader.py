@@ -53,21 +53,42 @@ def _names(source: WeightSource, layer: int | None, part: str) -> str:
     return source.LAYER_FORMAT.format(layer=layer, name=source.LAYER_NAMES[part])
 
 
-def _stack(parts: list[Part]) -> list[Part]:
+def _stack(parts: list[Part]) -> list[Part | RowBlocks]:
     """Adjacent row blocks merged where they share a form (a fused q/k/v of one type is
-    one block; a v stored in another type stays its own)."""
-    out: list[Part] = []
+    one block; a v stored in another type stays its own): float tensors concatenated,
+    integer groups as one :class:`RowBlocks` over the parts (no copy of the whole)."""
+    runs: list[list[Part]] = []
     for part in parts:
-        last = out[-1] if out else None
-        if isinstance(part, torch.Tensor) and isinstance(last, torch.Tensor):
-            out[-1] = torch.cat((last, part.to(last.dtype)))
-        elif (isinstance(part, GroupQuant) and isinstance(last, GroupQuant)
-              and (part.group, part.bits, part.symmetric_center) == (
-                  last.group, last.bits, last.symmetric_center)):
-            out[-1] = GroupQuant.concat([last, part])
+        last = runs[-1][-1] if runs else None
+        if ((isinstance(part, torch.Tensor) and isinstance(last, torch.Tensor))
+                or (isinstance(part, GroupQuant) and isinstance(last, GroupQuant)
+                    and (part.group, part.bits, part.symmetric_center) == (
+                        last.group, last.bits, last.symmetric_center))):
+            runs[-1].append(part)
         else:
-            out.append(part)
+            runs.append([part])
+    out: list[Part | RowBlocks] = []
+    for run in runs:
+        if len(run) == 1:
+            out.append(run[0])
+        elif isinstance(run[0], torch.Tensor):
+            out.append(torch.cat([t.to(run[0].dtype) for t in run]))  # type: ignore[union-attr]
+        else:
+            out.append(_stacked_groups(run))  # type: ignore[arg-type]
     return out
+
+
+def _stacked_groups(parts: list[GroupQuant]) -> RowBlocks:
+    """``parts`` (one form and width) one after another as one weight: rows within one
+    part are a view of it, rows across parts a copy of just those rows."""
+    starts = np.cumsum([0] + [p.shape[0] for p in parts])
+
+    def read(start: int, end: int) -> GroupQuant:
+        pieces = [p.rows(max(start, a) - a, min(end, b) - a)
+                  for p, a, b in zip(parts, starts[:-1], starts[1:]) if start < b and end > a]
+        return pieces[0] if len(pieces) == 1 else GroupQuant.concat(pieces)
+
+    return RowBlocks(read, (int(starts[-1]), parts[0].shape[1]))
 
 
 def shard_tensors(
@@ -76,12 +97,13 @@ def shard_tensors(
     layer_end: int,
     share: TensorShare | None = None,
     head: bool = True,
-) -> Iterator[tuple[str, list[Part] | list[RowBlocks] | torch.Tensor]]:
+) -> Iterator[tuple[str, list[Part | RowBlocks] | torch.Tensor]]:
     """The weights of a :class:`~shardline.models.llama.DecoderShard`, one at a time.
 
     Yields ``(name, value)``: for a linear module (``layers.<i>.attn.qkv``, ``...o``,
     ``...mlp.gate_up``, ``...down``) a list of row blocks (float tensors or
-    :class:`GroupQuant`, as the file stores them); for ``embed`` and ``lm_head`` one
+    :class:`GroupQuant`, as the file stores them; fused parts of one form as one
+    :class:`~shardline.models.linear.RowBlocks` over them); for ``embed`` and ``lm_head`` one
     :class:`~shardline.models.linear.RowBlocks` (read when converted, a block of rows at
     a time); for a norm or bias
     parameter its float tensor. Reads layers ``[layer_start, layer_end)``, the embedding

@@ -130,6 +130,7 @@ def serve(conn, outbox: Outbox, started: float) -> None:
 
     import shardline.models.shard_loader  # noqa: F401 (load_stage's, before the spec too)
     import shardline.parallel.pipeline  # noqa: F401
+    from shardline.models import native_dequant
     from shardline.models.linear import weight_bytes
     from shardline.models.weights import open_weights
     from shardline.process_memory import large_allocations_mapped, release_free_memory
@@ -144,9 +145,10 @@ def serve(conn, outbox: Outbox, started: float) -> None:
     given = time.monotonic()
     outbox.start_beating()
     serving_threads = spec.threads or torch.get_num_threads()
-    # Loading is thousands of small ops per shard: one thread. With two, SmolLM2's load
-    # took 3-4x the CPU (4-7 s against 1.1-1.5 s) and 3x the time on a busy 2-core
-    # machine, OpenMP's workers spinning between ops.
+    # Loading is thousands of small torch ops per shard: one thread. With two, SmolLM2's
+    # load took 3-4x the CPU (4-7 s against 1.1-1.5 s) and 3x the time on a busy 2-core
+    # machine, OpenMP's workers spinning between ops. The compiled passes over every
+    # weight (unpacking, packing) take the serving threads.
     torch.set_num_threads(LOAD_THREADS)
     device = torch.device(spec.device)
     dtype = getattr(torch, spec.dtype)
@@ -167,7 +169,7 @@ def serve(conn, outbox: Outbox, started: float) -> None:
     runtime_rss, _ = memory_now()
     source = open_weights(spec.model_path)
     progress = Progress()
-    with large_allocations_mapped():
+    with large_allocations_mapped(), native_dequant.loading_with(serving_threads):
         stage = load_stage(spec, source, group, progress, dtype, device)
     cache = stage.cache
     param_bytes = weight_bytes(stage.shard)

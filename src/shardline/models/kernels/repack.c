@@ -14,6 +14,7 @@
  * in 0..15 (a plane of a wider integer: its low or high four bits, re-centred). */
 #include <stdint.h>
 #include <string.h>
+#include "kernels.h"
 #ifdef __F16C__
 #include <immintrin.h>
 #endif
@@ -47,9 +48,10 @@ static inline void transpose_8x8(uint64_t *r) {
 }
 
 void int4_pack_halves(const uint8_t *restrict q, int64_t rows, int64_t cols, int shift,
-                      int add, int64_t half, uint8_t *restrict out) {
+                      int add, int64_t half, uint8_t *restrict out, int threads) {
     const int64_t block = 2 * half;
     if (half % 8 == 0 && cols % 8 == 0) { /* 8 rows by 8 columns at a time, transposed */
+#pragma omp parallel for num_threads(threads) schedule(static)
         for (int64_t b = 0; b < rows / block; b++) {
             uint8_t *restrict o = out + b * cols * half;
             for (int64_t k = 0; k < cols; k += 8)
@@ -203,10 +205,11 @@ static inline __attribute__((always_inline)) void unpack_block(const uint8_t *re
  * offset: the values of shardline/models/gguf_quants.py's numpy unpackers (the
  * reference), bit for bit. `data` is rows x blocks blocks of the kind's size. */
 void unpack_blocks(const uint8_t *restrict data, int64_t rows, int64_t blocks, int kind,
-                   uint8_t *restrict q, float *restrict scale, float *restrict offset) {
+                   uint8_t *restrict q, float *restrict scale, float *restrict offset, int threads) {
     const int64_t size = BLOCK_BYTES[kind], weights = BLOCK_WEIGHTS[kind];
     const int64_t groups = kind == Q6_K ? 16 : weights / 32;
 #define UNPACK_ALL(K)                                                                        \
+    _Pragma("omp parallel for num_threads(threads) schedule(static)")                        \
     for (int64_t at = 0; at < rows * blocks; at++)                                           \
         unpack_block(data + at * size, K, q + at * weights, scale + at * groups, offset + at * groups)
     switch (kind) {
@@ -229,8 +232,9 @@ void unpack_blocks(const uint8_t *restrict data, int64_t rows, int64_t blocks, i
  * j + 8, j + 16, j + 24 in bit pairs 0-1 .. 6-7, for 5 bits bit b of byte j is weight
  * 8 j + b's fifth. */
 void pack_groups_bits(const uint8_t *restrict q, int64_t rows, int64_t cols, int bits,
-                      uint8_t *restrict low, uint8_t *restrict high) {
+                      uint8_t *restrict low, uint8_t *restrict high, int threads) {
     const int64_t chunks = rows * (cols / 32), high_bytes = 4 * (bits - 4);
+#pragma omp parallel for num_threads(threads) schedule(static)
     for (int64_t c = 0; c < chunks; c++) {
         const uint8_t *restrict w = q + c * 32;
         uint8_t *restrict l = low + c * 16, *restrict h = high + c * high_bytes;
@@ -245,6 +249,23 @@ void pack_groups_bits(const uint8_t *restrict q, int64_t rows, int64_t cols, int
                 for (int b = 0; b < 8; b++) byte |= (uint8_t)((w[8 * j + b] >> 4) << b);
                 h[j] = byte;
             }
+        }
+    }
+}
+
+/* A plane's scales s and zeros z, float32 [rows, groups], rounded to bfloat16 as torch
+ * rounds (to nearest even; a NaN to 0x7FC0) into rows [start, start + rows) of out
+ * [groups, out_rows, 2] (torch's int4 scales-and-zeros layout). */
+void scales_zeros_bf16(const float *restrict s, const float *restrict z, int64_t rows,
+                       int64_t groups, uint16_t *restrict out, int64_t out_rows, int64_t start,
+                       int threads) {
+#pragma omp parallel for num_threads(threads) schedule(static)
+    for (int64_t g = 0; g < groups; g++) {
+        uint16_t *restrict o = out + (g * out_rows + start) * 2;
+        for (int64_t r = 0; r < rows; r++) {
+            float a = s[r * groups + g], b = z[r * groups + g];
+            o[2 * r] = a != a ? 0x7FC0u : to_bf16(a);
+            o[2 * r + 1] = b != b ? 0x7FC0u : to_bf16(b);
         }
     }
 }
