@@ -148,7 +148,10 @@ def serve(conn, outbox: Outbox, started: float) -> None:
     # Loading is thousands of small torch ops per shard: one thread. With two, SmolLM2's
     # load took 3-4x the CPU (4-7 s against 1.1-1.5 s) and 3x the time on a busy 2-core
     # machine, OpenMP's workers spinning between ops. The compiled passes over every
-    # weight (unpacking, packing) take the serving threads.
+    # weight (unpacking, packing) take the serving threads but one, which the node keeps
+    # busy during a load (its tokenizer, the placement): on 2 cores with the node busy,
+    # two threads made SmolLM2's load 1.4-2.3 s where one took 0.9-1.0 (a thread waits at
+    # each pass's end for the other to get its core back).
     torch.set_num_threads(LOAD_THREADS)
     device = torch.device(spec.device)
     dtype = getattr(torch, spec.dtype)
@@ -169,7 +172,7 @@ def serve(conn, outbox: Outbox, started: float) -> None:
     runtime_rss, _ = memory_now()
     source = open_weights(spec.model_path)
     progress = Progress()
-    with large_allocations_mapped(), native_dequant.loading_with(serving_threads):
+    with large_allocations_mapped(), native_dequant.loading_with(serving_threads - 1):
         stage = load_stage(spec, source, group, progress, dtype, device)
     cache = stage.cache
     param_bytes = weight_bytes(stage.shard)
