@@ -369,6 +369,7 @@ class Coordinator:
             # Once an instance: every listing asks again (a failed instance's dead node
             # stays unknown; a dashboard lists every second).
             if inst.instance_id not in self._unpredicted:
+                self._unpredicted &= self.node.instances.keys()  # ids of deleted instances go
                 self._unpredicted.add(inst.instance_id)
                 reason = f"node {exc} is not known" if isinstance(exc, KeyError) else str(exc)
                 log.info("no prediction for instance %s: %s", inst.instance_id, reason)
