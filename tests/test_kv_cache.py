@@ -48,3 +48,24 @@ def test_a_released_slot_gives_its_memory_back_and_reads_zeros():
     assert written - released > 20 * MIB  # one sequence's pages went back
     assert cache.k[29][1].abs().sum().item() == 0 and cache.v[0][1].abs().sum().item() == 0
     assert cache.k[29][2, :, :1000].min().item() == 1  # the other slot keeps its keys
+
+
+def test_more_address_space_than_memory_is_reserved_without_taking_it():
+    """A cache of more slots x context than the machine's RAM and swap (admission bounds
+    what is written) maps: the kernel's overcommit check refused it without
+    MAP_NORESERVE, and the runner failed with ENOMEM."""
+    from pathlib import Path
+
+    from shardline.models.kv_cache import MAP_NORESERVE
+
+    overcommit = Path("/proc/sys/vm/overcommit_memory")
+    if not MAP_NORESERVE or not overcommit.exists() or overcommit.read_text().strip() != "0":
+        pytest.skip("only Linux's heuristic overcommit (mode 0) checks a mapping's size this way")
+    memory = psutil.virtual_memory().total + psutil.swap_memory().total
+    slots = -(-2 * memory // (720 * MIB // 8))  # twice RAM + swap, in SmolLM2 slots of 4,096
+    process = psutil.Process()
+    before = process.memory_info().rss
+    cache = KVCache(smollm2(), 30, slots, 4096, torch.bfloat16)
+    assert cache.nbytes() > memory
+    cache.k[29][slots - 1, :, :64] = 1
+    assert process.memory_info().rss - before < 20 * MIB

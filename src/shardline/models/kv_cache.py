@@ -5,10 +5,17 @@ from __future__ import annotations
 
 import math
 import mmap
+import platform
+import sys
 
 import torch
 
 from shardline.models.config import ModelConfig
+
+MAP_NORESERVE = getattr(mmap, "MAP_NORESERVE", 0x4000 if sys.platform == "linux" and platform.machine() in (
+    "x86_64", "aarch64") else 0)
+"""mmap's flag (Python 3.13 names it): 0x4000 in Linux's asm-generic/mman-common.h, which
+x86-64 and arm64 use; 0 (no flag) elsewhere."""
 
 KV_BLOCK_BYTES = 4096
 """Bytes of one head's block of positions: the unit the engine counts KV memory in (a
@@ -62,7 +69,11 @@ class KVCache:
             # MADV_DONTNEED frees them (a shared one keeps them). Not huge pages: with them
             # one written position took 2 MiB (numpy's large arrays ask for them: 864 MiB
             # resident for SmolLM2 with 4 short requests, against ~400).
-            self._mapping = mmap.mmap(-1, max(size, 1), flags=mmap.MAP_PRIVATE)
+            # MAP_NORESERVE: address space beyond RAM is taken (every slot at full context,
+            # where admission bounds what is written); without it the kernel's overcommit
+            # check refused a mapping larger than RAM + swap (256 slots x 4,096 positions of
+            # a 1.5B model: 30 GB on a 24 GB machine).
+            self._mapping = mmap.mmap(-1, max(size, 1), flags=mmap.MAP_PRIVATE | MAP_NORESERVE)
             if hasattr(mmap, "MADV_NOHUGEPAGE"):
                 self._mapping.madvise(mmap.MADV_NOHUGEPAGE)
             both = torch.frombuffer(self._mapping, dtype=torch.uint8, count=size)
