@@ -282,6 +282,11 @@ def test_ollama_options_work(url):
     below = chat(num_predict=-3)  # -1 and -2 are Ollama's "no limit" and "fill the context"
     assert below.status_code == 400 and "num_predict" in below.json()["error"]
     assert chat(num_predict=-2).json()["done_reason"] in ("stop", "length")
+    # beyond the context: generation stops at its end, as Ollama's does (not a 400)
+    big = chat(num_ctx=64, num_predict=99_999_999, repeat_penalty=1.0).json()
+    assert big["done_reason"] in ("stop", "length"), big
+    assert big["prompt_eval_count"] + big["eval_count"] <= 64
+    assert big["done_reason"] == "stop" or big["prompt_eval_count"] + big["eval_count"] == 64
     greedy = chat(num_predict=12).json()["message"]["content"]
     for options in ({"top_k": 1, "temperature": 1.0, "seed": 2}, {"min_p": 1.0, "temperature": 1.0, "seed": 2},
                     {"top_p": 0.0, "temperature": 1.0}, {"repeat_last_n": 0, "repeat_penalty": 1.5}):

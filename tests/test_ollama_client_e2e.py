@@ -120,5 +120,8 @@ def test_keep_alive_unloads(tmp_path):
         assert _gone(url, 5) < 1
         answer = client.chat(DEFAULT_MODEL_ID, messages=QUESTION, options=GREEDY)  # loads it too
         assert "Paris" in answer.message.content
+        # the load is timed, and part of the total, as Ollama reports it
+        assert 0 < answer.load_duration < answer.total_duration, answer
+        assert client.chat(DEFAULT_MODEL_ID, messages=QUESTION, options=GREEDY).load_duration == 0
     finally:
         cluster.stop()

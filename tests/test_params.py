@@ -130,6 +130,17 @@ def test_parse_keeps_what_json_means():
     assert req.temperature == 1.0 and req.logit_bias == {7042: -100.0}
 
 
+@pytest.mark.parametrize("number", ["NaN", "Infinity", "-Infinity"])
+def test_parse_refuses_numbers_json_does_not_have(number):
+    """Python's json reads NaN and the infinities; JSON (RFC 8259) has no such numbers, and
+    a NaN temperature was refused as "less than or equal to 2"."""
+    raw = ('{"model": "m", "messages": [{"role": "user", "content": "x"}], "temperature": %s}'
+           % number).encode()
+    with pytest.raises(APIError) as caught:
+        parse_raw(raw, openai.ChatCompletionRequest)
+    assert caught.value.status == 400 and f"{number} is not a JSON number" in caught.value.message
+
+
 @pytest.mark.parametrize("model,body,param", [
     (openai.ChatCompletionRequest, {"stream_options": {"include_usage": True}}, "stream_options"),
     (openai.ChatCompletionRequest, {"tools": []}, "tools"),

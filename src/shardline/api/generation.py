@@ -87,6 +87,7 @@ class GenerationRequest:
     prompt_param: str = "prompt"  # for error messages
     context: int | None = None  # the request's own context window (Ollama's num_ctx), at most the instance's
     continue_final_message: bool = False  # a last assistant message is continued (a prefill)
+    max_tokens_capped: bool = False  # a limit beyond the context ends there (Ollama's num_predict), not a 400
     tools: list[dict[str, Any]] = field(default_factory=list)  # OpenAI function tools (api.tools)
     tool_choice: ToolChoice = field(default_factory=lambda: ToolChoice(ToolChoiceMode.AUTO))
     max_tool_calls: int | None = None  # 1: parallel_tool_calls false (later calls dropped)
@@ -172,7 +173,7 @@ class Generation:
         self.tokenizer = tokenizer
         context = min(inst.context, req.context or inst.context)
         room = context - len(prompt)
-        if room < 1 or (req.max_tokens is not None and req.max_tokens > room):
+        if room < 1 or (req.max_tokens is not None and req.max_tokens > room and not req.max_tokens_capped):
             asked = f" and {req.max_tokens} for the completion" if req.max_tokens is not None else ""
             whose = "this model's" if context == inst.context else "the request's"
             raise APIError(
@@ -181,7 +182,7 @@ class Generation:
                 f"{len(prompt)} in the prompt{asked}",
                 param=req.max_tokens_param if room >= 1 else req.prompt_param, code="context_length_exceeded",
             )
-        self.max_tokens = req.max_tokens or room
+        self.max_tokens = min(req.max_tokens or room, room)
         self.sampling = sampling or req.sampling
         self.stop_ids = [] if req.ignore_eos and self.sampling.grammar is None else tokenizer.eos_token_ids
         self.calls = 0  # tool calls made so far
@@ -509,6 +510,15 @@ def _union_tag(part: object) -> bool:
                                       or part.startswith(("constrained-", "function-")))
 
 
+class _NonFiniteNumber(ValueError):
+    """``NaN``, ``Infinity`` or ``-Infinity`` in a body: Python's json reads them, JSON has
+    no such numbers."""
+
+
+def _not_a_json_number(name: str) -> Any:
+    raise _NonFiniteNumber(name)
+
+
 def parse_raw(raw: bytes, model: type[BaseModel]) -> Any:
     """A request body's bytes as ``model``: parsed, screened (:func:`~shardline.api.params.screen`
     for a model with an ``ENDPOINT``), checked raw (a model's ``check_raw``), then validated
@@ -520,9 +530,12 @@ def parse_raw(raw: bytes, model: type[BaseModel]) -> Any:
         APIError: 400, as :func:`parse_body` says.
     """
     try:
-        data = json.loads(raw.decode("utf-8"))
+        data = json.loads(raw.decode("utf-8"), parse_constant=_not_a_json_number)
     except (json.JSONDecodeError, UnicodeDecodeError):
         raise APIError(400, "the request body is not valid JSON (UTF-8)") from None
+    except _NonFiniteNumber as exc:
+        raise APIError(400, f"the request body is not valid JSON: {exc} is not a JSON number "
+                            f"(RFC 8259 has no NaN or infinities)") from None
     endpoint = getattr(model, "ENDPOINT", None)
     if endpoint is not None:
         try:

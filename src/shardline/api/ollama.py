@@ -172,7 +172,7 @@ class _Request(BaseModel):
             max_tokens=o.num_predict if o.num_predict > 0 else None,
             sampling=o.sampling(self.top_logprobs if self.logprobs else None, self.grammar()),
             stop=list(o.stop or []), api="ollama", max_tokens_param="options.num_predict",
-            prompt_param=prompt_param, context=o.num_ctx)
+            max_tokens_capped=True, prompt_param=prompt_param, context=o.num_ctx)
 
     def to_generation(self) -> GenerationRequest:
         """The request as every API's generation takes it (each Ollama route its own)."""
@@ -431,16 +431,20 @@ async def _serve(node: Node, metrics: RequestMetrics | None, keep: KeepAlive, re
         seconds = req.keep_alive_s()
         if not req.has_input():
             return await _load(node, keep, req, seconds, content)
+        load_s = 0.0  # seconds spent placing the model for this request
         if not placed(node, req.model.removesuffix(":latest")):
+            loading = time.monotonic()
             refused = await _loaded(node, keep, req.model)
             if refused is not None:
                 return refused
+            load_s = time.monotonic() - loading
         gen = await prepare(node, req.to_generation(), metrics)
     except APIError as exc:
         return error_response(exc)
     ids = [i.instance_id for i in placed(node, gen.req.model)]
     if req.stream:
-        return StreamingResponse(_stream(gen, req, content, keep, ids, seconds), media_type="application/x-ndjson")
+        return StreamingResponse(_stream(gen, req, content, keep, ids, seconds, load_s),
+                                 media_type="application/x-ndjson")
     keep.begin(ids)
     try:
         chunks, finish = await collect_unless_disconnected(gen, request)
@@ -453,16 +457,17 @@ async def _serve(node: Node, metrics: RequestMetrics | None, keep: KeepAlive, re
     body = content("".join(c.text for c in chunks), tuple(call for c in chunks for call in c.tool_calls))
     if req.logprobs:
         body["logprobs"] = ollama_logprobs([t for c in chunks for t in c.logprobs])
-    return _final(gen, req, body, finish)
+    return _final(gen, req, body, finish, load_s)
 
 
-def _final(gen: Generation, req: _Request, body: dict, finish: str) -> dict:
+def _final(gen: Generation, req: _Request, body: dict, finish: str, load_s: float) -> dict:
     """The last object: done, why, and Ollama's counts and durations (nanoseconds; the
-    prompt's is the time to the first token)."""
+    prompt's is the time to the first token; the load's, ``load_s``, what placing the model
+    for this request took, is part of the total)."""
     now = time.monotonic()
     first = gen.first_token_at or now
     return {"model": req.model, "created_at": _now(), **body, "done": True, "done_reason": "stop" if finish == "tool_calls" else finish,
-            "total_duration": int((now - gen.started) * 1e9), "load_duration": 0,
+            "total_duration": int((now - gen.started + load_s) * 1e9), "load_duration": int(load_s * 1e9),
             "prompt_eval_count": len(gen.prompt), "prompt_eval_duration": int((first - gen.started) * 1e9),
             "eval_count": gen.completion_tokens, "eval_duration": int((now - first) * 1e9)}
 
@@ -476,7 +481,7 @@ def _chat_message(text: str, calls: tuple[ToolCall, ...] = ()) -> dict:
 
 
 async def _stream(gen: Generation, req: _Request, content: Callable[..., dict], keep: KeepAlive,
-                  ids: list[str], seconds: float | None) -> AsyncIterator[str]:
+                  ids: list[str], seconds: float | None, load_s: float) -> AsyncIterator[str]:
     def line(data: dict) -> str:
         return json.dumps(data, ensure_ascii=False) + "\n"
 
@@ -491,7 +496,7 @@ async def _stream(gen: Generation, req: _Request, content: Callable[..., dict], 
                     body["logprobs"] = ollama_logprobs(list(item.logprobs))
                 yield line({"model": req.model, "created_at": _now(), **body, "done": False})
             if item.finish is not None:
-                yield line(_final(gen, req, content(""), item.finish))
+                yield line(_final(gen, req, content(""), item.finish, load_s))
     except (InstanceFailedError, QueueFullError) as exc:  # QueueFullError: a forwarded request refused
         yield line({"error": str(exc)})
     finally:
