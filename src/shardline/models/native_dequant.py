@@ -52,8 +52,6 @@ then, so the decode product's threads are torch's (``torch.set_num_threads``).""
 
 COMPILE_TIMEOUT_S = 120
 
-PACKED_SEGMENT = 1024
-"""``SEGMENT`` of ``packed_groups_gemv`` in the C source: float32 values of its row buffer."""
 
 _P = ctypes.c_void_p
 _I = ctypes.c_int64
@@ -141,8 +139,8 @@ def kernels() -> ctypes.CDLL | None:
         lib.int8_groups.argtypes = [_P, _P, _P, _I, _I, _I, _P, ctypes.c_int]
         lib.int8_groups_gemv.argtypes = [_P, _P, _P, _I, _I, _I, _P, _P, _I, _P]
         lib.packed_groups_rows.argtypes = [_P, _P, _P, _P, _C, _C, _I, _I, _I, _C, _P, _C, _P]
-        lib.packed_groups_gemv.argtypes = [_P, _P, _P, _P, _C, _C, _I, _I, _I, _C, _P, _P, _I,
-                                           _P, _P]
+        lib.packed_groups_gemv.argtypes = [_P, _P, _P, _P, _C, _C, _I, _I, _I, _C, _P, _P, _I, _P]
+        lib.packed_groups_gemv.restype = ctypes.c_int
         lib.int4_pack_halves.argtypes = [_P, _I, _I, _C, _C, _I, _P, _C]
         lib.unpack_blocks.argtypes = [_P, _I, _I, _C, _P, _P, _P, _C]
         lib.pack_groups_bits.argtypes = [_P, _I, _I, _C, _P, _P, _C]
@@ -546,10 +544,12 @@ def packed_groups_gemv(w, x: torch.Tensor) -> torch.Tensor:
     :class:`~shardline.models.packed_groups.PackedGroups` ``[rows, K]`` (decode): per
     group, the integers' products with ``x`` summed in float32 and scaled once (the
     offset's share from the group's sum of ``x``), each chunk of the weight unpacked once
-    for all rows of ``x``; an output row depends only on its row of ``x``.
+    for all rows of ``x``; an output row depends only on its row of ``x``. Threads (torch's
+    count) split the weight's rows.
 
     Raises:
         RuntimeError: the kernels are not built (:func:`kernels` is None).
+        MemoryError: a thread's row buffer could not be allocated.
     """
     lib = _loaded()
     M, K = x.shape
@@ -558,6 +558,6 @@ def packed_groups_gemv(w, x: torch.Tensor) -> torch.Tensor:
     # each group's sum of x, read only for an offset (a symmetric type has none)
     xsum = None if w.offset is None else x.view(M, K // w.group, w.group).sum(-1).contiguous()
     y = torch.empty(M, w.shape[0])
-    work = torch.empty(PACKED_SEGMENT + 16 * M)
-    lib.packed_groups_gemv(*_packed_args(w), _ptr(x), _ptr(xsum), M, _ptr(y), _ptr(work))
+    if lib.packed_groups_gemv(*_packed_args(w), _ptr(x), _ptr(xsum), M, _ptr(y)):
+        raise MemoryError("the packed-groups product could not allocate its row buffers")
     return y

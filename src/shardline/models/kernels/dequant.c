@@ -359,17 +359,24 @@ static inline void chunk_dot(const packed_row_t *w, int64_t c, const __m256 *f,
 #endif
 
 /* y[m * rows + r] = sum over k of W[r, k] * x[m, k] for x float32 [M, K] with xsum float32
- * [M, K / group] (each group's sum of x; read only with offsets); work holds
- * PACKED_SEGMENT + 16 M float32. */
+ * [M, K / group] (each group's sum of x; read only with offsets). Threads (OpenMP) split
+ * the rows, each with its own buffer of SEGMENT + 16 M float32; a row's operations do not
+ * depend on the split. Returns 0, or -1 when a buffer cannot be allocated. */
 #define SEGMENT 1024 /* weights unpacked at a time for several sequences: a multiple of 32 */
-void packed_groups_gemv(const uint8_t *low, const uint8_t *high, const void *scale,
-                        const void *offset, int center, int hb, int64_t group, int64_t rows,
-                        int64_t K, int scales_bf16, const float *restrict x,
-                        const float *restrict xsum, int64_t M, float *restrict y,
-                        float *restrict work) {
+int packed_groups_gemv(const uint8_t *low, const uint8_t *high, const void *scale,
+                       const void *offset, int center, int hb, int64_t group, int64_t rows,
+                       int64_t K, int scales_bf16, const float *restrict x,
+                       const float *restrict xsum, int64_t M, float *restrict y) {
     packed_row_t first = {low, high, scale, offset, center, hb, scales_bf16, group, K};
     int64_t groups = K / group;
+    int failed = 0;
+#pragma omp parallel reduction(| : failed)
+    {
+    float *work = malloc((size_t)(SEGMENT + 16 * M) * sizeof(float));
+    failed = work == NULL;
+#pragma omp for schedule(static)
     for (int64_t r = 0; r < rows; r++) {
+        if (!work) continue;
         packed_row_t w = packed_at(first, r);
 #ifdef __AVX2__
         float *state = work + SEGMENT; /* per sequence: 8 lanes of acc, then o */
@@ -428,4 +435,7 @@ void packed_groups_gemv(const uint8_t *low, const uint8_t *high, const void *sca
         }
 #endif
     }
+    free(work);
+    }
+    return failed ? -1 : 0;
 }
