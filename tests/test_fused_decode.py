@@ -22,15 +22,18 @@ LAYERS = 3
 MATRICES = ("attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate", "ffn_up", "ffn_down")
 
 
-def _gguf(tmp_path, arch: str, quant: str, v_quant: str | None = None):
+def _gguf(tmp_path, arch: str, quant: str, others: str = ""):
     """A tiny GGUF of ``arch`` whose layer matrices are ``quant``: "Q8_0" (the model's
-    weights quantized: two int4 planes) or "Q4_1" (random blocks: one plane); the
-    attention's v in ``v_quant`` where given."""
+    weights quantized: two int4 planes) or another type (random blocks), but for
+XX
+    file, whose v and down are in more bits than the rest; F32 the model's own
+    values)."""
     model = tm.hf_model(arch, num_layers=LAYERS, rope_theta=10000.0, seed=5)
     names = [f"blk.{i}.{m}.weight" for i in range(LAYERS) for m in MATRICES]
-    kinds = {n: (v_quant if v_quant and ".attn_v." in n else quant) for n in names}
+    other = dict(pair.split("=") for pair in others.split())
+    kinds = {n: other.get(n.split(".")[2], quant) for n in names}
     q8 = tuple(n for n, kind in kinds.items() if kind == "Q8_0")
-    random = {n: kind for n, kind in kinds.items() if kind != "Q8_0"}
+    random = {n: kind for n, kind in kinds.items() if kind not in ("Q8_0", "F32")}
     return tm.write_gguf(model, tmp_path / f"{arch}-{quant}.gguf", arch=arch, q8_0=q8,
                          random_quants=random)
 
@@ -40,13 +43,16 @@ def _shard(path, dtype=torch.bfloat16):
     return load_shard(source, 0, source.config.num_layers, dtype=dtype)
 
 
-@pytest.fixture(scope="module", params=[("llama", "Q8_0"), ("qwen2", "Q4_1"), ("qwen3", "Q8_0")],
-                ids=lambda p: "-".join(p))
+@pytest.fixture(scope="module", params=[
+    ("llama", "Q8_0", ""), ("qwen2", "Q4_1", ""), ("qwen3", "Q8_0", ""),
+    # int4 planes beside packed 5-bit groups, symmetric (Q5_0) and with offsets (Q5_1)
+    ("qwen2", "Q4_1", "attn_q=Q5_0 ffn_down=Q5_1")], ids=lambda p: "-".join(p[:2]) + (
+        "-mixed" if p[2] else ""))
 def shard(request, tmp_path_factory):
     if not native_dequant.int4_gemv_built():
         pytest.skip("the fused decode layers need the compiled int4 decode product")
-    arch, quant = request.param
-    loaded = _shard(_gguf(tmp_path_factory.mktemp(arch), arch, quant))
+    arch, quant, others = request.param
+    loaded = _shard(_gguf(tmp_path_factory.mktemp(arch), arch, quant, others))
     assert loaded.fused is not None, fused_decode.refusal(loaded)
     return loaded
 
@@ -223,17 +229,18 @@ def test_a_position_outside_the_cache_is_refused(shard):
 
 
 @needs_kernels
-@pytest.mark.parametrize("arch, quant, v_quant, dtype, why", [
-    ("llama", "Q8_0", None, torch.bfloat16, None),
-    ("qwen2", "Q4_1", None, torch.bfloat16, None),
-    ("llama", "Q8_0", None, torch.float32, "compute dtype torch.float32"),
-    ("llama", "Q8_0", None, torch.float16, "compute dtype torch.float16"),
-    ("llama", "Q4_1", "Q5_0", torch.bfloat16,
-     "layer 0 qkv: weight held as ['Int4Planes', 'PackedGroups']"),
-    ("llama", "Q5_0", None, torch.bfloat16, "layer 0 qkv: weight held as ['PackedGroups']"),
+@pytest.mark.parametrize("arch, quant, others, dtype, why", [
+    ("llama", "Q8_0", "", torch.bfloat16, None),
+    ("qwen2", "Q4_1", "", torch.bfloat16, None),
+    ("llama", "Q8_0", "", torch.float32, "compute dtype torch.float32"),
+    ("llama", "Q8_0", "", torch.float16, "compute dtype torch.float16"),
+    ("llama", "Q4_1", "attn_q=Q5_0", torch.bfloat16, None),
+    ("llama", "Q5_0", "", torch.bfloat16, None),
+    ("llama", "Q5_1", "attn_q=F32", torch.bfloat16,
+     "layer 0 qkv: weight held as ['DenseWeight', 'PackedGroups']"),
 ])
-def test_where_the_fused_layers_run(tmp_path, arch, quant, v_quant, dtype, why):
-    shard = _shard(_gguf(tmp_path, arch, quant, v_quant), dtype)
+def test_where_the_fused_layers_run(tmp_path, arch, quant, others, dtype, why):
+    shard = _shard(_gguf(tmp_path, arch, quant, others), dtype)
     got = fused_decode.refusal(shard)
     assert (got is None) if why is None else (got is not None and got.startswith(why)), got
     assert (shard.fused is None) == (why is not None)

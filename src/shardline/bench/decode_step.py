@@ -1,13 +1,14 @@
 """A whole decode step, torch path against fused decode layers:
 ``python -m shardline.bench.decode_step``.
 
-Loads the embedded SmolLM2-135M GGUF as a one-node shard in bfloat16 and times one
-decode step (embedding, the 30 layers, final norm and LM head) for ``rows`` sequences
+Loads the embedded SmolLM2-135M GGUF (or ``--model PATH``, any model file or folder
+shardline reads) as a one-node shard in bfloat16 and times one
+decode step (embedding, the layers, final norm and LM head) for ``rows`` sequences
 whose caches hold ``context`` positions (filled with random keys and values: attention
 costs the same whatever they are), through the layers' torch ops (the reference) and
 through the fused decode layers (:mod:`shardline.models.fused_decode`), and the step's
-weight products alone (the compiled int4 product on the same rows: 121 calls, the LM
-head's included). The three alternate, A B C A B C, and each figure is the median of the
+weight products alone (each weight part's decode product on the same rows: SmolLM2's
+121 calls of the compiled int4 product, the LM head's included). The three alternate, A B C A B C, and each figure is the median of the
 rounds; it prints ms per step for each, the ratio torch / fused, and the time beside the
 products (step minus products) on each path with its ratio.
 """
@@ -17,6 +18,8 @@ from __future__ import annotations
 import argparse
 import statistics
 import time
+from collections.abc import Callable
+from pathlib import Path
 
 import torch
 
@@ -41,15 +44,31 @@ def step_ms(shard, cache: KVCache, rows: int, context: int, repeat: int) -> floa
     return statistics.median(times) * 1e3
 
 
-def products_ms(gemvs: list, rows: int, repeat: int) -> float:
-    """Milliseconds of a step's weight products alone, ``gemvs`` (each called once on
+Product = tuple[int, Callable[[torch.Tensor], torch.Tensor]]
+"""A weight part's input width and its decode product (bfloat16 ``[rows, K]`` in)."""
+
+
+def products(shard) -> list[Product]:
+    """Every weight part of ``shard``'s products with its decode product: the compiled
+    int4 product where the part has one, else the part's own ``matmul``."""
+    found: list[Product] = []
+    for module in shard.modules():
+        if isinstance(module, Linear):
+            for part in module.parts:
+                gemv = part._gemv() if isinstance(part, Int4Planes) else None
+                found.append((part.shape[1], gemv or part.matmul))
+    return found
+
+
+def products_ms(parts: list[Product], rows: int, repeat: int) -> float:
+    """Milliseconds of a step's weight products alone, ``parts`` (each called once on
     ``rows`` rows; ``repeat`` steps, median)."""
-    inputs = {g.K: torch.randn(rows, g.K).to(torch.bfloat16) for g in gemvs}
+    inputs = {K: torch.randn(rows, K).to(torch.bfloat16) for K, _ in parts}
     times = []
     for _ in range(repeat):
         started = time.perf_counter()
-        for gemv in gemvs:
-            gemv(inputs[gemv.K])
+        for K, product in parts:
+            product(inputs[K])
         times.append(time.perf_counter() - started)
     return statistics.median(times) * 1e3
 
@@ -61,10 +80,15 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--rounds", type=int, default=5, help="A B alternations")
     parser.add_argument("--repeat", type=int, default=5, help="steps per timing")
     parser.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's)")
+    parser.add_argument("--model", type=Path, default=None,
+                        help="a model file or folder (default: the embedded SmolLM2-135M)")
     args = parser.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
-    source = open_weights(default_model_path())
+    path = args.model or default_model_path()
+    if not path.exists():
+        raise SystemExit(f"--model {path}: no such file or folder")
+    source = open_weights(path)
     shard = load_shard(source, 0, source.config.num_layers, dtype=torch.bfloat16)
     fused = shard.fused
     if fused is None:
@@ -75,10 +99,9 @@ def main(argv: list[str] | None = None) -> None:
     for t in cache.k + cache.v:
         t[:, :, : max(args.context)] = (torch.randn(t[:, :, : max(args.context)].shape,
                                                     generator=gen) * 0.5).to(t.dtype)
-    print(f"threads {torch.get_num_threads()}; SmolLM2-135M bfloat16, one node; "
+    print(f"threads {torch.get_num_threads()}; {path.name} bfloat16, one node; "
           f"medians of {args.rounds} alternations x {args.repeat} steps")
-    gemvs = [p._gemv() for m in shard.modules() if isinstance(m, Linear) for p in m.parts
-             if isinstance(p, Int4Planes)]
+    parts = products(shard)
     print(f"{'rows':>4} {'context':>7} {'torch ms':>9} {'fused ms':>9} {'torch/fused':>12}"
           f" {'products ms':>12} {'torch beside':>13} {'fused beside':>13} {'ratio':>6}")
     paths = {"torch": None, "fused": fused}
@@ -92,7 +115,7 @@ def main(argv: list[str] | None = None) -> None:
                 for name, path in paths.items():
                     shard.fused = path
                     times[name].append(step_ms(shard, cache, rows, context, args.repeat))
-                times["products"].append(products_ms(gemvs, rows, args.repeat))
+                times["products"].append(products_ms(parts, rows, args.repeat))
             med = {name: statistics.median(t) for name, t in times.items()}
             beside = {name: med[name] - med["products"] for name in paths}
             print(f"{rows:>4} {context:>7} {med['torch']:>9.2f} {med['fused']:>9.2f} "

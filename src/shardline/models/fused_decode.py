@@ -7,7 +7,10 @@ weight products; the products are a quarter of the step. The fused path runs, fo
 layer and each row of the step, the same computation as :class:`~shardline.models.llama.
 DecoderLayer` with the same bfloat16 rounding points (RMSNorm normalized in float32,
 rounded, scaled; the int4-plane products of :class:`~shardline.models.native_dequant.
-Int4Gemv`, called from C; RoPE; the cache write; one-query attention in float32 over the
+Int4Gemv` and, for the weights a file stores in 5- or 6-bit types (a Q4_K_M model's
+Q6_K ``attn_v`` and ``ffn_down``), the float32 products of :class:`~shardline.models.
+packed_groups.PackedGroups` rounded to bfloat16, part by part as
+:class:`~shardline.models.linear.Linear` does, called from C; RoPE; the cache write; one-query attention in float32 over the
 slot's prefix; the residual adds; SwiGLU). It differs from the torch path mainly in
 the attention: torch's bfloat16 attention rounds its probabilities to bfloat16, the
 fused one keeps them in float32 (against the torch path with float32 attention the tiny
@@ -38,6 +41,7 @@ from shardline.models.int4_planes import Int4Planes
 from shardline.models.kv_cache import KVCache
 from shardline.models.linear import Linear
 from shardline.models.llama import DecoderLayer
+from shardline.models.packed_groups import PackedGroups
 
 if TYPE_CHECKING:
     from shardline.models.llama import DecoderShard, ForwardBatch
@@ -50,10 +54,25 @@ MAX_HEAD_DIM = 256
 MAX_GROUP = 16
 """``MAX_GROUP`` of the C source: query heads per KV head."""
 
+MAX_PARTS = 3
+"""``MAX_PARTS`` of the C source: row blocks of one product's weight."""
+
 _P = ctypes.c_void_p
 _I = ctypes.c_int64
 _POINTERS = ("qkv", "o", "gate_up", "down", "attn_norm", "mlp_norm", "qkv_bias", "q_norm",
              "k_norm", "k_cache", "v_cache")
+
+
+class _Part(ctypes.Structure):
+    """``product_part_t`` of the C source."""
+
+    _fields_ = [("int4", _P), ("packed", _P)]
+
+
+class _Product(ctypes.Structure):
+    """``product_t`` of the C source."""
+
+    _fields_ = [("count", _I), ("part", _Part * MAX_PARTS)]
 
 
 class _Layer(ctypes.Structure):
@@ -76,22 +95,37 @@ def _built() -> bool:
 
 
 def _product_refusal(linear: Linear) -> str | None:
-    """Why the fused layers cannot take ``linear``'s product, or None: one int4-plane part
-    that the compiled decode product takes, returned in the compute dtype."""
+    """Why the fused layers cannot take ``linear``'s product, or None: up to
+    :data:`MAX_PARTS` parts, each int4 planes that the compiled decode product takes or
+    packed 5/6-bit groups, returned in the compute dtype."""
     if linear.partial or linear.logits:
         return "a partial or logits product"
-    if _gemv(linear) is None:
-        if len(linear.parts) != 1 or not isinstance(linear.parts[0], Int4Planes):
-            return f"weight held as {[type(p).__name__ for p in linear.parts]} (one Int4Planes)"
-        return "int4 planes the compiled decode product does not take"
+    forms = [type(p).__name__ for p in linear.parts]
+    if len(linear.parts) > MAX_PARTS or not all(
+            isinstance(p, PackedGroups) or (isinstance(p, Int4Planes) and p._gemv() is not None)
+            for p in linear.parts):
+        return (f"weight held as {forms} (up to {MAX_PARTS} parts of int4 planes the compiled "
+                "decode product takes, or packed 5/6-bit groups)")
     return None
 
 
-def _gemv(linear: Linear) -> native_dequant.Int4Gemv | None:
-    """The compiled decode product of ``linear``'s weight where it is one part of int4
-    planes that the product takes, else None."""
-    parts = linear.parts
-    return parts[0]._gemv() if len(parts) == 1 and isinstance(parts[0], Int4Planes) else None
+def _product(linear: Linear, held: list[object]) -> _Product:
+    """``linear``'s weight as the C ``product_t`` (trusts :func:`_product_refusal`); what
+    its pointers point into is appended to ``held``."""
+    product = _Product(len(linear.parts))
+    for entry, part in zip(product.part, linear.parts):
+        if isinstance(part, Int4Planes):
+            gemv = part._gemv()
+            assert gemv is not None, "taken by _product_refusal()"
+            entry.int4 = gemv.address
+            held.append(gemv)
+        else:
+            assert isinstance(part, PackedGroups), "taken by _product_refusal()"
+            weight = native_dequant.PackedWeight.of(part)
+            entry.packed = ctypes.addressof(weight)
+            held += [part, weight]
+    held.append(product)
+    return product
 
 
 def refusal(shard: DecoderShard) -> str | None:
@@ -99,9 +133,10 @@ def refusal(shard: DecoderShard) -> str | None:
     do: the kernels are built here (AVX-512 BF16, VNNI and VBMI), the compute dtype is bfloat16
     on the CPU, the shard holds whole layers (no tensor share, no all-reduce, no padded
     query groups), head_dim, hidden and intermediate sizes are multiples of 16 (head_dim at
-    most :data:`MAX_HEAD_DIM`), at most :data:`MAX_GROUP` query heads a KV head, and each layer's four products are int4 planes the
-    compiled decode product takes. Qwen2's q/k/v bias and Qwen3's q/k norms are
-    supported."""
+    most :data:`MAX_HEAD_DIM`), at most :data:`MAX_GROUP` query heads a KV head, and each
+    layer's four products are up to :data:`MAX_PARTS` parts of int4 planes the compiled
+    decode product takes or packed 5/6-bit groups. Qwen2's q/k/v bias and Qwen3's q/k
+    norms are supported."""
     config = shard.config
     if not _built():
         return "the compiled decode kernels are not built here (AVX-512 BF16, VNNI and VBMI)"
@@ -143,7 +178,7 @@ def for_shard(shard: DecoderShard) -> FusedDecode | None:
 class FusedDecode:
     """A shard's decoder layers for decode steps, as one call of ``decode_layers``.
 
-    Holds the C description of each layer (its products' ``int4_gemv_t``, bfloat16
+    Holds the C description of each layer (its products' ``product_t``, bfloat16
     copies of the norms' weights and the q/k/v bias) and, for the last KV cache it ran
     with, the cache pointers. Build it with :func:`for_shard` (this trusts
     :func:`refusal`).
@@ -160,10 +195,7 @@ class FusedDecode:
             ptrs: dict[str, int | None] = {}
             for name, linear in (("qkv", attn.qkv), ("o", attn.o), ("gate_up", mlp.gate_up),
                                  ("down", mlp.down)):
-                gemv = _gemv(linear)
-                assert gemv is not None, "taken by refusal()"
-                self._held.append(gemv)
-                ptrs[name] = gemv.address
+                ptrs[name] = ctypes.addressof(_product(linear, self._held))
             vectors = (("attn_norm", layer.attn_norm.weight), ("mlp_norm", layer.mlp_norm.weight),
                        ("qkv_bias", attn.qkv.bias),
                        ("q_norm", attn.q_norm.weight if attn.q_norm else None),

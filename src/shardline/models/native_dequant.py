@@ -139,7 +139,7 @@ def kernels() -> ctypes.CDLL | None:
         lib.int8_groups.argtypes = [_P, _P, _P, _I, _I, _I, _P, ctypes.c_int]
         lib.int8_groups_gemv.argtypes = [_P, _P, _P, _I, _I, _I, _P, _P, _I, _P]
         lib.packed_groups_rows.argtypes = [_P, _P, _P, _P, _C, _C, _I, _I, _I, _C, _P, _C, _P]
-        lib.packed_groups_gemv.argtypes = [_P, _P, _P, _P, _C, _C, _I, _I, _I, _C, _P, _P, _I, _P]
+        lib.packed_groups_gemv.argtypes = [_P, _P, _I, _P]
         lib.packed_groups_gemv.restype = ctypes.c_int
         lib.int4_pack_halves.argtypes = [_P, _I, _I, _C, _C, _I, _P, _C]
         lib.unpack_blocks.argtypes = [_P, _I, _I, _C, _P, _P, _P, _C]
@@ -539,13 +539,29 @@ def packed_groups_rows(w, out: torch.Tensor) -> torch.Tensor:
     return out
 
 
+class PackedWeight(ctypes.Structure):
+    """``packed_groups_t`` of the C source: a :class:`~shardline.models.packed_groups.
+    PackedGroups` weight as its products (``packed_groups_gemv``, and the fused decode
+    layers) take it. It points into the weight's tensors: hold the weight while it is
+    used."""
+
+    _fields_ = [("low", _P), ("high", _P), ("scale", _P), ("offset", _P),
+                ("center", ctypes.c_int32), ("hb", ctypes.c_int32),
+                ("scales_bf16", ctypes.c_int32), ("group", _I), ("rows", _I), ("K", _I)]
+
+    @classmethod
+    def of(cls, w) -> PackedWeight:
+        low, high, scale, offset, center, hb, group, rows, K, bf16 = _packed_args(w)
+        return cls(low, high, scale, offset, center, hb, bf16, group, rows, K)
+
+
 def packed_groups_gemv(w, x: torch.Tensor) -> torch.Tensor:
     """``x @ W.T`` in float32 ``[M, rows]`` for float32 ``x`` ``[M, K]`` and ``W`` a
     :class:`~shardline.models.packed_groups.PackedGroups` ``[rows, K]`` (decode): per
     group, the integers' products with ``x`` summed in float32 and scaled once (the
-    offset's share from the group's sum of ``x``), each chunk of the weight unpacked once
-    for all rows of ``x``; an output row depends only on its row of ``x``. Threads (torch's
-    count) split the weight's rows.
+    offset's share from the group's sum of ``x``, summed in order), each chunk of the
+    weight unpacked once for all rows of ``x``; an output row depends only on its row of
+    ``x``. Threads (torch's count) split the weight's rows.
 
     Raises:
         RuntimeError: the kernels are not built (:func:`kernels` is None).
@@ -555,9 +571,8 @@ def packed_groups_gemv(w, x: torch.Tensor) -> torch.Tensor:
     M, K = x.shape
     assert x.dtype == torch.float32 and K == w.shape[1] and K % 8 == 0
     x = x.contiguous()
-    # each group's sum of x, read only for an offset (a symmetric type has none)
-    xsum = None if w.offset is None else x.view(M, K // w.group, w.group).sum(-1).contiguous()
     y = torch.empty(M, w.shape[0])
-    if lib.packed_groups_gemv(*_packed_args(w), _ptr(x), _ptr(xsum), M, _ptr(y)):
+    weight = PackedWeight.of(w)  # held through the call
+    if lib.packed_groups_gemv(ctypes.addressof(weight), _ptr(x), M, _ptr(y)):
         raise MemoryError("the packed-groups product could not allocate its row buffers")
     return y

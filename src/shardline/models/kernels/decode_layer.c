@@ -6,7 +6,9 @@
  * the rounding points of the torch code:
  *
  *   h  = rms_norm(x) * w1                (normalized in float32, rounded, scaled, rounded)
- *   qkv = h @ Wqkv^T (+ bias)            (int4_planes_gemv, int4_gemv.c)
+ *   qkv = h @ Wqkv^T (+ bias)            (int4_planes_gemv, int4_gemv.c, or for a part of
+ *                                        packed 5/6-bit groups packed_groups_gemv,
+ *                                        dequant.c, in float32)
  *   q, k = rms_norm per head (Qwen3), then RoPE: bf(bf(a * cos) + bf(rot(a) * sin))
  *   k, v -> the slot's cache at the row's position ([slots, kv_heads, positions, hd])
  *   a  = softmax(q k^T / sqrt(hd)) v     over positions 0 .. position, in float32
@@ -32,9 +34,24 @@
 
 int decode_layers_built(void) { return 1; }
 
+/* One row block of a product's weight: int4 planes or packed 5/6-bit groups (the other
+ * NULL). */
+typedef struct {
+    const int4_gemv_t *int4;
+    const packed_groups_t *packed;
+} product_part_t;
+
+#define MAX_PARTS 3
+/* A product's weight: its parts' rows stacked, top to bottom (a fused q/k/v whose v the
+ * file stores in another type has two). */
+typedef struct {
+    int64_t count;
+    product_part_t part[MAX_PARTS];
+} product_t;
+
 /* One layer's weights and cache (bfloat16 vectors; NULL where the model has none). */
 typedef struct {
-    const int4_gemv_t *qkv, *o, *gate_up, *down;
+    const product_t *qkv, *o, *gate_up, *down;
     const uint16_t *attn_norm, *mlp_norm; /* [hidden] */
     const uint16_t *qkv_bias;             /* [(heads + 2 kv_heads) hd] or NULL */
     const uint16_t *q_norm, *k_norm;      /* [hd] or NULL */
@@ -222,6 +239,41 @@ static void norm_and_rope(const decode_shape_t *S, const decode_layer_t *Lr, uin
     }
 }
 
+/* y [M, N] bfloat16 = x [M, K] bfloat16 @ W^T, W = p's parts stacked: each int4 part's
+ * output as int4_planes_gemv rounds it, each packed part's float32 product (of x in
+ * float32, exact) rounded to bfloat16: the torch path's Linear, part by part. Returns 0,
+ * or -1 without memory. */
+static int product(const product_t *p, const uint16_t *x, int64_t M, int64_t K, uint16_t *y,
+                   int64_t N) {
+    if (p->count == 1 && p->part[0].int4) return int4_planes_gemv(p->part[0].int4, x, 0, M, y);
+    int64_t most = 0;
+    for (int64_t i = 0; i < p->count; i++) {
+        int64_t rows = p->part[i].int4 ? p->part[i].int4->N : p->part[i].packed->rows;
+        most = rows > most ? rows : most;
+    }
+    float *xf = malloc((size_t)(M * K + M * most) * sizeof(float));
+    if (!xf) return -1;
+    float *out = xf + M * K;
+    for (int64_t i = 0; i < M * K; i++) xf[i] = from_bf16(x[i]);
+    int rc = 0;
+    for (int64_t i = 0, at = 0; i < p->count && !rc; i++) {
+        const product_part_t *part = p->part + i;
+        int64_t rows = part->int4 ? part->int4->N : part->packed->rows;
+        if (part->int4) { /* bfloat16 rows, in out's space */
+            uint16_t *o16 = (uint16_t *)out;
+            if (!(rc = int4_planes_gemv(part->int4, x, 0, M, o16)))
+                for (int64_t m = 0; m < M; m++)
+                    memcpy(y + m * N + at, o16 + m * rows, (size_t)rows * 2);
+        } else if (!(rc = packed_groups_gemv(part->packed, xf, M, out))) {
+            for (int64_t m = 0; m < M; m++)
+                for (int64_t r = 0; r < rows; r++) y[m * N + at + r] = to_bf16(out[m * rows + r]);
+        }
+        at += rows;
+    }
+    free(xf);
+    return rc;
+}
+
 /* x = bf(x + y), n a multiple of 16. */
 static inline void add_rows(uint16_t *x, const uint16_t *y, int64_t n) {
     for (int64_t i = 0; i < n; i += 16)
@@ -270,7 +322,7 @@ int decode_layers(const decode_shape_t *S, const decode_layer_t *layers, int64_t
     for (int64_t l = 0; l < count && !rc; l++) {
         const decode_layer_t *Lr = layers + l;
         for (int64_t m = 0; m < M; m++) rms_norm(x + m * H, Lr->attn_norm, H, S->eps, h + m * H);
-        if ((rc = int4_planes_gemv(Lr->qkv, h, 0, M, qkv))) break;
+        if ((rc = product(Lr->qkv, h, M, H, qkv, qkv_n))) break;
         for (int64_t m = 0; m < M; m++) {
             uint16_t *row = qkv + m * qkv_n;
             if (Lr->qkv_bias) add_rows(row, Lr->qkv_bias, qkv_n);
@@ -298,10 +350,10 @@ int decode_layers(const decode_shape_t *S, const decode_layer_t *layers, int64_t
                 combine(parts + (task * group + g) * (hd + 2), blocks, group * (hd + 2), hd,
                         att + m * heads * hd + (j * group + g) * hd);
         }
-        if ((rc = int4_planes_gemv(Lr->o, att, 0, M, y))) break;
+        if ((rc = product(Lr->o, att, M, heads * hd, y, H))) break;
         add_rows(x, y, M * H);
         for (int64_t m = 0; m < M; m++) rms_norm(x + m * H, Lr->mlp_norm, H, S->eps, h + m * H);
-        if ((rc = int4_planes_gemv(Lr->gate_up, h, 0, M, gu))) break;
+        if ((rc = product(Lr->gate_up, h, M, H, gu, 2 * S->inter))) break;
         for (int64_t m = 0; m < M; m++) {
             const uint16_t *g = gu + m * 2 * S->inter, *u = g + S->inter;
             uint16_t *a = act + m * S->inter;
@@ -313,7 +365,7 @@ int decode_layers(const decode_shape_t *S, const decode_layer_t *layers, int64_t
                                         _mm512_mul_ps(round16(silu), load16(u + i))));
             }
         }
-        if ((rc = int4_planes_gemv(Lr->down, act, 0, M, y))) break;
+        if ((rc = product(Lr->down, act, M, S->inter, y, H))) break;
         add_rows(x, y, M * H);
     }
     free(task_row);

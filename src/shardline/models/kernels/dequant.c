@@ -358,17 +358,30 @@ static inline void chunk_dot(const packed_row_t *w, int64_t c, const __m256 *f,
 }
 #endif
 
-/* y[m * rows + r] = sum over k of W[r, k] * x[m, k] for x float32 [M, K] with xsum float32
- * [M, K / group] (each group's sum of x; read only with offsets). Threads (OpenMP) split
- * the rows, each with its own buffer of SEGMENT + 16 M float32; a row's operations do not
- * depend on the split. Returns 0, or -1 when a buffer cannot be allocated. */
+/* y[m * rows + r] = sum over k of W[r, k] * x[m, k] for x float32 [M, K] (the weight's
+ * rows and K in w). Each group's sum of x (read only with offsets) is summed here, in
+ * order. Threads (OpenMP) split the rows, each with its own buffer of SEGMENT + 16 M
+ * float32; a row's operations do not depend on the split. Returns 0, or -1 when a buffer
+ * cannot be allocated. */
 #define SEGMENT 1024 /* weights unpacked at a time for several sequences: a multiple of 32 */
-int packed_groups_gemv(const uint8_t *low, const uint8_t *high, const void *scale,
-                       const void *offset, int center, int hb, int64_t group, int64_t rows,
-                       int64_t K, int scales_bf16, const float *restrict x,
-                       const float *restrict xsum, int64_t M, float *restrict y) {
+int packed_groups_gemv(const packed_groups_t *pw, const float *restrict x, int64_t M,
+                       float *restrict y) {
+    const uint8_t *low = pw->low, *high = pw->high;
+    const void *scale = pw->scale, *offset = pw->offset;
+    int center = pw->center, hb = pw->hb, scales_bf16 = pw->scales_bf16;
+    int64_t group = pw->group, rows = pw->rows, K = pw->K;
     packed_row_t first = {low, high, scale, offset, center, hb, scales_bf16, group, K};
     int64_t groups = K / group;
+    float *xsum = NULL;
+    if (offset) {
+        xsum = malloc((size_t)(M * groups) * sizeof(float));
+        if (!xsum) return -1;
+        for (int64_t i = 0; i < M * groups; i++) {
+            float total = 0.0f;
+            for (int64_t k = 0; k < group; k++) total += x[i * group + k];
+            xsum[i] = total;
+        }
+    }
     int failed = 0;
 #pragma omp parallel reduction(| : failed)
     {
@@ -437,5 +450,6 @@ int packed_groups_gemv(const uint8_t *low, const uint8_t *high, const void *scal
     }
     free(work);
     }
+    free(xsum);
     return failed ? -1 : 0;
 }

@@ -1,6 +1,7 @@
 /* What the kernel sources share (shardline/models/native_dequant.py compiles every .c
- * file of this folder into one library): bfloat16 conversions and the int4-plane decode
- * product's weight (int4_gemv.c), which the fused decode layers (decode_layer.c) call. */
+ * file of this folder into one library): bfloat16 conversions and the decode products'
+ * weights (int4 planes, int4_gemv.c; packed 5/6-bit groups, dequant.c), which the fused
+ * decode layers (decode_layer.c) call. */
 #ifndef SHARDLINE_KERNELS_H
 #define SHARDLINE_KERNELS_H
 #include <stdint.h>
@@ -89,5 +90,18 @@ typedef struct {
 
 /* y = x @ W^T with x's rows quantized to int8 groups (see int4_gemv.c). */
 int int4_planes_gemv(const int4_gemv_t *weight, const void *x, int x_f32, int64_t M, void *y);
+
+/* A weight of packed 5- or 6-bit groups (dequant.c describes the layout;
+ * shardline/models/packed_groups.py holds it): rows x K, one scale (and offset, or NULL)
+ * per group of 16 or 32, bfloat16 when scales_bf16 else float32, hb = bits - 4. */
+typedef struct {
+    const uint8_t *low, *high;
+    const void *scale, *offset;
+    int32_t center, hb, scales_bf16;
+    int64_t group, rows, K;
+} packed_groups_t;
+
+/* y = x @ W^T in float32 for x float32 [M, K], y [M, rows] (see dequant.c). */
+int packed_groups_gemv(const packed_groups_t *w, const float *x, int64_t M, float *y);
 
 #endif
