@@ -1,6 +1,8 @@
-"""The compiled int4-plane decode product (``native_dequant.Int4Gemv``): against a
-float64 reference per shape (of the activations rounded to int8 groups), and each row the
-same bits whatever rows run beside it."""
+"""The compiled decode products with int8 activations, of int4 planes
+(``native_dequant.Int4Gemv``) and of packed 5/6-bit groups
+(``native_dequant.packed_groups_gemv`` for bfloat16 weights): against a float64 reference
+per shape (of the activations rounded to int8 groups), and each row the same bits whatever
+rows run beside it."""
 
 import pytest
 import torch
@@ -9,6 +11,7 @@ from tiny_models import random_quant_blocks
 from shardline.models import native_dequant
 from shardline.models.gguf_quants import unpack_blocks
 from shardline.models.int4_planes import Int4Planes, pack_int4_planes
+from shardline.models.packed_groups import BLOCK_ROWS, PackedGroups, pack_groups
 
 pytestmark = [
     pytest.mark.fast,
@@ -168,3 +171,78 @@ def test_prefill_chunks_from_96_rows_take_the_amx_product():
     assert torch.equal(held.matmul(chunk), product(held, chunk))  # the int8 product
     with pytest.raises(ValueError, match="bfloat16"):
         gemv.prefill(torch.randn(100, 96))
+
+
+PACKED = {"Q6_K": [(16, 256), (48, 512), (64, 768)],  # groups of 16, 6 bits, symmetric
+          "Q5_0": [(16, 32), (48, 96)],  # 32, 5 bits, symmetric
+          "Q5_1": [(32, 64)],  # 32, 5 bits, offsets
+          "Q5_K": [(16, 256), (32, 512)]}  # 32, 5 bits, offsets
+PACKED_ROWS = [1, 2, 7, 17, 64]
+
+
+def packed_of(type_name: str, out: int, k: int, seed: int = 0) -> PackedGroups:
+    block = 256 if type_name.endswith("_K") else 32
+    blocks = random_quant_blocks(type_name, rows=out, blocks=k // block, seed=seed)
+    return pack_groups(unpack_blocks(type_name, blocks), torch.bfloat16)
+
+
+def group_terms(held: PackedGroups) -> torch.Tensor:
+    """float64 ``[out, K]``: each weight's ``|offset|`` (``center * scale`` for a symmetric
+    type), the size of the offset's share the kernel adds per group."""
+    def row_major(t: torch.Tensor) -> torch.Tensor:
+        return t.permute(0, 2, 1).reshape(held.shape[0], -1).double()
+
+    shares = (row_major(held.scale) * held.center if held.offset is None
+              else row_major(held.offset)).abs()
+    return shares.repeat_interleave(held.group, dim=1)
+
+
+@pytest.mark.parametrize("type_name, out, k", [(t, o, k) for t, shapes in PACKED.items()
+                                               for o, k in shapes])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_packed_product_matches_float64(type_name, out, k, dtype):
+    """The int8-rounded activations times the weights: the integer sums are exact, so the
+    error is a few float32 steps (4e-6) of what the sums scale with (the weights' values
+    and each group's offset share, taken apart), and the rounded activations are within
+    half a step of the activations."""
+    held = packed_of(type_name, out, k, seed=out + k)
+    assert held.shape == (out, k) and held.scale.dtype == torch.bfloat16
+    weight = held.dequantize(torch.float32).double()  # the held values, exactly
+    gen = torch.Generator().manual_seed(k)
+    for rows in PACKED_ROWS:
+        x = torch.randn(rows, k, generator=gen).to(dtype)
+        x[0, :32] = 0  # a group of zeros (d = 0)
+        x[-1, -32:] *= 1000  # a group far larger than its neighbours
+        got = native_dequant.packed_groups_gemv(held, x)
+        assert got.dtype == torch.float32 and got.shape == (rows, out)
+        rounded, d = int8_groups(x)
+        reference = rounded @ weight.T
+        scale = rounded.abs() @ (weight.abs() + group_terms(held)).T
+        assert ((got.double() - reference).abs() <= 4e-6 * scale).all()
+        half_step = d.double().repeat_interleave(32, dim=1) / 2
+        exact = x.double() @ weight.T
+        assert ((got.double() - exact).abs() <= half_step @ weight.abs().T + 4e-6 * scale).all()
+
+
+@pytest.mark.parametrize("type_name", ["Q6_K", "Q5_1"])
+def test_packed_rows_are_the_same_bits_whatever_runs_beside_them(type_name):
+    held = packed_of(type_name, 48, 256, seed=9)
+    x = torch.randn(64, 256, generator=torch.Generator().manual_seed(10)).to(torch.bfloat16)
+    alone = torch.cat([native_dequant.packed_groups_gemv(held, x[i : i + 1]) for i in range(64)])
+    for rows in (2, 8, 17, 64):
+        assert torch.equal(native_dequant.packed_groups_gemv(held, x[:rows]), alone[:rows]), rows
+    assert torch.equal(held.matmul(x[:3]), alone[:3].to(torch.bfloat16))  # decode takes it
+
+
+def test_packed_rows_go_in_blocks_of_16():
+    """A weight's rows are held in blocks of :data:`BLOCK_ROWS`: row views start and end
+    on a block; a 5/6-bit weight of other row counts is held another way (int8 groups)."""
+    from shardline.models.linear import Int8Groups, resident_weight
+
+    held = packed_of("Q5_0", 48, 64)
+    assert torch.equal(held.rows(16, 48).dequantize(torch.float32),
+                       held.dequantize(torch.float32)[16:48])
+    with pytest.raises(ValueError, match="multiples of 16"):
+        held.rows(8, 48)
+    odd = unpack_blocks("Q5_0", random_quant_blocks("Q5_0", rows=BLOCK_ROWS + 8, blocks=2))
+    assert isinstance(resident_weight(odd, torch.bfloat16), Int8Groups)

@@ -315,7 +315,7 @@ def test_compiled_packing_gives_numpys_bytes(monkeypatch, bits):
 
     if native_dequant.kernels() is None:
         pytest.skip("no C compiler on this machine: numpy packs")
-    q = np.random.default_rng(bits).integers(0, 2 ** bits, (24, 256), dtype=np.uint8)
+    q = np.random.default_rng(bits).integers(0, 2 ** bits, (32, 256), dtype=np.uint8)
     compiled = _packed_bits(q, bits)
     monkeypatch.setattr(native_dequant, "kernels", lambda: None)
     for got, want in zip(compiled, _packed_bits(q, bits)):

@@ -97,12 +97,13 @@ def _built() -> bool:
 def _product_refusal(linear: Linear) -> str | None:
     """Why the fused layers cannot take ``linear``'s product, or None: up to
     :data:`MAX_PARTS` parts, each int4 planes that the compiled decode product takes or
-    packed 5/6-bit groups, returned in the compute dtype."""
+    packed 5/6-bit groups with bfloat16 scales, returned in the compute dtype."""
     if linear.partial or linear.logits:
         return "a partial or logits product"
     forms = [type(p).__name__ for p in linear.parts]
     if len(linear.parts) > MAX_PARTS or not all(
-            isinstance(p, PackedGroups) or (isinstance(p, Int4Planes) and p._gemv() is not None)
+            (isinstance(p, PackedGroups) and p.scale.dtype == torch.bfloat16)
+            or (isinstance(p, Int4Planes) and p._gemv() is not None)
             for p in linear.parts):
         return (f"weight held as {forms} (up to {MAX_PARTS} parts of int4 planes the compiled "
                 "decode product takes, or packed 5/6-bit groups)")

@@ -138,8 +138,10 @@ def kernels() -> ctypes.CDLL | None:
         lib.int4_planes_amx_prefill.argtypes = [_P, _P, _I, _P]
         lib.int8_groups.argtypes = [_P, _P, _P, _I, _I, _I, _P, ctypes.c_int]
         lib.int8_groups_gemv.argtypes = [_P, _P, _P, _I, _I, _I, _P, _P, _I, _P]
-        lib.packed_groups_rows.argtypes = [_P, _P, _P, _P, _C, _C, _I, _I, _I, _C, _P, _C, _P]
+        lib.packed_groups_rows.argtypes = [_P, _P, _I, _P, _C, _P]
         lib.packed_groups_gemv.argtypes = [_P, _P, _I, _P]
+        lib.packed_groups_q8_gemv.argtypes = [_P, _P, _C, _I, _P]
+        lib.packed_groups_q8_gemv.restype = ctypes.c_int
         lib.packed_groups_gemv.restype = ctypes.c_int
         lib.int4_pack_halves.argtypes = [_P, _I, _I, _C, _C, _I, _P, _C]
         lib.unpack_blocks.argtypes = [_P, _I, _I, _C, _P, _P, _P, _C]
@@ -524,18 +526,24 @@ def _packed_args(w) -> list:
             w.group, w.shape[0], w.shape[1], int(w.scale.dtype == torch.bfloat16)]
 
 
-def packed_groups_rows(w, out: torch.Tensor) -> torch.Tensor:
-    """Fill ``out`` ``[rows, K]`` (bfloat16 or float32) with the values of ``w``, a
-    :class:`~shardline.models.packed_groups.PackedGroups` of that shape.
+def packed_groups_rows(w, out: torch.Tensor, ids: torch.Tensor | None = None) -> torch.Tensor:
+    """Fill ``out`` ``[n, K]`` (bfloat16 or float32) with rows ``ids`` (int64 ``[n]``; all
+    rows where None) of ``w``, a :class:`~shardline.models.packed_groups.PackedGroups`.
 
     Raises:
         RuntimeError: the kernels are not built (:func:`kernels` is None).
     """
     lib = _loaded()
-    assert tuple(out.shape) == w.shape and out.dtype in (torch.bfloat16, torch.float32)
+    n = w.shape[0] if ids is None else len(ids)
+    assert tuple(out.shape) == (n, w.shape[1]) and out.dtype in (torch.bfloat16, torch.float32)
+    if ids is not None:
+        ids = ids.to(torch.int64).contiguous()
+        if len(ids) and not (0 <= int(ids.min()) and int(ids.max()) < w.shape[0]):
+            raise IndexError(f"rows {ids.tolist()} of a weight of {w.shape[0]}")
     work = torch.empty(w.shape[1])
-    lib.packed_groups_rows(*_packed_args(w), _ptr(out), int(out.dtype == torch.bfloat16),
-                           _ptr(work))
+    weight = PackedWeight.of(w)  # held through the call
+    lib.packed_groups_rows(ctypes.addressof(weight), _ptr(ids), n, _ptr(out),
+                           int(out.dtype == torch.bfloat16), _ptr(work))
     return out
 
 
@@ -556,23 +564,35 @@ class PackedWeight(ctypes.Structure):
 
 
 def packed_groups_gemv(w, x: torch.Tensor) -> torch.Tensor:
-    """``x @ W.T`` in float32 ``[M, rows]`` for float32 ``x`` ``[M, K]`` and ``W`` a
-    :class:`~shardline.models.packed_groups.PackedGroups` ``[rows, K]`` (decode): per
-    group, the integers' products with ``x`` summed in float32 and scaled once (the
-    offset's share from the group's sum of ``x``, summed in order), each chunk of the
-    weight unpacked once for all rows of ``x``; an output row depends only on its row of
-    ``x``. Threads (torch's count) split the weight's rows.
+    """``x @ W.T`` in float32 ``[M, rows]`` for ``x`` ``[M, K]`` (bfloat16 or float32)
+    and ``W`` a :class:`~shardline.models.packed_groups.PackedGroups` ``[rows, K]``
+    (decode); an output row depends only on its row of ``x``, and threads (torch's count)
+    split the weight's rows.
+
+    With bfloat16 scales, where AVX-512 VNNI is built (:func:`int4_gemv_built`), the
+    compiled ``packed_groups_q8_gemv``: each row of ``x`` rounded to int8 groups of 32
+    (llama.cpp's Q8_1 blocks, as :class:`Int4Gemv` does) and each weight group's products
+    with them summed exactly in int32 (``vpdpbusd``), 16 weight rows at a time, then scaled
+    once per group in float32. Else (float32 scales: a float32 instance) the compiled
+    float32 product: per group the integers' products with ``x`` summed in float32 and
+    scaled once, the offset's share from the group's sum of ``x`` (summed in order).
 
     Raises:
         RuntimeError: the kernels are not built (:func:`kernels` is None).
-        MemoryError: a thread's row buffer could not be allocated.
+        MemoryError: the kernel's scratch could not be allocated.
     """
     lib = _loaded()
     M, K = x.shape
-    assert x.dtype == torch.float32 and K == w.shape[1] and K % 8 == 0
-    x = x.contiguous()
+    assert x.dtype in (torch.bfloat16, torch.float32) and K == w.shape[1] and K % 32 == 0
     y = torch.empty(M, w.shape[0])
     weight = PackedWeight.of(w)  # held through the call
-    if lib.packed_groups_gemv(ctypes.addressof(weight), _ptr(x), M, _ptr(y)):
-        raise MemoryError("the packed-groups product could not allocate its row buffers")
+    if w.scale.dtype == torch.bfloat16 and int4_gemv_built():
+        x = x.contiguous()
+        rc = lib.packed_groups_q8_gemv(ctypes.addressof(weight), _ptr(x),
+                                       x.dtype == torch.float32, M, _ptr(y))
+    else:
+        x = x.float().contiguous()
+        rc = lib.packed_groups_gemv(ctypes.addressof(weight), _ptr(x), M, _ptr(y))
+    if rc:
+        raise MemoryError("the packed-groups product could not allocate its scratch")
     return y

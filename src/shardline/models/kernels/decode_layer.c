@@ -7,8 +7,8 @@
  *
  *   h  = rms_norm(x) * w1                (normalized in float32, rounded, scaled, rounded)
  *   qkv = h @ Wqkv^T (+ bias)            (int4_planes_gemv, int4_gemv.c, or for a part of
- *                                        packed 5/6-bit groups packed_groups_gemv,
- *                                        dequant.c, in float32)
+ *                                        packed 5/6-bit groups packed_groups_q8_gemv,
+ *                                        packed_gemv.c, rounded to bfloat16)
  *   q, k = rms_norm per head (Qwen3), then RoPE: bf(bf(a * cos) + bf(rot(a) * sin))
  *   k, v -> the slot's cache at the row's position ([slots, kv_heads, positions, hd])
  *   a  = softmax(q k^T / sqrt(hd)) v     over positions 0 .. position, in float32
@@ -240,21 +240,18 @@ static void norm_and_rope(const decode_shape_t *S, const decode_layer_t *Lr, uin
 }
 
 /* y [M, N] bfloat16 = x [M, K] bfloat16 @ W^T, W = p's parts stacked: each int4 part's
- * output as int4_planes_gemv rounds it, each packed part's float32 product (of x in
- * float32, exact) rounded to bfloat16: the torch path's Linear, part by part. Returns 0,
- * or -1 without memory. */
-static int product(const product_t *p, const uint16_t *x, int64_t M, int64_t K, uint16_t *y,
-                   int64_t N) {
+ * output as int4_planes_gemv rounds it, each packed part's float32 product
+ * (packed_groups_q8_gemv) rounded to bfloat16: the torch path's Linear, part by part.
+ * Returns 0, or -1 without memory. */
+static int product(const product_t *p, const uint16_t *x, int64_t M, uint16_t *y, int64_t N) {
     if (p->count == 1 && p->part[0].int4) return int4_planes_gemv(p->part[0].int4, x, 0, M, y);
     int64_t most = 0;
     for (int64_t i = 0; i < p->count; i++) {
         int64_t rows = p->part[i].int4 ? p->part[i].int4->N : p->part[i].packed->rows;
         most = rows > most ? rows : most;
     }
-    float *xf = malloc((size_t)(M * K + M * most) * sizeof(float));
-    if (!xf) return -1;
-    float *out = xf + M * K;
-    for (int64_t i = 0; i < M * K; i++) xf[i] = from_bf16(x[i]);
+    float *out = malloc((size_t)(M * most) * sizeof(float));
+    if (!out) return -1;
     int rc = 0;
     for (int64_t i = 0, at = 0; i < p->count && !rc; i++) {
         const product_part_t *part = p->part + i;
@@ -264,13 +261,13 @@ static int product(const product_t *p, const uint16_t *x, int64_t M, int64_t K, 
             if (!(rc = int4_planes_gemv(part->int4, x, 0, M, o16)))
                 for (int64_t m = 0; m < M; m++)
                     memcpy(y + m * N + at, o16 + m * rows, (size_t)rows * 2);
-        } else if (!(rc = packed_groups_gemv(part->packed, xf, M, out))) {
+        } else if (!(rc = packed_groups_q8_gemv(part->packed, x, 0, M, out))) {
             for (int64_t m = 0; m < M; m++)
                 for (int64_t r = 0; r < rows; r++) y[m * N + at + r] = to_bf16(out[m * rows + r]);
         }
         at += rows;
     }
-    free(xf);
+    free(out);
     return rc;
 }
 
@@ -322,7 +319,7 @@ int decode_layers(const decode_shape_t *S, const decode_layer_t *layers, int64_t
     for (int64_t l = 0; l < count && !rc; l++) {
         const decode_layer_t *Lr = layers + l;
         for (int64_t m = 0; m < M; m++) rms_norm(x + m * H, Lr->attn_norm, H, S->eps, h + m * H);
-        if ((rc = product(Lr->qkv, h, M, H, qkv, qkv_n))) break;
+        if ((rc = product(Lr->qkv, h, M, qkv, qkv_n))) break;
         for (int64_t m = 0; m < M; m++) {
             uint16_t *row = qkv + m * qkv_n;
             if (Lr->qkv_bias) add_rows(row, Lr->qkv_bias, qkv_n);
@@ -350,10 +347,10 @@ int decode_layers(const decode_shape_t *S, const decode_layer_t *layers, int64_t
                 combine(parts + (task * group + g) * (hd + 2), blocks, group * (hd + 2), hd,
                         att + m * heads * hd + (j * group + g) * hd);
         }
-        if ((rc = product(Lr->o, att, M, heads * hd, y, H))) break;
+        if ((rc = product(Lr->o, att, M, y, H))) break;
         add_rows(x, y, M * H);
         for (int64_t m = 0; m < M; m++) rms_norm(x + m * H, Lr->mlp_norm, H, S->eps, h + m * H);
-        if ((rc = product(Lr->gate_up, h, M, H, gu, 2 * S->inter))) break;
+        if ((rc = product(Lr->gate_up, h, M, gu, 2 * S->inter))) break;
         for (int64_t m = 0; m < M; m++) {
             const uint16_t *g = gu + m * 2 * S->inter, *u = g + S->inter;
             uint16_t *a = act + m * S->inter;
@@ -365,7 +362,7 @@ int decode_layers(const decode_shape_t *S, const decode_layer_t *layers, int64_t
                                         _mm512_mul_ps(round16(silu), load16(u + i))));
             }
         }
-        if ((rc = product(Lr->down, act, M, S->inter, y, H))) break;
+        if ((rc = product(Lr->down, act, M, y, H))) break;
         add_rows(x, y, M * H);
     }
     free(task_row);

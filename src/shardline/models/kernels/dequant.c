@@ -212,37 +212,57 @@ void int8_groups_gemv(const uint8_t *restrict q, const float *restrict scale,
 }
 
 /* 5- or 6-bit integer groups split into a nibble plane and a high-bit plane
- * (shardline/models/packed_groups.py). A row is a run of 32-weight chunks; chunk c has
- * 16 bytes of low nibbles at low[16 c] (byte j: weight j in the low nibble, weight j + 16
- * in the high one) and 4 hb bytes of high bits at high[4 hb c], hb = bits - 4: for hb = 2,
- * byte j (< 8) holds weights j, j + 8, j + 16, j + 24 in bits 0-1, 2-3, 4-5, 6-7; for
- * hb = 1, weight i's bit is bit i of the little-endian 32-bit word. scale, and offset
- * where it is not NULL, hold one value per group of `group` weights (16 or 32), bfloat16
- * when scales_bf16 else float32: w = q * scale + offset, or (q - center) * scale without
- * one (the form of GGUF's symmetric types, e.g. Q6_K's d * sc * (q - 32)). */
+ * (shardline/models/packed_groups.py; kernels.h's packed_groups_t). A row is a run of
+ * 32-weight chunks; chunk c has 16 bytes of low nibbles (byte j: weight j in the low
+ * nibble, weight j + 16 in the high one) and 4 hb bytes of high bits, hb = bits - 4: for
+ * hb = 2, byte j (< 8) holds weights j, j + 8, j + 16, j + 24 in bits 0-1, 2-3, 4-5, 6-7;
+ * for hb = 1, weight i's bit is bit i of the little-endian 32-bit word. The rows go in
+ * blocks of 16: a block's chunk c is 256 low bytes then (in the high plane) 64 hb bytes,
+ * each its rows' dwords of that chunk, dword d of row i at dword 16 d + i; scale, and
+ * offset where it is not NULL, hold one value per group of `group` weights (16 or 32) of
+ * each row, [blocks, groups, 16] (bfloat16 when scales_bf16 else float32):
+ * w = q * scale + offset, or (q - center) * scale without one (the form of GGUF's
+ * symmetric types, e.g. Q6_K's d * sc * (q - 32)). */
 typedef struct {
-    const uint8_t *low, *high;
-    const void *scale, *offset;
+    const uint8_t *low, *high;    /* the row's dword 0 of chunk 0 */
+    const uint8_t *scale, *offset; /* the row's group 0 */
     int center, hb, scales_bf16;
     int64_t group, K;
 } packed_row_t;
 
-static inline float scalar_at(const void *p, int64_t i, int bf16) {
-    return bf16 ? from_bf16(((const uint16_t *)p)[i]) : ((const float *)p)[i];
+/* Group g's scale (or offset) of a row whose group 0 is at p. */
+static inline float scalar_at(const uint8_t *p, int64_t g, int bf16) {
+    return bf16 ? from_bf16(((const uint16_t *)p)[16 * g]) : ((const float *)p)[16 * g];
 }
 
-static inline packed_row_t packed_at(packed_row_t w, int64_t r) {
-    int64_t groups = w.K / w.group, size = w.scales_bf16 ? 2 : 4;
-    w.low += r * w.K / 2;
-    w.high += r * w.K * w.hb / 8;
-    w.scale = (const char *)w.scale + r * groups * size;
-    if (w.offset) w.offset = (const char *)w.offset + r * groups * size;
-    return w;
+static inline packed_row_t packed_at(const packed_groups_t *w, int64_t r) {
+    int64_t chunks = w->K / 32, groups = w->K / w->group, size = w->scales_bf16 ? 2 : 4;
+    int64_t block = r / 16, lane = r % 16;
+    packed_row_t row = {w->low + block * chunks * 256 + lane * 4,
+                        w->high + block * chunks * 64 * w->hb + lane * 4,
+                        (const uint8_t *)w->scale + (block * groups * 16 + lane) * size,
+                        w->offset ? (const uint8_t *)w->offset + (block * groups * 16 + lane) * size
+                                  : NULL,
+                        w->center, w->hb, w->scales_bf16, w->group, w->K};
+    return row;
+}
+
+static inline int32_t dword_at(const uint8_t *p) {
+    int32_t v;
+    memcpy(&v, p, 4);
+    return v;
+}
+
+/* Chunk c's 16 low and 4 hb high bytes of the row. */
+static inline void chunk_bytes(const packed_row_t *w, int64_t c, uint8_t *l, uint8_t *h) {
+    for (int d = 0; d < 4; d++) memcpy(l + 4 * d, w->low + c * 256 + 64 * d, 4);
+    for (int d = 0; d < w->hb; d++) memcpy(h + 4 * d, w->high + c * 64 * w->hb + 64 * d, 4);
 }
 
 /* Chunk c's 32 integers (0 .. 2^bits - 1). */
 static inline void chunk_ints(const packed_row_t *w, int64_t c, int32_t *restrict q) {
-    const uint8_t *l = w->low + c * 16, *h = w->high + c * 4 * w->hb;
+    uint8_t l[16], h[8];
+    chunk_bytes(w, c, l, h);
     for (int j = 0; j < 16; j++) {
         q[j] = l[j] & 15;
         q[j + 16] = l[j] >> 4;
@@ -255,28 +275,27 @@ static inline void chunk_ints(const packed_row_t *w, int64_t c, int32_t *restric
     }
 }
 
-/* Writes rows [0, rows) row-major into out (bfloat16 when out_bf16, else float32), each
- * value computed in float32 without fused multiply-adds; the pointers are at the first
- * row; work is float32 [K]. */
-void packed_groups_rows(const uint8_t *low, const uint8_t *high, const void *scale,
-                        const void *offset, int center, int hb, int64_t group, int64_t rows,
-                        int64_t K, int scales_bf16, void *out, int out_bf16, float *work) {
-    packed_row_t first = {low, high, scale, offset, center, hb, scales_bf16, group, K};
-    for (int64_t r = 0; r < rows; r++) {
-        packed_row_t w = packed_at(first, r);
+/* Writes rows ids[0 .. n) (rows 0 .. n when ids is NULL) of w one after another into out
+ * (bfloat16 when out_bf16, else float32), each value computed in float32 without fused
+ * multiply-adds; work is float32 [K]. */
+void packed_groups_rows(const packed_groups_t *pw, const int64_t *ids, int64_t n, void *out,
+                        int out_bf16, float *work) {
+    int64_t K = pw->K, group = pw->group;
+    for (int64_t r = 0; r < n; r++) {
+        packed_row_t w = packed_at(pw, ids ? ids[r] : r);
         float *d = out_bf16 ? work : (float *)out + r * K;
         int32_t q[32];
         for (int64_t c = 0; c < K / 32; c++) {
             chunk_ints(&w, c, q);
             for (int j0 = 0; j0 < 32; j0 += (int)group) {
                 int64_t g = (c * 32 + j0) / group;
-                float s = scalar_at(w.scale, g, scales_bf16);
+                float s = scalar_at(w.scale, g, w.scales_bf16);
                 float *restrict dg = d + c * 32 + j0;
                 if (w.offset) {
-                    float o = scalar_at(w.offset, g, scales_bf16);
+                    float o = scalar_at(w.offset, g, w.scales_bf16);
                     for (int j = 0; j < group; j++) dg[j] = (float)q[j0 + j] * s + o;
                 } else {
-                    for (int j = 0; j < group; j++) dg[j] = (float)(q[j0 + j] - center) * s;
+                    for (int j = 0; j < group; j++) dg[j] = (float)(q[j0 + j] - w.center) * s;
                 }
             }
         }
@@ -297,17 +316,17 @@ void packed_groups_rows(const uint8_t *low, const uint8_t *high, const void *sca
 /* Chunk c's 32 integers q' as four float32 vectors (weights 0-7, 8-15, 16-23, 24-31). */
 static inline void chunk_vectors(const packed_row_t *w, int64_t c, __m256 *f) {
     const __m128i m4 = _mm_set1_epi8(15);
-    __m128i lb = _mm_loadu_si128((const __m128i *)(w->low + c * 16));
+    const uint8_t *l = w->low + c * 256, *hp = w->high + c * 64 * w->hb;
+    __m128i lb = _mm_setr_epi32(dword_at(l), dword_at(l + 64), dword_at(l + 128), dword_at(l + 192));
     __m256i nib = _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(lb, 4), m4), _mm_and_si128(lb, m4));
     __m256i hi;
     if (w->hb == 2) {
-        int64_t h;
-        memcpy(&h, w->high + c * 8, 8);
+        int64_t h = (int64_t)((uint64_t)(uint32_t)dword_at(hp) |
+                              (uint64_t)(uint32_t)dword_at(hp + 64) << 32);
         hi = _mm256_and_si256(_mm256_srlv_epi64(_mm256_set1_epi64x(h), _mm256_setr_epi64x(0, 2, 4, 6)),
                               _mm256_set1_epi8(3));
     } else {
-        int32_t h;
-        memcpy(&h, w->high + c * 4, 4);
+        int32_t h = dword_at(hp);
         const __m256i spread = _mm256_setr_epi8(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1,
                                                 2, 2, 2, 2, 2, 2, 2, 2, 3, 3, 3, 3, 3, 3, 3, 3);
         const __m256i bits = _mm256_set1_epi64x((int64_t)0x8040201008040201ULL);
@@ -366,11 +385,9 @@ static inline void chunk_dot(const packed_row_t *w, int64_t c, const __m256 *f,
 #define SEGMENT 1024 /* weights unpacked at a time for several sequences: a multiple of 32 */
 int packed_groups_gemv(const packed_groups_t *pw, const float *restrict x, int64_t M,
                        float *restrict y) {
-    const uint8_t *low = pw->low, *high = pw->high;
-    const void *scale = pw->scale, *offset = pw->offset;
-    int center = pw->center, hb = pw->hb, scales_bf16 = pw->scales_bf16;
+    const void *offset = pw->offset;
+    int center = pw->center, scales_bf16 = pw->scales_bf16;
     int64_t group = pw->group, rows = pw->rows, K = pw->K;
-    packed_row_t first = {low, high, scale, offset, center, hb, scales_bf16, group, K};
     int64_t groups = K / group;
     float *xsum = NULL;
     if (offset) {
@@ -390,7 +407,7 @@ int packed_groups_gemv(const packed_groups_t *pw, const float *restrict x, int64
 #pragma omp for schedule(static)
     for (int64_t r = 0; r < rows; r++) {
         if (!work) continue;
-        packed_row_t w = packed_at(first, r);
+        packed_row_t w = packed_at(pw, r);
 #ifdef __AVX2__
         float *state = work + SEGMENT; /* per sequence: 8 lanes of acc, then o */
         if (M == 1) {

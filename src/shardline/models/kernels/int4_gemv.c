@@ -120,30 +120,6 @@ static inline __attribute__((always_inline)) void group_rows(
     }
 }
 
-/* Row x (K bfloat16, or float32 when x_f32) as int8 groups of 32: q, and per group d
- * and d times the sum of q. */
-static void quantize_row(const void *x, int x_f32, int64_t K, int8_t *q, float *d, float *xsum) {
-    const __m512 magnitude = _mm512_castsi512_ps(_mm512_set1_epi32(0x7FFFFFFF));
-    for (int64_t g = 0; g < K / 32; g++) {
-        __m512 v[2];
-        for (int h = 0; h < 2; h++) {
-            int64_t k = g * 32 + 16 * h;
-            v[h] = x_f32 ? _mm512_loadu_ps((const float *)x + k)
-                         : _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(
-                               _mm256_loadu_si256((const __m256i *)((const uint16_t *)x + k))), 16));
-        }
-        float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_and_ps(v[0], magnitude),
-                                                         _mm512_and_ps(v[1], magnitude)));
-        __m512 inv = _mm512_set1_ps(amax > 0.0f ? 127.0f / amax : 0.0f);
-        __m512i q0 = _mm512_cvtps_epi32(_mm512_mul_ps(v[0], inv)); /* nearest, ties to even */
-        __m512i q1 = _mm512_cvtps_epi32(_mm512_mul_ps(v[1], inv));
-        _mm_storeu_si128((__m128i *)(q + g * 32), _mm512_cvtsepi32_epi8(q0));
-        _mm_storeu_si128((__m128i *)(q + g * 32 + 16), _mm512_cvtsepi32_epi8(q1));
-        d[g] = amax / 127.0f;
-        xsum[g] = d[g] * (float)_mm512_reduce_add_epi32(_mm512_add_epi32(q0, q1));
-    }
-}
-
 /* y = x @ W^T for x M rows of K bfloat16, or float32 when x_f32; y is [M, N] in x's
  * dtype. Threads take (block of 64 outputs, tile of 64 rows) pairs: a tile unpacks the
  * block's groups again (a prefill chunk's rows), a row's operations stay its own.
@@ -156,7 +132,7 @@ int int4_planes_gemv(const int4_gemv_t *weight, const void *x, int x_f32, int64_
     if (!q) return -1;
     float *d = (float *)(q + M * K), *xsum = d + M * groups;
     for (int64_t m = 0; m < M; m++)
-        quantize_row((const char *)x + m * K * (x_f32 ? 4 : 2), x_f32, K, q + m * K,
+        quantize_row((const char *)x + m * K * (x_f32 ? 4 : 2), x_f32, K, 32, q + m * K,
                      d + m * groups, xsum + m * groups);
     const uint8_t *planes[2] = {weight->p0, weight->p1};
     const uint16_t *scales[2] = {weight->sz0, weight->sz1};

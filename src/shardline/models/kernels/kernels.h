@@ -88,6 +88,41 @@ typedef struct {
 #define INT4_GEMV_BUILT 0
 #endif
 
+#if INT4_GEMV_BUILT
+#include <immintrin.h>
+/* Row x (K bfloat16, or float32 when x_f32) as int8 groups of 32: q = round(x / d)
+ * (ties to even) with d = max |x| / 127 per group (llama.cpp's Q8_1 blocks,
+ * ggml-quants.c's quantize_row_q8_1), and xsum = d times the sum of q per group of
+ * `group` (32, or 16: each half of a group of 32). */
+static inline void quantize_row(const void *x, int x_f32, int64_t K, int64_t group, int8_t *q,
+                                float *d, float *xsum) {
+    const __m512 magnitude = _mm512_castsi512_ps(_mm512_set1_epi32(0x7FFFFFFF));
+    for (int64_t g = 0; g < K / 32; g++) {
+        __m512 v[2];
+        for (int h = 0; h < 2; h++) {
+            int64_t k = g * 32 + 16 * h;
+            v[h] = x_f32 ? _mm512_loadu_ps((const float *)x + k)
+                         : _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(
+                               _mm256_loadu_si256((const __m256i *)((const uint16_t *)x + k))), 16));
+        }
+        float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_and_ps(v[0], magnitude),
+                                                         _mm512_and_ps(v[1], magnitude)));
+        __m512 inv = _mm512_set1_ps(amax > 0.0f ? 127.0f / amax : 0.0f);
+        __m512i q0 = _mm512_cvtps_epi32(_mm512_mul_ps(v[0], inv)); /* nearest, ties to even */
+        __m512i q1 = _mm512_cvtps_epi32(_mm512_mul_ps(v[1], inv));
+        _mm_storeu_si128((__m128i *)(q + g * 32), _mm512_cvtsepi32_epi8(q0));
+        _mm_storeu_si128((__m128i *)(q + g * 32 + 16), _mm512_cvtsepi32_epi8(q1));
+        d[g] = amax / 127.0f;
+        if (group == 32) {
+            xsum[g] = d[g] * (float)_mm512_reduce_add_epi32(_mm512_add_epi32(q0, q1));
+        } else {
+            xsum[2 * g] = d[g] * (float)_mm512_reduce_add_epi32(q0);
+            xsum[2 * g + 1] = d[g] * (float)_mm512_reduce_add_epi32(q1);
+        }
+    }
+}
+#endif
+
 /* y = x @ W^T with x's rows quantized to int8 groups (see int4_gemv.c). */
 int int4_planes_gemv(const int4_gemv_t *weight, const void *x, int x_f32, int64_t M, void *y);
 
@@ -101,7 +136,9 @@ typedef struct {
     int64_t group, rows, K;
 } packed_groups_t;
 
-/* y = x @ W^T in float32 for x float32 [M, K], y [M, rows] (see dequant.c). */
-int packed_groups_gemv(const packed_groups_t *w, const float *x, int64_t M, float *y);
+/* y = x @ W^T in float32 for x [M, K] (bfloat16, or float32 when x_f32) rounded to int8
+ * groups, y [M, rows] (see packed_gemv.c). */
+int packed_groups_q8_gemv(const packed_groups_t *w, const void *x, int x_f32, int64_t M,
+                          float *y);
 
 #endif

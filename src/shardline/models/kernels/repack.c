@@ -225,19 +225,21 @@ void unpack_blocks(const uint8_t *restrict data, int64_t rows, int64_t blocks, i
 #undef UNPACK_ALL
 }
 
-/* 5- or 6-bit integers q [rows, cols] (cols a multiple of 32) in the layout of
- * shardline/models/packed_groups.py (its pack_groups is the reference), per chunk of 32:
- * low [16 bytes]: byte j holds weight j's low nibble and weight j + 16's as its high
- * one; high [4 (bits - 4) bytes]: for 6 bits byte j holds the top two bits of weights j,
- * j + 8, j + 16, j + 24 in bit pairs 0-1 .. 6-7, for 5 bits bit b of byte j is weight
- * 8 j + b's fifth. */
+/* 5- or 6-bit integers q [rows, cols] (rows a multiple of 16, cols of 32) in the layout
+ * of shardline/models/packed_groups.py (its numpy packing is the reference). A row's chunk
+ * of 32 weights has 16 low bytes (byte j: weight j's low nibble, and weight j + 16's as
+ * its high one) and 4 (bits - 4) high bytes (for 6 bits byte j holds the top two bits of
+ * weights j, j + 8, j + 16, j + 24 in bit pairs 0-1 .. 6-7, for 5 bits bit b of byte j is
+ * weight 8 j + b's fifth); the rows go in blocks of 16, and a block's chunk c is its rows'
+ * bytes of chunk c dword by dword: dword d of row i at dword 16 d + i. */
 void pack_groups_bits(const uint8_t *restrict q, int64_t rows, int64_t cols, int bits,
                       uint8_t *restrict low, uint8_t *restrict high, int threads) {
-    const int64_t chunks = rows * (cols / 32), high_bytes = 4 * (bits - 4);
+    const int64_t per_row = cols / 32, chunks = rows * per_row, hb = bits - 4;
 #pragma omp parallel for num_threads(threads) schedule(static)
     for (int64_t c = 0; c < chunks; c++) {
         const uint8_t *restrict w = q + c * 32;
-        uint8_t *restrict l = low + c * 16, *restrict h = high + c * high_bytes;
+        int64_t row = c / per_row, at = (row / 16) * per_row + c % per_row, lane = row % 16;
+        uint8_t l[16], h[8];
         for (int j = 0; j < 16; j++) l[j] = (uint8_t)((w[j] & 15u) | ((w[j + 16] & 15u) << 4));
         if (bits == 6) {
             for (int j = 0; j < 8; j++)
@@ -250,6 +252,8 @@ void pack_groups_bits(const uint8_t *restrict q, int64_t rows, int64_t cols, int
                 h[j] = byte;
             }
         }
+        for (int d = 0; d < 4; d++) memcpy(low + at * 256 + (16 * d + lane) * 4, l + 4 * d, 4);
+        for (int d = 0; d < hb; d++) memcpy(high + at * 64 * hb + (16 * d + lane) * 4, h + 4 * d, 4);
     }
 }
 
