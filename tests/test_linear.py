@@ -280,7 +280,8 @@ def test_compiled_dequant_is_the_eager_code_bit_for_bit(type_name, dtype, monkey
     if isinstance(held, PackedGroups):
         values = held._eager_rows(dtype)
         assert torch.equal(held.dequantize(dtype), values)
-        product = torch.mm(x.to(gemm), held._eager_rows(gemm).t()).to(dtype)  # the kernel's layout
+        # the GEMM reads W.T as the kernel writes it, contiguous [in, out]
+        product = torch.mm(x.to(gemm), held._eager_rows(gemm).t().contiguous()).to(dtype)
         assert torch.equal(held.matmul(x), product)
         return
     if isinstance(held, Int4Planes) and dtype == torch.bfloat16:  # float32 planes: eager
@@ -293,6 +294,28 @@ def test_compiled_dequant_is_the_eager_code_bit_for_bit(type_name, dtype, monkey
     reference = torch.empty_strided(columns.shape, columns.stride(), dtype=gemm)
     reference.copy_(held._rows(0, 256, gemm).t())
     assert torch.equal(held.matmul(x), torch.mm(x.to(gemm), reference).to(dtype))
+
+
+@pytest.mark.parametrize("type_name", ["Q6_K", "Q5_1"])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("aligned", [True, False])
+def test_transposed_packed_dequant_is_the_eager_code(type_name, dtype, aligned):
+    """A prefill GEMM's operand ``W.T`` from packed groups: three blocks of 16 rows (the
+    last one alone, where pairs make whole lines), into aligned memory (written around the
+    caches) and not."""
+    from shardline.models import native_dequant
+
+    if native_dequant.kernels() is None:
+        pytest.skip("no C compiler on this machine: the eager code is the only path")
+    held = resident_weight(unpack_blocks(type_name, random_blocks(type_name, rows=48, blocks=1,
+                                                                  seed=8)), dtype)
+    assert isinstance(held, PackedGroups)
+    rows, k = held.shape
+    memory = torch.zeros(rows * k + 64, dtype=dtype)
+    start = -memory.data_ptr() % 64 // dtype.itemsize + (0 if aligned else 1)
+    out = memory[start : start + rows * k].view(k, rows)
+    native_dequant.packed_groups_cols(held, out)
+    assert torch.equal(out, held._eager_rows(dtype).t())
 
 
 @pytest.mark.parametrize("type_name, bits", [("Q6_K", 7), ("Q5_K", 6), ("Q5_0", 5.5), ("Q5_1", 6)])
@@ -364,6 +387,23 @@ def test_packed_groups_without_a_compiler_give_the_same_values(monkeypatch):
     assert torch.equal(compiled[0], eager[0])
     for a, b in zip(compiled[1:], eager[1:]):
         assert ((a - b).norm() / b.norm()).item() < 1e-6
+
+
+def test_a_build_without_avx512_kernels_declares_every_function():
+    """The build without tuned flags (the loader's last fallback; what a CPU without
+    AVX-512 VNNI and VBMI, such as a Cascade Lake Xeon or an AVX2 AMD, effectively gets)
+    defines every function the loader declares: the products it cannot build are stubs
+    that say so. It lacked two, and the loader raised AttributeError on such CPUs."""
+    import ctypes
+    import shutil
+
+    from shardline.models import native_dequant
+
+    if shutil.which(native_dequant._compiler()) is None:
+        pytest.skip("no C compiler on this machine")
+    lib = ctypes.CDLL(str(native_dequant._build(native_dequant.FLAGS)))
+    native_dequant.declare(lib)
+    assert not lib.int4_planes_gemv_built() and not lib.decode_layers_built()
 
 
 def test_unfinished_kernel_builds_older_than_a_build_are_removed(tmp_path):

@@ -128,32 +128,44 @@ def kernels() -> ctypes.CDLL | None:
             detail = getattr(e, "stderr", b"") or b""
             log.debug("dequant kernels with %s: %s %s", flags, e, detail.decode(errors="replace"))
             continue
-        for name in ("int4_planes_t_32", "int4_planes_t_16"):
-            getattr(lib, name).argtypes = [_P, _P, _P, _P, _I, _I, _I, _I, _P, ctypes.c_int]
-        _C = ctypes.c_int
-        lib.int4_planes_gemv.argtypes = [_P, _P, _C, _I, _P]
-        lib.int4_planes_rows.argtypes = [_P, _P, _P, _P, _I, _I, _I, _P, _P, _I, _P]
-        lib.int4_planes_gemv_built.restype = ctypes.c_int
-        lib.int4_amx_prefill_ready.restype = ctypes.c_int
-        lib.int4_planes_amx_prefill.argtypes = [_P, _P, _I, _P]
-        lib.int8_groups.argtypes = [_P, _P, _P, _I, _I, _I, _P, ctypes.c_int]
-        lib.int8_groups_gemv.argtypes = [_P, _P, _P, _I, _I, _I, _P, _P, _I, _P]
-        lib.packed_groups_rows.argtypes = [_P, _P, _I, _P, _C, _P]
-        lib.packed_groups_gemv.argtypes = [_P, _P, _I, _P]
-        lib.packed_groups_q8_gemv.argtypes = [_P, _P, _C, _I, _P]
-        lib.packed_groups_q8_gemv.restype = ctypes.c_int
-        lib.packed_groups_gemv.restype = ctypes.c_int
-        lib.int4_pack_halves.argtypes = [_P, _I, _I, _C, _C, _I, _P, _C]
-        lib.unpack_blocks.argtypes = [_P, _I, _I, _C, _P, _P, _P, _C]
-        lib.pack_groups_bits.argtypes = [_P, _I, _I, _C, _P, _P, _C]
-        lib.scales_zeros_bf16.argtypes = [_P, _P, _I, _I, _P, _I, _I, _C]
-        lib.decode_layers_built.restype = ctypes.c_int
-        lib.decode_layers.argtypes = [_P, _P, _I, _P, _I, _P, _P, _P, _P]
-        lib.decode_layers.restype = ctypes.c_int
+        declare(lib)
         return lib
     log.warning("no C compiler could build %s: prefill dequantizes with torch ops (slower)",
                 " ".join(path.name for path in SOURCES))
     return None
+
+
+def declare(lib: ctypes.CDLL) -> None:
+    """Give ``lib``'s functions their C signatures. Every build defines every function
+    (one built without the instructions a kernel needs has a stub that ``*_built()``
+    says not to call).
+
+    Raises:
+        AttributeError: a function the build lacks.
+    """
+    for name in ("int4_planes_t_32", "int4_planes_t_16"):
+        getattr(lib, name).argtypes = [_P, _P, _P, _P, _I, _I, _I, _I, _P, ctypes.c_int]
+    _C = ctypes.c_int
+    lib.int4_planes_gemv.argtypes = [_P, _P, _C, _I, _P]
+    lib.int4_planes_rows.argtypes = [_P, _P, _P, _P, _I, _I, _I, _P, _P, _I, _P]
+    lib.int4_planes_gemv_built.restype = ctypes.c_int
+    lib.int4_amx_prefill_ready.restype = ctypes.c_int
+    lib.int4_planes_amx_prefill.argtypes = [_P, _P, _I, _P]
+    lib.int8_groups.argtypes = [_P, _P, _P, _I, _I, _I, _P, ctypes.c_int]
+    lib.int8_groups_gemv.argtypes = [_P, _P, _P, _I, _I, _I, _P, _P, _I, _P]
+    lib.packed_groups_rows.argtypes = [_P, _P, _I, _P, _C, _P]
+    lib.packed_groups_cols.argtypes = [_P, _P, _C]
+    lib.packed_groups_gemv.argtypes = [_P, _P, _I, _P]
+    lib.packed_groups_q8_gemv.argtypes = [_P, _P, _C, _I, _P]
+    lib.packed_groups_q8_gemv.restype = ctypes.c_int
+    lib.packed_groups_gemv.restype = ctypes.c_int
+    lib.int4_pack_halves.argtypes = [_P, _I, _I, _C, _C, _I, _P, _C]
+    lib.unpack_blocks.argtypes = [_P, _I, _I, _C, _P, _P, _P, _C]
+    lib.pack_groups_bits.argtypes = [_P, _I, _I, _C, _P, _P, _C]
+    lib.scales_zeros_bf16.argtypes = [_P, _P, _I, _I, _P, _I, _I, _C]
+    lib.decode_layers_built.restype = ctypes.c_int
+    lib.decode_layers.argtypes = [_P, _P, _I, _P, _I, _P, _P, _P, _P]
+    lib.decode_layers.restype = ctypes.c_int
 
 
 def _loaded() -> ctypes.CDLL:
@@ -544,6 +556,22 @@ def packed_groups_rows(w, out: torch.Tensor, ids: torch.Tensor | None = None) ->
     weight = PackedWeight.of(w)  # held through the call
     lib.packed_groups_rows(ctypes.addressof(weight), _ptr(ids), n, _ptr(out),
                            int(out.dtype == torch.bfloat16), _ptr(work))
+    return out
+
+
+def packed_groups_cols(w, out: torch.Tensor) -> torch.Tensor:
+    """Fill ``out`` ``[K, rows]`` (bfloat16 or float32) with ``W.T`` for ``w``, a
+    :class:`~shardline.models.packed_groups.PackedGroups` ``[rows, K]`` (a prefill GEMM's
+    operand): the values :func:`packed_groups_rows` writes, transposed, 16 rows at a time
+    where AVX-512 is built.
+
+    Raises:
+        RuntimeError: the kernels are not built (:func:`kernels` is None).
+    """
+    lib = _loaded()
+    assert tuple(out.shape) == (w.shape[1], w.shape[0]) and out.dtype in (torch.bfloat16, torch.float32)
+    weight = PackedWeight.of(w)  # held through the call
+    lib.packed_groups_cols(ctypes.addressof(weight), _ptr(out), int(out.dtype == torch.bfloat16))
     return out
 
 

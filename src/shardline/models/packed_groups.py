@@ -58,14 +58,14 @@ def _interleaved(rows: torch.Tensor, words: int) -> torch.Tensor:
     undoes it."""
     n = rows.shape[0]
     w = rows.contiguous().view(torch.int32).view(n // BLOCK_ROWS, BLOCK_ROWS, -1, words)
-    return w.permute(0, 2, 3, 1).contiguous().view(torch.uint8).view(n // BLOCK_ROWS, -1)
+    return w.permute(0, 2, 3, 1).contiguous().view(-1).view(torch.uint8).view(n // BLOCK_ROWS, -1)
 
 
 def _row_major(blocks: torch.Tensor, words: int) -> torch.Tensor:
     """:func:`_interleaved`'s input from its output."""
     b = blocks.shape[0]
     w = blocks.contiguous().view(torch.int32).view(b, -1, words, BLOCK_ROWS)
-    return w.permute(0, 3, 1, 2).contiguous().view(torch.uint8).view(b * BLOCK_ROWS, -1)
+    return w.permute(0, 3, 1, 2).contiguous().view(-1).view(torch.uint8).view(b * BLOCK_ROWS, -1)
 
 
 @dataclass
@@ -186,8 +186,10 @@ class PackedGroups:
             return native_dequant.packed_groups_gemv(self, x).to(x.dtype)
 
         def columns(start: int, end: int, dtype: torch.dtype) -> torch.Tensor:
-            out = scratch("out", end - start, self.shape[1], dtype)
-            return self.rows(start, end)._rows_into(out).t()
+            if native_dequant.kernels() is None:
+                return self.rows(start, end)._eager_rows(dtype).t()
+            out = scratch("out", self.shape[1], end - start, dtype)
+            return native_dequant.packed_groups_cols(self.rows(start, end), out)
 
         work = 4 if native_dequant.kernels() is None else 0  # the eager float32 values
         return blocked_product(x, self.shape[0], columns, work)

@@ -370,6 +370,13 @@ int decode_layers(const decode_shape_t *S, const decode_layer_t *layers, int64_t
     free(work);
     return rc;
 }
-#else
+#else /* not built: fused_decode.py calls them only where decode_layers_built() */
 int decode_layers_built(void) { return 0; }
+int decode_layers(const void *S, const void *layers, int64_t count, uint16_t *x, int64_t M,
+                  const int64_t *slots, const int64_t *positions, const uint16_t *cos,
+                  const uint16_t *sin) {
+    (void)S, (void)layers, (void)count, (void)x, (void)M, (void)slots, (void)positions,
+        (void)cos, (void)sin;
+    return -1;
+}
 #endif
