@@ -411,11 +411,67 @@ void packed_groups_cols(const packed_groups_t *w, void *out, int out_bf16) {
  * A block's chunk of 16 rows unpacked (chunk_quads) is multiplied into every row of x
  * (vpdpbusd, u8 by s8, four at a time into int32).
  * A row's sums run in a fixed order whatever the other rows of x, so its result is the
- * same bits in any batch. Threads (OpenMP) split the blocks of 16 rows. */
+ * same bits in any batch. Threads (OpenMP) split the pairs of blocks of 16 rows. */
 #if INT4_GEMV_BUILT
+/* The product's rows of x q (int8 [M, K]) with their d [M, chunks] and xs [M, groups]. */
+typedef struct {
+    const int8_t *q;
+    const float *d, *xs;
+    int64_t M;
+} q8_rows_t;
+
+/* Blocks b .. b + NB - 1 (NB 1 or 2, a constant after inlining: two share each row's loads
+ * of x) into acc (NB x 16 float32 a row of x): each block's sums in the same order either
+ * way. */
+static inline __attribute__((always_inline)) void q8_blocks(
+        const packed_groups_t *w, int64_t b, const int NB, const q8_rows_t *x, __m512 *acc) {
+    int64_t K = w->K, chunks = K / 32, groups = K / w->group, hb = w->hb;
+    int64_t size = w->scales_bf16 ? 2 : 4;
+    int halves = w->group == 16 ? 2 : 1; /* weight groups in a chunk */
+    for (int64_t i = 0; i < x->M * NB; i++) acc[i] = _mm512_setzero_ps();
+    for (int64_t c = 0; c < chunks; c++) {
+        __m512i u[2][8];
+        __m512 s[2][2], o[2][2];
+        for (int n = 0; n < NB; n++) {
+            const uint8_t *low = w->low + (b + n) * chunks * 256, *high = w->high + (b + n) * chunks * 64 * hb;
+            const uint8_t *scale = (const uint8_t *)w->scale + (b + n) * groups * 16 * size;
+            if (c + AHEAD < chunks)
+                prefetch_chunk(low + (c + AHEAD) * 256, high + (c + AHEAD) * 64 * hb, (int)hb);
+            chunk_quads(low + c * 256, high + c * 64 * hb, (int)hb, u[n]);
+            for (int h = 0; h < halves; h++) {
+                s[n][h] = group16(scale, c * halves + h, w->scales_bf16);
+                o[n][h] = w->offset ? group16((const uint8_t *)w->offset + (b + n) * groups * 16 * size,
+                                              c * halves + h, w->scales_bf16)
+                                    : _mm512_mul_ps(_mm512_set1_ps(-(float)w->center), s[n][h]);
+            }
+        }
+        for (int64_t m = 0; m < x->M; m++) {
+            const int8_t *qm = x->q + m * K + c * 32;
+            __m512i p[2][2];
+            for (int n = 0; n < NB; n++) p[n][0] = p[n][1] = _mm512_setzero_si512();
+            for (int j = 0; j < 8; j++) {
+                int32_t four;
+                memcpy(&four, qm + 4 * j, 4);
+                __m512i xq = _mm512_set1_epi32(four);
+                int h = halves == 2 && j >= 4;
+                for (int n = 0; n < NB; n++) p[n][h] = _mm512_dpbusd_epi32(p[n][h], u[n][j], xq);
+            }
+            __m512 dv = _mm512_set1_ps(x->d[m * chunks + c]);
+            for (int n = 0; n < NB; n++) {
+                __m512 a = acc[m * NB + n];
+                for (int h = 0; h < halves; h++) {
+                    a = _mm512_fmadd_ps(_mm512_mul_ps(s[n][h], dv), _mm512_cvtepi32_ps(p[n][h]), a);
+                    a = _mm512_fmadd_ps(o[n][h], _mm512_set1_ps(x->xs[m * groups + c * halves + h]), a);
+                }
+                acc[m * NB + n] = a;
+            }
+        }
+    }
+}
+
 int packed_groups_q8_gemv(const packed_groups_t *w, const void *x, int x_f32, int64_t M,
                           float *y) {
-    int64_t K = w->K, rows = w->rows, chunks = K / 32, groups = K / w->group;
+    int64_t K = w->K, rows = w->rows, chunks = K / 32, groups = K / w->group, blocks = rows / 16;
     if (M <= 0 || rows <= 0) return 0;
     size_t bytes = (size_t)(M * K + (M * chunks + M * groups) * 4 + 63) / 64 * 64;
     int8_t *q = aligned_alloc(64, bytes);
@@ -424,49 +480,20 @@ int packed_groups_q8_gemv(const packed_groups_t *w, const void *x, int x_f32, in
     for (int64_t m = 0; m < M; m++)
         quantize_row((const char *)x + m * K * (x_f32 ? 4 : 2), x_f32, K, w->group, q + m * K,
                      d + m * chunks, xs + m * groups);
-    int size = w->scales_bf16 ? 2 : 4, failed = 0;
+    q8_rows_t rows_of_x = {q, d, xs, M};
+    int failed = 0;
 #pragma omp parallel reduction(| : failed)
     {
-    __m512 *acc = aligned_alloc(64, (size_t)M * sizeof(__m512));
+    __m512 *acc = aligned_alloc(64, (size_t)(2 * M) * sizeof(__m512));
     failed = acc == NULL;
 #pragma omp for schedule(static)
-    for (int64_t b = 0; b < rows / 16; b++) {
+    for (int64_t b = 0; b < blocks; b += 2) {
         if (!acc) continue;
-        const uint8_t *low = w->low + b * chunks * 256, *high = w->high + b * chunks * 64 * w->hb;
-        const uint8_t *scale = (const uint8_t *)w->scale + b * groups * 16 * size;
-        const uint8_t *offset = w->offset ? (const uint8_t *)w->offset + b * groups * 16 * size : NULL;
-        for (int64_t m = 0; m < M; m++) acc[m] = _mm512_setzero_ps();
-        for (int64_t c = 0; c < chunks; c++) {
-            __m512i u[8];
-            if (c + AHEAD < chunks)
-                prefetch_chunk(low + (c + AHEAD) * 256, high + (c + AHEAD) * 64 * w->hb, (int)w->hb);
-            chunk_quads(low + c * 256, high + c * 64 * w->hb, (int)w->hb, u);
-            int halves = w->group == 16 ? 2 : 1; /* weight groups in the chunk */
-            __m512 s[2], o[2];
-            for (int h = 0; h < halves; h++) {
-                int64_t g = c * halves + h;
-                s[h] = group16(scale, g, w->scales_bf16);
-                o[h] = offset ? group16(offset, g, w->scales_bf16)
-                              : _mm512_mul_ps(_mm512_set1_ps(-(float)w->center), s[h]);
-            }
-            for (int64_t m = 0; m < M; m++) {
-                const int8_t *qm = q + m * K + c * 32;
-                __m512i p[2] = {_mm512_setzero_si512(), _mm512_setzero_si512()};
-                for (int j = 0; j < 8; j++) {
-                    int32_t four;
-                    memcpy(&four, qm + 4 * j, 4);
-                    __m512i *pj = p + (halves == 2 && j >= 4);
-                    *pj = _mm512_dpbusd_epi32(*pj, u[j], _mm512_set1_epi32(four));
-                }
-                __m512 dv = _mm512_set1_ps(d[m * chunks + c]), a = acc[m];
-                for (int h = 0; h < halves; h++) {
-                    a = _mm512_fmadd_ps(_mm512_mul_ps(s[h], dv), _mm512_cvtepi32_ps(p[h]), a);
-                    a = _mm512_fmadd_ps(o[h], _mm512_set1_ps(xs[m * groups + c * halves + h]), a);
-                }
-                acc[m] = a;
-            }
-        }
-        for (int64_t m = 0; m < M; m++) _mm512_storeu_ps(y + m * rows + b * 16, acc[m]);
+        int nb = b + 1 < blocks ? 2 : 1;
+        if (nb == 2) q8_blocks(w, b, 2, &rows_of_x, acc);
+        else q8_blocks(w, b, 1, &rows_of_x, acc);
+        for (int64_t m = 0; m < M; m++)
+            for (int n = 0; n < nb; n++) _mm512_storeu_ps(y + m * rows + (b + n) * 16, acc[m * nb + n]);
     }
     free(acc);
     }
