@@ -50,6 +50,15 @@ def int8_groups(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return (q.double() * d.double()).view(x.shape), d.squeeze(-1)
 
 
+def activations(rows: int, k: int, gen: torch.Generator, dtype: torch.dtype) -> torch.Tensor:
+    """Random ``[rows, k]`` activations with a group of zeros (d = 0) in the first row and
+    a group far larger than its neighbours in the last."""
+    x = torch.randn(rows, k, generator=gen).to(dtype)
+    x[0, :32] = 0
+    x[-1, -32:] *= 1000
+    return x
+
+
 @pytest.mark.parametrize("count", [1, 2])
 @pytest.mark.parametrize("out, k", SHAPES)
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
@@ -62,9 +71,7 @@ def test_product_matches_float64(count, out, k, dtype):
     weight = held.dequantize(torch.float32).double()  # the held values, exactly
     gen = torch.Generator().manual_seed(count)
     for rows in ROWS:
-        x = torch.randn(rows, k, generator=gen).to(dtype)
-        x[0, :32] = 0  # a group of zeros (d = 0)
-        x[-1, -32:] *= 1000  # a group far larger than its neighbours
+        x = activations(rows, k, gen, dtype)
         got = product(held, x)
         assert got.dtype == dtype and got.shape == (rows, out)
         rounded, d = int8_groups(x)
@@ -210,9 +217,7 @@ def test_packed_product_matches_float64(type_name, out, k, dtype):
     weight = held.dequantize(torch.float32).double()  # the held values, exactly
     gen = torch.Generator().manual_seed(k)
     for rows in PACKED_ROWS:
-        x = torch.randn(rows, k, generator=gen).to(dtype)
-        x[0, :32] = 0  # a group of zeros (d = 0)
-        x[-1, -32:] *= 1000  # a group far larger than its neighbours
+        x = activations(rows, k, gen, dtype)
         got = native_dequant.packed_groups_gemv(held, x)
         assert got.dtype == torch.float32 and got.shape == (rows, out)
         rounded, d = int8_groups(x)
