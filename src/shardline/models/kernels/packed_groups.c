@@ -191,7 +191,6 @@ static inline void chunk_dot(const packed_row_t *w, int64_t c, const __m256 *f,
 int packed_groups_gemv(const packed_groups_t *pw, const float *restrict x, int64_t M,
                        float *restrict y) {
     const void *offset = pw->offset;
-    int center = pw->center, scales_bf16 = pw->scales_bf16;
     int64_t group = pw->group, rows = pw->rows, K = pw->K;
     int64_t groups = K / group;
     float *xsum = NULL;
@@ -261,9 +260,9 @@ int packed_groups_gemv(const packed_groups_t *pw, const float *restrict x, int64
                 for (int64_t g = c * 32 / group; g < (c + 1) * 32 / group; g++) {
                     float part = 0.0f;
                     for (int64_t k = g * group; k < (g + 1) * group; k++)
-                        part += (float)(w.offset ? q[k - c * 32] : q[k - c * 32] - center) * xm[k];
-                    acc += scalar_at(w.scale, g, scales_bf16) * part;
-                    if (w.offset) o += scalar_at(w.offset, g, scales_bf16) * xsum[m * groups + g];
+                        part += (float)(w.offset ? q[k - c * 32] : q[k - c * 32] - w.center) * xm[k];
+                    acc += scalar_at(w.scale, g, w.scales_bf16) * part;
+                    if (w.offset) o += scalar_at(w.offset, g, w.scales_bf16) * xsum[m * groups + g];
                 }
             }
             y[m * rows + r] = acc + o;
