@@ -8,10 +8,11 @@ layer and each row of the step, the same computation as :class:`~shardline.model
 DecoderLayer` with the same bfloat16 rounding points (RMSNorm normalized in float32,
 rounded, scaled; the int4-plane products of :class:`~shardline.models.native_dequant.
 Int4Gemv` and, for the weights a file stores in 5- or 6-bit types (a Q4_K_M model's
-Q6_K ``attn_v`` and ``ffn_down``), the float32 products of :class:`~shardline.models.
-packed_groups.PackedGroups` rounded to bfloat16, part by part as
-:class:`~shardline.models.linear.Linear` does, called from C; RoPE; the cache write; one-query attention in float32 over the
-slot's prefix; the residual adds; SwiGLU). It differs from the torch path mainly in
+Q6_K ``attn_v`` and ``ffn_down``), the products of :class:`~shardline.models.
+packed_groups.PackedGroups` (:func:`~shardline.models.native_dequant.packed_groups_gemv`)
+rounded to bfloat16, part by part as :class:`~shardline.models.linear.Linear` does,
+called from C; RoPE; the cache write; one-query attention in float32 over the slot's
+prefix; the residual adds; SwiGLU). It differs from the torch path mainly in
 the attention: torch's bfloat16 attention rounds its probabilities to bfloat16, the
 fused one keeps them in float32 (against the torch path with float32 attention the tiny
 test models' outputs are the same bits). Each row is computed by the same instructions

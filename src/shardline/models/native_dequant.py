@@ -530,14 +530,6 @@ def int8_groups_gemv(q: torch.Tensor, scale: torch.Tensor, offset: torch.Tensor,
     return y
 
 
-def _packed_args(w) -> list:
-    """The kernel arguments that describe a :class:`~shardline.models.packed_groups.
-    PackedGroups` weight (its first row onwards)."""
-    assert w.scale.dtype in (torch.bfloat16, torch.float32)
-    return [_ptr(w.low), _ptr(w.high), _ptr(w.scale), _ptr(w.offset), w.center, w.bits - 4,
-            w.group, w.shape[0], w.shape[1], int(w.scale.dtype == torch.bfloat16)]
-
-
 def packed_groups_rows(w, out: torch.Tensor, ids: torch.Tensor | None = None) -> torch.Tensor:
     """Fill ``out`` ``[n, K]`` (bfloat16 or float32) with rows ``ids`` (int64 ``[n]``; all
     rows where None) of ``w``, a :class:`~shardline.models.packed_groups.PackedGroups`.
@@ -587,8 +579,9 @@ class PackedWeight(ctypes.Structure):
 
     @classmethod
     def of(cls, w) -> PackedWeight:
-        low, high, scale, offset, center, hb, group, rows, K, bf16 = _packed_args(w)
-        return cls(low, high, scale, offset, center, hb, bf16, group, rows, K)
+        assert w.scale.dtype in (torch.bfloat16, torch.float32)
+        return cls(_ptr(w.low), _ptr(w.high), _ptr(w.scale), _ptr(w.offset), w.center,
+                   w.bits - 4, int(w.scale.dtype == torch.bfloat16), w.group, *w.shape)
 
 
 def packed_groups_gemv(w, x: torch.Tensor) -> torch.Tensor:

@@ -8,7 +8,7 @@
  *   h  = rms_norm(x) * w1                (normalized in float32, rounded, scaled, rounded)
  *   qkv = h @ Wqkv^T (+ bias)            (int4_planes_gemv, int4_gemv.c, or for a part of
  *                                        packed 5/6-bit groups packed_groups_q8_gemv,
- *                                        packed_gemv.c, rounded to bfloat16)
+ *                                        packed_groups.c, rounded to bfloat16)
  *   q, k = rms_norm per head (Qwen3), then RoPE: bf(bf(a * cos) + bf(rot(a) * sin))
  *   k, v -> the slot's cache at the row's position ([slots, kv_heads, positions, hd])
  *   a  = softmax(q k^T / sqrt(hd)) v     over positions 0 .. position, in float32
@@ -243,11 +243,15 @@ static void norm_and_rope(const decode_shape_t *S, const decode_layer_t *Lr, uin
  * output as int4_planes_gemv rounds it, each packed part's float32 product
  * (packed_groups_q8_gemv) rounded to bfloat16: the torch path's Linear, part by part.
  * Returns 0, or -1 without memory. */
+static inline int64_t part_rows(const product_part_t *part) {
+    return part->int4 ? part->int4->N : part->packed->rows;
+}
+
 static int product(const product_t *p, const uint16_t *x, int64_t M, uint16_t *y, int64_t N) {
     if (p->count == 1 && p->part[0].int4) return int4_planes_gemv(p->part[0].int4, x, 0, M, y);
     int64_t most = 0;
     for (int64_t i = 0; i < p->count; i++) {
-        int64_t rows = p->part[i].int4 ? p->part[i].int4->N : p->part[i].packed->rows;
+        int64_t rows = part_rows(p->part + i);
         most = rows > most ? rows : most;
     }
     float *out = malloc((size_t)(M * most) * sizeof(float));
@@ -255,7 +259,7 @@ static int product(const product_t *p, const uint16_t *x, int64_t M, uint16_t *y
     int rc = 0;
     for (int64_t i = 0, at = 0; i < p->count && !rc; i++) {
         const product_part_t *part = p->part + i;
-        int64_t rows = part->int4 ? part->int4->N : part->packed->rows;
+        int64_t rows = part_rows(part);
         if (part->int4) { /* bfloat16 rows, in out's space */
             uint16_t *o16 = (uint16_t *)out;
             if (!(rc = int4_planes_gemv(part->int4, x, 0, M, o16)))

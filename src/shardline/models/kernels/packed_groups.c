@@ -40,14 +40,24 @@ static inline float scalar_at(const uint8_t *p, int64_t g, int bf16) {
     return bf16 ? from_bf16(((const uint16_t *)p)[16 * g]) : ((const float *)p)[16 * g];
 }
 
+/* Where block b of 16 rows starts in each of w's planes and scales (offset NULL without). */
+typedef struct {
+    const uint8_t *low, *high, *scale, *offset;
+} packed_block_t;
+
+static inline packed_block_t block_at(const packed_groups_t *w, int64_t b) {
+    int64_t chunks = w->K / 32, scales = b * (w->K / w->group) * 16 * (w->scales_bf16 ? 2 : 4);
+    packed_block_t at = {w->low + b * chunks * 256, w->high + b * chunks * 64 * w->hb,
+                         (const uint8_t *)w->scale + scales,
+                         w->offset ? (const uint8_t *)w->offset + scales : NULL};
+    return at;
+}
+
 static inline packed_row_t packed_at(const packed_groups_t *w, int64_t r) {
-    int64_t chunks = w->K / 32, groups = w->K / w->group, size = w->scales_bf16 ? 2 : 4;
-    int64_t block = r / 16, lane = r % 16;
-    packed_row_t row = {w->low + block * chunks * 256 + lane * 4,
-                        w->high + block * chunks * 64 * w->hb + lane * 4,
-                        (const uint8_t *)w->scale + (block * groups * 16 + lane) * size,
-                        w->offset ? (const uint8_t *)w->offset + (block * groups * 16 + lane) * size
-                                  : NULL,
+    packed_block_t at = block_at(w, r / 16);
+    int64_t lane = r % 16, size = w->scales_bf16 ? 2 : 4;
+    packed_row_t row = {at.low + lane * 4, at.high + lane * 4, at.scale + lane * size,
+                        at.offset ? at.offset + lane * size : NULL,
                         w->center, w->hb, w->scales_bf16, w->group, w->K};
     return row;
 }
@@ -328,20 +338,17 @@ static inline __m512 group16(const uint8_t *p, int64_t g, int bf16) {
 /* A block's chunk (16 rows, 32 weights) dequantized: v[4 j + t] holds weight 4 j + t of
  * each of the 16 rows, as the eager code computes it. */
 static inline void chunk_values(const packed_groups_t *w, int64_t b, int64_t c, __m512 *v) {
-    int64_t chunks = w->K / 32, groups = w->K / w->group, size = w->scales_bf16 ? 2 : 4;
-    const uint8_t *low = w->low + (b * chunks + c) * 256, *high = w->high + (b * chunks + c) * 64 * w->hb;
-    const uint8_t *scale = (const uint8_t *)w->scale + b * groups * 16 * size;
-    const uint8_t *offset = w->offset ? (const uint8_t *)w->offset + b * groups * 16 * size : NULL;
+    packed_block_t at = block_at(w, b);
     __m512i u[8];
-    chunk_quads(low, high, (int)w->hb, u);
+    chunk_quads(at.low + c * 256, at.high + c * 64 * w->hb, (int)w->hb, u);
     for (int j = 0; j < 8; j++) {
         int64_t g = (c * 32 + 4 * j) / w->group;
-        __m512 s = group16(scale, g, w->scales_bf16);
-        __m512 o = offset ? group16(offset, g, w->scales_bf16) : _mm512_setzero_ps();
+        __m512 s = group16(at.scale, g, w->scales_bf16);
+        __m512 o = at.offset ? group16(at.offset, g, w->scales_bf16) : _mm512_setzero_ps();
         for (int t = 0; t < 4; t++) {
             __m512 q = _mm512_cvtepi32_ps(_mm512_and_si512(_mm512_srli_epi32(u[j], 8 * t),
                                                            _mm512_set1_epi32(0xFF)));
-            v[4 * j + t] = offset ? _mm512_add_ps(_mm512_mul_ps(q, s), o)
+            v[4 * j + t] = at.offset ? _mm512_add_ps(_mm512_mul_ps(q, s), o)
                                   : _mm512_mul_ps(_mm512_sub_ps(q, _mm512_set1_ps((float)w->center)), s);
         }
     }
@@ -425,23 +432,21 @@ typedef struct {
 static inline __attribute__((always_inline)) void q8_blocks(
         const packed_groups_t *w, int64_t b, const int NB, const q8_rows_t *x, __m512 *acc) {
     int64_t K = w->K, chunks = K / 32, groups = K / w->group, hb = w->hb;
-    int64_t size = w->scales_bf16 ? 2 : 4;
     int halves = w->group == 16 ? 2 : 1; /* weight groups in a chunk */
+    packed_block_t at[2];
+    for (int n = 0; n < NB; n++) at[n] = block_at(w, b + n);
     for (int64_t i = 0; i < x->M * NB; i++) acc[i] = _mm512_setzero_ps();
     for (int64_t c = 0; c < chunks; c++) {
         __m512i u[2][8];
         __m512 s[2][2], o[2][2];
         for (int n = 0; n < NB; n++) {
-            const uint8_t *low = w->low + (b + n) * chunks * 256, *high = w->high + (b + n) * chunks * 64 * hb;
-            const uint8_t *scale = (const uint8_t *)w->scale + (b + n) * groups * 16 * size;
             if (c + AHEAD < chunks)
-                prefetch_chunk(low + (c + AHEAD) * 256, high + (c + AHEAD) * 64 * hb, (int)hb);
-            chunk_quads(low + c * 256, high + c * 64 * hb, (int)hb, u[n]);
+                prefetch_chunk(at[n].low + (c + AHEAD) * 256, at[n].high + (c + AHEAD) * 64 * hb, (int)hb);
+            chunk_quads(at[n].low + c * 256, at[n].high + c * 64 * hb, (int)hb, u[n]);
             for (int h = 0; h < halves; h++) {
-                s[n][h] = group16(scale, c * halves + h, w->scales_bf16);
-                o[n][h] = w->offset ? group16((const uint8_t *)w->offset + (b + n) * groups * 16 * size,
-                                              c * halves + h, w->scales_bf16)
-                                    : _mm512_mul_ps(_mm512_set1_ps(-(float)w->center), s[n][h]);
+                s[n][h] = group16(at[n].scale, c * halves + h, w->scales_bf16);
+                o[n][h] = at[n].offset ? group16(at[n].offset, c * halves + h, w->scales_bf16)
+                                       : _mm512_mul_ps(_mm512_set1_ps(-(float)w->center), s[n][h]);
             }
         }
         for (int64_t m = 0; m < x->M; m++) {
