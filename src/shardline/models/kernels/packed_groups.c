@@ -149,23 +149,13 @@ static inline void chunk_vectors(const packed_row_t *w, int64_t c, __m256 *f) {
         hi = _mm256_and_si256(_mm256_cmpeq_epi8(_mm256_and_si256(hv, bits), bits), _mm256_set1_epi8(1));
     }
     __m256i q = _mm256_or_si256(nib, _mm256_slli_epi16(hi, 4));
-    __m128i lo128, hi128;
-    if (w->offset) {
-        lo128 = _mm256_castsi256_si128(q);
-        hi128 = _mm256_extracti128_si256(q, 1);
-        f[0] = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(lo128));
-        f[1] = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(lo128, 8)));
-        f[2] = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(hi128));
-        f[3] = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(hi128, 8)));
-    } else {
-        q = _mm256_sub_epi8(q, _mm256_set1_epi8((char)w->center));
-        lo128 = _mm256_castsi256_si128(q);
-        hi128 = _mm256_extracti128_si256(q, 1);
-        f[0] = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(lo128));
-        f[1] = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(lo128, 8)));
-        f[2] = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(hi128));
-        f[3] = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(hi128, 8)));
-    }
+    /* q' = q - center as signed bytes (q itself with an offset: below 64, a positive byte) */
+    if (!w->offset) q = _mm256_sub_epi8(q, _mm256_set1_epi8((char)w->center));
+    __m128i lo128 = _mm256_castsi256_si128(q), hi128 = _mm256_extracti128_si256(q, 1);
+    f[0] = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(lo128));
+    f[1] = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(lo128, 8)));
+    f[2] = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(hi128));
+    f[3] = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(hi128, 8)));
 }
 
 /* Chunk c's products with x (its 32 values) into acc and o. */
