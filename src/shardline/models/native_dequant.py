@@ -1,7 +1,8 @@
 """The compiled kernels (every ``.c`` file of ``kernels/``, one library: the
 dequantization and small decode products of ``dequant.c``, the int8-activation product
 of int4 planes of ``int4_gemv.c`` and their prefill product on AMX tiles of
-``amx_prefill.c``, the fused decode layers of ``decode_layer.c``): built once per machine
+``amx_prefill.c``, what reads packed 5/6-bit groups in ``packed_groups.c``, the load's
+passes of ``repack.c``, the fused decode layers of ``decode_layer.c``): built once per machine
 with the system C compiler, kept in ``$XDG_CACHE_HOME/shardline/kernels/``, loaded with
 ctypes.
 

@@ -1,6 +1,6 @@
 /* What the kernel sources share (shardline/models/native_dequant.py compiles every .c
  * file of this folder into one library): bfloat16 conversions and the decode products'
- * weights (int4 planes, int4_gemv.c; packed 5/6-bit groups, dequant.c), which the fused
+ * weights (int4 planes, int4_gemv.c; packed 5/6-bit groups, packed_groups.c), which the fused
  * decode layers (decode_layer.c) call. */
 #ifndef SHARDLINE_KERNELS_H
 #define SHARDLINE_KERNELS_H
@@ -88,8 +88,7 @@ typedef struct {
 #define INT4_GEMV_BUILT 0
 #endif
 
-#if INT4_GEMV_BUILT
-#include <immintrin.h>
+#if INT4_GEMV_BUILT /* (implies AVX-512 F and BW: immintrin.h is included above) */
 /* Row x (K bfloat16, or float32 when x_f32) as int8 groups of 32: q = round(x / d)
  * (ties to even) with d = max |x| / 127 per group (llama.cpp's Q8_1 blocks,
  * ggml-quants.c's quantize_row_q8_1), and xsum = d times the sum of q per group of
@@ -126,7 +125,7 @@ static inline void quantize_row(const void *x, int x_f32, int64_t K, int64_t gro
 /* y = x @ W^T with x's rows quantized to int8 groups (see int4_gemv.c). */
 int int4_planes_gemv(const int4_gemv_t *weight, const void *x, int x_f32, int64_t M, void *y);
 
-/* A weight of packed 5- or 6-bit groups (dequant.c describes the layout;
+/* A weight of packed 5- or 6-bit groups (packed_groups.c describes the layout;
  * shardline/models/packed_groups.py holds it): rows x K, one scale (and offset, or NULL)
  * per group of 16 or 32, bfloat16 when scales_bf16 else float32, hb = bits - 4. */
 typedef struct {
@@ -137,7 +136,7 @@ typedef struct {
 } packed_groups_t;
 
 /* y = x @ W^T in float32 for x [M, K] (bfloat16, or float32 when x_f32) rounded to int8
- * groups, y [M, rows] (see packed_gemv.c). */
+ * groups, y [M, rows] (see packed_groups.c). */
 int packed_groups_q8_gemv(const packed_groups_t *w, const void *x, int x_f32, int64_t M,
                           float *y);
 
