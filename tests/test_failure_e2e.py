@@ -123,6 +123,8 @@ def test_a_death_mid_stream_fails_fast_and_the_model_is_placed_again(cluster, vi
     nodes = [psutil.Process(p.pid) for p in cluster.procs]
     old_runners = [r for n in nodes for r in runners_of(n)]
     assert len(old_runners) == 3
+    (old_id,) = [i["instance_id"] for i in
+                 httpx.get(f"{cluster.url(0)}/cluster/instances").json()["instances"]]
     stream = Stream(cluster.url(client_node))
     stream.start()
     while stream.tokens < 5:
@@ -147,6 +149,9 @@ def test_a_death_mid_stream_fails_fast_and_the_model_is_placed_again(cluster, vi
     instances = httpx.get(f"{cluster.url(client_node)}/cluster/instances").json()["instances"]
     ready = [i for i in instances if i["status"] == "ready"]
     assert len(ready) == 1 and len(ready[0]["ranks"]) == (2 if victim == "node" else 3)
+    # The id the client was given still answers: with the instance placed in its place.
+    named = httpx.get(f"{cluster.url(client_node)}/cluster/instances/{old_id}").json()
+    assert named["instance_id"] == ready[0]["instance_id"] != old_id and old_id in named["replaced"]
     print(f"\n{victim} killed: client error after {error_s:.2f} s ({stream.error!r}); "
           f"serving again after {serving_s:.1f} s")
     assert error_s < (15 if victim == "frozen runner" else 10)  # the watchdog is 10 s

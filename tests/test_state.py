@@ -10,6 +10,7 @@ import pytest
 from shardline.models.config import RankShare, Sharding
 from shardline.node.cluster_state import Epoch
 from shardline.node.state import (
+    REPLACED_KEPT,
     Adopted,
     ClusterState,
     Deleted,
@@ -23,8 +24,10 @@ from shardline.node.state import (
     TermStarted,
     apply,
     down_rank_failure,
+    instance_named,
     lost_rank_failures,
     plan_runners,
+    replaced_ids,
     stale_ranks,
 )
 from shardline.node.status import InstanceStatus as I
@@ -41,7 +44,7 @@ def inst(instance_id="i1", nodes=("a", "b", "c"), status=I.LOADING, ranks=None, 
     return Instance(instance_id, "m", Sharding.PIPELINE,
                     tuple(RankPlacement(n, f"{n}:1", RankShare(0, 1), status=s, incarnation=1.0)
                           for n, s in zip(nodes, ranks)),
-                    "a", 1, 256, 1, status=status, created_at=0.0, **kw)
+                    "a", 1, 256, 1, status=status, **{"created_at": 0.0, **kw})
 
 
 def state(*instances: Instance, epoch=Epoch(3, 2, "a")) -> ClusterState:
@@ -157,13 +160,34 @@ def test_only_a_newer_table_is_adopted(theirs, adopted):
 
 
 def test_a_state_round_trips_through_its_wire_form():
-    s = apply(state(inst(ranks=[R.READY] * 3)), InstanceFailed("i1", "x", ("b",)))
+    s = apply(state(inst(ranks=[R.READY] * 3, replaced=("i0",))), InstanceFailed("i1", "x", ("b",)))
     back = StateMessage.model_validate_json(StateMessage.of(s).model_dump_json()).state()
     assert back == s
     assert isinstance(back.instances["i1"].status, I) and isinstance(back.instances["i1"].ranks[0].status, R)
 
 
 # -- decisions --------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("instances, asked, named", [
+    ([inst("i1")], "i1", "i1"),
+    ([inst("i1")], "i0", None),
+    ([inst("i2", replaced=("i0", "i1"))], "i1", "i2"),
+    ([inst("i2", replaced=("i0", "i1"))], "i0", "i2"),
+    ([inst("i1", status=I.FAILED), inst("i2", replaced=("i1",))], "i1", "i1"),
+    ([inst("i2", replaced=("i1",)), inst("i3", replaced=("i1",), created_at=5.0)], "i1", "i3"),
+], ids=["itself", "unknown", "placed again for it", "for the one before it",
+        "the failed one while its successor loads", "the newest successor"])
+def test_an_id_names_its_instance_or_the_one_placed_again_in_its_place(instances, asked, named):
+    found = instance_named({i.instance_id: i for i in instances}, asked)
+    assert (found.instance_id if found else None) == named
+
+
+def test_an_instance_placed_again_answers_for_the_newest_ids_before_it():
+    assert replaced_ids(inst("i1")) == ("i1",)
+    assert replaced_ids(inst("i2", replaced=("i0", "i1"))) == ("i0", "i1", "i2")
+    long = inst("new", replaced=tuple(f"x{k}" for k in range(REPLACED_KEPT)))
+    assert replaced_ids(long) == (*long.replaced[1:], "new")
 
 
 @pytest.mark.parametrize("instances, live, incarnations, failed", [

@@ -196,9 +196,11 @@ class KeepAlive:
 
 async def unload(node: "Node", instance_id: str) -> tuple[int, dict]:
     """Delete an instance through the coordinator, as ``DELETE /cluster/instances/{id}``
-    does: the HTTP status and body that request would answer."""
+    does: the HTTP status and body that request would answer (``deleted``: the id
+    removed, the one placed again in ``instance_id``'s place where it failed)."""
     if not node.is_coordinator():
         return await node.ask_coordinator("DELETE", f"/cluster/instances/{instance_id}")
-    if not await node.coordinator.delete_instance(instance_id):
+    deleted = await node.coordinator.delete_instance(instance_id)
+    if deleted is None:
         return 404, error_body(API.CLUSTER, 404, f"no instance {instance_id}", "instance_id")
-    return 200, {"deleted": instance_id}
+    return 200, {"deleted": deleted}

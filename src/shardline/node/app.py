@@ -29,6 +29,7 @@ from shardline.node.node import Node
 from shardline.node.queue_bound import QueueFullError
 from shardline.node.signing import MEMBER_HEADER
 from shardline.node.speeds import placement_key
+from shardline.node.state import instance_named
 from shardline.node.status import InstanceStatus
 from shardline.node.table import InstanceFailedError, NoInstanceError
 from shardline.node.transfer import add_model_routes
@@ -240,7 +241,7 @@ def create_app(node: Node, guard: GuardConfig, max_body_bytes: int = DEFAULT_MAX
 
     @app.get("/cluster/instances/{instance_id}")
     async def instance(instance_id: str):
-        inst = node.instances.get(instance_id)
+        inst = instance_named(node.instances, instance_id)  # or the one placed in its place
         if inst is None:
             return cluster_error(404, f"no instance {instance_id}", "instance_id")
         return await instance_view(inst, node.coordinator.served_speeds())

@@ -31,7 +31,9 @@ from shardline.node.state import (
     RejoinDropped,
     apply,
     down_rank_failure,
+    instance_named,
     lost_rank_failures,
+    replaced_ids,
 )
 from shardline.node.status import InstanceStatus, RankStatus
 from shardline.node.table import Instance, RankPlacement
@@ -106,7 +108,7 @@ class Coordinator:
                 card = await self.node.logistics.model_card(inst.model_id)
                 await self._place(card, inst.sharding, list(inst.wanted_nodes), inst.context,
                                   inst.max_batch, inst.dtype, inst.force, 0,
-                                  inst.kv_cache_bytes, inst.quantize)
+                                  inst.kv_cache_bytes, inst.quantize, replaced=replaced_ids(inst))
             except (PlacementError, ModelNotFoundError, PeerError) as exc:
                 log.warning("could not place %s on its returning node(s) again: %s",
                             inst.model_id, exc)
@@ -208,7 +210,8 @@ class Coordinator:
             card = await self.node.logistics.model_card(failed.model_id)
             await self._place(card, failed.sharding, nodes, failed.context, failed.max_batch,
                               failed.dtype, failed.force, retries, failed.kv_cache_bytes,
-                              failed.quantize, wanted_nodes=wanted, replaces=failed.instance_id)
+                              failed.quantize, wanted_nodes=wanted, replaces=failed.instance_id,
+                              replaced=replaced_ids(failed))
         except _Deleted:
             log.info("not placing %s again: its instance %s was deleted meanwhile",
                      failed.model_id, failed.instance_id)
@@ -411,10 +414,12 @@ class Coordinator:
         quantize: str | None = None,
         wanted_nodes: list[str] | None = None,
         replaces: str | None = None,
+        replaced: tuple[str, ...] = (),
     ) -> Instance:
         """Place ``card`` and publish the instance. ``wanted_nodes``: the nodes a failed
         instance was placed on; kept on the new one when it gets fewer of them (rule 6).
-        ``replaces``: the failed instance this placement stands in for.
+        ``replaces``: the failed instance this placement stands in for. ``replaced``: the
+        ids the new instance answers for (``state.replaced_ids``).
 
         Raises:
             _Deleted: ``replaces`` left the table while this placement awaited (a user
@@ -457,6 +462,7 @@ class Coordinator:
             retries=retries,
             force=force,
             wanted_nodes=tuple(wanted_nodes) if wanted_nodes and set(chosen) < set(wanted_nodes) else (),
+            replaced=replaced,
         )
         if replaces is not None and replaces not in self.node.instances:
             raise _Deleted(replaces)
@@ -504,9 +510,12 @@ class Coordinator:
             return free_port()
         return await self.node.peer_client.free_port(self.node.address_of(node_id))
 
-    async def delete_instance(self, instance_id: str) -> bool:
-        """Coordinator: remove an instance; its runners are stopped everywhere."""
-        if instance_id not in self.node.instances:
-            return False
-        await self.node.commit(Deleted(instance_id))
-        return True
+    async def delete_instance(self, instance_id: str) -> str | None:
+        """Coordinator: remove the instance ``instance_id`` names (itself, or the one
+        placed again in its place: ``state.instance_named``); its runners are stopped
+        everywhere. The id removed, or None where the id names none."""
+        inst = instance_named(self.node.instances, instance_id)
+        if inst is None:
+            return None
+        await self.node.commit(Deleted(inst.instance_id))
+        return inst.instance_id

@@ -46,6 +46,27 @@ class ClusterState:
     instances: Mapping[str, Instance] = field(default_factory=dict)
 
 
+REPLACED_KEPT = 16
+"""How many ids of the instances it stands in for an instance keeps (the newest)."""
+
+
+def replaced_ids(failed: Instance) -> tuple[str, ...]:
+    """The ``replaced`` of an instance placed again for ``failed``: ``failed``'s own and
+    those it stood in for, oldest first, the newest :data:`REPLACED_KEPT`."""
+    return (*failed.replaced, failed.instance_id)[-REPLACED_KEPT:]
+
+
+def instance_named(instances: Mapping[str, Instance], instance_id: str) -> Instance | None:
+    """The instance ``instance_id`` names in a table: itself, else the newest instance
+    placed again in its place (so an id a client was given when it placed a model keeps
+    answering after its instance failed and was placed again under a new id); None
+    when neither is in the table."""
+    if instance_id in instances:
+        return instances[instance_id]
+    successors = [i for i in instances.values() if instance_id in i.replaced]
+    return max(successors, key=lambda i: i.created_at, default=None)
+
+
 # -- events ------------------------------------------------------------------------------
 
 

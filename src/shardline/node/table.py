@@ -59,6 +59,7 @@ class Instance:
     retries: int = 0  # placements of this model that failed before serving, in a row
     wanted_nodes: tuple[str, ...] = ()  # placed on before nodes were lost
     force: bool = False  # placed without memory admission (and placed again so)
+    replaced: tuple[str, ...] = ()  # ids of the instances it was placed again for, oldest first
 
     def to_dict(self) -> dict:
         """A JSON view (the cluster API's, each rank's share flattened into it:
