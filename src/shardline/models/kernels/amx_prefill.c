@@ -23,14 +23,8 @@
 #define ARCH_REQ_XCOMP_PERM 0x1023
 #define XFEATURE_XTILEDATA 18
 
-typedef struct {
-    uint8_t palette, start_row, reserved[14];
-    uint16_t colsb[16];
-    uint8_t rows[16];
-} tile_config_t;
-
 /* Whether this process may use the tiles: Linux grants their state on request (once per
- * process; asking again is harmless). */
+ * process; asking again is harmless). int4_gemv.c's int8 tile product asks here too. */
 int int4_amx_prefill_ready(void) {
     static int state; /* 0 not asked, 1 granted, -1 refused */
     if (!state) state = syscall(SYS_arch_prctl, ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA) ? -1 : 1;

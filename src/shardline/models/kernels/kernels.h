@@ -71,6 +71,20 @@ static inline void block_column_64(const uint8_t *col0, const uint8_t *col1, __m
 }
 #endif
 
+#if defined(__AMX_TILE__)
+/* An AMX tile configuration (palette 1: up to 8 tiles of up to 16 rows of 64 bytes), as
+ * ldtilecfg reads it (Intel's Architecture Instruction Set Extensions Programming
+ * Reference, chapter 3). */
+typedef struct {
+    uint8_t palette, start_row, reserved[14];
+    uint16_t colsb[16];
+    uint8_t rows[16];
+} tile_config_t;
+#endif
+
+/* Whether this process may use AMX tiles (amx_prefill.c; 0 where they are not built). */
+int int4_amx_prefill_ready(void);
+
 /* A weight for int4_planes_gemv: the planes' bytes and scales (p1, sz1 NULL for one). */
 typedef struct {
     const uint8_t *p0;
