@@ -11,7 +11,13 @@ import psutil
 import pytest
 from conftest import free_port_block
 
-from shardline.local_cluster import LocalCluster, LocalClusterError, ports_in_use
+from shardline.local_cluster import (
+    SHARED_SPIN_COUNT,
+    LocalCluster,
+    LocalClusterError,
+    node_environment,
+    ports_in_use,
+)
 
 
 @pytest.mark.timeout(90)
@@ -184,3 +190,16 @@ def test_a_cluster_on_ports_in_use_is_refused_before_any_node_starts(tmp_path):
             cluster.start()
         assert cluster.procs == []
     assert ports_in_use([base, base + 1]) == []  # closed: free again
+
+
+@pytest.mark.fast
+@pytest.mark.parametrize("nodes, base, api_key, spin", [
+    (1, {}, None, None),
+    (3, {}, None, SHARED_SPIN_COUNT),
+    (3, {"GOMP_SPINCOUNT": "infinite"}, "k", "infinite"),
+], ids=["one node keeps libgomp's default", "nodes sharing the cores spin briefly",
+        "the user's own setting stands"])
+def test_a_local_nodes_environment(nodes, base, api_key, spin):
+    env = node_environment({"PATH": "/bin", **base}, nodes, "secret", api_key)
+    assert env["PATH"] == "/bin" and env["SHARDLINE_CLUSTER_KEY"] == "secret"
+    assert env.get("SHARDLINE_API_KEY") == api_key and env.get("GOMP_SPINCOUNT") == spin

@@ -44,6 +44,29 @@ def model_dirs_for(model: str | None) -> list[str]:
 POLL_S = 0.1
 """How often the launcher asks the nodes whether the cluster formed and the model serves."""
 
+SHARED_SPIN_COUNT = "10000"
+"""``GOMP_SPINCOUNT`` of the runners of a local cluster of several nodes (one machine's
+cores for all its ranks): how long an OpenMP worker that finished its part spins before it
+sleeps (libgomp's default, 300,000 turns of a pause loop, kept it spinning for
+milliseconds). A pipeline stage that has handed its micro-batch on would keep the cores
+the next stage needs: a 1.5B Q4_K_M model on 3 nodes of a 2-vCPU VM with 2 runner
+threads each decoded 9.1 tokens/s with the default and 10.8 with this (one node 12.4-13.6;
+1 thread each, the default split there, 5.7). A single node keeps libgomp's default
+(bounded, SmolLM2's 8-sequence decode lost ~15%)."""
+
+
+def node_environment(base: dict[str, str], nodes: int, cluster_key: str,
+                     api_key: str | None) -> dict[str, str]:
+    """The environment of a local cluster's node (its runners inherit it): ``base`` with
+    the cluster's key, the API key where one is set, and :data:`SHARED_SPIN_COUNT` where
+    ``nodes`` share the machine and ``base`` sets no ``GOMP_SPINCOUNT`` of its own."""
+    env = dict(base, SHARDLINE_CLUSTER_KEY=cluster_key)
+    if api_key:
+        env["SHARDLINE_API_KEY"] = api_key
+    if nodes > 1:
+        env.setdefault("GOMP_SPINCOUNT", SHARED_SPIN_COUNT)
+    return env
+
 
 def ports_in_use(ports: Iterable[int], host: str = "127.0.0.1") -> list[int]:
     """The TCP ports of ``ports`` that something listens on at ``host``: a bind fails there
@@ -135,9 +158,7 @@ class LocalCluster:
         if self.log_dir is not None:
             os.makedirs(self.log_dir, exist_ok=True)
             out = open(os.path.join(self.log_dir, f"node-{i}.log"), "ab")
-        env = dict(os.environ, SHARDLINE_CLUSTER_KEY=self.cluster_key)
-        if self.api_key:
-            env["SHARDLINE_API_KEY"] = self.api_key
+        env = node_environment(dict(os.environ), self.n, self.cluster_key, self.api_key)
         proc = subprocess.Popen(self.node_command(i), stdout=out, stderr=subprocess.STDOUT if out else None,
                                 start_new_session=True, env=env)
         if i < len(self.procs):
