@@ -56,6 +56,37 @@ def test_token_id_prompts_are_taken_as_they_are(cluster3):
     assert by_ids.status_code == 200 and by_ids.json()["usage"]["prompt_tokens"] == tokens
 
 
+def test_echo_with_logprobs_scores_the_prompt_as_lm_evaluation_harness_reads_it(cluster3):
+    """``echo`` with ``logprobs`` (how lm-evaluation-harness scores a continuation): each
+    prompt token's log-probability (the first null) before the generated ones'; scoring
+    a greedy continuation as part of a prompt gives it back as the top token at each of
+    its positions, with about the log-probabilities its decoding reported; streamed, the
+    echoed prompt and its log-probabilities come first, once it is prefilled."""
+    greedy = complete(cluster3.url(0), prompt=PROMPT, max_tokens=3, logprobs=1).json()["choices"][0]
+    body = complete(cluster3.url(1), prompt=PROMPT + greedy["text"], max_tokens=1, logprobs=1,
+                    echo=True).json()
+    choice, n = body["choices"][0], body["usage"]["prompt_tokens"]
+    scores = choice["logprobs"]
+    assert len(scores["tokens"]) == len(scores["token_logprobs"]) == n + 1
+    assert scores["token_logprobs"][0] is None and scores["top_logprobs"][0] is None
+    assert all(lp <= 0 for lp in scores["token_logprobs"][1:])
+    assert "".join(scores["tokens"][:n]) == PROMPT + greedy["text"]
+    assert scores["text_offset"][:2] == [0, len(scores["tokens"][0])]
+    continuation = range(n - 3, n)  # the greedy tokens, now in the prompt
+    assert [scores["tokens"][i] for i in continuation] == greedy["logprobs"]["tokens"]
+    for i, decoded in zip(continuation, greedy["logprobs"]["token_logprobs"]):
+        assert list(scores["top_logprobs"][i]) == [scores["tokens"][i]]  # greedy at each
+        assert scores["token_logprobs"][i] == pytest.approx(decoded, abs=0.1)  # prefill, decode
+    with httpx.stream("POST", f"{cluster3.url(2)}/v1/completions", timeout=120, json={
+            "model": DEFAULT_MODEL_ID, "prompt": PROMPT, "max_tokens": 2, "temperature": 0,
+            "logprobs": 0, "echo": True, "stream": True}) as response:
+        chunks = [json.loads(line[6:]) for line in response.iter_lines()
+                  if line.startswith("data: ") and line != "data: [DONE]"]
+    opening = chunks[0]["choices"][0]
+    assert opening["text"] == PROMPT and opening["logprobs"]["token_logprobs"][0] is None
+    assert len(opening["logprobs"]["tokens"]) == n - 3 and opening["logprobs"]["top_logprobs"][1] == {}
+
+
 @pytest.mark.parametrize("body, param, words", [
     ({"prompt": [1, 2, 10**9]}, "prompt", "outside the vocabulary"),
     ({"prompt": ["one", "two"]}, "prompt", "one prompt per request"),

@@ -146,18 +146,28 @@ def test_parse_refuses_numbers_json_does_not_have(number):
     (openai.ChatCompletionRequest, {"tools": []}, "tools"),
     (openai.ChatCompletionRequest, {"seed": 2**70}, "seed"),
     (openai.ChatCompletionRequest, {"stop": ["a", "b", "c", "d", "e"]}, "stop"),
-    (openai.CompletionRequest, {"echo": True, "logprobs": 1}, "echo"),
     (openai.CompletionRequest, {"prompt": ""}, "prompt"),
     (ollama.ChatRequest, {"top_logprobs": 3}, "top_logprobs"),
 ])
 def test_parse_refuses_what_would_be_ignored(model, body, param):
     """Values the reference refuses, or that would be accepted and do nothing (stream_options
-    without a stream, top_logprobs without logprobs, echo's missing prompt logprobs)."""
+    without a stream, top_logprobs without logprobs)."""
     base = {"model": "m", "prompt": "x"} if model is openai.CompletionRequest else {
         "model": "m", "messages": [{"role": "user", "content": "x"}]}
     with pytest.raises(APIError) as caught:
         parse_raw(json.dumps({**base, **body}).encode(), model)
     assert caught.value.status == 400 and caught.value.param == param, caught.value.message
+
+
+def test_echo_with_logprobs_asks_for_the_prompts_logprobs():
+    """The sampling of a Completions request that echoes with logprobs scores the prompt
+    (``prompt_logprobs``); without echo, or without logprobs, it does not."""
+    def sampling(**body):
+        return parse_raw(json.dumps({"model": "m", "prompt": "x", **body}).encode(),
+                         openai.CompletionRequest).sampling()
+    assert sampling(echo=True, logprobs=2).prompt_logprobs == 2
+    assert sampling(echo=True).prompt_logprobs is None
+    assert sampling(logprobs=2).prompt_logprobs is None
 
 
 @pytest.mark.parametrize("stop, sequences", [("Paris", ["Paris"]), ("a longer stop", ["a longer stop"]),

@@ -372,3 +372,50 @@ def test_a_stalled_rank_fails_the_other_ranks_within_the_progress_timeout(model_
     finally:
         os.kill(victim, signal.SIGCONT)
         instance.stop()
+
+
+@pytest.mark.timeout(120)
+def test_prompt_logprobs_reach_every_rank_and_match_one_shards_logits(model_dir):
+    """A task asking for its prompt's log-probabilities, prefilled in 8-token chunks over a
+    3-stage pipeline beside a task that decodes: every rank (rank 0 is not the sampling
+    one) gets each prompt token's log-probability and top entries, in order, equal to the
+    log-softmax of one shard's logits over the whole prompt; the tokens stay greedy's."""
+    from shardline.models.kv_cache import KVCache
+    from shardline.models.shard_loader import load_shard
+    from shardline.models.weights import open_weights
+
+    prompt = tuple(random.Random(13).randrange(tm.VOCAB) for _ in range(29))
+    scored = Task(task_id=6000, origin=NODE, prompt=prompt, max_tokens=4,
+                  sampling=SamplingParams(temperature=0.0, prompt_logprobs=3))
+    beside = make_tasks(1, seed=5)[0]
+    instance = Instance(model_dir, 3, context=64)
+    try:
+        for r in range(3):
+            instance.send(r, beside)
+            instance.send(r, scored)
+        for r in (0, 2):
+            entries, tokens = [], []
+            deadline = time.time() + 60
+            while not tokens or tokens[-1][1] is None:
+                message = instance._next(instance.ranks[r], (Tokens,), deadline - time.time())
+                assert not isinstance(message, Failed), message.error
+                for event in message.events:
+                    if event.task_id != scored.task_id:
+                        continue
+                    if isinstance(event, PrefillProgress):
+                        entries.extend(event.logprobs)
+                    else:
+                        tokens.append((event.token_id, event.finish_reason))
+            assert [i for i, _, _ in entries] == list(range(1, len(prompt)))
+            assert [t for t, _ in tokens] == reference_tokens(model_dir, [scored])[scored.task_id]
+            shard = load_shard(open_weights(model_dir), 0, 4, dtype=torch.float32)
+            cache = KVCache(shard.config, 4, 1, 64, torch.float32)
+            logits = shard(torch.tensor(prompt), shard.prefill_batch(0, 0, len(prompt), True, every_row=True), cache)
+            expected = torch.log_softmax(logits.float(), dim=-1)
+            for i, logprob, top in entries:
+                assert logprob == pytest.approx(expected[i - 1, prompt[i]].item(), abs=1e-4)
+                values, ids = expected[i - 1].topk(3)
+                assert [t for t, _ in top] == ids.tolist()
+                assert [v for _, v in top] == pytest.approx(values.tolist(), abs=1e-4)
+    finally:
+        instance.stop()

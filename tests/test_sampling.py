@@ -281,6 +281,27 @@ def test_logprob_table_round_trip():
     assert read_logprobs(rows[2], 3, 0) == (-1.5, ())
 
 
+@pytest.mark.timeout(10)
+@pytest.mark.parametrize("vocab, k", [(6, 2), (3, 5), (6, 0), (40, 25)],
+                         ids=["two of six", "more asked than the vocabulary", "none", "capped at 20"])
+def test_prompt_logprob_table_reads_back_as_each_rows_target_and_top(vocab, k):
+    from shardline.runner.engine import prompt_logprob_table, read_logprobs
+    from shardline.runner.sampling import MAX_TOP_LOGPROBS
+
+    logits = torch.randn(4, vocab, generator=torch.Generator().manual_seed(vocab))
+    targets = torch.tensor([0, vocab - 1, 1, 2])
+    width = min(k, MAX_TOP_LOGPROBS)
+    table = prompt_logprob_table(logits, targets, k)
+    assert table.shape == (4, 1 + 2 * width)
+    expected = torch.log_softmax(logits, -1)
+    for row, target, logprobs in zip(table.tolist(), targets.tolist(), expected):
+        logprob, top = read_logprobs(row, width, width)
+        assert logprob == pytest.approx(logprobs[target].item())
+        values, ids = logprobs.topk(min(width, vocab))
+        assert [t for t, _ in top] == ids.tolist()
+        assert [v for _, v in top] == pytest.approx(values.tolist())
+
+
 # -- sampling without a full sort ---------------------------------------------------------
 
 

@@ -192,11 +192,13 @@ class Generation:
         self.started = time.monotonic()
         self.first_token_at: float | None = None  # time.monotonic() of the first token
         self.task_id: int | None = None  # its place in the instance's queue (Router.reserve)
+        self.prompt_logprobs: list[TokenLogprob] = []  # prompt tokens 1.. (sampling.prompt_logprobs)
 
     async def texts(self) -> AsyncIterator[Chunk | PrefillProgress]:
         """Yield :class:`Chunk` s until the request ends, the last with its finish reason;
         before the first token, a PrefillProgress after each engine step of a long
-        prompt's prefill.
+        prompt's prefill (the prompt's log-probabilities it carries, where the sampling
+        asks for them, go to ``self.prompt_logprobs``).
 
         A stop string ends the output before it (then in ``self.stops.matched``); end
         tokens are not part of the text nor of the logprobs. Closing the iterator cancels
@@ -214,6 +216,9 @@ class Generation:
         try:
             async for event in events:
                 if isinstance(event, PrefillProgress):
+                    self.prompt_logprobs.extend(
+                        token_logprob(self.tokenizer.piece, self.prompt[i], logprob, top)
+                        for i, logprob, top in event.logprobs)
                     yield event
                     continue
                 if event.token_id >= 0:

@@ -115,6 +115,20 @@ def completion_logprobs(tokens: list[TokenLogprob], offset: int) -> dict:
             "top_logprobs": [{a.token: a.logprob for a in t.top} for t in tokens], "text_offset": offsets}
 
 
+def echoed_completion_logprobs(first: str, prompt: list[TokenLogprob], generated: list[TokenLogprob],
+                               echo_length: int) -> dict:
+    """The legacy Completions' ``logprobs`` object of a choice that echoes its prompt:
+    the prompt's first token (its text ``first``, with no log-probability: nothing comes
+    before it, so ``null`` as OpenAI writes it), each later prompt token's, then the
+    generated tokens' from character ``echo_length`` (the echoed text's length)."""
+    head = completion_logprobs(prompt, len(first))
+    tail = completion_logprobs(generated, echo_length)
+    return {"tokens": [first, *head["tokens"], *tail["tokens"]],
+            "token_logprobs": [None, *head["token_logprobs"], *tail["token_logprobs"]],
+            "top_logprobs": [None, *head["top_logprobs"], *tail["top_logprobs"]],
+            "text_offset": [0, *head["text_offset"], *tail["text_offset"]]}
+
+
 def ollama_logprobs(tokens: list[TokenLogprob]) -> list[dict]:
     """Ollama's ``logprobs``: ``[{token, logprob, bytes, top_logprobs: [...]}]``."""
     return [logprob_entry(t) for t in tokens]

@@ -32,7 +32,13 @@ from shardline.api.generation import (
     parse_body,
     prepare,
 )
-from shardline.api.logprobs import chat_logprobs, completion_logprobs
+from shardline.api.logprobs import (
+    TokenLogprob,
+    chat_logprobs,
+    completion_logprobs,
+    echoed_completion_logprobs,
+    token_logprob,
+)
 from shardline.api.metrics import RequestMetrics
 from shardline.api.params import Endpoint
 from shardline.api.structured import json_grammar
@@ -253,15 +259,16 @@ class CompletionRequest(SamplingFields):
     logprobs: int | None = Field(default=None, ge=0, le=5)  # the legacy API's limit
     best_of: int = 1
 
-    @model_validator(mode="after")
-    def _echo_logprobs(self):
-        if self.echo and self.logprobs is not None:  # the prompt's would be missing
-            raise ValueError("echo: the prompt's logprobs are not computed; echo and logprobs "
-                             "cannot be combined")
-        return self
-
     def logprobs_wanted(self) -> int | None:
         return self.logprobs
+
+    def sampling(self, choice: int = 0) -> SamplingParams:
+        """:meth:`SamplingFields.sampling`; with ``echo`` and ``logprobs``, the prompt's
+        log-probabilities too (lm-evaluation-harness scores a text this way)."""
+        sampling = super().sampling(choice)
+        if self.echo and self.logprobs is not None:
+            sampling = dataclasses.replace(sampling, prompt_logprobs=self.logprobs)
+        return sampling
 
     def to_generation(self) -> GenerationRequest:
         prompt = self.prompt
@@ -364,6 +371,10 @@ class _ChatShape:
     def progress(self, index: int, progress: dict) -> dict:
         return self._chunk(index, {}, None, prompt_progress=progress)
 
+    def prefilled(self, index: int) -> dict | None:
+        """The chunk to send once choice ``index``'s prompt is prefilled (None: none)."""
+        return None
+
     def usage(self) -> dict:
         return self._chunk(0, None, None, usage=self.usage_of())
 
@@ -419,12 +430,28 @@ class _CompletionShape(_ChatShape):
         self.offsets[index] += sum(len(t.token) for t in chunk.logprobs)
         return out
 
+    def _prompt_logprobs(self) -> bool:
+        """Whether the echoed prompt comes with its log-probabilities."""
+        return bool(self.echo()) and self.req.logprobs_wanted() is not None
+
+    def _echo_logprobs(self, index: int, generated: list[TokenLogprob]) -> dict:
+        gen = self.gens[index]
+        first = token_logprob(gen.tokenizer.piece, gen.prompt[0], 0.0, ()).token
+        return echoed_completion_logprobs(first, gen.prompt_logprobs, generated, len(self.echo()))
+
     def first(self, index: int) -> dict | None:
         assert isinstance(self.req, CompletionRequest)
-        if not self.req.echo:
+        if not self.req.echo or self._prompt_logprobs():  # (then once prefilled)
             return None
         self.offsets[index] = len(self.echo())
         return self._chunk(index, self.echo(), None)
+
+    def prefilled(self, index: int) -> dict | None:
+        """The echoed prompt with its log-probabilities, known once it is prefilled."""
+        if not self._prompt_logprobs():
+            return None
+        self.offsets[index] = len(self.echo())
+        return self._chunk(index, self.echo(), None, self._echo_logprobs(index, []))
 
     def piece(self, index: int, chunk: Chunk) -> dict | None:
         if not chunk.text and not chunk.logprobs:
@@ -440,8 +467,11 @@ class _CompletionShape(_ChatShape):
     def choice(self, index: int, chunks: list[Chunk], finish: str) -> dict:
         echo = self.echo()
         logprobs = None
-        if self.req.logprobs_wanted() is not None:
-            logprobs = completion_logprobs([t for c in chunks for t in c.logprobs], len(echo))
+        generated = [t for c in chunks for t in c.logprobs]
+        if self._prompt_logprobs():
+            logprobs = self._echo_logprobs(index, generated)
+        elif self.req.logprobs_wanted() is not None:
+            logprobs = completion_logprobs(generated, len(echo))
         return {"index": index, "text": echo + "".join(c.text for c in chunks), "logprobs": logprobs,
                 "finish_reason": finish}
 
@@ -501,6 +531,9 @@ async def _stream(gens: list[Generation], shape: _ChatShape, return_progress: bo
             if isinstance(item, PrefillProgress):
                 if return_progress:
                     yield _sse(shape.progress(index, gens[index].prefill_progress(item)))
+                opening = shape.prefilled(index) if item.done == item.total else None
+                if opening is not None:
+                    yield _sse(opening)
                 continue
             piece = shape.piece(index, item)
             if piece is not None:

@@ -177,8 +177,9 @@ PARAMETERS: tuple[Param, ...] = (
           ("max_tokens", True, "most completion tokens (default 16)", "test_completions_e2e.py::test_a_text_prompt_is_continued"),
           ("logprobs", True, "0-5: each token's log-probability and that many alternatives",
            "test_logprobs_match_the_greedy_choice"),
-          ("echo", True, "the prompt first in the text (not with logprobs: no prompt logprobs)",
-           "test_completions_e2e.py::test_a_text_prompt_is_continued"),
+          ("echo", True, "the prompt first in the text; with logprobs, each prompt token's too "
+           "(the first null)", "test_completions_e2e.py::test_echo_with_logprobs_scores_the_prompt"
+           "_as_lm_evaluation_harness_reads_it"),
           ("best_of", False, "only 1 (no server-side ranking)", _REFUSED, (1,)),
           ("suffix", False, "insertion is not supported", _REFUSED),
           ),

@@ -354,15 +354,19 @@ class DecoderShard(nn.Module):
     def device(self) -> torch.device:
         return self._layer(0).attn_norm.weight.device
 
-    def prefill_batch(self, slot: int, start: int, length: int, want_logits: bool) -> ForwardBatch:
-        """Describe a prefill chunk: positions ``start .. start+length-1`` of ``slot``."""
+    def prefill_batch(self, slot: int, start: int, length: int, want_logits: bool,
+                      every_row: bool = False) -> ForwardBatch:
+        """Describe a prefill chunk: positions ``start .. start+length-1`` of ``slot``;
+        with ``want_logits`` the logits of its last position, or with ``every_row`` of
+        each (``[length, vocab]``: a prompt's log-probabilities)."""
         device = self.device
         positions = torch.arange(start, start + length, device=device)
         mask = None
         if start > 0:
             keys = torch.arange(start + length, device=device)
             mask = keys.unsqueeze(0) <= positions.unsqueeze(1)  # [length, start+length]
-        rows = torch.tensor([length - 1] if want_logits else [], dtype=torch.long, device=device)
+        rows = (torch.arange(length, device=device) if want_logits and every_row
+                else torch.tensor([length - 1] if want_logits else [], dtype=torch.long, device=device))
         cos, sin = self.rope(positions)
         return ForwardBatch(
             prefill=True,

@@ -199,11 +199,13 @@ class RingStage(Stage):
         super().__init__(shard, cache, rank, world_size, sampler=0, group=group, progress=progress)
         self.min_tokens_per_rank = min_tokens_per_rank
 
-    def prefill_batch(self, slot: int, start: int, length: int, want_logits: bool) -> ForwardBatch:
+    def prefill_batch(self, slot: int, start: int, length: int, want_logits: bool,
+                      every_row: bool = False) -> ForwardBatch:
         """A ring chunk when long enough (rows: this rank's zig-zag share, logits of the
-        chunk's last position on rank 0), else the whole chunk on every rank."""
-        if self.world_size == 1 or length < self.min_tokens_per_rank * self.world_size:
-            return self.shard.prefill_batch(slot, start, length, want_logits)
+        chunk's last position on rank 0), else, or for the logits of ``every_row`` (a
+        prompt's log-probabilities), the whole chunk on every rank."""
+        if self.world_size == 1 or every_row or length < self.min_tokens_per_rank * self.world_size:
+            return self.shard.prefill_batch(slot, start, length, want_logits, every_row)
         ring = RingContext(self.group, self.rank, self.world_size, slot, start, length, self.shard.device)
         positions = ring.positions[self.rank]
         cos, sin = self.shard.rope(positions)

@@ -56,10 +56,12 @@ class Stage:
         self.samples = rank == sampler
         self.progress = progress or Progress()
 
-    def prefill_batch(self, slot: int, start: int, length: int, want_logits: bool) -> ForwardBatch:
+    def prefill_batch(self, slot: int, start: int, length: int, want_logits: bool,
+                      every_row: bool = False) -> ForwardBatch:
         """A prefill chunk: positions ``start .. start+length-1`` of ``slot``; logits of
-        its last position on the sampling rank when ``want_logits``."""
-        return self.shard.prefill_batch(slot, start, length, want_logits)
+        its last position on the sampling rank when ``want_logits``, of every position
+        with ``every_row`` too."""
+        return self.shard.prefill_batch(slot, start, length, want_logits, every_row)
 
     def decode_batch(self, slots: list[int], positions: list[int]) -> ForwardBatch:
         """A decode step: one token at ``positions[i]`` for the sequence in ``slots[i]``."""

@@ -129,6 +129,24 @@ def logprob_table(choices: list[Choice], width: int) -> torch.Tensor:
     return table
 
 
+def prompt_logprob_table(logits: torch.Tensor, targets: torch.Tensor, k: int) -> torch.Tensor:
+    """The table of a prefill chunk's prompt log-probabilities, as :func:`logprob_table`
+    lays it out (``k`` wide, at most :data:`MAX_TOP_LOGPROBS`): row i holds the
+    log-probability of ``targets[i]`` under the log-softmax of ``logits[i]`` and the ``k``
+    most likely tokens there. ``logits``: float32 ``[n, vocab]``; ``targets``: int64
+    ``[n]``; returns float32 ``[n, 1 + 2 k]``."""
+    logprobs = torch.log_softmax(logits.float(), dim=-1)
+    k = min(k, MAX_TOP_LOGPROBS)
+    table = torch.full((logits.shape[0], 1 + 2 * k), float("nan"), dtype=torch.float32)
+    table[:, 0] = logprobs.gather(1, targets.view(-1, 1)).squeeze(1)
+    shown = min(k, logits.shape[1])
+    if shown:
+        values, ids = torch.topk(logprobs, shown, dim=-1)
+        table[:, 1 : 1 + shown] = ids.float()
+        table[:, 1 + k : 1 + k + shown] = values
+    return table
+
+
 def read_logprobs(row: list[float], width: int, k: int) -> tuple[float, tuple[tuple[int, float], ...]]:
     """A row of :func:`logprob_table` back as the chosen token's log-probability and its
     ``k`` top entries."""
@@ -381,7 +399,9 @@ class Engine:
             micro.append((torch.tensor([s.generated[-1] for s in decoding], dtype=torch.long), batch))
         for seq, start, length in chunks:
             last = start + length == seq.prompt_len
-            batch = stage.prefill_batch(seq.slot, start, length, want_logits=last)
+            every = seq.task.sampling.prompt_logprobs is not None  # logits of every row
+            batch = stage.prefill_batch(seq.slot, start, length, want_logits=last or every,
+                                        every_row=every)
             micro.append((torch.tensor(seq.task.prompt[start : start + length], dtype=torch.long), batch))
         if not micro:
             return
@@ -390,7 +410,7 @@ class Engine:
         def computed(index: int) -> None:
             if index >= first_chunk:
                 seq, start, length = chunks[index - first_chunk]
-                if seq.task.origin == self.node_id:
+                if seq.task.origin == self.node_id and seq.task.sampling.prompt_logprobs is None:
                     self.emit([PrefillProgress(seq.task.task_id, start + length, seq.prompt_len)])
 
         outputs = self.stage.run(micro, computed)
@@ -402,14 +422,39 @@ class Engine:
             rows = [logits[i] for i in range(len(decoding))]
         for index, (seq, start, length) in enumerate(chunks, start=first_chunk):
             seq.prefilled = start + length
+            if seq.task.sampling.prompt_logprobs is not None:
+                self._share_prompt_logprobs(seq, start, length, outputs[index])
             if seq.prefilled == seq.prompt_len:
                 to_sample.append(seq)
                 if self.stage.samples:
                     chunk_logits = outputs[index]
                     assert chunk_logits is not None
-                    rows.append(chunk_logits[0])
+                    rows.append(chunk_logits[-1])  # the last row's (of all, or the only one)
         if to_sample:
             self._sample_and_advance(to_sample, rows)
+
+    def _share_prompt_logprobs(self, seq: Sequence, start: int, length: int,
+                               logits: torch.Tensor | None) -> None:
+        """Share the log-probabilities of the prompt tokens a chunk's logits give (of
+        tokens ``start + 1 .. start + length``, those in the prompt) from the sampling
+        rank, and send them (:class:`PrefillProgress` ``logprobs``) where the task
+        streams. Called on every rank alike: all know the chunk and the task's width."""
+        k = seq.task.sampling.prompt_logprobs
+        assert k is not None
+        n = min(start + length, seq.prompt_len - 1) - start  # rows whose next token is the prompt's
+        width = min(k, MAX_TOP_LOGPROBS)
+        rows: list[list[float]] = []
+        if n > 0:
+            if self.stage.samples:
+                assert logits is not None  # every row's, on the sampling rank
+                targets = torch.tensor(seq.task.prompt[start + 1 : start + 1 + n], dtype=torch.long)
+                table = prompt_logprob_table(logits[:n], targets, width).to(self.comm_device)
+            else:
+                table = torch.empty((n, 1 + 2 * width), dtype=torch.float32, device=self.comm_device)
+            rows = self.stage.share_logprobs(table).cpu().tolist()
+        if seq.task.origin == self.node_id:
+            entries = tuple((start + 1 + i, *read_logprobs(row, width, width)) for i, row in enumerate(rows))
+            self.emit([PrefillProgress(seq.task.task_id, start + length, seq.prompt_len, entries)])
 
     def _sample_and_advance(self, seqs: list[Sequence], logits: list[torch.Tensor]) -> None:
         """Sample on the sampling rank (``logits``: float32 ``[vocab]`` per sequence), share

@@ -38,6 +38,9 @@ class SamplingParams:
         logit_bias: ``(token id, bias)`` pairs added to the logits before sampling.
         logprobs: None for none; k >= 0: each token's log-probability and the k most
             likely tokens' (log-softmax of the model's logits, before any of the above).
+        prompt_logprobs: None for none; k >= 0: the same for every prompt token after
+            the first, given the ones before it (vLLM's ``prompt_logprobs``), sent with
+            the prefill's progress (:attr:`PrefillProgress.logprobs`).
         grammar: an llguidance grammar the output must match (what
             ``LLMatcher.grammar_from_json_schema`` / ``grammar_from_lark`` return: a
             ``TopLevelGrammar``'s JSON text or Lark text): tokens it forbids are masked on
@@ -57,6 +60,7 @@ class SamplingParams:
     logit_bias: tuple[tuple[int, float], ...] = ()
     logprobs: int | None = None
     grammar: str | None = None
+    prompt_logprobs: int | None = None
 
     @property
     def greedy(self) -> bool:
@@ -165,11 +169,18 @@ class TokenEvent:
 
 @dataclass(frozen=True)
 class PrefillProgress:
-    """A task's prompt is being prefilled: ``done`` of ``total`` prompt tokens so far."""
+    """A task's prompt is being prefilled: ``done`` of ``total`` prompt tokens so far.
+
+    ``logprobs``: where the task's sampling asks for ``prompt_logprobs``, one entry per
+    prompt token whose log-probability the chunk just prefilled gives: ``(index in the
+    prompt, log-probability given the tokens before it, top (token id, log-probability)
+    pairs, most likely first)``; the entries of all a prompt's events cover indices 1 ..
+    ``total - 1`` in order."""
 
     task_id: int
     done: int
     total: int
+    logprobs: tuple[tuple[int, float, tuple[tuple[int, float], ...]], ...] = ()
 
 
 @dataclass(frozen=True)
