@@ -8,6 +8,7 @@ from shardline.runner.engine import (
     idle_release,
     kv_reservation,
     pool_tokens,
+    prefill_plan,
 )
 
 pytestmark = [pytest.mark.fast, pytest.mark.timeout(10)]
@@ -62,3 +63,17 @@ def test_a_ranks_pool_holds_what_was_placed_or_every_slot_a_whole_context(
 def test_an_idle_rank_hands_its_scratch_back_after_the_delay(worked, busy, idle_since, now,
                                                              expected):
     assert idle_release(worked, busy, idle_since, now, 0.5) == expected
+
+
+@pytest.mark.parametrize("prompts, budget, plan", [
+    ([(20, 0, False)], 100, [(0, 0, 8), (0, 8, 8), (0, 16, 4)]),
+    ([(20, 0, False)], 10, [(0, 0, 8)]),
+    ([(20, 0, False)], 0, [(0, 0, 8)]),  # at least one chunk
+    ([(20, 8, False), (5, 0, False)], 100, [(0, 8, 8), (0, 16, 4), (1, 0, 5)]),
+    ([(20, 20, False), (5, 0, False)], 100, [(1, 0, 5)]),  # the first is decoding
+    ([(20, 0, True), (5, 0, False)], 100, [(0, 0, 8)]),
+    ([(5, 0, False), (20, 8, True)], 100, [(0, 0, 5)]),
+], ids=["whole chunks", "up to the budget", "one chunk at least", "oldest first",
+        "prefilled ones skipped", "a scored prompt's chunk alone", "and never after another"])
+def test_a_steps_prefill_plan(prompts, budget, plan):
+    assert prefill_plan(prompts, 8, budget) == plan

@@ -106,6 +106,27 @@ def admissible(needs: list[int], free_slots: int, free_tokens: int) -> int:
     return started
 
 
+def prefill_plan(prompts: list[tuple[int, int, bool]], chunk: int, budget: int) -> list[tuple[int, int, int]]:
+    """A step's prefill chunks ``(index of the prompt, start, length)``, oldest prompt
+    first, whole chunks of at most ``chunk`` tokens up to ``budget`` prompt tokens (at
+    least one chunk). ``prompts``: per sequence (prompt tokens, tokens prefilled, scored:
+    it wants its prompt's log-probabilities). A scored prompt's chunk is the step's only
+    one: it keeps the logits of every row (``[chunk, vocab]`` float32, 311 MB for 512
+    rows of a 151,936-token vocabulary), and a step of several would hold them all."""
+    plan: list[tuple[int, int, int]] = []
+    for index, (total, start, scored) in enumerate(prompts):
+        while start < total:
+            length = min(chunk, total - start)
+            if plan and (length > budget or scored):
+                return plan
+            plan.append((index, start, length))
+            if scored:
+                return plan
+            budget -= length
+            start += length
+    return plan
+
+
 def logprob_width(wanted: list[int | None]) -> int | None:
     """Top entries per row of a step's log-probability table: the most any sequence of
     the step asks for (at most :data:`MAX_TOP_LOGPROBS`), or None when none asks (no
@@ -375,19 +396,12 @@ class Engine:
         self.report()
 
     def plan_prefill(self, budget: int) -> list[tuple[Sequence, int, int]]:
-        """This step's prefill chunks ``(sequence, start, length)``, oldest sequence first,
-        whole chunks up to ``budget`` prompt tokens (at least one chunk)."""
-        chunks: list[tuple[Sequence, int, int]] = []
-        for seq in self.running:
-            start = seq.prefilled
-            while start < seq.prompt_len:
-                length = min(self.prefill_chunk, seq.prompt_len - start)
-                if chunks and length > budget:
-                    return chunks
-                chunks.append((seq, start, length))
-                budget -= length
-                start += length
-        return chunks
+        """This step's prefill chunks ``(sequence, start, length)``: :func:`prefill_plan`
+        over the running sequences."""
+        prompts = [(s.prompt_len, s.prefilled, s.task.sampling.prompt_logprobs is not None)
+                   for s in self.running]
+        return [(self.running[i], start, length)
+                for i, start, length in prefill_plan(prompts, self.prefill_chunk, budget)]
 
     def _run_micro_batches(self) -> None:
         stage = self.stage
