@@ -85,13 +85,19 @@ def test_echo_with_logprobs_scores_the_prompt_as_lm_evaluation_harness_reads_it(
     opening = chunks[0]["choices"][0]
     assert opening["text"] == PROMPT and opening["logprobs"]["token_logprobs"][0] is None
     assert len(opening["logprobs"]["tokens"]) == n - 3 and opening["logprobs"]["top_logprobs"][1] == {}
+    # max_tokens 0: the prompt scored alone, as the legacy API did
+    alone = complete(cluster3.url(0), prompt=PROMPT + greedy["text"], max_tokens=0, logprobs=1,
+                     echo=True).json()
+    assert alone["choices"][0]["text"] == PROMPT + greedy["text"]
+    assert alone["choices"][0]["finish_reason"] == "length" and alone["usage"]["completion_tokens"] == 0
+    assert alone["choices"][0]["logprobs"]["token_logprobs"] == scores["token_logprobs"][:n]
 
 
 @pytest.mark.parametrize("body, param, words", [
     ({"prompt": [1, 2, 10**9]}, "prompt", "outside the vocabulary"),
     ({"prompt": ["one", "two"]}, "prompt", "one prompt per request"),
     ({"prompt": ""}, "prompt", None),
-    ({"prompt": "hi", "max_tokens": 0}, "max_tokens", None),
+    ({"prompt": "hi", "max_tokens": 0}, "max_tokens", "0 only with echo"),
     ({"prompt": "hi", "max_tokens": 10**6}, "max_tokens", "context"),
     ({"prompt": "hi", "suffix": "tail"}, "suffix", None),
 ])

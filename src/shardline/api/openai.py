@@ -254,10 +254,23 @@ class CompletionRequest(SamplingFields):
 
     ENDPOINT = Endpoint.COMPLETIONS
     prompt: str | list[str] | list[int] = Field(min_length=1)
-    max_tokens: int = Field(default=16, ge=1)  # OpenAI's default for this endpoint
+    max_tokens: int = Field(default=16, ge=0)  # OpenAI's default for this endpoint
     echo: bool = False  # the answer begins with the prompt's text
     logprobs: int | None = Field(default=None, ge=0, le=5)  # the legacy API's limit
     best_of: int = 1
+
+    @model_validator(mode="after")
+    def _nothing_to_generate(self):
+        if self.max_tokens == 0 and not self.echo:  # 0 with echo: the prompt scored alone
+            raise ValueError("max_tokens: must be at least 1 (0 only with echo)")
+        return self
+
+    @property
+    def scores_only(self) -> bool:
+        """``max_tokens`` 0 with ``echo``: the answer is the prompt alone (with its
+        log-probabilities), as the legacy API scored a text; one token is generated and
+        left out of the answer."""
+        return self.max_tokens == 0
 
     def logprobs_wanted(self) -> int | None:
         return self.logprobs
@@ -276,7 +289,7 @@ class CompletionRequest(SamplingFields):
             if len(prompt) != 1:
                 raise APIError(400, "one prompt per request (a list of several is not supported)", param="prompt")
             prompt = prompt[0]
-        return self.generation(prompt, self.max_tokens, "max_tokens", "prompt")
+        return self.generation(prompt, max(self.max_tokens, 1), "max_tokens", "prompt")
 
 
 class EmbeddingsRequest(BaseModel):
@@ -423,6 +436,17 @@ class _CompletionShape(_ChatShape):
         prompt = gen.req.prompt
         return prompt if isinstance(prompt, str) else gen.tokenizer.decode(gen.prompt)
 
+    def _scores_only(self) -> bool:
+        assert isinstance(self.req, CompletionRequest)
+        return self.req.scores_only
+
+    def usage_of(self) -> dict:
+        """:meth:`_ChatShape.usage_of`; no completion tokens where it :meth:`_scores_only`."""
+        usage = super().usage_of()
+        if self._scores_only():
+            usage = dict(usage, completion_tokens=0, total_tokens=usage["prompt_tokens"])
+        return usage
+
     def _logprobs(self, index: int, chunk: Chunk) -> dict | None:
         if self.req.logprobs_wanted() is None:
             return None
@@ -454,18 +478,20 @@ class _CompletionShape(_ChatShape):
         return self._chunk(index, self.echo(), None, self._echo_logprobs(index, []))
 
     def piece(self, index: int, chunk: Chunk) -> dict | None:
-        if not chunk.text and not chunk.logprobs:
+        if (not chunk.text and not chunk.logprobs) or self._scores_only():
             return None
         return self._chunk(index, chunk.text, None, self._logprobs(index, chunk))
 
     def finish(self, index: int, reason: str) -> dict:
-        return self._chunk(index, "", reason)
+        return self._chunk(index, "", "length" if self._scores_only() else reason)
 
     def progress(self, index: int, progress: dict) -> dict:
         return self._chunk(index, "", None, prompt_progress=progress)
 
     def choice(self, index: int, chunks: list[Chunk], finish: str) -> dict:
         echo = self.echo()
+        if self._scores_only():
+            chunks, finish = [], "length"
         logprobs = None
         generated = [t for c in chunks for t in c.logprobs]
         if self._prompt_logprobs():
