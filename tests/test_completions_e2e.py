@@ -54,6 +54,15 @@ def test_token_id_prompts_are_taken_as_they_are(cluster3):
     tokens = echoed["usage"]["prompt_tokens"]
     by_ids = complete(cluster3.url(0), prompt=list(range(100, 100 + tokens)), max_tokens=4, echo=True)
     assert by_ids.status_code == 200 and by_ids.json()["usage"]["prompt_tokens"] == tokens
+    # one prompt in a batch of token-id lists (lm-evaluation-harness sends that), with a
+    # special token: echoed as its piece, the text and the tokens in step
+    scored = complete(cluster3.url(0), prompt=[[1, 504, 3575]], max_tokens=0, echo=True, logprobs=1)
+    assert scored.status_code == 200, scored.text
+    choice = scored.json()["choices"][0]
+    assert choice["text"].startswith("<|im_start|>") and "".join(choice["logprobs"]["tokens"]) == choice["text"]
+    assert len(choice["logprobs"]["tokens"]) == 3 and choice["logprobs"]["token_logprobs"][0] is None
+    offsets = choice["logprobs"]["text_offset"]
+    assert offsets == sorted(offsets)
 
 
 def test_echo_with_logprobs_scores_the_prompt_as_lm_evaluation_harness_reads_it(cluster3):
@@ -96,6 +105,7 @@ def test_echo_with_logprobs_scores_the_prompt_as_lm_evaluation_harness_reads_it(
 @pytest.mark.parametrize("body, param, words", [
     ({"prompt": [1, 2, 10**9]}, "prompt", "outside the vocabulary"),
     ({"prompt": ["one", "two"]}, "prompt", "one prompt per request"),
+    ({"prompt": [[1, 2], [3]]}, "prompt", "one prompt per request"),
     ({"prompt": ""}, "prompt", None),
     ({"prompt": "hi", "max_tokens": 0}, "max_tokens", "0 only with echo"),
     ({"prompt": "hi", "max_tokens": 10**6}, "max_tokens", "context"),

@@ -209,11 +209,13 @@ def _place(args: argparse.Namespace) -> None:
     deadline = time.monotonic() + args.timeout
     shown = None
     while time.monotonic() < deadline:
-        found = {i["instance_id"]: i for i in _request(args, "GET", "/cluster/instances")["instances"]}
-        if inst["instance_id"] not in found:
-            raise CommandError("the instance is gone (deleted, or it failed and was placed again; "
-                               "see `shardline instances`)")
-        inst = found[inst["instance_id"]]
+        try:  # the instance, or the one placed again in its place
+            now = _request(args, "GET", f"/cluster/instances/{inst['instance_id']}")
+        except CommandError as exc:
+            raise CommandError(f"the instance is gone ({exc}; see `shardline instances`)") from None
+        if now["instance_id"] != inst["instance_id"]:
+            _console().print(f"instance {inst['instance_id']} failed; placed again as {now['instance_id']}")
+        inst = now
         text = ", ".join(_rank_text(r) for r in inst["ranks"])
         if text != shown:
             _console().print(text)
@@ -229,8 +231,9 @@ def _place(args: argparse.Namespace) -> None:
 
 
 def _delete(args: argparse.Namespace) -> None:
-    _request(args, "DELETE", f"/cluster/instances/{args.instance_id}")
-    _console().print(f"deleted {args.instance_id}")
+    deleted = _request(args, "DELETE", f"/cluster/instances/{args.instance_id}")["deleted"]
+    _console().print(f"deleted {deleted}" if deleted == args.instance_id
+                     else f"deleted {deleted} (placed again in place of {args.instance_id})")
 
 
 def _models_list(args: argparse.Namespace) -> None:

@@ -253,7 +253,7 @@ class CompletionRequest(SamplingFields):
     """The legacy Completions request: a text prompt (or one list of token ids)."""
 
     ENDPOINT = Endpoint.COMPLETIONS
-    prompt: str | list[str] | list[int] = Field(min_length=1)
+    prompt: str | list[str] | list[int] | list[list[int]] = Field(min_length=1)  # one prompt
     max_tokens: int = Field(default=16, ge=0)  # OpenAI's default for this endpoint
     echo: bool = False  # the answer begins with the prompt's text
     logprobs: int | None = Field(default=None, ge=0, le=5)  # the legacy API's limit
@@ -285,7 +285,8 @@ class CompletionRequest(SamplingFields):
 
     def to_generation(self) -> GenerationRequest:
         prompt = self.prompt
-        if isinstance(prompt, list) and prompt and isinstance(prompt[0], str):
+        if isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list)):
+            # a batch of prompts (texts, or token-id lists: lm-evaluation-harness sends one)
             if len(prompt) != 1:
                 raise APIError(400, "one prompt per request (a list of several is not supported)", param="prompt")
             prompt = prompt[0]
@@ -433,8 +434,8 @@ class _CompletionShape(_ChatShape):
         if not self.req.echo:
             return ""
         gen = self.gens[0]
-        prompt = gen.req.prompt
-        return prompt if isinstance(prompt, str) else gen.tokenizer.decode(gen.prompt)
+        prompt = gen.req.prompt  # token ids echo as their pieces, special tokens too
+        return prompt if isinstance(prompt, str) else gen.tokenizer.decode(gen.prompt, skip_special_tokens=False)
 
     def _scores_only(self) -> bool:
         assert isinstance(self.req, CompletionRequest)
@@ -456,7 +457,8 @@ class _CompletionShape(_ChatShape):
 
     def _prompt_logprobs(self) -> bool:
         """Whether the echoed prompt comes with its log-probabilities."""
-        return bool(self.echo()) and self.req.logprobs_wanted() is not None
+        assert isinstance(self.req, CompletionRequest)
+        return self.req.echo and self.req.logprobs_wanted() is not None
 
     def _echo_logprobs(self, index: int, generated: list[TokenLogprob]) -> dict:
         gen = self.gens[index]

@@ -173,7 +173,7 @@ PARAMETERS: tuple[Param, ...] = (
           ("function_call", False, "deprecated: use tool_choice", _REFUSED),
           ),
     *_rows(Endpoint.COMPLETIONS, _E2E, *_OPENAI_SAMPLING,
-          ("prompt", True, "a text, one text in a list, or token ids", "test_completions_e2e.py::test_token_id_prompts_are_taken_as_they_are"),
+          ("prompt", True, "a text, or token ids; or one of either in a list", "test_completions_e2e.py::test_token_id_prompts_are_taken_as_they_are"),
           ("max_tokens", True, "most completion tokens (default 16; 0 with echo: the prompt alone, scored)", "test_completions_e2e.py::test_a_text_prompt_is_continued"),
           ("logprobs", True, "0-5: each token's log-probability and that many alternatives",
            "test_logprobs_match_the_greedy_choice"),
