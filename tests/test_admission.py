@@ -66,14 +66,12 @@ def test_an_idle_rank_hands_its_scratch_back_after_the_delay(worked, busy, idle_
 
 
 @pytest.mark.parametrize("prompts, budget, plan", [
-    ([(20, 0, False)], 100, [(0, 0, 8), (0, 8, 8), (0, 16, 4)]),
-    ([(20, 0, False)], 10, [(0, 0, 8)]),
-    ([(20, 0, False)], 0, [(0, 0, 8)]),  # at least one chunk
-    ([(20, 8, False), (5, 0, False)], 100, [(0, 8, 8), (0, 16, 4), (1, 0, 5)]),
-    ([(20, 20, False), (5, 0, False)], 100, [(1, 0, 5)]),  # the first is decoding
-    ([(20, 0, True), (5, 0, False)], 100, [(0, 0, 8)]),
-    ([(5, 0, False), (20, 8, True)], 100, [(0, 0, 5)]),
+    ([(20, 0)], 100, [(0, 0, 8), (0, 8, 8), (0, 16, 4)]),
+    ([(20, 0)], 10, [(0, 0, 8)]),
+    ([(20, 0)], 0, [(0, 0, 8)]),  # at least one chunk
+    ([(20, 8), (5, 0)], 100, [(0, 8, 8), (0, 16, 4), (1, 0, 5)]),
+    ([(20, 20), (5, 0)], 100, [(1, 0, 5)]),  # the first is decoding
 ], ids=["whole chunks", "up to the budget", "one chunk at least", "oldest first",
-        "prefilled ones skipped", "a scored prompt's chunk alone", "and never after another"])
+        "prefilled ones skipped"])
 def test_a_steps_prefill_plan(prompts, budget, plan):
     assert prefill_plan(prompts, 8, budget) == plan

@@ -410,7 +410,8 @@ def test_prompt_logprobs_reach_every_rank_and_match_one_shards_logits(model_dir)
             assert [t for t, _ in tokens] == reference_tokens(model_dir, [scored])[scored.task_id]
             shard = load_shard(open_weights(model_dir), 0, 4, dtype=torch.float32)
             cache = KVCache(shard.config, 4, 1, 64, torch.float32)
-            logits = shard(torch.tensor(prompt), shard.prefill_batch(0, 0, len(prompt), True, every_row=True), cache)
+            hidden = shard(torch.tensor(prompt), shard.prefill_batch(0, 0, len(prompt), True, every_row=True), cache)
+            logits = shard.logits(hidden)
             expected = torch.log_softmax(logits.float(), dim=-1)
             for i, logprob, top in entries:
                 assert logprob == pytest.approx(expected[i - 1, prompt[i]].item(), abs=1e-4)

@@ -66,6 +66,10 @@ class ForwardBatch:
         ring: a ring prefill chunk's :class:`~shardline.parallel.ring.RingContext` (the
             rows are this rank's zig-zag share of the chunk; attention goes round the
             ring), else None.
+        hidden_out: the last shard returns the ``logit_rows``' final-norm hidden states
+            ``[M, hidden]`` (compute dtype) for :meth:`DecoderShard.logits` to take a
+            block at a time: a prompt scored whole (``[M, vocab]`` float32 logits at
+            once would be 100 MB for 512 rows of a 49,152-token vocabulary).
     """
 
     prefill: bool
@@ -80,6 +84,7 @@ class ForwardBatch:
     rows: list[tuple[int, int]]
     logit_rows: torch.Tensor
     ring: RingContext | None = None
+    hidden_out: bool = False
 
 
 class RMSNorm(nn.Module):
@@ -282,7 +287,8 @@ class DecoderShard(nn.Module):
 
     ``forward`` takes int64 token ids ``[N]`` on the first shard and hidden states
     ``[N, hidden_size]`` (compute dtype) on the others; it returns hidden states, or on
-    the last shard with a head float32 logits ``[len(batch.logit_rows), vocab_size]``.
+    the last shard with a head float32 logits ``[len(batch.logit_rows), vocab_size]``
+    (of a ``hidden_out`` batch, those rows' final-norm hidden states).
 
     ``fused`` (set by the loader, :func:`shardline.models.fused_decode.for_shard`): the
     compiled decode layers that run its decode steps (of up to ``KERNEL_MAX_ROWS`` rows)
@@ -357,8 +363,8 @@ class DecoderShard(nn.Module):
     def prefill_batch(self, slot: int, start: int, length: int, want_logits: bool,
                       every_row: bool = False) -> ForwardBatch:
         """Describe a prefill chunk: positions ``start .. start+length-1`` of ``slot``;
-        with ``want_logits`` the logits of its last position, or with ``every_row`` of
-        each (``[length, vocab]``: a prompt's log-probabilities)."""
+        with ``want_logits`` the logits of its last position, or with ``every_row`` the
+        final-norm hidden states of each (``hidden_out``: a prompt's log-probabilities)."""
         device = self.device
         positions = torch.arange(start, start + length, device=device)
         mask = None
@@ -380,6 +386,7 @@ class DecoderShard(nn.Module):
             kv_len=start + length,
             rows=[],
             logit_rows=rows,
+            hidden_out=want_logits and every_row,
         )
 
     def decode_batch(self, slots: list[int], positions: list[int]) -> ForwardBatch:
@@ -421,7 +428,13 @@ class DecoderShard(nn.Module):
         if self.lm_head is None or self.norm is None:
             return h
         h = self.norm(h.index_select(0, batch.logit_rows))
-        return self.lm_head(h).float()
+        return h if batch.hidden_out else self.logits(h)
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Float32 logits ``[M, vocab]`` of final-norm hidden states ``[M, hidden]`` (what
+        :meth:`forward` returns for a ``hidden_out`` batch); the last shard only."""
+        assert self.lm_head is not None
+        return self.lm_head(hidden).float()
 
 
 def _gqa_padding(

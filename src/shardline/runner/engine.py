@@ -106,22 +106,21 @@ def admissible(needs: list[int], free_slots: int, free_tokens: int) -> int:
     return started
 
 
-def prefill_plan(prompts: list[tuple[int, int, bool]], chunk: int, budget: int) -> list[tuple[int, int, int]]:
+SCORE_BLOCK_ROWS = 16
+"""Rows of a scored prompt's chunk whose logits are taken at once (:meth:`Engine._share_prompt_logprobs`)."""
+
+
+def prefill_plan(prompts: list[tuple[int, int]], chunk: int, budget: int) -> list[tuple[int, int, int]]:
     """A step's prefill chunks ``(index of the prompt, start, length)``, oldest prompt
     first, whole chunks of at most ``chunk`` tokens up to ``budget`` prompt tokens (at
-    least one chunk). ``prompts``: per sequence (prompt tokens, tokens prefilled, scored:
-    it wants its prompt's log-probabilities). A scored prompt's chunk is the step's only
-    one: it keeps the logits of every row (``[chunk, vocab]`` float32, 311 MB for 512
-    rows of a 151,936-token vocabulary), and a step of several would hold them all."""
+    least one chunk). ``prompts``: per sequence, (prompt tokens, tokens prefilled)."""
     plan: list[tuple[int, int, int]] = []
-    for index, (total, start, scored) in enumerate(prompts):
+    for index, (total, start) in enumerate(prompts):
         while start < total:
             length = min(chunk, total - start)
-            if plan and (length > budget or scored):
+            if plan and length > budget:
                 return plan
             plan.append((index, start, length))
-            if scored:
-                return plan
             budget -= length
             start += length
     return plan
@@ -398,8 +397,7 @@ class Engine:
     def plan_prefill(self, budget: int) -> list[tuple[Sequence, int, int]]:
         """This step's prefill chunks ``(sequence, start, length)``: :func:`prefill_plan`
         over the running sequences."""
-        prompts = [(s.prompt_len, s.prefilled, s.task.sampling.prompt_logprobs is not None)
-                   for s in self.running]
+        prompts = [(s.prompt_len, s.prefilled) for s in self.running]
         return [(self.running[i], start, length)
                 for i, start, length in prefill_plan(prompts, self.prefill_chunk, budget)]
 
@@ -441,18 +439,24 @@ class Engine:
             if seq.prefilled == seq.prompt_len:
                 to_sample.append(seq)
                 if self.stage.samples:
-                    chunk_logits = outputs[index]
-                    assert chunk_logits is not None
-                    rows.append(chunk_logits[-1])  # the last row's (of all, or the only one)
+                    out = outputs[index]
+                    assert out is not None
+                    if seq.task.sampling.prompt_logprobs is not None:  # every row's hidden state
+                        out = self.stage.shard.logits(out[-1:])
+                    rows.append(out[-1])
         if to_sample:
             self._sample_and_advance(to_sample, rows)
 
     def _share_prompt_logprobs(self, seq: Sequence, start: int, length: int,
-                               logits: torch.Tensor | None) -> None:
-        """Share the log-probabilities of the prompt tokens a chunk's logits give (of
-        tokens ``start + 1 .. start + length``, those in the prompt) from the sampling
-        rank, and send them (:class:`PrefillProgress` ``logprobs``) where the task
-        streams. Called on every rank alike: all know the chunk and the task's width."""
+                               hidden: torch.Tensor | None) -> None:
+        """Share the log-probabilities of the prompt tokens a chunk gives (of tokens
+        ``start + 1 .. start + length``, those in the prompt) from the sampling rank, and
+        send them (:class:`PrefillProgress` ``logprobs``) where the task streams. Called
+        on every rank alike: all know the chunk and the task's width. ``hidden``: on the
+        sampling rank, the chunk's final-norm hidden states ``[length, hidden]``, whose
+        logits are taken :data:`SCORE_BLOCK_ROWS` rows at a time (a block's float32
+        logits and log-softmax are what scoring adds to a prefill's memory: 6 MB for a
+        49,152-token vocabulary, 19 MB for 151,936)."""
         k = seq.task.sampling.prompt_logprobs
         assert k is not None
         n = min(start + length, seq.prompt_len - 1) - start  # rows whose next token is the prompt's
@@ -460,9 +464,13 @@ class Engine:
         rows: list[list[float]] = []
         if n > 0:
             if self.stage.samples:
-                assert logits is not None  # every row's, on the sampling rank
+                assert hidden is not None  # every row's, on the sampling rank
                 targets = torch.tensor(seq.task.prompt[start + 1 : start + 1 + n], dtype=torch.long)
-                table = prompt_logprob_table(logits[:n], targets, width).to(self.comm_device)
+                hidden = hidden[:n]
+                table = torch.cat([
+                    prompt_logprob_table(self.stage.shard.logits(hidden[b : b + SCORE_BLOCK_ROWS]),
+                                         targets[b : b + SCORE_BLOCK_ROWS], width)
+                    for b in range(0, n, SCORE_BLOCK_ROWS)]).to(self.comm_device)
             else:
                 table = torch.empty((n, 1 + 2 * width), dtype=torch.float32, device=self.comm_device)
             rows = self.stage.share_logprobs(table).cpu().tolist()
