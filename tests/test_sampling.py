@@ -268,7 +268,7 @@ def test_logprobs_are_the_models_before_the_processors():
 
 @pytest.mark.timeout(10)
 def test_logprob_table_round_trip():
-    from shardline.runner.engine import logprob_table, logprob_width, read_logprobs
+    from shardline.runner.logprob_tables import logprob_table, logprob_width, read_logprobs
 
     assert logprob_width([None, None]) is None
     assert logprob_width([None, 0]) == 0
@@ -285,7 +285,7 @@ def test_logprob_table_round_trip():
 @pytest.mark.parametrize("vocab, k", [(6, 2), (3, 5), (6, 0), (40, 25)],
                          ids=["two of six", "more asked than the vocabulary", "none", "capped at 20"])
 def test_prompt_logprob_table_reads_back_as_each_rows_target_and_top(vocab, k):
-    from shardline.runner.engine import prompt_logprob_table, read_logprobs
+    from shardline.runner.logprob_tables import prompt_logprob_table, read_logprobs
     from shardline.runner.sampling import MAX_TOP_LOGPROBS
 
     logits = torch.randn(4, vocab, generator=torch.Generator().manual_seed(vocab))

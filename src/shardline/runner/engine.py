@@ -19,9 +19,12 @@ Each step:
    has a grammar, its own mask: :mod:`shardline.runner.constraint`); one all-gather gives
    the token ids to every rank and agrees on the next step's tasks and cancellations at
    once, and when a sequence of the step asks for log-probabilities (every rank knows
-   which do) a broadcast gives them (:func:`logprob_table`);
+   which do) a broadcast gives them (:mod:`shardline.runner.logprob_tables`); a chunk of a
+   prompt scored whole (``prompt_logprobs``) has its prompt tokens' log-probabilities
+   broadcast the same way, before the step's sampling;
 6. the ranks whose node streams a task emit its tokens; during its prefill they emit the
-   prompt tokens they have processed after each chunk.
+   prompt tokens they have processed after each chunk (with a scored prompt's
+   log-probabilities).
 
 Every decision in steps 2-5 depends only on state that is identical on all ranks, so all
 ranks make the same collective calls in the same order.
@@ -41,6 +44,7 @@ import torch
 from shardline.parallel.pipeline import PipelineStage
 from shardline.runner.agreement import Agreement, decide, encode_proposal, sampled_tokens
 from shardline.runner.constraint import Constraint
+from shardline.runner.logprob_tables import logprob_table, logprob_width, prompt_logprob_table, read_logprobs
 from shardline.runner.protocol import (
     Cancel,
     EngineStats,
@@ -50,7 +54,7 @@ from shardline.runner.protocol import (
     TokenEvent,
     Tokens,
 )
-from shardline.runner.sampling import MAX_TOP_LOGPROBS, Choice, Sampler
+from shardline.runner.sampling import MAX_TOP_LOGPROBS, Sampler
 
 log = logging.getLogger(__name__)
 
@@ -124,56 +128,6 @@ def prefill_plan(prompts: list[tuple[int, int]], chunk: int, budget: int) -> lis
             budget -= length
             start += length
     return plan
-
-
-def logprob_width(wanted: list[int | None]) -> int | None:
-    """Top entries per row of a step's log-probability table: the most any sequence of
-    the step asks for (at most :data:`MAX_TOP_LOGPROBS`), or None when none asks (no
-    table, no broadcast). ``wanted``: each sequence's ``sampling.logprobs``."""
-    asked = [min(k, MAX_TOP_LOGPROBS) for k in wanted if k is not None]
-    return max(asked) if asked else None
-
-
-def logprob_table(choices: list[Choice], width: int) -> torch.Tensor:
-    """The float32 ``[len(choices), 1 + 2 * width]`` table the sampling rank broadcasts:
-    per row the chosen token's log-probability, then ``width`` top token ids (exact in
-    float32 below 2**24), then their log-probabilities; unused entries NaN."""
-    table = torch.full((len(choices), 1 + 2 * width), float("nan"), dtype=torch.float32)
-    for row, choice in enumerate(choices):
-        if choice.logprob is None:
-            continue
-        table[row, 0] = choice.logprob
-        for j, (token, logprob) in enumerate(choice.top[:width]):
-            table[row, 1 + j] = float(token)
-            table[row, 1 + width + j] = logprob
-    return table
-
-
-def prompt_logprob_table(logits: torch.Tensor, targets: torch.Tensor, k: int) -> torch.Tensor:
-    """The table of a prefill chunk's prompt log-probabilities, as :func:`logprob_table`
-    lays it out (``k`` wide, at most :data:`MAX_TOP_LOGPROBS`): row i holds the
-    log-probability of ``targets[i]`` under the log-softmax of ``logits[i]`` and the ``k``
-    most likely tokens there. ``logits``: float32 ``[n, vocab]``; ``targets``: int64
-    ``[n]``; returns float32 ``[n, 1 + 2 k]``."""
-    logprobs = torch.log_softmax(logits.float(), dim=-1)
-    k = min(k, MAX_TOP_LOGPROBS)
-    table = torch.full((logits.shape[0], 1 + 2 * k), float("nan"), dtype=torch.float32)
-    table[:, 0] = logprobs.gather(1, targets.view(-1, 1)).squeeze(1)
-    shown = min(k, logits.shape[1])
-    if shown:
-        values, ids = torch.topk(logprobs, shown, dim=-1)
-        table[:, 1 : 1 + shown] = ids.float()
-        table[:, 1 + k : 1 + k + shown] = values
-    return table
-
-
-def read_logprobs(row: list[float], width: int, k: int) -> tuple[float, tuple[tuple[int, float], ...]]:
-    """A row of :func:`logprob_table` back as the chosen token's log-probability and its
-    ``k`` top entries."""
-    k = min(k, width)
-    top = tuple((int(row[1 + j]), row[1 + width + j]) for j in range(k)
-                if row[1 + j] == row[1 + j])  # NaN: the vocabulary has fewer tokens
-    return row[0], top
 
 
 @dataclass
