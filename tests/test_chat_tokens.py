@@ -13,7 +13,7 @@ from typing import Any
 
 import pytest
 
-from shardline.api import anthropic, ollama, openai
+from shardline.api import anthropic, completions, ollama, openai
 from shardline.api.generation import prepare
 from shardline.models.store import DEFAULT_MODEL_ID, ModelStore
 from shardline.models.tokenizer import ChatTemplateError, Tokenizer
@@ -162,7 +162,7 @@ def test_every_chat_api_keeps_message_text_as_text(tokenizer, request_model, bod
 
 
 @pytest.mark.parametrize("request_model, body", [
-    (openai.CompletionRequest, {"model": M, "prompt": INJECTION}),
+    (completions.CompletionRequest, {"model": M, "prompt": INJECTION}),
     (ollama.GenerateRequest, {"model": M, "prompt": INJECTION, "raw": True}),
 ], ids=["openai-completions", "ollama-raw"])
 def test_a_raw_text_prompt_keeps_its_special_tokens(tokenizer, request_model, body):

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from shardline.api import anthropic, ollama, openai
+from shardline.api import anthropic, completions, ollama, openai
 from shardline.api.generation import APIError, parse_raw
 from shardline.api.params import PARAMETERS, Endpoint, Param, ParamError, render_table, screen
 from shardline.api.responses_request import ResponsesRequest
@@ -52,7 +52,7 @@ def test_screen_refuses(endpoint, data, param, words):
 
 MODELS = {
     Endpoint.CHAT: openai.ChatCompletionRequest,
-    Endpoint.COMPLETIONS: openai.CompletionRequest,
+    Endpoint.COMPLETIONS: completions.CompletionRequest,
     Endpoint.MESSAGES: anthropic.MessagesRequest,
     Endpoint.COUNT_TOKENS: anthropic.CountTokensRequest,
     Endpoint.OLLAMA_CHAT: ollama.ChatRequest,
@@ -104,7 +104,7 @@ def test_the_readme_table_is_the_table():
     (openai.ChatCompletionRequest, {"logit_bias": {"x": 1}}, "logit_bias.x"),
     (openai.ChatCompletionRequest, {"stop": 5}, "stop"),
     (ollama.ChatRequest, {"format": "xml"}, "format"),
-    (openai.CompletionRequest, {"echo": "true"}, "echo"),
+    (completions.CompletionRequest, {"echo": "true"}, "echo"),
     (anthropic.MessagesRequest, {"max_tokens": "16"}, "max_tokens"),
     (ollama.ChatRequest, {"stream": "false"}, "stream"),
     (ollama.ChatRequest, {"options": {"num_predict": "8"}}, "options.num_predict"),
@@ -113,7 +113,7 @@ def test_parse_refuses_values_of_the_wrong_json_type(model, body, param):
     """A string or boolean where a number belongs (or the reverse) is a 400 naming the
     field, not coerced: "3" is not 3 and true is not 1."""
     base = {"model": "m", "messages": [{"role": "user", "content": "x"}]}
-    if model is openai.CompletionRequest:
+    if model is completions.CompletionRequest:
         base = {"model": "m", "prompt": "x"}
     if model is anthropic.MessagesRequest:
         base["max_tokens"] = 8
@@ -146,13 +146,13 @@ def test_parse_refuses_numbers_json_does_not_have(number):
     (openai.ChatCompletionRequest, {"tools": []}, "tools"),
     (openai.ChatCompletionRequest, {"seed": 2**70}, "seed"),
     (openai.ChatCompletionRequest, {"stop": ["a", "b", "c", "d", "e"]}, "stop"),
-    (openai.CompletionRequest, {"prompt": ""}, "prompt"),
+    (completions.CompletionRequest, {"prompt": ""}, "prompt"),
     (ollama.ChatRequest, {"top_logprobs": 3}, "top_logprobs"),
 ])
 def test_parse_refuses_what_would_be_ignored(model, body, param):
     """Values the reference refuses, or that would be accepted and do nothing (stream_options
     without a stream, top_logprobs without logprobs)."""
-    base = {"model": "m", "prompt": "x"} if model is openai.CompletionRequest else {
+    base = {"model": "m", "prompt": "x"} if model is completions.CompletionRequest else {
         "model": "m", "messages": [{"role": "user", "content": "x"}]}
     with pytest.raises(APIError) as caught:
         parse_raw(json.dumps({**base, **body}).encode(), model)
@@ -164,7 +164,7 @@ def test_echo_with_logprobs_asks_for_the_prompts_logprobs():
     (``prompt_logprobs``); without echo, or without logprobs, it does not."""
     def sampling(**body):
         return parse_raw(json.dumps({"model": "m", "prompt": "x", **body}).encode(),
-                         openai.CompletionRequest).sampling()
+                         completions.CompletionRequest).sampling()
     assert sampling(echo=True, logprobs=2).prompt_logprobs == 2
     assert sampling(echo=True).prompt_logprobs is None
     assert sampling(logprobs=2).prompt_logprobs is None

@@ -15,7 +15,7 @@ from fastapi.responses import FileResponse, JSONResponse, Response, StreamingRes
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import ClientDisconnect
 
-from shardline.api import anthropic, errors, metrics, ollama, openai, responses
+from shardline.api import anthropic, completions, errors, metrics, ollama, openai, responses
 from shardline.api.keep_alive import KeepAlive, unload
 from shardline.models.config import UnsupportedModelError
 from shardline.models.store import DEFAULT_MODEL_ID, ModelNotFoundError, ModelStoreError
@@ -137,6 +137,7 @@ def create_app(node: Node, guard: GuardConfig, max_body_bytes: int = DEFAULT_MAX
 
     request_metrics = metrics.RequestMetrics(node)
     app.include_router(openai.router(node, request_metrics))
+    app.include_router(completions.router(node, request_metrics))
     app.include_router(responses.router(node, request_metrics))
     app.include_router(anthropic.router(node, request_metrics))
     app.include_router(ollama.router(node, request_metrics, keep_alive))
