@@ -98,7 +98,7 @@ class CompletionShape(ChatShape):
         return self.req.scores_only
 
     def usage_of(self) -> dict:
-        """:meth:`_ChatShape.usage_of`; no completion tokens where it :meth:`_scores_only`."""
+        """:meth:`ChatShape.usage_of`; no completion tokens where it :meth:`_scores_only`."""
         usage = super().usage_of()
         if self._scores_only():
             usage = dict(usage, completion_tokens=0, total_tokens=usage["prompt_tokens"])
