@@ -51,8 +51,8 @@ sleeps (libgomp's default, 300,000 turns of a pause loop, kept it spinning for
 milliseconds). A pipeline stage that has handed its micro-batch on would keep the cores
 the next stage needs: a 1.5B Q4_K_M model on 3 nodes of a 2-vCPU VM with 2 runner
 threads each decoded 9.1 tokens/s with the default and 10.8 with this (one node 12.4-13.6;
-1 thread each, the default split there, 5.7). A single node keeps libgomp's default
-(bounded, SmolLM2's 8-sequence decode lost ~15%)."""
+1 thread each, the default split there, 5.7). A single node keeps libgomp's default:
+with the spin bounded, one node's 8-sequence decode of SmolLM2 lost ~15%."""
 
 
 def node_environment(base: dict[str, str], nodes: int, cluster_key: str,
