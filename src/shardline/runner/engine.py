@@ -147,6 +147,12 @@ class Sequence:
         return len(self.task.prompt)
 
     @property
+    def scored(self) -> bool:
+        """Its prompt's log-probabilities are asked for (``sampling.prompt_logprobs``):
+        its prefill chunks give every row's final-norm hidden state, not one row's logits."""
+        return self.task.sampling.prompt_logprobs is not None
+
+    @property
     def next_position(self) -> int:
         """Position of the next token fed to the model (the last generated one)."""
         return self.prompt_len + len(self.generated) - 1
@@ -365,9 +371,8 @@ class Engine:
             micro.append((torch.tensor([s.generated[-1] for s in decoding], dtype=torch.long), batch))
         for seq, start, length in chunks:
             last = start + length == seq.prompt_len
-            every = seq.task.sampling.prompt_logprobs is not None  # logits of every row
-            batch = stage.prefill_batch(seq.slot, start, length, want_logits=last or every,
-                                        every_row=every)
+            batch = stage.prefill_batch(seq.slot, start, length, want_logits=last or seq.scored,
+                                        every_row=seq.scored)
             micro.append((torch.tensor(seq.task.prompt[start : start + length], dtype=torch.long), batch))
         if not micro:
             return
@@ -376,7 +381,7 @@ class Engine:
         def computed(index: int) -> None:
             if index >= first_chunk:
                 seq, start, length = chunks[index - first_chunk]
-                if seq.task.origin == self.node_id and seq.task.sampling.prompt_logprobs is None:
+                if seq.task.origin == self.node_id and not seq.scored:  # (scored: once shared)
                     self.emit([PrefillProgress(seq.task.task_id, start + length, seq.prompt_len)])
 
         outputs = self.stage.run(micro, computed)
@@ -388,14 +393,14 @@ class Engine:
             rows = [logits[i] for i in range(len(decoding))]
         for index, (seq, start, length) in enumerate(chunks, start=first_chunk):
             seq.prefilled = start + length
-            if seq.task.sampling.prompt_logprobs is not None:
+            if seq.scored:
                 self._share_prompt_logprobs(seq, start, length, outputs[index])
             if seq.prefilled == seq.prompt_len:
                 to_sample.append(seq)
                 if self.stage.samples:
                     out = outputs[index]
                     assert out is not None
-                    if seq.task.sampling.prompt_logprobs is not None:  # every row's hidden state
+                    if seq.scored:  # every row's hidden state
                         out = self.stage.shard.logits(out[-1:])
                     rows.append(out[-1])
         if to_sample:
