@@ -150,7 +150,7 @@ def declare(lib: ctypes.CDLL) -> None:
     lib.int4_planes_gemv.argtypes = [_P, _P, _C, _I, _P]
     lib.int4_planes_rows.argtypes = [_P, _P, _P, _P, _I, _I, _I, _P, _P, _I, _P]
     lib.int4_planes_gemv_built.restype = ctypes.c_int
-    lib.int4_amx_prefill_ready.restype = ctypes.c_int
+    lib.amx_tiles_ready.restype = ctypes.c_int
     lib.int4_planes_amx_prefill.argtypes = [_P, _P, _I, _P]
     lib.int8_groups.argtypes = [_P, _P, _P, _I, _I, _I, _P, ctypes.c_int]
     lib.int8_groups_gemv.argtypes = [_P, _P, _P, _I, _I, _I, _P, _P, _I, _P]
@@ -386,7 +386,7 @@ def amx_ready() -> bool:
     tiles (a CPU that has them, a compiler that knows them) and Linux lets this process use
     them."""
     lib = kernels()
-    return int4_gemv_built() and lib is not None and bool(lib.int4_amx_prefill_ready())
+    return int4_gemv_built() and lib is not None and bool(lib.amx_tiles_ready())
 
 
 class _Int4Weight(ctypes.Structure):

@@ -25,7 +25,7 @@
 
 /* Whether this process may use the tiles: Linux grants their state on request (once per
  * process; asking again is harmless). int4_gemv.c's int8 tile product asks here too. */
-int int4_amx_prefill_ready(void) {
+int amx_tiles_ready(void) {
     static int state; /* 0 not asked, 1 granted, -1 refused */
     if (!state) state = syscall(SYS_arch_prctl, ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA) ? -1 : 1;
     return state > 0;
@@ -73,11 +73,11 @@ static void dequantize_block(const int4_gemv_t *w, int64_t b, uint16_t *wb) {
 }
 
 /* y [M, N] bfloat16 = x [M, K] bfloat16 @ W^T. Returns 0; -1 without memory for the
- * scratch; -2 where the tiles may not be used (int4_amx_prefill_ready). */
+ * scratch; -2 where the tiles may not be used (amx_tiles_ready). */
 int int4_planes_amx_prefill(const int4_gemv_t *w, const uint16_t *x, int64_t M, uint16_t *y) {
     int64_t N = w->N, K = w->K, rows = (M + 31) / 32 * 32;
     if (M <= 0) return 0;
-    if (!int4_amx_prefill_ready()) return -2;
+    if (!amx_tiles_ready()) return -2;
     uint16_t *xp = aligned_alloc(64, (size_t)(rows * K * 2 + 63) / 64 * 64);
     if (!xp) return -1;
     memcpy(xp, x, (size_t)(M * K * 2));
@@ -131,7 +131,7 @@ int int4_planes_amx_prefill(const int4_gemv_t *w, const uint16_t *x, int64_t M, 
     return failed ? -1 : 0;
 }
 #else
-int int4_amx_prefill_ready(void) { return 0; }
+int amx_tiles_ready(void) { return 0; }
 int int4_planes_amx_prefill(const int4_gemv_t *w, const uint16_t *x, int64_t M, uint16_t *y) {
     (void)w, (void)x, (void)M, (void)y;
     return -2;

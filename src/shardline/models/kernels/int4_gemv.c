@@ -211,7 +211,7 @@ int int4_planes_gemv(const int4_gemv_t *weight, const void *x, int x_f32, int64_
     const uint16_t *scales[2] = {weight->sz0, weight->sz1};
     int count = weight->p1 ? 2 : 1;
     int64_t tiles = (M + 63) / 64;
-    int amx = INT4_AMX_INT8 && M >= TILE_MIN_ROWS && int4_amx_prefill_ready();
+    int amx = INT4_AMX_INT8 && M >= TILE_MIN_ROWS && amx_tiles_ready();
 #pragma omp parallel
     {
 #if INT4_AMX_INT8

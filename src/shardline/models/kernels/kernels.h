@@ -83,7 +83,7 @@ typedef struct {
 #endif
 
 /* Whether this process may use AMX tiles (amx_prefill.c; 0 where they are not built). */
-int int4_amx_prefill_ready(void);
+int amx_tiles_ready(void);
 
 /* A weight for int4_planes_gemv: the planes' bytes and scales (p1, sz1 NULL for one). */
 typedef struct {
