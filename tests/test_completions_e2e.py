@@ -102,6 +102,39 @@ def test_echo_with_logprobs_scores_the_prompt_as_lm_evaluation_harness_reads_it(
     assert alone["choices"][0]["logprobs"]["token_logprobs"] == scores["token_logprobs"][:n]
 
 
+def test_logprobs_describe_the_text_sent(cluster3):
+    """The tokens of a stop string are not in ``logprobs`` (its text is not in the
+    answer), and ``text_offset`` follows the text through characters split across
+    tokens, streamed or whole."""
+    greedy = complete(cluster3.url(0), prompt=PROMPT, max_tokens=8, logprobs=0).json()["choices"][0]
+    stop = greedy["logprobs"]["tokens"][3]  # a stop string that the 4th token spells
+    for stream in (False, True):
+        body = {"model": DEFAULT_MODEL_ID, "temperature": 0, "prompt": PROMPT, "max_tokens": 8,
+                "logprobs": 0, "stop": [stop], "stream": stream}
+        if stream:
+            with httpx.stream("POST", f"{cluster3.url(1)}/v1/completions", json=body, timeout=120) as response:
+                chunks = [json.loads(line[6:])["choices"][0] for line in response.iter_lines()
+                          if line.startswith("data: ") and line != "data: [DONE]"]
+            text = "".join(c["text"] for c in chunks)
+            tokens = [t for c in chunks if c["logprobs"] for t in c["logprobs"]["tokens"]]
+        else:
+            choice = httpx.post(f"{cluster3.url(1)}/v1/completions", json=body, timeout=120).json()["choices"][0]
+            text, tokens = choice["text"], choice["logprobs"]["tokens"]
+        cut = greedy["text"].find(stop)  # (the stop string may come before the 4th token)
+        kept = [t for t, at in zip(greedy["logprobs"]["tokens"], greedy["logprobs"]["text_offset"]) if at < cut]
+        assert text == greedy["text"][:cut] and tokens == kept
+    odd = "Tokyo is 東京 🙂, café."
+    scored = complete(cluster3.url(2), prompt="Say: " + odd, max_tokens=0, echo=True, logprobs=0).json()
+    choice = scored["choices"][0]
+    tokens, offsets = choice["logprobs"]["tokens"], choice["logprobs"]["text_offset"]
+    assert any("\ufffd" in t for t in tokens)  # some characters are split across tokens
+    assert offsets == sorted(offsets) and offsets[-1] < len(choice["text"])
+    for token, offset in zip(tokens, offsets):
+        if "\ufffd" not in token:
+            assert choice["text"][offset:offset + len(token)] == token
+    assert offsets[-1] + len(tokens[-1]) == len(choice["text"])
+
+
 @pytest.mark.parametrize("body, param, words", [
     ({"prompt": [1, 2, 10**9]}, "prompt", "outside the vocabulary"),
     ({"prompt": ["one", "two"]}, "prompt", "one prompt per request"),

@@ -4,7 +4,7 @@ import pytest
 
 from shardline.api.generation import StopMatcher
 from shardline.models.store import default_model_path
-from shardline.models.tokenizer import IncrementalDetokenizer, Tokenizer
+from shardline.models.tokenizer import IncrementalDetokenizer, Tokenizer, text_starts
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -39,3 +39,21 @@ def test_chat_template_opens_the_assistant_turn(tokenizer):
     prompt = tokenizer.render_chat([{"role": "user", "content": "Hi"}])
     assert prompt.endswith("<|im_start|>assistant\n")
     assert tokenizer.eos_token_ids == [2]
+
+
+def test_text_starts_place_split_characters_where_they_stand(tokenizer):
+    """A token that starts a character starts after the text before it; the tokens that
+    together spell a split character all start where the first of them does; the last
+    token's text ends where the text does (no drift)."""
+    text = "a 🙂 b 東京 c"
+    ids = tokenizer.encode(text, add_special_tokens=False)
+    starts = text_starts(tokenizer, ids)
+    assert len(ids) > len(text.split())  # the emoji and the kanji span several tokens
+    assert starts == sorted(starts) and starts[0] == 0
+    for i, start in enumerate(starts):
+        before = tokenizer.decode(ids[:i])
+        if "\ufffd" in before:  # token i continues a character: it starts no later than it
+            assert start <= len(before.rstrip("\ufffd")), i
+        else:
+            assert start == len(before), i
+    assert starts[-1] + len(tokenizer.decode(ids[-1:])) == len(text)

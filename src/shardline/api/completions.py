@@ -7,6 +7,7 @@ reference describes them; served by :func:`shardline.api.openai.serve`.
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import Any
 
 from fastapi import APIRouter, Request
@@ -22,6 +23,7 @@ from shardline.api.logprobs import (
 from shardline.api.metrics import RequestMetrics
 from shardline.api.openai import ChatShape, SamplingFields, serve
 from shardline.api.params import Endpoint
+from shardline.models.tokenizer import text_starts
 from shardline.node.node import Node
 from shardline.runner.protocol import SamplingParams
 
@@ -75,7 +77,6 @@ class CompletionShape(ChatShape):
 
     def __init__(self, req: SamplingFields, gens: list[Generation], completion_id: str, created: int) -> None:
         super().__init__(req, gens, completion_id, created)
-        self.offsets = [0] * len(gens)  # characters of each choice's text sent so far
 
     def _chunk(self, index: int, delta: Any, finish: str | None, logprobs: dict | None = None, **extra) -> dict:
         """A chunk whose choice carries ``delta``, here the text (None: no choice)."""
@@ -107,32 +108,39 @@ class CompletionShape(ChatShape):
     def _logprobs(self, index: int, chunk: Chunk) -> dict | None:
         if self.req.logprobs_wanted() is None:
             return None
-        out = completion_logprobs(list(chunk.logprobs), self.offsets[index])
-        self.offsets[index] += sum(len(t.token) for t in chunk.logprobs)
-        return out
+        return completion_logprobs(list(chunk.logprobs), len(self.echo()))
 
     def _prompt_logprobs(self) -> bool:
         """Whether the echoed prompt comes with its log-probabilities."""
         assert isinstance(self.req, CompletionRequest)
         return self.req.echo and self.req.logprobs_wanted() is not None
 
+    @functools.cached_property
+    def _prompt_starts(self) -> list[int]:
+        """Where each prompt token's text starts in :meth:`echo` (the same prompt for every
+        choice): a text prompt echoes as written, so its special tokens (a BOS the
+        tokenizer added) have no text there."""
+        gen, echoed = self.gens[0], len(self.echo())
+        starts = text_starts(gen.tokenizer, gen.prompt, skip_special_tokens=isinstance(gen.req.prompt, str))
+        return [min(start, echoed) for start in starts]
+
     def _echo_logprobs(self, index: int, generated: list[TokenLogprob]) -> dict:
         gen = self.gens[index]
         first = token_logprob(gen.tokenizer.piece, gen.prompt[0], 0.0, ()).token
-        return echoed_completion_logprobs(first, gen.prompt_logprobs, generated, len(self.echo()))
+        prompt = [dataclasses.replace(t, offset=self._prompt_starts[i])
+                  for i, t in enumerate(gen.prompt_logprobs, start=1)]
+        return echoed_completion_logprobs(first, prompt, generated, len(self.echo()))
 
     def first(self, index: int) -> dict | None:
         assert isinstance(self.req, CompletionRequest)
         if not self.req.echo or self._prompt_logprobs():  # (then once prefilled)
             return None
-        self.offsets[index] = len(self.echo())
         return self._chunk(index, self.echo(), None)
 
     def prefilled(self, index: int) -> dict | None:
         """The echoed prompt with its log-probabilities, known once it is prefilled."""
         if not self._prompt_logprobs():
             return None
-        self.offsets[index] = len(self.echo())
         return self._chunk(index, self.echo(), None, self._echo_logprobs(index, []))
 
     def piece(self, index: int, chunk: Chunk) -> dict | None:

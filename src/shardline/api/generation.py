@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING, Any
 from fastapi import Request
 from pydantic import BaseModel, ValidationError
 
-from shardline.api.logprobs import TokenLogprob, token_logprob
+from shardline.api.logprobs import HeldLogprobs, TokenLogprob, token_logprob
 from shardline.api.params import Endpoint, ParamError, screen
 from shardline.api.prompt_bounds import min_prompt_tokens
 from shardline.api.tools import (
@@ -201,7 +201,8 @@ class Generation:
         asks for them, go to ``self.prompt_logprobs``).
 
         A stop string ends the output before it (then in ``self.stops.matched``); end
-        tokens are not part of the text nor of the logprobs. Closing the iterator cancels
+        tokens are not part of the text nor of the logprobs, and a token's log-probability
+        comes with its text (:class:`~shardline.api.logprobs.HeldLogprobs`). Closing the iterator cancels
         the request on every rank.
 
         Raises:
@@ -211,7 +212,7 @@ class Generation:
             self.req.model, tuple(self.prompt), self.max_tokens, self.sampling, tuple(self.stop_ids)),
             self.task_id)
         ended = "cancelled"  # unless it finishes, or fails
-        logprobs: list[TokenLogprob] = []
+        held = HeldLogprobs()
         parser = ToolCallParser(self.tool_format, tool_names(self.req.tools)) if self.req.offers_tools else None
         try:
             async for event in events:
@@ -227,22 +228,24 @@ class Generation:
                 finish = event.finish_reason
                 text, hit = "", False
                 if event.token_id >= 0 and event.token_id not in self.stop_ids:
-                    if event.logprob is not None:
-                        logprobs.append(self._logprob(event))
-                    text, hit = self.stops.feed(self.detokenizer.push(event.token_id))
+                    delta = self.detokenizer.push(event.token_id)
+                    held.push(None if event.logprob is None else self._logprob(event), len(delta))
+                    text, hit = self.stops.feed(delta)
                 if hit:
                     finish = "stop"
                 elif finish is not None:
                     finish = "stop" if finish == "cancelled" else finish
                     text += self.stops.flush()
-                chunk = self._chunk(parser, text, finish, tuple(logprobs))
+                logprobs = held.send(len(text), hit)
+                if finish is not None and not hit:
+                    logprobs += held.flush()
+                chunk = self._chunk(parser, text, finish, logprobs)
                 if finish is not None:
                     ended = chunk.finish or finish
                     yield chunk
                     return
                 if chunk.text or chunk.logprobs or chunk.tool_calls:
                     yield chunk
-                    logprobs = []
         except InstanceFailedError:
             ended = "error"
             raise

@@ -15,7 +15,7 @@ byte as ``<0xNN>``.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 
 def _byte_level_alphabet() -> dict[str, int]:
@@ -64,13 +64,18 @@ class TopLogprob:
 
 @dataclass(frozen=True)
 class TokenLogprob:
-    """A generated token's log-probability and the most likely tokens at its position
-    (most likely first; empty when the request asked for none)."""
+    """A token's log-probability and the most likely tokens at its position (most likely
+    first; empty when the request asked for none).
+
+    ``offset`` is the character at which the token's text starts in the text it belongs
+    to (the generated text, or the echoed prompt); the tokens that together spell a
+    character split across them all start where the first of them starts."""
 
     token: str
     logprob: float
     bytes: list[int]
     top: tuple[TopLogprob, ...] = ()
+    offset: int = 0
 
 
 def token_logprob(piece_of, token_id: int, logprob: float, top: tuple[tuple[int, float], ...]) -> TokenLogprob:
@@ -103,25 +108,74 @@ def logprob_entry(t: TokenLogprob) -> dict:
             "top_logprobs": [{"token": a.token, "logprob": a.logprob, "bytes": a.bytes} for a in t.top]}
 
 
-def completion_logprobs(tokens: list[TokenLogprob], offset: int) -> dict:
-    """The legacy Completions' ``logprobs`` object for tokens whose text starts at
-    character ``offset`` of the choice's text: ``tokens``, ``token_logprobs``,
-    ``top_logprobs`` (a ``{token: logprob}`` dict per position) and ``text_offset``."""
-    offsets = []
-    for t in tokens:
-        offsets.append(offset)
-        offset += len(t.token)
+class HeldLogprobs:
+    """Generated tokens' log-probabilities, each held until the text it spelled is sent.
+
+    Text reaches a client later than its tokens are sampled: the detokenizer holds back
+    part of a character split across tokens, and a stop string's possible beginning is
+    held until it is known not to be one (:class:`~shardline.api.generation.StopMatcher`).
+    A token's log-probability goes out with the text it spelled, and a stop string's own
+    tokens never go: so ``tokens`` and ``text_offset`` describe exactly the text sent.
+
+    Example: tokens spelling ``"Hi"``, ``"\\n"`` under the stop string ``"\\n"``:
+    ``push(a, 2)``, ``send(2, False)`` gives ``a``; ``push(b, 1)``, ``send(0, True)``
+    gives nothing: ``b`` spelled only the stop string.
+    """
+
+    def __init__(self) -> None:
+        self._held: list[tuple[TokenLogprob, int]] = []  # (entry with its offset, its text's end)
+        self._pushed = 0  # characters the detokenizer has given
+        self._sent = 0  # characters sent
+
+    def push(self, entry: TokenLogprob | None, chars: int) -> None:
+        """A token sampled: its log-probability (None: the request asked for none) and the
+        characters of text the detokenizer gave for it (0 while a character is split)."""
+        if entry is not None:
+            self._held.append((replace(entry, offset=self._pushed), self._pushed + chars))
+        self._pushed += chars
+
+    def send(self, chars: int, stopped: bool) -> tuple[TokenLogprob, ...]:
+        """The entries to send with ``chars`` more characters of text. ``stopped``: that
+        text ends before a stop string, and the output with it: the tokens that spelled
+        some of the text are sent, and the rest (the stop string's) dropped."""
+        self._sent += chars
+        if stopped:
+            kept = tuple(entry for entry, _ in self._held if entry.offset < self._sent)
+            self._held = []
+            return kept
+        done = 0  # a token without text of its own goes with the next token's text
+        for i, (entry, end) in enumerate(self._held):
+            if end > self._sent:
+                break
+            if end > entry.offset:
+                done = i + 1
+        out, self._held = self._held[:done], self._held[done:]
+        return tuple(entry for entry, _ in out)
+
+    def flush(self) -> tuple[TokenLogprob, ...]:
+        """Every entry still held (the output ended without a stop string)."""
+        out, self._held = self._held, []
+        return tuple(entry for entry, _ in out)
+
+
+def completion_logprobs(tokens: list[TokenLogprob], start: int) -> dict:
+    """The legacy Completions' ``logprobs`` object for tokens of text that starts at
+    character ``start`` of the choice's text: ``tokens``, ``token_logprobs``,
+    ``top_logprobs`` (a ``{token: logprob}`` dict per position) and ``text_offset``
+    (``start`` plus each token's :attr:`TokenLogprob.offset`)."""
     return {"tokens": [t.token for t in tokens], "token_logprobs": [t.logprob for t in tokens],
-            "top_logprobs": [{a.token: a.logprob for a in t.top} for t in tokens], "text_offset": offsets}
+            "top_logprobs": [{a.token: a.logprob for a in t.top} for t in tokens],
+            "text_offset": [start + t.offset for t in tokens]}
 
 
 def echoed_completion_logprobs(first: str, prompt: list[TokenLogprob], generated: list[TokenLogprob],
                                echo_length: int) -> dict:
     """The legacy Completions' ``logprobs`` object of a choice that echoes its prompt:
     the prompt's first token (its text ``first``, with no log-probability: nothing comes
-    before it, so ``null`` as OpenAI writes it), each later prompt token's, then the
-    generated tokens' from character ``echo_length`` (the echoed text's length)."""
-    head = completion_logprobs(prompt, len(first))
+    before it, so ``null`` as OpenAI writes it), each later prompt token's (offsets in the
+    echoed text), then the generated tokens' from character ``echo_length`` (the echoed
+    text's length)."""
+    head = completion_logprobs(prompt, 0)
     tail = completion_logprobs(generated, echo_length)
     return {"tokens": [first, *head["tokens"], *tail["tokens"]],
             "token_logprobs": [None, *head["token_logprobs"], *tail["token_logprobs"]],

@@ -222,8 +222,9 @@ class IncrementalDetokenizer:
     generation servers do.
     """
 
-    def __init__(self, tokenizer: Tokenizer) -> None:
+    def __init__(self, tokenizer: Tokenizer, skip_special_tokens: bool = True) -> None:
         self._tokenizer = tokenizer
+        self._skip = skip_special_tokens
         self._ids: list[int] = []
         self._prefix_offset = 0
         self._read_offset = 0
@@ -231,14 +232,26 @@ class IncrementalDetokenizer:
     def push(self, token_id: int) -> str:
         """Add one token; return the newly completed text (possibly empty)."""
         self._ids.append(token_id)
-        prefix = self._tokenizer.decode(self._ids[self._prefix_offset : self._read_offset])
-        full = self._tokenizer.decode(self._ids[self._prefix_offset :])
+        prefix = self._tokenizer.decode(self._ids[self._prefix_offset : self._read_offset], self._skip)
+        full = self._tokenizer.decode(self._ids[self._prefix_offset :], self._skip)
         if len(full) > len(prefix) and not full.endswith("\ufffd"):
             delta = full[len(prefix) :]
             self._prefix_offset = self._read_offset
             self._read_offset = len(self._ids)
             return delta
         return ""
+
+
+def text_starts(tokenizer: Tokenizer, ids: list[int], skip_special_tokens: bool = True) -> list[int]:
+    """The character at which each token's text starts in ``ids`` decoded, by
+    :class:`IncrementalDetokenizer`: one entry per id. The tokens that together spell a
+    character split across them all start where the first of them starts."""
+    detokenizer = IncrementalDetokenizer(tokenizer, skip_special_tokens)
+    starts, pushed = [], 0
+    for token_id in ids:
+        starts.append(pushed)
+        pushed += len(detokenizer.push(token_id))
+    return starts
 
 
 if __name__ == "__main__":  # python -m shardline.models.tokenizer GGUF DIRECTORY
