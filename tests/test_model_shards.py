@@ -422,3 +422,24 @@ def test_a_reopened_gguf_reads_the_same_from_its_cached_header(tmp_path, monkeyp
     assert second.names() == first.names()
     for name in first.names():
         assert torch.equal(second.read(name), first.read(name)), name
+
+
+@pytest.mark.parametrize("copy_bytes", [None, 64, 1 << 10])
+def test_in_memory_fields_read_as_the_library_does(monkeypatch, copy_bytes):
+    """The faster metadata parse gives the library's fields and tensor infos, also where
+    the key/value section runs past the in-memory copy (then parsed from the map)."""
+    from gguf import GGUFReader
+
+    from shardline.models import gguf_header
+    from shardline.models.store import default_model_path
+
+    if copy_bytes is not None:
+        monkeypatch.setattr(gguf_header, "HEADER_FINGERPRINT_BYTES", copy_bytes)
+    path = str(default_model_path())
+    fast, plain = gguf_header.in_memory_fields_reader()(path), GGUFReader(path)
+    assert list(fast.fields) == list(plain.fields)
+    for key in ("tokenizer.ggml.tokens", "tokenizer.ggml.merges", "general.architecture",
+                "llama.block_count"):
+        assert fast.fields[key].contents() == plain.fields[key].contents(), key
+    assert [(t.name, t.data_offset, list(t.shape)) for t in fast.tensors] == \
+        [(t.name, t.data_offset, list(t.shape)) for t in plain.tensors]
