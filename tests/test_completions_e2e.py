@@ -124,15 +124,21 @@ def test_logprobs_describe_the_text_sent(cluster3):
         kept = [t for t, at in zip(greedy["logprobs"]["tokens"], greedy["logprobs"]["text_offset"]) if at < cut]
         assert text == greedy["text"][:cut] and tokens == kept
     odd = "Tokyo is 東京 🙂, café."
-    scored = complete(cluster3.url(2), prompt="Say: " + odd, max_tokens=0, echo=True, logprobs=0).json()
+    scored = complete(cluster3.url(2), prompt="Say: " + odd, max_tokens=0, echo=True, logprobs=5).json()
     choice = scored["choices"][0]
     tokens, offsets = choice["logprobs"]["tokens"], choice["logprobs"]["text_offset"]
-    assert any("\ufffd" in t for t in tokens)  # some characters are split across tokens
+    assert any(t.startswith("bytes:") for t in tokens)  # some characters are split across tokens
     assert offsets == sorted(offsets) and offsets[-1] < len(choice["text"])
     for token, offset in zip(tokens, offsets):
-        if "\ufffd" not in token:
+        if not token.startswith("bytes:"):
             assert choice["text"][offset:offset + len(token)] == token
     assert offsets[-1] + len(tokens[-1]) == len(choice["text"])
+    assert all(len(top) == 5 for top in choice["logprobs"]["top_logprobs"][1:])  # none overwritten
+    # an output that ends inside a character keeps the text before it, and reads U+FFFD
+    for max_tokens in (1, 2):
+        cut = complete(cluster3.url(0), prompt="🎉🎉🎉🎉🎉", max_tokens=max_tokens, logprobs=0).json()["choices"][0]
+        last, at = cut["logprobs"]["tokens"][-1], cut["logprobs"]["text_offset"][-1]
+        assert last.startswith("bytes:") and at < len(cut["text"]) and cut["text"].endswith("\ufffd"), cut
 
 
 @pytest.mark.parametrize("body, param, words", [

@@ -57,3 +57,14 @@ def test_text_starts_place_split_characters_where_they_stand(tokenizer):
         else:
             assert start == len(before), i
     assert starts[-1] + len(tokenizer.decode(ids[-1:])) == len(text)
+
+
+def test_a_flushed_detokenizer_gives_what_decoding_all_the_ids_gives(tokenizer):
+    """An output that ends inside a character keeps the text its last tokens held and
+    reads U+FFFD for the character, as decoding every id does."""
+    ids = tokenizer.encode("ok 🙂", add_special_tokens=False)
+    for cut in range(1, len(ids) + 1):
+        detok = IncrementalDetokenizer(tokenizer)
+        text = "".join(detok.push(i) for i in ids[:cut]) + detok.flush()
+        assert text == tokenizer.decode(ids[:cut]), cut
+        assert detok.flush() == ""

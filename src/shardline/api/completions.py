@@ -18,6 +18,7 @@ from shardline.api.logprobs import (
     TokenLogprob,
     completion_logprobs,
     echoed_completion_logprobs,
+    legacy_token,
     token_logprob,
 )
 from shardline.api.metrics import RequestMetrics
@@ -126,7 +127,7 @@ class CompletionShape(ChatShape):
 
     def _echo_logprobs(self, index: int, generated: list[TokenLogprob]) -> dict:
         gen = self.gens[index]
-        first = token_logprob(gen.tokenizer.piece, gen.prompt[0], 0.0, ()).token
+        first = legacy_token(token_logprob(gen.tokenizer.piece, gen.prompt[0], 0.0, ()).bytes)
         prompt = [dataclasses.replace(t, offset=self._prompt_starts[i])
                   for i, t in enumerate(gen.prompt_logprobs, start=1)]
         return echoed_completion_logprobs(first, prompt, generated, len(self.echo()))

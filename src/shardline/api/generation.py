@@ -231,6 +231,13 @@ class Generation:
                     delta = self.detokenizer.push(event.token_id)
                     held.push(None if event.logprob is None else self._logprob(event), len(delta))
                     text, hit = self.stops.feed(delta)
+                if finish is not None and not hit:
+                    # The output ended: a character its last tokens began reads U+FFFD,
+                    # and the text before it in their tokens is kept.
+                    tail = self.detokenizer.flush()
+                    held.push(None, len(tail))
+                    more, hit = self.stops.feed(tail)
+                    text += more
                 if hit:
                     finish = "stop"
                 elif finish is not None:

@@ -158,13 +158,29 @@ class HeldLogprobs:
         return tuple(entry for entry, _ in out)
 
 
+def legacy_token(raw: list[int]) -> str:
+    """A token as the legacy Completions name it, from its UTF-8 bytes: its text, or for a
+    token that is part of a character split across tokens (not whole UTF-8), ``bytes:``
+    and its text with each stray byte as a ``\\xNN`` escape. The legacy API has no
+    ``bytes`` field, and its ``top_logprobs`` are keyed by token: so two such tokens keep
+    two keys (as U+FFFD each, they would overwrite one another).
+
+    >>> legacy_token([0xE6, 0x97])
+    'bytes:\\\\xe6\\\\x97'
+    """
+    try:
+        return bytes(raw).decode("utf-8")
+    except UnicodeDecodeError:
+        return "bytes:" + bytes(raw).decode("utf-8", errors="backslashreplace")
+
+
 def completion_logprobs(tokens: list[TokenLogprob], start: int) -> dict:
     """The legacy Completions' ``logprobs`` object for tokens of text that starts at
-    character ``start`` of the choice's text: ``tokens``, ``token_logprobs``,
-    ``top_logprobs`` (a ``{token: logprob}`` dict per position) and ``text_offset``
-    (``start`` plus each token's :attr:`TokenLogprob.offset`)."""
-    return {"tokens": [t.token for t in tokens], "token_logprobs": [t.logprob for t in tokens],
-            "top_logprobs": [{a.token: a.logprob for a in t.top} for t in tokens],
+    character ``start`` of the choice's text: ``tokens`` (:func:`legacy_token`),
+    ``token_logprobs``, ``top_logprobs`` (a ``{token: logprob}`` dict per position) and
+    ``text_offset`` (``start`` plus each token's :attr:`TokenLogprob.offset`)."""
+    return {"tokens": [legacy_token(t.bytes) for t in tokens], "token_logprobs": [t.logprob for t in tokens],
+            "top_logprobs": [{legacy_token(a.bytes): a.logprob for a in t.top} for t in tokens],
             "text_offset": [start + t.offset for t in tokens]}
 
 

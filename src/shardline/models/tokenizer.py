@@ -241,6 +241,15 @@ class IncrementalDetokenizer:
             return delta
         return ""
 
+    def flush(self) -> str:
+        """The text held back, the output having ended: the tokens' text since the last
+        delta, a character they end inside of read as U+FFFD (as decoding all the ids
+        would read it); nothing is held after."""
+        prefix = self._tokenizer.decode(self._ids[self._prefix_offset : self._read_offset], self._skip)
+        full = self._tokenizer.decode(self._ids[self._prefix_offset :], self._skip)
+        self._prefix_offset = self._read_offset = len(self._ids)
+        return full[len(prefix) :] if len(full) > len(prefix) else ""
+
 
 def text_starts(tokenizer: Tokenizer, ids: list[int], skip_special_tokens: bool = True) -> list[int]:
     """The character at which each token's text starts in ``ids`` decoded, by
