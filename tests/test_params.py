@@ -141,9 +141,23 @@ def test_parse_refuses_numbers_json_does_not_have(number):
     assert caught.value.status == 400 and f"{number} is not a JSON number" in caught.value.message
 
 
+def test_parse_refuses_a_lone_surrogate_by_name():
+    """``"\\ud800"`` parses in Python but is no character: a 400 that says so, naming no
+    parameter (pydantic's "unexpected end of hex escape" came back as param "Invalid JSON")."""
+    raw = b'{"model": "m", "messages": [{"role": "user", "content": "\\ud800 hi"}]}'
+    with pytest.raises(APIError) as caught:
+        parse_raw(raw, openai.ChatCompletionRequest)
+    assert caught.value.status == 400 and caught.value.param is None
+    assert "lone surrogate \\ud800" in caught.value.message
+    pair = '{"model": "m", "messages": [{"role": "user", "content": "\\ud83d\\ude00"}]}'.encode()
+    assert parse_raw(pair, openai.ChatCompletionRequest).messages[0].content == "\U0001F600"
+
+
 @pytest.mark.parametrize("model,body,param", [
     (openai.ChatCompletionRequest, {"stream_options": {"include_usage": True}}, "stream_options"),
     (openai.ChatCompletionRequest, {"tools": []}, "tools"),
+    (openai.ChatCompletionRequest, {"messages": [{"role": "user", "content": None}]}, "messages.0.content"),
+    (openai.ChatCompletionRequest, {"messages": [{"role": "tool", "tool_call_id": "c"}]}, "messages.0.content"),
     (openai.ChatCompletionRequest, {"seed": 2**70}, "seed"),
     (openai.ChatCompletionRequest, {"stop": ["a", "b", "c", "d", "e"]}, "stop"),
     (completions.CompletionRequest, {"prompt": ""}, "prompt"),

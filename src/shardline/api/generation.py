@@ -534,6 +534,30 @@ def _not_a_json_number(name: str) -> Any:
     raise _NonFiniteNumber(name)
 
 
+def decode_json_body(raw: bytes) -> Any:
+    """A request body's bytes as JSON values (RFC 8259, UTF-8).
+
+    Raises:
+        APIError: 400 (no parameter named) for bytes that are not UTF-8 JSON, NaN or an
+            infinity (not JSON numbers), or a string holding a lone UTF-16 surrogate
+            (``"\\ud800"``: an escape JSON's grammar admits, but no character).
+    """
+    try:
+        data = json.loads(raw.decode("utf-8"), parse_constant=_not_a_json_number)
+    except (json.JSONDecodeError, UnicodeDecodeError):
+        raise APIError(400, "the request body is not valid JSON (UTF-8)") from None
+    except _NonFiniteNumber as exc:
+        raise APIError(400, f"the request body is not valid JSON: {exc} is not a JSON number "
+                            f"(RFC 8259 has no NaN or infinities)") from None
+    try:
+        json.dumps(data, ensure_ascii=False).encode("utf-8")
+    except UnicodeEncodeError as exc:
+        lone = ord(exc.object[exc.start])
+        raise APIError(400, f"the request body is not valid JSON (UTF-8): a string holds the lone "
+                            f"surrogate \\u{lone:04x}, which is no character") from None
+    return data
+
+
 def parse_raw(raw: bytes, model: type[BaseModel]) -> Any:
     """A request body's bytes as ``model``: parsed, screened (:func:`~shardline.api.params.screen`
     for a model with an ``ENDPOINT``), checked raw (a model's ``check_raw``), then validated
@@ -544,13 +568,7 @@ def parse_raw(raw: bytes, model: type[BaseModel]) -> Any:
     Raises:
         APIError: 400, as :func:`parse_body` says.
     """
-    try:
-        data = json.loads(raw.decode("utf-8"), parse_constant=_not_a_json_number)
-    except (json.JSONDecodeError, UnicodeDecodeError):
-        raise APIError(400, "the request body is not valid JSON (UTF-8)") from None
-    except _NonFiniteNumber as exc:
-        raise APIError(400, f"the request body is not valid JSON: {exc} is not a JSON number "
-                            f"(RFC 8259 has no NaN or infinities)") from None
+    data = decode_json_body(raw)
     endpoint = getattr(model, "ENDPOINT", None)
     if endpoint is not None:
         try:

@@ -20,7 +20,7 @@ from typing import Annotated, Any, ClassVar, Literal
 
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, StreamingResponse
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
 
 from shardline.api.content import check_parts
 from shardline.api.generation import (
@@ -70,11 +70,21 @@ class ChatMessage(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
     role: Literal["system", "developer", "user", "assistant", "tool"]
-    content: str | list[TextPart] | None = None
+    content: str | list[TextPart] | None = Field(default=None, validate_default=True)
     name: str | None = None
     tool_calls: list[dict[str, Any]] | None = None
     tool_call_id: str | None = None
     refusal: str | None = None
+
+    @field_validator("content")
+    @classmethod
+    def _content_unless_assistant(cls, content: Any, info: ValidationInfo) -> Any:
+        """Only an assistant's message may go without content (it called tools, or
+        refused), as OpenAI's reference has it: a null or missing one is refused."""
+        role = info.data.get("role")
+        if content is None and role is not None and role != "assistant":
+            raise ValueError(f"a {role} message needs content (a string or text parts), not null")
+        return content
 
     def chat(self) -> dict[str, Any]:
         """The message in the chat template's form (developer is system)."""

@@ -14,7 +14,6 @@ import copy
 import json
 import time
 from collections.abc import AsyncIterator
-from typing import Any
 
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, StreamingResponse
@@ -25,6 +24,7 @@ from shardline.api.generation import (
     Chunk,
     Generation,
     collect_unless_disconnected,
+    decode_json_body,
     prepare,
 )
 from shardline.api.metrics import RequestMetrics
@@ -47,13 +47,6 @@ from shardline.runner.protocol import PrefillProgress
 RETRIEVE_QUERY = {"include", "include[]", "stream", "starting_after", "include_obfuscation"}
 
 
-def _decode(raw: bytes) -> Any:
-    try:
-        return json.loads(raw.decode("utf-8"))
-    except (json.JSONDecodeError, UnicodeDecodeError):
-        raise APIError(400, "the request body is not valid JSON (UTF-8)") from None
-
-
 async def parse_request(request: Request) -> ResponsesRequest:
     """The body of a ``POST /v1/responses``, checked (:func:`check_fields`).
 
@@ -62,8 +55,8 @@ async def parse_request(request: Request) -> ResponsesRequest:
     """
     raw = await request.body()
     if len(raw) >= PARSE_IN_THREAD_BYTES:
-        return await asyncio.to_thread(lambda: check_fields(_decode(raw)))
-    return check_fields(_decode(raw))
+        return await asyncio.to_thread(lambda: check_fields(decode_json_body(raw)))
+    return check_fields(decode_json_body(raw))
 
 
 async def pieces(gen: Generation) -> AsyncIterator[Piece]:
