@@ -76,6 +76,7 @@ class Coordinator:
         self.node = node
         self.replacing: set[str] = set()  # failed instances being placed again
         self._announced: set[str] = set()  # instances whose "is ready" was logged
+        self._failures_said: set[str] = set()  # instances whose failure was logged
         self._cards: dict[str, ModelCard] = {}  # model id -> card, for first_order
         self._reading: set[str] = set()  # model ids whose card is read in the background
         self._unpredicted: set[str] = set()  # instance ids whose preview could not be computed (logged)
@@ -129,7 +130,7 @@ class Coordinator:
         if before is None or after is None or before.status == InstanceStatus.FAILED:
             return True
         if after.status == InstanceStatus.FAILED:
-            log.warning("instance %s failed: %s", after.instance_id, after.error)
+            self._say_failed(after.instance_id, after.error)
             self._background(self._replace(after.instance_id))
         elif report.status == RankStatus.FAILED:  # only lost a peer
             # Only a symptom: another rank failed or its node went down. Wait for that
@@ -144,6 +145,13 @@ class Coordinator:
             log.info("instance %s of %s is ready: %s on %d node(s)", after.instance_id,
                      after.model_id, after.sharding, len(after.ranks))
         return True
+
+    def _say_failed(self, instance_id: str, error: str | None) -> None:
+        """Log an instance's failure once: reports committed together (two awaits apart)
+        each see it fail."""
+        if instance_id not in self._failures_said:
+            self._failures_said.add(instance_id)
+            log.warning("instance %s failed: %s", instance_id, error)
 
     def _background(self, coroutine) -> None:
         self.node._background.append(asyncio.create_task(coroutine))
@@ -174,7 +182,7 @@ class Coordinator:
         if event.at_once:  # the ranks went with their restarted nodes: expected, not a fault
             log.info("instance %s ended: %s; placing it again", event.instance_id, event.error)
         else:
-            log.warning("instance %s failed: %s", event.instance_id, event.error)
+            self._say_failed(event.instance_id, event.error)
         await self.node.commit(event)
         self._background(self._replace(event.instance_id, wait=not event.at_once))
 
@@ -518,4 +526,5 @@ class Coordinator:
         if inst is None:
             return None
         await self.node.commit(Deleted(inst.instance_id))
+        log.info("deleted instance %s of %s", inst.instance_id, inst.model_id)
         return inst.instance_id

@@ -247,11 +247,12 @@ def main() -> int:
     except Exception as exc:  # noqa: BLE001 - every failure is reported, then exits
         peer_lost = _peer_lost(exc)
         if peer_lost:
-            # Another rank stopped (its instance deleted, its runner or node gone): this rank
-            # stops too. A crash is the coordinator's to report (``instance ... failed``),
-            # under the failed rank's name; gloo's text here would only alarm.
+            # Another rank stopped (its instance deleted, the cluster stopping, a runner or
+            # node gone): this rank stops too, and says nothing. A crash is the
+            # coordinator's to report (``instance ... failed``), under the failed rank's
+            # name; gloo's text here would only alarm.
             message = "lost contact with another rank of the instance"
-            log.info("rank stopped: %s", message)
+            log.debug("rank stopped: %s: %s", message, str(exc).splitlines()[0])
         else:
             traceback.print_exc()
             message = f"{type(exc).__name__}: {exc}"
