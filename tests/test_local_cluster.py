@@ -16,6 +16,7 @@ from shardline.local_cluster import (
     LocalCluster,
     LocalClusterError,
     node_environment,
+    node_memory_limit,
     ports_in_use,
 )
 
@@ -203,3 +204,15 @@ def test_a_local_nodes_environment(nodes, base, api_key, spin):
     env = node_environment({"PATH": "/bin", **base}, nodes, "secret", api_key)
     assert env["PATH"] == "/bin" and env["SHARDLINE_CLUSTER_KEY"] == "secret"
     assert env.get("SHARDLINE_API_KEY") == api_key and env.get("GOMP_SPINCOUNT") == spin
+
+
+@pytest.mark.fast
+@pytest.mark.parametrize("available, nodes, asked, limit", [
+    (24 << 30, 1, None, None),
+    (24 << 30, 3, None, 8 << 30),
+    (24 << 30, 3, 600 << 20, 600 << 20),
+    (24 << 30, 1, 600 << 20, 600 << 20),
+], ids=["one node offers what is available", "nodes sharing a machine split it",
+        "the user's limit stands", "the user's limit stands on one node"])
+def test_a_local_nodes_memory_offer(available, nodes, asked, limit):
+    assert node_memory_limit(available, nodes, asked) == limit

@@ -127,12 +127,10 @@ def _cluster(args: argparse.Namespace) -> int:
     from shardline.control import rank_share
     from shardline.local_cluster import LocalCluster, LocalClusterError, model_dirs_for
 
-    limit = {i: ["--memory-limit", str(args.memory_limit)] for i in range(args.nodes)} \
-        if args.memory_limit is not None else None
     cluster = LocalCluster(
-        nodes=args.nodes, base_port=args.port, runner_threads=args.runner_threads, node_args=limit,
+        nodes=args.nodes, base_port=args.port, runner_threads=args.runner_threads,
         api_key=args.api_key, model_dirs=model_dirs_for(args.model) + (args.model_dir or []),
-        spare_runners=True,
+        spare_runners=True, memory_limit_bytes=args.memory_limit,
     )
     # SIGTERM and SIGINT stop the nodes (they run in their own sessions); SIGINT is set
     # explicitly because a shell starts background jobs with it ignored.
@@ -150,6 +148,10 @@ def _cluster(args: argparse.Namespace) -> int:
     print(f"\nshardline: {args.nodes}-node cluster serving {instance['model_id']} "
           f"({instance['sharding']} on {len(instance['ranks'])} node(s))")
     print(f"  per node: {ranges}")
+    if cluster.memory_limit_bytes is not None:
+        print(f"  each node offers models up to {cluster.memory_limit_bytes / 2**30:.1f} GiB"
+              + ("" if args.memory_limit is not None else
+                 f" (the machine's available memory / {args.nodes}; --memory-limit sets it)"))
     print(f"  API: {url}/v1  (any node: ports {args.port}-{args.port + args.nodes - 1})")
     print(f"  dashboard: {url}/")
     print("  try:")
@@ -277,8 +279,8 @@ def build_parser() -> argparse.ArgumentParser:
                               "--model's own directory is passed on by itself)")
     cluster.add_argument("--runner-threads", type=int, default=0, help="torch threads per runner (0: cores / nodes)")
     cluster.add_argument("--memory-limit", type=byte_size, default=None,
-                         help="the most memory each node offers to models, e.g. 600MB (default: all "
-                              "that is available)")
+                         help="the most memory each node offers to models, e.g. 600MB (default: the "
+                              "memory available at start, split evenly between the nodes)")
     cluster.add_argument("--api-key", default=None,
                          help="an API key the nodes require of clients (default: $SHARDLINE_API_KEY, "
                               "else none: the nodes listen on 127.0.0.1 only)")

@@ -68,6 +68,16 @@ def node_environment(base: dict[str, str], nodes: int, cluster_key: str,
     return env
 
 
+def node_memory_limit(available_bytes: int, nodes: int, asked: int | None) -> int | None:
+    """Bytes each node of a local cluster offers to models: ``asked`` (``--memory-limit``)
+    where given; else, where several nodes share the machine, an even split of the memory
+    it has available at start (each node would offer all of it, and placement could
+    commit it once per node); a single node offers what is available as it goes (None)."""
+    if asked is not None:
+        return asked
+    return available_bytes // nodes if nodes > 1 else None
+
+
 def ports_in_use(ports: Iterable[int], host: str = "127.0.0.1") -> list[int]:
     """The TCP ports of ``ports`` that something listens on at ``host``: a bind fails there
     (with ``SO_REUSEADDR``, as uvicorn binds, so a port whose connections are only closing
@@ -108,12 +118,18 @@ class LocalCluster:
         spare_runners: each node keeps a runner started ahead (``shardline run``'s
             default); off (``--no-spare-runner``) unless asked, so that every runner
             process under a node is a rank's.
+        memory_limit_bytes: the most memory each node offers to models; None: an even
+            share of what the machine has available (:func:`node_memory_limit`), then
+            in :attr:`memory_limit_bytes`.
     """
 
     def __init__(self, nodes: int, base_port: int, runner_threads: int = 0,
                  log_dir: str | None = None, data_dir: str | None = None,
                  node_args: dict[int, list[str]] | None = None, api_key: str | None = None,
-                 model_dirs: Sequence[str | Path] | None = None, spare_runners: bool = False) -> None:
+                 model_dirs: Sequence[str | Path] | None = None, spare_runners: bool = False,
+                 memory_limit_bytes: int | None = None) -> None:
+        import psutil
+
         self.data_dir = Path(data_dir) if data_dir else default_data_dir() / "local-cluster" / str(base_port)
         self.cluster_key, _ = cluster_key(self.data_dir)
         self.api_key = api_key or os.environ.get("SHARDLINE_API_KEY") or None
@@ -125,6 +141,8 @@ class LocalCluster:
         self.node_args = node_args or {}
         self.model_dirs = [str(d) for d in model_dirs or []]
         self.spare_runners = spare_runners
+        self.memory_limit_bytes = node_memory_limit(int(psutil.virtual_memory().available), nodes,
+                                                    memory_limit_bytes)
         self.procs: list[subprocess.Popen | None] = []
         self.stopping = False
         self.instance: dict | None = None
@@ -147,6 +165,7 @@ class LocalCluster:
                 "--port", str(self.base_port + i), "--peers", peers,
                 "--runner-threads", str(self.runner_threads), "--exit-with-parent", "--no-mdns",
                 "--data-dir", str(self.node_data_dir(i)), *([] if self.spare_runners else ["--no-spare-runner"]),
+                *([] if self.memory_limit_bytes is None else ["--memory-limit", str(self.memory_limit_bytes)]),
                 *(arg for d in self.model_dirs for arg in ("--model-dir", d)), *self.node_args.get(i, [])]
 
     def node_data_dir(self, i: int) -> Path:
