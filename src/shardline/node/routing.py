@@ -189,8 +189,11 @@ class Router:
         for rank, result in zip(remote, results):
             if isinstance(result, BaseException) and not isinstance(result, PeerError):
                 raise result
-            if result is not True:
-                missed.append(f"node {rank.node_id} did not take it (down, or its runner stopped)")
+            if isinstance(result, PeerError):
+                missed.append(f"node {rank.node_id} could not be reached ({result})")
+            elif result is not True:
+                missed.append(f"node {rank.node_id}'s runner is not running (it stops when another "
+                              f"rank of the instance fails)")
         if missed:
             raise InstanceFailedError(f"instance {inst.instance_id}: the request could not be handed "
                                       f"to every rank: {'; '.join(missed)}")
