@@ -88,6 +88,10 @@ class CompletionShape(ChatShape):
 
     def echo(self) -> str:
         """The prompt, when the request asks for it back (``echo``)."""
+        return self._echo
+
+    @functools.cached_property
+    def _echo(self) -> str:
         assert isinstance(self.req, CompletionRequest)
         if not self.req.echo:
             return ""
