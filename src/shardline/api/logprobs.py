@@ -114,8 +114,10 @@ class HeldLogprobs:
     Text reaches a client later than its tokens are sampled: the detokenizer holds back
     part of a character split across tokens, and a stop string's possible beginning is
     held until it is known not to be one (:class:`~shardline.api.generation.StopMatcher`).
-    A token's log-probability goes out with the text it spelled, and a stop string's own
-    tokens never go: so ``tokens`` and ``text_offset`` describe exactly the text sent.
+    A token's log-probability goes out with the text it spelled, and the tokens that
+    spelled only a stop string (or what came after it) never go: so ``tokens`` and
+    ``text_offset`` describe the text sent (a token that spelled both some of the text and
+    the stop string's start goes, its text running past the answer's end).
 
     Example: tokens spelling ``"Hi"``, ``"\\n"`` under the stop string ``"\\n"``:
     ``push(a, 2)``, ``send(2, False)`` gives ``a``; ``push(b, 1)``, ``send(0, True)``
