@@ -103,11 +103,12 @@ def test_echo_with_logprobs_scores_the_prompt_as_lm_evaluation_harness_reads_it(
 
 
 def test_logprobs_describe_the_text_sent(cluster3):
-    """The tokens of a stop string are not in ``logprobs`` (its text is not in the
-    answer), and ``text_offset`` follows the text through characters split across
-    tokens, streamed or whole."""
+    """The tokens that spelled any of a stop string are not in ``logprobs`` (its text is
+    not in the answer), and ``text_offset`` follows the text through characters split
+    across tokens, streamed or whole."""
     greedy = complete(cluster3.url(0), prompt=PROMPT, max_tokens=8, logprobs=0).json()["choices"][0]
-    stop = greedy["logprobs"]["tokens"][3]  # a stop string that the 4th token spells
+    # a stop string that starts inside a token, after the first two
+    stop = next(t for t in greedy["logprobs"]["tokens"][2:] if len(t) >= 2)[1:]
     for stream in (False, True):
         body = {"model": DEFAULT_MODEL_ID, "temperature": 0, "prompt": PROMPT, "max_tokens": 8,
                 "logprobs": 0, "stop": [stop], "stream": stream}
@@ -121,7 +122,8 @@ def test_logprobs_describe_the_text_sent(cluster3):
             choice = httpx.post(f"{cluster3.url(1)}/v1/completions", json=body, timeout=120).json()["choices"][0]
             text, tokens = choice["text"], choice["logprobs"]["tokens"]
         cut = greedy["text"].find(stop)  # (the stop string may come before the 4th token)
-        kept = [t for t, at in zip(greedy["logprobs"]["tokens"], greedy["logprobs"]["text_offset"]) if at < cut]
+        kept = [t for t, at in zip(greedy["logprobs"]["tokens"], greedy["logprobs"]["text_offset"])
+                if at + len(t) <= cut]
         assert text == greedy["text"][:cut] and tokens == kept
     odd = "Tokyo is 東京 🙂, café."
     scored = complete(cluster3.url(2), prompt="Say: " + odd, max_tokens=0, echo=True, logprobs=5).json()

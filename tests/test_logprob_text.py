@@ -22,10 +22,12 @@ CASES = {
         (("Hi", 2), 2, False, ["Hi"]), (("\n", 1), 0, False, []), (("x", 1), 2, False, ["\n", "x"])],
     "a stop string's tokens are dropped": [
         (("Hi", 2), 2, False, ["Hi"]), (("EN", 2), 0, False, []), (("D", 1), 0, True, [])],
-    "a token spelling text before the stop and the stop's start is kept": [
-        (("Hi", 2), 2, False, ["Hi"]), ((".E", 2), 1, False, []), (("ND", 2), 0, True, [".E"])],
-    "a stop string inside one token keeps the text before it": [
-        (("a.END", 5), 2, True, ["a.END"])],
+    "a token spelling text before the stop and the stop's start is dropped": [
+        (("Hi", 2), 2, False, ["Hi"]), ((".E", 2), 1, False, []), (("ND", 2), 0, True, [])],
+    "a stop string inside one token drops it": [
+        (("a.END", 5), 2, True, [])],
+    "a split character's tokens before a stop string go": [
+        (("<e2>", 0), 0, False, []), (("<80><99>", 1), 0, False, []), (("\n", 1), 1, True, ["<e2>", "<80><99>"])],
 }
 
 

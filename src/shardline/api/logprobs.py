@@ -114,10 +114,11 @@ class HeldLogprobs:
     Text reaches a client later than its tokens are sampled: the detokenizer holds back
     part of a character split across tokens, and a stop string's possible beginning is
     held until it is known not to be one (:class:`~shardline.api.generation.StopMatcher`).
-    A token's log-probability goes out with the text it spelled, and the tokens that
-    spelled only a stop string (or what came after it) never go: so ``tokens`` and
-    ``text_offset`` describe the text sent (a token that spelled both some of the text and
-    the stop string's start goes, its text running past the answer's end).
+    A token's log-probability goes out with the text it spelled, and a token that spelled
+    any of a stop string never goes: so the tokens sent spell the text sent, but where a
+    token spelled both the answer's last characters and the stop string's first (the
+    stop string ``"Paris"`` in the token ``" Paris"``), which only a shorter text would
+    have.
 
     Example: tokens spelling ``"Hi"``, ``"\\n"`` under the stop string ``"\\n"``:
     ``push(a, 2)``, ``send(2, False)`` gives ``a``; ``push(b, 1)``, ``send(0, True)``
@@ -137,21 +138,18 @@ class HeldLogprobs:
         self._pushed += chars
 
     def send(self, chars: int, stopped: bool) -> tuple[TokenLogprob, ...]:
-        """The entries to send with ``chars`` more characters of text. ``stopped``: that
-        text ends before a stop string, and the output with it: the tokens that spelled
-        some of the text are sent, and the rest (the stop string's) dropped."""
+        """The entries to send with ``chars`` more characters of text: those whose text
+        has all been sent (a token without text of its own goes with the next token's).
+        ``stopped``: that text ends before a stop string, and the output with it: the
+        rest are dropped."""
         self._sent += chars
-        if stopped:
-            kept = tuple(entry for entry, _ in self._held if entry.offset < self._sent)
-            self._held = []
-            return kept
-        done = 0  # a token without text of its own goes with the next token's text
+        done = 0
         for i, (entry, end) in enumerate(self._held):
             if end > self._sent:
                 break
             if end > entry.offset:
                 done = i + 1
-        out, self._held = self._held[:done], self._held[done:]
+        out, self._held = self._held[:done], ([] if stopped else self._held[done:])
         return tuple(entry for entry, _ in out)
 
     def flush(self) -> tuple[TokenLogprob, ...]:
