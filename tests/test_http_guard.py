@@ -153,6 +153,9 @@ def test_guard_decisions(config, facts, status):
     assert (refusal.status if refusal else None) == status, refusal
     if status == 401:
         assert refusal.headers == {"WWW-Authenticate": "Bearer"}
+        presented = facts.authorization or facts.x_api_key  # OpenAI's code for a wrong key
+        assert refusal.code == ("invalid_api_key" if presented and presented.startswith(("Bearer", "bearer", "wrong"))
+                                else None), facts
 
 
 def test_refusals_say_how_to_allow():

@@ -12,6 +12,9 @@ from pathlib import Path
 
 DEFAULT_PORT = 52415
 
+MIN_API_KEY_CHARS = 8
+"""The shortest API key a node takes (``shardline run`` and ``cluster`` refuse a shorter one)."""
+
 
 def _run(args: argparse.Namespace) -> int:
     # The node computes nothing with torch (its runners and measuring children do), but
@@ -32,8 +35,8 @@ def _run(args: argparse.Namespace) -> int:
               f"give --api-key (or SHARDLINE_API_KEY), or --no-api-key to serve anyone who can "
               f"reach it", file=sys.stderr)
         return 2
-    if api_key is not None and len(api_key) < 8:
-        print("shardline run: the API key must be at least 8 characters", file=sys.stderr)
+    if api_key is not None and len(api_key) < MIN_API_KEY_CHARS:
+        print(f"shardline run: the API key must be at least {MIN_API_KEY_CHARS} characters", file=sys.stderr)
         return 2
     peers = [p.strip() for p in (args.peers or "").split(",") if p.strip()]
     model_dirs = [Path(d).expanduser() for d in args.model_dir or []]
@@ -127,6 +130,11 @@ def _cluster(args: argparse.Namespace) -> int:
     from shardline.control import rank_share
     from shardline.local_cluster import LocalCluster, LocalClusterError, model_dirs_for
 
+    api_key = args.api_key or os.environ.get("SHARDLINE_API_KEY") or None
+    if api_key is not None and len(api_key) < MIN_API_KEY_CHARS:
+        print(f"shardline cluster: the API key must be at least {MIN_API_KEY_CHARS} characters",
+              file=sys.stderr)
+        return 2
     cluster = LocalCluster(
         nodes=args.nodes, base_port=args.port, runner_threads=args.runner_threads,
         api_key=args.api_key, model_dirs=model_dirs_for(args.model) + (args.model_dir or []),
@@ -156,6 +164,8 @@ def _cluster(args: argparse.Namespace) -> int:
     print(f"  dashboard: {url}/")
     print("  try:")
     auth = ' -H "Authorization: Bearer $SHARDLINE_API_KEY"' if cluster.api_key else ""  # the shell expands it
+    if cluster.api_key and not os.environ.get("SHARDLINE_API_KEY"):
+        print("  (the API key given with --api-key: set SHARDLINE_API_KEY to it in your shell first)")
     print(f"    curl {url}/v1/chat/completions -H 'Content-Type: application/json'{auth} \\")
     print(f"      -d '{{\"model\": \"{instance['model_id']}\", \"max_tokens\": 64, "
           f"\"temperature\": 0, \"messages\": "

@@ -82,6 +82,7 @@ class Refusal:
     status: int
     message: str
     headers: dict[str, str] = field(default_factory=dict)
+    code: str | None = None  # the error's machine-readable code (OpenAI's ``code``)
 
 
 def host_name(host: str) -> str:
@@ -138,7 +139,7 @@ def check_key(config: GuardConfig, facts: RequestFacts) -> Refusal | None:
         return Refusal(401, "no API key: send it as 'Authorization: Bearer <key>' or 'x-api-key: <key>'",
                        {"WWW-Authenticate": "Bearer"})
     if not hmac.compare_digest(presented.encode(), config.api_key.encode()):
-        return Refusal(401, "wrong API key", {"WWW-Authenticate": "Bearer"})
+        return Refusal(401, "wrong API key", {"WWW-Authenticate": "Bearer"}, "invalid_api_key")
     return None
 
 
@@ -191,7 +192,7 @@ class GuardMiddleware:
             refusal = self.decide(self.config, facts)
             if refusal is not None:
                 response = errors.error_response(scope["path"], refusal.status, refusal.message,
-                                                 headers=refusal.headers)
+                                                 code=refusal.code, headers=refusal.headers)
                 await response(scope, receive, send)
                 return
         await self.app(scope, receive, send)
