@@ -111,6 +111,23 @@ def three_live_nodes_and_a_three_rank_instance(cluster, timeout_s: float = 90) -
     cluster.place(None, "pipeline", timeout_s=max(1.0, deadline - time.monotonic()))
 
 
+def test_a_deletion_mid_stream_tells_the_client_so(cluster):
+    """The client of a node that is not the coordinator (whose runner the deletion stops
+    first, so the client's ranks see their peer go) hears that the instance was deleted,
+    not that a rank lost contact with another."""
+    three_live_nodes_and_a_three_rank_instance(cluster)
+    coordinator = coordinator_index(cluster)
+    (inst_id,) = [i["instance_id"] for i in httpx.get(f"{cluster.url(0)}/cluster/instances").json()["instances"]]
+    stream = Stream(cluster.url((coordinator + 1) % cluster.n))
+    stream.start()
+    while stream.tokens < 5:
+        assert stream.ended_at is None, stream.error
+        time.sleep(0.05)
+    assert httpx.delete(f"{cluster.url(coordinator)}/cluster/instances/{inst_id}", timeout=30).status_code == 200
+    stream.join(timeout=30)
+    assert stream.error is not None and "deleted" in stream.error, stream.error
+
+
 # The node victim last: the others need a third node, which it leaves dead.
 @pytest.mark.parametrize("victim", [
     "runner", pytest.param("frozen runner", marks=pytest.mark.slow), "node"])

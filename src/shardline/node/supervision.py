@@ -33,6 +33,9 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
+DELETED = "the instance was deleted"
+"""What a request on an instance deleted mid-request fails with."""
+
 
 class Supervisor:
     """This node's runners against the instance table, and their reports. One per node;
@@ -50,10 +53,10 @@ class Supervisor:
         for instance_id in plan.cancel:
             node._preparing.pop(instance_id).cancel()
         for instance_id in plan.stop:
+            inst = node.instances.get(instance_id)
+            node.router._fail_streams(instance_id, inst.error if inst else DELETED)
             await asyncio.to_thread(node.worker.stop, instance_id)
             node.engine_stats.pop(instance_id, None)
-            inst = node.instances.get(instance_id)
-            node.router._fail_streams(instance_id, inst.error if inst else "the instance was deleted")
         for instance_id, rank in plan.start:
             inst = node.instances[instance_id]
             node._preparing[instance_id] = asyncio.create_task(
@@ -173,4 +176,8 @@ class Supervisor:
                 break
             await asyncio.sleep(0.1)
         inst = self.node.instances.get(instance_id)
-        self.node.router._fail_streams(instance_id, inst.error if inst is not None and inst.error else error)
+        if inst is None:  # deleted, which stopped the other ranks first
+            error = DELETED
+        elif inst.error:
+            error = inst.error
+        self.node.router._fail_streams(instance_id, error)
