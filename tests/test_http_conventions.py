@@ -9,7 +9,7 @@ import asyncio
 import httpx
 import pytest
 
-from shardline.models.store import ModelStore
+from shardline.models.store import DEFAULT_MODEL_ID, ModelStore
 from shardline.node.app import create_app
 from shardline.node.http_guard import GuardConfig
 from shardline.node.node import Node
@@ -110,6 +110,8 @@ def test_refusals_that_need_no_model(app, path, body, status, shape, words):
     assert words in message, message
 
 
-def test_ps_and_tags_are_empty_without_instances(app):
+def test_without_instances_ps_is_empty_and_tags_list_what_a_request_would_load(app):
     ps, tags = call(app, ("GET", "/api/ps", None, None), ("GET", "/api/tags", None, None))
-    assert ps.json() == {"models": []} and tags.json() == {"models": []}
+    assert ps.json() == {"models": []}
+    (default,) = tags.json()["models"]  # the embedded model, loaded on the first request
+    assert default["name"] == DEFAULT_MODEL_ID and default["size"] > 0 and "sharding" not in default["details"]

@@ -72,6 +72,9 @@ def test_a_model_added_on_one_node_is_copied_to_its_ranks_and_served(cluster):
     listed = shardline("models", "list", "--url", cluster.url(2))
     assert listed.returncode == 0, listed.stderr
     assert MODEL in listed.stdout and ids[0] in listed.stdout
+    # Ollama's list names it before it is placed (a request would load it), as a peer's
+    tags = {t["name"]: t for t in httpx.get(f"{cluster.url(2)}/api/tags", timeout=10).json()["models"]}
+    assert MODEL in tags and tags[MODEL]["size"] > 0 and "sharding" not in tags[MODEL]["details"]
 
     placed = shardline("place", MODEL, "--sharding", "pipeline", "--nodes", f"{ids[0]},{ids[1]}",
                        "--url", cluster.url(1))

@@ -297,19 +297,30 @@ def router(node: Node, metrics: RequestMetrics | None = None, keep: KeepAlive | 
 
     @api.get("/api/tags")
     async def tags():
-        """The served models; ``size`` is their weight files' bytes, ``digest`` as
-        :mod:`shardline.api.model_facts` says."""
+        """The models a request can name, as Ollama lists its local ones: those served,
+        and those a live node holds whole (and the embedded default), which a request
+        loads first. ``size`` is their weight files' bytes, ``digest`` as
+        :mod:`shardline.api.model_facts` says, ``modified_at`` when it was placed (served)
+        or added; a served one's ``details`` name its sharding."""
+        served = {m["id"]: m["created"] for m in node.router.models()}
         out = []
-        for m in node.router.models():
-            inst = node.router.ready_instance(m["id"])
+        for view in await node.logistics.cluster_models():
+            model_id = view["model_id"]
+            if model_id not in served and not view["complete_on"]:
+                continue
             try:
-                f = await facts(m["id"])
+                f = await facts(model_id)
             except APIError as exc:
-                return error_response(exc)
-            out.append({"name": m["id"], "model": m["id"],
-                        "modified_at": datetime.fromtimestamp(m["created"], timezone.utc).isoformat(),
-                        "size": f.file_bytes, "digest": f.digest,
-                        "details": dict(f.details(), sharding=inst.sharding)})
+                if model_id in served:
+                    return error_response(exc)
+                continue  # held but not readable here now: not listed
+            details = f.details()
+            if model_id in served:
+                details["sharding"] = node.router.ready_instance(model_id).sharding
+            when = served.get(model_id) or view["added_at"] or time.time()
+            out.append({"name": model_id, "model": model_id,
+                        "modified_at": datetime.fromtimestamp(when, timezone.utc).isoformat(),
+                        "size": f.file_bytes, "digest": f.digest, "details": details})
         return {"models": out}
 
     @api.get("/api/ps", response_model=None)

@@ -314,10 +314,15 @@ class ModelStore:
 
     def _manifests(self) -> list[Manifest]:
         """Every readable manifest here, by directory name."""
+        return [manifest for manifest, _ in self._manifests_written()]
+
+    def _manifests_written(self) -> list[tuple[Manifest, float]]:
+        """Every readable manifest here, by directory name, with when it was written
+        (seconds since the epoch: when the model was added, or its copy finished)."""
         out = []
         for path in sorted(self.root.glob(f"*/{MANIFEST}")):
             try:
-                out.append(Manifest.from_dict(json.loads(path.read_text())))
+                out.append((Manifest.from_dict(json.loads(path.read_text())), path.stat().st_mtime))
             except (OSError, ValueError, KeyError, TypeError):
                 log.warning("ignoring unreadable %s", path)
         return out
@@ -378,13 +383,15 @@ class ModelStore:
         return [f for f in files if f not in present]
 
     def summary(self) -> dict[str, dict]:
-        """Per model id: ``{"format", "total_bytes", "present", "complete"}`` (the present
-        file paths; whether they are all) — what a node tells its peers it can serve."""
+        """Per model id: ``{"format", "total_bytes", "present", "complete", "added_at"}``
+        (the present file paths; whether they are all; when its manifest was written,
+        seconds since the epoch) — what a node tells its peers it can serve."""
         out = {}
-        for manifest in self._manifests():  # read once each: peers ask every second
+        for manifest, written in self._manifests_written():  # read once each: peers ask every second
             present = self._present(manifest)
             out[manifest.model_id] = {"format": manifest.format, "total_bytes": manifest.total_bytes,
-                                      "present": sorted(present), "complete": len(present) == len(manifest.files)}
+                                      "present": sorted(present), "complete": len(present) == len(manifest.files),
+                                      "added_at": written}
         return out
 
     def add_local(self, path: str | Path, model_id: str | None = None,

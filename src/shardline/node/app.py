@@ -18,7 +18,7 @@ from starlette.requests import ClientDisconnect
 from shardline.api import anthropic, completions, errors, metrics, ollama, openai, responses
 from shardline.api.keep_alive import KeepAlive, unload
 from shardline.models.config import UnsupportedModelError
-from shardline.models.store import DEFAULT_MODEL_ID, ModelNotFoundError, ModelStoreError
+from shardline.models.store import ModelNotFoundError, ModelStoreError
 from shardline.node.bounds import DEFAULT_MAX_BODY_BYTES, RequestBoundsMiddleware
 from shardline.node.coordinator import free_port
 from shardline.node.create_instance import CreateInstance, create
@@ -216,24 +216,7 @@ def create_app(node: Node, guard: GuardConfig, max_body_bytes: int = DEFAULT_MAX
     async def models() -> dict:
         """Every model a live node holds (and the embedded default): which nodes hold
         all of its files or some, its size, and its instances (the peers asked afresh)."""
-        await node.logistics.refresh_peers()
-        live = set(node.live_node_ids())
-        stores = {node.node_id: node.store.summary()}
-        stores.update({p.node_id: p.models for p in node.peers.values() if p.node_id in live})
-        out: dict[str, dict] = {DEFAULT_MODEL_ID: {"model_id": DEFAULT_MODEL_ID, "format": "gguf",
-                                                   "total_bytes": None, "embedded": True,
-                                                   "complete_on": sorted(live), "partial_on": []}}
-        for node_id, summary in stores.items():
-            for model_id, entry in summary.items():
-                view = out.setdefault(model_id, {"model_id": model_id, "format": entry["format"],
-                                                 "total_bytes": entry["total_bytes"], "embedded": False,
-                                                 "complete_on": [], "partial_on": []})
-                complete = entry.get("complete", False)
-                view["complete_on" if complete else "partial_on"].append(node_id)
-        for view in out.values():
-            view["instances"] = [{"instance_id": i.instance_id, "status": i.status}
-                                 for i in node.instances.values() if i.model_id == view["model_id"]]
-        return {"models": sorted(out.values(), key=lambda v: v["model_id"])}
+        return {"models": await node.logistics.cluster_models()}
 
     @app.get("/cluster/instances")
     async def instances() -> dict:

@@ -105,6 +105,36 @@ class ModelLogistics:
             await self.refresh_peers()
         return []
 
+    async def cluster_models(self) -> list[dict]:
+        """Every model a live node holds (and the embedded default), by id: ``{"model_id",
+        "format", "total_bytes", "embedded", "complete_on", "partial_on" (node ids holding
+        all of its files, or some), "added_at" (the earliest a node holding it all added
+        it, seconds since the epoch; None for the embedded one), "instances"}``; the peers
+        asked afresh."""
+        node = self.node
+        await self.refresh_peers()
+        live = set(node.live_node_ids())
+        stores = {node.node_id: node.store.summary()}
+        stores.update({p.node_id: p.models for p in node.peers.values() if p.node_id in live})
+        out: dict[str, dict] = {DEFAULT_MODEL_ID: {"model_id": DEFAULT_MODEL_ID, "format": "gguf",
+                                                   "total_bytes": None, "embedded": True,
+                                                   "complete_on": sorted(live), "partial_on": [],
+                                                   "added_at": None}}
+        for node_id, summary in stores.items():
+            for model_id, entry in summary.items():
+                view = out.setdefault(model_id, {"model_id": model_id, "format": entry["format"],
+                                                 "total_bytes": entry["total_bytes"], "embedded": False,
+                                                 "complete_on": [], "partial_on": [], "added_at": None})
+                complete = entry.get("complete", False)
+                view["complete_on" if complete else "partial_on"].append(node_id)
+                added = entry.get("added_at")
+                if complete and added is not None and not view["embedded"]:
+                    view["added_at"] = min(added, view["added_at"] or added)
+        for view in out.values():
+            view["instances"] = [{"instance_id": i.instance_id, "status": i.status}
+                                 for i in node.instances.values() if i.model_id == view["model_id"]]
+        return sorted(out.values(), key=lambda v: v["model_id"])
+
     async def refresh_peers(self) -> None:
         """Poll every live peer now, rather than within the second (their stores, memory)."""
         live = set(self.node.live_node_ids())
