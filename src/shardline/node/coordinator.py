@@ -76,7 +76,7 @@ class Coordinator:
         self.node = node
         self.replacing: set[str] = set()  # failed instances being placed again
         self._announced: set[str] = set()  # instances whose "is ready" was logged
-        self._failures_said: set[str] = set()  # instances whose failure was logged
+        self._failures_said: set[str] = set()  # instances whose failure was acted on
         self._cards: dict[str, ModelCard] = {}  # model id -> card, for first_order
         self._reading: set[str] = set()  # model ids whose card is read in the background
         self._unpredicted: set[str] = set()  # instance ids whose preview could not be computed (logged)
@@ -130,8 +130,9 @@ class Coordinator:
         if before is None or after is None or before.status == InstanceStatus.FAILED:
             return True
         if after.status == InstanceStatus.FAILED:
-            self._say_failed(after.instance_id, after.error)
-            self._background(self._replace(after.instance_id))
+            if self._first_word_of_failure(after.instance_id):
+                log.warning("instance %s failed: %s", after.instance_id, after.error)
+                self._background(self._replace(after.instance_id))
         elif report.status == RankStatus.FAILED:  # only lost a peer
             # Only a symptom: another rank failed or its node went down. Wait for that
             # rank's own report (or its node's silence) to name it.
@@ -146,12 +147,15 @@ class Coordinator:
                      after.model_id, after.sharding, len(after.ranks))
         return True
 
-    def _say_failed(self, instance_id: str, error: str | None) -> None:
-        """Log an instance's failure once: reports committed together (two awaits apart)
-        each see it fail."""
-        if instance_id not in self._failures_said:
-            self._failures_said.add(instance_id)
-            log.warning("instance %s failed: %s", instance_id, error)
+    def _first_word_of_failure(self, instance_id: str) -> bool:
+        """Whether this is the first the coordinator acts on an instance's failure (the one
+        that logs it and places it again): reports committed together (two awaits apart)
+        each see it fail, and a report's commit can find it failed by a restarted node's
+        event (at once, not after the grace that a replacement of a failure waits)."""
+        if instance_id in self._failures_said:
+            return False
+        self._failures_said.add(instance_id)
+        return True
 
     def _background(self, coroutine) -> None:
         self.node._background.append(asyncio.create_task(coroutine))
@@ -177,12 +181,12 @@ class Coordinator:
         """Coordinator: mark an instance failed (every node stops its runners and fails
         its in-flight requests), then place the model again on the nodes that are live."""
         inst = self.node.instances.get(event.instance_id)
-        if inst is None or inst.status == InstanceStatus.FAILED:
+        if inst is None or inst.status == InstanceStatus.FAILED or not self._first_word_of_failure(inst.instance_id):
             return
         if event.at_once:  # the ranks went with their restarted nodes: expected, not a fault
             log.info("instance %s ended: %s; placing it again", event.instance_id, event.error)
         else:
-            self._say_failed(event.instance_id, event.error)
+            log.warning("instance %s failed: %s", event.instance_id, event.error)
         await self.node.commit(event)
         self._background(self._replace(event.instance_id, wait=not event.at_once))
 

@@ -53,6 +53,7 @@ from shardline.node.coordinator import Coordinator
 from shardline.node.logistics import ModelLogistics
 from shardline.node.peer_client import KeyRefusedError, PeerClient, PeerError
 from shardline.node.queue_bound import DEFAULT_MAX_WAITING
+from shardline.node.repeated_warnings import RepeatedWarnings
 from shardline.node.routing import RequestStream, Router
 from shardline.node.signing import signing_key
 from shardline.node.speeds import HostProfiler, ServedLog
@@ -170,6 +171,7 @@ class Node:
         self._load_state()
         # the roles, each with this node's state (the node is their composition root)
         self.coordinator = Coordinator(self)
+        self.repeated = RepeatedWarnings(log)  # a peer down: one warning, not one a second
         self.supervisor = Supervisor(self)
         self.logistics = ModelLogistics(self)
         self.router = Router(self)
@@ -481,9 +483,12 @@ class Node:
             )
             for address, result in zip(targets, results):
                 if isinstance(result, PeerError):
-                    log.warning("could not publish the table to %s: %s", address, result)
+                    self.repeated.warn(("publish", address), "could not publish the table to %s: %s",
+                                       address, result)
                 elif isinstance(result, BaseException):
                     raise result
+                else:
+                    self.repeated.ended(("publish", address))
         await self.supervisor._reconcile()
 
     def _save_state(self) -> None:

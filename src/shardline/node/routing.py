@@ -206,8 +206,8 @@ class Router:
             return
         try:
             await self._deliver(inst, CancelMessage(instance_id=inst.instance_id, task_id=task_id))
-        except InstanceFailedError as exc:
-            log.warning("cancel of task %d: %s", task_id, exc)
+        except InstanceFailedError as exc:  # a rank that cannot take it runs nothing of it
+            log.debug("cancel of task %d: %s", task_id, exc)
 
     def deliver_local(self, instance_id: str, message: Task | Cancel) -> bool:
         """Pass a task or cancellation to this node's runner of the instance; whether it

@@ -160,8 +160,10 @@ class Supervisor:
         if coordinator != self.node.node_id:
             try:
                 await self.node.peer_client.report(self.node.address_of(coordinator), report)
+                self.node.repeated.ended(("report", coordinator))
             except PeerError as exc:
-                log.warning("report of %s to the coordinator: %s", instance_id, exc)
+                self.node.repeated.warn(("report", coordinator), "report of %s to the coordinator: %s",
+                                        instance_id, exc)
         elif self.node.is_coordinator():
             await self.node.coordinator.runner_status(report.event())
 
