@@ -137,7 +137,7 @@ def _cluster(args: argparse.Namespace) -> int:
         return 2
     cluster = LocalCluster(
         nodes=args.nodes, base_port=args.port, runner_threads=args.runner_threads,
-        api_key=args.api_key, model_dirs=model_dirs_for(args.model) + (args.model_dir or []),
+        api_key=api_key, model_dirs=model_dirs_for(args.model) + (args.model_dir or []),
         spare_runners=True, memory_limit_bytes=args.memory_limit,
     )
     # SIGTERM and SIGINT stop the nodes (they run in their own sessions); SIGINT is set

@@ -19,7 +19,7 @@ from shardline.api.logprobs import (
     completion_logprobs,
     echoed_completion_logprobs,
     legacy_token,
-    token_logprob,
+    piece_bytes,
 )
 from shardline.api.metrics import RequestMetrics
 from shardline.api.openai import ChatShape, SamplingFields, serve
@@ -131,7 +131,7 @@ class CompletionShape(ChatShape):
 
     def _echo_logprobs(self, index: int, generated: list[TokenLogprob]) -> dict:
         gen = self.gens[index]
-        first = legacy_token(token_logprob(gen.tokenizer.piece, gen.prompt[0], 0.0, ()).bytes)
+        first = legacy_token(list(piece_bytes(gen.tokenizer.piece(gen.prompt[0]))))
         prompt = [dataclasses.replace(t, offset=self._prompt_starts[i])
                   for i, t in enumerate(gen.prompt_logprobs, start=1)]
         return echoed_completion_logprobs(first, prompt, generated, len(self.echo()))
