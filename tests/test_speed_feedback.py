@@ -199,3 +199,45 @@ def test_nodes_list_the_models_they_serve():
     table = [inst("a", "ready", "n1", "n2"), inst("b", "loading", "n2"), inst("a", "ready", "n2"),
              inst("c", "failed", "n3")]
     assert serving_by_node(table) == {"n1": ["a"], "n2": ["a", "b"]}
+
+
+def test_calibrate_carries_a_ratio_only_within_its_sharding_or_from_one_node():
+    """A tensor placement measured at 2x its prediction says little of a pipeline's error
+    (its links and all-reduces are its own); a one-node placement's ratio (the machine's
+    error) applies to any sharding, after the same sharding's."""
+    key = PlacementKey("m", "pipeline", ("a", "b"))
+    tensor = _served(("a", "b"), 200.0, 2000.0, sharding="tensor")
+    assert calibrate(key, (100.0, 1000.0), [tensor]) == (100.0, 1000.0, "model", "model")
+    alone = _served(("b",), 50.0, None)
+    assert calibrate(key, (100.0, 1000.0), [tensor, alone]) == (50.0, 1000.0, "scaled", "model")
+    # a one-node placement is a pipeline too: with a pipeline of 3, the median ratio
+    pipeline3 = _served(("a", "b", "c"), 80.0, 500.0)
+    assert calibrate(key, (100.0, 1000.0), [tensor, alone, pipeline3]) == pytest.approx(
+        (65.0, 500.0, "scaled", "scaled"))
+    ring_key = PlacementKey("m", "ring", ("a", "b"))
+    assert calibrate(ring_key, (100.0, 1000.0), [tensor, alone])[0::2] == (50.0, "scaled")
+
+
+def test_preview_lists_a_measured_placement_in_its_own_rank_order():
+    """``shardline cluster`` places a pipeline in node order; the preview's own candidates
+    rank nodes by free memory. The measured order is listed with its figures."""
+    config = _smollm2()
+    nodes = [NodeProfile("a", 32 * GB, 10e9, 1e12), NodeProfile("b", 64 * GB, 10e9, 1e12),
+             NodeProfile("c", 48 * GB, 10e9, 1e12)]
+    served = [_served(("a", "b", "c"), 40.0, 900.0),
+              _served(("c",), 70.0, None),  # another single node than the preview's b
+              _served(("a", "b"), 30.0, None, sharding="tensor"),  # not asked for
+              _served(("a", "d"), 30.0, None),  # a node that is gone
+              _served(("c", "b"), 30.0, None, model="x")]  # another model
+    got = preview(config, nodes, {}, 2048, 4, shardings=("pipeline",), model_id="m",
+                  served=served)
+    listed = {c.node_ids: c for c in got}
+    assert set(listed) == {("b",), ("b", "c"), ("b", "c", "a"), ("a", "b", "c"), ("c",)}
+    assert listed[("a", "b", "c")].predicted_decode_tokens_per_s == 40.0
+    assert listed[("a", "b", "c")].decode_basis == "measured"
+    assert listed[("c",)].decode_basis == "measured"
+    assert listed[("b", "c", "a")].decode_basis == "scaled"
+    # bounds still hold: at most two nodes leaves the measured three out
+    capped = preview(config, nodes, {}, 2048, 4, shardings=("pipeline",), model_id="m",
+                     served=served, max_nodes=2)
+    assert {c.node_ids for c in capped} == {("b",), ("b", "c"), ("c",)}

@@ -343,6 +343,39 @@ def _subsets(nodes: Sequence[NodeProfile], max_nodes: int | None,
     return [ranked[:k] for k in range(max(min_nodes, 1), top + 1)]
 
 
+def _measured_placements(
+    served: Sequence[ServedSpeed],
+    nodes: Sequence[NodeProfile],
+    listed: Sequence[tuple[Sharding, Sequence[NodeProfile]]],
+    model_id: str,
+    dtype: str,
+    quantize: str | None,
+    shardings: Sequence[Sharding],
+    min_nodes: int,
+    max_nodes: int | None,
+) -> list[tuple[Sharding, list[NodeProfile]]]:
+    """The placements of ``model_id`` (in ``dtype``, ``quantize``) that served, on
+    ``nodes`` under ``shardings`` and within the node counts, that ``listed`` lacks: each
+    in its own rank order (a placement made by hand or by ``shardline cluster`` need not be
+    in the preview's order, and its measured figures should still be listed), oldest
+    record first."""
+    by_id = {n.node_id: n for n in nodes}
+    seen = {(str(sharding), tuple(n.node_id for n in subset)) for sharding, subset in listed}
+    top = len(nodes) if max_nodes is None else max_nodes
+    out: list[tuple[Sharding, list[NodeProfile]]] = []
+    for speed in sorted(served, key=lambda s: s.at):
+        key = speed.key
+        if (key.model_id != model_id or key.dtype != dtype or key.quantize != quantize
+                or key.sharding not in shardings
+                or not max(min_nodes, 1) <= len(key.node_ids) <= top
+                or not all(i in by_id for i in key.node_ids)
+                or (key.sharding, key.node_ids) in seen):
+            continue
+        seen.add((key.sharding, key.node_ids))
+        out.append((Sharding(key.sharding), [by_id[i] for i in key.node_ids]))
+    return out
+
+
 def preview(
     config: ModelConfig,
     nodes: Sequence[NodeProfile],
@@ -367,7 +400,9 @@ def preview(
     Candidates: for each k from ``min_nodes`` to ``max_nodes`` (default: all), the k nodes with the most
     available bytes, in rank order by available bytes (most first), under each sharding in
     ``shardings``. One node is only a pipeline of one (listed when ``"pipeline"`` is in
-    ``shardings``): tensor of one is the same placement and ring needs two.
+    ``shardings``): tensor of one is the same placement and ring needs two. Then each
+    placement of ``model_id`` in ``served`` that these miss (other nodes or another rank
+    order) and the same bounds allow, in its own rank order.
 
     Memory per rank is ``place_with_kv_pool``'s check with ``context`` tokens per sequence,
     ``max_batch`` sequences, a KV pool of ``kv_tokens`` (None: as much as fits, up to
@@ -391,32 +426,34 @@ def preview(
     """
     _check_dtype(dtype)
     decode_weight_bytes = resident_bytes_per_weight(config, weight_file_bytes, dtype, quantize)
+    quantized = quantize.value if quantize else None
+    placements = [(sharding, subset) for subset in _subsets(nodes, max_nodes, min_nodes)
+                  for sharding in shardings
+                  if len(subset) > 1 or sharding == Sharding.PIPELINE]
+    placements += _measured_placements(served, nodes, placements, model_id, dtype, quantized,
+                                       shardings, min_nodes, max_nodes)
     feasible: list[Candidate] = []
     infeasible: list[Candidate] = []
-    for subset in _subsets(nodes, max_nodes, min_nodes):
+    for sharding, subset in placements:
         ids = tuple(n.node_id for n in subset)
         capacities = [NodeCapacity(n.node_id, n.available_bytes) for n in subset]
-        for sharding in shardings:
-            if len(subset) == 1 and sharding != Sharding.PIPELINE:
-                continue
-            try:
-                shares, kv_pool = place_with_kv_pool(config, sharding, capacities, context,
-                                               max_batch, dtype, admit, weight_file_bytes,
-                                               baseline_bytes, kv_tokens, quantize)
-            except PlacementError as exc:
-                infeasible.append(Candidate(sharding, ids, error=str(exc)))
-                continue
-            model = predict_tokens_per_s(
-                config, sharding, subset, shares, links, context, dtype,
-                decode_weight_bytes=decode_weight_bytes,
-            )
-            key = PlacementKey(model_id, str(sharding), ids, dtype,
-                               quantize.value if quantize else None)
-            decode, prefill, decode_basis, prefill_basis = calibrate(key, model, served)
-            feasible.append(Candidate(sharding, ids, tuple(shares), decode, prefill,
-                                      kv_tokens=kv_pool, model_decode_tokens_per_s=model[0],
-                                      model_prefill_tokens_per_s=model[1],
-                                      decode_basis=decode_basis, prefill_basis=prefill_basis))
+        try:
+            shares, kv_pool = place_with_kv_pool(config, sharding, capacities, context,
+                                                 max_batch, dtype, admit, weight_file_bytes,
+                                                 baseline_bytes, kv_tokens, quantize)
+        except PlacementError as exc:
+            infeasible.append(Candidate(sharding, ids, error=str(exc)))
+            continue
+        model = predict_tokens_per_s(
+            config, sharding, subset, shares, links, context, dtype,
+            decode_weight_bytes=decode_weight_bytes,
+        )
+        key = PlacementKey(model_id, str(sharding), ids, dtype, quantized)
+        decode, prefill, decode_basis, prefill_basis = calibrate(key, model, served)
+        feasible.append(Candidate(sharding, ids, tuple(shares), decode, prefill,
+                                  kv_tokens=kv_pool, model_decode_tokens_per_s=model[0],
+                                  model_prefill_tokens_per_s=model[1],
+                                  decode_basis=decode_basis, prefill_basis=prefill_basis))
     feasible.sort(key=lambda c: (-(c.predicted_decode_tokens_per_s or 0.0),
                                  -(c.predicted_prefill_tokens_per_s or 0.0), len(c.node_ids)))
     return feasible + infeasible

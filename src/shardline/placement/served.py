@@ -9,10 +9,14 @@ candidate's predicted figures with what the cluster has measured (:func:`calibra
 
 1. the same placement (model, sharding, nodes in rank order, dtype, quantization)
    measured: the measured figure;
-2. else placements of the same model, dtype and quantization measured on nodes that
-   share one with the candidate: the predicted figure times the median of their
-   measured / predicted ratios (the model's error on those machines, carried over);
-3. else the predicted figure.
+2. else placements of the same model, dtype, quantization and sharding measured on
+   nodes that share one with the candidate: the predicted figure times the median of
+   their measured / predicted ratios (the model's error on those machines, carried
+   over);
+3. else the same from one-node placements on the candidate's nodes (the model's error
+   on a machine alone, which every sharding's compute pays; another sharding's ratio
+   is not carried over: its error is mostly its own, in its links and collectives);
+4. else the predicted figure.
 
 Decode and prefill are corrected each on its own (a placement may have measured one
 and not the other). Everything here is pure: no I/O, no clock.
@@ -202,12 +206,16 @@ def merge(speeds: Iterable[ServedSpeed]) -> dict[PlacementKey, ServedSpeed]:
 
 
 def _one(predicted: float, measured: float | None,
-         related: Sequence[tuple[float | None, float]]) -> tuple[float, Basis]:
+         related: Sequence[Sequence[tuple[float | None, float]]]) -> tuple[float, Basis]:
+    """``measured``, else ``predicted`` times the median measured / predicted ratio of the
+    first tier of ``related`` (pairs of measured and predicted figures) that has one,
+    else ``predicted``."""
     if measured is not None:
         return measured, "measured"
-    ratios = [m / p for m, p in related if m is not None and p > 0]
-    if ratios and predicted > 0:
-        return predicted * statistics.median(ratios), "scaled"
+    for tier in related:
+        ratios = [m / p for m, p in tier if m is not None and p > 0]
+        if ratios and predicted > 0:
+            return predicted * statistics.median(ratios), "scaled"
     return predicted, "model"
 
 
@@ -230,12 +238,14 @@ def calibrate(key: PlacementKey, predicted: tuple[float, float],
     related = [s for s in speeds if s.key != key and s.key.model_id == key.model_id
                and s.key.dtype == key.dtype and s.key.quantize == key.quantize
                and nodes & set(s.key.node_ids)]
+    tiers = ([s for s in related if s.key.sharding == key.sharding],
+             [s for s in related if len(s.key.node_ids) == 1])
     decode, decode_basis = _one(
         predicted[0], exact.decode_tokens_per_s if exact else None,
-        [(s.decode_tokens_per_s, s.predicted_decode_tokens_per_s) for s in related])
+        [[(s.decode_tokens_per_s, s.predicted_decode_tokens_per_s) for s in t] for t in tiers])
     prefill, prefill_basis = _one(
         predicted[1], exact.prefill_tokens_per_s if exact else None,
-        [(s.prefill_tokens_per_s, s.predicted_prefill_tokens_per_s) for s in related])
+        [[(s.prefill_tokens_per_s, s.predicted_prefill_tokens_per_s) for s in t] for t in tiers])
     return decode, prefill, decode_basis, prefill_basis
 
 
