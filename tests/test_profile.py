@@ -16,6 +16,7 @@ from fastapi import FastAPI
 from shardline.node.link_probe import add_link_routes, measure_link
 from shardline.node.profile import (
     HostProfile,
+    host_id,
     measure_host,
     measure_host_async,
 )
@@ -35,6 +36,7 @@ def test_measure_host_positive(host):
     assert host.memory_bandwidth_bytes_per_s > 1e8
     assert host.measure_s > 0 and host.measured_at > 0
     assert (host.threads, host.samples) == (1, 3)
+    assert host.host_id == host_id() and len(host.host_id) == 16  # the child's machine is ours
     if host.accelerator == "cpu":  # a decode step's fixed cost and the int4 product's rate
         assert 1e-6 < host.decode_layer_s < 0.1
         assert host.decode_weight_bytes_per_s > 1e7

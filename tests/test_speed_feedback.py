@@ -11,7 +11,14 @@ from shardline.control import serving_by_node, speed_text
 from shardline.models.config import RankShare
 from shardline.node.speeds import measure_due, node_idle
 from shardline.node.status import RankStatus
-from shardline.placement.preview import STEP_LAYERS, NodeProfile, predict_tokens_per_s, preview
+from shardline.placement.preview import (
+    STEP_LAYERS,
+    NodeProfile,
+    attention_flops,
+    oversubscription,
+    predict_tokens_per_s,
+    preview,
+)
 from shardline.placement.served import (
     KEEP_SAMPLES,
     MIN_PREFILL_TOKENS,
@@ -241,3 +248,64 @@ def test_preview_lists_a_measured_placement_in_its_own_rank_order():
     capped = preview(config, nodes, {}, 2048, 4, shardings=("pipeline",), model_id="m",
                      served=served, max_nodes=2)
     assert {c.node_ids for c in capped} == {("b",), ("b", "c"), ("c",)}
+
+
+@pytest.mark.parametrize("nodes, want", [
+    # three one-thread nodes on one 2-CPU host: 3 threads over 2 CPUs
+    ([("h", 2, 1), ("h", 2, 1), ("h", 2, 1)], [1.5, 1.5, 1.5]),
+    # two nodes on two machines, or on one with CPUs to spare: nothing shared
+    ([("h", 2, 1), ("g", 2, 1)], [1.0, 1.0]),
+    ([("h", 8, 2), ("h", 8, 2)], [1.0, 1.0]),
+    # torch's default threads (0) use every CPU: two such nodes on one host double up
+    ([("h", 4, 0), ("h", 4, 0), ("g", 4, 0)], [2.0, 2.0, 1.0]),
+    # an unknown host or CPU count shares with none
+    ([("", 2, 1), ("", 2, 1)], [1.0, 1.0]),
+    ([("h", 0, 1), ("h", 0, 1)], [1.0, 1.0]),
+])
+def test_oversubscription(nodes, want):
+    profiles = [NodeProfile(f"n{i}", GB, 10e9, 1e12, host_id=h, cpu_count=c, threads=t)
+                for i, (h, c, t) in enumerate(nodes)]
+    assert oversubscription(profiles) == pytest.approx(want)
+
+
+def test_nodes_sharing_a_machine_slow_overlapped_prefill_not_pipeline_decode():
+    config = _smollm2()
+    shares = [RankShare(0, 10), RankShare(10, 20), RankShare(20, config.num_layers)]
+
+    def nodes(host):
+        return [NodeProfile(f"n{i}", 64 * GB, 10e9, 1e11, 2e-4, host_id=host(i), cpu_count=2,
+                            threads=1) for i in range(3)]
+
+    apart = predict_tokens_per_s(config, "pipeline", nodes(lambda i: f"h{i}"), shares, {}, 2048)
+    together = predict_tokens_per_s(config, "pipeline", nodes(lambda i: "h"), shares, {}, 2048)
+    assert together[0] == pytest.approx(apart[0])  # one sequence's stages run in turn
+    assert together[1] == pytest.approx(apart[1] / 1.5)  # the slowest stage, 1.5x slower
+    ring_apart = predict_tokens_per_s(config, "ring", nodes(lambda i: f"h{i}")[:2],
+                                      [RankShare(0, config.num_layers)] * 2, {}, 2048)
+    ring_together = predict_tokens_per_s(config, "ring", nodes(lambda i: "h")[:2],
+                                         [RankShare(0, config.num_layers)] * 2, {}, 2048)
+    assert ring_together == pytest.approx(ring_apart)  # 2 threads on 2 CPUs: no contention
+
+
+def test_a_long_prompt_prefills_slower_by_its_attention():
+    config = _smollm2()
+    one = [RankShare(0, config.num_layers)]
+    node = [NodeProfile("a", 64 * GB, 10e9, 1e11)]
+    chunk = predict_tokens_per_s(config, "pipeline", node, one, {}, 4096)
+    assert predict_tokens_per_s(config, "pipeline", node, one, {}, 4096, prompt_tokens=300) == chunk
+    long = predict_tokens_per_s(config, "pipeline", node, one, {}, 4096, prompt_tokens=2560)
+    assert long[0] == chunk[0]
+    extra = config.num_layers * attention_flops(config.num_heads * config.head_dim, 2560) / 1e11
+    assert 1 / long[1] - 1 / chunk[1] == pytest.approx(extra)
+    assert attention_flops(config.num_heads * config.head_dim, 2560) == pytest.approx(
+        4 * 576 * (2560 - 512) / 2)
+
+
+def test_record_keeps_each_prefill_samples_prompt_length():
+    speed = record(None, KEY, None, 900.0, 0.0, 1.0, prompt_tokens=300)
+    speed = record(speed, KEY, 50.0, None, 40.0, 2.0, prompt_tokens=20)  # no prefill sample
+    speed = record(speed, KEY, None, 700.0, 0.0, 3.0, prompt_tokens=2600)
+    speed = record(speed, KEY, None, 800.0, 0.0, 4.0, prompt_tokens=1000)
+    assert speed.prefill_lengths == (300, 2600, 1000) and speed.prompt_tokens == 1000
+    assert ServedSpeed.from_dict(speed.to_dict()) == speed
+    assert ServedSpeed(KEY).prompt_tokens is None

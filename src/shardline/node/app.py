@@ -195,20 +195,23 @@ def create_app(node: Node, guard: GuardConfig, max_body_bytes: int = DEFAULT_MAX
         """An instance; ``local_engine`` is this node's rank's batch (EngineStats),
         ``local_memory`` its runner's memory (see ``Worker.memory``) and ``speed`` the
         preview's first-order prediction for its placement now (decode at the context
-        its measured requests ran at, else the instance's) beside what the cluster
+        its measured requests ran at, else the instance's; prefill at their median
+        prompt, ``prefill_prompt_tokens``, else one chunk's) beside what the cluster
         measured it doing (``served``: ``Coordinator.served_speeds()``; None: no request
         measured yet, or the model's card is still being read) and how many requests each
         figure is the median of."""
         measured = served.get(placement_key(inst))
-        decode, prefill = await node.coordinator.first_order(inst, measured.context if measured else None,
-                                                             wait=False)
+        decode, prefill = await node.coordinator.first_order(
+            inst, measured.context if measured else None, wait=False,
+            prompt_tokens=measured.prompt_tokens if measured else None)
         speed = {"predicted_decode_tokens_per_s": decode or None,
                  "predicted_prefill_tokens_per_s": prefill or None,
                  "measured_decode_tokens_per_s": measured.decode_tokens_per_s if measured else None,
                  "measured_prefill_tokens_per_s": measured.prefill_tokens_per_s if measured else None,
                  "decode_samples": len(measured.decode_samples) if measured else 0,
                  "decode_context": measured.context if measured else inst.context,
-                 "prefill_samples": len(measured.prefill_samples) if measured else 0}
+                 "prefill_samples": len(measured.prefill_samples) if measured else 0,
+                 "prefill_prompt_tokens": measured.prompt_tokens if measured else None}
         return dict(inst.to_dict(), local_engine=node.engine_stats.get(inst.instance_id),
                     local_memory=node.worker.memory(inst.instance_id), speed=speed)
 

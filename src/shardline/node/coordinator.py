@@ -306,7 +306,10 @@ class Coordinator:
                                         profile.get("memory_bandwidth_bytes_per_s") or 10e9,
                                         profile.get("matmul_flops") or 100e9,
                                         profile.get("decode_layer_s") or 0.0,
-                                        profile.get("decode_weight_bytes_per_s") or 0.0))
+                                        profile.get("decode_weight_bytes_per_s") or 0.0,
+                                        profile.get("host_id") or "",
+                                        profile.get("cpu_count") or 0,
+                                        profile.get("threads") or 0))
             for other, link in measured.items():
                 links[(node_id, other)] = Link(link["latency_s"], link["bandwidth_bytes_per_s"])
         return profiles, links
@@ -355,14 +358,16 @@ class Coordinator:
         return merge(records)
 
     async def first_order(self, inst: Instance, context: int | None = None,
-                          wait: bool = True) -> tuple[float, float]:
+                          wait: bool = True, *,
+                          prompt_tokens: int | None = None) -> tuple[float, float]:
         """The preview's first-order (decode, prefill) tokens/s for an instance's
         placement, from its nodes' profiles now, decode for sequences growing to
-        ``context`` tokens (None: the instance's context); (0, 0) when a node of it is
+        ``context`` tokens (None: the instance's context), prefill of a prompt of
+        ``prompt_tokens`` (None: one chunk's, the preview's); (0, 0) when a node of it is
         not known or its model card cannot be read (cards are read once a model; the
         first read of a GGUF's takes seconds: without ``wait``, (0, 0) while it is read
         in the background)."""
-        from shardline.placement.preview import predict_tokens_per_s
+        from shardline.placement.preview import PREFILL_CHUNK_TOKENS, predict_tokens_per_s
 
         try:
             card = self._cards.get(inst.model_id)
@@ -379,7 +384,8 @@ class Coordinator:
                                                Quantize(inst.quantize) if inst.quantize else None)
             return predict_tokens_per_s(config, inst.sharding, profiles, [r.share for r in inst.ranks],
                                         links, context or inst.context, inst.dtype,
-                                        decode_weight_bytes=weight)
+                                        decode_weight_bytes=weight,
+                                        prompt_tokens=prompt_tokens or PREFILL_CHUNK_TOKENS)
         except (KeyError, ModelNotFoundError, PeerError, PlacementError) as exc:
             # Once an instance: every listing asks again (a failed instance's dead node
             # stays unknown; a dashboard lists every second).

@@ -13,13 +13,16 @@ from __future__ import annotations
 import argparse
 import asyncio
 import dataclasses
+import hashlib
 import json
 import os
 import re
+import socket
 import statistics
 import subprocess
 import sys
 import time
+import uuid
 from dataclasses import dataclass
 
 import psutil
@@ -100,6 +103,9 @@ class HostProfile:
             unmeasured, or a GPU).
         threads: torch intra-op threads the measurement ran with (a runner's
             ``--runner-threads``; 0: torch's default).
+        host_id: the machine (:func:`host_id`): nodes with the same id share its CPUs,
+            so ranks of theirs computing at once slow each other (the preview counts it:
+            :func:`~shardline.placement.preview.oversubscription`).
         samples: how many timed windows each rate is the median of.
         measured_at: when it was measured, seconds since the epoch.
         measure_s: wall time the measurement took (child start to exit), seconds.
@@ -120,6 +126,7 @@ class HostProfile:
     decode_layer_s: float = 0.0
     decode_weight_bytes_per_s: float = 0.0
     threads: int = 0
+    host_id: str = ""
     samples: int = 0
     measured_at: float = 0.0
     measure_s: float = 0.0
@@ -143,12 +150,27 @@ def _cpu_count() -> int:
         return os.cpu_count() or 1
 
 
+def host_id() -> str:
+    """An id of the running kernel, the same for every process (and container) that shares
+    this machine's CPUs and different on another machine: a SHA-256 digest (16 hex digits)
+    of Linux's ``/proc/sys/kernel/random/boot_id`` (new at each boot; see the kernel's
+    ``Documentation/admin-guide/sysctl/kernel.rst``), else, where there is none (macOS),
+    of the host name and a network interface's MAC address (:func:`uuid.getnode`)."""
+    try:
+        with open("/proc/sys/kernel/random/boot_id") as f:
+            seed = f.read().strip()
+    except OSError:
+        seed = f"{socket.gethostname()}/{uuid.getnode():012x}"
+    return hashlib.sha256(seed.encode()).hexdigest()[:16]
+
+
 def _host_memory() -> dict:
     memory = psutil.virtual_memory()
     return {
         "total_bytes": int(memory.total),
         "available_bytes": int(memory.available),
         "cpu_count": _cpu_count(),
+        "host_id": host_id(),
     }
 
 

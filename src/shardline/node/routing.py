@@ -165,8 +165,8 @@ class Router:
         its prediction may read the model's card)."""
         decode, prefill = timing.rates()
         if decode is not None or prefill is not None:
-            task = asyncio.get_running_loop().create_task(self.node.served.add(inst, decode, prefill,
-                                                                                timing.position))
+            task = asyncio.get_running_loop().create_task(self.node.served.add(
+                inst, decode, prefill, timing.position, timing.prompt_tokens))
             self._recording.add(task)  # held until done (the loop keeps weak references)
             task.add_done_callback(self._recording.discard)
 

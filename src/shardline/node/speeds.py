@@ -141,8 +141,9 @@ class HostProfiler:
         return node_idle(len(node.streams), node.busy_instances(), statuses, other)
 
     def first_guess(self) -> dict | None:
-        """The cached profile, if it was measured with this node's runner threads."""
-        from shardline.node.profile import HostProfile
+        """The cached profile, if it was measured with this node's runner threads (with
+        this boot's :func:`~shardline.node.profile.host_id`)."""
+        from shardline.node.profile import HostProfile, host_id
 
         if self.cache is None:
             return None
@@ -150,7 +151,9 @@ class HostProfiler:
             cached = HostProfile.from_dict(json.loads(self.cache.read_text()))
         except (OSError, ValueError, TypeError):
             return None
-        return cached.to_dict() if cached.threads == self.node.runner_threads else None
+        if cached.threads != self.node.runner_threads:
+            return None
+        return dict(cached.to_dict(), host_id=host_id())
 
     def _fresh_cache(self) -> dict | None:
         """The cached profile when another node of this machine measured it within
@@ -244,15 +247,17 @@ class ServedLog:
         return [s.to_dict() for s in self.speeds.values()]
 
     async def add(self, inst: "Instance", decode: float | None, prefill: float | None,
-                  position: float) -> None:
+                  position: float, prompt_tokens: int) -> None:
         """Record one request's rates for ``inst``'s placement (``position``: its decode's
-        mean position), with the first-order prediction for it now (decode at the
-        samples' context)."""
+        mean position; ``prompt_tokens``: its prompt), with the first-order prediction
+        for it now (decode at the samples' context, prefill at their prompt length)."""
         if decode is None and prefill is None:
             return
         key = placement_key(inst)
-        speed = record(self.speeds.get(key), key, decode, prefill, position, time.time())
-        predicted = await self.node.coordinator.first_order(inst, speed.context)
+        speed = record(self.speeds.get(key), key, decode, prefill, position, time.time(),
+                       prompt_tokens)
+        predicted = await self.node.coordinator.first_order(inst, speed.context,
+                                                            prompt_tokens=speed.prompt_tokens)
         self.speeds[key] = with_prediction(speed, predicted)
         if self.path is not None:
             try:

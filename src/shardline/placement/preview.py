@@ -69,6 +69,11 @@ class NodeProfile:
         decode_weight_bytes_per_s: resident weight bytes/s the runner's one-row product
             reads (``HostProfile.decode_weight_bytes_per_s``): decode reads weights at the
             lower of this and the memory bandwidth; 0: unknown, the bandwidth alone.
+        host_id: the machine the node runs on (``HostProfile.host_id``); nodes with the
+            same non-empty id share its CPUs; ``""``: unknown, shared with none.
+        cpu_count: the CPUs the node may run on (0: unknown).
+        threads: the threads a runner of the node computes with, which its rates were
+            measured with (0: torch's default, every CPU).
     """
 
     node_id: str
@@ -77,6 +82,9 @@ class NodeProfile:
     matmul_flops: float
     decode_layer_s: float = 0.0
     decode_weight_bytes_per_s: float = 0.0
+    host_id: str = ""
+    cpu_count: int = 0
+    threads: int = 0
 
     @property
     def weight_read_bytes_per_s(self) -> float:
@@ -181,13 +189,46 @@ def _step_s(node: NodeProfile, weight_bytes: float, kv_bytes: float, layers: flo
 
 
 def _prefill_s(node: NodeProfile, flops: float, layers: float, activations: float) -> float:
-    """Seconds ``node`` takes a prompt token for ``flops`` of products, ``activations``
-    (layer, element) of its layers' other work (norms, activation function, residuals,
-    attention at a chunk's length: :data:`PREFILL_ACTIVATION_BYTES` each at its memory
-    bandwidth) and ``layers`` layers' fixed cost, paid once a chunk."""
+    """Seconds ``node`` takes a prompt token for ``flops`` of products (attention's past a
+    chunk's length included), ``activations`` (layer, element) of its layers' other work
+    (norms, activation function, residuals, attention at a chunk's length:
+    :data:`PREFILL_ACTIVATION_BYTES` each at its memory bandwidth) and ``layers`` layers'
+    fixed cost, paid once a chunk."""
     return (_secs(flops, node.matmul_flops)
             + _secs(activations * PREFILL_ACTIVATION_BYTES, node.memory_bandwidth_bytes_per_s)
             + layers * node.decode_layer_s / PREFILL_CHUNK_TOKENS)
+
+
+def attention_flops(query_width: int, prompt_tokens: int) -> float:
+    """Floating-point operations a prompt token's causal attention costs in one layer past
+    what :data:`PREFILL_ACTIVATION_BYTES` holds (attention over a chunk's first half, the
+    fit's own prompt): ``4 * query_width * (prompt_tokens - PREFILL_CHUNK_TOKENS) / 2``
+    (q·k and p·v, 2 operations a multiply-add, over the ``prompt_tokens / 2`` keys a
+    token of the prompt sees on average), 0 for a prompt within one chunk.
+    ``query_width``: the query heads' width (heads x head_dim) the rank computes."""
+    return 2.0 * query_width * max(0, prompt_tokens - PREFILL_CHUNK_TOKENS)
+
+
+def oversubscription(nodes: Sequence[NodeProfile]) -> list[float]:
+    """For each node, how many times more threads its host's nodes among ``nodes`` run
+    at once than the host has CPUs (at least 1): the factor a rank's compute slows by
+    while all of them compute together (a tensor or ring step, or overlapped pipeline
+    prefill). Nodes of one host: the same non-empty ``host_id``; a node's threads are
+    ``threads``, else (torch's default) ``cpu_count``; a host's CPUs the most any of its
+    nodes counts. Unknown hosts or CPUs: 1."""
+    hosts: dict[str, list[NodeProfile]] = {}
+    for node in nodes:
+        if node.host_id and node.cpu_count > 0:
+            hosts.setdefault(node.host_id, []).append(node)
+
+    def factor(node: NodeProfile) -> float:
+        group = hosts.get(node.host_id) if node.host_id else None
+        if not group:
+            return 1.0
+        cpus = max(n.cpu_count for n in group)
+        return max(1.0, sum(n.threads or n.cpu_count for n in group) / cpus)
+
+    return [factor(n) for n in nodes]
 
 
 def predict_tokens_per_s(
@@ -200,10 +241,11 @@ def predict_tokens_per_s(
     dtype: str = "bfloat16",
     *,
     decode_weight_bytes: float = DECODE_WEIGHT_BYTES,
+    prompt_tokens: int = PREFILL_CHUNK_TOKENS,
 ) -> tuple[float, float]:
     """Predicted (decode, prefill) tokens/s of a feasible placement (node i is rank i).
 
-    Decode is for one sequence; prefill for one long prompt. Notation: ``P`` ranks,
+    Decode is for one sequence; prefill for one prompt of ``prompt_tokens``. Notation: ``P`` ranks,
     ``L = num_layers``, ``d = hidden_size``, ``e`` = bytes of a ``dtype`` element, ``w =
     decode_weight_bytes`` (bytes a weight takes resident), ``bw_r`` and ``F_r`` rank r's memory
     bandwidth (bytes/s) and matmul FLOP/s, ``wr_r`` the rate its decode product reads
@@ -225,8 +267,17 @@ def predict_tokens_per_s(
     a prompt token's prefill on it cost::
 
         T_r = W_r / wr_r + K_r / bw_r + L_r * o_r
-        Q_r = 2*N_r / F_r + L_r * A * PREFILL_ACTIVATION_BYTES / bw_r + L_r * o_r / C
-              (C = PREFILL_CHUNK_TOKENS: a chunk pays the layers' fixed cost once)
+        Q_r = (2*N_r + L_r * attention_flops(q_r, n)) / F_r
+              + L_r * A * PREFILL_ACTIVATION_BYTES / bw_r + L_r * o_r / C
+              (C = PREFILL_CHUNK_TOKENS: a chunk pays the layers' fixed cost once;
+               n = prompt_tokens; q_r the query width r computes: all heads', or its
+               heads' under tensor)
+
+    Ranks whose nodes share a machine compute at once in a tensor or ring step and in
+    overlapped pipeline prefill: each such ``T_r`` and ``Q_r`` is multiplied by its host's
+    :func:`oversubscription` ``s_r`` (threads running at once over CPUs, at least 1; a
+    local cluster of 3 one-thread nodes on 2 CPUs: 1.5). A one-sequence pipeline decode
+    runs its stages one after another and pays none.
 
     plus ``STEP_LAYERS * o_r`` on the rank that samples. A small model's decode on a CPU is
     bound by its per-layer small ops (norms, rotary, attention's reshapes, residuals: ~60
@@ -241,22 +292,22 @@ def predict_tokens_per_s(
 
         decode s/token  = sum_r T_r + STEP_LAYERS * o_last
                           + sum_hops (lat + d*e / bw) + lat(last -> others)
-        prefill tokens/s = 1 / max(max_r Q_r, max_hops d*e / bw + lat / C)
+        prefill tokens/s = 1 / max(max_r s_r * Q_r, max_hops d*e / bw + lat / C)
           (chunks overlap across stages: the slowest stage or hop bounds the rate)
 
     tensor (two all-reduces a layer of float32 partial sums, ring all-reduce; rank 0 samples)::
 
         allreduce(n) = 2*(P-1)/P * n*d*4 / bw_min + (P-1) * lat_max      (n tokens)
-        decode s/token  = max_r T_r + STEP_LAYERS * o_0 + 2*L * allreduce(1) + lat_max
-        prefill s/token = max_r Q_r + 2*L * allreduce(C) / C
+        decode s/token  = max_r s_r * T_r + STEP_LAYERS * o_0 + 2*L * allreduce(1) + lat_max
+        prefill s/token = max_r s_r * Q_r + 2*L * allreduce(C) / C
                           (Q_r with r's heads and columns: A = d + r's columns)
           (the heads and columns split by shape, not by speed: the slowest rank bounds)
 
     ring (every rank holds the whole model and decodes it; rank 0 samples)::
 
-        decode s/token  = max_r T_r + STEP_LAYERS * o_0 + lat_max   (B_r of the whole model)
-        prefill s/token = max_r Q_r / P     (an even zig-zag split; Q_r of the whole model,
-                                             its fixed cost not divided)
+        decode s/token  = max_r s_r * T_r + STEP_LAYERS * o_0 + lat_max   (the whole model)
+        prefill s/token = max_r s_r * Q_r / P   (an even zig-zag split; Q_r of the whole
+                                                 model, its fixed cost not divided)
                           + (P-1)/P * kv_bytes_per_token / bw_min   (k/v blocks round the ring)
                           + L*(P-1)*lat_max / (P * 512)      (a latency per layer and step)
 
@@ -281,6 +332,8 @@ def predict_tokens_per_s(
     bw_min = min((k.bandwidth_bytes_per_s for k in pairs), default=float("inf"))
     bcast = lat_max if P > 1 else 0.0
     act = d + config.intermediate_size  # activation elements a token has in a layer
+    attention = attention_flops(config.num_heads * config.head_dim, prompt_tokens)  # a layer
+    shared = oversubscription(nodes)
 
     if sharding == Sharding.PIPELINE:
         decode = prefill_stage = 0.0
@@ -290,7 +343,8 @@ def predict_tokens_per_s(
             weights = decode_weight_bytes * (linear + (head if rank == P - 1 else 0))
             decode += _step_s(node, weights, kv_token * layers / L * avg_tokens,
                               layers + (STEP_LAYERS if rank == P - 1 else 0.0))
-            prefill_stage = max(prefill_stage, _prefill_s(node, 2 * linear, layers, layers * act))
+            stage = _prefill_s(node, 2 * linear + layers * attention, layers, layers * act)
+            prefill_stage = max(prefill_stage, shared[rank] * stage)
         for a, b in zip(ids, ids[1:]):
             link = link_between(links, a, b)
             hop = _secs(d * e, link.bandwidth_bytes_per_s)
@@ -308,8 +362,10 @@ def predict_tokens_per_s(
             linear = L * _tensor_linear_per_layer(config, ts)
             weights = decode_weight_bytes * (linear + (head if rank == 0 else 0))
             kv = 2 * L * ts.num_kv_heads * config.head_dim * e * avg_tokens
-            decode = max(decode, _step_s(node, weights, kv, L))
-            prefill = max(prefill, _prefill_s(node, 2 * linear, L, L * (d + ts.num_columns)))
+            decode = max(decode, shared[rank] * _step_s(node, weights, kv, L))
+            heads_attention = attention_flops(ts.num_heads * config.head_dim, prompt_tokens)
+            prefill = max(prefill, shared[rank] * _prefill_s(
+                node, 2 * linear + L * heads_attention, L, L * (d + ts.num_columns)))
         decode += STEP_LAYERS * nodes[0].decode_layer_s
         if P > 1:
             def allreduce(tokens: int) -> float:
@@ -321,9 +377,11 @@ def predict_tokens_per_s(
     if sharding == Sharding.RING:
         linear = L * _linear_per_layer(config)
         weights = decode_weight_bytes * (linear + head)
-        decode = max(_step_s(n, weights, kv_token * avg_tokens, L) for n in nodes)
+        decode = max(f * _step_s(n, weights, kv_token * avg_tokens, L)
+                     for n, f in zip(nodes, shared))
         decode += STEP_LAYERS * nodes[0].decode_layer_s + bcast
-        prefill = max(_prefill_s(n, 2 * linear / P, L, L * act / P) for n in nodes)
+        prefill = max(f * _prefill_s(n, (2 * linear + L * attention) / P, L, L * act / P)
+                      for n, f in zip(nodes, shared))
         if P > 1:
             prefill += (P - 1) / P * _secs(kv_token, bw_min)
             prefill += L * (P - 1) * lat_max / ring_prefill_chunk(P, PREFILL_CHUNK_TOKENS)

@@ -84,9 +84,12 @@ class ServedSpeed:
             average), tokens.
         predicted_decode_tokens_per_s, predicted_prefill_tokens_per_s: the first-order
             prediction for this placement when the last sample was taken (from the
-            profiles then, decode at the samples' median position, :attr:`context`; 0:
+            profiles then, decode at the samples' median position, :attr:`context`,
+            prefill of a prompt of their median length, :attr:`prompt_tokens`; 0:
             unknown), for the ratio :func:`calibrate` scales others by.
         at: when the last sample was taken, seconds since the epoch.
+        prefill_lengths: each prefill sample's prompt tokens (a long prompt's attention
+            costs more a token).
     """
 
     key: PlacementKey
@@ -96,6 +99,7 @@ class ServedSpeed:
     predicted_decode_tokens_per_s: float = 0.0
     predicted_prefill_tokens_per_s: float = 0.0
     at: float = 0.0
+    prefill_lengths: tuple[int, ...] = ()
 
     @property
     def decode_tokens_per_s(self) -> float | None:
@@ -110,6 +114,14 @@ class ServedSpeed:
         if not self.decode_positions:
             return None
         return max(2, round(2 * statistics.median(self.decode_positions)))
+
+    @property
+    def prompt_tokens(self) -> int | None:
+        """The prompt length to predict the prefill samples at: their median, tokens;
+        None: no sample (or none with its length: a record of an older version)."""
+        if not self.prefill_lengths:
+            return None
+        return round(statistics.median(self.prefill_lengths))
 
     @property
     def prefill_tokens_per_s(self) -> float | None:
@@ -135,7 +147,8 @@ class ServedSpeed:
                    tuple(float(x) for x in data.get("decode_positions", ())),
                    float(data.get("predicted_decode_tokens_per_s") or 0.0),
                    float(data.get("predicted_prefill_tokens_per_s") or 0.0),
-                   float(data.get("at") or 0.0))
+                   float(data.get("at") or 0.0),
+                   tuple(int(x) for x in data.get("prefill_lengths", ())))
 
 
 def request_rates(prompt_tokens: int, generated: int, sent_at: float,
@@ -172,23 +185,28 @@ def request_rates(prompt_tokens: int, generated: int, sent_at: float,
 
 
 def record(previous: ServedSpeed | None, key: PlacementKey, decode: float | None,
-           prefill: float | None, position: float, at: float) -> ServedSpeed:
+           prefill: float | None, position: float, at: float,
+           prompt_tokens: int = 0) -> ServedSpeed:
     """``previous`` (None: nothing yet) with one request's rates added (None: not taken;
-    ``position``: the decode sample's mean position, tokens), the newest
-    :data:`KEEP_SAMPLES` of each kept; its prediction is set by :func:`with_prediction`."""
+    ``position``: the decode sample's mean position, tokens; ``prompt_tokens``: the
+    prefill sample's prompt), the newest :data:`KEEP_SAMPLES` of each kept; its
+    prediction is set by :func:`with_prediction`."""
     old = previous or ServedSpeed(key)
     decodes, positions = old.decode_samples, old.decode_positions
     if decode is not None:
         decodes, positions = decodes + (decode,), positions + (position,)
-    prefills = (old.prefill_samples + ((prefill,) if prefill is not None else ()))[-KEEP_SAMPLES:]
+    prefills, lengths = old.prefill_samples, old.prefill_lengths
+    if prefill is not None:
+        prefills, lengths = prefills + (prefill,), lengths + (prompt_tokens,)
     return dataclasses.replace(old, decode_samples=decodes[-KEEP_SAMPLES:],
                                decode_positions=positions[-KEEP_SAMPLES:],
-                               prefill_samples=prefills, at=at)
+                               prefill_samples=prefills[-KEEP_SAMPLES:],
+                               prefill_lengths=lengths[-KEEP_SAMPLES:], at=at)
 
 
 def with_prediction(speed: ServedSpeed, predicted: tuple[float, float]) -> ServedSpeed:
-    """``speed`` with the model's (decode at :attr:`ServedSpeed.context`, prefill)
-    tokens/s for its placement."""
+    """``speed`` with the model's (decode at :attr:`ServedSpeed.context`, prefill of a
+    prompt of :attr:`ServedSpeed.prompt_tokens`) tokens/s for its placement."""
     return dataclasses.replace(speed, predicted_decode_tokens_per_s=predicted[0],
                                predicted_prefill_tokens_per_s=predicted[1])
 
