@@ -95,7 +95,8 @@ def test_a_cluster_started_again_serves_its_kept_model_once(tmp_path):
     again = LocalCluster(1, base, log_dir=str(tmp_path), data_dir=str(tmp_path))
     try:
         again.start()
-        served = again.serve(None, context=256, max_batch=1)
+        # "auto" takes the kept instance whatever its sharding (it matched none: a second)
+        served = again.serve(None, "auto", context=256, max_batch=1)
         assert served["instance_id"] != kept["instance_id"]  # placed again: its old rank is gone
         assert served["context"] == 256  # as it was placed, not the defaults
         table = again.instances()

@@ -156,4 +156,12 @@ def test_a_local_path_given_to_any_node_is_placed_and_each_rank_copies_only_its_
     middle = ids.index(ranks[1]["node_id"])
     if middle != asked:
         assert store_of(cluster, middle).present("tiny-split") & weights < weights
+    # a served model's files stay unless forced; once its instance is deleted they go
+    data_dir = str(cluster.node_data_dir(asked))
+    kept = shardline("models", "remove", "tiny-split", "--data-dir", data_dir, "--url", cluster.url(0))
+    assert kept.returncode == 1 and instance["instance_id"] in kept.stderr, kept.stderr
+    assert "--force" in kept.stderr and store_of(cluster, asked).present("tiny-split")
     httpx.delete(f"{cluster.url(0)}/cluster/instances/{instance['instance_id']}", timeout=30)
+    removed = shardline("models", "remove", "tiny-split", "--data-dir", data_dir, "--url", cluster.url(0))
+    assert removed.returncode == 0, removed.stderr
+    assert "tiny-split" not in store_of(cluster, asked).model_ids()

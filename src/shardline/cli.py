@@ -156,6 +156,10 @@ def _cluster(args: argparse.Namespace) -> int:
     print(f"\nshardline: {args.nodes}-node cluster serving {instance['model_id']} "
           f"({instance['sharding']} on {len(instance['ranks'])} node(s))")
     print(f"  per node: {ranges}")
+    if len(instance["ranks"]) < args.nodes:
+        print(f"  ({len(instance['ranks'])} of the {args.nodes} nodes: --sharding {args.sharding} "
+              "predicted that placement fastest; `shardline place --preview` lists the others, "
+              "and --sharding pipeline places on every node)")
     if cluster.memory_limit_bytes is not None:
         print(f"  each node offers models up to {cluster.memory_limit_bytes / 2**30:.1f} GiB"
               + ("" if args.memory_limit is not None else

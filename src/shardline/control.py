@@ -282,8 +282,21 @@ def _models_add(args: argparse.Namespace) -> None:
 def _models_remove(args: argparse.Namespace) -> None:
     from shardline.models.store import ModelStoreError
 
+    store = _store(args)
+    if store.model_dir(args.model_id).exists() and not args.force:
+        try:
+            listed = _request(args, "GET", "/cluster/instances", timeout_s=5.0)["instances"]
+        except CommandError:
+            listed = []  # no node answers: nothing of this cluster serves it
+        serving = [i["instance_id"] for i in listed
+                   if i["model_id"] == args.model_id and i["status"] != "failed"]
+        if serving:
+            raise CommandError(
+                f"{args.model_id} is served by instance {', '.join(serving)} (`shardline instances`); "
+                f"delete it first (`shardline delete {serving[0]}`), or pass --force to remove the "
+                "files anyway (a node without them cannot place the model again)")
     try:
-        removed = _store(args).remove(args.model_id)
+        removed = store.remove(args.model_id)
     except ModelStoreError as exc:
         raise CommandError(str(exc)) from None
     if not removed:
@@ -371,6 +384,9 @@ def add_commands(sub, default_port: int) -> None:
                                                 "or repo id)")
     remove = models_sub.add_parser("remove", help="delete a model from this machine's store")
     remove.add_argument("model_id")
+    add_url(remove)
+    remove.add_argument("--force", action="store_true",
+                        help="remove it even while the cluster at --url serves it")
     for parser, func in ((add, _models_add), (remove, _models_remove)):
         parser.add_argument("--data-dir", default=None,
                             help="the node's data directory (default: $XDG_DATA_HOME/shardline)")

@@ -280,7 +280,8 @@ class LocalCluster:
 
         The nodes keep their instance table on disk: after a restart the coordinator finds
         a kept instance's ranks gone, fails it and places it again. Such an instance (its
-        model id is ``model``, or the default model's for None) is waited for instead of
+        model id is ``model``, or the default model's for None, and its sharding
+        ``sharding``, any for ``"auto"``) is waited for instead of
         placing a second copy beside it; one still failed after :data:`KEPT_REPLACE_S`
         (not placed again) is deleted and the model placed anew (:meth:`place`, with
         ``options``).
@@ -295,8 +296,8 @@ class LocalCluster:
         replaced_by = time.time() + KEPT_REPLACE_S
         while time.time() < deadline:
             self._check_alive()
-            kept = [i for i in self.instances()
-                    if i["model_id"] == model_id and i["sharding"] == sharding]
+            kept = [i for i in self.instances() if i["model_id"] == model_id
+                    and sharding in ("auto", i["sharding"])]
             for inst in kept:
                 if inst["status"] == "ready" and self._all_nodes_ready(inst["instance_id"]):
                     self.instance = inst
