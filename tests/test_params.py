@@ -190,3 +190,35 @@ def test_a_stop_string_of_any_length_is_one_sequence(stop, sequences):
     req = parse_raw(json.dumps({"model": "m", "messages": [{"role": "user", "content": "x"}],
                                 "stop": stop}).encode(), openai.ChatCompletionRequest)
     assert req.to_generation().stop == sequences
+
+
+@pytest.mark.parametrize("model", [openai.ChatCompletionRequest, completions.CompletionRequest,
+                                   anthropic.MessagesRequest, ollama.ChatRequest,
+                                   ollama.GenerateRequest, ResponsesRequest])
+@pytest.mark.parametrize("body", ["[]", "null", '"x"', "5"])
+def test_parse_refuses_a_body_that_is_not_an_object(model, body):
+    """Every endpoint answers a JSON body that is no object with a 400 (the Ollama ones
+    raised an AttributeError, a 500)."""
+    with pytest.raises(APIError) as caught:
+        parse_raw(body.encode(), model)
+    assert caught.value.status == 400 and "object" in caught.value.message, caught.value.message
+
+
+@pytest.mark.parametrize("model, body, param", [
+    (openai.ChatCompletionRequest, {"stop": ""}, "stop"),
+    (openai.ChatCompletionRequest, {"stop": ["x", ""]}, "stop.1"),
+    (completions.CompletionRequest, {"stop": ""}, "stop"),
+    (anthropic.MessagesRequest, {"stop_sequences": [""]}, "stop_sequences.0"),
+    (ollama.ChatRequest, {"options": {"stop": [""]}}, "options.stop.0"),
+])
+def test_parse_refuses_an_empty_stop_string(model, body, param):
+    """An empty stop sequence was dropped (accepted and ignored): now a 400 naming it."""
+    base = {"model": "m", "messages": [{"role": "user", "content": "x"}]}
+    if model is completions.CompletionRequest:
+        base = {"model": "m", "prompt": "x"}
+    if model is anthropic.MessagesRequest:
+        base["max_tokens"] = 8
+    with pytest.raises(APIError) as caught:
+        parse_raw(json.dumps({**base, **body}).encode(), model)
+    assert caught.value.status == 400 and caught.value.param == param, caught.value.param
+    assert "empty" in caught.value.message

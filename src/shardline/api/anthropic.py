@@ -32,7 +32,7 @@ from shardline.api.generation import (
     tokenize,
 )
 from shardline.api.metrics import RequestMetrics
-from shardline.api.params import Endpoint
+from shardline.api.params import Endpoint, StopString
 from shardline.api.structured import json_grammar
 from shardline.api.tools import ToolCall, ToolChoice, ToolChoiceMode
 from shardline.node.node import Node
@@ -230,7 +230,7 @@ class MessagesRequest(CountTokensRequest):
     temperature: float = Field(default=1.0, ge=0.0, le=1.0)
     top_p: float = Field(default=1.0, ge=0.0, le=1.0)
     top_k: int = Field(default=0, ge=0)
-    stop_sequences: list[str] | None = None
+    stop_sequences: list[StopString] | None = None
     stream: bool = False
     metadata: Metadata | None = None
     service_tier: str | None = None

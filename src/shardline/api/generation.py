@@ -575,7 +575,8 @@ def parse_raw(raw: bytes, model: type[BaseModel]) -> Any:
             data = screen(endpoint, data)
         except ParamError as exc:
             raise APIError(400, exc.message, param=exc.param) from None
-        if endpoint in (Endpoint.OLLAMA_CHAT, Endpoint.OLLAMA_GENERATE) and isinstance(data.get("options"), dict):
+        if (endpoint in (Endpoint.OLLAMA_CHAT, Endpoint.OLLAMA_GENERATE) and isinstance(data, dict)
+                and isinstance(data.get("options"), dict)):
             try:
                 data["options"] = screen(Endpoint.OLLAMA_OPTIONS, data["options"])
             except ParamError as exc:
@@ -596,7 +597,7 @@ def parse_raw(raw: bytes, model: type[BaseModel]) -> Any:
         first = next((e for e in errors if not str(e.get("type", "")).endswith("_type")), errors[0])
         param = ".".join(str(p) for p in first.get("loc", ()) if not _union_tag(p)) or None
         message = str(first.get("msg")).removeprefix("Value error, ")
-        if first.get("type") == "too_short" and first.get("input") in ("", []):
+        if first.get("type") in ("too_short", "string_too_short") and first.get("input") in ("", []):
             message = "must not be empty"  # not "should have at least 1 item" for a string
         if param is None and ": " in message:  # a check of several fields names the one at fault
             param = message.split(": ", 1)[0]

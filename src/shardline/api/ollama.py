@@ -44,7 +44,7 @@ from shardline.api.keep_alive import KeepAlive, parse_keep_alive, unload
 from shardline.api.logprobs import ollama_logprobs
 from shardline.api.metrics import RequestMetrics
 from shardline.api.model_facts import ModelFacts, held_bytes, model_facts, placed
-from shardline.api.params import Endpoint
+from shardline.api.params import Endpoint, StopString
 from shardline.api.structured import json_grammar
 from shardline.api.tools import ToolCall, openai_tool_choice
 from shardline.models.store import ModelNotFoundError
@@ -76,7 +76,7 @@ class Options(BaseModel):
     # -1 (no limit) and -2 (Ollama's "fill the context") both run until the context is full
     num_predict: int = Field(default=-1, ge=-2)
     num_ctx: int | None = Field(default=None, ge=1)
-    stop: list[str] | None = None
+    stop: list[StopString] | None = None
     repeat_penalty: float = Field(default=1.0, gt=0.0)
     repeat_last_n: int = Field(default=64, ge=-1)  # -1: the whole context, 0: off (Ollama's)
     presence_penalty: float = 0.0

@@ -37,7 +37,7 @@ from shardline.api.logprobs import (
     chat_logprobs,
 )
 from shardline.api.metrics import RequestMetrics
-from shardline.api.params import Endpoint
+from shardline.api.params import Endpoint, StopString
 from shardline.api.structured import json_grammar
 from shardline.api.tools import ToolCall, ToolChoice, openai_tool_choice
 from shardline.node.node import Node
@@ -126,7 +126,7 @@ class SamplingFields(BaseModel):
     top_k: int = Field(default=0, ge=0)
     min_p: float = Field(default=0.0, ge=0.0, le=1.0)
     seed: int | None = Field(default=None, ge=-(2**63), le=2**63 - 1)  # int64, as OpenAI's
-    stop: str | Annotated[list[str], Field(max_length=4)] | None = None  # up to 4 sequences
+    stop: StopString | Annotated[list[StopString], Field(max_length=4)] | None = None  # up to 4
     n: int = Field(default=1, ge=1, le=MAX_CHOICES)
     frequency_penalty: float = Field(default=0.0, ge=-2.0, le=2.0)
     presence_penalty: float = Field(default=0.0, ge=-2.0, le=2.0)

@@ -18,7 +18,9 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass
 from enum import Enum
-from typing import Any
+from typing import Annotated, Any
+
+from pydantic import Field
 
 
 class Endpoint(str, Enum):
@@ -40,6 +42,11 @@ class ParamError(ValueError):
     def __init__(self, param: str, message: str) -> None:
         super().__init__(message)
         self.param, self.message = param, message
+
+
+StopString = Annotated[str, Field(min_length=1)]
+"""A stop sequence: an empty one would match before any text (each API's server refuses
+it or never stops on it; here it is a 400 naming it)."""
 
 
 @dataclass(frozen=True)
