@@ -251,3 +251,18 @@ def test_packed_rows_go_in_blocks_of_16():
         held.rows(8, 48)
     odd = unpack_blocks("Q5_0", random_quant_blocks("Q5_0", rows=BLOCK_ROWS + 8, blocks=2))
     assert isinstance(resident_weight(odd, torch.bfloat16), Int8Groups)
+
+
+def test_an_lm_heads_refined_logits_are_the_same_bits_whatever_runs_beside_them():
+    """The LM head recomputes each row's largest logits in float32; one ``bmm`` over the
+    rows took another path for one row than for several (SmolLM2's logits moved by up to
+    3e-5 between a batch of 1 and of 2, and a seeded sample with them)."""
+    from shardline.models.linear import Linear
+
+    head = Linear(576, 192, logits=True)
+    head.set_parts([planes_of(1, 192, 576, seed=5)])
+    x = torch.randn(9, 576, generator=torch.Generator().manual_seed(6)).to(torch.bfloat16)
+    alone = torch.cat([head(x[i : i + 1]) for i in range(9)])
+    for rows in (2, 3, 8, 9):
+        assert torch.equal(head(x[:rows]), alone[:rows]), rows
+    assert torch.equal(head(x[4:7])[0], alone[4])

@@ -335,7 +335,10 @@ class Linear(nn.Module):
 
     def _refined(self, y: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
         """float32 ``y`` ``[rows, out]`` with each row's :data:`REFINED_LOGITS` largest
-        entries recomputed as float32 products of ``x`` and the weight's rows."""
+        entries recomputed as float32 products of ``x`` and the weight's rows, one
+        matrix-vector product a row: the same call whatever the rows beside it, so a row's
+        logits are the same bits in any batch (one ``bmm`` over the rows took another
+        path for one row than for several: a seeded sample changed with its batch)."""
         if x.dtype == torch.float32 or not len(y) or self.out_features < REFINED_LOGITS or any(
                 isinstance(p, Int4Planes) and not p.rows_readable() for p in self.parts):
             return y
@@ -348,7 +351,9 @@ class Linear(nn.Module):
             if len(mine):
                 weight[mine] = part.embed(flat[mine] - start, torch.float32)
             start = end
-        exact = torch.bmm(weight.view(*ids.shape, -1), x.float().unsqueeze(-1)).squeeze(-1)
+        rows = weight.view(*ids.shape, -1)
+        xf = x.float()
+        exact = torch.stack([torch.mv(rows[r], xf[r]) for r in range(len(xf))])
         return y.scatter_(1, ids, exact)
 
 
