@@ -71,7 +71,8 @@ def test_fields_refused_name_the_parameter(extra, param, code):
     {"reasoning": None}, {"reasoning": {"effort": None}}, {"truncation": "disabled"}, {"service_tier": "auto"},
     {"include": ["message.output_text.logprobs"], "top_logprobs": 3}, {"store": False, "user": "u"},
     {"stream": True, "stream_options": {"include_obfuscation": False}}, {"metadata": {"k": "v"}},
-    {"text": {"format": {"type": "json_schema", "name": "x", "schema": {"type": "object"}, "strict": True}}},
+    {"text": {"format": {"type": "json_schema", "name": "x", "strict": True,
+                         "schema": {"type": "object", "properties": {}, "additionalProperties": False}}}},
 ])
 def test_fields_accepted(extra):
     assert check_fields(dict(BASE, **extra)).model == "m"
@@ -150,7 +151,8 @@ def test_function_tools_map_to_chat_template_tools():
     tools, mode, name = parse_tools(
         [{"type": "function", "name": "f", "description": "d", "parameters": {"type": "object"}, "strict": True},
          {"type": "function", "name": "g", "parameters": None, "strict": None}], {"type": "function", "name": "g"})
-    assert tools == [{"type": "function", "function": {"name": "f", "description": "d", "parameters": {"type": "object"}}},
+    assert tools == [{"type": "function", "function": {"name": "f", "description": "d", "parameters": {"type": "object"},
+                                                       "strict": True}},
                      {"type": "function", "function": {"name": "g", "description": "",
                                                        "parameters": {"type": "object", "properties": {}}}}]
     assert (mode, name) == ("named", "g")

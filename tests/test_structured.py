@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 import torch
 
-from shardline.api.structured import json_grammar, lark_grammar
+from shardline.api.structured import json_grammar, lark_grammar, matches_schema, strict_schema_problem
 from shardline.runner.constraint import allowed_bits, mask_logits
 
 pytestmark = pytest.mark.fast
@@ -74,3 +74,51 @@ def test_mask_logits_gives_minus_inf_and_leaves_allowed_bits_exact():
     keep = torch.from_numpy(bits.astype(bool))
     assert torch.equal(logits[keep], before[keep])
     assert bool(torch.isneginf(logits[~keep]).all())
+
+
+CITY = {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"],
+        "additionalProperties": False}
+
+
+@pytest.mark.timeout(10)
+@pytest.mark.parametrize("schema, problem", [
+    (CITY, None),
+    ({"type": "string"}, None),
+    ({**CITY, "additionalProperties": True}, "additionalProperties must be false"),
+    ({k: v for k, v in CITY.items() if k != "additionalProperties"}, "additionalProperties must be false"),
+    ({**CITY, "required": []}, "required must list every property: city missing"),
+    ({**CITY, "properties": {"where": {**CITY, "required": []}}, "required": ["where"]},
+     "at properties.where: city missing"),
+    ({"type": "array", "items": {"type": "object", "properties": {}}}, "additionalProperties must be false at items"),
+    ({"anyOf": [CITY, {"type": "object"}]}, "at anyOf.1"),
+    ({**CITY, "$defs": {"p": {"type": "object"}}}, "at $defs.p"),
+])
+def test_strict_schema_problem_is_openais_strict_subset(schema, problem):
+    got = strict_schema_problem(schema)
+    assert got == problem if problem is None else problem in got
+
+
+@pytest.mark.timeout(10)
+def test_matches_schema():
+    assert matches_schema({"city": "Paris"}, CITY)
+    assert not matches_schema({"city": "Paris", "temperature": 25}, CITY)
+    assert not matches_schema({"city": 3}, CITY) and not matches_schema({}, CITY)
+
+
+@pytest.mark.timeout(10)
+def test_a_strict_response_format_outside_the_subset_is_a_400_naming_the_schema():
+    from shardline.api.generation import APIError
+    from shardline.api.openai import ResponseFormat
+
+    loose = {"type": "object", "properties": {"city": {"type": "string"}}}
+    fmt = ResponseFormat.model_validate(
+        {"type": "json_schema", "json_schema": {"name": "w", "schema": loose, "strict": True}})
+    with pytest.raises(APIError) as caught:
+        fmt.grammar()
+    assert caught.value.status == 400 and caught.value.param == "response_format.json_schema.schema"
+    not_strict = ResponseFormat.model_validate(
+        {"type": "json_schema", "json_schema": {"name": "w", "schema": loose}})
+    assert not_strict.grammar()  # enforced as given
+    strict = ResponseFormat.model_validate(
+        {"type": "json_schema", "json_schema": {"name": "w", "schema": CITY, "strict": True}})
+    assert strict.grammar()

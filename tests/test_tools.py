@@ -19,6 +19,7 @@ from shardline.api.tools import (
     ToolFormat,
     check_history,
     check_tools,
+    strict_schemas,
     tool_call_grammar,
     tool_format,
 )
@@ -284,3 +285,36 @@ def test_no_grammar_without_a_forced_call_and_a_clear_error_for_a_bad_schema():
     with pytest.raises(ValueError, match="the parameters schema of function 'bad' cannot be enforced"):
         tool_call_grammar(H, [weather(), bad], REQUIRED)
     assert tool_call_grammar(H, [weather(), bad], ToolChoice(ToolChoiceMode.NAMED, "get_weather"))
+
+
+def strict_weather(**extra) -> dict:
+    tool = weather(parameters={"type": "object", "properties": {"city": {"type": "string"}},
+                               "required": ["city"], "additionalProperties": False})
+    tool["function"].update(strict=True, **extra)
+    return tool
+
+
+def test_a_strict_tool_needs_openais_strict_subset():
+    check_tools([strict_weather()], AUTO)
+    loose = weather()
+    loose["function"]["strict"] = True  # "days" not required, no additionalProperties
+    with pytest.raises(ValueError) as info:
+        check_tools([loose], AUTO)
+    assert "tools[0].function.parameters: a strict schema's" in str(info.value)
+    with pytest.raises(ValueError, match="tools.0..function.strict must be a boolean"):
+        check_tools([weather() | {"function": {**weather()["function"], "strict": "yes"}}], AUTO)
+
+
+def test_a_strict_tools_call_with_arguments_outside_its_schema_is_content():
+    """Nothing forces a call under tool_choice auto; a strict tool's call is given out as a
+    call only when its arguments match its schema (OpenAI's promise for strict tools)."""
+    strict = strict_schemas([strict_weather()])
+    assert set(strict) == {"get_weather"}
+    good = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>'
+    extra = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris", "t": 25}}\n</tool_call>'
+    for text, is_call in ((good, True), (extra, False)):
+        parser = ToolCallParser(H, {"get_weather"}, strict)
+        out = parser.feed(text) + parser.finish()
+        assert [isinstance(x, ToolCall) for x in out] == [is_call], out
+    loose = ToolCallParser(H, {"get_weather"})
+    assert isinstance((loose.feed(extra) + loose.finish())[0], ToolCall)

@@ -31,6 +31,7 @@ from shardline.api.tools import (
     ToolFormat,
     check_history,
     check_tools,
+    strict_schemas,
     tool_call_grammar,
     tool_format,
     tool_names,
@@ -213,7 +214,8 @@ class Generation:
             self.task_id)
         ended = "cancelled"  # unless it finishes, or fails
         held = HeldLogprobs()
-        parser = ToolCallParser(self.tool_format, tool_names(self.req.tools)) if self.req.offers_tools else None
+        parser = (ToolCallParser(self.tool_format, tool_names(self.req.tools), strict_schemas(self.req.tools))
+                  if self.req.offers_tools else None)
         try:
             async for event in events:
                 if isinstance(event, PrefillProgress):

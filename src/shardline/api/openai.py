@@ -38,7 +38,7 @@ from shardline.api.logprobs import (
 )
 from shardline.api.metrics import RequestMetrics
 from shardline.api.params import Endpoint, StopString
-from shardline.api.structured import json_grammar
+from shardline.api.structured import ANY_OBJECT, json_grammar, strict_schema_problem
 from shardline.api.tools import ToolCall, ToolChoice, openai_tool_choice
 from shardline.node.node import Node
 from shardline.node.queue_bound import QueueFullError
@@ -204,6 +204,11 @@ class ResponseFormat(BaseModel):
         if self.type == "text":
             return None
         schema = self.json_schema.schema_ if self.json_schema is not None else None
+        problem = (strict_schema_problem(schema or ANY_OBJECT)
+                   if self.json_schema is not None and self.json_schema.strict else None)
+        if problem:
+            raise APIError(400, f"response_format.json_schema.schema: a strict schema's {problem}",
+                           param="response_format.json_schema.schema")
         try:
             return json_grammar(schema or ({"type": "object"} if self.json_schema is not None else None))
         except ValueError as exc:

@@ -20,7 +20,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from shardline.api.generation import APIError, GenerationRequest
 from shardline.api.params import PARAMETERS, Endpoint
-from shardline.api.structured import json_grammar
+from shardline.api.structured import json_grammar, strict_schema_problem
 from shardline.api.tools import ToolChoice, ToolChoiceMode, check_history, check_tools
 from shardline.runner.protocol import SamplingParams
 
@@ -297,6 +297,8 @@ def parse_tools(tools: list[dict] | None, choice: str | dict | None) -> tuple[li
             raise bad(f"{at}: strict must be a boolean and description a string", at)
         function = {"name": name, "description": tool.get("description") or "",
                     "parameters": params if params is not None else {"type": "object", "properties": {}}}
+        if tool.get("strict"):  # checked and held to as in Chat Completions (api.tools)
+            function["strict"] = True
         out.append({"type": "function", "function": function})
     if choice is None or choice in ("none", "auto", "required"):
         return out, str(choice or "auto"), None
@@ -338,6 +340,9 @@ def text_format(text: dict | None) -> tuple[str, dict | None]:
         raise bad("text.format.schema: a JSON schema object is required", "text.format.schema")
     if fmt.get("strict") not in (None, True, False):
         raise bad("text.format.strict: a boolean", "text.format.strict")
+    problem = strict_schema_problem(fmt["schema"]) if fmt.get("strict") else None
+    if problem:
+        raise bad(f"text.format.schema: a strict schema's {problem}", "text.format.schema")
     return kind, fmt["schema"]
 
 

@@ -71,3 +71,42 @@ def _check(grammar: str, what: str) -> None:
     is_error, messages = llguidance.LLMatcher.validate_grammar_with_warnings(grammar)
     if is_error:
         raise ValueError(f"invalid {what}: {' '.join(m.strip() for m in messages)}")
+
+
+def strict_schema_problem(schema: Any, at: str = "") -> str | None:
+    """What keeps ``schema`` out of OpenAI's strict subset of JSON Schema (Structured
+    Outputs' "supported schemas": every object lists each of its ``properties`` in
+    ``required`` and sets ``additionalProperties`` to false), or None when it is in it.
+    ``strict: true`` promises output that matches the schema exactly; OpenAI refuses a
+    strict schema outside the subset, and so does shardline. Checked through
+    ``properties``, ``items``, ``anyOf``, ``$defs`` and ``definitions``; ``at`` is the
+    path of ``schema`` in the message (``properties.city``)."""
+    if not isinstance(schema, dict):
+        return None
+    where = f" at {at}" if at else ""
+    if schema.get("type") == "object" or "properties" in schema:
+        if schema.get("additionalProperties") is not False:
+            return f"additionalProperties must be false{where}"
+        missing = [k for k in schema.get("properties") or {} if k not in (schema.get("required") or [])]
+        if missing:
+            return f"required must list every property{where}: {', '.join(missing)} missing"
+    children = [(f"properties.{k}", v) for k, v in (schema.get("properties") or {}).items()]
+    children += [(f"{key}.{k}", v) for key in ("$defs", "definitions")
+                 for k, v in (schema.get(key) or {}).items()]
+    children += [(f"anyOf.{i}", v) for i, v in enumerate(schema.get("anyOf") or [])]
+    if isinstance(schema.get("items"), dict):
+        children.append(("items", schema["items"]))
+    for path, child in children:
+        problem = strict_schema_problem(child, f"{at}.{path}" if at else path)
+        if problem:
+            return problem
+    return None
+
+
+def matches_schema(value: Any, schema: dict) -> bool:
+    """Whether the JSON ``value`` is valid under ``schema`` (JSON Schema, the draft its
+    ``$schema`` names, else 2020-12; the ``jsonschema`` library)."""
+    import jsonschema
+
+    validator = jsonschema.validators.validator_for(schema, default=jsonschema.Draft202012Validator)
+    return validator(schema).is_valid(value)

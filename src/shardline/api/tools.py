@@ -21,10 +21,12 @@ from __future__ import annotations
 import json
 import re
 import secrets
+from collections.abc import Mapping
 from dataclasses import dataclass
 from enum import Enum
 from typing import Any
 
+from shardline.api.structured import matches_schema, strict_schema_problem
 from shardline.models.tool_prompt import call_arguments
 
 TOOL_CALL_OPEN = "<tool_call>"
@@ -154,6 +156,11 @@ def check_tools(tools: list[dict[str, Any]], choice: ToolChoice) -> None:
         if parameters is not None and (not isinstance(parameters, dict)
                                        or parameters.get("type", "object") != "object"):
             raise ValueError(f"{where}.function.parameters must be a JSON schema of type 'object'")
+        if function.get("strict") not in (None, True, False):
+            raise ValueError(f"{where}.function.strict must be a boolean")
+        problem = strict_schema_problem(parameters) if function.get("strict") else None
+        if problem:
+            raise ValueError(f"{where}.function.parameters: a strict schema's {problem}")
     if choice.mode in (ToolChoiceMode.REQUIRED, ToolChoiceMode.NAMED) and not tools:
         raise ValueError("tool_choice asks for a tool call, which needs at least one tool in tools")
     if choice.mode is ToolChoiceMode.NAMED and choice.name not in seen:
@@ -194,14 +201,28 @@ def check_history(messages: list[dict[str, Any]]) -> None:
                                  "assistant tool call")
 
 
-def _call_from(value: Any, names: set[str]) -> ToolCall | None:
+def strict_schemas(tools: list[dict[str, Any]] | None) -> dict[str, dict[str, Any]]:
+    """The ``parameters`` schema of each of ``tools`` (checked ones) marked ``strict``, by
+    name: the calls whose arguments must match it."""
+    return {t["function"]["name"]: t["function"].get("parameters") or {"type": "object"}
+            for t in tools or () if t["function"].get("strict")}
+
+
+def _call_from(value: Any, names: set[str],
+               strict: Mapping[str, dict[str, Any]]) -> ToolCall | None:
     """A call from a parsed JSON value ``{"name", "arguments" | "parameters"}`` naming one
-    of ``names``; None when it is not one."""
+    of ``names`` (its arguments valid under its schema where ``strict`` holds one); None
+    when it is not one."""
     if not isinstance(value, dict) or value.get("name") not in names:
         return None
     arguments = value.get("arguments", value.get("parameters", {}))
     parsed = call_arguments(arguments)
-    return None if parsed is None else ToolCall.new(value["name"], parsed)
+    if parsed is None:
+        return None
+    schema = strict.get(value["name"])
+    if schema is not None and not matches_schema(parsed, schema):
+        return None
+    return ToolCall.new(value["name"], parsed)
 
 
 def _partial_suffix(text: str, marker: str) -> int:
@@ -229,9 +250,11 @@ class ToolCallParser:
     ``;``) is ``{"name", "parameters" | "arguments"}``; otherwise it is all content.
     """
 
-    def __init__(self, fmt: ToolFormat, tool_names: set[str]) -> None:
+    def __init__(self, fmt: ToolFormat, tool_names: set[str],
+                 strict: Mapping[str, dict[str, Any]] | None = None) -> None:
         self._fmt = fmt
         self._names = set(tool_names)
+        self._strict = dict(strict or {})
         self._buffer = ""  # text not yet given out
         self._in_call = False  # HERMES: inside a <tool_call> block
         self._made_call = False
@@ -311,7 +334,7 @@ class ToolCallParser:
             value = json.loads(body)
         except ValueError:
             return None
-        return _call_from(value, self._names)
+        return _call_from(value, self._names, self._strict)
 
     def _llama(self, final: bool) -> list[str | ToolCall]:
         if self._mode == "start":
