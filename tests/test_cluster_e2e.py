@@ -101,6 +101,15 @@ def test_streaming_chunks_follow_openai_format(cluster3):
     text = "".join(c["choices"][0]["delta"].get("content", "") for c in chunks if c["choices"])
     plain = chat(cluster3.url(0), "Count from 1 to 20.", max_tokens=10).json()
     assert text == plain["choices"][0]["message"]["content"]
+    # OpenAI's obfuscation, on by default: a text chunk's padding evens its size to 16s
+    texts = [c for c in chunks if c["choices"] and c["choices"][0]["delta"].get("content")]
+    assert texts and all((len(c["choices"][0]["delta"]["content"]) + len(c["obfuscation"])) % 16 == 0
+                         for c in texts)
+    body["stream_options"] = {"include_obfuscation": False}
+    with httpx.stream("POST", f"{cluster3.url(1)}/v1/chat/completions", json=body, timeout=120) as r:
+        plain_chunks = [json.loads(line[6:]) for line in r.iter_lines()
+                        if line.startswith("data: {")]
+    assert plain_chunks and not any("obfuscation" in c for c in plain_chunks)
 
 
 def test_long_prompt_streams_prefill_progress_when_asked(cluster3):

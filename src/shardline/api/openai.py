@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import json
+import secrets
 import time
 import uuid
 from collections.abc import AsyncIterator
@@ -108,7 +109,16 @@ class ChatMessage(BaseModel):
 class StreamOptions(BaseModel):
     model_config = ConfigDict(extra="forbid")
     include_usage: bool = False
-    include_obfuscation: bool = False  # no obfuscation field is sent either way
+    include_obfuscation: bool = True  # OpenAI's default: chunks with text carry padding
+
+
+def obfuscation(delta: str) -> str:
+    """OpenAI's stream obfuscation: random URL-safe characters that bring a streamed
+    delta's size to a multiple of 16 characters (1-16 of them), so that an observer of
+    the encrypted stream cannot read the tokens' lengths off the records' sizes (the
+    ``obfuscation`` field of a chunk or event, on by default; ``include_obfuscation``
+    false leaves it out)."""
+    return secrets.token_urlsafe(12)[: 16 - len(delta) % 16]
 
 
 class SamplingFields(BaseModel):
@@ -393,9 +403,9 @@ async def serve(node: Node, metrics: RequestMetrics | None, request: Request,
         return error_response(exc)
     shape = shape_type(req, gens, f"{id_prefix}-{uuid.uuid4().hex}", int(time.time()))
     if req.stream:
-        include_usage = bool(req.stream_options and req.stream_options.include_usage)
+        options = req.stream_options or StreamOptions()
         return StreamingResponse(
-            _stream(gens, shape, req.return_progress, include_usage),
+            _stream(gens, shape, req.return_progress, options),
             media_type="text/event-stream",
             headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
         )
@@ -419,7 +429,7 @@ def _sse(data: Any) -> str:
 
 
 async def _stream(gens: list[Generation], shape: ChatShape, return_progress: bool,
-                  include_usage: bool) -> AsyncIterator[str]:
+                  options: StreamOptions) -> AsyncIterator[str]:
     for index in range(len(gens)):
         first = shape.first(index)
         if first is not None:
@@ -435,6 +445,8 @@ async def _stream(gens: list[Generation], shape: ChatShape, return_progress: boo
                 continue
             piece = shape.piece(index, item)
             if piece is not None:
+                if options.include_obfuscation:
+                    piece["obfuscation"] = obfuscation(item.text)
                 yield _sse(piece)
             if item.finish is not None:
                 yield _sse(shape.finish(index, item.finish))
@@ -444,6 +456,6 @@ async def _stream(gens: list[Generation], shape: ChatShape, return_progress: boo
     except InstanceFailedError as exc:
         yield _sse(error_body(str(exc), "server_error", code="instance_failed"))
         return
-    if include_usage:
+    if options.include_usage:
         yield _sse(shape.usage())
     yield "data: [DONE]\n\n"

@@ -115,7 +115,8 @@ _OPENAI_SAMPLING: tuple[tuple, ...] = (
     ("model", True, "the model's id (GET /v1/models)", "test_cluster_e2e.py::test_unknown_model_error_code"),
     ("stream", True, "server-sent events ending with data: [DONE]",
      "test_cluster_e2e.py::test_streaming_chunks_follow_openai_format"),
-    ("stream_options", True, "include_usage: a last chunk with the usage (with stream only)",
+    ("stream_options", True, "include_usage: a last chunk with the usage; include_obfuscation (default "
+     "true): text chunks padded to 16s (with stream only)",
      "test_cluster_e2e.py::test_streaming_chunks_follow_openai_format"),
     ("temperature", True, "0-2 (0: greedy); null: 1", "test_null_is_the_default"),
     ("top_p", True, "0-1 (0: greedy); null: 1", "test_top_p_zero_is_greedy"),

@@ -15,13 +15,13 @@ streaming events: ``response.created``, ``response.in_progress``,
 from __future__ import annotations
 
 import copy
-import secrets
 import time
 import uuid
 from dataclasses import dataclass
 from typing import Any
 
 from shardline.api.logprobs import logprob_entry
+from shardline.api.openai import obfuscation
 from shardline.api.responses_request import LOGPROBS_INCLUDE, ResponsesRequest
 
 
@@ -109,7 +109,7 @@ class OutputBuilder:
     def _pad(self, event: dict, delta: str) -> dict:
         """OpenAI's stream obfuscation: random characters that even out delta sizes."""
         if self.obfuscate:
-            event["obfuscation"] = secrets.token_urlsafe(12)[: 16 - len(delta) % 16]
+            event["obfuscation"] = obfuscation(delta)
         return event
 
     def start(self) -> list[dict]:
