@@ -169,3 +169,17 @@ def test_a_raw_text_prompt_keeps_its_special_tokens(tokenizer, request_model, bo
     ids = prepared(tokenizer, request_model.model_validate(body))
     assert ids == tokenizer.encode(INJECTION)
     assert special_ids(tokenizer, ids) == [2, 1, 2, 1]  # the prompt is its writer's own template
+
+
+def test_names_the_template_does_not_render_are_found(tokenizer, monkeypatch):
+    """SmolLM2's template renders no participant names: each given one is listed (the API
+    refuses it rather than accept it and do nothing); a template that renders them lists
+    none."""
+    chat = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi", "name": "bob"},
+            {"role": "assistant", "content": "Hello"}, {"role": "user", "content": "Bye"}]
+    assert tokenizer.unrendered_names(chat) == [1]
+    assert tokenizer.unrendered_names([{"role": "user", "content": "Hi"}]) == []
+    monkeypatch.setattr(tokenizer._tok, "chat_template",
+                        "{% for m in messages %}{{ m.role }}{% if m.name %} ({{ m.name }}){% endif %}: "
+                        "{{ m.content }}\n{% endfor %}assistant:")
+    assert tokenizer.unrendered_names(chat) == []

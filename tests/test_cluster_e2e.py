@@ -154,6 +154,9 @@ def test_stop_string_ends_the_text(cluster3):
                      "max_tokens": 0}).encode(), 400, "max_tokens"),
         (json.dumps({"model": "no-such/model", "messages": [{"role": "user", "content": "hi"}]}).encode(),
          404, "model"),
+        # SmolLM2's template renders no names: accepted, it would do nothing
+        (json.dumps({"model": DEFAULT_MODEL_ID, "messages": [{"role": "user", "content": "hi", "name": "bob"}]
+                     }).encode(), 400, "messages.0.name"),
     ],
 )
 def test_bad_requests_get_openai_errors_and_server_keeps_serving(cluster3, raw, status, param):

@@ -80,6 +80,10 @@ def test_tags_list_the_served_model_and_names_take_ollamas_tag(cluster3):
     ("/api/chat", {"model": DEFAULT_MODEL_ID, "messages": [{"role": "user", "content": "hi"}],
                    "options": {"top_p": 5}}, 400),
     ("/api/no-such-endpoint", {}, 404),
+    # a tool result naming no call made before it
+    ("/api/chat", {"model": DEFAULT_MODEL_ID, "stream": False, "messages": [
+        {"role": "user", "content": "hi"}, {"role": "tool", "content": "1", "tool_name": "f"}]}, 400),
+    ("/api/chat", [], 400),  # a body that is no object (was a 500)
 ])
 def test_bad_requests_get_ollama_errors(cluster3, path, body, status):
     response = httpx.post(f"{cluster3.url(2)}{path}", json=body, timeout=60)

@@ -131,6 +131,8 @@ def test_check_history_accepts(messages):
      "messages[1].tool_call_id 'c9' matches no earlier assistant tool call"),
     ([USER, {"role": "tool", "content": "x", "tool_call_id": "c1"},
       {"role": "assistant", "tool_calls": [call("c1", "f", {})]}], "messages[1].tool_call_id 'c1' matches no"),
+    ([USER, {"role": "assistant", "tool_calls": [call(None, "f", {})]}, {"role": "tool", "content": "x", "name": "g"}],
+     "messages[2]: the tool result's name 'g' names no earlier assistant tool call"),
 ])
 def test_check_history_names_the_first_malformed_entry(messages, message):
     with pytest.raises(ValueError) as info:

@@ -92,6 +92,7 @@ class GenerationRequest:
     tools: list[dict[str, Any]] = field(default_factory=list)  # OpenAI function tools (api.tools)
     tool_choice: ToolChoice = field(default_factory=lambda: ToolChoice(ToolChoiceMode.AUTO))
     max_tool_calls: int | None = None  # 1: parallel_tool_calls false (later calls dropped)
+    name_param: str | None = None  # the API's name of a message's "name" when its client sets it
 
     @property
     def offers_tools(self) -> bool:
@@ -356,6 +357,27 @@ def _forced_call(req: GenerationRequest, tokenizer: Tokenizer) -> SamplingParams
     return dataclasses.replace(req.sampling, grammar=grammar)
 
 
+async def _check_names_rendered(req: GenerationRequest, tokenizer: Tokenizer,
+                                messages: list[dict[str, Any]]) -> None:
+    """Refuse a message ``name`` (of ``messages``, ``req``'s chat) the model's chat
+    template does not render.
+
+    Raises:
+        APIError: 400 naming the first such message's name (or the template's error).
+    """
+    unrendered = functools.partial(tokenizer.unrendered_names, messages,
+                                   tools=req.tools if req.offers_tools else None,
+                                   continue_final_message=req.continue_final_message)
+    try:
+        unused = await asyncio.to_thread(unrendered)
+    except ChatTemplateError as exc:
+        raise APIError(400, str(exc), param=req.prompt_param) from exc
+    if unused:
+        where = f"{req.prompt_param}.{unused[0]}.{req.name_param}"
+        raise APIError(400, f"{where}: this model's chat template does not render names, so it would "
+                            "have no effect; leave it out", param=where)
+
+
 async def tokenize(node: Node, req: GenerationRequest) -> tuple[Instance, Tokenizer, list[int]]:
     """The ready instance, the tokenizer and the prompt's token ids of ``req``.
 
@@ -401,6 +423,8 @@ async def tokenize(node: Node, req: GenerationRequest) -> tuple[Instance, Tokeni
             check_history(req.prompt)  # type: ignore[arg-type]
         except ValueError as exc:
             raise APIError(400, str(exc), param=req.prompt_param) from exc
+        if req.name_param is not None:
+            await _check_names_rendered(req, tokenizer, req.prompt)  # type: ignore[arg-type]
         encode = functools.partial(tokenizer.encode_chat, req.prompt, tools=req.tools if req.offers_tools else None,
                                    continue_final_message=req.continue_final_message)
         try:

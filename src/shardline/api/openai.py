@@ -94,7 +94,7 @@ class ChatMessage(BaseModel):
             out["tool_calls"] = self.tool_calls
         if self.tool_call_id is not None:
             out["tool_call_id"] = self.tool_call_id
-        if self.name is not None and self.role == "tool":
+        if self.name is not None:
             out["name"] = self.name
         return out
 
@@ -262,7 +262,7 @@ class ChatCompletionRequest(SamplingFields):
         return dataclasses.replace(
             self.generation([m.chat() for m in self.messages], limit, param, "messages"),
             tools=list(self.tools or []), tool_choice=self.choice(),
-            max_tool_calls=None if self.parallel_tool_calls else 1)
+            max_tool_calls=None if self.parallel_tool_calls else 1, name_param="name")
 
     def choice(self) -> ToolChoice:
         try:

@@ -160,7 +160,9 @@ _OLLAMA_COMMON: tuple[tuple, ...] = (
 
 PARAMETERS: tuple[Param, ...] = (
     *_rows(Endpoint.CHAT, _E2E, *_OPENAI_SAMPLING,
-          ("messages", True, "system/developer/user/assistant/tool; text parts only", "test_http_conventions.py::test_refusals_that_need_no_model"),
+          ("messages", True, "system/developer/user/assistant/tool; text parts only; a name only where "
+           "the chat template renders it (a tool result's must name an earlier call)",
+           "test_http_conventions.py::test_refusals_that_need_no_model"),
           ("max_completion_tokens", True, "most completion tokens", "test_cluster_e2e.py::test_completion_longer_than_the_context_is_refused"),
           ("max_tokens", True, "most completion tokens (older name)", "test_cluster_e2e.py::test_completion_longer_than_the_context_is_refused"),
           ("logprobs", True, "each token's log-probability", "test_logprobs_match_the_greedy_choice"),
@@ -275,7 +277,8 @@ PARAMETERS: tuple[Param, ...] = (
           ("mcp_servers", False, "no MCP connector", _REFUSED),
           ),
     *_rows(Endpoint.OLLAMA_CHAT, _E2E, *_OLLAMA_COMMON,
-           ("messages", True, "system/user/assistant/tool; none: load the model", "test_ollama_e2e.py::test_chat_answers_as_the_openai_api_does"),
+           ("messages", True, "system/user/assistant/tool (tool_name: an earlier call's); none: load the model",
+            "test_ollama_e2e.py::test_chat_answers_as_the_openai_api_does"),
            ("tools", True, "function tools; calls in message.tool_calls", "test_tools_e2e.py::test_ollama_tool_round_trip"),
            ("tool_choice", True, "extension (OpenAI's values): none, auto, required, a named function",
             "test_tools_e2e.py::test_ollama_tool_round_trip"),

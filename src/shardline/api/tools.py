@@ -175,9 +175,11 @@ def check_history(messages: list[dict[str, Any]]) -> None:
             ``tool_calls`` that is not a list, an entry without a function name, one whose
             ``arguments`` are not a JSON object (a dict, or text that parses as one); a
             ``tool`` message whose ``tool_call_id`` is given but matches no earlier call's
-            ``id``.
+            ``id``, or whose ``name`` (OpenAI's ``name``, Ollama's ``tool_name``) names no
+            earlier call's function.
     """
     call_ids: set[str] = set()
+    call_names: set[str] = set()
     for i, message in enumerate(messages):
         role = message.get("role")
         calls = message.get("tool_calls")
@@ -195,10 +197,14 @@ def check_history(messages: list[dict[str, Any]]) -> None:
                                      f"{str(function.get('arguments'))[:200]!r}")
                 if isinstance(call.get("id"), str):
                     call_ids.add(call["id"])
-        elif role == "tool" and message.get("tool_call_id") is not None:
-            if message["tool_call_id"] not in call_ids:
+                call_names.add(function["name"])
+        elif role == "tool":
+            if message.get("tool_call_id") is not None and message["tool_call_id"] not in call_ids:
                 raise ValueError(f"messages[{i}].tool_call_id {message['tool_call_id']!r} matches no earlier "
                                  "assistant tool call")
+            if message.get("name") is not None and message["name"] not in call_names:
+                raise ValueError(f"messages[{i}]: the tool result's name {message['name']!r} names no "
+                                 "earlier assistant tool call")
 
 
 def strict_schemas(tools: list[dict[str, Any]] | None) -> dict[str, dict[str, Any]]:

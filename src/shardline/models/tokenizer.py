@@ -141,6 +141,29 @@ class Tokenizer:
         except Exception as exc:  # jinja2's TemplateError and template-raised exceptions
             raise ChatTemplateError(f"chat template failed: {exc}") from exc
 
+    def unrendered_names(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None,
+                         continue_final_message: bool = False) -> list[int]:
+        """Indices of the messages other than tool results whose ``name`` (a participant's)
+        the chat template leaves out: the prompt :meth:`render_chat` gives is the same
+        without it (most templates render no participant names; a request's name would be
+        accepted and do nothing). A tool result's name ties it to its call
+        (:func:`~shardline.api.tools.check_history` checks it) and is not listed.
+
+        Raises:
+            ChatTemplateError: as :meth:`render_chat`.
+        """
+        named = [i for i, m in enumerate(messages) if m.get("name") is not None and m.get("role") != "tool"]
+        if not named:
+            return []
+        full = self.render_chat(messages, tools, continue_final_message)
+        unrendered = []
+        for i in named:
+            without = [{k: v for k, v in m.items() if k != "name"} if j == i else m
+                       for j, m in enumerate(messages)]
+            if self.render_chat(without, tools, continue_final_message) == full:
+                unrendered.append(i)
+        return unrendered
+
     def encode_chat(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None,
                     continue_final_message: bool = False) -> list[int]:
         """Token ids of :meth:`render_chat`'s prompt (same arguments), where only the
