@@ -165,3 +165,7 @@ def test_a_local_path_given_to_any_node_is_placed_and_each_rank_copies_only_its_
     removed = shardline("models", "remove", "tiny-split", "--data-dir", data_dir, "--url", cluster.url(0))
     assert removed.returncode == 0, removed.stderr
     assert "tiny-split" not in store_of(cluster, asked).model_ids()
+    # the others hold only their shards' files: placing it again is refused at once
+    again = httpx.post(f"{cluster.url(0)}/cluster/instances", timeout=60,
+                       json={"model": "tiny-split", "sharding": "pipeline", "force": True})
+    assert again.status_code == 404 and "holds all of model 'tiny-split'" in again.text, again.text

@@ -443,7 +443,10 @@ class Coordinator:
             _Deleted: ``replaces`` left the table while this placement awaited (a user
                 deleted it, e.g. ``shardline bench`` clearing its nodes' kept table);
                 publishing would add an instance nobody asked for beside theirs.
+            ModelNotFoundError: no live node holds the model whole
+                (:meth:`~shardline.node.logistics.Logistics.check_whole`).
         """
+        await self.node.logistics.check_whole(card.model_id)
         config, chosen, context, max_batch = self._placement_inputs(card, node_ids, context, max_batch)
         asked = (None if kv_cache_bytes is None
                  else kv_tokens_for_bytes(config, kv_cache_bytes, dtype, context))

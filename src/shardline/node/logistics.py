@@ -232,6 +232,32 @@ class ModelLogistics:
                 pass
         return model
 
+    async def check_whole(self, model_id: str) -> None:
+        """Check that a live node holds every file of ``model_id`` (the embedded default:
+        every node), so that each rank can get its shard: a node that copied only a
+        model's tokenizer lists it as well, and a placement from that alone would fail in
+        the background on every try.
+
+        Raises:
+            ModelNotFoundError: no live node holds it whole (naming the nodes with part).
+        """
+        if model_id == DEFAULT_MODEL_ID:
+            return
+        mine = self.node.store.summary().get(model_id, {})
+        if mine.get("complete"):
+            return
+        await self.refresh_peers()  # their summaries are up to a second old: an add, a remove
+        live = set(self.node.live_node_ids())
+        holders = {p.node_id: p.models.get(model_id, {}) for p in self.node.peers.values()
+                   if p.node_id in live and model_id in p.models}
+        if any(h.get("complete") for h in holders.values()):
+            return
+        partial = sorted(([self.node.node_id] if mine else []) + list(holders))
+        raise ModelNotFoundError(
+            f"no live node holds all of model {model_id!r}'s files"
+            + (f" (part of it is on {', '.join(partial)})" if partial else "")
+            + ": add it again with `shardline models add` on a node")
+
     def held(self, model_id: str) -> bool:
         """Whether ``model_id`` is the embedded default, in this node's store, or in a live
         peer's (as the peer last reported its store)."""

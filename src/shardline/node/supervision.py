@@ -12,10 +12,12 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from shardline.models.config import Sharding
+from shardline.models.store import ModelNotFoundError
 from shardline.node.peer_client import PeerError
 from shardline.node.state import plan_runners, stale_ranks
 from shardline.node.status import InstanceStatus, RankStatus
 from shardline.node.table import Instance, RankPlacement
+from shardline.node.transfer import TransferError
 from shardline.node.wire import RankReport
 from shardline.placement.ranks import (
     ring_prefill_chunk,
@@ -81,7 +83,10 @@ class Supervisor:
         except asyncio.CancelledError:
             raise
         except Exception as exc:  # any failure must fail the rank, not leave it loading
-            log.exception("getting the files of %s failed", inst.model_id)
+            if isinstance(exc, (ModelNotFoundError, TransferError, PeerError)):
+                log.error("getting the files of %s failed: %s", inst.model_id, exc)  # told, not a bug
+            else:
+                log.exception("getting the files of %s failed", inst.model_id)
             self.node._preparing.pop(inst.instance_id, None)
             await self._report_runner(inst.instance_id, RankStatus.FAILED,
                                       f"could not get the files of {inst.model_id}: {exc}", None)
