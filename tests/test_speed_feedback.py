@@ -309,3 +309,18 @@ def test_record_keeps_each_prefill_samples_prompt_length():
     assert speed.prefill_lengths == (300, 2600, 1000) and speed.prompt_tokens == 1000
     assert ServedSpeed.from_dict(speed.to_dict()) == speed
     assert ServedSpeed(KEY).prompt_tokens is None
+
+
+def test_one_node_of_a_machine_measures_it_at_a_time(tmp_path):
+    """The profile lock: a second holder is refused while the first measures, and gets it
+    after; no cache file, nothing shared."""
+    from shardline.node.speeds import _machine_lock
+
+    cache = tmp_path / "host-profile.json"
+    with _machine_lock(cache) as first:
+        with _machine_lock(cache) as second:
+            assert first and not second
+    with _machine_lock(cache) as again:
+        assert again
+    with _machine_lock(None) as alone:
+        assert alone

@@ -19,18 +19,20 @@ machine takes under 0.1 ms, and cached that for the machine. With no profile at 
 measures whatever the load: better than none, and measured again later.
 It never holds up the node's start: it runs in the background. Nodes of one machine (a
 local cluster) share the file: each waits ``idle_s`` plus up to 10 s by its id before it
-measures, and takes a profile another node of the machine measured within
-``interval_s`` instead of measuring again.
+measures, one at a time (a lock file beside the cache), and takes a profile another
+node of the machine measured within ``interval_s`` instead of measuring again.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import fcntl
 import json
 import logging
 import time
 import zlib
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -190,6 +192,14 @@ class HostProfiler:
         profile was taken."""
         from shardline.node.profile import measure_host_async
 
+        with _machine_lock(self.cache) as mine:
+            if not mine:  # another node of this machine measures: its profile is taken after
+                log.debug("host profile: another node of this machine is measuring it")
+                self.measured_at = tried_before
+                return False
+            return await self._measure(tried_before, measure_host_async)
+
+    async def _measure(self, tried_before: float | None, measure_host_async) -> bool:
         task = asyncio.create_task(measure_host_async(
             seconds=PROFILE_SECONDS, threads=self.node.runner_threads, samples=PROFILE_SAMPLES))
         while not task.done():
@@ -214,6 +224,34 @@ class HostProfiler:
             except OSError:
                 pass
         return not profile.note
+
+
+@contextlib.contextmanager
+def _machine_lock(cache: Path | None) -> Iterator[bool]:
+    """Hold the machine's profile lock (an exclusive ``flock`` on the cache's ``.lock``
+    file beside it) while the block runs, if no other process holds it: yields whether
+    this one does. Nodes of one machine measuring at once share its CPUs and each
+    measures a fraction of it (three local nodes started together: 61-91 GFLOP/s where
+    one alone measured 197). No cache: nothing shared, always held."""
+    if cache is None:
+        yield True
+        return
+    try:
+        cache.parent.mkdir(parents=True, exist_ok=True)
+        handle = open(cache.with_suffix(".lock"), "a")
+    except OSError:
+        yield True  # no lock to be had: measure as before
+        return
+    with handle:
+        try:
+            fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:
+            yield False
+            return
+        try:
+            yield True
+        finally:
+            fcntl.flock(handle, fcntl.LOCK_UN)
 
 
 def placement_key(inst: "Instance") -> PlacementKey:
