@@ -282,3 +282,33 @@ def test_middleware_answers_408_to_a_body_that_stops_coming():
     done = run([{"type": "http.request", "body": b"{}", "more_body": False}, {"type": "http.disconnect"}],
                [0.1, 0.5])
     assert _status_and_body(done)[0] == 200 and waited == [{"type": "http.disconnect"}]
+
+
+@pytest.mark.parametrize("given, url", [
+    ("127.0.0.1:9200", "http://127.0.0.1:9200"), ("http://a:1", "http://a:1"),
+    ("https://node.lan", "https://node.lan"), ("ftp://x", None), ("http://", None),
+])
+def test_a_node_url_without_a_scheme_is_http(given, url):
+    import argparse
+
+    from shardline.control import node_url
+
+    if url is None:
+        with pytest.raises(argparse.ArgumentTypeError):
+            node_url(given)
+    else:
+        assert node_url(given) == url
+
+
+@pytest.mark.parametrize("argv, words", [
+    (["cluster", "--nodes", "0"], "--nodes must be at least 1"),
+    (["run", "--port", "99999"], "ports must lie in 1-65535"),
+    (["place", "--timeout", "-1"], "--timeout must be above 0 seconds"),
+])
+def test_a_bad_argument_is_named_with_its_commands_usage(argv, words, capsys):
+    from shardline.cli import main
+
+    with pytest.raises(SystemExit) as exited:
+        main(argv)
+    err = capsys.readouterr().err
+    assert exited.value.code == 2 and words in err and f"shardline {argv[0]}: error" in err

@@ -44,6 +44,12 @@ def _run(args: argparse.Namespace) -> int:
     if not_dirs:
         print(f"shardline run: --model-dir {', '.join(not_dirs)}: not a directory", file=sys.stderr)
         return 2
+    from shardline.local_cluster import ports_in_use
+
+    if ports_in_use([args.port], bind):
+        print(f"shardline run: port {args.port} on {bind} is in use (another node?): give --port",
+              file=sys.stderr)
+        return 2
     data_dir = Path(args.data_dir) if args.data_dir else identity.default_data_dir()
     try:
         key, generated = identity.cluster_key(data_dir, args.cluster_key or os.environ.get("SHARDLINE_CLUSTER_KEY"))
@@ -316,17 +322,28 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _command_parser(parser: argparse.ArgumentParser, command: str) -> argparse.ArgumentParser:
+    """The subcommand's own parser (its error shows its usage, not the top level's)."""
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction) and command in action.choices:
+            return action.choices[command]
+    return parser
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
+    command = _command_parser(parser, args.command)
     if args.command == "run" and not args.header_timeout > 0:
-        parser.error("--header-timeout must be above 0 seconds")
+        command.error("--header-timeout must be above 0 seconds")
+    if args.command == "place" and not args.timeout > 0:
+        command.error("--timeout must be above 0 seconds")
     if args.command in ("run", "cluster", "bench"):
         nodes = getattr(args, "nodes", 1)
         if nodes < 1:
-            parser.error("--nodes must be at least 1")
+            command.error("--nodes must be at least 1")
         if not 1 <= args.port or args.port + nodes - 1 > 65535:
-            parser.error("ports must lie in 1-65535 (--port, plus one per extra node)")
+            command.error("ports must lie in 1-65535 (--port, plus one per extra node)")
     logging.basicConfig(
         level=logging.DEBUG if args.verbose else logging.INFO,
         format="%(asctime)s %(name)s %(levelname)s %(message)s",

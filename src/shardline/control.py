@@ -164,6 +164,25 @@ def _instances(args: argparse.Namespace) -> None:
     _console().print(table if data["instances"] else "no instances")
 
 
+def node_url(text: str) -> str:
+    """A node's base URL (argparse type): ``http://`` put before an address given without
+    a scheme (``127.0.0.1:8000``), as curl reads it.
+
+    Raises:
+        argparse.ArgumentTypeError: not an http(s) URL with a host.
+    """
+    import httpx
+
+    url = text if "://" in text else f"http://{text}"
+    try:
+        parsed = httpx.URL(url)
+    except httpx.InvalidURL:
+        parsed = None
+    if parsed is None or parsed.scheme not in ("http", "https") or not parsed.host:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a node's URL (e.g. http://127.0.0.1:8000)")
+    return url
+
+
 def byte_size(text: str) -> int:
     """``8GB``, ``512MiB`` or a number of bytes, as an int (argparse type)."""
     from pydantic import ByteSize, TypeAdapter, ValidationError
@@ -328,7 +347,7 @@ def add_commands(sub, default_port: int) -> None:
     url_default = os.environ.get("SHARDLINE_URL", f"http://127.0.0.1:{default_port}")
 
     def add_url(parser: argparse.ArgumentParser) -> None:
-        parser.add_argument("--url", default=url_default,
+        parser.add_argument("--url", default=url_default, type=node_url,
                             help="a node of the cluster (default: $SHARDLINE_URL or %(default)s)")
         parser.add_argument("--api-key", default=None,
                             help="the cluster's API key, if it has one (default: $SHARDLINE_API_KEY)")

@@ -84,10 +84,14 @@ def ports_in_use(ports: Iterable[int], host: str = "127.0.0.1") -> list[int]:
     counts as free)."""
     busy = []
     for port in ports:
-        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
+        try:  # the address family of host (an IPv6 address binds an AF_INET6 socket)
+            family, kind, proto, _, address = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0]
+        except OSError:
+            continue  # not an address here: the server's own bind says what is wrong
+        with socket.socket(family, kind, proto) as probe:
             probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
             try:
-                probe.bind((host, port))
+                probe.bind(address)
             except OSError:
                 busy.append(port)
     return busy

@@ -15,10 +15,11 @@ DEFAULT_ROUNDS_AGAINST = 3
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """Add ``shardline bench``'s options to its subparser."""
+    from shardline.control import node_url
     from shardline.models.store import DEFAULT_MODEL_ID
     from shardline.placement.ranks import SHARDINGS
 
-    parser.add_argument("--url", default=None,
+    parser.add_argument("--url", default=None, type=node_url,
                         help="benchmark this running node (http://host:port); default: start a local cluster")
     parser.add_argument("--api-key", default=None,
                         help="the API key of the node at --url, or the one the local cluster's nodes "
@@ -48,7 +49,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--rounds", type=int, default=None,
                         help="times every level and the short chat run; figures are medians over rounds "
                              f"(default 1, with --against {DEFAULT_ROUNDS_AGAINST})")
-    parser.add_argument("--against", default=None, metavar="URL",
+    parser.add_argument("--against", default=None, metavar="URL", type=node_url,
                         help="also benchmark this OpenAI-compatible server (llama.cpp's llama-server, vLLM, "
                              "another shardline), interleaved with shardline, and print the ratios")
     parser.add_argument("--against-model", default=None,
