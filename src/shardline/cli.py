@@ -158,7 +158,7 @@ def _cluster(args: argparse.Namespace) -> int:
         print(f"shardline cluster: {str(exc) or 'interrupted'}", file=sys.stderr)
         return 1
     url = cluster.url(0)
-    ranges = ", ".join(rank_share(r) for r in instance["ranks"])
+    ranges = ", ".join(f"port {r['address'].rsplit(':', 1)[-1]} {rank_share(r)}" for r in instance["ranks"])
     print(f"\nshardline: {args.nodes}-node cluster serving {instance['model_id']} "
           f"({instance['sharding']} on {len(instance['ranks'])} node(s))")
     print(f"  per node: {ranges}")
@@ -167,7 +167,7 @@ def _cluster(args: argparse.Namespace) -> int:
               "predicted that placement fastest; `shardline place --preview` lists the others, "
               "and --sharding pipeline places on every node)")
     if cluster.memory_limit_bytes is not None:
-        print(f"  each node offers models up to {cluster.memory_limit_bytes / 2**30:.1f} GiB"
+        print(f"  each node offers models up to {cluster.memory_limit_bytes / 1e9:.2f} GB"
               + ("" if args.memory_limit is not None else
                  f" (the machine's available memory / {args.nodes}; --memory-limit sets it)"))
     print(f"  API: {url}/v1  (any node: ports {args.port}-{args.port + args.nodes - 1})")

@@ -191,7 +191,7 @@ async def _on(server: Server, call: Awaitable[T]) -> T:
 async def _prepare(client: httpx.AsyncClient, server: Server, config: BenchConfig,
                    say: Callable[[str], None]) -> dict[str, Any]:
     """Calibrate ``server``'s prompts and warm it up; its part of the report."""
-    say(f"{server.name}: calibrating prompts of about {', '.join(map(str, config.prompt_tokens))} tokens")
+    say(f"calibrating prompts of about {', '.join(map(str, config.prompt_tokens))} tokens on {server.name}")
     prompts = []
     for target in config.prompt_tokens:
         words, tokens = await _on(server, calibrate_words(client, server.url, server.model, target))
@@ -200,7 +200,7 @@ async def _prepare(client: httpx.AsyncClient, server: Server, config: BenchConfi
     if config.chat_requests:
         chat_tokens = await _on(server, count_prompt_tokens(client, server.url, server.model, chat_question(0)))
     if config.warmup:
-        say(f"{server.name}: warm-up request")
+        say(f"warm-up request on {server.name}")
         await _on(server, stream_request(client, server.url, server.model,
                                          build_prompt(prompts[0]["words"]), config.gen_tokens))
     return {"name": server.name, "url": server.url, "model": server.model, "nodes": server.nodes,
