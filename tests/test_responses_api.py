@@ -53,6 +53,7 @@ def refused(call, *args) -> APIError:
     ({"temperature": 2.5}, "temperature", None),
     ({"top_p": 1.5}, "top_p", None),
     ({"top_logprobs": 21}, "top_logprobs", None),
+    ({"top_logprobs": 3}, "top_logprobs", None),  # without include's logprobs it would do nothing
     ({"max_output_tokens": 0}, "max_output_tokens", None),
     ({"metadata": {"k": "v" * 513}}, "metadata", None),
     ({"text": {"format": {"type": "grammar"}}}, "text.format.type", None),
@@ -203,7 +204,7 @@ def test_bad_text_formats_are_named(text, param):
     ({"temperature": 0.7, "top_p": 0.9}, 0.7, 0.9, None, False),
     ({"temperature": 0.7, "top_p": 0}, 0.7, 0.0, None, True),  # top_p 0: greedy
     ({"temperature": 0}, 0.0, 1.0, None, True),
-    ({"top_logprobs": 3}, 1.0, 1.0, None, False),  # logprobs only with include
+    ({"top_logprobs": 0}, 1.0, 1.0, None, False),  # logprobs only with include
     ({"include": ["message.output_text.logprobs"]}, 1.0, 1.0, 0, False),
     ({"include": ["message.output_text.logprobs"], "top_logprobs": 5}, 1.0, 1.0, 5, False),
 ])

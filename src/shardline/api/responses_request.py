@@ -106,6 +106,9 @@ def check_fields(body: Any) -> ResponsesRequest:
     for index, item in enumerate(req.include or []):
         if item != LOGPROBS_INCLUDE:
             raise unsupported(f"include[{index}]", f" '{item}'")
+    if req.top_logprobs and LOGPROBS_INCLUDE not in (req.include or []):
+        raise bad(f"top_logprobs gives alternatives to the logprobs that include['{LOGPROBS_INCLUDE}'] "
+                  "asks for; include it, or leave top_logprobs out", "top_logprobs")
     if req.stream_options is not None:
         if not req.stream:
             raise bad("stream_options is only allowed when stream is true", "stream_options")
