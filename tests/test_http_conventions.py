@@ -115,3 +115,20 @@ def test_without_instances_ps_is_empty_and_tags_list_what_a_request_would_load(a
     assert ps.json() == {"models": []}
     (default,) = tags.json()["models"]  # the embedded model, loaded on the first request
     assert default["name"] == DEFAULT_MODEL_ID and default["size"] > 0 and "sharding" not in default["details"]
+
+
+@pytest.mark.fast
+@pytest.mark.parametrize("error, message, param", [
+    ({"type": "value_error", "loc": ("body",), "msg": "Value error, give nodes, or min_nodes / max_nodes, not both"},
+     "give nodes, or min_nodes / max_nodes, not both", None),
+    ({"type": "model_attributes_type", "loc": ("body",), "msg": "Input should be an object"},
+     "body: Input should be an object", None),
+    ({"type": "int_type", "loc": ("body", "context"), "msg": "Input should be a valid integer"},
+     "context: Input should be a valid integer", "context"),
+])
+def test_the_cluster_apis_validation_messages_read_plainly(error, message, param):
+    from fastapi.exceptions import RequestValidationError
+
+    from shardline.node.app import _validation_message
+
+    assert _validation_message(RequestValidationError([error])) == (message, param)

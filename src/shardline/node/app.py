@@ -62,6 +62,8 @@ def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
     param = ".".join(loc) or None
     if first.get("type") == "json_invalid":
         return "the request body is not valid JSON", None
+    if first.get("type") == "value_error" and param is None:  # a model validator's own words
+        return str(first.get("msg")).removeprefix("Value error, "), None
     return f"{param or 'body'}: {first.get('msg')}", param
 
 
