@@ -616,16 +616,22 @@ def parse_raw(raw: bytes, model: type[BaseModel]) -> Any:
         # logit_bias wants).
         return model.model_validate_json(json.dumps(data), strict=True)
     except ValidationError as exc:
-        errors = exc.errors()
-        # Of a union's branches, the one whose type the value has ("stop": a list of 5 is
-        # refused for its length, not for not being a string); pydantic's branch tags
-        # ("str", "list[str]", "[key]") are not part of the parameter's name.
-        first = next((e for e in errors if not str(e.get("type", "")).endswith("_type")), errors[0])
-        param = ".".join(str(p) for p in first.get("loc", ()) if not _union_tag(p)) or None
-        message = str(first.get("msg")).removeprefix("Value error, ")
-        if first.get("type") in ("too_short", "string_too_short") and first.get("input") in ("", []):
-            message = "must not be empty"  # not "should have at least 1 item" for a string
-        if param is None and ": " in message:  # a check of several fields names the one at fault
-            param = message.split(": ", 1)[0]
-            raise APIError(400, message, param=param) from None
-        raise APIError(400, f"{param or 'body'}: {message}", param=param) from None
+        raise validation_error(exc) from None
+
+
+def validation_error(exc: ValidationError) -> APIError:
+    """The 400 a request model's validation failure answers: its first error, named by
+    the parameter's path, in words a client reads (not pydantic's "Value error, " or
+    "should have at least 1 item" for an empty string)."""
+    errors = exc.errors()
+    # Of a union's branches, the one whose type the value has ("stop": a list of 5 is
+    # refused for its length, not for not being a string); pydantic's branch tags
+    # ("str", "list[str]", "[key]") are not part of the parameter's name.
+    first = next((e for e in errors if not str(e.get("type", "")).endswith("_type")), errors[0])
+    param = ".".join(str(p) for p in first.get("loc", ()) if not _union_tag(p)) or None
+    message = str(first.get("msg")).removeprefix("Value error, ")
+    if first.get("type") in ("too_short", "string_too_short") and first.get("input") in ("", []):
+        message = "must not be empty"
+    if param is None and ": " in message:  # a check of several fields names the one at fault
+        return APIError(400, message, param=message.split(": ", 1)[0])
+    return APIError(400, f"{param or 'body'}: {message}", param=param)

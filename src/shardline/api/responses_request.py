@@ -18,7 +18,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from shardline.api.generation import APIError, GenerationRequest
+from shardline.api.generation import APIError, GenerationRequest, validation_error
 from shardline.api.params import PARAMETERS, Endpoint
 from shardline.api.structured import json_grammar, strict_schema_problem
 from shardline.api.tools import ToolChoice, ToolChoiceMode, check_history, check_tools
@@ -92,9 +92,7 @@ def check_fields(body: Any) -> ResponsesRequest:
         req = ResponsesRequest.model_validate_json(  # strict JSON types, as in _parse
             json.dumps({k: v for k, v in body.items() if k not in NULL_ONLY}), strict=True)
     except ValidationError as exc:
-        first = exc.errors()[0]
-        param = ".".join(str(p) for p in first.get("loc", ())) or None
-        raise bad(f"{param or 'body'}: {first.get('msg')}", param) from None
+        raise validation_error(exc) from None
     if req.truncation == "auto":
         raise unsupported("truncation", " 'auto'")
     if req.service_tier not in SERVICE_TIERS:
