@@ -292,8 +292,11 @@ def predict_tokens_per_s(
 
         decode s/token  = sum_r T_r + STEP_LAYERS * o_last
                           + sum_hops (lat + d*e / bw) + lat(last -> others)
-        prefill tokens/s = 1 / max(max_r s_r * Q_r, max_hops d*e / bw + lat / C)
-          (chunks overlap across stages: the slowest stage or hop bounds the rate)
+        H_r  = d*e / bw + lat / C     (the hop after stage r, a token's share)
+        prefill s/token = (sum_r (Q_r + H_r) + (k - 1) * max_r max(s_r * Q_r, H_r)) / k
+          (k = ceil(n / C) chunks: the first goes through every stage in turn, and each
+           later one leaves the slowest stage or hop a chunk later, stages overlapping:
+           a prompt of one chunk runs its stages one after another)
 
     tensor (two all-reduces a layer of float32 partial sums, ring all-reduce; rank 0 samples)::
 
@@ -336,7 +339,7 @@ def predict_tokens_per_s(
     shared = oversubscription(nodes)
 
     if sharding == Sharding.PIPELINE:
-        decode = prefill_stage = 0.0
+        decode = slowest = through = 0.0
         for rank, (node, share) in enumerate(zip(nodes, shares)):
             layers = share.num_layers
             linear = layers * _linear_per_layer(config)
@@ -344,15 +347,19 @@ def predict_tokens_per_s(
             decode += _step_s(node, weights, kv_token * layers / L * avg_tokens,
                               layers + (STEP_LAYERS if rank == P - 1 else 0.0))
             stage = _prefill_s(node, 2 * linear + layers * attention, layers, layers * act)
-            prefill_stage = max(prefill_stage, shared[rank] * stage)
+            slowest = max(slowest, shared[rank] * stage)
+            through += stage
         for a, b in zip(ids, ids[1:]):
             link = link_between(links, a, b)
             hop = _secs(d * e, link.bandwidth_bytes_per_s)
             decode += link.latency_s + hop
-            prefill_stage = max(prefill_stage, hop + link.latency_s / PREFILL_CHUNK_TOKENS)
+            slowest = max(slowest, hop + link.latency_s / PREFILL_CHUNK_TOKENS)
+            through += hop + link.latency_s / PREFILL_CHUNK_TOKENS
         last_bcast = max((link_between(links, ids[-1], o).latency_s for o in ids[:-1]),
                          default=0.0)
-        return _per_s(decode + last_bcast), _per_s(prefill_stage)
+        chunks = max(1, -(-prompt_tokens // PREFILL_CHUNK_TOKENS))
+        prefill = (through + (chunks - 1) * slowest) / chunks
+        return _per_s(decode + last_bcast), _per_s(prefill)
 
     if sharding == Sharding.TENSOR:
         decode = prefill = 0.0
