@@ -82,6 +82,8 @@ def test_predicted_decode_is_near_the_measured_rate(tmp_path):
         # the goal is within 30% on an idle machine; the bound is generous for a shared one
         assert 0.5 <= predicted / measured <= 2.0, speed
         assert speed["measured_prefill_tokens_per_s"] > 0
+        # prefill is predicted at the measured prompts' length, not one chunk's
+        assert speed["prefill_prompt_tokens"] == _chat(url, long_prompt, 1)["usage"]["prompt_tokens"]
 
         # The preview of the same placement now ranks it by what it measured (its model's
         # figure, at the context the requests ran at, is the one shown beside it).
