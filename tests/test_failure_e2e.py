@@ -30,6 +30,7 @@ class Stream(threading.Thread):
         self.url = url
         self.tokens = 0
         self.error: str | None = None
+        self.code: str | None = None  # the error's code
         self.ended_at: float | None = None
 
     def run(self) -> None:
@@ -43,7 +44,7 @@ class Stream(threading.Thread):
                         continue
                     chunk = json.loads(line[len("data: "):])
                     if "error" in chunk:
-                        self.error = chunk["error"]["message"]
+                        self.error, self.code = chunk["error"]["message"], chunk["error"].get("code")
                         break
                     self.tokens += 1
         except httpx.HTTPError as exc:
@@ -126,6 +127,7 @@ def test_a_deletion_mid_stream_tells_the_client_so(cluster):
     assert httpx.delete(f"{cluster.url(coordinator)}/cluster/instances/{inst_id}", timeout=30).status_code == 200
     stream.join(timeout=30)
     assert stream.error is not None and "deleted" in stream.error, stream.error
+    assert stream.code == "instance_deleted"
 
 
 # The node victim last: the others need a third node, which it leaves dead.
@@ -157,6 +159,7 @@ def test_a_death_mid_stream_fails_fast_and_the_model_is_placed_again(cluster, vi
             proc.kill()
     stream.join(timeout=30)
     assert stream.ended_at is not None and stream.error, "the client got no error"
+    assert stream.code in ("instance_failed", None), stream.code  # None: the connection broke
     error_s = stream.ended_at - killed_at
     gone, alive = psutil.wait_procs(old_runners, timeout=15)
     assert not alive, f"runners of the failed instance still running: {alive}"

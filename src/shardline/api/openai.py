@@ -412,7 +412,7 @@ async def serve(node: Node, metrics: RequestMetrics | None, request: Request,
     try:  # the choices run together, each its own sequence in the batch
         results = await asyncio.gather(*(collect_unless_disconnected(g, request) for g in gens))
     except InstanceFailedError as exc:
-        return error_response(APIError(503, str(exc), "server_error", code="instance_failed"))
+        return error_response(APIError(503, str(exc), "server_error", code=exc.code))
     if any(finish is None for _, finish in results):  # the client left; nobody reads this
         return JSONResponse(status_code=499, content=error_body("client closed the request", "client_closed"))
     return shape.whole([shape.choice(index, chunks, finish or "stop")
@@ -454,7 +454,7 @@ async def _stream(gens: list[Generation], shape: ChatShape, return_progress: boo
         yield _sse(error_body(str(exc), "rate_limit_exceeded", code="queue_full"))
         return
     except InstanceFailedError as exc:
-        yield _sse(error_body(str(exc), "server_error", code="instance_failed"))
+        yield _sse(error_body(str(exc), "server_error", code=exc.code))
         return
     if options.include_usage:
         yield _sse(shape.usage())

@@ -119,7 +119,7 @@ def router(node: Node, metrics: RequestMetrics | None = None, store: ResponseSto
         try:
             chunks, finish = await collect_unless_disconnected(gen, request)
         except InstanceFailedError as exc:
-            return error_response(APIError(503, str(exc), "server_error", code="instance_failed"))
+            return error_response(APIError(503, str(exc), "server_error", code=exc.code))
         if finish is None:  # the client left; nobody reads this
             return JSONResponse(status_code=499, content=error_body("client closed the request", "client_closed"))
         for chunk in chunks:

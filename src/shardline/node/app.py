@@ -328,7 +328,8 @@ def create_app(node: Node, guard: GuardConfig, max_body_bytes: int = DEFAULT_MAX
                     line = StreamLine(progress=event) if isinstance(event, PrefillProgress) else StreamLine(token=event)
                     yield line.model_dump_json() + "\n"
             except (InstanceFailedError, NoInstanceError) as exc:
-                yield StreamLine(error=str(exc)).model_dump_json() + "\n"
+                code = exc.code if isinstance(exc, InstanceFailedError) else None
+                yield StreamLine(error=str(exc), code=code).model_dump_json() + "\n"
             finally:
                 await events.aclose()
 

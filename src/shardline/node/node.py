@@ -67,7 +67,7 @@ from shardline.node.state import (
 )
 from shardline.node.status import InstanceStatus
 from shardline.node.supervision import Supervisor
-from shardline.node.table import Instance, InstanceFailedError, Peer
+from shardline.node.table import EndCode, Instance, InstanceFailedError, Peer
 from shardline.node.wire import NodeInfo, StateMessage
 from shardline.node.worker import Spare, Worker
 
@@ -247,7 +247,7 @@ class Node:
         for task in self._background:
             task.cancel()
         for stream in list(self.streams.values()):
-            stream.queue.put_nowait(InstanceFailedError("the node is stopping"))
+            stream.queue.put_nowait(InstanceFailedError("the node is stopping", EndCode.SERVER_STOPPING))
 
     async def stop(self) -> None:
         for task in self._background:

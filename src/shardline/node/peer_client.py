@@ -27,7 +27,7 @@ from shardline.node.link_probe import measure_link
 from shardline.node.queue_bound import QueueFullError, retry_after
 from shardline.node.signing import MEMBER_HEADER, SignatureError, SignedAuth, check_answer
 from shardline.node.state import ClusterState
-from shardline.node.table import InstanceFailedError
+from shardline.node.table import EndCode, InstanceFailedError
 from shardline.node.transfer import CopyProgress, TransferError, fetch_files
 from shardline.node.wire import (
     CancelMessage,
@@ -163,7 +163,8 @@ class PeerClient:
                         continue
                     line = self._parse_line(raw, address)
                     if line.error is not None:
-                        raise InstanceFailedError(line.error)
+                        codes = {c.value: c for c in EndCode}
+                        raise InstanceFailedError(line.error, codes.get(line.code or "", EndCode.INSTANCE_FAILED))
                     event = line.token or line.progress
                     if event is not None:
                         yield event

@@ -16,7 +16,7 @@ from shardline.node.peer_client import PeerError
 from shardline.node.queue_bound import QueueFullError, admits, waiting_count
 from shardline.node.speeds import RequestTiming
 from shardline.node.status import InstanceStatus
-from shardline.node.table import Instance, InstanceFailedError, NoInstanceError
+from shardline.node.table import EndCode, Instance, InstanceFailedError, NoInstanceError
 from shardline.node.wire import CancelMessage, TaskMessage
 from shardline.runner.protocol import (
     Cancel,
@@ -221,10 +221,11 @@ class Router:
             if stream is not None:
                 stream.queue.put_nowait(event)
 
-    def _fail_streams(self, instance_id: str, error: str | None) -> None:
+    def _fail_streams(self, instance_id: str, error: str | None,
+                      code: EndCode = EndCode.INSTANCE_FAILED) -> None:
         for stream in list(self.node.streams.values()):
             if stream.instance_id == instance_id:
-                stream.queue.put_nowait(InstanceFailedError(f"instance {instance_id}: {error}"))
+                stream.queue.put_nowait(InstanceFailedError(f"instance {instance_id}: {error}", code))
 
     async def _forward(self, inst: Instance, request: TokenRequest) -> AsyncGenerator[TokenEvent | PrefillProgress, None]:
         """Run the request through the node of the instance's first rank.

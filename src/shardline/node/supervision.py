@@ -16,7 +16,7 @@ from shardline.models.store import ModelNotFoundError
 from shardline.node.peer_client import PeerError
 from shardline.node.state import plan_runners, stale_ranks
 from shardline.node.status import InstanceStatus, RankStatus
-from shardline.node.table import Instance, RankPlacement
+from shardline.node.table import EndCode, Instance, RankPlacement
 from shardline.node.transfer import TransferError
 from shardline.node.wire import RankReport
 from shardline.placement.ranks import (
@@ -56,7 +56,8 @@ class Supervisor:
             node._preparing.pop(instance_id).cancel()
         for instance_id in plan.stop:
             inst = node.instances.get(instance_id)
-            node.router._fail_streams(instance_id, inst.error if inst else DELETED)
+            node.router._fail_streams(instance_id, inst.error if inst else DELETED,
+                                      EndCode.INSTANCE_FAILED if inst else EndCode.INSTANCE_DELETED)
             await asyncio.to_thread(node.worker.stop, instance_id)
             node.engine_stats.pop(instance_id, None)
         for instance_id, rank in plan.start:

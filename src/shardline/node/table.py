@@ -7,6 +7,7 @@ from __future__ import annotations
 import dataclasses
 import time
 from dataclasses import dataclass, field
+from enum import StrEnum
 
 from shardline.models.config import RankShare, Sharding
 from shardline.node.cluster_state import NO_EPOCH, Epoch
@@ -17,8 +18,25 @@ class NoInstanceError(LookupError):
     """No ready instance serves the requested model."""
 
 
+class EndCode(StrEnum):
+    """Why a request's instance stopped serving it mid-request: the ``code`` of the error
+    a client is given (OpenAI's error objects carry one)."""
+
+    INSTANCE_FAILED = "instance_failed"
+    """A rank's runner, node or link failed."""
+    INSTANCE_DELETED = "instance_deleted"
+    """Someone deleted the instance."""
+    SERVER_STOPPING = "server_shutting_down"
+    """The node streaming the request is stopping (Ctrl-C, SIGTERM)."""
+
+
 class InstanceFailedError(RuntimeError):
-    """The instance serving a request failed while the request was in flight."""
+    """The instance serving a request stopped serving it while it was in flight;
+    ``code`` says why (:class:`EndCode`)."""
+
+    def __init__(self, message: str, code: EndCode = EndCode.INSTANCE_FAILED) -> None:
+        super().__init__(message)
+        self.code = code
 
 
 @dataclass(frozen=True)

@@ -145,3 +145,4 @@ class StreamLine(Message):
     token: TokenEvent | None = None
     progress: PrefillProgress | None = None
     error: str | None = None
+    code: str | None = None  # with error: its EndCode
