@@ -287,6 +287,22 @@ def test_ollama_options_work(url):
     assert big["done_reason"] in ("stop", "length"), big
     assert big["prompt_eval_count"] + big["eval_count"] <= 64
     assert big["done_reason"] == "stop" or big["prompt_eval_count"] + big["eval_count"] == 64
+    # a chat past num_ctx loses its oldest messages, not its system message nor its last
+    history = [{"role": "system", "content": "Be brief."}]
+    for i in range(6):
+        history += [{"role": "user", "content": f"Fact {i}: " + "the sky is blue " * 10},
+                    {"role": "assistant", "content": "Noted."}]
+    history += CHAT
+
+    def long_chat(num_ctx: int) -> dict:
+        return httpx.post(f"{url}/api/chat", timeout=120, json={
+            "model": M, "messages": history, "stream": False,
+            "options": {"temperature": 0, "num_predict": 4, "num_ctx": num_ctx}}).json()
+
+    whole = long_chat(4096)["prompt_eval_count"]
+    cut = long_chat(whole // 2)
+    assert "error" not in cut, cut
+    assert whole // 4 < cut["prompt_eval_count"] < whole // 2
     greedy = chat(num_predict=12).json()["message"]["content"]
     for options in ({"top_k": 1, "temperature": 1.0, "seed": 2}, {"min_p": 1.0, "temperature": 1.0, "seed": 2},
                     {"top_p": 0.0, "temperature": 1.0}, {"repeat_last_n": 0, "repeat_penalty": 1.5}):

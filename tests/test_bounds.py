@@ -312,3 +312,15 @@ def test_a_bad_argument_is_named_with_its_commands_usage(argv, words, capsys):
         main(argv)
     err = capsys.readouterr().err
     assert exited.value.code == 2 and words in err and f"shardline {argv[0]}: error" in err
+
+
+def test_history_cuts_drop_the_oldest_messages_but_system_and_last():
+    from shardline.api.prompt_bounds import history_cuts
+
+    def chat(*roles: str) -> list[dict]:
+        return [{"role": r, "content": str(i)} for i, r in enumerate(roles)]
+
+    cuts = history_cuts(chat("system", "user", "assistant", "user"))
+    assert [[m["content"] for m in c] for c in cuts] == [["0", "2", "3"], ["0", "3"]]
+    assert history_cuts(chat("user")) == [] and history_cuts(chat("system", "user")) == []
+    assert [len(c) for c in history_cuts(chat("user", "system", "user", "user"))] == [3, 2]

@@ -22,7 +22,7 @@ from pydantic import BaseModel, ValidationError
 
 from shardline.api.logprobs import HeldLogprobs, TokenLogprob, token_logprob
 from shardline.api.params import Endpoint, ParamError, screen
-from shardline.api.prompt_bounds import min_prompt_tokens
+from shardline.api.prompt_bounds import history_cuts, min_prompt_tokens
 from shardline.api.tools import (
     ToolCall,
     ToolCallParser,
@@ -93,6 +93,7 @@ class GenerationRequest:
     tool_choice: ToolChoice = field(default_factory=lambda: ToolChoice(ToolChoiceMode.AUTO))
     max_tool_calls: int | None = None  # 1: parallel_tool_calls false (later calls dropped)
     name_param: str | None = None  # the API's name of a message's "name" when its client sets it
+    truncate_history: bool = False  # a chat past the context loses its oldest messages (Ollama's)
 
     @property
     def offers_tools(self) -> bool:
@@ -357,6 +358,40 @@ def _forced_call(req: GenerationRequest, tokenizer: Tokenizer) -> SamplingParams
     return dataclasses.replace(req.sampling, grammar=grammar)
 
 
+async def _encode_chat(req: GenerationRequest, messages: list[dict[str, Any]], tokenizer: Tokenizer,
+                       instance_context: int) -> list[int]:
+    """The token ids of ``req``'s chat (``messages``); with ``truncate_history``, of the longest of
+    :func:`~shardline.api.prompt_bounds.history_cuts` that leaves the context room for a
+    token (a binary search: a shorter chat has fewer tokens), else of the shortest (which
+    :class:`Generation` refuses as too long).
+
+    Raises:
+        APIError: 400 when the chat template refuses the chat.
+    """
+    chats = [messages, *(history_cuts(messages) if req.truncate_history else [])]
+    context = min(instance_context, req.context or instance_context)
+    encoded: dict[int, list[int]] = {}
+
+    async def encode(i: int) -> list[int]:
+        if i not in encoded:
+            call = functools.partial(tokenizer.encode_chat, chats[i], tools=req.tools if req.offers_tools else None,
+                                     continue_final_message=req.continue_final_message)
+            try:
+                encoded[i] = await asyncio.to_thread(call)
+            except ChatTemplateError as exc:
+                raise APIError(400, str(exc), param=req.prompt_param) from exc
+        return encoded[i]
+
+    low, high = 0, len(chats) - 1  # the first that fits lies in [low, high] (or none does)
+    while low < high:
+        middle = (low + high) // 2
+        if len(await encode(middle)) < context:
+            high = middle
+        else:
+            low = middle + 1
+    return await encode(low)
+
+
 async def _check_names_rendered(req: GenerationRequest, tokenizer: Tokenizer,
                                 messages: list[dict[str, Any]]) -> None:
     """Refuse a message ``name`` (of ``messages``, ``req``'s chat) the model's chat
@@ -411,7 +446,10 @@ async def tokenize(node: Node, req: GenerationRequest) -> tuple[Instance, Tokeni
         raise APIError(503, f"The model '{req.model}' cannot be tokenized on this node: {exc}",
                        "server_error", param="model", code="model_not_ready") from exc
     if isinstance(req.prompt, str) or (req.prompt and isinstance(req.prompt[0], dict)):
-        at_least = min_prompt_tokens(req.prompt, tokenizer.max_token_chars)  # type: ignore[arg-type]
+        shortest: Any = req.prompt
+        if req.truncate_history:  # what a chat past the context keeps, at the least
+            shortest = (history_cuts(shortest) or [shortest])[-1]
+        at_least = min_prompt_tokens(shortest, tokenizer.max_token_chars)
         if at_least > inst.context:
             raise APIError(400, f"this model's context is {inst.context} tokens; the request asks for at "
                                 f"least {at_least} in the prompt", param=req.prompt_param,
@@ -425,12 +463,7 @@ async def tokenize(node: Node, req: GenerationRequest) -> tuple[Instance, Tokeni
             raise APIError(400, str(exc), param=req.prompt_param) from exc
         if req.name_param is not None:
             await _check_names_rendered(req, tokenizer, req.prompt)  # type: ignore[arg-type]
-        encode = functools.partial(tokenizer.encode_chat, req.prompt, tools=req.tools if req.offers_tools else None,
-                                   continue_final_message=req.continue_final_message)
-        try:
-            prompt = await asyncio.to_thread(encode)
-        except ChatTemplateError as exc:
-            raise APIError(400, str(exc), param=req.prompt_param) from exc
+        prompt = await _encode_chat(req, req.prompt, tokenizer, inst.context)  # type: ignore[arg-type]
     else:
         prompt = [t for t in req.prompt if isinstance(t, int)]  # token ids: a list of dicts went above
         bad = [t for t in prompt if not 0 <= t < tokenizer.vocab_size]

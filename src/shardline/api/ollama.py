@@ -195,7 +195,8 @@ class ChatRequest(_Request):
         except ValueError as exc:
             raise APIError(400, str(exc), param="tool_choice") from None
         return dataclasses.replace(self.generation([m.chat() for m in self.messages], "messages"),
-                                   tools=list(self.tools or []), tool_choice=choice, name_param="tool_name")
+                                   tools=list(self.tools or []), tool_choice=choice, name_param="tool_name",
+                                   truncate_history=True)
 
 
 class GenerateRequest(_Request):

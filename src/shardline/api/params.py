@@ -302,7 +302,8 @@ PARAMETERS: tuple[Param, ...] = (
            ("num_predict", True, "most tokens; 0 (no limit, as Ollama's runner reads it), -1 or -2 (fill the context): until the "
             "context is full; less is refused", "test_ollama_options_work"),
            ("stop", True, "stop strings", "test_ollama_options_work"),
-           ("num_ctx", True, "the request's context window (a prompt past it: 400); a larger one than the "
+           ("num_ctx", True, "the request's context window (/api/chat: a chat past it loses its oldest messages, not "
+            "system ones nor the last, as Ollama's; a prompt still past it: 400); a larger one than the "
             "instance's is the instance's, as Ollama caps it at the model's", "test_ollama_options_work"),
            ("repeat_penalty", True, "CTRL's penalty; default 1.0 here (off)", "test_penalties_change_a_repetitive_answer"),
            ("repeat_last_n", True, "tokens the repeat penalty looks back at (0: off, -1: the whole context)", "test_ollama_options_work"),

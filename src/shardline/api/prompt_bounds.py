@@ -45,3 +45,15 @@ def min_prompt_tokens(prompt: str | list[dict[str, Any]], max_token_chars: int) 
     if isinstance(prompt, str):
         return by_chars
     return max(by_chars, len(prompt))
+
+
+def history_cuts(messages: list[dict[str, Any]]) -> list[list[dict[str, Any]]]:
+    """Ever shorter versions of a chat, to fit a context as Ollama's ``/api/chat`` does
+    (its ``server/prompt.go`` ``chatPrompt``: a chat past the context loses its oldest
+    messages, never the system messages nor the last message): the chat without its
+    first, first two, ... other messages, down to the system messages and the last one.
+    Empty for a chat with nothing to drop."""
+    last = len(messages) - 1
+    droppable = [i for i, m in enumerate(messages[:last]) if m.get("role") != "system"]
+    return [[m for i, m in enumerate(messages) if i not in set(droppable[:cut])]
+            for cut in range(1, len(droppable) + 1)]
