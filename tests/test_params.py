@@ -109,9 +109,8 @@ def test_the_readme_table_is_the_table():
     (ollama.ChatRequest, {"stream": "false"}, "stream"),
     (ollama.ChatRequest, {"options": {"num_predict": "8"}}, "options.num_predict"),
 ])
-def test_parse_refuses_values_of_the_wrong_json_type(model, body, param):
-    """A string or boolean where a number belongs (or the reverse) is a 400 naming the
-    field, not coerced: "3" is not 3 and true is not 1."""
+def refused(model, body: dict) -> APIError:
+    """What ``parse_raw`` raises for a minimal valid request of ``model`` with ``body``."""
     base = {"model": "m", "messages": [{"role": "user", "content": "x"}]}
     if model is completions.CompletionRequest:
         base = {"model": "m", "prompt": "x"}
@@ -119,7 +118,14 @@ def test_parse_refuses_values_of_the_wrong_json_type(model, body, param):
         base["max_tokens"] = 8
     with pytest.raises(APIError) as caught:
         parse_raw(json.dumps({**base, **body}).encode(), model)
-    assert caught.value.status == 400 and caught.value.param == param, caught.value.message
+    return caught.value
+
+
+def test_parse_refuses_values_of_the_wrong_json_type(model, body, param):
+    """A string or boolean where a number belongs (or the reverse) is a 400 naming the
+    field, not coerced: "3" is not 3 and true is not 1."""
+    error = refused(model, body)
+    assert error.status == 400 and error.param == param, error.message
 
 
 def test_parse_keeps_what_json_means():
@@ -213,12 +219,5 @@ def test_parse_refuses_a_body_that_is_not_an_object(model, body):
 ])
 def test_parse_refuses_an_empty_stop_string(model, body, param):
     """An empty stop sequence was dropped (accepted and ignored): now a 400 naming it."""
-    base = {"model": "m", "messages": [{"role": "user", "content": "x"}]}
-    if model is completions.CompletionRequest:
-        base = {"model": "m", "prompt": "x"}
-    if model is anthropic.MessagesRequest:
-        base["max_tokens"] = 8
-    with pytest.raises(APIError) as caught:
-        parse_raw(json.dumps({**base, **body}).encode(), model)
-    assert caught.value.status == 400 and caught.value.param == param, caught.value.param
-    assert "empty" in caught.value.message
+    error = refused(model, body)
+    assert error.status == 400 and error.param == param and "empty" in error.message, error.message
