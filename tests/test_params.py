@@ -95,6 +95,18 @@ def test_the_readme_table_is_the_table():
     assert table == render_table().strip(), "run: python -m shardline.api.params > table; paste it in the README"
 
 
+def refused(model, body: dict) -> APIError:
+    """What ``parse_raw`` raises for a minimal valid request of ``model`` with ``body``."""
+    base = {"model": "m", "messages": [{"role": "user", "content": "x"}]}
+    if model is completions.CompletionRequest:
+        base = {"model": "m", "prompt": "x"}
+    if model is anthropic.MessagesRequest:
+        base["max_tokens"] = 8
+    with pytest.raises(APIError) as caught:
+        parse_raw(json.dumps({**base, **body}).encode(), model)
+    return caught.value
+
+
 @pytest.mark.parametrize("model,body,param", [
     (openai.ChatCompletionRequest, {"max_tokens": "3"}, "max_tokens"),
     (openai.ChatCompletionRequest, {"max_tokens": True}, "max_tokens"),
@@ -109,18 +121,6 @@ def test_the_readme_table_is_the_table():
     (ollama.ChatRequest, {"stream": "false"}, "stream"),
     (ollama.ChatRequest, {"options": {"num_predict": "8"}}, "options.num_predict"),
 ])
-def refused(model, body: dict) -> APIError:
-    """What ``parse_raw`` raises for a minimal valid request of ``model`` with ``body``."""
-    base = {"model": "m", "messages": [{"role": "user", "content": "x"}]}
-    if model is completions.CompletionRequest:
-        base = {"model": "m", "prompt": "x"}
-    if model is anthropic.MessagesRequest:
-        base["max_tokens"] = 8
-    with pytest.raises(APIError) as caught:
-        parse_raw(json.dumps({**base, **body}).encode(), model)
-    return caught.value
-
-
 def test_parse_refuses_values_of_the_wrong_json_type(model, body, param):
     """A string or boolean where a number belongs (or the reverse) is a 400 naming the
     field, not coerced: "3" is not 3 and true is not 1."""
