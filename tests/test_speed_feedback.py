@@ -335,3 +335,15 @@ def test_one_node_of_a_machine_measures_it_at_a_time(tmp_path):
         assert again
     with _machine_lock(None) as alone:
         assert alone
+
+
+@pytest.mark.parametrize("sharding, feasible", [("tensor", True), ("ring", False)])
+def test_one_node_under_tensor_or_ring_alone_is_listed(sharding, feasible):
+    """Tensor on one node places (one rank) and ring refuses it; the preview listed
+    neither, and the CLI said "no placement fits" with no reason."""
+    config = _smollm2()
+    [got] = preview(config, [_node("a")], {}, 2048, 4, shardings=(sharding,))
+    assert (got.sharding, got.node_ids, got.feasible) == (sharding, ("a",), feasible)
+    assert feasible or "at least 2 nodes" in got.error
+    both = preview(config, [_node("a")], {}, 2048, 4, shardings=("pipeline", sharding))
+    assert [c.sharding for c in both] == ["pipeline"]  # the same placement, listed once

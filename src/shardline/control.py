@@ -219,7 +219,8 @@ def _place(args: argparse.Namespace) -> None:
                           c["error"] or "")
         _console().print(table)
         if not any(c["feasible"] for c in data["candidates"]):
-            raise CommandError("no placement fits (the reasons are above)")
+            raise CommandError("no placement fits (the reasons are above)" if data["candidates"]
+                               else "no candidate placement for these nodes and shardings")
         return
     inst = _request(args, "POST", "/cluster/instances", body)
     _console().print(f"placed {inst['model_id']} as instance {inst['instance_id']} ({inst['sharding']})")

@@ -464,8 +464,9 @@ def preview(
 
     Candidates: for each k from ``min_nodes`` to ``max_nodes`` (default: all), the k nodes with the most
     available bytes, in rank order by available bytes (most first), under each sharding in
-    ``shardings``. One node is only a pipeline of one (listed when ``"pipeline"`` is in
-    ``shardings``): tensor of one is the same placement and ring needs two. Then each
+    ``shardings``. One node is listed as a pipeline of one when ``"pipeline"`` is in
+    ``shardings`` (tensor or ring of one is the same placement), else under each sharding
+    asked (a placement of one node under it works, and the preview says so). Then each
     placement of ``model_id`` in ``served`` that these miss (other nodes or another rank
     order) and the same bounds allow, in its own rank order.
 
@@ -492,9 +493,10 @@ def preview(
     _check_dtype(dtype)
     decode_weight_bytes = resident_bytes_per_weight(config, weight_file_bytes, dtype, quantize)
     quantized = quantize.value if quantize else None
+    one_node = Sharding.PIPELINE if Sharding.PIPELINE in shardings else None  # else as asked
     placements = [(sharding, subset) for subset in _subsets(nodes, max_nodes, min_nodes)
                   for sharding in shardings
-                  if len(subset) > 1 or sharding == Sharding.PIPELINE]
+                  if len(subset) > 1 or sharding == one_node or one_node is None]
     placements += _measured_placements(served, nodes, placements, model_id, dtype, quantized,
                                        shardings, min_nodes, max_nodes)
     feasible: list[Candidate] = []
