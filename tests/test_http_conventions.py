@@ -77,6 +77,7 @@ def test_every_answer_carries_a_request_id(app):
 def test_cluster_api_errors_have_the_error_shape(app, method, path, body, status, param):
     [response] = call(app, (method, path, body, None))
     assert response.status_code == status, response.text
+    assert (response.headers.get("retry-after") == "2") == (status == 503)  # when to try again
     error = response.json()["error"]
     assert set(error) == {"message", "type", "param", "code"} and error["message"] and error["param"] == param
 

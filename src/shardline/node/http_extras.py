@@ -1,5 +1,6 @@
 """Small HTTP conventions every answer of the node follows: ``X-Request-Id`` echoed (or
-made) on each response, and a 405's ``Allow`` header listing every method the path takes.
+made) on each response, a 503 says when to retry (``Retry-After``), and a 405's ``Allow``
+header lists every method the path takes.
 """
 
 from __future__ import annotations
@@ -11,6 +12,9 @@ from starlette.routing import Match
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 REQUEST_ID_HEADER = "X-Request-Id"
+UNAVAILABLE_RETRY_S = 2
+"""``Retry-After`` of a 503 that gives none (a model loading, placed again, no coordinator
+yet): seconds, about a re-placement's poll and load on a small model."""
 MAX_REQUEST_ID_CHARS = 128
 SCOPE_KEY = "shardline.request_id"
 """Where the middleware leaves the request's id in the ASGI scope (for handlers that answer
@@ -30,7 +34,8 @@ def request_id(given: str | None, new: Callable[[], str] = lambda: uuid.uuid4().
 
 class RequestIdMiddleware:
     """Echo the request's ``X-Request-Id`` (or a new one, see :func:`request_id`) on every
-    HTTP response, and leave it in the scope under :data:`SCOPE_KEY`."""
+    HTTP response, and leave it in the scope under :data:`SCOPE_KEY`; add
+    ``Retry-After: UNAVAILABLE_RETRY_S`` to a 503 without one (RFC 9110 section 10.2.3)."""
 
     def __init__(self, app: ASGIApp) -> None:
         self.app = app
@@ -47,7 +52,10 @@ class RequestIdMiddleware:
         async def send_with_id(message: Message) -> None:
             if message["type"] == "http.response.start":
                 headers = [(k, v) for k, v in message.get("headers", ()) if k.lower() != b"x-request-id"]
-                message = dict(message, headers=headers + [(b"x-request-id", rid.encode("latin-1"))])
+                headers.append((b"x-request-id", rid.encode("latin-1")))
+                if message.get("status") == 503 and not any(k.lower() == b"retry-after" for k, _ in headers):
+                    headers.append((b"retry-after", str(UNAVAILABLE_RETRY_S).encode()))
+                message = dict(message, headers=headers)
             await send(message)
 
         await self.app(scope, receive, send_with_id)
