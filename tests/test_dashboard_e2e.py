@@ -38,6 +38,9 @@ def test_the_dashboard_shows_the_cluster_and_chats(cluster3, browser):
     assert page.locator(".node").count() == 3
     assert page.locator(".badge.coord").count() == 1
     assert ids[0]["node_id"] in page.locator(".badge.coord").locator("xpath=..").inner_text()
+    # memory as `shardline nodes` gives it: free of what the node offers
+    card = page.locator(f'.node[data-node="{ids[0]["node_id"]}"]').inner_text()
+    assert f'{ids[0]["offered_bytes"] / 1e9:.2f} GB offered' in card, card
     instance = httpx.get(f"{cluster3.url(0)}/cluster/instances", timeout=10).json()["instances"][0]
     row = page.locator(f'tr[data-instance="{instance["instance_id"]}"]')
     row.wait_for()
