@@ -19,6 +19,7 @@ the ranks' own error reports).
 from __future__ import annotations
 
 import logging
+import os
 import socket
 import subprocess
 import sys
@@ -50,11 +51,15 @@ def spawn_runner() -> tuple[subprocess.Popen, Connection]:
     ours, theirs = socket.socketpair()
     # The runner binds its process group's sockets to spec.host itself
     # (shardline.runner.rendezvous); a GLOO_SOCKET_IFNAME in the node's environment
-    # is the user's override and passes through.
+    # is the user's override and passes through. torch's C++ warnings are left out (a
+    # peer that went away printed "recvVector failed ... Connection reset by peer" and 40
+    # stack frames on the node's terminal; the runner reports the failure itself), unless
+    # the user sets TORCH_CPP_LOG_LEVEL.
     process = subprocess.Popen(
         [sys.executable, "-m", "shardline.runner", str(theirs.fileno())],
         pass_fds=(theirs.fileno(),),
         start_new_session=True,
+        env={**os.environ, "TORCH_CPP_LOG_LEVEL": os.environ.get("TORCH_CPP_LOG_LEVEL", "ERROR")},
     )
     theirs.close()
     return process, Connection(ours.detach())
