@@ -17,14 +17,14 @@ def _ratio(value: float | None) -> str:
 
 
 def _server_line(server: dict[str, Any]) -> str:
-    """``url · model · N nodes · sharding · prompt tokens target→real, ...``."""
+    """``url · model · N nodes · sharding · prompt tokens target→calibrated, ...``."""
     parts = [server["url"], server["model"]]
     if server["nodes"] is not None:
         parts.append(f"{server['nodes']} {'node' if server['nodes'] == 1 else 'nodes'}")
     if server["sharding"]:
         parts.append(server["sharding"])
     real = ", ".join(f"{p['target']}→{p['tokens']}" for p in server["prompts"])
-    parts.append(f"prompt tokens {real}")
+    parts.append(f"prompt tokens {real} calibrated")
     if server["chat_prompt_tokens"] is not None:
         parts.append(f"chat {server['chat_prompt_tokens']}")
     if server.get("usage_from") == "chunks":
@@ -53,7 +53,8 @@ def print_report(report: dict[str, Any], console=None) -> None:
     console.print(_header(report), highlight=False)
     console.print(f"[dim]{_server_line(server)}[/dim]", highlight=False)
     name = server["name"]
-    table = Table(caption="TTFT, prefill and per-request decode: medians over the level's requests.\n"
+    table = Table(caption="TTFT, prefill, per-request decode and prompt tokens: medians over the level's "
+                          "requests (each starts its text elsewhere: a few tokens off the calibrated count).\n"
                           f"{report['aggregate_definition']}.", caption_justify="left")
     for title in ("concur-\nrency", "reqs", "prompt\ntokens", "gen\ntokens", "TTFT\n(ms)", "prefill\ntok/s",
                   "decode\ntok/s\nper req.", "decode\ntok/s\naggregate"):
