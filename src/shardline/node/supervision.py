@@ -38,6 +38,12 @@ log = logging.getLogger(__name__)
 DELETED = "the instance was deleted"
 """What a request on an instance deleted mid-request fails with."""
 
+NAMING_GRACE_S = 1.0
+"""Seconds a rank that lost a peer waits for the coordinator to name the rank that failed
+before it fails its requests with its own words: the table of a deletion, or of a runner
+that crashed on a live node, arrives within it; a dead node's takes the heartbeat's
+seconds, which a client should not wait for (it waited 4.2 s)."""
+
 
 class Supervisor:
     """This node's runners against the instance table, and their reports. One per node;
@@ -176,16 +182,17 @@ class Supervisor:
     async def _fail_streams_when_known(self, instance_id: str, error: str) -> None:
         """Fail this node's requests on ``instance_id`` with the error the coordinator
         gives the instance (naming the rank that failed), or ``error`` if none comes within
-        the grace."""
-        deadline = time.time() + self.node.down_after_s + 3.0
+        :data:`NAMING_GRACE_S`."""
+        deadline = time.time() + NAMING_GRACE_S
         while time.time() < deadline:
             inst = self.node.instances.get(instance_id)
             if inst is None or inst.status == InstanceStatus.FAILED:
                 break
             await asyncio.sleep(0.1)
         inst = self.node.instances.get(instance_id)
+        code = EndCode.INSTANCE_FAILED
         if inst is None:  # deleted, which stopped the other ranks first
-            error = DELETED
+            error, code = DELETED, EndCode.INSTANCE_DELETED
         elif inst.error:
             error = inst.error
-        self.node.router._fail_streams(instance_id, error)
+        self.node.router._fail_streams(instance_id, error, code)
