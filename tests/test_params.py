@@ -10,8 +10,9 @@ from pathlib import Path
 import pytest
 
 from shardline.api import anthropic, completions, ollama, openai
-from shardline.api.generation import APIError, parse_raw
+from shardline.api.generation import APIError
 from shardline.api.params import PARAMETERS, Endpoint, Param, ParamError, render_table, screen
+from shardline.api.request_body import parse_raw
 from shardline.api.responses_request import ResponsesRequest
 
 pytestmark = pytest.mark.fast

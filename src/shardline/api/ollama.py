@@ -37,7 +37,6 @@ from shardline.api.generation import (
     Generation,
     GenerationRequest,
     collect_unless_disconnected,
-    parse_body,
     prepare,
 )
 from shardline.api.keep_alive import KeepAlive, parse_keep_alive, unload
@@ -45,6 +44,7 @@ from shardline.api.logprobs import ollama_logprobs
 from shardline.api.metrics import RequestMetrics
 from shardline.api.model_facts import ModelFacts, held_bytes, model_facts, placed
 from shardline.api.params import Endpoint, StopString
+from shardline.api.request_body import parse_body
 from shardline.api.structured import json_grammar
 from shardline.api.tools import ToolCall, openai_tool_choice
 from shardline.models.store import ModelNotFoundError

@@ -31,7 +31,6 @@ from shardline.api.generation import (
     GenerationRequest,
     collect_unless_disconnected,
     merge_streams,
-    parse_body,
     prepare,
 )
 from shardline.api.logprobs import (
@@ -39,6 +38,7 @@ from shardline.api.logprobs import (
 )
 from shardline.api.metrics import RequestMetrics
 from shardline.api.params import Endpoint, StopString
+from shardline.api.request_body import parse_body
 from shardline.api.structured import ANY_OBJECT, json_grammar, strict_schema_problem
 from shardline.api.tools import ToolCall, ToolChoice, openai_tool_choice
 from shardline.node.node import Node

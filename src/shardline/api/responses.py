@@ -19,16 +19,15 @@ from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
 from shardline.api.generation import (
-    PARSE_IN_THREAD_BYTES,
     APIError,
     Chunk,
     Generation,
     collect_unless_disconnected,
-    decode_json_body,
     prepare,
 )
 from shardline.api.metrics import RequestMetrics
 from shardline.api.openai import error_body, error_response
+from shardline.api.request_body import PARSE_IN_THREAD_BYTES, decode_json_body
 from shardline.api.response_store import ResponseStore, StoredResponse
 from shardline.api.responses_output import OutputBuilder, Piece, new_id, usage_object
 from shardline.api.responses_request import (

@@ -18,8 +18,9 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from shardline.api.generation import APIError, GenerationRequest, validation_error
+from shardline.api.generation import APIError, GenerationRequest
 from shardline.api.params import PARAMETERS, Endpoint
+from shardline.api.request_body import validation_error
 from shardline.api.structured import json_grammar, strict_schema_problem
 from shardline.api.tools import ToolChoice, ToolChoiceMode, check_history, check_tools
 from shardline.runner.protocol import SamplingParams
