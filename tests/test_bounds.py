@@ -314,13 +314,19 @@ def test_a_bad_argument_is_named_with_its_commands_usage(argv, words, capsys):
     assert exited.value.code == 2 and words in err and f"shardline {argv[0]}: error" in err
 
 
-def test_history_cuts_drop_the_oldest_messages_but_system_and_last():
-    from shardline.api.prompt_bounds import history_cuts
+def test_a_chat_loses_its_oldest_messages_but_system_and_last():
+    from shardline.api.prompt_bounds import droppable, without_oldest
 
     def chat(*roles: str) -> list[dict]:
         return [{"role": r, "content": str(i)} for i, r in enumerate(roles)]
 
-    cuts = history_cuts(chat("system", "user", "assistant", "user"))
-    assert [[m["content"] for m in c] for c in cuts] == [["0", "2", "3"], ["0", "3"]]
-    assert history_cuts(chat("user")) == [] and history_cuts(chat("system", "user")) == []
-    assert [len(c) for c in history_cuts(chat("user", "system", "user", "user"))] == [3, 2]
+    full = chat("system", "user", "assistant", "user")
+    assert droppable(full) == 2
+    assert [[m["content"] for m in without_oldest(full, k)] for k in range(4)] == [
+        ["0", "1", "2", "3"], ["0", "2", "3"], ["0", "3"], ["0", "3"]]
+    assert droppable(chat("user")) == 0 and droppable(chat("system", "user")) == 0
+    mixed = chat("user", "system", "user", "user")
+    assert [m["content"] for m in without_oldest(mixed, droppable(mixed))] == ["1", "3"]
+    started = time.monotonic()  # linear: a 5,000-message chat in milliseconds
+    long = chat(*["user"] * 5000)
+    assert len(without_oldest(long, droppable(long))) == 1 and time.monotonic() - started < 0.5

@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING, Any
 from fastapi import Request
 
 from shardline.api.logprobs import HeldLogprobs, TokenLogprob, token_logprob
-from shardline.api.prompt_bounds import history_cuts, min_prompt_tokens
+from shardline.api.prompt_bounds import droppable, min_prompt_tokens, without_oldest
 from shardline.api.tools import (
     ToolCall,
     ToolCallParser,
@@ -357,21 +357,23 @@ def _forced_call(req: GenerationRequest, tokenizer: Tokenizer) -> SamplingParams
 
 async def _encode_chat(req: GenerationRequest, messages: list[dict[str, Any]], tokenizer: Tokenizer,
                        instance_context: int) -> list[int]:
-    """The token ids of ``req``'s chat (``messages``); with ``truncate_history``, of the longest of
-    :func:`~shardline.api.prompt_bounds.history_cuts` that leaves the context room for a
-    token (a binary search: a shorter chat has fewer tokens), else of the shortest (which
+    """The token ids of ``req``'s chat (``messages``); with ``truncate_history``, of the
+    longest :func:`~shardline.api.prompt_bounds.without_oldest` that leaves the context
+    room for a token (a binary search over how many messages go: a shorter chat has fewer
+    tokens; a dozen encodings for 5,000 messages), else of the shortest (which
     :class:`Generation` refuses as too long).
 
     Raises:
         APIError: 400 when the chat template refuses the chat.
     """
-    chats = [messages, *(history_cuts(messages) if req.truncate_history else [])]
+    most = droppable(messages) if req.truncate_history else 0
     context = min(instance_context, req.context or instance_context)
     encoded: dict[int, list[int]] = {}
 
-    async def encode(i: int) -> list[int]:
+    async def encode(i: int) -> list[int]:  # the chat without its i oldest messages
         if i not in encoded:
-            call = functools.partial(tokenizer.encode_chat, chats[i], tools=req.tools if req.offers_tools else None,
+            call = functools.partial(tokenizer.encode_chat, without_oldest(messages, i),
+                                     tools=req.tools if req.offers_tools else None,
                                      continue_final_message=req.continue_final_message)
             try:
                 encoded[i] = await asyncio.to_thread(call)
@@ -379,7 +381,7 @@ async def _encode_chat(req: GenerationRequest, messages: list[dict[str, Any]], t
                 raise APIError(400, str(exc), param=req.prompt_param) from exc
         return encoded[i]
 
-    low, high = 0, len(chats) - 1  # the first that fits lies in [low, high] (or none does)
+    low, high = 0, most  # the first that fits lies in [low, high] (or none does)
     while low < high:
         middle = (low + high) // 2
         if len(await encode(middle)) < context:
@@ -445,7 +447,7 @@ async def tokenize(node: Node, req: GenerationRequest) -> tuple[Instance, Tokeni
     if isinstance(req.prompt, str) or (req.prompt and isinstance(req.prompt[0], dict)):
         shortest: Any = req.prompt
         if req.truncate_history:  # what a chat past the context keeps, at the least
-            shortest = (history_cuts(shortest) or [shortest])[-1]
+            shortest = without_oldest(shortest, droppable(shortest))
         at_least = min_prompt_tokens(shortest, tokenizer.max_token_chars)
         if at_least > inst.context:
             raise APIError(400, f"this model's context is {inst.context} tokens; the request asks for at "

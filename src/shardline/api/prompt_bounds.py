@@ -47,13 +47,21 @@ def min_prompt_tokens(prompt: str | list[dict[str, Any]], max_token_chars: int) 
     return max(by_chars, len(prompt))
 
 
-def history_cuts(messages: list[dict[str, Any]]) -> list[list[dict[str, Any]]]:
-    """Ever shorter versions of a chat, to fit a context as Ollama's ``/api/chat`` does
-    (its ``server/prompt.go`` ``chatPrompt``: a chat past the context loses its oldest
-    messages, never the system messages nor the last message): the chat without its
-    first, first two, ... other messages, down to the system messages and the last one.
-    Empty for a chat with nothing to drop."""
-    last = len(messages) - 1
-    droppable = [i for i, m in enumerate(messages[:last]) if m.get("role") != "system"]
-    return [[m for i, m in enumerate(messages) if i not in set(droppable[:cut])]
-            for cut in range(1, len(droppable) + 1)]
+def droppable(messages: list[dict[str, Any]]) -> int:
+    """How many of a chat's messages :func:`without_oldest` may drop: all but the system
+    messages and the last one."""
+    return sum(m.get("role") != "system" for m in messages[:-1])
+
+
+def without_oldest(messages: list[dict[str, Any]], count: int) -> list[dict[str, Any]]:
+    """A chat shortened to fit a context as Ollama's ``/api/chat`` does (its
+    ``server/prompt.go`` ``chatPrompt``: a chat past the context loses its oldest
+    messages, never the system messages nor the last message): ``messages`` without its
+    first ``count`` messages that are neither (at most :func:`droppable`)."""
+    out, left = [], count
+    for i, m in enumerate(messages):
+        if left > 0 and i < len(messages) - 1 and m.get("role") != "system":
+            left -= 1
+            continue
+        out.append(m)
+    return out
