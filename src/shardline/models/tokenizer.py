@@ -146,13 +146,19 @@ class Tokenizer:
         """Indices of the messages other than tool results whose ``name`` (a participant's)
         the chat template leaves out: the prompt :meth:`render_chat` gives is the same
         without it (most templates render no participant names; a request's name would be
-        accepted and do nothing). A tool result's name ties it to its call
+        accepted and do nothing). The first named message of each role is tried (a
+        template renders a role's names all or none; a render a role, not one per message
+        of a long chat). A tool result's name ties it to its call
         (:func:`~shardline.api.tools.check_history` checks it) and is not listed.
 
         Raises:
             ChatTemplateError: as :meth:`render_chat`.
         """
-        named = [i for i, m in enumerate(messages) if m.get("name") is not None and m.get("role") != "tool"]
+        first: dict[str, int] = {}
+        for i, m in enumerate(messages):
+            if m.get("name") is not None and m.get("role") != "tool":
+                first.setdefault(str(m.get("role")), i)
+        named = sorted(first.values())
         if not named:
             return []
         full = self.render_chat(messages, tools, continue_final_message)
