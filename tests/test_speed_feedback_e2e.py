@@ -93,6 +93,7 @@ def test_predicted_decode_is_near_the_measured_rate(tmp_path):
             "context": speed["decode_context"]}).json()["candidates"]
         [one] = [c for c in candidates if c["feasible"]]
         assert one["decode_basis"] == "measured" and one["prefill_basis"] == "measured"
+        assert one["serving"] is True  # the instance runs on it now
         assert one["predicted_decode_tokens_per_s"] == pytest.approx(measured)
         assert one["model_decode_tokens_per_s"] == pytest.approx(predicted, rel=0.05)
     finally:

@@ -210,7 +210,7 @@ def _place(args: argparse.Namespace) -> None:
         for c in data["candidates"]:
             # "measured": this placement served; "scaled": the model corrected by others'
             basis = {"measured": " (measured)", "scaled": " (scaled)"}
-            table.add_row(c["sharding"], ", ".join(c["node_ids"]),
+            table.add_row(c["sharding"], ", ".join(c["node_ids"]) + (" (serving)" if c.get("serving") else ""),
                           f"{c['predicted_decode_tokens_per_s']:.1f}{basis.get(c.get('decode_basis'), '')}"
                           if c["feasible"] else "-",
                           f"{c['predicted_prefill_tokens_per_s']:.0f}{basis.get(c.get('prefill_basis'), '')}"

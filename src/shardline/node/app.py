@@ -237,7 +237,9 @@ def create_app(node: Node, guard: GuardConfig, max_body_bytes: int = DEFAULT_MAX
 
     @app.post("/cluster/placements/preview")
     async def placement_preview(body: CreateInstance):
-        """Feasible placements with predicted tokens/s (fastest first), then refused ones."""
+        """Feasible placements with predicted tokens/s (fastest first), then refused ones;
+        ``serving``: an instance of the model (in the asked dtype and quantization) runs
+        on this placement now."""
         try:
             shardings = shardings_named(body.sharding)
             model_id = await node.logistics.adopt(body.model)
@@ -253,8 +255,12 @@ def create_app(node: Node, guard: GuardConfig, max_body_bytes: int = DEFAULT_MAX
             return cluster_error(404, str(exc), "model")
         except (PlacementError, ModelStoreError, UnsupportedModelError, PlacementRequestError) as exc:
             return cluster_error(400, str(exc))
+        serving = {(str(i.sharding), tuple(i.node_ids())) for i in node.instances.values()
+                   if i.model_id == card.model_id and i.status != InstanceStatus.FAILED
+                   and i.dtype == body.dtype and i.quantize == body.quantize}
         return {"candidates": [
             {"sharding": c.sharding, "node_ids": list(c.node_ids), "feasible": c.feasible,
+             "serving": (str(c.sharding), tuple(c.node_ids)) in serving,
              "predicted_decode_tokens_per_s": c.predicted_decode_tokens_per_s,
              "predicted_prefill_tokens_per_s": c.predicted_prefill_tokens_per_s,
              "model_decode_tokens_per_s": c.model_decode_tokens_per_s,
