@@ -92,6 +92,11 @@ class GenerationRequest:
     name_param: str | None = None  # the API's name of a message's "name" when its client sets it
     truncate_history: bool = False  # a chat past the context loses its oldest messages (Ollama's)
 
+    def window(self, instance_context: int) -> int:
+        """Tokens of context this request may use, prompt and completion: its own window
+        (Ollama's ``num_ctx``) where it gives one, at most the instance's."""
+        return min(instance_context, self.context or instance_context)
+
     @property
     def offers_tools(self) -> bool:
         """Tools are rendered into the prompt and calls parsed from the output."""
@@ -171,7 +176,7 @@ class Generation:
         self.instance = inst
         self.prompt = prompt
         self.tokenizer = tokenizer
-        context = min(inst.context, req.context or inst.context)
+        context = req.window(inst.context)
         room = context - len(prompt)
         if room < 1 or (req.max_tokens is not None and req.max_tokens > room and not req.max_tokens_capped):
             asked = f" and {req.max_tokens} for the completion" if req.max_tokens is not None else ""
@@ -367,7 +372,7 @@ async def _encode_chat(req: GenerationRequest, messages: list[dict[str, Any]], t
         APIError: 400 when the chat template refuses the chat.
     """
     most = droppable(messages) if req.truncate_history else 0
-    context = min(instance_context, req.context or instance_context)
+    context = req.window(instance_context)
     encoded: dict[int, list[int]] = {}
 
     async def encode(i: int) -> list[int]:  # the chat without its i oldest messages

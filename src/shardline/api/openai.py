@@ -220,7 +220,7 @@ class ResponseFormat(BaseModel):
             raise APIError(400, f"response_format.json_schema.schema: a strict schema's {problem}",
                            param="response_format.json_schema.schema")
         try:
-            return json_grammar(schema or ({"type": "object"} if self.json_schema is not None else None))
+            return json_grammar(schema or None)  # None: any object (json_object, or an empty json_schema)
         except ValueError as exc:
             raise APIError(400, f"response_format: {exc}", param="response_format") from exc
 

@@ -26,7 +26,7 @@ from dataclasses import dataclass
 from enum import Enum
 from typing import Any
 
-from shardline.api.structured import matches_schema, strict_schema_problem
+from shardline.api.structured import ANY_OBJECT, matches_schema, strict_schema_problem
 from shardline.models.tool_prompt import call_arguments
 
 TOOL_CALL_OPEN = "<tool_call>"
@@ -210,7 +210,7 @@ def check_history(messages: list[dict[str, Any]]) -> None:
 def strict_schemas(tools: list[dict[str, Any]] | None) -> dict[str, dict[str, Any]]:
     """The ``parameters`` schema of each of ``tools`` (checked ones) marked ``strict``, by
     name: the calls whose arguments must match it."""
-    return {t["function"]["name"]: t["function"].get("parameters") or {"type": "object"}
+    return {t["function"]["name"]: t["function"].get("parameters") or ANY_OBJECT
             for t in tools or () if t["function"].get("strict")}
 
 

@@ -190,16 +190,17 @@ class HostProfiler:
         """Measure; kill the child and keep nothing if the node stops being idle first
         (``measured_at`` back to ``tried_before``: measured again once idle). Whether a
         profile was taken."""
-        from shardline.node.profile import measure_host_async
-
         with _machine_lock(self.cache) as mine:
             if not mine:  # another node of this machine measures: its profile is taken after
                 log.debug("host profile: another node of this machine is measuring it")
                 self.measured_at = tried_before
                 return False
-            return await self._measure(tried_before, measure_host_async)
+            return await self._measure(tried_before)
 
-    async def _measure(self, tried_before: float | None, measure_host_async) -> bool:
+    async def _measure(self, tried_before: float | None) -> bool:
+        """:meth:`_measure_while_idle`'s measurement, the machine's lock held."""
+        from shardline.node.profile import measure_host_async
+
         task = asyncio.create_task(measure_host_async(
             seconds=PROFILE_SECONDS, threads=self.node.runner_threads, samples=PROFILE_SAMPLES))
         while not task.done():
