@@ -193,8 +193,10 @@ class Coordinator:
     async def _replace(self, instance_id: str, wait: bool = True) -> None:
         """Place a failed instance again (once: a second call for the same instance while
         one runs does nothing), after ``down_after_s + 1`` so that a vanished node has
-        missed its heartbeats and is not chosen again, unless every node of it answers a
-        poll now (a runner died, not its node: 6 s of 503s saved); at once without
+        missed its heartbeats and is not chosen again, unless it had served and every node
+        of it answers a poll now (a runner died, not its node: 6 s of 503s saved; one that
+        failed while loading keeps the wait, so its reason stays in the table a while and
+        a model that cannot load is not placed again in a tight loop); at once without
         ``wait`` (its ranks died with restarted nodes that have been heard since, e.g. a
         cluster started again with its kept table)."""
         if instance_id in self.replacing:
@@ -202,7 +204,8 @@ class Coordinator:
         self.replacing.add(instance_id)
         try:
             failed = self.node.instances.get(instance_id)
-            if wait and not (failed is not None and await self._all_answer(failed)):
+            if wait and not (failed is not None and failed.ready_at is not None
+                             and await self._all_answer(failed)):
                 await asyncio.sleep(self.node.down_after_s + 1)
             failed = self.node.instances.get(instance_id)
             if failed is not None and failed.status == InstanceStatus.FAILED \
