@@ -298,9 +298,12 @@ def predict_tokens_per_s(
            later one leaves the slowest stage or hop a chunk later, stages overlapping:
            a prompt of one chunk runs its stages one after another)
 
-    tensor (two all-reduces a layer of float32 partial sums, ring all-reduce; rank 0 samples)::
+    tensor (two all-reduces a layer of float32 partial sums, rank 0 samples; gloo's ring
+    all-reduce: a reduce-scatter and an all-gather of P-1 steps each, every step a message
+    of 1/P of the sums to the next rank: Patarasuk and Yuan, "Bandwidth optimal all-reduce
+    algorithms for clusters of workstations", JPDC 2009)::
 
-        allreduce(n) = 2*(P-1)/P * n*d*4 / bw_min + (P-1) * lat_max      (n tokens)
+        allreduce(n) = 2*(P-1)/P * n*d*4 / bw_min + 2*(P-1) * lat_max    (n tokens)
         decode s/token  = max_r s_r * T_r + STEP_LAYERS * o_0 + 2*L * allreduce(1) + lat_max
         prefill s/token = max_r s_r * Q_r + 2*L * allreduce(C) / C
                           (Q_r with r's heads and columns: A = d + r's columns)
@@ -376,7 +379,7 @@ def predict_tokens_per_s(
         decode += STEP_LAYERS * nodes[0].decode_layer_s
         if P > 1:
             def allreduce(tokens: int) -> float:
-                return 2 * (P - 1) / P * tokens * d * 4 / bw_min + (P - 1) * lat_max
+                return 2 * (P - 1) / P * tokens * d * 4 / bw_min + 2 * (P - 1) * lat_max
             decode += 2 * L * allreduce(1) + bcast
             prefill += 2 * L * allreduce(PREFILL_CHUNK_TOKENS) / PREFILL_CHUNK_TOKENS
         return _per_s(decode), _per_s(prefill)
