@@ -7,8 +7,9 @@ from __future__ import annotations
 import pytest
 from model_shapes import smollm2 as _smollm2
 
-from shardline.control import serving_by_node, speed_text
+from shardline.control import models_held, serving_by_node, speed_text
 from shardline.models.config import RankShare
+from shardline.models.store import DEFAULT_MODEL_ID
 from shardline.node.speeds import measure_due, node_idle
 from shardline.node.status import RankStatus
 from shardline.placement.preview import (
@@ -206,6 +207,22 @@ def test_nodes_list_the_models_they_serve():
     table = [inst("a", "ready", "n1", "n2"), inst("b", "loading", "n2"), inst("a", "ready", "n2"),
              inst("c", "failed", "n3")]
     assert serving_by_node(table) == {"n1": ["a"], "n2": ["a", "b"]}
+
+
+@pytest.mark.parametrize("node, held", [
+    # a live node holds the embedded default (models list says so), then its store's
+    ({"live": True, "models": {}}, f"{DEFAULT_MODEL_ID} (embedded)"),
+    ({"live": True, "models": {"q": {"complete": True}, "r": {"complete": False}}},
+     f"{DEFAULT_MODEL_ID} (embedded), q, r (part)"),
+    # the default also in the store: listed once
+    ({"live": True, "models": {DEFAULT_MODEL_ID: {"complete": True}}},
+     f"{DEFAULT_MODEL_ID} (embedded)"),
+    # a node that is down: its last report's store only
+    ({"live": False, "models": {"q": {"complete": True}}}, "q"),
+    ({"live": False}, "-"),
+])
+def test_models_held(node, held):
+    assert models_held(node) == held
 
 
 def test_calibrate_carries_a_ratio_only_within_its_sharding_or_from_one_node():

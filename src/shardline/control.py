@@ -93,6 +93,18 @@ def serving_by_node(instances: list[dict]) -> dict[str, list[str]]:
     return serving
 
 
+def models_held(node: dict) -> str:
+    """The models a node of ``GET /cluster/nodes`` holds, for ``shardline nodes``: the
+    embedded default where the node is live (its package carries it, as ``models list``
+    says), then its store's, a partial copy marked "(part)"; ``-`` for none."""
+    from shardline.models.store import DEFAULT_MODEL_ID
+
+    held = [f"{DEFAULT_MODEL_ID} (embedded)"] if node.get("live") else []
+    held += [m + ("" if v.get("complete") else " (part)")
+             for m, v in (node.get("models") or {}).items() if m != DEFAULT_MODEL_ID]
+    return ", ".join(held) or "-"
+
+
 def _nodes(args: argparse.Namespace) -> None:
     from rich.table import Table
 
@@ -100,20 +112,18 @@ def _nodes(args: argparse.Namespace) -> None:
     serving = serving_by_node(_request(args, "GET", "/cluster/instances")["instances"])
     table = Table(title=f"coordinator: {data['coordinator']}")
     for column in ("node", "address", "live", "free / offered memory", "committed", "accelerator",
-                   "matmul", "serving", "in its store"):
+                   "matmul", "serving", "models held"):
         table.add_column(column, no_wrap=column in ("node", "address"))
     for n in data["nodes"]:
         profile = n.get("profile") or {}
         flops = profile.get("matmul_flops")
         accelerator = profile.get("accelerator") or "-"
-        stored = ", ".join(m + ("" if v.get("complete") else " (part)")
-                           for m, v in (n.get("models") or {}).items())
         table.add_row(n["node_id"], n["address"], "yes" if n["live"] else "DOWN",
                       f"{_gb(n.get('free_bytes'))} / {_gb(n.get('offered_bytes'))}" if n["live"]
                       else "- (down)",  # its last report: nothing to place on
                       _gb(n.get("committed_bytes")), str(accelerator),
                       f"{flops / 1e12:.2f} TFLOP/s" if flops else "-",
-                      ", ".join(serving.get(n["node_id"], [])) or "-", stored or "-")
+                      ", ".join(serving.get(n["node_id"], [])) or "-", models_held(n))
     _console().print(table)
 
 
