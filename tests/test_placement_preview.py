@@ -8,17 +8,15 @@ from model_shapes import llama8b as _llama8b
 from model_shapes import smollm2 as _smollm2
 
 from shardline.placement.pipeline import NodeCapacity, PlacementError
-from shardline.placement.preview import (
+from shardline.placement.preview import Candidate, auto, preview
+from shardline.placement.ranks import place_ranks
+from shardline.placement.speed import (
     DEFAULT_LINK,
-    Candidate,
     Link,
     NodeProfile,
-    auto,
     link_between,
     predict_tokens_per_s,
-    preview,
 )
-from shardline.placement.ranks import place_ranks
 
 pytestmark = [pytest.mark.fast, pytest.mark.timeout(30)]
 

@@ -12,14 +12,7 @@ from shardline.models.config import RankShare
 from shardline.models.store import DEFAULT_MODEL_ID
 from shardline.node.speeds import measure_due, node_idle
 from shardline.node.status import RankStatus
-from shardline.placement.preview import (
-    STEP_LAYERS,
-    NodeProfile,
-    attention_flops,
-    oversubscription,
-    predict_tokens_per_s,
-    preview,
-)
+from shardline.placement.preview import preview
 from shardline.placement.served import (
     KEEP_SAMPLES,
     MIN_PREFILL_TOKENS,
@@ -30,6 +23,13 @@ from shardline.placement.served import (
     record,
     request_rates,
     with_prediction,
+)
+from shardline.placement.speed import (
+    STEP_LAYERS,
+    NodeProfile,
+    attention_flops,
+    oversubscription,
+    predict_tokens_per_s,
 )
 
 pytestmark = [pytest.mark.fast, pytest.mark.timeout(30)]

@@ -13,8 +13,8 @@ from model_shapes import smollm2
 
 from shardline.models.config import RankShare
 from shardline.models.store import DEFAULT_MODEL_ID, default_model_path
-from shardline.placement.preview import NodeProfile, predict_tokens_per_s
 from shardline.placement.ranks import resident_bytes_per_weight
+from shardline.placement.speed import NodeProfile, predict_tokens_per_s
 
 pytestmark = pytest.mark.timeout(240)
 

@@ -304,7 +304,7 @@ class Coordinator:
         A node whose profile is not measured yet counts with 10 GB/s and 100 GFLOP/s (and
         no per-layer decode cost).
         """
-        from shardline.placement.preview import Link, NodeProfile
+        from shardline.placement.speed import Link, NodeProfile
 
         profiles, links = [], {}
         for node_id in node_ids:
@@ -378,7 +378,7 @@ class Coordinator:
         not known or its model card cannot be read (cards are read once a model; the
         first read of a GGUF's takes seconds: without ``wait``, (0, 0) while it is read
         in the background)."""
-        from shardline.placement.preview import PREFILL_CHUNK_TOKENS, predict_tokens_per_s
+        from shardline.placement.speed import PREFILL_CHUNK_TOKENS, predict_tokens_per_s
 
         try:
             card = self._cards.get(inst.model_id)

@@ -105,7 +105,7 @@ class HostProfile:
             ``--runner-threads``; 0: torch's default).
         host_id: the machine (:func:`host_id`): nodes with the same id share its CPUs,
             so ranks of theirs computing at once slow each other (the preview counts it:
-            :func:`~shardline.placement.preview.oversubscription`).
+            :func:`~shardline.placement.speed.oversubscription`).
         samples: how many timed windows each rate is the median of.
         measured_at: when it was measured, seconds since the epoch.
         measure_s: wall time the measurement took (child start to exit), seconds.

@@ -6,9 +6,9 @@ and a predicted decode and prefill speed, or infeasible, with the
 :class:`~shardline.placement.pipeline.PlacementError` message that says which node lacks
 how many bytes or which shape cannot split. :func:`auto` picks the best feasible one.
 
-Memory is checked by ``place_with_kv_pool`` alone; this module only adds the speed model, which is
-a rough, first-order estimate (documented in :func:`predict_tokens_per_s`): good enough to
-rank candidates, not a benchmark.
+Memory is checked by ``place_with_kv_pool`` alone; the speeds are the speed model's
+(:func:`shardline.placement.speed.predict_tokens_per_s`), corrected by what placements
+measured while serving (:func:`shardline.placement.served.calibrate`).
 
 Everything here is pure: no torch, no I/O.
 """
@@ -18,93 +18,12 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Mapping, Sequence
 
-from shardline.models.config import ModelConfig, Quantize, RankShare, Sharding, TensorShare
+from shardline.models.config import ModelConfig, Quantize, RankShare, Sharding
 from shardline.placement.memory import RUNTIME_BASELINE_BYTES
 from shardline.placement.pipeline import NodeCapacity, PlacementError
-from shardline.placement.ranks import (
-    DTYPE_BYTES,
-    SHARDINGS,
-    place_with_kv_pool,
-    resident_bytes_per_weight,
-    ring_prefill_chunk,
-)
+from shardline.placement.ranks import SHARDINGS, place_with_kv_pool, resident_bytes_per_weight
 from shardline.placement.served import Basis, PlacementKey, ServedSpeed, calibrate
-
-DECODE_WEIGHT_BYTES = 1.0
-"""Bytes decode reads per weight element where the caller gives none (8-bit weights)."""
-
-PREFILL_CHUNK_TOKENS = 512
-"""Prompt tokens per prefill chunk (per rank under ring); latencies are paid once a chunk."""
-
-PREFILL_ACTIVATION_BYTES = 64.0
-"""Bytes of memory traffic a prompt token's prefill costs per layer and per activation
-element (``hidden_size + intermediate_size``) besides its products: the norms, rotary,
-SiLU, products of gates, residual adds and causal attention over a 512-token chunk.
-Fitted with torch.profiler on a 2-vCPU VM (SmolLM2-135M, one thread: 0.26 s of a
-512-token chunk's 0.44 s of CPU time outside the products, ~8 ns an element at ~8 GB/s)."""
-
-STEP_LAYERS = 3.0
-"""What a decode step costs beyond its layers on the rank that samples, in layers' fixed
-cost (``NodeProfile.decode_layer_s``): the embedding lookup, the final norm, the LM head's
-call and its float32 refinement (a top-k: ~0.4 ms a step on a 2-vCPU VM), the sampler, the
-engine loop and the token's way to the node. An estimate from torch.profiler's count of
-those ops, not a fit (the served speeds correct what it misses:
-:mod:`shardline.placement.served`)."""
-
-
-@dataclass(frozen=True)
-class NodeProfile:
-    """A node as the preview sees it.
-
-    Attributes:
-        node_id: the node's id.
-        available_bytes: bytes of memory the node can give a model.
-        memory_bandwidth_bytes_per_s: bytes/s the node reads from memory (decode is bound
-            by the weights and KV cache read per token).
-        matmul_flops: floating-point operations/s the node sustains in matrix products
-            (prefill is bound by these).
-        decode_layer_s: seconds a decoder layer costs a one-sequence decode step besides
-            reading its weights (its small ops; ``HostProfile.decode_layer_s``); 0:
-            unknown, counted as nothing.
-        decode_weight_bytes_per_s: resident weight bytes/s the runner's one-row product
-            reads (``HostProfile.decode_weight_bytes_per_s``): decode reads weights at the
-            lower of this and the memory bandwidth; 0: unknown, the bandwidth alone.
-        host_id: the machine the node runs on (``HostProfile.host_id``); nodes with the
-            same non-empty id share its CPUs; ``""``: unknown, shared with none.
-        cpu_count: the CPUs the node may run on (0: unknown).
-        threads: the threads a runner of the node computes with, which its rates were
-            measured with (0: torch's default, every CPU).
-    """
-
-    node_id: str
-    available_bytes: int
-    memory_bandwidth_bytes_per_s: float
-    matmul_flops: float
-    decode_layer_s: float = 0.0
-    decode_weight_bytes_per_s: float = 0.0
-    host_id: str = ""
-    cpu_count: int = 0
-    threads: int = 0
-
-    @property
-    def weight_read_bytes_per_s(self) -> float:
-        """Bytes/s decode reads weights at: the lower of the memory bandwidth and the
-        product's own rate (where measured)."""
-        rate = self.decode_weight_bytes_per_s
-        bandwidth = self.memory_bandwidth_bytes_per_s
-        return min(bandwidth, rate) if rate > 0 else bandwidth
-
-
-@dataclass(frozen=True)
-class Link:
-    """A network link between two nodes: one-way latency (s) and bandwidth (bytes/s)."""
-
-    latency_s: float
-    bandwidth_bytes_per_s: float
-
-
-DEFAULT_LINK = Link(latency_s=1e-3, bandwidth_bytes_per_s=100e6)
-"""Assumed for a pair of nodes missing from ``links``: 1 ms, 100 MB/s."""
+from shardline.placement.speed import Link, NodeProfile, check_dtype, predict_tokens_per_s
 
 
 @dataclass(frozen=True)
@@ -146,260 +65,6 @@ class Candidate:
     def feasible(self) -> bool:
         return self.error is None
 
-
-def link_between(links: Mapping[tuple[str, str], Link] | None, a: str, b: str) -> Link:
-    """The link between nodes ``a`` and ``b`` (either key order), else :data:`DEFAULT_LINK`."""
-    links = links or {}
-    return links.get((a, b)) or links.get((b, a)) or DEFAULT_LINK
-
-
-def _check_dtype(dtype: str) -> None:
-    if dtype not in DTYPE_BYTES:
-        raise PlacementError(
-            f"dtype {dtype!r} is not supported (supported: {', '.join(DTYPE_BYTES)})"
-        )
-
-
-def _linear_per_layer(config: ModelConfig) -> int:
-    """Linear weight elements of one whole decoder layer (q, k, v, o, gate, up, down)."""
-    return config.layer_param_count() - 2 * config.hidden_size
-
-
-def _tensor_linear_per_layer(config: ModelConfig, share: TensorShare) -> int:
-    """Linear weight elements of one layer that a tensor rank holds (as tensor_rank_bytes)."""
-    d, hd = config.hidden_size, config.head_dim
-    q, kv = share.num_heads * hd, share.num_kv_heads * hd
-    return d * (q + 2 * kv) + q * d + 3 * d * share.num_columns
-
-
-def _secs(num: float, rate: float) -> float:
-    return num / rate if rate > 0 else float("inf")
-
-
-def _per_s(seconds: float) -> float:
-    return 1.0 / seconds if seconds > 0 else float("inf")
-
-
-def _step_s(node: NodeProfile, weight_bytes: float, kv_bytes: float, layers: float) -> float:
-    """Seconds ``node`` takes for its part of a one-sequence decode step: its weights at
-    its weight-read rate, its KV cache at its memory bandwidth, ``layers`` layers' fixed
-    cost."""
-    return (_secs(weight_bytes, node.weight_read_bytes_per_s)
-            + _secs(kv_bytes, node.memory_bandwidth_bytes_per_s) + layers * node.decode_layer_s)
-
-
-def _prefill_s(node: NodeProfile, flops: float, layers: float, activations: float) -> float:
-    """Seconds ``node`` takes a prompt token for ``flops`` of products (attention's past a
-    chunk's length included), ``activations`` (layer, element) of its layers' other work
-    (norms, activation function, residuals, attention at a chunk's length:
-    :data:`PREFILL_ACTIVATION_BYTES` each at its memory bandwidth) and ``layers`` layers'
-    fixed cost, paid once a chunk."""
-    return (_secs(flops, node.matmul_flops)
-            + _secs(activations * PREFILL_ACTIVATION_BYTES, node.memory_bandwidth_bytes_per_s)
-            + layers * node.decode_layer_s / PREFILL_CHUNK_TOKENS)
-
-
-def attention_flops(query_width: int, prompt_tokens: int) -> float:
-    """Floating-point operations a prompt token's causal attention costs in one layer past
-    what :data:`PREFILL_ACTIVATION_BYTES` holds (attention over a chunk's first half, the
-    fit's own prompt): ``4 * query_width * (prompt_tokens - PREFILL_CHUNK_TOKENS) / 2``
-    (q·k and p·v, 2 operations a multiply-add, over the ``prompt_tokens / 2`` keys a
-    token of the prompt sees on average), 0 for a prompt within one chunk.
-    ``query_width``: the query heads' width (heads x head_dim) the rank computes."""
-    return 2.0 * query_width * max(0, prompt_tokens - PREFILL_CHUNK_TOKENS)
-
-
-def oversubscription(nodes: Sequence[NodeProfile]) -> list[float]:
-    """For each node, how many times more threads its host's nodes among ``nodes`` run
-    at once than the host has CPUs (at least 1): the factor a rank's compute slows by
-    while all of them compute together (a tensor or ring step, or overlapped pipeline
-    prefill). Nodes of one host: the same non-empty ``host_id``; a node's threads are
-    ``threads``, else (torch's default) ``cpu_count``; a host's CPUs the most any of its
-    nodes counts. Unknown hosts or CPUs: 1."""
-    hosts: dict[str, list[NodeProfile]] = {}
-    for node in nodes:
-        if node.host_id and node.cpu_count > 0:
-            hosts.setdefault(node.host_id, []).append(node)
-
-    def factor(node: NodeProfile) -> float:
-        group = hosts.get(node.host_id) if node.host_id else None
-        if not group:
-            return 1.0
-        cpus = max(n.cpu_count for n in group)
-        return max(1.0, sum(n.threads or n.cpu_count for n in group) / cpus)
-
-    return [factor(n) for n in nodes]
-
-
-def predict_tokens_per_s(
-    config: ModelConfig,
-    sharding: Sharding,
-    nodes: Sequence[NodeProfile],
-    shares: Sequence[RankShare],
-    links: Mapping[tuple[str, str], Link] | None,
-    context: int,
-    dtype: str = "bfloat16",
-    *,
-    decode_weight_bytes: float = DECODE_WEIGHT_BYTES,
-    prompt_tokens: int = PREFILL_CHUNK_TOKENS,
-) -> tuple[float, float]:
-    """Predicted (decode, prefill) tokens/s of a feasible placement (node i is rank i).
-
-    Decode is for one sequence; prefill for one prompt of ``prompt_tokens``. Notation: ``P`` ranks,
-    ``L = num_layers``, ``d = hidden_size``, ``e`` = bytes of a ``dtype`` element, ``w =
-    decode_weight_bytes`` (bytes a weight takes resident), ``bw_r`` and ``F_r`` rank r's memory
-    bandwidth (bytes/s) and matmul FLOP/s, ``wr_r`` the rate its decode product reads
-    weights at (``NodeProfile.weight_read_bytes_per_s``: the lower of ``bw_r`` and the
-    int4 kernel's measured rate), ``o_r`` its ``decode_layer_s`` (the fixed cost of a layer
-    in a decode step, s), ``L_r`` its layers, ``lat``/``bw`` a link's latency (s) and
-    bandwidth (bytes/s), ``lat_max``/``bw_min`` the worst over all pairs of the placement's
-    nodes.
-
-    What rank r reads per decoded token::
-
-        W_r = w * (linear weight elements of r, the LM head on the sampling rank included)
-        K_r = (KV bytes per token of r's layers or KV heads) * context / 2
-
-    (the KV cache read at the average context of a sequence that grows to ``context``;
-    embedding lookups are negligible). ``N_r`` is r's linear weight elements without the
-    LM head (prefill computes logits for the last token only), ``A = d +
-    intermediate_size`` a token's activation elements in a layer. A rank's decode step and
-    a prompt token's prefill on it cost::
-
-        T_r = W_r / wr_r + K_r / bw_r + L_r * o_r
-        Q_r = (2*N_r + L_r * attention_flops(q_r, n)) / F_r
-              + L_r * A * PREFILL_ACTIVATION_BYTES / bw_r + L_r * o_r / C
-              (C = PREFILL_CHUNK_TOKENS: a chunk pays the layers' fixed cost once;
-               n = prompt_tokens; q_r the query width r computes: all heads', or its
-               heads' under tensor)
-
-    Ranks whose nodes share a machine compute at once in a tensor or ring step and in
-    overlapped pipeline prefill: each such ``T_r`` and ``Q_r`` is multiplied by its host's
-    :func:`oversubscription` ``s_r`` (threads running at once over CPUs, at least 1; a
-    local cluster of 3 one-thread nodes on 2 CPUs: 1.5). A one-sequence pipeline decode
-    runs its stages one after another and pays none.
-
-    plus ``STEP_LAYERS * o_r`` on the rank that samples. A small model's decode on a CPU is
-    bound by its per-layer small ops (norms, rotary, attention's reshapes, residuals: ~60
-    torch calls a layer) and by the int4 kernel's unpacking, not by memory bandwidth. On
-    the 2-vCPU VM this was checked on (SmolLM2-135M int4, one runner thread, the machine
-    loaded by others: load average 5-8), 102 MB of resident weights were read at the int4
-    product's 6-9 GB/s and a layer's fixed cost was 0.6-0.9 ms, so the fixed costs were
-    about half of a ~50 ms step; the bandwidth-only model (``o = 0``, weights at the copy
-    bandwidth) missed them.
-
-    pipeline (the last rank samples and broadcasts the token id)::
-
-        decode s/token  = sum_r T_r + STEP_LAYERS * o_last
-                          + sum_hops (lat + d*e / bw) + lat(last -> others)
-        H_r  = d*e / bw + lat / C     (the hop after stage r, a token's share)
-        prefill s/token = (sum_r (Q_r + H_r) + (k - 1) * max_r max(s_r * Q_r, H_r)) / k
-          (k = ceil(n / C) chunks: the first goes through every stage in turn, and each
-           later one leaves the slowest stage or hop a chunk later, stages overlapping:
-           a prompt of one chunk runs its stages one after another)
-
-    tensor (two all-reduces a layer of float32 partial sums, rank 0 samples; gloo's ring
-    all-reduce: a reduce-scatter and an all-gather of P-1 steps each, every step a message
-    of 1/P of the sums to the next rank: Patarasuk and Yuan, "Bandwidth optimal all-reduce
-    algorithms for clusters of workstations", JPDC 2009)::
-
-        allreduce(n) = 2*(P-1)/P * n*d*4 / bw_min + 2*(P-1) * lat_max    (n tokens)
-        decode s/token  = max_r s_r * T_r + STEP_LAYERS * o_0 + 2*L * allreduce(1) + lat_max
-        prefill s/token = max_r s_r * Q_r + 2*L * allreduce(C) / C
-                          (Q_r with r's heads and columns: A = d + r's columns)
-          (the heads and columns split by shape, not by speed: the slowest rank bounds)
-
-    ring (every rank holds the whole model and decodes it; rank 0 samples)::
-
-        decode s/token  = max_r s_r * T_r + STEP_LAYERS * o_0 + lat_max   (the whole model)
-        prefill s/token = max_r s_r * Q_r / P   (an even zig-zag split; Q_r of the whole
-                                                 model, its fixed cost not divided)
-                          + (P-1)/P * kv_bytes_per_token / bw_min   (k/v blocks round the ring)
-                          + L*(P-1)*lat_max / (P * 512)      (a latency per layer and step)
-
-    A single node (P = 1) pays no link. Compute/transfer overlap and batching are
-    ignored; attention is in ``PREFILL_ACTIVATION_BYTES`` at a chunk's length and in
-    ``K_r`` for decode. With ``o_r = 0`` and no weight-read rate (a profile that did not
-    measure them) decode is the bandwidth-bound model alone.
-
-    Raises:
-        PlacementError: an unknown sharding or dtype.
-    """
-    _check_dtype(dtype)
-    e = DTYPE_BYTES[dtype]
-    L, d = config.num_layers, config.hidden_size
-    P = len(nodes)
-    head = config.vocab_size * d
-    avg_tokens = context / 2
-    kv_token = config.kv_bytes_per_token(e)  # bytes, all layers, all KV heads
-    ids = [n.node_id for n in nodes]
-    pairs = [link_between(links, a, b) for i, a in enumerate(ids) for b in ids[i + 1:]]
-    lat_max = max((k.latency_s for k in pairs), default=0.0)
-    bw_min = min((k.bandwidth_bytes_per_s for k in pairs), default=float("inf"))
-    bcast = lat_max if P > 1 else 0.0
-    act = d + config.intermediate_size  # activation elements a token has in a layer
-    attention = attention_flops(config.num_heads * config.head_dim, prompt_tokens)  # a layer
-    shared = oversubscription(nodes)
-
-    if sharding == Sharding.PIPELINE:
-        decode = slowest = through = 0.0
-        for rank, (node, share) in enumerate(zip(nodes, shares)):
-            layers = share.num_layers
-            linear = layers * _linear_per_layer(config)
-            weights = decode_weight_bytes * (linear + (head if rank == P - 1 else 0))
-            decode += _step_s(node, weights, kv_token * layers / L * avg_tokens,
-                              layers + (STEP_LAYERS if rank == P - 1 else 0.0))
-            stage = _prefill_s(node, 2 * linear + layers * attention, layers, layers * act)
-            slowest = max(slowest, shared[rank] * stage)
-            through += stage
-        for a, b in zip(ids, ids[1:]):
-            link = link_between(links, a, b)
-            hop = _secs(d * e, link.bandwidth_bytes_per_s)
-            decode += link.latency_s + hop
-            slowest = max(slowest, hop + link.latency_s / PREFILL_CHUNK_TOKENS)
-            through += hop + link.latency_s / PREFILL_CHUNK_TOKENS
-        last_bcast = max((link_between(links, ids[-1], o).latency_s for o in ids[:-1]),
-                         default=0.0)
-        chunks = max(1, -(-prompt_tokens // PREFILL_CHUNK_TOKENS))
-        prefill = (through + (chunks - 1) * slowest) / chunks
-        return _per_s(decode + last_bcast), _per_s(prefill)
-
-    if sharding == Sharding.TENSOR:
-        decode = prefill = 0.0
-        for rank, (node, share) in enumerate(zip(nodes, shares)):
-            ts = share.tensor_share
-            assert ts is not None  # tensor placement gives every rank its share
-            linear = L * _tensor_linear_per_layer(config, ts)
-            weights = decode_weight_bytes * (linear + (head if rank == 0 else 0))
-            kv = 2 * L * ts.num_kv_heads * config.head_dim * e * avg_tokens
-            decode = max(decode, shared[rank] * _step_s(node, weights, kv, L))
-            heads_attention = attention_flops(ts.num_heads * config.head_dim, prompt_tokens)
-            prefill = max(prefill, shared[rank] * _prefill_s(
-                node, 2 * linear + L * heads_attention, L, L * (d + ts.num_columns)))
-        decode += STEP_LAYERS * nodes[0].decode_layer_s
-        if P > 1:
-            def allreduce(tokens: int) -> float:
-                return 2 * (P - 1) / P * tokens * d * 4 / bw_min + 2 * (P - 1) * lat_max
-            decode += 2 * L * allreduce(1) + bcast
-            prefill += 2 * L * allreduce(PREFILL_CHUNK_TOKENS) / PREFILL_CHUNK_TOKENS
-        return _per_s(decode), _per_s(prefill)
-
-    if sharding == Sharding.RING:
-        linear = L * _linear_per_layer(config)
-        weights = decode_weight_bytes * (linear + head)
-        decode = max(f * _step_s(n, weights, kv_token * avg_tokens, L)
-                     for n, f in zip(nodes, shared))
-        decode += STEP_LAYERS * nodes[0].decode_layer_s + bcast
-        prefill = max(f * _prefill_s(n, (2 * linear + L * attention) / P, L, L * act / P)
-                      for n, f in zip(nodes, shared))
-        if P > 1:
-            prefill += (P - 1) / P * _secs(kv_token, bw_min)
-            prefill += L * (P - 1) * lat_max / ring_prefill_chunk(P, PREFILL_CHUNK_TOKENS)
-        return _per_s(decode), _per_s(prefill)
-
-    raise PlacementError(
-        f"sharding {sharding!r} is not supported (supported: {', '.join(SHARDINGS)})"
-    )
 
 
 def _subsets(nodes: Sequence[NodeProfile], max_nodes: int | None,
@@ -493,7 +158,7 @@ def preview(
     Raises:
         PlacementError: an unknown dtype (a ValueError).
     """
-    _check_dtype(dtype)
+    check_dtype(dtype)
     decode_weight_bytes = resident_bytes_per_weight(config, weight_file_bytes, dtype, quantize)
     quantized = quantize.value if quantize else None
     one_node = Sharding.PIPELINE if Sharding.PIPELINE in shardings else None  # else as asked

@@ -1,7 +1,7 @@
 """Measured speeds of placements that served, and how they correct the preview's model.
 
 The preview predicts tokens/s from the nodes' profiles
-(:func:`~shardline.placement.preview.predict_tokens_per_s`); once an instance has served,
+(:func:`~shardline.placement.speed.predict_tokens_per_s`); once an instance has served,
 its node knows what it really did. A node that streams a request to its client times it
 (:func:`request_rates`) and keeps the figures of each placement it served
 (:class:`ServedSpeed`, :func:`record`); the coordinator, previewing a model, corrects each
