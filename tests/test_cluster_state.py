@@ -7,6 +7,7 @@ from shardline.node.cluster_state import (
     NO_EPOCH,
     Epoch,
     RejoinView,
+    heard_whole_cluster,
     lost_instances,
     newer,
     next_term,
@@ -50,6 +51,19 @@ def test_a_new_coordinator_starts_a_term_above_every_term_seen(own, seen, term):
 ])
 def test_a_node_coordinates_only_once_it_has_heard_the_cluster(now, since, heard_all_at, result):
     assert settled(now, since, 5.0, heard_all_at) is result
+
+
+@pytest.mark.parametrize("answered, heard, named, result", [
+    ([], ["a"], [], True),  # a new cluster of one: nobody to wait for
+    ([True, True], ["a", "b", "c"], ["b", "c"], True),  # every peer answered, all named heard
+    ([True, False], ["a", "b"], [], False),  # a peer address did not answer
+    # restarted with no peer address yet (mDNS finds them later): its table names b and c
+    ([], ["a"], ["a", "b", "c"], False),
+    ([True], ["a", "b"], ["b", "c"], False),  # c, named, not heard yet
+])
+def test_a_round_hears_the_whole_cluster_only_with_every_node_the_table_names(
+        answered, heard, named, result):
+    assert heard_whole_cluster(answered, heard, named) is result
 
 
 @pytest.mark.parametrize("now, last_tick, result", [(100.0, 99.0, False), (100.0, 94.9, True)])

@@ -13,9 +13,10 @@ they keep:
    refused, so a paused or restarted coordinator cannot overwrite the newer table; a
    forged state of an older term is refused the same way.
 3. A node acts as coordinator only once it is settled (:func:`settled`): since it
-   started or resumed from a pause, every peer answered a membership round (and a newer
-   table, if a peer had one, was adopted in that round) or an election window passed, so
-   a returning node first learns (and adopts) the newer term's table.
+   started or resumed from a pause, every peer answered a membership round and every node
+   its own table names was among them (:func:`heard_whole_cluster`; a newer table, if a
+   peer had one, was adopted in that round) or an election window passed, so a returning
+   node first learns (and adopts) the newer term's table.
 4. Two sides of a partition may each start a term; when it heals, every node adopts the
    table of the greatest epoch (term, then sequence, then coordinator id: a total
    order), and the coordinator then starts a term above it: the cluster converges on
@@ -76,6 +77,19 @@ def settled(now: float, since: float, window_s: float, heard_all_at: float | Non
     (at ``heard_all_at``; None: none yet) after ``since``, or else the election window
     ``window_s`` (a peer that does not answer may be restarting)."""
     return now - since >= window_s or (heard_all_at is not None and heard_all_at > since)
+
+
+def heard_whole_cluster(answered: Iterable[bool], heard: Iterable[str],
+                        named: Iterable[str]) -> bool:
+    """Whether a membership round heard the whole cluster (rule 3): every peer address
+    polled ``answered`` as a member, and the nodes heard (``heard``: live peers' ids, this
+    node's own) include every node its own table names (``named``: the nodes of its
+    instances, wanted ones too). A node restarted with an empty peer list (mDNS finds its
+    peers a moment later) has heard nobody: its table names the nodes it waits for (trial
+    5: such a node became coordinator with its old table and failed the cluster's serving
+    instance). A node whose table names no other node (a new cluster) waits for nobody.
+    """
+    return all(answered) and set(named) <= set(heard)
 
 
 def paused(now: float, last_tick: float, window_s: float) -> bool:

@@ -44,6 +44,7 @@ from shardline.models.store import (
 from shardline.models.tokenizer import Tokenizer
 from shardline.node.cluster_state import (
     Epoch,
+    heard_whole_cluster,
     newer,
     next_term,
     paused,
@@ -369,7 +370,8 @@ class Node:
             self._last_tick = now
             answered = await asyncio.gather(*(self._poll(a) for a in self.peer_addresses))
             self._last_tick = time.time()
-            if all(answered):
+            named = {n for i in self.instances.values() for n in (*i.node_ids(), *i.wanted_nodes)}
+            if heard_whole_cluster(answered, self.live_node_ids(), named):
                 self._heard_all_at = self._last_tick
             if self.coordinator_id() != self.node_id:
                 self._acting_term = None
