@@ -15,7 +15,7 @@ from conftest import capital_answer, free_port_block
 from conftest import wait_until as wait_for
 
 from shardline.models.config import RankShare
-from shardline.node.worker import SPARE_MAX_EARLY_EXITS, Spare, Worker, spawn_runner
+from shardline.node.worker import SPARE_MAX_EARLY_EXITS, Spare, Worker, runner_environment, spawn_runner
 from shardline.runner.protocol import Failed, RunnerSpec
 
 pytestmark = pytest.mark.timeout(180)
@@ -122,3 +122,14 @@ def test_a_runner_whose_node_leaves_before_its_spec_exits_quietly():
     ours.close()
     _, err = process.communicate(timeout=120)
     assert process.returncode == 0 and "Traceback" not in err, err
+
+
+@pytest.mark.fast
+@pytest.mark.parametrize("env, want", [
+    ({}, {"TORCH_CPP_LOG_LEVEL": "ERROR", "RES_OPTIONS": "timeout:1 attempts:1"}),
+    # what the user set wins; everything else passes through
+    ({"RES_OPTIONS": "timeout:3", "GLOO_SOCKET_IFNAME": "eth1"},
+     {"TORCH_CPP_LOG_LEVEL": "ERROR", "RES_OPTIONS": "timeout:3", "GLOO_SOCKET_IFNAME": "eth1"}),
+])
+def test_a_runners_environment_waits_1_s_for_dns_unless_the_user_says(env, want):
+    assert runner_environment(env) == want

@@ -27,7 +27,7 @@ import threading
 import time
 from dataclasses import dataclass, field
 from multiprocessing.connection import Connection
-from typing import Callable
+from typing import Callable, Mapping
 
 from shardline.node.status import RankStatus
 from shardline.process_memory import private_bytes_of
@@ -41,25 +41,44 @@ SPARE_MAX_EARLY_EXITS = 3
 """After this many early exits in a row the worker stops pre-starting runners."""
 
 
+RUNNER_ENVIRONMENT = {"TORCH_CPP_LOG_LEVEL": "ERROR", "RES_OPTIONS": "timeout:1 attempts:1"}
+"""What a runner's environment has unless the node's sets it:
+
+- ``TORCH_CPP_LOG_LEVEL``: torch's C++ warnings left out (a peer that went away printed
+  "recvVector failed ... Connection reset by peer" and 40 stack frames on the node's
+  terminal; the runner reports the failure itself).
+- ``RES_OPTIONS`` (glibc's resolver, resolv.conf(5)): a DNS query waits 1 s, once, not
+  5 s twice. torch's TCPStore client looks up its own address's host name when it
+  connects (c10d's ``formatSockAddr``; after one failure it stops asking), so on a LAN
+  whose DNS server does not answer, every rank's join to its process group waited 10 s
+  (trial 5: placements ready 10 s late, 20 s when placed again); measured in a network
+  namespace whose DNS server drops queries: 10.0 s, then 1.0 s. A node's ``--host`` given
+  as a DNS name is looked up with the same 1 s a try.
+"""
+
+
+def runner_environment(env: Mapping[str, str]) -> dict[str, str]:
+    """A runner's environment: the node's ``env`` over :data:`RUNNER_ENVIRONMENT` (a
+    variable the user set wins). The runner binds its process group's sockets to its
+    node's address itself (:mod:`shardline.runner.rendezvous`); a ``GLOO_SOCKET_IFNAME``
+    in ``env`` is the user's override and passes through."""
+    return {**RUNNER_ENVIRONMENT, **env}
+
+
 def spawn_runner() -> tuple[subprocess.Popen, Connection]:
-    """A runner process (``python -m shardline.runner FD``, in a session of its own) and the
-    node's end of its socket pair. The runner exits when that end closes.
+    """A runner process (``python -m shardline.runner FD``, in a session of its own, its
+    environment :func:`runner_environment`) and the node's end of its socket pair. The
+    runner exits when that end closes.
 
     Raises:
         OSError: the process cannot be started.
     """
     ours, theirs = socket.socketpair()
-    # The runner binds its process group's sockets to spec.host itself
-    # (shardline.runner.rendezvous); a GLOO_SOCKET_IFNAME in the node's environment
-    # is the user's override and passes through. torch's C++ warnings are left out (a
-    # peer that went away printed "recvVector failed ... Connection reset by peer" and 40
-    # stack frames on the node's terminal; the runner reports the failure itself), unless
-    # the user sets TORCH_CPP_LOG_LEVEL.
     process = subprocess.Popen(
         [sys.executable, "-m", "shardline.runner", str(theirs.fileno())],
         pass_fds=(theirs.fileno(),),
         start_new_session=True,
-        env={**os.environ, "TORCH_CPP_LOG_LEVEL": os.environ.get("TORCH_CPP_LOG_LEVEL", "ERROR")},
+        env=runner_environment(os.environ),
     )
     theirs.close()
     return process, Connection(ours.detach())
