@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import sys
 import time
 
 import pytest
@@ -287,6 +288,9 @@ def test_middleware_answers_408_to_a_body_that_stops_coming():
 @pytest.mark.parametrize("given, url", [
     ("127.0.0.1:9200", "http://127.0.0.1:9200"), ("http://a:1", "http://a:1"),
     ("https://node.lan", "https://node.lan"), ("ftp://x", None), ("http://", None),
+    # what place prints ("serves at http://...:52415/v1"): the API's base path left out
+    ("http://10.0.0.2:52415/v1", "http://10.0.0.2:52415"), ("10.0.0.2:1/v1/", "http://10.0.0.2:1"),
+    ("http://a:1/", "http://a:1"),
 ])
 def test_a_node_url_without_a_scheme_is_http(given, url):
     import argparse
@@ -302,7 +306,8 @@ def test_a_node_url_without_a_scheme_is_http(given, url):
 
 @pytest.mark.parametrize("argv, words", [
     (["cluster", "--nodes", "0"], "--nodes must be at least 1"),
-    (["run", "--port", "99999"], "ports must lie in 1-65535"),
+    (["run", "--port", "99999"], "--port must lie in 1-65535"),
+    (["cluster", "--port", "65535", "--nodes", "2"], "plus one per extra node"),
     (["place", "--timeout", "-1"], "--timeout must be above 0 seconds"),
 ])
 def test_a_bad_argument_is_named_with_its_commands_usage(argv, words, capsys):
@@ -312,6 +317,38 @@ def test_a_bad_argument_is_named_with_its_commands_usage(argv, words, capsys):
         main(argv)
     err = capsys.readouterr().err
     assert exited.value.code == 2 and words in err and f"shardline {argv[0]}: error" in err
+
+
+@pytest.mark.parametrize("given, address", [
+    ("10.0.0.2", "10.0.0.2:52415"), (" host.local ", "host.local:52415"),
+    ("10.0.0.2:9000", "10.0.0.2:9000"), ("[fd00::2]", "[fd00::2]:52415"),
+    ("[fd00::2]:9", "[fd00::2]:9"),
+])
+def test_a_peer_without_a_port_gets_the_default_port(given, address):
+    from shardline.cli import peer_address
+
+    assert peer_address(given) == address
+
+
+@pytest.mark.parametrize("host, here", [
+    ("127.0.0.1", True), ("127.0.0.9", True), ("localhost", True), ("0.0.0.0", True),
+    ("192.0.2.1", False),  # TEST-NET-1 (RFC 5737): no machine's own address
+    ("no-such-host.invalid", False),
+])
+def test_address_is_here(host, here):
+    from shardline.local_cluster import address_is_here
+
+    assert address_is_here(host) is here
+
+
+def test_run_on_another_machines_address_says_so(capsys, monkeypatch):
+    """Trial 5: ``--host`` of an address not on this machine said the port was in use."""
+    from shardline.cli import main
+
+    # (run keeps torch out of the node's process by a None in sys.modules: undone after)
+    monkeypatch.setitem(sys.modules, "torch", sys.modules.get("torch"))
+    assert main(["run", "--host", "192.0.2.1", "--no-api-key"]) == 2
+    assert "192.0.2.1 is not an address of this machine" in capsys.readouterr().err
 
 
 def test_a_chat_loses_its_oldest_messages_but_system_and_last():

@@ -163,6 +163,8 @@ def test_refusals_say_how_to_allow():
     assert "--allowed-host evil.example" in host.message
     origin = check(OPEN, RequestFacts("POST", "/v1/models", host="localhost", origin="http://x.example"))
     assert "--cors-origin http://x.example" in origin.message
+    empty = check(OPEN, RequestFacts("GET", "/v1/models", host=""))
+    assert empty.status == 403 and "empty Host header" in empty.message
 
 
 @pytest.mark.parametrize("value, name", [("127.0.0.1:52415", "127.0.0.1"), ("[::1]:1", "::1"), ("[::1]", "::1"),

@@ -16,6 +16,16 @@ MIN_API_KEY_CHARS = 8
 """The shortest API key a node takes (``shardline run`` and ``cluster`` refuse a shorter one)."""
 
 
+def peer_address(text: str) -> str:
+    """A ``--peers`` entry as ``host:port``: the default port (52415) where it gives none
+    (``10.0.0.2``, ``[fd00::2]``; trial 5: ``10.77.0.1`` alone was polled at port 80).
+    Other entries (with a port, or an IPv6 address without brackets) as given."""
+    text = text.strip()
+    if text.startswith("[") and text.endswith("]"):
+        return f"{text}:{DEFAULT_PORT}"
+    return text if ":" in text else f"{text}:{DEFAULT_PORT}"
+
+
 def _run(args: argparse.Namespace) -> int:
     # The node computes nothing with torch (its runners and measuring children do), but
     # transformers, which its tokenizers use, imports torch where it is installed: 1.7 s
@@ -38,14 +48,22 @@ def _run(args: argparse.Namespace) -> int:
     if api_key is not None and len(api_key) < MIN_API_KEY_CHARS:
         print(f"shardline run: the API key must be at least {MIN_API_KEY_CHARS} characters", file=sys.stderr)
         return 2
-    peers = [p.strip() for p in (args.peers or "").split(",") if p.strip()]
+    if api_key is None and not is_loopback(bind):
+        logging.getLogger("shardline").warning(
+            "listening on %s without an API key (--no-api-key): anyone who can reach it can "
+            "use its models and its cluster API", bind)
+    peers = [peer_address(p) for p in (args.peers or "").split(",") if p.strip()]
     model_dirs = [Path(d).expanduser() for d in args.model_dir or []]
     not_dirs = [str(d) for d in model_dirs if not d.is_dir()]
     if not_dirs:
         print(f"shardline run: --model-dir {', '.join(not_dirs)}: not a directory", file=sys.stderr)
         return 2
-    from shardline.local_cluster import ports_in_use
+    from shardline.local_cluster import address_is_here, ports_in_use
 
+    if not address_is_here(bind):
+        print(f"shardline run: {bind} is not an address of this machine: give --host (or "
+              f"--bind) one of its addresses", file=sys.stderr)
+        return 2
     if ports_in_use([args.port], bind):
         print(f"shardline run: port {args.port} on {bind} is in use (another node?): give --port",
               file=sys.stderr)
@@ -343,7 +361,8 @@ def main(argv: list[str] | None = None) -> int:
         if nodes < 1:
             command.error("--nodes must be at least 1")
         if not 1 <= args.port or args.port + nodes - 1 > 65535:
-            command.error("ports must lie in 1-65535 (--port, plus one per extra node)")
+            command.error("--port must lie in 1-65535" if args.command == "run" else
+                          "ports must lie in 1-65535 (--port, plus one per extra node)")
     logging.basicConfig(
         level=logging.DEBUG if args.verbose else logging.INFO,
         format="%(asctime)s %(name)s %(levelname)s %(message)s",

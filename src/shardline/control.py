@@ -176,7 +176,8 @@ def _instances(args: argparse.Namespace) -> None:
 
 def node_url(text: str) -> str:
     """A node's base URL (argparse type): ``http://`` put before an address given without
-    a scheme (``127.0.0.1:8000``), as curl reads it.
+    a scheme (``127.0.0.1:8000``), as curl reads it; an API's base path (``/v1``, what
+    ``place`` prints and OpenAI clients take) and a trailing ``/`` left out.
 
     Raises:
         argparse.ArgumentTypeError: not an http(s) URL with a host.
@@ -190,7 +191,8 @@ def node_url(text: str) -> str:
         parsed = None
     if parsed is None or parsed.scheme not in ("http", "https") or not parsed.host:
         raise argparse.ArgumentTypeError(f"{text!r} is not a node's URL (e.g. http://127.0.0.1:8000)")
-    return url
+    url = url.rstrip("/")
+    return url.removesuffix("/v1") if parsed.path.rstrip("/") == "/v1" else url
 
 
 def byte_size(text: str) -> int:

@@ -4,6 +4,7 @@ the benchmark and the tests. The nodes talk only over the network, as on separat
 
 from __future__ import annotations
 
+import errno
 import os
 import signal
 import socket
@@ -17,6 +18,7 @@ from typing import TYPE_CHECKING
 
 from shardline.control import api_key_headers
 from shardline.node.identity import cluster_key, default_data_dir
+from shardline.runner.rendezvous import bare_address
 
 if TYPE_CHECKING:
     import httpx
@@ -95,6 +97,24 @@ def ports_in_use(ports: Iterable[int], host: str = "127.0.0.1") -> list[int]:
             except OSError:
                 busy.append(port)
     return busy
+
+
+def address_is_here(host: str) -> bool:
+    """Whether this machine can listen on ``host`` (an address or a name): a socket binds
+    to it at a free port. False where the bind fails with ``EADDRNOTAVAIL`` (an address of
+    another machine) or the name does not resolve; True on any other outcome (the server's
+    own bind then says what is wrong)."""
+    try:
+        family, kind, proto, _, address = socket.getaddrinfo(
+            bare_address(host), 0, type=socket.SOCK_STREAM)[0]
+    except OSError:
+        return False
+    with socket.socket(family, kind, proto) as probe:
+        try:
+            probe.bind(address)
+        except OSError as exc:
+            return exc.errno != errno.EADDRNOTAVAIL
+    return True
 
 
 class LocalClusterError(RuntimeError):

@@ -120,8 +120,10 @@ def check_place(config: GuardConfig, facts: RequestFacts) -> Refusal | None:
         return None
     if facts.host is not None and ANY not in config.allowed_hosts \
             and host_name(facts.host) not in config.allowed_hosts:
+        name = host_name(facts.host)
         return Refusal(403, f"Host {facts.host!r} is not a name of this node; start it with "
-                            f"--allowed-host {host_name(facts.host)} to allow that name")
+                            f"--allowed-host {name} to allow that name" if name else
+                            "an empty Host header names no node: send this node's address or name")
     if facts.origin is not None and not _same_origin(facts.origin, facts.host) \
             and ANY not in config.cors_origins and facts.origin not in config.cors_origins:
         return Refusal(403, f"cross-origin request from {facts.origin} refused; start the node with "

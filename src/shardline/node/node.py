@@ -76,6 +76,9 @@ log = logging.getLogger(__name__)
 
 POLL_S = 1.0
 """Seconds between membership rounds (each polls every peer's ``/internal/info``)."""
+PEER_SILENT_S = 10.0
+"""A peer given by ``--peers`` that has not answered this long after the node started is
+warned of, once (a wrong address or port, or no node there)."""
 STARTUP_POLL_S = 0.2
 """Seconds between rounds until the node is settled (at most the election window)."""
 SPARE_IDLE_S = 3.0
@@ -151,6 +154,8 @@ class Node:
         self.port = port
         self.address = f"{host}:{port}"
         self.peer_addresses = [p for p in peers if p and p != self.address]
+        # the given peers that have not answered yet: warned of once, PEER_SILENT_S on
+        self._unheard_peers = set(self.peer_addresses)
         self.peers: dict[str, Peer] = {}
         self.runner_threads = runner_threads
         self.progress_timeout_s = progress_timeout_s
@@ -417,8 +422,13 @@ class Node:
                 self._refused.add(address)
                 log.warning("%s: it belongs to another cluster", exc)
             return False
-        except PeerError:
-            return False  # down, or not a node of this version
+        except PeerError:  # down, or not a node of this version
+            if address in self._unheard_peers and time.time() - self.started_at >= PEER_SILENT_S:
+                self._unheard_peers.discard(address)
+                log.warning("peer %s (--peers) has not answered in %.0f s: check its address and "
+                            "port, and that a node runs there", address, PEER_SILENT_S)
+            return False
+        self._unheard_peers.discard(address)
         self._refused.discard(address)
         self.peers[info.node_id] = Peer(
             info.node_id, info.address, time.time(), info.available_bytes, info.total_bytes,
