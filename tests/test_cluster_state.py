@@ -106,6 +106,8 @@ def test_an_epoch_round_trips_and_a_malformed_one_is_refused():
     (RejoinView("ready", ("a", "b", "c"), ("a", "b", "c"), False), "abc", False),  # back already
     (RejoinView("ready", ("a",), ("a", "c"), False), "abcd", True),
     (RejoinView("ready", ("a", "d"), ("a", "c"), False), "abcd", False),  # not a subset
+    # an instance on a, b, c already stands in for it (loading beside it): not again
+    (RejoinView("ready", ("a", "b"), ("a", "b", "c"), False, True), "abc", False),
 ])
 def test_an_idle_instance_placed_on_fewer_nodes_rejoins_them_when_all_are_back(view, live, rejoins):
     assert rejoinable({"i": view}, live) == (["i"] if rejoins else [])

@@ -29,6 +29,8 @@ from shardline.node.state import (
     plan_runners,
     replaced_ids,
     stale_ranks,
+    standing_in,
+    superseded,
 )
 from shardline.node.status import InstanceStatus as I
 from shardline.node.status import RankStatus as R
@@ -181,6 +183,32 @@ def test_a_state_round_trips_through_its_wire_form():
 def test_an_id_names_its_instance_or_the_one_placed_again_in_its_place(instances, asked, named):
     found = instance_named({i.instance_id: i for i in instances}, asked)
     assert (found.instance_id if found else None) == named
+
+
+@pytest.mark.parametrize("instances, standing, handed_over", [
+    # a ready instance on two nodes; the one placed beside it on three loads: it serves on
+    ([inst("old", status=I.READY), inst("new", replaced=("old",), created_at=1.0)],
+     {"old": "new"}, set()),
+    # the new one is ready: requests go to it, and the old is deleted once idle
+    ([inst("old", status=I.READY), inst("new", status=I.READY, replaced=("old",), created_at=1.0)],
+     {"old": "new"}, {"old"}),
+    # the new one failed: the old keeps serving
+    ([inst("old", status=I.READY), inst("new", status=I.FAILED, replaced=("old",), created_at=1.0)],
+     {}, set()),
+    # a failed instance's replacement: it deletes the failed one itself
+    ([inst("old", status=I.FAILED), inst("new", status=I.READY, replaced=("old",), created_at=1.0)],
+     {}, set()),
+    # the newest of two standing in
+    ([inst("old", status=I.READY), inst("a", replaced=("old",), created_at=1.0),
+      inst("b", status=I.READY, replaced=("old",), created_at=2.0)], {"old": "b"}, {"old"}),
+    # replaced ids no longer in the table
+    ([inst("new", status=I.READY, replaced=("gone",))], {}, set()),
+], ids=["loading beside", "ready beside", "failed beside", "a failure's replacement",
+        "the newest", "gone"])
+def test_an_instance_placed_beside_another_takes_over_once_ready(instances, standing, handed_over):
+    table = {i.instance_id: i for i in instances}
+    assert {old: new.instance_id for old, new in standing_in(table).items()} == standing
+    assert superseded(table) == handed_over
 
 
 def test_an_instance_placed_again_answers_for_the_newest_ids_before_it():

@@ -28,7 +28,8 @@ they keep:
 6. An instance placed again on fewer nodes than before (some were down) remembers the
    nodes it wanted; when they are all live again and the instance is idle, the
    coordinator places it on them again (:func:`rejoinable`), so a returning node gets its
-   share back.
+   share back: beside the serving one where both fit (which serves until the new one is
+   ready and then, once idle, is deleted: ``state.superseded``), else in its place.
 """
 
 from __future__ import annotations
@@ -124,19 +125,23 @@ def lost_instances(ranks: Mapping[str, Iterable[tuple[str, float]]],
 @dataclass(frozen=True)
 class RejoinView:
     """What :func:`rejoinable` needs of an instance: its ``status``, the nodes its ranks
-    are on, the nodes it wanted (placed on before some were lost; empty: as placed) and
-    whether any node reports a request running or waiting on it."""
+    are on, the nodes it wanted (placed on before some were lost; empty: as placed),
+    whether any node reports a request running or waiting on it, and whether an instance
+    placed on its wanted nodes already stands in for it (``state.standing_in``)."""
 
     status: str
     nodes: tuple[str, ...]
     wanted: tuple[str, ...]
     busy: bool
+    stood_in_for: bool = False
 
 
 def rejoinable(instances: Mapping[str, RejoinView], live: Iterable[str]) -> list[str]:
     """The instances to place again on their wanted nodes (rule 6): ready, idle, on fewer
-    nodes than they wanted, with every wanted node live. In ``instances``' order."""
+    nodes than they wanted, with every wanted node live, not already stood in for. In
+    ``instances``' order."""
     up = set(live)
     return [instance_id for instance_id, view in instances.items()
-            if view.status == InstanceStatus.READY and not view.busy and view.wanted
+            if view.status == InstanceStatus.READY and not view.busy and not view.stood_in_for
+            and view.wanted
             and set(view.nodes) < set(view.wanted) and set(view.wanted) <= up]

@@ -34,6 +34,8 @@ from shardline.node.state import (
     instance_named,
     lost_rank_failures,
     replaced_ids,
+    standing_in,
+    superseded,
 )
 from shardline.node.status import InstanceStatus, RankStatus
 from shardline.node.table import Instance, RankPlacement
@@ -55,6 +57,11 @@ if TYPE_CHECKING:
     from shardline.node.node import Node
 
 log = logging.getLogger(__name__)
+
+HANDOVER_S = 2.0
+"""Seconds an instance placed beside the one it stands in for has been ready before the
+old one, idle, is deleted: two membership rounds, by which every node has adopted the
+table that routes requests to the new one and reported what still runs on the old."""
 
 
 def free_port() -> int:
@@ -92,31 +99,65 @@ class Coordinator:
 
     async def _rejoin_returned_nodes(self) -> None:
         """Coordinator: place an idle instance that runs on fewer nodes than it was placed
-        on again on all of them, once they are all back (cluster_state rule 6). Its old
-        ranks stop when the new table is published; if the new placement is refused the
-        instance stays as it is and is not tried again."""
+        on again on all of them, once they are all back (cluster_state rule 6): beside the
+        serving one where both fit (it keeps serving until the new one is ready:
+        :meth:`_retire_superseded`), else in its place (its old ranks stop when the new
+        table is published). If the new placement is refused the instance stays as it is
+        and is not tried again."""
         live = self.node.live_node_ids()
-        busy = set(self.node.busy_instances()).union(*(p.busy for p in self.node.live_peers()))
+        busy = self._busy()
+        standing = standing_in(self.node.instances)
         views = {i.instance_id: RejoinView(i.status, tuple(i.node_ids()), tuple(i.wanted_nodes),
-                                           i.instance_id in busy)
+                                           i.instance_id in busy, i.instance_id in standing)
                  for i in self.node.instances.values()}
         for instance_id in rejoinable(views, live):
             inst = self.node.instances[instance_id]
-            # Out of the table while placing, so that its ranks' bytes are not counted
-            # against the placement that replaces them; published with the new instance.
-            self.node.cluster_state = apply(self.node.cluster_state, Deleted(instance_id))
             try:
                 card = await self.node.logistics.model_card(inst.model_id)
-                await self._place(card, inst.sharding, list(inst.wanted_nodes), inst.context,
-                                  inst.max_batch, inst.dtype, inst.force, 0,
-                                  inst.kv_cache_bytes, inst.quantize, replaced=replaced_ids(inst))
+
+                async def place() -> Instance:
+                    return await self._place(card, inst.sharding, list(inst.wanted_nodes),
+                                             inst.context, inst.max_batch, inst.dtype, inst.force,
+                                             0, inst.kv_cache_bytes, inst.quantize,
+                                             replaced=replaced_ids(inst))
+                try:
+                    new = await place()
+                    how = "beside it (it serves until the new one is ready)"
+                except PlacementError:
+                    # No room for both: out of the table while placing, so that its ranks'
+                    # bytes are not counted against the placement that replaces them;
+                    # published with the new instance.
+                    self.node.cluster_state = apply(self.node.cluster_state, Deleted(instance_id))
+                    new = await place()
+                    how = "in its place (no room for both)"
             except (PlacementError, ModelNotFoundError, PeerError) as exc:
                 log.warning("could not place %s on its returning node(s) again: %s",
                             inst.model_id, exc)
-                await self.node.commit(Placed(inst), RejoinDropped(instance_id))
+                back = () if instance_id in self.node.instances else (Placed(inst),)
+                await self.node.commit(*back, RejoinDropped(instance_id))
                 continue
-            log.info("instance %s of %s: its node(s) are back; placed again on %s",
-                     instance_id, inst.model_id, ", ".join(inst.wanted_nodes))
+            log.info("instance %s of %s: its node(s) are back; placed again on %s as %s, %s",
+                     instance_id, inst.model_id, ", ".join(inst.wanted_nodes), new.instance_id, how)
+
+    def _busy(self) -> set[str]:
+        """The instances a node of the cluster reports a request running or waiting on."""
+        return set(self.node.busy_instances()).union(*(p.busy for p in self.node.live_peers()))
+
+    async def _retire_superseded(self) -> None:
+        """Coordinator: delete the instances a ready one stands in for
+        (``state.superseded``) once they are idle and it has been ready for
+        :data:`HANDOVER_S` (every node routes to the new one by then, so none takes a
+        request on the old one after the busy reports were read)."""
+        standing = standing_in(self.node.instances)
+        busy = self._busy()
+        now = time.time()
+        for old in sorted(superseded(self.node.instances) - busy):
+            new = standing[old]
+            if new.ready_at is None or now - new.ready_at < HANDOVER_S:
+                continue
+            await self.node.commit(Deleted(old))
+            log.info("instance %s of %s handed over to %s (%s on %d node(s))", old,
+                     new.model_id, new.instance_id, new.sharding, len(new.ranks))
 
     async def runner_status(self, report: RankReported) -> bool:
         """Coordinator: a node reports one of its ranks as fetching files, ready or failed.

@@ -386,6 +386,7 @@ class Node:
                 await self.coordinator._fail_lost_instances()
                 if self.rejoin:
                     await self.coordinator._rejoin_returned_nodes()
+                await self.coordinator._retire_superseded()
             await self.supervisor._report_unknown_statuses()
             if self.busy_instances() or self.worker.loading():
                 self._busy_at = time.time()

@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING
 from shardline.node.peer_client import PeerError
 from shardline.node.queue_bound import QueueFullError, admits, waiting_count
 from shardline.node.speeds import RequestTiming
+from shardline.node.state import superseded
 from shardline.node.status import InstanceStatus
 from shardline.node.table import EndCode, Instance, InstanceFailedError, NoInstanceError
 from shardline.node.wire import CancelMessage, TaskMessage
@@ -50,12 +51,15 @@ class Router:
         self._recording: set[asyncio.Task] = set()
 
     def ready_instance(self, model_id: str) -> Instance:
-        """A ready instance of the model, preferring one with a rank on this node.
+        """A ready instance of the model, preferring one with a rank on this node; not one
+        a ready instance stands in for (``state.superseded``: it is being handed over).
 
         Raises:
             NoInstanceError: none is ready.
         """
-        ready = [i for i in self.node.instances.values() if i.model_id == model_id and i.status == InstanceStatus.READY]
+        old = superseded(self.node.instances)
+        ready = [i for i in self.node.instances.values() if i.model_id == model_id
+                 and i.status == InstanceStatus.READY and i.instance_id not in old]
         if not ready:
             raise NoInstanceError(f"no ready instance serves model {model_id!r}")
         ready.sort(key=lambda i: (self.node.node_id not in i.node_ids(), i.created_at))

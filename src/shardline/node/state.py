@@ -56,6 +56,30 @@ def replaced_ids(failed: Instance) -> tuple[str, ...]:
     return (*failed.replaced, failed.instance_id)[-REPLACED_KEPT:]
 
 
+def standing_in(instances: Mapping[str, Instance]) -> dict[str, Instance]:
+    """The instances still in the table, not failed, that another one stands in for (their
+    id in its ``replaced``; that one not failed), each with the newest that does: an
+    instance placed again on its returning nodes beside the one serving
+    (make-before-break). (A failed instance's replacement deletes it itself.)"""
+    successors: dict[str, Instance] = {}
+    for inst in instances.values():
+        if inst.status == InstanceStatus.FAILED:
+            continue
+        for old in inst.replaced:
+            if old in instances and old != inst.instance_id \
+                    and instances[old].status != InstanceStatus.FAILED and (
+                    old not in successors or successors[old].created_at < inst.created_at):
+                successors[old] = inst
+    return successors
+
+
+def superseded(instances: Mapping[str, Instance]) -> set[str]:
+    """The ids of the instances a ready one stands in for (:func:`standing_in`): requests
+    go to the new one, and the coordinator deletes the old once it is idle."""
+    return {old for old, new in standing_in(instances).items()
+            if new.status == InstanceStatus.READY}
+
+
 def instance_named(instances: Mapping[str, Instance], instance_id: str) -> Instance | None:
     """The instance ``instance_id`` names in a table: itself, else the newest instance
     placed again in its place (so an id a client was given when it placed a model keeps
