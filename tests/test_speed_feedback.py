@@ -126,7 +126,7 @@ def _served(nodes, decode, prefill, predicted=(100.0, 1000.0), model="m", shardi
     (("a",), [_served(("a",), 60.0, 2000.0)], (60.0, 2000.0, "measured", "measured")),
     # measured decode only: prefill scaled by nothing else, so the model's
     (("a",), [_served(("a",), 60.0, None)], (60.0, 1000.0, "measured", "model")),
-    # another node set sharing node a: the model times its measured/predicted ratio
+    # a single node of the candidate measured: the model times its measured/predicted ratio
     (("a", "b"), [_served(("a",), 50.0, 3000.0)], (50.0, 3000.0, "scaled", "scaled")),
     # ratios of two related placements: their median (0.5 and 1.0 -> 0.75)
     (("a", "b"), [_served(("a",), 50.0, None), _served(("b",), 100.0, None)],
@@ -225,19 +225,28 @@ def test_models_held(node, held):
     assert models_held(node) == held
 
 
-def test_calibrate_carries_a_ratio_only_within_its_sharding_or_from_one_node():
+def test_calibrate_carries_a_ratio_only_within_its_sharding_and_nodes_or_from_one_node():
     """A tensor placement measured at 2x its prediction says little of a pipeline's error
-    (its links and all-reduces are its own); a one-node placement's ratio (the machine's
-    error) applies to any sharding, after the same sharding's."""
+    (its links and all-reduces are its own), nor a placement of several nodes of another
+    node set's (trial 5: a pipeline over a rate-limited link at 4.6x its prediction
+    raised a single node to 380 tokens/s); a one-node placement's ratio (the machine's
+    error) applies to any placement on its node, after the same sharding's on the same
+    nodes."""
     key = PlacementKey("m", "pipeline", ("a", "b"))
     tensor = _served(("a", "b"), 200.0, 2000.0, sharding="tensor")
     assert calibrate(key, (100.0, 1000.0), [tensor]) == (100.0, 1000.0, "model", "model")
     alone = _served(("b",), 50.0, None)
     assert calibrate(key, (100.0, 1000.0), [tensor, alone]) == (50.0, 1000.0, "scaled", "model")
-    # a one-node placement is a pipeline too: with a pipeline of 3, the median ratio
-    pipeline3 = _served(("a", "b", "c"), 80.0, 500.0)
-    assert calibrate(key, (100.0, 1000.0), [tensor, alone, pipeline3]) == pytest.approx(
-        (65.0, 500.0, "scaled", "scaled"))
+    # a pipeline of other nodes, a and b among them: not carried
+    pipeline3 = _served(("a", "b", "c"), 460.0, 500.0)
+    assert calibrate(key, (100.0, 1000.0), [tensor, alone, pipeline3]) == (
+        50.0, 1000.0, "scaled", "model")
+    assert calibrate(PlacementKey("m", "pipeline", ("a",)), (100.0, 1000.0), [pipeline3]) == (
+        100.0, 1000.0, "model", "model")
+    # the same nodes in another order: carried, before the single node's
+    reversed_order = _served(("b", "a"), 80.0, 500.0)
+    assert calibrate(key, (100.0, 1000.0), [tensor, alone, reversed_order]) == pytest.approx(
+        (80.0, 500.0, "scaled", "scaled"))
     ring_key = PlacementKey("m", "ring", ("a", "b"))
     assert calibrate(ring_key, (100.0, 1000.0), [tensor, alone])[0::2] == (50.0, "scaled")
 

@@ -10,12 +10,15 @@ candidate's predicted figures with what the cluster has measured (:func:`calibra
 1. the same placement (model, sharding, nodes in rank order, dtype, quantization)
    measured: the measured figure;
 2. else placements of the same model, dtype, quantization and sharding measured on
-   nodes that share one with the candidate: the predicted figure times the median of
-   their measured / predicted ratios (the model's error on those machines, carried
-   over);
+   the same nodes in another rank order: the predicted figure times the median of
+   their measured / predicted ratios (the model's error on those machines and links,
+   carried over);
 3. else the same from one-node placements on the candidate's nodes (the model's error
-   on a machine alone, which every sharding's compute pays; another sharding's ratio
-   is not carried over: its error is mostly its own, in its links and collectives);
+   on a machine alone, which every placement's compute pays). A placement of several
+   nodes carries its ratio to no other node set: its error is mostly its own, in its
+   links and collectives (trial 5: a pipeline over a rate-limited link measured 4.6x its
+   prediction, and that ratio raised every placement sharing one of its nodes, a
+   single node to 380 tokens/s);
 4. else the predicted figure.
 
 Decode and prefill are corrected each on its own (a placement may have measured one
@@ -256,7 +259,7 @@ def calibrate(key: PlacementKey, predicted: tuple[float, float],
     related = [s for s in speeds if s.key != key and s.key.model_id == key.model_id
                and s.key.dtype == key.dtype and s.key.quantize == key.quantize
                and nodes & set(s.key.node_ids)]
-    tiers = ([s for s in related if s.key.sharding == key.sharding],
+    tiers = ([s for s in related if s.key.sharding == key.sharding and set(s.key.node_ids) == nodes],
              [s for s in related if len(s.key.node_ids) == 1])
     decode, decode_basis = _one(
         predicted[0], exact.decode_tokens_per_s if exact else None,
