@@ -13,7 +13,7 @@ import httpx
 import pytest
 from fastapi import FastAPI
 
-from shardline.node.link_probe import add_link_routes, measure_link
+from shardline.node.link_probe import LINK_HISTORY, add_link_routes, measure_link, steady_link
 from shardline.node.profile import (
     HostProfile,
     host_id,
@@ -112,6 +112,24 @@ def test_measure_link_peer_without_routes_raises():
 
     with pytest.raises(httpx.HTTPStatusError):
         asyncio.run(run())
+
+
+def _measured(rtt_s: float, bandwidth: float) -> dict:
+    return {"rtt_s": rtt_s, "latency_s": rtt_s / 2, "bandwidth_bytes_per_s": bandwidth,
+            "payload_bytes": 1, "transfer_s": 1 / bandwidth}
+
+
+@pytest.mark.parametrize("history, rtt_s, bandwidth", [
+    ([_measured(1e-3, 1e8)], 1e-3, 1e8),
+    # pings queued behind another upload on a slow link: the least round trip stays
+    ([_measured(1e-3, 1e8), _measured(0.21, 2.5e5)], 1e-3, 2.5e5),
+    # the least of the last LINK_HISTORY only: an older one is forgotten
+    ([_measured(1e-4, 1e8)] + [_measured(2e-3, 1e8)] * LINK_HISTORY, 2e-3, 1e8),
+])
+def test_a_link_is_its_least_round_trip_of_late_and_its_newest_bandwidth(history, rtt_s, bandwidth):
+    link = steady_link(history)
+    assert link["rtt_s"] == rtt_s and link["latency_s"] == rtt_s / 2
+    assert link["bandwidth_bytes_per_s"] == bandwidth
 
 
 def test_node_side_does_not_import_torch():

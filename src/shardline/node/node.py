@@ -51,6 +51,7 @@ from shardline.node.cluster_state import (
     settled,
 )
 from shardline.node.coordinator import Coordinator
+from shardline.node.link_probe import LINK_HISTORY, steady_link
 from shardline.node.logistics import ModelLogistics
 from shardline.node.peer_client import KeyRefusedError, PeerClient, PeerError
 from shardline.node.queue_bound import DEFAULT_MAX_WAITING
@@ -202,6 +203,7 @@ class Node:
         self.profile: dict | None = None  # HostProfile.to_dict(): node.speeds.HostProfiler
         self.links: dict[str, dict] = {}  # node id -> measure_link result from this node
         self._link_measured: dict[str, float] = {}
+        self._link_history: dict[str, list[dict]] = {}  # node id -> measure_link results
         from shardline.node.identity import default_data_dir
         from shardline.node.profile import PROFILE_FORMAT
 
@@ -318,10 +320,13 @@ class Node:
         return sorted(p.address for p in self.live_peers())
 
     async def _measure_link(self, node_id: str, address: str) -> None:
-        """Latency and bandwidth from this node to a peer (1 MiB upload), every 60 s."""
+        """Latency and bandwidth from this node to a peer (1 MiB upload), every 60 s; what
+        the link is, from the last few (``link_probe.steady_link``)."""
         self._link_measured[node_id] = time.time()
         try:
-            self.links[node_id] = await self.peer_client.measure_link(address)
+            history = self._link_history.setdefault(node_id, [])
+            history[:] = [*history, await self.peer_client.measure_link(address)][-LINK_HISTORY:]
+            self.links[node_id] = steady_link(history)
         except PeerError as exc:
             log.warning("could not measure the link to %s: %s", node_id, exc)
 
