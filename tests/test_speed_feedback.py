@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 from model_shapes import smollm2 as _smollm2
 
-from shardline.control import models_held, serving_by_node, speed_text
+from shardline.control import links_text, models_held, serving_by_node, speed_text
 from shardline.models.config import RankShare
 from shardline.models.store import DEFAULT_MODEL_ID
 from shardline.node.speeds import measure_due, node_idle
@@ -223,6 +223,14 @@ def test_nodes_list_the_models_they_serve():
 ])
 def test_models_held(node, held):
     assert models_held(node) == held
+
+
+def test_links_text():
+    """Trial 5: the links a node measured were only in the cluster API's JSON."""
+    links = {"c0a1a8cff8d2": {"rtt_s": 0.0018, "bandwidth_bytes_per_s": 253349357.0},
+             "2fdda2d0f921": {"rtt_s": 0.2108, "bandwidth_bytes_per_s": 250000.0}}
+    assert links_text({"links": links}) == "2fdd: 210.8 ms, 250 kB/s\nc0a1: 1.8 ms, 253 MB/s"
+    assert links_text({"links": {}}) == links_text({}) == "-"
 
 
 def test_calibrate_carries_a_ratio_only_within_its_sharding_and_nodes_or_from_one_node():

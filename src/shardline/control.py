@@ -105,6 +105,18 @@ def models_held(node: dict) -> str:
     return ", ".join(held) or "-"
 
 
+def links_text(node: dict) -> str:
+    """A node's measured links (``GET /cluster/nodes``' ``links``), for ``shardline
+    nodes``: per peer (its id's first 4 characters) the round trip in ms and the upload
+    bandwidth (MB/s, kB/s below 1 MB/s), a line each; ``-`` for none."""
+    def rate(bytes_per_s: float) -> str:
+        return f"{bytes_per_s / 1e6:.0f} MB/s" if bytes_per_s >= 1e6 else f"{bytes_per_s / 1e3:.0f} kB/s"
+
+    lines = [f"{peer[:4]}: {link['rtt_s'] * 1e3:.1f} ms, {rate(link['bandwidth_bytes_per_s'])}"
+             for peer, link in sorted((node.get("links") or {}).items())]
+    return "\n".join(lines) or "-"
+
+
 def _nodes(args: argparse.Namespace) -> None:
     from rich.table import Table
 
@@ -112,7 +124,7 @@ def _nodes(args: argparse.Namespace) -> None:
     serving = serving_by_node(_request(args, "GET", "/cluster/instances")["instances"])
     table = Table(title=f"coordinator: {data['coordinator']}")
     for column in ("node", "address", "live", "free / offered memory", "committed", "accelerator",
-                   "matmul", "serving", "models held"):
+                   "matmul", "links (round trip, upload)", "serving", "models held"):
         table.add_column(column, no_wrap=column in ("node", "address"))
     for n in data["nodes"]:
         profile = n.get("profile") or {}
@@ -122,7 +134,7 @@ def _nodes(args: argparse.Namespace) -> None:
                       f"{_gb(n.get('free_bytes'))} / {_gb(n.get('offered_bytes'))}" if n["live"]
                       else "- (down)",  # its last report: nothing to place on
                       _gb(n.get("committed_bytes")), str(accelerator),
-                      f"{flops / 1e12:.2f} TFLOP/s" if flops else "-",
+                      f"{flops / 1e12:.2f} TFLOP/s" if flops else "-", links_text(n),
                       ", ".join(serving.get(n["node_id"], [])) or "-", models_held(n))
     _console().print(table)
 
