@@ -199,11 +199,11 @@ def create_app(node: Node, guard: GuardConfig, max_body_bytes: int = DEFAULT_MAX
         preview's first-order prediction for its placement now (decode at the context
         its measured requests ran at, else the instance's; prefill at their median
         prompt, ``prefill_prompt_tokens``, else one chunk's) beside what the cluster
-        measured it doing (``served``: ``Coordinator.served_speeds()``; None: no request
+        measured it doing (``served``: ``Forecast.served_speeds()``; None: no request
         measured yet, or the model's card is still being read) and how many requests each
         figure is the median of."""
         measured = served.get(placement_key(inst))
-        decode, prefill = await node.coordinator.first_order(
+        decode, prefill = await node.forecast.first_order(
             inst, measured.context if measured else None, wait=False,
             prompt_tokens=measured.prompt_tokens if measured else None)
         speed = {"predicted_decode_tokens_per_s": decode or None,
@@ -225,7 +225,7 @@ def create_app(node: Node, guard: GuardConfig, max_body_bytes: int = DEFAULT_MAX
 
     @app.get("/cluster/instances")
     async def instances() -> dict:
-        served = node.coordinator.served_speeds()
+        served = node.forecast.served_speeds()
         return {"instances": [await instance_view(i, served) for i in node.instances.values()]}
 
     @app.get("/cluster/instances/{instance_id}")
@@ -233,7 +233,7 @@ def create_app(node: Node, guard: GuardConfig, max_body_bytes: int = DEFAULT_MAX
         inst = instance_named(node.instances, instance_id)  # or the one placed in its place
         if inst is None:
             return cluster_error(404, f"no instance {instance_id}", "instance_id")
-        return await instance_view(inst, node.coordinator.served_speeds())
+        return await instance_view(inst, node.forecast.served_speeds())
 
     @app.post("/cluster/placements/preview")
     async def placement_preview(body: CreateInstance):

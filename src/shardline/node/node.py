@@ -51,6 +51,7 @@ from shardline.node.cluster_state import (
     settled,
 )
 from shardline.node.coordinator import Coordinator
+from shardline.node.forecast import Forecast
 from shardline.node.link_probe import LINK_HISTORY, steady_link
 from shardline.node.logistics import ModelLogistics
 from shardline.node.peer_client import KeyRefusedError, PeerClient, PeerError
@@ -178,6 +179,7 @@ class Node:
         self._load_state()
         # the roles, each with this node's state (the node is their composition root)
         self.coordinator = Coordinator(self)
+        self.forecast = Forecast(self)
         self.repeated = RepeatedWarnings(log)  # a peer down: one warning, not one a second
         self.supervisor = Supervisor(self)
         self.logistics = ModelLogistics(self)

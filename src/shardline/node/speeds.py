@@ -295,7 +295,7 @@ class ServedLog:
         key = placement_key(inst)
         speed = record(self.speeds.get(key), key, decode, prefill, position, time.time(),
                        prompt_tokens)
-        predicted = await self.node.coordinator.first_order(inst, speed.context,
+        predicted = await self.node.forecast.first_order(inst, speed.context,
                                                             prompt_tokens=speed.prompt_tokens)
         self.speeds[key] = with_prediction(speed, predicted)
         if self.path is not None:
