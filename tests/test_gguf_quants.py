@@ -48,9 +48,9 @@ F16_AT = {"Q4_0": [0], "Q4_1": [0, 2], "Q5_0": [0], "Q5_1": [0, 2], "Q8_0": [0],
 def test_compiled_unpacking_gives_the_numpy_unpackers_groups(type_name):
     """The load's one-pass kernel, on random blocks whose f16 scales include subnormals,
     zeros, negative zero and infinities: the same q, scales, offsets and form bit for bit."""
-    from shardline.models import native_dequant
+    from shardline.models import kernel_library, native_dequant
 
-    if native_dequant.kernels() is None:
+    if kernel_library.kernels() is None:
         pytest.skip("no C compiler on this machine: numpy unpacks")
     data = random_blocks(type_name, rows=40, blocks=5, seed=3)
     halves = np.array([0x0001, 0x03FF, 0x0000, 0x8000, 0x7C00, 0xFC00, 0x8123, 0x3C00], np.uint16)

@@ -71,9 +71,9 @@ def test_embedding_rows_are_the_weights_rows(type_name):
 def test_compiled_row_lookup_is_the_torch_ops_bit_for_bit(type_name):
     """An embedding lookup (and the LM head's refined rows) through the compiled kernel
     gives the bits of the torch ops it replaces, in float32 and rounded to bfloat16."""
-    from shardline.models import native_dequant
+    from shardline.models import kernel_library
 
-    if native_dequant.kernels() is None:
+    if kernel_library.kernels() is None:
         pytest.skip("no C compiler on this machine: the torch ops are the only path")
     data = random_blocks(type_name, rows=256, blocks=4, seed=7)
     held = resident_weight(unpack_blocks(type_name, data), torch.bfloat16)
@@ -97,10 +97,10 @@ def test_compiled_int4_packing_is_torchs_bit_for_bit(shift, add, top):
     """The load's packing kernel writes the bytes torch's int4 packing makes of the same
     plane values: a 4-bit weight, an 8-bit one's low and high planes (Q8_0), a 5-bit
     high plane re-centred (Q5_1), a 6-bit one's (Q6_K)."""
-    from shardline.models import native_dequant
+    from shardline.models import kernel_library, native_dequant
 
     layout = int4pack_layout()
-    if native_dequant.kernels() is None or layout is None:
+    if kernel_library.kernels() is None or layout is None:
         pytest.skip("no C compiler or no known int4 layout here: torch packs")
     from shardline.models.int4_planes import _nibble_row_order
 
@@ -267,11 +267,11 @@ def test_compiled_dequant_is_the_eager_code_bit_for_bit(type_name, dtype, monkey
     """A prefill product's weight block from the compiled kernel (one and two int4 planes,
     int8 groups) equals the eager torch code's, and so does the product (the GEMM's, as
     where the CPU has AMX tiles)."""
-    from shardline.models import native_dequant
+    from shardline.models import kernel_library, native_dequant
 
     monkeypatch.setattr(native_dequant, "int8_prefill", lambda rows: False)
 
-    if native_dequant.kernels() is None:
+    if kernel_library.kernels() is None:
         pytest.skip("no C compiler on this machine: the eager code is the only path")
     data = random_blocks(type_name, rows=256, blocks=4, seed=5)
     held = resident_weight(unpack_blocks(type_name, data), dtype)
@@ -303,9 +303,9 @@ def test_transposed_packed_dequant_is_the_eager_code(type_name, dtype, aligned):
     """A prefill GEMM's operand ``W.T`` from packed groups: three blocks of 16 rows (the
     last one alone, where pairs make whole lines), into aligned memory (written around the
     caches) and not."""
-    from shardline.models import native_dequant
+    from shardline.models import kernel_library, native_dequant
 
-    if native_dequant.kernels() is None:
+    if kernel_library.kernels() is None:
         pytest.skip("no C compiler on this machine: the eager code is the only path")
     held = resident_weight(unpack_blocks(type_name, random_blocks(type_name, rows=48, blocks=1,
                                                                   seed=8)), dtype)
@@ -333,14 +333,14 @@ def test_compiled_packing_gives_numpys_bytes(monkeypatch, bits):
     bytes as the numpy code it replaces (every value of each bit width, at every place)."""
     import numpy as np
 
-    from shardline.models import native_dequant
+    from shardline.models import kernel_library
     from shardline.models.packed_groups import _packed_bits
 
-    if native_dequant.kernels() is None:
+    if kernel_library.kernels() is None:
         pytest.skip("no C compiler on this machine: numpy packs")
     q = np.random.default_rng(bits).integers(0, 2 ** bits, (32, 256), dtype=np.uint8)
     compiled = _packed_bits(q, bits)
-    monkeypatch.setattr(native_dequant, "kernels", lambda: None)
+    monkeypatch.setattr(kernel_library, "kernels", lambda: None)
     for got, want in zip(compiled, _packed_bits(q, bits)):
         assert got.dtype == want.dtype and got.shape == want.shape
         assert np.array_equal(got, want)
@@ -350,9 +350,9 @@ def test_compiled_scales_and_zeros_round_as_torch_does(monkeypatch):
     """The load's compiled bfloat16 layout of an int4 plane's scales and zeros: the bits
     torch's rounding gives (ties to even, infinities, subnormals; a NaN stays a NaN, whose
     bits torch's own paths do not agree on), in place at a row offset of a larger weight."""
-    from shardline.models import native_dequant
+    from shardline.models import kernel_library, native_dequant
 
-    if native_dequant.kernels() is None:
+    if kernel_library.kernels() is None:
         pytest.skip("no C compiler on this machine: torch lays them out")
     g = torch.Generator().manual_seed(5)
     scale, zero = torch.randn(16, 6, generator=g), torch.randn(16, 6, generator=g) * 1e-3
@@ -362,7 +362,7 @@ def test_compiled_scales_and_zeros_round_as_torch_does(monkeypatch):
     zero.view(-1)[-len(special):] = special
     compiled = torch.full((6, 40, 2), 7, dtype=torch.bfloat16)
     native_dequant.scales_zeros_into(scale, zero, compiled, 16)
-    monkeypatch.setattr(native_dequant, "kernels", lambda: None)
+    monkeypatch.setattr(kernel_library, "kernels", lambda: None)
     eager = torch.full((6, 40, 2), 7, dtype=torch.bfloat16)
     native_dequant.scales_zeros_into(scale, zero, eager, 16)
     assert torch.equal(compiled.view(torch.int16), eager.view(torch.int16))
@@ -375,14 +375,14 @@ def test_compiled_scales_and_zeros_round_as_torch_does(monkeypatch):
 def test_packed_groups_without_a_compiler_give_the_same_values(monkeypatch):
     """The eager torch path (no C compiler) dequantizes bit for bit as the kernel does, and
     its products (decode and prefill sizes) agree within float32 rounding."""
-    from shardline.models import native_dequant
+    from shardline.models import kernel_library
 
-    if native_dequant.kernels() is None:
+    if kernel_library.kernels() is None:
         pytest.skip("no C compiler on this machine: the eager code is the only path")
     held, _ = resident("Q6_K", torch.float32, seed=8)
     x = torch.randn(100, held.shape[1], generator=torch.Generator().manual_seed(9))
     compiled = held.dequantize(torch.bfloat16), held.matmul(x[:3]), held.matmul(x)
-    monkeypatch.setattr(native_dequant, "kernels", lambda: None)
+    monkeypatch.setattr(kernel_library, "kernels", lambda: None)
     eager = held.dequantize(torch.bfloat16), held.matmul(x[:3]), held.matmul(x)
     assert torch.equal(compiled[0], eager[0])
     for a, b in zip(compiled[1:], eager[1:]):
@@ -397,12 +397,12 @@ def test_a_build_without_avx512_kernels_declares_every_function():
     import ctypes
     import shutil
 
-    from shardline.models import native_dequant
+    from shardline.models import kernel_library
 
-    if shutil.which(native_dequant._compiler()) is None:
+    if shutil.which(kernel_library._compiler()) is None:
         pytest.skip("no C compiler on this machine")
-    lib = ctypes.CDLL(str(native_dequant._build(native_dequant.FLAGS)))
-    native_dequant.declare(lib)
+    lib = ctypes.CDLL(str(kernel_library._build(kernel_library.FLAGS)))
+    kernel_library.declare(lib)
     assert not lib.int4_planes_gemv_built() and not lib.decode_layers_built()
 
 
@@ -411,7 +411,7 @@ def test_unfinished_kernel_builds_older_than_a_build_are_removed(tmp_path):
     build removes such files once no build could still be writing them."""
     import os
 
-    from shardline.models.native_dequant import COMPILE_TIMEOUT_S, remove_stale_builds
+    from shardline.models.kernel_library import COMPILE_TIMEOUT_S, remove_stale_builds
 
     old, fresh, library = tmp_path / "a.so.tmp", tmp_path / "b.so.tmp", tmp_path / "c.so"
     for f in (old, fresh, library):

@@ -37,7 +37,7 @@ from typing import TYPE_CHECKING, cast
 
 import torch
 
-from shardline.models import native_dequant
+from shardline.models import kernel_library, native_dequant
 from shardline.models.int4_planes import Int4Planes
 from shardline.models.kv_cache import KVCache
 from shardline.models.linear import Linear
@@ -90,7 +90,7 @@ class _Shape(ctypes.Structure):
 
 
 def _built() -> bool:
-    lib = native_dequant.kernels()
+    lib = kernel_library.kernels()
     return (lib is not None and native_dequant.int4_gemv_built()
             and bool(lib.decode_layers_built()))
 
@@ -188,7 +188,7 @@ class FusedDecode:
 
     def __init__(self, shard: DecoderShard) -> None:
         config = shard.config
-        self._lib = native_dequant._loaded()
+        self._lib = kernel_library.loaded()
         self._held: list[object] = []  # what the pointers point into
         self._layers: list[dict[str, int | None]] = []
         for module in shard.layers:

@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from shardline.models import native_dequant
+from shardline.models import kernel_library, native_dequant
 from shardline.models.gguf_quants import GroupQuant
 from shardline.models.products import (
     KERNEL_MAX_ROWS,
@@ -170,7 +170,7 @@ class Int4Planes:
         Raises:
             IndexError: an id outside ``[0, out)`` (as torch's indexing raises).
         """
-        if (native_dequant.kernels() is not None and self.rows_readable()
+        if (kernel_library.kernels() is not None and self.rows_readable()
                 and all(sz.dtype == torch.bfloat16 for sz in self.scales_zeros)):
             if ids.numel() and not 0 <= int(ids.min()) <= int(ids.max()) < self.out_features:
                 raise IndexError(f"row ids {ids.tolist()[:8]} outside 0-{self.out_features - 1}")
@@ -237,7 +237,7 @@ def pack_int4_planes(g: GroupQuant, dtype: torch.dtype, into: Int4Planes | None 
                           rows, cols)
     assert len(into.packed) == len(planes) and into.in_features == cols
     layout = int4pack_layout()
-    compiled = (native_dequant.kernels() is not None and layout is not None
+    compiled = (kernel_library.kernels() is not None and layout is not None
                 and rows % layout[0] == 0 and _nibble_row_order() == "halves")
     for i, (shift, add, s, z) in enumerate(planes):
         out = into.packed[i][start : start + rows]

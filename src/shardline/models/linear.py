@@ -46,7 +46,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from shardline.models import native_dequant
+from shardline.models import kernel_library, native_dequant
 from shardline.models.gguf_quants import GroupQuant
 from shardline.models.int4_planes import INT4_GROUP, Int4Planes, pack_int4_planes
 from shardline.models.packed_groups import PackedGroups, pack_groups, packs
@@ -147,7 +147,7 @@ class Int8Groups:
         """``x @ W.T`` for ``x`` ``[rows, in]``: up to :data:`KERNEL_MAX_ROWS` rows (decode)
         a product that reads one byte a weight (the compiled kernel, in float32, each row
         on its own), else the weight dequantized block by block and a dense GEMM."""
-        if x.shape[0] <= KERNEL_MAX_ROWS and self.group % 8 == 0 and native_dequant.kernels():
+        if x.shape[0] <= KERNEL_MAX_ROWS and self.group % 8 == 0 and kernel_library.kernels():
             return native_dequant.int8_groups_gemv(self.q, self.scale, self.offset, self.group,
                                                    x.float()).to(x.dtype)
         work = 0 if native(x.dtype) else 4  # float32 work

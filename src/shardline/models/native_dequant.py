@@ -1,10 +1,9 @@
-"""The compiled kernels (every ``.c`` file of ``kernels/``, one library: the
-dequantization and small decode products of ``dequant.c``, the int8-activation product
-of int4 planes of ``int4_gemv.c`` and their prefill product on AMX tiles of
-``amx_prefill.c``, what reads packed 5/6-bit groups in ``packed_groups.c``, the load's
-passes of ``repack.c``, the fused decode layers of ``decode_layer.c``): built once per machine
-with the system C compiler, kept in ``$XDG_CACHE_HOME/shardline/kernels/``, loaded with
-ctypes.
+"""The compiled kernels' products, called through ctypes (the library:
+:mod:`shardline.models.kernel_library`): the dequantization and small decode products of
+``dequant.c``, the int8-activation product of int4 planes of ``int4_gemv.c`` and their
+prefill product on AMX tiles of ``amx_prefill.c``, what reads packed 5/6-bit groups in
+``packed_groups.c``, the load's passes of ``repack.c`` (the fused decode layers of
+``decode_layer.c`` are :mod:`shardline.models.fused_decode`'s).
 
 A prefill chunk's product dequantizes each weight block into scratch and runs a dense GEMM
 (:mod:`shardline.models.linear`). Done with torch's element-wise ops, that takes five
@@ -15,7 +14,7 @@ development machine (one thread), bit for bit the same values (it is built witho
 multiply-adds, so it rounds as the eager code does).
 
 Where no compiler works (or the platform's int4 layout is not the one the kernel reads),
-:func:`kernels` is None and the eager code runs: same values, slower prefill.
+``kernel_library.kernels()`` is None and the eager code runs: same values, slower prefill.
 """
 
 from __future__ import annotations
@@ -23,162 +22,18 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import functools
-import hashlib
 import logging
-import os
-import platform
-import subprocess
-import sysconfig
-import tempfile
-import time
 from collections.abc import Iterator
-from pathlib import Path
 
 import numpy as np
 import torch
 
-from shardline.machine_cache import cache_dir
-from shardline.models import gguf_quants
+from shardline.models import gguf_quants, kernel_library
 
 log = logging.getLogger(__name__)
 
-KERNELS = Path(__file__).with_name("kernels")
-SOURCES = sorted(KERNELS.glob("*.c"))
-"""Compiled together; they share ``kernels.h``."""
-FLAGS = ["-O3", "-ffp-contract=off", "-shared", "-fPIC"]
-TUNED_FLAGS = ["-march=native", "-fopenmp"]
-"""Tried first (vector width of this CPU, and threads); the library is then keyed by the
-CPU's flags. ``-fopenmp`` links ``libgomp.so.1``: torch's own copy, already loaded by
-then, so the decode product's threads are torch's (``torch.set_num_threads``)."""
-
-COMPILE_TIMEOUT_S = 120
-
-
 _P = ctypes.c_void_p
 _I = ctypes.c_int64
-
-
-def _compiler() -> str:
-    return os.environ.get("CC") or (sysconfig.get_config_var("CC") or "cc").split()[0]
-
-
-def _cpu_key() -> str:
-    """What a -march=native build depends on: the CPU's model and feature flags."""
-    try:
-        text = Path("/proc/cpuinfo").read_text()
-        lines = [ln for ln in text.splitlines() if ln.startswith(("flags", "model name", "Features"))]
-        return "\n".join(sorted(set(lines)))
-    except OSError:
-        return f"{platform.machine()} {platform.processor()}"
-
-
-def _library_path(flags: list[str]) -> Path:
-    digest = hashlib.sha256()
-    texts = [path.read_bytes() for path in sorted(KERNELS.glob("*.[ch]"))]
-    for part in (*texts, _compiler().encode(), " ".join(flags).encode(), _cpu_key().encode()):
-        digest.update(part)
-    return cache_dir() / "kernels" / f"dequant-{digest.hexdigest()[:20]}.so"
-
-
-def remove_stale_builds(directory: Path, now: float) -> list[Path]:
-    """Delete the unfinished libraries (``*.so.tmp``) in ``directory`` older than
-    :data:`COMPILE_TIMEOUT_S` (time.time() seconds ``now``): their builder was killed
-    between compiling and renaming (a host-profile child stopped mid-start, say), and no
-    build lasts longer. The paths deleted."""
-    stale = []
-    for leftover in directory.glob("*.so.tmp"):
-        try:
-            if now - leftover.stat().st_mtime > COMPILE_TIMEOUT_S:
-                leftover.unlink()
-                stale.append(leftover)
-        except OSError:  # another process removed or renamed it
-            continue
-    return stale
-
-
-def _build(flags: list[str]) -> Path:
-    """The library built with ``flags`` (compiled now unless already in the cache).
-
-    Raises:
-        OSError, subprocess.SubprocessError: no compiler, or it failed.
-    """
-    path = _library_path(flags)
-    if path.exists():
-        return path
-    path.parent.mkdir(parents=True, exist_ok=True)
-    remove_stale_builds(path.parent, time.time())
-    with tempfile.NamedTemporaryFile(dir=path.parent, suffix=".so.tmp", delete=False) as tmp:
-        pass
-    try:
-        subprocess.run([_compiler(), *flags, *map(str, SOURCES), "-o", tmp.name], check=True,
-                       capture_output=True, timeout=COMPILE_TIMEOUT_S)
-        Path(tmp.name).replace(path)  # atomic: runners starting together each build, one wins
-    finally:
-        Path(tmp.name).unlink(missing_ok=True)
-    return path
-
-
-@functools.cache
-def kernels() -> ctypes.CDLL | None:
-    """The loaded kernels, built on first use; None where they cannot be built (logged
-    once)."""
-    for flags in (FLAGS + TUNED_FLAGS, FLAGS + TUNED_FLAGS[:1], FLAGS):
-        try:
-            lib = ctypes.CDLL(str(_build(flags)))
-        except (OSError, subprocess.SubprocessError) as e:
-            detail = getattr(e, "stderr", b"") or b""
-            log.debug("dequant kernels with %s: %s %s", flags, e, detail.decode(errors="replace"))
-            continue
-        declare(lib)
-        return lib
-    log.warning("no C compiler could build %s: prefill dequantizes with torch ops (slower)",
-                " ".join(path.name for path in SOURCES))
-    return None
-
-
-def declare(lib: ctypes.CDLL) -> None:
-    """Give ``lib``'s functions their C signatures. Every build defines every function
-    (one built without the instructions a kernel needs has a stub that ``*_built()``
-    says not to call).
-
-    Raises:
-        AttributeError: a function the build lacks.
-    """
-    for name in ("int4_planes_t_32", "int4_planes_t_16"):
-        getattr(lib, name).argtypes = [_P, _P, _P, _P, _I, _I, _I, _I, _P, ctypes.c_int]
-    _C = ctypes.c_int
-    lib.int4_planes_gemv.argtypes = [_P, _P, _C, _I, _P]
-    lib.int4_planes_rows.argtypes = [_P, _P, _P, _P, _I, _I, _I, _P, _P, _I, _P]
-    lib.int4_planes_gemv_built.restype = ctypes.c_int
-    lib.amx_tiles_ready.restype = ctypes.c_int
-    lib.int4_planes_amx_prefill.argtypes = [_P, _P, _I, _P]
-    lib.int8_groups.argtypes = [_P, _P, _P, _I, _I, _I, _P, ctypes.c_int]
-    lib.int8_groups_gemv.argtypes = [_P, _P, _P, _I, _I, _I, _P, _P, _I, _P]
-    lib.packed_groups_rows.argtypes = [_P, _P, _I, _P, _C, _P]
-    lib.packed_groups_cols.argtypes = [_P, _P, _C]
-    lib.packed_groups_gemv.argtypes = [_P, _P, _I, _P]
-    lib.packed_groups_q8_gemv.argtypes = [_P, _P, _C, _I, _P]
-    lib.packed_groups_q8_gemv.restype = ctypes.c_int
-    lib.packed_groups_gemv.restype = ctypes.c_int
-    lib.int4_pack_halves.argtypes = [_P, _I, _I, _C, _C, _I, _P, _C]
-    lib.unpack_blocks.argtypes = [_P, _I, _I, _C, _P, _P, _P, _C]
-    lib.pack_groups_bits.argtypes = [_P, _I, _I, _C, _P, _P, _C]
-    lib.scales_zeros_bf16.argtypes = [_P, _P, _I, _I, _P, _I, _I, _C]
-    lib.decode_layers_built.restype = ctypes.c_int
-    lib.decode_layers.argtypes = [_P, _P, _I, _P, _I, _P, _P, _P, _P]
-    lib.decode_layers.restype = ctypes.c_int
-
-
-def _loaded() -> ctypes.CDLL:
-    """:func:`kernels`, which the caller has checked are built.
-
-    Raises:
-        RuntimeError: they are not.
-    """
-    lib = kernels()
-    if lib is None:
-        raise RuntimeError("dequant kernels are not available")
-    return lib
 
 
 def _ptr(t: torch.Tensor | None) -> int | None:
@@ -214,7 +69,7 @@ def int4_planes_t(planes: list[tuple[torch.Tensor, torch.Tensor]], half: int, st
     Raises:
         RuntimeError: the kernels are not built (:func:`kernels` is None).
     """
-    lib = _loaded()
+    lib = kernel_library.loaded()
     K, rows = out.shape
     block = 2 * half
     assert out.dtype in (torch.bfloat16, torch.float32) and rows % block == 0 == start % block
@@ -241,7 +96,7 @@ def int4_planes_rows(planes: list[tuple[torch.Tensor, torch.Tensor]], block: int
     Raises:
         RuntimeError: the kernels are not built (:func:`kernels` is None).
     """
-    lib = _loaded()
+    lib = kernel_library.loaded()
     K = out.shape[1]
     assert out.dtype == torch.float32 and out.shape[0] == ids.numel() and K % 32 == 0
     assert ids.dtype == position.dtype == torch.int64
@@ -284,7 +139,7 @@ def int4_pack_halves(q: torch.Tensor, shift: int, add: int, block: int,
     Raises:
         RuntimeError: the kernels are not built (:func:`kernels` is None).
     """
-    lib = _loaded()
+    lib = kernel_library.loaded()
     rows, cols = q.shape
     assert q.dtype == torch.uint8 and rows % block == 0 and cols % 2 == 0
     q = q.contiguous()  # held while the kernel reads it
@@ -301,7 +156,7 @@ def scales_zeros_into(scale: torch.Tensor, zero: torch.Tensor, out: torch.Tensor
     scales and zeros), rounded to ``out``'s dtype as torch rounds: compiled for bfloat16
     where the kernels are built, else by torch."""
     rows, groups = scale.shape
-    lib = kernels()
+    lib = kernel_library.kernels()
     if lib is None or out.dtype != torch.bfloat16 or not out.is_contiguous():
         out[:, start : start + rows] = torch.stack((scale, zero), dim=-1).to(out.dtype).transpose(0, 1)
         return
@@ -322,7 +177,7 @@ def unpack_blocks(type_name: str, data: np.ndarray) -> gguf_quants.GroupQuant:
     Raises:
         UnsupportedQuantization: the type has no integer-group form.
     """
-    lib = kernels()
+    lib = kernel_library.kernels()
     if lib is None or type_name not in _UNPACKED:
         return gguf_quants.unpack_blocks(type_name, data)
     form = gguf_quants.group_form(type_name)
@@ -342,7 +197,7 @@ def unpack_blocks(type_name: str, data: np.ndarray) -> gguf_quants.GroupQuant:
 def int4_gemv_built() -> bool:
     """Whether :class:`Int4Gemv` runs here: the kernels are built for a CPU with
     AVX-512 VNNI and VBMI (else decode keeps torch's int4 kernel)."""
-    lib = kernels()
+    lib = kernel_library.kernels()
     return lib is not None and bool(lib.int4_planes_gemv_built())
 
 
@@ -385,7 +240,7 @@ def amx_ready() -> bool:
     """Whether :meth:`Int4Gemv.prefill` runs here: the kernels are built with AMX-BF16
     tiles (a CPU that has them, a compiler that knows them) and Linux lets this process use
     them."""
-    lib = kernels()
+    lib = kernel_library.kernels()
     return int4_gemv_built() and lib is not None and bool(lib.amx_tiles_ready())
 
 
@@ -427,7 +282,7 @@ class Int4Gemv:
         self.address = ctypes.addressof(self._weight)
         """Where the C ``int4_gemv_t`` lies (the fused decode layers take it)."""
         self._planes = planes  # held: the kernel reads their memory
-        self._kernel = _loaded().int4_planes_gemv
+        self._kernel = kernel_library.loaded().int4_planes_gemv
 
     @staticmethod
     def refusal(planes: list[tuple[torch.Tensor, torch.Tensor]]) -> str | None:
@@ -467,7 +322,7 @@ class Int4Gemv:
             raise ValueError(f"int4 prefill product of {x.dtype} x {tuple(x.shape)} with "
                              f"[{self.N}, {self.K}] (bfloat16)")
         y = torch.empty(M, self.N, dtype=x.dtype)
-        rc = _loaded().int4_planes_amx_prefill(self.address, x.contiguous().data_ptr(), M,
+        rc = kernel_library.loaded().int4_planes_amx_prefill(self.address, x.contiguous().data_ptr(), M,
                                                y.data_ptr())
         if rc == -1:
             raise MemoryError("int4 prefill product: no memory for its scratch")
@@ -500,7 +355,7 @@ def int8_groups(q: torch.Tensor, scale: torch.Tensor, offset: torch.Tensor, grou
     Raises:
         RuntimeError: the kernels are not built (:func:`kernels` is None).
     """
-    lib = _loaded()
+    lib = kernel_library.loaded()
     rows, K = q.shape
     assert out.shape == q.shape and out.dtype in (torch.bfloat16, torch.float32)
     lib.int8_groups(_ptr(q), _ptr(scale), _ptr(offset), rows, K, group, _ptr(out),
@@ -519,7 +374,7 @@ def int8_groups_gemv(q: torch.Tensor, scale: torch.Tensor, offset: torch.Tensor,
     Raises:
         RuntimeError: the kernels are not built (:func:`kernels` is None).
     """
-    lib = _loaded()
+    lib = kernel_library.loaded()
     rows, K = q.shape
     M = x.shape[0]
     assert x.dtype == torch.float32 and x.shape[1] == K and group % 8 == 0
@@ -538,7 +393,7 @@ def packed_groups_rows(w, out: torch.Tensor, ids: torch.Tensor | None = None) ->
     Raises:
         RuntimeError: the kernels are not built (:func:`kernels` is None).
     """
-    lib = _loaded()
+    lib = kernel_library.loaded()
     n = w.shape[0] if ids is None else len(ids)
     assert tuple(out.shape) == (n, w.shape[1]) and out.dtype in (torch.bfloat16, torch.float32)
     if ids is not None:
@@ -561,7 +416,7 @@ def packed_groups_cols(w, out: torch.Tensor) -> torch.Tensor:
     Raises:
         RuntimeError: the kernels are not built (:func:`kernels` is None).
     """
-    lib = _loaded()
+    lib = kernel_library.loaded()
     assert tuple(out.shape) == (w.shape[1], w.shape[0]) and out.dtype in (torch.bfloat16, torch.float32)
     weight = PackedWeight.of(w)  # held through the call
     lib.packed_groups_cols(ctypes.addressof(weight), _ptr(out), int(out.dtype == torch.bfloat16))
@@ -603,7 +458,7 @@ def packed_groups_gemv(w, x: torch.Tensor) -> torch.Tensor:
         RuntimeError: the kernels are not built (:func:`kernels` is None).
         MemoryError: the kernel's scratch could not be allocated.
     """
-    lib = _loaded()
+    lib = kernel_library.loaded()
     M, K = x.shape
     assert x.dtype in (torch.bfloat16, torch.float32) and K == w.shape[1] and K % 32 == 0
     y = torch.empty(M, w.shape[0])

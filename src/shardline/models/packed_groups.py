@@ -33,7 +33,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from shardline.models import native_dequant
+from shardline.models import kernel_library, native_dequant
 from shardline.models.gguf_quants import GroupQuant
 from shardline.models.products import KERNEL_MAX_ROWS, blocked_product, scratch
 
@@ -158,7 +158,7 @@ class PackedGroups:
         return work.to(dtype)
 
     def _rows_into(self, out: torch.Tensor, ids: torch.Tensor | None = None) -> torch.Tensor:
-        if native_dequant.kernels() is None:
+        if kernel_library.kernels() is None:
             return out.copy_(self._eager_rows(out.dtype, ids))
         return native_dequant.packed_groups_rows(self, out, ids)
 
@@ -182,16 +182,16 @@ class PackedGroups:
         """``x @ W.T`` for ``x`` ``[rows, in]``: up to :data:`~shardline.models.products.KERNEL_MAX_ROWS` rows (decode)
         the kernel's product (:func:`~shardline.models.native_dequant.packed_groups_gemv`),
         else blocks of rows dequantized into scratch and a dense GEMM (prefill)."""
-        if x.shape[0] <= KERNEL_MAX_ROWS and native_dequant.kernels():
+        if x.shape[0] <= KERNEL_MAX_ROWS and kernel_library.kernels():
             return native_dequant.packed_groups_gemv(self, x).to(x.dtype)
 
         def columns(start: int, end: int, dtype: torch.dtype) -> torch.Tensor:
-            if native_dequant.kernels() is None:
+            if kernel_library.kernels() is None:
                 return self.rows(start, end)._eager_rows(dtype).t()
             out = scratch("out", self.shape[1], end - start, dtype)
             return native_dequant.packed_groups_cols(self.rows(start, end), out)
 
-        work = 4 if native_dequant.kernels() is None else 0  # the eager float32 values
+        work = 4 if kernel_library.kernels() is None else 0  # the eager float32 values
         return blocked_product(x, self.shape[0], columns, work)
 
 
@@ -217,7 +217,7 @@ def _packed_bits(q: np.ndarray, bits: int) -> tuple[np.ndarray, np.ndarray]:
     bytes)."""
     rows, cols = q.shape
     hb = bits - 4
-    lib = native_dequant.kernels()
+    lib = kernel_library.kernels()
     if lib is not None:
         low = np.empty((rows // BLOCK_ROWS, cols * 8), np.uint8)
         high = np.empty((rows // BLOCK_ROWS, cols * 2 * hb), np.uint8)

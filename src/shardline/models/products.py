@@ -12,7 +12,7 @@ import functools
 
 import torch
 
-from shardline.models import native_dequant
+from shardline.models import kernel_library
 from shardline.placement.memory import DEQUANT_SCRATCH_BYTES
 
 KERNEL_MAX_ROWS = 64
@@ -92,5 +92,5 @@ def blocked_product(x: torch.Tensor, out_features: int, columns,
 
 def native(dtype: torch.dtype):
     """The compiled kernels when they can write ``dtype``, else None (eager torch ops)."""
-    return native_dequant.kernels() if dtype in (torch.bfloat16, torch.float32) else None
+    return kernel_library.kernels() if dtype in (torch.bfloat16, torch.float32) else None
 
