@@ -497,11 +497,16 @@ class Coordinator:
 
     async def delete_instance(self, instance_id: str) -> str | None:
         """Coordinator: remove the instance ``instance_id`` names (itself, or the one
-        placed again in its place: ``state.instance_named``); its runners are stopped
-        everywhere. The id removed, or None where the id names none."""
+        placed again in its place: ``state.instance_named``), and one placed beside it to
+        stand in for it (``state.standing_in``: a rejoin's, still loading or handing
+        over, which would otherwise serve on); their runners are stopped everywhere. The
+        id named, or None where the id names none."""
         inst = instance_named(self.node.instances, instance_id)
         if inst is None:
             return None
-        await self.node.commit(Deleted(inst.instance_id))
-        log.info("deleted instance %s of %s", inst.instance_id, inst.model_id)
+        beside = [new.instance_id for old, new in standing_in(self.node.instances).items()
+                  if old == inst.instance_id]
+        await self.node.commit(Deleted(inst.instance_id), *(Deleted(i) for i in beside))
+        log.info("deleted instance %s of %s%s", inst.instance_id, inst.model_id,
+                 f" and {', '.join(beside)} placed beside it" if beside else "")
         return inst.instance_id
