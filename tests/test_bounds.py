@@ -291,6 +291,9 @@ def test_middleware_answers_408_to_a_body_that_stops_coming():
     # what place prints ("serves at http://...:52415/v1"): the API's base path left out
     ("http://10.0.0.2:52415/v1", "http://10.0.0.2:52415"), ("10.0.0.2:1/v1/", "http://10.0.0.2:1"),
     ("http://a:1/", "http://a:1"),
+    # an address alone: a node's default port (a URL with a scheme means what it says)
+    ("10.0.0.2", "http://10.0.0.2:52415"), ("10.0.0.2/v1", "http://10.0.0.2:52415"),
+    ("http://10.0.0.2", "http://10.0.0.2"),
 ])
 def test_a_node_url_without_a_scheme_is_http(given, url):
     import argparse

@@ -98,7 +98,9 @@ def test_an_epoch_round_trips_and_a_malformed_one_is_refused():
 @pytest.mark.parametrize("view, live, rejoins", [
     # a returning node: placed on a, b after c was lost; all three live, idle
     (RejoinView("ready", ("a", "b"), ("a", "b", "c"), False), "abc", True),
-    (RejoinView("ready", ("a", "b"), ("a", "b", "c"), True), "abc", False),  # busy: later
+    # busy: the new one goes beside it (the coordinator waits for idle only where both
+    # do not fit)
+    (RejoinView("ready", ("a", "b"), ("a", "b", "c"), True), "abc", True),
     (RejoinView("ready", ("a", "b"), ("a", "b", "c"), False), "ab", False),  # c still down
     (RejoinView("loading", ("a", "b"), ("a", "b", "c"), False), "abc", False),
     (RejoinView("failed", ("a", "b"), ("a", "b", "c"), False), "abc", False),

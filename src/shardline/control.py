@@ -65,7 +65,7 @@ def _request(args: argparse.Namespace, method: str, path: str, body: dict | None
         response = httpx.request(method, url, json=body, timeout=timeout_s, headers=api_key_headers(args.api_key))
     except httpx.HTTPError as exc:
         raise CommandError(f"no shardline node answers at {args.url} ({exc}); start one with "
-                           f"`shardline run`, or give --url") from None
+                           f"`shardline run`, or give --url the address of one (host:port)") from None
     try:
         data = response.json()
     except ValueError:
@@ -188,7 +188,8 @@ def _instances(args: argparse.Namespace) -> None:
 
 def node_url(text: str) -> str:
     """A node's base URL (argparse type): ``http://`` put before an address given without
-    a scheme (``127.0.0.1:8000``), as curl reads it; an API's base path (``/v1``, what
+    a scheme (``127.0.0.1:8000``), as curl reads it, and the default port (52415) after
+    one without a port (``10.0.0.2``, as ``--peers`` reads it); an API's base path (``/v1``, what
     ``place`` prints and OpenAI clients take) and a trailing ``/`` left out.
 
     Raises:
@@ -201,6 +202,12 @@ def node_url(text: str) -> str:
         parsed = httpx.URL(url)
     except httpx.InvalidURL:
         parsed = None
+    if parsed is not None and "://" not in text and parsed.port is None and parsed.host:
+        # an address without a port means a node's default one, as --peers reads it
+        from shardline.cli import DEFAULT_PORT
+
+        parsed = parsed.copy_with(port=DEFAULT_PORT)
+        url = str(parsed).rstrip("/")
     if parsed is None or parsed.scheme not in ("http", "https") or not parsed.host:
         raise argparse.ArgumentTypeError(f"{text!r} is not a node's URL (e.g. http://127.0.0.1:8000)")
     url = url.rstrip("/")
