@@ -82,6 +82,7 @@ class Coordinator:
         self.replacing: set[str] = set()  # failed instances being placed again
         self._announced: set[str] = set()  # instances whose "is ready" was logged
         self._failures_said: set[str] = set()  # instances whose failure was acted on
+        self._no_room_beside: set[str] = set()  # rejoins that did not fit beside their instance
 
     async def _fail_lost_instances(self) -> None:
         """Coordinator: fail the instances with a rank on a node that is down, or that
@@ -107,6 +108,8 @@ class Coordinator:
                  for i in self.node.instances.values()}
         for instance_id in rejoinable(views, live):
             inst = self.node.instances[instance_id]
+            if instance_id in busy and instance_id in self._no_room_beside:
+                continue  # tried: both do not fit; in its place once it is idle
             try:
                 card = await self.node.logistics.model_card(inst.model_id)
 
@@ -120,6 +123,7 @@ class Coordinator:
                     how = "beside it (it serves until the new one is ready)"
                 except PlacementError:
                     if instance_id in busy:
+                        self._no_room_beside.add(instance_id)
                         continue  # no room for both: in its place, once it is idle
                     # No room for both: out of the table while placing, so that its ranks'
                     # bytes are not counted against the placement that replaces them;
