@@ -268,6 +268,15 @@ class Coordinator:
         return all(answers)
 
     async def _place_again(self, failed: Instance) -> None:
+        serving = [old for old in failed.replaced if old in self.node.instances
+                   and self.node.instances[old].status != InstanceStatus.FAILED]
+        if serving:
+            # A rejoin's instance, placed beside one that still serves: deleted, not placed
+            # again (the rejoin rule tries again; placing it again too left two copies).
+            log.info("instance %s, placed beside %s, failed: deleted; %s serves on",
+                     failed.instance_id, ", ".join(serving), ", ".join(serving))
+            await self.node.commit(Deleted(failed.instance_id))
+            return
         retries = failed.retries + 1 if failed.ready_at is None else 0
         if retries > self.node.max_replacements:
             # Leave the failed instance in the table, so its error stays visible.
