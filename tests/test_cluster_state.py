@@ -7,6 +7,7 @@ from shardline.node.cluster_state import (
     NO_EPOCH,
     Epoch,
     RejoinView,
+    heard_majority,
     heard_whole_cluster,
     lost_instances,
     newer,
@@ -29,6 +30,11 @@ pytestmark = [pytest.mark.fast, pytest.mark.timeout(10)]
     (Epoch(2, 3, "b"), Epoch(2, 3, "c"), False),
     (Epoch(1, 1, "a"), NO_EPOCH, True),  # a new node takes the first table it hears
     (NO_EPOCH, Epoch(1, 1, "a"), False),
+    # a partition heals: a node cut off alone started term 3; the majority served on in 2
+    (Epoch(2, 9, "a", majority=True), Epoch(3, 4, "c"), True),
+    (Epoch(3, 4, "c"), Epoch(2, 9, "a", majority=True), False),
+    (Epoch(3, 1, "b", majority=True), Epoch(2, 9, "a", majority=True), True),  # two majorities: term
+    (Epoch(3, 1, "b"), Epoch(2, 9, "a"), True),  # two minorities (a 2-node cluster cut): term
 ])
 def test_only_a_newer_epoch_replaces_a_table(theirs, mine, adopted):
     assert newer(theirs, mine) is adopted
@@ -41,6 +47,25 @@ def test_only_a_newer_epoch_replaces_a_table(theirs, mine, adopted):
 ])
 def test_a_new_coordinator_starts_a_term_above_every_term_seen(own, seen, term):
     assert next_term(own, seen) == term
+
+
+@pytest.mark.parametrize("heard, known, result", [
+    ("a", "a", True),  # a cluster of one
+    ("ab", "abc", True),  # two of three
+    ("c", "abc", False),  # one of three, cut off
+    ("a", "ab", False),  # one of two: half is not a majority
+    ("ab", "abcd", False),
+    ("abc", "abcd", True),
+    ("ab", "a", True),  # a node heard for the first time counts as known
+])
+def test_a_majority_is_more_than_half_of_the_nodes_known(heard, known, result):
+    assert heard_majority(list(heard), list(known)) is result
+
+
+def test_a_table_kept_on_disk_counts_as_a_minority_s():
+    kept = Epoch(4, 7, "a", majority=True).from_disk()
+    assert kept == Epoch(4, 7, "a") and newer(Epoch(4, 7, "a", majority=True), kept)
+    assert kept.next() == Epoch(4, 8, "a")
 
 
 @pytest.mark.parametrize("now, since, heard_all_at, result", [
@@ -85,10 +110,10 @@ def test_ranks_on_a_node_that_restarted_are_lost():
 
 
 def test_an_epoch_round_trips_and_a_malformed_one_is_refused():
-    epoch = Epoch(3, 4, "node-a")
-    wire = StateMessage(epoch=epoch, instances=[])
-    assert StateMessage.model_validate_json(wire.model_dump_json()).epoch == epoch
-    assert epoch.next() == Epoch(3, 5, "node-a")
+    for epoch in (Epoch(3, 4, "node-a"), Epoch(3, 4, "node-a", majority=True)):
+        wire = StateMessage(epoch=epoch, instances=[])
+        assert StateMessage.model_validate_json(wire.model_dump_json()).epoch == epoch
+        assert epoch.next() == Epoch(3, 5, "node-a", epoch.majority)
     for bad in ({}, {"term": "x", "seq": 1, "coordinator": "a"}, {"term": 1},
                 {"term": 1, "seq": 1, "coordinator": "a", "version": 10**6}):
         with pytest.raises(ValueError):

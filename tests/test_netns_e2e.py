@@ -6,6 +6,7 @@ host's address only."""
 from __future__ import annotations
 
 import functools
+import json
 import os
 import re
 import subprocess
@@ -94,6 +95,27 @@ def table(hosts: netns.Hosts, i: int) -> tuple:
             tuple(sorted((x["instance_id"], x["status"]) for x in state["instances"])))
 
 
+CUT_OFF_VIEW = """
+import json, sys
+sys.path.insert(0, sys.argv[3])
+from conftest import capital_answer, member_client
+url, key = sys.argv[1], sys.argv[2]
+with member_client(key, timeout_s=2) as client:
+    state = client.get(url + "/internal/state").json()
+print(json.dumps({"answer": capital_answer(url), "instances": [x["instance_id"] for x in state["instances"]]}))
+"""
+
+
+def cut_off_view(hosts: netns.Hosts, i: int) -> dict:
+    """Host ``i``'s answer to the capital question and its table's instance ids, asked from
+    inside its namespace (its link to the bridge, and so to this process, may be cut)."""
+    out = subprocess.run(hosts.command(i, [sys.executable, "-c", CUT_OFF_VIEW,
+                                           f"http://{hosts.addresses[i]}:{PORT}", KEY,
+                                           os.path.dirname(__file__)]),
+                         capture_output=True, text=True, timeout=60, check=True).stdout
+    return json.loads(out)
+
+
 def listening_in(hosts: netns.Hosts, i: int, pids: set[int]) -> list[str]:
     """The local ``address:port`` of each TCP socket the processes ``pids`` listen on in
     host ``i``'s namespace (``ss``: psutil reads only the caller's namespace)."""
@@ -105,14 +127,17 @@ def listening_in(hosts: netns.Hosts, i: int, pids: set[int]) -> list[str]:
 
 @pytest.mark.slow
 @pytest.mark.timeout(240)
-def test_a_partition_heals_into_one_state_and_one_serving_instance(tmp_path):
-    """Three nodes serving the model; the coordinator's link (the smallest id) cut for
-    20 s: the other two elect a coordinator in a newer term and serve, while the cut node
-    goes on alone in its old term; once it is back every node holds one table (same
-    epoch), then, after the rejoin's handover, one instance, served by every node (issue
-    13). Before the cut: each
-    runner's listening sockets (rank 0's store, gloo) are on its host's address, not on
-    every interface nor on loopback (issue 14)."""
+@pytest.mark.parametrize("cut_coordinator", [True, False], ids=["coordinator-cut", "other-cut"])
+def test_a_partition_heals_into_one_state_and_one_serving_instance(tmp_path, cut_coordinator):
+    """Three nodes serving the model; one node's link cut for 20 s (the coordinator, the
+    smallest id, or another): the other two serve on (electing a coordinator in a newer
+    term if theirs was cut), while the cut node goes on alone; once it is back every node
+    holds one table (same epoch), the majority's: its instance serves on, the lone node's
+    (placed in a newer term, by a minority) is gone (trial 6: the lone node's table won
+    and the two nodes' serving instance was dropped); then, after the rejoin's handover,
+    one instance, served by every node (issue 13). Before the cut: each runner's
+    listening sockets (rank 0's store, gloo) are on its host's address, not on every
+    interface nor on loopback (issue 14)."""
     with netns.Hosts(3) as hosts:
         procs = [start_node(hosts, i, tmp_path, "--no-mdns", "--runner-threads", "1", "--peers",
                             ",".join(f"{a}:{PORT}" for a in hosts.addresses if a != hosts.addresses[i]))
@@ -131,14 +156,20 @@ def test_a_partition_heals_into_one_state_and_one_serving_instance(tmp_path):
                 found = listening_in(hosts, i, runners)
                 assert found and all(a.rsplit(":", 1)[0] == hosts.addresses[i] for a in found), found
             ids = [httpx.get(f"http://{a}:{PORT}/health", timeout=2).json()["node_id"] for a in hosts.addresses]
-            cut = ids.index(min(ids))  # the coordinator
+            cut = ids.index(min(ids) if cut_coordinator else max(ids))
             majority = [i for i in range(3) if i != cut]
             hosts.link(cut, up=False)
             started = time.time()
             wait_for(lambda: all("Paris" in (chat(hosts, i) or "") for i in majority), 60,
                      "the majority side serving")
             print(f"\npartition: the majority serves {time.time() - started:.1f} s after the cut")
+            # the lone node places the model on itself, in a newer term than the majority's
+            wait_for(lambda: "Paris" in (cut_off_view(hosts, cut)["answer"] or ""), 60,
+                     "the lone node serving")
             time.sleep(max(0.0, 20 - (time.time() - started)))
+            majority_ids = {i for i, _ in table(hosts, majority[0])[1]}
+            lone_ids = set(cut_off_view(hosts, cut)["instances"]) - majority_ids
+            assert lone_ids, "the lone node placed an instance of its own"
             hosts.link(cut, up=True)
             healed = time.time()
 
@@ -147,6 +178,8 @@ def test_a_partition_heals_into_one_state_and_one_serving_instance(tmp_path):
 
             wait_for(lambda: len(set(tables_held())) == 1, 15, "one table on every node")
             print(f"healed: one table {time.time() - healed:.1f} s after the link came back")
+            agreed = {i for i, _ in tables_held()[0][1]}
+            assert majority_ids <= agreed and not lone_ids & agreed, (majority_ids, lone_ids, agreed)
             # the majority's instance (2 nodes) goes back onto all 3: placed beside it, it
             # takes over once ready and the old one is deleted (a handover, no 503s)
             wait_for(lambda: len(set(held := tables_held())) == 1 and len(held[0][1]) == 1, 90,

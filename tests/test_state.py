@@ -141,10 +141,15 @@ def test_not_placed_again_says_why_and_rejoin_dropped_forgets_the_nodes():
 
 
 @pytest.mark.parametrize("before, event, epoch", [
-    (Epoch(3, 2, "a"), TermStarted(5, "b"), Epoch(5, 0, "b")),
+    (Epoch(3, 2, "a"), TermStarted(5, "b", True), Epoch(5, 0, "b", True)),
+    (Epoch(3, 2, "a", True), TermStarted(5, "b", False), Epoch(5, 0, "b", False)),
+    (Epoch(3, 2, "a"), TermStarted(3, "b", True), Epoch(3, 2, "a")),
     (Epoch(3, 2, "a"), Published(), Epoch(3, 3, "a")),
+    (Epoch(3, 2, "a", True), Published(), Epoch(3, 3, "a", True)),
     (Epoch(0, 0, ""), Published(), Epoch(0, 1, "")),
-], ids=["a term starts at sequence 0", "publishing is the next sequence", "from nothing"])
+], ids=["a term starts at sequence 0", "a minority's term: below the majority's table",
+        "not above the table's term", "publishing is the next sequence", "a majority's term",
+        "from nothing"])
 def test_epochs(before, event, epoch):
     assert apply(state(inst(), epoch=before), event).epoch == epoch
 
@@ -288,8 +293,8 @@ def random_event(rng, s: ClusterState, fresh: list[int]):
     if kind == 6:
         return rng.choice([NotPlacedAgain(rng.choice(ids), "no room"), RejoinDropped(rng.choice(ids))])
     if kind == 7:
-        return rng.choice([Published(), TermStarted(rng.randint(0, 6), rng.choice("abcd"))])
-    theirs = state(epoch=Epoch(rng.randint(0, 6), rng.randint(0, 5), rng.choice("abcd")))
+        return rng.choice([Published(), TermStarted(rng.randint(0, 6), rng.choice("abcd"), rng.random() < 0.7)])
+    theirs = state(epoch=Epoch(rng.randint(0, 6), rng.randint(0, 5), rng.choice("abcd"), rng.random() < 0.7))
     return Adopted(theirs)
 
 
@@ -306,7 +311,10 @@ def test_the_invariants_hold_over_random_event_sequences(seed):
         before = copy.deepcopy(s)
         after = apply(s, event)
         assert s == before  # the input is unchanged
-        assert after.epoch >= s.epoch  # 5: the epoch never goes back
+        if isinstance(event, TermStarted) and not event.majority:  # 5: a minority's term ...
+            assert after.epoch.term >= s.epoch.term  # ... only goes up in term
+        else:
+            assert after.epoch >= s.epoch  # 5: the epoch never goes back
         for instance_id, new in after.instances.items():
             old = s.instances.get(instance_id)
             if isinstance(event, Adopted) and after is event.state:

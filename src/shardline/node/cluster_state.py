@@ -18,9 +18,16 @@ they keep:
    peer had one, was adopted in that round) or an election window passed, so a returning
    node first learns (and adopts) the newer term's table.
 4. Two sides of a partition may each start a term; when it heals, every node adopts the
-   table of the greatest epoch (term, then sequence, then coordinator id: a total
-   order), and the coordinator then starts a term above it: the cluster converges on
-   one table.
+   table of the greatest epoch, and the coordinator then starts a term above it: the
+   cluster converges on one table. Epochs are ordered by whether their term was
+   started by a coordinator that heard a majority of the nodes it knows
+   (:func:`heard_majority`), then term, sequence and coordinator id: a total order. A
+   node cut off alone starts a newer term (so that it serves on its own, placing again
+   what it can), but its table loses to the majority's older term when the partition
+   heals (trial 6: the one node's table won, and the two nodes' serving instance was
+   dropped). A coordinator in a minority's term that hears a majority again starts a
+   term above it. A table loaded from disk after a restart counts as a minority's: the
+   nodes that served on while this one was down hold the newer truth.
 5. Ranks do not survive their node: a rank whose node restarted since the instance was
    placed (its incarnation, the node's start time, changed) is lost, and the coordinator
    fails and places again every instance with a lost rank (:func:`lost_instances`), when
@@ -34,28 +41,49 @@ they keep:
 
 from __future__ import annotations
 
+import dataclasses
+import functools
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 
 from shardline.node.status import InstanceStatus
 
 
-@dataclass(frozen=True, order=True)
+@functools.total_ordering
+@dataclass(frozen=True)
 class Epoch:
     """When a table was published: ``term`` (one per coordinator's tenure), ``seq`` (its
-    publications in that term, from 1) and the publishing ``coordinator``'s id (which
-    orders two tables of one term from two sides of a partition)."""
+    publications in that term, from 1), the publishing ``coordinator``'s id (which
+    orders two tables of one term from two sides of a partition) and whether that
+    coordinator heard a ``majority`` of the nodes it knew when it started the term (rule
+    4; fixed for the term, so that each publication of a term is newer than the last).
+    Ordered by ``(majority, term, seq, coordinator)``."""
 
     term: int
     seq: int
     coordinator: str
+    majority: bool = False
+
+    def key(self) -> tuple[bool, int, int, str]:
+        """The order of epochs (rule 4)."""
+        return (self.majority, self.term, self.seq, self.coordinator)
+
+    def __lt__(self, other: object) -> bool:
+        if not isinstance(other, Epoch):
+            return NotImplemented
+        return self.key() < other.key()
 
     def to_dict(self) -> dict:
-        return {"term": self.term, "seq": self.seq, "coordinator": self.coordinator}
+        return {"term": self.term, "seq": self.seq, "coordinator": self.coordinator,
+                "majority": self.majority}
 
     def next(self) -> "Epoch":
         """The next publication in this term."""
-        return Epoch(self.term, self.seq + 1, self.coordinator)
+        return dataclasses.replace(self, seq=self.seq + 1)
+
+    def from_disk(self) -> "Epoch":
+        """This epoch as a restarted node holds it: a minority's (rule 4)."""
+        return dataclasses.replace(self, majority=False)
 
 
 NO_EPOCH = Epoch(0, 0, "")
@@ -65,6 +93,15 @@ NO_EPOCH = Epoch(0, 0, "")
 def newer(theirs: Epoch, mine: Epoch) -> bool:
     """Whether a table published at ``theirs`` replaces one held at ``mine``."""
     return theirs > mine
+
+
+def heard_majority(heard: Iterable[str], known: Iterable[str]) -> bool:
+    """Whether the nodes a coordinator hears (``heard``: live peers' ids and its own) are
+    more than half of the nodes it knows (``known``: every node heard since it started,
+    those its table names, itself). Two nodes cut apart are each a minority: the newer
+    term wins, as before this rule (rule 4)."""
+    members = set(known) | set(heard)
+    return 2 * len(set(heard)) > len(members)
 
 
 def next_term(own: Epoch, seen: Iterable[Epoch]) -> int:

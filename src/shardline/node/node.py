@@ -25,6 +25,7 @@ message between nodes is a ``wire.py`` model sent through ``peer_client.PeerClie
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import itertools
 import logging
 import os
@@ -44,6 +45,7 @@ from shardline.models.store import (
 from shardline.models.tokenizer import Tokenizer
 from shardline.node.cluster_state import (
     Epoch,
+    heard_majority,
     heard_whole_cluster,
     newer,
     next_term,
@@ -382,13 +384,15 @@ class Node:
             self._last_tick = now
             answered = await asyncio.gather(*(self._poll(a) for a in self.peer_addresses))
             self._last_tick = time.time()
-            named = {n for i in self.instances.values() for n in (*i.node_ids(), *i.wanted_nodes)}
+            named = self._named_nodes()
             if heard_whole_cluster(answered, self.live_node_ids(), named):
                 self._heard_all_at = self._last_tick
             if self.coordinator_id() != self.node_id:
                 self._acting_term = None
             elif self._acting_term is None and self.is_settled():
                 await self._start_term()
+            elif self.is_coordinator() and not self.epoch.majority and self._hears_majority():
+                await self._start_term()  # a minority's term, now heard by a majority (rule 4)
             if self.is_coordinator():
                 await self.coordinator._fail_lost_instances()
                 if self.rejoin:
@@ -405,13 +409,25 @@ class Node:
             # elects its coordinator as soon as every peer listens
             await asyncio.sleep(POLL_S if self.is_settled() else STARTUP_POLL_S)
 
+    def _named_nodes(self) -> set[str]:
+        """The nodes the table held names: its instances' and the ones they want."""
+        return {n for i in self.instances.values() for n in (*i.node_ids(), *i.wanted_nodes)}
+
+    def _hears_majority(self) -> bool:
+        """Whether the live nodes are a majority of the nodes known: every node heard since
+        this one started, those its table names, itself (cluster_state rule 4)."""
+        return heard_majority(self.live_node_ids(), {*self.peers, *self._named_nodes()})
+
     async def _start_term(self) -> None:
-        """Become coordinator: a term above every one seen (cluster_state rule 2), then
-        fail the instances whose ranks are gone, and publish."""
+        """Become coordinator: a term above every one seen (cluster_state rule 2), marked by
+        whether it hears a majority (rule 4), then fail the instances whose ranks are
+        gone, and publish."""
         term = next_term(self.epoch, [p.epoch for p in self.peers.values()])
-        self.cluster_state = apply(self.cluster_state, TermStarted(term, self.node_id))
+        majority = self._hears_majority()
+        self.cluster_state = apply(self.cluster_state, TermStarted(term, self.node_id, majority))
         self._acting_term = term
-        log.info("coordinator for term %d", term)
+        log.info("coordinator for term %d%s", term, "" if majority else
+                 " (heard by a minority of the nodes it knows: a majority's table wins over it)")
         # failed before this term (perhaps while no node coordinated): placed again. Taken
         # before publishing: one that fails while this publishes is placed again by its
         # own failure.
@@ -526,7 +542,8 @@ class Node:
         if self.state_path is None or not self.state_path.exists():
             return
         try:
-            self.cluster_state = StateMessage.model_validate_json(self.state_path.read_bytes()).state()
+            kept = StateMessage.model_validate_json(self.state_path.read_bytes()).state()
+            self.cluster_state = dataclasses.replace(kept, epoch=kept.epoch.from_disk())  # rule 4
         except (OSError, ValueError) as exc:  # pydantic's ValidationError is a ValueError
             log.warning("ignoring the kept instance table %s: %s", self.state_path, exc)
 

@@ -19,8 +19,10 @@ Invariants :func:`apply` keeps (tested by tables in tests/test_state.py):
    rank that failed is the one named in the instance's error.
 4. When an instance fails, each rank is failed (its own failure, or its node down) or
    stopped: none is left loading or ready.
-5. The epoch never goes back: a new term starts at sequence 0 above, each publication
-   is the next sequence, and an adopted table is newer.
+5. The epoch never goes back, but for a minority's term: a new term starts at sequence 0
+   above the table's term, each publication is the next sequence, and an adopted table
+   is newer; a term a minority starts ranks below a majority's table
+   (``cluster_state`` rule 4), so that the majority's wins when a partition heals.
 
 This follows the shape of exo's ``shared/apply.py`` (state in, event in, state out) and
 ``worker/plan.py`` (a node's plan read off the state), written for shardline's table.
@@ -154,10 +156,12 @@ class RejoinDropped:
 
 @dataclass(frozen=True)
 class TermStarted:
-    """``coordinator`` coordinates from now on, in ``term``."""
+    """``coordinator`` coordinates from now on, in ``term``, having heard a ``majority``
+    of the nodes it knows, or not (``cluster_state`` rule 4)."""
 
     term: int
     coordinator: str
+    majority: bool
 
 
 @dataclass(frozen=True)
@@ -224,7 +228,7 @@ def apply(state: ClusterState, event: Event) -> ClusterState:
     if isinstance(event, TermStarted):  # only a term above the table's (invariant 5)
         if event.term <= state.epoch.term:
             return state
-        return dataclasses.replace(state, epoch=Epoch(event.term, 0, event.coordinator))
+        return dataclasses.replace(state, epoch=Epoch(event.term, 0, event.coordinator, event.majority))
     if isinstance(event, Published):
         return dataclasses.replace(state, epoch=state.epoch.next())
     if isinstance(event, Adopted):
