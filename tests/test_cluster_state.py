@@ -132,7 +132,9 @@ def test_an_epoch_round_trips_and_a_malformed_one_is_refused():
     (RejoinView("ready", ("a", "b", "c"), (), False), "abc", False),  # never reduced
     (RejoinView("ready", ("a", "b", "c"), ("a", "b", "c"), False), "abc", False),  # back already
     (RejoinView("ready", ("a",), ("a", "c"), False), "abcd", True),
-    (RejoinView("ready", ("a", "d"), ("a", "c"), False), "abcd", False),  # not a subset
+    # placed on others while its one node was down (pinned there): back onto it
+    (RejoinView("ready", ("b", "d"), ("c",), False), "abcd", True),
+    (RejoinView("ready", ("b", "d"), ("c",), False), "abd", False),
     # an instance on a, b, c already stands in for it (loading beside it): not again
     (RejoinView("ready", ("a", "b"), ("a", "b", "c"), False, True), "abc", False),
 ])

@@ -241,3 +241,36 @@ def test_a_paused_coordinator_resumes_without_splitting_the_cluster(cluster):
     wait_until(lambda: healed(cluster), 90, "one table, a ready instance, every node serving")
     print(f"\ncoordinator paused 20 s: healed {time.time() - resumed:.1f} s after it resumed")
     assert tables(cluster)[0][0][0] > max(took_over)  # it took over again, in a newer term
+
+
+@pytest.mark.slow
+def test_an_instance_pinned_to_a_node_goes_back_to_it(tmp_path):
+    """An instance placed on one node (``--nodes``, not the coordinator) whose node is
+    killed is placed on the other to serve on; once the node is back (same id) the
+    instance goes back onto it (cluster_state rule 6; trial 6: it stayed on the other)."""
+    cluster = LocalCluster(nodes=2, base_port=free_port_block(2), runner_threads=1,
+                           log_dir=str(tmp_path), data_dir=str(tmp_path))
+    cluster.start()
+    try:
+        ids = ids_of(cluster)
+        pinned = ids.index(max(ids))
+        other = 1 - pinned
+        cluster.place(None, "pipeline", on=[pinned])
+
+        def nodes_serving() -> list[list[str]]:
+            listed = httpx.get(f"{cluster.url(other)}/cluster/instances", timeout=5).json()["instances"]
+            return [[r["node_id"] for r in x["ranks"]] for x in listed if x["status"] == "ready"]
+
+        killed = time.time()
+        cluster.procs[pinned].kill()
+        cluster.procs[pinned].wait(10)
+        wait_until(lambda: nodes_serving() == [[ids[other]]] and "Paris" in (answer(cluster.url(other)) or ""),
+                   60, "the model served by the other node")
+        print(f"\npinned node killed: served on the other {time.time() - killed:.1f} s later")
+        cluster.start_node(pinned)
+        back = time.time()
+        wait_until(lambda: nodes_serving() == [[ids[pinned]]] and "Paris" in (answer(cluster.url(other)) or ""),
+                   60, "the instance back on its pinned node")
+        print(f"pinned node back: serves the model again {time.time() - back:.1f} s after its return")
+    finally:
+        cluster.stop()

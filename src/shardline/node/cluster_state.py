@@ -32,8 +32,8 @@ they keep:
    placed (its incarnation, the node's start time, changed) is lost, and the coordinator
    fails and places again every instance with a lost rank (:func:`lost_instances`), when
    it starts a term and whenever it sees a node come back.
-6. An instance placed again on fewer nodes than before (some were down) remembers the
-   nodes it wanted; when they are all live again, the coordinator places it on them
+6. An instance placed again on other nodes than before (some or all were down)
+   remembers the nodes it wanted; when they are all live again, the coordinator places it on them
    again (:func:`rejoinable`), so a returning node gets its share back: beside the
    serving one where both fit (which serves until the new one is ready and then, once
    idle, is deleted: ``state.superseded``), else in its place once it is idle.
@@ -174,8 +174,9 @@ class RejoinView:
 
 
 def rejoinable(instances: Mapping[str, RejoinView], live: Iterable[str]) -> list[str]:
-    """The instances to place again on their wanted nodes (rule 6): ready, on fewer nodes
-    than they wanted, with every wanted node live, not already stood in for; busy ones
+    """The instances to place again on their wanted nodes (rule 6): ready, on other nodes
+    than they wanted (fewer of them; or others, placed while none of them was live: an
+    instance pinned to a node goes back to it), with every wanted node live, not already stood in for; busy ones
     too (the new one goes beside it; only where both do not fit does the coordinator
     wait until it is idle: trial 6 saw steady traffic keep a returned node out for as
     long as it lasted). In ``instances``' order."""
@@ -183,4 +184,4 @@ def rejoinable(instances: Mapping[str, RejoinView], live: Iterable[str]) -> list
     return [instance_id for instance_id, view in instances.items()
             if view.status == InstanceStatus.READY and not view.stood_in_for
             and view.wanted
-            and set(view.nodes) < set(view.wanted) and set(view.wanted) <= up]
+            and set(view.nodes) != set(view.wanted) and set(view.wanted) <= up]

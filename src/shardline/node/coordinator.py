@@ -94,11 +94,11 @@ class Coordinator:
             await self._fail_instance(event)
 
     async def _rejoin_returned_nodes(self) -> None:
-        """Coordinator: place an instance that runs on fewer nodes than it was placed on
-        again on all of them, once they are all back (cluster_state rule 6): beside the
-        serving one where both fit (it keeps serving until the new one is ready:
-        :meth:`_retire_superseded`), else in its place once it is idle (its old ranks stop
-        when the new table is published). If the new placement is refused the instance
+        """Coordinator: place an instance that runs on other nodes than it was placed on
+        (fewer of them, or others) again on its own, once they are all back (cluster_state
+        rule 6): beside the serving one where both fit (it keeps serving until the new one
+        is ready: :meth:`_retire_superseded`), else in its place once it is idle (its old
+        ranks stop when the new table is published). If the new placement is refused the instance
         stays as it is and is not tried again."""
         live = self.node.live_node_ids()
         busy = self._busy()
@@ -419,7 +419,8 @@ class Coordinator:
         replaced: tuple[str, ...] = (),
     ) -> Instance:
         """Place ``card`` and publish the instance. ``wanted_nodes``: the nodes a failed
-        instance was placed on; kept on the new one when it gets fewer of them (rule 6).
+        instance was placed on; kept on the new one when it gets other nodes (fewer of
+        them, or others where none was live: rule 6).
         ``replaces``: the failed instance this placement stands in for. ``replaced``: the
         ids the new instance answers for (``state.replaced_ids``).
 
@@ -466,7 +467,7 @@ class Coordinator:
             quantize=quantize,
             retries=retries,
             force=force,
-            wanted_nodes=tuple(wanted_nodes) if wanted_nodes and set(chosen) < set(wanted_nodes) else (),
+            wanted_nodes=tuple(wanted_nodes) if wanted_nodes and set(chosen) != set(wanted_nodes) else (),
             replaced=replaced,
         )
         if replaces is not None and replaces not in self.node.instances:
