@@ -170,7 +170,8 @@ def _instances(args: argparse.Namespace) -> None:
     from rich.table import Table
 
     data = _request(args, "GET", "/cluster/instances")
-    table = Table()
+    table = Table(caption="measured: the median of the requests that ran alone on their instance "
+                          "(n of them); one that shares decode steps with others is not timed")
     for column in ("instance", "model", "sharding", "dtype", "status", "ranks",
                    "decode tok/s\npredicted / measured", "prefill tok/s\npredicted / measured"):
         table.add_column(column, no_wrap=column == "instance")
