@@ -13,12 +13,14 @@ import httpx
 import pytest
 from fastapi import FastAPI
 
+from shardline.cli import device_name
 from shardline.node.link_probe import LINK_HISTORY, add_link_routes, measure_link, steady_link
 from shardline.node.profile import (
     HostProfile,
     host_id,
     measure_host,
     measure_host_async,
+    pick_device,
 )
 
 
@@ -138,3 +140,48 @@ def test_node_side_does_not_import_torch():
     code = ("import sys, shardline.node.app, shardline.node.profile, shardline.node.link_probe as p; "
             "from fastapi import FastAPI; p.add_link_routes(FastAPI()); assert 'torch' not in sys.modules")
     subprocess.run([sys.executable, "-c", code], check=True, timeout=30)
+
+
+class FakeTorch:
+    """What :func:`pick_device` reads of torch, for a machine with ``gpus`` CUDA devices."""
+
+    def __init__(self, gpus: int) -> None:
+        import torch
+
+        self.device = torch.device
+        self.cuda = type("cuda", (), {"is_available": staticmethod(lambda: gpus > 0),
+                                      "current_device": staticmethod(lambda: 0),
+                                      "device_count": staticmethod(lambda: gpus)})
+        self.backends = type("backends", (), {})
+
+
+@pytest.mark.fast
+@pytest.mark.parametrize("asked, gpus, device", [
+    ("auto", 0, "cpu"),
+    ("auto", 2, "cuda:0"),  # the first GPU torch sees
+    ("cpu", 2, "cpu"),
+    ("cuda", 1, "cuda:0"),
+    ("cuda:1", 2, "cuda:1"),
+    ("cuda", 0, RuntimeError),  # asked for, not there: the runner fails with the reason
+    ("cuda:2", 2, RuntimeError),
+    ("mps", 0, RuntimeError),
+])
+def test_a_node_s_device_is_what_its_runners_compute_on(asked, gpus, device):
+    if device is RuntimeError:
+        with pytest.raises(RuntimeError):
+            pick_device(FakeTorch(gpus), asked)
+    else:
+        assert str(pick_device(FakeTorch(gpus), asked)) == device
+
+
+@pytest.mark.fast
+@pytest.mark.parametrize("text, ok", [("auto", True), ("cpu", True), ("cuda", True), ("cuda:3", True),
+                                      ("mps", True), ("gpu", False), ("cuda:", False), ("CUDA", False)])
+def test_device_names_are_checked_on_the_command_line(text, ok):
+    import argparse
+
+    if ok:
+        assert device_name(text) == text
+    else:
+        with pytest.raises(argparse.ArgumentTypeError, match="not a device"):
+            device_name(text)

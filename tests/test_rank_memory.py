@@ -9,6 +9,7 @@ from shardline.placement.memory import (
     RUNTIME_BASELINE_BYTES,
     committed_bytes,
     free_bytes,
+    gpu_bytes,
     prefill_scratch_bytes,
     runtime_baseline,
 )
@@ -167,3 +168,14 @@ def test_a_context_over_the_trained_one_is_refused(context, trained, refused):
             check_context(context, trained, "m")
     else:
         check_context(context, trained, "m")
+
+
+@pytest.mark.parametrize("profile, offered", [
+    (None, None),  # no profile yet: the system's memory
+    ({"accelerator": "cpu", "accelerator_total_bytes": 0}, None),
+    ({"accelerator": "mps", "accelerator_total_bytes": 64 * 2**30}, None),  # unified: the system's
+    ({"accelerator": "cuda:0 NVIDIA H200", "accelerator_total_bytes": 140 * 10**9}, 126 * 10**9),
+    ({"accelerator": "cuda:1 NVIDIA L4", "accelerator_total_bytes": 0}, None),  # not measured
+])
+def test_a_node_computing_on_a_gpu_offers_most_of_its_memory(profile, offered):
+    assert gpu_bytes(profile) == offered

@@ -26,6 +26,19 @@ def peer_address(text: str) -> str:
     return text if ":" in text else f"{text}:{DEFAULT_PORT}"
 
 
+def device_name(text: str) -> str:
+    """A ``--device`` (argparse type): ``auto``, ``cpu``, ``cuda``, ``cuda:N`` or ``mps``.
+
+    Raises:
+        argparse.ArgumentTypeError: anything else.
+    """
+    from shardline.node.profile import DEVICE_RE
+
+    if not DEVICE_RE.match(text):
+        raise argparse.ArgumentTypeError(f"{text!r} is not a device: auto, cpu, cuda, cuda:N or mps")
+    return text
+
+
 def _run(args: argparse.Namespace) -> int:
     # The node computes nothing with torch (its runners and measuring children do), but
     # transformers, which its tokenizers use, imports torch where it is installed: 1.7 s
@@ -104,6 +117,7 @@ def _run(args: argparse.Namespace) -> int:
         store=ModelStore(data_dir / "models"),
         memory_limit_bytes=args.memory_limit,
         runner_threads=args.runner_threads,
+        device=args.device,
         exit_with_parent=args.exit_with_parent,
         watchdog_s=args.watchdog,
         progress_timeout_s=args.progress_timeout,
@@ -162,7 +176,7 @@ def _cluster(args: argparse.Namespace) -> int:
     cluster = LocalCluster(
         nodes=args.nodes, base_port=args.port, runner_threads=args.runner_threads,
         api_key=api_key, model_dirs=model_dirs_for(args.model) + (args.model_dir or []),
-        spare_runners=True, memory_limit_bytes=args.memory_limit,
+        spare_runners=True, memory_limit_bytes=args.memory_limit, device=args.device,
     )
     # SIGTERM and SIGINT stop the nodes (they run in their own sessions); SIGINT is set
     # explicitly because a shell starts background jobs with it ignored.
@@ -271,6 +285,9 @@ def build_parser() -> argparse.ArgumentParser:
                           "from a browser; '*' allows any (repeatable; default: none but the "
                           "node's own dashboard)")
     run.add_argument("--runner-threads", type=int, default=0, help="torch threads per runner (0: all cores)")
+    run.add_argument("--device", type=device_name, default="auto",
+                     help="what the runners compute on: auto (the first CUDA GPU torch sees, else "
+                          "the CPU), cpu, cuda, cuda:N or mps (default %(default)s)")
     run.add_argument("--watchdog", type=float, default=10.0,
                      help="seconds a runner may go silent before its instance fails (default %(default)s)")
     run.add_argument("--progress-timeout", type=float, default=60.0,
@@ -316,6 +333,8 @@ def build_parser() -> argparse.ArgumentParser:
                          help="more directories the nodes take local models from (repeatable; "
                               "--model's own directory is passed on by itself)")
     cluster.add_argument("--runner-threads", type=int, default=0, help="torch threads per runner (0: cores / nodes)")
+    cluster.add_argument("--device", type=device_name, default="auto",
+                         help="what the runners compute on, as for run (default %(default)s)")
     cluster.add_argument("--memory-limit", type=byte_size, default=None,
                          help="the most memory each node offers to models, e.g. 600MB (default: the "
                               "memory available at start, split evenly between the nodes)")

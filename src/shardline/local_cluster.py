@@ -128,6 +128,7 @@ class LocalCluster:
         nodes: how many nodes.
         base_port: node i listens on ``base_port + i``.
         runner_threads: torch threads per runner; 0 gives each node cores / nodes.
+        device: what the nodes' runners compute on (``shardline run --device``).
         log_dir: where each node's output goes (``node-i.log``); None: inherit stdout.
         data_dir: node i keeps its id in ``data_dir/node-i``; the cluster's key is in
             ``data_dir/cluster-key`` (default: ``local-cluster/<base_port>`` in shardline's
@@ -151,7 +152,7 @@ class LocalCluster:
                  log_dir: str | None = None, data_dir: str | None = None,
                  node_args: dict[int, list[str]] | None = None, api_key: str | None = None,
                  model_dirs: Sequence[str | Path] | None = None, spare_runners: bool = False,
-                 memory_limit_bytes: int | None = None) -> None:
+                 memory_limit_bytes: int | None = None, device: str = "auto") -> None:
         import psutil
 
         self.data_dir = Path(data_dir) if data_dir else default_data_dir() / "local-cluster" / str(base_port)
@@ -165,6 +166,7 @@ class LocalCluster:
         self.node_args = node_args or {}
         self.model_dirs = [str(d) for d in model_dirs or []]
         self.spare_runners = spare_runners
+        self.device = device
         self.memory_limit_bytes = node_memory_limit(int(psutil.virtual_memory().available), nodes,
                                                     memory_limit_bytes)
         self.procs: list[subprocess.Popen | None] = []
@@ -187,7 +189,8 @@ class LocalCluster:
         peers = ",".join(f"127.0.0.1:{self.base_port + j}" for j in range(self.n) if j != i)
         return [sys.executable, "-m", "shardline.cli", "run", "--host", "127.0.0.1",
                 "--port", str(self.base_port + i), "--peers", peers,
-                "--runner-threads", str(self.runner_threads), "--exit-with-parent", "--no-mdns",
+                "--runner-threads", str(self.runner_threads), "--device", self.device,
+                "--exit-with-parent", "--no-mdns",
                 "--data-dir", str(self.node_data_dir(i)), *([] if self.spare_runners else ["--no-spare-runner"]),
                 *([] if self.memory_limit_bytes is None else ["--memory-limit", str(self.memory_limit_bytes)]),
                 *(arg for d in self.model_dirs for arg in ("--model-dir", d)), *self.node_args.get(i, [])]

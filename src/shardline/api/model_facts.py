@@ -184,7 +184,7 @@ def placed(node: Node, model_id: str) -> list[Instance]:
 def held_bytes(inst: Instance) -> tuple[int, int]:
     """Bytes the ranks of ``inst`` hold (parameters and KV pool, as their runners
     reported), and of those the bytes on a GPU (a rank whose report names a ``cuda``
-    device; today's runners compute on the CPU, so 0)."""
+    device: ``shardline run --device``)."""
     total = vram = 0
     for rank in inst.ranks:
         loaded = rank.loaded or {}

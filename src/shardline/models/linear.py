@@ -343,7 +343,7 @@ class Linear(nn.Module):
                 isinstance(p, Int4Planes) and not p.rows_readable() for p in self.parts):
             return y
         ids = top_ids(y, REFINED_LOGITS)  # [rows, k]
-        weight = torch.empty(ids.numel(), self.in_features)
+        weight = torch.empty(ids.numel(), self.in_features, device=y.device)
         flat, start = ids.reshape(-1), 0
         for part in self.parts:  # each id's row from the part that holds it
             end = start + part.shape[0]

@@ -39,7 +39,7 @@ from shardline.node.state import (
 )
 from shardline.node.status import InstanceStatus, RankStatus
 from shardline.node.table import Instance, RankPlacement
-from shardline.placement.memory import committed_bytes, free_bytes, runtime_baseline
+from shardline.placement.memory import committed_bytes, free_bytes, gpu_bytes, runtime_baseline
 from shardline.placement.pipeline import NodeCapacity, PlacementError
 from shardline.placement.ranks import (
     SHARDINGS,
@@ -478,10 +478,15 @@ class Coordinator:
         return inst
 
     def _offered_bytes(self) -> int:
-        """Bytes this node offers to models in all: its memory limit, else the memory the
-        system has available plus what its own runners hold (theirs to keep)."""
+        """Bytes this node offers to models in all: its memory limit, else, where its
+        runners compute on a CUDA GPU (its profile says so), the GPU's memory, else the
+        memory the system has available plus what its own runners hold (theirs to
+        keep)."""
         if self.node.memory_limit_bytes is not None:
             return self.node.memory_limit_bytes
+        gpu = gpu_bytes(self.node.profile)
+        if gpu is not None:
+            return gpu
         return int(psutil.virtual_memory().available) + self.node.worker.resident_bytes()
 
     def _committed_bytes(self, node_id: str) -> int:

@@ -111,6 +111,9 @@ class Node:
         memory_limit_bytes: the most memory this node offers to models (None: all that is
             available).
         runner_threads: torch threads per runner (0: torch's default).
+        device: what its runners compute on (``shardline.node.profile.DEVICE_RE``:
+            ``auto``, the first CUDA device torch sees, else the CPU), and what its
+            profile measures.
         watchdog_s: a runner silent this many seconds is killed and its instance fails.
         progress_timeout_s: a runner that waits this many seconds inside an engine step
             without progress (a stalled peer or collective) fails its instance.
@@ -136,6 +139,7 @@ class Node:
         store: ModelStore,
         memory_limit_bytes: int | None = None,
         runner_threads: int = 0,
+        device: str = "auto",
         context: int = 4096,
         max_batch: int = 8,
         down_after_s: float = 5.0,
@@ -162,6 +166,7 @@ class Node:
         self._unheard_peers = set(self.peer_addresses)
         self.peers: dict[str, Peer] = {}
         self.runner_threads = runner_threads
+        self.device = device  # its runners' (profile.DEVICE_RE), resolved by each runner
         self.progress_timeout_s = progress_timeout_s
         self.default_context = context
         self.default_max_batch = max_batch
@@ -215,7 +220,7 @@ class Node:
         # runners on 2 and 1 threads here, and a shared file made every start of the
         # other kind measure (a torch child beside the start-up, killed at placement)
         self.profiler = HostProfiler(
-            self, default_data_dir() / f"host-profile-v{PROFILE_FORMAT}-threads{runner_threads}.json")
+            self, default_data_dir() / f"host-profile-v{PROFILE_FORMAT}-{device}-threads{runner_threads}.json")
         self.served = ServedLog(self, None if state_path is None else state_path.parent / "served-speeds.json")
         self.discovery = None
         if mdns:

@@ -30,8 +30,9 @@ import psutil
 from shardline.node.profile_decode import decode_weight_rate, runner_runtime
 from shardline.process_memory import memory_now, release_free_memory
 
-# Devices the child accepts: "auto" picks cuda, then mps, then cpu.
-_DEVICE_RE = re.compile(r"^(auto|cpu|mps|cuda(:\d+)?)$")
+DEVICE_RE = re.compile(r"^(auto|cpu|mps|cuda(:\d+)?)$")
+"""The devices a node's runners (and its profile) compute on: ``auto`` is the first CUDA
+device torch sees, else the CPU; ``mps`` (Apple silicon) only when asked for."""
 
 # Square matmul sizes: CPU ~1024 (about 2.1 GFLOP a product); a GPU needs a bigger product
 # (4096: about 137 GFLOP) or kernel launches, not arithmetic, would be what is timed.
@@ -204,7 +205,7 @@ def measure_host(device: str = "auto", seconds: float = 0.5, timeout_s: float = 
     """Measure this machine in a child process (torch is imported there, never here).
 
     Args:
-        device: ``"auto"`` (CUDA if torch sees a GPU, else Apple MPS, else CPU), or
+        device: ``"auto"`` (CUDA if torch sees a GPU, else CPU), or
             ``"cpu"``, ``"cuda"``, ``"cuda:N"``, ``"mps"``.
         seconds: about how long the timed loops run in all: two thirds for matmuls
             (split between bf16 and float32 on CPU), one third for memory copies. The
@@ -297,13 +298,16 @@ def _timed_rate(fn, work: float, budget_s: float, sync, samples: int = 1) -> flo
     return statistics.median(rates)
 
 
-def _pick_device(torch, device: str):
+def pick_device(torch, device: str):
+    """The ``torch.device`` a device name (:data:`DEVICE_RE`) means on this machine, with
+    ``torch`` the imported module (the caller's: the node never imports it).
+
+    Raises:
+        RuntimeError: the device asked for is not available to torch.
+    """
     if device == "auto":
         if torch.cuda.is_available():
             return torch.device("cuda", torch.cuda.current_device())
-        mps = getattr(torch.backends, "mps", None)
-        if mps is not None and mps.is_available():
-            return torch.device("mps")
         return torch.device("cpu")
     dev = torch.device(device)
     if dev.type == "cuda":
@@ -354,7 +358,7 @@ def _measure(device: str, seconds: float, threads: int = 0, samples: int = 1) ->
         torch.set_num_threads(threads)
     result = _host_memory()
     result["threads"], result["samples"] = threads, samples
-    dev = _pick_device(torch, device)
+    dev = pick_device(torch, device)
     probe = torch.ones(64, 64, device=dev)
     (probe @ probe).sum().item()  # the device's runtime (CUDA context, kernels) in memory
     layer_s = runner_runtime()  # on the CPU: a figure for CPU runners only
@@ -442,7 +446,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
     parser.add_argument("--samples", type=int, default=1, help="timed windows per rate (median)")
     args = parser.parse_args(argv)
-    if not _DEVICE_RE.match(args.device):
+    if not DEVICE_RE.match(args.device):
         print(f"unknown device {args.device!r} (auto, cpu, cuda, cuda:N or mps)", file=sys.stderr)
         return 2
     try:

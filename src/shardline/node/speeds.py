@@ -3,7 +3,7 @@
 (:class:`ServedLog`, fed by :class:`RequestTiming` from the requests it streams).
 
 The profile: a node starts from the machine's cached profile
-(``host-profile-v<N>-threads<T>.json`` in the data directory, shared by the nodes of a
+(``host-profile-v<N>-<device>-threads<T>.json`` in the data directory, shared by the nodes of a
 machine whose runners have T threads) as a first guess, and measures
 again (:func:`~shardline.node.profile.measure_host_async`: a child process, rates the
 median of several samples) only while it is idle (:func:`node_idle`: no request in
@@ -202,7 +202,7 @@ class HostProfiler:
         from shardline.node.profile import measure_host_async
 
         task = asyncio.create_task(measure_host_async(
-            seconds=PROFILE_SECONDS, threads=self.node.runner_threads, samples=PROFILE_SAMPLES))
+            device=self.node.device, seconds=PROFILE_SECONDS, threads=self.node.runner_threads, samples=PROFILE_SAMPLES))
         while not task.done():
             await asyncio.wait({task}, timeout=0.25)
             if not task.done() and not self.idle(any_load=True):

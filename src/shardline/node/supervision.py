@@ -130,6 +130,7 @@ class Supervisor:
             dtype=inst.dtype,
             quantize=inst.quantize,
             threads=self.node.runner_threads,
+            device=self.node.device,
             progress_timeout_s=self.node.progress_timeout_s,
             prefill_chunk=chunk, prefill_step_tokens=step, prefill_burst_tokens=burst,
         )

@@ -66,3 +66,21 @@ def committed_bytes(ranks: Iterable[tuple[str, int]], node_id: str) -> int:
 def free_bytes(offered: int, committed: int) -> int:
     """What a node can still give: ``offered - committed``, never below 0."""
     return max(0, offered - committed)
+
+
+GPU_MEMORY_FRACTION = 0.9
+"""The share of a GPU's memory a node offers to models (vLLM's default
+``gpu_memory_utilization``): the rest for the CUDA context, its allocator's slack and
+other programs."""
+
+
+def gpu_bytes(profile: dict | None) -> int | None:
+    """Bytes a node whose runners compute on a CUDA GPU offers to models:
+    :data:`GPU_MEMORY_FRACTION` of the GPU's memory, from its profile
+    (``shardline.node.profile.HostProfile``: ``accelerator`` ``"cuda:N name"``,
+    ``accelerator_total_bytes``); None for a node that computes on its CPU (or has no
+    profile yet)."""
+    if not profile or not str(profile.get("accelerator", "")).startswith("cuda"):
+        return None
+    total = int(profile.get("accelerator_total_bytes") or 0)
+    return int(GPU_MEMORY_FRACTION * total) if total else None

@@ -133,6 +133,7 @@ def serve(conn, outbox: Outbox, started: float) -> None:
     from shardline.models import native_dequant
     from shardline.models.linear import weight_bytes
     from shardline.models.weights import open_weights
+    from shardline.node.profile import pick_device
     from shardline.process_memory import large_allocations_mapped, release_free_memory
     from shardline.runner.constraint import GrammarTokenizer
     from shardline.runner.engine import Engine, pool_tokens
@@ -153,7 +154,7 @@ def serve(conn, outbox: Outbox, started: float) -> None:
     # two threads made SmolLM2's load 1.4-2.3 s where one took 0.9-1.0 (a thread waits at
     # each pass's end for the other to get its core back).
     torch.set_num_threads(LOAD_THREADS)
-    device = torch.device(spec.device)
+    device = pick_device(torch, spec.device)
     dtype = getattr(torch, spec.dtype)
     inbox: queue.Queue[object] = queue.Queue()
     threading.Thread(target=_read_inbox, args=(conn, inbox), daemon=True).start()
@@ -191,9 +192,9 @@ def serve(conn, outbox: Outbox, started: float) -> None:
     pool = pool_tokens(spec.kv_tokens, spec.max_batch, spec.context, cache.block_tokens)
     pool_bytes = pool * cache.bytes_per_token
     outbox.send(Loaded(tuple(layers), tensors_read, bytes_read, param_bytes, pool_bytes,
-                       *memory_now(), runtime_rss))
-    log.info("rank %d of %s loaded in %.2f s from its spec (imports %.2f s%s, process group "
-             "%.2f s, shard %.2f s)", spec.rank, spec.instance_id, time.monotonic() - given,
+                       *memory_now(), runtime_rss, device=str(device)))
+    log.info("rank %d of %s loaded on %s in %.2f s from its spec (imports %.2f s%s, process "
+             "group %.2f s, shard %.2f s)", spec.rank, spec.instance_id, device, time.monotonic() - given,
              imported - started, ", done before the spec" if given - imported > 0.05 else "",
              joined - given, time.monotonic() - joined)
     engine = Engine(

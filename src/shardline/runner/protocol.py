@@ -136,6 +136,7 @@ class Loaded:
         rss_bytes, peak_rss_bytes: its memory once loaded, and the peak while loading.
         runtime_rss_bytes: its memory before it read any weight (Python, torch, its
             process group): the runtime placement counts per rank.
+        device: the device it computes on (``"cpu"``, ``"cuda:0"``, ...).
     """
 
     layers_read: tuple[int, ...]
@@ -146,6 +147,7 @@ class Loaded:
     rss_bytes: int = 0
     peak_rss_bytes: int = 0
     runtime_rss_bytes: int = 0
+    device: str = "cpu"
 
 
 @dataclass(frozen=True)
@@ -252,7 +254,9 @@ class RunnerSpec:
             interface that holds it (None: the backend's own choice, the address the
             machine's hostname resolves to, often 127.0.1.1);
             :mod:`shardline.runner.rendezvous`.
-        device: "cpu" or "cuda[:N]"; the backend is gloo on CPU, NCCL on CUDA.
+        device: its node's ``--device`` (``shardline.node.profile.DEVICE_RE``: "auto",
+            "cpu", "cuda[:N]", "mps"), resolved by the runner; the backend is gloo on
+            CPU, NCCL on CUDA.
         dtype: compute dtype name ("bfloat16", "float16", "float32").
         quantize: "int8" or "int4" to quantize the weights the files hold in 16 or 32
             bits on load (:mod:`shardline.models.quantize`), or None.

@@ -77,8 +77,8 @@ def apply_logit_bias(logits: torch.Tensor, bias: tuple[tuple[int, float], ...]) 
     vocab = logits.shape[-1]
     pairs = [(t, b) for t, b in bias if 0 <= t < vocab]
     if pairs:
-        ids = torch.tensor([t for t, _ in pairs], dtype=torch.long)
-        values = torch.tensor([b for _, b in pairs], dtype=logits.dtype)
+        ids = torch.tensor([t for t, _ in pairs], dtype=torch.long, device=logits.device)
+        values = torch.tensor([b for _, b in pairs], dtype=logits.dtype, device=logits.device)
         logits.index_add_(0, ids, values)
     return logits
 
