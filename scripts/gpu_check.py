@@ -14,11 +14,12 @@ in ``--tokenizer``), then:
    the CPU in float32: largest difference relative to the logits' spread, and whether
    the top token agrees;
 4. end to end: one node (``--device cuda``) serving the 1B model over HTTP: TTFT and
-   streamed decode tokens/s of 128 tokens; then two nodes of the one GPU placing a
-   pipeline of the 135M model (NCCL refuses two ranks on one device: what the
-   instance says).
+   streamed decode tokens/s of 128 tokens, and the API's sampling parameters; then two
+   nodes of the one GPU serving it as a 2-rank pipeline (gloo between the ranks:
+   NCCL refuses two ranks on one device).
 
-Prints each figure as it is measured and writes them all to ``OUT/gpu_check.json``.
+``--only-e2e`` leaves out 2 and 3; ``--device cpu`` is a dry run of the script where no
+GPU is. Prints each figure as it is measured and writes them all to ``OUT/gpu_check.json``.
 Random weights: the figures are speeds, not text; the shapes decide the time.
 """
 
@@ -179,7 +180,35 @@ def agreement(path: Path) -> None:
             "same_top_token": bool(value.argmax() == ref.argmax())})
 
 
-def end_to_end(models: Path, big: Path, small: Path, log_dir: Path, work: Path) -> None:
+def stream(url: str, model_id: str, label: str, rounds: int = 3) -> None:
+    """Stream 128 tokens ``rounds`` times; note TTFT and decode tokens/s of each."""
+    import httpx
+
+    for round_ in range(rounds):
+        sent = time.perf_counter()
+        first = None
+        chunks = 0
+        with httpx.stream("POST", f"{url}/v1/completions", timeout=120, json={
+                "model": model_id, "prompt": "The capital of France is", "max_tokens": 128,
+                "temperature": 0, "stream": True}) as response:
+            for line in response.iter_lines():
+                if line.startswith("data: {") and json.loads(line[6:])["choices"][0].get("text"):
+                    chunks += 1
+                    first = first or time.perf_counter()
+        done = time.perf_counter()
+        note(f"{label}.stream{round_}", {
+            "status": response.status_code, "chunks": chunks,
+            "ttft_ms": round(((first or done) - sent) * 1e3, 1),
+            "decode_tokens_per_s": round((chunks - 1) / (done - first), 1) if first and chunks > 1 else None})
+
+
+def profiled(cluster) -> bool:
+    """Whether every node of ``cluster`` has measured its profile (its accelerator)."""
+    nodes = cluster.http.get(f"{cluster.url(0)}/cluster/nodes", timeout=5).json()["nodes"]
+    return len(nodes) == cluster.n and all((n.get("profile") or {}).get("accelerator") for n in nodes)
+
+
+def end_to_end(models: Path, big: Path, log_dir: Path, work: Path) -> None:
     import httpx
 
     from shardline.local_cluster import LocalCluster
@@ -192,22 +221,7 @@ def end_to_end(models: Path, big: Path, small: Path, log_dir: Path, work: Path) 
         inst = cluster.place(str(big), "pipeline", timeout_s=180, context=4096)
         note("e2e.one_node.placed", {"seconds_to_ready": round(time.perf_counter() - started, 1),
                                      "ranks": [r.get("loaded", {}).get("device") for r in inst["ranks"]]})
-        for round_ in range(3):
-            sent = time.perf_counter()
-            first = None
-            chunks = 0
-            with httpx.stream("POST", f"{cluster.url(0)}/v1/completions", timeout=120, json={
-                    "model": inst["model_id"], "prompt": "The capital of France is", "max_tokens": 128,
-                    "temperature": 0, "stream": True}) as response:
-                for line in response.iter_lines():
-                    if line.startswith("data: {") and json.loads(line[6:])["choices"][0].get("text"):
-                        chunks += 1
-                        first = first or time.perf_counter()
-            done = time.perf_counter()
-            note(f"e2e.one_node.stream{round_}", {
-                "status": response.status_code, "chunks": chunks,
-                "ttft_ms": round(((first or done) - sent) * 1e3, 1),
-                "decode_tokens_per_s": round((chunks - 1) / (done - first), 1) if first and chunks > 1 else None})
+        stream(cluster.url(0), inst["model_id"], "e2e.one_node")
         for label, params in (("logit_bias", {"logit_bias": {"100": 5}}), ("logprobs", {"logprobs": 3}),
                               ("seeded", {"temperature": 0.8, "seed": 1, "top_p": 0.9, "top_k": 40}),
                               ("penalties", {"frequency_penalty": 0.5, "presence_penalty": 0.3}),
@@ -219,16 +233,21 @@ def end_to_end(models: Path, big: Path, small: Path, log_dir: Path, work: Path) 
                     else {"prompt": "The capital of France is"})
             reply = httpx.post(f"{cluster.url(0)}{path}", timeout=120, json={
                 "model": inst["model_id"], "max_tokens": 8, **body, **params})
-            note(f"e2e.params.{label}", {"status": reply.status_code, "body": reply.text[:300]})
+            note(f"e2e.params.{label}", {"status": reply.status_code, "body": reply.text[:200]})
     finally:
         cluster.stop()
-    cluster = LocalCluster(nodes=2, base_port=52910, log_dir=str(log_dir / "two"),
+    cluster = LocalCluster(nodes=2, base_port=52910, log_dir=str(log_dir / "two"), runner_threads=2,
                            data_dir=str(work / "two-data"), model_dirs=[models], device=DEVICE)
     try:
         cluster.start()
+        deadline = time.time() + 90
+        while not profiled(cluster) and time.time() < deadline:
+            time.sleep(1)
         try:
-            inst = cluster.place(str(small), "pipeline", timeout_s=120)
-            note("e2e.two_ranks_one_gpu", {"status": inst["status"]})
+            inst = cluster.place(str(big), "pipeline", timeout_s=180, context=4096)
+            note("e2e.two_ranks_one_gpu", {"status": inst["status"], "collectives_on_cpu": inst.get("collectives_on_cpu"),
+                                           "ranks": [r.get("loaded", {}).get("device") for r in inst["ranks"]]})
+            stream(cluster.url(0), inst["model_id"], "e2e.two_ranks_one_gpu")
         except Exception as exc:  # noqa: BLE001 (what it says is the finding)
             note("e2e.two_ranks_one_gpu", {"refused_or_failed": str(exc)[:600]})
     finally:
@@ -241,6 +260,7 @@ def main() -> int:
     parser.add_argument("--out", type=Path, required=True)
     parser.add_argument("--work", type=Path, default=Path("/tmp/gpu_check"))
     parser.add_argument("--skip", nargs="*", default=[], help="models to leave out")
+    parser.add_argument("--only-e2e", action="store_true", help="only the end-to-end part")
     parser.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
     args = parser.parse_args()
     global DEVICE
@@ -262,10 +282,11 @@ def main() -> int:
         started = time.perf_counter()
         paths[name] = write_model(name, models / name, args.tokenizer)
         note(f"{name}.written_s", round(time.perf_counter() - started, 1))
-    steps += [(f"in_process.{n}", lambda n=n: in_process(n, paths[n], bandwidth)) for n in paths]
-    steps.append(("agreement", lambda: agreement(paths["smollm2-135m"])))
+    if not args.only_e2e:
+        steps += [(f"in_process.{n}", lambda n=n: in_process(n, paths[n], bandwidth)) for n in paths]
+        steps.append(("agreement", lambda: agreement(paths["smollm2-135m"])))
     big = paths.get("llama-1b", paths["smollm2-135m"])
-    steps.append(("end_to_end", lambda: end_to_end(models, big, paths["smollm2-135m"], args.out, args.work)))
+    steps.append(("end_to_end", lambda: end_to_end(models, big, args.out, args.work)))
     for label, step in steps:
         try:
             step()

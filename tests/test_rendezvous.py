@@ -17,6 +17,7 @@ from shardline.runner.rendezvous import (
     gloo_plan,
     is_loopback,
     listen,
+    ranks_share_a_gpu,
 )
 
 pytestmark = [pytest.mark.fast, pytest.mark.timeout(10)]
@@ -91,3 +92,20 @@ def test_listen_on_an_address_of_another_machine_is_a_clear_error():
         pytest.skip("this machine holds 192.0.2.77")
     with pytest.raises(RendezvousError, match="192.0.2.77:.*not an address of this machine"):
         listen("192.0.2.77", 0)
+
+
+H200 = "cuda:0 NVIDIA H200"
+
+
+@pytest.mark.parametrize("profiles, shared", [
+    ([{"host_id": "m1", "accelerator": H200}, {"host_id": "m1", "accelerator": H200}], True),
+    ([{"host_id": "m1", "accelerator": H200}, {"host_id": "m2", "accelerator": H200}], False),  # two machines
+    ([{"host_id": "m1", "accelerator": H200}, {"host_id": "m1", "accelerator": "cuda:1 NVIDIA H200"}], False),
+    ([{"host_id": "m1", "accelerator": "cpu"}, {"host_id": "m1", "accelerator": "cpu"}], False),  # gloo anyway
+    ([{"host_id": "m1", "accelerator": H200}, {}], False),  # a node not measured yet
+    ([{"accelerator": H200}, {"accelerator": H200}], False),  # no machine id: not known to share
+    ([{"host_id": "m1", "accelerator": H200}, {"host_id": "m2", "accelerator": H200},
+      {"host_id": "m1", "accelerator": H200}], True),
+])
+def test_ranks_on_one_gpu_are_found_from_their_nodes_profiles(profiles, shared):
+    assert ranks_share_a_gpu(profiles) is shared

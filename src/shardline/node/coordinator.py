@@ -50,6 +50,7 @@ from shardline.placement.ranks import (
     rank_bytes,
     shardings_named,
 )
+from shardline.runner.rendezvous import ranks_share_a_gpu
 
 if TYPE_CHECKING:
     from shardline.node.node import Node
@@ -469,6 +470,7 @@ class Coordinator:
             force=force,
             wanted_nodes=tuple(wanted_nodes) if wanted_nodes and set(chosen) != set(wanted_nodes) else (),
             replaced=replaced,
+            collectives_on_cpu=sharding == Sharding.PIPELINE and ranks_share_a_gpu(self._profiles(chosen)),
         )
         if replaces is not None and replaces not in self.node.instances:
             raise _Deleted(replaces)
@@ -496,11 +498,14 @@ class Coordinator:
                  if inst.status != InstanceStatus.FAILED for r in inst.ranks)
         return committed_bytes(ranks, node_id)
 
+    def _profiles(self, node_ids: list[str]) -> list[dict]:
+        """The profiles of these live nodes ({} for one not measured yet)."""
+        return [(self.node.profile if n == self.node.node_id else self.node.peers[n].profile) or {}
+                for n in node_ids]
+
     def _runtime_baseline(self, node_ids: list[str]) -> int:
         """Runtime bytes to count per rank on these live nodes, from their profiles."""
-        profiles = [(self.node.profile if n == self.node.node_id else self.node.peers[n].profile) or {}
-                    for n in node_ids]
-        return runtime_baseline([p.get("runtime_baseline_bytes") or 0 for p in profiles])
+        return runtime_baseline([p.get("runtime_baseline_bytes") or 0 for p in self._profiles(node_ids)])
 
     def memory_of(self, node_id: str) -> dict:
         """``offered_bytes``, ``committed_bytes`` and ``free_bytes`` of a live node (see

@@ -131,6 +131,7 @@ class Supervisor:
             quantize=inst.quantize,
             threads=self.node.runner_threads,
             device=self.node.device,
+            collectives_on_cpu=inst.collectives_on_cpu,
             progress_timeout_s=self.node.progress_timeout_s,
             prefill_chunk=chunk, prefill_step_tokens=step, prefill_burst_tokens=burst,
         )

@@ -78,6 +78,7 @@ class Instance:
     wanted_nodes: tuple[str, ...] = ()  # placed on before nodes were lost
     force: bool = False  # placed without memory admission (and placed again so)
     replaced: tuple[str, ...] = ()  # ids of the instances it was placed again for, oldest first
+    collectives_on_cpu: bool = False  # its ranks share a GPU: gloo, not NCCL (rendezvous.ranks_share_a_gpu)
 
     def to_dict(self) -> dict:
         """A JSON view (the cluster API's, each rank's share flattened into it:

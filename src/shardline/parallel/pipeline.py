@@ -35,12 +35,15 @@ from shardline.parallel.stage import Stage
 class PipelineStage(Stage):
     """This rank's part of the pipeline; world size 1 is a plain single-node model.
 
-    The last rank holds the logits and samples. See :class:`Stage` for the arguments.
+    The last rank holds the logits and samples. See :class:`Stage` for the other
+    arguments; ``wire_device``: where hidden states travel between ranks (default the
+    shard's device; the CPU where ranks on one GPU talk gloo, which NCCL refuses them).
     """
 
     def __init__(self, shard: DecoderShard, cache: KVCache, rank: int, world_size: int,
-                 progress: Progress | None = None) -> None:
+                 progress: Progress | None = None, wire_device: torch.device | None = None) -> None:
         super().__init__(shard, cache, rank, world_size, sampler=world_size - 1, progress=progress)
+        self.wire_device = wire_device or shard.device
 
     def run(
         self,
@@ -54,7 +57,7 @@ class PipelineStage(Stage):
         if self.rank > 0:
             for tag, (tokens, _) in enumerate(microbatches):
                 buffer = torch.empty(
-                    (tokens.shape[0], shard.config.hidden_size), dtype=shard.dtype, device=shard.device
+                    (tokens.shape[0], shard.config.hidden_size), dtype=shard.dtype, device=self.wire_device
                 )
                 received.append((buffer, dist.irecv(buffer, src=self.rank - 1, tag=tag)))
         sends = []
@@ -67,6 +70,7 @@ class PipelineStage(Stage):
                 inputs, work = received[tag]
                 assert work is not None  # irecv returns its work outside a coalescing context
                 work.wait()
+                inputs = inputs.to(shard.device)
             progress.mark(f"computing micro-batch {tag}")
             out = shard(inputs, batch, self.cache)
             if computed is not None:
@@ -74,7 +78,7 @@ class PipelineStage(Stage):
             if self.samples:
                 outputs.append(out)
             else:
-                out = out.contiguous()  # kept referenced until its send completes
+                out = out.to(self.wire_device).contiguous()  # kept referenced until its send completes
                 sends.append((out, dist.isend(out, dst=self.rank + 1, tag=tag)))
                 outputs.append(None)
         for tag, (_, work) in enumerate(sends):

@@ -89,8 +89,9 @@ class Outbox:
             time.sleep(min(1.0, max(self.progress_timeout_s / 4, 0.1)))
 
 
-def load_stage(spec: RunnerSpec, source, group, progress: Progress, dtype, device):
-    """Load this rank's shard and KV cache as the stage its instance's sharding needs.
+def load_stage(spec: RunnerSpec, source, group, progress: Progress, dtype, device, comm_device):
+    """Load this rank's shard and KV cache as the stage its instance's sharding needs
+    (``comm_device``: where a pipeline's hidden states travel between ranks).
 
     Raises:
         WeightFormatError: a tensor the shard needs is missing or has the wrong shape.
@@ -116,7 +117,7 @@ def load_stage(spec: RunnerSpec, source, group, progress: Progress, dtype, devic
     cache = KVCache(source.config, len(shard.layers), spec.max_batch, spec.context, dtype, device)
     if spec.sharding == Sharding.RING:
         return RingStage(shard, cache, spec.rank, spec.world_size, group, progress)
-    return PipelineStage(shard, cache, spec.rank, spec.world_size, progress)
+    return PipelineStage(shard, cache, spec.rank, spec.world_size, progress, wire_device=comm_device)
 
 
 def serve(conn, outbox: Outbox, started: float) -> None:
@@ -161,12 +162,14 @@ def serve(conn, outbox: Outbox, started: float) -> None:
 
     group = None
     comm_device = torch.device("cpu")
+    nccl = device.type == "cuda" and not spec.collectives_on_cpu
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
     if spec.world_size > 1:
-        if device.type == "cuda":
-            torch.cuda.set_device(device)
+        if nccl:
             comm_device = device
         join(spec.rank, spec.world_size, spec.master_addr, spec.master_port, spec.host,
-             cuda=device.type == "cuda", timeout=timedelta(seconds=spec.collective_timeout_s))
+             cuda=nccl, timeout=timedelta(seconds=spec.collective_timeout_s))
         group = dist.group.WORLD
 
     joined = time.monotonic()
@@ -174,7 +177,7 @@ def serve(conn, outbox: Outbox, started: float) -> None:
     source = open_weights(spec.model_path)
     progress = Progress()
     with large_allocations_mapped(), native_dequant.loading_with(serving_threads - 1):
-        stage = load_stage(spec, source, group, progress, dtype, device)
+        stage = load_stage(spec, source, group, progress, dtype, device, comm_device)
     cache = stage.cache
     param_bytes = weight_bytes(stage.shard)
     torch.set_num_threads(serving_threads)

@@ -190,3 +190,21 @@ def join(rank: int, world_size: int, master_addr: str, master_port: int, host: s
             backend = GLOO_BACKEND
         log.info("gloo binds to %s", plan.hostname or plan.reason)
     dist.init_process_group(backend, store=store, rank=rank, world_size=world_size, timeout=timeout)
+
+
+def ranks_share_a_gpu(profiles: list[dict]) -> bool:
+    """Whether two ranks of an instance would compute on one GPU: their nodes' profiles
+    (``shardline.node.profile.HostProfile``, one per rank) name the same machine
+    (``host_id``) and the same CUDA device (``accelerator``, ``"cuda:N name"``). NCCL
+    refuses such ranks ("Duplicate GPU detected", seen on an H200), so a pipeline's go
+    over gloo through host memory instead (``RunnerSpec.collectives_on_cpu``)."""
+    seen = set()
+    for profile in profiles:
+        accelerator = str(profile.get("accelerator", ""))
+        if not accelerator.startswith("cuda") or not profile.get("host_id"):
+            continue
+        key = (profile["host_id"], accelerator.split()[0])
+        if key in seen:
+            return True
+        seen.add(key)
+    return False
