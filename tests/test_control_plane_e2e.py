@@ -274,3 +274,32 @@ def test_an_instance_pinned_to_a_node_goes_back_to_it(tmp_path):
         print(f"pinned node back: serves the model again {time.time() - back:.1f} s after its return")
     finally:
         cluster.stop()
+
+
+@pytest.mark.slow
+def test_a_node_lost_during_a_rejoin_s_handover_leaves_one_instance(cluster):
+    """A returning node's instance is placed beside the serving one; another node is
+    killed while it loads: both fail, the serving one is placed again and the stand-in
+    is deleted; once the node is back, one instance on all three (trial 7: both were
+    placed again and both rejoined, two copies of the model for good)."""
+    ids = ids_of(cluster)
+    survivor = ids.index(min(ids))
+    first, second = [i for i in range(3) if i != survivor]
+    cluster.procs[first].kill()
+    cluster.procs[first].wait(10)
+    wait_until(lambda: ranks_of_ready(cluster, survivor) == 2, 60, "the model served by the other two")
+    cluster.start_node(first)
+
+    def listed() -> list[dict]:
+        return httpx.get(f"{cluster.url(survivor)}/cluster/instances", timeout=5).json()["instances"]
+
+    wait_until(lambda: len(listed()) == 2, 60, "the rejoin's instance placed beside the serving one")
+    cluster.procs[second].kill()  # during the handover
+    cluster.procs[second].wait(10)
+    wait_until(lambda: [len(x["ranks"]) for x in listed() if x["status"] == "ready"] == [2], 60,
+               "the model served again by the two live nodes")
+    cluster.start_node(second)
+    wait_until(lambda: ranks_of_ready(cluster, survivor) == 3 and healed(cluster), 90,
+               "one instance on all three nodes")
+    time.sleep(5)  # nothing else placed meanwhile
+    assert [len(x["ranks"]) for x in listed()] == [3]

@@ -4,6 +4,7 @@ plans read off the state (no processes; milliseconds each)."""
 from __future__ import annotations
 
 import copy
+import dataclasses
 
 import pytest
 
@@ -29,6 +30,7 @@ from shardline.node.state import (
     plan_runners,
     replaced_ids,
     stale_ranks,
+    stand_in_not_needed,
     standing_in,
     superseded,
 )
@@ -329,3 +331,22 @@ def test_the_invariants_hold_over_random_event_sequences(seed):
             if new.status == I.FAILED and (old is None or old.status != I.FAILED):
                 assert all(r.status in (R.FAILED, R.STOPPED) for r in new.ranks)  # 4
         s = after
+
+
+OLD = inst("old", ("a", "b"), I.READY, replaced=("first",))
+STAND_IN = inst("new", ("a", "b", "c"), I.FAILED, replaced=("first", "old"), stands_in_for="old")
+
+
+@pytest.mark.parametrize("others, deleted", [
+    ([OLD], True),  # the serving one serves on: the rejoin tries again from it
+    ([dataclasses.replace(OLD, status=I.FAILED)], True),  # both failed: the old one is placed again
+    ([inst("again", ("a", "b"), I.LOADING, replaced=("first", "old"))], True),  # ... and was already
+    ([], False),  # the handover had deleted the old one: the stand-in was the only line
+    ([inst("other", ("c",), I.READY, replaced=("elsewhere",))], False),
+], ids=["old-serving", "old-failed-too", "old-placed-again", "handed-over", "unrelated"])
+def test_a_failed_stand_in_is_deleted_while_the_line_it_stood_in_for_goes_on(others, deleted):
+    """Trial 7: a node killed during a rejoin's handover failed both instances and both were
+    placed again, then both rejoined: two copies of the model for good."""
+    instances = {i.instance_id: i for i in (*others, STAND_IN)}
+    assert stand_in_not_needed(instances, STAND_IN) is deleted
+    assert stand_in_not_needed(instances, OLD) is False  # not a stand-in: placed again as any

@@ -34,6 +34,7 @@ from shardline.node.state import (
     instance_named,
     lost_rank_failures,
     replaced_ids,
+    stand_in_not_needed,
     standing_in,
     superseded,
 )
@@ -118,7 +119,7 @@ class Coordinator:
                     return await self._place(card, inst.sharding, list(inst.wanted_nodes),
                                              inst.context, inst.max_batch, inst.dtype, inst.force,
                                              0, inst.kv_cache_bytes, inst.quantize,
-                                             replaced=replaced_ids(inst))
+                                             replaced=replaced_ids(inst), stands_in_for=instance_id)
                 try:
                     new = await place()
                     how = "beside it (it serves until the new one is ready)"
@@ -269,13 +270,12 @@ class Coordinator:
         return all(answers)
 
     async def _place_again(self, failed: Instance) -> None:
-        serving = [old for old in failed.replaced if old in self.node.instances
-                   and self.node.instances[old].status != InstanceStatus.FAILED]
-        if serving:
-            # A rejoin's instance, placed beside one that still serves: deleted, not placed
-            # again (the rejoin rule tries again; placing it again too left two copies).
-            log.info("instance %s, placed beside %s, failed: deleted; %s serves on",
-                     failed.instance_id, ", ".join(serving), ", ".join(serving))
+        if stand_in_not_needed(self.node.instances, failed):
+            # A rejoin's instance, placed beside one that still serves or is placed again
+            # itself: deleted, not placed again (the rejoin rule tries again from that
+            # one; placing both again left two copies for good: trials 6 and 7).
+            log.info("instance %s, placed beside %s, failed: deleted; the model goes on from %s",
+                     failed.instance_id, failed.stands_in_for, failed.stands_in_for)
             await self.node.commit(Deleted(failed.instance_id))
             return
         retries = failed.retries + 1 if failed.ready_at is None else 0
@@ -418,12 +418,14 @@ class Coordinator:
         wanted_nodes: list[str] | None = None,
         replaces: str | None = None,
         replaced: tuple[str, ...] = (),
+        stands_in_for: str | None = None,
     ) -> Instance:
         """Place ``card`` and publish the instance. ``wanted_nodes``: the nodes a failed
         instance was placed on; kept on the new one when it gets other nodes (fewer of
         them, or others where none was live: rule 6).
         ``replaces``: the failed instance this placement stands in for. ``replaced``: the
-        ids the new instance answers for (``state.replaced_ids``).
+        ids the new instance answers for (``state.replaced_ids``). ``stands_in_for``: the
+        serving instance a rejoin places this one beside.
 
         Raises:
             _Deleted: ``replaces`` left the table while this placement awaited (a user
@@ -471,6 +473,7 @@ class Coordinator:
             wanted_nodes=tuple(wanted_nodes) if wanted_nodes and set(chosen) != set(wanted_nodes) else (),
             replaced=replaced,
             collectives_on_cpu=sharding == Sharding.PIPELINE and ranks_share_a_gpu(self._profiles(chosen)),
+            stands_in_for=stands_in_for,
         )
         if replaces is not None and replaces not in self.node.instances:
             raise _Deleted(replaces)

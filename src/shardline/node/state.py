@@ -75,6 +75,18 @@ def standing_in(instances: Mapping[str, Instance]) -> dict[str, Instance]:
     return successors
 
 
+def stand_in_not_needed(instances: Mapping[str, Instance], failed: Instance) -> bool:
+    """Whether ``failed``, a rejoin's instance placed beside a serving one
+    (``stands_in_for``), is deleted rather than placed again: the one it stood in for is
+    still in the table (serving, or failed and about to be placed again) or has been
+    placed again already (its id in another's ``replaced``). Once the handover deleted
+    the old one, the stand-in is the model's only line and is placed again as any."""
+    old = failed.stands_in_for
+    return old is not None and any(
+        other.instance_id != failed.instance_id and (other.instance_id == old or old in other.replaced)
+        for other in instances.values())
+
+
 def superseded(instances: Mapping[str, Instance]) -> set[str]:
     """The ids of the instances a ready one stands in for (:func:`standing_in`): requests
     go to the new one, and the coordinator deletes the old once it is idle."""

@@ -79,6 +79,7 @@ class Instance:
     force: bool = False  # placed without memory admission (and placed again so)
     replaced: tuple[str, ...] = ()  # ids of the instances it was placed again for, oldest first
     collectives_on_cpu: bool = False  # its ranks share a GPU: gloo, not NCCL (rendezvous.ranks_share_a_gpu)
+    stands_in_for: str | None = None  # placed beside this serving instance on its returning nodes
 
     def to_dict(self) -> dict:
         """A JSON view (the cluster API's, each rank's share flattened into it:
