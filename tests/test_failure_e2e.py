@@ -5,14 +5,16 @@ model, real processes)."""
 from __future__ import annotations
 
 import json
+import signal
 import threading
 import time
 
 import httpx
 import psutil
 import pytest
-from conftest import CAPITAL_QUESTION, start_cluster
+from conftest import CAPITAL_QUESTION, free_port_block, start_cluster
 
+from shardline.local_cluster import LocalCluster
 from shardline.models.store import DEFAULT_MODEL_ID
 
 pytestmark = pytest.mark.timeout(300)
@@ -220,3 +222,38 @@ def test_a_model_whose_runners_cannot_load_fails_with_the_reason(tmp_path):
         runners = [p for p in psutil.Process(cluster.procs[0].pid).children()
                    if "shardline.runner" in " ".join(p.cmdline())]
         assert runners == []
+
+
+@pytest.mark.slow
+def test_a_request_forwarded_to_a_node_that_stops_answering_ends_when_its_instance_fails(tmp_path):
+    """The model on one node only; a long stream asked of the other node, which forwards
+    it; the model's node paused (SIGSTOP: its connections stay open, nothing comes): the
+    forwarding node fails the stream once the instance fails in its table, within
+    seconds, not when the node answers again (trial 7: 165 s, the length of the cut)."""
+    cluster = LocalCluster(nodes=2, base_port=free_port_block(2), runner_threads=1,
+                           log_dir=str(tmp_path), data_dir=str(tmp_path))
+    cluster.start()
+    try:
+        ids = [httpx.get(f"{cluster.url(i)}/health", timeout=5).json()["node_id"] for i in range(2)]
+        holder = ids.index(max(ids))  # not the coordinator: the other one fails its instance
+        asker = 1 - holder
+        cluster.place(None, "pipeline", on=[holder])
+        stream = Stream(cluster.url(asker))
+        stream.start()
+        deadline = time.monotonic() + 60
+        while stream.tokens < 5 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert stream.tokens >= 5, stream.error
+        cluster.procs[holder].send_signal(signal.SIGSTOP)
+        stopped = time.monotonic()
+        try:
+            stream.join(60)
+            assert stream.ended_at is not None, "the forwarded stream hung"
+            print(f"\nforwarded stream ended {stream.ended_at - stopped:.1f} s after its node paused: "
+                  f"{stream.error}")
+            assert stream.error and stream.code == "instance_failed", stream.error
+            assert stream.ended_at - stopped < 20
+        finally:
+            cluster.procs[holder].send_signal(signal.SIGCONT)
+    finally:
+        cluster.stop()

@@ -17,7 +17,7 @@ from shardline.node.queue_bound import QueueFullError, admits, waiting_count
 from shardline.node.speeds import RequestTiming
 from shardline.node.state import superseded
 from shardline.node.status import InstanceStatus
-from shardline.node.table import EndCode, Instance, InstanceFailedError, NoInstanceError
+from shardline.node.table import DELETED, EndCode, Instance, InstanceFailedError, NoInstanceError
 from shardline.node.wire import CancelMessage, TaskMessage
 from shardline.runner.protocol import (
     Cancel,
@@ -49,6 +49,8 @@ class Router:
     def __init__(self, node: "Node") -> None:
         self.node = node
         self._recording: set[asyncio.Task] = set()
+        # requests this node forwards, by instance: set when the instance fails or goes
+        self._forwarding: dict[str, set[asyncio.Event]] = {}
 
     def ready_instance(self, model_id: str) -> Instance:
         """A ready instance of the model, preferring one with a rank on this node; not one
@@ -231,14 +233,50 @@ class Router:
             if stream.instance_id == instance_id:
                 stream.queue.put_nowait(InstanceFailedError(f"instance {instance_id}: {error}", code))
 
+    def end_forwarded(self) -> None:
+        """End the requests this node forwards to instances that failed or left the table
+        (their node may be cut off: its stream would hang for as long as the partition
+        lasts, trial 7: 165 s)."""
+        for instance_id, ended in self._forwarding.items():
+            inst = self.node.instances.get(instance_id)
+            if inst is None or inst.status == InstanceStatus.FAILED:
+                for event in ended:
+                    event.set()
+
     async def _forward(self, inst: Instance, request: TokenRequest) -> AsyncGenerator[TokenEvent | PrefillProgress, None]:
-        """Run the request through the node of the instance's first rank.
+        """Run the request through the node of the instance's first rank, until it ends or
+        the instance fails in the table (:meth:`end_forwarded`).
 
         Raises:
-            InstanceFailedError: that node could not be reached, or the request failed there.
+            InstanceFailedError: that node could not be reached, the request failed
+                there, or the instance failed.
         """
+        ended = asyncio.Event()
+        self._forwarding.setdefault(inst.instance_id, set()).add(ended)
+        events = self.node.peer_client.generate(inst.ranks[0].address, request)
+        stop = asyncio.ensure_future(ended.wait())
         try:
-            async for event in self.node.peer_client.generate(inst.ranks[0].address, request):
+            while True:
+                following = asyncio.ensure_future(anext(events))
+                await asyncio.wait({following, stop}, return_when=asyncio.FIRST_COMPLETED)
+                if not following.done():
+                    following.cancel()  # and waited for, so that the stream can be closed
+                    await asyncio.gather(following, return_exceptions=True)
+                    failed = self.node.instances.get(inst.instance_id)
+                    code = EndCode.INSTANCE_FAILED if failed else EndCode.INSTANCE_DELETED
+                    raise InstanceFailedError(f"instance {inst.instance_id}: "
+                                              f"{failed.error if failed else DELETED}", code)
+                try:
+                    event = following.result()
+                except StopAsyncIteration:
+                    return
                 yield event
         except PeerError as exc:
             raise InstanceFailedError(f"node {inst.ranks[0].node_id}: {exc}") from exc
+        finally:
+            stop.cancel()
+            waiting = self._forwarding.get(inst.instance_id, set())
+            waiting.discard(ended)
+            if not waiting:
+                self._forwarding.pop(inst.instance_id, None)
+            await events.aclose()

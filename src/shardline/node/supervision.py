@@ -16,7 +16,7 @@ from shardline.models.store import ModelNotFoundError
 from shardline.node.peer_client import PeerError
 from shardline.node.state import plan_runners, stale_ranks
 from shardline.node.status import InstanceStatus, RankStatus
-from shardline.node.table import EndCode, Instance, RankPlacement
+from shardline.node.table import DELETED, EndCode, Instance, RankPlacement
 from shardline.node.transfer import TransferError
 from shardline.node.wire import RankReport
 from shardline.placement.ranks import (
@@ -35,8 +35,6 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
-DELETED = "the instance was deleted"
-"""What a request on an instance deleted mid-request fails with."""
 
 NAMING_GRACE_S = 1.0
 """Seconds a rank that lost a peer waits for the coordinator to name the rank that failed
@@ -60,6 +58,7 @@ class Supervisor:
                             frozenset(node._preparing))
         for instance_id in plan.cancel:
             node._preparing.pop(instance_id).cancel()
+        node.router.end_forwarded()
         for instance_id in plan.stop:
             inst = node.instances.get(instance_id)
             node.router._fail_streams(instance_id, inst.error if inst else DELETED,

@@ -18,6 +18,10 @@ class NoInstanceError(LookupError):
     """No ready instance serves the requested model."""
 
 
+DELETED = "the instance was deleted"
+"""What a request on an instance deleted mid-request fails with."""
+
+
 class EndCode(StrEnum):
     """Why a request's instance stopped serving it mid-request: the ``code`` of the error
     a client is given (OpenAI's error objects carry one)."""
