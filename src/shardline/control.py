@@ -49,6 +49,10 @@ class CommandError(RuntimeError):
     """A message for the user; the command exits with status 1."""
 
 
+CONNECT_TIMEOUT_S = 5.0
+"""Seconds a cluster command waits to connect to the node at ``--url``."""
+
+
 def _request(args: argparse.Namespace, method: str, path: str, body: dict | None = None,
              timeout_s: float = 120.0) -> dict:
     """A cluster-API call; its JSON body.
@@ -62,7 +66,9 @@ def _request(args: argparse.Namespace, method: str, path: str, body: dict | None
 
     url = args.url.rstrip("/") + path
     try:
-        response = httpx.request(method, url, json=body, timeout=timeout_s, headers=api_key_headers(args.api_key))
+        # a node that is up connects at once; one cut off made the command wait 71 s
+        timeout = httpx.Timeout(timeout_s, connect=CONNECT_TIMEOUT_S)
+        response = httpx.request(method, url, json=body, timeout=timeout, headers=api_key_headers(args.api_key))
     except httpx.HTTPError as exc:
         raise CommandError(f"no shardline node answers at {args.url} ({exc}); start one with "
                            f"`shardline run`, or give --url the address of one (host:port)") from None
@@ -170,8 +176,9 @@ def _instances(args: argparse.Namespace) -> None:
     from rich.table import Table
 
     data = _request(args, "GET", "/cluster/instances")
-    table = Table(caption="measured: the median of the requests that ran alone on their instance "
-                          "(n of them); one that shares decode steps with others is not timed")
+    table = Table(caption="measured: the median of the requests that ran alone (n of them) on this "
+                          "placement (model, nodes, sharding), its earlier instances too; a request "
+                          "that shares decode steps with others is not timed, nor prefill of a short prompt")
     for column in ("instance", "model", "sharding", "dtype", "status", "ranks",
                    "decode tok/s\npredicted / measured", "prefill tok/s\npredicted / measured"):
         table.add_column(column, no_wrap=column == "instance")
