@@ -8,7 +8,8 @@ they keep:
    and keeps the epoch of what it adopted or published on disk: a node's epoch never
    goes back, across restarts too.
 2. A node that becomes coordinator starts a new term (:func:`next_term`), greater than
-   every term it has seen (its own, persisted, and its peers'), and publishes only in it.
+   every term it has seen (its own, persisted, a minority's it gave up for a majority's
+   older one, and its peers'), and publishes only in it.
    Anything a former coordinator publishes afterwards carries an older term and is
    refused, so a paused or restarted coordinator cannot overwrite the newer table; a
    forged state of an older term is refused the same way.

@@ -179,6 +179,7 @@ class Node:
         self.cluster_state = ClusterState()  # the instance table and its epoch (node.state)
         self.state_path = state_path  # where the table and its epoch are kept
         self._acting_term: int | None = None  # the term this node coordinates, if it does
+        self._left_term = 0  # the greatest term of a table it held and gave up (a minority's)
         self._settled_since = self.started_at  # start, or resumption from a pause
         self._heard_all_at: float | None = None  # the last round every peer answered
         self._last_tick = self.started_at
@@ -427,7 +428,8 @@ class Node:
         """Become coordinator: a term above every one seen (cluster_state rule 2), marked by
         whether it hears a majority (rule 4), then fail the instances whose ranks are
         gone, and publish."""
-        term = next_term(self.epoch, [p.epoch for p in self.peers.values()])
+        given_up = Epoch(self._left_term, 0, "")
+        term = next_term(self.epoch, [given_up, *(p.epoch for p in self.peers.values())])
         majority = self._hears_majority()
         self.cluster_state = apply(self.cluster_state, TermStarted(term, self.node_id, majority))
         self._acting_term = term
@@ -505,6 +507,8 @@ class Node:
             adopted = apply(self.cluster_state, Adopted(theirs))
             if adopted is self.cluster_state:
                 return False
+            # a minority's newer term, given up for a majority's older one: never started again
+            self._left_term = max(self._left_term, self.epoch.term)
             self.cluster_state = adopted
             if self._acting_term is not None and self.epoch.coordinator != self.node_id:
                 self._acting_term = None  # another coordinator's newer table: start over

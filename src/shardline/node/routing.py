@@ -255,13 +255,12 @@ class Router:
         self._forwarding.setdefault(inst.instance_id, set()).add(ended)
         events = self.node.peer_client.generate(inst.ranks[0].address, request)
         stop = asyncio.ensure_future(ended.wait())
+        following: asyncio.Future | None = None
         try:
             while True:
                 following = asyncio.ensure_future(anext(events))
                 await asyncio.wait({following, stop}, return_when=asyncio.FIRST_COMPLETED)
                 if not following.done():
-                    following.cancel()  # and waited for, so that the stream can be closed
-                    await asyncio.gather(following, return_exceptions=True)
                     failed = self.node.instances.get(inst.instance_id)
                     code = EndCode.INSTANCE_FAILED if failed else EndCode.INSTANCE_DELETED
                     raise InstanceFailedError(f"instance {inst.instance_id}: "
@@ -275,6 +274,9 @@ class Router:
             raise InstanceFailedError(f"node {inst.ranks[0].node_id}: {exc}") from exc
         finally:
             stop.cancel()
+            if following is not None and not following.done():
+                following.cancel()  # and waited for (also when this is cancelled), so that
+                await asyncio.gather(following, return_exceptions=True)  # the stream can close
             waiting = self._forwarding.get(inst.instance_id, set())
             waiting.discard(ended)
             if not waiting:
