@@ -34,10 +34,11 @@ they keep:
    fails and places again every instance with a lost rank (:func:`lost_instances`), when
    it starts a term and whenever it sees a node come back.
 6. An instance placed again on other nodes than before (some or all were down)
-   remembers the nodes it wanted; when they are all live again, the coordinator places it on them
-   again (:func:`rejoinable`), so a returning node gets its share back: beside the
-   serving one where both fit (which serves until the new one is ready and then, once
-   idle, is deleted: ``state.superseded``), else in its place once it is idle.
+   remembers the nodes it wanted; when they are all live again, the coordinator places
+   it on them again (:func:`rejoinable`), so a returning node gets its share back:
+   beside the serving one where both fit (which serves until the new one is ready and
+   then, once idle, is deleted: ``state.superseded``), else in its place once it is
+   idle.
 """
 
 from __future__ import annotations
@@ -177,8 +178,8 @@ class RejoinView:
 def rejoinable(instances: Mapping[str, RejoinView], live: Iterable[str]) -> list[str]:
     """The instances to place again on their wanted nodes (rule 6): ready, on other nodes
     than they wanted (fewer of them; or others, placed while none of them was live: an
-    instance pinned to a node goes back to it), with every wanted node live, not already stood in for; busy ones
-    too (the new one goes beside it; only where both do not fit does the coordinator
+    instance pinned to a node goes back to it), with every wanted node live, not already
+    stood in for; busy ones too (the new one goes beside it; only where both do not fit does the coordinator
     wait until it is idle: trial 6 saw steady traffic keep a returned node out for as
     long as it lasted). In ``instances``' order."""
     up = set(live)

@@ -100,8 +100,8 @@ class Coordinator:
         (fewer of them, or others) again on its own, once they are all back (cluster_state
         rule 6): beside the serving one where both fit (it keeps serving until the new one
         is ready: :meth:`_retire_superseded`), else in its place once it is idle (its old
-        ranks stop when the new table is published). If the new placement is refused the instance
-        stays as it is and is not tried again."""
+        ranks stop when the new table is published). If the new placement is refused the
+        instance stays as it is and is not tried again."""
         live = self.node.live_node_ids()
         busy = self._busy()
         standing = standing_in(self.node.instances)
@@ -472,7 +472,7 @@ class Coordinator:
             force=force,
             wanted_nodes=tuple(wanted_nodes) if wanted_nodes and set(chosen) != set(wanted_nodes) else (),
             replaced=replaced,
-            collectives_on_cpu=sharding == Sharding.PIPELINE and ranks_share_a_gpu(self._profiles(chosen)),
+            collectives_on_cpu=sharding == Sharding.PIPELINE and ranks_share_a_gpu([self.node.profile_of(n) for n in chosen]),
             stands_in_for=stands_in_for,
         )
         if replaces is not None and replaces not in self.node.instances:
@@ -501,14 +501,9 @@ class Coordinator:
                  if inst.status != InstanceStatus.FAILED for r in inst.ranks)
         return committed_bytes(ranks, node_id)
 
-    def _profiles(self, node_ids: list[str]) -> list[dict]:
-        """The profiles of these live nodes ({} for one not measured yet)."""
-        return [(self.node.profile if n == self.node.node_id else self.node.peers[n].profile) or {}
-                for n in node_ids]
-
     def _runtime_baseline(self, node_ids: list[str]) -> int:
         """Runtime bytes to count per rank on these live nodes, from their profiles."""
-        return runtime_baseline([p.get("runtime_baseline_bytes") or 0 for p in self._profiles(node_ids)])
+        return runtime_baseline([self.node.profile_of(n).get("runtime_baseline_bytes") or 0 for n in node_ids])
 
     def memory_of(self, node_id: str) -> dict:
         """``offered_bytes``, ``committed_bytes`` and ``free_bytes`` of a live node (see

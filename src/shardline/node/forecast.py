@@ -42,11 +42,8 @@ class Forecast:
 
         profiles, links = [], {}
         for node_id in node_ids:
-            if node_id == self.node.node_id:
-                profile, measured, available = self.node.profile or {}, self.node.links, self.node.coordinator._available_bytes(node_id)
-            else:
-                peer = self.node.peers[node_id]
-                profile, measured, available = peer.profile or {}, peer.links, self.node.coordinator._available_bytes(node_id)
+            profile, available = self.node.profile_of(node_id), self.node.coordinator._available_bytes(node_id)
+            measured = self.node.links if node_id == self.node.node_id else self.node.peers[node_id].links
             profiles.append(NodeProfile(node_id, available,
                                         profile.get("memory_bandwidth_bytes_per_s") or 10e9,
                                         profile.get("matmul_flops") or 100e9,

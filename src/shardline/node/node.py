@@ -375,6 +375,10 @@ class Node:
         """A node's start time as last heard (this node's own for itself)."""
         return self.started_at if node_id == self.node_id else self.peers[node_id].started_at
 
+    def profile_of(self, node_id: str) -> dict:
+        """A node's profile as last heard (this node's own for itself; {} until measured)."""
+        return (self.profile if node_id == self.node_id else self.peers[node_id].profile) or {}
+
     def address_of(self, node_id: str) -> str:
         if node_id == self.node_id:
             return self.address
