@@ -139,7 +139,8 @@ def in_process(name: str, path: Path, bandwidth: float) -> None:
     sync()
     weight_bytes = shard_weight_bytes(shard)
     note(f"{name}.load", {"seconds": round(time.perf_counter() - started, 2), "weight_bytes": weight_bytes,
-                          "fused_decode": shard.fused is not None})
+                          "fused_decode": shard.fused is not None,
+                          "decode_graphs": shard.graphs is not None})
     cache = KVCache(config, config.num_layers, 8, 2048 + 8, torch.bfloat16, device=DEVICE)
     for t in cache.k + cache.v:
         t.normal_(0, 0.5)
@@ -147,16 +148,20 @@ def in_process(name: str, path: Path, bandwidth: float) -> None:
     ms = timed_ms(lambda: shard(prompt, shard.prefill_batch(0, 0, 512, True), cache), 5)
     note(f"{name}.prefill512", {"ms": round(ms, 2), "tokens_per_s": round(512 / ms * 1e3, 1)})
     kv_bytes_per_token = 2 * config.num_layers * config.num_kv_heads * config.head_dim * 2
-    for context in (128, 2048):
-        for rows in (1, 8):
-            ids = torch.randint(0, VOCAB, (rows,), device=DEVICE)
-            ms = timed_ms(lambda: shard(ids, shard.decode_batch(list(range(rows)), [context] * rows), cache), 20)
-            read = weight_bytes + rows * context * kv_bytes_per_token
-            rate = read / (ms / 1e3)
-            note(f"{name}.decode.c{context}.rows{rows}", {
-                "ms": round(ms, 3), "tokens_per_s": round(rows / ms * 1e3, 1),
-                "bytes_per_s": round(rate / 1e9, 1) * 1e9,
-                "of_copy_bandwidth": round(rate / bandwidth, 3), "of_h200_peak": round(rate / H200_BYTES_PER_S, 3)})
+    graphs = shard.graphs
+    for path in ("graphs", "eager") if graphs is not None else ("eager",):
+        shard.graphs = graphs if path == "graphs" else None
+        for context in (128, 2048):
+            for rows in (1, 8):
+                ids = torch.randint(0, VOCAB, (rows,), device=DEVICE)
+                ms = timed_ms(lambda: shard(ids, shard.decode_batch(list(range(rows)), [context] * rows), cache), 20)
+                read = weight_bytes + rows * context * kv_bytes_per_token
+                rate = read / (ms / 1e3)
+                note(f"{name}.decode.{path}.c{context}.rows{rows}", {
+                    "ms": round(ms, 3), "tokens_per_s": round(rows / ms * 1e3, 1),
+                    "bytes_per_s": round(rate / 1e9, 1) * 1e9,
+                    "of_copy_bandwidth": round(rate / bandwidth, 3), "of_h200_peak": round(rate / H200_BYTES_PER_S, 3)})
+    shard.graphs = graphs
 
 
 
@@ -173,6 +178,20 @@ def agreement(path: Path) -> None:
         cache = KVCache(source.config, source.config.num_layers, 1, 64, dtype, device=device)
         out = shard(prompt.to(device), shard.prefill_batch(0, 0, 16, True), cache)
         logits[f"{device}-{str(dtype).removeprefix('torch.')}"] = out[0].float().cpu()
+        if shard.graphs is not None:  # a decode step replayed from a graph against eager
+            graphs, steps = shard.graphs, {}
+            for path in ("graphs", "eager"):
+                shard.graphs = graphs if path == "graphs" else None
+                kv = KVCache(source.config, source.config.num_layers, 3, 64, dtype, device=device)
+                shard(prompt.to(device), shard.prefill_batch(1, 0, 16, True), kv)
+                for position in range(16, 20):  # capture, then replays
+                    out = shard(torch.tensor([position], device=device), shard.decode_batch([1], [position]), kv)
+                steps[path] = out[0].float().cpu()
+            note(f"agreement.{device}-{str(dtype).removeprefix('torch.')}.decode_graphs_vs_eager", {
+                "max_abs_diff_over_std": round(float((steps["graphs"] - steps["eager"]).abs().max()
+                                                     / steps["eager"].std()), 5),
+                "same_top_token": bool(steps["graphs"].argmax() == steps["eager"].argmax()),
+                "graphs_captured": len(graphs)})
     ref = logits.pop("cpu-float32") if DEVICE == "cuda" else logits["cpu-float32"]
     for key, value in logits.items():
         note(f"agreement.{key}_vs_cpu-float32", {

@@ -32,6 +32,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from shardline.models.config import ModelConfig, TensorShare
+from shardline.models.decode_graphs import GRAPH_MAX_ROWS
 from shardline.models.kv_cache import KVCache
 from shardline.models.linear import Embedding, Linear
 from shardline.models.products import KERNEL_MAX_ROWS
@@ -42,6 +43,7 @@ token a row at its own position of the one slot: the kernel writes every row's k
 value before any row attends, so row i sees the chunk's rows before it)."""
 
 if TYPE_CHECKING:
+    from shardline.models.decode_graphs import DecodeGraphs
     from shardline.models.fused_decode import FusedDecode
     from shardline.parallel.ring import RingContext
 
@@ -70,6 +72,11 @@ class ForwardBatch:
             ``[M, hidden]`` (compute dtype) for :meth:`DecoderShard.logits` to take a
             block at a time: a prompt scored whole (``[M, vocab]`` float32 logits at
             once would be 100 MB for 512 rows of a 49,152-token vocabulary).
+        key_span, key_mask: a decode step of fixed shapes (one a CUDA graph captures,
+            :func:`~shardline.models.decode_graphs.padded_decode`): each row attends the
+            first ``key_span`` positions of its slot where bool ``key_mask``
+            ``[N, key_span]`` is True; 0 and None otherwise (each row attends exactly its
+            ``rows`` prefix).
     """
 
     prefill: bool
@@ -85,6 +92,8 @@ class ForwardBatch:
     logit_rows: torch.Tensor
     ring: RingContext | None = None
     hidden_out: bool = False
+    key_span: int = 0
+    key_mask: torch.Tensor | None = None
 
 
 class RMSNorm(nn.Module):
@@ -204,6 +213,10 @@ class Attention(nn.Module):
                 enable_gqa=True,
             )  # [1, attn_heads, n, hd]
             out = out.squeeze(0).transpose(0, 1)  # [n, attn_heads, hd]
+        elif batch.key_mask is not None:
+            k_cache[batch.slots, :, batch.positions] = k
+            v_cache[batch.slots, :, batch.positions] = v
+            out = _masked_decode_attention(q, k_cache, v_cache, batch.slots, batch.key_mask)
         else:
             k_cache[batch.slots, :, batch.positions] = k
             v_cache[batch.slots, :, batch.positions] = v
@@ -294,10 +307,15 @@ class DecoderShard(nn.Module):
     compiled decode layers that run its decode steps (of up to ``KERNEL_MAX_ROWS`` rows)
     and prefill chunks (of up to :data:`FUSED_PREFILL_MAX_ROWS` tokens), or None (the
     layers' torch ops run every step).
+
+    ``graphs`` (set by the loader on CUDA, :func:`shardline.models.decode_graphs.for_shard`):
+    the CUDA graphs that run its decode steps of up to
+    :data:`~shardline.models.decode_graphs.GRAPH_MAX_ROWS` rows, or None.
     """
 
     inv_freq: torch.Tensor  # a buffer: RoPE inverse frequencies, float32 [head_dim // 2]
     fused: FusedDecode | None = None
+    graphs: DecodeGraphs | None = None
 
     def __init__(
         self,
@@ -418,11 +436,13 @@ class DecoderShard(nn.Module):
 
     @torch.inference_mode()
     def forward(self, inputs: torch.Tensor, batch: ForwardBatch, cache: KVCache) -> torch.Tensor:
-        h = self.embed(inputs) if self.embed is not None else inputs
-        if self.fused is not None and batch.ring is None and len(h) <= (
+        if self.graphs is not None and not batch.prefill and len(batch.rows) <= GRAPH_MAX_ROWS:
+            h = self.graphs.run(inputs, batch.rows, cache)  # embedding and layers
+        elif self.fused is not None and batch.ring is None and len(inputs) <= (
                 FUSED_PREFILL_MAX_ROWS if batch.prefill else KERNEL_MAX_ROWS):
-            h = self.fused(h, batch, cache)
+            h = self.fused(self.embed(inputs) if self.embed is not None else inputs, batch, cache)
         else:
+            h = self.embed(inputs) if self.embed is not None else inputs
             for i, layer in enumerate(self.layers):
                 h = layer(h, batch, cache.k[i], cache.v[i])
         if self.lm_head is None or self.norm is None:
@@ -435,6 +455,24 @@ class DecoderShard(nn.Module):
         :meth:`forward` returns for a ``hidden_out`` batch); the last shard only."""
         assert self.lm_head is not None
         return self.lm_head(hidden).float()
+
+
+def _masked_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                             slots: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """Decode attention of fixed shapes: query rows ``q`` ``[N, heads, head_dim]``, each
+    over the first ``S`` positions of its slot (int64 ``slots`` ``[N]``) of the caches
+    ``[slots, kv_heads, positions, head_dim]`` where bool ``mask`` ``[N, S]`` is True.
+    Query head j reads KV head ``j // (heads // kv_heads)`` as in ``enable_gqa``: a KV
+    head's queries attend as that many query positions of one head, so no key is
+    repeated. Returns ``[N, heads, head_dim]`` in the caches' dtype."""
+    n, heads, hd = q.shape
+    span, kv_heads = mask.shape[1], k_cache.shape[1]
+    keys = k_cache[:, :, :span].index_select(0, slots)  # [N, kv_heads, S, hd]
+    values = v_cache[:, :, :span].index_select(0, slots)
+    out = F.scaled_dot_product_attention(
+        q.reshape(n, kv_heads, heads // kv_heads, hd), keys, values,
+        attn_mask=mask[:, None, None, :])  # [N, kv_heads, group, hd]
+    return out.reshape(n, heads, hd)
 
 
 def _gqa_padding(

@@ -269,7 +269,7 @@ def _build_shard(
     head: bool = True,
     quantize: Quantize | None = None,
 ):
-    from shardline.models import fused_decode
+    from shardline.models import decode_graphs, fused_decode
     from shardline.models.llama import DecoderShard, rope_inverse_frequencies
 
     def held(part: Part | RowBlocks, vocab: bool = False) -> Part | RowBlocks:
@@ -324,4 +324,5 @@ def _build_shard(
             raise WeightFormatError(f"no weight was read for {name}")
     shard.eval()
     shard.fused = fused_decode.for_shard(shard)
+    shard.graphs = decode_graphs.for_shard(shard)
     return shard
