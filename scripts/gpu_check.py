@@ -18,7 +18,7 @@ in ``--tokenizer``), then:
    nodes of the one GPU serving it as a 2-rank pipeline (gloo between the ranks:
    NCCL refuses two ranks on one device).
 
-``--only-e2e`` leaves out 2 and 3; ``--device cpu`` is a dry run of the script where no
+``--parts`` picks some of 2, 3 and 4 (``in_process agreement end_to_end``); ``--device cpu`` is a dry run of the script where no
 GPU is. Prints each figure as it is measured and writes them all to ``OUT/gpu_check.json``.
 Random weights: the figures are speeds, not text; the shapes decide the time.
 """
@@ -44,6 +44,7 @@ SHAPES = {  # hidden, intermediate, layers, heads, kv heads, tied embeddings
     "llama-8b": (4096, 14336, 32, 32, 8, False),
 }
 RESULTS: dict = {}
+PARTS = ["in_process", "agreement", "end_to_end"]
 DEVICE = "cuda"  # --device cpu: a dry run of the script where no GPU is
 
 
@@ -180,13 +181,13 @@ def agreement(path: Path) -> None:
         logits[f"{device}-{str(dtype).removeprefix('torch.')}"] = out[0].float().cpu()
         if shard.graphs is not None:  # a decode step replayed from a graph against eager
             graphs, steps = shard.graphs, {}
-            for path in ("graphs", "eager"):
-                shard.graphs = graphs if path == "graphs" else None
+            for way in ("graphs", "eager"):
+                shard.graphs = graphs if way == "graphs" else None
                 kv = KVCache(source.config, source.config.num_layers, 3, 64, dtype, device=device)
                 shard(prompt.to(device), shard.prefill_batch(1, 0, 16, True), kv)
                 for position in range(16, 20):  # capture, then replays
                     out = shard(torch.tensor([position], device=device), shard.decode_batch([1], [position]), kv)
-                steps[path] = out[0].float().cpu()
+                steps[way] = out[0].float().cpu()
             note(f"agreement.{device}-{str(dtype).removeprefix('torch.')}.decode_graphs_vs_eager", {
                 "max_abs_diff_over_std": round(float((steps["graphs"] - steps["eager"]).abs().max()
                                                      / steps["eager"].std()), 5),
@@ -221,6 +222,39 @@ def stream(url: str, model_id: str, label: str, rounds: int = 3) -> None:
             "decode_tokens_per_s": round((chunks - 1) / (done - first), 1) if first and chunks > 1 else None})
 
 
+def concurrent(url: str, model_id: str, label: str, clients: int) -> None:
+    """``clients`` streams of 128 tokens at once (prompts of different lengths, so the
+    rows' key spans differ); note the aggregate decode tokens/s and whether every text is
+    the one it gets alone."""
+    import threading
+
+    import httpx
+
+    def body(i: int) -> dict:
+        return {"model": model_id, "prompt": "The capital of France is" + " very" * (i * 37),
+                "max_tokens": 128, "temperature": 0}
+
+    alone = [httpx.post(f"{url}/v1/completions", json=body(i), timeout=120).json()["choices"][0]["text"]
+             for i in range(2)]
+    texts: list[str | None] = [None] * clients
+    tokens = [0] * clients
+
+    def one(i: int) -> None:
+        reply = httpx.post(f"{url}/v1/completions", json=body(i), timeout=120).json()
+        texts[i], tokens[i] = reply["choices"][0]["text"], reply["usage"]["completion_tokens"]
+
+    started = time.perf_counter()
+    threads = [threading.Thread(target=one, args=(i,)) for i in range(clients)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    wall = time.perf_counter() - started
+    note(label, {"tokens": sum(tokens), "seconds": round(wall, 2),
+                 "aggregate_tokens_per_s": round(sum(tokens) / wall, 1),
+                 "first_two_texts_as_alone": [texts[i] == alone[i] for i in range(2)]})
+
+
 def profiled(cluster) -> bool:
     """Whether every node of ``cluster`` has measured its profile (its accelerator)."""
     nodes = cluster.http.get(f"{cluster.url(0)}/cluster/nodes", timeout=5).json()["nodes"]
@@ -241,6 +275,8 @@ def end_to_end(models: Path, big: Path, log_dir: Path, work: Path) -> None:
         note("e2e.one_node.placed", {"seconds_to_ready": round(time.perf_counter() - started, 1),
                                      "ranks": [r.get("loaded", {}).get("device") for r in inst["ranks"]]})
         stream(cluster.url(0), inst["model_id"], "e2e.one_node")
+        for clients in (4, 8, 16):
+            concurrent(cluster.url(0), inst["model_id"], f"e2e.one_node.c{clients}", clients)
         for label, params in (("logit_bias", {"logit_bias": {"100": 5}}), ("logprobs", {"logprobs": 3}),
                               ("seeded", {"temperature": 0.8, "seed": 1, "top_p": 0.9, "top_k": 40}),
                               ("penalties", {"frequency_penalty": 0.5, "presence_penalty": 0.3}),
@@ -279,7 +315,7 @@ def main() -> int:
     parser.add_argument("--out", type=Path, required=True)
     parser.add_argument("--work", type=Path, default=Path("/tmp/gpu_check"))
     parser.add_argument("--skip", nargs="*", default=[], help="models to leave out")
-    parser.add_argument("--only-e2e", action="store_true", help="only the end-to-end part")
+    parser.add_argument("--parts", nargs="*", default=PARTS, choices=PARTS, help="the checks to run")
     parser.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
     args = parser.parse_args()
     global DEVICE
@@ -301,11 +337,13 @@ def main() -> int:
         started = time.perf_counter()
         paths[name] = write_model(name, models / name, args.tokenizer)
         note(f"{name}.written_s", round(time.perf_counter() - started, 1))
-    if not args.only_e2e:
+    if "in_process" in args.parts:
         steps += [(f"in_process.{n}", lambda n=n: in_process(n, paths[n], bandwidth)) for n in paths]
+    if "agreement" in args.parts:
         steps.append(("agreement", lambda: agreement(paths["smollm2-135m"])))
     big = paths.get("llama-1b", paths["smollm2-135m"])
-    steps.append(("end_to_end", lambda: end_to_end(models, big, args.out, args.work)))
+    if "end_to_end" in args.parts:
+        steps.append(("end_to_end", lambda: end_to_end(models, big, args.out, args.work)))
     for label, step in steps:
         try:
             step()
