@@ -14,9 +14,10 @@ in ``--tokenizer``), then:
    the CPU in float32: largest difference relative to the logits' spread, and whether
    the top token agrees;
 4. end to end: one node (``--device cuda``) serving the 1B model over HTTP: TTFT and
-   streamed decode tokens/s of 128 tokens, and the API's sampling parameters; then two
-   nodes of the one GPU serving it as a 2-rank pipeline (gloo between the ranks:
-   NCCL refuses two ranks on one device).
+   streamed decode tokens/s of 128 tokens, the node's profile and the preview's predicted
+   speed beside the measured, the API's sampling parameters and 4, 8 and 16 clients at
+   once; then two nodes of the one GPU serving it as 2 ranks of a pipeline, a tensor and
+   a ring instance (gloo between the ranks: NCCL refuses two ranks on one device).
 
 ``--parts`` picks some of 2, 3 and 4 (``in_process agreement end_to_end``); ``--device cpu`` is a dry run of the script where no
 GPU is. Prints each figure as it is measured and writes them all to ``OUT/gpu_check.json``.
@@ -271,10 +272,18 @@ def end_to_end(models: Path, big: Path, log_dir: Path, work: Path) -> None:
     try:
         started = time.perf_counter()
         cluster.start()
+        deadline = time.time() + 90  # the preview's prediction needs the measured profile
+        while not profiled(cluster) and time.time() < deadline:
+            time.sleep(1)
+        note("e2e.one_node.profiled_s", round(time.perf_counter() - started, 1))
         inst = cluster.place(str(big), "pipeline", timeout_s=180, context=4096)
         note("e2e.one_node.placed", {"seconds_to_ready": round(time.perf_counter() - started, 1),
                                      "ranks": [r.get("loaded", {}).get("device") for r in inst["ranks"]]})
         stream(cluster.url(0), inst["model_id"], "e2e.one_node")
+        node = cluster.http.get(f"{cluster.url(0)}/cluster/nodes", timeout=5).json()["nodes"][0]
+        note("e2e.one_node.profile", node.get("profile"))
+        speed = cluster.http.get(f"{cluster.url(0)}/cluster/instances/{inst['instance_id']}", timeout=10).json()["speed"]
+        note("e2e.one_node.speed", speed)
         for clients in (4, 8, 16):
             concurrent(cluster.url(0), inst["model_id"], f"e2e.one_node.c{clients}", clients)
         for label, params in (("logit_bias", {"logit_bias": {"100": 5}}), ("logprobs", {"logprobs": 3}),
@@ -298,13 +307,21 @@ def end_to_end(models: Path, big: Path, log_dir: Path, work: Path) -> None:
         deadline = time.time() + 90
         while not profiled(cluster) and time.time() < deadline:
             time.sleep(1)
-        try:
-            inst = cluster.place(str(big), "pipeline", timeout_s=180, context=4096)
-            note("e2e.two_ranks_one_gpu", {"status": inst["status"], "collectives_on_cpu": inst.get("collectives_on_cpu"),
-                                           "ranks": [r.get("loaded", {}).get("device") for r in inst["ranks"]]})
-            stream(cluster.url(0), inst["model_id"], "e2e.two_ranks_one_gpu")
-        except Exception as exc:  # noqa: BLE001 (what it says is the finding)
-            note("e2e.two_ranks_one_gpu", {"refused_or_failed": str(exc)[:600]})
+        for sharding in ("pipeline", "tensor", "ring"):
+            label = f"e2e.two_ranks_one_gpu.{sharding}"
+            try:
+                cluster.clear()
+                inst = cluster.place(str(big), sharding, timeout_s=180, context=4096)
+                note(label, {"status": inst["status"], "collectives_on_cpu": inst.get("collectives_on_cpu"),
+                             "ranks": [r.get("loaded", {}).get("device") for r in inst["ranks"]]})
+                stream(cluster.url(0), inst["model_id"], label, rounds=2)
+                if sharding == "ring":  # a prompt long enough to go round the ring (128 a rank)
+                    reply = httpx.post(f"{cluster.url(0)}/v1/completions", timeout=120, json={
+                        "model": inst["model_id"], "prompt": "The capital of France is" + " very" * 400,
+                        "max_tokens": 8, "temperature": 0})
+                    note(f"{label}.long_prompt", {"status": reply.status_code, "usage": reply.json().get("usage")})
+            except Exception as exc:  # noqa: BLE001 (what it says is the finding)
+                note(label, {"refused_or_failed": str(exc)[:600]})
     finally:
         cluster.stop()
 

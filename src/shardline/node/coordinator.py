@@ -472,7 +472,7 @@ class Coordinator:
             force=force,
             wanted_nodes=tuple(wanted_nodes) if wanted_nodes and set(chosen) != set(wanted_nodes) else (),
             replaced=replaced,
-            collectives_on_cpu=sharding == Sharding.PIPELINE and ranks_share_a_gpu([self.node.profile_of(n) for n in chosen]),
+            collectives_on_cpu=ranks_share_a_gpu([self.node.profile_of(n) for n in chosen]),
             stands_in_for=stands_in_for,
         )
         if replaces is not None and replaces not in self.node.instances:

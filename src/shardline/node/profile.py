@@ -27,7 +27,7 @@ from dataclasses import dataclass
 
 import psutil
 
-from shardline.node.profile_decode import decode_weight_rate, runner_runtime
+from shardline.node.profile_decode import cuda_decode_layer_s, decode_weight_rate, runner_runtime
 from shardline.process_memory import memory_now, release_free_memory
 
 DEVICE_RE = re.compile(r"^(auto|cpu|mps|cuda(:\d+)?)$")
@@ -43,7 +43,7 @@ _MATMUL_N_GPU = 4096
 _COPY_BYTES = 256 * 2**20
 
 
-PROFILE_FORMAT = 9
+PROFILE_FORMAT = 10
 """What a :class:`HostProfile` measures and how; a node measures again rather than use a
 cached profile of another format (2: the runtime baseline runs a tiny model; 3: and
 counts private memory only; 4: rates are medians of several samples, taken with the
@@ -51,7 +51,8 @@ runners' thread count, and ``decode_layer_s`` and ``decode_weight_bytes_per_s`` 
 measured; 5: ``decode_layer_s`` from a 16-layer probe, the runners' decode path; 6: the
 runtime baseline without the probe's freed heap; 7: the decode figures from the least
 time of their calls; 8: the decode product rounds its inputs to int8, which changed its
-rate; 9: that rate timed over 64 MB of weights, read from memory as a model's are)."""
+rate; 9: that rate timed over 64 MB of weights, read from memory as a model's are; 10:
+``decode_layer_s`` measured on CUDA too, the probe replayed from CUDA graphs)."""
 
 
 @dataclass
@@ -93,8 +94,10 @@ class HostProfile:
             (``profile_decode.PROBE_LAYERS`` layers 256 wide, int4 weights: its weights
             are read in microseconds, so what is timed is a layer's fixed cost on the
             runners' decode path, fused or torch ops, attention over 96 cached tokens
-            included, and the step's own share), divided by its layers. Measured for a CPU device only (0: unmeasured,
-            or a GPU).
+            included, and the step's own share), divided by its layers. On CUDA the probe
+            runs there in dense bfloat16, its steps replayed from CUDA graphs
+            (:func:`~shardline.node.profile_decode.cuda_decode_layer_s`); 0: unmeasured
+            (MPS).
         decode_weight_bytes_per_s: resident weight bytes/s the runner's weight-only
             product reads for one row (a decode step's products): a [2048, 2048] int4
             weight in its resident form (:func:`~shardline.models.linear.resident_weight`)
@@ -378,6 +381,7 @@ def _measure(device: str, seconds: float, threads: int = 0, samples: int = 1) ->
             total, free = nvml
         result["accelerator"] = f"cuda:{dev.index} {torch.cuda.get_device_name(dev)}"
         result["accelerator_total_bytes"], result["accelerator_free_bytes"] = int(total), int(free)
+        result["decode_layer_s"] = cuda_decode_layer_s(dev)  # after: its graphs take memory
 
         def sync() -> None:
             torch.cuda.synchronize(dev)

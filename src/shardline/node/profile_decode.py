@@ -1,7 +1,8 @@
 """What a runner's decode step costs on this machine, timed in the profile child
 (``python -m shardline.node.profile``; torch is imported inside each function, never by
-the node): :func:`runner_runtime` (a tiny model's decode step per layer) and
-:func:`decode_weight_rate` (the int4 one-row product's weight-read rate).
+the node): :func:`runner_runtime` (a tiny model's decode step per layer),
+:func:`cuda_decode_layer_s` (the same on a CUDA GPU) and :func:`decode_weight_rate` (the
+int4 one-row product's weight-read rate).
 
 Units: seconds, bytes/s.
 
@@ -57,11 +58,10 @@ def runner_runtime() -> float:
     import shardline.parallel.ring  # noqa: F401, PLC0415
     import shardline.parallel.tensor  # noqa: F401, PLC0415
     import shardline.runner.engine  # noqa: F401, PLC0415
-    from shardline.models.config import ModelConfig, Quantize  # noqa: PLC0415
+    from shardline.models.config import Quantize  # noqa: PLC0415
     from shardline.models.fused_decode import for_shard  # noqa: PLC0415
     from shardline.models.kv_cache import KVCache  # noqa: PLC0415
-    from shardline.models.linear import Linear, resident_weight  # noqa: PLC0415
-    from shardline.models.llama import DecoderShard  # noqa: PLC0415
+    from shardline.models.linear import resident_weight  # noqa: PLC0415
     from shardline.models.quantize import quantize_groups  # noqa: PLC0415
 
     dtype, generator = torch.bfloat16, torch.Generator().manual_seed(0)
@@ -69,6 +69,43 @@ def runner_runtime() -> float:
     def weight(rows: int, cols: int):
         values = torch.randn(rows, cols, generator=generator) * 0.05
         return resident_weight(quantize_groups(values, Quantize.INT4), dtype)
+
+    shard, config = _probe_shard(weight, dtype)
+    shard.fused = for_shard(shard)  # as the loader decides: a runner's decode path
+    cache = KVCache(config, PROBE_LAYERS, 1, 128, dtype)
+    return _decode_layer_s(shard, cache, lambda: None)
+
+
+def cuda_decode_layer_s(device) -> float:
+    """``HostProfile.decode_layer_s`` on a CUDA ``device`` (a ``torch.device``): the probe
+    model of :func:`runner_runtime` in dense bfloat16 on the device (a runner's form of
+    16-bit weights there), its decode steps replayed from CUDA graphs as a runner's are
+    (:mod:`shardline.models.decode_graphs`); seconds per layer."""
+    import torch  # noqa: PLC0415
+
+    from shardline.models import decode_graphs  # noqa: PLC0415
+    from shardline.models.kv_cache import KVCache  # noqa: PLC0415
+    from shardline.models.linear import resident_weight  # noqa: PLC0415
+
+    dtype, generator = torch.bfloat16, torch.Generator().manual_seed(0)
+
+    def weight(rows: int, cols: int):
+        return resident_weight(torch.randn(rows, cols, generator=generator) * 0.05, dtype, device)
+
+    shard, config = _probe_shard(weight, dtype)
+    shard.to(device)
+    shard.graphs = decode_graphs.for_shard(shard)
+    cache = KVCache(config, PROBE_LAYERS, 1, 128, dtype, device)
+    return _decode_layer_s(shard, cache, lambda: torch.cuda.synchronize(device))
+
+
+def _probe_shard(weight, dtype):
+    """The probe model (:data:`PROBE_LAYERS` layers, 256 wide, a 512-token vocabulary)
+    with ``weight(rows, cols)``'s resident weights and its norms in ``dtype``; and its
+    config."""
+    from shardline.models.config import ModelConfig  # noqa: PLC0415
+    from shardline.models.linear import Linear  # noqa: PLC0415
+    from shardline.models.llama import DecoderShard  # noqa: PLC0415
 
     config = ModelConfig("llama", PROBE_LAYERS, 256, 512, 4, 2, 64, 512, 1e-5, 10000.0, 128,
                          True)
@@ -81,17 +118,25 @@ def runner_runtime() -> float:
     assert shard.embed is not None and shard.lm_head is not None  # one shard: both ends
     shard.embed.weight, shard.embed.dtype = weight(512, 256), dtype
     shard.lm_head.set_parts([shard.embed.weight])
-    shard.fused = for_shard(shard)  # as the loader decides: a runner's decode path
-    cache = KVCache(config, PROBE_LAYERS, 1, 128, dtype)
-    ids = torch.randint(0, 512, (96,), generator=generator)
+    return shard, config
+
+
+def _decode_layer_s(shard, cache, sync) -> float:
+    """A prefill of 96 tokens, then the least of ``DECODE_STEPS`` timed decode steps
+    (after one untimed; ``sync()`` waits for the device) divided by the layers."""
+    import torch  # noqa: PLC0415
+
+    ids = torch.randint(0, 512, (96,), generator=torch.Generator().manual_seed(0)).to(shard.device)
     times = []
     with torch.inference_mode():
         shard(ids, shard.prefill_batch(0, 0, 96, want_logits=True), cache)
-        for step in range(DECODE_STEPS + 1):
+        for _ in range(DECODE_STEPS + 1):
+            sync()
             start = time.perf_counter()
             shard(ids[:1], shard.decode_batch([0], [96]), cache)
+            sync()
             times.append(time.perf_counter() - start)
-    return min(times[1:]) / config.num_layers
+    return min(times[1:]) / len(shard.layers)
 
 
 def decode_weight_rate(samples: int) -> float:
@@ -125,4 +170,4 @@ def decode_weight_rate(samples: int) -> float:
     return sum(each.nbytes() for each in linears) / min(times)
 
 
-__all__ = ["decode_weight_rate", "runner_runtime"]
+__all__ = ["cuda_decode_layer_s", "decode_weight_rate", "runner_runtime"]

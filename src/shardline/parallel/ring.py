@@ -106,13 +106,16 @@ class RingContext:
         slot: the sequence's KV-cache slot; start: the chunk's first position; length:
             the chunk's tokens (all ranks together).
         device: where the k/v blocks live.
+        wire_device: where they travel between ranks (None: ``device``; the CPU for gloo
+            between ranks on one GPU, which sends no CUDA tensors).
 
     Raises (from :meth:`attend`): RuntimeError when a transfer fails or times out.
     """
 
     def __init__(self, group, rank: int, world: int, slot: int, start: int, length: int,
-                 device: torch.device) -> None:
+                 device: torch.device, wire_device: torch.device | None = None) -> None:
         self.group, self.rank, self.world = group, rank, world
+        self.wire_device = wire_device or device
         self.slot, self.start, self.length = slot, start, length
         bounds = block_bounds(length, world)
         # Each rank's two blocks (start, end), offsets within the chunk, in position order.
@@ -147,6 +150,7 @@ class RingContext:
             for i in range(2):
                 add(i, attend_block(q_parts[i], k_prefix, v_prefix, causal=False))
         block = torch.stack((k, v)).contiguous()  # [2, n, KVH, d]
+        sent = block.to(self.wire_device)  # the block as it travels (itself on one device)
         source = self.rank
         for hop in range(self.world):
             pending = []
@@ -154,9 +158,9 @@ class RingContext:
                 src = (self.rank - 1) % self.world
                 incoming = torch.empty(
                     (2, self.positions[(source - 1) % self.world].shape[0], *block.shape[2:]),
-                    dtype=block.dtype, device=block.device,
+                    dtype=block.dtype, device=self.wire_device,
                 )
-                ops = [dist.P2POp(dist.isend, block, (self.rank + 1) % self.world, self.group),
+                ops = [dist.P2POp(dist.isend, sent, (self.rank + 1) % self.world, self.group),
                        dist.P2POp(dist.irecv, incoming, src, self.group)]
                 pending = dist.batch_isend_irecv(ops)
             k_pos = self.positions[source]
@@ -173,7 +177,8 @@ class RingContext:
             for work in pending:
                 work.wait()
             if pending:
-                block, source = incoming, (source - 1) % self.world
+                sent, block = incoming, incoming.to(k.device)
+                source = (source - 1) % self.world
             if self.on_hop is not None:
                 self.on_hop(hop)
         # Every query sees at least itself, so both of this rank's blocks have a result.
@@ -195,9 +200,11 @@ class RingStage(Stage):
     """
 
     def __init__(self, shard: DecoderShard, cache: KVCache, rank: int, world_size: int,
-                 group=None, progress: Progress | None = None, min_tokens_per_rank: int = 128) -> None:
+                 group=None, progress: Progress | None = None, min_tokens_per_rank: int = 128,
+                 wire_device: torch.device | None = None) -> None:
         super().__init__(shard, cache, rank, world_size, sampler=0, group=group, progress=progress)
         self.min_tokens_per_rank = min_tokens_per_rank
+        self.wire_device = wire_device  # see RingContext
 
     def prefill_batch(self, slot: int, start: int, length: int, want_logits: bool,
                       every_row: bool = False) -> ForwardBatch:
@@ -206,7 +213,8 @@ class RingStage(Stage):
         prompt's log-probabilities), the whole chunk on every rank."""
         if self.world_size == 1 or every_row or length < self.min_tokens_per_rank * self.world_size:
             return self.shard.prefill_batch(slot, start, length, want_logits, every_row)
-        ring = RingContext(self.group, self.rank, self.world_size, slot, start, length, self.shard.device)
+        ring = RingContext(self.group, self.rank, self.world_size, slot, start, length, self.shard.device,
+                           self.wire_device)
         positions = ring.positions[self.rank]
         cos, sin = self.shard.rope(positions)
         last = [positions.shape[0] - 1] if want_logits and self.samples else []

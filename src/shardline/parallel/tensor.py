@@ -23,7 +23,8 @@ LM head only on rank 0, the one that samples (the hidden states after the last a
 are the same everywhere, so other ranks would compute the same logits for nothing).
 
 All-reduces run on the tensors' device with the process group's backend: gloo on CPU, NCCL
-on CUDA. The partial sums are summed in float32 by default (``reduce_dtype``): each rank's
+on CUDA; ranks that share one GPU (NCCL refuses them) sum over gloo through host memory
+(``wire_device``). The partial sums are summed in float32 by default (``reduce_dtype``): each rank's
 partial output is rounded to the compute dtype once by its projection, and a bfloat16 sum
 rounds again after every addition (gloo sums bfloat16 correctly, rounding each partial
 sum). Measured on SmolLM2-135M Q4_1 in bfloat16 against the one-rank model (max |logit
@@ -49,21 +50,20 @@ from shardline.parallel.stage import Stage
 
 
 def make_all_reduce(
-    group: dist.ProcessGroup | None, reduce_dtype: torch.dtype | None = torch.float32
+    group: dist.ProcessGroup | None, reduce_dtype: torch.dtype | None = torch.float32,
+    wire_device: torch.device | None = None,
 ) -> Callable[[torch.Tensor], torch.Tensor]:
     """A sum over ``group``'s ranks of ``[N, hidden]`` partial outputs, in place where it can.
 
     ``reduce_dtype`` (None: the tensor's own dtype) is the dtype the sum is taken in; the
-    result is cast back to the input's dtype.
+    result is cast back to the input's dtype and device. ``wire_device`` (None: the
+    tensor's own) is where the sum is taken: the CPU for gloo between ranks on one GPU.
     """
 
     def all_reduce(x: torch.Tensor) -> torch.Tensor:
-        if reduce_dtype is None or x.dtype == reduce_dtype:
-            dist.all_reduce(x, group=group)
-            return x
-        wide = x.to(reduce_dtype)
+        wide = x.to(device=wire_device or x.device, dtype=reduce_dtype or x.dtype)
         dist.all_reduce(wide, group=group)
-        return wide.to(x.dtype)
+        return wide.to(device=x.device, dtype=x.dtype)
 
     return all_reduce
 
@@ -79,6 +79,8 @@ class TensorStage(Stage):
         cache: a :class:`KVCache` with ``num_kv_heads=shard.num_kv_heads``.
         reduce_dtype: dtype of the all-reduced sums (default float32; None: the compute
             dtype).
+        wire_device: where the sums are taken (None: the shard's device; the CPU for
+            gloo between ranks on one GPU).
     """
 
     computing_waits_on = " (all-reduces with every rank)"
@@ -92,6 +94,7 @@ class TensorStage(Stage):
         group: dist.ProcessGroup | None = None,
         reduce_dtype: torch.dtype | None = torch.float32,
         progress: Progress | None = None,
+        wire_device: torch.device | None = None,
     ) -> None:
         if world_size > 1 and shard.share is None:
             raise ValueError("a tensor stage of several ranks needs a tensor-parallel shard")
@@ -103,7 +106,7 @@ class TensorStage(Stage):
         super().__init__(shard, cache, rank, world_size, sampler=0, group=group, progress=progress)
         if self.samples and shard.lm_head is None:
             raise ValueError("the sampling rank's shard has no LM head")
-        shard.set_all_reduce(make_all_reduce(group, reduce_dtype) if world_size > 1 else None)
+        shard.set_all_reduce(make_all_reduce(group, reduce_dtype, wire_device) if world_size > 1 else None)
 
 
 def load_tensor_stage(
@@ -120,6 +123,7 @@ def load_tensor_stage(
     reduce_dtype: torch.dtype | None = torch.float32,
     progress: Progress | None = None,
     quantize=None,
+    wire_device: torch.device | None = None,
 ) -> TensorStage:
     """Load this rank's shard and KV cache and wrap them in a :class:`TensorStage`.
 
@@ -141,4 +145,4 @@ def load_tensor_stage(
     cache = KVCache(source.config, len(shard.layers), slots, context, dtype, device,
                     num_kv_heads=shard.num_kv_heads)
     return TensorStage(shard, cache, rank, world_size, group=group,
-                       reduce_dtype=reduce_dtype, progress=progress)
+                       reduce_dtype=reduce_dtype, progress=progress, wire_device=wire_device)

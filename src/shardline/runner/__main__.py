@@ -91,7 +91,8 @@ class Outbox:
 
 def load_stage(spec: RunnerSpec, source, group, progress: Progress, dtype, device, comm_device):
     """Load this rank's shard and KV cache as the stage its instance's sharding needs
-    (``comm_device``: where a pipeline's hidden states travel between ranks).
+    (``comm_device``: where tensors travel between ranks: a pipeline's hidden states, a
+    tensor instance's sums, a ring's key and value blocks).
 
     Raises:
         WeightFormatError: a tensor the shard needs is missing or has the wrong shape.
@@ -109,14 +110,14 @@ def load_stage(spec: RunnerSpec, source, group, progress: Progress, dtype, devic
         return load_tensor_stage(source, spec.rank, spec.world_size, slots=spec.max_batch,
                                  context=spec.context, dtype=dtype, device=device,
                                  share=spec.share.tensor_share, group=group,
-                                 progress=progress, quantize=quantize)
+                                 progress=progress, quantize=quantize, wire_device=comm_device)
     if spec.sharding not in (Sharding.PIPELINE, Sharding.RING):
         raise ValueError(f"unknown sharding {spec.sharding!r}")
     shard = load_shard(source, spec.share.layer_start, spec.share.layer_end, dtype=dtype, device=device,
                        quantize=quantize)
     cache = KVCache(source.config, len(shard.layers), spec.max_batch, spec.context, dtype, device)
     if spec.sharding == Sharding.RING:
-        return RingStage(shard, cache, spec.rank, spec.world_size, group, progress)
+        return RingStage(shard, cache, spec.rank, spec.world_size, group, progress, wire_device=comm_device)
     return PipelineStage(shard, cache, spec.rank, spec.world_size, progress, wire_device=comm_device)
 
 

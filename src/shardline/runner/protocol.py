@@ -257,8 +257,8 @@ class RunnerSpec:
         device: its node's ``--device`` (``shardline.node.profile.DEVICE_RE``: "auto",
             "cpu", "cuda[:N]", "mps"), resolved by the runner; the backend is gloo on
             CPU, NCCL on CUDA.
-        collectives_on_cpu: gloo through host memory even on CUDA: ranks of a pipeline
-            on one GPU, which NCCL refuses (``rendezvous.ranks_share_a_gpu``).
+        collectives_on_cpu: gloo through host memory even on CUDA: ranks on one GPU,
+            which NCCL refuses (``rendezvous.ranks_share_a_gpu``), of any sharding.
         dtype: compute dtype name ("bfloat16", "float16", "float32").
         quantize: "int8" or "int4" to quantize the weights the files hold in 16 or 32
             bits on load (:mod:`shardline.models.quantize`), or None.

@@ -196,8 +196,8 @@ def ranks_share_a_gpu(profiles: list[dict]) -> bool:
     """Whether two ranks of an instance would compute on one GPU: their nodes' profiles
     (``shardline.node.profile.HostProfile``, one per rank) name the same machine
     (``host_id``) and the same CUDA device (``accelerator``, ``"cuda:N name"``). NCCL
-    refuses such ranks ("Duplicate GPU detected", seen on an H200), so a pipeline's go
-    over gloo through host memory instead (``RunnerSpec.collectives_on_cpu``)."""
+    refuses such ranks ("Duplicate GPU detected", seen on an H200), so theirs go over
+    gloo through host memory instead (``RunnerSpec.collectives_on_cpu``)."""
     seen = set()
     for profile in profiles:
         accelerator = str(profile.get("accelerator", ""))
