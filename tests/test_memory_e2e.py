@@ -101,6 +101,7 @@ def test_the_cap_refuses_a_second_placement_and_nodes_show_what_is_committed(cap
     with pytest.raises(LocalClusterError, match="short by"):
         cluster.place(None, "pipeline", context=256, max_batch=1)
     nodes = httpx.get(f"{cluster.url(1)}/cluster/nodes", timeout=10).json()["nodes"]
+    assert [n["node_id"] for n in nodes] == sorted(n["node_id"] for n in nodes)  # not the asked node first
     estimates = {r["node_id"]: r["estimated_bytes"] for r in inst["ranks"]}
     caps = node_caps(cluster)
     for node in nodes:

@@ -102,7 +102,10 @@ def test_a_model_added_on_one_node_is_copied_to_its_ranks_and_served(cluster):
     assert instance["instance_id"] in shown.stdout and MODEL in shown.stdout
     nodes = shardline("nodes", "--url", cluster.url(0))
     assert all(i in nodes.stdout for i in ids)
-    assert "free / offered memory" in nodes.stdout  # one line a row: 80 columns wrapped it
+    assert "memory: free / offered, placed" in nodes.stdout  # one line a header: 80 columns wrapped it
+    rows = [cell for line in nodes.stdout.splitlines()
+            if line.startswith("│") and (cell := line.split("│")[1].strip()) in ids]
+    assert rows == sorted(ids)  # one order, whichever node is asked
     deleted = shardline("delete", instance["instance_id"], "--url", cluster.url(2))
     assert deleted.returncode == 0, deleted.stderr
     assert httpx.get(f"{cluster.url(0)}/cluster/instances", timeout=5).json()["instances"] == []

@@ -102,7 +102,9 @@ from conftest import capital_answer, member_client
 url, key = sys.argv[1], sys.argv[2]
 with member_client(key, timeout_s=2) as client:
     state = client.get(url + "/internal/state").json()
-print(json.dumps({"answer": capital_answer(url), "instances": [x["instance_id"] for x in state["instances"]]}))
+    nodes = client.get(url + "/cluster/nodes").json()
+print(json.dumps({"answer": capital_answer(url), "instances": [x["instance_id"] for x in state["instances"]],
+                  "hears_majority": nodes["hears_majority"]}))
 """
 
 
@@ -168,7 +170,12 @@ def test_a_partition_heals_into_one_state_and_one_serving_instance(tmp_path, cut
                      "the lone node serving")
             time.sleep(max(0.0, 20 - (time.time() - started)))
             majority_ids = {i for i, _ in table(hosts, majority[0])[1]}
-            lone_ids = set(cut_off_view(hosts, cut)["instances"]) - majority_ids
+            lone = cut_off_view(hosts, cut)
+            lone_ids = set(lone["instances"]) - majority_ids
+            # what each side hears now (the lone coordinator's epoch keeps its term's mark)
+            assert lone["hears_majority"] is False
+            assert httpx.get(f"http://{hosts.addresses[majority[0]]}:{PORT}/cluster/nodes",
+                             timeout=5).json()["hears_majority"] is True
             assert lone_ids, "the lone node placed an instance of its own"
             hosts.link(cut, up=True)
             healed = time.time()

@@ -129,18 +129,18 @@ def _nodes(args: argparse.Namespace) -> None:
     data = _request(args, "GET", "/cluster/nodes")
     serving = serving_by_node(_request(args, "GET", "/cluster/instances")["instances"])
     table = Table(title=f"coordinator: {data['coordinator']}")
-    for column in ("node", "address", "live", "free / offered memory", "committed", "accelerator",
-                   "matmul", "links (round trip, upload)", "serving", "models held"):
+    for column in ("node", "address", "live", "memory: free / offered, placed", "accelerator",
+                   "links (round trip, upload)", "serving", "models held"):
         table.add_column(column, no_wrap=column in ("node", "address"))
-    for n in data["nodes"]:
+    for n in sorted(data["nodes"], key=lambda n: n["node_id"]):
         profile = n.get("profile") or {}
         flops = profile.get("matmul_flops")
-        accelerator = profile.get("accelerator") or "-"
+        accelerator = str(profile.get("accelerator") or "-")
+        memory = (f"{_gb(n.get('free_bytes'))} / {_gb(n.get('offered_bytes'))}" if n["live"]
+                  else "- (down)")  # its last report: nothing to place on
         table.add_row(n["node_id"], n["address"], "yes" if n["live"] else "DOWN",
-                      f"{_gb(n.get('free_bytes'))} / {_gb(n.get('offered_bytes'))}" if n["live"]
-                      else "- (down)",  # its last report: nothing to place on
-                      _gb(n.get("committed_bytes")), str(accelerator),
-                      f"{flops / 1e12:.2f} TFLOP/s" if flops else "-", links_text(n),
+                      f"{memory}\n{_gb(n.get('committed_bytes'))} placed",
+                      accelerator + (f"\n{flops / 1e12:.2f} TFLOP/s" if flops else ""), links_text(n),
                       ", ".join(serving.get(n["node_id"], [])) or "-", models_held(n))
     _console().print(table)
 

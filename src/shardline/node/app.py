@@ -188,10 +188,14 @@ def create_app(node: Node, guard: GuardConfig, max_body_bytes: int = DEFAULT_MAX
         out = [dict(node.info().model_dump(mode="json"), live=True)]
         for peer in node.peers.values():
             out.append({"node_id": peer.node_id, "address": peer.address, "live": peer.node_id in live,
-                        "available_bytes": node.coordinator.memory_of(peer.node_id)["free_bytes"],
-                        **node.coordinator.memory_of(peer.node_id), "total_bytes": peer.total_bytes,
+                        "available_bytes": node.memory.of(peer.node_id)["free_bytes"],
+                        **node.memory.of(peer.node_id), "total_bytes": peer.total_bytes,
                         "profile": peer.profile, "links": peer.links, "models": peer.models})
-        return {"coordinator": node.coordinator_id(), "epoch": node.epoch.to_dict(), "nodes": out}
+        # the epoch's majority mark is its term's start; hears_majority is now (a node cut
+        # off alone keeps serving in its term, which a majority's table outranks)
+        return {"coordinator": node.coordinator_id(), "epoch": node.epoch.to_dict(),
+                "hears_majority": node.hears_majority(),
+                "nodes": sorted(out, key=lambda n: n["node_id"])}  # one order from every node
 
     async def instance_view(inst, served: dict) -> dict:
         """An instance; ``local_engine`` is this node's rank's batch (EngineStats),

@@ -13,8 +13,6 @@ import time
 import uuid
 from typing import TYPE_CHECKING
 
-import psutil
-
 from shardline.models.config import ModelConfig, Quantize, Sharding
 from shardline.models.store import (
     ModelCard,
@@ -40,7 +38,6 @@ from shardline.node.state import (
 )
 from shardline.node.status import InstanceStatus, RankStatus
 from shardline.node.table import Instance, RankPlacement
-from shardline.placement.memory import committed_bytes, free_bytes, gpu_bytes, runtime_baseline
 from shardline.placement.pipeline import NodeCapacity, PlacementError
 from shardline.placement.ranks import (
     SHARDINGS,
@@ -176,12 +173,12 @@ class Coordinator:
         if after.status == InstanceStatus.FAILED:
             if self._first_word_of_failure(after.instance_id):
                 log.warning("instance %s failed: %s", after.instance_id, after.error)
-                self._background(self._replace(after.instance_id))
+                self.node.background(self._replace(after.instance_id))
         elif report.status == RankStatus.FAILED:  # only lost a peer
             # Only a symptom: another rank failed or its node went down. Wait for that
             # rank's own report (or its node's silence) to name it.
             rank = after.node_ids().index(report.node_id)
-            self._background(self._fail_after_grace(
+            self.node.background(self._fail_after_grace(
                 report.instance_id, f"rank {rank} on node {report.node_id} {report.error}"))
         elif (after.status == InstanceStatus.READY and before.status == InstanceStatus.LOADING
               and after.instance_id not in self._announced):
@@ -200,9 +197,6 @@ class Coordinator:
             return False
         self._failures_said.add(instance_id)
         return True
-
-    def _background(self, coroutine) -> None:
-        self.node._background.append(asyncio.create_task(coroutine))
 
     async def _fail_after_grace(self, instance_id: str, error: str) -> None:
         """Coordinator: fail ``instance_id`` with ``error`` (a rank that lost contact with
@@ -232,7 +226,7 @@ class Coordinator:
         else:
             log.warning("instance %s failed: %s", event.instance_id, event.error)
         await self.node.commit(event)
-        self._background(self._replace(event.instance_id, wait=not event.at_once))
+        self.node.background(self._replace(event.instance_id, wait=not event.at_once))
 
     async def _replace(self, instance_id: str, wait: bool = True) -> None:
         """Place a failed instance again (once: a second call for the same instance while
@@ -379,7 +373,7 @@ class Coordinator:
         chosen_placements = choose(
             config, profiles, links, context, max_batch, dtype, shardings, max_nodes,
             min_nodes=min_nodes, weight_file_bytes=card.weight_file_bytes,
-            baseline_bytes=self._runtime_baseline(chosen), admit=not force, kv_tokens=kv_tokens,
+            baseline_bytes=self.node.memory.runtime_baseline(chosen), admit=not force, kv_tokens=kv_tokens,
             quantize=Quantize(quantize) if quantize else None, model_id=card.model_id,
             served=list(self.node.forecast.served_speeds().values()))
         return [chosen_placements] if best_only else chosen_placements
@@ -438,8 +432,8 @@ class Coordinator:
         config, chosen, context, max_batch = self._placement_inputs(card, node_ids, context, max_batch)
         asked = (None if kv_cache_bytes is None
                  else kv_tokens_for_bytes(config, kv_cache_bytes, dtype, context))
-        capacities = [NodeCapacity(n, self._available_bytes(n)) for n in chosen]
-        baseline = self._runtime_baseline(chosen)
+        capacities = [NodeCapacity(n, self.node.memory.free(n)) for n in chosen]
+        baseline = self.node.memory.runtime_baseline(chosen)
         quantized = Quantize(quantize) if quantize else None
         shares, kv_tokens = place_with_kv_pool(
             config, sharding, capacities, context, max_batch, dtype, admit=not force,
@@ -481,43 +475,6 @@ class Coordinator:
                  sharding, ", ".join(chosen))
         await self.node.commit(Placed(inst))
         return inst
-
-    def _offered_bytes(self) -> int:
-        """Bytes this node offers to models in all: its memory limit, else, where its
-        runners compute on a CUDA GPU (its profile says so), the GPU's memory, else the
-        memory the system has available plus what its own runners hold (theirs to
-        keep)."""
-        if self.node.memory_limit_bytes is not None:
-            return self.node.memory_limit_bytes
-        gpu = gpu_bytes(self.node.profile)
-        if gpu is not None:
-            return gpu
-        return int(psutil.virtual_memory().available) + self.node.worker.resident_bytes()
-
-    def _committed_bytes(self, node_id: str) -> int:
-        """What placement counts the ranks on ``node_id`` of this node's instance table
-        (every instance not failed) to hold."""
-        ranks = ((r.node_id, r.estimated_bytes) for inst in self.node.instances.values()
-                 if inst.status != InstanceStatus.FAILED for r in inst.ranks)
-        return committed_bytes(ranks, node_id)
-
-    def _runtime_baseline(self, node_ids: list[str]) -> int:
-        """Runtime bytes to count per rank on these live nodes, from their profiles."""
-        return runtime_baseline([self.node.profile_of(n).get("runtime_baseline_bytes") or 0 for n in node_ids])
-
-    def memory_of(self, node_id: str) -> dict:
-        """``offered_bytes``, ``committed_bytes`` and ``free_bytes`` of a live node (see
-        :meth:`_available_bytes`)."""
-        offered = self._offered_bytes() if node_id == self.node.node_id else self.node.peers[node_id].offered_bytes
-        committed = self._committed_bytes(node_id)
-        return {"offered_bytes": offered, "committed_bytes": committed,
-                "free_bytes": free_bytes(offered, committed)}
-
-    def _available_bytes(self, node_id: str) -> int:
-        """Bytes a node can give the next placement: what it offers less what the ranks
-        placed on it hold (counted from this node's own table, so placements in a row
-        never count the same bytes twice)."""
-        return self.memory_of(node_id)["free_bytes"]
 
     async def _free_port(self, node_id: str) -> int:
         if node_id == self.node.node_id:

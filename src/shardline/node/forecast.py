@@ -42,7 +42,7 @@ class Forecast:
 
         profiles, links = [], {}
         for node_id in node_ids:
-            profile, available = self.node.profile_of(node_id), self.node.coordinator._available_bytes(node_id)
+            profile, available = self.node.profile_of(node_id), self.node.memory.free(node_id)
             measured = self.node.links if node_id == self.node.node_id else self.node.peers[node_id].links
             profiles.append(NodeProfile(node_id, available,
                                         profile.get("memory_bandwidth_bytes_per_s") or 10e9,
@@ -87,7 +87,7 @@ class Forecast:
             if card is None and not wait:
                 if inst.model_id not in self._reading:
                     self._reading.add(inst.model_id)
-                    self.node.coordinator._background(self.first_order(inst))
+                    self.node.background(self.first_order(inst))
                 return 0.0, 0.0
             if card is None:  # read once a model: the instance list calls this each time
                 card = self._cards[inst.model_id] = await self.node.logistics.model_card(inst.model_id)

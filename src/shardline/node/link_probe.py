@@ -8,8 +8,12 @@ Units: bytes, seconds, bytes/s.
 
 from __future__ import annotations
 
+import logging
 import time
+from collections.abc import Awaitable, Callable
 from typing import Any
+
+log = logging.getLogger(__name__)
 
 UPLOAD_PATH = "/internal/echo-bytes"
 """The route the probe uploads its payload to: bytes the receiver discards (not JSON, and
@@ -130,3 +134,39 @@ def steady_link(history: list[dict]) -> dict:
     rtt = min(h["rtt_s"] for h in history[-LINK_HISTORY:])
     return {**history[-1], "rtt_s": rtt, "latency_s": rtt / 2}
 
+
+
+LINK_INTERVAL_S = 60.0
+"""Seconds between measurements of the link to one peer."""
+
+
+class LinkMeter:
+    """The links from a node to its peers: each measured by ``measure(address)`` (a
+    :func:`measure_link` result) every :data:`LINK_INTERVAL_S`, and what it is taken to
+    be (:func:`steady_link` of its history) in ``links`` (node id -> that dict)."""
+
+    def __init__(self, measure: Callable[[str], Awaitable[dict]]) -> None:
+        self._measure = measure
+        self.links: dict[str, dict] = {}
+        self._measured_at: dict[str, float] = {}
+        self._history: dict[str, list[dict]] = {}
+
+    def claim(self, node_id: str, now: float) -> bool:
+        """Whether the link to ``node_id`` is due to be measured at ``now`` (seconds since
+        the epoch); True marks it measured then, so the caller measures it once."""
+        if now - self._measured_at.get(node_id, 0.0) <= LINK_INTERVAL_S:
+            return False
+        self._measured_at[node_id] = now
+        return True
+
+    async def measure(self, node_id: str, address: str) -> None:
+        """Measure the link to ``node_id`` at ``address`` (``host:port``); a failure is
+        logged and leaves ``links`` as it was."""
+        from shardline.node.peer_client import PeerError  # noqa: PLC0415 (imports httpx)
+
+        try:
+            history = self._history.setdefault(node_id, [])
+            history[:] = [*history, await self._measure(address)][-LINK_HISTORY:]
+            self.links[node_id] = steady_link(history)
+        except PeerError as exc:
+            log.warning("could not measure the link to %s: %s", node_id, exc)

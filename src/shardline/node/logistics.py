@@ -42,12 +42,27 @@ class ModelLogistics:
 
     def __init__(self, node: "Node") -> None:
         self.node = node
+        self._warming: set[str] = set()  # model ids whose tokenizer warm_tokenizer loads
 
-    async def _warm_tokenizer(self, model_id: str) -> None:
-        try:
-            await self.tokenizer(model_id)
-        except (ModelNotFoundError, TransferError, PeerError, OSError, ValueError) as exc:
-            log.warning("could not load the tokenizer of %s: %s", model_id, exc)
+    def warm_tokenizer(self, model_id: str) -> None:
+        """Load a model's tokenizer in the background, unless loaded or loading. The node
+        of an instance's rank 0 does so when the instance is placed (the first requests
+        of ``shardline cluster`` go there); the other nodes of its ranks once idle, not to
+        take the CPU a load or the first requests need (transformers' import alone is
+        2.5 s of CPU); a request on a node without it loads it first."""
+        if model_id in self.node.tokenizers or model_id in self._warming:
+            return
+        self._warming.add(model_id)
+
+        async def warm() -> None:
+            try:
+                await self.tokenizer(model_id)
+            except (ModelNotFoundError, TransferError, PeerError, OSError, ValueError) as exc:
+                log.warning("could not load the tokenizer of %s: %s", model_id, exc)
+            finally:
+                self._warming.discard(model_id)
+
+        self.node.background(warm())
 
     async def _shard_weights(self, inst: Instance, rank: int, placement: RankPlacement) -> Path:
         """The local path the runner of ``rank`` opens, after copying from a peer the

@@ -16,29 +16,29 @@ over HTTP (``/internal/*``):
   (``/internal/tasks``); its own runner streams the tokens back. A node that hosts no rank
   of the instance forwards the request to one that does (``/internal/generate``).
 
-This module holds membership and the replicated table; the coordinator's decisions, runner
-supervision, model logistics and request routing are the roles in ``coordinator.py``,
-``supervision.py``, ``logistics.py`` and ``routing.py``, each given the node. Every
+This module holds membership and the replicated table (kept on disk by ``table_file.py``;
+the links to peers measured by ``link_probe.LinkMeter``); the coordinator's decisions,
+runner supervision, model logistics and request routing are the roles in
+``coordinator.py``, ``supervision.py``, ``logistics.py`` and ``routing.py``, each given
+the node. Every
 message between nodes is a ``wire.py`` model sent through ``peer_client.PeerClient``.
 """
 
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import itertools
 import logging
 import os
 import signal
 import time
 import zlib
-from collections.abc import Mapping
+from collections.abc import Coroutine, Mapping
 from pathlib import Path
 
 import psutil
 
 from shardline.api.errors import API, error_body
-from shardline.machine_cache import write_atomically
 from shardline.models.store import (
     ModelStore,
 )
@@ -54,8 +54,9 @@ from shardline.node.cluster_state import (
 )
 from shardline.node.coordinator import Coordinator
 from shardline.node.forecast import Forecast
-from shardline.node.link_probe import LINK_HISTORY, steady_link
+from shardline.node.link_probe import LinkMeter
 from shardline.node.logistics import ModelLogistics
+from shardline.node.node_memory import NodeMemory
 from shardline.node.peer_client import KeyRefusedError, PeerClient, PeerError
 from shardline.node.queue_bound import DEFAULT_MAX_WAITING
 from shardline.node.repeated_warnings import RepeatedWarnings
@@ -73,7 +74,8 @@ from shardline.node.state import (
 from shardline.node.status import InstanceStatus
 from shardline.node.supervision import Supervisor
 from shardline.node.table import EndCode, Instance, InstanceFailedError, Peer
-from shardline.node.wire import NodeInfo, StateMessage
+from shardline.node.table_file import load_table, save_table
+from shardline.node.wire import NodeInfo
 from shardline.node.worker import Spare, Worker
 
 log = logging.getLogger(__name__)
@@ -184,9 +186,12 @@ class Node:
         self._heard_all_at: float | None = None  # the last round every peer answered
         self._last_tick = self.started_at
         self._busy_at = float("-inf")  # when a rank here last loaded or served
-        self._load_state()
+        kept = None if state_path is None else load_table(state_path)
+        if kept is not None:  # desired state: no runner starts from it until a coordinator publishes
+            self.cluster_state = kept
         # the roles, each with this node's state (the node is their composition root)
         self.coordinator = Coordinator(self)
+        self.memory = NodeMemory(self)
         self.forecast = Forecast(self)
         self.repeated = RepeatedWarnings(log)  # a peer down: one warning, not one a second
         self.supervisor = Supervisor(self)
@@ -198,7 +203,6 @@ class Node:
         self.engine_stats: dict[str, dict] = {}  # instance id -> this node's rank's batch
         self.tokenizers: dict[str, Tokenizer] = {}
         self._tokenizer_lock = asyncio.Lock()
-        self._warming: set[str] = set()  # model ids whose tokenizer warm_tokenizer loads
         self._fetch_lock = asyncio.Lock()
         self._preparing: dict[str, asyncio.Task] = {}  # instance id -> getting its files
         self._task_counter = itertools.count()
@@ -211,9 +215,8 @@ class Node:
         self._state_lock = asyncio.Lock()
         self._refused: set[str] = set()  # peer addresses that refused our cluster key
         self.profile: dict | None = None  # HostProfile.to_dict(): node.speeds.HostProfiler
-        self.links: dict[str, dict] = {}  # node id -> measure_link result from this node
-        self._link_measured: dict[str, float] = {}
-        self._link_history: dict[str, list[dict]] = {}  # node id -> measure_link results
+        self.link_meter = LinkMeter(self.peer_client.measure_link)
+        self.links = self.link_meter.links  # node id -> the link from this node (link_probe)
         from shardline.node.identity import default_data_dir
         from shardline.node.profile import PROFILE_FORMAT
 
@@ -238,8 +241,8 @@ class Node:
         self._first_spare = None
         # (later ones: the membership loop, once idle)
         self._last_tick = time.time()  # the time since construction (a busy start) is no pause
-        self._background.append(asyncio.create_task(self._membership_loop()))
-        self._background.append(asyncio.create_task(self.profiler.run()))
+        self.background(self._membership_loop())
+        self.background(self.profiler.run())
         if self.discovery is not None:
             try:
                 await asyncio.to_thread(self.discovery.start)
@@ -247,7 +250,12 @@ class Node:
                 log.warning("mDNS discovery is off (%s); use --peers", exc)
                 self.discovery = None
         if self.exit_with_parent:
-            self._background.append(asyncio.create_task(self._watch_parent(os.getppid())))
+            self.background(self._watch_parent(os.getppid()))
+
+    def background(self, coroutine: Coroutine[object, object, object]) -> None:
+        """Run ``coroutine`` as a task of this node's (cancelled when it stops)."""
+        self._background = [t for t in self._background if not t.done()]
+        self._background.append(asyncio.create_task(coroutine))
 
     def stopping(self) -> None:
         """The node was told to stop (Ctrl-C, SIGTERM; any thread may call this): from now
@@ -286,7 +294,7 @@ class Node:
 
     def info(self) -> NodeInfo:
         """This node as its peers see it (``GET /internal/info``)."""
-        memory = self.coordinator.memory_of(self.node_id)
+        memory = self.memory.of(self.node_id)
         profile = None
         if self.profile is not None:
             profile = dict(self.profile, available_bytes=memory["free_bytes"])
@@ -300,25 +308,6 @@ class Node:
             served=self.served.to_list(),
         )
 
-    def warm_tokenizer(self, model_id: str) -> None:
-        """Load a model's tokenizer in the background, unless loaded or loading. The node
-        of an instance's rank 0 does so when the instance is placed (the first requests
-        of ``shardline cluster`` go there); the other nodes of its ranks once idle, not to
-        take the CPU a load or the first requests need (transformers' import alone is
-        2.5 s of CPU); a request on a node without it loads it first."""
-        if model_id in self.tokenizers or model_id in self._warming:
-            return
-        self._warming.add(model_id)
-
-        async def warm() -> None:
-            try:
-                await self.logistics._warm_tokenizer(model_id)
-            finally:
-                self._warming.discard(model_id)
-
-        self._background = [t for t in self._background if not t.done()]
-        self._background.append(asyncio.create_task(warm()))
-
     def busy_instances(self) -> list[str]:
         """Instances whose rank on this node has requests running, waiting or held."""
         return sorted(i for i, stats in self.engine_stats.items()
@@ -328,17 +317,6 @@ class Node:
         """Addresses of the live peers: told to every node that polls this one, so that a
         node that contacted one member comes to know (and be known by) all of them."""
         return sorted(p.address for p in self.live_peers())
-
-    async def _measure_link(self, node_id: str, address: str) -> None:
-        """Latency and bandwidth from this node to a peer (1 MiB upload), every 60 s; what
-        the link is, from the last few (``link_probe.steady_link``)."""
-        self._link_measured[node_id] = time.time()
-        try:
-            history = self._link_history.setdefault(node_id, [])
-            history[:] = [*history, await self.peer_client.measure_link(address)][-LINK_HISTORY:]
-            self.links[node_id] = steady_link(history)
-        except PeerError as exc:
-            log.warning("could not measure the link to %s: %s", node_id, exc)
 
     def add_peer(self, address: str) -> None:
         """Poll ``host:port`` from now on (a peer found by mDNS, one that polled this node,
@@ -401,7 +379,7 @@ class Node:
                 self._acting_term = None
             elif self._acting_term is None and self.is_settled():
                 await self._start_term()
-            elif self.is_coordinator() and not self.epoch.majority and self._hears_majority():
+            elif self.is_coordinator() and not self.epoch.majority and self.hears_majority():
                 await self._start_term()  # a minority's term, now heard by a majority (rule 4)
             if self.is_coordinator():
                 await self.coordinator._fail_lost_instances()
@@ -413,7 +391,7 @@ class Node:
                 self._busy_at = time.time()
             elif time.time() - self._busy_at >= SPARE_IDLE_S:
                 for model_id in {i.model_id for i in self.instances.values() if self.node_id in i.node_ids()}:
-                    self.warm_tokenizer(model_id)
+                    self.logistics.warm_tokenizer(model_id)
                 await asyncio.to_thread(self.worker.start_spare)
             # every second; faster until settled, so that a cluster starting together
             # elects its coordinator as soon as every peer listens
@@ -423,7 +401,7 @@ class Node:
         """The nodes the table held names: its instances' and the ones they want."""
         return {n for i in self.instances.values() for n in (*i.node_ids(), *i.wanted_nodes)}
 
-    def _hears_majority(self) -> bool:
+    def hears_majority(self) -> bool:
         """Whether the live nodes are a majority of the nodes known: every node heard since
         this one started, those its table names, itself (cluster_state rule 4)."""
         return heard_majority(self.live_node_ids(), {*self.peers, *self._named_nodes()})
@@ -434,7 +412,7 @@ class Node:
         gone, and publish."""
         given_up = Epoch(self._left_term, 0, "")
         term = next_term(self.epoch, [given_up, *(p.epoch for p in self.peers.values())])
-        majority = self._hears_majority()
+        majority = self.hears_majority()
         self.cluster_state = apply(self.cluster_state, TermStarted(term, self.node_id, majority))
         self._acting_term = term
         log.info("coordinator for term %d%s", term, "" if majority else
@@ -445,7 +423,7 @@ class Node:
         failed = [i for i in self.instances.values() if i.status == InstanceStatus.FAILED]
         await self._publish()
         for inst in failed:
-            self._background.append(asyncio.create_task(self.coordinator._replace(inst.instance_id)))
+            self.background(self.coordinator._replace(inst.instance_id))
 
     async def _poll(self, address: str) -> bool:
         """Ask a peer for its info (and a newer table, when it holds one); whether it
@@ -473,9 +451,8 @@ class Node:
         )
         for member in info.members:  # membership both ways, through any member
             self.add_peer(member)
-        if time.time() - self._link_measured.get(info.node_id, 0.0) > 60.0:
-            self._background = [t for t in self._background if not t.done()]
-            self._background.append(asyncio.create_task(self._measure_link(info.node_id, address)))
+        if self.link_meter.claim(info.node_id, time.time()):
+            self.background(self.link_meter.measure(info.node_id, address))
         if newer(info.epoch, self.epoch):  # the newest table wins, whoever holds it (rule 4)
             try:
                 await self.apply_state(await self.peer_client.state(address))
@@ -542,23 +519,8 @@ class Node:
 
     def _save_state(self) -> None:
         """Keep the table and its epoch in ``state_path`` (rule 1 across restarts)."""
-        if self.state_path is None:
-            return
-        try:
-            write_atomically(self.state_path, StateMessage.of(self.cluster_state).model_dump_json())
-        except OSError as exc:
-            log.warning("could not keep the instance table in %s: %s", self.state_path, exc)
-
-    def _load_state(self) -> None:
-        """The table and epoch kept before a restart, as desired state: no runner starts
-        from it until a coordinator publishes (its ranks died with the old process)."""
-        if self.state_path is None or not self.state_path.exists():
-            return
-        try:
-            kept = StateMessage.model_validate_json(self.state_path.read_bytes()).state()
-            self.cluster_state = dataclasses.replace(kept, epoch=kept.epoch.from_disk())  # rule 4
-        except (OSError, ValueError) as exc:  # pydantic's ValidationError is a ValueError
-            log.warning("ignoring the kept instance table %s: %s", self.state_path, exc)
+        if self.state_path is not None:
+            save_table(self.state_path, self.cluster_state)
 
     # -- the cluster API through the coordinator -----------------------------------------
 

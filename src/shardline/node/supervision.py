@@ -104,7 +104,7 @@ class Supervisor:
             return
         self._start_runner(current, rank, placement, weights)
         if rank == 0:  # the others' nodes load it once idle (Node._membership_loop)
-            self.node.warm_tokenizer(inst.model_id)
+            self.node.logistics.warm_tokenizer(inst.model_id)
 
     def _start_runner(self, inst: Instance, rank: int, placement: RankPlacement, weights: Path) -> None:
         """Start the runner of ``rank`` of ``inst`` on this node, reading ``weights``."""
