@@ -370,3 +370,17 @@ def test_a_chat_loses_its_oldest_messages_but_system_and_last():
     started = time.monotonic()  # linear: a 5,000-message chat in milliseconds
     long = chat(*["user"] * 5000)
     assert len(without_oldest(long, droppable(long))) == 1 and time.monotonic() - started < 0.5
+
+
+def test_an_interrupted_command_says_so_in_one_line(monkeypatch, capsys):
+    """Ctrl-C while a node still imports (``shardline cluster`` stopped in its first
+    seconds) printed each node's traceback; now one line and exit status 130."""
+    import shardline.cli as cli
+
+    def interrupted(args):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(cli, "_run", interrupted)
+    assert cli.main(["run"]) == 130
+    err = capsys.readouterr().err
+    assert err == "shardline run: interrupted\n"

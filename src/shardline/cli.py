@@ -387,7 +387,11 @@ def main(argv: list[str] | None = None) -> int:
         format="%(asctime)s %(name)s %(levelname)s %(message)s",
     )
     logging.getLogger("httpx").setLevel(logging.DEBUG if args.verbose else logging.WARNING)
-    return args.func(args)
+    try:
+        return args.func(args)
+    except KeyboardInterrupt:  # one line, not the traceback of whatever was importing
+        print(f"shardline {args.command}: interrupted", file=sys.stderr)
+        return 130
 
 
 if __name__ == "__main__":
