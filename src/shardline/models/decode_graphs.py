@@ -140,7 +140,7 @@ class DecodeGraphs:
         step's own keys and values, which the replay writes again, so the step runs
         as if once."""
         device = self.shard.device
-        inputs, rows = inputs.clone(), meta.to(device)
+        inputs, rows = inputs.to(device, copy=True), meta.to(device)
         side = torch.cuda.Stream(device)
         side.wait_stream(torch.cuda.current_stream(device))
         with torch.cuda.stream(side):
