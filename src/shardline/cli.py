@@ -4,9 +4,11 @@ work a running cluster (``nodes``, ``instances``, ``place``, ``delete``, ``model
 from __future__ import annotations
 
 import argparse
+import atexit
 import logging
 import os
 import signal
+import subprocess
 import sys
 from pathlib import Path
 
@@ -97,6 +99,9 @@ def _run(args: argparse.Namespace) -> int:
         from shardline.node.worker import Spare, spawn_runner
 
         first_spare = Spare(*spawn_runner())
+        # in its own session, so gone with this process only if killed (an interrupt
+        # during the imports below left it to notice its closed pipe, seconds later)
+        atexit.register(_kill_if_running, first_spare.process)
 
     import uvicorn
 
@@ -147,6 +152,13 @@ def _run(args: argparse.Namespace) -> int:
     except KeyboardInterrupt:  # the signal uvicorn raises again once it has stopped (as uvicorn.run)
         pass
     return 0
+
+
+def _kill_if_running(process: subprocess.Popen) -> None:
+    """Kill ``process`` and wait for it, unless it has exited."""
+    if process.poll() is None:
+        process.kill()
+        process.wait()
 
 
 def _non_negative_int(text: str) -> int:
@@ -247,7 +259,7 @@ def build_parser() -> argparse.ArgumentParser:
     from shardline.node.bounds import DEFAULT_MAX_BODY_BYTES
     from shardline.node.header_timeout import DEFAULT_HEADER_TIMEOUT_S
     from shardline.node.queue_bound import DEFAULT_MAX_WAITING
-    from shardline.placement.ranks import SHARDINGS
+    from shardline.placement.ranks import SHARDING_NAMES
 
     parser = argparse.ArgumentParser(prog="shardline", description=__doc__)
     parser.add_argument("-v", "--verbose", action="store_true", help="log more")
@@ -321,7 +333,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     cluster = sub.add_parser("cluster", help="start N nodes on 127.0.0.1 and place a model across them")
     cluster.add_argument("--nodes", type=int, default=3, help="how many nodes (default %(default)s)")
-    cluster.add_argument("--sharding", default="pipeline", choices=("auto",) + SHARDINGS,
+    cluster.add_argument("--sharding", default="pipeline", choices=("auto", *SHARDING_NAMES),
                          help="pipeline: a layer range per node; tensor: heads and MLP columns split "
                               "across the nodes; ring: the whole model on every node, long prompts "
                               "split across them; auto: the placement with the best predicted decode "

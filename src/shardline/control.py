@@ -382,7 +382,7 @@ def _run(func):
 def add_commands(sub, default_port: int) -> None:
     """Add the cluster commands to the ``shardline`` parser's subparsers."""
     from shardline.models.store import DEFAULT_MODEL_ID
-    from shardline.placement.ranks import SHARDINGS
+    from shardline.placement.ranks import SHARDING_NAMES
 
     url_default = os.environ.get("SHARDLINE_URL", f"http://127.0.0.1:{default_port}")
 
@@ -405,7 +405,7 @@ def add_commands(sub, default_port: int) -> None:
                        help="a model id in some node's store, a path on the node's machine under one "
                             "of its --model-dir (added to its store), or a Hugging Face repo id in "
                             "the local cache (default %(default)s)")
-    place.add_argument("--sharding", default="auto", choices=("auto",) + SHARDINGS,
+    place.add_argument("--sharding", default="auto", choices=("auto", *SHARDING_NAMES),
                        help="default %(default)s: the placement with the best predicted tokens/s")
     place.add_argument("--nodes", default=None,
                        help="node ids, comma-separated, in rank order (default: as --sharding chooses)")

@@ -17,7 +17,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     """Add ``shardline bench``'s options to its subparser."""
     from shardline.control import node_url
     from shardline.models.store import DEFAULT_MODEL_ID
-    from shardline.placement.ranks import SHARDINGS
+    from shardline.placement.ranks import SHARDING_NAMES
 
     parser.add_argument("--url", default=None, type=node_url,
                         help="benchmark this running node (http://host:port); default: start a local cluster")
@@ -25,7 +25,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="the API key of the node at --url, or the one the local cluster's nodes "
                              "require (default: $SHARDLINE_API_KEY, else none)")
     parser.add_argument("--nodes", type=int, default=1, help="nodes of the local cluster (default %(default)s)")
-    parser.add_argument("--sharding", default="pipeline", choices=SHARDINGS,
+    parser.add_argument("--sharding", default="pipeline", choices=SHARDING_NAMES,
                         help="sharding of the local cluster (default %(default)s)")
     parser.add_argument("--model", default=None,
                         help=f"model id or local path (default {DEFAULT_MODEL_ID}; "

@@ -269,6 +269,8 @@ class Node:
         return self._stopping
 
     def _begin_stop(self) -> None:
+        log.info("stopping: %d open request(s) end with an error, the runners are stopped",
+                 len(self.streams))
         self._stopping = True
         for task in self._background:
             task.cancel()

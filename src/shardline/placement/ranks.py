@@ -14,6 +14,8 @@ from shardline.placement.ring import ring_admission, ring_working_bytes
 from shardline.placement.tensor import tensor_placement, tensor_rank_bytes
 
 SHARDINGS = tuple(Sharding)
+SHARDING_NAMES = tuple(s.value for s in Sharding)
+"""The shardings' names, as the CLI takes and shows them."""
 
 
 def shardings_named(name: str) -> tuple[Sharding, ...]:
