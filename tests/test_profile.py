@@ -185,3 +185,17 @@ def test_device_names_are_checked_on_the_command_line(text, ok):
     else:
         with pytest.raises(argparse.ArgumentTypeError, match="not a device"):
             device_name(text)
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.skipif(__import__("torch").cuda.is_available(), reason="this machine has a CUDA GPU")
+def test_a_device_torch_cannot_use_is_refused_before_any_node_starts(capsys):
+    """Trial 8: --device cuda on a machine without a GPU started the nodes, placed the
+    model and ended in a runner's traceback; now the command refuses at once."""
+    from shardline.cli import main
+    from shardline.node.profile import device_problem
+
+    assert device_problem("cpu") is None and device_problem("auto") is None
+    assert device_problem("cuda:1") == "CUDA is not available to torch"
+    assert main(["cluster", "--device", "cuda", "--port", "1"]) == 2
+    assert capsys.readouterr().err == "shardline cluster: --device cuda: CUDA is not available to torch\n"

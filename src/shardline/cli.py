@@ -394,6 +394,13 @@ def main(argv: list[str] | None = None) -> int:
         if not 1 <= args.port or args.port + nodes - 1 > 65535:
             command.error("--port must lie in 1-65535" if args.command == "run" else
                           "ports must lie in 1-65535 (--port, plus one per extra node)")
+    if args.command in ("run", "cluster"):
+        from shardline.node.profile import device_problem
+
+        problem = device_problem(args.device)
+        if problem:
+            print(f"shardline {args.command}: --device {args.device}: {problem}", file=sys.stderr)
+            return 2
     logging.basicConfig(
         level=logging.DEBUG if args.verbose else logging.INFO,
         format="%(asctime)s %(name)s %(levelname)s %(message)s",

@@ -327,6 +327,25 @@ def pick_device(torch, device: str):
     return dev
 
 
+def device_problem(device: str, timeout_s: float = 60.0) -> str | None:
+    """Why runners cannot compute on ``device`` (:data:`DEVICE_RE`) on this machine, as
+    :func:`pick_device` says it, or None; ``auto`` and ``cpu`` always can. Asks a child
+    process (torch's import, 1-2 s: the node never imports torch)."""
+    if device in ("auto", "cpu"):
+        return None
+    code = ("import sys, torch\nfrom shardline.node.profile import pick_device\n"
+            "pick_device(torch, sys.argv[1])")
+    try:
+        done = subprocess.run([sys.executable, "-c", code, device], capture_output=True, text=True,
+                              timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        return f"torch did not answer within {timeout_s:g} s"
+    if done.returncode == 0:
+        return None
+    last = (done.stderr.strip().splitlines() or [f"exit status {done.returncode}"])[-1]
+    return last.removeprefix("RuntimeError: ")
+
+
 def _nvml_memory(index: int) -> tuple[int, int] | None:
     """(total, free) bytes of CUDA device ``index`` from NVML, or None without pynvml.
 
