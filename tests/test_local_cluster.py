@@ -15,6 +15,7 @@ from shardline.local_cluster import (
     SHARED_SPIN_COUNT,
     LocalCluster,
     LocalClusterError,
+    kept_instances,
     node_environment,
     node_memory_limit,
     ports_in_use,
@@ -84,8 +85,9 @@ def test_a_node_that_exits_leaves_the_others_serving_or_is_started_again(tmp_pat
 def test_a_cluster_started_again_serves_its_kept_model_once(tmp_path):
     """``shardline cluster`` run twice with the same data: the nodes' kept instance is
     placed again by the coordinator, and serve() waits for it instead of adding a second
-    (each run of the README's command used to add one more instance, and runner)."""
-    base = free_port_block(1)
+    (each run of the README's command used to add one more instance, and runner); run
+    again asking for another sharding, it serves that one alone."""
+    base = free_port_block(2)
     first = LocalCluster(1, base, log_dir=str(tmp_path), data_dir=str(tmp_path))
     try:
         first.start()
@@ -106,6 +108,25 @@ def test_a_cluster_started_again_serves_its_kept_model_once(tmp_path):
         assert len(runners) == 1
     finally:
         again.stop()
+    ring = LocalCluster(2, base, log_dir=str(tmp_path), data_dir=str(tmp_path))
+    try:  # trial 8: another sharding asked kept the old instance, which took the requests
+        ring.start()
+        served = ring.serve(None, "ring", context=256, max_batch=1)
+        assert [(i["instance_id"], i["sharding"]) for i in ring.instances()] == [(served["instance_id"], "ring")]
+    finally:
+        ring.stop()
+
+
+@pytest.mark.fast
+@pytest.mark.parametrize("sharding, asked, other", [
+    ("auto", ["a-pipe", "a-ring"], []), ("pipeline", ["a-pipe"], ["a-ring"]),
+    ("tensor", [], ["a-pipe", "a-ring"])])
+def test_kept_instances_of_the_model_split_by_the_sharding_asked(sharding, asked, other):
+    table = [{"instance_id": "a-pipe", "model_id": "a", "sharding": "pipeline"},
+             {"instance_id": "b-pipe", "model_id": "b", "sharding": "pipeline"},
+             {"instance_id": "a-ring", "model_id": "a", "sharding": "ring"}]
+    got = kept_instances(table, "a", sharding)
+    assert [[i["instance_id"] for i in part] for part in got] == [asked, other]
 
 
 @pytest.mark.slow

@@ -5,6 +5,7 @@ the benchmark and the tests. The nodes talk only over the network, as on separat
 from __future__ import annotations
 
 import errno
+import logging
 import os
 import signal
 import socket
@@ -22,6 +23,8 @@ from shardline.runner.rendezvous import bare_address
 
 if TYPE_CHECKING:
     import httpx
+
+log = logging.getLogger(__name__)
 
 KEPT_REPLACE_S = 20.0
 """How long :meth:`LocalCluster.serve` waits for a kept instance that failed with its old
@@ -115,6 +118,16 @@ def address_is_here(host: str) -> bool:
         except OSError as exc:
             return exc.errno != errno.EADDRNOTAVAIL
     return True
+
+
+def kept_instances(instances: list[dict], model_id: str, sharding: str) -> tuple[list[dict], list[dict]]:
+    """Of a table's instances (``GET /cluster/instances``' entries), those of ``model_id``
+    that serve it as asked (their sharding is ``sharding``, any for ``"auto"``), and
+    those of ``model_id`` with another sharding (a run before asked for it: the one
+    asked now replaces them). Instances of other models are in neither."""
+    mine = [i for i in instances if i["model_id"] == model_id]
+    asked = [i for i in mine if sharding in ("auto", i["sharding"])]
+    return asked, [i for i in mine if i not in asked]
 
 
 class LocalClusterError(RuntimeError):
@@ -306,10 +319,9 @@ class LocalCluster:
         """The instance serving ``model`` with ``sharding``, placed once across restarts.
 
         The nodes keep their instance table on disk: after a restart the coordinator finds
-        a kept instance's ranks gone, fails it and places it again. Such an instance (its
-        model id is ``model``, or the default model's for None, and its sharding
-        ``sharding``, any for ``"auto"``) is waited for instead of
-        placing a second copy beside it; one still failed after :data:`KEPT_REPLACE_S`
+        a kept instance's ranks gone, fails it and places it again. Such an instance
+        (:func:`kept_instances`) is waited for instead of placing a second copy beside
+        it, and one of the model with another sharding than the one asked is deleted; one still failed after :data:`KEPT_REPLACE_S`
         (not placed again) is deleted and the model placed anew (:meth:`place`, with
         ``options``).
 
@@ -319,12 +331,17 @@ class LocalCluster:
         from shardline.models.store import DEFAULT_MODEL_ID
 
         model_id = model or DEFAULT_MODEL_ID
-        deadline, kept = time.time() + timeout_s, []
+        deadline = time.time() + timeout_s
+        kept: list[dict] = []
         replaced_by = time.time() + KEPT_REPLACE_S
         while time.time() < deadline:
             self._check_alive()
-            kept = [i for i in self.instances() if i["model_id"] == model_id
-                    and sharding in ("auto", i["sharding"])]
+            kept, other = kept_instances(self.instances(), model_id, sharding)
+            if other:  # a run before asked for another sharding: this one's replaces it
+                log.info("deleting the kept %s of %s: --sharding %s replaces it",
+                         ", ".join(f"{i['sharding']} instance {i['instance_id']}" for i in other),
+                         model_id, sharding)
+                self.clear([i["instance_id"] for i in other])
             for inst in kept:
                 if inst["status"] == "ready" and self._all_nodes_ready(inst["instance_id"]):
                     self.instance = inst
