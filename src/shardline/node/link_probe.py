@@ -115,7 +115,8 @@ async def measure_link(client: Any, base_url: str, payload_bytes: int = 4 * 2**2
 
 
 LINK_HISTORY = 5
-"""Measurements of a link :func:`steady_link` reads (one a minute: the last 5 minutes)."""
+"""Measurements of a link :func:`steady_link` reads (one a minute once there are as many:
+the last 5 minutes)."""
 
 
 def steady_link(history: list[dict]) -> dict:
@@ -137,24 +138,41 @@ def steady_link(history: list[dict]) -> dict:
 
 
 LINK_INTERVAL_S = 60.0
-"""Seconds between measurements of the link to one peer."""
+"""Seconds between measurements of the link to one peer, once it has :data:`LINK_HISTORY`."""
+
+LINK_FIRST_INTERVAL_S = 5.0
+"""Seconds between its first :data:`LINK_HISTORY` measurements: a node's first is taken
+while the cluster starts (runners importing and loading on the same cores), when a
+loopback round trip took 12-21 ms against 1.2-2 ms idle, and the preview predicted a
+tensor instance at 0.3 tokens/s where it served 6.4 (trial 8); a minute later the least of
+a few is an idle moment's."""
+
+
+def link_due(now: float, last_at: float | None, samples: int) -> bool:
+    """Whether a link measured last at ``last_at`` (seconds since the epoch; None: never),
+    with ``samples`` measurements in its history, is due to be measured at ``now``."""
+    if last_at is None:
+        return True
+    return now - last_at >= (LINK_FIRST_INTERVAL_S if samples < LINK_HISTORY else LINK_INTERVAL_S)
 
 
 class LinkMeter:
     """The links from a node to its peers: each measured by ``measure(address)`` (a
-    :func:`measure_link` result) every :data:`LINK_INTERVAL_S`, and what it is taken to
-    be (:func:`steady_link` of its history) in ``links`` (node id -> that dict)."""
+    :func:`measure_link` result) when :func:`link_due`, and what it is taken to be
+    (:func:`steady_link` of its history) in ``links`` (node id -> that dict)."""
 
     def __init__(self, measure: Callable[[str], Awaitable[dict]]) -> None:
         self._measure = measure
         self.links: dict[str, dict] = {}
         self._measured_at: dict[str, float] = {}
         self._history: dict[str, list[dict]] = {}
+        self._measuring: set[str] = set()  # one measurement of a link at a time
 
     def claim(self, node_id: str, now: float) -> bool:
         """Whether the link to ``node_id`` is due to be measured at ``now`` (seconds since
-        the epoch); True marks it measured then, so the caller measures it once."""
-        if now - self._measured_at.get(node_id, 0.0) <= LINK_INTERVAL_S:
+        the epoch) and not being measured; True marks it measured then, so the caller
+        measures it once."""
+        if node_id in self._measuring or not link_due(now, self._measured_at.get(node_id), len(self._history.get(node_id, []))):
             return False
         self._measured_at[node_id] = now
         return True
@@ -164,9 +182,12 @@ class LinkMeter:
         logged and leaves ``links`` as it was."""
         from shardline.node.peer_client import PeerError  # noqa: PLC0415 (imports httpx)
 
+        self._measuring.add(node_id)
         try:
             history = self._history.setdefault(node_id, [])
             history[:] = [*history, await self._measure(address)][-LINK_HISTORY:]
             self.links[node_id] = steady_link(history)
         except PeerError as exc:
             log.warning("could not measure the link to %s: %s", node_id, exc)
+        finally:
+            self._measuring.discard(node_id)
