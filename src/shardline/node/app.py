@@ -187,9 +187,9 @@ def create_app(node: Node, guard: GuardConfig, max_body_bytes: int = DEFAULT_MAX
         live = set(node.live_node_ids())
         out = [dict(node.info().model_dump(mode="json"), live=True)]
         for peer in node.peers.values():
+            memory = node.memory.of(peer.node_id)  # walks the table: once a peer
             out.append({"node_id": peer.node_id, "address": peer.address, "live": peer.node_id in live,
-                        "available_bytes": node.memory.of(peer.node_id)["free_bytes"],
-                        **node.memory.of(peer.node_id), "total_bytes": peer.total_bytes,
+                        "available_bytes": memory["free_bytes"], **memory, "total_bytes": peer.total_bytes,
                         "profile": peer.profile, "links": peer.links, "models": peer.models})
         # the epoch's majority mark is its term's start; hears_majority is now (a node cut
         # off alone keeps serving in its term, which a majority's table outranks)
