@@ -19,6 +19,7 @@ from shardline.local_cluster import (
     node_environment,
     node_memory_limit,
     ports_in_use,
+    views_formed,
 )
 
 
@@ -127,6 +128,27 @@ def test_kept_instances_of_the_model_split_by_the_sharding_asked(sharding, asked
              {"instance_id": "a-ring", "model_id": "a", "sharding": "ring"}]
     got = kept_instances(table, "a", sharding)
     assert [[i["instance_id"] for i in part] for part in got] == [asked, other]
+
+
+def _view(me: str, live: list[str], term: int, acting: bool) -> dict:
+    """A node's ``GET /cluster/nodes`` answer, as much of it as :func:`views_formed` reads."""
+    return {"node_id": me, "coordinator": min(live), "acting": acting,
+            "epoch": {"term": term, "seq": 1, "coordinator": min(live)},
+            "nodes": [{"node_id": n, "live": True} for n in live]}
+
+
+@pytest.mark.fast
+@pytest.mark.parametrize("views, formed", [
+    ([_view("a", ["a", "b"], 2, True), _view("b", ["a", "b"], 2, False)], True),
+    # a restart's kept epoch names the node, which has not started its term yet: the
+    # 1-node bench's placement was refused ("taking over as coordinator")
+    ([_view("a", ["a"], 1, False)], False),
+    ([_view("a", ["a", "b"], 1, False), _view("b", ["a", "b"], 1, False)], False),
+    ([_view("a", ["a", "b"], 2, True), _view("b", ["b"], 2, False)], False),  # b does not hear a
+    ([_view("a", ["a", "b"], 3, True), _view("b", ["a", "b"], 2, False)], False),  # b's table is older
+])
+def test_a_cluster_is_formed_once_its_coordinator_acts(views, formed):
+    assert views_formed(views) is formed
 
 
 @pytest.mark.slow

@@ -120,6 +120,20 @@ def address_is_here(host: str) -> bool:
     return True
 
 
+def views_formed(views: list[dict]) -> bool:
+    """Whether nodes whose ``GET /cluster/nodes`` answers are ``views`` have formed a
+    cluster: each sees all of them live, they hold one epoch from the coordinator they agree
+    on, and that coordinator, where it is one of them, acts in its term (a node restarted
+    with its table on disk holds its last term's epoch, naming itself, before it has
+    settled and started a new term; placement asked of it then is refused)."""
+    live = [sum(1 for n in v["nodes"] if n["live"]) for v in views]
+    agreed = {(v["coordinator"], tuple(sorted(v["epoch"].items()))) for v in views}
+    if not (all(c == len(views) for c in live) and len(agreed) == 1
+            and views[0]["epoch"]["coordinator"] == views[0]["coordinator"]):
+        return False
+    return all(v["acting"] for v in views if v["node_id"] == v["coordinator"])
+
+
 def kept_instances(instances: list[dict], model_id: str, sharding: str) -> tuple[list[dict], list[dict]]:
     """Of a table's instances (``GET /cluster/instances``' entries), those of ``model_id``
     that serve it as asked (their sharding is ``sharding``, any for ``"auto"``), and
@@ -243,18 +257,15 @@ class LocalCluster:
         self.wait_formed(range(self.n), timeout_s)
 
     def formed(self, indices) -> bool:
-        """Whether the nodes ``indices`` each see all of them live and hold one table from
-        the coordinator they agree on (its current term's)."""
+        """Whether the nodes ``indices`` have formed a cluster (:func:`views_formed` of their
+        ``GET /cluster/nodes``)."""
         import httpx
 
         try:
             views = [self.http.get(f"{self.url(i)}/cluster/nodes", timeout=2).json() for i in indices]
         except (httpx.HTTPError, ValueError):
             return False
-        live = [sum(1 for n in v["nodes"] if n["live"]) for v in views]
-        agreed = {(v["coordinator"], tuple(sorted(v["epoch"].items()))) for v in views}
-        return (all(c == len(views) for c in live) and len(agreed) == 1
-                and views[0]["epoch"]["coordinator"] == views[0]["coordinator"])
+        return views_formed(views)
 
     def wait_formed(self, indices, timeout_s: float = 60.0) -> None:
         """Wait until :meth:`formed`.

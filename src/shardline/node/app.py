@@ -195,6 +195,7 @@ def create_app(node: Node, guard: GuardConfig, max_body_bytes: int = DEFAULT_MAX
         # off alone keeps serving in its term, which a majority's table outranks)
         return {"coordinator": node.coordinator_id(), "epoch": node.epoch.to_dict(),
                 "hears_majority": node.hears_majority(),
+                "node_id": node.node_id, "acting": node.is_coordinator(),
                 "nodes": sorted(out, key=lambda n: n["node_id"])}  # one order from every node
 
     async def instance_view(inst, served: dict) -> dict:
