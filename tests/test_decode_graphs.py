@@ -80,6 +80,40 @@ def test_the_fixed_shape_step_matches_the_eager_decode(model_dir, dtype, toleran
             assert float((k.float() - eager_k.float()).abs().max()) <= tolerance * float(eager_k.float().abs().max())
 
 
+class _Uncaptured:
+    """A stand-in for a shard's :class:`DecodeGraphs` on the CPU: each step runs what a
+    graph would capture (:func:`padded_decode`) without capturing it."""
+
+    def __init__(self, shard):
+        self.shard, self.head = shard, decode_graphs.captures_head(shard)
+
+    def run(self, inputs, rows, cache):
+        meta = torch.tensor([[slot for slot, _ in rows], [length for _, length in rows]])
+        span = key_span(max(length for _, length in rows), cache.k[0].shape[2])
+        return padded_decode(self.shard, inputs, meta, span, cache, self.head)
+
+
+@pytest.mark.parametrize("dtype, tolerance", [(torch.float32, 1e-5), (torch.bfloat16, 3e-2)])
+def test_a_step_the_graphs_take_whole_gives_the_eager_logits(model_dir, dtype, tolerance):
+    """On the last shard the captured step ends in the final norm and LM head (its float32
+    refinement included): the batch it is given is built without device tensors, and
+    the logits agree with the eager step's to rounding, the same top token in each row."""
+    lengths = [5, 40, 17]
+    slots, positions = [2, 0, 1], [lengths[2], lengths[0], lengths[1]]
+    (shard,) = _shards(model_dir, dtype, [(0, LAYERS)])
+    assert decode_graphs.captures_head(shard)
+    eager_cache, graph_cache = _prefilled([shard], lengths)[0], _prefilled([shard], lengths)[0]
+    inputs = torch.tensor([11, 12, 13])
+    eager = shard(inputs, shard.decode_batch(slots, positions), eager_cache)
+    shard.graphs = _Uncaptured(shard)
+    batch = shard.decode_batch(slots, positions)
+    assert batch.graphed and batch.cos.numel() == 0 and batch.rows == [(2, 18), (0, 6), (1, 41)]
+    graphed = shard(inputs, batch, graph_cache)
+    assert graphed.dtype == torch.float32 and graphed.shape == eager.shape
+    assert float((graphed - eager).abs().max() / eager.std()) < tolerance
+    assert torch.equal(graphed.argmax(-1), eager.argmax(-1))
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a CUDA GPU")
 def test_captured_steps_match_the_eager_step_on_cuda(model_dir):
     """Graphs captured for two row counts and replayed over several steps give the eager

@@ -9,7 +9,11 @@ Guide; ``torch.cuda.CUDAGraph``), the way vLLM and gpt-fast run decode.
 
 A graph replays fixed shapes and addresses, so the captured step (:func:`padded_decode`)
 reads its varying parts from static input tensors: the rows' token ids (or hidden
-states), slots and lengths, copied in before each replay. Each row attends the first
+states), slots and lengths, copied in before each replay. On the last shard the graph
+also holds the final norm and the LM head with its float32 refinement
+(:func:`captures_head`): the step's logits come out of the replay, and the step's
+:class:`~shardline.models.llama.ForwardBatch` is built on the host (it carries only the
+rows). Each row attends the first
 ``span`` positions of its slot, those past its length masked (:func:`key_span` buckets
 the longest row's length to a power of two, so a graph serves many steps); a graph is
 captured per (rows, span) when first needed. The eager decode attends exactly each row's
@@ -59,10 +63,19 @@ def refusal(shard: DecoderShard) -> str | None:
     return None
 
 
+def captures_head(shard: DecoderShard) -> bool:
+    """Whether a captured step of ``shard`` includes its final norm and LM head (logits
+    out): the shard has them and its LM head is one weight part (the float32 refinement
+    of a head of several parts picks each id's part with shapes that depend on the ids,
+    which a graph cannot replay)."""
+    return shard.norm is not None and shard.lm_head is not None and len(shard.lm_head.parts) == 1
+
+
 def padded_decode(shard: DecoderShard, inputs: torch.Tensor, rows: torch.Tensor, span: int,
-                  cache: KVCache) -> torch.Tensor:
-    """One decode step through ``shard``'s embedding (if it has one) and layers, with
-    shapes that depend only on the row count and ``span``: what a graph captures.
+                  cache: KVCache, head: bool = False) -> torch.Tensor:
+    """One decode step through ``shard``'s embedding (if it has one) and layers, and with
+    ``head`` its final norm and LM head, with shapes that depend only on the row count and
+    ``span``: what a graph captures.
 
     Args:
         inputs: int64 token ids ``[N]`` (first shard) or hidden states ``[N, hidden]``.
@@ -71,9 +84,11 @@ def padded_decode(shard: DecoderShard, inputs: torch.Tensor, rows: torch.Tensor,
         span: keys each row attends (:func:`key_span`); positions at or past a row's
             length are masked.
         cache: the shard's KV cache; the new tokens' keys and values are written to it.
+        head: also the final norm and LM head (:func:`captures_head` must hold).
 
     Returns:
-        Hidden states after the last layer, ``[N, hidden]`` in the compute dtype.
+        Hidden states after the last layer, ``[N, hidden]`` in the compute dtype, or with
+        ``head`` float32 logits ``[N, vocab]`` (as :meth:`DecoderShard.logits`).
     """
     from shardline.models.llama import ForwardBatch
 
@@ -88,6 +103,9 @@ def padded_decode(shard: DecoderShard, inputs: torch.Tensor, rows: torch.Tensor,
     h = shard.embed(inputs) if shard.embed is not None else inputs
     for i, layer in enumerate(shard.layers):
         h = layer(h, batch, cache.k[i], cache.v[i])
+    if head:
+        assert shard.norm is not None
+        return shard.logits(shard.norm(h))
     return h
 
 
@@ -107,6 +125,8 @@ class DecodeGraphs:
 
     def __init__(self, shard: DecoderShard) -> None:
         self.shard = shard
+        self.head = captures_head(shard)
+        """Whether the graphs' steps end in logits (the shard's final norm and LM head)."""
         self._graphs: dict[tuple[int, int], _Captured] = {}
         self._cache: KVCache | None = None
         self._pool: _POOL_HANDLE | None = None
@@ -117,7 +137,8 @@ class DecodeGraphs:
     def run(self, inputs: torch.Tensor, rows: list[tuple[int, int]], cache: KVCache) -> torch.Tensor:
         """The decode step of ``rows`` (``(slot, length)`` each, as
         ``ForwardBatch.rows``) for ``inputs`` (see :func:`padded_decode`): hidden states
-        ``[N, hidden]``, a tensor of the caller's own."""
+        ``[N, hidden]``, or float32 logits ``[N, vocab]`` where :attr:`head`, a tensor of
+        the caller's own."""
         if cache is not self._cache:
             self._graphs.clear()
             self._cache = cache
@@ -144,14 +165,14 @@ class DecodeGraphs:
         side = torch.cuda.Stream(device)
         side.wait_stream(torch.cuda.current_stream(device))
         with torch.cuda.stream(side):
-            padded_decode(self.shard, inputs, rows, span, cache)
+            padded_decode(self.shard, inputs, rows, span, cache, self.head)
         torch.cuda.current_stream(device).wait_stream(side)
         if self._pool is None:
             self._pool = torch.cuda.graph_pool_handle()
         graph = torch.cuda.CUDAGraph()
         # thread_local: the runner's other threads (its inbox) may use the CUDA API meanwhile
         with torch.cuda.graph(graph, pool=self._pool, capture_error_mode="thread_local"):
-            out = padded_decode(self.shard, inputs, rows, span, cache)
+            out = padded_decode(self.shard, inputs, rows, span, cache, self.head)
         graph.replay()
         return _Captured(graph, inputs, rows, out)
 

@@ -343,14 +343,17 @@ class Linear(nn.Module):
                 isinstance(p, Int4Planes) and not p.rows_readable() for p in self.parts):
             return y
         ids = top_ids(y, REFINED_LOGITS)  # [rows, k]
-        weight = torch.empty(ids.numel(), self.in_features, device=y.device)
         flat, start = ids.reshape(-1), 0
-        for part in self.parts:  # each id's row from the part that holds it
-            end = start + part.shape[0]
-            mine = ((flat >= start) & (flat < end)).nonzero().flatten()
-            if len(mine):
-                weight[mine] = part.embed(flat[mine] - start, torch.float32)
-            start = end
+        if len(self.parts) == 1:  # no shape that depends on the ids: a CUDA graph captures it
+            weight = self.parts[0].embed(flat, torch.float32)
+        else:
+            weight = torch.empty(ids.numel(), self.in_features, device=y.device)
+            for part in self.parts:  # each id's row from the part that holds it
+                end = start + part.shape[0]
+                mine = ((flat >= start) & (flat < end)).nonzero().flatten()
+                if len(mine):
+                    weight[mine] = part.embed(flat[mine] - start, torch.float32)
+                start = end
         rows = weight.view(*ids.shape, -1)
         xf = x.float()
         exact = torch.stack([torch.mv(rows[r], xf[r]) for r in range(len(xf))])

@@ -77,6 +77,9 @@ class ForwardBatch:
             first ``key_span`` positions of its slot where bool ``key_mask``
             ``[N, key_span]`` is True; 0 and None otherwise (each row attends exactly its
             ``rows`` prefix).
+        graphed: a decode step the shard's CUDA graphs take whole
+            (:meth:`DecoderShard.decode_batch`): only ``rows`` and ``kv_len`` are set, the
+            tensors are empty.
     """
 
     prefill: bool
@@ -94,6 +97,7 @@ class ForwardBatch:
     hidden_out: bool = False
     key_span: int = 0
     key_mask: torch.Tensor | None = None
+    graphed: bool = False
 
 
 class RMSNorm(nn.Module):
@@ -408,8 +412,19 @@ class DecoderShard(nn.Module):
         )
 
     def decode_batch(self, slots: list[int], positions: list[int]) -> ForwardBatch:
-        """Describe a decode step: one token at ``positions[i]`` for the sequence in ``slots[i]``."""
+        """Describe a decode step: one token at ``positions[i]`` for the sequence in ``slots[i]``.
+
+        A step the decode graphs take whole (up to the logits, or on a shard without a
+        head) is ``graphed``: it carries only ``rows`` (the graph computes the rest from
+        them), so building it launches nothing on the GPU."""
         device = self.device
+        rows = [(slot, p + 1) for slot, p in zip(slots, positions)]
+        if self.graphs is not None and len(slots) <= GRAPH_MAX_ROWS and (
+                self.graphs.head or self.lm_head is None):
+            empty = torch.empty(0)
+            return ForwardBatch(prefill=False, slot=-1, start=0, slots=empty, positions=empty,
+                                cos=empty, sin=empty, attn_mask=None, kv_len=max(positions) + 1,
+                                rows=rows, logit_rows=empty, graphed=True)
         pos = torch.tensor(positions, dtype=torch.long, device=device)
         cos, sin = self.rope(pos)
         return ForwardBatch(
@@ -422,7 +437,7 @@ class DecoderShard(nn.Module):
             sin=sin,
             attn_mask=None,
             kv_len=max(positions) + 1,
-            rows=[(slot, p + 1) for slot, p in zip(slots, positions)],
+            rows=rows,
             logit_rows=torch.arange(len(positions), device=device),
         )
 
@@ -436,8 +451,12 @@ class DecoderShard(nn.Module):
 
     @torch.inference_mode()
     def forward(self, inputs: torch.Tensor, batch: ForwardBatch, cache: KVCache) -> torch.Tensor:
-        if self.graphs is not None and not batch.prefill and len(batch.rows) <= GRAPH_MAX_ROWS:
+        if batch.graphed or (self.graphs is not None and not batch.prefill
+                             and len(batch.rows) <= GRAPH_MAX_ROWS):
+            assert self.graphs is not None
             h = self.graphs.run(inputs, batch.rows, cache)  # embedding and layers
+            if self.graphs.head:
+                return h  # and the final norm and LM head: logits
         elif self.fused is not None and batch.ring is None and len(inputs) <= (
                 FUSED_PREFILL_MAX_ROWS if batch.prefill else KERNEL_MAX_ROWS):
             h = self.fused(self.embed(inputs) if self.embed is not None else inputs, batch, cache)
