@@ -174,6 +174,24 @@ def test_every_sharding_pays_the_layer_cost(sharding):
     assert costly[0].feasible and costly[0].model_decode_tokens_per_s < plain[0].model_decode_tokens_per_s
 
 
+@pytest.mark.parametrize("sharding", ["pipeline", "tensor", "ring"])
+def test_the_step_beside_the_layers_costs_the_host_cpu_layers(sharding):
+    """A GPU node's layer cost is its replayed graph's; the sampler, the engine loop and the
+    token's way to the node run on its CPU: STEP_LAYERS of the host's layer cost, not of
+    the device's (a CPU node gives the same figure for both)."""
+    from dataclasses import replace
+
+    config = _smollm2()
+    gpus = [_node("a", o=6e-5), _node("b", o=6e-5)]
+    base, = preview(config, gpus, {}, 2048, 4, shardings=(sharding,), min_nodes=2)
+    hosted, = preview(config, [replace(g, host_layer_s=2e-4) for g in gpus], {}, 2048, 4,
+                      shardings=(sharding,), min_nodes=2)
+    assert (1 / hosted.model_decode_tokens_per_s - 1 / base.model_decode_tokens_per_s
+            == pytest.approx(STEP_LAYERS * (2e-4 - 6e-5)))
+    # prefill's chunks pay the device's layers
+    assert hosted.predicted_prefill_tokens_per_s == pytest.approx(base.predicted_prefill_tokens_per_s)
+
+
 def test_preview_ranks_by_measured_speed():
     """The model prefers one node to a pipeline over two (no link to pay); once both
     served, what they measured decides, and the model's figures stay beside it."""

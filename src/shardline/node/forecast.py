@@ -51,7 +51,8 @@ class Forecast:
                                         profile.get("decode_weight_bytes_per_s") or 0.0,
                                         profile.get("host_id") or "",
                                         profile.get("cpu_count") or 0,
-                                        profile.get("threads") or 0))
+                                        profile.get("threads") or 0,
+                                        profile.get("host_layer_s") or 0.0))
             for other, link in measured.items():
                 links[(node_id, other)] = Link(link["latency_s"], link["bandwidth_bytes_per_s"])
         return profiles, links

@@ -27,7 +27,12 @@ from dataclasses import dataclass
 
 import psutil
 
-from shardline.node.profile_decode import cuda_decode_layer_s, decode_weight_rate, runner_runtime
+from shardline.node.profile_decode import (
+    cuda_decode_layer_s,
+    cuda_decode_weight_rate,
+    decode_weight_rate,
+    runner_runtime,
+)
 from shardline.process_memory import memory_now, release_free_memory
 
 DEVICE_RE = re.compile(r"^(auto|cpu|mps|cuda(:\d+)?)$")
@@ -43,7 +48,7 @@ _MATMUL_N_GPU = 4096
 _COPY_BYTES = 256 * 2**20
 
 
-PROFILE_FORMAT = 10
+PROFILE_FORMAT = 11
 """What a :class:`HostProfile` measures and how; a node measures again rather than use a
 cached profile of another format (2: the runtime baseline runs a tiny model; 3: and
 counts private memory only; 4: rates are medians of several samples, taken with the
@@ -52,7 +57,9 @@ measured; 5: ``decode_layer_s`` from a 16-layer probe, the runners' decode path;
 runtime baseline without the probe's freed heap; 7: the decode figures from the least
 time of their calls; 8: the decode product rounds its inputs to int8, which changed its
 rate; 9: that rate timed over 64 MB of weights, read from memory as a model's are; 10:
-``decode_layer_s`` measured on CUDA too, the probe replayed from CUDA graphs)."""
+``decode_layer_s`` measured on CUDA too, the probe replayed from CUDA graphs; 11:
+``host_layer_s``, the CPU probe's figure, on a GPU node too, and on CUDA
+``decode_weight_bytes_per_s``, dense one-row products replayed from a graph)."""
 
 
 @dataclass
@@ -98,13 +105,20 @@ class HostProfile:
             runs there in dense bfloat16, its steps replayed from CUDA graphs
             (:func:`~shardline.node.profile_decode.cuda_decode_layer_s`); 0: unmeasured
             (MPS).
+        host_layer_s: the same probe's per-layer figure on the CPU, seconds, measured on
+            every node (on a CPU node it is ``decode_layer_s``): the CPU's speed at a
+            decode step's small work, with which the step's work on the host beside the
+            device's layers (the sampler, the engine loop, the token's way to the node)
+            scales; 0: unmeasured.
         decode_weight_bytes_per_s: resident weight bytes/s the runner's weight-only
             product reads for one row (a decode step's products): a [2048, 2048] int4
             weight in its resident form (:func:`~shardline.models.linear.resident_weight`)
             times a bfloat16 row, the least time of its timed calls, on the CPU. Decode reads its
             weights at the lower of this and ``memory_bandwidth_bytes_per_s`` (the kernel
-            unpacks int4 at a rate of its own). Measured for a CPU device only (0:
-            unmeasured, or a GPU).
+            unpacks int4 at a rate of its own). On CUDA: dense bfloat16 weights, 512 MiB a
+            pass, replayed from a graph
+            (:func:`~shardline.node.profile_decode.cuda_decode_weight_rate`). 0:
+            unmeasured (MPS).
         threads: torch intra-op threads the measurement ran with (a runner's
             ``--runner-threads``; 0: torch's default).
         host_id: the machine (:func:`host_id`): nodes with the same id share its CPUs,
@@ -128,6 +142,7 @@ class HostProfile:
     memory_bandwidth_bytes_per_s: float = 0.0
     runtime_baseline_bytes: int = 0
     decode_layer_s: float = 0.0
+    host_layer_s: float = 0.0
     decode_weight_bytes_per_s: float = 0.0
     threads: int = 0
     host_id: str = ""
@@ -386,6 +401,7 @@ def _measure(device: str, seconds: float, threads: int = 0, samples: int = 1) ->
     layer_s = runner_runtime()  # on the CPU: a figure for CPU runners only
     release_free_memory()  # the probe model's freed heap: a runner trims its own after loading
     result["runtime_baseline_bytes"] = memory_now()[0]
+    result["host_layer_s"] = layer_s
     if dev.type == "cpu":
         result["decode_layer_s"] = layer_s
         result["decode_weight_bytes_per_s"] = decode_weight_rate(samples)  # after: not a runner's
@@ -401,6 +417,7 @@ def _measure(device: str, seconds: float, threads: int = 0, samples: int = 1) ->
         result["accelerator"] = f"cuda:{dev.index} {torch.cuda.get_device_name(dev)}"
         result["accelerator_total_bytes"], result["accelerator_free_bytes"] = int(total), int(free)
         result["decode_layer_s"] = cuda_decode_layer_s(dev)  # after: its graphs take memory
+        result["decode_weight_bytes_per_s"] = cuda_decode_weight_rate(dev)
 
         def sync() -> None:
             torch.cuda.synchronize(dev)

@@ -1,12 +1,13 @@
 """What a runner's decode step costs on this machine, timed in the profile child
 (``python -m shardline.node.profile``; torch is imported inside each function, never by
 the node): :func:`runner_runtime` (a tiny model's decode step per layer),
-:func:`cuda_decode_layer_s` (the same on a CUDA GPU) and :func:`decode_weight_rate` (the
-int4 one-row product's weight-read rate).
+:func:`cuda_decode_layer_s` (the same on a CUDA GPU), :func:`decode_weight_rate` (the
+int4 one-row product's weight-read rate) and :func:`cuda_decode_weight_rate` (the dense
+one-row product's on a CUDA GPU).
 
 Units: seconds, bytes/s.
 
-Both keep the least time of their timed calls, not the median: other work on the machine
+Each keeps the least time of its timed calls, not the median: other work on the machine
 only adds to a call's time, and a node measures as it starts, beside its pre-started
 runner importing torch and other local nodes starting (the median then took the int4
 product's rate at 6.2 GB/s where it runs at 9.7, and the preview predicted 35% under the
@@ -170,4 +171,60 @@ def decode_weight_rate(samples: int) -> float:
     return sum(each.nbytes() for each in linears) / min(times)
 
 
-__all__ = ["cuda_decode_layer_s", "decode_weight_rate", "runner_runtime"]
+CUDA_WEIGHT_SHAPE = (4096, 4096)
+"""The dense bfloat16 weight a CUDA one-row product is timed on (32 MiB: a 7-8B model's
+attention output projection; a 1B model's products are 8-64 MiB)."""
+
+CUDA_PROBE_BYTES = 512 << 20
+"""Bytes of weights the CUDA one-row products read a pass: well past the device's L2
+cache (an H200's is 60 MiB), as a model's decode step reads its weights from HBM."""
+
+
+def cuda_decode_weight_rate(device) -> float:
+    """``HostProfile.decode_weight_bytes_per_s`` on a CUDA ``device`` (a ``torch.device``):
+    weight bytes / least seconds of a pass of one-row products (bfloat16, one
+    :data:`CUDA_WEIGHT_SHAPE` weight after another, :data:`CUDA_PROBE_BYTES` in all),
+    replayed from a CUDA graph as a runner's decode products are. A matrix-vector product
+    reads its weight below the copy bandwidth (an H200: the Llama-3.1-8B shape's decode
+    step read 57% of it), which the preview's bandwidth alone missed."""
+    import torch  # noqa: PLC0415
+
+    from shardline.models.linear import Linear, resident_weight  # noqa: PLC0415
+
+    rows, cols = CUDA_WEIGHT_SHAPE
+    values = torch.randn(rows, cols, generator=torch.Generator().manual_seed(1)) * 0.05
+    linears = []
+    for _ in range(max(CUDA_PROBE_BYTES // (rows * cols * 2), 1)):
+        linear = Linear(cols, rows)
+        linear.set_parts([resident_weight(values, torch.bfloat16, device)])
+        linears.append(linear)
+    row = torch.randn(1, cols).to(torch.bfloat16).to(device)
+
+    def products() -> None:
+        for each in linears:
+            each(row)
+
+    with torch.inference_mode():
+        side = torch.cuda.Stream(device)
+        side.wait_stream(torch.cuda.current_stream(device))
+        with torch.cuda.stream(side):
+            products()  # CUDA's lazy initialisations, outside the capture
+        torch.cuda.current_stream(device).wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            products()
+        times = []
+        for _ in range(DECODE_STEPS + 1):
+            torch.cuda.synchronize(device)
+            start = time.perf_counter()
+            graph.replay()
+            torch.cuda.synchronize(device)
+            times.append(time.perf_counter() - start)
+    read = sum(each.nbytes() for each in linears)
+    del graph
+    linears.clear()
+    torch.cuda.empty_cache()  # the probe's 512 MiB back to the device before runners load
+    return read / min(times[1:])
+
+
+__all__ = ["cuda_decode_layer_s", "cuda_decode_weight_rate", "decode_weight_rate", "runner_runtime"]

@@ -34,12 +34,15 @@ Fitted with torch.profiler on a 2-vCPU VM (SmolLM2-135M, one thread: 0.26 s of a
 512-token chunk's 0.44 s of CPU time outside the products, ~8 ns an element at ~8 GB/s)."""
 
 STEP_LAYERS = 3.0
-"""What a decode step costs beyond its layers on the rank that samples, in layers' fixed
-cost (``NodeProfile.decode_layer_s``): the embedding lookup, the final norm, the LM head's
-call and its float32 refinement (a top-k: ~0.4 ms a step on a 2-vCPU VM), the sampler, the
-engine loop and the token's way to the node. An estimate from torch.profiler's count of
-those ops, not a fit (the served speeds correct what it misses:
-:mod:`shardline.placement.served`)."""
+"""What a decode step costs beyond its layers on the rank that samples, in a layer's fixed
+cost on the host's CPU (``NodeProfile.host_layer_s``, else ``decode_layer_s``): the
+embedding lookup, the final norm, the LM head's call and its float32 refinement (a top-k:
+~0.4 ms a step on a 2-vCPU VM), the sampler, the engine loop and the token's way to the
+node. An estimate from torch.profiler's count of those ops, not a fit (the served speeds
+correct what it misses: :mod:`shardline.placement.served`). On a GPU the lookup, norm
+and head run in the step's CUDA graph and the rest runs on the host, so the step's cost
+beside its layers scales with the host CPU's layer cost, not with the GPU's replayed one
+(on the H200 machine the two were alike: 0.05-0.07 ms)."""
 
 
 @dataclass(frozen=True)
@@ -64,6 +67,9 @@ class NodeProfile:
         cpu_count: the CPUs the node may run on (0: unknown).
         threads: the threads a runner of the node computes with, which its rates were
             measured with (0: torch's default, every CPU).
+        host_layer_s: the CPU's fixed cost of a decode layer (``HostProfile.host_layer_s``:
+            on a CPU node ``decode_layer_s``; on a GPU node the host's, which the step's
+            work on the host scales with); 0: unknown, ``decode_layer_s`` counts.
     """
 
     node_id: str
@@ -75,6 +81,13 @@ class NodeProfile:
     host_id: str = ""
     cpu_count: int = 0
     threads: int = 0
+    host_layer_s: float = 0.0
+
+    @property
+    def step_host_s(self) -> float:
+        """Seconds a decode step costs the sampling rank beside its layers
+        (:data:`STEP_LAYERS` of the host's layer cost)."""
+        return STEP_LAYERS * (self.host_layer_s or self.decode_layer_s)
 
     @property
     def weight_read_bytes_per_s(self) -> float:
@@ -234,7 +247,8 @@ def predict_tokens_per_s(
     local cluster of 3 one-thread nodes on 2 CPUs: 1.5). A one-sequence pipeline decode
     runs its stages one after another and pays none.
 
-    plus ``STEP_LAYERS * o_r`` on the rank that samples. A small model's decode on a CPU is
+    plus ``STEP_LAYERS * h_r`` on the rank that samples (``h_r`` its ``host_layer_s``,
+    else ``o_r``). A small model's decode on a CPU is
     bound by its per-layer small ops (norms, rotary, attention's reshapes, residuals: ~60
     torch calls a layer) and by the int4 kernel's unpacking, not by memory bandwidth. On
     the 2-vCPU VM this was checked on (SmolLM2-135M int4, one runner thread, the machine
@@ -245,7 +259,7 @@ def predict_tokens_per_s(
 
     pipeline (the last rank samples and broadcasts the token id)::
 
-        decode s/token  = sum_r T_r + STEP_LAYERS * o_last
+        decode s/token  = sum_r T_r + STEP_LAYERS * h_last
                           + sum_hops (lat + d*e / bw) + lat(last -> others)
         H_r  = d*e / bw + lat / C     (the hop after stage r, a token's share)
         prefill s/token = (sum_r (Q_r + H_r) + (k - 1) * max_r max(s_r * Q_r, H_r)) / k
@@ -259,14 +273,14 @@ def predict_tokens_per_s(
     algorithms for clusters of workstations", JPDC 2009)::
 
         allreduce(n) = 2*(P-1)/P * n*d*4 / bw_min + 2*(P-1) * lat_max    (n tokens)
-        decode s/token  = max_r s_r * T_r + STEP_LAYERS * o_0 + 2*L * allreduce(1) + lat_max
+        decode s/token  = max_r s_r * T_r + STEP_LAYERS * h_0 + 2*L * allreduce(1) + lat_max
         prefill s/token = max_r s_r * Q_r + 2*L * allreduce(C) / C
                           (Q_r with r's heads and columns: A = d + r's columns)
           (the heads and columns split by shape, not by speed: the slowest rank bounds)
 
     ring (every rank holds the whole model and decodes it; rank 0 samples)::
 
-        decode s/token  = max_r s_r * T_r + STEP_LAYERS * o_0 + lat_max   (the whole model)
+        decode s/token  = max_r s_r * T_r + STEP_LAYERS * h_0 + lat_max   (the whole model)
         prefill s/token = max_r s_r * Q_r / P   (an even zig-zag split; Q_r of the whole
                                                  model, its fixed cost not divided)
                           + (P-1)/P * kv_bytes_per_token / bw_min   (k/v blocks round the ring)
@@ -302,8 +316,8 @@ def predict_tokens_per_s(
             layers = share.num_layers
             linear = layers * _linear_per_layer(config)
             weights = decode_weight_bytes * (linear + (head if rank == P - 1 else 0))
-            decode += _step_s(node, weights, kv_token * layers / L * avg_tokens,
-                              layers + (STEP_LAYERS if rank == P - 1 else 0.0))
+            decode += (_step_s(node, weights, kv_token * layers / L * avg_tokens, layers)
+                       + (node.step_host_s if rank == P - 1 else 0.0))
             stage = _prefill_s(node, 2 * linear + layers * attention, layers, layers * act)
             slowest = max(slowest, shared[rank] * stage)
             through += stage
@@ -331,7 +345,7 @@ def predict_tokens_per_s(
             heads_attention = attention_flops(ts.num_heads * config.head_dim, prompt_tokens)
             prefill = max(prefill, shared[rank] * _prefill_s(
                 node, 2 * linear + L * heads_attention, L, L * (d + ts.num_columns)))
-        decode += STEP_LAYERS * nodes[0].decode_layer_s
+        decode += nodes[0].step_host_s
         if P > 1:
             def allreduce(tokens: int) -> float:
                 return 2 * (P - 1) / P * tokens * d * 4 / bw_min + 2 * (P - 1) * lat_max
@@ -344,7 +358,7 @@ def predict_tokens_per_s(
         weights = decode_weight_bytes * (linear + head)
         decode = max(f * _step_s(n, weights, kv_token * avg_tokens, L)
                      for n, f in zip(nodes, shared))
-        decode += STEP_LAYERS * nodes[0].decode_layer_s + bcast
+        decode += nodes[0].step_host_s + bcast
         prefill = max(f * _prefill_s(n, (2 * linear + L * attention) / P, L, L * act / P)
                       for n, f in zip(nodes, shared))
         if P > 1:

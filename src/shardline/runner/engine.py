@@ -270,7 +270,9 @@ class Engine:
         ``tokens`` (the sampling rank's; the others pass as many zeros), and all-gather:
         returns the agreement and the sampling rank's tokens."""
         proposal = encode_proposal(list(self.held), list(self.pending_cancels), AGREE_K, tokens)
-        gathered = self.stage.gather(proposal.to(self.comm_device))
+        if self.stage.world_size > 1:  # alone, it stays where it is (no trip to a GPU and back)
+            proposal = proposal.to(self.comm_device)
+        gathered = self.stage.gather(proposal)
         return decide(gathered, AGREE_K), sampled_tokens(gathered, self.stage.sampler, AGREE_K)
 
     def apply_agreement(self, agreement: Agreement) -> None:
