@@ -8,7 +8,7 @@ import tiny_models as tm
 import torch
 
 from shardline.models import decode_graphs
-from shardline.models.decode_graphs import DecodeGraphs, key_span, padded_decode
+from shardline.models.decode_graphs import DecodeGraphs, key_span, key_spans, padded_decode
 from shardline.models.kv_cache import KVCache
 from shardline.models.shard_loader import load_shard
 from shardline.models.weights import open_weights
@@ -23,6 +23,14 @@ LAYERS = 3
     (4096, 4096, 4096), (300, 320, 320), (5000, 8192, 8192)])
 def test_key_span_is_the_least_power_of_two_bucket_that_holds_the_longest_row(longest, positions, span):
     assert key_span(longest, positions) == span
+
+
+@pytest.mark.parametrize("positions, spans", [
+    (96, [96]), (256, [256]), (257, [256, 257]), (4096, [256, 512, 1024, 2048, 4096]),
+    (3000, [256, 512, 1024, 2048, 3000])])
+def test_key_spans_are_every_span_a_cache_gives(positions, spans):
+    assert key_spans(positions) == spans
+    assert {key_span(n, positions) for n in range(1, positions + 1)} == set(spans)
 
 
 @pytest.fixture(scope="module", params=["llama", "qwen3"])
@@ -134,3 +142,6 @@ def test_captured_steps_match_the_eager_step_on_cuda(model_dir):
     assert len(graphs) == 2
     for captured, plain in zip(*eager):
         assert torch.allclose(captured, plain, atol=1e-4, rtol=1e-4)
+    # warmed before the first request: every (rows, span) a 3-slot, 96-position cache gives
+    cache = KVCache(shard.config, LAYERS, 3, 96, torch.float32, "cuda")
+    assert graphs.warm(cache, 3) == 3 and len(graphs) == 3

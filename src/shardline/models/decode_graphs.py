@@ -63,6 +63,15 @@ def refusal(shard: DecoderShard) -> str | None:
     return None
 
 
+def key_spans(positions: int) -> list[int]:
+    """Every key span a cache of ``positions`` positions a slot gives (:func:`key_span`'s
+    values), shortest first."""
+    spans = [key_span(1, positions)]
+    while spans[-1] < positions:
+        spans.append(key_span(spans[-1] + 1, positions))
+    return spans
+
+
 def captures_head(shard: DecoderShard) -> bool:
     """Whether a captured step of ``shard`` includes its final norm and LM head (logits
     out): the shard has them and its LM head is one weight part (the float32 refinement
@@ -153,6 +162,24 @@ class DecodeGraphs:
             captured.inputs.copy_(inputs)
             captured.graph.replay()
         return captured.out.clone()
+
+    def warm(self, cache: KVCache, rows: int) -> int:
+        """Capture the steps of 1 to ``rows`` rows (at most :data:`GRAPH_MAX_ROWS`) at
+        every key span of ``cache`` (:func:`key_spans`) now, before any request: each
+        capture runs the step twice and builds a graph, which the first steps of each new
+        batch shape paid for while they served. Writes keys and values at position 0 of
+        slot 0, which a sequence's prefill writes before any step reads it. Returns the
+        graphs captured."""
+        self._graphs.clear()
+        self._cache = cache
+        device, hidden = self.shard.device, self.shard.config.hidden_size
+        for n in range(1, min(rows, GRAPH_MAX_ROWS) + 1):
+            inputs = (torch.zeros(n, dtype=torch.long) if self.shard.embed is not None
+                      else torch.zeros(n, hidden, dtype=self.shard.dtype, device=device))
+            meta = torch.tensor([[0] * n, [1] * n], dtype=torch.long)
+            for span in key_spans(cache.k[0].shape[2]):
+                self._graphs[(n, span)] = self._capture(inputs, meta, span, cache)
+        return len(self._graphs)
 
     def _capture(self, inputs: torch.Tensor, meta: torch.Tensor, span: int,
                  cache: KVCache) -> _Captured:
