@@ -98,6 +98,7 @@ def test_streaming_chunks_follow_openai_format(cluster3):
     finishes = [c["choices"][0]["finish_reason"] for c in chunks if c["choices"]]
     assert finishes[-1] == "length" and all(f is None for f in finishes[:-1])
     assert chunks[-1]["choices"] == [] and chunks[-1]["usage"]["completion_tokens"] == 10
+    assert all("usage" in c and c["usage"] is None for c in chunks[:-1])  # OpenAI's: null before
     text = "".join(c["choices"][0]["delta"].get("content", "") for c in chunks if c["choices"])
     plain = chat(cluster3.url(0), "Count from 1 to 20.", max_tokens=10).json()
     assert text == plain["choices"][0]["message"]["content"]

@@ -47,6 +47,7 @@ def test_streamed_text_equals_the_whole_answer(cluster3):
     finishes = [c["choices"][0]["finish_reason"] for c in chunks if c["choices"]]
     assert finishes[-1] == "length" and all(f is None for f in finishes[:-1])
     assert chunks[-1]["usage"]["completion_tokens"] == 8
+    assert all("usage" in c and c["usage"] is None for c in chunks[:-1])
 
 
 def test_token_id_prompts_are_taken_as_they_are(cluster3):

@@ -71,6 +71,12 @@ def test_every_answer_carries_a_request_id(app):
     ("DELETE", "/cluster/instances/abc", None, 503, None),  # not started: no coordinator yet
     ("POST", "/cluster/instances", {"model": "./nowhere/x.gguf"}, 400, "model"),
     ("POST", "/cluster/instances", {"context": 0}, 400, "context"),
+    # trial 9: an unknown key was ignored (a mistyped "nodez" placed on every node) and
+    # values of another type were coerced
+    ("POST", "/cluster/instances", {"model": "m", "nodez": ["x"]}, 400, "nodez"),
+    ("POST", "/cluster/instances", {"model": "m", "force": "yes"}, 400, "force"),
+    ("POST", "/cluster/instances", {"model": "m", "context": "2048"}, 400, "context"),
+    ("POST", "/cluster/placements/preview", {"bogus": 1}, 400, "bogus"),
     ("GET", "/cluster/boom", None, 500, None),
     ("GET", "/no-such-path", None, 404, None),
 ])

@@ -134,13 +134,18 @@ def views_formed(views: list[dict]) -> bool:
     return all(v["acting"] for v in views if v["node_id"] == v["coordinator"])
 
 
-def kept_instances(instances: list[dict], model_id: str, sharding: str) -> tuple[list[dict], list[dict]]:
+def kept_instances(instances: list[dict], model_id: str, sharding: str,
+                   nodes: int) -> tuple[list[dict], list[dict]]:
     """Of a table's instances (``GET /cluster/instances``' entries), those of ``model_id``
-    that serve it as asked (their sharding is ``sharding``, any for ``"auto"``), and
-    those of ``model_id`` with another sharding (a run before asked for it: the one
-    asked now replaces them). Instances of other models are in neither."""
+    that serve it as asked of a cluster of ``nodes`` nodes (any for ``"auto"``; for a
+    sharding named, that sharding on every node, as :meth:`LocalCluster.place` puts
+    it), and the other instances of ``model_id`` (placed otherwise: by a run that asked
+    for another sharding, or again on fewer nodes by Ollama's load on demand after a
+    ``keep_alive: 0``; the one asked now replaces them). Instances of other models are
+    in neither."""
     mine = [i for i in instances if i["model_id"] == model_id]
-    asked = [i for i in mine if sharding in ("auto", i["sharding"])]
+    asked = [i for i in mine if sharding == "auto"
+             or (i["sharding"] == sharding and len(i["ranks"]) == nodes)]
     return asked, [i for i in mine if i not in asked]
 
 
@@ -347,11 +352,12 @@ class LocalCluster:
         replaced_by = time.time() + KEPT_REPLACE_S
         while time.time() < deadline:
             self._check_alive()
-            kept, other = kept_instances(self.instances(), model_id, sharding)
-            if other:  # a run before asked for another sharding: this one's replaces it
-                log.info("deleting the kept %s of %s: --sharding %s replaces it",
-                         ", ".join(f"{i['sharding']} instance {i['instance_id']}" for i in other),
-                         model_id, sharding)
+            kept, other = kept_instances(self.instances(), model_id, sharding, self.n)
+            if other:  # placed otherwise before: the one asked now replaces it
+                log.info("deleting the kept %s of %s: --sharding %s on %d nodes replaces it",
+                         ", ".join(f"{i['sharding']} instance {i['instance_id']} on "
+                                   f"{len(i['ranks'])} node(s)" for i in other),
+                         model_id, sharding, self.n)
                 self.clear([i["instance_id"] for i in other])
             for inst in kept:
                 if inst["status"] == "ready" and self._all_nodes_ready(inst["instance_id"]):
@@ -388,18 +394,21 @@ class LocalCluster:
         """Watch the nodes until every one has exited (or Ctrl-C): yields a line for each
         node that exits and, with ``restart``, starts it again (same port, id and data
         directory, as a service manager would) and yields that too. The others keep
-        serving either way."""
-        while not self.stopping and (any(p is not None and p.poll() is None for p in self.procs)
-                                     or restart):
+        serving either way; the last node's exit is reported too (its line says none is
+        left) before this ends."""
+        while not self.stopping and (any(p is not None for p in self.procs) or restart):
             for i, proc in enumerate(self.procs):
                 if self.stopping or proc is None or proc.poll() is None:
                     continue
-                yield f"node {i} ({self.url(i)}) exited with code {proc.returncode}"
+                exited = f"node {i} ({self.url(i)}) exited with code {proc.returncode}"
                 if restart:
+                    yield exited
                     self.start_node(i)
                     yield f"node {i} started again"
-                else:
-                    self.procs[i] = None
+                    continue
+                self.procs[i] = None
+                left = any(p is not None and p.poll() is None for p in self.procs)
+                yield exited + ("; the others keep serving" if left else "; no node is left")
             time.sleep(poll_s)
 
     def stop(self) -> None:

@@ -430,26 +430,31 @@ def _sse(data: Any) -> str:
 
 async def _stream(gens: list[Generation], shape: ChatShape, return_progress: bool,
                   options: StreamOptions) -> AsyncIterator[str]:
+    def chunk(data: dict) -> str:
+        # with include_usage, every chunk before the last carries "usage": null (OpenAI's
+        # stream_options reference)
+        return _sse({**data, "usage": None} if options.include_usage else data)
+
     for index in range(len(gens)):
         first = shape.first(index)
         if first is not None:
-            yield _sse(first)
+            yield chunk(first)
     try:
         async for index, item in merge_streams([g.texts() for g in gens]):
             if isinstance(item, PrefillProgress):
                 if return_progress:
-                    yield _sse(shape.progress(index, gens[index].prefill_progress(item)))
+                    yield chunk(shape.progress(index, gens[index].prefill_progress(item)))
                 opening = shape.prefilled(index) if item.done == item.total else None
                 if opening is not None:
-                    yield _sse(opening)
+                    yield chunk(opening)
                 continue
             piece = shape.piece(index, item)
             if piece is not None:
                 if options.include_obfuscation:
                     piece["obfuscation"] = obfuscation(item.text)
-                yield _sse(piece)
+                yield chunk(piece)
             if item.finish is not None:
-                yield _sse(shape.finish(index, item.finish))
+                yield chunk(shape.finish(index, item.finish))
     except QueueFullError as exc:  # a forwarded request the rank's node refused
         yield _sse(error_body(str(exc), "rate_limit_exceeded", code="queue_full"))
         return

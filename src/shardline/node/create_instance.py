@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import BaseModel, Field, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from shardline.api.errors import API, error_body
 from shardline.models.config import UnsupportedModelError
@@ -17,6 +17,13 @@ from shardline.placement.ranks import SHARDINGS, PlacementRequestError
 
 
 class CreateInstance(BaseModel):
+    """The body of ``POST /cluster/instances`` and ``/cluster/placements/preview``. A key
+    it does not know, or a value of another JSON type (``"force": "yes"``, ``"context":
+    "2048"``), is refused (400) rather than ignored or coerced: a mistyped ``"nodez"``
+    placed the model on every node. ``model`` None: the embedded default model."""
+
+    model_config = ConfigDict(extra="forbid", strict=True)
+
     model: str | None = None
     sharding: str = "pipeline"
     nodes: list[str] | None = Field(default=None, min_length=1)
