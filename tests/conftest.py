@@ -41,14 +41,19 @@ def member_client(cluster_key: str, timeout_s: float = 5.0) -> httpx.Client:
     return httpx.Client(auth=SignedAuth(signing_key(cluster_key)), timeout=timeout_s)
 
 
+LISTEN_PORTS = (20000, 32000)
+"""Where :func:`free_port_block` looks: below Linux's ephemeral range (32768-60999 by
+default), from which every outgoing connection (the nodes' polls, httpx, gloo) takes its
+local port. A block taken from the ephemeral range was once taken between the check and
+the node's bind (uvicorn's start-up failure, exit code 3, in CI)."""
+
+
 def free_port_block(count: int) -> int:
     """A base port with ``count`` consecutive ports free a moment ago."""
+    import random
+
     for _ in range(200):
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            base = s.getsockname()[1]
-        if base + count >= 65535:
-            continue
+        base = random.randrange(LISTEN_PORTS[0], LISTEN_PORTS[1] - count)
         ok = True
         for port in range(base, base + count):
             with socket.socket() as s:

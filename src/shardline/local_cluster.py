@@ -359,6 +359,11 @@ class LocalCluster:
                                    f"{len(i['ranks'])} node(s)" for i in other),
                          model_id, sharding, self.n)
                 self.clear([i["instance_id"] for i in other])
+                # the table again: the coordinator may have committed one's replacement
+                # (placed again after the restart) just before the delete, and that one
+                # stays unless deleted too
+                time.sleep(POLL_S)
+                continue
             for inst in kept:
                 if inst["status"] == "ready" and self._all_nodes_ready(inst["instance_id"]):
                     self.instance = inst
