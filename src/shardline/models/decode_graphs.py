@@ -16,7 +16,8 @@ also holds the final norm and the LM head with its float32 refinement
 rows). Each row attends the first
 ``span`` positions of its slot, those past its length masked (:func:`key_span` buckets
 the longest row's length to a power of two, so a graph serves many steps); a graph is
-captured per (rows, span) when first needed. The eager decode attends exactly each row's
+captured per (rows, span), all of them as the rank loads (:meth:`DecodeGraphs.warm`), any
+other when first needed. The eager decode attends exactly each row's
 prefix instead: the two agree to rounding (not bit for bit), which is why the CPU, whose
 decode keeps each row's bits whatever its batch, does not take this path.
 """
@@ -127,10 +128,10 @@ class _Captured:
 
 
 class DecodeGraphs:
-    """The CUDA graphs of one shard's decode steps, one per (rows, key span), captured
-    when first needed and kept while the shard runs with the same KV cache (a graph holds
-    the cache's addresses). The graphs share one memory pool: they replay one at a time.
-    Build it where :func:`refusal` is None."""
+    """The CUDA graphs of one shard's decode steps, one per (rows, key span), captured by
+    :meth:`warm` or when first needed, and kept while the shard runs with the same KV
+    cache (a graph holds the cache's addresses). The graphs share one memory pool: they
+    replay one at a time. Build it where :func:`refusal` is None."""
 
     def __init__(self, shard: DecoderShard) -> None:
         self.shard = shard
