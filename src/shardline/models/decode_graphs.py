@@ -24,8 +24,9 @@ decode keeps each row's bits whatever its batch, does not take this path.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, TypeVar
 
 import torch
 
@@ -41,6 +42,26 @@ LEAST_KEY_SPAN = 256
 
 GRAPH_MAX_ROWS = 32
 """Decode steps of more rows run eagerly: their launches are spread over enough work."""
+
+T = TypeVar("T")
+
+
+def capture(device: torch.device, step: Callable[[], T],
+            pool: _POOL_HANDLE | None = None) -> tuple[torch.cuda.CUDAGraph, T]:
+    """``step`` captured as a CUDA graph on ``device`` (in ``pool`` where given), having
+    run it once eagerly on a side stream first (CUDA's lazy initialisations must not be
+    captured); the graph and what the captured ``step`` returned (tensors the graph
+    writes on each replay). The graph is not replayed yet."""
+    side = torch.cuda.Stream(device)
+    side.wait_stream(torch.cuda.current_stream(device))
+    with torch.cuda.stream(side):
+        step()
+    torch.cuda.current_stream(device).wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    # thread_local: the runner's other threads (its inbox) may use the CUDA API meanwhile
+    with torch.cuda.graph(graph, pool=pool, capture_error_mode="thread_local"):
+        out = step()
+    return graph, out
 
 
 def key_span(longest: int, positions: int) -> int:
@@ -174,33 +195,26 @@ class DecodeGraphs:
         self._graphs.clear()
         self._cache = cache
         device, hidden = self.shard.device, self.shard.config.hidden_size
+        spans = key_spans(cache.k[0].shape[2])
         for n in range(1, min(rows, GRAPH_MAX_ROWS) + 1):
             inputs = (torch.zeros(n, dtype=torch.long) if self.shard.embed is not None
                       else torch.zeros(n, hidden, dtype=self.shard.dtype, device=device))
             meta = torch.tensor([[0] * n, [1] * n], dtype=torch.long)
-            for span in key_spans(cache.k[0].shape[2]):
+            for span in spans:
                 self._graphs[(n, span)] = self._capture(inputs, meta, span, cache)
         return len(self._graphs)
 
     def _capture(self, inputs: torch.Tensor, meta: torch.Tensor, span: int,
                  cache: KVCache) -> _Captured:
-        """Capture the step for these inputs, having run it once eagerly on a side stream
-        (CUDA's lazy initialisations must not be captured); the warm-up writes the
-        step's own keys and values, which the replay writes again, so the step runs
-        as if once."""
+        """Capture the step for these inputs (:func:`capture`), then replay it once: the
+        eager run before the capture writes the step's own keys and values, which the
+        replay writes again, so the step runs as if once."""
         device = self.shard.device
         inputs, rows = inputs.to(device, copy=True), meta.to(device)
-        side = torch.cuda.Stream(device)
-        side.wait_stream(torch.cuda.current_stream(device))
-        with torch.cuda.stream(side):
-            padded_decode(self.shard, inputs, rows, span, cache, self.head)
-        torch.cuda.current_stream(device).wait_stream(side)
         if self._pool is None:
             self._pool = torch.cuda.graph_pool_handle()
-        graph = torch.cuda.CUDAGraph()
-        # thread_local: the runner's other threads (its inbox) may use the CUDA API meanwhile
-        with torch.cuda.graph(graph, pool=self._pool, capture_error_mode="thread_local"):
-            out = padded_decode(self.shard, inputs, rows, span, cache, self.head)
+        graph, out = capture(device, lambda: padded_decode(self.shard, inputs, rows, span, cache, self.head),
+                             self._pool)
         graph.replay()
         return _Captured(graph, inputs, rows, out)
 

@@ -189,6 +189,7 @@ def cuda_decode_weight_rate(device) -> float:
     step read 57% of it), which the preview's bandwidth alone missed."""
     import torch  # noqa: PLC0415
 
+    from shardline.models.decode_graphs import capture  # noqa: PLC0415
     from shardline.models.linear import Linear, resident_weight  # noqa: PLC0415
 
     rows, cols = CUDA_WEIGHT_SHAPE
@@ -205,14 +206,7 @@ def cuda_decode_weight_rate(device) -> float:
             each(row)
 
     with torch.inference_mode():
-        side = torch.cuda.Stream(device)
-        side.wait_stream(torch.cuda.current_stream(device))
-        with torch.cuda.stream(side):
-            products()  # CUDA's lazy initialisations, outside the capture
-        torch.cuda.current_stream(device).wait_stream(side)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            products()
+        graph, _ = capture(device, products)
         times = []
         for _ in range(DECODE_STEPS + 1):
             torch.cuda.synchronize(device)
