@@ -337,7 +337,8 @@ class LocalCluster:
         The nodes keep their instance table on disk: after a restart the coordinator finds
         a kept instance's ranks gone, fails it and places it again. Such an instance
         (:func:`kept_instances`) is waited for instead of placing a second copy beside
-        it, and one of the model with another sharding than the one asked is deleted; one still failed after :data:`KEPT_REPLACE_S`
+        it, and one of the model placed otherwise (another sharding, or fewer nodes) is
+        deleted; one still failed after :data:`KEPT_REPLACE_S`
         (not placed again) is deleted and the model placed anew (:meth:`place`, with
         ``options``).
 
