@@ -22,6 +22,7 @@ import torch.distributed as dist
 
 from shardline.models.kv_cache import KVCache
 from shardline.models.llama import DecoderShard, ForwardBatch
+from shardline.parallel.point_to_point import gather_at, point_to_point
 from shardline.parallel.progress import Progress
 
 
@@ -105,14 +106,23 @@ class Stage:
         """All-gather each rank's proposal (int64 ``[2 + 2k + M]``, the same length on
         every rank, on the communication device: the CPU for gloo, the GPU for NCCL;
         :mod:`shardline.runner.agreement`): the step's agreement and, from the sampling
-        rank, its sampled ids. Returns the proposals in group-rank order, on the CPU."""
+        rank, its sampled ids. Returns the proposals in group-rank order, on the CPU.
+
+        On gloo the proposals meet at the sampling rank, which sends them all back
+        (:func:`~shardline.parallel.point_to_point.gather_at`): on a pipeline the other
+        ranks have sent theirs before the last rank has sampled, and get its tokens one
+        hop later. NCCL all-gathers."""
         if self.world_size == 1:
             return [proposal.cpu()]
         self.progress.mark("exchanging tasks and sampled tokens with every rank")
-        gathered = [torch.empty_like(proposal) for _ in range(self.world_size)]
-        dist.all_gather(gathered, proposal, group=self.group)
+        if point_to_point(self.group):
+            table = gather_at(self.sampler, proposal, self.rank, self.world_size, self.group)
+        else:
+            gathered = [torch.empty_like(proposal) for _ in range(self.world_size)]
+            dist.all_gather(gathered, proposal, group=self.group)
+            table = torch.stack(gathered)
         self.progress.mark("exchanged")
-        return list(torch.stack(gathered).cpu().unbind(0))
+        return list(table.cpu().unbind(0))
 
     def share_logprobs(self, table: torch.Tensor) -> torch.Tensor:
         """Broadcast a step's log-probability table (float32 ``[M, 1 + 2k]``,

@@ -1,0 +1,47 @@
+"""The point-to-point collectives on real gloo ranks: every rank gets the same table and
+the same sum, bit for bit, and calls in a row do not take each other's messages."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from ranks import spawn_ranks
+
+from shardline.parallel import point_to_point
+
+
+def _values(rank: int, call: int) -> torch.Tensor:
+    """Rank ``rank``'s float32 ``[3, 5]`` input to call ``call``: magnitudes apart, so the
+    order of the additions shows in the sum's last bits."""
+    gen = torch.Generator().manual_seed(1000 * call + rank)
+    return torch.randn(3, 5, generator=gen) * 10.0 ** (rank * 3 - 3)
+
+
+def _job(rank: int, world: int, calls: int) -> dict:
+    """Alternate gather_at (rooted at the last rank, then the first) and all_reduce."""
+    tables, sums = [], []
+    for call in range(calls):
+        root = world - 1 if call % 2 == 0 else 0
+        proposal = torch.arange(4, dtype=torch.int64) + 100 * rank + 10_000 * call
+        tables.append(point_to_point.gather_at(root, proposal, rank, world))
+        x = _values(rank, call)
+        out = point_to_point.all_reduce(x, rank, world)
+        assert out.data_ptr() == x.data_ptr()  # written in place
+        sums.append(out.clone())
+    return {"tables": tables, "sums": sums}
+
+
+@pytest.mark.timeout(90)
+@pytest.mark.parametrize("world", [2, 3])
+def test_gather_and_all_reduce_agree_on_every_rank(tmp_path, world):
+    calls = 6
+    results = spawn_ranks(world, _job, (calls,), tmp_path, timeout=75)
+    for call in range(calls):
+        expected_table = torch.stack([torch.arange(4, dtype=torch.int64) + 100 * r + 10_000 * call
+                                      for r in range(world)])
+        expected_sum = _values(0, call).clone()
+        for r in range(1, world):
+            expected_sum += _values(r, call)  # group rank order, as the ranks add
+        for rank, result in enumerate(results):
+            assert torch.equal(result["tables"][call], expected_table), (rank, call)
+            assert torch.equal(result["sums"][call], expected_sum), (rank, call)
