@@ -7,6 +7,7 @@ import pytest
 from model_shapes import llama8b as _llama8b
 from model_shapes import smollm2 as _smollm2
 
+from shardline.parallel import POINT_TO_POINT_BYTES
 from shardline.placement.pipeline import NodeCapacity, PlacementError
 from shardline.placement.preview import Candidate, auto, preview
 from shardline.placement.ranks import place_ranks
@@ -143,12 +144,19 @@ def test_pipeline_prediction_follows_the_formula():
 
 
 @pytest.mark.parametrize("world", [2, 3, 4])
-def test_a_tensor_all_reduce_pays_a_link_latency_per_ring_step(world):
-    """gloo's ring all-reduce is a reduce-scatter and an all-gather of P-1 steps each: a
-    decode step's 2 all-reduces a layer pay 2 * 2(P-1) latencies a layer, and the token's
-    broadcast one more (measured on 2 local nodes: 9.4 tokens/s where one latency a ring
-    step less predicted 24)."""
-    config = _smollm2(num_layers=4, hidden_size=64, intermediate_size=128, num_heads=4,
+@pytest.mark.parametrize("hidden_size, latencies_per_all_reduce", [
+    (64, lambda world: 1),  # a decode step's row: point-to-point, one hop
+    (40_000, lambda world: 2 * (world - 1)),  # a row over POINT_TO_POINT_BYTES: gloo's ring
+])
+def test_a_tensor_decode_all_reduce_pays_its_algorithms_link_latencies(
+        world, hidden_size, latencies_per_all_reduce):
+    """A decode step's 2 all-reduces a layer each pay one latency where the sum is sent
+    point to point (at most POINT_TO_POINT_BYTES), else gloo's ring all-reduce: a
+    reduce-scatter and an all-gather of P-1 steps each, 2(P-1) latencies (measured on 2
+    local nodes: 9.4 tokens/s where one latency a ring step less predicted 24); the step's
+    proposals to rank 0 and back pay 2 more."""
+    assert 40_000 * 4 > POINT_TO_POINT_BYTES >= 64 * 4
+    config = _smollm2(num_layers=4, hidden_size=hidden_size, intermediate_size=128, num_heads=4,
                       num_kv_heads=4, head_dim=16, vocab_size=256)
     names = [f"n{i}" for i in range(world)]
     nodes = [_node(n) for n in names]
@@ -161,7 +169,7 @@ def test_a_tensor_all_reduce_pays_a_link_latency_per_ring_step(world):
 
     latency = 1e-3
     assert step_s(latency) - step_s(0.0) == pytest.approx(
-        (2 * 4 * 2 * (world - 1) + 1) * latency, rel=1e-6)
+        (2 * 4 * latencies_per_all_reduce(world) + 2) * latency, rel=1e-6)
 
 
 def test_missing_links_default_to_1ms_and_100MB_per_s():

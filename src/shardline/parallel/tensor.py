@@ -45,15 +45,9 @@ import torch.distributed as dist
 from shardline.models.config import TensorShare
 from shardline.models.kv_cache import KVCache
 from shardline.models.llama import DecoderShard
-from shardline.parallel import point_to_point
+from shardline.parallel import POINT_TO_POINT_BYTES, point_to_point
 from shardline.parallel.progress import Progress
 from shardline.parallel.stage import Stage
-
-POINT_TO_POINT_BYTES = 128 * 1024
-"""The largest sum (bytes, in ``reduce_dtype``) a gloo group takes with point-to-point
-sends rather than gloo's ring all-reduce: a decode step's (8 rows of a 4,096 hidden size in
-float32). ``scripts/collective_costs.py``, 3 ranks on a 2-vCPU VM: 128 KiB 1.50 ms by
-gloo, 0.65 point-to-point; a 512-row chunk of SmolLM2's (1.2 MB) 2.7 against 4.3."""
 
 
 def make_all_reduce(

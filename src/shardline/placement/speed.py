@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from typing import Mapping, Sequence
 
 from shardline.models.config import ModelConfig, RankShare, Sharding, TensorShare
+from shardline.parallel import POINT_TO_POINT_BYTES
 from shardline.placement.pipeline import PlacementError
 from shardline.placement.ranks import DTYPE_BYTES, SHARDINGS, ring_prefill_chunk
 
@@ -261,26 +262,32 @@ def predict_tokens_per_s(
 
         decode s/token  = sum_r T_r + STEP_LAYERS * h_last
                           + sum_hops (lat + d*e / bw) + lat(last -> others)
+          (lat(last -> others): the others sent the step's proposals to the last rank
+           while it computed; its sampled ids and the proposals reach them one hop later)
         H_r  = d*e / bw + lat / C     (the hop after stage r, a token's share)
         prefill s/token = (sum_r (Q_r + H_r) + (k - 1) * max_r max(s_r * Q_r, H_r)) / k
           (k = ceil(n / C) chunks: the first goes through every stage in turn, and each
            later one leaves the slowest stage or hop a chunk later, stages overlapping:
            a prompt of one chunk runs its stages one after another)
 
-    tensor (two all-reduces a layer of float32 partial sums, rank 0 samples; gloo's ring
-    all-reduce: a reduce-scatter and an all-gather of P-1 steps each, every step a message
-    of 1/P of the sums to the next rank: Patarasuk and Yuan, "Bandwidth optimal all-reduce
-    algorithms for clusters of workstations", JPDC 2009)::
+    tensor (two all-reduces a layer of float32 partial sums, rank 0 samples; a sum of at
+    most ``POINT_TO_POINT_BYTES``, a decode step's, goes from every rank to every other in
+    one hop (:func:`shardline.parallel.point_to_point.all_reduce`); a larger one by gloo's
+    ring all-reduce: a reduce-scatter and an all-gather of P-1 steps each, every step a
+    message of 1/P of the sums to the next rank: Patarasuk and Yuan, "Bandwidth optimal
+    all-reduce algorithms for clusters of workstations", JPDC 2009)::
 
-        allreduce(n) = 2*(P-1)/P * n*d*4 / bw_min + 2*(P-1) * lat_max    (n tokens)
-        decode s/token  = max_r s_r * T_r + STEP_LAYERS * h_0 + 2*L * allreduce(1) + lat_max
+        allreduce(n) = (P-1) * n*d*4 / bw_min + lat_max      where n*d*4 <= POINT_TO_POINT_BYTES
+                     = 2*(P-1)/P * n*d*4 / bw_min + 2*(P-1) * lat_max    (n tokens) otherwise
+        decode s/token  = max_r s_r * T_r + STEP_LAYERS * h_0 + 2*L * allreduce(1) + 2*lat_max
+          (2*lat_max: the step's proposals to rank 0 and back, all ranks arriving at once)
         prefill s/token = max_r s_r * Q_r + 2*L * allreduce(C) / C
                           (Q_r with r's heads and columns: A = d + r's columns)
           (the heads and columns split by shape, not by speed: the slowest rank bounds)
 
     ring (every rank holds the whole model and decodes it; rank 0 samples)::
 
-        decode s/token  = max_r s_r * T_r + STEP_LAYERS * h_0 + lat_max   (the whole model)
+        decode s/token  = max_r s_r * T_r + STEP_LAYERS * h_0 + 2*lat_max   (the whole model)
         prefill s/token = max_r s_r * Q_r / P   (an even zig-zag split; Q_r of the whole
                                                  model, its fixed cost not divided)
                           + (P-1)/P * kv_bytes_per_token / bw_min   (k/v blocks round the ring)
@@ -305,7 +312,7 @@ def predict_tokens_per_s(
     pairs = [link_between(links, a, b) for i, a in enumerate(ids) for b in ids[i + 1:]]
     lat_max = max((k.latency_s for k in pairs), default=0.0)
     bw_min = min((k.bandwidth_bytes_per_s for k in pairs), default=float("inf"))
-    bcast = lat_max if P > 1 else 0.0
+    gather = 2 * lat_max if P > 1 else 0.0  # proposals to the sampling rank 0 and back
     act = d + config.intermediate_size  # activation elements a token has in a layer
     attention = attention_flops(config.num_heads * config.head_dim, prompt_tokens)  # a layer
     shared = oversubscription(nodes)
@@ -348,8 +355,10 @@ def predict_tokens_per_s(
         decode += nodes[0].step_host_s
         if P > 1:
             def allreduce(tokens: int) -> float:
+                if tokens * d * 4 <= POINT_TO_POINT_BYTES:
+                    return (P - 1) * tokens * d * 4 / bw_min + lat_max
                 return 2 * (P - 1) / P * tokens * d * 4 / bw_min + 2 * (P - 1) * lat_max
-            decode += 2 * L * allreduce(1) + bcast
+            decode += 2 * L * allreduce(1) + gather
             prefill += 2 * L * allreduce(PREFILL_CHUNK_TOKENS) / PREFILL_CHUNK_TOKENS
         return _per_s(decode), _per_s(prefill)
 
@@ -358,7 +367,7 @@ def predict_tokens_per_s(
         weights = decode_weight_bytes * (linear + head)
         decode = max(f * _step_s(n, weights, kv_token * avg_tokens, L)
                      for n, f in zip(nodes, shared))
-        decode += nodes[0].step_host_s + bcast
+        decode += nodes[0].step_host_s + gather
         prefill = max(f * _prefill_s(n, (2 * linear + L * attention) / P, L, L * act / P)
                       for n, f in zip(nodes, shared))
         if P > 1:
