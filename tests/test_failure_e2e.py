@@ -257,3 +257,38 @@ def test_a_request_forwarded_to_a_node_that_stops_answering_ends_when_its_instan
             cluster.procs[holder].send_signal(signal.SIGCONT)
     finally:
         cluster.stop()
+
+
+@pytest.mark.slow
+def test_a_request_while_a_rank_is_paused_ends_when_its_instance_fails(tmp_path):
+    """A pipeline on 2 nodes; the one that does not coordinate paused (SIGSTOP: it takes
+    connections and answers nothing); a new request to the other: its hand-off to the
+    paused node hangs, and the request ends when the instance fails in the table (the
+    node found down), not at the hand-off's 10 s timeout (trial 9); the model is then
+    placed again on the node left, which serves."""
+    cluster = LocalCluster(nodes=2, base_port=free_port_block(2), runner_threads=1,
+                           log_dir=str(tmp_path), data_dir=str(tmp_path))
+    cluster.start()
+    try:
+        ids = [httpx.get(f"{cluster.url(i)}/health", timeout=5).json()["node_id"] for i in range(2)]
+        paused = ids.index(max(ids))
+        asker = 1 - paused
+        cluster.place(None, "pipeline")
+        wait_until_serving(cluster, asker, 60)
+        cluster.procs[paused].send_signal(signal.SIGSTOP)
+        try:
+            started = time.monotonic()
+            response = httpx.post(f"{cluster.url(asker)}/v1/chat/completions", timeout=60, json={
+                "model": DEFAULT_MODEL_ID, "messages": [{"role": "user", "content": CAPITAL_QUESTION}]})
+            took = time.monotonic() - started
+            print(f"\nrequest ended {took:.1f} s after it was sent: {response.status_code} {response.text[:300]}")
+            assert response.status_code == 503, response.text
+            error = response.json()["error"]
+            assert error["code"] == "instance_failed", error
+            assert "could not be handed" not in error["message"], error  # not the hand-off's timeout
+            assert took < 20
+            assert wait_until_serving(cluster, asker, 60)
+        finally:
+            cluster.procs[paused].send_signal(signal.SIGCONT)
+    finally:
+        cluster.stop()

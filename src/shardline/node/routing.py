@@ -145,8 +145,9 @@ class Router:
         finished = False
         stats = self.node.engine_stats
         timing = RequestTiming.start(task_id, len(request.prompt), stats.get(inst.instance_id))
+        handing = asyncio.get_running_loop().create_task(
+            self._hand_over(stream, inst, TaskMessage(instance_id=inst.instance_id, task=task)))
         try:
-            await self._deliver(inst, TaskMessage(instance_id=inst.instance_id, task=task))
             while True:
                 event = await stream.queue.get()
                 if isinstance(event, Exception):
@@ -162,6 +163,7 @@ class Router:
                 if finished:
                     return
         finally:
+            handing.cancel()  # done by now unless the request ended first
             self.node.streams.pop(task.task_id, None)
             if not finished:
                 asyncio.get_running_loop().create_task(self._cancel(inst, task.task_id))
@@ -175,6 +177,17 @@ class Router:
                 inst, decode, prefill, timing.position, timing.prompt_tokens))
             self._recording.add(task)  # held until done (the loop keeps weak references)
             task.add_done_callback(self._recording.discard)
+
+    async def _hand_over(self, stream: RequestStream, inst: Instance, message: TaskMessage) -> None:
+        """:meth:`_deliver` a task while its request reads its stream, where a failure to
+        deliver goes. A rank's node that takes the connection but does not answer
+        (paused: SIGSTOP, a closed lid) holds the hand-off to its 10 s timeout; the request
+        ends sooner, when the instance fails in the table (the node is found down) and
+        its streams are failed (trial 9: the 503 came at the timeout)."""
+        try:
+            await self._deliver(inst, message)
+        except Exception as exc:  # the request raises it
+            stream.queue.put_nowait(exc)
 
     async def _deliver(self, inst: Instance, message: TaskMessage | CancelMessage) -> None:
         """Hand a task or a cancellation to the runner of every rank of ``inst``.
