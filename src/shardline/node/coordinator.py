@@ -260,7 +260,7 @@ class Coordinator:
         live = set(self.node.live_node_ids())
         others = {r.address for r in inst.ranks
                   if r.node_id != self.node.node_id and r.node_id in live}
-        answers = await asyncio.gather(*(self.node._poll(address) for address in others))
+        answers = await asyncio.gather(*(self.node.membership.poll(address) for address in others))
         return all(answers)
 
     async def _place_again(self, failed: Instance) -> None:

@@ -153,7 +153,7 @@ class ModelLogistics:
     async def refresh_peers(self) -> None:
         """Poll every live peer now, rather than within the second (their stores, memory)."""
         live = set(self.node.live_node_ids())
-        await asyncio.gather(*(self.node._poll(p.address) for p in self.node.peers.values() if p.node_id in live))
+        await asyncio.gather(*(self.node.membership.poll(p.address) for p in self.node.peers.values() if p.node_id in live))
 
     async def _fetch(self, manifest: Manifest, paths: list[str], on_progress=None) -> None:
         """Copy ``paths`` of a model that this store lacks from a live peer that has them

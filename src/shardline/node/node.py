@@ -16,11 +16,11 @@ over HTTP (``/internal/*``):
   (``/internal/tasks``); its own runner streams the tokens back. A node that hosts no rank
   of the instance forwards the request to one that does (``/internal/generate``).
 
-This module holds membership and the replicated table (kept on disk by ``table_file.py``;
-the links to peers measured by ``link_probe.LinkMeter``); the coordinator's decisions,
-runner supervision, model logistics and request routing are the roles in
-``coordinator.py``, ``supervision.py``, ``logistics.py`` and ``routing.py``, each given
-the node. Every
+This module holds what the node knows of its peers and the replicated table (kept on disk
+by ``table_file.py``; the links to peers measured by ``link_probe.LinkMeter``); the
+membership rounds, the coordinator's decisions, runner supervision, model logistics and
+request routing are the roles in ``membership.py``, ``coordinator.py``,
+``supervision.py``, ``logistics.py`` and ``routing.py``, each given the node. Every
 message between nodes is a ``wire.py`` model sent through ``peer_client.PeerClient``.
 """
 
@@ -46,18 +46,15 @@ from shardline.models.tokenizer import Tokenizer
 from shardline.node.cluster_state import (
     Epoch,
     heard_majority,
-    heard_whole_cluster,
-    newer,
-    next_term,
-    paused,
     settled,
 )
 from shardline.node.coordinator import Coordinator
 from shardline.node.forecast import Forecast
 from shardline.node.link_probe import LinkMeter
 from shardline.node.logistics import ModelLogistics
+from shardline.node.membership import Membership
 from shardline.node.node_memory import NodeMemory
-from shardline.node.peer_client import KeyRefusedError, PeerClient, PeerError
+from shardline.node.peer_client import PeerClient, PeerError
 from shardline.node.queue_bound import DEFAULT_MAX_WAITING
 from shardline.node.repeated_warnings import RepeatedWarnings
 from shardline.node.routing import RequestStream, Router
@@ -68,10 +65,8 @@ from shardline.node.state import (
     ClusterState,
     Event,
     Published,
-    TermStarted,
     apply,
 )
-from shardline.node.status import InstanceStatus
 from shardline.node.supervision import Supervisor
 from shardline.node.table import EndCode, Instance, InstanceFailedError, Peer
 from shardline.node.table_file import load_table, save_table
@@ -79,18 +74,6 @@ from shardline.node.wire import NodeInfo
 from shardline.node.worker import Spare, Worker
 
 log = logging.getLogger(__name__)
-
-POLL_S = 1.0
-"""Seconds between membership rounds (each polls every peer's ``/internal/info``)."""
-PEER_SILENT_S = 10.0
-"""A peer given by ``--peers`` that has not answered this long after the node started is
-warned of, once (a wrong address or port, or no node there)."""
-STARTUP_POLL_S = 0.2
-"""Seconds between rounds until the node is settled (at most the election window)."""
-SPARE_IDLE_S = 3.0
-"""A pre-started runner is started again once no rank of the node has loaded or served for
-this long (``shardline.node.worker``): not while a load or a request needs the CPU."""
-
 
 class Node:
     """A node: its state, its membership (polling peers, terms, who coordinates) and the
@@ -164,7 +147,7 @@ class Node:
         self.port = port
         self.address = f"{host}:{port}"
         self.peer_addresses = [p for p in peers if p and p != self.address]
-        # the given peers that have not answered yet: warned of once, PEER_SILENT_S on
+        # the given peers that have not answered yet: warned of once (membership.PEER_SILENT_S)
         self._unheard_peers = set(self.peer_addresses)
         self.peers: dict[str, Peer] = {}
         self.runner_threads = runner_threads
@@ -190,6 +173,7 @@ class Node:
         if kept is not None:  # desired state: no runner starts from it until a coordinator publishes
             self.cluster_state = kept
         # the roles, each with this node's state (the node is their composition root)
+        self.membership = Membership(self)
         self.coordinator = Coordinator(self)
         self.memory = NodeMemory(self)
         self.forecast = Forecast(self)
@@ -241,7 +225,7 @@ class Node:
         self._first_spare = None
         # (later ones: the membership loop, once idle)
         self._last_tick = time.time()  # the time since construction (a busy start) is no pause
-        self.background(self._membership_loop())
+        self.background(self.membership.run())
         self.background(self.profiler.run())
         if self.discovery is not None:
             try:
@@ -364,41 +348,6 @@ class Node:
             return self.address
         return self.peers[node_id].address
 
-    async def _membership_loop(self) -> None:
-        while True:
-            now = time.time()
-            if paused(now, self._last_tick, self.down_after_s):
-                log.warning("this node was paused for %.0f s: it hears the cluster again "
-                            "before it acts as coordinator", now - self._last_tick)
-                self._settled_since, self._acting_term = now, None
-            self._last_tick = now
-            answered = await asyncio.gather(*(self._poll(a) for a in self.peer_addresses))
-            self._last_tick = time.time()
-            named = self._named_nodes()
-            if heard_whole_cluster(answered, self.live_node_ids(), named):
-                self._heard_all_at = self._last_tick
-            if self.coordinator_id() != self.node_id:
-                self._acting_term = None
-            elif self._acting_term is None and self.is_settled():
-                await self._start_term()
-            elif self.is_coordinator() and not self.epoch.majority and self.hears_majority():
-                await self._start_term()  # a minority's term, now heard by a majority (rule 4)
-            if self.is_coordinator():
-                await self.coordinator._fail_lost_instances()
-                if self.rejoin:
-                    await self.coordinator._rejoin_returned_nodes()
-                await self.coordinator._retire_superseded()
-            await self.supervisor._report_unknown_statuses()
-            if self.busy_instances() or self.worker.loading():
-                self._busy_at = time.time()
-            elif time.time() - self._busy_at >= SPARE_IDLE_S:
-                for model_id in {i.model_id for i in self.instances.values() if self.node_id in i.node_ids()}:
-                    self.logistics.warm_tokenizer(model_id)
-                await asyncio.to_thread(self.worker.start_spare)
-            # every second; faster until settled, so that a cluster starting together
-            # elects its coordinator as soon as every peer listens
-            await asyncio.sleep(POLL_S if self.is_settled() else STARTUP_POLL_S)
-
     def _named_nodes(self) -> set[str]:
         """The nodes the table held names: its instances' and the ones they want."""
         return {n for i in self.instances.values() for n in (*i.node_ids(), *i.wanted_nodes)}
@@ -407,60 +356,6 @@ class Node:
         """Whether the live nodes are a majority of the nodes known: every node heard since
         this one started, those its table names, itself (cluster_state rule 4)."""
         return heard_majority(self.live_node_ids(), {*self.peers, *self._named_nodes()})
-
-    async def _start_term(self) -> None:
-        """Become coordinator: a term above every one seen (cluster_state rule 2), marked by
-        whether it hears a majority (rule 4), then fail the instances whose ranks are
-        gone, and publish."""
-        given_up = Epoch(self._left_term, 0, "")
-        term = next_term(self.epoch, [given_up, *(p.epoch for p in self.peers.values())])
-        majority = self.hears_majority()
-        self.cluster_state = apply(self.cluster_state, TermStarted(term, self.node_id, majority))
-        self._acting_term = term
-        log.info("coordinator for term %d%s", term, "" if majority else
-                 " (heard by a minority of the nodes it knows: a majority's table wins over it)")
-        # failed before this term (perhaps while no node coordinated): placed again. Taken
-        # before publishing: one that fails while this publishes is placed again by its
-        # own failure.
-        failed = [i for i in self.instances.values() if i.status == InstanceStatus.FAILED]
-        await self._publish()
-        for inst in failed:
-            self.background(self.coordinator._replace(inst.instance_id))
-
-    async def _poll(self, address: str) -> bool:
-        """Ask a peer for its info (and a newer table, when it holds one); whether it
-        answered as a member."""
-        try:
-            info = await self.peer_client.info(address)
-        except KeyRefusedError as exc:
-            if address not in self._refused:
-                self._refused.add(address)
-                log.warning("%s: it belongs to another cluster", exc)
-            return False
-        except PeerError:  # down, or not a node of this version
-            if address in self._unheard_peers and time.time() - self.started_at >= PEER_SILENT_S:
-                self._unheard_peers.discard(address)
-                log.warning("peer %s (--peers) has not answered in %.0f s: check its address and "
-                            "port, and that a node runs there", address, PEER_SILENT_S)
-            return False
-        self._unheard_peers.discard(address)
-        self._refused.discard(address)
-        self.peers[info.node_id] = Peer(
-            info.node_id, info.address, time.time(), info.available_bytes, info.total_bytes,
-            info.profile, info.links, info.models, offered_bytes=info.offered_bytes,
-            started_at=info.started_at, epoch=info.epoch, busy=tuple(info.busy),
-            served=info.served,
-        )
-        for member in info.members:  # membership both ways, through any member
-            self.add_peer(member)
-        if self.link_meter.claim(info.node_id, time.time()):
-            self.background(self.link_meter.measure(info.node_id, address))
-        if newer(info.epoch, self.epoch):  # the newest table wins, whoever holds it (rule 4)
-            try:
-                await self.apply_state(await self.peer_client.state(address))
-            except PeerError:
-                return False
-        return True
 
     # -- replicated instance table -------------------------------------------------------
 

@@ -103,7 +103,7 @@ class Supervisor:
                 or inst.instance_id in self.node.worker.runners:
             return
         self._start_runner(current, rank, placement, weights)
-        if rank == 0:  # the others' nodes load it once idle (Node._membership_loop)
+        if rank == 0:  # the others' nodes load it once idle (Membership.run)
             self.node.logistics.warm_tokenizer(inst.model_id)
 
     def _start_runner(self, inst: Instance, rank: int, placement: RankPlacement, weights: Path) -> None:
