@@ -100,11 +100,13 @@ def test_a_long_prompt_does_not_pause_running_streams_for_its_whole_prefill(clus
         async with httpx.AsyncClient(timeout=300) as client:
             streams = [
                 asyncio.create_task(stream_text(client, cluster3.url(0),
-                                                body(f"Count slowly about {t}.", max_tokens=120,
+                                                body(f"Count slowly about {t}.", max_tokens=360,
                                                      ignore_eos=True)))
                 for t in TOPICS[:4]
             ]
-            await asyncio.sleep(2.0)  # the four are decoding
+            # the four are decoding, and still are after the long prompt's prefill (at
+            # 120 tokens they had all finished 2 s in on an idle 2-core machine: [1, 0, 1, 1])
+            await asyncio.sleep(2.0)
             sent = time.monotonic()
             _, long_times = await stream_text(
                 client, cluster3.url(0), body(long_prompt + "\nHow many items?", max_tokens=2))
