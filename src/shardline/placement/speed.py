@@ -272,7 +272,8 @@ def predict_tokens_per_s(
 
     tensor (two all-reduces a layer of float32 partial sums, rank 0 samples; a sum of at
     most ``POINT_TO_POINT_BYTES``, a decode step's, goes from every rank to every other in
-    one hop (:func:`shardline.parallel.point_to_point.all_reduce`); a larger one by gloo's
+    one hop on gloo (:func:`shardline.parallel.point_to_point.all_reduce`; NCCL's own
+    small sum is counted alike, its links' latencies are microseconds); a larger one by gloo's
     ring all-reduce: a reduce-scatter and an all-gather of P-1 steps each, every step a
     message of 1/P of the sums to the next rank: Patarasuk and Yuan, "Bandwidth optimal
     all-reduce algorithms for clusters of workstations", JPDC 2009)::
