@@ -103,7 +103,7 @@ class Stage:
         return outputs
 
     def gather(self, proposal: torch.Tensor) -> list[torch.Tensor]:
-        """All-gather each rank's proposal (int64 ``[2 + 2k + M]``, the same length on
+        """Every rank's proposal, on every rank (int64 ``[2 + 2k + M]``, the same length on
         every rank, on the communication device: the CPU for gloo, the GPU for NCCL;
         :mod:`shardline.runner.agreement`): the step's agreement and, from the sampling
         rank, its sampled ids. Returns the proposals in group-rank order, on the CPU.

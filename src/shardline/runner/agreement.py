@@ -4,8 +4,8 @@ exchanged in the same collective as a step's sampled token ids.
 Each rank receives tasks and cancellations on its own, in whatever order the network
 delivers them. Before any collective that belongs to a task, all ranks must take the same
 tasks in the same order, or their collectives pair up across different requests and the
-instance hangs. Once a step, each rank all-gathers a fixed-size int64 vector (its
-*proposal*):
+instance hangs. Once a step, every rank gets every rank's fixed-size int64 vector (its
+*proposal*; :meth:`shardline.parallel.stage.Stage.gather`):
 
     [n_tasks, n_cancels, task ids (k slots), cancelled ids (k slots), sampled ids (M)]
 
@@ -13,10 +13,10 @@ instance hangs. Once a step, each rank all-gathers a fixed-size int64 vector (it
   ascending task-id order, identical on every rank;
 - a cancellation is agreed when any rank lists it (union): only its id is needed;
 - the sampled ids (M: the sequences sampled this step, a count every rank knows) are the
-  sampling rank's; the other ranks send zeros there. One all-gather thus both shares the
-  step's tokens and agrees on the next step's tasks: on a pipeline over gloo (a ring
-  all-gather) the last rank's tokens reach the first rank after one hop, as a broadcast
-  would, and the separate agreement round each step costs is gone.
+  sampling rank's; the other ranks send zeros there. One exchange thus both shares the
+  step's tokens and agrees on the next step's tasks: on a pipeline over gloo the other
+  ranks send theirs to the last rank while it computes, and its tokens reach them one
+  hop after it has sampled, as a broadcast would; no separate agreement round.
 
 Every rank computes the result from the same gathered data, so all agree at the same step.
 """

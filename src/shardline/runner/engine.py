@@ -16,7 +16,7 @@ Each step:
    pipeline's stages overlap many chunks (:mod:`shardline.parallel.pipeline`);
 5. the sampling rank samples every sequence that has new logits
    (:mod:`shardline.runner.sampling`, each sequence by its own parameters and, where it
-   has a grammar, its own mask: :mod:`shardline.runner.constraint`); one all-gather gives
+   has a grammar, its own mask: :mod:`shardline.runner.constraint`); one exchange gives
    the token ids to every rank and agrees on the next step's tasks and cancellations at
    once, and when a sequence of the step asks for log-probabilities (every rank knows
    which do) a broadcast gives them (:mod:`shardline.runner.logprob_tables`); a chunk of a
@@ -267,8 +267,9 @@ class Engine:
 
     def exchange(self, tokens: list[int]) -> tuple[Agreement, list[int]]:
         """Propose the held tasks and pending cancellations, with this step's sampled
-        ``tokens`` (the sampling rank's; the others pass as many zeros), and all-gather:
-        returns the agreement and the sampling rank's tokens."""
+        ``tokens`` (the sampling rank's; the others pass as many zeros), and exchange the
+        proposals (:meth:`Stage.gather <shardline.parallel.stage.Stage.gather>`): returns
+        the agreement and the sampling rank's tokens."""
         proposal = encode_proposal(list(self.held), list(self.pending_cancels), AGREE_K, tokens)
         if self.stage.world_size > 1:  # alone, it stays where it is (no trip to a GPU and back)
             proposal = proposal.to(self.comm_device)
