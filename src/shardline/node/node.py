@@ -75,10 +75,12 @@ from shardline.node.worker import Spare, Worker
 
 log = logging.getLogger(__name__)
 
+
 class Node:
-    """A node: its state, its membership (polling peers, terms, who coordinates) and the
-    replicated instance table (publish, adopt, keep on disk); the composition root of its
-    roles, which share that state: :class:`~shardline.node.coordinator.Coordinator`,
+    """A node: its state, what it knows of its peers (who is live, who coordinates) and
+    the replicated instance table (publish, adopt, keep on disk); the composition root of
+    its roles, which share that state: :class:`~shardline.node.membership.Membership`
+    (the rounds: polling peers, terms), :class:`~shardline.node.coordinator.Coordinator`,
     :class:`~shardline.node.supervision.Supervisor`,
     :class:`~shardline.node.logistics.ModelLogistics` and
     :class:`~shardline.node.routing.Router`. The HTTP layer is ``shardline.node.app``.
