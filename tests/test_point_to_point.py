@@ -1,5 +1,6 @@
-"""The point-to-point collectives on real gloo ranks: every rank gets the same table and
-the same sum, bit for bit, and calls in a row do not take each other's messages."""
+"""The point-to-point collectives on real gloo ranks: every rank gets the same table, the
+same sum and the root's tensor, bit for bit, and calls in a row do not take each other's
+messages."""
 
 from __future__ import annotations
 
@@ -18,8 +19,9 @@ def _values(rank: int, call: int) -> torch.Tensor:
 
 
 def _job(rank: int, world: int, calls: int) -> dict:
-    """Alternate gather_at (rooted at the last rank, then the first) and all_reduce."""
-    tables, sums = [], []
+    """Alternate gather_at (rooted at the last rank, then the first), all_reduce and
+    broadcast (from the first rank, then the last)."""
+    tables, sums, shared = [], [], []
     for call in range(calls):
         root = world - 1 if call % 2 == 0 else 0
         proposal = torch.arange(4, dtype=torch.int64) + 100 * rank + 10_000 * call
@@ -28,7 +30,10 @@ def _job(rank: int, world: int, calls: int) -> dict:
         out = point_to_point.all_reduce(x, rank, world)
         assert out.data_ptr() == x.data_ptr()  # written in place
         sums.append(out.clone())
-    return {"tables": tables, "sums": sums}
+        source = 0 if call % 2 == 0 else world - 1
+        table = _values(rank, call) if rank == source else torch.empty(3, 5)
+        shared.append(point_to_point.broadcast(table, source, rank, world).clone())
+    return {"tables": tables, "sums": sums, "shared": shared}
 
 
 @pytest.mark.timeout(90)
@@ -45,3 +50,5 @@ def test_gather_and_all_reduce_agree_on_every_rank(tmp_path, world):
         for rank, result in enumerate(results):
             assert torch.equal(result["tables"][call], expected_table), (rank, call)
             assert torch.equal(result["sums"][call], expected_sum), (rank, call)
+            source = 0 if call % 2 == 0 else world - 1
+            assert torch.equal(result["shared"][call], _values(source, call)), (rank, call)

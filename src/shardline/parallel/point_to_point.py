@@ -13,7 +13,8 @@ NCCL groups keep ``torch.distributed``'s collectives (:func:`point_to_point`).
 Every function here posts all its receives and sends before it waits on any, so ranks
 that call it in the same order cannot deadlock, and it waits for all of them before it
 returns, so no transfer outlives the call. Each uses its own tag (:data:`GATHER_TAG`,
-:data:`ALL_REDUCE_TAG`), apart from the pipeline's (a micro-batch's index in its step).
+:data:`BROADCAST_TAG`, :data:`ALL_REDUCE_TAG`), apart from the pipeline's (a micro-batch's
+index in its step).
 """
 
 from __future__ import annotations
@@ -22,7 +23,8 @@ import torch
 import torch.distributed as dist
 
 GATHER_TAG = 1 << 20
-ALL_REDUCE_TAG = GATHER_TAG + 1
+BROADCAST_TAG = GATHER_TAG + 1
+ALL_REDUCE_TAG = GATHER_TAG + 2
 
 
 def point_to_point(group: dist.ProcessGroup | None) -> bool:
@@ -42,13 +44,30 @@ def _wait(works: list[dist.Work | None]) -> None:
         work.wait()
 
 
+def broadcast(tensor: torch.Tensor, root: int, rank: int, world_size: int,
+              group: dist.ProcessGroup | None = None) -> torch.Tensor:
+    """Group rank ``root``'s ``tensor`` (contiguous, the same shape and dtype on every
+    rank), written into ``tensor`` on the others and returned: ``root`` sends it to each
+    (P - 1 messages, one hop).
+
+    Raises:
+        RuntimeError: a send or receive failed or timed out (a peer rank is gone).
+    """
+    if rank == root:
+        _wait([dist.isend(tensor, dst=_global(group, r), group=group, tag=BROADCAST_TAG)
+               for r in range(world_size) if r != root])
+    else:
+        _wait([dist.irecv(tensor, src=_global(group, root), group=group, tag=BROADCAST_TAG)])
+    return tensor
+
+
 def gather_at(root: int, tensor: torch.Tensor, rank: int, world_size: int,
               group: dist.ProcessGroup | None = None) -> torch.Tensor:
     """Every rank's ``tensor`` (the same shape and dtype on every rank), stacked in group
     rank order: ``[world_size, *tensor.shape]``, on every rank.
 
-    The ranks send theirs to group rank ``root``, which sends the stacked table back to
-    each: 2 (P - 1) messages. A rank that ``root`` waits for reaches every rank one
+    The ranks send theirs to group rank ``root``, which :func:`broadcast` s the stacked
+    table: 2 (P - 1) messages. A rank that ``root`` waits for reaches every rank one
     message after it arrives, so where ``root`` is the last to arrive (the sampling rank
     at the end of a pipeline's step) it costs the others one hop, as a broadcast would.
 
@@ -59,14 +78,12 @@ def gather_at(root: int, tensor: torch.Tensor, rank: int, world_size: int,
         parts = [tensor if r == root else torch.empty_like(tensor) for r in range(world_size)]
         _wait([dist.irecv(parts[r], src=_global(group, r), group=group, tag=GATHER_TAG)
                for r in range(world_size) if r != root])
-        table = torch.stack(parts)
-        _wait([dist.isend(table, dst=_global(group, r), group=group, tag=GATHER_TAG)
-               for r in range(world_size) if r != root])
-        return table
-    table = torch.empty((world_size, *tensor.shape), dtype=tensor.dtype, device=tensor.device)
+        return broadcast(torch.stack(parts), root, rank, world_size, group)
     sent = tensor.contiguous()  # referenced until its send completes
-    _wait([dist.isend(sent, dst=_global(group, root), group=group, tag=GATHER_TAG),
-           dist.irecv(table, src=_global(group, root), group=group, tag=GATHER_TAG)])
+    send = dist.isend(sent, dst=_global(group, root), group=group, tag=GATHER_TAG)
+    table = torch.empty((world_size, *tensor.shape), dtype=tensor.dtype, device=tensor.device)
+    broadcast(table, root, rank, world_size, group)
+    _wait([send])
     return table
 
 

@@ -22,7 +22,7 @@ import torch.distributed as dist
 
 from shardline.models.kv_cache import KVCache
 from shardline.models.llama import DecoderShard, ForwardBatch
-from shardline.parallel.point_to_point import gather_at, point_to_point
+from shardline.parallel.point_to_point import broadcast, gather_at, point_to_point
 from shardline.parallel.progress import Progress
 
 
@@ -127,12 +127,16 @@ class Stage:
     def share_logprobs(self, table: torch.Tensor) -> torch.Tensor:
         """Broadcast a step's log-probability table (float32 ``[M, 1 + 2k]``,
         :func:`shardline.runner.engine.logprob_table`, on the communication device) from
-        the sampling rank to all; in place. Called only in steps where a sequence asks for
-        log-probabilities, on every rank alike."""
+        the sampling rank to all, in place (on gloo by sends:
+        :func:`~shardline.parallel.point_to_point.broadcast`). Called only in steps where
+        a sequence asks for log-probabilities, on every rank alike."""
         if self.world_size > 1:
             self.progress.mark(f"receiving log-probabilities of {table.shape[0]} tokens "
                                f"from rank {self.sampler}")
-            root = self.sampler if self.group is None else dist.get_global_rank(self.group, self.sampler)
-            dist.broadcast(table, src=root, group=self.group)
+            if point_to_point(self.group):
+                broadcast(table, self.sampler, self.rank, self.world_size, self.group)
+            else:
+                root = self.sampler if self.group is None else dist.get_global_rank(self.group, self.sampler)
+                dist.broadcast(table, src=root, group=self.group)
             self.progress.mark("log-probabilities shared")
         return table
