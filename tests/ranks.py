@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import socket
 import time
 import traceback
 from datetime import timedelta
@@ -10,12 +9,6 @@ from pathlib import Path
 
 import torch
 import torch.multiprocessing as mp
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _worker(rank, world, port, job, args, out_dir):
@@ -42,7 +35,9 @@ def spawn_ranks(world: int, job, args: tuple, tmp_path: Path, timeout: float) ->
     ctx = mp.get_context("spawn")
     out_dir = tmp_path / f"ranks-{world}-{time.monotonic_ns()}"
     out_dir.mkdir()
-    port = _free_port()
+    from conftest import free_port_block  # here: the ranks' processes import this module too
+
+    port = free_port_block(1)
     procs = [ctx.Process(target=_worker, args=(r, world, port, job, args, str(out_dir)),
                          daemon=True) for r in range(world)]
     for p in procs:

@@ -8,8 +8,8 @@ import pytest
 import torch
 import torch.multiprocessing as mp
 import torch.nn.functional as F
+from conftest import free_port_block
 
-from shardline.node.coordinator import free_port
 from shardline.parallel.ring import (
     RingContext,
     attend_block,
@@ -86,7 +86,7 @@ def _ring_rank(rank, world, port, length, start, result_dir):
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("world,length,start", [(2, 37, 0), (3, 50, 11)])
 def test_ring_attention_across_processes_equals_plain_causal_attention(tmp_path, world, length, start):
-    mp.spawn(_ring_rank, args=(world, free_port(), length, start, str(tmp_path)), nprocs=world)
+    mp.spawn(_ring_rank, args=(world, free_port_block(1), length, start, str(tmp_path)), nprocs=world)
     torch.manual_seed(1)
     heads, kv_heads, d = 4, 2, 8
     q_all = torch.randn(start + length, heads, d)

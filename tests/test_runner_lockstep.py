@@ -15,9 +15,9 @@ from dataclasses import dataclass, field
 import pytest
 import tiny_models as tm
 import torch
+from conftest import free_port_block
 
 from shardline.models.config import RankShare
-from shardline.node.coordinator import free_port
 from shardline.node.worker import Worker
 from shardline.runner.protocol import (
     Cancel,
@@ -58,7 +58,7 @@ class Instance:
                  prefill_step_tokens: int = 1024, progress_timeout_s: float = 60,
                  kv_tokens: int = 0) -> None:
         self.ranks = []
-        port = free_port()
+        port = free_port_block(1)
         layers = 4
         bounds = [round(i * layers / world) for i in range(world + 1)]
         for r in range(world):
