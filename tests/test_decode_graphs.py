@@ -144,4 +144,4 @@ def test_captured_steps_match_the_eager_step_on_cuda(model_dir):
         assert torch.allclose(captured, plain, atol=1e-4, rtol=1e-4)
     # warmed before the first request: every (rows, span) a 3-slot, 96-position cache gives
     cache = KVCache(shard.config, LAYERS, 3, 96, torch.float32, "cuda")
-    assert graphs.warm(cache, 3) == 3 and len(graphs) == 3
+    assert graphs.warm(cache, 3) == (3, 3) and len(graphs) == 3

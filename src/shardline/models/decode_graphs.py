@@ -185,24 +185,25 @@ class DecodeGraphs:
             captured.graph.replay()
         return captured.out.clone()
 
-    def warm(self, cache: KVCache, rows: int) -> int:
+    def warm(self, cache: KVCache, rows: int) -> tuple[int, int]:
         """Capture the steps of 1 to ``rows`` rows (at most :data:`GRAPH_MAX_ROWS`) at
         every key span of ``cache`` (:func:`key_spans`) now, before any request: each
         capture runs the step twice and builds a graph, which the first steps of each new
         batch shape paid for while they served. Writes keys and values at position 0 of
         slot 0, which a sequence's prefill writes before any step reads it. Returns the
-        graphs captured."""
+        graphs captured and the most rows captured."""
         self._graphs.clear()
         self._cache = cache
         device, hidden = self.shard.device, self.shard.config.hidden_size
         spans = key_spans(cache.k[0].shape[2])
-        for n in range(1, min(rows, GRAPH_MAX_ROWS) + 1):
+        most = min(rows, GRAPH_MAX_ROWS)
+        for n in range(1, most + 1):
             inputs = (torch.zeros(n, dtype=torch.long) if self.shard.embed is not None
                       else torch.zeros(n, hidden, dtype=self.shard.dtype, device=device))
             meta = torch.tensor([[0] * n, [1] * n], dtype=torch.long)
             for span in spans:
                 self._graphs[(n, span)] = self._capture(inputs, meta, span, cache)
-        return len(self._graphs)
+        return len(self._graphs), most
 
     def _capture(self, inputs: torch.Tensor, meta: torch.Tensor, span: int,
                  cache: KVCache) -> _Captured:

@@ -133,7 +133,6 @@ def serve(conn, outbox: Outbox, started: float) -> None:
     import shardline.models.shard_loader  # noqa: F401 (load_stage's, before the spec too)
     import shardline.parallel.pipeline  # noqa: F401
     from shardline.models import native_dequant
-    from shardline.models.decode_graphs import GRAPH_MAX_ROWS
     from shardline.models.linear import weight_bytes
     from shardline.models.weights import open_weights
     from shardline.node.profile import pick_device
@@ -185,9 +184,9 @@ def serve(conn, outbox: Outbox, started: float) -> None:
     torch.set_num_threads(serving_threads)
     if stage.shard.graphs is not None:
         warming = time.monotonic()
-        captured = stage.shard.graphs.warm(cache, spec.max_batch)
+        captured, most = stage.shard.graphs.warm(cache, spec.max_batch)
         log.info("captured %d decode graphs (1-%d rows, key spans up to %d) in %.2f s", captured,
-                 min(spec.max_batch, GRAPH_MAX_ROWS), cache.k[0].shape[2], time.monotonic() - warming)
+                 most, cache.k[0].shape[2], time.monotonic() - warming)
     if group is not None:
         dist.barrier(group)  # every rank holds its shard before any serves
         outbox.watch(progress, spec.progress_timeout_s)
