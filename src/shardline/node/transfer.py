@@ -181,7 +181,7 @@ def _fetch_file(client: httpx.Client, base_url: str, store: ModelStore, model_id
         headers = {"Range": f"bytes={offset}-"} if offset else {}
         params = {"model": model_id, "path": entry.path}
         with client.stream("GET", f"{base_url}/internal/models/file", params=params, headers=headers,
-                           timeout=httpx.Timeout(30.0)) as response:
+                           timeout=30.0) as response:
             if response.status_code == 200 and offset:  # the peer ignored the range: start over
                 hasher, offset = hashlib.sha256(), 0
             elif response.status_code not in (200, 206):
