@@ -132,6 +132,41 @@ def test_a_deletion_mid_stream_tells_the_client_so(cluster):
     assert stream.code == "instance_deleted"
 
 
+def test_a_request_whose_runner_dies_before_its_first_token_is_answered_by_the_next_instance(cluster):
+    """A runner killed while a long prompt is handed over or prefilled: the stream has sent
+    no token yet, so the node waits for the model to be placed again and runs the
+    request there; the client reads a whole answer, no error."""
+    three_live_nodes_and_a_three_rank_instance(cluster)
+    coordinator = coordinator_index(cluster)
+    target = 2 if coordinator != 2 else 1
+    (client_node,) = {0, 1, 2} - {coordinator, target}
+    (old_id,) = [i["instance_id"] for i in
+                 httpx.get(f"{cluster.url(0)}/cluster/instances").json()["instances"]]
+    payload = {"model": DEFAULT_MODEL_ID, "stream": True, "max_tokens": 8, "ignore_eos": True,
+               "messages": [{"role": "user", "content": "Summarize: " + "the cat sat on the mat. " * 250}]}
+    texts, errors = [], []
+    started = time.monotonic()
+    with httpx.stream("POST", f"{cluster.url(client_node)}/v1/chat/completions", json=payload,
+                      timeout=60) as response:
+        assert response.status_code == 200
+        time.sleep(0.3)  # its prefill of ~1,500 tokens takes seconds on 3 ranks here
+        runners_of(psutil.Process(cluster.procs[target].pid))[0].kill()
+        for line in response.iter_lines():
+            if line.startswith("data: ") and line != "data: [DONE]":
+                chunk = json.loads(line[len("data: "):])
+                if "error" in chunk:
+                    errors.append(chunk["error"])
+                for choice in chunk.get("choices", []):
+                    texts.append(choice["delta"].get("content") or "")
+    took = time.monotonic() - started
+    print(f"\nanswered {took:.1f} s after it was sent, its runner killed at 0.3 s: {''.join(texts)!r}")
+    assert not errors and "".join(texts), errors
+    ready = [i for i in httpx.get(f"{cluster.url(0)}/cluster/instances").json()["instances"]
+             if i["status"] == "ready"]
+    assert [i["instance_id"] != old_id for i in ready] == [True]
+    assert took < 30
+
+
 # The node victim last: the others need a third node, which it leaves dead.
 @pytest.mark.parametrize("victim", [
     "runner", pytest.param("frozen runner", marks=pytest.mark.slow), "node"])
@@ -260,12 +295,13 @@ def test_a_request_forwarded_to_a_node_that_stops_answering_ends_when_its_instan
 
 
 @pytest.mark.slow
-def test_a_request_while_a_rank_is_paused_ends_when_its_instance_fails(tmp_path):
+def test_a_request_while_a_rank_is_paused_runs_on_the_instance_placed_again(tmp_path):
     """A pipeline on 2 nodes; the one that does not coordinate paused (SIGSTOP: it takes
     connections and answers nothing); a new request to the other: its hand-off to the
-    paused node hangs, and the request ends when the instance fails in the table (the
-    node found down), not at the hand-off's 10 s timeout (trial 9); the model is then
-    placed again on the node left, which serves."""
+    paused node hangs until the instance fails in the table (the node found down), not
+    to the hand-off's 10 s timeout (trial 9); having sent nothing yet, the request then
+    waits for the model to be placed again on the node left and is answered there (a
+    200, not the 503 it got before)."""
     cluster = LocalCluster(nodes=2, base_port=free_port_block(2), runner_threads=1,
                            log_dir=str(tmp_path), data_dir=str(tmp_path))
     cluster.start()
@@ -279,15 +315,15 @@ def test_a_request_while_a_rank_is_paused_ends_when_its_instance_fails(tmp_path)
         try:
             started = time.monotonic()
             response = httpx.post(f"{cluster.url(asker)}/v1/chat/completions", timeout=60, json={
-                "model": DEFAULT_MODEL_ID, "messages": [{"role": "user", "content": CAPITAL_QUESTION}]})
+                "model": DEFAULT_MODEL_ID, "messages": [{"role": "user", "content": CAPITAL_QUESTION}],
+                "max_tokens": 16, "temperature": 0})
             took = time.monotonic() - started
             print(f"\nrequest ended {took:.1f} s after it was sent: {response.status_code} {response.text[:300]}")
-            assert response.status_code == 503, response.text
-            error = response.json()["error"]
-            assert error["code"] == "instance_failed", error
-            assert "could not be handed" not in error["message"], error  # not the hand-off's timeout
-            assert took < 20
-            assert wait_until_serving(cluster, asker, 60)
+            assert response.status_code == 200, response.text
+            assert "Paris" in response.json()["choices"][0]["message"]["content"]
+            assert took < 30
+            instances = httpx.get(f"{cluster.url(asker)}/cluster/instances", timeout=5).json()["instances"]
+            assert [len(i["ranks"]) for i in instances if i["status"] == "ready"] == [1], instances
         finally:
             cluster.procs[paused].send_signal(signal.SIGCONT)
     finally:

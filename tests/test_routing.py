@@ -1,6 +1,7 @@
 """The router's lookups, in process (no cluster): a request whose instance went away
-between the API's check and its start; an instance placed beside another (a rejoin's
-handover); deleting one deletes what stands in for it."""
+between the API's check and its start, and what it does next (waits for the model to be
+served again, or fails); an instance placed beside another (a rejoin's handover); deleting
+one deletes what stands in for it."""
 
 from __future__ import annotations
 
@@ -12,11 +13,12 @@ import pytest
 from shardline.models.config import RankShare, Sharding
 from shardline.node.cluster_state import Epoch
 from shardline.node.coordinator import Coordinator
-from shardline.node.routing import RequestStream, Router
+from shardline.node.peer_client import PeerError
+from shardline.node.routing import AfterFailure, RequestStream, Router, after_failure
 from shardline.node.state import ClusterState, apply
 from shardline.node.status import InstanceStatus, RankStatus
 from shardline.node.table import Instance, InstanceFailedError, RankPlacement
-from shardline.runner.protocol import SamplingParams, TokenRequest
+from shardline.runner.protocol import SamplingParams, TokenEvent, TokenRequest
 
 pytestmark = [pytest.mark.fast, pytest.mark.timeout(10)]
 
@@ -42,10 +44,60 @@ def test_a_request_whose_instance_is_gone_fails_as_a_failed_instance(reserved):
     assert node.streams == {}
 
 
-def _instance(instance_id: str, status: InstanceStatus, created_at: float, replaced=()) -> Instance:
-    return Instance(instance_id, "m", Sharding.PIPELINE,
-                    (RankPlacement("a", "a:1", RankShare(0, 1), status=RankStatus.READY),),
-                    "a", 1, 256, 1, status=status, created_at=created_at, replaced=replaced)
+def _instance(instance_id: str, status: InstanceStatus, created_at: float, replaced=(),
+              model: str = "m", node: str = "a") -> Instance:
+    return Instance(instance_id, model, Sharding.PIPELINE,
+                    (RankPlacement(node, f"{node}:1", RankShare(0, 1), status=RankStatus.READY),),
+                    node, 1, 256, 1, status=status, created_at=created_at, replaced=replaced)
+
+
+READY, LOADING, FAILED = InstanceStatus.READY, InstanceStatus.LOADING, InstanceStatus.FAILED
+
+
+@pytest.mark.parametrize("table, failed, waited_s, step", [
+    ({"new": READY}, ["old"], 0.0, AfterFailure.RETRY),  # placed again and ready
+    ({"new": READY}, ["old"], 99.0, AfterFailure.RETRY),  # ready is ready, however late
+    ({"old": READY}, ["old"], 1.0, AfterFailure.WAIT),  # not found failed yet: not tried again
+    ({"old": READY}, ["old"], 30.0, AfterFailure.GIVE_UP),
+    ({"old": FAILED}, ["old"], 1.0, AfterFailure.WAIT),  # the coordinator places it again
+    ({"old": FAILED, "new": LOADING}, ["old"], 20.0, AfterFailure.WAIT),
+    ({"new": LOADING}, ["old"], 30.0, AfterFailure.GIVE_UP),
+    ({}, ["old"], 0.0, AfterFailure.GIVE_UP),  # deleted: nothing to wait for
+    ({"other": READY}, ["old"], 0.0, AfterFailure.GIVE_UP),  # another model's
+])
+def test_what_a_request_does_after_its_instance_failed(table, failed, waited_s, step):
+    instances = {name: _instance(name, status, 0.0, model="n" if name == "other" else "m")
+                 for name, status in table.items()}
+    assert after_failure(instances, "m", failed, waited_s, limit_s=30.0) == step
+
+
+def test_a_request_whose_instance_failed_before_any_output_runs_on_the_next_one():
+    """The request's instance failed (in the table) before it yielded anything; the model
+    is placed again on another node 0.3 s later: the request waits and runs there, and
+    the client sees its tokens, not the failure."""
+    node = SimpleNamespace(node_id="a", instances={"old": _instance("old", FAILED, 0.0)}, streams={})
+    asked: list[str] = []
+
+    async def generate(address, request):
+        asked.append(address)
+        yield TokenEvent(1, 42, "length")
+
+    node.peer_client = SimpleNamespace(generate=generate)
+
+    async def run() -> tuple[list[TokenEvent], float]:
+        async def place_again() -> None:
+            await asyncio.sleep(0.3)
+            node.instances = {"new": _instance("new", READY, 1.0, replaced=("old",), node="b")}
+
+        placing = asyncio.create_task(place_again())
+        started = asyncio.get_running_loop().time()
+        events = [e async for e in Router(node).generate(TokenRequest("m", (1, 2), 4, SamplingParams(), ()))]
+        await placing
+        return events, asyncio.get_running_loop().time() - started
+
+    events, took = asyncio.run(run())
+    assert [e.token_id for e in events] == [42] and asked == ["b:1"]
+    assert 0.3 <= took < 2.0
 
 
 @pytest.mark.parametrize("new_status, chosen", [
@@ -77,3 +129,25 @@ def test_deleting_an_instance_deletes_the_one_placed_beside_it():
     node = FakeNode()
     assert asyncio.run(Coordinator(node).delete_instance("old")) == "old"  # type: ignore[arg-type]
     assert set(node.instances) == {"other"}
+
+
+@pytest.mark.parametrize("output_first", [True, False])
+def test_a_request_that_failed_after_output_or_on_a_node_that_waited_is_not_run_again(output_first):
+    """A forwarded request whose node was lost after a token was sent (the output cannot
+    be taken back), or whose node answered with its own final error (it waited for the
+    model already): the error, at once, and the peer asked once."""
+    node = SimpleNamespace(node_id="a", instances={"x": _instance("x", READY, 0.0, node="b")}, streams={})
+    asked: list[str] = []
+
+    async def generate(address, request):
+        asked.append(address)
+        if output_first:
+            yield TokenEvent(1, 42)
+            raise PeerError("lost b:1")
+        raise InstanceFailedError("rank 0 failed", final=True)
+        yield  # an async generator
+
+    node.peer_client = SimpleNamespace(generate=generate)
+    with pytest.raises(InstanceFailedError):
+        run_to_end(Router(node), None)
+    assert asked == ["b:1"]

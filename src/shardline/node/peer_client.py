@@ -146,7 +146,8 @@ class PeerClient:
             QueueFullError: the peer refused it with 429 (as many requests wait there as
                 it queues).
             InstanceFailedError: the request failed there (the peer's error, which names
-                the rank that failed).
+                the rank that failed; ``final``: the peer has waited for the model to be
+                served again).
         """
         body = json.dumps(dataclasses.asdict(request))
         try:
@@ -164,7 +165,8 @@ class PeerClient:
                     line = self._parse_line(raw, address)
                     if line.error is not None:
                         codes = {c.value: c for c in EndCode}
-                        raise InstanceFailedError(line.error, codes.get(line.code or "", EndCode.INSTANCE_FAILED))
+                        raise InstanceFailedError(line.error, codes.get(line.code or "", EndCode.INSTANCE_FAILED),
+                                                  final=True)
                     event = line.token or line.progress
                     if event is not None:
                         yield event

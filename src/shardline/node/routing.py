@@ -8,8 +8,9 @@ import asyncio
 import logging
 import time
 import weakref
-from collections.abc import AsyncGenerator
+from collections.abc import AsyncGenerator, Collection, Mapping
 from dataclasses import dataclass
+from enum import Enum
 from typing import TYPE_CHECKING
 
 from shardline.node.peer_client import PeerError
@@ -31,6 +32,54 @@ if TYPE_CHECKING:
     from shardline.node.node import Node
 
 log = logging.getLogger(__name__)
+
+REPLACEMENT_WAIT_S = 30.0
+"""How long a request whose instance failed before its first output waits for the model to
+be served again (seconds, from the failure): a node found down is replaced after the
+coordinator's ``down_after_s + 1`` (6 s by default) and the new instance's load."""
+
+RETRY_POLL_S = 0.1
+"""How often such a request looks at the table for a ready instance (seconds)."""
+
+
+def ready_instances(instances: Mapping[str, Instance], model_id: str, node_id: str,
+                    avoid: Collection[str] = ()) -> list[Instance]:
+    """The ready instances of ``model_id`` in a table, those with a rank on ``node_id``
+    first, then the oldest first; not one a ready instance stands in for
+    (``state.superseded``: it is being handed over), nor those in ``avoid``."""
+    old = superseded(instances)
+    ready = [i for i in instances.values() if i.model_id == model_id
+             and i.status == InstanceStatus.READY and i.instance_id not in old
+             and i.instance_id not in avoid]
+    return sorted(ready, key=lambda i: (node_id not in i.node_ids(), i.created_at))
+
+
+class AfterFailure(Enum):
+    """What a request whose instance failed before it yielded output does next."""
+
+    RETRY = "retry"
+    """A ready instance other than those it failed on serves its model: run it there,
+    from the start."""
+    WAIT = "wait"
+    """Its model has an instance that is loading, or a failed one the coordinator may place
+    again: look again in :data:`RETRY_POLL_S`."""
+    GIVE_UP = "give_up"
+    """No instance of its model is left, or it waited ``limit_s``: the client gets the
+    error."""
+
+
+def after_failure(instances: Mapping[str, Instance], model_id: str, failed: Collection[str],
+                  waited_s: float, limit_s: float = REPLACEMENT_WAIT_S) -> AfterFailure:
+    """The next step of a request whose instances ``failed`` (ids) failed before its first
+    output (:meth:`Router.generate`: nothing the client keeps, so running it again
+    elsewhere shows only as a delay), ``waited_s`` seconds after the first failure. An instance that failed
+    it is not tried again, though the table may not show it failed yet (a hand-off that
+    did not reach a rank comes before the coordinator's verdict)."""
+    if ready_instances(instances, model_id, "", avoid=failed):
+        return AfterFailure.RETRY
+    if waited_s >= limit_s or not any(i.model_id == model_id for i in instances.values()):
+        return AfterFailure.GIVE_UP
+    return AfterFailure.WAIT
 
 
 @dataclass
@@ -59,12 +108,9 @@ class Router:
         Raises:
             NoInstanceError: none is ready.
         """
-        old = superseded(self.node.instances)
-        ready = [i for i in self.node.instances.values() if i.model_id == model_id
-                 and i.status == InstanceStatus.READY and i.instance_id not in old]
+        ready = ready_instances(self.node.instances, model_id, self.node.node_id)
         if not ready:
             raise NoInstanceError(f"no ready instance serves model {model_id!r}")
-        ready.sort(key=lambda i: (self.node.node_id not in i.node_ids(), i.created_at))
         return ready[0]
 
     def models(self) -> list[dict]:
@@ -115,6 +161,13 @@ class Router:
         progress of a prefill that takes more than one engine step, then its tokens.
         ``task_id``: the place :meth:`reserve` took for it, if one was taken.
 
+        Where its instance fails before the request yielded output (a token, or prompt
+        log-probabilities; a runner, node or link lost during its hand-off or prefill), it
+        waits for the model to be served again and runs there from the start
+        (:func:`after_failure`, at most :data:`REPLACEMENT_WAIT_S` after the failure): the
+        client sees a delay, and a prefill's progress start again, not an error. Once it
+        yielded output, a failure ends it: the output cannot be taken back.
+
         Closing the iterator early cancels the request on every rank.
 
         Raises:
@@ -122,24 +175,60 @@ class Router:
                 node forwarded to).
             InstanceFailedError: the instance failed mid-request, or none is ready when it
                 starts (the API found one ready before tokenizing; it has gone since, e.g.
-                its nodes restarted: a 503 to retry, not an internal error).
+                its nodes restarted: a 503 to retry, not an internal error) and no other
+                became ready in time.
+        """
+        failed_at: float | None = None
+        tried: list[str] = []  # instances it ran on, in order
+        while True:
+            output = False  # whether it yielded what the client keeps (a prefill's progress
+            try:  # without log-probabilities is only shown, and starts again from 0)
+                async for event in self._attempt(request, task_id, tried):
+                    output = output or isinstance(event, TokenEvent) or bool(event.logprobs)
+                    yield event
+                return
+            except InstanceFailedError as exc:
+                if output or exc.code != EndCode.INSTANCE_FAILED or exc.final:
+                    raise
+                failed_at = failed_at or time.monotonic()
+                log.info("%s: the request had no output yet; waiting for its model %r to be "
+                         "served again", exc, request.model_id)
+                while (step := after_failure(self.node.instances, request.model_id, tried,
+                                             time.monotonic() - failed_at)) == AfterFailure.WAIT:
+                    await asyncio.sleep(RETRY_POLL_S)
+                if step == AfterFailure.GIVE_UP:
+                    raise
+                task_id = None
+
+    async def _attempt(self, request: TokenRequest, task_id: int | None,
+                       tried: list[str]) -> AsyncGenerator[TokenEvent | PrefillProgress, None]:
+        """One run of :meth:`generate`'s request on a ready instance (the reserved one,
+        where it still is; else one not in ``tried``), or through the node of one; the
+        instance's id is appended to ``tried``.
+
+        Raises:
+            QueueFullError, InstanceFailedError: as :meth:`generate`.
         """
         stream = None if task_id is None else self.node.streams.get(task_id)
         inst = None if stream is None else self.node.instances.get(stream.instance_id)
         if inst is None:
             if task_id is not None:
                 self.node.streams.pop(task_id, None)  # its instance is gone: find another
-            try:
-                inst = self.ready_instance(request.model_id)
-            except NoInstanceError as exc:
-                raise InstanceFailedError(f"{exc} any more (its instance failed or its nodes "
-                                          "restarted since the request came); retry later") from None
+            ready = ready_instances(self.node.instances, request.model_id, self.node.node_id, tried)
+            if not ready:
+                raise InstanceFailedError(f"no ready instance serves model {request.model_id!r} any "
+                                          "more (its instance failed or its nodes restarted since the "
+                                          "request came); retry later")
+            inst = ready[0]
+            tried.append(inst.instance_id)
             if self.node.node_id not in inst.node_ids():
                 async for event in self._forward(inst, request):
                     yield event
                 return
             task_id = self._register(inst)
             stream = self.node.streams[task_id]
+        else:
+            tried.append(inst.instance_id)
         assert task_id is not None and stream is not None
         task = Task.of(task_id, self.node.node_id, request)
         finished = False

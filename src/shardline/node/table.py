@@ -36,11 +36,15 @@ class EndCode(StrEnum):
 
 class InstanceFailedError(RuntimeError):
     """The instance serving a request stopped serving it while it was in flight;
-    ``code`` says why (:class:`EndCode`)."""
+    ``code`` says why (:class:`EndCode`). ``final``: the node that ran the request gave
+    this answer after its own wait for the model to be served again (a forwarded
+    request's), so the node that forwarded it does not wait again."""
 
-    def __init__(self, message: str, code: EndCode = EndCode.INSTANCE_FAILED) -> None:
+    def __init__(self, message: str, code: EndCode = EndCode.INSTANCE_FAILED,
+                 final: bool = False) -> None:
         super().__init__(message)
         self.code = code
+        self.final = final
 
 
 @dataclass(frozen=True)
