@@ -1,6 +1,7 @@
-"""The point-to-point collectives on real gloo ranks: every rank gets the same table, the
-same sum and the root's tensor, bit for bit, and calls in a row do not take each other's
-messages."""
+"""A rank's collectives (:class:`~shardline.parallel.collectives.Collectives`) on real
+gloo ranks: every rank gets the same table, the same sum and the root's tensor, bit for
+bit, by point-to-point sends, and calls in a row do not take each other's messages; a sum
+above ``POINT_TO_POINT_BYTES`` (gloo's ring) is right too."""
 
 from __future__ import annotations
 
@@ -8,7 +9,8 @@ import pytest
 import torch
 from ranks import spawn_ranks
 
-from shardline.parallel import point_to_point
+from shardline.parallel import POINT_TO_POINT_BYTES
+from shardline.parallel.collectives import Collectives
 
 
 def _values(rank: int, call: int) -> torch.Tensor:
@@ -20,20 +22,23 @@ def _values(rank: int, call: int) -> torch.Tensor:
 
 def _job(rank: int, world: int, calls: int) -> dict:
     """Alternate gather_at (rooted at the last rank, then the first), all_reduce and
-    broadcast (from the first rank, then the last)."""
+    broadcast (from the first rank, then the last); then one large all_reduce."""
+    collectives = Collectives(None, rank, world)
+    assert collectives.sends
     tables, sums, shared = [], [], []
     for call in range(calls):
         root = world - 1 if call % 2 == 0 else 0
         proposal = torch.arange(4, dtype=torch.int64) + 100 * rank + 10_000 * call
-        tables.append(point_to_point.gather_at(root, proposal, rank, world))
+        tables.append(collectives.gather_at(root, proposal))
         x = _values(rank, call)
-        out = point_to_point.all_reduce(x, rank, world)
+        out = collectives.all_reduce(x)
         assert out.data_ptr() == x.data_ptr()  # written in place
         sums.append(out.clone())
         source = 0 if call % 2 == 0 else world - 1
         table = _values(rank, call) if rank == source else torch.empty(3, 5)
-        shared.append(point_to_point.broadcast(table, source, rank, world).clone())
-    return {"tables": tables, "sums": sums, "shared": shared}
+        shared.append(collectives.broadcast(table, source).clone())
+    large = torch.full((POINT_TO_POINT_BYTES // 4 + 16,), float(rank + 1))
+    return {"tables": tables, "sums": sums, "shared": shared, "large": collectives.all_reduce(large)}
 
 
 @pytest.mark.timeout(90)
@@ -52,3 +57,5 @@ def test_gather_and_all_reduce_agree_on_every_rank(tmp_path, world):
             assert torch.equal(result["sums"][call], expected_sum), (rank, call)
             source = 0 if call % 2 == 0 else world - 1
             assert torch.equal(result["shared"][call], _values(source, call)), (rank, call)
+    for result in results:
+        assert torch.equal(result["large"], torch.full_like(result["large"], world * (world + 1) / 2))

@@ -8,7 +8,8 @@ all-gather of 20 int64 values took 1.09 ms and 0.86 ms of each rank's CPU, :func
 gloo collective wakes gloo's work thread and its transport thread for each of its
 rounds; the CPU it takes is taken from the ranks that compute. NCCL's collectives have no
 such cost, and its point-to-point sends would each open a communicator per pair of ranks:
-NCCL groups keep ``torch.distributed``'s collectives (:func:`point_to_point`).
+NCCL groups keep ``torch.distributed``'s collectives (the choice is
+:class:`shardline.parallel.collectives.Collectives`).
 
 Every function here posts all its receives and sends before it waits on any, so ranks
 that call it in the same order cannot deadlock, and it waits for all of them before it
@@ -25,13 +26,6 @@ import torch.distributed as dist
 GATHER_TAG = 1 << 20
 BROADCAST_TAG = GATHER_TAG + 1
 ALL_REDUCE_TAG = GATHER_TAG + 2
-
-
-def point_to_point(group: dist.ProcessGroup | None) -> bool:
-    """Whether ``group`` (None: the default group) should take this module's collectives:
-    its backend is not NCCL (gloo, under torch's name or
-    :data:`shardline.runner.rendezvous.GLOO_BACKEND`)."""
-    return dist.get_backend(group) != "nccl"
 
 
 def _global(group: dist.ProcessGroup | None, rank: int) -> int:

@@ -22,7 +22,7 @@ import torch.distributed as dist
 
 from shardline.models.kv_cache import KVCache
 from shardline.models.llama import DecoderShard, ForwardBatch
-from shardline.parallel.point_to_point import broadcast, gather_at, point_to_point
+from shardline.parallel.collectives import Collectives
 from shardline.parallel.progress import Progress
 
 
@@ -53,6 +53,7 @@ class Stage:
         self.rank = rank
         self.world_size = world_size
         self.group = group
+        self.collectives = Collectives(group, rank, world_size)
         self.sampler = sampler
         self.samples = rank == sampler
         self.progress = progress or Progress()
@@ -108,35 +109,25 @@ class Stage:
         :mod:`shardline.runner.agreement`): the step's agreement and, from the sampling
         rank, its sampled ids. Returns the proposals in group-rank order, on the CPU.
 
-        On gloo the proposals meet at the sampling rank, which sends them all back
-        (:func:`~shardline.parallel.point_to_point.gather_at`): on a pipeline the other
-        ranks have sent theirs before the last rank has sampled, and get its tokens one
-        hop later. NCCL all-gathers."""
+        The proposals meet at the sampling rank, which sends them all back
+        (:meth:`Collectives.gather_at`; NCCL all-gathers): on a pipeline the other ranks
+        have sent theirs before the last rank has sampled, and get its tokens one hop
+        later."""
         if self.world_size == 1:
             return [proposal.cpu()]
         self.progress.mark("exchanging tasks and sampled tokens with every rank")
-        if point_to_point(self.group):
-            table = gather_at(self.sampler, proposal, self.rank, self.world_size, self.group)
-        else:
-            gathered = [torch.empty_like(proposal) for _ in range(self.world_size)]
-            dist.all_gather(gathered, proposal, group=self.group)
-            table = torch.stack(gathered)
+        table = self.collectives.gather_at(self.sampler, proposal)
         self.progress.mark("exchanged")
         return list(table.cpu().unbind(0))
 
     def share_logprobs(self, table: torch.Tensor) -> torch.Tensor:
         """Broadcast a step's log-probability table (float32 ``[M, 1 + 2k]``,
         :func:`shardline.runner.engine.logprob_table`, on the communication device) from
-        the sampling rank to all, in place (on gloo by sends:
-        :func:`~shardline.parallel.point_to_point.broadcast`). Called only in steps where
-        a sequence asks for log-probabilities, on every rank alike."""
+        the sampling rank to all, in place (:meth:`Collectives.broadcast`). Called only in
+        steps where a sequence asks for log-probabilities, on every rank alike."""
         if self.world_size > 1:
             self.progress.mark(f"receiving log-probabilities of {table.shape[0]} tokens "
                                f"from rank {self.sampler}")
-            if point_to_point(self.group):
-                broadcast(table, self.sampler, self.rank, self.world_size, self.group)
-            else:
-                root = self.sampler if self.group is None else dist.get_global_rank(self.group, self.sampler)
-                dist.broadcast(table, src=root, group=self.group)
+            self.collectives.broadcast(table, self.sampler)
             self.progress.mark("log-probabilities shared")
         return table

@@ -45,7 +45,7 @@ import torch.distributed as dist
 from shardline.models.config import TensorShare
 from shardline.models.kv_cache import KVCache
 from shardline.models.llama import DecoderShard
-from shardline.parallel import POINT_TO_POINT_BYTES, point_to_point
+from shardline.parallel.collectives import Collectives
 from shardline.parallel.progress import Progress
 from shardline.parallel.stage import Stage
 
@@ -59,20 +59,14 @@ def make_all_reduce(
     ``reduce_dtype`` (None: the tensor's own dtype) is the dtype the sum is taken in; the
     result is cast back to the input's dtype and device. ``wire_device`` (None: the
     tensor's own) is where the sum is taken: the CPU for gloo between ranks on one GPU.
-    On gloo a sum of at most :data:`POINT_TO_POINT_BYTES` is taken by
-    :func:`shardline.parallel.point_to_point.all_reduce`.
+    The sum is :meth:`Collectives.all_reduce`'s (on gloo a decode step's by sends).
     """
 
-    sends = point_to_point.point_to_point(group)
-    rank, world_size = dist.get_rank(group), dist.get_world_size(group)
+    collectives = Collectives(group, dist.get_rank(group), dist.get_world_size(group))
 
     def all_reduce(x: torch.Tensor) -> torch.Tensor:
         wide = x.to(device=wire_device or x.device, dtype=reduce_dtype or x.dtype)
-        if sends and wide.numel() * wide.element_size() <= POINT_TO_POINT_BYTES:
-            point_to_point.all_reduce(wide, rank, world_size, group)
-        else:
-            dist.all_reduce(wide, group=group)
-        return wide.to(device=x.device, dtype=x.dtype)
+        return collectives.all_reduce(wide).to(device=x.device, dtype=x.dtype)
 
     return all_reduce
 
