@@ -135,7 +135,8 @@ def test_a_deletion_mid_stream_tells_the_client_so(cluster):
 def test_a_request_whose_runner_dies_before_its_first_token_is_answered_by_the_next_instance(cluster):
     """A runner killed while a long prompt is handed over or prefilled: the stream has sent
     no token yet, so the node waits for the model to be placed again and runs the
-    request there; the client reads a whole answer, no error."""
+    request there; the client reads a whole answer, no error, its last chunks naming the
+    new instance in their fingerprint."""
     three_live_nodes_and_a_three_rank_instance(cluster)
     coordinator = coordinator_index(cluster)
     target = 2 if coordinator != 2 else 1
@@ -144,7 +145,7 @@ def test_a_request_whose_runner_dies_before_its_first_token_is_answered_by_the_n
                  httpx.get(f"{cluster.url(0)}/cluster/instances").json()["instances"]]
     payload = {"model": DEFAULT_MODEL_ID, "stream": True, "max_tokens": 8, "ignore_eos": True,
                "messages": [{"role": "user", "content": "Summarize: " + "the cat sat on the mat. " * 250}]}
-    texts, errors = [], []
+    texts, errors, fingerprints = [], [], []
     started = time.monotonic()
     with httpx.stream("POST", f"{cluster.url(client_node)}/v1/chat/completions", json=payload,
                       timeout=60) as response:
@@ -156,6 +157,7 @@ def test_a_request_whose_runner_dies_before_its_first_token_is_answered_by_the_n
                 chunk = json.loads(line[len("data: "):])
                 if "error" in chunk:
                     errors.append(chunk["error"])
+                fingerprints.append(chunk.get("system_fingerprint"))
                 for choice in chunk.get("choices", []):
                     texts.append(choice["delta"].get("content") or "")
     took = time.monotonic() - started
@@ -164,6 +166,33 @@ def test_a_request_whose_runner_dies_before_its_first_token_is_answered_by_the_n
     ready = [i for i in httpx.get(f"{cluster.url(0)}/cluster/instances").json()["instances"]
              if i["status"] == "ready"]
     assert [i["instance_id"] != old_id for i in ready] == [True]
+    assert fingerprints[-1].startswith(f"fp_{ready[0]['instance_id'][:12]}-"), fingerprints  # what ran it
+    assert took < 30
+
+
+def test_a_request_while_its_model_is_placed_waits_for_it(cluster):
+    """A model deleted and placed again: a request sent as the placement is answered
+    ("status": "loading") waits for the new instance and is answered by it, not refused
+    with a 503."""
+    three_live_nodes_and_a_three_rank_instance(cluster)
+    for inst in httpx.get(f"{cluster.url(0)}/cluster/instances").json()["instances"]:
+        httpx.delete(f"{cluster.url(0)}/cluster/instances/{inst['instance_id']}", timeout=30)
+    deadline = time.monotonic() + 30
+    while any(runners_of(psutil.Process(p.pid)) for p in cluster.procs) and time.monotonic() < deadline:
+        time.sleep(0.2)  # the deleted instance's runners gone: the new one loads from nothing
+    nodes = [httpx.get(f"{cluster.url(i)}/health", timeout=5).json()["node_id"] for i in range(cluster.n)]
+    placed = httpx.post(f"{cluster.url(0)}/cluster/instances", timeout=60,
+                        json={"sharding": "pipeline", "nodes": nodes})
+    assert placed.status_code == 201 and placed.json()["status"] == "loading", placed.text
+    started = time.monotonic()
+    response = httpx.post(f"{cluster.url(1)}/v1/chat/completions", timeout=60, json={
+        "model": DEFAULT_MODEL_ID, "temperature": 0, "max_tokens": 16,
+        "messages": [{"role": "user", "content": CAPITAL_QUESTION}]})
+    took = time.monotonic() - started
+    print(f"\nanswered {took:.1f} s after it was sent, its model loading: {response.text[:200]}")
+    assert response.status_code == 200, response.text
+    assert "Paris" in response.json()["choices"][0]["message"]["content"]
+    assert response.json()["system_fingerprint"].startswith(f"fp_{placed.json()['instance_id'][:12]}-")
     assert took < 30
 
 

@@ -14,7 +14,7 @@ from shardline.models.config import RankShare, Sharding
 from shardline.node.cluster_state import Epoch
 from shardline.node.coordinator import Coordinator
 from shardline.node.peer_client import PeerError
-from shardline.node.routing import AfterFailure, RequestStream, Router, after_failure
+from shardline.node.routing import ReadyWait, RequestStream, Router, ready_wait
 from shardline.node.state import ClusterState, apply
 from shardline.node.status import InstanceStatus, RankStatus
 from shardline.node.table import Instance, InstanceFailedError, RankPlacement
@@ -55,26 +55,32 @@ READY, LOADING, FAILED = InstanceStatus.READY, InstanceStatus.LOADING, InstanceS
 
 
 @pytest.mark.parametrize("table, failed, waited_s, step", [
-    ({"new": READY}, ["old"], 0.0, AfterFailure.RETRY),  # placed again and ready
-    ({"new": READY}, ["old"], 99.0, AfterFailure.RETRY),  # ready is ready, however late
-    ({"old": READY}, ["old"], 1.0, AfterFailure.WAIT),  # not found failed yet: not tried again
-    ({"old": READY}, ["old"], 30.0, AfterFailure.GIVE_UP),
-    ({"old": FAILED}, ["old"], 1.0, AfterFailure.WAIT),  # the coordinator places it again
-    ({"old": FAILED, "new": LOADING}, ["old"], 20.0, AfterFailure.WAIT),
-    ({"new": LOADING}, ["old"], 30.0, AfterFailure.GIVE_UP),
-    ({}, ["old"], 0.0, AfterFailure.GIVE_UP),  # deleted: nothing to wait for
-    ({"other": READY}, ["old"], 0.0, AfterFailure.GIVE_UP),  # another model's
+    ({"new": READY}, ["old"], 0.0, ReadyWait.RUN),  # placed again and ready
+    ({"new": READY}, ["old"], 99.0, ReadyWait.RUN),  # ready is ready, however late
+    ({"old": READY}, ["old"], 1.0, ReadyWait.WAIT),  # not found failed yet: not tried again
+    ({"old": READY}, ["old"], 30.0, ReadyWait.GIVE_UP),
+    ({"old": FAILED}, ["old"], 1.0, ReadyWait.WAIT),  # the coordinator places it again
+    ({"old": FAILED, "new": LOADING}, ["old"], 20.0, ReadyWait.WAIT),
+    ({"new": LOADING}, ["old"], 30.0, ReadyWait.GIVE_UP),
+    ({}, ["old"], 0.0, ReadyWait.GIVE_UP),  # deleted: nothing to wait for
+    ({"other": READY}, ["old"], 0.0, ReadyWait.GIVE_UP),  # another model's
+    # a request that comes while no instance is ready
+    ({"new": LOADING}, [], 5.0, ReadyWait.WAIT),  # placed, loading
+    ({"new": LOADING}, [], 30.0, ReadyWait.GIVE_UP),
+    ({"old": FAILED}, [], 0.0, ReadyWait.GIVE_UP),  # may never be placed again: a 503 now
+    ({"old": FAILED, "new": LOADING}, [], 0.0, ReadyWait.WAIT),
+    ({"old": READY}, [], 0.0, ReadyWait.RUN),
 ])
-def test_what_a_request_does_after_its_instance_failed(table, failed, waited_s, step):
+def test_what_a_request_without_a_ready_instance_does(table, failed, waited_s, step):
     instances = {name: _instance(name, status, 0.0, model="n" if name == "other" else "m")
                  for name, status in table.items()}
-    assert after_failure(instances, "m", failed, waited_s, limit_s=30.0) == step
+    assert ready_wait(instances, "m", failed, waited_s, limit_s=30.0, after_failure=bool(failed)) == step
 
 
 def test_a_request_whose_instance_failed_before_any_output_runs_on_the_next_one():
     """The request's instance failed (in the table) before it yielded anything; the model
-    is placed again on another node 0.3 s later: the request waits and runs there, and
-    the client sees its tokens, not the failure."""
+    is placed again on another node 0.3 s later: the request waits and runs there (and
+    says so, for the fingerprint), and the client sees its tokens, not the failure."""
     node = SimpleNamespace(node_id="a", instances={"old": _instance("old", FAILED, 0.0)}, streams={})
     asked: list[str] = []
 
@@ -83,6 +89,7 @@ def test_a_request_whose_instance_failed_before_any_output_runs_on_the_next_one(
         yield TokenEvent(1, 42, "length")
 
     node.peer_client = SimpleNamespace(generate=generate)
+    ran_on: list[str] = []  # what the API's fingerprint names
 
     async def run() -> tuple[list[TokenEvent], float]:
         async def place_again() -> None:
@@ -91,12 +98,13 @@ def test_a_request_whose_instance_failed_before_any_output_runs_on_the_next_one(
 
         placing = asyncio.create_task(place_again())
         started = asyncio.get_running_loop().time()
-        events = [e async for e in Router(node).generate(TokenRequest("m", (1, 2), 4, SamplingParams(), ()))]
+        events = [e async for e in Router(node).generate(
+            TokenRequest("m", (1, 2), 4, SamplingParams(), ()), None, lambda i: ran_on.append(i.instance_id))]
         await placing
         return events, asyncio.get_running_loop().time() - started
 
     events, took = asyncio.run(run())
-    assert [e.token_id for e in events] == [42] and asked == ["b:1"]
+    assert [e.token_id for e in events] == [42] and asked == ["b:1"] and ran_on == ["new"]
     assert 0.3 <= took < 2.0
 
 

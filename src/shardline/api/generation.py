@@ -213,9 +213,12 @@ class Generation:
         Raises:
             InstanceFailedError: the instance failed mid-request.
         """
+        def ran_on(inst: Instance) -> None:
+            self.instance = inst  # a second one where the first failed before any output
+
         events = self.node.router.generate(TokenRequest(
             self.req.model, tuple(self.prompt), self.max_tokens, self.sampling, tuple(self.stop_ids)),
-            self.task_id)
+            self.task_id, ran_on)
         ended = "cancelled"  # unless it finishes, or fails
         held = HeldLogprobs()
         parser = (ToolCallParser(self.tool_format, tool_names(self.req.tools), strict_schemas(self.req.tools))
@@ -299,7 +302,9 @@ class Generation:
     @property
     def fingerprint(self) -> str:
         """OpenAI's ``system_fingerprint``: the instance's id, sharding, ranks and dtype
-        (and quantization), which change when the model is placed again."""
+        (and quantization), which change when the model is placed again: the instance
+        the request runs on (the one placed again where its first failed before any
+        output; a forwarded request's, as this node chose it)."""
         inst = self.instance
         quant = f"-{inst.quantize}" if inst.quantize else ""
         return f"fp_{inst.instance_id[:12]}-{inst.sharding}{len(inst.ranks)}-{inst.dtype}{quant}"
@@ -418,11 +423,14 @@ async def _check_names_rendered(req: GenerationRequest, tokenizer: Tokenizer,
 
 
 async def tokenize(node: Node, req: GenerationRequest) -> tuple[Instance, Tokenizer, list[int]]:
-    """The ready instance, the tokenizer and the prompt's token ids of ``req``.
+    """The ready instance, the tokenizer and the prompt's token ids of ``req``. Where an
+    instance of the model is loading (placed, or placed again after a failure) and none
+    is ready, it waits for one (:meth:`~shardline.node.routing.Router.wait_for_ready`, at
+    most :data:`~shardline.node.routing.READY_WAIT_S`).
 
     Raises:
-        APIError: 404 for a model no instance serves; 503 for one still loading or whose
-            tokenizer cannot be had; 400 for messages the chat template refuses, token ids
+        APIError: 404 for a model no instance serves; 503 for one still loading after the
+            wait, failed, or whose tokenizer cannot be had; 400 for messages the chat template refuses, token ids
             outside the vocabulary, ``logit_bias`` ids outside it, or a text or chat prompt
             whose characters alone prove it longer than the context (refused before it is
             tokenized: :mod:`shardline.api.prompt_bounds`).
@@ -435,6 +443,9 @@ async def tokenize(node: Node, req: GenerationRequest) -> tuple[Instance, Tokeni
     try:
         inst = node.router.ready_instance(req.model)
     except NoInstanceError:
+        ready = await node.router.wait_for_ready(req.model)  # while it loads, READY_WAIT_S at most
+        if ready is not None:
+            return await _tokenized(node, req, ready)
         placed = [i for i in node.instances.values() if i.model_id == req.model]
         if placed:
             detail = "; ".join(f"instance {i.instance_id} {i.status}" + (f": {i.error}" if i.error else "")
@@ -444,6 +455,11 @@ async def tokenize(node: Node, req: GenerationRequest) -> tuple[Instance, Tokeni
         known = ", ".join(m["id"] for m in node.router.models()) or "none"
         raise APIError(404, f"The model '{req.model}' does not exist or is not loaded (available: {known})",
                        "not_found_error", param="model", code="model_not_found") from None
+    return await _tokenized(node, req, inst)
+
+
+async def _tokenized(node: Node, req: GenerationRequest, inst: Instance) -> tuple[Instance, Tokenizer, list[int]]:
+    """:func:`tokenize` 's work once ``inst`` is the ready instance."""
     try:
         tokenizer = await node.logistics.tokenizer(req.model)
     except (ModelNotFoundError, TransferError, PeerError) as exc:

@@ -325,8 +325,14 @@ class ChatShape:
 
     def __init__(self, req: SamplingFields, gens: list[Generation], completion_id: str, created: int) -> None:
         self.req, self.gens, self.id, self.created = req, gens, completion_id, created
-        self.fingerprint = gens[0].fingerprint
         self.calls_sent: dict[int, int] = {}  # tool calls streamed so far, per choice
+
+    @property
+    def fingerprint(self) -> str:
+        """The first choice's instance's (:attr:`Generation.fingerprint`), read at each
+        object: a stream's later chunks name the instance placed again where the first
+        failed before any output."""
+        return self.gens[0].fingerprint
 
     def _chunk(self, index: int, delta: Any, finish: str | None, logprobs: dict | None = None, **extra) -> dict:
         """A chunk whose choice ``index`` carries ``delta`` (a message delta; None: no choice)."""

@@ -8,7 +8,7 @@ import asyncio
 import logging
 import time
 import weakref
-from collections.abc import AsyncGenerator, Collection, Mapping
+from collections.abc import AsyncGenerator, Callable, Collection, Mapping
 from dataclasses import dataclass
 from enum import Enum
 from typing import TYPE_CHECKING
@@ -33,13 +33,14 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
-REPLACEMENT_WAIT_S = 30.0
-"""How long a request whose instance failed before its first output waits for the model to
-be served again (seconds, from the failure): a node found down is replaced after the
-coordinator's ``down_after_s + 1`` (6 s by default) and the new instance's load."""
+READY_WAIT_S = 30.0
+"""How long a request waits for its model to be served (seconds): one whose instance failed
+before its first output, from the failure (a node found down is replaced after the
+coordinator's ``down_after_s + 1``, 6 s by default, then the new instance loads); one
+that comes while its model loads, from its arrival."""
 
-RETRY_POLL_S = 0.1
-"""How often such a request looks at the table for a ready instance (seconds)."""
+READY_POLL_S = 0.1
+"""How often a waiting request looks at the table for a ready instance (seconds)."""
 
 
 def ready_instances(instances: Mapping[str, Instance], model_id: str, node_id: str,
@@ -54,32 +55,39 @@ def ready_instances(instances: Mapping[str, Instance], model_id: str, node_id: s
     return sorted(ready, key=lambda i: (node_id not in i.node_ids(), i.created_at))
 
 
-class AfterFailure(Enum):
-    """What a request whose instance failed before it yielded output does next."""
+class ReadyWait(Enum):
+    """What a request that found no ready instance of its model does next."""
 
-    RETRY = "retry"
-    """A ready instance other than those it failed on serves its model: run it there,
+    RUN = "run"
+    """A ready instance (other than those it failed on) serves its model: run it there,
     from the start."""
     WAIT = "wait"
-    """Its model has an instance that is loading, or a failed one the coordinator may place
-    again: look again in :data:`RETRY_POLL_S`."""
+    """Its model has an instance that is loading (or, after a failure of its own, a failed
+    one the coordinator may place again): look again in :data:`READY_POLL_S`."""
     GIVE_UP = "give_up"
-    """No instance of its model is left, or it waited ``limit_s``: the client gets the
-    error."""
+    """Nothing to wait for, or it waited ``limit_s``: the client gets the error (a 503,
+    or the failure)."""
 
 
-def after_failure(instances: Mapping[str, Instance], model_id: str, failed: Collection[str],
-                  waited_s: float, limit_s: float = REPLACEMENT_WAIT_S) -> AfterFailure:
-    """The next step of a request whose instances ``failed`` (ids) failed before its first
-    output (:meth:`Router.generate`: nothing the client keeps, so running it again
-    elsewhere shows only as a delay), ``waited_s`` seconds after the first failure. An instance that failed
-    it is not tried again, though the table may not show it failed yet (a hand-off that
-    did not reach a rank comes before the coordinator's verdict)."""
+def ready_wait(instances: Mapping[str, Instance], model_id: str, failed: Collection[str],
+               waited_s: float, limit_s: float = READY_WAIT_S, after_failure: bool = True,
+               ) -> ReadyWait:
+    """The next step of a request with no ready instance, ``waited_s`` seconds into its
+    wait. ``after_failure``: its instance failed before its first output
+    (:meth:`Router.generate`: nothing the client keeps, so running it again elsewhere shows
+    only as a delay); it waits while the model has any instance (a failed one the
+    coordinator places again), and the instances ``failed`` (ids) that failed it are not
+    tried again, though the table may not show them failed yet (a hand-off that did not
+    reach a rank comes before the coordinator's verdict). A request that has not run waits
+    for a loading instance only: a failed one it finds may be one the coordinator gave up
+    on."""
     if ready_instances(instances, model_id, "", avoid=failed):
-        return AfterFailure.RETRY
-    if waited_s >= limit_s or not any(i.model_id == model_id for i in instances.values()):
-        return AfterFailure.GIVE_UP
-    return AfterFailure.WAIT
+        return ReadyWait.RUN
+    if waited_s >= limit_s or not any(
+            i.model_id == model_id and (after_failure or i.status == InstanceStatus.LOADING)
+            for i in instances.values()):
+        return ReadyWait.GIVE_UP
+    return ReadyWait.WAIT
 
 
 @dataclass
@@ -155,11 +163,14 @@ class Router:
         self.node.streams[task_id] = RequestStream(inst.instance_id, asyncio.Queue())
         return task_id
 
-    async def generate(self, request: TokenRequest,
-                       task_id: int | None = None) -> AsyncGenerator[TokenEvent | PrefillProgress, None]:
+    async def generate(self, request: TokenRequest, task_id: int | None = None,
+                       ran_on: Callable[[Instance], None] | None = None,
+                       ) -> AsyncGenerator[TokenEvent | PrefillProgress, None]:
         """Run one request on a ready instance of its model and yield its events: the
         progress of a prefill that takes more than one engine step, then its tokens.
-        ``task_id``: the place :meth:`reserve` took for it, if one was taken.
+        ``task_id``: the place :meth:`reserve` took for it, if one was taken; ``ran_on``:
+        called with each instance the request is run on or forwarded to (a second one
+        after a failure, below), before its events.
 
         Where its instance fails before the request yielded output (a token, or prompt
         log-probabilities; a runner, node or link lost during its hand-off or prefill), it
@@ -183,7 +194,7 @@ class Router:
         while True:
             output = False  # whether it yielded what the client keeps (a prefill's progress
             try:  # without log-probabilities is only shown, and starts again from 0)
-                async for event in self._attempt(request, task_id, tried):
+                async for event in self._attempt(request, task_id, tried, ran_on):
                     output = output or isinstance(event, TokenEvent) or bool(event.logprobs)
                     yield event
                 return
@@ -193,18 +204,31 @@ class Router:
                 failed_at = failed_at or time.monotonic()
                 log.info("%s: the request had no output yet; waiting for its model %r to be "
                          "served again", exc, request.model_id)
-                while (step := after_failure(self.node.instances, request.model_id, tried,
-                                             time.monotonic() - failed_at)) == AfterFailure.WAIT:
-                    await asyncio.sleep(RETRY_POLL_S)
-                if step == AfterFailure.GIVE_UP:
+                if await self.wait_for_ready(request.model_id, tried, failed_at, after_failure=True) is None:
                     raise
                 task_id = None
 
-    async def _attempt(self, request: TokenRequest, task_id: int | None,
-                       tried: list[str]) -> AsyncGenerator[TokenEvent | PrefillProgress, None]:
+    async def wait_for_ready(self, model_id: str, failed: Collection[str] = (),
+                             since: float | None = None, after_failure: bool = False,
+                             ) -> Instance | None:
+        """A ready instance of ``model_id`` once there is one (:func:`ready_wait` says
+        whether to wait; ``failed`` and ``after_failure`` are its, ``since`` when the wait
+        began, ``time.monotonic()`` seconds, default now); None where there is nothing to
+        wait for or the wait ran out."""
+        since = time.monotonic() if since is None else since
+        while (step := ready_wait(self.node.instances, model_id, failed, time.monotonic() - since,
+                                  after_failure=after_failure)) == ReadyWait.WAIT:
+            await asyncio.sleep(READY_POLL_S)
+        if step == ReadyWait.GIVE_UP:
+            return None
+        return ready_instances(self.node.instances, model_id, self.node.node_id, failed)[0]
+
+    async def _attempt(self, request: TokenRequest, task_id: int | None, tried: list[str],
+                       ran_on: Callable[[Instance], None] | None,
+                       ) -> AsyncGenerator[TokenEvent | PrefillProgress, None]:
         """One run of :meth:`generate`'s request on a ready instance (the reserved one,
         where it still is; else one not in ``tried``), or through the node of one; the
-        instance's id is appended to ``tried``.
+        instance's id is appended to ``tried`` and the instance passed to ``ran_on``.
 
         Raises:
             QueueFullError, InstanceFailedError: as :meth:`generate`.
@@ -221,6 +245,8 @@ class Router:
                                           "request came); retry later")
             inst = ready[0]
             tried.append(inst.instance_id)
+            if ran_on is not None:
+                ran_on(inst)
             if self.node.node_id not in inst.node_ids():
                 async for event in self._forward(inst, request):
                     yield event
@@ -229,6 +255,8 @@ class Router:
             stream = self.node.streams[task_id]
         else:
             tried.append(inst.instance_id)
+            if ran_on is not None:
+                ran_on(inst)
         assert task_id is not None and stream is not None
         task = Task.of(task_id, self.node.node_id, request)
         finished = False
