@@ -357,3 +357,39 @@ def test_a_request_while_a_rank_is_paused_runs_on_the_instance_placed_again(tmp_
             cluster.procs[paused].send_signal(signal.SIGCONT)
     finally:
         cluster.stop()
+
+
+@pytest.mark.slow
+def test_a_request_that_finds_its_instance_failed_waits_for_it_to_be_placed_again(tmp_path):
+    """A pipeline on 2 nodes; the one that does not coordinate killed (node and runners);
+    once the other shows the instance failed, and before the coordinator places it again
+    (it waits for the dead node to miss its heartbeats), a new request: it waits and is
+    answered by the instance placed on the node left, where it was a 503."""
+    cluster = LocalCluster(nodes=2, base_port=free_port_block(2), runner_threads=1,
+                           log_dir=str(tmp_path), data_dir=str(tmp_path))
+    cluster.start()
+    try:
+        ids = [httpx.get(f"{cluster.url(i)}/health", timeout=5).json()["node_id"] for i in range(2)]
+        victim = ids.index(max(ids))
+        asker = 1 - victim
+        cluster.place(None, "pipeline")
+        wait_until_serving(cluster, asker, 60)
+        node = psutil.Process(cluster.procs[victim].pid)
+        for proc in [*runners_of(node), node]:
+            proc.kill()
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline and not any(
+                i["status"] == "failed"
+                for i in httpx.get(f"{cluster.url(asker)}/cluster/instances", timeout=5).json()["instances"]):
+            time.sleep(0.1)
+        started = time.monotonic()
+        response = httpx.post(f"{cluster.url(asker)}/v1/chat/completions", timeout=60, json={
+            "model": DEFAULT_MODEL_ID, "messages": [{"role": "user", "content": CAPITAL_QUESTION}],
+            "max_tokens": 16, "temperature": 0})
+        took = time.monotonic() - started
+        print(f"\nrequest sent as the instance showed failed: {response.status_code} after {took:.1f} s")
+        assert response.status_code == 200, response.text
+        assert "Paris" in response.json()["choices"][0]["message"]["content"]
+        assert took < 30
+    finally:
+        cluster.stop()

@@ -45,36 +45,43 @@ def test_a_request_whose_instance_is_gone_fails_as_a_failed_instance(reserved):
 
 
 def _instance(instance_id: str, status: InstanceStatus, created_at: float, replaced=(),
-              model: str = "m", node: str = "a") -> Instance:
+              model: str = "m", node: str = "a", given_up: bool = False) -> Instance:
     return Instance(instance_id, model, Sharding.PIPELINE,
                     (RankPlacement(node, f"{node}:1", RankShare(0, 1), status=RankStatus.READY),),
-                    node, 1, 256, 1, status=status, created_at=created_at, replaced=replaced)
+                    node, 1, 256, 1, status=status, created_at=created_at, replaced=replaced,
+                    given_up=given_up)
 
 
 READY, LOADING, FAILED = InstanceStatus.READY, InstanceStatus.LOADING, InstanceStatus.FAILED
 
 
+GAVE_UP = "given up"  # failed, and the coordinator will not place it again
+
+
 @pytest.mark.parametrize("table, failed, waited_s, step", [
     ({"new": READY}, ["old"], 0.0, ReadyWait.RUN),  # placed again and ready
     ({"new": READY}, ["old"], 99.0, ReadyWait.RUN),  # ready is ready, however late
-    ({"old": READY}, ["old"], 1.0, ReadyWait.WAIT),  # not found failed yet: not tried again
+    ({"old": READY}, ["old"], 1.0, ReadyWait.WAIT),  # not found failed yet: not run on again
     ({"old": READY}, ["old"], 30.0, ReadyWait.GIVE_UP),
     ({"old": FAILED}, ["old"], 1.0, ReadyWait.WAIT),  # the coordinator places it again
     ({"old": FAILED, "new": LOADING}, ["old"], 20.0, ReadyWait.WAIT),
     ({"new": LOADING}, ["old"], 30.0, ReadyWait.GIVE_UP),
+    ({"old": GAVE_UP}, ["old"], 0.0, ReadyWait.GIVE_UP),  # could not be placed again
     ({}, ["old"], 0.0, ReadyWait.GIVE_UP),  # deleted: nothing to wait for
     ({"other": READY}, ["old"], 0.0, ReadyWait.GIVE_UP),  # another model's
     # a request that comes while no instance is ready
     ({"new": LOADING}, [], 5.0, ReadyWait.WAIT),  # placed, loading
     ({"new": LOADING}, [], 30.0, ReadyWait.GIVE_UP),
-    ({"old": FAILED}, [], 0.0, ReadyWait.GIVE_UP),  # may never be placed again: a 503 now
-    ({"old": FAILED, "new": LOADING}, [], 0.0, ReadyWait.WAIT),
+    ({"old": FAILED}, [], 0.0, ReadyWait.WAIT),  # about to be placed again
+    ({"old": GAVE_UP}, [], 0.0, ReadyWait.GIVE_UP),
+    ({"old": GAVE_UP, "new": LOADING}, [], 0.0, ReadyWait.WAIT),  # a later term's try
     ({"old": READY}, [], 0.0, ReadyWait.RUN),
 ])
 def test_what_a_request_without_a_ready_instance_does(table, failed, waited_s, step):
-    instances = {name: _instance(name, status, 0.0, model="n" if name == "other" else "m")
+    instances = {name: _instance(name, FAILED if status == GAVE_UP else status, 0.0,
+                                 model="n" if name == "other" else "m", given_up=status == GAVE_UP)
                  for name, status in table.items()}
-    assert ready_wait(instances, "m", failed, waited_s, limit_s=30.0, after_failure=bool(failed)) == step
+    assert ready_wait(instances, "m", failed, waited_s, limit_s=30.0) == step
 
 
 def test_a_request_whose_instance_failed_before_any_output_runs_on_the_next_one():

@@ -138,6 +138,7 @@ def test_a_report_carries_what_the_rank_loaded_and_fetched():
 def test_not_placed_again_says_why_and_rejoin_dropped_forgets_the_nodes():
     s = apply(state(inst(status=I.FAILED, error="node b down")), NotPlacedAgain("i1", "no memory"))
     assert s.instances["i1"].error == "node b down; not placed again: no memory"
+    assert s.instances["i1"].given_up  # requests stop waiting for it
     s = apply(state(inst(wanted_nodes=("a", "b", "c", "d"))), RejoinDropped("i1"))
     assert s.instances["i1"].wanted_nodes == ()
 

@@ -423,14 +423,14 @@ async def _check_names_rendered(req: GenerationRequest, tokenizer: Tokenizer,
 
 
 async def tokenize(node: Node, req: GenerationRequest) -> tuple[Instance, Tokenizer, list[int]]:
-    """The ready instance, the tokenizer and the prompt's token ids of ``req``. Where an
-    instance of the model is loading (placed, or placed again after a failure) and none
-    is ready, it waits for one (:meth:`~shardline.node.routing.Router.wait_for_ready`, at
-    most :data:`~shardline.node.routing.READY_WAIT_S`).
+    """The ready instance, the tokenizer and the prompt's token ids of ``req``. Where none
+    is ready but one is loading (placed, or placed again) or failed and about to be placed
+    again, it waits for one (:meth:`~shardline.node.routing.Router.wait_for_ready`, at most
+    :data:`~shardline.node.routing.READY_WAIT_S`).
 
     Raises:
-        APIError: 404 for a model no instance serves; 503 for one still loading after the
-            wait, failed, or whose tokenizer cannot be had; 400 for messages the chat template refuses, token ids
+        APIError: 404 for a model no instance serves; 503 for one not ready after the
+            wait, failed and given up on, or whose tokenizer cannot be had; 400 for messages the chat template refuses, token ids
             outside the vocabulary, ``logit_bias`` ids outside it, or a text or chat prompt
             whose characters alone prove it longer than the context (refused before it is
             tokenized: :mod:`shardline.api.prompt_bounds`).
@@ -443,7 +443,7 @@ async def tokenize(node: Node, req: GenerationRequest) -> tuple[Instance, Tokeni
     try:
         inst = node.router.ready_instance(req.model)
     except NoInstanceError:
-        ready = await node.router.wait_for_ready(req.model)  # while it loads, READY_WAIT_S at most
+        ready = await node.router.wait_for_ready(req.model)  # READY_WAIT_S at most
         if ready is not None:
             return await _tokenized(node, req, ready)
         placed = [i for i in node.instances.values() if i.model_id == req.model]

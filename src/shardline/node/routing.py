@@ -59,33 +59,29 @@ class ReadyWait(Enum):
     """What a request that found no ready instance of its model does next."""
 
     RUN = "run"
-    """A ready instance (other than those it failed on) serves its model: run it there,
+    """A ready instance (other than those that failed it) serves its model: run it there,
     from the start."""
     WAIT = "wait"
-    """Its model has an instance that is loading (or, after a failure of its own, a failed
-    one the coordinator may place again): look again in :data:`READY_POLL_S`."""
+    """Its model has an instance that is loading, or a failed one the coordinator has not
+    given up on (it places it again): look again in :data:`READY_POLL_S`."""
     GIVE_UP = "give_up"
     """Nothing to wait for, or it waited ``limit_s``: the client gets the error (a 503,
     or the failure)."""
 
 
 def ready_wait(instances: Mapping[str, Instance], model_id: str, failed: Collection[str],
-               waited_s: float, limit_s: float = READY_WAIT_S, after_failure: bool = True,
-               ) -> ReadyWait:
-    """The next step of a request with no ready instance, ``waited_s`` seconds into its
-    wait. ``after_failure``: its instance failed before its first output
+               waited_s: float, limit_s: float = READY_WAIT_S) -> ReadyWait:
+    """The next step of a request with no ready instance of ``model_id``, ``waited_s``
+    seconds into its wait: run on a ready instance; wait while the model has another
+    instance: loading, or failed and not ``given_up`` (the coordinator places it again),
+    or one in ``failed`` the table still shows ready; else give up. ``failed``: the
+    instances (ids) that failed the request before its first output
     (:meth:`Router.generate`: nothing the client keeps, so running it again elsewhere shows
-    only as a delay); it waits while the model has any instance (a failed one the
-    coordinator places again), and the instances ``failed`` (ids) that failed it are not
-    tried again, though the table may not show them failed yet (a hand-off that did not
-    reach a rank comes before the coordinator's verdict). A request that has not run waits
-    for a loading instance only: a failed one it finds may be one the coordinator gave up
-    on."""
+    only as a delay), not run on again (a hand-off that did not reach a rank comes before
+    the coordinator's verdict)."""
     if ready_instances(instances, model_id, "", avoid=failed):
         return ReadyWait.RUN
-    if waited_s >= limit_s or not any(
-            i.model_id == model_id and (after_failure or i.status == InstanceStatus.LOADING)
-            for i in instances.values()):
+    if waited_s >= limit_s or not any(i.model_id == model_id and not i.given_up for i in instances.values()):
         return ReadyWait.GIVE_UP
     return ReadyWait.WAIT
 
@@ -175,7 +171,7 @@ class Router:
         Where its instance fails before the request yielded output (a token, or prompt
         log-probabilities; a runner, node or link lost during its hand-off or prefill), it
         waits for the model to be served again and runs there from the start
-        (:func:`after_failure`, at most :data:`REPLACEMENT_WAIT_S` after the failure): the
+        (:meth:`wait_for_ready`, at most :data:`READY_WAIT_S` after the failure): the
         client sees a delay, and a prefill's progress start again, not an error. Once it
         yielded output, a failure ends it: the output cannot be taken back.
 
@@ -204,20 +200,19 @@ class Router:
                 failed_at = failed_at or time.monotonic()
                 log.info("%s: the request had no output yet; waiting for its model %r to be "
                          "served again", exc, request.model_id)
-                if await self.wait_for_ready(request.model_id, tried, failed_at, after_failure=True) is None:
+                if await self.wait_for_ready(request.model_id, tried, failed_at) is None:
                     raise
                 task_id = None
 
     async def wait_for_ready(self, model_id: str, failed: Collection[str] = (),
-                             since: float | None = None, after_failure: bool = False,
-                             ) -> Instance | None:
+                             since: float | None = None) -> Instance | None:
         """A ready instance of ``model_id`` once there is one (:func:`ready_wait` says
-        whether to wait; ``failed`` and ``after_failure`` are its, ``since`` when the wait
-        began, ``time.monotonic()`` seconds, default now); None where there is nothing to
-        wait for or the wait ran out."""
+        whether to wait; ``failed`` is its, ``since`` when the wait began,
+        ``time.monotonic()`` seconds, default now); None where there is nothing to wait for
+        or the wait ran out."""
         since = time.monotonic() if since is None else since
-        while (step := ready_wait(self.node.instances, model_id, failed, time.monotonic() - since,
-                                  after_failure=after_failure)) == ReadyWait.WAIT:
+        while (step := ready_wait(self.node.instances, model_id, failed,
+                                  time.monotonic() - since)) == ReadyWait.WAIT:
             await asyncio.sleep(READY_POLL_S)
         if step == ReadyWait.GIVE_UP:
             return None

@@ -153,7 +153,9 @@ class InstanceFailed:
 
 @dataclass(frozen=True)
 class NotPlacedAgain:
-    """A failed instance could not be placed again: its error says why."""
+    """A failed instance could not be placed again, or the coordinator gave up on it after
+    failed placements: its error says why, and it is marked ``given_up`` (requests stop
+    waiting for it to be placed again; a later coordinator's term may still try)."""
 
     instance_id: str
     reason: str
@@ -256,7 +258,7 @@ def apply(state: ClusterState, event: Event) -> ClusterState:
         return _with(state, _fail(inst, event.error, event.failed_nodes))
     if isinstance(event, NotPlacedAgain):
         return _with(state, dataclasses.replace(
-            inst, error=f"{inst.error}; not placed again: {event.reason}"))
+            inst, error=f"{inst.error}; not placed again: {event.reason}", given_up=True))
     if isinstance(event, RejoinDropped):
         return _with(state, dataclasses.replace(inst, wanted_nodes=()))
     raise TypeError(f"not an event: {event!r}")
