@@ -1,13 +1,16 @@
 """A runner or a node dies, or a runner freezes, mid-stream: the client gets an error,
-nothing is left running, the model is placed again and serves (3-node pipeline, real
-model, real processes)."""
+nothing is left running, the model is placed again and serves; before a request's first
+output, the request waits for the model placed again and is answered (2- and 3-node
+pipelines, real model, real processes)."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import signal
 import threading
 import time
+from collections.abc import Iterator
 
 import httpx
 import psutil
@@ -67,6 +70,34 @@ def wait_until_serving(cluster, node: int, timeout_s: float) -> str:
             pass
         time.sleep(0.2)
     raise AssertionError(f"not serving again within {timeout_s} s")
+
+
+@contextlib.contextmanager
+def two_nodes(tmp_path, on: str = "both") -> Iterator[tuple[LocalCluster, int, int]]:
+    """A 2-node local cluster serving the default model as a pipeline on both nodes, or
+    (``on="other"``) on the one that does not coordinate only; yields the cluster, the
+    index of that node (the larger id: the victim) and of the coordinator."""
+    cluster = LocalCluster(nodes=2, base_port=free_port_block(2), runner_threads=1,
+                           log_dir=str(tmp_path), data_dir=str(tmp_path))
+    cluster.start()
+    try:
+        ids = [httpx.get(f"{cluster.url(i)}/health", timeout=5).json()["node_id"] for i in range(2)]
+        other = ids.index(max(ids))
+        cluster.place(None, "pipeline", on=None if on == "both" else [other])
+        if on == "both":
+            wait_until_serving(cluster, 1 - other, 60)
+        yield cluster, other, 1 - other
+    finally:
+        cluster.stop()
+
+
+def ask_capital(url: str) -> tuple[httpx.Response, float]:
+    """A short greedy chat request to ``url`` and the seconds it took."""
+    started = time.monotonic()
+    response = httpx.post(f"{url}/v1/chat/completions", timeout=60, json={
+        "model": DEFAULT_MODEL_ID, "messages": [{"role": "user", "content": CAPITAL_QUESTION}],
+        "max_tokens": 16, "temperature": 0})
+    return response, time.monotonic() - started
 
 
 def coordinator_index(cluster) -> int:
@@ -133,10 +164,11 @@ def test_a_deletion_mid_stream_tells_the_client_so(cluster):
 
 
 def test_a_request_whose_runner_dies_before_its_first_token_is_answered_by_the_next_instance(cluster):
-    """A runner killed while a long prompt is handed over or prefilled: the stream has sent
-    no token yet, so the node waits for the model to be placed again and runs the
-    request there; the client reads a whole answer, no error, its last chunks naming the
-    new instance in their fingerprint."""
+    """A runner killed while a long prompt is prefilled (at its first progress report, so
+    surely before its first token): the stream has sent no token yet, so the node waits
+    for the model to be placed again and runs the request there; the client reads a whole
+    answer, no error, its first chunk's fingerprint naming the old instance and its last
+    the new one."""
     three_live_nodes_and_a_three_rank_instance(cluster)
     coordinator = coordinator_index(cluster)
     target = 2 if coordinator != 2 else 1
@@ -144,28 +176,31 @@ def test_a_request_whose_runner_dies_before_its_first_token_is_answered_by_the_n
     (old_id,) = [i["instance_id"] for i in
                  httpx.get(f"{cluster.url(0)}/cluster/instances").json()["instances"]]
     payload = {"model": DEFAULT_MODEL_ID, "stream": True, "max_tokens": 8, "ignore_eos": True,
+               "return_progress": True,  # a chunk after each 512 prompt tokens prefilled
                "messages": [{"role": "user", "content": "Summarize: " + "the cat sat on the mat. " * 250}]}
-    texts, errors, fingerprints = [], [], []
+    texts, errors, fingerprints, killed_at = [], [], [], None
     started = time.monotonic()
     with httpx.stream("POST", f"{cluster.url(client_node)}/v1/chat/completions", json=payload,
                       timeout=60) as response:
         assert response.status_code == 200
-        time.sleep(0.3)  # its prefill of ~1,500 tokens takes seconds on 3 ranks here
-        runners_of(psutil.Process(cluster.procs[target].pid))[0].kill()
         for line in response.iter_lines():
             if line.startswith("data: ") and line != "data: [DONE]":
                 chunk = json.loads(line[len("data: "):])
+                if "prompt_progress" in chunk and killed_at is None:
+                    runners_of(psutil.Process(cluster.procs[target].pid))[0].kill()
+                    killed_at = time.monotonic() - started
                 if "error" in chunk:
                     errors.append(chunk["error"])
                 fingerprints.append(chunk.get("system_fingerprint"))
                 for choice in chunk.get("choices", []):
                     texts.append(choice["delta"].get("content") or "")
     took = time.monotonic() - started
-    print(f"\nanswered {took:.1f} s after it was sent, its runner killed at 0.3 s: {''.join(texts)!r}")
-    assert not errors and "".join(texts), errors
+    print(f"\nanswered {took:.1f} s after it was sent, its runner killed at {killed_at} s: {''.join(texts)!r}")
+    assert killed_at is not None and not errors and "".join(texts), errors
     ready = [i for i in httpx.get(f"{cluster.url(0)}/cluster/instances").json()["instances"]
              if i["status"] == "ready"]
     assert [i["instance_id"] != old_id for i in ready] == [True]
+    assert fingerprints[0].startswith(f"fp_{old_id[:12]}-"), fingerprints  # sent before the failure
     assert fingerprints[-1].startswith(f"fp_{ready[0]['instance_id'][:12]}-"), fingerprints  # what ran it
     assert took < 30
 
@@ -294,14 +329,7 @@ def test_a_request_forwarded_to_a_node_that_stops_answering_ends_when_its_instan
     it; the model's node paused (SIGSTOP: its connections stay open, nothing comes): the
     forwarding node fails the stream once the instance fails in its table, within
     seconds, not when the node answers again (trial 7: 165 s, the length of the cut)."""
-    cluster = LocalCluster(nodes=2, base_port=free_port_block(2), runner_threads=1,
-                           log_dir=str(tmp_path), data_dir=str(tmp_path))
-    cluster.start()
-    try:
-        ids = [httpx.get(f"{cluster.url(i)}/health", timeout=5).json()["node_id"] for i in range(2)]
-        holder = ids.index(max(ids))  # not the coordinator: the other one fails its instance
-        asker = 1 - holder
-        cluster.place(None, "pipeline", on=[holder])
+    with two_nodes(tmp_path, on="other") as (cluster, holder, asker):
         stream = Stream(cluster.url(asker))
         stream.start()
         deadline = time.monotonic() + 60
@@ -319,8 +347,6 @@ def test_a_request_forwarded_to_a_node_that_stops_answering_ends_when_its_instan
             assert stream.ended_at - stopped < 20
         finally:
             cluster.procs[holder].send_signal(signal.SIGCONT)
-    finally:
-        cluster.stop()
 
 
 @pytest.mark.slow
@@ -331,22 +357,10 @@ def test_a_request_while_a_rank_is_paused_runs_on_the_instance_placed_again(tmp_
     to the hand-off's 10 s timeout (trial 9); having sent nothing yet, the request then
     waits for the model to be placed again on the node left and is answered there (a
     200, not the 503 it got before)."""
-    cluster = LocalCluster(nodes=2, base_port=free_port_block(2), runner_threads=1,
-                           log_dir=str(tmp_path), data_dir=str(tmp_path))
-    cluster.start()
-    try:
-        ids = [httpx.get(f"{cluster.url(i)}/health", timeout=5).json()["node_id"] for i in range(2)]
-        paused = ids.index(max(ids))
-        asker = 1 - paused
-        cluster.place(None, "pipeline")
-        wait_until_serving(cluster, asker, 60)
+    with two_nodes(tmp_path) as (cluster, paused, asker):
         cluster.procs[paused].send_signal(signal.SIGSTOP)
         try:
-            started = time.monotonic()
-            response = httpx.post(f"{cluster.url(asker)}/v1/chat/completions", timeout=60, json={
-                "model": DEFAULT_MODEL_ID, "messages": [{"role": "user", "content": CAPITAL_QUESTION}],
-                "max_tokens": 16, "temperature": 0})
-            took = time.monotonic() - started
+            response, took = ask_capital(cluster.url(asker))
             print(f"\nrequest ended {took:.1f} s after it was sent: {response.status_code} {response.text[:300]}")
             assert response.status_code == 200, response.text
             assert "Paris" in response.json()["choices"][0]["message"]["content"]
@@ -355,25 +369,15 @@ def test_a_request_while_a_rank_is_paused_runs_on_the_instance_placed_again(tmp_
             assert [len(i["ranks"]) for i in instances if i["status"] == "ready"] == [1], instances
         finally:
             cluster.procs[paused].send_signal(signal.SIGCONT)
-    finally:
-        cluster.stop()
 
 
 @pytest.mark.slow
 def test_a_request_that_finds_its_instance_failed_waits_for_it_to_be_placed_again(tmp_path):
     """A pipeline on 2 nodes; the one that does not coordinate killed (node and runners);
-    once the other shows the instance failed, and before the coordinator places it again
-    (it waits for the dead node to miss its heartbeats), a new request: it waits and is
-    answered by the instance placed on the node left, where it was a 503."""
-    cluster = LocalCluster(nodes=2, base_port=free_port_block(2), runner_threads=1,
-                           log_dir=str(tmp_path), data_dir=str(tmp_path))
-    cluster.start()
-    try:
-        ids = [httpx.get(f"{cluster.url(i)}/health", timeout=5).json()["node_id"] for i in range(2)]
-        victim = ids.index(max(ids))
-        asker = 1 - victim
-        cluster.place(None, "pipeline")
-        wait_until_serving(cluster, asker, 60)
+    once the other shows the instance failed, and before the model is placed again, a new
+    request: it waits and is answered by the instance placed on the node left, where it
+    was a 503."""
+    with two_nodes(tmp_path) as (cluster, victim, asker):
         node = psutil.Process(cluster.procs[victim].pid)
         for proc in [*runners_of(node), node]:
             proc.kill()
@@ -382,14 +386,8 @@ def test_a_request_that_finds_its_instance_failed_waits_for_it_to_be_placed_agai
                 i["status"] == "failed"
                 for i in httpx.get(f"{cluster.url(asker)}/cluster/instances", timeout=5).json()["instances"]):
             time.sleep(0.1)
-        started = time.monotonic()
-        response = httpx.post(f"{cluster.url(asker)}/v1/chat/completions", timeout=60, json={
-            "model": DEFAULT_MODEL_ID, "messages": [{"role": "user", "content": CAPITAL_QUESTION}],
-            "max_tokens": 16, "temperature": 0})
-        took = time.monotonic() - started
+        response, took = ask_capital(cluster.url(asker))
         print(f"\nrequest sent as the instance showed failed: {response.status_code} after {took:.1f} s")
         assert response.status_code == 200, response.text
         assert "Paris" in response.json()["choices"][0]["message"]["content"]
         assert took < 30
-    finally:
-        cluster.stop()

@@ -22,6 +22,8 @@ from shardline.runner.protocol import SamplingParams, TokenEvent, TokenRequest
 
 pytestmark = [pytest.mark.fast, pytest.mark.timeout(10)]
 
+LIVE = {"is_stopping": lambda: False, "down_after_s": 5.0}  # what the router asks of its node
+
 
 def run_to_end(router: Router, task_id: int | None) -> None:
     async def consume() -> None:
@@ -36,7 +38,7 @@ def test_a_request_whose_instance_is_gone_fails_as_a_failed_instance(reserved):
     """The API found a ready instance, then the nodes restarted before the request ran:
     an InstanceFailedError (the APIs' 503 to retry), not a NoInstanceError (a 500), and
     the request's place is given up."""
-    node = SimpleNamespace(node_id="n0", instances={}, streams={})
+    node = SimpleNamespace(node_id="n0", instances={}, streams={}, **LIVE)
     if reserved:
         node.streams[7] = RequestStream("gone", asyncio.Queue())
     with pytest.raises(InstanceFailedError, match="retry later"):
@@ -62,7 +64,7 @@ GAVE_UP = "given up"  # failed, and the coordinator will not place it again
     ({"new": READY}, ["old"], 0.0, ReadyWait.RUN),  # placed again and ready
     ({"new": READY}, ["old"], 99.0, ReadyWait.RUN),  # ready is ready, however late
     ({"old": READY}, ["old"], 1.0, ReadyWait.WAIT),  # not found failed yet: not run on again
-    ({"old": READY}, ["old"], 30.0, ReadyWait.GIVE_UP),
+    ({"old": READY}, ["old"], 7.0, ReadyWait.RUN),  # still ready after the verdict: a lost link
     ({"old": FAILED}, ["old"], 1.0, ReadyWait.WAIT),  # the coordinator places it again
     ({"old": FAILED, "new": LOADING}, ["old"], 20.0, ReadyWait.WAIT),
     ({"new": LOADING}, ["old"], 30.0, ReadyWait.GIVE_UP),
@@ -81,14 +83,14 @@ def test_what_a_request_without_a_ready_instance_does(table, failed, waited_s, s
     instances = {name: _instance(name, FAILED if status == GAVE_UP else status, 0.0,
                                  model="n" if name == "other" else "m", given_up=status == GAVE_UP)
                  for name, status in table.items()}
-    assert ready_wait(instances, "m", failed, waited_s, limit_s=30.0) == step
+    assert ready_wait(instances, "m", failed, waited_s, limit_s=30.0, verdict_s=6.0) == step
 
 
 def test_a_request_whose_instance_failed_before_any_output_runs_on_the_next_one():
     """The request's instance failed (in the table) before it yielded anything; the model
     is placed again on another node 0.3 s later: the request waits and runs there (and
     says so, for the fingerprint), and the client sees its tokens, not the failure."""
-    node = SimpleNamespace(node_id="a", instances={"old": _instance("old", FAILED, 0.0)}, streams={})
+    node = SimpleNamespace(node_id="a", instances={"old": _instance("old", FAILED, 0.0)}, streams={}, **LIVE)
     asked: list[str] = []
 
     async def generate(address, request):
@@ -151,7 +153,8 @@ def test_a_request_that_failed_after_output_or_on_a_node_that_waited_is_not_run_
     """A forwarded request whose node was lost after a token was sent (the output cannot
     be taken back), or whose node answered with its own final error (it waited for the
     model already): the error, at once, and the peer asked once."""
-    node = SimpleNamespace(node_id="a", instances={"x": _instance("x", READY, 0.0, node="b")}, streams={})
+    node = SimpleNamespace(node_id="a", instances={"x": _instance("x", READY, 0.0, node="b")}, streams={},
+                           **LIVE)
     asked: list[str] = []
 
     async def generate(address, request):
@@ -166,3 +169,22 @@ def test_a_request_that_failed_after_output_or_on_a_node_that_waited_is_not_run_
     with pytest.raises(InstanceFailedError):
         run_to_end(Router(node), None)
     assert asked == ["b:1"]
+
+
+def test_a_request_runs_twice_at_most():
+    """A request whose forwarded runs both fail before any output, the instance still
+    ready in the table (a link lost, or a request that fails its runner): run again once,
+    after the coordinator's verdict time, then the error."""
+    node = SimpleNamespace(node_id="a", instances={"x": _instance("x", READY, 0.0, node="b")}, streams={},
+                           is_stopping=lambda: False, down_after_s=-0.9)  # verdict after 0.1 s
+    asked: list[str] = []
+
+    async def generate(address, request):
+        asked.append(address)
+        raise PeerError("lost b:1")
+        yield  # an async generator
+
+    node.peer_client = SimpleNamespace(generate=generate)
+    with pytest.raises(InstanceFailedError, match="lost b:1"):
+        run_to_end(Router(node), None)
+    assert asked == ["b:1", "b:1"]

@@ -278,7 +278,7 @@ class Coordinator:
             log.error("giving up on %s after %d failed placements", failed.model_id, retries)
             if not failed.given_up:
                 await self.node.commit(NotPlacedAgain(failed.instance_id,
-                                                      f"gave up after {retries - 1} failed placements"))
+                                                      f"gave up after {retries} failed placements"))
             return
         live = set(self.node.live_node_ids())
         wanted = list(failed.wanted_nodes) or failed.node_ids()

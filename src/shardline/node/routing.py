@@ -5,6 +5,7 @@ streamed back from this node's runner."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
 import weakref
@@ -42,6 +43,11 @@ that comes while its model loads, from its arrival."""
 READY_POLL_S = 0.1
 """How often a waiting request looks at the table for a ready instance (seconds)."""
 
+MAX_RUNS = 2
+"""Runs of one request at most: its first, and one more on another instance where the
+first failed before any output. A request that itself makes its runner fail (a bug, an
+out-of-memory prefill) fails two instances, not every one placed again for 30 s."""
+
 
 def ready_instances(instances: Mapping[str, Instance], model_id: str, node_id: str,
                     avoid: Collection[str] = ()) -> list[Instance]:
@@ -70,16 +76,18 @@ class ReadyWait(Enum):
 
 
 def ready_wait(instances: Mapping[str, Instance], model_id: str, failed: Collection[str],
-               waited_s: float, limit_s: float = READY_WAIT_S) -> ReadyWait:
+               waited_s: float, limit_s: float = READY_WAIT_S, verdict_s: float = 6.0) -> ReadyWait:
     """The next step of a request with no ready instance of ``model_id``, ``waited_s``
     seconds into its wait: run on a ready instance; wait while the model has another
     instance: loading, or failed and not ``given_up`` (the coordinator places it again),
     or one in ``failed`` the table still shows ready; else give up. ``failed``: the
     instances (ids) that failed the request before its first output
     (:meth:`Router.generate`: nothing the client keeps, so running it again elsewhere shows
-    only as a delay), not run on again (a hand-off that did not reach a rank comes before
-    the coordinator's verdict)."""
-    if ready_instances(instances, model_id, "", avoid=failed):
+    only as a delay), not run on again until ``verdict_s`` (the coordinator's time to find
+    a node down, ``down_after_s + 1``): a hand-off that did not reach a rank comes before
+    the verdict, and an instance still ready after it was not at fault (a lost
+    connection)."""
+    if ready_instances(instances, model_id, "", avoid=failed if waited_s < verdict_s else ()):
         return ReadyWait.RUN
     if waited_s >= limit_s or not any(i.model_id == model_id and not i.given_up for i in instances.values()):
         return ReadyWait.GIVE_UP
@@ -171,8 +179,9 @@ class Router:
         Where its instance fails before the request yielded output (a token, or prompt
         log-probabilities; a runner, node or link lost during its hand-off or prefill), it
         waits for the model to be served again and runs there from the start
-        (:meth:`wait_for_ready`, at most :data:`READY_WAIT_S` after the failure): the
-        client sees a delay, and a prefill's progress start again, not an error. Once it
+        (:meth:`wait_for_ready`, at most :data:`READY_WAIT_S` after the failure, once:
+        :data:`MAX_RUNS`): the client sees a delay, and a prefill's progress start again,
+        not an error. Once it
         yielded output, a failure ends it: the output cannot be taken back.
 
         Closing the iterator early cancels the request on every rank.
@@ -187,20 +196,26 @@ class Router:
         """
         failed_at: float | None = None
         tried: list[str] = []  # instances it ran on, in order
+        chosen: Instance | None = None  # where it runs next, after a failure
         while True:
             output = False  # whether it yielded what the client keeps (a prefill's progress
             try:  # without log-probabilities is only shown, and starts again from 0)
-                async for event in self._attempt(request, task_id, tried, ran_on):
-                    output = output or isinstance(event, TokenEvent) or bool(event.logprobs)
-                    yield event
+                # closed here, so that its cleanup (its stream, the ranks' cancel) runs when
+                # this closes, not when the loop collects it
+                async with contextlib.aclosing(self._attempt(request, task_id, chosen, tried, ran_on)) as events:
+                    async for event in events:
+                        output = output or isinstance(event, TokenEvent) or bool(event.logprobs)
+                        yield event
                 return
             except InstanceFailedError as exc:
-                if output or exc.code != EndCode.INSTANCE_FAILED or exc.final:
+                if (output or exc.code != EndCode.INSTANCE_FAILED or exc.final
+                        or len(tried) >= MAX_RUNS or self.node.is_stopping()):
                     raise
                 failed_at = failed_at or time.monotonic()
                 log.info("%s: the request had no output yet; waiting for its model %r to be "
                          "served again", exc, request.model_id)
-                if await self.wait_for_ready(request.model_id, tried, failed_at) is None:
+                chosen = await self.wait_for_ready(request.model_id, tried, failed_at)
+                if chosen is None:
                     raise
                 task_id = None
 
@@ -208,22 +223,27 @@ class Router:
                              since: float | None = None) -> Instance | None:
         """A ready instance of ``model_id`` once there is one (:func:`ready_wait` says
         whether to wait; ``failed`` is its, ``since`` when the wait began,
-        ``time.monotonic()`` seconds, default now); None where there is nothing to wait for
-        or the wait ran out."""
+        ``time.monotonic()`` seconds, default now); None where there is nothing to wait for,
+        the wait ran out or the node is stopping."""
         since = time.monotonic() if since is None else since
-        while (step := ready_wait(self.node.instances, model_id, failed,
-                                  time.monotonic() - since)) == ReadyWait.WAIT:
+        verdict_s = self.node.down_after_s + 1
+        while not self.node.is_stopping():
+            waited_s = time.monotonic() - since
+            step = ready_wait(self.node.instances, model_id, failed, waited_s, verdict_s=verdict_s)
+            if step == ReadyWait.RUN:
+                avoid = failed if waited_s < verdict_s else ()
+                return ready_instances(self.node.instances, model_id, self.node.node_id, avoid)[0]
+            if step == ReadyWait.GIVE_UP:
+                return None
             await asyncio.sleep(READY_POLL_S)
-        if step == ReadyWait.GIVE_UP:
-            return None
-        return ready_instances(self.node.instances, model_id, self.node.node_id, failed)[0]
+        return None
 
-    async def _attempt(self, request: TokenRequest, task_id: int | None, tried: list[str],
-                       ran_on: Callable[[Instance], None] | None,
+    async def _attempt(self, request: TokenRequest, task_id: int | None, chosen: Instance | None,
+                       tried: list[str], ran_on: Callable[[Instance], None] | None,
                        ) -> AsyncGenerator[TokenEvent | PrefillProgress, None]:
-        """One run of :meth:`generate`'s request on a ready instance (the reserved one,
-        where it still is; else one not in ``tried``), or through the node of one; the
-        instance's id is appended to ``tried`` and the instance passed to ``ran_on``.
+        """One run of :meth:`generate`'s request on an instance (the reserved one, where it
+        still is; else ``chosen``, else the first ready one), or through the node of one;
+        the instance's id is appended to ``tried`` and the instance passed to ``ran_on``.
 
         Raises:
             QueueFullError, InstanceFailedError: as :meth:`generate`.
@@ -233,18 +253,19 @@ class Router:
         if inst is None:
             if task_id is not None:
                 self.node.streams.pop(task_id, None)  # its instance is gone: find another
-            ready = ready_instances(self.node.instances, request.model_id, self.node.node_id, tried)
-            if not ready:
+            ready = ready_instances(self.node.instances, request.model_id, self.node.node_id)
+            inst = chosen or (ready[0] if ready else None)
+            if inst is None:
                 raise InstanceFailedError(f"no ready instance serves model {request.model_id!r} any "
                                           "more (its instance failed or its nodes restarted since the "
                                           "request came); retry later")
-            inst = ready[0]
             tried.append(inst.instance_id)
             if ran_on is not None:
                 ran_on(inst)
             if self.node.node_id not in inst.node_ids():
-                async for event in self._forward(inst, request):
-                    yield event
+                async with contextlib.aclosing(self._forward(inst, request)) as forwarded:
+                    async for event in forwarded:
+                        yield event
                 return
             task_id = self._register(inst)
             stream = self.node.streams[task_id]
