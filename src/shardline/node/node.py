@@ -391,7 +391,13 @@ class Node:
             self._left_term = max(self._left_term, self.epoch.term)
             self.cluster_state = adopted
             if self._acting_term is not None and self.epoch.coordinator != self.node_id:
-                self._acting_term = None  # another coordinator's newer table: start over
+                # Another coordinator's newer table: this node coordinated out of touch with
+                # it (a minority, cut off), and its peers' liveness is as old as the cut.
+                # Start over, and hear the whole cluster (or wait the window) before a term
+                # of its own: CI saw a returning coordinator fail the majority's serving
+                # instance for a node it had not heard again yet.
+                self._acting_term = None
+                self._settled_since = time.time()
             self._save_state()
         await self.supervisor._reconcile()
         return True
