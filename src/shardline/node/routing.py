@@ -181,8 +181,8 @@ class Router:
         waits for the model to be served again and runs there from the start
         (:meth:`wait_for_ready`, at most :data:`READY_WAIT_S` after the failure, once:
         :data:`MAX_RUNS`): the client sees a delay, and a prefill's progress start again,
-        not an error. Once it
-        yielded output, a failure ends it: the output cannot be taken back.
+        not an error. Once it yielded output, a failure ends it: the output cannot be
+        taken back.
 
         Closing the iterator early cancels the request on every rank.
 
