@@ -83,7 +83,8 @@ def test_what_a_request_without_a_ready_instance_does(table, failed, waited_s, s
     instances = {name: _instance(name, FAILED if status == GAVE_UP else status, 0.0,
                                  model="n" if name == "other" else "m", given_up=status == GAVE_UP)
                  for name, status in table.items()}
-    assert ready_wait(instances, "m", failed, waited_s, limit_s=30.0, verdict_s=6.0) == step
+    got, inst = ready_wait(instances, "m", "a", failed, waited_s, limit_s=30.0, verdict_s=6.0)
+    assert got == step and (inst is not None) == (step == ReadyWait.RUN)
 
 
 def test_a_request_whose_instance_failed_before_any_output_runs_on_the_next_one():

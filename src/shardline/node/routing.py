@@ -75,10 +75,12 @@ class ReadyWait(Enum):
     or the failure)."""
 
 
-def ready_wait(instances: Mapping[str, Instance], model_id: str, failed: Collection[str],
-               waited_s: float, limit_s: float = READY_WAIT_S, verdict_s: float = 6.0) -> ReadyWait:
-    """The next step of a request with no ready instance of ``model_id``, ``waited_s``
-    seconds into its wait: run on a ready instance; wait while the model has another
+def ready_wait(instances: Mapping[str, Instance], model_id: str, node_id: str,
+               failed: Collection[str], waited_s: float, limit_s: float = READY_WAIT_S,
+               verdict_s: float = 6.0) -> tuple[ReadyWait, Instance | None]:
+    """The next step of a request on ``node_id`` with no ready instance of ``model_id``,
+    ``waited_s`` seconds into its wait, and with :attr:`ReadyWait.RUN` the instance to run
+    on (:func:`ready_instances`' first): run on a ready instance; wait while the model has another
     instance: loading, or failed and not ``given_up`` (the coordinator places it again),
     or one in ``failed`` the table still shows ready; else give up. ``failed``: the
     instances (ids) that failed the request before its first output
@@ -87,11 +89,12 @@ def ready_wait(instances: Mapping[str, Instance], model_id: str, failed: Collect
     a node down, ``down_after_s + 1``): a hand-off that did not reach a rank comes before
     the verdict, and an instance still ready after it was not at fault (a lost
     connection)."""
-    if ready_instances(instances, model_id, "", avoid=failed if waited_s < verdict_s else ()):
-        return ReadyWait.RUN
+    ready = ready_instances(instances, model_id, node_id, avoid=failed if waited_s < verdict_s else ())
+    if ready:
+        return ReadyWait.RUN, ready[0]
     if waited_s >= limit_s or not any(i.model_id == model_id and not i.given_up for i in instances.values()):
-        return ReadyWait.GIVE_UP
-    return ReadyWait.WAIT
+        return ReadyWait.GIVE_UP, None
+    return ReadyWait.WAIT, None
 
 
 @dataclass
@@ -226,15 +229,11 @@ class Router:
         ``time.monotonic()`` seconds, default now); None where there is nothing to wait for,
         the wait ran out or the node is stopping."""
         since = time.monotonic() if since is None else since
-        verdict_s = self.node.down_after_s + 1
         while not self.node.is_stopping():
-            waited_s = time.monotonic() - since
-            step = ready_wait(self.node.instances, model_id, failed, waited_s, verdict_s=verdict_s)
-            if step == ReadyWait.RUN:
-                avoid = failed if waited_s < verdict_s else ()
-                return ready_instances(self.node.instances, model_id, self.node.node_id, avoid)[0]
-            if step == ReadyWait.GIVE_UP:
-                return None
+            step, inst = ready_wait(self.node.instances, model_id, self.node.node_id, failed,
+                                    time.monotonic() - since, verdict_s=self.node.down_after_s + 1)
+            if step != ReadyWait.WAIT:
+                return inst
             await asyncio.sleep(READY_POLL_S)
         return None
 
@@ -253,15 +252,17 @@ class Router:
         if inst is None:
             if task_id is not None:
                 self.node.streams.pop(task_id, None)  # its instance is gone: find another
+            stream = None
             ready = ready_instances(self.node.instances, request.model_id, self.node.node_id)
             inst = chosen or (ready[0] if ready else None)
             if inst is None:
                 raise InstanceFailedError(f"no ready instance serves model {request.model_id!r} any "
                                           "more (its instance failed or its nodes restarted since the "
                                           "request came); retry later")
-            tried.append(inst.instance_id)
-            if ran_on is not None:
-                ran_on(inst)
+        tried.append(inst.instance_id)
+        if ran_on is not None:
+            ran_on(inst)
+        if stream is None:
             if self.node.node_id not in inst.node_ids():
                 async with contextlib.aclosing(self._forward(inst, request)) as forwarded:
                     async for event in forwarded:
@@ -269,10 +270,6 @@ class Router:
                 return
             task_id = self._register(inst)
             stream = self.node.streams[task_id]
-        else:
-            tried.append(inst.instance_id)
-            if ran_on is not None:
-                ran_on(inst)
         assert task_id is not None and stream is not None
         task = Task.of(task_id, self.node.node_id, request)
         finished = False
