@@ -94,7 +94,7 @@ def test_a_request_whose_instance_failed_before_any_output_runs_on_the_next_one(
     node = SimpleNamespace(node_id="a", instances={"old": _instance("old", FAILED, 0.0)}, streams={}, **LIVE)
     asked: list[str] = []
 
-    async def generate(address, request):
+    async def generate(address, request, ran_on=None):
         asked.append(address)
         yield TokenEvent(1, 42, "length")
 
@@ -158,7 +158,7 @@ def test_a_request_that_failed_after_output_or_on_a_node_that_waited_is_not_run_
                            **LIVE)
     asked: list[str] = []
 
-    async def generate(address, request):
+    async def generate(address, request, ran_on=None):
         asked.append(address)
         if output_first:
             yield TokenEvent(1, 42)
@@ -180,7 +180,7 @@ def test_a_request_runs_twice_at_most():
                            is_stopping=lambda: False, down_after_s=-0.9)  # verdict after 0.1 s
     asked: list[str] = []
 
-    async def generate(address, request):
+    async def generate(address, request, ran_on=None):
         asked.append(address)
         raise PeerError("lost b:1")
         yield  # an async generator
@@ -189,3 +189,61 @@ def test_a_request_runs_twice_at_most():
     with pytest.raises(InstanceFailedError, match="lost b:1"):
         run_to_end(Router(node), None)
     assert asked == ["b:1", "b:1"]
+
+
+def test_a_forwarded_request_names_the_instance_its_node_ran_it_on():
+    """The node forwarded to runs the request on another instance than the one this node
+    chose (one of its own, or the one placed again after a failure there): the stream
+    names it, and this node's fingerprint follows."""
+    node = SimpleNamespace(node_id="a", streams={}, **LIVE,
+                           instances={"x": _instance("x", READY, 0.0, node="b"),
+                                      "y": _instance("y", READY, 1.0, node="b")})
+
+    async def generate(address, request, ran_on=None):
+        ran_on("y")
+        yield TokenEvent(1, 42)
+        ran_on("unknown")  # not in this node's table yet: the last known stays
+        yield TokenEvent(1, 43, "length")
+
+    node.peer_client = SimpleNamespace(generate=generate)
+    ran_on: list[str] = []
+
+    async def run() -> list[int]:
+        return [e.token_id async for e in Router(node).generate(
+            TokenRequest("m", (1, 2), 4, SamplingParams(), ()), None, lambda i: ran_on.append(i.instance_id))]
+
+    assert asyncio.run(run()) == [42, 43]
+    assert ran_on == ["x", "y"]
+
+
+def test_a_forwarded_request_whose_instance_left_the_table_for_another_runs_there():
+    """This node missed the table in which the instance it forwarded to failed: it sees
+    the instance gone and one placed again in its place (``replaced``). The request, with
+    no output yet, runs there: a failure, not a deletion (which would end it)."""
+    node = SimpleNamespace(node_id="a", streams={}, instances={"old": _instance("old", READY, 0.0, node="b")},
+                           **LIVE)
+    asked: list[str] = []
+
+    async def generate(address, request, ran_on=None):
+        asked.append(address)
+        if address == "b:1":
+            await asyncio.sleep(30)  # b is cut off: its stream never ends by itself
+        yield TokenEvent(1, 42, "length")
+
+    node.peer_client = SimpleNamespace(generate=generate)
+
+    async def run() -> list[int]:
+        router = Router(node)
+
+        async def place_again() -> None:
+            await asyncio.sleep(0.2)
+            node.instances = {"new": _instance("new", READY, 1.0, replaced=("old",), node="c")}
+            router.end_forwarded()  # as the node's reconcile does on a new table
+
+        placing = asyncio.create_task(place_again())
+        events = [e.token_id async for e in router.generate(TokenRequest("m", (1, 2), 4, SamplingParams(), ()))]
+        await placing
+        return events
+
+    assert asyncio.run(run()) == [42]
+    assert asked == ["b:1", "c:1"]

@@ -33,10 +33,11 @@ from shardline.node.state import (
     stand_in_not_needed,
     standing_in,
     superseded,
+    why_ended,
 )
 from shardline.node.status import InstanceStatus as I
 from shardline.node.status import RankStatus as R
-from shardline.node.table import Instance, RankPlacement
+from shardline.node.table import DELETED, EndCode, Instance, RankPlacement
 from shardline.node.wire import StateMessage
 
 pytestmark = [pytest.mark.fast, pytest.mark.timeout(10)]
@@ -191,6 +192,22 @@ def test_a_state_round_trips_through_its_wire_form():
 def test_an_id_names_its_instance_or_the_one_placed_again_in_its_place(instances, asked, named):
     found = instance_named({i.instance_id: i for i in instances}, asked)
     assert (found.instance_id if found else None) == named
+
+
+@pytest.mark.parametrize("instances, code, error", [
+    ([inst("old", status=I.FAILED, error="rank 1 on node b: node down")],
+     EndCode.INSTANCE_FAILED, "rank 1 on node b: node down"),
+    # a node that missed the table in which it failed sees only its replacement
+    ([inst("new", replaced=("old",))],
+     EndCode.INSTANCE_FAILED, "failed; instance new serves its model in its place"),
+    ([inst("newer", replaced=("older", "old"))],
+     EndCode.INSTANCE_FAILED, "failed; instance newer serves its model in its place"),
+    ([], EndCode.INSTANCE_DELETED, DELETED),
+    ([inst("other", replaced=("another",))], EndCode.INSTANCE_DELETED, DELETED),
+], ids=["failed", "placed again", "placed again twice", "deleted", "another's replacement"])
+def test_requests_on_an_instance_gone_from_the_table_end_failed_where_it_was_placed_again(
+        instances, code, error):
+    assert why_ended({i.instance_id: i for i in instances}, "old") == (code, error)
 
 
 @pytest.mark.parametrize("instances, standing, handed_over", [

@@ -331,11 +331,16 @@ def create_app(node: Node, guard: GuardConfig, max_body_bytes: int = DEFAULT_MAX
             task_id = node.router.reserve(node.router.ready_instance(request.model_id), request)
         except NoInstanceError:
             task_id = None  # told in the stream
-        events = node.router.generate(request, task_id)
+        ran_on: list[str] = []  # the instances it runs on, in order
+        events = node.router.generate(request, task_id, lambda inst: ran_on.append(inst.instance_id))
 
         async def lines():
+            named = 0  # of ran_on
             try:
                 async for event in events:
+                    if named < len(ran_on):
+                        named = len(ran_on)
+                        yield StreamLine(instance_id=ran_on[-1]).model_dump_json() + "\n"
                     line = StreamLine(progress=event) if isinstance(event, PrefillProgress) else StreamLine(token=event)
                     yield line.model_dump_json() + "\n"
             except (InstanceFailedError, NoInstanceError) as exc:

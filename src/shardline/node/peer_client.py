@@ -15,7 +15,7 @@ import asyncio
 import dataclasses
 import json
 import logging
-from collections.abc import AsyncGenerator
+from collections.abc import AsyncGenerator, Callable
 from typing import Any
 
 import httpx
@@ -137,9 +137,12 @@ class PeerClient:
         response = await self._call("POST", address, path, message=message)
         return self._parse(Delivered, response, address).delivered
 
-    async def generate(self, address: str, request: TokenRequest) -> AsyncGenerator[TokenEvent | PrefillProgress, None]:
+    async def generate(self, address: str, request: TokenRequest,
+                       ran_on: Callable[[str], None] | None = None,
+                       ) -> AsyncGenerator[TokenEvent | PrefillProgress, None]:
         """Run ``request`` through the peer (``POST /internal/generate``) and yield its
-        events.
+        events; ``ran_on`` is called with the id of each instance the peer runs it on,
+        before that instance's events.
 
         Raises:
             PeerError: the peer could not be reached, or refused the request.
@@ -167,6 +170,8 @@ class PeerClient:
                         codes = {c.value: c for c in EndCode}
                         raise InstanceFailedError(line.error, codes.get(line.code or "", EndCode.INSTANCE_FAILED),
                                                   final=True)
+                    if line.instance_id is not None and ran_on is not None:
+                        ran_on(line.instance_id)
                     event = line.token or line.progress
                     if event is not None:
                         yield event

@@ -17,9 +17,9 @@ from typing import TYPE_CHECKING
 from shardline.node.peer_client import PeerError
 from shardline.node.queue_bound import QueueFullError, admits, waiting_count
 from shardline.node.speeds import RequestTiming
-from shardline.node.state import superseded
+from shardline.node.state import superseded, why_ended
 from shardline.node.status import InstanceStatus
-from shardline.node.table import DELETED, EndCode, Instance, InstanceFailedError, NoInstanceError
+from shardline.node.table import EndCode, Instance, InstanceFailedError, NoInstanceError
 from shardline.node.wire import CancelMessage, TaskMessage
 from shardline.runner.protocol import (
     Cancel,
@@ -264,7 +264,7 @@ class Router:
             ran_on(inst)
         if stream is None:
             if self.node.node_id not in inst.node_ids():
-                async with contextlib.aclosing(self._forward(inst, request)) as forwarded:
+                async with contextlib.aclosing(self._forward(inst, request, ran_on)) as forwarded:
                     async for event in forwarded:
                         yield event
                 return
@@ -386,9 +386,13 @@ class Router:
                 for event in ended:
                     event.set()
 
-    async def _forward(self, inst: Instance, request: TokenRequest) -> AsyncGenerator[TokenEvent | PrefillProgress, None]:
+    async def _forward(self, inst: Instance, request: TokenRequest,
+                       ran_on: Callable[[Instance], None] | None = None,
+                       ) -> AsyncGenerator[TokenEvent | PrefillProgress, None]:
         """Run the request through the node of the instance's first rank, until it ends or
-        the instance fails in the table (:meth:`end_forwarded`).
+        the instance fails in the table (:meth:`end_forwarded`). ``ran_on`` is called with
+        each instance that node names as the one running it (from this node's table: it
+        may choose another ready one, or run the request again on another).
 
         Raises:
             InstanceFailedError: that node could not be reached, the request failed
@@ -396,7 +400,12 @@ class Router:
         """
         ended = asyncio.Event()
         self._forwarding.setdefault(inst.instance_id, set()).add(ended)
-        events = self.node.peer_client.generate(inst.ranks[0].address, request)
+        def named(instance_id: str) -> None:
+            running = self.node.instances.get(instance_id)
+            if running is not None and ran_on is not None:
+                ran_on(running)
+
+        events = self.node.peer_client.generate(inst.ranks[0].address, request, named)
         stop = asyncio.ensure_future(ended.wait())
         following: asyncio.Future | None = None
         try:
@@ -404,10 +413,8 @@ class Router:
                 following = asyncio.ensure_future(anext(events))
                 await asyncio.wait({following, stop}, return_when=asyncio.FIRST_COMPLETED)
                 if not following.done():
-                    failed = self.node.instances.get(inst.instance_id)
-                    code = EndCode.INSTANCE_FAILED if failed else EndCode.INSTANCE_DELETED
-                    raise InstanceFailedError(f"instance {inst.instance_id}: "
-                                              f"{failed.error if failed else DELETED}", code)
+                    code, error = why_ended(self.node.instances, inst.instance_id)
+                    raise InstanceFailedError(f"instance {inst.instance_id}: {error}", code)
                 try:
                     event = following.result()
                 except StopAsyncIteration:

@@ -36,7 +36,7 @@ from dataclasses import dataclass, field
 
 from shardline.node.cluster_state import NO_EPOCH, Epoch, lost_instances, newer
 from shardline.node.status import InstanceStatus, RankStatus
-from shardline.node.table import Instance
+from shardline.node.table import DELETED, EndCode, Instance
 
 
 @dataclass(frozen=True)
@@ -103,6 +103,22 @@ def instance_named(instances: Mapping[str, Instance], instance_id: str) -> Insta
         return instances[instance_id]
     successors = [i for i in instances.values() if instance_id in i.replaced]
     return max(successors, key=lambda i: i.created_at, default=None)
+
+
+def why_ended(instances: Mapping[str, Instance], instance_id: str) -> tuple[EndCode, str]:
+    """Why the requests on ``instance_id`` end, read from a table in which it failed or
+    is gone, and the error they are given: failed, its error
+    (:attr:`EndCode.INSTANCE_FAILED`); gone, where another instance is in its place (its
+    id in that one's ``replaced``: :func:`instance_named`), failed too (a node that missed
+    the table in which it failed sees it gone; a request that had no output runs again
+    on that one: :meth:`~shardline.node.routing.Router.generate`); gone, with none in its
+    place, deleted (:attr:`EndCode.INSTANCE_DELETED`)."""
+    inst = instance_named(instances, instance_id)
+    if inst is None:
+        return EndCode.INSTANCE_DELETED, DELETED
+    if inst.instance_id == instance_id:
+        return EndCode.INSTANCE_FAILED, inst.error or "failed"
+    return EndCode.INSTANCE_FAILED, f"failed; instance {inst.instance_id} serves its model in its place"
 
 
 # -- events ------------------------------------------------------------------------------

@@ -14,9 +14,9 @@ from typing import TYPE_CHECKING
 from shardline.models.config import Sharding
 from shardline.models.store import ModelNotFoundError
 from shardline.node.peer_client import PeerError
-from shardline.node.state import plan_runners, stale_ranks
+from shardline.node.state import plan_runners, stale_ranks, why_ended
 from shardline.node.status import InstanceStatus, RankStatus
-from shardline.node.table import DELETED, EndCode, Instance, RankPlacement
+from shardline.node.table import Instance, RankPlacement
 from shardline.node.transfer import TransferError
 from shardline.node.wire import RankReport
 from shardline.placement.ranks import (
@@ -60,9 +60,8 @@ class Supervisor:
             node._preparing.pop(instance_id).cancel()
         node.router.end_forwarded()
         for instance_id in plan.stop:
-            inst = node.instances.get(instance_id)
-            node.router._fail_streams(instance_id, inst.error if inst else DELETED,
-                                      EndCode.INSTANCE_FAILED if inst else EndCode.INSTANCE_DELETED)
+            code, error = why_ended(node.instances, instance_id)
+            node.router._fail_streams(instance_id, error, code)
             await asyncio.to_thread(node.worker.stop, instance_id)
             node.engine_stats.pop(instance_id, None)
         for instance_id, rank in plan.start:
@@ -191,9 +190,6 @@ class Supervisor:
                 break
             await asyncio.sleep(0.1)
         inst = self.node.instances.get(instance_id)
-        code = EndCode.INSTANCE_FAILED
-        if inst is None:  # deleted, which stopped the other ranks first
-            error, code = DELETED, EndCode.INSTANCE_DELETED
-        elif inst.error:
-            error = inst.error
-        self.node.router._fail_streams(instance_id, error, code)
+        code, named = why_ended(self.node.instances, instance_id)  # deleted: that stopped the ranks
+        self.node.router._fail_streams(instance_id, error if inst is not None and not inst.error else named,
+                                       code)

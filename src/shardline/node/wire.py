@@ -140,9 +140,13 @@ class Delivered(Message):
 
 class StreamLine(Message):
     """One line of ``POST /internal/generate``'s stream: exactly one of a token, a
-    prefill's progress, or the error that ended the request."""
+    prefill's progress, the error that ended the request, or the id of the instance that
+    runs it (before its first event, and again before the events of another where the
+    first failed before any output: the node that forwarded it names it in the
+    ``system_fingerprint``)."""
 
     token: TokenEvent | None = None
     progress: PrefillProgress | None = None
     error: str | None = None
     code: str | None = None  # with error: its EndCode
+    instance_id: str | None = None
