@@ -2,7 +2,7 @@
 of the embedded default model (SmolLM2, ChatML: ``<|im_start|>`` is id 1, ``<|im_end|>`` 2).
 
 Every API that takes chat messages is checked through the functions its route calls:
-the request model's ``to_generation`` and :func:`shardline.api.generation.prepare`.
+the request model's ``to_generation`` and :func:`shardline.api.preparation.prepare`.
 """
 
 from __future__ import annotations
@@ -14,9 +14,11 @@ from typing import Any
 import pytest
 
 from shardline.api import anthropic, completions, ollama, openai
-from shardline.api.generation import prepare
+from shardline.api.generation import APIError
+from shardline.api.preparation import prepare
 from shardline.models.store import DEFAULT_MODEL_ID, ModelStore
 from shardline.models.tokenizer import ChatTemplateError, Tokenizer
+from shardline.node.table import NoInstanceError
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -183,3 +185,40 @@ def test_names_the_template_does_not_render_are_found(tokenizer, monkeypatch):
                         "{% for m in messages %}{{ m.role }}{% if m.name %} ({{ m.name }}){% endif %}: "
                         "{{ m.content }}\n{% endfor %}assistant:")
     assert tokenizer.unrendered_names(chat) == []
+
+
+@pytest.mark.parametrize("max_tokens, refused", [(1000, True), (8, False)])
+def test_a_request_for_a_loading_model_is_refused_by_its_context_before_the_wait(
+        tokenizer, max_tokens, refused):
+    """No instance is ready; one loads, of context 64: a request that asks for more
+    than it leaves is a 400 at once (not after the wait, up to 30 s); one it fits waits
+    and runs on the instance that becomes ready, tokenized once."""
+    loading = SimpleNamespace(model_id=M, given_up=False, created_at=0.0, context=64)
+    waited: list[str] = []
+    tokenized: list[str] = []
+
+    async def tokenizer_of(model: str) -> Tokenizer:
+        tokenized.append(model)
+        return tokenizer
+
+    async def wait_for_ready(model: str) -> Any:
+        waited.append(model)
+        return loading  # now ready
+
+    def ready_instance(model: str) -> Any:
+        raise NoInstanceError(model)
+
+    router = SimpleNamespace(ready_instance=ready_instance, wait_for_ready=wait_for_ready,
+                             reserve=lambda inst, gen: 1)
+    node: Any = SimpleNamespace(router=router, instances={"i": loading},
+                                logistics=SimpleNamespace(tokenizer=tokenizer_of))
+    request = openai.ChatCompletionRequest.model_validate(
+        {"model": M, "max_tokens": max_tokens, "messages": [{"role": "user", "content": "Hi"}]})
+    if refused:
+        with pytest.raises(APIError) as caught:
+            asyncio.run(prepare(node, request.to_generation()))
+        assert (caught.value.status, caught.value.code, waited) == (400, "context_length_exceeded", [])
+    else:
+        gen = asyncio.run(prepare(node, request.to_generation()))
+        assert gen.instance is loading and gen.prompt == tokenizer.encode_chat(request.to_generation().prompt)
+        assert waited == [M] and tokenized == [M]

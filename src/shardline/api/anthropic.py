@@ -27,11 +27,10 @@ from shardline.api.generation import (
     Generation,
     GenerationRequest,
     collect_unless_disconnected,
-    prepare,
-    tokenize,
 )
 from shardline.api.metrics import RequestMetrics
 from shardline.api.params import Endpoint, StopString
+from shardline.api.preparation import prepare, tokenize
 from shardline.api.request_body import parse_body
 from shardline.api.structured import json_grammar
 from shardline.api.tools import ToolCall, ToolChoice, ToolChoiceMode

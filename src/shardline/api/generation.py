@@ -1,6 +1,7 @@
-"""What every text API (OpenAI, Anthropic, Ollama) shares: finding the model's instance and
-tokenizer, checking the request against the context, and turning the node's token stream
-into text deltas with stop strings, for a client that may leave at any time.
+"""What every text API (OpenAI, Anthropic, Ollama) shares: the request in the engine's
+terms, its check against the context, and turning the node's token stream into text
+deltas with stop strings, for a client that may leave at any time (finding the instance
+and tokenizing the prompt: :mod:`shardline.api.preparation`).
 
 Each API parses its own request into a :class:`GenerationRequest` and formats the results
 and :class:`APIError` its own way.
@@ -9,7 +10,6 @@ and :class:`APIError` its own way.
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import functools
 import time
 from collections.abc import AsyncIterator
@@ -19,30 +19,22 @@ from typing import TYPE_CHECKING, Any
 from fastapi import Request
 
 from shardline.api.logprobs import HeldLogprobs, TokenLogprob, token_logprob
-from shardline.api.prompt_bounds import droppable, min_prompt_tokens, without_oldest
 from shardline.api.tools import (
     ToolCall,
     ToolCallParser,
     ToolChoice,
     ToolChoiceMode,
     ToolFormat,
-    check_history,
-    check_tools,
     strict_schemas,
-    tool_call_grammar,
     tool_format,
     tool_names,
 )
-from shardline.models.store import ModelNotFoundError
 from shardline.models.tokenizer import (
-    ChatTemplateError,
     IncrementalDetokenizer,
     Tokenizer,
 )
 from shardline.node.node import Node
-from shardline.node.peer_client import PeerError
-from shardline.node.table import Instance, InstanceFailedError, NoInstanceError
-from shardline.node.transfer import TransferError
+from shardline.node.table import Instance, InstanceFailedError
 from shardline.runner.protocol import PrefillProgress, SamplingParams, TokenEvent, TokenRequest
 
 if TYPE_CHECKING:
@@ -156,6 +148,27 @@ class StopMatcher:
         return out
 
 
+def check_room(req: GenerationRequest, prompt_tokens: int, instance_context: int) -> int:
+    """The completion tokens the context leaves a prompt of ``prompt_tokens`` (at least 1).
+
+    Raises:
+        APIError: 400 ``context_length_exceeded`` where the prompt fills the context (the
+            instance's, or the request's own window), or ``max_tokens`` asks for more than
+            it leaves (unless the request caps it there, as Ollama's ``num_predict``).
+    """
+    context = req.window(instance_context)
+    room = context - prompt_tokens
+    if room < 1 or (req.max_tokens is not None and req.max_tokens > room and not req.max_tokens_capped):
+        asked = f" and {req.max_tokens} for the completion" if req.max_tokens is not None else ""
+        whose = "this model's" if context == instance_context else "the request's"
+        raise APIError(
+            400,
+            f"{whose} context is {context} tokens; the request asks for {prompt_tokens} in the prompt{asked}",
+            param=req.max_tokens_param if room >= 1 else req.prompt_param, code="context_length_exceeded",
+        )
+    return room
+
+
 class Generation:
     """A checked, tokenized request on its instance; :meth:`texts` runs it.
 
@@ -176,17 +189,7 @@ class Generation:
         self.instance = inst
         self.prompt = prompt
         self.tokenizer = tokenizer
-        context = req.window(inst.context)
-        room = context - len(prompt)
-        if room < 1 or (req.max_tokens is not None and req.max_tokens > room and not req.max_tokens_capped):
-            asked = f" and {req.max_tokens} for the completion" if req.max_tokens is not None else ""
-            whose = "this model's" if context == inst.context else "the request's"
-            raise APIError(
-                400,
-                f"{whose} context is {context} tokens; the request asks for "
-                f"{len(prompt)} in the prompt{asked}",
-                param=req.max_tokens_param if room >= 1 else req.prompt_param, code="context_length_exceeded",
-            )
+        room = check_room(req, len(prompt), inst.context)
         self.max_tokens = min(req.max_tokens or room, room)
         self.sampling = sampling or req.sampling
         self.stop_ids = [] if req.ignore_eos and self.sampling.grammar is None else tokenizer.eos_token_ids
@@ -323,180 +326,10 @@ class Generation:
                 "time_ms": round((time.monotonic() - self.started) * 1000, 1)}
 
 
-async def prepare(node: Node, req: GenerationRequest, metrics: RequestMetrics | None = None) -> Generation:
-    """Find a ready instance and the tokenizer of ``req.model``, tokenize the prompt and
-    take the request's place in the instance's queue.
-
-    Raises:
-        APIError: as :func:`tokenize`; 400 for a prompt and limit beyond the context.
-        QueueFullError: as many requests wait for the instance as this node queues (the
-            app answers 429 with ``Retry-After``).
-    """
-    inst, tokenizer, prompt = await tokenize(node, req)
-    sampling = req.sampling
-    if req.offers_tools and req.tool_choice.mode in (ToolChoiceMode.REQUIRED, ToolChoiceMode.NAMED):
-        sampling = await asyncio.to_thread(_forced_call, req, tokenizer)
-    gen = Generation(node, req, prompt, inst, tokenizer, metrics, sampling)
-    gen.task_id = node.router.reserve(inst, gen)  # after the last await: counted one by one
-    return gen
-
-
 def model_tool_format(tokenizer: Tokenizer) -> ToolFormat:
     """How the model of ``tokenizer`` writes tool calls: its template's format, or the
     tokenizer's own Hermes-style prompt where the template takes no tools."""
     return tool_format(tokenizer.chat_template if tokenizer.supports_tools else None)
-
-
-def _forced_call(req: GenerationRequest, tokenizer: Tokenizer) -> SamplingParams:
-    """The sampling of a request whose tool choice forces a call: its grammar is the
-    call's (:func:`~shardline.api.tools.tool_call_grammar`).
-
-    Raises:
-        APIError: 400 when the request also constrains its output otherwise
-            (``response_format``), or a tool's schema does not compile.
-    """
-    if req.sampling.grammar is not None:
-        raise APIError(400, "tool_choice: a forced tool call cannot be combined with a structured output format",
-                       param="tool_choice")
-    try:
-        grammar = tool_call_grammar(model_tool_format(tokenizer), req.tools, req.tool_choice)
-    except ValueError as exc:
-        raise APIError(400, str(exc), param="tools") from exc
-    return dataclasses.replace(req.sampling, grammar=grammar)
-
-
-async def _encode_chat(req: GenerationRequest, messages: list[dict[str, Any]], tokenizer: Tokenizer,
-                       instance_context: int) -> list[int]:
-    """The token ids of ``req``'s chat (``messages``); with ``truncate_history``, of the
-    longest :func:`~shardline.api.prompt_bounds.without_oldest` that leaves the context
-    room for a token (a binary search over how many messages go: a shorter chat has fewer
-    tokens; a dozen encodings for 5,000 messages), else of the shortest (which
-    :class:`Generation` refuses as too long).
-
-    Raises:
-        APIError: 400 when the chat template refuses the chat.
-    """
-    most = droppable(messages) if req.truncate_history else 0
-    context = req.window(instance_context)
-    encoded: dict[int, list[int]] = {}
-
-    async def encode(i: int) -> list[int]:  # the chat without its i oldest messages
-        if i not in encoded:
-            call = functools.partial(tokenizer.encode_chat, without_oldest(messages, i),
-                                     tools=req.tools if req.offers_tools else None,
-                                     continue_final_message=req.continue_final_message)
-            try:
-                encoded[i] = await asyncio.to_thread(call)
-            except ChatTemplateError as exc:
-                raise APIError(400, str(exc), param=req.prompt_param) from exc
-        return encoded[i]
-
-    low, high = 0, most  # the first that fits lies in [low, high] (or none does)
-    while low < high:
-        middle = (low + high) // 2
-        if len(await encode(middle)) < context:
-            high = middle
-        else:
-            low = middle + 1
-    return await encode(low)
-
-
-async def _check_names_rendered(req: GenerationRequest, tokenizer: Tokenizer,
-                                messages: list[dict[str, Any]]) -> None:
-    """Refuse a message ``name`` (of ``messages``, ``req``'s chat) the model's chat
-    template does not render.
-
-    Raises:
-        APIError: 400 naming the first such message's name (or the template's error).
-    """
-    unrendered = functools.partial(tokenizer.unrendered_names, messages,
-                                   tools=req.tools if req.offers_tools else None,
-                                   continue_final_message=req.continue_final_message)
-    try:
-        unused = await asyncio.to_thread(unrendered)
-    except ChatTemplateError as exc:
-        raise APIError(400, str(exc), param=req.prompt_param) from exc
-    if unused:
-        where = f"{req.prompt_param}.{unused[0]}.{req.name_param}"
-        raise APIError(400, f"{where}: this model's chat template does not render names, so it would "
-                            "have no effect; leave it out", param=where)
-
-
-async def tokenize(node: Node, req: GenerationRequest) -> tuple[Instance, Tokenizer, list[int]]:
-    """The ready instance, the tokenizer and the prompt's token ids of ``req``. Where none
-    is ready but one is loading (placed, or placed again) or failed and about to be placed
-    again, it waits for one (:meth:`~shardline.node.routing.Router.wait_for_ready`, at most
-    :data:`~shardline.node.routing.READY_WAIT_S`).
-
-    Raises:
-        APIError: 404 for a model no instance serves; 503 for one not ready after the
-            wait, failed and given up on, or whose tokenizer cannot be had; 400 for messages the chat template refuses, token ids
-            outside the vocabulary, ``logit_bias`` ids outside it, or a text or chat prompt
-            whose characters alone prove it longer than the context (refused before it is
-            tokenized: :mod:`shardline.api.prompt_bounds`).
-    """
-    if req.tools or req.tool_choice.mode in (ToolChoiceMode.REQUIRED, ToolChoiceMode.NAMED):
-        try:
-            check_tools(req.tools, req.tool_choice)
-        except ValueError as exc:
-            raise APIError(400, str(exc), param="tool_choice" if str(exc).startswith("tool_choice") else "tools") from exc
-    try:
-        inst = node.router.ready_instance(req.model)
-    except NoInstanceError:
-        ready = await node.router.wait_for_ready(req.model)  # READY_WAIT_S at most
-        if ready is not None:
-            return await _tokenized(node, req, ready)
-        placed = [i for i in node.instances.values() if i.model_id == req.model]
-        if placed:
-            detail = "; ".join(f"instance {i.instance_id} {i.status}" + (f": {i.error}" if i.error else "")
-                               for i in placed)
-            raise APIError(503, f"The model '{req.model}' is not ready ({detail}); retry later",
-                           "server_error", param="model", code="model_not_ready") from None
-        known = ", ".join(m["id"] for m in node.router.models()) or "none"
-        raise APIError(404, f"The model '{req.model}' does not exist or is not loaded (available: {known})",
-                       "not_found_error", param="model", code="model_not_found") from None
-    return await _tokenized(node, req, inst)
-
-
-async def _tokenized(node: Node, req: GenerationRequest, inst: Instance) -> tuple[Instance, Tokenizer, list[int]]:
-    """:func:`tokenize` 's work once ``inst`` is the ready instance."""
-    try:
-        tokenizer = await node.logistics.tokenizer(req.model)
-    except (ModelNotFoundError, TransferError, PeerError) as exc:
-        raise APIError(503, f"The model '{req.model}' cannot be tokenized on this node: {exc}",
-                       "server_error", param="model", code="model_not_ready") from exc
-    if isinstance(req.prompt, str) or (req.prompt and isinstance(req.prompt[0], dict)):
-        shortest: Any = req.prompt
-        if req.truncate_history:  # what a chat past the context keeps, at the least
-            shortest = without_oldest(shortest, droppable(shortest))
-        at_least = min_prompt_tokens(shortest, tokenizer.max_token_chars)
-        if at_least > inst.context:
-            raise APIError(400, f"this model's context is {inst.context} tokens; the request asks for at "
-                                f"least {at_least} in the prompt", param=req.prompt_param,
-                           code="context_length_exceeded")
-    if isinstance(req.prompt, str):
-        prompt = await asyncio.to_thread(tokenizer.encode, req.prompt)
-    elif req.prompt and isinstance(req.prompt[0], dict):
-        try:
-            check_history(req.prompt)  # type: ignore[arg-type]
-        except ValueError as exc:
-            raise APIError(400, str(exc), param=req.prompt_param) from exc
-        if req.name_param is not None:
-            await _check_names_rendered(req, tokenizer, req.prompt)  # type: ignore[arg-type]
-        prompt = await _encode_chat(req, req.prompt, tokenizer, inst.context)  # type: ignore[arg-type]
-    else:
-        prompt = [t for t in req.prompt if isinstance(t, int)]  # token ids: a list of dicts went above
-        bad = [t for t in prompt if not 0 <= t < tokenizer.vocab_size]
-        if bad:
-            raise APIError(400, f"token ids outside the vocabulary (0-{tokenizer.vocab_size - 1}): {bad[:5]}",
-                           param=req.prompt_param)
-    if not prompt:
-        raise APIError(400, "the prompt is empty", param=req.prompt_param)
-    outside = [t for t, _ in req.sampling.logit_bias if not 0 <= t < tokenizer.vocab_size]
-    if outside:
-        raise APIError(400, f"logit_bias: token ids outside the vocabulary (0-{tokenizer.vocab_size - 1}): "
-                            f"{outside[:5]}", param="logit_bias")
-    return inst, tokenizer, prompt
 
 
 async def collect_unless_disconnected(

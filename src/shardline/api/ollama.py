@@ -37,13 +37,13 @@ from shardline.api.generation import (
     Generation,
     GenerationRequest,
     collect_unless_disconnected,
-    prepare,
 )
 from shardline.api.keep_alive import KeepAlive, parse_keep_alive, unload
 from shardline.api.logprobs import ollama_logprobs
 from shardline.api.metrics import RequestMetrics
 from shardline.api.model_facts import ModelFacts, held_bytes, model_facts, placed
 from shardline.api.params import Endpoint, StopString
+from shardline.api.preparation import prepare
 from shardline.api.request_body import parse_body
 from shardline.api.structured import json_grammar
 from shardline.api.tools import ToolCall, openai_tool_choice

@@ -31,13 +31,13 @@ from shardline.api.generation import (
     GenerationRequest,
     collect_unless_disconnected,
     merge_streams,
-    prepare,
 )
 from shardline.api.logprobs import (
     chat_logprobs,
 )
 from shardline.api.metrics import RequestMetrics
 from shardline.api.params import Endpoint, StopString
+from shardline.api.preparation import prepare
 from shardline.api.request_body import parse_body
 from shardline.api.structured import ANY_OBJECT, json_grammar, strict_schema_problem
 from shardline.api.tools import ToolCall, ToolChoice, openai_tool_choice

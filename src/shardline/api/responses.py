@@ -23,10 +23,10 @@ from shardline.api.generation import (
     Chunk,
     Generation,
     collect_unless_disconnected,
-    prepare,
 )
 from shardline.api.metrics import RequestMetrics
 from shardline.api.openai import error_body, error_response
+from shardline.api.preparation import prepare
 from shardline.api.request_body import PARSE_IN_THREAD_BYTES, decode_json_body
 from shardline.api.response_store import ResponseStore, StoredResponse
 from shardline.api.responses_output import OutputBuilder, Piece, new_id, usage_object

@@ -1,0 +1,233 @@
+"""A request checked, tokenized and given its place: :func:`prepare` finds the ready
+instance of the model (waiting for one that loads), tokenizes the prompt with the model's
+tokenizer and chat template, refuses what the context or vocabulary cannot take (400s
+in the API's format, :class:`~shardline.api.generation.APIError`), and takes the
+request's place in the instance's queue; :func:`tokenize` is the part that counts tokens
+(Anthropic's ``count_tokens``)."""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import functools
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
+
+from shardline.api.generation import APIError, Generation, GenerationRequest, check_room, model_tool_format
+from shardline.api.prompt_bounds import droppable, min_prompt_tokens, without_oldest
+from shardline.api.tools import ToolChoiceMode, check_history, check_tools, tool_call_grammar
+from shardline.models.store import ModelNotFoundError
+from shardline.models.tokenizer import ChatTemplateError, Tokenizer
+from shardline.node.node import Node
+from shardline.node.peer_client import PeerError
+from shardline.node.table import Instance, NoInstanceError
+from shardline.node.transfer import TransferError
+from shardline.runner.protocol import SamplingParams
+
+if TYPE_CHECKING:
+    from shardline.api.metrics import RequestMetrics
+
+
+async def prepare(node: Node, req: GenerationRequest, metrics: RequestMetrics | None = None) -> Generation:
+    """Find a ready instance and the tokenizer of ``req.model``, tokenize the prompt and
+    take the request's place in the instance's queue.
+
+    Raises:
+        APIError: as :func:`tokenize`; 400 for a prompt and limit beyond the context.
+        QueueFullError: as many requests wait for the instance as this node queues (the
+            app answers 429 with ``Retry-After``).
+    """
+    inst, tokenizer, prompt = await tokenize(
+        node, req, lambda pending, prompt: check_room(req, len(prompt), pending.context))
+    sampling = req.sampling
+    if req.offers_tools and req.tool_choice.mode in (ToolChoiceMode.REQUIRED, ToolChoiceMode.NAMED):
+        sampling = await asyncio.to_thread(_forced_call, req, tokenizer)
+    gen = Generation(node, req, prompt, inst, tokenizer, metrics, sampling)
+    gen.task_id = node.router.reserve(inst, gen)  # after the last await: counted one by one
+    return gen
+
+
+def _forced_call(req: GenerationRequest, tokenizer: Tokenizer) -> SamplingParams:
+    """The sampling of a request whose tool choice forces a call: its grammar is the
+    call's (:func:`~shardline.api.tools.tool_call_grammar`).
+
+    Raises:
+        APIError: 400 when the request also constrains its output otherwise
+            (``response_format``), or a tool's schema does not compile.
+    """
+    if req.sampling.grammar is not None:
+        raise APIError(400, "tool_choice: a forced tool call cannot be combined with a structured output format",
+                       param="tool_choice")
+    try:
+        grammar = tool_call_grammar(model_tool_format(tokenizer), req.tools, req.tool_choice)
+    except ValueError as exc:
+        raise APIError(400, str(exc), param="tools") from exc
+    return dataclasses.replace(req.sampling, grammar=grammar)
+
+
+async def _encode_chat(req: GenerationRequest, messages: list[dict[str, Any]], tokenizer: Tokenizer,
+                       instance_context: int) -> list[int]:
+    """The token ids of ``req``'s chat (``messages``); with ``truncate_history``, of the
+    longest :func:`~shardline.api.prompt_bounds.without_oldest` that leaves the context
+    room for a token (a binary search over how many messages go: a shorter chat has fewer
+    tokens; a dozen encodings for 5,000 messages), else of the shortest (which
+    :class:`Generation` refuses as too long).
+
+    Raises:
+        APIError: 400 when the chat template refuses the chat.
+    """
+    most = droppable(messages) if req.truncate_history else 0
+    context = req.window(instance_context)
+    encoded: dict[int, list[int]] = {}
+
+    async def encode(i: int) -> list[int]:  # the chat without its i oldest messages
+        if i not in encoded:
+            call = functools.partial(tokenizer.encode_chat, without_oldest(messages, i),
+                                     tools=req.tools if req.offers_tools else None,
+                                     continue_final_message=req.continue_final_message)
+            try:
+                encoded[i] = await asyncio.to_thread(call)
+            except ChatTemplateError as exc:
+                raise APIError(400, str(exc), param=req.prompt_param) from exc
+        return encoded[i]
+
+    low, high = 0, most  # the first that fits lies in [low, high] (or none does)
+    while low < high:
+        middle = (low + high) // 2
+        if len(await encode(middle)) < context:
+            high = middle
+        else:
+            low = middle + 1
+    return await encode(low)
+
+
+async def _check_names_rendered(req: GenerationRequest, tokenizer: Tokenizer,
+                                messages: list[dict[str, Any]]) -> None:
+    """Refuse a message ``name`` (of ``messages``, ``req``'s chat) the model's chat
+    template does not render.
+
+    Raises:
+        APIError: 400 naming the first such message's name (or the template's error).
+    """
+    unrendered = functools.partial(tokenizer.unrendered_names, messages,
+                                   tools=req.tools if req.offers_tools else None,
+                                   continue_final_message=req.continue_final_message)
+    try:
+        unused = await asyncio.to_thread(unrendered)
+    except ChatTemplateError as exc:
+        raise APIError(400, str(exc), param=req.prompt_param) from exc
+    if unused:
+        where = f"{req.prompt_param}.{unused[0]}.{req.name_param}"
+        raise APIError(400, f"{where}: this model's chat template does not render names, so it would "
+                            "have no effect; leave it out", param=where)
+
+
+async def tokenize(node: Node, req: GenerationRequest,
+                   check: Callable[[Instance, list[int]], object] | None = None,
+                   ) -> tuple[Instance, Tokenizer, list[int]]:
+    """The ready instance, the tokenizer and the prompt's token ids of ``req``. Where none
+    is ready but one is loading (placed, or placed again) or failed and about to be placed
+    again, it waits for one (:meth:`~shardline.node.routing.Router.wait_for_ready`, at most
+    :data:`~shardline.node.routing.READY_WAIT_S`), having first tokenized the prompt
+    against that instance and called ``check`` (the instance, the prompt's ids; it raises
+    the caller's 400s), so that a request its context refuses is refused at once, not
+    after the wait.
+
+    Raises:
+        APIError: 404 for a model no instance serves; 503 for one not ready after the
+            wait, failed and given up on, or whose tokenizer cannot be had; 400 for messages the chat template refuses, token ids
+            outside the vocabulary, ``logit_bias`` ids outside it, or a text or chat prompt
+            whose characters alone prove it longer than the context (refused before it is
+            tokenized: :mod:`shardline.api.prompt_bounds`).
+    """
+    if req.tools or req.tool_choice.mode in (ToolChoiceMode.REQUIRED, ToolChoiceMode.NAMED):
+        try:
+            check_tools(req.tools, req.tool_choice)
+        except ValueError as exc:
+            raise APIError(400, str(exc), param="tool_choice" if str(exc).startswith("tool_choice") else "tools") from exc
+    try:
+        inst = node.router.ready_instance(req.model)
+    except NoInstanceError:
+        early = await _checked_before_ready(node, req, check)
+        ready = await node.router.wait_for_ready(req.model)  # READY_WAIT_S at most
+        if ready is not None:
+            if early is not None and early[0].context == ready.context:
+                return ready, early[1], early[2]
+            return await _tokenized(node, req, ready)
+        placed = [i for i in node.instances.values() if i.model_id == req.model]
+        if placed:
+            detail = "; ".join(f"instance {i.instance_id} {i.status}" + (f": {i.error}" if i.error else "")
+                               for i in placed)
+            raise APIError(503, f"The model '{req.model}' is not ready ({detail}); retry later",
+                           "server_error", param="model", code="model_not_ready") from None
+        known = ", ".join(m["id"] for m in node.router.models()) or "none"
+        raise APIError(404, f"The model '{req.model}' does not exist or is not loaded (available: {known})",
+                       "not_found_error", param="model", code="model_not_found") from None
+    return await _tokenized(node, req, inst)
+
+
+async def _checked_before_ready(node: Node, req: GenerationRequest,
+                                check: Callable[[Instance, list[int]], object] | None,
+                                ) -> tuple[Instance, Tokenizer, list[int]] | None:
+    """:func:`tokenize` 's work against the newest instance of ``req.model`` not given up
+    on (loading, or failed and about to be placed again: what the request waits for has
+    its context), then ``check``; None where there is none, or its tokenizer cannot be
+    had yet (a 503 that the wait may cure).
+
+    Raises:
+        APIError: a 4xx of the request (the prompt, its context, the vocabulary).
+    """
+    waiting = [i for i in node.instances.values() if i.model_id == req.model and not i.given_up]
+    if not waiting:
+        return None
+    pending = max(waiting, key=lambda i: i.created_at)
+    try:
+        tokenized = await _tokenized(node, req, pending)
+    except APIError as exc:
+        if exc.status >= 500:
+            return None
+        raise
+    if check is not None:
+        check(pending, tokenized[2])
+    return tokenized
+
+
+async def _tokenized(node: Node, req: GenerationRequest, inst: Instance) -> tuple[Instance, Tokenizer, list[int]]:
+    """:func:`tokenize` 's work once ``inst`` is the ready instance."""
+    try:
+        tokenizer = await node.logistics.tokenizer(req.model)
+    except (ModelNotFoundError, TransferError, PeerError) as exc:
+        raise APIError(503, f"The model '{req.model}' cannot be tokenized on this node: {exc}",
+                       "server_error", param="model", code="model_not_ready") from exc
+    if isinstance(req.prompt, str) or (req.prompt and isinstance(req.prompt[0], dict)):
+        shortest: Any = req.prompt
+        if req.truncate_history:  # what a chat past the context keeps, at the least
+            shortest = without_oldest(shortest, droppable(shortest))
+        at_least = min_prompt_tokens(shortest, tokenizer.max_token_chars)
+        if at_least > inst.context:
+            raise APIError(400, f"this model's context is {inst.context} tokens; the request asks for at "
+                                f"least {at_least} in the prompt", param=req.prompt_param,
+                           code="context_length_exceeded")
+    if isinstance(req.prompt, str):
+        prompt = await asyncio.to_thread(tokenizer.encode, req.prompt)
+    elif req.prompt and isinstance(req.prompt[0], dict):
+        try:
+            check_history(req.prompt)  # type: ignore[arg-type]
+        except ValueError as exc:
+            raise APIError(400, str(exc), param=req.prompt_param) from exc
+        if req.name_param is not None:
+            await _check_names_rendered(req, tokenizer, req.prompt)  # type: ignore[arg-type]
+        prompt = await _encode_chat(req, req.prompt, tokenizer, inst.context)  # type: ignore[arg-type]
+    else:
+        prompt = [t for t in req.prompt if isinstance(t, int)]  # token ids: a list of dicts went above
+        bad = [t for t in prompt if not 0 <= t < tokenizer.vocab_size]
+        if bad:
+            raise APIError(400, f"token ids outside the vocabulary (0-{tokenizer.vocab_size - 1}): {bad[:5]}",
+                           param=req.prompt_param)
+    if not prompt:
+        raise APIError(400, "the prompt is empty", param=req.prompt_param)
+    outside = [t for t, _ in req.sampling.logit_bias if not 0 <= t < tokenizer.vocab_size]
+    if outside:
+        raise APIError(400, f"logit_bias: token ids outside the vocabulary (0-{tokenizer.vocab_size - 1}): "
+                            f"{outside[:5]}", param="logit_bias")
+    return inst, tokenizer, prompt
