@@ -1,7 +1,8 @@
 """A rank's collectives (:class:`~shardline.parallel.collectives.Collectives`) on real
 gloo ranks: every rank gets the same table, the same sum and the root's tensor, bit for
-bit, by point-to-point sends, and calls in a row do not take each other's messages; a sum
-above ``POINT_TO_POINT_BYTES`` (gloo's ring) is right too."""
+bit, by point-to-point sends, and calls in a row do not take each other's messages (a
+gather's receives posted ahead too); a sum above ``POINT_TO_POINT_BYTES`` (gloo's ring)
+is right too."""
 
 from __future__ import annotations
 
@@ -29,6 +30,8 @@ def _job(rank: int, world: int, calls: int) -> dict:
     for call in range(calls):
         root = world - 1 if call % 2 == 0 else 0
         proposal = torch.arange(4, dtype=torch.int64) + 100 * rank + 10_000 * call
+        if call % 3 == 2:  # the root posts its receives ahead, as a pipeline's sampler does
+            collectives.expect_gather_at(root, torch.empty(4, dtype=torch.int64))
         tables.append(collectives.gather_at(root, proposal))
         x = _values(rank, call)
         out = collectives.all_reduce(x)
@@ -38,7 +41,14 @@ def _job(rank: int, world: int, calls: int) -> dict:
         table = _values(rank, call) if rank == source else torch.empty(3, 5)
         shared.append(collectives.broadcast(table, source).clone())
     large = torch.full((POINT_TO_POINT_BYTES // 4 + 16,), float(rank + 1))
-    return {"tables": tables, "sums": sums, "shared": shared, "large": collectives.all_reduce(large)}
+    result = {"tables": tables, "sums": sums, "shared": shared, "large": collectives.all_reduce(large)}
+    root = world - 1
+    collectives.expect_gather_at(root, torch.empty(5, dtype=torch.int64))
+    try:  # a gather of another shape than the one posted for: refused at the root, before a wait
+        collectives.gather_at(root, torch.zeros(6, dtype=torch.int64)) if rank == root else None
+    except RuntimeError as exc:
+        result["refused"] = str(exc)
+    return result
 
 
 @pytest.mark.timeout(90)
@@ -59,3 +69,4 @@ def test_gather_and_all_reduce_agree_on_every_rank(tmp_path, world):
             assert torch.equal(result["shared"][call], _values(source, call)), (rank, call)
     for result in results:
         assert torch.equal(result["large"], torch.full_like(result["large"], world * (world + 1) / 2))
+    assert "met receives posted for" in results[-1]["refused"]

@@ -29,6 +29,7 @@ class Collectives:
         self.rank = rank
         self.world_size = world_size
         self._sends: bool | None = None
+        self._posted: point_to_point.GatherReceives | None = None  # the next gather_at's
 
     @property
     def sends(self) -> bool:
@@ -38,13 +39,23 @@ class Collectives:
             self._sends = dist.get_backend(self.group) != "nccl"
         return self._sends
 
+    def expect_gather_at(self, root: int, like: torch.Tensor) -> None:
+        """Say that the next :meth:`gather_at` is rooted at group rank ``root`` and gathers
+        tensors shaped as ``like`` (on the CPU): on gloo the root posts its receives now
+        (:func:`point_to_point.post_gather`), so that the others' tensors, sent before
+        the root calls it, arrive meanwhile; elsewhere nothing. The next ``gather_at``
+        must be that one (else it raises)."""
+        if self.sends and self.rank == root and self.world_size > 1:
+            self._posted = point_to_point.post_gather(root, like, self.world_size, self.group)
+
     def gather_at(self, root: int, tensor: torch.Tensor) -> torch.Tensor:
         """Every rank's ``tensor`` (the same shape and dtype on every rank), stacked in
         group rank order, ``[world_size, *tensor.shape]``, on every rank: gathered at group
-        rank ``root``, which sends the table back (:func:`point_to_point.gather_at`), or
-        NCCL's all-gather."""
+        rank ``root``, which sends the table back (:func:`point_to_point.gather_at`, into
+        the receives :meth:`expect_gather_at` posted, if it did), or NCCL's all-gather."""
         if self.sends:
-            return point_to_point.gather_at(root, tensor, self.rank, self.world_size, self.group)
+            posted, self._posted = self._posted, None
+            return point_to_point.gather_at(root, tensor, self.rank, self.world_size, self.group, posted)
         gathered = [torch.empty_like(tensor) for _ in range(self.world_size)]
         dist.all_gather(gathered, tensor, group=self.group)
         return torch.stack(gathered)

@@ -55,8 +55,34 @@ def broadcast(tensor: torch.Tensor, root: int, rank: int, world_size: int,
     return tensor
 
 
+class GatherReceives:
+    """The receives of a :func:`gather_at` at its root, posted ahead by
+    :func:`post_gather`: ``parts`` (one buffer per group rank, None at the root) and the
+    receives' work."""
+
+    def __init__(self, parts: list[torch.Tensor | None], works: list[dist.Work | None]) -> None:
+        self.parts = parts
+        self.works = works
+
+
+def post_gather(root: int, like: torch.Tensor, world_size: int,
+                group: dist.ProcessGroup | None = None) -> GatherReceives:
+    """Post, at group rank ``root``, the receives of a :func:`gather_at` of tensors shaped
+    as ``like``, for :func:`gather_at` to wait on (``posted``). gloo sends a message whose
+    receive is not posted yet only once the receiver asks for it: a round trip to the
+    sender's transport thread when the receive comes (2 ranks on a loaded 2-vCPU VM,
+    ``irecv`` posted after the message was sent: 1.7 ms median, 0.01 ms posted before). A
+    root that posts before it computes takes the others' tensors while it computes."""
+    parts: list[torch.Tensor | None] = [None if r == root else torch.empty_like(like)
+                                        for r in range(world_size)]
+    works = [dist.irecv(part, src=_global(group, r), group=group, tag=GATHER_TAG)
+             for r, part in enumerate(parts) if part is not None]
+    return GatherReceives(parts, works)
+
+
 def gather_at(root: int, tensor: torch.Tensor, rank: int, world_size: int,
-              group: dist.ProcessGroup | None = None) -> torch.Tensor:
+              group: dist.ProcessGroup | None = None,
+              posted: GatherReceives | None = None) -> torch.Tensor:
     """Every rank's ``tensor`` (the same shape and dtype on every rank), stacked in group
     rank order: ``[world_size, *tensor.shape]``, on every rank.
 
@@ -64,14 +90,20 @@ def gather_at(root: int, tensor: torch.Tensor, rank: int, world_size: int,
     table: 2 (P - 1) messages. A rank that ``root`` waits for reaches every rank one
     message after it arrives, so where ``root`` is the last to arrive (the sampling rank
     at the end of a pipeline's step) it costs the others one hop, as a broadcast would.
+    ``posted``: at the root, its receives posted ahead (:func:`post_gather`), else posted
+    here.
 
     Raises:
-        RuntimeError: a send or receive failed or timed out (a peer rank is gone).
+        RuntimeError: a send or receive failed or timed out (a peer rank is gone), or the
+            receives posted ahead are for tensors of another shape or dtype.
     """
     if rank == root:
-        parts = [tensor if r == root else torch.empty_like(tensor) for r in range(world_size)]
-        _wait([dist.irecv(parts[r], src=_global(group, r), group=group, tag=GATHER_TAG)
-               for r in range(world_size) if r != root])
+        posted = posted or post_gather(root, tensor, world_size, group)
+        parts = [tensor if part is None else part for part in posted.parts]
+        if any(p.shape != tensor.shape or p.dtype != tensor.dtype for p in parts):
+            raise RuntimeError(f"a gather of {tensor.dtype} {list(tensor.shape)} met receives posted "
+                               f"for {[(p.dtype, list(p.shape)) for p in parts]}")
+        _wait(posted.works)
         return broadcast(torch.stack(parts), root, rank, world_size, group)
     sent = tensor.contiguous()  # referenced until its send completes
     send = dist.isend(sent, dst=_global(group, root), group=group, tag=GATHER_TAG)

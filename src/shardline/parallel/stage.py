@@ -103,6 +103,15 @@ class Stage:
         self.progress.mark("step done")
         return outputs
 
+    def expect_gather(self, length: int) -> None:
+        """Say, before the step's computation, that its :meth:`gather` exchanges proposals
+        of ``length`` int64 values: on gloo the sampling rank posts its receives now
+        (:meth:`Collectives.expect_gather_at`), so that the proposals the other ranks send
+        when they finish their part arrive while it computes, not one round trip after it
+        asks (on a pipeline that round trip was on every decode step's path)."""
+        if self.world_size > 1:
+            self.collectives.expect_gather_at(self.sampler, torch.empty(length, dtype=torch.int64))
+
     def gather(self, proposal: torch.Tensor) -> list[torch.Tensor]:
         """Every rank's proposal, on every rank (int64 ``[2 + 2k + M]``, the same length on
         every rank, on the communication device: the CPU for gloo, the GPU for NCCL;

@@ -36,13 +36,18 @@ class Agreement:
     cancels: tuple[int, ...]
 
 
+def proposal_length(k: int, sampled: int) -> int:
+    """int64 values in a proposal of ``k`` slots per list carrying ``sampled`` ids."""
+    return 2 + 2 * k + sampled
+
+
 def encode_proposal(task_ids: list[int], cancel_ids: list[int], k: int,
                     tokens: list[int] | None = None) -> torch.Tensor:
     """int64 ``[2 + 2k + M]``: the k smallest of each list (later ones wait for a later
     step), then ``tokens`` (``M`` sampled ids; none: ``M = 0``)."""
     tasks = sorted(task_ids)[:k]
     cancels = sorted(cancel_ids)[:k]
-    vec = torch.zeros(2 + 2 * k + len(tokens or ()), dtype=torch.int64)
+    vec = torch.zeros(proposal_length(k, len(tokens or ())), dtype=torch.int64)
     vec[0], vec[1] = len(tasks), len(cancels)
     vec[2 : 2 + len(tasks)] = torch.tensor(tasks, dtype=torch.int64)
     vec[2 + k : 2 + k + len(cancels)] = torch.tensor(cancels, dtype=torch.int64)

@@ -42,7 +42,7 @@ from typing import Callable
 import torch
 
 from shardline.parallel.pipeline import PipelineStage
-from shardline.runner.agreement import Agreement, decide, encode_proposal, sampled_tokens
+from shardline.runner.agreement import Agreement, decide, encode_proposal, proposal_length, sampled_tokens
 from shardline.runner.constraint import Constraint
 from shardline.runner.logprob_tables import logprob_table, logprob_width, prompt_logprob_table, read_logprobs
 from shardline.runner.protocol import (
@@ -387,6 +387,9 @@ class Engine:
                 if seq.task.origin == self.node_id and not seq.scored:  # (scored: once shared)
                     self.emit([PrefillProgress(seq.task.task_id, start + length, seq.prompt_len)])
 
+        sampled = len(decoding) + sum(start + length == seq.prompt_len for seq, start, length in chunks)
+        if sampled:  # the exchange after it (_sample_and_advance) carries their ids
+            self.stage.expect_gather(proposal_length(AGREE_K, sampled))
         outputs = self.stage.run(micro, computed)
         to_sample = list(decoding)
         rows: list[torch.Tensor] = []
