@@ -15,10 +15,12 @@ import pytest
 
 from shardline.api import anthropic, completions, ollama, openai
 from shardline.api.generation import APIError
-from shardline.api.preparation import prepare
+from shardline.api.preparation import prepare, tokenize
+from shardline.models.config import RankShare, Sharding
 from shardline.models.store import DEFAULT_MODEL_ID, ModelStore
 from shardline.models.tokenizer import ChatTemplateError, Tokenizer
-from shardline.node.table import NoInstanceError
+from shardline.node.status import InstanceStatus, RankStatus
+from shardline.node.table import Instance, NoInstanceError, RankPlacement
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -187,12 +189,9 @@ def test_names_the_template_does_not_render_are_found(tokenizer, monkeypatch):
     assert tokenizer.unrendered_names(chat) == []
 
 
-@pytest.mark.parametrize("max_tokens, refused", [(1000, True), (8, False)])
-def test_a_request_for_a_loading_model_is_refused_by_its_context_before_the_wait(
-        tokenizer, max_tokens, refused):
-    """No instance is ready; one loads, of context 64: a request that asks for more
-    than it leaves is a 400 at once (not after the wait, up to 30 s); one it fits waits
-    and runs on the instance that becomes ready, tokenized once."""
+def loading_node(tokenizer: Tokenizer) -> tuple[Any, list[str], list[str]]:
+    """A node stub where no instance of the default model is ready and one of context 64
+    loads (ready once waited for); the models waited for and tokenized, in order."""
     loading = SimpleNamespace(model_id=M, given_up=False, created_at=0.0, context=64)
     waited: list[str] = []
     tokenized: list[str] = []
@@ -210,8 +209,18 @@ def test_a_request_for_a_loading_model_is_refused_by_its_context_before_the_wait
 
     router = SimpleNamespace(ready_instance=ready_instance, wait_for_ready=wait_for_ready,
                              reserve=lambda inst, gen: 1)
-    node: Any = SimpleNamespace(router=router, instances={"i": loading},
-                                logistics=SimpleNamespace(tokenizer=tokenizer_of))
+    node = SimpleNamespace(router=router, instances={"i": loading},
+                           logistics=SimpleNamespace(tokenizer=tokenizer_of))
+    return node, waited, tokenized
+
+
+@pytest.mark.parametrize("max_tokens, refused", [(1000, True), (8, False)])
+def test_a_request_for_a_loading_model_is_refused_by_its_context_before_the_wait(
+        tokenizer, max_tokens, refused):
+    """No instance is ready; one loads, of context 64: a request that asks for more
+    than it leaves is a 400 at once (not after the wait, up to 30 s); one it fits waits
+    and runs on the instance that becomes ready, tokenized once."""
+    node, waited, tokenized = loading_node(tokenizer)
     request = openai.ChatCompletionRequest.model_validate(
         {"model": M, "max_tokens": max_tokens, "messages": [{"role": "user", "content": "Hi"}]})
     if refused:
@@ -220,5 +229,38 @@ def test_a_request_for_a_loading_model_is_refused_by_its_context_before_the_wait
         assert (caught.value.status, caught.value.code, waited) == (400, "context_length_exceeded", [])
     else:
         gen = asyncio.run(prepare(node, request.to_generation()))
-        assert gen.instance is loading and gen.prompt == tokenizer.encode_chat(request.to_generation().prompt)
+        assert gen.instance is node.instances["i"]
+        assert gen.prompt == tokenizer.encode_chat(request.to_generation().prompt)
         assert waited == [M] and tokenized == [M]
+
+
+def test_counting_tokens_does_not_wait_for_a_loading_model(tokenizer):
+    """Anthropic's count_tokens runs nothing on the instance: counted while it loads."""
+    node, waited, _ = loading_node(tokenizer)
+    request = anthropic.CountTokensRequest.model_validate(
+        {"model": M, "messages": [{"role": "user", "content": "Hi"}]})
+    _, _, prompt = asyncio.run(tokenize(node, request.to_generation(), wait=False))
+    assert prompt == tokenizer.encode_chat(request.to_generation().prompt) and waited == []
+
+
+def test_a_request_too_long_for_the_local_instance_goes_to_one_with_a_longer_context(tokenizer):
+    """Two ready instances of the model: this node's of context 64, another node's of
+    4,096. A request that fits only the longer one runs there (forwarded), not a 400;
+    one that fits both stays local."""
+    def instance(instance_id: str, node_id: str, context: int) -> Instance:
+        return Instance(instance_id, M, Sharding.PIPELINE,
+                        (RankPlacement(node_id, f"{node_id}:1", RankShare(0, 1), status=RankStatus.READY),),
+                        node_id, 1, context, 1, status=InstanceStatus.READY, created_at=0.0)
+
+    instances = {"short": instance("short", "a", 64), "long": instance("long", "b", 4096)}
+
+    async def tokenizer_of(model: str) -> Tokenizer:
+        return tokenizer
+
+    router = SimpleNamespace(ready_instance=lambda model: instances["short"], reserve=lambda inst, gen: None)
+    node: Any = SimpleNamespace(node_id="a", router=router, instances=instances,
+                                logistics=SimpleNamespace(tokenizer=tokenizer_of))
+    for max_tokens, chosen in [(1000, "long"), (8, "short")]:
+        request = openai.ChatCompletionRequest.model_validate(
+            {"model": M, "max_tokens": max_tokens, "messages": [{"role": "user", "content": "Hi"}]})
+        assert asyncio.run(prepare(node, request.to_generation())).instance.instance_id == chosen

@@ -247,3 +247,27 @@ def test_a_forwarded_request_whose_instance_left_the_table_for_another_runs_ther
 
     assert asyncio.run(run()) == [42]
     assert asked == ["b:1", "c:1"]
+
+
+@pytest.mark.parametrize("on, asked", [("long", "c:1"), ("gone", "b:1"), (None, "b:1")])
+def test_a_request_runs_on_the_instance_the_api_chose_while_it_is_ready(on, asked):
+    """The API checked the request against another ready instance than this node's
+    first choice (a longer context): it runs there; one no longer ready is passed over."""
+    node = SimpleNamespace(node_id="a", streams={}, **LIVE,
+                           instances={"near": _instance("near", READY, 0.0, node="b"),
+                                      "long": _instance("long", READY, 1.0, node="c")})
+    chosen = {"long": node.instances["long"], "gone": _instance("gone", READY, 2.0, node="d"), None: None}[on]
+    seen: list[str] = []
+
+    async def generate(address, request, ran_on=None):
+        seen.append(address)
+        yield TokenEvent(1, 42, "length")
+
+    node.peer_client = SimpleNamespace(generate=generate)
+
+    async def run() -> None:
+        async for _ in Router(node).generate(TokenRequest("m", (1, 2), 4, SamplingParams(), ()), None, None, chosen):
+            pass
+
+    asyncio.run(run())
+    assert seen == [asked]

@@ -289,7 +289,7 @@ def router(node: Node, metrics: RequestMetrics | None = None) -> APIRouter:
         """The prompt's tokens as /v1/messages would count them: ``{"input_tokens": N}``."""
         try:
             req = await parse_body(request, CountTokensRequest)
-            _, _, prompt = await tokenize(node, req.to_generation())
+            _, _, prompt = await tokenize(node, req.to_generation(), wait=False)  # not while it loads
         except APIError as exc:
             return error_response(exc)
         return {"input_tokens": len(prompt)}

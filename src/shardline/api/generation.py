@@ -41,6 +41,10 @@ if TYPE_CHECKING:
     from shardline.api.metrics import RequestMetrics
 
 
+CONTEXT_LENGTH_EXCEEDED = "context_length_exceeded"
+"""The ``code`` of a 400 for a prompt and ``max_tokens`` beyond the context (OpenAI's)."""
+
+
 class APIError(Exception):
     """A request that cannot be served, with its HTTP status.
 
@@ -164,7 +168,7 @@ def check_room(req: GenerationRequest, prompt_tokens: int, instance_context: int
         raise APIError(
             400,
             f"{whose} context is {context} tokens; the request asks for {prompt_tokens} in the prompt{asked}",
-            param=req.max_tokens_param if room >= 1 else req.prompt_param, code="context_length_exceeded",
+            param=req.max_tokens_param if room >= 1 else req.prompt_param, code=CONTEXT_LENGTH_EXCEEDED,
         )
     return room
 
@@ -221,7 +225,7 @@ class Generation:
 
         events = self.node.router.generate(TokenRequest(
             self.req.model, tuple(self.prompt), self.max_tokens, self.sampling, tuple(self.stop_ids)),
-            self.task_id, ran_on)
+            self.task_id, ran_on, self.instance)
         ended = "cancelled"  # unless it finishes, or fails
         held = HeldLogprobs()
         parser = (ToolCallParser(self.tool_format, tool_names(self.req.tools), strict_schemas(self.req.tools))

@@ -13,13 +13,21 @@ import functools
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
-from shardline.api.generation import APIError, Generation, GenerationRequest, check_room, model_tool_format
+from shardline.api.generation import (
+    CONTEXT_LENGTH_EXCEEDED,
+    APIError,
+    Generation,
+    GenerationRequest,
+    check_room,
+    model_tool_format,
+)
 from shardline.api.prompt_bounds import droppable, min_prompt_tokens, without_oldest
 from shardline.api.tools import ToolChoiceMode, check_history, check_tools, tool_call_grammar
 from shardline.models.store import ModelNotFoundError
 from shardline.models.tokenizer import ChatTemplateError, Tokenizer
 from shardline.node.node import Node
 from shardline.node.peer_client import PeerError
+from shardline.node.routing import ready_instances
 from shardline.node.table import Instance, NoInstanceError
 from shardline.node.transfer import TransferError
 from shardline.runner.protocol import SamplingParams
@@ -38,7 +46,7 @@ async def prepare(node: Node, req: GenerationRequest, metrics: RequestMetrics | 
             app answers 429 with ``Retry-After``).
     """
     inst, tokenizer, prompt = await tokenize(
-        node, req, lambda pending, prompt: check_room(req, len(prompt), pending.context))
+        node, req, lambda inst, prompt: check_room(req, len(prompt), inst.context))
     sampling = req.sampling
     if req.offers_tools and req.tool_choice.mode in (ToolChoiceMode.REQUIRED, ToolChoiceMode.NAMED):
         sampling = await asyncio.to_thread(_forced_call, req, tokenizer)
@@ -124,14 +132,17 @@ async def _check_names_rendered(req: GenerationRequest, tokenizer: Tokenizer,
 
 async def tokenize(node: Node, req: GenerationRequest,
                    check: Callable[[Instance, list[int]], object] | None = None,
-                   ) -> tuple[Instance, Tokenizer, list[int]]:
+                   wait: bool = True) -> tuple[Instance, Tokenizer, list[int]]:
     """The ready instance, the tokenizer and the prompt's token ids of ``req``. Where none
     is ready but one is loading (placed, or placed again) or failed and about to be placed
     again, it waits for one (:meth:`~shardline.node.routing.Router.wait_for_ready`, at most
     :data:`~shardline.node.routing.READY_WAIT_S`), having first tokenized the prompt
     against that instance and called ``check`` (the instance, the prompt's ids; it raises
     the caller's 400s), so that a request its context refuses is refused at once, not
-    after the wait.
+    after the wait; without ``wait`` (counting tokens runs nothing), that instance and
+    the prompt are the answer. Where the ready instance it prefers (one with a rank on
+    this node) refuses the request for its context, and another ready instance of the
+    model has a longer one, that one is the answer.
 
     Raises:
         APIError: 404 for a model no instance serves; 503 for one not ready after the
@@ -149,6 +160,8 @@ async def tokenize(node: Node, req: GenerationRequest,
         inst = node.router.ready_instance(req.model)
     except NoInstanceError:
         early = await _checked_before_ready(node, req, check)
+        if early is not None and not wait:
+            return early
         ready = await node.router.wait_for_ready(req.model)  # READY_WAIT_S at most
         if ready is not None:
             if early is not None and early[0].context == ready.context:
@@ -163,7 +176,23 @@ async def tokenize(node: Node, req: GenerationRequest,
         known = ", ".join(m["id"] for m in node.router.models()) or "none"
         raise APIError(404, f"The model '{req.model}' does not exist or is not loaded (available: {known})",
                        "not_found_error", param="model", code="model_not_found") from None
-    return await _tokenized(node, req, inst)
+    try:
+        return await _checked(node, req, inst, check)
+    except APIError as exc:  # another ready instance of the model may have a longer context
+        widest = max(ready_instances(node.instances, req.model, node.node_id), key=lambda i: i.context)
+        if exc.code != CONTEXT_LENGTH_EXCEEDED or widest.context <= inst.context:
+            raise
+        return await _checked(node, req, widest, check)
+
+
+async def _checked(node: Node, req: GenerationRequest, inst: Instance,
+                   check: Callable[[Instance, list[int]], object] | None,
+                   ) -> tuple[Instance, Tokenizer, list[int]]:
+    """:func:`_tokenized`, then ``check``."""
+    tokenized = await _tokenized(node, req, inst)
+    if check is not None:
+        check(inst, tokenized[2])
+    return tokenized
 
 
 async def _checked_before_ready(node: Node, req: GenerationRequest,
@@ -180,16 +209,12 @@ async def _checked_before_ready(node: Node, req: GenerationRequest,
     waiting = [i for i in node.instances.values() if i.model_id == req.model and not i.given_up]
     if not waiting:
         return None
-    pending = max(waiting, key=lambda i: i.created_at)
     try:
-        tokenized = await _tokenized(node, req, pending)
+        return await _checked(node, req, max(waiting, key=lambda i: i.created_at), check)
     except APIError as exc:
         if exc.status >= 500:
             return None
         raise
-    if check is not None:
-        check(pending, tokenized[2])
-    return tokenized
 
 
 async def _tokenized(node: Node, req: GenerationRequest, inst: Instance) -> tuple[Instance, Tokenizer, list[int]]:
@@ -207,7 +232,7 @@ async def _tokenized(node: Node, req: GenerationRequest, inst: Instance) -> tupl
         if at_least > inst.context:
             raise APIError(400, f"this model's context is {inst.context} tokens; the request asks for at "
                                 f"least {at_least} in the prompt", param=req.prompt_param,
-                           code="context_length_exceeded")
+                           code=CONTEXT_LENGTH_EXCEEDED)
     if isinstance(req.prompt, str):
         prompt = await asyncio.to_thread(tokenizer.encode, req.prompt)
     elif req.prompt and isinstance(req.prompt[0], dict):

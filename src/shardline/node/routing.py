@@ -172,12 +172,15 @@ class Router:
 
     async def generate(self, request: TokenRequest, task_id: int | None = None,
                        ran_on: Callable[[Instance], None] | None = None,
+                       on: Instance | None = None,
                        ) -> AsyncGenerator[TokenEvent | PrefillProgress, None]:
         """Run one request on a ready instance of its model and yield its events: the
         progress of a prefill that takes more than one engine step, then its tokens.
         ``task_id``: the place :meth:`reserve` took for it, if one was taken; ``ran_on``:
         called with each instance the request is run on or forwarded to (a second one
-        after a failure, below), before its events.
+        after a failure, below), before its events; ``on``: where no place was taken,
+        the instance to run it on (the one the API checked it against: a longer context
+        than the one this node prefers), else the first of :func:`ready_instances`.
 
         Where its instance fails before the request yielded output (a token, or prompt
         log-probabilities; a runner, node or link lost during its hand-off or prefill), it
@@ -199,7 +202,7 @@ class Router:
         """
         failed_at: float | None = None
         tried: list[str] = []  # instances it ran on, in order
-        chosen: Instance | None = None  # where it runs next, after a failure
+        chosen = on  # where it runs next (after a failure, where it runs again)
         while True:
             output = False  # whether it yielded what the client keeps (a prefill's progress
             try:  # without log-probabilities is only shown, and starts again from 0)
@@ -254,7 +257,8 @@ class Router:
                 self.node.streams.pop(task_id, None)  # its instance is gone: find another
             stream = None
             ready = ready_instances(self.node.instances, request.model_id, self.node.node_id)
-            inst = chosen or (ready[0] if ready else None)
+            inst = next((i for i in ready if chosen is not None and i.instance_id == chosen.instance_id),
+                        ready[0] if ready else None)  # chosen, while it is ready
             if inst is None:
                 raise InstanceFailedError(f"no ready instance serves model {request.model_id!r} any "
                                           "more (its instance failed or its nodes restarted since the "
