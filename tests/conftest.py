@@ -5,10 +5,12 @@ pytest puts this folder on sys.path, so tests import the helpers in ``tiny_model
 
 from __future__ import annotations
 
+import contextlib
 import socket
 import time
 
 import httpx
+import psutil
 import pytest
 
 from shardline.local_cluster import LocalCluster
@@ -124,3 +126,14 @@ def cluster1(tmp_path_factory):
     cluster = start_cluster(1, tmp_path_factory.mktemp("cluster1"))
     yield cluster
     cluster.stop()
+
+
+def runners_of(pid: int, recursive: bool = False) -> list[psutil.Process]:
+    """The live runner processes of the node process ``pid`` (one that has exited, a
+    zombie until its node reaps it, is not; nor one that is gone meanwhile)."""
+    runners = []
+    for child in psutil.Process(pid).children(recursive=recursive):
+        with contextlib.suppress(psutil.Error):
+            if "shardline.runner" in " ".join(child.cmdline()):
+                runners.append(child)
+    return runners

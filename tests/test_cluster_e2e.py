@@ -8,7 +8,7 @@ import os
 import httpx
 import psutil
 import pytest
-from conftest import CAPITAL_QUESTION, placed
+from conftest import CAPITAL_QUESTION, placed, runners_of
 
 from shardline.models.store import DEFAULT_MODEL_ID, default_model_path
 
@@ -48,7 +48,7 @@ def test_node_processes_never_load_torch_only_their_runners_do(cluster3):
         assert proc is not None
         node = psutil.Process(proc.pid)
         assert not any("libtorch" in m.path for m in node.memory_maps())
-        runners = [c for c in node.children() if "shardline.runner" in " ".join(c.cmdline())]
+        runners = runners_of(proc.pid)
         assert runners and any("libtorch" in m.path for m in runners[0].memory_maps())
 
 

@@ -12,7 +12,7 @@ import time
 import httpx
 import pytest
 from conftest import capital_answer as answer
-from conftest import free_port_block, member_client, wait_until
+from conftest import free_port_block, member_client, runners_of, wait_until
 
 from shardline.local_cluster import LocalCluster
 from shardline.models.store import DEFAULT_MODEL_ID
@@ -147,7 +147,7 @@ def test_a_killed_runner_is_named_in_the_error_the_table_and_health(cluster):
     inst = httpx.get(f"{cluster.url(0)}/cluster/instances", timeout=5).json()["instances"][0]
     victim = inst["ranks"][1]["node_id"]
     node = psutil.Process(cluster.procs[ids_of(cluster).index(victim)].pid)
-    runner = next(p for p in node.children(recursive=True) if "shardline.runner" in " ".join(p.cmdline()))
+    runner = runners_of(node.pid, recursive=True)[0]
     assert httpx.get(f"{cluster.url(0)}/health?cluster=1", timeout=5).status_code == 200
     events: list[dict] = []
     started = threading.Event()

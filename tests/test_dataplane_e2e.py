@@ -10,26 +10,13 @@ import time
 
 import psutil
 import pytest
-from conftest import capital_answer, start_cluster
+from conftest import capital_answer, runners_of, start_cluster
 
 from shardline.models.config import RankShare
 from shardline.node.worker import Worker
 from shardline.runner.protocol import Failed, Loaded, RunnerSpec
 
 pytestmark = pytest.mark.timeout(300)
-
-
-def runner_processes(node_pids: list[int]) -> list[psutil.Process]:
-    """The runner processes (``python -m shardline.runner FD``) under these nodes."""
-    runners = []
-    for pid in node_pids:
-        for child in psutil.Process(pid).children(recursive=True):
-            try:
-                if "shardline.runner" in child.cmdline():
-                    runners.append(child)
-            except psutil.NoSuchProcess:
-                continue
-    return runners
 
 
 def listening(process: psutil.Process) -> list[tuple[str, int]]:
@@ -42,7 +29,7 @@ def test_runners_listen_on_the_node_address_only_and_serve(tmp_path):
     cluster = start_cluster(2, tmp_path)
     try:
         instance = cluster.instance
-        runners = runner_processes([p.pid for p in cluster.procs if p is not None])
+        runners = [r for p in cluster.procs if p is not None for r in runners_of(p.pid, recursive=True)]
         assert len(runners) == 2, [r.cmdline() for r in runners]
         sockets = {r.pid: listening(r) for r in runners}
         # Rank 0: the store and gloo; rank 1: gloo. Every one on 127.0.0.1.

@@ -15,16 +15,12 @@ from collections.abc import Iterator
 import httpx
 import psutil
 import pytest
-from conftest import CAPITAL_QUESTION, free_port_block, start_cluster
+from conftest import CAPITAL_QUESTION, free_port_block, runners_of, start_cluster
 
 from shardline.local_cluster import LocalCluster
 from shardline.models.store import DEFAULT_MODEL_ID
 
 pytestmark = pytest.mark.timeout(300)
-
-
-def runners_of(node: psutil.Process) -> list[psutil.Process]:
-    return [p for p in node.children() if "shardline.runner" in " ".join(p.cmdline())]
 
 
 class Stream(threading.Thread):
@@ -140,7 +136,7 @@ def three_live_nodes_and_a_three_rank_instance(cluster, timeout_s: float = 90) -
         httpx.delete(f"{cluster.url(0)}/cluster/instances/{inst['instance_id']}", timeout=30)
     while time.monotonic() < deadline and (
             httpx.get(f"{cluster.url(0)}/cluster/instances").json()["instances"]
-            or any(runners_of(psutil.Process(p.pid)) for p in cluster.procs)):
+            or any(runners_of(p.pid) for p in cluster.procs)):
         time.sleep(0.2)
     cluster.place(None, "pipeline", timeout_s=max(1.0, deadline - time.monotonic()))
 
@@ -187,7 +183,7 @@ def test_a_request_whose_runner_dies_before_its_first_token_is_answered_by_the_n
             if line.startswith("data: ") and line != "data: [DONE]":
                 chunk = json.loads(line[len("data: "):])
                 if "prompt_progress" in chunk and killed_at is None:
-                    runners_of(psutil.Process(cluster.procs[target].pid))[0].kill()
+                    runners_of(cluster.procs[target].pid)[0].kill()
                     killed_at = time.monotonic() - started
                 if "error" in chunk:
                     errors.append(chunk["error"])
@@ -213,7 +209,7 @@ def test_a_request_while_its_model_is_placed_waits_for_it(cluster):
     for inst in httpx.get(f"{cluster.url(0)}/cluster/instances").json()["instances"]:
         httpx.delete(f"{cluster.url(0)}/cluster/instances/{inst['instance_id']}", timeout=30)
     deadline = time.monotonic() + 30
-    while any(runners_of(psutil.Process(p.pid)) for p in cluster.procs) and time.monotonic() < deadline:
+    while any(runners_of(p.pid) for p in cluster.procs) and time.monotonic() < deadline:
         time.sleep(0.2)  # the deleted instance's runners gone: the new one loads from nothing
     nodes = [httpx.get(f"{cluster.url(i)}/health", timeout=5).json()["node_id"] for i in range(cluster.n)]
     placed = httpx.post(f"{cluster.url(0)}/cluster/instances", timeout=60,
@@ -241,7 +237,7 @@ def test_a_death_mid_stream_fails_fast_and_the_model_is_placed_again(cluster, vi
     target = 2 if coordinator != 2 else 1
     (client_node,) = {0, 1, 2} - {coordinator, target}
     nodes = [psutil.Process(p.pid) for p in cluster.procs]
-    old_runners = [r for n in nodes for r in runners_of(n)]
+    old_runners = [r for n in nodes for r in runners_of(n.pid)]
     assert len(old_runners) == 3
     (old_id,) = [i["instance_id"] for i in
                  httpx.get(f"{cluster.url(0)}/cluster/instances").json()["instances"]]
@@ -252,11 +248,11 @@ def test_a_death_mid_stream_fails_fast_and_the_model_is_placed_again(cluster, vi
         time.sleep(0.05)
     killed_at = time.monotonic()
     if victim == "runner":
-        runners_of(nodes[target])[0].kill()
+        runners_of(nodes[target].pid)[0].kill()
     elif victim == "frozen runner":
-        runners_of(nodes[target])[0].suspend()  # SIGSTOP: alive but silent
+        runners_of(nodes[target].pid)[0].suspend()  # SIGSTOP: alive but silent
     else:
-        for proc in [*runners_of(nodes[target]), nodes[target]]:
+        for proc in [*runners_of(nodes[target].pid), nodes[target]]:
             proc.kill()
     stream.join(timeout=30)
     assert stream.ended_at is not None and stream.error, "the client got no error"
@@ -318,8 +314,7 @@ def test_a_model_whose_runners_cannot_load_fails_with_the_reason(tmp_path):
             "model": "broken-model", "messages": [{"role": "user", "content": "hi"}]})
         assert response.status_code == 503
         assert "down_proj" in response.json()["error"]["message"]
-        runners = [p for p in psutil.Process(cluster.procs[0].pid).children()
-                   if "shardline.runner" in " ".join(p.cmdline())]
+        runners = runners_of(cluster.procs[0].pid)
         assert runners == []
 
 
@@ -379,7 +374,7 @@ def test_a_request_that_finds_its_instance_failed_waits_for_it_to_be_placed_agai
     was a 503."""
     with two_nodes(tmp_path) as (cluster, victim, asker):
         node = psutil.Process(cluster.procs[victim].pid)
-        for proc in [*runners_of(node), node]:
+        for proc in [*runners_of(node.pid), node]:
             proc.kill()
         deadline = time.monotonic() + 30
         while time.monotonic() < deadline and not any(

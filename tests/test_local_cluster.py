@@ -9,7 +9,7 @@ import sys
 
 import psutil
 import pytest
-from conftest import free_port_block
+from conftest import free_port_block, runners_of
 
 from shardline.local_cluster import (
     SHARED_SPIN_COUNT,
@@ -109,8 +109,7 @@ def test_a_cluster_started_again_serves_its_kept_model_once(tmp_path):
         assert served["context"] == 256  # as it was placed, not the defaults
         table = again.instances()
         assert [i["instance_id"] for i in table] == [served["instance_id"]], [(i["instance_id"], i["status"], i["error"], i["created_at"]) for i in table]
-        runners = [p for p in psutil.Process(again.procs[0].pid).children(recursive=True)
-                   if "shardline.runner" in " ".join(p.cmdline())]
+        runners = runners_of(again.procs[0].pid, recursive=True)
         assert len(runners) == 1
     finally:
         again.stop()

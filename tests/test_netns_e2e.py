@@ -15,9 +15,8 @@ import time
 
 import httpx
 import netns
-import psutil
 import pytest
-from conftest import capital_answer, member_client, wait_until
+from conftest import capital_answer, member_client, runners_of, wait_until
 
 REASON = netns.unavailable()
 pytestmark = [pytest.mark.timeout(120), pytest.mark.skipif(REASON is not None, reason=REASON or "")]
@@ -152,8 +151,7 @@ def test_a_partition_heals_into_one_state_and_one_serving_instance(tmp_path, cut
             assert placed.status_code == 201, placed.text
             wait_for(lambda: all("Paris" in (chat(hosts, i) or "") for i in range(3)), 90, "served by all")
             for i, proc in enumerate(procs):  # the data plane listens on the host's address only
-                runners = {c.pid for c in psutil.Process(proc.pid).children(recursive=True)
-                           if "shardline.runner" in c.cmdline()}
+                runners = {c.pid for c in runners_of(proc.pid, recursive=True)}
                 assert len(runners) == 1
                 found = listening_in(hosts, i, runners)
                 assert found and all(a.rsplit(":", 1)[0] == hosts.addresses[i] for a in found), found

@@ -9,9 +9,8 @@ import socket
 import subprocess
 import sys
 
-import psutil
 import pytest
-from conftest import capital_answer, free_port_block
+from conftest import capital_answer, free_port_block, runners_of
 from conftest import wait_until as wait_for
 
 from shardline.models.config import RankShare
@@ -77,8 +76,7 @@ def test_a_local_cluster_places_its_model_in_the_pre_started_runner(tmp_path):
                            data_dir=str(tmp_path), spare_runners=True)
 
     def runners() -> set[int]:
-        return {p.pid for p in psutil.Process(cluster.procs[0].pid).children()
-                if "shardline.runner" in " ".join(p.cmdline())}
+        return {p.pid for p in runners_of(cluster.procs[0].pid)}
 
     try:
         cluster.start()
