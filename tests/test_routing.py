@@ -47,10 +47,10 @@ def test_a_request_whose_instance_is_gone_fails_as_a_failed_instance(reserved):
 
 
 def _instance(instance_id: str, status: InstanceStatus, created_at: float, replaced=(),
-              model: str = "m", node: str = "a", given_up: bool = False) -> Instance:
+              model: str = "m", node: str = "a", given_up: bool = False, context: int = 256) -> Instance:
     return Instance(instance_id, model, Sharding.PIPELINE,
                     (RankPlacement(node, f"{node}:1", RankShare(0, 1), status=RankStatus.READY),),
-                    node, 1, 256, 1, status=status, created_at=created_at, replaced=replaced,
+                    node, 1, context, 1, status=status, created_at=created_at, replaced=replaced,
                     given_up=given_up)
 
 
@@ -249,12 +249,17 @@ def test_a_forwarded_request_whose_instance_left_the_table_for_another_runs_ther
     assert asked == ["b:1", "c:1"]
 
 
-@pytest.mark.parametrize("on, asked", [("long", "c:1"), ("gone", "b:1"), (None, "b:1")])
-def test_a_request_runs_on_the_instance_the_api_chose_while_it_is_ready(on, asked):
+@pytest.mark.parametrize("on, near_context, asked", [
+    ("long", 256, "c:1"), ("gone", 256, "b:1"), (None, 256, "b:1"),
+    ("gone", 5, "c:1"),  # the prompt (2) and max_tokens (4) do not fit the near one's context
+    (None, 6, "b:1"),  # they just fit
+])
+def test_a_request_runs_on_the_instance_the_api_chose_while_it_is_ready(on, near_context, asked):
     """The API checked the request against another ready instance than this node's
-    first choice (a longer context): it runs there; one no longer ready is passed over."""
+    first choice (a longer context): it runs there; one no longer ready is passed over
+    for the first ready instance whose context takes the request."""
     node = SimpleNamespace(node_id="a", streams={}, **LIVE,
-                           instances={"near": _instance("near", READY, 0.0, node="b"),
+                           instances={"near": _instance("near", READY, 0.0, node="b", context=near_context),
                                       "long": _instance("long", READY, 1.0, node="c")})
     chosen = {"long": node.instances["long"], "gone": _instance("gone", READY, 2.0, node="d"), None: None}[on]
     seen: list[str] = []
@@ -271,3 +276,41 @@ def test_a_request_runs_on_the_instance_the_api_chose_while_it_is_ready(on, aske
 
     asyncio.run(run())
     assert seen == [asked]
+
+
+def test_a_forwarded_request_is_ended_by_a_failure_of_the_instance_it_runs_on_only():
+    """The node forwarded to ran the request again on another instance (named in its
+    stream): the first one failing in this node's table does not end it here; the one it
+    runs on failing does."""
+    node = SimpleNamespace(node_id="a", streams={}, **LIVE,
+                           instances={"x": _instance("x", READY, 0.0, node="b"),
+                                      "y": _instance("y", READY, 1.0, node="b")})
+    tokens: list[int] = []
+
+    async def generate(address, request, ran_on=None):
+        ran_on("y")
+        yield TokenEvent(1, 42)
+        await asyncio.sleep(0.4)
+        yield TokenEvent(1, 43)
+        await asyncio.sleep(30)  # cut off
+        yield TokenEvent(1, 44, "length")
+
+    node.peer_client = SimpleNamespace(generate=generate)
+
+    async def run() -> None:
+        router = Router(node)
+
+        async def fail(instance_id: str, after_s: float) -> None:
+            await asyncio.sleep(after_s)
+            node.instances = {**node.instances, instance_id: _instance(instance_id, FAILED, 0.0, node="b")}
+            router.end_forwarded()
+
+        failing = [asyncio.create_task(fail("x", 0.2)), asyncio.create_task(fail("y", 0.6))]
+        with pytest.raises(InstanceFailedError, match="instance y"):
+            async for event in router.generate(TokenRequest("m", (1, 2), 4, SamplingParams(), ())):
+                tokens.append(event.token_id)
+        await asyncio.gather(*failing)
+        assert router._forwarding == {}
+
+    asyncio.run(run())
+    assert tokens == [42, 43]

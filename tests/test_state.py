@@ -199,9 +199,9 @@ def test_an_id_names_its_instance_or_the_one_placed_again_in_its_place(instances
      EndCode.INSTANCE_FAILED, "rank 1 on node b: node down"),
     # a node that missed the table in which it failed sees only its replacement
     ([inst("new", replaced=("old",))],
-     EndCode.INSTANCE_FAILED, "failed; instance new serves its model in its place"),
+     EndCode.INSTANCE_FAILED, "gone; instance new was placed in its place"),
     ([inst("newer", replaced=("older", "old"))],
-     EndCode.INSTANCE_FAILED, "failed; instance newer serves its model in its place"),
+     EndCode.INSTANCE_FAILED, "gone; instance newer was placed in its place"),
     ([], EndCode.INSTANCE_DELETED, DELETED),
     ([inst("other", replaced=("another",))], EndCode.INSTANCE_DELETED, DELETED),
 ], ids=["failed", "placed again", "placed again twice", "deleted", "another's replacement"])

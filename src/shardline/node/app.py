@@ -27,6 +27,7 @@ from shardline.node.http_guard import GuardConfig, GuardMiddleware, SignatureMid
 from shardline.node.link_probe import add_link_routes
 from shardline.node.node import Node
 from shardline.node.queue_bound import QueueFullError
+from shardline.node.routing import request_tokens
 from shardline.node.signing import MEMBER_HEADER
 from shardline.node.speeds import placement_key
 from shardline.node.state import instance_named
@@ -328,7 +329,8 @@ def create_app(node: Node, guard: GuardConfig, max_body_bytes: int = DEFAULT_MAX
     @app.post("/internal/generate")
     async def generate(request: TokenRequest):
         try:  # a full queue is a 429 here (QueueFullError), before the stream begins
-            task_id = node.router.reserve(node.router.ready_instance(request.model_id), request)
+            task_id = node.router.reserve(node.router.ready_instance(request.model_id, request_tokens(request)),
+                                          request)
         except NoInstanceError:
             task_id = None  # told in the stream
         ran_on: list[str] = []  # the instances it runs on, in order

@@ -50,15 +50,24 @@ out-of-memory prefill) fails two instances, not every one placed again for 30 s.
 
 
 def ready_instances(instances: Mapping[str, Instance], model_id: str, node_id: str,
-                    avoid: Collection[str] = ()) -> list[Instance]:
-    """The ready instances of ``model_id`` in a table, those with a rank on ``node_id``
-    first, then the oldest first; not one a ready instance stands in for
+                    avoid: Collection[str] = (), tokens: int = 0) -> list[Instance]:
+    """The ready instances of ``model_id`` in a table whose context takes ``tokens`` (a
+    request's prompt and completion: :func:`request_tokens`), those with a rank on
+    ``node_id`` first, then the oldest first; not one a ready instance stands in for
     (``state.superseded``: it is being handed over), nor those in ``avoid``."""
     old = superseded(instances)
     ready = [i for i in instances.values() if i.model_id == model_id
              and i.status == InstanceStatus.READY and i.instance_id not in old
-             and i.instance_id not in avoid]
+             and i.instance_id not in avoid and i.context >= tokens]
     return sorted(ready, key=lambda i: (node_id not in i.node_ids(), i.created_at))
+
+
+def request_tokens(request: TokenRequest) -> int:
+    """The context a request needs: its prompt and ``max_tokens`` (which the API set to
+    what the context it checked the request against leaves, at most). An instance of a
+    shorter context would overrun its KV cache with the prompt, or end the completion
+    early."""
+    return len(request.prompt) + request.max_tokens
 
 
 class ReadyWait(Enum):
@@ -77,7 +86,7 @@ class ReadyWait(Enum):
 
 def ready_wait(instances: Mapping[str, Instance], model_id: str, node_id: str,
                failed: Collection[str], waited_s: float, limit_s: float = READY_WAIT_S,
-               verdict_s: float = 6.0) -> tuple[ReadyWait, Instance | None]:
+               verdict_s: float = 6.0, tokens: int = 0) -> tuple[ReadyWait, Instance | None]:
     """The next step of a request on ``node_id`` with no ready instance of ``model_id``,
     ``waited_s`` seconds into its wait, and with :attr:`ReadyWait.RUN` the instance to run
     on (:func:`ready_instances`' first): run on a ready instance; wait while the model has another
@@ -88,8 +97,9 @@ def ready_wait(instances: Mapping[str, Instance], model_id: str, node_id: str,
     only as a delay), not run on again until ``verdict_s`` (the coordinator's time to find
     a node down, ``down_after_s + 1``): a hand-off that did not reach a rank comes before
     the verdict, and an instance still ready after it was not at fault (a lost
-    connection)."""
-    ready = ready_instances(instances, model_id, node_id, avoid=failed if waited_s < verdict_s else ())
+    connection). ``tokens``: the context the request needs (:func:`ready_instances`)."""
+    ready = ready_instances(instances, model_id, node_id, avoid=failed if waited_s < verdict_s else (),
+                            tokens=tokens)
     if ready:
         return ReadyWait.RUN, ready[0]
     if waited_s >= limit_s or not any(i.model_id == model_id and not i.given_up for i in instances.values()):
@@ -116,14 +126,15 @@ class Router:
         # requests this node forwards, by instance: set when the instance fails or goes
         self._forwarding: dict[str, set[asyncio.Event]] = {}
 
-    def ready_instance(self, model_id: str) -> Instance:
-        """A ready instance of the model, preferring one with a rank on this node; not one
-        a ready instance stands in for (``state.superseded``: it is being handed over).
+    def ready_instance(self, model_id: str, tokens: int = 0) -> Instance:
+        """A ready instance of the model whose context takes ``tokens``, preferring one
+        with a rank on this node; not one a ready instance stands in for
+        (``state.superseded``: it is being handed over).
 
         Raises:
             NoInstanceError: none is ready.
         """
-        ready = ready_instances(self.node.instances, model_id, self.node.node_id)
+        ready = ready_instances(self.node.instances, model_id, self.node.node_id, tokens=tokens)
         if not ready:
             raise NoInstanceError(f"no ready instance serves model {model_id!r}")
         return ready[0]
@@ -178,9 +189,11 @@ class Router:
         progress of a prefill that takes more than one engine step, then its tokens.
         ``task_id``: the place :meth:`reserve` took for it, if one was taken; ``ran_on``:
         called with each instance the request is run on or forwarded to (a second one
-        after a failure, below), before its events; ``on``: where no place was taken,
-        the instance to run it on (the one the API checked it against: a longer context
-        than the one this node prefers), else the first of :func:`ready_instances`.
+        after a failure, below), before its events; ``on``: the instance the API checked
+        it against, to run on where no place was taken in another's queue (its context
+        may be longer than that of the one this node prefers), while it is ready. Else it runs
+        on the first of :func:`ready_instances` whose context takes it
+        (:func:`request_tokens`).
 
         Where its instance fails before the request yielded output (a token, or prompt
         log-probabilities; a runner, node or link lost during its hand-off or prefill), it
@@ -220,21 +233,23 @@ class Router:
                 failed_at = failed_at or time.monotonic()
                 log.info("%s: the request had no output yet; waiting for its model %r to be "
                          "served again", exc, request.model_id)
-                chosen = await self.wait_for_ready(request.model_id, tried, failed_at)
+                chosen = await self.wait_for_ready(request.model_id, tried, failed_at,
+                                                   request_tokens(request))
                 if chosen is None:
                     raise
                 task_id = None
 
     async def wait_for_ready(self, model_id: str, failed: Collection[str] = (),
-                             since: float | None = None) -> Instance | None:
+                             since: float | None = None, tokens: int = 0) -> Instance | None:
         """A ready instance of ``model_id`` once there is one (:func:`ready_wait` says
-        whether to wait; ``failed`` is its, ``since`` when the wait began,
+        whether to wait; ``failed`` and ``tokens`` are its, ``since`` when the wait began,
         ``time.monotonic()`` seconds, default now); None where there is nothing to wait for,
         the wait ran out or the node is stopping."""
         since = time.monotonic() if since is None else since
         while not self.node.is_stopping():
             step, inst = ready_wait(self.node.instances, model_id, self.node.node_id, failed,
-                                    time.monotonic() - since, verdict_s=self.node.down_after_s + 1)
+                                    time.monotonic() - since, verdict_s=self.node.down_after_s + 1,
+                                    tokens=tokens)
             if step != ReadyWait.WAIT:
                 return inst
             await asyncio.sleep(READY_POLL_S)
@@ -256,7 +271,8 @@ class Router:
             if task_id is not None:
                 self.node.streams.pop(task_id, None)  # its instance is gone: find another
             stream = None
-            ready = ready_instances(self.node.instances, request.model_id, self.node.node_id)
+            ready = ready_instances(self.node.instances, request.model_id, self.node.node_id,
+                                    tokens=request_tokens(request))
             inst = next((i for i in ready if chosen is not None and i.instance_id == chosen.instance_id),
                         ready[0] if ready else None)  # chosen, while it is ready
             if inst is None:
@@ -394,21 +410,37 @@ class Router:
                        ran_on: Callable[[Instance], None] | None = None,
                        ) -> AsyncGenerator[TokenEvent | PrefillProgress, None]:
         """Run the request through the node of the instance's first rank, until it ends or
-        the instance fails in the table (:meth:`end_forwarded`). ``ran_on`` is called with
-        each instance that node names as the one running it (from this node's table: it
-        may choose another ready one, or run the request again on another).
+        the instance it runs on fails in the table (:meth:`end_forwarded`). ``ran_on`` is
+        called with each instance that node names as the one running it (from this node's
+        table: it may choose another ready one, or run the request again on another);
+        from then on that one is watched, not the first.
 
         Raises:
             InstanceFailedError: that node could not be reached, the request failed
                 there, or the instance failed.
         """
         ended = asyncio.Event()
-        self._forwarding.setdefault(inst.instance_id, set()).add(ended)
+        watched = [inst.instance_id]  # the instance whose failure ends the request here
+
+        def watch(instance_id: str | None) -> None:
+            if watched:
+                waiting = self._forwarding.get(watched[0], set())
+                waiting.discard(ended)
+                if not waiting:
+                    self._forwarding.pop(watched[0], None)
+                watched.clear()
+            if instance_id is not None:
+                watched.append(instance_id)
+                self._forwarding.setdefault(instance_id, set()).add(ended)
+
         def named(instance_id: str) -> None:
             running = self.node.instances.get(instance_id)
-            if running is not None and ran_on is not None:
-                ran_on(running)
+            if running is not None:  # unknown here yet: the last known stays
+                watch(instance_id)
+                if ran_on is not None:
+                    ran_on(running)
 
+        watch(inst.instance_id)
         events = self.node.peer_client.generate(inst.ranks[0].address, request, named)
         stop = asyncio.ensure_future(ended.wait())
         following: asyncio.Future | None = None
@@ -417,8 +449,8 @@ class Router:
                 following = asyncio.ensure_future(anext(events))
                 await asyncio.wait({following, stop}, return_when=asyncio.FIRST_COMPLETED)
                 if not following.done():
-                    code, error = why_ended(self.node.instances, inst.instance_id)
-                    raise InstanceFailedError(f"instance {inst.instance_id}: {error}", code)
+                    code, error = why_ended(self.node.instances, watched[0])
+                    raise InstanceFailedError(f"instance {watched[0]}: {error}", code)
                 try:
                     event = following.result()
                 except StopAsyncIteration:
@@ -431,8 +463,5 @@ class Router:
             if following is not None and not following.done():
                 following.cancel()  # and waited for (also when this is cancelled), so that
                 await asyncio.gather(following, return_exceptions=True)  # the stream can close
-            waiting = self._forwarding.get(inst.instance_id, set())
-            waiting.discard(ended)
-            if not waiting:
-                self._forwarding.pop(inst.instance_id, None)
+            watch(None)
             await events.aclose()

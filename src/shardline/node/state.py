@@ -110,15 +110,17 @@ def why_ended(instances: Mapping[str, Instance], instance_id: str) -> tuple[EndC
     is gone, and the error they are given: failed, its error
     (:attr:`EndCode.INSTANCE_FAILED`); gone, where another instance is in its place (its
     id in that one's ``replaced``: :func:`instance_named`), failed too (a node that missed
-    the table in which it failed sees it gone; a request that had no output runs again
-    on that one: :meth:`~shardline.node.routing.Router.generate`); gone, with none in its
-    place, deleted (:attr:`EndCode.INSTANCE_DELETED`)."""
+    the table in which it failed sees it gone; or handed over, deleted once idle, to one
+    placed beside it; a request that had no output runs again, on a ready instance:
+    :meth:`~shardline.node.routing.Router.generate`); gone, with none in its place,
+    deleted (:attr:`EndCode.INSTANCE_DELETED`; a user's deletion deletes what stands in
+    for it too)."""
     inst = instance_named(instances, instance_id)
     if inst is None:
         return EndCode.INSTANCE_DELETED, DELETED
     if inst.instance_id == instance_id:
         return EndCode.INSTANCE_FAILED, inst.error or "failed"
-    return EndCode.INSTANCE_FAILED, f"failed; instance {inst.instance_id} serves its model in its place"
+    return EndCode.INSTANCE_FAILED, f"gone; instance {inst.instance_id} was placed in its place"
 
 
 # -- events ------------------------------------------------------------------------------
