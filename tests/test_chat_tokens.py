@@ -17,7 +17,7 @@ from shardline.api import anthropic, completions, ollama, openai
 from shardline.api.generation import APIError
 from shardline.api.preparation import prepare, tokenize
 from shardline.models.config import RankShare, Sharding
-from shardline.models.store import DEFAULT_MODEL_ID, ModelStore
+from shardline.models.store import DEFAULT_MODEL_ID, ModelNotFoundError, ModelStore
 from shardline.models.tokenizer import ChatTemplateError, Tokenizer
 from shardline.node.status import InstanceStatus, RankStatus
 from shardline.node.table import Instance, NoInstanceError, RankPlacement
@@ -192,7 +192,8 @@ def test_names_the_template_does_not_render_are_found(tokenizer, monkeypatch):
 def loading_node(tokenizer: Tokenizer) -> tuple[Any, list[str], list[str]]:
     """A node stub where no instance of the default model is ready and one of context 64
     loads (ready once waited for); the models waited for and tokenized, in order."""
-    loading = SimpleNamespace(model_id=M, given_up=False, created_at=0.0, context=64)
+    loading = SimpleNamespace(instance_id="i", model_id=M, given_up=False, created_at=0.0, context=64,
+                              status="loading", error=None)
     waited: list[str] = []
     tokenized: list[str] = []
 
@@ -264,3 +265,19 @@ def test_a_request_too_long_for_the_local_instance_goes_to_one_with_a_longer_con
         request = openai.ChatCompletionRequest.model_validate(
             {"model": M, "max_tokens": max_tokens, "messages": [{"role": "user", "content": "Hi"}]})
         assert asyncio.run(prepare(node, request.to_generation())).instance.instance_id == chosen
+
+
+def test_counting_tokens_while_the_tokenizer_cannot_be_had_does_not_wait(tokenizer):
+    """count_tokens with the model loading and its tokenizer not on this node yet: a 503
+    at once, not a wait for the load."""
+    node, waited, _ = loading_node(tokenizer)
+
+    async def no_tokenizer(model: str) -> Tokenizer:
+        raise ModelNotFoundError(model)
+
+    node.logistics.tokenizer = no_tokenizer
+    request = anthropic.CountTokensRequest.model_validate(
+        {"model": M, "messages": [{"role": "user", "content": "Hi"}]})
+    with pytest.raises(APIError) as caught:
+        asyncio.run(tokenize(node, request.to_generation(), wait=False))
+    assert (caught.value.status, caught.value.code, waited) == (503, "model_not_ready", [])

@@ -311,7 +311,7 @@ class Generation:
         """OpenAI's ``system_fingerprint``: the instance's id, sharding, ranks and dtype
         (and quantization), which change when the model is placed again: the instance
         the request runs on (the one placed again where its first failed before any
-        output; a forwarded request's, as this node chose it)."""
+        output; a forwarded request's, as the node it was forwarded to names it)."""
         inst = self.instance
         quant = f"-{inst.quantize}" if inst.quantize else ""
         return f"fp_{inst.instance_id[:12]}-{inst.sharding}{len(inst.ranks)}-{inst.dtype}{quant}"

@@ -140,9 +140,9 @@ async def tokenize(node: Node, req: GenerationRequest,
     against that instance and called ``check`` (the instance, the prompt's ids; it raises
     the caller's 400s), so that a request its context refuses is refused at once, not
     after the wait; without ``wait`` (counting tokens runs nothing), that instance and
-    the prompt are the answer. Where the ready instance it prefers (one with a rank on
-    this node) refuses the request for its context, and another ready instance of the
-    model has a longer one, that one is the answer.
+    the prompt are the answer, and nothing is waited for. Where the ready instance it
+    prefers (one with a rank on this node) refuses the request for its context, and
+    another ready instance of the model has a longer one, that one is the answer.
 
     Raises:
         APIError: 404 for a model no instance serves; 503 for one not ready after the
@@ -156,33 +156,43 @@ async def tokenize(node: Node, req: GenerationRequest,
             check_tools(req.tools, req.tool_choice)
         except ValueError as exc:
             raise APIError(400, str(exc), param="tool_choice" if str(exc).startswith("tool_choice") else "tools") from exc
+    early = None  # the prompt, tokenized and checked against a loading instance
     try:
         inst = node.router.ready_instance(req.model)
     except NoInstanceError:
         early = await _checked_before_ready(node, req, check)
         if early is not None and not wait:
             return early
-        ready = await node.router.wait_for_ready(req.model)  # READY_WAIT_S at most
-        if ready is not None:
-            if early is not None and early[0].context == ready.context:
-                return ready, early[1], early[2]
-            return await _tokenized(node, req, ready)
-        placed = [i for i in node.instances.values() if i.model_id == req.model]
-        if placed:
-            detail = "; ".join(f"instance {i.instance_id} {i.status}" + (f": {i.error}" if i.error else "")
-                               for i in placed)
-            raise APIError(503, f"The model '{req.model}' is not ready ({detail}); retry later",
-                           "server_error", param="model", code="model_not_ready") from None
-        known = ", ".join(m["id"] for m in node.router.models()) or "none"
-        raise APIError(404, f"The model '{req.model}' does not exist or is not loaded (available: {known})",
-                       "not_found_error", param="model", code="model_not_found") from None
+        ready = await node.router.wait_for_ready(req.model) if wait else None  # READY_WAIT_S at most
+        if ready is None:
+            raise _not_ready(node, req) from None
+        inst = ready
+    if early is not None and early[0].context == inst.context:
+        return inst, early[1], early[2]
     try:
         return await _checked(node, req, inst, check)
     except APIError as exc:  # another ready instance of the model may have a longer context
-        widest = max(ready_instances(node.instances, req.model, node.node_id), key=lambda i: i.context)
-        if exc.code != CONTEXT_LENGTH_EXCEEDED or widest.context <= inst.context:
+        if exc.code != CONTEXT_LENGTH_EXCEEDED:
+            raise
+        widest = max(ready_instances(node.instances, req.model, node.node_id), key=lambda i: i.context,
+                     default=None)
+        if widest is None or widest.context <= inst.context:
             raise
         return await _checked(node, req, widest, check)
+
+
+def _not_ready(node: Node, req: GenerationRequest) -> APIError:
+    """The error of a request whose model has no ready instance: a 503 where one is
+    placed (loading, failed), a 404 where none is."""
+    placed = [i for i in node.instances.values() if i.model_id == req.model]
+    if placed:
+        detail = "; ".join(f"instance {i.instance_id} {i.status}" + (f": {i.error}" if i.error else "")
+                           for i in placed)
+        return APIError(503, f"The model '{req.model}' is not ready ({detail}); retry later",
+                        "server_error", param="model", code="model_not_ready")
+    known = ", ".join(m["id"] for m in node.router.models()) or "none"
+    return APIError(404, f"The model '{req.model}' does not exist or is not loaded (available: {known})",
+                    "not_found_error", param="model", code="model_not_found")
 
 
 async def _checked(node: Node, req: GenerationRequest, inst: Instance,
@@ -198,10 +208,10 @@ async def _checked(node: Node, req: GenerationRequest, inst: Instance,
 async def _checked_before_ready(node: Node, req: GenerationRequest,
                                 check: Callable[[Instance, list[int]], object] | None,
                                 ) -> tuple[Instance, Tokenizer, list[int]] | None:
-    """:func:`tokenize` 's work against the newest instance of ``req.model`` not given up
-    on (loading, or failed and about to be placed again: what the request waits for has
-    its context), then ``check``; None where there is none, or its tokenizer cannot be
-    had yet (a 503 that the wait may cure).
+    """:func:`tokenize` 's work against the instance of ``req.model`` not given up on
+    (loading, or failed and about to be placed again: what the request waits for) with
+    the longest context, the newest of those, then ``check``; None where there is none,
+    or its tokenizer cannot be had yet (a 503 that the wait may cure).
 
     Raises:
         APIError: a 4xx of the request (the prompt, its context, the vocabulary).
@@ -210,7 +220,7 @@ async def _checked_before_ready(node: Node, req: GenerationRequest,
     if not waiting:
         return None
     try:
-        return await _checked(node, req, max(waiting, key=lambda i: i.created_at), check)
+        return await _checked(node, req, max(waiting, key=lambda i: (i.context, i.created_at)), check)
     except APIError as exc:
         if exc.status >= 500:
             return None
