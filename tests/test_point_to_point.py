@@ -32,6 +32,7 @@ def _job(rank: int, world: int, calls: int) -> dict:
         proposal = torch.arange(4, dtype=torch.int64) + 100 * rank + 10_000 * call
         if call % 3 == 2:  # the root posts its receives ahead, as a pipeline's sampler does
             collectives.expect_gather_at(root, torch.empty(4, dtype=torch.int64))
+            assert (collectives._posted is not None) == (rank == root)
         tables.append(collectives.gather_at(root, proposal))
         x = _values(rank, call)
         out = collectives.all_reduce(x)
@@ -43,11 +44,14 @@ def _job(rank: int, world: int, calls: int) -> dict:
     large = torch.full((POINT_TO_POINT_BYTES // 4 + 16,), float(rank + 1))
     result = {"tables": tables, "sums": sums, "shared": shared, "large": collectives.all_reduce(large)}
     root = world - 1
-    collectives.expect_gather_at(root, torch.empty(5, dtype=torch.int64))
-    try:  # a gather of another shape than the one posted for: refused at the root, before a wait
-        collectives.gather_at(root, torch.zeros(6, dtype=torch.int64)) if rank == root else None
-    except RuntimeError as exc:
-        result["refused"] = str(exc)
+    refused = []
+    for other_root, length in [(root, 6), (0, 5)]:  # another shape, another root: refused before a wait
+        collectives.expect_gather_at(root, torch.empty(5, dtype=torch.int64))
+        try:
+            collectives.gather_at(other_root, torch.zeros(length, dtype=torch.int64)) if rank == root else None
+        except RuntimeError as exc:
+            refused.append(str(exc))
+    result["refused"] = refused
     return result
 
 
@@ -69,4 +73,6 @@ def test_gather_and_all_reduce_agree_on_every_rank(tmp_path, world):
             assert torch.equal(result["shared"][call], _values(source, call)), (rank, call)
     for result in results:
         assert torch.equal(result["large"], torch.full_like(result["large"], world * (world + 1) / 2))
-    assert "met receives posted for" in results[-1]["refused"]
+    assert ["met receives posted for" in results[-1]["refused"][0],
+            "met receives posted at rank" in results[-1]["refused"][1]] == [True, True]
+    assert all(result["refused"] == [] for result in results[:-1])

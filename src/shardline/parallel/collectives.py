@@ -44,7 +44,7 @@ class Collectives:
         tensors shaped as ``like`` (on the CPU): on gloo the root posts its receives now
         (:func:`point_to_point.post_gather`), so that the others' tensors, sent before
         the root calls it, arrive meanwhile; elsewhere nothing. The next ``gather_at``
-        must be that one (else it raises)."""
+        must be that one: another root, shape or dtype raises."""
         if self.sends and self.rank == root and self.world_size > 1:
             self._posted = point_to_point.post_gather(root, like, self.world_size, self.group)
 

@@ -56,11 +56,12 @@ def broadcast(tensor: torch.Tensor, root: int, rank: int, world_size: int,
 
 
 class GatherReceives:
-    """The receives of a :func:`gather_at` at its root, posted ahead by
+    """The receives of a :func:`gather_at` at group rank ``root``, posted ahead by
     :func:`post_gather`: ``parts`` (one buffer per group rank, None at the root) and the
     receives' work."""
 
-    def __init__(self, parts: list[torch.Tensor | None], works: list[dist.Work | None]) -> None:
+    def __init__(self, root: int, parts: list[torch.Tensor | None], works: list[dist.Work | None]) -> None:
+        self.root = root
         self.parts = parts
         self.works = works
 
@@ -77,7 +78,7 @@ def post_gather(root: int, like: torch.Tensor, world_size: int,
                                         for r in range(world_size)]
     works = [dist.irecv(part, src=_global(group, r), group=group, tag=GATHER_TAG)
              for r, part in enumerate(parts) if part is not None]
-    return GatherReceives(parts, works)
+    return GatherReceives(root, parts, works)
 
 
 def gather_at(root: int, tensor: torch.Tensor, rank: int, world_size: int,
@@ -95,8 +96,12 @@ def gather_at(root: int, tensor: torch.Tensor, rank: int, world_size: int,
 
     Raises:
         RuntimeError: a send or receive failed or timed out (a peer rank is gone), or the
-            receives posted ahead are for tensors of another shape or dtype.
+            receives posted ahead are for another root, or tensors of another shape or
+            dtype (they would take this gather's messages, or the next one's).
     """
+    if posted is not None and (posted.root != root or rank != root):
+        raise RuntimeError(f"a gather rooted at rank {root} (this rank {rank}) met receives posted at "
+                           f"rank {posted.root}")
     if rank == root:
         posted = posted or post_gather(root, tensor, world_size, group)
         parts = [tensor if part is None else part for part in posted.parts]
