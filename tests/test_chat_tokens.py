@@ -246,8 +246,9 @@ def test_counting_tokens_does_not_wait_for_a_loading_model(tokenizer):
 
 def test_a_request_too_long_for_the_local_instance_goes_to_one_with_a_longer_context(tokenizer):
     """Two ready instances of the model: this node's of context 64, another node's of
-    4,096. A request that fits only the longer one runs there (forwarded), not a 400;
-    one that fits both stays local."""
+    4,096. A request that fits only the longer one runs there (forwarded), not a 400, as
+    does one whose own window (Ollama's num_ctx) only that one holds; one that fits both
+    stays local."""
     def instance(instance_id: str, node_id: str, context: int) -> Instance:
         return Instance(instance_id, M, Sharding.PIPELINE,
                         (RankPlacement(node_id, f"{node_id}:1", RankShare(0, 1), status=RankStatus.READY),),
@@ -265,6 +266,10 @@ def test_a_request_too_long_for_the_local_instance_goes_to_one_with_a_longer_con
         request = openai.ChatCompletionRequest.model_validate(
             {"model": M, "max_tokens": max_tokens, "messages": [{"role": "user", "content": "Hi"}]})
         assert asyncio.run(prepare(node, request.to_generation())).instance.instance_id == chosen
+    for options, chosen in [({"num_ctx": 4096}, "long"), ({"num_ctx": 64}, "short"), ({}, "short")]:
+        chat = ollama.ChatRequest.model_validate(  # the request's own window: Ollama's num_ctx
+            {"model": M, "options": options, "messages": [{"role": "user", "content": "Hi"}]})
+        assert asyncio.run(prepare(node, chat.to_generation())).instance.instance_id == chosen
 
 
 def test_counting_tokens_while_the_tokenizer_cannot_be_had_does_not_wait(tokenizer):

@@ -142,7 +142,9 @@ async def tokenize(node: Node, req: GenerationRequest,
     after the wait; without ``wait`` (counting tokens runs nothing), that instance and
     the prompt are the answer, and nothing is waited for. Where the ready instance it
     prefers (one with a rank on this node) refuses the request for its context, and
-    another ready instance of the model has a longer one, that one is the answer.
+    another ready instance of the model has a longer one, that one is the answer; so is
+    one whose context holds the request's own window (Ollama's ``num_ctx``) where the
+    preferred one's does not.
 
     Raises:
         APIError: 404 for a model no instance serves; 503 for one not ready after the
@@ -167,6 +169,8 @@ async def tokenize(node: Node, req: GenerationRequest,
         if ready is None:
             raise _not_ready(node, req) from None
         inst = ready
+    if req.context is not None and inst.context < req.context:  # a window (num_ctx) another has
+        inst = next(iter(ready_instances(node.instances, req.model, node.node_id, tokens=req.context)), inst)
     if early is not None and early[0].context == inst.context:
         return inst, early[1], early[2]
     try:
