@@ -81,8 +81,8 @@ HI = [{"role": "user", "content": "hi"}]
     ({"model": DEFAULT_MODEL_ID, "messages": HI}, 400, "invalid_request_error"),  # no max_tokens
     ({"model": DEFAULT_MODEL_ID, "messages": HI, "max_tokens": 5, "temperature": 1.5}, 400,
      "invalid_request_error"),
-    ({"model": DEFAULT_MODEL_ID, "messages": [{"role": "system", "content": "hi"}], "max_tokens": 5}, 400,
-     "invalid_request_error"),
+    ({"model": DEFAULT_MODEL_ID, "messages": [{"role": "tool", "content": "hi"}], "max_tokens": 5}, 400,
+     "invalid_request_error"),  # system turns are taken (Claude Code sends them); no tool role here
     ({"model": "no-such-model", "messages": HI, "max_tokens": 5}, 404, "not_found_error"),
     ({"model": DEFAULT_MODEL_ID, "messages": HI, "max_tokens": 10**6}, 400, "invalid_request_error"),
 ])

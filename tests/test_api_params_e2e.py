@@ -347,8 +347,61 @@ def test_anthropic_output_format_parses(url):
                  output_config={"format": {"type": "json_schema", "schema": schema}}).json()
     assert body["stop_reason"] == "end_turn", body
     assert isinstance(json.loads(body["content"][0]["text"])["capital"], str)
-    effort = _post(url, Endpoint.MESSAGES, output_config={"effort": "high"})
-    assert effort.status_code == 400 and "effort" in effort.text
+
+
+def test_anthropic_reasoning_is_accepted(url):
+    """A thinking budget or an effort on a model that does not reason is not spent: the
+    greedy answer is the one without them, with no thinking block (as Claude Code sends
+    them by default); a malformed budget is refused as Anthropic's API refuses it."""
+    plain = _post(url, Endpoint.MESSAGES, temperature=0, max_tokens=12).json()
+    for extra in ({"thinking": {"type": "adaptive"}, "output_config": {"effort": "high"}},
+                  {"thinking": {"type": "enabled", "budget_tokens": 1024}, "max_tokens": 2048},
+                  {"thinking": {"type": "disabled"}}, {"output_config": {"effort": "max"}},
+                  {"thinking": {"type": "adaptive", "display": "omitted"}}):
+        body = _post(url, Endpoint.MESSAGES, **{"temperature": 0, "max_tokens": 12, **extra}).json()
+        assert [b["type"] for b in body["content"]] == ["text"], (extra, body)
+        assert body["content"][0]["text"].startswith(plain["content"][0]["text"]), (extra, body)
+    counted = _post(url, Endpoint.COUNT_TOKENS, thinking={"type": "adaptive"})
+    assert counted.status_code == 200 and counted.json()["input_tokens"] > 5
+    for extra, named in (({"thinking": {"type": "enabled", "budget_tokens": 4096}, "max_tokens": 4096}, "max_tokens"),
+                         ({"thinking": {"type": "enabled", "budget_tokens": 100}, "max_tokens": 4096}, "budget_tokens"),
+                         ({"thinking": {"type": "enabled"}}, "budget_tokens"),
+                         ({"output_config": {"effort": "extreme"}}, "effort")):
+        response = _post(url, Endpoint.MESSAGES, **extra)
+        assert response.status_code == 400 and named in response.json()["error"]["message"], response.text
+
+
+def test_anthropic_context_edits(url):
+    """clear_tool_uses clears old tool results once the prompt passes its trigger (the
+    answer says what it cleared and its prompt shrinks); clear_thinking removes earlier
+    turns' thinking; count_tokens reports the count before the edits."""
+    result = "The weather report for Paris: " + "sunny and warm, " * 40
+    turns: list[dict] = []
+    for i in range(4):
+        turns += [{"role": "user", "content": f"Weather {i}?"},
+                  {"role": "assistant", "content": [
+                      {"type": "thinking", "thinking": "I should call the tool.", "signature": "x"},
+                      {"type": "tool_use", "id": f"toolu_{i}", "name": "weather", "input": {"city": "Paris"}}]},
+                  {"role": "user", "content": [{"type": "tool_result", "tool_use_id": f"toolu_{i}", "content": result}]}]
+    tools = [{"name": "weather", "description": "the weather", "input_schema": {
+        "type": "object", "properties": {"city": {"type": "string"}}}}]
+    edits = {"edits": [{"type": "clear_thinking_20251015"},
+                       {"type": "clear_tool_uses_20250919", "trigger": {"type": "input_tokens", "value": 500},
+                        "keep": {"type": "tool_uses", "value": 1}}]}
+    whole = _post(url, Endpoint.MESSAGES, messages=turns, tools=tools, max_tokens=2).json()
+    body = _post(url, Endpoint.MESSAGES, messages=turns, tools=tools, max_tokens=2, context_management=edits).json()
+    applied = {e["type"]: e for e in body["context_management"]["applied_edits"]}
+    assert applied["clear_thinking_20251015"]["cleared_thinking_turns"] == 3, body
+    assert applied["clear_tool_uses_20250919"]["cleared_tool_uses"] == 3, body
+    freed = whole["usage"]["input_tokens"] - body["usage"]["input_tokens"]
+    assert freed > 300 and abs(applied["clear_tool_uses_20250919"]["cleared_input_tokens"] - freed) < 30, (freed, body)
+    counted = _post(url, Endpoint.COUNT_TOKENS, messages=turns, tools=tools, context_management=edits).json()
+    assert counted == {"input_tokens": body["usage"]["input_tokens"],
+                       "context_management": {"original_input_tokens": whole["usage"]["input_tokens"]}}
+    untriggered = {"edits": [{"type": "clear_tool_uses_20250919"}]}  # 100,000 tokens: not reached
+    body = _post(url, Endpoint.MESSAGES, messages=turns, tools=tools, max_tokens=2,
+                 context_management=untriggered).json()
+    assert body["context_management"] == {"applied_edits": []} and body["usage"] == whole["usage"]
 
 
 def test_responses_format_and_logprobs(url):

@@ -13,7 +13,7 @@ from typing import Any
 
 import pytest
 
-from shardline.api import anthropic, completions, ollama, openai
+from shardline.api import anthropic_request, completions, ollama, openai
 from shardline.api.generation import APIError
 from shardline.api.preparation import prepare, tokenize
 from shardline.models.config import RankShare, Sharding
@@ -153,8 +153,8 @@ M = DEFAULT_MODEL_ID
     (openai.ChatCompletionRequest, {"model": M, "messages": [
         {"role": "developer", "content": [{"type": "text", "text": SYSTEM}]},
         {"role": "user", "content": [{"type": "text", "text": INJECTION[:9]}, {"type": "text", "text": INJECTION[9:]}]}]}),
-    (anthropic.MessagesRequest, {"model": M, "max_tokens": 4, "system": SYSTEM, "messages": CHAT[1:]}),
-    (anthropic.MessagesRequest, {"model": M, "max_tokens": 4, "system": [{"type": "text", "text": SYSTEM}],
+    (anthropic_request.MessagesRequest, {"model": M, "max_tokens": 4, "system": SYSTEM, "messages": CHAT[1:]}),
+    (anthropic_request.MessagesRequest, {"model": M, "max_tokens": 4, "system": [{"type": "text", "text": SYSTEM}],
                                  "messages": [{"role": "user", "content": [{"type": "text", "text": INJECTION}]}]}),
     (ollama.ChatRequest, {"model": M + ":latest", "messages": CHAT}),
     (ollama.GenerateRequest, {"model": M, "system": SYSTEM, "prompt": INJECTION}),
@@ -238,7 +238,7 @@ def test_a_request_for_a_loading_model_is_refused_by_its_context_before_the_wait
 def test_counting_tokens_does_not_wait_for_a_loading_model(tokenizer):
     """Anthropic's count_tokens runs nothing on the instance: counted while it loads."""
     node, waited, _ = loading_node(tokenizer)
-    request = anthropic.CountTokensRequest.model_validate(
+    request = anthropic_request.CountTokensRequest.model_validate(
         {"model": M, "messages": [{"role": "user", "content": "Hi"}]})
     _, _, prompt = asyncio.run(tokenize(node, request.to_generation(), wait=False))
     assert prompt == tokenizer.encode_chat(request.to_generation().prompt) and waited == []
@@ -281,7 +281,7 @@ def test_counting_tokens_while_the_tokenizer_cannot_be_had_does_not_wait(tokeniz
         raise ModelNotFoundError(model)
 
     node.logistics.tokenizer = no_tokenizer
-    request = anthropic.CountTokensRequest.model_validate(
+    request = anthropic_request.CountTokensRequest.model_validate(
         {"model": M, "messages": [{"role": "user", "content": "Hi"}]})
     with pytest.raises(APIError) as caught:
         asyncio.run(tokenize(node, request.to_generation(), wait=False))

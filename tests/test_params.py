@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from shardline.api import anthropic, completions, ollama, openai
+from shardline.api import anthropic_request, completions, ollama, openai
 from shardline.api.generation import APIError
 from shardline.api.params import PARAMETERS, Endpoint, Param, ParamError, render_table, screen
 from shardline.api.request_body import parse_raw
@@ -54,8 +54,8 @@ def test_screen_refuses(endpoint, data, param, words):
 MODELS = {
     Endpoint.CHAT: openai.ChatCompletionRequest,
     Endpoint.COMPLETIONS: completions.CompletionRequest,
-    Endpoint.MESSAGES: anthropic.MessagesRequest,
-    Endpoint.COUNT_TOKENS: anthropic.CountTokensRequest,
+    Endpoint.MESSAGES: anthropic_request.MessagesRequest,
+    Endpoint.COUNT_TOKENS: anthropic_request.CountTokensRequest,
     Endpoint.OLLAMA_CHAT: ollama.ChatRequest,
     Endpoint.OLLAMA_GENERATE: ollama.GenerateRequest,
     Endpoint.OLLAMA_OPTIONS: ollama.Options,
@@ -101,7 +101,7 @@ def refused(model, body: dict) -> APIError:
     base = {"model": "m", "messages": [{"role": "user", "content": "x"}]}
     if model is completions.CompletionRequest:
         base = {"model": "m", "prompt": "x"}
-    if model is anthropic.MessagesRequest:
+    if model is anthropic_request.MessagesRequest:
         base["max_tokens"] = 8
     with pytest.raises(APIError) as caught:
         parse_raw(json.dumps({**base, **body}).encode(), model)
@@ -118,7 +118,7 @@ def refused(model, body: dict) -> APIError:
     (openai.ChatCompletionRequest, {"stop": 5}, "stop"),
     (ollama.ChatRequest, {"format": "xml"}, "format"),
     (completions.CompletionRequest, {"echo": "true"}, "echo"),
-    (anthropic.MessagesRequest, {"max_tokens": "16"}, "max_tokens"),
+    (anthropic_request.MessagesRequest, {"max_tokens": "16"}, "max_tokens"),
     (ollama.ChatRequest, {"stream": "false"}, "stream"),
     (ollama.ChatRequest, {"options": {"num_predict": "8"}}, "options.num_predict"),
 ])
@@ -200,7 +200,7 @@ def test_a_stop_string_of_any_length_is_one_sequence(stop, sequences):
 
 
 @pytest.mark.parametrize("model", [openai.ChatCompletionRequest, completions.CompletionRequest,
-                                   anthropic.MessagesRequest, ollama.ChatRequest,
+                                   anthropic_request.MessagesRequest, ollama.ChatRequest,
                                    ollama.GenerateRequest, ResponsesRequest])
 @pytest.mark.parametrize("body", ["[]", "null", '"x"', "5"])
 def test_parse_refuses_a_body_that_is_not_an_object(model, body):
@@ -215,7 +215,7 @@ def test_parse_refuses_a_body_that_is_not_an_object(model, body):
     (openai.ChatCompletionRequest, {"stop": ""}, "stop"),
     (openai.ChatCompletionRequest, {"stop": ["x", ""]}, "stop.1"),
     (completions.CompletionRequest, {"stop": ""}, "stop"),
-    (anthropic.MessagesRequest, {"stop_sequences": [""]}, "stop_sequences.0"),
+    (anthropic_request.MessagesRequest, {"stop_sequences": [""]}, "stop_sequences.0"),
     (ollama.ChatRequest, {"options": {"stop": [""]}}, "options.stop.0"),
 ])
 def test_parse_refuses_an_empty_stop_string(model, body, param):

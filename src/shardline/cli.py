@@ -144,7 +144,8 @@ def _run(args: argparse.Namespace) -> int:
             node.stopping()
             super().handle_exit(sig, frame)
 
-    server = NodeServer(uvicorn.Config(create_app(node, guard, max_body_bytes=args.max_body_bytes),
+    server = NodeServer(uvicorn.Config(create_app(node, guard, max_body_bytes=args.max_body_bytes,
+                                                      heartbeat_s=args.stream_heartbeat),
                                        host=args.bind or args.host, port=args.port, log_level="warning",
                                        http=header_timeout_protocol(args.header_timeout)))
     try:
@@ -253,6 +254,7 @@ class _Version(argparse.Action):
 
 
 def build_parser() -> argparse.ArgumentParser:
+    from shardline.api.heartbeat import HEARTBEAT_S
     from shardline.control import byte_size
     from shardline.models.store import DEFAULT_MODEL_ID
     from shardline.node.bounds import DEFAULT_MAX_BODY_BYTES
@@ -326,6 +328,9 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--header-timeout", type=float, default=DEFAULT_HEADER_TIMEOUT_S,
                      help="seconds a client has to send a request's headers before the connection "
                           "is closed (default %(default)s)")
+    run.add_argument("--stream-heartbeat", type=float, default=HEARTBEAT_S, metavar="SECONDS",
+                     help="seconds a stream waits with nothing to send (a long prompt's prefill) before it "
+                          "sends its API's keep-alive (default %(default)s)")
     run.add_argument("--exit-with-parent", action="store_true",
                      help="stop when the process that started this node exits")
     run.set_defaults(func=_run)

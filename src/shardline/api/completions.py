@@ -14,6 +14,7 @@ from fastapi import APIRouter, Request
 from pydantic import Field, model_validator
 
 from shardline.api.generation import APIError, Chunk, Generation, GenerationRequest
+from shardline.api.heartbeat import HEARTBEAT_S
 from shardline.api.logprobs import (
     TokenLogprob,
     completion_logprobs,
@@ -177,11 +178,11 @@ class CompletionShape(ChatShape):
                 "system_fingerprint": self.fingerprint, "choices": choices, "usage": self.usage_of()}
 
 
-def router(node: Node, metrics: RequestMetrics | None = None) -> APIRouter:
+def router(node: Node, metrics: RequestMetrics | None = None, heartbeat_s: float = HEARTBEAT_S) -> APIRouter:
     api = APIRouter()
 
     @api.post("/v1/completions")
     async def completions(request: Request):
-        return await serve(node, metrics, request, CompletionRequest, "cmpl", CompletionShape)
+        return await serve(node, metrics, request, CompletionRequest, "cmpl", CompletionShape, heartbeat_s)
 
     return api

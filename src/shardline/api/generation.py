@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING, Any
 
 from fastapi import Request
 
+from shardline.api.heartbeat import Heartbeat, with_heartbeats
 from shardline.api.logprobs import HeldLogprobs, TokenLogprob, token_logprob
 from shardline.api.tools import (
     ToolCall,
@@ -43,7 +44,6 @@ if TYPE_CHECKING:
 
 CONTEXT_LENGTH_EXCEEDED = "context_length_exceeded"
 """The ``code`` of a 400 for a prompt and ``max_tokens`` beyond the context (OpenAI's)."""
-
 
 class APIError(Exception):
     """A request that cannot be served, with its HTTP status.
@@ -163,14 +163,36 @@ def check_room(req: GenerationRequest, prompt_tokens: int, instance_context: int
     context = req.window(instance_context)
     room = context - prompt_tokens
     if room < 1 or (req.max_tokens is not None and req.max_tokens > room and not req.max_tokens_capped):
-        asked = f" and {req.max_tokens} for the completion" if req.max_tokens is not None else ""
-        whose = "this model's" if context == instance_context else "the request's"
-        raise APIError(
-            400,
-            f"{whose} context is {context} tokens; the request asks for {prompt_tokens} in the prompt{asked}",
-            param=req.max_tokens_param if room >= 1 else req.prompt_param, code=CONTEXT_LENGTH_EXCEEDED,
-        )
+        raise APIError(400, too_long(req, prompt_tokens, context, own_window=context != instance_context),
+                       param=req.max_tokens_param if room >= 1 else req.prompt_param, code=CONTEXT_LENGTH_EXCEEDED)
     return room
+
+
+def too_long(req: GenerationRequest, prompt_tokens: int, context: int, own_window: bool = False,
+             at_least: bool = False) -> str:
+    """The message of a request its context cannot take, in the words of its API's
+    reference, which clients parse to shorten a request and retry: Anthropic's (Claude
+    Code lowers ``max_tokens`` on "input length and `max_tokens` exceed context limit: A
+    + B > C", and compacts on "prompt is too long"), OpenAI's (LiteLLM, aider and others
+    classify "maximum context length"); a request's own window (Ollama's ``num_ctx``), in
+    shardline's. ``at_least``: ``prompt_tokens`` is a lower bound (counted from characters)."""
+    fits = prompt_tokens < context
+    tokens = f"at least {prompt_tokens}" if at_least else str(prompt_tokens)
+    if req.api == "anthropic" and not own_window:
+        if not fits:
+            return f"prompt is too long: {tokens} tokens > {context - 1} maximum"
+        return (f"input length and `max_tokens` exceed context limit: {prompt_tokens} + {req.max_tokens} > "
+                f"{context}, decrease input length or `max_tokens` and try again")
+    if req.api == "openai" and not own_window:
+        if not fits or req.max_tokens is None:
+            return (f"This model's maximum context length is {context} tokens. However, your messages resulted "
+                    f"in {tokens} tokens. Please reduce the length of the messages.")
+        return (f"This model's maximum context length is {context} tokens. However, you requested "
+                f"{prompt_tokens + req.max_tokens} tokens ({prompt_tokens} in the messages, {req.max_tokens} in "
+                "the completion). Please reduce the length of the messages or completion.")
+    asked = f" and {req.max_tokens} for the completion" if req.max_tokens is not None else ""
+    whose = "the request's" if own_window else "this model's"
+    return f"{whose} context is {context} tokens; the request asks for {tokens} in the prompt{asked}"
 
 
 class Generation:
@@ -206,11 +228,13 @@ class Generation:
         self.task_id: int | None = None  # its place in the instance's queue (Router.reserve)
         self.prompt_logprobs: list[TokenLogprob] = []  # prompt tokens 1.. (sampling.prompt_logprobs)
 
-    async def texts(self) -> AsyncIterator[Chunk | PrefillProgress]:
+    async def texts(self, heartbeat_s: float | None = None) -> AsyncIterator[Chunk | PrefillProgress | Heartbeat]:
         """Yield :class:`Chunk` s until the request ends, the last with its finish reason;
         before the first token, a PrefillProgress after each engine step of a long
         prompt's prefill (the prompt's log-probabilities it carries, where the sampling
-        asks for them, go to ``self.prompt_logprobs``).
+        asks for them, go to ``self.prompt_logprobs``); with ``heartbeat_s``, a
+        :class:`Heartbeat` whenever that many seconds pass without a chunk or another
+        heartbeat (prefill progress does not count: a stream may not send it).
 
         A stop string ends the output before it (then in ``self.stops.matched``); end
         tokens are not part of the text nor of the logprobs, and a token's log-probability
@@ -226,12 +250,17 @@ class Generation:
         events = self.node.router.generate(TokenRequest(
             self.req.model, tuple(self.prompt), self.max_tokens, self.sampling, tuple(self.stop_ids)),
             self.task_id, ran_on, self.instance)
+        if heartbeat_s is not None:
+            events = with_heartbeats(events, heartbeat_s)
         ended = "cancelled"  # unless it finishes, or fails
         held = HeldLogprobs()
         parser = (ToolCallParser(self.tool_format, tool_names(self.req.tools), strict_schemas(self.req.tools))
                   if self.req.offers_tools else None)
         try:
             async for event in events:
+                if isinstance(event, Heartbeat):
+                    yield event
+                    continue
                 if isinstance(event, PrefillProgress):
                     self.prompt_logprobs.extend(
                         token_logprob(self.tokenizer.piece, self.prompt[i], logprob, top)
@@ -352,7 +381,7 @@ async def collect_unless_disconnected(
     async def consume() -> None:
         nonlocal finish
         async for item in gen.texts():
-            if not isinstance(item, PrefillProgress):
+            if isinstance(item, Chunk):
                 parts.append(item)
                 finish = item.finish
 

@@ -34,10 +34,12 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 from shardline.api.content import check_parts
 from shardline.api.generation import (
     APIError,
+    Chunk,
     Generation,
     GenerationRequest,
     collect_unless_disconnected,
 )
+from shardline.api.heartbeat import HEARTBEAT_S, Heartbeat
 from shardline.api.keep_alive import KeepAlive, parse_keep_alive, unload
 from shardline.api.logprobs import ollama_logprobs
 from shardline.api.metrics import RequestMetrics
@@ -54,7 +56,7 @@ from shardline.node.queue_bound import QueueFullError
 from shardline.node.status import InstanceStatus
 from shardline.node.table import InstanceFailedError
 from shardline.node.transfer import TransferError
-from shardline.runner.protocol import PrefillProgress, SamplingParams
+from shardline.runner.protocol import SamplingParams
 
 OLLAMA_API_VERSION = "0.12.0"  # the Ollama release whose API this follows
 
@@ -277,8 +279,11 @@ def _not_found(model: str) -> JSONResponse:
     return error_response(APIError(404, f"model '{model}' not found", "not_found_error", param="model"))
 
 
-def router(node: Node, metrics: RequestMetrics | None = None, keep: KeepAlive | None = None) -> APIRouter:
-    """The Ollama routes; ``keep``: the node's keep_alive deadlines (a new set if None)."""
+def router(node: Node, metrics: RequestMetrics | None = None, keep: KeepAlive | None = None,
+           heartbeat_s: float = HEARTBEAT_S) -> APIRouter:
+    """The Ollama routes; ``keep``: the node's keep_alive deadlines (a new set if None); a
+    stream sends a chunk with no text after ``heartbeat_s`` seconds with nothing else to
+    send."""
     api = APIRouter()
     keep = keep if keep is not None else KeepAlive()
     facts_cache: dict[str, ModelFacts] = {}
@@ -379,11 +384,12 @@ def router(node: Node, metrics: RequestMetrics | None = None, keep: KeepAlive | 
 
     @api.post("/api/chat")
     async def chat(request: Request):
-        return await _serve(node, metrics, keep, request, ChatRequest, _chat_message)
+        return await _serve(node, metrics, keep, request, ChatRequest, _chat_message, heartbeat_s)
 
     @api.post("/api/generate")
     async def generate(request: Request):
-        return await _serve(node, metrics, keep, request, GenerateRequest, lambda text, calls=(): {"response": text})
+        return await _serve(node, metrics, keep, request, GenerateRequest,
+                            lambda text, calls=(): {"response": text}, heartbeat_s)
 
     return api
 
@@ -437,7 +443,7 @@ async def _loaded(node: Node, keep: KeepAlive, name: str) -> JSONResponse | None
 
 
 async def _serve(node: Node, metrics: RequestMetrics | None, keep: KeepAlive, request: Request,
-                 request_type: type[_Request], content: Callable[..., dict]):
+                 request_type: type[_Request], content: Callable[..., dict], heartbeat_s: float):
     try:
         req = await parse_body(request, request_type)
         seconds = req.keep_alive_s()
@@ -455,7 +461,7 @@ async def _serve(node: Node, metrics: RequestMetrics | None, keep: KeepAlive, re
         return error_response(exc)
     ids = [i.instance_id for i in placed(node, gen.req.model)]
     if req.stream:
-        return StreamingResponse(_stream(gen, req, content, keep, ids, seconds, load_s),
+        return StreamingResponse(_stream(gen, req, content, keep, ids, seconds, load_s, heartbeat_s),
                                  media_type="application/x-ndjson")
     keep.begin(ids)
     try:
@@ -493,14 +499,17 @@ def _chat_message(text: str, calls: tuple[ToolCall, ...] = ()) -> dict:
 
 
 async def _stream(gen: Generation, req: _Request, content: Callable[..., dict], keep: KeepAlive,
-                  ids: list[str], seconds: float | None, load_s: float) -> AsyncIterator[str]:
+                  ids: list[str], seconds: float | None, load_s: float, heartbeat_s: float) -> AsyncIterator[str]:
     def line(data: dict) -> str:
         return json.dumps(data, ensure_ascii=False) + "\n"
 
     keep.begin(ids)
     try:
-        async for item in gen.texts():
-            if isinstance(item, PrefillProgress):
+        async for item in gen.texts(heartbeat_s):
+            if isinstance(item, Heartbeat):  # an empty chunk: a client reads it as no text yet
+                yield line({"model": req.model, "created_at": _now(), **content(""), "done": False})
+                continue
+            if not isinstance(item, Chunk):  # prefill progress
                 continue
             if item.text or item.logprobs or item.tool_calls:
                 body = content(item.text, item.tool_calls)

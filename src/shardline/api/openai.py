@@ -32,6 +32,7 @@ from shardline.api.generation import (
     collect_unless_disconnected,
     merge_streams,
 )
+from shardline.api.heartbeat import HEARTBEAT_S, Heartbeat
 from shardline.api.logprobs import (
     chat_logprobs,
 )
@@ -278,7 +279,9 @@ class EmbeddingsRequest(BaseModel):
     model: str
 
 
-def router(node: Node, metrics: RequestMetrics | None = None) -> APIRouter:
+def router(node: Node, metrics: RequestMetrics | None = None, heartbeat_s: float = HEARTBEAT_S) -> APIRouter:
+    """Chat Completions and the model list on ``node``; a stream sends an SSE comment
+    (``: keep-alive``) after ``heartbeat_s`` seconds with nothing else to send."""
     api = APIRouter()
 
     def model_object(m: dict) -> dict:
@@ -315,7 +318,7 @@ def router(node: Node, metrics: RequestMetrics | None = None) -> APIRouter:
 
     @api.post("/v1/chat/completions")
     async def chat_completions(request: Request):
-        return await serve(node, metrics, request, ChatCompletionRequest, "chatcmpl", ChatShape)
+        return await serve(node, metrics, request, ChatCompletionRequest, "chatcmpl", ChatShape, heartbeat_s)
 
     return api
 
@@ -396,9 +399,10 @@ class ChatShape:
 
 async def serve(node: Node, metrics: RequestMetrics | None, request: Request,
                  request_type: type[SamplingFields], id_prefix: str,
-                 shape_type: type[ChatShape]):
+                 shape_type: type[ChatShape], heartbeat_s: float):
     """Parse, prepare and run one request (``n`` sequences); stream it as server-sent
-    events or answer whole."""
+    events (an SSE comment after ``heartbeat_s`` seconds with nothing to send) or answer
+    whole."""
     try:
         req = await parse_body(request, request_type)
         first = req.to_generation()
@@ -411,7 +415,7 @@ async def serve(node: Node, metrics: RequestMetrics | None, request: Request,
     if req.stream:
         options = req.stream_options or StreamOptions()
         return StreamingResponse(
-            _stream(gens, shape, req.return_progress, options),
+            _stream(gens, shape, req.return_progress, options, heartbeat_s),
             media_type="text/event-stream",
             headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
         )
@@ -430,12 +434,18 @@ def _call_object(call: ToolCall) -> dict:
     return {"id": call.id, "type": "function", "function": {"name": call.name, "arguments": call.arguments}}
 
 
+KEEPALIVE_COMMENT = ": keep-alive\n\n"
+"""An SSE comment line: clients skip it (the SSE specification), while it keeps a stream
+that has nothing to send yet from their idle timeouts (as vLLM and llama.cpp's server
+do not, and proxies such as LiteLLM do)."""
+
+
 def _sse(data: Any) -> str:
     return f"data: {json.dumps(data, ensure_ascii=False)}\n\n"
 
 
 async def _stream(gens: list[Generation], shape: ChatShape, return_progress: bool,
-                  options: StreamOptions) -> AsyncIterator[str]:
+                  options: StreamOptions, heartbeat_s: float) -> AsyncIterator[str]:
     def chunk(data: dict) -> str:
         # with include_usage, every chunk before the last carries "usage": null (OpenAI's
         # stream_options reference)
@@ -446,7 +456,10 @@ async def _stream(gens: list[Generation], shape: ChatShape, return_progress: boo
         if first is not None:
             yield chunk(first)
     try:
-        async for index, item in merge_streams([g.texts() for g in gens]):
+        async for index, item in merge_streams([g.texts(heartbeat_s) for g in gens]):
+            if isinstance(item, Heartbeat):
+                yield KEEPALIVE_COMMENT
+                continue
             if isinstance(item, PrefillProgress):
                 if return_progress:
                     yield chunk(shape.progress(index, gens[index].prefill_progress(item)))

@@ -239,7 +239,8 @@ PARAMETERS: tuple[Param, ...] = (
                                    ("prompt_cache_options", ()), ("prompt_cache_retention", ())))),
     *_rows(Endpoint.MESSAGES, _E2E,
           ("model", True, "the model's id", "test_anthropic_e2e.py::test_bad_requests_get_anthropic_errors"),
-          ("messages", True, "user/assistant turns; text, tool_use and tool_result blocks; a last assistant "
+          ("messages", True, "user/assistant turns, and system turns where they stand; text, tool_use and "
+           "tool_result blocks; thinking blocks of earlier turns left out of the prompt; a last assistant "
            "turn is continued (prefill)", "test_assistant_prefill_is_continued"),
           ("max_tokens", True, "most output tokens", "test_anthropic_e2e.py::test_a_message_is_answered_as_the_openai_api_answers_it"),
           ("system", True, "a string or text blocks", "test_anthropic_e2e.py::test_a_message_is_answered_as_the_openai_api_answers_it"),
@@ -252,8 +253,13 @@ PARAMETERS: tuple[Param, ...] = (
           ("metadata", True, "user_id: an end-user id, recorded nowhere", "test_identifiers_are_accepted"),
           ("tools", True, "client tools {name, description, input_schema}", "test_tools_e2e.py::test_anthropic_tool_round_trip"),
           ("tool_choice", True, "auto, any, tool (forced by grammar), none", "test_tools_e2e.py::test_anthropic_tool_round_trip"),
-          ("output_config", True, "format json_schema: constrained decoding (effort refused)",
-           "test_anthropic_output_format_parses"),
+          ("output_config", True, "format json_schema: constrained decoding; effort: no effect on a model "
+           "that does not reason", "test_anthropic_output_format_parses"),
+          ("thinking", True, "enabled (budget_tokens 1,024 to max_tokens - 1), adaptive, disabled: a model "
+           "that does not reason answers without thinking blocks, its budget not spent",
+           "test_anthropic_reasoning_is_accepted"),
+          ("context_management", True, "clear_tool_uses_20250919 and clear_thinking_20251015 edits, applied "
+           "before the prompt is rendered; applied_edits in the answer", "test_anthropic_context_edits"),
           ("cache_control", True, "a prompt-cache hint: no cache here, so no effect on the output",
            "test_identifiers_are_accepted"),
           ("service_tier", False, "only 'auto' or 'standard_only' (one tier here)", _REFUSED, ("auto", "standard_only")),
@@ -262,10 +268,8 @@ PARAMETERS: tuple[Param, ...] = (
           ("inference_geo", False, "runs where the cluster is", _REFUSED),
           ("user_profile_id", False, "not supported", _REFUSED),
           ("workspace_id", False, "not supported", _REFUSED),
-          ("thinking", False, "not a reasoning model (disabled only)", _REFUSED, ({"type": "disabled"},)),
           ("container", False, "no code-execution containers", _REFUSED),
           ("mcp_servers", False, "no MCP connector", _REFUSED),
-          ("context_management", False, "not supported", _REFUSED),
           ),
     *_rows(Endpoint.COUNT_TOKENS, _E2E,
           ("model", True, "the model's id", "test_count_tokens_matches_the_message_usage"),
@@ -273,7 +277,9 @@ PARAMETERS: tuple[Param, ...] = (
           ("system", True, "as in /v1/messages", "test_count_tokens_matches_the_message_usage"),
           ("tools", True, "counted as the template renders them", "test_count_tokens_matches_the_message_usage"),
           ("tool_choice", True, "as in /v1/messages", "test_count_tokens_matches_the_message_usage"),
-          ("thinking", False, "not a reasoning model (disabled only)", _REFUSED, ({"type": "disabled"},)),
+          ("thinking", True, "as in /v1/messages", "test_anthropic_reasoning_is_accepted"),
+          ("context_management", True, "as in /v1/messages; original_input_tokens in the answer",
+           "test_anthropic_context_edits"),
           ("mcp_servers", False, "no MCP connector", _REFUSED),
           ),
     *_rows(Endpoint.OLLAMA_CHAT, _E2E, *_OLLAMA_COMMON,

@@ -20,6 +20,7 @@ from shardline.api.generation import (
     GenerationRequest,
     check_room,
     model_tool_format,
+    too_long,
 )
 from shardline.api.prompt_bounds import droppable, min_prompt_tokens, without_oldest
 from shardline.api.tools import ToolChoiceMode, check_history, check_tools, tool_call_grammar
@@ -244,8 +245,7 @@ async def _tokenized(node: Node, req: GenerationRequest, inst: Instance) -> tupl
             shortest = without_oldest(shortest, droppable(shortest))
         at_least = min_prompt_tokens(shortest, tokenizer.max_token_chars)
         if at_least > inst.context:
-            raise APIError(400, f"this model's context is {inst.context} tokens; the request asks for at "
-                                f"least {at_least} in the prompt", param=req.prompt_param,
+            raise APIError(400, too_long(req, at_least, inst.context, at_least=True), param=req.prompt_param,
                            code=CONTEXT_LENGTH_EXCEEDED)
     if isinstance(req.prompt, str):
         prompt = await asyncio.to_thread(tokenizer.encode, req.prompt)

@@ -24,8 +24,9 @@ from shardline.api.generation import (
     Generation,
     collect_unless_disconnected,
 )
+from shardline.api.heartbeat import HEARTBEAT_S, Heartbeat
 from shardline.api.metrics import RequestMetrics
-from shardline.api.openai import error_body, error_response
+from shardline.api.openai import KEEPALIVE_COMMENT, error_body, error_response
 from shardline.api.preparation import prepare
 from shardline.api.request_body import PARSE_IN_THREAD_BYTES, decode_json_body
 from shardline.api.response_store import ResponseStore, StoredResponse
@@ -41,7 +42,6 @@ from shardline.api.responses_request import (
 from shardline.node.node import Node
 from shardline.node.queue_bound import QueueFullError
 from shardline.node.table import InstanceFailedError
-from shardline.runner.protocol import PrefillProgress
 
 RETRIEVE_QUERY = {"include", "include[]", "stream", "starting_after", "include_obfuscation"}
 
@@ -58,18 +58,6 @@ async def parse_request(request: Request) -> ResponsesRequest:
     return check_fields(decode_json_body(raw))
 
 
-async def pieces(gen: Generation) -> AsyncIterator[Piece]:
-    """The generation's output as :class:`Piece` objects (its chunks, without the prefill
-    progress).
-
-    Raises:
-        InstanceFailedError: the instance failed mid-request.
-    """
-    async for item in gen.texts():
-        if not isinstance(item, PrefillProgress):
-            yield _piece(item)
-
-
 def _piece(chunk: Chunk) -> Piece:
     return Piece(chunk.text, chunk.finish, chunk.tool_calls, chunk.logprobs)
 
@@ -83,9 +71,11 @@ def not_found(response_id: str) -> APIError:
                     param="response_id", code="response_not_found")
 
 
-def router(node: Node, metrics: RequestMetrics | None = None, store: ResponseStore | None = None) -> APIRouter:
+def router(node: Node, metrics: RequestMetrics | None = None, store: ResponseStore | None = None,
+           heartbeat_s: float = HEARTBEAT_S) -> APIRouter:
     """The Responses API's routes on ``node``; stored responses go to ``store`` (a new
-    :class:`ResponseStore` with its default bounds when None)."""
+    :class:`ResponseStore` with its default bounds when None); a stream sends an SSE
+    comment after ``heartbeat_s`` seconds with nothing else to send."""
     api = APIRouter()
     responses = store if store is not None else ResponseStore()
 
@@ -112,7 +102,7 @@ def router(node: Node, metrics: RequestMetrics | None = None, store: ResponseSto
         builder = OutputBuilder(req, new_id("resp"), int(time.time()))
         items = history + new_items
         if req.stream:
-            return StreamingResponse(_stream(gen, builder, lambda r: keep(req, items, r)),
+            return StreamingResponse(_stream(gen, builder, lambda r: keep(req, items, r), heartbeat_s),
                                      media_type="text/event-stream",
                                      headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
         try:
@@ -157,13 +147,19 @@ def router(node: Node, metrics: RequestMetrics | None = None, store: ResponseSto
     return api
 
 
-async def _stream(gen: Generation, builder: OutputBuilder, keep) -> AsyncIterator[str]:
+async def _stream(gen: Generation, builder: OutputBuilder, keep, heartbeat_s: float) -> AsyncIterator[str]:
     """The server-sent events of a streamed response; ``keep`` stores the finished one."""
     for event in builder.start():
         yield _sse(event)
     finish: str | None = None
     try:
-        async for piece in pieces(gen):
+        async for item in gen.texts(heartbeat_s):
+            if isinstance(item, Heartbeat):
+                yield KEEPALIVE_COMMENT
+                continue
+            if not isinstance(item, Chunk):  # prefill progress
+                continue
+            piece = _piece(item)
             for event in builder.feed(piece):
                 yield _sse(event)
             finish = piece.finish or finish

@@ -16,6 +16,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import ClientDisconnect
 
 from shardline.api import anthropic, completions, errors, metrics, ollama, openai, responses
+from shardline.api.heartbeat import HEARTBEAT_S
 from shardline.api.keep_alive import KeepAlive, unload
 from shardline.models.config import UnsupportedModelError
 from shardline.models.store import ModelNotFoundError, ModelStoreError
@@ -74,10 +75,12 @@ def cluster_error(status: int, message: str, param: str | None = None) -> JSONRe
     return JSONResponse(status_code=status, content=errors.error_body(errors.API.CLUSTER, status, message, param))
 
 
-def create_app(node: Node, guard: GuardConfig, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES) -> FastAPI:
+def create_app(node: Node, guard: GuardConfig, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
+               heartbeat_s: float = HEARTBEAT_S) -> FastAPI:
     """The node's FastAPI app. ``guard``: the API key, Host allow-list and CORS origins
     (:mod:`shardline.node.http_guard`); request bodies over ``max_body_bytes`` are refused
-    (413, :mod:`shardline.node.bounds`)."""
+    (413, :mod:`shardline.node.bounds`); streams send their API's keep-alive after
+    ``heartbeat_s`` seconds with nothing else to send."""
 
     keep_alive = KeepAlive()
 
@@ -139,11 +142,11 @@ def create_app(node: Node, guard: GuardConfig, max_body_bytes: int = DEFAULT_MAX
     app.add_middleware(RequestIdMiddleware)  # outermost: every answer carries the id
 
     request_metrics = metrics.RequestMetrics(node)
-    app.include_router(openai.router(node, request_metrics))
-    app.include_router(completions.router(node, request_metrics))
-    app.include_router(responses.router(node, request_metrics))
-    app.include_router(anthropic.router(node, request_metrics))
-    app.include_router(ollama.router(node, request_metrics, keep_alive))
+    app.include_router(openai.router(node, request_metrics, heartbeat_s))
+    app.include_router(completions.router(node, request_metrics, heartbeat_s))
+    app.include_router(responses.router(node, request_metrics, heartbeat_s=heartbeat_s))
+    app.include_router(anthropic.router(node, request_metrics, heartbeat_s))
+    app.include_router(ollama.router(node, request_metrics, keep_alive, heartbeat_s))
     app.include_router(metrics.router(request_metrics))
     add_link_routes(app)
     add_model_routes(app, node.store)
