@@ -211,6 +211,37 @@ MISTRAL_CASES = [
     ("", []),
 ]
 
+# The JSON calls models fall back to under tool_choice auto, as the whole reply, in every
+# format; then bare objects, which LLAMA3_JSON reads its own way (LLAMA_CASES).
+FALLBACK_CASES = [
+    (f"```json\n{PARIS}\n```", [C_PARIS]),
+    (f"```\n{PARIS}\n```\n", [C_PARIS]),
+    (f"```JSON\n[{PARIS}, {ADD}]\n```", [C_PARIS, C_ADD]),
+    (f"```json {PARIS}```", [C_PARIS]),
+    (f" [{PARIS}]", [C_PARIS]),
+    (f"```json\n{PARIS}", [C_PARIS]),  # the end came before the closing fence
+    (f'[{PARIS}, {{"name": "rm_rf", "arguments": {{}}}}]', [f'[{PARIS}, {{"name": "rm_rf", "arguments": {{}}}}]']),
+    (f"```json\n{PARIS}\n```\nDone.", [f"```json\n{PARIS}\n```\nDone."]),
+    (f"```python\nprint({PARIS})\n```", [f"```python\nprint({PARIS})\n```"]),
+    (f"```\nprint({PARIS})\n```", [f"```\nprint({PARIS})\n```"]),
+    ("[1, 2]", ["[1, 2]"]),
+    ("[]", ["[]"]),
+    ('```json\n{"name": "get_weather", "arguments": {"city": "Par',
+     ['```json\n{"name": "get_weather", "arguments": {"city": "Par']),
+    ("`code` and ``more``", ["`code` and ``more``"]),
+    ("```", ["```"]),
+]
+BARE_OBJECT_CASES = [
+    (PARIS, [C_PARIS]),
+    (f"  \n{PARIS}\n", [C_PARIS]),
+    ('{"name": "get_weather", "parameters": {"city": "Paris"}}', [C_PARIS]),
+    ('{"name": "rm_rf", "arguments": {}}', ['{"name": "rm_rf", "arguments": {}}']),  # not a declared tool
+    (f"{PARIS} Done.", [f"{PARIS} Done."]),  # not the whole reply
+    ('{"a": 1}', ['{"a": 1}']),
+]
+HERMES_FALLBACK_CASES = [
+    (f"{PARIS}\n<tool_call>\n{ADD}\n</tool_call>", [PARIS, C_ADD]),  # not a whole reply: Hermes' reading
+]
 
 
 def normal(items: list) -> list:
@@ -237,8 +268,10 @@ def parse(fmt: ToolFormat, pieces: list[str]) -> list:
 
 
 @pytest.mark.parametrize("fmt, text, expected",
-                         [(H, *case) for case in HERMES_CASES] + [(L, *case) for case in LLAMA_CASES]
-                         + [(M, *case) for case in MISTRAL_CASES])
+                         [(H, *case) for case in HERMES_CASES + FALLBACK_CASES + BARE_OBJECT_CASES
+                          + HERMES_FALLBACK_CASES]
+                         + [(L, *case) for case in LLAMA_CASES + FALLBACK_CASES]
+                         + [(M, *case) for case in MISTRAL_CASES + FALLBACK_CASES + BARE_OBJECT_CASES])
 def test_the_parser_gives_the_same_at_every_split(fmt, text, expected):
     assert parse(fmt, [text]) == expected
     assert parse(fmt, list(text)) == expected  # a character at a time
@@ -257,6 +290,21 @@ def test_the_parser_holds_back_only_what_may_begin_a_call():
     assert parser.finish() == []
     llama = ToolCallParser(L, NAMES)
     assert llama.feed("The") == ["The"] and llama.feed(" answer {") == [" answer {"]
+
+
+def test_a_reply_that_may_be_a_json_call_is_held_back_until_decided():
+    parser = ToolCallParser(H, NAMES)
+    assert parser.feed("```") == [] and parser.feed("json\n{") == [] and parser.feed(PARIS[1:]) == []
+    assert parser.feed("\n```\n") == []
+    assert normal(parser.finish()) == [C_PARIS]
+    held = ToolCallParser(H, NAMES)
+    assert held.feed(PARIS) == [] and held.feed(" ok") == [PARIS + " ok"]  # more text: not a call
+    for text, out in (("Sure", ["Sure"]), ("```py", ["```py"]), ("[1] and", ["[1] and"]), ('{"na', []),
+                      ('{"city": 1}, so', ['{"city": 1}, so']),
+                      ('{"name": "rm_rf", "arguments": {}} ', ['{"name": "rm_rf", "arguments": {}}'])):
+        assert ToolCallParser(H, NAMES).feed(text) == out, text
+    llama = ToolCallParser(L, NAMES)  # its own bare objects: a call as soon as it is complete
+    assert normal(llama.feed(PARIS)) == [C_PARIS]
 
 
 @functools.cache

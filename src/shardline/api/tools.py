@@ -22,6 +22,12 @@ prompt): the grammar names them as tokens where the model has them
 ``<|python_tag|>`` (a special token, left out of the text) opens code for its built-in
 tools, and the parser skips it where it is text.
 
+Under ``tool_choice: auto`` a model also falls back to writing a call as JSON alone: the
+whole reply (whitespace around it allowed) one object ``{"name": ..., "arguments" |
+"parameters": {...}}`` or a list of them, bare or in a Markdown code fence (three
+backticks with the info string ``json`` or none); Qwen2.5 does so. :class:`ToolCallParser`
+reads that as calls too when every name is a declared tool (as Ollama's parser does).
+
 Tools are OpenAI function tools (``{"type": "function", "function": {"name",
 "description", "parameters"}}``); chat messages are Hugging Face's chat-template format
 (assistant ``tool_calls`` with ``arguments`` a dict, ``tool`` role results).
@@ -32,7 +38,7 @@ from __future__ import annotations
 import json
 import re
 import secrets
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from enum import Enum
 from typing import Any
@@ -44,6 +50,7 @@ TOOL_CALL_OPEN = "<tool_call>"
 TOOL_CALL_CLOSE = "</tool_call>"
 PYTHON_TAG = "<|python_tag|>"
 TOOL_CALLS = "[TOOL_CALLS]"
+FENCE = "```"
 
 TOOL_NAME = re.compile(r"[A-Za-z0-9_.:\-]{1,128}")
 """Tool names accepted: OpenAI's ``^[a-zA-Z0-9_-]{1,64}$`` widened to Anthropic's length
@@ -289,6 +296,87 @@ class _JsonEnd:
         return None
 
 
+def _may_open_calls(text: str) -> bool:
+    """Whether ``text``, which starts with ``{`` or ``[``, may still begin a call object or
+    a list of them (``{"`` or ``[{"``, whitespace between)."""
+    if text.startswith("["):
+        text = text[1:].lstrip()
+        if not text:
+            return True
+        if not text.startswith("{"):
+            return False
+    text = text[1:].lstrip()
+    return not text or text.startswith('"')
+
+
+class _WholeReplyCalls:
+    """Reads a reply that may be, whole, the JSON calls models fall back to writing (see the
+    module docstring): one call object (where ``objects``) or a list of them, bare or in a
+    code fence with the info string ``json`` or none, whitespace around it.
+
+    Call :meth:`read` with the whole text so far each time it grows.
+    """
+
+    def __init__(self, parse: Callable[[Any], list[ToolCall] | None], objects: bool) -> None:
+        self._parse = parse
+        self._objects = objects
+        self._stage = "start"  # start, info (after the fence), open (before the value), value, tail
+        self._fenced = False
+        self._pos = 0  # the next character of the text to read
+        self._start = 0  # where the JSON value starts
+        self._end: _JsonEnd | None = None
+        self.calls: list[ToolCall] = []
+
+    def read(self, text: str, final: bool) -> bool | None:
+        """True when ``text``, the output ended (``final``), is such a reply (its calls are
+        :attr:`calls`); False when it is not and cannot become one; None while not known."""
+        if self._stage in ("start", "open"):
+            rest = text[self._pos:].lstrip()
+            self._pos = len(text) - len(rest)
+            if not rest:
+                return False if final else None
+            if self._stage == "start" and rest.startswith(FENCE):
+                self._fenced, self._stage, self._pos = True, "info", self._pos + len(FENCE)
+            elif self._stage == "start" and FENCE.startswith(rest):
+                return False if final else None
+            elif rest[0] == "[" or (rest[0] == "{" and (self._objects or self._fenced)):
+                self._stage, self._start, self._end = "value", self._pos, _JsonEnd(self._pos)
+            else:
+                return False
+        if self._stage == "info":
+            info = re.match(r"[A-Za-z]*", text[self._pos:])
+            assert info is not None  # it matches the empty string
+            word = info.group().lower()
+            if self._pos + len(word) == len(text) and not final:
+                return None if "json".startswith(word) else False
+            if word not in ("", "json"):
+                return False
+            self._stage, self._pos = "open", self._pos + len(word)
+            return self.read(text, final)
+        if self._stage == "value":
+            assert self._end is not None
+            if not _may_open_calls(text[self._start:self._start + 64]):
+                return False
+            end = self._end.find(text)
+            if end is None:
+                return False if final else None
+            try:
+                calls = self._parse(json.loads(text[self._start:end]))
+            except ValueError:
+                return False
+            if calls is None:
+                return False
+            self.calls, self._stage, self._pos = calls, "tail", end
+        rest = text[self._pos:].strip()
+        if self._fenced and rest.startswith(FENCE):
+            rest = rest[len(FENCE):].strip()
+        elif self._fenced and FENCE.startswith(rest) and not final:
+            return None  # (part of) the closing fence may come
+        if rest:
+            return False
+        return True if final else None
+
+
 def _partial_suffix(text: str, marker: str) -> int:
     """Length of the longest end of ``text`` that is a proper beginning of ``marker``."""
     for n in range(min(len(text), len(marker) - 1), 0, -1):
@@ -314,6 +402,12 @@ class ToolCallParser:
     LLAMA3_JSON: the reply is calls only if it starts (after whitespace, and an optional
     ``<|python_tag|>``) with ``{`` and each JSON object in it (separated by whitespace or
     ``;``) is ``{"name", "parameters" | "arguments"}``; otherwise it is all content.
+
+    Every format: a reply that is, whole, a JSON call object or list of calls, bare or in
+    a code fence (the module docstring) is those calls. Such a reply is held back until
+    it is decided, at the end of the output when it is calls, else as soon as it cannot
+    be (a reply starting with other than ``{``, ``[`` or a fence is not held back for it).
+    LLAMA3_JSON's own reading takes the bare objects (calls as soon as each is complete).
     """
 
     def __init__(self, fmt: ToolFormat, tool_names: set[str],
@@ -322,6 +416,8 @@ class ToolCallParser:
         self._names = set(tool_names)
         self._strict = dict(strict or {})
         self._buffer = ""  # text not yet given out
+        self._whole: _WholeReplyCalls | None = _WholeReplyCalls(
+            self._calls, objects=fmt is not ToolFormat.LLAMA3_JSON)  # None once not such a reply
         self._open = TOOL_CALLS if fmt is ToolFormat.MISTRAL else TOOL_CALL_OPEN  # HERMES, MISTRAL
         self._in_call = False  # HERMES, MISTRAL: after a call's opening marker
         self._list_end: _JsonEnd | None = None  # MISTRAL: the call list's end, once it has begun
@@ -347,6 +443,14 @@ class ToolCallParser:
         return out
 
     def _read(self, final: bool) -> list[str | ToolCall]:
+        if self._whole is not None:
+            whole = self._whole.read(self._buffer, final)
+            if whole is None:
+                return []
+            if whole:
+                self._buffer = ""
+                return list(self._whole.calls)
+            self._whole = None  # not such a reply: the format's own reading, from its start
         if self._fmt is ToolFormat.LLAMA3_JSON:
             return self._llama(final)
         return self._tagged(final)
