@@ -1,16 +1,23 @@
 """Tool calling's pure parts (shardline.api.tools): the format a chat template calls tools
 in, the checks of tools and of a chat's tool history, the streaming call parser fed every
 split of several outputs, and the grammar that forces a call (compiled and run by
-llguidance over the real SmolLM2 tokenizer)."""
+llguidance over the real SmolLM2 tokenizer, and over it with the call markers as special
+tokens, as Qwen2.5's vocabulary has them, through the runner's constraint and the API's
+detokenizer)."""
 
 from __future__ import annotations
 
+import functools
 import json
 import re
+import tempfile
+from pathlib import Path
 
 import pytest
-from tiny_chat import LLAMA_STYLE_TEMPLATE, QWEN_STYLE_TEMPLATE
+from tiny_chat import LLAMA_STYLE_TEMPLATE, MARKER_TOKENS, QWEN_STYLE_TEMPLATE, write_chat_tokenizer
 
+from shardline.api.generation import marker_tokens
+from shardline.api.structured import matches_schema
 from shardline.api.tools import (
     ToolCall,
     ToolCallParser,
@@ -22,11 +29,13 @@ from shardline.api.tools import (
     strict_schemas,
     tool_call_grammar,
     tool_format,
+    tool_names,
 )
+from shardline.models.tokenizer import IncrementalDetokenizer, Tokenizer
 
 pytestmark = [pytest.mark.fast, pytest.mark.timeout(60)]
 
-H, L = ToolFormat.HERMES, ToolFormat.LLAMA3_JSON
+H, L, M = ToolFormat.HERMES, ToolFormat.LLAMA3_JSON, ToolFormat.MISTRAL
 SMOLLM2_TEMPLATE = (
     "{% for message in messages %}{% if loop.first and messages[0]['role'] != 'system' %}"
     "{{ '<|im_start|>system\nYou are a helpful AI assistant named SmolLM, trained by Hugging Face<|im_end|>\n' }}"
@@ -43,9 +52,11 @@ LLAMA3_NO_TOOLS = ("{% for m in messages %}<|start_header_id|>{{ m.role }}<|end_
     (LLAMA3_NO_TOOLS, H),  # Llama 3.0's layout takes no tools: the fallback too
     ("{{ tools }}<|python_tag|>", L),
     ("{{ tools }}<tool_call><|eot_id|>", H),
+    ("{% if tools %}[AVAILABLE_TOOLS]{{ tools | tojson }}[/AVAILABLE_TOOLS]{% endif %}[TOOL_CALLS] [", M),
     (None, H),
     ("", H),
-], ids=["qwen-style", "llama-style", "smollm2", "llama3.0", "python-tag", "tool-call-wins", "none", "empty"])
+], ids=["qwen-style", "llama-style", "smollm2", "llama3.0", "python-tag", "tool-call-wins", "mistral", "none",
+        "empty"])
 def test_tool_format_from_the_template_text(template, fmt):
     assert tool_format(template) is fmt
 
@@ -187,6 +198,52 @@ LLAMA_CASES = [
 ]
 
 
+MISTRAL_CASES = [
+    (f"[TOOL_CALLS] [{PARIS}]", [C_PARIS]),
+    (f"[TOOL_CALLS][{PARIS}, {ADD}]", [C_PARIS, C_ADD]),
+    (f"[TOOL_CALLS] {PARIS}", [C_PARIS]),  # one call object
+    (f"Let me look.\n[TOOL_CALLS] [{PARIS}]\nDone.", ["Let me look.", C_PARIS, "Done."]),
+    ('[TOOL_CALLS] [{"name": "rm_rf", "arguments": {}}]', ['[TOOL_CALLS] [{"name": "rm_rf", "arguments": {}}]']),
+    (f"[TOOL_CALLS] [{PARIS}, {{}}]", [f"[TOOL_CALLS] [{PARIS}, {{}}]"]),  # each must be a call
+    ("[TOOL_CALLS] sorry", ["[TOOL_CALLS] sorry"]),
+    (f"[TOOL_CALLS] [{PARIS[:30]}", [f"[TOOL_CALLS] [{PARIS[:30]}"]),
+    ("[1] A list [TOOL", ["[1] A list [TOOL"]),
+    ("", []),
+]
+
+# The JSON calls models fall back to under tool_choice auto, as the whole reply, in every
+# format; then bare objects, which LLAMA3_JSON reads its own way (LLAMA_CASES).
+FALLBACK_CASES = [
+    (f"```json\n{PARIS}\n```", [C_PARIS]),
+    (f"```\n{PARIS}\n```\n", [C_PARIS]),
+    (f"```JSON\n[{PARIS}, {ADD}]\n```", [C_PARIS, C_ADD]),
+    (f"```json {PARIS}```", [C_PARIS]),
+    (f" [{PARIS}]", [C_PARIS]),
+    (f"```json\n{PARIS}", [C_PARIS]),  # the end came before the closing fence
+    (f'[{PARIS}, {{"name": "rm_rf", "arguments": {{}}}}]', [f'[{PARIS}, {{"name": "rm_rf", "arguments": {{}}}}]']),
+    (f"```json\n{PARIS}\n```\nDone.", [f"```json\n{PARIS}\n```\nDone."]),
+    (f"```python\nprint({PARIS})\n```", [f"```python\nprint({PARIS})\n```"]),
+    (f"```\nprint({PARIS})\n```", [f"```\nprint({PARIS})\n```"]),
+    ("[1, 2]", ["[1, 2]"]),
+    ("[]", ["[]"]),
+    ('```json\n{"name": "get_weather", "arguments": {"city": "Par',
+     ['```json\n{"name": "get_weather", "arguments": {"city": "Par']),
+    ("`code` and ``more``", ["`code` and ``more``"]),
+    ("```", ["```"]),
+]
+BARE_OBJECT_CASES = [
+    (PARIS, [C_PARIS]),
+    (f"  \n{PARIS}\n", [C_PARIS]),
+    ('{"name": "get_weather", "parameters": {"city": "Paris"}}', [C_PARIS]),
+    ('{"name": "rm_rf", "arguments": {}}', ['{"name": "rm_rf", "arguments": {}}']),  # not a declared tool
+    (f"{PARIS} Done.", [f"{PARIS} Done."]),  # not the whole reply
+    ('{"a": 1}', ['{"a": 1}']),
+]
+HERMES_FALLBACK_CASES = [
+    (f"{PARIS}\n<tool_call>\n{ADD}\n</tool_call>", [PARIS, C_ADD]),  # not a whole reply: Hermes' reading
+]
+
+
 def normal(items: list) -> list:
     """Parser output with adjacent texts joined and calls as (name, arguments dict)."""
     out: list = []
@@ -211,7 +268,10 @@ def parse(fmt: ToolFormat, pieces: list[str]) -> list:
 
 
 @pytest.mark.parametrize("fmt, text, expected",
-                         [(H, *case) for case in HERMES_CASES] + [(L, *case) for case in LLAMA_CASES])
+                         [(H, *case) for case in HERMES_CASES + FALLBACK_CASES + BARE_OBJECT_CASES
+                          + HERMES_FALLBACK_CASES]
+                         + [(L, *case) for case in LLAMA_CASES + FALLBACK_CASES]
+                         + [(M, *case) for case in MISTRAL_CASES + FALLBACK_CASES + BARE_OBJECT_CASES])
 def test_the_parser_gives_the_same_at_every_split(fmt, text, expected):
     assert parse(fmt, [text]) == expected
     assert parse(fmt, list(text)) == expected  # a character at a time
@@ -232,14 +292,37 @@ def test_the_parser_holds_back_only_what_may_begin_a_call():
     assert llama.feed("The") == ["The"] and llama.feed(" answer {") == [" answer {"]
 
 
-def acceptance(grammar: str, texts: list[str]) -> list[bool]:
-    """Whether llguidance, over SmolLM2's tokenizer, takes each text whole and then only
-    the end of the output (EOS)."""
+def test_a_reply_that_may_be_a_json_call_is_held_back_until_decided():
+    parser = ToolCallParser(H, NAMES)
+    assert parser.feed("```") == [] and parser.feed("json\n{") == [] and parser.feed(PARIS[1:]) == []
+    assert parser.feed("\n```\n") == []
+    assert normal(parser.finish()) == [C_PARIS]
+    held = ToolCallParser(H, NAMES)
+    assert held.feed(PARIS) == [] and held.feed(" ok") == [PARIS + " ok"]  # more text: not a call
+    for text, out in (("Sure", ["Sure"]), ("```py", ["```py"]), ("[1] and", ["[1] and"]), ('{"na', []),
+                      ('{"city": 1}, so', ['{"city": 1}, so']),
+                      ('{"name": "rm_rf", "arguments": {}} ', ['{"name": "rm_rf", "arguments": {}}'])):
+        assert ToolCallParser(H, NAMES).feed(text) == out, text
+    llama = ToolCallParser(L, NAMES)  # its own bare objects: a call as soon as it is complete
+    assert normal(llama.feed(PARIS)) == [C_PARIS]
+
+
+@functools.cache
+def marker_tokenizer() -> Tokenizer:
+    """SmolLM2's tokenizer with <tool_call> and </tool_call> as special tokens and the
+    Qwen-style template (tests/tiny_chat.py)."""
+    return Tokenizer(write_chat_tokenizer(Path(tempfile.mkdtemp()) / "markers", "qwen", marker_tokens=True))
+
+
+def acceptance(grammar: str, texts: list[str], tokenizer: Tokenizer | None = None) -> list[bool]:
+    """Whether llguidance, over ``tokenizer`` (SmolLM2's by default), takes each text
+    (encoded as the tokenizer does, added tokens as themselves) whole and then only the
+    end of the output (EOS)."""
     import llguidance
     import llguidance.hf
     from test_tool_prompt import smollm2
 
-    tokenizer = smollm2()
+    tokenizer = tokenizer or smollm2()
     lltok = llguidance.hf.from_tokenizer(tokenizer._tok)
     out = []
     for text in texts:
@@ -320,3 +403,76 @@ def test_a_strict_tools_call_with_arguments_outside_its_schema_is_content():
         assert [isinstance(x, ToolCall) for x in out] == [is_call], out
     loose = ToolCallParser(H, {"get_weather"})
     assert isinstance((loose.feed(extra) + loose.finish())[0], ToolCall)
+
+
+MARKED_TOOL = weather("get_weather", {
+    "type": "object", "properties": {"city": {"type": "string", "maxLength": 8}, "unit": {"enum": ["C", "F"]}},
+    "required": ["city", "unit"], "additionalProperties": False})
+
+
+def test_a_forced_call_names_the_markers_the_model_has_as_tokens():
+    """Where <tool_call> is one token (Qwen2.5's 151657), the grammar must force that token:
+    written as text, llguidance (which takes every added token as special) allows the
+    token and then rejects it; where it is text (SmolLM2), text it stays."""
+    from test_tool_prompt import smollm2
+
+    tokenizer = marker_tokenizer()
+    markers = marker_tokens(tokenizer, H)
+    assert markers == MARKER_TOKENS and marker_tokens(smollm2(), H) == {}
+    paris = f"<tool_call>\n{PARIS}\n</tool_call>"
+    ids = tokenizer.encode(paris, add_special_tokens=False)
+    assert ids[0] == MARKER_TOKENS["<tool_call>"] and ids[-1] == MARKER_TOKENS["</tool_call>"]
+    tools = [weather()]
+    assert acceptance(tool_call_grammar(H, tools, REQUIRED, markers), [paris, PARIS], tokenizer) == [True, False]
+    assert acceptance(tool_call_grammar(H, tools, REQUIRED), [paris], tokenizer) == [False]  # the fault
+    assert acceptance(tool_call_grammar(H, tools, REQUIRED, {}), [paris]) == [True]
+    assert "<[49152]>" in (tool_call_grammar(M, tools, REQUIRED, {"[TOOL_CALLS]": 49152}) or "")
+    assert acceptance(tool_call_grammar(M, tools, REQUIRED), [f"[TOOL_CALLS] [{PARIS}]"]) == [True]
+
+
+def test_the_detokenizer_keeps_the_markers_among_special_tokens():
+    tokenizer = marker_tokenizer()
+    ids = tokenizer.encode("<|im_start|><tool_call>\n{}\n</tool_call><|im_end|>", add_special_tokens=False)
+    assert len(ids) == 7 and tokenizer.decode(ids) == "\n{}\n"  # special tokens skipped
+    kept = "<tool_call>\n{}\n</tool_call>"
+    assert tokenizer.decode(ids, keep=MARKER_TOKENS.values()) == kept
+    detokenizer = IncrementalDetokenizer(tokenizer, keep=MARKER_TOKENS.values())
+    assert "".join(detokenizer.push(i) for i in ids) + detokenizer.flush() == kept
+
+
+@pytest.mark.parametrize("choice", [REQUIRED, ToolChoice(ToolChoiceMode.NAMED, "get_weather")], ids=["required", "named"])
+def test_a_forced_call_over_marker_tokens_is_parsed_as_a_call(choice):
+    """Random logits masked by the runner's constraint under the forced-call grammar, the
+    tokens detokenized and parsed as the API does: one call, its arguments in the schema."""
+    import llguidance.hf
+    import torch
+
+    from shardline.runner.constraint import Constraint
+
+    tokenizer = marker_tokenizer()
+    lltok = llguidance.hf.from_tokenizer(tokenizer._tok, eos_token=tokenizer.eos_token_ids)
+    other = weather("add", {"type": "object", "properties": {"a": {"type": "integer", "maximum": 9}},
+                            "required": ["a"], "additionalProperties": False})
+    tools = [MARKED_TOOL, other]
+    stops = tuple(tokenizer.eos_token_ids)
+    constraint = Constraint.start(tool_call_grammar(H, tools, choice, marker_tokens(tokenizer, H)) or "",
+                                  lambda: lltok, stops)
+    generator = torch.Generator().manual_seed(1)
+    ids = []
+    for _ in range(300):
+        logits = torch.randn(tokenizer.vocab_size, generator=generator)
+        constraint.apply(logits)
+        token = int(logits.argmax())
+        if token in stops:
+            break
+        constraint.consume(token)
+        ids.append(token)
+    assert constraint.failed is None and constraint.finished and MARKER_TOKENS["<tool_call>"] == ids[0]
+    detokenizer = IncrementalDetokenizer(tokenizer, keep=marker_tokens(tokenizer, H).values())
+    parser = ToolCallParser(H, tool_names(tools))
+    out = [item for i in ids for item in parser.feed(detokenizer.push(i))]
+    out += parser.feed(detokenizer.flush()) + parser.finish()
+    [call] = out
+    assert isinstance(call, ToolCall) and call.name in ({"get_weather"} if choice.name else {"get_weather", "add"})
+    schema = {t["function"]["name"]: t["function"]["parameters"] for t in tools}[call.name]
+    assert matches_schema(json.loads(call.arguments), schema)

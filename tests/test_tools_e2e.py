@@ -3,7 +3,9 @@
 and a Llama-3-style template (tests/tiny_chat.py). Their text is noise, so the call is
 forced: ``tool_choice`` required or named, which constrained decoding turns into exactly one
 well-formed call in the family's format; the rest checks that the call is parsed out of the
-text, and that results go back through the template."""
+text, and that results go back through the template. A third model has ``<tool_call>`` and
+``</tool_call>`` as special tokens, as Qwen2.5's vocabulary has them: forced calls on each
+API are calls there too."""
 
 from __future__ import annotations
 
@@ -17,9 +19,11 @@ import pytest
 from conftest import free_port_block
 from tiny_chat import write_tiny_chat_model
 
+from shardline.api.structured import matches_schema
 from shardline.local_cluster import LocalCluster
 
 STYLES = ("qwen", "llama")
+MARKED = "qwen-tokens"
 WEATHER = {"type": "function", "function": {
     "name": "get_weather", "description": "The weather in a city now.",
     "parameters": {"type": "object", "properties": {"city": {"type": "string", "maxLength": 12}},
@@ -33,15 +37,17 @@ ASK = [{"role": "user", "content": "What is the weather in Paris?"}]
 
 @pytest.fixture(scope="module")
 def url(tmp_path_factory):
-    """One node serving both tiny chat models (their ids: "qwen" and "llama")."""
+    """One node serving the tiny chat models (their ids: "qwen", "llama", and "qwen-tokens",
+    whose call markers are special tokens)."""
     root = tmp_path_factory.mktemp("tools")
     for style in STYLES:
         write_tiny_chat_model(root / "models" / style, style)
+    write_tiny_chat_model(root / "models" / MARKED, "qwen", marker_tokens=True)
     cluster = LocalCluster(nodes=1, base_port=free_port_block(1), runner_threads=1, log_dir=str(root),
                            data_dir=str(root), model_dirs=[root / "models"])
     cluster.start()
     try:
-        for style in STYLES:
+        for style in (*STYLES, MARKED):
             cluster.place(str(root / "models" / style), "pipeline")
         yield cluster.url(0)
     finally:
@@ -177,3 +183,40 @@ def test_a_call_in_the_output_never_reaches_the_content(url):
         "model": "qwen", "messages": ASK, "tools": [WEATHER], "max_tokens": 20, "temperature": 0}).json()
     message = body["choices"][0]["message"]
     assert "<tool_call>" not in (message["content"] or "")
+
+
+def test_forced_calls_are_calls_where_the_markers_are_special_tokens(url):
+    """tool_choice required / any and named, on OpenAI chat, Anthropic messages and
+    Responses: the grammar forces the <tool_call> token and the text keeps it for the
+    parser, so each answer is one call whose arguments match the schema."""
+    schema = WEATHER["function"]["parameters"]
+    chat = openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0)
+    for choice in ("required", {"type": "function", "function": {"name": "get_weather"}}):
+        answer = chat.chat.completions.create(model=MARKED, messages=ASK, tools=[WEATHER, TIME], tool_choice=choice,
+                                              temperature=0, max_tokens=60).choices[0]
+        assert answer.finish_reason == "tool_calls" and answer.message.content is None, answer
+        [call] = answer.message.tool_calls
+        assert call.function.name in ("get_weather", "get_time")
+        called = json.loads(call.function.arguments)
+        assert matches_schema(called, schema if call.function.name == "get_weather" else TIME["function"]["parameters"])
+    streamed = chat.chat.completions.create(model=MARKED, messages=ASK, tools=[WEATHER], tool_choice="required",
+                                            stream=True, temperature=0, max_tokens=60)
+    deltas = [c.delta for chunk in streamed for c in chunk.choices]
+    assert not "".join(d.content or "" for d in deltas) and [c.function.name for d in deltas
+                                                             for c in d.tool_calls or []] == ["get_weather"]
+
+    messages = anthropic.Anthropic(base_url=url, api_key="unused", max_retries=0)
+    tool = {"name": "get_weather", "description": "The weather in a city now.", "input_schema": schema}
+    for choice in ({"type": "any"}, {"type": "tool", "name": "get_weather"}):
+        reply = messages.messages.create(model=MARKED, max_tokens=60, messages=ASK, tools=[tool], tool_choice=choice,
+                                         extra_body={"temperature": 0})
+        assert reply.stop_reason == "tool_use" and [b.type for b in reply.content] == ["tool_use"], reply
+        assert reply.content[0].name == "get_weather" and matches_schema(reply.content[0].input, schema)
+
+    function = {"type": "function", **WEATHER["function"]}
+    for choice in ("required", {"type": "function", "name": "get_weather"}):
+        response = chat.responses.create(model=MARKED, input="What is the weather in Paris?", tools=[function],
+                                         tool_choice=choice, temperature=0, max_output_tokens=60)
+        [item] = response.output
+        assert item.type == "function_call" and item.name == "get_weather", response.output
+        assert matches_schema(json.loads(item.arguments), schema)

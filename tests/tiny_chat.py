@@ -12,6 +12,11 @@ families, written here for these tests (not the vendors' text):
   tokens, so the markup is plain text here (the format is what these tests are about); the
   turn still ends with SmolLM2's end token.
 
+With ``marker_tokens``, ``<tool_call>`` and ``</tool_call>`` are added to the vocabulary as
+special tokens (ids 49152 and 49153), as Qwen2.5's vocabulary has them (ids 151657 and
+151658): the forced-call grammar must then name them as tokens, and the detokenizer keep
+them in the text.
+
 The weights are random, so what the model says must be forced (logit bias, grammar) by
 the tests that use it.
 """
@@ -87,9 +92,14 @@ LLAMA_STYLE_TEMPLATE = r"""
 TEMPLATES = {"qwen": QWEN_STYLE_TEMPLATE, "llama": LLAMA_STYLE_TEMPLATE}
 
 
-def write_chat_tokenizer(directory: Path, style: str) -> Path:
+MARKER_TOKENS = {"<tool_call>": 49152, "</tool_call>": 49153}
+"""The ids of the call markers a ``marker_tokens`` tokenizer adds to SmolLM2's 49152."""
+
+
+def write_chat_tokenizer(directory: Path, style: str, marker_tokens: bool = False) -> Path:
     """Write SmolLM2's tokenizer files with the ``style`` template ("qwen" or "llama")
-    into ``directory`` (created); returns it."""
+    into ``directory`` (created), with :data:`MARKER_TOKENS` added as special tokens where
+    ``marker_tokens``; returns it."""
     from shardline.models.store import DEFAULT_MODEL_ID, ModelStore
 
     directory = Path(directory)
@@ -97,14 +107,25 @@ def write_chat_tokenizer(directory: Path, style: str) -> Path:
     # conversion takes ~13 s); the store argument is not used for the default model.
     source = ModelStore(directory / "unused-store").tokenizer_path(DEFAULT_MODEL_ID)
     shutil.copytree(source, directory, dirs_exist_ok=True)
+    if marker_tokens:
+        from tokenizers import AddedToken
+        from transformers import AutoTokenizer
+
+        tokenizer = AutoTokenizer.from_pretrained(str(directory))
+        tokenizer.add_tokens([AddedToken(text, special=True, normalized=False) for text in MARKER_TOKENS],
+                             special_tokens=True)
+        assert tokenizer.convert_tokens_to_ids(list(MARKER_TOKENS)) == list(MARKER_TOKENS.values())
+        tokenizer.save_pretrained(str(directory))
     (directory / "chat_template.jinja").write_text(TEMPLATES[style])
     return directory
 
 
-def write_tiny_chat_model(directory: Path, style: str, *, layers: int = 2, seed: int = 0) -> Path:
+def write_tiny_chat_model(directory: Path, style: str, *, layers: int = 2, seed: int = 0,
+                          marker_tokens: bool = False) -> Path:
     """A tiny random-weight model directory (safetensors, float32, hidden size 64, tied
-    embeddings, context 4096) with SmolLM2's tokenizer and the ``style`` chat template:
-    Qwen2 architecture for "qwen", Llama for "llama". Takes a few seconds."""
+    embeddings, context 4096) with SmolLM2's tokenizer (with the call markers as special
+    tokens where ``marker_tokens``: :func:`write_chat_tokenizer`) and the ``style`` chat
+    template: Qwen2 architecture for "qwen", Llama for "llama". Takes a few seconds."""
     import torch
     import transformers
     from tiny_models import randomize, save_hf
@@ -112,7 +133,7 @@ def write_tiny_chat_model(directory: Path, style: str, *, layers: int = 2, seed:
     if style not in TEMPLATES:
         raise ValueError(f"style must be one of {sorted(TEMPLATES)}, got {style!r}")
     transformers.logging.set_verbosity_error()
-    kwargs = dict(vocab_size=49152, hidden_size=64, intermediate_size=128, num_hidden_layers=layers,
+    kwargs = dict(vocab_size=49152 + (len(MARKER_TOKENS) if marker_tokens else 0), hidden_size=64, intermediate_size=128, num_hidden_layers=layers,
                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=4096,
                   rms_norm_eps=1e-6, rope_theta=10000.0, tie_word_embeddings=True,
                   bos_token_id=None, eos_token_id=None, pad_token_id=None)
@@ -126,4 +147,4 @@ def write_tiny_chat_model(directory: Path, style: str, *, layers: int = 2, seed:
     model = model.to(torch.float32).eval()
     randomize(model, seed)
     save_hf(model, Path(directory))
-    return write_chat_tokenizer(Path(directory), style)  # its generation_config.json: the end tokens
+    return write_chat_tokenizer(Path(directory), style, marker_tokens)  # its generation_config.json: the end tokens

@@ -26,6 +26,7 @@ from shardline.api.tools import (
     ToolChoice,
     ToolChoiceMode,
     ToolFormat,
+    call_markers,
     strict_schemas,
     tool_format,
     tool_names,
@@ -220,7 +221,9 @@ class Generation:
         self.sampling = sampling or req.sampling
         self.stop_ids = [] if req.ignore_eos and self.sampling.grammar is None else tokenizer.eos_token_ids
         self.calls = 0  # tool calls made so far
-        self.detokenizer = IncrementalDetokenizer(tokenizer)
+        # the call markers that are special tokens stay in the text, for the call parser
+        keep = marker_tokens(tokenizer, self.tool_format).values() if req.offers_tools else ()
+        self.detokenizer = IncrementalDetokenizer(tokenizer, keep=keep)
         self.stops = StopMatcher(req.stop)
         self.completion_tokens = 0
         self.started = time.monotonic()
@@ -363,6 +366,14 @@ def model_tool_format(tokenizer: Tokenizer) -> ToolFormat:
     """How the model of ``tokenizer`` writes tool calls: its template's format, or the
     tokenizer's own Hermes-style prompt where the template takes no tools."""
     return tool_format(tokenizer.chat_template if tokenizer.supports_tools else None)
+
+
+def marker_tokens(tokenizer: Tokenizer, fmt: ToolFormat) -> dict[str, int]:
+    """The call markers of ``fmt`` (:func:`~shardline.api.tools.call_markers`) that are one
+    added token of ``tokenizer``'s vocabulary (Qwen2.5's ``<tool_call>``, Mistral's
+    ``[TOOL_CALLS]``), by text, with the token's id."""
+    return {marker: token_id for marker in call_markers(fmt)
+            if (token_id := tokenizer.added_token_id(marker)) is not None}
 
 
 async def collect_unless_disconnected(

@@ -19,6 +19,7 @@ from shardline.api.generation import (
     Generation,
     GenerationRequest,
     check_room,
+    marker_tokens,
     model_tool_format,
     too_long,
 )
@@ -68,7 +69,8 @@ def _forced_call(req: GenerationRequest, tokenizer: Tokenizer) -> SamplingParams
         raise APIError(400, "tool_choice: a forced tool call cannot be combined with a structured output format",
                        param="tool_choice")
     try:
-        grammar = tool_call_grammar(model_tool_format(tokenizer), req.tools, req.tool_choice)
+        fmt = model_tool_format(tokenizer)
+        grammar = tool_call_grammar(fmt, req.tools, req.tool_choice, marker_tokens(tokenizer, fmt))
     except ValueError as exc:
         raise APIError(400, str(exc), param="tools") from exc
     return dataclasses.replace(req.sampling, grammar=grammar)

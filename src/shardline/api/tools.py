@@ -1,7 +1,7 @@
 """Tool calling: which format a model calls tools in, checks of the tools and of a chat's
 tool history, a streaming parser of the model's calls, and the grammar that forces a call.
 
-Formats (the two families' own chat templates and model cards are the sources):
+Formats (the families' own chat templates and model cards are the sources):
 
 - :attr:`ToolFormat.HERMES`: each call is ``<tool_call>\\n{"name": ..., "arguments":
   {...}}\\n</tool_call>``, several calls being several blocks, with text around them
@@ -10,6 +10,23 @@ Formats (the two families' own chat templates and model cards are the sources):
 - :attr:`ToolFormat.LLAMA3_JSON`: the whole reply is one JSON object ``{"name": ...,
   "parameters": {...}}`` (Llama 3.1 / 3.2 with user-defined tools), possibly after
   ``<|python_tag|>``.
+- :attr:`ToolFormat.MISTRAL`: ``[TOOL_CALLS]`` then a JSON list of ``{"name": ...,
+  "arguments": {...}}`` (Mistral 7B Instruct v0.3, Mixtral 8x22B Instruct, Mistral Nemo).
+
+The call markers (``<tool_call>``, ``</tool_call>``, ``[TOOL_CALLS]``) are single added
+tokens in those families' vocabularies (Qwen2.5's ``<tool_call>`` is id 151657, Mistral's
+``[TOOL_CALLS]`` a special token) and plain text in others (SmolLM2 with the fallback
+prompt): the grammar names them as tokens where the model has them
+(:func:`tool_call_grammar`), and the output's text keeps them for the parser
+(:func:`call_markers`). Llama 3.1 writes calls of user-defined tools as bare JSON; its
+``<|python_tag|>`` (a special token, left out of the text) opens code for its built-in
+tools, and the parser skips it where it is text.
+
+Under ``tool_choice: auto`` a model also falls back to writing a call as JSON alone: the
+whole reply (whitespace around it allowed) one object ``{"name": ..., "arguments" |
+"parameters": {...}}`` or a list of them, bare or in a Markdown code fence (three
+backticks with the info string ``json`` or none); Qwen2.5 does so. :class:`ToolCallParser`
+reads that as calls too when every name is a declared tool (as Ollama's parser does).
 
 Tools are OpenAI function tools (``{"type": "function", "function": {"name",
 "description", "parameters"}}``); chat messages are Hugging Face's chat-template format
@@ -21,7 +38,7 @@ from __future__ import annotations
 import json
 import re
 import secrets
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from enum import Enum
 from typing import Any
@@ -32,6 +49,8 @@ from shardline.models.tool_prompt import call_arguments
 TOOL_CALL_OPEN = "<tool_call>"
 TOOL_CALL_CLOSE = "</tool_call>"
 PYTHON_TAG = "<|python_tag|>"
+TOOL_CALLS = "[TOOL_CALLS]"
+FENCE = "```"
 
 TOOL_NAME = re.compile(r"[A-Za-z0-9_.:\-]{1,128}")
 """Tool names accepted: OpenAI's ``^[a-zA-Z0-9_-]{1,64}$`` widened to Anthropic's length
@@ -48,19 +67,32 @@ class ToolFormat(Enum):
 
     HERMES = "hermes"
     LLAMA3_JSON = "llama3_json"
+    MISTRAL = "mistral"
+
+
+def call_markers(fmt: ToolFormat) -> tuple[str, ...]:
+    """The marker texts that ``fmt``'s calls are written with (none for LLAMA3_JSON's bare
+    JSON): a model may have them as single tokens, which the grammar then names as tokens
+    and the detokenizer keeps in the text for :class:`ToolCallParser` even where they are
+    special tokens."""
+    return {ToolFormat.HERMES: (TOOL_CALL_OPEN, TOOL_CALL_CLOSE), ToolFormat.LLAMA3_JSON: (),
+            ToolFormat.MISTRAL: (TOOL_CALLS,)}[fmt]
 
 
 def tool_format(chat_template: str | None) -> ToolFormat:
     """The tool-call format of the model whose chat template text is ``chat_template``.
 
-    A template that writes ``<tool_call>`` is HERMES. One that takes ``tools`` and is of
-    the Llama 3 family (``<|eot_id|>``, ``<|python_tag|>`` or a ``"parameters"`` call
-    instruction) is LLAMA3_JSON. Anything else, a template without tool support included
-    (the tokenizer then lists the tools in a Hermes-style system prompt itself), is HERMES.
+    A template that writes ``<tool_call>`` is HERMES; one that writes ``[TOOL_CALLS]``
+    is MISTRAL. One that takes ``tools`` and is of the Llama 3 family (``<|eot_id|>``,
+    ``<|python_tag|>`` or a ``"parameters"`` call instruction) is LLAMA3_JSON. Anything
+    else, a template without tool support included (the tokenizer then lists the tools in
+    a Hermes-style system prompt itself), is HERMES.
     """
     text = chat_template or ""
     if TOOL_CALL_OPEN in text:
         return ToolFormat.HERMES
+    if TOOL_CALLS in text:
+        return ToolFormat.MISTRAL
     if re.search(r"\btools\b", text) and any(
             mark in text for mark in ("<|eot_id|>", PYTHON_TAG, '"parameters"')):
         return ToolFormat.LLAMA3_JSON
@@ -231,6 +263,120 @@ def _call_from(value: Any, names: set[str],
     return ToolCall.new(value["name"], parsed)
 
 
+class _JsonEnd:
+    """Finds where a JSON object or array ends in a growing text: call :meth:`find` with the
+    text so far each time it grows (the scan goes on where it stopped)."""
+
+    def __init__(self, start: int) -> None:
+        self._pos = start  # the next character to read; the value's first is at ``start``
+        self._depth = 0
+        self._in_string = False
+        self._escape = False
+
+    def find(self, text: str) -> int | None:
+        """The index just past the value's closing bracket, or None while it is open."""
+        while self._pos < len(text):
+            ch = text[self._pos]
+            self._pos += 1
+            if self._in_string:
+                if self._escape:
+                    self._escape = False
+                elif ch == "\\":
+                    self._escape = True
+                elif ch == '"':
+                    self._in_string = False
+            elif ch == '"':
+                self._in_string = True
+            elif ch in "[{":
+                self._depth += 1
+            elif ch in "]}":
+                self._depth -= 1
+                if self._depth == 0:
+                    return self._pos
+        return None
+
+
+def _may_open_calls(text: str) -> bool:
+    """Whether ``text``, which starts with ``{`` or ``[``, may still begin a call object or
+    a list of them (``{"`` or ``[{"``, whitespace between)."""
+    if text.startswith("["):
+        text = text[1:].lstrip()
+        if not text:
+            return True
+        if not text.startswith("{"):
+            return False
+    text = text[1:].lstrip()
+    return not text or text.startswith('"')
+
+
+class _WholeReplyCalls:
+    """Reads a reply that may be, whole, the JSON calls models fall back to writing (see the
+    module docstring): one call object (where ``objects``) or a list of them, bare or in a
+    code fence with the info string ``json`` or none, whitespace around it.
+
+    Call :meth:`read` with the whole text so far each time it grows.
+    """
+
+    def __init__(self, parse: Callable[[Any], list[ToolCall] | None], objects: bool) -> None:
+        self._parse = parse
+        self._objects = objects
+        self._stage = "start"  # start, info (after the fence), open (before the value), value, tail
+        self._fenced = False
+        self._pos = 0  # the next character of the text to read
+        self._start = 0  # where the JSON value starts
+        self._end: _JsonEnd | None = None
+        self.calls: list[ToolCall] = []
+
+    def read(self, text: str, final: bool) -> bool | None:
+        """True when ``text``, the output ended (``final``), is such a reply (its calls are
+        :attr:`calls`); False when it is not and cannot become one; None while not known."""
+        if self._stage in ("start", "open"):
+            rest = text[self._pos:].lstrip()
+            self._pos = len(text) - len(rest)
+            if not rest:
+                return False if final else None
+            if self._stage == "start" and rest.startswith(FENCE):
+                self._fenced, self._stage, self._pos = True, "info", self._pos + len(FENCE)
+            elif self._stage == "start" and FENCE.startswith(rest):
+                return False if final else None
+            elif rest[0] == "[" or (rest[0] == "{" and (self._objects or self._fenced)):
+                self._stage, self._start, self._end = "value", self._pos, _JsonEnd(self._pos)
+            else:
+                return False
+        if self._stage == "info":
+            info = re.match(r"[A-Za-z]*", text[self._pos:])
+            assert info is not None  # it matches the empty string
+            word = info.group().lower()
+            if self._pos + len(word) == len(text) and not final:
+                return None if "json".startswith(word) else False
+            if word not in ("", "json"):
+                return False
+            self._stage, self._pos = "open", self._pos + len(word)
+            return self.read(text, final)
+        if self._stage == "value":
+            assert self._end is not None
+            if not _may_open_calls(text[self._start:self._start + 64]):
+                return False
+            end = self._end.find(text)
+            if end is None:
+                return False if final else None
+            try:
+                calls = self._parse(json.loads(text[self._start:end]))
+            except ValueError:
+                return False
+            if calls is None:
+                return False
+            self.calls, self._stage, self._pos = calls, "tail", end
+        rest = text[self._pos:].strip()
+        if self._fenced and rest.startswith(FENCE):
+            rest = rest[len(FENCE):].strip()
+        elif self._fenced and FENCE.startswith(rest) and not final:
+            return None  # (part of) the closing fence may come
+        if rest:
+            return False
+        return True if final else None
+
+
 def _partial_suffix(text: str, marker: str) -> int:
     """Length of the longest end of ``text`` that is a proper beginning of ``marker``."""
     for n in range(min(len(text), len(marker) - 1), 0, -1):
@@ -242,7 +388,7 @@ def _partial_suffix(text: str, marker: str) -> int:
 class ToolCallParser:
     """Splits a model's streamed output into content text and tool calls.
 
-    Feed text deltas of any size (split anywhere, inside a tag too); each :meth:`feed`
+    Feed text deltas of any size (split anywhere, inside a marker too); each :meth:`feed`
     returns the content text and complete calls now known, in order, and :meth:`finish`
     the rest at the end of the output. Text that may begin a call is held back until it is
     known, so call text never comes out as content. A call whose JSON does not parse or
@@ -251,9 +397,17 @@ class ToolCallParser:
     HERMES: calls are ``<tool_call>...</tool_call>`` blocks anywhere in the text; the
     whitespace next to a call is dropped, the rest of the text is content. A block still
     open at the end is a call if its JSON is a complete call, content otherwise.
+    MISTRAL: likewise, a call list being ``[TOOL_CALLS]`` then a JSON list of calls (or
+    one call object), whitespace between; it is content unless each is a call.
     LLAMA3_JSON: the reply is calls only if it starts (after whitespace, and an optional
     ``<|python_tag|>``) with ``{`` and each JSON object in it (separated by whitespace or
     ``;``) is ``{"name", "parameters" | "arguments"}``; otherwise it is all content.
+
+    Every format: a reply that is, whole, a JSON call object or list of calls, bare or in
+    a code fence (the module docstring) is those calls. Such a reply is held back until
+    it is decided, at the end of the output when it is calls, else as soon as it cannot
+    be (a reply starting with other than ``{``, ``[`` or a fence is not held back for it).
+    LLAMA3_JSON's own reading takes the bare objects (calls as soon as each is complete).
     """
 
     def __init__(self, fmt: ToolFormat, tool_names: set[str],
@@ -262,10 +416,14 @@ class ToolCallParser:
         self._names = set(tool_names)
         self._strict = dict(strict or {})
         self._buffer = ""  # text not yet given out
-        self._in_call = False  # HERMES: inside a <tool_call> block
+        self._whole: _WholeReplyCalls | None = _WholeReplyCalls(
+            self._calls, objects=fmt is not ToolFormat.LLAMA3_JSON)  # None once not such a reply
+        self._open = TOOL_CALLS if fmt is ToolFormat.MISTRAL else TOOL_CALL_OPEN  # HERMES, MISTRAL
+        self._in_call = False  # HERMES, MISTRAL: after a call's opening marker
+        self._list_end: _JsonEnd | None = None  # MISTRAL: the call list's end, once it has begun
         self._made_call = False
-        self._after_call = False  # HERMES: whitespace after a call is dropped
-        self._space = ""  # HERMES: the whitespace dropped before the open call
+        self._after_call = False  # HERMES, MISTRAL: whitespace after a call is dropped
+        self._space = ""  # HERMES, MISTRAL: the whitespace dropped before the open call
         self._mode = "start"  # LLAMA3_JSON: "start" (undecided), "calls", "content"
         self._pos = 0  # LLAMA3_JSON: the next character of the buffer to scan
         self._start = 0  # where the open JSON object began
@@ -276,49 +434,64 @@ class ToolCallParser:
     def feed(self, text: str) -> list[str | ToolCall]:
         """Content text and complete calls from ``text`` and what was held back before."""
         self._buffer += text
-        if self._fmt is ToolFormat.HERMES:
-            return self._hermes(final=False)
-        return self._llama(final=False)
+        return self._read(final=False)
 
     def finish(self) -> list[str | ToolCall]:
         """Everything still held back, at the end of the output."""
-        out = self._hermes(final=True) if self._fmt is ToolFormat.HERMES else self._llama(final=True)
+        out = self._read(final=True)
         self._buffer = ""
         return out
 
-    def _hermes(self, final: bool) -> list[str | ToolCall]:
+    def _read(self, final: bool) -> list[str | ToolCall]:
+        if self._whole is not None:
+            whole = self._whole.read(self._buffer, final)
+            if whole is None:
+                return []
+            if whole:
+                self._buffer = ""
+                return list(self._whole.calls)
+            self._whole = None  # not such a reply: the format's own reading, from its start
+        if self._fmt is ToolFormat.LLAMA3_JSON:
+            return self._llama(final)
+        return self._tagged(final)
+
+    def _calls(self, value: Any) -> list[ToolCall] | None:
+        """The calls of a parsed JSON call object or non-empty list of them; None unless
+        each is a call (:func:`_call_from`)."""
+        values = value if isinstance(value, list) else [value]
+        calls = [_call_from(v, self._names, self._strict) for v in values]
+        if not calls or None in calls:
+            return None
+        return [call for call in calls if call is not None]
+
+    def _tagged(self, final: bool) -> list[str | ToolCall]:
+        """HERMES and MISTRAL: calls after an opening marker, text around them."""
         out: list[str | ToolCall] = []
         while True:
             if self._in_call:
-                end = self._buffer.find(TOOL_CALL_CLOSE)
-                if end < 0:
-                    if final:
-                        body = self._buffer
-                        call = self._parse_body(body)
-                        out.append(call if call is not None else self._space + TOOL_CALL_OPEN + body)
-                        self._made_call |= call is not None
-                        self._buffer = ""
+                body = self._call_body(final)
+                if body is None:
                     return _merged(out)
-                body = self._buffer[:end]
-                self._buffer = self._buffer[end + len(TOOL_CALL_CLOSE):]
-                self._in_call = False
-                call = self._parse_body(body)
-                if call is None:  # content, with the whitespace it came with
-                    out.append(self._space + TOOL_CALL_OPEN + body + TOOL_CALL_CLOSE)
+                text, used, close = body
+                self._buffer = self._buffer[used:]
+                self._in_call, self._list_end = False, None
+                calls = self._parse_body(text)
+                if calls is None:  # content, with the whitespace it came with
+                    out.append(self._space + self._open + text + close)
                 else:
-                    out.append(call)
+                    out.extend(calls)
                     self._made_call = self._after_call = True
                 continue
             if self._after_call:
                 self._buffer = self._buffer.lstrip()
                 self._after_call = not self._buffer
-            start = self._buffer.find(TOOL_CALL_OPEN)
+            start = self._buffer.find(self._open)
             if start >= 0:
                 before = self._buffer[:start]
                 text = before.rstrip()
                 out.append(text)
                 self._space = before[len(text):]
-                self._buffer = self._buffer[start + len(TOOL_CALL_OPEN):]
+                self._buffer = self._buffer[start + len(self._open):]
                 self._in_call = True
                 continue
             if final:
@@ -327,7 +500,7 @@ class ToolCallParser:
                     out.append(tail)
                 self._buffer = ""
                 return _merged(out)
-            keep = _partial_suffix(self._buffer, TOOL_CALL_OPEN)
+            keep = _partial_suffix(self._buffer, self._open)
             head = self._buffer[:len(self._buffer) - keep]
             sent = head.rstrip()  # whitespace before a call is dropped: hold it back too
             if sent:
@@ -335,12 +508,38 @@ class ToolCallParser:
             self._buffer = self._buffer[len(sent):]
             return _merged(out)
 
-    def _parse_body(self, body: str) -> ToolCall | None:
+    def _call_body(self, final: bool) -> tuple[str, int, str] | None:
+        """The open call's text in the buffer, the characters it takes there and its
+        closing marker's text (or ""); None while not known. HERMES: up to
+        ``</tool_call>`` (or the end of the output). MISTRAL: whitespace and a JSON list or
+        object (to the end of the output while open; nothing where the text after the
+        marker cannot open one)."""
+        if self._fmt is ToolFormat.HERMES:
+            close = self._buffer.find(TOOL_CALL_CLOSE)
+            if close >= 0:
+                return self._buffer[:close], close + len(TOOL_CALL_CLOSE), TOOL_CALL_CLOSE
+            return (self._buffer, len(self._buffer), "") if final else None
+        if self._list_end is None:
+            rest = self._buffer.lstrip()
+            if not rest:
+                return (self._buffer, len(self._buffer), "") if final else None
+            if rest[0] not in "[{":
+                return "", 0, ""
+            self._list_end = _JsonEnd(len(self._buffer) - len(rest))
+        end = self._list_end.find(self._buffer)
+        if end is None:
+            return (self._buffer, len(self._buffer), "") if final else None
+        return self._buffer[:end], end, ""
+
+    def _parse_body(self, body: str) -> list[ToolCall] | None:
         try:
             value = json.loads(body)
         except ValueError:
             return None
-        return _call_from(value, self._names, self._strict)
+        if self._fmt is ToolFormat.HERMES:
+            call = _call_from(value, self._names, self._strict)
+            return None if call is None else [call]
+        return self._calls(value)
 
     def _llama(self, final: bool) -> list[str | ToolCall]:
         if self._mode == "start":
@@ -394,10 +593,10 @@ class ToolCallParser:
             elif ch == "}":
                 self._depth -= 1
                 if self._depth == 0:
-                    call = self._parse_body(text[self._start:self._pos + 1])
-                    if call is None:
+                    calls = self._parse_body(text[self._start:self._pos + 1])
+                    if calls is None:
                         return out, False
-                    out.append(call)
+                    out.extend(calls)
                     self._made_call = True
                     text = self._buffer = text[self._pos + 1:]
                     self._pos = 0
@@ -426,7 +625,8 @@ def _arguments_schema(tool: dict[str, Any]) -> dict[str, Any]:
     return schema
 
 
-def tool_call_grammar(fmt: ToolFormat, tools: list[dict[str, Any]], choice: ToolChoice) -> str | None:
+def tool_call_grammar(fmt: ToolFormat, tools: list[dict[str, Any]], choice: ToolChoice,
+                      marker_tokens: Mapping[str, int] | None = None) -> str | None:
     """An llguidance grammar (its JSON text, for ``SamplingParams.grammar``) that forces
     exactly one call in ``fmt``: of any of ``tools`` for REQUIRED, of the named one for
     NAMED, its arguments matching the tool's ``parameters`` schema (written with
@@ -434,6 +634,12 @@ def tool_call_grammar(fmt: ToolFormat, tools: list[dict[str, Any]], choice: Tool
     None for NONE and AUTO (nothing is forced). ``tools`` and ``choice`` are checked ones
     (:func:`check_tools`). Built as Lark text with ``%json`` embedded schemas
     (llguidance's syntax, docs/syntax.md in its repository).
+
+    ``marker_tokens`` holds the call markers (:func:`call_markers`) that are one added
+    token of the model's vocabulary, by text, with the token's id: the grammar names those
+    as the token (``<[id]>``), the others as text. llguidance takes every added token as
+    special, never as its text, so a marker written as text where the model has it as a
+    token allows that token and then rejects it.
 
     Raises:
         ValueError: a tool's ``parameters`` schema that llguidance cannot compile, naming
@@ -446,8 +652,12 @@ def tool_call_grammar(fmt: ToolFormat, tools: list[dict[str, Any]], choice: Tool
     chosen = [t for t in tools if choice.mode is ToolChoiceMode.REQUIRED or t["function"]["name"] == choice.name]
     if not chosen:
         raise ValueError(f"tool_choice {choice.mode.value!r} has no tool to call")
-    key = "arguments" if fmt is ToolFormat.HERMES else "parameters"
-    open_, close = (f"{TOOL_CALL_OPEN}\n", f"}}\n{TOOL_CALL_CLOSE}") if fmt is ToolFormat.HERMES else ("", "}")
+    tokens = marker_tokens or {}
+
+    def marker(text: str) -> str:
+        return f"<[{tokens[text]}]>" if text in tokens else json.dumps(text)
+
+    key = "parameters" if fmt is ToolFormat.LLAMA3_JSON else "arguments"
     rules = []
     for i, tool in enumerate(chosen):
         name = tool["function"]["name"]
@@ -456,8 +666,14 @@ def tool_call_grammar(fmt: ToolFormat, tools: list[dict[str, Any]], choice: Tool
             llguidance.LLMatcher.grammar_from_lark(f"start: %json {schema}"))
         if problem:
             raise ValueError(f"tools: the parameters schema of function {name!r} cannot be enforced: {problem}")
-        head = f'{open_}{{"name": {json.dumps(name)}, "{key}": '
-        rules.append(f"call_{i}: {json.dumps(head)} %json {schema} {json.dumps(close)}")
+        call = f'{{"name": {json.dumps(name)}, "{key}": '
+        if fmt is ToolFormat.HERMES:
+            head, tail = [marker(TOOL_CALL_OPEN), json.dumps("\n" + call)], [json.dumps("}\n"), marker(TOOL_CALL_CLOSE)]
+        elif fmt is ToolFormat.MISTRAL:  # as its template writes calls: "[TOOL_CALLS] [{...}]"
+            head, tail = [marker(TOOL_CALLS), json.dumps(" [" + call)], [json.dumps("}]")]
+        else:
+            head, tail = [json.dumps(call)], [json.dumps("}")]
+        rules.append(f"call_{i}: {' '.join(head)} %json {schema} {' '.join(tail)}")
     lark = "start: " + " | ".join(f"call_{i}" for i in range(len(chosen))) + "\n" + "\n".join(rules) + "\n"
     grammar = llguidance.LLMatcher.grammar_from_lark(lark)
     problem = llguidance.LLMatcher.validate_grammar(grammar)

@@ -18,6 +18,7 @@ import functools
 import json
 import subprocess
 import sys
+from collections.abc import Collection
 from pathlib import Path
 from typing import Any
 
@@ -97,8 +98,29 @@ class Tokenizer:
         :func:`shardline.api.logprobs.piece_bytes` for its bytes)."""
         return str(self._tok.convert_ids_to_tokens(token_id))
 
-    def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
+    def decode(self, ids: list[int], skip_special_tokens: bool = True, keep: Collection[int] = ()) -> str:
+        """The text of ``ids``; special tokens are left out with ``skip_special_tokens``,
+        except those in ``keep`` (a tool-call marker that is a special token, e.g. Mistral's
+        ``[TOOL_CALLS]``, written out for the call parser)."""
+        if skip_special_tokens and keep:
+            special = self._special_ids
+            ids = [i for i in ids if i in keep or i not in special]
+            skip_special_tokens = False
         return str(self._tok.decode(ids, skip_special_tokens=skip_special_tokens))
+
+    @functools.cached_property
+    def _special_ids(self) -> frozenset[int]:
+        """The ids of the added tokens marked special (those decoding skips)."""
+        return frozenset(i for i, token in self._tok.added_tokens_decoder.items() if token.special)
+
+    def added_token_id(self, text: str) -> int | None:
+        """The id of the added token (special or not) whose text is ``text``; None where
+        ``text`` is no added token (it is then ordinary vocabulary text)."""
+        return self._added.get(text)
+
+    @functools.cached_property
+    def _added(self) -> dict[str, int]:
+        return {str(token): int(i) for token, i in self._tok.get_added_vocab().items()}
 
     @property
     def chat_template(self) -> str | None:
@@ -248,12 +270,14 @@ class IncrementalDetokenizer:
 
     Holds back text while the last tokens decode to an incomplete UTF-8 character (the
     replacement character), and re-decodes only a short window each step, as text
-    generation servers do.
+    generation servers do. Special tokens are left out with ``skip_special_tokens``,
+    except those in ``keep`` (:meth:`Tokenizer.decode`).
     """
 
-    def __init__(self, tokenizer: Tokenizer, skip_special_tokens: bool = True) -> None:
+    def __init__(self, tokenizer: Tokenizer, skip_special_tokens: bool = True, keep: Collection[int] = ()) -> None:
         self._tokenizer = tokenizer
         self._skip = skip_special_tokens
+        self._keep = frozenset(keep)
         self._ids: list[int] = []
         self._prefix_offset = 0
         self._read_offset = 0
@@ -261,8 +285,8 @@ class IncrementalDetokenizer:
     def push(self, token_id: int) -> str:
         """Add one token; return the newly completed text (possibly empty)."""
         self._ids.append(token_id)
-        prefix = self._tokenizer.decode(self._ids[self._prefix_offset : self._read_offset], self._skip)
-        full = self._tokenizer.decode(self._ids[self._prefix_offset :], self._skip)
+        prefix = self._tokenizer.decode(self._ids[self._prefix_offset : self._read_offset], self._skip, self._keep)
+        full = self._tokenizer.decode(self._ids[self._prefix_offset :], self._skip, self._keep)
         if len(full) > len(prefix) and not full.endswith("\ufffd"):
             delta = full[len(prefix) :]
             self._prefix_offset = self._read_offset
@@ -274,8 +298,8 @@ class IncrementalDetokenizer:
         """The text held back, the output having ended: the tokens' text since the last
         delta, a character they end inside of read as U+FFFD (as decoding all the ids
         would read it); nothing is held after."""
-        prefix = self._tokenizer.decode(self._ids[self._prefix_offset : self._read_offset], self._skip)
-        full = self._tokenizer.decode(self._ids[self._prefix_offset :], self._skip)
+        prefix = self._tokenizer.decode(self._ids[self._prefix_offset : self._read_offset], self._skip, self._keep)
+        full = self._tokenizer.decode(self._ids[self._prefix_offset :], self._skip, self._keep)
         self._prefix_offset = self._read_offset = len(self._ids)
         return full[len(prefix) :] if len(full) > len(prefix) else ""
 
