@@ -371,6 +371,16 @@ def test_anthropic_reasoning_is_accepted(url):
         assert response.status_code == 400 and named in response.json()["error"]["message"], response.text
 
 
+def test_reasoning_settings_are_not_spent(url):
+    """Chat Completions' reasoning_effort and verbosity on a model that does not reason:
+    the greedy answer is the one without them; a value outside the reference's is named."""
+    plain = _chat(url)["choices"][0]["message"]
+    for extra in ({"reasoning_effort": "high"}, {"reasoning_effort": "none", "verbosity": "low"}):
+        assert _chat(url, **extra)["choices"][0]["message"] == plain, extra
+    response = _post(url, Endpoint.CHAT, reasoning_effort="extreme")
+    assert response.status_code == 400 and response.json()["error"]["param"] == "reasoning_effort", response.text
+
+
 def test_anthropic_context_edits(url):
     """clear_tool_uses clears old tool results once the prompt passes its trigger (the
     answer says what it cleared and its prompt shrinks); clear_thinking removes earlier

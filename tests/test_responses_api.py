@@ -14,6 +14,7 @@ from shardline.api.logprobs import TokenLogprob, TopLogprob
 from shardline.api.response_store import ResponseStore, StoredResponse
 from shardline.api.responses_output import OutputBuilder, Piece, usage_object
 from shardline.api.responses_request import (
+    ToolSet,
     chat_messages,
     check_fields,
     normalize_input,
@@ -44,10 +45,11 @@ def refused(call, *args) -> APIError:
     ({"prompt_cache_retention": "24h"}, "prompt_cache_retention", "unsupported_parameter"),
     ({"truncation": "auto"}, "truncation", "unsupported_parameter"),
     ({"truncation": "sometimes"}, "truncation", None),
-    ({"reasoning": {"effort": "high"}}, "reasoning", "unsupported_parameter"),
+    ({"reasoning": {"effort": "huge"}}, "reasoning.effort", "invalid_value"),
+    ({"reasoning": {"budget": 1}}, "reasoning.budget", "unknown_parameter"),
     ({"background": True}, "background", "unsupported_parameter"),
     ({"service_tier": "flex"}, "service_tier", "unsupported_parameter"),
-    ({"include": ["file_search_call.results"]}, "include[0]", "unsupported_parameter"),
+    ({"include": ["nonsense"]}, "include[0]", "invalid_value"),
     ({"stream_options": {"include_obfuscation": False}}, "stream_options", None),
     ({"stream": True, "stream_options": {"x": 1}}, "stream_options.x", "unknown_parameter"),
     ({"temperature": 2.5}, "temperature", None),
@@ -57,7 +59,7 @@ def refused(call, *args) -> APIError:
     ({"max_output_tokens": 0}, "max_output_tokens", None),
     ({"metadata": {"k": "v" * 513}}, "metadata", None),
     ({"text": {"format": {"type": "grammar"}}}, "text.format.type", None),
-    ({"text": {"verbosity": "high"}}, "text.verbosity", "unsupported_parameter"),
+    ({"text": {"verbosity": "loud"}}, "text.verbosity", None),
     ({"input": []}, "input", None),
 ])
 def test_fields_refused_name_the_parameter(extra, param, code):
@@ -107,7 +109,8 @@ def test_input_items_are_normalized():
     ({"role": "user", "content": []}, "input[0].content", "non-empty"),
     ({"role": "tool", "content": "x"}, "input[0].role", "expected"),
     ({"role": "user", "content": "x", "name": "bob"}, "input[0].name", "Unknown parameter"),
-    ({"type": "reasoning", "summary": []}, "input[0].type", "not supported"),
+    ({"type": "reasoning", "summary": [], "thoughts": "x"}, "input[0].thoughts", "Unknown parameter"),
+    ({"type": "local_shell_call", "id": "lsc_1"}, "input[0].type", "not supported"),
     ({"type": "item_reference", "id": "msg_1"}, "input[0].type", "not supported"),
     ({"type": "function_call", "call_id": "c", "name": "", "arguments": "{}"}, "input[0].name", "string"),
     ({"type": "function_call_output", "output": "x"}, "input[0].call_id", "string"),
@@ -149,27 +152,74 @@ def test_malformed_calls_in_the_history_are_named(items, first_new, param):
 
 
 def test_function_tools_map_to_chat_template_tools():
-    tools, mode, name = parse_tools(
+    offered = parse_tools(
         [{"type": "function", "name": "f", "description": "d", "parameters": {"type": "object"}, "strict": True},
          {"type": "function", "name": "g", "parameters": None, "strict": None}], {"type": "function", "name": "g"})
+    tools, mode, name = offered.tools, offered.mode, offered.name
     assert tools == [{"type": "function", "function": {"name": "f", "description": "d", "parameters": {"type": "object"},
                                                        "strict": True}},
                      {"type": "function", "function": {"name": "g", "description": "",
                                                        "parameters": {"type": "object", "properties": {}}}}]
     assert (mode, name) == ("named", "g")
-    allowed, mode, _ = parse_tools([{"type": "function", "name": n, "parameters": None} for n in "abc"],
-                                   {"type": "allowed_tools", "mode": "required",
-                                    "tools": [{"type": "function", "name": "b"}]})
-    assert [t["function"]["name"] for t in allowed] == ["b"] and mode == "required"
-    assert parse_tools(None, None) == ([], "auto", None) and parse_tools([], "none")[1] == "none"
+    allowed = parse_tools([{"type": "function", "name": n, "parameters": None} for n in "abc"],
+                          {"type": "allowed_tools", "mode": "required", "tools": [{"type": "function", "name": "b"}]})
+    assert [t["function"]["name"] for t in allowed.tools] == ["b"] and allowed.mode == "required"
+    assert parse_tools(None, None) == ToolSet() and parse_tools([], "none").mode == "none"
+
+
+def test_codex_tools_are_offered_as_the_model_can_call_them():
+    """Codex's default tools: functions, a namespace's functions (calls name it), a custom
+    (freeform) tool as a function of one string; hosted and deferred tools are not offered
+    and are named."""
+    offered = parse_tools([
+        {"type": "function", "name": "exec_command", "parameters": {"type": "object"}, "strict": False},
+        {"type": "namespace", "name": "multi_agent_v1", "description": "agents", "tools": [
+            {"type": "function", "name": "spawn_agent", "parameters": {"type": "object"}}]},
+        {"type": "custom", "name": "apply_patch", "description": "patch files",
+         "format": {"type": "grammar", "syntax": "lark", "definition": "start: /.+/"}},
+        {"type": "web_search", "external_web_access": False},
+        {"type": "function", "name": "later", "defer_loading": True},
+        {"type": "tool_search", "execution": "client"}], "auto")
+    assert [t["function"]["name"] for t in offered.tools] == ["exec_command", "spawn_agent", "apply_patch"]
+    assert offered.namespaces == {"spawn_agent": "multi_agent_v1"} and offered.custom == {"apply_patch"}
+    patch = offered.tools[2]["function"]
+    assert patch["parameters"]["required"] == ["input"] and "start: /.+/" in patch["description"]
+    assert offered.not_offered == ("web_search", "function:later", "tool_search")
+
+
+def test_codex_fields_are_taken():
+    """What Codex sends on every request validates and asks for nothing a model without
+    reasoning must do."""
+    req = check_fields({"model": "m", "input": "hi", "reasoning": {"summary": "auto", "effort": "medium"},
+                        "include": ["reasoning.encrypted_content"], "client_metadata": {"turn_id": "t"},
+                        "text": {"verbosity": "low"}, "store": False, "prompt_cache_key": "k"})
+    generation = to_generation(req, [], normalize_input(req.input, "m"))
+    assert generation.sampling.logprobs is None and generation.sampling.grammar is None
+
+
+def test_codex_history_items_render():
+    """A namespaced call, a custom tool's call and output, and a reasoning item (dropped)."""
+    items = normalize_input([
+        {"type": "message", "role": "user", "content": "go"},
+        {"type": "reasoning", "id": "rs_1", "summary": [], "encrypted_content": "xyz"},
+        {"type": "function_call", "call_id": "c1", "name": "spawn_agent", "arguments": "{}",
+         "namespace": "multi_agent_v1"},
+        {"type": "function_call_output", "call_id": "c1", "output": "spawned"},
+        {"type": "custom_tool_call", "call_id": "c2", "name": "apply_patch", "input": "*** Begin Patch"},
+        {"type": "custom_tool_call_output", "call_id": "c2", "output": "done"}], "m")
+    messages = chat_messages(None, items)
+    assert [m["role"] for m in messages] == ["user", "assistant", "tool", "assistant", "tool"]
+    assert messages[3]["tool_calls"][0]["function"] == {"name": "apply_patch", "arguments": {"input": "*** Begin Patch"}}
 
 
 @pytest.mark.parametrize("tools, choice, param", [
-    ([{"type": "web_search"}], None, "tools[0].type"),
+    ([{"type": "weather_station"}], None, "tools[0].type"),
+    ([{"type": "namespace", "name": "n", "tools": [{"type": "web_search"}]}], None, "tools[0].tools[0].type"),
+    ([{"type": "custom", "name": "c", "format": {"type": "grammar"}}], None, "tools[0].format"),
     (["f"], None, "tools[0].type"),
     ([{"type": "function", "name": ""}], None, "tools[0].name"),
     ([{"type": "function", "name": "f", "parameters": "x"}], None, "tools[0].parameters"),
-    ([{"type": "function", "name": "f", "defer_loading": True}], None, "tools[0].defer_loading"),
+    ([{"type": "function", "name": "f", "async": True}], None, "tools[0].async"),
     ([{"type": "function", "name": "f", "color": 1}], None, "tools[0].color"),
     ([], {"type": "mcp", "server_label": "x"}, "tool_choice"),
     ([], "sometimes", "tool_choice"),
@@ -284,6 +334,24 @@ def test_tool_calls_are_function_call_items():
     assert not any("obfuscation" in e for e in events)
     _, events = build({"parallel_tool_calls": False}, [Piece("", "tool_calls", (call, other))], "tool_calls")
     assert [item.type for item in Response.model_validate(events[-1]["response"]).output] == ["function_call"]
+
+
+def test_namespaced_and_custom_calls_are_their_items():
+    """A namespace's function is called with its namespace; a custom tool's call is a
+    ``custom_tool_call`` whose input is the string argument (the official types check
+    both, and the custom input's events)."""
+    tools = [{"type": "namespace", "name": "agents", "description": "d", "tools": [
+                 {"type": "function", "name": "spawn", "parameters": {"type": "object"}}]},
+             {"type": "custom", "name": "apply_patch"}, {"type": "web_search"}]
+    spawn = SimpleNamespace(id="call_1", name="spawn", arguments='{"task": "x"}')
+    patch = SimpleNamespace(id="call_2", name="apply_patch", arguments='{"input": "*** Begin Patch"}')
+    _, events = build({"stream": True, "tools": tools}, [Piece("", "tool_calls", (spawn, patch))], "tool_calls")
+    response = Response.model_validate(events[-1]["response"])
+    first, second = response.output
+    assert first.type == "function_call" and first.namespace == "agents"
+    assert second.type == "custom_tool_call" and (second.name, second.input) == ("apply_patch", "*** Begin Patch")
+    assert "response.custom_tool_call_input.done" in [e["type"] for e in events]
+    assert [t.type for t in response.tools] == ["namespace", "custom", "web_search"]
 
 
 def test_logprobs_only_when_included():

@@ -78,7 +78,7 @@ def test_store_false_is_not_kept(client):
 
 @pytest.mark.parametrize("body, param", [
     ({"input": "hi", "frobnicate": True}, "frobnicate"),
-    ({"input": "hi", "reasoning": {"effort": "high"}}, "reasoning"),
+    ({"input": "hi", "reasoning": {"effort": "huge"}}, "reasoning.effort"),
     ({"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "http://x/y.png"}]}],
       "_": None}, "input[0].content[0].type"),
     ({"input": "hi", "temperature": 3}, "temperature"),

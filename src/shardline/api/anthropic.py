@@ -32,7 +32,7 @@ from shardline.api.heartbeat import HEARTBEAT_S, Heartbeat
 from shardline.api.metrics import RequestMetrics
 from shardline.api.preparation import prepare, tokenize
 from shardline.api.request_body import parse_body
-from shardline.api.tools import ToolCall
+from shardline.api.tools import NOT_OFFERED_HEADER, ToolCall
 from shardline.models.tokenizer import Tokenizer
 from shardline.node.node import Node
 from shardline.node.queue_bound import QueueFullError
@@ -105,10 +105,11 @@ def router(node: Node, metrics: RequestMetrics | None = None, heartbeat_s: float
         except APIError as exc:
             return error_response(exc)
         message_id = f"msg_{uuid.uuid4().hex}"
+        headers = {NOT_OFFERED_HEADER: ", ".join(req.not_offered())} if req.not_offered() else {}
         if req.stream:
             return StreamingResponse(_stream(gen, req, message_id, applied, heartbeat_s),
                                      media_type="text/event-stream",
-                                     headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+                                     headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no", **headers})
         try:
             chunks, finish = await collect_unless_disconnected(gen, request)
         except InstanceFailedError as exc:
@@ -119,9 +120,10 @@ def router(node: Node, metrics: RequestMetrics | None = None, heartbeat_s: float
         text = "".join(c.text for c in chunks)
         calls = [_tool_use(call) for c in chunks for call in c.tool_calls]
         content = ([{"type": "text", "text": text}] if text or not calls else []) + calls
-        return dict(_message(gen, req, message_id, content, applied),
-                    stop_reason=reason, stop_sequence=sequence,
-                    usage={"input_tokens": len(gen.prompt), "output_tokens": gen.completion_tokens})
+        return JSONResponse(dict(_message(gen, req, message_id, content, applied),
+                                 stop_reason=reason, stop_sequence=sequence,
+                                 usage={"input_tokens": len(gen.prompt), "output_tokens": gen.completion_tokens}),
+                            headers=headers)
 
     @api.post("/v1/messages/count_tokens")
     async def count_tokens(request: Request):

@@ -139,7 +139,7 @@ class Tool(BaseModel):
     cache_control: dict | None = None
     strict: bool | None = None
     eager_input_streaming: bool | None = None  # how the client would like input streamed: one delta here
-    defer_loading: Literal[False] | None = None
+    defer_loading: bool | None = None  # true: found by a tool search, which is not run here: not offered
     input_examples: list[dict[str, Any]] | None = None  # examples for the model; not rendered
 
     def function(self) -> dict[str, Any]:
@@ -282,13 +282,19 @@ class CountTokensRequest(BaseModel):
             chat += m.chat()
         return chat
 
+    def not_offered(self) -> list[str]:
+        """The tools the model is not offered, as ``custom:name``: those with
+        ``defer_loading`` (Anthropic's tool search finds them; this server runs none)."""
+        return [f"custom:{t.name}" for t in self.tools or [] if t.defer_loading]
+
     def to_generation(self) -> GenerationRequest:
         """A last assistant message is the start of the reply (a prefill): continued, not
         answered with a new turn."""
         choice = self.tool_choice or ToolChoiceParam(type="auto")
         return GenerationRequest(model=self.model, prompt=self.chat(), api="anthropic", prompt_param="messages",
                                  continue_final_message=self.messages[-1].role == "assistant",
-                                 tools=[t.function() for t in self.tools or []], tool_choice=choice.choice(),
+                                 tools=[t.function() for t in self.tools or [] if not t.defer_loading],
+                                 tool_choice=choice.choice(),
                                  max_tool_calls=1 if choice.disable_parallel_tool_use else None)
 
 

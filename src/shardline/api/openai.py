@@ -238,6 +238,9 @@ class ChatCompletionRequest(SamplingFields):
     tools: Annotated[list[dict[str, Any]], Field(min_length=1)] | None = None
     tool_choice: Literal["none", "auto", "required"] | dict[str, Any] = "auto"
     parallel_tool_calls: bool = True
+    # a reasoning model's settings: a model that does not reason spends no effort (as vLLM takes them)
+    reasoning_effort: Literal["none", "minimal", "low", "medium", "high", "xhigh", "max"] | None = None
+    verbosity: Literal["low", "medium", "high"] | None = None
 
     @staticmethod
     def check_raw(data: Any) -> None:

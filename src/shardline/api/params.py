@@ -179,8 +179,10 @@ PARAMETERS: tuple[Param, ...] = (
           ("modalities", False, "text only", _REFUSED, (["text"],)),
           ("audio", False, "text only: no audio output", _REFUSED),
           ("prediction", False, "predicted outputs are not supported", _REFUSED),
-          ("reasoning_effort", False, "not a reasoning model", _REFUSED),
-          ("verbosity", False, "not supported (a reasoning models' setting)", _REFUSED),
+          ("reasoning_effort", True, "none to max: a model that does not reason spends no effort",
+           "test_reasoning_settings_are_not_spent"),
+          ("verbosity", True, "low, medium, high: a hint a model without that training does not follow",
+           "test_reasoning_settings_are_not_spent"),
           ("web_search_options", False, "no web search", _REFUSED),
           ("functions", False, "deprecated: use tools", _REFUSED),
           ("function_call", False, "deprecated: use tool_choice", _REFUSED),
@@ -211,14 +213,18 @@ PARAMETERS: tuple[Param, ...] = (
             "test_store_false_is_not_kept"),
            ("previous_response_id", True, "continues a stored response's conversation",
             "test_previous_response_id_continues_the_conversation"),
-           ("tools", True, "function tools, rendered by the chat template (strict as in Chat Completions)",
+           ("tools", True, "function and custom tools, and a namespace's, rendered by the chat template "
+            "(strict as in Chat Completions); hosted tools (web_search, file_search, mcp, ...) and deferred "
+            "ones are not offered to the model, named in the X-Shardline-Tools-Not-Offered header",
             "test_tools_e2e.py::test_responses_tool_round_trip"),
            ("tool_choice", True, "none, auto, required, a named function, allowed_tools",
             "test_tools_e2e.py::test_responses_tool_round_trip"),
            ("parallel_tool_calls", True, "false: at most one call", "test_responses_api.py::test_tool_calls_are_function_call_items"),
-           ("text", True, "format text, json_object, json_schema (constrained decoding); verbosity medium",
+           ("text", True, "format text, json_object, json_schema (constrained decoding); verbosity low, medium, "
+            "high: a hint a model without that training does not follow", "test_api_params_e2e.py::test_responses_format_and_logprobs"),
+           ("include", True, "message.output_text.logprobs; the reference's other values ask for items never "
+            "made here (reasoning, hosted tools' calls): nothing to include",
             "test_api_params_e2e.py::test_responses_format_and_logprobs"),
-           ("include", True, "message.output_text.logprobs only", "test_api_params_e2e.py::test_responses_format_and_logprobs"),
            ("top_logprobs", True, "0-20 alternatives per token (with the logprobs include)",
             "test_api_params_e2e.py::test_responses_format_and_logprobs"),
            ("metadata", True, "up to 16 pairs, echoed", "test_responses_api.py::test_fields_accepted"),
@@ -232,7 +238,10 @@ PARAMETERS: tuple[Param, ...] = (
            ("service_tier", True, "auto or default only (one tier)", "test_responses_api.py::test_fields_refused_name_the_parameter"),
            ("background", False, "background responses are not run (false only)",
             "test_responses_api.py::test_fields_refused_name_the_parameter", (False,)),
-           ("reasoning", False, "not a reasoning model (null values only)", "test_refused_fields_are_named"),
+           ("reasoning", True, "effort, summary, context: a model that does not reason spends no effort and "
+            "writes no summary", "test_responses_api.py::test_codex_fields_are_taken"),
+           ("client_metadata", True, "the client's own ids (Codex's): recorded nowhere",
+            "test_responses_api.py::test_codex_fields_are_taken"),
            *((name, False, "not supported", "test_responses_api.py::test_fields_refused_name_the_parameter", allowed)
              for name, allowed in (("access_programs", ()), ("background_options", ()), ("context_management", ([],)),
                                    ("conversation", ()), ("image", ()), ("moderation", ()), ("prompt", ()),

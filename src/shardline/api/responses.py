@@ -39,6 +39,7 @@ from shardline.api.responses_request import (
     normalize_input,
     to_generation,
 )
+from shardline.api.tools import NOT_OFFERED_HEADER
 from shardline.node.node import Node
 from shardline.node.queue_bound import QueueFullError
 from shardline.node.table import InstanceFailedError
@@ -101,10 +102,11 @@ def router(node: Node, metrics: RequestMetrics | None = None, store: ResponseSto
             return error_response(exc)
         builder = OutputBuilder(req, new_id("resp"), int(time.time()))
         items = history + new_items
+        headers = ({NOT_OFFERED_HEADER: ", ".join(builder.tools.not_offered)} if builder.tools.not_offered else {})
         if req.stream:
             return StreamingResponse(_stream(gen, builder, lambda r: keep(req, items, r), heartbeat_s),
                                      media_type="text/event-stream",
-                                     headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+                                     headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no", **headers})
         try:
             chunks, finish = await collect_unless_disconnected(gen, request)
         except InstanceFailedError as exc:
@@ -115,7 +117,7 @@ def router(node: Node, metrics: RequestMetrics | None = None, store: ResponseSto
             builder.feed(_piece(chunk))
         builder.finish(finish, usage_object(len(gen.prompt), gen.completion_tokens))
         keep(req, items, builder.response)
-        return builder.response
+        return JSONResponse(builder.response, headers=headers)
 
     @api.get("/v1/responses/{response_id}")
     async def retrieve(response_id: str, request: Request):

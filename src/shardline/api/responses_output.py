@@ -15,6 +15,7 @@ streaming events: ``response.created``, ``response.in_progress``,
 from __future__ import annotations
 
 import copy
+import json
 import time
 import uuid
 from dataclasses import dataclass
@@ -22,7 +23,7 @@ from typing import Any
 
 from shardline.api.logprobs import logprob_entry
 from shardline.api.openai import obfuscation
-from shardline.api.responses_request import LOGPROBS_INCLUDE, ResponsesRequest
+from shardline.api.responses_request import LOGPROBS_INCLUDE, ResponsesRequest, parse_tools
 
 
 def new_id(prefix: str) -> str:
@@ -51,9 +52,11 @@ def usage_object(prompt_tokens: int, output_tokens: int) -> dict:
 
 
 def echoed_tools(req: ResponsesRequest) -> list[dict]:
-    """The request's function tools as the response repeats them (``FunctionTool``)."""
+    """The request's tools as the response repeats them: function tools as ``FunctionTool``
+    (null fields filled), the others as they came."""
     return [{"type": "function", "name": t["name"], "description": t.get("description"),
-             "parameters": t.get("parameters"), "strict": t.get("strict")} for t in req.tools or []]
+             "parameters": t.get("parameters"), "strict": t.get("strict")} if t.get("type") == "function" else t
+            for t in req.tools or []]
 
 
 def response_skeleton(req: ResponsesRequest, response_id: str, created_at: int) -> dict:
@@ -84,8 +87,10 @@ class OutputBuilder:
     the streaming events that build them, numbered by ``sequence_number``.
 
     Text opens a ``message`` item (one ``output_text`` part) that a tool call or the end
-    closes; each tool call is a ``function_call`` item (with ``parallel_tool_calls``
-    false, the first call only). An output with neither gets an empty message.
+    closes; each tool call is a ``function_call`` item (with its ``namespace`` where the
+    function came from one), or a ``custom_tool_call`` item for a custom tool (with
+    ``parallel_tool_calls`` false, the first call only). An output with neither gets an
+    empty message.
     """
 
     def __init__(self, req: ResponsesRequest, response_id: str, created_at: int) -> None:
@@ -96,6 +101,7 @@ class OutputBuilder:
         self.sequence = 0
         self.message: dict | None = None  # the message item being written
         self.calls = 0
+        self.tools = parse_tools(req.tools, req.tool_choice)
 
     @property
     def output(self) -> list[dict]:
@@ -146,8 +152,12 @@ class OutputBuilder:
             return []
         self.calls += 1
         events = self._close_message("completed")
+        if call.name in self.tools.custom:
+            return events + self._custom_call(call)
         item = {"id": new_id("fc"), "type": "function_call", "status": "in_progress", "call_id": call.id,
                 "name": call.name, "arguments": ""}
+        if call.name in self.tools.namespaces:
+            item["namespace"] = self.tools.namespaces[call.name]
         self.output.append(item)
         index = len(self.output) - 1
         events.append(self._event("response.output_item.added", output_index=index, item=dict(item)))
@@ -156,6 +166,26 @@ class OutputBuilder:
                                             output_index=index, delta=call.arguments), call.arguments))
         events.append(self._event("response.function_call_arguments.done", item_id=item["id"], output_index=index,
                                   arguments=call.arguments))
+        events.append(self._event("response.output_item.done", output_index=index, item=dict(item)))
+        return events
+
+    def _custom_call(self, call: Any) -> list[dict]:
+        """A call of a custom tool: its ``input`` is the string the model gave as the
+        function's ``input`` argument (the arguments' JSON text where it gave no string)."""
+        arguments = json.loads(call.arguments)
+        text = arguments["input"] if isinstance(arguments.get("input"), str) else call.arguments
+        item: dict[str, Any] = {"id": new_id("ctc"), "type": "custom_tool_call", "status": "in_progress",
+                                "call_id": call.id, "name": call.name, "input": ""}
+        if call.name in self.tools.namespaces:
+            item["namespace"] = self.tools.namespaces[call.name]
+        self.output.append(item)
+        index = len(self.output) - 1
+        events = [self._event("response.output_item.added", output_index=index, item=dict(item))]
+        item["input"], item["status"] = text, "completed"
+        events.append(self._pad(self._event("response.custom_tool_call_input.delta", item_id=item["id"],
+                                            output_index=index, delta=text), text))
+        events.append(self._event("response.custom_tool_call_input.done", item_id=item["id"], output_index=index,
+                                  input=text))
         events.append(self._event("response.output_item.done", output_index=index, item=dict(item)))
         return events
 

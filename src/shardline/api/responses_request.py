@@ -14,6 +14,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import re
+from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
@@ -28,6 +29,19 @@ from shardline.runner.protocol import SamplingParams
 # Values of fields that work, which this server does not serve.
 SERVICE_TIERS = (None, "auto", "default")
 LOGPROBS_INCLUDE = "message.output_text.logprobs"
+INCLUDABLE = frozenset({
+    LOGPROBS_INCLUDE, "reasoning.encrypted_content", "file_search_call.results", "web_search_call.results",
+    "web_search_call.action.sources", "message.input_image.image_url", "computer_call_output.output.image_url",
+    "code_interpreter_call.outputs"})
+"""``include`` values of the reference: logprobs are given; the rest ask for parts of items
+this server never makes (reasoning, hosted tools' calls, images), so there is nothing to
+include (Codex asks for ``reasoning.encrypted_content`` on every request)."""
+REASONING = {"effort": (None, "none", "minimal", "low", "medium", "high", "xhigh", "max"),
+             "summary": (None, "auto", "concise", "detailed"), "generate_summary": (None, "auto", "concise", "detailed"),
+             "context": (None, "auto", "current_turn", "all_turns")}
+"""``reasoning``'s fields and values: a model that does not reason spends no effort and
+writes no summary, as OpenAI's non-reasoning models take it from clients that send it by
+default (Codex)."""
 TEXT_ONLY_PARTS = {"input_image", "input_file", "input_audio"}
 _FORMAT_NAME = re.compile(r"^[a-zA-Z0-9_-]{1,64}$")
 
@@ -61,6 +75,7 @@ class ResponsesRequest(BaseModel):
     service_tier: str | None = None
     background: bool | None = None
     reasoning: dict[str, Any] | None = None
+    client_metadata: dict[str, Any] | None = None
 
 
 def bad(message: str, param: str | None, code: str | None = None, status: int = 400) -> APIError:
@@ -100,11 +115,16 @@ def check_fields(body: Any) -> ResponsesRequest:
         raise unsupported("service_tier", f" '{req.service_tier}'")
     if req.background:
         raise unsupported("background", " (true)")
-    if req.reasoning is not None and any(v is not None for v in req.reasoning.values()):
-        raise bad(f"reasoning is not supported by model {req.model}", "reasoning", "unsupported_parameter")
+    for key, value in (req.reasoning or {}).items():
+        if key not in REASONING:
+            raise bad(f"Unknown parameter: 'reasoning.{key}'.", f"reasoning.{key}", "unknown_parameter")
+        if value not in REASONING[key]:
+            raise bad(f"Invalid value for 'reasoning.{key}': {value!r}. Supported values are: "
+                      f"{', '.join(repr(v) for v in REASONING[key] if v)}.", f"reasoning.{key}", "invalid_value")
     for index, item in enumerate(req.include or []):
-        if item != LOGPROBS_INCLUDE:
-            raise unsupported(f"include[{index}]", f" '{item}'")
+        if item not in INCLUDABLE:
+            raise bad(f"Invalid value for 'include[{index}]': {item!r}. Supported values are: "
+                      f"{', '.join(sorted(INCLUDABLE))}.", f"include[{index}]", "invalid_value")
     if req.top_logprobs and LOGPROBS_INCLUDE not in (req.include or []):
         raise bad(f"top_logprobs gives alternatives to the logprobs that include['{LOGPROBS_INCLUDE}'] "
                   "asks for; include it, or leave top_logprobs out", "top_logprobs")
@@ -134,7 +154,9 @@ NULL_ONLY: dict[str, tuple[Any, ...]] = {name: (None, *p.allowed) for name, p in
 
 _MESSAGE_KEYS = {"type", "role", "content", "id", "status", "phase"}
 _CALL_KEYS = {"type", "call_id", "name", "arguments", "id", "status", "namespace", "caller"}
+_CUSTOM_CALL_KEYS = {"type", "call_id", "name", "input", "id", "status", "namespace", "caller", "async"}
 _OUTPUT_KEYS = {"type", "call_id", "output", "id", "status", "name", "namespace", "caller"}
+_REASONING_KEYS = {"type", "id", "summary", "content", "encrypted_content", "status"}
 
 
 def _text_of(content: Any, model: str, where: str) -> str:
@@ -169,8 +191,11 @@ def _no_other_keys(item: dict, allowed: set[str], where: str) -> None:
 def normalize_input(input_: str | list[dict[str, Any]], model: str) -> list[dict]:
     """The request's ``input`` as canonical items: ``{"type": "message", "role",
     "content": [{"type": "input_text" | "output_text", "text"}]}``, ``{"type":
-    "function_call", "call_id", "name", "arguments"}`` and ``{"type":
-    "function_call_output", "call_id", "output"}`` (a string).
+    "function_call", "call_id", "name", "arguments"}`` (a ``custom_tool_call``'s ``input``
+    becomes ``{"input": ...}`` arguments) and ``{"type": "function_call_output", "call_id",
+    "output"}`` (a string; a ``custom_tool_call_output`` likewise). ``reasoning`` items (a
+    reasoning model's, sent back by clients such as Codex) are dropped: the models served
+    here do not read them.
 
     Raises:
         APIError: 400 naming the first offending item's field (``input[i]...``): an item
@@ -191,28 +216,31 @@ def normalize_input(input_: str | list[dict[str, Any]], model: str) -> list[dict
             text = _text_of(item.get("content"), model, f"{at}.content")
             part = "output_text" if role == "assistant" else "input_text"
             items.append({"type": "message", "role": role, "content": [{"type": part, "text": text}]})
-        elif kind == "function_call":
-            _no_other_keys(item, _CALL_KEYS, at)
-            for key in ("call_id", "name", "arguments"):
-                if not isinstance(item.get(key), str) or (key != "arguments" and not item[key]):
+        elif kind in ("function_call", "custom_tool_call"):
+            custom = kind == "custom_tool_call"
+            _no_other_keys(item, _CUSTOM_CALL_KEYS if custom else _CALL_KEYS, at)
+            for key in ("call_id", "name", "input" if custom else "arguments"):
+                if not isinstance(item.get(key), str) or (key in ("call_id", "name") and not item[key]):
                     raise bad(f"{at}.{key}: a string is required", f"{at}.{key}")
-            if item.get("namespace") is not None:
-                raise unsupported(f"{at}.namespace")
             if item.get("caller") not in (None, {"type": "direct"}):
                 raise unsupported(f"{at}.caller")
+            arguments = json.dumps({"input": item["input"]}, ensure_ascii=False) if custom else item["arguments"]
             items.append({"type": "function_call", "call_id": item["call_id"], "name": item["name"],
-                          "arguments": item["arguments"]})
-        elif kind == "function_call_output":
+                          "arguments": arguments})
+        elif kind in ("function_call_output", "custom_tool_call_output"):
             _no_other_keys(item, _OUTPUT_KEYS, at)
             if not isinstance(item.get("call_id"), str) or not item["call_id"]:
                 raise bad(f"{at}.call_id: a string is required", f"{at}.call_id")
-            if item.get("namespace") is not None or item.get("caller") not in (None, {"type": "direct"}):
-                raise unsupported(f"{at}.{'namespace' if item.get('namespace') is not None else 'caller'}")
+            if item.get("caller") not in (None, {"type": "direct"}):
+                raise unsupported(f"{at}.caller")
             output = _text_of(item.get("output"), model, f"{at}.output")
             items.append({"type": "function_call_output", "call_id": item["call_id"], "output": output})
+        elif kind == "reasoning":
+            _no_other_keys(item, _REASONING_KEYS, at)
         else:
-            raise bad(f"{at}.type: input items of type {kind!r} are not supported by this server "
-                      "(message, function_call and function_call_output are)", f"{at}.type", "unsupported_parameter")
+            raise bad(f"{at}.type: input items of type {kind!r} are not supported by this server (message, "
+                      "function_call, custom_tool_call, their outputs and reasoning are)", f"{at}.type",
+                      "unsupported_parameter")
     return items
 
 
@@ -239,9 +267,10 @@ def chat_messages(instructions: str | None, items: list[dict], first_new: int = 
             role = "system" if item["role"] == "developer" else item["role"]
             text = "".join(p.get("text", p.get("refusal", "")) for p in item["content"])
             messages.append({"role": role, "content": text})
-        elif kind == "function_call":
+        elif kind in ("function_call", "custom_tool_call"):  # a stored response's output holds the latter
             try:
-                arguments = json.loads(item["arguments"] or "{}")
+                arguments = ({"input": item["input"]} if kind == "custom_tool_call"
+                             else json.loads(item["arguments"] or "{}"))
             except json.JSONDecodeError:
                 arguments = None
             if not isinstance(arguments, dict):
@@ -267,53 +296,153 @@ def chat_messages(instructions: str | None, items: list[dict], first_new: int = 
 
 _TOOL_KEYS = {"type", "name", "description", "parameters", "strict", "defer_loading", "allowed_callers",
               "output_schema", "async"}
+_CUSTOM_KEYS = {"type", "name", "description", "format", "defer_loading", "allowed_callers", "async"}
+HOSTED_TOOLS = frozenset({
+    "web_search", "web_search_2025_08_26", "web_search_preview", "web_search_preview_2025_03_11", "file_search",
+    "code_interpreter", "image_generation", "computer", "computer_use_preview", "mcp", "local_shell", "shell",
+    "apply_patch", "tool_search", "programmatic_tool_calling"})
+"""Tool types of the Responses API that the platform runs or that need a built-in call
+format (web search, code interpreter, MCP, shell, ...). This server runs none of them, so
+the model is not offered them: the request is served with the others, and the response
+says which were left out (:attr:`ToolSet.not_offered`), as a hosted tool the server cannot
+run is one the model cannot call."""
 
 
-def parse_tools(tools: list[dict] | None, choice: str | dict | None) -> tuple[list[dict], str, str | None]:
-    """Function tools and ``tool_choice`` as (chat-template tools ``[{"type": "function",
-    "function": {"name", "description", "parameters"}}]``, mode ``none | auto | required |
-    named``, the named function). ``allowed_tools`` narrows the tools to those it lists.
+@dataclass(frozen=True)
+class ToolSet:
+    """A request's ``tools`` and ``tool_choice`` as the model is offered them.
+
+    Attributes:
+        tools: chat-template tools ``[{"type": "function", "function": {"name",
+            "description", "parameters"}}]``: function tools, a namespace's tools, and
+            custom (freeform) tools as a function of one string argument ``input``.
+        mode: ``none | auto | required | named``; ``name`` the named function.
+        namespaces: the namespace of each function offered from a ``namespace`` tool, by
+            name (its calls are ``function_call`` items with that ``namespace``).
+        custom: the names of custom tools (their calls are ``custom_tool_call`` items).
+        not_offered: the tools left out, as ``type`` or ``type:name`` (hosted tools, and
+            tools deferred to a tool search this server does not run).
+    """
+
+    tools: list[dict] = field(default_factory=list)
+    mode: str = "auto"
+    name: str | None = None
+    namespaces: dict[str, str] = field(default_factory=dict)
+    custom: frozenset[str] = frozenset()
+    not_offered: tuple[str, ...] = ()
+
+
+def _function_tool(tool: dict, at: str) -> dict:
+    """A ``function`` tool as a chat-template tool (checked).
 
     Raises:
-        APIError: 400 naming ``tools[i]...`` or ``tool_choice`` for tools other than
-            function tools, malformed ones, and choices other than these.
+        APIError: 400 naming ``at``'s field.
+    """
+    _no_other_keys(tool, _TOOL_KEYS, at)
+    for key, ok in (("allowed_callers", (None, ["direct"])), ("output_schema", (None,)), ("async", (None, False))):
+        if tool.get(key) not in ok:
+            raise unsupported(f"{at}.{key}")
+    name, params = tool.get("name"), tool.get("parameters")
+    if not isinstance(name, str) or not name:
+        raise bad(f"{at}.name: a non-empty string is required", f"{at}.name")
+    if params is not None and not isinstance(params, dict):
+        raise bad(f"{at}.parameters: a JSON schema object is required", f"{at}.parameters")
+    if tool.get("strict") not in (None, True, False) or not isinstance(tool.get("description") or "", str):
+        raise bad(f"{at}: strict must be a boolean and description a string", at)
+    function = {"name": name, "description": tool.get("description") or "",
+                "parameters": params if params is not None else {"type": "object", "properties": {}}}
+    if tool.get("strict"):  # checked and held to as in Chat Completions (api.tools)
+        function["strict"] = True
+    return {"type": "function", "function": function}
+
+
+def _custom_tool(tool: dict, at: str) -> dict:
+    """A ``custom`` (freeform) tool as a chat-template function of one string, ``input``;
+    its format (a Lark or regex grammar) is told to the model in the description.
+
+    Raises:
+        APIError: 400 naming ``at``'s field.
+    """
+    _no_other_keys(tool, _CUSTOM_KEYS, at)
+    for key, ok in (("allowed_callers", (None, ["direct"])), ("async", (None, False))):
+        if tool.get(key) not in ok:
+            raise unsupported(f"{at}.{key}")
+    name, fmt = tool.get("name"), tool.get("format") or {"type": "text"}
+    if not isinstance(name, str) or not name:
+        raise bad(f"{at}.name: a non-empty string is required", f"{at}.name")
+    if not isinstance(fmt, dict) or fmt.get("type") not in ("text", "grammar"):
+        raise bad(f"{at}.format.type: expected text or grammar", f"{at}.format.type")
+    described = tool.get("description") or ""
+    if fmt["type"] == "grammar":
+        if not isinstance(fmt.get("definition"), str) or fmt.get("syntax") not in ("lark", "regex"):
+            raise bad(f"{at}.format: a grammar needs a definition and a syntax, lark or regex", f"{at}.format")
+        described += f"\n\nThe input follows this {fmt['syntax']} grammar:\n{fmt['definition']}"
+    return {"type": "function", "function": {
+        "name": name, "description": described.strip(),
+        "parameters": {"type": "object", "properties": {"input": {"type": "string", "description": "the tool's input"}},
+                       "required": ["input"]}}}
+
+
+def parse_tools(tools: list[dict] | None, choice: str | dict | None) -> ToolSet:
+    """``tools`` and ``tool_choice`` as the model is offered them (:class:`ToolSet`):
+    function and custom tools, the tools of a ``namespace``; hosted tools and tools with
+    ``defer_loading`` are left out and named. ``allowed_tools`` narrows the tools to those
+    it lists.
+
+    Raises:
+        APIError: 400 naming ``tools[i]...`` or ``tool_choice`` for malformed tools, a tool
+            type the API does not have, and choices other than these (or naming a tool
+            the model is not offered).
     """
     out: list[dict] = []
+    namespaces: dict[str, str] = {}
+    custom: set[str] = set()
+    not_offered: list[str] = []
+
+    def offer(tool: Any, at: str, namespace: str | None = None) -> None:
+        kind = tool.get("type") if isinstance(tool, dict) else tool
+        if kind not in ("function", "custom") or not isinstance(tool, dict):
+            raise bad(f"{at}.type: expected function or custom inside a namespace, got {kind!r}", f"{at}.type")
+        if tool.get("defer_loading") not in (None, False):
+            not_offered.append(f"{kind}:{tool.get('name')}")
+            return
+        out.append(_function_tool(tool, at) if kind == "function" else _custom_tool(tool, at))
+        if kind == "custom":
+            custom.add(tool["name"])
+        if namespace is not None:
+            namespaces[tool["name"]] = namespace
+
     for index, tool in enumerate(tools or []):
         at = f"tools[{index}]"
-        if not isinstance(tool, dict) or tool.get("type") != "function":
-            kind = tool.get("type") if isinstance(tool, dict) else tool
-            raise bad(f"{at}.type: tools of type {kind!r} are not supported by this server (function tools are)",
-                      f"{at}.type", "unsupported_parameter")
-        _no_other_keys(tool, _TOOL_KEYS, at)
-        for key, ok in (("defer_loading", (None, False)), ("allowed_callers", (None, ["direct"])),
-                        ("output_schema", (None,)), ("async", (None, False))):
-            if tool.get(key) not in ok:
-                raise unsupported(f"{at}.{key}")
-        name, params = tool.get("name"), tool.get("parameters")
-        if not isinstance(name, str) or not name:
-            raise bad(f"{at}.name: a non-empty string is required", f"{at}.name")
-        if params is not None and not isinstance(params, dict):
-            raise bad(f"{at}.parameters: a JSON schema object is required", f"{at}.parameters")
-        if tool.get("strict") not in (None, True, False) or not isinstance(tool.get("description") or "", str):
-            raise bad(f"{at}: strict must be a boolean and description a string", at)
-        function = {"name": name, "description": tool.get("description") or "",
-                    "parameters": params if params is not None else {"type": "object", "properties": {}}}
-        if tool.get("strict"):  # checked and held to as in Chat Completions (api.tools)
-            function["strict"] = True
-        out.append({"type": "function", "function": function})
+        kind = tool.get("type") if isinstance(tool, dict) else tool
+        if kind in HOSTED_TOOLS:
+            not_offered.append(str(kind))
+        elif kind == "namespace":
+            _no_other_keys(tool, {"type", "name", "description", "tools"}, at)
+            if not isinstance(tool.get("name"), str) or not isinstance(tool.get("tools"), list):
+                raise bad(f"{at}: a namespace needs a name and a list of tools", at)
+            for inner, member in enumerate(tool["tools"]):
+                offer(member, f"{at}.tools[{inner}]", tool["name"])
+        elif kind in ("function", "custom"):
+            offer(tool, at)
+        else:
+            raise bad(f"{at}.type: tools of type {kind!r} are not known to this server (function, custom, "
+                      "namespace and the hosted tools are)", f"{at}.type", "unsupported_parameter")
+    found = ToolSet(out, namespaces=namespaces, custom=frozenset(custom), not_offered=tuple(not_offered))
     if choice is None or choice in ("none", "auto", "required"):
-        return out, str(choice or "auto"), None
-    if isinstance(choice, dict) and choice.get("type") == "function" and set(choice) == {"type", "name"}:
-        return out, "named", str(choice["name"])
+        return dataclasses.replace(found, mode=str(choice or "auto"))
+    if isinstance(choice, dict) and choice.get("type") in ("function", "custom") and set(choice) == {"type", "name"}:
+        return dataclasses.replace(found, mode="named", name=str(choice["name"]))
     if isinstance(choice, dict) and choice.get("type") == "allowed_tools" and choice.get("mode") in ("auto", "required"):
         listed = choice.get("tools")
-        if not isinstance(listed, list) or any(not isinstance(t, dict) or t.get("type") != "function" for t in listed):
+        if not isinstance(listed, list) or any(not isinstance(t, dict) or t.get("type") not in ("function", "custom")
+                                               for t in listed):
             raise bad("tool_choice.tools: a list of {type: function, name} is required", "tool_choice.tools")
         allowed = {t.get("name") for t in listed}
-        return [t for t in out if t["function"]["name"] in allowed], choice["mode"], None
-    raise bad("tool_choice: none, auto, required, {type: function, name} or {type: allowed_tools} "
-              "(hosted, custom and MCP tools are not supported by this server)", "tool_choice",
+        return dataclasses.replace(found, tools=[t for t in out if t["function"]["name"] in allowed],
+                                   mode=choice["mode"])
+    raise bad("tool_choice: none, auto, required, {type: function, name}, {type: custom, name} or "
+              "{type: allowed_tools} (hosted and MCP tools are not run by this server)", "tool_choice",
               "unsupported_parameter")
 
 
@@ -326,8 +455,8 @@ def text_format(text: dict | None) -> tuple[str, dict | None]:
     """
     text = text or {}
     _no_other_keys(text, {"format", "verbosity"}, "text")
-    if text.get("verbosity") not in (None, "medium"):
-        raise unsupported("text.verbosity", f" '{text['verbosity']}'")
+    if text.get("verbosity") not in (None, "low", "medium", "high"):
+        raise bad(f"text.verbosity: expected low, medium or high, got {text['verbosity']!r}", "text.verbosity")
     fmt = text.get("format") or {"type": "text"}
     kind = fmt.get("type") if isinstance(fmt, dict) else None
     if kind in ("text", "json_object"):
@@ -369,7 +498,8 @@ def to_generation(req: ResponsesRequest, history: list[dict], new_items: list[di
             lacks them, for tools, function-call items and JSON formats (named).
     """
     messages = chat_messages(req.instructions, history + new_items, len(history))
-    tools, mode, name = parse_tools(req.tools, req.tool_choice)
+    offered = parse_tools(req.tools, req.tool_choice)
+    tools, mode, name = offered.tools, offered.mode, offered.name
     params = sampling(req)
     extra: dict[str, Any] = {}
     if tools or any("tool_calls" in m or m["role"] == "tool" for m in messages):

@@ -52,6 +52,11 @@ PYTHON_TAG = "<|python_tag|>"
 TOOL_CALLS = "[TOOL_CALLS]"
 FENCE = "```"
 
+NOT_OFFERED_HEADER = "X-Shardline-Tools-Not-Offered"
+"""The response header that names the request's tools the model was not offered (hosted
+tools this server does not run, tools deferred to a tool search), as ``type`` or
+``type:name``, comma-separated."""
+
 TOOL_NAME = re.compile(r"[A-Za-z0-9_.:\-]{1,128}")
 """Tool names accepted: OpenAI's ``^[a-zA-Z0-9_-]{1,64}$`` widened to Anthropic's length
 and the dots and colons some MCP servers use. Nothing in it needs escaping in JSON."""
