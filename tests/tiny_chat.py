@@ -92,6 +92,8 @@ LLAMA_STYLE_TEMPLATE = r"""
 TEMPLATES = {"qwen": QWEN_STYLE_TEMPLATE, "llama": LLAMA_STYLE_TEMPLATE}
 
 
+END_OF_TURN = 2
+"""SmolLM2's ``<|im_end|>``, the end of a turn in both templates here."""
 MARKER_TOKENS = {"<tool_call>": 49152, "</tool_call>": 49153}
 """The ids of the call markers a ``marker_tokens`` tokenizer adds to SmolLM2's 49152."""
 
@@ -121,11 +123,19 @@ def write_chat_tokenizer(directory: Path, style: str, marker_tokens: bool = Fals
 
 
 def write_tiny_chat_model(directory: Path, style: str, *, layers: int = 2, seed: int = 0,
-                          marker_tokens: bool = False) -> Path:
+                          marker_tokens: bool = False, context: int = 4096, ends_at_once: bool = False) -> Path:
     """A tiny random-weight model directory (safetensors, float32, hidden size 64, tied
-    embeddings, context 4096) with SmolLM2's tokenizer (with the call markers as special
-    tokens where ``marker_tokens``: :func:`write_chat_tokenizer`) and the ``style`` chat
-    template: Qwen2 architecture for "qwen", Llama for "llama". Takes a few seconds."""
+    embeddings, trained context ``context``) with SmolLM2's tokenizer (with the call
+    markers as special tokens where ``marker_tokens``: :func:`write_chat_tokenizer`) and
+    the ``style`` chat template: Qwen2 architecture for "qwen", Llama for "llama". Takes a
+    few seconds.
+
+    ``ends_at_once``: untied embeddings set so that the end of turn (``<|im_end|>``, id 2)
+    outweighs every other token by ~30 logits whatever the context, so an answer ends at
+    once at any temperature up to 2 and any ``max_tokens`` (what a replay of a client's
+    request with ``max_tokens`` 32000 needs): every token's embedding carries 200 in
+    dimension 0, which the layers' small outputs leave the largest part of the residual,
+    and only the end token's head row reads that dimension."""
     import torch
     import transformers
     from tiny_models import randomize, save_hf
@@ -134,8 +144,8 @@ def write_tiny_chat_model(directory: Path, style: str, *, layers: int = 2, seed:
         raise ValueError(f"style must be one of {sorted(TEMPLATES)}, got {style!r}")
     transformers.logging.set_verbosity_error()
     kwargs = dict(vocab_size=49152 + (len(MARKER_TOKENS) if marker_tokens else 0), hidden_size=64, intermediate_size=128, num_hidden_layers=layers,
-                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=4096,
-                  rms_norm_eps=1e-6, rope_theta=10000.0, tie_word_embeddings=True,
+                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=context,
+                  rms_norm_eps=1e-6, rope_theta=10000.0, tie_word_embeddings=not ends_at_once,
                   bos_token_id=None, eos_token_id=None, pad_token_id=None)
     if style == "qwen":
         config = transformers.Qwen2Config(use_sliding_window=False, **kwargs)
@@ -146,5 +156,11 @@ def write_tiny_chat_model(directory: Path, style: str, *, layers: int = 2, seed:
     torch.manual_seed(seed)
     model = model.to(torch.float32).eval()
     randomize(model, seed)
+    if ends_at_once:
+        with torch.no_grad():
+            model.model.embed_tokens.weight[:, 0] = 200.0
+            model.model.norm.weight[0] = 1.0
+            model.lm_head.weight[:, 0] = 0.0
+            model.lm_head.weight[END_OF_TURN, 0] = 4.0
     save_hf(model, Path(directory))
     return write_chat_tokenizer(Path(directory), style, marker_tokens)  # its generation_config.json: the end tokens
