@@ -140,3 +140,14 @@ def test_malformed_reasoning_is_refused(extra, named):
     with pytest.raises(APIError) as caught:
         parse_raw(_body(**extra), MessagesRequest)
     assert caught.value.status == 400 and named in caught.value.message
+
+
+def test_deferred_tools_are_not_offered():
+    """A tool with defer_loading is for a tool search, which is not run here: the model is
+    not offered it, and the request says so (Claude Code's DeferredToolPlaceholder)."""
+    req = MessagesRequest.model_validate({"model": "m", "max_tokens": 8, "messages": [{"role": "user", "content": "hi"}],
+                                          "tools": [{"name": "Bash", "input_schema": {"type": "object"}},
+                                                    {"name": "Later", "input_schema": {"type": "object"},
+                                                     "defer_loading": True}]})
+    assert [t["function"]["name"] for t in req.to_generation().tools] == ["Bash"]
+    assert req.not_offered() == ["custom:Later"]

@@ -1,5 +1,5 @@
 """The cluster commands of the ``shardline`` CLI: ``nodes``, ``instances``, ``place``,
-``delete`` and ``models``.
+``delete``, ``connect`` and ``models``.
 
 All but ``models add`` / ``models remove`` are clients of a running node's cluster API
 (``--url``, default ``$SHARDLINE_URL`` or ``http://127.0.0.1:52415``; any node answers for
@@ -194,6 +194,22 @@ def _instances(args: argparse.Namespace) -> None:
     _console().print(table if data["instances"] else "no instances")
 
 
+def _connect(args: argparse.Namespace) -> None:
+    """Print the settings that point ``args.client`` at a ready model (``--model``, else the
+    only one; with several, the first placed), with its context (:mod:`shardline.connect`)."""
+    from shardline.connect import connection
+
+    ready = [i for i in _request(args, "GET", "/cluster/instances")["instances"] if i["status"] == "ready"]
+    if args.model is not None:
+        ready = [i for i in ready if i["model_id"] == args.model]
+    if not ready:
+        which = f"model {args.model!r} is" if args.model else "no model is"
+        raise CommandError(f"{which} ready on the cluster: place one first (`shardline place MODEL`)")
+    chosen = ready[0]
+    key = args.api_key or os.environ.get("SHARDLINE_API_KEY")
+    print(connection(args.client, args.url, chosen["model_id"], chosen["context"], key).text(), end="")
+
+
 def node_url(text: str) -> str:
     """A node's base URL (argparse type): ``http://`` put before an address given without
     a scheme (``127.0.0.1:8000``), as curl reads it, and the default port (52415) after
@@ -381,6 +397,7 @@ def _run(func):
 
 def add_commands(sub, default_port: int) -> None:
     """Add the cluster commands to the ``shardline`` parser's subparsers."""
+    from shardline.connect import CLIENTS
     from shardline.models.store import DEFAULT_MODEL_ID
     from shardline.placement.ranks import SHARDING_NAMES
 
@@ -430,6 +447,9 @@ def add_commands(sub, default_port: int) -> None:
     place.add_argument("--timeout", type=float, default=600.0, help="seconds to wait (default %(default)s)")
     delete = client("delete", "delete an instance (its runners stop on every node)", _delete)
     delete.add_argument("instance_id")
+    connect = client("connect", "print the settings that point a coding agent at a placed model", _connect)
+    connect.add_argument("client", choices=CLIENTS, help="the agent: Claude Code, Codex, opencode, aider or llm")
+    connect.add_argument("--model", default=None, help="a ready model's id (default: the one placed first)")
 
     models = sub.add_parser("models", help="the models of the cluster and of this machine's store")
     models_sub = models.add_subparsers(dest="models_command", required=True)

@@ -260,7 +260,9 @@ PARAMETERS: tuple[Param, ...] = (
            "test_anthropic_e2e.py::test_a_stop_sequence_ends_the_message_and_is_named"),
           ("stream", True, "Anthropic's event stream", "test_anthropic_e2e.py::test_streamed_events_follow_anthropics_order"),
           ("metadata", True, "user_id: an end-user id, recorded nowhere", "test_identifiers_are_accepted"),
-          ("tools", True, "client tools {name, description, input_schema}", "test_tools_e2e.py::test_anthropic_tool_round_trip"),
+          ("tools", True, "client tools {name, description, input_schema}; those with defer_loading (for a "
+           "tool search, not run here) not offered, named in the X-Shardline-Tools-Not-Offered header",
+           "test_tools_e2e.py::test_anthropic_tool_round_trip"),
           ("tool_choice", True, "auto, any, tool (forced by grammar), none", "test_tools_e2e.py::test_anthropic_tool_round_trip"),
           ("output_config", True, "format json_schema: constrained decoding; effort: no effect on a model "
            "that does not reason", "test_anthropic_output_format_parses"),

@@ -1,0 +1,140 @@
+"""The settings that point a coding agent at a placed model: ``shardline connect CLIENT``.
+
+:func:`connection` (pure) gives, for one client and one model, the environment, the
+configuration files and the command line; docs/clients.md shows the same for each client,
+and tests/test_agents_live_e2e.py runs each real client with exactly these settings.
+
+The clients and what they read (their own documentation is the source):
+
+- ``claude``: Claude Code, Anthropic Messages. ``ANTHROPIC_BASE_URL``,
+  ``ANTHROPIC_AUTH_TOKEN`` (sent as ``Authorization: Bearer``), ``ANTHROPIC_MODEL`` and
+  the ``ANTHROPIC_DEFAULT_{OPUS,SONNET,HAIKU}_MODEL`` aliases (its background tasks ask
+  for the Haiku alias), ``CLAUDE_CODE_SUBAGENT_MODEL``, ``CLAUDE_CODE_MAX_OUTPUT_TOKENS``,
+  ``CLAUDE_CODE_DISABLE_NONESSENTIAL_TRAFFIC`` (no telemetry or update checks).
+- ``codex``: Codex CLI, OpenAI Responses. ``~/.codex/config.toml``: a model provider with
+  ``base_url`` and ``wire_api = "responses"``, ``model``, ``model_context_window``.
+- ``opencode``: opencode, Chat Completions through ``@ai-sdk/openai-compatible`` (bundled
+  in its binary). ``opencode.json``: the provider, the model and its ``limit`` (opencode
+  asks for ``limit.output`` tokens, 32,000 when unset, which a smaller context refuses).
+- ``aider``: aider, Chat Completions through LiteLLM. ``--model openai/ID``,
+  ``--openai-api-base``, ``--openai-api-key``; ``~/.aider.model.metadata.json`` gives
+  LiteLLM the model's context.
+- ``llm``: Simon Willison's llm, Chat Completions. ``extra-openai-models.yaml`` in its user
+  directory.
+"""
+
+from __future__ import annotations
+
+import json
+import shlex
+from dataclasses import dataclass, field
+
+CLIENTS = ("claude", "codex", "opencode", "aider", "llm")
+NO_KEY = "shardline"
+"""The key a client is given where the cluster has none: each client insists on one, and
+a node without an API key takes any."""
+
+
+@dataclass(frozen=True)
+class Connection:
+    """How to run one client against one model.
+
+    Attributes:
+        client: one of :data:`CLIENTS`.
+        env: environment variables to set.
+        files: configuration files, by path (``~`` is the home directory; a relative path
+            is the project's folder), with their whole content.
+        command: the command line that starts the client (interactive).
+        notes: what else to know, one line each.
+    """
+
+    client: str
+    env: dict[str, str] = field(default_factory=dict)
+    files: dict[str, str] = field(default_factory=dict)
+    command: tuple[str, ...] = ()
+    notes: tuple[str, ...] = ()
+
+    def text(self) -> str:
+        """The settings as ``shardline connect`` prints them: the environment as shell
+        lines to paste, each file's content under its path (to write, or to merge into the
+        file where it exists: it may hold other settings), the command, then the notes."""
+        lines = [f"# {self.client}"]
+        if self.env:
+            lines += ["# environment:"] + [f"export {name}={shlex.quote(value)}" for name, value in self.env.items()]
+        for path, content in self.files.items():
+            lines += [f"# file {path}:", content.rstrip("\n")]
+        lines += ["# then run:", shlex.join(self.command)]
+        lines += [f"# {note}" for note in self.notes]
+        return "\n".join(lines) + "\n"
+
+
+def output_tokens(context: int) -> int:
+    """The completion tokens a client is told to ask for: a quarter of the context (the
+    rest for the prompt: an agent's system prompt and tools alone are 6-19 thousand
+    tokens), at most 32,000 (what Claude Code and opencode ask for by default)."""
+    return min(32_000, max(256, context // 4))
+
+
+AGENT_CONTEXT = 32768
+"""The context an agent needs: its own system prompt and tools take 6-19 thousand tokens
+(Codex's and opencode's first requests 6.7-8.2 thousand with SmolLM2's tokenizer, Claude
+Code's more), before the conversation and the answer."""
+
+
+def _context_note(context: int) -> tuple[str, ...]:
+    if context >= AGENT_CONTEXT:
+        return ()
+    return (f"this model's context is {context} tokens; an agent's own prompt and tools take 6-19 thousand: "
+            f"place it with --context {AGENT_CONTEXT} or more where its trained context allows",)
+
+
+def connection(client: str, base_url: str, model: str, context: int, api_key: str | None = None) -> Connection:
+    """The settings of ``client`` for ``model`` (served with ``context`` tokens) at the node
+    ``base_url`` (``http://host:port``, no path).
+
+    Raises:
+        ValueError: a client not in :data:`CLIENTS`.
+    """
+    key = api_key or NO_KEY
+    out = output_tokens(context)
+    v1 = f"{base_url}/v1"
+    if client == "claude":
+        return Connection(client, env={
+            "ANTHROPIC_BASE_URL": base_url, "ANTHROPIC_AUTH_TOKEN": key, "ANTHROPIC_MODEL": model,
+            "ANTHROPIC_DEFAULT_OPUS_MODEL": model, "ANTHROPIC_DEFAULT_SONNET_MODEL": model,
+            "ANTHROPIC_DEFAULT_HAIKU_MODEL": model, "CLAUDE_CODE_SUBAGENT_MODEL": model,
+            "CLAUDE_CODE_MAX_OUTPUT_TOKENS": str(out), "CLAUDE_CODE_DISABLE_NONESSENTIAL_TRAFFIC": "1"},
+            command=("claude",), notes=_context_note(context) + (
+                "Claude Code takes its window for 200,000 tokens; a conversation past the model's context gets "
+                "Anthropic's 'prompt is too long' error, which Claude Code shows: /compact shortens it",))
+    if client == "codex":
+        provider = [f'model = "{model}"', 'model_provider = "shardline"', f"model_context_window = {context}",
+                    "", "[model_providers.shardline]", 'name = "shardline"',
+                    f'base_url = "{v1}"', 'wire_api = "responses"', 'env_key = "SHARDLINE_API_KEY"']
+        return Connection(client, env={"SHARDLINE_API_KEY": key}, files={"~/.codex/config.toml": "\n".join(provider)},
+                          command=("codex",), notes=_context_note(context) + (
+                              "hosted tools (web_search) are not run by shardline: they are left out of the "
+                              "model's tools and named in the X-Shardline-Tools-Not-Offered header",))
+    if client == "opencode":
+        config = {"$schema": "https://opencode.ai/config.json", "model": f"shardline/{model}", "provider": {
+            "shardline": {"npm": "@ai-sdk/openai-compatible", "name": "shardline",
+                          "options": {"baseURL": v1, "apiKey": key},
+                          "models": {model: {"name": model, "tool_call": True,
+                                             "limit": {"context": context, "output": out}}}}}}
+        return Connection(client, files={"opencode.json": json.dumps(config, indent=2)}, command=("opencode",),
+                          notes=_context_note(context) + ("opencode.json goes in the project's folder (or ~/.config/opencode/opencode.json "
+                                 "for every project)",))
+    if client == "aider":
+        metadata = {f"openai/{model}": {"max_input_tokens": context - out, "max_output_tokens": out,
+                                        "max_tokens": out, "input_cost_per_token": 0.0,
+                                        "output_cost_per_token": 0.0, "litellm_provider": "openai", "mode": "chat"}}
+        return Connection(client, files={"~/.aider.model.metadata.json": json.dumps(metadata, indent=2)},
+                          command=("aider", "--model", f"openai/{model}", "--openai-api-base", v1,
+                                   "--openai-api-key", key))
+    if client == "llm":
+        entry = f"- model_id: {model}\n  model_name: {model}\n  api_base: \"{v1}\"\n  supports_tools: true\n"
+        return Connection(client, files={"~/.config/io.datasette.llm/extra-openai-models.yaml": entry},
+                          command=("llm", "-m", model, "--key", key, "hello"), notes=(
+                              "the file lives in llm's user directory: `dirname \"$(llm logs path)\"` prints it "
+                              "(on macOS ~/Library/Application Support/io.datasette.llm); add to it if it exists",))
+    raise ValueError(f"unknown client {client!r}: one of {', '.join(CLIENTS)}")
