@@ -94,6 +94,9 @@ TEMPLATES = {"qwen": QWEN_STYLE_TEMPLATE, "llama": LLAMA_STYLE_TEMPLATE}
 
 END_OF_TURN = 2
 """SmolLM2's ``<|im_end|>``, the end of a turn in both templates here."""
+SAYS_WORD = ("Atlantic", 33960)
+"""A word that is one token of SmolLM2's vocabulary, and unlikely in a client's own output:
+what a ``says`` model (:func:`write_tiny_chat_model`) answers."""
 MARKER_TOKENS = {"<tool_call>": 49152, "</tool_call>": 49153}
 """The ids of the call markers a ``marker_tokens`` tokenizer adds to SmolLM2's 49152."""
 
@@ -123,7 +126,8 @@ def write_chat_tokenizer(directory: Path, style: str, marker_tokens: bool = Fals
 
 
 def write_tiny_chat_model(directory: Path, style: str, *, layers: int = 2, seed: int = 0,
-                          marker_tokens: bool = False, context: int = 4096, ends_at_once: bool = False) -> Path:
+                          marker_tokens: bool = False, context: int = 4096, ends_at_once: bool = False,
+                          says: int | None = None) -> Path:
     """A tiny random-weight model directory (safetensors, float32, hidden size 64, tied
     embeddings, trained context ``context``) with SmolLM2's tokenizer (with the call
     markers as special tokens where ``marker_tokens``: :func:`write_chat_tokenizer`) and
@@ -135,7 +139,13 @@ def write_tiny_chat_model(directory: Path, style: str, *, layers: int = 2, seed:
     once at any temperature up to 2 and any ``max_tokens`` (what a replay of a client's
     request with ``max_tokens`` 32000 needs): every token's embedding carries 200 in
     dimension 0, which the layers' small outputs leave the largest part of the residual,
-    and only the end token's head row reads that dimension."""
+    and only the end token's head row reads that dimension.
+
+    ``says``: a token id (e.g. :data:`SAYS_WORD`), with the same untied layout: the model
+    answers that one token, then ends the turn, at any temperature up to 2. Dimension 0
+    (200 in every embedding) makes ``says`` win by ~80 logits after any other token; the
+    ``says`` token's embedding also carries 200 in dimension 1, which makes the end token
+    win by ~110 logits after it."""
     import torch
     import transformers
     from tiny_models import randomize, save_hf
@@ -145,7 +155,7 @@ def write_tiny_chat_model(directory: Path, style: str, *, layers: int = 2, seed:
     transformers.logging.set_verbosity_error()
     kwargs = dict(vocab_size=49152 + (len(MARKER_TOKENS) if marker_tokens else 0), hidden_size=64, intermediate_size=128, num_hidden_layers=layers,
                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=context,
-                  rms_norm_eps=1e-6, rope_theta=10000.0, tie_word_embeddings=not ends_at_once,
+                  rms_norm_eps=1e-6, rope_theta=10000.0, tie_word_embeddings=not (ends_at_once or says is not None),
                   bos_token_id=None, eos_token_id=None, pad_token_id=None)
     if style == "qwen":
         config = transformers.Qwen2Config(use_sliding_window=False, **kwargs)
@@ -162,5 +172,15 @@ def write_tiny_chat_model(directory: Path, style: str, *, layers: int = 2, seed:
             model.model.norm.weight[0] = 1.0
             model.lm_head.weight[:, 0] = 0.0
             model.lm_head.weight[END_OF_TURN, 0] = 4.0
+    if says is not None:
+        with torch.no_grad():
+            model.model.embed_tokens.weight[:, 0] = 200.0
+            model.model.embed_tokens.weight[:, 1] = 0.0
+            model.model.embed_tokens.weight[says, 1] = 200.0
+            model.model.norm.weight[:2] = 1.0
+            model.lm_head.weight[:, :2] = 0.0
+            model.lm_head.weight[says, 0] = 10.0
+            model.lm_head.weight[says, 1] = -20.0
+            model.lm_head.weight[END_OF_TURN, 1] = 20.0
     save_hf(model, Path(directory))
     return write_chat_tokenizer(Path(directory), style, marker_tokens)  # its generation_config.json: the end tokens

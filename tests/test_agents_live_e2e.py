@@ -1,0 +1,143 @@
+"""The coding agents people use work unmodified (issue 41): each real client (Claude Code,
+Codex CLI, opencode, aider, llm) runs, non-interactively, against a node with exactly the
+settings ``shardline connect CLIENT`` prints (:func:`shardline.connect.connection`: its
+environment, its files written under a throwaway HOME or into the project folder, its
+command), plus only the offline and no-telemetry variables of
+tests/fixtures/clients/README.md (:data:`agents.QUIET`), exits 0 and shows the model's
+answer.
+
+The node serves a tiny random-weight model (tests/tiny_chat.py, ``says``) that answers one
+word, :data:`tiny_chat.SAYS_WORD`, whatever it is asked, at any temperature, then ends
+the turn; it is placed with a context of 65,536 tokens (the clients' prompts are 6-19
+thousand tokens and the connection tells them to ask for 16,384 more).
+
+The clients are installed at the versions pinned in pyproject.toml (tests/agents.py), once,
+outside the repository; where one cannot be installed its test is skipped with the reason.
+
+How each connection's (interactive) command is run non-interactively, on :data:`PROMPT`:
+
+- claude: ``claude -p PROMPT``
+- codex: ``codex exec --skip-git-repo-check PROMPT``
+- opencode: ``opencode run PROMPT``
+- aider: the command, then ``--message PROMPT --yes-always --no-git --no-check-update
+  --no-show-model-warnings --analytics-disable --no-pretty --no-fancy-input``
+- llm: the command with PROMPT in place of its example prompt
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+from agents import QUIET, install, run_client
+from conftest import free_port_block
+from tiny_chat import SAYS_WORD, write_tiny_chat_model
+
+from shardline.connect import CLIENTS, connection
+from shardline.local_cluster import LocalCluster
+
+MODEL = "agent"
+CONTEXT = 65536
+WORD = SAYS_WORD[0]
+PROMPT = "Create a file named hello.txt containing the word hi."
+CLIENT_TIMEOUT_S = 120
+WALL: dict[str, float] = {}
+"""Each client run's wall time, printed at the end of the module."""
+
+pytestmark = pytest.mark.timeout(CLIENT_TIMEOUT_S + 2 * 600 + 60)  # an install, the run, the node's start
+
+
+@pytest.fixture(scope="module")
+def node(tmp_path_factory, request):
+    """A node's URL and log folder, serving :data:`MODEL` (says :data:`WORD`)."""
+    root = tmp_path_factory.mktemp("agents")
+    write_tiny_chat_model(root / "models" / MODEL, "qwen", context=CONTEXT, says=SAYS_WORD[1])
+    cluster = LocalCluster(nodes=1, base_port=free_port_block(1), runner_threads=1, log_dir=str(root),
+                           data_dir=str(root), model_dirs=[root / "models"])
+    cluster.start()
+    try:
+        cluster.place(str(root / "models" / MODEL), "pipeline", context=CONTEXT, max_batch=2)
+        yield cluster.url(0), root
+    finally:
+        cluster.stop()
+        capture = request.config.pluginmanager.get_plugin("capturemanager")
+        if capture is not None and WALL:
+            with capture.global_and_fixture_disabled():
+                print("\nagents' wall times: " + ", ".join(f"{c} {s:.1f} s" for c, s in WALL.items()))
+
+
+NON_INTERACTIVE = {
+    "claude": lambda command: [*command, "-p", PROMPT],
+    "codex": lambda command: [*command, "exec", "--skip-git-repo-check", PROMPT],
+    "opencode": lambda command: [*command, "run", PROMPT],
+    "aider": lambda command: [*command, "--message", PROMPT, "--yes-always", "--no-git", "--no-check-update",
+                              "--no-show-model-warnings", "--analytics-disable", "--no-pretty",
+                              "--no-fancy-input"],
+    "llm": lambda command: [*command[:-1], PROMPT],
+}
+"""Each connection's command with the arguments that run it once on PROMPT and exit."""
+
+
+def _setup(client: str, url: str, tmp_path: Path) -> tuple[object, Path, Path]:
+    """The connection of ``client``, and a fresh HOME and project folder with its files."""
+    home, project = tmp_path / "home", tmp_path / "project"
+    home.mkdir()
+    project.mkdir()
+    conn = connection(client, url, MODEL, CONTEXT)
+    for name, content in conn.files.items():
+        path = home / name[2:] if name.startswith("~/") else project / name
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(content)
+    return conn, home, project
+
+
+def _failure(client: str, run, log_dir: Path) -> str:
+    log = (log_dir / "node-0.log").read_text(errors="replace").splitlines()
+    return (f"{client}: exit {run.returncode} after {run.wall_s:.1f} s\n--- stdout\n{run.stdout[-3000:]}\n"
+            f"--- stderr\n{run.stderr[-3000:]}\n--- node log (last 40 lines)\n" + "\n".join(log[-40:]))
+
+
+@pytest.mark.parametrize("client", CLIENTS)
+def test_an_agent_runs_against_a_node_with_the_connect_settings(client, node, tmp_path):
+    """The client, installed at its pinned version and given only what ``shardline connect``
+    prints, sends its real requests (6-19 thousand tokens of system prompt and tools,
+    streamed) to the node, gets the model's answer, prints it and exits 0 without a
+    traceback."""
+    url, log_dir = node
+    bin_dir = install(client)
+    conn, home, project = _setup(client, url, tmp_path)
+    run = run_client(NON_INTERACTIVE[client](list(conn.command)), bin_dir, {**QUIET[client], **conn.env},
+                     home, project, CLIENT_TIMEOUT_S)
+    WALL[client] = run.wall_s
+    assert run.returncode == 0, _failure(client, run, log_dir)
+    assert WORD in run.stdout, _failure(client, run, log_dir)
+    assert "Traceback" not in run.stdout + run.stderr, _failure(client, run, log_dir)
+
+
+WRITE_FILE = '''
+def write_file(name: str, content: str) -> str:
+    "Write content to the file called name."
+    open(name, "w").write(content)
+    return "ok"
+'''
+
+
+def test_llm_offers_a_python_function_as_a_tool(node, tmp_path):
+    """llm with ``--functions`` (a ``write_file`` tool defined in Python) sends the tool with
+    its request and prints the answer; the model here answers the word and calls nothing,
+    so no file is written and llm's log holds the tool offered and no call."""
+    url, log_dir = node
+    bin_dir = install("llm")
+    conn, home, project = _setup("llm", url, tmp_path)
+    argv = [*conn.command[:-1], "--functions", WRITE_FILE, PROMPT]
+    env = {**QUIET["llm"], **conn.env}
+    run = run_client(argv, bin_dir, env, home, project, CLIENT_TIMEOUT_S)
+    WALL["llm --functions"] = run.wall_s
+    assert run.returncode == 0, _failure("llm", run, log_dir)
+    assert WORD in run.stdout and "Traceback" not in run.stderr, _failure("llm", run, log_dir)
+    assert not (project / "hello.txt").exists()
+    logs = run_client(["llm", "logs", "-n", "0", "--json"], bin_dir, env, home, project, 60)
+    (logged,) = json.loads(logs.stdout)
+    assert [tool["name"] for tool in logged["tools"]] == ["write_file"], logged
+    assert logged["tool_calls"] == [] and logged["response"] == WORD, logged
