@@ -11,6 +11,12 @@ families, written here for these tests (not the vendors' text):
   Its tool format is LLAMA3_JSON. SmolLM2's vocabulary has none of Llama's special
   tokens, so the markup is plain text here (the format is what these tests are about); the
   turn still ends with SmolLM2's end token.
+- ``"qwen3"``: a reasoning model's: the ``"qwen"`` layout, whose generation prompt opens
+  the thinking (``<think>\n``, as QwQ's and DeepSeek-R1's do) unless ``enable_thinking``
+  is false, which closes it empty (``<think>\n\n</think>\n\n``, as Qwen3's does); an
+  assistant's earlier reasoning is left out. ``<think>`` and ``</think>`` are added to the
+  vocabulary as tokens that are not special (ids 49152 and 49153), as Qwen3's has them.
+  Its architecture is Qwen3's.
 
 With ``marker_tokens``, ``<tool_call>`` and ``</tool_call>`` are added to the vocabulary as
 special tokens (ids 49152 and 49153), as Qwen2.5's vocabulary has them (ids 151657 and
@@ -89,7 +95,17 @@ LLAMA_STYLE_TEMPLATE = r"""
 {%- if add_generation_prompt %}{{- '<|start_header_id|>assistant<|end_header_id|>\n\n' -}}{% endif -%}
 """
 
-TEMPLATES = {"qwen": QWEN_STYLE_TEMPLATE, "llama": LLAMA_STYLE_TEMPLATE}
+QWEN3_STYLE_TEMPLATE = QWEN_STYLE_TEMPLATE.replace(
+    "{%- if message.content %}{{- '\\n' + message.content -}}{% endif -%}",
+    "{%- if message.content %}{{- '\\n' + message.content.split('</think>')[-1].lstrip() -}}{% endif -%}",
+).replace(
+    "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' -}}{% endif -%}",
+    "{%- if add_generation_prompt -%}\n  {{- '<|im_start|>assistant\\n' -}}\n"
+    "  {%- if enable_thinking is defined and enable_thinking is false %}{{- '<think>\\n\\n</think>\\n\\n' -}}\n"
+    "  {%- else %}{{- '<think>\\n' -}}{% endif -%}\n{%- endif -%}",
+)
+
+TEMPLATES = {"qwen": QWEN_STYLE_TEMPLATE, "llama": LLAMA_STYLE_TEMPLATE, "qwen3": QWEN3_STYLE_TEMPLATE}
 
 
 END_OF_TURN = 2
@@ -99,6 +115,8 @@ SAYS_WORD = ("Atlantic", 33960)
 what a ``says`` model (:func:`write_tiny_chat_model`) answers."""
 MARKER_TOKENS = {"<tool_call>": 49152, "</tool_call>": 49153}
 """The ids of the call markers a ``marker_tokens`` tokenizer adds to SmolLM2's 49152."""
+THINK_TOKENS = {"<think>": 49152, "</think>": 49153}
+"""The ids of the thinking markers the ``"qwen3"`` style's tokenizer adds to SmolLM2's 49152."""
 
 
 def write_chat_tokenizer(directory: Path, style: str, marker_tokens: bool = False) -> Path:
@@ -112,6 +130,14 @@ def write_chat_tokenizer(directory: Path, style: str, marker_tokens: bool = Fals
     # conversion takes ~13 s); the store argument is not used for the default model.
     source = ModelStore(directory / "unused-store").tokenizer_path(DEFAULT_MODEL_ID)
     shutil.copytree(source, directory, dirs_exist_ok=True)
+    if style == "qwen3":
+        from tokenizers import AddedToken
+        from transformers import AutoTokenizer
+
+        tokenizer = AutoTokenizer.from_pretrained(str(directory))
+        tokenizer.add_tokens([AddedToken(text, special=False, normalized=False) for text in THINK_TOKENS])
+        assert tokenizer.convert_tokens_to_ids(list(THINK_TOKENS)) == list(THINK_TOKENS.values())
+        tokenizer.save_pretrained(str(directory))
     if marker_tokens:
         from tokenizers import AddedToken
         from transformers import AutoTokenizer
@@ -131,8 +157,9 @@ def write_tiny_chat_model(directory: Path, style: str, *, layers: int = 2, seed:
     """A tiny random-weight model directory (safetensors, float32, hidden size 64, tied
     embeddings, trained context ``context``) with SmolLM2's tokenizer (with the call
     markers as special tokens where ``marker_tokens``: :func:`write_chat_tokenizer`) and
-    the ``style`` chat template: Qwen2 architecture for "qwen", Llama for "llama". Takes a
-    few seconds.
+    the ``style`` chat template: Qwen2 architecture for "qwen", Qwen3 for "qwen3" (which
+    takes no ``marker_tokens``: its thinking markers have those ids), Llama for "llama".
+    Takes a few seconds.
 
     ``ends_at_once``: untied embeddings set so that the end of turn (``<|im_end|>``, id 2)
     outweighs every other token by ~30 logits whatever the context, so an answer ends at
@@ -152,14 +179,20 @@ def write_tiny_chat_model(directory: Path, style: str, *, layers: int = 2, seed:
 
     if style not in TEMPLATES:
         raise ValueError(f"style must be one of {sorted(TEMPLATES)}, got {style!r}")
+    if style == "qwen3" and marker_tokens:
+        raise ValueError("the qwen3 style's thinking markers take the ids marker_tokens would add")
     transformers.logging.set_verbosity_error()
-    kwargs = dict(vocab_size=49152 + (len(MARKER_TOKENS) if marker_tokens else 0), hidden_size=64, intermediate_size=128, num_hidden_layers=layers,
+    added = (len(MARKER_TOKENS) if marker_tokens else 0) + (len(THINK_TOKENS) if style == "qwen3" else 0)
+    kwargs = dict(vocab_size=49152 + added, hidden_size=64, intermediate_size=128, num_hidden_layers=layers,
                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=context,
                   rms_norm_eps=1e-6, rope_theta=10000.0, tie_word_embeddings=not (ends_at_once or says is not None),
                   bos_token_id=None, eos_token_id=None, pad_token_id=None)
     if style == "qwen":
         config = transformers.Qwen2Config(use_sliding_window=False, **kwargs)
         model = transformers.Qwen2ForCausalLM(config)
+    elif style == "qwen3":
+        config = transformers.Qwen3Config(head_dim=16, use_sliding_window=False, **kwargs)
+        model = transformers.Qwen3ForCausalLM(config)
     else:
         config = transformers.LlamaConfig(**kwargs)
         model = transformers.LlamaForCausalLM(config)

@@ -117,10 +117,7 @@ def router(node: Node, metrics: RequestMetrics | None = None, heartbeat_s: float
         if finish is None:  # the client left; nobody reads this
             return JSONResponse(status_code=499, content=error_body("api_error", "client closed the request"))
         reason, sequence = _stop_reason(gen, finish)
-        text = "".join(c.text for c in chunks)
-        calls = [_tool_use(call) for c in chunks for call in c.tool_calls]
-        content = ([{"type": "text", "text": text}] if text or not calls else []) + calls
-        return JSONResponse(dict(_message(gen, req, message_id, content, applied),
+        return JSONResponse(dict(_message(gen, req, message_id, answer_blocks(req, chunks), applied),
                                  stop_reason=reason, stop_sequence=sequence,
                                  usage={"input_tokens": len(gen.prompt), "output_tokens": gen.completion_tokens}),
                             headers=headers)
@@ -144,6 +141,20 @@ def router(node: Node, metrics: RequestMetrics | None = None, heartbeat_s: float
     return api
 
 
+def answer_blocks(req: MessagesRequest, chunks: list[Chunk]) -> list[dict]:
+    """The ``content`` blocks of a whole answer: a reasoning model's thinking as a
+    ``thinking`` block first where ``req`` enabled thinking (with no text where its
+    display is omitted), the text (one empty text block where there is neither text nor a
+    call), then a ``tool_use`` block per call."""
+    text = "".join(c.text for c in chunks)
+    calls = [_tool_use(call) for c in chunks for call in c.tool_calls]
+    blocks = ([{"type": "text", "text": text}] if text or not calls else []) + calls
+    reasoning = "".join(c.reasoning for c in chunks)
+    if reasoning and req.thinks:
+        blocks.insert(0, _thinking_block(reasoning if req.shows_thinking else ""))
+    return blocks
+
+
 def _message(gen: Generation, req: MessagesRequest, message_id: str, content: list[dict],
              applied: list[dict[str, Any]]) -> dict:
     message: dict[str, Any] = {"id": message_id, "type": "message", "role": "assistant", "model": req.model,
@@ -158,6 +169,12 @@ def _event(name: str, data: dict[str, Any]) -> str:
     return f"event: {name}\ndata: {json.dumps(data, ensure_ascii=False)}\n\n"
 
 
+def _thinking_block(thinking: str) -> dict:
+    """A reasoning model's thinking as a ``thinking`` content block; its ``signature`` is
+    empty (nothing here checks the thinking a client sends back)."""
+    return {"type": "thinking", "thinking": thinking, "signature": ""}
+
+
 def _tool_use(call: ToolCall) -> dict:
     """A tool call as a ``tool_use`` content block (``toolu_`` ids, as Anthropic's)."""
     return {"type": "tool_use", "id": "toolu_" + call.id.removeprefix("call_"), "name": call.name,
@@ -166,16 +183,29 @@ def _tool_use(call: ToolCall) -> dict:
 
 async def _stream(gen: Generation, req: MessagesRequest, message_id: str, applied: list[dict[str, Any]],
                   heartbeat_s: float) -> AsyncIterator[str]:
-    """Anthropic's events, the blocks of the non-streamed answer's ``content``: text opens
-    a text block; each tool call is a ``tool_use`` block whose input comes as one
-    ``input_json_delta``; text after a call opens a new text block; an answer with
-    neither is one empty text block. A ``ping`` follows ``message_start``, and another
-    each ``heartbeat_s`` seconds with nothing else to send."""
+    """Anthropic's events, the blocks of the non-streamed answer's ``content``: where the
+    request enabled thinking, a reasoning model's thinking opens a ``thinking`` block
+    first (its text as ``thinking_delta`` s unless display is omitted; a
+    ``signature_delta`` before its stop); text opens a text block; each tool call is a
+    ``tool_use`` block whose input comes as one ``input_json_delta``; text after a call
+    opens a new text block; an answer with neither is one empty text block. A ``ping``
+    follows ``message_start``, and another each ``heartbeat_s`` seconds with nothing else
+    to send."""
     yield _event("message_start", {"type": "message_start",
                                    "message": _message(gen, req, message_id, [], applied)})
     yield _event("ping", {"type": "ping"})
-    index, open_text = -1, False
+    index, open_text, open_thinking, answered = -1, False, False, False
     reason, sequence = "end_turn", None
+
+    def close_thinking() -> list[str]:
+        nonlocal open_thinking
+        if not open_thinking:
+            return []
+        open_thinking = False
+        return [_event("content_block_delta", {"type": "content_block_delta", "index": index,
+                                               "delta": {"type": "signature_delta", "signature": ""}}),
+                _event("content_block_stop", {"type": "content_block_stop", "index": index})]
+
     try:
         async for item in gen.texts(heartbeat_s):
             if isinstance(item, Heartbeat):
@@ -183,6 +213,18 @@ async def _stream(gen: Generation, req: MessagesRequest, message_id: str, applie
                 continue
             if not isinstance(item, Chunk):  # prefill progress
                 continue
+            if item.reasoning and req.thinks:
+                if index < 0:  # the output's first block
+                    index, open_thinking = 0, True
+                    yield _event("content_block_start", {"type": "content_block_start", "index": 0,
+                                                         "content_block": _thinking_block("")})
+                if open_thinking and req.shows_thinking:
+                    yield _event("content_block_delta", {"type": "content_block_delta", "index": index, "delta": {
+                        "type": "thinking_delta", "thinking": item.reasoning}})
+            if item.text or item.tool_calls:
+                answered = True
+                for event in close_thinking():
+                    yield event
             if item.text:
                 if not open_text:
                     index, open_text = index + 1, True
@@ -209,9 +251,11 @@ async def _stream(gen: Generation, req: MessagesRequest, message_id: str, applie
     except InstanceFailedError as exc:
         yield _event("error", error_body("api_error", str(exc)))
         return
-    if index < 0:  # no text and no call: the non-streamed answer's one empty text block
-        index, open_text = 0, True
-        yield _event("content_block_start", {"type": "content_block_start", "index": 0,
+    for event in close_thinking():
+        yield event
+    if not answered:  # no text and no call: the non-streamed answer's one empty text block
+        index, open_text = index + 1, True
+        yield _event("content_block_start", {"type": "content_block_start", "index": index,
                                              "content_block": {"type": "text", "text": ""}})
     if open_text:
         yield _event("content_block_stop", {"type": "content_block_stop", "index": index})

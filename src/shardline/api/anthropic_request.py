@@ -9,10 +9,12 @@ edits it names). What a field does here, or why it is refused, is in
 :data:`shardline.api.params.PARAMETERS`.
 
 Reasoning (``thinking``, ``output_config.effort``) is accepted as Anthropic's API accepts
-it: the models shardline serves do not reason, so a thinking budget is a budget not spent
-and an effort changes nothing; the answer has no thinking blocks. Thinking blocks of
-earlier turns (a conversation begun with a reasoning model) are taken and left out of the
-prompt, as reasoning models' chat templates leave out earlier turns' reasoning.
+it. A reasoning model (Qwen3's kind) thinks where ``thinking`` asks for it (enabled,
+adaptive, between_tools) and not otherwise, and its thinking is a ``thinking`` block of
+the answer; the budget and the effort do not bound it. A model that does not reason spends
+none of the budget, and its answer has no thinking blocks. Thinking blocks of earlier
+turns are taken and left out of the prompt, as reasoning models' chat templates leave out
+earlier turns' reasoning.
 """
 
 from __future__ import annotations
@@ -175,8 +177,9 @@ class Metadata(BaseModel):
 
 class Thinking(BaseModel):
     """``thinking``: ``{type: enabled, budget_tokens}``, ``{type: adaptive}``, ``{type:
-    disabled}`` or ``{type: between_tools}``, with an optional ``display``. A model that
-    does not reason spends none of the budget."""
+    disabled}`` or ``{type: between_tools}``, with an optional ``display`` (``omitted``:
+    thinking blocks with no text). A reasoning model thinks unless it is disabled; a model
+    that does not reason spends none of the budget."""
 
     model_config = ConfigDict(extra="forbid")
     type: Literal["enabled", "adaptive", "disabled", "between_tools"]
@@ -190,6 +193,11 @@ class Thinking(BaseModel):
         if self.type != "enabled" and self.budget_tokens is not None:
             raise ValueError(f"budget_tokens: Extra inputs are not permitted with type {self.type}")
         return self
+
+    @property
+    def on(self) -> bool:
+        """Whether a reasoning model thinks."""
+        return self.type != "disabled"
 
 
 class TokensValue(BaseModel):
@@ -295,7 +303,19 @@ class CountTokensRequest(BaseModel):
                                  continue_final_message=self.messages[-1].role == "assistant",
                                  tools=[t.function() for t in self.tools or [] if not t.defer_loading],
                                  tool_choice=choice.choice(),
-                                 max_tool_calls=1 if choice.disable_parallel_tool_use else None)
+                                 max_tool_calls=1 if choice.disable_parallel_tool_use else None,
+                                 thinking=self.thinks)
+
+    @property
+    def thinks(self) -> bool:
+        """Whether a reasoning model thinks: ``thinking`` is given and not disabled
+        (Anthropic's default is no thinking)."""
+        return self.thinking is not None and self.thinking.on
+
+    @property
+    def shows_thinking(self) -> bool:
+        """Whether thinking blocks carry the thinking's text (``display`` is not ``omitted``)."""
+        return self.thinking is None or self.thinking.display != "omitted"
 
 
 class OutputFormat(BaseModel):
@@ -306,7 +326,7 @@ class OutputFormat(BaseModel):
 
 class OutputConfig(BaseModel):
     """``output_config``: ``format`` (structured output by constrained decoding) and
-    ``effort`` (a reasoning model's; no effect on a model that does not reason)."""
+    ``effort`` (a reasoning model's; it thinks as it would without it)."""
 
     model_config = ConfigDict(extra="forbid")
     format: OutputFormat | None = None

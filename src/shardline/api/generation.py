@@ -20,6 +20,7 @@ from fastapi import Request
 
 from shardline.api.heartbeat import Heartbeat, with_heartbeats
 from shardline.api.logprobs import HeldLogprobs, TokenLogprob, token_logprob
+from shardline.api.reasoning import THINK_CLOSE, ReasoningSplitter, prompt_opens_thinking
 from shardline.api.tools import (
     ToolCall,
     ToolCallParser,
@@ -32,6 +33,7 @@ from shardline.api.tools import (
     tool_names,
 )
 from shardline.models.tokenizer import (
+    THINK_OPEN,
     IncrementalDetokenizer,
     Tokenizer,
 )
@@ -45,6 +47,8 @@ if TYPE_CHECKING:
 
 CONTEXT_LENGTH_EXCEEDED = "context_length_exceeded"
 """The ``code`` of a 400 for a prompt and ``max_tokens`` beyond the context (OpenAI's)."""
+PROMPT_TAIL_TOKENS = 8
+"""The prompt's last tokens whose text says whether the output starts inside the thinking."""
 
 class APIError(Exception):
     """A request that cannot be served, with its HTTP status.
@@ -88,11 +92,17 @@ class GenerationRequest:
     max_tool_calls: int | None = None  # 1: parallel_tool_calls false (later calls dropped)
     name_param: str | None = None  # the API's name of a message's "name" when its client sets it
     truncate_history: bool = False  # a chat past the context loses its oldest messages (Ollama's)
+    thinking: bool | None = None  # a reasoning model thinks first (the template's enable_thinking); None: its default
 
     def window(self, instance_context: int) -> int:
         """Tokens of context this request may use, prompt and completion: its own window
         (Ollama's ``num_ctx``) where it gives one, at most the instance's."""
         return min(instance_context, self.context or instance_context)
+
+    @property
+    def is_chat(self) -> bool:
+        """The prompt is chat messages (rendered by the chat template)."""
+        return isinstance(self.prompt, list) and bool(self.prompt) and isinstance(self.prompt[0], dict)
 
     @property
     def offers_tools(self) -> bool:
@@ -105,7 +115,7 @@ class Chunk:
     """A piece of a generation's output, as :meth:`Generation.texts` yields it.
 
     Attributes:
-        text: content text (possibly empty).
+        text: content text (possibly empty): a reasoning model's answer, never its reasoning.
         finish: None until the last chunk; then ``stop`` (an end token or a stop string),
             ``length`` (max_tokens or the context), ``tool_calls`` (it ended after calling
             tools) or ``cancelled``.
@@ -113,12 +123,16 @@ class Chunk:
             when the request asked for them.
         tool_calls: calls the output made, each once complete (their text is never in
             ``text``: :class:`~shardline.api.tools.ToolCallParser`).
+        reasoning: a reasoning model's thinking (the text between ``<think>`` and
+            ``</think>``: :class:`~shardline.api.reasoning.ReasoningSplitter`), before
+            any ``text`` of the output; possibly empty.
     """
 
     text: str = ""
     finish: str | None = None
     logprobs: tuple[TokenLogprob, ...] = ()
     tool_calls: tuple[ToolCall, ...] = ()
+    reasoning: str = ""
 
 
 class StopMatcher:
@@ -203,6 +217,10 @@ class Generation:
         prompt: the prompt's token ids.
         max_tokens: completion tokens at most (the request's, or what the context leaves).
         completion_tokens: tokens generated so far.
+        reasons: the output is split into reasoning and answer (a reasoning model's chat,
+            :attr:`~shardline.models.tokenizer.Tokenizer.reasons`).
+        reasoning_tokens: of ``completion_tokens``, those generated inside the thinking
+            (its markers included).
         started: ``time.monotonic()`` when prepared, seconds.
         first_token_at: ``time.monotonic()`` of the first token, once there is one.
     """
@@ -221,8 +239,13 @@ class Generation:
         self.sampling = sampling or req.sampling
         self.stop_ids = [] if req.ignore_eos and self.sampling.grammar is None else tokenizer.eos_token_ids
         self.calls = 0  # tool calls made so far
-        # the call markers that are special tokens stay in the text, for the call parser
-        keep = marker_tokens(tokenizer, self.tool_format).values() if req.offers_tools else ()
+        self.reasons = tokenizer.reasons and req.is_chat
+        self.reasoning_tokens = 0
+        # the call markers and thinking markers that are special tokens stay in the text,
+        # for the call parser and the reasoning splitter
+        keep = list(marker_tokens(tokenizer, self.tool_format).values()) if req.offers_tools else []
+        if self.reasons:
+            keep += [i for marker in (THINK_OPEN, THINK_CLOSE) if (i := tokenizer.added_token_id(marker)) is not None]
         self.detokenizer = IncrementalDetokenizer(tokenizer, keep=keep)
         self.stops = StopMatcher(req.stop)
         self.completion_tokens = 0
@@ -259,6 +282,7 @@ class Generation:
         held = HeldLogprobs()
         parser = (ToolCallParser(self.tool_format, tool_names(self.req.tools), strict_schemas(self.req.tools))
                   if self.req.offers_tools else None)
+        splitter = ReasoningSplitter(self._starts_thinking()) if self.reasons else None
         try:
             async for event in events:
                 if isinstance(event, Heartbeat):
@@ -294,12 +318,21 @@ class Generation:
                 logprobs = held.send(len(text), hit)
                 if finish is not None and not hit:
                     logprobs += held.flush()
-                chunk = self._chunk(parser, text, finish, logprobs)
+                reasoning = ""
+                if splitter is not None:
+                    thinking = splitter.thinking
+                    reasoning, text = splitter.feed(text)
+                    if finish is not None:
+                        more_reasoning, more = splitter.flush()
+                        reasoning, text = reasoning + more_reasoning, text + more
+                    if event.token_id >= 0 and (thinking or splitter.thinking):
+                        self.reasoning_tokens += 1
+                chunk = self._chunk(parser, text, finish, logprobs, reasoning)
                 if finish is not None:
                     ended = chunk.finish or finish
                     yield chunk
                     return
-                if chunk.text or chunk.logprobs or chunk.tool_calls:
+                if chunk.text or chunk.reasoning or chunk.logprobs or chunk.tool_calls:
                     yield chunk
         except InstanceFailedError:
             ended = "error"
@@ -312,12 +345,21 @@ class Generation:
                 self.metrics.record(self.req.api, ended, len(self.prompt), self.completion_tokens, ttft,
                                     now - self.started)
 
+    def _starts_thinking(self) -> bool:
+        """Whether the output starts inside the thinking: the prompt opened it
+        (:func:`~shardline.api.reasoning.prompt_opens_thinking`), and no grammar
+        constrains the output (which is then all answer)."""
+        if self.sampling.grammar is not None:
+            return False
+        tail = self.tokenizer.decode(self.prompt[-PROMPT_TAIL_TOKENS:], skip_special_tokens=False)
+        return prompt_opens_thinking(tail)
+
     def _chunk(self, parser: ToolCallParser | None, text: str, finish: str | None,
-               logprobs: tuple[TokenLogprob, ...]) -> Chunk:
-        """The chunk of ``text`` (tool calls parsed out of it when tools are offered); a
-        finished output that made calls ends ``tool_calls``."""
+               logprobs: tuple[TokenLogprob, ...], reasoning: str = "") -> Chunk:
+        """The chunk of ``text`` and ``reasoning`` (tool calls parsed out of ``text`` when
+        tools are offered); a finished output that made calls ends ``tool_calls``."""
         if parser is None:
-            return Chunk(text, finish, logprobs)
+            return Chunk(text, finish, logprobs, reasoning=reasoning)
         items = parser.feed(text) + (parser.finish() if finish is not None else [])
         calls = []
         for item in items:
@@ -328,7 +370,7 @@ class Generation:
         content = "".join(item for item in items if isinstance(item, str))
         if finish == "stop" and self.calls:
             finish = "tool_calls"
-        return Chunk(content, finish, logprobs, tuple(calls))
+        return Chunk(content, finish, logprobs, tuple(calls), reasoning)
 
     @functools.cached_property
     def tool_format(self) -> ToolFormat:

@@ -16,6 +16,10 @@ changes nothing. A chat without messages or a generate without a prompt loads (a
 (``"unload"``). As in Ollama, a request for a model the cluster can place but has not
 placed loads it first (:meth:`~shardline.api.keep_alive.KeepAlive.load`). Images are
 refused: every model shardline runs takes text only.
+
+``think`` turns a reasoning model's thinking on (true) or off (false); absent, the chat
+template's default holds. Its thinking comes as the message's ``thinking`` (/api/chat) or
+the answer's ``thinking`` (/api/generate), never in the content, unless ``think`` is false.
 """
 
 from __future__ import annotations
@@ -50,6 +54,7 @@ from shardline.api.request_body import parse_body
 from shardline.api.structured import json_grammar
 from shardline.api.tools import ToolCall, openai_tool_choice
 from shardline.models.store import ModelNotFoundError
+from shardline.models.tokenizer import THINK_OPEN
 from shardline.node.node import Node
 from shardline.node.peer_client import PeerError
 from shardline.node.queue_bound import QueueFullError
@@ -174,7 +179,7 @@ class _Request(BaseModel):
             max_tokens=o.num_predict if o.num_predict > 0 else None,
             sampling=o.sampling(self.top_logprobs if self.logprobs else None, self.grammar()),
             stop=list(o.stop or []), api="ollama", max_tokens_param="options.num_predict",
-            max_tokens_capped=True, prompt_param=prompt_param, context=o.num_ctx)
+            max_tokens_capped=True, prompt_param=prompt_param, context=o.num_ctx, thinking=self.think)
 
     def to_generation(self) -> GenerationRequest:
         """The request as every API's generation takes it (each Ollama route its own)."""
@@ -261,9 +266,11 @@ def modelfile_text(model: str, template: str | None, parameters: dict[str, Any])
 
 
 def capabilities(template: str | None) -> list[str]:
-    """Ollama's ``capabilities``: completion, and tools where the chat template renders a
-    ``tools`` variable (the template's text mentions it)."""
-    return ["completion"] + (["tools"] if template and "tools" in template else [])
+    """Ollama's ``capabilities``: completion, tools where the chat template renders a
+    ``tools`` variable (the template's text mentions it), and thinking where it writes
+    ``<think>`` (a reasoning model's)."""
+    return (["completion"] + (["tools"] if template and "tools" in template else [])
+            + (["thinking"] if template and THINK_OPEN in template else []))
 
 
 def _template_of(tokenizer: Any) -> str | None:
@@ -388,8 +395,7 @@ def router(node: Node, metrics: RequestMetrics | None = None, keep: KeepAlive | 
 
     @api.post("/api/generate")
     async def generate(request: Request):
-        return await _serve(node, metrics, keep, request, GenerateRequest,
-                            lambda text, calls=(): {"response": text}, heartbeat_s)
+        return await _serve(node, metrics, keep, request, GenerateRequest, _generated, heartbeat_s)
 
     return api
 
@@ -472,7 +478,8 @@ async def _serve(node: Node, metrics: RequestMetrics | None, keep: KeepAlive, re
         keep.end(ids, seconds)
     if finish is None:  # the client left; nobody reads this
         return JSONResponse(status_code=499, content={"error": "client closed the request"})
-    body = content("".join(c.text for c in chunks), tuple(call for c in chunks for call in c.tool_calls))
+    thinking = "".join(c.reasoning for c in chunks) if req.think is not False else ""
+    body = content("".join(c.text for c in chunks), tuple(call for c in chunks for call in c.tool_calls), thinking)
     if req.logprobs:
         body["logprobs"] = ollama_logprobs([t for c in chunks for t in c.logprobs])
     return _final(gen, req, body, finish, load_s)
@@ -490,12 +497,20 @@ def _final(gen: Generation, req: _Request, body: dict, finish: str, load_s: floa
             "eval_count": gen.completion_tokens, "eval_duration": int((now - first) * 1e9)}
 
 
-def _chat_message(text: str, calls: tuple[ToolCall, ...] = ()) -> dict:
-    """The ``message`` of a chat answer; tool calls with their arguments as objects."""
+def _chat_message(text: str, calls: tuple[ToolCall, ...] = (), thinking: str = "") -> dict:
+    """The ``message`` of a chat answer: its ``thinking`` where there is some; tool calls
+    with their arguments as objects."""
     message: dict[str, Any] = {"role": "assistant", "content": text}
+    if thinking:
+        message["thinking"] = thinking
     if calls:
         message["tool_calls"] = [{"function": {"name": c.name, "arguments": json.loads(c.arguments)}} for c in calls]
     return {"message": message}
+
+
+def _generated(text: str, calls: tuple[ToolCall, ...] = (), thinking: str = "") -> dict:
+    """The text fields of a generate answer: ``response``, and ``thinking`` where there is some."""
+    return {"response": text, "thinking": thinking} if thinking else {"response": text}
 
 
 async def _stream(gen: Generation, req: _Request, content: Callable[..., dict], keep: KeepAlive,
@@ -511,8 +526,9 @@ async def _stream(gen: Generation, req: _Request, content: Callable[..., dict], 
                 continue
             if not isinstance(item, Chunk):  # prefill progress
                 continue
-            if item.text or item.logprobs or item.tool_calls:
-                body = content(item.text, item.tool_calls)
+            thinking = item.reasoning if req.think is not False else ""
+            if item.text or thinking or item.logprobs or item.tool_calls:
+                body = content(item.text, item.tool_calls, thinking)
                 if req.logprobs:
                     body["logprobs"] = ollama_logprobs(list(item.logprobs))
                 yield line({"model": req.model, "created_at": _now(), **body, "done": False})

@@ -226,6 +226,14 @@ class ResponseFormat(BaseModel):
             raise APIError(400, f"response_format: {exc}", param="response_format") from exc
 
 
+class ChatTemplateKwargs(BaseModel):
+    """vLLM's ``chat_template_kwargs``: of the chat template's variables, ``enable_thinking``
+    (whether a reasoning model thinks) is taken; others are refused."""
+
+    model_config = ConfigDict(extra="forbid")
+    enable_thinking: bool | None = None
+
+
 class ChatCompletionRequest(SamplingFields):
     ENDPOINT = Endpoint.CHAT
     messages: list[ChatMessage] = Field(min_length=1)
@@ -238,9 +246,11 @@ class ChatCompletionRequest(SamplingFields):
     tools: Annotated[list[dict[str, Any]], Field(min_length=1)] | None = None
     tool_choice: Literal["none", "auto", "required"] | dict[str, Any] = "auto"
     parallel_tool_calls: bool = True
-    # a reasoning model's settings: a model that does not reason spends no effort (as vLLM takes them)
+    # a reasoning model's settings: "none" turns its thinking off; a model that does not
+    # reason spends no effort (as vLLM takes them)
     reasoning_effort: Literal["none", "minimal", "low", "medium", "high", "xhigh", "max"] | None = None
     verbosity: Literal["low", "medium", "high"] | None = None
+    chat_template_kwargs: ChatTemplateKwargs | None = None  # vLLM's: enable_thinking only
 
     @staticmethod
     def check_raw(data: Any) -> None:
@@ -266,7 +276,14 @@ class ChatCompletionRequest(SamplingFields):
         return dataclasses.replace(
             self.generation([m.chat() for m in self.messages], limit, param, "messages"),
             tools=list(self.tools or []), tool_choice=self.choice(),
-            max_tool_calls=None if self.parallel_tool_calls else 1, name_param="name")
+            max_tool_calls=None if self.parallel_tool_calls else 1, name_param="name", thinking=self.thinking())
+
+    def thinking(self) -> bool:
+        """Whether a reasoning model thinks: ``chat_template_kwargs.enable_thinking`` where
+        given, else unless ``reasoning_effort`` is "none"."""
+        if self.chat_template_kwargs is not None and self.chat_template_kwargs.enable_thinking is not None:
+            return self.chat_template_kwargs.enable_thinking
+        return self.reasoning_effort != "none"
 
     def choice(self) -> ToolChoice:
         try:
@@ -354,11 +371,14 @@ class ChatShape:
         return self._chunk(index, {"role": "assistant", "content": ""}, None)
 
     def piece(self, index: int, chunk: Chunk) -> dict | None:
-        """The chunk for one piece of output (None: nothing to send); each tool call
+        """The chunk for one piece of output (None: nothing to send); a reasoning model's
+        thinking as ``reasoning_content`` (vLLM's and llama.cpp's field); each tool call
         whole in one delta, numbered per choice."""
-        if not chunk.text and not chunk.logprobs and not chunk.tool_calls:
+        if not chunk.text and not chunk.reasoning and not chunk.logprobs and not chunk.tool_calls:
             return None
-        delta: dict[str, Any] = {"content": chunk.text} if chunk.text or chunk.logprobs else {}
+        delta: dict[str, Any] = {"reasoning_content": chunk.reasoning} if chunk.reasoning else {}
+        if chunk.text or (chunk.logprobs and not chunk.reasoning):
+            delta["content"] = chunk.text
         if chunk.tool_calls:
             first = self.calls_sent.get(index, 0)
             delta["tool_calls"] = [dict(_call_object(call), index=first + i) for i, call in enumerate(chunk.tool_calls)]
@@ -379,16 +399,22 @@ class ChatShape:
         return self._chunk(0, None, None, usage=self.usage_of())
 
     def usage_of(self) -> dict:
-        """Usage over every choice: the prompt once (n choices share it), all completions."""
+        """Usage over every choice: the prompt once (n choices share it), all completions;
+        for a reasoning model, ``completion_tokens_details.reasoning_tokens``."""
         usage = self.gens[0].usage()
         completion = sum(g.completion_tokens for g in self.gens)
-        return dict(usage, completion_tokens=completion, total_tokens=usage["prompt_tokens"] + completion)
+        usage = dict(usage, completion_tokens=completion, total_tokens=usage["prompt_tokens"] + completion)
+        if self.gens[0].reasons:
+            usage["completion_tokens_details"] = {"reasoning_tokens": sum(g.reasoning_tokens for g in self.gens)}
+        return usage
 
     def choice(self, index: int, chunks: list[Chunk], finish: str) -> dict:
         logprobs = None
         if self.req.logprobs_wanted() is not None:
             logprobs = chat_logprobs([t for c in chunks for t in c.logprobs])
         message: dict[str, Any] = {"role": "assistant", "content": "".join(c.text for c in chunks)}
+        if self.gens[index].reasons:
+            message["reasoning_content"] = "".join(c.reasoning for c in chunks) or None
         calls = [call for c in chunks for call in c.tool_calls]
         if calls:
             message["content"] = message["content"] or None
@@ -473,7 +499,7 @@ async def _stream(gens: list[Generation], shape: ChatShape, return_progress: boo
             piece = shape.piece(index, item)
             if piece is not None:
                 if options.include_obfuscation:
-                    piece["obfuscation"] = obfuscation(item.text)
+                    piece["obfuscation"] = obfuscation(item.reasoning + item.text)
                 yield chunk(piece)
             if item.finish is not None:
                 yield chunk(shape.finish(index, item.finish))

@@ -155,7 +155,9 @@ _OLLAMA_COMMON: tuple[tuple, ...] = (
     ("logprobs", True, "each token's log-probability", "test_logprobs_match_the_greedy_choice"),
     ("top_logprobs", True, "0-20 alternatives per token (needs logprobs)", "test_logprobs_match_the_greedy_choice"),
     ("images", False, "text only", _REFUSED, ([],)),
-    ("think", False, "not a thinking model (false only)", _REFUSED, (False,)),
+    ("think", True, "a reasoning model (Qwen3's kind) thinks (true) or not (false); absent: as its chat "
+     "template's default. Its thinking: message.thinking (chat) / thinking (generate), unless false; no effect "
+     "on a model that does not reason", "test_reasoning_api.py::test_ollama_thinking"),
 )
 
 PARAMETERS: tuple[Param, ...] = (
@@ -179,8 +181,12 @@ PARAMETERS: tuple[Param, ...] = (
           ("modalities", False, "text only", _REFUSED, (["text"],)),
           ("audio", False, "text only: no audio output", _REFUSED),
           ("prediction", False, "predicted outputs are not supported", _REFUSED),
-          ("reasoning_effort", True, "none to max: a model that does not reason spends no effort",
-           "test_reasoning_settings_are_not_spent"),
+          ("reasoning_effort", True, "none to max: a reasoning model (Qwen3's kind) thinks unless none, its "
+           "thinking in reasoning_content and its tokens in usage.completion_tokens_details.reasoning_tokens "
+           "(the level does not bound it); a model that does not reason spends no effort",
+           "test_reasoning_api.py::test_chat_completions_reasoning_content"),
+          ("chat_template_kwargs", True, "extension (vLLM): enable_thinking only: whether a reasoning model "
+           "thinks (over reasoning_effort)", "test_reasoning_api.py::test_chat_completions_thinking"),
           ("verbosity", True, "low, medium, high: a hint a model without that training does not follow",
            "test_reasoning_settings_are_not_spent"),
           ("web_search_options", False, "no web search", _REFUSED),
@@ -222,8 +228,8 @@ PARAMETERS: tuple[Param, ...] = (
            ("parallel_tool_calls", True, "false: at most one call", "test_responses_api.py::test_tool_calls_are_function_call_items"),
            ("text", True, "format text, json_object, json_schema (constrained decoding); verbosity low, medium, "
             "high: a hint a model without that training does not follow", "test_api_params_e2e.py::test_responses_format_and_logprobs"),
-           ("include", True, "message.output_text.logprobs; the reference's other values ask for items never "
-            "made here (reasoning, hosted tools' calls): nothing to include",
+           ("include", True, "message.output_text.logprobs; the reference's other values ask for what is never "
+            "made here (reasoning's encrypted content, hosted tools' calls): nothing to include",
             "test_api_params_e2e.py::test_responses_format_and_logprobs"),
            ("top_logprobs", True, "0-20 alternatives per token (with the logprobs include)",
             "test_api_params_e2e.py::test_responses_format_and_logprobs"),
@@ -238,8 +244,10 @@ PARAMETERS: tuple[Param, ...] = (
            ("service_tier", True, "auto or default only (one tier)", "test_responses_api.py::test_fields_refused_name_the_parameter"),
            ("background", False, "background responses are not run (false only)",
             "test_responses_api.py::test_fields_refused_name_the_parameter", (False,)),
-           ("reasoning", True, "effort, summary, context: a model that does not reason spends no effort and "
-            "writes no summary", "test_responses_api.py::test_codex_fields_are_taken"),
+           ("reasoning", True, "effort, summary, context: a reasoning model (Qwen3's kind) thinks unless effort is "
+            "none, its thinking a reasoning item (reasoning_text, no summary) before the message and its tokens in "
+            "output_tokens_details.reasoning_tokens; a model that does not reason spends no effort and writes no "
+            "summary", "test_reasoning_api.py::test_responses_reasoning_item"),
            ("client_metadata", True, "the client's own ids (Codex's): recorded nowhere",
             "test_responses_api.py::test_codex_fields_are_taken"),
            *((name, False, "not supported", "test_responses_api.py::test_fields_refused_name_the_parameter", allowed)
@@ -264,11 +272,13 @@ PARAMETERS: tuple[Param, ...] = (
            "tool search, not run here) not offered, named in the X-Shardline-Tools-Not-Offered header",
            "test_tools_e2e.py::test_anthropic_tool_round_trip"),
           ("tool_choice", True, "auto, any, tool (forced by grammar), none", "test_tools_e2e.py::test_anthropic_tool_round_trip"),
-          ("output_config", True, "format json_schema: constrained decoding; effort: no effect on a model "
-           "that does not reason", "test_anthropic_output_format_parses"),
-          ("thinking", True, "enabled (budget_tokens 1,024 to max_tokens - 1), adaptive, disabled: a model "
+          ("output_config", True, "format json_schema: constrained decoding; effort: a reasoning model thinks "
+           "as it would without it; no effect on a model that does not reason", "test_anthropic_output_format_parses"),
+          ("thinking", True, "enabled (budget_tokens 1,024 to max_tokens - 1), adaptive, between_tools: a "
+           "reasoning model (Qwen3's kind) thinks, its thinking a thinking block first (display omitted: with no "
+           "text; empty signature; the budget does not bound it); disabled or absent: it does not think. A model "
            "that does not reason answers without thinking blocks, its budget not spent",
-           "test_anthropic_reasoning_is_accepted"),
+           "test_reasoning_api.py::test_anthropic_thinking_blocks"),
           ("context_management", True, "clear_tool_uses_20250919 and clear_thinking_20251015 edits, applied "
            "before the prompt is rendered; applied_edits in the answer", "test_anthropic_context_edits"),
           ("cache_control", True, "a prompt-cache hint: no cache here, so no effect on the output",
@@ -288,7 +298,8 @@ PARAMETERS: tuple[Param, ...] = (
           ("system", True, "as in /v1/messages", "test_count_tokens_matches_the_message_usage"),
           ("tools", True, "counted as the template renders them", "test_count_tokens_matches_the_message_usage"),
           ("tool_choice", True, "as in /v1/messages", "test_count_tokens_matches_the_message_usage"),
-          ("thinking", True, "as in /v1/messages", "test_anthropic_reasoning_is_accepted"),
+          ("thinking", True, "as in /v1/messages: a reasoning model's prompt with thinking on or off",
+           "test_anthropic_reasoning_is_accepted"),
           ("context_management", True, "as in /v1/messages; original_input_tokens in the answer",
            "test_anthropic_context_edits"),
           ("mcp_servers", False, "no MCP connector", _REFUSED),

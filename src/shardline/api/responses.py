@@ -60,7 +60,7 @@ async def parse_request(request: Request) -> ResponsesRequest:
 
 
 def _piece(chunk: Chunk) -> Piece:
-    return Piece(chunk.text, chunk.finish, chunk.tool_calls, chunk.logprobs)
+    return Piece(chunk.text, chunk.finish, chunk.tool_calls, chunk.logprobs, chunk.reasoning)
 
 
 def _sse(event: dict) -> str:
@@ -115,7 +115,7 @@ def router(node: Node, metrics: RequestMetrics | None = None, store: ResponseSto
             return JSONResponse(status_code=499, content=error_body("client closed the request", "client_closed"))
         for chunk in chunks:
             builder.feed(_piece(chunk))
-        builder.finish(finish, usage_object(len(gen.prompt), gen.completion_tokens))
+        builder.finish(finish, usage_object(len(gen.prompt), gen.completion_tokens, gen.reasoning_tokens))
         keep(req, items, builder.response)
         return JSONResponse(builder.response, headers=headers)
 
@@ -173,7 +173,7 @@ async def _stream(gen: Generation, builder: OutputBuilder, keep, heartbeat_s: fl
         for event in builder.fail(str(exc), "server_error"):
             yield _sse(event)
         return
-    events = builder.finish(finish or "stop", usage_object(len(gen.prompt), gen.completion_tokens))
+    events = builder.finish(finish or "stop", usage_object(len(gen.prompt), gen.completion_tokens, gen.reasoning_tokens))
     keep(builder.response)  # before the last event: a client may continue from it at once
     for event in events:
         yield _sse(event)

@@ -8,7 +8,8 @@ streaming events: ``response.created``, ``response.in_progress``,
 ``response.output_item.added``, ``response.content_part.added``,
 ``response.output_text.delta``, ``response.output_text.done``,
 ``response.content_part.done``, ``response.output_item.done``,
-``response.function_call_arguments.delta`` / ``.done``, ``response.completed`` /
+``response.function_call_arguments.delta`` / ``.done``, ``response.reasoning_text.delta`` /
+``.done`` (``response_reasoning_item.py``), ``response.completed`` /
 ``response.incomplete``, ``error`` and ``response.failed``).
 """
 
@@ -35,19 +36,22 @@ def new_id(prefix: str) -> str:
 class Piece:
     """What the generation gave since the last piece: content text, complete tool calls
     (objects with ``id``, ``name``, ``arguments``), token logprobs (objects with ``token``,
-    ``logprob``, ``bytes``, ``top``: see interfaces15.md §4), and the finish reason (``stop``,
+    ``logprob``, ``bytes``, ``top``: see interfaces15.md §4), a reasoning model's
+    reasoning text (before any content text or call), and the finish reason (``stop``,
     ``length``, ``tool_calls``) on the last."""
 
     text: str = ""
     finish: str | None = None
     tool_calls: tuple[Any, ...] = ()
     logprobs: tuple[Any, ...] = ()
+    reasoning: str = ""
 
 
-def usage_object(prompt_tokens: int, output_tokens: int) -> dict:
-    """OpenAI's ``ResponseUsage`` (no cached or reasoning tokens here)."""
+def usage_object(prompt_tokens: int, output_tokens: int, reasoning_tokens: int = 0) -> dict:
+    """OpenAI's ``ResponseUsage`` (no cached tokens here); ``reasoning_tokens`` of the
+    ``output_tokens``."""
     return {"input_tokens": prompt_tokens, "input_tokens_details": {"cached_tokens": 0, "cache_write_tokens": 0},
-            "output_tokens": output_tokens, "output_tokens_details": {"reasoning_tokens": 0},
+            "output_tokens": output_tokens, "output_tokens_details": {"reasoning_tokens": reasoning_tokens},
             "total_tokens": prompt_tokens + output_tokens}
 
 
@@ -86,11 +90,12 @@ class OutputBuilder:
     """Turns the generation's :class:`Piece` objects into the response's output items and
     the streaming events that build them, numbered by ``sequence_number``.
 
-    Text opens a ``message`` item (one ``output_text`` part) that a tool call or the end
-    closes; each tool call is a ``function_call`` item (with its ``namespace`` where the
-    function came from one), or a ``custom_tool_call`` item for a custom tool (with
-    ``parallel_tool_calls`` false, the first call only). An output with neither gets an
-    empty message.
+    A reasoning model's reasoning opens a ``reasoning`` item (one ``reasoning_text``
+    part, no summary) that text, a tool call or the end closes. Text opens a ``message``
+    item (one ``output_text`` part) that a tool call or the end closes; each tool call is
+    a ``function_call`` item (with its ``namespace`` where the function came from one), or
+    a ``custom_tool_call`` item for a custom tool (with ``parallel_tool_calls`` false, the
+    first call only). An output with neither text nor calls gets an empty message.
     """
 
     def __init__(self, req: ResponsesRequest, response_id: str, created_at: int) -> None:
@@ -100,6 +105,7 @@ class OutputBuilder:
         self.obfuscate = bool(req.stream) and (req.stream_options or {}).get("include_obfuscation", True) is not False
         self.sequence = 0
         self.message: dict | None = None  # the message item being written
+        self.reasoning: dict | None = None  # the reasoning item being written
         self.calls = 0
         self.tools = parse_tools(req.tools, req.tool_choice)
 
@@ -147,11 +153,33 @@ class OutputBuilder:
                             content_index=0, part=copy.deepcopy(part)),
                 self._event("response.output_item.done", output_index=index, item=copy.deepcopy(item))]
 
+    def _open_reasoning(self) -> list[dict]:
+        item: dict[str, Any] = {"id": new_id("rs"), "type": "reasoning", "summary": [], "content": []}
+        self.output.append(item)
+        self.reasoning = item
+        index = len(self.output) - 1
+        part = {"type": "reasoning_text", "text": ""}
+        item["content"].append(part)
+        return [self._event("response.output_item.added", output_index=index, item=dict(item, content=[])),
+                self._event("response.content_part.added", item_id=item["id"], output_index=index,
+                            content_index=0, part=dict(part))]
+
+    def _close_reasoning(self) -> list[dict]:
+        item, self.reasoning = self.reasoning, None
+        if item is None:
+            return []
+        part, index = item["content"][0], self.output.index(item)
+        return [self._event("response.reasoning_text.done", item_id=item["id"], output_index=index,
+                            content_index=0, text=part["text"]),
+                self._event("response.content_part.done", item_id=item["id"], output_index=index,
+                            content_index=0, part=dict(part)),
+                self._event("response.output_item.done", output_index=index, item=copy.deepcopy(item))]
+
     def _call(self, call: Any) -> list[dict]:
         if self.calls and not self.parallel:
             return []
         self.calls += 1
-        events = self._close_message("completed")
+        events = self._close_reasoning() + self._close_message("completed")
         if call.name in self.tools.custom:
             return events + self._custom_call(call)
         item = {"id": new_id("fc"), "type": "function_call", "status": "in_progress", "call_id": call.id,
@@ -192,7 +220,17 @@ class OutputBuilder:
     def feed(self, piece: Piece) -> list[dict]:
         """The events for one piece's text and calls (its finish is for :meth:`finish`)."""
         events: list[dict] = []
+        if piece.reasoning:
+            if self.reasoning is None:
+                events += self._open_reasoning()
+            assert self.reasoning is not None
+            part, index = self.reasoning["content"][0], self.output.index(self.reasoning)
+            part["text"] += piece.reasoning
+            events.append(self._pad(self._event("response.reasoning_text.delta", item_id=self.reasoning["id"],
+                                                output_index=index, content_index=0, delta=piece.reasoning),
+                                    piece.reasoning))
         if piece.text:
+            events += self._close_reasoning()
             if self.message is None:
                 events += self._open_message()
             assert self.message is not None
@@ -212,8 +250,8 @@ class OutputBuilder:
         ``incomplete`` (``max_output_tokens``), anything else ``completed``. The last event
         is ``response.completed`` or ``response.incomplete`` with the whole response."""
         incomplete = reason == "length"
-        events = []
-        if self.message is None and not self.output:
+        events = self._close_reasoning()
+        if self.message is None and all(item["type"] == "reasoning" for item in self.output):
             events += self._open_message()
         events += self._close_message("incomplete" if incomplete else "completed")
         self.response.update(status="incomplete" if incomplete else "completed", usage=usage,

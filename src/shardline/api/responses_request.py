@@ -39,9 +39,10 @@ include (Codex asks for ``reasoning.encrypted_content`` on every request)."""
 REASONING = {"effort": (None, "none", "minimal", "low", "medium", "high", "xhigh", "max"),
              "summary": (None, "auto", "concise", "detailed"), "generate_summary": (None, "auto", "concise", "detailed"),
              "context": (None, "auto", "current_turn", "all_turns")}
-"""``reasoning``'s fields and values: a model that does not reason spends no effort and
-writes no summary, as OpenAI's non-reasoning models take it from clients that send it by
-default (Codex)."""
+"""``reasoning``'s fields and values: a reasoning model thinks unless ``effort`` is
+"none" (its reasoning a ``reasoning`` item with its text, no summary); a model that does
+not reason spends no effort and writes no summary, as OpenAI's non-reasoning models take
+it from clients that send it by default (Codex)."""
 TEXT_ONLY_PARTS = {"input_image", "input_file", "input_audio"}
 _FORMAT_NAME = re.compile(r"^[a-zA-Z0-9_-]{1,64}$")
 
@@ -194,8 +195,8 @@ def normalize_input(input_: str | list[dict[str, Any]], model: str) -> list[dict
     "function_call", "call_id", "name", "arguments"}`` (a ``custom_tool_call``'s ``input``
     becomes ``{"input": ...}`` arguments) and ``{"type": "function_call_output", "call_id",
     "output"}`` (a string; a ``custom_tool_call_output`` likewise). ``reasoning`` items (a
-    reasoning model's, sent back by clients such as Codex) are dropped: the models served
-    here do not read them.
+    reasoning model's, sent back by clients such as Codex) are dropped, as reasoning
+    models' chat templates leave out earlier turns' reasoning.
 
     Raises:
         APIError: 400 naming the first offending item's field (``input[i]...``): an item
@@ -249,7 +250,8 @@ def chat_messages(instructions: str | None, items: list[dict], first_new: int = 
     in Hugging Face's chat-template format (interfaces15.md §3): ``instructions`` as a
     system message first; developer as system; function calls as an assistant message's
     ``tool_calls`` (arguments parsed), joined to the assistant message just before them;
-    outputs as ``tool`` messages named after their call.
+    outputs as ``tool`` messages named after their call; ``reasoning`` items (a stored
+    response's output holds them) left out.
 
     ``first_new``: the index of the request's first own item in ``items`` (those before
     came from ``previous_response_id``), for naming ``input[i]`` in errors.
@@ -267,6 +269,8 @@ def chat_messages(instructions: str | None, items: list[dict], first_new: int = 
             role = "system" if item["role"] == "developer" else item["role"]
             text = "".join(p.get("text", p.get("refusal", "")) for p in item["content"])
             messages.append({"role": role, "content": text})
+        elif kind == "reasoning":
+            continue
         elif kind in ("function_call", "custom_tool_call"):  # a stored response's output holds the latter
             try:
                 arguments = ({"input": item["input"]} if kind == "custom_tool_call"
@@ -520,4 +524,4 @@ def to_generation(req: ResponsesRequest, history: list[dict], new_items: list[di
             raise bad(f"text.format.schema: {exc}", "text.format.schema") from exc
     return GenerationRequest(model=req.model, prompt=messages, max_tokens=req.max_output_tokens,
                              sampling=params, api="openai", max_tokens_param="max_output_tokens",
-                             prompt_param="input", **extra)
+                             prompt_param="input", thinking=(req.reasoning or {}).get("effort") != "none", **extra)

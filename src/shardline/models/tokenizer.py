@@ -24,6 +24,9 @@ from typing import Any
 
 from shardline.models.tool_prompt import template_reads_tools, with_dict_arguments, with_tools_in_text
 
+THINK_OPEN = "<think>"
+"""What a reasoning model writes before its thinking (``</think>`` after it)."""
+
 
 class ChatTemplateError(ValueError):
     """The messages cannot be rendered by the model's chat template."""
@@ -137,11 +140,22 @@ class Tokenizer:
         """Whether the chat template renders a ``tools`` argument (it reads the variable)."""
         return template_reads_tools(self.chat_template)
 
+    @functools.cached_property
+    def reasons(self) -> bool:
+        """Whether the model reasons before it answers: its chat template writes
+        :data:`THINK_OPEN` (Qwen3, QwQ, DeepSeek-R1 distills; their output is split by
+        :class:`~shardline.api.reasoning.ReasoningSplitter`)."""
+        return THINK_OPEN in (self.chat_template or "")
+
     def render_chat(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None,
-                    continue_final_message: bool = False) -> str:
+                    continue_final_message: bool = False, thinking: bool | None = None) -> str:
         """The prompt text for ``messages`` with the assistant's turn opened, or with the
         final (assistant) message left open to be continued (``continue_final_message``:
         Anthropic's prefill; transformers' option of that name).
+
+        ``thinking``: whether a reasoning model thinks before its answer, given to the
+        template as ``enable_thinking`` (what Qwen3's reads; a template that does not read
+        it renders the same); None: not given (the template's default).
 
         ``tools`` are OpenAI function tools. A template that takes tools renders them (and
         the history's calls and results) itself; for one that does not, they are listed in
@@ -158,13 +172,13 @@ class Tokenizer:
         try:
             return str(self._tok.apply_chat_template(
                 messages, tools=tools, add_generation_prompt=not continue_final_message,
-                continue_final_message=continue_final_message, tokenize=False,
+                continue_final_message=continue_final_message, tokenize=False, **_thinking_kwargs(thinking),
             ))
         except Exception as exc:  # jinja2's TemplateError and template-raised exceptions
             raise ChatTemplateError(f"chat template failed: {exc}") from exc
 
     def unrendered_names(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None,
-                         continue_final_message: bool = False) -> list[int]:
+                         continue_final_message: bool = False, thinking: bool | None = None) -> list[int]:
         """Indices of the messages other than tool results whose ``name`` (a participant's)
         the chat template leaves out: the prompt :meth:`render_chat` gives is the same
         without it (most templates render no participant names; a request's name would be
@@ -183,17 +197,17 @@ class Tokenizer:
         named = sorted(first.values())
         if not named:
             return []
-        full = self.render_chat(messages, tools, continue_final_message)
+        full = self.render_chat(messages, tools, continue_final_message, thinking)
         unrendered = []
         for i in named:
             without = [{k: v for k, v in m.items() if k != "name"} if j == i else m
                        for j, m in enumerate(messages)]
-            if self.render_chat(without, tools, continue_final_message) == full:
+            if self.render_chat(without, tools, continue_final_message, thinking) == full:
                 unrendered.append(i)
         return unrendered
 
     def encode_chat(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None,
-                    continue_final_message: bool = False) -> list[int]:
+                    continue_final_message: bool = False, thinking: bool | None = None) -> list[int]:
         """Token ids of :meth:`render_chat`'s prompt (same arguments), where only the
         template's own markup makes control tokens.
 
@@ -223,7 +237,7 @@ class Tokenizer:
             ids = self._tok.apply_chat_template(
                 messages, tools=tools, add_generation_prompt=not continue_final_message,
                 continue_final_message=continue_final_message, tokenize=True, return_dict=False,
-                sanitize_control_tokens=True,
+                sanitize_control_tokens=True, **_thinking_kwargs(thinking),
             )
         except Exception as exc:  # jinja2's errors, template-raised ones, "Can't sanitize ..."
             raise ChatTemplateError(f"chat template failed: {exc}") from exc
@@ -239,6 +253,11 @@ class Tokenizer:
         if self.supports_tools:
             return [with_dict_arguments(m) for m in messages], tools
         return with_tools_in_text(messages, tools), None
+
+
+def _thinking_kwargs(thinking: bool | None) -> dict[str, bool]:
+    """The chat template's variables for ``thinking`` (:meth:`Tokenizer.render_chat`)."""
+    return {} if thinking is None else {"enable_thinking": thinking}
 
 
 SAVE_TIMEOUT_S = 300.0
