@@ -432,9 +432,7 @@ class ToolCallParser:
         self._mode = "start"  # LLAMA3_JSON: "start" (undecided), "calls", "content"
         self._pos = 0  # LLAMA3_JSON: the next character of the buffer to scan
         self._start = 0  # where the open JSON object began
-        self._depth = 0
-        self._in_string = False
-        self._escape = False
+        self._object: _JsonEnd | None = None  # the open JSON object's end, while it is open
 
     def feed(self, text: str) -> list[str | ToolCall]:
         """Content text and complete calls from ``text`` and what was held back before."""
@@ -560,7 +558,7 @@ class ToolCallParser:
         out: list[str | ToolCall] = []
         if self._mode == "calls":
             out, complete = self._scan_calls()
-            if complete and not (final and self._depth > 0):
+            if complete and not (final and self._object is not None):
                 if final:
                     self._buffer = ""
                 return out
@@ -577,37 +575,26 @@ class ToolCallParser:
         call (or a separator) is met."""
         out: list[str | ToolCall] = []
         text = self._buffer
-        while self._pos < len(text):
-            ch = text[self._pos]
-            if self._depth == 0:
-                if ch == "{":
-                    self._start, self._depth = self._pos, 1
-                elif not (ch.isspace() or ch == ";"):
+        while True:
+            if self._object is None:
+                while self._pos < len(text) and (text[self._pos].isspace() or text[self._pos] == ";"):
+                    self._pos += 1
+                if self._pos == len(text):
+                    return out, True
+                if text[self._pos] != "{":
                     return out, False
-            elif self._in_string:
-                if self._escape:
-                    self._escape = False
-                elif ch == "\\":
-                    self._escape = True
-                elif ch == '"':
-                    self._in_string = False
-            elif ch == '"':
-                self._in_string = True
-            elif ch == "{":
-                self._depth += 1
-            elif ch == "}":
-                self._depth -= 1
-                if self._depth == 0:
-                    calls = self._parse_body(text[self._start:self._pos + 1])
-                    if calls is None:
-                        return out, False
-                    out.extend(calls)
-                    self._made_call = True
-                    text = self._buffer = text[self._pos + 1:]
-                    self._pos = 0
-                    continue
-            self._pos += 1
-        return out, True
+                self._start, self._object = self._pos, _JsonEnd(self._pos)
+            end = self._object.find(text)
+            if end is None:
+                return out, True
+            self._object = None
+            calls = self._parse_body(text[self._start:end])
+            if calls is None:
+                return out, False
+            out.extend(calls)
+            self._made_call = True
+            text = self._buffer = text[end:]
+            self._pos = 0
 
 
 def _merged(items: list[str | ToolCall]) -> list[str | ToolCall]:
