@@ -26,7 +26,6 @@ How each connection's (interactive) command is run non-interactively, on :data:`
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import pytest
@@ -34,7 +33,7 @@ from agents import QUIET, install, run_client
 from conftest import free_port_block
 from tiny_chat import SAYS_WORD, write_tiny_chat_model
 
-from shardline.connect import CLIENTS, connection
+from shardline.connect import CLIENTS, Connection, connection
 from shardline.local_cluster import LocalCluster
 
 MODEL = "agent"
@@ -48,16 +47,31 @@ WALL: dict[str, float] = {}
 pytestmark = pytest.mark.timeout(CLIENT_TIMEOUT_S + 2 * 600 + 60)  # an install, the run, the node's start
 
 
+CALLER = "caller"
+CALL = '{"name":"hello","parameters":{}}'
+"""What :data:`CALLER` answers, whatever it is asked: a call of a tool ``hello`` with no
+arguments, written as a bare JSON object (a form Qwen2.5 falls back to under
+``tool_choice: auto``, which shardline takes as a call of a declared tool); its tokens
+are all different, as a ``says`` model needs."""
+
+
 @pytest.fixture(scope="module")
 def node(tmp_path_factory, request):
-    """A node's URL and log folder, serving :data:`MODEL` (says :data:`WORD`)."""
+    """A node's URL and log folder, serving :data:`MODEL` (says :data:`WORD`) and
+    :data:`CALLER` (says :data:`CALL`)."""
+    from shardline.models.store import default_model_path
+    from shardline.models.tokenizer import Tokenizer
+
     root = tmp_path_factory.mktemp("agents")
-    write_tiny_chat_model(root / "models" / MODEL, "qwen", context=CONTEXT, says=SAYS_WORD[1])
+    write_tiny_chat_model(root / "models" / MODEL, "qwen", context=CONTEXT, says=(SAYS_WORD[1],))
+    call = tuple(Tokenizer(default_model_path()).encode(CALL, add_special_tokens=False))
+    write_tiny_chat_model(root / "models" / CALLER, "qwen", context=4096, says=call)
     cluster = LocalCluster(nodes=1, base_port=free_port_block(1), runner_threads=1, log_dir=str(root),
                            data_dir=str(root), model_dirs=[root / "models"])
     cluster.start()
     try:
         cluster.place(str(root / "models" / MODEL), "pipeline", context=CONTEXT, max_batch=2)
+        cluster.place(str(root / "models" / CALLER), "pipeline", context=4096, max_batch=2)
         yield cluster.url(0), root
     finally:
         cluster.stop()
@@ -79,12 +93,14 @@ NON_INTERACTIVE = {
 """Each connection's command with the arguments that run it once on PROMPT and exit."""
 
 
-def _setup(client: str, url: str, tmp_path: Path) -> tuple[object, Path, Path]:
-    """The connection of ``client``, and a fresh HOME and project folder with its files."""
+def _setup(client: str, url: str, tmp_path: Path, model: str = MODEL, context: int = CONTEXT
+           ) -> tuple[Connection, Path, Path]:
+    """The connection of ``client`` to ``model``, and a fresh HOME and project folder with
+    its files."""
     home, project = tmp_path / "home", tmp_path / "project"
     home.mkdir()
     project.mkdir()
-    conn = connection(client, url, MODEL, CONTEXT)
+    conn = connection(client, url, model, context)
     for name, content in conn.files.items():
         path = home / name[2:] if name.startswith("~/") else project / name
         path.parent.mkdir(parents=True, exist_ok=True)
@@ -115,29 +131,29 @@ def test_an_agent_runs_against_a_node_with_the_connect_settings(client, node, tm
     assert "Traceback" not in run.stdout + run.stderr, _failure(client, run, log_dir)
 
 
-WRITE_FILE = '''
-def write_file(name: str, content: str) -> str:
-    "Write content to the file called name."
-    open(name, "w").write(content)
-    return "ok"
+HELLO = '''
+def hello() -> str:
+    "Write hi to hello.txt."
+    open("hello.txt", "w").write("hi")
+    return "written"
 '''
 
 
-def test_llm_offers_a_python_function_as_a_tool(node, tmp_path):
-    """llm with ``--functions`` (a ``write_file`` tool defined in Python) sends the tool with
-    its request and prints the answer; the model here answers the word and calls nothing,
-    so no file is written and llm's log holds the tool offered and no call."""
+def test_llm_runs_the_tool_the_model_calls(node, tmp_path):
+    """A tool round trip through a real client: llm offers a Python function ``hello``
+    (``--functions``) with its request; the model answers a call of it; llm runs it (the
+    file is written) and sends the result back with the conversation, which the node
+    renders and answers again. :data:`CALLER` cannot read the result, so it calls again
+    each time, until llm's chain limit (5 responses) ends the run with exit status 1."""
     url, log_dir = node
     bin_dir = install("llm")
-    conn, home, project = _setup("llm", url, tmp_path)
-    argv = [*conn.command[:-1], "--functions", WRITE_FILE, PROMPT]
-    env = {**QUIET["llm"], **conn.env}
-    run = run_client(argv, bin_dir, env, home, project, CLIENT_TIMEOUT_S)
-    WALL["llm --functions"] = run.wall_s
-    assert run.returncode == 0, _failure("llm", run, log_dir)
-    assert WORD in run.stdout and "Traceback" not in run.stderr, _failure("llm", run, log_dir)
-    assert not (project / "hello.txt").exists()
-    logs = run_client(["llm", "logs", "-n", "0", "--json"], bin_dir, env, home, project, 60)
-    (logged,) = json.loads(logs.stdout)
-    assert [tool["name"] for tool in logged["tools"]] == ["write_file"], logged
-    assert logged["tool_calls"] == [] and logged["response"] == WORD, logged
+    conn, home, project = _setup("llm", url, tmp_path, CALLER, 4096)
+    argv = [*conn.command[:-1], "--functions", HELLO, "--tools-debug", "Create hello.txt"]
+    run = run_client(argv, bin_dir, {**QUIET["llm"], **conn.env}, home, project, CLIENT_TIMEOUT_S)
+    WALL["llm tool round trip"] = run.wall_s
+    assert (project / "hello.txt").read_text() == "hi", _failure("llm", run, log_dir)
+    output = run.stdout + run.stderr
+    # 5 responses, each a call: the first 4 run, each result sent back and answered
+    assert output.count("Tool call: hello({})") == 4 and "Chain limit of 5 exceeded" in output, \
+        _failure("llm", run, log_dir)
+    assert "Traceback" not in output, _failure("llm", run, log_dir)

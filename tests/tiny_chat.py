@@ -153,7 +153,7 @@ def write_chat_tokenizer(directory: Path, style: str, marker_tokens: bool = Fals
 
 def write_tiny_chat_model(directory: Path, style: str, *, layers: int = 2, seed: int = 0,
                           marker_tokens: bool = False, context: int = 4096, ends_at_once: bool = False,
-                          says: int | None = None) -> Path:
+                          says: tuple[int, ...] = ()) -> Path:
     """A tiny random-weight model directory (safetensors, float32, hidden size 64, tied
     embeddings, trained context ``context``) with SmolLM2's tokenizer (with the call
     markers as special tokens where ``marker_tokens``: :func:`write_chat_tokenizer`) and
@@ -168,11 +168,11 @@ def write_tiny_chat_model(directory: Path, style: str, *, layers: int = 2, seed:
     dimension 0, which the layers' small outputs leave the largest part of the residual,
     and only the end token's head row reads that dimension.
 
-    ``says``: a token id (e.g. :data:`SAYS_WORD`), with the same untied layout: the model
-    answers that one token, then ends the turn, at any temperature up to 2. Dimension 0
-    (200 in every embedding) makes ``says`` win by ~80 logits after any other token; the
-    ``says`` token's embedding also carries 200 in dimension 1, which makes the end token
-    win by ~110 logits after it."""
+    ``says``: token ids, all different (e.g. :data:`SAYS_WORD`'s one), with the same untied
+    layout: the model answers them in order, then ends the turn, at any temperature up to
+    2. Dimension 0 (200 in every embedding) makes the first win after any token not among
+    them; the k-th one's embedding also carries 200 in dimension 1 + k, which makes the
+    next one (the end token after the last) win after it by ~100 logits."""
     import torch
     import transformers
     from tiny_models import randomize, save_hf
@@ -185,7 +185,7 @@ def write_tiny_chat_model(directory: Path, style: str, *, layers: int = 2, seed:
     added = (len(MARKER_TOKENS) if marker_tokens else 0) + (len(THINK_TOKENS) if style == "qwen3" else 0)
     kwargs = dict(vocab_size=49152 + added, hidden_size=64, intermediate_size=128, num_hidden_layers=layers,
                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=context,
-                  rms_norm_eps=1e-6, rope_theta=10000.0, tie_word_embeddings=not (ends_at_once or says is not None),
+                  rms_norm_eps=1e-6, rope_theta=10000.0, tie_word_embeddings=not (ends_at_once or says),
                   bos_token_id=None, eos_token_id=None, pad_token_id=None)
     if style == "qwen":
         config = transformers.Qwen2Config(use_sliding_window=False, **kwargs)
@@ -205,15 +205,18 @@ def write_tiny_chat_model(directory: Path, style: str, *, layers: int = 2, seed:
             model.model.norm.weight[0] = 1.0
             model.lm_head.weight[:, 0] = 0.0
             model.lm_head.weight[END_OF_TURN, 0] = 4.0
-    if says is not None:
+    if says:
+        if len(set(says)) != len(says) or len(says) > kwargs["hidden_size"] - 1:
+            raise ValueError(f"says: up to {kwargs['hidden_size'] - 1} different tokens, got {says}")
         with torch.no_grad():
+            model.model.embed_tokens.weight[:, :len(says) + 1] = 0.0
             model.model.embed_tokens.weight[:, 0] = 200.0
-            model.model.embed_tokens.weight[:, 1] = 0.0
-            model.model.embed_tokens.weight[says, 1] = 200.0
-            model.model.norm.weight[:2] = 1.0
-            model.lm_head.weight[:, :2] = 0.0
-            model.lm_head.weight[says, 0] = 10.0
-            model.lm_head.weight[says, 1] = -20.0
-            model.lm_head.weight[END_OF_TURN, 1] = 20.0
+            model.model.norm.weight[:len(says) + 1] = 1.0
+            model.lm_head.weight[:, :len(says) + 1] = 0.0
+            model.lm_head.weight[says[0], 0] = 10.0
+            for k, token in enumerate(says):
+                model.model.embed_tokens.weight[token, 1 + k] = 200.0
+                model.lm_head.weight[says[0], 1 + k] = -20.0
+                model.lm_head.weight[(*says[1:], END_OF_TURN)[k], 1 + k] = 20.0
     save_hf(model, Path(directory))
     return write_chat_tokenizer(Path(directory), style, marker_tokens)  # its generation_config.json: the end tokens
