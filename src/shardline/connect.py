@@ -105,8 +105,9 @@ def connection(client: str, base_url: str, model: str, context: int, api_key: st
             "ANTHROPIC_DEFAULT_HAIKU_MODEL": model, "CLAUDE_CODE_SUBAGENT_MODEL": model,
             "CLAUDE_CODE_MAX_OUTPUT_TOKENS": str(out), "CLAUDE_CODE_DISABLE_NONESSENTIAL_TRAFFIC": "1"},
             command=("claude",), notes=_context_note(context) + (
-                "Claude Code takes its window for 200,000 tokens; a conversation past the model's context gets "
-                "Anthropic's 'prompt is too long' error, which Claude Code shows: /compact shortens it",))
+                "Claude Code takes a model it does not know for a 1,000,000-token one and compacts by that "
+                "(CLAUDE_CODE_AUTO_COMPACT_WINDOW takes no less than 100,000); a conversation past the model's "
+                "context gets Anthropic's 'prompt is too long', which it shows: /compact shortens the conversation",))
     if client == "codex":
         provider = [f'model = "{model}"', 'model_provider = "shardline"', f"model_context_window = {context}",
                     "", "[model_providers.shardline]", 'name = "shardline"',
