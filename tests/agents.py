@@ -77,9 +77,14 @@ def run_bounded(argv: list[str], timeout_s: float, **kwargs) -> subprocess.Compl
     return subprocess.CompletedProcess(argv, proc.returncode, out, err)
 
 
-def _last_line(text: str) -> str:
-    lines = [line for line in text.splitlines() if line.strip()]
-    return lines[-1].strip() if lines else "(no output)"
+def _reason(text: str) -> str:
+    """Why an install failed, in one line: npm's first error line that says what happened
+    (its last ones point at its log, or dump the error object), else the output's last
+    line (pip's ``ERROR: ...``)."""
+    lines = [line.strip() for line in text.splitlines() if line.strip()]
+    said = [line for line in lines if line.startswith("npm error ")
+            and line.split()[2].rstrip(":") not in ("code", "syscall", "errno", "path", "A", "at")]
+    return said[0] if said else lines[-1] if lines else "(no output)"
 
 
 def install(client: str) -> Path:
@@ -100,18 +105,20 @@ def install(client: str) -> Path:
                 if npm is None:
                     pytest.skip(f"{package}@{version}: npm is not installed")
                 (target / "package.json").write_text('{"private": true}\n')
+                # one retry, soon: without the registry an install fails in seconds, not minutes
                 argv = [npm, "install", "--ignore-scripts", "--no-audit", "--no-fund", "--no-update-notifier",
+                        "--fetch-retries=1", "--fetch-retry-mintimeout=2000", "--fetch-retry-maxtimeout=10000",
                         "--prefix", str(target), f"{package}@{version}"]
                 done = run_bounded(argv, INSTALL_TIMEOUT_S)
             else:
                 done = run_bounded([sys.executable, "-m", "venv", str(target / "venv")], 120)
                 if done.returncode == 0:
                     done = run_bounded([str(target / "venv" / "bin" / "python"), "-m", "pip", "install", "-q",
-                                        f"{package}=={version}"], INSTALL_TIMEOUT_S)
+                                        "--retries", "1", f"{package}=={version}"], INSTALL_TIMEOUT_S)
             (target / "install.log").write_text(done.stdout + done.stderr)
             if done.returncode != 0:
                 pytest.skip(f"{package}=={version} did not install (exit {done.returncode}): "
-                            f"{_last_line(done.stdout + done.stderr)}")
+                            f"{_reason(done.stdout + done.stderr)}")
             (target / ".complete").write_text(f"{package}=={version}\n")
     if kind == "pypi":
         return target / "venv" / "bin"
