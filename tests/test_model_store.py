@@ -207,3 +207,34 @@ def test_nodes_starting_together_convert_the_default_tokenizer_once(tmp_path, mo
         t.join(timeout=30)
     assert len(calls) == 1 and len(found) == 3 and len(set(found)) == 1
     assert (found[0] / "tokenizer.json").is_file()
+
+
+@pytest.mark.parametrize("arch", ["gemma3", "deepseek2"])
+def test_an_unsupported_architecture_is_refused_before_any_copy_or_hash(tmp_path, monkeypatch, arch):
+    """A GGUF of an architecture shardline cannot run is refused from its header alone,
+    naming the architecture and the supported ones: no file is copied, linked or hashed
+    (a many-gigabyte file took 19-49 s to be refused when it was)."""
+    import gguf
+    import numpy as np
+
+    from shardline.models import store as store_module
+    from shardline.models.config import UnsupportedModelError
+
+    path = tmp_path / f"{arch}.gguf"
+    writer = gguf.GGUFWriter(str(path), arch)
+    writer.add_block_count(2)
+    writer.add_tensor("token_embd.weight", np.zeros((100, 64), dtype=np.float32))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+
+    def untouched(*args):
+        raise AssertionError(f"the store read the file's weights: {args}")
+
+    monkeypatch.setattr(store_module, "sha256_file", untouched)
+    monkeypatch.setattr(store_module, "_link_or_copy", untouched)
+    store = ModelStore(tmp_path / "models")
+    with pytest.raises(UnsupportedModelError, match=rf"'{arch}' is not supported \(supported: llama"):
+        store.add_local(path)
+    assert store.model_ids() == []

@@ -403,7 +403,9 @@ class ModelStore:
         file elsewhere would bring that file into the store, whence peers copy it).
 
         A model already here with the same files (names and sizes) is kept as it is, so
-        adding the same path again costs no hashing.
+        adding the same path again costs no hashing. The model card is read from the
+        source first: an architecture shardline cannot run, or a file that is no model, is
+        refused before anything is copied or hashed (in milliseconds, whatever the size).
 
         Raises:
             ModelStoreError: a bad id, a path that does not exist or is not a model (a
@@ -437,6 +439,12 @@ class ModelStore:
                                       f"directories (a symlink to elsewhere)")
         model_id = check_model_id(model_id if model_id is not None  # "" is refused, not defaulted
                                   else source.stem if fmt == "gguf" else source.name)
+        try:  # the model card first: an architecture it cannot run is refused before any copy or hash
+            _weights_config(source)
+        except UnsupportedModelError:
+            raise
+        except Exception as exc:  # the gguf reader and json raise many kinds
+            raise ModelStoreError(f"{source} is not a model shardline can read: {exc}") from None
         known = self.manifest(model_id)
         if known is not None and self.present(model_id) == {f.path for f in known.files} and \
                 {f.path: f.size for f in known.files if f.weights} == \
@@ -452,7 +460,6 @@ class ModelStore:
                 if fmt == "gguf":
                     from shardline.models.tokenizer import save_tokenizer_files
 
-                    _weights_config(staging / source.name)  # a corrupt file fails here, quickly
                     save_tokenizer_files(staging / source.name, staging / GGUF_TOKENIZER_DIR)
                 manifest = self._describe(staging, model_id, fmt)
             except UnsupportedModelError:
