@@ -28,6 +28,8 @@ def test_claude_code_env():
     assert env["ANTHROPIC_BASE_URL"] == URL and env["ANTHROPIC_AUTH_TOKEN"] == "k3y"
     assert {env[f"ANTHROPIC_DEFAULT_{size}_MODEL"] for size in ("OPUS", "SONNET", "HAIKU")} == {MODEL}
     assert env["CLAUDE_CODE_MAX_OUTPUT_TOKENS"] == "8192"
+    assert "CLAUDE_CODE_AUTO_COMPACT_WINDOW" not in env  # it takes 100,000 at the least
+    assert connection("claude", URL, MODEL, 131072).env["CLAUDE_CODE_AUTO_COMPACT_WINDOW"] == "131072"
 
 
 def test_codex_config_is_toml():

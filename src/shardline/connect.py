@@ -10,6 +10,7 @@ The clients and what they read (their own documentation is the source):
   ``ANTHROPIC_AUTH_TOKEN`` (sent as ``Authorization: Bearer``), ``ANTHROPIC_MODEL`` and
   the ``ANTHROPIC_DEFAULT_{OPUS,SONNET,HAIKU}_MODEL`` aliases (its background tasks ask
   for the Haiku alias), ``CLAUDE_CODE_SUBAGENT_MODEL``, ``CLAUDE_CODE_MAX_OUTPUT_TOKENS``,
+  ``CLAUDE_CODE_AUTO_COMPACT_WINDOW`` (a context of 100,000 tokens or more),
   ``CLAUDE_CODE_DISABLE_NONESSENTIAL_TRAFFIC`` (no telemetry or update checks).
 - ``codex``: Codex CLI, OpenAI Responses. ``~/.codex/config.toml``: a model provider with
   ``base_url`` and ``wire_api = "responses"``, ``model``, ``model_context_window``.
@@ -75,6 +76,10 @@ def output_tokens(context: int) -> int:
     return min(32_000, max(256, context // 4))
 
 
+CLAUDE_MIN_WINDOW = 100_000
+"""The smallest ``CLAUDE_CODE_AUTO_COMPACT_WINDOW`` Claude Code 2.1.332 takes (a smaller one
+reads as this): a model of a longer context is given it, so Claude Code compacts before
+the model's context is full."""
 AGENT_CONTEXT = 32768
 """The context an agent needs: its own system prompt and tools take 6-19 thousand tokens
 (Codex's and opencode's first requests 6.7-8.2 thousand with SmolLM2's tokenizer, Claude
@@ -99,11 +104,13 @@ def connection(client: str, base_url: str, model: str, context: int, api_key: st
     out = output_tokens(context)
     v1 = f"{base_url}/v1"
     if client == "claude":
+        # its compaction window, where it takes the model's (100,000 tokens at the least)
+        window = {"CLAUDE_CODE_AUTO_COMPACT_WINDOW": str(context)} if context >= CLAUDE_MIN_WINDOW else {}
         return Connection(client, env={
             "ANTHROPIC_BASE_URL": base_url, "ANTHROPIC_AUTH_TOKEN": key, "ANTHROPIC_MODEL": model,
             "ANTHROPIC_DEFAULT_OPUS_MODEL": model, "ANTHROPIC_DEFAULT_SONNET_MODEL": model,
             "ANTHROPIC_DEFAULT_HAIKU_MODEL": model, "CLAUDE_CODE_SUBAGENT_MODEL": model,
-            "CLAUDE_CODE_MAX_OUTPUT_TOKENS": str(out), "CLAUDE_CODE_DISABLE_NONESSENTIAL_TRAFFIC": "1"},
+            "CLAUDE_CODE_MAX_OUTPUT_TOKENS": str(out), **window, "CLAUDE_CODE_DISABLE_NONESSENTIAL_TRAFFIC": "1"},
             command=("claude",), notes=_context_note(context) + (
                 "Claude Code takes a model it does not know for a 1,000,000-token one and compacts by that "
                 "(CLAUDE_CODE_AUTO_COMPACT_WINDOW takes no less than 100,000); a conversation past the model's "
