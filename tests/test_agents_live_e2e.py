@@ -8,7 +8,7 @@ answer.
 
 The node serves a tiny random-weight model (tests/tiny_chat.py, ``says``) that answers one
 word, :data:`tiny_chat.SAYS_WORD`, whatever it is asked, at any temperature, then ends
-the turn; it is placed with a context of 65,536 tokens (the clients' prompts are 6-19
+the turn; it is placed with a context of 65,536 tokens (the clients' prompts are 8-19
 thousand tokens and the connection tells them to ask for 16,384 more).
 
 The clients are installed at the versions pinned in pyproject.toml (tests/agents.py), once,
@@ -117,7 +117,7 @@ def _failure(client: str, run, log_dir: Path) -> str:
 @pytest.mark.parametrize("client", CLIENTS)
 def test_an_agent_runs_against_a_node_with_the_connect_settings(client, node, tmp_path):
     """The client, installed at its pinned version and given only what ``shardline connect``
-    prints, sends its real requests (6-19 thousand tokens of system prompt and tools,
+    prints, sends its real requests (8-19 thousand tokens of system prompt and tools,
     streamed) to the node, gets the model's answer, prints it and exits 0 without a
     traceback."""
     url, log_dir = node

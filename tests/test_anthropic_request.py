@@ -135,6 +135,14 @@ def test_claude_codes_defaults_validate(extra):
     ({"thinking": {"type": "adaptive", "budget_tokens": 2000}}, "budget_tokens"),
     ({"output_config": {"effort": "none"}}, "effort"),
     ({"context_management": {"edits": [{"type": "compact_20260112"}]}}, "context_management"),
+    # a threshold of the wrong kind, and a keep without its count (found by a trial)
+    ({"context_management": {"edits": [{**CLEAR, "keep": {"type": "input_tokens", "value": 0}}]}}, "keep"),
+    ({"context_management": {"edits": [{**CLEAR, "clear_at_least": {"type": "tool_uses", "value": 1}}]}},
+     "clear_at_least"),
+    ({"context_management": {"edits": [{"type": "clear_thinking_20251015", "keep": {"type": "thinking_turns"}}]}},
+     "value"),
+    ({"messages": [{"role": "user", "content": "hi"}, {"role": "system", "content": [
+        {"type": "tool_result", "tool_use_id": "a", "content": "x"}]}]}, "system turn"),
 ])
 def test_malformed_reasoning_is_refused(extra, named):
     with pytest.raises(APIError) as caught:

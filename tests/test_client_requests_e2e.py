@@ -5,7 +5,7 @@ headers and all: each gets a 2xx and a stream whose every event is one of its AP
 in the official SDK (issue 41).
 
 The node serves a tiny random-weight model with SmolLM2's tokenizer, a trained context of
-65,536 tokens (the requests hold 6-9 thousand tokens of prompt and ask for up to 32,000
+65,536 tokens (the requests hold 1-13 thousand tokens of prompt and ask for up to 32,000
 more) and a head that ends every answer at once (tests/tiny_chat.py: ``ends_at_once``), so
 each replay takes a prefill and a step. Only the model id is changed."""
 

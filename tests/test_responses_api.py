@@ -216,6 +216,9 @@ def test_codex_history_items_render():
     ([{"type": "weather_station"}], None, "tools[0].type"),
     ([{"type": "namespace", "name": "n", "tools": [{"type": "web_search"}]}], None, "tools[0].tools[0].type"),
     ([{"type": "custom", "name": "c", "format": {"type": "grammar"}}], None, "tools[0].format"),
+    *(([{"type": "custom", "name": "c", "format": {"type": "grammar", "syntax": syntax, "definition": bad}}], None,
+       "tools[0].format.definition")  # grammars that do not compile (found by a trial)
+      for syntax, bad in (("lark", "start: ((("), ("lark", "start: foo"), ("lark", ""), ("regex", "[a-"))),
     (["f"], None, "tools[0].type"),
     ([{"type": "function", "name": ""}], None, "tools[0].name"),
     ([{"type": "function", "name": "f", "parameters": "x"}], None, "tools[0].parameters"),

@@ -71,7 +71,7 @@ class Connection:
 
 def output_tokens(context: int) -> int:
     """The completion tokens a client is told to ask for: a quarter of the context (the
-    rest for the prompt: an agent's system prompt and tools alone are 6-19 thousand
+    rest for the prompt: an agent's system prompt and tools alone are 8-19 thousand
     tokens), at most 32,000 (what Claude Code and opencode ask for by default)."""
     return min(32_000, max(256, context // 4))
 
@@ -81,15 +81,15 @@ CLAUDE_MIN_WINDOW = 100_000
 reads as this): a model of a longer context is given it, so Claude Code compacts before
 the model's context is full."""
 AGENT_CONTEXT = 32768
-"""The context an agent needs: its own system prompt and tools take 6-19 thousand tokens
-(Codex's and opencode's first requests 6.7-8.2 thousand with SmolLM2's tokenizer, Claude
-Code's more), before the conversation and the answer."""
+"""The context an agent needs: its own system prompt and tools take 8-19 thousand tokens
+(first requests counted with SmolLM2's tokenizer: opencode's 7.8 thousand, Codex's 9.0,
+Claude Code's 12.4; more with more tools), before the conversation and the answer."""
 
 
 def _context_note(context: int) -> tuple[str, ...]:
     if context >= AGENT_CONTEXT:
         return ()
-    return (f"this model's context is {context} tokens; an agent's own prompt and tools take 6-19 thousand: "
+    return (f"this model's context is {context} tokens; an agent's own prompt and tools take 8-19 thousand: "
             f"place it with --context {AGENT_CONTEXT} or more where its trained context allows",)
 
 

@@ -105,6 +105,12 @@ class Message(BaseModel):
     role: Literal["user", "assistant", "system"]
     content: str | list[Block]
 
+    @model_validator(mode="after")
+    def _system_is_text(self) -> Message:
+        if self.role == "system" and any(not isinstance(b, TextBlock) for b in self.blocks()):
+            raise ValueError("content: a system turn takes text blocks only")
+        return self
+
     def text(self) -> str:
         if isinstance(self.content, str):
             return self.content
@@ -200,11 +206,19 @@ class Thinking(BaseModel):
         return self.type != "disabled"
 
 
-class TokensValue(BaseModel):
-    """A threshold: ``{type: input_tokens | tool_uses, value}``."""
+class InputTokens(BaseModel):
+    """A count of the prompt's tokens: ``{type: input_tokens, value}``."""
 
     model_config = ConfigDict(extra="forbid")
-    type: Literal["input_tokens", "tool_uses"]
+    type: Literal["input_tokens"]
+    value: int = Field(ge=0)
+
+
+class ToolUses(BaseModel):
+    """A count of tool uses: ``{type: tool_uses, value}``."""
+
+    model_config = ConfigDict(extra="forbid")
+    type: Literal["tool_uses"]
     value: int = Field(ge=0)
 
 
@@ -218,17 +232,27 @@ class ClearToolUses(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
     type: Literal["clear_tool_uses_20250919"]
-    trigger: TokensValue = TokensValue(type="input_tokens", value=100_000)
-    keep: TokensValue = TokensValue(type="tool_uses", value=3)
-    clear_at_least: TokensValue | None = None
+    trigger: Annotated[InputTokens | ToolUses, Field(discriminator="type")] = InputTokens(type="input_tokens",
+                                                                                          value=100_000)
+    keep: ToolUses = ToolUses(type="tool_uses", value=3)
+    clear_at_least: InputTokens | None = None
     clear_tool_inputs: bool | list[str] = False
     exclude_tools: list[str] | None = None
 
 
 class ThinkingTurns(BaseModel):
+    """``{type: thinking_turns, value}``: the last ``value`` assistant turns keep their thinking."""
+
     model_config = ConfigDict(extra="forbid")
-    type: Literal["thinking_turns", "all"]
-    value: int | None = Field(default=None, ge=0)
+    type: Literal["thinking_turns"]
+    value: int = Field(ge=0)
+
+
+class AllThinkingTurns(BaseModel):
+    """``{type: all}``: every turn keeps its thinking."""
+
+    model_config = ConfigDict(extra="forbid")
+    type: Literal["all"]
 
 
 class ClearThinking(BaseModel):
@@ -237,13 +261,14 @@ class ClearThinking(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
     type: Literal["clear_thinking_20251015"]
-    keep: ThinkingTurns | Literal["all"] = ThinkingTurns(type="thinking_turns", value=1)
+    keep: Annotated[ThinkingTurns | AllThinkingTurns, Field(discriminator="type")] | Literal["all"] = \
+        ThinkingTurns(type="thinking_turns", value=1)
 
     def kept(self, turns: int) -> int:
         """How many of ``turns`` assistant turns with thinking keep it."""
-        if self.keep == "all" or self.keep.type == "all":  # type: ignore[union-attr]
-            return turns
-        return min(turns, self.keep.value or 0)  # type: ignore[union-attr]
+        if isinstance(self.keep, ThinkingTurns):
+            return min(turns, self.keep.value)
+        return turns
 
 
 class ContextManagement(BaseModel):

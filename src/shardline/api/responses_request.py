@@ -380,11 +380,30 @@ def _custom_tool(tool: dict, at: str) -> dict:
     if fmt["type"] == "grammar":
         if not isinstance(fmt.get("definition"), str) or fmt.get("syntax") not in ("lark", "regex"):
             raise bad(f"{at}.format: a grammar needs a definition and a syntax, lark or regex", f"{at}.format")
+        problem = _grammar_problem(fmt["syntax"], fmt["definition"])
+        if problem:
+            raise bad(f"{at}.format.definition: the {fmt['syntax']} grammar does not compile: {problem}",
+                      f"{at}.format.definition")
         described += f"\n\nThe input follows this {fmt['syntax']} grammar:\n{fmt['definition']}"
     return {"type": "function", "function": {
         "name": name, "description": described.strip(),
         "parameters": {"type": "object", "properties": {"input": {"type": "string", "description": "the tool's input"}},
                        "required": ["input"]}}}
+
+
+def _grammar_problem(syntax: str, definition: str) -> str | None:
+    """Why a custom tool's grammar does not compile (llguidance's words: its Lark dialect
+    and its regexes are what OpenAI's custom tools take), or None."""
+    import llguidance
+
+    if not definition.strip():
+        return "it is empty"
+    try:
+        grammar = (llguidance.LLMatcher.grammar_from_lark(definition) if syntax == "lark"
+                   else llguidance.LLMatcher.grammar_from_regex(definition))
+        return llguidance.LLMatcher.validate_grammar(grammar) or None
+    except Exception as exc:  # llguidance raises ValueError or its own kinds
+        return str(exc)
 
 
 def parse_tools(tools: list[dict] | None, choice: str | dict | None) -> ToolSet:
