@@ -159,3 +159,13 @@ def test_deferred_tools_are_not_offered():
                                                      "defer_loading": True}]})
     assert [t["function"]["name"] for t in req.to_generation().tools] == ["Bash"]
     assert req.not_offered() == ["custom:Later"]
+
+
+def test_a_deferred_tool_cannot_be_forced():
+    req = MessagesRequest.model_validate({"model": "m", "max_tokens": 8, "messages": [{"role": "user", "content": "hi"}],
+                                          "tools": [{"name": "Later", "input_schema": {"type": "object"},
+                                                     "defer_loading": True}],
+                                          "tool_choice": {"type": "tool", "name": "Later"}})
+    with pytest.raises(APIError, match="defer_loading") as caught:
+        req.to_generation()
+    assert caught.value.param == "tool_choice.name"

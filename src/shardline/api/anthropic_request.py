@@ -322,8 +322,15 @@ class CountTokensRequest(BaseModel):
 
     def to_generation(self) -> GenerationRequest:
         """A last assistant message is the start of the reply (a prefill): continued, not
-        answered with a new turn."""
+        answered with a new turn.
+
+        Raises:
+            APIError: 400 for a ``tool_choice`` naming a tool with ``defer_loading``."""
         choice = self.tool_choice or ToolChoiceParam(type="auto")
+        if choice.type == "tool" and f"custom:{choice.name}" in self.not_offered():
+            raise APIError(400, f"tool_choice.name: tool {choice.name!r} has defer_loading: it is found by a tool "
+                                "search, which this server does not run, so it is not offered to the model",
+                           param="tool_choice.name")
         return GenerationRequest(model=self.model, prompt=self.chat(), api="anthropic", prompt_param="messages",
                                  continue_final_message=self.messages[-1].role == "assistant",
                                  tools=[t.function() for t in self.tools or [] if not t.defer_loading],
