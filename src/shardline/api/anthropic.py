@@ -66,11 +66,13 @@ def _stop_reason(gen: Generation, finish: str) -> tuple[str, str | None]:
 
 
 async def edited(node: Node, req: CountTokensRequest, wait: bool = True,
+                 tokenized: tuple[Tokenizer, list[int]] | None = None,
                  ) -> tuple[GenerationRequest, list[dict[str, Any]]]:
     """``req`` in the engine's terms after its ``context_management`` edits, and the
     edits applied (Anthropic's ``applied_edits``). Where an edit's trigger counts input
-    tokens, the unedited prompt is tokenized first (``wait``: for a loading model, as
-    :func:`~shardline.api.preparation.tokenize`).
+    tokens, the unedited prompt is tokenized first, unless ``tokenized`` gives it (the
+    tokenizer and the prompt's ids); ``wait``: for a loading model, as
+    :func:`~shardline.api.preparation.tokenize`.
 
     Raises:
         APIError: as :func:`~shardline.api.preparation.tokenize`.
@@ -80,7 +82,10 @@ async def edited(node: Node, req: CountTokensRequest, wait: bool = True,
     input_tokens = None
     count: Callable[[str], int] = len  # where no edit counts tokens, no count is read
     if req.context_management.counts_tokens:
-        _, tokenizer, prompt = await tokenize(node, req.to_generation(), wait=wait)
+        if tokenized is None:
+            _, tokenizer, prompt = await tokenize(node, req.to_generation(), wait=wait)
+        else:
+            tokenizer, prompt = tokenized
         input_tokens = len(prompt)
         count = functools.partial(_count, tokenizer)
     messages, applied = apply_edits(req.messages, req.context_management, input_tokens, count)
@@ -128,8 +133,8 @@ def router(node: Node, metrics: RequestMetrics | None = None, heartbeat_s: float
         (after ``context_management``'s edits)."""
         try:
             req = await parse_body(request, CountTokensRequest)
-            _, _, original = await tokenize(node, req.to_generation(), wait=False)  # not while it loads
-            generation, applied = await edited(node, req, wait=False)
+            _, tokenizer, original = await tokenize(node, req.to_generation(), wait=False)  # not while it loads
+            generation, applied = await edited(node, req, wait=False, tokenized=(tokenizer, original))
             prompt = (await tokenize(node, generation, wait=False))[2] if applied else original
         except APIError as exc:
             return error_response(exc)
