@@ -50,6 +50,7 @@ CONTEXT_LENGTH_EXCEEDED = "context_length_exceeded"
 PROMPT_TAIL_TOKENS = 8
 """The prompt's last tokens whose text says whether the output starts inside the thinking."""
 
+
 class APIError(Exception):
     """A request that cannot be served, with its HTTP status.
 

@@ -54,7 +54,7 @@ from shardline.api.request_body import parse_body
 from shardline.api.structured import json_grammar
 from shardline.api.tools import ToolCall, openai_tool_choice
 from shardline.models.store import ModelNotFoundError
-from shardline.models.tokenizer import THINK_OPEN
+from shardline.models.tokenizer import template_reasons
 from shardline.node.node import Node
 from shardline.node.peer_client import PeerError
 from shardline.node.queue_bound import QueueFullError
@@ -270,7 +270,7 @@ def capabilities(template: str | None) -> list[str]:
     ``tools`` variable (the template's text mentions it), and thinking where it writes
     ``<think>`` (a reasoning model's)."""
     return (["completion"] + (["tools"] if template and "tools" in template else [])
-            + (["thinking"] if template and THINK_OPEN in template else []))
+            + (["thinking"] if template_reasons(template) else []))
 
 
 def _template_of(tokenizer: Any) -> str | None:

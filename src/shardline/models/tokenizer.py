@@ -28,6 +28,12 @@ THINK_OPEN = "<think>"
 """What a reasoning model writes before its thinking (``</think>`` after it)."""
 
 
+def template_reasons(template: str | None) -> bool:
+    """Whether the model of chat template ``template`` reasons before it answers: the
+    template writes :data:`THINK_OPEN` (Qwen3, QwQ, DeepSeek-R1 distills)."""
+    return THINK_OPEN in (template or "")
+
+
 class ChatTemplateError(ValueError):
     """The messages cannot be rendered by the model's chat template."""
 
@@ -142,10 +148,9 @@ class Tokenizer:
 
     @functools.cached_property
     def reasons(self) -> bool:
-        """Whether the model reasons before it answers: its chat template writes
-        :data:`THINK_OPEN` (Qwen3, QwQ, DeepSeek-R1 distills; their output is split by
-        :class:`~shardline.api.reasoning.ReasoningSplitter`)."""
-        return THINK_OPEN in (self.chat_template or "")
+        """Whether the model reasons before it answers (:func:`template_reasons`; its
+        output is split by :class:`~shardline.api.reasoning.ReasoningSplitter`)."""
+        return template_reasons(self.chat_template)
 
     def render_chat(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None,
                     continue_final_message: bool = False, thinking: bool | None = None) -> str:
