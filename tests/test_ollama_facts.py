@@ -103,13 +103,24 @@ def test_safetensors_quantization_is_its_dtype(dtype, level):
 
 SMOLLM2_135M = {"architecture": "llama", "num_layers": 30, "hidden_size": 576, "intermediate_size": 1536,
                 "num_heads": 9, "num_kv_heads": 3, "head_dim": 64, "vocab_size": 49152,
-                "tie_word_embeddings": True}
+                "tie_word_embeddings": True, "rms_norm_eps": 1e-5, "rope_theta": 100000.0,
+                "max_position_embeddings": 8192}
+# Qwen3-30B-A3B's config.json as ModelConfig reads it (experts 768 wide): Qwen's published
+# size is 30.5B parameters, 3.3B of them active.
+QWEN3_30B_A3B = dict(SMOLLM2_135M, architecture="qwen3moe", num_layers=48, hidden_size=2048,
+                     intermediate_size=768, num_heads=32, num_kv_heads=4, head_dim=128,
+                     vocab_size=151936, tie_word_embeddings=False, num_experts=128,
+                     num_experts_per_tok=8, qk_norm=True)
 
 
 def test_parameter_count_of_smollm2_135m_matches_its_published_size():
     assert parameter_count(SMOLLM2_135M) == 134_515_008  # Hugging Face's count for the model
     untied = parameter_count(dict(SMOLLM2_135M, tie_word_embeddings=False))
     assert untied - parameter_count(SMOLLM2_135M) == 49152 * 576
+
+
+def test_parameter_count_of_a_mixture_of_experts_counts_every_expert():
+    assert round(parameter_count(QWEN3_30B_A3B) / 1e9, 1) == 30.5
 
 
 def test_digest_is_stable_and_changes_with_any_file():

@@ -1,4 +1,4 @@
-"""Tiny random-weight Llama / Qwen2 / Qwen3 models for the model tests.
+"""Tiny random-weight Llama / Qwen2 / Qwen3 / Qwen3-MoE / Mixtral models for the model tests.
 
 Built with ``transformers`` (used only as a test oracle and as a writer of Hugging Face
 checkpoints) and written as safetensors directories or GGUF files. All weights are
@@ -24,6 +24,9 @@ HEADS = 4
 KV_HEADS = 2
 HEAD_DIM = 16
 INTERMEDIATE = 128
+EXPERTS = 8
+EXPERTS_PER_TOKEN = 2
+EXPERT_WIDTH = 64
 
 LLAMA3_SCALING = {
     "rope_type": "llama3",
@@ -44,10 +47,13 @@ def hf_model(
     tie: bool = False,
     seed: int = 0,
     vocab: int = VOCAB,
+    experts: int = EXPERTS,
+    norm_topk_prob: bool = True,
 ):
-    """A float32, eval-mode ``*ForCausalLM`` of ``arch`` ("llama", "qwen2", "qwen3") with a
-    vocabulary of ``vocab`` tokens (49,152 to pair it with SmolLM2's tokenizer:
-    :func:`save_with_tokenizer`)."""
+    """A float32, eval-mode ``*ForCausalLM`` of ``arch`` ("llama", "qwen2", "qwen3", and
+    the mixtures of experts "qwen3moe" and "mixtral", of ``experts`` experts
+    :data:`EXPERT_WIDTH` wide, :data:`EXPERTS_PER_TOKEN` a token) with a vocabulary of
+    ``vocab`` tokens (49,152 to pair it with SmolLM2's tokenizer: :func:`save_with_tokenizer`)."""
     import transformers
 
     transformers.logging.set_verbosity_error()
@@ -77,6 +83,15 @@ def hf_model(
         config_cls, model_cls = transformers.Qwen3Config, transformers.Qwen3ForCausalLM
         kwargs["head_dim"] = HEAD_DIM
         kwargs["use_sliding_window"] = False
+    elif arch == "qwen3moe":
+        config_cls, model_cls = transformers.Qwen3MoeConfig, transformers.Qwen3MoeForCausalLM
+        kwargs.update(head_dim=HEAD_DIM, use_sliding_window=False, num_experts=experts,
+                      num_experts_per_tok=EXPERTS_PER_TOKEN, moe_intermediate_size=EXPERT_WIDTH,
+                      norm_topk_prob=norm_topk_prob)
+    elif arch == "mixtral":
+        config_cls, model_cls = transformers.MixtralConfig, transformers.MixtralForCausalLM
+        kwargs.update(num_local_experts=experts, num_experts_per_tok=EXPERTS_PER_TOKEN,
+                      intermediate_size=EXPERT_WIDTH)
     else:
         raise ValueError(arch)
     config = config_cls(**kwargs)
@@ -99,8 +114,8 @@ def randomize(model: torch.nn.Module, seed: int) -> None:
             param.copy_(0.5 * noise)
         elif "embed_tokens" in name:
             param.copy_(noise)
-        else:  # nn.Linear weight [out, in]
-            param.copy_(noise * (1.5 / math.sqrt(param.shape[1])))
+        else:  # nn.Linear weight [out, in], or an MoE's experts' [experts, out, in]
+            param.copy_(noise * (1.5 / math.sqrt(param.shape[-1])))
 
 
 def save_hf(model, directory: Path, *, legacy_rope_keys: bool = False) -> Path:
@@ -125,14 +140,15 @@ def save_hf(model, directory: Path, *, legacy_rope_keys: bool = False) -> Path:
 SMOLLM2_VOCAB = 49152
 
 
-def save_with_tokenizer(directory: Path, *, num_layers: int = 4, seed: int = 0) -> Path:
-    """A tiny random llama with SmolLM2's vocabulary, saved as safetensors with the embedded
+def save_with_tokenizer(directory: Path, *, num_layers: int = 4, seed: int = 0,
+                        arch: str = "llama") -> Path:
+    """A tiny random ``arch`` model (llama) with SmolLM2's vocabulary, saved as safetensors with the embedded
     SmolLM2 GGUF's tokenizer files beside it, so the directory is a model a runner serves
     and tokenizes (constrained decoding needs a real tokenizer). Takes a few seconds."""
     from shardline.models.store import default_model_path
     from shardline.models.tokenizer import Tokenizer
 
-    save_hf(hf_model("llama", num_layers=num_layers, seed=seed, vocab=SMOLLM2_VOCAB), directory)
+    save_hf(hf_model(arch, num_layers=num_layers, seed=seed, vocab=SMOLLM2_VOCAB), directory)
     Tokenizer(default_model_path()).save(directory)
     return Path(directory)
 
@@ -226,6 +242,12 @@ def write_gguf(
     writer.add_rope_freq_base(rope_theta)
     writer.add_vocab_size(cfg.vocab_size)
     writer.add_file_type(gguf.LlamaFileType.ALL_F32)
+    experts = getattr(cfg, "num_experts", None) or getattr(cfg, "num_local_experts", None)
+    if experts:
+        writer.add_expert_count(experts)
+        writer.add_expert_used_count(cfg.num_experts_per_tok)
+        if hasattr(cfg, "moe_intermediate_size"):
+            writer.add_expert_feed_forward_length(cfg.moe_intermediate_size)
 
     tensors: dict[str, np.ndarray] = {
         "token_embd.weight": state["model.embed_tokens.weight"],
@@ -245,14 +267,22 @@ def write_gguf(
                 heads = cfg.num_attention_heads if "q_proj" in hf_name else cfg.num_key_value_heads
                 tensor = llama_cpp_permute(tensor, heads)
             tensors[f"blk.{i}.{gguf_name}"] = tensor
+        if experts:  # the router, and each kind of expert weight as one 3-D tensor
+            gate_up = state[prefix + "mlp.experts.gate_up_proj"]  # [experts, 2 * width, hidden]
+            width = gate_up.shape[1] // 2
+            tensors[f"blk.{i}.ffn_gate_inp.weight"] = state[prefix + "mlp.gate.weight"]
+            tensors[f"blk.{i}.ffn_gate_exps.weight"] = gate_up[:, :width]
+            tensors[f"blk.{i}.ffn_up_exps.weight"] = gate_up[:, width:]
+            tensors[f"blk.{i}.ffn_down_exps.weight"] = state[prefix + "mlp.experts.down_proj"]
     for name, tensor in tensors.items():
         tensor = np.ascontiguousarray(tensor, dtype=np.float32)
         if name in (random_quants or {}):
             qtype = gguf.GGMLQuantizationType[random_quants[name]]
-            rows, cols = tensor.shape
+            *outer, cols = tensor.shape
             blocks = cols // gguf.GGML_QUANT_SIZES[qtype][0]
-            data = random_quant_blocks(random_quants[name], rows, blocks, seed=len(name))
-            writer.add_tensor(name, data, raw_dtype=qtype)
+            data = random_quant_blocks(random_quants[name], math.prod(outer), blocks,
+                                       seed=len(name))
+            writer.add_tensor(name, data.reshape(*outer, -1), raw_dtype=qtype)
         elif name in q8_0:
             qtype = gguf.GGMLQuantizationType.Q8_0
             writer.add_tensor(name, quantize(tensor, qtype), raw_dtype=qtype)

@@ -26,6 +26,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from shardline.models.config import ModelConfig
 from shardline.models.store import DEFAULT_MODEL_ID, Manifest, ModelFile, default_model_path, sha256_file
 
 if TYPE_CHECKING:
@@ -45,11 +46,11 @@ def manifest_digest(model_id: str, fmt: str, files: list[dict[str, Any]]) -> str
 
 def parameter_count(config: dict[str, Any]) -> int:
     """Parameters of a model from its ``ModelConfig.to_dict()``: the embedding, every
-    layer (:meth:`~shardline.models.config.ModelConfig.layer_param_count`), the final norm
-    and an untied output head; biases and q/k norms are left out (a rounding error)."""
-    d, h = config["hidden_size"], config["head_dim"]
-    layer = (d * config["num_heads"] * h + 2 * d * config["num_kv_heads"] * h + config["num_heads"] * h * d
-             + 3 * d * config["intermediate_size"] + 2 * d)
+    layer (:meth:`~shardline.models.config.ModelConfig.layer_param_count`: every expert of
+    a mixture of experts), the final norm and an untied output head; biases and q/k norms
+    are left out (a rounding error)."""
+    d = config["hidden_size"]
+    layer = ModelConfig.from_dict(config).layer_param_count()
     embed = config["vocab_size"] * d
     return embed + config["num_layers"] * layer + d + (0 if config["tie_word_embeddings"] else embed)
 
@@ -122,6 +123,9 @@ class ModelFacts:
                 f"{arch}.feed_forward_length": c["intermediate_size"],
                 f"{arch}.attention.head_count": c["num_heads"], f"{arch}.attention.head_count_kv": c["num_kv_heads"],
                 f"{arch}.vocab_size": c["vocab_size"], f"{arch}.rope.freq_base": c["rope_theta"]}
+        if c.get("num_experts"):
+            info.update({f"{arch}.expert_count": c["num_experts"],
+                         f"{arch}.expert_used_count": c["num_experts_per_tok"]})
         info.update({k: v for k, v in self.metadata.items() if k.startswith(("general.", f"{arch}."))})
         return info
 

@@ -1,10 +1,20 @@
-"""Model configuration shared by the Llama, Qwen2 and Qwen3 families.
+"""Model configuration shared by the Llama, Qwen2, Qwen3, Qwen3-MoE and Mixtral families.
 
-One decoder serves all three families; the differences live here:
+One decoder serves all of them; the differences live here:
 
 - Llama (Llama 2/3, Mistral, SmolLM): no projection bias, no q/k norm.
 - Qwen2: bias on the q, k and v projections.
 - Qwen3: RMSNorm over each head of q and k before RoPE; explicit head_dim.
+- Mixtral: Llama's attention; every layer's MLP is a mixture of experts
+  (``num_experts`` SwiGLU experts of ``intermediate_size`` columns, ``num_experts_per_tok``
+  chosen per token). GGUF calls it ``llama`` with an ``expert_count``.
+- Qwen3-MoE (``qwen3moe``): Qwen3's attention with Mixtral's kind of MoE layers
+  (``moe_intermediate_size`` wide experts; the top-k weights renormalized where
+  ``norm_topk_prob``).
+
+A mixture-of-experts model here has experts in every layer: ``intermediate_size`` is then
+an expert's width (Qwen3-MoE's ``moe_intermediate_size``). Models that mix dense and MoE
+layers (Qwen3-MoE's ``mlp_only_layers``, ``decoder_sparse_step`` > 1) are refused.
 
 Read from Hugging Face ``config.json`` (``from_hf_config``) or GGUF metadata
 (``from_gguf_metadata``, keys as documented in the GGUF spec,
@@ -17,14 +27,18 @@ from dataclasses import asdict, dataclass, field
 from enum import Enum, StrEnum
 from typing import Any
 
-SUPPORTED_ARCHITECTURES = ("llama", "qwen2", "qwen3")
+SUPPORTED_ARCHITECTURES = ("llama", "qwen2", "qwen3", "qwen3moe")
 
 _HF_ARCHITECTURES = {
     "LlamaForCausalLM": "llama",
     "MistralForCausalLM": "llama",
     "Qwen2ForCausalLM": "qwen2",
     "Qwen3ForCausalLM": "qwen3",
+    "MixtralForCausalLM": "llama",
+    "Qwen3MoeForCausalLM": "qwen3moe",
 }
+_HF_MODEL_TYPES = {"llama": "llama", "mistral": "llama", "mixtral": "llama", "qwen2": "qwen2",
+                   "qwen3": "qwen3", "qwen3_moe": "qwen3moe"}
 
 
 class UnsupportedModelError(ValueError):
@@ -37,6 +51,11 @@ class ModelConfig:
 
     All sizes are element counts; ``rope_theta`` is RoPE's base; ``rms_norm_eps`` is the
     epsilon added to the mean square in RMSNorm.
+
+    A mixture-of-experts model has ``num_experts`` > 0 experts in every layer, of which
+    each token uses ``num_experts_per_tok``, each ``intermediate_size`` wide; the router's
+    softmax over all experts is taken top-k, and those k weights divided by their sum
+    where ``norm_topk_prob`` (Mixtral always, Qwen3-MoE as its config says).
     """
 
     architecture: str
@@ -54,6 +73,14 @@ class ModelConfig:
     attention_bias: bool = False
     qk_norm: bool = False
     rope_scaling: dict[str, Any] | None = field(default=None)
+    num_experts: int = 0
+    num_experts_per_tok: int = 0
+    norm_topk_prob: bool = True
+
+    @property
+    def is_moe(self) -> bool:
+        """Whether every layer's MLP is a mixture of experts."""
+        return self.num_experts > 0
 
     def __post_init__(self) -> None:
         if self.architecture not in SUPPORTED_ARCHITECTURES:
@@ -71,6 +98,13 @@ class ModelConfig:
                 f"{self.num_heads} attention heads do not group evenly over "
                 f"{self.num_kv_heads} KV heads"
             )
+        if self.architecture == "qwen3moe" and not self.is_moe:
+            raise UnsupportedModelError("a qwen3moe model needs an expert count")
+        if self.is_moe and not 0 < self.num_experts_per_tok <= self.num_experts:
+            raise UnsupportedModelError(
+                f"the router chooses {self.num_experts_per_tok} experts per token of "
+                f"{self.num_experts}: it must choose between 1 and {self.num_experts}"
+            )
 
     def kv_head_of(self, head: int) -> int:
         """The KV head that query head ``head`` attends with (grouped-query attention)."""
@@ -84,12 +118,22 @@ class ModelConfig:
         return cls(**data)
 
     def layer_param_count(self) -> int:
-        """Parameters in one decoder layer (weights only, norms included)."""
+        """Parameters in one decoder layer (weights only, norms included; every expert
+        and the router of an MoE layer)."""
+        return self._layer_params(self.num_experts or 1)
+
+    def active_layer_param_count(self) -> int:
+        """Parameters of one decoder layer that a token reads: as
+        :meth:`layer_param_count`, but of an MoE layer only the router and the
+        ``num_experts_per_tok`` experts a token is routed to."""
+        return self._layer_params(self.num_experts_per_tok or 1)
+
+    def _layer_params(self, experts: int) -> int:
         d, h = self.hidden_size, self.head_dim
         q = d * self.num_heads * h
         kv = 2 * d * self.num_kv_heads * h
         o = self.num_heads * h * d
-        mlp = 3 * d * self.intermediate_size
+        mlp = experts * 3 * d * self.intermediate_size + self.num_experts * d  # + router
         return q + kv + o + mlp + 2 * d
 
     def kv_bytes_per_token(self, bytes_per_element: int = 2) -> int:
@@ -106,9 +150,7 @@ class ModelConfig:
         names = cfg.get("architectures") or []
         arch = next((_HF_ARCHITECTURES[n] for n in names if n in _HF_ARCHITECTURES), None)
         if arch is None:
-            arch = {"llama": "llama", "mistral": "llama", "qwen2": "qwen2", "qwen3": "qwen3"}.get(
-                cfg.get("model_type", "")
-            )
+            arch = _HF_MODEL_TYPES.get(cfg.get("model_type", ""))
         if arch is None:
             raise UnsupportedModelError(
                 f"model architectures {names or cfg.get('model_type')!r} are not supported "
@@ -121,11 +163,19 @@ class ModelConfig:
         scaling = cfg.get("rope_scaling")
         if scaling is None and rope.get("rope_type", "default") != "default":
             scaling = rope
+        experts = int(cfg.get("num_experts") or cfg.get("num_local_experts") or 0)
+        inter = cfg["intermediate_size"]
+        if experts:
+            if cfg.get("mlp_only_layers") or cfg.get("decoder_sparse_step", 1) != 1:
+                raise UnsupportedModelError(
+                    "a model whose layers mix dense MLPs and experts (mlp_only_layers, "
+                    "decoder_sparse_step) is not supported")
+            inter = cfg.get("moe_intermediate_size") or inter
         return cls(
             architecture=arch,
             num_layers=cfg["num_hidden_layers"],
             hidden_size=hidden,
-            intermediate_size=cfg["intermediate_size"],
+            intermediate_size=inter,
             num_heads=num_heads,
             num_kv_heads=cfg.get("num_key_value_heads") or num_heads,
             head_dim=cfg.get("head_dim") or hidden // num_heads,
@@ -135,8 +185,12 @@ class ModelConfig:
             max_position_embeddings=cfg.get("max_position_embeddings", 4096),
             tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
             attention_bias=arch == "qwen2" or bool(cfg.get("attention_bias", False)),
-            qk_norm=arch == "qwen3",
+            qk_norm=arch in ("qwen3", "qwen3moe"),
             rope_scaling=scaling,
+            num_experts=experts,
+            num_experts_per_tok=int(cfg.get("num_experts_per_tok") or 0) if experts else 0,
+            # Mixtral renormalizes always (its config has no such key).
+            norm_topk_prob=bool(cfg.get("norm_topk_prob", True)),
         )
 
     @classmethod
@@ -147,7 +201,8 @@ class ModelConfig:
         embedding's rows (the vocabulary, where the metadata has no ``vocab_size``).
 
         Raises:
-            UnsupportedModelError: ``general.architecture`` is not llama, qwen2 or qwen3.
+            UnsupportedModelError: ``general.architecture`` is not llama, qwen2, qwen3 or
+                qwen3moe.
         """
         arch = meta.get("general.architecture")
         if arch not in SUPPORTED_ARCHITECTURES:
@@ -169,11 +224,15 @@ class ModelConfig:
                 "factor": key("rope.scaling.factor"),
                 "original_max_position_embeddings": key("rope.scaling.original_context_length"),
             }
+        experts = int(key("expert_count", 0) or 0)
+        # llama.cpp renormalizes the chosen experts' weights of both families (Mixtral's
+        # softmax-top-k is that; Qwen3-MoE checkpoints set norm_topk_prob).
+        inter = int(key("expert_feed_forward_length", 0) or 0) if experts else 0
         return cls(
             architecture=arch,
             num_layers=int(key("block_count")),
             hidden_size=hidden,
-            intermediate_size=int(key("feed_forward_length")),
+            intermediate_size=inter or int(key("feed_forward_length")),
             num_heads=num_heads,
             num_kv_heads=int(key("attention.head_count_kv", num_heads)),
             head_dim=int(key("attention.key_length", hidden // num_heads)),
@@ -185,6 +244,9 @@ class ModelConfig:
             attention_bias="blk.0.attn_q.bias" in tensor_names,
             qk_norm="blk.0.attn_q_norm.weight" in tensor_names,
             rope_scaling=rope_scaling,
+            num_experts=experts,
+            num_experts_per_tok=int(key("expert_used_count", 0) or 0) if experts else 0,
+            norm_topk_prob=bool(key("expert_weights_norm", True)),
         )
 
 

@@ -82,6 +82,8 @@ def refusal(shard: DecoderShard) -> str | None:
         return "tensor-parallel: its all-reduce runs between the layers"
     if shard.fused is not None:
         return "its decode runs the fused CPU layers"
+    if shard.config.is_moe:
+        return "mixture-of-experts layers: which experts run depends on the step's values"
     return None
 
 

@@ -38,6 +38,7 @@ from typing import TYPE_CHECKING, cast
 import torch
 
 from shardline.models import kernel_library, native_dequant
+from shardline.models.feed_forward import MLP
 from shardline.models.int4_planes import Int4Planes
 from shardline.models.kv_cache import KVCache
 from shardline.models.linear import Linear
@@ -138,7 +139,7 @@ def refusal(shard: DecoderShard) -> str | None:
     most :data:`MAX_HEAD_DIM`), at most :data:`MAX_GROUP` query heads a KV head, and each
     layer's four products are up to :data:`MAX_PARTS` parts of int4 planes the compiled
     decode product takes or packed 5/6-bit groups. Qwen2's q/k/v bias and Qwen3's q/k
-    norms are supported."""
+    norms are supported; mixture-of-experts layers are not."""
     config = shard.config
     if not _built():
         return "the compiled decode kernels are not built here (AVX-512 BF16, VNNI and VBMI)"
@@ -146,6 +147,8 @@ def refusal(shard: DecoderShard) -> str | None:
         return f"compute dtype {shard.dtype} on {shard.device.type} (bfloat16 on the CPU)"
     if shard.share is not None:
         return "a tensor-parallel share"
+    if config.is_moe:
+        return "mixture-of-experts layers (not in the compiled layer yet)"
     sizes = (config.hidden_size, config.head_dim, config.intermediate_size)
     if any(size % 16 for size in sizes) or config.head_dim > MAX_HEAD_DIM:
         return f"hidden, head_dim, intermediate {sizes} (multiples of 16, head_dim <= 256)"
@@ -155,8 +158,9 @@ def refusal(shard: DecoderShard) -> str | None:
         layer = cast(DecoderLayer, module)
         if layer.all_reduce is not None or layer.attn.q_index is not None:
             return f"layer {i}: an all-reduce or padded query groups"
+        mlp = cast(MLP, layer.mlp)  # an MoE shard was refused above
         for name, linear in (("qkv", layer.attn.qkv), ("o", layer.attn.o),
-                             ("gate_up", layer.mlp.gate_up), ("down", layer.mlp.down)):
+                             ("gate_up", mlp.gate_up), ("down", mlp.down)):
             why = _product_refusal(linear)
             if why is None and name != "qkv" and linear.bias is not None:
                 why = "a bias"
@@ -193,7 +197,7 @@ class FusedDecode:
         self._layers: list[dict[str, int | None]] = []
         for module in shard.layers:
             layer = cast(DecoderLayer, module)
-            attn, mlp = layer.attn, layer.mlp
+            attn, mlp = layer.attn, cast(MLP, layer.mlp)  # refusal() leaves out MoE shards
             ptrs: dict[str, int | None] = {}
             for name, linear in (("qkv", attn.qkv), ("o", attn.o), ("gate_up", mlp.gate_up),
                                  ("down", mlp.down)):

@@ -1,4 +1,5 @@
-"""The Llama-family decoder (Llama, Mistral, SmolLM, Qwen2, Qwen3), one shard of it.
+"""The Llama-family decoder (Llama, Mistral, SmolLM, Qwen2, Qwen3, and the mixtures of
+experts Mixtral and Qwen3-MoE), one shard of it.
 
 A :class:`DecoderShard` holds a contiguous layer range ``[layer_start, layer_end)`` of the
 model; the first shard also holds the token embedding, the last the final norm and the LM
@@ -33,6 +34,7 @@ from torch import nn
 
 from shardline.models.config import ModelConfig, TensorShare
 from shardline.models.decode_graphs import GRAPH_MAX_ROWS
+from shardline.models.feed_forward import MLP, MixtureOfExperts
 from shardline.models.kv_cache import KVCache
 from shardline.models.linear import Embedding, Linear
 from shardline.models.products import KERNEL_MAX_ROWS
@@ -242,25 +244,6 @@ class Attention(nn.Module):
         return self.o(out.reshape(n, heads * hd))
 
 
-class MLP(nn.Module):
-    """SwiGLU feed-forward (Shazeer, 2020) with fused gate/up projection.
-
-    With a tensor ``share`` it holds only the share's intermediate columns: ``gate_up``
-    ``[2 * columns, hidden]`` (gate rows, then up rows), ``down`` ``[hidden, columns]``;
-    the output ``[N, hidden_size]`` is this rank's partial sum.
-    """
-
-    def __init__(self, config: ModelConfig, share: TensorShare | None = None) -> None:
-        super().__init__()
-        inter = share.num_columns if share else config.intermediate_size
-        self.gate_up = Linear(config.hidden_size, 2 * inter, bias=False)
-        self.down = Linear(inter, config.hidden_size, bias=False, partial=share is not None)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up(x).chunk(2, dim=-1)
-        return self.down(F.silu(gate) * up)
-
-
 class DecoderLayer(nn.Module):
     """Pre-norm transformer block: x + attn(norm(x)), then x + mlp(norm(x)).
 
@@ -275,7 +258,8 @@ class DecoderLayer(nn.Module):
         self.attn_norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.attn = Attention(config, share)
         self.mlp_norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.mlp = MLP(config, share)
+        self.mlp: MLP | MixtureOfExperts = (MixtureOfExperts(config, share) if config.is_moe
+                                            else MLP(config, share))
         self.all_reduce: Callable[[torch.Tensor], torch.Tensor] | None = None
 
     def forward(

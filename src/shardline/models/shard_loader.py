@@ -101,18 +101,20 @@ def shard_tensors(
     """The weights of a :class:`~shardline.models.llama.DecoderShard`, one at a time.
 
     Yields ``(name, value)``: for a linear module (``layers.<i>.attn.qkv``, ``...o``,
-    ``...mlp.gate_up``, ``...down``) a list of row blocks (float tensors or
+    ``...mlp.gate_up``, ``...down``; of an MoE layer ``...mlp.experts.<e>.gate_up`` and
+    ``...down``) a list of row blocks (float tensors or
     :class:`GroupQuant`, as the file stores them; fused parts of one form as one
     :class:`~shardline.models.linear.RowBlocks` over them); for ``embed`` and ``lm_head`` one
     :class:`~shardline.models.linear.RowBlocks` (read when converted, a block of rows at
     a time); for a norm or bias
-    parameter its float tensor. Reads layers ``[layer_start, layer_end)``, the embedding
+    parameter its float tensor (an MoE router, ``...mlp.router``, float32). Reads layers ``[layer_start, layer_end)``, the embedding
     when ``layer_start == 0`` and, with ``head``, the final norm and head (the embedding
     when tied) when the range ends at the last layer.
 
     With a tensor ``share`` (the range must be the whole model) each layer's split tensors
     are read as slices: q rows of the share's heads, k/v rows of its KV heads, gate/up rows
-    of its MLP columns, o columns of its heads and down columns of its MLP columns.
+    of its MLP columns, o columns of its heads and down columns of its MLP columns; of an
+    MoE layer the same columns of every expert, and the whole router.
 
     Raises:
         WeightFormatError: a tensor is missing or has an unexpected shape.
@@ -156,6 +158,29 @@ def shard_tensors(
     def vector(layer: int | None, part: str, rows: Span = None) -> torch.Tensor:
         return source.read(_names(source, layer, part), rows)
 
+    def experts(p: str, layer: int) -> Iterator[tuple[str, list[Part | RowBlocks] | torch.Tensor]]:
+        """An MoE layer's router (float32 here, whole on every rank) and each expert's
+        gate/up and down, of the share's columns."""
+        router = source.router_tensor(layer)
+        if source.shape(router) != (config.num_experts, d):
+            raise WeightFormatError(f"layer {layer} router {router!r} has shape "
+                                    f"{source.shape(router)}, expected {(config.num_experts, d)}")
+        yield p + "mlp.router", source.read(router).float()
+        for e in range(config.num_experts):
+            def expert(part: str, shape: tuple[int, int], rows: Span = None,
+                       cols: Span = None) -> Part:
+                name, index = source.expert_tensor(layer, part, e)
+                found = source.shape(name, index)
+                if found != shape:
+                    raise WeightFormatError(f"layer {layer} expert {e} {part} ({name!r}) has "
+                                            f"shape {found}, expected {shape}")
+                return source.read_weight(name, rows, cols, index)
+
+            q = f"{p}mlp.experts.{e}."
+            yield q + "gate_up", _stack([expert("gate", (inter, d), col_span),
+                                         expert("up", (inter, d), col_span)])
+            yield q + "down", [expert("down", (d, inter), cols=col_span)]
+
     if layer_start == 0:
         yield "embed", [row_blocks("embedding", "embed", (config.vocab_size, d))]
     for local, layer in enumerate(range(layer_start, layer_end)):
@@ -180,6 +205,9 @@ def shard_tensors(
             yield p + "attn.k_norm.weight", vector(layer, "k_norm")
         yield p + "attn_norm.weight", vector(layer, "attn_norm")
         yield p + "mlp_norm.weight", vector(layer, "mlp_norm")
+        if config.is_moe:
+            yield from experts(p, layer)
+            continue
         gate = weight(f"layer {layer} gate", layer, "gate", (inter, d), col_span)
         up = weight(f"layer {layer} up", layer, "up", (inter, d), col_span)
         yield p + "mlp.gate_up", _stack([gate, up])
@@ -290,8 +318,9 @@ def _build_shard(
     modules = dict(shard.named_modules())
     dense: dict[str, torch.Tensor] = {}
     for name, value in shard_tensors(source, layer_start, layer_end, share=share, head=head):
-        if isinstance(value, torch.Tensor):
-            dense[name] = value.to(device=device, dtype=dtype)
+        if isinstance(value, torch.Tensor):  # a norm, a bias, an MoE router (float64)
+            dense[name] = value.to(device=device,
+                                   dtype=torch.float64 if name.endswith(".router") else dtype)
             continue
         if name == "embed":
             assert shard.embed is not None and (shard.lm_head is not None or not tied_here)

@@ -65,29 +65,48 @@ class WeightSource:
     def _shape(self, name: str) -> tuple[int, ...]:
         raise NotImplementedError
 
-    def _read(self, name: str, rows: Span, cols: Span) -> torch.Tensor:
+    def _read(self, name: str, rows: Span, cols: Span, expert: int | None) -> torch.Tensor:
         raise NotImplementedError
 
-    def shape(self, name: str) -> tuple[int, ...]:
-        """The shape of tensor ``name`` in PyTorch layout, without reading it.
+    def expert_tensor(self, layer: int, part: str, expert: int) -> tuple[str, int | None]:
+        """Where expert ``expert``'s ``part`` ("gate", "up" or "down") of global ``layer``
+        is: a tensor name and, for a file that stores a layer's experts as one 3-D tensor
+        ``[experts, rows, cols]`` (GGUF), the expert's index in it (None: the tensor is
+        this expert's own)."""
+        raise NotImplementedError
+
+    def router_tensor(self, layer: int) -> str:
+        """The name of ``layer``'s router weight ``[experts, hidden]``."""
+        raise NotImplementedError
+
+    def shape(self, name: str, expert: int | None = None) -> tuple[int, ...]:
+        """The shape of tensor ``name`` in PyTorch layout (of one expert's slice of a 3-D
+        expert tensor where ``expert`` is given), without reading it.
 
         Raises:
             WeightFormatError: the file has no tensor of that name.
         """
         self._check_name(name)
-        return self._shape(name)
+        shape = self._shape(name)
+        if expert is not None:
+            if len(shape) != 3 or not 0 <= expert < shape[0]:
+                raise WeightFormatError(f"tensor {name!r} of shape {shape} has no expert {expert}")
+            return shape[1:]
+        return shape
 
-    def read(self, name: str, rows: Span = None, cols: Span = None) -> torch.Tensor:
+    def read(self, name: str, rows: Span = None, cols: Span = None,
+             expert: int | None = None) -> torch.Tensor:
         """The tensor ``name`` as float32 (or its stored float dtype), PyTorch layout.
 
         ``rows`` / ``cols`` (``(start, end)``, end exclusive) read only that slice of the
-        first / second axis; only the slice's bytes count in :attr:`bytes_read`.
+        first / second axis (of the expert's 2-D slice of a 3-D expert tensor where
+        ``expert`` is given); only the slice's bytes count in :attr:`bytes_read`.
 
         Raises:
             WeightFormatError: the file has no tensor of that name.
         """
-        self._check_name(name)
-        tensor = self._read(name, rows, cols)
+        self.shape(name, expert)
+        tensor = self._read(name, rows, cols, expert)
         self._note_read(name)
         self._release(name)
         return tensor
@@ -98,16 +117,16 @@ class WeightSource:
         if not self.tensors_read or self.tensors_read[-1] != name:
             self.tensors_read.append(name)
 
-    def read_weight(self, name: str, rows: Span = None,
-                    cols: Span = None) -> torch.Tensor | GroupQuant:
+    def read_weight(self, name: str, rows: Span = None, cols: Span = None,
+                    expert: int | None = None) -> torch.Tensor | GroupQuant:
         """A linear weight as the file stores it: :class:`GroupQuant` for a quantized
         GGUF type that has an exact integer-group form and whose column range falls on
-        its groups, else the float tensor of :meth:`read`.
+        its groups, else the float tensor of :meth:`read` (``expert`` as there).
 
         Raises:
             WeightFormatError: the file has no tensor of that name.
         """
-        return self.read(name, rows, cols)
+        return self.read(name, rows, cols, expert)
 
     def _release(self, name: str) -> None:
         """Called once tensor ``name`` is read into memory of its own: a source may let
@@ -132,6 +151,12 @@ class GGUFSource(WeightSource):
         "gate": "ffn_gate.weight", "up": "ffn_up.weight", "down": "ffn_down.weight",
     }
 
+    def expert_tensor(self, layer: int, part: str, expert: int) -> tuple[str, int | None]:
+        return f"blk.{layer}.ffn_{part}_exps.weight", expert
+
+    def router_tensor(self, layer: int) -> str:
+        return f"blk.{layer}.ffn_gate_inp.weight"
+
     def __init__(self, path: str | Path) -> None:
         super().__init__()
         self.path = Path(path)
@@ -153,17 +178,18 @@ class GGUFSource(WeightSource):
     def _shape(self, name: str) -> tuple[int, ...]:
         return tuple(int(d) for d in reversed(self._tensors[name].shape))
 
-    def read_weight(self, name: str, rows: Span = None,
-                    cols: Span = None) -> torch.Tensor | GroupQuant:
+    def read_weight(self, name: str, rows: Span = None, cols: Span = None,
+                    expert: int | None = None) -> torch.Tensor | GroupQuant:
         from gguf import GGML_QUANT_SIZES
 
-        self._check_name(name)
-        t = self._tensors[name]
+        t = self._tensors[name] if name in self._tensors else None
+        if t is None or t.tensor_type.name not in SUPPORTED_TYPES or len(
+                self.shape(name, expert)) != 2:
+            return self.read(name, rows, cols, expert)
         type_name = t.tensor_type.name
-        if type_name not in SUPPORTED_TYPES or len(self._shape(name)) != 2:
-            return self.read(name, rows, cols)
         block, size = GGML_QUANT_SIZES[t.tensor_type]
-        data = t.data if rows is None else t.data[rows[0] : rows[1]]
+        data = t.data if expert is None else t.data[expert]
+        data = data if rows is None else data[rows[0] : rows[1]]
         if cols is None:
             part = data
         else:
@@ -173,8 +199,8 @@ class GGUFSource(WeightSource):
         if cols is not None:
             try:
                 groups = groups.cols(cols[0] - first * block, cols[1] - first * block)
-            except ValueError:
-                return self.read(name, rows, cols)  # the range cuts groups: exact floats
+            except ValueError:  # the range cuts groups: exact floats
+                return self.read(name, rows, cols, expert)
         self.bytes_read += int(part.nbytes)
         self._note_read(name)
         groups = groups.contiguous()
@@ -201,17 +227,19 @@ class GGUFSource(WeightSource):
     # Rows dequantized at a time when a column range cuts through the format's blocks.
     UNALIGNED_ROW_CHUNK = 64
 
-    def _read(self, name: str, rows: Span, cols: Span) -> torch.Tensor:
+    def _read(self, name: str, rows: Span, cols: Span, expert: int | None) -> torch.Tensor:
         from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 
         t = self._tensors[name]
-        shape = self._shape(name)
+        shape, data = self._shape(name), t.data
+        if expert is not None:  # one expert's [rows, cols] of a 3-D expert tensor
+            shape, data = shape[1:], data[expert]
         if rows is None and cols is None:
-            self.bytes_read += int(t.n_bytes)
-            return torch.from_numpy(self._decode(t.data, t.tensor_type).reshape(shape))
-        # t.data is [rows, ...] for 1-D and 2-D tensors: elements for F32/F16, bytes for
+            self.bytes_read += int(data.nbytes)
+            return torch.from_numpy(self._decode(data, t.tensor_type).reshape(shape))
+        # data is [rows, ...] for 1-D and 2-D tensors: elements for F32/F16, bytes for
         # BF16 and the block formats (a row is whole blocks).
-        data = t.data if rows is None else t.data[rows[0] : rows[1]]
+        data = data if rows is None else data[rows[0] : rows[1]]
         if cols is None or len(shape) < 2:
             self.bytes_read += int(data.nbytes)
             return torch.from_numpy(self._decode(data, t.tensor_type).reshape(-1, *shape[1:]))
@@ -263,6 +291,24 @@ class SafetensorsSource(WeightSource):
         "k_norm": "self_attn.k_norm.weight", "gate": "mlp.gate_proj.weight",
         "up": "mlp.up_proj.weight", "down": "mlp.down_proj.weight",
     }
+    # Where a layer's router and experts are, by the checkpoint's model_type: Mixtral's
+    # w1, w3 and w2 are the gate, up and down projections.
+    MOE_NAMES = {
+        "mixtral": ("block_sparse_moe.gate.weight",
+                    {"gate": "block_sparse_moe.experts.{expert}.w1.weight",
+                     "up": "block_sparse_moe.experts.{expert}.w3.weight",
+                     "down": "block_sparse_moe.experts.{expert}.w2.weight"}),
+        "qwen3_moe": ("mlp.gate.weight",
+                      {part: f"mlp.experts.{{expert}}.{part}_proj.weight"
+                       for part in ("gate", "up", "down")}),
+    }
+
+    def expert_tensor(self, layer: int, part: str, expert: int) -> tuple[str, int | None]:
+        name = self.MOE_NAMES[self.model_type][1][part].format(expert=expert)
+        return self.LAYER_FORMAT.format(layer=layer, name=name), None
+
+    def router_tensor(self, layer: int) -> str:
+        return self.LAYER_FORMAT.format(layer=layer, name=self.MOE_NAMES[self.model_type][0])
 
     def __init__(self, directory: str | Path) -> None:
         super().__init__()
@@ -272,7 +318,13 @@ class SafetensorsSource(WeightSource):
         config_file = self.path / "config.json"
         if not config_file.is_file():
             raise WeightFormatError(f"{self.path} has no config.json")
-        self.config = ModelConfig.from_hf_config(json.loads(config_file.read_text()))
+        hf_config = json.loads(config_file.read_text())
+        self.config = ModelConfig.from_hf_config(hf_config)
+        self.model_type = hf_config.get("model_type", "")
+        if self.config.is_moe and self.model_type not in self.MOE_NAMES:
+            raise WeightFormatError(
+                f"a mixture of experts of model_type {self.model_type!r}: its expert "
+                f"tensors' names are not known (known: {', '.join(self.MOE_NAMES)})")
         files = sorted(self.path.glob("*.safetensors"))
         if not files:
             raise WeightFormatError(f"{self.path} has no .safetensors files")
@@ -294,8 +346,10 @@ class SafetensorsSource(WeightSource):
     def _shape(self, name: str) -> tuple[int, ...]:
         return tuple(self._handles[self._where[name]].get_slice(name).get_shape())
 
-    def _read(self, name: str, rows: Span, cols: Span) -> torch.Tensor:
+    def _read(self, name: str, rows: Span, cols: Span, expert: int | None) -> torch.Tensor:
         handle = self._handles[self._where[name]]
+        if expert is not None:
+            raise WeightFormatError(f"{name!r}: this checkpoint stores each expert's own tensor")
         if rows is None and cols is None:
             tensor = handle.get_tensor(name)
         else:

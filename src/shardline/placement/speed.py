@@ -130,15 +130,20 @@ def check_dtype(dtype: str) -> None:
 
 
 def _linear_per_layer(config: ModelConfig) -> int:
-    """Linear weight elements of one whole decoder layer (q, k, v, o, gate, up, down)."""
-    return config.layer_param_count() - 2 * config.hidden_size
+    """Linear weight elements of one whole decoder layer that a token reads (q, k, v, o,
+    gate, up, down; of a mixture-of-experts layer the router and the experts a token is
+    routed to, not the others)."""
+    return config.active_layer_param_count() - 2 * config.hidden_size
 
 
 def _tensor_linear_per_layer(config: ModelConfig, share: TensorShare) -> int:
-    """Linear weight elements of one layer that a tensor rank holds (as tensor_rank_bytes)."""
+    """Linear weight elements of one layer that a tensor rank reads for a token (its share
+    of :func:`_linear_per_layer`: every expert's columns are split, the router is whole)."""
     d, hd = config.hidden_size, config.head_dim
     q, kv = share.num_heads * hd, share.num_kv_heads * hd
-    return d * (q + 2 * kv) + q * d + 3 * d * share.num_columns
+    experts = config.num_experts_per_tok or 1
+    return (d * (q + 2 * kv) + q * d + experts * 3 * d * share.num_columns
+            + config.num_experts * d)
 
 
 def _secs(num: float, rate: float) -> float:
@@ -226,7 +231,10 @@ def predict_tokens_per_s(
 
     What rank r reads per decoded token::
 
-        W_r = w * (linear weight elements of r, the LM head on the sampling rank included)
+        W_r = w * (linear weight elements of r a token reads, the LM head on the sampling
+                   rank included; of a mixture-of-experts layer the router and the
+                   num_experts_per_tok experts a token is routed to: Qwen3-30B-A3B's
+                   3.3B of 30.5B)
         K_r = (KV bytes per token of r's layers or KV heads) * context / 2
 
     (the KV cache read at the average context of a sequence that grows to ``context``;

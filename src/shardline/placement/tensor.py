@@ -99,7 +99,8 @@ def tensor_rank_bytes(
     kv_element_bytes: int = 2,
     vocab_bytes: float | None = None,
 ) -> int:
-    """Bytes one rank needs: its slices of every layer, the replicated parts, its KV cache.
+    """Bytes one rank needs: its slices of every layer (of every expert of an MoE layer),
+    the replicated parts (an MoE layer's router), its KV cache.
 
     Args:
         weight_bytes: bytes a layer's weight element takes in memory (see
@@ -112,10 +113,11 @@ def tensor_rank_bytes(
     """
     d, hd = config.hidden_size, config.head_dim
     q, kv, cols = share.num_heads * hd, share.num_kv_heads * hd, share.num_columns
-    linear = d * (q + 2 * kv) + q * d + 3 * d * cols
+    linear = d * (q + 2 * kv) + q * d + (config.num_experts or 1) * 3 * d * cols
     norms = 2 * d + (2 * hd if config.qk_norm else 0)
     bias = (q + 2 * kv) if config.attention_bias else 0
-    per_layer = linear * weight_bytes + (norms + bias) * kv_element_bytes
+    router = config.num_experts * d * 8  # float64 on every rank (feed_forward.MixtureOfExperts)
+    per_layer = linear * weight_bytes + (norms + bias) * kv_element_bytes + router
     vocab = weight_bytes if vocab_bytes is None else vocab_bytes
     total = config.num_layers * per_layer + config.vocab_size * d * vocab
     if share.rank == 0:

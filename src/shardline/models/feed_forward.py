@@ -1,0 +1,108 @@
+"""A decoder layer's feed-forward block: the dense SwiGLU MLP, or a mixture of experts.
+
+- :class:`MLP`: SwiGLU (Shazeer, 2020, "GLU Variants Improve Transformer"),
+  ``down(silu(gate(x)) * up(x))``, gate and up fused in one product.
+- :class:`MixtureOfExperts`: a router and ``num_experts`` SwiGLU experts, of which each
+  token uses ``num_experts_per_tok`` (Shazeer et al., 2017, "Outrageously Large Neural
+  Networks: The Sparsely-Gated Mixture-of-Experts Layer"; Mixtral: Jiang et al., 2024,
+  "Mixtral of Experts"). The routing is the one of transformers' ``MixtralTopKRouter``
+  and ``Qwen3MoeTopKRouter`` (the oracles of the tests): softmax over every expert's router
+  logit in float32, the top k, divided by their sum where ``norm_topk_prob``.
+
+Under tensor parallelism (a :class:`~shardline.models.config.TensorShare`) both hold only
+the share's intermediate columns: of the MLP, and of every expert (each rank holds a slice
+of each expert, as exo splits experts), so the layer's output is a partial sum that one
+all-reduce completes, as for a dense layer. The router is on every rank: the hidden states
+it reads are the same on every rank, so every rank routes a token to the same experts.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from shardline.models.config import ModelConfig, TensorShare
+from shardline.models.linear import Linear
+
+
+class MLP(nn.Module):
+    """SwiGLU feed-forward with fused gate/up projection.
+
+    Args:
+        config: the model's shape (``hidden_size``; ``intermediate_size`` columns).
+        share: under tensor parallelism, the rank's columns: ``gate_up`` then holds
+            ``[2 * columns, hidden]`` (gate rows, then up rows), ``down`` ``[hidden,
+            columns]``, and the output is this rank's float32 partial sum.
+
+    ``forward`` takes ``[N, hidden_size]`` in the compute dtype and returns ``[N,
+    hidden_size]`` in the compute dtype (float32 with a ``share``).
+    """
+
+    def __init__(self, config: ModelConfig, share: TensorShare | None = None) -> None:
+        super().__init__()
+        inter = share.num_columns if share else config.intermediate_size
+        self.gate_up = Linear(config.hidden_size, 2 * inter, bias=False)
+        self.down = Linear(inter, config.hidden_size, bias=False, partial=share is not None)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.gate_up(x).chunk(2, dim=-1)
+        return self.down(F.silu(gate) * up)
+
+
+class MixtureOfExperts(nn.Module):
+    """A sparse MoE block: route each row to its top-k experts, sum their SwiGLU outputs
+    weighted by the router's probabilities.
+
+    Attributes:
+        router: float64 ``[num_experts, hidden_size]``: the router (gate) weights, the
+            file's values held exactly. The router logits are computed in float64 and
+            rounded to float32 (as llama.cpp computes them in float32, not in the compute
+            dtype): a float32 GEMM sums in an order that depends on its number of rows
+            (one row differs from two), a float64 one rounded to float32 does not, so a
+            row is routed the same whatever rows are beside it.
+        experts: ``num_experts`` :class:`MLP` (each of the share's columns only).
+
+    ``forward`` takes ``[N, hidden_size]`` in the compute dtype and returns ``[N,
+    hidden_size]`` in the compute dtype (float32 with a ``share``: a partial sum).
+
+    Each expert that any row chose runs once, on the rows that chose it; an expert no row
+    chose is not read. A row's output is its experts' outputs weighted and added in float32
+    in ascending expert order, then rounded once: the same operations whatever other rows
+    the step holds (each expert product is one whose rows do not depend on each other, see
+    :mod:`shardline.models.linear`), so a row's tokens do not depend on its batch.
+    """
+
+    def __init__(self, config: ModelConfig, share: TensorShare | None = None) -> None:
+        super().__init__()
+        self.top_k = config.num_experts_per_tok
+        self.norm_topk_prob = config.norm_topk_prob
+        self.partial = share is not None
+        self.router = nn.Parameter(torch.empty(config.num_experts, config.hidden_size),
+                                   requires_grad=False)
+        self.experts = nn.ModuleList(MLP(config, share) for _ in range(config.num_experts))
+
+    def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The experts of each row and their weights: int64 ``[N, top_k]`` expert ids and
+        float32 ``[N, top_k]`` weights, for hidden states ``x`` ``[N, hidden_size]``."""
+        logits = F.linear(x.double(), self.router).float()  # [N, num_experts]
+        probs = logits.softmax(dim=-1)
+        weights, chosen = probs.topk(self.top_k, dim=-1)
+        if self.norm_topk_prob:
+            weights = weights / weights.sum(dim=-1, keepdim=True)
+        return chosen, weights
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        chosen, weights = self.route(x)
+        out = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
+        flat = chosen.flatten()  # [N * top_k]: row r's choices at r*top_k ..
+        order = flat.argsort(stable=True)  # grouped by expert, rows ascending within each
+        experts, counts = flat[order].unique_consecutive(return_counts=True)
+        start = 0
+        for expert, count in zip(experts.tolist(), counts.tolist()):
+            picks = order[start : start + count]
+            start += count
+            rows = picks // self.top_k
+            y = self.experts[expert](x.index_select(0, rows))
+            out.index_add_(0, rows, y.float() * weights.flatten()[picks, None])
+        return out if self.partial else out.to(x.dtype)
