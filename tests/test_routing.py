@@ -314,3 +314,47 @@ def test_a_forwarded_request_is_ended_by_a_failure_of_the_instance_it_runs_on_on
 
     asyncio.run(run())
     assert tokens == [42, 43]
+
+
+@pytest.mark.parametrize("heartbeats", [True, False])
+def test_a_forwarded_stream_left_by_its_client_closes_its_stream_to_the_node(heartbeats):
+    """The client of a forwarded stream leaves: Starlette ends the answer within an anyio
+    cancel scope, which cancels every ``await`` of the task again while it cleans up. The
+    stream to the node that runs the request still closes to its end (its connection's
+    close, which takes awaits: cut short, the connection stayed open and that node decoded
+    the request to its max_tokens), and nothing of the request is left here. With
+    heartbeats (the public APIs' streams) the request runs in a task of its own; without
+    (a node's ``/internal/generate`` that forwards again), in the answer's task."""
+    import anyio
+
+    from shardline.api.heartbeat import with_heartbeats
+
+    node = SimpleNamespace(node_id="a", instances={"x": _instance("x", READY, 0.0, node="b")}, streams={},
+                           **LIVE)
+    closed: list[str] = []
+
+    async def generate(address, request, ran_on=None):
+        try:
+            yield TokenEvent(1, 42)
+            await asyncio.sleep(30)  # more tokens, later
+        finally:
+            await asyncio.sleep(0.05)  # the connection's close (httpcore's takes awaits)
+            closed.append(address)
+
+    node.peer_client = SimpleNamespace(generate=generate)
+
+    async def run() -> float:
+        router = Router(node)
+        events = router.generate(TokenRequest("m", (1, 2), 4, SamplingParams(), ()))
+        stream = with_heartbeats(events, 5.0) if heartbeats else events
+        with anyio.CancelScope() as scope:
+            async for _ in stream:
+                scope.cancel()  # the client left after its first token
+        left = asyncio.get_running_loop().time()
+        while not closed and asyncio.get_running_loop().time() - left < 1.0:
+            await asyncio.sleep(0.01)
+        return asyncio.get_running_loop().time() - left, router._forwarding
+
+    took, forwarding = asyncio.run(run())
+    assert closed == ["b:1"] and took < 0.5
+    assert forwarding == {}

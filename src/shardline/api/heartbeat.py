@@ -10,6 +10,7 @@ from collections.abc import AsyncGenerator
 from dataclasses import dataclass
 from typing import Any
 
+from shardline.cancelling import cancel_and_wait
 from shardline.runner.protocol import PrefillProgress
 
 HEARTBEAT_S = 5.0
@@ -49,7 +50,6 @@ async def with_heartbeats(events: AsyncGenerator[Any, None], every_s: float) -> 
                 last = time.monotonic()
             yield item
     finally:
-        if pending is not None:
-            pending.cancel()
-            await asyncio.gather(pending, return_exceptions=True)
+        if pending is not None:  # its cleanup (the request's cancel, a forwarded stream's
+            await cancel_and_wait(pending)  # close) runs to its end, whatever cancels this
         await events.aclose()

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from enum import Enum
 from typing import TYPE_CHECKING
 
+from shardline.cancelling import cancel_and_wait
 from shardline.node.peer_client import PeerError
 from shardline.node.queue_bound import QueueFullError, admits, waiting_count
 from shardline.node.speeds import RequestTiming
@@ -460,8 +461,10 @@ class Router:
             raise InstanceFailedError(f"node {inst.ranks[0].node_id}: {exc}") from exc
         finally:
             stop.cancel()
+            watch(None)  # before any await: a cancelled one ends this finally
             if following is not None and not following.done():
-                following.cancel()  # and waited for (also when this is cancelled), so that
-                await asyncio.gather(following, return_exceptions=True)  # the stream can close
-            watch(None)
+                # Its cleanup closes the stream, and so the connection to the node that
+                # runs the request, which cancels it there; it runs to its end, however
+                # often this is cancelled meanwhile.
+                await cancel_and_wait(following)
             await events.aclose()
