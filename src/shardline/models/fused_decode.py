@@ -38,7 +38,7 @@ from typing import TYPE_CHECKING, cast
 import torch
 
 from shardline.models import kernel_library, native_dequant
-from shardline.models.feed_forward import MLP
+from shardline.models.feed_forward import MLP, MixtureOfExperts
 from shardline.models.int4_planes import Int4Planes
 from shardline.models.kv_cache import KVCache
 from shardline.models.linear import Linear
@@ -62,7 +62,7 @@ MAX_PARTS = 3
 _P = ctypes.c_void_p
 _I = ctypes.c_int64
 _POINTERS = ("qkv", "o", "gate_up", "down", "attn_norm", "mlp_norm", "qkv_bias", "q_norm",
-             "k_norm", "k_cache", "v_cache")
+             "k_norm", "k_cache", "v_cache", "router", "experts")
 
 
 class _Part(ctypes.Structure):
@@ -87,7 +87,8 @@ class _Shape(ctypes.Structure):
     """``decode_shape_t`` of the C source."""
 
     _fields_ = [*((name, _I) for name in ("hidden", "heads", "kv_heads", "hd", "inter", "slots",
-                                          "positions")), ("eps", ctypes.c_float)]
+                                          "positions", "experts", "top_k", "norm_topk")),
+                ("eps", ctypes.c_float)]
 
 
 def _built() -> bool:
@@ -131,6 +132,16 @@ def _product(linear: Linear, held: list[object]) -> _Product:
     return product
 
 
+def _feed_forward_products(mlp: MLP | MixtureOfExperts) -> list[tuple[str, Linear]]:
+    """The named products of a layer's feed-forward block: an MLP's gate_up and down, or
+    each expert's."""
+    if isinstance(mlp, MLP):
+        return [("gate_up", mlp.gate_up), ("down", mlp.down)]
+    return [(f"expert {e} {name}", linear) for e, expert in enumerate(mlp.experts)
+            for name, linear in (("gate_up", cast(MLP, expert).gate_up),
+                                 ("down", cast(MLP, expert).down))]
+
+
 def refusal(shard: DecoderShard) -> str | None:
     """Why the fused decode layers do not run ``shard``'s decode steps, or None where they
     do: the kernels are built here (AVX-512 BF16, VNNI and VBMI), the compute dtype is bfloat16
@@ -139,7 +150,7 @@ def refusal(shard: DecoderShard) -> str | None:
     most :data:`MAX_HEAD_DIM`), at most :data:`MAX_GROUP` query heads a KV head, and each
     layer's four products are up to :data:`MAX_PARTS` parts of int4 planes the compiled
     decode product takes or packed 5/6-bit groups. Qwen2's q/k/v bias and Qwen3's q/k
-    norms are supported; mixture-of-experts layers are not."""
+    norms are supported, and mixture-of-experts layers (every expert's products as above)."""
     config = shard.config
     if not _built():
         return "the compiled decode kernels are not built here (AVX-512 BF16, VNNI and VBMI)"
@@ -147,8 +158,6 @@ def refusal(shard: DecoderShard) -> str | None:
         return f"compute dtype {shard.dtype} on {shard.device.type} (bfloat16 on the CPU)"
     if shard.share is not None:
         return "a tensor-parallel share"
-    if config.is_moe:
-        return "mixture-of-experts layers (not in the compiled layer yet)"
     sizes = (config.hidden_size, config.head_dim, config.intermediate_size)
     if any(size % 16 for size in sizes) or config.head_dim > MAX_HEAD_DIM:
         return f"hidden, head_dim, intermediate {sizes} (multiples of 16, head_dim <= 256)"
@@ -158,9 +167,8 @@ def refusal(shard: DecoderShard) -> str | None:
         layer = cast(DecoderLayer, module)
         if layer.all_reduce is not None or layer.attn.q_index is not None:
             return f"layer {i}: an all-reduce or padded query groups"
-        mlp = cast(MLP, layer.mlp)  # an MoE shard was refused above
         for name, linear in (("qkv", layer.attn.qkv), ("o", layer.attn.o),
-                             ("gate_up", mlp.gate_up), ("down", mlp.down)):
+                             *_feed_forward_products(layer.mlp)):
             why = _product_refusal(linear)
             if why is None and name != "qkv" and linear.bias is not None:
                 why = "a bias"
@@ -197,11 +205,19 @@ class FusedDecode:
         self._layers: list[dict[str, int | None]] = []
         for module in shard.layers:
             layer = cast(DecoderLayer, module)
-            attn, mlp = layer.attn, cast(MLP, layer.mlp)  # refusal() leaves out MoE shards
-            ptrs: dict[str, int | None] = {}
-            for name, linear in (("qkv", attn.qkv), ("o", attn.o), ("gate_up", mlp.gate_up),
-                                 ("down", mlp.down)):
+            attn, mlp = layer.attn, layer.mlp
+            ptrs: dict[str, int | None] = dict.fromkeys(("gate_up", "down", "router", "experts"))
+            for name, linear in (("qkv", attn.qkv), ("o", attn.o)):
                 ptrs[name] = ctypes.addressof(_product(linear, self._held))
+            if isinstance(mlp, MLP):
+                for name, linear in (("gate_up", mlp.gate_up), ("down", mlp.down)):
+                    ptrs[name] = ctypes.addressof(_product(linear, self._held))
+            else:  # the router (float64) and each expert's gate_up and down, in order
+                products = [linear for _, linear in _feed_forward_products(mlp)]
+                array = (_Product * len(products))(*(_product(p, self._held) for p in products))
+                router = mlp.router.detach().to(torch.float64).contiguous()
+                self._held += [array, router]
+                ptrs["experts"], ptrs["router"] = ctypes.addressof(array), router.data_ptr()
             vectors = (("attn_norm", layer.attn_norm.weight), ("mlp_norm", layer.mlp_norm.weight),
                        ("qkv_bias", attn.qkv.bias),
                        ("q_norm", attn.q_norm.weight if attn.q_norm else None),
@@ -216,6 +232,8 @@ class FusedDecode:
             self._layers.append(ptrs)
         self._sizes = (config.hidden_size, config.num_heads, config.num_kv_heads,
                        config.head_dim, config.intermediate_size)
+        self._experts = (config.num_experts, config.num_experts_per_tok,
+                         int(config.norm_topk_prob))
         self._eps = config.rms_norm_eps
         self._cache: weakref.ref[KVCache] | None = None
         self._array: ctypes.Array[_Layer] | None = None
@@ -242,7 +260,8 @@ class FusedDecode:
             for name in _POINTERS:
                 setattr(entry, name, values[name])
         slots, _, positions, _ = cache.k[0].shape
-        self._shape = _Shape(hidden, heads, kv_heads, hd, inter, slots, positions, self._eps)
+        self._shape = _Shape(hidden, heads, kv_heads, hd, inter, slots, positions,
+                             *self._experts, self._eps)
         self._array, self._cache = array, weakref.ref(cache)
 
     def __call__(self, h: torch.Tensor, batch: ForwardBatch, cache: KVCache) -> torch.Tensor:

@@ -17,6 +17,14 @@
  *   x  = bf(x + a @ Wo^T)
  *   h  = rms_norm(x) * w2;  g, u = h @ Wgu^T;  x = bf(x + bf(bf(silu(g)) * u) @ Wd^T)
  *
+ * or, for a mixture-of-experts layer (feed_forward.MixtureOfExperts), after the same norm:
+ *
+ *   logits = float(h @ R^T in float64); p = softmax(logits) in float32; the top k of p
+ *   (renormalized to sum 1 where norm_topk); for each expert e any row chose, ascending,
+ *   on the rows that chose it: y_e = (bf(bf(silu(g)) * u) @ Wd_e^T as above, e's weights);
+ *   acc[row] += float(y_e) * p_e (a float32 product, then a float32 add);
+ *   x = bf(x + bf(acc))
+ *
  * Each row is computed by the same instructions in the same order whatever the other
  * rows of the step (the products guarantee it, and everything else is per row), so its
  * result is the same bits in any batch. Threads (OpenMP) split the products' output
@@ -49,19 +57,23 @@ typedef struct {
     product_part_t part[MAX_PARTS];
 } product_t;
 
-/* One layer's weights and cache (bfloat16 vectors; NULL where the model has none). */
+/* One layer's weights and cache (bfloat16 vectors; NULL where the model has none). A
+ * mixture-of-experts layer has no gate_up and down but a router and experts. */
 typedef struct {
     const product_t *qkv, *o, *gate_up, *down;
     const uint16_t *attn_norm, *mlp_norm; /* [hidden] */
     const uint16_t *qkv_bias;             /* [(heads + 2 kv_heads) hd] or NULL */
     const uint16_t *q_norm, *k_norm;      /* [hd] or NULL */
     uint16_t *k_cache, *v_cache;          /* [slots, kv_heads, positions, hd] */
+    const double *router;                 /* [experts, hidden] or NULL */
+    const product_t *experts;             /* [experts][2]: gate_up, down; or NULL */
 } decode_layer_t;
 
 /* The model's sizes (hidden and hd multiples of 16, hd at most MAX_HD, heads / kv_heads
- * at most MAX_GROUP). */
+ * at most MAX_GROUP; inter an expert's width in a mixture of experts, which has experts
+ * > 0 of which each row takes top_k). */
 typedef struct {
-    int64_t hidden, heads, kv_heads, hd, inter, slots, positions;
+    int64_t hidden, heads, kv_heads, hd, inter, slots, positions, experts, top_k, norm_topk;
     float eps;
 } decode_shape_t;
 
@@ -275,6 +287,102 @@ static int product(const product_t *p, const uint16_t *x, int64_t M, uint16_t *y
     return rc;
 }
 
+/* act [M, inter] = bf(bf(silu(g)) * u) of gu [M, 2 inter] (each row's g then u). */
+static void swiglu(const uint16_t *gu, int64_t M, int64_t inter, uint16_t *act) {
+    for (int64_t m = 0; m < M; m++) {
+        const uint16_t *g = gu + m * 2 * inter, *u = g + inter;
+        uint16_t *a = act + m * inter;
+        for (int64_t i = 0; i < inter; i += 16) {
+            __m512 gv = load16(g + i);
+            __m512 e = exp16(_mm512_sub_ps(_mm512_setzero_ps(), gv));
+            __m512 silu = _mm512_div_ps(gv, _mm512_add_ps(_mm512_set1_ps(1.0f), e));
+            _mm256_storeu_si256((__m256i *)(a + i), (__m256i)_mm512_cvtneps_pbh(
+                                    _mm512_mul_ps(round16(silu), load16(u + i))));
+        }
+    }
+}
+
+/* Row m's experts and weights (choice, weight [top_k], the largest first) from its
+ * normed hidden state h [hidden] and the router R [experts, hidden] (float64): logits
+ * summed in float64 and rounded to float32, softmax in float32 (exp of logit - max over
+ * the sum), the top k (the lower id first among equals), divided by their sum where
+ * norm_topk. */
+static void route(const decode_shape_t *S, const double *R, const uint16_t *h, float *p,
+                  int32_t *choice, float *weight) {
+    int64_t H = S->hidden, E = S->experts, K = S->top_k;
+    float most = -INFINITY, total = 0.0f;
+    for (int64_t e = 0; e < E; e++) {
+        const double *r = R + e * H;
+        __m512d acc = _mm512_setzero_pd();
+        for (int64_t i = 0; i < H; i += 8) {
+            __m512d x = _mm512_cvtps_pd(_mm256_castsi256_ps(_mm256_slli_epi32(
+                _mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)(h + i))), 16)));
+            acc = _mm512_fmadd_pd(x, _mm512_loadu_pd(r + i), acc);
+        }
+        p[e] = (float)_mm512_reduce_add_pd(acc);
+        most = p[e] > most ? p[e] : most;
+    }
+    for (int64_t e = 0; e < E; e++) total += (p[e] = expf(p[e] - most));
+    for (int64_t e = 0; e < E; e++) p[e] /= total;
+    float sum = 0.0f;
+    for (int64_t k = 0; k < K; k++) { /* selection: K is small */
+        int64_t best = -1;
+        for (int64_t e = 0; e < E; e++) {
+            int taken = 0;
+            for (int64_t j = 0; j < k; j++) taken |= choice[j] == e;
+            if (!taken && (best < 0 || p[e] > p[best])) best = e;
+        }
+        choice[k] = (int32_t)best;
+        sum += (weight[k] = p[best]);
+    }
+    if (S->norm_topk)
+        for (int64_t k = 0; k < K; k++) weight[k] /= sum;
+}
+
+/* y [M, hidden] = bf(the mixture of experts' output) for normed rows h [M, hidden] (see
+ * the file's comment); gu [M, 2 inter] and act [M, inter] are scratch. Returns 0, or -1
+ * without memory. */
+static int experts(const decode_shape_t *S, const decode_layer_t *Lr, const uint16_t *h,
+                   int64_t M, uint16_t *gu, uint16_t *act, uint16_t *y) {
+    int64_t H = S->hidden, E = S->experts, K = S->top_k;
+    float *p = malloc((size_t)E * sizeof(float)), *weight = malloc((size_t)(M * K) * sizeof(float));
+    float *acc = calloc((size_t)(M * H), sizeof(float));
+    int32_t *choice = malloc((size_t)(M * K) * sizeof(int32_t));
+    int64_t *rows = malloc((size_t)M * sizeof(int64_t));
+    float *row_weight = malloc((size_t)M * sizeof(float));
+    uint16_t *hb = malloc((size_t)(2 * M * H) * 2), *yb = hb + M * H;
+    int rc = -1;
+    if (!p || !weight || !acc || !choice || !rows || !row_weight || !hb) goto done;
+    for (int64_t m = 0; m < M; m++) route(S, Lr->router, h + m * H, p, choice + m * K, weight + m * K);
+    rc = 0;
+    for (int64_t e = 0; e < E && !rc; e++) {
+        int64_t n = 0;
+        for (int64_t m = 0; m < M; m++)
+            for (int64_t k = 0; k < K; k++)
+                if (choice[m * K + k] == e) {
+                    rows[n] = m;
+                    row_weight[n++] = weight[m * K + k];
+                }
+        if (!n) continue;
+        for (int64_t j = 0; j < n; j++) memcpy(hb + j * H, h + rows[j] * H, (size_t)H * 2);
+        if ((rc = product(Lr->experts + 2 * e, hb, n, gu, 2 * S->inter))) break;
+        swiglu(gu, n, S->inter, act);
+        if ((rc = product(Lr->experts + 2 * e + 1, act, n, yb, H))) break;
+        for (int64_t j = 0; j < n; j++) {
+            float *a = acc + rows[j] * H;
+            __m512 w = _mm512_set1_ps(row_weight[j]);
+            for (int64_t i = 0; i < H; i += 16)
+                _mm512_storeu_ps(a + i, _mm512_add_ps(_mm512_loadu_ps(a + i),
+                                                      _mm512_mul_ps(load16(yb + j * H + i), w)));
+        }
+    }
+    for (int64_t i = 0; i < M * H && !rc; i += 16)
+        _mm256_storeu_si256((__m256i *)(y + i), (__m256i)_mm512_cvtneps_pbh(_mm512_loadu_ps(acc + i)));
+done:
+    free(p), free(weight), free(acc), free(choice), free(rows), free(row_weight), free(hb);
+    return rc;
+}
+
 /* x = bf(x + y), n a multiple of 16. */
 static inline void add_rows(uint16_t *x, const uint16_t *y, int64_t n) {
     for (int64_t i = 0; i < n; i += 16)
@@ -354,19 +462,13 @@ int decode_layers(const decode_shape_t *S, const decode_layer_t *layers, int64_t
         if ((rc = product(Lr->o, att, M, y, H))) break;
         add_rows(x, y, M * H);
         for (int64_t m = 0; m < M; m++) rms_norm(x + m * H, Lr->mlp_norm, H, S->eps, h + m * H);
-        if ((rc = product(Lr->gate_up, h, M, gu, 2 * S->inter))) break;
-        for (int64_t m = 0; m < M; m++) {
-            const uint16_t *g = gu + m * 2 * S->inter, *u = g + S->inter;
-            uint16_t *a = act + m * S->inter;
-            for (int64_t i = 0; i < S->inter; i += 16) { /* bf(bf(silu(g)) * u) */
-                __m512 gv = load16(g + i);
-                __m512 e = exp16(_mm512_sub_ps(_mm512_setzero_ps(), gv));
-                __m512 silu = _mm512_div_ps(gv, _mm512_add_ps(_mm512_set1_ps(1.0f), e));
-                _mm256_storeu_si256((__m256i *)(a + i), (__m256i)_mm512_cvtneps_pbh(
-                                        _mm512_mul_ps(round16(silu), load16(u + i))));
-            }
+        if (Lr->router) {
+            if ((rc = experts(S, Lr, h, M, gu, act, y))) break;
+        } else {
+            if ((rc = product(Lr->gate_up, h, M, gu, 2 * S->inter))) break;
+            swiglu(gu, M, S->inter, act);
+            if ((rc = product(Lr->down, act, M, y, H))) break;
         }
-        if ((rc = product(Lr->down, act, M, y, H))) break;
         add_rows(x, y, M * H);
     }
     free(task_row);
