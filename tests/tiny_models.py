@@ -27,6 +27,7 @@ INTERMEDIATE = 128
 EXPERTS = 8
 EXPERTS_PER_TOKEN = 2
 EXPERT_WIDTH = 64
+GPT_OSS_WINDOW = 4
 
 LLAMA3_SCALING = {
     "rope_type": "llama3",
@@ -92,6 +93,14 @@ def hf_model(
         config_cls, model_cls = transformers.MixtralConfig, transformers.MixtralForCausalLM
         kwargs.update(num_local_experts=experts, num_experts_per_tok=EXPERTS_PER_TOKEN,
                       intermediate_size=EXPERT_WIDTH)
+    elif arch == "gpt-oss":  # a window of 4 and YaRN from 64 positions, so short prompts see both
+        config_cls, model_cls = transformers.GptOssConfig, transformers.GptOssForCausalLM
+        del kwargs["rope_theta"]
+        kwargs.update(head_dim=HEAD_DIM, num_local_experts=experts, intermediate_size=EXPERT_WIDTH,
+                      num_experts_per_tok=EXPERTS_PER_TOKEN, sliding_window=GPT_OSS_WINDOW,
+                      rope_parameters={"rope_type": "yarn", "factor": 8.0, "beta_fast": 32.0,
+                                       "beta_slow": 1.0, "truncate": False, "rope_theta": rope_theta,
+                                       "original_max_position_embeddings": 64})
     else:
         raise ValueError(arch)
     config = config_cls(**kwargs)
@@ -206,6 +215,13 @@ _GGUF_NAMES = {
 }
 
 
+_GPT_OSS_NAMES = {  # llama.cpp's names for gpt-oss's own tensors
+    "self_attn.o_proj.bias": "attn_output.bias",
+    "self_attn.sinks": "attn_sinks.weight",
+    "post_attention_layernorm.weight": "post_attention_norm.weight",
+}
+
+
 def write_gguf(
     model,
     path: Path,
@@ -215,11 +231,12 @@ def write_gguf(
     rope_factors: np.ndarray | None = None,
     q8_0: tuple[str, ...] = (),
     random_quants: dict[str, str] | None = None,
+    mxfp4: tuple[str, ...] = (),
 ) -> Path:
     """Write ``model``'s weights as a GGUF file the way llama.cpp's converter lays them out.
 
     q/k weights (and biases) of ``llama`` are permuted; ``q8_0`` names GGUF tensors to
-    store quantized as Q8_0, ``random_quants`` tensors to replace by random blocks of a
+    store quantized as Q8_0 (``mxfp4`` as MXFP4), ``random_quants`` tensors to replace by random blocks of a
     GGUF type (``{"blk.0.ffn_down.weight": "Q6_K"}``: the gguf library has no quantizer
     for the K types), and everything else is F32. A tied model gets no output.weight.
     """
@@ -242,6 +259,13 @@ def write_gguf(
     writer.add_rope_freq_base(rope_theta)
     writer.add_vocab_size(cfg.vocab_size)
     writer.add_file_type(gguf.LlamaFileType.ALL_F32)
+    oss = arch == "gpt-oss"
+    if oss:
+        rope = cfg.rope_parameters
+        writer.add_sliding_window(cfg.sliding_window)
+        writer.add_rope_scaling_type(gguf.RopeScalingType.YARN)
+        writer.add_rope_scaling_factor(rope["factor"])
+        writer.add_rope_scaling_orig_ctx_len(rope["original_max_position_embeddings"])
     experts = getattr(cfg, "num_experts", None) or getattr(cfg, "num_local_experts", None)
     if experts:
         writer.add_expert_count(experts)
@@ -259,7 +283,8 @@ def write_gguf(
         tensors["rope_freqs.weight"] = rope_factors
     for i in range(cfg.num_hidden_layers):
         prefix = f"model.layers.{i}."
-        for hf_name, gguf_name in _GGUF_NAMES.items():
+        names = dict(_GGUF_NAMES, **(_GPT_OSS_NAMES if oss else {}))
+        for hf_name, gguf_name in names.items():
             if prefix + hf_name not in state:
                 continue
             tensor = state[prefix + hf_name]
@@ -267,7 +292,18 @@ def write_gguf(
                 heads = cfg.num_attention_heads if "q_proj" in hf_name else cfg.num_key_value_heads
                 tensor = llama_cpp_permute(tensor, heads)
             tensors[f"blk.{i}.{gguf_name}"] = tensor
-        if experts:  # the router, and each kind of expert weight as one 3-D tensor
+        if oss:  # [experts, in, out], gate and up interleaved: llama.cpp's converter splits them
+            gate_up, down = state[prefix + "mlp.experts.gate_up_proj"], state[prefix + "mlp.experts.down_proj"]
+            bias = state[prefix + "mlp.experts.gate_up_proj_bias"]
+            tensors.update({
+                f"blk.{i}.ffn_gate_inp.weight": state[prefix + "mlp.router.weight"],
+                f"blk.{i}.ffn_gate_inp.bias": state[prefix + "mlp.router.bias"],
+                f"blk.{i}.ffn_gate_exps.weight": gate_up[:, :, ::2].transpose(0, 2, 1),
+                f"blk.{i}.ffn_up_exps.weight": gate_up[:, :, 1::2].transpose(0, 2, 1),
+                f"blk.{i}.ffn_down_exps.weight": down.transpose(0, 2, 1),
+                f"blk.{i}.ffn_gate_exps.bias": bias[:, ::2], f"blk.{i}.ffn_up_exps.bias": bias[:, 1::2],
+                f"blk.{i}.ffn_down_exps.bias": state[prefix + "mlp.experts.down_proj_bias"]})
+        elif experts:  # the router, and each kind of expert weight as one 3-D tensor
             gate_up = state[prefix + "mlp.experts.gate_up_proj"]  # [experts, 2 * width, hidden]
             width = gate_up.shape[1] // 2
             tensors[f"blk.{i}.ffn_gate_inp.weight"] = state[prefix + "mlp.gate.weight"]
@@ -285,6 +321,9 @@ def write_gguf(
             writer.add_tensor(name, data.reshape(*outer, -1), raw_dtype=qtype)
         elif name in q8_0:
             qtype = gguf.GGMLQuantizationType.Q8_0
+            writer.add_tensor(name, quantize(tensor, qtype), raw_dtype=qtype)
+        elif name in mxfp4:
+            qtype = gguf.GGMLQuantizationType.MXFP4
             writer.add_tensor(name, quantize(tensor, qtype), raw_dtype=qtype)
         else:
             writer.add_tensor(name, tensor)

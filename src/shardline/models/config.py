@@ -11,6 +11,11 @@ One decoder serves all of them; the differences live here:
 - Qwen3-MoE (``qwen3moe``): Qwen3's attention with Mixtral's kind of MoE layers
   (``moe_intermediate_size`` wide experts; the top-k weights renormalized where
   ``norm_topk_prob``).
+- gpt-oss (``gpt-oss``; transformers' ``GptOssForCausalLM`` is the reference): biases on
+  q/k/v and the attention output, a learned attention sink per head, a sliding window on
+  alternate layers (``sliding_layers``), YaRN RoPE, and MoE layers whose router and experts
+  have biases and whose SwiGLU is clamped (``swiglu_limit``, ``swiglu_alpha``). Read from
+  GGUF only (the Hub's checkpoints hold MXFP4 blocks in a layout of their own).
 
 A mixture-of-experts model here has experts in every layer: ``intermediate_size`` is then
 an expert's width (Qwen3-MoE's ``moe_intermediate_size``). Models that mix dense and MoE
@@ -27,7 +32,7 @@ from dataclasses import asdict, dataclass, field
 from enum import Enum, StrEnum
 from typing import Any
 
-SUPPORTED_ARCHITECTURES = ("llama", "qwen2", "qwen3", "qwen3moe")
+SUPPORTED_ARCHITECTURES = ("llama", "qwen2", "qwen3", "qwen3moe", "gpt-oss")
 
 _HF_ARCHITECTURES = {
     "LlamaForCausalLM": "llama",
@@ -55,7 +60,17 @@ class ModelConfig:
     A mixture-of-experts model has ``num_experts`` > 0 experts in every layer, of which
     each token uses ``num_experts_per_tok``, each ``intermediate_size`` wide; the router's
     softmax over all experts is taken top-k, and those k weights divided by their sum
-    where ``norm_topk_prob`` (Mixtral always, Qwen3-MoE as its config says).
+    where ``norm_topk_prob`` (Mixtral always, Qwen3-MoE as its config says; gpt-oss's
+    softmax over the top k logits is the same weights).
+
+    gpt-oss's parts: the layers in ``sliding_layers`` attend to the last
+    ``sliding_window`` positions only (key j seen from query i where i - j < window);
+    ``attention_sinks``: a learned logit per head joins each query's softmax and is
+    dropped; ``output_bias``: the attention output projection has a bias;
+    ``expert_bias``: the router and each expert's projections have biases;
+    ``swiglu_limit`` > 0: the experts' activation is gpt-oss's clamped one,
+    ``(clamp(up, -limit, limit) + 1) * g * sigmoid(alpha * g)`` with ``g = min(gate,
+    limit)``, where 0 means SwiGLU.
     """
 
     architecture: str
@@ -76,6 +91,13 @@ class ModelConfig:
     num_experts: int = 0
     num_experts_per_tok: int = 0
     norm_topk_prob: bool = True
+    sliding_window: int = 0
+    sliding_layers: tuple[int, ...] = ()
+    attention_sinks: bool = False
+    output_bias: bool = False
+    expert_bias: bool = False
+    swiglu_limit: float = 0.0
+    swiglu_alpha: float = 1.0
 
     @property
     def is_moe(self) -> bool:
@@ -88,10 +110,11 @@ class ModelConfig:
                 f"architecture {self.architecture!r} is not supported "
                 f"(supported: {', '.join(SUPPORTED_ARCHITECTURES)})"
             )
+        object.__setattr__(self, "sliding_layers", tuple(self.sliding_layers))  # from JSON lists
         kind = (self.rope_scaling or {}).get("rope_type") or (self.rope_scaling or {}).get("type")
-        if kind not in (None, "default", "llama3", "linear"):
+        if kind not in (None, "default", "llama3", "linear", "yarn"):
             raise UnsupportedModelError(
-                f"RoPE scaling {kind!r} is not supported (supported: llama3, linear)"
+                f"RoPE scaling {kind!r} is not supported (supported: llama3, linear, yarn)"
             )
         if self.num_heads % self.num_kv_heads:
             raise UnsupportedModelError(
@@ -105,6 +128,10 @@ class ModelConfig:
                 f"the router chooses {self.num_experts_per_tok} experts per token of "
                 f"{self.num_experts}: it must choose between 1 and {self.num_experts}"
             )
+
+    def window_of(self, layer: int) -> int:
+        """The sliding window of global ``layer`` in positions, 0 where it sees them all."""
+        return self.sliding_window if layer in self.sliding_layers else 0
 
     def kv_head_of(self, head: int) -> int:
         """The KV head that query head ``head`` attends with (grouped-query attention)."""
@@ -151,6 +178,10 @@ class ModelConfig:
         arch = next((_HF_ARCHITECTURES[n] for n in names if n in _HF_ARCHITECTURES), None)
         if arch is None:
             arch = _HF_MODEL_TYPES.get(cfg.get("model_type", ""))
+        if arch is None and (cfg.get("model_type") == "gpt_oss" or "GptOssForCausalLM" in names):
+            raise UnsupportedModelError(
+                "gpt-oss is supported from GGUF files (e.g. ggml-org/gpt-oss-20b-GGUF), not "
+                "from its safetensors checkpoints (MXFP4 blocks in a layout of their own)")
         if arch is None:
             raise UnsupportedModelError(
                 f"model architectures {names or cfg.get('model_type')!r} are not supported "
@@ -201,8 +232,8 @@ class ModelConfig:
         embedding's rows (the vocabulary, where the metadata has no ``vocab_size``).
 
         Raises:
-            UnsupportedModelError: ``general.architecture`` is not llama, qwen2, qwen3 or
-                qwen3moe.
+            UnsupportedModelError: ``general.architecture`` is not one of
+                :data:`SUPPORTED_ARCHITECTURES`.
         """
         arch = meta.get("general.architecture")
         if arch not in SUPPORTED_ARCHITECTURES:
@@ -224,6 +255,11 @@ class ModelConfig:
                 "factor": key("rope.scaling.factor"),
                 "original_max_position_embeddings": key("rope.scaling.original_context_length"),
             }
+            if rope_scaling["rope_type"] == "yarn":  # llama.cpp's defaults, gpt-oss's config
+                rope_scaling.update(beta_fast=float(key("rope.scaling.yarn_beta_fast", 32.0)),
+                                    beta_slow=float(key("rope.scaling.yarn_beta_slow", 1.0)),
+                                    truncate=arch != "gpt-oss")
+        oss = arch == "gpt-oss"  # llama.cpp: a window on even layers, the clamped SwiGLU
         experts = int(key("expert_count", 0) or 0)
         # llama.cpp renormalizes the chosen experts' weights of both families (Mixtral's
         # softmax-top-k is that; Qwen3-MoE checkpoints set norm_topk_prob).
@@ -247,6 +283,13 @@ class ModelConfig:
             num_experts=experts,
             num_experts_per_tok=int(key("expert_used_count", 0) or 0) if experts else 0,
             norm_topk_prob=bool(key("expert_weights_norm", True)),
+            sliding_window=int(key("attention.sliding_window", 0) or 0) if oss else 0,
+            sliding_layers=tuple(range(0, int(key("block_count")), 2)) if oss else (),
+            attention_sinks="blk.0.attn_sinks.weight" in tensor_names,
+            output_bias="blk.0.attn_output.bias" in tensor_names,
+            expert_bias="blk.0.ffn_gate_exps.bias" in tensor_names,
+            swiglu_limit=7.0 if oss else 0.0,
+            swiglu_alpha=1.702 if oss else 1.0,
         )
 
 

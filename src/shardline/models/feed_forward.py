@@ -7,7 +7,9 @@
   Networks: The Sparsely-Gated Mixture-of-Experts Layer"; Mixtral: Jiang et al., 2024,
   "Mixtral of Experts"). The routing is the one of transformers' ``MixtralTopKRouter``
   and ``Qwen3MoeTopKRouter`` (the oracles of the tests): softmax over every expert's router
-  logit in float32, the top k, divided by their sum where ``norm_topk_prob``.
+  logit in float32, the top k, divided by their sum where ``norm_topk_prob``; gpt-oss's
+  ``GptOssTopKRouter`` (a softmax over the top k logits, a router bias) gives the same
+  weights.
 
 Under tensor parallelism (a :class:`~shardline.models.config.TensorShare`) both hold only
 the share's intermediate columns: of the MLP, and of every expert (each rank holds a slice
@@ -30,23 +32,33 @@ class MLP(nn.Module):
     """SwiGLU feed-forward with fused gate/up projection.
 
     Args:
-        config: the model's shape (``hidden_size``; ``intermediate_size`` columns).
+        config: the model's shape (``hidden_size``; ``intermediate_size`` columns) and
+            activation: SwiGLU, or where ``swiglu_limit`` > 0 gpt-oss's clamped one
+            (:class:`~shardline.models.config.ModelConfig`).
         share: under tensor parallelism, the rank's columns: ``gate_up`` then holds
             ``[2 * columns, hidden]`` (gate rows, then up rows), ``down`` ``[hidden,
             columns]``, and the output is this rank's float32 partial sum.
+        biases: gate_up and down have biases (gpt-oss's experts); under tensor parallelism
+            only rank 0's down adds its bias, so the all-reduced sum holds it once.
 
     ``forward`` takes ``[N, hidden_size]`` in the compute dtype and returns ``[N,
     hidden_size]`` in the compute dtype (float32 with a ``share``).
     """
 
-    def __init__(self, config: ModelConfig, share: TensorShare | None = None) -> None:
+    def __init__(self, config: ModelConfig, share: TensorShare | None = None,
+                 biases: bool = False) -> None:
         super().__init__()
         inter = share.num_columns if share else config.intermediate_size
-        self.gate_up = Linear(config.hidden_size, 2 * inter, bias=False)
-        self.down = Linear(inter, config.hidden_size, bias=False, partial=share is not None)
+        self.gate_up = Linear(config.hidden_size, 2 * inter, bias=biases)
+        self.down = Linear(inter, config.hidden_size, partial=share is not None,
+                           bias=biases and (share is None or share.rank == 0))
+        self.limit, self.alpha = config.swiglu_limit, config.swiglu_alpha
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = self.gate_up(x).chunk(2, dim=-1)
+        if self.limit:  # gpt-oss (transformers' GptOssExperts._apply_gate)
+            gate, up = gate.clamp(max=self.limit), up.clamp(-self.limit, self.limit)
+            return self.down((up + 1) * (gate * torch.sigmoid(gate * self.alpha)))
         return self.down(F.silu(gate) * up)
 
 
@@ -61,6 +73,7 @@ class MixtureOfExperts(nn.Module):
             dtype): a float32 GEMM sums in an order that depends on its number of rows
             (one row differs from two), a float64 one rounded to float32 does not, so a
             row is routed the same whatever rows are beside it.
+        router_bias: float64 ``[num_experts]`` (gpt-oss) or None.
         experts: ``num_experts`` :class:`MLP` (each of the share's columns only).
 
     ``forward`` takes ``[N, hidden_size]`` in the compute dtype and returns ``[N,
@@ -80,12 +93,15 @@ class MixtureOfExperts(nn.Module):
         self.partial = share is not None
         self.router = nn.Parameter(torch.empty(config.num_experts, config.hidden_size),
                                    requires_grad=False)
-        self.experts = nn.ModuleList(MLP(config, share) for _ in range(config.num_experts))
+        self.router_bias = nn.Parameter(torch.empty(config.num_experts), requires_grad=False
+                                        ) if config.expert_bias else None
+        self.experts = nn.ModuleList(MLP(config, share, biases=config.expert_bias)
+                                     for _ in range(config.num_experts))
 
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """The experts of each row and their weights: int64 ``[N, top_k]`` expert ids and
         float32 ``[N, top_k]`` weights, for hidden states ``x`` ``[N, hidden_size]``."""
-        logits = F.linear(x.double(), self.router).float()  # [N, num_experts]
+        logits = F.linear(x.double(), self.router, self.router_bias).float()  # [N, experts]
         probs = logits.softmax(dim=-1)
         weights, chosen = probs.topk(self.top_k, dim=-1)
         if self.norm_topk_prob:

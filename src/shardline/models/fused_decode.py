@@ -158,6 +158,9 @@ def refusal(shard: DecoderShard) -> str | None:
         return f"compute dtype {shard.dtype} on {shard.device.type} (bfloat16 on the CPU)"
     if shard.share is not None:
         return "a tensor-parallel share"
+    if (config.attention_sinks or config.sliding_window or config.output_bias
+            or config.expert_bias or config.swiglu_limit):
+        return "gpt-oss's attention sinks, sliding window, biases and clamped SwiGLU"
     sizes = (config.hidden_size, config.head_dim, config.intermediate_size)
     if any(size % 16 for size in sizes) or config.head_dim > MAX_HEAD_DIM:
         return f"hidden, head_dim, intermediate {sizes} (multiples of 16, head_dim <= 256)"

@@ -20,6 +20,10 @@ https://github.com/ggml-org/ggml/blob/master/docs/gguf.md):
 - Q5_K (256 = 8 x 32): as Q4_K plus 32 bytes of high bits.
 - Q6_K (256 = 16 groups of 16): 128 bytes low nibbles, 64 bytes of 2-bit highs, 16 int8
   group scales, f16 d; ``w = d * sc_j * (q - 32)``.
+- MXFP4 (32; OCP Microscaling Formats v1.0, as ggml stores it): an E8M0 exponent e, 16
+  bytes of 4-bit E2M1 codes; ``w = k * 2**(e - 128)`` where ``k`` is the code's doubled
+  E2M1 value (0, 1, 2, 3, 4, 6, 8, 12 and their negatives): an integer of -12..12 with a
+  power-of-two scale, held here as ``q = k + 16`` (5 bits), centre 16.
 
 In the low-nibble byte runs, byte ``i`` of a 32-byte (or 16-byte) run holds weight ``i``
 in its low nibble and weight ``i + 32`` (``i + 16``) in its high nibble.
@@ -202,6 +206,19 @@ def _unpack_q6_k(b):
     return q, scale, -32 * scale
 
 
+_MXFP4_VALUES = np.array([0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12], np.int8)
+
+
+def _unpack_mxfp4(b):
+    e = b[..., 0].astype(np.int32)
+    # 2**(e - 128) as float32 bits (e < 2: the subnormals 2**-128 and 2**-127)
+    bits = np.where(e < 2, np.uint32(0x00200000) << e.astype(np.uint32),
+                    (e - 1).astype(np.uint32) << np.uint32(23))
+    d = bits.astype(np.uint32).view(np.float32)
+    q = (_MXFP4_VALUES[_nibbles(b[..., 1:17], 16)] + 16).astype(np.uint8)
+    return q, d, -16 * d
+
+
 class GroupForm(NamedTuple):
     """The integer-group form a GGUF type unpacks to (see :class:`GroupQuant`)."""
 
@@ -220,6 +237,7 @@ _UNPACKERS = {
     "Q4_K": (256, 144, GroupForm(4, 32, None), _unpack_q4_k),
     "Q5_K": (256, 176, GroupForm(5, 32, None), _unpack_q5_k),
     "Q6_K": (256, 210, GroupForm(6, 16, 32), _unpack_q6_k),
+    "MXFP4": (32, 17, GroupForm(5, 32, 16), _unpack_mxfp4),
 }
 
 SUPPORTED_TYPES = tuple(_UNPACKERS)

@@ -147,7 +147,44 @@ def rope_inverse_frequencies(
         inv = torch.where(mid, (1 - smooth) * inv / factor + smooth * inv, scaled)
     elif kind == "linear":
         inv = inv / scaling["factor"]
+    elif kind == "yarn":
+        inv = _yarn_inverse_frequencies(config, scaling)
     return inv.float()
+
+
+def _yarn_inverse_frequencies(config: ModelConfig, scaling: dict) -> torch.Tensor:
+    """YaRN's inverse frequencies (Peng et al., 2023, "YaRN: Efficient Context Window
+    Extension of Large Language Models", as transformers' ``_compute_yarn_parameters``
+    computes them, in float32): interpolated by ``factor`` below the low-frequency edge,
+    kept above the high one, a linear ramp between."""
+    dim, base, factor = config.head_dim, config.rope_theta, scaling["factor"]
+    old_ctx = scaling["original_max_position_embeddings"]
+
+    def correction_dim(rotations: float) -> float:
+        return dim * math.log(old_ctx / (rotations * 2 * math.pi)) / (2 * math.log(base))
+
+    low = correction_dim(scaling.get("beta_fast") or 32.0)
+    high = correction_dim(scaling.get("beta_slow") or 1.0)
+    if scaling.get("truncate", True):
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, dim - 1)
+    if low == high:
+        high += 0.001
+    ramp = ((torch.arange(dim // 2, dtype=torch.float32) - low) / (high - low)).clamp(0, 1)
+    pos_freqs = base ** (torch.arange(0, dim, 2, dtype=torch.float32) / dim)
+    extrapolation = 1 - ramp
+    return (1.0 / (factor * pos_freqs)) * (1 - extrapolation) + (1.0 / pos_freqs) * extrapolation
+
+
+def rope_attention_factor(config: ModelConfig) -> float:
+    """The factor YaRN scales cos and sin by (``0.1 ln(factor) + 1``; 1 without YaRN)."""
+    scaling = config.rope_scaling or {}
+    if (scaling.get("rope_type") or scaling.get("type")) != "yarn":
+        return 1.0
+    if scaling.get("attention_factor"):
+        return float(scaling["attention_factor"])
+    factor = scaling["factor"]
+    return 1.0 if factor <= 1 else 0.1 * math.log(factor) + 1.0
 
 
 class Attention(nn.Module):
@@ -166,7 +203,8 @@ class Attention(nn.Module):
     q_index: torch.Tensor | None  # buffers (see __init__)
     out_index: torch.Tensor | None
 
-    def __init__(self, config: ModelConfig, share: TensorShare | None = None) -> None:
+    def __init__(self, config: ModelConfig, share: TensorShare | None = None,
+                 window: int = 0) -> None:
         super().__init__()
         self.num_heads = share.num_heads if share else config.num_heads
         self.num_kv_heads = share.num_kv_heads if share else config.num_kv_heads
@@ -174,7 +212,11 @@ class Attention(nn.Module):
         q_out = self.num_heads * config.head_dim
         kv_out = self.num_kv_heads * config.head_dim
         self.qkv = Linear(config.hidden_size, q_out + 2 * kv_out, bias=config.attention_bias)
-        self.o = Linear(q_out, config.hidden_size, bias=False, partial=share is not None)
+        self.o = Linear(q_out, config.hidden_size, partial=share is not None,
+                        bias=config.output_bias and (share is None or share.rank == 0))
+        self.window = window
+        self.sinks = nn.Parameter(torch.empty(self.num_heads), requires_grad=False
+                                  ) if config.attention_sinks else None
         self.q_norm = RMSNorm(config.head_dim, config.rms_norm_eps) if config.qk_norm else None
         self.k_norm = RMSNorm(config.head_dim, config.rms_norm_eps) if config.qk_norm else None
         self.split = (q_out, kv_out, kv_out)
@@ -204,7 +246,12 @@ class Attention(nn.Module):
             q = q.index_select(1, self.q_index)  # [n, attn_heads, hd]
         attn_heads = self.attn_heads
 
-        if batch.ring is not None:
+        if self.sinks is not None or self.window:
+            if batch.ring is not None or batch.key_mask is not None:
+                raise ValueError("attention sinks and sliding windows run neither ring "
+                                 "prefill nor fixed-shape decode steps")
+            out = self._windowed(q, k, v, batch, k_cache, v_cache)
+        elif batch.ring is not None:
             out = batch.ring.attend(q, k, v, k_cache, v_cache).view(n, attn_heads, hd)
         elif batch.prefill:
             slot, start = batch.slot, batch.start
@@ -243,6 +290,65 @@ class Attention(nn.Module):
             out = out.index_select(1, self.out_index)
         return self.o(out.reshape(n, heads * hd))
 
+    def _windowed(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, batch: ForwardBatch,
+                  k_cache: torch.Tensor, v_cache: torch.Tensor) -> torch.Tensor:
+        """Attention with gpt-oss's sinks and sliding window (transformers' eager
+        ``GptOssAttention``), each row over its own keys: the rows' keys and values
+        written, then for each sequence (a prefill chunk is one) its queries ``[n, heads,
+        hd]`` against the positions each may see, in float32, blocks of
+        :data:`WINDOWED_QUERY_BLOCK` queries at a time. Returns ``[n, attn_heads, hd]``."""
+        if batch.prefill:
+            slot, start, n = batch.slot, batch.start, len(q)
+            k_cache[slot, :, start : start + n] = k.transpose(0, 1)
+            v_cache[slot, :, start : start + n] = v.transpose(0, 1)
+            spans = [(slot, start, 0, n)]
+        else:
+            k_cache[batch.slots, :, batch.positions] = k
+            v_cache[batch.slots, :, batch.positions] = v
+            spans = [(slot, length - 1, i, i + 1) for i, (slot, length) in enumerate(batch.rows)]
+        sinks = None
+        if self.sinks is not None:
+            sinks = self.sinks if self.q_index is None else self.sinks.index_select(0, self.q_index)
+        outs = []
+        for slot, first, a, b in spans:
+            for lo in range(a, b, WINDOWED_QUERY_BLOCK):
+                hi = min(b, lo + WINDOWED_QUERY_BLOCK)
+                positions = torch.arange(first + lo - a, first + hi - a, device=q.device)
+                begin = max(0, int(positions[0]) - self.window + 1) if self.window else 0
+                end = int(positions[-1]) + 1
+                keys = torch.arange(begin, end, device=q.device)
+                seen = keys[None, :] <= positions[:, None]
+                if self.window:
+                    seen &= keys[None, :] > positions[:, None] - self.window
+                outs.append(_sink_attention(q[lo:hi], k_cache[slot, :, begin:end],
+                                            v_cache[slot, :, begin:end], seen, sinks))
+        return torch.cat(outs) if len(outs) > 1 else outs[0]
+
+
+WINDOWED_QUERY_BLOCK = 64
+"""Queries of a prefill chunk attended at a time by :meth:`Attention._windowed` (bounding
+its float32 scores to ``heads x 64 x keys``)."""
+
+
+def _sink_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, seen: torch.Tensor,
+                    sinks: torch.Tensor | None) -> torch.Tensor:
+    """Softmax attention of queries ``q`` ``[n, heads, hd]`` over keys and values ``k``,
+    ``v`` ``[kv_heads, S, hd]`` where bool ``seen`` ``[n, S]`` is True, with float32
+    ``sinks`` ``[heads]`` (a logit per head that joins each query's softmax and is
+    dropped: its weight goes to no value) or None; computed in float32, returned
+    ``[n, heads, hd]`` in ``q``'s dtype. Query head h reads KV head ``h // (heads //
+    kv_heads)``."""
+    n, heads, hd = q.shape
+    group = heads // k.shape[0]
+    keys = k.float().repeat_interleave(group, 0)  # [heads, S, hd]
+    values = v.float().repeat_interleave(group, 0)
+    scores = torch.matmul(q.float().transpose(0, 1), keys.transpose(1, 2)) * hd ** -0.5
+    scores = scores.masked_fill(~seen, float("-inf"))  # [heads, n, S]
+    if sinks is not None:
+        scores = torch.cat((scores, sinks.float()[:, None, None].expand(heads, n, 1)), dim=-1)
+    probs = scores.softmax(dim=-1)[..., : keys.shape[1]]
+    return torch.matmul(probs, values).transpose(0, 1).to(q.dtype)
+
 
 class DecoderLayer(nn.Module):
     """Pre-norm transformer block: x + attn(norm(x)), then x + mlp(norm(x)).
@@ -253,10 +359,11 @@ class DecoderLayer(nn.Module):
     compute dtype once, as the one-rank layer rounds its whole output once.
     """
 
-    def __init__(self, config: ModelConfig, share: TensorShare | None = None) -> None:
+    def __init__(self, config: ModelConfig, share: TensorShare | None = None,
+                 layer: int = 0) -> None:
         super().__init__()
         self.attn_norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.attn = Attention(config, share)
+        self.attn = Attention(config, share, window=config.window_of(layer))
         self.mlp_norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.mlp: MLP | MixtureOfExperts = (MixtureOfExperts(config, share) if config.is_moe
                                             else MLP(config, share))
@@ -332,7 +439,7 @@ class DecoderShard(nn.Module):
         self.is_last = layer_end == config.num_layers
         self.embed = Embedding() if self.is_first else None
         self.layers = nn.ModuleList(
-            DecoderLayer(config, share) for _ in range(layer_end - layer_start)
+            DecoderLayer(config, share, layer) for layer in range(layer_start, layer_end)
         )
         self.norm: RMSNorm | None = None
         self.lm_head: Linear | None = None
@@ -342,6 +449,7 @@ class DecoderShard(nn.Module):
         self.register_buffer(
             "inv_freq", rope_inverse_frequencies(config, rope_freq_factors), persistent=False
         )
+        self.rope_factor = rope_attention_factor(config)
 
     @property
     def num_kv_heads(self) -> int:
@@ -429,8 +537,11 @@ class DecoderShard(nn.Module):
         """RoPE tables for int64 ``positions [N]``: cos and sin ``[N, 1, head_dim]`` in the
         compute dtype, the first half of sin negated (see :class:`ForwardBatch`)."""
         freqs = positions.float().unsqueeze(1) * self.inv_freq.unsqueeze(0)  # [N, hd/2]
-        cos = torch.cat((freqs.cos(), freqs.cos()), dim=-1)
-        sin = torch.cat((-freqs.sin(), freqs.sin()), dim=-1)
+        cos, sin = freqs.cos(), freqs.sin()
+        if self.rope_factor != 1.0:  # YaRN's attention factor
+            cos, sin = cos * self.rope_factor, sin * self.rope_factor
+        cos = torch.cat((cos, cos), dim=-1)
+        sin = torch.cat((-sin, sin), dim=-1)
         return cos.unsqueeze(1).to(self.dtype), sin.unsqueeze(1).to(self.dtype)
 
     @torch.inference_mode()

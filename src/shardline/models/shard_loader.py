@@ -166,6 +166,11 @@ def shard_tensors(
             raise WeightFormatError(f"layer {layer} router {router!r} has shape "
                                     f"{source.shape(router)}, expected {(config.num_experts, d)}")
         yield p + "mlp.router", source.read(router).float()
+        if config.expert_bias:
+            yield p + "mlp.router_bias", source.read(router.removesuffix(".weight") + ".bias").float()
+            biases = {part: source.read(source.expert_bias_tensor(layer, part)).float()
+                      for part in ("gate", "up", "down")}  # [experts, rows], small
+            c0, c1 = share.columns if share else (0, inter)
         for e in range(config.num_experts):
             def expert(part: str, shape: tuple[int, int], rows: Span = None,
                        cols: Span = None) -> Part:
@@ -180,6 +185,10 @@ def shard_tensors(
             yield q + "gate_up", _stack([expert("gate", (inter, d), col_span),
                                          expert("up", (inter, d), col_span)])
             yield q + "down", [expert("down", (d, inter), cols=col_span)]
+            if config.expert_bias:
+                yield q + "gate_up.bias", torch.cat((biases["gate"][e, c0:c1], biases["up"][e, c0:c1]))
+                if share is None or share.rank == 0:  # added once
+                    yield q + "down.bias", biases["down"][e]
 
     if layer_start == 0:
         yield "embed", [row_blocks("embedding", "embed", (config.vocab_size, d))]
@@ -200,6 +209,10 @@ def shard_tensors(
                 kb = kb[torch.from_numpy(_unpermute_index(kv_heads * hd, kv_heads))]
             yield p + "attn.qkv.bias", torch.cat((qb, kb, vb))
         yield p + "attn.o", [weight(f"layer {layer} o", layer, "o", (d, q_rows), cols=q_span)]
+        if config.output_bias and (share is None or share.rank == 0):  # added once
+            yield p + "attn.o.bias", vector(layer, "o_bias")
+        if config.attention_sinks:
+            yield p + "attn.sinks", vector(layer, "sinks", q_span and (q_span[0] // hd, q_span[1] // hd))
         if config.qk_norm:
             yield p + "attn.q_norm.weight", vector(layer, "q_norm")
             yield p + "attn.k_norm.weight", vector(layer, "k_norm")
@@ -219,6 +232,12 @@ def shard_tensors(
         if not (tied and layer_start == 0):  # a tied head on the first shard reuses embed
             yield "lm_head", [row_blocks("LM head", "embed" if tied else "head",
                                          (config.vocab_size, d))]
+
+
+_DENSE_DTYPES = {"router": torch.float64, "router_bias": torch.float64, "sinks": torch.float32}
+"""Parameters held in their own dtype, not the compute dtype (see
+:class:`~shardline.models.feed_forward.MixtureOfExperts`; attention sinks are logits that
+join a float32 softmax)."""
 
 
 def load_shard(
@@ -318,9 +337,8 @@ def _build_shard(
     modules = dict(shard.named_modules())
     dense: dict[str, torch.Tensor] = {}
     for name, value in shard_tensors(source, layer_start, layer_end, share=share, head=head):
-        if isinstance(value, torch.Tensor):  # a norm, a bias, an MoE router (float64)
-            dense[name] = value.to(device=device,
-                                   dtype=torch.float64 if name.endswith(".router") else dtype)
+        if isinstance(value, torch.Tensor):  # a norm, a bias, sinks, an MoE router
+            dense[name] = value.to(device=device, dtype=_DENSE_DTYPES.get(name.rsplit(".", 1)[-1], dtype))
             continue
         if name == "embed":
             assert shard.embed is not None and (shard.lm_head is not None or not tied_here)

@@ -76,7 +76,13 @@ class WeightSource:
         raise NotImplementedError
 
     def router_tensor(self, layer: int) -> str:
-        """The name of ``layer``'s router weight ``[experts, hidden]``."""
+        """The name of ``layer``'s router weight ``[experts, hidden]`` (its bias, where the
+        model has one: the same name ending ``.bias``)."""
+        raise NotImplementedError
+
+    def expert_bias_tensor(self, layer: int, part: str) -> str:
+        """The name of ``layer``'s biases of every expert's ``part`` ("gate", "up" or
+        "down"): ``[experts, rows]``."""
         raise NotImplementedError
 
     def shape(self, name: str, expert: int | None = None) -> tuple[int, ...]:
@@ -149,10 +155,14 @@ class GGUFSource(WeightSource):
         "q_bias": "attn_q.bias", "k_bias": "attn_k.bias", "v_bias": "attn_v.bias",
         "o": "attn_output.weight", "q_norm": "attn_q_norm.weight", "k_norm": "attn_k_norm.weight",
         "gate": "ffn_gate.weight", "up": "ffn_up.weight", "down": "ffn_down.weight",
+        "o_bias": "attn_output.bias", "sinks": "attn_sinks.weight",
     }
 
     def expert_tensor(self, layer: int, part: str, expert: int) -> tuple[str, int | None]:
         return f"blk.{layer}.ffn_{part}_exps.weight", expert
+
+    def expert_bias_tensor(self, layer: int, part: str) -> str:
+        return f"blk.{layer}.ffn_{part}_exps.bias"
 
     def router_tensor(self, layer: int) -> str:
         return f"blk.{layer}.ffn_gate_inp.weight"
@@ -163,6 +173,8 @@ class GGUFSource(WeightSource):
         self.reader, self.metadata = open_gguf(self.path)
         self._tensors = {t.name: t for t in self.reader.tensors}
         self.config = gguf_config(self.reader, self.metadata)
+        if self.config.architecture == "gpt-oss":  # llama.cpp names its second norm so
+            self.LAYER_NAMES = dict(self.LAYER_NAMES, mlp_norm="post_attention_norm.weight")
         if "rope_freqs.weight" in self._tensors:
             self.rope_freq_factors = self.read("rope_freqs.weight").float()
 

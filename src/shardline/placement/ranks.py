@@ -286,6 +286,9 @@ def _place(config: ModelConfig, sharding: Sharding, nodes: list[NodeCapacity], k
                                   admit=admit, fixed_bytes=fixed)
         return [RankShare(0, layers, share) for share in shares]
     if sharding == Sharding.RING:
+        if config.attention_sinks or config.sliding_window:
+            raise PlacementError(f"ring sharding does not run {config.architecture}'s attention "
+                                 "(sinks, sliding window) yet: place it as pipeline or tensor")
         weights = _ring_weights(config, weight_bytes, vocab_bytes) + fixed
         ring_admission(nodes, weights, kv_cache, _ring_working(config, len(nodes), kv_bytes), admit)
         return [RankShare(0, layers) for _ in nodes]
