@@ -21,9 +21,10 @@ enough (``m``, 1 to :data:`MAX_ORDER` tokens) to tell the next token apart from 
 of its script (:func:`script_rules`). Anything else (a prompt that does not end with the
 generation prompt) is answered with the end of the turn at once.
 
-The model is Qwen2's architecture, one layer, written as float32 safetensors with the real
+The model is Qwen2's architecture, one layer, written as bfloat16 safetensors (~50 MB, most
+of it the embedding and the LM head over the 49,156-token vocabulary) with the real
 SmolLM2 tokenizer and tests/tiny_chat.py's ``"qwen"`` chat template, so shardline serves it
-as any Qwen2 checkpoint (in bfloat16; the margins below hold there). The tokenizer has
+as any Qwen2 checkpoint (in bfloat16, which the margins below allow for). The tokenizer has
 Qwen2.5's tool markers as single tokens: ``<tool_call>`` and ``</tool_call>`` special
 (ids 49152, 49153: :data:`tiny_chat.MARKER_TOKENS`, so the output keeps them and
 shardline's parser reads the call as Qwen2.5's), ``<tool_response>`` and
@@ -270,6 +271,6 @@ def write_scripted_model(directory: Path, first: str, after_result: str = "Done.
             model.lm_head.weight[token, block(0) + s] = W_TOKEN
         model.lm_head.weight[END_OF_TURN, 0] = W_END
     ends = (directory / "generation_config.json").read_text()  # the tokenizer's: the end tokens
-    save_hf(model, directory)
+    save_hf(model.to(torch.bfloat16), directory)
     (directory / "generation_config.json").write_text(ends)  # save_pretrained wrote its own
     return directory
