@@ -22,15 +22,26 @@ How each connection's (interactive) command is run non-interactively, on :data:`
 - aider: the command, then ``--message PROMPT --yes-always --no-git --no-check-update
   --no-show-model-warnings --analytics-disable --no-pretty --no-fancy-input``
 - llm: the command with PROMPT in place of its example prompt
+
+Then each does a task (:data:`TASKS`): it creates hello.txt with its own tool (aider: with
+its edit format), the way a user's agent does work. The node serves, for each client, a
+scripted model (tests/scripted_model.py) that calls the client's file-writing tool with
+arguments the test chose, and answers "Done." once the tool's result is back; with the
+permission setting a non-interactive run needs (``--permission-mode acceptEdits`` for
+Claude Code, ``--sandbox workspace-write`` for Codex: docs/clients/), the client runs the
+tool, sends its result, prints the answer and exits 0, and the file is there.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
 from agents import QUIET, install, run_client
 from conftest import free_port_block
+from scripted_model import tool_call_text, write_scripted_model
 from tiny_chat import SAYS_WORD, write_tiny_chat_model
 
 from shardline.connect import CLIENTS, Connection, connection
@@ -55,10 +66,20 @@ arguments, written as a bare JSON object (a form Qwen2.5 falls back to under
 are all different, as a ``says`` model needs."""
 
 
+@dataclass
+class Node:
+    """The module's node: its URL, its log folder (and its models' folder under it), and
+    its cluster, to place more models on."""
+
+    url: str
+    root: Path
+    cluster: LocalCluster
+
+
 @pytest.fixture(scope="module")
 def node(tmp_path_factory, request):
-    """A node's URL and log folder, serving :data:`MODEL` (says :data:`WORD`) and
-    :data:`CALLER` (says :data:`CALL`)."""
+    """The node, serving :data:`MODEL` (says :data:`WORD`) and :data:`CALLER` (says
+    :data:`CALL`)."""
     from shardline.models.store import default_model_path
     from shardline.models.tokenizer import Tokenizer
 
@@ -72,7 +93,7 @@ def node(tmp_path_factory, request):
     try:
         cluster.place(str(root / "models" / MODEL), "pipeline", context=CONTEXT, max_batch=2)
         cluster.place(str(root / "models" / CALLER), "pipeline", context=4096, max_batch=2)
-        yield cluster.url(0), root
+        yield Node(cluster.url(0), root, cluster)
     finally:
         cluster.stop()
         capture = request.config.pluginmanager.get_plugin("capturemanager")
@@ -120,9 +141,9 @@ def test_an_agent_runs_against_a_node_with_the_connect_settings(client, node, tm
     prints, sends its real requests (8-19 thousand tokens of system prompt and tools,
     streamed) to the node, gets the model's answer, prints it and exits 0 without a
     traceback."""
-    url, log_dir = node
+    log_dir = node.root
     bin_dir = install(client)
-    conn, home, project = _setup(client, url, tmp_path)
+    conn, home, project = _setup(client, node.url, tmp_path)
     run = run_client(NON_INTERACTIVE[client](list(conn.command)), bin_dir, {**QUIET[client], **conn.env},
                      home, project, CLIENT_TIMEOUT_S)
     WALL[client] = run.wall_s
@@ -145,9 +166,9 @@ def test_llm_runs_the_tool_the_model_calls(node, tmp_path):
     file is written) and sends the result back with the conversation, which the node
     renders and answers again. :data:`CALLER` cannot read the result, so it calls again
     each time, until llm's chain limit (5 responses) ends the run with exit status 1."""
-    url, log_dir = node
+    log_dir = node.root
     bin_dir = install("llm")
-    conn, home, project = _setup("llm", url, tmp_path, CALLER, 4096)
+    conn, home, project = _setup("llm", node.url, tmp_path, CALLER, 4096)
     argv = [*conn.command[:-1], "--functions", HELLO, "--tools-debug", "Create hello.txt"]
     run = run_client(argv, bin_dir, {**QUIET["llm"], **conn.env}, home, project, CLIENT_TIMEOUT_S)
     WALL["llm tool round trip"] = run.wall_s
@@ -157,3 +178,68 @@ def test_llm_runs_the_tool_the_model_calls(node, tmp_path):
     assert output.count("Tool call: hello({})") == 4 and "Chain limit of 5 exceeded" in output, \
         _failure("llm", run, log_dir)
     assert "Traceback" not in output, _failure("llm", run, log_dir)
+
+
+TASK_CONTEXT = 32768
+AFTER_RESULT = "Done."
+
+
+@dataclass(frozen=True)
+class Task:
+    """A client's task of creating hello.txt with what it edits files by: what the model
+    writes first (given the project folder), the client's command run on PROMPT (with the
+    setting that lets it write without asking), what the file holds after, and what the
+    client prints."""
+
+    first: Callable[[Path], str]
+    argv: Callable[[list[str]], list[str]]
+    content: str
+    prints: str = AFTER_RESULT
+
+
+TASKS = {
+    "claude": Task(lambda project: tool_call_text("Write", {"file_path": str(project / "hello.txt"), "content": "hi"}),
+                   lambda command: [*command, "-p", PROMPT, "--permission-mode", "acceptEdits"], "hi"),
+    "codex": Task(lambda project: tool_call_text("exec_command", {"cmd": "echo hi > hello.txt"}),
+                  lambda command: [*command, "exec", "--skip-git-repo-check", "--sandbox", "workspace-write", PROMPT],
+                  "hi\n"),
+    "opencode": Task(lambda project: tool_call_text("write", {"filePath": str(project / "hello.txt"), "content": "hi"}),
+                     NON_INTERACTIVE["opencode"], "hi"),
+    "aider": Task(lambda project: "hello.txt\n```\nhi\n```", NON_INTERACTIVE["aider"], "hi\n",
+                  "Applied edit to hello.txt"),
+    "llm": Task(lambda project: tool_call_text("hello", {}),
+                lambda command: [*command[:-1], "--functions", HELLO, PROMPT], "hi"),
+}
+"""Each agent's task. Claude Code's ``Write`` and opencode's ``write`` take an absolute path;
+Codex's ``exec_command`` runs a shell command in the project folder (which ``codex exec``'s
+default read-only sandbox would refuse to write); aider has no tools: it writes the files
+the model lists in its "whole" edit format (a file name, then the content fenced); llm
+runs the Python function :data:`HELLO` it is given."""
+
+
+@pytest.mark.parametrize("client", TASKS)
+def test_an_agent_creates_a_file(client, node, tmp_path):
+    """A task through a real client. The node serves a scripted model
+    (tests/scripted_model.py) that answers the client's first request with a call of the
+    client's own file-writing tool (Claude Code's ``Write``, opencode's ``write``,
+    Codex's ``exec_command``; tool_choice auto; the call written as Qwen2.5 writes one,
+    after its ``<tool_call>`` token), and once the tool's result is in the prompt answers
+    :data:`AFTER_RESULT` and ends. The client runs the tool (the file is there, with its
+    content), sends the result back, prints the answer and exits 0. llm's tool is the
+    Python function :data:`HELLO`; aider's model answers a file listing, which aider
+    writes."""
+    task = TASKS[client]
+    bin_dir = install(client)
+    model = f"task-{client}"
+    conn, home, project = _setup(client, node.url, tmp_path, model, TASK_CONTEXT)
+    write_scripted_model(node.root / "models" / model, task.first(project), AFTER_RESULT, context=TASK_CONTEXT)
+    node.cluster.place(str(node.root / "models" / model), "pipeline", context=TASK_CONTEXT, max_batch=2)
+    run = run_client(task.argv(list(conn.command)), bin_dir, {**QUIET[client], **conn.env}, home, project,
+                     CLIENT_TIMEOUT_S)
+    WALL[f"{client} task"] = run.wall_s
+    failure = _failure(client, run, node.root)
+    assert run.returncode == 0, failure
+    assert (project / "hello.txt").exists(), failure
+    assert (project / "hello.txt").read_text() == task.content, failure
+    assert task.prints in run.stdout, failure
+    assert "Traceback" not in run.stdout + run.stderr, failure

@@ -5,7 +5,10 @@ forced: ``tool_choice`` required or named, which constrained decoding turns into
 well-formed call in the family's format; the rest checks that the call is parsed out of the
 text, and that results go back through the template. A third model has ``<tool_call>`` and
 ``</tool_call>`` as special tokens, as Qwen2.5's vocabulary has them: forced calls on each
-API are calls there too."""
+API are calls there too. A fourth, scripted (tests/scripted_model.py), calls a tool of its
+own accord under ``tool_choice`` auto, as Qwen2.5 writes calls (after its ``<tool_call>``
+token), and answers the tool's result with text: the round trip an agent makes, on each
+API, streamed."""
 
 from __future__ import annotations
 
@@ -17,6 +20,7 @@ import ollama
 import openai
 import pytest
 from conftest import free_port_block
+from scripted_model import tool_call_text, write_scripted_model
 from tiny_chat import write_tiny_chat_model
 
 from shardline.api.structured import matches_schema
@@ -33,21 +37,27 @@ TIME = {"type": "function", "function": {
     "parameters": {"type": "object", "properties": {"zone": {"type": "string", "enum": ["UTC", "CET"]}},
                    "required": ["zone"], "additionalProperties": False}}}
 ASK = [{"role": "user", "content": "What is the weather in Paris?"}]
+SCRIPTED = "scripted"
+SCRIPTED_CALL = {"city": "Paris, \"FR\""}
+"""The arguments :data:`SCRIPTED` calls ``get_weather`` with (escaped quotes included); it
+answers "Done." once a tool result is in the prompt."""
 
 
 @pytest.fixture(scope="module")
 def url(tmp_path_factory):
-    """One node serving the tiny chat models (their ids: "qwen", "llama", and "qwen-tokens",
-    whose call markers are special tokens)."""
+    """One node serving the tiny chat models (their ids: "qwen", "llama", "qwen-tokens",
+    whose call markers are special tokens, and :data:`SCRIPTED`)."""
     root = tmp_path_factory.mktemp("tools")
     for style in STYLES:
         write_tiny_chat_model(root / "models" / style, style)
     write_tiny_chat_model(root / "models" / MARKED, "qwen", marker_tokens=True)
+    write_scripted_model(root / "models" / SCRIPTED, tool_call_text("get_weather", SCRIPTED_CALL), "Done.",
+                         context=4096)
     cluster = LocalCluster(nodes=1, base_port=free_port_block(1), runner_threads=1, log_dir=str(root),
                            data_dir=str(root), model_dirs=[root / "models"])
     cluster.start()
     try:
-        for style in (*STYLES, MARKED):
+        for style in (*STYLES, MARKED, SCRIPTED):
             cluster.place(str(root / "models" / style), "pipeline")
         yield cluster.url(0)
     finally:
@@ -220,3 +230,59 @@ def test_forced_calls_are_calls_where_the_markers_are_special_tokens(url):
         [item] = response.output
         assert item.type == "function_call" and item.name == "get_weather", response.output
         assert matches_schema(json.loads(item.arguments), schema)
+
+
+def test_a_call_the_model_chooses_and_its_result_on_each_api(url):
+    """tool_choice auto (each API's default), streamed, at temperature 1: the scripted
+    model's call, opened by the ``<tool_call>`` token, is a call with its arguments as
+    written; the history with the tool's result gets the text answer, ending the turn."""
+    chat = openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0)
+    deltas = [c for chunk in chat.chat.completions.create(model=SCRIPTED, messages=ASK, tools=[WEATHER, TIME],
+                                                          stream=True, temperature=1)
+              for c in chunk.choices]
+    calls = [call for c in deltas for call in c.delta.tool_calls or []]
+    assert not "".join(c.delta.content or "" for c in deltas) and deltas[-1].finish_reason == "tool_calls"
+    [call] = calls
+    assert call.function.name == "get_weather" and json.loads(call.function.arguments) == SCRIPTED_CALL
+    history = [*ASK, {"role": "assistant", "content": None, "tool_calls": [
+        {"id": call.id, "type": "function", "function": {"name": "get_weather", "arguments": call.function.arguments}}]},
+        {"role": "tool", "tool_call_id": call.id, "content": "Sunny"}]
+    deltas = [c for chunk in chat.chat.completions.create(model=SCRIPTED, messages=history, tools=[WEATHER, TIME],
+                                                          stream=True, temperature=1)
+              for c in chunk.choices]
+    assert "".join(c.delta.content or "" for c in deltas) == "Done." and deltas[-1].finish_reason == "stop"
+
+    messages = anthropic.Anthropic(base_url=url, api_key="unused", max_retries=0)
+    tool = {"name": "get_weather", "description": "The weather in a city now.",
+            "input_schema": WEATHER["function"]["parameters"]}
+    with messages.messages.stream(model=SCRIPTED, max_tokens=200, messages=ASK, tools=[tool]) as stream:
+        first = stream.get_final_message()
+    assert first.stop_reason == "tool_use" and [b.type for b in first.content] == ["tool_use"], first
+    use = first.content[0]
+    assert use.name == "get_weather" and use.input == SCRIPTED_CALL
+    history = [*ASK, {"role": "assistant", "content": [use.model_dump()]},
+               {"role": "user", "content": [{"type": "tool_result", "tool_use_id": use.id, "content": "Sunny"}]}]
+    with messages.messages.stream(model=SCRIPTED, max_tokens=200, messages=history, tools=[tool]) as stream:
+        answer = stream.get_final_message()
+    assert answer.stop_reason == "end_turn" and [(b.type, b.text) for b in answer.content] == [("text", "Done.")]
+
+    function = {"type": "function", **WEATHER["function"]}
+    with chat.responses.stream(model=SCRIPTED, input="What is the weather in Paris?", tools=[function]) as stream:
+        response = stream.get_final_response()
+    [item] = response.output
+    assert item.type == "function_call" and item.name == "get_weather", response.output
+    assert json.loads(item.arguments) == SCRIPTED_CALL
+    with chat.responses.stream(model=SCRIPTED, previous_response_id=response.id, tools=[function], input=[
+            {"type": "function_call_output", "call_id": item.call_id, "output": "Sunny"}]) as stream:
+        answer = stream.get_final_response()
+    assert answer.status == "completed" and answer.output_text == "Done."
+
+    client = ollama.Client(host=url)
+    parts = list(client.chat(model=SCRIPTED, messages=ASK, tools=[WEATHER], stream=True))
+    [called] = [c for p in parts for c in p.message.tool_calls or []]
+    assert called.function.name == "get_weather" and called.function.arguments == SCRIPTED_CALL
+    assert not "".join(p.message.content or "" for p in parts)
+    history = [*ASK, {"role": "assistant", "content": "", "tool_calls": [called.model_dump()]},
+               {"role": "tool", "tool_name": "get_weather", "content": "Sunny"}]
+    parts = list(client.chat(model=SCRIPTED, messages=history, tools=[WEATHER], stream=True))
+    assert "".join(p.message.content or "" for p in parts) == "Done." and parts[-1].done_reason == "stop"
