@@ -18,6 +18,8 @@ from typing import TYPE_CHECKING, Any
 
 from fastapi import Request
 
+from shardline.api.harmony import MARKERS as HARMONY_MARKERS
+from shardline.api.harmony import HarmonySplitter
 from shardline.api.heartbeat import Heartbeat, with_heartbeats
 from shardline.api.logprobs import HeldLogprobs, TokenLogprob, token_logprob
 from shardline.api.reasoning import THINK_CLOSE, ReasoningSplitter, prompt_opens_thinking
@@ -36,6 +38,7 @@ from shardline.models.tokenizer import (
     THINK_OPEN,
     IncrementalDetokenizer,
     Tokenizer,
+    template_is_harmony,
 )
 from shardline.node.node import Node
 from shardline.node.table import Instance, InstanceFailedError
@@ -245,8 +248,10 @@ class Generation:
         # the call markers and thinking markers that are special tokens stay in the text,
         # for the call parser and the reasoning splitter
         keep = list(marker_tokens(tokenizer, self.tool_format).values()) if req.offers_tools else []
+        self.harmony = self.reasons and template_is_harmony(tokenizer.chat_template)
         if self.reasons:
-            keep += [i for marker in (THINK_OPEN, THINK_CLOSE) if (i := tokenizer.added_token_id(marker)) is not None]
+            markers = HARMONY_MARKERS if self.harmony else (THINK_OPEN, THINK_CLOSE)
+            keep += [i for marker in markers if (i := tokenizer.added_token_id(marker)) is not None]
         self.detokenizer = IncrementalDetokenizer(tokenizer, keep=keep)
         self.stops = StopMatcher(req.stop)
         self.completion_tokens = 0
@@ -283,7 +288,9 @@ class Generation:
         held = HeldLogprobs()
         parser = (ToolCallParser(self.tool_format, tool_names(self.req.tools), strict_schemas(self.req.tools))
                   if self.req.offers_tools else None)
-        splitter = ReasoningSplitter(self._starts_thinking()) if self.reasons else None
+        splitter: ReasoningSplitter | HarmonySplitter | None = None
+        if self.reasons:
+            splitter = HarmonySplitter() if self.harmony else ReasoningSplitter(self._starts_thinking())
         try:
             async for event in events:
                 if isinstance(event, Heartbeat):

@@ -68,7 +68,10 @@ class TextPart(BaseModel):
 class ChatMessage(BaseModel):
     """A message: its text (a string or text parts), an assistant's ``tool_calls``
     (``[{id, type: "function", function: {name, arguments: JSON text}}]``) and a tool
-    result's ``tool_call_id``."""
+    result's ``tool_call_id``. An assistant's earlier reasoning, as this server and vLLM
+    send it (``reasoning_content``, or ``reasoning`` as OpenRouter names it), is accepted
+    back and given to the chat template as ``reasoning_content`` and ``thinking`` (the
+    names Qwen3's and gpt-oss's templates read; most templates leave it out)."""
 
     model_config = ConfigDict(extra="forbid")
     role: Literal["system", "developer", "user", "assistant", "tool"]
@@ -77,6 +80,8 @@ class ChatMessage(BaseModel):
     tool_calls: list[dict[str, Any]] | None = None
     tool_call_id: str | None = None
     refusal: str | None = None
+    reasoning_content: str | None = None
+    reasoning: str | None = None
 
     @field_validator("content")
     @classmethod
@@ -97,6 +102,9 @@ class ChatMessage(BaseModel):
             out["tool_call_id"] = self.tool_call_id
         if self.name is not None:
             out["name"] = self.name
+        reasoning = self.reasoning_content or self.reasoning
+        if reasoning and self.role == "assistant":
+            out["reasoning_content"] = out["thinking"] = reasoning
         return out
 
     def text(self) -> str:

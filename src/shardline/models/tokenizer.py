@@ -30,8 +30,15 @@ THINK_OPEN = "<think>"
 
 def template_reasons(template: str | None) -> bool:
     """Whether the model of chat template ``template`` reasons before it answers: the
-    template writes :data:`THINK_OPEN` (Qwen3, QwQ, DeepSeek-R1 distills)."""
-    return THINK_OPEN in (template or "")
+    template writes :data:`THINK_OPEN` (Qwen3, QwQ, DeepSeek-R1 distills) or harmony
+    messages (gpt-oss: :func:`template_is_harmony`)."""
+    return THINK_OPEN in (template or "") or template_is_harmony(template)
+
+
+def template_is_harmony(template: str | None) -> bool:
+    """Whether chat template ``template`` writes OpenAI's harmony messages (gpt-oss's:
+    ``<|channel|>`` and ``<|message|>``; :mod:`shardline.api.harmony` reads them)."""
+    return "<|channel|>" in (template or "") and "<|message|>" in (template or "")
 
 
 class ChatTemplateError(ValueError):
@@ -69,8 +76,10 @@ class Tokenizer:
                 ids.add(eos)
             elif isinstance(eos, list):
                 ids.update(int(e) for e in eos)
-        # Chat models end a turn with these even where the declared EOS is another token.
-        for token in ("<|im_end|>", "<|eot_id|>"):
+        # Chat models end a turn with these even where the declared EOS is another token
+        # (gpt-oss: <|return|> after its answer, <|call|> after a tool call; its <|end|>
+        # ends a message, not the output, as llama.cpp treats it).
+        for token in ("<|im_end|>", "<|eot_id|>", "<|return|>", "<|call|>"):
             token_id = self._tok.convert_tokens_to_ids(token)
             if isinstance(token_id, int) and token_id != self._tok.unk_token_id:
                 ids.add(token_id)
