@@ -19,6 +19,8 @@ from shardline.models.kv_cache import KVCache
 from shardline.models.shard_loader import load_shard
 from shardline.models.weights import WeightFormatError, open_weights
 from shardline.parallel.tensor import TensorStage, load_tensor_stage
+from shardline.placement.pipeline import PlacementError
+from shardline.placement.tensor import tensor_shares
 
 LAYERS = 3
 FAMILIES = {"qwen3moe": "qwen3moe", "mixtral": "llama", "gpt-oss": "gpt-oss"}  # -> GGUF arch
@@ -144,22 +146,26 @@ def test_pipeline_of_three_matches_one_shard(moe, family):
     assert max(diffs) <= 1e-6, diffs
 
 
-def _tensor_job(rank, world, path, steps):
+def _tensor_job(rank, world, path, steps, whole_experts):
     source = open_weights(path)
-    stage = load_tensor_stage(source, rank, world, slots=2, context=64, dtype=torch.float32)
+    share = tensor_shares(source.config, world, whole_experts)[rank]
+    stage = load_tensor_stage(source, rank, world, slots=2, context=64, dtype=torch.float32,
+                              share=share)
     tokens, logits = greedy_schedule(stage, _prompts(2), steps)
     return {"tokens": tokens, "logits": logits, "columns": stage.shard.share.columns,
-            "bytes_read": source.bytes_read}
+            "experts": stage.shard.share.experts, "bytes_read": source.bytes_read}
 
 
 @pytest.mark.timeout(120)
+@pytest.mark.parametrize("whole_experts", [False, True], ids=["tensor", "expert"])
 @pytest.mark.parametrize("family", list(FAMILIES))
-def test_two_tensor_ranks_each_hold_half_of_every_expert(moe, family, tmp_path):
-    """Each rank holds half the columns of every expert (and the whole router), of F32 and
-    Q8_0 experts: the two ranks' greedy tokens and logits are one rank's."""
+def test_two_tensor_ranks_each_hold_half_of_the_experts(moe, family, whole_experts, tmp_path):
+    """tensor: each rank holds half the columns of every expert; expert: half the experts,
+    whole (and each the whole router), of F32 and Q8_0 (gpt-oss: MXFP4) experts: the two
+    ranks' greedy tokens and logits are one rank's."""
     _, paths = moe[family]
     steps = 6
-    results = spawn_ranks(2, _tensor_job, (paths["q8_0"], steps), tmp_path, timeout=100)
+    results = spawn_ranks(2, _tensor_job, (paths["q8_0"], steps, whole_experts), tmp_path, timeout=100)
     source = open_weights(paths["q8_0"])
     shard = load_shard(source, 0, LAYERS, dtype=torch.float32)
     stage = TensorStage(shard, KVCache(source.config, LAYERS, 2, 64, torch.float32), 0, 1)
@@ -167,8 +173,12 @@ def test_two_tensor_ranks_each_hold_half_of_every_expert(moe, family, tmp_path):
     assert results[0]["tokens"] == tokens == results[1]["tokens"]
     diff = max((a - b).abs().max().item() for a, b in zip(results[0]["logits"], logits))
     assert diff <= 1e-4, diff
-    assert [r["columns"] for r in results] == [(0, tm.EXPERT_WIDTH // 2),
-                                               (tm.EXPERT_WIDTH // 2, tm.EXPERT_WIDTH)]
+    if whole_experts:
+        assert [r["experts"] for r in results] == [(0, tm.EXPERTS // 2), (tm.EXPERTS // 2, tm.EXPERTS)]
+        assert [r["columns"] for r in results] == [(0, tm.EXPERT_WIDTH)] * 2
+    else:
+        assert [r["columns"] for r in results] == [(0, tm.EXPERT_WIDTH // 2),
+                                                   (tm.EXPERT_WIDTH // 2, tm.EXPERT_WIDTH)]
     # Each rank reads about half of the experts' bytes, not all of them.
     expert_bytes = sum(t.n_bytes for t in source.reader.tensors if "_exps" in t.name)
     for r in results:
@@ -243,3 +253,13 @@ def test_an_expert_tensor_of_the_wrong_shape_is_named(moe, tmp_path):
     with pytest.raises(WeightFormatError, match=r"layer 1 expert 0 down \('blk.1.ffn_down_exps"):
         load_shard(open_weights(path), 0, LAYERS, dtype=torch.float32)
     assert np.prod(down.shape) > 0
+
+
+def test_expert_sharding_needs_experts_enough_for_its_ranks(moe):
+    config = open_weights(moe["qwen3moe"][1]["gguf"]).config
+    with pytest.raises(PlacementError, match="9 expert ranks but only 8 experts"):
+        tensor_shares(replace(config, num_heads=16, num_kv_heads=16), 9, whole_experts=True)
+    dense = replace(config, architecture="qwen3", num_experts=0, num_experts_per_tok=0)
+    with pytest.raises(PlacementError, match="expert sharding needs a mixture-of-experts model"):
+        tensor_shares(dense, 2, whole_experts=True)
+    assert [s.experts for s in tensor_shares(config, 3, whole_experts=True)] == [(0, 3), (3, 6), (6, 8)]

@@ -1,6 +1,6 @@
 """End to end: a mixture-of-experts model (a tiny random Qwen3-MoE with SmolLM2's
-tokenizer) placed on real node processes, one node, as a pipeline of 3 and as 2 tensor
-ranks, in float32: each answers a chat request with one node's text."""
+tokenizer) placed on real node processes, one node, as a pipeline of 3, as 2 tensor ranks
+and as 2 expert ranks, in float32: each answers a chat request with one node's text."""
 
 from __future__ import annotations
 
@@ -52,3 +52,10 @@ def test_an_moe_model_gives_one_nodes_text_as_a_pipeline_and_as_tensor_ranks(clu
         tags = httpx.get(f"{cluster.url(0)}/api/tags", timeout=10).json()["models"]
         details = next(m["details"] for m in tags if m["name"].startswith(MODEL))
         assert details["family"] == "qwen3moe", details
+    with placed(cluster, "expert", [1, 2], "float32", model=MODEL) as inst:
+        assert [r["tensor_share"]["experts"] for r in inst["ranks"]] == [[0, 4], [4, 8]]
+        assert texts(cluster.url(0), PROMPTS, 12, MODEL) == one
+    preview = httpx.post(f"{cluster.url(0)}/cluster/placements/preview",
+                         json={"model": MODEL, "sharding": "auto"}, timeout=60).json()
+    shardings = {c["sharding"] for c in preview["candidates"] if c["feasible"]}
+    assert {"pipeline", "tensor", "expert"} <= shardings, preview

@@ -193,8 +193,8 @@ def test_auto_picks_the_first_feasible_candidate():
 
 def test_unknown_sharding_is_an_infeasible_candidate_and_unknown_dtype_is_refused():
     nodes = [_node("a"), _node("b")]
-    candidates = preview(_smollm2(), nodes, {}, 1024, 1, shardings=("pipeline", "expert"))
-    expert = _find(candidates, "expert", 2)
-    assert not expert.feasible and "not supported" in expert.error
+    candidates = preview(_smollm2(), nodes, {}, 1024, 1, shardings=("pipeline", "zigzag"))
+    zigzag = _find(candidates, "zigzag", 2)
+    assert not zigzag.feasible and "not supported" in zigzag.error
     with pytest.raises(PlacementError, match="dtype 'int3'"):
         preview(_smollm2(), nodes, {}, 1024, 1, dtype="int3")

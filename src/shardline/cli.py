@@ -340,7 +340,8 @@ def build_parser() -> argparse.ArgumentParser:
     cluster.add_argument("--sharding", default="pipeline", choices=("auto", *SHARDING_NAMES),
                          help="pipeline: a layer range per node; tensor: heads and MLP columns split "
                               "across the nodes; ring: the whole model on every node, long prompts "
-                              "split across them; auto: the placement with the best predicted decode "
+                              "split across them; expert (mixture-of-experts models): tensor's heads, "
+                              "whole experts per node; auto: the placement with the best predicted decode "
                               "tokens/s (default %(default)s)")
     cluster.add_argument("--port", type=int, default=DEFAULT_PORT,
                          help="first node's port; the others follow (default %(default)s)")

@@ -310,7 +310,11 @@ class TensorShare:
         kv_heads: the KV heads these query heads read, consecutive and ascending. With
             grouped-query attention a KV head whose query heads span two ranks is held (and
             computed) by both.
-        columns: ``(start, end)``, this rank's MLP intermediate columns.
+        columns: ``(start, end)``, this rank's MLP intermediate columns (of every expert
+            of an MoE layer).
+        experts: under expert sharding (:attr:`Sharding.EXPERT`), ``(start, end)``: the
+            whole experts of every MoE layer this rank holds (``columns`` is then all of
+            them); None where every rank holds a slice of every expert.
     """
 
     rank: int
@@ -318,6 +322,11 @@ class TensorShare:
     heads: tuple[int, int]
     kv_heads: tuple[int, ...]
     columns: tuple[int, int]
+    experts: tuple[int, int] | None = None
+
+    def expert_range(self, config: ModelConfig) -> tuple[int, int]:
+        """The experts of each MoE layer this rank holds (a part of them or all)."""
+        return self.experts if self.experts is not None else (0, config.num_experts)
 
     @property
     def num_heads(self) -> int:
@@ -355,6 +364,13 @@ class TensorShare:
             )
         if not 0 <= self.rank < self.world_size:
             raise ValueError(f"rank {self.rank} is not in [0, {self.world_size})")
+        if self.experts is not None:
+            e0, e1 = self.experts
+            if not config.is_moe or not 0 <= e0 < e1 <= config.num_experts:
+                raise ValueError(f"expert range {self.experts} is not inside "
+                                 f"[0, {config.num_experts}) experts")
+            if self.columns != (0, config.intermediate_size):
+                raise ValueError("a rank that holds whole experts holds all their columns")
 
 
 
@@ -386,6 +402,11 @@ class Sharding(StrEnum):
     RING = "ring"
     """Each rank holds the whole model; prompts are split across the ranks (ring
     attention), decode runs on every rank."""
+    EXPERT = "expert"
+    """Tensor's split of the attention heads, and each rank holds whole experts of every
+    mixture-of-experts layer (expert parallelism over the tensor ranks, as vLLM's
+    ``--enable-expert-parallel``): a token's experts run on the ranks that hold them and
+    the layer's one all-reduce sums their outputs. A mixture-of-experts model only."""
 
 
 class Quantize(str, Enum):

@@ -14,7 +14,10 @@
 Under tensor parallelism (a :class:`~shardline.models.config.TensorShare`) both hold only
 the share's intermediate columns: of the MLP, and of every expert (each rank holds a slice
 of each expert, as exo splits experts), so the layer's output is a partial sum that one
-all-reduce completes, as for a dense layer. The router is on every rank: the hidden states
+all-reduce completes, as for a dense layer. Under expert sharding (the share's
+``experts``) a rank holds whole experts instead, runs those of them its rows chose, and its
+output is again a partial sum: the all-reduce brings each row the outputs of its experts
+from the ranks that hold them. The router is on every rank: the hidden states
 it reads are the same on every rank, so every rank routes a token to the same experts.
 """
 
@@ -74,7 +77,8 @@ class MixtureOfExperts(nn.Module):
             (one row differs from two), a float64 one rounded to float32 does not, so a
             row is routed the same whatever rows are beside it.
         router_bias: float64 ``[num_experts]`` (gpt-oss) or None.
-        experts: ``num_experts`` :class:`MLP` (each of the share's columns only).
+        experts: ``num_experts`` :class:`MLP` (each of the share's columns only), or
+            under expert sharding the share's whole experts, from expert ``first`` on.
 
     ``forward`` takes ``[N, hidden_size]`` in the compute dtype and returns ``[N,
     hidden_size]`` in the compute dtype (float32 with a ``share``: a partial sum).
@@ -91,12 +95,16 @@ class MixtureOfExperts(nn.Module):
         self.top_k = config.num_experts_per_tok
         self.norm_topk_prob = config.norm_topk_prob
         self.partial = share is not None
+        self.first, last = share.expert_range(config) if share else (0, config.num_experts)
         self.router = nn.Parameter(torch.empty(config.num_experts, config.hidden_size),
                                    requires_grad=False)
         self.router_bias = nn.Parameter(torch.empty(config.num_experts), requires_grad=False
                                         ) if config.expert_bias else None
-        self.experts = nn.ModuleList(MLP(config, share, biases=config.expert_bias)
-                                     for _ in range(config.num_experts))
+        # Whole experts (expert sharding) are each on one rank: their own outputs and
+        # biases, added once in the all-reduce; split ones are a share of every expert.
+        whole = share is not None and share.experts is not None
+        self.experts = nn.ModuleList(MLP(config, None if whole else share, biases=config.expert_bias)
+                                     for _ in range(self.first, last))
 
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """The experts of each row and their weights: int64 ``[N, top_k]`` expert ids and
@@ -118,7 +126,9 @@ class MixtureOfExperts(nn.Module):
         for expert, count in zip(experts.tolist(), counts.tolist()):
             picks = order[start : start + count]
             start += count
+            if not 0 <= expert - self.first < len(self.experts):
+                continue  # another rank's (expert sharding)
             rows = picks // self.top_k
-            y = self.experts[expert](x.index_select(0, rows))
+            y = self.experts[expert - self.first](x.index_select(0, rows))
             out.index_add_(0, rows, y.float() * weights.flatten()[picks, None])
         return out if self.partial else out.to(x.dtype)

@@ -160,18 +160,21 @@ def shard_tensors(
 
     def experts(p: str, layer: int) -> Iterator[tuple[str, list[Part | RowBlocks] | torch.Tensor]]:
         """An MoE layer's router (float32 here, whole on every rank) and each expert's
-        gate/up and down, of the share's columns."""
+        gate/up and down, of the share's columns (under expert sharding: the share's whole
+        experts only)."""
         router = source.router_tensor(layer)
         if source.shape(router) != (config.num_experts, d):
             raise WeightFormatError(f"layer {layer} router {router!r} has shape "
                                     f"{source.shape(router)}, expected {(config.num_experts, d)}")
         yield p + "mlp.router", source.read(router).float()
+        whole = share is not None and share.experts is not None  # expert sharding
         if config.expert_bias:
             yield p + "mlp.router_bias", source.read(router.removesuffix(".weight") + ".bias").float()
             biases = {part: source.read(source.expert_bias_tensor(layer, part)).float()
                       for part in ("gate", "up", "down")}  # [experts, rows], small
             c0, c1 = share.columns if share else (0, inter)
-        for e in range(config.num_experts):
+        first, last = share.expert_range(config) if share else (0, config.num_experts)
+        for e in range(first, last):
             def expert(part: str, shape: tuple[int, int], rows: Span = None,
                        cols: Span = None) -> Part:
                 name, index = source.expert_tensor(layer, part, e)
@@ -181,13 +184,13 @@ def shard_tensors(
                                             f"shape {found}, expected {shape}")
                 return source.read_weight(name, rows, cols, index)
 
-            q = f"{p}mlp.experts.{e}."
+            q = f"{p}mlp.experts.{e - first}."
             yield q + "gate_up", _stack([expert("gate", (inter, d), col_span),
                                          expert("up", (inter, d), col_span)])
             yield q + "down", [expert("down", (d, inter), cols=col_span)]
             if config.expert_bias:
                 yield q + "gate_up.bias", torch.cat((biases["gate"][e, c0:c1], biases["up"][e, c0:c1]))
-                if share is None or share.rank == 0:  # added once
+                if share is None or share.rank == 0 or whole:  # added once
                     yield q + "down.bias", biases["down"][e]
 
     if layer_start == 0:

@@ -109,6 +109,16 @@ def _measured_placements(
     return out
 
 
+def applies(sharding: Sharding, config: ModelConfig) -> bool:
+    """Whether ``sharding`` can place ``config`` at all: expert sharding a mixture of
+    experts, ring a model without attention sinks or sliding windows."""
+    if sharding == Sharding.EXPERT:
+        return config.is_moe
+    if sharding == Sharding.RING:
+        return not (config.attention_sinks or config.sliding_window)
+    return True
+
+
 def preview(
     config: ModelConfig,
     nodes: Sequence[NodeProfile],
@@ -132,7 +142,9 @@ def preview(
 
     Candidates: for each k from ``min_nodes`` to ``max_nodes`` (default: all), the k nodes with the most
     available bytes, in rank order by available bytes (most first), under each sharding in
-    ``shardings``. One node is listed as a pipeline of one when ``"pipeline"`` is in
+    ``shardings`` (of several, those that :func:`applies` to the model: asked for alone, a
+    sharding that does not is listed refused, with the reason). One node is listed as a
+    pipeline of one when ``"pipeline"`` is in
     ``shardings`` (tensor or ring of one is the same placement), else under each sharding
     asked (a placement of one node under it works, and the preview says so). Then each
     placement of ``model_id`` in ``served`` that these miss (other nodes or another rank
@@ -159,6 +171,8 @@ def preview(
         PlacementError: an unknown dtype (a ValueError).
     """
     check_dtype(dtype)
+    if len(shardings) > 1:  # all of them (auto): only those the model can take
+        shardings = [s for s in shardings if applies(s, config)]
     decode_weight_bytes = resident_bytes_per_weight(config, weight_file_bytes, dtype, quantize)
     quantized = quantize.value if quantize else None
     one_node = Sharding.PIPELINE if Sharding.PIPELINE in shardings else None  # else as asked

@@ -176,7 +176,7 @@ def rank_bytes(config: ModelConfig, sharding: Sharding, shares: list[RankShare],
     weight_bytes, vocab_bytes = held_bytes_per_weight(config, weight_file_bytes, dtype, quantize)
     fixed = _runtime_and_scratch(config, baseline_bytes, dtype)
     share = shares[rank]
-    if sharding == Sharding.TENSOR:
+    if sharding in (Sharding.TENSOR, Sharding.EXPERT):
         assert share.tensor_share is not None
         return fixed + tensor_rank_bytes(config, share.tensor_share,
                                          kv_tokens=tokens, weight_bytes=weight_bytes,
@@ -279,11 +279,11 @@ def _place(config: ModelConfig, sharding: Sharding, nodes: list[NodeCapacity], k
                       for r in range(len(nodes))]
         return [RankShare(s, e) for s, e in
                 pipeline_layer_ranges(layers, nodes, per_layer, admit, rank_fixed)]
-    if sharding == Sharding.TENSOR:
+    if sharding in (Sharding.TENSOR, Sharding.EXPERT):
         shares = tensor_placement(config, nodes, kv_tokens=kv_tokens,
                                   weight_bytes=weight_bytes, kv_element_bytes=kv_bytes,
-                                  vocab_bytes=vocab_bytes,
-                                  admit=admit, fixed_bytes=fixed)
+                                  vocab_bytes=vocab_bytes, admit=admit, fixed_bytes=fixed,
+                                  whole_experts=sharding == Sharding.EXPERT)
         return [RankShare(0, layers, share) for share in shares]
     if sharding == Sharding.RING:
         if config.attention_sinks or config.sliding_window:

@@ -138,12 +138,17 @@ def _linear_per_layer(config: ModelConfig) -> int:
 
 def _tensor_linear_per_layer(config: ModelConfig, share: TensorShare) -> int:
     """Linear weight elements of one layer that a tensor rank reads for a token (its share
-    of :func:`_linear_per_layer`: every expert's columns are split, the router is whole)."""
+    of :func:`_linear_per_layer`: every expert's columns are split, or under expert sharding
+    the rank's whole experts take their share of a token's k on average; the router is
+    whole)."""
     d, hd = config.hidden_size, config.head_dim
     q, kv = share.num_heads * hd, share.num_kv_heads * hd
-    experts = config.num_experts_per_tok or 1
-    return (d * (q + 2 * kv) + q * d + experts * 3 * d * share.num_columns
-            + config.num_experts * d)
+    experts: float = config.num_experts_per_tok or 1
+    if share.experts is not None:  # whole experts: a token's k fall on this rank's share of them
+        e0, e1 = share.experts
+        experts *= (e1 - e0) / config.num_experts
+    return int(d * (q + 2 * kv) + q * d + experts * 3 * d * share.num_columns
+               + config.num_experts * d)
 
 
 def _secs(num: float, rate: float) -> float:
@@ -278,7 +283,8 @@ def predict_tokens_per_s(
            later one leaves the slowest stage or hop a chunk later, stages overlapping:
            a prompt of one chunk runs its stages one after another)
 
-    tensor (two all-reduces a layer of float32 partial sums, rank 0 samples; a sum of at
+    tensor and expert (expert: whole experts per rank, see :func:`_tensor_linear_per_layer`;
+    two all-reduces a layer of float32 partial sums, rank 0 samples; a sum of at
     most ``POINT_TO_POINT_BYTES``, a decode step's, goes from every rank to every other in
     one hop on gloo (:func:`shardline.parallel.point_to_point.all_reduce`; NCCL's own
     small sum is counted alike, its links' latencies are microseconds); a larger one by gloo's
@@ -349,7 +355,7 @@ def predict_tokens_per_s(
         prefill = (through + (chunks - 1) * slowest) / chunks
         return _per_s(decode + last_bcast), _per_s(prefill)
 
-    if sharding == Sharding.TENSOR:
+    if sharding in (Sharding.TENSOR, Sharding.EXPERT):
         decode = prefill = 0.0
         for rank, (node, share) in enumerate(zip(nodes, shares)):
             ts = share.tensor_share

@@ -45,12 +45,16 @@ def _even(total: int, parts: int) -> list[tuple[int, int]]:
     return ranges
 
 
-def tensor_shares(config: ModelConfig, world_size: int) -> list[TensorShare]:
-    """Each of ``world_size`` ranks' heads, KV heads and MLP columns (see the module doc).
+def tensor_shares(config: ModelConfig, world_size: int,
+                  whole_experts: bool = False) -> list[TensorShare]:
+    """Each of ``world_size`` ranks' heads, KV heads and MLP columns (see the module doc);
+    with ``whole_experts`` (expert sharding) each rank's heads and a run of whole experts
+    (as even as the count allows, the first ranks one more), all of their columns.
 
     Raises:
         PlacementError: no ranks, more ranks than query heads, or an intermediate size that
-            does not split into at least ``world_size`` blocks of 32 columns.
+            does not split into at least ``world_size`` blocks of 32 columns; with
+            ``whole_experts``, a model with no experts or fewer experts than ranks.
     """
     if world_size < 1:
         raise PlacementError("no nodes to place the model on")
@@ -60,6 +64,16 @@ def tensor_shares(config: ModelConfig, world_size: int) -> list[TensorShare]:
             f"each tensor rank needs at least one head"
         )
     inter = config.intermediate_size
+    if whole_experts:
+        if not config.is_moe:
+            raise PlacementError(f"expert sharding needs a mixture-of-experts model; "
+                                 f"{config.architecture} has no experts")
+        if config.num_experts < world_size:
+            raise PlacementError(f"{world_size} expert ranks but only {config.num_experts} "
+                                 f"experts: each rank needs at least one")
+        return [TensorShare(rank, world_size, heads, _kv_heads(config, heads), (0, inter), experts)
+                for rank, (heads, experts) in enumerate(zip(_even(config.num_heads, world_size),
+                                                            _even(config.num_experts, world_size)))]
     if world_size > 1 and inter % COLUMN_BLOCK:
         raise PlacementError(
             f"intermediate size {inter} is not a multiple of {COLUMN_BLOCK}: the MLP columns "
@@ -76,18 +90,15 @@ def tensor_shares(config: ModelConfig, world_size: int) -> list[TensorShare]:
     for rank, (heads, cols) in enumerate(
         zip(_even(config.num_heads, world_size), _even(blocks, world_size))
     ):
-        first = config.kv_head_of(heads[0])
-        last = config.kv_head_of(heads[1] - 1)
-        shares.append(
-            TensorShare(
-                rank=rank,
-                world_size=world_size,
-                heads=heads,
-                kv_heads=tuple(range(first, last + 1)),
-                columns=(cols[0] * scale, cols[1] * scale),
-            )
-        )
+        shares.append(TensorShare(rank=rank, world_size=world_size, heads=heads,
+                                  kv_heads=_kv_heads(config, heads),
+                                  columns=(cols[0] * scale, cols[1] * scale)))
     return shares
+
+
+def _kv_heads(config: ModelConfig, heads: tuple[int, int]) -> tuple[int, ...]:
+    """The KV heads query heads ``[start, end)`` read, ascending."""
+    return tuple(range(config.kv_head_of(heads[0]), config.kv_head_of(heads[1] - 1) + 1))
 
 
 def tensor_rank_bytes(
@@ -113,7 +124,8 @@ def tensor_rank_bytes(
     """
     d, hd = config.hidden_size, config.head_dim
     q, kv, cols = share.num_heads * hd, share.num_kv_heads * hd, share.num_columns
-    linear = d * (q + 2 * kv) + q * d + (config.num_experts or 1) * 3 * d * cols
+    e0, e1 = share.expert_range(config)
+    linear = d * (q + 2 * kv) + q * d + ((e1 - e0) or 1) * 3 * d * cols
     norms = 2 * d + (2 * hd if config.qk_norm else 0)
     bias = (q + 2 * kv) if config.attention_bias else 0
     router = config.num_experts * d * 8  # float64 on every rank (feed_forward.MixtureOfExperts)
@@ -138,8 +150,10 @@ def tensor_placement(
     vocab_bytes: float | None = None,
     admit: bool = True,
     fixed_bytes: int = 0,
+    whole_experts: bool = False,
 ) -> list[TensorShare]:
-    """One :class:`TensorShare` per node, in rank order (node i is rank i).
+    """One :class:`TensorShare` per node, in rank order (node i is rank i); with
+    ``whole_experts`` expert sharding's (:func:`tensor_shares`).
 
     Byte arguments as for :func:`tensor_rank_bytes`, plus ``fixed_bytes`` each rank holds
     besides (its runtime and scratch); without ``admit`` (a forced placement) memory is
@@ -150,7 +164,7 @@ def tensor_placement(
             :func:`tensor_shares`), or a node's available bytes cannot hold its rank's
             share; the message names each such node, what it needs, has, and lacks.
     """
-    shares = tensor_shares(config, len(nodes))
+    shares = tensor_shares(config, len(nodes), whole_experts)
     if not admit:
         return shares
     short = []
@@ -163,7 +177,9 @@ def tensor_placement(
             short.append(
                 f"node {node.node_id} (rank {share.rank}: heads {share.heads[0]}-"
                 f"{share.heads[1] - 1}, KV heads {list(share.kv_heads)}, MLP columns "
-                f"{share.columns[0]}-{share.columns[1] - 1}) needs {need} bytes but has "
+                f"{share.columns[0]}-{share.columns[1] - 1}"
+                + (f", experts {share.experts[0]}-{share.experts[1] - 1}" if share.experts else "")
+                + f") needs {need} bytes but has "
                 f"{node.available_bytes} available (short by {need - node.available_bytes} bytes)"
             )
     if short:

@@ -106,7 +106,7 @@ def load_stage(spec: RunnerSpec, source, group, progress: Progress, dtype, devic
     from shardline.parallel.tensor import load_tensor_stage
 
     quantize = Quantize(spec.quantize) if spec.quantize else None
-    if spec.sharding == Sharding.TENSOR:
+    if spec.sharding in (Sharding.TENSOR, Sharding.EXPERT):
         return load_tensor_stage(source, spec.rank, spec.world_size, slots=spec.max_batch,
                                  context=spec.context, dtype=dtype, device=device,
                                  share=spec.share.tensor_share, group=group,
