@@ -138,7 +138,11 @@ class ModelConfig:
         return head // (self.num_heads // self.num_kv_heads)
 
     def to_dict(self) -> dict[str, Any]:
-        return asdict(self)
+        """The fields as JSON has them (``sliding_layers`` a list), so a manifest read back
+        equals the one written."""
+        data = asdict(self)
+        data["sliding_layers"] = list(self.sliding_layers)
+        return data
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> "ModelConfig":
