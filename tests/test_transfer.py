@@ -409,3 +409,23 @@ def test_a_peers_manifest_with_bad_pieces_is_refused(gguf_peer, change):
     data["pieces"] = {"other.gguf" if change == "unlisted" else "tiny.gguf": pieces}
     with pytest.raises(ModelStoreError, match="manifest refused"):
         Manifest.from_dict(data)
+
+
+def test_a_record_of_another_version_is_void_and_a_partial_file_is_not_taken_in_whole(tmp_path, gguf_peer):
+    source, manifest, client, ranges = gguf_peer
+    store = ModelStore(tmp_path / "mine")
+    reads = RankReads(0, 1, embed=True, head=False)
+    fetch_pieces(client, PEER, store, manifest, manifest.shard_pieces(reads))
+    path = store.model_dir(GGUF_MODEL) / "tiny.gguf"
+    # `models add` of the copy held in part is refused: it is not the model's file
+    with pytest.raises(ModelStoreError, match="held in part"):
+        ModelStore(tmp_path / "other").add_local(path, "test/copy")
+    # the model changed where it was added: what is held of the old file counts for nothing
+    record = read_record(path)
+    write_record(path, SparseRecord("b" * 64, record.size, record.present))
+    assert store.held_ranges(GGUF_MODEL, "tiny.gguf") == []
+    assert store.missing_pieces(manifest, manifest.shard_pieces(reads)) == manifest.shard_pieces(reads)
+    ranges.clear()
+    fetch_pieces(client, PEER, store, manifest, manifest.shard_pieces(reads))
+    assert len(ranges) == len(rank_pieces(manifest, reads))  # every piece again
+    assert store.held_ranges(GGUF_MODEL, "tiny.gguf") == merged(p.range for p in rank_pieces(manifest, reads))

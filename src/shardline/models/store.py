@@ -411,19 +411,22 @@ class ModelStore:
         return out
 
     def _partial(self, manifest: Manifest) -> dict[str, list[Range]]:
-        """The ranges held of each file held in part (a record beside it, of this version)."""
+        """The ranges held of each file held in part (a record beside it; none where the
+        record is of another version of the file, or the file is gone)."""
         directory = self.model_dir(manifest.model_id)
         out = {}
         for path in manifest.pieces:
             record = read_record(directory / path)
             if record is not None:
-                out[path] = list(record.present) if record.sha256 == manifest.file(path).sha256 else []
+                valid = record.sha256 == manifest.file(path).sha256 and (directory / path).exists()
+                out[path] = list(record.present) if valid else []
         return out
 
-    def held_ranges(self, model_id: str, path: str) -> list[Range]:
+    def held_ranges(self, model_id: str, path: str, manifest: Manifest | None = None) -> list[Range]:
         """The byte ranges of the model's file ``path`` that lie here checked: all of it
-        when it is present whole, the record's ranges when it is held in part, else none."""
-        manifest = self.manifest(model_id)
+        when it is present whole, the record's ranges when it is held in part, else none
+        (``manifest``: the model's, when the caller has read it)."""
+        manifest = manifest or self.manifest(model_id)
         if manifest is None:
             return []
         if path in self._present(manifest):

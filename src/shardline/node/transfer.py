@@ -77,11 +77,13 @@ def add_model_routes(app: FastAPI, store: ModelStore) -> None:
         # Only files named in the manifest, at a real path inside the model's directory.
         if found is None or path not in {f.path for f in found.files}:
             return missing
-        whole = path in store.present(model)
+        size = found.file(path).size
+        held = store.held_ranges(model, path, found)
+        whole = held == [(0, size)]
         wanted = None
         if not whole:
-            wanted = single_range(request.headers.get("range"), found.file(path).size)
-            if wanted is None or not covers(store.held_ranges(model, path), wanted):
+            wanted = single_range(request.headers.get("range"), size)
+            if wanted is None or not covers(held, wanted):
                 return JSONResponse(status_code=404, content={
                     "detail": f"{model}: {path!r} is not here whole, nor the bytes asked for"})
         try:
@@ -95,7 +97,7 @@ def add_model_routes(app: FastAPI, store: ModelStore) -> None:
         start, end = wanted
         return StreamingResponse(_read_range(real, start, end), status_code=206,
                                  media_type="application/octet-stream",
-                                 headers={"Content-Range": f"bytes {start}-{end - 1}/{found.file(path).size}",
+                                 headers={"Content-Range": f"bytes {start}-{end - 1}/{size}",
                                           "Content-Length": str(end - start)})
 
 
@@ -280,9 +282,9 @@ def _sparse_file(target: Path, entry: ModelFile) -> SparseRecord:
     the record (first) and the file at its full size, all holes, where there are none; a
     record of another version is void: its file is made afresh."""
     record = read_record(target)
-    if record is None or (record.sha256, record.size) != (entry.sha256, entry.size):
+    if record is None or (record.sha256, record.size) != (entry.sha256, entry.size) or not target.exists():
         if record is not None:
-            log.info("%s: its record is of another version of the file: copying it afresh", target)
+            log.info("%s: its record is of another version of the file, or of none: copying it afresh", target)
         record = SparseRecord(entry.sha256, entry.size)
         write_record(target, record)  # before the file: a file with a record is never taken whole
         target.unlink(missing_ok=True)
