@@ -11,16 +11,24 @@ from pathlib import Path
 
 import pytest
 from fastapi import FastAPI, Response
+from fastapi import Request as FastAPIRequest
 from fastapi.testclient import TestClient
 from tiny_models import hf_model
 
 from shardline.models.byte_ranges import merged, missing
 from shardline.models.confine import UnsafePathError
-from shardline.models.file_pieces import HEADER_PIECE
+from shardline.models.file_pieces import HEADER_PIECE, Piece
 from shardline.models.rank_reads import RankReads
 from shardline.models.sparse_file import SparseRecord, read_record, record_path, write_record
 from shardline.models.store import Manifest, ModelFile, ModelStore, ModelStoreError, sha256_file
-from shardline.node.transfer import TransferError, add_model_routes, fetch_files, fetch_pieces, what_peer_serves
+from shardline.node.transfer import (
+    TransferError,
+    add_model_routes,
+    fetch_files,
+    fetch_pieces,
+    runs,
+    what_peer_serves,
+)
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -254,11 +262,11 @@ def test_a_rank_copies_the_header_and_its_tensors_into_a_sparse_file(tmp_path, g
     received = fetch_pieces(client, PEER, store, manifest, manifest.shard_pieces(reads))
 
     assert received == sum(p.size for p in wanted)
-    assert len(ranges) == len(wanted)  # one range each (pieces side by side are asked apart)
+    held = merged(p.range for p in wanted)
+    assert ranges == [f"bytes={a}-{b - 1}" for a, b in held]  # a request for each run side by side
     whole = (source.model_dir(GGUF_MODEL) / "tiny.gguf").read_bytes()
     copy = (store.model_dir(GGUF_MODEL) / "tiny.gguf").read_bytes()
     assert len(copy) == len(whole)  # the file's own size, holes where it lacks bytes
-    held = merged(p.range for p in wanted)
     for start, end in held:
         assert copy[start:end] == whole[start:end]
     for start, end in missing([(0, len(whole))], held):
@@ -290,7 +298,7 @@ def test_a_later_rank_copies_only_the_missing_pieces_and_then_the_file_is_whole(
     had = {p.name for p in rank_pieces(manifest, first)}
     new = [p for p in rank_pieces(manifest, later) if p.name not in had]
     assert new and received == sum(p.size for p in new)
-    assert ranges == [f"bytes={p.offset}-{p.offset + p.size - 1}" for p in new]
+    assert ranges == [f"bytes={a}-{b - 1}" for a, b in merged(p.range for p in new)]
     # every piece now: the file is whole, the same bytes, its record gone
     fetch_pieces(client, PEER, store, manifest, manifest.shard_pieces(RankReads.whole(4)))
     path = store.model_dir(GGUF_MODEL) / "tiny.gguf"
@@ -298,14 +306,15 @@ def test_a_later_rank_copies_only_the_missing_pieces_and_then_the_file_is_whole(
     assert sha256_file(path) == manifest.file("tiny.gguf").sha256
 
 
-def test_an_interrupted_piece_resumes_where_it_stopped(tmp_path, gguf_peer):
+@pytest.mark.parametrize("written", [0.5, 1.0])  # half of it; all of it, unchecked
+def test_an_interrupted_piece_resumes_where_it_stopped(tmp_path, gguf_peer, written):
     source, manifest, client, ranges = gguf_peer
     store = ModelStore(tmp_path / "mine")
     big = max(manifest.pieces["tiny.gguf"], key=lambda p: p.size)
     whole = (source.model_dir(GGUF_MODEL) / "tiny.gguf").read_bytes()
     store.write_manifest(manifest)
     path = store.model_dir(GGUF_MODEL) / "tiny.gguf"
-    half = big.offset + big.size // 2
+    half = big.offset + int(big.size * written)
     write_record(path, SparseRecord(manifest.file("tiny.gguf").sha256, len(whole)).writing_to(big.offset, half))
     with open(path, "wb") as f:
         f.truncate(len(whole))
@@ -314,7 +323,7 @@ def test_an_interrupted_piece_resumes_where_it_stopped(tmp_path, gguf_peer):
 
     received = fetch_pieces(client, PEER, store, manifest, {"tiny.gguf": [big]})
     assert received == big.offset + big.size - half
-    assert ranges == [f"bytes={half}-{big.offset + big.size - 1}"]
+    assert ranges == ([f"bytes={half}-{big.offset + big.size - 1}"] if written < 1 else [])
     assert path.read_bytes()[big.offset:big.offset + big.size] == whole[big.offset:big.offset + big.size]
     assert read_record(path).present == (big.range,)
 
@@ -427,5 +436,47 @@ def test_a_record_of_another_version_is_void_and_a_partial_file_is_not_taken_in_
     assert store.missing_pieces(manifest, manifest.shard_pieces(reads)) == manifest.shard_pieces(reads)
     ranges.clear()
     fetch_pieces(client, PEER, store, manifest, manifest.shard_pieces(reads))
-    assert len(ranges) == len(rank_pieces(manifest, reads))  # every piece again
+    assert ranges == [f"bytes={a}-{b - 1}" for a, b in merged(p.range for p in rank_pieces(manifest, reads))]
     assert store.held_ranges(GGUF_MODEL, "tiny.gguf") == merged(p.range for p in rank_pieces(manifest, reads))
+
+
+def test_pieces_side_by_side_are_asked_in_one_run():
+    def p(offset, size):
+        return Piece(f"t{offset}", offset, size, "0" * 64)
+
+    table = [
+        ([], []),
+        ([p(0, 10)], [[p(0, 10)]]),
+        ([p(10, 5), p(0, 10), p(20, 1)], [[p(0, 10), p(10, 5)], [p(20, 1)]]),  # by offset
+        ([p(0, 10), p(11, 1)], [[p(0, 10)], [p(11, 1)]]),  # a byte between: two requests
+    ]
+    for pieces, expected in table:
+        assert runs(pieces) == expected
+
+
+def test_a_run_cut_short_keeps_its_whole_pieces_and_resumes_inside_the_next(tmp_path, gguf_peer):
+    source, manifest, client, ranges = gguf_peer
+    whole = (source.model_dir(GGUF_MODEL) / "tiny.gguf").read_bytes()
+    run = rank_pieces(manifest, RankReads(1, 2, embed=False, head=False))[1:]  # layer 1: side by side
+    assert len(runs(run)) == 1 and len(run) > 3
+    cut = run[2].offset + run[2].size // 2  # halfway through its third piece
+    app = FastAPI()
+
+    @app.get("/internal/models/file")
+    async def model_file(model: str, path: str, request: FastAPIRequest):  # the right bytes, cut short
+        start, end = (int(n) for n in request.headers["range"][len("bytes="):].split("-"))
+        return Response(whole[start:cut], status_code=206,
+                        headers={"Content-Range": f"bytes {start}-{end}/{len(whole)}"})
+
+    store = ModelStore(tmp_path / "mine")
+    with TestClient(app) as short, pytest.raises(TransferError, match="short"):
+        fetch_pieces(short, PEER, store, manifest, {"tiny.gguf": run})
+    path = store.model_dir(GGUF_MODEL) / "tiny.gguf"
+    record = read_record(path)
+    assert record.present == ((run[0].offset, run[2].offset),) and record.writing == (run[2].offset, cut)
+
+    received = fetch_pieces(client, PEER, store, manifest, {"tiny.gguf": run})
+    end = run[-1].offset + run[-1].size
+    assert ranges == [f"bytes={cut}-{end - 1}"] and received == end - cut
+    assert store.held_ranges(GGUF_MODEL, "tiny.gguf") == [(run[0].offset, end)]
+    assert path.read_bytes()[run[0].offset:end] == whole[run[0].offset:end]

@@ -217,7 +217,8 @@ def fetch_pieces(client: httpx.Client, base_url: str, store: ModelStore, manifes
                  pieces: dict[str, list[Piece]], progress: CopyProgress | None = None) -> int:
     """Copy ``pieces`` (by file) of ``manifest``'s model from the peer at ``base_url`` into
     ``store``'s sparse files (:mod:`shardline.models.sparse_file`), skipping pieces held
-    and files present whole, resuming a piece the record says was being written. A file
+    and files present whole, one range request for each run of pieces side by side,
+    resuming a piece the record says was being written. A file
     whose every byte is then held becomes whole (its record is deleted). Blocking (run it
     in a thread). Records the manifest first. Returns the bytes received.
 
@@ -247,11 +248,10 @@ def fetch_pieces(client: httpx.Client, base_url: str, store: ModelStore, manifes
         record = _sparse_file(target, entry)
         fd = os.open(target, os.O_RDWR | os.O_NOFOLLOW)
         try:
-            for piece in wanted:
-                if not record.holds(piece.range):
-                    record, got = _fetch_piece(client, base_url, manifest.model_id, entry, target, fd,
-                                               record, piece, progress)
-                    received += got
+            for run in runs([p for p in wanted if not record.holds(p.range)]):
+                record, got = _fetch_run(client, base_url, manifest.model_id, entry, target, fd, record, run,
+                                         progress)
+                received += got
         finally:
             os.close(fd)
         if record.complete:  # every piece: the file is the whole file, byte for byte
@@ -297,65 +297,101 @@ def _sparse_file(target: Path, entry: ModelFile) -> SparseRecord:
     return record
 
 
-def _fetch_piece(client: httpx.Client, base_url: str, model_id: str, entry: ModelFile, target: Path,
-                 fd: int, record: SparseRecord, piece: Piece,
-                 progress: CopyProgress | None) -> tuple[SparseRecord, int]:
-    """Copy one piece into the open sparse file ``fd`` at its offset; the record with it
-    held, and the bytes received."""
-    start, end = piece.range
-    hasher = hashlib.sha256()
-    position = start
-    if record.writing is not None and record.writing[0] == start and start < record.writing[1] <= end:
-        position = record.writing[1]  # bytes written before an interruption: hashed from disk
-        at = start
-        while at < position:
-            block = os.pread(fd, min(CHUNK_BYTES, position - at), at)
+def runs(pieces: list[Piece]) -> list[list[Piece]]:
+    """``pieces`` by offset, in runs of pieces side by side: one request each. Pure."""
+    out: list[list[Piece]] = []
+    for piece in sorted(pieces, key=lambda p: p.offset):
+        if out and out[-1][-1].offset + out[-1][-1].size == piece.offset:
+            out[-1].append(piece)
+        else:
+            out.append([piece])
+    return out
+
+
+def _fetch_run(client: httpx.Client, base_url: str, model_id: str, entry: ModelFile, target: Path,
+               fd: int, record: SparseRecord, run: list[Piece],
+               progress: CopyProgress | None) -> tuple[SparseRecord, int]:
+    """Copy a run of pieces side by side (:func:`runs`) with one range request into the
+    open sparse file ``fd`` at their offsets, each checked and recorded as it ends; the
+    record with them held, and the bytes received."""
+    index, hasher = 0, hashlib.sha256()
+    position = run[0].offset
+    if record.writing is not None and record.writing[0] == position and \
+            position < record.writing[1] <= position + run[0].size:
+        resumed = record.writing[1]  # bytes written before an interruption: hashed from disk
+        while position < resumed:
+            block = os.pread(fd, min(CHUNK_BYTES, resumed - position), position)
             if not block:
                 break
             hasher.update(block)
-            at += len(block)
-        log.info("resuming %s/%s piece %s at byte %d of %d", model_id, entry.path, piece.name,
-                 position - start, piece.size)
+            position += len(block)
+        log.info("resuming %s/%s piece %s at byte %d of %d", model_id, entry.path, run[0].name,
+                 position - run[0].offset, run[0].size)
         if progress is not None:
-            progress.advance(position - start)
-    received = 0
-    if position < end:
-        noted = position
-        params = {"model": model_id, "path": entry.path}
-        try:
-            with client.stream("GET", f"{base_url}/internal/models/file", params=params,
-                               headers={"Range": f"bytes={position}-{end - 1}"}, timeout=30.0) as response:
-                expected = f"bytes {position}-{end - 1}/"
-                if response.status_code != 206 or not response.headers.get("content-range", "").startswith(expected):
-                    raise TransferError(f"{base_url} answered {response.status_code} "
-                                        f"({response.headers.get('content-range')}) for bytes {position}-{end - 1} "
-                                        f"of {model_id}/{entry.path}")
-                for chunk in response.iter_bytes(CHUNK_BYTES):
-                    if position + len(chunk) > end:
-                        raise TransferError(f"{base_url} sent more than bytes {start}-{end - 1} of "
-                                            f"{model_id}/{entry.path}")
-                    os.pwrite(fd, chunk, position)
-                    hasher.update(chunk)
-                    position += len(chunk)
-                    received += len(chunk)
-                    if progress is not None:
-                        progress.advance(len(chunk))
-                    if position - noted >= RECORD_EVERY_BYTES:
-                        record, noted = record.writing_to(start, position), position
+            progress.advance(position - run[0].offset)
+        if position == run[0].offset + run[0].size:  # written to its end before the interruption
+            record = _checked(record, run[0], hasher.hexdigest(), target, base_url, model_id, entry.path)
+            index, hasher = 1, hashlib.sha256()
+            if index == len(run):
+                return record, 0
+    end = run[-1].offset + run[-1].size
+    received, noted = 0, position
+    params = {"model": model_id, "path": entry.path}
+    try:
+        with client.stream("GET", f"{base_url}/internal/models/file", params=params,
+                           headers={"Range": f"bytes={position}-{end - 1}"}, timeout=30.0) as response:
+            expected = f"bytes {position}-{end - 1}/"
+            if response.status_code != 206 or not response.headers.get("content-range", "").startswith(expected):
+                raise TransferError(f"{base_url} answered {response.status_code} "
+                                    f"({response.headers.get('content-range')}) for bytes {position}-{end - 1} "
+                                    f"of {model_id}/{entry.path}")
+            for chunk in response.iter_bytes(CHUNK_BYTES):
+                if position + len(chunk) > end:
+                    raise TransferError(f"{base_url} sent more than bytes {run[0].offset}-{end - 1} of "
+                                        f"{model_id}/{entry.path}")
+                received += len(chunk)
+                if progress is not None:
+                    progress.advance(len(chunk))
+                while chunk:  # split at the pieces' ends
+                    piece = run[index]
+                    part = chunk[:piece.offset + piece.size - position]
+                    os.pwrite(fd, part, position)
+                    hasher.update(part)
+                    position += len(part)
+                    chunk = chunk[len(part):]
+                    if position == piece.offset + piece.size:
+                        record = _checked(record, piece, hasher.hexdigest(), target, base_url, model_id,
+                                          entry.path)
+                        index, hasher, noted = index + 1, hashlib.sha256(), position
+                    elif position - noted >= RECORD_EVERY_BYTES:
+                        record, noted = record.writing_to(piece.offset, position), position
                         write_record(target, record)
-        except httpx.HTTPError:
-            if position > start:  # the connection broke: what was written, for a resume
-                write_record(target, record.writing_to(start, position))
-            raise
-    if position != end or hasher.hexdigest() != piece.sha256:
-        write_record(target, record.not_writing())  # nothing of it held, nothing to resume
-        raise TransferError(
-            f"copy of {model_id}/{entry.path} piece {piece.name} from {base_url} is corrupt: "
-            f"{position - start} bytes, SHA-256 {hasher.hexdigest()[:12]}..., expected {piece.size} "
-            f"bytes, {piece.sha256[:12]}...")
+    except httpx.HTTPError:
+        if index < len(run) and position > run[index].offset:  # what was written, for a resume
+            write_record(target, record.writing_to(run[index].offset, position))
+        raise
+    if index < len(run):
+        if position > run[index].offset:
+            write_record(target, record.writing_to(run[index].offset, position))
+        raise TransferError(f"{base_url} sent bytes {run[0].offset}-{position - 1} of {model_id}/{entry.path}, "
+                            f"short of {end}")
+    return record, received
+
+
+def _checked(record: SparseRecord, piece: Piece, sha256: str, target: Path, base_url: str, model_id: str,
+             path: str) -> SparseRecord:
+    """``record`` with ``piece`` held, written, once its bytes' SHA-256 is the manifest's.
+
+    Raises:
+        TransferError: it is not (the record is written without the piece, nothing to resume).
+    """
+    if sha256 != piece.sha256:
+        write_record(target, record.not_writing())
+        raise TransferError(f"copy of {model_id}/{path} piece {piece.name} from {base_url} is corrupt: "
+                            f"SHA-256 {sha256[:12]}..., expected {piece.sha256[:12]}...")
     record = record.holding(piece.range)
     write_record(target, record)
-    return record, received
+    return record
 
 
 def _fetch_file(client: httpx.Client, base_url: str, store: ModelStore, model_id: str,
