@@ -4,8 +4,9 @@ A rank's runner reads (:func:`shardline.models.shard_loader.shard_tensors`):
 
 - the tensors of the layers it holds (``blk.{i}.*`` in GGUF, ``model.layers.{i}.*`` in a
   Hugging Face checkpoint): a pipeline or ring rank its share's layer range, a tensor rank
-  every layer (it reads a slice of each tensor, but a slice of a quantized tensor is not a
-  byte range of the file worth cutting: the whole tensor is counted);
+  every layer (it reads a slice of each tensor, and skips a few that rank 0 alone adds,
+  such as an output bias; a slice is not one byte range of the file, so a tensor rank
+  copies every layer's tensors whole);
 - the token embedding where its range starts at layer 0, and on every tensor rank;
 - the final norm and the LM head where it computes logits: a pipeline or ring rank whose
   range ends at the last layer, tensor rank 0; the head of a model with tied embeddings is
