@@ -16,6 +16,8 @@ import pytest
 from conftest import CAPITAL_QUESTION, free_port_block
 
 from shardline.local_cluster import LocalCluster
+from shardline.models.config import RankShare
+from shardline.models.rank_reads import RankReads
 from shardline.models.store import ModelStore, default_model_path
 
 pytestmark = pytest.mark.timeout(400)
@@ -81,11 +83,14 @@ def test_a_model_added_on_one_node_is_copied_to_its_ranks_and_served(cluster):
     assert placed.returncode == 0, placed.stdout + placed.stderr
     assert "ready" in placed.stdout
     gguf = default_model_path().name
-    assert gguf in store_of(cluster, 1).present(MODEL)
-    assert (store_of(cluster, 1).model_dir(MODEL) / gguf).read_bytes() == default_model_path().read_bytes()
+    # Node 1 (the last rank) holds of the GGUF file the header and its rank's tensors.
+    held = store_of(cluster, 1).held_ranges(MODEL, gguf)
+    assert held and gguf not in store_of(cluster, 1).present(MODEL)
+    copy, whole = (store_of(cluster, 1).model_dir(MODEL) / gguf).read_bytes(), default_model_path().read_bytes()
+    assert len(copy) == len(whole) and all(copy[a:b] == whole[a:b] for a, b in held)
     instance = httpx.get(f"{cluster.url(0)}/cluster/instances", timeout=5).json()["instances"][0]
     rank1 = instance["ranks"][1]
-    assert rank1["fetched"]["done_bytes"] == rank1["fetched"]["total_bytes"] >= default_model_path().stat().st_size
+    assert rank1["fetched"]["done_bytes"] == rank1["fetched"]["total_bytes"] < len(whole)
 
     # Node 2 holds no rank: it copies the tokenizer (a few MB), not the weights, and serves
     # (forwarding to a node with a rank), streamed too.
@@ -126,7 +131,7 @@ def test_a_node_short_of_memory_is_refused_unless_forced(cluster):
     assert instance["force"] is True
     layers = {r["node_id"]: r["layer_end"] - r["layer_start"] for r in instance["ranks"]}
     assert layers[ids[2]] == 1 and layers[ids[0]] + layers[ids[1]] == 29  # ranges follow memory
-    assert default_model_path().name in store_of(cluster, 2).present(MODEL)
+    assert store_of(cluster, 2).held_ranges(MODEL, default_model_path().name)  # its rank's pieces
     assert "Paris" in ask(cluster.url(2))
 
 
@@ -153,8 +158,9 @@ def test_a_local_path_given_to_any_node_is_placed_and_each_rank_copies_only_its_
         i = ids.index(rank["node_id"])
         if i == asked:
             continue
-        top = rank_index in (0, len(ranks) - 1)
-        needed = set(manifest.shard_files(rank["layer_start"], rank["layer_end"], top))
+        reads = RankReads.of("pipeline", rank_index, RankShare(rank["layer_start"], rank["layer_end"]),
+                             manifest.config["num_layers"])
+        needed = set(manifest.shard_files(reads))
         assert store_of(cluster, i).present("tiny-split") == needed
     middle = ids.index(ranks[1]["node_id"])
     if middle != asked:

@@ -11,6 +11,8 @@ from pathlib import Path
 import pytest
 from tiny_models import hf_model
 
+from shardline.models.file_pieces import HEADER_PIECE
+from shardline.models.rank_reads import RankReads
 from shardline.models.store import (
     DEFAULT_MODEL_ID,
     ModelNotFoundError,
@@ -61,14 +63,15 @@ def test_a_pipeline_rank_needs_only_the_files_of_its_layers(tmp_path, split_mode
     small = set(manifest.tokenizer_files())
     assert "config.json" in small and not small & weight_files
 
-    first = set(manifest.shard_files(0, 2, top=True))
-    middle = set(manifest.shard_files(1, 3, top=False))
-    last = set(manifest.shard_files(2, 4, top=True))
+    first_reads, middle_reads, last_reads = (RankReads(0, 2, True, False), RankReads(1, 3, False, False),
+                                             RankReads(2, 4, False, True))
+    first, middle, last = (set(manifest.shard_files(r)) for r in (first_reads, middle_reads, last_reads))
     assert small <= first and small <= middle and small <= last
-    for rank_files, layers, top in ((first, range(0, 2), True), (middle, range(1, 3), False),
-                                    (last, range(2, 4), True)):
+    for rank_files, reads in ((first, first_reads), (middle, middle_reads), (last, last_reads)):
         needed = {file for name, file in manifest.weight_map.items()
-                  if any(f"layers.{i}." in name for i in layers) or (top and "layers." not in name)}
+                  if any(f"layers.{i}." in name for i in range(reads.layer_start, reads.layer_end))
+                  or (reads.embed and name == "model.embed_tokens.weight")
+                  or (reads.head and name in ("model.norm.weight", "lm_head.weight"))}
         assert rank_files & weight_files == needed
     # A middle rank skips the files of other layers and of the embedding and head.
     assert len(middle & weight_files) < len(weight_files)
@@ -91,7 +94,14 @@ def test_a_gguf_model_keeps_its_tokenizer_beside_it(tmp_path):
 
     assert manifest.format == "gguf"
     assert [f.path for f in manifest.files if f.weights] == [default_model_path().name]
-    assert manifest.shard_files(3, 7, top=False) == [f.path for f in manifest.files]
+    # The GGUF file is copied in pieces: the header and the rank's tensors.
+    reads = RankReads(3, 7, embed=False, head=False)
+    assert manifest.shard_files(reads) == manifest.tokenizer_files()
+    pieces = manifest.shard_pieces(reads)[default_model_path().name]
+    assert pieces[0].name == HEADER_PIECE and pieces[0].offset == 0
+    assert {p.name.split(".")[1] for p in pieces[1:]} == {"3", "4", "5", "6"}
+    assert manifest.shard_pieces(RankReads.whole(30))[default_model_path().name] == \
+        list(manifest.pieces[default_model_path().name])
     assert all(p.startswith("tokenizer/") for p in manifest.tokenizer_files())
     assert store.weights_path("test/smollm2") == store.model_dir("test/smollm2") / default_model_path().name
     # Hard-linked where the file system allows it: the same bytes, no copy.

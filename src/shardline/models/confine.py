@@ -21,6 +21,9 @@ import re
 from collections.abc import Iterable
 from pathlib import Path
 
+from shardline.models.file_pieces import check_pieces
+from shardline.models.sparse_file import RECORD_SUFFIX
+
 MANIFEST = "manifest.json"
 PARTIAL_SUFFIX = ".partial"
 FORMATS = ("gguf", "safetensors")
@@ -69,9 +72,11 @@ def check_manifest_json(data: object) -> dict:
     path is safe to write under the model's directory: ``format`` one of :data:`FORMATS`;
     ``files`` a list of ``{"path", "size", "sha256", "weights"}`` with a path that passes
     :func:`check_relative_path`, is not the manifest's own name nor ends with
-    :data:`PARTIAL_SUFFIX`, and is listed once; ``size`` an int >= 0, ``sha256`` 64 lowercase
+    :data:`PARTIAL_SUFFIX` or a partial file's record's suffix, and is listed once; ``size`` an int >= 0, ``sha256`` 64 lowercase
     hex digits, ``weights`` a bool; ``config`` an object; ``weight_map`` (optional) an object
-    of strings naming listed files. The model id is left to ``check_model_id``.
+    of strings naming listed files; ``pieces`` (optional) an object of listed files to
+    pieces that tile each (:func:`~shardline.models.file_pieces.check_pieces`). The model
+    id is left to ``check_model_id``.
 
     Raises:
         UnsafePathError: it is not (the message says what is wrong).
@@ -88,7 +93,7 @@ def check_manifest_json(data: object) -> dict:
         if not isinstance(entry, dict) or set(entry) != _FILE_KEYS:
             raise UnsafePathError(f"a file entry is not an object with the keys {sorted(_FILE_KEYS)}")
         path = check_relative_path(entry["path"])
-        if path == MANIFEST or path.endswith(PARTIAL_SUFFIX):
+        if path == MANIFEST or path.endswith((PARTIAL_SUFFIX, RECORD_SUFFIX)):
             raise UnsafePathError(f"path {path!r} is a name the store keeps for itself")
         if path in seen:
             raise UnsafePathError(f"path {path!r} is listed twice")
@@ -106,6 +111,15 @@ def check_manifest_json(data: object) -> dict:
     if not isinstance(weight_map, dict) or not all(
             isinstance(k, str) and isinstance(v, str) and v in seen for k, v in weight_map.items()):
         raise UnsafePathError("weight_map is not an object of tensor names to listed files")
+    pieces = data.get("pieces", {})
+    sizes = {entry["path"]: entry["size"] for entry in files}
+    if not isinstance(pieces, dict) or not all(isinstance(k, str) and k in seen for k in pieces):
+        raise UnsafePathError("pieces is not an object of listed files to their pieces")
+    for path, listed in pieces.items():
+        try:
+            check_pieces(listed, sizes[path])
+        except (ValueError, TypeError) as exc:
+            raise UnsafePathError(f"{path}: {exc}") from None
     return data
 
 

@@ -148,6 +148,12 @@ def open_gguf(path: Path) -> tuple[Any, dict[str, Any]]:
     return reader, metadata
 
 
+def tensor_layout(reader) -> list[tuple[str, int, int]]:
+    """``(name, data offset, data bytes)`` of each tensor of an opened GGUF file (``reader``
+    from :func:`open_gguf`), the offset from the file's start, in the file's order."""
+    return sorted(((t.name, int(t.data_offset), int(t.n_bytes)) for t in reader.tensors), key=lambda t: t[1])
+
+
 def _unreadable(path: Path, exc: Exception) -> str:
     """Why the GGUF reader failed on ``path``, in words: not GGUF at all (no ``GGUF`` magic,
     the format's first 4 bytes), or GGUF cut short or corrupt (a partial download or copy

@@ -5,15 +5,21 @@ in ``<data dir>/models/<org>--<name>/``:
 
 - ``manifest.json``: the id, the format (``gguf`` or ``safetensors``), every file with its
   size in bytes and SHA-256, the model card (:class:`~shardline.models.config.ModelConfig`)
-  placement reads, and for safetensors which file holds each tensor;
+  placement reads, for safetensors which file holds each tensor, and for a GGUF file its
+  pieces (header, then each tensor's bytes) with their SHA-256
+  (:mod:`shardline.models.file_pieces`);
 - the files: a ``.gguf`` file (with its tokenizer saved beside it in ``tokenizer/``, so a
   node can tokenize without the weights), or a Hugging Face directory (``config.json``,
   ``*.safetensors``, tokenizer files).
 
-A node may hold only some of a model's files: a pipeline rank copies from a peer only the
-safetensors files that hold its layers (:meth:`Manifest.shard_files`). A file is present
-when it lies under its own name with its manifest size; copies in progress are named
-``<file>.partial`` until their hash is checked (:mod:`shardline.node.transfer`).
+A node may hold only some of a model: a rank copies from a peer only what it reads
+(:mod:`shardline.models.rank_reads`): the safetensors files that hold its tensors
+(:meth:`Manifest.shard_files`), and of a GGUF file the header and its tensors' pieces
+(:meth:`Manifest.shard_pieces`), kept as a sparse file at the file's own path with a
+record of the ranges present (:mod:`shardline.models.sparse_file`). A file is **present**
+(whole) when it lies under its own name with its manifest size and no such record; whole
+copies in progress are named ``<file>.partial`` until their hash is checked
+(:mod:`shardline.node.transfer`).
 
 Models enter a store from a local path (:meth:`ModelStore.add_local`: hard links where the
 file system allows, else copies), from the Hugging Face hub (:meth:`ModelStore.add_from_hub`,
@@ -39,6 +45,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from shardline.machine_cache import cache_path, write_atomically
+from shardline.models.byte_ranges import Range, covers
 from shardline.models.config import ModelConfig, UnsupportedModelError
 from shardline.models.confine import (
     MANIFEST,
@@ -49,6 +56,9 @@ from shardline.models.confine import (
     resolve_under,
 )
 from shardline.models.confine import PARTIAL_SUFFIX as PARTIAL_SUFFIX  # for importers of the store
+from shardline.models.file_pieces import Piece, piece_bounds, sha256_pieces
+from shardline.models.rank_reads import NAMINGS, RankReads, tensors_read
+from shardline.models.sparse_file import read_record, record_path
 
 log = logging.getLogger(__name__)
 
@@ -60,7 +70,6 @@ GGUF_TOKENIZER_DIR = "tokenizer"
 # Files of a Hugging Face directory that shardline uses; others (*.bin, *.pt, ...) stay out.
 HF_PATTERNS = ("*.safetensors", "*.json", "*.jinja", "*.model", "*.txt", "*.tiktoken")
 _ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]*(/[A-Za-z0-9][A-Za-z0-9._-]*)?")
-_LAYER = re.compile(r"\.layers\.(\d+)\.")
 
 
 class ModelNotFoundError(LookupError):
@@ -91,6 +100,7 @@ class Manifest:
     files: tuple[ModelFile, ...]
     config: dict  # ModelConfig.to_dict(): the model card placement reads
     weight_map: dict[str, str] = field(default_factory=dict)  # safetensors: tensor -> file
+    pieces: dict[str, tuple[Piece, ...]] = field(default_factory=dict)  # GGUF file -> its pieces
 
     @property
     def total_bytes(self) -> int:
@@ -122,22 +132,42 @@ class Manifest:
         """The small files a node needs to tokenize: every file that holds no weights."""
         return [f.path for f in self.files if not f.weights]
 
-    def shard_files(self, layer_start: int, layer_end: int, top: bool) -> list[str]:
-        """The files a rank of layers ``[layer_start, layer_end)`` needs, in manifest order.
+    def shard_files(self, reads: RankReads) -> list[str]:
+        """The files a rank that reads ``reads`` copies whole, in manifest order.
 
-        Every file without weights is needed; a GGUF model is one file, needed whole. Of a
-        safetensors model, a file is needed when it holds a tensor of one of the rank's
-        layers, or (``top``: the first or last pipeline rank, every tensor or ring rank) a
-        tensor outside the layers (embedding, final norm, LM head).
+        Every file without weights; of a safetensors model, the files holding a tensor the
+        rank reads (:func:`~shardline.models.rank_reads.tensors_read`); a GGUF file only
+        where the manifest has no pieces for it (one from before pieces): whole.
         """
         if self.format == "gguf":
-            return [f.path for f in self.files]
-        wanted = set()
-        for name, file in self.weight_map.items():
-            match = _LAYER.search(name)
-            if (top and match is None) or (match and layer_start <= int(match.group(1)) < layer_end):
-                wanted.add(file)
+            return [f.path for f in self.files if not f.weights or f.path not in self.pieces]
+        names = tensors_read(self.weight_map, NAMINGS["safetensors"], self.tied, reads)
+        wanted = {self.weight_map[name] for name in names}
         return [f.path for f in self.files if not f.weights or f.path in wanted]
+
+    def shard_pieces(self, reads: RankReads) -> dict[str, list[Piece]]:
+        """The pieces of files copied in part that a rank reading ``reads`` needs: of each
+        GGUF file with pieces, its header and the pieces of the tensors the rank reads."""
+        out = {}
+        for path, pieces in self.pieces.items():
+            names = tensors_read((p.name for p in pieces), NAMINGS[self.format], self.tied, reads)
+            out[path] = [p for i, p in enumerate(pieces) if i == 0 or p.name in names]
+        return out
+
+    @property
+    def tied(self) -> bool:
+        return bool(self.config.get("tie_word_embeddings", False))
+
+    def file(self, path: str) -> ModelFile:
+        """The entry of file ``path``.
+
+        Raises:
+            KeyError: the manifest lists no such file.
+        """
+        for f in self.files:
+            if f.path == path:
+                return f
+        raise KeyError(path)
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -156,7 +186,8 @@ class Manifest:
             check_manifest_json(data)
             check_model_id(data["model_id"])
             files = tuple(ModelFile(**f) for f in data["files"])
-            return cls(**dict(data, files=files))
+            pieces = {path: tuple(Piece(**p) for p in listed) for path, listed in data.get("pieces", {}).items()}
+            return cls(**dict(data, files=files, pieces=pieces))
         except (UnsafePathError, ModelStoreError, KeyError, TypeError) as exc:
             raise ModelStoreError(f"manifest refused: {exc}") from None
 
@@ -362,7 +393,8 @@ class ModelStore:
         return confined(directory, directory / check_relative_path(path))
 
     def present(self, model_id: str) -> set[str]:
-        """The model's files that lie here under their own name with their manifest size."""
+        """The model's files that lie here whole: under their own name with their manifest
+        size, and no record of a partial file beside them."""
         manifest = self.manifest(model_id)
         return set() if manifest is None else self._present(manifest)
 
@@ -371,10 +403,49 @@ class ModelStore:
         out = set()
         for f in manifest.files:
             try:
-                if (directory / f.path).stat().st_size == f.size:
+                if (directory / f.path).stat().st_size == f.size and \
+                        not record_path(directory / f.path).exists():
                     out.add(f.path)
             except OSError:
                 pass
+        return out
+
+    def _partial(self, manifest: Manifest) -> dict[str, list[Range]]:
+        """The ranges held of each file held in part (a record beside it; none where the
+        record is of another version of the file, or the file is gone)."""
+        directory = self.model_dir(manifest.model_id)
+        out = {}
+        for path in manifest.pieces:
+            record = read_record(directory / path)
+            if record is not None:
+                valid = record.sha256 == manifest.file(path).sha256 and (directory / path).exists()
+                out[path] = list(record.present) if valid else []
+        return out
+
+    def held_ranges(self, model_id: str, path: str, manifest: Manifest | None = None) -> list[Range]:
+        """The byte ranges of the model's file ``path`` that lie here checked: all of it
+        when it is present whole, the record's ranges when it is held in part, else none
+        (``manifest``: the model's, when the caller has read it)."""
+        manifest = manifest or self.manifest(model_id)
+        if manifest is None:
+            return []
+        if path in self._present(manifest):
+            return [(0, manifest.file(path).size)]
+        return self._partial(manifest).get(path, [])
+
+    def missing_pieces(self, manifest: Manifest, pieces: dict[str, list[Piece]]) -> dict[str, list[Piece]]:
+        """Of ``pieces`` (by file), those not here: all of a file's for one neither whole
+        here nor held in part; only files with some missing are listed."""
+        present = self._present(manifest)
+        partial = self._partial(manifest)
+        out = {}
+        for path, wanted in pieces.items():
+            if path in present:
+                continue
+            held = partial.get(path, [])
+            lacking = [p for p in wanted if not covers(held, p.range)]
+            if lacking:
+                out[path] = lacking
         return out
 
     def missing(self, model_id: str, files: list[str]) -> list[str]:
@@ -383,14 +454,18 @@ class ModelStore:
         return [f for f in files if f not in present]
 
     def summary(self) -> dict[str, dict]:
-        """Per model id: ``{"format", "total_bytes", "present", "complete", "added_at"}``
-        (the present file paths; whether they are all; when its manifest was written,
-        seconds since the epoch) — what a node tells its peers it can serve."""
+        """Per model id: ``{"format", "total_bytes", "present", "ranges", "complete",
+        "added_at"}`` (the file paths present whole; of each file held in part, the byte
+        ranges held, ``[[start, end], ...]``; whether every file is present whole; when its
+        manifest was written, seconds since the epoch) — what a node tells its peers it can
+        serve."""
         out = {}
         for manifest, written in self._manifests_written():  # read once each: peers ask every second
             present = self._present(manifest)
+            ranges = {path: [list(r) for r in held] for path, held in self._partial(manifest).items() if held}
             out[manifest.model_id] = {"format": manifest.format, "total_bytes": manifest.total_bytes,
-                                      "present": sorted(present), "complete": len(present) == len(manifest.files),
+                                      "present": sorted(present), "ranges": ranges,
+                                      "complete": len(present) == len(manifest.files),
                                       "added_at": written}
         return out
 
@@ -417,6 +492,9 @@ class ModelStore:
         if not source.exists():
             raise ModelStoreError(f"{source}: no such file or directory")
         if source.is_file() and source.suffix == ".gguf":
+            if record_path(source).exists():
+                raise ModelStoreError(f"{source} is a copy held in part (only the pieces of some ranks): "
+                                      f"add the whole file from a node that holds it")
             files = {source.name: source}
             fmt = "gguf"
         elif source.is_dir() and (source / "config.json").is_file():
@@ -447,6 +525,7 @@ class ModelStore:
             raise ModelStoreError(f"{source} is not a model shardline can read: {exc}") from None
         known = self.manifest(model_id)
         if known is not None and self.present(model_id) == {f.path for f in known.files} and \
+                (fmt != "gguf" or known.pieces) and \
                 {f.path: f.size for f in known.files if f.weights} == \
                 {name: file.stat().st_size for name, file in files.items()
                  if name.endswith((".gguf", ".safetensors"))}:
@@ -507,10 +586,19 @@ class ModelStore:
 
     def _describe(self, directory: Path, model_id: str, fmt: str) -> Manifest:
         files, weight_map = [], {}
+        pieces: dict[str, tuple[Piece, ...]] = {}
         for file in sorted(p for p in directory.rglob("*") if p.is_file()):
             rel = file.relative_to(directory).as_posix()
             weights = rel.endswith((".gguf", ".safetensors"))
-            files.append(ModelFile(rel, file.stat().st_size, sha256_file(file), weights))
+            if rel.endswith(".gguf"):  # its pieces' hashes in the pass that hashes it
+                from shardline.models.gguf_header import open_gguf, tensor_layout
+
+                size = file.stat().st_size
+                digest, listed = sha256_pieces(file, piece_bounds(tensor_layout(open_gguf(file)[0]), size))
+                pieces[rel] = tuple(listed)
+            else:
+                digest = sha256_file(file)
+            files.append(ModelFile(rel, file.stat().st_size, digest, weights))
         if fmt == "gguf":
             weights_path = directory / next(f.path for f in files if f.weights)
         else:
@@ -523,7 +611,7 @@ class ModelStore:
                     with safe_open(str(directory / f.path), framework="np") as handle:
                         weight_map.update({name: f.path for name in handle.keys()})
         config = _weights_config(weights_path).to_dict()
-        return Manifest(model_id, fmt, tuple(files), config, weight_map)
+        return Manifest(model_id, fmt, tuple(files), config, weight_map, pieces)
 
     def weights_path(self, model_id: str) -> Path:
         """What :func:`~shardline.models.weights.open_weights` opens for the model here:

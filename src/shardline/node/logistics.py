@@ -10,8 +10,9 @@ import sys
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from shardline.models.config import Sharding
 from shardline.models.confine import resolve_under
+from shardline.models.file_pieces import Piece
+from shardline.models.rank_reads import RankReads
 from shardline.models.store import (
     DEFAULT_MODEL_ID,
     Manifest,
@@ -26,7 +27,7 @@ from shardline.models.tokenizer import Tokenizer
 from shardline.node.peer_client import PeerError
 from shardline.node.status import RankStatus
 from shardline.node.table import Instance, Peer, RankPlacement
-from shardline.node.transfer import CopyProgress, TransferError
+from shardline.node.transfer import CopyProgress, TransferError, what_peer_serves
 
 if TYPE_CHECKING:
     from shardline.node.node import Node
@@ -65,8 +66,10 @@ class ModelLogistics:
         self.node.background(warm())
 
     async def _shard_weights(self, inst: Instance, rank: int, placement: RankPlacement) -> Path:
-        """The local path the runner of ``rank`` opens, after copying from a peer the
-        files of its shard that this node's store lacks (progress goes to the coordinator).
+        """The local path the runner of ``rank`` opens, after copying from peers what it
+        reads that this node's store lacks (:mod:`shardline.models.rank_reads`): the files
+        of its shard, and of a GGUF file the header and its tensors' pieces (progress goes
+        to the coordinator).
 
         Raises:
             ModelNotFoundError: no live node has the files.
@@ -75,8 +78,7 @@ class ModelLogistics:
         if inst.model_id == DEFAULT_MODEL_ID:
             return self.node.store.weights_path(inst.model_id)
         manifest = await self._manifest(inst.model_id)
-        top = inst.sharding != Sharding.PIPELINE or rank in (0, len(inst.ranks) - 1)
-        needed = manifest.shard_files(placement.share.layer_start, placement.share.layer_end, top)
+        reads = RankReads.of(inst.sharding, rank, placement.share, int(manifest.config["num_layers"]))
 
         loop = asyncio.get_running_loop()
 
@@ -85,7 +87,7 @@ class ModelLogistics:
                                          fetched={"done_bytes": done, "total_bytes": total})
             asyncio.run_coroutine_threadsafe(report, loop)
 
-        await self._fetch(manifest, needed, progress)
+        await self._fetch(manifest, manifest.shard_files(reads), progress, manifest.shard_pieces(reads))
         return self.node.store.weights_path(inst.model_id)
 
     async def _manifest(self, model_id: str) -> Manifest:
@@ -155,37 +157,56 @@ class ModelLogistics:
         live = set(self.node.live_node_ids())
         await asyncio.gather(*(self.node.membership.poll(p.address) for p in self.node.peers.values() if p.node_id in live))
 
-    async def _fetch(self, manifest: Manifest, paths: list[str], on_progress=None) -> None:
-        """Copy ``paths`` of a model that this store lacks from a live peer that has them
-        all, trying each such peer in turn (a broken copy resumes from the next).
+    async def _fetch(self, manifest: Manifest, paths: list[str], on_progress=None,
+                     pieces: dict[str, list[Piece]] | None = None) -> None:
+        """Copy what this store lacks of ``paths`` (whole files) and ``pieces`` (of files
+        held in part: :mod:`shardline.models.sparse_file`) of a model from live peers:
+        each peer in turn, most of it first, copies what it holds of what is still
+        missing (a broken copy resumes from the next; a piece a peer holds in part comes
+        from a peer that holds it, or the file whole).
 
         Raises:
-            ModelNotFoundError: no live peer has them.
-            TransferError, PeerError: the last peer's copy failed.
+            ModelNotFoundError: no live peer has some of it.
+            TransferError, PeerError: the last peer's copy failed, and some is still missing.
         """
+        pieces = pieces or {}
+        store, model_id = self.node.store, manifest.model_id
+
+        def lacking() -> tuple[list[str], dict[str, list[Piece]]]:
+            return store.missing(model_id, paths), store.missing_pieces(manifest, pieces)
+
+        def size(files: list[str], parts: dict[str, list[Piece]]) -> int:
+            return sum(manifest.file(f).size for f in files) + sum(p.size for ps in parts.values() for p in ps)
+
         async with self.node._fetch_lock:  # one copy at a time: a tokenizer and a shard share files
-            missing = self.node.store.missing(manifest.model_id, paths)
-            if not missing:
+            files, parts = lacking()
+            if not files and not parts:
                 return
-            holders = await self._peers_holding(
-                lambda models: set(missing) <= set(models.get(manifest.model_id, {}).get("present", ())))
-            if not holders:
-                raise ModelNotFoundError(f"no live node has the files {missing} of {manifest.model_id}")
-            total = sum(f.size for f in manifest.files if f.path in paths)
-            progress = CopyProgress(f"copying {manifest.model_id}", total, on_progress)
-            error: Exception = ModelNotFoundError(f"no live node has the files of {manifest.model_id}")
+            first = (files, parts)
+            holders = await self._peers_holding(lambda models: any(
+                what_peer_serves(models.get(model_id, {}), files, parts)))
+            holders.sort(key=lambda p: -size(*what_peer_serves(p.models.get(model_id, {}), files, parts)))
+            total = size(paths, pieces)
+            progress = CopyProgress(f"copying {model_id}", total, on_progress)
+            error: Exception = ModelNotFoundError(
+                f"no live node has {', '.join(files + list(parts))} of {model_id} (or the parts a rank reads)")
             try:
                 for peer in holders:
-                    progress.done = 0  # fetch_files counts what is present as done
+                    served = what_peer_serves(peer.models.get(model_id, {}), files, parts)
+                    if not any(served):
+                        continue
+                    progress.done = total - size(files, parts)  # what is here already
                     try:
                         received = await self.node.peer_client.copy_files(
-                            peer.address, self.node.store, manifest, paths, progress)
-                        log.info("copied %d bytes of %s from %s", received, manifest.model_id, peer.node_id)
-                        await self._parse_gguf_headers(manifest, missing)
-                        return
+                            peer.address, store, manifest, served[0], progress, served[1])
+                        log.info("copied %d bytes of %s from %s", received, model_id, peer.node_id)
                     except (TransferError, PeerError) as exc:
-                        log.warning("copying %s from %s failed: %s", manifest.model_id, peer.node_id, exc)
+                        log.warning("copying %s from %s failed: %s", model_id, peer.node_id, exc)
                         error = exc
+                    files, parts = lacking()
+                    if not files and not parts:
+                        await self._parse_gguf_headers(manifest, first[0] + list(first[1]))
+                        return
             finally:
                 progress.close()
             raise error

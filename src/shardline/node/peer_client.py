@@ -22,13 +22,14 @@ import httpx
 import pydantic
 
 from shardline.models.confine import UnsafePathError
+from shardline.models.file_pieces import Piece
 from shardline.models.store import Manifest, ModelStore
 from shardline.node.link_probe import measure_link
 from shardline.node.queue_bound import QueueFullError, retry_after
 from shardline.node.signing import MEMBER_HEADER, SignatureError, SignedAuth, check_answer
 from shardline.node.state import ClusterState
 from shardline.node.table import EndCode, InstanceFailedError
-from shardline.node.transfer import CopyProgress, TransferError, fetch_files
+from shardline.node.transfer import CopyProgress, TransferError, fetch_files, fetch_pieces
 from shardline.node.wire import (
     CancelMessage,
     Delivered,
@@ -216,10 +217,12 @@ class PeerClient:
             raise PeerError(f"link to {address}: {exc!r}") from exc
 
     async def copy_files(self, address: str, store: ModelStore, manifest: Manifest, paths: list[str],
-                         progress: CopyProgress | None = None) -> int:
-        """Copy a model's files ``paths`` from the peer's store into ``store``, in a worker
-        thread (:func:`shardline.node.transfer.fetch_files`: resumable, checked by SHA-256);
-        the bytes received.
+                         progress: CopyProgress | None = None,
+                         pieces: dict[str, list[Piece]] | None = None) -> int:
+        """Copy a model's files ``paths`` whole, and ``pieces`` of its files held in part,
+        from the peer's store into ``store``, in a worker thread
+        (:func:`shardline.node.transfer.fetch_files` and ``fetch_pieces``: resumable,
+        checked by SHA-256); the bytes received.
 
         Raises:
             TransferError: a file arrived wrong, the peer lacks it, or a file would lie
@@ -228,7 +231,10 @@ class PeerClient:
         """
         def copy() -> int:
             with httpx.Client(auth=self.auth) as client:
-                return fetch_files(client, f"http://{address}", store, manifest, paths, progress)
+                received = fetch_files(client, f"http://{address}", store, manifest, paths, progress)
+                if pieces:
+                    received += fetch_pieces(client, f"http://{address}", store, manifest, pieces, progress)
+                return received
 
         try:
             return await asyncio.to_thread(copy)

@@ -1,11 +1,18 @@
 """Copying a model's files from a peer's store: HTTP byte ranges, resumed, hash-checked.
 
 A node serves the files of its store at ``/internal/models/file`` (behind the cluster key,
-like every ``/internal`` route) with Starlette's ``FileResponse``, which answers
-``Range: bytes=N-`` requests (RFC 9110, section 14) with ``206 Partial Content``. A node
-that lacks files of its shard fetches them (:func:`fetch_files`): each into
+like every ``/internal`` route): a file it holds whole with Starlette's ``FileResponse``,
+which answers ``Range: bytes=N-`` requests (RFC 9110, section 14) with ``206 Partial
+Content``; a file it holds in part (:mod:`shardline.models.sparse_file`) only as one byte
+range that lies wholly in what it holds (anything else is answered 404: it never serves
+bytes it does not hold).
+
+A node that lacks files of its shard fetches them whole (:func:`fetch_files`): each into
 ``<file>.partial``, continued from its current size after an interruption, and renamed to
-its own name only once its size and SHA-256 equal the manifest's.
+its own name only once its size and SHA-256 equal the manifest's. Of a GGUF file it fetches
+only the pieces its ranks read (:func:`fetch_pieces`): each piece's range written at its
+offset into the sparse file, recorded present once its SHA-256 equals the manifest's, and
+continued after an interruption from what the record says was written.
 
 Paths stay in the store (:mod:`shardline.models.confine`): a peer's manifest is checked
 where it is parsed (``Manifest.from_dict``), and every file is written, or served, only
@@ -25,10 +32,13 @@ from collections.abc import Callable
 from pathlib import Path
 
 import httpx
-from fastapi import FastAPI
-from fastapi.responses import FileResponse, JSONResponse
+from fastapi import FastAPI, Request
+from fastapi.responses import FileResponse, JSONResponse, StreamingResponse
 
+from shardline.models.byte_ranges import Range, covers
 from shardline.models.confine import UnsafePathError, check_manifest_json
+from shardline.models.file_pieces import Piece
+from shardline.models.sparse_file import RECORD_SUFFIX, SparseRecord, read_record, record_path, write_record
 from shardline.models.store import (
     PARTIAL_SUFFIX,
     Manifest,
@@ -40,6 +50,8 @@ from shardline.models.store import (
 log = logging.getLogger(__name__)
 
 CHUNK_BYTES = 1 << 20
+RECORD_EVERY_BYTES = 64 << 20
+"""How often a piece being copied has its progress recorded, for a resume."""
 
 
 class TransferError(RuntimeError):
@@ -48,7 +60,8 @@ class TransferError(RuntimeError):
 
 def add_model_routes(app: FastAPI, store: ModelStore) -> None:
     """Serve ``store`` to peers: ``GET /internal/models/manifest?model=ID`` (the manifest)
-    and ``GET /internal/models/file?model=ID&path=REL`` (a present file; byte ranges)."""
+    and ``GET /internal/models/file?model=ID&path=REL`` (a file present whole, byte ranges
+    of it; or one range held of a file held in part)."""
 
     @app.get("/internal/models/manifest")
     async def manifest(model: str):
@@ -58,18 +71,64 @@ def add_model_routes(app: FastAPI, store: ModelStore) -> None:
         return found.to_dict()
 
     @app.get("/internal/models/file")
-    async def model_file(model: str, path: str):
+    async def model_file(model: str, path: str, request: Request):
         found = _manifest_or_none(store, model)
         missing = JSONResponse(status_code=404, content={"detail": f"{model}: no file {path!r} here"})
         # Only files named in the manifest, at a real path inside the model's directory.
-        if found is None or path not in store.present(model):
+        if found is None or path not in {f.path for f in found.files}:
             return missing
+        size = found.file(path).size
+        held = store.held_ranges(model, path, found)
+        whole = held == [(0, size)]
+        wanted = None
+        if not whole:
+            wanted = single_range(request.headers.get("range"), size)
+            if wanted is None or not covers(held, wanted):
+                return JSONResponse(status_code=404, content={
+                    "detail": f"{model}: {path!r} is not here whole, nor the bytes asked for"})
         try:
             real = store.confined_path(model, path)
         except (UnsafePathError, ModelStoreError) as exc:
             log.warning("refused to serve %s/%s: %s", model, path, exc)
             return missing
-        return FileResponse(real, media_type="application/octet-stream")
+        if whole:
+            return FileResponse(real, media_type="application/octet-stream")
+        assert wanted is not None
+        start, end = wanted
+        return StreamingResponse(_read_range(real, start, end), status_code=206,
+                                 media_type="application/octet-stream",
+                                 headers={"Content-Range": f"bytes {start}-{end - 1}/{size}",
+                                          "Content-Length": str(end - start)})
+
+
+def single_range(header: str | None, size: int) -> Range | None:
+    """The one byte range ``[start, end)`` a ``Range`` header asks of a file of ``size``
+    bytes (``bytes=A-B``, ``bytes=A-``, ``bytes=-N``), or None when it asks none, several,
+    or one that is empty or past the end."""
+    if header is None or not header.startswith("bytes=") or "," in header:
+        return None
+    first, _, last = header[len("bytes="):].strip().partition("-")
+    try:
+        if not first:
+            start, end = max(size - int(last), 0), size
+        else:
+            start = int(first)
+            end = min(int(last) + 1, size) if last else size
+    except ValueError:
+        return None
+    return (start, end) if 0 <= start < end <= size else None
+
+
+def _read_range(path: Path, start: int, end: int):
+    """The bytes ``[start, end)`` of the file at ``path``, a chunk at a time."""
+    with open(path, "rb") as f:
+        f.seek(start)
+        while start < end:
+            block = f.read(min(CHUNK_BYTES, end - start))
+            if not block:
+                return
+            start += len(block)
+            yield block
 
 
 def _manifest_or_none(store: ModelStore, model: str) -> Manifest | None:
@@ -151,9 +210,188 @@ def fetch_files(client: httpx.Client, base_url: str, store: ModelStore, manifest
     for entry in manifest.files:
         if entry.path in paths and entry.path not in present:
             received += _fetch_file(client, base_url, store, manifest.model_id, entry, progress)
-        elif entry.path in paths and progress is not None:
-            progress.advance(entry.size)
     return received
+
+
+def fetch_pieces(client: httpx.Client, base_url: str, store: ModelStore, manifest: Manifest,
+                 pieces: dict[str, list[Piece]], progress: CopyProgress | None = None) -> int:
+    """Copy ``pieces`` (by file) of ``manifest``'s model from the peer at ``base_url`` into
+    ``store``'s sparse files (:mod:`shardline.models.sparse_file`), skipping pieces held
+    and files present whole, one range request for each run of pieces side by side,
+    resuming a piece the record says was being written. A file
+    whose every byte is then held becomes whole (its record is deleted). Blocking (run it
+    in a thread). Records the manifest first. Returns the bytes received.
+
+    Raises:
+        TransferError: the peer answered an error or not the range asked, or a piece's
+            SHA-256 is not the manifest's (it is not recorded; a retry copies it afresh).
+        UnsafePathError: a file would lie outside the model's directory; nothing is written.
+        httpx.HTTPError: the connection failed (what was written is recorded for a resume).
+    """
+    try:
+        check_manifest_json(manifest.to_dict())
+        store.write_manifest(manifest)
+    except UnsafePathError as exc:
+        log.warning("refused to record %s from %s: %s", manifest.model_id, base_url, exc)
+        raise
+    received = 0
+    for path, wanted in store.missing_pieces(manifest, pieces).items():
+        entry = manifest.file(path)
+        try:
+            target = store.confined_path(manifest.model_id, path)
+            target.parent.mkdir(parents=True, exist_ok=True)
+            target = store.confined_path(manifest.model_id, path)
+            store.confined_path(manifest.model_id, path + RECORD_SUFFIX)
+        except UnsafePathError as exc:
+            log.warning("refused to copy %s/%s from %s: %s", manifest.model_id, path, base_url, exc)
+            raise
+        record = _sparse_file(target, entry)
+        fd = os.open(target, os.O_RDWR | os.O_NOFOLLOW)
+        try:
+            for run in runs([p for p in wanted if not record.holds(p.range)]):
+                record, got = _fetch_run(client, base_url, manifest.model_id, entry, target, fd, record, run,
+                                         progress)
+                received += got
+        finally:
+            os.close(fd)
+        if record.complete:  # every piece: the file is the whole file, byte for byte
+            record_path(target).unlink()
+            log.info("%s/%s is now held whole", manifest.model_id, path)
+    return received
+
+
+def what_peer_serves(held: dict, files: list[str], pieces: dict[str, list[Piece]]) -> tuple[
+        list[str], dict[str, list[Piece]]]:
+    """Of ``files`` (wanted whole) and ``pieces`` (by file), what a peer whose store
+    summary of the model is ``held`` (``ModelStore.summary()``'s entry: ``present``,
+    ``ranges``) can serve: the files it holds whole, and the pieces of files it holds
+    whole or whose ranges it holds. Pure."""
+    present = set(held.get("present", ()))
+    ranges = held.get("ranges", {})
+    out: dict[str, list[Piece]] = {}
+    for path, wanted in pieces.items():
+        servable = wanted if path in present else [
+            p for p in wanted if covers([tuple(r) for r in ranges.get(path, ())], p.range)]
+        if servable:
+            out[path] = servable
+    return [f for f in files if f in present], out
+
+
+def _sparse_file(target: Path, entry: ModelFile) -> SparseRecord:
+    """The record of the file held in part at ``target`` (of ``entry``'s version), making
+    the record (first) and the file at its full size, all holes, where there are none; a
+    record of another version is void: its file is made afresh."""
+    record = read_record(target)
+    if record is None or (record.sha256, record.size) != (entry.sha256, entry.size) or not target.exists():
+        if record is not None:
+            log.info("%s: its record is of another version of the file, or of none: copying it afresh", target)
+        record = SparseRecord(entry.sha256, entry.size)
+        write_record(target, record)  # before the file: a file with a record is never taken whole
+        target.unlink(missing_ok=True)
+    fd = os.open(target, os.O_WRONLY | os.O_CREAT | os.O_NOFOLLOW, 0o644)
+    try:
+        if os.fstat(fd).st_size != entry.size:
+            os.ftruncate(fd, entry.size)
+    finally:
+        os.close(fd)
+    return record
+
+
+def runs(pieces: list[Piece]) -> list[list[Piece]]:
+    """``pieces`` by offset, in runs of pieces side by side: one request each. Pure."""
+    out: list[list[Piece]] = []
+    for piece in sorted(pieces, key=lambda p: p.offset):
+        if out and out[-1][-1].offset + out[-1][-1].size == piece.offset:
+            out[-1].append(piece)
+        else:
+            out.append([piece])
+    return out
+
+
+def _fetch_run(client: httpx.Client, base_url: str, model_id: str, entry: ModelFile, target: Path,
+               fd: int, record: SparseRecord, run: list[Piece],
+               progress: CopyProgress | None) -> tuple[SparseRecord, int]:
+    """Copy a run of pieces side by side (:func:`runs`) with one range request into the
+    open sparse file ``fd`` at their offsets, each checked and recorded as it ends; the
+    record with them held, and the bytes received."""
+    index, hasher = 0, hashlib.sha256()
+    position = run[0].offset
+    if record.writing is not None and record.writing[0] == position and \
+            position < record.writing[1] <= position + run[0].size:
+        resumed = record.writing[1]  # bytes written before an interruption: hashed from disk
+        while position < resumed:
+            block = os.pread(fd, min(CHUNK_BYTES, resumed - position), position)
+            if not block:
+                break
+            hasher.update(block)
+            position += len(block)
+        log.info("resuming %s/%s piece %s at byte %d of %d", model_id, entry.path, run[0].name,
+                 position - run[0].offset, run[0].size)
+        if progress is not None:
+            progress.advance(position - run[0].offset)
+        if position == run[0].offset + run[0].size:  # written to its end before the interruption
+            record = _checked(record, run[0], hasher.hexdigest(), target, base_url, model_id, entry.path)
+            index, hasher = 1, hashlib.sha256()
+            if index == len(run):
+                return record, 0
+    end = run[-1].offset + run[-1].size
+    received, noted = 0, position
+    params = {"model": model_id, "path": entry.path}
+    try:
+        with client.stream("GET", f"{base_url}/internal/models/file", params=params,
+                           headers={"Range": f"bytes={position}-{end - 1}"}, timeout=30.0) as response:
+            expected = f"bytes {position}-{end - 1}/"
+            if response.status_code != 206 or not response.headers.get("content-range", "").startswith(expected):
+                raise TransferError(f"{base_url} answered {response.status_code} "
+                                    f"({response.headers.get('content-range')}) for bytes {position}-{end - 1} "
+                                    f"of {model_id}/{entry.path}")
+            for chunk in response.iter_bytes(CHUNK_BYTES):
+                if position + len(chunk) > end:
+                    raise TransferError(f"{base_url} sent more than bytes {run[0].offset}-{end - 1} of "
+                                        f"{model_id}/{entry.path}")
+                received += len(chunk)
+                if progress is not None:
+                    progress.advance(len(chunk))
+                while chunk:  # split at the pieces' ends
+                    piece = run[index]
+                    part = chunk[:piece.offset + piece.size - position]
+                    os.pwrite(fd, part, position)
+                    hasher.update(part)
+                    position += len(part)
+                    chunk = chunk[len(part):]
+                    if position == piece.offset + piece.size:
+                        record = _checked(record, piece, hasher.hexdigest(), target, base_url, model_id,
+                                          entry.path)
+                        index, hasher, noted = index + 1, hashlib.sha256(), position
+                    elif position - noted >= RECORD_EVERY_BYTES:
+                        record, noted = record.writing_to(piece.offset, position), position
+                        write_record(target, record)
+    except httpx.HTTPError:
+        if index < len(run) and position > run[index].offset:  # what was written, for a resume
+            write_record(target, record.writing_to(run[index].offset, position))
+        raise
+    if index < len(run):
+        if position > run[index].offset:
+            write_record(target, record.writing_to(run[index].offset, position))
+        raise TransferError(f"{base_url} sent bytes {run[0].offset}-{position - 1} of {model_id}/{entry.path}, "
+                            f"short of {end}")
+    return record, received
+
+
+def _checked(record: SparseRecord, piece: Piece, sha256: str, target: Path, base_url: str, model_id: str,
+             path: str) -> SparseRecord:
+    """``record`` with ``piece`` held, written, once its bytes' SHA-256 is the manifest's.
+
+    Raises:
+        TransferError: it is not (the record is written without the piece, nothing to resume).
+    """
+    if sha256 != piece.sha256:
+        write_record(target, record.not_writing())
+        raise TransferError(f"copy of {model_id}/{path} piece {piece.name} from {base_url} is corrupt: "
+                            f"SHA-256 {sha256[:12]}..., expected {piece.sha256[:12]}...")
+    record = record.holding(piece.range)
+    write_record(target, record)
+    return record
 
 
 def _fetch_file(client: httpx.Client, base_url: str, store: ModelStore, model_id: str,
@@ -201,6 +439,7 @@ def _fetch_file(client: httpx.Client, base_url: str, store: ModelStore, model_id
             f"copy of {model_id}/{entry.path} from {base_url} is corrupt: {size} bytes, SHA-256 "
             f"{hasher.hexdigest()[:12]}..., expected {entry.size} bytes, {entry.sha256[:12]}...")
     partial.replace(target)
+    record_path(target).unlink(missing_ok=True)  # it was held in part: now whole
     return received
 
 
