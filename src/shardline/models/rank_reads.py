@@ -61,7 +61,7 @@ class RankReads:
     def of(cls, sharding: Sharding | str, rank: int, share: RankShare, num_layers: int) -> "RankReads":
         """What rank ``rank`` of an instance of ``sharding`` holding ``share`` of a model of
         ``num_layers`` layers reads (see the module doc)."""
-        if Sharding(sharding) == Sharding.TENSOR:
+        if Sharding(sharding) in (Sharding.TENSOR, Sharding.EXPERT):
             return cls(0, num_layers, embed=True, head=rank == 0)
         return cls(share.layer_start, share.layer_end, embed=share.layer_start == 0,
                    head=share.layer_end == num_layers)
