@@ -353,6 +353,10 @@ def random_quant_blocks(type_name: str, rows: int, blocks: int, seed: int = 0,
     rng = np.random.default_rng(seed)
     _, size = gguf.GGML_QUANT_SIZES[gguf.GGMLQuantizationType[type_name]]
     data = rng.integers(0, 256, (rows, blocks, size), dtype=np.uint8)
+    if type_name == "MXFP4":  # an E8M0 exponent byte: 2**(e - 128) about ``scale``
+        center = 128 + int(np.round(np.log2(scale)))
+        data[..., 0] = rng.integers(center - 3, center + 4, (rows, blocks), dtype=np.uint8)
+        return data.reshape(rows, blocks * size)
     for at in F16_FIELDS[type_name]:
         scales = (rng.standard_normal((rows, blocks)) * scale).astype(np.float16)
         data[..., at:at + 2] = scales[..., None].view(np.uint8).reshape(rows, blocks, 2)
