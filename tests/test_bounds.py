@@ -312,8 +312,8 @@ def test_a_node_url_without_a_scheme_is_http(given, url):
     (["run", "--port", "99999"], "--port must lie in 1-65535"),
     (["cluster", "--port", "65535", "--nodes", "2"], "plus one per extra node"),
     (["place", "--timeout", "-1"], "--timeout must be above 0 seconds"),
-    (["cluster", "--sharding", "bogus"], "(choose from 'auto', 'pipeline', 'tensor', 'ring')"),
-    (["place", "--sharding", "bogus"], "(choose from 'auto', 'pipeline', 'tensor', 'ring')"),
+    (["cluster", "--sharding", "bogus"], "(choose from 'auto', 'pipeline', 'tensor', 'ring', 'expert')"),
+    (["place", "--sharding", "bogus"], "(choose from 'auto', 'pipeline', 'tensor', 'ring', 'expert')"),
 ])
 def test_a_bad_argument_is_named_with_its_commands_usage(argv, words, capsys):
     from shardline.cli import main

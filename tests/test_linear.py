@@ -32,7 +32,7 @@ def resident(type_name: str, dtype: torch.dtype, seed: int = 0):
 def test_resident_weight_holds_the_files_values(type_name):
     """float32 scales: the values are the gguf library's to float32 rounding."""
     held, oracle = resident(type_name, torch.float32)
-    expected = PackedGroups if type_name in ("Q5_0", "Q5_1", "Q5_K", "Q6_K") else Int4Planes
+    expected = PackedGroups if type_name in ("Q5_0", "Q5_1", "Q5_K", "Q6_K", "MXFP4") else Int4Planes
     assert isinstance(held, expected)
     got = held.dequantize(torch.float64)
     assert (got - oracle).abs().max() <= 1e-6 * oracle.abs().max()
