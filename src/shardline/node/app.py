@@ -333,7 +333,7 @@ def create_app(node: Node, guard: GuardConfig, max_body_bytes: int = DEFAULT_MAX
     async def generate(request: TokenRequest):
         try:  # a full queue is a 429 here (QueueFullError), before the stream begins
             task_id = node.router.reserve(node.router.ready_instance(request.model_id, request_tokens(request)),
-                                          request)
+                                          request, bounded=request.sampling.resumed == 0)
         except NoInstanceError:
             task_id = None  # told in the stream
         ran_on: list[str] = []  # the instances it runs on, in order
