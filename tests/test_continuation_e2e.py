@@ -141,7 +141,7 @@ def killer(cluster: LocalCluster, victim: int, what: str) -> Callable[[], None]:
 
 
 def check_continued(reference: Streamed, disturbed: Streamed, max_tokens: int, what: str) -> None:
-    print(f"\n{what}: next token {disturbed.gap_s:.2f} s after the kill; fingerprints "
+    print(f"\n{what}: next token {disturbed.gap_s} s after the kill; fingerprints "
           f"{disturbed.fingerprints[0]} -> {disturbed.fingerprints[-1]}")
     assert disturbed.error is None, disturbed.error
     assert disturbed.killed_at is not None and disturbed.resumed_at is not None
@@ -211,3 +211,48 @@ def test_a_pipeline_stream_continues_on_the_instance_placed_again(pipeline3, bod
         assert set(json.loads(disturbed.arguments())) == {"city", "unit"}
     assert metric(url, 'shardline_continuations_total{outcome="continued"}') == continued + 1
     serving(pipeline3, url, 3 if victim == "runner" else 2)
+
+
+@pytest.mark.parametrize("sharding, ranks", [("tensor", 2), ("ring", 3)])
+def test_a_tensor_or_ring_stream_continues_after_a_runner_and_then_a_node_is_lost(tmp_path, sharding, ranks):
+    """Three nodes, the default model as a float32 tensor instance on two, or a ring on
+    all three (a ring is placed again on the nodes of the failed one that are left, and
+    needs two): a runner killed after 50 tokens of a 200-token greedy stream (the
+    instance placed again on the same nodes), then, in a second stream, the node of
+    another rank killed (placed again on the nodes left: tensor-1, ring-2): each time the
+    text of an undisturbed run."""
+    cluster = LocalCluster(nodes=3, base_port=free_port_block(3), runner_threads=1, log_dir=str(tmp_path),
+                           data_dir=str(tmp_path))
+    cluster.start()
+    try:
+        client, victim = roles(cluster, [0, 1, 2])
+        cluster.place(None, sharding, on=[client, victim] if ranks == 2 else None, dtype="float32")
+        url = cluster.url(client)
+        for what in ("runner", "node"):
+            serving(cluster, url, ranks)
+            reference = stream_chat(url, GREEDY)
+            disturbed = stream_chat(url, GREEDY, 50, killer(cluster, victim, what))
+            check_continued(reference, disturbed, GREEDY["max_tokens"], f"{sharding}-{ranks}, {what} killed after 50")
+    finally:
+        cluster.stop()
+
+
+def test_a_stream_whose_model_cannot_be_placed_again_ends_with_the_error_in_time(tmp_path):
+    """The model on one node; the two others offer 10 MB (it fits on neither); a stream
+    asked of another node, its model's node killed after 20 tokens: nothing can serve
+    it again, and the client gets the error, as before continuations, within the bound
+    (60 s) and a little."""
+    cluster = LocalCluster(nodes=3, base_port=free_port_block(3), runner_threads=1, log_dir=str(tmp_path),
+                           data_dir=str(tmp_path), node_args={0: ["--memory-limit", "10MB"],
+                                                              2: ["--memory-limit", "10MB"]})
+    cluster.start()
+    try:
+        cluster.place(None, "pipeline", on=[1])
+        disturbed = stream_chat(cluster.url(0), GREEDY, 20, killer(cluster, 1, "node"))
+        ended_s = time.monotonic() - (disturbed.killed_at or 0.0)
+        print(f"\nmodel not placed again: the client's error {ended_s:.1f} s after the kill: {disturbed.error}")
+        assert disturbed.error is not None and disturbed.error.get("code") == "instance_failed", disturbed.error
+        assert ended_s < 65
+        assert metric(cluster.url(0), 'shardline_continuations_total{outcome="failed"}') == 1
+    finally:
+        cluster.stop()

@@ -326,8 +326,8 @@ class Router:
                     if chosen is None:
                         self.continuations["failed"] += 1
                         log.info("the request (model %r, tasks %s) ends after %d tokens: its model was "
-                                 "not served again within %.0f s", request.model_id, tasks, len(sent),
-                                 CONTINUE_WAIT_S)
+                                 "not served again (it could not be placed, or not within %.0f s)",
+                                 request.model_id, tasks, len(sent), CONTINUE_WAIT_S)
                         raise
                     continuations += 1
                     self.continuations["continued"] += 1
