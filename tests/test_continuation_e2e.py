@@ -9,6 +9,7 @@ within the continuation's bound (60 s)."""
 from __future__ import annotations
 
 import json
+import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -187,6 +188,57 @@ JSON = {"messages": [{"role": "user", "content": "Describe Paris as JSON."}], "m
 TOOL = {"messages": [{"role": "user", "content": "What is the weather in Paris?"}], "max_tokens": 80,
         "temperature": 0, "tools": [WEATHER],
         "tool_choice": {"type": "function", "function": {"name": "get_weather"}}}
+
+
+def ollama_chat(url: str, kill_after: int | None = None, kill: Callable[[], None] | None = None) -> tuple[str, dict]:
+    """A streamed Ollama chat (greedy, 200 tokens at most): its text and last object;
+    with ``kill``, called once ``kill_after`` objects with text have come."""
+    text, last, pieces = "", {}, 0
+    body = {"model": DEFAULT_MODEL_ID, "messages": STORY, "options": {"temperature": 0, "num_predict": 200}}
+    with httpx.stream("POST", f"{url}/api/chat", json=body, timeout=120) as response:
+        for line in response.iter_lines():
+            if not line:
+                continue
+            last = json.loads(line)
+            assert "error" not in last, last
+            piece = last.get("message", {}).get("content") or ""
+            text += piece
+            pieces += bool(piece)
+            if kill is not None and pieces == kill_after:
+                kill()
+    return text, last
+
+
+def test_an_ollama_stream_and_a_request_not_streamed_are_continued_too(pipeline3):
+    """The continuation is the node's, under every API: an Ollama stream, its runner
+    killed after 50 pieces, and a chat completion not streamed, its runner killed at
+    about a third of its decode, give an undisturbed run's text and counts."""
+    client, target = roles(pipeline3, [0, 1, 2])
+    url = pipeline3.url(client)
+    text, last = ollama_chat(url)
+    assert last["eval_count"] > 60, last
+    serving(pipeline3, url, 3)
+    again, last_again = ollama_chat(url, 50, killer(pipeline3, target, "runner"))
+    assert again == text and last_again["eval_count"] == last["eval_count"]
+    assert last_again["done_reason"] == last["done_reason"]
+
+    body = {"model": DEFAULT_MODEL_ID, **GREEDY}
+    serving(pipeline3, url, 3)
+    started = time.monotonic()
+    reference = httpx.post(f"{url}/v1/chat/completions", json=body, timeout=120).json()
+    took = time.monotonic() - started
+    serving(pipeline3, url, 3)
+    timer = threading.Timer(took / 3, killer(pipeline3, target, "runner"))
+    timer.start()
+    disturbed = httpx.post(f"{url}/v1/chat/completions", json=body, timeout=120).json()
+    timer.join()
+    assert "error" not in disturbed, disturbed
+    assert disturbed["choices"][0]["message"] == reference["choices"][0]["message"]
+    assert disturbed["usage"] == reference["usage"]
+    assert disturbed["choices"][0]["finish_reason"] == "length"
+    assert disturbed["system_fingerprint"] != reference["system_fingerprint"]  # the instance placed again
+    print(f"\nnot streamed: {took:.1f} s undisturbed, the runner killed after {took / 3:.1f} s")
+    serving(pipeline3, url, 3)
 
 
 # The node victim last: it leaves two nodes.
