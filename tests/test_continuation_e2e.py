@@ -4,7 +4,8 @@ runner or a node SIGKILLed mid-stream). The client sees a pause, no error, and a
 temperature 0 the text of an undisturbed run; a seeded sample gives its text too, a
 ``json_schema`` answer and a forced tool call parse (their grammar's matcher advanced
 over the tokens given). Where the model cannot be placed again, the client gets the error
-within the continuation's bound (60 s)."""
+within the continuation's bound (60 s). A stored Responses API response is served by every
+node, also after the node that answered it died."""
 
 from __future__ import annotations
 
@@ -22,7 +23,7 @@ from conftest import free_port_block, runners_of, wait_until
 from shardline.local_cluster import LocalCluster
 from shardline.models.store import DEFAULT_MODEL_ID
 
-pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
+pytestmark = pytest.mark.timeout(300)
 
 STORY = [{"role": "user", "content": "Tell me a very long story about a lighthouse keeper."}]
 CITY = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 40},
@@ -209,6 +210,7 @@ def ollama_chat(url: str, kill_after: int | None = None, kill: Callable[[], None
     return text, last
 
 
+@pytest.mark.slow
 def test_an_ollama_stream_and_a_request_not_streamed_are_continued_too(pipeline3):
     """The continuation is the node's, under every API: an Ollama stream, its runner
     killed after 50 pieces, and a chat completion not streamed, its runner killed at
@@ -242,6 +244,7 @@ def test_an_ollama_stream_and_a_request_not_streamed_are_continued_too(pipeline3
 
 
 # The node victim last: it leaves two nodes.
+@pytest.mark.slow
 @pytest.mark.parametrize("body, kill_after, victim", [
     (GREEDY, 50, "runner"), (SEEDED, 40, "runner"), (JSON, 8, "runner"), (TOOL, 6, "runner"),
     (GREEDY, 50, "node")], ids=["greedy-runner", "seeded-runner", "json-runner", "tool-runner", "greedy-node"])
@@ -265,6 +268,7 @@ def test_a_pipeline_stream_continues_on_the_instance_placed_again(pipeline3, bod
     serving(pipeline3, url, 3 if victim == "runner" else 2)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("sharding, ranks", [("tensor", 2), ("ring", 3)])
 def test_a_tensor_or_ring_stream_continues_after_a_runner_and_then_a_node_is_lost(tmp_path, sharding, ranks):
     """Three nodes, the default model as a float32 tensor instance on two, or a ring on
@@ -289,6 +293,7 @@ def test_a_tensor_or_ring_stream_continues_after_a_runner_and_then_a_node_is_los
         cluster.stop()
 
 
+@pytest.mark.slow
 def test_a_stream_whose_model_cannot_be_placed_again_ends_with_the_error_in_time(tmp_path):
     """The model on one node; the two others offer 10 MB (it fits on neither); a stream
     asked of another node, its model's node killed after 20 tokens: nothing can serve
@@ -306,5 +311,42 @@ def test_a_stream_whose_model_cannot_be_placed_again_ends_with_the_error_in_time
         assert disturbed.error is not None and disturbed.error.get("code") == "instance_failed", disturbed.error
         assert ended_s < 65
         assert metric(cluster.url(0), 'shardline_continuations_total{outcome="failed"}') == 1
+    finally:
+        cluster.stop()
+
+
+def test_a_stored_response_is_served_by_every_node_and_after_its_node_died(tmp_path):
+    """Two nodes, the model on the second; a response stored by the first (which forwards
+    its request): the second retrieves it and continues from it (``previous_response_id``),
+    a deletion there reaches the first, and once the first is killed the second still
+    continues from the first's response."""
+    cluster = LocalCluster(nodes=2, base_port=free_port_block(2), runner_threads=1, log_dir=str(tmp_path),
+                           data_dir=str(tmp_path))
+    cluster.start()
+    try:
+        cluster.place(None, "pipeline", on=[1])
+        first, second = cluster.url(0), cluster.url(1)
+        greedy = {"model": DEFAULT_MODEL_ID, "temperature": 0, "max_output_tokens": 16}
+
+        def create(url: str, **body) -> dict:
+            response = httpx.post(f"{url}/v1/responses", json={**greedy, **body}, timeout=60)
+            assert response.status_code == 200, response.text
+            return response.json()
+
+        def text(response: dict) -> str:
+            return "".join(part["text"] for item in response["output"] if item["type"] == "message"
+                           for part in item["content"] if part["type"] == "output_text")
+
+        stored = create(first, input="The secret code is 4821.")
+        assert httpx.get(f"{second}/v1/responses/{stored['id']}", timeout=10).json() == stored
+        asked = {"previous_response_id": stored["id"], "input": "What is the secret code?"}
+        here, there = create(first, **asked), create(second, **asked)
+        assert "4821" in text(here) and text(there) == text(here)
+        assert httpx.delete(f"{second}/v1/responses/{there['id']}", timeout=10).status_code == 200
+        assert httpx.get(f"{first}/v1/responses/{there['id']}", timeout=10).status_code == 404
+        psutil.Process(cluster.procs[0].pid).kill()
+        cluster.procs[0].wait(10)
+        after = create(second, **asked)
+        assert text(after) == text(here)
     finally:
         cluster.stop()
