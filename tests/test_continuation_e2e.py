@@ -207,6 +207,7 @@ def ollama_chat(url: str, kill_after: int | None = None, kill: Callable[[], None
             pieces += bool(piece)
             if kill is not None and pieces == kill_after:
                 kill()
+                kill = None  # once: empty objects (heartbeats) come during the pause
     return text, last
 
 
