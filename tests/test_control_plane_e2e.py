@@ -135,10 +135,11 @@ def test_a_returning_node_gets_its_share_again(cluster):
     assert answers and None not in answers  # served throughout the handover
 
 
-def test_a_killed_runner_is_named_in_the_error_the_table_and_health(cluster):
+def test_a_killed_runner_is_named_in_the_table_and_health(cluster):
     """kill -9 of the runner of rank 1 during a stream taken by node 0 (issue 13, case 7):
-    the stream's error, the instance and its ranks name rank 1's node (the others only
-    stopped), /health?cluster=1 says the model is not served until it is placed again."""
+    the instance and its ranks name rank 1's node (the others only stopped),
+    /health?cluster=1 says the model is not served until it is placed again; the stream
+    goes on, continued on the instance placed again (no error)."""
     import json
     import threading
 
@@ -154,7 +155,7 @@ def test_a_killed_runner_is_named_in_the_error_the_table_and_health(cluster):
 
     def stream() -> None:
         with httpx.stream("POST", f"{cluster.url(0)}/v1/chat/completions", timeout=120, json={
-                "model": DEFAULT_MODEL_ID, "stream": True, "max_tokens": 400, "temperature": 0,
+                "model": DEFAULT_MODEL_ID, "stream": True, "max_tokens": 200, "temperature": 0,
                 "messages": [{"role": "user", "content": "Count from 1 to 300, one per line."}]}) as r:
             for line in r.iter_lines():
                 if line.startswith("data: {"):
@@ -167,20 +168,30 @@ def test_a_killed_runner_is_named_in_the_error_the_table_and_health(cluster):
     assert started.wait(60)
     runner.kill()
     killed = time.time()
-    reader.join(60)
-    errors = [e["error"]["message"] for e in events if "error" in e]
-    assert errors and f"rank 1 on node {victim}" in errors[0], errors
-    print(f"\nrunner killed: error at the client {time.time() - killed:.1f} s later: {errors[0]}")
-    listed = {x["instance_id"]: x for x in httpx.get(f"{cluster.url(0)}/cluster/instances", timeout=5).json()["instances"]}
-    failed = listed.get(inst["instance_id"])
-    if failed is not None:  # not placed again yet
-        assert failed["status"] == "failed" and victim in failed["error"]
+    failed = None  # the failed instance, as listed before it is placed again (at once: 3-4 s)
+    while failed is None and time.time() < killed + 10:
+        listed = {x["instance_id"]: x for x in
+                  httpx.get(f"{cluster.url(0)}/cluster/instances", timeout=5).json()["instances"]}
+        entry = listed.get(inst["instance_id"])
+        if entry is not None and entry["status"] == "failed":
+            failed = entry
+            health = httpx.get(f"{cluster.url(2)}/health?cluster=1", timeout=5)
+        elif entry is None or entry["instance_id"] != inst["instance_id"]:
+            break  # placed again between two looks
+        time.sleep(0.05)
+    if failed is not None:
+        assert victim in failed["error"] and f"rank 1 on node {victim}" in failed["error"], failed["error"]
         assert [r["status"] for r in failed["ranks"]] == ["stopped", "failed", "stopped"]
-        health = httpx.get(f"{cluster.url(2)}/health?cluster=1", timeout=5)
-        assert health.status_code == 503 and health.json()["models"][DEFAULT_MODEL_ID]["ready"] is False
+        assert health.status_code in (200, 503)  # 200 where it was placed again meanwhile
+        if health.status_code == 503:
+            assert health.json()["models"][DEFAULT_MODEL_ID]["ready"] is False
     else:  # its nodes all answered, so it was placed again at once; the new one answers for it
         named = httpx.get(f"{cluster.url(0)}/cluster/instances/{inst['instance_id']}", timeout=5).json()
         assert inst["instance_id"] in named["replaced"], named
+    reader.join(120)
+    errors = [e["error"]["message"] for e in events if "error" in e]
+    assert not errors and events[-1]["choices"][0]["finish_reason"] in ("stop", "length"), errors or events[-1]
+    print(f"\nrunner killed: the stream went on, ended {time.time() - killed:.1f} s later")
     wait_until(lambda: healed(cluster), 90, "the model placed again and served")
     assert httpx.get(f"{cluster.url(2)}/health?cluster=1", timeout=5).status_code == 200
     print(f"serving again {time.time() - killed:.1f} s after the kill")

@@ -1,7 +1,7 @@
-"""A runner or a node dies, or a runner freezes, mid-stream: the client gets an error,
-nothing is left running, the model is placed again and serves; before a request's first
-output, the request waits for the model placed again and is answered (2- and 3-node
-pipelines, real model, real processes)."""
+"""A runner or a node dies, or a runner freezes, mid-stream: the stream is continued on
+the instance placed again, nothing of the failed one is left running; before a request's
+first output, the request waits for the model placed again and is answered (2- and
+3-node pipelines, real model, real processes)."""
 
 from __future__ import annotations
 
@@ -24,15 +24,18 @@ pytestmark = pytest.mark.timeout(300)
 
 
 class Stream(threading.Thread):
-    """A long streamed completion; records when it ended and how."""
+    """A long streamed completion; records when each token came, when it ended and how;
+    :meth:`leave` closes it (the client goes away)."""
 
     def __init__(self, url: str) -> None:
         super().__init__(daemon=True)
         self.url = url
         self.tokens = 0
+        self.times: list[float] = []  # time.monotonic() of each token's chunk
         self.error: str | None = None
         self.code: str | None = None  # the error's code
         self.ended_at: float | None = None
+        self.left = threading.Event()
 
     def run(self) -> None:
         payload = {"model": DEFAULT_MODEL_ID, "stream": True, "max_tokens": 3000, "ignore_eos": True,
@@ -41,6 +44,8 @@ class Stream(threading.Thread):
             with httpx.stream("POST", f"{self.url}/v1/chat/completions", json=payload,
                               timeout=120) as response:
                 for line in response.iter_lines():
+                    if self.left.is_set():
+                        break
                     if not line.startswith("data: ") or line == "data: [DONE]":
                         continue
                     chunk = json.loads(line[len("data: "):])
@@ -48,9 +53,29 @@ class Stream(threading.Thread):
                         self.error, self.code = chunk["error"]["message"], chunk["error"].get("code")
                         break
                     self.tokens += 1
+                    self.times.append(time.monotonic())
         except httpx.HTTPError as exc:
             self.error = f"connection: {exc}"
         self.ended_at = time.monotonic()
+
+    def leave(self) -> None:
+        self.left.set()
+        self.join(30)
+
+    def token_after(self, at: float, timeout_s: float) -> float:
+        """Seconds from ``at`` (time.monotonic()) to the first token after it.
+
+        Raises:
+            AssertionError: none within ``timeout_s``, or the stream ended first.
+        """
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            after = [t for t in self.times if t > at]
+            if after:
+                return after[0] - at
+            assert self.ended_at is None, f"the stream ended: {self.error}"
+            time.sleep(0.05)
+        raise AssertionError(f"no token within {timeout_s} s")
 
 
 def wait_until_serving(cluster, node: int, timeout_s: float) -> str:
@@ -230,7 +255,11 @@ def test_a_request_while_its_model_is_placed_waits_for_it(cluster):
 # The node victim last: the others need a third node, which it leaves dead.
 @pytest.mark.parametrize("victim", [
     "runner", pytest.param("frozen runner", marks=pytest.mark.slow), "node"])
-def test_a_death_mid_stream_fails_fast_and_the_model_is_placed_again(cluster, victim):
+def test_a_death_mid_stream_is_continued_and_the_model_is_placed_again(cluster, victim):
+    """A rank's runner killed, frozen (the watchdog kills it) or its node killed after 5
+    tokens of a stream: the stream pauses and goes on, continued on the instance placed
+    again (tests/test_continuation_e2e.py checks its text); nothing of the failed
+    instance is left running."""
     three_live_nodes_and_a_three_rank_instance(cluster)
     # The victim is neither the coordinator nor the node the client talks to.
     coordinator = coordinator_index(cluster)
@@ -243,25 +272,26 @@ def test_a_death_mid_stream_fails_fast_and_the_model_is_placed_again(cluster, vi
                  httpx.get(f"{cluster.url(0)}/cluster/instances").json()["instances"]]
     stream = Stream(cluster.url(client_node))
     stream.start()
-    while stream.tokens < 5:
-        assert stream.ended_at is None, stream.error
-        time.sleep(0.05)
-    killed_at = time.monotonic()
-    if victim == "runner":
-        runners_of(nodes[target].pid)[0].kill()
-    elif victim == "frozen runner":
-        runners_of(nodes[target].pid)[0].suspend()  # SIGSTOP: alive but silent
-    else:
-        for proc in [*runners_of(nodes[target].pid), nodes[target]]:
-            proc.kill()
-    stream.join(timeout=30)
-    assert stream.ended_at is not None and stream.error, "the client got no error"
-    assert stream.code in ("instance_failed", None), stream.code  # None: the connection broke
-    error_s = stream.ended_at - killed_at
+    try:
+        while stream.tokens < 5:
+            assert stream.ended_at is None, stream.error
+            time.sleep(0.05)
+        killed_at = time.monotonic()
+        if victim == "runner":
+            runners_of(nodes[target].pid)[0].kill()
+        elif victim == "frozen runner":
+            runners_of(nodes[target].pid)[0].suspend()  # SIGSTOP: alive but silent
+        else:
+            for proc in [*runners_of(nodes[target].pid), nodes[target]]:
+                proc.kill()
+        gap_s = stream.token_after(killed_at + 0.5, timeout_s=60) + 0.5  # a token in flight may come at once
+        serving_s = time.monotonic() - killed_at
+        assert stream.ended_at is None and stream.error is None, stream.error
+    finally:
+        stream.leave()
     gone, alive = psutil.wait_procs(old_runners, timeout=15)
     assert not alive, f"runners of the failed instance still running: {alive}"
     answer = wait_until_serving(cluster, client_node, timeout_s=60)
-    serving_s = time.monotonic() - killed_at
     assert "Paris" in answer
     instances = httpx.get(f"{cluster.url(client_node)}/cluster/instances").json()["instances"]
     ready = [i for i in instances if i["status"] == "ready"]
@@ -269,9 +299,8 @@ def test_a_death_mid_stream_fails_fast_and_the_model_is_placed_again(cluster, vi
     # The id the client was given still answers: with the instance placed in its place.
     named = httpx.get(f"{cluster.url(client_node)}/cluster/instances/{old_id}").json()
     assert named["instance_id"] == ready[0]["instance_id"] != old_id and old_id in named["replaced"]
-    print(f"\n{victim} killed: client error after {error_s:.2f} s ({stream.error!r}); "
-          f"serving again after {serving_s:.1f} s")
-    assert error_s < (15 if victim == "frozen runner" else 10)  # the watchdog is 10 s
+    print(f"\n{victim} killed: the stream's next token {gap_s:.1f} s later (serving again)")
+    assert serving_s < (40 if victim == "frozen runner" else 30)  # the watchdog is 10 s
 
 
 @pytest.mark.slow
@@ -319,11 +348,12 @@ def test_a_model_whose_runners_cannot_load_fails_with_the_reason(tmp_path):
 
 
 @pytest.mark.slow
-def test_a_request_forwarded_to_a_node_that_stops_answering_ends_when_its_instance_fails(tmp_path):
+def test_a_request_forwarded_to_a_node_that_stops_answering_goes_on_when_its_instance_fails(tmp_path):
     """The model on one node only; a long stream asked of the other node, which forwards
     it; the model's node paused (SIGSTOP: its connections stay open, nothing comes): the
-    forwarding node fails the stream once the instance fails in its table, within
-    seconds, not when the node answers again (trial 7: 165 s, the length of the cut)."""
+    forwarding node gives up on the forwarded stream once the instance fails in its
+    table (not when the node answers again: trial 7, 165 s, the length of the cut), and
+    continues it on the instance placed again on the node left."""
     with two_nodes(tmp_path, on="other") as (cluster, holder, asker):
         stream = Stream(cluster.url(asker))
         stream.start()
@@ -334,13 +364,11 @@ def test_a_request_forwarded_to_a_node_that_stops_answering_ends_when_its_instan
         cluster.procs[holder].send_signal(signal.SIGSTOP)
         stopped = time.monotonic()
         try:
-            stream.join(60)
-            assert stream.ended_at is not None, "the forwarded stream hung"
-            print(f"\nforwarded stream ended {stream.ended_at - stopped:.1f} s after its node paused: "
-                  f"{stream.error}")
-            assert stream.error and stream.code == "instance_failed", stream.error
-            assert stream.ended_at - stopped < 20
+            gap_s = stream.token_after(stopped + 0.5, timeout_s=60) + 0.5
+            print(f"\nforwarded stream continued {gap_s:.1f} s after its node paused")
+            assert stream.error is None and gap_s < 40
         finally:
+            stream.leave()
             cluster.procs[holder].send_signal(signal.SIGCONT)
 
 

@@ -6,19 +6,31 @@ one deletes what stands in for it."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
+from dataclasses import replace
 from types import SimpleNamespace
 
 import pytest
 
 from shardline.models.config import RankShare, Sharding
+from shardline.node import routing
 from shardline.node.cluster_state import Epoch
 from shardline.node.coordinator import Coordinator
 from shardline.node.peer_client import PeerError
-from shardline.node.routing import ReadyWait, RequestStream, Router, ready_wait
+from shardline.node.queue_bound import QueueFullError
+from shardline.node.routing import (
+    AfterFailure,
+    ReadyWait,
+    RequestStream,
+    Router,
+    after_failure,
+    continuation,
+    ready_wait,
+)
 from shardline.node.state import ClusterState, apply
 from shardline.node.status import InstanceStatus, RankStatus
-from shardline.node.table import Instance, InstanceFailedError, RankPlacement
-from shardline.runner.protocol import SamplingParams, TokenEvent, TokenRequest
+from shardline.node.table import EndCode, Instance, InstanceFailedError, RankPlacement
+from shardline.runner.protocol import PrefillProgress, SamplingParams, TokenEvent, TokenRequest
 
 pytestmark = [pytest.mark.fast, pytest.mark.timeout(10)]
 
@@ -149,22 +161,18 @@ def test_deleting_an_instance_deletes_the_one_placed_beside_it():
     assert set(node.instances) == {"other"}
 
 
-@pytest.mark.parametrize("output_first", [True, False])
-def test_a_request_that_failed_after_output_or_on_a_node_that_waited_is_not_run_again(output_first):
-    """A forwarded request whose node was lost after a token was sent (the output cannot
-    be taken back), or whose node answered with its own final error (it waited for the
-    model already): the error, at once, and the peer asked once."""
+def test_a_request_whose_node_waited_is_not_run_again():
+    """A forwarded request whose node answered with its own final error (it waited for
+    the model already, or continued it as far as it goes): the error, at once, and the
+    peer asked once."""
     node = SimpleNamespace(node_id="a", instances={"x": _instance("x", READY, 0.0, node="b")}, streams={},
                            **LIVE)
     asked: list[str] = []
 
     async def generate(address, request, ran_on=None):
         asked.append(address)
-        if output_first:
-            yield TokenEvent(1, 42)
-            raise PeerError("lost b:1")
+        yield TokenEvent(1, 42)
         raise InstanceFailedError("rank 0 failed", final=True)
-        yield  # an async generator
 
     node.peer_client = SimpleNamespace(generate=generate)
     with pytest.raises(InstanceFailedError):
@@ -302,8 +310,9 @@ def test_a_forwarded_request_is_ended_by_a_failure_of_the_instance_it_runs_on_on
 
         async def fail(instance_id: str, after_s: float) -> None:
             await asyncio.sleep(after_s)
-            node.instances = {**node.instances, instance_id: _instance(instance_id, FAILED, 0.0, node="b")}
-            router.end_forwarded()
+            node.instances = {**node.instances, instance_id: _instance(instance_id, FAILED, 0.0, node="b",
+                                                                       given_up=True)}
+            router.end_forwarded()  # given up: not placed again, so not continued
 
         failing = [asyncio.create_task(fail("x", 0.2)), asyncio.create_task(fail("y", 0.6))]
         with pytest.raises(InstanceFailedError, match="instance y"):
@@ -358,3 +367,193 @@ def test_a_forwarded_stream_left_by_its_client_closes_its_stream_to_the_node(hea
     took, forwarding = asyncio.run(run())
     assert closed == ["b:1"] and took < 0.5
     assert forwarding == {}
+
+
+FAILED_CODE, DELETED, STOPPING = EndCode.INSTANCE_FAILED, EndCode.INSTANCE_DELETED, EndCode.SERVER_STOPPING
+FAIL, RUN_AGAIN, CONTINUE = AfterFailure.FAIL, AfterFailure.RUN_AGAIN, AfterFailure.CONTINUE
+
+
+@pytest.mark.parametrize("code, final, sent, other_output, runs, continuations, stopping, step", [
+    (FAILED_CODE, False, 0, False, 1, 0, False, RUN_AGAIN),  # nothing given yet: from the start
+    (FAILED_CODE, False, 0, False, 2, 0, False, FAIL),  # run twice already
+    (FAILED_CODE, False, 0, True, 1, 0, False, FAIL),  # prompt log-probabilities given, cut off
+    (FAILED_CODE, False, 50, False, 1, 0, False, CONTINUE),  # tokens given: go on from them
+    (FAILED_CODE, False, 50, True, 1, 0, False, CONTINUE),  # (the prompt's log-probabilities all given)
+    (FAILED_CODE, False, 90, False, 1, 1, False, CONTINUE),  # a second time
+    (FAILED_CODE, False, 120, False, 1, 2, False, FAIL),  # a third: no
+    (FAILED_CODE, False, 50, False, 2, 0, False, CONTINUE),  # run again before its first token: still
+    (FAILED_CODE, False, 200, False, 1, 0, False, FAIL),  # all its max_tokens given (no room to go on)
+    (FAILED_CODE, True, 50, False, 1, 0, False, FAIL),  # the node it was forwarded to decided
+    (FAILED_CODE, True, 0, False, 1, 0, False, FAIL),
+    (DELETED, False, 50, False, 1, 0, False, FAIL),  # deleted: nothing serves it on purpose
+    (STOPPING, False, 50, False, 1, 0, False, FAIL),
+    (FAILED_CODE, False, 50, False, 1, 0, True, FAIL),  # this node stops
+])
+def test_what_a_request_does_when_its_instance_fails(code, final, sent, other_output, runs, continuations,
+                                                     stopping, step):
+    assert after_failure(code, final, sent, 200, other_output, runs, continuations, stopping) == step
+
+
+@pytest.mark.parametrize("prompt, resumed, sent, max_tokens, expected_prompt, expected_max, expected_resumed", [
+    ((1, 2), 0, [42], 4, (1, 2, 42), 3, 1),
+    ((1, 2), 0, [42, 43, 44], 4, (1, 2, 42, 43, 44), 1, 3),
+    ((1, 2, 7, 8), 2, [9], 10, (1, 2, 7, 8, 9), 9, 3),  # a continuation forwarded, continued again
+])
+def test_a_continuation_is_the_prompt_and_the_tokens_given(prompt, resumed, sent, max_tokens, expected_prompt,
+                                                            expected_max, expected_resumed):
+    sampling = SamplingParams(temperature=0.7, seed=3, logprobs=2, prompt_logprobs=1, grammar="g",
+                              frequency_penalty=0.5, resumed=resumed)
+    request = TokenRequest("m", prompt, max_tokens, sampling, (0, 5))
+    got = continuation(request, sent)
+    assert (got.prompt, got.max_tokens, got.sampling.resumed) == (expected_prompt, expected_max, expected_resumed)
+    assert got.model_id == "m" and got.stop_token_ids == (0, 5)
+    assert got.sampling == replace(sampling, resumed=expected_resumed, prompt_logprobs=None)
+    assert len(got.prompt) + got.max_tokens == len(prompt) + max_tokens  # the same context
+
+
+def _continuing_node(fail_after: int, place_again_s: float = 0.2, runs: int = 1):
+    """A node that forwards to b, whose runs (``runs`` of them) give one token each
+    (``fail_after`` in the first) and then lose b; the instance placed again on c
+    0.2 s after b's first loss gives the rest."""
+    node = SimpleNamespace(node_id="a", instances={"x": _instance("x", READY, 0.0, node="b")}, streams={},
+                           **LIVE)
+    asked: list[TokenRequest] = []
+    where: list[str] = []
+
+    async def generate(address, request, ran_on=None):
+        asked.append(request)
+        where.append(address)
+        if address == "b:1" and len(asked) <= runs:
+            for i in range(fail_after if len(asked) == 1 else 1):
+                yield TokenEvent(1, 40 + len(request.prompt) - 2 + i)
+            raise PeerError("lost b:1")
+        yield PrefillProgress(1, len(request.prompt), len(request.prompt))  # not the client's
+        for i in range(request.max_tokens):
+            yield TokenEvent(1, 40 + len(request.prompt) - 2 + i,
+                             "length" if i == request.max_tokens - 1 else None)
+
+    node.peer_client = SimpleNamespace(generate=generate)
+
+    async def place_again() -> None:
+        await asyncio.sleep(place_again_s)
+        node.instances = {"new": _instance("new", READY, 1.0, replaced=("x",), node="c")}
+
+    return node, asked, where, place_again
+
+
+def test_a_request_whose_instance_failed_after_tokens_continues_on_the_next_one():
+    """A forwarded request whose node is lost after 2 tokens: the stream stays open, and
+    the model placed again on c 0.2 s later runs the continuation (the prompt and the 2
+    tokens, 2 more of max_tokens, resumed 2): the client reads 4 tokens, in order, with
+    no prefill progress after the first token, and the fingerprint's instance follows."""
+    node, asked, where, place_again = _continuing_node(fail_after=2)
+    ran_on: list[str] = []
+
+    async def run() -> list:
+        placing = asyncio.create_task(place_again())
+        router = Router(node)
+        events = [e async for e in router.generate(
+            TokenRequest("m", (1, 2), 4, SamplingParams(temperature=0.5, seed=1), (0,)), None,
+            lambda i: ran_on.append(i.instance_id))]
+        await placing
+        assert router.continuations == {"continued": 1, "failed": 0}
+        return events
+
+    events = asyncio.run(run())
+    assert [(e.token_id, e.finish_reason) for e in events] == [(40, None), (41, None), (42, None), (43, "length")]
+    assert where == ["b:1", "c:1"] and ran_on == ["x", "new"]
+    assert asked[1] == TokenRequest("m", (1, 2, 40, 41), 2, SamplingParams(temperature=0.5, seed=1, resumed=2), (0,))
+
+
+def test_a_request_continues_twice_at_most():
+    """Each run gives a token, then loses its node (the instance still ready in the
+    table: run on it again after the coordinator's verdict time): continued twice, then
+    the error, its tokens given before it."""
+    node = SimpleNamespace(node_id="a", instances={"x": _instance("x", READY, 0.0, node="b")}, streams={},
+                           is_stopping=lambda: False, down_after_s=-0.9)  # verdict after 0.1 s
+    asked: list[TokenRequest] = []
+
+    async def generate(address, request, ran_on=None):
+        asked.append(request)
+        yield TokenEvent(1, 40 + len(asked))
+        raise PeerError("lost b:1")
+
+    node.peer_client = SimpleNamespace(generate=generate)
+    tokens: list[int] = []
+
+    async def run() -> Router:
+        router = Router(node)
+        with pytest.raises(InstanceFailedError, match="lost b:1"):
+            async for event in router.generate(TokenRequest("m", (1, 2), 8, SamplingParams(), ())):
+                tokens.append(event.token_id)
+        return router
+
+    router = asyncio.run(run())
+    assert tokens == [41, 42, 43]
+    assert [r.prompt for r in asked] == [(1, 2), (1, 2, 41), (1, 2, 41, 42)]
+    assert router.continuations == {"continued": 2, "failed": 1}
+
+
+def test_a_continuation_that_cannot_start_in_time_ends_with_the_error(monkeypatch):
+    """The instance failed after a token and is not placed again (it would be: not given
+    up) within the bound: the failure's error, at the bound."""
+    monkeypatch.setattr(routing, "CONTINUE_WAIT_S", 0.3)
+    node, asked, where, place_again = _continuing_node(fail_after=1)
+
+    async def run() -> tuple[list[int], float]:
+        node.instances = {"x": _instance("x", READY, 0.0, node="b")}
+        tokens: list[int] = []
+        started = asyncio.get_running_loop().time()
+
+        async def fail_in_table() -> None:
+            await asyncio.sleep(0.05)
+            node.instances = {"x": _instance("x", FAILED, 0.0, node="b")}
+
+        failing = asyncio.create_task(fail_in_table())
+        with pytest.raises(InstanceFailedError, match="lost b:1"):
+            async for event in Router(node).generate(TokenRequest("m", (1, 2), 4, SamplingParams(), ())):
+                tokens.append(event.token_id)
+        await failing
+        return tokens, asyncio.get_running_loop().time() - started
+
+    tokens, took = asyncio.run(run())
+    assert tokens == [40] and where == ["b:1"]
+    assert 0.3 <= took < 1.5
+
+
+def test_a_client_that_went_away_is_not_continued():
+    """The client leaves while its request waits to be continued: nothing more runs."""
+    node, asked, where, place_again = _continuing_node(fail_after=1, place_again_s=0.5)
+
+    async def run() -> list[int]:
+        tokens: list[int] = []
+
+        async def consume() -> None:
+            async for event in Router(node).generate(TokenRequest("m", (1, 2), 4, SamplingParams(), ())):
+                tokens.append(event.token_id)
+
+        placing = asyncio.create_task(place_again())
+        client = asyncio.create_task(consume())
+        await asyncio.sleep(0.2)  # failed, waiting for the model
+        client.cancel()  # the client's answer is cancelled when it goes (Starlette)
+        with contextlib.suppress(asyncio.CancelledError):
+            await client
+        await placing
+        await asyncio.sleep(0.3)
+        return tokens
+
+    assert asyncio.run(run()) == [40]
+    assert where == ["b:1"]
+
+
+def test_a_continuation_is_queued_however_many_wait():
+    """The queue bound refuses a new request, not the continuation of one let in."""
+    inst = _instance("x", READY, 0.0, node="a")
+    node = SimpleNamespace(node_id="a", instances={"x": inst}, streams={}, engine_stats={}, max_waiting=1,
+                           _salt=1, _task_counter=iter(range(100)), **LIVE)
+    router = Router(node)
+    owners = [TokenRequest("m", (1,), 1) for _ in range(3)]  # what the API holds the place with
+    assert router.reserve(inst, owners[0]) is not None
+    with pytest.raises(QueueFullError):
+        router.reserve(inst, owners[1])
+    assert router.reserve(inst, owners[2], bounded=False) is not None

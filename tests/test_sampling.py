@@ -355,3 +355,47 @@ def test_default_sampling_is_the_softmax_of_the_whole_vocabulary():
     assert set(draws) == {7, 40000, 49151}
     expected = torch.softmax(torch.tensor([1.0, 0.0, 0.0]), -1)[0].item()  # 0.576
     assert abs(draws.count(7) / len(draws) - expected) < 0.03
+
+
+class _Recorder:
+    """A grammar mask that records what it consumed and forbids the token it consumed
+    last (so the sequence depends on the matcher's state)."""
+
+    def __init__(self) -> None:
+        self.consumed: list[int] = []
+
+    def apply(self, logits: torch.Tensor) -> None:
+        if self.consumed:
+            logits[self.consumed[-1]] = float("-inf")
+
+    def consume(self, token: int) -> None:
+        self.consumed.append(token)
+
+
+@pytest.mark.timeout(10)
+@pytest.mark.parametrize("params", [
+    SamplingParams(temperature=0.9, top_p=0.95, seed=11),
+    SamplingParams(temperature=1.0, top_k=20, seed=5, frequency_penalty=0.7, presence_penalty=0.3),
+    SamplingParams(temperature=0.8, seed=3, repetition_penalty=1.5, repeat_last_n=6),
+    SamplingParams(temperature=0.0, frequency_penalty=1.0),
+    SamplingParams(temperature=1.0, min_p=0.05, seed=2**62 + 7),
+], ids=["seeded", "penalties", "repetition", "greedy", "min_p"])
+@pytest.mark.parametrize("after", [1, 9, 23])
+def test_a_continuation_samples_what_the_sampler_would_have(params, after):
+    """A stream continued on another instance after ``after`` tokens: the prompt plus
+    those tokens, ``resumed`` saying how many are output. The sampler there picks the
+    same tokens as the first would have (the generator's draws, the penalties' counts
+    and the grammar's state taken up), over the same logits."""
+    from dataclasses import replace
+
+    logits = [_logits(s, scale=0.6) for s in range(40)]
+    prompt = (1, 2, 3, 2)
+    whole_mask = _Recorder()
+    whole = Sampler(params, prompt, whole_mask)
+    tokens = [whole.sample(x) for x in logits]
+    assert len(set(tokens)) > 3
+    mask = _Recorder()
+    continued = Sampler(replace(params, resumed=after), prompt + tuple(tokens[:after]), mask)
+    assert mask.consumed == tokens[:after]
+    assert [continued.sample(x) for x in logits[after:]] == tokens[after:]
+    assert mask.consumed == whole_mask.consumed

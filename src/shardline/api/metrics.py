@@ -2,7 +2,9 @@
 ``prometheus_client``).
 
 Counted where this node took the request: requests by API and finish reason, prompt and
-generated tokens, time to first token and request duration. Read at scrape time: the
+generated tokens, time to first token and request duration; requests whose instance
+failed after they gave tokens, continued or not (``shardline_continuations_total``, by
+the router of the node that streamed them). Read at scrape time: the
 cluster's live nodes and instances by status as this node sees them, this node's
 available memory, and the running and waiting sequences of this node's ranks.
 """
@@ -12,7 +14,7 @@ from __future__ import annotations
 from fastapi import APIRouter
 from fastapi.responses import Response
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
-from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
 from shardline.node.node import Node
@@ -73,7 +75,13 @@ class _ClusterCollector:
         for instance_id, stats in node.engine_stats.items():
             running.add_metric([instance_id], len(stats.get("running", ())))
             waiting.add_metric([instance_id], len(stats.get("waiting", ())))
-        yield from (live, instances, memory, running, waiting)
+        continuations = CounterMetricFamily(
+            "shardline_continuations", "Requests whose instance failed after they gave tokens, streamed by "
+            "this node: continued on another instance (each time), or failed (ended with the error)",
+            labels=["outcome"])
+        for outcome, count in node.router.continuations.items():
+            continuations.add_metric([outcome], count)
+        yield from (live, instances, memory, running, waiting, continuations)
 
 
 def router(metrics: RequestMetrics) -> APIRouter:

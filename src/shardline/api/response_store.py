@@ -3,13 +3,16 @@
 size, the least recently used dropped first.
 
 OpenAI keeps stored responses for 30 days; a node keeps at most :data:`MAX_ENTRIES` of
-them and :data:`MAX_BYTES` of their text, and forgets them when it restarts. A response
-served by one node is not known to the others (a client that continues a conversation
-asks the same node).
+them and :data:`MAX_BYTES` of their text, and forgets them when it restarts. The node that
+stores a response gives it to every live peer before the client has it whole
+(:mod:`shardline.api.responses`), and a deletion too, so that any node serves it, also
+after the node that answered it died; a node that joins later, or was down, has only the
+responses stored since.
 """
 
 from __future__ import annotations
 
+import json
 from collections import OrderedDict
 from dataclasses import dataclass
 
@@ -32,6 +35,11 @@ class StoredResponse:
     response: dict
     items: tuple[dict, ...]
     size: int
+
+    @classmethod
+    def of(cls, response: dict, items: list[dict] | tuple[dict, ...]) -> "StoredResponse":
+        """The entry of ``response`` and its input ``items``, its size their JSON text's."""
+        return cls(response, tuple(items), len(json.dumps([response, list(items)], ensure_ascii=False)))
 
     def conversation(self) -> list[dict]:
         """The items a response continuing this one starts from: its input items, then

@@ -4,7 +4,9 @@
 The request is checked and mapped in :mod:`shardline.api.responses_request`, the answer
 built in :mod:`shardline.api.responses_output`; responses with ``store`` (the default) are
 kept in this node's memory (:mod:`shardline.api.response_store`) for
-``previous_response_id``. Errors use OpenAI's body (:func:`shardline.api.openai.error_response`).
+``previous_response_id``, and in every live peer's (:func:`share`: before the client has
+the response whole), so any node serves them. Errors use OpenAI's body
+(:func:`shardline.api.openai.error_response`).
 """
 
 from __future__ import annotations
@@ -12,6 +14,7 @@ from __future__ import annotations
 import asyncio
 import copy
 import json
+import logging
 import time
 from collections.abc import AsyncIterator
 
@@ -43,6 +46,13 @@ from shardline.api.tools import NOT_OFFERED_HEADER
 from shardline.node.node import Node
 from shardline.node.queue_bound import QueueFullError
 from shardline.node.table import InstanceFailedError
+from shardline.node.wire import ForgottenResponse, SharedResponse
+
+log = logging.getLogger(__name__)
+
+SHARE_TIMEOUT_S = 2.0
+"""How long a node waits for its peers to take a stored response (or its deletion) before
+it answers the client (seconds); a peer that did not take it by then may not have it."""
 
 RETRIEVE_QUERY = {"include", "include[]", "stream", "starting_after", "include_obfuscation"}
 
@@ -80,10 +90,12 @@ def router(node: Node, metrics: RequestMetrics | None = None, store: ResponseSto
     api = APIRouter()
     responses = store if store is not None else ResponseStore()
 
-    def keep(req: ResponsesRequest, items: list[dict], response: dict) -> None:
+    async def keep(req: ResponsesRequest, items: list[dict], response: dict) -> None:
         if req.store is not False:
-            size = len(json.dumps([response, items], ensure_ascii=False))
-            responses.put(response["id"], StoredResponse(copy.deepcopy(response), tuple(items), size))
+            entry = StoredResponse.of(copy.deepcopy(response), items)
+            if responses.put(response["id"], entry):
+                await share(node, SharedResponse(response_id=response["id"], response=entry.response,
+                                                 items=list(entry.items)))
 
     @api.post("/v1/responses")
     async def create(request: Request):
@@ -116,7 +128,7 @@ def router(node: Node, metrics: RequestMetrics | None = None, store: ResponseSto
         for chunk in chunks:
             builder.feed(_piece(chunk))
         builder.finish(finish, usage_object(len(gen.prompt), gen.completion_tokens, gen.reasoning_tokens))
-        keep(req, items, builder.response)
+        await keep(req, items, builder.response)
         return JSONResponse(builder.response, headers=headers)
 
     @api.get("/v1/responses/{response_id}")
@@ -144,9 +156,27 @@ def router(node: Node, metrics: RequestMetrics | None = None, store: ResponseSto
     async def delete(response_id: str):
         if not responses.delete(response_id):
             return error_response(not_found(response_id))
+        await share(node, ForgottenResponse(response_id=response_id))
         return {"id": response_id, "object": "response.deleted", "deleted": True}
 
     return api
+
+
+async def share(node: Node, message: SharedResponse | ForgottenResponse) -> None:
+    """Give a stored response, or its deletion, to every live peer at once, and wait for
+    them at most :data:`SHARE_TIMEOUT_S` (best effort: a peer that is down, or slow, may
+    not have it; it is logged)."""
+    peers = node.live_peers()
+    if not peers:
+        return
+    tasks = [asyncio.ensure_future(node.peer_client.share_response(p.address, message)) for p in peers]
+    done, pending = await asyncio.wait(tasks, timeout=SHARE_TIMEOUT_S)
+    for task in pending:
+        task.cancel()
+    for peer, task in zip(peers, tasks):
+        error = "no answer" if task in pending else task.exception()
+        if error is not None:
+            log.info("stored response %s not shared with node %s: %s", message.response_id, peer.node_id, error)
 
 
 async def _stream(gen: Generation, builder: OutputBuilder, keep, heartbeat_s: float) -> AsyncIterator[str]:
@@ -174,6 +204,6 @@ async def _stream(gen: Generation, builder: OutputBuilder, keep, heartbeat_s: fl
             yield _sse(event)
         return
     events = builder.finish(finish or "stop", usage_object(len(gen.prompt), gen.completion_tokens, gen.reasoning_tokens))
-    keep(builder.response)  # before the last event: a client may continue from it at once
+    await keep(builder.response)  # before the last event: a client may continue from it at once
     for event in events:
         yield _sse(event)

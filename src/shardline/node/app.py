@@ -18,6 +18,7 @@ from starlette.requests import ClientDisconnect
 from shardline.api import anthropic, completions, errors, metrics, ollama, openai, responses
 from shardline.api.heartbeat import HEARTBEAT_S
 from shardline.api.keep_alive import KeepAlive, unload
+from shardline.api.response_store import ResponseStore, StoredResponse
 from shardline.models.config import UnsupportedModelError
 from shardline.models.store import ModelNotFoundError, ModelStoreError
 from shardline.node.bounds import DEFAULT_MAX_BODY_BYTES, RequestBoundsMiddleware
@@ -38,9 +39,11 @@ from shardline.node.transfer import add_model_routes
 from shardline.node.wire import (
     CancelMessage,
     Delivered,
+    ForgottenResponse,
     FreePort,
     NodeInfo,
     RankReport,
+    SharedResponse,
     StateMessage,
     StateReply,
     StreamLine,
@@ -144,7 +147,8 @@ def create_app(node: Node, guard: GuardConfig, max_body_bytes: int = DEFAULT_MAX
     request_metrics = metrics.RequestMetrics(node)
     app.include_router(openai.router(node, request_metrics, heartbeat_s))
     app.include_router(completions.router(node, request_metrics, heartbeat_s))
-    app.include_router(responses.router(node, request_metrics, heartbeat_s=heartbeat_s))
+    stored = ResponseStore()  # the Responses API's, this node's and those its peers share
+    app.include_router(responses.router(node, request_metrics, stored, heartbeat_s=heartbeat_s))
     app.include_router(anthropic.router(node, request_metrics, heartbeat_s))
     app.include_router(ollama.router(node, request_metrics, keep_alive, heartbeat_s))
     app.include_router(metrics.router(request_metrics))
@@ -329,11 +333,20 @@ def create_app(node: Node, guard: GuardConfig, max_body_bytes: int = DEFAULT_MAX
     async def cancel(message: CancelMessage) -> Delivered:
         return Delivered(delivered=node.router.deliver_local(message.instance_id, Cancel(message.task_id)))
 
+    @app.post("/internal/responses")
+    async def share_response(message: SharedResponse) -> Delivered:
+        entry = StoredResponse.of(message.response, message.items)
+        return Delivered(delivered=stored.put(message.response_id, entry))
+
+    @app.post("/internal/responses/forget")
+    async def forget_response(message: ForgottenResponse) -> Delivered:
+        return Delivered(delivered=stored.delete(message.response_id))
+
     @app.post("/internal/generate")
     async def generate(request: TokenRequest):
         try:  # a full queue is a 429 here (QueueFullError), before the stream begins
             task_id = node.router.reserve(node.router.ready_instance(request.model_id, request_tokens(request)),
-                                          request)
+                                          request, bounded=request.sampling.resumed == 0)
         except NoInstanceError:
             task_id = None  # told in the stream
         ran_on: list[str] = []  # the instances it runs on, in order

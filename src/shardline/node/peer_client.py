@@ -33,9 +33,11 @@ from shardline.node.transfer import CopyProgress, TransferError, fetch_files, fe
 from shardline.node.wire import (
     CancelMessage,
     Delivered,
+    ForgottenResponse,
     FreePort,
     NodeInfo,
     RankReport,
+    SharedResponse,
     StateMessage,
     StateReply,
     StreamLine,
@@ -130,6 +132,13 @@ class PeerClient:
         response = await self._call("POST", address, "/internal/runner-status", ok=(200, 503),
                                     message=report)
         return response.status_code == 200
+
+    async def share_response(self, address: str, message: SharedResponse | ForgottenResponse) -> bool:
+        """Give the peer a stored response, or tell it one was deleted; whether it kept
+        (or held) it."""
+        path = "/internal/responses" if isinstance(message, SharedResponse) else "/internal/responses/forget"
+        response = await self._call("POST", address, path, message=message)
+        return self._parse(Delivered, response, address).delivered
 
     async def deliver(self, address: str, message: TaskMessage | CancelMessage) -> bool:
         """Hand a task or cancellation to the peer's runner of the instance; whether it

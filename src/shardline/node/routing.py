@@ -9,8 +9,8 @@ import contextlib
 import logging
 import time
 import weakref
-from collections.abc import AsyncGenerator, Callable, Collection, Mapping
-from dataclasses import dataclass
+from collections.abc import AsyncGenerator, Callable, Collection, Mapping, Sequence
+from dataclasses import dataclass, replace
 from enum import Enum
 from typing import TYPE_CHECKING
 
@@ -45,9 +45,62 @@ READY_POLL_S = 0.1
 """How often a waiting request looks at the table for a ready instance (seconds)."""
 
 MAX_RUNS = 2
-"""Runs of one request at most: its first, and one more on another instance where the
-first failed before any output. A request that itself makes its runner fail (a bug, an
-out-of-memory prefill) fails two instances, not every one placed again for 30 s."""
+"""Runs of one request from its start at most: its first, and one more on another
+instance where the first failed before any output. A request that itself makes its
+runner fail (a bug, an out-of-memory prefill) fails two instances, not every one placed
+again for 30 s."""
+
+MAX_CONTINUATIONS = 2
+"""Continuations of one request at most (:func:`continuation`: after a failure once it
+gave tokens), each counted once submitted, whether or not it then gave more."""
+
+CONTINUE_WAIT_S = 60.0
+"""How long a continuation waits for its model to be served again, from the failure
+(seconds); then the request ends with the failure's error, as one not continued."""
+
+
+class AfterFailure(Enum):
+    """What a request does when its instance fails under it (:func:`after_failure`)."""
+
+    FAIL = "fail"
+    """The client gets the error."""
+    RUN_AGAIN = "run_again"
+    """It gave nothing yet: run it from the start on the model's next ready instance."""
+    CONTINUE = "continue"
+    """It gave tokens: run its :func:`continuation` on the model's next ready instance."""
+
+
+def after_failure(code: EndCode, final: bool, sent: int, max_tokens: int, other_output: bool,
+                  runs: int, continuations: int, stopping: bool) -> AfterFailure:
+    """What a request on a node that is ``stopping`` or not does when its instance fails
+    under it (an InstanceFailedError of ``code``, ``final`` where the node it was
+    forwarded to has decided already) after it gave ``sent`` tokens of its ``max_tokens``
+    and, where ``other_output``, prompt log-probabilities; ``runs`` from its start so far
+    and ``continuations`` so far. Only a failure (not a deletion, nor a stop) is run
+    again, and not one the node forwarded to decided: before any output from the start
+    (:data:`MAX_RUNS`), after tokens as a continuation (:data:`MAX_CONTINUATIONS`;
+    not where the prompt's log-probabilities were given but no token: those of the part
+    the failure cut off are lost)."""
+    if code != EndCode.INSTANCE_FAILED or final or stopping:
+        return AfterFailure.FAIL
+    if sent == 0:
+        return AfterFailure.RUN_AGAIN if runs < MAX_RUNS and not other_output else AfterFailure.FAIL
+    if continuations < MAX_CONTINUATIONS and sent < max_tokens:
+        return AfterFailure.CONTINUE
+    return AfterFailure.FAIL
+
+
+def continuation(request: TokenRequest, sent: Sequence[int]) -> TokenRequest:
+    """What runs ``request`` on after it gave the tokens ``sent`` (its instance failed):
+    the prompt and those tokens as the prompt (``sampling.resumed`` more tokens of it
+    are output: the sampler takes up its state after them), the rest of ``max_tokens``,
+    the same sampling and stop tokens, and no prompt log-probabilities (given already).
+    Its tokens follow ``sent`` as the request's would have: at temperature 0 the same
+    text wherever the prefill of the prompt gives the logits decode gave."""
+    sent = tuple(sent)
+    return replace(request, prompt=request.prompt + sent, max_tokens=request.max_tokens - len(sent),
+                   sampling=replace(request.sampling, resumed=request.sampling.resumed + len(sent),
+                                    prompt_logprobs=None))
 
 
 def ready_instances(instances: Mapping[str, Instance], model_id: str, node_id: str,
@@ -126,6 +179,9 @@ class Router:
         self._recording: set[asyncio.Task] = set()
         # requests this node forwards, by instance: set when the instance fails or goes
         self._forwarding: dict[str, set[asyncio.Event]] = {}
+        # requests whose instance failed after they gave tokens: "continued" on another
+        # (each continuation), or "failed" (ended with the error)
+        self.continuations: dict[str, int] = {"continued": 0, "failed": 0}
 
     def ready_instance(self, model_id: str, tokens: int = 0) -> Instance:
         """A ready instance of the model whose context takes ``tokens``, preferring one
@@ -153,29 +209,31 @@ class Router:
         ms = int(time.time() * 1000) - 1_700_000_000_000
         return (ms << 22) | (self.node._salt << 12) | (next(self.node._task_counter) & 0xFFF)
 
-    def reserve(self, inst: Instance, owner: object) -> int | None:
+    def reserve(self, inst: Instance, owner: object, bounded: bool = True) -> int | None:
         """Take a place in the queue of ``inst`` for a request this node runs: check the
         bound on waiting requests (:mod:`shardline.node.queue_bound`) and register the
         request's stream under a new task id, which :meth:`generate` then runs. The place
         is given up when :meth:`generate` ends, or when ``owner`` (what holds the id) is
         garbage collected without running it. None where this node holds no rank of
-        ``inst`` (the node it forwards to decides there).
+        ``inst`` (the node it forwards to decides there). Not ``bounded``: a continuation
+        of a request let in once (:func:`continuation`) takes a place whatever waits.
 
         Raises:
             QueueFullError: as many requests wait as the instance takes.
         """
         if self.node.node_id not in inst.node_ids():
             return None
-        task_id = self._register(inst)
+        task_id = self._register(inst, bounded)
         weakref.finalize(owner, self.node.streams.pop, task_id, None)
         return task_id
 
-    def _register(self, inst: Instance) -> int:
-        """Check the queue bound and register a stream for a new task of ``inst`` (no
-        ``await`` between the two, so concurrent requests are counted one by one)."""
+    def _register(self, inst: Instance, bounded: bool = True) -> int:
+        """Check the queue bound (unless not ``bounded``) and register a stream for a new
+        task of ``inst`` (no ``await`` between the two, so concurrent requests are counted
+        one by one)."""
         own = {task_id for task_id, s in self.node.streams.items() if s.instance_id == inst.instance_id}
         waiting = waiting_count(own, self.node.engine_stats.get(inst.instance_id))
-        if not admits(waiting, self.node.max_waiting):
+        if bounded and not admits(waiting, self.node.max_waiting):
             raise QueueFullError(f"the model {inst.model_id!r} has {waiting} requests waiting, as many "
                                  f"as this node queues ({self.node.max_waiting}); retry later")
         task_id = self.new_task_id()
@@ -196,13 +254,18 @@ class Router:
         on the first of :func:`ready_instances` whose context takes it
         (:func:`request_tokens`).
 
-        Where its instance fails before the request yielded output (a token, or prompt
-        log-probabilities; a runner, node or link lost during its hand-off or prefill), it
+        Where its instance fails (a runner, node or link lost) before the request yielded
+        output (a token, or prompt log-probabilities; during its hand-off or prefill), it
         waits for the model to be served again and runs there from the start
         (:meth:`wait_for_ready`, at most :data:`READY_WAIT_S` after the failure, once:
         :data:`MAX_RUNS`): the client sees a delay, and a prefill's progress start again,
-        not an error. Once it yielded output, a failure ends it: the output cannot be
-        taken back.
+        not an error. Where it fails after tokens, the request's :func:`continuation` (its
+        prompt and the tokens yielded as the prompt, the rest of its ``max_tokens``) runs
+        on the model's next ready instance (the one placed again), at most
+        :data:`CONTINUE_WAIT_S` after the failure, at most :data:`MAX_CONTINUATIONS` times:
+        the client sees a pause, then the tokens that follow (the continuation's prefill
+        progress is not yielded). :func:`after_failure` decides; else the failure ends it.
+        A client that goes away closes this, and nothing runs on.
 
         Closing the iterator early cancels the request on every rank.
 
@@ -214,43 +277,81 @@ class Router:
                 its nodes restarted: a 503 to retry, not an internal error) and no other
                 became ready in time.
         """
-        failed_at: float | None = None
+        failed_at: float | None = None  # the failure before any output
         tried: list[str] = []  # instances it ran on, in order
+        tasks: list[int] = []  # the task ids it ran as on this node's ranks, in order
         chosen = on  # where it runs next (after a failure, where it runs again)
+        sent: list[int] = []  # the tokens yielded
+        shown = False  # whether it yielded prompt log-probabilities
+        continuations = 0
+        running = request  # what runs: the request, or its continuation
         while True:
-            output = False  # whether it yielded what the client keeps (a prefill's progress
-            try:  # without log-probabilities is only shown, and starts again from 0)
+            try:
                 # closed here, so that its cleanup (its stream, the ranks' cancel) runs when
                 # this closes, not when the loop collects it
-                async with contextlib.aclosing(self._attempt(request, task_id, chosen, tried, ran_on)) as events:
+                async with contextlib.aclosing(self._attempt(running, task_id, chosen, tried, ran_on,
+                                                             tasks)) as events:
                     async for event in events:
-                        output = output or isinstance(event, TokenEvent) or bool(event.logprobs)
+                        if isinstance(event, PrefillProgress):
+                            if running is not request:
+                                continue  # a continuation's prompt: the output yielded already
+                            shown = shown or bool(event.logprobs)
+                        elif event.token_id >= 0:
+                            sent.append(event.token_id)
                         yield event
                 return
             except InstanceFailedError as exc:
-                if (output or exc.code != EndCode.INSTANCE_FAILED or exc.final
-                        or len(tried) >= MAX_RUNS or self.node.is_stopping()):
+                step = after_failure(exc.code, exc.final, len(sent), request.max_tokens, shown, len(tried),
+                                     continuations, self.node.is_stopping())
+                if step == AfterFailure.FAIL:
+                    if sent and exc.code == EndCode.INSTANCE_FAILED and not exc.final:
+                        self.continuations["failed"] += 1
+                        log.info("%s: the request (model %r, tasks %s) ends after %d tokens, not "
+                                 "continued (%d continuations)", exc, request.model_id, tasks, len(sent),
+                                 continuations)
                     raise
-                failed_at = failed_at or time.monotonic()
-                log.info("%s: the request had no output yet; waiting for its model %r to be "
-                         "served again", exc, request.model_id)
-                chosen = await self.wait_for_ready(request.model_id, tried, failed_at,
-                                                   request_tokens(request))
+                if step == AfterFailure.RUN_AGAIN:
+                    failed_at = failed_at or time.monotonic()
+                    log.info("%s: the request had no output yet; waiting for its model %r to be "
+                             "served again", exc, request.model_id)
+                    chosen = await self.wait_for_ready(request.model_id, tried, failed_at,
+                                                       request_tokens(request))
+                else:
+                    since = time.monotonic()
+                    log.info("%s: the request (model %r, tasks %s) gave %d tokens; waiting for its "
+                             "model to be served again to continue it", exc, request.model_id, tasks,
+                             len(sent))
+                    chosen = await self.wait_for_ready(request.model_id, tried, since, request_tokens(request),
+                                                       limit_s=CONTINUE_WAIT_S)
+                    if chosen is None:
+                        self.continuations["failed"] += 1
+                        log.info("the request (model %r, tasks %s) ends after %d tokens: its model was "
+                                 "not served again (it could not be placed, or not within %.0f s)",
+                                 request.model_id, tasks, len(sent), CONTINUE_WAIT_S)
+                        raise
+                    continuations += 1
+                    self.continuations["continued"] += 1
+                    running = continuation(request, sent)
+                    log.info("the request (model %r, tasks %s) continues after %d tokens on instance %s "
+                             "(from %s), %.1f s after the failure (continuation %d of at most %d)",
+                             request.model_id, tasks, len(sent), chosen.instance_id, tried[-1] if tried else None,
+                             time.monotonic() - since, continuations, MAX_CONTINUATIONS)
                 if chosen is None:
                     raise
                 task_id = None
 
     async def wait_for_ready(self, model_id: str, failed: Collection[str] = (),
-                             since: float | None = None, tokens: int = 0) -> Instance | None:
+                             since: float | None = None, tokens: int = 0,
+                             limit_s: float = READY_WAIT_S) -> Instance | None:
         """A ready instance of ``model_id`` once there is one (:func:`ready_wait` says
-        whether to wait; ``failed`` and ``tokens`` are its, ``since`` when the wait began,
-        ``time.monotonic()`` seconds, default now); None where there is nothing to wait for,
-        the wait ran out or the node is stopping."""
+        whether to wait; ``failed``, ``tokens`` and ``limit_s`` are its, ``since`` when the
+        wait began, ``time.monotonic()`` seconds, default now); None where there is nothing
+        to wait for, the wait ran out or the node is stopping."""
         since = time.monotonic() if since is None else since
         while not self.node.is_stopping():
             step, inst = ready_wait(self.node.instances, model_id, self.node.node_id, failed,
-                                    time.monotonic() - since, verdict_s=self.node.down_after_s + 1,
-                                    tokens=tokens)
+                                    time.monotonic() - since, limit_s=limit_s,
+                                    verdict_s=self.node.down_after_s + 1, tokens=tokens)
             if step != ReadyWait.WAIT:
                 return inst
             await asyncio.sleep(READY_POLL_S)
@@ -258,10 +359,14 @@ class Router:
 
     async def _attempt(self, request: TokenRequest, task_id: int | None, chosen: Instance | None,
                        tried: list[str], ran_on: Callable[[Instance], None] | None,
+                       tasks: list[int] | None = None,
                        ) -> AsyncGenerator[TokenEvent | PrefillProgress, None]:
-        """One run of :meth:`generate`'s request on an instance (the reserved one, where it
-        still is; else ``chosen``, else the first ready one), or through the node of one;
-        the instance's id is appended to ``tried`` and the instance passed to ``ran_on``.
+        """One run of :meth:`generate`'s request (or its continuation) on an instance (the
+        reserved one, where it still is; else ``chosen``, else the first ready one), or
+        through the node of one; the instance's id is appended to ``tried``, the instance
+        passed to ``ran_on`` and the task's id, where it runs on this node's ranks,
+        appended to ``tasks``. A continuation takes a place in the queue even where the
+        queue is full (the request was let in once).
 
         Raises:
             QueueFullError, InstanceFailedError: as :meth:`generate`.
@@ -289,9 +394,11 @@ class Router:
                     async for event in forwarded:
                         yield event
                 return
-            task_id = self._register(inst)
+            task_id = self._register(inst, bounded=request.sampling.resumed == 0)
             stream = self.node.streams[task_id]
         assert task_id is not None and stream is not None
+        if tasks is not None:
+            tasks.append(task_id)
         task = Task.of(task_id, self.node.node_id, request)
         finished = False
         stats = self.node.engine_stats

@@ -14,7 +14,8 @@ Routes: ``GET /internal/info`` -> :class:`NodeInfo`; ``GET /internal/state`` ->
 /internal/runner-status`` :class:`RankReport`; ``POST /internal/tasks``
 :class:`TaskMessage` and ``POST /internal/cancel`` :class:`CancelMessage` -> :class:`Delivered`;
 ``POST /internal/generate`` :class:`~shardline.runner.protocol.TokenRequest` -> lines
-of :class:`StreamLine` (NDJSON). Model files (``shardline.node.transfer``) and the link
+of :class:`StreamLine` (NDJSON); ``POST /internal/responses`` :class:`SharedResponse` and
+``POST /internal/responses/forget`` :class:`ForgottenResponse` -> :class:`Delivered`. Model files (``shardline.node.transfer``) and the link
 probe (``shardline.node.link_probe``) carry raw bytes.
 """
 
@@ -150,3 +151,19 @@ class StreamLine(Message):
     error: str | None = None
     code: str | None = None  # with error: its EndCode
     instance_id: str | None = None
+
+
+class SharedResponse(Message):
+    """``POST /internal/responses``: a Responses API response another node stored, kept
+    here too (:mod:`shardline.api.response_store`), so that any node serves
+    ``previous_response_id`` and ``GET /v1/responses/{id}``, after its node died too."""
+
+    response_id: str
+    response: dict
+    items: list[dict]
+
+
+class ForgottenResponse(Message):
+    """``POST /internal/responses/forget``: a stored response deleted on another node."""
+
+    response_id: str

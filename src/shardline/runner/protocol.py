@@ -41,6 +41,12 @@ class SamplingParams:
         prompt_logprobs: None for none; k >= 0: the same for every prompt token after
             the first, given the ones before it (vLLM's ``prompt_logprobs``), sent with
             the prefill's progress (:attr:`PrefillProgress.logprobs`).
+        resumed: the prompt's last ``resumed`` tokens are output the request already gave
+            (a stream continued on another instance after its own failed:
+            :func:`shardline.node.routing.continuation`): the sampler takes up the state
+            it had after them (:class:`shardline.runner.sampling.Sampler`): they count as
+            generated for the penalties, a seeded generator has drawn once for each, and
+            the grammar's matcher has consumed them.
         grammar: an llguidance grammar the output must match (what
             ``LLMatcher.grammar_from_json_schema`` / ``grammar_from_lark`` return: a
             ``TopLevelGrammar``'s JSON text or Lark text): tokens it forbids are masked on
@@ -61,6 +67,7 @@ class SamplingParams:
     logprobs: int | None = None
     grammar: str | None = None
     prompt_logprobs: int | None = None
+    resumed: int = 0
 
     @property
     def greedy(self) -> bool:

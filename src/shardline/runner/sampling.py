@@ -202,6 +202,12 @@ class Sampler:
     """Samples one sequence's tokens (the module docstring gives the steps); its own
     generator makes a seeded request reproducible whatever else runs in the same batch.
 
+    A continuation (``params.resumed`` > 0: the prompt ends with output already given)
+    starts in the state the sampler had after that output: those tokens are counted as
+    generated, the generator has drawn once for each (a non-greedy token is one draw:
+    :func:`draw`), the constraint has consumed them. A seeded sample so goes on as it
+    would have.
+
     Args:
         params: the sequence's sampling parameters.
         prompt: its prompt's token ids (counted for the repetition penalty).
@@ -213,13 +219,20 @@ class Sampler:
         self.params = params
         self.constraint = constraint
         self.generator = None
+        resumed = min(max(params.resumed, 0), len(prompt))
         if not params.greedy:
             self.generator = torch.Generator()
             seed = params.seed if params.seed is not None else self.generator.seed()
             self.generator.manual_seed(seed % (2**63))
+            for _ in range(resumed):  # the draws of the output already given
+                torch.rand((), generator=self.generator, dtype=torch.float64)
         self.penalised = (params.frequency_penalty != 0 or params.presence_penalty != 0
                           or params.repetition_penalty != 1.0)
-        self.prompt = prompt
+        self.prompt = prompt[: len(prompt) - resumed]
+        self.resumed = prompt[len(prompt) - resumed:]  # output already given
+        if constraint is not None:
+            for token in self.resumed:
+                constraint.consume(token)
         self.counts: TokenCounts | None = None  # made at the first token (the vocabulary's size)
         self.processed = self.penalised or bool(params.logit_bias) or constraint is not None
 
@@ -239,9 +252,7 @@ class Sampler:
         x = self.process(logits) if self.processed else logits
         token = self._pick(x)
         if self.penalised:
-            if self.counts is None:
-                self.counts = TokenCounts(logits.shape[-1], self.prompt, p.repeat_last_n)
-            self.counts.add(token)
+            self._counts(logits.shape[-1]).add(token)
         if self.constraint is not None:
             self.constraint.consume(token)
         if p.logprobs is None:
@@ -256,22 +267,30 @@ class Sampler:
         if p.logit_bias:
             x = apply_logit_bias(x, p.logit_bias)
         if self.penalised:
-            if self.counts is None:
-                self.counts = TokenCounts(x.shape[-1], self.prompt, p.repeat_last_n)
+            counts = self._counts(x.shape[-1])
             if p.frequency_penalty or p.presence_penalty:
-                generated = self.counts.generated
+                generated = counts.generated
                 ids = generated.ids()
                 if ids.shape[0]:
                     x = apply_frequency_presence(x, torch.from_numpy(ids.copy()),
                                                  torch.from_numpy(generated.counts[ids]),
                                                  p.frequency_penalty, p.presence_penalty)
             if p.repetition_penalty != 1.0:
-                ids = self.counts.window.ids()
+                ids = counts.window.ids()
                 if ids.shape[0]:
                     x = apply_repetition_penalty(x, torch.from_numpy(ids.copy()), p.repetition_penalty)
         if self.constraint is not None:
             self.constraint.apply(x)
         return x
+
+    def _counts(self, vocab: int) -> TokenCounts:
+        """The penalties' counts, made at the first token (the vocabulary's size): the
+        prompt's, and the output already given (a continuation's) as generated."""
+        if self.counts is None:
+            self.counts = TokenCounts(vocab, self.prompt, self.params.repeat_last_n)
+            for token in self.resumed:
+                self.counts.add(token)
+        return self.counts
 
     def _pick(self, logits: torch.Tensor) -> int:
         p = self.params
