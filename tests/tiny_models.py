@@ -16,6 +16,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from shardline.bench.moe_model import F16_FIELDS, random_quant_blocks  # noqa: F401 (tests import them from here)
 from shardline.models.kv_cache import KVCache
 
 VOCAB = 128
@@ -337,30 +338,6 @@ def _written(writer, path) -> Path:
     writer.write_tensors_to_file()
     writer.close()
     return Path(path)
-
-
-# GGUF block byte offsets of each type's f16 scale fields (set to finite values below).
-F16_FIELDS = {"Q4_0": [0], "Q4_1": [0, 2], "Q5_0": [0], "Q5_1": [0, 2], "Q8_0": [0],
-              "Q4_K": [0, 2], "Q5_K": [0, 2], "Q6_K": [208]}
-
-
-def random_quant_blocks(type_name: str, rows: int, blocks: int, seed: int = 0,
-                        scale: float = 0.01) -> np.ndarray:
-    """uint8 ``[rows, blocks * block_bytes]`` of GGUF type ``type_name``: random quants and
-    group scales, finite f16 super-block scales (about ``scale``)."""
-    import gguf
-
-    rng = np.random.default_rng(seed)
-    _, size = gguf.GGML_QUANT_SIZES[gguf.GGMLQuantizationType[type_name]]
-    data = rng.integers(0, 256, (rows, blocks, size), dtype=np.uint8)
-    if type_name == "MXFP4":  # an E8M0 exponent byte: 2**(e - 128) about ``scale``
-        center = 128 + int(np.round(np.log2(scale)))
-        data[..., 0] = rng.integers(center - 3, center + 4, (rows, blocks), dtype=np.uint8)
-        return data.reshape(rows, blocks * size)
-    for at in F16_FIELDS[type_name]:
-        scales = (rng.standard_normal((rows, blocks)) * scale).astype(np.float16)
-        data[..., at:at + 2] = scales[..., None].view(np.uint8).reshape(rows, blocks, 2)
-    return data.reshape(rows, blocks * size)
 
 
 def q4_k_m_type(name: str, layers: int) -> str:

@@ -1,0 +1,87 @@
+"""The benchmark's random mixture-of-experts GGUF (``shardline.bench.moe_model``): its
+blocks dequantize (by the ``gguf`` library, the oracle) to zero-mean weights of the chosen
+spread, its tensors have the real model's shapes and llama.cpp's Q4_K_M types, and a small
+one loads with shardline's loader, tokenizes with SmolLM2's tokenizer, gives finite logits
+and routes over all its experts."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+
+from shardline.bench import moe_model as mm
+
+
+@pytest.mark.timeout(30)
+@pytest.mark.parametrize("type_name", ["Q8_0", "Q4_K", "Q5_K", "Q6_K"])
+def test_blocks_dequantize_to_zero_mean_weights_of_the_spread_asked(type_name):
+    import gguf
+    from gguf.quants import dequantize
+
+    rng = np.random.default_rng(1)
+    for std in (0.02, 1.0):
+        blocks = mm.weight_blocks(type_name, 64, 1024, std, rng)
+        values = dequantize(blocks, gguf.GGMLQuantizationType[type_name])
+        assert values.shape == (64, 1024) and np.isfinite(values).all()
+        assert abs(values.std() / std - 1) < 0.05
+        assert abs(values.mean()) < 0.05 * std
+
+
+def test_qwen3_30b_a3b_plan_has_its_shapes_and_llama_cpp_q4_k_m_types():
+    plans = {p.name: p for p in mm.plan_tensors(mm.SHAPES["qwen3-30b-a3b"], 4, 49152, "q4_k_m")}
+    assert plans["blk.0.ffn_gate_exps.weight"].shape == (128, 768, 2048)
+    assert plans["blk.0.ffn_down_exps.weight"].shape == (128, 2048, 768)
+    assert plans["blk.0.ffn_gate_inp.weight"].shape == (128, 2048)
+    assert plans["blk.0.attn_q.weight"].shape == (32 * 128, 2048)
+    assert plans["blk.0.attn_k.weight"].shape == (4 * 128, 2048)
+    assert plans["blk.0.attn_k_norm.weight"].shape == (128,)
+    types = {name: p.type_name for name, p in plans.items()}
+    # llama.cpp's use_more_bits picks layers 2 and 3 of 4 for Q6_K attn_v and ffn_down.
+    assert [types[f"blk.{i}.ffn_down_exps.weight"] for i in range(4)] == ["Q4_K", "Q4_K", "Q6_K", "Q6_K"]
+    assert [types[f"blk.{i}.attn_v.weight"] for i in range(4)] == ["Q4_K", "Q4_K", "Q6_K", "Q6_K"]
+    assert {types[f"blk.{i}.ffn_{p}_exps.weight"] for i in range(4) for p in ("gate", "up")} == {"Q4_K"}
+    assert types["token_embd.weight"] == "Q4_K" and types["output.weight"] == "Q6_K"
+    assert types["blk.0.ffn_gate_inp.weight"] == "F32"
+    every_q4_k = {p.name: p.type_name for p in
+                  mm.plan_tensors(mm.SHAPES["qwen3-30b-a3b"], 4, 49152, "q4_k")}
+    assert {every_q4_k[f"blk.{i}.ffn_down_exps.weight"] for i in range(4)} == {"Q4_K"}
+
+
+@pytest.mark.timeout(60)
+def test_a_small_model_loads_tokenizes_and_routes_over_its_experts(tmp_path):
+    from shardline.models.gguf_header import open_gguf
+    from shardline.models.store import default_model_path
+    from shardline.models.weights import open_weights
+
+    path = mm.write_moe_gguf(tmp_path / "moe.gguf", "qwen3moe-small", 2, seed=3)
+    shape = mm.SHAPES["qwen3moe-small"]
+    source = open_weights(path)
+    config = source.config
+    assert (config.architecture, config.num_layers, config.hidden_size) == ("qwen3moe", 2, shape.hidden)
+    assert (config.num_experts, config.num_experts_per_tok, config.intermediate_size) == (
+        shape.experts, shape.experts_used, shape.expert_width)
+    assert (config.num_heads, config.num_kv_heads, config.head_dim) == (
+        shape.heads, shape.kv_heads, shape.head_dim)
+    assert config.qk_norm and not config.tie_word_embeddings and config.vocab_size == 49152
+    types = {t.name: t.tensor_type.name for t in source.reader.tensors}
+    # ffn_down_exps rows are an expert's 128 columns: not whole K-quant blocks.
+    assert types["blk.0.ffn_down_exps.weight"] == "Q8_0"
+    assert types["blk.0.ffn_gate_exps.weight"] == types["blk.0.attn_q.weight"] == "Q4_K"
+    # SmolLM2's tokenizer and chat template: every tokenizer.* key, as the gguf library
+    # reads the scalars (the token arrays are left out of shardline's metadata) and as
+    # this module parses them all. (transformers' GGUF tokenizer, which a node builds
+    # once when a model is added, takes tens of seconds here.)
+    smollm2 = default_model_path()
+    _, theirs = open_gguf(smollm2)
+    scalars = {k: v for k, v in theirs.items() if k.startswith("tokenizer.")}
+    assert "tokenizer.chat_template" in scalars
+    assert {k: v for k, v in source.metadata.items() if k.startswith("tokenizer.")} == scalars
+    assert mm._tokenizer_fields(path) == mm._tokenizer_fields(smollm2)
+
+    report = mm.check_model(path, prompt_tokens=48)
+    assert math.isfinite(report["logit_std"]) and report["logit_std"] > 0.5
+    for layer in report["routing"]:
+        assert layer["distinct_experts"] >= shape.experts - 2, report
+        assert layer["entropy"] > 0.9, report
