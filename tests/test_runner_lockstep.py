@@ -52,11 +52,12 @@ class Rank:
 
 
 class Instance:
-    """``world`` runner processes forming one pipeline instance; one Worker per rank."""
+    """``world`` runner processes forming one pipeline instance; one Worker per rank
+    (``spec``: more :class:`RunnerSpec` fields)."""
 
     def __init__(self, model_dir, world: int, max_batch: int = 4, context: int = 96,
                  prefill_step_tokens: int = 1024, progress_timeout_s: float = 60,
-                 kv_tokens: int = 0) -> None:
+                 kv_tokens: int = 0, **spec) -> None:
         self.ranks = []
         port = free_port_block(1)
         layers = 4
@@ -72,7 +73,7 @@ class Instance:
                 threads=1,
                 prefill_step_tokens=prefill_step_tokens,
                 prefill_burst_tokens=prefill_step_tokens, collective_timeout_s=30,
-                progress_timeout_s=progress_timeout_s,
+                progress_timeout_s=progress_timeout_s, **spec,
             ))
             self.ranks.append(rank)
         for r, rank in enumerate(self.ranks):
