@@ -31,6 +31,9 @@ class RequestMetrics:
                                 ["api", "finish_reason"], registry=self.registry)
         self.prompt_tokens = Counter("shardline_prompt_tokens", "Prompt tokens of finished requests",
                                      registry=self.registry)
+        self.cached_prompt_tokens = Counter(
+            "shardline_cached_prompt_tokens", "Prompt tokens of finished requests that a prefix cache held "
+            "(not computed)", registry=self.registry)
         self.generation_tokens = Counter("shardline_generation_tokens", "Tokens generated",
                                          registry=self.registry)
         self.ttft = Histogram("shardline_time_to_first_token_seconds", "Time to the first token",
@@ -40,10 +43,12 @@ class RequestMetrics:
         self.registry.register(_ClusterCollector(node))
 
     def record(self, api: str, finish_reason: str, prompt_tokens: int, generated: int,
-               ttft_s: float | None, duration_s: float) -> None:
-        """One request ended (``finish_reason``: stop, length, error or cancelled)."""
+               ttft_s: float | None, duration_s: float, cached_tokens: int = 0) -> None:
+        """One request ended (``finish_reason``: stop, length, error or cancelled);
+        ``cached_tokens``: of its prompt, those its instance's prefix cache held."""
         self.requests.labels(api, finish_reason).inc()
         self.prompt_tokens.inc(prompt_tokens)
+        self.cached_prompt_tokens.inc(cached_tokens)
         self.generation_tokens.inc(generated)
         if ttft_s is not None:
             self.ttft.observe(ttft_s)

@@ -383,7 +383,7 @@ class Engine:
         self.running.remove(seq)
         self.free_kv_tokens += seq.kv_reserved
         block = self.stage.cache.block_tokens
-        keep = min(seq.exact_end, seq.kv_reserved) // block * block if self.prefix_cache else 0
+        keep = self._kept(seq)
         if keep <= 0:
             self.stage.cache.release(seq.slot)
             self.free_slots.append(seq.slot)
@@ -394,6 +394,12 @@ class Engine:
         self.cached[seq.slot] = CachedPrefix(seq.slot, seq.task.prompt[:keep], tuple(seq.hashes[: keep // block]),
                                              self._clock)
         self.free_kv_tokens -= keep
+
+    def _kept(self, seq: Sequence) -> int:
+        """Prompt tokens ``seq``'s slot keeps as a cached prefix when it ends: the whole
+        blocks of its exact rows (none without prefix caching)."""
+        block = self.stage.cache.block_tokens
+        return min(seq.exact_end, seq.kv_reserved) // block * block if self.prefix_cache else 0
 
     # -- execution -----------------------------------------------------------------------
 
@@ -431,13 +437,14 @@ class Engine:
         decoding = [s for s in self.running if s.prefilled >= s.prompt_len and s.generated]
         chunks = self.plan_prefill(self.prefill_step_tokens if decoding else self.prefill_burst_tokens)
         micro = []
+        key_span = self.prefill_chunk if self.prefix_cache else 0  # a cold prefill's bits on a hit
         if decoding:
             batch = stage.decode_batch([s.slot for s in decoding], [s.next_position for s in decoding])
             micro.append((torch.tensor([s.generated[-1] for s in decoding], dtype=torch.long), batch))
         for seq, start, length in chunks:
             last = start + length == seq.prompt_len
             batch = stage.prefill_batch(seq.slot, start, length, want_logits=last or seq.scored,
-                                        every_row=seq.scored)
+                                        every_row=seq.scored, key_span=key_span)
             micro.append((torch.tensor(seq.task.prompt[start : start + length], dtype=torch.long), batch))
         if not micro:
             return
@@ -544,13 +551,10 @@ class Engine:
                 finish = "length"
             if seq.task.origin == self.node_id:
                 k = wanted[index]
-                if k is not None and width is not None:
-                    logprob, top = read_logprobs(rows[index], width, k)
-                    events.append(TokenEvent(seq.task.task_id, token, finish, seq.prompt_len,
-                                             logprob, top, cached_tokens=seq.reused))
-                else:
-                    events.append(TokenEvent(seq.task.task_id, token, finish, seq.prompt_len,
-                                             cached_tokens=seq.reused))
+                logprob, top = (None, ()) if k is None or width is None else read_logprobs(rows[index], width, k)
+                written = max(0, self._kept(seq) - seq.reused) if finish is not None else 0
+                events.append(TokenEvent(seq.task.task_id, token, finish, seq.prompt_len, logprob, top,
+                                         cached_tokens=seq.reused, cache_written=written))
             if finish is not None:
                 self._finish(seq)
         self.emit(events)

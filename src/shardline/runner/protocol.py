@@ -160,7 +160,9 @@ class TokenEvent:
     ``logprob`` and ``top_logprobs`` ((token id, log-probability) pairs, most likely
     first) are set when the task's sampling asked for ``logprobs``.
     ``cached_tokens``: of its ``prompt_tokens``, those whose keys and values came from a
-    cached prefix rather than its prefill (:mod:`shardline.runner.prefix_cache`).
+    cached prefix rather than its prefill (:mod:`shardline.runner.prefix_cache`);
+    ``cache_written``, on its last event: the prompt tokens past those that its slot keeps
+    cached once it ends.
     """
 
     task_id: int
@@ -170,6 +172,7 @@ class TokenEvent:
     logprob: float | None = None
     top_logprobs: tuple[tuple[int, float], ...] = ()
     cached_tokens: int = 0
+    cache_written: int = 0
 
 
 @dataclass(frozen=True)
