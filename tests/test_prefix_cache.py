@@ -85,6 +85,7 @@ def task(tokens: tuple[int, ...], need: int = 16, may_reuse: bool = True) -> Wai
 SYSTEM = tuple(range(100, 112))  # 12 tokens: 3 blocks
 A = SYSTEM + (1, 2, 3, 4, 5, 6)
 B_ = SYSTEM + (7, 8, 9)
+LONG = SYSTEM + tuple(range(16))  # another conversation: 7 blocks, a chunk (8) past the system prompt
 
 
 def test_a_hash_collision_matches_nothing():
@@ -119,9 +120,19 @@ def test_a_hash_collision_matches_nothing():
     ([task(A, may_reuse=False)], [1], [cached(0, A[:16], 1)], 100, [Start(0, 1, 0)], []),
     # no slot at all: running sequences hold them all
     ([task(A)], [], [], 100, [], []),
+    # another conversation holds a chunk more past the shared system prompt: copied from
+    ([task(B_)], [1], [cached(0, LONG, 1)], 100, [Start(0, 1, 12, source=0)], []),
+    ([task(B_)], [], [cached(0, LONG, 2), cached(3, A[:16], 1)], 100, [Start(0, 3, 12, source=0)], [3]),
+    # ... and then counts as used: the next task evicts another
+    ([task(B_), task((5,) * 10)], [1], [cached(0, LONG, 1), cached(2, (9,) * 8, 2)], 100,
+     [Start(0, 1, 12, source=0), Start(1, 2, 0)], [2]),
+    # ... unless that takes evicting it: then taken
+    ([task(B_)], [], [cached(0, LONG, 1)], 100, [Start(0, 0, 12, 28)], []),
+    ([task(B_, need=40)], [1], [cached(0, LONG, 1)], 20, [Start(0, 0, 12, 28)], []),
 ], ids=["hit", "hit on a shared system prompt", "furthest", "most recent of equals", "empty slot first",
         "least recently used slot", "evicted for tokens", "would not fit without the cache",
-        "fits once evicted", "one slot for two", "in order", "scored prompt", "no slot"])
+        "fits once evicted", "one slot for two", "in order", "scored prompt", "no slot", "copied",
+        "copied into an evicted slot", "the copied prefix is used", "no other slot", "no other tokens"])
 def test_admission_with_cached_prefixes(waiting, free_slots, pool, free_tokens, starts, evicted):
     plan = plan_admission(waiting, free_slots, pool, free_tokens, C, B)
     assert list(plan.starts) == starts

@@ -12,6 +12,7 @@ import pytest
 import tiny_models as tm
 from test_runner_lockstep import NODE, Instance, reference_tokens
 
+from shardline.models.config import Sharding
 from shardline.runner.protocol import Failed, PrefillProgress, SamplingParams, Task, TokenEvent, Tokens
 
 BLOCK = 64  # float32 positions of the tiny model's 16-wide heads in a 4 KiB block
@@ -141,5 +142,54 @@ def test_with_prefix_caching_off_every_prompt_is_prefilled_whole(model_dir):
             assert [e.done for e in events if isinstance(e, PrefillProgress)][0] == 8  # from the start
         stats = instance.wait_stats(0, lambda s: s.running == ())
         assert stats.cached_slots == 0 and stats.reused_tokens == 0 and stats.free_slots == 2
+    finally:
+        instance.stop()
+
+
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize("sharding", [Sharding.TENSOR, Sharding.RING])
+def test_tensor_and_ring_ranks_resume_from_the_same_cached_prefix(model_dir, sharding):
+    """256-token chunks (a ring chunk takes at least 128 a rank): the second prompt resumes
+    at 576 (nine blocks of the first's 640 cached) and its rest, 576..1299, is prefilled
+    in chunks cut at multiples of 256, those of 256 tokens ring-prefilled on a ring."""
+    system = tuple(random.Random(44).randrange(tm.VOCAB) for _ in range(600))
+    first = task(400, system + tail(40))
+    second = task(401, system + tail(700))
+    instance = Instance(model_dir, 2, max_batch=2, context=1536, sharding=sharding, prefill_chunk=256,
+                        prefill_step_tokens=1024)
+    try:
+        expected = reference_tokens(model_dir, [first, second])
+        results = run(instance, [first])
+        assert all(tokens(results[r][400]) == expected[400] for r in range(2))
+        instance.wait_stats(0, lambda s: s.running == () and s.cached_tokens == 640)
+        results = run(instance, [second])
+        for r in range(2):
+            assert tokens(results[r][401]) == expected[401]
+            assert results[r][401][-1].cached_tokens == 576
+        progress = [e.done for e in results[0][401] if isinstance(e, PrefillProgress)]
+        assert progress == [768, 1024, 1280, 1300]
+    finally:
+        instance.stop()
+
+
+@pytest.mark.timeout(180)
+def test_two_conversations_sharing_a_system_prompt_both_hit_and_keep_their_own(model_dir):
+    """A's first turn is cached; B's shares only the system prompt with it, so B copies
+    those blocks into a slot of its own and A's cached turn stays: each second turn then
+    resumes after its own first turn (2 slots, 8-token chunks: A keeps 64 tokens past the
+    shared 128, more than a chunk)."""
+    a1, b1 = task(500, SYSTEM + tail(60)), task(501, SYSTEM + tail(50))
+    a2, b2 = task(502, a1.prompt + tail(40)), task(503, b1.prompt + tail(40))
+    instance = Instance(model_dir, 2, max_batch=2, context=256)
+    try:
+        expected = reference_tokens(model_dir, [a1, b1, a2, b2])
+        cached = {}
+        for t in (a1, b1, a2, b2):
+            results = run(instance, [t])
+            for r in range(2):
+                assert tokens(results[r][t.task_id]) == expected[t.task_id]
+            cached[t.task_id] = results[1][t.task_id][-1].cached_tokens
+            instance.wait_stats(1, lambda s, t=t: s.running == () and s.prompt_tokens >= len(t.prompt))
+        assert cached == {500: 0, 501: 2 * BLOCK, 502: 3 * BLOCK, 503: 3 * BLOCK}
     finally:
         instance.stop()

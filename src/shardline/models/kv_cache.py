@@ -91,6 +91,12 @@ class KVCache:
         """Tokens rounded up to whole blocks: what ``tokens`` positions of a sequence take."""
         return -(-tokens // self.block_tokens) * self.block_tokens
 
+    def copy(self, source: int, slot: int, tokens: int) -> None:
+        """Copy the keys and values of ``source``'s first ``tokens`` positions into ``slot``
+        (a cached prefix another sequence shares: :mod:`shardline.runner.prefix_cache`)."""
+        for t in self.k + self.v:
+            t[slot, :, :tokens].copy_(t[source, :, :tokens])
+
     def release(self, slot: int, start: int = 0) -> None:
         """Give the memory of ``slot``'s written positions from ``start`` on (rounded up to
         a whole block) back to the system: its sequence ended, or only its first

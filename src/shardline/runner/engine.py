@@ -39,7 +39,7 @@ import logging
 import queue
 import time
 from collections import OrderedDict
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Callable
 
 import torch
@@ -341,6 +341,10 @@ class Engine:
                 cache.release(start.slot, start.reused)
             else:
                 self.free_slots.remove(start.slot)
+            if start.source is not None:  # another conversation's: its shared positions copied
+                cache.copy(start.source, start.slot, start.reused)
+                self._clock += 1
+                self.cached[start.source] = replace(self.cached[start.source], used=self._clock)
             seq = Sequence(task, start.slot, kv_reserved=want.need, prefilled=start.reused,
                            reused=start.reused, exact_end=start.reused, hashes=want.hashes)
             self.free_kv_tokens -= want.need

@@ -12,7 +12,11 @@ a slot's positions are one view of the KV cache, :class:`~shardline.models.kv_ca
   caching adds no memory beyond the pool placement counted.
 - A waiting task takes the cached slot whose tokens match the longest run of its prompt's
   whole blocks (:func:`reuse`), prefills from there, and reports those tokens as cached.
-  Nothing is copied: the slot's keys are already where its attention reads them.
+  Nothing is copied: the slot's keys are already where its attention reads them. Where
+  the slot holds at least a chunk more than the task shares with it (another
+  conversation that shares its system prompt), the task instead copies the shared
+  positions into a slot of its own, if it gets one and its blocks without evicting that
+  prefix, so the other conversation's next turn still finds its own.
 - Cached slots are evicted least recently used when a task needs a slot or pool tokens
   (:func:`plan_admission`); a running sequence's slot never is. Every task that starts
   without the cache also starts with it, at the same step: the cached tokens are
@@ -146,12 +150,15 @@ class Waiting:
 @dataclass(frozen=True)
 class Start:
     """A task admitted: its index among the waiting, its slot, the prompt tokens it takes
-    from that slot's cached prefix (0: none) and the tokens that prefix held."""
+    from a cached prefix (0: none), the tokens that prefix held when it takes the
+    prefix's own slot, and ``source``: the cached slot whose first ``reused`` positions it
+    copies into its own (None: none, or its slot is the prefix's)."""
 
     index: int
     slot: int
     reused: int
     held: int = 0
+    source: int | None = None
 
 
 @dataclass(frozen=True)
@@ -182,11 +189,26 @@ def plan_admission(waiting: list[Waiting], free_slots: list[int], cached: list[C
     pool lacks its reservation, the least recently used other cached slots are evicted. A
     task that would not fit with every cached slot evicted waits, and nothing is evicted
     for it: it would not have fit without the cache either.
+
+    Where that cached slot holds at least ``chunk`` tokens past those the task resumes
+    after, the task copies them into a slot of its own instead (``Start.source``), if it
+    gets one, and its reservation, without evicting the prefix it copies (which counts as
+    used now); else it takes the slot as above.
     """
     free = sorted(free_slots)
     pool = sorted(cached, key=lambda c: c.used)  # least recently used first
     starts: list[Start] = []
     evicted: list[int] = []
+
+    def evict(keep: CachedPrefix | None) -> int:
+        """Evict the least recently used cached slot but ``keep``; its slot."""
+        victim = next(c for c in pool if c is not keep)
+        pool.remove(victim)
+        evicted.append(victim.slot)
+        nonlocal free_tokens
+        free_tokens += victim.tokens
+        return victim.slot
+
     for index, task in enumerate(waiting):
         best: CachedPrefix | None = None
         best_reuse = 0
@@ -195,27 +217,30 @@ def plan_admission(waiting: list[Waiting], free_slots: list[int], cached: list[C
                 r = reuse(matched_tokens(task.prompt, task.hashes, prefix, block), len(task.prompt), chunk, block)
                 if r > best_reuse:
                     best, best_reuse = prefix, r
-        others = [c for c in pool if c is not best]
-        if best is None and not free and not others:
-            break  # no slot
+        others = sum(c.tokens for c in pool if c is not best)
         held = best.tokens if best is not None else 0
-        if task.need > free_tokens + held + sum(c.tokens for c in others):
-            break
-        if best is not None:
+        if best is not None and held - best_reuse >= chunk and (free or len(pool) > 1) \
+                and task.need <= free_tokens + others:  # a copy of its shared part
+            slot = free.pop(0) if free else evict(best)
+            while free_tokens < task.need:
+                evict(best)
+            pool.remove(best)
+            pool.append(best)  # used now: the most recent
+            free_tokens -= task.need
+            starts.append(Start(index, slot, best_reuse, source=best.slot))
+            continue
+        if best is None and not free and not pool:
+            break  # no slot
+        if task.need > free_tokens + held + others:
+            break  # it would not fit without the cache either
+        if best is not None:  # its slot, and the tokens it held
             slot = best.slot
             pool.remove(best)
             free_tokens += held
-        elif free:
-            slot = free.pop(0)
         else:
-            victim = pool.pop(0)
-            evicted.append(victim.slot)
-            free_tokens += victim.tokens
-            slot = victim.slot
+            slot = free.pop(0) if free else evict(None)
         while free_tokens < task.need:
-            victim = pool.pop(0)
-            evicted.append(victim.slot)
-            free_tokens += victim.tokens
+            evict(None)
         free_tokens -= task.need
         starts.append(Start(index, slot, best_reuse, held))
     return Admission(tuple(starts), tuple(evicted))
