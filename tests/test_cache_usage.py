@@ -107,3 +107,22 @@ def test_ollama_counts_only_the_prompt_tokens_it_computed():
                                                  [], None, 0.0, 60)))
     last = ollama.ChatResponse.model_validate(json.loads(lines[-1]))
     assert last.done and last.prompt_eval_count == PROMPT - CACHED
+
+
+def test_metrics_give_each_ranks_prefix_cache_and_hit_rate():
+    from prometheus_client import CollectorRegistry, generate_latest
+
+    from shardline.api.metrics import _ClusterCollector
+
+    node = SimpleNamespace(live_node_ids=lambda: ["n"], instances={}, info=lambda: SimpleNamespace(available_bytes=1),
+                           engine_stats={"inst": {"running": (), "waiting": (), "cached_tokens": 640,
+                                                  "cached_bytes": 640 * 2304, "prompt_tokens": 1000,
+                                                  "reused_tokens": 576}})
+    registry = CollectorRegistry()
+    registry.register(_ClusterCollector(node))  # type: ignore[arg-type]
+    text = generate_latest(registry).decode()
+    for line in ('shardline_prefix_cache_tokens{instance="inst"} 640.0',
+                 'shardline_prefix_cache_bytes{instance="inst"} 1.47456e+06',
+                 'shardline_rank_prompt_tokens_total{instance="inst"} 1000.0',
+                 'shardline_rank_reused_prompt_tokens_total{instance="inst"} 576.0'):
+        assert line in text, text

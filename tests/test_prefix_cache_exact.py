@@ -49,14 +49,16 @@ def engine(shard, prefix_cache: bool = True) -> tuple[Recording, list]:
     return e, sent
 
 
-def run(e: Recording, sent: list, t: Task) -> int:
-    """Run ``t`` to its end; the cached tokens it reported."""
+def run(e: Recording, sent: list, t: Task, generated: list[int] | None = None) -> int:
+    """Run ``t`` to its end; the cached tokens it reported (its tokens into ``generated``)."""
     e.inbox.put(t)
     for _ in range(200):
         e.step()
         for message in sent:
             if isinstance(message, Tokens):
                 for event in message.events:
+                    if isinstance(event, TokenEvent) and generated is not None:
+                        generated.append(event.token_id)
                     if isinstance(event, TokenEvent) and event.finish_reason is not None:
                         sent.clear()
                         return event.cached_tokens
@@ -86,3 +88,17 @@ def test_a_resumed_prompt_gets_a_cold_prefills_bits(shard, prefix, total, cached
         for kv in (warm.stage.cache.k, warm.stage.cache.v):
             other = (cold.stage.cache.k if kv is warm.stage.cache.k else cold.stage.cache.v)[layer]
             assert torch.equal(kv[layer][mine.slot, :, : mine.tokens], other[theirs.slot, :, : mine.tokens])
+
+
+def test_a_seeded_sample_is_the_same_with_and_without_a_hit(shard):
+    rng = random.Random(5)
+    prompt = tuple(rng.randrange(tm.VOCAB) for _ in range(700))
+    seeded = SamplingParams(temperature=1.0, seed=11)
+    cold, cold_sent = engine(shard)
+    warm, warm_sent = engine(shard)
+    mine: list[int] = []
+    theirs: list[int] = []
+    run(cold, cold_sent, Task(1, "n", prompt, 12, seeded), theirs)
+    run(warm, warm_sent, Task(2, "n", prompt[:600], 1, seeded))
+    assert run(warm, warm_sent, Task(3, "n", prompt, 12, seeded), mine) == 512
+    assert mine == theirs and len(set(mine)) > 1

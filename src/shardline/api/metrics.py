@@ -12,7 +12,7 @@ from __future__ import annotations
 from fastapi import APIRouter
 from fastapi.responses import Response
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
-from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
 from shardline.node.node import Node
@@ -75,10 +75,23 @@ class _ClusterCollector:
                                     labels=["instance"])
         waiting = GaugeMetricFamily("shardline_waiting_sequences", "Requests waiting for a slot",
                                     labels=["instance"])
+        cached = GaugeMetricFamily("shardline_prefix_cache_tokens", "Prompt tokens this node's rank holds in "
+                                   "its prefix cache", labels=["instance"])
+        cached_bytes = GaugeMetricFamily("shardline_prefix_cache_bytes", "Bytes of keys and values of this "
+                                         "node's rank's prefix cache (in its KV pool)", labels=["instance"])
+        admitted = CounterMetricFamily("shardline_rank_prompt_tokens", "Prompt tokens of the requests this "
+                                       "node's rank started", labels=["instance"])
+        reused = CounterMetricFamily("shardline_rank_reused_prompt_tokens", "Of those, the tokens its prefix "
+                                     "cache held (the hit rate: this / shardline_rank_prompt_tokens)",
+                                     labels=["instance"])
         for instance_id, stats in node.engine_stats.items():
             running.add_metric([instance_id], len(stats.get("running", ())))
             waiting.add_metric([instance_id], len(stats.get("waiting", ())))
-        yield from (live, instances, memory, running, waiting)
+            cached.add_metric([instance_id], stats.get("cached_tokens", 0))
+            cached_bytes.add_metric([instance_id], stats.get("cached_bytes", 0))
+            admitted.add_metric([instance_id], stats.get("prompt_tokens", 0))
+            reused.add_metric([instance_id], stats.get("reused_tokens", 0))
+        yield from (live, instances, memory, running, waiting, cached, cached_bytes, admitted, reused)
 
 
 def router(metrics: RequestMetrics) -> APIRouter:

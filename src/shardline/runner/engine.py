@@ -580,6 +580,7 @@ class Engine:
             free_kv_tokens=self.free_kv_tokens + sum(c.tokens for c in self.cached.values()),
             cached_slots=len(self.cached),
             cached_tokens=sum(c.tokens for c in self.cached.values()),
+            cached_bytes=sum(c.tokens for c in self.cached.values()) * self.stage.cache.bytes_per_token,
             prompt_tokens=self.prompt_tokens,
             reused_tokens=self.reused_tokens,
         )

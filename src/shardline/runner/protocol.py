@@ -214,7 +214,8 @@ class EngineStats:
         steps: engine steps run so far.
         free_kv_tokens: tokens of the KV pool no running sequence has reserved (those
             of cached prefixes among them).
-        cached_slots, cached_tokens: slots holding a cached prefix, and their tokens
+        cached_slots, cached_tokens, cached_bytes: slots holding a cached prefix, their
+            tokens, and the bytes of this rank's keys and values of them
             (:mod:`shardline.runner.prefix_cache`).
         prompt_tokens, reused_tokens: prompt tokens of the tasks admitted so far, and of
             those the ones taken from cached prefixes (the hit rate).
@@ -228,6 +229,7 @@ class EngineStats:
     free_kv_tokens: int = 0
     cached_slots: int = 0
     cached_tokens: int = 0
+    cached_bytes: int = 0
     prompt_tokens: int = 0
     reused_tokens: int = 0
 
