@@ -4,12 +4,12 @@ engine's pure admission functions; and when an idle rank hands its scratch back.
 import pytest
 
 from shardline.runner.engine import (
-    admissible,
     idle_release,
     kv_reservation,
     pool_tokens,
     prefill_plan,
 )
+from shardline.runner.prefix_cache import Waiting, plan_admission
 
 pytestmark = [pytest.mark.fast, pytest.mark.timeout(10)]
 
@@ -37,7 +37,11 @@ def test_a_task_reserves_its_prompt_and_completion_in_whole_blocks(
     ([100], 1, 100, 1),
 ])
 def test_tasks_start_in_order_while_slots_and_blocks_last(needs, slots, free, started):
-    assert admissible(needs, slots, free) == started
+    waiting = [Waiting((1,) * 10, [], need) for need in needs]
+    plan = plan_admission(waiting, list(range(slots)), [], free, chunk=8, block=32)
+    assert [s.index for s in plan.starts] == list(range(started))
+    assert [s.slot for s in plan.starts] == list(range(started))  # the lowest slots, in order
+    assert all(s.reused == 0 for s in plan.starts) and plan.evicted == ()
 
 
 @pytest.mark.parametrize("asked, max_batch, context, block, expected", [
@@ -71,7 +75,9 @@ def test_an_idle_rank_hands_its_scratch_back_after_the_delay(worked, busy, idle_
     ([(20, 0)], 0, [(0, 0, 8)]),  # at least one chunk
     ([(20, 8), (5, 0)], 100, [(0, 8, 8), (0, 16, 4), (1, 0, 5)]),
     ([(20, 20), (5, 0)], 100, [(1, 0, 5)]),  # the first is decoding
+    ([(20, 5)], 100, [(0, 5, 3), (0, 8, 8), (0, 16, 4)]),  # resumed at 5: cut where a cold prefill is
+    ([(20, 5)], 3, [(0, 5, 3)]),
 ], ids=["whole chunks", "up to the budget", "one chunk at least", "oldest first",
-        "prefilled ones skipped"])
+        "prefilled ones skipped", "a resumed prompt cut at chunk multiples", "its first chunk counts as 3"])
 def test_a_steps_prefill_plan(prompts, budget, plan):
     assert prefill_plan(prompts, 8, budget) == plan

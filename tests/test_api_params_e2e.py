@@ -403,15 +403,22 @@ def test_anthropic_context_edits(url):
     applied = {e["type"]: e for e in body["context_management"]["applied_edits"]}
     assert applied["clear_thinking_20251015"]["cleared_thinking_turns"] == 3, body
     assert applied["clear_tool_uses_20250919"]["cleared_tool_uses"] == 3, body
-    freed = whole["usage"]["input_tokens"] - body["usage"]["input_tokens"]
+    freed = prompt_of(whole["usage"]) - prompt_of(body["usage"])
     assert freed > 300 and abs(applied["clear_tool_uses_20250919"]["cleared_input_tokens"] - freed) < 30, (freed, body)
     counted = _post(url, Endpoint.COUNT_TOKENS, messages=turns, tools=tools, context_management=edits).json()
-    assert counted == {"input_tokens": body["usage"]["input_tokens"],
-                       "context_management": {"original_input_tokens": whole["usage"]["input_tokens"]}}
+    assert counted == {"input_tokens": prompt_of(body["usage"]),
+                       "context_management": {"original_input_tokens": prompt_of(whole["usage"])}}
     untriggered = {"edits": [{"type": "clear_tool_uses_20250919"}]}  # 100,000 tokens: not reached
     body = _post(url, Endpoint.MESSAGES, messages=turns, tools=tools, max_tokens=2,
                  context_management=untriggered).json()
-    assert body["context_management"] == {"applied_edits": []} and body["usage"] == whole["usage"]
+    assert body["context_management"] == {"applied_edits": []}
+    assert prompt_of(body["usage"]) == prompt_of(whole["usage"])
+    assert body["usage"]["cache_read_input_tokens"] > 0  # whole's prompt, cached
+
+
+def prompt_of(usage: dict) -> int:
+    """A prompt's tokens from Anthropic's usage: computed, written to the cache and read from it."""
+    return usage["input_tokens"] + usage["cache_creation_input_tokens"] + usage["cache_read_input_tokens"]
 
 
 def test_responses_format_and_logprobs(url):

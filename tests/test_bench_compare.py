@@ -12,7 +12,7 @@ import pytest
 
 from shardline import cli
 from shardline.api.params import Endpoint, screen
-from shardline.bench.bench import build_prompt, chat_question, stream_request
+from shardline.bench.bench import build_prompt, chat_question, run_conversation, stream_request
 from shardline.bench.compare import (
     LEVEL_FIGURES,
     Workload,
@@ -22,6 +22,7 @@ from shardline.bench.compare import (
     ratio,
     report_rows,
 )
+from shardline.bench.report import conversation_line
 
 pytestmark = pytest.mark.fast
 
@@ -35,6 +36,11 @@ pytestmark = pytest.mark.fast
 ])
 def test_plan_workloads(prompts, concurrency, runs, chat, expected):
     assert plan_workloads(prompts, concurrency, runs, chat) == [Workload(*e) for e in expected]
+
+
+def test_a_conversation_comes_last():
+    assert plan_workloads([32], [1], 1, 0, turns=8, turn_tokens=250)[-1] == Workload(
+        "conversation 8 turns", "turns", 250, 1, 8)
 
 
 @pytest.mark.parametrize("workloads, servers, rounds, expected", [
@@ -189,6 +195,32 @@ def test_stream_request_counts_chunks_where_the_stream_has_no_usage(usage, expec
     assert set(body) == {"model", "messages", "temperature", "max_tokens", "ignore_eos", "stream", "stream_options"}
     assert body["stream_options"] == {"include_usage": True}
     assert screen(Endpoint.CHAT, body) == body
+
+
+def test_a_conversation_sends_the_chat_so_far_with_each_answer():
+    bodies = []
+
+    def handler(request: httpx.Request) -> httpx.Response:
+        body = json.loads(request.content)
+        bodies.append(body)
+        turn = len(bodies)
+        events = [{"choices": [{"delta": {"content": f"answer {turn}"}}]},
+                  {"choices": [], "usage": {"prompt_tokens": 100 * turn, "completion_tokens": 2,
+                                            "prompt_tokens_details": {"cached_tokens": 90 * (turn - 1)}}}]
+        return httpx.Response(200, content=_sse(*events), headers={"content-type": "text/event-stream"})
+
+    async def go():
+        async with httpx.AsyncClient(transport=httpx.MockTransport(handler)) as client:
+            return await run_conversation(client, "http://x", "m", ["one", "two", "three"], 2)
+
+    result = asyncio.run(go())
+    assert [m["content"] for m in bodies[-1]["messages"]] == ["one", "answer 1", "two", "answer 2", "three"]
+    assert [m["role"] for m in bodies[-1]["messages"]] == ["user", "assistant", "user", "assistant", "user"]
+    assert [len(b["messages"]) for b in bodies] == [1, 3, 5]
+    assert result["requests"] == 3 and result["median_prompt_tokens"] == 300
+    assert [r["cached_tokens"] for r in result["per_request"]] == [0, 90, 180]
+    assert result["first_ttft_ms"] > 0 and result["last_ttft_ms"] > 0
+    assert "conversation of 3 turns" in conversation_line({"figures": result, "rounds": [result]})
 
 
 @pytest.mark.parametrize("given, root", [

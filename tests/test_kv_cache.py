@@ -50,6 +50,22 @@ def test_a_released_slot_gives_its_memory_back_and_reads_zeros():
     assert cache.k[29][2, :, :1000].min().item() == 1  # the other slot keeps its keys
 
 
+def test_releasing_a_slot_past_a_prefix_keeps_the_prefix_and_gives_back_the_rest():
+    """A cached prefix (runner.prefix_cache) keeps its first whole blocks; the pages of
+    every head past them go back, in every layer."""
+    process = psutil.Process()
+    cache = KVCache(smollm2(), 30, 4, 1000, torch.bfloat16)
+    for layer in range(30):
+        cache.k[layer][1, :, :1000] = 1
+        cache.v[layer][1, :, :1000] = 1
+    written = process.memory_info().rss
+    cache.release(1, 100)  # keeps 128 positions (4 blocks of 32)
+    freed = written - process.memory_info().rss
+    assert freed > 15 * MIB  # 872 of 1000 positions of 22 MiB
+    for t in (cache.k[0], cache.v[29], cache.k[17]):
+        assert t[1, :, :128].min().item() == 1  # every head keeps its prefix
+        assert t[1, :, 128:].abs().sum().item() == 0
+
 def test_more_address_space_than_memory_is_reserved_without_taking_it():
     """A cache of more slots x context than the machine's RAM and swap (admission bounds
     what is written) maps: the kernel's overcommit check refused it without

@@ -17,7 +17,7 @@ import tiny_models as tm
 import torch
 from conftest import free_port_block
 
-from shardline.models.config import RankShare
+from shardline.models.config import RankShare, Sharding
 from shardline.node.worker import Worker
 from shardline.runner.protocol import (
     Cancel,
@@ -52,27 +52,30 @@ class Rank:
 
 
 class Instance:
-    """``world`` runner processes forming one pipeline instance; one Worker per rank."""
+    """``world`` runner processes forming one pipeline instance; one Worker per rank
+    (``spec``: more :class:`RunnerSpec` fields)."""
 
     def __init__(self, model_dir, world: int, max_batch: int = 4, context: int = 96,
                  prefill_step_tokens: int = 1024, progress_timeout_s: float = 60,
-                 kv_tokens: int = 0) -> None:
+                 kv_tokens: int = 0, **spec) -> None:
         self.ranks = []
         port = free_port_block(1)
         layers = 4
         bounds = [round(i * layers / world) for i in range(world + 1)]
+        whole = spec.get("sharding", Sharding.PIPELINE) != Sharding.PIPELINE  # every layer on every rank
+        chunk = spec.pop("prefill_chunk", 8)
         for r in range(world):
             rank = Rank()
             rank.worker = Worker(lambda _inst, msg, rank=rank: rank.receive(msg))
             rank.worker.start(RunnerSpec(
                 instance_id="inst", node_id=NODE, model_path=str(model_dir), rank=r,
-                world_size=world, share=RankShare(bounds[r], bounds[r + 1]),
+                world_size=world, share=RankShare(0, layers) if whole else RankShare(bounds[r], bounds[r + 1]),
                 master_addr="127.0.0.1", master_port=port, dtype="float32",
-                max_batch=max_batch, context=context, kv_tokens=kv_tokens, prefill_chunk=8,
+                max_batch=max_batch, context=context, kv_tokens=kv_tokens, prefill_chunk=chunk,
                 threads=1,
                 prefill_step_tokens=prefill_step_tokens,
                 prefill_burst_tokens=prefill_step_tokens, collective_timeout_s=30,
-                progress_timeout_s=progress_timeout_s,
+                progress_timeout_s=progress_timeout_s, **spec,
             ))
             self.ranks.append(rank)
         for r, rank in enumerate(self.ranks):

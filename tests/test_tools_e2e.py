@@ -159,7 +159,9 @@ def test_ollama_tool_round_trip(url, style):
     history = [*ASK, {"role": "assistant", "content": "", "tool_calls": [call.model_dump()]},
                {"role": "tool", "tool_name": "get_weather", "content": "Sunny"}]
     answer = client.chat(model=style, messages=history, tools=[WEATHER], options={"temperature": 0, "num_predict": 5})
-    assert answer.done and answer.prompt_eval_count > first.prompt_eval_count
+    # the tool's answer is prefilled after the first turn's prompt, which the prefix cache
+    # held: Ollama's prompt_eval_count counts the tokens computed
+    assert answer.done and 0 < answer.prompt_eval_count
     streamed = list(client.chat(model=style, messages=history, tools=[WEATHER], stream=True,
                                 options={"temperature": 0, "num_predict": 5}))
     assert "".join(p.message.content or "" for p in streamed) == answer.message.content

@@ -255,7 +255,8 @@ def _place(args: argparse.Namespace) -> None:
     body = {"model": args.model, "sharding": args.sharding, "nodes": nodes, "context": args.context,
             "max_batch": args.max_batch, "dtype": args.dtype, "force": args.force,
             "min_nodes": args.min_nodes, "max_nodes": args.max_nodes,
-            "kv_cache_bytes": args.kv_cache_bytes, "quantize": args.quantize}
+            "kv_cache_bytes": args.kv_cache_bytes, "quantize": args.quantize,
+            "prefix_cache": not args.no_prefix_cache}
     if args.preview:
         data = _request(args, "POST", "/cluster/placements/preview", body)
         table = Table()
@@ -439,6 +440,9 @@ def add_commands(sub, default_port: int) -> None:
                        help="quantize the weights a model's files hold in 16 or 32 bits on load "
                             "(int8: 10 bits a weight, int4: 5; quantized GGUF weights stay as "
                             "they are)")
+    place.add_argument("--no-prefix-cache", action="store_true",
+                       help="keep no finished prompt for later ones that start the same: every "
+                            "prompt is prefilled whole (the cache lives in the KV pool either way)")
     place.add_argument("--force", action="store_true",
                        help="place even where the measured memory says it does not fit")
     place.add_argument("--preview", action="store_true",

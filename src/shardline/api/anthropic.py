@@ -124,7 +124,7 @@ def router(node: Node, metrics: RequestMetrics | None = None, heartbeat_s: float
         reason, sequence = _stop_reason(gen, finish)
         return JSONResponse(dict(_message(gen, req, message_id, answer_blocks(req, chunks), applied),
                                  stop_reason=reason, stop_sequence=sequence,
-                                 usage={"input_tokens": len(gen.prompt), "output_tokens": gen.completion_tokens}),
+                                 usage=dict(_input_usage(gen), output_tokens=gen.completion_tokens)),
                             headers=headers)
 
     @api.post("/v1/messages/count_tokens")
@@ -164,10 +164,22 @@ def _message(gen: Generation, req: MessagesRequest, message_id: str, content: li
              applied: list[dict[str, Any]]) -> dict:
     message: dict[str, Any] = {"id": message_id, "type": "message", "role": "assistant", "model": req.model,
                                 "content": content, "stop_reason": None, "stop_sequence": None,
-                                "usage": {"input_tokens": len(gen.prompt), "output_tokens": 0}}
+                                "usage": dict(_input_usage(gen), output_tokens=0)}
     if req.context_management is not None:  # the beta's answer: which edits changed the prompt
         message["context_management"] = {"applied_edits": applied}
     return message
+
+
+def _input_usage(gen: Generation) -> dict[str, int]:
+    """The prompt's part of Anthropic's ``usage``: ``cache_read_input_tokens`` those the
+    instance's prefix cache held (:mod:`shardline.runner.prefix_cache`),
+    ``cache_creation_input_tokens`` those the request left in it, ``input_tokens`` the
+    rest; the three sum to the prompt, as Anthropic's do. Every prompt is cached on its
+    own (``cache_control`` marks nothing more); before the request starts (a stream's
+    ``message_start``) all count as input."""
+    written = min(gen.cache_written, gen.computed_tokens)
+    return {"input_tokens": gen.computed_tokens - written, "cache_creation_input_tokens": written,
+            "cache_read_input_tokens": gen.cached_tokens}
 
 
 def _event(name: str, data: dict[str, Any]) -> str:
@@ -266,5 +278,5 @@ async def _stream(gen: Generation, req: MessagesRequest, message_id: str, applie
         yield _event("content_block_stop", {"type": "content_block_stop", "index": index})
     yield _event("message_delta", {"type": "message_delta",
                                    "delta": {"stop_reason": reason, "stop_sequence": sequence},
-                                   "usage": {"output_tokens": gen.completion_tokens}})
+                                   "usage": dict(_input_usage(gen), output_tokens=gen.completion_tokens)})
     yield _event("message_stop", {"type": "message_stop"})

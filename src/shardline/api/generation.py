@@ -227,6 +227,11 @@ class Generation:
             (its markers included).
         started: ``time.monotonic()`` when prepared, seconds.
         first_token_at: ``time.monotonic()`` of the first token, once there is one.
+        cached_tokens: of the prompt, the tokens a cached prefix held on its instance
+            (not computed: :mod:`shardline.runner.prefix_cache`), once its first progress
+            or token came.
+        cache_written: prompt tokens it left in its instance's prefix cache beyond
+            ``cached_tokens``, once it ended.
     """
 
     def __init__(self, node: Node, req: GenerationRequest, prompt: list[int], inst: Instance,
@@ -259,6 +264,8 @@ class Generation:
         self.first_token_at: float | None = None  # time.monotonic() of the first token
         self.task_id: int | None = None  # its place in the instance's queue (Router.reserve)
         self.prompt_logprobs: list[TokenLogprob] = []  # prompt tokens 1.. (sampling.prompt_logprobs)
+        self.cached_tokens = 0
+        self.cache_written = 0
 
     async def texts(self, heartbeat_s: float | None = None) -> AsyncIterator[Chunk | PrefillProgress | Heartbeat]:
         """Yield :class:`Chunk` s until the request ends, the last with its finish reason;
@@ -297,11 +304,14 @@ class Generation:
                     yield event
                     continue
                 if isinstance(event, PrefillProgress):
+                    self.cached_tokens = event.cached
                     self.prompt_logprobs.extend(
                         token_logprob(self.tokenizer.piece, self.prompt[i], logprob, top)
                         for i, logprob, top in event.logprobs)
                     yield event
                     continue
+                self.cached_tokens = event.cached_tokens
+                self.cache_written = event.cache_written
                 if event.token_id >= 0:
                     self.completion_tokens += 1
                     self.first_token_at = self.first_token_at or time.monotonic()
@@ -351,7 +361,7 @@ class Generation:
                 now = time.monotonic()
                 ttft = None if self.first_token_at is None else self.first_token_at - self.started
                 self.metrics.record(self.req.api, ended, len(self.prompt), self.completion_tokens, ttft,
-                                    now - self.started)
+                                    now - self.started, self.cached_tokens)
 
     def _starts_thinking(self) -> bool:
         """Whether the output starts inside the thinking: the prompt opened it
@@ -399,16 +409,25 @@ class Generation:
         return f"fp_{inst.instance_id[:12]}-{inst.sharding}{len(inst.ranks)}-{inst.dtype}{quant}"
 
     def usage(self) -> dict:
-        """OpenAI's usage object: prompt, completion and total tokens."""
+        """OpenAI's usage object: prompt, completion and total tokens, and of the prompt
+        the tokens its instance's prefix cache held (``prompt_tokens_details.cached_tokens``)."""
         return {
             "prompt_tokens": len(self.prompt),
             "completion_tokens": self.completion_tokens,
             "total_tokens": len(self.prompt) + self.completion_tokens,
+            "prompt_tokens_details": {"cached_tokens": self.cached_tokens},
         }
 
+    @property
+    def computed_tokens(self) -> int:
+        """Prompt tokens prefilled: those no cached prefix held."""
+        return len(self.prompt) - self.cached_tokens
+
     def prefill_progress(self, event: PrefillProgress) -> dict:
-        """llama.cpp server's ``prompt_progress``: ``{total, cache, processed, time_ms}``."""
-        return {"total": event.total, "cache": 0, "processed": event.done,
+        """llama.cpp server's ``prompt_progress``: ``{total, cache, processed, time_ms}``
+        (``processed`` counts the cached tokens too, as llama.cpp's does: the prefill's own
+        progress is ``(processed - cache) / (total - cache)``)."""
+        return {"total": event.total, "cache": event.cached, "processed": event.done,
                 "time_ms": round((time.monotonic() - self.started) * 1000, 1)}
 
 

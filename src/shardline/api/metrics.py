@@ -33,6 +33,9 @@ class RequestMetrics:
                                 ["api", "finish_reason"], registry=self.registry)
         self.prompt_tokens = Counter("shardline_prompt_tokens", "Prompt tokens of finished requests",
                                      registry=self.registry)
+        self.cached_prompt_tokens = Counter(
+            "shardline_cached_prompt_tokens", "Prompt tokens of finished requests that a prefix cache held "
+            "(not computed)", registry=self.registry)
         self.generation_tokens = Counter("shardline_generation_tokens", "Tokens generated",
                                          registry=self.registry)
         self.ttft = Histogram("shardline_time_to_first_token_seconds", "Time to the first token",
@@ -42,10 +45,12 @@ class RequestMetrics:
         self.registry.register(_ClusterCollector(node))
 
     def record(self, api: str, finish_reason: str, prompt_tokens: int, generated: int,
-               ttft_s: float | None, duration_s: float) -> None:
-        """One request ended (``finish_reason``: stop, length, error or cancelled)."""
+               ttft_s: float | None, duration_s: float, cached_tokens: int = 0) -> None:
+        """One request ended (``finish_reason``: stop, length, error or cancelled);
+        ``cached_tokens``: of its prompt, those its instance's prefix cache held."""
         self.requests.labels(api, finish_reason).inc()
         self.prompt_tokens.inc(prompt_tokens)
+        self.cached_prompt_tokens.inc(cached_tokens)
         self.generation_tokens.inc(generated)
         if ttft_s is not None:
             self.ttft.observe(ttft_s)
@@ -72,16 +77,30 @@ class _ClusterCollector:
                                     labels=["instance"])
         waiting = GaugeMetricFamily("shardline_waiting_sequences", "Requests waiting for a slot",
                                     labels=["instance"])
+        cached = GaugeMetricFamily("shardline_prefix_cache_tokens", "Prompt tokens this node's rank holds in "
+                                   "its prefix cache", labels=["instance"])
+        cached_bytes = GaugeMetricFamily("shardline_prefix_cache_bytes", "Bytes of keys and values of this "
+                                         "node's rank's prefix cache (in its KV pool)", labels=["instance"])
+        admitted = CounterMetricFamily("shardline_rank_prompt_tokens", "Prompt tokens of the requests this "
+                                       "node's rank started", labels=["instance"])
+        reused = CounterMetricFamily("shardline_rank_reused_prompt_tokens", "Of those, the tokens its prefix "
+                                     "cache held (the hit rate: this / shardline_rank_prompt_tokens)",
+                                     labels=["instance"])
         for instance_id, stats in node.engine_stats.items():
             running.add_metric([instance_id], len(stats.get("running", ())))
             waiting.add_metric([instance_id], len(stats.get("waiting", ())))
+            cached.add_metric([instance_id], stats.get("cached_tokens", 0))
+            cached_bytes.add_metric([instance_id], stats.get("cached_bytes", 0))
+            admitted.add_metric([instance_id], stats.get("prompt_tokens", 0))
+            reused.add_metric([instance_id], stats.get("reused_tokens", 0))
         continuations = CounterMetricFamily(
             "shardline_continuations", "Requests whose instance failed after they gave tokens, streamed by "
             "this node: continued on another instance (each time), or failed (ended with the error)",
             labels=["outcome"])
         for outcome, count in node.router.continuations.items():
             continuations.add_metric([outcome], count)
-        yield from (live, instances, memory, running, waiting, continuations)
+        yield from (live, instances, memory, running, waiting, cached, cached_bytes, admitted, reused,
+                    continuations)
 
 
 def router(metrics: RequestMetrics) -> APIRouter:

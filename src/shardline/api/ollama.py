@@ -488,12 +488,13 @@ async def _serve(node: Node, metrics: RequestMetrics | None, keep: KeepAlive, re
 def _final(gen: Generation, req: _Request, body: dict, finish: str, load_s: float) -> dict:
     """The last object: done, why, and Ollama's counts and durations (nanoseconds; the
     prompt's is the time to the first token; the load's, ``load_s``, what placing the model
-    for this request took, is part of the total)."""
+    for this request took, is part of the total). ``prompt_eval_count`` counts the prompt
+    tokens computed, as Ollama's does: not those its instance's prefix cache held."""
     now = time.monotonic()
     first = gen.first_token_at or now
     return {"model": req.model, "created_at": _now(), **body, "done": True, "done_reason": "stop" if finish == "tool_calls" else finish,
             "total_duration": int((now - gen.started + load_s) * 1e9), "load_duration": int(load_s * 1e9),
-            "prompt_eval_count": len(gen.prompt), "prompt_eval_duration": int((first - gen.started) * 1e9),
+            "prompt_eval_count": gen.computed_tokens, "prompt_eval_duration": int((first - gen.started) * 1e9),
             "eval_count": gen.completion_tokens, "eval_duration": int((now - first) * 1e9)}
 
 

@@ -281,7 +281,8 @@ PARAMETERS: tuple[Param, ...] = (
            "test_reasoning_api.py::test_anthropic_thinking_blocks"),
           ("context_management", True, "clear_tool_uses_20250919 and clear_thinking_20251015 edits, applied "
            "before the prompt is rendered; applied_edits in the answer", "test_anthropic_context_edits"),
-          ("cache_control", True, "a prompt-cache hint: no cache here, so no effect on the output",
+          ("cache_control", True, "a prompt-cache hint: every prompt's prefix is cached without it "
+           "(usage.cache_read_input_tokens), so no effect",
            "test_identifiers_are_accepted"),
           ("service_tier", False, "only 'auto' or 'standard_only' (one tier here)", _REFUSED, ("auto", "standard_only")),
           ("speed", False, "one speed here ('standard' only)", _REFUSED, ("standard",)),

@@ -127,7 +127,8 @@ def router(node: Node, metrics: RequestMetrics | None = None, store: ResponseSto
             return JSONResponse(status_code=499, content=error_body("client closed the request", "client_closed"))
         for chunk in chunks:
             builder.feed(_piece(chunk))
-        builder.finish(finish, usage_object(len(gen.prompt), gen.completion_tokens, gen.reasoning_tokens))
+        builder.finish(finish, usage_object(len(gen.prompt), gen.completion_tokens, gen.reasoning_tokens,
+                                   gen.cached_tokens, gen.cache_written))
         await keep(req, items, builder.response)
         return JSONResponse(builder.response, headers=headers)
 
@@ -203,7 +204,8 @@ async def _stream(gen: Generation, builder: OutputBuilder, keep, heartbeat_s: fl
         for event in builder.fail(str(exc), "server_error"):
             yield _sse(event)
         return
-    events = builder.finish(finish or "stop", usage_object(len(gen.prompt), gen.completion_tokens, gen.reasoning_tokens))
+    events = builder.finish(finish or "stop", usage_object(len(gen.prompt), gen.completion_tokens, gen.reasoning_tokens,
+                                   gen.cached_tokens, gen.cache_written))
     await keep(builder.response)  # before the last event: a client may continue from it at once
     for event in events:
         yield _sse(event)

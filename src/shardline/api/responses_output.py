@@ -47,10 +47,13 @@ class Piece:
     reasoning: str = ""
 
 
-def usage_object(prompt_tokens: int, output_tokens: int, reasoning_tokens: int = 0) -> dict:
-    """OpenAI's ``ResponseUsage`` (no cached tokens here); ``reasoning_tokens`` of the
-    ``output_tokens``."""
-    return {"input_tokens": prompt_tokens, "input_tokens_details": {"cached_tokens": 0, "cache_write_tokens": 0},
+def usage_object(prompt_tokens: int, output_tokens: int, reasoning_tokens: int = 0, cached_tokens: int = 0,
+                 cache_write_tokens: int = 0) -> dict:
+    """OpenAI's ``ResponseUsage``: ``reasoning_tokens`` of the ``output_tokens``;
+    ``cached_tokens`` of the ``prompt_tokens``, those a prefix cache held, and
+    ``cache_write_tokens`` those the request left in it."""
+    return {"input_tokens": prompt_tokens,
+            "input_tokens_details": {"cached_tokens": cached_tokens, "cache_write_tokens": cache_write_tokens},
             "output_tokens": output_tokens, "output_tokens_details": {"reasoning_tokens": reasoning_tokens},
             "total_tokens": prompt_tokens + output_tokens}
 

@@ -46,6 +46,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--chat-requests", type=int, default=4,
                         help="short chat questions (about 37 prompt tokens) per round, for its TTFT; "
                              "0: none (default %(default)s)")
+    parser.add_argument("--turns", type=int, default=0,
+                        help="also a conversation of this many turns, one after another, each sending the "
+                             "whole chat so far with a new user message (figures: the first and the last "
+                             "turn's TTFT); 0: none (default %(default)s)")
+    parser.add_argument("--turn-tokens", type=int, default=250,
+                        help="tokens of each turn's new user message, about (default %(default)s)")
+    parser.add_argument("--no-prefix-cache", action="store_true",
+                        help="place the local cluster's instance without its prefix cache: every prompt "
+                             "prefilled whole")
     parser.add_argument("--rounds", type=int, default=None,
                         help="times every level and the short chat run; figures are medians over rounds "
                              f"(default 1, with --against {DEFAULT_ROUNDS_AGAINST})")

@@ -19,7 +19,12 @@ Per request (times in seconds from the moment the request is sent):
 Token counts come from the usage of the stream's last chunk (``stream_options:
 {include_usage: true}``); a server that sends none has its content chunks counted as
 completion tokens and the calibrated prompt length taken as its prompt tokens
-(``usage_from: "chunks"`` in the figures).
+(``usage_from: "chunks"`` in the figures). The prompt tokens a server's prompt cache held
+come from ``usage.prompt_tokens_details.cached_tokens`` where it reports them.
+
+A conversation (:func:`run_conversation`) sends its turns one after another, each request
+the whole chat so far: the earlier user messages, the answers the server gave, and a new
+user message. Its figures are each turn's TTFT, the first and the last turn's.
 
 Per concurrency level c (its requests, at most c in flight at once):
 
@@ -149,6 +154,8 @@ class RequestResult:
     chunk_times_s: list[float] = field(default_factory=list)
     end_s: float = 0.0
     start_s: float = 0.0
+    cached_tokens: int | None = None  # usage.prompt_tokens_details.cached_tokens, where given
+    text: str = ""  # the content it streamed
 
     @property
     def prefill_tokens_per_s(self) -> float | None:
@@ -197,10 +204,10 @@ def connect_error_message(url: str, exc: Exception) -> str:
     return f"request to {url} failed: {type(exc).__name__}: {exc}"
 
 
-def _chat_body(model: str, prompt: str, max_tokens: int, stream: bool) -> dict[str, Any]:
+def _chat_body(model: str, prompt: str | list[dict[str, str]], max_tokens: int, stream: bool) -> dict[str, Any]:
     body: dict[str, Any] = {
         "model": model,
-        "messages": [{"role": "user", "content": prompt}],
+        "messages": [{"role": "user", "content": prompt}] if isinstance(prompt, str) else prompt,
         "temperature": 0,
         "max_tokens": max_tokens,
         "ignore_eos": True,
@@ -211,12 +218,13 @@ def _chat_body(model: str, prompt: str, max_tokens: int, stream: bool) -> dict[s
     return body
 
 
-async def stream_request(client: httpx.AsyncClient, url: str, model: str, prompt: str,
+async def stream_request(client: httpx.AsyncClient, url: str, model: str, prompt: str | list[dict[str, str]],
                          max_tokens: int, prompt_tokens: int = 0) -> RequestResult:
     """Send one streamed chat completion and time it.
 
     Args:
         url: the server's base URL (``http://host:port``).
+        prompt: the user message, or the chat's messages.
         max_tokens: completion tokens to ask for (``ignore_eos`` makes it generate them all).
         prompt_tokens: the prompt's calibrated length, taken where the stream has no usage.
 
@@ -232,6 +240,7 @@ async def stream_request(client: httpx.AsyncClient, url: str, model: str, prompt
     ttft = None
     chunk_times: list[float] = []
     usage = None
+    text: list[str] = []
     async with client.stream("POST", f"{url}/v1/chat/completions", json=body) as response:
         if response.status_code != 200:
             raise BenchError(error_message(response, await response.aread()))
@@ -254,6 +263,7 @@ async def stream_request(client: httpx.AsyncClient, url: str, model: str, prompt
                 usage = event["usage"]
             for choice in event.get("choices") or []:
                 if (choice.get("delta") or {}).get("content"):
+                    text.append(choice["delta"]["content"])
                     chunk_times.append(now)
                     if ttft is None:
                         ttft = now
@@ -261,13 +271,16 @@ async def stream_request(client: httpx.AsyncClient, url: str, model: str, prompt
         end = time.perf_counter() - start
     if usage is None:
         return RequestResult(prompt_tokens=prompt_tokens, completion_tokens=len(chunk_times), ttft_s=ttft,
-                             usage_from="chunks", chunk_times_s=chunk_times, end_s=end)
+                             usage_from="chunks", chunk_times_s=chunk_times, end_s=end, text="".join(text))
+    cached = (usage.get("prompt_tokens_details") or {}).get("cached_tokens")
     return RequestResult(
         prompt_tokens=int(usage.get("prompt_tokens", 0)),
         completion_tokens=int(usage.get("completion_tokens", 0)),
         ttft_s=ttft,
         chunk_times_s=chunk_times,
         end_s=end,
+        cached_tokens=None if cached is None else int(cached),
+        text="".join(text),
     )
 
 
@@ -400,3 +413,50 @@ async def run_level(client: httpx.AsyncClient, url: str, model: str, prompts: li
         raise first from None
     wall = time.perf_counter() - level_start
     return summarize_level(concurrency, results, wall)
+
+
+# -- a conversation ----------------------------------------------------------------------
+
+
+def summarize_conversation(results: list[RequestResult], wall_s: float) -> dict[str, Any]:
+    """Figures of one conversation (its turns' results, in order): ``first_ttft_ms`` and
+    ``last_ttft_ms`` (milliseconds), the last turn's prompt tokens, and each turn's
+    prompt tokens, cached tokens (None where the server reports none) and TTFT."""
+    def ms(r: RequestResult) -> float | None:
+        return None if r.ttft_s is None else r.ttft_s * 1000
+
+    return {
+        "requests": len(results),
+        "median_prompt_tokens": results[-1].prompt_tokens if results else None,
+        "median_completion_tokens": median([r.completion_tokens for r in results]),
+        "first_ttft_ms": ms(results[0]) if results else None,
+        "last_ttft_ms": ms(results[-1]) if results else None,
+        "wall_s": wall_s,
+        "usage_from": "usage" if all(r.usage_from == "usage" for r in results) else "chunks",
+        "per_request": [{"prompt_tokens": r.prompt_tokens, "cached_tokens": r.cached_tokens,
+                         "completion_tokens": r.completion_tokens, "start_s": r.start_s, "ttft_s": r.ttft_s,
+                         "end_s": r.end_s} for r in results],
+    }
+
+
+async def run_conversation(client: httpx.AsyncClient, url: str, model: str, user_messages: list[str],
+                           gen_tokens: int) -> dict[str, Any]:
+    """One chat of ``len(user_messages)`` turns, one after another: each turn sends the chat
+    so far (every earlier user message and the server's answer to it) with the next user
+    message, and the answer it streams (``gen_tokens`` tokens) joins the chat. Summarised
+    by :func:`summarize_conversation`.
+
+    Raises:
+        BenchError, httpx.HTTPError: a turn failed (:func:`stream_request`).
+    """
+    messages: list[dict[str, str]] = []
+    results: list[RequestResult] = []
+    started = time.perf_counter()
+    for text in user_messages:
+        messages.append({"role": "user", "content": text})
+        sent = time.perf_counter() - started
+        result = await stream_request(client, url, model, list(messages), gen_tokens)
+        result.start_s = sent
+        results.append(result)
+        messages.append({"role": "assistant", "content": result.text})
+    return summarize_conversation(results, time.perf_counter() - started)

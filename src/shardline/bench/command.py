@@ -43,6 +43,10 @@ def _check_args(args: argparse.Namespace) -> str | None:
         return "--runs must be at least 1"
     if args.chat_requests < 0:
         return "--chat-requests must be at least 0"
+    if args.turns < 0:
+        return "--turns must be at least 0"
+    if args.turn_tokens < 1:
+        return "--turn-tokens must be at least 1"
     if args.rounds is not None and args.rounds < 1:
         return "--rounds must be at least 1"
     if args.against is None:
@@ -148,7 +152,8 @@ def _bench(args: argparse.Namespace, servers: list[Server]) -> int:
     rounds = args.rounds or (DEFAULT_ROUNDS_AGAINST if len(servers) == 2 else 1)
     config = BenchConfig(prompt_tokens=list(args.prompt_tokens), gen_tokens=args.gen_tokens,
                          concurrency=list(args.concurrency), runs=args.runs, rounds=rounds,
-                         chat_requests=args.chat_requests, warmup=args.warmup)
+                         chat_requests=args.chat_requests, warmup=args.warmup, turns=args.turns,
+                         turn_tokens=args.turn_tokens)
     report = asyncio.run(run_workloads(servers, config, _progress))
     from shardline.bench.report import print_comparison, print_report
 
@@ -233,7 +238,8 @@ def _main(args: argparse.Namespace) -> int:
             cluster.start()
             _progress(f"placing {args.model or DEFAULT_MODEL_ID} ({args.sharding})")
             cluster.clear()  # instances the bench's own nodes kept from an earlier run
-            instance = cluster.place(args.model or DEFAULT_MODEL_ID, args.sharding)
+            instance = cluster.place(args.model or DEFAULT_MODEL_ID, args.sharding,
+                                     prefix_cache=not args.no_prefix_cache)
             shardline = Server(SHARDLINE, cluster.url(0), instance["model_id"], api_key_headers(args.api_key),
                                len(instance["ranks"]), instance["sharding"])
         return _bench(args, [shardline] if other is None else [shardline, other])

@@ -9,7 +9,12 @@ A workload is one measured unit (:func:`plan_workloads`):
   tokens/s (per request; the decode speed at that context) and aggregate decode tokens/s
   (all of the level's requests together);
 - the *short chat*: ``--chat-requests`` short questions (about 37 prompt tokens with the
-  chat template) one after another, two tokens each; figure TTFT.
+  chat template) one after another, two tokens each; figure TTFT;
+- a *conversation* (``--turns N``): one chat of N turns, each sending the whole chat so
+  far with a new user message of about ``--turn-tokens`` tokens, its answer of
+  ``--gen-tokens`` joining the chat (:func:`shardline.bench.bench.run_conversation`);
+  figures the first and the last turn's TTFT (a server with a prompt cache prefills only
+  each turn's new part).
 
 Every round runs every workload on each server in turn (:func:`interleave`): shardline,
 then the other server, then the next workload, so both see the machine's load within
@@ -42,6 +47,7 @@ from shardline.bench.bench import (
     connect_error_message,
     count_prompt_tokens,
     median,
+    run_conversation,
     run_level,
     stream_request,
 )
@@ -72,12 +78,22 @@ LEVEL_FIGURES = (
     Figure("aggregate_decode_tokens_per_s", "aggregate tok/s", higher_is_better=True),
 )
 CHAT_FIGURES = (TTFT,)
+TURN_FIGURES = (
+    Figure("first_ttft_ms", "first turn TTFT ms", higher_is_better=False),
+    Figure("last_ttft_ms", "last turn TTFT ms", higher_is_better=False),
+)
+
+
+def figures_of(kind: str) -> tuple[Figure, ...]:
+    """The figures a workload of ``kind`` reports."""
+    return {"level": LEVEL_FIGURES, "chat": CHAT_FIGURES, "turns": TURN_FIGURES}[kind]
 
 
 @dataclass(frozen=True)
 class Workload:
-    """One measured unit. ``kind``: ``"level"`` or ``"chat"``; ``prompt_tokens``: the
-    level's prompt length to calibrate to (None for the chat); ``requests``: per round."""
+    """One measured unit. ``kind``: ``"level"``, ``"chat"`` or ``"turns"``;
+    ``prompt_tokens``: the level's prompt length to calibrate to, a conversation's turn's
+    (None for the chat); ``requests``: per round (a conversation's: its turns)."""
 
     name: str
     kind: str
@@ -88,7 +104,7 @@ class Workload:
     @property
     def figures(self) -> tuple[Figure, ...]:
         """The figures this workload reports."""
-        return LEVEL_FIGURES if self.kind == "level" else CHAT_FIGURES
+        return figures_of(self.kind)
 
 
 @dataclass
@@ -102,6 +118,8 @@ class BenchConfig:
     rounds: int
     chat_requests: int
     warmup: bool
+    turns: int = 0
+    turn_tokens: int = 250
 
 
 @dataclass
@@ -121,13 +139,16 @@ class Server:
 
 
 def plan_workloads(prompt_tokens: list[int], concurrency: list[int], runs: int,
-                   chat_requests: int) -> list[Workload]:
+                   chat_requests: int, turns: int = 0, turn_tokens: int = 250) -> list[Workload]:
     """A level per (prompt length, concurrency), prompt lengths outermost, each with
-    ``max(runs, c)`` requests; then the short chat if ``chat_requests`` > 0."""
+    ``max(runs, c)`` requests; then the short chat if ``chat_requests`` > 0; then a
+    conversation of ``turns`` turns of ``turn_tokens`` if ``turns`` > 0."""
     out = [Workload(f"prompt {p} c={c}", "level", p, c, max(runs, c))
            for p in prompt_tokens for c in concurrency]
     if chat_requests > 0:
         out.append(Workload("short chat", "chat", None, 1, chat_requests))
+    if turns > 0:
+        out.append(Workload(f"conversation {turns} turns", "turns", turn_tokens, 1, turns))
     return out
 
 
@@ -167,7 +188,7 @@ def report_rows(workloads: list[dict[str, Any]], first: str = SHARDLINE,
     """
     rows = []
     for w in workloads:
-        for fig in (LEVEL_FIGURES if w["kind"] == "level" else CHAT_FIGURES):
+        for fig in figures_of(w["kind"]):
             a = w["results"][first]["figures"][fig.key]
             b = w["results"][second]["figures"][fig.key]
             rows.append({"workload": w["name"], "figure": fig.label, first: a, second: b,
@@ -196,6 +217,10 @@ async def _prepare(client: httpx.AsyncClient, server: Server, config: BenchConfi
     for target in config.prompt_tokens:
         words, tokens = await _on(server, calibrate_words(client, server.url, server.model, target))
         prompts.append({"target": target, "words": words, "tokens": tokens})
+    turn = None
+    if config.turns:
+        words, tokens = await _on(server, calibrate_words(client, server.url, server.model, config.turn_tokens))
+        turn = {"target": config.turn_tokens, "words": words, "tokens": tokens}
     chat_tokens = None
     if config.chat_requests:
         chat_tokens = await _on(server, count_prompt_tokens(client, server.url, server.model, chat_question(0)))
@@ -204,7 +229,7 @@ async def _prepare(client: httpx.AsyncClient, server: Server, config: BenchConfi
         await _on(server, stream_request(client, server.url, server.model,
                                          build_prompt(prompts[0]["words"]), config.gen_tokens))
     return {"name": server.name, "url": server.url, "model": server.model, "nodes": server.nodes,
-            "sharding": server.sharding, "prompts": prompts, "chat_prompt_tokens": chat_tokens}
+            "sharding": server.sharding, "prompts": prompts, "chat_prompt_tokens": chat_tokens, "turn": turn}
 
 
 async def run_workloads(servers: list[Server], config: BenchConfig,
@@ -223,7 +248,8 @@ async def run_workloads(servers: list[Server], config: BenchConfig,
         BenchError: an HTTP error, a malformed answer or a failed connection, naming the server.
     """
     say = progress or (lambda _msg: None)
-    workloads = plan_workloads(config.prompt_tokens, config.concurrency, config.runs, config.chat_requests)
+    workloads = plan_workloads(config.prompt_tokens, config.concurrency, config.runs, config.chat_requests,
+                               config.turns, config.turn_tokens)
     by_name = {w.name: w for w in workloads}
     names = [s.name for s in servers]
     timeout = httpx.Timeout(30.0, read=600.0)
@@ -239,6 +265,14 @@ async def run_workloads(servers: list[Server], config: BenchConfig,
             work, server, info = by_name[name], servers[names.index(server_name)], prepared[server_name]
             variants = range(next_variant[server_name], next_variant[server_name] + work.requests)
             next_variant[server_name] += work.requests
+            if work.kind == "turns":
+                say(f"round {round_ + 1}/{config.rounds}: {name} on {server_name}")
+                order.append({"round": round_, "workload": name, "server": server_name,
+                              "start_s": time.perf_counter() - started})
+                conversation = [build_prompt(info["turn"]["words"], v) for v in variants]
+                results[name][server_name].append(await _on(server, run_conversation(
+                    clients[server_name], server.url, server.model, conversation, config.gen_tokens)))
+                continue
             if work.kind == "level":
                 calibrated = next(p for p in info["prompts"] if p["target"] == work.prompt_tokens)
                 prompts = [build_prompt(calibrated["words"], v) for v in variants]

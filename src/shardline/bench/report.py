@@ -60,10 +60,14 @@ def print_report(report: dict[str, Any], console=None) -> None:
                   "decode\ntok/s\nper req.", "decode\ntok/s\naggregate"):
         table.add_column(title, justify="right", no_wrap=True)
     chat = None
+    conversations = []
     for w in report["workloads"]:
         fig = w["results"][name]["figures"]
-        if w["kind"] != "level":
+        if w["kind"] == "chat":
             chat = fig
+            continue
+        if w["kind"] == "turns":
+            conversations.append(w["results"][name])
             continue
         table.add_row(str(w["concurrency"]), str(fig["requests"]), _fmt(fig["median_prompt_tokens"], 0),
                       _fmt(fig["median_completion_tokens"], 0), _fmt(fig["median_ttft_ms"]),
@@ -73,6 +77,19 @@ def print_report(report: dict[str, Any], console=None) -> None:
     if chat is not None:
         console.print(f"short chat ({_fmt(chat['median_prompt_tokens'], 0)} prompt tokens): "
                       f"TTFT {_fmt(chat['median_ttft_ms'])} ms (median of {chat['requests']})", highlight=False)
+    for result in conversations:
+        console.print(conversation_line(result), highlight=False)
+
+
+def conversation_line(result: dict[str, Any]) -> str:
+    """A conversation's figures (medians over rounds), then its last round's turns: prompt
+    tokens (with the cached ones where the server said) and TTFT."""
+    fig = result["figures"]
+    turns = [f"{r['prompt_tokens']}" + (f" ({r['cached_tokens']} cached)" if r.get("cached_tokens") else "")
+             + f": {_fmt(None if r['ttft_s'] is None else r['ttft_s'] * 1000, 0)} ms"
+             for r in result["rounds"][-1]["per_request"]]
+    return (f"conversation of {len(turns)} turns: TTFT first {_fmt(fig['first_ttft_ms'])} ms, last "
+            f"{_fmt(fig['last_ttft_ms'])} ms; per turn, prompt tokens: TTFT: {', '.join(turns)}")
 
 
 def print_comparison(report: dict[str, Any], console=None) -> None:

@@ -91,15 +91,35 @@ class KVCache:
         """Tokens rounded up to whole blocks: what ``tokens`` positions of a sequence take."""
         return -(-tokens // self.block_tokens) * self.block_tokens
 
-    def release(self, slot: int) -> None:
-        """Give the memory of ``slot``'s written positions back to the system (its
-        sequence ended); they read as zeros until written again. A no-op off the CPU and
-        where the system has no ``MADV_DONTNEED``."""
+    def copy(self, source: int, slot: int, tokens: int) -> None:
+        """Copy the keys and values of ``source``'s first ``tokens`` positions into ``slot``
+        (a cached prefix another sequence shares: :mod:`shardline.runner.prefix_cache`)."""
+        for t in self.k + self.v:
+            t[slot, :, :tokens].copy_(t[source, :, :tokens])
+
+    def release(self, slot: int, start: int = 0) -> None:
+        """Give the memory of ``slot``'s written positions from ``start`` on (rounded up to
+        a whole block) back to the system: its sequence ended, or only its first
+        ``start`` positions are kept (a cached prefix,
+        :mod:`shardline.runner.prefix_cache`); they read as zeros until written again. A
+        no-op off the CPU and where the system has no ``MADV_DONTNEED``."""
         advice = getattr(mmap, "MADV_DONTNEED", None)
         if self._mapping is None or advice is None:
             return
-        start, step = slot * self._slot_bytes, self.slots * self._slot_bytes
         if self._slot_bytes % mmap.PAGESIZE:  # not page-aligned: nothing whole to give back
             return
-        for region in range(2 * len(self.k)):  # (K, V) x layers, each [slots, ...]
-            self._mapping.madvise(advice, region * step + start, self._slot_bytes)
+        base, step = slot * self._slot_bytes, self.slots * self._slot_bytes
+        regions = 2 * len(self.k)  # (K, V) x layers, each [slots, heads, positions, head_dim]
+        if start <= 0:
+            for region in range(regions):
+                self._mapping.madvise(advice, region * step + base, self._slot_bytes)
+            return
+        heads, positions, _ = self.k[0].shape[1:]
+        head_bytes = self._slot_bytes // heads
+        kept = self.blocks_for(start) * head_bytes // positions  # bytes of the kept positions, a head
+        if kept >= head_bytes or kept % mmap.PAGESIZE:
+            return
+        for region in range(regions):
+            for head in range(heads):
+                self._mapping.madvise(advice, region * step + base + head * head_bytes + kept,
+                                      head_bytes - kept)

@@ -116,7 +116,8 @@ class Coordinator:
                     return await self._place(card, inst.sharding, list(inst.wanted_nodes),
                                              inst.context, inst.max_batch, inst.dtype, inst.force,
                                              0, inst.kv_cache_bytes, inst.quantize,
-                                             replaced=replaced_ids(inst), stands_in_for=instance_id)
+                                             replaced=replaced_ids(inst), stands_in_for=instance_id,
+                                             prefix_cache=inst.prefix_cache)
                 try:
                     new = await place()
                     how = "beside it (it serves until the new one is ready)"
@@ -288,7 +289,7 @@ class Coordinator:
             await self._place(card, failed.sharding, nodes, failed.context, failed.max_batch,
                               failed.dtype, failed.force, retries, failed.kv_cache_bytes,
                               failed.quantize, wanted_nodes=wanted, replaces=failed.instance_id,
-                              replaced=replaced_ids(failed))
+                              replaced=replaced_ids(failed), prefix_cache=failed.prefix_cache)
         except _Deleted:
             log.info("not placing %s again: its instance %s was deleted meanwhile",
                      failed.model_id, failed.instance_id)
@@ -316,6 +317,7 @@ class Coordinator:
         max_nodes: int | None = None,
         kv_cache_bytes: int | None = None,
         quantize: str | None = None,
+        prefix_cache: bool = True,
     ) -> Instance:
         """Coordinator: place ``model`` (an id, see :meth:`adopt`) and start loading it.
 
@@ -332,6 +334,8 @@ class Coordinator:
         ``max_batch`` sequences of ``context`` tokens, or as much as fits
         (:func:`~shardline.placement.ranks.place_with_kv_pool`). ``quantize`` (``"int8"``,
         ``"int4"``) quantizes the weights the files hold in 16 or 32 bits on load.
+        ``prefix_cache`` False: its ranks keep no finished prompt for later ones
+        (:mod:`shardline.runner.prefix_cache`).
 
         Raises:
             ModelNotFoundError: no node has the model.
@@ -350,7 +354,7 @@ class Coordinator:
                                        kv_cache_bytes=kv_cache_bytes, quantize=quantize))[0]
             chosen, node_ids = best.sharding, list(best.node_ids)
         return await self._place(card, chosen, node_ids, context, max_batch, dtype, force,
-                                 kv_cache_bytes=kv_cache_bytes, quantize=quantize)
+                                 kv_cache_bytes=kv_cache_bytes, quantize=quantize, prefix_cache=prefix_cache)
 
     async def preview(self, card: ModelCard, node_ids: list[str] | None, context: int | None,
                       max_batch: int | None, dtype: str = "bfloat16", best_only: bool = False,
@@ -416,6 +420,7 @@ class Coordinator:
         replaces: str | None = None,
         replaced: tuple[str, ...] = (),
         stands_in_for: str | None = None,
+        prefix_cache: bool = True,
     ) -> Instance:
         """Place ``card`` and publish the instance. ``wanted_nodes``: the nodes a failed
         instance was placed on; kept on the new one when it gets other nodes (fewer of
@@ -471,6 +476,7 @@ class Coordinator:
             replaced=replaced,
             collectives_on_cpu=ranks_share_a_gpu([self.node.profile_of(n) for n in chosen]),
             stands_in_for=stands_in_for,
+            prefix_cache=prefix_cache,
         )
         if replaces is not None and replaces not in self.node.instances:
             raise _Deleted(replaces)

@@ -33,6 +33,7 @@ class CreateInstance(BaseModel):
     quantize: Literal["int8", "int4"] | None = None  # 16/32-bit weights quantized on load
     dtype: Literal["bfloat16", "float16", "float32"] = "bfloat16"
     force: bool = False  # skip memory admission
+    prefix_cache: bool = True  # finished prompts kept for later ones that start the same
     min_nodes: int | None = Field(default=None, ge=1)  # without "nodes": the fewest to use
     max_nodes: int | None = Field(default=None, ge=1)  # without "nodes": the most to use
 
@@ -69,7 +70,8 @@ async def create(node: Node, body: CreateInstance) -> tuple[int, dict]:
     try:
         inst = await node.coordinator.create_instance(
             body.model, body.sharding, body.nodes, body.context, body.max_batch, body.dtype,
-            body.force, body.min_nodes, body.max_nodes, body.kv_cache_bytes, body.quantize)
+            body.force, body.min_nodes, body.max_nodes, body.kv_cache_bytes, body.quantize,
+            body.prefix_cache)
     except ModelNotFoundError as exc:
         return 404, error_body(API.CLUSTER, 404, str(exc), "model")
     except (ModelStoreError, UnsupportedModelError, PlacementRequestError) as exc:

@@ -132,6 +132,7 @@ class Supervisor:
             collectives_on_cpu=inst.collectives_on_cpu,
             progress_timeout_s=self.node.progress_timeout_s,
             prefill_chunk=chunk, prefill_step_tokens=step, prefill_burst_tokens=burst,
+            prefix_cache=inst.prefix_cache,
         )
         self.node.worker.start(spec)
 

@@ -89,6 +89,7 @@ class Instance:
     collectives_on_cpu: bool = False  # its ranks share a GPU: gloo, not NCCL (rendezvous.ranks_share_a_gpu)
     stands_in_for: str | None = None  # placed beside this serving instance on its returning nodes
     given_up: bool = False  # failed, and the coordinator will not place it again (NotPlacedAgain)
+    prefix_cache: bool = True  # its ranks keep finished prompts for later ones (runner.prefix_cache)
 
     def to_dict(self) -> dict:
         """A JSON view (the cluster API's, each rank's share flattened into it:

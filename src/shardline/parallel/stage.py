@@ -26,6 +26,29 @@ from shardline.parallel.collectives import Collectives
 from shardline.parallel.progress import Progress
 
 
+def span_keys(batch: ForwardBatch, span: int, positions: int) -> ForwardBatch:
+    """``batch`` (a prefill chunk on the torch layers) attending to the keys up to the next
+    multiple of ``span`` (at most the slot's ``positions``), those past each query masked;
+    unchanged for ``span`` 0.
+
+    The bits of a row's attention depend on how many keys its chunk reads (torch's CPU
+    flash attention: SmolLM2 in bfloat16, rows 673-802 of a chunk 512..802 differed from
+    the same rows of a chunk 512..1023), not on where the chunk starts. With the span the
+    prefill chunk's (:mod:`shardline.runner.prefix_cache`), a chunk that ends short of a
+    multiple of it reads what the whole chunk would: a prompt resumed from a cached
+    prefix, and a later prompt that extends a cached one, give each row a cold prefill's
+    bits. The masked keys weigh exactly 0; a chunk short of the span reads up to
+    span - 1 more keys (in positions no one wrote, the zero page)."""
+    end = batch.start + int(batch.positions.shape[0])
+    keys = min(-(-end // span) * span, positions) if span else end
+    if keys <= end or batch.ring is not None:
+        return batch
+    batch.attn_mask = (torch.arange(keys, device=batch.positions.device).unsqueeze(0)
+                       <= batch.positions.unsqueeze(1))
+    batch.kv_len = keys
+    return batch
+
+
 class Stage:
     """Base of the pipeline, tensor and ring stages.
 
@@ -59,11 +82,12 @@ class Stage:
         self.progress = progress or Progress()
 
     def prefill_batch(self, slot: int, start: int, length: int, want_logits: bool,
-                      every_row: bool = False) -> ForwardBatch:
+                      every_row: bool = False, key_span: int = 0) -> ForwardBatch:
         """A prefill chunk: positions ``start .. start+length-1`` of ``slot``; logits of
         its last position on the sampling rank when ``want_logits``, of every position
-        with ``every_row`` too."""
-        return self.shard.prefill_batch(slot, start, length, want_logits, every_row)
+        with ``every_row`` too; ``key_span``: see :func:`span_keys`."""
+        return span_keys(self.shard.prefill_batch(slot, start, length, want_logits, every_row),
+                         key_span, self.cache.k[0].shape[2])
 
     def decode_batch(self, slots: list[int], positions: list[int]) -> ForwardBatch:
         """A decode step: one token at ``positions[i]`` for the sequence in ``slots[i]``."""

@@ -221,6 +221,7 @@ def serve(conn, outbox: Outbox, started: float) -> None:
         kv_tokens=spec.kv_tokens,
         on_idle=_release_idle_memory,
         grammar_tokenizer=GrammarTokenizer(spec.model_path),
+        prefix_cache=spec.prefix_cache,
     )
     engine.run()
     if group is not None:

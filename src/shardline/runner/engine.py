@@ -7,11 +7,14 @@ Each step:
    start and which are cancelled (:mod:`shardline.runner.agreement`); agreed tasks queue
    in task-id order;
 3. admit queued tasks, in order, while a KV-cache slot is free and the KV pool has the
-   blocks a task reserves (:func:`kv_reservation`; continuous batching);
+   blocks a task reserves (:func:`kv_reservation`; continuous batching); a task whose
+   prompt starts with a finished sequence's cached prompt takes that slot and prefills
+   only the rest, and cached slots are evicted, least recently used, for tasks that need
+   the room (:mod:`shardline.runner.prefix_cache`);
 4. run the step's micro-batches: one decode token for every sequence that is generating,
    then prefill chunks of the sequences still prefilling, oldest first, up to a budget of
-   prompt tokens (whole chunks of ``prefill_chunk`` tokens, so a prompt is cut at the same
-   positions whatever else runs). The budget is small while other sequences decode, so a
+   prompt tokens (chunks cut at multiples of ``prefill_chunk`` tokens, so a prompt is cut
+   at the same positions whatever else runs, and whatever part of it was cached). The budget is small while other sequences decode, so a
    long prompt delays their next token by little, and larger when none does, so a
    pipeline's stages overlap many chunks (:mod:`shardline.parallel.pipeline`);
 5. the sampling rank samples every sequence that has new logits
@@ -36,7 +39,7 @@ import logging
 import queue
 import time
 from collections import OrderedDict
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Callable
 
 import torch
@@ -45,6 +48,7 @@ from shardline.parallel.pipeline import PipelineStage
 from shardline.runner.agreement import Agreement, decide, encode_proposal, proposal_length, sampled_tokens
 from shardline.runner.constraint import Constraint
 from shardline.runner.logprob_tables import logprob_table, logprob_width, prompt_logprob_table, read_logprobs
+from shardline.runner.prefix_cache import CachedPrefix, Waiting, block_hashes, exact_end, plan_admission
 from shardline.runner.protocol import (
     Cancel,
     EngineStats,
@@ -97,31 +101,19 @@ def pool_tokens(kv_tokens: int, max_batch: int, context: int, block_tokens: int)
     return max_batch * -(-context // block_tokens) * block_tokens
 
 
-def admissible(needs: list[int], free_slots: int, free_tokens: int) -> int:
-    """How many of the waiting tasks, in order, start now: each takes a slot and its
-    reservation (``needs``, tokens) while both last; the first that does not fit and
-    every task behind it wait (first come, first served)."""
-    started = 0
-    for need in needs:
-        if started == free_slots or need > free_tokens:
-            break
-        free_tokens -= need
-        started += 1
-    return started
-
-
 SCORE_BLOCK_ROWS = 16
 """Rows of a scored prompt's chunk whose logits are taken at once (:meth:`Engine._share_prompt_logprobs`)."""
 
 
 def prefill_plan(prompts: list[tuple[int, int]], chunk: int, budget: int) -> list[tuple[int, int, int]]:
     """A step's prefill chunks ``(index of the prompt, start, length)``, oldest prompt
-    first, whole chunks of at most ``chunk`` tokens up to ``budget`` prompt tokens (at
-    least one chunk). ``prompts``: per sequence, (prompt tokens, tokens prefilled)."""
+    first, whole chunks up to ``budget`` prompt tokens (at least one chunk), cut at
+    multiples of ``chunk`` (a prompt resumed from a cached prefix is cut where its cold
+    prefill is). ``prompts``: per sequence, (prompt tokens, tokens prefilled)."""
     plan: list[tuple[int, int, int]] = []
     for index, (total, start) in enumerate(prompts):
         while start < total:
-            length = min(chunk, total - start)
+            length = min(chunk - start % chunk, total - start)
             if plan and length > budget:
                 return plan
             plan.append((index, start, length))
@@ -133,7 +125,13 @@ def prefill_plan(prompts: list[tuple[int, int]], chunk: int, budget: int) -> lis
 @dataclass
 class Sequence:
     """A task admitted to the batch: its slot, KV reservation (tokens), prefill progress
-    and generated tokens."""
+    and generated tokens.
+
+    ``reused``: prompt tokens whose keys and values its slot held from a cached prefix
+    (its prefill started there); ``exact_end``: its first rows whose keys and values have
+    the bits a cold prefill gives (:func:`~shardline.runner.prefix_cache.exact_end`),
+    which its slot keeps as a cached prefix when it ends; ``hashes``: its prompt's
+    :func:`~shardline.runner.prefix_cache.block_hashes` (empty without prefix caching)."""
 
     task: Task
     slot: int
@@ -141,6 +139,9 @@ class Sequence:
     prefilled: int = 0
     generated: list[int] = field(default_factory=list)
     sampler: Sampler | None = None
+    reused: int = 0
+    exact_end: int = 0
+    hashes: list[int] = field(default_factory=list)
 
     @property
     def prompt_len(self) -> int:
@@ -192,6 +193,10 @@ class Engine:
             on the sampling rank at the first task with a grammar;
             :class:`shardline.runner.constraint.GrammarTokenizer`); None: a task with a
             grammar is ended at once (logged).
+        prefix_cache: a finished sequence's slot keeps its prompt's keys and values for a
+            later prompt that starts the same (:mod:`shardline.runner.prefix_cache`);
+            False: every prompt is prefilled whole and a slot is emptied when its sequence
+            ends.
     """
 
     def __init__(
@@ -212,6 +217,7 @@ class Engine:
         on_idle: Callable[[], None] | None = None,
         idle_release_s: float = 0.5,
         grammar_tokenizer: Callable[[], object] | None = None,
+        prefix_cache: bool = True,
     ) -> None:
         self.stage = stage
         self.inbox = inbox
@@ -243,6 +249,12 @@ class Engine:
         self._idle_since: float | None = None
         self._agreed = False  # the last step's token exchange agreed on this step's tasks
         self.grammar_tokenizer = grammar_tokenizer
+        self.prefix_cache = prefix_cache
+        self.cached: dict[int, CachedPrefix] = {}  # free slots holding a cached prefix
+        self._clock = 0  # advanced whenever a slot is cached: the cached prefixes' recency
+        self._hashes: dict[int, list[int]] = {}  # waiting tasks' prompt block hashes
+        self.prompt_tokens = 0  # prompt tokens of the tasks admitted so far
+        self.reused_tokens = 0  # of those, the ones taken from cached prefixes
 
     # -- inbox and agreement -------------------------------------------------------------
 
@@ -292,27 +304,70 @@ class Engine:
                 events.append(TokenEvent(task_id, -1, "cancelled", len(held.prompt)))
             for task in [t for t in self.waiting if t.task_id == task_id]:
                 self.waiting.remove(task)
+                self._hashes.pop(task_id, None)
                 if task.origin == self.node_id:
                     events.append(TokenEvent(task_id, -1, "cancelled", len(task.prompt)))
             for seq in [s for s in self.running if s.task.task_id == task_id]:
                 self._finish(seq)
                 if seq.task.origin == self.node_id:
-                    events.append(TokenEvent(task_id, -1, "cancelled", seq.prompt_len))
+                    events.append(TokenEvent(task_id, -1, "cancelled", seq.prompt_len, cached_tokens=seq.reused))
         self.emit(events)
 
     # -- scheduling ----------------------------------------------------------------------
 
     def admit(self) -> None:
-        block = self.stage.cache.block_tokens
-        needs = [kv_reservation(len(t.prompt), t.max_tokens, self.context, block, self.kv_tokens)
-                 for t in self.waiting]
-        for need in needs[: admissible(needs, len(self.free_slots), self.free_kv_tokens)]:
-            task = self.waiting.pop(0)
-            seq = Sequence(task, self.free_slots.pop(0), kv_reserved=need)
-            self.free_kv_tokens -= need
+        """Start the waiting tasks that fit, in order (:func:`~shardline.runner.prefix_cache.
+        plan_admission`): each in a slot, resuming from its cached prefix where it takes
+        one, the cached slots it needs evicted."""
+        if not self.waiting:
+            return
+        cache = self.stage.cache
+        block = cache.block_tokens
+        wants = [Waiting(t.prompt, self._prompt_hashes(t), kv_reservation(
+            len(t.prompt), t.max_tokens, self.context, block, self.kv_tokens), self._may_reuse(t))
+            for t in self.waiting]
+        plan = plan_admission(wants, self.free_slots, list(self.cached.values()), self.free_kv_tokens,
+                              self.prefill_chunk, block)
+        for slot in plan.evicted:
+            self.free_kv_tokens += self.cached.pop(slot).tokens
+            cache.release(slot)
+            self.free_slots.append(slot)
+        self.free_slots.sort()
+        for start in plan.starts:
+            task, want = self.waiting.pop(0), wants[start.index]
+            self._hashes.pop(task.task_id, None)
+            if start.slot in self.cached:  # its cached prefix: the first ``reused`` positions are kept
+                self.free_kv_tokens += self.cached.pop(start.slot).tokens
+                cache.release(start.slot, start.reused)
+            else:
+                self.free_slots.remove(start.slot)
+            if start.source is not None:  # another conversation's: its shared positions copied
+                cache.copy(start.source, start.slot, start.reused)
+                self._clock += 1
+                self.cached[start.source] = replace(self.cached[start.source], used=self._clock)
+            seq = Sequence(task, start.slot, kv_reserved=want.need, prefilled=start.reused,
+                           reused=start.reused, exact_end=start.reused, hashes=want.hashes)
+            self.free_kv_tokens -= want.need
+            self.prompt_tokens += len(task.prompt)
+            self.reused_tokens += start.reused
             if self.stage.samples:
                 seq.sampler = self._sampler(task)
             self.running.append(seq)
+
+    def _may_reuse(self, task: Task) -> bool:
+        """Whether ``task`` may resume from a cached prefix: not where every prompt row's
+        log-probabilities are asked for (a cached row gives none)."""
+        return self.prefix_cache and task.sampling.prompt_logprobs is None
+
+    def _prompt_hashes(self, task: Task) -> list[int]:
+        """``task``'s prompt block hashes (computed once while it waits; none without
+        prefix caching)."""
+        if not self.prefix_cache:
+            return []
+        hashes = self._hashes.get(task.task_id)
+        if hashes is None:
+            hashes = self._hashes[task.task_id] = block_hashes(task.prompt, self.stage.cache.block_tokens)
+        return hashes
 
     def _sampler(self, task: Task) -> Sampler:
         constraint = None
@@ -327,11 +382,28 @@ class Engine:
         return self.grammar_tokenizer()
 
     def _finish(self, seq: Sequence) -> None:
+        """End ``seq``: its slot keeps the whole blocks of its exact prompt rows as a cached
+        prefix (with prefix caching), or is emptied."""
         self.running.remove(seq)
-        self.stage.cache.release(seq.slot)
         self.free_kv_tokens += seq.kv_reserved
-        self.free_slots.append(seq.slot)
-        self.free_slots.sort()
+        block = self.stage.cache.block_tokens
+        keep = self._kept(seq)
+        if keep <= 0:
+            self.stage.cache.release(seq.slot)
+            self.free_slots.append(seq.slot)
+            self.free_slots.sort()
+            return
+        self.stage.cache.release(seq.slot, keep)
+        self._clock += 1
+        self.cached[seq.slot] = CachedPrefix(seq.slot, seq.task.prompt[:keep], tuple(seq.hashes[: keep // block]),
+                                             self._clock)
+        self.free_kv_tokens -= keep
+
+    def _kept(self, seq: Sequence) -> int:
+        """Prompt tokens ``seq``'s slot keeps as a cached prefix when it ends: the whole
+        blocks of its exact rows (none without prefix caching)."""
+        block = self.stage.cache.block_tokens
+        return min(seq.exact_end, seq.kv_reserved) // block * block if self.prefix_cache else 0
 
     # -- execution -----------------------------------------------------------------------
 
@@ -369,13 +441,14 @@ class Engine:
         decoding = [s for s in self.running if s.prefilled >= s.prompt_len and s.generated]
         chunks = self.plan_prefill(self.prefill_step_tokens if decoding else self.prefill_burst_tokens)
         micro = []
+        key_span = self.prefill_chunk if self.prefix_cache else 0  # a cold prefill's bits on a hit
         if decoding:
             batch = stage.decode_batch([s.slot for s in decoding], [s.next_position for s in decoding])
             micro.append((torch.tensor([s.generated[-1] for s in decoding], dtype=torch.long), batch))
         for seq, start, length in chunks:
             last = start + length == seq.prompt_len
             batch = stage.prefill_batch(seq.slot, start, length, want_logits=last or seq.scored,
-                                        every_row=seq.scored)
+                                        every_row=seq.scored, key_span=key_span)
             micro.append((torch.tensor(seq.task.prompt[start : start + length], dtype=torch.long), batch))
         if not micro:
             return
@@ -385,7 +458,8 @@ class Engine:
             if index >= first_chunk:
                 seq, start, length = chunks[index - first_chunk]
                 if seq.task.origin == self.node_id and not seq.scored:  # (scored: once shared)
-                    self.emit([PrefillProgress(seq.task.task_id, start + length, seq.prompt_len)])
+                    self.emit([PrefillProgress(seq.task.task_id, start + length, seq.prompt_len,
+                                               cached=seq.reused)])
 
         sampled = len(decoding) + sum(start + length == seq.prompt_len for seq, start, length in chunks)
         if sampled:  # the exchange after it (_sample_and_advance) carries their ids
@@ -399,6 +473,7 @@ class Engine:
             rows = [logits[i] for i in range(len(decoding))]
         for index, (seq, start, length) in enumerate(chunks, start=first_chunk):
             seq.prefilled = start + length
+            seq.exact_end = exact_end(seq.exact_end, start, length, self.prefill_chunk)
             if seq.scored:
                 self._share_prompt_logprobs(seq, start, length, outputs[index])
             if seq.prefilled == seq.prompt_len:
@@ -480,12 +555,10 @@ class Engine:
                 finish = "length"
             if seq.task.origin == self.node_id:
                 k = wanted[index]
-                if k is not None and width is not None:
-                    logprob, top = read_logprobs(rows[index], width, k)
-                    events.append(TokenEvent(seq.task.task_id, token, finish, seq.prompt_len,
-                                             logprob, top))
-                else:
-                    events.append(TokenEvent(seq.task.task_id, token, finish, seq.prompt_len))
+                logprob, top = (None, ()) if k is None or width is None else read_logprobs(rows[index], width, k)
+                written = max(0, self._kept(seq) - seq.reused) if finish is not None else 0
+                events.append(TokenEvent(seq.task.task_id, token, finish, seq.prompt_len, logprob, top,
+                                         cached_tokens=seq.reused, cache_written=written))
             if finish is not None:
                 self._finish(seq)
         self.emit(events)
@@ -502,9 +575,14 @@ class Engine:
             running=tuple(s.task.task_id for s in self.running),
             waiting=tuple(t.task_id for t in self.waiting),
             held=tuple(sorted(self.held)),
-            free_slots=len(self.free_slots),
+            free_slots=len(self.free_slots) + len(self.cached),
             steps=self.steps,
-            free_kv_tokens=self.free_kv_tokens,
+            free_kv_tokens=self.free_kv_tokens + sum(c.tokens for c in self.cached.values()),
+            cached_slots=len(self.cached),
+            cached_tokens=sum(c.tokens for c in self.cached.values()),
+            cached_bytes=sum(c.tokens for c in self.cached.values()) * self.stage.cache.bytes_per_token,
+            prompt_tokens=self.prompt_tokens,
+            reused_tokens=self.reused_tokens,
         )
         last = self._last_stats
         if last is None or (stats.running, stats.waiting, stats.held) != (

@@ -166,6 +166,10 @@ class TokenEvent:
     "cancelled".
     ``logprob`` and ``top_logprobs`` ((token id, log-probability) pairs, most likely
     first) are set when the task's sampling asked for ``logprobs``.
+    ``cached_tokens``: of its ``prompt_tokens``, those whose keys and values came from a
+    cached prefix rather than its prefill (:mod:`shardline.runner.prefix_cache`);
+    ``cache_written``, on its last event: the prompt tokens past those that its slot keeps
+    cached once it ends.
     """
 
     task_id: int
@@ -174,6 +178,8 @@ class TokenEvent:
     prompt_tokens: int = 0
     logprob: float | None = None
     top_logprobs: tuple[tuple[int, float], ...] = ()
+    cached_tokens: int = 0
+    cache_written: int = 0
 
 
 @dataclass(frozen=True)
@@ -184,12 +190,14 @@ class PrefillProgress:
     prompt token whose log-probability the chunk just prefilled gives: ``(index in the
     prompt, log-probability given the tokens before it, top (token id, log-probability)
     pairs, most likely first)``; the entries of all a prompt's events cover indices 1 ..
-    ``total - 1`` in order."""
+    ``total - 1`` in order. ``cached``: of ``done``, the tokens a cached prefix held (not
+    computed; :mod:`shardline.runner.prefix_cache`)."""
 
     task_id: int
     done: int
     total: int
     logprobs: tuple[tuple[int, float, tuple[tuple[int, float], ...]], ...] = ()
+    cached: int = 0
 
 
 @dataclass(frozen=True)
@@ -208,9 +216,16 @@ class EngineStats:
         waiting: agreed task ids waiting for a slot and KV blocks, in the order they will
             start.
         held: task ids this rank holds that not every rank holds yet.
-        free_slots: KV-cache slots free.
+        free_slots: KV-cache slots no running sequence holds (a cached prefix's among
+            them: it is evicted for a task that needs the slot).
         steps: engine steps run so far.
-        free_kv_tokens: tokens of the KV pool no running sequence has reserved.
+        free_kv_tokens: tokens of the KV pool no running sequence has reserved (those
+            of cached prefixes among them).
+        cached_slots, cached_tokens, cached_bytes: slots holding a cached prefix, their
+            tokens, and the bytes of this rank's keys and values of them
+            (:mod:`shardline.runner.prefix_cache`).
+        prompt_tokens, reused_tokens: prompt tokens of the tasks admitted so far, and of
+            those the ones taken from cached prefixes (the hit rate).
     """
 
     running: tuple[int, ...]
@@ -219,6 +234,11 @@ class EngineStats:
     free_slots: int
     steps: int
     free_kv_tokens: int = 0
+    cached_slots: int = 0
+    cached_tokens: int = 0
+    cached_bytes: int = 0
+    prompt_tokens: int = 0
+    reused_tokens: int = 0
 
 
 @dataclass(frozen=True)
@@ -285,6 +305,8 @@ class RunnerSpec:
             transfer, a collective or a micro-batch completing) before it fails the
             instance.
         threads: torch intra-op threads (0: torch's default).
+        prefix_cache: a finished sequence's slot keeps its prompt's keys and values for
+            later prompts that start the same (:mod:`shardline.runner.prefix_cache`).
     """
 
     instance_id: str
@@ -310,3 +332,4 @@ class RunnerSpec:
     collective_timeout_s: float = 120.0
     progress_timeout_s: float = 60.0
     threads: int = 0
+    prefix_cache: bool = True

@@ -1,0 +1,152 @@
+"""Prefix caching's decisions (:mod:`shardline.runner.prefix_cache`): where a prompt resumes
+from a cached prefix so that it gives a cold prefill's bits, which rows a finished
+sequence may cache, and which tasks start in which slots with which cached slots evicted.
+Tables over pure functions: every rank of an instance makes the same decisions from the
+same state."""
+
+import pytest
+
+from shardline.runner.prefix_cache import (
+    CachedPrefix,
+    Start,
+    Waiting,
+    block_hashes,
+    exact_end,
+    matched_tokens,
+    plan_admission,
+    reuse,
+    row_class,
+)
+
+pytestmark = [pytest.mark.fast, pytest.mark.timeout(10)]
+
+B = 4  # block tokens in the admission tables
+C = 8  # prefill chunk tokens in the admission tables
+
+
+@pytest.mark.parametrize("rows, cls", [(1, 0), (64, 0), (65, 1), (95, 1), (96, 2), (512, 2)])
+def test_a_chunks_rows_decide_its_computation(rows, cls):
+    assert row_class(rows) == cls
+
+
+@pytest.mark.parametrize("matched, total, start", [
+    (0, 1100, 0),
+    (32, 1100, 32),  # first chunk 32..511: 480 rows, the cold 0..511's class
+    (512, 1100, 512),
+    (640, 1100, 640),  # 640..1023 (384 rows) as the cold 512..1023
+    (992, 1100, 928),  # 992..1023 would be 32 rows (fused) where the cold chunk has 512
+    (960, 1100, 928),  # 64 rows: fused too; 928..1023 is 96
+    (1056, 1100, 1024),  # the cold last chunk 1024..1099 is 76 rows (int8): none of it cached
+    (1088, 1100, 1024),
+    (1100, 1100, 1024),  # the same prompt again: its last chunk is prefilled again
+    (1088, 1130, 1024),  # last chunk 1024..1129 (106 rows): 1088.. would be 42
+    (1024, 1130, 1024),
+    (2048, 1100, 1024),  # a longer cached prefix: at most the prompt, less its last chunk
+    (1024, 1030, 1024),  # a 6-row last chunk, prefilled as the cold one
+], ids=lambda v: str(v))
+def test_a_hit_resumes_where_its_first_chunk_has_the_cold_chunks_class(matched, total, start):
+    assert reuse(matched, total, chunk=512, block=32) == start
+
+
+@pytest.mark.parametrize("matched, total, start", [
+    (128, 200, 128), (192, 200, 192), (200, 200, 192), (64, 65, 64), (64, 64, 0)])
+def test_small_chunks_resume_at_any_block(matched, total, start):
+    """Chunks of 8 rows (the tests' runners): every chunk is in one class."""
+    assert reuse(matched, total, chunk=8, block=64) == start
+
+
+@pytest.mark.parametrize("end, start, length, after", [
+    (0, 0, 512, 512),  # a whole chunk
+    (512, 512, 100, 612),  # a last chunk of a whole chunk's class
+    (512, 512, 76, 512),  # a shorter one is not cached
+    (0, 640, 384, 0),  # does not follow on
+    (640, 640, 384, 1024),  # a resumed first chunk (its class was checked by reuse)
+], ids=lambda v: str(v))
+def test_rows_computed_in_a_whole_chunks_class_are_cached(end, start, length, after):
+    assert exact_end(end, start, length, 512) == after
+
+
+def test_block_hashes_are_chained_so_a_block_names_every_token_before_it():
+    a = block_hashes((1, 2, 3, 4, 5, 6, 7, 8, 9), 4)
+    b = block_hashes((0, 2, 3, 4, 5, 6, 7, 8), 4)
+    assert len(a) == 2 and len(b) == 2
+    assert a[0] != b[0] and a[1] != b[1]  # the second blocks are equal, their prefixes not
+    assert block_hashes((1, 2, 3), 4) == []
+
+
+def cached(slot: int, tokens: tuple[int, ...], used: int) -> CachedPrefix:
+    return CachedPrefix(slot, tokens, tuple(block_hashes(tokens, B)), used)
+
+
+def task(tokens: tuple[int, ...], need: int = 16, may_reuse: bool = True) -> Waiting:
+    return Waiting(tokens, block_hashes(tokens, B), need, may_reuse)
+
+
+SYSTEM = tuple(range(100, 112))  # 12 tokens: 3 blocks
+A = SYSTEM + (1, 2, 3, 4, 5, 6)
+B_ = SYSTEM + (7, 8, 9)
+LONG = SYSTEM + tuple(range(16))  # another conversation: 7 blocks, a chunk (8) past the system prompt
+
+
+def test_a_hash_collision_matches_nothing():
+    fake = CachedPrefix(0, (9,) * 12, tuple(block_hashes(SYSTEM, B)), 1)
+    assert matched_tokens(A, block_hashes(A, B), fake, B) == 0
+    assert matched_tokens(A, block_hashes(A, B), cached(0, SYSTEM, 1), B) == 12
+
+
+@pytest.mark.parametrize("waiting, free_slots, pool, free_tokens, starts, evicted", [
+    # a hit takes the cached slot and resumes after the shared blocks; its tokens count
+    ([task(A)], [1, 2], [cached(0, A[:16], 1)], 0, [Start(0, 0, 16, 16)], []),
+    ([task(B_)], [1, 2], [cached(0, A[:16], 1)], 100, [Start(0, 0, 12, 16)], []),
+    # the furthest resume wins, then the most recently used
+    ([task(A)], [], [cached(0, SYSTEM, 5), cached(1, A[:16], 2)], 100, [Start(0, 1, 16, 16)], []),
+    ([task(A)], [], [cached(0, SYSTEM, 1), cached(1, SYSTEM, 2)], 100, [Start(0, 1, 12, 12)], []),
+    # a miss takes an empty slot before it evicts one; else the least recently used
+    ([task((5,) * 10)], [3], [cached(0, A[:16], 1)], 100, [Start(0, 3, 0)], []),
+    ([task((5,) * 10)], [], [cached(0, A[:16], 2), cached(1, B_[:12], 1)], 100, [Start(0, 1, 0)], [1]),
+    # the pool's tokens: the least recently used others go, never the hit's own
+    ([task(A, need=24)], [1], [cached(0, A[:16], 9), cached(2, B_[:12], 1), cached(3, SYSTEM, 2)], 4,
+     [Start(0, 0, 16, 16)], [2]),
+    # a task that would not fit without the cache waits, and nothing is evicted for it
+    ([task(A, need=40)], [1], [cached(0, A[:16], 9), cached(2, B_[:12], 1)], 8, [], []),
+    # ... and one that would fits: every cached token is evictable
+    ([task((5,) * 10, need=36)], [1], [cached(0, A[:16], 9), cached(2, B_[:12], 1)], 8,
+     [Start(0, 1, 0)], [2, 0]),
+    # two tasks sharing a prefix in one step: one slot, so the second misses
+    ([task(A), task(B_)], [1], [cached(0, SYSTEM, 1)], 100, [Start(0, 0, 12, 12), Start(1, 1, 0)], []),
+    # first come, first served: the second waits behind the first
+    ([task((5,) * 10, need=200), task(A)], [1], [cached(0, A[:16], 1)], 100, [], []),
+    # a task scoring its prompt resumes nowhere
+    ([task(A, may_reuse=False)], [1], [cached(0, A[:16], 1)], 100, [Start(0, 1, 0)], []),
+    # no slot at all: running sequences hold them all
+    ([task(A)], [], [], 100, [], []),
+    # another conversation holds a chunk more past the shared system prompt: copied from
+    ([task(B_)], [1], [cached(0, LONG, 1)], 100, [Start(0, 1, 12, source=0)], []),
+    ([task(B_)], [], [cached(0, LONG, 2), cached(3, A[:16], 1)], 100, [Start(0, 3, 12, source=0)], [3]),
+    # ... and then counts as used: the next task evicts another
+    ([task(B_), task((5,) * 10)], [1], [cached(0, LONG, 1), cached(2, (9,) * 8, 2)], 100,
+     [Start(0, 1, 12, source=0), Start(1, 2, 0)], [2]),
+    # ... unless that takes evicting it: then taken
+    ([task(B_)], [], [cached(0, LONG, 1)], 100, [Start(0, 0, 12, 28)], []),
+    ([task(B_, need=40)], [1], [cached(0, LONG, 1)], 20, [Start(0, 0, 12, 28)], []),
+], ids=["hit", "hit on a shared system prompt", "furthest", "most recent of equals", "empty slot first",
+        "least recently used slot", "evicted for tokens", "would not fit without the cache",
+        "fits once evicted", "one slot for two", "in order", "scored prompt", "no slot", "copied",
+        "copied into an evicted slot", "the copied prefix is used", "no other slot", "no other tokens"])
+def test_admission_with_cached_prefixes(waiting, free_slots, pool, free_tokens, starts, evicted):
+    plan = plan_admission(waiting, free_slots, pool, free_tokens, C, B)
+    assert list(plan.starts) == starts
+    assert list(plan.evicted) == evicted
+
+
+@pytest.mark.parametrize("needs, slots, cached_slots, free", [
+    ([32, 32, 32], 4, 2, 100), ([64, 64], 4, 3, 100), ([128, 32], 4, 1, 100), ([32, 96, 32], 2, 2, 100),
+    ([100], 1, 1, 100), ([40, 40, 40], 0, 3, 40)])
+def test_cached_prefixes_refuse_no_task_that_would_start_without_them(needs, slots, cached_slots, free):
+    """The same tasks start whether the free slots and tokens are empty or held by cached
+    prefixes that none of the tasks matches."""
+    waiting = [task((5,) * 10, need) for need in needs]
+    cold = plan_admission(waiting, list(range(slots + cached_slots)), [], free, C, B)
+    held = [cached(slots + i, (7,) * B, i) for i in range(cached_slots)]
+    warm = plan_admission(waiting, list(range(slots)), held, free - B * cached_slots, C, B)
+    assert [s.index for s in warm.starts] == [s.index for s in cold.starts]

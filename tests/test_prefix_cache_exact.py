@@ -1,0 +1,104 @@
+"""A prompt resumed from a cached prefix gives the bits a cold prefill of it gives: its
+first token's logits and the keys and values of its prompt (one engine in this process,
+a tiny random model in bfloat16, 512-token chunks as the runners cut them)."""
+
+from __future__ import annotations
+
+import queue
+import random
+
+import pytest
+import tiny_models as tm
+import torch
+
+from shardline.parallel.pipeline import PipelineStage
+from shardline.runner.engine import Engine
+from shardline.runner.protocol import SamplingParams, Task, TokenEvent, Tokens
+
+pytestmark = pytest.mark.timeout(120)
+
+
+class Recording(Engine):
+    """An engine that keeps the logits each sequence's first token was sampled from."""
+
+    first_logits: dict[int, torch.Tensor]
+
+    def _sample_and_advance(self, seqs, logits):
+        for seq, row in zip(seqs, logits):
+            if not seq.generated:
+                self.first_logits[seq.task.task_id] = row.clone()
+        super()._sample_and_advance(seqs, logits)
+
+
+@pytest.fixture(scope="module")
+def shard(tmp_path_factory):
+    from shardline.models.shard_loader import load_shard
+    from shardline.models.weights import open_weights
+
+    path = tmp_path_factory.mktemp("tiny-llama")
+    tm.save_hf(tm.hf_model("llama", num_layers=2, seed=3), path)
+    return load_shard(open_weights(path), 0, 2, dtype=torch.bfloat16)
+
+
+def engine(shard, prefix_cache: bool = True) -> tuple[Recording, list]:
+    sent: list = []
+    stage = PipelineStage(shard, tm.new_cache(shard, slots=2, context=1536), 0, 1)
+    e = Recording(stage, queue.Queue(), sent.append, "n", None, 2, 1536, 512, 512, 4096,
+                  prefix_cache=prefix_cache)
+    e.first_logits = {}
+    return e, sent
+
+
+def run(e: Recording, sent: list, t: Task, generated: list[int] | None = None) -> int:
+    """Run ``t`` to its end; the cached tokens it reported (its tokens into ``generated``)."""
+    e.inbox.put(t)
+    for _ in range(200):
+        e.step()
+        for message in sent:
+            if isinstance(message, Tokens):
+                for event in message.events:
+                    if isinstance(event, TokenEvent) and generated is not None:
+                        generated.append(event.token_id)
+                    if isinstance(event, TokenEvent) and event.finish_reason is not None:
+                        sent.clear()
+                        return event.cached_tokens
+        sent.clear()
+    raise AssertionError("the task did not end")
+
+
+@pytest.mark.parametrize("prefix, total, cached", [
+    (803, 1197, 768),  # the prefix's last chunk (512..802) read fewer keys than a cold one
+    (475, 655, 384),  # resumed inside the first chunk
+    (600, 1030, 512),  # the cold last chunk is 6 rows (the fused layers'), none of it cached
+], ids=lambda v: str(v))
+def test_a_resumed_prompt_gets_a_cold_prefills_bits(shard, prefix, total, cached):
+    rng = random.Random(prefix)
+    prompt = tuple(rng.randrange(tm.VOCAB) for _ in range(total))
+    greedy = SamplingParams(temperature=0.0)
+    cold, cold_sent = engine(shard)
+    warm, warm_sent = engine(shard)
+    assert run(cold, cold_sent, Task(1, "n", prompt, 1, greedy)) == 0
+    assert run(warm, warm_sent, Task(2, "n", prompt[:prefix], 1, greedy)) == 0
+    assert run(warm, warm_sent, Task(3, "n", prompt, 1, greedy)) == cached
+    assert torch.equal(warm.first_logits[3], cold.first_logits[1])
+    # the slots keep what they cache (the prompt's exact whole blocks), the same bits
+    (mine,), (theirs,) = warm.cached.values(), cold.cached.values()
+    assert mine.tokens == theirs.tokens > cached
+    for layer in range(2):
+        for kv in (warm.stage.cache.k, warm.stage.cache.v):
+            other = (cold.stage.cache.k if kv is warm.stage.cache.k else cold.stage.cache.v)[layer]
+            assert torch.equal(kv[layer][mine.slot, :, : mine.tokens], other[theirs.slot, :, : mine.tokens])
+
+
+def test_a_seeded_sample_is_the_same_with_and_without_a_hit(shard):
+    rng = random.Random(5)
+    prompt = tuple(rng.randrange(tm.VOCAB) for _ in range(700))
+    seeded = SamplingParams(temperature=1.0, seed=11)
+    cold, cold_sent = engine(shard)
+    warm, warm_sent = engine(shard)
+    mine: list[int] = []
+    theirs: list[int] = []
+    run(cold, cold_sent, Task(1, "n", prompt, 12, seeded), theirs)
+    run(warm, warm_sent, Task(2, "n", prompt[:600], 1, seeded))
+    assert run(warm, warm_sent, Task(3, "n", prompt, 12, seeded), mine) == 512
+    assert mine == theirs and len(set(mine)) > 1

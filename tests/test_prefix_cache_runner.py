@@ -1,0 +1,195 @@
+"""Prefix caching in real runner processes (tiny random float32 model, gloo on 127.0.0.1):
+a prompt that starts with a finished one's takes its slot, prefills only the rest, reports
+the cached tokens and gives the tokens of a cold prefill; cached slots make way for new
+tasks and never for running ones; with caching off nothing is cached."""
+
+from __future__ import annotations
+
+import random
+import time
+
+import pytest
+import tiny_models as tm
+from test_runner_lockstep import NODE, Instance, reference_tokens
+
+from shardline.models.config import Sharding
+from shardline.runner.protocol import Failed, PrefillProgress, SamplingParams, Task, TokenEvent, Tokens
+
+BLOCK = 64  # float32 positions of the tiny model's 16-wide heads in a 4 KiB block
+rng = random.Random(43)
+SYSTEM = tuple(rng.randrange(tm.VOCAB) for _ in range(150))  # two whole blocks and a part
+
+
+def task(task_id: int, prompt: tuple[int, ...], max_tokens: int = 6) -> Task:
+    return Task(task_id, NODE, prompt, max_tokens, SamplingParams(temperature=0.0))
+
+
+def tail(n: int) -> tuple[int, ...]:
+    return tuple(rng.randrange(tm.VOCAB) for _ in range(n))
+
+
+def send(instance: Instance, tasks: list[Task]) -> None:
+    for r in range(len(instance.ranks)):
+        for t in tasks:
+            instance.send(r, t)
+
+
+def collect(instance: Instance, task_ids: set[int], timeout: float = 60) -> list[dict[int, list]]:
+    """Per rank, each task's events until it finished."""
+    results = []
+    for r, rank in enumerate(instance.ranks):
+        out: dict[int, list] = {t: [] for t in task_ids}
+        done: set[int] = set()
+        deadline = time.time() + timeout
+        while done != task_ids:
+            message = instance._next(rank, (Tokens,), deadline - time.time())
+            assert not isinstance(message, Failed), f"rank {r} failed: {message.error}"
+            for event in message.events:
+                out[event.task_id].append(event)
+                if isinstance(event, TokenEvent) and event.finish_reason is not None:
+                    done.add(event.task_id)
+        results.append(out)
+    return results
+
+
+def run(instance: Instance, tasks: list[Task]) -> list[dict[int, list]]:
+    send(instance, tasks)
+    return collect(instance, {t.task_id for t in tasks})
+
+
+def tokens(events: list) -> list[int]:
+    return [e.token_id for e in events if isinstance(e, TokenEvent)]
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    path = tmp_path_factory.mktemp("tiny-llama")
+    tm.save_hf(tm.hf_model("llama", num_layers=4, seed=7), path)
+    return path
+
+
+@pytest.mark.timeout(180)
+@pytest.mark.parametrize("world", [1, 2])
+def test_a_prompt_sharing_a_finished_ones_blocks_resumes_there_with_the_cold_tokens(model_dir, world):
+    first = task(100, SYSTEM + tail(20))
+    second = task(101, SYSTEM + tail(30))  # shares 150 tokens: two whole blocks
+    instance = Instance(model_dir, world, max_batch=2, context=256)
+    try:
+        expected = reference_tokens(model_dir, [first, second])
+        one = run(instance, [first])[-1]
+        assert tokens(one[100]) == expected[100]
+        assert all(e.cached_tokens == 0 for e in one[100] if isinstance(e, TokenEvent))
+        stats = instance.wait_stats(world - 1, lambda s: s.running == () and s.cached_slots == 1)
+        assert stats.cached_tokens == 2 * BLOCK and stats.free_slots == 2
+        results = run(instance, [second])
+        for r in range(world):
+            events = results[r][101]
+            assert tokens(events) == expected[101]  # the cold prefill's tokens
+            assert {e.cached_tokens for e in events if isinstance(e, TokenEvent)} == {2 * BLOCK}
+        progress = [e for e in results[-1][101] if isinstance(e, PrefillProgress)]
+        assert progress[0].done == 2 * BLOCK + 8 and {p.cached for p in progress} == {2 * BLOCK}
+        stats = instance.wait_stats(world - 1, lambda s: s.running == () and s.reused_tokens > 0)
+        assert stats.prompt_tokens == len(first.prompt) + len(second.prompt)
+        assert stats.reused_tokens == 2 * BLOCK
+        # The same prompt again resumes from the whole blocks the second one cached.
+        again = task(102, second.prompt)
+        results = run(instance, [again])
+        assert tokens(results[-1][102]) == expected[101]
+        assert results[-1][102][-1].cached_tokens == 2 * BLOCK  # 180 tokens: two whole blocks
+    finally:
+        instance.stop()
+
+
+@pytest.mark.timeout(180)
+def test_cached_slots_make_way_for_new_tasks_and_running_ones_keep_theirs(model_dir):
+    """Two slots and a pool of eight blocks: a cached prefix holds a slot and two blocks,
+    a long task the other slot and six. A new task that shares nothing needs a slot and a
+    block: the cached slot is evicted (nothing of the running task's), and every task gets
+    its cold tokens."""
+    cached = task(200, SYSTEM)
+    running = task(201, tail(40), max_tokens=300)  # 340 tokens: six blocks
+    newcomer = task(202, tail(30), max_tokens=20)  # one block
+    instance = Instance(model_dir, 2, max_batch=2, context=512, kv_tokens=8 * BLOCK)
+    try:
+        expected = reference_tokens(model_dir, [cached, running, newcomer])
+        run(instance, [cached])
+        instance.wait_stats(1, lambda s: s.running == () and s.cached_slots == 1)
+        send(instance, [running])
+        instance.wait_stats(1, lambda s: s.running == (201,))
+        send(instance, [newcomer])
+        results = collect(instance, {201, 202})
+        for r in range(2):
+            assert tokens(results[r][201]) == expected[201]
+            assert tokens(results[r][202]) == expected[202]
+        history = instance.ranks[1].history
+        assert any(set(s.running) == {201, 202} and s.cached_slots == 0 for s in history)
+        stats = instance.wait_stats(1, lambda s: s.running == ())
+        assert stats.free_kv_tokens == 8 * BLOCK  # cached prefixes' tokens count as free
+    finally:
+        instance.stop()
+
+
+@pytest.mark.timeout(120)
+def test_with_prefix_caching_off_every_prompt_is_prefilled_whole(model_dir):
+    first, second = task(300, SYSTEM + tail(20)), task(301, SYSTEM + tail(30))
+    instance = Instance(model_dir, 1, max_batch=2, context=256, prefix_cache=False)
+    try:
+        expected = reference_tokens(model_dir, [first, second])
+        for t in (first, second):
+            events = run(instance, [t])[0][t.task_id]
+            assert tokens(events) == expected[t.task_id]
+            assert {e.cached_tokens for e in events if isinstance(e, TokenEvent)} == {0}
+            assert [e.done for e in events if isinstance(e, PrefillProgress)][0] == 8  # from the start
+        stats = instance.wait_stats(0, lambda s: s.running == ())
+        assert stats.cached_slots == 0 and stats.reused_tokens == 0 and stats.free_slots == 2
+    finally:
+        instance.stop()
+
+
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize("sharding", [Sharding.TENSOR, Sharding.RING])
+def test_tensor_and_ring_ranks_resume_from_the_same_cached_prefix(model_dir, sharding):
+    """256-token chunks (a ring chunk takes at least 128 a rank): the second prompt resumes
+    at 576 (nine blocks of the first's 640 cached) and its rest, 576..1299, is prefilled
+    in chunks cut at multiples of 256, those of 256 tokens ring-prefilled on a ring."""
+    system = tuple(random.Random(44).randrange(tm.VOCAB) for _ in range(600))
+    first = task(400, system + tail(40))
+    second = task(401, system + tail(700))
+    instance = Instance(model_dir, 2, max_batch=2, context=1536, sharding=sharding, prefill_chunk=256,
+                        prefill_step_tokens=1024)
+    try:
+        expected = reference_tokens(model_dir, [first, second])
+        results = run(instance, [first])
+        assert all(tokens(results[r][400]) == expected[400] for r in range(2))
+        instance.wait_stats(0, lambda s: s.running == () and s.cached_tokens == 640)
+        results = run(instance, [second])
+        for r in range(2):
+            assert tokens(results[r][401]) == expected[401]
+            assert results[r][401][-1].cached_tokens == 576
+        progress = [e.done for e in results[0][401] if isinstance(e, PrefillProgress)]
+        assert progress == [768, 1024, 1280, 1300]
+    finally:
+        instance.stop()
+
+
+@pytest.mark.timeout(180)
+def test_two_conversations_sharing_a_system_prompt_both_hit_and_keep_their_own(model_dir):
+    """A's first turn is cached; B's shares only the system prompt with it, so B copies
+    those blocks into a slot of its own and A's cached turn stays: each second turn then
+    resumes after its own first turn (2 slots, 8-token chunks: A keeps 64 tokens past the
+    shared 128, more than a chunk)."""
+    a1, b1 = task(500, SYSTEM + tail(60)), task(501, SYSTEM + tail(50))
+    a2, b2 = task(502, a1.prompt + tail(40)), task(503, b1.prompt + tail(40))
+    instance = Instance(model_dir, 2, max_batch=2, context=256)
+    try:
+        expected = reference_tokens(model_dir, [a1, b1, a2, b2])
+        cached = {}
+        for t in (a1, b1, a2, b2):
+            results = run(instance, [t])
+            for r in range(2):
+                assert tokens(results[r][t.task_id]) == expected[t.task_id]
+            cached[t.task_id] = results[1][t.task_id][-1].cached_tokens
+            instance.wait_stats(1, lambda s, t=t: s.running == () and s.prompt_tokens >= len(t.prompt))
+        assert cached == {500: 0, 501: 2 * BLOCK, 502: 3 * BLOCK, 503: 3 * BLOCK}
+    finally:
+        instance.stop()
