@@ -115,6 +115,7 @@ def test_metrics_give_each_ranks_prefix_cache_and_hit_rate():
     from shardline.api.metrics import _ClusterCollector
 
     node = SimpleNamespace(live_node_ids=lambda: ["n"], instances={}, info=lambda: SimpleNamespace(available_bytes=1),
+                           router=SimpleNamespace(continuations={}),
                            engine_stats={"inst": {"running": (), "waiting": (), "cached_tokens": 640,
                                                   "cached_bytes": 640 * 2304, "prompt_tokens": 1000,
                                                   "reused_tokens": 576}})
