@@ -140,8 +140,10 @@ def test_ring_instances_continue_a_long_prompt_as_one_node_does(bare3, one_node)
 
 
 def leave_during_prefill_and_check_every_rank_is_free(cluster, inst, paris: str) -> None:
-    """A client that leaves during a ring prefill frees every rank; the next request works."""
-    payload = body(LONG, 8, stream=True, return_progress=True)
+    """A client that leaves during a ring prefill frees every rank; the next request works.
+    The prompt starts unlike LONG, which the prefix cache holds by now (a hit would leave
+    little to prefill)."""
+    payload = body("Once more, from the start. " + LONG, 8, stream=True, return_progress=True)
     with httpx.stream("POST", f"{cluster.url(1)}/v1/chat/completions", json=payload, timeout=120) as r:
         for line in r.iter_lines():
             if line.startswith("data: ") and "prompt_progress" in line:
