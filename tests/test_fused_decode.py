@@ -26,11 +26,11 @@ GGUF_ARCH = {"mixtral": "llama"}
 
 
 def _gguf(tmp_path, arch: str, quant: str, others: str = ""):
-    """A tiny GGUF of ``arch`` whose layer matrices are ``quant``: "Q8_0" (the model's
-    weights quantized: two int4 planes) or another type (random blocks), but for
-XX
-    file, whose v and down are in more bits than the rest; F32 the model's own
-    values)."""
+    """A tiny GGUF of ``arch`` whose layer matrices (of an MoE, its attention and expert
+    tensors) are ``quant``: "Q8_0" (the model's weights quantized: two int4 planes) or
+    another type (random blocks), but for those ``others`` names (``"ffn_down=Q5_1"``), as
+    in a Q4_K_M file, whose v and down are in more bits than the rest; F32 the model's own
+    values."""
     model = tm.hf_model(arch, num_layers=LAYERS, rope_theta=10000.0, seed=5)
     matrices = MOE_MATRICES if arch in ("qwen3moe", "mixtral") else MATRICES
     names = [f"blk.{i}.{m}.weight" for i in range(LAYERS) for m in matrices]
