@@ -41,8 +41,9 @@ What is real and what is random:
   small shapes' narrow experts) is Q8_0, as llama.cpp falls back for such rows.
 
 A tensor is generated, written and dropped one at a time (the writer is given every
-tensor's shape up front), so memory stays at about one expert tensor (~115 MB for
-Qwen3-30B-A3B's shape); 4 layers of Qwen3-30B-A3B's shape make a 1.6 GB file in ~10 s.
+tensor's shape up front), so memory holds a few copies of one expert tensor at most (113 MB
+for Qwen3-30B-A3B's shape): 4 layers of that shape make a 1.6 GB file in 9 s with a peak
+RSS of 370 MB (2-vCPU EPYC VM). The same arguments write the same bytes.
 """
 
 from __future__ import annotations
