@@ -28,7 +28,7 @@ from __future__ import annotations
 import json
 import re
 
-from shardline.api.tools import TOOL_CALL_CLOSE, TOOL_CALL_OPEN
+from shardline.api.tools import TOOL_CALL_CLOSE, TOOL_CALL_OPEN, partial_suffix
 from shardline.models.tokenizer import template_is_harmony
 
 START, CHANNEL, MESSAGE, END, CONSTRAIN = ("<|start|>", "<|channel|>", "<|message|>", "<|end|>",
@@ -153,7 +153,4 @@ def _may_be_header(text: str) -> bool:
 
 def _held_back(text: str) -> int:
     """How many characters at the end of ``text`` may begin a marker that ends a body."""
-    for n in range(min(len(text), max(len(END), len(START)) - 1), 0, -1):
-        if END.startswith(text[-n:]) or START.startswith(text[-n:]):
-            return n
-    return 0
+    return max(partial_suffix(text, END), partial_suffix(text, START))

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 from enum import Enum
 
+from shardline.api.tools import partial_suffix
 from shardline.models.tokenizer import THINK_OPEN
 
 THINK_CLOSE = "</think>"
@@ -104,7 +105,6 @@ class ReasoningSplitter:
 def _held(text: str) -> int:
     """How many characters at the end of reasoning ``text`` to hold back: a beginning of
     ``</think>`` and the whitespace before it (which ``</think>`` would drop)."""
-    marker = next((k for k in range(min(len(THINK_CLOSE) - 1, len(text)), 0, -1)
-                   if text.endswith(THINK_CLOSE[:k])), 0)
+    marker = partial_suffix(text, THINK_CLOSE)
     body = text[:len(text) - marker]
     return marker + len(body) - len(body.rstrip())

@@ -382,7 +382,7 @@ class _WholeReplyCalls:
         return True if final else None
 
 
-def _partial_suffix(text: str, marker: str) -> int:
+def partial_suffix(text: str, marker: str) -> int:
     """Length of the longest end of ``text`` that is a proper beginning of ``marker``."""
     for n in range(min(len(text), len(marker) - 1), 0, -1):
         if marker.startswith(text[-n:]):
@@ -503,7 +503,7 @@ class ToolCallParser:
                     out.append(tail)
                 self._buffer = ""
                 return _merged(out)
-            keep = _partial_suffix(self._buffer, self._open)
+            keep = partial_suffix(self._buffer, self._open)
             head = self._buffer[:len(self._buffer) - keep]
             sent = head.rstrip()  # whitespace before a call is dropped: hold it back too
             if sent:

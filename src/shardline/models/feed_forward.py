@@ -119,7 +119,7 @@ class MixtureOfExperts(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         chosen, weights = self.route(x)
         out = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
-        flat = chosen.flatten()  # [N * top_k]: row r's choices at r*top_k ..
+        flat, flat_weights = chosen.flatten(), weights.flatten()  # [N * top_k]: row r's at r*top_k ..
         order = flat.argsort(stable=True)  # grouped by expert, rows ascending within each
         experts, counts = flat[order].unique_consecutive(return_counts=True)
         start = 0
@@ -130,5 +130,5 @@ class MixtureOfExperts(nn.Module):
                 continue  # another rank's (expert sharding)
             rows = picks // self.top_k
             y = self.experts[expert - self.first](x.index_select(0, rows))
-            out.index_add_(0, rows, y.float() * weights.flatten()[picks, None])
+            out.index_add_(0, rows, y.float() * flat_weights[picks, None])
         return out if self.partial else out.to(x.dtype)

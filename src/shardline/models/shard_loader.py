@@ -141,18 +141,22 @@ def shard_tensors(
     def weight(label: str, layer: int | None, part: str, shape: tuple[int, ...],
                rows: Span = None, cols: Span = None) -> Part:
         """Check the file's whole shape, then read the slice as the file stores it."""
-        name = _names(source, layer, part)
-        found = source.shape(name)
+        name = checked(label, _names(source, layer, part), shape)
+        return source.read_weight(name, rows, cols)
+
+    def checked(label: str, name: str, shape: tuple[int, ...], expert: int | None = None) -> str:
+        """``name``, once the file's tensor (its expert's slice) has ``shape``.
+
+        Raises:
+            WeightFormatError: it has another shape (the message begins with ``label``)."""
+        found = source.shape(name, expert)
         if found != shape:
             raise WeightFormatError(f"{label} has shape {found}, expected {shape}")
-        return source.read_weight(name, rows, cols)
+        return name
 
     def row_blocks(label: str, part: str, shape: tuple[int, int]) -> RowBlocks:
         """A whole top-level weight (embedding, head), to read a block of rows at a time."""
-        name = _names(source, None, part)
-        found = source.shape(name)
-        if found != shape:
-            raise WeightFormatError(f"{label} has shape {found}, expected {shape}")
+        name = checked(label, _names(source, None, part), shape)
         return RowBlocks(lambda start, end: source.read_weight(name, (start, end)), shape)
 
     def vector(layer: int | None, part: str, rows: Span = None) -> torch.Tensor:
@@ -163,9 +167,7 @@ def shard_tensors(
         gate/up and down, of the share's columns (under expert sharding: the share's whole
         experts only)."""
         router = source.router_tensor(layer)
-        if source.shape(router) != (config.num_experts, d):
-            raise WeightFormatError(f"layer {layer} router {router!r} has shape "
-                                    f"{source.shape(router)}, expected {(config.num_experts, d)}")
+        checked(f"layer {layer} router {router!r}", router, (config.num_experts, d))
         yield p + "mlp.router", source.read(router).float()
         whole = share is not None and share.experts is not None  # expert sharding
         if config.expert_bias:
@@ -174,20 +176,17 @@ def shard_tensors(
                       for part in ("gate", "up", "down")}  # [experts, rows], small
             c0, c1 = share.columns if share else (0, inter)
         first, last = share.expert_range(config) if share else (0, config.num_experts)
-        for e in range(first, last):
-            def expert(part: str, shape: tuple[int, int], rows: Span = None,
-                       cols: Span = None) -> Part:
-                name, index = source.expert_tensor(layer, part, e)
-                found = source.shape(name, index)
-                if found != shape:
-                    raise WeightFormatError(f"layer {layer} expert {e} {part} ({name!r}) has "
-                                            f"shape {found}, expected {shape}")
-                return source.read_weight(name, rows, cols, index)
+        def expert(e: int, part: str, shape: tuple[int, int], rows: Span = None,
+                   cols: Span = None) -> Part:
+            name, index = source.expert_tensor(layer, part, e)
+            checked(f"layer {layer} expert {e} {part} ({name!r})", name, shape, index)
+            return source.read_weight(name, rows, cols, index)
 
+        for e in range(first, last):
             q = f"{p}mlp.experts.{e - first}."
-            yield q + "gate_up", _stack([expert("gate", (inter, d), col_span),
-                                         expert("up", (inter, d), col_span)])
-            yield q + "down", [expert("down", (d, inter), cols=col_span)]
+            yield q + "gate_up", _stack([expert(e, "gate", (inter, d), col_span),
+                                         expert(e, "up", (inter, d), col_span)])
+            yield q + "down", [expert(e, "down", (d, inter), cols=col_span)]
             if config.expert_bias:
                 yield q + "gate_up.bias", torch.cat((biases["gate"][e, c0:c1], biases["up"][e, c0:c1]))
                 if share is None or share.rank == 0 or whole:  # added once
