@@ -13,6 +13,7 @@ import time
 import httpx
 import pytest
 from conftest import CAPITAL_QUESTION, free_port_block
+from test_sharding_e2e import texts
 
 from shardline.local_cluster import LocalCluster
 from shardline.models.byte_ranges import merged, total
@@ -27,11 +28,7 @@ GGUF = default_model_path().name
 
 
 def ask(url: str) -> str:
-    response = httpx.post(f"{url}/v1/chat/completions", timeout=120, json={
-        "model": MODEL, "temperature": 0, "max_tokens": 16,
-        "messages": [{"role": "user", "content": CAPITAL_QUESTION}]})
-    assert response.status_code == 200, response.text
-    return response.json()["choices"][0]["message"]["content"]
+    return texts(url, [CAPITAL_QUESTION], 16, MODEL)[0]
 
 
 @pytest.fixture(scope="module")
