@@ -28,6 +28,7 @@ import torch.distributed as dist
 
 from shardline.models.kv_cache import KVCache
 from shardline.models.llama import DecoderShard, ForwardBatch
+from shardline.parallel.compute_slots import ComputeSlots
 from shardline.parallel.progress import Progress
 from shardline.parallel.stage import Stage
 
@@ -38,12 +39,16 @@ class PipelineStage(Stage):
     The last rank holds the logits and samples. See :class:`Stage` for the other
     arguments; ``wire_device``: where hidden states travel between ranks (default the
     shard's device; the CPU where ranks on one GPU talk gloo, which NCCL refuses them).
+    ``slots``: the machine's compute slots a CPU stage computes each micro-batch in
+    (:mod:`shardline.parallel.compute_slots`; None: it computes whenever it can).
     """
 
     def __init__(self, shard: DecoderShard, cache: KVCache, rank: int, world_size: int,
-                 progress: Progress | None = None, wire_device: torch.device | None = None) -> None:
+                 progress: Progress | None = None, wire_device: torch.device | None = None,
+                 slots: ComputeSlots | None = None) -> None:
         super().__init__(shard, cache, rank, world_size, sampler=world_size - 1, progress=progress)
         self.wire_device = wire_device or shard.device
+        self.slots = slots
 
     def run(
         self,
@@ -71,8 +76,15 @@ class PipelineStage(Stage):
                 assert work is not None  # irecv returns its work outside a coalescing context
                 work.wait()
                 inputs = inputs.to(shard.device)
-            progress.mark(f"computing micro-batch {tag}")
-            out = shard(inputs, batch, self.cache)
+            if self.slots is None:
+                progress.mark(f"computing micro-batch {tag}")
+                out = shard(inputs, batch, self.cache)
+            else:
+                progress.mark(f"waiting for a compute slot for micro-batch {tag} (cores shared "
+                              "with the other runners of this machine)")
+                with self.slots.held():
+                    progress.mark(f"computing micro-batch {tag}")
+                    out = shard(inputs, batch, self.cache)
             if computed is not None:
                 computed(tag)
             if self.samples:

@@ -89,10 +89,12 @@ class Outbox:
             time.sleep(min(1.0, max(self.progress_timeout_s / 4, 0.1)))
 
 
-def load_stage(spec: RunnerSpec, source, group, progress: Progress, dtype, device, comm_device):
+def load_stage(spec: RunnerSpec, source, group, progress: Progress, dtype, device, comm_device,
+               threads: int):
     """Load this rank's shard and KV cache as the stage its instance's sharding needs
     (``comm_device``: where tensors travel between ranks: a pipeline's hidden states, a
-    tensor instance's sums, a ring's key and value blocks).
+    tensor instance's sums, a ring's key and value blocks; ``threads``: the rank's serving
+    threads, which size a CPU pipeline stage's share of the machine's compute slots).
 
     Raises:
         WeightFormatError: a tensor the shard needs is missing or has the wrong shape.
@@ -101,6 +103,7 @@ def load_stage(spec: RunnerSpec, source, group, progress: Progress, dtype, devic
     from shardline.models.config import Quantize, Sharding
     from shardline.models.kv_cache import KVCache
     from shardline.models.shard_loader import load_shard
+    from shardline.parallel.compute_slots import ComputeSlots
     from shardline.parallel.pipeline import PipelineStage
     from shardline.parallel.ring import RingStage
     from shardline.parallel.tensor import load_tensor_stage
@@ -118,7 +121,9 @@ def load_stage(spec: RunnerSpec, source, group, progress: Progress, dtype, devic
     cache = KVCache(source.config, len(shard.layers), spec.max_batch, spec.context, dtype, device)
     if spec.sharding == Sharding.RING:
         return RingStage(shard, cache, spec.rank, spec.world_size, group, progress, wire_device=comm_device)
-    return PipelineStage(shard, cache, spec.rank, spec.world_size, progress, wire_device=comm_device)
+    slots = ComputeSlots.on_this_machine(threads) if device.type == "cpu" else None
+    return PipelineStage(shard, cache, spec.rank, spec.world_size, progress, wire_device=comm_device,
+                         slots=slots)
 
 
 def serve(conn, outbox: Outbox, started: float) -> None:
@@ -178,7 +183,7 @@ def serve(conn, outbox: Outbox, started: float) -> None:
     source = open_weights(spec.model_path)
     progress = Progress()
     with large_allocations_mapped(), native_dequant.loading_with(serving_threads - 1):
-        stage = load_stage(spec, source, group, progress, dtype, device, comm_device)
+        stage = load_stage(spec, source, group, progress, dtype, device, comm_device, serving_threads)
     cache = stage.cache
     param_bytes = weight_bytes(stage.shard)
     torch.set_num_threads(serving_threads)

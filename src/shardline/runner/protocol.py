@@ -296,7 +296,11 @@ class RunnerSpec:
             ``max_tokens`` (at most ``context``) in whole blocks.
         prefill_chunk: prompt tokens per prefill micro-batch.
         prefill_step_tokens: most prompt tokens prefilled per engine step while other
-            sequences decode.
+            sequences decode: llama.cpp's default ``n_batch`` (and vLLM's token budget a
+            step). With 512, the seven 128-token prompts that arrived while an eighth
+            decoded took two steps instead of one (a 3-node pipeline of the MoE bench
+            model: TTFT 1.5 / 2.6 s where one step gave all seven 2.4 s, aggregate
+            decode 71 -> 84 tokens/s); a decoding sequence's next token waits for them.
         prefill_burst_tokens: most prompt tokens prefilled per engine step while none
             does.
         collective_timeout_s: seconds before a collective fails (torch.distributed's
@@ -327,7 +331,7 @@ class RunnerSpec:
     context: int = 4096
     kv_tokens: int = 0
     prefill_chunk: int = 512
-    prefill_step_tokens: int = 512
+    prefill_step_tokens: int = 2048
     prefill_burst_tokens: int = 4096
     collective_timeout_s: float = 120.0
     progress_timeout_s: float = 60.0
