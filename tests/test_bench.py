@@ -44,6 +44,10 @@ def test_bench_against_running_node_writes_positive_figures(node_url, tmp_path, 
     assert "ratios" not in level and "rows" not in report  # one server: nothing to compare
     # the table is printed with the figures, and the short chat's TTFT below it
     assert "TTFT" in captured.out and "prefill" in captured.out and "short chat" in captured.out
+    # the placement's predicted decode beside the measured one
+    assert report["prediction"]["predicted_decode_tokens_per_s"] > 0
+    assert report["prediction"]["measured_decode_tokens_per_s"] > 0
+    assert "placement's predicted decode" in captured.out and "predicted / measured" in captured.out
 
 
 @pytest.fixture(scope="module")

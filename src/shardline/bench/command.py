@@ -170,6 +170,14 @@ def _bench(args: argparse.Namespace, servers: list[Server]) -> int:
         except MemoryReportError as exc:
             raise BenchError(f"memory report: {exc}") from exc
         print_memory(report["memory"])
+    if shardline.nodes is not None:  # a shardline cluster: its placement's prediction beside
+        from shardline.bench.prediction import instance_speed, one_request_decode, prediction_line
+
+        speed = instance_speed(shardline.url, shardline.model, shardline.headers)
+        line = None if speed is None else prediction_line(speed, one_request_decode(report, shardline.name))
+        if line is not None:
+            report["prediction"] = speed
+            print(line)
     for server in report["servers"]:
         if server["usage_from"] == "chunks":
             _progress(f"{server['name']} ({server['url']}) sent no usage in its streams: completion tokens "
