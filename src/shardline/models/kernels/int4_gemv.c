@@ -212,7 +212,7 @@ int int4_planes_gemv(const int4_gemv_t *weight, const void *x, int x_f32, int64_
     int count = weight->p1 ? 2 : 1;
     int64_t tiles = (M + 63) / 64;
     int amx = INT4_AMX_INT8 && M >= TILE_MIN_ROWS && amx_tiles_ready();
-#pragma omp parallel
+#pragma omp parallel if (!in_parallel())
     {
 #if INT4_AMX_INT8
         uint8_t wb[2048] __attribute__((aligned(64)));

@@ -7,6 +7,20 @@
 #include <stdint.h>
 #include <string.h>
 
+#ifdef _OPENMP
+#include <omp.h>
+#endif
+
+/* Whether the caller already runs on a team's thread (the fused decode layers' experts,
+ * each on one thread): a product's own region then stays on the calling thread. */
+static inline int in_parallel(void) {
+#ifdef _OPENMP
+    return omp_in_parallel();
+#else
+    return 0;
+#endif
+}
+
 /* bfloat16 rounding is round-to-nearest-even on the float32 bits (values are finite). */
 static inline uint16_t to_bf16(float f) {
     uint32_t u;

@@ -204,7 +204,7 @@ int packed_groups_gemv(const packed_groups_t *pw, const float *restrict x, int64
         }
     }
     int failed = 0;
-#pragma omp parallel reduction(| : failed)
+#pragma omp parallel reduction(| : failed) if (!in_parallel())
     {
     float *work = malloc((size_t)(SEGMENT + 16 * M) * sizeof(float));
     failed = work == NULL;
@@ -476,7 +476,7 @@ int packed_groups_q8_gemv(const packed_groups_t *w, const void *x, int x_f32, in
                      d + m * chunks, xs + m * groups);
     q8_rows_t rows_of_x = {q, d, xs, M};
     int failed = 0;
-#pragma omp parallel reduction(| : failed)
+#pragma omp parallel reduction(| : failed) if (!in_parallel())
     {
     __m512 *acc = aligned_alloc(64, (size_t)(2 * M) * sizeof(__m512));
     failed = acc == NULL;
