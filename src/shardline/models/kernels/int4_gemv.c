@@ -35,6 +35,20 @@ int int4_planes_gemv_built(void) { return 1; }
 
 #define AHEAD 1 /* groups read ahead */
 
+/* Group g of block b's s and Z per 16 outputs (see the file's comment). */
+static inline __attribute__((always_inline)) void group_scales(
+        const uint16_t **scales, int count, int64_t b, int64_t g, int64_t N, __m512 *s, __m512 *Z) {
+    for (int r = 0; r < 4; r++) {
+        __m512 z, s1, z1;
+        scale_zero_16(scales[0] + (g * N + b * 64 + 16 * r) * 2, &s[r], &z);
+        if (count == 2) {
+            scale_zero_16(scales[1] + (g * N + b * 64 + 16 * r) * 2, &s1, &z1);
+            z = _mm512_add_ps(z, z1);
+        }
+        Z[r] = _mm512_sub_ps(z, _mm512_mul_ps(_mm512_set1_ps(count == 2 ? 136.0f : 8.0f), s[r]));
+    }
+}
+
 /* Group g of block b as u bytes: w[4 j + r] holds rows 16 r .. 16 r + 15 (one per 32-bit
  * lane) by columns 32 g + 4 j .. + 3 (one per byte), and per 16 outputs s and Z. */
 static inline void group_operands(const uint8_t **planes, const uint16_t **scales, int count,
@@ -75,15 +89,7 @@ static inline void group_operands(const uint8_t **planes, const uint16_t **scale
             w[4 * j + 3] = _mm512_ternarylogic_epi32(low, _mm512_srli_epi16(r16[0], 4), r16[1], 0xCA);
         }
     }
-    for (int r = 0; r < 4; r++) {
-        __m512 z, s1, z1;
-        scale_zero_16(scales[0] + (g * N + b * 64 + 16 * r) * 2, &s[r], &z);
-        if (count == 2) {
-            scale_zero_16(scales[1] + (g * N + b * 64 + 16 * r) * 2, &s1, &z1);
-            z = _mm512_add_ps(z, z1);
-        }
-        Z[r] = _mm512_sub_ps(z, _mm512_mul_ps(_mm512_set1_ps(count == 2 ? 136.0f : 8.0f), s[r]));
-    }
+    group_scales(scales, count, b, g, N, s, Z);
 }
 
 /* Adds group g's sums of one row into its 64 accumulators am: part[i] holds the row's
@@ -126,6 +132,52 @@ static inline __attribute__((always_inline)) void group_rows(
     for (int r = 0; r < rows; r++)
         add_group_row(acc + r * 64, s, Z, _mm512_set1_ps(d[(m + r) * (K / 32) + g]),
                       _mm512_set1_ps(xsum[(m + r) * (K / 32) + g]), part[r]);
+}
+
+/* Group g's products for one row m, the weights unpacked straight into the dot products
+ * (group_operands' bytes, never stored: a decode step's one row would read each back
+ * once, and the 2 KiB of w spilled and reloaded cost more than the products), then
+ * add_group_row as group_rows: the same integers, the same float operations. */
+static inline __attribute__((always_inline)) void group_one_row(
+        const uint8_t **planes, const uint16_t **scales, int count, int64_t b, int64_t g,
+        int64_t N, int64_t K, const int8_t *q, const float *d, const float *xsum, float *acc,
+        int64_t m) {
+    const __m512i spread = _mm512_set_epi8(
+        111, 79, 47, 15, 110, 78, 46, 14, 109, 77, 45, 13, 108, 76, 44, 12,
+        107, 75, 43, 11, 106, 74, 42, 10, 105, 73, 41, 9, 104, 72, 40, 8,
+        103, 71, 39, 7, 102, 70, 38, 6, 101, 69, 37, 5, 100, 68, 36, 4,
+        99, 67, 35, 3, 98, 66, 34, 2, 97, 65, 33, 1, 96, 64, 32, 0);
+    const __m512i spread16 = _mm512_add_epi8(spread, _mm512_set1_epi8(16));
+    const __m512i low = _mm512_set1_epi8(0x0F);
+    __m512i part[4];
+    for (int i = 0; i < 4; i++) part[i] = _mm512_setzero_si512();
+#pragma GCC unroll 8
+    for (int j = 0; j < 8; j++) {
+        int32_t four;
+        memcpy(&four, q + m * K + g * 32 + 4 * j, 4);
+        __m512i xq = _mm512_set1_epi32(four), w[4];
+        const uint8_t *a = planes[0] + (b * K + g * 32 + 4 * j) * 32;
+        __m512i ab = _mm512_loadu_si512(a), cd = _mm512_loadu_si512(a + 64);
+        __m512i r0 = _mm512_permutex2var_epi8(ab, spread, cd), r16 = _mm512_permutex2var_epi8(ab, spread16, cd);
+        if (count == 1) {
+            w[0] = _mm512_and_si512(r0, low);
+            w[1] = _mm512_and_si512(r16, low);
+            w[2] = _mm512_and_si512(_mm512_srli_epi16(r0, 4), low);
+            w[3] = _mm512_and_si512(_mm512_srli_epi16(r16, 4), low);
+        } else {
+            const uint8_t *a1 = planes[1] + (b * K + g * 32 + 4 * j) * 32;
+            __m512i ab1 = _mm512_loadu_si512(a1), cd1 = _mm512_loadu_si512(a1 + 64);
+            __m512i h0 = _mm512_permutex2var_epi8(ab1, spread, cd1), h16 = _mm512_permutex2var_epi8(ab1, spread16, cd1);
+            w[0] = _mm512_ternarylogic_epi32(low, r0, _mm512_slli_epi16(h0, 4), 0xCA);
+            w[1] = _mm512_ternarylogic_epi32(low, r16, _mm512_slli_epi16(h16, 4), 0xCA);
+            w[2] = _mm512_ternarylogic_epi32(low, _mm512_srli_epi16(r0, 4), h0, 0xCA);
+            w[3] = _mm512_ternarylogic_epi32(low, _mm512_srli_epi16(r16, 4), h16, 0xCA);
+        }
+        for (int i = 0; i < 4; i++) part[i] = _mm512_dpbusd_epi32(part[i], w[i], xq);
+    }
+    __m512 s[4], Z[4];
+    group_scales(scales, count, b, g, N, s, Z);
+    add_group_row(acc, s, Z, _mm512_set1_ps(d[m * (K / 32) + g]), _mm512_set1_ps(xsum[m * (K / 32) + g]), part);
 }
 
 #if defined(__AMX_TILE__) && defined(__AMX_INT8__)
@@ -226,6 +278,11 @@ int int4_planes_gemv(const int4_gemv_t *weight, const void *x, int x_f32, int64_
             __m512i w[32];
             int64_t m0 = t * 64, end = m0 + 64 < M ? m0 + 64 : M;
             for (int64_t i = 0; i < (end - m0) * 64; i++) acc[i] = 0.0f;
+            if (end - m0 == 1) { /* one row: unpacked into the products, nothing stored */
+                for (int64_t g = 0; g < groups; g++)
+                    group_one_row(planes, scales, count, b, g, N, K, q, d, xsum, acc, m0);
+                goto stored;
+            }
             for (int64_t g = 0; g < groups; g++) {
                 __m512 s[4], Z[4];
                 group_operands(planes, scales, count, b, g, N, K, w, s, Z);
@@ -241,6 +298,7 @@ int int4_planes_gemv(const int4_gemv_t *weight, const void *x, int x_f32, int64_
                 if (m < end)
                     group_rows(w, s, Z, q, d, xsum, acc + (m - m0) * 64, m, 1, K, g);
             }
+        stored:
             for (int64_t m = m0; m < end; m++) {
                 const float *row = acc + (m - m0) * 64;
                 if (x_f32) {
