@@ -70,8 +70,10 @@ class MixtureOfExperts(nn.Module):
     weighted by the router's probabilities.
 
     Attributes:
-        router: float64 ``[num_experts, hidden_size]``: the router (gate) weights, the
-            file's values held exactly. The router logits are computed in float64 and
+        router: float32 ``[num_experts, hidden_size]``: the router (gate) weights, the
+            file's values held exactly (every type a file holds a router in, F32, F16,
+            BF16 or a dequantized 8-bit type, is a float32 value). The router logits are
+            computed in float64 and
             rounded to float32 (as llama.cpp computes them in float32, not in the compute
             dtype): a float32 GEMM sums in an order that depends on its number of rows
             (one row differs from two), a float64 one rounded to float32 does not, so a
@@ -109,7 +111,7 @@ class MixtureOfExperts(nn.Module):
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """The experts of each row and their weights: int64 ``[N, top_k]`` expert ids and
         float32 ``[N, top_k]`` weights, for hidden states ``x`` ``[N, hidden_size]``."""
-        logits = F.linear(x.double(), self.router, self.router_bias).float()  # [N, experts]
+        logits = F.linear(x.double(), self.router.double(), self.router_bias).float()  # [N, experts]
         probs = logits.softmax(dim=-1)
         weights, chosen = probs.topk(self.top_k, dim=-1)
         if self.norm_topk_prob:

@@ -215,10 +215,10 @@ class FusedDecode:
             if isinstance(mlp, MLP):
                 for name, linear in (("gate_up", mlp.gate_up), ("down", mlp.down)):
                     ptrs[name] = ctypes.addressof(_product(linear, self._held))
-            else:  # the router (float64) and each expert's gate_up and down, in order
+            else:  # the router (float32) and each expert's gate_up and down, in order
                 products = [linear for _, linear in _feed_forward_products(mlp)]
                 array = (_Product * len(products))(*(_product(p, self._held) for p in products))
-                router = mlp.router.detach().to(torch.float64).contiguous()
+                router = mlp.router.detach().to(torch.float32).contiguous()
                 self._held += [array, router]
                 ptrs["experts"], ptrs["router"] = ctypes.addressof(array), router.data_ptr()
             vectors = (("attn_norm", layer.attn_norm.weight), ("mlp_norm", layer.mlp_norm.weight),

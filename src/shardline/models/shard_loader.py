@@ -236,7 +236,7 @@ def shard_tensors(
                                          (config.vocab_size, d))]
 
 
-_DENSE_DTYPES = {"router": torch.float64, "router_bias": torch.float64, "sinks": torch.float32}
+_DENSE_DTYPES = {"router": torch.float32, "router_bias": torch.float64, "sinks": torch.float32}
 """Parameters held in their own dtype, not the compute dtype (see
 :class:`~shardline.models.feed_forward.MixtureOfExperts`; attention sinks are logits that
 join a float32 softmax)."""

@@ -65,7 +65,7 @@ typedef struct {
     const uint16_t *qkv_bias;             /* [(heads + 2 kv_heads) hd] or NULL */
     const uint16_t *q_norm, *k_norm;      /* [hd] or NULL */
     uint16_t *k_cache, *v_cache;          /* [slots, kv_heads, positions, hd] */
-    const double *router;                 /* [experts, hidden] or NULL */
+    const float *router;                  /* [experts, hidden] or NULL */
     const product_t *experts;             /* [experts][2]: gate_up, down; or NULL */
 } decode_layer_t;
 
@@ -302,26 +302,36 @@ static void swiglu(const uint16_t *gu, int64_t M, int64_t inter, uint16_t *act) 
     }
 }
 
-/* Row m's experts and weights (choice, weight [top_k], the largest first) from its
- * normed hidden state h [hidden] and the router R [experts, hidden] (float64): logits
- * summed in float64 and rounded to float32, softmax in float32 (exp of logit - max over
+/* The router logits p [M, experts] of the normed rows h [M, hidden] (R [experts,
+ * hidden], float32): each summed in float64 (every product exact: a float32 times a
+ * bfloat16) and rounded to float32. Threads split the experts, each logit the same
+ * operations on any thread. */
+static void router_logits(const decode_shape_t *S, const float *R, const uint16_t *h,
+                          int64_t M, float *p) {
+    int64_t H = S->hidden, E = S->experts;
+#pragma omp parallel for schedule(static)
+    for (int64_t e = 0; e < E; e++) {
+        const float *r = R + e * H;
+        for (int64_t m = 0; m < M; m++) {
+            __m512d acc = _mm512_setzero_pd();
+            for (int64_t i = 0; i < H; i += 8) {
+                __m512d x = _mm512_cvtps_pd(_mm256_castsi256_ps(_mm256_slli_epi32(
+                    _mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)(h + m * H + i))), 16)));
+                acc = _mm512_fmadd_pd(x, _mm512_cvtps_pd(_mm256_loadu_ps(r + i)), acc);
+            }
+            p[m * E + e] = (float)_mm512_reduce_add_pd(acc);
+        }
+    }
+}
+
+/* A row's experts and weights (choice, weight [top_k], the largest first) from its
+ * router logits p [experts] (overwritten): softmax in float32 (exp of logit - max over
  * the sum), the top k (the lower id first among equals), divided by their sum where
  * norm_topk. */
-static void route(const decode_shape_t *S, const double *R, const uint16_t *h, float *p,
-                  int32_t *choice, float *weight) {
-    int64_t H = S->hidden, E = S->experts, K = S->top_k;
+static void route(const decode_shape_t *S, float *p, int32_t *choice, float *weight) {
+    int64_t E = S->experts, K = S->top_k;
     float most = -INFINITY, total = 0.0f;
-    for (int64_t e = 0; e < E; e++) {
-        const double *r = R + e * H;
-        __m512d acc = _mm512_setzero_pd();
-        for (int64_t i = 0; i < H; i += 8) {
-            __m512d x = _mm512_cvtps_pd(_mm256_castsi256_ps(_mm256_slli_epi32(
-                _mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)(h + i))), 16)));
-            acc = _mm512_fmadd_pd(x, _mm512_loadu_pd(r + i), acc);
-        }
-        p[e] = (float)_mm512_reduce_add_pd(acc);
-        most = p[e] > most ? p[e] : most;
-    }
+    for (int64_t e = 0; e < E; e++) most = p[e] > most ? p[e] : most;
     for (int64_t e = 0; e < E; e++) total += (p[e] = expf(p[e] - most));
     for (int64_t e = 0; e < E; e++) p[e] /= total;
     float sum = 0.0f;
@@ -350,7 +360,7 @@ static void route(const decode_shape_t *S, const double *R, const uint16_t *h, f
 static int experts(const decode_shape_t *S, const decode_layer_t *Lr, const uint16_t *h,
                    int64_t M, uint16_t *y) {
     int64_t H = S->hidden, E = S->experts, K = S->top_k, inter = S->inter;
-    float *p = malloc((size_t)E * sizeof(float)), *weight = malloc((size_t)(M * K) * sizeof(float));
+    float *p = malloc((size_t)(M * E) * sizeof(float)), *weight = malloc((size_t)(M * K) * sizeof(float));
     float *acc = calloc((size_t)(M * H), sizeof(float));
     int32_t *choice = malloc((size_t)(M * K) * sizeof(int32_t));
     /* the chosen experts, ascending (order), the rows of the u-th at rows[first[u] ..
@@ -361,7 +371,8 @@ static int experts(const decode_shape_t *S, const decode_layer_t *Lr, const uint
     uint16_t *ys = malloc((size_t)(M * K * H) * 2);
     int rc = -1;
     if (!p || !weight || !acc || !choice || !order || !first || !rows || !row_weight || !ys) goto done;
-    for (int64_t m = 0; m < M; m++) route(S, Lr->router, h + m * H, p, choice + m * K, weight + m * K);
+    router_logits(S, Lr->router, h, M, p);
+    for (int64_t m = 0; m < M; m++) route(S, p + m * E, choice + m * K, weight + m * K);
     int64_t used = 0, n = 0;
     for (int64_t e = 0; e < E; e++) {
         int64_t at = n;
