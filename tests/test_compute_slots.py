@@ -24,19 +24,25 @@ def test_slot_count(cpus, threads, slots):
     assert slot_count(cpus, threads) == slots
 
 
+def _taking(slots: ComputeSlots) -> tuple[threading.Thread, threading.Event]:
+    """A thread that takes a slot of ``slots`` (started) and the event it sets once it has."""
+    entered = threading.Event()
+
+    def take() -> None:
+        with slots.held():
+            entered.set()
+
+    waiter = threading.Thread(target=take, daemon=True)
+    waiter.start()
+    return waiter, entered
+
+
 def test_a_stage_waits_while_the_only_slot_is_held(tmp_path):
     # Two runners' stages (each opens the files itself: flock locks are per open file, so
     # two objects conflict as two processes do).
     first, second = ComputeSlots(1, tmp_path), ComputeSlots(1, tmp_path)
-    entered = threading.Event()
-
-    def take() -> None:
-        with second.held():
-            entered.set()
-
     with first.held():
-        waiter = threading.Thread(target=take, daemon=True)
-        waiter.start()
+        waiter, entered = _taking(second)
         assert not entered.wait(0.2)  # held: the second waits
     assert entered.wait(5)  # released: it gets the slot
     waiter.join(5)
@@ -46,15 +52,8 @@ def test_a_stage_waits_while_the_only_slot_is_held(tmp_path):
 
 def test_two_slots_let_two_stages_compute_at_once(tmp_path):
     first, second = ComputeSlots(2, tmp_path), ComputeSlots(2, tmp_path)
-    entered = threading.Event()
-
-    def take() -> None:
-        with second.held():
-            entered.set()
-
     with first.held():
-        waiter = threading.Thread(target=take, daemon=True)
-        waiter.start()
+        waiter, entered = _taking(second)
         assert entered.wait(5)  # the other slot was free
     waiter.join(5)
     with first.held(), second.held():  # and again, in either order
@@ -75,13 +74,7 @@ def test_a_slot_is_freed_when_its_holder_is_killed(tmp_path):
     try:
         assert holder.stdout is not None and holder.stdout.readline() == "held\n"
         slots = ComputeSlots(1, tmp_path)
-        entered = threading.Event()
-
-        def take() -> None:
-            with slots.held():
-                entered.set()
-
-        threading.Thread(target=take, daemon=True).start()
+        _, entered = _taking(slots)
         assert not entered.wait(0.2)
         holder.kill()
         assert entered.wait(5)

@@ -144,7 +144,7 @@ def _node(name, o=0.0, weight_rate=0.0, bandwidth=10e9, flops=1e12):
     return NodeProfile(name, 64 * GB, bandwidth, flops, o, weight_rate)
 
 
-def test_decode_model_adds_layer_cost_and_the_slower_weight_read():
+def test_decode_model_adds_layer_cost_and_reads_weights_at_the_products_rate():
     config = _smollm2()
     one = [RankShare(0, config.num_layers)]
     base = predict_tokens_per_s(config, "pipeline", [_node("a")], one, {}, 2048,
@@ -154,15 +154,17 @@ def test_decode_model_adds_layer_cost_and_the_slower_weight_read():
     # 1/decode grows by exactly (L + STEP_LAYERS) * o; prefill by L * o / 512 a token
     assert 1 / layered[0] - 1 / base[0] == pytest.approx((config.num_layers + STEP_LAYERS) * 2e-4)
     assert 1 / layered[1] - 1 / base[1] == pytest.approx(config.num_layers * 2e-4 / 512)
-    # a weight-read rate below the bandwidth slows decode; one above it changes nothing
+    # the product's measured rate replaces the bandwidth for the weights, below it or
+    # above it (a copy's bandwidth counts a write too); the prefill does not change
     slow = predict_tokens_per_s(config, "pipeline", [_node("a", weight_rate=5e9)], one, {}, 2048,
                                 decode_weight_bytes=0.5)
     fast = predict_tokens_per_s(config, "pipeline", [_node("a", weight_rate=50e9)], one, {}, 2048,
                                 decode_weight_bytes=0.5)
-    assert slow[0] < base[0] and fast == pytest.approx(base)
+    assert slow[0] < base[0] < fast[0] and slow[1] == fast[1] == pytest.approx(base[1])
     weights = 0.5 * (config.num_layers * (config.layer_param_count() - 2 * config.hidden_size)
                      + config.vocab_size * config.hidden_size)
     assert 1 / slow[0] - 1 / base[0] == pytest.approx(weights / 5e9 - weights / 10e9)
+    assert 1 / base[0] - 1 / fast[0] == pytest.approx(weights / 10e9 - weights / 50e9)
 
 
 @pytest.mark.parametrize("sharding", ["pipeline", "tensor", "ring"])

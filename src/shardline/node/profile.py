@@ -114,8 +114,8 @@ class HostProfile:
             product reads for one row (a decode step's products): a [2048, 2048] int4
             weight in its resident form (:func:`~shardline.models.linear.resident_weight`)
             times a bfloat16 row, the least time of its timed calls, on the CPU. Decode reads its
-            weights at the lower of this and ``memory_bandwidth_bytes_per_s`` (the kernel
-            unpacks int4 at a rate of its own). On CUDA: dense bfloat16 weights, 512 MiB a
+            weights at this rate (the kernel unpacks int4 at a rate of its own, and the
+            probe's weights come from memory: the memory's read rate is in it). On CUDA: dense bfloat16 weights, 512 MiB a
             pass, replayed from a graph
             (:func:`~shardline.node.profile_decode.cuda_decode_weight_rate`). 0:
             unmeasured (MPS).

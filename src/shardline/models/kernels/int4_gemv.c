@@ -35,6 +35,16 @@ int int4_planes_gemv_built(void) { return 1; }
 
 #define AHEAD 1 /* groups read ahead */
 
+/* Lane i of a quad: bytes i, 32 + i of columns (k, k + 1) and of (k + 2, k + 3) (the
+ * permutation that takes two 64-byte loads of a block's plane to 16 rows' quads). */
+static inline __m512i quad_spread(void) {
+    return _mm512_set_epi8(
+        111, 79, 47, 15, 110, 78, 46, 14, 109, 77, 45, 13, 108, 76, 44, 12,
+        107, 75, 43, 11, 106, 74, 42, 10, 105, 73, 41, 9, 104, 72, 40, 8,
+        103, 71, 39, 7, 102, 70, 38, 6, 101, 69, 37, 5, 100, 68, 36, 4,
+        99, 67, 35, 3, 98, 66, 34, 2, 97, 65, 33, 1, 96, 64, 32, 0);
+}
+
 /* Group g of block b's s and Z per 16 outputs (see the file's comment). */
 static inline __attribute__((always_inline)) void group_scales(
         const uint16_t **scales, int count, int64_t b, int64_t g, int64_t N, __m512 *s, __m512 *Z) {
@@ -54,12 +64,7 @@ static inline __attribute__((always_inline)) void group_scales(
 static inline void group_operands(const uint8_t **planes, const uint16_t **scales, int count,
                                   int64_t b, int64_t g, int64_t N, int64_t K,
                                   __m512i *w, __m512 *s, __m512 *Z) {
-    /* lane i of a quad: bytes i, 32 + i of columns (k, k + 1) and of (k + 2, k + 3) */
-    const __m512i spread = _mm512_set_epi8(
-        111, 79, 47, 15, 110, 78, 46, 14, 109, 77, 45, 13, 108, 76, 44, 12,
-        107, 75, 43, 11, 106, 74, 42, 10, 105, 73, 41, 9, 104, 72, 40, 8,
-        103, 71, 39, 7, 102, 70, 38, 6, 101, 69, 37, 5, 100, 68, 36, 4,
-        99, 67, 35, 3, 98, 66, 34, 2, 97, 65, 33, 1, 96, 64, 32, 0);
+    const __m512i spread = quad_spread();
     const __m512i spread16 = _mm512_add_epi8(spread, _mm512_set1_epi8(16));
     const __m512i low = _mm512_set1_epi8(0x0F);
     for (int i = 0; i < count; i++)
@@ -142,11 +147,7 @@ static inline __attribute__((always_inline)) void group_one_row(
         const uint8_t **planes, const uint16_t **scales, int count, int64_t b, int64_t g,
         int64_t N, int64_t K, const int8_t *q, const float *d, const float *xsum, float *acc,
         int64_t m) {
-    const __m512i spread = _mm512_set_epi8(
-        111, 79, 47, 15, 110, 78, 46, 14, 109, 77, 45, 13, 108, 76, 44, 12,
-        107, 75, 43, 11, 106, 74, 42, 10, 105, 73, 41, 9, 104, 72, 40, 8,
-        103, 71, 39, 7, 102, 70, 38, 6, 101, 69, 37, 5, 100, 68, 36, 4,
-        99, 67, 35, 3, 98, 66, 34, 2, 97, 65, 33, 1, 96, 64, 32, 0);
+    const __m512i spread = quad_spread();
     const __m512i spread16 = _mm512_add_epi8(spread, _mm512_set1_epi8(16));
     const __m512i low = _mm512_set1_epi8(0x0F);
     __m512i part[4];
