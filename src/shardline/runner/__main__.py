@@ -121,7 +121,12 @@ def load_stage(spec: RunnerSpec, source, group, progress: Progress, dtype, devic
     cache = KVCache(source.config, len(shard.layers), spec.max_batch, spec.context, dtype, device)
     if spec.sharding == Sharding.RING:
         return RingStage(shard, cache, spec.rank, spec.world_size, group, progress, wire_device=comm_device)
-    slots = ComputeSlots.on_this_machine(threads) if device.type == "cpu" else None
+    slots = None
+    if device.type == "cpu":
+        try:
+            slots = ComputeSlots.on_this_machine(threads)
+        except OSError as exc:  # a temp dir it cannot write: computes whenever it can
+            log.warning("no compute slots (%s): this stage computes beside the machine's others", exc)
     return PipelineStage(shard, cache, spec.rank, spec.world_size, progress, wire_device=comm_device,
                          slots=slots)
 
