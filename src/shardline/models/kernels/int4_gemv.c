@@ -139,24 +139,26 @@ static inline __attribute__((always_inline)) void group_rows(
                       _mm512_set1_ps(xsum[(m + r) * (K / 32) + g]), part[r]);
 }
 
-/* Group g's products for one row m, the weights unpacked straight into the dot products
- * (group_operands' bytes, never stored: a decode step's one row would read each back
- * once, and the 2 KiB of w spilled and reloaded cost more than the products), then
- * add_group_row as group_rows: the same integers, the same float operations. */
-static inline __attribute__((always_inline)) void group_one_row(
+/* Group g's products for rows [m, m + rows) (rows 1 to FEW_ROWS, a constant after
+ * inlining), the weights unpacked straight into the dot products (group_operands' bytes,
+ * never stored: a step of a few rows would read each back a few times, and the 2 KiB of
+ * w spilled and reloaded cost more than the products), then add_group_row for each row
+ * as group_rows does: the same integers, the same float operations. acc: 64 float32 a
+ * row, from row m's. */
+#define FEW_ROWS 4
+static inline __attribute__((always_inline)) void group_few_rows(
         const uint8_t **planes, const uint16_t **scales, int count, int64_t b, int64_t g,
         int64_t N, int64_t K, const int8_t *q, const float *d, const float *xsum, float *acc,
-        int64_t m) {
+        int64_t m, const int rows) {
     const __m512i spread = quad_spread();
     const __m512i spread16 = _mm512_add_epi8(spread, _mm512_set1_epi8(16));
     const __m512i low = _mm512_set1_epi8(0x0F);
-    __m512i part[4];
-    for (int i = 0; i < 4; i++) part[i] = _mm512_setzero_si512();
+    __m512i part[FEW_ROWS][4];
+    for (int r = 0; r < rows; r++)
+        for (int i = 0; i < 4; i++) part[r][i] = _mm512_setzero_si512();
 #pragma GCC unroll 8
     for (int j = 0; j < 8; j++) {
-        int32_t four;
-        memcpy(&four, q + m * K + g * 32 + 4 * j, 4);
-        __m512i xq = _mm512_set1_epi32(four), w[4];
+        __m512i w[4];
         const uint8_t *a = planes[0] + (b * K + g * 32 + 4 * j) * 32;
         __m512i ab = _mm512_loadu_si512(a), cd = _mm512_loadu_si512(a + 64);
         __m512i r0 = _mm512_permutex2var_epi8(ab, spread, cd), r16 = _mm512_permutex2var_epi8(ab, spread16, cd);
@@ -174,11 +176,19 @@ static inline __attribute__((always_inline)) void group_one_row(
             w[2] = _mm512_ternarylogic_epi32(low, _mm512_srli_epi16(r0, 4), h0, 0xCA);
             w[3] = _mm512_ternarylogic_epi32(low, _mm512_srli_epi16(r16, 4), h16, 0xCA);
         }
-        for (int i = 0; i < 4; i++) part[i] = _mm512_dpbusd_epi32(part[i], w[i], xq);
+#pragma GCC unroll 4
+        for (int r = 0; r < rows; r++) {
+            int32_t four;
+            memcpy(&four, q + (m + r) * K + g * 32 + 4 * j, 4);
+            __m512i xq = _mm512_set1_epi32(four);
+            for (int i = 0; i < 4; i++) part[r][i] = _mm512_dpbusd_epi32(part[r][i], w[i], xq);
+        }
     }
     __m512 s[4], Z[4];
     group_scales(scales, count, b, g, N, s, Z);
-    add_group_row(acc, s, Z, _mm512_set1_ps(d[m * (K / 32) + g]), _mm512_set1_ps(xsum[m * (K / 32) + g]), part);
+    for (int r = 0; r < rows; r++)
+        add_group_row(acc + r * 64, s, Z, _mm512_set1_ps(d[(m + r) * (K / 32) + g]),
+                      _mm512_set1_ps(xsum[(m + r) * (K / 32) + g]), part[r]);
 }
 
 #if defined(__AMX_TILE__) && defined(__AMX_INT8__)
@@ -279,9 +289,14 @@ int int4_planes_gemv(const int4_gemv_t *weight, const void *x, int x_f32, int64_
             __m512i w[32];
             int64_t m0 = t * 64, end = m0 + 64 < M ? m0 + 64 : M;
             for (int64_t i = 0; i < (end - m0) * 64; i++) acc[i] = 0.0f;
-            if (end - m0 == 1) { /* one row: unpacked into the products, nothing stored */
-                for (int64_t g = 0; g < groups; g++)
-                    group_one_row(planes, scales, count, b, g, N, K, q, d, xsum, acc, m0);
+            if (end - m0 <= FEW_ROWS) { /* a few rows: unpacked into the products, nothing stored */
+                int64_t n = end - m0;
+                for (int64_t g = 0; g < groups; g++) {
+                    if (n == 1) group_few_rows(planes, scales, count, b, g, N, K, q, d, xsum, acc, m0, 1);
+                    else if (n == 2) group_few_rows(planes, scales, count, b, g, N, K, q, d, xsum, acc, m0, 2);
+                    else if (n == 3) group_few_rows(planes, scales, count, b, g, N, K, q, d, xsum, acc, m0, 3);
+                    else group_few_rows(planes, scales, count, b, g, N, K, q, d, xsum, acc, m0, 4);
+                }
                 goto stored;
             }
             for (int64_t g = 0; g < groups; g++) {
