@@ -11,7 +11,9 @@ Sends are asynchronous and each rank posts the receives of all the step's micro-
 before it computes, so stage r computes micro-batch i+1 while stage r+1 computes
 micro-batch i and the transfer between them proceeds in the background: a step of W
 micro-batches takes about W + P - 1 stage times instead of W * P (GPipe's schedule,
-Huang et al., 2019, without the backward pass).
+Huang et al., 2019, without the backward pass). Stages on one machine's CPUs overlap only
+as far as its cores give threads for: each computes a micro-batch holding a compute slot
+(:mod:`shardline.parallel.compute_slots`).
 
 Every rank derives the step's micro-batches (their count and shapes) from state that is
 identical on all ranks, so each send is matched by exactly one receive of the same shape,

@@ -14,9 +14,10 @@ Each step:
 4. run the step's micro-batches: one decode token for every sequence that is generating,
    then prefill chunks of the sequences still prefilling, oldest first, up to a budget of
    prompt tokens (chunks cut at multiples of ``prefill_chunk`` tokens, so a prompt is cut
-   at the same positions whatever else runs, and whatever part of it was cached). The budget is small while other sequences decode, so a
-   long prompt delays their next token by little, and larger when none does, so a
-   pipeline's stages overlap many chunks (:mod:`shardline.parallel.pipeline`);
+   at the same positions whatever else runs, and whatever part of it was cached). The
+   budget is smaller while other sequences decode (``prefill_step_tokens``), bounding
+   how long prompts delay their next token, and larger when none does, so a pipeline's
+   stages overlap many chunks (:mod:`shardline.parallel.pipeline`);
 5. the sampling rank samples every sequence that has new logits
    (:mod:`shardline.runner.sampling`, each sequence by its own parameters and, where it
    has a grammar, its own mask: :mod:`shardline.runner.constraint`); one exchange gives
