@@ -59,14 +59,38 @@ static inline __attribute__((always_inline)) void group_scales(
     }
 }
 
+/* Columns 32 g + 4 j .. + 3 of block b as u bytes: w[r] holds rows 16 r .. 16 r + 15 (one
+ * per 32-bit lane, a byte a column), from one plane (p) or two (p | p' << 4). */
+static inline __attribute__((always_inline)) void quad_operands(
+        const uint8_t **planes, int count, int64_t b, int64_t g, int64_t K, int j, __m512i *w) {
+    const __m512i spread = quad_spread();
+    const __m512i spread16 = _mm512_add_epi8(spread, _mm512_set1_epi8(16));
+    const __m512i low = _mm512_set1_epi8(0x0F);
+    __m512i r0[2], r16[2]; /* low nibbles rows 0-15 (16-31), high rows 32-47 (48-63) */
+    for (int i = 0; i < count; i++) {
+        const uint8_t *a = planes[i] + (b * K + g * 32 + 4 * j) * 32;
+        __m512i ab = _mm512_loadu_si512(a), cd = _mm512_loadu_si512(a + 64);
+        r0[i] = _mm512_permutex2var_epi8(ab, spread, cd);
+        r16[i] = _mm512_permutex2var_epi8(ab, spread16, cd);
+    }
+    if (count == 1) {
+        w[0] = _mm512_and_si512(r0[0], low);
+        w[1] = _mm512_and_si512(r16[0], low);
+        w[2] = _mm512_and_si512(_mm512_srli_epi16(r0[0], 4), low);
+        w[3] = _mm512_and_si512(_mm512_srli_epi16(r16[0], 4), low);
+    } else { /* (low ? first : second) bits: p | p' << 4 */
+        w[0] = _mm512_ternarylogic_epi32(low, r0[0], _mm512_slli_epi16(r0[1], 4), 0xCA);
+        w[1] = _mm512_ternarylogic_epi32(low, r16[0], _mm512_slli_epi16(r16[1], 4), 0xCA);
+        w[2] = _mm512_ternarylogic_epi32(low, _mm512_srli_epi16(r0[0], 4), r0[1], 0xCA);
+        w[3] = _mm512_ternarylogic_epi32(low, _mm512_srli_epi16(r16[0], 4), r16[1], 0xCA);
+    }
+}
+
 /* Group g of block b as u bytes: w[4 j + r] holds rows 16 r .. 16 r + 15 (one per 32-bit
  * lane) by columns 32 g + 4 j .. + 3 (one per byte), and per 16 outputs s and Z. */
 static inline void group_operands(const uint8_t **planes, const uint16_t **scales, int count,
                                   int64_t b, int64_t g, int64_t N, int64_t K,
                                   __m512i *w, __m512 *s, __m512 *Z) {
-    const __m512i spread = quad_spread();
-    const __m512i spread16 = _mm512_add_epi8(spread, _mm512_set1_epi8(16));
-    const __m512i low = _mm512_set1_epi8(0x0F);
     for (int i = 0; i < count; i++)
         if (g + AHEAD < K / 32) { /* the next group (its scales are N * 4 bytes on) */
             const char *later = (const char *)(planes[i] + (b * K + (g + AHEAD) * 32) * 32);
@@ -74,26 +98,7 @@ static inline void group_operands(const uint8_t **planes, const uint16_t **scale
             later = (const char *)(scales[i] + ((g + AHEAD) * N + b * 64) * 2);
             for (int line = 0; line < 4; line++) _mm_prefetch(later + 64 * line, _MM_HINT_T0);
         }
-    for (int j = 0; j < 8; j++) {
-        __m512i r0[2], r16[2]; /* low nibbles rows 0-15 (16-31), high rows 32-47 (48-63) */
-        for (int i = 0; i < count; i++) {
-            const uint8_t *a = planes[i] + (b * K + g * 32 + 4 * j) * 32;
-            __m512i ab = _mm512_loadu_si512(a), cd = _mm512_loadu_si512(a + 64);
-            r0[i] = _mm512_permutex2var_epi8(ab, spread, cd);
-            r16[i] = _mm512_permutex2var_epi8(ab, spread16, cd);
-        }
-        if (count == 1) {
-            w[4 * j] = _mm512_and_si512(r0[0], low);
-            w[4 * j + 1] = _mm512_and_si512(r16[0], low);
-            w[4 * j + 2] = _mm512_and_si512(_mm512_srli_epi16(r0[0], 4), low);
-            w[4 * j + 3] = _mm512_and_si512(_mm512_srli_epi16(r16[0], 4), low);
-        } else { /* (low ? first : second) bits: p | p' << 4 */
-            w[4 * j] = _mm512_ternarylogic_epi32(low, r0[0], _mm512_slli_epi16(r0[1], 4), 0xCA);
-            w[4 * j + 1] = _mm512_ternarylogic_epi32(low, r16[0], _mm512_slli_epi16(r16[1], 4), 0xCA);
-            w[4 * j + 2] = _mm512_ternarylogic_epi32(low, _mm512_srli_epi16(r0[0], 4), r0[1], 0xCA);
-            w[4 * j + 3] = _mm512_ternarylogic_epi32(low, _mm512_srli_epi16(r16[0], 4), r16[1], 0xCA);
-        }
-    }
+    for (int j = 0; j < 8; j++) quad_operands(planes, count, b, g, K, j, w + 4 * j);
     group_scales(scales, count, b, g, N, s, Z);
 }
 
@@ -150,32 +155,13 @@ static inline __attribute__((always_inline)) void group_few_rows(
         const uint8_t **planes, const uint16_t **scales, int count, int64_t b, int64_t g,
         int64_t N, int64_t K, const int8_t *q, const float *d, const float *xsum, float *acc,
         int64_t m, const int rows) {
-    const __m512i spread = quad_spread();
-    const __m512i spread16 = _mm512_add_epi8(spread, _mm512_set1_epi8(16));
-    const __m512i low = _mm512_set1_epi8(0x0F);
     __m512i part[FEW_ROWS][4];
     for (int r = 0; r < rows; r++)
         for (int i = 0; i < 4; i++) part[r][i] = _mm512_setzero_si512();
 #pragma GCC unroll 8
     for (int j = 0; j < 8; j++) {
         __m512i w[4];
-        const uint8_t *a = planes[0] + (b * K + g * 32 + 4 * j) * 32;
-        __m512i ab = _mm512_loadu_si512(a), cd = _mm512_loadu_si512(a + 64);
-        __m512i r0 = _mm512_permutex2var_epi8(ab, spread, cd), r16 = _mm512_permutex2var_epi8(ab, spread16, cd);
-        if (count == 1) {
-            w[0] = _mm512_and_si512(r0, low);
-            w[1] = _mm512_and_si512(r16, low);
-            w[2] = _mm512_and_si512(_mm512_srli_epi16(r0, 4), low);
-            w[3] = _mm512_and_si512(_mm512_srli_epi16(r16, 4), low);
-        } else {
-            const uint8_t *a1 = planes[1] + (b * K + g * 32 + 4 * j) * 32;
-            __m512i ab1 = _mm512_loadu_si512(a1), cd1 = _mm512_loadu_si512(a1 + 64);
-            __m512i h0 = _mm512_permutex2var_epi8(ab1, spread, cd1), h16 = _mm512_permutex2var_epi8(ab1, spread16, cd1);
-            w[0] = _mm512_ternarylogic_epi32(low, r0, _mm512_slli_epi16(h0, 4), 0xCA);
-            w[1] = _mm512_ternarylogic_epi32(low, r16, _mm512_slli_epi16(h16, 4), 0xCA);
-            w[2] = _mm512_ternarylogic_epi32(low, _mm512_srli_epi16(r0, 4), h0, 0xCA);
-            w[3] = _mm512_ternarylogic_epi32(low, _mm512_srli_epi16(r16, 4), h16, 0xCA);
-        }
+        quad_operands(planes, count, b, g, K, j, w);
 #pragma GCC unroll 4
         for (int r = 0; r < rows; r++) {
             int32_t four;
