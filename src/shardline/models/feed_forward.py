@@ -73,11 +73,11 @@ class MixtureOfExperts(nn.Module):
         router: float32 ``[num_experts, hidden_size]``: the router (gate) weights, the
             file's values held exactly (every type a file holds a router in, F32, F16,
             BF16 or a dequantized 8-bit type, is a float32 value). The router logits are
-            computed in float64 and
-            rounded to float32 (as llama.cpp computes them in float32, not in the compute
-            dtype): a float32 GEMM sums in an order that depends on its number of rows
-            (one row differs from two), a float64 one rounded to float32 does not, so a
-            row is routed the same whatever rows are beside it.
+            computed in float64 and rounded to float32 (as llama.cpp computes them in
+            float32, not in the compute dtype): a float32 GEMM sums in an order that
+            depends on its number of rows (one row differs from two), a float64 one
+            rounded to float32 does not, so a row is routed the same whatever rows are
+            beside it.
         router_bias: float64 ``[num_experts]`` (gpt-oss) or None.
         experts: ``num_experts`` :class:`MLP` (each of the share's columns only), or
             under expert sharding the share's whole experts, from expert ``first`` on.

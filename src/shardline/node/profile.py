@@ -33,6 +33,7 @@ from shardline.node.profile_decode import (
     decode_weight_rate,
     runner_runtime,
 )
+from shardline.parallel.compute_slots import usable_cpus
 from shardline.process_memory import memory_now, release_free_memory
 
 DEVICE_RE = re.compile(r"^(auto|cpu|mps|cuda(:\d+)?)$")
@@ -162,13 +163,6 @@ class HostProfile:
         return cls(**{k: v for k, v in data.items() if k in names})
 
 
-def _cpu_count() -> int:
-    try:
-        return len(os.sched_getaffinity(0))
-    except (AttributeError, OSError):
-        return os.cpu_count() or 1
-
-
 def host_id() -> str:
     """An id of the running kernel, the same for every process (and container) that shares
     this machine's CPUs and different on another machine: a SHA-256 digest (16 hex digits)
@@ -188,7 +182,7 @@ def _host_memory() -> dict:
     return {
         "total_bytes": int(memory.total),
         "available_bytes": int(memory.available),
-        "cpu_count": _cpu_count(),
+        "cpu_count": usable_cpus(),
         "host_id": host_id(),
     }
 

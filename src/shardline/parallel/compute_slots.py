@@ -34,6 +34,15 @@ from pathlib import Path
 from typing import Iterator
 
 
+def usable_cpus() -> int:
+    """The CPUs this process may run on (its affinity where the system has one, else
+    every CPU)."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        return os.cpu_count() or 1
+
+
 def slot_count(cpus: int, threads: int) -> int:
     """Stages that may compute at once on a machine of ``cpus`` CPUs, each stage running
     ``threads`` threads: the cores' worth of such stages, at least one."""
@@ -62,8 +71,7 @@ class ComputeSlots:
     def on_this_machine(cls, threads: int) -> "ComputeSlots":
         """The slots of this machine for a stage of ``threads`` threads (the CPUs are
         those this process may run on)."""
-        return cls(slot_count(len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity")
-                              else os.cpu_count() or 1, threads), slots_directory())
+        return cls(slot_count(usable_cpus(), threads), slots_directory())
 
     @contextlib.contextmanager
     def held(self) -> Iterator[None]:

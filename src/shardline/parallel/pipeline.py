@@ -23,6 +23,7 @@ step ends, so no transfer outlives its step; cancellations only take effect betw
 
 from __future__ import annotations
 
+import contextlib
 from typing import Callable
 
 import torch
@@ -78,15 +79,12 @@ class PipelineStage(Stage):
                 assert work is not None  # irecv returns its work outside a coalescing context
                 work.wait()
                 inputs = inputs.to(shard.device)
-            if self.slots is None:
-                progress.mark(f"computing micro-batch {tag}")
-                out = shard(inputs, batch, self.cache)
-            else:
+            if self.slots is not None:
                 progress.mark(f"waiting for a compute slot for micro-batch {tag} (cores shared "
                               "with the other runners of this machine)")
-                with self.slots.held():
-                    progress.mark(f"computing micro-batch {tag}")
-                    out = shard(inputs, batch, self.cache)
+            with self.slots.held() if self.slots is not None else contextlib.nullcontext():
+                progress.mark(f"computing micro-batch {tag}")
+                out = shard(inputs, batch, self.cache)
             if computed is not None:
                 computed(tag)
             if self.samples:
