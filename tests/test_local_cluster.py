@@ -19,8 +19,10 @@ from shardline.local_cluster import (
     node_environment,
     node_memory_limit,
     ports_in_use,
+    table_model_id,
     views_formed,
 )
+from shardline.models.store import DEFAULT_MODEL_ID
 
 
 @pytest.mark.timeout(90)
@@ -137,6 +139,18 @@ def test_kept_instances_of_the_model_split_by_the_sharding_asked(sharding, asked
              {"instance_id": "a-pipe1", "model_id": "a", "sharding": "pipeline", "ranks": one}]
     got = kept_instances(table, "a", sharding, 2)
     assert [[i["instance_id"] for i in part] for part in got] == [asked, other]
+
+
+@pytest.mark.fast
+def test_table_model_id_names_a_local_path_by_the_id_the_nodes_add_it_under(tmp_path):
+    """A path's id, not the path: `shardline cluster --model PATH` placed one more copy of
+    the model at every start, its kept instances never recognised (six loaded at once)."""
+    folder = tmp_path / "my-model"
+    folder.mkdir()
+    assert table_model_id(None) == DEFAULT_MODEL_ID
+    assert table_model_id("Qwen/Qwen3-0.6B") == "Qwen/Qwen3-0.6B"
+    assert table_model_id("/models/qwen3moe-a3b.Q4_K_M.gguf") == "qwen3moe-a3b.Q4_K_M"
+    assert table_model_id(str(folder)) == "my-model"
 
 
 def _view(me: str, live: list[str], term: int, acting: bool) -> dict:

@@ -120,6 +120,17 @@ def address_is_here(host: str) -> bool:
     return True
 
 
+def table_model_id(model: str | None) -> str:
+    """The id the instance table names ``model`` by: the default model's id for none, a
+    local path's default id (a ``.gguf`` file's stem, a directory's name: the id the nodes
+    add it under), else ``model`` itself (a model id)."""
+    from shardline.models.store import DEFAULT_MODEL_ID, local_model_id
+
+    if model is None:
+        return DEFAULT_MODEL_ID
+    return local_model_id(Path(model).expanduser()) if model_dirs_for(model) else model
+
+
 def views_formed(views: list[dict]) -> bool:
     """Whether nodes whose ``GET /cluster/nodes`` answers are ``views`` have formed a
     cluster: each sees all of them live, they hold one epoch from the coordinator they agree
@@ -345,9 +356,7 @@ class LocalCluster:
         Raises:
             LocalClusterError: placement was refused or the instance failed or timed out.
         """
-        from shardline.models.store import DEFAULT_MODEL_ID
-
-        model_id = model or DEFAULT_MODEL_ID
+        model_id = table_model_id(model)
         deadline = time.time() + timeout_s
         kept: list[dict] = []
         replaced_by = time.time() + KEPT_REPLACE_S
@@ -367,6 +376,9 @@ class LocalCluster:
                 continue
             for inst in kept:
                 if inst["status"] == "ready" and self._all_nodes_ready(inst["instance_id"]):
+                    # copies beside it (kept by runs whose nodes stopped before a delete
+                    # landed) hold a share of memory each and serve nothing asked of them
+                    self.clear([i["instance_id"] for i in kept if i is not inst])
                     self.instance = inst
                     return inst
             if not kept or (all(i["status"] == "failed" for i in kept) and time.time() > replaced_by):
@@ -378,11 +390,19 @@ class LocalCluster:
         self.clear([i["instance_id"] for i in kept])
         return self.place(model, sharding, max(1.0, deadline - time.time()), **options)
 
-    def clear(self, instance_ids: list[str] | None = None) -> None:
-        """Delete the instances ``instance_ids`` (default: every instance in the table)."""
-        ids = [i["instance_id"] for i in self.instances()] if instance_ids is None else instance_ids
-        for instance_id in ids:
-            self.http.delete(f"{self.url(0)}/cluster/instances/{instance_id}", timeout=30)
+    def clear(self, instance_ids: list[str] | None = None, timeout_s: float = 30.0) -> None:
+        """Delete the instances ``instance_ids`` (default: every instance in the table, until
+        the table reads empty: a kept instance the coordinator places again after a restart
+        gets a new id, and one placed just before its old id's delete stays unless deleted
+        in its turn; each bench run left one more copy of its model loaded before)."""
+        if instance_ids is not None:
+            for instance_id in instance_ids:
+                self.http.delete(f"{self.url(0)}/cluster/instances/{instance_id}", timeout=30)
+            return
+        deadline = time.time() + timeout_s
+        while (ids := [i["instance_id"] for i in self.instances()]) and time.time() < deadline:
+            self.clear(ids)
+            time.sleep(POLL_S)
 
     def _all_nodes_ready(self, instance_id: str) -> bool:
         import httpx

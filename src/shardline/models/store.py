@@ -237,6 +237,12 @@ def looks_like_path(name: str) -> bool:
     return name.startswith(("/", "./", "../", "~")) or name.endswith(".gguf")
 
 
+def local_model_id(path: Path) -> str:
+    """The id a model added from ``path`` gets by default (:meth:`ModelStore.add_local`):
+    a ``.gguf`` file's stem, a directory's name."""
+    return path.stem if path.suffix == ".gguf" else path.name
+
+
 def sha256_file(path: Path) -> str:
     """Hex SHA-256 of a file's bytes."""
     with open(path, "rb") as f:
@@ -516,7 +522,7 @@ class ModelStore:
                 raise ModelStoreError(f"{source}: {', '.join(outside)} resolve(s) outside the model "
                                       f"directories (a symlink to elsewhere)")
         model_id = check_model_id(model_id if model_id is not None  # "" is refused, not defaulted
-                                  else source.stem if fmt == "gguf" else source.name)
+                                  else local_model_id(source))
         try:  # the model card first: an architecture it cannot run is refused before any copy or hash
             _weights_config(source)
         except UnsupportedModelError:
