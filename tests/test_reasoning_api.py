@@ -313,6 +313,38 @@ def test_responses_reasoning_item():
     assert response.usage is not None and response.usage.output_tokens_details.reasoning_tokens == 8
 
 
+@pytest.mark.parametrize("effort", [None, "none", "minimal", "low", "medium", "high", "xhigh", "max"])
+def test_each_api_passes_the_effort_asked(effort):
+    """OpenAI's levels, as asked, on Chat Completions and Responses (the template's level
+    is :func:`~shardline.models.tokenizer.reasoning_level`'s); Ollama's think levels."""
+    body = {"model": "m", "messages": [{"role": "user", "content": "hi"}]}
+    chat = openai_api.ChatCompletionRequest(**body, **({"reasoning_effort": effort} if effort else {}))
+    assert chat.to_generation().effort == effort
+    req = check_fields({"model": "m", "input": "hi", **({"reasoning": {"effort": effort}} if effort else {})})
+    assert to_generation(req, [], [{"type": "message", "role": "user",
+                                    "content": [{"type": "input_text", "text": "hi"}]}]).effort == effort
+    anthropic = MessagesRequest(**body, max_tokens=64, **({"output_config": {"effort": effort}}
+                                                       if effort in ("low", "medium", "high", "xhigh", "max") else {}))
+    assert anthropic.to_generation().effort == (effort if effort in ("low", "medium", "high", "xhigh", "max") else None)
+    if effort in (None, "low", "medium", "high"):
+        generation = ollama_api.ChatRequest(**body, **({"think": effort} if effort else {})).to_generation()
+        assert (generation.thinking, generation.effort) == (True if effort else None, effort)
+
+
+@pytest.mark.parametrize("effort, level", [(None, None), ("none", "low"), ("minimal", "low"), ("low", "low"),
+                                           ("medium", "medium"), ("high", "high"), ("xhigh", "high"),
+                                           ("max", "high")])
+def test_an_effort_is_given_to_the_template_as_one_of_gpt_oss_levels(effort, level):
+    from shardline.models.tokenizer import reasoning_level
+
+    assert reasoning_level(effort) == level
+
+
+def test_ollama_refuses_a_think_level_it_does_not_have():
+    with pytest.raises(ValueError, match="think"):
+        ollama_api.ChatRequest(model="m", messages=[{"role": "user", "content": "hi"}], think="max")
+
+
 def test_responses_reasoning_alone_gets_an_empty_message():
     builder = OutputBuilder(check_fields({"model": "m", "input": "hi"}), "resp_2", 0)
     builder.feed(Piece(reasoning="Let me"))

@@ -48,6 +48,25 @@ def test_thinking_off_is_rendered_as_enable_thinking_false(served):
         assert tokenizer.render_chat(ASK, thinking=thinking).endswith("<|im_start|>assistant\n<think>\n")
 
 
+def test_an_effort_reaches_a_template_that_reads_it(tmp_path):
+    """gpt-oss's template writes ``Reasoning: <level>`` from ``reasoning_effort``
+    (medium where none is given); a template that does not read it renders the same."""
+    from tiny_chat import write_chat_tokenizer
+
+    directory = write_chat_tokenizer(tmp_path / "effort", "qwen")
+    (directory / "chat_template.jinja").write_text(
+        "{%- if reasoning_effort is not defined %}{%- set reasoning_effort = 'medium' %}{%- endif -%}"
+        "{{ 'Reasoning: ' + reasoning_effort + '\\n' }}{%- for m in messages %}{{ m.content }}{%- endfor -%}")
+    effortful = Tokenizer(directory)
+    assert effortful.render_chat(ASK) == "Reasoning: medium\n" + ASK[0]["content"]
+    for effort, level in (("minimal", "low"), ("high", "high"), ("max", "high")):
+        assert effortful.render_chat(ASK, effort=effort).startswith(f"Reasoning: {level}\n")
+        ids = effortful.encode_chat(ASK, effort=effort)
+        assert effortful.decode(ids).startswith(f"Reasoning: {level}"), effort
+    plain = Tokenizer(write_chat_tokenizer(tmp_path / "plain", "qwen"))
+    assert plain.render_chat(ASK, effort="high") == plain.render_chat(ASK)
+
+
 def test_chat_completions(served):
     client = openai.OpenAI(base_url=f"{served[0]}/v1", api_key="unused", max_retries=0)
     args = dict(model=MODEL, messages=ASK, max_tokens=NOISE, temperature=0)

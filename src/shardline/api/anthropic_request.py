@@ -11,8 +11,10 @@ edits it names). What a field does here, or why it is refused, is in
 Reasoning (``thinking``, ``output_config.effort``) is accepted as Anthropic's API accepts
 it. A reasoning model (Qwen3's kind) thinks where ``thinking`` asks for it (enabled,
 adaptive, between_tools) and not otherwise, and its thinking is a ``thinking`` block of
-the answer; the budget and the effort do not bound it. A model that does not reason spends
-none of the budget, and its answer has no thinking blocks. Thinking blocks of earlier
+the answer; the budget and the effort do not bound it (the effort is given to the chat
+template: gpt-oss's writes its level, :func:`~shardline.models.tokenizer.reasoning_level`).
+A model that does not reason spends none of the budget, and its answer has no thinking
+blocks. Thinking blocks of earlier
 turns are taken and left out of the prompt, as reasoning models' chat templates leave out
 earlier turns' reasoning.
 """
@@ -402,7 +404,8 @@ class MessagesRequest(CountTokensRequest):
             super().to_generation(), max_tokens=self.max_tokens,
             sampling=SamplingParams(self.temperature, self.top_p, self.top_k, None,
                                     grammar=None if self.output_config is None else self.output_config.grammar()),
-            stop=list(self.stop_sequences or []))
+            stop=list(self.stop_sequences or []),
+            effort=None if self.output_config is None else self.output_config.effort)
 
 
 # -- context management ------------------------------------------------------------------

@@ -97,6 +97,7 @@ class GenerationRequest:
     name_param: str | None = None  # the API's name of a message's "name" when its client sets it
     truncate_history: bool = False  # a chat past the context loses its oldest messages (Ollama's)
     thinking: bool | None = None  # a reasoning model thinks first (the template's enable_thinking); None: its default
+    effort: str | None = None  # the reasoning effort asked (OpenAI's levels; models.tokenizer.REASONING_LEVELS)
 
     def window(self, instance_context: int) -> int:
         """Tokens of context this request may use, prompt and completion: its own window

@@ -17,9 +17,10 @@ changes nothing. A chat without messages or a generate without a prompt loads (a
 placed loads it first (:meth:`~shardline.api.keep_alive.KeepAlive.load`). Images are
 refused: every model shardline runs takes text only.
 
-``think`` turns a reasoning model's thinking on (true) or off (false); absent, the chat
-template's default holds. Its thinking comes as the message's ``thinking`` (/api/chat) or
-the answer's ``thinking`` (/api/generate), never in the content, unless ``think`` is false.
+``think`` turns a reasoning model's thinking on (true) or off (false), or on at a level
+(low, medium, high: gpt-oss's reasoning effort); absent, the chat template's default
+holds. Its thinking comes as the message's ``thinking`` (/api/chat) or the answer's
+``thinking`` (/api/generate), never in the content, unless ``think`` is false.
 """
 
 from __future__ import annotations
@@ -132,7 +133,7 @@ class _Request(BaseModel):
     logprobs: bool = False
     top_logprobs: int = Field(default=0, ge=0, le=20)
     images: list[str] | None = None
-    think: bool | None = None
+    think: bool | Literal["low", "medium", "high"] | None = None  # a level: thinks, at that effort (gpt-oss)
 
     @model_validator(mode="after")
     def _logprobs_asked(self):
@@ -179,7 +180,9 @@ class _Request(BaseModel):
             max_tokens=o.num_predict if o.num_predict > 0 else None,
             sampling=o.sampling(self.top_logprobs if self.logprobs else None, self.grammar()),
             stop=list(o.stop or []), api="ollama", max_tokens_param="options.num_predict",
-            max_tokens_capped=True, prompt_param=prompt_param, context=o.num_ctx, thinking=self.think)
+            max_tokens_capped=True, prompt_param=prompt_param, context=o.num_ctx,
+            thinking=True if isinstance(self.think, str) else self.think,
+            effort=self.think if isinstance(self.think, str) else None)
 
     def to_generation(self) -> GenerationRequest:
         """The request as every API's generation takes it (each Ollama route its own)."""

@@ -284,7 +284,8 @@ class ChatCompletionRequest(SamplingFields):
         return dataclasses.replace(
             self.generation([m.chat() for m in self.messages], limit, param, "messages"),
             tools=list(self.tools or []), tool_choice=self.choice(),
-            max_tool_calls=None if self.parallel_tool_calls else 1, name_param="name", thinking=self.thinking())
+            max_tool_calls=None if self.parallel_tool_calls else 1, name_param="name", thinking=self.thinking(),
+            effort=self.reasoning_effort)
 
     def thinking(self) -> bool:
         """Whether a reasoning model thinks: ``chat_template_kwargs.enable_thinking`` where

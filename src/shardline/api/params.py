@@ -155,9 +155,10 @@ _OLLAMA_COMMON: tuple[tuple, ...] = (
     ("logprobs", True, "each token's log-probability", "test_logprobs_match_the_greedy_choice"),
     ("top_logprobs", True, "0-20 alternatives per token (needs logprobs)", "test_logprobs_match_the_greedy_choice"),
     ("images", False, "text only", _REFUSED, ([],)),
-    ("think", True, "a reasoning model (Qwen3's kind) thinks (true) or not (false); absent: as its chat "
-     "template's default. Its thinking: message.thinking (chat) / thinking (generate), unless false; no effect "
-     "on a model that does not reason", "test_reasoning_api.py::test_ollama_thinking"),
+    ("think", True, "a reasoning model (Qwen3's kind) thinks (true) or not (false), or thinks at a level (low, "
+     "medium, high: gpt-oss's reasoning effort); absent: as its chat template's default. Its thinking: "
+     "message.thinking (chat) / thinking (generate), unless false; no effect on a model that does not reason",
+     "test_reasoning_api.py::test_ollama_thinking"),
 )
 
 PARAMETERS: tuple[Param, ...] = (
@@ -183,7 +184,8 @@ PARAMETERS: tuple[Param, ...] = (
           ("prediction", False, "predicted outputs are not supported", _REFUSED),
           ("reasoning_effort", True, "none to max: a reasoning model (Qwen3's kind) thinks unless none, its "
            "thinking in reasoning_content and its tokens in usage.completion_tokens_details.reasoning_tokens "
-           "(the level does not bound it); a model that does not reason spends no effort",
+           "(the level does not bound it; gpt-oss's template writes it as its level: none and minimal low, "
+           "xhigh and max high); a model that does not reason spends no effort",
            "test_reasoning_api.py::test_chat_completions_reasoning_content"),
           ("chat_template_kwargs", True, "extension (vLLM): enable_thinking only: whether a reasoning model "
            "thinks (over reasoning_effort)", "test_reasoning_api.py::test_chat_completions_thinking"),
@@ -246,8 +248,8 @@ PARAMETERS: tuple[Param, ...] = (
             "test_responses_api.py::test_fields_refused_name_the_parameter", (False,)),
            ("reasoning", True, "effort, summary, context: a reasoning model (Qwen3's kind) thinks unless effort is "
             "none, its thinking a reasoning item (reasoning_text, no summary) before the message and its tokens in "
-            "output_tokens_details.reasoning_tokens; a model that does not reason spends no effort and writes no "
-            "summary", "test_reasoning_api.py::test_responses_reasoning_item"),
+            "output_tokens_details.reasoning_tokens (effort: gpt-oss's level, as reasoning_effort's); a model "
+            "that does not reason spends no effort and writes no summary", "test_reasoning_api.py::test_responses_reasoning_item"),
            ("client_metadata", True, "the client's own ids (Codex's): recorded nowhere",
             "test_responses_api.py::test_codex_fields_are_taken"),
            *((name, False, "not supported", "test_responses_api.py::test_fields_refused_name_the_parameter", allowed)
@@ -273,7 +275,8 @@ PARAMETERS: tuple[Param, ...] = (
            "test_tools_e2e.py::test_anthropic_tool_round_trip"),
           ("tool_choice", True, "auto, any, tool (forced by grammar), none", "test_tools_e2e.py::test_anthropic_tool_round_trip"),
           ("output_config", True, "format json_schema: constrained decoding; effort: a reasoning model thinks "
-           "as it would without it; no effect on a model that does not reason", "test_anthropic_output_format_parses"),
+           "as it would without it (gpt-oss: at that level, xhigh and max high); no effect on a model that does "
+           "not reason", "test_anthropic_output_format_parses"),
           ("thinking", True, "enabled (budget_tokens 1,024 to max_tokens - 1), adaptive, between_tools: a "
            "reasoning model (Qwen3's kind) thinks, its thinking a thinking block first (display omitted: with no "
            "text; empty signature; the budget does not bound it); disabled or absent: it does not think. A model "

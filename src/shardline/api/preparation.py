@@ -95,7 +95,8 @@ async def _encode_chat(req: GenerationRequest, messages: list[dict[str, Any]], t
         if i not in encoded:
             call = functools.partial(tokenizer.encode_chat, without_oldest(messages, i),
                                      tools=req.tools if req.offers_tools else None,
-                                     continue_final_message=req.continue_final_message, thinking=req.thinking)
+                                     continue_final_message=req.continue_final_message, thinking=req.thinking,
+                                     effort=req.effort)
             try:
                 encoded[i] = await asyncio.to_thread(call)
             except ChatTemplateError as exc:
@@ -122,7 +123,8 @@ async def _check_names_rendered(req: GenerationRequest, tokenizer: Tokenizer,
     """
     unrendered = functools.partial(tokenizer.unrendered_names, messages,
                                    tools=req.tools if req.offers_tools else None,
-                                   continue_final_message=req.continue_final_message, thinking=req.thinking)
+                                   continue_final_message=req.continue_final_message, thinking=req.thinking,
+                                     effort=req.effort)
     try:
         unused = await asyncio.to_thread(unrendered)
     except ChatTemplateError as exc:

@@ -162,14 +162,18 @@ class Tokenizer:
         return template_reasons(self.chat_template)
 
     def render_chat(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None,
-                    continue_final_message: bool = False, thinking: bool | None = None) -> str:
+                    continue_final_message: bool = False, thinking: bool | None = None,
+                    effort: str | None = None) -> str:
         """The prompt text for ``messages`` with the assistant's turn opened, or with the
         final (assistant) message left open to be continued (``continue_final_message``:
         Anthropic's prefill; transformers' option of that name).
 
         ``thinking``: whether a reasoning model thinks before its answer, given to the
         template as ``enable_thinking`` (what Qwen3's reads; a template that does not read
-        it renders the same); None: not given (the template's default).
+        it renders the same); None: not given (the template's default). ``effort``: the
+        reasoning effort asked (OpenAI's levels, "none" to "max"), given as
+        ``reasoning_effort`` in the levels gpt-oss's template writes into its system
+        message (:func:`reasoning_level`); None: not given (gpt-oss's default, medium).
 
         ``tools`` are OpenAI function tools. A template that takes tools renders them (and
         the history's calls and results) itself; for one that does not, they are listed in
@@ -186,13 +190,14 @@ class Tokenizer:
         try:
             return str(self._tok.apply_chat_template(
                 messages, tools=tools, add_generation_prompt=not continue_final_message,
-                continue_final_message=continue_final_message, tokenize=False, **_thinking_kwargs(thinking),
+                continue_final_message=continue_final_message, tokenize=False, **_thinking_kwargs(thinking, effort),
             ))
         except Exception as exc:  # jinja2's TemplateError and template-raised exceptions
             raise ChatTemplateError(f"chat template failed: {exc}") from exc
 
     def unrendered_names(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None,
-                         continue_final_message: bool = False, thinking: bool | None = None) -> list[int]:
+                         continue_final_message: bool = False, thinking: bool | None = None,
+                    effort: str | None = None) -> list[int]:
         """Indices of the messages other than tool results whose ``name`` (a participant's)
         the chat template leaves out: the prompt :meth:`render_chat` gives is the same
         without it (most templates render no participant names; a request's name would be
@@ -211,17 +216,18 @@ class Tokenizer:
         named = sorted(first.values())
         if not named:
             return []
-        full = self.render_chat(messages, tools, continue_final_message, thinking)
+        full = self.render_chat(messages, tools, continue_final_message, thinking, effort)
         unrendered = []
         for i in named:
             without = [{k: v for k, v in m.items() if k != "name"} if j == i else m
                        for j, m in enumerate(messages)]
-            if self.render_chat(without, tools, continue_final_message, thinking) == full:
+            if self.render_chat(without, tools, continue_final_message, thinking, effort) == full:
                 unrendered.append(i)
         return unrendered
 
     def encode_chat(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None,
-                    continue_final_message: bool = False, thinking: bool | None = None) -> list[int]:
+                    continue_final_message: bool = False, thinking: bool | None = None,
+                    effort: str | None = None) -> list[int]:
         """Token ids of :meth:`render_chat`'s prompt (same arguments), where only the
         template's own markup makes control tokens.
 
@@ -251,7 +257,7 @@ class Tokenizer:
             ids = self._tok.apply_chat_template(
                 messages, tools=tools, add_generation_prompt=not continue_final_message,
                 continue_final_message=continue_final_message, tokenize=True, return_dict=False,
-                sanitize_control_tokens=True, **_thinking_kwargs(thinking),
+                sanitize_control_tokens=True, **_thinking_kwargs(thinking, effort),
             )
         except Exception as exc:  # jinja2's errors, template-raised ones, "Can't sanitize ..."
             raise ChatTemplateError(f"chat template failed: {exc}") from exc
@@ -269,9 +275,33 @@ class Tokenizer:
         return with_tools_in_text(messages, tools), None
 
 
-def _thinking_kwargs(thinking: bool | None) -> dict[str, bool]:
-    """The chat template's variables for ``thinking`` (:meth:`Tokenizer.render_chat`)."""
-    return {} if thinking is None else {"enable_thinking": thinking}
+REASONING_LEVELS = {"none": "low", "minimal": "low", "low": "low", "medium": "medium",
+                    "high": "high", "xhigh": "high", "max": "high"}
+"""OpenAI's reasoning efforts (Chat Completions' ``reasoning_effort``, Responses'
+``reasoning.effort``; Ollama's ``think`` levels are the middle three) as the levels
+gpt-oss's chat template writes (``Reasoning: low|medium|high``, harmony's three): a
+model that cannot reason less than low spends its least on "none" and "minimal", and its
+most on the levels above high."""
+
+
+def reasoning_level(effort: str | None) -> str | None:
+    """The template's ``reasoning_effort`` for the ``effort`` asked (:data:`REASONING_LEVELS`);
+    None for none asked.
+
+    Raises:
+        KeyError: an effort not in :data:`REASONING_LEVELS` (the APIs' own checks refuse
+            one before it gets here).
+    """
+    return None if effort is None else REASONING_LEVELS[effort]
+
+
+def _thinking_kwargs(thinking: bool | None, effort: str | None = None) -> dict[str, bool | str]:
+    """The chat template's variables for ``thinking`` and ``effort`` (:meth:`Tokenizer.render_chat`)."""
+    kwargs: dict[str, bool | str] = {} if thinking is None else {"enable_thinking": thinking}
+    level = reasoning_level(effort)
+    if level is not None:
+        kwargs["reasoning_effort"] = level
+    return kwargs
 
 
 SAVE_TIMEOUT_S = 300.0
