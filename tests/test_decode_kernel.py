@@ -266,3 +266,27 @@ def test_an_lm_heads_refined_logits_are_the_same_bits_whatever_runs_beside_them(
     for rows in (2, 3, 8, 9):
         assert torch.equal(head(x[:rows]), alone[:rows]), rows
     assert torch.equal(head(x[4:7])[0], alone[4])
+
+
+def test_a_packed_lm_heads_refined_logits_are_float32_products_in_any_batch():
+    """A 6-bit (Q6_K) head's top logits, recomputed by the compiled refinement: each row's
+    16 largest are the float32 products of its activations and the held weight rows (within
+    float32 rounding of a 256-term sum), the rest the int8 product's, and a row's logits
+    are the same bits whatever runs beside it."""
+    from shardline.models.linear import REFINED_LOGITS, Linear
+
+    held = packed_of("Q6_K", 96, 256, seed=3)
+    head = Linear(256, 96, logits=True)
+    head.set_parts([held])
+    x = torch.randn(9, 256, generator=torch.Generator().manual_seed(4)).to(torch.bfloat16)
+    alone = torch.cat([head(x[i : i + 1]) for i in range(9)])
+    for rows in (2, 8, 9):
+        assert torch.equal(head(x[:rows]), alone[:rows]), rows
+    weight = held.dequantize(torch.float32).double()
+    exact = x.double() @ weight.T
+    coarse = native_dequant.packed_groups_gemv(held, x).to(torch.bfloat16).float()  # the product's logits
+    kth = coarse.topk(REFINED_LOGITS, dim=-1).values[:, -1:]
+    close = (alone.double() - exact).abs() <= 1e-5 * (x.double().abs() @ weight.abs().T)
+    assert close[coarse > kth].all()  # the largest (ties at the k-th: some of them)
+    changed = alone != coarse
+    assert (changed.sum(-1) <= REFINED_LOGITS).all() and close[changed].all()

@@ -423,16 +423,32 @@ def test_unfinished_kernel_builds_older_than_a_build_are_removed(tmp_path):
     assert not old.exists() and fresh.exists() and library.exists()
 
 
+@pytest.fixture(params=["compiled", "torch"])
+def top_path(request, monkeypatch):
+    """:func:`top_ids` through the compiled selection, and through torch ops (where the
+    kernels are not built)."""
+    from shardline.models import kernel_library
+
+    if request.param == "torch":
+        monkeypatch.setattr(kernel_library, "kernels", lambda: None)
+    elif kernel_library.kernels() is None:
+        pytest.skip("the kernels are not built here")
+    return request.param
+
+
 @pytest.mark.fast
 @pytest.mark.parametrize("rows,n,k", [(1, 49152, 16), (8, 4096, 16), (3, 64 * 16, 16), (2, 1000, 16), (2, 256, 16)])
-def test_top_ids_are_the_largest_entries(rows, n, k):
+def test_top_ids_are_the_largest_entries(rows, n, k, top_path):
     """The blocked first pass keeps every one of a row's k largest (the clustered rows put
-    them all in one block, or one per block; n = 1000 and 4 blocks take torch.topk)."""
+    them all in one block, or one per block; n = 1000 and 4 blocks take torch.topk); the
+    compiled pass likewise (the ascending row replaces its best at every entry)."""
     gen = torch.Generator().manual_seed(n)
     y = torch.randn(rows, n, generator=gen)
     y[0, 128:128 + k] += 10.0  # all in one block
     if rows > 1:
         y[1, ::64] += 10.0  # one per block
+    if rows > 2:
+        y[2] = torch.arange(n, dtype=torch.float32)  # ascending
     got = top_ids(y, k)
     want = y.topk(k, dim=-1).indices
     assert got.shape == (rows, k)
@@ -440,7 +456,7 @@ def test_top_ids_are_the_largest_entries(rows, n, k):
 
 
 @pytest.mark.fast
-def test_top_ids_on_ties_keeps_the_top_values():
+def test_top_ids_on_ties_keeps_the_top_values(top_path):
     """With more than k equal largest entries, which k is free: their values are the top."""
     y = torch.zeros(2, 4096)
     y[:, ::7] = 1.0  # 586 entries tie for the largest

@@ -141,6 +141,10 @@ def declare(lib: ctypes.CDLL) -> None:
     lib.packed_groups_gemv.argtypes = [_P, _P, _I, _P]
     lib.packed_groups_q8_gemv.argtypes = [_P, _P, _C, _I, _P]
     lib.packed_groups_q8_gemv.restype = ctypes.c_int
+    lib.top_k_rows.argtypes = [_P, _I, _I, _I, _P]
+    lib.top_k_rows.restype = ctypes.c_int
+    lib.packed_groups_refine.argtypes = [_P, _P, _I, _P, _I, _P, _P]
+    lib.packed_groups_refine.restype = ctypes.c_int
     lib.packed_groups_gemv.restype = ctypes.c_int
     lib.int4_pack_halves.argtypes = [_P, _I, _I, _C, _C, _I, _P, _C]
     lib.unpack_blocks.argtypes = [_P, _I, _I, _C, _P, _P, _P, _C]

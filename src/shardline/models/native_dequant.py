@@ -473,3 +473,43 @@ def packed_groups_gemv(w, x: torch.Tensor) -> torch.Tensor:
     if rc:
         raise MemoryError("the packed-groups product could not allocate its scratch")
     return y
+
+
+def top_k_rows(y: torch.Tensor, k: int) -> torch.Tensor:
+    """The indices (int64 ``[rows, k]``, in no set order) of the ``k`` largest entries of
+    each row of float32 ``y`` ``[rows, n]`` (CPU, ``k <= min(64, n)``): the compiled
+    one-pass selection (``top_k.c``); a row's indices depend on that row alone.
+
+    Raises:
+        RuntimeError: the kernels are not built (:func:`kernels` is None).
+    """
+    lib = kernel_library.loaded()
+    rows, n = y.shape
+    assert y.dtype == torch.float32 and y.device.type == "cpu" and 0 < k <= min(64, n)
+    y = y.contiguous()
+    ids = torch.empty(rows, k, dtype=torch.int64)
+    lib.top_k_rows(_ptr(y), rows, n, k, _ptr(ids))
+    return ids
+
+
+def packed_groups_refine(w, x: torch.Tensor, y: torch.Tensor, k: int) -> torch.Tensor:
+    """``y`` (float32 ``[M, rows]``, contiguous, changed in place and returned) with each
+    row's ``k`` largest entries (:func:`top_k_rows`) recomputed as float32 products of
+    ``x`` (float32 ``[M, K]``) and the rows of ``w``, a
+    :class:`~shardline.models.packed_groups.PackedGroups` ``[rows, K]``: its values as
+    :func:`packed_groups_rows` gives them, summed in 16 lanes, then the lanes (the same
+    operations for a row whatever the rows beside it).
+
+    Raises:
+        RuntimeError: the kernels are not built (:func:`kernels` is None).
+    """
+    lib = kernel_library.loaded()
+    M, K = x.shape
+    assert x.dtype == y.dtype == torch.float32 and y.is_contiguous() and tuple(y.shape) == (M, w.shape[0])
+    assert K == w.shape[1] and 0 < k <= min(64, w.shape[0])
+    x = x.contiguous()
+    ids = torch.empty(M, k, dtype=torch.int64)
+    work = torch.empty(K)
+    weight = PackedWeight.of(w)  # held through the call
+    lib.packed_groups_refine(ctypes.addressof(weight), _ptr(x), M, _ptr(y), k, _ptr(ids), _ptr(work))
+    return y

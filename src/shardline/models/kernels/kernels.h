@@ -168,4 +168,9 @@ typedef struct {
 int packed_groups_q8_gemv(const packed_groups_t *w, const void *x, int x_f32, int64_t M,
                           float *y);
 
+/* Rows ids[0 .. n) of w into out, float32 (or bfloat16 when out_bf16, through work
+ * float32 [K]) (see packed_groups.c). */
+void packed_groups_rows(const packed_groups_t *pw, const int64_t *ids, int64_t n, void *out,
+                        int out_bf16, float *work);
+
 #endif
