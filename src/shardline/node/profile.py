@@ -49,7 +49,7 @@ _MATMUL_N_GPU = 4096
 _COPY_BYTES = 256 * 2**20
 
 
-PROFILE_FORMAT = 11
+PROFILE_FORMAT = 12
 """What a :class:`HostProfile` measures and how; a node measures again rather than use a
 cached profile of another format (2: the runtime baseline runs a tiny model; 3: and
 counts private memory only; 4: rates are medians of several samples, taken with the
@@ -60,7 +60,8 @@ time of their calls; 8: the decode product rounds its inputs to int8, which chan
 rate; 9: that rate timed over 64 MB of weights, read from memory as a model's are; 10:
 ``decode_layer_s`` measured on CUDA too, the probe replayed from CUDA graphs; 11:
 ``host_layer_s``, the CPU probe's figure, on a GPU node too, and on CUDA
-``decode_weight_bytes_per_s``, dense one-row products replayed from a graph)."""
+``decode_weight_bytes_per_s``, dense one-row products replayed from a graph; 12: the CPU
+decode product's rate timed over 256 MB, past a 32 MB last-level cache)."""
 
 
 @dataclass
