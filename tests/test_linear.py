@@ -456,6 +456,17 @@ def test_top_ids_are_the_largest_entries(rows, n, k, top_path):
 
 
 @pytest.mark.fast
+def test_compiled_top_ids_pass_over_nan(top_path):
+    """A NaN first logit does not stop the compiled pass (its bar stays a number)."""
+    if top_path == "torch":
+        pytest.skip("torch.topk takes NaN as the largest")
+    y = torch.randn(1, 4096, generator=torch.Generator().manual_seed(2))
+    y[0, 0] = y[0, 100] = float("nan")
+    clean = y.nan_to_num(nan=-float("inf"))
+    assert torch.equal(top_ids(y, 16).sort(-1).values, clean.topk(16).indices.sort(-1).values)
+
+
+@pytest.mark.fast
 def test_top_ids_on_ties_keeps_the_top_values(top_path):
     """With more than k equal largest entries, which k is free: their values are the top."""
     y = torch.zeros(2, 4096)

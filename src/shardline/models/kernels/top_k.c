@@ -2,6 +2,7 @@
  * recomputation for packed 5/6-bit weights (shardline/models/linear.py, Linear._refined):
  * one compiled call where torch took seven small ops and a row's k weight rows each
  * dequantized through the tensor API (0.3 ms of a 10 ms decode step of a 49,152-row head). */
+#include <math.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include "kernels.h"
@@ -29,16 +30,17 @@ static inline float take(const float *row, int64_t j, int64_t k, int64_t *best, 
  * which of them is free. One pass a row keeping the k best so far; where AVX-512 is
  * built, 16 entries at a time are compared with the bar and only those above it looked
  * at (a row of random logits replaces its best ~k ln(n / k) times). A row's ids depend on
- * that row alone. NaN entries are not taken after the first k. Returns -1 when k > 64. */
+ * that row alone. NaN entries count as the smallest (where torch.topk takes them as the
+ * largest: a row with NaN logits is a broken model's). Returns -1 when k > 64. */
 int top_k_rows(const float *y, int64_t rows, int64_t n, int64_t k, int64_t *ids) {
     if (k > 64 || k > n) return -1;
     for (int64_t m = 0; m < rows; m++) {
         const float *row = y + m * n;
         int64_t *best = ids + m * k;
         float val[64];
-        float bar = row[0];
-        for (int64_t i = 0; i < k; i++) {
-            best[i] = i, val[i] = row[i];
+        float bar = INFINITY;
+        for (int64_t i = 0; i < k; i++) { /* a NaN among them held as -inf: the bar stays a number */
+            best[i] = i, val[i] = row[i] == row[i] ? row[i] : -INFINITY;
             if (val[i] < bar) bar = val[i];
         }
         int64_t j = k;
