@@ -5,6 +5,7 @@ benchmarks (issue 42: shardline against llama.cpp on the same file).
 
     python -m shardline.bench.moe_model OUT.gguf --shape qwen3-30b-a3b --layers 4
     python -m shardline.bench.moe_model OUT.gguf --shape mixtral-tiny --layers 4 --mix q4_k
+    python -m shardline.bench.moe_model OUT.gguf --shape gpt-oss-20b --layers 4
 
 What is real and what is random:
 
@@ -37,8 +38,11 @@ What is real and what is random:
   layers its ``use_more_bits`` picks (half of them: with 4 layers, layers 2 and 3); for an
   8-expert model (Mixtral) ``attn_k`` and ``attn_v`` are Q8_0 and ``attn_output`` Q5_K.
   ``q4_k`` is Q4_K for every weight matrix, experts included, with a Q6_K embedding and LM
-  head. In both, a matrix whose rows are not whole 256-weight K-quant blocks (only the
-  small shapes' narrow experts) is Q8_0, as llama.cpp falls back for such rows.
+  head. In both, a matrix whose rows are not whole 256-weight K-quant blocks (the small
+  shapes' narrow experts, every gpt-oss-20b matrix: rows of 2,880) is Q8_0, as llama.cpp
+  falls back for such rows. gpt-oss's experts are MXFP4 under either mix (its release's
+  own format), with its biases, sinks and post-attention norms F32 (biases N(0, 0.02^2),
+  sinks N(0, 1)).
 
 A tensor is generated, written and dropped one at a time (the writer is given every
 tensor's shape up front), so memory holds a few copies of one expert tensor at most (113 MB
@@ -92,6 +96,15 @@ class MoeShape:
     rms_eps: float
     real_layers: int
     source: str
+    sliding_window: int = 0
+    yarn: tuple[float, int] | None = None
+
+    @property
+    def gpt_oss(self) -> bool:
+        """gpt-oss's layout: biases on the attention, router and experts, a learned sink a
+        head, ``post_attention_norm`` before the experts, sliding-window attention on
+        alternate layers, YaRN RoPE."""
+        return self.arch == "gpt-oss"
 
 
 SHAPES: dict[str, MoeShape] = {
@@ -113,6 +126,17 @@ SHAPES: dict[str, MoeShape] = {
         experts_used=2, expert_width=3584, qk_norm=False, rope_theta=1e6,
         context_length=32768, rms_eps=1e-5, real_layers=32,
         source="mistralai/Mixtral-8x7B-v0.1 config.json, every width / 4"),
+    # openai/gpt-oss-20b config.json: hidden_size 2880, num_attention_heads 64,
+    # num_key_value_heads 8, head_dim 64, num_local_experts 32, num_experts_per_tok 4,
+    # intermediate_size 2880, rope_theta 150000, rope_scaling yarn factor 32 from 4096,
+    # sliding_window 128, rms_norm_eps 1e-5, max_position_embeddings 131072, 24 layers.
+    # Its rows of 2880 are not whole K-quant blocks: MXFP4 experts, Q8_0 elsewhere, as
+    # llama.cpp's MXFP4 file of it holds them.
+    "gpt-oss-20b": MoeShape(
+        arch="gpt-oss", hidden=2880, heads=64, kv_heads=8, head_dim=64, experts=32,
+        experts_used=4, expert_width=2880, qk_norm=False, rope_theta=150000.0,
+        context_length=131072, rms_eps=1e-5, real_layers=24,
+        source="openai/gpt-oss-20b config.json", sliding_window=128, yarn=(32.0, 4096)),
     # Small, for tests and smoke runs: Qwen3-MoE's layout (q/k norms, 4 of 16 experts), a
     # few MB a layer. Its ffn_down_exps rows (an expert's 128 columns) are not whole K-quant
     # blocks: Q8_0.
@@ -120,6 +144,13 @@ SHAPES: dict[str, MoeShape] = {
         arch="qwen3moe", hidden=256, heads=4, kv_heads=2, head_dim=64, experts=16,
         experts_used=4, expert_width=128, qk_norm=True, rope_theta=1e6, context_length=4096,
         rms_eps=1e-6, real_layers=4, source="small test shape"),
+    # gpt-oss's layout at test size: 2 of 8 MXFP4 experts 256 wide, 4 heads of 64 over 2
+    # KV heads, a window of 128, YaRN from 4096 (rows of 256: Q4_K beside the experts).
+    "gpt-oss-small": MoeShape(
+        arch="gpt-oss", hidden=256, heads=4, kv_heads=2, head_dim=64, experts=8,
+        experts_used=2, expert_width=256, qk_norm=False, rope_theta=150000.0,
+        context_length=8192, rms_eps=1e-5, real_layers=4, source="small test shape",
+        sliding_window=128, yarn=(2.0, 4096)),
 }
 
 MIXES = ("q4_k_m", "q4_k")
@@ -166,7 +197,7 @@ def _set_f16(data: np.ndarray, at: int, values: np.ndarray) -> None:
 def weight_blocks(type_name: str, rows: int, cols: int, std: float,
                   rng: np.random.Generator) -> np.ndarray:
     """uint8 ``[rows, cols / block * block_bytes]``: blocks of GGUF type ``type_name``
-    (Q8_0, Q4_K, Q5_K or Q6_K) whose weights are zero-mean (Q8_0, Q6_K: -0.5 quantum)
+    (Q8_0, Q4_K, Q5_K, Q6_K or MXFP4) whose weights are zero-mean (Q8_0, Q6_K: -0.5 quantum)
     with standard deviation ``std``: uniform random quants, each block's f16 scale drawn
     around the value that gives ``std`` (x U(0.75, 1.25)), so rows and blocks differ in
     spread as real ones do.
@@ -212,6 +243,12 @@ def weight_blocks(type_name: str, rows: int, cols: int, std: float,
         rms_scale = math.sqrt(np.mean(np.arange(lo, hi, dtype=np.float64) ** 2))
         q_std = math.sqrt((64**2 - 1) / 12)
         _set_f16(data, 208, std / (rms_scale * q_std) * jitter)
+    elif type_name == "MXFP4":
+        # 32 E2M1 nibbles (ggml's kvalues_mxfp4: 0, 1, 2, 3, 4, 6, 8, 12 and their
+        # negatives, halved) times 2 ** (e - 127): uniform nibbles are zero-mean, their
+        # halved values' rms sqrt(8.5625); the exponent byte the nearest power of two.
+        e = 127 + np.round(np.log2(std / math.sqrt(8.5625) * jitter))
+        data[:, 0] = e.astype(np.uint8)
     else:
         raise ValueError(f"no zero-mean block generator for {type_name}")
     return data.reshape(rows, (cols // block) * size)
@@ -229,6 +266,8 @@ def _use_more_bits(layer: int, layers: int) -> bool:
 def tensor_type(name: str, shape: MoeShape, layers: int, mix: str, cols: int) -> str:
     """The GGUF type of weight matrix ``name`` (rows of ``cols`` weights) under ``mix``."""
     kind = name.split(".")[-2]  # "token_embd", "output", "attn_v", "ffn_down_exps", ...
+    if shape.gpt_oss and kind.endswith("_exps"):
+        return "MXFP4"
     if mix == "q4_k":
         chosen = "Q6_K" if kind in ("token_embd", "output") else "Q4_K"
     elif mix == "q4_k_m":
@@ -273,6 +312,7 @@ def weight_stds(shape: MoeShape) -> dict[str, float]:
         "ffn_down_exps": 1 / math.sqrt(shape.expert_width),
         "output": 2.5 / math.sqrt(d),
         "norm": 0.02,
+        "bias": 0.02,
     }
 
 
@@ -289,22 +329,30 @@ def plan_tensors(shape: MoeShape, layers: int, vocab: int, mix: str) -> list[Ten
     def norm(name: str, size: int) -> TensorPlan:
         return TensorPlan(name, (size,), "F32", std["norm"], near_one=True)
 
+    def bias(name: str, dims: tuple[int, ...]) -> TensorPlan:
+        return TensorPlan(name, dims, "F32", std["bias"])
+
+    oss = shape.gpt_oss
     plans = [matrix("token_embd.weight", (vocab, d))]
     for i in range(layers):
         b = f"blk.{i}."
-        plans += [norm(b + "attn_norm.weight", d),
-                  matrix(b + "attn_q.weight", (q, d)),
-                  matrix(b + "attn_k.weight", (kv, d)),
-                  matrix(b + "attn_v.weight", (kv, d)),
-                  matrix(b + "attn_output.weight", (d, q))]
+        plans += [norm(b + "attn_norm.weight", d)]
+        for kind, rows, cols in (("attn_q", q, d), ("attn_k", kv, d), ("attn_v", kv, d),
+                                 ("attn_output", d, q)):
+            plans += [matrix(b + kind + ".weight", (rows, cols))]
+            plans += [bias(b + kind + ".bias", (rows,))] if oss else []
+        if oss:
+            plans += [TensorPlan(b + "attn_sinks.weight", (shape.heads,), "F32", 1.0)]
         if shape.qk_norm:
             plans += [norm(b + "attn_q_norm.weight", shape.head_dim),
                       norm(b + "attn_k_norm.weight", shape.head_dim)]
-        plans += [norm(b + "ffn_norm.weight", d),
-                  TensorPlan(b + "ffn_gate_inp.weight", (e, d), "F32", std["ffn_gate_inp"]),
-                  matrix(b + "ffn_gate_exps.weight", (e, w, d)),
-                  matrix(b + "ffn_up_exps.weight", (e, w, d)),
-                  matrix(b + "ffn_down_exps.weight", (e, d, w))]
+        plans += [norm(b + ("post_attention_norm.weight" if oss else "ffn_norm.weight"), d),
+                  TensorPlan(b + "ffn_gate_inp.weight", (e, d), "F32", std["ffn_gate_inp"])]
+        plans += [bias(b + "ffn_gate_inp.bias", (e,))] if oss else []
+        for kind, dims in (("ffn_gate_exps", (e, w, d)), ("ffn_up_exps", (e, w, d)),
+                           ("ffn_down_exps", (e, d, w))):
+            plans += [matrix(b + kind + ".weight", dims)]
+            plans += [bias(b + kind + ".bias", dims[:2])] if oss else []
     plans += [norm("output_norm.weight", d), matrix("output.weight", (vocab, d))]
     return plans
 
@@ -441,8 +489,14 @@ def write_moe_gguf(path: str | Path, shape: MoeShape | str, layers: int, *,
     writer.add_vocab_size(vocab)
     writer.add_expert_count(shape.experts)
     writer.add_expert_used_count(shape.experts_used)
-    if shape.arch == "qwen3moe":
+    if shape.arch in ("qwen3moe", "gpt-oss"):
         writer.add_expert_feed_forward_length(shape.expert_width)
+    if shape.sliding_window:
+        writer.add_sliding_window(shape.sliding_window)
+    if shape.yarn is not None:
+        writer.add_rope_scaling_type(gguf.RopeScalingType.YARN)
+        writer.add_rope_scaling_factor(shape.yarn[0])
+        writer.add_rope_scaling_orig_ctx_len(shape.yarn[1])
     writer.add_file_type(gguf.LlamaFileType.MOSTLY_Q4_K_M if mix == "q4_k_m"
                          else gguf.LlamaFileType.MOSTLY_Q4_K_S)
     for name, value, vtype, sub in fields:

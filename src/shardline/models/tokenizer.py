@@ -385,6 +385,10 @@ if __name__ == "__main__":  # python -m shardline.models.tokenizer GGUF DIRECTOR
     from shardline.models.gguf_header import in_memory_fields_reader
 
     # transformers' converter opens the file with gguf.GGUFReader: this process's own
-    # (it exits after the conversion) parses the metadata ~3x faster.
-    gguf.GGUFReader = in_memory_fields_reader()
+    # (it exits after the conversion) parses the metadata ~3x faster. Without the RoPE
+    # scaling keys, which a tokenizer does not use: transformers 5.24 reads gpt-oss's
+    # (every llama.cpp conversion has a YaRN factor) from the field's first part, the
+    # key's length, and NumPy 2.4's float() refuses that one-element array, so a gpt-oss
+    # GGUF could not be added ("only 0-dimensional arrays can be converted").
+    gguf.GGUFReader = in_memory_fields_reader(leave_out=(".rope.scaling.",))
     Tokenizer(sys.argv[1]).save(sys.argv[2])
