@@ -69,3 +69,17 @@ def test_a_refused_placement_says_why(cluster1, browser):
     page.wait_for_function("document.querySelector('#place-status').textContent.includes('at least 2 nodes')")
     assert placed(cluster1.url(0)) == before
     page.close()
+
+
+def test_the_place_form_offers_every_sharding():
+    """auto and each sharding placement takes (expert too: a mixture-of-experts model's
+    whole experts a rank; the form offered the first four only)."""
+    import re
+    from pathlib import Path
+
+    import shardline.api
+    from shardline.placement.ranks import SHARDING_NAMES
+
+    html = (Path(shardline.api.__file__).parent / "static" / "dashboard.html").read_text()
+    select = html.split('id="place-sharding"', 1)[1].split("</select>", 1)[0]
+    assert re.findall(r"<option>(\w+)</option>", select) == ["auto", *SHARDING_NAMES]
