@@ -326,7 +326,7 @@ def test_each_api_passes_the_effort_asked(effort):
     anthropic = MessagesRequest(**body, max_tokens=64, **({"output_config": {"effort": effort}}
                                                        if effort in ("low", "medium", "high", "xhigh", "max") else {}))
     assert anthropic.to_generation().effort == (effort if effort in ("low", "medium", "high", "xhigh", "max") else None)
-    if effort in (None, "low", "medium", "high"):
+    if effort in (None, "low", "medium", "high", "max"):
         generation = ollama_api.ChatRequest(**body, **({"think": effort} if effort else {})).to_generation()
         assert (generation.thinking, generation.effort) == (True if effort else None, effort)
 
@@ -340,9 +340,18 @@ def test_an_effort_is_given_to_the_template_as_one_of_gpt_oss_levels(effort, lev
     assert reasoning_level(effort) == level
 
 
-def test_ollama_refuses_a_think_level_it_does_not_have():
-    with pytest.raises(ValueError, match="think"):
-        ollama_api.ChatRequest(model="m", messages=[{"role": "user", "content": "hi"}], think="max")
+@pytest.mark.parametrize("think", ["banana", "true", 1])
+def test_ollama_refuses_a_think_value_it_does_not_have_in_its_words(think):
+    """Ollama's own message: clients read "invalid think value" to retry with true."""
+    from shardline.api.generation import APIError
+    from shardline.api.request_body import parse_raw
+
+    body = {"model": "m", "messages": [{"role": "user", "content": "hi"}], "think": think}
+    with pytest.raises(APIError) as caught:
+        parse_raw(json.dumps(body).encode(), ollama_api.ChatRequest)
+    assert caught.value.status == 400 and caught.value.param == "think"
+    assert caught.value.message == (f"invalid think value: {json.dumps(think)} "
+                                    '(must be "high", "medium", "low", "max", true, or false)')
 
 
 def test_responses_reasoning_alone_gets_an_empty_message():

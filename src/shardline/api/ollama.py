@@ -18,7 +18,7 @@ placed loads it first (:meth:`~shardline.api.keep_alive.KeepAlive.load`). Images
 refused: every model shardline runs takes text only.
 
 ``think`` turns a reasoning model's thinking on (true) or off (false), or on at a level
-(low, medium, high: gpt-oss's reasoning effort); absent, the chat template's default
+(low, medium, high, max: gpt-oss's reasoning effort); absent, the chat template's default
 holds. Its thinking comes as the message's ``thinking`` (/api/chat) or the answer's
 ``thinking`` (/api/generate), never in the content, unless ``think`` is false.
 """
@@ -123,6 +123,11 @@ class OllamaMessage(BaseModel):
         return out
 
 
+THINK_LEVELS = ("low", "medium", "high", "max")
+"""Ollama's ``think`` levels (besides true and false): a reasoning effort, which gpt-oss's
+template writes as its level (:func:`~shardline.models.tokenizer.reasoning_level`)."""
+
+
 class _Request(BaseModel):
     ENDPOINT: ClassVar[Endpoint]
     model_config = ConfigDict(extra="forbid")
@@ -133,7 +138,7 @@ class _Request(BaseModel):
     logprobs: bool = False
     top_logprobs: int = Field(default=0, ge=0, le=20)
     images: list[str] | None = None
-    think: bool | Literal["low", "medium", "high"] | None = None  # a level: thinks, at that effort (gpt-oss)
+    think: bool | Literal["low", "medium", "high", "max"] | None = None  # a level: thinks, at that effort (gpt-oss)
 
     @model_validator(mode="after")
     def _logprobs_asked(self):
@@ -155,8 +160,18 @@ class _Request(BaseModel):
     @staticmethod
     def check_raw(data: Any) -> None:
         """Refuse, in the raw body (before its strict JSON validation), images, by name
-        (:func:`~shardline.api.content.check_parts`)."""
+        (:func:`~shardline.api.content.check_parts`), and a ``think`` that is neither a
+        boolean nor one of Ollama's levels, in Ollama's words (clients read "invalid think
+        value" to try again with ``think: true``).
+
+        Raises:
+            APIError: 400 naming the field.
+        """
         check_parts(data, "ollama")
+        think = data.get("think") if isinstance(data, dict) else None
+        if think is not None and not isinstance(think, bool) and think not in THINK_LEVELS:
+            raise APIError(400, f"invalid think value: {json.dumps(think)} (must be \"high\", \"medium\", "
+                                '"low", "max", true, or false)', param="think")
 
     def keep_alive_s(self) -> float | None:
         """``keep_alive`` in seconds (:func:`parse_keep_alive`).

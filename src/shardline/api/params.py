@@ -156,7 +156,7 @@ _OLLAMA_COMMON: tuple[tuple, ...] = (
     ("top_logprobs", True, "0-20 alternatives per token (needs logprobs)", "test_logprobs_match_the_greedy_choice"),
     ("images", False, "text only", _REFUSED, ([],)),
     ("think", True, "a reasoning model (Qwen3's kind) thinks (true) or not (false), or thinks at a level (low, "
-     "medium, high: gpt-oss's reasoning effort); absent: as its chat template's default. Its thinking: "
+     "medium, high, max: gpt-oss's reasoning effort, max as high; another value: Ollama's \"invalid think value\"); absent: as its chat template's default. Its thinking: "
      "message.thinking (chat) / thinking (generate), unless false; no effect on a model that does not reason",
      "test_reasoning_api.py::test_ollama_thinking"),
 )
