@@ -30,7 +30,7 @@ import json
 import time
 from collections.abc import AsyncIterator, Callable
 from datetime import datetime, timezone
-from typing import Any, ClassVar, Literal
+from typing import Any, ClassVar, Literal, get_args
 
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, StreamingResponse
@@ -123,9 +123,10 @@ class OllamaMessage(BaseModel):
         return out
 
 
-THINK_LEVELS = ("low", "medium", "high", "max")
+ThinkLevel = Literal["low", "medium", "high", "max"]
 """Ollama's ``think`` levels (besides true and false): a reasoning effort, which gpt-oss's
 template writes as its level (:func:`~shardline.models.tokenizer.reasoning_level`)."""
+THINK_LEVELS = get_args(ThinkLevel)
 
 
 class _Request(BaseModel):
@@ -138,7 +139,7 @@ class _Request(BaseModel):
     logprobs: bool = False
     top_logprobs: int = Field(default=0, ge=0, le=20)
     images: list[str] | None = None
-    think: bool | Literal["low", "medium", "high", "max"] | None = None  # a level: thinks, at that effort (gpt-oss)
+    think: bool | ThinkLevel | None = None  # a level: thinks, at that effort (gpt-oss)
 
     @model_validator(mode="after")
     def _logprobs_asked(self):

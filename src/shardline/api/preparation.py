@@ -96,7 +96,7 @@ async def _encode_chat(req: GenerationRequest, messages: list[dict[str, Any]], t
             call = functools.partial(tokenizer.encode_chat, without_oldest(messages, i),
                                      tools=req.tools if req.offers_tools else None,
                                      continue_final_message=req.continue_final_message, thinking=req.thinking,
-                                     effort=req.effort)
+                                   effort=req.effort)
             try:
                 encoded[i] = await asyncio.to_thread(call)
             except ChatTemplateError as exc:
@@ -124,7 +124,7 @@ async def _check_names_rendered(req: GenerationRequest, tokenizer: Tokenizer,
     unrendered = functools.partial(tokenizer.unrendered_names, messages,
                                    tools=req.tools if req.offers_tools else None,
                                    continue_final_message=req.continue_final_message, thinking=req.thinking,
-                                     effort=req.effort)
+                                   effort=req.effort)
     try:
         unused = await asyncio.to_thread(unrendered)
     except ChatTemplateError as exc:

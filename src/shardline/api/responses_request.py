@@ -541,7 +541,7 @@ def to_generation(req: ResponsesRequest, history: list[dict], new_items: list[di
             params = dataclasses.replace(params, grammar=json_grammar(schema))
         except ValueError as exc:
             raise bad(f"text.format.schema: {exc}", "text.format.schema") from exc
+    effort = (req.reasoning or {}).get("effort")
     return GenerationRequest(model=req.model, prompt=messages, max_tokens=req.max_output_tokens,
                              sampling=params, api="openai", max_tokens_param="max_output_tokens",
-                             prompt_param="input", thinking=(req.reasoning or {}).get("effort") != "none",
-                             effort=(req.reasoning or {}).get("effort"), **extra)
+                             prompt_param="input", thinking=effort != "none", effort=effort, **extra)

@@ -197,7 +197,7 @@ class Tokenizer:
 
     def unrendered_names(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None,
                          continue_final_message: bool = False, thinking: bool | None = None,
-                    effort: str | None = None) -> list[int]:
+                         effort: str | None = None) -> list[int]:
         """Indices of the messages other than tool results whose ``name`` (a participant's)
         the chat template leaves out: the prompt :meth:`render_chat` gives is the same
         without it (most templates render no participant names; a request's name would be
@@ -278,7 +278,8 @@ class Tokenizer:
 REASONING_LEVELS = {"none": "low", "minimal": "low", "low": "low", "medium": "medium",
                     "high": "high", "xhigh": "high", "max": "high"}
 """OpenAI's reasoning efforts (Chat Completions' ``reasoning_effort``, Responses'
-``reasoning.effort``; Ollama's ``think`` levels are the middle three) as the levels
+``reasoning.effort``, Anthropic's ``output_config.effort``; Ollama's ``think`` levels are
+low to max) as the levels
 gpt-oss's chat template writes (``Reasoning: low|medium|high``, harmony's three): a
 model that cannot reason less than low spends its least on "none" and "minimal", and its
 most on the levels above high."""

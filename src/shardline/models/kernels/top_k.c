@@ -10,19 +10,15 @@
 #include <immintrin.h>
 #endif
 
-/* Entry j of row joins best (k ids, their values in val) if above the bar (the smallest
- * value held), replacing the smallest; returns the new bar. */
-static inline float take(const float *row, int64_t j, int64_t k, int64_t *best, float *val,
-                         float bar) {
-    if (!(row[j] > bar)) return bar;
-    int64_t low = 0;
-    for (int64_t i = 1; i < k; i++)
-        if (val[i] < val[low]) low = i;
+/* Entry j of row joins best (k ids, their values in val) if above the smallest held,
+ * val[low], taking its place; returns the index of the smallest held then. */
+static inline int64_t take(const float *row, int64_t j, int64_t k, int64_t *best, float *val,
+                           int64_t low) {
+    if (!(row[j] > val[low])) return low;
     best[low] = j, val[low] = row[j];
-    float least = val[0];
-    for (int64_t i = 1; i < k; i++)
-        if (val[i] < least) least = val[i];
-    return least;
+    for (int64_t i = 0; i < k; i++)
+        if (val[i] < val[low]) low = i;
+    return low;
 }
 
 /* ids[m k .. m k + k) = the indices of the k largest entries of row m of y (float32
@@ -38,23 +34,24 @@ int top_k_rows(const float *y, int64_t rows, int64_t n, int64_t k, int64_t *ids)
         const float *row = y + m * n;
         int64_t *best = ids + m * k;
         float val[64];
-        float bar = INFINITY;
+        int64_t low = 0; /* the smallest held: the bar a later entry must pass */
         for (int64_t i = 0; i < k; i++) { /* a NaN among them held as -inf: the bar stays a number */
             best[i] = i, val[i] = row[i] == row[i] ? row[i] : -INFINITY;
-            if (val[i] < bar) bar = val[i];
+            if (val[i] < val[low]) low = i;
         }
         int64_t j = k;
 #if defined(__AVX512F__)
         for (; j + 16 <= n; j += 16) {
-            __mmask16 over = _mm512_cmp_ps_mask(_mm512_loadu_ps(row + j), _mm512_set1_ps(bar), _CMP_GT_OQ);
+            __mmask16 over = _mm512_cmp_ps_mask(_mm512_loadu_ps(row + j), _mm512_set1_ps(val[low]),
+                                                _CMP_GT_OQ);
             while (over) {
                 int t = __builtin_ctz(over);
                 over &= over - 1;
-                bar = take(row, j + t, k, best, val, bar);
+                low = take(row, j + t, k, best, val, low);
             }
         }
 #endif
-        for (; j < n; j++) bar = take(row, j, k, best, val, bar);
+        for (; j < n; j++) low = take(row, j, k, best, val, low);
     }
     return 0;
 }
