@@ -32,14 +32,14 @@ def _gguf(tmp_path, arch: str, quant: str, others: str = ""):
     in a Q4_K_M file, whose v and down are in more bits than the rest; F32 the model's own
     values."""
     model = tm.hf_model(arch, num_layers=LAYERS, rope_theta=10000.0, seed=5)
-    matrices = MOE_MATRICES if arch in ("qwen3moe", "mixtral") else MATRICES
+    matrices = MOE_MATRICES if arch in ("qwen3moe", "mixtral", "gpt-oss") else MATRICES
     names = [f"blk.{i}.{m}.weight" for i in range(LAYERS) for m in matrices]
     other = dict(pair.split("=") for pair in others.split())
     kinds = {n: other.get(n.split(".")[2], quant) for n in names}
-    q8 = tuple(n for n, kind in kinds.items() if kind == "Q8_0")
-    random = {n: kind for n, kind in kinds.items() if kind not in ("Q8_0", "F32")}
+    quantized = {kind: tuple(n for n, k in kinds.items() if k == kind) for kind in ("Q8_0", "MXFP4")}
+    random = {n: kind for n, kind in kinds.items() if kind not in ("Q8_0", "MXFP4", "F32")}
     return tm.write_gguf(model, tmp_path / f"{arch}-{quant}.gguf", arch=GGUF_ARCH.get(arch, arch),
-                         q8_0=q8, random_quants=random)
+                         q8_0=quantized["Q8_0"], mxfp4=quantized["MXFP4"], random_quants=random)
 
 
 def _shard(path, dtype=torch.bfloat16):
@@ -52,7 +52,9 @@ def _shard(path, dtype=torch.bfloat16):
     # int4 planes beside packed 5-bit groups, symmetric (Q5_0) and with offsets (Q5_1)
     ("qwen2", "Q4_1", "attn_q=Q5_0 ffn_down=Q5_1"),
     # mixtures of experts: every expert's products, packed 5-bit experts beside int4 ones
-    ("qwen3moe", "Q8_0", ""), ("mixtral", "Q4_1", "ffn_down_exps=Q5_1")],
+    ("qwen3moe", "Q8_0", ""), ("mixtral", "Q4_1", "ffn_down_exps=Q5_1"),
+    # gpt-oss: sinks, sliding windows (of 4 keys, every other layer), biases, clamped SwiGLU
+    ("gpt-oss", "Q8_0", "ffn_gate_exps=MXFP4 ffn_up_exps=MXFP4 ffn_down_exps=MXFP4")],
     ids=lambda p: "-".join(p[:2]) + (
         "-mixed" if p[2] else ""))
 def shard(request, tmp_path_factory):

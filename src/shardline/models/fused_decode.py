@@ -12,7 +12,8 @@ Q6_K ``attn_v`` and ``ffn_down``), the products of :class:`~shardline.models.
 packed_groups.PackedGroups` (:func:`~shardline.models.native_dequant.packed_groups_gemv`)
 rounded to bfloat16, part by part as :class:`~shardline.models.linear.Linear` does,
 called from C; RoPE; the cache write; one-query attention in float32 over the slot's
-prefix; the residual adds; SwiGLU). It differs from the torch path mainly in
+prefix, with gpt-oss's sliding window and sink logits; the residual adds; SwiGLU, or
+gpt-oss's clamped one, and the biases gpt-oss adds). It differs from the torch path mainly in
 the attention: torch's bfloat16 attention rounds its probabilities to bfloat16, the
 fused one keeps them in float32 (against the torch path with float32 attention the tiny
 test models' outputs are the same bits). Each row is computed by the same instructions
@@ -62,7 +63,8 @@ MAX_PARTS = 3
 _P = ctypes.c_void_p
 _I = ctypes.c_int64
 _POINTERS = ("qkv", "o", "gate_up", "down", "attn_norm", "mlp_norm", "qkv_bias", "q_norm",
-             "k_norm", "k_cache", "v_cache", "router", "experts")
+             "k_norm", "k_cache", "v_cache", "router", "experts", "sinks", "router_bias", "o_bias",
+             "gate_up_bias", "down_bias")
 
 
 class _Part(ctypes.Structure):
@@ -80,7 +82,7 @@ class _Product(ctypes.Structure):
 class _Layer(ctypes.Structure):
     """``decode_layer_t`` of the C source."""
 
-    _fields_ = [(name, _P) for name in _POINTERS]
+    _fields_ = [*((name, _P) for name in _POINTERS), ("window", _I)]
 
 
 class _Shape(ctypes.Structure):
@@ -88,7 +90,7 @@ class _Shape(ctypes.Structure):
 
     _fields_ = [*((name, _I) for name in ("hidden", "heads", "kv_heads", "hd", "inter", "slots",
                                           "positions", "experts", "top_k", "norm_topk")),
-                ("eps", ctypes.c_float)]
+                *((name, ctypes.c_float) for name in ("eps", "swiglu_limit", "swiglu_alpha"))]
 
 
 def _built() -> bool:
@@ -149,8 +151,9 @@ def refusal(shard: DecoderShard) -> str | None:
     query groups), head_dim, hidden and intermediate sizes are multiples of 16 (head_dim at
     most :data:`MAX_HEAD_DIM`), at most :data:`MAX_GROUP` query heads a KV head, and each
     layer's four products are up to :data:`MAX_PARTS` parts of int4 planes the compiled
-    decode product takes or packed 5/6-bit groups. Qwen2's q/k/v bias and Qwen3's q/k
-    norms are supported, and mixture-of-experts layers (every expert's products as above)."""
+    decode product takes or packed 5/6-bit groups. Qwen2's q/k/v bias, Qwen3's q/k norms,
+    mixture-of-experts layers (every expert's products as above) and gpt-oss's attention
+    sinks, sliding windows, biases and clamped SwiGLU are supported."""
     config = shard.config
     if not _built():
         return "the compiled decode kernels are not built here (AVX-512 BF16, VNNI and VBMI)"
@@ -158,9 +161,6 @@ def refusal(shard: DecoderShard) -> str | None:
         return f"compute dtype {shard.dtype} on {shard.device.type} (bfloat16 on the CPU)"
     if shard.share is not None:
         return "a tensor-parallel share"
-    if (config.attention_sinks or config.sliding_window or config.output_bias
-            or config.expert_bias or config.swiglu_limit):
-        return "gpt-oss's attention sinks, sliding window, biases and clamped SwiGLU"
     sizes = (config.hidden_size, config.head_dim, config.intermediate_size)
     if any(size % 16 for size in sizes) or config.head_dim > MAX_HEAD_DIM:
         return f"hidden, head_dim, intermediate {sizes} (multiples of 16, head_dim <= 256)"
@@ -172,10 +172,7 @@ def refusal(shard: DecoderShard) -> str | None:
             return f"layer {i}: an all-reduce or padded query groups"
         for name, linear in (("qkv", layer.attn.qkv), ("o", layer.attn.o),
                              *_feed_forward_products(layer.mlp)):
-            why = _product_refusal(linear)
-            if why is None and name != "qkv" and linear.bias is not None:
-                why = "a bias"
-            if why:
+            if why := _product_refusal(linear):
                 return f"layer {i} {name}: {why}"
     return None
 
@@ -196,8 +193,9 @@ class FusedDecode:
     """A shard's decoder layers for decode steps, as one call of ``decode_layers``.
 
     Holds the C description of each layer (its products' ``product_t``, bfloat16
-    copies of the norms' weights and the q/k/v bias) and, for the last KV cache it ran
-    with, the cache pointers. Build it with :func:`for_shard` (this trusts
+    copies of the norms' weights and the biases, float32 sinks and router, the float64
+    router bias, the layer's sliding window) and, for the last KV cache it ran with, the
+    cache pointers. Build it with :func:`for_shard` (this trusts
     :func:`refusal`).
     """
 
@@ -206,38 +204,51 @@ class FusedDecode:
         self._lib = kernel_library.loaded()
         self._held: list[object] = []  # what the pointers point into
         self._layers: list[dict[str, int | None]] = []
+        self._windows: list[int] = []
         for module in shard.layers:
             layer = cast(DecoderLayer, module)
             attn, mlp = layer.attn, layer.mlp
-            ptrs: dict[str, int | None] = dict.fromkeys(("gate_up", "down", "router", "experts"))
+            ptrs: dict[str, int | None] = dict.fromkeys(_POINTERS)
             for name, linear in (("qkv", attn.qkv), ("o", attn.o)):
                 ptrs[name] = ctypes.addressof(_product(linear, self._held))
             if isinstance(mlp, MLP):
                 for name, linear in (("gate_up", mlp.gate_up), ("down", mlp.down)):
                     ptrs[name] = ctypes.addressof(_product(linear, self._held))
+                experts = [mlp]
             else:  # the router (float32) and each expert's gate_up and down, in order
                 products = [linear for _, linear in _feed_forward_products(mlp)]
                 array = (_Product * len(products))(*(_product(p, self._held) for p in products))
-                router = mlp.router.detach().to(torch.float32).contiguous()
-                self._held += [array, router]
-                ptrs["experts"], ptrs["router"] = ctypes.addressof(array), router.data_ptr()
-            vectors = (("attn_norm", layer.attn_norm.weight), ("mlp_norm", layer.mlp_norm.weight),
-                       ("qkv_bias", attn.qkv.bias),
-                       ("q_norm", attn.q_norm.weight if attn.q_norm else None),
-                       ("k_norm", attn.k_norm.weight if attn.k_norm else None))
-            for name, vector in vectors:
+                self._held.append(array)
+                ptrs["experts"] = ctypes.addressof(array)
+                experts = [cast(MLP, expert) for expert in mlp.experts]
+            gate_up_bias, down_bias = (
+                None if any(b is None for b in biases) else torch.stack(cast(list[torch.Tensor], biases))
+                for biases in ([e.gate_up.bias for e in experts], [e.down.bias for e in experts]))
+            vectors = {  # name -> (vector or None, the dtype the kernel reads)
+                "attn_norm": (layer.attn_norm.weight, torch.bfloat16),
+                "mlp_norm": (layer.mlp_norm.weight, torch.bfloat16),
+                "qkv_bias": (attn.qkv.bias, torch.bfloat16), "o_bias": (attn.o.bias, torch.bfloat16),
+                "q_norm": (attn.q_norm.weight if attn.q_norm else None, torch.bfloat16),
+                "k_norm": (attn.k_norm.weight if attn.k_norm else None, torch.bfloat16),
+                "sinks": (attn.sinks, torch.float32), "gate_up_bias": (gate_up_bias, torch.bfloat16),
+                "down_bias": (down_bias, torch.bfloat16)}
+            if isinstance(mlp, MixtureOfExperts):
+                vectors |= {"router": (mlp.router, torch.float32),
+                            "router_bias": (mlp.router_bias, torch.float64)}
+            for name, (vector, dtype) in vectors.items():
                 if vector is None:
                     ptrs[name] = None
                     continue
-                held = vector.detach().to(torch.bfloat16).contiguous()
+                held = vector.detach().to(dtype).contiguous()
                 self._held.append(held)
                 ptrs[name] = held.data_ptr()
             self._layers.append(ptrs)
+            self._windows.append(attn.window)
         self._sizes = (config.hidden_size, config.num_heads, config.num_kv_heads,
                        config.head_dim, config.intermediate_size)
         self._experts = (config.num_experts, config.num_experts_per_tok,
                          int(config.norm_topk_prob))
-        self._eps = config.rms_norm_eps
+        self._floats = (config.rms_norm_eps, config.swiglu_limit, config.swiglu_alpha)
         self._cache: weakref.ref[KVCache] | None = None
         self._array: ctypes.Array[_Layer] | None = None
         self._shape = _Shape()
@@ -252,7 +263,7 @@ class FusedDecode:
         if len(cache.k) != len(self._layers):
             raise ValueError(f"a KV cache of {len(cache.k)} layers for {len(self._layers)}")
         array = (_Layer * len(self._layers))()
-        for entry, ptrs, k, v in zip(array, self._layers, cache.k, cache.v):
+        for entry, ptrs, window, k, v in zip(array, self._layers, self._windows, cache.k, cache.v):
             for t in (k, v):
                 if (t.dtype != torch.bfloat16 or not t.is_contiguous() or t.device.type != "cpu"
                         or t.shape[1] != kv_heads or t.shape[3] != hd):
@@ -262,9 +273,10 @@ class FusedDecode:
             values = ptrs | {"k_cache": k.data_ptr(), "v_cache": v.data_ptr()}
             for name in _POINTERS:
                 setattr(entry, name, values[name])
+            entry.window = window
         slots, _, positions, _ = cache.k[0].shape
         self._shape = _Shape(hidden, heads, kv_heads, hd, inter, slots, positions,
-                             *self._experts, self._eps)
+                             *self._experts, *self._floats)
         self._array, self._cache = array, weakref.ref(cache)
 
     def __call__(self, h: torch.Tensor, batch: ForwardBatch, cache: KVCache) -> torch.Tensor:

@@ -25,6 +25,12 @@
  *   acc[row] += float(y_e) * p_e (a float32 product, then a float32 add);
  *   x = bf(x + bf(acc))
  *
+ * gpt-oss's parts (transformers' GptOssAttention and GptOssExperts): a sliding window on
+ * some layers (a row attends positions position - window + 1 .. position), a sink logit a
+ * head that joins its softmax's sum and weighs no value, biases on o (bf(y + b), as
+ * Linear adds one), the router (added in float64) and each expert's gate_up and down,
+ * and the clamped SwiGLU (see swiglu()).
+ *
  * Each row is computed by the same instructions in the same order whatever the other
  * rows of the step (the products guarantee it, and everything else is per row), so its
  * result is the same bits in any batch. Threads (OpenMP) split the products' output
@@ -67,6 +73,13 @@ typedef struct {
     uint16_t *k_cache, *v_cache;          /* [slots, kv_heads, positions, hd] */
     const float *router;                  /* [experts, hidden] or NULL */
     const product_t *experts;             /* [experts][2]: gate_up, down; or NULL */
+    /* gpt-oss's: */
+    const float *sinks;                   /* [heads] a logit each head's softmax adds, or NULL */
+    const double *router_bias;            /* [experts] or NULL */
+    const uint16_t *o_bias;               /* [hidden] or NULL */
+    const uint16_t *gate_up_bias;         /* [experts or 1, 2 inter] or NULL */
+    const uint16_t *down_bias;            /* [experts or 1, hidden] or NULL */
+    int64_t window;                       /* keys a query sees, its own included; 0: all */
 } decode_layer_t;
 
 /* The model's sizes (hidden and hd multiples of 16, hd at most MAX_HD, heads / kv_heads
@@ -75,6 +88,7 @@ typedef struct {
 typedef struct {
     int64_t hidden, heads, kv_heads, hd, inter, slots, positions, experts, top_k, norm_topk;
     float eps;
+    float swiglu_limit, swiglu_alpha; /* limit > 0: gpt-oss's clamped SwiGLU */
 } decode_shape_t;
 
 #define MAX_HD 256
@@ -204,11 +218,13 @@ static void attend(const uint16_t *q16, int64_t group, const uint16_t *K, const 
 }
 
 /* out[hd] (bfloat16) = the attention of one query head from its blocks' parts (each
- * (m, l, a[hd]), `stride` floats apart), combined in block order. */
-static void combine(const float *part, int64_t blocks, int64_t stride, int64_t hd,
+ * (m, l, a[hd]), `stride` floats apart), combined in block order, with the head's sink
+ * logit (-INFINITY: none) in the softmax's sum and no value. */
+static void combine(const float *part, int64_t blocks, int64_t stride, int64_t hd, float sink,
                     uint16_t *out) {
-    float best = part[0], total = 0.0f;
+    float best = part[0] > sink ? part[0] : sink;
     for (int64_t b = 1; b < blocks; b++) best = part[b * stride] > best ? part[b * stride] : best;
+    float total = expf(sink - best); /* 0 without a sink */
     __m512 acc[MAX_HD / 16];
     for (int64_t d = 0; d < hd / 16; d++) acc[d] = _mm512_setzero_ps();
     for (int64_t b = 0; b < blocks; b++) {
@@ -287,11 +303,37 @@ static int product(const product_t *p, const uint16_t *x, int64_t M, uint16_t *y
     return rc;
 }
 
-/* act [M, inter] = bf(bf(silu(g)) * u) of gu [M, 2 inter] (each row's g then u). */
-static void swiglu(const uint16_t *gu, int64_t M, int64_t inter, uint16_t *act) {
+/* x = bf(x + y), n a multiple of 16. */
+static inline void add_rows(uint16_t *x, const uint16_t *y, int64_t n) {
+    for (int64_t i = 0; i < n; i += 16)
+        _mm256_storeu_si256((__m256i *)(x + i), (__m256i)_mm512_cvtneps_pbh(
+                                _mm512_add_ps(load16(x + i), load16(y + i))));
+}
+
+/* act [M, inter] = bf(bf(silu(g)) * u) of gu [M, 2 inter] (each row's g then u; first
+ * bf(gu + bias) where a bias [2 inter] is given, in place), or
+ * where limit > 0 gpt-oss's clamped SwiGLU (feed_forward.MLP), rounded where its bfloat16
+ * torch ops round: g = min(g, limit), u = clamp(u, -limit, limit),
+ * bf(bf(u + 1) * bf(g * bf(sigmoid(bf(g * alpha))))). */
+static void swiglu(uint16_t *gu, int64_t M, int64_t inter, const uint16_t *bias, float limit,
+                   float alpha, uint16_t *act) {
+    const __m512 one = _mm512_set1_ps(1.0f), hi = _mm512_set1_ps(limit), lo = _mm512_set1_ps(-limit);
     for (int64_t m = 0; m < M; m++) {
+        if (bias) add_rows(gu + m * 2 * inter, bias, 2 * inter);
         const uint16_t *g = gu + m * 2 * inter, *u = g + inter;
         uint16_t *a = act + m * inter;
+        if (limit > 0.0f) {
+            for (int64_t i = 0; i < inter; i += 16) {
+                __m512 gv = _mm512_min_ps(load16(g + i), hi);
+                __m512 uv = _mm512_max_ps(_mm512_min_ps(load16(u + i), hi), lo);
+                __m512 t = round16(_mm512_mul_ps(gv, _mm512_set1_ps(alpha)));
+                __m512 sig = round16(_mm512_div_ps(one, _mm512_add_ps(one, exp16(_mm512_sub_ps(_mm512_setzero_ps(), t)))));
+                __m512 glu = round16(_mm512_mul_ps(gv, sig));
+                _mm256_storeu_si256((__m256i *)(a + i), (__m256i)_mm512_cvtneps_pbh(
+                                        _mm512_mul_ps(round16(_mm512_add_ps(uv, one)), glu)));
+            }
+            continue;
+        }
         for (int64_t i = 0; i < inter; i += 16) {
             __m512 gv = load16(g + i);
             __m512 e = exp16(_mm512_sub_ps(_mm512_setzero_ps(), gv));
@@ -306,8 +348,8 @@ static void swiglu(const uint16_t *gu, int64_t M, int64_t inter, uint16_t *act) 
  * hidden], float32): each summed in float64 (every product exact: a float32 times a
  * bfloat16) and rounded to float32. Threads split the experts, each logit the same
  * operations on any thread. */
-static void router_logits(const decode_shape_t *S, const float *R, const uint16_t *h,
-                          int64_t M, float *p) {
+static void router_logits(const decode_shape_t *S, const float *R, const double *bias,
+                          const uint16_t *h, int64_t M, float *p) {
     int64_t H = S->hidden, E = S->experts;
 #pragma omp parallel for schedule(static)
     for (int64_t e = 0; e < E; e++) {
@@ -319,7 +361,7 @@ static void router_logits(const decode_shape_t *S, const float *R, const uint16_
                     _mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)(h + m * H + i))), 16)));
                 acc = _mm512_fmadd_pd(x, _mm512_cvtps_pd(_mm256_loadu_ps(r + i)), acc);
             }
-            p[m * E + e] = (float)_mm512_reduce_add_pd(acc);
+            p[m * E + e] = (float)(_mm512_reduce_add_pd(acc) + (bias ? bias[e] : 0.0));
         }
     }
 }
@@ -371,7 +413,7 @@ static int experts(const decode_shape_t *S, const decode_layer_t *Lr, const uint
     uint16_t *ys = malloc((size_t)(M * K * H) * 2);
     int rc = -1;
     if (!p || !weight || !acc || !choice || !order || !first || !rows || !row_weight || !ys) goto done;
-    router_logits(S, Lr->router, h, M, p);
+    router_logits(S, Lr->router, Lr->router_bias, h, M, p);
     for (int64_t m = 0; m < M; m++) route(S, p + m * E, choice + m * K, weight + m * K);
     int64_t used = 0, n = 0;
     for (int64_t e = 0; e < E; e++) {
@@ -400,12 +442,16 @@ static int experts(const decode_shape_t *S, const decode_layer_t *Lr, const uint
             int64_t e = order[u], count = first[u + 1] - first[u];
             for (int64_t j = 0; j < count; j++)
                 memcpy(hb + j * H, h + rows[first[u] + j] * H, (size_t)H * 2);
-            if (product(Lr->experts + 2 * e, hb, count, gu, 2 * inter)) {
+            uint16_t *out = ys + first[u] * H;
+            if (product(Lr->experts + 2 * e, hb, count, gu, 2 * inter) ||
+                (swiglu(gu, count, inter, Lr->gate_up_bias ? Lr->gate_up_bias + e * 2 * inter : NULL,
+                        S->swiglu_limit, S->swiglu_alpha, act),
+                 product(Lr->experts + 2 * e + 1, act, count, out, H))) {
                 failed = 1;
                 continue;
             }
-            swiglu(gu, count, inter, act);
-            if (product(Lr->experts + 2 * e + 1, act, count, ys + first[u] * H, H)) failed = 1;
+            if (Lr->down_bias)
+                for (int64_t j = 0; j < count; j++) add_rows(out + j * H, Lr->down_bias + e * H, H);
         }
         free(hb);
     }
@@ -426,13 +472,6 @@ done:
     return rc;
 }
 
-/* x = bf(x + y), n a multiple of 16. */
-static inline void add_rows(uint16_t *x, const uint16_t *y, int64_t n) {
-    for (int64_t i = 0; i < n; i += 16)
-        _mm256_storeu_si256((__m256i *)(x + i), (__m256i)_mm512_cvtneps_pbh(
-                                _mm512_add_ps(load16(x + i), load16(y + i))));
-}
-
 /* The layers, in order, on x [M, hidden] bfloat16 (in place), for the rows' cache slots
  * and positions and bfloat16 RoPE tables cos, sin [M, hd]. Returns 0; -1 when scratch
  * cannot be allocated; -2 when a slot or position is outside the cache (nothing written). */
@@ -450,25 +489,20 @@ int decode_layers(const decode_shape_t *S, const decode_layer_t *layers, int64_t
     uint16_t *h = work, *qkv = h + M * H, *att = qkv + M * qkv_n, *y = att + M * heads * hd;
     uint16_t *gu = y + M * H, *act = gu + M * 2 * S->inter;
     /* attention tasks: (row, KV head, block of SPLIT keys), a (row, KV head)'s blocks
-     * adjacent; each writes group parts of hd + 2 floats */
-    int64_t tasks = 0;
-    for (int64_t m = 0; m < M; m++) tasks += kvh * (positions[m] / SPLIT + 1);
-    int64_t *task_row = malloc((size_t)tasks * 3 * sizeof(int64_t));
-    float *parts = malloc((size_t)(tasks * group * (hd + 2)) * sizeof(float));
+     * adjacent; each writes group parts of hd + 2 floats. A layer's tasks depend on its
+     * window; a full layer's are the most. */
+    int64_t most = 0;
+    for (int64_t m = 0; m < M; m++) most += kvh * (positions[m] / SPLIT + 1);
+    int64_t *task_row = malloc((size_t)most * 4 * sizeof(int64_t));
+    float *parts = malloc((size_t)(most * group * (hd + 2)) * sizeof(float));
     if (!task_row || !parts) {
         free(task_row);
         free(parts);
         free(work);
         return -1;
     }
-    int64_t *task_kv = task_row + tasks, *task_block = task_kv + tasks, t = 0;
-    for (int64_t m = 0; m < M; m++)
-        for (int64_t j = 0; j < kvh; j++)
-            for (int64_t b = 0; b <= positions[m] / SPLIT; b++, t++) {
-                task_row[t] = m;
-                task_kv[t] = j;
-                task_block[t] = b;
-            }
+    int64_t *task_kv = task_row + most, *task_block = task_kv + most, *task_begin = task_block + most;
+    int64_t tasks = 0, tasks_window = -1; /* the window the tasks are for */
     float scale = 1.0f / sqrtf((float)hd);
     int rc = 0;
     for (int64_t l = 0; l < count && !rc; l++) {
@@ -486,31 +520,52 @@ int decode_layers(const decode_shape_t *S, const decode_layer_t *layers, int64_t
                        (size_t)hd * 2);
             }
         }
+        if (Lr->window != tasks_window) { /* row m sees keys begin .. positions[m] */
+            tasks = 0;
+            for (int64_t m = 0; m < M; m++) {
+                int64_t begin = Lr->window && positions[m] >= Lr->window ? positions[m] + 1 - Lr->window : 0;
+                for (int64_t j = 0; j < kvh; j++)
+                    for (int64_t b = 0; b <= (positions[m] - begin) / SPLIT; b++, tasks++) {
+                        task_row[tasks] = m;
+                        task_kv[tasks] = j;
+                        task_block[tasks] = b;
+                        task_begin[tasks] = begin;
+                    }
+            }
+            tasks_window = Lr->window;
+        }
 #pragma omp parallel for schedule(static)
         for (int64_t task = 0; task < tasks; task++) {
             int64_t m = task_row[task], j = task_kv[task], b = task_block[task];
-            int64_t base = (slots[m] * kvh + j) * S->positions * hd + b * SPLIT * hd;
-            int64_t keys = positions[m] + 1 - b * SPLIT;
+            int64_t key = task_begin[task] + b * SPLIT, keys = positions[m] + 1 - key;
+            int64_t base = (slots[m] * kvh + j) * S->positions * hd + key * hd;
             attend(qkv + m * qkv_n + j * group * hd, group, Lr->k_cache + base,
                    Lr->v_cache + base, keys < SPLIT ? keys : SPLIT, hd, scale,
                    parts + task * group * (hd + 2));
         }
         for (int64_t task = 0; task < tasks; task++) { /* each (row, KV head)'s first block */
             if (task_block[task]) continue;
-            int64_t m = task_row[task], j = task_kv[task], blocks = positions[m] / SPLIT + 1;
-            for (int64_t g = 0; g < group; g++)
+            int64_t m = task_row[task], j = task_kv[task];
+            int64_t blocks = (positions[m] - task_begin[task]) / SPLIT + 1;
+            for (int64_t g = 0; g < group; g++) {
+                int64_t head = j * group + g;
                 combine(parts + (task * group + g) * (hd + 2), blocks, group * (hd + 2), hd,
-                        att + m * heads * hd + (j * group + g) * hd);
+                        Lr->sinks ? Lr->sinks[head] : -INFINITY, att + m * heads * hd + head * hd);
+            }
         }
         if ((rc = product(Lr->o, att, M, y, H))) break;
+        if (Lr->o_bias)
+            for (int64_t m = 0; m < M; m++) add_rows(y + m * H, Lr->o_bias, H);
         add_rows(x, y, M * H);
         for (int64_t m = 0; m < M; m++) rms_norm(x + m * H, Lr->mlp_norm, H, S->eps, h + m * H);
         if (Lr->router) {
             if ((rc = experts(S, Lr, h, M, y))) break;
         } else {
             if ((rc = product(Lr->gate_up, h, M, gu, 2 * S->inter))) break;
-            swiglu(gu, M, S->inter, act);
+            swiglu(gu, M, S->inter, Lr->gate_up_bias, S->swiglu_limit, S->swiglu_alpha, act);
             if ((rc = product(Lr->down, act, M, y, H))) break;
+            if (Lr->down_bias)
+                for (int64_t m = 0; m < M; m++) add_rows(y + m * H, Lr->down_bias, H);
         }
         add_rows(x, y, M * H);
     }
