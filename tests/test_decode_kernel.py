@@ -183,7 +183,8 @@ def test_prefill_chunks_from_96_rows_take_the_amx_product():
 PACKED = {"Q6_K": [(16, 256), (48, 512), (64, 768)],  # groups of 16, 6 bits, symmetric
           "Q5_0": [(16, 32), (48, 96)],  # 32, 5 bits, symmetric
           "Q5_1": [(32, 64)],  # 32, 5 bits, offsets
-          "Q5_K": [(16, 256), (32, 512)]}  # 32, 5 bits, offsets
+          "Q5_K": [(16, 256), (32, 512)],  # 32, 5 bits, offsets
+          "MXFP4": [(16, 32), (48, 96)]}  # 32, 4-bit codes of 5-bit integers, symmetric
 PACKED_ROWS = [1, 2, 7, 17, 64]
 
 
@@ -229,7 +230,7 @@ def test_packed_product_matches_float64(type_name, out, k, dtype):
         assert ((got.double() - exact).abs() <= half_step @ weight.abs().T + 4e-6 * scale).all()
 
 
-@pytest.mark.parametrize("type_name", ["Q6_K", "Q5_1"])
+@pytest.mark.parametrize("type_name", ["Q6_K", "Q5_1", "MXFP4"])
 def test_packed_rows_are_the_same_bits_whatever_runs_beside_them(type_name):
     held = packed_of(type_name, 48, 256, seed=9)
     x = torch.randn(64, 256, generator=torch.Generator().manual_seed(10)).to(torch.bfloat16)

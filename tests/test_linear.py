@@ -261,7 +261,7 @@ def test_an_lm_head_takes_no_rows():
     assert head(torch.empty(0, held.shape[1], dtype=torch.bfloat16)).shape == (0, held.shape[0])
 
 
-@pytest.mark.parametrize("type_name", ["Q4_1", "Q8_0", "Q5_K", "Q6_K"])
+@pytest.mark.parametrize("type_name", ["Q4_1", "Q8_0", "Q5_K", "Q6_K", "MXFP4"])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 def test_compiled_dequant_is_the_eager_code_bit_for_bit(type_name, dtype, monkeypatch):
     """A prefill product's weight block from the compiled kernel (one and two int4 planes,
@@ -296,7 +296,7 @@ def test_compiled_dequant_is_the_eager_code_bit_for_bit(type_name, dtype, monkey
     assert torch.equal(held.matmul(x), torch.mm(x.to(gemm), reference).to(dtype))
 
 
-@pytest.mark.parametrize("type_name", ["Q6_K", "Q5_1"])
+@pytest.mark.parametrize("type_name", ["Q6_K", "Q5_1", "MXFP4"])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 @pytest.mark.parametrize("aligned", [True, False])
 def test_transposed_packed_dequant_is_the_eager_code(type_name, dtype, aligned):
@@ -318,19 +318,22 @@ def test_transposed_packed_dequant_is_the_eager_code(type_name, dtype, aligned):
     assert torch.equal(out, held._eager_rows(dtype).t())
 
 
-@pytest.mark.parametrize("type_name, bits", [("Q6_K", 7), ("Q5_K", 6), ("Q5_0", 5.5), ("Q5_1", 6)])
+@pytest.mark.parametrize("type_name, bits", [("Q6_K", 7), ("Q5_K", 6), ("Q5_0", 5.5), ("Q5_1", 6),
+                                             ("MXFP4", 4.5)])
 def test_five_and_six_bit_types_are_held_in_about_their_files_bits(type_name, bits):
     """bfloat16: the integers' bits plus a bfloat16 scale (and offset) per group, against
-    the file's 6.56 (Q6_K), 5.5 (Q5_K, Q5_0) and 6 (Q5_1) bits a weight."""
+    the file's 6.56 (Q6_K), 5.5 (Q5_K, Q5_0), 6 (Q5_1) and 4.25 (MXFP4: 4-bit codes)
+    bits a weight."""
     held, _ = resident(type_name, torch.bfloat16)
     assert isinstance(held, PackedGroups)
     assert held.nbytes() * 8 / (held.shape[0] * held.shape[1]) == bits
 
 
-@pytest.mark.parametrize("bits", [5, 6])
+@pytest.mark.parametrize("bits", [4, 5, 6])
 def test_compiled_packing_gives_numpys_bytes(monkeypatch, bits):
-    """The load's compiled ``pack_groups_bits`` lays out 5- and 6-bit integers in the same
-    bytes as the numpy code it replaces (every value of each bit width, at every place)."""
+    """The load's compiled ``pack_groups_bits`` lays out 4-bit codes and 5- and 6-bit
+    integers in the same bytes as the numpy code it replaces (every value of each bit
+    width, at every place)."""
     import numpy as np
 
     from shardline.models import kernel_library
@@ -372,14 +375,15 @@ def test_compiled_scales_and_zeros_round_as_torch_does(monkeypatch):
     assert compiled[:, :2, 0].isnan().all()
 
 
-def test_packed_groups_without_a_compiler_give_the_same_values(monkeypatch):
+@pytest.mark.parametrize("type_name", ["Q6_K", "MXFP4"])
+def test_packed_groups_without_a_compiler_give_the_same_values(monkeypatch, type_name):
     """The eager torch path (no C compiler) dequantizes bit for bit as the kernel does, and
     its products (decode and prefill sizes) agree within float32 rounding."""
     from shardline.models import kernel_library
 
     if kernel_library.kernels() is None:
         pytest.skip("no C compiler on this machine: the eager code is the only path")
-    held, _ = resident("Q6_K", torch.float32, seed=8)
+    held, _ = resident(type_name, torch.float32, seed=8)
     x = torch.randn(100, held.shape[1], generator=torch.Generator().manual_seed(9))
     compiled = held.dequantize(torch.bfloat16), held.matmul(x[:3]), held.matmul(x)
     monkeypatch.setattr(kernel_library, "kernels", lambda: None)

@@ -23,7 +23,9 @@ https://github.com/ggml-org/ggml/blob/master/docs/gguf.md):
 - MXFP4 (32; OCP Microscaling Formats v1.0, as ggml stores it): an E8M0 exponent e, 16
   bytes of 4-bit E2M1 codes; ``w = k * 2**(e - 128)`` where ``k`` is the code's doubled
   E2M1 value (0, 1, 2, 3, 4, 6, 8, 12 and their negatives): an integer of -12..12 with a
-  power-of-two scale, held here as ``q = k + 16`` (5 bits), centre 16.
+  power-of-two scale, held here as ``q = k + 16`` (5 bits), centre 16, whose 15 values
+  the codebook (:attr:`GroupForm.codebook`) lists in the file's code order, so that a
+  weight can be held as its 4-bit code (:mod:`~shardline.models.packed_groups`).
 
 In the low-nibble byte runs, byte ``i`` of a 32-byte (or 16-byte) run holds weight ``i``
 in its low nibble and weight ``i + 32`` (``i + 16``) in its high nibble.
@@ -31,7 +33,7 @@ in its low nibble and weight ``i + 32`` (``i + 16``) in its high nibble.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import NamedTuple
 
 import numpy as np
@@ -53,6 +55,8 @@ class GroupQuant:
         group: weights per scale along a row (16 or 32).
         symmetric_center: for types whose offset is ``-center * scale`` (Q4_0, Q5_0, Q8_0,
             Q6_K), that center (8, 16, 128, 32); None where the offset is free.
+        codebook: where ``q`` takes at most 16 values (MXFP4's), those values by 4-bit
+            code: ``q`` is ``codebook[code]``; None otherwise.
     """
 
     q: np.ndarray
@@ -61,6 +65,7 @@ class GroupQuant:
     bits: int
     group: int
     symmetric_center: int | None
+    codebook: tuple[int, ...] | None = None
 
     @property
     def shape(self) -> tuple[int, int]:
@@ -68,8 +73,8 @@ class GroupQuant:
 
     def rows(self, start: int, end: int) -> GroupQuant:
         """Rows ``[start, end)``."""
-        return GroupQuant(self.q[start:end], self.scale[start:end], self.offset[start:end],
-                          self.bits, self.group, self.symmetric_center)
+        return replace(self, q=self.q[start:end], scale=self.scale[start:end],
+                       offset=self.offset[start:end])
 
     def cols(self, start: int, end: int) -> GroupQuant:
         """Columns ``[start, end)``; both must fall on group boundaries (or ``end`` at
@@ -81,20 +86,17 @@ class GroupQuant:
         g = self.group
         if start % g or (end % g and end != self.q.shape[1]):
             raise ValueError(f"columns [{start}, {end}) cut through groups of {g}")
-        return GroupQuant(self.q[:, start:end], self.scale[:, start // g : -(-end // g)],
-                          self.offset[:, start // g : -(-end // g)], self.bits, g,
-                          self.symmetric_center)
+        return replace(self, q=self.q[:, start:end], scale=self.scale[:, start // g : -(-end // g)],
+                       offset=self.offset[:, start // g : -(-end // g)])
 
     def contiguous(self) -> GroupQuant:
         """The same groups in C-contiguous arrays (after slicing)."""
-        return GroupQuant(np.ascontiguousarray(self.q), np.ascontiguousarray(self.scale),
-                          np.ascontiguousarray(self.offset), self.bits, self.group,
-                          self.symmetric_center)
+        return replace(self, q=np.ascontiguousarray(self.q), scale=np.ascontiguousarray(self.scale),
+                       offset=np.ascontiguousarray(self.offset))
 
     def take_rows(self, index: np.ndarray) -> GroupQuant:
         """Rows in the order of ``index`` (int ``[rows]``)."""
-        return GroupQuant(self.q[index], self.scale[index], self.offset[index], self.bits,
-                          self.group, self.symmetric_center)
+        return replace(self, q=self.q[index], scale=self.scale[index], offset=self.offset[index])
 
     def dequantize(self) -> np.ndarray:
         """float32 ``[rows, cols]``."""
@@ -105,20 +107,21 @@ class GroupQuant:
 
     @staticmethod
     def concat(parts: list[GroupQuant]) -> GroupQuant:
-        """Rows of ``parts`` one after another (same columns, bits, group and center).
+        """Rows of ``parts`` one after another (same columns, bits, group, center and
+        codebook).
 
         Raises:
             ValueError: the parts differ in any of those.
         """
         first = parts[0]
         for p in parts[1:]:
-            if (p.q.shape[1], p.group, p.bits, p.symmetric_center) != (
-                    first.q.shape[1], first.group, first.bits, first.symmetric_center):
+            if (p.q.shape[1], p.group, p.bits, p.symmetric_center, p.codebook) != (
+                    first.q.shape[1], first.group, first.bits, first.symmetric_center,
+                    first.codebook):
                 raise ValueError("only groups of one shape and type concatenate")
-        return GroupQuant(np.concatenate([p.q for p in parts]),
-                          np.concatenate([p.scale for p in parts]),
-                          np.concatenate([p.offset for p in parts]),
-                          first.bits, first.group, first.symmetric_center)
+        return replace(first, q=np.concatenate([p.q for p in parts]),
+                       scale=np.concatenate([p.scale for p in parts]),
+                       offset=np.concatenate([p.offset for p in parts]))
 
 
 def _f16(raw: np.ndarray) -> np.ndarray:
@@ -225,6 +228,7 @@ class GroupForm(NamedTuple):
     bits: int
     group: int
     symmetric_center: int | None
+    codebook: tuple[int, ...] | None = None
 
 
 # type name -> (weights per block, bytes per block, group form, unpacker)
@@ -237,7 +241,7 @@ _UNPACKERS = {
     "Q4_K": (256, 144, GroupForm(4, 32, None), _unpack_q4_k),
     "Q5_K": (256, 176, GroupForm(5, 32, None), _unpack_q5_k),
     "Q6_K": (256, 210, GroupForm(6, 16, 32), _unpack_q6_k),
-    "MXFP4": (32, 17, GroupForm(5, 32, 16), _unpack_mxfp4),
+    "MXFP4": (32, 17, GroupForm(5, 32, 16, tuple(int(v) + 16 for v in _MXFP4_VALUES)), _unpack_mxfp4),
 }
 
 SUPPORTED_TYPES = tuple(_UNPACKERS)

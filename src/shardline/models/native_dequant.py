@@ -190,7 +190,7 @@ def unpack_blocks(type_name: str, data: np.ndarray) -> gguf_quants.GroupQuant:
     offset = np.empty((rows, cols // form.group), np.float32)
     lib.unpack_blocks(data.ctypes.data, rows, blocks, _UNPACKED.index(type_name), q.ctypes.data,
                       scale.ctypes.data, offset.ctypes.data, load_threads())
-    return gguf_quants.GroupQuant(q, scale, offset, form.bits, form.group, form.symmetric_center)
+    return gguf_quants.GroupQuant(q, scale, offset, *form)
 
 
 @functools.cache
@@ -431,13 +431,15 @@ class PackedWeight(ctypes.Structure):
 
     _fields_ = [("low", _P), ("high", _P), ("scale", _P), ("offset", _P),
                 ("center", ctypes.c_int32), ("hb", ctypes.c_int32),
-                ("scales_bf16", ctypes.c_int32), ("group", _I), ("rows", _I), ("K", _I)]
+                ("scales_bf16", ctypes.c_int32), ("group", _I), ("rows", _I), ("K", _I),
+                ("codebook", _P)]
 
     @classmethod
     def of(cls, w) -> PackedWeight:
         assert w.scale.dtype in (torch.bfloat16, torch.float32)
         return cls(_ptr(w.low), _ptr(w.high), _ptr(w.scale), _ptr(w.offset), w.center,
-                   w.bits - 4, int(w.scale.dtype == torch.bfloat16), w.group, *w.shape)
+                   w.high_bits, int(w.scale.dtype == torch.bfloat16), w.group, *w.shape,
+                   _ptr(w.codebook))
 
 
 def packed_groups_gemv(w, x: torch.Tensor) -> torch.Tensor:

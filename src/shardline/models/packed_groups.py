@@ -1,10 +1,13 @@
 """5- and 6-bit integer groups held at about their file's bits: a nibble plane and a
-high-bit plane, with one scale (and offset) per group in the compute dtype.
+high-bit plane, with one scale (and offset) per group in the compute dtype; and 5-bit
+groups whose integers take at most 16 values (MXFP4's, :attr:`~shardline.models.
+gguf_quants.GroupQuant.codebook`) as a nibble plane of 4-bit codes alone.
 
 GGUF's Q6_K stores 6.56 bits a weight and Q5_0, Q5_1 and Q5_K 5.5 to 6. Held as one byte a
 weight with float32 scales (:class:`~shardline.models.linear.Int8Groups`) Q6_K took 12
 bits, and as two int4 planes a 5-bit type took 10; here Q6_K takes 7 bits in bfloat16 (6
-for the integers, 1 for a bfloat16 scale per 16) and Q5_K 6. The values are the file's,
+for the integers, 1 for a bfloat16 scale per 16) and Q5_K 6; MXFP4 (4.25 bits in its file)
+takes 4.5 here where as 5-bit groups it took 5.5. The values are the file's,
 computed in float32 as ``(q - center) * scale`` for the symmetric types (GGUF's own
 formula, e.g. Q6_K's ``d * sc * (q - 32)``) or ``q * scale + offset``, with the scales
 rounded once to the compute dtype (ggml's ``ggml-common.h`` for the block layouts; the
@@ -19,7 +22,9 @@ Without a compiler the same values come from torch ops (slower).
 Layout: a row's chunk of 32 weights is 16 bytes of low nibbles (byte ``j``: weight ``j``
 low, weight ``j + 16`` high) and ``4 * (bits - 4)`` bytes of high bits: for 6 bits, byte
 ``j`` of 8 holds weights ``j``, ``j + 8``, ``j + 16``, ``j + 24`` in its bit pairs 0-1,
-2-3, 4-5, 6-7; for 5 bits, weight ``i``'s bit is bit ``i`` of a little-endian 32-bit word.
+2-3, 4-5, 6-7; for 5 bits, weight ``i``'s bit is bit ``i`` of a little-endian 32-bit word;
+with a codebook there are no high bits and a nibble is a code, the integer
+``codebook[code]``.
 Rows go in blocks of :data:`BLOCK_ROWS`, and a block's chunk holds its rows' bytes of that
 chunk a 32-bit word at a time, word ``d`` of row ``i`` at word ``16 d + i`` (the scales
 likewise, ``[blocks, groups, 16]``): the decode kernel reads a chunk of 16 rows as a few
@@ -48,6 +53,7 @@ def packs(g: GroupQuant, device: torch.device | str, dtype: torch.dtype) -> bool
     """Whether ``g`` is held as :class:`PackedGroups`: 5 or 6 bits in groups of 16 or 32,
     rows of whole chunks in whole blocks, on the CPU, in bfloat16 or float32."""
     return (g.bits in (5, 6) and g.group in (16, 32) and g.shape[1] % CHUNK == 0
+            and (g.codebook is None or len(g.codebook) <= 16)
             and g.shape[0] % BLOCK_ROWS == 0
             and torch.device(device).type == "cpu" and dtype in (torch.bfloat16, torch.float32))
 
@@ -75,10 +81,12 @@ class PackedGroups:
 
     Attributes:
         low: uint8 ``[out / 16, in * 8]``, the low nibbles (16 rows' ``in / 2`` bytes).
-        high: uint8 ``[out / 16, in * 2 * (bits - 4)]``, the high bits.
+        high: uint8 ``[out / 16, in * 2 * high_bits]``, the high bits.
         scale: ``[out / 16, in / group, 16]`` in the compute dtype (bfloat16 or float32).
         offset: like ``scale``, or None for a symmetric type: ``w = (q - center) * scale``.
         center: the symmetric types' centre (32 for Q6_K, 16 for Q5_0); 0 with an offset.
+        codebook: uint8 ``[16]`` or None: the integer of each 4-bit code, where the
+            nibbles are codes (MXFP4) and there are no high bits.
     """
 
     low: torch.Tensor
@@ -88,10 +96,16 @@ class PackedGroups:
     center: int
     bits: int
     group: int
+    codebook: torch.Tensor | None = None
 
     @property
     def shape(self) -> tuple[int, int]:
         return (self.low.shape[0] * BLOCK_ROWS, self.low.shape[1] // 8)
+
+    @property
+    def high_bits(self) -> int:
+        """Bits a weight holds in the high plane: ``bits - 4``, 0 with a codebook."""
+        return 0 if self.codebook is not None else self.bits - 4
 
     def nbytes(self) -> int:
         held = [self.low, self.high, self.scale] + ([self.offset] if self.offset is not None else [])
@@ -109,7 +123,7 @@ class PackedGroups:
         a, b = start // BLOCK_ROWS, end // BLOCK_ROWS
         return PackedGroups(self.low[a:b], self.high[a:b], self.scale[a:b],
                             None if self.offset is None else self.offset[a:b],
-                            self.center, self.bits, self.group)
+                            self.center, self.bits, self.group, self.codebook)
 
     def empty_rows(self, rows: int) -> PackedGroups:
         """An unfilled weight of this form and columns with ``rows`` rows (a multiple of
@@ -119,7 +133,7 @@ class PackedGroups:
 
         return PackedGroups(grown(self.low), grown(self.high), grown(self.scale),
                             None if self.offset is None else grown(self.offset),
-                            self.center, self.bits, self.group)
+                            self.center, self.bits, self.group, self.codebook)
 
     def set_rows(self, start: int, part: PackedGroups) -> None:
         """Copy ``part`` into rows ``[start, start + part rows)``."""
@@ -132,8 +146,8 @@ class PackedGroups:
     def _eager_rows(self, dtype: torch.dtype, ids: torch.Tensor | None = None) -> torch.Tensor:
         """Rows ``ids`` (all where None) in ``dtype`` by torch ops: float32 values as the
         kernel computes them (no fused multiply-add), rounded once."""
-        hb = self.bits - 4
-        low, high = _row_major(self.low, 4), _row_major(self.high, hb)
+        hb = self.high_bits
+        low, high = _row_major(self.low, 4), _row_major(self.high, hb) if hb else self.high
         scale = self.scale.permute(0, 2, 1).reshape(self.shape[0], -1)
         offset = None if self.offset is None else self.offset.permute(0, 2, 1).reshape(self.shape[0], -1)
         if ids is not None:
@@ -143,7 +157,10 @@ class PackedGroups:
         rows, cols = low.shape[0], self.shape[1]
         nibbles = low.view(rows, cols // CHUNK, CHUNK // 2)
         q = torch.cat((nibbles & 15, nibbles >> 4), dim=-1)  # [rows, chunks, 32]
-        if self.bits == 6:  # [rows, chunks, 8] bytes -> bit pair p of byte j: weight j + 8 p
+        if self.codebook is not None:
+            top = torch.zeros_like(q)
+            q = self.codebook[q.long()]
+        elif self.bits == 6:  # [rows, chunks, 8] bytes -> bit pair p of byte j: weight j + 8 p
             top = high.view(rows, cols // CHUNK, 1, 8)
             top = (top >> (2 * torch.arange(4, dtype=torch.uint8))[:, None]) & 3
         else:  # 4 bytes -> bit b of byte j: weight 8 j + b
@@ -197,8 +214,23 @@ class PackedGroups:
 
 def pack_groups(g: GroupQuant, dtype: torch.dtype) -> PackedGroups:
     """``g`` (5- or 6-bit, :func:`packs`) in the packed layout, scales and offsets rounded
-    to ``dtype``; no other value changes."""
-    low_bytes, high_bytes = _packed_bits(np.ascontiguousarray(g.q), g.bits)
+    to ``dtype``; no other value changes. With a codebook the nibbles are each integer's
+    code (the first where two codes give one integer: MXFP4's +0 and -0).
+
+    Raises:
+        ValueError: an integer the codebook does not hold.
+    """
+    q = np.ascontiguousarray(g.q)
+    codebook = None
+    if g.codebook is not None:
+        code_of = np.full(256, 255, np.uint8)
+        for code, value in reversed(list(enumerate(g.codebook))):
+            code_of[value] = code
+        q = code_of[q]
+        if q.size and q.max() == 255:
+            raise ValueError(f"an integer outside the codebook {g.codebook}")
+        codebook = torch.tensor(g.codebook, dtype=torch.uint8)
+    low_bytes, high_bytes = _packed_bits(q, 4 if codebook is not None else g.bits)
     symmetric = g.symmetric_center is not None
 
     def blocked(values: np.ndarray) -> torch.Tensor:  # [rows, groups] -> [blocks, groups, 16]
@@ -207,12 +239,13 @@ def pack_groups(g: GroupQuant, dtype: torch.dtype) -> PackedGroups:
 
     return PackedGroups(
         torch.from_numpy(low_bytes), torch.from_numpy(high_bytes), blocked(g.scale),
-        None if symmetric else blocked(g.offset), g.symmetric_center or 0, g.bits, g.group)
+        None if symmetric else blocked(g.offset), g.symmetric_center or 0, g.bits, g.group,
+        codebook)
 
 
 def _packed_bits(q: np.ndarray, bits: int) -> tuple[np.ndarray, np.ndarray]:
-    """The low-nibble and high-bit planes of uint8 ``q`` ``[rows, cols]`` (5 or 6 bits) in
-    the block layout: uint8 ``[rows / 16, cols * 8]`` and ``[rows / 16, cols * 2 * (bits -
+    """The low-nibble and high-bit planes of uint8 ``q`` ``[rows, cols]`` (4, 5 or 6 bits)
+    in the block layout: uint8 ``[rows / 16, cols * 8]`` and ``[rows / 16, cols * 2 * (bits -
     4)]``, by the compiled ``pack_groups_bits`` where it is built, else by numpy (the same
     bytes)."""
     rows, cols = q.shape
@@ -227,11 +260,14 @@ def _packed_bits(q: np.ndarray, bits: int) -> tuple[np.ndarray, np.ndarray]:
     chunks = q.reshape(rows, cols // CHUNK, CHUNK)
     low = (chunks[..., : CHUNK // 2] & 15) | ((chunks[..., CHUNK // 2 :] & 15) << 4)
     top = chunks >> 4
-    if bits == 6:  # byte j: weights j, j + 8, j + 16, j + 24 in bit pairs 0-1 .. 6-7
+    if bits == 4:
+        high = np.empty((rows, 0), np.uint8)
+    elif bits == 6:  # byte j: weights j, j + 8, j + 16, j + 24 in bit pairs 0-1 .. 6-7
         pairs = top.reshape(rows, cols // CHUNK, 4, 8) << (2 * np.arange(4, dtype=np.uint8))[:, None]
         high = np.bitwise_or.reduce(pairs, axis=2)
     else:  # bit i of the word: weight i
         high = np.bitwise_or.reduce(top.reshape(rows, cols // CHUNK, 4, 8) << np.arange(8, dtype=np.uint8), axis=3)
     planes = (torch.from_numpy(np.ascontiguousarray(low).reshape(rows, -1)),
               torch.from_numpy(np.ascontiguousarray(high).reshape(rows, -1)))
-    return _interleaved(planes[0], 4).numpy(), _interleaved(planes[1], hb).numpy()
+    high_blocks = _interleaved(planes[1], hb).numpy() if hb else np.empty((rows // BLOCK_ROWS, 0), np.uint8)
+    return _interleaved(planes[0], 4).numpy(), high_blocks

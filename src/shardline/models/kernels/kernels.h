@@ -155,12 +155,14 @@ int int4_planes_gemv(const int4_gemv_t *weight, const void *x, int x_f32, int64_
 
 /* A weight of packed 5- or 6-bit groups (packed_groups.c describes the layout;
  * shardline/models/packed_groups.py holds it): rows x K, one scale (and offset, or NULL)
- * per group of 16 or 32, bfloat16 when scales_bf16 else float32, hb = bits - 4. */
+ * per group of 16 or 32, bfloat16 when scales_bf16 else float32, hb = bits - 4; or of
+ * 4-bit codes (hb 0), the integer of code c codebook[c]. */
 typedef struct {
     const uint8_t *low, *high;
     const void *scale, *offset;
     int32_t center, hb, scales_bf16;
     int64_t group, rows, K;
+    const uint8_t *codebook; /* [16] or NULL */
 } packed_groups_t;
 
 /* y = x @ W^T in float32 for x [M, K] (bfloat16, or float32 when x_f32) rounded to int8

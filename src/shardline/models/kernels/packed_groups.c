@@ -27,12 +27,14 @@
  * offset where it is not NULL, hold one value per group of `group` weights (16 or 32) of
  * each row, [blocks, groups, 16] (bfloat16 when scales_bf16 else float32):
  * w = q * scale + offset, or (q - center) * scale without one (the form of GGUF's
- * symmetric types, e.g. Q6_K's d * sc * (q - 32)). */
+ * symmetric types, e.g. Q6_K's d * sc * (q - 32)). With a codebook (MXFP4's) hb is 0 and
+ * a nibble is a code c whose integer q is codebook[c]. */
 typedef struct {
     const uint8_t *low, *high;    /* the row's dword 0 of chunk 0 */
     const uint8_t *scale, *offset; /* the row's group 0 */
     int center, hb, scales_bf16;
     int64_t group, K;
+    const uint8_t *codebook;
 } packed_row_t;
 
 /* Group g's scale (or offset) of a row whose group 0 is at p. */
@@ -58,7 +60,7 @@ static inline packed_row_t packed_at(const packed_groups_t *w, int64_t r) {
     int64_t lane = r % 16, size = w->scales_bf16 ? 2 : 4;
     packed_row_t row = {at.low + lane * 4, at.high + lane * 4, at.scale + lane * size,
                         at.offset ? at.offset + lane * size : NULL,
-                        w->center, w->hb, w->scales_bf16, w->group, w->K};
+                        w->center, w->hb, w->scales_bf16, w->group, w->K, w->codebook};
     return row;
 }
 
@@ -82,7 +84,9 @@ static inline void chunk_ints(const packed_row_t *w, int64_t c, int32_t *restric
         q[j] = l[j] & 15;
         q[j + 16] = l[j] >> 4;
     }
-    if (w->hb == 2) {
+    if (w->codebook) {
+        for (int i = 0; i < 32; i++) q[i] = w->codebook[q[i]];
+    } else if (w->hb == 2) {
         for (int j = 0; j < 8; j++)
             for (int part = 0; part < 4; part++) q[j + 8 * part] |= ((h[j] >> (2 * part)) & 3) << 4;
     } else {
@@ -134,8 +138,11 @@ static inline void chunk_vectors(const packed_row_t *w, int64_t c, __m256 *f) {
     const uint8_t *l = w->low + c * 256, *hp = w->high + c * 64 * w->hb;
     __m128i lb = _mm_setr_epi32(dword_at(l), dword_at(l + 64), dword_at(l + 128), dword_at(l + 192));
     __m256i nib = _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(lb, 4), m4), _mm_and_si128(lb, m4));
-    __m256i hi;
-    if (w->hb == 2) {
+    __m256i hi = _mm256_setzero_si256();
+    if (w->codebook) { /* the codes' integers, by byte shuffle within each 16-byte lane */
+        __m128i book = _mm_loadu_si128((const __m128i *)w->codebook);
+        nib = _mm256_shuffle_epi8(_mm256_set_m128i(book, book), nib);
+    } else if (w->hb == 2) {
         int64_t h = (int64_t)((uint64_t)(uint32_t)dword_at(hp) |
                               (uint64_t)(uint32_t)dword_at(hp + 64) << 32);
         hi = _mm256_and_si256(_mm256_srlv_epi64(_mm256_set1_epi64x(h), _mm256_setr_epi64x(0, 2, 4, 6)),
@@ -275,7 +282,8 @@ int packed_groups_gemv(const packed_groups_t *pw, const float *restrict x, int64
     return failed ? -1 : 0;
 }
 
-/* AVX-512: a block's chunk of 32 weights of 16 rows is read as 4 + hb 64-byte lines and
+/* AVX-512: a block's chunk of 32 weights of 16 rows is read as 4 + hb 64-byte lines (hb 0
+ * for codes) and
  * unpacked into eight registers of 16 rows x 4 weights as bytes (the operand order of
  * vpdpbusd); the transposed dequantization and the int8 product start from there. */
 #if defined(__AVX512F__) && defined(__AVX512BW__)
@@ -289,13 +297,20 @@ static inline void prefetch_chunk(const uint8_t *l, const uint8_t *h, int hb) {
 }
 
 /* A block's chunk of 16 rows (its 256 low bytes at l, 64 hb high bytes at h, in the layout
- * above) as u[j], j < 8: lane i holds row i's weights 4 j .. 4 j + 3, one a byte. */
-static inline void chunk_quads(const uint8_t *l, const uint8_t *h, int hb, __m512i *u) {
+ * above; or with a codebook, hb 0, codes) as u[j], j < 8: lane i holds row i's weights
+ * 4 j .. 4 j + 3, one a byte. */
+static inline void chunk_quads(const uint8_t *l, const uint8_t *h, int hb, const uint8_t *codebook,
+                               __m512i *u) {
     const __m512i nibble = _mm512_set1_epi8(0x0F);
     /* dword d of a row's low bytes: weights 4 d .. 4 d + 3 (low nibbles), 16 + 4 d .. (high) */
     __m512i lows[4];
     for (int d = 0; d < 4; d++) lows[d] = _mm512_loadu_si512(l + 64 * d);
-    if (hb == 2) { /* byte b of 8 holds weights b, b + 8, b + 16, b + 24 in its bit pairs */
+    if (codebook) { /* each code's integer, by byte shuffle within each 16-byte lane */
+        const __m512i book = _mm512_broadcast_i32x4(_mm_loadu_si128((const __m128i *)codebook));
+        for (int j = 0; j < 8; j++)
+            u[j] = _mm512_shuffle_epi8(book, j < 4 ? _mm512_and_si512(lows[j], nibble)
+                                                   : _mm512_and_si512(_mm512_srli_epi16(lows[j - 4], 4), nibble));
+    } else if (hb == 2) { /* byte b of 8 holds weights b, b + 8, b + 16, b + 24 in its bit pairs */
         __m512i top[2] = {_mm512_loadu_si512(h), _mm512_loadu_si512(h + 64)};
         const __m512i pair = _mm512_set1_epi8(0x03);
         for (int j = 0; j < 8; j++) { /* weights 4 j + b: byte (4 j + b) % 8, pair j / 2 */
@@ -330,7 +345,7 @@ static inline __m512 group16(const uint8_t *p, int64_t g, int bf16) {
 static inline void chunk_values(const packed_groups_t *w, int64_t b, int64_t c, __m512 *v) {
     packed_block_t at = block_at(w, b);
     __m512i u[8];
-    chunk_quads(at.low + c * 256, at.high + c * 64 * w->hb, (int)w->hb, u);
+    chunk_quads(at.low + c * 256, at.high + c * 64 * w->hb, (int)w->hb, w->codebook, u);
     for (int j = 0; j < 8; j++) {
         int64_t g = (c * 32 + 4 * j) / w->group;
         __m512 s = group16(at.scale, g, w->scales_bf16);
@@ -432,7 +447,7 @@ static inline __attribute__((always_inline)) void q8_blocks(
         for (int n = 0; n < NB; n++) {
             if (c + AHEAD < chunks)
                 prefetch_chunk(at[n].low + (c + AHEAD) * 256, at[n].high + (c + AHEAD) * 64 * hb, (int)hb);
-            chunk_quads(at[n].low + c * 256, at[n].high + c * 64 * hb, (int)hb, u[n]);
+            chunk_quads(at[n].low + c * 256, at[n].high + c * 64 * hb, (int)hb, w->codebook, u[n]);
             for (int h = 0; h < halves; h++) {
                 s[n][h] = group16(at[n].scale, c * halves + h, w->scales_bf16);
                 o[n][h] = at[n].offset ? group16(at[n].offset, c * halves + h, w->scales_bf16)
