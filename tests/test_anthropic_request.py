@@ -169,3 +169,29 @@ def test_a_deferred_tool_cannot_be_forced():
     with pytest.raises(APIError, match="defer_loading") as caught:
         req.to_generation()
     assert caught.value.param == "tool_choice.name"
+
+
+@pytest.mark.parametrize("system, text", [
+    # Claude Code's first block: a header whose cch changes with every request
+    ([{"type": "text", "text": "x-anthropic-billing-header: cc_version=2.0.76.1a2; cc_entrypoint=cli; cch=9f3e1;"},
+      {"type": "text", "text": "You are Claude Code."}], "You are Claude Code."),
+    ("x-anthropic-billing-header: cc_version=2.0.76.1a2; cch=00000;\nYou are Claude Code.",
+     "You are Claude Code."),
+    ("You are Claude Code.\nx-anthropic-billing-header: cch=1;", "You are Claude Code.\n"),
+    # not a header line: kept
+    ("Mention x-anthropic-billing-header: a; in prose", "Mention x-anthropic-billing-header: a; in prose"),
+    ("x-anthropic-note: no semicolon at the end", "x-anthropic-note: no semicolon at the end"),
+])
+def test_volatile_system_lines_are_left_out_of_the_prompt(system, text):
+    """Two requests that differ only in Claude Code's per-request header give one prompt,
+    so the second turn finds the first's prefix cached."""
+    req = MessagesRequest.model_validate({"model": "m", "max_tokens": 8, "system": system,
+                                          "messages": [{"role": "user", "content": "hi"}]})
+    assert req.chat()[0] == {"role": "system", "content": text}
+
+
+def test_a_system_prompt_of_only_volatile_lines_is_no_system_turn():
+    req = MessagesRequest.model_validate({
+        "model": "m", "max_tokens": 8, "system": "x-anthropic-billing-header: cch=1;",
+        "messages": [{"role": "user", "content": "hi"}]})
+    assert req.chat() == [{"role": "user", "content": "hi"}]

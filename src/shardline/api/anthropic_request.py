@@ -22,6 +22,7 @@ earlier turns' reasoning.
 from __future__ import annotations
 
 import dataclasses
+import re
 from collections.abc import Callable
 from typing import Annotated, Any, ClassVar, Literal
 
@@ -37,6 +38,23 @@ from shardline.runner.protocol import SamplingParams
 CLEARED_TOOL_RESULT = "[tool result cleared to save context]"
 """The text that stands for a tool result (or a call's input) a ``clear_tool_uses`` edit
 cleared, so the model knows something was there."""
+
+VOLATILE_LINE = re.compile(r"^x-anthropic-[a-z0-9-]+:[^\n]*;[ \t]*(?:\n|$)", re.MULTILINE)
+"""A line of the system prompt that changes with every request and means nothing to the
+model: Claude Code starts its system prompt with ``x-anthropic-billing-header:
+cc_version=…; cc_entrypoint=…; cch=…;``, whose ``cch`` is a hash of the request. Left in,
+a prompt differs from the last turn's a few tokens in and the prefix cache
+(:mod:`shardline.runner.prefix_cache`) misses the thousands of tokens after it; exo
+strips such lines for the same reason."""
+
+
+def system_text(system: str | list[TextBlock]) -> str:
+    """The system prompt's text (blocks joined as they are) without its volatile lines
+    (:data:`VOLATILE_LINE`): blocks that are one (Claude Code sends its header as a block
+    of its own), then lines."""
+    if not isinstance(system, str):
+        system = "".join(b.text for b in system if not VOLATILE_LINE.fullmatch(b.text.strip()))
+    return VOLATILE_LINE.sub("", system)
 
 
 class TextBlock(BaseModel):
@@ -310,8 +328,7 @@ class CountTokensRequest(BaseModel):
     def chat(self) -> list[dict]:
         """The conversation as chat-template messages (the system prompt first)."""
         chat: list[dict] = []
-        if self.system:
-            system = self.system if isinstance(self.system, str) else "".join(b.text for b in self.system)
+        if self.system and (system := system_text(self.system)):
             chat.append({"role": "system", "content": system})
         for m in self.messages:
             chat += m.chat()
