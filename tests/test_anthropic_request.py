@@ -195,3 +195,14 @@ def test_a_system_prompt_of_only_volatile_lines_is_no_system_turn():
         "model": "m", "max_tokens": 8, "system": "x-anthropic-billing-header: cch=1;",
         "messages": [{"role": "user", "content": "hi"}]})
     assert req.chat() == [{"role": "user", "content": "hi"}]
+
+
+def test_claude_codes_recorded_request_has_no_header_line_in_its_prompt():
+    import json
+    from pathlib import Path
+
+    recorded = Path(__file__).parent / "fixtures/clients/claude-code/01-messages.json"
+    body = json.loads(recorded.read_text())["body"]
+    assert body["system"][0]["text"].startswith("x-anthropic-billing-header:")
+    system = MessagesRequest.model_validate(body).chat()[0]
+    assert system["role"] == "system" and system["content"].startswith("You are a Claude agent")
