@@ -288,7 +288,7 @@ int packed_groups_gemv(const packed_groups_t *pw, const float *restrict x, int64
  * vpdpbusd); the transposed dequantization and the int8 product start from there. */
 #if defined(__AVX512F__) && defined(__AVX512BW__)
 
-#define AHEAD 8 /* chunks (of a row block; row blocks in the transposed dequantization) read ahead */
+#define AHEAD 32 /* chunks (of a row block; row blocks in the transposed dequantization) read ahead */
 
 /* Asks for a block's chunk (its 256 low bytes at l, 64 hb high bytes at h) to be cached. */
 static inline void prefetch_chunk(const uint8_t *l, const uint8_t *h, int hb) {
@@ -422,7 +422,7 @@ void packed_groups_cols(const packed_groups_t *w, void *out, int out_bf16) {
  * A block's chunk of 16 rows unpacked (chunk_quads) is multiplied into every row of x
  * (vpdpbusd, u8 by s8, four at a time into int32).
  * A row's sums run in a fixed order whatever the other rows of x, so its result is the
- * same bits in any batch. Threads (OpenMP) split the pairs of blocks of 16 rows. */
+ * same bits in any batch. Threads (OpenMP) split the blocks of 16 rows. */
 #if INT4_GEMV_BUILT
 /* The product's rows of x q (int8 [M, K]) with their d [M, chunks] and xs [M, groups]. */
 typedef struct {
@@ -431,49 +431,43 @@ typedef struct {
     int64_t M;
 } q8_rows_t;
 
-/* Blocks b .. b + NB - 1 (NB 1 or 2, a constant after inlining: two share each row's loads
- * of x) into acc (NB x 16 float32 a row of x): each block's sums in the same order either
- * way. */
-static inline __attribute__((always_inline)) void q8_blocks(
-        const packed_groups_t *w, int64_t b, const int NB, const q8_rows_t *x, __m512 *acc) {
+/* Block b's products into acc (16 float32 a row of x). HALVES, the weight groups in a
+ * chunk (2 for groups of 16), is a constant after inlining: indexed by a variable, the
+ * integer sums p lived in memory and each vpdpbusd waited on the last one's store. One
+ * block at a time: two blocks interleaved (sharing each row's loads of x) streamed their
+ * weights at 14-16 GB/s on one Zen 4 thread where one block streams 23-25. */
+static inline __attribute__((always_inline)) void q8_block(
+        const packed_groups_t *w, int64_t b, const int HALVES, const q8_rows_t *x, __m512 *acc) {
     int64_t K = w->K, chunks = K / 32, groups = K / w->group, hb = w->hb;
-    int halves = w->group == 16 ? 2 : 1; /* weight groups in a chunk */
-    packed_block_t at[2];
-    for (int n = 0; n < NB; n++) at[n] = block_at(w, b + n);
-    for (int64_t i = 0; i < x->M * NB; i++) acc[i] = _mm512_setzero_ps();
+    packed_block_t at = block_at(w, b);
+    for (int64_t m = 0; m < x->M; m++) acc[m] = _mm512_setzero_ps();
     for (int64_t c = 0; c < chunks; c++) {
-        __m512i u[2][8];
-        __m512 s[2][2], o[2][2];
-        for (int n = 0; n < NB; n++) {
-            if (c + AHEAD < chunks)
-                prefetch_chunk(at[n].low + (c + AHEAD) * 256, at[n].high + (c + AHEAD) * 64 * hb, (int)hb);
-            chunk_quads(at[n].low + c * 256, at[n].high + c * 64 * hb, (int)hb, w->codebook, u[n]);
-            for (int h = 0; h < halves; h++) {
-                s[n][h] = group16(at[n].scale, c * halves + h, w->scales_bf16);
-                o[n][h] = at[n].offset ? group16(at[n].offset, c * halves + h, w->scales_bf16)
-                                       : _mm512_mul_ps(_mm512_set1_ps(-(float)w->center), s[n][h]);
-            }
+        __m512i u[8];
+        __m512 s[2], o[2];
+        if (c + AHEAD < chunks)
+            prefetch_chunk(at.low + (c + AHEAD) * 256, at.high + (c + AHEAD) * 64 * hb, (int)hb);
+        chunk_quads(at.low + c * 256, at.high + c * 64 * hb, (int)hb, w->codebook, u);
+        for (int h = 0; h < HALVES; h++) {
+            s[h] = group16(at.scale, c * HALVES + h, w->scales_bf16);
+            o[h] = at.offset ? group16(at.offset, c * HALVES + h, w->scales_bf16)
+                             : _mm512_mul_ps(_mm512_set1_ps(-(float)w->center), s[h]);
         }
         for (int64_t m = 0; m < x->M; m++) {
             const int8_t *qm = x->q + m * K + c * 32;
-            __m512i p[2][2];
-            for (int n = 0; n < NB; n++) p[n][0] = p[n][1] = _mm512_setzero_si512();
+            __m512i p[2] = {_mm512_setzero_si512(), _mm512_setzero_si512()};
+#pragma GCC unroll 8
             for (int j = 0; j < 8; j++) {
                 int32_t four;
                 memcpy(&four, qm + 4 * j, 4);
-                __m512i xq = _mm512_set1_epi32(four);
-                int h = halves == 2 && j >= 4;
-                for (int n = 0; n < NB; n++) p[n][h] = _mm512_dpbusd_epi32(p[n][h], u[n][j], xq);
+                const int h = HALVES == 2 && j >= 4;
+                p[h] = _mm512_dpbusd_epi32(p[h], u[j], _mm512_set1_epi32(four));
             }
-            __m512 dv = _mm512_set1_ps(x->d[m * chunks + c]);
-            for (int n = 0; n < NB; n++) {
-                __m512 a = acc[m * NB + n];
-                for (int h = 0; h < halves; h++) {
-                    a = _mm512_fmadd_ps(_mm512_mul_ps(s[n][h], dv), _mm512_cvtepi32_ps(p[n][h]), a);
-                    a = _mm512_fmadd_ps(o[n][h], _mm512_set1_ps(x->xs[m * groups + c * halves + h]), a);
-                }
-                acc[m * NB + n] = a;
+            __m512 a = acc[m], dv = _mm512_set1_ps(x->d[m * chunks + c]);
+            for (int h = 0; h < HALVES; h++) {
+                a = _mm512_fmadd_ps(_mm512_mul_ps(s[h], dv), _mm512_cvtepi32_ps(p[h]), a);
+                a = _mm512_fmadd_ps(o[h], _mm512_set1_ps(x->xs[m * groups + c * HALVES + h]), a);
             }
+            acc[m] = a;
         }
     }
 }
@@ -493,16 +487,14 @@ int packed_groups_q8_gemv(const packed_groups_t *w, const void *x, int x_f32, in
     int failed = 0;
 #pragma omp parallel reduction(| : failed) if (!in_parallel())
     {
-    __m512 *acc = aligned_alloc(64, (size_t)(2 * M) * sizeof(__m512));
+    __m512 *acc = aligned_alloc(64, (size_t)M * sizeof(__m512));
     failed = acc == NULL;
 #pragma omp for schedule(static)
-    for (int64_t b = 0; b < blocks; b += 2) {
+    for (int64_t b = 0; b < blocks; b++) {
         if (!acc) continue;
-        int nb = b + 1 < blocks ? 2 : 1;
-        if (nb == 2) q8_blocks(w, b, 2, &rows_of_x, acc);
-        else q8_blocks(w, b, 1, &rows_of_x, acc);
-        for (int64_t m = 0; m < M; m++)
-            for (int n = 0; n < nb; n++) _mm512_storeu_ps(y + m * rows + (b + n) * 16, acc[m * nb + n]);
+        if (w->group == 16) q8_block(w, b, 2, &rows_of_x, acc);
+        else q8_block(w, b, 1, &rows_of_x, acc);
+        for (int64_t m = 0; m < M; m++) _mm512_storeu_ps(y + m * rows + b * 16, acc[m]);
     }
     free(acc);
     }
