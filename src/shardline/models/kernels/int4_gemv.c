@@ -158,6 +158,15 @@ static inline __attribute__((always_inline)) void group_few_rows(
     __m512i part[FEW_ROWS][4];
     for (int r = 0; r < rows; r++)
         for (int i = 0; i < 4; i++) part[r][i] = _mm512_setzero_si512();
+    /* Two planes: ask for the next group's scales (N * 4 bytes on in each plane's, a
+     * stride the hardware did not follow): one Zen 4 thread streamed a Q8_0 LM head at
+     * 27 GB/s where it streamed 20. One plane streams as fast without (and 7-20% slower
+     * with: the lines are already on their way). */
+    if (count == 2 && g + 1 < K / 32)
+        for (int i = 0; i < 2; i++)
+            for (int line = 0; line < 4; line++)
+                _mm_prefetch((const char *)(scales[i] + ((g + 1) * N + b * 64) * 2) + 64 * line,
+                             _MM_HINT_T0);
 #pragma GCC unroll 8
     for (int j = 0; j < 8; j++) {
         __m512i w[4];
