@@ -30,14 +30,21 @@ arguments the test chose, and answers "Done." once the tool's result is back; wi
 permission setting a non-interactive run needs (``--permission-mode acceptEdits`` for
 Claude Code, ``--sandbox workspace-write`` for Codex: docs/clients/), the client runs the
 tool, sends its result, prints the answer and exits 0, and the file is there.
+
+And each of Claude Code, Codex and opencode continues its conversation (:data:`TURNS`):
+its second turn re-sends the whole first turn, which the node's prefix cache
+(src/shardline/runner/prefix_cache.py) holds, so it prefills little more than the answer
+and the new message.
 """
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
+import httpx
 import pytest
 from agents import QUIET, install, run_client
 from conftest import free_port_block
@@ -54,6 +61,9 @@ PROMPT = "Create a file named hello.txt containing the word hi."
 CLIENT_TIMEOUT_S = 120
 WALL: dict[str, float] = {}
 """Each client run's wall time, printed at the end of the module."""
+HITS: dict[str, str] = {}
+"""Each client's second turn's cached and prompt tokens, and its first turn's prompt
+tokens, printed at the end of the module."""
 
 pytestmark = pytest.mark.timeout(CLIENT_TIMEOUT_S + 2 * 600 + 60)  # an install, the run, the node's start
 
@@ -100,6 +110,9 @@ def node(tmp_path_factory, request):
         if capture is not None and WALL:
             with capture.global_and_fixture_disabled():
                 print("\nagents' wall times: " + ", ".join(f"{c} {s:.1f} s" for c, s in WALL.items()))
+                if HITS:
+                    print("second turns' cached prompt tokens: " + ", ".join(
+                        f"{c} {hit}" for c, hit in HITS.items()))
 
 
 NON_INTERACTIVE = {
@@ -243,3 +256,79 @@ def test_an_agent_creates_a_file(client, node, tmp_path):
     assert (project / "hello.txt").read_text() == task.content, failure
     assert task.prints in run.stdout, failure
     assert "Traceback" not in run.stdout + run.stderr, failure
+
+
+NEXT = "Say it once more."
+TURNS = {
+    "claude": (NON_INTERACTIVE["claude"], lambda command: [*command, "-p", "--continue", NEXT]),
+    "codex": (NON_INTERACTIVE["codex"],
+              lambda command: [*command, "exec", "resume", "--skip-git-repo-check", "--last", NEXT]),
+    "opencode": (lambda command: [*command, "run", "--title", "hello", PROMPT],
+                 lambda command: [*command, "run", "--continue", NEXT]),
+}
+"""Each agent's first turn on PROMPT and its second turn, which continues the last
+conversation in the project folder with :data:`NEXT`. opencode is given the session's
+title (``--title``), else its first turn also asks the model for one (a request of its
+own, 0.6 thousand tokens), which the counts below would add to the turn's."""
+CACHED_SHARE = 0.95
+"""Of the first turn's prompt, the share the second turn must find cached. What it may
+miss is the cache's grain, under 256 tokens of the 7-12 thousand (6-176 measured): a
+finished prompt is kept in whole KV blocks (128 tokens of the tiny model served in
+bfloat16), and a hit resumes a block further back where its first chunk would otherwise
+compute in another way than a cold prefill's (:func:`~shardline.runner.prefix_cache.reuse`).
+The first turn's answer and the new message are prefilled (a finished sequence's
+generated tokens are not cached)."""
+
+
+def _served(url: str) -> tuple[float, float, float]:
+    """The node's requests, prompt tokens and cached prompt tokens so far (its /metrics:
+    the counts of finished requests, the cached ones as their usage reports them)."""
+    samples = {}
+    for line in httpx.get(f"{url}/metrics", timeout=10).text.splitlines():
+        if line and not line.startswith("#"):
+            name, value = line.rsplit(" ", 1)
+            samples[name] = float(value)
+    requests = sum(v for k, v in samples.items() if k.startswith("shardline_requests_total{"))
+    return requests, samples["shardline_prompt_tokens_total"], samples["shardline_cached_prompt_tokens_total"]
+
+
+def _served_since(url: str, before: tuple[float, float, float], wait_s: float = 10.0) -> tuple[float, float, float]:
+    """:func:`_served` once it counts a request more than ``before`` (a request is counted
+    as its generation ends, which a client that has exited may have seen a moment before),
+    or after ``wait_s``."""
+    deadline = time.monotonic() + wait_s
+    while (now := _served(url))[0] <= before[0] and time.monotonic() < deadline:
+        time.sleep(0.1)
+    return now
+
+
+@pytest.mark.timeout(2 * CLIENT_TIMEOUT_S + 2 * 600 + 60)  # an install, two runs, the node's start
+@pytest.mark.parametrize("client", TURNS)
+def test_an_agents_second_turn_hits_the_prefix_cache(client, node, tmp_path):
+    """Issue 43: the client, unmodified, runs a turn (one request: 8-12 thousand tokens of
+    system prompt, tools and PROMPT), then continues that conversation in a second run
+    (one request), which re-sends the first turn with the model's answer and NEXT after
+    it. Nothing in the first turn's prompt changes between the two (Claude Code's
+    per-request billing header line is left out of the prompt:
+    :data:`shardline.api.anthropic_request.VOLATILE_LINE`), so the second turn's usage
+    reports at least :data:`CACHED_SHARE` of the first turn's prompt as cached."""
+    first, second = TURNS[client]
+    bin_dir = install(client)
+    conn, home, project = _setup(client, node.url, tmp_path)
+    env = {**QUIET[client], **conn.env}
+    served = [_served(node.url)]
+    for turn, argv in enumerate((first, second), 1):
+        run = run_client(argv(list(conn.command)), bin_dir, env, home, project, CLIENT_TIMEOUT_S)
+        served.append(_served_since(node.url, served[-1]))
+        WALL[f"{client} turn {turn}"] = run.wall_s
+        failure = _failure(client, run, node.root)
+        assert run.returncode == 0, failure
+        assert WORD in run.stdout, failure
+        assert "Traceback" not in run.stdout + run.stderr, failure
+    (requests1, prompt1, _), (requests2, prompt2, cached2) = (
+        tuple(after - before for before, after in zip(served[i], served[i + 1])) for i in (0, 1))
+    assert requests1 == requests2 == 1, f"{client}: {requests1:.0f} and {requests2:.0f} requests, not one a turn"
+    HITS[client] = f"{cached2:.0f} of {prompt2:.0f} (first turn {prompt1:.0f})"
+    assert prompt2 > prompt1, f"{client}: the second turn ({prompt2:.0f} tokens) did not continue the first's"
+    assert cached2 >= CACHED_SHARE * prompt1, \
+        f"{client}: the second turn found {cached2:.0f} of the first turn's {prompt1:.0f} tokens cached"
