@@ -1,5 +1,5 @@
 """The table of API parameters (:mod:`shardline.api.params`): the screen by tables, and the
-table kept true to the request models, the tests it names and the README."""
+table kept true to the request models, the tests it names and docs/api.md."""
 
 from __future__ import annotations
 
@@ -88,12 +88,13 @@ def test_each_parameter_has_one_row():
     assert len(keys) == len(set(keys))
 
 
-def test_the_readme_table_is_the_table():
-    readme = (ROOT / "README.md").read_text()
+def test_the_docs_table_is_the_table():
+    page = (ROOT / "docs" / "api.md").read_text()
     start, end = "<!-- parameters: begin -->", "<!-- parameters: end -->"
-    assert start in readme and end in readme, "the README lacks the parameter table's markers"
-    table = readme.split(start, 1)[1].split(end, 1)[0].strip()
-    assert table == render_table().strip(), "run: python -m shardline.api.params > table; paste it in the README"
+    assert start in page and end in page, "docs/api.md lacks the parameter table's markers"
+    table = page.split(start, 1)[1].split(end, 1)[0].strip()
+    assert table == render_table().strip(), (
+        "run: python -m shardline.api.params > table; paste it between the markers in docs/api.md")
 
 
 def refused(model, body: dict) -> APIError:

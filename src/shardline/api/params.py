@@ -2,8 +2,8 @@
 
 The rule: every parameter of an API's reference either works as that reference says or is
 refused with a 400 naming it; nothing is accepted and ignored. :data:`PARAMETERS` is the
-one table of it (the README's table of API parameters is rendered from it, and each row
-names the test that checks it). :func:`screen` runs on every request body before its
+one table of it (the table of API parameters in docs/api.md is rendered from it, and each
+row names the test that checks it). :func:`screen` runs on every request body before its
 fields are validated:
 
 - a ``null`` value is taken as the parameter's default (clients send null for "unset");
@@ -355,8 +355,8 @@ PARAMETERS: tuple[Param, ...] = (
 
 
 def render_table(table: tuple[Param, ...] = PARAMETERS) -> str:
-    """The README's table of API parameters (Markdown): a section per endpoint, a row per
-    parameter with what it does or why it is refused, and the test that checks it."""
+    """The table of API parameters in docs/api.md (Markdown): a section per endpoint, a row
+    per parameter with what it does or why it is refused, and the test that checks it."""
     out = []
     for endpoint in Endpoint:
         rows = [p for p in table if p.endpoint is endpoint]
@@ -370,5 +370,5 @@ def render_table(table: tuple[Param, ...] = PARAMETERS) -> str:
     return "\n".join(out)
 
 
-if __name__ == "__main__":  # the README's table: python -m shardline.api.params
+if __name__ == "__main__":  # docs/api.md's table: python -m shardline.api.params
     print(render_table())
