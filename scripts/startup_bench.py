@@ -9,8 +9,9 @@ Runs ``shardline cluster --nodes N`` from one or more source trees, interleaved 
   every 50 ms from the moment the process starts);
 - ``again``: with ``--place-again``, ``--settle`` seconds after the first answer (a
   cluster that has been up a while: each node starts its next pre-started runner once idle),
-  DELETE the instance, POST it again through the cluster API (as the README's "Using it"
-  shows) and time it to ``ready`` on every node; ``again_answer`` to the first answer after.
+  DELETE the instance, POST it again through the cluster API (as the README's "Working
+  the cluster" shows) and time it to ``ready`` on every node; ``again_answer`` to the first
+  answer after.
 
 Each launch gets a fresh cluster directory (new ids, no kept instance table; ``--kept``
 instead times a restart of the cluster that the previous launch of the same variant

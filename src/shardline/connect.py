@@ -1,7 +1,7 @@
 """The settings that point a coding agent at a placed model: ``shardline connect CLIENT``.
 
 :func:`connection` (pure) gives, for one client and one model, the environment, the
-configuration files and the command line; docs/clients.md shows the same for each client,
+configuration files and the command line; docs/clients/ shows the same for each client,
 and tests/test_agents_live_e2e.py runs each real client with exactly these settings.
 
 The clients and what they read (their own documentation is the source):
