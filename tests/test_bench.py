@@ -151,3 +151,35 @@ def test_memory_table_shows_each_figure_and_ratios():
     cells = [c.strip() for c in first.split("│") if c.strip()]
     assert cells[3:] == ["50", "330", "230", "223", "300", "360", "345", "0.92", "1.15"]
     assert "n/a" in next(line for line in text.splitlines() if "01234567" in line)
+
+
+@pytest.mark.timeout(30)
+def test_busy_cores_run_while_the_block_runs_and_end_with_it():
+    """``--busy N``: N spinning processes for the workloads' time, none left after, also
+    when the block raises."""
+    import os
+
+    import psutil
+
+    from shardline.bench.contention import busy_cores
+
+    with busy_cores(1) as pids:
+        [pid] = pids
+        assert psutil.Process(pid).cpu_percent(interval=0.5) > 50  # spinning
+    assert not psutil.pid_exists(pid) or psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
+    with pytest.raises(RuntimeError), busy_cores(1) as pids:
+        raise RuntimeError("a failed workload")
+    assert not psutil.pid_exists(pids[0])
+    with busy_cores(0) as none:
+        assert none == []
+    with pytest.raises(ValueError, match="between 0 and"), busy_cores((os.cpu_count() or 1) + 1):
+        pass
+
+
+@pytest.mark.timeout(30)
+def test_busy_beyond_the_cpus_is_a_one_line_error(capsys):
+    import os
+
+    code = cli.main(["bench", "--url", "http://127.0.0.1:1", "--busy", str((os.cpu_count() or 1) + 1)])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert code == 1 and len(err) == 1 and "--busy must be between 0 and" in err[0]

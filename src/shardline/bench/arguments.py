@@ -71,5 +71,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--memory", action="store_true",
                         help="after the workload, print each rank's memory: file bytes of its shard, "
                              "placement's estimate, resident set steady and at its peaks")
+    parser.add_argument("--busy", type=int, default=0, metavar="N",
+                        help="keep N cores busy with competing processes while the workloads run "
+                             "(calibration and warm-up included), as other work on a person's machine "
+                             "does (default 0)")
     parser.add_argument("--warmup", action=argparse.BooleanOptionalAction, default=True,
                         help="send each server one unmeasured request first (default on)")
