@@ -89,6 +89,19 @@ class Outbox:
             time.sleep(min(1.0, max(self.progress_timeout_s / 4, 0.1)))
 
 
+def decode_threads(world_size: int, shard, threads: int):
+    """The thread governor of a runner's decode steps
+    (:class:`~shardline.runner.threads.ThreadGovernor`): on a one-rank instance whose
+    decode steps run the fused decode layers (whose products give the same bits at any
+    thread count) with more than one thread; else None. A rank of several would time its
+    steps with the other ranks' waits in them."""
+    from shardline.runner.threads import ThreadGovernor
+
+    if world_size != 1 or shard.fused is None or threads < 2:
+        return None
+    return ThreadGovernor(threads)
+
+
 def load_stage(spec: RunnerSpec, source, group, progress: Progress, dtype, device, comm_device,
                threads: int):
     """Load this rank's shard and KV cache as the stage its instance's sharding needs
@@ -232,6 +245,7 @@ def serve(conn, outbox: Outbox, started: float) -> None:
         on_idle=_release_idle_memory,
         grammar_tokenizer=GrammarTokenizer(spec.model_path),
         prefix_cache=spec.prefix_cache,
+        threads=decode_threads(spec.world_size, stage.shard, serving_threads),
     )
     engine.run()
     if group is not None:

@@ -60,6 +60,7 @@ from shardline.runner.protocol import (
     Tokens,
 )
 from shardline.runner.sampling import MAX_TOP_LOGPROBS, Sampler
+from shardline.runner.threads import ThreadGovernor
 
 log = logging.getLogger(__name__)
 
@@ -198,6 +199,9 @@ class Engine:
             later prompt that starts the same (:mod:`shardline.runner.prefix_cache`);
             False: every prompt is prefilled whole and a slot is emptied when its sequence
             ends.
+        threads: sets the compute threads of every step from the measured times of the
+            decode-only ones (:mod:`shardline.runner.threads`). None: torch's count
+            throughout.
     """
 
     def __init__(
@@ -219,8 +223,10 @@ class Engine:
         idle_release_s: float = 0.5,
         grammar_tokenizer: Callable[[], object] | None = None,
         prefix_cache: bool = True,
+        threads: ThreadGovernor | None = None,
     ) -> None:
         self.stage = stage
+        self.threads = threads
         self.inbox = inbox
         self.send = send
         self.node_id = node_id
@@ -465,7 +471,15 @@ class Engine:
         sampled = len(decoding) + sum(start + length == seq.prompt_len for seq, start, length in chunks)
         if sampled:  # the exchange after it (_sample_and_advance) carries their ids
             self.stage.expect_gather(proposal_length(AGREE_K, sampled))
+        governed = self.threads is not None and not chunks
+        if self.threads is not None and self.threads.threads != torch.get_num_threads():
+            torch.set_num_threads(self.threads.threads)
+        started = time.perf_counter()
         outputs = self.stage.run(micro, computed)
+        if governed and self.threads is not None:
+            before = self.threads.threads
+            if self.threads.timed(len(decoding), time.perf_counter() - started) != before:
+                log.debug("decode steps: %d compute threads next", self.threads.threads)
         to_sample = list(decoding)
         rows: list[torch.Tensor] = []
         if decoding and self.stage.samples:

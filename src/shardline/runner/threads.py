@@ -1,0 +1,110 @@
+"""How many compute threads a runner's next decode step takes: the decision, a pure
+function of the steps' measured times (issue 47).
+
+A runner's products split their work over OpenMP threads that meet at a barrier at the
+end of each parallel region (some 60 regions a decode step). When another process keeps
+a core busy, the thread that shares that core runs half the time, in slices of
+milliseconds, and every region waits for it: a 2-thread step of SmolLM2 went from ~14 ms
+to ~1 s under load, where one thread lost only its share of the core. The runner cannot
+know how busy the machine will be, so it measures: it times its decode steps at the
+thread count it runs, now and then times one step at another count (a probe), and keeps
+the faster. Two steps that take far longer than the recent ones at their count probe at
+once.
+
+Only decode-only steps are timed (a prefill chunk's time is another figure); every step
+runs at the chosen count. The count does not change a sequence's tokens: the decode
+products (the fused decode layers, the compiled int4 and packed-group products, the LM
+head's) give each output the same bits whatever the thread count (each thread computes
+whole outputs), and so did the prefill of SmolLM2's Q4_1 and of a Q4_K_M mixture of
+experts on a Zen 4 CPU, checked at 1 and 2 threads (tests/test_thread_governor.py checks
+a tiny model's prefill and decode at both counts, so a CPU where the GEMMs sum otherwise
+is caught). Under one busy core of a 2-vCPU VM a SmolLM2 runner decoded 110-120 tokens/s
+with it against 1-4 without (2026-12-06, ``shardline bench --busy 1``).
+"""
+
+from __future__ import annotations
+
+import statistics
+from dataclasses import dataclass, field
+
+PROBE_EVERY = 128
+"""Decode steps between probes while nothing looks wrong (a probe at a slower count costs
+one step's difference: under 1% of the steps). Each probe that loses doubles the wait
+for the next, up to :data:`PROBE_MOST`: a probe of two threads while a core stays busy
+can take a second."""
+
+PROBE_MOST = 4096
+"""The longest wait between probes, in decode steps."""
+
+SLOW = 2.0
+"""Two steps in a row this many times the median of the recent ones (same rows, same
+count) probe at once, judged against those two."""
+
+FASTER = 0.9
+"""A probe is adopted where its time is at most this share of the recent median."""
+
+KEPT = 8
+"""Recent step times kept per thread count."""
+
+
+@dataclass
+class ThreadGovernor:
+    """The thread count of a runner's decode steps (see the module's docstring).
+
+    Attributes:
+        most: the configured count (the runner's ``--runner-threads``), at least 1.
+        threads: the count the next decode step runs at.
+        rows: the decode rows of the steps timed so far (a step of another batch size
+            starts the history again: its time is another figure).
+        recent: seconds of the latest decode steps at each count, newest last.
+        probing: the count the current probe left (None: no probe running).
+        since_probe: decode steps since the last probe.
+        interval: decode steps between probes now (see :data:`PROBE_EVERY`).
+    """
+
+    most: int
+    threads: int = 0
+    rows: int = 0
+    recent: dict[int, list[float]] = field(default_factory=dict)
+    probing: int | None = None
+    since_probe: int = 0
+    interval: int = PROBE_EVERY
+
+    def __post_init__(self) -> None:
+        self.most = max(1, self.most)
+        self.threads = self.threads or self.most
+
+    def timed(self, rows: int, seconds: float) -> int:
+        """Record a decode step of ``rows`` rows that took ``seconds`` at
+        :attr:`threads`; returns the count for the next decode step."""
+        if rows != self.rows:
+            self.rows, self.recent, self.since_probe = rows, {}, 0
+            if self.probing is not None:  # a probe of another batch size: back, unjudged
+                self.threads, self.probing = self.probing, None
+                return self.threads
+        ran = self.threads
+        if self.probing is not None:
+            left, self.probing = self.probing, None
+            before = self.recent.get(left, [])
+            self._keep(ran, seconds)
+            if before and seconds <= FASTER * statistics.median(before):
+                self.recent[left] = []  # the machine changed: those times no longer hold
+                self.interval = PROBE_EVERY
+                return self.threads  # adopted
+            self.threads, self.interval = left, min(2 * self.interval, PROBE_MOST)
+            return self.threads
+        self._keep(ran, seconds)
+        self.since_probe += 1
+        times = self.recent[ran]
+        slow = len(times) >= 6 and min(times[-2:]) > SLOW * statistics.median(times[:-2])
+        if slow:  # two in a row (one is a hiccup: a collection, a page fault): the machine changed
+            self.recent[ran] = times[-2:]
+        if self.most > 1 and (slow or self.since_probe >= self.interval):
+            self.since_probe, self.probing = 0, ran
+            self.threads = ran - 1 if (slow or ran == self.most) and ran > 1 else ran + 1
+        return self.threads
+
+    def _keep(self, threads: int, seconds: float) -> None:
+        times = self.recent.setdefault(threads, [])
+        times.append(seconds)
+        del times[:-KEPT]

@@ -1,0 +1,101 @@
+"""The decode steps' thread count (:mod:`shardline.runner.threads`): a table of measured
+step times in, the count of each next step out."""
+
+import pytest
+
+from shardline.runner.threads import PROBE_EVERY, PROBE_MOST, ThreadGovernor
+
+pytestmark = pytest.mark.fast
+
+
+def run(governor: ThreadGovernor, times: dict[int, float], steps: int, rows: int = 1) -> list[int]:
+    """The counts ``steps`` decode steps ran at, each taking ``times[count]`` seconds."""
+    ran = []
+    for _ in range(steps):
+        ran.append(governor.threads)
+        governor.timed(rows, times[governor.threads])
+    return ran
+
+
+def test_a_quiet_machine_keeps_every_thread_but_for_a_probe_every_128_steps():
+    governor = ThreadGovernor(2)
+    ran = run(governor, {2: 0.010, 1: 0.016}, 3 * PROBE_EVERY + 10)
+    assert ran.count(1) <= 3 and governor.threads == 2
+    assert all(ran[i] == 2 for i in range(PROBE_EVERY))  # the first probe after 128 steps
+
+
+def test_a_busy_core_drops_a_thread_at_once_and_keeps_one():
+    """Two threads' steps jump from 10 ms to 400 ms (a core taken): after two such steps
+    one thread is probed, 20 ms, and kept; later probes of two lose and their wait
+    doubles."""
+    governor = ThreadGovernor(2)
+    run(governor, {2: 0.010, 1: 0.016}, 20)
+    ran = run(governor, {2: 0.400, 1: 0.020}, 2000)
+    assert ran[:4] == [2, 2, 1, 1] and governor.threads == 1
+    probes = [i for i, t in enumerate(ran) if t == 2][1:]
+    gaps = [b - a for a, b in zip(probes, probes[1:])]
+    assert gaps == sorted(gaps) and gaps[-1] >= 2 * gaps[0]  # backing off
+    assert governor.interval <= PROBE_MOST
+
+
+def test_when_the_core_is_free_again_a_probe_takes_two_threads_back():
+    governor = ThreadGovernor(2)
+    run(governor, {2: 0.010, 1: 0.016}, 20)
+    run(governor, {2: 0.400, 1: 0.020}, 50)
+    assert governor.threads == 1
+    run(governor, {2: 0.010, 1: 0.016}, PROBE_MOST + 10)
+    assert governor.threads == 2
+
+
+def test_another_batch_size_starts_the_history_and_a_probe_across_it_goes_back():
+    governor = ThreadGovernor(2)
+    run(governor, {2: 0.010, 1: 0.016}, PROBE_EVERY)  # the next step is a probe at 1
+    assert governor.threads == 1 and governor.probing == 2
+    governor.timed(3, 0.005)  # a step of 3 rows: not compared with 1-row steps
+    assert governor.threads == 2 and governor.probing is None and governor.recent == {}
+
+
+@pytest.mark.parametrize("most", [0, 1])
+def test_one_thread_is_never_governed(most):
+    governor = ThreadGovernor(most)
+    assert run(governor, {1: 0.5}, 300) == [1] * 300
+
+
+def test_one_slow_step_is_a_hiccup_not_a_busy_core():
+    governor = ThreadGovernor(2)
+    run(governor, {2: 0.010, 1: 0.016}, 20)
+    governor.timed(1, 0.300)  # a collection, say
+    assert run(governor, {2: 0.010, 1: 0.016}, 50) == [2] * 50
+
+
+def test_prefill_and_decode_give_the_same_bits_at_one_and_two_threads(tmp_path):
+    """What lets the governor change the count between steps: a tiny int4-plane model's
+    prefill chunks (96 tokens through the prefill products, then 12 through the fused
+    layers) and decode steps, at 2 threads and at 1, are the same bits."""
+    import tiny_models as tm
+    import torch
+
+    from shardline.models.shard_loader import load_shard
+    from shardline.models.weights import open_weights
+
+    model = tm.hf_model("qwen3", num_layers=2, seed=4)
+    names = tuple(f"blk.{i}.{m}.weight" for i in range(2)
+                  for m in ("attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate", "ffn_up", "ffn_down"))
+    source = open_weights(tm.write_gguf(model, tmp_path / "m.gguf", arch="qwen3", q8_0=names))
+    shard = load_shard(source, 0, 2, dtype=torch.bfloat16)
+    tokens = torch.randint(0, tm.VOCAB, (108,), generator=torch.Generator().manual_seed(1)).tolist()
+    held = torch.get_num_threads()
+    results = []
+    try:
+        for threads in (2, 1):
+            torch.set_num_threads(threads)
+            cache = tm.new_cache(shard, context=128)
+            with torch.inference_mode():
+                first = tm.prefill(shard, cache, tokens[:96])
+                second = tm.prefill(shard, cache, tokens[96:], start=96)
+                step = tm.decode(shard, cache, [5], [0], [108])
+            results.append((first, second, step))
+    finally:
+        torch.set_num_threads(held)
+    for a, b in zip(*results):
+        assert torch.equal(a, b)
