@@ -55,6 +55,15 @@ def test_another_batch_size_starts_the_history_and_a_probe_across_it_goes_back()
     assert governor.threads == 2 and governor.probing is None and governor.recent == {}
 
 
+def test_a_batch_that_changes_every_few_steps_still_gets_its_probes():
+    """Stuck at one thread after a busy spell, on a machine quiet again, with the batch
+    changing every 3 steps: a probe of two threads still comes, and wins."""
+    governor = ThreadGovernor(2, threads=1)
+    for step in range(3 * PROBE_MOST):
+        governor.timed(1 + step // 3 % 2, {2: 0.010, 1: 0.016}[governor.threads])
+    assert governor.threads == 2
+
+
 @pytest.mark.parametrize("most", [0, 1])
 def test_one_thread_is_never_governed(most):
     governor = ThreadGovernor(most)

@@ -55,7 +55,8 @@ class ThreadGovernor:
         most: the configured count (the runner's ``--runner-threads``), at least 1.
         threads: the count the next decode step runs at.
         rows: the decode rows of the steps timed so far (a step of another batch size
-            starts the history again: its time is another figure).
+            starts the history again: its time is another figure; a probe waits for two
+            steps of a size).
         recent: seconds of the latest decode steps at each count, newest last.
         probing: the count the current probe left (None: no probe running).
         since_probe: decode steps since the last probe.
@@ -77,8 +78,8 @@ class ThreadGovernor:
     def timed(self, rows: int, seconds: float) -> int:
         """Record a decode step of ``rows`` rows that took ``seconds`` at
         :attr:`threads`; returns the count for the next decode step."""
-        if rows != self.rows:
-            self.rows, self.recent, self.since_probe = rows, {}, 0
+        if rows != self.rows:  # (the steps since the last probe still count: a batch that
+            self.rows, self.recent = rows, {}  # changes often must not keep off every probe)
             if self.probing is not None:  # a probe of another batch size: back, unjudged
                 self.threads, self.probing = self.probing, None
                 return self.threads
@@ -99,7 +100,7 @@ class ThreadGovernor:
         slow = len(times) >= 6 and min(times[-2:]) > SLOW * statistics.median(times[:-2])
         if slow:  # two in a row (one is a hiccup: a collection, a page fault): the machine changed
             self.recent[ran] = times[-2:]
-        if self.most > 1 and (slow or self.since_probe >= self.interval):
+        if self.most > 1 and len(self.recent[ran]) >= 2 and (slow or self.since_probe >= self.interval):
             self.since_probe, self.probing = 0, ran
             self.threads = ran - 1 if (slow or ran == self.most) and ran > 1 else ran + 1
         return self.threads
