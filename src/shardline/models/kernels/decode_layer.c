@@ -443,10 +443,13 @@ static int experts(const decode_shape_t *S, const decode_layer_t *Lr, const uint
             for (int64_t j = 0; j < count; j++)
                 memcpy(hb + j * H, h + rows[first[u] + j] * H, (size_t)H * 2);
             uint16_t *out = ys + first[u] * H;
-            if (product(Lr->experts + 2 * e, hb, count, gu, 2 * inter) ||
-                (swiglu(gu, count, inter, Lr->gate_up_bias ? Lr->gate_up_bias + e * 2 * inter : NULL,
-                        S->swiglu_limit, S->swiglu_alpha, act),
-                 product(Lr->experts + 2 * e + 1, act, count, out, H))) {
+            if (product(Lr->experts + 2 * e, hb, count, gu, 2 * inter)) {
+                failed = 1;
+                continue;
+            }
+            swiglu(gu, count, inter, Lr->gate_up_bias ? Lr->gate_up_bias + e * 2 * inter : NULL,
+                   S->swiglu_limit, S->swiglu_alpha, act);
+            if (product(Lr->experts + 2 * e + 1, act, count, out, H)) {
                 failed = 1;
                 continue;
             }
