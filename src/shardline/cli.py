@@ -178,6 +178,8 @@ def _interrupt(signum, frame) -> None:
 
 
 def _cluster(args: argparse.Namespace) -> int:
+    import httpx
+
     from shardline.control import rank_share
     from shardline.local_cluster import LocalCluster, LocalClusterError, model_dirs_for
 
@@ -215,6 +217,14 @@ def _cluster(args: argparse.Namespace) -> int:
         print(f"  each node offers models up to {cluster.memory_limit_bytes / 1e9:.2f} GB"
               + ("" if args.memory_limit is not None else
                  f" (the machine's available memory / {args.nodes}; --memory-limit sets it)"))
+    try:
+        others = [i for i in cluster.instances() if i.get("instance_id") != instance.get("instance_id")]
+    except httpx.HTTPError:  # only a note: the cluster serves either way
+        others = []
+    if others:  # the cluster's state on these ports keeps every instance placed before
+        print("  also serving, kept from an earlier run on these ports: "
+              + ", ".join(f"{i['model_id']} (instance {i['instance_id']})" for i in others)
+              + f"; `shardline delete ID --url {url}` removes one")
     print(f"  API: {url}/v1  (any node: ports {args.port}-{args.port + args.nodes - 1})")
     print(f"  dashboard: {url}/")
     print("  try:")
