@@ -78,8 +78,10 @@ class ThreadGovernor:
     def timed(self, rows: int, seconds: float) -> int:
         """Record a decode step of ``rows`` rows that took ``seconds`` at
         :attr:`threads`; returns the count for the next decode step."""
-        if rows != self.rows:  # (the steps since the last probe still count: a batch that
-            self.rows, self.recent = rows, {}  # changes often must not keep off every probe)
+        if rows != self.rows:
+            # The steps since the last probe still count: a batch that changes size often
+            # must not hold off every probe.
+            self.rows, self.recent = rows, {}
             if self.probing is not None:  # a probe of another batch size: back, unjudged
                 self.threads, self.probing = self.probing, None
                 return self.threads
