@@ -71,6 +71,11 @@ class GroupQuant:
     def shape(self) -> tuple[int, int]:
         return self.q.shape  # type: ignore[return-value]
 
+    @property
+    def form(self) -> GroupForm:
+        """Its bits, group, centre and codebook: groups of one form stack by rows."""
+        return GroupForm(self.bits, self.group, self.symmetric_center, self.codebook)
+
     def rows(self, start: int, end: int) -> GroupQuant:
         """Rows ``[start, end)``."""
         return replace(self, q=self.q[start:end], scale=self.scale[start:end],
@@ -115,9 +120,7 @@ class GroupQuant:
         """
         first = parts[0]
         for p in parts[1:]:
-            if (p.q.shape[1], p.group, p.bits, p.symmetric_center, p.codebook) != (
-                    first.q.shape[1], first.group, first.bits, first.symmetric_center,
-                    first.codebook):
+            if (p.q.shape[1], p.form) != (first.q.shape[1], first.form):
                 raise ValueError("only groups of one shape and type concatenate")
         return replace(first, q=np.concatenate([p.q for p in parts]),
                        scale=np.concatenate([p.scale for p in parts]),

@@ -62,8 +62,7 @@ def _stack(parts: list[Part]) -> list[Part | RowBlocks]:
         last = runs[-1][-1] if runs else None
         if ((isinstance(part, torch.Tensor) and isinstance(last, torch.Tensor))
                 or (isinstance(part, GroupQuant) and isinstance(last, GroupQuant)
-                    and (part.group, part.bits, part.symmetric_center, part.codebook) == (
-                        last.group, last.bits, last.symmetric_center, last.codebook))):
+                    and part.form == last.form)):
             runs[-1].append(part)
         else:
             runs.append([part])
