@@ -20,7 +20,7 @@ import httpx
 from shardline.bench.arguments import DEFAULT_ROUNDS_AGAINST
 from shardline.bench.bench import BenchError, connect_error_message, error_message
 from shardline.bench.compare import OTHER, SHARDLINE, BenchConfig, Server, run_workloads
-from shardline.bench.contention import busy_cores
+from shardline.bench.contention import busy_cores, busy_refusal
 from shardline.control import api_key_headers
 from shardline.local_cluster import LocalCluster, LocalClusterError, model_dirs_for
 
@@ -56,8 +56,8 @@ def _check_args(args: argparse.Namespace) -> str | None:
                 return f"--{option.replace('_', '-')} needs --against URL"
     if args.nodes < 1:
         return "--nodes must be at least 1"
-    if not 0 <= args.busy <= (os.cpu_count() or 1):
-        return f"--busy must be between 0 and this machine's {os.cpu_count() or 1} CPUs"
+    if why := busy_refusal(args.busy):
+        return why
     if args.json_path:
         folder = os.path.dirname(os.path.abspath(args.json_path))
         if not os.path.isdir(folder):

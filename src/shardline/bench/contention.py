@@ -26,17 +26,23 @@ SPIN = (
 """A busy loop that ends within a second of its parent's death."""
 
 
+def busy_refusal(count: int) -> str | None:
+    """Why ``--busy count`` cannot run here (a negative count, or more than this
+    machine's CPUs), or None."""
+    cpus = os.cpu_count() or 1
+    return None if 0 <= count <= cpus else f"--busy must be between 0 and this machine's {cpus} CPUs"
+
+
 @contextlib.contextmanager
 def busy_cores(count: int) -> Iterator[list[int]]:
     """Keep ``count`` cores busy for the ``with`` block; yields the processes' ids (none
     for 0).
 
     Raises:
-        ValueError: a negative count, or more than this machine's CPUs.
+        ValueError: :func:`busy_refusal`'s reason.
     """
-    cpus = os.cpu_count() or 1
-    if not 0 <= count <= cpus:
-        raise ValueError(f"--busy {count}: between 0 and this machine's {cpus} CPUs")
+    if why := busy_refusal(count):
+        raise ValueError(why)
     procs = [subprocess.Popen([sys.executable, "-c", SPIN]) for _ in range(count)]
     try:
         yield [p.pid for p in procs]
