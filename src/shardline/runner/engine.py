@@ -471,15 +471,15 @@ class Engine:
         sampled = len(decoding) + sum(start + length == seq.prompt_len for seq, start, length in chunks)
         if sampled:  # the exchange after it (_sample_and_advance) carries their ids
             self.stage.expect_gather(proposal_length(AGREE_K, sampled))
-        governed = self.threads is not None and not chunks
-        if self.threads is not None and self.threads.threads != torch.get_num_threads():
-            torch.set_num_threads(self.threads.threads)
+        threads = self.threads
+        if threads is not None and threads.threads != torch.get_num_threads():
+            torch.set_num_threads(threads.threads)
         started = time.perf_counter()
         outputs = self.stage.run(micro, computed)
-        if governed and self.threads is not None:
-            before = self.threads.threads
-            if self.threads.timed(len(decoding), time.perf_counter() - started) != before:
-                log.debug("decode steps: %d compute threads next", self.threads.threads)
+        if threads is not None and not chunks:  # only decode-only steps are timed
+            before = threads.threads
+            if threads.timed(len(decoding), time.perf_counter() - started) != before:
+                log.debug("decode steps: %d compute threads next", threads.threads)
         to_sample = list(decoding)
         rows: list[torch.Tensor] = []
         if decoding and self.stage.samples:
