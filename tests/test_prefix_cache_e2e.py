@@ -72,3 +72,22 @@ def test_ollama_client_counts_only_the_tokens_it_computed(url):
         computed.append(answer.prompt_eval_count)
         messages.append({"role": "assistant", "content": answer.message.content})
     assert computed[0] > 250 and computed[1] < computed[0] / 2 and computed[2] < computed[0] / 2, computed
+
+
+def test_cache_prompt_false_prefills_the_whole_prompt(url):
+    """llama.cpp's ``cache_prompt``: false takes nothing from the cache (the same greedy
+    text); the next request, with it, still finds the prefix."""
+    client = openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0)
+    messages = [{"role": "system", "content": system(4)}, {"role": "user", "content": QUESTIONS[0]}]
+
+    def ask(**extra) -> tuple[int, str]:
+        answer = client.chat.completions.create(model=M, messages=messages, temperature=0, max_tokens=8,
+                                                extra_body=extra)
+        assert answer.usage is not None and answer.usage.prompt_tokens_details is not None
+        return answer.usage.prompt_tokens_details.cached_tokens, answer.choices[0].message.content
+
+    first = ask()
+    uncached = ask(cache_prompt=False)
+    cached = ask(cache_prompt=True)
+    assert first[0] == 0 and uncached[0] == 0 and cached[0] > 150, (first, uncached, cached)
+    assert first[1] == uncached[1] == cached[1]

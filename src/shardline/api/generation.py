@@ -85,6 +85,7 @@ class GenerationRequest:
     sampling: SamplingParams = field(default_factory=lambda: SamplingParams(1.0, 1.0, 0, None))
     stop: list[str] = field(default_factory=list)
     ignore_eos: bool = False
+    cache_prompt: bool = True  # it may resume from a cached prefix (llama.cpp's cache_prompt)
     api: str = "openai"  # which API took it, for the metrics
     max_tokens_param: str = "max_tokens"  # the API's names of the limit and the prompt,
     prompt_param: str = "prompt"  # for error messages
@@ -288,7 +289,8 @@ class Generation:
             self.instance = inst  # a second one where the first failed before any output
 
         events = self.node.router.generate(TokenRequest(
-            self.req.model, tuple(self.prompt), self.max_tokens, self.sampling, tuple(self.stop_ids)),
+            self.req.model, tuple(self.prompt), self.max_tokens, self.sampling, tuple(self.stop_ids),
+            self.req.cache_prompt),
             self.task_id, ran_on, self.instance)
         if heartbeat_s is not None:
             events = with_heartbeats(events, heartbeat_s)

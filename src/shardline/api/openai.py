@@ -161,6 +161,8 @@ class SamplingFields(BaseModel):
     # As in llama.cpp's server: while a long prompt is prefilled, stream chunks with an empty
     # delta (text) and ``prompt_progress: {total, cache, processed, time_ms}``.
     return_progress: bool = False
+    # As in llama.cpp's server: false prefills the whole prompt, its cached prefix unused.
+    cache_prompt: bool = True
 
     @model_validator(mode="after")
     def _check_bias(self):
@@ -195,7 +197,8 @@ class SamplingFields(BaseModel):
         return GenerationRequest(
             model=self.model, prompt=prompt, max_tokens=max_tokens, sampling=self.sampling(),
             stop=[self.stop] if isinstance(self.stop, str) else list(self.stop or []),
-            ignore_eos=self.ignore_eos, max_tokens_param=max_tokens_param, prompt_param=prompt_param)
+            ignore_eos=self.ignore_eos, max_tokens_param=max_tokens_param, prompt_param=prompt_param,
+            cache_prompt=self.cache_prompt)
 
 
 class JSONSchemaFormat(BaseModel):

@@ -128,7 +128,7 @@ _OPENAI_SAMPLING: tuple[tuple, ...] = (
     ("logit_bias", True, "token id -> -100..100 added to its logit", "test_logit_bias_bans_a_token"),
     ("user", True, "an end-user id: recorded nowhere, as the reference allows", "test_identifiers_are_accepted"),
     ("safety_identifier", True, "an end-user id: recorded nowhere", "test_identifiers_are_accepted"),
-    ("prompt_cache_key", True, "a cache hint (no prefix cache yet: no effect on output)",
+    ("prompt_cache_key", True, "a cache hint: every prompt's prefix is cached without it, so no effect",
      "test_identifiers_are_accepted"),
     ("service_tier", False, "only 'auto' or 'default' (one tier here)", _REFUSED, ("auto", "default")),
     ("store", False, "stored completions are not kept (false only)", _REFUSED, (False,)),
@@ -143,6 +143,8 @@ _OPENAI_SAMPLING: tuple[tuple, ...] = (
      "test_sampling_extensions_are_checked"),
     ("return_progress", True, "extension (llama.cpp): prefill progress chunks while streaming",
      "test_cluster_e2e.py::test_long_prompt_streams_prefill_progress_when_asked"),
+    ("cache_prompt", True, "extension (llama.cpp): false prefills the whole prompt, its cached prefix unused "
+     "(default true)", "test_prefix_cache_e2e.py::test_cache_prompt_false_prefills_the_whole_prompt"),
 )
 
 _OLLAMA_COMMON: tuple[tuple, ...] = (
@@ -238,7 +240,7 @@ PARAMETERS: tuple[Param, ...] = (
            ("metadata", True, "up to 16 pairs, echoed", "test_responses_api.py::test_fields_accepted"),
            ("user", True, "an end-user id, echoed", "test_responses_api.py::test_fields_accepted"),
            ("safety_identifier", True, "an end-user id, echoed", "test_responses_api.py::test_fields_accepted"),
-           ("prompt_cache_key", True, "a cache hint (no prefix cache: no effect on output)",
+           ("prompt_cache_key", True, "a cache hint: every prompt's prefix is cached without it, so no effect",
             "test_responses_api.py::test_fields_accepted"),
            ("max_tool_calls", True, "limits built-in tools, of which there are none here",
             "test_responses_api.py::test_fields_accepted"),

@@ -363,8 +363,9 @@ class Engine:
 
     def _may_reuse(self, task: Task) -> bool:
         """Whether ``task`` may resume from a cached prefix: not where every prompt row's
-        log-probabilities are asked for (a cached row gives none)."""
-        return self.prefix_cache and task.sampling.prompt_logprobs is None
+        log-probabilities are asked for (a cached row gives none), nor where it asks for
+        its whole prompt prefilled (``cache_prompt`` false)."""
+        return self.prefix_cache and task.cache_prompt and task.sampling.prompt_logprobs is None
 
     def _prompt_hashes(self, task: Task) -> list[int]:
         """``task``'s prompt block hashes (computed once while it waits; none without

@@ -85,6 +85,8 @@ class TokenRequest:
         max_tokens: most tokens to generate (the stop token included).
         sampling: how each next token is picked.
         stop_token_ids: generation ends after emitting one of these.
+        cache_prompt: it may resume from a cached prefix of its prompt (llama.cpp's
+            server's ``cache_prompt``); False: its whole prompt is prefilled.
     """
 
     model_id: str
@@ -92,6 +94,7 @@ class TokenRequest:
     max_tokens: int
     sampling: SamplingParams = field(default_factory=SamplingParams)
     stop_token_ids: tuple[int, ...] = ()
+    cache_prompt: bool = True
 
 
 @dataclass(frozen=True)
@@ -104,6 +107,7 @@ class Task:
         prompt: token ids of the prompt.
         max_tokens: most tokens to generate (the stop token included).
         stop_token_ids: generation ends after emitting one of these.
+        cache_prompt: as :attr:`TokenRequest.cache_prompt`.
     """
 
     task_id: int
@@ -112,12 +116,13 @@ class Task:
     max_tokens: int
     sampling: SamplingParams = field(default_factory=SamplingParams)
     stop_token_ids: tuple[int, ...] = ()
+    cache_prompt: bool = True
 
     @classmethod
     def of(cls, task_id: int, origin: str, request: TokenRequest) -> "Task":
         """The task every rank runs for ``request``."""
         return cls(task_id, origin, request.prompt, request.max_tokens, request.sampling,
-                   request.stop_token_ids)
+                   request.stop_token_ids, request.cache_prompt)
 
 
 @dataclass(frozen=True)
