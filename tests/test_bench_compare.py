@@ -12,7 +12,7 @@ import pytest
 
 from shardline import cli
 from shardline.api.params import Endpoint, screen
-from shardline.bench.bench import build_prompt, chat_question, run_conversation, stream_request
+from shardline.bench.bench import agent_system_prompt, build_prompt, chat_question, run_conversation, stream_request
 from shardline.bench.compare import (
     LEVEL_FIGURES,
     Workload,
@@ -197,30 +197,51 @@ def test_stream_request_counts_chunks_where_the_stream_has_no_usage(usage, expec
     assert screen(Endpoint.CHAT, body) == body
 
 
-def test_a_conversation_sends_the_chat_so_far_with_each_answer():
+def test_a_conversation_sends_the_chat_so_far_with_each_answer_then_again_without_the_cache():
     bodies = []
 
     def handler(request: httpx.Request) -> httpx.Response:
         body = json.loads(request.content)
         bodies.append(body)
-        turn = len(bodies)
-        events = [{"choices": [{"delta": {"content": f"answer {turn}"}}]},
+        turn = (len(bodies) + 1) // 2
+        uncached = body.get("cache_prompt") is False
+        events = [{"choices": [{"delta": {"content": f"{'again' if uncached else 'answer'} {turn}"}}]},
                   {"choices": [], "usage": {"prompt_tokens": 100 * turn, "completion_tokens": 2,
-                                            "prompt_tokens_details": {"cached_tokens": 90 * (turn - 1)}}}]
+                                            "prompt_tokens_details": {
+                                                "cached_tokens": 0 if uncached else 90 * (turn - 1)}}}]
         return httpx.Response(200, content=_sse(*events), headers={"content-type": "text/event-stream"})
 
     async def go():
         async with httpx.AsyncClient(transport=httpx.MockTransport(handler)) as client:
-            return await run_conversation(client, "http://x", "m", ["one", "two", "three"], 2)
+            return await run_conversation(client, "http://x", "m", ["one", "two", "three"], 2, system="tools")
 
     result = asyncio.run(go())
-    assert [m["content"] for m in bodies[-1]["messages"]] == ["one", "answer 1", "two", "answer 2", "three"]
-    assert [m["role"] for m in bodies[-1]["messages"]] == ["user", "assistant", "user", "assistant", "user"]
-    assert [len(b["messages"]) for b in bodies] == [1, 3, 5]
+    cached, again = bodies[0::2], bodies[1::2]
+    assert [m["content"] for m in cached[-1]["messages"]] == ["tools", "one", "answer 1", "two", "answer 2", "three"]
+    assert [m["role"] for m in cached[-1]["messages"]] == ["system", "user", "assistant", "user", "assistant", "user"]
+    assert [len(b["messages"]) for b in cached] == [2, 4, 6]
+    assert all("cache_prompt" not in b for b in cached)
+    assert [b["messages"] for b in again] == [b["messages"] for b in cached]  # the same turn, uncached
+    assert all(b["cache_prompt"] is False and b["max_tokens"] == 2 for b in again)
     assert result["requests"] == 3 and result["median_prompt_tokens"] == 300
     assert [r["cached_tokens"] for r in result["per_request"]] == [0, 90, 180]
-    assert result["first_ttft_ms"] > 0 and result["last_ttft_ms"] > 0
-    assert "conversation of 3 turns" in conversation_line({"figures": result, "rounds": [result]})
+    assert [r["uncached_cached_tokens"] for r in result["per_request"]] == [0, 0, 0]
+    assert result["first_ttft_ms"] > 0 and result["last_ttft_ms"] > 0 and result["last_uncached_ttft_ms"] > 0
+    line = conversation_line({"figures": result, "rounds": [result]})
+    assert "conversation of 3 turns" in line and "without the cache" in line
+
+
+def test_an_agents_system_prompt_is_tool_definitions_of_about_the_words_asked():
+    text = agent_system_prompt(2000, 3)
+    assert 2000 <= len(text.split()) < 2100
+    tools = [json.loads(line) for line in text.splitlines()[3:]]
+    assert tools[0]["name"] == "tool_3_0" and tools[0]["parameters"]["required"] == ["path"]
+    assert agent_system_prompt(2000, 4).split("\n")[3] != text.split("\n")[3]  # variants differ
+
+
+def test_runs_0_measures_no_level():
+    assert plan_workloads([32], [1, 4], 0, 2, turns=3) == [
+        Workload("short chat", "chat", None, 1, 2), Workload("conversation 3 turns", "turns", 250, 1, 3)]
 
 
 @pytest.mark.parametrize("given, root", [

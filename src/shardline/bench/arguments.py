@@ -42,16 +42,24 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--concurrency", type=int, nargs="+", default=[1],
                         help="requests in flight at once; several values give several levels (default 1)")
     parser.add_argument("--runs", type=int, default=3,
-                        help="requests per level and round, at least the concurrency (default %(default)s)")
+                        help="requests per level and round, at least the concurrency; 0: no levels, only the "
+                             "short chat and the conversation (default %(default)s)")
     parser.add_argument("--chat-requests", type=int, default=4,
                         help="short chat questions (about 37 prompt tokens) per round, for its TTFT; "
                              "0: none (default %(default)s)")
     parser.add_argument("--turns", type=int, default=0,
                         help="also a conversation of this many turns, one after another, each sending the "
-                             "whole chat so far with a new user message (figures: the first and the last "
-                             "turn's TTFT); 0: none (default %(default)s)")
+                             "whole chat so far with a new user message, then the same again with "
+                             "cache_prompt false (figures: the first and the last turn's TTFT, and the last "
+                             "turn's without the cache); 0: none (default %(default)s)")
     parser.add_argument("--turn-tokens", type=int, default=250,
                         help="tokens of each turn's new user message, about (default %(default)s)")
+    parser.add_argument("--system-tokens", type=int, default=0,
+                        help="the conversation opens with a system prompt of about this many tokens of "
+                             "tool definitions, as a coding agent's does (default %(default)s: none)")
+    parser.add_argument("--context", type=int, default=None,
+                        help="context window of the local cluster's instance, tokens (default: the "
+                             "placement's)")
     parser.add_argument("--no-prefix-cache", action="store_true",
                         help="place the local cluster's instance without its prefix cache: every prompt "
                              "prefilled whole")

@@ -23,8 +23,12 @@ completion tokens and the calibrated prompt length taken as its prompt tokens
 come from ``usage.prompt_tokens_details.cached_tokens`` where it reports them.
 
 A conversation (:func:`run_conversation`) sends its turns one after another, each request
-the whole chat so far: the earlier user messages, the answers the server gave, and a new
-user message. Its figures are each turn's TTFT, the first and the last turn's.
+the whole chat so far: a system prompt where it has one (an agent's: tool definitions,
+:func:`agent_system_prompt`), the earlier user messages, the answers the server gave, and
+a new user message. After each turn the same messages go again with ``cache_prompt: false``
+(llama.cpp's server's parameter, and shardline's), so the server prefills the whole
+prompt: that turn's TTFT without the cache. Its figures are each turn's TTFT with and
+without the cache, the first turn's and the last turn's.
 
 Per concurrency level c (its requests, at most c in flight at once):
 
@@ -45,6 +49,7 @@ import asyncio
 import json
 import statistics
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -128,6 +133,26 @@ def chat_question(variant: int) -> str:
     return _CHAT_QUESTIONS[variant % len(_CHAT_QUESTIONS)]
 
 
+def agent_system_prompt(words: int, variant: int = 0) -> str:
+    """A coding agent's system prompt of about ``words`` words: an instruction line, then
+    tool definitions as JSON schemas (each tool a name, a description of the bench's
+    sentences and two parameters), as Claude Code, Codex and opencode send theirs.
+    ``variant`` names the tools, so each variant's differs from its first tool on."""
+    out = ["You are a coding agent working in the user's repository. Use the tools below to "
+           "read, search and change files; answer briefly.\n\nTools:"]
+    count, i = len(out[0].split()), 0
+    while count < words:
+        description = " ".join(_SENTENCES[(variant + i + k) % len(_SENTENCES)] for k in range(3))
+        tool = json.dumps({"name": f"tool_{variant}_{i}", "description": description, "parameters": {
+            "type": "object", "properties": {"path": {"type": "string", "description": "a file's path"},
+                                             "limit": {"type": "integer", "description": "most lines"}},
+            "required": ["path"]}})
+        out.append(tool)
+        count += len(tool.split())
+        i += 1
+    return "\n".join(out)
+
+
 # -- one request -------------------------------------------------------------------------
 
 
@@ -204,7 +229,8 @@ def connect_error_message(url: str, exc: Exception) -> str:
     return f"request to {url} failed: {type(exc).__name__}: {exc}"
 
 
-def _chat_body(model: str, prompt: str | list[dict[str, str]], max_tokens: int, stream: bool) -> dict[str, Any]:
+def _chat_body(model: str, prompt: str | list[dict[str, str]], max_tokens: int, stream: bool,
+               cache_prompt: bool | None = None) -> dict[str, Any]:
     body: dict[str, Any] = {
         "model": model,
         "messages": [{"role": "user", "content": prompt}] if isinstance(prompt, str) else prompt,
@@ -215,11 +241,13 @@ def _chat_body(model: str, prompt: str | list[dict[str, str]], max_tokens: int, 
     }
     if stream:
         body["stream_options"] = {"include_usage": True}
+    if cache_prompt is not None:
+        body["cache_prompt"] = cache_prompt
     return body
 
 
 async def stream_request(client: httpx.AsyncClient, url: str, model: str, prompt: str | list[dict[str, str]],
-                         max_tokens: int, prompt_tokens: int = 0) -> RequestResult:
+                         max_tokens: int, prompt_tokens: int = 0, cache_prompt: bool | None = None) -> RequestResult:
     """Send one streamed chat completion and time it.
 
     Args:
@@ -227,6 +255,8 @@ async def stream_request(client: httpx.AsyncClient, url: str, model: str, prompt
         prompt: the user message, or the chat's messages.
         max_tokens: completion tokens to ask for (``ignore_eos`` makes it generate them all).
         prompt_tokens: the prompt's calibrated length, taken where the stream has no usage.
+        cache_prompt: sent as the body's ``cache_prompt`` (False: the whole prompt
+            prefilled, on shardline and llama-server); None: not sent.
 
     Returns:
         The request's token counts and timings (seconds).
@@ -235,7 +265,7 @@ async def stream_request(client: httpx.AsyncClient, url: str, model: str, prompt
         BenchError: an HTTP error or an error event in the stream.
         httpx.HTTPError: the connection failed.
     """
-    body = _chat_body(model, prompt, max_tokens, stream=True)
+    body = _chat_body(model, prompt, max_tokens, stream=True, cache_prompt=cache_prompt)
     start = time.perf_counter()
     ttft = None
     chunk_times: list[float] = []
@@ -284,8 +314,10 @@ async def stream_request(client: httpx.AsyncClient, url: str, model: str, prompt
     )
 
 
-async def count_prompt_tokens(client: httpx.AsyncClient, url: str, model: str, prompt: str) -> int:
-    """Prompt tokens the server counts for ``prompt`` (one non-streamed one-token request)."""
+async def count_prompt_tokens(client: httpx.AsyncClient, url: str, model: str,
+                              prompt: str | list[dict[str, str]]) -> int:
+    """Prompt tokens the server counts for ``prompt`` (a user message, or the chat's
+    messages: one non-streamed one-token request)."""
     body = _chat_body(model, prompt, 1, stream=False)
     response = await client.post(f"{url}/v1/chat/completions", json=body)
     if response.status_code != 200:
@@ -296,15 +328,19 @@ async def count_prompt_tokens(client: httpx.AsyncClient, url: str, model: str, p
         raise BenchError(f"{url} answered without usage.prompt_tokens") from exc
 
 
-async def calibrate_words(client: httpx.AsyncClient, url: str, model: str, target_tokens: int) -> tuple[int, int]:
+async def calibrate_words(client: httpx.AsyncClient, url: str, model: str, target_tokens: int,
+                          build: Callable[[int], str | list[dict[str, str]]] = build_prompt) -> tuple[int, int]:
     """Words of text whose chat prompt is closest to ``target_tokens`` tokens.
+
+    Args:
+        build: the prompt of so many words (a user message, or the chat's messages).
 
     Returns:
         (words, prompt tokens the server counted for that many words).
     """
-    base = await count_prompt_tokens(client, url, model, build_prompt(0))
+    base = await count_prompt_tokens(client, url, model, build(0))
     probe = max(16, int(target_tokens * 0.75))
-    probe_tokens = await count_prompt_tokens(client, url, model, build_prompt(probe))
+    probe_tokens = await count_prompt_tokens(client, url, model, build(probe))
     per_word = max((probe_tokens - base) / probe, 0.1)
     words, tokens = probe, probe_tokens
     for _ in range(3):
@@ -313,7 +349,7 @@ async def calibrate_words(client: httpx.AsyncClient, url: str, model: str, targe
         guess = max(0, words + round((target_tokens - tokens) / per_word))
         if guess == words:
             break
-        guess_tokens = await count_prompt_tokens(client, url, model, build_prompt(guess))
+        guess_tokens = await count_prompt_tokens(client, url, model, build(guess))
         if abs(guess_tokens - target_tokens) >= abs(tokens - target_tokens):
             break
         words, tokens = guess, guess_tokens
@@ -418,12 +454,15 @@ async def run_level(client: httpx.AsyncClient, url: str, model: str, prompts: li
 # -- a conversation ----------------------------------------------------------------------
 
 
-def summarize_conversation(results: list[RequestResult], wall_s: float) -> dict[str, Any]:
-    """Figures of one conversation (its turns' results, in order): ``first_ttft_ms`` and
-    ``last_ttft_ms`` (milliseconds), the last turn's prompt tokens, and each turn's
-    prompt tokens, cached tokens (None where the server reports none) and TTFT."""
-    def ms(r: RequestResult) -> float | None:
-        return None if r.ttft_s is None else r.ttft_s * 1000
+def summarize_conversation(results: list[RequestResult], uncached: list[RequestResult],
+                           wall_s: float) -> dict[str, Any]:
+    """Figures of one conversation (its turns' results, in order, and each turn's prompt sent
+    again without the cache): ``first_ttft_ms``, ``last_ttft_ms`` and
+    ``last_uncached_ttft_ms`` (milliseconds), the last turn's prompt tokens, and each turn's
+    prompt tokens, cached tokens (None where the server reports none), TTFT and TTFT
+    without the cache."""
+    def ms(r: RequestResult | None) -> float | None:
+        return None if r is None or r.ttft_s is None else r.ttft_s * 1000
 
     return {
         "requests": len(results),
@@ -431,26 +470,36 @@ def summarize_conversation(results: list[RequestResult], wall_s: float) -> dict[
         "median_completion_tokens": median([r.completion_tokens for r in results]),
         "first_ttft_ms": ms(results[0]) if results else None,
         "last_ttft_ms": ms(results[-1]) if results else None,
+        "last_uncached_ttft_ms": ms(uncached[-1]) if uncached else None,
         "wall_s": wall_s,
         "usage_from": "usage" if all(r.usage_from == "usage" for r in results) else "chunks",
         "per_request": [{"prompt_tokens": r.prompt_tokens, "cached_tokens": r.cached_tokens,
                          "completion_tokens": r.completion_tokens, "start_s": r.start_s, "ttft_s": r.ttft_s,
-                         "end_s": r.end_s} for r in results],
+                         "end_s": r.end_s, "uncached_ttft_s": u.ttft_s if u is not None else None,
+                         "uncached_cached_tokens": u.cached_tokens if u is not None else None}
+                        for r, u in zip(results, uncached + [None] * (len(results) - len(uncached)))],
     }
 
 
+UNCACHED_GEN_TOKENS = 2
+"""Tokens a turn's prompt sent again without the cache generates: only its TTFT is a figure."""
+
+
 async def run_conversation(client: httpx.AsyncClient, url: str, model: str, user_messages: list[str],
-                           gen_tokens: int) -> dict[str, Any]:
+                           gen_tokens: int, system: str | None = None) -> dict[str, Any]:
     """One chat of ``len(user_messages)`` turns, one after another: each turn sends the chat
-    so far (every earlier user message and the server's answer to it) with the next user
-    message, and the answer it streams (``gen_tokens`` tokens) joins the chat. Summarised
-    by :func:`summarize_conversation`.
+    so far (``system`` first where given, every earlier user message and the server's
+    answer to it) with the next user message, and the answer it streams (``gen_tokens``
+    tokens) joins the chat; then the same messages again with ``cache_prompt: false``
+    (:data:`UNCACHED_GEN_TOKENS` tokens), for the turn's TTFT without the cache.
+    Summarised by :func:`summarize_conversation`.
 
     Raises:
         BenchError, httpx.HTTPError: a turn failed (:func:`stream_request`).
     """
-    messages: list[dict[str, str]] = []
+    messages: list[dict[str, str]] = [] if system is None else [{"role": "system", "content": system}]
     results: list[RequestResult] = []
+    uncached: list[RequestResult] = []
     started = time.perf_counter()
     for text in user_messages:
         messages.append({"role": "user", "content": text})
@@ -458,5 +507,8 @@ async def run_conversation(client: httpx.AsyncClient, url: str, model: str, user
         result = await stream_request(client, url, model, list(messages), gen_tokens)
         result.start_s = sent
         results.append(result)
+        again = await stream_request(client, url, model, list(messages), UNCACHED_GEN_TOKENS, cache_prompt=False)
+        again.start_s = result.start_s + result.end_s
+        uncached.append(again)
         messages.append({"role": "assistant", "content": result.text})
-    return summarize_conversation(results, time.perf_counter() - started)
+    return summarize_conversation(results, uncached, time.perf_counter() - started)

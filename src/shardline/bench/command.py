@@ -40,14 +40,22 @@ def _check_args(args: argparse.Namespace) -> str | None:
     for option, values in (("--prompt-tokens", args.prompt_tokens), ("--concurrency", args.concurrency)):
         if len(set(values)) < len(values):
             return f"{option} values must differ (each gives its own levels)"
-    if args.runs < 1:
-        return "--runs must be at least 1"
+    if args.runs < 0:
+        return "--runs must be at least 0"
+    if args.runs == 0 and not args.chat_requests and not args.turns:
+        return "--runs 0 leaves nothing to measure: give --chat-requests or --turns"
     if args.chat_requests < 0:
         return "--chat-requests must be at least 0"
     if args.turns < 0:
         return "--turns must be at least 0"
     if args.turn_tokens < 1:
         return "--turn-tokens must be at least 1"
+    if args.system_tokens < 0:
+        return "--system-tokens must be at least 0"
+    if args.system_tokens and not args.turns:
+        return "--system-tokens needs --turns"
+    if args.context is not None and (args.context < 1 or args.url is not None):
+        return "--context must be at least 1, and is the local cluster's (not with --url)"
     if args.rounds is not None and args.rounds < 1:
         return "--rounds must be at least 1"
     if args.against is None:
@@ -156,7 +164,7 @@ def _bench(args: argparse.Namespace, servers: list[Server]) -> int:
     config = BenchConfig(prompt_tokens=list(args.prompt_tokens), gen_tokens=args.gen_tokens,
                          concurrency=list(args.concurrency), runs=args.runs, rounds=rounds,
                          chat_requests=args.chat_requests, warmup=args.warmup, turns=args.turns,
-                         turn_tokens=args.turn_tokens)
+                         turn_tokens=args.turn_tokens, system_tokens=args.system_tokens)
     if args.busy:
         _progress(f"keeping {args.busy} core(s) busy with competing processes while the workloads run")
     with busy_cores(args.busy):
@@ -253,8 +261,9 @@ def _main(args: argparse.Namespace) -> int:
             cluster.start()
             _progress(f"placing {args.model or DEFAULT_MODEL_ID} ({args.sharding})")
             cluster.clear()  # instances the bench's own nodes kept from an earlier run
+            options = {} if args.context is None else {"context": args.context}
             instance = cluster.place(args.model or DEFAULT_MODEL_ID, args.sharding,
-                                     prefix_cache=not args.no_prefix_cache)
+                                     prefix_cache=not args.no_prefix_cache, **options)
             shardline = Server(SHARDLINE, cluster.url(0), instance["model_id"], api_key_headers(args.api_key),
                                len(instance["ranks"]), instance["sharding"])
         return _bench(args, [shardline] if other is None else [shardline, other])

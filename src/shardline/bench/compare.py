@@ -12,9 +12,12 @@ A workload is one measured unit (:func:`plan_workloads`):
   chat template) one after another, two tokens each; figure TTFT;
 - a *conversation* (``--turns N``): one chat of N turns, each sending the whole chat so
   far with a new user message of about ``--turn-tokens`` tokens, its answer of
-  ``--gen-tokens`` joining the chat (:func:`shardline.bench.bench.run_conversation`);
-  figures the first and the last turn's TTFT (a server with a prompt cache prefills only
-  each turn's new part).
+  ``--gen-tokens`` joining the chat, after a system prompt of about ``--system-tokens``
+  tokens of tool definitions where that is above 0 (an agent's,
+  :func:`shardline.bench.bench.agent_system_prompt`); each turn's messages are sent again
+  with ``cache_prompt: false`` (:func:`shardline.bench.bench.run_conversation`); figures
+  the first and the last turn's TTFT (a server with a prompt cache prefills only each
+  turn's new part) and the last turn's without the cache.
 
 Every round runs every workload on each server in turn (:func:`interleave`): shardline,
 then the other server, then the next workload, so both see the machine's load within
@@ -41,6 +44,7 @@ import httpx
 from shardline.bench.bench import (
     AGGREGATE_DEFINITION,
     BenchError,
+    agent_system_prompt,
     build_prompt,
     calibrate_words,
     chat_question,
@@ -81,6 +85,7 @@ CHAT_FIGURES = (TTFT,)
 TURN_FIGURES = (
     Figure("first_ttft_ms", "first turn TTFT ms", higher_is_better=False),
     Figure("last_ttft_ms", "last turn TTFT ms", higher_is_better=False),
+    Figure("last_uncached_ttft_ms", "last turn TTFT ms, no cache", higher_is_better=False),
 )
 
 
@@ -120,6 +125,7 @@ class BenchConfig:
     warmup: bool
     turns: int = 0
     turn_tokens: int = 250
+    system_tokens: int = 0
 
 
 @dataclass
@@ -141,10 +147,11 @@ class Server:
 def plan_workloads(prompt_tokens: list[int], concurrency: list[int], runs: int,
                    chat_requests: int, turns: int = 0, turn_tokens: int = 250) -> list[Workload]:
     """A level per (prompt length, concurrency), prompt lengths outermost, each with
-    ``max(runs, c)`` requests; then the short chat if ``chat_requests`` > 0; then a
-    conversation of ``turns`` turns of ``turn_tokens`` if ``turns`` > 0."""
+    ``max(runs, c)`` requests (none where ``runs`` is 0); then the short chat if
+    ``chat_requests`` > 0; then a conversation of ``turns`` turns of ``turn_tokens`` if
+    ``turns`` > 0."""
     out = [Workload(f"prompt {p} c={c}", "level", p, c, max(runs, c))
-           for p in prompt_tokens for c in concurrency]
+           for p in prompt_tokens for c in concurrency] if runs > 0 else []
     if chat_requests > 0:
         out.append(Workload("short chat", "chat", None, 1, chat_requests))
     if turns > 0:
@@ -212,22 +219,32 @@ async def _on(server: Server, call: Awaitable[T]) -> T:
 async def _prepare(client: httpx.AsyncClient, server: Server, config: BenchConfig,
                    say: Callable[[str], None]) -> dict[str, Any]:
     """Calibrate ``server``'s prompts and warm it up; its part of the report."""
-    say(f"calibrating prompts of about {', '.join(map(str, config.prompt_tokens))} tokens on {server.name}")
+    levels = config.prompt_tokens if config.runs > 0 else []
+    if levels:
+        say(f"calibrating prompts of about {', '.join(map(str, levels))} tokens on {server.name}")
     prompts = []
-    for target in config.prompt_tokens:
+    for target in levels:
         words, tokens = await _on(server, calibrate_words(client, server.url, server.model, target))
         prompts.append({"target": target, "words": words, "tokens": tokens})
     turn = None
     if config.turns:
         words, tokens = await _on(server, calibrate_words(client, server.url, server.model, config.turn_tokens))
         turn = {"target": config.turn_tokens, "words": words, "tokens": tokens}
+        if config.system_tokens:
+            say(f"calibrating a system prompt of about {config.system_tokens} tokens on {server.name}")
+            words, tokens = await _on(server, calibrate_words(
+                client, server.url, server.model, config.system_tokens,
+                lambda n: [{"role": "system", "content": agent_system_prompt(n)},
+                           {"role": "user", "content": chat_question(0)}]))
+            turn |= {"system_words": words, "system_tokens": tokens}
     chat_tokens = None
     if config.chat_requests:
         chat_tokens = await _on(server, count_prompt_tokens(client, server.url, server.model, chat_question(0)))
     if config.warmup:
         say(f"warm-up request on {server.name}")
         await _on(server, stream_request(client, server.url, server.model,
-                                         build_prompt(prompts[0]["words"]), config.gen_tokens))
+                                         build_prompt(prompts[0]["words"]) if prompts else chat_question(0),
+                                         config.gen_tokens))
     return {"name": server.name, "url": server.url, "model": server.model, "nodes": server.nodes,
             "sharding": server.sharding, "prompts": prompts, "chat_prompt_tokens": chat_tokens, "turn": turn}
 
@@ -270,8 +287,10 @@ async def run_workloads(servers: list[Server], config: BenchConfig,
                 order.append({"round": round_, "workload": name, "server": server_name,
                               "start_s": time.perf_counter() - started})
                 conversation = [build_prompt(info["turn"]["words"], v) for v in variants]
+                system = (agent_system_prompt(info["turn"]["system_words"], variants[0])
+                          if config.system_tokens else None)
                 results[name][server_name].append(await _on(server, run_conversation(
-                    clients[server_name], server.url, server.model, conversation, config.gen_tokens)))
+                    clients[server_name], server.url, server.model, conversation, config.gen_tokens, system)))
                 continue
             if work.kind == "level":
                 calibrated = next(p for p in info["prompts"] if p["target"] == work.prompt_tokens)

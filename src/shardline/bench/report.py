@@ -73,7 +73,8 @@ def print_report(report: dict[str, Any], console=None) -> None:
                       _fmt(fig["median_completion_tokens"], 0), _fmt(fig["median_ttft_ms"]),
                       _fmt(fig["median_prefill_tokens_per_s"]), _fmt(fig["median_decode_tokens_per_s"]),
                       _fmt(fig["aggregate_decode_tokens_per_s"]))
-    console.print(table)
+    if table.rows:
+        console.print(table)
     if chat is not None:
         console.print(f"short chat ({_fmt(chat['median_prompt_tokens'], 0)} prompt tokens): "
                       f"TTFT {_fmt(chat['median_ttft_ms'])} ms (median of {chat['requests']})", highlight=False)
@@ -83,13 +84,20 @@ def print_report(report: dict[str, Any], console=None) -> None:
 
 def conversation_line(result: dict[str, Any]) -> str:
     """A conversation's figures (medians over rounds), then its last round's turns: prompt
-    tokens (with the cached ones where the server said) and TTFT."""
+    tokens (with the cached ones where the server said), TTFT and TTFT without the cache."""
     fig = result["figures"]
+
+    def ms(seconds: float | None) -> str:
+        return _fmt(None if seconds is None else seconds * 1000, 0)
+
     turns = [f"{r['prompt_tokens']}" + (f" ({r['cached_tokens']} cached)" if r.get("cached_tokens") else "")
-             + f": {_fmt(None if r['ttft_s'] is None else r['ttft_s'] * 1000, 0)} ms"
+             + f": {ms(r['ttft_s'])} / {ms(r.get('uncached_ttft_s'))} ms"
              for r in result["rounds"][-1]["per_request"]]
+    gain = _ratio(None if not fig.get("last_uncached_ttft_ms") or fig["last_ttft_ms"] is None
+                  else fig["last_ttft_ms"] / fig["last_uncached_ttft_ms"])
     return (f"conversation of {len(turns)} turns: TTFT first {_fmt(fig['first_ttft_ms'])} ms, last "
-            f"{_fmt(fig['last_ttft_ms'])} ms; per turn, prompt tokens: TTFT: {', '.join(turns)}")
+            f"{_fmt(fig['last_ttft_ms'])} ms, last without the cache {_fmt(fig.get('last_uncached_ttft_ms'))} ms "
+            f"({gain}); per turn, prompt tokens: TTFT / without the cache: {', '.join(turns)}")
 
 
 def print_comparison(report: dict[str, Any], console=None) -> None:
@@ -116,3 +124,8 @@ def print_comparison(report: dict[str, Any], console=None) -> None:
                       _fmt(row[first["name"]]), _fmt(row[second["name"]]), _ratio(row["ratio"]), row["better"])
         previous = row["workload"]
     console.print(table)
+    for w in report.get("workloads", []):
+        if w["kind"] == "turns":
+            for server in (first, second):
+                console.print(f"{server['name']}: {conversation_line(w['results'][server['name']])}",
+                              highlight=False)
