@@ -6,11 +6,11 @@ same state."""
 
 import pytest
 
+from shardline.runner.block_hashes import block_hashes
 from shardline.runner.prefix_cache import (
     CachedPrefix,
     Start,
     Waiting,
-    block_hashes,
     exact_end,
     matched_tokens,
     plan_admission,

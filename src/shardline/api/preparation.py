@@ -39,8 +39,10 @@ if TYPE_CHECKING:
 
 
 async def prepare(node: Node, req: GenerationRequest, metrics: RequestMetrics | None = None) -> Generation:
-    """Find a ready instance and the tokenizer of ``req.model``, tokenize the prompt and
-    take the request's place in the instance's queue.
+    """Find a ready instance and the tokenizer of ``req.model``, tokenize the prompt, route
+    it to the ready instance of at least that context likeliest to hold its prefix in its
+    cache (:meth:`~shardline.node.routing.Router.route`) and take the request's place in
+    that instance's queue.
 
     Raises:
         APIError: as :func:`tokenize`; 400 for a prompt and limit beyond the context.
@@ -49,6 +51,7 @@ async def prepare(node: Node, req: GenerationRequest, metrics: RequestMetrics | 
     """
     inst, tokenizer, prompt = await tokenize(
         node, req, lambda inst, prompt: check_room(req, len(prompt), inst.context))
+    inst = node.router.route(prompt, inst)  # the one holding most of its prefix, of those as long
     sampling = req.sampling
     if req.offers_tools and req.tool_choice.mode in (ToolChoiceMode.REQUIRED, ToolChoiceMode.NAMED):
         sampling = await asyncio.to_thread(_forced_call, req, tokenizer)

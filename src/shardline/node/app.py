@@ -34,7 +34,7 @@ from shardline.node.signing import MEMBER_HEADER
 from shardline.node.speeds import placement_key
 from shardline.node.state import instance_named
 from shardline.node.status import InstanceStatus
-from shardline.node.table import InstanceFailedError, NoInstanceError
+from shardline.node.table import Instance, InstanceFailedError, NoInstanceError
 from shardline.node.transfer import add_model_routes
 from shardline.node.wire import (
     CancelMessage,
@@ -344,13 +344,15 @@ def create_app(node: Node, guard: GuardConfig, max_body_bytes: int = DEFAULT_MAX
 
     @app.post("/internal/generate")
     async def generate(request: TokenRequest):
+        routed: Instance | None = None
         try:  # a full queue is a 429 here (QueueFullError), before the stream begins
-            task_id = node.router.reserve(node.router.ready_instance(request.model_id, request_tokens(request)),
-                                          request, bounded=request.sampling.resumed == 0)
+            routed = node.router.route(request.prompt, node.router.ready_instance(
+                request.model_id, request_tokens(request)), local_only=True)
+            task_id = node.router.reserve(routed, request, bounded=request.sampling.resumed == 0)
         except NoInstanceError:
             task_id = None  # told in the stream
         ran_on: list[str] = []  # the instances it runs on, in order
-        events = node.router.generate(request, task_id, lambda inst: ran_on.append(inst.instance_id))
+        events = node.router.generate(request, task_id, lambda inst: ran_on.append(inst.instance_id), routed)
 
         async def lines():
             named = 0  # of ran_on

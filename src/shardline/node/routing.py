@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING
 
 from shardline.cancelling import cancel_and_wait
 from shardline.node.peer_client import PeerError
+from shardline.node.prefix_routing import ROUTE_BLOCK, Candidate, PrefixRecord, choose, route_hashes
 from shardline.node.queue_bound import QueueFullError, admits, waiting_count
 from shardline.node.speeds import RequestTiming
 from shardline.node.state import superseded, why_ended
@@ -182,6 +183,7 @@ class Router:
         # requests whose instance failed after they gave tokens: "continued" on another
         # (each continuation), or "failed" (ended with the error)
         self.continuations: dict[str, int] = {"continued": 0, "failed": 0}
+        self.prefixes = PrefixRecord()  # the prompts sent to each instance (routing by prefix)
 
     def ready_instance(self, model_id: str, tokens: int = 0) -> Instance:
         """A ready instance of the model whose context takes ``tokens``, preferring one
@@ -195,6 +197,30 @@ class Router:
         if not ready:
             raise NoInstanceError(f"no ready instance serves model {model_id!r}")
         return ready[0]
+
+    def route(self, prompt: Sequence[int], within: Instance, local_only: bool = False) -> Instance:
+        """Of the ready instances of ``within``'s model whose context is at least its own
+        (``within`` among them: a request checked against it fits them all), and with
+        ``local_only`` of those with a rank on this node (a forwarded request: another hop
+        could send it back), the one a request of ``prompt`` goes to
+        (:func:`~shardline.node.prefix_routing.choose`: the longest prefix this node sent
+        it, then a rank on this node, then the fewest requests in flight, then the
+        oldest); ``within`` where none is ready."""
+        ready = [i for i in ready_instances(self.node.instances, within.model_id, self.node.node_id,
+                                            tokens=within.context)
+                 if not local_only or self.node.node_id in i.node_ids()]
+        if len(ready) < 2:
+            return ready[0] if ready else within
+        hashes = route_hashes(prompt)
+        chosen = choose([Candidate(i.instance_id, self.prefixes.matched(i.instance_id, hashes) if i.prefix_cache
+                                   else 0, self.node.node_id in i.node_ids(), self._in_flight(i.instance_id),
+                                   i.created_at) for i in ready])
+        return next(i for i in ready if i.instance_id == chosen)
+
+    def _in_flight(self, instance_id: str) -> int:
+        """Requests this node runs on the instance's ranks or forwards to it."""
+        return (sum(s.instance_id == instance_id for s in self.node.streams.values())
+                + len(self._forwarding.get(instance_id, ())))
 
     def models(self) -> list[dict]:
         """Models with a ready instance: ``[{"id", "created"}]``."""
@@ -388,6 +414,10 @@ class Router:
         tried.append(inst.instance_id)
         if ran_on is not None:
             ran_on(inst)
+        if inst.prefix_cache:  # its cache will hold this prompt: later ones that start alike go there
+            self.prefixes.keep_only(set(self.node.instances))
+            self.prefixes.record(inst.instance_id, route_hashes(request.prompt),
+                                 (inst.kv_tokens or inst.max_batch * inst.context) // ROUTE_BLOCK)
         if stream is None:
             if self.node.node_id not in inst.node_ids():
                 async with contextlib.aclosing(self._forward(inst, request, ran_on)) as forwarded:

@@ -47,9 +47,10 @@ import torch
 
 from shardline.parallel.pipeline import PipelineStage
 from shardline.runner.agreement import Agreement, decide, encode_proposal, proposal_length, sampled_tokens
+from shardline.runner.block_hashes import block_hashes
 from shardline.runner.constraint import Constraint
 from shardline.runner.logprob_tables import logprob_table, logprob_width, prompt_logprob_table, read_logprobs
-from shardline.runner.prefix_cache import CachedPrefix, Waiting, block_hashes, exact_end, plan_admission
+from shardline.runner.prefix_cache import CachedPrefix, Waiting, exact_end, plan_admission
 from shardline.runner.protocol import (
     Cancel,
     EngineStats,

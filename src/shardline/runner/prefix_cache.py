@@ -7,7 +7,7 @@ a slot's positions are one view of the KV cache, :class:`~shardline.models.kv_ca
   its prompt whose keys and values have the bits a cold prefill of them gives
   (:attr:`Sequence.exact_end <shardline.runner.engine.Sequence>`; its generated tokens
   and a short last chunk are left out: see below), with their token ids and a hash
-  chained over each block (:func:`block_hashes`). Its pages past them go back to the
+  chained over each block (:func:`~shardline.runner.block_hashes.block_hashes`). Its pages past them go back to the
   system; the pages it keeps count in the KV pool (:attr:`CachedPrefix.tokens`), so
   caching adds no memory beyond the pool placement counted.
 - A waiting task takes the cached slot whose tokens match the longest run of its prompt's
@@ -58,18 +58,6 @@ def row_class(rows: int) -> int:
     (below :data:`AMX_PREFILL_MIN_ROWS`), 2 the AMX or dense product. Constants, not what
     this machine runs, so every rank classes a chunk alike."""
     return (rows > FUSED_PREFILL_MAX_ROWS) + (rows >= AMX_PREFILL_MIN_ROWS)
-
-
-def block_hashes(tokens: tuple[int, ...], block: int) -> list[int]:
-    """One hash per whole block of ``block`` tokens, each chained over the one before, so
-    hash ``i`` names the tokens ``0 .. (i + 1) * block - 1`` (Python's hash of int tuples:
-    the same in every process)."""
-    hashes: list[int] = []
-    previous = 0
-    for start in range(0, len(tokens) - block + 1, block):
-        previous = hash((previous, *tokens[start : start + block]))
-        hashes.append(previous)
-    return hashes
 
 
 def matched_tokens(prompt: tuple[int, ...], prompt_hashes: list[int], cached: "CachedPrefix",
