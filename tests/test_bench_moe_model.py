@@ -50,6 +50,21 @@ def test_qwen3_30b_a3b_plan_has_its_shapes_and_llama_cpp_q4_k_m_types():
     assert {every_q4_k[f"blk.{i}.ffn_down_exps.weight"] for i in range(4)} == {"Q4_K"}
 
 
+def test_the_dense_qwen2_1_5b_plan_has_its_shapes_biases_and_q4_k_m_types():
+    plans = {p.name: p for p in mm.plan_tensors(mm.SHAPES["qwen2-1.5b"], 28, 49152, "q4_k_m")}
+    assert plans["blk.0.ffn_gate.weight"].shape == (8960, 1536)
+    assert plans["blk.0.ffn_down.weight"].shape == (1536, 8960)
+    assert plans["blk.0.attn_k.weight"].shape == (256, 1536) and plans["blk.0.attn_k.bias"].shape == (256,)
+    assert "blk.0.attn_output.bias" not in plans and not any("exps" in n or "gate_inp" in n for n in plans)
+    types = {name: p.type_name for name, p in plans.items()}
+    # use_more_bits of 28 layers: the first 3, the last 4, and every third between
+    more = [i for i in range(28) if types[f"blk.{i}.ffn_down.weight"] == "Q6_K"]
+    assert more == [i for i in range(28) if i < 3 or i >= 24 or (i - 3) % 3 == 2]
+    assert [i for i in range(28) if types[f"blk.{i}.attn_v.weight"] == "Q6_K"] == more
+    params = sum(math.prod(p.shape) for p in plans.values())
+    assert 1.4e9 < params < 1.6e9  # a 1.5B-class model (its vocabulary SmolLM2's)
+
+
 @pytest.mark.timeout(60)
 def test_a_small_model_loads_tokenizes_and_routes_over_its_experts(tmp_path):
     from shardline.models.gguf_header import open_gguf

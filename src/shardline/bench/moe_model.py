@@ -6,6 +6,11 @@ benchmarks (issue 42: shardline against llama.cpp on the same file).
     python -m shardline.bench.moe_model OUT.gguf --shape qwen3-30b-a3b --layers 4
     python -m shardline.bench.moe_model OUT.gguf --shape mixtral-tiny --layers 4 --mix q4_k
     python -m shardline.bench.moe_model OUT.gguf --shape gpt-oss-20b --layers 4
+    python -m shardline.bench.moe_model OUT.gguf --shape qwen2-1.5b --layers 28
+
+One dense shape sits beside the MoE ones (``qwen2-1.5b``: a 1.5B-class dense model, its
+feed-forward ``ffn_gate`` / ``ffn_up`` / ``ffn_down``, its q/k/v biases), for the
+benchmarks that want a model of that size (issue 43's multi-turn figures).
 
 What is real and what is random:
 
@@ -75,7 +80,8 @@ class MoeShape:
             (Mixtral: experts of ``feed_forward_length``).
         hidden, heads, kv_heads, head_dim: the attention's shape.
         experts, experts_used, expert_width: every layer's experts, those a token uses,
-            and the intermediate size of each.
+            and the intermediate size of each (``experts`` 0: a dense model, its one
+            feed-forward ``expert_width`` wide).
         qk_norm: RMSNorm over each head of q and k (Qwen3).
         rope_theta, context_length, rms_eps: as the model's config says.
         real_layers: the real model's layer count (for the documentation and the report).
@@ -98,6 +104,16 @@ class MoeShape:
     source: str
     sliding_window: int = 0
     yarn: tuple[float, int] | None = None
+
+    @property
+    def dense(self) -> bool:
+        """No experts: one feed-forward a layer (``ffn_gate``, ``ffn_up``, ``ffn_down``)."""
+        return self.experts == 0
+
+    @property
+    def qkv_bias(self) -> bool:
+        """Biases on q, k and v (Qwen2)."""
+        return self.arch == "qwen2"
 
     @property
     def gpt_oss(self) -> bool:
@@ -137,6 +153,15 @@ SHAPES: dict[str, MoeShape] = {
         experts_used=4, expert_width=2880, qk_norm=False, rope_theta=150000.0,
         context_length=131072, rms_eps=1e-5, real_layers=24,
         source="openai/gpt-oss-20b config.json", sliding_window=128, yarn=(32.0, 4096)),
+    # Qwen/Qwen2.5-1.5B-Instruct config.json: hidden_size 1536, num_attention_heads 12,
+    # num_key_value_heads 2 (head_dim 128), intermediate_size 8960, rope_theta 1e6,
+    # rms_norm_eps 1e-6, max_position_embeddings 32768, 28 layers, q/k/v biases. Dense; its
+    # embeddings are tied, here an output matrix of its own (Q6_K, as llama.cpp's Q4_K_M
+    # gives the tied one).
+    "qwen2-1.5b": MoeShape(
+        arch="qwen2", hidden=1536, heads=12, kv_heads=2, head_dim=128, experts=0,
+        experts_used=0, expert_width=8960, qk_norm=False, rope_theta=1e6, context_length=32768,
+        rms_eps=1e-6, real_layers=28, source="Qwen/Qwen2.5-1.5B-Instruct config.json"),
     # Small, for tests and smoke runs: Qwen3-MoE's layout (q/k norms, 4 of 16 experts), a
     # few MB a layer. Its ffn_down_exps rows (an expert's 128 columns) are not whole K-quant
     # blocks: Q8_0.
@@ -279,7 +304,7 @@ def tensor_type(name: str, shape: MoeShape, layers: int, mix: str, cols: int) ->
             chosen = "Q8_0"
         elif kind == "attn_output" and eight:
             chosen = "Q5_K"
-        elif kind in ("attn_v", "ffn_down_exps") and _use_more_bits(layer, layers):
+        elif kind in ("attn_v", "ffn_down_exps", "ffn_down") and _use_more_bits(layer, layers):
             chosen = "Q6_K"
         else:
             chosen = "Q4_K"
@@ -310,6 +335,8 @@ def weight_stds(shape: MoeShape) -> dict[str, float]:
         "ffn_gate_inp": 1.5 / math.sqrt(d),
         "ffn_gate_exps": 1 / math.sqrt(d), "ffn_up_exps": 1 / math.sqrt(d),
         "ffn_down_exps": 1 / math.sqrt(shape.expert_width),
+        "ffn_gate": 1 / math.sqrt(d), "ffn_up": 1 / math.sqrt(d),
+        "ffn_down": 1 / math.sqrt(shape.expert_width),
         "output": 2.5 / math.sqrt(d),
         "norm": 0.02,
         "bias": 0.02,
@@ -340,14 +367,18 @@ def plan_tensors(shape: MoeShape, layers: int, vocab: int, mix: str) -> list[Ten
         for kind, rows, cols in (("attn_q", q, d), ("attn_k", kv, d), ("attn_v", kv, d),
                                  ("attn_output", d, q)):
             plans += [matrix(b + kind + ".weight", (rows, cols))]
-            plans += [bias(b + kind + ".bias", (rows,))] if oss else []
+            plans += [bias(b + kind + ".bias", (rows,))] if oss or (shape.qkv_bias and kind != "attn_output") else []
         if oss:
             plans += [TensorPlan(b + "attn_sinks.weight", (shape.heads,), "F32", 1.0)]
         if shape.qk_norm:
             plans += [norm(b + "attn_q_norm.weight", shape.head_dim),
                       norm(b + "attn_k_norm.weight", shape.head_dim)]
-        plans += [norm(b + ("post_attention_norm.weight" if oss else "ffn_norm.weight"), d),
-                  TensorPlan(b + "ffn_gate_inp.weight", (e, d), "F32", std["ffn_gate_inp"])]
+        plans += [norm(b + ("post_attention_norm.weight" if oss else "ffn_norm.weight"), d)]
+        if shape.dense:
+            plans += [matrix(b + kind + ".weight", dims)
+                      for kind, dims in (("ffn_gate", (w, d)), ("ffn_up", (w, d)), ("ffn_down", (d, w)))]
+            continue
+        plans += [TensorPlan(b + "ffn_gate_inp.weight", (e, d), "F32", std["ffn_gate_inp"])]
         plans += [bias(b + "ffn_gate_inp.bias", (e,))] if oss else []
         for kind, dims in (("ffn_gate_exps", (e, w, d)), ("ffn_up_exps", (e, w, d)),
                            ("ffn_down_exps", (e, d, w))):
@@ -474,7 +505,7 @@ def write_moe_gguf(path: str | Path, shape: MoeShape | str, layers: int, *,
 
     path = Path(path)
     writer = gguf.GGUFWriter(str(path), shape.arch)
-    writer.add_name(f"random {shape.arch} MoE, {layers} layers")
+    writer.add_name(f"random {shape.arch}{'' if shape.dense else ' MoE'}, {layers} layers")
     writer.add_block_count(layers)
     writer.add_context_length(shape.context_length)
     writer.add_embedding_length(shape.hidden)
@@ -487,8 +518,9 @@ def write_moe_gguf(path: str | Path, shape: MoeShape | str, layers: int, *,
     writer.add_rope_freq_base(shape.rope_theta)
     writer.add_layer_norm_rms_eps(shape.rms_eps)
     writer.add_vocab_size(vocab)
-    writer.add_expert_count(shape.experts)
-    writer.add_expert_used_count(shape.experts_used)
+    if not shape.dense:
+        writer.add_expert_count(shape.experts)
+        writer.add_expert_used_count(shape.experts_used)
     if shape.arch in ("qwen3moe", "gpt-oss"):
         writer.add_expert_feed_forward_length(shape.expert_width)
     if shape.sliding_window:
@@ -565,7 +597,7 @@ def check_model(path: str | Path, prompt_tokens: int = 96, seed: int = 0) -> dic
     if not torch.isfinite(stacked).all():
         raise ValueError(f"{path}: the logits are not all finite")
     routing = []
-    for layer in range(config.num_layers):
+    for layer in range(config.num_layers if moes else 0):  # a dense model routes nothing
         picks = chosen[layer][0].flatten() if chosen[layer] else torch.empty(0, dtype=torch.long)
         counts = torch.bincount(picks, minlength=config.num_experts).double()
         p = counts[counts > 0] / counts.sum()
@@ -608,9 +640,10 @@ def main(argv: list[str] | None = None) -> int:
             return 1
         spread = ", ".join(f"{r['distinct_experts']}/{report['experts']} (entropy {r['entropy']})"
                            for r in report["routing"])
+        routed = (f"; experts chosen over a {report['prompt_tokens']}-token prompt, by layer: {spread}"
+                  if spread else "")
         print(f"checked in {time.monotonic() - start:.1f} s: logits finite (std "
-              f"{report['logit_std']:.2f}, max |logit| {report['logit_absmax']:.1f}); experts "
-              f"chosen over a {report['prompt_tokens']}-token prompt, by layer: {spread}")
+              f"{report['logit_std']:.2f}, max |logit| {report['logit_absmax']:.1f}){routed}")
     return 0
 
 
