@@ -56,6 +56,11 @@ def test_the_dashboard_shows_the_cluster_and_chats(cluster3, browser):
     assert "Paris" in page.locator(".msg.assistant").inner_text()
     assert page.locator(".msg.error").count() == 0
     assert "tokens/s" in page.locator("#chat-stats").inner_text()
+    # the instance's prefix cache, as this node's rank holds it: the chat's prompt now
+    page.wait_for_function(f"""document.querySelector('tr[data-instance="{instance["instance_id"]}"] .cache')
+                               .textContent.includes('MB;')""", timeout=10_000)
+    cache = row.locator(".cache").inner_text()
+    assert "prefix cache:" in cache and "prompt tokens cached" in cache and "in 0 slots" not in cache, cache
     page.close()
 
 

@@ -339,7 +339,7 @@ async def calibrate_words(client: httpx.AsyncClient, url: str, model: str, targe
         (words, prompt tokens the server counted for that many words).
     """
     base = await count_prompt_tokens(client, url, model, build(0))
-    probe = max(16, int(target_tokens * 0.75))
+    probe = max(16, target_tokens // 2)  # words: under the target, JSON's ~1.8 tokens a word too
     probe_tokens = await count_prompt_tokens(client, url, model, build(probe))
     per_word = max((probe_tokens - base) / probe, 0.1)
     words, tokens = probe, probe_tokens
