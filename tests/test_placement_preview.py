@@ -7,12 +7,12 @@ import pytest
 from model_shapes import llama8b as _llama8b
 from model_shapes import smollm2 as _smollm2
 
-from shardline.parallel import POINT_TO_POINT_BYTES
 from shardline.placement.pipeline import NodeCapacity, PlacementError
 from shardline.placement.preview import Candidate, auto, preview
 from shardline.placement.ranks import place_ranks
 from shardline.placement.speed import (
     DEFAULT_LINK,
+    POINT_TO_POINT_BYTES,
     Link,
     NodeProfile,
     link_between,

@@ -10,8 +10,8 @@ import pytest
 import torch
 from ranks import spawn_ranks
 
-from shardline.parallel import POINT_TO_POINT_BYTES
 from shardline.parallel.collectives import Collectives
+from shardline.placement.speed import POINT_TO_POINT_BYTES
 
 
 def _values(rank: int, call: int) -> torch.Tensor:

@@ -14,6 +14,7 @@ import pytest
 from fastapi import FastAPI
 
 from shardline.cli import device_name
+from shardline.devices import pick_device
 from shardline.node.link_probe import (
     LINK_HISTORY,
     LinkMeter,
@@ -27,7 +28,6 @@ from shardline.node.profile import (
     host_id,
     measure_host,
     measure_host_async,
-    pick_device,
 )
 
 

@@ -12,7 +12,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-DEFAULT_PORT = 52415
+from shardline.control import DEFAULT_PORT
 
 MIN_API_KEY_CHARS = 8
 """The shortest API key a node takes (``shardline run`` and ``cluster`` refuse a shorter one)."""

@@ -18,6 +18,9 @@ import time
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+DEFAULT_PORT = 52415
+"""A node's HTTP port where none is given (``shardline run``, a peer address, ``--url``)."""
+
 if TYPE_CHECKING:
     from rich.console import Console
 
@@ -228,8 +231,6 @@ def node_url(text: str) -> str:
         parsed = None
     if parsed is not None and "://" not in text and parsed.port is None and parsed.host:
         # an address without a port means a node's default one, as --peers reads it
-        from shardline.cli import DEFAULT_PORT
-
         parsed = parsed.copy_with(port=DEFAULT_PORT)
         url = str(parsed).rstrip("/")
     if parsed is None or parsed.scheme not in ("http", "https") or not parsed.host:

@@ -26,7 +26,7 @@ from __future__ import annotations
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, cast
+from typing import TYPE_CHECKING, Protocol, cast
 
 import torch
 import torch.nn.functional as F
@@ -47,7 +47,16 @@ value before any row attends, so row i sees the chunk's rows before it)."""
 if TYPE_CHECKING:
     from shardline.models.decode_graphs import DecodeGraphs
     from shardline.models.fused_decode import FusedDecode
-    from shardline.parallel.ring import RingContext
+
+
+class RingAttention(Protocol):
+    """What a ring prefill chunk's attention is to the model
+    (:class:`shardline.parallel.ring.RingContext`, a floor above): this rank's queries
+    ``[n, H, d]``, keys and values ``[n, KVH, d]`` and the layer's caches in; ``[n, H * d]``
+    out."""
+
+    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+               k_cache: torch.Tensor, v_cache: torch.Tensor) -> torch.Tensor: ...
 
 
 @dataclass
@@ -95,7 +104,7 @@ class ForwardBatch:
     kv_len: int
     rows: list[tuple[int, int]]
     logit_rows: torch.Tensor
-    ring: RingContext | None = None
+    ring: RingAttention | None = None
     hidden_out: bool = False
     key_span: int = 0
     key_mask: torch.Tensor | None = None

@@ -13,7 +13,7 @@ import functools
 import torch
 
 from shardline.models import kernel_library
-from shardline.placement.memory import DEQUANT_SCRATCH_BYTES
+from shardline.models.budgets import DEQUANT_SCRATCH_BYTES
 
 KERNEL_MAX_ROWS = 64
 """Products of at most this many rows (a decode step's sequences) take a decode kernel

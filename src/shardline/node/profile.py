@@ -27,6 +27,7 @@ from dataclasses import dataclass
 
 import psutil
 
+from shardline.devices import pick_device
 from shardline.node.profile_decode import (
     cuda_decode_layer_s,
     cuda_decode_weight_rate,
@@ -311,39 +312,13 @@ def _timed_rate(fn, work: float, budget_s: float, sync, samples: int = 1) -> flo
     return statistics.median(rates)
 
 
-def pick_device(torch, device: str):
-    """The ``torch.device`` a device name (:data:`DEVICE_RE`) means on this machine, with
-    ``torch`` the imported module (the caller's: the node never imports it).
-
-    Raises:
-        RuntimeError: the device asked for is not available to torch.
-    """
-    if device == "auto":
-        if torch.cuda.is_available():
-            return torch.device("cuda", torch.cuda.current_device())
-        return torch.device("cpu")
-    dev = torch.device(device)
-    if dev.type == "cuda":
-        if not torch.cuda.is_available():
-            raise RuntimeError("CUDA is not available to torch")
-        index = dev.index if dev.index is not None else torch.cuda.current_device()
-        if index >= torch.cuda.device_count():
-            raise RuntimeError(f"no CUDA device {index} ({torch.cuda.device_count()} visible)")
-        return torch.device("cuda", index)
-    if dev.type == "mps":
-        mps = getattr(torch.backends, "mps", None)
-        if mps is None or not mps.is_available():
-            raise RuntimeError("Apple MPS is not available to torch")
-    return dev
-
-
 def device_problem(device: str, timeout_s: float = 60.0) -> str | None:
     """Why runners cannot compute on ``device`` (:data:`DEVICE_RE`) on this machine, as
     :func:`pick_device` says it, or None; ``auto`` and ``cpu`` always can. Asks a child
     process (torch's import, 1-2 s: the node never imports torch)."""
     if device in ("auto", "cpu"):
         return None
-    code = ("import sys, torch\nfrom shardline.node.profile import pick_device\n"
+    code = ("import sys, torch\nfrom shardline.devices import pick_device\n"
             "pick_device(torch, sys.argv[1])")
     try:
         done = subprocess.run([sys.executable, "-c", code, device], capture_output=True, text=True,

@@ -10,7 +10,8 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from shardline.parallel import POINT_TO_POINT_BYTES, point_to_point
+from shardline.parallel import point_to_point
+from shardline.placement.speed import POINT_TO_POINT_BYTES
 
 
 class Collectives:
@@ -71,7 +72,7 @@ class Collectives:
 
     def all_reduce(self, tensor: torch.Tensor) -> torch.Tensor:
         """The sum of every rank's ``tensor``, written into it and returned: on gloo, a
-        tensor of at most :data:`~shardline.parallel.POINT_TO_POINT_BYTES` by sends
+        tensor of at most :data:`~shardline.placement.speed.POINT_TO_POINT_BYTES` by sends
         (:func:`point_to_point.all_reduce`, one hop, bit-identical on every rank), a larger
         one by gloo's ring all-reduce."""
         if self.sends and tensor.numel() * tensor.element_size() <= POINT_TO_POINT_BYTES:

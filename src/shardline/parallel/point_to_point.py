@@ -127,7 +127,7 @@ def all_reduce(tensor: torch.Tensor, rank: int, world_size: int,
     P tensors in group rank order. Each rank sends P - 1 copies, where a ring all-reduce
     sends 2 (P - 1) / P of one: for the small tensors of a decode step (a few rows of
     the hidden size) the one hop is what counts; see
-    :data:`shardline.parallel.POINT_TO_POINT_BYTES`.
+    :data:`shardline.placement.speed.POINT_TO_POINT_BYTES`.
 
     Raises:
         RuntimeError: a send or receive failed or timed out (a peer rank is gone).

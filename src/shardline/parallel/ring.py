@@ -236,6 +236,8 @@ class RingStage(Stage):
     def local_tokens(self, tokens: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
         """A ring chunk's token ids at this rank's zig-zag positions (int64 ``[n]``, the
         rows of ``batch``); every token id of any other batch."""
-        if batch.ring is None:
+        ring = batch.ring
+        if ring is None:
             return tokens
-        return tokens[batch.ring.positions[self.rank].cpu() - batch.start]
+        assert isinstance(ring, RingContext)  # a ring stage's batches carry its own
+        return tokens[ring.positions[self.rank].cpu() - batch.start]

@@ -18,6 +18,8 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 
+from shardline.models.budgets import DEQUANT_SCRATCH_BYTES
+
 RUNTIME_BASELINE_BYTES = 256 * 2**20
 """A runner's private memory besides its shard (Python, torch, shardline, the kernels'
 buffers), where the node has not measured it: 150-160 MiB measured on Linux x86-64 with
@@ -26,15 +28,6 @@ torch 2.13, counted with room to spare (another platform's runtime is unknown)."
 RUNNER_EXTRA_BYTES = 8 * 2**20
 """What a runner holds beyond the node profile's measured runtime (which already ran a
 tiny model's kernels): its process group and threads (a few MiB on Linux x86-64)."""
-
-DEQUANT_SCRATCH_BYTES = 64 << 20
-"""Scratch for a dense product's dequantized weight rows (:mod:`shardline.models.linear`):
-a product dequantizes as many output rows at a time as fit, in multiples of 256 rows (a
-multiple of torch's int4 block). The compiled kernels write the compute dtype only (a
-whole matrix of up to 32M bfloat16 weights at once); the eager code they replace where
-no C compiler works also holds float32 work, a second plane and the nibbles (11 bytes a
-weight, so at most 6M weights at once, and up to 9 bytes a weight more than placement
-counts)."""
 
 
 def runtime_baseline(measured: list[int]) -> int:

@@ -155,10 +155,10 @@ def serve(conn, outbox: Outbox, started: float) -> None:
 
     import shardline.models.shard_loader  # noqa: F401 (load_stage's, before the spec too)
     import shardline.parallel.pipeline  # noqa: F401
+    from shardline.devices import pick_device
     from shardline.models import native_dequant
     from shardline.models.linear import weight_bytes
     from shardline.models.weights import open_weights
-    from shardline.node.profile import pick_device
     from shardline.process_memory import large_allocations_mapped, release_free_memory
     from shardline.runner.constraint import GrammarTokenizer
     from shardline.runner.engine import Engine, pool_tokens
