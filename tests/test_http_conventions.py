@@ -9,9 +9,9 @@ import asyncio
 import httpx
 import pytest
 
+from shardline.api.http_guard import GuardConfig
 from shardline.models.store import DEFAULT_MODEL_ID, ModelStore
 from shardline.node.app import create_app
-from shardline.node.http_guard import GuardConfig
 from shardline.node.node import Node
 
 pytestmark = pytest.mark.timeout(60)

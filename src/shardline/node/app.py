@@ -16,16 +16,16 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import ClientDisconnect
 
 from shardline.api import anthropic, completions, errors, metrics, ollama, openai, responses
+from shardline.api.bounds import DEFAULT_MAX_BODY_BYTES, RequestBoundsMiddleware
 from shardline.api.heartbeat import HEARTBEAT_S
+from shardline.api.http_extras import SCOPE_KEY, RequestIdMiddleware, allowed_methods
+from shardline.api.http_guard import GuardConfig, GuardMiddleware, SignatureMiddleware, check_key, check_place
 from shardline.api.keep_alive import KeepAlive, unload
 from shardline.api.response_store import ResponseStore, StoredResponse
 from shardline.models.config import UnsupportedModelError
 from shardline.models.store import ModelNotFoundError, ModelStoreError
-from shardline.node.bounds import DEFAULT_MAX_BODY_BYTES, RequestBoundsMiddleware
 from shardline.node.coordinator import free_port
 from shardline.node.create_instance import CreateInstance, create
-from shardline.node.http_extras import SCOPE_KEY, RequestIdMiddleware, allowed_methods
-from shardline.node.http_guard import GuardConfig, GuardMiddleware, SignatureMiddleware, check_key, check_place
 from shardline.node.link_probe import add_link_routes
 from shardline.node.node import Node
 from shardline.node.queue_bound import QueueFullError
@@ -81,8 +81,8 @@ def cluster_error(status: int, message: str, param: str | None = None) -> JSONRe
 def create_app(node: Node, guard: GuardConfig, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
                heartbeat_s: float = HEARTBEAT_S) -> FastAPI:
     """The node's FastAPI app. ``guard``: the API key, Host allow-list and CORS origins
-    (:mod:`shardline.node.http_guard`); request bodies over ``max_body_bytes`` are refused
-    (413, :mod:`shardline.node.bounds`); streams send their API's keep-alive after
+    (:mod:`shardline.api.http_guard`); request bodies over ``max_body_bytes`` are refused
+    (413, :mod:`shardline.api.bounds`); streams send their API's keep-alive after
     ``heartbeat_s`` seconds with nothing else to send."""
 
     keep_alive = KeepAlive()
