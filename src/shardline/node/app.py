@@ -20,13 +20,13 @@ from shardline.api.bounds import DEFAULT_MAX_BODY_BYTES, RequestBoundsMiddleware
 from shardline.api.heartbeat import HEARTBEAT_S
 from shardline.api.http_extras import SCOPE_KEY, RequestIdMiddleware, allowed_methods
 from shardline.api.http_guard import GuardConfig, GuardMiddleware, SignatureMiddleware, check_key, check_place
+from shardline.api.internal import link_probe, transfer
 from shardline.api.keep_alive import KeepAlive, unload
 from shardline.api.response_store import ResponseStore, StoredResponse
 from shardline.models.config import UnsupportedModelError
 from shardline.models.store import ModelNotFoundError, ModelStoreError
 from shardline.node.coordinator import free_port
 from shardline.node.create_instance import CreateInstance, create
-from shardline.node.link_probe import add_link_routes
 from shardline.node.node import Node
 from shardline.node.queue_bound import QueueFullError
 from shardline.node.routing import request_tokens
@@ -35,7 +35,6 @@ from shardline.node.speeds import placement_key
 from shardline.node.state import instance_named
 from shardline.node.status import InstanceStatus
 from shardline.node.table import Instance, InstanceFailedError, NoInstanceError
-from shardline.node.transfer import add_model_routes
 from shardline.node.wire import (
     CancelMessage,
     Delivered,
@@ -152,8 +151,8 @@ def create_app(node: Node, guard: GuardConfig, max_body_bytes: int = DEFAULT_MAX
     app.include_router(anthropic.router(node, request_metrics, heartbeat_s))
     app.include_router(ollama.router(node, request_metrics, keep_alive, heartbeat_s))
     app.include_router(metrics.router(request_metrics))
-    add_link_routes(app)
-    add_model_routes(app, node.store)
+    app.include_router(link_probe.router())
+    app.include_router(transfer.router(node.store))
 
     # -- dashboard, health and cluster API -----------------------------------------------
 
