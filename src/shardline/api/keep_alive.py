@@ -123,7 +123,7 @@ class KeepAlive:
         ready; else the status and cluster-API body of why not: the placement's refusal
         (404 for an unknown model, 409 for no room), 500 when every instance failed, 503
         after ``timeout_s`` seconds."""
-        from shardline.node.create_instance import CreateInstance, create
+        from shardline.api.create_instance import CreateInstance, create
 
         async with self._loading.setdefault(model, asyncio.Lock()):
             if not placed(node, model):

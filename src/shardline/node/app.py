@@ -17,6 +17,7 @@ from starlette.requests import ClientDisconnect
 
 from shardline.api import anthropic, completions, errors, metrics, ollama, openai, responses
 from shardline.api.bounds import DEFAULT_MAX_BODY_BYTES, RequestBoundsMiddleware
+from shardline.api.create_instance import CreateInstance, create
 from shardline.api.heartbeat import HEARTBEAT_S
 from shardline.api.http_extras import SCOPE_KEY, RequestIdMiddleware, allowed_methods
 from shardline.api.http_guard import GuardConfig, GuardMiddleware, SignatureMiddleware, check_key, check_place
@@ -26,7 +27,6 @@ from shardline.api.response_store import ResponseStore, StoredResponse
 from shardline.models.config import UnsupportedModelError
 from shardline.models.store import ModelNotFoundError, ModelStoreError
 from shardline.node.coordinator import free_port
-from shardline.node.create_instance import CreateInstance, create
 from shardline.node.node import Node
 from shardline.node.queue_bound import QueueFullError
 from shardline.node.routing import request_tokens
