@@ -9,9 +9,9 @@ import asyncio
 import httpx
 import pytest
 
+from shardline.api.app import create_app
 from shardline.api.http_guard import GuardConfig
 from shardline.models.store import DEFAULT_MODEL_ID, ModelStore
-from shardline.node.app import create_app
 from shardline.node.node import Node
 
 pytestmark = pytest.mark.timeout(60)
@@ -136,6 +136,6 @@ def test_without_instances_ps_is_empty_and_tags_list_what_a_request_would_load(a
 def test_the_cluster_apis_validation_messages_read_plainly(error, message, param):
     from fastapi.exceptions import RequestValidationError
 
-    from shardline.node.app import _validation_message
+    from shardline.api.exception_handlers import validation_message
 
-    assert _validation_message(RequestValidationError([error])) == (message, param)
+    assert validation_message(RequestValidationError([error])) == (message, param)

@@ -179,7 +179,7 @@ def test_a_link_meter_measures_a_link_once_at_a_time_and_keeps_its_least_round_t
 def test_node_side_does_not_import_torch():
     """The node process (its HTTP app, the profile and link probe) never imports torch:
     only its runners and the profile's child do."""
-    code = ("import sys, shardline.node.app, shardline.node.profile, shardline.node.link_probe, "
+    code = ("import sys, shardline.api.app, shardline.node.profile, shardline.node.link_probe, "
             "shardline.api.internal.link_probe as p; "
             "from fastapi import FastAPI; FastAPI().include_router(p.router()); assert 'torch' not in sys.modules")
     subprocess.run([sys.executable, "-c", code], check=True, timeout=30)

@@ -105,10 +105,10 @@ def _run(args: argparse.Namespace) -> int:
 
     import uvicorn
 
+    from shardline.api.app import create_app
     from shardline.api.header_timeout import header_timeout_protocol
     from shardline.api.http_guard import GuardConfig, local_names
     from shardline.models.store import ModelStore
-    from shardline.node.app import create_app
     from shardline.node.node import Node
 
     guard = GuardConfig(api_key=api_key, allowed_hosts=local_names([args.host, *args.allowed_host]),

@@ -83,7 +83,7 @@ class Node:
     (the rounds: polling peers, terms), :class:`~shardline.node.coordinator.Coordinator`,
     :class:`~shardline.node.supervision.Supervisor`,
     :class:`~shardline.node.logistics.ModelLogistics` and
-    :class:`~shardline.node.routing.Router`. The HTTP layer is ``shardline.node.app``.
+    :class:`~shardline.node.routing.Router`. The HTTP layer is ``shardline.api.app``.
 
     Args:
         host: the address peers and runners of other nodes use to reach this node.
