@@ -50,6 +50,13 @@ def test_405_allows_every_method_of_the_path(app, method, path, allow):
     assert response.status_code == 405 and response.headers["allow"] == allow
 
 
+def test_405_allows_the_methods_of_every_router(app):
+    """A path served by two routes of one included router (the Responses API's GET and
+    DELETE of a stored response) names both, as a path of the app's own routes does."""
+    [response] = call(app, ("PUT", "/v1/responses/abc", None, None))
+    assert response.status_code == 405 and response.headers["allow"] == "DELETE, GET"
+
+
 def test_every_answer_carries_a_request_id(app):
     ok, refused, failed, odd, long = call(
         app, ("GET", "/api/version", None, {"X-Request-Id": "client-id-1"}),
