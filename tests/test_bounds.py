@@ -10,9 +10,9 @@ import time
 
 import pytest
 
+from shardline.api.bounds import JsonDepthScanner, RequestBoundsMiddleware, json_depth
 from shardline.api.prompt_bounds import SAFETY, min_prompt_tokens
 from shardline.models.store import ModelStoreError, check_model_id
-from shardline.node.bounds import JsonDepthScanner, RequestBoundsMiddleware, json_depth
 from shardline.node.queue_bound import RETRY_AFTER_S, admits, retry_after, waiting_count
 
 pytestmark = [pytest.mark.fast, pytest.mark.timeout(30)]

@@ -219,9 +219,9 @@ def test_a_connection_that_never_finishes_its_headers_is_closed(bounded):
 
 
 def test_a_handler_that_raises_gets_a_json_500_in_the_apis_format(tmp_path):
+    from shardline.api.app import create_app
+    from shardline.api.http_guard import GuardConfig
     from shardline.models.store import ModelStore
-    from shardline.node.app import create_app
-    from shardline.node.http_guard import GuardConfig
     from shardline.node.node import Node
 
     node = Node("127.0.0.1", 1, [], "n0", "k" * 32, ModelStore(tmp_path))

@@ -9,9 +9,9 @@ import asyncio
 import httpx
 import pytest
 
+from shardline.api.app import create_app
+from shardline.api.http_guard import GuardConfig
 from shardline.models.store import DEFAULT_MODEL_ID, ModelStore
-from shardline.node.app import create_app
-from shardline.node.http_guard import GuardConfig
 from shardline.node.node import Node
 
 pytestmark = pytest.mark.timeout(60)
@@ -48,6 +48,13 @@ def call(app, *requests: tuple) -> list[httpx.Response]:
 def test_405_allows_every_method_of_the_path(app, method, path, allow):
     [response] = call(app, (method, path, None, None))
     assert response.status_code == 405 and response.headers["allow"] == allow
+
+
+def test_405_allows_the_methods_of_every_router(app):
+    """A path served by two routes of one included router (the Responses API's GET and
+    DELETE of a stored response) names both, as a path of the app's own routes does."""
+    [response] = call(app, ("PUT", "/v1/responses/abc", None, None))
+    assert response.status_code == 405 and response.headers["allow"] == "DELETE, GET"
 
 
 def test_every_answer_carries_a_request_id(app):
@@ -136,6 +143,6 @@ def test_without_instances_ps_is_empty_and_tags_list_what_a_request_would_load(a
 def test_the_cluster_apis_validation_messages_read_plainly(error, message, param):
     from fastapi.exceptions import RequestValidationError
 
-    from shardline.node.app import _validation_message
+    from shardline.api.exception_handlers import validation_message
 
-    assert _validation_message(RequestValidationError([error])) == (message, param)
+    assert validation_message(RequestValidationError([error])) == (message, param)

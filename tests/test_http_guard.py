@@ -2,8 +2,7 @@
 
 import pytest
 
-from shardline.node import signing
-from shardline.node.http_guard import (
+from shardline.api.http_guard import (
     ANY,
     GuardConfig,
     RequestFacts,
@@ -11,6 +10,7 @@ from shardline.node.http_guard import (
     host_name,
     names_this_node,
 )
+from shardline.node import signing
 
 pytestmark = pytest.mark.fast
 

@@ -13,12 +13,12 @@ import httpx
 import pytest
 from fastapi import FastAPI
 
+from shardline.api.internal.link_probe import router as link_routes
 from shardline.cli import device_name
 from shardline.devices import pick_device
 from shardline.node.link_probe import (
     LINK_HISTORY,
     LinkMeter,
-    add_link_routes,
     link_due,
     measure_link,
     steady_link,
@@ -97,7 +97,7 @@ def _client(app: FastAPI) -> httpx.AsyncClient:
 
 def test_measure_link_over_asgi():
     app = FastAPI()
-    add_link_routes(app)
+    app.include_router(link_routes())
 
     async def run():
         async with _client(app) as client:
@@ -179,8 +179,9 @@ def test_a_link_meter_measures_a_link_once_at_a_time_and_keeps_its_least_round_t
 def test_node_side_does_not_import_torch():
     """The node process (its HTTP app, the profile and link probe) never imports torch:
     only its runners and the profile's child do."""
-    code = ("import sys, shardline.node.app, shardline.node.profile, shardline.node.link_probe as p; "
-            "from fastapi import FastAPI; p.add_link_routes(FastAPI()); assert 'torch' not in sys.modules")
+    code = ("import sys, shardline.api.app, shardline.node.profile, shardline.node.link_probe, "
+            "shardline.api.internal.link_probe as p; "
+            "from fastapi import FastAPI; FastAPI().include_router(p.router()); assert 'torch' not in sys.modules")
     subprocess.run([sys.executable, "-c", code], check=True, timeout=30)
 
 

@@ -15,6 +15,7 @@ from fastapi import Request as FastAPIRequest
 from fastapi.testclient import TestClient
 from tiny_models import hf_model
 
+from shardline.api.internal.transfer import router as model_file_routes
 from shardline.models.byte_ranges import merged, missing
 from shardline.models.confine import UnsafePathError
 from shardline.models.file_pieces import HEADER_PIECE, Piece
@@ -23,7 +24,6 @@ from shardline.models.sparse_file import SparseRecord, read_record, record_path,
 from shardline.models.store import Manifest, ModelFile, ModelStore, ModelStoreError, sha256_file
 from shardline.node.transfer import (
     TransferError,
-    add_model_routes,
     fetch_files,
     fetch_pieces,
     runs,
@@ -50,7 +50,7 @@ def peer(tmp_path):
         ranges.append(request.headers.get("range"))
         return await call_next(request)
 
-    add_model_routes(app, store)
+    app.include_router(model_file_routes(store))
     with TestClient(app) as client:
         yield store, manifest, client, ranges
 
@@ -238,7 +238,7 @@ class served:
             self.ranges.append(request.headers.get("range"))
             return await call_next(request)
 
-        add_model_routes(self.app, store)
+        self.app.include_router(model_file_routes(store))
 
     def __enter__(self):
         self.client = TestClient(self.app).__enter__()

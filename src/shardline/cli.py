@@ -105,10 +105,10 @@ def _run(args: argparse.Namespace) -> int:
 
     import uvicorn
 
+    from shardline.api.app import create_app
+    from shardline.api.header_timeout import header_timeout_protocol
+    from shardline.api.http_guard import GuardConfig, local_names
     from shardline.models.store import ModelStore
-    from shardline.node.app import create_app
-    from shardline.node.header_timeout import header_timeout_protocol
-    from shardline.node.http_guard import GuardConfig, local_names
     from shardline.node.node import Node
 
     guard = GuardConfig(api_key=api_key, allowed_hosts=local_names([args.host, *args.allowed_host]),
@@ -264,11 +264,11 @@ class _Version(argparse.Action):
 
 
 def build_parser() -> argparse.ArgumentParser:
+    from shardline.api.bounds import DEFAULT_MAX_BODY_BYTES
+    from shardline.api.header_timeout import DEFAULT_HEADER_TIMEOUT_S
     from shardline.api.heartbeat import HEARTBEAT_S
     from shardline.control import byte_size
     from shardline.models.store import DEFAULT_MODEL_ID
-    from shardline.node.bounds import DEFAULT_MAX_BODY_BYTES
-    from shardline.node.header_timeout import DEFAULT_HEADER_TIMEOUT_S
     from shardline.node.queue_bound import DEFAULT_MAX_WAITING
     from shardline.placement.ranks import SHARDING_NAMES
 

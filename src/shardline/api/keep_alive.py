@@ -28,6 +28,7 @@ from collections import Counter
 from collections.abc import Collection, Iterable, Mapping
 from typing import TYPE_CHECKING
 
+from shardline.api.coordinator_forward import ask_coordinator
 from shardline.api.errors import API, error_body
 from shardline.api.model_facts import placed
 from shardline.node.status import InstanceStatus
@@ -123,7 +124,7 @@ class KeepAlive:
         ready; else the status and cluster-API body of why not: the placement's refusal
         (404 for an unknown model, 409 for no room), 500 when every instance failed, 503
         after ``timeout_s`` seconds."""
-        from shardline.node.create_instance import CreateInstance, create
+        from shardline.api.create_instance import CreateInstance, create
 
         async with self._loading.setdefault(model, asyncio.Lock()):
             if not placed(node, model):
@@ -199,7 +200,7 @@ async def unload(node: "Node", instance_id: str) -> tuple[int, dict]:
     does: the HTTP status and body that request would answer (``deleted``: the id
     removed, the one placed again in ``instance_id``'s place where it failed)."""
     if not node.is_coordinator():
-        return await node.ask_coordinator("DELETE", f"/cluster/instances/{instance_id}")
+        return await ask_coordinator(node, "DELETE", f"/cluster/instances/{instance_id}")
     deleted = await node.coordinator.delete_instance(instance_id)
     if deleted is None:
         return 404, error_body(API.CLUSTER, 404, f"no instance {instance_id}", "instance_id")

@@ -1,7 +1,7 @@
 """What signing costs a node-to-node request: ``python -m shardline.bench.signing``.
 
 Sends the same requests through one ASGI app (FastAPI, in-process over httpx's ASGI
-transport, so no socket noise) with and without :class:`~shardline.node.http_guard.SignatureMiddleware`
+transport, so no socket noise) with and without :class:`~shardline.api.http_guard.SignatureMiddleware`
 and a signing client, and prints the time per request of each and the difference: the
 client's HMAC and body hash, the server's check, nonce cache and answer signature.
 Bodies: a poll (no body), a table (2 KiB), a prompt's token ids (40 KiB), 1 MiB, and the
@@ -16,7 +16,7 @@ import time
 import httpx
 from fastapi import FastAPI, Request
 
-from shardline.node.http_guard import SignatureMiddleware
+from shardline.api.http_guard import SignatureMiddleware
 from shardline.node.signing import SignedAuth, signing_key
 
 HOST = "127.0.0.1:52415"

@@ -1,7 +1,7 @@
 """How fast the link to a peer node is: two small HTTP routes every node serves, ``GET
-/internal/ping`` and ``POST /internal/echo-bytes`` (:func:`add_link_routes`), and a client
-that times them (:func:`measure_link`) over the node's own connection pool, so the pings
-also open the connection the transfers then use.
+/internal/ping`` and ``POST /internal/echo-bytes`` (:mod:`shardline.api.internal.link_probe`),
+and a client that times them (:func:`measure_link`) over the node's own connection pool,
+so the pings also open the connection the transfers then use.
 
 Units: bytes, seconds, bytes/s.
 """
@@ -18,33 +18,6 @@ log = logging.getLogger(__name__)
 UPLOAD_PATH = "/internal/echo-bytes"
 """The route the probe uploads its payload to: bytes the receiver discards (not JSON, and
 not hashed for the signature: see ``shardline.node.signing.UNHASHED_PATHS``)."""
-
-
-def add_link_routes(app: Any) -> None:
-    """Register on a FastAPI ``app`` the two routes :func:`measure_link` times:
-
-    - ``GET /internal/ping`` -> ``{"ok": true}``
-    - ``POST /internal/echo-bytes``: reads the request body as it arrives, discards it,
-      and returns ``{"bytes": n}``, the number of bytes read.
-    """
-    from fastapi import Request  # noqa: PLC0415 (not needed by the profile child)
-
-    async def ping() -> dict:
-        return {"ok": True}
-
-    async def echo_bytes(request) -> dict:
-        n = 0
-        async for chunk in request.stream():
-            n += len(chunk)
-        return {"bytes": n}
-
-    # Real annotation objects: FastAPI could not resolve the string "Request" (this module
-    # uses postponed annotations and imports Request here only) and would take a query
-    # parameter for it.
-    ping.__annotations__ = {"return": dict}
-    echo_bytes.__annotations__ = {"request": Request, "return": dict}
-    app.add_api_route("/internal/ping", ping, methods=["GET"])
-    app.add_api_route(UPLOAD_PATH, echo_bytes, methods=["POST"])
 
 
 async def measure_link(client: Any, base_url: str, payload_bytes: int = 4 * 2**20,

@@ -38,7 +38,6 @@ from pathlib import Path
 
 import psutil
 
-from shardline.api.errors import API, error_body
 from shardline.models.store import (
     ModelStore,
 )
@@ -83,7 +82,7 @@ class Node:
     (the rounds: polling peers, terms), :class:`~shardline.node.coordinator.Coordinator`,
     :class:`~shardline.node.supervision.Supervisor`,
     :class:`~shardline.node.logistics.ModelLogistics` and
-    :class:`~shardline.node.routing.Router`. The HTTP layer is ``shardline.node.app``.
+    :class:`~shardline.node.routing.Router`. The HTTP layer is ``shardline.api.app``.
 
     Args:
         host: the address peers and runners of other nodes use to reach this node.
@@ -426,17 +425,3 @@ class Node:
         """Keep the table and its epoch in ``state_path`` (rule 1 across restarts)."""
         if self.state_path is not None:
             save_table(self.state_path, self.cluster_state)
-
-    # -- the cluster API through the coordinator -----------------------------------------
-
-    async def ask_coordinator(self, method: str, path: str, body: dict | None = None) -> tuple[int, dict]:
-        """Send a cluster-API request to the coordinator; its status and JSON body (503
-        while this node, the next coordinator, still hears the cluster, or when the
-        coordinator cannot be reached)."""
-        if self.coordinator_id() == self.node_id:
-            return 503, error_body(API.CLUSTER, 503, "this node is taking over as coordinator; try again in a few "
-                                                    "seconds")
-        try:
-            return await self.peer_client.forward(method, self.address_of(self.coordinator_id()), path, body)
-        except PeerError as exc:
-            return 503, error_body(API.CLUSTER, 503, f"the coordinator could not be reached: {exc}")

@@ -8,7 +8,7 @@ where the HMAC (RFC 2104, stdlib ``hmac``) is taken with the cluster's *signing 
 ``shardline-v1 request``, the method, the path with its query string, the Host header (the
 node it is for), the :data:`MEMBER_HEADER` (the sender's address, when it names one), the
 time, the nonce and the SHA-256 of the body, one per line. The receiver checks the MAC, that
-the Host names itself (``shardline.node.http_guard``), that the time lies within
+the Host names itself (``shardline.api.http_guard``), that the time lies within
 :data:`CLOCK_SKEW_S` of its own clock and not before the receiver started, and that it has
 not seen the nonce in that window (:class:`NonceCache`): a recorded request can be replayed
 neither to its node (also not after a restart, which empties the cache) nor to another. The

@@ -1,11 +1,11 @@
 """Copying a model's files from a peer's store: HTTP byte ranges, resumed, hash-checked.
 
-A node serves the files of its store at ``/internal/models/file`` (behind the cluster key,
-like every ``/internal`` route): a file it holds whole with Starlette's ``FileResponse``,
-which answers ``Range: bytes=N-`` requests (RFC 9110, section 14) with ``206 Partial
-Content``; a file it holds in part (:mod:`shardline.models.sparse_file`) only as one byte
-range that lies wholly in what it holds (anything else is answered 404: it never serves
-bytes it does not hold).
+A node serves the files of its store at ``/internal/models/file``
+(:mod:`shardline.api.internal.transfer`, behind the cluster key like every ``/internal``
+route): a file it holds whole, with byte ranges of it (RFC 9110, section 14: ``206
+Partial Content``); a file it holds in part (:mod:`shardline.models.sparse_file`) only as
+one byte range that lies wholly in what it holds (anything else is answered 404: it never
+serves bytes it does not hold).
 
 A node that lacks files of its shard fetches them whole (:func:`fetch_files`): each into
 ``<file>.partial``, continued from its current size after an interruption, and renamed to
@@ -32,10 +32,8 @@ from collections.abc import Callable
 from pathlib import Path
 
 import httpx
-from fastapi import FastAPI, Request
-from fastapi.responses import FileResponse, JSONResponse, StreamingResponse
 
-from shardline.models.byte_ranges import Range, covers
+from shardline.models.byte_ranges import covers
 from shardline.models.confine import UnsafePathError, check_manifest_json
 from shardline.models.file_pieces import Piece
 from shardline.models.sparse_file import RECORD_SUFFIX, SparseRecord, read_record, record_path, write_record
@@ -44,7 +42,6 @@ from shardline.models.store import (
     Manifest,
     ModelFile,
     ModelStore,
-    ModelStoreError,
 )
 
 log = logging.getLogger(__name__)
@@ -56,86 +53,6 @@ RECORD_EVERY_BYTES = 64 << 20
 
 class TransferError(RuntimeError):
     """A file could not be copied from a peer: an error answer, a short or corrupt copy."""
-
-
-def add_model_routes(app: FastAPI, store: ModelStore) -> None:
-    """Serve ``store`` to peers: ``GET /internal/models/manifest?model=ID`` (the manifest)
-    and ``GET /internal/models/file?model=ID&path=REL`` (a file present whole, byte ranges
-    of it; or one range held of a file held in part)."""
-
-    @app.get("/internal/models/manifest")
-    async def manifest(model: str):
-        found = _manifest_or_none(store, model)
-        if found is None:
-            return JSONResponse(status_code=404, content={"detail": f"model {model!r} is not in this store"})
-        return found.to_dict()
-
-    @app.get("/internal/models/file")
-    async def model_file(model: str, path: str, request: Request):
-        found = _manifest_or_none(store, model)
-        missing = JSONResponse(status_code=404, content={"detail": f"{model}: no file {path!r} here"})
-        # Only files named in the manifest, at a real path inside the model's directory.
-        if found is None or path not in {f.path for f in found.files}:
-            return missing
-        size = found.file(path).size
-        held = store.held_ranges(model, path, found)
-        whole = held == [(0, size)]
-        wanted = None
-        if not whole:
-            wanted = single_range(request.headers.get("range"), size)
-            if wanted is None or not covers(held, wanted):
-                return JSONResponse(status_code=404, content={
-                    "detail": f"{model}: {path!r} is not here whole, nor the bytes asked for"})
-        try:
-            real = store.confined_path(model, path)
-        except (UnsafePathError, ModelStoreError) as exc:
-            log.warning("refused to serve %s/%s: %s", model, path, exc)
-            return missing
-        if whole:
-            return FileResponse(real, media_type="application/octet-stream")
-        assert wanted is not None
-        start, end = wanted
-        return StreamingResponse(_read_range(real, start, end), status_code=206,
-                                 media_type="application/octet-stream",
-                                 headers={"Content-Range": f"bytes {start}-{end - 1}/{size}",
-                                          "Content-Length": str(end - start)})
-
-
-def single_range(header: str | None, size: int) -> Range | None:
-    """The one byte range ``[start, end)`` a ``Range`` header asks of a file of ``size``
-    bytes (``bytes=A-B``, ``bytes=A-``, ``bytes=-N``), or None when it asks none, several,
-    or one that is empty or past the end."""
-    if header is None or not header.startswith("bytes=") or "," in header:
-        return None
-    first, _, last = header[len("bytes="):].strip().partition("-")
-    try:
-        if not first:
-            start, end = max(size - int(last), 0), size
-        else:
-            start = int(first)
-            end = min(int(last) + 1, size) if last else size
-    except ValueError:
-        return None
-    return (start, end) if 0 <= start < end <= size else None
-
-
-def _read_range(path: Path, start: int, end: int):
-    """The bytes ``[start, end)`` of the file at ``path``, a chunk at a time."""
-    with open(path, "rb") as f:
-        f.seek(start)
-        while start < end:
-            block = f.read(min(CHUNK_BYTES, end - start))
-            if not block:
-                return
-            start += len(block)
-            yield block
-
-
-def _manifest_or_none(store: ModelStore, model: str) -> Manifest | None:
-    try:
-        return store.manifest(model)
-    except ModelStoreError:
-        return None
 
 
 class CopyProgress:

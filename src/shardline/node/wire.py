@@ -1,7 +1,7 @@
 """What nodes send each other over ``/internal``: one pydantic model per message, so a
 malformed message is refused (a 400 naming the field, or a :class:`PeerError` on the
 sending side), never half read. :class:`~shardline.node.peer_client.PeerClient` sends
-them; ``shardline.node.app`` receives them.
+them; ``shardline.api.internal.peer_server`` receives them.
 
 Format: JSON bodies. Domain values that already are frozen dataclasses (the instance
 table's :class:`~shardline.node.table.Instance`, a runner's

@@ -6,7 +6,7 @@ header lists every method the path takes.
 from __future__ import annotations
 
 import uuid
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 
 from starlette.routing import Match
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
@@ -69,11 +69,24 @@ def allow_value(method_sets: Iterable[Iterable[str]]) -> str:
 
 def allowed_methods(routes: Iterable, scope: Scope) -> str:
     """``Allow`` for a request that met a 405: the methods of every route of ``routes``
-    (Starlette's) whose path matches the request's. Starlette's own header names only the
-    first such route's methods (``GET`` for a path served by a GET and a POST route)."""
+    (Starlette's, and those of the routers included among them) whose path matches the
+    request's. Starlette's own header names only the first such route's methods (``GET``
+    for a path served by a GET and a POST route)."""
     sets = []
-    for route in routes:
+    for route in _flattened(routes):
         methods = getattr(route, "methods", None)
         if methods and route.matches(scope)[0] != Match.NONE:
             sets.append(methods)
     return allow_value(sets)
+
+
+def _flattened(routes: Iterable) -> Iterator:
+    """``routes`` with each included router replaced by its own routes (FastAPI 0.165
+    keeps a router included without a prefix, as the app's are, as one route that holds
+    it: ``original_router``)."""
+    for route in routes:
+        included = getattr(route, "original_router", None)
+        if included is None:
+            yield route
+        else:
+            yield from _flattened(included.routes)

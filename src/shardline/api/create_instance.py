@@ -8,6 +8,7 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
+from shardline.api.coordinator_forward import ask_coordinator
 from shardline.api.errors import API, error_body
 from shardline.models.config import UnsupportedModelError
 from shardline.models.store import ModelNotFoundError, ModelStoreError
@@ -66,7 +67,7 @@ async def create(node: Node, body: CreateInstance) -> tuple[int, dict]:
     except (ModelStoreError, UnsupportedModelError) as exc:
         return 400, error_body(API.CLUSTER, 400, str(exc), "model")
     if not node.is_coordinator():
-        return await node.ask_coordinator("POST", "/cluster/instances", body.model_dump())
+        return await ask_coordinator(node, "POST", "/cluster/instances", body.model_dump())
     try:
         inst = await node.coordinator.create_instance(
             body.model, body.sharding, body.nodes, body.context, body.max_batch, body.dtype,

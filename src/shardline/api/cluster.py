@@ -1,0 +1,153 @@
+"""The cluster API (``/cluster/...``): the nodes, the models they hold, the instances and
+their placement preview, placing an instance and deleting one. Any node answers; placing
+and deleting go through the coordinator. Errors are OpenAI-shaped
+(:func:`cluster_error`, :mod:`shardline.api.errors`)."""
+
+from __future__ import annotations
+
+import dataclasses
+
+from fastapi import APIRouter
+from fastapi.responses import JSONResponse
+
+from shardline.api import errors
+from shardline.api.create_instance import CreateInstance, create
+from shardline.api.keep_alive import unload
+from shardline.models.config import UnsupportedModelError
+from shardline.models.store import ModelNotFoundError, ModelStoreError
+from shardline.node.node import Node
+from shardline.node.speeds import placement_key
+from shardline.node.state import instance_named
+from shardline.node.status import InstanceStatus
+from shardline.node.table import Instance
+from shardline.placement.pipeline import PlacementError
+from shardline.placement.ranks import PlacementRequestError, shardings_named
+
+
+def cluster_error(status: int, message: str, param: str | None = None) -> JSONResponse:
+    """An error answer of the cluster API (``{"error": {"message", "type", "param", "code"}}``,
+    :mod:`shardline.api.errors`)."""
+    return JSONResponse(status_code=status, content=errors.error_body(errors.API.CLUSTER, status, message, param))
+
+
+def router(node: Node) -> APIRouter:
+    """The cluster API of ``node``."""
+    routes = APIRouter()
+
+    @routes.get("/cluster/nodes")
+    async def nodes() -> dict:
+        return nodes_view(node)
+
+    @routes.get("/cluster/models")
+    async def models() -> dict:
+        """Every model a live node holds (and the embedded default): which nodes hold
+        all of its files or some, its size, and its instances (the peers asked afresh)."""
+        return {"models": await node.logistics.cluster_models()}
+
+    @routes.get("/cluster/instances")
+    async def instances() -> dict:
+        served = node.forecast.served_speeds()
+        return {"instances": [await instance_view(node, i, served) for i in node.instances.values()]}
+
+    @routes.get("/cluster/instances/{instance_id}")
+    async def instance(instance_id: str):
+        inst = instance_named(node.instances, instance_id)  # or the one placed in its place
+        if inst is None:
+            return cluster_error(404, f"no instance {instance_id}", "instance_id")
+        return await instance_view(node, inst, node.forecast.served_speeds())
+
+    @routes.post("/cluster/placements/preview")
+    async def placement_preview(body: CreateInstance):
+        """Feasible placements with predicted tokens/s (fastest first), then refused ones;
+        ``serving``: an instance of the model (in the asked dtype and quantization) runs
+        on this placement now."""
+        return await preview(node, body)
+
+    @routes.post("/cluster/instances", status_code=201)
+    async def create_instance(body: CreateInstance):
+        status, content = await create(node, body)
+        return JSONResponse(status_code=status, content=content)
+
+    @routes.delete("/cluster/instances/{instance_id}")
+    async def delete_instance(instance_id: str):
+        status, content = await unload(node, instance_id)  # through the coordinator
+        return JSONResponse(status_code=status, content=content)
+
+    return routes
+
+
+def nodes_view(node: Node) -> dict:
+    """``GET /cluster/nodes``: this node and every peer (live or not), with its memory,
+    profile, links and models; who coordinates and in which epoch."""
+    live = set(node.live_node_ids())
+    out = [dict(node.info().model_dump(mode="json"), live=True)]
+    for peer in node.peers.values():
+        memory = node.memory.of(peer.node_id)  # walks the table: once a peer
+        out.append({"node_id": peer.node_id, "address": peer.address, "live": peer.node_id in live,
+                    "available_bytes": memory["free_bytes"], **memory, "total_bytes": peer.total_bytes,
+                    "profile": peer.profile, "links": peer.links, "models": peer.models})
+    # the epoch's majority mark is its term's start; hears_majority is now (a node cut
+    # off alone keeps serving in its term, which a majority's table outranks)
+    return {"coordinator": node.coordinator_id(), "epoch": node.epoch.to_dict(),
+            "hears_majority": node.hears_majority(),
+            "node_id": node.node_id, "acting": node.is_coordinator(),
+            "nodes": sorted(out, key=lambda n: n["node_id"])}  # one order from every node
+
+
+async def instance_view(node: Node, inst: Instance, served: dict) -> dict:
+    """An instance; ``local_engine`` is this node's rank's batch (EngineStats),
+    ``local_memory`` its runner's memory (see ``Worker.memory``) and ``speed`` the
+    preview's first-order prediction for its placement now (decode at the context
+    its measured requests ran at, else the instance's; prefill at their median
+    prompt, ``prefill_prompt_tokens``, else one chunk's) beside what the cluster
+    measured it doing (``served``: ``Forecast.served_speeds()``; None: no request
+    measured yet, or the model's card is still being read) and how many requests each
+    figure is the median of."""
+    measured = served.get(placement_key(inst))
+    decode, prefill = await node.forecast.first_order(
+        inst, measured.context if measured else None, wait=False,
+        prompt_tokens=measured.prompt_tokens if measured else None)
+    speed = {"predicted_decode_tokens_per_s": decode or None,
+             "predicted_prefill_tokens_per_s": prefill or None,
+             "measured_decode_tokens_per_s": measured.decode_tokens_per_s if measured else None,
+             "measured_prefill_tokens_per_s": measured.prefill_tokens_per_s if measured else None,
+             "decode_samples": len(measured.decode_samples) if measured else 0,
+             "decode_context": measured.context if measured else inst.context,
+             "prefill_samples": len(measured.prefill_samples) if measured else 0,
+             "prefill_prompt_tokens": measured.prompt_tokens if measured else None}
+    return dict(inst.to_dict(), local_engine=node.engine_stats.get(inst.instance_id),
+                local_memory=node.worker.memory(inst.instance_id), speed=speed)
+
+
+async def preview(node: Node, body: CreateInstance) -> dict | JSONResponse:
+    """``POST /cluster/placements/preview``'s answer: the candidates, or a refusal (404
+    for an unknown model, 400 for one or a request that cannot be placed)."""
+    try:
+        shardings = shardings_named(body.sharding)
+        model_id = await node.logistics.adopt(body.model)
+        card = await node.logistics.model_card(model_id)
+        candidates = await node.coordinator.preview(card, body.nodes, body.context,
+                                                    body.max_batch, body.dtype,
+                                                    shardings=shardings, force=body.force,
+                                                    min_nodes=body.min_nodes or 1,
+                                                    max_nodes=body.max_nodes,
+                                                    kv_cache_bytes=body.kv_cache_bytes,
+                                                    quantize=body.quantize)
+    except ModelNotFoundError as exc:
+        return cluster_error(404, str(exc), "model")
+    except (PlacementError, ModelStoreError, UnsupportedModelError, PlacementRequestError) as exc:
+        return cluster_error(400, str(exc))
+    serving = {(str(i.sharding), tuple(i.node_ids())) for i in node.instances.values()
+               if i.model_id == card.model_id and i.status != InstanceStatus.FAILED
+               and i.dtype == body.dtype and i.quantize == body.quantize}
+    return {"candidates": [
+        {"sharding": c.sharding, "node_ids": list(c.node_ids), "feasible": c.feasible,
+         "serving": (str(c.sharding), tuple(c.node_ids)) in serving,
+         "predicted_decode_tokens_per_s": c.predicted_decode_tokens_per_s,
+         "predicted_prefill_tokens_per_s": c.predicted_prefill_tokens_per_s,
+         "model_decode_tokens_per_s": c.model_decode_tokens_per_s,
+         "model_prefill_tokens_per_s": c.model_prefill_tokens_per_s,
+         "decode_basis": c.decode_basis, "prefill_basis": c.prefill_basis,
+         "shares": [dataclasses.asdict(s) for s in c.shares], "error": c.error,
+         "kv_tokens": c.kv_tokens}
+        for c in candidates]}
