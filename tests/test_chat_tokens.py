@@ -138,6 +138,7 @@ def prepared(tokenizer: Tokenizer, request: Any) -> list[int]:
         return tokenizer
 
     router = SimpleNamespace(ready_instance=lambda model: SimpleNamespace(context=8192),
+                             route=lambda prompt, inst: inst,  # one instance: routing keeps it
                              reserve=lambda inst, gen: 1)  # the queue bound: always room here
     node: Any = SimpleNamespace(router=router, logistics=SimpleNamespace(tokenizer=tokenizer_of))
     return asyncio.run(prepare(node, request.to_generation())).prompt
@@ -209,7 +210,7 @@ def loading_node(tokenizer: Tokenizer) -> tuple[Any, list[str], list[str]]:
         raise NoInstanceError(model)
 
     router = SimpleNamespace(ready_instance=ready_instance, wait_for_ready=wait_for_ready,
-                             reserve=lambda inst, gen: 1)
+                             route=lambda prompt, inst: inst, reserve=lambda inst, gen: 1)
     node = SimpleNamespace(router=router, instances={"i": loading},
                            logistics=SimpleNamespace(tokenizer=tokenizer_of))
     return node, waited, tokenized
@@ -259,7 +260,8 @@ def test_a_request_too_long_for_the_local_instance_goes_to_one_with_a_longer_con
     async def tokenizer_of(model: str) -> Tokenizer:
         return tokenizer
 
-    router = SimpleNamespace(ready_instance=lambda model: instances["short"], reserve=lambda inst, gen: None)
+    router = SimpleNamespace(ready_instance=lambda model: instances["short"], reserve=lambda inst, gen: None,
+                             route=lambda prompt, inst: inst)  # routing by prefix aside: the context's choice
     node: Any = SimpleNamespace(node_id="a", router=router, instances=instances,
                                 logistics=SimpleNamespace(tokenizer=tokenizer_of))
     for max_tokens, chosen in [(1000, "long"), (8, "short")]:
