@@ -7,9 +7,9 @@ from shardline.runner.engine import (
     idle_release,
     kv_reservation,
     pool_tokens,
-    prefill_plan,
 )
 from shardline.runner.prefix_cache import Waiting, plan_admission
+from shardline.runner.step_plan import prefill_plan
 
 pytestmark = [pytest.mark.fast, pytest.mark.timeout(10)]
 

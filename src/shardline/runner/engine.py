@@ -61,6 +61,7 @@ from shardline.runner.protocol import (
     Tokens,
 )
 from shardline.runner.sampling import MAX_TOP_LOGPROBS, Sampler
+from shardline.runner.step_plan import prefill_plan
 from shardline.runner.threads import ThreadGovernor
 
 log = logging.getLogger(__name__)
@@ -106,23 +107,6 @@ def pool_tokens(kv_tokens: int, max_batch: int, context: int, block_tokens: int)
 
 SCORE_BLOCK_ROWS = 16
 """Rows of a scored prompt's chunk whose logits are taken at once (:meth:`Engine._share_prompt_logprobs`)."""
-
-
-def prefill_plan(prompts: list[tuple[int, int]], chunk: int, budget: int) -> list[tuple[int, int, int]]:
-    """A step's prefill chunks ``(index of the prompt, start, length)``, oldest prompt
-    first, whole chunks up to ``budget`` prompt tokens (at least one chunk), cut at
-    multiples of ``chunk`` (a prompt resumed from a cached prefix is cut where its cold
-    prefill is). ``prompts``: per sequence, (prompt tokens, tokens prefilled)."""
-    plan: list[tuple[int, int, int]] = []
-    for index, (total, start) in enumerate(prompts):
-        while start < total:
-            length = min(chunk - start % chunk, total - start)
-            if plan and length > budget:
-                return plan
-            plan.append((index, start, length))
-            budget -= length
-            start += length
-    return plan
 
 
 @dataclass

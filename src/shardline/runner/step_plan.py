@@ -1,0 +1,166 @@
+"""A lockstep step's plan as a value (vLLM v1's ``SchedulerOutput`` is the model): which
+waiting tasks start (:func:`~shardline.runner.prefix_cache.plan_admission`), which
+sequences decode a token, which prefill chunks run, and, once the step's tokens are
+agreed, which sampled sequences finish and why (:func:`finish_reason`).
+
+Everything here is a pure function of state every rank of an instance holds alike, so each
+rank plans the same step and makes the same collective calls in the same order; the
+engine (:class:`~shardline.runner.engine.Engine`) only carries the plan out.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+from typing import Sequence
+
+from shardline.runner.prefix_cache import Admission, CachedPrefix, Waiting, plan_admission
+
+
+@dataclass(frozen=True, slots=True)
+class SequenceState:
+    """A sequence as a step's plan sees it: its prompt's length, the prompt tokens
+    prefilled, the tokens generated so far, its limits, and whether its prompt is scored
+    (``prompt_logprobs``: its chunks give every row's hidden state)."""
+
+    prompt_len: int
+    prefilled: int = 0
+    generated: int = 0
+    max_tokens: int = 1
+    stop_token_ids: tuple[int, ...] = ()
+    scored: bool = False
+
+    @property
+    def decoding(self) -> bool:
+        """Its prompt is prefilled and it has generated a token: it decodes the next."""
+        return self.prefilled >= self.prompt_len and self.generated > 0
+
+
+@dataclass(frozen=True, slots=True)
+class Chunk:
+    """A prefill chunk of a step: prompt tokens ``start .. start + length - 1`` of the
+    plan's sequence ``seq``; ``last``: it ends the prompt (its last row is sampled)."""
+
+    seq: int
+    start: int
+    length: int
+    last: bool
+    scored: bool = False
+
+    @property
+    def want_logits(self) -> bool:
+        """Its micro-batch gives logits (its last row's, or a scored prompt's every row's
+        hidden state)."""
+        return self.last or self.scored
+
+    @property
+    def every_row(self) -> bool:
+        """Every row's final-norm hidden state, not one row's logits (a scored prompt)."""
+        return self.scored
+
+
+@dataclass(frozen=True, slots=True)
+class StepLimits:
+    """The engine's settings a step's plan reads: the context (tokens per sequence), the
+    prefill chunk, the KV block, and the prompt tokens prefilled per step while others
+    decode (``step_tokens``) and while none does (``burst_tokens``)."""
+
+    context: int
+    chunk: int
+    block: int
+    step_tokens: int
+    burst_tokens: int
+
+
+@dataclass(frozen=True)
+class StepPlan:
+    """One step: the tasks admitted (``admission``, indices among the waiting), the
+    step's sequences (the running ones, then the admitted ones in admission order: the
+    engine's running list after admission), the sequences that decode (``decode``,
+    indices into ``seqs``, one micro-batch of a row each) and the prefill chunks (one
+    micro-batch each, after the decode one)."""
+
+    admission: Admission
+    seqs: tuple[SequenceState, ...]
+    decode: tuple[int, ...]
+    chunks: tuple[Chunk, ...]
+    context: int
+
+    @property
+    def first_chunk(self) -> int:
+        """The micro-batch index of the first prefill chunk (after the decode one)."""
+        return 1 if self.decode else 0
+
+    @property
+    def micro_batches(self) -> int:
+        return self.first_chunk + len(self.chunks)
+
+    @property
+    def sampled(self) -> tuple[int, ...]:
+        """The sequences sampled after the step, in the order their logits come: those
+        that decode, then those whose prompt a chunk ends."""
+        return self.decode + tuple(c.seq for c in self.chunks if c.last)
+
+    def finishes(self, tokens: Sequence[int]) -> tuple[str | None, ...]:
+        """Why each sampled sequence (:attr:`sampled`) ends after its ``tokens`` (one each,
+        the step's agreed ids), None where it goes on (:func:`finish_reason`)."""
+        return tuple(
+            finish_reason(token, s.generated + 1, s.prompt_len, s.stop_token_ids, s.max_tokens, self.context)
+            for s, token in zip((self.seqs[i] for i in self.sampled), tokens))
+
+
+def finish_reason(token: int, generated: int, prompt_len: int, stop_token_ids: Sequence[int],
+                  max_tokens: int, context: int) -> str | None:
+    """Why a sequence ends after it generated ``token`` (its ``generated``-th token):
+    ``"stop"`` for one of its stop tokens (which it emits), ``"length"`` at ``max_tokens``
+    generated or a full context (prompt and generated tokens), else None."""
+    if token in stop_token_ids:
+        return "stop"
+    if generated >= max_tokens:
+        return "length"
+    if prompt_len + generated >= context:
+        return "length"
+    return None
+
+
+def prefill_plan(prompts: list[tuple[int, int]], chunk: int, budget: int) -> list[tuple[int, int, int]]:
+    """A step's prefill chunks ``(index of the prompt, start, length)``, oldest prompt
+    first, whole chunks up to ``budget`` prompt tokens (at least one chunk), cut at
+    multiples of ``chunk`` (a prompt resumed from a cached prefix is cut where its cold
+    prefill is). ``prompts``: per sequence, (prompt tokens, tokens prefilled)."""
+    plan: list[tuple[int, int, int]] = []
+    for index, (total, start) in enumerate(prompts):
+        while start < total:
+            length = min(chunk - start % chunk, total - start)
+            if plan and length > budget:
+                return plan
+            plan.append((index, start, length))
+            budget -= length
+            start += length
+    return plan
+
+
+def schedule(seqs: Sequence[SequenceState], limits: StepLimits) -> tuple[tuple[int, ...], tuple[Chunk, ...]]:
+    """The step's decode rows (every sequence that decodes) and prefill chunks
+    (:func:`prefill_plan`, its budget ``step_tokens`` where a sequence decodes, else
+    ``burst_tokens``)."""
+    decode = tuple(i for i, s in enumerate(seqs) if s.decoding)
+    budget = limits.step_tokens if decode else limits.burst_tokens
+    planned = prefill_plan([(s.prompt_len, s.prefilled) for s in seqs], limits.chunk, budget)
+    chunks = tuple(Chunk(i, start, length, start + length == seqs[i].prompt_len, seqs[i].scored)
+                   for i, start, length in planned)
+    return decode, chunks
+
+
+def plan_step(running: Sequence[SequenceState], waiting: Sequence[SequenceState], wants: Sequence[Waiting],
+              free_slots: list[int], cached: list[CachedPrefix], free_tokens: int,
+              limits: StepLimits) -> StepPlan:
+    """Plan a step: admit waiting tasks (``waiting``, as admission sees them: ``wants``)
+    into the free and cached slots and the free pool tokens
+    (:func:`~shardline.runner.prefix_cache.plan_admission`; each starts prefilled to the
+    tokens it reuses), then :func:`schedule` the running and the admitted sequences."""
+    admission = Admission((), ())
+    if wants:
+        admission = plan_admission(list(wants), free_slots, cached, free_tokens, limits.chunk, limits.block)
+    seqs = tuple(running) + tuple(replace(waiting[s.index], prefilled=s.reused) for s in admission.starts)
+    decode, chunks = schedule(seqs, limits)
+    return StepPlan(admission, seqs, decode, chunks, limits.context)
