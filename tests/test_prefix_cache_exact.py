@@ -23,11 +23,11 @@ class Recording(Engine):
 
     first_logits: dict[int, torch.Tensor]
 
-    def _sample_and_advance(self, seqs, logits):
+    def _sample_and_advance(self, plan, seqs, logits):
         for seq, row in zip(seqs, logits):
             if not seq.generated:
                 self.first_logits[seq.task.task_id] = row.clone()
-        super()._sample_and_advance(seqs, logits)
+        super()._sample_and_advance(plan, seqs, logits)
 
 
 @pytest.fixture(scope="module")

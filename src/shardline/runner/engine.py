@@ -31,7 +31,10 @@ Each step:
    log-probabilities).
 
 Every decision in steps 2-5 depends only on state that is identical on all ranks, so all
-ranks make the same collective calls in the same order.
+ranks make the same collective calls in the same order. Steps 3-5 are planned first, as a
+value (:class:`~shardline.runner.step_plan.StepPlan`: the admissions, the decode rows, the
+prefill chunks, the sequences sampled and, once their tokens are agreed, which finish);
+the engine carries the plan out.
 """
 
 from __future__ import annotations
@@ -45,12 +48,13 @@ from typing import Callable
 
 import torch
 
+from shardline.models.llama import ForwardBatch
 from shardline.parallel.pipeline import PipelineStage
 from shardline.runner.agreement import Agreement, decide, encode_proposal, proposal_length, sampled_tokens
 from shardline.runner.block_hashes import block_hashes
 from shardline.runner.constraint import Constraint
 from shardline.runner.logprob_tables import logprob_table, logprob_width, prompt_logprob_table, read_logprobs
-from shardline.runner.prefix_cache import CachedPrefix, Waiting, exact_end, plan_admission
+from shardline.runner.prefix_cache import Admission, CachedPrefix, Waiting, exact_end
 from shardline.runner.protocol import (
     Cancel,
     EngineStats,
@@ -61,7 +65,7 @@ from shardline.runner.protocol import (
     Tokens,
 )
 from shardline.runner.sampling import MAX_TOP_LOGPROBS, Sampler
-from shardline.runner.step_plan import prefill_plan
+from shardline.runner.step_plan import Chunk, SequenceState, StepLimits, StepPlan, plan_step
 from shardline.runner.threads import ThreadGovernor
 
 log = logging.getLogger(__name__)
@@ -144,6 +148,18 @@ class Sequence:
     def next_position(self) -> int:
         """Position of the next token fed to the model (the last generated one)."""
         return self.prompt_len + len(self.generated) - 1
+
+    def state(self) -> SequenceState:
+        """It as a step's plan sees it."""
+        return SequenceState(self.prompt_len, self.prefilled, len(self.generated), self.task.max_tokens,
+                             self.task.stop_token_ids, self.scored)
+
+
+def queued_state(task: Task) -> SequenceState:
+    """A waiting task as a step's plan sees it (:meth:`Sequence.state` once admitted, its
+    prefill yet to start)."""
+    return SequenceState(len(task.prompt), 0, 0, task.max_tokens, task.stop_token_ids,
+                         task.sampling.prompt_logprobs is not None)
 
 
 class Engine:
@@ -307,19 +323,28 @@ class Engine:
 
     # -- scheduling ----------------------------------------------------------------------
 
-    def admit(self) -> None:
-        """Start the waiting tasks that fit, in order (:func:`~shardline.runner.prefix_cache.
-        plan_admission`): each in a slot, resuming from its cached prefix where it takes
-        one, the cached slots it needs evicted."""
-        if not self.waiting:
-            return
-        cache = self.stage.cache
-        block = cache.block_tokens
+    def plan(self) -> tuple[StepPlan, list[Waiting]]:
+        """This step's plan (:func:`~shardline.runner.step_plan.plan_step`) over the
+        running sequences, the waiting tasks (with what admission sees of them, returned
+        beside it for :meth:`admit`) and the free and cached slots."""
+        block = self.stage.cache.block_tokens
         wants = [Waiting(t.prompt, self._prompt_hashes(t), kv_reservation(
             len(t.prompt), t.max_tokens, self.context, block, self.kv_tokens), self._may_reuse(t))
             for t in self.waiting]
-        plan = plan_admission(wants, self.free_slots, list(self.cached.values()), self.free_kv_tokens,
-                              self.prefill_chunk, block)
+        limits = StepLimits(self.context, self.prefill_chunk, block, self.prefill_step_tokens,
+                            self.prefill_burst_tokens)
+        plan = plan_step([s.state() for s in self.running], [queued_state(t) for t in self.waiting], wants,
+                         self.free_slots, list(self.cached.values()), self.free_kv_tokens, limits)
+        return plan, wants
+
+    def admit(self, plan: Admission, wants: list[Waiting]) -> None:
+        """Start the waiting tasks the plan admits, in order (``wants``: the waiting as
+        :func:`~shardline.runner.prefix_cache.plan_admission` saw them): each in a slot,
+        resuming from its cached prefix where it takes one, the cached slots it needs
+        evicted."""
+        if not plan.starts and not plan.evicted:
+            return
+        cache = self.stage.cache
         for slot in plan.evicted:
             self.free_kv_tokens += self.cached.pop(slot).tokens
             cache.release(slot)
@@ -407,10 +432,11 @@ class Engine:
         if not self._agreed:
             self.apply_agreement(self.exchange([])[0])
         self._agreed = False
-        self.admit()
+        plan, wants = self.plan()
+        self.admit(plan.admission, wants)
         if self.running:
             self._worked = True
-        self._run_micro_batches()
+        self._run_micro_batches(plan)
         if self.on_idle is not None:
             release, self._idle_since = idle_release(
                 self._worked, bool(self.running or self.waiting), self._idle_since,
@@ -422,71 +448,86 @@ class Engine:
         self.progress.end()
         self.report()
 
-    def plan_prefill(self, budget: int) -> list[tuple[Sequence, int, int]]:
-        """This step's prefill chunks ``(sequence, start, length)``: :func:`prefill_plan`
-        over the running sequences."""
-        prompts = [(s.prompt_len, s.prefilled) for s in self.running]
-        return [(self.running[i], start, length)
-                for i, start, length in prefill_plan(prompts, self.prefill_chunk, budget)]
-
-    def _run_micro_batches(self) -> None:
-        stage = self.stage
-        decoding = [s for s in self.running if s.prefilled >= s.prompt_len and s.generated]
-        chunks = self.plan_prefill(self.prefill_step_tokens if decoding else self.prefill_burst_tokens)
-        micro = []
-        key_span = self.prefill_chunk if self.prefix_cache else 0  # a cold prefill's bits on a hit
-        if decoding:
-            batch = stage.decode_batch([s.slot for s in decoding], [s.next_position for s in decoding])
-            micro.append((torch.tensor([s.generated[-1] for s in decoding], dtype=torch.long), batch))
-        for seq, start, length in chunks:
-            last = start + length == seq.prompt_len
-            batch = stage.prefill_batch(seq.slot, start, length, want_logits=last or seq.scored,
-                                        every_row=seq.scored, key_span=key_span)
-            micro.append((torch.tensor(seq.task.prompt[start : start + length], dtype=torch.long), batch))
+    def _run_micro_batches(self, plan: StepPlan) -> None:
+        """Carry out ``plan``'s micro-batches (its decode rows, then its prefill chunks),
+        then sample the sequences it samples (:meth:`_sample_and_advance`)."""
+        seqs = list(self.running)  # the plan's sequences: admitted as it planned
+        assert len(seqs) == len(plan.seqs)
+        decoding = [seqs[i] for i in plan.decode]
+        chunks = [(seqs[c.seq], c) for c in plan.chunks]
+        micro = self._micro_batches(decoding, chunks)
         if not micro:
             return
-        first_chunk = 1 if decoding else 0
 
         def computed(index: int) -> None:
-            if index >= first_chunk:
-                seq, start, length = chunks[index - first_chunk]
+            if index >= plan.first_chunk:
+                seq, chunk = chunks[index - plan.first_chunk]
                 if seq.task.origin == self.node_id and not seq.scored:  # (scored: once shared)
-                    self.emit([PrefillProgress(seq.task.task_id, start + length, seq.prompt_len,
+                    self.emit([PrefillProgress(seq.task.task_id, chunk.start + chunk.length, seq.prompt_len,
                                                cached=seq.reused)])
 
-        sampled = len(decoding) + sum(start + length == seq.prompt_len for seq, start, length in chunks)
-        if sampled:  # the exchange after it (_sample_and_advance) carries their ids
-            self.stage.expect_gather(proposal_length(AGREE_K, sampled))
-        threads = self.threads
-        if threads is not None and threads.threads != torch.get_num_threads():
-            torch.set_num_threads(threads.threads)
-        started = time.perf_counter()
-        outputs = self.stage.run(micro, computed)
-        if threads is not None and not chunks:  # only decode-only steps are timed
-            before = threads.threads
-            if threads.timed(len(decoding), time.perf_counter() - started) != before:
-                log.debug("decode steps: %d compute threads next", threads.threads)
-        to_sample = list(decoding)
+        if plan.sampled:  # the exchange after it (_sample_and_advance) carries their ids
+            self.stage.expect_gather(proposal_length(AGREE_K, len(plan.sampled)))
+        outputs = self._compute(micro, computed, len(decoding), decode_only=not chunks)
         rows: list[torch.Tensor] = []
         if decoding and self.stage.samples:
             logits = outputs[0]
             assert logits is not None  # the sampling rank has logits for every micro-batch
             rows = [logits[i] for i in range(len(decoding))]
-        for index, (seq, start, length) in enumerate(chunks, start=first_chunk):
-            seq.prefilled = start + length
-            seq.exact_end = exact_end(seq.exact_end, start, length, self.prefill_chunk)
+        rows += self._advance_prefill(chunks, outputs[plan.first_chunk:])
+        if plan.sampled:
+            self._sample_and_advance(plan, [seqs[i] for i in plan.sampled], rows)
+
+    def _micro_batches(self, decoding: list[Sequence],
+                       chunks: list[tuple[Sequence, Chunk]]) -> list[tuple[torch.Tensor, ForwardBatch]]:
+        """The step's micro-batches, their input ids and batch: one decode token of every
+        sequence in ``decoding`` (if any), then each prefill chunk."""
+        stage = self.stage
+        micro = []
+        key_span = self.prefill_chunk if self.prefix_cache else 0  # a cold prefill's bits on a hit
+        if decoding:
+            batch = stage.decode_batch([s.slot for s in decoding], [s.next_position for s in decoding])
+            micro.append((torch.tensor([s.generated[-1] for s in decoding], dtype=torch.long), batch))
+        for seq, chunk in chunks:
+            batch = stage.prefill_batch(seq.slot, chunk.start, chunk.length, want_logits=chunk.want_logits,
+                                        every_row=chunk.every_row, key_span=key_span)
+            micro.append((torch.tensor(seq.task.prompt[chunk.start : chunk.start + chunk.length],
+                                       dtype=torch.long), batch))
+        return micro
+
+    def _compute(self, micro: list[tuple[torch.Tensor, ForwardBatch]], computed: Callable[[int], None],
+                 decoding: int, decode_only: bool) -> list[torch.Tensor | None]:
+        """Run the micro-batches at the thread governor's count; time a decode-only step
+        (of ``decoding`` rows) for it."""
+        threads = self.threads
+        if threads is not None and threads.threads != torch.get_num_threads():
+            torch.set_num_threads(threads.threads)
+        started = time.perf_counter()
+        outputs = self.stage.run(micro, computed)
+        assert len(outputs) == len(micro)  # one each (None off the sampling rank)
+        if threads is not None and decode_only:  # only decode-only steps are timed
+            before = threads.threads
+            if threads.timed(decoding, time.perf_counter() - started) != before:
+                log.debug("decode steps: %d compute threads next", threads.threads)
+        return outputs
+
+    def _advance_prefill(self, chunks: list[tuple[Sequence, Chunk]],
+                         outputs: list[torch.Tensor | None]) -> list[torch.Tensor]:
+        """Record the step's prefill chunks (``outputs``: theirs) in their sequences, share
+        a scored prompt's log-probabilities; the logits of the prompts' last rows that the
+        chunks end (on the sampling rank)."""
+        rows: list[torch.Tensor] = []
+        for (seq, chunk), out in zip(chunks, outputs):
+            seq.prefilled = chunk.start + chunk.length
+            seq.exact_end = exact_end(seq.exact_end, chunk.start, chunk.length, self.prefill_chunk)
             if seq.scored:
-                self._share_prompt_logprobs(seq, start, length, outputs[index])
-            if seq.prefilled == seq.prompt_len:
-                to_sample.append(seq)
-                if self.stage.samples:
-                    out = outputs[index]
-                    assert out is not None
-                    if seq.scored:  # every row's hidden state
-                        out = self.stage.shard.logits(out[-1:])
-                    rows.append(out[-1])
-        if to_sample:
-            self._sample_and_advance(to_sample, rows)
+                self._share_prompt_logprobs(seq, chunk.start, chunk.length, out)
+            if chunk.last and self.stage.samples:
+                assert out is not None
+                if seq.scored:  # every row's hidden state
+                    out = self.stage.shard.logits(out[-1:])
+                rows.append(out[-1])
+        return rows
 
     def _share_prompt_logprobs(self, seq: Sequence, start: int, length: int,
                                hidden: torch.Tensor | None) -> None:
@@ -519,41 +560,23 @@ class Engine:
             entries = tuple((start + 1 + i, *read_logprobs(row, width, width)) for i, row in enumerate(rows))
             self.emit([PrefillProgress(seq.task.task_id, start + length, seq.prompt_len, entries)])
 
-    def _sample_and_advance(self, seqs: list[Sequence], logits: list[torch.Tensor]) -> None:
-        """Sample on the sampling rank (``logits``: float32 ``[vocab]`` per sequence), share
-        the ids (and the log-probabilities, when any sequence asks) with every rank,
-        append them and end the sequences that finished; then apply the agreement on the
-        next step's tasks exchanged with the ids (:meth:`exchange`)."""
+    def _sample_and_advance(self, plan: StepPlan, seqs: list[Sequence], logits: list[torch.Tensor]) -> None:
+        """Sample ``plan``'s sampled sequences ``seqs`` on the sampling rank (``logits``:
+        float32 ``[vocab]`` per sequence), share the ids (and the log-probabilities, when
+        any sequence asks) with every rank, append them and end the sequences that
+        finished (:meth:`StepPlan.finishes <shardline.runner.step_plan.StepPlan.finishes>`);
+        then apply the agreement on the next step's tasks exchanged with the ids
+        (:meth:`exchange`)."""
         wanted = [s.task.sampling.logprobs for s in seqs]
         width = logprob_width(wanted)  # the same on every rank: all know the params
-        table: torch.Tensor | None = None
-        if self.stage.samples:
-            choices = []
-            for s, row in zip(seqs, logits):
-                assert s.sampler is not None  # admitted on the sampling rank with one
-                choices.append(s.sampler.choose(row))
-            sampled = [c.token for c in choices]
-            if width is not None:
-                table = logprob_table(choices, width).to(self.comm_device)
-        else:
-            sampled = [0] * len(seqs)
-            if width is not None:
-                table = torch.empty((len(seqs), 1 + 2 * width), dtype=torch.float32,
-                                    device=self.comm_device)
+        sampled, table = self._sample(seqs, logits, width)
         agreement, ids = self.exchange(sampled)
         rows: list[list[float]] = []
         if table is not None and width is not None:
             rows = self.stage.share_logprobs(table).cpu().tolist()
         events: list[TokenEvent | PrefillProgress] = []
-        for index, (seq, token) in enumerate(zip(seqs, ids)):
+        for index, (seq, token, finish) in enumerate(zip(seqs, ids, plan.finishes(ids))):
             seq.generated.append(token)
-            finish = None
-            if token in seq.task.stop_token_ids:
-                finish = "stop"
-            elif len(seq.generated) >= seq.task.max_tokens:
-                finish = "length"
-            elif seq.prompt_len + len(seq.generated) >= self.context:
-                finish = "length"
             if seq.task.origin == self.node_id:
                 k = wanted[index]
                 logprob, top = (None, ()) if k is None or width is None else read_logprobs(rows[index], width, k)
@@ -565,6 +588,23 @@ class Engine:
         self.emit(events)
         self.apply_agreement(agreement)
         self._agreed = True
+
+    def _sample(self, seqs: list[Sequence], logits: list[torch.Tensor],
+                width: int | None) -> tuple[list[int], torch.Tensor | None]:
+        """The sampled ids (on the sampling rank; as many zeros elsewhere) and, where
+        ``width`` is set, the log-probability table to share (elsewhere, one to receive
+        it into)."""
+        if not self.stage.samples:
+            table = None
+            if width is not None:
+                table = torch.empty((len(seqs), 1 + 2 * width), dtype=torch.float32, device=self.comm_device)
+            return [0] * len(seqs), table
+        choices = []
+        for s, row in zip(seqs, logits):
+            assert s.sampler is not None  # admitted on the sampling rank with one
+            choices.append(s.sampler.choose(row))
+        table = logprob_table(choices, width).to(self.comm_device) if width is not None else None
+        return [c.token for c in choices], table
 
     def emit(self, events: list[TokenEvent | PrefillProgress]) -> None:
         if events:
