@@ -139,6 +139,15 @@ def test_admission_with_cached_prefixes(waiting, free_slots, pool, free_tokens, 
     assert list(plan.evicted) == evicted
 
 
+def test_a_prefix_copied_from_is_evicted_after_the_copy():
+    """One cached prefix and one free slot: a task copies from the prefix into the free
+    slot, the next evicts the prefix for its slot: the eviction comes after the first
+    start (the copy reads the prefix first), before the second."""
+    plan = plan_admission([task(B_), task((5,) * 10)], [1], [cached(0, LONG, 1)], 100, C, B)
+    assert list(plan.starts) == [Start(0, 1, 12, source=0), Start(1, 0, 0)]
+    assert plan.evicted == (0,) and plan.evicted_before == (0, 1)
+
+
 @pytest.mark.parametrize("needs, slots, cached_slots, free", [
     ([32, 32, 32], 4, 2, 100), ([64, 64], 4, 3, 100), ([128, 32], 4, 1, 100), ([32, 96, 32], 2, 2, 100),
     ([100], 1, 1, 100), ([40, 40, 40], 0, 3, 40)])

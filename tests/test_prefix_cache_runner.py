@@ -129,6 +129,29 @@ def test_cached_slots_make_way_for_new_tasks_and_running_ones_keep_theirs(model_
         instance.stop()
 
 
+@pytest.mark.timeout(180)
+def test_a_prefix_copied_from_and_evicted_in_one_step_is_copied_first(model_dir):
+    """Two slots, one holding a cached prefix: two tasks come together, the first sharing
+    that prefix's first block (copied into the free slot: the prefix holds far more), the
+    second sharing nothing (it takes the prefix's slot, evicted). The copy reads the
+    prefix before the eviction releases it (the engine applied every eviction first, and
+    failed), and both get their cold tokens."""
+    long_prompt = task(400, SYSTEM + tail(40))  # three whole blocks cached
+    sharer = task(401, SYSTEM[:BLOCK] + tail(30))
+    stranger = task(402, tail(50))
+    instance = Instance(model_dir, 1, max_batch=2, context=256)
+    try:
+        expected = reference_tokens(model_dir, [sharer, stranger])
+        run(instance, [long_prompt])
+        instance.wait_stats(0, lambda s: s.running == () and s.cached_slots == 1)
+        results = run(instance, [sharer, stranger])
+        assert tokens(results[0][401]) == expected[401]
+        assert tokens(results[0][402]) == expected[402]
+        assert any(isinstance(e, TokenEvent) and e.cached_tokens == BLOCK for e in results[0][401])
+    finally:
+        instance.stop()
+
+
 @pytest.mark.timeout(120)
 def test_with_prefix_caching_off_every_prompt_is_prefilled_whole(model_dir):
     first, second = task(300, SYSTEM + tail(20)), task(301, SYSTEM + tail(30))

@@ -345,12 +345,10 @@ class Engine:
         if not plan.starts and not plan.evicted:
             return
         cache = self.stage.cache
-        for slot in plan.evicted:
-            self.free_kv_tokens += self.cached.pop(slot).tokens
-            cache.release(slot)
-            self.free_slots.append(slot)
-        self.free_slots.sort()
-        for start in plan.starts:
+        done = 0  # of plan.evicted: each start's evictions just before it
+        for start, before in zip(plan.starts, plan.evicted_before, strict=True):
+            self._evict(plan.evicted[done:before])
+            done = before
             task, want = self.waiting.pop(0), wants[start.index]
             self._hashes.pop(task.task_id, None)
             if start.slot in self.cached:  # its cached prefix: the first ``reused`` positions are kept
@@ -370,6 +368,14 @@ class Engine:
             if self.stage.samples:
                 seq.sampler = self._sampler(task)
             self.running.append(seq)
+
+    def _evict(self, slots: tuple[int, ...]) -> None:
+        """Empty these cached slots (their pages back to the system) and free them."""
+        for slot in slots:
+            self.free_kv_tokens += self.cached.pop(slot).tokens
+            self.stage.cache.release(slot)
+            self.free_slots.append(slot)
+        self.free_slots.sort()
 
     def _may_reuse(self, task: Task) -> bool:
         """Whether ``task`` may resume from a cached prefix: not where every prompt row's

@@ -152,10 +152,13 @@ class Start:
 @dataclass(frozen=True)
 class Admission:
     """What :func:`plan_admission` decides: the tasks that start and the cached slots
-    evicted (in eviction order) to make room."""
+    evicted (in eviction order) to make room; ``evicted_before[i]``: how many of them go
+    before start ``i`` (a start may copy from a prefix a later one evicts: the copy reads
+    it first)."""
 
     starts: tuple[Start, ...]
     evicted: tuple[int, ...]
+    evicted_before: tuple[int, ...] = ()
 
 
 def plan_admission(waiting: list[Waiting], free_slots: list[int], cached: list[CachedPrefix],
@@ -187,6 +190,7 @@ def plan_admission(waiting: list[Waiting], free_slots: list[int], cached: list[C
     pool = sorted(cached, key=lambda c: c.used)  # least recently used first
     starts: list[Start] = []
     evicted: list[int] = []
+    before: list[int] = []  # evictions made before each start
 
     def evict(keep: CachedPrefix | None) -> int:
         """Evict the least recently used cached slot but ``keep``; its slot."""
@@ -216,6 +220,7 @@ def plan_admission(waiting: list[Waiting], free_slots: list[int], cached: list[C
             pool.append(best)  # used now: the most recent
             free_tokens -= task.need
             starts.append(Start(index, slot, best_reuse, source=best.slot))
+            before.append(len(evicted))
             continue
         if best is None and not free and not pool:
             break  # no slot
@@ -231,4 +236,5 @@ def plan_admission(waiting: list[Waiting], free_slots: list[int], cached: list[C
             evict(None)
         free_tokens -= task.need
         starts.append(Start(index, slot, best_reuse, held))
-    return Admission(tuple(starts), tuple(evicted))
+        before.append(len(evicted))
+    return Admission(tuple(starts), tuple(evicted), tuple(before))
