@@ -115,7 +115,7 @@ def _start_first_spare() -> Spare:
 
     first_spare = Spare(*spawn_runner())
     # in its own session, so gone with this process only if killed (an interrupt
-    # during the imports below left it to notice its closed pipe, seconds later)
+    # during the node's imports that follow left it to notice its closed pipe, seconds later)
     atexit.register(_kill_if_running, first_spare.process)
     return first_spare
 
