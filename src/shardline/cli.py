@@ -11,8 +11,12 @@ import signal
 import subprocess
 import sys
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from shardline.control import DEFAULT_PORT
+
+if TYPE_CHECKING:
+    from shardline.node.worker import Spare
 
 MIN_API_KEY_CHARS = 8
 """The shortest API key a node takes (``shardline run`` and ``cluster`` refuse a shorter one)."""
@@ -42,6 +46,8 @@ def device_name(text: str) -> str:
 
 
 def _run(args: argparse.Namespace) -> int:
+    """``shardline run``: check the arguments, then serve one node until interrupted.
+    Returns the exit status (2: the arguments were refused, the message on stderr)."""
     # The node computes nothing with torch (its runners and measuring children do), but
     # transformers, which its tokenizers use, imports torch where it is installed: 1.7 s
     # of CPU beside the runners' start-up and ~200 MB held for nothing. A None in
@@ -51,37 +57,13 @@ def _run(args: argparse.Namespace) -> int:
         sys.modules["torch"] = None  # type: ignore[assignment]
     os.environ.setdefault("TRANSFORMERS_NO_ADVISORY_WARNINGS", "1")  # "PyTorch was not found"
     from shardline.node import identity
-    from shardline.runner.rendezvous import is_loopback
 
     api_key = args.api_key or os.environ.get("SHARDLINE_API_KEY") or None
     bind = args.bind or args.host
-    if api_key is None and not args.no_api_key and not is_loopback(bind):
-        print(f"shardline run: listening on {bind}, which other machines reach, needs an API key: "
-              f"give --api-key (or SHARDLINE_API_KEY), or --no-api-key to serve anyone who can "
-              f"reach it", file=sys.stderr)
-        return 2
-    if api_key is not None and len(api_key) < MIN_API_KEY_CHARS:
-        print(f"shardline run: the API key must be at least {MIN_API_KEY_CHARS} characters", file=sys.stderr)
-        return 2
-    if api_key is None and not is_loopback(bind):
-        logging.getLogger("shardline").warning(
-            "listening on %s without an API key (--no-api-key): anyone who can reach it can "
-            "use its models and its cluster API", bind)
-    peers = [peer_address(p) for p in (args.peers or "").split(",") if p.strip()]
     model_dirs = [Path(d).expanduser() for d in args.model_dir or []]
-    not_dirs = [str(d) for d in model_dirs if not d.is_dir()]
-    if not_dirs:
-        print(f"shardline run: --model-dir {', '.join(not_dirs)}: not a directory", file=sys.stderr)
-        return 2
-    from shardline.local_cluster import address_is_here, ports_in_use
-
-    if not address_is_here(bind):
-        print(f"shardline run: {bind} is not an address of this machine: give --host (or "
-              f"--bind) one of its addresses", file=sys.stderr)
-        return 2
-    if ports_in_use([args.port], bind):
-        print(f"shardline run: port {args.port} on {bind} is in use (another node?): give --port",
-              file=sys.stderr)
+    problem = _run_problem(args, api_key, bind, model_dirs)
+    if problem:
+        print(f"shardline run: {problem}", file=sys.stderr)
         return 2
     data_dir = Path(args.data_dir) if args.data_dir else identity.default_data_dir()
     try:
@@ -92,23 +74,63 @@ def _run(args: argparse.Namespace) -> int:
     if generated:
         print(f"shardline: new cluster key {key}\n  (saved in {data_dir}; start the other nodes with "
               f"--cluster-key {key})", flush=True)
-    first_spare = None
-    if not args.no_spare_runner:
-        # Started before the node's own imports (~1 s), so that the runner's (torch: ~1.7 s)
-        # run beside them rather than after.
-        from shardline.node.worker import Spare, spawn_runner
+    first_spare = None if args.no_spare_runner else _start_first_spare()
+    _serve_node(args, api_key, data_dir, key, model_dirs, first_spare)
+    return 0
 
-        first_spare = Spare(*spawn_runner())
-        # in its own session, so gone with this process only if killed (an interrupt
-        # during the imports below left it to notice its closed pipe, seconds later)
-        atexit.register(_kill_if_running, first_spare.process)
 
+def _run_problem(args: argparse.Namespace, api_key: str | None, bind: str, model_dirs: list[Path]) -> str | None:
+    """Why ``run`` refuses its arguments (no API key on an address other machines reach, a
+    short key, a --model-dir that is no directory, an address not this machine's, a port in
+    use), else None; warns of serving without a key on such an address."""
+    from shardline.runner.rendezvous import is_loopback
+
+    if api_key is None and not args.no_api_key and not is_loopback(bind):
+        return (f"listening on {bind}, which other machines reach, needs an API key: "
+                f"give --api-key (or SHARDLINE_API_KEY), or --no-api-key to serve anyone who can "
+                f"reach it")
+    if api_key is not None and len(api_key) < MIN_API_KEY_CHARS:
+        return f"the API key must be at least {MIN_API_KEY_CHARS} characters"
+    if api_key is None and not is_loopback(bind):
+        logging.getLogger("shardline").warning(
+            "listening on %s without an API key (--no-api-key): anyone who can reach it can "
+            "use its models and its cluster API", bind)
+    not_dirs = [str(d) for d in model_dirs if not d.is_dir()]
+    if not_dirs:
+        return f"--model-dir {', '.join(not_dirs)}: not a directory"
+    from shardline.local_cluster import address_is_here, ports_in_use
+
+    if not address_is_here(bind):
+        return (f"{bind} is not an address of this machine: give --host (or "
+                f"--bind) one of its addresses")
+    if ports_in_use([args.port], bind):
+        return f"port {args.port} on {bind} is in use (another node?): give --port"
+    return None
+
+
+def _start_first_spare() -> Spare:
+    """A spare runner started now, before the node's own imports (~1 s), so that the
+    runner's (torch: ~1.7 s) run beside them rather than after; killed at exit."""
+    from shardline.node.worker import Spare, spawn_runner
+
+    first_spare = Spare(*spawn_runner())
+    # in its own session, so gone with this process only if killed (an interrupt
+    # during the node's imports that follow left it to notice its closed pipe, seconds later)
+    atexit.register(_kill_if_running, first_spare.process)
+    return first_spare
+
+
+def _serve_node(args: argparse.Namespace, api_key: str | None, data_dir: Path, key: str,
+                model_dirs: list[Path], first_spare: Spare | None) -> None:
+    """Build the node of ``run``'s arguments and serve its HTTP API until Ctrl-C or
+    SIGTERM."""
     import uvicorn
 
     from shardline.api.app import create_app
     from shardline.api.header_timeout import header_timeout_protocol
     from shardline.api.http_guard import GuardConfig, local_names
     from shardline.models.store import ModelStore
+    from shardline.node import identity
     from shardline.node.node import Node
 
     guard = GuardConfig(api_key=api_key, allowed_hosts=local_names([args.host, *args.allowed_host]),
@@ -116,7 +138,7 @@ def _run(args: argparse.Namespace) -> int:
     node = Node(
         host=args.host,
         port=args.port,
-        peers=peers,
+        peers=[peer_address(p) for p in (args.peers or "").split(",") if p.strip()],
         node_id=args.node_id or identity.node_id(data_dir),
         cluster_key=key,
         store=ModelStore(data_dir / "models"),
@@ -152,7 +174,6 @@ def _run(args: argparse.Namespace) -> int:
         server.run()
     except KeyboardInterrupt:  # the signal uvicorn raises again once it has stopped (as uvicorn.run)
         pass
-    return 0
 
 
 def _kill_if_running(process: subprocess.Popen) -> None:
@@ -264,18 +285,31 @@ class _Version(argparse.Action):
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from shardline.api.bounds import DEFAULT_MAX_BODY_BYTES
-    from shardline.api.header_timeout import DEFAULT_HEADER_TIMEOUT_S
-    from shardline.api.heartbeat import HEARTBEAT_S
-    from shardline.control import byte_size
-    from shardline.models.store import DEFAULT_MODEL_ID
-    from shardline.node.queue_bound import DEFAULT_MAX_WAITING
-    from shardline.placement.ranks import SHARDING_NAMES
-
+    """The ``shardline`` command line: ``run``, ``cluster``, ``bench`` and the cluster
+    client's commands (:func:`shardline.control.add_commands`)."""
     parser = argparse.ArgumentParser(prog="shardline", description=__doc__)
     parser.add_argument("-v", "--verbose", action="store_true", help="log more")
     parser.add_argument("--version", action=_Version, nargs=0, help="print the version and exit")
     sub = parser.add_subparsers(dest="command", required=True)
+    _add_run(sub)
+    _add_cluster(sub)
+
+    bench = sub.add_parser("bench", help="measure prefill and decode tokens/s and TTFT; "
+                                              "--against URL: side by side with another server")
+    from shardline.bench.arguments import add_arguments
+
+    add_arguments(bench)
+    bench.set_defaults(func=_bench)
+
+    from shardline.control import add_commands
+
+    add_commands(sub, DEFAULT_PORT)
+    return parser
+
+
+def _add_run(sub: argparse._SubParsersAction) -> None:
+    """The ``run`` command: one node."""
+    from shardline.control import byte_size
 
     run = sub.add_parser("run", help="run one node")
     run.add_argument("--host", default="127.0.0.1", help="address other nodes reach this node at")
@@ -290,23 +324,7 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--memory-limit", type=byte_size, default=None,
                      help="the most memory this node offers to models, e.g. 8GB or 512MiB (default: all "
                           "that is available)")
-    run.add_argument("--cluster-key", default=None,
-                     help="the cluster's shared secret (default: $SHARDLINE_CLUSTER_KEY, else the saved "
-                          "one, else a new one, printed at start)")
-    run.add_argument("--api-key", default=None,
-                     help="the key API clients must send (Authorization: Bearer, or x-api-key); default "
-                          "$SHARDLINE_API_KEY. Required when listening on an address other machines "
-                          "reach, unless --no-api-key")
-    run.add_argument("--no-api-key", action="store_true",
-                     help="serve without an API key on a non-loopback address (anyone who reaches "
-                          "the port can use and change the cluster)")
-    run.add_argument("--allowed-host", action="append", default=[], metavar="NAME",
-                     help="a name clients may reach this node by (the Host header), besides its "
-                          "addresses and host name; '*' allows any (repeatable)")
-    run.add_argument("--cors-origin", action="append", default=[], metavar="ORIGIN",
-                     help="a web origin (e.g. http://localhost:3000) whose pages may call this node "
-                          "from a browser; '*' allows any (repeatable; default: none but the "
-                          "node's own dashboard)")
+    _add_run_access(run)
     run.add_argument("--runner-threads", type=int, default=0, help="torch threads per runner (0: all cores)")
     run.add_argument("--device", type=device_name, default="auto",
                      help="what the runners compute on: auto (the first CUDA GPU torch sees, else "
@@ -329,6 +347,41 @@ def build_parser() -> argparse.ArgumentParser:
                      help="a directory under which a client of the cluster API may name a local "
                           ".gguf file or safetensors directory as a model (repeatable; the model "
                           "store is always one; other paths are refused)")
+    _add_run_limits(run)
+    run.add_argument("--exit-with-parent", action="store_true",
+                     help="stop when the process that started this node exits")
+    run.set_defaults(func=_run)
+
+
+def _add_run_access(run: argparse.ArgumentParser) -> None:
+    """``run``'s keys and who may reach the node (hosts, web origins)."""
+    run.add_argument("--cluster-key", default=None,
+                     help="the cluster's shared secret (default: $SHARDLINE_CLUSTER_KEY, else the saved "
+                          "one, else a new one, printed at start)")
+    run.add_argument("--api-key", default=None,
+                     help="the key API clients must send (Authorization: Bearer, or x-api-key); default "
+                          "$SHARDLINE_API_KEY. Required when listening on an address other machines "
+                          "reach, unless --no-api-key")
+    run.add_argument("--no-api-key", action="store_true",
+                     help="serve without an API key on a non-loopback address (anyone who reaches "
+                          "the port can use and change the cluster)")
+    run.add_argument("--allowed-host", action="append", default=[], metavar="NAME",
+                     help="a name clients may reach this node by (the Host header), besides its "
+                          "addresses and host name; '*' allows any (repeatable)")
+    run.add_argument("--cors-origin", action="append", default=[], metavar="ORIGIN",
+                     help="a web origin (e.g. http://localhost:3000) whose pages may call this node "
+                          "from a browser; '*' allows any (repeatable; default: none but the "
+                          "node's own dashboard)")
+
+
+def _add_run_limits(run: argparse.ArgumentParser) -> None:
+    """``run``'s bounds on what clients send and wait for."""
+    from shardline.api.bounds import DEFAULT_MAX_BODY_BYTES
+    from shardline.api.header_timeout import DEFAULT_HEADER_TIMEOUT_S
+    from shardline.api.heartbeat import HEARTBEAT_S
+    from shardline.control import byte_size
+    from shardline.node.queue_bound import DEFAULT_MAX_WAITING
+
     run.add_argument("--max-body-bytes", type=byte_size, default=DEFAULT_MAX_BODY_BYTES,
                      help="the largest request body this node takes, e.g. 16MiB; larger ones get 413 "
                           "(default %(default)s bytes)")
@@ -341,9 +394,13 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--stream-heartbeat", type=float, default=HEARTBEAT_S, metavar="SECONDS",
                      help="seconds a stream waits with nothing to send (a long prompt's prefill) before it "
                           "sends its API's keep-alive (default %(default)s)")
-    run.add_argument("--exit-with-parent", action="store_true",
-                     help="stop when the process that started this node exits")
-    run.set_defaults(func=_run)
+
+
+def _add_cluster(sub: argparse._SubParsersAction) -> None:
+    """The ``cluster`` command: N nodes on 127.0.0.1 and a model across them."""
+    from shardline.control import byte_size
+    from shardline.models.store import DEFAULT_MODEL_ID
+    from shardline.placement.ranks import SHARDING_NAMES
 
     cluster = sub.add_parser("cluster", help="start N nodes on 127.0.0.1 and place a model across them")
     cluster.add_argument("--nodes", type=int, default=3, help="how many nodes (default %(default)s)")
@@ -372,18 +429,6 @@ def build_parser() -> argparse.ArgumentParser:
                          help="start a node that exits again (same port, id and data directory); "
                               "without it the others keep serving")
     cluster.set_defaults(func=_cluster)
-
-    bench = sub.add_parser("bench", help="measure prefill and decode tokens/s and TTFT; "
-                                              "--against URL: side by side with another server")
-    from shardline.bench.arguments import add_arguments
-
-    add_arguments(bench)
-    bench.set_defaults(func=_bench)
-
-    from shardline.control import add_commands
-
-    add_commands(sub, DEFAULT_PORT)
-    return parser
 
 
 def _command_parser(parser: argparse.ArgumentParser, command: str) -> argparse.ArgumentParser:

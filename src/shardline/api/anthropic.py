@@ -211,18 +211,8 @@ async def _stream(gen: Generation, req: MessagesRequest, message_id: str, applie
     yield _event("message_start", {"type": "message_start",
                                    "message": _message(gen, req, message_id, [], applied)})
     yield _event("ping", {"type": "ping"})
-    index, open_text, open_thinking, answered = -1, False, False, False
+    blocks = _Blocks()
     reason, sequence = "end_turn", None
-
-    def close_thinking() -> list[str]:
-        nonlocal open_thinking
-        if not open_thinking:
-            return []
-        open_thinking = False
-        return [_event("content_block_delta", {"type": "content_block_delta", "index": index,
-                                               "delta": {"type": "signature_delta", "signature": ""}}),
-                _event("content_block_stop", {"type": "content_block_stop", "index": index})]
-
     try:
         async for item in gen.texts(heartbeat_s):
             if isinstance(item, Heartbeat):
@@ -230,36 +220,8 @@ async def _stream(gen: Generation, req: MessagesRequest, message_id: str, applie
                 continue
             if not isinstance(item, Chunk):  # prefill progress
                 continue
-            if item.reasoning and req.thinks:
-                if index < 0:  # the output's first block
-                    index, open_thinking = 0, True
-                    yield _event("content_block_start", {"type": "content_block_start", "index": 0,
-                                                         "content_block": _thinking_block("")})
-                if open_thinking and req.shows_thinking:
-                    yield _event("content_block_delta", {"type": "content_block_delta", "index": index, "delta": {
-                        "type": "thinking_delta", "thinking": item.reasoning}})
-            if item.text or item.tool_calls:
-                answered = True
-                for event in close_thinking():
-                    yield event
-            if item.text:
-                if not open_text:
-                    index, open_text = index + 1, True
-                    yield _event("content_block_start", {"type": "content_block_start", "index": index,
-                                                         "content_block": {"type": "text", "text": ""}})
-                yield _event("content_block_delta", {"type": "content_block_delta", "index": index,
-                                                     "delta": {"type": "text_delta", "text": item.text}})
-            for call in item.tool_calls:
-                if open_text:
-                    yield _event("content_block_stop", {"type": "content_block_stop", "index": index})
-                    open_text = False
-                index += 1
-                block = _tool_use(call)
-                yield _event("content_block_start", {"type": "content_block_start", "index": index,
-                                                     "content_block": dict(block, input={})})
-                yield _event("content_block_delta", {"type": "content_block_delta", "index": index, "delta": {
-                    "type": "input_json_delta", "partial_json": json.dumps(block["input"], ensure_ascii=False)}})
-                yield _event("content_block_stop", {"type": "content_block_stop", "index": index})
+            for event in blocks.chunk(item, req):
+                yield event
             if item.finish is not None:
                 reason, sequence = _stop_reason(gen, item.finish)
     except QueueFullError as exc:  # a forwarded request the rank's node refused
@@ -268,15 +230,92 @@ async def _stream(gen: Generation, req: MessagesRequest, message_id: str, applie
     except InstanceFailedError as exc:
         yield _event("error", error_body("api_error", str(exc)))
         return
-    for event in close_thinking():
+    for event in blocks.end():
         yield event
-    if not answered:  # no text and no call: the non-streamed answer's one empty text block
-        index, open_text = index + 1, True
-        yield _event("content_block_start", {"type": "content_block_start", "index": index,
-                                             "content_block": {"type": "text", "text": ""}})
-    if open_text:
-        yield _event("content_block_stop", {"type": "content_block_stop", "index": index})
     yield _event("message_delta", {"type": "message_delta",
                                    "delta": {"stop_reason": reason, "stop_sequence": sequence},
                                    "usage": dict(_input_usage(gen), output_tokens=gen.completion_tokens)})
     yield _event("message_stop", {"type": "message_stop"})
+
+
+class _Blocks:
+    """The content blocks :func:`_stream` has opened: ``index`` the last one's (-1: none
+    yet), whether a text or thinking block is open, and whether any text or tool call came
+    (``answered``)."""
+
+    def __init__(self) -> None:
+        self.index, self.open_text, self.open_thinking, self.answered = -1, False, False, False
+
+    def chunk(self, item: Chunk, req: MessagesRequest) -> list[str]:
+        """The events of one chunk of the answer: its thinking, its text, its tool calls."""
+        events: list[str] = []
+        if item.reasoning and req.thinks:
+            events += self._thinking(item.reasoning, req.shows_thinking)
+        if item.text or item.tool_calls:
+            self.answered = True
+            events += self.close_thinking()
+        if item.text:
+            events += self._text(item.text)
+        for call in item.tool_calls:
+            events += self._tool_call(call)
+        return events
+
+    def _thinking(self, reasoning: str, shows: bool) -> list[str]:
+        events = []
+        if self.index < 0:  # the output's first block
+            self.index, self.open_thinking = 0, True
+            events.append(_event("content_block_start", {"type": "content_block_start", "index": 0,
+                                                         "content_block": _thinking_block("")}))
+        if self.open_thinking and shows:
+            events.append(_event("content_block_delta", {"type": "content_block_delta", "index": self.index,
+                                                         "delta": {"type": "thinking_delta",
+                                                                   "thinking": reasoning}}))
+        return events
+
+    def _text(self, text: str) -> list[str]:
+        events = []
+        if not self.open_text:
+            self.index, self.open_text = self.index + 1, True
+            events.append(_event("content_block_start", {"type": "content_block_start", "index": self.index,
+                                                         "content_block": {"type": "text", "text": ""}}))
+        events.append(_event("content_block_delta", {"type": "content_block_delta", "index": self.index,
+                                                     "delta": {"type": "text_delta", "text": text}}))
+        return events
+
+    def _tool_call(self, call: ToolCall) -> list[str]:
+        events = []
+        if self.open_text:
+            events.append(_event("content_block_stop", {"type": "content_block_stop", "index": self.index}))
+            self.open_text = False
+        self.index += 1
+        block = _tool_use(call)
+        index = self.index
+        events += [
+            _event("content_block_start", {"type": "content_block_start", "index": index,
+                                           "content_block": dict(block, input={})}),
+            _event("content_block_delta", {"type": "content_block_delta", "index": index, "delta": {
+                "type": "input_json_delta", "partial_json": json.dumps(block["input"], ensure_ascii=False)}}),
+            _event("content_block_stop", {"type": "content_block_stop", "index": index})]
+        return events
+
+    def close_thinking(self) -> list[str]:
+        """The open thinking block's signature and stop (none where none is open)."""
+        if not self.open_thinking:
+            return []
+        self.open_thinking = False
+        return [_event("content_block_delta", {"type": "content_block_delta", "index": self.index,
+                                               "delta": {"type": "signature_delta", "signature": ""}}),
+                _event("content_block_stop", {"type": "content_block_stop", "index": self.index})]
+
+    def end(self) -> list[str]:
+        """The events that close the answer's blocks: the thinking block's, an empty text
+        block where nothing was answered (as the non-streamed answer's), the text block's
+        stop."""
+        events = self.close_thinking()
+        if not self.answered:  # no text and no call: the non-streamed answer's one empty text block
+            self.index, self.open_text = self.index + 1, True
+            events.append(_event("content_block_start", {"type": "content_block_start", "index": self.index,
+                                                         "content_block": {"type": "text", "text": ""}}))
+        if self.open_text:
+            events.append(_event("content_block_stop", {"type": "content_block_stop", "index": self.index}))
+        return events

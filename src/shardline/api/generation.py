@@ -307,47 +307,13 @@ class Generation:
                     yield event
                     continue
                 if isinstance(event, PrefillProgress):
-                    self.cached_tokens = event.cached
-                    self.prompt_logprobs.extend(
-                        token_logprob(self.tokenizer.piece, self.prompt[i], logprob, top)
-                        for i, logprob, top in event.logprobs)
+                    self._prefilled(event)
                     yield event
                     continue
-                self.cached_tokens = event.cached_tokens
-                self.cache_written = event.cache_written
-                if event.token_id >= 0:
-                    self.completion_tokens += 1
-                    self.first_token_at = self.first_token_at or time.monotonic()
-                finish = event.finish_reason
-                text, hit = "", False
-                if event.token_id >= 0 and event.token_id not in self.stop_ids:
-                    delta = self.detokenizer.push(event.token_id)
-                    held.push(None if event.logprob is None else self._logprob(event), len(delta))
-                    text, hit = self.stops.feed(delta)
-                if finish is not None and not hit:
-                    # The output ended: a character its last tokens began reads U+FFFD,
-                    # and the text before it in their tokens is kept.
-                    tail = self.detokenizer.flush()
-                    held.push(None, len(tail))
-                    more, hit = self.stops.feed(tail)
-                    text += more
-                if hit:
-                    finish = "stop"
-                elif finish is not None:
-                    finish = "stop" if finish == "cancelled" else finish
-                    text += self.stops.flush()
-                logprobs = held.send(len(text), hit)
-                if finish is not None and not hit:
-                    logprobs += held.flush()
+                text, finish, logprobs = self._token_text(event, held)
                 reasoning = ""
                 if splitter is not None:
-                    thinking = splitter.thinking
-                    reasoning, text = splitter.feed(text)
-                    if finish is not None:
-                        more_reasoning, more = splitter.flush()
-                        reasoning, text = reasoning + more_reasoning, text + more
-                    if event.token_id >= 0 and (thinking or splitter.thinking):
-                        self.reasoning_tokens += 1
+                    reasoning, text = self._split_reasoning(splitter, event, text, finish)
                 chunk = self._chunk(parser, text, finish, logprobs, reasoning)
                 if finish is not None:
                     ended = chunk.finish or finish
@@ -360,11 +326,70 @@ class Generation:
             raise
         finally:
             await events.aclose()
-            if self.metrics is not None:
-                now = time.monotonic()
-                ttft = None if self.first_token_at is None else self.first_token_at - self.started
-                self.metrics.record(self.req.api, ended, len(self.prompt), self.completion_tokens, ttft,
-                                    now - self.started, self.cached_tokens)
+            self._record(ended)
+
+    def _prefilled(self, event: PrefillProgress) -> None:
+        """Take a prefill step's progress: the cached tokens, the prompt's logprobs."""
+        self.cached_tokens = event.cached
+        self.prompt_logprobs.extend(
+            token_logprob(self.tokenizer.piece, self.prompt[i], logprob, top)
+            for i, logprob, top in event.logprobs)
+
+    def _token_text(self, event: TokenEvent, held: HeldLogprobs,
+                    ) -> tuple[str, str | None, tuple[TokenLogprob, ...]]:
+        """A token event's (text, finish reason, logprobs): the text safe to send (up to a
+        stop string, which makes the finish "stop"; at the end the detokenizer's and the
+        stop matcher's held text too), the finish reason (None until the output ends;
+        "cancelled" from the engine becomes "stop") and the logprobs of the text's tokens
+        (``held``'s). Counts the token (and the first token's time)."""
+        self.cached_tokens = event.cached_tokens
+        self.cache_written = event.cache_written
+        if event.token_id >= 0:
+            self.completion_tokens += 1
+            self.first_token_at = self.first_token_at or time.monotonic()
+        finish = event.finish_reason
+        text, hit = "", False
+        if event.token_id >= 0 and event.token_id not in self.stop_ids:
+            delta = self.detokenizer.push(event.token_id)
+            held.push(None if event.logprob is None else self._logprob(event), len(delta))
+            text, hit = self.stops.feed(delta)
+        if finish is not None and not hit:
+            # The output ended: a character its last tokens began reads U+FFFD,
+            # and the text before it in their tokens is kept.
+            tail = self.detokenizer.flush()
+            held.push(None, len(tail))
+            more, hit = self.stops.feed(tail)
+            text += more
+        if hit:
+            finish = "stop"
+        elif finish is not None:
+            finish = "stop" if finish == "cancelled" else finish
+            text += self.stops.flush()
+        logprobs = held.send(len(text), hit)
+        if finish is not None and not hit:
+            logprobs += held.flush()
+        return text, finish, logprobs
+
+    def _split_reasoning(self, splitter: ReasoningSplitter | HarmonySplitter, event: TokenEvent, text: str,
+                         finish: str | None) -> tuple[str, str]:
+        """``text`` as (reasoning, answer) (all held text at the finish); counts a token
+        generated inside the thinking in ``reasoning_tokens``."""
+        thinking = splitter.thinking
+        reasoning, text = splitter.feed(text)
+        if finish is not None:
+            more_reasoning, more = splitter.flush()
+            reasoning, text = reasoning + more_reasoning, text + more
+        if event.token_id >= 0 and (thinking or splitter.thinking):
+            self.reasoning_tokens += 1
+        return reasoning, text
+
+    def _record(self, ended: str) -> None:
+        """Record the request in the metrics (where there are any), as ``ended``."""
+        if self.metrics is not None:
+            now = time.monotonic()
+            ttft = None if self.first_token_at is None else self.first_token_at - self.started
+            self.metrics.record(self.req.api, ended, len(self.prompt), self.completion_tokens, ttft,
+                                now - self.started, self.cached_tokens)
 
     def _starts_thinking(self) -> bool:
         """Whether the output starts inside the thinking: the prompt opened it

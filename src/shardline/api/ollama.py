@@ -28,7 +28,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from datetime import datetime, timezone
 from typing import Any, ClassVar, Literal, get_args
 
@@ -312,16 +312,7 @@ def router(node: Node, metrics: RequestMetrics | None = None, keep: KeepAlive | 
     send."""
     api = APIRouter()
     keep = keep if keep is not None else KeepAlive()
-    facts_cache: dict[str, ModelFacts] = {}
-
-    async def facts(model_id: str) -> ModelFacts:
-        """Raises APIError: 404 for a model no node holds, 503 when it cannot be read."""
-        try:
-            return await model_facts(node, model_id, facts_cache)
-        except ModelNotFoundError:
-            raise APIError(404, f"model '{model_id}' not found", "not_found_error", param="model") from None
-        except (TransferError, PeerError, OSError) as exc:
-            raise APIError(503, f"model '{model_id}' cannot be described on this node: {exc}") from exc
+    facts = _facts_of(node)
 
     @api.get("/api/version")
     async def version() -> dict:
@@ -334,71 +325,17 @@ def router(node: Node, metrics: RequestMetrics | None = None, keep: KeepAlive | 
         loads first. ``size`` is their weight files' bytes, ``digest`` as
         :mod:`shardline.api.model_facts` says, ``modified_at`` when it was placed (served)
         or added; a served one's ``details`` name its sharding."""
-        served = {m["id"]: m["created"] for m in node.router.models()}
-        out = []
-        for view in await node.logistics.cluster_models():
-            model_id = view["model_id"]
-            if model_id not in served and not view["complete_on"]:
-                continue
-            try:
-                f = await facts(model_id)
-            except APIError as exc:
-                if model_id in served:
-                    return error_response(exc)
-                continue  # held but not readable here now: not listed
-            details = f.details()
-            if model_id in served:
-                details["sharding"] = node.router.ready_instance(model_id).sharding
-            when = served.get(model_id) or view["added_at"] or time.time()
-            out.append({"name": model_id, "model": model_id,
-                        "modified_at": datetime.fromtimestamp(when, timezone.utc).isoformat(),
-                        "size": f.file_bytes, "digest": f.digest, "details": details})
-        return {"models": out}
+        return await _tags(node, facts)
 
     @api.get("/api/ps", response_model=None)
     async def ps() -> dict | JSONResponse:
         """The models with a ready instance: bytes their ranks hold (``size``; on GPUs
         ``size_vram``), and when keep_alive unloads them (``expires_at``)."""
-        out: dict[str, dict] = {}
-        for inst in node.instances.values():
-            if inst.status != InstanceStatus.READY:
-                continue
-            try:
-                f = await facts(inst.model_id)
-            except APIError as exc:
-                return error_response(exc)
-            size, vram = held_bytes(inst)
-            deadline = keep.expiries.get(inst.instance_id)
-            entry = out.setdefault(inst.model_id, {
-                "name": inst.model_id, "model": inst.model_id, "size": 0, "digest": f.digest,
-                "details": f.details(), "expires_at": deadline, "size_vram": 0, "context_length": 0})
-            entry["size"] += size
-            entry["size_vram"] += vram
-            entry["context_length"] = max(entry["context_length"], inst.context)
-            if entry["expires_at"] is not None:  # the latest of its instances' (none: for ever)
-                entry["expires_at"] = None if deadline is None else max(entry["expires_at"], deadline)
-        return {"models": [dict(e, expires_at=_at(e["expires_at"])) for e in out.values()]}
+        return await _ps(node, keep, facts)
 
     @api.post("/api/show")
     async def show(request: Request):
-        try:
-            req = await parse_body(request, ShowRequest)
-            model = req.model.removesuffix(":latest")
-            instances = placed(node, model)
-            if not instances:
-                return _not_found(req.model)
-            f = await facts(model)
-            try:
-                template = _template_of(await node.logistics.tokenizer(model))
-            except (ModelNotFoundError, TransferError, PeerError) as exc:
-                raise APIError(503, f"model '{model}' cannot be described on this node: {exc}") from exc
-        except APIError as exc:
-            return error_response(exc)
-        parameters = default_parameters(max(i.context for i in instances))
-        return {"modelfile": modelfile_text(model, template, parameters), "parameters": parameters_text(parameters),
-                "template": template or "", "details": f.details(), "model_info": f.model_info(),
-                "capabilities": capabilities(template),
-                "modified_at": datetime.fromtimestamp(min(i.created_at for i in instances), timezone.utc).isoformat()}
+        return await _show(node, facts, request)
 
     @api.post("/api/embed")
     async def embed(request: Request):
@@ -417,6 +354,97 @@ def router(node: Node, metrics: RequestMetrics | None = None, keep: KeepAlive | 
         return await _serve(node, metrics, keep, request, GenerateRequest, _generated, heartbeat_s)
 
     return api
+
+
+_Facts = Callable[[str], Awaitable[ModelFacts]]
+
+
+def _facts_of(node: Node) -> _Facts:
+    """A model's :class:`ModelFacts` on ``node``, cached per model by the returned function."""
+    facts_cache: dict[str, ModelFacts] = {}
+
+    async def facts(model_id: str) -> ModelFacts:
+        """Raises APIError: 404 for a model no node holds, 503 when it cannot be read."""
+        try:
+            return await model_facts(node, model_id, facts_cache)
+        except ModelNotFoundError:
+            raise APIError(404, f"model '{model_id}' not found", "not_found_error", param="model") from None
+        except (TransferError, PeerError, OSError) as exc:
+            raise APIError(503, f"model '{model_id}' cannot be described on this node: {exc}") from exc
+
+    return facts
+
+
+async def _tags(node: Node, facts: _Facts) -> dict | JSONResponse:
+    """``/api/tags``' body (see :func:`router`); an error response where a served model's
+    facts cannot be read."""
+    served = {m["id"]: m["created"] for m in node.router.models()}
+    out = []
+    for view in await node.logistics.cluster_models():
+        model_id = view["model_id"]
+        if model_id not in served and not view["complete_on"]:
+            continue
+        try:
+            f = await facts(model_id)
+        except APIError as exc:
+            if model_id in served:
+                return error_response(exc)
+            continue  # held but not readable here now: not listed
+        details = f.details()
+        if model_id in served:
+            details["sharding"] = node.router.ready_instance(model_id).sharding
+        when = served.get(model_id) or view["added_at"] or time.time()
+        out.append({"name": model_id, "model": model_id,
+                    "modified_at": datetime.fromtimestamp(when, timezone.utc).isoformat(),
+                    "size": f.file_bytes, "digest": f.digest, "details": details})
+    return {"models": out}
+
+
+async def _ps(node: Node, keep: KeepAlive, facts: _Facts) -> dict | JSONResponse:
+    """``/api/ps``' body (see :func:`router`); an error response where a model's facts
+    cannot be read."""
+    out: dict[str, dict] = {}
+    for inst in node.instances.values():
+        if inst.status != InstanceStatus.READY:
+            continue
+        try:
+            f = await facts(inst.model_id)
+        except APIError as exc:
+            return error_response(exc)
+        size, vram = held_bytes(inst)
+        deadline = keep.expiries.get(inst.instance_id)
+        entry = out.setdefault(inst.model_id, {
+            "name": inst.model_id, "model": inst.model_id, "size": 0, "digest": f.digest,
+            "details": f.details(), "expires_at": deadline, "size_vram": 0, "context_length": 0})
+        entry["size"] += size
+        entry["size_vram"] += vram
+        entry["context_length"] = max(entry["context_length"], inst.context)
+        if entry["expires_at"] is not None:  # the latest of its instances' (none: for ever)
+            entry["expires_at"] = None if deadline is None else max(entry["expires_at"], deadline)
+    return {"models": [dict(e, expires_at=_at(e["expires_at"])) for e in out.values()]}
+
+
+async def _show(node: Node, facts: _Facts, request: Request) -> dict | JSONResponse:
+    """``/api/show``: a placed model's modelfile, parameters, template, details and
+    capabilities; 404 for a model not placed, 503 where it cannot be described."""
+    try:
+        req = await parse_body(request, ShowRequest)
+        model = req.model.removesuffix(":latest")
+        instances = placed(node, model)
+        if not instances:
+            return _not_found(req.model)
+        f = await facts(model)
+        try:
+            template = _template_of(await node.logistics.tokenizer(model))
+        except (ModelNotFoundError, TransferError, PeerError) as exc:
+            raise APIError(503, f"model '{model}' cannot be described on this node: {exc}") from exc
+    except APIError as exc:
+        return error_response(exc)
+    parameters = default_parameters(max(i.context for i in instances))
+    return {"modelfile": modelfile_text(model, template, parameters), "parameters": parameters_text(parameters),
+            "template": template or "", "details": f.details(), "model_info": f.model_info(),
+            "capabilities": capabilities(template),
+            "modified_at": datetime.fromtimestamp(min(i.created_at for i in instances), timezone.utc).isoformat()}
 
 
 async def _refuse_embeddings(node: Node, request: Request) -> JSONResponse:

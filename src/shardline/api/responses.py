@@ -19,7 +19,8 @@ import time
 from collections.abc import AsyncIterator
 
 from fastapi import APIRouter, Request
-from fastapi.responses import JSONResponse, StreamingResponse
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from starlette.datastructures import QueryParams
 
 from shardline.api.generation import (
     APIError,
@@ -90,62 +91,14 @@ def router(node: Node, metrics: RequestMetrics | None = None, store: ResponseSto
     api = APIRouter()
     responses = store if store is not None else ResponseStore()
 
-    async def keep(req: ResponsesRequest, items: list[dict], response: dict) -> None:
-        if req.store is not False:
-            entry = StoredResponse.of(copy.deepcopy(response), items)
-            if responses.put(response["id"], entry):
-                await share(node, SharedResponse(response_id=response["id"], response=entry.response,
-                                                 items=list(entry.items)))
-
     @api.post("/v1/responses")
     async def create(request: Request):
-        try:
-            req = await parse_request(request)
-            history: list[dict] = []
-            new_items = normalize_input(req.input, req.model)
-            if req.previous_response_id is not None:
-                previous = responses.get(req.previous_response_id)
-                if previous is None:
-                    raise APIError(404, f"Previous response with id '{req.previous_response_id}' not found.",
-                                   param="previous_response_id", code="previous_response_not_found")
-                history = previous.conversation()
-            gen = await prepare(node, to_generation(req, history, new_items), metrics)
-        except APIError as exc:
-            return error_response(exc)
-        builder = OutputBuilder(req, new_id("resp"), int(time.time()))
-        items = history + new_items
-        headers = ({NOT_OFFERED_HEADER: ", ".join(builder.tools.not_offered)} if builder.tools.not_offered else {})
-        if req.stream:
-            return StreamingResponse(_stream(gen, builder, lambda r: keep(req, items, r), heartbeat_s),
-                                     media_type="text/event-stream",
-                                     headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no", **headers})
-        try:
-            chunks, finish = await collect_unless_disconnected(gen, request)
-        except InstanceFailedError as exc:
-            return error_response(APIError(503, str(exc), "server_error", code=exc.code))
-        if finish is None:  # the client left; nobody reads this
-            return JSONResponse(status_code=499, content=error_body("client closed the request", "client_closed"))
-        for chunk in chunks:
-            builder.feed(_piece(chunk))
-        builder.finish(finish, usage_object(len(gen.prompt), gen.completion_tokens, gen.reasoning_tokens,
-                                   gen.cached_tokens, gen.cache_written))
-        await keep(req, items, builder.response)
-        return JSONResponse(builder.response, headers=headers)
+        return await _create(node, metrics, responses, heartbeat_s, request)
 
     @api.get("/v1/responses/{response_id}")
     async def retrieve(response_id: str, request: Request):
-        query = request.query_params
         try:
-            for key in query:
-                if key not in RETRIEVE_QUERY:
-                    raise bad(f"Unknown parameter: '{key}'.", key, "unknown_parameter")
-            if query.get("stream", "false").lower() not in ("false", "0"):
-                raise bad("stream is for background responses, which this server does not run", "stream",
-                          "unsupported_parameter")
-            for value in query.getlist("include") + query.getlist("include[]"):
-                if value != LOGPROBS_INCLUDE:
-                    raise bad(f"include '{value}' is not supported by this server", "include",
-                              "unsupported_parameter")
+            _check_retrieve_query(request.query_params)
             entry = responses.get(response_id)
             if entry is None:
                 raise not_found(response_id)
@@ -161,6 +114,73 @@ def router(node: Node, metrics: RequestMetrics | None = None, store: ResponseSto
         return {"id": response_id, "object": "response.deleted", "deleted": True}
 
     return api
+
+
+async def _create(node: Node, metrics: RequestMetrics | None, responses: ResponseStore, heartbeat_s: float,
+                  request: Request) -> Response:
+    """``POST /v1/responses``: the response, streamed or whole, continuing a stored one
+    where the request names it (404 where none is stored), stored unless the request says
+    not (and shared with the peers); 503 where the instance fails, 499 where the client
+    left before the whole answer."""
+    try:
+        req = await parse_request(request)
+        history: list[dict] = []
+        new_items = normalize_input(req.input, req.model)
+        if req.previous_response_id is not None:
+            previous = responses.get(req.previous_response_id)
+            if previous is None:
+                raise APIError(404, f"Previous response with id '{req.previous_response_id}' not found.",
+                               param="previous_response_id", code="previous_response_not_found")
+            history = previous.conversation()
+        gen = await prepare(node, to_generation(req, history, new_items), metrics)
+    except APIError as exc:
+        return error_response(exc)
+    builder = OutputBuilder(req, new_id("resp"), int(time.time()))
+    items = history + new_items
+    headers = ({NOT_OFFERED_HEADER: ", ".join(builder.tools.not_offered)} if builder.tools.not_offered else {})
+
+    async def keep(response: dict) -> None:
+        if req.store is not False:
+            entry = StoredResponse.of(copy.deepcopy(response), items)
+            if responses.put(response["id"], entry):
+                await share(node, SharedResponse(response_id=response["id"], response=entry.response,
+                                                 items=list(entry.items)))
+
+    if req.stream:
+        return StreamingResponse(_stream(gen, builder, keep, heartbeat_s),
+                                 media_type="text/event-stream",
+                                 headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no", **headers})
+    try:
+        chunks, finish = await collect_unless_disconnected(gen, request)
+    except InstanceFailedError as exc:
+        return error_response(APIError(503, str(exc), "server_error", code=exc.code))
+    if finish is None:  # the client left; nobody reads this
+        return JSONResponse(status_code=499, content=error_body("client closed the request", "client_closed"))
+    for chunk in chunks:
+        builder.feed(_piece(chunk))
+    builder.finish(finish, usage_object(len(gen.prompt), gen.completion_tokens, gen.reasoning_tokens,
+                               gen.cached_tokens, gen.cache_written))
+    await keep(builder.response)
+    return JSONResponse(builder.response, headers=headers)
+
+
+def _check_retrieve_query(query: QueryParams) -> None:
+    """Refuse a retrieve's query parameters this server does not take.
+
+    Raises:
+        APIError: 400 for an unknown parameter, a stream (background responses are not
+            run here), or an include other than the logprobs'.
+    """
+    for key in query:
+        if key not in RETRIEVE_QUERY:
+            raise bad(f"Unknown parameter: '{key}'.", key, "unknown_parameter")
+    if query.get("stream", "false").lower() not in ("false", "0"):
+        raise bad("stream is for background responses, which this server does not run", "stream",
+                  "unsupported_parameter")
+    for value in query.getlist("include") + query.getlist("include[]"):
+        if value != LOGPROBS_INCLUDE:
+            raise bad(f"include '{value}' is not supported by this server", "include",
+                      "unsupported_parameter")
 
 
 async def share(node: Node, message: SharedResponse | ForgottenResponse) -> None:

@@ -116,6 +116,19 @@ def check_fields(body: Any) -> ResponsesRequest:
         raise unsupported("service_tier", f" '{req.service_tier}'")
     if req.background:
         raise unsupported("background", " (true)")
+    _check_options(req)
+    text_format(req.text)  # checked here, built where the request is mapped
+    return req
+
+
+def _check_options(req: ResponsesRequest) -> None:
+    """Check a validated request's nested options: ``reasoning``'s keys and values,
+    ``include``'s items, ``top_logprobs`` with its include, ``stream_options`` with a
+    stream, ``metadata``'s lengths.
+
+    Raises:
+        APIError: 400 naming the field (``unknown_parameter``, ``invalid_value``, or none).
+    """
     for key, value in (req.reasoning or {}).items():
         if key not in REASONING:
             raise bad(f"Unknown parameter: 'reasoning.{key}'.", f"reasoning.{key}", "unknown_parameter")
@@ -139,8 +152,6 @@ def check_fields(body: Any) -> ResponsesRequest:
     for key, value in (req.metadata or {}).items():
         if len(key) > 64 or len(value) > 512:
             raise bad("metadata keys are at most 64 characters and values 512", "metadata")
-    text_format(req.text)  # checked here, built where the request is mapped
-    return req
 
 
 _ROWS = {p.name: p for p in PARAMETERS if p.endpoint is Endpoint.RESPONSES}

@@ -31,6 +31,13 @@ def _fail(message: str) -> int:
 
 
 def _check_args(args: argparse.Namespace) -> str | None:
+    """Why the bench's arguments are refused (the first problem found), else None."""
+    return _workload_problem(args) or _setup_problem(args)
+
+
+def _workload_problem(args: argparse.Namespace) -> str | None:
+    """The first problem of the arguments that shape the workloads (prompt and generated
+    tokens, concurrency, runs, chat requests, turns, system tokens, context, rounds)."""
     if any(p < 1 for p in args.prompt_tokens):
         return "--prompt-tokens values must be at least 1"
     if args.gen_tokens < 2:
@@ -58,6 +65,12 @@ def _check_args(args: argparse.Namespace) -> str | None:
         return "--context must be at least 1, and is the local cluster's (not with --url)"
     if args.rounds is not None and args.rounds < 1:
         return "--rounds must be at least 1"
+    return None
+
+
+def _setup_problem(args: argparse.Namespace) -> str | None:
+    """The first problem of the arguments that set up the run (--against's options, the
+    nodes, --busy, the --json file's folder)."""
     if args.against is None:
         for option in ("against_model", "against_api_key"):
             if getattr(args, option) is not None:

@@ -282,32 +282,42 @@ async def run_workloads(servers: list[Server], config: BenchConfig,
             work, server, info = by_name[name], servers[names.index(server_name)], prepared[server_name]
             variants = range(next_variant[server_name], next_variant[server_name] + work.requests)
             next_variant[server_name] += work.requests
-            if work.kind == "turns":
-                say(f"round {round_ + 1}/{config.rounds}: {name} on {server_name}")
-                order.append({"round": round_, "workload": name, "server": server_name,
-                              "start_s": time.perf_counter() - started})
-                conversation = [build_prompt(info["turn"]["words"], v) for v in variants]
-                system = (agent_system_prompt(info["turn"]["system_words"], variants[0])
-                          if config.system_tokens else None)
-                results[name][server_name].append(await _on(server, run_conversation(
-                    clients[server_name], server.url, server.model, conversation, config.gen_tokens, system)))
-                continue
-            if work.kind == "level":
-                calibrated = next(p for p in info["prompts"] if p["target"] == work.prompt_tokens)
-                prompts = [build_prompt(calibrated["words"], v) for v in variants]
-                gen, tokens = config.gen_tokens, calibrated["tokens"]
-            else:
-                prompts = [chat_question(v) for v in variants]
-                gen, tokens = CHAT_GEN_TOKENS, info["chat_prompt_tokens"]
-            say(f"round {round_ + 1}/{config.rounds}: {name} on {server_name} ({work.requests} requests)")
+            unit = _unit(clients[server_name], server, info, work, variants, config)
+            requests = "" if work.kind == "turns" else f" ({work.requests} requests)"
+            say(f"round {round_ + 1}/{config.rounds}: {name} on {server_name}{requests}")
             order.append({"round": round_, "workload": name, "server": server_name,
                           "start_s": time.perf_counter() - started})
-            level = await _on(server, run_level(clients[server_name], server.url, server.model, prompts,
-                                                gen, work.concurrency, tokens))
-            results[name][server_name].append(level)
+            results[name][server_name].append(await _on(server, unit))
     finally:
         for client in clients.values():
             await client.aclose()
+    return _report(config, workloads, names, prepared, order, results)
+
+
+def _unit(client: httpx.AsyncClient, server: Server, info: dict[str, Any], work: Workload, variants: range,
+          config: BenchConfig) -> Awaitable[dict[str, Any]]:
+    """One measured unit of ``work`` on ``server`` (not yet started): a conversation of
+    ``variants`` turns, or ``work.requests`` requests of its prompt level or short chat, the
+    prompts calibrated to the server (``info``: its :func:`_prepare` record)."""
+    if work.kind == "turns":
+        conversation = [build_prompt(info["turn"]["words"], v) for v in variants]
+        system = (agent_system_prompt(info["turn"]["system_words"], variants[0])
+                  if config.system_tokens else None)
+        return run_conversation(client, server.url, server.model, conversation, config.gen_tokens, system)
+    if work.kind == "level":
+        calibrated = next(p for p in info["prompts"] if p["target"] == work.prompt_tokens)
+        prompts = [build_prompt(calibrated["words"], v) for v in variants]
+        gen, tokens = config.gen_tokens, calibrated["tokens"]
+    else:
+        prompts = [chat_question(v) for v in variants]
+        gen, tokens = CHAT_GEN_TOKENS, info["chat_prompt_tokens"]
+    return run_level(client, server.url, server.model, prompts, gen, work.concurrency, tokens)
+
+
+def _report(config: BenchConfig, workloads: list[Workload], names: list[str], prepared: dict[str, dict[str, Any]],
+            order: list[dict[str, Any]], results: dict[str, dict[str, list[dict[str, Any]]]]) -> dict[str, Any]:
+    """:func:`run_workloads`' report of the rounds measured (``results``: workload ->
+    server -> rounds); sets each server's ``usage_from`` in ``prepared``."""
     reports = []
     for w in workloads:
         entry: dict[str, Any] = {

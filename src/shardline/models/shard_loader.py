@@ -90,13 +90,16 @@ def _stacked_groups(parts: list[GroupQuant]) -> RowBlocks:
     return RowBlocks(read, (int(starts[-1]), parts[0].shape[1]))
 
 
+_Tensors = Iterator[tuple[str, list[Part | RowBlocks] | torch.Tensor]]
+
+
 def shard_tensors(
     source: WeightSource,
     layer_start: int,
     layer_end: int,
     share: TensorShare | None = None,
     head: bool = True,
-) -> Iterator[tuple[str, list[Part | RowBlocks] | torch.Tensor]]:
+) -> _Tensors:
     """The weights of a :class:`~shardline.models.llama.DecoderShard`, one at a time.
 
     Yields ``(name, value)``: for a linear module (``layers.<i>.attn.qkv``, ``...o``,
@@ -118,55 +121,129 @@ def shard_tensors(
     Raises:
         WeightFormatError: a tensor is missing or has an unexpected shape.
     """
+    reader = _ShardReader(source, share)
     config = source.config
-    permuted = isinstance(source, GGUFSource) and config.architecture == "llama"
-    d, hd, inter = config.hidden_size, config.head_dim, config.intermediate_size
-    q_rows, kv_rows = config.num_heads * hd, config.num_kv_heads * hd
+    if layer_start == 0:
+        yield "embed", [reader.row_blocks("embedding", "embed", (config.vocab_size, config.hidden_size))]
+    for local, layer in enumerate(range(layer_start, layer_end)):
+        p = f"layers.{local}."
+        yield from reader.attention(p, layer)
+        yield p + "attn_norm.weight", reader.vector(layer, "attn_norm")
+        yield p + "mlp_norm.weight", reader.vector(layer, "mlp_norm")
+        if config.is_moe:
+            yield from reader.experts(p, layer)
+        else:
+            yield from reader.mlp(p, layer)
+    if layer_end == config.num_layers and head:
+        yield "norm.weight", reader.vector(None, "norm")
+        tied = config.tie_word_embeddings
+        if not (tied and layer_start == 0):  # a tied head on the first shard reuses embed
+            yield "lm_head", [reader.row_blocks("LM head", "embed" if tied else "head",
+                                                (config.vocab_size, config.hidden_size))]
 
-    def span(start: int, end: int, full: int) -> Span:
-        return None if (start, end) == (0, full) else (start, end)
 
-    if share is None:
-        heads, kv_heads = config.num_heads, config.num_kv_heads
-        q_span = kv_span = col_span = None
-    else:
-        share.check(config)
-        heads, kv_heads = share.num_heads, share.num_kv_heads
-        q_span = span(share.heads[0] * hd, share.heads[1] * hd, q_rows)
-        kv0 = share.kv_heads[0]
-        kv_span = span(kv0 * hd, (kv0 + kv_heads) * hd, kv_rows)
-        col_span = span(*share.columns, inter)
+class _ShardReader:
+    """:func:`shard_tensors`' reads from ``source``, of a tensor ``share``'s slices (None:
+    whole tensors), each checked against the shape the model config gives it."""
 
-    def weight(label: str, layer: int | None, part: str, shape: tuple[int, ...],
+    def __init__(self, source: WeightSource, share: TensorShare | None) -> None:
+        """Raises ValueError (``TensorShare.check``) for a share that does not fit the
+        model's shapes."""
+        self.source, self.share = source, share
+        config = self.config = source.config
+        self.permuted = isinstance(source, GGUFSource) and config.architecture == "llama"
+        self.d, self.hd, self.inter = config.hidden_size, config.head_dim, config.intermediate_size
+        hd = self.hd
+        self.q_rows, self.kv_rows = config.num_heads * hd, config.num_kv_heads * hd
+
+        def span(start: int, end: int, full: int) -> Span:
+            return None if (start, end) == (0, full) else (start, end)
+
+        self.q_span: Span
+        self.kv_span: Span
+        self.col_span: Span
+        if share is None:
+            self.heads, self.kv_heads = config.num_heads, config.num_kv_heads
+            self.q_span = self.kv_span = self.col_span = None
+        else:
+            share.check(config)
+            self.heads, self.kv_heads = share.num_heads, share.num_kv_heads
+            self.q_span = span(share.heads[0] * hd, share.heads[1] * hd, self.q_rows)
+            kv0 = share.kv_heads[0]
+            self.kv_span = span(kv0 * hd, (kv0 + self.kv_heads) * hd, self.kv_rows)
+            self.col_span = span(*share.columns, self.inter)
+
+    def weight(self, label: str, layer: int | None, part: str, shape: tuple[int, ...],
                rows: Span = None, cols: Span = None) -> Part:
         """Check the file's whole shape, then read the slice as the file stores it."""
-        name = checked(label, _names(source, layer, part), shape)
-        return source.read_weight(name, rows, cols)
+        name = self.checked(label, _names(self.source, layer, part), shape)
+        return self.source.read_weight(name, rows, cols)
 
-    def checked(label: str, name: str, shape: tuple[int, ...], expert: int | None = None) -> str:
+    def checked(self, label: str, name: str, shape: tuple[int, ...], expert: int | None = None) -> str:
         """``name``, once the file's tensor (its expert's slice) has ``shape``.
 
         Raises:
             WeightFormatError: it has another shape (the message begins with ``label``)."""
-        found = source.shape(name, expert)
+        found = self.source.shape(name, expert)
         if found != shape:
             raise WeightFormatError(f"{label} has shape {found}, expected {shape}")
         return name
 
-    def row_blocks(label: str, part: str, shape: tuple[int, int]) -> RowBlocks:
+    def row_blocks(self, label: str, part: str, shape: tuple[int, int]) -> RowBlocks:
         """A whole top-level weight (embedding, head), to read a block of rows at a time."""
-        name = checked(label, _names(source, None, part), shape)
-        return RowBlocks(lambda start, end: source.read_weight(name, (start, end)), shape)
+        name = self.checked(label, _names(self.source, None, part), shape)
+        return RowBlocks(lambda start, end: self.source.read_weight(name, (start, end)), shape)
 
-    def vector(layer: int | None, part: str, rows: Span = None) -> torch.Tensor:
-        return source.read(_names(source, layer, part), rows)
+    def vector(self, layer: int | None, part: str, rows: Span = None) -> torch.Tensor:
+        return self.source.read(_names(self.source, layer, part), rows)
 
-    def experts(p: str, layer: int) -> Iterator[tuple[str, list[Part | RowBlocks] | torch.Tensor]]:
+    def attention(self, p: str, layer: int) -> _Tensors:
+        """A layer's attention (prefix ``p``): the fused qkv (GGUF llama's q and k rows
+        unpermuted), its bias, o and its bias (on rank 0 only), sinks, q/k norms."""
+        config, d, hd, share = self.config, self.d, self.hd, self.share
+        q_span, kv_span = self.q_span, self.kv_span
+        heads, kv_heads = self.heads, self.kv_heads
+        q = self.weight(f"layer {layer} q", layer, "q", (self.q_rows, d), q_span)
+        k = self.weight(f"layer {layer} k", layer, "k", (self.kv_rows, d), kv_span)
+        v = self.weight(f"layer {layer} v", layer, "v", (self.kv_rows, d), kv_span)
+        if self.permuted:
+            q = _take_rows(q, _unpermute_index(heads * hd, heads))
+            k = _take_rows(k, _unpermute_index(kv_heads * hd, kv_heads))
+        yield p + "attn.qkv", _stack([q, k, v])
+        if config.attention_bias:
+            qb, kb, vb = (self.vector(layer, n, s) for n, s in
+                          (("q_bias", q_span), ("k_bias", kv_span), ("v_bias", kv_span)))
+            if self.permuted:
+                qb = qb[torch.from_numpy(_unpermute_index(heads * hd, heads))]
+                kb = kb[torch.from_numpy(_unpermute_index(kv_heads * hd, kv_heads))]
+            yield p + "attn.qkv.bias", torch.cat((qb, kb, vb))
+        yield p + "attn.o", [self.weight(f"layer {layer} o", layer, "o", (d, self.q_rows), cols=q_span)]
+        if config.output_bias and (share is None or share.rank == 0):  # added once
+            yield p + "attn.o.bias", self.vector(layer, "o_bias")
+        if config.attention_sinks:
+            yield p + "attn.sinks", self.vector(layer, "sinks", q_span and (q_span[0] // hd, q_span[1] // hd))
+        if config.qk_norm:
+            yield p + "attn.q_norm.weight", self.vector(layer, "q_norm")
+            yield p + "attn.k_norm.weight", self.vector(layer, "k_norm")
+
+    def mlp(self, p: str, layer: int) -> _Tensors:
+        """A dense layer's MLP (prefix ``p``): the fused gate/up and down, of the share's
+        columns."""
+        d, inter, col_span = self.d, self.inter, self.col_span
+        gate = self.weight(f"layer {layer} gate", layer, "gate", (inter, d), col_span)
+        up = self.weight(f"layer {layer} up", layer, "up", (inter, d), col_span)
+        yield p + "mlp.gate_up", _stack([gate, up])
+        yield p + "mlp.down", [self.weight(f"layer {layer} down", layer, "down", (d, inter),
+                                           cols=col_span)]
+
+    def experts(self, p: str, layer: int) -> _Tensors:
         """An MoE layer's router (float32 here, whole on every rank) and each expert's
         gate/up and down, of the share's columns (under expert sharding: the share's whole
         experts only)."""
+        config, source, share, d, inter = self.config, self.source, self.share, self.d, self.inter
+        col_span = self.col_span
         router = source.router_tensor(layer)
-        checked(f"layer {layer} router {router!r}", router, (config.num_experts, d))
+        self.checked(f"layer {layer} router {router!r}", router, (config.num_experts, d))
         yield p + "mlp.router", source.read(router).float()
         whole = share is not None and share.experts is not None  # expert sharding
         if config.expert_bias:
@@ -175,10 +252,11 @@ def shard_tensors(
                       for part in ("gate", "up", "down")}  # [experts, rows], small
             c0, c1 = share.columns if share else (0, inter)
         first, last = share.expert_range(config) if share else (0, config.num_experts)
+
         def expert(e: int, part: str, shape: tuple[int, int], rows: Span = None,
                    cols: Span = None) -> Part:
             name, index = source.expert_tensor(layer, part, e)
-            checked(f"layer {layer} expert {e} {part} ({name!r})", name, shape, index)
+            self.checked(f"layer {layer} expert {e} {part} ({name!r})", name, shape, index)
             return source.read_weight(name, rows, cols, index)
 
         for e in range(first, last):
@@ -190,49 +268,6 @@ def shard_tensors(
                 yield q + "gate_up.bias", torch.cat((biases["gate"][e, c0:c1], biases["up"][e, c0:c1]))
                 if share is None or share.rank == 0 or whole:  # added once
                     yield q + "down.bias", biases["down"][e]
-
-    if layer_start == 0:
-        yield "embed", [row_blocks("embedding", "embed", (config.vocab_size, d))]
-    for local, layer in enumerate(range(layer_start, layer_end)):
-        p = f"layers.{local}."
-        q = weight(f"layer {layer} q", layer, "q", (q_rows, d), q_span)
-        k = weight(f"layer {layer} k", layer, "k", (kv_rows, d), kv_span)
-        v = weight(f"layer {layer} v", layer, "v", (kv_rows, d), kv_span)
-        if permuted:
-            q = _take_rows(q, _unpermute_index(heads * hd, heads))
-            k = _take_rows(k, _unpermute_index(kv_heads * hd, kv_heads))
-        yield p + "attn.qkv", _stack([q, k, v])
-        if config.attention_bias:
-            qb, kb, vb = (vector(layer, n, s) for n, s in
-                          (("q_bias", q_span), ("k_bias", kv_span), ("v_bias", kv_span)))
-            if permuted:
-                qb = qb[torch.from_numpy(_unpermute_index(heads * hd, heads))]
-                kb = kb[torch.from_numpy(_unpermute_index(kv_heads * hd, kv_heads))]
-            yield p + "attn.qkv.bias", torch.cat((qb, kb, vb))
-        yield p + "attn.o", [weight(f"layer {layer} o", layer, "o", (d, q_rows), cols=q_span)]
-        if config.output_bias and (share is None or share.rank == 0):  # added once
-            yield p + "attn.o.bias", vector(layer, "o_bias")
-        if config.attention_sinks:
-            yield p + "attn.sinks", vector(layer, "sinks", q_span and (q_span[0] // hd, q_span[1] // hd))
-        if config.qk_norm:
-            yield p + "attn.q_norm.weight", vector(layer, "q_norm")
-            yield p + "attn.k_norm.weight", vector(layer, "k_norm")
-        yield p + "attn_norm.weight", vector(layer, "attn_norm")
-        yield p + "mlp_norm.weight", vector(layer, "mlp_norm")
-        if config.is_moe:
-            yield from experts(p, layer)
-            continue
-        gate = weight(f"layer {layer} gate", layer, "gate", (inter, d), col_span)
-        up = weight(f"layer {layer} up", layer, "up", (inter, d), col_span)
-        yield p + "mlp.gate_up", _stack([gate, up])
-        yield p + "mlp.down", [weight(f"layer {layer} down", layer, "down", (d, inter),
-                                      cols=col_span)]
-    if layer_end == config.num_layers and head:
-        yield "norm.weight", vector(None, "norm")
-        tied = config.tie_word_embeddings
-        if not (tied and layer_start == 0):  # a tied head on the first shard reuses embed
-            yield "lm_head", [row_blocks("LM head", "embed" if tied else "head",
-                                         (config.vocab_size, d))]
 
 
 _DENSE_DTYPES = {"router": torch.float32, "router_bias": torch.float64, "sinks": torch.float32}

@@ -332,6 +332,35 @@ def _link_or_copy(source: Path, target: Path) -> None:
         shutil.copyfile(source, target)
 
 
+def _local_files(source: Path) -> tuple[dict[str, Path], str]:
+    """The files :meth:`ModelStore.add_local` takes from ``source`` by name, and their format:
+    a ``.gguf`` file alone ("gguf"), or a directory's config.json, safetensors and the
+    other :data:`HF_PATTERNS` files ("safetensors").
+
+    Raises:
+        ModelStoreError: ``source`` does not exist, is a GGUF held in part, or is neither
+            a ``.gguf`` file nor a directory with config.json and safetensors.
+    """
+    if not source.exists():
+        raise ModelStoreError(f"{source}: no such file or directory")
+    if source.is_file() and source.suffix == ".gguf":
+        if record_path(source).exists():
+            raise ModelStoreError(f"{source} is a copy held in part (only the pieces of some ranks): "
+                                  f"add the whole file from a node that holds it")
+        return {source.name: source}, "gguf"
+    if source.is_dir() and (source / "config.json").is_file():
+        files = {}
+        for pattern in HF_PATTERNS:
+            for file in source.glob(pattern):
+                if file.is_file():
+                    files[file.name] = file
+        if not any(name.endswith(".safetensors") for name in files):
+            raise ModelStoreError(f"{source} has config.json but no .safetensors files")
+        return files, "safetensors"
+    raise ModelStoreError(
+        f"{source} is neither a .gguf file nor a directory with config.json and safetensors")
+
+
 class ModelStore:
     """The models in ``root`` (``<data dir>/models``); see the module doc.
 
@@ -495,26 +524,7 @@ class ModelStore:
                 cannot run.
         """
         source = Path(path).expanduser()
-        if not source.exists():
-            raise ModelStoreError(f"{source}: no such file or directory")
-        if source.is_file() and source.suffix == ".gguf":
-            if record_path(source).exists():
-                raise ModelStoreError(f"{source} is a copy held in part (only the pieces of some ranks): "
-                                      f"add the whole file from a node that holds it")
-            files = {source.name: source}
-            fmt = "gguf"
-        elif source.is_dir() and (source / "config.json").is_file():
-            files = {}
-            for pattern in HF_PATTERNS:
-                for file in source.glob(pattern):
-                    if file.is_file():
-                        files[file.name] = file
-            if not any(name.endswith(".safetensors") for name in files):
-                raise ModelStoreError(f"{source} has config.json but no .safetensors files")
-            fmt = "safetensors"
-        else:
-            raise ModelStoreError(
-                f"{source} is neither a .gguf file nor a directory with config.json and safetensors")
+        files, fmt = _local_files(source)
         if roots is not None:
             roots = list(roots)
             outside = sorted(name for name, file in files.items() if resolve_under(str(file), roots) is None)
@@ -536,6 +546,18 @@ class ModelStore:
                 {name: file.stat().st_size for name, file in files.items()
                  if name.endswith((".gguf", ".safetensors"))}:
             return known
+        return self._install(source, files, fmt, model_id)
+
+    def _install(self, source: Path, files: dict[str, Path], fmt: str, model_id: str) -> Manifest:
+        """Link or copy ``files`` (``source``'s, in format ``fmt``: "gguf" or "safetensors")
+        into a staging directory, describe them (a GGUF's tokenizer files saved beside it)
+        and put them in place as ``model_id``, replacing what was there.
+
+        Raises:
+            ModelStoreError: the files are not a model shardline can read.
+            shardline.models.config.UnsupportedModelError: an architecture shardline
+                cannot run.
+        """
         self.root.mkdir(parents=True, exist_ok=True)
         staging = Path(tempfile.mkdtemp(prefix=".adding-", dir=self.root))
         try:

@@ -23,7 +23,9 @@ import subprocess
 import sys
 import time
 import uuid
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import psutil
 
@@ -376,7 +378,31 @@ def _measure(device: str, seconds: float, threads: int = 0, samples: int = 1) ->
         result["decode_layer_s"] = layer_s
         result["decode_weight_bytes_per_s"] = decode_weight_rate(samples)  # after: not a runner's
     del probe
-    notes = []
+    notes: list[str] = []
+    sync, dtypes, n = _accelerator(torch, dev, result)
+
+    # Matmul: 2·n³ FLOP a product.
+    result["matmul_flops"], result["matmul_dtype"] = _matmul_rate(
+        torch, dev, dtypes, n, seconds * 2 / 3, sync, samples, notes)
+
+    # Memory bandwidth: copy a 256 MiB tensor into another (read + write bytes per second).
+    size = _COPY_BYTES
+    if dev.type == "cpu":
+        size = min(size, result["available_bytes"] // 8)  # both tensors well within free memory
+    size = max(size // 4 * 4, 4)
+    src = torch.ones(size // 4, dtype=torch.float32, device=dev)
+    dst = torch.zeros_like(src)  # both touched: page faults are not timed
+    result["memory_bandwidth_bytes_per_s"] = _timed_rate(
+        lambda: dst.copy_(src), 2.0 * size, seconds / 3, sync, samples=max(samples, 3))
+    result["note"] = "; ".join(notes)
+    return result
+
+
+def _accelerator(torch: Any, dev: Any, result: dict) -> tuple[Callable[[], None], list, int]:
+    """Fill ``result``'s accelerator fields for ``dev`` (a CUDA GPU's memory by NVML where
+    it can, and its decode layer cost and weight-read rate; MPS's; none on the CPU).
+    Returns (a function that waits for the device's queued work, the matmul dtypes to time
+    in order, the matmul's side n)."""
     if dev.type == "cuda":
         nvml = _nvml_memory(dev.index)  # before torch creates a context on the device
         torch.cuda.set_device(dev)
@@ -392,9 +418,8 @@ def _measure(device: str, seconds: float, threads: int = 0, samples: int = 1) ->
         def sync() -> None:
             torch.cuda.synchronize(dev)
 
-        dtypes = [torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16]
-        n = _MATMUL_N_GPU
-    elif dev.type == "mps":
+        return sync, [torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16], _MATMUL_N_GPU
+    if dev.type == "mps":
         total = int(torch.mps.recommended_max_memory()) if hasattr(torch.mps, "recommended_max_memory") \
             else result["total_bytes"]
         used = int(torch.mps.driver_allocated_memory()) if hasattr(torch.mps, "driver_allocated_memory") else 0
@@ -402,30 +427,32 @@ def _measure(device: str, seconds: float, threads: int = 0, samples: int = 1) ->
         result["accelerator_total_bytes"] = total
         result["accelerator_free_bytes"] = max(0, min(total - used, result["available_bytes"]))
 
-        def sync() -> None:
+        def mps_sync() -> None:
             torch.mps.synchronize()
 
-        dtypes = [torch.bfloat16, torch.float16]  # bf16 needs macOS 14; the first that runs
-        n = _MATMUL_N_GPU
-    else:
-        result["accelerator"] = "cpu"
-        result["accelerator_total_bytes"] = result["accelerator_free_bytes"] = 0
+        return mps_sync, [torch.bfloat16, torch.float16], _MATMUL_N_GPU  # bf16 needs macOS 14; the first that runs
+    result["accelerator"] = "cpu"
+    result["accelerator_total_bytes"] = result["accelerator_free_bytes"] = 0
 
-        def sync() -> None:
-            pass
+    def no_sync() -> None:
+        pass
 
-        dtypes = [torch.bfloat16, torch.float32]  # both timed; the faster is reported
-        n = _MATMUL_N_CPU
+    return no_sync, [torch.bfloat16, torch.float32], _MATMUL_N_CPU  # both timed; the faster is reported
 
-    # Matmul: 2·n³ FLOP a product.
-    matmul_budget = seconds * 2 / 3
+
+def _matmul_rate(torch: Any, dev: Any, dtypes: list, n: int, budget_s: float, sync: Callable[[], None],
+                 samples: int, notes: list[str]) -> tuple[float, str]:
+    """(FLOP/s, dtype name) of the fastest n x n product among ``dtypes`` within
+    ``budget_s`` seconds (on the CPU each dtype gets its share; on an accelerator the
+    first that runs is taken); a dtype that fails is noted in ``notes``. (0.0, "") where
+    none runs."""
     best_rate, best_dtype = 0.0, ""
     for dtype in dtypes:
         try:
             a = torch.randn(n, n, device=dev).to(dtype)
             b = torch.randn(n, n, device=dev).to(dtype)
             rate = _timed_rate(lambda: torch.mm(a, b), 2.0 * n**3,
-                               matmul_budget / (len(dtypes) if dev.type == "cpu" else 1), sync,
+                               budget_s / (len(dtypes) if dev.type == "cpu" else 1), sync,
                                samples=samples)
         except (RuntimeError, TypeError) as exc:  # a dtype this device lacks
             notes.append(f"{str(dtype).removeprefix('torch.')} matmul failed: {str(exc)[:200]}")
@@ -434,19 +461,7 @@ def _measure(device: str, seconds: float, threads: int = 0, samples: int = 1) ->
             best_rate, best_dtype = rate, str(dtype).removeprefix("torch.")
         if dev.type != "cpu":
             break
-    result["matmul_flops"], result["matmul_dtype"] = best_rate, best_dtype
-
-    # Memory bandwidth: copy a 256 MiB tensor into another (read + write bytes per second).
-    size = _COPY_BYTES
-    if dev.type == "cpu":
-        size = min(size, result["available_bytes"] // 8)  # both tensors well within free memory
-    size = max(size // 4 * 4, 4)
-    src = torch.ones(size // 4, dtype=torch.float32, device=dev)
-    dst = torch.zeros_like(src)  # both touched: page faults are not timed
-    result["memory_bandwidth_bytes_per_s"] = _timed_rate(
-        lambda: dst.copy_(src), 2.0 * size, seconds / 3, sync, samples=max(samples, 3))
-    result["note"] = "; ".join(notes)
-    return result
+    return best_rate, best_dtype
 
 
 def main(argv: list[str] | None = None) -> int:

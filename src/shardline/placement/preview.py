@@ -144,19 +144,18 @@ def preview(
     available bytes, in rank order by available bytes (most first), under each sharding in
     ``shardings`` (of several, those that :func:`applies` to the model: asked for alone, a
     sharding that does not is listed refused, with the reason). One node is listed as a
-    pipeline of one when ``"pipeline"`` is in
-    ``shardings`` (tensor or ring of one is the same placement), else under each sharding
-    asked (a placement of one node under it works, and the preview says so). Then each
+    pipeline of one when ``"pipeline"`` is in ``shardings`` (tensor or ring of one is the
+    same placement), else under each sharding asked (a placement of one node under it
+    works, and the preview says so). Then each
     placement of ``model_id`` in ``served`` that these miss (other nodes or another rank
     order) and the same bounds allow, in its own rank order.
 
     Memory per rank is ``place_with_kv_pool``'s check with ``context`` tokens per sequence,
     ``max_batch`` sequences, a KV pool of ``kv_tokens`` (None: as much as fits, up to
     ``max_batch`` x ``context``), weights quantized on load by ``quantize`` (None: not) and
-    the compute ``dtype`` (skipped when not ``admit``: a forced
-    placement) with ``weight_file_bytes`` (the model's weight files, 0: unknown) and
-    ``baseline_bytes`` of runtime per rank; the
-    speeds are :func:`predict_tokens_per_s`'s (decode tokens/s of one sequence, prefill
+    the compute ``dtype`` (skipped when not ``admit``: a forced placement) with
+    ``weight_file_bytes`` (the model's weight files, 0: unknown) and ``baseline_bytes`` of
+    runtime per rank; the speeds are :func:`predict_tokens_per_s`'s (decode tokens/s of one sequence, prefill
     tokens/s), decode reading :func:`~shardline.placement.ranks.resident_bytes_per_weight`
     bytes a weight, then corrected by what placements of ``model_id`` measured while
     serving (``served``: :func:`shardline.placement.served.calibrate`'s rule; the
@@ -171,16 +170,10 @@ def preview(
         PlacementError: an unknown dtype (a ValueError).
     """
     check_dtype(dtype)
-    if len(shardings) > 1:  # all of them (auto): only those the model can take
-        shardings = [s for s in shardings if applies(s, config)]
     decode_weight_bytes = resident_bytes_per_weight(config, weight_file_bytes, dtype, quantize)
     quantized = quantize.value if quantize else None
-    one_node = Sharding.PIPELINE if Sharding.PIPELINE in shardings else None  # else as asked
-    placements = [(sharding, subset) for subset in _subsets(nodes, max_nodes, min_nodes)
-                  for sharding in shardings
-                  if len(subset) > 1 or sharding == one_node or one_node is None]
-    placements += _measured_placements(served, nodes, placements, model_id, dtype, quantized,
-                                       shardings, min_nodes, max_nodes)
+    placements = _placements(config, nodes, shardings, max_nodes, min_nodes, served, model_id, dtype,
+                             quantized)
     feasible: list[Candidate] = []
     infeasible: list[Candidate] = []
     for sharding, subset in placements:
@@ -206,6 +199,24 @@ def preview(
     feasible.sort(key=lambda c: (-(c.predicted_decode_tokens_per_s or 0.0),
                                  -(c.predicted_prefill_tokens_per_s or 0.0), len(c.node_ids)))
     return feasible + infeasible
+
+
+def _placements(config: ModelConfig, nodes: Sequence[NodeProfile], shardings: Sequence[Sharding],
+                max_nodes: int | None, min_nodes: int, served: Sequence[ServedSpeed], model_id: str,
+                dtype: str, quantized: str | None) -> list[tuple[Sharding, list[NodeProfile]]]:
+    """The (sharding, nodes in rank order) placements :func:`preview` weighs, in its
+    enumeration order: each node subset under each sharding (of several, those that
+    :func:`applies` to the model; one node as a pipeline where pipeline is asked for), then
+    the measured placements of ``model_id`` in ``served`` these miss."""
+    if len(shardings) > 1:  # all of them (auto): only those the model can take
+        shardings = [s for s in shardings if applies(s, config)]
+    one_node = Sharding.PIPELINE if Sharding.PIPELINE in shardings else None  # else as asked
+    placements = [(sharding, subset) for subset in _subsets(nodes, max_nodes, min_nodes)
+                  for sharding in shardings
+                  if len(subset) > 1 or sharding == one_node or one_node is None]
+    placements += _measured_placements(served, nodes, placements, model_id, dtype, quantized,
+                                       shardings, min_nodes, max_nodes)
+    return placements
 
 
 def auto(

@@ -4,7 +4,8 @@
 their shares) and what the nodes measured of themselves (:class:`NodeProfile`: memory
 bandwidth, matmul FLOP/s, a decode layer's fixed cost, the machine they share) and of
 their links (:class:`Link`) into a rough, first-order estimate, documented formula by
-formula in its docstring: good enough to rank candidates
+formula in its docstring and its shardings' (:func:`_pipeline_speed`, :func:`_tensor_speed`,
+:func:`_ring_speed`): good enough to rank candidates
 (:mod:`shardline.placement.preview`), not a benchmark. What a placement then measures
 while serving corrects it (:mod:`shardline.placement.served`).
 
@@ -219,6 +220,79 @@ def oversubscription(nodes: Sequence[NodeProfile]) -> list[float]:
     return [factor(n) for n in nodes]
 
 
+@dataclass(frozen=True)
+class _Terms:
+    """What every sharding's speed formula reads (:func:`predict_tokens_per_s`'s notation).
+
+    Attributes:
+        config, nodes, shares, links: the placement, node i being rank i.
+        e: bytes of a compute-dtype element.
+        w: bytes a weight takes resident (``decode_weight_bytes``).
+        n: prompt tokens of the prefill predicted.
+        head: the LM head's weight elements (``vocab_size * d``).
+        avg_tokens: the average context of a sequence that grows to ``context`` (tokens).
+        kv_token: KV bytes per token, all layers, all KV heads.
+        ids: the nodes' ids in rank order.
+        lat_max, bw_min: the worst latency (s) and bandwidth (bytes/s) over all pairs of
+            the placement's nodes (0 and infinity for one node).
+        gather: 2 * lat_max with more than one rank, else 0 (s).
+        act: ``A``, a token's activation elements in a layer (``d + intermediate_size``).
+        attention: :func:`attention_flops` of all query heads at ``n`` (one layer).
+        shared: each rank's :func:`oversubscription` ``s_r``.
+    """
+
+    config: ModelConfig
+    nodes: Sequence[NodeProfile]
+    shares: Sequence[RankShare]
+    links: Mapping[tuple[str, str], Link] | None
+    e: int
+    w: float
+    n: int
+    head: int
+    avg_tokens: float
+    kv_token: int
+    ids: list[str]
+    lat_max: float
+    bw_min: float
+    gather: float
+    act: int
+    attention: float
+    shared: list[float]
+
+    @property
+    def L(self) -> int:
+        return self.config.num_layers
+
+    @property
+    def d(self) -> int:
+        return self.config.hidden_size
+
+    @property
+    def P(self) -> int:
+        return len(self.nodes)
+
+
+def _terms(config: ModelConfig, nodes: Sequence[NodeProfile], shares: Sequence[RankShare],
+           links: Mapping[tuple[str, str], Link] | None, context: int, dtype: str,
+           decode_weight_bytes: float, prompt_tokens: int) -> _Terms:
+    """The :class:`_Terms` of a placement. Raises :class:`PlacementError` for an unknown
+    ``dtype``."""
+    check_dtype(dtype)
+    e = DTYPE_BYTES[dtype]
+    ids = [n.node_id for n in nodes]
+    pairs = [link_between(links, a, b) for i, a in enumerate(ids) for b in ids[i + 1:]]
+    lat_max = max((k.latency_s for k in pairs), default=0.0)
+    return _Terms(
+        config=config, nodes=nodes, shares=shares, links=links, e=e, w=decode_weight_bytes,
+        n=prompt_tokens, head=config.vocab_size * config.hidden_size, avg_tokens=context / 2,
+        kv_token=config.kv_bytes_per_token(e), ids=ids, lat_max=lat_max,
+        bw_min=min((k.bandwidth_bytes_per_s for k in pairs), default=float("inf")),
+        gather=2 * lat_max if len(nodes) > 1 else 0.0,  # proposals to the sampling rank 0 and back
+        act=config.hidden_size + config.intermediate_size,
+        attention=attention_flops(config.num_heads * config.head_dim, prompt_tokens),
+        shared=oversubscription(nodes))
+
+
 def predict_tokens_per_s(
     config: ModelConfig,
     sharding: Sharding,
@@ -271,16 +345,38 @@ def predict_tokens_per_s(
     runs its stages one after another and pays none.
 
     plus ``STEP_LAYERS * h_r`` on the rank that samples (``h_r`` its ``host_layer_s``,
-    else ``o_r``). A small model's decode on a CPU is
-    bound by its per-layer small ops (norms, rotary, attention's reshapes, residuals: ~60
-    torch calls a layer) and by the int4 kernel's unpacking, not by memory bandwidth. On
-    the 2-vCPU VM this was checked on (SmolLM2-135M int4, one runner thread, the machine
-    loaded by others: load average 5-8), 102 MB of resident weights were read at the int4
-    product's 6-9 GB/s and a layer's fixed cost was 0.6-0.9 ms, so the fixed costs were
-    about half of a ~50 ms step; the bandwidth-only model (``o = 0``, weights at the copy
-    bandwidth) missed them.
+    else ``o_r``). A small model's decode on a CPU is bound by its per-layer small ops (norms,
+    rotary, attention's reshapes, residuals: ~60 torch calls a layer) and by the int4 kernel's
+    unpacking, not by memory bandwidth. On the 2-vCPU VM this was checked on (SmolLM2-135M int4,
+    one runner thread, the machine loaded by others: load average 5-8), 102 MB of resident
+    weights were read at the int4 product's 6-9 GB/s and a layer's fixed cost was 0.6-0.9 ms, so
+    the fixed costs were about half of a ~50 ms step; the bandwidth-only model (``o = 0``,
+    weights at the copy bandwidth) missed them.
 
-    pipeline (the last rank samples and broadcasts the token id)::
+    Each sharding's step and prefill formulas: :func:`_pipeline_speed`, :func:`_tensor_speed`
+    (tensor and expert), :func:`_ring_speed`. A single node (P = 1) pays no link. Compute/transfer
+    overlap and batching are ignored; attention is in ``PREFILL_ACTIVATION_BYTES`` at a chunk's
+    length and in ``K_r`` for decode. With ``o_r = 0`` and no weight-read rate (a profile that
+    did not measure them) decode is the bandwidth-bound model alone.
+
+    Raises:
+        PlacementError: an unknown sharding or dtype.
+    """
+    t = _terms(config, nodes, shares, links, context, dtype, decode_weight_bytes, prompt_tokens)
+    if sharding == Sharding.PIPELINE:
+        return _pipeline_speed(t)
+    if sharding in (Sharding.TENSOR, Sharding.EXPERT):
+        return _tensor_speed(t)
+    if sharding == Sharding.RING:
+        return _ring_speed(t)
+    raise PlacementError(
+        f"sharding {sharding!r} is not supported (supported: {', '.join(SHARDINGS)})"
+    )
+
+
+def _pipeline_speed(t: _Terms) -> tuple[float, float]:
+    """(decode, prefill) tokens/s of a pipeline (:func:`predict_tokens_per_s`'s notation;
+    the last rank samples and broadcasts the token id)::
 
         decode s/token  = sum_r T_r + STEP_LAYERS * h_last
                           + sum_hops (lat + d*e / bw) + lat(last -> others)
@@ -291,10 +387,36 @@ def predict_tokens_per_s(
           (k = ceil(n / C) chunks: the first goes through every stage in turn, and each
            later one leaves the slowest stage or hop a chunk later, stages overlapping:
            a prompt of one chunk runs its stages one after another)
+    """
+    config, L, d, P, ids = t.config, t.L, t.d, t.P, t.ids
+    decode = slowest = through = 0.0
+    for rank, (node, share) in enumerate(zip(t.nodes, t.shares)):
+        layers = share.num_layers
+        linear = layers * _linear_per_layer(config)
+        weights = t.w * (linear + (t.head if rank == P - 1 else 0))
+        decode += (_step_s(node, weights, t.kv_token * layers / L * t.avg_tokens, layers)
+                   + (node.step_host_s if rank == P - 1 else 0.0))
+        stage = _prefill_s(node, 2 * linear + layers * t.attention, layers, layers * t.act)
+        slowest = max(slowest, t.shared[rank] * stage)
+        through += stage
+    for a, b in zip(ids, ids[1:]):
+        link = link_between(t.links, a, b)
+        hop = _secs(d * t.e, link.bandwidth_bytes_per_s)
+        decode += link.latency_s + hop
+        slowest = max(slowest, hop + link.latency_s / PREFILL_CHUNK_TOKENS)
+        through += hop + link.latency_s / PREFILL_CHUNK_TOKENS
+    last_bcast = max((link_between(t.links, ids[-1], o).latency_s for o in ids[:-1]),
+                     default=0.0)
+    chunks = max(1, -(-t.n // PREFILL_CHUNK_TOKENS))
+    prefill = (through + (chunks - 1) * slowest) / chunks
+    return _per_s(decode + last_bcast), _per_s(prefill)
 
-    tensor and expert (expert: whole experts per rank, see :func:`_tensor_linear_per_layer`;
-    two all-reduces a layer of float32 partial sums, rank 0 samples; a sum of at
-    most ``POINT_TO_POINT_BYTES``, a decode step's, goes from every rank to every other in
+
+def _tensor_speed(t: _Terms) -> tuple[float, float]:
+    """(decode, prefill) tokens/s of tensor or expert sharding (:func:`predict_tokens_per_s`'s
+    notation; expert: whole experts per rank, see :func:`_tensor_linear_per_layer`; two
+    all-reduces a layer of float32 partial sums, rank 0 samples; a sum of at most
+    ``POINT_TO_POINT_BYTES``, a decode step's, goes from every rank to every other in
     one hop on gloo (:func:`shardline.parallel.point_to_point.all_reduce`; NCCL's own
     small sum is counted alike, its links' latencies are microseconds); a larger one by gloo's
     ring all-reduce: a reduce-scatter and an all-gather of P-1 steps each, every step a
@@ -308,97 +430,49 @@ def predict_tokens_per_s(
         prefill s/token = max_r s_r * Q_r + 2*L * allreduce(C) / C
                           (Q_r with r's heads and columns: A = d + r's columns)
           (the heads and columns split by shape, not by speed: the slowest rank bounds)
+    """
+    config, L, d, P = t.config, t.L, t.d, t.P
+    decode = prefill = 0.0
+    for rank, (node, share) in enumerate(zip(t.nodes, t.shares)):
+        ts = share.tensor_share
+        assert ts is not None  # tensor placement gives every rank its share
+        linear = L * _tensor_linear_per_layer(config, ts)
+        weights = t.w * (linear + (t.head if rank == 0 else 0))
+        kv = 2 * L * ts.num_kv_heads * config.head_dim * t.e * t.avg_tokens
+        decode = max(decode, t.shared[rank] * _step_s(node, weights, kv, L))
+        heads_attention = attention_flops(ts.num_heads * config.head_dim, t.n)
+        prefill = max(prefill, t.shared[rank] * _prefill_s(
+            node, 2 * linear + L * heads_attention, L, L * (d + ts.num_columns)))
+    decode += t.nodes[0].step_host_s
+    if P > 1:
+        def allreduce(tokens: int) -> float:
+            if tokens * d * 4 <= POINT_TO_POINT_BYTES:
+                return (P - 1) * tokens * d * 4 / t.bw_min + t.lat_max
+            return 2 * (P - 1) / P * tokens * d * 4 / t.bw_min + 2 * (P - 1) * t.lat_max
+        decode += 2 * L * allreduce(1) + t.gather
+        prefill += 2 * L * allreduce(PREFILL_CHUNK_TOKENS) / PREFILL_CHUNK_TOKENS
+    return _per_s(decode), _per_s(prefill)
 
-    ring (every rank holds the whole model and decodes it; rank 0 samples)::
+
+def _ring_speed(t: _Terms) -> tuple[float, float]:
+    """(decode, prefill) tokens/s of ring sharding (:func:`predict_tokens_per_s`'s notation;
+    every rank holds the whole model and decodes it; rank 0 samples)::
 
         decode s/token  = max_r s_r * T_r + STEP_LAYERS * h_0 + 2*lat_max   (the whole model)
         prefill s/token = max_r s_r * Q_r / P   (an even zig-zag split; Q_r of the whole
                                                  model, its fixed cost not divided)
                           + (P-1)/P * kv_bytes_per_token / bw_min   (k/v blocks round the ring)
                           + L*(P-1)*lat_max / (P * 512)      (a latency per layer and step)
-
-    A single node (P = 1) pays no link. Compute/transfer overlap and batching are
-    ignored; attention is in ``PREFILL_ACTIVATION_BYTES`` at a chunk's length and in
-    ``K_r`` for decode. With ``o_r = 0`` and no weight-read rate (a profile that did not
-    measure them) decode is the bandwidth-bound model alone.
-
-    Raises:
-        PlacementError: an unknown sharding or dtype.
     """
-    check_dtype(dtype)
-    e = DTYPE_BYTES[dtype]
-    L, d = config.num_layers, config.hidden_size
-    P = len(nodes)
-    head = config.vocab_size * d
-    avg_tokens = context / 2
-    kv_token = config.kv_bytes_per_token(e)  # bytes, all layers, all KV heads
-    ids = [n.node_id for n in nodes]
-    pairs = [link_between(links, a, b) for i, a in enumerate(ids) for b in ids[i + 1:]]
-    lat_max = max((k.latency_s for k in pairs), default=0.0)
-    bw_min = min((k.bandwidth_bytes_per_s for k in pairs), default=float("inf"))
-    gather = 2 * lat_max if P > 1 else 0.0  # proposals to the sampling rank 0 and back
-    act = d + config.intermediate_size  # activation elements a token has in a layer
-    attention = attention_flops(config.num_heads * config.head_dim, prompt_tokens)  # a layer
-    shared = oversubscription(nodes)
-
-    if sharding == Sharding.PIPELINE:
-        decode = slowest = through = 0.0
-        for rank, (node, share) in enumerate(zip(nodes, shares)):
-            layers = share.num_layers
-            linear = layers * _linear_per_layer(config)
-            weights = decode_weight_bytes * (linear + (head if rank == P - 1 else 0))
-            decode += (_step_s(node, weights, kv_token * layers / L * avg_tokens, layers)
-                       + (node.step_host_s if rank == P - 1 else 0.0))
-            stage = _prefill_s(node, 2 * linear + layers * attention, layers, layers * act)
-            slowest = max(slowest, shared[rank] * stage)
-            through += stage
-        for a, b in zip(ids, ids[1:]):
-            link = link_between(links, a, b)
-            hop = _secs(d * e, link.bandwidth_bytes_per_s)
-            decode += link.latency_s + hop
-            slowest = max(slowest, hop + link.latency_s / PREFILL_CHUNK_TOKENS)
-            through += hop + link.latency_s / PREFILL_CHUNK_TOKENS
-        last_bcast = max((link_between(links, ids[-1], o).latency_s for o in ids[:-1]),
-                         default=0.0)
-        chunks = max(1, -(-prompt_tokens // PREFILL_CHUNK_TOKENS))
-        prefill = (through + (chunks - 1) * slowest) / chunks
-        return _per_s(decode + last_bcast), _per_s(prefill)
-
-    if sharding in (Sharding.TENSOR, Sharding.EXPERT):
-        decode = prefill = 0.0
-        for rank, (node, share) in enumerate(zip(nodes, shares)):
-            ts = share.tensor_share
-            assert ts is not None  # tensor placement gives every rank its share
-            linear = L * _tensor_linear_per_layer(config, ts)
-            weights = decode_weight_bytes * (linear + (head if rank == 0 else 0))
-            kv = 2 * L * ts.num_kv_heads * config.head_dim * e * avg_tokens
-            decode = max(decode, shared[rank] * _step_s(node, weights, kv, L))
-            heads_attention = attention_flops(ts.num_heads * config.head_dim, prompt_tokens)
-            prefill = max(prefill, shared[rank] * _prefill_s(
-                node, 2 * linear + L * heads_attention, L, L * (d + ts.num_columns)))
-        decode += nodes[0].step_host_s
-        if P > 1:
-            def allreduce(tokens: int) -> float:
-                if tokens * d * 4 <= POINT_TO_POINT_BYTES:
-                    return (P - 1) * tokens * d * 4 / bw_min + lat_max
-                return 2 * (P - 1) / P * tokens * d * 4 / bw_min + 2 * (P - 1) * lat_max
-            decode += 2 * L * allreduce(1) + gather
-            prefill += 2 * L * allreduce(PREFILL_CHUNK_TOKENS) / PREFILL_CHUNK_TOKENS
-        return _per_s(decode), _per_s(prefill)
-
-    if sharding == Sharding.RING:
-        linear = L * _linear_per_layer(config)
-        weights = decode_weight_bytes * (linear + head)
-        decode = max(f * _step_s(n, weights, kv_token * avg_tokens, L)
-                     for n, f in zip(nodes, shared))
-        decode += nodes[0].step_host_s + gather
-        prefill = max(f * _prefill_s(n, (2 * linear + L * attention) / P, L, L * act / P)
-                      for n, f in zip(nodes, shared))
-        if P > 1:
-            prefill += (P - 1) / P * _secs(kv_token, bw_min)
-            prefill += L * (P - 1) * lat_max / ring_prefill_chunk(P, PREFILL_CHUNK_TOKENS)
-        return _per_s(decode), _per_s(prefill)
-
-    raise PlacementError(
-        f"sharding {sharding!r} is not supported (supported: {', '.join(SHARDINGS)})"
-    )
+    L, P = t.L, t.P
+    linear = L * _linear_per_layer(t.config)
+    weights = t.w * (linear + t.head)
+    decode = max(f * _step_s(n, weights, t.kv_token * t.avg_tokens, L)
+                 for n, f in zip(t.nodes, t.shared))
+    decode += t.nodes[0].step_host_s + t.gather
+    prefill = max(f * _prefill_s(n, (2 * linear + L * t.attention) / P, L, L * t.act / P)
+                  for n, f in zip(t.nodes, t.shared))
+    if P > 1:
+        prefill += (P - 1) / P * _secs(t.kv_token, t.bw_min)
+        prefill += L * (P - 1) * t.lat_max / ring_prefill_chunk(P, PREFILL_CHUNK_TOKENS)
+    return _per_s(decode), _per_s(prefill)

@@ -149,19 +149,18 @@ def serve(conn, outbox: Outbox, started: float) -> None:
     started ahead of its placement: ``Worker``'s pre-started runner), join the process
     group, load the shard, report Loaded and run the engine. ``started``: the process's
     start (``time.monotonic()``), for the log line that times the phases."""
-    import gguf  # noqa: F401 (open_weights' reader; with yaml ~0.14 s, before the spec)
+    # Imported before the spec comes (the log line times the imports apart), here or in
+    # the helpers that use them (_load_shard, _engine).
+    import gguf  # noqa: F401 (open_weights' reader; with yaml ~0.14 s)
     import torch
     import torch.distributed as dist
 
-    import shardline.models.shard_loader  # noqa: F401 (load_stage's, before the spec too)
+    import shardline.models.shard_loader  # noqa: F401 (load_stage's)
     import shardline.parallel.pipeline  # noqa: F401
+    import shardline.runner.constraint  # noqa: F401
+    import shardline.runner.engine  # noqa: F401
     from shardline.devices import pick_device
-    from shardline.models import native_dequant
-    from shardline.models.linear import weight_bytes
-    from shardline.models.weights import open_weights
-    from shardline.process_memory import large_allocations_mapped, release_free_memory
-    from shardline.runner.constraint import GrammarTokenizer
-    from shardline.runner.engine import Engine, pool_tokens
+    from shardline.models import linear, native_dequant, weights  # noqa: F401
 
     imported = time.monotonic()
     try:
@@ -183,6 +182,25 @@ def serve(conn, outbox: Outbox, started: float) -> None:
     dtype = getattr(torch, spec.dtype)
     inbox: queue.Queue[object] = queue.Queue()
     threading.Thread(target=_read_inbox, args=(conn, inbox), daemon=True).start()
+    group, comm_device = _join_group(spec, device)
+    joined = time.monotonic()
+    stage = _load_shard(spec, outbox, group, dtype, device, comm_device, serving_threads)
+    log.info("rank %d of %s loaded on %s in %.2f s from its spec (imports %.2f s%s, process "
+             "group %.2f s, shard %.2f s)", spec.rank, spec.instance_id, device, time.monotonic() - given,
+             imported - started, ", done before the spec" if given - imported > 0.05 else "",
+             joined - given, time.monotonic() - joined)
+    _engine(spec, stage, inbox, outbox, group, comm_device, serving_threads).run()
+    if group is not None:
+        dist.destroy_process_group()
+
+
+def _join_group(spec: RunnerSpec, device):
+    """Join the instance's process group where it has more than one rank (NCCL on a CUDA
+    device unless the spec keeps collectives on the CPU, else gloo); make ``device`` the
+    current CUDA device. Returns (the group or None, the device tensors travel between
+    ranks on)."""
+    import torch
+    import torch.distributed as dist
 
     group = None
     comm_device = torch.device("cpu")
@@ -195,8 +213,22 @@ def serve(conn, outbox: Outbox, started: float) -> None:
         join(spec.rank, spec.world_size, spec.master_addr, spec.master_port, spec.host,
              cuda=nccl, timeout=timedelta(seconds=spec.collective_timeout_s))
         group = dist.group.WORLD
+    return group, comm_device
 
-    joined = time.monotonic()
+
+def _load_shard(spec: RunnerSpec, outbox: Outbox, group, dtype, device, comm_device, serving_threads: int):
+    """Load this rank's stage (:func:`load_stage`), warm its decode graphs, wait for every
+    rank to hold its shard, unmap the weight file and send the node :class:`Loaded`.
+    Leaves torch at ``serving_threads`` threads. Returns the stage."""
+    import torch
+    import torch.distributed as dist
+
+    from shardline.models import native_dequant
+    from shardline.models.linear import weight_bytes
+    from shardline.models.weights import open_weights
+    from shardline.process_memory import large_allocations_mapped, release_free_memory
+    from shardline.runner.engine import pool_tokens
+
     runtime_rss, _ = memory_now()
     source = open_weights(spec.model_path)
     progress = Progress()
@@ -225,11 +257,16 @@ def serve(conn, outbox: Outbox, started: float) -> None:
     pool_bytes = pool * cache.bytes_per_token
     outbox.send(Loaded(tuple(layers), tensors_read, bytes_read, param_bytes, pool_bytes,
                        *memory_now(), runtime_rss, device=str(device)))
-    log.info("rank %d of %s loaded on %s in %.2f s from its spec (imports %.2f s%s, process "
-             "group %.2f s, shard %.2f s)", spec.rank, spec.instance_id, device, time.monotonic() - given,
-             imported - started, ", done before the spec" if given - imported > 0.05 else "",
-             joined - given, time.monotonic() - joined)
-    engine = Engine(
+    return stage
+
+
+def _engine(spec: RunnerSpec, stage, inbox: queue.Queue[object], outbox: Outbox, group, comm_device,
+            serving_threads: int):
+    """The rank's :class:`~shardline.runner.engine.Engine` over its loaded ``stage``."""
+    from shardline.runner.constraint import GrammarTokenizer
+    from shardline.runner.engine import Engine
+
+    return Engine(
         stage,
         inbox,
         send=outbox.send,
@@ -247,9 +284,6 @@ def serve(conn, outbox: Outbox, started: float) -> None:
         prefix_cache=spec.prefix_cache,
         threads=decode_threads(spec.world_size, stage.shard, serving_threads),
     )
-    engine.run()
-    if group is not None:
-        dist.destroy_process_group()
 
 
 def _release_idle_memory() -> None:
