@@ -83,7 +83,7 @@ class Coordinator:
         self._failures_said: set[str] = set()  # instances whose failure was acted on
         self._no_room_beside: set[str] = set()  # rejoins that did not fit beside their instance
 
-    async def _fail_lost_instances(self) -> None:
+    async def fail_lost_instances(self) -> None:
         """Coordinator: fail the instances with a rank on a node that is down, or that
         restarted since the placement (cluster_state rule 5)."""
         incarnations = {p.node_id: p.started_at for p in self.node.peers.values()}
@@ -92,11 +92,11 @@ class Coordinator:
                                         incarnations):
             await self._fail_instance(event)
 
-    async def _rejoin_returned_nodes(self) -> None:
+    async def rejoin_returned_nodes(self) -> None:
         """Coordinator: place an instance that runs on other nodes than it was placed on
         (fewer of them, or others) again on its own, once they are all back (cluster_state
         rule 6): beside the serving one where both fit (it keeps serving until the new one
-        is ready: :meth:`_retire_superseded`), else in its place once it is idle (its old
+        is ready: :meth:`retire_superseded`), else in its place once it is idle (its old
         ranks stop when the new table is published). If the new placement is refused the
         instance stays as it is and is not tried again."""
         live = self.node.live_node_ids()
@@ -144,7 +144,7 @@ class Coordinator:
         """The instances a node of the cluster reports a request running or waiting on."""
         return set(self.node.busy_instances()).union(*(p.busy for p in self.node.live_peers()))
 
-    async def _retire_superseded(self) -> None:
+    async def retire_superseded(self) -> None:
         """Coordinator: delete the instances a ready one stands in for
         (``state.superseded``) once they are idle and it has been ready for
         :data:`HANDOVER_S` (every node routes to the new one by then, so none takes a
@@ -174,7 +174,7 @@ class Coordinator:
         if after.status == InstanceStatus.FAILED:
             if self._first_word_of_failure(after.instance_id):
                 log.warning("instance %s failed: %s", after.instance_id, after.error)
-                self.node.background(self._replace(after.instance_id))
+                self.node.background(self.replace(after.instance_id))
         elif report.status == RankStatus.FAILED:  # only lost a peer
             # Only a symptom: another rank failed or its node went down. Wait for that
             # rank's own report (or its node's silence) to name it.
@@ -227,9 +227,9 @@ class Coordinator:
         else:
             log.warning("instance %s failed: %s", event.instance_id, event.error)
         await self.node.commit(event)
-        self.node.background(self._replace(event.instance_id, wait=not event.at_once))
+        self.node.background(self.replace(event.instance_id, wait=not event.at_once))
 
-    async def _replace(self, instance_id: str, wait: bool = True) -> None:
+    async def replace(self, instance_id: str, wait: bool = True) -> None:
         """Place a failed instance again (once: a second call for the same instance while
         one runs does nothing), after ``down_after_s + 1`` so that a vanished node has
         missed its heartbeats and is not chosen again, unless it had served and every node

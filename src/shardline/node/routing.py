@@ -522,14 +522,14 @@ class Router:
         handle = self.node.worker.runners.get(instance_id)
         return handle is not None and handle.send(message)
 
-    def _dispatch(self, events: tuple[TokenEvent | PrefillProgress, ...]) -> None:
+    def dispatch(self, events: tuple[TokenEvent | PrefillProgress, ...]) -> None:
         for event in events:
             stream = self.node.streams.get(event.task_id)
             if stream is not None:
                 stream.queue.put_nowait(event)
 
-    def _fail_streams(self, instance_id: str, error: str | None,
-                      code: EndCode = EndCode.INSTANCE_FAILED) -> None:
+    def fail_streams(self, instance_id: str, error: str | None,
+                     code: EndCode = EndCode.INSTANCE_FAILED) -> None:
         for stream in list(self.node.streams.values()):
             if stream.instance_id == instance_id:
                 stream.queue.put_nowait(InstanceFailedError(f"instance {instance_id}: {error}", code))
