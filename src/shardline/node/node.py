@@ -193,8 +193,9 @@ class Node:
             when_idle=self._when_idle,
         ))
         self.coordinator = Coordinator(self)
-        self.memory = NodeMemory(self)
-        self.forecast = Forecast(self)
+        self.memory = NodeMemory(self, lambda: self.worker.resident_bytes())
+        self.forecast = Forecast(self, self.memory.free, lambda: self.served.speeds.values(),
+                                 lambda model_id: self.logistics.model_card(model_id), self.background)
         self.worker = Worker(lambda instance_id, message: self.supervisor.on_runner_message(instance_id, message),
                              watchdog_s=watchdog_s, spare=spare_runner)
         self._first_spare = first_spare
