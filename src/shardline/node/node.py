@@ -20,7 +20,10 @@ This module holds what the node knows of its peers and the replicated table (kep
 by ``table_file.py``; the links to peers measured by ``link_probe.LinkMeter``); the
 membership rounds, the coordinator's decisions, runner supervision, model logistics and
 request routing are the roles in ``membership.py``, ``coordinator.py``,
-``supervision.py``, ``logistics.py`` and ``routing.py``, each given the node. Every
+``supervision.py``, ``logistics.py`` and ``routing.py``. Membership, supervision,
+logistics, node memory and the forecast read a narrow view of the node (a ``Protocol``
+in their module, which this class satisfies) and act through the callbacks given here;
+the coordinator, the router and the speeds are still given the node. Every
 message between nodes is a ``wire.py`` model sent through ``peer_client.PeerClient``.
 """
 
@@ -74,7 +77,7 @@ log = logging.getLogger(__name__)
 class Node:
     """A node: its state, what it knows of its peers (who is live, who coordinates) and
     the replicated instance table (publish, adopt, keep on disk); the composition root of
-    its roles, which share that state: :class:`~shardline.node.membership.Membership`
+    its roles: :class:`~shardline.node.membership.Membership`
     (the rounds: polling peers, terms), :class:`~shardline.node.coordinator.Coordinator`,
     :class:`~shardline.node.supervision.Supervisor`,
     :class:`~shardline.node.logistics.ModelLogistics` and
