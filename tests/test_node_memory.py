@@ -96,3 +96,41 @@ def test_the_profiles_a_preview_sees():
 def test_an_instance_whose_card_cannot_be_read_has_no_prediction():
     view = View(instances={"x": instance("x", (("a", GB),))})
     assert asyncio.run(forecast(view).first_order(view.instances["x"])) == (0.0, 0.0)
+
+
+# -- the host profiler (shardline.node.speeds) -------------------------------------------
+
+
+@dataclass
+class ProfilerView:
+    node_id: str = "a"
+    profile: dict | None = None
+    instances: dict[str, Instance] = field(default_factory=dict)
+    streams: dict[int, object] = field(default_factory=dict)
+    busy: list[str] = field(default_factory=list)
+
+    def busy_instances(self) -> list[str]:
+        return self.busy
+
+
+@pytest.mark.parametrize("streams, busy, idle", [
+    ({}, [], True),
+    ({1: object()}, [], False),  # a request in flight
+    ({}, ["x"], False),  # a rank here with requests
+])
+def test_the_profiler_measures_only_an_idle_node(streams, busy, idle):
+    from shardline.node.speeds import HostProfiler
+
+    profiler = HostProfiler(ProfilerView(streams=streams, busy=busy), lambda profile: None, None)
+    assert profiler.idle(any_load=True) is idle
+
+
+def test_a_cached_profile_of_other_runner_threads_is_no_first_guess(tmp_path):
+    from shardline.node.profile import HostProfile
+    from shardline.node.speeds import HostProfiler
+
+    cache = tmp_path / "profile.json"
+    cache.write_text(__import__("json").dumps(HostProfile(threads=2).to_dict()))
+    assert HostProfiler(ProfilerView(), lambda profile: None, cache, threads=3).first_guess() is None
+    guess = HostProfiler(ProfilerView(), lambda profile: None, cache, threads=2).first_guess()
+    assert guess is not None and guess["threads"] == 2

@@ -21,9 +21,9 @@ by ``table_file.py``; the links to peers measured by ``link_probe.LinkMeter``); 
 membership rounds, the coordinator's decisions, runner supervision, model logistics and
 request routing are the roles in ``membership.py``, ``coordinator.py``,
 ``supervision.py``, ``logistics.py`` and ``routing.py``. Membership, supervision,
-logistics, node memory and the forecast read a narrow view of the node (a ``Protocol``
-in their module, which this class satisfies) and act through the callbacks given here;
-the coordinator, the router and the speeds are still given the node. Every
+logistics, node memory, the forecast and the speeds read a narrow view of the node (a
+``Protocol`` in their module, which this class satisfies) and act through the callbacks
+given here; the coordinator and the router are still given the node. Every
 message between nodes is a ``wire.py`` model sent through ``peer_client.PeerClient``.
 """
 
@@ -227,8 +227,11 @@ class Node:
         # runners on 2 and 1 threads here, and a shared file made every start of the
         # other kind measure (a torch child beside the start-up, killed at placement)
         self.profiler = HostProfiler(
-            self, default_data_dir() / f"host-profile-v{PROFILE_FORMAT}-{device}-threads{runner_threads}.json")
-        self.served = ServedLog(self, None if state_path is None else state_path.parent / "served-speeds.json")
+            self, self._keep_profile,
+            default_data_dir() / f"host-profile-v{PROFILE_FORMAT}-{device}-threads{runner_threads}.json",
+            threads=runner_threads, device=device)
+        self.served = ServedLog(lambda *args, **kwargs: self.forecast.first_order(*args, **kwargs),
+                                None if state_path is None else state_path.parent / "served-speeds.json")
         self.discovery = None
         if mdns:
             from shardline.node.discovery import Discovery
@@ -395,6 +398,9 @@ class Node:
         for model_id in {i.model_id for i in self.instances.values() if self.node_id in i.node_ids()}:
             self.logistics.warm_tokenizer(model_id)
         await asyncio.to_thread(self.worker.start_spare)
+
+    def _keep_profile(self, profile: dict | None) -> None:
+        self.profile = profile
 
     def _keep_engine_stats(self, instance_id: str, stats: dict | None) -> None:
         if stats is None:
