@@ -30,12 +30,10 @@ message between nodes is a ``wire.py`` model sent through ``peer_client.PeerClie
 from __future__ import annotations
 
 import asyncio
-import itertools
 import logging
 import os
 import signal
 import time
-import zlib
 from collections.abc import Coroutine, Mapping
 from pathlib import Path
 
@@ -114,6 +112,9 @@ class Node:
             before importing the node, so their imports overlap).
     """
 
+    router: Router
+    served: ServedLog
+
     def __init__(
         self,
         host: str,
@@ -166,8 +167,6 @@ class Node:
             self.cluster_state = kept
         self.streams: dict[int, RequestStream] = {}
         self.engine_stats: dict[str, dict] = {}  # instance id -> this node's rank's batch
-        self._task_counter = itertools.count()
-        self._salt = zlib.crc32(self.node_id.encode()) & 0x3FF
         self._loop: asyncio.AbstractEventLoop | None = None
         self._stopping = False  # told to stop: changes and watches nothing more
         self.signing_key = signing_key(cluster_key)  # scrypt: tens of ms, once
