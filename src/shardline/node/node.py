@@ -43,7 +43,7 @@ from shardline.models.store import (
     ModelStore,
 )
 from shardline.node.cluster_state import Epoch
-from shardline.node.coordinator import Coordinator
+from shardline.node.coordinator import Coordinator, CoordinatorEffects
 from shardline.node.forecast import Forecast
 from shardline.node.link_probe import LinkMeter
 from shardline.node.logistics import LogisticsEffects, ModelLogistics
@@ -58,6 +58,7 @@ from shardline.node.speeds import HostProfiler, ServedLog
 from shardline.node.state import (
     Adopted,
     ClusterState,
+    Deleted,
     Event,
     Published,
     TermStarted,
@@ -194,7 +195,20 @@ class Node:
             loading=lambda: self.worker.loading(),
             when_idle=self._when_idle,
         ))
-        self.coordinator = Coordinator(self)
+        self.coordinator = Coordinator(self, CoordinatorEffects(
+            commit=self.commit,
+            drop_unpublished=self._drop_unpublished,
+            background=self.background,
+            poll=lambda address: self.membership.poll(address),
+            model_card=lambda model_id: self.logistics.model_card(model_id),
+            adopt=lambda model: self.logistics.adopt(model),
+            check_whole=lambda model_id: self.logistics.check_whole(model_id),
+            node_profiles=lambda node_ids: self.forecast.node_profiles(node_ids),
+            served_speeds=lambda: self.forecast.served_speeds(),
+            free_bytes=lambda node_id: self.memory.free(node_id),
+            runtime_baseline=lambda node_ids: self.memory.runtime_baseline(node_ids),
+            free_port=lambda address: self.peer_client.free_port(address),
+        ))
         self.memory = NodeMemory(self, lambda: self.worker.resident_bytes())
         self.forecast = Forecast(self, self.memory.free, lambda: self.served.speeds.values(),
                                  lambda model_id: self.logistics.model_card(model_id), self.background)
@@ -383,6 +397,9 @@ class Node:
     def _probe_link(self, node_id: str, address: str) -> None:
         if self.link_meter.claim(node_id, time.time()):
             self.background(self.link_meter.measure(node_id, address))
+
+    def _drop_unpublished(self, instance_id: str) -> None:
+        self.cluster_state = apply(self.cluster_state, Deleted(instance_id))
 
     def _enter_term(self, event: TermStarted) -> None:
         self.cluster_state = apply(self.cluster_state, event)
