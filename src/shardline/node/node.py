@@ -20,11 +20,10 @@ This module holds what the node knows of its peers and the replicated table (kep
 by ``table_file.py``; the links to peers measured by ``link_probe.LinkMeter``); the
 membership rounds, the coordinator's decisions, runner supervision, model logistics and
 request routing are the roles in ``membership.py``, ``coordinator.py``,
-``supervision.py``, ``logistics.py`` and ``routing.py``. Membership, supervision,
-logistics, node memory, the forecast and the speeds read a narrow view of the node (a
-``Protocol`` in their module, which this class satisfies) and act through the callbacks
-given here; the coordinator and the router are still given the node. Every
-message between nodes is a ``wire.py`` model sent through ``peer_client.PeerClient``.
+``supervision.py``, ``logistics.py`` and ``routing.py``. None knows this class: each
+reads a narrow read-only view of the node (a ``Protocol`` in its module; the node passes
+itself) and acts through the callbacks given here. Every message between nodes is a
+``wire.py`` model sent through ``peer_client.PeerClient``.
 """
 
 from __future__ import annotations
