@@ -14,8 +14,6 @@ import pytest
 
 from shardline.models.config import RankShare, Sharding
 from shardline.node import routing
-from shardline.node.cluster_state import Epoch
-from shardline.node.coordinator import Coordinator
 from shardline.node.peer_client import PeerError
 from shardline.node.queue_bound import QueueFullError
 from shardline.node.routing import (
@@ -27,7 +25,6 @@ from shardline.node.routing import (
     continuation,
     ready_wait,
 )
-from shardline.node.state import ClusterState, apply
 from shardline.node.status import InstanceStatus, RankStatus
 from shardline.node.table import EndCode, Instance, InstanceFailedError, RankPlacement
 from shardline.runner.protocol import PrefillProgress, SamplingParams, TokenEvent, TokenRequest
@@ -138,27 +135,6 @@ def test_requests_go_to_an_instance_placed_beside_another_once_it_is_ready(new_s
              "new": _instance("new", new_status, 1.0, replaced=("old",))}
     node = SimpleNamespace(node_id="a", instances=table)
     assert Router(node).ready_instance("m").instance_id == chosen
-
-
-def test_deleting_an_instance_deletes_the_one_placed_beside_it():
-    class FakeNode:
-        def __init__(self) -> None:
-            self.state = ClusterState(Epoch(1, 1, "a"), {
-                "old": _instance("old", InstanceStatus.READY, 0.0),
-                "new": _instance("new", InstanceStatus.LOADING, 1.0, replaced=("old",)),
-                "other": _instance("other", InstanceStatus.READY, 2.0)})
-
-        @property
-        def instances(self):
-            return self.state.instances
-
-        async def commit(self, *events) -> None:
-            for event in events:
-                self.state = apply(self.state, event)
-
-    node = FakeNode()
-    assert asyncio.run(Coordinator(node).delete_instance("old")) == "old"  # type: ignore[arg-type]
-    assert set(node.instances) == {"other"}
 
 
 def test_a_request_whose_node_waited_is_not_run_again():

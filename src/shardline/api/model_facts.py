@@ -174,7 +174,7 @@ async def model_facts(node: Node, model_id: str, cache: dict[str, ModelFacts]) -
         ModelNotFoundError: no live node has the model.
     """
     if model_id not in cache:
-        manifest = None if model_id == DEFAULT_MODEL_ID else await node.logistics._manifest(model_id)
+        manifest = None if model_id == DEFAULT_MODEL_ID else await node.logistics.manifest(model_id)
         card = await node.logistics.model_card(model_id)
         cache[model_id] = await asyncio.to_thread(_read_facts, node, model_id, manifest, card.config)
     return cache[model_id]

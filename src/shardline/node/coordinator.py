@@ -2,7 +2,9 @@
 preview), failing an instance and placing it again, placing it on returning nodes, and
 the runner status reports that change the instance table. Only the acting coordinator
 changes the table (:mod:`shardline.node.cluster_state`), by events
-(:mod:`shardline.node.state`) it commits through the node (``Node.commit``)."""
+(:mod:`shardline.node.state`) it commits through the node (``Node.commit``). The role
+reads the node through :class:`CoordinatorView` and acts through
+:class:`CoordinatorEffects` (``shardline.node.node`` wires both)."""
 
 from __future__ import annotations
 
@@ -11,7 +13,9 @@ import logging
 import socket
 import time
 import uuid
-from typing import TYPE_CHECKING
+from collections.abc import Awaitable, Callable, Coroutine, Mapping
+from dataclasses import dataclass
+from typing import Protocol
 
 from shardline.models.config import ModelConfig, Quantize, Sharding
 from shardline.models.store import (
@@ -21,13 +25,13 @@ from shardline.models.store import (
 from shardline.node.cluster_state import RejoinView, rejoinable
 from shardline.node.peer_client import PeerError
 from shardline.node.state import (
+    ClusterState,
     Deleted,
     InstanceFailed,
     NotPlacedAgain,
     Placed,
     RankReported,
     RejoinDropped,
-    apply,
     down_rank_failure,
     instance_named,
     lost_rank_failures,
@@ -37,7 +41,7 @@ from shardline.node.state import (
     superseded,
 )
 from shardline.node.status import InstanceStatus, RankStatus
-from shardline.node.table import Instance, RankPlacement
+from shardline.node.table import Instance, Peer, RankPlacement
 from shardline.placement.pipeline import NodeCapacity, PlacementError
 from shardline.placement.ranks import (
     SHARDINGS,
@@ -48,10 +52,8 @@ from shardline.placement.ranks import (
     rank_bytes,
     shardings_named,
 )
+from shardline.placement.served import PlacementKey, ServedSpeed
 from shardline.runner.rendezvous import ranks_share_a_gpu
-
-if TYPE_CHECKING:
-    from shardline.node.node import Node
 
 log = logging.getLogger(__name__)
 
@@ -72,45 +74,106 @@ class _Deleted(Exception):
     """The failed instance a placement was to replace was deleted meanwhile."""
 
 
+class CoordinatorView(Protocol):
+    """What the coordinator reads of its node (read-only)."""
+
+    @property
+    def node_id(self) -> str: ...
+    @property
+    def started_at(self) -> float: ...
+    @property
+    def down_after_s(self) -> float: ...
+    @property
+    def max_replacements(self) -> int: ...
+    @property
+    def default_context(self) -> int: ...
+    @property
+    def default_max_batch(self) -> int: ...
+    @property
+    def cluster_state(self) -> ClusterState: ...
+    @property
+    def instances(self) -> Mapping[str, Instance]: ...
+    @property
+    def peers(self) -> Mapping[str, Peer]: ...
+    def live_node_ids(self) -> list[str]: ...
+    def live_peers(self) -> list[Peer]: ...
+    def address_of(self, node_id: str) -> str: ...
+    def profile_of(self, node_id: str) -> dict: ...
+    def incarnation_of(self, node_id: str) -> float: ...
+    def is_coordinator(self) -> bool: ...
+    def busy_instances(self) -> list[str]: ...
+
+
+@dataclass(frozen=True)
+class CoordinatorEffects:
+    """What the coordinator asks of the node and the other roles."""
+
+    commit: Callable[..., Awaitable[None]]
+    """Apply events to the table and publish it (``Node.commit(*events)``)."""
+    drop_unpublished: Callable[[str], None]
+    """Take an instance out of the table without publishing (published with the next)."""
+    background: Callable[[Coroutine[object, object, object]], None]
+    """Run a coroutine as a task of the node's."""
+    poll: Callable[[str], Awaitable[bool]]
+    """Poll a peer now; whether it answered (the membership)."""
+    model_card: Callable[[str], Awaitable[ModelCard]]
+    """A model's card (the logistics)."""
+    adopt: Callable[[str | None], Awaitable[str]]
+    """The model id for what a request names (the logistics)."""
+    check_whole: Callable[[str], Awaitable[None]]
+    """Check that a live node holds every file of a model (the logistics)."""
+    node_profiles: Callable[[list[str]], tuple[list, dict]]
+    """The preview's profiles and links of these nodes (the forecast)."""
+    served_speeds: Callable[[], Mapping[PlacementKey, ServedSpeed]]
+    """What the live nodes' placements served (the forecast)."""
+    free_bytes: Callable[[str], int]
+    """What a live node can give the next placement (the node memory)."""
+    runtime_baseline: Callable[[list[str]], int]
+    """Runtime bytes per rank on these nodes (the node memory)."""
+    free_port: Callable[[str], Awaitable[int]]
+    """A free port on the peer at this address."""
+
+
 class Coordinator:
     """The coordinator's decisions on the node's instance table (acted on only while the
-    node coordinates). One per node; the state is the node's."""
+    node coordinates). One per node."""
 
-    def __init__(self, node: "Node") -> None:
-        self.node = node
+    def __init__(self, view: CoordinatorView, effects: CoordinatorEffects) -> None:
+        self.view = view
+        self.effects = effects
         self.replacing: set[str] = set()  # failed instances being placed again
         self._announced: set[str] = set()  # instances whose "is ready" was logged
         self._failures_said: set[str] = set()  # instances whose failure was acted on
         self._no_room_beside: set[str] = set()  # rejoins that did not fit beside their instance
 
-    async def _fail_lost_instances(self) -> None:
+    async def fail_lost_instances(self) -> None:
         """Coordinator: fail the instances with a rank on a node that is down, or that
         restarted since the placement (cluster_state rule 5)."""
-        incarnations = {p.node_id: p.started_at for p in self.node.peers.values()}
-        incarnations[self.node.node_id] = self.node.started_at
-        for event in lost_rank_failures(self.node.cluster_state, set(self.node.live_node_ids()),
+        incarnations = {p.node_id: p.started_at for p in self.view.peers.values()}
+        incarnations[self.view.node_id] = self.view.started_at
+        for event in lost_rank_failures(self.view.cluster_state, set(self.view.live_node_ids()),
                                         incarnations):
             await self._fail_instance(event)
 
-    async def _rejoin_returned_nodes(self) -> None:
+    async def rejoin_returned_nodes(self) -> None:
         """Coordinator: place an instance that runs on other nodes than it was placed on
         (fewer of them, or others) again on its own, once they are all back (cluster_state
         rule 6): beside the serving one where both fit (it keeps serving until the new one
-        is ready: :meth:`_retire_superseded`), else in its place once it is idle (its old
+        is ready: :meth:`retire_superseded`), else in its place once it is idle (its old
         ranks stop when the new table is published). If the new placement is refused the
         instance stays as it is and is not tried again."""
-        live = self.node.live_node_ids()
+        live = self.view.live_node_ids()
         busy = self._busy()
-        standing = standing_in(self.node.instances)
+        standing = standing_in(self.view.instances)
         views = {i.instance_id: RejoinView(i.status, tuple(i.node_ids()), tuple(i.wanted_nodes),
                                            i.instance_id in busy, i.instance_id in standing)
-                 for i in self.node.instances.values()}
+                 for i in self.view.instances.values()}
         for instance_id in rejoinable(views, live):
-            inst = self.node.instances[instance_id]
+            inst = self.view.instances[instance_id]
             if instance_id in busy and instance_id in self._no_room_beside:
                 continue  # tried: both do not fit; in its place once it is idle
             try:
-                card = await self.node.logistics.model_card(inst.model_id)
+                card = await self.effects.model_card(inst.model_id)
 
                 async def place() -> Instance:
                     return await self._place(card, inst.sharding, list(inst.wanted_nodes),
@@ -128,35 +191,35 @@ class Coordinator:
                     # No room for both: out of the table while placing, so that its ranks'
                     # bytes are not counted against the placement that replaces them;
                     # published with the new instance.
-                    self.node.cluster_state = apply(self.node.cluster_state, Deleted(instance_id))
+                    self.effects.drop_unpublished(instance_id)
                     new = await place()
                     how = "in its place (no room for both)"
             except (PlacementError, ModelNotFoundError, PeerError) as exc:
                 log.warning("could not place %s on its returning node(s) again: %s",
                             inst.model_id, exc)
-                back = () if instance_id in self.node.instances else (Placed(inst),)
-                await self.node.commit(*back, RejoinDropped(instance_id))
+                back = () if instance_id in self.view.instances else (Placed(inst),)
+                await self.effects.commit(*back, RejoinDropped(instance_id))
                 continue
             log.info("instance %s of %s: its node(s) are back; placed again on %s as %s, %s",
                      instance_id, inst.model_id, ", ".join(inst.wanted_nodes), new.instance_id, how)
 
     def _busy(self) -> set[str]:
         """The instances a node of the cluster reports a request running or waiting on."""
-        return set(self.node.busy_instances()).union(*(p.busy for p in self.node.live_peers()))
+        return set(self.view.busy_instances()).union(*(p.busy for p in self.view.live_peers()))
 
-    async def _retire_superseded(self) -> None:
+    async def retire_superseded(self) -> None:
         """Coordinator: delete the instances a ready one stands in for
         (``state.superseded``) once they are idle and it has been ready for
         :data:`HANDOVER_S` (every node routes to the new one by then, so none takes a
         request on the old one after the busy reports were read)."""
-        standing = standing_in(self.node.instances)
+        standing = standing_in(self.view.instances)
         busy = self._busy()
         now = time.time()
-        for old in sorted(superseded(self.node.instances) - busy):
+        for old in sorted(superseded(self.view.instances) - busy):
             new = standing[old]
             if new.ready_at is None or now - new.ready_at < HANDOVER_S:
                 continue
-            await self.node.commit(Deleted(old))
+            await self.effects.commit(Deleted(old))
             log.info("instance %s of %s handed over to %s (%s on %d node(s))", old,
                      new.model_id, new.instance_id, new.sharding, len(new.ranks))
 
@@ -164,22 +227,22 @@ class Coordinator:
         """Coordinator: a node reports one of its ranks as fetching files, ready or failed.
         False (nothing changes) where this node does not coordinate: only the coordinator
         changes the table (the reporter reports again)."""
-        if not self.node.is_coordinator():
+        if not self.view.is_coordinator():
             return False
-        before = self.node.instances.get(report.instance_id)
-        await self.node.commit(report)
-        after = self.node.instances.get(report.instance_id)
+        before = self.view.instances.get(report.instance_id)
+        await self.effects.commit(report)
+        after = self.view.instances.get(report.instance_id)
         if before is None or after is None or before.status == InstanceStatus.FAILED:
             return True
         if after.status == InstanceStatus.FAILED:
             if self._first_word_of_failure(after.instance_id):
                 log.warning("instance %s failed: %s", after.instance_id, after.error)
-                self.node.background(self._replace(after.instance_id))
+                self.effects.background(self.replace(after.instance_id))
         elif report.status == RankStatus.FAILED:  # only lost a peer
             # Only a symptom: another rank failed or its node went down. Wait for that
             # rank's own report (or its node's silence) to name it.
             rank = after.node_ids().index(report.node_id)
-            self.node.background(self._fail_after_grace(
+            self.effects.background(self._fail_after_grace(
                 report.instance_id, f"rank {rank} on node {report.node_id} {report.error}"))
         elif (after.status == InstanceStatus.READY and before.status == InstanceStatus.LOADING
               and after.instance_id not in self._announced):
@@ -204,12 +267,12 @@ class Coordinator:
         another) unless, within a grace, the rank that failed reported
         its own failure or its node was found down (then that is what the error names):
         a grace of ``down_after_s + 1``, the time a killed node takes to be found down."""
-        deadline = time.time() + self.node.down_after_s + 1.0
+        deadline = time.time() + self.view.down_after_s + 1.0
         while time.time() < deadline:
-            inst = self.node.instances.get(instance_id)
+            inst = self.view.instances.get(instance_id)
             if inst is None or inst.status == InstanceStatus.FAILED:
                 return
-            down = down_rank_failure(inst, set(self.node.live_node_ids()))
+            down = down_rank_failure(inst, set(self.view.live_node_ids()))
             if down is not None:
                 await self._fail_instance(down)
                 return
@@ -219,17 +282,17 @@ class Coordinator:
     async def _fail_instance(self, event: InstanceFailed) -> None:
         """Coordinator: mark an instance failed (every node stops its runners and fails
         its in-flight requests), then place the model again on the nodes that are live."""
-        inst = self.node.instances.get(event.instance_id)
+        inst = self.view.instances.get(event.instance_id)
         if inst is None or inst.status == InstanceStatus.FAILED or not self._first_word_of_failure(inst.instance_id):
             return
         if event.at_once:  # the ranks went with their restarted nodes: expected, not a fault
             log.info("instance %s ended: %s; placing it again", event.instance_id, event.error)
         else:
             log.warning("instance %s failed: %s", event.instance_id, event.error)
-        await self.node.commit(event)
-        self.node.background(self._replace(event.instance_id, wait=not event.at_once))
+        await self.effects.commit(event)
+        self.effects.background(self.replace(event.instance_id, wait=not event.at_once))
 
-    async def _replace(self, instance_id: str, wait: bool = True) -> None:
+    async def replace(self, instance_id: str, wait: bool = True) -> None:
         """Place a failed instance again (once: a second call for the same instance while
         one runs does nothing), after ``down_after_s + 1`` so that a vanished node has
         missed its heartbeats and is not chosen again, unless it had served and every node
@@ -243,13 +306,13 @@ class Coordinator:
             return
         self.replacing.add(instance_id)
         try:
-            failed = self.node.instances.get(instance_id)
+            failed = self.view.instances.get(instance_id)
             if wait and not (failed is not None and failed.ready_at is not None
                              and await self._all_answer(failed)):
-                await asyncio.sleep(self.node.down_after_s + 1)
-            failed = self.node.instances.get(instance_id)
+                await asyncio.sleep(self.view.down_after_s + 1)
+            failed = self.view.instances.get(instance_id)
             if failed is not None and failed.status == InstanceStatus.FAILED \
-                    and self.node.is_coordinator():
+                    and self.view.is_coordinator():
                 await self._place_again(failed)
         finally:
             self.replacing.discard(instance_id)
@@ -258,34 +321,34 @@ class Coordinator:
         """Whether every other node of ``inst`` still counted live answers a poll now (a
         node already found down is not chosen again, so it need not be waited for:
         trial 6 saw 6 s of 503s after the node-down failure for nothing)."""
-        live = set(self.node.live_node_ids())
+        live = set(self.view.live_node_ids())
         others = {r.address for r in inst.ranks
-                  if r.node_id != self.node.node_id and r.node_id in live}
-        answers = await asyncio.gather(*(self.node.membership.poll(address) for address in others))
+                  if r.node_id != self.view.node_id and r.node_id in live}
+        answers = await asyncio.gather(*(self.effects.poll(address) for address in others))
         return all(answers)
 
     async def _place_again(self, failed: Instance) -> None:
-        if stand_in_not_needed(self.node.instances, failed):
+        if stand_in_not_needed(self.view.instances, failed):
             # A rejoin's instance, placed beside one that still serves or is placed again
             # itself: deleted, not placed again (the rejoin rule tries again from that
             # one; placing both again left two copies for good: trials 6 and 7).
             log.info("instance %s, placed beside %s, failed: deleted; the model goes on from %s",
                      failed.instance_id, failed.stands_in_for, failed.stands_in_for)
-            await self.node.commit(Deleted(failed.instance_id))
+            await self.effects.commit(Deleted(failed.instance_id))
             return
         retries = failed.retries + 1 if failed.ready_at is None else 0
-        if retries > self.node.max_replacements:
+        if retries > self.view.max_replacements:
             # Leave the failed instance in the table, so its error stays visible.
             log.error("giving up on %s after %d failed placements", failed.model_id, retries)
             if not failed.given_up:
-                await self.node.commit(NotPlacedAgain(failed.instance_id,
+                await self.effects.commit(NotPlacedAgain(failed.instance_id,
                                                       f"gave up after {retries} failed placements"))
             return
-        live = set(self.node.live_node_ids())
+        live = set(self.view.live_node_ids())
         wanted = list(failed.wanted_nodes) or failed.node_ids()
         nodes = [n for n in wanted if n in live] or None
         try:
-            card = await self.node.logistics.model_card(failed.model_id)
+            card = await self.effects.model_card(failed.model_id)
             await self._place(card, failed.sharding, nodes, failed.context, failed.max_batch,
                               failed.dtype, failed.force, retries, failed.kv_cache_bytes,
                               failed.quantize, wanted_nodes=wanted, replaces=failed.instance_id,
@@ -297,12 +360,12 @@ class Coordinator:
         except (PlacementError, ModelNotFoundError, PeerError, ContextRequestError) as exc:
             # Left in the table with its error; a later term tries again.
             log.error("could not place %s again: %s", failed.model_id, exc)
-            await self.node.commit(NotPlacedAgain(failed.instance_id, str(exc)))
+            await self.effects.commit(NotPlacedAgain(failed.instance_id, str(exc)))
             return
         # Only now, so the table never shows the model without an instance in between (a
         # client waiting for the kept model would place a second one).
-        if failed.instance_id in self.node.instances:
-            await self.node.commit(Deleted(failed.instance_id))
+        if failed.instance_id in self.view.instances:
+            await self.effects.commit(Deleted(failed.instance_id))
 
     async def create_instance(
         self,
@@ -344,7 +407,7 @@ class Coordinator:
             PlacementError: the sharding is unknown or the model does not fit the nodes.
             KVCacheRequestError: ``kv_cache_bytes`` holds less than one sequence.
         """
-        card = await self.node.logistics.model_card(await self.node.logistics.adopt(model))
+        card = await self.effects.model_card(await self.effects.adopt(model))
         shardings = shardings_named(sharding)
         chosen = shardings[0]
         if len(shardings) > 1 or (node_ids is None and (min_nodes or max_nodes)):
@@ -373,16 +436,16 @@ class Coordinator:
         config, chosen, context, max_batch = self._placement_inputs(card, node_ids, context, max_batch)
         if min_nodes > len(chosen):
             raise PlacementError(f"min_nodes is {min_nodes} but {len(chosen)} live node(s) can be used")
-        profiles, links = self.node.forecast.node_profiles(chosen)
+        profiles, links = self.effects.node_profiles(chosen)
         kv_tokens = (None if kv_cache_bytes is None
                      else kv_tokens_for_bytes(config, kv_cache_bytes, dtype, context))
         choose = auto if best_only else preview
         chosen_placements = choose(
             config, profiles, links, context, max_batch, dtype, shardings, max_nodes,
             min_nodes=min_nodes, weight_file_bytes=card.weight_file_bytes,
-            baseline_bytes=self.node.memory.runtime_baseline(chosen), admit=not force, kv_tokens=kv_tokens,
+            baseline_bytes=self.effects.runtime_baseline(chosen), admit=not force, kv_tokens=kv_tokens,
             quantize=Quantize(quantize) if quantize else None, model_id=card.model_id,
-            served=list(self.node.forecast.served_speeds().values()))
+            served=list(self.effects.served_speeds().values()))
         return [chosen_placements] if best_only else chosen_placements
 
     def _placement_inputs(self, card: ModelCard, node_ids: list[str] | None, context: int | None,
@@ -395,14 +458,14 @@ class Coordinator:
             ContextRequestError: a context over the model's trained one.
         """
         config = ModelConfig.from_dict(card.config)
-        live = self.node.live_node_ids()
+        live = self.view.live_node_ids()
         chosen = node_ids or live
         unknown = [n for n in chosen if n not in live]
         if unknown:
             raise PlacementError(f"nodes not in the cluster (or down): {', '.join(unknown)}")
-        context = context or min(self.node.default_context, config.max_position_embeddings)
+        context = context or min(self.view.default_context, config.max_position_embeddings)
         check_context(context, config.max_position_embeddings, card.model_id)
-        return config, chosen, context, max_batch or self.node.default_max_batch
+        return config, chosen, context, max_batch or self.view.default_max_batch
 
     async def _place(
         self,
@@ -436,12 +499,12 @@ class Coordinator:
             ModelNotFoundError: no live node holds the model whole
                 (:meth:`~shardline.node.logistics.Logistics.check_whole`).
         """
-        await self.node.logistics.check_whole(card.model_id)
+        await self.effects.check_whole(card.model_id)
         config, chosen, context, max_batch = self._placement_inputs(card, node_ids, context, max_batch)
         asked = (None if kv_cache_bytes is None
                  else kv_tokens_for_bytes(config, kv_cache_bytes, dtype, context))
-        capacities = [NodeCapacity(n, self.node.memory.free(n)) for n in chosen]
-        baseline = self.node.memory.runtime_baseline(chosen)
+        capacities = [NodeCapacity(n, self.effects.free_bytes(n)) for n in chosen]
+        baseline = self.effects.runtime_baseline(chosen)
         quantized = Quantize(quantize) if quantize else None
         shares, kv_tokens = place_with_kv_pool(
             config, sharding, capacities, context, max_batch, dtype, admit=not force,
@@ -451,15 +514,15 @@ class Coordinator:
                                 card.weight_file_bytes, baseline, kv_tokens=kv_tokens,
                                 quantize=quantized)
                      for r in range(len(shares))]
-        master_addr = self.node.address_of(chosen[0]).rsplit(":", 1)[0]
+        master_addr = self.view.address_of(chosen[0]).rsplit(":", 1)[0]
         port = await self._free_port(chosen[0])
         inst = Instance(
             instance_id=uuid.uuid4().hex[:8],
             model_id=card.model_id,
             sharding=Sharding(sharding),
             ranks=tuple(
-                RankPlacement(n, self.node.address_of(n), share, estimated_bytes=need,
-                              incarnation=self.node.incarnation_of(n))
+                RankPlacement(n, self.view.address_of(n), share, estimated_bytes=need,
+                              incarnation=self.view.incarnation_of(n))
                 for n, share, need in zip(chosen, shares, estimated)
             ),
             master_addr=master_addr,
@@ -474,21 +537,21 @@ class Coordinator:
             force=force,
             wanted_nodes=tuple(wanted_nodes) if wanted_nodes and set(chosen) != set(wanted_nodes) else (),
             replaced=replaced,
-            collectives_on_cpu=ranks_share_a_gpu([self.node.profile_of(n) for n in chosen]),
+            collectives_on_cpu=ranks_share_a_gpu([self.view.profile_of(n) for n in chosen]),
             stands_in_for=stands_in_for,
             prefix_cache=prefix_cache,
         )
-        if replaces is not None and replaces not in self.node.instances:
+        if replaces is not None and replaces not in self.view.instances:
             raise _Deleted(replaces)
         log.info("placed %s as instance %s (%s on %s)", card.model_id, inst.instance_id,
                  sharding, ", ".join(chosen))
-        await self.node.commit(Placed(inst))
+        await self.effects.commit(Placed(inst))
         return inst
 
     async def _free_port(self, node_id: str) -> int:
-        if node_id == self.node.node_id:
+        if node_id == self.view.node_id:
             return free_port()
-        return await self.node.peer_client.free_port(self.node.address_of(node_id))
+        return await self.effects.free_port(self.view.address_of(node_id))
 
     async def delete_instance(self, instance_id: str) -> str | None:
         """Coordinator: remove the instance ``instance_id`` names (itself, or the one
@@ -496,12 +559,12 @@ class Coordinator:
         stand in for it (``state.standing_in``: a rejoin's, still loading or handing
         over, which would otherwise serve on); their runners are stopped everywhere. The
         id named, or None where the id names none."""
-        inst = instance_named(self.node.instances, instance_id)
+        inst = instance_named(self.view.instances, instance_id)
         if inst is None:
             return None
-        beside = [new.instance_id for old, new in standing_in(self.node.instances).items()
+        beside = [new.instance_id for old, new in standing_in(self.view.instances).items()
                   if old == inst.instance_id]
-        await self.node.commit(Deleted(inst.instance_id), *(Deleted(i) for i in beside))
+        await self.effects.commit(Deleted(inst.instance_id), *(Deleted(i) for i in beside))
         log.info("deleted instance %s of %s%s", inst.instance_id, inst.model_id,
                  f" and {', '.join(beside)} placed beside it" if beside else "")
         return inst.instance_id

@@ -1,33 +1,63 @@
 """What the cluster predicts and measured of its placements' speed, for the coordinator's
 previews and ``GET /cluster/instances``: each node's profile and links as the speed model
 sees them (:mod:`shardline.placement.speed`), the speeds the live nodes recorded while
-serving (:mod:`shardline.placement.served`), and an instance's first-order prediction."""
+serving (:mod:`shardline.placement.served`), and an instance's first-order prediction.
+The role reads the node through :class:`ForecastView`; what it asks of others is given as
+callbacks."""
 
 from __future__ import annotations
 
 import logging
-from typing import TYPE_CHECKING
+from collections.abc import Awaitable, Callable, Coroutine, Iterable, Mapping
+from typing import Protocol
 
 from shardline.models.config import ModelConfig, Quantize
 from shardline.models.store import ModelCard, ModelNotFoundError
 from shardline.node.peer_client import PeerError
-from shardline.node.table import Instance
+from shardline.node.table import Instance, Peer
 from shardline.placement.pipeline import PlacementError
 from shardline.placement.ranks import resident_bytes_per_weight
 from shardline.placement.served import PlacementKey, ServedSpeed, merge
 
-if TYPE_CHECKING:
-    from shardline.node.node import Node
-
 log = logging.getLogger(__name__)
+
+
+class ForecastView(Protocol):
+    """What the forecast reads of its node (read-only)."""
+
+    @property
+    def node_id(self) -> str: ...
+    @property
+    def links(self) -> Mapping[str, dict]: ...
+    @property
+    def peers(self) -> Mapping[str, Peer]: ...
+    @property
+    def instances(self) -> Mapping[str, Instance]: ...
+    def profile_of(self, node_id: str) -> dict: ...
+    def live_node_ids(self) -> list[str]: ...
 
 
 class Forecast:
     """The speed figures of placements this node gives (as coordinator, or for its
-    instance list). One per node; the state is the node's, plus the model cards read."""
+    instance list). One per node; it keeps the model cards read.
 
-    def __init__(self, node: "Node") -> None:
-        self.node = node
+    Args:
+        view: the node, read.
+        free_bytes: what a live node can give the next placement (``NodeMemory.free``).
+        own_served: what the placements this node streamed did (``ServedLog.speeds``).
+        model_card: a model's card (``ModelLogistics.model_card``).
+        background: run a coroutine as a task of the node's.
+    """
+
+    def __init__(self, view: ForecastView, free_bytes: Callable[[str], int],
+                 own_served: Callable[[], Iterable[ServedSpeed]],
+                 model_card: Callable[[str], Awaitable[ModelCard]],
+                 background: Callable[[Coroutine[object, object, object]], None]) -> None:
+        self.view = view
+        self.free_bytes = free_bytes
+        self.own_served = own_served
+        self.model_card = model_card
+        self.background = background
         self._cards: dict[str, ModelCard] = {}  # model id -> card, for first_order
         self._reading: set[str] = set()  # model ids whose card is read in the background
         self._unpredicted: set[str] = set()  # instance ids whose preview could not be computed (logged)
@@ -42,8 +72,8 @@ class Forecast:
 
         profiles, links = [], {}
         for node_id in node_ids:
-            profile, available = self.node.profile_of(node_id), self.node.memory.free(node_id)
-            measured = self.node.links if node_id == self.node.node_id else self.node.peers[node_id].links
+            profile, available = self.view.profile_of(node_id), self.free_bytes(node_id)
+            measured = self.view.links if node_id == self.view.node_id else self.view.peers[node_id].links
             profiles.append(NodeProfile(node_id, available,
                                         profile.get("memory_bandwidth_bytes_per_s") or 10e9,
                                         profile.get("matmul_flops") or 100e9,
@@ -60,9 +90,9 @@ class Forecast:
     def served_speeds(self) -> dict[PlacementKey, ServedSpeed]:
         """What every placement the live nodes streamed requests of did, one record a
         placement (:func:`~shardline.placement.served.merge`)."""
-        records = [*self.node.served.speeds.values()]
-        live = set(self.node.live_node_ids())
-        for peer in self.node.peers.values():
+        records = [*self.own_served()]
+        live = set(self.view.live_node_ids())
+        for peer in self.view.peers.values():
             if peer.node_id in live:
                 for item in peer.served:
                     try:
@@ -88,10 +118,10 @@ class Forecast:
             if card is None and not wait:
                 if inst.model_id not in self._reading:
                     self._reading.add(inst.model_id)
-                    self.node.background(self.first_order(inst))
+                    self.background(self.first_order(inst))
                 return 0.0, 0.0
             if card is None:  # read once a model: the instance list calls this each time
-                card = self._cards[inst.model_id] = await self.node.logistics.model_card(inst.model_id)
+                card = self._cards[inst.model_id] = await self.model_card(inst.model_id)
             config = ModelConfig.from_dict(card.config)
             profiles, links = self.node_profiles(inst.node_ids())
             weight = resident_bytes_per_weight(config, card.weight_file_bytes, inst.dtype,
@@ -104,7 +134,7 @@ class Forecast:
             # Once an instance: every listing asks again (a failed instance's dead node
             # stays unknown; a dashboard lists every second).
             if inst.instance_id not in self._unpredicted:
-                self._unpredicted &= self.node.instances.keys()  # ids of deleted instances go
+                self._unpredicted &= self.view.instances.keys()  # ids of deleted instances go
                 self._unpredicted.add(inst.instance_id)
                 reason = f"node {exc} is not known" if isinstance(exc, KeyError) else str(exc)
                 log.info("no prediction for instance %s: %s", inst.instance_id, reason)

@@ -1,5 +1,8 @@
 """Model logistics: model cards and tokenizers, manifests, and copying a rank's files
-from the peers that hold them into this node's store."""
+from the peers that hold them into this node's store. The role reads the node through
+:class:`LogisticsView`, talks to peers through :class:`ModelPeers`
+(``shardline.node.peer_client.PeerClient``) and acts through :class:`LogisticsEffects`
+(``shardline.node.node`` wires them); it holds the node's tokenizers."""
 
 from __future__ import annotations
 
@@ -7,8 +10,10 @@ import asyncio
 import logging
 import subprocess
 import sys
+from collections.abc import Awaitable, Callable, Coroutine, Mapping
+from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 from shardline.models.confine import resolve_under
 from shardline.models.file_pieces import Piece
@@ -18,6 +23,7 @@ from shardline.models.store import (
     Manifest,
     ModelCard,
     ModelNotFoundError,
+    ModelStore,
     ModelStoreError,
     check_model_id,
     looks_like_path,
@@ -25,25 +31,71 @@ from shardline.models.store import (
 )
 from shardline.models.tokenizer import Tokenizer
 from shardline.node.peer_client import PeerError
-from shardline.node.status import RankStatus
 from shardline.node.table import Instance, Peer, RankPlacement
 from shardline.node.transfer import CopyProgress, TransferError, what_peer_serves
-
-if TYPE_CHECKING:
-    from shardline.node.node import Node
 
 log = logging.getLogger(__name__)
 
 GGUF_HEADER_TIMEOUT_S = 300
 
 
-class ModelLogistics:
-    """Model cards, tokenizers and model files for this node. One per node; the state is
-    the node's."""
+class LogisticsView(Protocol):
+    """What logistics reads of its node (read-only)."""
 
-    def __init__(self, node: "Node") -> None:
-        self.node = node
+    @property
+    def node_id(self) -> str: ...
+    @property
+    def peers(self) -> Mapping[str, Peer]: ...
+    @property
+    def instances(self) -> Mapping[str, Instance]: ...
+    def live_node_ids(self) -> list[str]: ...
+
+
+class ModelPeers(Protocol):
+    """What logistics asks of peers (``shardline.node.peer_client.PeerClient``)."""
+
+    async def manifest(self, address: str, model_id: str) -> Manifest | None: ...
+    async def copy_files(self, address: str, store: ModelStore, manifest: Manifest, paths: list[str],
+                         progress: CopyProgress | None = None,
+                         pieces: dict[str, list[Piece]] | None = None) -> int: ...
+
+
+@dataclass(frozen=True)
+class LogisticsEffects:
+    """What logistics asks of the node and the other roles."""
+
+    poll: Callable[[str], Awaitable[bool]]
+    """Poll a peer now (its store's summary; the membership)."""
+    background: Callable[[Coroutine[object, object, object]], None]
+    """Run a coroutine as a task of the node's."""
+    report_fetching: Callable[[str, int, int], Coroutine[object, object, None]]
+    """Report a rank's copy progress: ``(instance_id, done_bytes, total_bytes)`` (the
+    supervisor)."""
+
+
+class ModelLogistics:
+    """Model cards, tokenizers and model files for this node. One per node.
+
+    Args:
+        view: the node, read.
+        store: this node's model store.
+        model_dirs: the directories a request may name a local model under (the store's
+            first).
+        peers: the peer client.
+        effects: what it asks of the node.
+    """
+
+    def __init__(self, view: LogisticsView, store: ModelStore, model_dirs: list[Path],
+                 peers: ModelPeers, effects: LogisticsEffects) -> None:
+        self.view = view
+        self.store = store
+        self.model_dirs = model_dirs
+        self.peer_client = peers
+        self.effects = effects
+        self.tokenizers: dict[str, Tokenizer] = {}
         self._warming: set[str] = set()  # model ids whose tokenizer warm_tokenizer loads
+        self._tokenizer_lock = asyncio.Lock()
+        self._fetch_lock = asyncio.Lock()
 
     def warm_tokenizer(self, model_id: str) -> None:
         """Load a model's tokenizer in the background, unless loaded or loading. The node
@@ -51,7 +103,7 @@ class ModelLogistics:
         of ``shardline cluster`` go there); the other nodes of its ranks once idle, not to
         take the CPU a load or the first requests need (transformers' import alone is
         2.5 s of CPU); a request on a node without it loads it first."""
-        if model_id in self.node.tokenizers or model_id in self._warming:
+        if model_id in self.tokenizers or model_id in self._warming:
             return
         self._warming.add(model_id)
 
@@ -63,9 +115,9 @@ class ModelLogistics:
             finally:
                 self._warming.discard(model_id)
 
-        self.node.background(warm())
+        self.effects.background(warm())
 
-    async def _shard_weights(self, inst: Instance, rank: int, placement: RankPlacement) -> Path:
+    async def shard_weights(self, inst: Instance, rank: int, placement: RankPlacement) -> Path:
         """The local path the runner of ``rank`` opens, after copying from peers what it
         reads that this node's store lacks (:mod:`shardline.models.rank_reads`): the files
         of its shard, and of a GGUF file the header and its tensors' pieces (progress goes
@@ -76,32 +128,31 @@ class ModelLogistics:
             TransferError, PeerError: every copy failed.
         """
         if inst.model_id == DEFAULT_MODEL_ID:
-            return self.node.store.weights_path(inst.model_id)
-        manifest = await self._manifest(inst.model_id)
+            return self.store.weights_path(inst.model_id)
+        manifest = await self.manifest(inst.model_id)
         reads = RankReads.of(inst.sharding, rank, placement.share, int(manifest.config["num_layers"]))
 
         loop = asyncio.get_running_loop()
 
         def progress(done: int, total: int) -> None:  # called from the copy's thread
-            report = self.node.supervisor._report_runner(inst.instance_id, RankStatus.FETCHING, None, None,
-                                         fetched={"done_bytes": done, "total_bytes": total})
+            report = self.effects.report_fetching(inst.instance_id, done, total)
             asyncio.run_coroutine_threadsafe(report, loop)
 
         await self._fetch(manifest, manifest.shard_files(reads), progress, manifest.shard_pieces(reads))
-        return self.node.store.weights_path(inst.model_id)
+        return self.store.weights_path(inst.model_id)
 
-    async def _manifest(self, model_id: str) -> Manifest:
+    async def manifest(self, model_id: str) -> Manifest:
         """The model's manifest from this node's store, else from a live peer's.
 
         Raises:
             ModelNotFoundError: no live node's store has the model.
         """
-        manifest = self.node.store.manifest(model_id)
+        manifest = self.store.manifest(model_id)
         if manifest is not None:
             return manifest
         for peer in await self._peers_holding(lambda models: model_id in models):
                 try:
-                    manifest = await self.node.peer_client.manifest(peer.address, model_id)
+                    manifest = await self.peer_client.manifest(peer.address, model_id)
                     if manifest is not None:
                         return manifest
                 except PeerError as exc:
@@ -115,8 +166,8 @@ class ModelLogistics:
         """The live peers whose store summary satisfies ``holds(models)``; when none does,
         after polling them all once (a model added a moment ago is in no summary yet)."""
         for attempt in range(2):
-            live = set(self.node.live_node_ids())
-            found = [p for p in self.node.peers.values() if p.node_id in live and holds(p.models)]
+            live = set(self.view.live_node_ids())
+            found = [p for p in self.view.peers.values() if p.node_id in live and holds(p.models)]
             if found or attempt:
                 return found
             await self.refresh_peers()
@@ -128,10 +179,10 @@ class ModelLogistics:
         all of its files, or some), "added_at" (the earliest a node holding it all added
         it, seconds since the epoch; None for the embedded one), "instances"}``; the peers
         asked afresh."""
-        node = self.node
+        node = self.view
         await self.refresh_peers()
         live = set(node.live_node_ids())
-        stores = {node.node_id: node.store.summary()}
+        stores = {node.node_id: self.store.summary()}
         stores.update({p.node_id: p.models for p in node.peers.values() if p.node_id in live})
         out: dict[str, dict] = {DEFAULT_MODEL_ID: {"model_id": DEFAULT_MODEL_ID, "format": "gguf",
                                                    "total_bytes": None, "embedded": True,
@@ -154,8 +205,8 @@ class ModelLogistics:
 
     async def refresh_peers(self) -> None:
         """Poll every live peer now, rather than within the second (their stores, memory)."""
-        live = set(self.node.live_node_ids())
-        await asyncio.gather(*(self.node.membership.poll(p.address) for p in self.node.peers.values() if p.node_id in live))
+        live = set(self.view.live_node_ids())
+        await asyncio.gather(*(self.effects.poll(p.address) for p in self.view.peers.values() if p.node_id in live))
 
     async def _fetch(self, manifest: Manifest, paths: list[str], on_progress=None,
                      pieces: dict[str, list[Piece]] | None = None) -> None:
@@ -170,7 +221,7 @@ class ModelLogistics:
             TransferError, PeerError: the last peer's copy failed, and some is still missing.
         """
         pieces = pieces or {}
-        store, model_id = self.node.store, manifest.model_id
+        store, model_id = self.store, manifest.model_id
 
         def lacking() -> tuple[list[str], dict[str, list[Piece]]]:
             return store.missing(model_id, paths), store.missing_pieces(manifest, pieces)
@@ -178,7 +229,7 @@ class ModelLogistics:
         def size(files: list[str], parts: dict[str, list[Piece]]) -> int:
             return sum(manifest.file(f).size for f in files) + sum(p.size for ps in parts.values() for p in ps)
 
-        async with self.node._fetch_lock:  # one copy at a time: a tokenizer and a shard share files
+        async with self._fetch_lock:  # one copy at a time: a tokenizer and a shard share files
             files, parts = lacking()
             if not files and not parts:
                 return
@@ -197,7 +248,7 @@ class ModelLogistics:
                         continue
                     progress.done = total - size(files, parts)  # what is here already
                     try:
-                        received = await self.node.peer_client.copy_files(
+                        received = await self.peer_client.copy_files(
                             peer.address, store, manifest, served[0], progress, served[1])
                         log.info("copied %d bytes of %s from %s", received, model_id, peer.node_id)
                     except (TransferError, PeerError) as exc:
@@ -219,7 +270,7 @@ class ModelLogistics:
         for path in paths:
             if not path.endswith(".gguf"):
                 continue
-            file = self.node.store.model_dir(manifest.model_id) / path
+            file = self.store.model_dir(manifest.model_id) / path
             command = [sys.executable, "-m", "shardline.models.gguf_header", str(file)]
             try:
                 await asyncio.to_thread(subprocess.run, command, check=True, capture_output=True,
@@ -245,25 +296,25 @@ class ModelLogistics:
         if self.held(model):
             return model
         try:
-            local = resolve_under(model, self.node.model_dirs)
+            local = resolve_under(model, self.model_dirs)
             exists = local is not None and local.exists()
         except OSError:  # not a name a path can have (too long: ENAMETOOLONG)
             local, exists = None, False
         if local is not None and (exists or looks_like_path(model)):
             try:
-                return (await asyncio.to_thread(self.node.store.add_local, model, None,
-                                                self.node.model_dirs)).model_id
+                return (await asyncio.to_thread(self.store.add_local, model, None,
+                                                self.model_dirs)).model_id
             except OSError as exc:
                 raise ModelStoreError(f"cannot read the model at {shown(model)}: {exc.strerror}") from exc
         if looks_like_path(model):
             log.warning("refused to take in %r: its real path is under none of the model directories %s",
-                        model, [str(d) for d in self.node.model_dirs])
+                        model, [str(d) for d in self.model_dirs])
             raise ModelStoreError(
                 f"model {shown(model)} is not a model id known to the cluster, nor a path under a --model-dir")
         check_model_id(model)  # neither a path nor an id: a clear 400, not a failed lookup
         if "/" in model:
             try:
-                return (await asyncio.to_thread(self.node.store.add_from_hub, model, False)).model_id
+                return (await asyncio.to_thread(self.store.add_from_hub, model, False)).model_id
             except (ModelNotFoundError, ModelStoreError):
                 pass
         return model
@@ -279,16 +330,16 @@ class ModelLogistics:
         """
         if model_id == DEFAULT_MODEL_ID:
             return
-        mine = self.node.store.summary().get(model_id, {})
+        mine = self.store.summary().get(model_id, {})
         if mine.get("complete"):
             return
         await self.refresh_peers()  # their summaries are up to a second old: an add, a remove
-        live = set(self.node.live_node_ids())
-        holders = {p.node_id: p.models.get(model_id, {}) for p in self.node.peers.values()
+        live = set(self.view.live_node_ids())
+        holders = {p.node_id: p.models.get(model_id, {}) for p in self.view.peers.values()
                    if p.node_id in live and model_id in p.models}
         if any(h.get("complete") for h in holders.values()):
             return
-        partial = sorted(([self.node.node_id] if mine else []) + list(holders))
+        partial = sorted(([self.view.node_id] if mine else []) + list(holders))
         raise ModelNotFoundError(
             f"no live node holds all of model {model_id!r}'s files"
             + (f" (part of it is on {', '.join(partial)})" if partial else "")
@@ -297,9 +348,9 @@ class ModelLogistics:
     def held(self, model_id: str) -> bool:
         """Whether ``model_id`` is the embedded default, in this node's store, or in a live
         peer's (as the peer last reported its store)."""
-        live = set(self.node.live_node_ids())
-        return model_id == DEFAULT_MODEL_ID or self.node.store.manifest(model_id) is not None or any(
-            model_id in p.models for p in self.node.peers.values() if p.node_id in live)
+        live = set(self.view.live_node_ids())
+        return model_id == DEFAULT_MODEL_ID or self.store.manifest(model_id) is not None or any(
+            model_id in p.models for p in self.view.peers.values() if p.node_id in live)
 
     async def model_card(self, model_id: str) -> ModelCard:
         """A model's id and config, for placement: the embedded default, or a model in this
@@ -308,9 +359,9 @@ class ModelLogistics:
         Raises:
             ModelNotFoundError: none of these has it.
         """
-        if model_id == DEFAULT_MODEL_ID or self.node.store.manifest(model_id) is not None:
-            return await asyncio.to_thread(self.node.store.card, model_id)
-        manifest = await self._manifest(model_id)
+        if model_id == DEFAULT_MODEL_ID or self.store.manifest(model_id) is not None:
+            return await asyncio.to_thread(self.store.card, model_id)
+        manifest = await self.manifest(model_id)
         return manifest.card()
 
     async def tokenizer(self, model_id: str) -> Tokenizer:
@@ -321,11 +372,11 @@ class ModelLogistics:
             ModelNotFoundError: no live node has the model.
             TransferError, PeerError: the copy failed.
         """
-        async with self.node._tokenizer_lock:
-            if model_id not in self.node.tokenizers:
+        async with self._tokenizer_lock:
+            if model_id not in self.tokenizers:
                 if model_id != DEFAULT_MODEL_ID:
-                    manifest = await self._manifest(model_id)
+                    manifest = await self.manifest(model_id)
                     await self._fetch(manifest, manifest.tokenizer_files())
-                self.node.tokenizers[model_id] = await asyncio.to_thread(
-                    lambda: Tokenizer(self.node.store.tokenizer_path(model_id)))
-            return self.node.tokenizers[model_id]
+                self.tokenizers[model_id] = await asyncio.to_thread(
+                    lambda: Tokenizer(self.store.tokenizer_path(model_id)))
+            return self.tokenizers[model_id]

@@ -20,19 +20,19 @@ This module holds what the node knows of its peers and the replicated table (kep
 by ``table_file.py``; the links to peers measured by ``link_probe.LinkMeter``); the
 membership rounds, the coordinator's decisions, runner supervision, model logistics and
 request routing are the roles in ``membership.py``, ``coordinator.py``,
-``supervision.py``, ``logistics.py`` and ``routing.py``, each given the node. Every
-message between nodes is a ``wire.py`` model sent through ``peer_client.PeerClient``.
+``supervision.py``, ``logistics.py`` and ``routing.py``. None knows this class: each
+reads a narrow read-only view of the node (a ``Protocol`` in its module; the node passes
+itself) and acts through the callbacks given here. Every message between nodes is a
+``wire.py`` model sent through ``peer_client.PeerClient``.
 """
 
 from __future__ import annotations
 
 import asyncio
-import itertools
 import logging
 import os
 import signal
 import time
-import zlib
 from collections.abc import Coroutine, Mapping
 from pathlib import Path
 
@@ -41,17 +41,12 @@ import psutil
 from shardline.models.store import (
     ModelStore,
 )
-from shardline.models.tokenizer import Tokenizer
-from shardline.node.cluster_state import (
-    Epoch,
-    heard_majority,
-    settled,
-)
-from shardline.node.coordinator import Coordinator
+from shardline.node.cluster_state import Epoch
+from shardline.node.coordinator import Coordinator, CoordinatorEffects
 from shardline.node.forecast import Forecast
 from shardline.node.link_probe import LinkMeter
-from shardline.node.logistics import ModelLogistics
-from shardline.node.membership import Membership
+from shardline.node.logistics import LogisticsEffects, ModelLogistics
+from shardline.node.membership import Membership, MembershipEffects
 from shardline.node.node_memory import NodeMemory
 from shardline.node.peer_client import PeerClient, PeerError
 from shardline.node.queue_bound import DEFAULT_MAX_WAITING
@@ -62,11 +57,13 @@ from shardline.node.speeds import HostProfiler, ServedLog
 from shardline.node.state import (
     Adopted,
     ClusterState,
+    Deleted,
     Event,
     Published,
+    TermStarted,
     apply,
 )
-from shardline.node.supervision import Supervisor
+from shardline.node.supervision import RunnerSettings, SupervisionEffects, Supervisor
 from shardline.node.table import EndCode, Instance, InstanceFailedError, Peer
 from shardline.node.table_file import load_table, save_table
 from shardline.node.wire import NodeInfo
@@ -78,7 +75,7 @@ log = logging.getLogger(__name__)
 class Node:
     """A node: its state, what it knows of its peers (who is live, who coordinates) and
     the replicated instance table (publish, adopt, keep on disk); the composition root of
-    its roles, which share that state: :class:`~shardline.node.membership.Membership`
+    its roles: :class:`~shardline.node.membership.Membership`
     (the rounds: polling peers, terms), :class:`~shardline.node.coordinator.Coordinator`,
     :class:`~shardline.node.supervision.Supervisor`,
     :class:`~shardline.node.logistics.ModelLogistics` and
@@ -115,6 +112,9 @@ class Node:
             before importing the node, so their imports overlap).
     """
 
+    router: Router
+    served: ServedLog
+
     def __init__(
         self,
         host: str,
@@ -148,8 +148,6 @@ class Node:
         self.port = port
         self.address = f"{host}:{port}"
         self.peer_addresses = [p for p in peers if p and p != self.address]
-        # the given peers that have not answered yet: warned of once (membership.PEER_SILENT_S)
-        self._unheard_peers = set(self.peer_addresses)
         self.peers: dict[str, Peer] = {}
         self.runner_threads = runner_threads
         self.device = device  # its runners' (profile.DEVICE_RE), resolved by each runner
@@ -164,44 +162,76 @@ class Node:
         self.started_at = time.time()
         self.cluster_state = ClusterState()  # the instance table and its epoch (node.state)
         self.state_path = state_path  # where the table and its epoch are kept
-        self._acting_term: int | None = None  # the term this node coordinates, if it does
-        self._left_term = 0  # the greatest term of a table it held and gave up (a minority's)
-        self._settled_since = self.started_at  # start, or resumption from a pause
-        self._heard_all_at: float | None = None  # the last round every peer answered
-        self._last_tick = self.started_at
-        self._busy_at = float("-inf")  # when a rank here last loaded or served
         kept = None if state_path is None else load_table(state_path)
         if kept is not None:  # desired state: no runner starts from it until a coordinator publishes
             self.cluster_state = kept
-        # the roles, each with this node's state (the node is their composition root)
-        self.membership = Membership(self)
-        self.coordinator = Coordinator(self)
-        self.memory = NodeMemory(self)
-        self.forecast = Forecast(self)
-        self.repeated = RepeatedWarnings(log)  # a peer down: one warning, not one a second
-        self.supervisor = Supervisor(self)
-        self.logistics = ModelLogistics(self)
-        self.router = Router(self)
-        self.worker = Worker(self.supervisor._on_runner_message, watchdog_s=watchdog_s, spare=spare_runner)
-        self._first_spare = first_spare
         self.streams: dict[int, RequestStream] = {}
         self.engine_stats: dict[str, dict] = {}  # instance id -> this node's rank's batch
-        self.tokenizers: dict[str, Tokenizer] = {}
-        self._tokenizer_lock = asyncio.Lock()
-        self._fetch_lock = asyncio.Lock()
-        self._preparing: dict[str, asyncio.Task] = {}  # instance id -> getting its files
-        self._task_counter = itertools.count()
-        self._salt = zlib.crc32(self.node_id.encode()) & 0x3FF
         self._loop: asyncio.AbstractEventLoop | None = None
         self._stopping = False  # told to stop: changes and watches nothing more
         self.signing_key = signing_key(cluster_key)  # scrypt: tens of ms, once
         self.peer_client = PeerClient(self.signing_key, self.address)  # every node-to-node call
         self._background: list[asyncio.Task] = []
         self._state_lock = asyncio.Lock()
-        self._refused: set[str] = set()  # peer addresses that refused our cluster key
         self.profile: dict | None = None  # HostProfile.to_dict(): node.speeds.HostProfiler
         self.link_meter = LinkMeter(self.peer_client.measure_link)
         self.links = self.link_meter.links  # node id -> the link from this node (link_probe)
+        self.repeated = RepeatedWarnings(log)  # a peer down: one warning, not one a second
+        # the roles: each reads this node (a narrow view of it, typed in its module) and
+        # changes it through the callbacks given here (the node is their composition root)
+        self.membership = Membership(self, MembershipEffects(
+            fetch_info=lambda address: self.peer_client.info(address),
+            fetch_state=lambda address: self.peer_client.state(address),
+            record_peer=self._record_peer,
+            add_peer=self.add_peer,
+            adopt=self.apply_state,
+            probe_link=self._probe_link,
+            enter_term=self._enter_term,
+            publish=self.publish,
+            place_again=lambda instance_id: self.background(self.coordinator.replace(instance_id)),
+            coordinate=self._coordinate,
+            report_stale=lambda: self.supervisor.report_stale(),
+            loading=lambda: self.worker.loading(),
+            when_idle=self._when_idle,
+        ))
+        self.coordinator = Coordinator(self, CoordinatorEffects(
+            commit=self.commit,
+            drop_unpublished=self._drop_unpublished,
+            background=self.background,
+            poll=lambda address: self.membership.poll(address),
+            model_card=lambda model_id: self.logistics.model_card(model_id),
+            adopt=lambda model: self.logistics.adopt(model),
+            check_whole=lambda model_id: self.logistics.check_whole(model_id),
+            node_profiles=lambda node_ids: self.forecast.node_profiles(node_ids),
+            served_speeds=lambda: self.forecast.served_speeds(),
+            free_bytes=lambda node_id: self.memory.free(node_id),
+            runtime_baseline=lambda node_ids: self.memory.runtime_baseline(node_ids),
+            free_port=lambda address: self.peer_client.free_port(address),
+        ))
+        self.memory = NodeMemory(self, lambda: self.worker.resident_bytes())
+        self.forecast = Forecast(self, self.memory.free, lambda: self.served.speeds.values(),
+                                 lambda model_id: self.logistics.model_card(model_id), self.background)
+        self.worker = Worker(lambda instance_id, message: self.supervisor.on_runner_message(instance_id, message),
+                             watchdog_s=watchdog_s, spare=spare_runner)
+        self._first_spare = first_spare
+        self.supervisor = Supervisor(self, self.worker, SupervisionEffects(
+            shard_weights=lambda inst, rank, placement: self.logistics.shard_weights(inst, rank, placement),
+            warm_tokenizer=lambda model_id: self.logistics.warm_tokenizer(model_id),
+            dispatch=lambda events: self.router.dispatch(events),
+            fail_streams=lambda instance_id, error, code: self.router.fail_streams(instance_id, error, code),
+            end_forwarded=lambda: self.router.end_forwarded(),
+            engine_stats=self._keep_engine_stats,
+            send_report=lambda address, report: self.peer_client.report(address, report),
+            runner_status=lambda event: self.coordinator.runner_status(event),
+            repeated=self.repeated,
+        ), RunnerSettings(runner_threads, device, progress_timeout_s))
+        self.logistics = ModelLogistics(self, store, self.model_dirs, self.peer_client, LogisticsEffects(
+            poll=lambda address: self.membership.poll(address),
+            background=self.background,
+            report_fetching=lambda instance_id, done, total: self.supervisor.report_fetching(
+                instance_id, done, total),
+        ))
+        self.router = Router(self)
         from shardline.node.identity import default_data_dir
         from shardline.node.profile import PROFILE_FORMAT
 
@@ -209,8 +239,11 @@ class Node:
         # runners on 2 and 1 threads here, and a shared file made every start of the
         # other kind measure (a torch child beside the start-up, killed at placement)
         self.profiler = HostProfiler(
-            self, default_data_dir() / f"host-profile-v{PROFILE_FORMAT}-{device}-threads{runner_threads}.json")
-        self.served = ServedLog(self, None if state_path is None else state_path.parent / "served-speeds.json")
+            self, self._keep_profile,
+            default_data_dir() / f"host-profile-v{PROFILE_FORMAT}-{device}-threads{runner_threads}.json",
+            threads=runner_threads, device=device)
+        self.served = ServedLog(lambda *args, **kwargs: self.forecast.first_order(*args, **kwargs),
+                                None if state_path is None else state_path.parent / "served-speeds.json")
         self.discovery = None
         if mdns:
             from shardline.node.discovery import Discovery
@@ -224,8 +257,7 @@ class Node:
         # its imports overlap the node's start-up and election
         self.worker.start_spare(self._first_spare)
         self._first_spare = None
-        # (later ones: the membership loop, once idle)
-        self._last_tick = time.time()  # the time since construction (a busy start) is no pause
+        # (later ones: the membership loop, once idle: _when_idle)
         self.background(self.membership.run())
         self.background(self.profiler.run())
         if self.discovery is not None:
@@ -252,6 +284,11 @@ class Node:
 
     def is_stopping(self) -> bool:
         return self._stopping
+
+    @property
+    def loop(self) -> asyncio.AbstractEventLoop | None:
+        """The node's event loop, once started."""
+        return self._loop
 
     def _begin_stop(self) -> None:
         log.info("stopping: %d open request(s) end with an error, the runners are stopped",
@@ -327,14 +364,16 @@ class Node:
         return self.live_node_ids()[0]
 
     def is_coordinator(self) -> bool:
-        """Whether this node acts as coordinator: the smallest live id, settled, in a term
-        it started."""
-        return self.coordinator_id() == self.node_id and self._acting_term is not None
+        """Whether this node acts as coordinator (:meth:`Membership.is_coordinator`)."""
+        return self.membership.is_coordinator()
 
     def is_settled(self) -> bool:
-        """Whether this node has heard the cluster for an election window since it
-        started or resumed (cluster_state rule 3)."""
-        return settled(time.time(), self._settled_since, self.down_after_s, self._heard_all_at)
+        """Whether this node has settled (:meth:`Membership.is_settled`)."""
+        return self.membership.is_settled()
+
+    def hears_majority(self) -> bool:
+        """Whether this node hears a majority (:meth:`Membership.hears_majority`)."""
+        return self.membership.hears_majority()
 
     def incarnation_of(self, node_id: str) -> float:
         """A node's start time as last heard (this node's own for itself)."""
@@ -349,14 +388,40 @@ class Node:
             return self.address
         return self.peers[node_id].address
 
-    def _named_nodes(self) -> set[str]:
-        """The nodes the table held names: its instances' and the ones they want."""
-        return {n for i in self.instances.values() for n in (*i.node_ids(), *i.wanted_nodes)}
+    # -- the roles' callbacks -----------------------------------------------------------
 
-    def hears_majority(self) -> bool:
-        """Whether the live nodes are a majority of the nodes known: every node heard since
-        this one started, those its table names, itself (cluster_state rule 4)."""
-        return heard_majority(self.live_node_ids(), {*self.peers, *self._named_nodes()})
+    def _record_peer(self, peer: Peer) -> None:
+        self.peers[peer.node_id] = peer
+
+    def _probe_link(self, node_id: str, address: str) -> None:
+        if self.link_meter.claim(node_id, time.time()):
+            self.background(self.link_meter.measure(node_id, address))
+
+    def _drop_unpublished(self, instance_id: str) -> None:
+        self.cluster_state = apply(self.cluster_state, Deleted(instance_id))
+
+    def _enter_term(self, event: TermStarted) -> None:
+        self.cluster_state = apply(self.cluster_state, event)
+
+    async def _coordinate(self) -> None:
+        await self.coordinator.fail_lost_instances()
+        if self.rejoin:
+            await self.coordinator.rejoin_returned_nodes()
+        await self.coordinator.retire_superseded()
+
+    async def _when_idle(self) -> None:
+        for model_id in {i.model_id for i in self.instances.values() if self.node_id in i.node_ids()}:
+            self.logistics.warm_tokenizer(model_id)
+        await asyncio.to_thread(self.worker.start_spare)
+
+    def _keep_profile(self, profile: dict | None) -> None:
+        self.profile = profile
+
+    def _keep_engine_stats(self, instance_id: str, stats: dict | None) -> None:
+        if stats is None:
+            self.engine_stats.pop(instance_id, None)
+        else:
+            self.engine_stats[instance_id] = stats
 
     # -- replicated instance table -------------------------------------------------------
 
@@ -377,7 +442,7 @@ class Node:
             return
         for event in events:
             self.cluster_state = apply(self.cluster_state, event)
-        await self._publish()
+        await self.publish()
 
     async def apply_state(self, theirs: ClusterState) -> bool:
         """Adopt a table of a newer epoch (cluster_state rule 1), keep it on disk and
@@ -386,22 +451,14 @@ class Node:
             adopted = apply(self.cluster_state, Adopted(theirs))
             if adopted is self.cluster_state:
                 return False
-            # a minority's newer term, given up for a majority's older one: never started again
-            self._left_term = max(self._left_term, self.epoch.term)
+            held_term = self.epoch.term
             self.cluster_state = adopted
-            if self._acting_term is not None and self.epoch.coordinator != self.node_id:
-                # Another coordinator's newer table: this node coordinated out of touch with
-                # it (a minority, cut off), and its peers' liveness is as old as the cut.
-                # Start over, and hear the whole cluster (or wait the window) before a term
-                # of its own: CI saw a returning coordinator fail the majority's serving
-                # instance for a node it had not heard again yet.
-                self._acting_term = None
-                self._settled_since = time.time()
+            self.membership.adopted(held_term, self.epoch.coordinator)
             self._save_state()
-        await self.supervisor._reconcile()
+        await self.supervisor.reconcile()
         return True
 
-    async def _publish(self) -> None:
+    async def publish(self) -> None:
         """Coordinator: the next epoch of its term; keep the table on disk and push it to
         every live node. A node not (yet) acting as coordinator only reconciles."""
         if self.is_coordinator():
@@ -419,7 +476,7 @@ class Node:
                     raise result
                 else:
                     self.repeated.ended(("publish", address))
-        await self.supervisor._reconcile()
+        await self.supervisor.reconcile()
 
     def _save_state(self) -> None:
         """Keep the table and its epoch in ``state_path`` (rule 1 across restarts)."""

@@ -6,13 +6,15 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import itertools
 import logging
 import time
 import weakref
-from collections.abc import AsyncGenerator, Callable, Collection, Mapping, Sequence
+import zlib
+from collections.abc import AsyncGenerator, Callable, Collection, Mapping, MutableMapping, Sequence
 from dataclasses import dataclass, replace
 from enum import Enum
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 from shardline.cancelling import cancel_and_wait
 from shardline.node.peer_client import PeerError
@@ -23,6 +25,7 @@ from shardline.node.state import superseded, why_ended
 from shardline.node.status import InstanceStatus
 from shardline.node.table import EndCode, Instance, InstanceFailedError, NoInstanceError
 from shardline.node.wire import CancelMessage, TaskMessage
+from shardline.node.worker import RunnerHandle
 from shardline.runner.protocol import (
     Cancel,
     PrefillProgress,
@@ -30,9 +33,6 @@ from shardline.runner.protocol import (
     TokenEvent,
     TokenRequest,
 )
-
-if TYPE_CHECKING:
-    from shardline.node.node import Node
 
 log = logging.getLogger(__name__)
 
@@ -171,12 +171,61 @@ class RequestStream:
     queue: asyncio.Queue
 
 
+class RoutingPeers(Protocol):
+    """What the router asks of peers (``shardline.node.peer_client.PeerClient``)."""
+
+    async def deliver(self, address: str, message: TaskMessage | CancelMessage) -> bool: ...
+    def generate(self, address: str, request: TokenRequest, ran_on: Callable[[str], None] | None = None,
+                 ) -> AsyncGenerator[TokenEvent | PrefillProgress, None]: ...
+
+
+class LocalRunners(Protocol):
+    """This node's runners (``shardline.node.worker.Worker``)."""
+
+    @property
+    def runners(self) -> Mapping[str, RunnerHandle]: ...
+
+
+class ServedRecorder(Protocol):
+    """Where the router records what requests showed of speed (``speeds.ServedLog``)."""
+
+    async def add(self, inst: Instance, decode: float | None, prefill: float | None,
+                  position: float, prompt_tokens: int) -> None: ...
+
+
+class RouterView(Protocol):
+    """What the router reads of its node, and the requests it registers (``streams``, the
+    node's: it ends them when it stops)."""
+
+    @property
+    def node_id(self) -> str: ...
+    @property
+    def instances(self) -> Mapping[str, Instance]: ...
+    @property
+    def streams(self) -> MutableMapping[int, RequestStream]: ...
+    @property
+    def engine_stats(self) -> Mapping[str, dict]: ...
+    @property
+    def max_waiting(self) -> int: ...
+    @property
+    def down_after_s(self) -> float: ...
+    @property
+    def peer_client(self) -> RoutingPeers: ...
+    @property
+    def worker(self) -> LocalRunners: ...
+    @property
+    def served(self) -> ServedRecorder: ...
+    def is_stopping(self) -> bool: ...
+
+
 class Router:
     """Requests taken by this node, to the ranks that run them. One per node; the state is
     the node's."""
 
-    def __init__(self, node: "Node") -> None:
+    def __init__(self, node: RouterView) -> None:
         self.node = node
+        self._salt = zlib.crc32(node.node_id.encode()) & 0x3FF  # in task ids
+        self._task_counter = itertools.count()
         self._recording: set[asyncio.Task] = set()
         # requests this node forwards, by instance: set when the instance fails or goes
         self._forwarding: dict[str, set[asyncio.Event]] = {}
@@ -233,7 +282,7 @@ class Router:
     def new_task_id(self) -> int:
         """int64 ids that sort by creation time: ms (41 bits) | node salt (10) | counter (12)."""
         ms = int(time.time() * 1000) - 1_700_000_000_000
-        return (ms << 22) | (self.node._salt << 12) | (next(self.node._task_counter) & 0xFFF)
+        return (ms << 22) | (self._salt << 12) | (next(self._task_counter) & 0xFFF)
 
     def reserve(self, inst: Instance, owner: object, bounded: bool = True) -> int | None:
         """Take a place in the queue of ``inst`` for a request this node runs: check the
@@ -522,14 +571,14 @@ class Router:
         handle = self.node.worker.runners.get(instance_id)
         return handle is not None and handle.send(message)
 
-    def _dispatch(self, events: tuple[TokenEvent | PrefillProgress, ...]) -> None:
+    def dispatch(self, events: tuple[TokenEvent | PrefillProgress, ...]) -> None:
         for event in events:
             stream = self.node.streams.get(event.task_id)
             if stream is not None:
                 stream.queue.put_nowait(event)
 
-    def _fail_streams(self, instance_id: str, error: str | None,
-                      code: EndCode = EndCode.INSTANCE_FAILED) -> None:
+    def fail_streams(self, instance_id: str, error: str | None,
+                     code: EndCode = EndCode.INSTANCE_FAILED) -> None:
         for stream in list(self.node.streams.values()):
             if stream.instance_id == instance_id:
                 stream.queue.put_nowait(InstanceFailedError(f"instance {instance_id}: {error}", code))

@@ -32,10 +32,10 @@ import json
 import logging
 import time
 import zlib
-from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import Awaitable, Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
 import psutil
 
@@ -50,7 +50,6 @@ from shardline.placement.served import (
 )
 
 if TYPE_CHECKING:
-    from shardline.node.node import Node
     from shardline.node.table import Instance
 
 log = logging.getLogger(__name__)
@@ -112,21 +111,41 @@ def measure_due(now: float, idle_since: float | None, measured_at: float | None,
     return now - idle_since >= idle_s
 
 
+class ProfilerView(Protocol):
+    """What the profiler reads of its node (read-only)."""
+
+    @property
+    def node_id(self) -> str: ...
+    @property
+    def profile(self) -> dict | None: ...
+    @property
+    def instances(self) -> Mapping[str, Instance]: ...
+    @property
+    def streams(self) -> Mapping[int, object]: ...
+    def busy_instances(self) -> list[str]: ...
+
+
 class HostProfiler:
     """The node's :class:`~shardline.node.profile.HostProfile` (``node.profile``, a dict):
     the cached one first, measured again while the node is idle (module docstring).
 
     Args:
-        node: the node (its runners' thread count, its state).
+        view: the node, read (its state, its profile now).
+        keep: keeps a profile as the node's (``node.profile``).
         cache: the machine's profile file (None: none).
+        threads, device: its runners' (what the profile measures).
         idle_s, interval_s: :func:`measure_due`'s.
     """
 
-    def __init__(self, node: "Node", cache: Path | None, idle_s: float = IDLE_S,
+    def __init__(self, view: ProfilerView, keep: Callable[[dict | None], None], cache: Path | None,
+                 threads: int = 0, device: str = "auto", idle_s: float = IDLE_S,
                  interval_s: float = INTERVAL_S) -> None:
-        self.node = node
+        self.view = view
+        self.keep = keep
         self.cache = cache
-        self.idle_s = idle_s + zlib.crc32(node.node_id.encode()) % 1000 / 100  # staggered
+        self.threads = threads
+        self.device = device
+        self.idle_s = idle_s + zlib.crc32(view.node_id.encode()) % 1000 / 100  # staggered
         self.interval_s = interval_s
         self.measured_at: float | None = None  # time.monotonic() of the last try
 
@@ -135,7 +154,7 @@ class HostProfiler:
         starts a window). ``any_load``: other programs' load does not count (the node
         has no profile yet, or its measurement runs: the child's own start spikes the
         load, and the samples' median outlasts a burst)."""
-        node = self.node
+        node = self.view
         statuses = [r.status for inst in node.instances.values()
                     if inst.status != InstanceStatus.FAILED
                     for r in inst.ranks if r.node_id == node.node_id]
@@ -153,7 +172,7 @@ class HostProfiler:
             cached = HostProfile.from_dict(json.loads(self.cache.read_text()))
         except (OSError, ValueError, TypeError):
             return None
-        if cached.threads != self.node.runner_threads:
+        if cached.threads != self.threads:
             return None
         return dict(cached.to_dict(), host_id=host_id())
 
@@ -163,14 +182,14 @@ class HostProfiler:
         cached = self.first_guess()
         if cached is None:
             return None
-        mine = (self.node.profile or {}).get("measured_at") or 0.0
+        mine = (self.view.profile or {}).get("measured_at") or 0.0
         fresh = time.time() - cached["measured_at"] < self.interval_s
         return cached if fresh and cached["measured_at"] > mine else None
 
     async def run(self) -> None:
         """Forever: keep ``node.profile`` (the first guess, then idle measurements)."""
-        self.node.profile = self.first_guess()
-        guessed = self.node.profile is not None
+        self.keep(self.first_guess())
+        guessed = self.view.profile is not None
         idle_since: float | None = None
         while True:
             now = time.monotonic()
@@ -179,7 +198,7 @@ class HostProfiler:
                 tried_before, self.measured_at = self.measured_at, now
                 fresh = self._fresh_cache()
                 if fresh is not None:
-                    self.node.profile = fresh
+                    self.keep(fresh)
                     guessed = True
                 elif await self._measure_while_idle(tried_before):
                     guessed = True
@@ -202,7 +221,7 @@ class HostProfiler:
         from shardline.node.profile import measure_host_async
 
         task = asyncio.create_task(measure_host_async(
-            device=self.node.device, seconds=PROFILE_SECONDS, threads=self.node.runner_threads, samples=PROFILE_SAMPLES))
+            device=self.device, seconds=PROFILE_SECONDS, threads=self.threads, samples=PROFILE_SAMPLES))
         while not task.done():
             await asyncio.wait({task}, timeout=0.25)
             if not task.done() and not self.idle(any_load=True):
@@ -213,15 +232,15 @@ class HostProfiler:
         profile = task.result()
         if profile.note:
             log.warning("host profile: %s", profile.note)
-            if self.node.profile is not None:
+            if self.view.profile is not None:
                 return False  # keep what it had
-        self.node.profile = profile.to_dict()
+        self.keep(profile.to_dict())
         log.info("host profile: %.0f GFLOP/s, %.1f GB/s, %.2f ms a decode layer",
                  profile.matmul_flops / 1e9, profile.memory_bandwidth_bytes_per_s / 1e9,
                  profile.decode_layer_s * 1e3)
         if not profile.note and self.cache is not None:
             try:
-                write_atomically(self.cache, json.dumps(self.node.profile))
+                write_atomically(self.cache, json.dumps(self.view.profile))
             except OSError:
                 pass
         return not profile.note
@@ -264,10 +283,11 @@ def placement_key(inst: "Instance") -> PlacementKey:
 class ServedLog:
     """The speeds of the placements this node streamed requests of
     (:class:`~shardline.placement.served.ServedSpeed` each), kept in ``path`` (None: in
-    memory only) and told to peers in its ``NodeInfo.served``."""
+    memory only) and told to peers in its ``NodeInfo.served``; ``predict``: an instance's
+    first-order (decode, prefill) tokens/s now (``Forecast.first_order``)."""
 
-    def __init__(self, node: "Node", path: Path | None) -> None:
-        self.node = node
+    def __init__(self, predict: Callable[..., Awaitable[tuple[float, float]]], path: Path | None) -> None:
+        self.predict = predict
         self.path = path
         self.speeds: dict[PlacementKey, ServedSpeed] = {}
         self._load()
@@ -295,8 +315,7 @@ class ServedLog:
         key = placement_key(inst)
         speed = record(self.speeds.get(key), key, decode, prefill, position, time.time(),
                        prompt_tokens)
-        predicted = await self.node.forecast.first_order(inst, speed.context,
-                                                            prompt_tokens=speed.prompt_tokens)
+        predicted = await self.predict(inst, speed.context, prompt_tokens=speed.prompt_tokens)
         self.speeds[key] = with_prediction(speed, predicted)
         if self.path is not None:
             try:
