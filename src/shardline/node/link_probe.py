@@ -13,6 +13,8 @@ import time
 from collections.abc import Awaitable, Callable
 from typing import Any
 
+from shardline.node.peer_error import PeerError
+
 log = logging.getLogger(__name__)
 
 UPLOAD_PATH = "/internal/echo-bytes"
@@ -153,8 +155,6 @@ class LinkMeter:
     async def measure(self, node_id: str, address: str) -> None:
         """Measure the link to ``node_id`` at ``address`` (``host:port``); a failure is
         logged and leaves ``links`` as it was."""
-        from shardline.node.peer_client import PeerError  # noqa: PLC0415 (imports httpx)
-
         self._measuring.add(node_id)
         try:
             history = self._history.setdefault(node_id, [])

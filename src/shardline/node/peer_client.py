@@ -25,6 +25,7 @@ from shardline.models.confine import UnsafePathError
 from shardline.models.file_pieces import Piece
 from shardline.models.store import Manifest, ModelStore
 from shardline.node.link_probe import measure_link
+from shardline.node.peer_error import PeerError
 from shardline.node.queue_bound import QueueFullError, retry_after
 from shardline.node.signing import MEMBER_HEADER, SignatureError, SignedAuth, check_answer
 from shardline.node.state import ClusterState
@@ -46,10 +47,6 @@ from shardline.node.wire import (
 from shardline.runner.protocol import PrefillProgress, TokenEvent, TokenRequest
 
 log = logging.getLogger(__name__)
-
-
-class PeerError(RuntimeError):
-    """A peer could not be reached or did not answer as a node of this version does."""
 
 
 class KeyRefusedError(PeerError):
