@@ -457,12 +457,12 @@ async def run_level(client: httpx.AsyncClient, url: str, model: str, prompts: li
 def summarize_conversation(results: list[RequestResult], uncached: list[RequestResult],
                            wall_s: float) -> dict[str, Any]:
     """Figures of one conversation (its turns' results, in order, and each turn's prompt sent
-    again without the cache): ``first_ttft_ms``, ``last_ttft_ms`` and
+    again without the cache, one a turn): ``first_ttft_ms``, ``last_ttft_ms`` and
     ``last_uncached_ttft_ms`` (milliseconds), the last turn's prompt tokens, and each turn's
     prompt tokens, cached tokens (None where the server reports none), TTFT and TTFT
     without the cache."""
-    def ms(r: RequestResult | None) -> float | None:
-        return None if r is None or r.ttft_s is None else r.ttft_s * 1000
+    def ms(r: RequestResult) -> float | None:
+        return None if r.ttft_s is None else r.ttft_s * 1000
 
     return {
         "requests": len(results),
@@ -475,9 +475,8 @@ def summarize_conversation(results: list[RequestResult], uncached: list[RequestR
         "usage_from": "usage" if all(r.usage_from == "usage" for r in results) else "chunks",
         "per_request": [{"prompt_tokens": r.prompt_tokens, "cached_tokens": r.cached_tokens,
                          "completion_tokens": r.completion_tokens, "start_s": r.start_s, "ttft_s": r.ttft_s,
-                         "end_s": r.end_s, "uncached_ttft_s": u.ttft_s if u is not None else None,
-                         "uncached_cached_tokens": u.cached_tokens if u is not None else None}
-                        for r, u in zip(results, uncached + [None] * (len(results) - len(uncached)))],
+                         "end_s": r.end_s, "uncached_ttft_s": u.ttft_s, "uncached_cached_tokens": u.cached_tokens}
+                        for r, u in zip(results, uncached, strict=True)],
     }
 
 
