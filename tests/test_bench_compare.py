@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import time
 
 import httpx
 import pytest
@@ -252,3 +253,25 @@ def test_a_server_url_is_its_root(given, root):
     from shardline.bench.command import _normal_url
 
     assert _normal_url(given) == root
+
+
+def test_a_conversation_thinks_before_each_turn_but_the_first():
+    sent: list[float] = []
+
+    def handler(request: httpx.Request) -> httpx.Response:
+        sent.append(time.perf_counter())
+        events = [{"choices": [{"delta": {"content": "answer"}}]},
+                  {"choices": [], "usage": {"prompt_tokens": 10, "completion_tokens": 1}}]
+        return httpx.Response(200, content=_sse(*events), headers={"content-type": "text/event-stream"})
+
+    async def go():
+        async with httpx.AsyncClient(transport=httpx.MockTransport(handler)) as client:
+            return await run_conversation(client, "http://x", "m", ["one", "two", "three"], 1, think_s=0.2)
+
+    began = time.perf_counter()
+    result = asyncio.run(go())
+    elapsed = time.perf_counter() - began
+    # turn, again, (think) turn, again, (think) turn, again
+    gaps = [b - a for a, b in zip(sent, sent[1:])]
+    assert len(gaps) == 5 and all(g >= 0.2 for g in gaps[1::2])
+    assert result["requests"] == 3 and result["wall_s"] <= elapsed - 0.4  # the waits are not its time

@@ -9,11 +9,13 @@ import pytest
 from shardline.runner.block_hashes import block_hashes
 from shardline.runner.prefix_cache import (
     CachedPrefix,
+    Extension,
     Start,
     Waiting,
     exact_end,
     matched_tokens,
     plan_admission,
+    plan_extension,
     reuse,
     row_class,
 )
@@ -159,3 +161,46 @@ def test_cached_prefixes_refuse_no_task_that_would_start_without_them(needs, slo
     held = [cached(slots + i, (7,) * B, i) for i in range(cached_slots)]
     warm = plan_admission(waiting, list(range(slots)), held, free - B * cached_slots, C, B)
     assert [s.index for s in warm.starts] == [s.index for s in cold.starts]
+
+
+def answered(slot: int, kept: int, rest: int, used: int = 1) -> CachedPrefix:
+    """A cached prefix of ``kept`` tokens whose sequence went on ``rest`` tokens more."""
+    tokens = tuple(range(kept + rest))
+    return CachedPrefix(slot, tokens[:kept], tuple(block_hashes(tokens[:kept], 16)), used, rest=tokens[kept:])
+
+
+@pytest.mark.parametrize("prefixes, free_tokens, extension", [
+    # a 243-token prompt kept 240 and answered 64: 304 whole, started back to 96 rows (AMX's class)
+    ([answered(0, 240, 67)], 1000, Extension(0, 208, 96)),
+    # rows past the window's first 96 only: the chunk would read fewer rows than a cold one
+    ([answered(0, 512, 70)], 1000, None),
+    # a window at a time: the first ends at 512
+    ([answered(0, 480, 200)], 1000, Extension(0, 416, 96)),
+    ([answered(0, 512, 168)], 1000, Extension(0, 512, 160)),
+    # no whole block to add; no free pool tokens (nothing is evicted for it)
+    ([answered(0, 240, 15)], 1000, None),
+    ([answered(0, 240, 67)], 63, None),
+    ([answered(0, 240, 67)], 64, Extension(0, 208, 96)),
+    # the most recently used first; one that cannot grow leaves it to the next
+    ([answered(0, 240, 67, used=1), answered(1, 480, 200, used=2)], 1000, Extension(1, 416, 96)),
+    ([answered(0, 240, 67, used=1), answered(1, 512, 70, used=2)], 1000, Extension(0, 208, 96)),
+    ([], 1000, None),
+], ids=["answer", "short window", "to the window", "next window", "part block", "no pool", "pool",
+        "recent first", "skips", "none"])
+def test_a_cached_prefix_grows_over_its_answer_in_a_whole_chunks_class(prefixes, free_tokens, extension):
+    assert plan_extension(prefixes, free_tokens, chunk=512, block=16) == extension
+
+
+def test_an_extended_prefix_holds_its_answer_blocks_with_their_hashes():
+    prefix = answered(3, 240, 67, used=5).extended(304, 16)
+    tokens = tuple(range(307))
+    assert prefix.token_ids == tokens[:304] and prefix.rest == tokens[304:]
+    assert prefix.hashes == tuple(block_hashes(tokens[:304], 16)) and (prefix.slot, prefix.used) == (3, 5)
+    assert matched_tokens(tokens + (9,), block_hashes(tokens + (9,), 16), prefix, 16) == 304
+
+
+def test_chunks_shorter_than_a_block_grow_a_prefix_a_block_of_whole_chunks_at_a_time():
+    prefix = CachedPrefix(0, tuple(range(128)), tuple(block_hashes(tuple(range(128)), 64)), 1,
+                          rest=tuple(range(128, 230)))
+    assert plan_extension([prefix], 1000, chunk=8, block=64) == Extension(0, 128, 64)
+    assert plan_extension([prefix.extended(192, 64)], 1000, chunk=8, block=64) is None  # 38 left: no block

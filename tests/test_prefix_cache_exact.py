@@ -102,3 +102,33 @@ def test_a_seeded_sample_is_the_same_with_and_without_a_hit(shard):
     run(warm, warm_sent, Task(2, "n", prompt[:600], 1, seeded))
     assert run(warm, warm_sent, Task(3, "n", prompt, 12, seeded), mine) == 512
     assert mine == theirs and len(set(mine)) > 1
+
+
+def test_an_answer_is_cached_while_idle_with_a_cold_prefills_bits(shard):
+    """A conversation's next turn holds this turn's answer: computed while the engine idles,
+    as a cold prefill computes it, it is cached too, and the next turn resumes after it
+    with a cold prefill's logits and keys."""
+    rng = random.Random(7)
+    prompt = tuple(rng.randrange(tm.VOCAB) for _ in range(700))
+    greedy = SamplingParams(temperature=0.0)
+    warm, warm_sent = engine(shard)
+    block = warm.stage.cache.block_tokens
+    answer: list[int] = []
+    run(warm, warm_sent, Task(1, "n", prompt, 100, greedy), answer)
+    (before,) = warm.cached.values()
+    assert before.tokens == 700 // block * block and len(before.rest) == 800 - before.tokens
+    for _ in range(3):
+        warm.step()  # idle: nothing runs or waits
+    (after,) = warm.cached.values()
+    assert after.tokens == 800 // block * block > before.tokens  # whole blocks of prompt + answer
+    turn = prompt + tuple(answer) + tuple(rng.randrange(tm.VOCAB) for _ in range(300))
+    cold, cold_sent = engine(shard)
+    assert run(cold, cold_sent, Task(2, "n", turn, 1, greedy)) == 0
+    assert run(warm, warm_sent, Task(3, "n", turn, 1, greedy)) == after.tokens
+    assert torch.equal(warm.first_logits[3], cold.first_logits[2])
+    (mine,), (theirs,) = warm.cached.values(), cold.cached.values()
+    for layer in range(2):
+        assert torch.equal(warm.stage.cache.k[layer][mine.slot, :, : after.tokens],
+                           cold.stage.cache.k[layer][theirs.slot, :, : after.tokens])
+        assert torch.equal(warm.stage.cache.v[layer][mine.slot, :, : after.tokens],
+                           cold.stage.cache.v[layer][theirs.slot, :, : after.tokens])

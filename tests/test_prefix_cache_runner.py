@@ -216,3 +216,35 @@ def test_two_conversations_sharing_a_system_prompt_both_hit_and_keep_their_own(m
         assert cached == {500: 0, 501: 2 * BLOCK, 502: 3 * BLOCK, 503: 3 * BLOCK}
     finally:
         instance.stop()
+
+
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize("sharding, chunk, prompt_len, answer, kept, grown", [
+    (Sharding.PIPELINE, 8, 170, 60, 2 * BLOCK, 3 * BLOCK),
+    (Sharding.TENSOR, 8, 170, 60, 2 * BLOCK, 3 * BLOCK),
+    (Sharding.RING, 256, 640, 140, 10 * BLOCK, 12 * BLOCK),
+], ids=["pipeline", "tensor", "ring"])
+def test_an_answer_is_cached_while_idle_and_the_next_turn_resumes_after_it(model_dir, sharding, chunk, prompt_len,
+                                                                           answer, kept, grown):
+    """A finished turn's slot keeps its prompt's whole blocks; while nothing runs, every
+    rank computes its answer's rows as a cold prefill would and the cached prefix grows
+    over them; the next turn (prompt, answer, a new message) resumes after them and gets
+    the tokens of a cold prefill."""
+    first = task(600, tuple(random.Random(45).randrange(tm.VOCAB) for _ in range(prompt_len)), max_tokens=answer)
+    instance = Instance(model_dir, 2, max_batch=2, context=1536, sharding=sharding, prefill_chunk=chunk,
+                        prefill_step_tokens=1024)
+    try:
+        results = run(instance, [first])
+        said = tokens(results[0][600])
+        assert len(said) == answer
+        second = task(601, first.prompt + tuple(said) + tail(200))
+        expected = reference_tokens(model_dir, [first, second])
+        assert said == expected[600]
+        for r in range(2):
+            instance.wait_stats(r, lambda s: s.running == () and s.cached_tokens == grown)
+        results = run(instance, [second])
+        for r in range(2):
+            assert tokens(results[r][601]) == expected[601]
+            assert results[r][601][-1].cached_tokens == grown > kept  # not only the first turn's prompt
+    finally:
+        instance.stop()

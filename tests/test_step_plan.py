@@ -5,7 +5,7 @@ an instance plans the same step from the same state."""
 
 import pytest
 
-from shardline.runner.prefix_cache import Admission, CachedPrefix, Start, Waiting
+from shardline.runner.prefix_cache import Admission, CachedPrefix, Extension, Start, Waiting
 from shardline.runner.step_plan import (
     Chunk,
     SequenceState,
@@ -135,3 +135,13 @@ def test_a_task_that_does_not_fit_waits_outside_the_plan():
     wants = [Waiting(tuple(range(6)), [1], need=8)]
     plan = plan_step([], [SequenceState(6)], wants, [], [], 64, LIMITS)  # no free slot
     assert plan.admission.starts == () and plan.seqs == () and plan.chunks == ()
+
+
+def test_a_cached_prefix_grows_only_in_a_step_where_nothing_runs_or_waits():
+    tokens = tuple(range(24))
+    answered = CachedPrefix(1, tokens[:12], (0, 1, 2), used=1, rest=tokens[12:])
+    idle = plan_step([], [], [], [0], [answered], 64, LIMITS)
+    assert idle.extension == Extension(1, 12, 4) and idle.chunks == () and idle.decode == ()
+    assert plan_step([seq(10, 10, 1)], [], [], [0], [answered], 64, LIMITS).extension is None
+    wants = [Waiting(tuple(range(50, 56)), [1], need=8)]
+    assert plan_step([], [SequenceState(6)], wants, [0], [answered], 64, LIMITS).extension is None

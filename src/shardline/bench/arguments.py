@@ -57,6 +57,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--system-tokens", type=int, default=0,
                         help="the conversation opens with a system prompt of about this many tokens of "
                              "tool definitions, as a coding agent's does (default %(default)s: none)")
+    parser.add_argument("--think-s", type=float, default=0.0,
+                        help="seconds the conversation waits before each turn after the first, as a person "
+                             "reading and typing or an agent running its tool would (default %(default)s)")
     parser.add_argument("--context", type=int, default=None,
                         help="context window of the local cluster's instance, tokens (default: the "
                              "placement's)")

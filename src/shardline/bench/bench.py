@@ -27,8 +27,10 @@ the whole chat so far: a system prompt where it has one (an agent's: tool defini
 :func:`agent_system_prompt`), the earlier user messages, the answers the server gave, and
 a new user message. After each turn the same messages go again with ``cache_prompt: false``
 (llama.cpp's server's parameter, and shardline's), so the server prefills the whole
-prompt: that turn's TTFT without the cache. Its figures are each turn's TTFT with and
-without the cache, the first turn's and the last turn's.
+prompt: that turn's TTFT without the cache. The next turn waits a think time first
+(a person reading and typing, an agent running its tool: what a server may use to cache
+the answer). Its figures are each turn's TTFT with and without the cache, the first
+turn's and the last turn's.
 
 Per concurrency level c (its requests, at most c in flight at once):
 
@@ -485,13 +487,14 @@ UNCACHED_GEN_TOKENS = 2
 
 
 async def run_conversation(client: httpx.AsyncClient, url: str, model: str, user_messages: list[str],
-                           gen_tokens: int, system: str | None = None) -> dict[str, Any]:
+                           gen_tokens: int, system: str | None = None, think_s: float = 0.0) -> dict[str, Any]:
     """One chat of ``len(user_messages)`` turns, one after another: each turn sends the chat
     so far (``system`` first where given, every earlier user message and the server's
     answer to it) with the next user message, and the answer it streams (``gen_tokens``
     tokens) joins the chat; then the same messages again with ``cache_prompt: false``
-    (:data:`UNCACHED_GEN_TOKENS` tokens), for the turn's TTFT without the cache.
-    Summarised by :func:`summarize_conversation`.
+    (:data:`UNCACHED_GEN_TOKENS` tokens), for the turn's TTFT without the cache; then, but
+    after the last turn, it waits ``think_s`` seconds. Summarised by
+    :func:`summarize_conversation` (the wall time without the waits).
 
     Raises:
         BenchError, httpx.HTTPError: a turn failed (:func:`stream_request`).
@@ -500,7 +503,10 @@ async def run_conversation(client: httpx.AsyncClient, url: str, model: str, user
     results: list[RequestResult] = []
     uncached: list[RequestResult] = []
     started = time.perf_counter()
-    for text in user_messages:
+    for turn, text in enumerate(user_messages):
+        if turn and think_s:
+            await asyncio.sleep(think_s)
+            started += think_s
         messages.append({"role": "user", "content": text})
         sent = time.perf_counter() - started
         result = await stream_request(client, url, model, list(messages), gen_tokens)

@@ -61,6 +61,8 @@ def _workload_problem(args: argparse.Namespace) -> str | None:
         return "--system-tokens must be at least 0"
     if args.system_tokens and not args.turns:
         return "--system-tokens needs --turns"
+    if args.think_s < 0 or (args.think_s and not args.turns):
+        return "--think-s must be at least 0, and needs --turns"
     if args.context is not None and (args.context < 1 or args.url is not None):
         return "--context must be at least 1, and is the local cluster's (not with --url)"
     if args.rounds is not None and args.rounds < 1:
@@ -177,7 +179,8 @@ def _bench(args: argparse.Namespace, servers: list[Server]) -> int:
     config = BenchConfig(prompt_tokens=list(args.prompt_tokens), gen_tokens=args.gen_tokens,
                          concurrency=list(args.concurrency), runs=args.runs, rounds=rounds,
                          chat_requests=args.chat_requests, warmup=args.warmup, turns=args.turns,
-                         turn_tokens=args.turn_tokens, system_tokens=args.system_tokens)
+                         turn_tokens=args.turn_tokens, system_tokens=args.system_tokens,
+                         think_s=args.think_s)
     if args.busy:
         _progress(f"keeping {args.busy} core(s) busy with competing processes while the workloads run")
     with busy_cores(args.busy):

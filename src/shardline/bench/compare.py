@@ -126,6 +126,7 @@ class BenchConfig:
     turns: int = 0
     turn_tokens: int = 250
     system_tokens: int = 0
+    think_s: float = 0.0
 
 
 @dataclass
@@ -303,7 +304,8 @@ def _unit(client: httpx.AsyncClient, server: Server, info: dict[str, Any], work:
         conversation = [build_prompt(info["turn"]["words"], v) for v in variants]
         system = (agent_system_prompt(info["turn"]["system_words"], variants[0])
                   if config.system_tokens else None)
-        return run_conversation(client, server.url, server.model, conversation, config.gen_tokens, system)
+        return run_conversation(client, server.url, server.model, conversation, config.gen_tokens, system,
+                                config.think_s)
     if work.kind == "level":
         calibrated = next(p for p in info["prompts"] if p["target"] == work.prompt_tokens)
         prompts = [build_prompt(calibrated["words"], v) for v in variants]

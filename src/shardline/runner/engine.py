@@ -17,7 +17,10 @@ Each step:
    at the same positions whatever else runs, and whatever part of it was cached). The
    budget is smaller while other sequences decode (``prefill_step_tokens``), bounding
    how long prompts delay their next token, and larger when none does, so a pipeline's
-   stages overlap many chunks (:mod:`shardline.parallel.pipeline`);
+   stages overlap many chunks (:mod:`shardline.parallel.pipeline`). A step with nothing
+   running or waiting computes a chunk of a cached prefix's generated tokens instead, so a
+   conversation's next turn finds its last answer cached too
+   (:func:`~shardline.runner.prefix_cache.plan_extension`);
 5. the sampling rank samples every sequence that has new logits
    (:mod:`shardline.runner.sampling`, each sequence by its own parameters and, where it
    has a grammar, its own mask: :mod:`shardline.runner.constraint`); one exchange gives
@@ -54,7 +57,7 @@ from shardline.runner.agreement import Agreement, decide, encode_proposal, propo
 from shardline.runner.block_hashes import block_hashes
 from shardline.runner.constraint import Constraint
 from shardline.runner.logprob_tables import logprob_table, logprob_width, prompt_logprob_table, read_logprobs
-from shardline.runner.prefix_cache import Admission, CachedPrefix, Waiting, exact_end
+from shardline.runner.prefix_cache import Admission, CachedPrefix, Extension, Waiting, exact_end
 from shardline.runner.protocol import (
     Cancel,
     EngineStats,
@@ -65,7 +68,7 @@ from shardline.runner.protocol import (
     Tokens,
 )
 from shardline.runner.sampling import MAX_TOP_LOGPROBS, Sampler
-from shardline.runner.step_plan import Chunk, SequenceState, StepLimits, StepPlan, plan_step
+from shardline.runner.step_plan import Chunk, SequenceState, StepLimits, StepPlan, plan_step, prefill_plan
 from shardline.runner.threads import ThreadGovernor
 
 log = logging.getLogger(__name__)
@@ -419,8 +422,9 @@ class Engine:
             return
         self.stage.cache.release(seq.slot, keep)
         self._clock += 1
-        self.cached[seq.slot] = CachedPrefix(seq.slot, seq.task.prompt[:keep], tuple(seq.hashes[: keep // block]),
-                                             self._clock)
+        sequence = seq.task.prompt + tuple(seq.generated)
+        self.cached[seq.slot] = CachedPrefix(seq.slot, sequence[:keep], tuple(seq.hashes[: keep // block]),
+                                             self._clock, rest=sequence[keep:])
         self.free_kv_tokens -= keep
 
     def _kept(self, seq: Sequence) -> int:
@@ -440,9 +444,11 @@ class Engine:
         self._agreed = False
         plan, wants = self.plan()
         self.admit(plan.admission, wants)
-        if self.running:
+        if self.running or plan.extension is not None:
             self._worked = True
         self._run_micro_batches(plan)
+        if plan.extension is not None:
+            self._extend(plan.extension)
         if self.on_idle is not None:
             release, self._idle_since = idle_release(
                 self._worked, bool(self.running or self.waiting), self._idle_since,
@@ -483,6 +489,20 @@ class Engine:
         rows += self._advance_prefill(chunks, outputs[plan.first_chunk:])
         if plan.sampled:
             self._sample_and_advance(plan, [seqs[i] for i in plan.sampled], rows)
+
+    def _extend(self, extension: Extension) -> None:
+        """Compute a cached prefix's rows ``extension`` names (prefill chunks, no logits)
+        and cache them (:func:`~shardline.runner.prefix_cache.plan_extension`)."""
+        prefix = self.cached[extension.slot]
+        end = extension.start + extension.length
+        tokens = prefix.token_ids + prefix.rest
+        micro = [(torch.tensor(tokens[start : start + length], dtype=torch.long),
+                  self.stage.prefill_batch(extension.slot, start, length, want_logits=False,
+                                           key_span=self.prefill_chunk))
+                 for _, start, length in prefill_plan([(end, extension.start)], self.prefill_chunk, end)]
+        self._compute(micro, lambda _: None, 0, decode_only=False)
+        self.free_kv_tokens -= end - prefix.tokens
+        self.cached[extension.slot] = prefix.extended(end, self.stage.cache.block_tokens)
 
     def _micro_batches(self, decoding: list[Sequence],
                        chunks: list[tuple[Sequence, Chunk]]) -> list[tuple[torch.Tensor, ForwardBatch]]:
@@ -632,8 +652,8 @@ class Engine:
             reused_tokens=self.reused_tokens,
         )
         last = self._last_stats
-        if last is None or (stats.running, stats.waiting, stats.held) != (
-            last.running, last.waiting, last.held
+        if last is None or (stats.running, stats.waiting, stats.held, stats.cached_tokens) != (
+            last.running, last.waiting, last.held, last.cached_tokens
         ):
             self._last_stats = stats
             self.send(stats)

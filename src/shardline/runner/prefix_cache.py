@@ -10,6 +10,10 @@ a slot's positions are one view of the KV cache, :class:`~shardline.models.kv_ca
   chained over each block (:func:`~shardline.runner.block_hashes.block_hashes`). Its pages past them go back to the
   system; the pages it keeps count in the KV pool (:attr:`CachedPrefix.tokens`), so
   caching adds no memory beyond the pool placement counted.
+- While nothing runs or waits, a cached prefix grows over the rest of its sequence (its
+  generated tokens, which a conversation's next turn re-sends), a chunk a step, computed
+  as a cold prefill computes them (:func:`plan_extension`): the next turn prefills only
+  its new tokens.
 - A waiting task takes the cached slot whose tokens match the longest run of its prompt's
   whole blocks (:func:`reuse`), prefills from there, and reports those tokens as cached.
   Nothing is copied: the slot's keys are already where its attention reads them. Where
@@ -46,10 +50,11 @@ cached prefix's short last chunk having read fewer keys.)
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from shardline.models.llama import FUSED_PREFILL_MAX_ROWS
 from shardline.models.native_dequant import AMX_PREFILL_MIN_ROWS
+from shardline.runner.block_hashes import block_hashes
 
 
 def row_class(rows: int) -> int:
@@ -110,17 +115,67 @@ def reuse(matched: int, total: int, chunk: int, block: int) -> int:
 class CachedPrefix:
     """A free slot's cached prompt: keys and values of ``token_ids`` (whole blocks) at
     positions ``0 .. len - 1``; ``used``: when it was last cached or taken (a counter every
-    rank advances alike), for least-recently-used eviction."""
+    rank advances alike), for least-recently-used eviction; ``rest``: the tokens that
+    followed them in its sequence (the prompt's rows computed in another class, the
+    generated tokens), not cached yet (:func:`plan_extension`)."""
 
     slot: int
     token_ids: tuple[int, ...]
     hashes: tuple[int, ...]
     used: int
+    rest: tuple[int, ...] = ()
 
     @property
     def tokens(self) -> int:
         """KV-pool tokens its pages hold."""
         return len(self.token_ids)
+
+    def extended(self, end: int, block: int) -> "CachedPrefix":
+        """It holding its first ``end`` tokens (of ``token_ids + rest``; whole blocks) once
+        an :class:`Extension` computed them."""
+        tokens = self.token_ids + self.rest
+        return replace(self, token_ids=tokens[:end], hashes=tuple(block_hashes(tokens[:end], block)),
+                       rest=tokens[end:])
+
+
+@dataclass(frozen=True)
+class Extension:
+    """Rows ``start .. start + length - 1`` of cached slot ``slot``'s ``token_ids + rest``
+    prefilled (cut at multiples of the chunk), so its cached prefix grows to ``start +
+    length`` tokens."""
+
+    slot: int
+    start: int
+    length: int
+
+
+def plan_extension(cached: list[CachedPrefix], free_tokens: int, chunk: int, block: int) -> Extension | None:
+    """The rows that make a cached prefix cover more of its sequence while the engine
+    idles (nothing runs or waits), or None.
+
+    A conversation's next prompt holds this one's answer: generated rows have decode's
+    bits, not a cold prefill's, so they are not cached when the sequence ends, and the next
+    turn would prefill them before its new tokens. Computed here while nothing else runs,
+    as a cold prefill would (whole blocks, cut at multiples of ``chunk``, each piece
+    reading its window's keys, in a whole chunk's :func:`row_class`: started a block at a
+    time earlier, recomputing cached rows to the same bits, until it is), they are cached
+    exactly. The most recently used prefix first; to the end of its chunk window (or of
+    its next block, where a block is longer), so a task that arrives waits at most a
+    chunk; only pool tokens that are free, nothing evicted."""
+    whole = row_class(chunk)
+    for prefix in sorted(cached, key=lambda c: -c.used):
+        keep = prefix.tokens
+        a = keep // chunk * chunk
+        end = min(keep + len(prefix.rest), max(a + chunk, keep + block)) // block * block
+        if end <= keep or end - keep > free_tokens:
+            continue
+        start = keep
+        while start > a and row_class(min(a + chunk, end) - start) != whole:
+            start = max(a, (start - 1) // block * block)
+        last = (end - 1) // chunk * chunk
+        if row_class(min(a + chunk, end) - start) == whole and row_class(end - max(last, start)) == whole:
+            return Extension(prefix.slot, start, end - start)
+    return None
 
 
 @dataclass(frozen=True)

@@ -13,7 +13,7 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 from typing import Sequence
 
-from shardline.runner.prefix_cache import Admission, CachedPrefix, Waiting, plan_admission
+from shardline.runner.prefix_cache import Admission, CachedPrefix, Extension, Waiting, plan_admission, plan_extension
 
 
 @dataclass(frozen=True, slots=True)
@@ -77,13 +77,15 @@ class StepPlan:
     step's sequences (the running ones, then the admitted ones in admission order: the
     engine's running list after admission), the sequences that decode (``decode``,
     indices into ``seqs``, one micro-batch of a row each) and the prefill chunks (one
-    micro-batch each, after the decode one)."""
+    micro-batch each, after the decode one); in a step where none runs, ``extension``: a
+    cached prefix's chunk (:func:`~shardline.runner.prefix_cache.plan_extension`)."""
 
     admission: Admission
     seqs: tuple[SequenceState, ...]
     decode: tuple[int, ...]
     chunks: tuple[Chunk, ...]
     context: int
+    extension: Extension | None = None
 
     @property
     def first_chunk(self) -> int:
@@ -157,10 +159,15 @@ def plan_step(running: Sequence[SequenceState], waiting: Sequence[SequenceState]
     """Plan a step: admit waiting tasks (``waiting``, as admission sees them: ``wants``)
     into the free and cached slots and the free pool tokens
     (:func:`~shardline.runner.prefix_cache.plan_admission`; each starts prefilled to the
-    tokens it reuses), then :func:`schedule` the running and the admitted sequences."""
+    tokens it reuses), then :func:`schedule` the running and the admitted sequences; where
+    none runs or waits, extend a cached prefix
+    (:func:`~shardline.runner.prefix_cache.plan_extension`)."""
     admission = Admission((), ())
     if wants:
         admission = plan_admission(list(wants), free_slots, cached, free_tokens, limits.chunk, limits.block)
     seqs = tuple(running) + tuple(replace(waiting[s.index], prefilled=s.reused) for s in admission.starts)
     decode, chunks = schedule(seqs, limits)
-    return StepPlan(admission, seqs, decode, chunks, limits.context)
+    extension = None
+    if not running and not waiting:
+        extension = plan_extension(cached, free_tokens, limits.chunk, limits.block)
+    return StepPlan(admission, seqs, decode, chunks, limits.context, extension)
