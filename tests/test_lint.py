@@ -43,13 +43,6 @@ MAX_FUNCTION_LINES = 80
 """The most lines a function in src/shardline may take, ``def`` to its last line, its
 docstring included."""
 
-LONG_FUNCTIONS = {
-    # Still over MAX_FUNCTION_LINES, each to be split (issue 44) and then taken off the list.
-    ("shardline/node/node.py", "Node.__init__"),
-    ("shardline/node/routing.py", "Router.generate"),
-}
-
-
 def _long_functions(root: Path) -> dict[tuple[str, str], int]:
     """Each function in ``root``'s modules over MAX_FUNCTION_LINES, by (path, qualified
     name), with its lines."""
@@ -78,10 +71,6 @@ def _long_functions(root: Path) -> dict[tuple[str, str], int]:
 @pytest.mark.fast
 @pytest.mark.timeout(60)
 def test_no_function_is_over_80_lines():
-    """No function in src/shardline is over MAX_FUNCTION_LINES lines (decorators aside),
-    but those in LONG_FUNCTIONS; and each of those still is (a split one leaves the list)."""
+    """No function in src/shardline is over MAX_FUNCTION_LINES lines (decorators aside)."""
     found = _long_functions(ROOT / "src" / "shardline")
-    over = {key: lines for key, lines in found.items() if key not in LONG_FUNCTIONS}
-    assert not over, f"functions over {MAX_FUNCTION_LINES} lines: {over}"
-    split = LONG_FUNCTIONS - set(found)
-    assert not split, f"no longer over {MAX_FUNCTION_LINES} lines, take them off LONG_FUNCTIONS: {split}"
+    assert not found, f"functions over {MAX_FUNCTION_LINES} lines: {found}"

@@ -191,3 +191,30 @@ def test_a_tokenizer_is_warmed_once_and_not_when_loaded(tmp_path):
     logistics.tokenizers["org/n"] = object()  # type: ignore[assignment]
     logistics.warm_tokenizer("org/n")
     assert len(recorder.background) == 1
+
+
+def test_one_models_tokenizer_load_does_not_hold_up_anothers(tmp_path):
+    """A model's tokenizer files come slowly from a peer; a request for another model's
+    tokenizer meanwhile is answered at once (here: no node has it), not after the first."""
+    slow = asyncio.Event()
+
+    class SlowPeers(Peers):
+        async def manifest(self, address: str, model_id: str) -> Manifest | None:
+            if model_id == "org/m":
+                await slow.wait()
+            return None
+
+    view = View(peers={"b": peer("b", {"org/m": summary(True), "org/n": summary(True)})}, live={"b"})
+    logistics, _, _ = build(tmp_path, view, SlowPeers())
+
+    async def run() -> None:
+        loading = asyncio.create_task(logistics.tokenizer("org/m"))
+        await asyncio.sleep(0)
+        with pytest.raises(ModelNotFoundError):
+            await asyncio.wait_for(logistics.tokenizer("org/n"), 5)
+        assert not loading.done()
+        slow.set()
+        with pytest.raises(ModelNotFoundError):
+            await loading
+
+    asyncio.run(run())

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import time
 from dataclasses import replace
 from types import SimpleNamespace
 
@@ -17,12 +18,14 @@ from shardline.node import routing
 from shardline.node.peer_client import PeerError
 from shardline.node.queue_bound import QueueFullError
 from shardline.node.routing import (
+    READY_RECHECK_S,
     AfterFailure,
     ReadyWait,
     RequestStream,
     Router,
     after_failure,
     continuation,
+    next_look_s,
     ready_wait,
 )
 from shardline.node.status import InstanceStatus, RankStatus
@@ -31,7 +34,8 @@ from shardline.runner.protocol import PrefillProgress, SamplingParams, TokenEven
 
 pytestmark = [pytest.mark.fast, pytest.mark.timeout(10)]
 
-LIVE = {"is_stopping": lambda: False, "down_after_s": 5.0}  # what the router asks of its node
+# what the router asks of its node (a table that never changes: a wait looks again on its clock)
+LIVE = {"is_stopping": lambda: False, "down_after_s": 5.0, "table_changed": asyncio.sleep}
 
 
 def run_to_end(router: Router, task_id: int | None) -> None:
@@ -161,7 +165,8 @@ def test_a_request_runs_twice_at_most():
     ready in the table (a link lost, or a request that fails its runner): run again once,
     after the coordinator's verdict time, then the error."""
     node = SimpleNamespace(node_id="a", instances={"x": _instance("x", READY, 0.0, node="b")}, streams={},
-                           is_stopping=lambda: False, down_after_s=-0.9)  # verdict after 0.1 s
+                           is_stopping=lambda: False, down_after_s=-0.9,
+                           table_changed=asyncio.sleep)  # verdict after 0.1 s
     asked: list[str] = []
 
     async def generate(address, request, ran_on=None):
@@ -446,7 +451,8 @@ def test_a_request_continues_twice_at_most():
     table: run on it again after the coordinator's verdict time): continued twice, then
     the error, its tokens given before it."""
     node = SimpleNamespace(node_id="a", instances={"x": _instance("x", READY, 0.0, node="b")}, streams={},
-                           is_stopping=lambda: False, down_after_s=-0.9)  # verdict after 0.1 s
+                           is_stopping=lambda: False, down_after_s=-0.9,
+                           table_changed=asyncio.sleep)  # verdict after 0.1 s
     asked: list[TokenRequest] = []
 
     async def generate(address, request, ran_on=None):
@@ -533,3 +539,47 @@ def test_a_continuation_is_queued_however_many_wait():
     with pytest.raises(QueueFullError):
         router.reserve(inst, owners[1])
     assert router.reserve(inst, owners[2], bounded=False) is not None
+
+
+@pytest.mark.parametrize("waited_s, limit_s, verdict_s, look_s", [
+    (0.0, 30.0, 6.0, 1.0),  # nothing due within a second: the recheck bound
+    (5.5, 30.0, 6.0, 0.5),  # the verdict (the failed instance may be tried again)
+    (29.8, 30.0, 6.0, 0.2),  # the limit
+    (30.5, 30.0, 6.0, 0.0),  # past both: at once
+])
+def test_a_waiting_request_looks_again_when_its_verdict_or_limit_comes(waited_s, limit_s, verdict_s, look_s):
+    assert next_look_s(waited_s, limit_s, verdict_s) == pytest.approx(look_s)
+
+
+def test_a_waiting_request_sees_a_ready_instance_when_the_table_changes_not_on_a_clock():
+    """The wait looks at the table when its node says the table changed: an instance that
+    becomes ready 0.05 s in is run on then, long before the wait's own recheck."""
+    node = SimpleNamespace(node_id="a", streams={}, is_stopping=lambda: False, down_after_s=5.0,
+                           instances={"x": _instance("x", LOADING, 0.0)})
+    looks: list[float] = []
+
+    async def run() -> float:
+        changed = asyncio.Event()
+
+        async def table_changed(timeout_s: float) -> None:
+            looks.append(timeout_s)
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(changed.wait(), timeout_s)
+            changed.clear()
+
+        node.table_changed = table_changed
+
+        async def ready() -> None:
+            await asyncio.sleep(0.05)
+            node.instances = {"x": _instance("x", READY, 0.0)}
+            changed.set()
+
+        started = time.monotonic()
+        task = asyncio.create_task(ready())
+        inst = await Router(node).wait_for_ready("m")
+        await task
+        assert inst is not None and inst.instance_id == "x"
+        return time.monotonic() - started
+
+    assert asyncio.run(run()) < READY_RECHECK_S
+    assert looks == [READY_RECHECK_S]  # one look after the first: the change

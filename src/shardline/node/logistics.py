@@ -94,7 +94,7 @@ class ModelLogistics:
         self.effects = effects
         self.tokenizers: dict[str, Tokenizer] = {}
         self._warming: set[str] = set()  # model ids whose tokenizer warm_tokenizer loads
-        self._tokenizer_lock = asyncio.Lock()
+        self._tokenizer_locks: dict[str, asyncio.Lock] = {}  # per model: one load, others wait
         self._fetch_lock = asyncio.Lock()
 
     def warm_tokenizer(self, model_id: str) -> None:
@@ -372,7 +372,9 @@ class ModelLogistics:
             ModelNotFoundError: no live node has the model.
             TransferError, PeerError: the copy failed.
         """
-        async with self._tokenizer_lock:
+        if model_id in self.tokenizers:
+            return self.tokenizers[model_id]
+        async with self._tokenizer_locks.setdefault(model_id, asyncio.Lock()):  # one model's loads wait
             if model_id not in self.tokenizers:
                 if model_id != DEFAULT_MODEL_ID:
                     manifest = await self.manifest(model_id)

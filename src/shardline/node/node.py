@@ -7,7 +7,7 @@ over HTTP (``/internal/*``):
   second until it is settled), naming itself (``peer_client.MEMBER_HEADER``); the polled
   node adds it to its peers and answers with the members it knows, so a node that
   contacts one member joins all of them. A node silent for ``down_after_s`` is down. The coordinator is the live node with the smallest id,
-  once settled (``shardline.node.cluster_state``: terms, epochs and their invariants).
+  once settled (``shardline.node.epochs``: terms, epochs and their invariants).
 - instances: the coordinator places a model, writes the instance table, and pushes it to
   every node (``/internal/state``) with its epoch; a node adopts only a newer epoch and
   keeps the table on disk. Each node reconciles its runners with the table (starts the
@@ -29,6 +29,7 @@ itself) and acts through the callbacks given here. Every message between nodes i
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import os
 import signal
@@ -41,8 +42,8 @@ import psutil
 from shardline.models.store import (
     ModelStore,
 )
-from shardline.node.cluster_state import Epoch
 from shardline.node.coordinator import Coordinator, CoordinatorEffects
+from shardline.node.epochs import Epoch
 from shardline.node.forecast import Forecast
 from shardline.node.link_probe import LinkMeter
 from shardline.node.logistics import LogisticsEffects, ModelLogistics
@@ -52,6 +53,7 @@ from shardline.node.peer_client import PeerClient, PeerError
 from shardline.node.queue_bound import DEFAULT_MAX_WAITING
 from shardline.node.repeated_warnings import RepeatedWarnings
 from shardline.node.routing import RequestStream, Router
+from shardline.node.runner_processes import Spare, Worker
 from shardline.node.signing import signing_key
 from shardline.node.speeds import HostProfiler, ServedLog
 from shardline.node.state import (
@@ -67,7 +69,6 @@ from shardline.node.supervision import RunnerSettings, SupervisionEffects, Super
 from shardline.node.table import EndCode, Instance, InstanceFailedError, Peer
 from shardline.node.table_file import load_table, save_table
 from shardline.node.wire import NodeInfo
-from shardline.node.worker import Spare, Worker
 
 log = logging.getLogger(__name__)
 
@@ -107,7 +108,7 @@ class Node:
         max_waiting: the most requests this node lets wait for a slot of one instance;
             more are refused with 429 (``shardline.node.queue_bound``).
         spare_runner: keep a runner started ahead of the next rank placed here, its
-            imports done (``shardline.node.worker``).
+            imports done (``shardline.node.runner_processes``).
         first_spare: the first such runner, started already (the ``run`` command starts it
             before importing the node, so their imports overlap).
     """
@@ -160,6 +161,7 @@ class Node:
         self.max_replacements = 3
         self.rejoin = rejoin  # place an instance again on its returning nodes (rule 6)
         self.started_at = time.time()
+        self._table_event = asyncio.Event()  # set and replaced whenever the table changes
         self.cluster_state = ClusterState()  # the instance table and its epoch (node.state)
         self.state_path = state_path  # where the table and its epoch are kept
         kept = None if state_path is None else load_table(state_path)
@@ -179,6 +181,18 @@ class Node:
         self.repeated = RepeatedWarnings(log)  # a peer down: one warning, not one a second
         # the roles: each reads this node (a narrow view of it, typed in its module) and
         # changes it through the callbacks given here (the node is their composition root)
+        self._control_roles()
+        self._local_roles(store, RunnerSettings(runner_threads, device, progress_timeout_s), watchdog_s,
+                          spare_runner, first_spare, state_path)
+        self.discovery = None
+        if mdns:
+            from shardline.node.discovery import Discovery
+
+            self.discovery = Discovery(node_id, host, port, self.add_peer)
+
+    def _control_roles(self) -> None:
+        """The roles of the cluster's control: membership (peers, terms, the coordinator's
+        election) and the coordinator (placement, the table's changes)."""
         self.membership = Membership(self, MembershipEffects(
             fetch_info=lambda address: self.peer_client.info(address),
             fetch_state=lambda address: self.peer_client.state(address),
@@ -208,6 +222,12 @@ class Node:
             runtime_baseline=lambda node_ids: self.memory.runtime_baseline(node_ids),
             free_port=lambda address: self.peer_client.free_port(address),
         ))
+
+    def _local_roles(self, store: ModelStore, settings: RunnerSettings, watchdog_s: float, spare_runner: bool,
+                     first_spare: Spare | None, state_path: Path | None) -> None:
+        """The roles of this node's own work: its memory and speed forecasts, its runners
+        (worker and supervisor), model files (logistics), requests (router), its profile
+        and the speeds its requests showed."""
         self.memory = NodeMemory(self, lambda: self.worker.resident_bytes())
         self.forecast = Forecast(self, self.memory.free, lambda: self.served.speeds.values(),
                                  lambda model_id: self.logistics.model_card(model_id), self.background)
@@ -224,7 +244,7 @@ class Node:
             send_report=lambda address, report: self.peer_client.report(address, report),
             runner_status=lambda event: self.coordinator.runner_status(event),
             repeated=self.repeated,
-        ), RunnerSettings(runner_threads, device, progress_timeout_s))
+        ), settings)
         self.logistics = ModelLogistics(self, store, self.model_dirs, self.peer_client, LogisticsEffects(
             poll=lambda address: self.membership.poll(address),
             background=self.background,
@@ -240,15 +260,11 @@ class Node:
         # other kind measure (a torch child beside the start-up, killed at placement)
         self.profiler = HostProfiler(
             self, self._keep_profile,
-            default_data_dir() / f"host-profile-v{PROFILE_FORMAT}-{device}-threads{runner_threads}.json",
-            threads=runner_threads, device=device)
+            default_data_dir() / f"host-profile-v{PROFILE_FORMAT}-{settings.device}-threads"
+                                 f"{settings.threads}.json",
+            threads=settings.threads, device=settings.device)
         self.served = ServedLog(lambda *args, **kwargs: self.forecast.first_order(*args, **kwargs),
                                 None if state_path is None else state_path.parent / "served-speeds.json")
-        self.discovery = None
-        if mdns:
-            from shardline.node.discovery import Discovery
-
-            self.discovery = Discovery(node_id, host, port, self.add_peer)
 
     # -- lifecycle -----------------------------------------------------------------------
 
@@ -426,6 +442,26 @@ class Node:
     # -- replicated instance table -------------------------------------------------------
 
     @property
+    def cluster_state(self) -> ClusterState:
+        """The instance table held and its epoch (changed by events: :meth:`commit`,
+        :meth:`apply_state`)."""
+        return self._cluster_state
+
+    @cluster_state.setter
+    def cluster_state(self, state: ClusterState) -> None:
+        changed = getattr(self, "_cluster_state", None) is not state
+        self._cluster_state = state
+        if changed:  # wake those waiting on the table (table_changed)
+            self._table_event.set()
+            self._table_event = asyncio.Event()
+
+    async def table_changed(self, timeout_s: float) -> None:
+        """Return once the table changes (any new value: a request waiting for a ready
+        instance looks again), or after ``timeout_s`` seconds."""
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(self._table_event.wait(), timeout_s)
+
+    @property
     def instances(self) -> Mapping[str, Instance]:
         """The instance table held (read-only: changed by events, :meth:`commit`)."""
         return self.cluster_state.instances
@@ -445,7 +481,7 @@ class Node:
         await self.publish()
 
     async def apply_state(self, theirs: ClusterState) -> bool:
-        """Adopt a table of a newer epoch (cluster_state rule 1), keep it on disk and
+        """Adopt a table of a newer epoch (epochs rule 1), keep it on disk and
         reconcile runners; False (nothing changes) for one not newer than this node's."""
         async with self._state_lock:
             adopted = apply(self.cluster_state, Adopted(theirs))

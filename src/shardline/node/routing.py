@@ -12,7 +12,7 @@ import time
 import weakref
 import zlib
 from collections.abc import AsyncGenerator, Callable, Collection, Mapping, MutableMapping, Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from enum import Enum
 from typing import Protocol
 
@@ -20,12 +20,12 @@ from shardline.cancelling import cancel_and_wait
 from shardline.node.peer_client import PeerError
 from shardline.node.prefix_routing import ROUTE_BLOCK, Candidate, PrefixRecord, choose, route_hashes
 from shardline.node.queue_bound import QueueFullError, admits, waiting_count
+from shardline.node.runner_processes import RunnerHandle
 from shardline.node.speeds import RequestTiming
 from shardline.node.state import superseded, why_ended
 from shardline.node.status import InstanceStatus
 from shardline.node.table import EndCode, Instance, InstanceFailedError, NoInstanceError
 from shardline.node.wire import CancelMessage, TaskMessage
-from shardline.node.worker import RunnerHandle
 from shardline.runner.protocol import (
     Cancel,
     PrefillProgress,
@@ -42,8 +42,10 @@ before its first output, from the failure (a node found down is replaced after t
 coordinator's ``down_after_s + 1``, 6 s by default, then the new instance loads); one
 that comes while its model loads, from its arrival."""
 
-READY_POLL_S = 0.1
-"""How often a waiting request looks at the table for a ready instance (seconds)."""
+READY_RECHECK_S = 1.0
+"""Longest a waiting request goes without looking at the table (seconds): it looks again
+whenever the table changes (``table_changed``), and at the times its wait's verdict or limit
+come (:func:`next_look_s`); this bounds how late it sees its node stopping."""
 
 MAX_RUNS = 2
 """Runs of one request from its start at most: its first, and one more on another
@@ -133,7 +135,8 @@ class ReadyWait(Enum):
     from the start."""
     WAIT = "wait"
     """Its model has an instance that is loading, or a failed one the coordinator has not
-    given up on (it places it again): look again in :data:`READY_POLL_S`."""
+    given up on (it places it again): look again when the table changes (or at
+    :func:`next_look_s`)."""
     GIVE_UP = "give_up"
     """Nothing to wait for, or it waited ``limit_s``: the client gets the error (a 503,
     or the failure)."""
@@ -162,6 +165,14 @@ def ready_wait(instances: Mapping[str, Instance], model_id: str, node_id: str,
     return ReadyWait.WAIT, None
 
 
+def next_look_s(waited_s: float, limit_s: float, verdict_s: float) -> float:
+    """Seconds until :func:`ready_wait`'s answer to a request ``waited_s`` into its wait may
+    change with no change to the table: at its ``verdict_s`` (where still to come), at its
+    ``limit_s``, at most :data:`READY_RECHECK_S`; never below 0."""
+    due = [limit_s - waited_s, *([verdict_s - waited_s] if verdict_s > waited_s else [])]
+    return max(0.0, min(READY_RECHECK_S, *due))
+
+
 @dataclass
 class RequestStream:
     """A request this node took: its instance and the queue its token events (or the
@@ -169,6 +180,36 @@ class RequestStream:
 
     instance_id: str
     queue: asyncio.Queue
+
+
+@dataclass
+class RequestRuns:
+    """One request's runs on this node (:meth:`Router.generate`): what runs (``running``:
+    the request, or its :func:`continuation`) and where next (``chosen``), the instances it
+    ran on (``tried``) and its task ids there (``tasks``), the tokens it gave (``sent``),
+    whether it gave prompt log-probabilities (``shown``), its continuations so far and
+    when its first failure before any output came (``failed_at``, ``time.monotonic()``)."""
+
+    request: TokenRequest
+    running: TokenRequest
+    chosen: Instance | None = None
+    tried: list[str] = field(default_factory=list)
+    tasks: list[int] = field(default_factory=list)
+    sent: list[int] = field(default_factory=list)
+    shown: bool = False
+    continuations: int = 0
+    failed_at: float | None = None
+
+    def passes(self, event: TokenEvent | PrefillProgress) -> bool:
+        """Whether ``event`` of the run goes to the client (a continuation's prefill
+        progress does not: its prompt is output given already); its token kept."""
+        if isinstance(event, PrefillProgress):
+            if self.running is not self.request:
+                return False
+            self.shown = self.shown or bool(event.logprobs)
+        elif event.token_id >= 0:
+            self.sent.append(event.token_id)
+        return True
 
 
 class RoutingPeers(Protocol):
@@ -180,7 +221,7 @@ class RoutingPeers(Protocol):
 
 
 class LocalRunners(Protocol):
-    """This node's runners (``shardline.node.worker.Worker``)."""
+    """This node's runners (``shardline.node.runner_processes.Worker``)."""
 
     @property
     def runners(self) -> Mapping[str, RunnerHandle]: ...
@@ -216,6 +257,7 @@ class RouterView(Protocol):
     @property
     def served(self) -> ServedRecorder: ...
     def is_stopping(self) -> bool: ...
+    async def table_changed(self, timeout_s: float) -> None: ...
 
 
 class Router:
@@ -352,68 +394,67 @@ class Router:
                 its nodes restarted: a 503 to retry, not an internal error) and no other
                 became ready in time.
         """
-        failed_at: float | None = None  # the failure before any output
-        tried: list[str] = []  # instances it ran on, in order
-        tasks: list[int] = []  # the task ids it ran as on this node's ranks, in order
-        chosen = on  # where it runs next (after a failure, where it runs again)
-        sent: list[int] = []  # the tokens yielded
-        shown = False  # whether it yielded prompt log-probabilities
-        continuations = 0
-        running = request  # what runs: the request, or its continuation
+        runs = RequestRuns(request, request, chosen=on)
         while True:
             try:
                 # closed here, so that its cleanup (its stream, the ranks' cancel) runs when
                 # this closes, not when the loop collects it
-                async with contextlib.aclosing(self._attempt(running, task_id, chosen, tried, ran_on,
-                                                             tasks)) as events:
+                async with contextlib.aclosing(self._attempt(runs.running, task_id, runs.chosen, runs.tried,
+                                                             ran_on, runs.tasks)) as events:
                     async for event in events:
-                        if isinstance(event, PrefillProgress):
-                            if running is not request:
-                                continue  # a continuation's prompt: the output yielded already
-                            shown = shown or bool(event.logprobs)
-                        elif event.token_id >= 0:
-                            sent.append(event.token_id)
-                        yield event
+                        if runs.passes(event):
+                            yield event
                 return
             except InstanceFailedError as exc:
-                step = after_failure(exc.code, exc.final, len(sent), request.max_tokens, shown, len(tried),
-                                     continuations, self.node.is_stopping())
-                if step == AfterFailure.FAIL:
-                    if sent and exc.code == EndCode.INSTANCE_FAILED and not exc.final:
-                        self.continuations["failed"] += 1
-                        log.info("%s: the request (model %r, tasks %s) ends after %d tokens, not "
-                                 "continued (%d continuations)", exc, request.model_id, tasks, len(sent),
-                                 continuations)
-                    raise
-                if step == AfterFailure.RUN_AGAIN:
-                    failed_at = failed_at or time.monotonic()
-                    log.info("%s: the request had no output yet; waiting for its model %r to be "
-                             "served again", exc, request.model_id)
-                    chosen = await self.wait_for_ready(request.model_id, tried, failed_at,
-                                                       request_tokens(request))
-                else:
-                    since = time.monotonic()
-                    log.info("%s: the request (model %r, tasks %s) gave %d tokens; waiting for its "
-                             "model to be served again to continue it", exc, request.model_id, tasks,
-                             len(sent))
-                    chosen = await self.wait_for_ready(request.model_id, tried, since, request_tokens(request),
-                                                       limit_s=CONTINUE_WAIT_S)
-                    if chosen is None:
-                        self.continuations["failed"] += 1
-                        log.info("the request (model %r, tasks %s) ends after %d tokens: its model was "
-                                 "not served again (it could not be placed, or not within %.0f s)",
-                                 request.model_id, tasks, len(sent), CONTINUE_WAIT_S)
-                        raise
-                    continuations += 1
-                    self.continuations["continued"] += 1
-                    running = continuation(request, sent)
-                    log.info("the request (model %r, tasks %s) continues after %d tokens on instance %s "
-                             "(from %s), %.1f s after the failure (continuation %d of at most %d)",
-                             request.model_id, tasks, len(sent), chosen.instance_id, tried[-1] if tried else None,
-                             time.monotonic() - since, continuations, MAX_CONTINUATIONS)
-                if chosen is None:
-                    raise
+                await self._recover(runs, exc)
                 task_id = None
+
+    async def _recover(self, runs: RequestRuns, exc: InstanceFailedError) -> None:
+        """After ``exc`` ended a run of ``runs``' request: wait for the instance it runs on
+        next (``runs.chosen``), from its start or as its continuation (``runs.running``),
+        as :func:`after_failure` decides (see :meth:`generate`).
+
+        Raises:
+            InstanceFailedError: ``exc``, where the request ends with it.
+        """
+        request, sent = runs.request, runs.sent
+        step = after_failure(exc.code, exc.final, len(sent), request.max_tokens, runs.shown, len(runs.tried),
+                             runs.continuations, self.node.is_stopping())
+        if step == AfterFailure.FAIL:
+            if sent and exc.code == EndCode.INSTANCE_FAILED and not exc.final:
+                self.continuations["failed"] += 1
+                log.info("%s: the request (model %r, tasks %s) ends after %d tokens, not "
+                         "continued (%d continuations)", exc, request.model_id, runs.tasks, len(sent),
+                         runs.continuations)
+            raise exc
+        if step == AfterFailure.RUN_AGAIN:
+            runs.failed_at = runs.failed_at or time.monotonic()
+            log.info("%s: the request had no output yet; waiting for its model %r to be "
+                     "served again", exc, request.model_id)
+            runs.chosen = await self.wait_for_ready(request.model_id, runs.tried, runs.failed_at,
+                                                    request_tokens(request))
+            if runs.chosen is None:
+                raise exc
+            return
+        since = time.monotonic()
+        log.info("%s: the request (model %r, tasks %s) gave %d tokens; waiting for its "
+                 "model to be served again to continue it", exc, request.model_id, runs.tasks, len(sent))
+        runs.chosen = await self.wait_for_ready(request.model_id, runs.tried, since, request_tokens(request),
+                                                limit_s=CONTINUE_WAIT_S)
+        if runs.chosen is None:
+            self.continuations["failed"] += 1
+            log.info("the request (model %r, tasks %s) ends after %d tokens: its model was "
+                     "not served again (it could not be placed, or not within %.0f s)",
+                     request.model_id, runs.tasks, len(sent), CONTINUE_WAIT_S)
+            raise exc
+        runs.continuations += 1
+        self.continuations["continued"] += 1
+        runs.running = continuation(request, sent)
+        log.info("the request (model %r, tasks %s) continues after %d tokens on instance %s "
+                 "(from %s), %.1f s after the failure (continuation %d of at most %d)",
+                 request.model_id, runs.tasks, len(sent), runs.chosen.instance_id,
+                 runs.tried[-1] if runs.tried else None, time.monotonic() - since, runs.continuations,
+                 MAX_CONTINUATIONS)
 
     async def wait_for_ready(self, model_id: str, failed: Collection[str] = (),
                              since: float | None = None, tokens: int = 0,
@@ -421,15 +462,17 @@ class Router:
         """A ready instance of ``model_id`` once there is one (:func:`ready_wait` says
         whether to wait; ``failed``, ``tokens`` and ``limit_s`` are its, ``since`` when the
         wait began, ``time.monotonic()`` seconds, default now); None where there is nothing
-        to wait for, the wait ran out or the node is stopping."""
+        to wait for, the wait ran out or the node is stopping. It looks at the table when
+        it changes (the node's ``table_changed``), not on a clock."""
         since = time.monotonic() if since is None else since
+        verdict_s = self.node.down_after_s + 1
         while not self.node.is_stopping():
-            step, inst = ready_wait(self.node.instances, model_id, self.node.node_id, failed,
-                                    time.monotonic() - since, limit_s=limit_s,
-                                    verdict_s=self.node.down_after_s + 1, tokens=tokens)
+            waited = time.monotonic() - since
+            step, inst = ready_wait(self.node.instances, model_id, self.node.node_id, failed, waited,
+                                    limit_s=limit_s, verdict_s=verdict_s, tokens=tokens)
             if step != ReadyWait.WAIT:
                 return inst
-            await asyncio.sleep(READY_POLL_S)
+            await self.node.table_changed(next_look_s(waited, limit_s, verdict_s))
         return None
 
     async def _attempt(self, request: TokenRequest, task_id: int | None, chosen: Instance | None,
