@@ -12,8 +12,8 @@ from shardline.api.anthropic_request import (
     MessagesRequest,
     apply_edits,
 )
-from shardline.api.generation import APIError
 from shardline.api.request_body import parse_raw
+from shardline.api.text_stream import APIError
 
 pytestmark = pytest.mark.fast
 

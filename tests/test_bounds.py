@@ -298,7 +298,7 @@ def test_middleware_answers_408_to_a_body_that_stops_coming():
 def test_a_node_url_without_a_scheme_is_http(given, url):
     import argparse
 
-    from shardline.control import node_url
+    from shardline.cluster_commands import node_url
 
     if url is None:
         with pytest.raises(argparse.ArgumentTypeError):

@@ -1,5 +1,5 @@
 """The prompt tokens a prefix cache held, as each API reports them (in process: a
-:class:`~shardline.api.generation.Generation` on a scripted stream whose events say 128
+:class:`~shardline.api.text_stream.Generation` on a scripted stream whose events say 128
 of its 200 prompt tokens were cached and 64 more were left in the cache), checked against
 the official ``openai``, ``anthropic`` and ``ollama`` packages' types."""
 
@@ -20,10 +20,10 @@ from shardline.api import anthropic as anthropic_api
 from shardline.api import ollama as ollama_api
 from shardline.api import openai as openai_api
 from shardline.api.anthropic_request import MessagesRequest
-from shardline.api.generation import Chunk, Generation, GenerationRequest
 from shardline.api.keep_alive import KeepAlive
 from shardline.api.responses_output import OutputBuilder, Piece, usage_object
 from shardline.api.responses_request import check_fields
+from shardline.api.text_stream import Chunk, Generation, GenerationRequest
 from shardline.runner.protocol import PrefillProgress, SamplingParams, TokenEvent
 
 pytestmark = pytest.mark.fast

@@ -14,8 +14,8 @@ from typing import Any
 import pytest
 
 from shardline.api import anthropic_request, completions, ollama, openai
-from shardline.api.generation import APIError
 from shardline.api.preparation import prepare, tokenize
+from shardline.api.text_stream import APIError
 from shardline.models.config import RankShare, Sharding
 from shardline.models.store import DEFAULT_MODEL_ID, ModelNotFoundError, ModelStore
 from shardline.models.tokenizer import ChatTemplateError, Tokenizer

@@ -1,7 +1,7 @@
 """The control plane across restarts (3 nodes on 127.0.0.1, real model): a coordinator
 that restarts, soon or late, rejoins without splitting the cluster, and the model is
 served again; a restart of every node places the kept models again; a state of an older
-term is refused (shardline.node.cluster_state)."""
+term is refused (shardline.node.epochs)."""
 
 from __future__ import annotations
 
@@ -102,7 +102,7 @@ def ranks_of_ready(cluster: LocalCluster, i: int) -> int:
 def test_a_returning_node_gets_its_share_again(cluster):
     """A non-coordinator node killed: the model is placed again on the other two; the
     node restarted (same id): once the instance is idle it is placed on all three again
-    (issue 13, case 3; cluster_state rule 6), beside the serving one, which answers until
+    (issue 13, case 3; epochs rule 6), beside the serving one, which answers until
     the new one is ready (trial 5: 20 s of 503s while the new one loaded)."""
     ids = ids_of(cluster)
     gone = ids.index(max(ids))
@@ -258,7 +258,7 @@ def test_a_paused_coordinator_resumes_without_splitting_the_cluster(cluster):
 def test_an_instance_pinned_to_a_node_goes_back_to_it(tmp_path):
     """An instance placed on one node (``--nodes``, not the coordinator) whose node is
     killed is placed on the other to serve on; once the node is back (same id) the
-    instance goes back onto it (cluster_state rule 6; trial 6: it stayed on the other)."""
+    instance goes back onto it (epochs rule 6; trial 6: it stayed on the other)."""
     cluster = LocalCluster(nodes=2, base_port=free_port_block(2), runner_threads=1,
                            log_dir=str(tmp_path), data_dir=str(tmp_path))
     cluster.start()

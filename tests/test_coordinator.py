@@ -12,8 +12,8 @@ from dataclasses import dataclass, field
 import pytest
 
 from shardline.models.config import RankShare, Sharding
-from shardline.node.cluster_state import Epoch
 from shardline.node.coordinator import HANDOVER_S, Coordinator, CoordinatorEffects
+from shardline.node.epochs import Epoch
 from shardline.node.state import ClusterState, Deleted, InstanceFailed, NotPlacedAgain, RankReported, apply
 from shardline.node.status import InstanceStatus, RankStatus
 from shardline.node.table import Instance, Peer, RankPlacement

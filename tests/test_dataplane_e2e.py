@@ -13,7 +13,7 @@ import pytest
 from conftest import capital_answer, runners_of, start_cluster
 
 from shardline.models.config import RankShare
-from shardline.node.worker import Worker
+from shardline.node.runner_processes import Worker
 from shardline.runner.protocol import Failed, Loaded, RunnerSpec
 
 pytestmark = pytest.mark.timeout(300)

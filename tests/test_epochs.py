@@ -1,9 +1,9 @@
 """Which instance table wins and who may publish: tables over the pure rules of
-shardline.node.cluster_state (no processes)."""
+shardline.node.epochs (no processes)."""
 
 import pytest
 
-from shardline.node.cluster_state import (
+from shardline.node.epochs import (
     NO_EPOCH,
     Epoch,
     RejoinView,

@@ -13,8 +13,8 @@ from shardline.models.gguf_quants import SUPPORTED_TYPES, unpack_blocks
 from shardline.models.int4_planes import Int4Planes, int4pack_layout
 from shardline.models.linear import DenseWeight, Linear, resident_weight, top_ids, weight_bytes
 from shardline.models.packed_groups import PackedGroups
-from shardline.models.products import gemm_dtype
 from shardline.models.shard_loader import load_shard
+from shardline.models.weight_products import gemm_dtype
 from shardline.models.weights import open_weights
 
 pytestmark = pytest.mark.timeout(60)

@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 import pytest
 
 from shardline.models.config import RankShare, Sharding
-from shardline.node.cluster_state import NO_EPOCH, Epoch
+from shardline.node.epochs import NO_EPOCH, Epoch
 from shardline.node.membership import (
     PEER_SILENT_S,
     SPARE_IDLE_S,

@@ -19,7 +19,7 @@ from shardline.models.kv_cache import KVCache
 from shardline.models.shard_loader import load_shard
 from shardline.models.weights import WeightFormatError, open_weights
 from shardline.parallel.tensor import TensorStage, load_tensor_stage
-from shardline.placement.pipeline import PlacementError
+from shardline.placement.layer_ranges import PlacementError
 from shardline.placement.tensor import tensor_shares
 
 LAYERS = 3

@@ -9,7 +9,6 @@ import pytest
 
 from shardline.api.content import check_parts
 from shardline.api.errors import API, error_body, error_message
-from shardline.api.generation import APIError
 from shardline.api.http_extras import allow_value, request_id
 from shardline.api.keep_alive import KeepAlive, expired, load_state, parse_keep_alive
 from shardline.api.model_facts import (
@@ -20,6 +19,7 @@ from shardline.api.model_facts import (
     parameter_count,
 )
 from shardline.api.ollama import capabilities, default_parameters, modelfile_text, parameters_text
+from shardline.api.text_stream import APIError
 from shardline.node.status import InstanceStatus
 
 pytestmark = pytest.mark.fast

@@ -10,10 +10,10 @@ from pathlib import Path
 import pytest
 
 from shardline.api import anthropic_request, completions, ollama, openai
-from shardline.api.generation import APIError
 from shardline.api.params import PARAMETERS, Endpoint, Param, ParamError, render_table, screen
 from shardline.api.request_body import parse_raw
 from shardline.api.responses_request import ResponsesRequest
+from shardline.api.text_stream import APIError
 
 pytestmark = pytest.mark.fast
 

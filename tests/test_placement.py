@@ -2,7 +2,7 @@
 
 import pytest
 
-from shardline.placement.pipeline import (
+from shardline.placement.layer_ranges import (
     NodeCapacity,
     PlacementError,
     pipeline_layer_ranges,

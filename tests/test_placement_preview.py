@@ -7,9 +7,9 @@ import pytest
 from model_shapes import llama8b as _llama8b
 from model_shapes import smollm2 as _smollm2
 
-from shardline.placement.pipeline import NodeCapacity, PlacementError
+from shardline.placement.layer_ranges import NodeCapacity, PlacementError
 from shardline.placement.preview import Candidate, auto, preview
-from shardline.placement.ranks import place_ranks
+from shardline.placement.ranks import PlacementOptions, place_ranks
 from shardline.placement.speed import (
     DEFAULT_LINK,
     POINT_TO_POINT_BYTES,
@@ -40,7 +40,7 @@ def _find(candidates, sharding, k) -> Candidate:
 def test_uneven_memory_gives_uneven_pipeline_ranges():
     config = _smollm2()
     nodes = [_node("small", 4 * GB), _node("big", 12 * GB)]
-    candidates = preview(config, nodes, {}, context=4096, max_batch=8, shardings=("pipeline",))
+    candidates = preview(config, nodes, {}, PlacementOptions(4096, 8, shardings=("pipeline",)))
     two = _find(candidates, "pipeline", 2)
     assert two.feasible and two.node_ids == ("big", "small")  # ranked by memory
     ranges = [(s.layer_start, s.layer_end) for s in two.shares]
@@ -53,20 +53,20 @@ def test_uneven_memory_gives_uneven_pipeline_ranges():
 
 def test_one_node_is_a_pipeline_of_one_and_subsets_are_the_largest_nodes():
     nodes = [_node("a", 8 * GB), _node("b", 16 * GB), _node("c", 12 * GB)]
-    candidates = preview(_smollm2(), nodes, {}, context=2048, max_batch=4)
+    candidates = preview(_smollm2(), nodes, {}, PlacementOptions(2048, 4))
     singles = [c for c in candidates if len(c.node_ids) == 1]
     assert [(c.sharding, c.node_ids) for c in singles] == [("pipeline", ("b",))]
     assert {c.node_ids for c in candidates} == {("b",), ("b", "c"), ("b", "c", "a")}
     assert len(candidates) == 1 + 3 + 3
-    limited = preview(_smollm2(), nodes, {}, context=2048, max_batch=4, max_nodes=2)
+    limited = preview(_smollm2(), nodes, {}, PlacementOptions(2048, 4, max_nodes=2))
     assert max(len(c.node_ids) for c in limited) == 2
-    at_least = preview(_smollm2(), nodes, {}, context=2048, max_batch=4, min_nodes=2)
+    at_least = preview(_smollm2(), nodes, {}, PlacementOptions(2048, 4, min_nodes=2))
     assert {c.node_ids for c in at_least} == {("b", "c"), ("b", "c", "a")}
 
 
 def test_a_model_that_does_not_fit_is_refused_with_node_and_shortfall():
     nodes = [_node("n0", 2 * GB), _node("n1", 2 * GB)]
-    candidates = preview(_llama8b(), nodes, {}, context=4096, max_batch=1)
+    candidates = preview(_llama8b(), nodes, {}, PlacementOptions(4096, 1))
     assert candidates and not any(c.feasible for c in candidates)
     for c in candidates:
         assert c.shares == () and c.predicted_decode_tokens_per_s is None
@@ -75,14 +75,14 @@ def test_a_model_that_does_not_fit_is_refused_with_node_and_shortfall():
     assert "node n0" in ring.error and "node n1" in ring.error
     refusal = r"no placement fits: pipeline on \[n0\]: .*short by \d+ bytes"
     with pytest.raises(PlacementError, match=refusal):
-        auto(_llama8b(), nodes, {}, context=4096, max_batch=1)
+        auto(_llama8b(), nodes, {}, PlacementOptions(4096, 1))
 
 
 def test_tensor_shapes_that_cannot_split_are_refused():
     config = _smollm2(num_layers=4, hidden_size=64, intermediate_size=128, num_heads=2,
                       num_kv_heads=1, head_dim=32, vocab_size=256)
     nodes = [_node(f"n{i}") for i in range(3)]
-    candidates = preview(config, nodes, {}, context=256, max_batch=1, shardings=("tensor",))
+    candidates = preview(config, nodes, {}, PlacementOptions(256, 1, shardings=("tensor",)))
     three = _find(candidates, "tensor", 3)
     assert not three.feasible
     assert "3 tensor ranks but only 2 attention heads" in three.error
@@ -93,8 +93,7 @@ def test_tensor_shapes_that_cannot_split_are_refused():
 def test_previews_are_ordered_by_predicted_decode_tokens_per_s():
     nodes = [_node("a", 24 * GB, bandwidth=50e9), _node("b", 20 * GB, bandwidth=200e9),
              _node("c", 4 * GB, bandwidth=100e9)]
-    candidates = preview(_llama8b(), nodes, _mesh("abc", Link(50e-6, 10e9)), context=4096,
-                         max_batch=2)
+    candidates = preview(_llama8b(), nodes, _mesh("abc", Link(50e-6, 10e9)), PlacementOptions(4096, 2))
     feasible = [c for c in candidates if c.feasible]
     assert len(feasible) >= 3 and any(not c.feasible for c in candidates)
     seen_infeasible = False
@@ -109,8 +108,8 @@ def test_previews_are_ordered_by_predicted_decode_tokens_per_s():
 def test_slow_links_rank_tensor_below_pipeline():
     names = ["n0", "n1", "n2", "n3"]
     nodes = [_node(n, 16 * GB) for n in names]
-    candidates = preview(_llama8b(), nodes, _mesh(names, Link(10e-3, 1e9)), context=4096,
-                         max_batch=1, shardings=("pipeline", "tensor"))
+    candidates = preview(_llama8b(), nodes, _mesh(names, Link(10e-3, 1e9)),
+                         PlacementOptions(4096, 1, shardings=("pipeline", "tensor")))
     pipeline, tensor = _find(candidates, "pipeline", 4), _find(candidates, "tensor", 4)
     assert pipeline.feasible and tensor.feasible
     assert tensor.predicted_decode_tokens_per_s < pipeline.predicted_decode_tokens_per_s
@@ -120,8 +119,8 @@ def test_slow_links_rank_tensor_below_pipeline():
 def test_fast_links_and_equal_nodes_rank_tensor_above_pipeline_for_a_big_model():
     names = ["n0", "n1", "n2", "n3"]
     nodes = [_node(n, 16 * GB) for n in names]
-    candidates = preview(_llama8b(), nodes, _mesh(names, Link(5e-6, 50e9)), context=4096,
-                         max_batch=1, shardings=("pipeline", "tensor"))
+    candidates = preview(_llama8b(), nodes, _mesh(names, Link(5e-6, 50e9)),
+                         PlacementOptions(4096, 1, shardings=("pipeline", "tensor")))
     pipeline, tensor = _find(candidates, "pipeline", 4), _find(candidates, "tensor", 4)
     assert tensor.predicted_decode_tokens_per_s > 2 * pipeline.predicted_decode_tokens_per_s
     assert candidates[0] is tensor
@@ -183,18 +182,18 @@ def test_missing_links_default_to_1ms_and_100MB_per_s():
 def test_auto_picks_the_first_feasible_candidate():
     nodes = [_node("a", 24 * GB), _node("b", 24 * GB), _node("c", 1 * GB)]
     links = _mesh("abc", Link(5e-6, 50e9))
-    candidates = preview(_llama8b(), nodes, links, context=4096, max_batch=1)
-    best = auto(_llama8b(), nodes, links, context=4096, max_batch=1)
+    candidates = preview(_llama8b(), nodes, links, PlacementOptions(4096, 1))
+    best = auto(_llama8b(), nodes, links, PlacementOptions(4096, 1))
     assert best == candidates[0] and best.feasible
     assert "c" not in best.node_ids  # every placement with the 1 GB node is refused
     with pytest.raises(PlacementError, match="no placement to try"):
-        auto(_llama8b(), [], links, context=4096, max_batch=1)
+        auto(_llama8b(), [], links, PlacementOptions(4096, 1))
 
 
 def test_unknown_sharding_is_an_infeasible_candidate_and_unknown_dtype_is_refused():
     nodes = [_node("a"), _node("b")]
-    candidates = preview(_smollm2(), nodes, {}, 1024, 1, shardings=("pipeline", "zigzag"))
+    candidates = preview(_smollm2(), nodes, {}, PlacementOptions(1024, 1, shardings=("pipeline", "zigzag")))
     zigzag = _find(candidates, "zigzag", 2)
     assert not zigzag.feasible and "not supported" in zigzag.error
     with pytest.raises(PlacementError, match="dtype 'int3'"):
-        preview(_smollm2(), nodes, {}, 1024, 1, dtype="int3")
+        preview(_smollm2(), nodes, {}, PlacementOptions(1024, 1, dtype="int3"))

@@ -4,6 +4,11 @@ over pure functions (no processes)."""
 import pytest
 from model_shapes import smollm2 as smollm2_config
 
+from shardline.placement.layer_ranges import (
+    NodeCapacity,
+    PlacementError,
+    pipeline_layer_ranges,
+)
 from shardline.placement.memory import (
     RUNNER_EXTRA_BYTES,
     RUNTIME_BASELINE_BYTES,
@@ -13,14 +18,10 @@ from shardline.placement.memory import (
     prefill_scratch_bytes,
     runtime_baseline,
 )
-from shardline.placement.pipeline import (
-    NodeCapacity,
-    PlacementError,
-    pipeline_layer_ranges,
-)
 from shardline.placement.ranks import (
     ContextRequestError,
     KVCacheRequestError,
+    PlacementOptions,
     RankShare,
     check_context,
     kv_pool_tokens,
@@ -139,8 +140,7 @@ def test_the_default_pool_shrinks_to_what_fits_and_an_asked_one_does_not():
     refused."""
     config = smollm2_config()
     capped = [NodeCapacity("a", 600 * MB)]
-    shares, tokens = place_with_kv_pool(config, "pipeline", capped, 4096, 8,
-                                        weight_file_bytes=FILE)
+    shares, tokens = place_with_kv_pool(config, "pipeline", capped, PlacementOptions(4096, 8), weight_file_bytes=FILE)
     assert 4096 <= tokens < 32768
     need = rank_bytes(config, "pipeline", shares, 0, 4096, 8, "bfloat16", FILE, kv_tokens=tokens)
     assert need <= 600 * MB
@@ -148,15 +148,16 @@ def test_the_default_pool_shrinks_to_what_fits_and_an_asked_one_does_not():
         place_ranks(config, "pipeline", capped, 4096, 8, weight_file_bytes=FILE,
                     kv_tokens=tokens + 1)
     roomy = [NodeCapacity("a", 4000 * MB)]
-    assert place_with_kv_pool(config, "pipeline", roomy, 4096, 8)[1] == 32768
-    assert place_with_kv_pool(config, "pipeline", capped, 4096, 8, weight_file_bytes=FILE,
-                              kv_tokens=5000)[1] == 5000
+    assert place_with_kv_pool(config, "pipeline", roomy, PlacementOptions(4096, 8))[1] == 32768
+    per_token = config.kv_bytes_per_token(2)  # bfloat16
+    assert place_with_kv_pool(config, "pipeline", capped, PlacementOptions(4096, 8, kv_cache_bytes=5000 * per_token),
+                              weight_file_bytes=FILE)[1] == 5000
     with pytest.raises(PlacementError, match="KV cache of 20000 tokens"):
-        place_with_kv_pool(config, "pipeline", capped, 4096, 8, weight_file_bytes=FILE,
-                           kv_tokens=20_000)
+        place_with_kv_pool(config, "pipeline", capped, PlacementOptions(4096, 8, kv_cache_bytes=20_000 * per_token),
+                           weight_file_bytes=FILE)
     tiny = [NodeCapacity("a", 450 * MB)]
     with pytest.raises(PlacementError, match="KV cache of 4096 tokens"):  # not even one context
-        place_with_kv_pool(config, "pipeline", tiny, 4096, 8, weight_file_bytes=FILE)
+        place_with_kv_pool(config, "pipeline", tiny, PlacementOptions(4096, 8), weight_file_bytes=FILE)
 
 
 @pytest.mark.parametrize("context, trained, refused", [(8192, 8192, False), (1, 8192, False),

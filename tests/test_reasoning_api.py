@@ -1,5 +1,5 @@
 """A reasoning model's thinking through each API, in process: the requests' thinking
-switches, :class:`~shardline.api.generation.Generation` on scripted token streams (a fake
+switches, :class:`~shardline.api.text_stream.Generation` on scripted token streams (a fake
 node and tokenizer), and each API's answer and stream checked against the official
 ``openai``, ``anthropic`` and ``ollama`` packages' types."""
 
@@ -20,10 +20,10 @@ from shardline.api import anthropic as anthropic_api
 from shardline.api import ollama as ollama_api
 from shardline.api import openai as openai_api
 from shardline.api.anthropic_request import MessagesRequest
-from shardline.api.generation import Chunk, Generation, GenerationRequest
 from shardline.api.keep_alive import KeepAlive
 from shardline.api.responses_output import OutputBuilder, Piece, usage_object
 from shardline.api.responses_request import check_fields, to_generation
+from shardline.api.text_stream import Chunk, Generation, GenerationRequest
 from shardline.api.tools import ToolCall, ToolChoice, ToolChoiceMode
 from shardline.runner.protocol import SamplingParams, TokenEvent
 
@@ -343,8 +343,8 @@ def test_an_effort_is_given_to_the_template_as_one_of_gpt_oss_levels(effort, lev
 @pytest.mark.parametrize("think", ["banana", "true", 1])
 def test_ollama_refuses_a_think_value_it_does_not_have_in_its_words(think):
     """Ollama's own message: clients read "invalid think value" to retry with true."""
-    from shardline.api.generation import APIError
     from shardline.api.request_body import parse_raw
+    from shardline.api.text_stream import APIError
 
     body = {"model": "m", "messages": [{"role": "user", "content": "hi"}], "think": think}
     with pytest.raises(APIError) as caught:

@@ -9,7 +9,6 @@ import pytest
 from openai.types.responses import Response, ResponseStreamEvent
 from pydantic import TypeAdapter
 
-from shardline.api.generation import APIError
 from shardline.api.logprobs import TokenLogprob, TopLogprob
 from shardline.api.response_store import ResponseStore, StoredResponse
 from shardline.api.responses_output import OutputBuilder, Piece, usage_object
@@ -23,6 +22,7 @@ from shardline.api.responses_request import (
     text_format,
     to_generation,
 )
+from shardline.api.text_stream import APIError
 
 pytestmark = pytest.mark.fast
 

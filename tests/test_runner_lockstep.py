@@ -18,7 +18,7 @@ import torch
 from conftest import free_port_block
 
 from shardline.models.config import RankShare, Sharding
-from shardline.node.worker import Worker
+from shardline.node.runner_processes import Worker
 from shardline.runner.protocol import (
     Cancel,
     EngineStats,

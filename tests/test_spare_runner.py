@@ -14,7 +14,7 @@ from conftest import capital_answer, free_port_block, runners_of
 from conftest import wait_until as wait_for
 
 from shardline.models.config import RankShare
-from shardline.node.worker import SPARE_MAX_EARLY_EXITS, Spare, Worker, runner_environment, spawn_runner
+from shardline.node.runner_processes import SPARE_MAX_EARLY_EXITS, Spare, Worker, runner_environment, spawn_runner
 from shardline.runner.protocol import Failed, RunnerSpec
 
 pytestmark = pytest.mark.timeout(180)

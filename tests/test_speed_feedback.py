@@ -7,12 +7,13 @@ from __future__ import annotations
 import pytest
 from model_shapes import smollm2 as _smollm2
 
-from shardline.control import links_text, models_held, serving_by_node, speed_text
+from shardline.cluster_commands import links_text, models_held, serving_by_node, speed_text
 from shardline.models.config import RankShare
 from shardline.models.store import DEFAULT_MODEL_ID
 from shardline.node.speeds import measure_due, node_idle
 from shardline.node.status import RankStatus
 from shardline.placement.preview import preview
+from shardline.placement.ranks import PlacementOptions
 from shardline.placement.served import (
     KEEP_SAMPLES,
     MIN_PREFILL_TOKENS,
@@ -170,9 +171,9 @@ def test_decode_model_adds_layer_cost_and_reads_weights_at_the_products_rate():
 @pytest.mark.parametrize("sharding", ["pipeline", "tensor", "ring"])
 def test_every_sharding_pays_the_layer_cost(sharding):
     config = _smollm2()
-    plain = preview(config, [_node("a"), _node("b")], {}, 2048, 4, shardings=(sharding,), min_nodes=2)
-    costly = preview(config, [_node("a", o=1e-3), _node("b", o=1e-3)], {}, 2048, 4,
-                     shardings=(sharding,), min_nodes=2)
+    plain = preview(config, [_node("a"), _node("b")], {}, PlacementOptions(2048, 4, shardings=(sharding,), min_nodes=2))
+    costly = preview(config, [_node("a", o=1e-3), _node("b", o=1e-3)], {},
+                     PlacementOptions(2048, 4, shardings=(sharding,), min_nodes=2))
     assert costly[0].feasible and costly[0].model_decode_tokens_per_s < plain[0].model_decode_tokens_per_s
 
 
@@ -185,9 +186,9 @@ def test_the_step_beside_the_layers_costs_the_host_cpu_layers(sharding):
 
     config = _smollm2()
     gpus = [_node("a", o=6e-5), _node("b", o=6e-5)]
-    base, = preview(config, gpus, {}, 2048, 4, shardings=(sharding,), min_nodes=2)
-    hosted, = preview(config, [replace(g, host_layer_s=2e-4) for g in gpus], {}, 2048, 4,
-                      shardings=(sharding,), min_nodes=2)
+    base, = preview(config, gpus, {}, PlacementOptions(2048, 4, shardings=(sharding,), min_nodes=2))
+    hosted, = preview(config, [replace(g, host_layer_s=2e-4) for g in gpus], {},
+                      PlacementOptions(2048, 4, shardings=(sharding,), min_nodes=2))
     assert (1 / hosted.model_decode_tokens_per_s - 1 / base.model_decode_tokens_per_s
             == pytest.approx(STEP_LAYERS * (2e-4 - 6e-5)))
     # prefill's chunks pay the device's layers
@@ -199,11 +200,11 @@ def test_preview_ranks_by_measured_speed():
     served, what they measured decides, and the model's figures stay beside it."""
     config = _smollm2()
     nodes = [_node("a"), _node("b")]
-    first = preview(config, nodes, {}, 2048, 4, shardings=("pipeline",), model_id="m")
+    first = preview(config, nodes, {}, PlacementOptions(2048, 4, shardings=("pipeline",)), model_id="m")
     assert [c.node_ids for c in first] == [("a",), ("a", "b")]
     assert first[0].decode_basis == "model"
     served = [_served(("a",), 30.0, None), _served(("a", "b"), 45.0, None)]
-    later = preview(config, nodes, {}, 2048, 4, shardings=("pipeline",), model_id="m", served=served)
+    later = preview(config, nodes, {}, PlacementOptions(2048, 4, shardings=("pipeline",)), model_id="m", served=served)
     assert [c.node_ids for c in later] == [("a", "b"), ("a",)]
     assert later[0].predicted_decode_tokens_per_s == 45.0 and later[0].decode_basis == "measured"
     assert later[1].model_decode_tokens_per_s == first[0].model_decode_tokens_per_s
@@ -290,8 +291,7 @@ def test_preview_lists_a_measured_placement_in_its_own_rank_order():
               _served(("a", "b"), 30.0, None, sharding="tensor"),  # not asked for
               _served(("a", "d"), 30.0, None),  # a node that is gone
               _served(("c", "b"), 30.0, None, model="x")]  # another model
-    got = preview(config, nodes, {}, 2048, 4, shardings=("pipeline",), model_id="m",
-                  served=served)
+    got = preview(config, nodes, {}, PlacementOptions(2048, 4, shardings=("pipeline",)), model_id="m", served=served)
     listed = {c.node_ids: c for c in got}
     assert set(listed) == {("b",), ("b", "c"), ("b", "c", "a"), ("a", "b", "c"), ("c",)}
     assert listed[("a", "b", "c")].predicted_decode_tokens_per_s == 40.0
@@ -299,8 +299,8 @@ def test_preview_lists_a_measured_placement_in_its_own_rank_order():
     assert listed[("c",)].decode_basis == "measured"
     assert listed[("b", "c", "a")].decode_basis == "scaled"
     # bounds still hold: at most two nodes leaves the measured three out
-    capped = preview(config, nodes, {}, 2048, 4, shardings=("pipeline",), model_id="m",
-                     served=served, max_nodes=2)
+    capped = preview(config, nodes, {}, PlacementOptions(2048, 4, shardings=("pipeline",), max_nodes=2),
+                     model_id="m", served=served)
     assert {c.node_ids for c in capped} == {("b",), ("b", "c"), ("c",)}
 
 
@@ -396,8 +396,8 @@ def test_one_node_under_tensor_or_ring_alone_is_listed(sharding, feasible):
     """Tensor on one node places (one rank) and ring refuses it; the preview listed
     neither, and the CLI said "no placement fits" with no reason."""
     config = _smollm2()
-    [got] = preview(config, [_node("a")], {}, 2048, 4, shardings=(sharding,))
+    [got] = preview(config, [_node("a")], {}, PlacementOptions(2048, 4, shardings=(sharding,)))
     assert (got.sharding, got.node_ids, got.feasible) == (sharding, ("a",), feasible)
     assert feasible or "at least 2 nodes" in got.error
-    both = preview(config, [_node("a")], {}, 2048, 4, shardings=("pipeline", sharding))
+    both = preview(config, [_node("a")], {}, PlacementOptions(2048, 4, shardings=("pipeline", sharding)))
     assert [c.sharding for c in both] == ["pipeline"]  # the same placement, listed once

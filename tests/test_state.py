@@ -9,7 +9,7 @@ import dataclasses
 import pytest
 
 from shardline.models.config import RankShare, Sharding
-from shardline.node.cluster_state import Epoch
+from shardline.node.epochs import Epoch
 from shardline.node.state import (
     REPLACED_KEPT,
     Adopted,

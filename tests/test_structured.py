@@ -107,8 +107,8 @@ def test_matches_schema():
 
 @pytest.mark.timeout(10)
 def test_a_strict_response_format_outside_the_subset_is_a_400_naming_the_schema():
-    from shardline.api.generation import APIError
     from shardline.api.openai import ResponseFormat
+    from shardline.api.text_stream import APIError
 
     loose = {"type": "object", "properties": {"city": {"type": "string"}}}
     fmt = ResponseFormat.model_validate(

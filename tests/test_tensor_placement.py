@@ -4,7 +4,7 @@ how many bytes."""
 import pytest
 from model_shapes import smollm2 as _config
 
-from shardline.placement.pipeline import NodeCapacity, PlacementError
+from shardline.placement.layer_ranges import NodeCapacity, PlacementError
 from shardline.placement.ranks import (
     RankShare,
     model_param_count,

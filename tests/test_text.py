@@ -2,7 +2,7 @@
 
 import pytest
 
-from shardline.api.generation import StopMatcher
+from shardline.api.text_stream import StopMatcher
 from shardline.models.store import default_model_path
 from shardline.models.tokenizer import IncrementalDetokenizer, Tokenizer, text_starts
 

@@ -16,8 +16,8 @@ from pathlib import Path
 import pytest
 from tiny_chat import LLAMA_STYLE_TEMPLATE, MARKER_TOKENS, QWEN_STYLE_TEMPLATE, write_chat_tokenizer
 
-from shardline.api.generation import marker_tokens
 from shardline.api.structured import matches_schema
+from shardline.api.text_stream import marker_tokens
 from shardline.api.tools import (
     ToolCall,
     ToolCallParser,

@@ -13,10 +13,10 @@ import sys
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from shardline.control import DEFAULT_PORT
+from shardline.cluster_commands import DEFAULT_PORT
 
 if TYPE_CHECKING:
-    from shardline.node.worker import Spare
+    from shardline.node.runner_processes import Spare
 
 MIN_API_KEY_CHARS = 8
 """The shortest API key a node takes (``shardline run`` and ``cluster`` refuse a shorter one)."""
@@ -111,7 +111,7 @@ def _run_problem(args: argparse.Namespace, api_key: str | None, bind: str, model
 def _start_first_spare() -> Spare:
     """A spare runner started now, before the node's own imports (~1 s), so that the
     runner's (torch: ~1.7 s) run beside them rather than after; killed at exit."""
-    from shardline.node.worker import Spare, spawn_runner
+    from shardline.node.runner_processes import Spare, spawn_runner
 
     first_spare = Spare(*spawn_runner())
     # in its own session, so gone with this process only if killed (an interrupt
@@ -201,7 +201,7 @@ def _interrupt(signum, frame) -> None:
 def _cluster(args: argparse.Namespace) -> int:
     import httpx
 
-    from shardline.control import rank_share
+    from shardline.cluster_commands import rank_share
     from shardline.local_cluster import LocalCluster, LocalClusterError, model_dirs_for
 
     api_key = args.api_key or os.environ.get("SHARDLINE_API_KEY") or None
@@ -286,7 +286,7 @@ class _Version(argparse.Action):
 
 def build_parser() -> argparse.ArgumentParser:
     """The ``shardline`` command line: ``run``, ``cluster``, ``bench`` and the cluster
-    client's commands (:func:`shardline.control.add_commands`)."""
+    client's commands (:func:`shardline.cluster_commands.add_commands`)."""
     parser = argparse.ArgumentParser(prog="shardline", description=__doc__)
     parser.add_argument("-v", "--verbose", action="store_true", help="log more")
     parser.add_argument("--version", action=_Version, nargs=0, help="print the version and exit")
@@ -301,7 +301,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_arguments(bench)
     bench.set_defaults(func=_bench)
 
-    from shardline.control import add_commands
+    from shardline.cluster_commands import add_commands
 
     add_commands(sub, DEFAULT_PORT)
     return parser
@@ -309,7 +309,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def _add_run(sub: argparse._SubParsersAction) -> None:
     """The ``run`` command: one node."""
-    from shardline.control import byte_size
+    from shardline.cluster_commands import byte_size
 
     run = sub.add_parser("run", help="run one node")
     run.add_argument("--host", default="127.0.0.1", help="address other nodes reach this node at")
@@ -379,7 +379,7 @@ def _add_run_limits(run: argparse.ArgumentParser) -> None:
     from shardline.api.bounds import DEFAULT_MAX_BODY_BYTES
     from shardline.api.header_timeout import DEFAULT_HEADER_TIMEOUT_S
     from shardline.api.heartbeat import HEARTBEAT_S
-    from shardline.control import byte_size
+    from shardline.cluster_commands import byte_size
     from shardline.node.queue_bound import DEFAULT_MAX_WAITING
 
     run.add_argument("--max-body-bytes", type=byte_size, default=DEFAULT_MAX_BODY_BYTES,
@@ -398,7 +398,7 @@ def _add_run_limits(run: argparse.ArgumentParser) -> None:
 
 def _add_cluster(sub: argparse._SubParsersAction) -> None:
     """The ``cluster`` command: N nodes on 127.0.0.1 and a model across them."""
-    from shardline.control import byte_size
+    from shardline.cluster_commands import byte_size
     from shardline.models.store import DEFAULT_MODEL_ID
     from shardline.placement.ranks import SHARDING_NAMES
 

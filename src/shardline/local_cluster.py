@@ -17,7 +17,7 @@ from functools import cached_property
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from shardline.control import api_key_headers
+from shardline.cluster_commands import api_key_headers
 from shardline.node.identity import cluster_key, default_data_dir
 from shardline.runner.rendezvous import bare_address
 

@@ -21,17 +21,17 @@ from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
 from shardline.api.anthropic_request import CountTokensRequest, MessagesRequest, apply_edits
-from shardline.api.generation import (
+from shardline.api.heartbeat import HEARTBEAT_S, Heartbeat
+from shardline.api.metrics import RequestMetrics
+from shardline.api.preparation import prepare, tokenize
+from shardline.api.request_body import parse_body
+from shardline.api.text_stream import (
     APIError,
     Chunk,
     Generation,
     GenerationRequest,
     collect_unless_disconnected,
 )
-from shardline.api.heartbeat import HEARTBEAT_S, Heartbeat
-from shardline.api.metrics import RequestMetrics
-from shardline.api.preparation import prepare, tokenize
-from shardline.api.request_body import parse_body
 from shardline.api.tools import NOT_OFFERED_HEADER, ToolCall
 from shardline.models.tokenizer import Tokenizer
 from shardline.node.node import Node

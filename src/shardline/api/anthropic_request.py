@@ -1,5 +1,5 @@
 """The Anthropic Messages API's request (``POST /v1/messages`` and ``/v1/messages/count_tokens``),
-validated and mapped to a :class:`~shardline.api.generation.GenerationRequest`, and its
+validated and mapped to a :class:`~shardline.api.text_stream.GenerationRequest`, and its
 context-management edits: pure functions over values.
 
 Shapes from Anthropic's Messages API reference as the ``anthropic`` package 2.15.0 types
@@ -29,9 +29,9 @@ from typing import Annotated, Any, ClassVar, Literal
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from shardline.api.content import check_parts
-from shardline.api.generation import APIError, GenerationRequest
 from shardline.api.params import Endpoint, StopString
 from shardline.api.structured import json_grammar
+from shardline.api.text_stream import APIError, GenerationRequest
 from shardline.api.tools import ToolChoice, ToolChoiceMode
 from shardline.runner.protocol import SamplingParams
 

@@ -20,8 +20,8 @@ from shardline.node.speeds import placement_key
 from shardline.node.state import instance_named
 from shardline.node.status import InstanceStatus
 from shardline.node.table import Instance
-from shardline.placement.pipeline import PlacementError
-from shardline.placement.ranks import PlacementRequestError, shardings_named
+from shardline.placement.layer_ranges import PlacementError
+from shardline.placement.ranks import PlacementRequestError
 
 
 def cluster_error(status: int, message: str, param: str | None = None) -> JSONResponse:
@@ -123,16 +123,10 @@ async def preview(node: Node, body: CreateInstance) -> dict | JSONResponse:
     """``POST /cluster/placements/preview``'s answer: the candidates, or a refusal (404
     for an unknown model, 400 for one or a request that cannot be placed)."""
     try:
-        shardings = shardings_named(body.sharding)
+        options = body.placement_options()
         model_id = await node.logistics.adopt(body.model)
         card = await node.logistics.model_card(model_id)
-        candidates = await node.coordinator.preview(card, body.nodes, body.context,
-                                                    body.max_batch, body.dtype,
-                                                    shardings=shardings, force=body.force,
-                                                    min_nodes=body.min_nodes or 1,
-                                                    max_nodes=body.max_nodes,
-                                                    kv_cache_bytes=body.kv_cache_bytes,
-                                                    quantize=body.quantize)
+        candidates = await node.coordinator.preview(card, body.nodes, options)
     except ModelNotFoundError as exc:
         return cluster_error(404, str(exc), "model")
     except (PlacementError, ModelStoreError, UnsupportedModelError, PlacementRequestError) as exc:

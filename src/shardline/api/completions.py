@@ -13,7 +13,6 @@ from typing import Any
 from fastapi import APIRouter, Request
 from pydantic import Field, model_validator
 
-from shardline.api.generation import APIError, Chunk, Generation, GenerationRequest
 from shardline.api.heartbeat import HEARTBEAT_S
 from shardline.api.logprobs import (
     TokenLogprob,
@@ -25,6 +24,7 @@ from shardline.api.logprobs import (
 from shardline.api.metrics import RequestMetrics
 from shardline.api.openai import ChatShape, SamplingFields, serve
 from shardline.api.params import Endpoint
+from shardline.api.text_stream import APIError, Chunk, Generation, GenerationRequest
 from shardline.models.tokenizer import text_starts
 from shardline.node.node import Node
 from shardline.runner.protocol import SamplingParams

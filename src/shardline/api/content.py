@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from shardline.api.generation import APIError
+from shardline.api.text_stream import APIError
 
 MEDIA_PARTS = {
     "openai": frozenset({"image_url", "input_audio", "file", "input_image", "input_file"}),

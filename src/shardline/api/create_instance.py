@@ -10,11 +10,11 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 
 from shardline.api.coordinator_forward import ask_coordinator
 from shardline.api.errors import API, error_body
-from shardline.models.config import UnsupportedModelError
+from shardline.models.config import Quantize, UnsupportedModelError
 from shardline.models.store import ModelNotFoundError, ModelStoreError
 from shardline.node.node import Node
-from shardline.placement.pipeline import PlacementError
-from shardline.placement.ranks import SHARDINGS, PlacementRequestError
+from shardline.placement.layer_ranges import PlacementError
+from shardline.placement.ranks import SHARDINGS, PlacementOptions, PlacementRequestError, shardings_named
 
 
 class CreateInstance(BaseModel):
@@ -54,6 +54,16 @@ class CreateInstance(BaseModel):
             raise ValueError(f"min_nodes {self.min_nodes} is above max_nodes {self.max_nodes}")
         return self
 
+    def placement_options(self) -> PlacementOptions:
+        """What this body asks the placement for.
+
+        Raises:
+            PlacementError: no sharding has its ``sharding``'s name.
+        """
+        return PlacementOptions(self.context, self.max_batch, self.dtype, shardings_named(self.sharding),
+                                self.min_nodes, self.max_nodes, self.kv_cache_bytes,
+                                Quantize(self.quantize) if self.quantize else None, self.force, self.prefix_cache)
+
 
 async def create(node: Node, body: CreateInstance) -> tuple[int, dict]:
     """Place ``body``'s instance through the coordinator (this node, or a request to it): the
@@ -69,10 +79,7 @@ async def create(node: Node, body: CreateInstance) -> tuple[int, dict]:
     if not node.is_coordinator():
         return await ask_coordinator(node, "POST", "/cluster/instances", body.model_dump())
     try:
-        inst = await node.coordinator.create_instance(
-            body.model, body.sharding, body.nodes, body.context, body.max_batch, body.dtype,
-            body.force, body.min_nodes, body.max_nodes, body.kv_cache_bytes, body.quantize,
-            body.prefix_cache)
+        inst = await node.coordinator.create_instance(body.model, body.nodes, body.placement_options())
     except ModelNotFoundError as exc:
         return 404, error_body(API.CLUSTER, 404, str(exc), "model")
     except (ModelStoreError, UnsupportedModelError, PlacementRequestError) as exc:

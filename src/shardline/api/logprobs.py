@@ -113,7 +113,7 @@ class HeldLogprobs:
 
     Text reaches a client later than its tokens are sampled: the detokenizer holds back
     part of a character split across tokens, and a stop string's possible beginning is
-    held until it is known not to be one (:class:`~shardline.api.generation.StopMatcher`).
+    held until it is known not to be one (:class:`~shardline.api.text_stream.StopMatcher`).
     A token's log-probability goes out with the text it spelled, and a token that spelled
     any of a stop string never goes: so the tokens sent spell the text sent, but where a
     token spelled both the answer's last characters and the stop string's first (the

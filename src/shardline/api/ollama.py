@@ -37,13 +37,6 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from shardline.api.content import check_parts
-from shardline.api.generation import (
-    APIError,
-    Chunk,
-    Generation,
-    GenerationRequest,
-    collect_unless_disconnected,
-)
 from shardline.api.heartbeat import HEARTBEAT_S, Heartbeat
 from shardline.api.keep_alive import KeepAlive, parse_keep_alive, unload
 from shardline.api.logprobs import ollama_logprobs
@@ -53,6 +46,13 @@ from shardline.api.params import Endpoint, StopString
 from shardline.api.preparation import prepare
 from shardline.api.request_body import parse_body
 from shardline.api.structured import json_grammar
+from shardline.api.text_stream import (
+    APIError,
+    Chunk,
+    Generation,
+    GenerationRequest,
+    collect_unless_disconnected,
+)
 from shardline.api.tools import ToolCall, openai_tool_choice
 from shardline.models.store import ModelNotFoundError
 from shardline.models.tokenizer import template_reasons

@@ -24,14 +24,6 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
 
 from shardline.api.content import check_parts
-from shardline.api.generation import (
-    APIError,
-    Chunk,
-    Generation,
-    GenerationRequest,
-    collect_unless_disconnected,
-    merge_streams,
-)
 from shardline.api.heartbeat import HEARTBEAT_S, Heartbeat
 from shardline.api.logprobs import (
     chat_logprobs,
@@ -41,6 +33,14 @@ from shardline.api.params import Endpoint, StopString
 from shardline.api.preparation import prepare
 from shardline.api.request_body import parse_body
 from shardline.api.structured import ANY_OBJECT, json_grammar, strict_schema_problem
+from shardline.api.text_stream import (
+    APIError,
+    Chunk,
+    Generation,
+    GenerationRequest,
+    collect_unless_disconnected,
+    merge_streams,
+)
 from shardline.api.tools import ToolCall, ToolChoice, openai_tool_choice
 from shardline.node.node import Node
 from shardline.node.queue_bound import QueueFullError

@@ -1,7 +1,7 @@
 """A request checked, tokenized and given its place: :func:`prepare` finds the ready
 instance of the model (waiting for one that loads), tokenizes the prompt with the model's
 tokenizer and chat template, refuses what the context or vocabulary cannot take (400s
-in the API's format, :class:`~shardline.api.generation.APIError`), and takes the
+in the API's format, :class:`~shardline.api.text_stream.APIError`), and takes the
 request's place in the instance's queue; :func:`tokenize` is the part that counts tokens
 (Anthropic's ``count_tokens``)."""
 
@@ -13,7 +13,8 @@ import functools
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
-from shardline.api.generation import (
+from shardline.api.prompt_bounds import droppable, min_prompt_tokens, without_oldest
+from shardline.api.text_stream import (
     CONTEXT_LENGTH_EXCEEDED,
     APIError,
     Generation,
@@ -23,7 +24,6 @@ from shardline.api.generation import (
     model_tool_format,
     too_long,
 )
-from shardline.api.prompt_bounds import droppable, min_prompt_tokens, without_oldest
 from shardline.api.tools import ToolChoiceMode, check_history, check_tools, tool_call_grammar
 from shardline.models.store import ModelNotFoundError
 from shardline.models.tokenizer import ChatTemplateError, Tokenizer

@@ -12,8 +12,8 @@ from typing import Any
 from fastapi import Request
 from pydantic import BaseModel, ValidationError
 
-from shardline.api.generation import APIError
 from shardline.api.params import Endpoint, ParamError, screen
+from shardline.api.text_stream import APIError
 
 PARSE_IN_THREAD_BYTES = 256 * 1024
 """Bodies at least this large are parsed and validated in a worker thread, so the event

@@ -22,12 +22,6 @@ from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.datastructures import QueryParams
 
-from shardline.api.generation import (
-    APIError,
-    Chunk,
-    Generation,
-    collect_unless_disconnected,
-)
 from shardline.api.heartbeat import HEARTBEAT_S, Heartbeat
 from shardline.api.metrics import RequestMetrics
 from shardline.api.openai import KEEPALIVE_COMMENT, error_body, error_response
@@ -42,6 +36,12 @@ from shardline.api.responses_request import (
     check_fields,
     normalize_input,
     to_generation,
+)
+from shardline.api.text_stream import (
+    APIError,
+    Chunk,
+    Generation,
+    collect_unless_disconnected,
 )
 from shardline.api.tools import NOT_OFFERED_HEADER
 from shardline.node.node import Node

@@ -1,5 +1,5 @@
 """The Responses API's request (``POST /v1/responses``), checked and mapped to a
-:class:`~shardline.api.generation.GenerationRequest`: pure functions.
+:class:`~shardline.api.text_stream.GenerationRequest`: pure functions.
 
 Shapes from OpenAI's API reference (Responses, create) as the ``openai`` package 3.57.0
 types them (``openai/types/responses/response_create_params.py``,
@@ -19,10 +19,10 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from shardline.api.generation import APIError, GenerationRequest
 from shardline.api.params import PARAMETERS, Endpoint
 from shardline.api.request_body import validation_error
 from shardline.api.structured import json_grammar, strict_schema_problem
+from shardline.api.text_stream import APIError, GenerationRequest
 from shardline.api.tools import ToolChoice, ToolChoiceMode, check_history, check_tools
 from shardline.runner.protocol import SamplingParams
 

@@ -15,7 +15,7 @@ DEFAULT_ROUNDS_AGAINST = 3
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """Add ``shardline bench``'s options to its subparser."""
-    from shardline.control import node_url
+    from shardline.cluster_commands import node_url
     from shardline.models.store import DEFAULT_MODEL_ID
     from shardline.placement.ranks import SHARDING_NAMES
 

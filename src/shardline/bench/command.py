@@ -21,7 +21,7 @@ from shardline.bench.arguments import DEFAULT_ROUNDS_AGAINST
 from shardline.bench.bench import BenchError, connect_error_message, error_message
 from shardline.bench.compare import OTHER, SHARDLINE, BenchConfig, Server, run_workloads
 from shardline.bench.contention import busy_cores, busy_refusal
-from shardline.control import api_key_headers
+from shardline.cluster_commands import api_key_headers
 from shardline.local_cluster import LocalCluster, LocalClusterError, model_dirs_for
 
 
@@ -98,7 +98,7 @@ def _normal_url(url: str) -> str:
 def _server(name: str, url: str, model: str | None, headers: dict[str, str]) -> Server:
     """The running server at ``url`` (its model: ``model``, else its first); for a shardline
     node its instance's nodes and sharding, waiting while it loads.
-    ``headers``: the API key's (:func:`shardline.control.api_key_headers`).
+    ``headers``: the API key's (:func:`shardline.cluster_commands.api_key_headers`).
 
     Raises:
         BenchError: ``url`` cannot be reached, lists no model, or does not serve ``model``.

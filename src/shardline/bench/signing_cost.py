@@ -1,4 +1,4 @@
-"""What signing costs a node-to-node request: ``python -m shardline.bench.signing``.
+"""What signing costs a node-to-node request: ``python -m shardline.bench.signing_cost``.
 
 Sends the same requests through one ASGI app (FastAPI, in-process over httpx's ASGI
 transport, so no socket noise) with and without :class:`~shardline.api.http_guard.SignatureMiddleware`

@@ -14,7 +14,7 @@ import torch
 
 from shardline.models import kernel_library, native_dequant
 from shardline.models.gguf_quants import GroupQuant
-from shardline.models.products import (
+from shardline.models.weight_products import (
     KERNEL_MAX_ROWS,
     blocked_product,
     gemm_dtype,

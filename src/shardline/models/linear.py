@@ -50,7 +50,7 @@ from shardline.models import kernel_library, native_dequant
 from shardline.models.gguf_quants import GroupQuant
 from shardline.models.int4_planes import INT4_GROUP, Int4Planes, pack_int4_planes
 from shardline.models.packed_groups import PackedGroups, pack_groups, packs
-from shardline.models.products import (
+from shardline.models.weight_products import (
     KERNEL_MAX_ROWS,
     blocked_product,
     gemm_dtype,

@@ -37,7 +37,7 @@ from shardline.models.decode_graphs import GRAPH_MAX_ROWS
 from shardline.models.feed_forward import MLP, MixtureOfExperts
 from shardline.models.kv_cache import KVCache
 from shardline.models.linear import Embedding, Linear
-from shardline.models.products import KERNEL_MAX_ROWS
+from shardline.models.weight_products import KERNEL_MAX_ROWS
 
 FUSED_PREFILL_MAX_ROWS = 64
 """Prefill chunks of up to this many tokens run through the fused decode layers too (each

@@ -212,14 +212,14 @@ bit for bit)."""
 
 def int8_prefill_takes(rows: int, amx: bool) -> bool:
     """Whether a prefill chunk of ``rows`` rows (more than
-    :data:`~shardline.models.products.KERNEL_MAX_ROWS`) takes the int8 product, given the
+    :data:`~shardline.models.weight_products.KERNEL_MAX_ROWS`) takes the int8 product, given the
     product is built and whether the AMX prefill product is ready (``amx``)."""
     return not amx or rows < AMX_PREFILL_MIN_ROWS
 
 
 def int8_prefill(rows: int) -> bool:
     """Whether a prefill chunk of ``rows`` rows (more than
-    :data:`~shardline.models.products.KERNEL_MAX_ROWS`) takes :class:`Int4Gemv` too,
+    :data:`~shardline.models.weight_products.KERNEL_MAX_ROWS`) takes :class:`Int4Gemv` too,
     rather than a dequantized block and torch's GEMM: where it is built, unless the chunk
     takes :meth:`Int4Gemv.prefill` (:func:`amx_prefill`; :func:`int8_prefill_takes`). On a
     2-core Zen 4 (AVX-512 BF16, no AMX) a SmolLM2 prefill of 128 tokens took 111 ms
@@ -230,7 +230,7 @@ def int8_prefill(rows: int) -> bool:
 
 def amx_prefill(rows: int) -> bool:
     """Whether a bfloat16 prefill chunk of ``rows`` rows (more than
-    :data:`~shardline.models.products.KERNEL_MAX_ROWS`) takes :meth:`Int4Gemv.prefill`:
+    :data:`~shardline.models.weight_products.KERNEL_MAX_ROWS`) takes :meth:`Int4Gemv.prefill`:
     where :func:`amx_ready`, from :data:`AMX_PREFILL_MIN_ROWS` rows."""
     return rows >= AMX_PREFILL_MIN_ROWS and amx_ready()
 

@@ -40,7 +40,7 @@ import torch
 
 from shardline.models import kernel_library, native_dequant
 from shardline.models.gguf_quants import GroupQuant
-from shardline.models.products import KERNEL_MAX_ROWS, blocked_product, scratch
+from shardline.models.weight_products import KERNEL_MAX_ROWS, blocked_product, scratch
 
 CHUNK = 32
 """Weights per chunk of the layout."""
@@ -196,7 +196,7 @@ class PackedGroups:
         return self._rows_into(torch.empty(len(ids), self.shape[1], dtype=dtype), ids)
 
     def matmul(self, x: torch.Tensor) -> torch.Tensor:
-        """``x @ W.T`` for ``x`` ``[rows, in]``: up to :data:`~shardline.models.products.KERNEL_MAX_ROWS` rows (decode)
+        """``x @ W.T`` for ``x`` ``[rows, in]``: up to :data:`~shardline.models.weight_products.KERNEL_MAX_ROWS` rows (decode)
         the kernel's product (:func:`~shardline.models.native_dequant.packed_groups_gemv`),
         else blocks of rows dequantized into scratch and a dense GEMM (prefill)."""
         if x.shape[0] <= KERNEL_MAX_ROWS and kernel_library.kernels():

@@ -1,7 +1,7 @@
 """The coordinator's decisions: placing a model (memory admission, the placement
 preview), failing an instance and placing it again, placing it on returning nodes, and
 the runner status reports that change the instance table. Only the acting coordinator
-changes the table (:mod:`shardline.node.cluster_state`), by events
+changes the table (:mod:`shardline.node.epochs`), by events
 (:mod:`shardline.node.state`) it commits through the node (``Node.commit``). The role
 reads the node through :class:`CoordinatorView` and acts through
 :class:`CoordinatorEffects` (``shardline.node.node`` wires both)."""
@@ -17,12 +17,12 @@ from collections.abc import Awaitable, Callable, Coroutine, Mapping
 from dataclasses import dataclass
 from typing import Protocol
 
-from shardline.models.config import ModelConfig, Quantize, Sharding
+from shardline.models.config import ModelConfig, Sharding
 from shardline.models.store import (
     ModelCard,
     ModelNotFoundError,
 )
-from shardline.node.cluster_state import RejoinView, rejoinable
+from shardline.node.epochs import RejoinView, rejoinable
 from shardline.node.peer_client import PeerError
 from shardline.node.state import (
     ClusterState,
@@ -42,15 +42,12 @@ from shardline.node.state import (
 )
 from shardline.node.status import InstanceStatus, RankStatus
 from shardline.node.table import Instance, Peer, RankPlacement
-from shardline.placement.pipeline import NodeCapacity, PlacementError
+from shardline.placement.layer_ranges import NodeCapacity, PlacementError
 from shardline.placement.ranks import (
-    SHARDINGS,
     ContextRequestError,
-    check_context,
-    kv_tokens_for_bytes,
+    PlacementOptions,
     place_with_kv_pool,
     rank_bytes,
-    shardings_named,
 )
 from shardline.placement.served import PlacementKey, ServedSpeed
 from shardline.runner.rendezvous import ranks_share_a_gpu
@@ -148,7 +145,7 @@ class Coordinator:
 
     async def fail_lost_instances(self) -> None:
         """Coordinator: fail the instances with a rank on a node that is down, or that
-        restarted since the placement (cluster_state rule 5)."""
+        restarted since the placement (epochs rule 5)."""
         incarnations = {p.node_id: p.started_at for p in self.view.peers.values()}
         incarnations[self.view.node_id] = self.view.started_at
         for event in lost_rank_failures(self.view.cluster_state, set(self.view.live_node_ids()),
@@ -176,11 +173,8 @@ class Coordinator:
                 card = await self.effects.model_card(inst.model_id)
 
                 async def place() -> Instance:
-                    return await self._place(card, inst.sharding, list(inst.wanted_nodes),
-                                             inst.context, inst.max_batch, inst.dtype, inst.force,
-                                             0, inst.kv_cache_bytes, inst.quantize,
-                                             replaced=replaced_ids(inst), stands_in_for=instance_id,
-                                             prefix_cache=inst.prefix_cache)
+                    return await self._place(card, inst.sharding, list(inst.wanted_nodes), inst.placement_options(),
+                                             replaced=replaced_ids(inst), stands_in_for=instance_id)
                 try:
                     new = await place()
                     how = "beside it (it serves until the new one is ready)"
@@ -349,10 +343,8 @@ class Coordinator:
         nodes = [n for n in wanted if n in live] or None
         try:
             card = await self.effects.model_card(failed.model_id)
-            await self._place(card, failed.sharding, nodes, failed.context, failed.max_batch,
-                              failed.dtype, failed.force, retries, failed.kv_cache_bytes,
-                              failed.quantize, wanted_nodes=wanted, replaces=failed.instance_id,
-                              replaced=replaced_ids(failed), prefix_cache=failed.prefix_cache)
+            await self._place(card, failed.sharding, nodes, failed.placement_options(), retries,
+                              wanted_nodes=wanted, replaces=failed.instance_id, replaced=replaced_ids(failed))
         except _Deleted:
             log.info("not placing %s again: its instance %s was deleted meanwhile",
                      failed.model_id, failed.instance_id)
@@ -367,26 +359,15 @@ class Coordinator:
         if failed.instance_id in self.view.instances:
             await self.effects.commit(Deleted(failed.instance_id))
 
-    async def create_instance(
-        self,
-        model: str | None,
-        sharding: str = "pipeline",
-        node_ids: list[str] | None = None,
-        context: int | None = None,
-        max_batch: int | None = None,
-        dtype: str = "bfloat16",
-        force: bool = False,
-        min_nodes: int | None = None,
-        max_nodes: int | None = None,
-        kv_cache_bytes: int | None = None,
-        quantize: str | None = None,
-        prefix_cache: bool = True,
-    ) -> Instance:
-        """Coordinator: place ``model`` (an id, see :meth:`adopt`) and start loading it.
+    async def create_instance(self, model: str | None, node_ids: list[str] | None = None,
+                              options: PlacementOptions = PlacementOptions()) -> Instance:
+        """Coordinator: place ``model`` (an id, see :meth:`adopt`) under ``options`` and
+        start loading it.
 
-        On ``node_ids`` (in rank order) when given. Otherwise under ``"auto"`` sharding, or
-        with ``min_nodes`` / ``max_nodes``, the placement with the best predicted decode
-        tokens/s among the shardings allowed and those node counts; else all live nodes.
+        On ``node_ids`` (in rank order) when given. Otherwise, with several shardings (the
+        API's ``"auto"``) or with ``min_nodes`` / ``max_nodes``, the placement with the best
+        predicted decode tokens/s among the shardings allowed and those node counts; else
+        all live nodes.
 
         ``dtype`` is the ranks' compute dtype. bfloat16 halves the memory of float32; a
         tensor instance in bfloat16 rounds its partial sums differently from one node and
@@ -395,37 +376,29 @@ class Coordinator:
         (a rank that then runs out of memory fails its instance). ``kv_cache_bytes`` sizes
         the KV pool (the whole model's, all ranks together); without it the pool is
         ``max_batch`` sequences of ``context`` tokens, or as much as fits
-        (:func:`~shardline.placement.ranks.place_with_kv_pool`). ``quantize`` (``"int8"``,
-        ``"int4"``) quantizes the weights the files hold in 16 or 32 bits on load.
-        ``prefix_cache`` False: its ranks keep no finished prompt for later ones
-        (:mod:`shardline.runner.prefix_cache`).
+        (:func:`~shardline.placement.ranks.place_with_kv_pool`). ``quantize`` quantizes the
+        weights the files hold in 16 or 32 bits on load. ``prefix_cache`` False: its ranks
+        keep no finished prompt for later ones (:mod:`shardline.runner.prefix_cache`).
 
         Raises:
             ModelNotFoundError: no node has the model.
             ModelStoreError, UnsupportedModelError: a local path that is not a model
                 shardline can run.
-            PlacementError: the sharding is unknown or the model does not fit the nodes.
+            PlacementError: the model does not fit the nodes.
             KVCacheRequestError: ``kv_cache_bytes`` holds less than one sequence.
         """
         card = await self.effects.model_card(await self.effects.adopt(model))
-        shardings = shardings_named(sharding)
-        chosen = shardings[0]
-        if len(shardings) > 1 or (node_ids is None and (min_nodes or max_nodes)):
-            best = (await self.preview(card, node_ids, context, max_batch, dtype, best_only=True,
-                                       shardings=shardings, force=force,
-                                       min_nodes=min_nodes or 1, max_nodes=max_nodes,
-                                       kv_cache_bytes=kv_cache_bytes, quantize=quantize))[0]
+        chosen = options.shardings[0]
+        if len(options.shardings) > 1 or (node_ids is None and (options.min_nodes or options.max_nodes)):
+            best = (await self.preview(card, node_ids, options, best_only=True))[0]
             chosen, node_ids = best.sharding, list(best.node_ids)
-        return await self._place(card, chosen, node_ids, context, max_batch, dtype, force,
-                                 kv_cache_bytes=kv_cache_bytes, quantize=quantize, prefix_cache=prefix_cache)
+        return await self._place(card, chosen, node_ids, options)
 
-    async def preview(self, card: ModelCard, node_ids: list[str] | None, context: int | None,
-                      max_batch: int | None, dtype: str = "bfloat16", best_only: bool = False,
-                      shardings: tuple[Sharding, ...] = SHARDINGS, force: bool = False,
-                      min_nodes: int = 1, max_nodes: int | None = None,
-                      kv_cache_bytes: int | None = None, quantize: str | None = None):
-        """Candidate placements of a model on the live nodes, fastest predicted first
-        (``shardline.placement.preview``); with ``best_only`` just the best feasible one.
+    async def preview(self, card: ModelCard, node_ids: list[str] | None, options: PlacementOptions,
+                      best_only: bool = False):
+        """Candidate placements of a model on the live nodes (``node_ids``: these; None:
+        all) under ``options``, fastest predicted first (``shardline.placement.preview``);
+        with ``best_only`` just the best feasible one.
 
         Raises:
             PlacementError: unknown nodes; with ``best_only``, no placement fits (the
@@ -433,25 +406,22 @@ class Coordinator:
         """
         from shardline.placement.preview import auto, preview
 
-        config, chosen, context, max_batch = self._placement_inputs(card, node_ids, context, max_batch)
+        config, chosen, options = self._placement_inputs(card, node_ids, options)
+        min_nodes = options.min_nodes or 1
         if min_nodes > len(chosen):
             raise PlacementError(f"min_nodes is {min_nodes} but {len(chosen)} live node(s) can be used")
         profiles, links = self.effects.node_profiles(chosen)
-        kv_tokens = (None if kv_cache_bytes is None
-                     else kv_tokens_for_bytes(config, kv_cache_bytes, dtype, context))
         choose = auto if best_only else preview
         chosen_placements = choose(
-            config, profiles, links, context, max_batch, dtype, shardings, max_nodes,
-            min_nodes=min_nodes, weight_file_bytes=card.weight_file_bytes,
-            baseline_bytes=self.effects.runtime_baseline(chosen), admit=not force, kv_tokens=kv_tokens,
-            quantize=Quantize(quantize) if quantize else None, model_id=card.model_id,
+            config, profiles, links, options, weight_file_bytes=card.weight_file_bytes,
+            baseline_bytes=self.effects.runtime_baseline(chosen), model_id=card.model_id,
             served=list(self.effects.served_speeds().values()))
         return [chosen_placements] if best_only else chosen_placements
 
-    def _placement_inputs(self, card: ModelCard, node_ids: list[str] | None, context: int | None,
-                          max_batch: int | None):
-        """The model's config, the chosen live nodes (default all) and the instance's context
-        and max_batch (defaults filled in), for placing or previewing.
+    def _placement_inputs(self, card: ModelCard, node_ids: list[str] | None, options: PlacementOptions
+                          ) -> tuple[ModelConfig, list[str], PlacementOptions]:
+        """The model's config, the chosen live nodes (default all) and ``options`` with the
+        instance's context and max_batch (defaults filled in), for placing or previewing.
 
         Raises:
             PlacementError: a chosen node is not in the cluster or is down.
@@ -463,31 +433,25 @@ class Coordinator:
         unknown = [n for n in chosen if n not in live]
         if unknown:
             raise PlacementError(f"nodes not in the cluster (or down): {', '.join(unknown)}")
-        context = context or min(self.view.default_context, config.max_position_embeddings)
-        check_context(context, config.max_position_embeddings, card.model_id)
-        return config, chosen, context, max_batch or self.view.default_max_batch
+        options = options.resolved(config.max_position_embeddings, card.model_id, self.view.default_context,
+                                   self.view.default_max_batch)
+        return config, chosen, options
 
     async def _place(
         self,
         card: ModelCard,
         sharding: Sharding,
         node_ids: list[str] | None,
-        context: int | None,
-        max_batch: int | None,
-        dtype: str = "bfloat16",
-        force: bool = False,
+        options: PlacementOptions,
         retries: int = 0,
-        kv_cache_bytes: int | None = None,
-        quantize: str | None = None,
         wanted_nodes: list[str] | None = None,
         replaces: str | None = None,
         replaced: tuple[str, ...] = (),
         stands_in_for: str | None = None,
-        prefix_cache: bool = True,
     ) -> Instance:
-        """Place ``card`` and publish the instance. ``wanted_nodes``: the nodes a failed
-        instance was placed on; kept on the new one when it gets other nodes (fewer of
-        them, or others where none was live: rule 6).
+        """Place ``card`` under ``sharding`` and ``options`` and publish the instance.
+        ``wanted_nodes``: the nodes a failed instance was placed on; kept on the new one
+        when it gets other nodes (fewer of them, or others where none was live: rule 6).
         ``replaces``: the failed instance this placement stands in for. ``replaced``: the
         ids the new instance answers for (``state.replaced_ids``). ``stands_in_for``: the
         serving instance a rejoin places this one beside.
@@ -500,19 +464,15 @@ class Coordinator:
                 (:meth:`~shardline.node.logistics.Logistics.check_whole`).
         """
         await self.effects.check_whole(card.model_id)
-        config, chosen, context, max_batch = self._placement_inputs(card, node_ids, context, max_batch)
-        asked = (None if kv_cache_bytes is None
-                 else kv_tokens_for_bytes(config, kv_cache_bytes, dtype, context))
+        config, chosen, options = self._placement_inputs(card, node_ids, options)
+        context, max_batch = options.sizes()
         capacities = [NodeCapacity(n, self.effects.free_bytes(n)) for n in chosen]
         baseline = self.effects.runtime_baseline(chosen)
-        quantized = Quantize(quantize) if quantize else None
-        shares, kv_tokens = place_with_kv_pool(
-            config, sharding, capacities, context, max_batch, dtype, admit=not force,
-            weight_file_bytes=card.weight_file_bytes, baseline_bytes=baseline, kv_tokens=asked,
-            quantize=quantized)
-        estimated = [rank_bytes(config, sharding, shares, r, context, max_batch, dtype,
+        shares, kv_tokens = place_with_kv_pool(config, sharding, capacities, options, card.weight_file_bytes,
+                                               baseline)
+        estimated = [rank_bytes(config, sharding, shares, r, context, max_batch, options.dtype,
                                 card.weight_file_bytes, baseline, kv_tokens=kv_tokens,
-                                quantize=quantized)
+                                quantize=options.quantize)
                      for r in range(len(shares))]
         master_addr = self.view.address_of(chosen[0]).rsplit(":", 1)[0]
         port = await self._free_port(chosen[0])
@@ -529,17 +489,17 @@ class Coordinator:
             master_port=port,
             context=context,
             max_batch=max_batch,
-            dtype=dtype,
+            dtype=options.dtype,
             kv_tokens=kv_tokens,
-            kv_cache_bytes=kv_cache_bytes,
-            quantize=quantize,
+            kv_cache_bytes=options.kv_cache_bytes,
+            quantize=options.quantize.value if options.quantize else None,
             retries=retries,
-            force=force,
+            force=options.force,
             wanted_nodes=tuple(wanted_nodes) if wanted_nodes and set(chosen) != set(wanted_nodes) else (),
             replaced=replaced,
             collectives_on_cpu=ranks_share_a_gpu([self.view.profile_of(n) for n in chosen]),
             stands_in_for=stands_in_for,
-            prefix_cache=prefix_cache,
+            prefix_cache=options.prefix_cache,
         )
         if replaces is not None and replaces not in self.view.instances:
             raise _Deleted(replaces)

@@ -15,7 +15,7 @@ from shardline.models.config import ModelConfig, Quantize
 from shardline.models.store import ModelCard, ModelNotFoundError
 from shardline.node.peer_client import PeerError
 from shardline.node.table import Instance, Peer
-from shardline.placement.pipeline import PlacementError
+from shardline.placement.layer_ranges import PlacementError
 from shardline.placement.ranks import resident_bytes_per_weight
 from shardline.placement.served import PlacementKey, ServedSpeed, merge
 

@@ -1,5 +1,5 @@
 """A node's membership rounds: polling its peers, settling, and starting a coordinator's
-term (the rules: :mod:`shardline.node.cluster_state`). The role holds the election's
+term (the rules: :mod:`shardline.node.epochs`). The role holds the election's
 state (the term it acts in, the last round, when it settled, the peers unheard or that
 refused the key); it reads the node through :class:`MembershipView` and changes it
 through :class:`MembershipEffects` (``shardline.node.node`` wires both)."""
@@ -13,7 +13,7 @@ from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass
 from typing import Protocol
 
-from shardline.node.cluster_state import (
+from shardline.node.epochs import (
     Epoch,
     heard_majority,
     heard_whole_cluster,
@@ -39,7 +39,7 @@ STARTUP_POLL_S = 0.2
 """Seconds between rounds until the node is settled (at most the election window)."""
 SPARE_IDLE_S = 3.0
 """A pre-started runner is started again once no rank of the node has loaded or served for
-this long (``shardline.node.worker``): not while a load or a request needs the CPU."""
+this long (``shardline.node.runner_processes``): not while a load or a request needs the CPU."""
 
 
 class MembershipView(Protocol):
@@ -125,7 +125,7 @@ class Membership:
 
     def is_settled(self) -> bool:
         """Whether this node has heard the cluster for an election window since it
-        started or resumed (cluster_state rule 3)."""
+        started or resumed (epochs rule 3)."""
         return settled(self.clock(), self.settled_since, self.view.down_after_s, self.heard_all_at)
 
     def named_nodes(self) -> set[str]:
@@ -134,7 +134,7 @@ class Membership:
 
     def hears_majority(self) -> bool:
         """Whether the live nodes are a majority of the nodes known: every node heard since
-        this one started, those its table names, itself (cluster_state rule 4)."""
+        this one started, those its table names, itself (epochs rule 4)."""
         return heard_majority(self.view.live_node_ids(), {*self.view.peers, *self.named_nodes()})
 
     def adopted(self, held_term: int, coordinator: str) -> None:
@@ -191,7 +191,7 @@ class Membership:
             await effects.when_idle()
 
     async def start_term(self) -> None:
-        """Become coordinator: a term above every one seen (cluster_state rule 2), marked by
+        """Become coordinator: a term above every one seen (epochs rule 2), marked by
         whether it hears a majority (rule 4), then fail the instances whose ranks are
         gone, and publish."""
         view = self.view

@@ -34,7 +34,7 @@ import dataclasses
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
-from shardline.node.cluster_state import NO_EPOCH, Epoch, lost_instances, newer
+from shardline.node.epochs import NO_EPOCH, Epoch, lost_instances, newer
 from shardline.node.status import InstanceStatus, RankStatus
 from shardline.node.table import DELETED, EndCode, Instance
 

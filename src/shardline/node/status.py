@@ -8,7 +8,7 @@ from enum import StrEnum
 
 class RankStatus(StrEnum):
     """A rank's state in the table, and a runner's on its node
-    (:class:`~shardline.node.worker.RunnerHandle`)."""
+    (:class:`~shardline.node.runner_processes.RunnerHandle`)."""
 
     LOADING = "loading"  # placed; its runner starts or loads
     FETCHING = "fetching"  # its node copies the shard's files from a peer

@@ -2,7 +2,7 @@
 rank's files, start its runner, stop those no longer placed here), relay what runners
 report (loaded, failed, batches, tokens) and report rank status to the coordinator. The
 role reads the node through :class:`SupervisionView`, runs runners through a
-:class:`RunnerPool` (``shardline.node.worker.Worker``) and acts through
+:class:`RunnerPool` (``shardline.node.runner_processes.Worker``) and acts through
 :class:`SupervisionEffects` (``shardline.node.node`` wires them)."""
 
 from __future__ import annotations
@@ -20,12 +20,12 @@ from shardline.models.config import Sharding
 from shardline.models.store import ModelNotFoundError
 from shardline.node.peer_client import PeerError
 from shardline.node.repeated_warnings import RepeatedWarnings
+from shardline.node.runner_processes import RunnerHandle
 from shardline.node.state import ClusterState, RankReported, plan_runners, stale_ranks, why_ended
 from shardline.node.status import InstanceStatus, RankStatus
 from shardline.node.table import EndCode, Instance, RankPlacement
 from shardline.node.transfer import TransferError
 from shardline.node.wire import RankReport
-from shardline.node.worker import RunnerHandle
 from shardline.placement.ranks import (
     ring_prefill_chunk,
 )
@@ -69,7 +69,7 @@ class SupervisionView(Protocol):
 
 
 class RunnerPool(Protocol):
-    """This node's runner processes (``shardline.node.worker.Worker``)."""
+    """This node's runner processes (``shardline.node.runner_processes.Worker``)."""
 
     @property
     def runners(self) -> Mapping[str, RunnerHandle]: ...

@@ -9,9 +9,10 @@ import time
 from dataclasses import dataclass, field
 from enum import StrEnum
 
-from shardline.models.config import RankShare, Sharding
-from shardline.node.cluster_state import NO_EPOCH, Epoch
+from shardline.models.config import Quantize, RankShare, Sharding
+from shardline.node.epochs import NO_EPOCH, Epoch
 from shardline.node.status import InstanceStatus, RankStatus
+from shardline.placement.ranks import PlacementOptions
 
 
 class NoInstanceError(LookupError):
@@ -99,6 +100,13 @@ class Instance:
         view["ranks"] = [{**{k: v for k, v in rank.items() if k != "share"}, **rank["share"]}
                          for rank in view["ranks"]]
         return view
+
+    def placement_options(self) -> PlacementOptions:
+        """What it was placed with, to place it again so (its sharding alone)."""
+        return PlacementOptions(self.context, self.max_batch, self.dtype, (self.sharding,),
+                                kv_cache_bytes=self.kv_cache_bytes,
+                                quantize=Quantize(self.quantize) if self.quantize else None, force=self.force,
+                                prefix_cache=self.prefix_cache)
 
     def node_ids(self) -> list[str]:
         return [r.node_id for r in self.ranks]

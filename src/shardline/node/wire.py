@@ -25,7 +25,7 @@ import time
 
 from pydantic import BaseModel, ConfigDict
 
-from shardline.node.cluster_state import Epoch
+from shardline.node.epochs import Epoch
 from shardline.node.state import ClusterState, RankReported
 from shardline.node.status import RankStatus
 from shardline.node.table import Instance

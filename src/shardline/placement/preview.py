@@ -3,7 +3,7 @@
 :func:`preview` lists candidate placements (a sharding and the nodes in rank order), each
 either feasible, with its ranks' shares from :func:`~shardline.placement.ranks.place_with_kv_pool`
 and a predicted decode and prefill speed, or infeasible, with the
-:class:`~shardline.placement.pipeline.PlacementError` message that says which node lacks
+:class:`~shardline.placement.layer_ranges.PlacementError` message that says which node lacks
 how many bytes or which shape cannot split. :func:`auto` picks the best feasible one.
 
 Memory is checked by ``place_with_kv_pool`` alone; the speeds are the speed model's
@@ -18,10 +18,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Mapping, Sequence
 
-from shardline.models.config import ModelConfig, Quantize, RankShare, Sharding
+from shardline.models.config import ModelConfig, RankShare, Sharding
+from shardline.placement.layer_ranges import NodeCapacity, PlacementError
 from shardline.placement.memory import RUNTIME_BASELINE_BYTES
-from shardline.placement.pipeline import NodeCapacity, PlacementError
-from shardline.placement.ranks import SHARDINGS, place_with_kv_pool, resident_bytes_per_weight
+from shardline.placement.ranks import PlacementOptions, place_with_kv_pool, resident_bytes_per_weight
 from shardline.placement.served import Basis, PlacementKey, ServedSpeed, calibrate
 from shardline.placement.speed import Link, NodeProfile, check_dtype, predict_tokens_per_s
 
@@ -123,22 +123,16 @@ def preview(
     config: ModelConfig,
     nodes: Sequence[NodeProfile],
     links: Mapping[tuple[str, str], Link] | None,
-    context: int,
-    max_batch: int,
-    dtype: str = "bfloat16",
-    shardings: Sequence[Sharding] = SHARDINGS,
-    max_nodes: int | None = None,
+    options: PlacementOptions,
     *,
-    min_nodes: int = 1,
     weight_file_bytes: int = 0,
     baseline_bytes: int = RUNTIME_BASELINE_BYTES,
-    admit: bool = True,
-    kv_tokens: int | None = None,
-    quantize: Quantize | None = None,
     model_id: str = "",
     served: Sequence[ServedSpeed] = (),
 ) -> list[Candidate]:
-    """Every candidate placement of ``config`` on ``nodes``, feasible ones first, fastest first.
+    """Every candidate placement of ``config`` on ``nodes`` under ``options`` (resolved:
+    :meth:`~shardline.placement.ranks.PlacementOptions.sizes`), feasible ones first,
+    fastest first.
 
     Candidates: for each k from ``min_nodes`` to ``max_nodes`` (default: all), the k nodes with the most
     available bytes, in rank order by available bytes (most first), under each sharding in
@@ -150,10 +144,7 @@ def preview(
     placement of ``model_id`` in ``served`` that these miss (other nodes or another rank
     order) and the same bounds allow, in its own rank order.
 
-    Memory per rank is ``place_with_kv_pool``'s check with ``context`` tokens per sequence,
-    ``max_batch`` sequences, a KV pool of ``kv_tokens`` (None: as much as fits, up to
-    ``max_batch`` x ``context``), weights quantized on load by ``quantize`` (None: not) and
-    the compute ``dtype`` (skipped when not ``admit``: a forced placement) with
+    Memory per rank is ``place_with_kv_pool``'s check under ``options``, with
     ``weight_file_bytes`` (the model's weight files, 0: unknown) and ``baseline_bytes`` of
     runtime per rank; the speeds are :func:`predict_tokens_per_s`'s (decode tokens/s of one sequence, prefill
     tokens/s), decode reading :func:`~shardline.placement.ranks.resident_bytes_per_weight`
@@ -168,21 +159,25 @@ def preview(
 
     Raises:
         PlacementError: an unknown dtype (a ValueError).
+        KVCacheRequestError: ``kv_cache_bytes`` holds less than one sequence.
+        ValueError: ``options`` without a context or max_batch.
     """
+    context, _ = options.sizes()
+    dtype, quantize = options.dtype, options.quantize
     check_dtype(dtype)
     decode_weight_bytes = resident_bytes_per_weight(config, weight_file_bytes, dtype, quantize)
     quantized = quantize.value if quantize else None
-    placements = _placements(config, nodes, shardings, max_nodes, min_nodes, served, model_id, dtype,
-                             quantized)
+    options.kv_tokens(config)  # a pool of less than one sequence is refused first
+    placements = _placements(config, nodes, options.shardings, options.max_nodes, options.min_nodes or 1,
+                             served, model_id, dtype, quantized)
     feasible: list[Candidate] = []
     infeasible: list[Candidate] = []
     for sharding, subset in placements:
         ids = tuple(n.node_id for n in subset)
         capacities = [NodeCapacity(n.node_id, n.available_bytes) for n in subset]
         try:
-            shares, kv_pool = place_with_kv_pool(config, sharding, capacities, context,
-                                                 max_batch, dtype, admit, weight_file_bytes,
-                                                 baseline_bytes, kv_tokens, quantize)
+            shares, kv_pool = place_with_kv_pool(config, sharding, capacities, options, weight_file_bytes,
+                                                 baseline_bytes)
         except PlacementError as exc:
             infeasible.append(Candidate(sharding, ids, error=str(exc)))
             continue
@@ -223,18 +218,10 @@ def auto(
     config: ModelConfig,
     nodes: Sequence[NodeProfile],
     links: Mapping[tuple[str, str], Link] | None,
-    context: int,
-    max_batch: int,
-    dtype: str = "bfloat16",
-    shardings: Sequence[Sharding] = SHARDINGS,
-    max_nodes: int | None = None,
+    options: PlacementOptions,
     *,
-    min_nodes: int = 1,
     weight_file_bytes: int = 0,
     baseline_bytes: int = RUNTIME_BASELINE_BYTES,
-    admit: bool = True,
-    kv_tokens: int | None = None,
-    quantize: Quantize | None = None,
     model_id: str = "",
     served: Sequence[ServedSpeed] = (),
 ) -> Candidate:
@@ -244,10 +231,8 @@ def auto(
         PlacementError: no candidate is feasible; the message lists each candidate's
             sharding, nodes and why it was refused.
     """
-    candidates = preview(config, nodes, links, context, max_batch, dtype, shardings, max_nodes,
-                         min_nodes=min_nodes, weight_file_bytes=weight_file_bytes,
-                         baseline_bytes=baseline_bytes, admit=admit, kv_tokens=kv_tokens,
-                         quantize=quantize, model_id=model_id, served=served)
+    candidates = preview(config, nodes, links, options, weight_file_bytes=weight_file_bytes,
+                         baseline_bytes=baseline_bytes, model_id=model_id, served=served)
     if candidates and candidates[0].feasible:
         return candidates[0]
     if not candidates:

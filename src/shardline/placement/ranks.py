@@ -2,14 +2,16 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass, replace
+
 from shardline.models.config import ModelConfig, Quantize, RankShare, Sharding
-from shardline.placement.memory import RUNTIME_BASELINE_BYTES, prefill_scratch_bytes
-from shardline.placement.pipeline import (
+from shardline.placement.layer_ranges import (
     MemoryShortError,
     NodeCapacity,
     PlacementError,
     pipeline_layer_ranges,
 )
+from shardline.placement.memory import RUNTIME_BASELINE_BYTES, prefill_scratch_bytes
 from shardline.placement.ring import ring_admission, ring_working_bytes
 from shardline.placement.tensor import tensor_placement, tensor_rank_bytes
 
@@ -31,6 +33,74 @@ def shardings_named(name: str) -> tuple[Sharding, ...]:
     return (Sharding(name),)
 
 DTYPE_BYTES = {"bfloat16": 2, "float16": 2, "float32": 4}
+
+
+@dataclass(frozen=True)
+class PlacementOptions:
+    """What a placement is asked for besides the model and its nodes (the body of ``POST
+    /cluster/instances``, ``shardline place``'s flags, a failed instance's own settings when
+    it is placed again): what every step of placing reads.
+
+    Attributes:
+        context: tokens per sequence; None: the node's default, at most the model's
+            trained context (:meth:`resolved`).
+        max_batch: sequences at once; None: the node's default.
+        dtype: the ranks' compute dtype (``"bfloat16"``, ``"float16"``, ``"float32"``).
+        shardings: those weighed: one, or several (the best predicted of them).
+        min_nodes, max_nodes: the fewest and most nodes a placement chosen among
+            candidates uses (None: 1, and every node given); either set, it is chosen
+            among candidates even under one sharding.
+        kv_cache_bytes: the KV pool, the whole model's (all ranks together); None:
+            ``max_batch`` sequences of ``context`` tokens, or as much as fits.
+        quantize: 16- or 32-bit weights quantized on load to these bits; None: as the
+            files hold them.
+        force: memory admission skipped (the user knows better than the measured memory).
+        prefix_cache: the ranks keep finished prompts for later ones that start the same.
+    """
+
+    context: int | None = None
+    max_batch: int | None = None
+    dtype: str = "bfloat16"
+    shardings: tuple[Sharding, ...] = SHARDINGS
+    min_nodes: int | None = None
+    max_nodes: int | None = None
+    kv_cache_bytes: int | None = None
+    quantize: Quantize | None = None
+    force: bool = False
+    prefix_cache: bool = True
+
+    def resolved(self, trained: int, model: str, default_context: int, default_max_batch: int
+                 ) -> "PlacementOptions":
+        """These options with ``context`` (default: ``default_context``, at most the
+        model's ``trained`` context) and ``max_batch`` set.
+
+        Raises:
+            ContextRequestError: a context over ``trained`` (:func:`check_context`).
+        """
+        context = self.context or min(default_context, trained)
+        check_context(context, trained, model)
+        return replace(self, context=context, max_batch=self.max_batch or default_max_batch)
+
+    def sizes(self) -> tuple[int, int]:
+        """``(context, max_batch)``, set (:meth:`resolved`).
+
+        Raises:
+            ValueError: one is not set.
+        """
+        if self.context is None or self.max_batch is None:
+            raise ValueError("a placement needs its context and max_batch (PlacementOptions.resolved)")
+        return self.context, self.max_batch
+
+    def kv_tokens(self, config: ModelConfig) -> int | None:
+        """The KV pool's tokens ``kv_cache_bytes`` asks for (:func:`kv_tokens_for_bytes`),
+        or None.
+
+        Raises:
+            KVCacheRequestError: fewer than one sequence of the context.
+        """
+        if self.kv_cache_bytes is None:
+            return None
+        return kv_tokens_for_bytes(config, self.kv_cache_bytes, self.dtype, self.sizes()[0])
 
 
 def ring_prefill_chunk(world_size: int, per_rank: int = 512) -> int:
@@ -108,7 +178,7 @@ def _kv_hint(kv_cache: int, kv_tokens: int) -> str:
 
 class PlacementRequestError(ValueError):
     """A placement request that no cluster could satisfy (a 400, where a cluster without
-    room for it is a :class:`~shardline.placement.pipeline.PlacementError`)."""
+    room for it is a :class:`~shardline.placement.layer_ranges.PlacementError`)."""
 
 
 class KVCacheRequestError(PlacementRequestError):
@@ -225,26 +295,28 @@ def place_ranks(config: ModelConfig, sharding: Sharding, nodes: list[NodeCapacit
 
 
 def place_with_kv_pool(config: ModelConfig, sharding: Sharding, nodes: list[NodeCapacity],
-                       context: int, max_batch: int, dtype: str = "bfloat16",
-                       admit: bool = True, weight_file_bytes: int = 0,
-                       baseline_bytes: int = RUNTIME_BASELINE_BYTES,
-                       kv_tokens: int | None = None,
-                       quantize: Quantize | None = None) -> tuple[list[RankShare], int]:
-    """:func:`place_ranks` and the KV pool's tokens it was placed with.
+                       options: PlacementOptions, weight_file_bytes: int = 0,
+                       baseline_bytes: int = RUNTIME_BASELINE_BYTES) -> tuple[list[RankShare], int]:
+    """:func:`place_ranks` under ``options`` (resolved: :meth:`PlacementOptions.sizes`)
+    and the KV pool's tokens it was placed with.
 
-    With ``kv_tokens`` (or without ``admit``) the pool is :func:`kv_pool_tokens`. Without,
-    it is ``max_batch`` sequences of ``context`` tokens where that fits, else the most
-    tokens that fit (found by bisection), at least one sequence of ``context``: the
+    With ``kv_cache_bytes`` (or with ``force``) the pool is :func:`kv_pool_tokens`.
+    Without, it is ``max_batch`` sequences of ``context`` tokens where that fits, else the
+    most tokens that fit (found by bisection), at least one sequence of ``context``: the
     model is placed with a smaller pool rather than refused, and requests beyond the
     pool wait for blocks.
 
     Raises:
         PlacementError: as :func:`place_ranks`; the model does not fit even with a pool
             of one sequence of ``context`` tokens.
+        KVCacheRequestError: ``kv_cache_bytes`` holds less than one sequence.
     """
+    context, max_batch = options.sizes()
+    kv_tokens = options.kv_tokens(config)
+
     def place(tokens: int) -> list[RankShare]:
-        return place_ranks(config, sharding, nodes, context, max_batch, dtype, admit,
-                           weight_file_bytes, baseline_bytes, kv_tokens=tokens, quantize=quantize)
+        return place_ranks(config, sharding, nodes, context, max_batch, options.dtype, not options.force,
+                           weight_file_bytes, baseline_bytes, kv_tokens=tokens, quantize=options.quantize)
 
     full = kv_pool_tokens(context, max_batch, kv_tokens)
     try:

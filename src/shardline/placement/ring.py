@@ -7,7 +7,7 @@ full context for every slot, and the prefill working set of one ring chunk.
 
 from __future__ import annotations
 
-from shardline.placement.pipeline import MemoryShortError, NodeCapacity, PlacementError
+from shardline.placement.layer_ranges import MemoryShortError, NodeCapacity, PlacementError
 
 
 def ring_working_bytes(chunk_tokens: int, world: int, num_heads: int, num_kv_heads: int,

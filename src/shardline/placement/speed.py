@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from typing import Mapping, Sequence
 
 from shardline.models.config import ModelConfig, RankShare, Sharding, TensorShare
-from shardline.placement.pipeline import PlacementError
+from shardline.placement.layer_ranges import PlacementError
 from shardline.placement.ranks import DTYPE_BYTES, SHARDINGS, ring_prefill_chunk
 
 POINT_TO_POINT_BYTES = 128 * 1024

@@ -28,7 +28,7 @@ Everything here is pure: no torch, no I/O.
 from __future__ import annotations
 
 from shardline.models.config import ModelConfig, TensorShare
-from shardline.placement.pipeline import MemoryShortError, NodeCapacity, PlacementError
+from shardline.placement.layer_ranges import MemoryShortError, NodeCapacity, PlacementError
 
 COLUMN_BLOCK = 32
 

@@ -290,7 +290,7 @@ def _release_idle_memory() -> None:
     """An idle rank's memory back to its weights and runtime: the prefill scratch and the
     activations' freed heap go back to the system (the next prefill faults them in again
     once, a few milliseconds a MiB)."""
-    from shardline.models.products import release_scratch
+    from shardline.models.weight_products import release_scratch
     from shardline.process_memory import release_free_memory
 
     release_scratch()
