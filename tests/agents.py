@@ -30,21 +30,34 @@ import pytest
 ROOT = Path(__file__).resolve().parent.parent
 CACHE = Path.home() / ".cache" / "shardline" / "test-clients"
 INSTALL_TIMEOUT_S = 600
-PACKAGES = {"claude": ("npm", "@anthropic-ai/claude-code"), "codex": ("npm", "@openai/codex"),
-            "opencode": ("npm", "opencode-ai"), "aider": ("pypi", "aider-chat"), "llm": ("pypi", "llm")}
+PACKAGES = {
+    "claude": ("npm", "@anthropic-ai/claude-code"),
+    "codex": ("npm", "@openai/codex"),
+    "opencode": ("npm", "opencode-ai"),
+    "aider": ("pypi", "aider-chat"),
+    "llm": ("pypi", "llm"),
+}
 """Each client's registry and package."""
-NATIVE = {"claude": "@anthropic-ai/claude-code-{os}-{arch}*/claude",
-          "codex": "@openai/codex-{os}-{arch}*/vendor/*/bin/codex",
-          "opencode": "opencode-{os}-{arch}*/bin/opencode"}
+NATIVE = {
+    "claude": "@anthropic-ai/claude-code-{os}-{arch}*/claude",
+    "codex": "@openai/codex-{os}-{arch}*/vendor/*/bin/codex",
+    "opencode": "opencode-{os}-{arch}*/bin/opencode",
+}
 """Where an npm client's native binary lies under ``node_modules`` (a glob: npm installs the
 platform package that fits the machine, e.g. ``opencode-linux-x64`` and its
 ``-baseline`` build for CPUs without AVX2)."""
-QUIET = {"claude": {"DISABLE_TELEMETRY": "1", "DISABLE_AUTOUPDATER": "1", "DISABLE_ERROR_REPORTING": "1"},
-         "codex": {},
-         "opencode": {"OPENCODE_DISABLE_AUTOUPDATE": "1", "OPENCODE_DISABLE_MODELS_FETCH": "1",
-                      "OPENCODE_DISABLE_LSP_DOWNLOAD": "1", "OPENCODE_DISABLE_SHARE": "1"},
-         "aider": {"LITELLM_LOCAL_MODEL_COST_MAP": "True"},  # no price list from GitHub at start
-         "llm": {}}
+QUIET = {
+    "claude": {"DISABLE_TELEMETRY": "1", "DISABLE_AUTOUPDATER": "1", "DISABLE_ERROR_REPORTING": "1"},
+    "codex": {},
+    "opencode": {
+        "OPENCODE_DISABLE_AUTOUPDATE": "1",
+        "OPENCODE_DISABLE_MODELS_FETCH": "1",
+        "OPENCODE_DISABLE_LSP_DOWNLOAD": "1",
+        "OPENCODE_DISABLE_SHARE": "1",
+    },
+    "aider": {"LITELLM_LOCAL_MODEL_COST_MAP": "True"},  # no price list from GitHub at start
+    "llm": {},
+}
 """The offline and no-telemetry variables each client is run with besides its connection's
 (tests/fixtures/clients/README.md)."""
 
@@ -65,8 +78,15 @@ def _node_platform() -> tuple[str, str] | None:
 def run_bounded(argv: list[str], timeout_s: float, **kwargs) -> subprocess.CompletedProcess:
     """``subprocess.run`` in a session of its own whose every process is killed when
     ``timeout_s`` passes (then the return code is -9 and stderr says so)."""
-    proc = subprocess.Popen(argv, start_new_session=True, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                            text=True, errors="replace", **kwargs)
+    proc = subprocess.Popen(
+        argv,
+        start_new_session=True,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        errors="replace",
+        **kwargs,
+    )
     try:
         out, err = proc.communicate(timeout=timeout_s)
     except subprocess.TimeoutExpired:
@@ -82,8 +102,12 @@ def _reason(text: str) -> str:
     (its last ones point at its log, or dump the error object), else the output's last
     line (pip's ``ERROR: ...``)."""
     lines = [line.strip() for line in text.splitlines() if line.strip()]
-    said = [line for line in lines if line.startswith("npm error ")
-            and line.split()[2].rstrip(":") not in ("code", "syscall", "errno", "path", "A", "at")]
+    said = [
+        line
+        for line in lines
+        if line.startswith("npm error ")
+        and line.split()[2].rstrip(":") not in ("code", "syscall", "errno", "path", "A", "at")
+    ]
     return said[0] if said else lines[-1] if lines else "(no output)"
 
 
@@ -106,19 +130,43 @@ def install(client: str) -> Path:
                     pytest.skip(f"{package}@{version}: npm is not installed")
                 (target / "package.json").write_text('{"private": true}\n')
                 # one retry, soon: without the registry an install fails in seconds, not minutes
-                argv = [npm, "install", "--ignore-scripts", "--no-audit", "--no-fund", "--no-update-notifier",
-                        "--fetch-retries=1", "--fetch-retry-mintimeout=2000", "--fetch-retry-maxtimeout=10000",
-                        "--prefix", str(target), f"{package}@{version}"]
+                argv = [
+                    npm,
+                    "install",
+                    "--ignore-scripts",
+                    "--no-audit",
+                    "--no-fund",
+                    "--no-update-notifier",
+                    "--fetch-retries=1",
+                    "--fetch-retry-mintimeout=2000",
+                    "--fetch-retry-maxtimeout=10000",
+                    "--prefix",
+                    str(target),
+                    f"{package}@{version}",
+                ]
                 done = run_bounded(argv, INSTALL_TIMEOUT_S)
             else:
                 done = run_bounded([sys.executable, "-m", "venv", str(target / "venv")], 120)
                 if done.returncode == 0:
-                    done = run_bounded([str(target / "venv" / "bin" / "python"), "-m", "pip", "install", "-q",
-                                        "--retries", "1", f"{package}=={version}"], INSTALL_TIMEOUT_S)
+                    done = run_bounded(
+                        [
+                            str(target / "venv" / "bin" / "python"),
+                            "-m",
+                            "pip",
+                            "install",
+                            "-q",
+                            "--retries",
+                            "1",
+                            f"{package}=={version}",
+                        ],
+                        INSTALL_TIMEOUT_S,
+                    )
             (target / "install.log").write_text(done.stdout + done.stderr)
             if done.returncode != 0:
-                pytest.skip(f"{package}=={version} did not install (exit {done.returncode}): "
-                            f"{_reason(done.stdout + done.stderr)}")
+                pytest.skip(
+                    f"{package}=={version} did not install (exit {done.returncode}): "
+                    f"{_reason(done.stdout + done.stderr)}"
+                )
             (target / ".complete").write_text(f"{package}=={version}\n")
     if kind == "pypi":
         return target / "venv" / "bin"
@@ -129,8 +177,10 @@ def install(client: str) -> Path:
     for binary in found:  # the first that starts here (the -baseline build sorts after the other)
         if run_bounded([str(binary), "--version"], 60).returncode == 0:
             return binary.parent
-    pytest.skip(f"{package}@{version}: no native binary for {where[0]}-{where[1]} starts here "
-                f"(found {[str(b.relative_to(target)) for b in found]})")
+    pytest.skip(
+        f"{package}@{version}: no native binary for {where[0]}-{where[1]} starts here "
+        f"(found {[str(b.relative_to(target)) for b in found]})"
+    )
 
 
 @dataclass
@@ -143,12 +193,18 @@ class Run:
     wall_s: float
 
 
-def run_client(argv: list[str], bin_dir: Path, env: dict[str, str], home: Path, cwd: Path,
-               timeout_s: float = 120.0) -> Run:
+def run_client(
+    argv: list[str], bin_dir: Path, env: dict[str, str], home: Path, cwd: Path, timeout_s: float = 120.0
+) -> Run:
     """Run ``argv`` (its first word found in ``bin_dir``) in ``cwd`` with only a minimal
     environment (``PATH``, ``HOME``, ``TERM=dumb``) plus ``env``, and stdin from /dev/null."""
-    full = {"PATH": f"{bin_dir}:/usr/local/bin:/usr/bin:/bin", "HOME": str(home), "TERM": "dumb",
-            "LANG": "C.UTF-8", **env}
+    full = {
+        "PATH": f"{bin_dir}:/usr/local/bin:/usr/bin:/bin",
+        "HOME": str(home),
+        "TERM": "dumb",
+        "LANG": "C.UTF-8",
+        **env,
+    }
     start = time.monotonic()
     done = run_bounded(argv, timeout_s, env=full, cwd=cwd, stdin=subprocess.DEVNULL)
     return Run(done.returncode, done.stdout, done.stderr, time.monotonic() - start)

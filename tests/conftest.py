@@ -17,8 +17,13 @@ from shardline.local_cluster import LocalCluster
 from shardline.node.signing import SignedAuth, signing_key
 
 
-def wait_until(check, timeout_s: float = 60.0, what: str = "a condition", interval_s: float = 0.1,
-               tolerate: tuple[type[BaseException], ...] = ()):
+def wait_until(
+    check,
+    timeout_s: float = 60.0,
+    what: str = "a condition",
+    interval_s: float = 0.1,
+    tolerate: tuple[type[BaseException], ...] = (),
+):
     """Call ``check`` every ``interval_s`` seconds until it returns something truthy, and
     return that; an exception of a ``tolerate`` type counts as not yet.
 
@@ -74,8 +79,7 @@ def placed(url: str) -> list[dict]:
     memory, and ``speed`` (predicted from the nodes' profiles now, which a node re-measures
     when idle, beside the measured rate), which change from one second to the next."""
     instances = httpx.get(f"{url}/cluster/instances", timeout=10).json()["instances"]
-    return [{k: v for k, v in inst.items() if not k.startswith("local_") and k != "speed"}
-            for inst in instances]
+    return [{k: v for k, v in inst.items() if not k.startswith("local_") and k != "speed"} for inst in instances]
 
 
 CAPITAL_QUESTION = "What is the name of the capital of France?"
@@ -91,9 +95,16 @@ def capital_answer(url: str) -> str | None:
     from shardline.models.store import DEFAULT_MODEL_ID
 
     try:
-        response = httpx.post(f"{url}/v1/chat/completions", timeout=60, json={
-            "model": DEFAULT_MODEL_ID, "temperature": 0, "max_tokens": 12,
-            "messages": [{"role": "user", "content": CAPITAL_QUESTION}]})
+        response = httpx.post(
+            f"{url}/v1/chat/completions",
+            timeout=60,
+            json={
+                "model": DEFAULT_MODEL_ID,
+                "temperature": 0,
+                "max_tokens": 12,
+                "messages": [{"role": "user", "content": CAPITAL_QUESTION}],
+            },
+        )
     except httpx.HTTPError:
         return None
     return response.json()["choices"][0]["message"]["content"] if response.status_code == 200 else None
@@ -101,8 +112,9 @@ def capital_answer(url: str) -> str | None:
 
 def start_cluster(nodes: int, log_dir, **options) -> LocalCluster:
     """Start ``nodes`` local nodes and place the default model across all of them."""
-    cluster = LocalCluster(nodes=nodes, base_port=free_port_block(nodes), runner_threads=1,
-                           log_dir=str(log_dir), data_dir=str(log_dir))
+    cluster = LocalCluster(
+        nodes=nodes, base_port=free_port_block(nodes), runner_threads=1, log_dir=str(log_dir), data_dir=str(log_dir)
+    )
     try:
         cluster.start()
         cluster.place(None, "pipeline", **options)

@@ -16,11 +16,13 @@ shard's file bytes is less than that."""
 
 def describe(row: dict, param_bytes: int) -> str:
     """One line of a rank's figures in MiB, printed beside the assertions."""
-    return (f"rank {row['rank']} {row['share']}: file {row['file_bytes'] / MIB:.0f} MiB, weights "
-            f"{param_bytes / MIB:.0f}, baseline {row['baseline_bytes'] / MIB:.0f}, runtime "
-            f"{row['runtime_rss_bytes'] / MIB:.0f}, steady {row['rss_bytes'] / MIB:.0f}, peak "
-            f"{row['peak_rss_bytes'] / MIB:.0f}, estimate {row['estimated_bytes'] / MIB:.0f}, "
-            f"load peak {row['load_peak_rss_bytes'] / MIB:.0f}")
+    return (
+        f"rank {row['rank']} {row['share']}: file {row['file_bytes'] / MIB:.0f} MiB, weights "
+        f"{param_bytes / MIB:.0f}, baseline {row['baseline_bytes'] / MIB:.0f}, runtime "
+        f"{row['runtime_rss_bytes'] / MIB:.0f}, steady {row['rss_bytes'] / MIB:.0f}, peak "
+        f"{row['peak_rss_bytes'] / MIB:.0f}, estimate {row['estimated_bytes'] / MIB:.0f}, "
+        f"load peak {row['load_peak_rss_bytes'] / MIB:.0f}"
+    )
 
 
 def check_rank(row: dict, param_bytes: int) -> None:

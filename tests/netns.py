@@ -81,6 +81,27 @@ class Hosts:
     def limit(self, i: int, rate: str) -> None:
         """Host ``i`` sends at most ``rate`` (a tc rate, e.g. ``"20mbit"``): a token bucket
         on its ``eth0``."""
-        subprocess.run(["ip", "netns", "exec", self.names[i], "tc", "qdisc", "add", "dev",
-                        "eth0", "root", "tbf", "rate", rate, "burst", "32kb", "latency", "400ms"],
-                       check=True, capture_output=True, text=True)
+        subprocess.run(
+            [
+                "ip",
+                "netns",
+                "exec",
+                self.names[i],
+                "tc",
+                "qdisc",
+                "add",
+                "dev",
+                "eth0",
+                "root",
+                "tbf",
+                "rate",
+                rate,
+                "burst",
+                "32kb",
+                "latency",
+                "400ms",
+            ],
+            check=True,
+            capture_output=True,
+            text=True,
+        )

@@ -18,8 +18,9 @@ def _worker(rank, world, port, job, args, out_dir):
     torch.set_num_threads(1)
     result_file = Path(out_dir) / f"rank{rank}.pt"
     try:
-        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
-                                world_size=world, timeout=timedelta(seconds=60))
+        dist.init_process_group(
+            "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world, timeout=timedelta(seconds=60)
+        )
         try:
             result = job(rank, world, *args)
         finally:
@@ -38,8 +39,9 @@ def spawn_ranks(world: int, job, args: tuple, tmp_path: Path, timeout: float) ->
     from conftest import free_port_block  # here: the ranks' processes import this module too
 
     port = free_port_block(1)
-    procs = [ctx.Process(target=_worker, args=(r, world, port, job, args, str(out_dir)),
-                         daemon=True) for r in range(world)]
+    procs = [
+        ctx.Process(target=_worker, args=(r, world, port, job, args, str(out_dir)), daemon=True) for r in range(world)
+    ]
     for p in procs:
         p.start()
     deadline = time.monotonic() + timeout

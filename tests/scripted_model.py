@@ -130,9 +130,12 @@ def script_rules(prompt_end: list[int], script: list[int], after_result: bool) -
     rules = []
     for k in range(first, len(seq) - 1):
         for m in range(1, min(MAX_ORDER, k + 1) + 1):
-            context = tuple(seq[k - m + 1:k + 1])
-            clash = [j for j in range(first, len(seq) - 1) if seq[j + 1] != seq[k + 1] and j - m + 1 >= 0
-                     and tuple(seq[j - m + 1:j + 1]) == context]
+            context = tuple(seq[k - m + 1 : k + 1])
+            clash = [
+                j
+                for j in range(first, len(seq) - 1)
+                if seq[j + 1] != seq[k + 1] and j - m + 1 >= 0 and tuple(seq[j - m + 1 : j + 1]) == context
+            ]
             if not clash:
                 rules.append(Rule(context[::-1], after_result, seq[k + 1]))
                 break
@@ -168,8 +171,7 @@ def write_scripted_tokenizer(directory: Path) -> Path:
     return directory
 
 
-def write_scripted_model(directory: Path, first: str, after_result: str = "Done.", *,
-                         context: int = 32768) -> Path:
+def write_scripted_model(directory: Path, first: str, after_result: str = "Done.", *, context: int = 32768) -> Path:
     """A model directory (see the module docstring) that answers ``first`` (text: a call
     from :func:`tool_call_text`, or any other) while no tool result is in the prompt and
     ``after_result`` once one is, each followed by the end of the turn; its trained
@@ -187,8 +189,10 @@ def write_scripted_model(directory: Path, first: str, after_result: str = "Done.
     write_scripted_tokenizer(directory)
     tokenizer = transformers.AutoTokenizer.from_pretrained(str(directory))
     prompt_end = tokenizer.encode(GENERATION_PROMPT, add_special_tokens=False)
-    scripts = {False: [*tokenizer.encode(first, add_special_tokens=False), END_OF_TURN],
-               True: [*tokenizer.encode(after_result, add_special_tokens=False), END_OF_TURN]}
+    scripts = {
+        False: [*tokenizer.encode(first, add_special_tokens=False), END_OF_TURN],
+        True: [*tokenizer.encode(after_result, add_special_tokens=False), END_OF_TURN],
+    }
     rules = [rule for phase, script in scripts.items() for rule in script_rules(prompt_end, script, phase)]
     marker = RESPONSE_TOKENS["<tool_response>"]
     used = sorted({*prompt_end, *scripts[False], *scripts[True], marker})
@@ -197,8 +201,10 @@ def write_scripted_model(directory: Path, first: str, after_result: str = "Done.
     slots = other + 1
     head_dim = next((n for n in HEAD_DIMS if slots <= n), None)
     if head_dim is None:
-        raise ValueError(f"the scripts use {len(used) - 1} different tokens with the generation prompt's, "
-                         f"more than {HEAD_DIMS[-1] - 2}")
+        raise ValueError(
+            f"the scripts use {len(used) - 1} different tokens with the generation prompt's, "
+            f"more than {HEAD_DIMS[-1] - 2}"
+        )
     order = max(len(rule.context) for rule in rules)  # blocks: the current token, then d = 1 .. order-1
     heads = max(order, math.ceil((2 + order * slots) / head_dim))
     hidden = heads * head_dim
@@ -211,10 +217,21 @@ def write_scripted_model(directory: Path, first: str, after_result: str = "Done.
 
     transformers.logging.set_verbosity_error()
     config = transformers.Qwen2Config(
-        vocab_size=vocab, hidden_size=hidden, intermediate_size=units, num_hidden_layers=1,
-        num_attention_heads=heads, num_key_value_heads=heads, max_position_embeddings=context,
-        rms_norm_eps=1e-6, rope_theta=ROPE_THETA, tie_word_embeddings=False, use_sliding_window=False,
-        bos_token_id=None, eos_token_id=None, pad_token_id=None)
+        vocab_size=vocab,
+        hidden_size=hidden,
+        intermediate_size=units,
+        num_hidden_layers=1,
+        num_attention_heads=heads,
+        num_key_value_heads=heads,
+        max_position_embeddings=context,
+        rms_norm_eps=1e-6,
+        rope_theta=ROPE_THETA,
+        tie_word_embeddings=False,
+        use_sliding_window=False,
+        bos_token_id=None,
+        eos_token_id=None,
+        pad_token_id=None,
+    )
     model = transformers.Qwen2ForCausalLM(config).to(torch.float32).eval()
     half = head_dim // 2
     theta = [ROPE_THETA ** (-i / half) for i in range(half)]  # RoPE's frequency of each pair

@@ -20,9 +20,14 @@ from shardline.models.tokenizer import Tokenizer
 from shardline.models.weights import open_weights
 
 _LAYER_NAMES = {
-    "attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj",
-    "attn_output": "self_attn.o_proj", "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj",
-    "ffn_down": "mlp.down_proj", "attn_norm": "input_layernorm",
+    "attn_q": "self_attn.q_proj",
+    "attn_k": "self_attn.k_proj",
+    "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj",
+    "ffn_gate": "mlp.gate_proj",
+    "ffn_up": "mlp.up_proj",
+    "ffn_down": "mlp.down_proj",
+    "attn_norm": "input_layernorm",
     "ffn_norm": "post_attention_layernorm",
 }
 
@@ -48,15 +53,26 @@ def write_smollm2_safetensors(directory: Path) -> Path:
                 values = values[_unpermute_index(values.shape[0], heads)]
         tensors[name] = torch.from_numpy(np.ascontiguousarray(values)).to(torch.bfloat16)
     save_file(tensors, str(directory / "model.safetensors"), metadata={"format": "pt"})
-    (directory / "config.json").write_text(json.dumps({
-        "architectures": ["LlamaForCausalLM"], "model_type": "llama",
-        "hidden_size": config.hidden_size, "intermediate_size": config.intermediate_size,
-        "num_attention_heads": config.num_heads, "num_key_value_heads": config.num_kv_heads,
-        "num_hidden_layers": config.num_layers, "vocab_size": config.vocab_size,
-        "rms_norm_eps": config.rms_norm_eps, "rope_theta": config.rope_theta,
-        "max_position_embeddings": config.max_position_embeddings,
-        "tie_word_embeddings": config.tie_word_embeddings, "torch_dtype": "bfloat16",
-        "head_dim": config.head_dim, "hidden_act": "silu",
-    }))
+    (directory / "config.json").write_text(
+        json.dumps(
+            {
+                "architectures": ["LlamaForCausalLM"],
+                "model_type": "llama",
+                "hidden_size": config.hidden_size,
+                "intermediate_size": config.intermediate_size,
+                "num_attention_heads": config.num_heads,
+                "num_key_value_heads": config.num_kv_heads,
+                "num_hidden_layers": config.num_layers,
+                "vocab_size": config.vocab_size,
+                "rms_norm_eps": config.rms_norm_eps,
+                "rope_theta": config.rope_theta,
+                "max_position_embeddings": config.max_position_embeddings,
+                "tie_word_embeddings": config.tie_word_embeddings,
+                "torch_dtype": "bfloat16",
+                "head_dim": config.head_dim,
+                "hidden_act": "silu",
+            }
+        )
+    )
     Tokenizer(gguf_path).save(directory)
     return directory

@@ -97,8 +97,14 @@ def node(tmp_path_factory, request):
     write_tiny_chat_model(root / "models" / MODEL, "qwen", context=CONTEXT, says=(SAYS_WORD[1],))
     call = tuple(Tokenizer(default_model_path()).encode(CALL, add_special_tokens=False))
     write_tiny_chat_model(root / "models" / CALLER, "qwen", context=4096, says=call)
-    cluster = LocalCluster(nodes=1, base_port=free_port_block(1), runner_threads=1, log_dir=str(root),
-                           data_dir=str(root), model_dirs=[root / "models"])
+    cluster = LocalCluster(
+        nodes=1,
+        base_port=free_port_block(1),
+        runner_threads=1,
+        log_dir=str(root),
+        data_dir=str(root),
+        model_dirs=[root / "models"],
+    )
     cluster.start()
     try:
         cluster.place(str(root / "models" / MODEL), "pipeline", context=CONTEXT, max_batch=2)
@@ -111,24 +117,33 @@ def node(tmp_path_factory, request):
             with capture.global_and_fixture_disabled():
                 print("\nagents' wall times: " + ", ".join(f"{c} {s:.1f} s" for c, s in WALL.items()))
                 if HITS:
-                    print("second turns' cached prompt tokens: " + ", ".join(
-                        f"{c} {hit}" for c, hit in HITS.items()))
+                    print("second turns' cached prompt tokens: " + ", ".join(f"{c} {hit}" for c, hit in HITS.items()))
 
 
 NON_INTERACTIVE = {
     "claude": lambda command: [*command, "-p", PROMPT],
     "codex": lambda command: [*command, "exec", "--skip-git-repo-check", PROMPT],
     "opencode": lambda command: [*command, "run", PROMPT],
-    "aider": lambda command: [*command, "--message", PROMPT, "--yes-always", "--no-git", "--no-check-update",
-                              "--no-show-model-warnings", "--analytics-disable", "--no-pretty",
-                              "--no-fancy-input"],
+    "aider": lambda command: [
+        *command,
+        "--message",
+        PROMPT,
+        "--yes-always",
+        "--no-git",
+        "--no-check-update",
+        "--no-show-model-warnings",
+        "--analytics-disable",
+        "--no-pretty",
+        "--no-fancy-input",
+    ],
     "llm": lambda command: [*command[:-1], PROMPT],
 }
 """Each connection's command with the arguments that run it once on PROMPT and exit."""
 
 
-def _setup(client: str, url: str, tmp_path: Path, model: str = MODEL, context: int = CONTEXT
-           ) -> tuple[Connection, Path, Path]:
+def _setup(
+    client: str, url: str, tmp_path: Path, model: str = MODEL, context: int = CONTEXT
+) -> tuple[Connection, Path, Path]:
     """The connection of ``client`` to ``model``, and a fresh HOME and project folder with
     its files."""
     home, project = tmp_path / "home", tmp_path / "project"
@@ -144,8 +159,10 @@ def _setup(client: str, url: str, tmp_path: Path, model: str = MODEL, context: i
 
 def _failure(client: str, run, log_dir: Path) -> str:
     log = (log_dir / "node-0.log").read_text(errors="replace").splitlines()
-    return (f"{client}: exit {run.returncode} after {run.wall_s:.1f} s\n--- stdout\n{run.stdout[-3000:]}\n"
-            f"--- stderr\n{run.stderr[-3000:]}\n--- node log (last 40 lines)\n" + "\n".join(log[-40:]))
+    return (
+        f"{client}: exit {run.returncode} after {run.wall_s:.1f} s\n--- stdout\n{run.stdout[-3000:]}\n"
+        f"--- stderr\n{run.stderr[-3000:]}\n--- node log (last 40 lines)\n" + "\n".join(log[-40:])
+    )
 
 
 @pytest.mark.parametrize("client", CLIENTS)
@@ -157,20 +174,26 @@ def test_an_agent_runs_against_a_node_with_the_connect_settings(client, node, tm
     log_dir = node.root
     bin_dir = install(client)
     conn, home, project = _setup(client, node.url, tmp_path)
-    run = run_client(NON_INTERACTIVE[client](list(conn.command)), bin_dir, {**QUIET[client], **conn.env},
-                     home, project, CLIENT_TIMEOUT_S)
+    run = run_client(
+        NON_INTERACTIVE[client](list(conn.command)),
+        bin_dir,
+        {**QUIET[client], **conn.env},
+        home,
+        project,
+        CLIENT_TIMEOUT_S,
+    )
     WALL[client] = run.wall_s
     assert run.returncode == 0, _failure(client, run, log_dir)
     assert WORD in run.stdout, _failure(client, run, log_dir)
     assert "Traceback" not in run.stdout + run.stderr, _failure(client, run, log_dir)
 
 
-HELLO = '''
+HELLO = """
 def hello() -> str:
     "Write hi to hello.txt."
     open("hello.txt", "w").write("hi")
     return "written"
-'''
+"""
 
 
 def test_llm_runs_the_tool_the_model_calls(node, tmp_path):
@@ -188,8 +211,9 @@ def test_llm_runs_the_tool_the_model_calls(node, tmp_path):
     assert (project / "hello.txt").read_text() == "hi", _failure("llm", run, log_dir)
     output = run.stdout + run.stderr
     # 5 responses, each a call: the first 4 run, each result sent back and answered
-    assert output.count("Tool call: hello({})") == 4 and "Chain limit of 5 exceeded" in output, \
-        _failure("llm", run, log_dir)
+    assert output.count("Tool call: hello({})") == 4 and "Chain limit of 5 exceeded" in output, _failure(
+        "llm", run, log_dir
+    )
     assert "Traceback" not in output, _failure("llm", run, log_dir)
 
 
@@ -211,17 +235,27 @@ class Task:
 
 
 TASKS = {
-    "claude": Task(lambda project: tool_call_text("Write", {"file_path": str(project / "hello.txt"), "content": "hi"}),
-                   lambda command: [*command, "-p", PROMPT, "--permission-mode", "acceptEdits"], "hi"),
-    "codex": Task(lambda project: tool_call_text("exec_command", {"cmd": "echo hi > hello.txt"}),
-                  lambda command: [*command, "exec", "--skip-git-repo-check", "--sandbox", "workspace-write", PROMPT],
-                  "hi\n"),
-    "opencode": Task(lambda project: tool_call_text("write", {"filePath": str(project / "hello.txt"), "content": "hi"}),
-                     NON_INTERACTIVE["opencode"], "hi"),
-    "aider": Task(lambda project: "hello.txt\n```\nhi\n```", NON_INTERACTIVE["aider"], "hi\n",
-                  "Applied edit to hello.txt"),
-    "llm": Task(lambda project: tool_call_text("hello", {}),
-                lambda command: [*command[:-1], "--functions", HELLO, PROMPT], "hi"),
+    "claude": Task(
+        lambda project: tool_call_text("Write", {"file_path": str(project / "hello.txt"), "content": "hi"}),
+        lambda command: [*command, "-p", PROMPT, "--permission-mode", "acceptEdits"],
+        "hi",
+    ),
+    "codex": Task(
+        lambda project: tool_call_text("exec_command", {"cmd": "echo hi > hello.txt"}),
+        lambda command: [*command, "exec", "--skip-git-repo-check", "--sandbox", "workspace-write", PROMPT],
+        "hi\n",
+    ),
+    "opencode": Task(
+        lambda project: tool_call_text("write", {"filePath": str(project / "hello.txt"), "content": "hi"}),
+        NON_INTERACTIVE["opencode"],
+        "hi",
+    ),
+    "aider": Task(
+        lambda project: "hello.txt\n```\nhi\n```", NON_INTERACTIVE["aider"], "hi\n", "Applied edit to hello.txt"
+    ),
+    "llm": Task(
+        lambda project: tool_call_text("hello", {}), lambda command: [*command[:-1], "--functions", HELLO, PROMPT], "hi"
+    ),
 }
 """Each agent's task. Claude Code's ``Write`` and opencode's ``write`` take an absolute path;
 Codex's ``exec_command`` runs a shell command in the project folder (which ``codex exec``'s
@@ -247,8 +281,9 @@ def test_an_agent_creates_a_file(client, node, tmp_path):
     conn, home, project = _setup(client, node.url, tmp_path, model, TASK_CONTEXT)
     write_scripted_model(node.root / "models" / model, task.first(project), AFTER_RESULT, context=TASK_CONTEXT)
     node.cluster.place(str(node.root / "models" / model), "pipeline", context=TASK_CONTEXT, max_batch=2)
-    run = run_client(task.argv(list(conn.command)), bin_dir, {**QUIET[client], **conn.env}, home, project,
-                     CLIENT_TIMEOUT_S)
+    run = run_client(
+        task.argv(list(conn.command)), bin_dir, {**QUIET[client], **conn.env}, home, project, CLIENT_TIMEOUT_S
+    )
     WALL[f"{client} task"] = run.wall_s
     failure = _failure(client, run, node.root)
     assert run.returncode == 0, failure
@@ -261,10 +296,14 @@ def test_an_agent_creates_a_file(client, node, tmp_path):
 NEXT = "Say it once more."
 TURNS = {
     "claude": (NON_INTERACTIVE["claude"], lambda command: [*command, "-p", "--continue", NEXT]),
-    "codex": (NON_INTERACTIVE["codex"],
-              lambda command: [*command, "exec", "resume", "--skip-git-repo-check", "--last", NEXT]),
-    "opencode": (lambda command: [*command, "run", "--title", "hello", PROMPT],
-                 lambda command: [*command, "run", "--continue", NEXT]),
+    "codex": (
+        NON_INTERACTIVE["codex"],
+        lambda command: [*command, "exec", "resume", "--skip-git-repo-check", "--last", NEXT],
+    ),
+    "opencode": (
+        lambda command: [*command, "run", "--title", "hello", PROMPT],
+        lambda command: [*command, "run", "--continue", NEXT],
+    ),
 }
 """Each agent's first turn on PROMPT and its second turn, which continues the last
 conversation in the project folder with :data:`NEXT`. opencode is given the session's
@@ -326,9 +365,11 @@ def test_an_agents_second_turn_hits_the_prefix_cache(client, node, tmp_path):
         assert WORD in run.stdout, failure
         assert "Traceback" not in run.stdout + run.stderr, failure
     (requests1, prompt1, _), (requests2, prompt2, cached2) = (
-        tuple(after - before for before, after in zip(served[i], served[i + 1])) for i in (0, 1))
+        tuple(after - before for before, after in zip(served[i], served[i + 1])) for i in (0, 1)
+    )
     assert requests1 == requests2 == 1, f"{client}: {requests1:.0f} and {requests2:.0f} requests, not one a turn"
     HITS[client] = f"{cached2:.0f} of {prompt2:.0f} (first turn {prompt1:.0f})"
     assert prompt2 > prompt1, f"{client}: the second turn ({prompt2:.0f} tokens) did not continue the first's"
-    assert cached2 >= CACHED_SHARE * prompt1, \
+    assert cached2 >= CACHED_SHARE * prompt1, (
         f"{client}: the second turn found {cached2:.0f} of the first turn's {prompt1:.0f} tokens cached"
+    )

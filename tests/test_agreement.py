@@ -9,8 +9,7 @@ pytestmark = [pytest.mark.fast, pytest.mark.timeout(30)]
 
 def test_task_starts_only_when_every_rank_holds_it():
     k = 8
-    proposals = [encode_proposal([5, 3, 9], [], k), encode_proposal([9, 3], [], k),
-                 encode_proposal([3, 9, 7], [], k)]
+    proposals = [encode_proposal([5, 3, 9], [], k), encode_proposal([9, 3], [], k), encode_proposal([3, 9, 7], [], k)]
     assert decide(proposals, k).tasks == (3, 9)
 
 

@@ -16,22 +16,38 @@ SYSTEM = "You are a helpful assistant."
 
 
 def messages(url: str, **body) -> httpx.Response:
-    body = {"model": DEFAULT_MODEL_ID, "max_tokens": 20, "temperature": 0,
-            "messages": [{"role": "user", "content": CAPITAL_QUESTION}], **body}
-    return httpx.post(f"{url}/v1/messages", json=body, timeout=120,
-                      headers={"x-api-key": "unused", "anthropic-version": "2023-06-01"})
+    body = {
+        "model": DEFAULT_MODEL_ID,
+        "max_tokens": 20,
+        "temperature": 0,
+        "messages": [{"role": "user", "content": CAPITAL_QUESTION}],
+        **body,
+    }
+    return httpx.post(
+        f"{url}/v1/messages", json=body, timeout=120, headers={"x-api-key": "unused", "anthropic-version": "2023-06-01"}
+    )
 
 
 def openai_text(url: str, content: str, max_tokens: int) -> str:
-    response = httpx.post(f"{url}/v1/chat/completions", timeout=120, json={
-        "model": DEFAULT_MODEL_ID, "temperature": 0, "max_tokens": max_tokens,
-        "messages": [{"role": "system", "content": SYSTEM}, {"role": "user", "content": content}]})
+    response = httpx.post(
+        f"{url}/v1/chat/completions",
+        timeout=120,
+        json={
+            "model": DEFAULT_MODEL_ID,
+            "temperature": 0,
+            "max_tokens": max_tokens,
+            "messages": [{"role": "system", "content": SYSTEM}, {"role": "user", "content": content}],
+        },
+    )
     return response.json()["choices"][0]["message"]["content"]
 
 
 def test_a_message_is_answered_as_the_openai_api_answers_it(cluster3):
-    response = messages(cluster3.url(0), system=[{"type": "text", "text": SYSTEM}],
-                        messages=[{"role": "user", "content": [{"type": "text", "text": CAPITAL_QUESTION}]}])
+    response = messages(
+        cluster3.url(0),
+        system=[{"type": "text", "text": SYSTEM}],
+        messages=[{"role": "user", "content": [{"type": "text", "text": CAPITAL_QUESTION}]}],
+    )
     assert response.status_code == 200, response.text
     body = response.json()
     assert body["type"] == "message" and body["role"] == "assistant" and body["id"].startswith("msg_")
@@ -57,13 +73,22 @@ def test_a_stop_sequence_ends_the_message_and_is_named(cluster3):
 
 def test_streamed_events_follow_anthropics_order(cluster3):
     whole = messages(cluster3.url(0), max_tokens=6).json()
-    with httpx.stream("POST", f"{cluster3.url(2)}/v1/messages", timeout=120, json={
-            "model": DEFAULT_MODEL_ID, "max_tokens": 6, "temperature": 0, "stream": True,
-            "messages": [{"role": "user", "content": CAPITAL_QUESTION}]}) as response:
+    with httpx.stream(
+        "POST",
+        f"{cluster3.url(2)}/v1/messages",
+        timeout=120,
+        json={
+            "model": DEFAULT_MODEL_ID,
+            "max_tokens": 6,
+            "temperature": 0,
+            "stream": True,
+            "messages": [{"role": "user", "content": CAPITAL_QUESTION}],
+        },
+    ) as response:
         assert response.headers["content-type"].startswith("text/event-stream")
         lines = [line for line in response.iter_lines() if line]
-    names = [line[len("event: "):] for line in lines if line.startswith("event: ")]
-    data = [json.loads(line[len("data: "):]) for line in lines if line.startswith("data: ")]
+    names = [line[len("event: ") :] for line in lines if line.startswith("event: ")]
+    data = [json.loads(line[len("data: ") :]) for line in lines if line.startswith("data: ")]
     assert [d["type"] for d in data] == names
     assert names[:3] == ["message_start", "ping", "content_block_start"]
     assert names[-3:] == ["content_block_stop", "message_delta", "message_stop"]
@@ -77,15 +102,24 @@ def test_streamed_events_follow_anthropics_order(cluster3):
 HI = [{"role": "user", "content": "hi"}]
 
 
-@pytest.mark.parametrize("body, status, kind", [
-    ({"model": DEFAULT_MODEL_ID, "messages": HI}, 400, "invalid_request_error"),  # no max_tokens
-    ({"model": DEFAULT_MODEL_ID, "messages": HI, "max_tokens": 5, "temperature": 1.5}, 400,
-     "invalid_request_error"),
-    ({"model": DEFAULT_MODEL_ID, "messages": [{"role": "tool", "content": "hi"}], "max_tokens": 5}, 400,
-     "invalid_request_error"),  # system turns are taken (Claude Code sends them); no tool role here
-    ({"model": "no-such-model", "messages": HI, "max_tokens": 5}, 404, "not_found_error"),
-    ({"model": DEFAULT_MODEL_ID, "messages": HI, "max_tokens": 10**6}, 400, "invalid_request_error"),
-])
+@pytest.mark.parametrize(
+    "body, status, kind",
+    [
+        ({"model": DEFAULT_MODEL_ID, "messages": HI}, 400, "invalid_request_error"),  # no max_tokens
+        (
+            {"model": DEFAULT_MODEL_ID, "messages": HI, "max_tokens": 5, "temperature": 1.5},
+            400,
+            "invalid_request_error",
+        ),
+        (
+            {"model": DEFAULT_MODEL_ID, "messages": [{"role": "tool", "content": "hi"}], "max_tokens": 5},
+            400,
+            "invalid_request_error",
+        ),  # system turns are taken (Claude Code sends them); no tool role here
+        ({"model": "no-such-model", "messages": HI, "max_tokens": 5}, 404, "not_found_error"),
+        ({"model": DEFAULT_MODEL_ID, "messages": HI, "max_tokens": 10**6}, 400, "invalid_request_error"),
+    ],
+)
 def test_bad_requests_get_anthropic_errors(cluster3, body, status, kind):
     response = httpx.post(f"{cluster3.url(1)}/v1/messages", json=body, timeout=60)
     assert response.status_code == status, response.text
@@ -104,12 +138,17 @@ def test_special_token_text_in_messages_is_counted_as_text_by_every_chat_api(clu
     tokenizer = Tokenizer(ModelStore(tmp_path).tokenizer_path(DEFAULT_MODEL_ID))
     expected = len(tokenizer.encode_chat(chat))
     assert expected != len(tokenizer.encode(tokenizer.render_chat(chat), add_special_tokens=False))  # as tokens
-    anthropic = messages(cluster3.url(0), system=system, max_tokens=1,
-                         messages=[{"role": "user", "content": forged}])
-    openai = httpx.post(f"{cluster3.url(1)}/v1/chat/completions", timeout=120, json={
-        "model": DEFAULT_MODEL_ID, "max_tokens": 1, "messages": chat})
-    ollama = httpx.post(f"{cluster3.url(2)}/api/chat", timeout=120, json={
-        "model": DEFAULT_MODEL_ID, "stream": False, "options": {"num_predict": 1}, "messages": chat})
+    anthropic = messages(cluster3.url(0), system=system, max_tokens=1, messages=[{"role": "user", "content": forged}])
+    openai = httpx.post(
+        f"{cluster3.url(1)}/v1/chat/completions",
+        timeout=120,
+        json={"model": DEFAULT_MODEL_ID, "max_tokens": 1, "messages": chat},
+    )
+    ollama = httpx.post(
+        f"{cluster3.url(2)}/api/chat",
+        timeout=120,
+        json={"model": DEFAULT_MODEL_ID, "stream": False, "options": {"num_predict": 1}, "messages": chat},
+    )
     assert anthropic.json()["usage"]["input_tokens"] == expected, anthropic.text
     assert openai.json()["usage"]["prompt_tokens"] == expected, openai.text
     assert ollama.json()["prompt_eval_count"] == expected, ollama.text

@@ -26,10 +26,11 @@ BASE = {
     Endpoint.MESSAGES: ("/v1/messages", {"model": M, "messages": CHAT, "max_tokens": 4}),
     Endpoint.COUNT_TOKENS: ("/v1/messages/count_tokens", {"model": M, "messages": CHAT}),
     Endpoint.RESPONSES: ("/v1/responses", {"model": M, "input": CAPITAL_QUESTION, "max_output_tokens": 4}),
-    Endpoint.OLLAMA_CHAT: ("/api/chat", {"model": M, "messages": CHAT, "stream": False,
-                                         "options": {"num_predict": 4}}),
-    Endpoint.OLLAMA_GENERATE: ("/api/generate", {"model": M, "prompt": CAPITAL_QUESTION, "stream": False,
-                                                 "options": {"num_predict": 4}}),
+    Endpoint.OLLAMA_CHAT: ("/api/chat", {"model": M, "messages": CHAT, "stream": False, "options": {"num_predict": 4}}),
+    Endpoint.OLLAMA_GENERATE: (
+        "/api/generate",
+        {"model": M, "prompt": CAPITAL_QUESTION, "stream": False, "options": {"num_predict": 4}},
+    ),
 }
 
 
@@ -49,8 +50,11 @@ def _options(url: str, endpoint: Endpoint, **options) -> httpx.Response:
 
 
 def _chat(url: str, **extra) -> dict:
-    response = httpx.post(f"{url}/v1/chat/completions", timeout=120,
-                          json={"model": M, "messages": CHAT, "max_tokens": 12, "temperature": 0, **extra})
+    response = httpx.post(
+        f"{url}/v1/chat/completions",
+        timeout=120,
+        json={"model": M, "messages": CHAT, "max_tokens": 12, "temperature": 0, **extra},
+    )
     assert response.status_code == 200, response.text
     return response.json()
 
@@ -97,8 +101,11 @@ def test_null_is_the_default(url):
     plain = _chat(url)
     nulls = _chat(url, top_p=None, seed=None, stop=None, n=None, logit_bias=None)
     assert nulls["choices"][0]["message"] == plain["choices"][0]["message"]
-    response = httpx.post(f"{url}/v1/chat/completions", timeout=60, json={
-        "model": M, "messages": CHAT, "max_tokens": 2, "temperature": None})
+    response = httpx.post(
+        f"{url}/v1/chat/completions",
+        timeout=60,
+        json={"model": M, "messages": CHAT, "max_tokens": 2, "temperature": None},
+    )
     assert response.status_code == 200, response.text
 
 
@@ -111,8 +118,7 @@ def test_top_p_zero_is_greedy(url):
 
 
 def test_seed_reproduces_a_sample(url):
-    texts = {_chat(url, temperature=1.0, seed=7, max_tokens=16)["choices"][0]["message"]["content"]
-             for _ in range(2)}
+    texts = {_chat(url, temperature=1.0, seed=7, max_tokens=16)["choices"][0]["message"]["content"] for _ in range(2)}
     assert len(texts) == 1
 
 
@@ -123,8 +129,12 @@ def test_n_choices(url):
     assert body["system_fingerprint"].startswith("fp_") and "pipeline1" in body["system_fingerprint"]
     seen: dict[int, str] = {}
     finished = set()
-    with httpx.stream("POST", f"{url}/v1/chat/completions", timeout=120, json={
-            "model": M, "messages": CHAT, "max_tokens": 6, "n": 2, "temperature": 0, "stream": True}) as r:
+    with httpx.stream(
+        "POST",
+        f"{url}/v1/chat/completions",
+        timeout=120,
+        json={"model": M, "messages": CHAT, "max_tokens": 6, "n": 2, "temperature": 0, "stream": True},
+    ) as r:
         for line in r.iter_lines():
             if not line.startswith("data: {"):
                 continue
@@ -133,8 +143,7 @@ def test_n_choices(url):
                 if choice["finish_reason"]:
                     finished.add(choice["index"])
     assert finished == {0, 1} and seen[0] == seen[1] and "Paris" in seen[0]
-    too_many = httpx.post(f"{url}/v1/chat/completions", timeout=60,
-                          json={"model": M, "messages": CHAT, "n": 9})
+    too_many = httpx.post(f"{url}/v1/chat/completions", timeout=60, json={"model": M, "messages": CHAT, "n": 9})
     assert too_many.status_code == 400 and too_many.json()["error"]["param"] == "n"
 
 
@@ -142,8 +151,11 @@ def test_penalties_change_a_repetitive_answer(url):
     prompt = "banana banana banana banana banana banana banana banana"
 
     def text(**extra) -> str:
-        body = httpx.post(f"{url}/v1/completions", timeout=120, json={
-            "model": M, "prompt": prompt, "max_tokens": 16, "temperature": 0, **extra}).json()
+        body = httpx.post(
+            f"{url}/v1/completions",
+            timeout=120,
+            json={"model": M, "prompt": prompt, "max_tokens": 16, "temperature": 0, **extra},
+        ).json()
         return body["choices"][0]["text"]
 
     plain = text()
@@ -153,13 +165,22 @@ def test_penalties_change_a_repetitive_answer(url):
         assert penalised.lower().count("banana") < plain.lower().count("banana"), (extra, penalised)
     assert text(frequency_penalty=0.0, presence_penalty=0.0, repetition_penalty=1.0) == plain
     for extra in ({"frequency_penalty": 2.5}, {"presence_penalty": -3}, {"repetition_penalty": 0}):
-        response = httpx.post(f"{url}/v1/chat/completions", timeout=60,
-                              json={"model": M, "messages": BANANAS, **extra})
+        response = httpx.post(f"{url}/v1/chat/completions", timeout=60, json={"model": M, "messages": BANANAS, **extra})
         assert response.status_code == 400 and response.json()["error"]["param"] == next(iter(extra))
-    ollama = [httpx.post(f"{url}/api/generate", timeout=120, json={
-        "model": M, "prompt": prompt, "raw": True, "stream": False,
-        "options": {"temperature": 0, "num_predict": 16, **options}}).json()["response"]
-        for options in ({}, {"repeat_penalty": 1.5}, {"frequency_penalty": 2.0}, {"presence_penalty": 2.0})]
+    ollama = [
+        httpx.post(
+            f"{url}/api/generate",
+            timeout=120,
+            json={
+                "model": M,
+                "prompt": prompt,
+                "raw": True,
+                "stream": False,
+                "options": {"temperature": 0, "num_predict": 16, **options},
+            },
+        ).json()["response"]
+        for options in ({}, {"repeat_penalty": 1.5}, {"frequency_penalty": 2.0}, {"presence_penalty": 2.0})
+    ]
     assert ollama[0] == plain and all(o.lower().count("banana") < plain.lower().count("banana") for o in ollama[1:])
 
 
@@ -171,10 +192,14 @@ def test_logit_bias_bans_a_token(url):
     assert " Paris" in plain
     banned = _chat(url, logit_bias={str(paris[0]): -100})["choices"][0]["message"]["content"]
     assert " Paris" not in banned and banned != plain
-    for bias, words in (({"99999999": 1}, "outside the vocabulary"), ({str(paris[0]): 101}, "between -100 and 100"),
-                        ({"x": 1}, "logit_bias")):
-        response = httpx.post(f"{url}/v1/chat/completions", timeout=60,
-                              json={"model": M, "messages": CHAT, "logit_bias": bias})
+    for bias, words in (
+        ({"99999999": 1}, "outside the vocabulary"),
+        ({str(paris[0]): 101}, "between -100 and 100"),
+        ({"x": 1}, "logit_bias"),
+    ):
+        response = httpx.post(
+            f"{url}/v1/chat/completions", timeout=60, json={"model": M, "messages": CHAT, "logit_bias": bias}
+        )
         assert response.status_code == 400 and words in response.text, response.text
 
 
@@ -195,25 +220,38 @@ def test_logprobs_match_the_greedy_choice(url):
     assert "".join(e["token"] for e in entries) == choice["message"]["content"]
     _check_logprobs(entries, 3)
     assert _chat(url)["choices"][0]["logprobs"] is None
-    alone = httpx.post(f"{url}/v1/chat/completions", timeout=60,
-                       json={"model": M, "messages": CHAT, "top_logprobs": 2})
+    alone = httpx.post(f"{url}/v1/chat/completions", timeout=60, json={"model": M, "messages": CHAT, "top_logprobs": 2})
     assert alone.status_code == 400 and alone.json()["error"]["param"] == "top_logprobs"
-    over = httpx.post(f"{url}/v1/chat/completions", timeout=60,
-                      json={"model": M, "messages": CHAT, "logprobs": True, "top_logprobs": 21})
+    over = httpx.post(
+        f"{url}/v1/chat/completions",
+        timeout=60,
+        json={"model": M, "messages": CHAT, "logprobs": True, "top_logprobs": 21},
+    )
     assert over.status_code == 400 and over.json()["error"]["param"] == "top_logprobs"
 
-    completion = httpx.post(f"{url}/v1/completions", timeout=60, json={
-        "model": M, "prompt": "The capital of France is", "max_tokens": 5, "temperature": 0,
-        "logprobs": 2}).json()["choices"][0]
+    completion = httpx.post(
+        f"{url}/v1/completions",
+        timeout=60,
+        json={"model": M, "prompt": "The capital of France is", "max_tokens": 5, "temperature": 0, "logprobs": 2},
+    ).json()["choices"][0]
     lp = completion["logprobs"]
     assert "".join(lp["tokens"]) == completion["text"] and len(lp["token_logprobs"]) == len(lp["tokens"])
     assert all(max(top, key=top.get) == token for top, token in zip(lp["top_logprobs"], lp["tokens"]))
     assert lp["text_offset"][0] == 0
 
     for path, body in (("/api/chat", {"messages": CHAT}), ("/api/generate", {"prompt": CAPITAL_QUESTION})):
-        answer = httpx.post(f"{url}{path}", timeout=60, json={
-            "model": M, **body, "stream": False, "logprobs": True, "top_logprobs": 2,
-            "options": {"temperature": 0, "num_predict": 8}}).json()
+        answer = httpx.post(
+            f"{url}{path}",
+            timeout=60,
+            json={
+                "model": M,
+                **body,
+                "stream": False,
+                "logprobs": True,
+                "top_logprobs": 2,
+                "options": {"temperature": 0, "num_predict": 8},
+            },
+        ).json()
         _check_logprobs(answer["logprobs"], 2)
 
 
@@ -227,8 +265,7 @@ def test_identifiers_are_accepted(url):
 
 def test_sampling_extensions_are_checked(url):
     for extra in ({"top_k": -1}, {"min_p": 1.5}):
-        response = httpx.post(f"{url}/v1/chat/completions", timeout=60,
-                              json={"model": M, "messages": CHAT, **extra})
+        response = httpx.post(f"{url}/v1/chat/completions", timeout=60, json={"model": M, "messages": CHAT, **extra})
         assert response.status_code == 400 and response.json()["error"]["param"] == next(iter(extra))
     # top_k 1 and min_p 1 keep only the most likely token: greedy whatever the seed
     greedy = _chat(url)["choices"][0]["message"]["content"]
@@ -239,29 +276,52 @@ def test_sampling_extensions_are_checked(url):
 
 
 def test_response_format_json_schema_parses(url):
-    schema = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 24},
-                                               "population": {"type": "integer", "maximum": 10**9}},
-              "required": ["city", "population"], "additionalProperties": False}
-    body = _chat(url, max_tokens=80, response_format={
-        "type": "json_schema", "json_schema": {"name": "city", "schema": schema, "strict": True}})
+    schema = {
+        "type": "object",
+        "properties": {
+            "city": {"type": "string", "maxLength": 24},
+            "population": {"type": "integer", "maximum": 10**9},
+        },
+        "required": ["city", "population"],
+        "additionalProperties": False,
+    }
+    body = _chat(
+        url,
+        max_tokens=80,
+        response_format={"type": "json_schema", "json_schema": {"name": "city", "schema": schema, "strict": True}},
+    )
     assert body["choices"][0]["finish_reason"] == "stop", body
     value = json.loads(body["choices"][0]["message"]["content"])
     assert set(value) == {"city", "population"} and isinstance(value["population"], int)
     anything = _chat(url, max_tokens=200, response_format={"type": "json_object"})["choices"][0]
     assert anything["finish_reason"] == "stop", anything
     assert isinstance(json.loads(anything["message"]["content"]), dict)
-    bad = httpx.post(f"{url}/v1/chat/completions", timeout=60, json={
-        "model": M, "messages": CHAT, "response_format": {"type": "json_schema",
-                                                          "json_schema": {"name": "x", "schema": {"type": "nope"}}}})
+    bad = httpx.post(
+        f"{url}/v1/chat/completions",
+        timeout=60,
+        json={
+            "model": M,
+            "messages": CHAT,
+            "response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "nope"}}},
+        },
+    )
     assert bad.status_code == 400 and bad.json()["error"]["param"] == "response_format", bad.text
 
 
 def test_ollama_format_parses(url):
     schema = {"type": "object", "properties": {"capital": {"type": "string", "maxLength": 24}}, "required": ["capital"]}
     for fmt in ("json", schema):
-        answer = httpx.post(f"{url}/api/chat", timeout=120, json={
-            "model": M, "messages": CHAT, "stream": False, "format": fmt,
-            "options": {"temperature": 0, "num_predict": 200}}).json()
+        answer = httpx.post(
+            f"{url}/api/chat",
+            timeout=120,
+            json={
+                "model": M,
+                "messages": CHAT,
+                "stream": False,
+                "format": fmt,
+                "options": {"temperature": 0, "num_predict": 200},
+            },
+        ).json()
         assert answer["done_reason"] == "stop", answer
         value = json.loads(answer["message"]["content"])
         assert isinstance(value, dict) and (fmt == "json" or isinstance(value["capital"], str))
@@ -269,8 +329,11 @@ def test_ollama_format_parses(url):
 
 def test_ollama_options_work(url):
     def chat(**options) -> httpx.Response:
-        return httpx.post(f"{url}/api/chat", timeout=120, json={
-            "model": M, "messages": CHAT, "stream": False, "options": {"temperature": 0, **options}})
+        return httpx.post(
+            f"{url}/api/chat",
+            timeout=120,
+            json={"model": M, "messages": CHAT, "stream": False, "options": {"temperature": 0, **options}},
+        )
 
     three = chat(num_predict=3).json()
     assert three["eval_count"] == 3 and three["done_reason"] == "length"
@@ -290,44 +353,69 @@ def test_ollama_options_work(url):
     # a chat past num_ctx loses its oldest messages, not its system message nor its last
     history = [{"role": "system", "content": "Be brief."}]
     for i in range(6):
-        history += [{"role": "user", "content": f"Fact {i}: " + "the sky is blue " * 10},
-                    {"role": "assistant", "content": "Noted."}]
+        history += [
+            {"role": "user", "content": f"Fact {i}: " + "the sky is blue " * 10},
+            {"role": "assistant", "content": "Noted."},
+        ]
     history += CHAT
 
     def long_chat(num_ctx: int) -> dict:
-        return httpx.post(f"{url}/api/chat", timeout=120, json={
-            "model": M, "messages": history, "stream": False,
-            "options": {"temperature": 0, "num_predict": 4, "num_ctx": num_ctx}}).json()
+        return httpx.post(
+            f"{url}/api/chat",
+            timeout=120,
+            json={
+                "model": M,
+                "messages": history,
+                "stream": False,
+                "options": {"temperature": 0, "num_predict": 4, "num_ctx": num_ctx},
+            },
+        ).json()
 
     whole = long_chat(4096)["prompt_eval_count"]
     cut = long_chat(whole // 2)
     assert "error" not in cut, cut
     assert whole // 4 < cut["prompt_eval_count"] < whole // 2
     greedy = chat(num_predict=12).json()["message"]["content"]
-    for options in ({"top_k": 1, "temperature": 1.0, "seed": 2}, {"min_p": 1.0, "temperature": 1.0, "seed": 2},
-                    {"top_p": 0.0, "temperature": 1.0}, {"repeat_last_n": 0, "repeat_penalty": 1.5}):
+    for options in (
+        {"top_k": 1, "temperature": 1.0, "seed": 2},
+        {"min_p": 1.0, "temperature": 1.0, "seed": 2},
+        {"top_p": 0.0, "temperature": 1.0},
+        {"repeat_last_n": 0, "repeat_penalty": 1.5},
+    ):
         assert chat(num_predict=12, **options).json()["message"]["content"] == greedy, options
 
 
 def test_assistant_prefill_is_continued(url):
     prefill = "The capital of France is"
-    body = httpx.post(f"{url}/v1/messages", timeout=60, json={
-        "model": M, "max_tokens": 6, "temperature": 0,
-        "messages": [*CHAT, {"role": "assistant", "content": prefill}]}).json()
+    body = httpx.post(
+        f"{url}/v1/messages",
+        timeout=60,
+        json={
+            "model": M,
+            "max_tokens": 6,
+            "temperature": 0,
+            "messages": [*CHAT, {"role": "assistant", "content": prefill}],
+        },
+    ).json()
     text = body["content"][0]["text"]
     assert "Paris" in text and not text.lstrip().startswith("The capital"), text
 
 
 def test_count_tokens_matches_the_message_usage(url):
     for messages in (CHAT, [*CHAT, {"role": "assistant", "content": "The capital"}]):
-        count = httpx.post(f"{url}/v1/messages/count_tokens", timeout=60,
-                           json={"model": M, "messages": messages, "system": "Be brief."})
+        count = httpx.post(
+            f"{url}/v1/messages/count_tokens",
+            timeout=60,
+            json={"model": M, "messages": messages, "system": "Be brief."},
+        )
         assert count.status_code == 200, count.text
-        used = httpx.post(f"{url}/v1/messages", timeout=60, json={
-            "model": M, "messages": messages, "system": "Be brief.", "max_tokens": 1}).json()
+        used = httpx.post(
+            f"{url}/v1/messages",
+            timeout=60,
+            json={"model": M, "messages": messages, "system": "Be brief.", "max_tokens": 1},
+        ).json()
         assert count.json() == {"input_tokens": used["usage"]["input_tokens"]}
-    unknown = httpx.post(f"{url}/v1/messages/count_tokens", timeout=60,
-                         json={"model": "nope", "messages": CHAT})
+    unknown = httpx.post(f"{url}/v1/messages/count_tokens", timeout=60, json={"model": "nope", "messages": CHAT})
     assert unknown.status_code == 404 and unknown.json()["type"] == "error"
 
 
@@ -341,10 +429,19 @@ def test_anthropic_sampling_is_checked(url):
 
 
 def test_anthropic_output_format_parses(url):
-    schema = {"type": "object", "properties": {"capital": {"type": "string", "maxLength": 24}},
-              "required": ["capital"], "additionalProperties": False}
-    body = _post(url, Endpoint.MESSAGES, max_tokens=80, temperature=0,
-                 output_config={"format": {"type": "json_schema", "schema": schema}}).json()
+    schema = {
+        "type": "object",
+        "properties": {"capital": {"type": "string", "maxLength": 24}},
+        "required": ["capital"],
+        "additionalProperties": False,
+    }
+    body = _post(
+        url,
+        Endpoint.MESSAGES,
+        max_tokens=80,
+        temperature=0,
+        output_config={"format": {"type": "json_schema", "schema": schema}},
+    ).json()
     assert body["stop_reason"] == "end_turn", body
     assert isinstance(json.loads(body["content"][0]["text"])["capital"], str)
 
@@ -354,19 +451,24 @@ def test_anthropic_reasoning_is_accepted(url):
     greedy answer is the one without them, with no thinking block (as Claude Code sends
     them by default); a malformed budget is refused as Anthropic's API refuses it."""
     plain = _post(url, Endpoint.MESSAGES, temperature=0, max_tokens=12).json()
-    for extra in ({"thinking": {"type": "adaptive"}, "output_config": {"effort": "high"}},
-                  {"thinking": {"type": "enabled", "budget_tokens": 1024}, "max_tokens": 2048},
-                  {"thinking": {"type": "disabled"}}, {"output_config": {"effort": "max"}},
-                  {"thinking": {"type": "adaptive", "display": "omitted"}}):
+    for extra in (
+        {"thinking": {"type": "adaptive"}, "output_config": {"effort": "high"}},
+        {"thinking": {"type": "enabled", "budget_tokens": 1024}, "max_tokens": 2048},
+        {"thinking": {"type": "disabled"}},
+        {"output_config": {"effort": "max"}},
+        {"thinking": {"type": "adaptive", "display": "omitted"}},
+    ):
         body = _post(url, Endpoint.MESSAGES, **{"temperature": 0, "max_tokens": 12, **extra}).json()
         assert [b["type"] for b in body["content"]] == ["text"], (extra, body)
         assert body["content"][0]["text"].startswith(plain["content"][0]["text"]), (extra, body)
     counted = _post(url, Endpoint.COUNT_TOKENS, thinking={"type": "adaptive"})
     assert counted.status_code == 200 and counted.json()["input_tokens"] > 5
-    for extra, named in (({"thinking": {"type": "enabled", "budget_tokens": 4096}, "max_tokens": 4096}, "max_tokens"),
-                         ({"thinking": {"type": "enabled", "budget_tokens": 100}, "max_tokens": 4096}, "budget_tokens"),
-                         ({"thinking": {"type": "enabled"}}, "budget_tokens"),
-                         ({"output_config": {"effort": "extreme"}}, "effort")):
+    for extra, named in (
+        ({"thinking": {"type": "enabled", "budget_tokens": 4096}, "max_tokens": 4096}, "max_tokens"),
+        ({"thinking": {"type": "enabled", "budget_tokens": 100}, "max_tokens": 4096}, "budget_tokens"),
+        ({"thinking": {"type": "enabled"}}, "budget_tokens"),
+        ({"output_config": {"effort": "extreme"}}, "effort"),
+    ):
         response = _post(url, Endpoint.MESSAGES, **extra)
         assert response.status_code == 400 and named in response.json()["error"]["message"], response.text
 
@@ -388,16 +490,34 @@ def test_anthropic_context_edits(url):
     result = "The weather report for Paris: " + "sunny and warm, " * 40
     turns: list[dict] = []
     for i in range(4):
-        turns += [{"role": "user", "content": f"Weather {i}?"},
-                  {"role": "assistant", "content": [
-                      {"type": "thinking", "thinking": "I should call the tool.", "signature": "x"},
-                      {"type": "tool_use", "id": f"toolu_{i}", "name": "weather", "input": {"city": "Paris"}}]},
-                  {"role": "user", "content": [{"type": "tool_result", "tool_use_id": f"toolu_{i}", "content": result}]}]
-    tools = [{"name": "weather", "description": "the weather", "input_schema": {
-        "type": "object", "properties": {"city": {"type": "string"}}}}]
-    edits = {"edits": [{"type": "clear_thinking_20251015"},
-                       {"type": "clear_tool_uses_20250919", "trigger": {"type": "input_tokens", "value": 500},
-                        "keep": {"type": "tool_uses", "value": 1}}]}
+        turns += [
+            {"role": "user", "content": f"Weather {i}?"},
+            {
+                "role": "assistant",
+                "content": [
+                    {"type": "thinking", "thinking": "I should call the tool.", "signature": "x"},
+                    {"type": "tool_use", "id": f"toolu_{i}", "name": "weather", "input": {"city": "Paris"}},
+                ],
+            },
+            {"role": "user", "content": [{"type": "tool_result", "tool_use_id": f"toolu_{i}", "content": result}]},
+        ]
+    tools = [
+        {
+            "name": "weather",
+            "description": "the weather",
+            "input_schema": {"type": "object", "properties": {"city": {"type": "string"}}},
+        }
+    ]
+    edits = {
+        "edits": [
+            {"type": "clear_thinking_20251015"},
+            {
+                "type": "clear_tool_uses_20250919",
+                "trigger": {"type": "input_tokens", "value": 500},
+                "keep": {"type": "tool_uses", "value": 1},
+            },
+        ]
+    }
     whole = _post(url, Endpoint.MESSAGES, messages=turns, tools=tools, max_tokens=2).json()
     body = _post(url, Endpoint.MESSAGES, messages=turns, tools=tools, max_tokens=2, context_management=edits).json()
     applied = {e["type"]: e for e in body["context_management"]["applied_edits"]}
@@ -406,11 +526,14 @@ def test_anthropic_context_edits(url):
     freed = prompt_of(whole["usage"]) - prompt_of(body["usage"])
     assert freed > 300 and abs(applied["clear_tool_uses_20250919"]["cleared_input_tokens"] - freed) < 30, (freed, body)
     counted = _post(url, Endpoint.COUNT_TOKENS, messages=turns, tools=tools, context_management=edits).json()
-    assert counted == {"input_tokens": prompt_of(body["usage"]),
-                       "context_management": {"original_input_tokens": prompt_of(whole["usage"])}}
+    assert counted == {
+        "input_tokens": prompt_of(body["usage"]),
+        "context_management": {"original_input_tokens": prompt_of(whole["usage"])},
+    }
     untriggered = {"edits": [{"type": "clear_tool_uses_20250919"}]}  # 100,000 tokens: not reached
-    body = _post(url, Endpoint.MESSAGES, messages=turns, tools=tools, max_tokens=2,
-                 context_management=untriggered).json()
+    body = _post(
+        url, Endpoint.MESSAGES, messages=turns, tools=tools, max_tokens=2, context_management=untriggered
+    ).json()
     assert body["context_management"] == {"applied_edits": []}
     assert prompt_of(body["usage"]) == prompt_of(whole["usage"])
     assert body["usage"]["cache_read_input_tokens"] > 0  # whole's prompt, cached
@@ -422,16 +545,37 @@ def prompt_of(usage: dict) -> int:
 
 
 def test_responses_format_and_logprobs(url):
-    schema = {"type": "object", "properties": {"capital": {"type": "string", "maxLength": 24}},
-              "required": ["capital"], "additionalProperties": False}
-    body = httpx.post(f"{url}/v1/responses", timeout=60, json={
-        "model": M, "input": CAPITAL_QUESTION, "temperature": 0, "max_output_tokens": 80,
-        "text": {"format": {"type": "json_schema", "name": "answer", "schema": schema}}}).json()
+    schema = {
+        "type": "object",
+        "properties": {"capital": {"type": "string", "maxLength": 24}},
+        "required": ["capital"],
+        "additionalProperties": False,
+    }
+    body = httpx.post(
+        f"{url}/v1/responses",
+        timeout=60,
+        json={
+            "model": M,
+            "input": CAPITAL_QUESTION,
+            "temperature": 0,
+            "max_output_tokens": 80,
+            "text": {"format": {"type": "json_schema", "name": "answer", "schema": schema}},
+        },
+    ).json()
     assert body["status"] == "completed", body
     assert isinstance(json.loads(body["output"][0]["content"][0]["text"])["capital"], str)
-    body = httpx.post(f"{url}/v1/responses", timeout=60, json={
-        "model": M, "input": CAPITAL_QUESTION, "temperature": 0, "max_output_tokens": 8, "top_logprobs": 2,
-        "include": ["message.output_text.logprobs"]}).json()
+    body = httpx.post(
+        f"{url}/v1/responses",
+        timeout=60,
+        json={
+            "model": M,
+            "input": CAPITAL_QUESTION,
+            "temperature": 0,
+            "max_output_tokens": 8,
+            "top_logprobs": 2,
+            "include": ["message.output_text.logprobs"],
+        },
+    ).json()
     part = body["output"][0]["content"][0]
     assert "".join(t["token"] for t in part["logprobs"]) == part["text"]
     _check_logprobs(part["logprobs"], 2)

@@ -20,8 +20,24 @@ def node_url(cluster1):
 @pytest.mark.timeout(90)
 def test_bench_against_running_node_writes_positive_figures(node_url, tmp_path, capsys):
     out = tmp_path / "bench.json"
-    code = cli.main(["bench", "--url", node_url, "--prompt-tokens", "32", "--gen-tokens", "8",
-                     "--runs", "1", "--chat-requests", "2", "--no-warmup", "--json", str(out)])
+    code = cli.main(
+        [
+            "bench",
+            "--url",
+            node_url,
+            "--prompt-tokens",
+            "32",
+            "--gen-tokens",
+            "8",
+            "--runs",
+            "1",
+            "--chat-requests",
+            "2",
+            "--no-warmup",
+            "--json",
+            str(out),
+        ]
+    )
     captured = capsys.readouterr()
     assert code == 0, captured.err
     report = json.loads(out.read_text())
@@ -61,9 +77,31 @@ def second_url(tmp_path_factory):
 @pytest.mark.timeout(120)
 def test_bench_against_a_second_shardline_interleaves_and_gives_ratios(node_url, second_url, tmp_path, capsys):
     out = tmp_path / "compare.json"
-    code = cli.main(["bench", "--url", node_url, "--against", second_url, "--prompt-tokens", "32",
-                     "--gen-tokens", "8", "--concurrency", "1", "2", "--runs", "1", "--rounds", "2",
-                     "--chat-requests", "2", "--no-warmup", "--json", str(out)])
+    code = cli.main(
+        [
+            "bench",
+            "--url",
+            node_url,
+            "--against",
+            second_url,
+            "--prompt-tokens",
+            "32",
+            "--gen-tokens",
+            "8",
+            "--concurrency",
+            "1",
+            "2",
+            "--runs",
+            "1",
+            "--rounds",
+            "2",
+            "--chat-requests",
+            "2",
+            "--no-warmup",
+            "--json",
+            str(out),
+        ]
+    )
     captured = capsys.readouterr()
     assert code == 0, captured.err
     report = json.loads(out.read_text())
@@ -73,7 +111,8 @@ def test_bench_against_a_second_shardline_interleaves_and_gives_ratios(node_url,
     assert [w["name"] for w in report["workloads"]] == names
     # every unit alternates between the servers, every workload in every round
     assert [(o["round"], o["workload"], o["server"]) for o in report["order"]] == [
-        (r, w, s) for r in range(2) for w in names for s in ("shardline", "other")]
+        (r, w, s) for r in range(2) for w in names for s in ("shardline", "other")
+    ]
     starts = [o["start_s"] for o in report["order"]]
     assert starts == sorted(starts)
     for w in report["workloads"]:
@@ -137,12 +176,32 @@ def test_memory_table_shows_each_figure_and_ratios():
     from shardline.bench.memory import print_memory
 
     mib = 2**20
-    rows = [{"rank": 0, "node_id": "abcdef123456", "share": "layers 0-9", "file_bytes": 50 * mib,
-             "estimated_bytes": 330 * mib, "baseline_bytes": 230 * mib, "runtime_rss_bytes": 223 * mib, "rss_bytes": 300 * mib,
-             "peak_rss_bytes": 360 * mib, "load_peak_rss_bytes": 345 * mib},
-            {"rank": 1, "node_id": "0123456789ab", "share": "layers 10-19", "file_bytes": None,
-             "estimated_bytes": None, "baseline_bytes": None, "runtime_rss_bytes": None, "rss_bytes": None,
-             "peak_rss_bytes": None, "load_peak_rss_bytes": None}]
+    rows = [
+        {
+            "rank": 0,
+            "node_id": "abcdef123456",
+            "share": "layers 0-9",
+            "file_bytes": 50 * mib,
+            "estimated_bytes": 330 * mib,
+            "baseline_bytes": 230 * mib,
+            "runtime_rss_bytes": 223 * mib,
+            "rss_bytes": 300 * mib,
+            "peak_rss_bytes": 360 * mib,
+            "load_peak_rss_bytes": 345 * mib,
+        },
+        {
+            "rank": 1,
+            "node_id": "0123456789ab",
+            "share": "layers 10-19",
+            "file_bytes": None,
+            "estimated_bytes": None,
+            "baseline_bytes": None,
+            "runtime_rss_bytes": None,
+            "rss_bytes": None,
+            "peak_rss_bytes": None,
+            "load_peak_rss_bytes": None,
+        },
+    ]
     console = Console(record=True, width=200)
     print_memory(rows, console)
     text = console.export_text()

@@ -45,8 +45,7 @@ def test_qwen3_30b_a3b_plan_has_its_shapes_and_llama_cpp_q4_k_m_types():
     assert {types[f"blk.{i}.ffn_{p}_exps.weight"] for i in range(4) for p in ("gate", "up")} == {"Q4_K"}
     assert types["token_embd.weight"] == "Q4_K" and types["output.weight"] == "Q6_K"
     assert types["blk.0.ffn_gate_inp.weight"] == "F32"
-    every_q4_k = {p.name: p.type_name for p in
-                  mm.plan_tensors(mm.SHAPES["qwen3-30b-a3b"], 4, 49152, "q4_k")}
+    every_q4_k = {p.name: p.type_name for p in mm.plan_tensors(mm.SHAPES["qwen3-30b-a3b"], 4, 49152, "q4_k")}
     assert {every_q4_k[f"blk.{i}.ffn_down_exps.weight"] for i in range(4)} == {"Q4_K"}
 
 
@@ -77,9 +76,11 @@ def test_a_small_model_loads_tokenizes_and_routes_over_its_experts(tmp_path):
     config = source.config
     assert (config.architecture, config.num_layers, config.hidden_size) == ("qwen3moe", 2, shape.hidden)
     assert (config.num_experts, config.num_experts_per_tok, config.intermediate_size) == (
-        shape.experts, shape.experts_used, shape.expert_width)
-    assert (config.num_heads, config.num_kv_heads, config.head_dim) == (
-        shape.heads, shape.kv_heads, shape.head_dim)
+        shape.experts,
+        shape.experts_used,
+        shape.expert_width,
+    )
+    assert (config.num_heads, config.num_kv_heads, config.head_dim) == (shape.heads, shape.kv_heads, shape.head_dim)
     assert config.qk_norm and not config.tie_word_embeddings and config.vocab_size == 49152
     types = {t.name: t.tensor_type.name for t in source.reader.tensors}
     # ffn_down_exps rows are an expert's 128 columns: not whole K-quant blocks.

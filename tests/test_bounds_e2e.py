@@ -32,8 +32,14 @@ WAITING = DEFAULT_MAX_WAITING  # the 66th concurrent request: 1 runs, 64 wait, i
 def bounded(tmp_path_factory):
     """A 1-node cluster: max_batch 1, the default --max-waiting (64), --header-timeout 2."""
     log_dir = tmp_path_factory.mktemp("bounds")
-    cluster = LocalCluster(nodes=1, base_port=free_port_block(1), runner_threads=1, log_dir=str(log_dir),
-                           data_dir=str(log_dir), node_args={0: ["--header-timeout", str(HEADER_TIMEOUT_S)]})
+    cluster = LocalCluster(
+        nodes=1,
+        base_port=free_port_block(1),
+        runner_threads=1,
+        log_dir=str(log_dir),
+        data_dir=str(log_dir),
+        node_args={0: ["--header-timeout", str(HEADER_TIMEOUT_S)]},
+    )
     try:
         cluster.start()
         cluster.place(None, "pipeline", max_batch=1)
@@ -57,8 +63,9 @@ def test_a_20_mb_body_gets_413_at_once_and_is_not_read(bounded):
     body = json.dumps(chat("a" * 20_000_000)).encode()
     before = node_rss(bounded)
     started = time.monotonic()
-    response = httpx.post(f"{bounded.url(0)}/v1/chat/completions", content=body,
-                          headers={"Content-Type": "application/json"}, timeout=30)
+    response = httpx.post(
+        f"{bounded.url(0)}/v1/chat/completions", content=body, headers={"Content-Type": "application/json"}, timeout=30
+    )
     elapsed = time.monotonic() - started
     assert response.status_code == 413, response.text
     assert response.json()["error"]["code"] == "request_too_large"
@@ -66,7 +73,7 @@ def test_a_20_mb_body_gets_413_at_once_and_is_not_read(bounded):
 
     def pieces():  # no Content-Length: chunked, counted as it arrives
         for i in range(0, len(body), 1 << 20):
-            yield body[i:i + (1 << 20)]
+            yield body[i : i + (1 << 20)]
 
     started = time.monotonic()
     response = httpx.post(f"{bounded.url(0)}/api/chat", content=pieces(), timeout=30)
@@ -75,19 +82,21 @@ def test_a_20_mb_body_gets_413_at_once_and_is_not_read(bounded):
     assert node_rss(bounded) - before < 50_000_000
 
 
-@pytest.mark.parametrize("path, message", [
-    ("/v1/chat/completions", lambda b: b["error"]["message"]),
-    ("/v1/completions", lambda b: b["error"]["message"]),
-    ("/v1/messages", lambda b: b["error"]["message"]),
-    ("/api/chat", lambda b: b["error"]),
-    ("/api/generate", lambda b: b["error"]),
-    ("/cluster/instances", lambda b: b["error"]["message"]),
-    ("/cluster/placements/preview", lambda b: b["error"]["message"]),
-])
+@pytest.mark.parametrize(
+    "path, message",
+    [
+        ("/v1/chat/completions", lambda b: b["error"]["message"]),
+        ("/v1/completions", lambda b: b["error"]["message"]),
+        ("/v1/messages", lambda b: b["error"]["message"]),
+        ("/api/chat", lambda b: b["error"]),
+        ("/api/generate", lambda b: b["error"]),
+        ("/cluster/instances", lambda b: b["error"]["message"]),
+        ("/cluster/placements/preview", lambda b: b["error"]["message"]),
+    ],
+)
 def test_json_nested_1000_deep_gets_400_in_the_apis_format(bounded, path, message):
     body = b'{"model": "m", "messages": ' + b"[" * 1000 + b"]" * 1000 + b"}"
-    response = httpx.post(bounded.url(0) + path, content=body, headers={"Content-Type": "application/json"},
-                          timeout=30)
+    response = httpx.post(bounded.url(0) + path, content=body, headers={"Content-Type": "application/json"}, timeout=30)
     assert response.status_code == 400, response.text
     assert "nests deeper than 64" in message(response.json())
 
@@ -114,15 +123,25 @@ def test_a_prompt_too_long_by_its_characters_is_refused_before_tokenizing(bounde
     assert node_rss(bounded) - before < 200_000_000  # tokenizing 12 MB took gigabytes
     # 5,000 one-word turns: refused by the count of turns, each takes a token at least
     turns = [{"role": "user", "content": "hi"}] * 5000
-    response = httpx.post(f"{bounded.url(0)}/v1/chat/completions", timeout=60,
-                          json={"model": DEFAULT_MODEL_ID, "messages": turns, "max_tokens": 1})
+    response = httpx.post(
+        f"{bounded.url(0)}/v1/chat/completions",
+        timeout=60,
+        json={"model": DEFAULT_MODEL_ID, "messages": turns, "max_tokens": 1},
+    )
     assert response.status_code == 400 and "at least 5000" in response.json()["error"]["message"]
     # Ollama's /api/chat answers from the chat's end, as Ollama does (a binary search over
     # the shorter chats: a dozen encodings, not 5,000)
     started = time.monotonic()
-    response = httpx.post(f"{bounded.url(0)}/api/chat", timeout=60, json={
-        "model": DEFAULT_MODEL_ID, "stream": False, "messages": turns,
-        "options": {"num_predict": 1, "num_ctx": 256}})
+    response = httpx.post(
+        f"{bounded.url(0)}/api/chat",
+        timeout=60,
+        json={
+            "model": DEFAULT_MODEL_ID,
+            "stream": False,
+            "messages": turns,
+            "options": {"num_predict": 1, "num_ctx": 256},
+        },
+    )
     assert response.status_code == 200, response.text
     assert 128 < response.json()["prompt_eval_count"] < 256
     assert time.monotonic() - started < 30
@@ -134,8 +153,17 @@ def test_the_estimate_never_exceeds_the_tokenizers_count(tmp_path):
     from shardline.models.tokenizer import Tokenizer
 
     tokenizer = Tokenizer(ModelStore(tmp_path).tokenizer_path(DEFAULT_MODEL_ID))
-    texts = ["Hello, world!", " " * 500, "=" * 300, "é" * 200, "日本語のテキスト" * 30, "<|im_end|>" * 20,
-             "\n\n\n" * 50, "".join(chr(c) for c in range(32, 3000)), "a" * 1000]
+    texts = [
+        "Hello, world!",
+        " " * 500,
+        "=" * 300,
+        "é" * 200,
+        "日本語のテキスト" * 30,
+        "<|im_end|>" * 20,
+        "\n\n\n" * 50,
+        "".join(chr(c) for c in range(32, 3000)),
+        "a" * 1000,
+    ]
     for text in texts:
         assert min_prompt_tokens(text, tokenizer.max_token_chars) <= len(tokenizer.encode(text)), text[:20]
     messages = [{"role": "user", "content": t} for t in texts]
@@ -155,7 +183,7 @@ def test_past_the_waiting_bound_a_request_gets_429_and_the_others_are_served(bou
             async for line in response.aiter_lines():
                 if not line.startswith("data: {") or i in first_tokens:
                     continue
-                choices = json.loads(line[len("data: "):])["choices"]
+                choices = json.loads(line[len("data: ") :])["choices"]
                 if choices and choices[0]["delta"].get("content"):
                     first_tokens[i] = time.monotonic()
 

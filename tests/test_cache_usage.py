@@ -42,10 +42,12 @@ class CachedRouter:
 
 
 def generation() -> Generation:
-    req = GenerationRequest(model="m", prompt=[{"role": "user", "content": "hi"}],
-                            sampling=SamplingParams(1.0, 1.0, 0, None))
-    inst = SimpleNamespace(context=400, instance_id="i" * 12, sharding="pipeline", ranks=(0,), dtype="float32",
-                           quantize=None)
+    req = GenerationRequest(
+        model="m", prompt=[{"role": "user", "content": "hi"}], sampling=SamplingParams(1.0, 1.0, 0, None)
+    )
+    inst = SimpleNamespace(
+        context=400, instance_id="i" * 12, sharding="pipeline", ranks=(0,), dtype="float32", quantize=None
+    )
     node = SimpleNamespace(router=CachedRouter())
     return Generation(node, req, [ID["Paris"]] * PROMPT, inst, FakeTokenizer(PLAIN_TEMPLATE))  # type: ignore[arg-type]
 
@@ -53,12 +55,18 @@ def generation() -> Generation:
 def run(gen: Generation) -> list[Chunk]:
     async def collect():
         return [c async for c in gen.texts() if isinstance(c, Chunk)]
+
     return asyncio.run(collect())
 
 
 def test_openai_chat_reports_cached_prompt_tokens_and_llama_cpp_progress():
-    req = openai_api.ChatCompletionRequest(model="m", messages=[{"role": "user", "content": "hi"}], stream=True,
-                                           stream_options={"include_usage": True}, return_progress=True)
+    req = openai_api.ChatCompletionRequest(
+        model="m",
+        messages=[{"role": "user", "content": "hi"}],
+        stream=True,
+        stream_options={"include_usage": True},
+        return_progress=True,
+    )
     gen = generation()
     shape = openai_api.ChatShape(req, [gen], "chatcmpl-1", 0)
     chunks = sse_data(asyncio.run(drain(openai_api._stream([gen], shape, True, req.stream_options, 60))))
@@ -86,15 +94,19 @@ def test_responses_report_cached_and_written_input_tokens():
 
 
 def test_anthropic_usage_splits_the_prompt_into_read_written_and_input():
-    expected = {"input_tokens": PROMPT - CACHED - WRITTEN, "cache_creation_input_tokens": WRITTEN,
-                "cache_read_input_tokens": CACHED}
+    expected = {
+        "input_tokens": PROMPT - CACHED - WRITTEN,
+        "cache_creation_input_tokens": WRITTEN,
+        "cache_read_input_tokens": CACHED,
+    }
     req = MessagesRequest(model="m", max_tokens=16, stream=True, messages=[{"role": "user", "content": "hi"}])
     events = sse_data(asyncio.run(drain(anthropic_api._stream(generation(), req, "msg_1", [], 60))))
     start, delta = events[0], next(e for e in events if e["type"] == "message_delta")
     assert start["message"]["usage"]["input_tokens"] == PROMPT  # before the prompt was looked up
     usage = at.MessageDeltaUsage.model_validate(delta["usage"])
     assert (usage.input_tokens, usage.cache_creation_input_tokens, usage.cache_read_input_tokens) == tuple(
-        expected.values())
+        expected.values()
+    )
     gen = generation()
     run(gen)
     whole = at.Usage.model_validate(dict(anthropic_api._input_usage(gen), output_tokens=2))
@@ -103,8 +115,9 @@ def test_anthropic_usage_splits_the_prompt_into_read_written_and_input():
 
 def test_ollama_counts_only_the_prompt_tokens_it_computed():
     req = ollama_api.ChatRequest(model="m", messages=[{"role": "user", "content": "hi"}])
-    lines = asyncio.run(drain(ollama_api._stream(generation(), req, ollama_api._chat_message, KeepAlive(),
-                                                 [], None, 0.0, 60)))
+    lines = asyncio.run(
+        drain(ollama_api._stream(generation(), req, ollama_api._chat_message, KeepAlive(), [], None, 0.0, 60))
+    )
     last = ollama.ChatResponse.model_validate(json.loads(lines[-1]))
     assert last.done and last.prompt_eval_count == PROMPT - CACHED
 
@@ -114,16 +127,29 @@ def test_metrics_give_each_ranks_prefix_cache_and_hit_rate():
 
     from shardline.api.metrics import _ClusterCollector
 
-    node = SimpleNamespace(live_node_ids=lambda: ["n"], instances={}, info=lambda: SimpleNamespace(available_bytes=1),
-                           router=SimpleNamespace(continuations={}),
-                           engine_stats={"inst": {"running": (), "waiting": (), "cached_tokens": 640,
-                                                  "cached_bytes": 640 * 2304, "prompt_tokens": 1000,
-                                                  "reused_tokens": 576}})
+    node = SimpleNamespace(
+        live_node_ids=lambda: ["n"],
+        instances={},
+        info=lambda: SimpleNamespace(available_bytes=1),
+        router=SimpleNamespace(continuations={}),
+        engine_stats={
+            "inst": {
+                "running": (),
+                "waiting": (),
+                "cached_tokens": 640,
+                "cached_bytes": 640 * 2304,
+                "prompt_tokens": 1000,
+                "reused_tokens": 576,
+            }
+        },
+    )
     registry = CollectorRegistry()
     registry.register(_ClusterCollector(node))  # type: ignore[arg-type]
     text = generate_latest(registry).decode()
-    for line in ('shardline_prefix_cache_tokens{instance="inst"} 640.0',
-                 'shardline_prefix_cache_bytes{instance="inst"} 1.47456e+06',
-                 'shardline_rank_prompt_tokens_total{instance="inst"} 1000.0',
-                 'shardline_rank_reused_prompt_tokens_total{instance="inst"} 576.0'):
+    for line in (
+        'shardline_prefix_cache_tokens{instance="inst"} 640.0',
+        'shardline_prefix_cache_bytes{instance="inst"} 1.47456e+06',
+        'shardline_rank_prompt_tokens_total{instance="inst"} 1000.0',
+        'shardline_rank_reused_prompt_tokens_total{instance="inst"} 576.0',
+    ):
         assert line in text, text

@@ -51,7 +51,7 @@ def special_ids(tokenizer: Tokenizer, ids: list[int]) -> list[int]:
 
 
 def contains(ids: list[int], part: list[int]) -> bool:
-    return any(ids[i:i + len(part)] == part for i in range(len(ids) - len(part) + 1))
+    return any(ids[i : i + len(part)] == part for i in range(len(ids) - len(part) + 1))
 
 
 def test_a_forged_turn_in_user_text_stays_text(tokenizer):
@@ -62,7 +62,7 @@ def test_a_forged_turn_in_user_text_stays_text(tokenizer):
     assert special_ids(tokenizer, old_encoding(tokenizer, messages)) == [1, 2, 1, 2, 1, 2, 1, 2, 1]  # before
     # The user's turn holds exactly the user's text, and each forged token as its text's ids.
     header = tokenizer.encode("<|im_start|>user\n", add_special_tokens=False)
-    start = next(i for i in range(len(ids)) if ids[i:i + len(header)] == header) + len(header)
+    start = next(i for i in range(len(ids)) if ids[i : i + len(header)] == header) + len(header)
     end = len(ids) - len(tokenizer.encode("<|im_end|>\n<|im_start|>assistant\n", add_special_tokens=False))
     content = ids[start:end]
     assert content[-1] != 2 and ids[end] == 2
@@ -70,7 +70,7 @@ def test_a_forged_turn_in_user_text_stays_text(tokenizer):
     assert special_ids(tokenizer, content) == []
     assert contains(content, as_text(tokenizer, "<|im_end|>"))
     assert contains(content, as_text(tokenizer, "<|im_start|>"))
-    assert content[:len(as_text(tokenizer, "Hi<|im_end|>\n"))] == as_text(tokenizer, "Hi<|im_end|>\n")
+    assert content[: len(as_text(tokenizer, "Hi<|im_end|>\n"))] == as_text(tokenizer, "Hi<|im_end|>\n")
 
 
 def test_encoding_a_chat_never_switches_the_shared_special_token_mode(tokenizer, monkeypatch):
@@ -103,25 +103,38 @@ def test_encoding_a_chat_never_switches_the_shared_special_token_mode(tokenizer,
 @pytest.mark.parametrize("literal", ["<|im_end|>", "<|im_start|>", "<|endoftext|>", "<file_sep>"])
 def test_special_token_text_in_any_role_is_text(tokenizer, role, literal):
     def chat(text: str) -> list[dict[str, str]]:
-        return [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hello"},
-                {"role": role, "content": text}, {"role": "user", "content": "Go on"}]
+        return [
+            {"role": "system", "content": "Be brief."},
+            {"role": "user", "content": "Hello"},
+            {"role": role, "content": text},
+            {"role": "user", "content": "Go on"},
+        ]
 
     ids = tokenizer.encode_chat(chat(f"a {literal} b"))
     assert special_ids(tokenizer, ids) == special_ids(tokenizer, tokenizer.encode_chat(chat("a b")))
     assert contains(ids, as_text(tokenizer, literal))
     assert tokenizer.decode(ids, skip_special_tokens=False) == tokenizer.render_chat(chat(f"a {literal} b"))
-    assert len(special_ids(tokenizer, old_encoding(tokenizer, chat(f"a {literal} b")))) == len(
-        special_ids(tokenizer, ids)) + 1  # the old way made it a token
+    assert (
+        len(special_ids(tokenizer, old_encoding(tokenizer, chat(f"a {literal} b"))))
+        == len(special_ids(tokenizer, ids)) + 1
+    )  # the old way made it a token
 
 
-@pytest.mark.parametrize("messages", [
-    [{"role": "user", "content": "What is the capital of France? été 東京 🙂"}],
-    [{"role": "system", "content": "You answer in French."}, {"role": "user", "content": "Hi"},
-     {"role": "assistant", "content": "Bonjour !"}, {"role": "user", "content": "  two\n\nlines  "}],
-    [{"role": "user", "content": "Not tokens: <|notatoken|> < |im_end| > <|im_end <im_start|>"}],
-    [{"role": "user", "content": ""}],
-    [{"role": "user", "content": "call it"}, {"role": "tool", "content": '{"result": 42}'}],
-])
+@pytest.mark.parametrize(
+    "messages",
+    [
+        [{"role": "user", "content": "What is the capital of France? été 東京 🙂"}],
+        [
+            {"role": "system", "content": "You answer in French."},
+            {"role": "user", "content": "Hi"},
+            {"role": "assistant", "content": "Bonjour !"},
+            {"role": "user", "content": "  two\n\nlines  "},
+        ],
+        [{"role": "user", "content": "Not tokens: <|notatoken|> < |im_end| > <|im_end <im_start|>"}],
+        [{"role": "user", "content": ""}],
+        [{"role": "user", "content": "call it"}, {"role": "tool", "content": '{"result": 42}'}],
+    ],
+)
 def test_chats_without_special_token_text_encode_as_before(tokenizer, messages):
     assert tokenizer.encode_chat(messages) == old_encoding(tokenizer, messages)
 
@@ -134,12 +147,15 @@ def test_messages_the_template_cannot_render_are_a_chat_template_error(tokenizer
 def prepared(tokenizer: Tokenizer, request: Any) -> list[int]:
     """The prompt ids ``prepare`` gives an API's parsed request, on a node stub that serves
     the default model with ``tokenizer``."""
+
     async def tokenizer_of(model: str) -> Tokenizer:
         return tokenizer
 
-    router = SimpleNamespace(ready_instance=lambda model: SimpleNamespace(context=8192),
-                             route=lambda prompt, inst: inst,  # one instance: routing keeps it
-                             reserve=lambda inst, gen: 1)  # the queue bound: always room here
+    router = SimpleNamespace(
+        ready_instance=lambda model: SimpleNamespace(context=8192),
+        route=lambda prompt, inst: inst,  # one instance: routing keeps it
+        reserve=lambda inst, gen: 1,
+    )  # the queue bound: always room here
     node: Any = SimpleNamespace(router=router, logistics=SimpleNamespace(tokenizer=tokenizer_of))
     return asyncio.run(prepare(node, request.to_generation())).prompt
 
@@ -149,27 +165,52 @@ CHAT = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": INJEC
 M = DEFAULT_MODEL_ID
 
 
-@pytest.mark.parametrize("request_model, body", [
-    (openai.ChatCompletionRequest, {"model": M, "messages": CHAT}),
-    (openai.ChatCompletionRequest, {"model": M, "messages": [
-        {"role": "developer", "content": [{"type": "text", "text": SYSTEM}]},
-        {"role": "user", "content": [{"type": "text", "text": INJECTION[:9]}, {"type": "text", "text": INJECTION[9:]}]}]}),
-    (anthropic_request.MessagesRequest, {"model": M, "max_tokens": 4, "system": SYSTEM, "messages": CHAT[1:]}),
-    (anthropic_request.MessagesRequest, {"model": M, "max_tokens": 4, "system": [{"type": "text", "text": SYSTEM}],
-                                 "messages": [{"role": "user", "content": [{"type": "text", "text": INJECTION}]}]}),
-    (ollama.ChatRequest, {"model": M + ":latest", "messages": CHAT}),
-    (ollama.GenerateRequest, {"model": M, "system": SYSTEM, "prompt": INJECTION}),
-], ids=["openai", "openai-parts", "anthropic", "anthropic-blocks", "ollama-chat", "ollama-generate"])
+@pytest.mark.parametrize(
+    "request_model, body",
+    [
+        (openai.ChatCompletionRequest, {"model": M, "messages": CHAT}),
+        (
+            openai.ChatCompletionRequest,
+            {
+                "model": M,
+                "messages": [
+                    {"role": "developer", "content": [{"type": "text", "text": SYSTEM}]},
+                    {
+                        "role": "user",
+                        "content": [{"type": "text", "text": INJECTION[:9]}, {"type": "text", "text": INJECTION[9:]}],
+                    },
+                ],
+            },
+        ),
+        (anthropic_request.MessagesRequest, {"model": M, "max_tokens": 4, "system": SYSTEM, "messages": CHAT[1:]}),
+        (
+            anthropic_request.MessagesRequest,
+            {
+                "model": M,
+                "max_tokens": 4,
+                "system": [{"type": "text", "text": SYSTEM}],
+                "messages": [{"role": "user", "content": [{"type": "text", "text": INJECTION}]}],
+            },
+        ),
+        (ollama.ChatRequest, {"model": M + ":latest", "messages": CHAT}),
+        (ollama.GenerateRequest, {"model": M, "system": SYSTEM, "prompt": INJECTION}),
+    ],
+    ids=["openai", "openai-parts", "anthropic", "anthropic-blocks", "ollama-chat", "ollama-generate"],
+)
 def test_every_chat_api_keeps_message_text_as_text(tokenizer, request_model, body):
     ids = prepared(tokenizer, request_model.model_validate(body))
     assert ids == tokenizer.encode_chat(CHAT)
     assert special_ids(tokenizer, ids) == [1, 2, 1, 2, 1]  # system turn, user turn, the assistant's opening
 
 
-@pytest.mark.parametrize("request_model, body", [
-    (completions.CompletionRequest, {"model": M, "prompt": INJECTION}),
-    (ollama.GenerateRequest, {"model": M, "prompt": INJECTION, "raw": True}),
-], ids=["openai-completions", "ollama-raw"])
+@pytest.mark.parametrize(
+    "request_model, body",
+    [
+        (completions.CompletionRequest, {"model": M, "prompt": INJECTION}),
+        (ollama.GenerateRequest, {"model": M, "prompt": INJECTION, "raw": True}),
+    ],
+    ids=["openai-completions", "ollama-raw"],
+)
 def test_a_raw_text_prompt_keeps_its_special_tokens(tokenizer, request_model, body):
     ids = prepared(tokenizer, request_model.model_validate(body))
     assert ids == tokenizer.encode(INJECTION)
@@ -180,21 +221,29 @@ def test_names_the_template_does_not_render_are_found(tokenizer, monkeypatch):
     """SmolLM2's template renders no participant names: each given one is listed (the API
     refuses it rather than accept it and do nothing); a template that renders them lists
     none."""
-    chat = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi", "name": "bob"},
-            {"role": "assistant", "content": "Hello"}, {"role": "user", "content": "Bye"}]
+    chat = [
+        {"role": "system", "content": "Be brief."},
+        {"role": "user", "content": "Hi", "name": "bob"},
+        {"role": "assistant", "content": "Hello"},
+        {"role": "user", "content": "Bye"},
+    ]
     assert tokenizer.unrendered_names(chat) == [1]
     assert tokenizer.unrendered_names([{"role": "user", "content": "Hi"}]) == []
-    monkeypatch.setattr(tokenizer._tok, "chat_template",
-                        "{% for m in messages %}{{ m.role }}{% if m.name %} ({{ m.name }}){% endif %}: "
-                        "{{ m.content }}\n{% endfor %}assistant:")
+    monkeypatch.setattr(
+        tokenizer._tok,
+        "chat_template",
+        "{% for m in messages %}{{ m.role }}{% if m.name %} ({{ m.name }}){% endif %}: "
+        "{{ m.content }}\n{% endfor %}assistant:",
+    )
     assert tokenizer.unrendered_names(chat) == []
 
 
 def loading_node(tokenizer: Tokenizer) -> tuple[Any, list[str], list[str]]:
     """A node stub where no instance of the default model is ready and one of context 64
     loads (ready once waited for); the models waited for and tokenized, in order."""
-    loading = SimpleNamespace(instance_id="i", model_id=M, given_up=False, created_at=0.0, context=64,
-                              status="loading", error=None)
+    loading = SimpleNamespace(
+        instance_id="i", model_id=M, given_up=False, created_at=0.0, context=64, status="loading", error=None
+    )
     waited: list[str] = []
     tokenized: list[str] = []
 
@@ -209,22 +258,25 @@ def loading_node(tokenizer: Tokenizer) -> tuple[Any, list[str], list[str]]:
     def ready_instance(model: str) -> Any:
         raise NoInstanceError(model)
 
-    router = SimpleNamespace(ready_instance=ready_instance, wait_for_ready=wait_for_ready,
-                             route=lambda prompt, inst: inst, reserve=lambda inst, gen: 1)
-    node = SimpleNamespace(router=router, instances={"i": loading},
-                           logistics=SimpleNamespace(tokenizer=tokenizer_of))
+    router = SimpleNamespace(
+        ready_instance=ready_instance,
+        wait_for_ready=wait_for_ready,
+        route=lambda prompt, inst: inst,
+        reserve=lambda inst, gen: 1,
+    )
+    node = SimpleNamespace(router=router, instances={"i": loading}, logistics=SimpleNamespace(tokenizer=tokenizer_of))
     return node, waited, tokenized
 
 
 @pytest.mark.parametrize("max_tokens, refused", [(1000, True), (8, False)])
-def test_a_request_for_a_loading_model_is_refused_by_its_context_before_the_wait(
-        tokenizer, max_tokens, refused):
+def test_a_request_for_a_loading_model_is_refused_by_its_context_before_the_wait(tokenizer, max_tokens, refused):
     """No instance is ready; one loads, of context 64: a request that asks for more
     than it leaves is a 400 at once (not after the wait, up to 30 s); one it fits waits
     and runs on the instance that becomes ready, tokenized once."""
     node, waited, tokenized = loading_node(tokenizer)
     request = openai.ChatCompletionRequest.model_validate(
-        {"model": M, "max_tokens": max_tokens, "messages": [{"role": "user", "content": "Hi"}]})
+        {"model": M, "max_tokens": max_tokens, "messages": [{"role": "user", "content": "Hi"}]}
+    )
     if refused:
         with pytest.raises(APIError) as caught:
             asyncio.run(prepare(node, request.to_generation()))
@@ -240,7 +292,8 @@ def test_counting_tokens_does_not_wait_for_a_loading_model(tokenizer):
     """Anthropic's count_tokens runs nothing on the instance: counted while it loads."""
     node, waited, _ = loading_node(tokenizer)
     request = anthropic_request.CountTokensRequest.model_validate(
-        {"model": M, "messages": [{"role": "user", "content": "Hi"}]})
+        {"model": M, "messages": [{"role": "user", "content": "Hi"}]}
+    )
     _, _, prompt = asyncio.run(tokenize(node, request.to_generation(), wait=False))
     assert prompt == tokenizer.encode_chat(request.to_generation().prompt) and waited == []
 
@@ -250,27 +303,41 @@ def test_a_request_too_long_for_the_local_instance_goes_to_one_with_a_longer_con
     4,096. A request that fits only the longer one runs there (forwarded), not a 400, as
     does one whose own window (Ollama's num_ctx) only that one holds; one that fits both
     stays local."""
+
     def instance(instance_id: str, node_id: str, context: int) -> Instance:
-        return Instance(instance_id, M, Sharding.PIPELINE,
-                        (RankPlacement(node_id, f"{node_id}:1", RankShare(0, 1), status=RankStatus.READY),),
-                        node_id, 1, context, 1, status=InstanceStatus.READY, created_at=0.0)
+        return Instance(
+            instance_id,
+            M,
+            Sharding.PIPELINE,
+            (RankPlacement(node_id, f"{node_id}:1", RankShare(0, 1), status=RankStatus.READY),),
+            node_id,
+            1,
+            context,
+            1,
+            status=InstanceStatus.READY,
+            created_at=0.0,
+        )
 
     instances = {"short": instance("short", "a", 64), "long": instance("long", "b", 4096)}
 
     async def tokenizer_of(model: str) -> Tokenizer:
         return tokenizer
 
-    router = SimpleNamespace(ready_instance=lambda model: instances["short"], reserve=lambda inst, gen: None,
-                             route=lambda prompt, inst: inst)  # routing by prefix aside: the context's choice
-    node: Any = SimpleNamespace(node_id="a", router=router, instances=instances,
-                                logistics=SimpleNamespace(tokenizer=tokenizer_of))
+    router = SimpleNamespace(
+        ready_instance=lambda model: instances["short"], reserve=lambda inst, gen: None, route=lambda prompt, inst: inst
+    )  # routing by prefix aside: the context's choice
+    node: Any = SimpleNamespace(
+        node_id="a", router=router, instances=instances, logistics=SimpleNamespace(tokenizer=tokenizer_of)
+    )
     for max_tokens, chosen in [(1000, "long"), (8, "short")]:
         request = openai.ChatCompletionRequest.model_validate(
-            {"model": M, "max_tokens": max_tokens, "messages": [{"role": "user", "content": "Hi"}]})
+            {"model": M, "max_tokens": max_tokens, "messages": [{"role": "user", "content": "Hi"}]}
+        )
         assert asyncio.run(prepare(node, request.to_generation())).instance.instance_id == chosen
     for options, chosen in [({"num_ctx": 4096}, "long"), ({"num_ctx": 64}, "short"), ({}, "short")]:
         chat = ollama.ChatRequest.model_validate(  # the request's own window: Ollama's num_ctx
-            {"model": M, "options": options, "messages": [{"role": "user", "content": "Hi"}]})
+            {"model": M, "options": options, "messages": [{"role": "user", "content": "Hi"}]}
+        )
         assert asyncio.run(prepare(node, chat.to_generation())).instance.instance_id == chosen
 
 
@@ -284,7 +351,8 @@ def test_counting_tokens_while_the_tokenizer_cannot_be_had_does_not_wait(tokeniz
 
     node.logistics.tokenizer = no_tokenizer
     request = anthropic_request.CountTokensRequest.model_validate(
-        {"model": M, "messages": [{"role": "user", "content": "Hi"}]})
+        {"model": M, "messages": [{"role": "user", "content": "Hi"}]}
+    )
     with pytest.raises(APIError) as caught:
         asyncio.run(tokenize(node, request.to_generation(), wait=False))
     assert (caught.value.status, caught.value.code, waited) == (503, "model_not_ready", [])

@@ -38,8 +38,14 @@ SENT_BY_HTTPX = {"host", "content-length", "connection", "accept-encoding"}
 def url(tmp_path_factory):
     root = tmp_path_factory.mktemp("clients")
     write_tiny_chat_model(root / "models" / MODEL, "qwen", context=65536, ends_at_once=True)
-    cluster = LocalCluster(nodes=1, base_port=free_port_block(1), runner_threads=1, log_dir=str(root),
-                           data_dir=str(root), model_dirs=[root / "models"])
+    cluster = LocalCluster(
+        nodes=1,
+        base_port=free_port_block(1),
+        runner_threads=1,
+        log_dir=str(root),
+        data_dir=str(root),
+        model_dirs=[root / "models"],
+    )
     cluster.start()
     try:
         cluster.place(str(root / "models" / MODEL), "pipeline", context=65536, max_batch=2)
@@ -54,9 +60,9 @@ def _events(response: httpx.Response) -> list[tuple[str | None, str]]:
     events, name = [], None
     for line in response.iter_lines():
         if line.startswith("event:"):
-            name = line[len("event:"):].strip()
+            name = line[len("event:") :].strip()
         elif line.startswith("data:"):
-            events.append((name, line[len("data:"):].strip()))
+            events.append((name, line[len("data:") :].strip()))
             name = None
     return events
 

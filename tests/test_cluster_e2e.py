@@ -23,8 +23,7 @@ PROMPTS = [
 
 
 def chat(url: str, content: str, **extra) -> httpx.Response:
-    body = {"model": DEFAULT_MODEL_ID, "messages": [{"role": "user", "content": content}],
-            "temperature": 0, **extra}
+    body = {"model": DEFAULT_MODEL_ID, "messages": [{"role": "user", "content": content}], "temperature": 0, **extra}
     return httpx.post(f"{url}/v1/chat/completions", json=body, timeout=120)
 
 
@@ -75,21 +74,25 @@ def test_each_rank_reads_only_its_layers(cluster3):
     assert covered == list(range(30))
     # Rank 0 reads the embedding, the last rank reads it again as the tied LM head;
     # the middle rank reads neither, so it reads the least.
-    assert ranks[1]["loaded"]["bytes_read"] < min(ranks[0]["loaded"]["bytes_read"],
-                                                   ranks[2]["loaded"]["bytes_read"])
+    assert ranks[1]["loaded"]["bytes_read"] < min(ranks[0]["loaded"]["bytes_read"], ranks[2]["loaded"]["bytes_read"])
 
 
 def test_streaming_chunks_follow_openai_format(cluster3):
-    body = {"model": DEFAULT_MODEL_ID, "messages": [{"role": "user", "content": "Count from 1 to 20."}],
-            "temperature": 0, "max_tokens": 10, "stream": True,
-            "stream_options": {"include_usage": True}}
+    body = {
+        "model": DEFAULT_MODEL_ID,
+        "messages": [{"role": "user", "content": "Count from 1 to 20."}],
+        "temperature": 0,
+        "max_tokens": 10,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+    }
     events = []
     with httpx.stream("POST", f"{cluster3.url(1)}/v1/chat/completions", json=body, timeout=120) as r:
         assert r.status_code == 200
         assert r.headers["content-type"].startswith("text/event-stream")
         for line in r.iter_lines():
             if line.startswith("data: "):
-                events.append(line[len("data: "):])
+                events.append(line[len("data: ") :])
     assert events[-1] == "[DONE]"
     chunks = [json.loads(e) for e in events[:-1]]
     assert all(c["object"] == "chat.completion.chunk" for c in chunks)
@@ -104,23 +107,28 @@ def test_streaming_chunks_follow_openai_format(cluster3):
     assert text == plain["choices"][0]["message"]["content"]
     # OpenAI's obfuscation, on by default: a text chunk's padding evens its size to 16s
     texts = [c for c in chunks if c["choices"] and c["choices"][0]["delta"].get("content")]
-    assert texts and all((len(c["choices"][0]["delta"]["content"]) + len(c["obfuscation"])) % 16 == 0
-                         for c in texts)
+    assert texts and all((len(c["choices"][0]["delta"]["content"]) + len(c["obfuscation"])) % 16 == 0 for c in texts)
     body["stream_options"] = {"include_obfuscation": False}
     with httpx.stream("POST", f"{cluster3.url(1)}/v1/chat/completions", json=body, timeout=120) as r:
-        plain_chunks = [json.loads(line[6:]) for line in r.iter_lines()
-                        if line.startswith("data: {")]
+        plain_chunks = [json.loads(line[6:]) for line in r.iter_lines() if line.startswith("data: {")]
     assert plain_chunks and not any("obfuscation" in c for c in plain_chunks)
 
 
 def test_long_prompt_streams_prefill_progress_when_asked(cluster3):
     content = "Summarize: " + "the quick brown fox jumps over the lazy dog. " * 120
-    body = {"model": DEFAULT_MODEL_ID, "messages": [{"role": "user", "content": content}],
-            "temperature": 0, "max_tokens": 3, "stream": True, "return_progress": True,
-            "stream_options": {"include_usage": True}}
+    body = {
+        "model": DEFAULT_MODEL_ID,
+        "messages": [{"role": "user", "content": content}],
+        "temperature": 0,
+        "max_tokens": 3,
+        "stream": True,
+        "return_progress": True,
+        "stream_options": {"include_usage": True},
+    }
     with httpx.stream("POST", f"{cluster3.url(1)}/v1/chat/completions", json=body, timeout=120) as r:
-        chunks = [json.loads(line[6:]) for line in r.iter_lines()
-                  if line.startswith("data: ") and line != "data: [DONE]"]
+        chunks = [
+            json.loads(line[6:]) for line in r.iter_lines() if line.startswith("data: ") and line != "data: [DONE]"
+        ]
     prompt_tokens = chunks[-1]["usage"]["prompt_tokens"]
     assert prompt_tokens > 1100  # three 512-token prefill chunks
     progress = [c["prompt_progress"] for c in chunks if "prompt_progress" in c]
@@ -147,22 +155,44 @@ def test_stop_string_ends_the_text(cluster3):
         (json.dumps({"model": DEFAULT_MODEL_ID}).encode(), 400, "messages"),
         (json.dumps({"messages": [{"role": "user", "content": "hi"}]}).encode(), 400, "model"),
         (json.dumps({"model": DEFAULT_MODEL_ID, "messages": "hi"}).encode(), 400, "messages"),
-        (json.dumps({"model": DEFAULT_MODEL_ID, "messages": [{"role": "user", "content": "hi"}],
-                     "temperature": "hot"}).encode(), 400, "temperature"),
-        (json.dumps({"model": DEFAULT_MODEL_ID, "messages": [{"role": "wizard", "content": "hi"}]}).encode(),
-         400, "messages.0.role"),
-        (json.dumps({"model": DEFAULT_MODEL_ID, "messages": [{"role": "user", "content": "hi"}],
-                     "max_tokens": 0}).encode(), 400, "max_tokens"),
-        (json.dumps({"model": "no-such/model", "messages": [{"role": "user", "content": "hi"}]}).encode(),
-         404, "model"),
+        (
+            json.dumps(
+                {"model": DEFAULT_MODEL_ID, "messages": [{"role": "user", "content": "hi"}], "temperature": "hot"}
+            ).encode(),
+            400,
+            "temperature",
+        ),
+        (
+            json.dumps({"model": DEFAULT_MODEL_ID, "messages": [{"role": "wizard", "content": "hi"}]}).encode(),
+            400,
+            "messages.0.role",
+        ),
+        (
+            json.dumps(
+                {"model": DEFAULT_MODEL_ID, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 0}
+            ).encode(),
+            400,
+            "max_tokens",
+        ),
+        (
+            json.dumps({"model": "no-such/model", "messages": [{"role": "user", "content": "hi"}]}).encode(),
+            404,
+            "model",
+        ),
         # SmolLM2's template renders no names: accepted, it would do nothing
-        (json.dumps({"model": DEFAULT_MODEL_ID, "messages": [{"role": "user", "content": "hi", "name": "bob"}]
-                     }).encode(), 400, "messages.0.name"),
+        (
+            json.dumps(
+                {"model": DEFAULT_MODEL_ID, "messages": [{"role": "user", "content": "hi", "name": "bob"}]}
+            ).encode(),
+            400,
+            "messages.0.name",
+        ),
     ],
 )
 def test_bad_requests_get_openai_errors_and_server_keeps_serving(cluster3, raw, status, param):
-    response = httpx.post(f"{cluster3.url(2)}/v1/chat/completions", content=raw, timeout=30,
-                          headers={"Content-Type": "application/json"})
+    response = httpx.post(
+        f"{cluster3.url(2)}/v1/chat/completions", content=raw, timeout=30, headers={"Content-Type": "application/json"}
+    )
     assert response.status_code == status
     error = response.json()["error"]
     assert error["message"] and error["type"]
@@ -171,8 +201,11 @@ def test_bad_requests_get_openai_errors_and_server_keeps_serving(cluster3, raw, 
 
 
 def test_unknown_model_error_code(cluster3):
-    response = httpx.post(f"{cluster3.url(0)}/v1/chat/completions", timeout=30, json={
-        "model": "no-such/model", "messages": [{"role": "user", "content": "hi"}]})
+    response = httpx.post(
+        f"{cluster3.url(0)}/v1/chat/completions",
+        timeout=30,
+        json={"model": "no-such/model", "messages": [{"role": "user", "content": "hi"}]},
+    )
     assert response.json()["error"]["code"] == "model_not_found"
     assert DEFAULT_MODEL_ID in response.json()["error"]["message"]
 
@@ -216,42 +249,48 @@ def test_one_instance_by_id(cluster3):
     assert httpx.get(f"{cluster3.url(1)}/cluster/instances/nope").status_code == 404
 
 
-@pytest.mark.parametrize("extra, words", [
-    ({"nodes": ["a", "b", "a"]}, "listed twice: a"),
-    ({"context": -5}, "context"),
-    ({"max_batch": 0}, "max_batch"),
-    ({"nodes": []}, "nodes"),
-    ({"nodes": ["a"], "min_nodes": 1}, "not both"),
-    ({"min_nodes": 3, "max_nodes": 2}, "min_nodes 3 is above max_nodes 2"),
-    ({"model": "no-such/model"}, "shardline models add no-such/model"),
-    ({"model": "/no/such/dir/x.gguf"}, "nor a path under a --model-dir"),
-])
+@pytest.mark.parametrize(
+    "extra, words",
+    [
+        ({"nodes": ["a", "b", "a"]}, "listed twice: a"),
+        ({"context": -5}, "context"),
+        ({"max_batch": 0}, "max_batch"),
+        ({"nodes": []}, "nodes"),
+        ({"nodes": ["a"], "min_nodes": 1}, "not both"),
+        ({"min_nodes": 3, "max_nodes": 2}, "min_nodes 3 is above max_nodes 2"),
+        ({"model": "no-such/model"}, "shardline models add no-such/model"),
+        ({"model": "/no/such/dir/x.gguf"}, "nor a path under a --model-dir"),
+    ],
+)
 def test_bad_placements_are_refused_before_anything_starts(cluster3, extra, words):
     before = placed(cluster3.url(0))
-    response = httpx.post(f"{cluster3.url(0)}/cluster/instances", json={"sharding": "pipeline", **extra},
-                          timeout=30)
+    response = httpx.post(f"{cluster3.url(0)}/cluster/instances", json={"sharding": "pipeline", **extra}, timeout=30)
     assert response.status_code == (404 if extra.get("model") == "no-such/model" else 400)
     assert words in response.json()["error"]["message"]
     assert placed(cluster3.url(0)) == before
 
 
 def test_preview_keeps_to_the_sharding_asked_for(cluster3):
-    response = httpx.post(f"{cluster3.url(2)}/cluster/placements/preview", json={"sharding": "tensor"},
-                          timeout=60)
+    response = httpx.post(f"{cluster3.url(2)}/cluster/placements/preview", json={"sharding": "tensor"}, timeout=60)
     candidates = response.json()["candidates"]
     assert candidates and {c["sharding"] for c in candidates} == {"tensor"}
-    response = httpx.post(f"{cluster3.url(2)}/cluster/placements/preview",
-                          json={"sharding": "auto", "min_nodes": 2, "max_nodes": 2}, timeout=60)
+    response = httpx.post(
+        f"{cluster3.url(2)}/cluster/placements/preview",
+        json={"sharding": "auto", "min_nodes": 2, "max_nodes": 2},
+        timeout=60,
+    )
     counts = {len(c["node_ids"]) for c in response.json()["candidates"]}
     assert counts == {2}
 
 
 def test_preview_shows_the_kv_pool_each_placement_would_have(cluster3):
     asked = {"sharding": "pipeline", "context": 1024, "max_batch": 4}
-    response = httpx.post(f"{cluster3.url(1)}/cluster/placements/preview", timeout=60,
-                          json=dict(asked, kv_cache_bytes=2048 * 23040))  # SmolLM2: 23,040 B a token
+    response = httpx.post(
+        f"{cluster3.url(1)}/cluster/placements/preview", timeout=60, json=dict(asked, kv_cache_bytes=2048 * 23040)
+    )  # SmolLM2: 23,040 B a token
     feasible = [c for c in response.json()["candidates"] if c["feasible"]]
     assert feasible and {c["kv_tokens"] for c in feasible} == {2048}
-    capped = httpx.post(f"{cluster3.url(1)}/cluster/placements/preview", timeout=60,
-                        json=dict(asked, kv_cache_bytes=10**12)).json()["candidates"]
+    capped = httpx.post(
+        f"{cluster3.url(1)}/cluster/placements/preview", timeout=60, json=dict(asked, kv_cache_bytes=10**12)
+    ).json()["candidates"]
     assert {c["kv_tokens"] for c in capped if c["feasible"]} == {4 * 1024}  # max_batch x context

@@ -15,8 +15,7 @@ PROMPT = "The capital of France is the city of"
 
 
 def complete(url: str, **body) -> httpx.Response:
-    return httpx.post(f"{url}/v1/completions", json={"model": DEFAULT_MODEL_ID, "temperature": 0, **body},
-                      timeout=120)
+    return httpx.post(f"{url}/v1/completions", json={"model": DEFAULT_MODEL_ID, "temperature": 0, **body}, timeout=120)
 
 
 def test_a_text_prompt_is_continued(cluster3):
@@ -35,9 +34,19 @@ def test_a_text_prompt_is_continued(cluster3):
 
 def test_streamed_text_equals_the_whole_answer(cluster3):
     whole = complete(cluster3.url(0), prompt=PROMPT, max_tokens=8).json()["choices"][0]["text"]
-    with httpx.stream("POST", f"{cluster3.url(2)}/v1/completions", timeout=120, json={
-            "model": DEFAULT_MODEL_ID, "prompt": PROMPT, "max_tokens": 8, "temperature": 0,
-            "stream": True, "stream_options": {"include_usage": True}}) as response:
+    with httpx.stream(
+        "POST",
+        f"{cluster3.url(2)}/v1/completions",
+        timeout=120,
+        json={
+            "model": DEFAULT_MODEL_ID,
+            "prompt": PROMPT,
+            "max_tokens": 8,
+            "temperature": 0,
+            "stream": True,
+            "stream_options": {"include_usage": True},
+        },
+    ) as response:
         events = [line[6:] for line in response.iter_lines() if line.startswith("data: ")]
     assert events[-1] == "[DONE]"
     chunks = [json.loads(e) for e in events[:-1]]
@@ -73,8 +82,7 @@ def test_echo_with_logprobs_scores_the_prompt_as_lm_evaluation_harness_reads_it(
     its positions, with about the log-probabilities its decoding reported; streamed, the
     echoed prompt and its log-probabilities come first, once it is prefilled."""
     greedy = complete(cluster3.url(0), prompt=PROMPT, max_tokens=3, logprobs=1).json()["choices"][0]
-    body = complete(cluster3.url(1), prompt=PROMPT + greedy["text"], max_tokens=1, logprobs=1,
-                    echo=True).json()
+    body = complete(cluster3.url(1), prompt=PROMPT + greedy["text"], max_tokens=1, logprobs=1, echo=True).json()
     choice, n = body["choices"][0], body["usage"]["prompt_tokens"]
     scores = choice["logprobs"]
     assert len(scores["tokens"]) == len(scores["token_logprobs"]) == n + 1
@@ -87,17 +95,30 @@ def test_echo_with_logprobs_scores_the_prompt_as_lm_evaluation_harness_reads_it(
     for i, decoded in zip(continuation, greedy["logprobs"]["token_logprobs"]):
         assert list(scores["top_logprobs"][i]) == [scores["tokens"][i]]  # greedy at each
         assert scores["token_logprobs"][i] == pytest.approx(decoded, abs=0.1)  # prefill, decode
-    with httpx.stream("POST", f"{cluster3.url(2)}/v1/completions", timeout=120, json={
-            "model": DEFAULT_MODEL_ID, "prompt": PROMPT, "max_tokens": 2, "temperature": 0,
-            "logprobs": 0, "echo": True, "stream": True}) as response:
-        chunks = [json.loads(line[6:]) for line in response.iter_lines()
-                  if line.startswith("data: ") and line != "data: [DONE]"]
+    with httpx.stream(
+        "POST",
+        f"{cluster3.url(2)}/v1/completions",
+        timeout=120,
+        json={
+            "model": DEFAULT_MODEL_ID,
+            "prompt": PROMPT,
+            "max_tokens": 2,
+            "temperature": 0,
+            "logprobs": 0,
+            "echo": True,
+            "stream": True,
+        },
+    ) as response:
+        chunks = [
+            json.loads(line[6:])
+            for line in response.iter_lines()
+            if line.startswith("data: ") and line != "data: [DONE]"
+        ]
     opening = chunks[0]["choices"][0]
     assert opening["text"] == PROMPT and opening["logprobs"]["token_logprobs"][0] is None
     assert len(opening["logprobs"]["tokens"]) == n - 3 and opening["logprobs"]["top_logprobs"][1] == {}
     # max_tokens 0: the prompt scored alone, as the legacy API did
-    alone = complete(cluster3.url(0), prompt=PROMPT + greedy["text"], max_tokens=0, logprobs=1,
-                     echo=True).json()
+    alone = complete(cluster3.url(0), prompt=PROMPT + greedy["text"], max_tokens=0, logprobs=1, echo=True).json()
     assert alone["choices"][0]["text"] == PROMPT + greedy["text"]
     assert alone["choices"][0]["finish_reason"] == "length" and alone["usage"]["completion_tokens"] == 0
     assert alone["choices"][0]["logprobs"]["token_logprobs"] == scores["token_logprobs"][:n]
@@ -111,20 +132,31 @@ def test_logprobs_describe_the_text_sent(cluster3):
     # a stop string that starts inside a token, after the first two
     stop = next(t for t in greedy["logprobs"]["tokens"][2:] if len(t) >= 2)[1:]
     for stream in (False, True):
-        body = {"model": DEFAULT_MODEL_ID, "temperature": 0, "prompt": PROMPT, "max_tokens": 8,
-                "logprobs": 0, "stop": [stop], "stream": stream}
+        body = {
+            "model": DEFAULT_MODEL_ID,
+            "temperature": 0,
+            "prompt": PROMPT,
+            "max_tokens": 8,
+            "logprobs": 0,
+            "stop": [stop],
+            "stream": stream,
+        }
         if stream:
             with httpx.stream("POST", f"{cluster3.url(1)}/v1/completions", json=body, timeout=120) as response:
-                chunks = [json.loads(line[6:])["choices"][0] for line in response.iter_lines()
-                          if line.startswith("data: ") and line != "data: [DONE]"]
+                chunks = [
+                    json.loads(line[6:])["choices"][0]
+                    for line in response.iter_lines()
+                    if line.startswith("data: ") and line != "data: [DONE]"
+                ]
             text = "".join(c["text"] for c in chunks)
             tokens = [t for c in chunks if c["logprobs"] for t in c["logprobs"]["tokens"]]
         else:
             choice = httpx.post(f"{cluster3.url(1)}/v1/completions", json=body, timeout=120).json()["choices"][0]
             text, tokens = choice["text"], choice["logprobs"]["tokens"]
         cut = greedy["text"].find(stop)  # (the stop string may come before the 4th token)
-        kept = [t for t, at in zip(greedy["logprobs"]["tokens"], greedy["logprobs"]["text_offset"])
-                if at + len(t) <= cut]
+        kept = [
+            t for t, at in zip(greedy["logprobs"]["tokens"], greedy["logprobs"]["text_offset"]) if at + len(t) <= cut
+        ]
         assert text == greedy["text"][:cut] and tokens == kept
     odd = "Tokyo is 東京 🙂, café."
     scored = complete(cluster3.url(2), prompt="Say: " + odd, max_tokens=0, echo=True, logprobs=5).json()
@@ -134,7 +166,7 @@ def test_logprobs_describe_the_text_sent(cluster3):
     assert offsets == sorted(offsets) and offsets[-1] < len(choice["text"])
     for token, offset in zip(tokens, offsets):
         if not token.startswith("bytes:"):
-            assert choice["text"][offset:offset + len(token)] == token
+            assert choice["text"][offset : offset + len(token)] == token
     assert offsets[-1] + len(tokens[-1]) == len(choice["text"])
     assert all(len(top) == 5 for top in choice["logprobs"]["top_logprobs"][1:])  # none overwritten
     # an output that ends inside a character keeps the text before it, and reads U+FFFD
@@ -144,15 +176,18 @@ def test_logprobs_describe_the_text_sent(cluster3):
         assert last.startswith("bytes:") and at < len(cut["text"]) and cut["text"].endswith("\ufffd"), cut
 
 
-@pytest.mark.parametrize("body, param, words", [
-    ({"prompt": [1, 2, 10**9]}, "prompt", "outside the vocabulary"),
-    ({"prompt": ["one", "two"]}, "prompt", "one prompt per request"),
-    ({"prompt": [[1, 2], [3]]}, "prompt", "one prompt per request"),
-    ({"prompt": ""}, "prompt", None),
-    ({"prompt": "hi", "max_tokens": 0}, "max_tokens", "0 only with echo"),
-    ({"prompt": "hi", "max_tokens": 10**6}, "max_tokens", "context"),
-    ({"prompt": "hi", "suffix": "tail"}, "suffix", None),
-])
+@pytest.mark.parametrize(
+    "body, param, words",
+    [
+        ({"prompt": [1, 2, 10**9]}, "prompt", "outside the vocabulary"),
+        ({"prompt": ["one", "two"]}, "prompt", "one prompt per request"),
+        ({"prompt": [[1, 2], [3]]}, "prompt", "one prompt per request"),
+        ({"prompt": ""}, "prompt", None),
+        ({"prompt": "hi", "max_tokens": 0}, "max_tokens", "0 only with echo"),
+        ({"prompt": "hi", "max_tokens": 10**6}, "max_tokens", "context"),
+        ({"prompt": "hi", "suffix": "tail"}, "suffix", None),
+    ],
+)
 def test_bad_completions_get_openai_errors(cluster3, body, param, words):
     response = complete(cluster3.url(1), **body)
     assert response.status_code == 400, response.text

@@ -11,15 +11,18 @@ import pytest
 from shardline.parallel.compute_slots import ComputeSlots, slot_count
 
 
-@pytest.mark.parametrize("cpus, threads, slots", [
-    (2, 2, 1),    # a 2-vCPU machine, 2 threads a stage: one at a time
-    (2, 1, 2),
-    (3, 2, 1),
-    (16, 4, 4),
-    (16, 5, 3),
-    (1, 4, 1),    # more threads than CPUs: still one
-    (8, 0, 8),    # 0 threads read as 1
-])
+@pytest.mark.parametrize(
+    "cpus, threads, slots",
+    [
+        (2, 2, 1),  # a 2-vCPU machine, 2 threads a stage: one at a time
+        (2, 1, 2),
+        (3, 2, 1),
+        (16, 4, 4),
+        (16, 5, 3),
+        (1, 4, 1),  # more threads than CPUs: still one
+        (8, 0, 8),  # 0 threads read as 1
+    ],
+)
 def test_slot_count(cpus, threads, slots):
     assert slot_count(cpus, threads) == slots
 
@@ -64,13 +67,20 @@ def test_two_slots_let_two_stages_compute_at_once(tmp_path):
 
 def test_a_slot_is_freed_when_its_holder_is_killed(tmp_path):
     holder = subprocess.Popen(
-        [sys.executable, "-c", "import sys, time\n"
-         "from pathlib import Path\n"
-         "from shardline.parallel.compute_slots import ComputeSlots\n"
-         "with ComputeSlots(1, Path(sys.argv[1])).held():\n"
-         "    print('held', flush=True)\n"
-         "    time.sleep(60)\n", str(tmp_path)],
-        stdout=subprocess.PIPE, text=True)
+        [
+            sys.executable,
+            "-c",
+            "import sys, time\n"
+            "from pathlib import Path\n"
+            "from shardline.parallel.compute_slots import ComputeSlots\n"
+            "with ComputeSlots(1, Path(sys.argv[1])).held():\n"
+            "    print('held', flush=True)\n"
+            "    time.sleep(60)\n",
+            str(tmp_path),
+        ],
+        stdout=subprocess.PIPE,
+        text=True,
+    )
     try:
         assert holder.stdout is not None and holder.stdout.readline() == "held\n"
         slots = ComputeSlots(1, tmp_path)

@@ -15,26 +15,38 @@ from shardline.models.store import DEFAULT_MODEL_ID
 pytestmark = pytest.mark.timeout(400)
 
 TOPICS = [
-    "the moon", "a river", "bread", "winter", "a lighthouse", "chess", "volcanoes", "bees",
-    "a train", "the ocean", "mountains", "a library", "coffee", "rain", "a garden", "robots",
+    "the moon",
+    "a river",
+    "bread",
+    "winter",
+    "a lighthouse",
+    "chess",
+    "volcanoes",
+    "bees",
+    "a train",
+    "the ocean",
+    "mountains",
+    "a library",
+    "coffee",
+    "rain",
+    "a garden",
+    "robots",
 ]
 
 
 def body(content: str, **extra) -> dict:
-    return {"model": DEFAULT_MODEL_ID, "messages": [{"role": "user", "content": content}],
-            "temperature": 0, **extra}
+    return {"model": DEFAULT_MODEL_ID, "messages": [{"role": "user", "content": content}], "temperature": 0, **extra}
 
 
 async def stream_text(client: httpx.AsyncClient, url: str, payload: dict) -> tuple[str, list[float]]:
     """Stream one chat completion; return its text and the arrival time of each chunk."""
     parts, times = [], []
-    async with client.stream("POST", f"{url}/v1/chat/completions",
-                             json=dict(payload, stream=True)) as response:
+    async with client.stream("POST", f"{url}/v1/chat/completions", json=dict(payload, stream=True)) as response:
         assert response.status_code == 200
         async for line in response.aiter_lines():
             if not line.startswith("data: ") or line == "data: [DONE]":
                 continue
-            chunk = json.loads(line[len("data: "):])
+            chunk = json.loads(line[len("data: ") :])
             assert "error" not in chunk, chunk
             content = chunk["choices"][0]["delta"].get("content") if chunk["choices"] else None
             if content:
@@ -52,10 +64,9 @@ def test_sixteen_concurrent_streams_each_match_their_text_alone(cluster3):
             for i, prompt in enumerate(prompts):
                 text, _ = await stream_text(client, cluster3.url(i % 3), body(prompt, max_tokens=24))
                 alone.append(text)
-            together = await asyncio.gather(*(
-                stream_text(client, cluster3.url(i % 3), body(p, max_tokens=24))
-                for i, p in enumerate(prompts)
-            ))
+            together = await asyncio.gather(
+                *(stream_text(client, cluster3.url(i % 3), body(p, max_tokens=24)) for i, p in enumerate(prompts))
+            )
             return alone, [text for text, _ in together]
 
     alone, together = asyncio.run(run())
@@ -74,8 +85,7 @@ def local_engines(cluster) -> list[dict]:
 
 def test_a_client_that_disconnects_frees_its_slot_on_every_rank(cluster3):
     payload = body("Tell me a very long story.", max_tokens=2000, ignore_eos=True, stream=True)
-    with httpx.stream("POST", f"{cluster3.url(1)}/v1/chat/completions", json=payload,
-                      timeout=60) as response:
+    with httpx.stream("POST", f"{cluster3.url(1)}/v1/chat/completions", json=payload, timeout=60) as response:
         lines = response.iter_lines()  # advanced by hand: leaving a for loop closes it
         received = 0
         while received < 5:
@@ -88,8 +98,7 @@ def test_a_client_that_disconnects_frees_its_slot_on_every_rank(cluster3):
         time.sleep(0.02)
     freed_s = time.monotonic() - closed
     print(f"\nslot freed on every rank {freed_s * 1000:.0f} ms after the client left")
-    after = httpx.post(f"{cluster3.url(0)}/v1/chat/completions",
-                       json=body(CAPITAL_QUESTION), timeout=60).json()
+    after = httpx.post(f"{cluster3.url(0)}/v1/chat/completions", json=body(CAPITAL_QUESTION), timeout=60).json()
     assert "Paris" in after["choices"][0]["message"]["content"]
 
 
@@ -99,9 +108,11 @@ def test_a_long_prompt_does_not_pause_running_streams_for_its_whole_prefill(clus
     async def run():
         async with httpx.AsyncClient(timeout=300) as client:
             streams = [
-                asyncio.create_task(stream_text(client, cluster3.url(0),
-                                                body(f"Count slowly about {t}.", max_tokens=360,
-                                                     ignore_eos=True)))
+                asyncio.create_task(
+                    stream_text(
+                        client, cluster3.url(0), body(f"Count slowly about {t}.", max_tokens=360, ignore_eos=True)
+                    )
+                )
                 for t in TOPICS[:4]
             ]
             # the four are decoding, and still are after the long prompt's prefill (at
@@ -109,7 +120,8 @@ def test_a_long_prompt_does_not_pause_running_streams_for_its_whole_prefill(clus
             await asyncio.sleep(2.0)
             sent = time.monotonic()
             _, long_times = await stream_text(
-                client, cluster3.url(0), body(long_prompt + "\nHow many items?", max_tokens=2))
+                client, cluster3.url(0), body(long_prompt + "\nHow many items?", max_tokens=2)
+            )
             return sent, long_times, [await s for s in streams]
 
     sent, long_times, results = asyncio.run(run())
@@ -119,8 +131,10 @@ def test_a_long_prompt_does_not_pause_running_streams_for_its_whole_prefill(clus
         gaps = [b - a for a, b in zip(times, times[1:]) if sent <= b <= long_times[0] + 0.5]
         window_gaps.extend(gaps)
     longest = max(window_gaps)
-    print(f"\n~2000-token prompt prefilled in {prefill_s:.2f} s while 4 streams decoded; "
-          f"longest gap between their tokens then: {longest * 1000:.0f} ms")
+    print(
+        f"\n~2000-token prompt prefilled in {prefill_s:.2f} s while 4 streams decoded; "
+        f"longest gap between their tokens then: {longest * 1000:.0f} ms"
+    )
     # The prompt is prefilled in 512-token chunks with a decode step between chunks, so
     # every running stream gets tokens while it is prefilled (one whole-prompt prefill
     # would give each at most one). Counted, not timed: timing flakes on a loaded machine.
@@ -132,8 +146,7 @@ def test_a_seeded_sample_is_the_same_whatever_runs_beside_it(cluster3):
     """Its text and its log-probabilities, to the bit (the LM head's refined logits once
     took another path for one row than for several: 3e-5 apart, and a sample at
     temperature 1 changed within 40 tokens)."""
-    sampled = body("Invent a name for a cat.", temperature=1.0, seed=1234, max_tokens=24,
-                   logprobs=True)
+    sampled = body("Invent a name for a cat.", temperature=1.0, seed=1234, max_tokens=24, logprobs=True)
 
     async def ask(client: httpx.AsyncClient, url: str, payload: dict) -> tuple[str, list[float]]:
         response = await client.post(f"{url}/v1/chat/completions", json=payload)
@@ -146,7 +159,9 @@ def test_a_seeded_sample_is_the_same_whatever_runs_beside_it(cluster3):
             alone = await ask(client, cluster3.url(0), sampled)
             busy = await asyncio.gather(
                 ask(client, cluster3.url(1), body("Describe a tree.", max_tokens=30)),
-                ask(client, cluster3.url(2), sampled), ask(client, cluster3.url(0), sampled))
+                ask(client, cluster3.url(2), sampled),
+                ask(client, cluster3.url(0), sampled),
+            )
             return alone, busy[1:]
 
     alone, beside = asyncio.run(run())
@@ -155,11 +170,16 @@ def test_a_seeded_sample_is_the_same_whatever_runs_beside_it(cluster3):
 
 def test_a_non_streamed_request_is_cancelled_when_its_client_leaves(cluster3):
     with pytest.raises(httpx.ReadTimeout):
-        httpx.post(f"{cluster3.url(2)}/v1/chat/completions", timeout=1.5,
-                   json=body("Tell me a very long story.", max_tokens=2000, ignore_eos=True))
+        httpx.post(
+            f"{cluster3.url(2)}/v1/chat/completions",
+            timeout=1.5,
+            json=body("Tell me a very long story.", max_tokens=2000, ignore_eos=True),
+        )
     left = time.monotonic()
     while any(engine["running"] for engine in local_engines(cluster3)):
         assert time.monotonic() - left < 2.0, "the abandoned request kept running"
         time.sleep(0.05)
-    print(f"\nabandoned non-streamed request cancelled on every rank {time.monotonic() - left:.2f} s "
-          f"after the client left")
+    print(
+        f"\nabandoned non-streamed request cancelled on every rank {time.monotonic() - left:.2f} s "
+        f"after the client left"
+    )

@@ -23,47 +23,66 @@ pytestmark = [pytest.mark.fast, pytest.mark.timeout(10)]
 SHA = "0" * 64
 
 
-@pytest.mark.parametrize("path", [
-    "config.json", "model-00001-of-00002.safetensors", "tokenizer/tokenizer.json",
-    "a/b/c/d.txt", "..hidden", "a..b", "dir.with.dots/x", "ünïcode.json", "x" * 255,
-])
+@pytest.mark.parametrize(
+    "path",
+    [
+        "config.json",
+        "model-00001-of-00002.safetensors",
+        "tokenizer/tokenizer.json",
+        "a/b/c/d.txt",
+        "..hidden",
+        "a..b",
+        "dir.with.dots/x",
+        "ünïcode.json",
+        "x" * 255,
+    ],
+)
 def test_plain_relative_paths_pass(path):
     assert check_relative_path(path) == path
 
 
-@pytest.mark.parametrize("path, reason", [
-    ("", "empty"),
-    ("..", "'..'"),
-    ("../x", "'..'"),
-    ("a/../../b", "'..'"),
-    ("tokenizer/../../../../x", "'..'"),
-    ("a/..", "'..'"),
-    ("./x", "'.'"),
-    ("a/./b", "'.'"),
-    ("/etc/passwd", "absolute"),
-    ("//x", "absolute"),
-    ("a//b", "''"),
-    ("a/", "''"),
-    ("a\x00b", "control"),
-    ("a\nb", "control"),
-    ("..\\..\\x", "backslash"),
-    ("a\\b", "backslash"),
-    ("x" * 256, "bytes"),
-    ("é" * 200, "bytes"),  # 200 characters, 400 bytes
-    ("a/" * 600 + "b", "characters"),
-    (None, "not a string"),
-    (7, "not a string"),
-])
+@pytest.mark.parametrize(
+    "path, reason",
+    [
+        ("", "empty"),
+        ("..", "'..'"),
+        ("../x", "'..'"),
+        ("a/../../b", "'..'"),
+        ("tokenizer/../../../../x", "'..'"),
+        ("a/..", "'..'"),
+        ("./x", "'.'"),
+        ("a/./b", "'.'"),
+        ("/etc/passwd", "absolute"),
+        ("//x", "absolute"),
+        ("a//b", "''"),
+        ("a/", "''"),
+        ("a\x00b", "control"),
+        ("a\nb", "control"),
+        ("..\\..\\x", "backslash"),
+        ("a\\b", "backslash"),
+        ("x" * 256, "bytes"),
+        ("é" * 200, "bytes"),  # 200 characters, 400 bytes
+        ("a/" * 600 + "b", "characters"),
+        (None, "not a string"),
+        (7, "not a string"),
+    ],
+)
 def test_unsafe_paths_are_refused_with_the_rule_they_break(path, reason):
     with pytest.raises(UnsafePathError, match=reason):
         check_relative_path(path)
 
 
 def manifest_json(**changes) -> dict:
-    data = {"model_id": "org/model", "format": "safetensors", "config": {},
-            "files": [{"path": "config.json", "size": 10, "sha256": SHA, "weights": False},
-                      {"path": "model.safetensors", "size": 99, "sha256": SHA, "weights": True}],
-            "weight_map": {"lm_head.weight": "model.safetensors"}}
+    data = {
+        "model_id": "org/model",
+        "format": "safetensors",
+        "config": {},
+        "files": [
+            {"path": "config.json", "size": 10, "sha256": SHA, "weights": False},
+            {"path": "model.safetensors", "size": 99, "sha256": SHA, "weights": True},
+        ],
+        "weight_map": {"lm_head.weight": "model.safetensors"},
+    }
     data.update(changes)
     return data
 
@@ -78,35 +97,38 @@ def test_a_sound_manifest_parses_and_round_trips():
     assert [f.path for f in manifest.files] == ["config.json", "model.safetensors"]
 
 
-@pytest.mark.parametrize("changes, reason", [
-    ({"files": [entry("tokenizer/../../../../x")]}, "'..'"),
-    ({"files": [entry("/tmp/x")]}, "absolute"),
-    ({"files": [entry("a\x00")]}, "control"),
-    ({"files": [entry("a\\b")]}, "backslash"),
-    ({"files": [entry("")]}, "empty"),
-    ({"files": [entry("manifest.json")]}, "keeps for itself"),
-    ({"files": [entry("model.safetensors.partial")]}, "keeps for itself"),
-    ({"files": [entry(), entry()]}, "twice"),
-    ({"files": [entry(size=-1)]}, "byte count"),
-    ({"files": [entry(size="1")]}, "byte count"),
-    ({"files": [entry(size=True)]}, "byte count"),
-    ({"files": [entry(sha256="../x")]}, "64 hex"),
-    ({"files": [entry(weights="yes")]}, "true or false"),
-    ({"files": [dict(entry(), extra=1)]}, "keys"),
-    ({"files": ["config.json"]}, "keys"),
-    ({"files": "config.json"}, "not a list"),
-    ({"format": "pickle"}, "format"),
-    ({"config": []}, "config"),
-    ({"weight_map": {"t": "../../x"}}, "weight_map"),
-    ({"weight_map": {"t": "absent.safetensors"}}, "weight_map"),
-    ({"model_id": "../x"}, "model id"),
-    ({"model_id": "/etc"}, "model id"),
-    ({"model_id": "a/b/c"}, "model id"),
-    ({"model_id": "org/.."}, "model id"),
-    ({"model_id": "name\n"}, "model id"),
-    ({"model_id": "x" * 201}, "model id"),
-    ({"model_id": 5}, "model id"),
-])
+@pytest.mark.parametrize(
+    "changes, reason",
+    [
+        ({"files": [entry("tokenizer/../../../../x")]}, "'..'"),
+        ({"files": [entry("/tmp/x")]}, "absolute"),
+        ({"files": [entry("a\x00")]}, "control"),
+        ({"files": [entry("a\\b")]}, "backslash"),
+        ({"files": [entry("")]}, "empty"),
+        ({"files": [entry("manifest.json")]}, "keeps for itself"),
+        ({"files": [entry("model.safetensors.partial")]}, "keeps for itself"),
+        ({"files": [entry(), entry()]}, "twice"),
+        ({"files": [entry(size=-1)]}, "byte count"),
+        ({"files": [entry(size="1")]}, "byte count"),
+        ({"files": [entry(size=True)]}, "byte count"),
+        ({"files": [entry(sha256="../x")]}, "64 hex"),
+        ({"files": [entry(weights="yes")]}, "true or false"),
+        ({"files": [dict(entry(), extra=1)]}, "keys"),
+        ({"files": ["config.json"]}, "keys"),
+        ({"files": "config.json"}, "not a list"),
+        ({"format": "pickle"}, "format"),
+        ({"config": []}, "config"),
+        ({"weight_map": {"t": "../../x"}}, "weight_map"),
+        ({"weight_map": {"t": "absent.safetensors"}}, "weight_map"),
+        ({"model_id": "../x"}, "model id"),
+        ({"model_id": "/etc"}, "model id"),
+        ({"model_id": "a/b/c"}, "model id"),
+        ({"model_id": "org/.."}, "model id"),
+        ({"model_id": "name\n"}, "model id"),
+        ({"model_id": "x" * 201}, "model id"),
+        ({"model_id": 5}, "model id"),
+    ],
+)
 def test_unsafe_manifests_are_refused_where_they_are_parsed(changes, reason):
     with pytest.raises(ModelStoreError, match=f"manifest refused: .*{reason}"):
         Manifest.from_dict(manifest_json(**changes))
@@ -121,12 +143,27 @@ def test_a_manifest_missing_a_field_is_refused():
         check_manifest_json([])
 
 
-@pytest.mark.parametrize("model_id, ok", [
-    ("name", True), ("org/name", True), ("Org.1/na_me-2", True), ("x" * 96, True),
-    ("o" * 96 + "/" + "n" * 96, True), ("x" * 97, False), ("o/" + "n" * 97, False),
-    ("", False), ("..", False), ("a/..", False), ("a/b/c", False), ("/abs", False),
-    ("a\\b", False), ("a\x00", False), ("a\n", False), ("-x", False),
-])
+@pytest.mark.parametrize(
+    "model_id, ok",
+    [
+        ("name", True),
+        ("org/name", True),
+        ("Org.1/na_me-2", True),
+        ("x" * 96, True),
+        ("o" * 96 + "/" + "n" * 96, True),
+        ("x" * 97, False),
+        ("o/" + "n" * 97, False),
+        ("", False),
+        ("..", False),
+        ("a/..", False),
+        ("a/b/c", False),
+        ("/abs", False),
+        ("a\\b", False),
+        ("a\x00", False),
+        ("a\n", False),
+        ("-x", False),
+    ],
+)
 def test_model_ids(model_id, ok):
     if ok:
         assert check_model_id(model_id) == model_id
@@ -135,10 +172,16 @@ def test_model_ids(model_id, ok):
             check_model_id(model_id)
 
 
-@pytest.mark.parametrize("path, root, inside", [
-    ("/s/m", "/s/m", True), ("/s/m/a/b", "/s/m", True), ("/s/m2", "/s/m", False),
-    ("/s", "/s/m", False), ("/other", "/s/m", False),
-])
+@pytest.mark.parametrize(
+    "path, root, inside",
+    [
+        ("/s/m", "/s/m", True),
+        ("/s/m/a/b", "/s/m", True),
+        ("/s/m2", "/s/m", False),
+        ("/s", "/s/m", False),
+        ("/other", "/s/m", False),
+    ],
+)
 def test_is_within_compares_parts_not_prefixes(path, root, inside):
     assert is_within(Path(path), Path(root)) is inside
 
@@ -184,9 +227,17 @@ def test_a_local_path_is_taken_only_under_a_root_after_resolving(tmp_path):
     assert resolve_under(str(allowed / "m.gguf"), roots) == (allowed / "m.gguf").resolve()
     assert resolve_under(str(allowed / "absent.gguf"), roots) == (allowed / "absent.gguf").resolve()
     assert resolve_under(str(allowed), roots) == allowed.resolve()
-    for name in (str(outside / "m.gguf"), str(outside / "absent.gguf"), str(allowed / "link.gguf"),
-                 str(allowed / "dirlink" / "m.gguf"), str(allowed / ".." / "outside" / "m.gguf"),
-                 str(allowed) + "2/m.gguf", "/etc/passwd", "a\x00b", "~nosuchuser__/x.gguf"):
+    for name in (
+        str(outside / "m.gguf"),
+        str(outside / "absent.gguf"),
+        str(allowed / "link.gguf"),
+        str(allowed / "dirlink" / "m.gguf"),
+        str(allowed / ".." / "outside" / "m.gguf"),
+        str(allowed) + "2/m.gguf",
+        "/etc/passwd",
+        "a\x00b",
+        "~nosuchuser__/x.gguf",
+    ):
         assert resolve_under(name, roots) is None, name
 
 

@@ -77,6 +77,11 @@ PAGES = Path(__file__).resolve().parent.parent / "docs" / "clients"
 def test_each_clients_page_shows_what_connect_prints(client):
     """docs/clients/*.md carry the settings of :data:`DOC_EXAMPLE` between their
     ``<!-- connect: CLIENT -->`` markers, as `shardline connect` prints them."""
-    pages = {m.group(1): m.group(2) for page in PAGES.glob("*.md") for m in re.finditer(
-        r"<!-- connect: (\w+) -->\n```bash\n(.*?)```\n<!-- connect: end -->", page.read_text(), re.S)}
+    pages = {
+        m.group(1): m.group(2)
+        for page in PAGES.glob("*.md")
+        for m in re.finditer(
+            r"<!-- connect: (\w+) -->\n```bash\n(.*?)```\n<!-- connect: end -->", page.read_text(), re.S
+        )
+    }
     assert pages.get(client) == connection(client, *DOC_EXAMPLE).text(), f"update {client}'s page in docs/clients"

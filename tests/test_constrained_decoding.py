@@ -27,9 +27,12 @@ from shardline.runner.protocol import Failed, PrefillProgress, SamplingParams, T
 from shardline.runner.sampling import Sampler
 
 IM_END = 2  # SmolLM2's <|im_end|>, its end-of-turn token
-SCHEMA = {"type": "object", "properties": {"ok": {"type": "boolean"},
-                                           "n": {"type": "integer", "minimum": 0, "maximum": 99}},
-          "required": ["ok", "n"], "additionalProperties": False}
+SCHEMA = {
+    "type": "object",
+    "properties": {"ok": {"type": "boolean"}, "n": {"type": "integer", "minimum": 0, "maximum": 99}},
+    "required": ["ok", "n"],
+    "additionalProperties": False,
+}
 
 
 @pytest.fixture(scope="module")
@@ -67,7 +70,8 @@ def run_constrained(sampler: Sampler, seed: int, steps: int = 60) -> list[int]:
 @pytest.mark.timeout(60)
 @pytest.mark.parametrize("seed", [0, 1, 2])
 def test_a_json_schema_constraint_gives_json_matching_the_schema_then_the_stop_token(
-        grammar_tokenizer, tokenizer, seed):
+    grammar_tokenizer, tokenizer, seed
+):
     constraint = Constraint.start(json_grammar(SCHEMA), grammar_tokenizer, (IM_END,))
     assert constraint.failed is None
     sampler = Sampler(SamplingParams(temperature=0.0), constraint=constraint)
@@ -83,8 +87,10 @@ def test_a_json_schema_constraint_gives_json_matching_the_schema_then_the_stop_t
 def test_a_sampled_constraint_stays_within_a_lark_grammar(grammar_tokenizer, tokenizer):
     grammar = lark_grammar('start: ("yes" | "no") " " /[a-z]{2,4}/')
     for seed in range(3):
-        sampler = Sampler(SamplingParams(temperature=1.0, seed=seed),
-                          constraint=Constraint.start(grammar, grammar_tokenizer, (IM_END,)))
+        sampler = Sampler(
+            SamplingParams(temperature=1.0, seed=seed),
+            constraint=Constraint.start(grammar, grammar_tokenizer, (IM_END,)),
+        )
         tokens = run_constrained(sampler, 100 + seed)
         assert tokens[-1] == IM_END
         first, rest = tokenizer.decode(tokens[:-1]).split(" ")
@@ -93,8 +99,7 @@ def test_a_sampled_constraint_stays_within_a_lark_grammar(grammar_tokenizer, tok
 
 @pytest.mark.timeout(60)
 def test_a_grammar_that_does_not_compile_ends_the_sequence_without_raising(grammar_tokenizer):
-    constraint = Constraint.start('{"grammars": [{"lark_grammar": "start: nope"}]}',
-                                  grammar_tokenizer, (IM_END, 0))
+    constraint = Constraint.start('{"grammars": [{"lark_grammar": "start: nope"}]}', grammar_tokenizer, (IM_END, 0))
     assert constraint.failed is not None and "nope" in constraint.failed
     allowed = constraint.allowed(tm.SMOLLM2_VOCAB)
     assert torch.nonzero(allowed).flatten().tolist() == [0, IM_END]
@@ -145,14 +150,17 @@ def prompts(n: int, seed: int) -> list[tuple[int, ...]]:
 
 @pytest.mark.timeout(300)
 def test_a_constrained_sequence_in_a_batch_of_8_leaves_the_other_7_unchanged(model_dir, tokenizer):
-    greedy = [Task(6000 + i, NODE, p, 16, SamplingParams(temperature=0.0), (IM_END,))
-              for i, p in enumerate(prompts(7, seed=1))]
-    constrained = Task(6100, NODE, prompts(1, seed=2)[0], 24,
-                       SamplingParams(temperature=0.0, grammar=json_grammar(SCHEMA)), (IM_END,))
-    broken = Task(6200, NODE, (5, 6, 7), 8, SamplingParams(temperature=0.0, grammar="junk"),
-                  (IM_END,))
+    greedy = [
+        Task(6000 + i, NODE, p, 16, SamplingParams(temperature=0.0), (IM_END,))
+        for i, p in enumerate(prompts(7, seed=1))
+    ]
+    constrained = Task(
+        6100, NODE, prompts(1, seed=2)[0], 24, SamplingParams(temperature=0.0, grammar=json_grammar(SCHEMA)), (IM_END,)
+    )
+    broken = Task(6200, NODE, (5, 6, 7), 8, SamplingParams(temperature=0.0, grammar="junk"), (IM_END,))
     instance = Instance(model_dir, 2, max_batch=8, context=96)
     try:
+
         def run(tasks: list[Task]) -> dict[int, list[TokenEvent]]:
             for r in range(2):
                 for task in tasks:
@@ -185,8 +193,9 @@ def test_the_emitting_ranks_of_a_pipeline_get_the_logprobs_one_rank_computes(mod
         Task(7000, NODE, ps[0], 6, SamplingParams(temperature=0.0, logprobs=3), (IM_END,)),
         Task(7001, NODE, ps[1], 6, SamplingParams(temperature=0.0), (IM_END,)),
         Task(7002, NODE, ps[2], 6, SamplingParams(temperature=0.0, logprobs=0), (IM_END,)),
-        Task(7003, NODE, ps[3], 6, SamplingParams(temperature=0.9, seed=5, logprobs=20,
-                                                  frequency_penalty=0.5), (IM_END,)),
+        Task(
+            7003, NODE, ps[3], 6, SamplingParams(temperature=0.9, seed=5, logprobs=20, frequency_penalty=0.5), (IM_END,)
+        ),
     ]
     results = {}
     for world in (1, 3):

@@ -26,16 +26,32 @@ from shardline.models.store import DEFAULT_MODEL_ID
 pytestmark = pytest.mark.timeout(300)
 
 STORY = [{"role": "user", "content": "Tell me a very long story about a lighthouse keeper."}]
-CITY = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 40},
-                                         "population": {"type": "integer"},
-                                         "landmarks": {"type": "array", "items": {"type": "string", "maxLength": 40},
-                                                       "maxItems": 4}},
-        "required": ["city", "population", "landmarks"], "additionalProperties": False}
-WEATHER = {"type": "function", "function": {
-    "name": "get_weather", "description": "The weather in a city now.",
-    "parameters": {"type": "object", "properties": {"city": {"type": "string", "maxLength": 30},
-                                                    "unit": {"type": "string", "enum": ["celsius", "fahrenheit"]}},
-                   "required": ["city", "unit"], "additionalProperties": False}}}
+CITY = {
+    "type": "object",
+    "properties": {
+        "city": {"type": "string", "maxLength": 40},
+        "population": {"type": "integer"},
+        "landmarks": {"type": "array", "items": {"type": "string", "maxLength": 40}, "maxItems": 4},
+    },
+    "required": ["city", "population", "landmarks"],
+    "additionalProperties": False,
+}
+WEATHER = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "description": "The weather in a city now.",
+        "parameters": {
+            "type": "object",
+            "properties": {
+                "city": {"type": "string", "maxLength": 30},
+                "unit": {"type": "string", "enum": ["celsius", "fahrenheit"]},
+            },
+            "required": ["city", "unit"],
+            "additionalProperties": False,
+        },
+    },
+}
 
 
 @dataclass
@@ -64,19 +80,25 @@ class Streamed:
         return "".join(c.get("function", {}).get("arguments") or "" for c in self.calls)
 
 
-def stream_chat(url: str, body: dict, kill_after: int | None = None,
-                kill: Callable[[], None] | None = None, timeout_s: float = 120) -> Streamed:
+def stream_chat(
+    url: str, body: dict, kill_after: int | None = None, kill: Callable[[], None] | None = None, timeout_s: float = 120
+) -> Streamed:
     """Stream a chat completion (logprobs and usage asked for); with ``kill``, call it once
     ``kill_after`` tokens have come."""
-    payload = {"model": DEFAULT_MODEL_ID, "stream": True, "logprobs": True,
-               "stream_options": {"include_usage": True}, **body}
+    payload = {
+        "model": DEFAULT_MODEL_ID,
+        "stream": True,
+        "logprobs": True,
+        "stream_options": {"include_usage": True},
+        **body,
+    }
     out = Streamed()
     with httpx.stream("POST", f"{url}/v1/chat/completions", json=payload, timeout=timeout_s) as response:
         assert response.status_code == 200, response.read()
         for line in response.iter_lines():
             if not line.startswith("data: ") or line == "data: [DONE]":
                 continue
-            chunk = json.loads(line[len("data: "):])
+            chunk = json.loads(line[len("data: ") :])
             if "error" in chunk:
                 out.error = chunk["error"]
                 break
@@ -107,26 +129,31 @@ def roles(cluster: LocalCluster, live: list[int]) -> tuple[int, int]:
     """The client's node (the coordinator: it survives) and the victim's (another) among ``live``."""
     coordinator = httpx.get(f"{cluster.url(live[0])}/cluster/nodes", timeout=5).json()["coordinator"]
     ids = node_ids(cluster) if len(live) == cluster.n else None
-    client = next(i for i in live if (ids[i] if ids else
-                                      httpx.get(f"{cluster.url(i)}/health", timeout=5).json()["node_id"])
-                  == coordinator)
+    client = next(
+        i
+        for i in live
+        if (ids[i] if ids else httpx.get(f"{cluster.url(i)}/health", timeout=5).json()["node_id"]) == coordinator
+    )
     victim = max(i for i in live if i != client)
     return client, victim
 
 
 def serving(cluster: LocalCluster, url: str, ranks: int, timeout_s: float = 90) -> dict:
     """The one ready instance, of ``ranks`` ranks, once the node at ``url`` serves it."""
+
     def ready() -> dict | None:
         instances = httpx.get(f"{url}/cluster/instances", timeout=5).json()["instances"]
         ok = [i for i in instances if i["status"] == "ready" and len(i["ranks"]) == ranks]
         if len(ok) != 1 or len(instances) != 1:
             return None
-        answer = httpx.post(f"{url}/v1/chat/completions", timeout=60, json={
-            "model": DEFAULT_MODEL_ID, "max_tokens": 2, "temperature": 0, "messages": STORY})
+        answer = httpx.post(
+            f"{url}/v1/chat/completions",
+            timeout=60,
+            json={"model": DEFAULT_MODEL_ID, "max_tokens": 2, "temperature": 0, "messages": STORY},
+        )
         return ok[0] if answer.status_code == 200 else None
 
-    return wait_until(ready, timeout_s, f"a ready {ranks}-rank instance", interval_s=0.3,
-                      tolerate=(httpx.HTTPError,))
+    return wait_until(ready, timeout_s, f"a ready {ranks}-rank instance", interval_s=0.3, tolerate=(httpx.HTTPError,))
 
 
 def killer(cluster: LocalCluster, victim: int, what: str) -> Callable[[], None]:
@@ -143,8 +170,10 @@ def killer(cluster: LocalCluster, victim: int, what: str) -> Callable[[], None]:
 
 
 def check_continued(reference: Streamed, disturbed: Streamed, max_tokens: int, what: str) -> None:
-    print(f"\n{what}: next token {disturbed.gap_s} s after the kill; fingerprints "
-          f"{disturbed.fingerprints[0]} -> {disturbed.fingerprints[-1]}")
+    print(
+        f"\n{what}: next token {disturbed.gap_s} s after the kill; fingerprints "
+        f"{disturbed.fingerprints[0]} -> {disturbed.fingerprints[-1]}"
+    )
     assert disturbed.error is None, disturbed.error
     assert disturbed.killed_at is not None and disturbed.resumed_at is not None
     assert disturbed.fingerprints[0] != disturbed.fingerprints[-1]  # the instance placed again finished it
@@ -170,8 +199,7 @@ def metric(url: str, name: str) -> float:
 def pipeline3(tmp_path_factory):
     """Three nodes, the default model as a float32 pipeline on all three."""
     tmp = tmp_path_factory.mktemp("continue3")
-    cluster = LocalCluster(nodes=3, base_port=free_port_block(3), runner_threads=1, log_dir=str(tmp),
-                           data_dir=str(tmp))
+    cluster = LocalCluster(nodes=3, base_port=free_port_block(3), runner_threads=1, log_dir=str(tmp), data_dir=str(tmp))
     cluster.start()
     try:
         cluster.place(None, "pipeline", dtype="float32")
@@ -181,14 +209,20 @@ def pipeline3(tmp_path_factory):
 
 
 GREEDY = {"messages": STORY, "max_tokens": 200, "temperature": 0, "ignore_eos": True}
-SEEDED = {"messages": STORY, "max_tokens": 120, "temperature": 0.9, "top_p": 0.95, "seed": 1234,
-          "ignore_eos": True}
-JSON = {"messages": [{"role": "user", "content": "Describe Paris as JSON."}], "max_tokens": 150,
-        "temperature": 0, "response_format": {"type": "json_schema",
-                                              "json_schema": {"name": "city", "schema": CITY, "strict": True}}}
-TOOL = {"messages": [{"role": "user", "content": "What is the weather in Paris?"}], "max_tokens": 80,
-        "temperature": 0, "tools": [WEATHER],
-        "tool_choice": {"type": "function", "function": {"name": "get_weather"}}}
+SEEDED = {"messages": STORY, "max_tokens": 120, "temperature": 0.9, "top_p": 0.95, "seed": 1234, "ignore_eos": True}
+JSON = {
+    "messages": [{"role": "user", "content": "Describe Paris as JSON."}],
+    "max_tokens": 150,
+    "temperature": 0,
+    "response_format": {"type": "json_schema", "json_schema": {"name": "city", "schema": CITY, "strict": True}},
+}
+TOOL = {
+    "messages": [{"role": "user", "content": "What is the weather in Paris?"}],
+    "max_tokens": 80,
+    "temperature": 0,
+    "tools": [WEATHER],
+    "tool_choice": {"type": "function", "function": {"name": "get_weather"}},
+}
 
 
 def ollama_chat(url: str, kill_after: int | None = None, kill: Callable[[], None] | None = None) -> tuple[str, dict]:
@@ -246,9 +280,11 @@ def test_an_ollama_stream_and_a_request_not_streamed_are_continued_too(pipeline3
 
 # The node victim last: it leaves two nodes.
 @pytest.mark.slow
-@pytest.mark.parametrize("body, kill_after, victim", [
-    (GREEDY, 50, "runner"), (SEEDED, 40, "runner"), (JSON, 8, "runner"), (TOOL, 6, "runner"),
-    (GREEDY, 50, "node")], ids=["greedy-runner", "seeded-runner", "json-runner", "tool-runner", "greedy-node"])
+@pytest.mark.parametrize(
+    "body, kill_after, victim",
+    [(GREEDY, 50, "runner"), (SEEDED, 40, "runner"), (JSON, 8, "runner"), (TOOL, 6, "runner"), (GREEDY, 50, "node")],
+    ids=["greedy-runner", "seeded-runner", "json-runner", "tool-runner", "greedy-node"],
+)
 def test_a_pipeline_stream_continues_on_the_instance_placed_again(pipeline3, body, kill_after, victim):
     live = [i for i, p in enumerate(pipeline3.procs) if p is not None and p.poll() is None]
     assert len(live) == 3
@@ -278,8 +314,9 @@ def test_a_tensor_or_ring_stream_continues_after_a_runner_and_then_a_node_is_los
     instance placed again on the same nodes), then, in a second stream, the node of
     another rank killed (placed again on the nodes left: tensor-1, ring-2): each time the
     text of an undisturbed run."""
-    cluster = LocalCluster(nodes=3, base_port=free_port_block(3), runner_threads=1, log_dir=str(tmp_path),
-                           data_dir=str(tmp_path))
+    cluster = LocalCluster(
+        nodes=3, base_port=free_port_block(3), runner_threads=1, log_dir=str(tmp_path), data_dir=str(tmp_path)
+    )
     cluster.start()
     try:
         client, victim = roles(cluster, [0, 1, 2])
@@ -300,9 +337,14 @@ def test_a_stream_whose_model_cannot_be_placed_again_ends_with_the_error_in_time
     asked of another node, its model's node killed after 20 tokens: nothing can serve
     it again, and the client gets the error, as before continuations, within the bound
     (60 s) and a little."""
-    cluster = LocalCluster(nodes=3, base_port=free_port_block(3), runner_threads=1, log_dir=str(tmp_path),
-                           data_dir=str(tmp_path), node_args={0: ["--memory-limit", "10MB"],
-                                                              2: ["--memory-limit", "10MB"]})
+    cluster = LocalCluster(
+        nodes=3,
+        base_port=free_port_block(3),
+        runner_threads=1,
+        log_dir=str(tmp_path),
+        data_dir=str(tmp_path),
+        node_args={0: ["--memory-limit", "10MB"], 2: ["--memory-limit", "10MB"]},
+    )
     cluster.start()
     try:
         cluster.place(None, "pipeline", on=[1])
@@ -321,8 +363,9 @@ def test_a_stored_response_is_served_by_every_node_and_after_its_node_died(tmp_p
     its request): the second retrieves it and continues from it (``previous_response_id``),
     a deletion there reaches the first, and once the first is killed the second still
     continues from the first's response."""
-    cluster = LocalCluster(nodes=2, base_port=free_port_block(2), runner_threads=1, log_dir=str(tmp_path),
-                           data_dir=str(tmp_path))
+    cluster = LocalCluster(
+        nodes=2, base_port=free_port_block(2), runner_threads=1, log_dir=str(tmp_path), data_dir=str(tmp_path)
+    )
     cluster.start()
     try:
         cluster.place(None, "pipeline", on=[1])
@@ -335,8 +378,13 @@ def test_a_stored_response_is_served_by_every_node_and_after_its_node_died(tmp_p
             return response.json()
 
         def text(response: dict) -> str:
-            return "".join(part["text"] for item in response["output"] if item["type"] == "message"
-                           for part in item["content"] if part["type"] == "output_text")
+            return "".join(
+                part["text"]
+                for item in response["output"]
+                if item["type"] == "message"
+                for part in item["content"]
+                if part["type"] == "output_text"
+            )
 
         stored = create(first, input="The secret code is 4821.")
         assert httpx.get(f"{second}/v1/responses/{stored['id']}", timeout=10).json() == stored

@@ -24,15 +24,15 @@ def ids_of(cluster: LocalCluster) -> list[str]:
     return [httpx.get(f"{cluster.url(i)}/health", timeout=5).json()["node_id"] for i in range(cluster.n)]
 
 
-
 def tables(cluster: LocalCluster) -> list[tuple]:
     """Each node's (epoch, [(instance id, status)])."""
     out = []
     with member_client(cluster.cluster_key) as client:
         states = [client.get(f"{cluster.url(i)}/internal/state").json() for i in range(cluster.n)]
     for state in states:
-        out.append((tuple(state["epoch"].values()),
-                    sorted((x["instance_id"], x["status"]) for x in state["instances"])))
+        out.append(
+            (tuple(state["epoch"].values()), sorted((x["instance_id"], x["status"]) for x in state["instances"]))
+        )
     return out
 
 
@@ -48,8 +48,9 @@ def healed(cluster: LocalCluster) -> bool:
 
 @pytest.fixture
 def cluster(tmp_path):
-    cluster = LocalCluster(nodes=3, base_port=free_port_block(3), runner_threads=1,
-                           log_dir=str(tmp_path), data_dir=str(tmp_path))
+    cluster = LocalCluster(
+        nodes=3, base_port=free_port_block(3), runner_threads=1, log_dir=str(tmp_path), data_dir=str(tmp_path)
+    )
     cluster.start()
     try:
         cluster.place(None, "pipeline")
@@ -71,8 +72,7 @@ def test_a_restarted_coordinator_rejoins_and_the_model_is_served_again(cluster, 
     cluster.procs[first].wait(10)
     if down_s > 20:  # long enough for the others to take over: they serve within 30 s
         others = [i for i in range(3) if i != first]
-        wait_until(lambda: all("Paris" in (answer(cluster.url(i)) or "") for i in others), 30,
-                   "the other two serving")
+        wait_until(lambda: all("Paris" in (answer(cluster.url(i)) or "") for i in others), 30, "the other two serving")
         print(f"\ncoordinator killed: the other two serve {time.time() - killed:.1f} s later")
         time.sleep(max(0.0, killed + down_s - time.time()))
     else:
@@ -93,8 +93,11 @@ def test_a_restarted_coordinator_rejoins_and_the_model_is_served_again(cluster, 
 
 def ranks_of_ready(cluster: LocalCluster, i: int) -> int:
     """Ranks of the one ready instance, as node ``i`` sees it (0: none ready)."""
-    ready = [x for x in httpx.get(f"{cluster.url(i)}/cluster/instances", timeout=5).json()["instances"]
-             if x["status"] == "ready"]
+    ready = [
+        x
+        for x in httpx.get(f"{cluster.url(i)}/cluster/instances", timeout=5).json()["instances"]
+        if x["status"] == "ready"
+    ]
     return len(ready[0]["ranks"]) if len(ready) == 1 else 0
 
 
@@ -125,13 +128,18 @@ def test_a_returning_node_gets_its_share_again(cluster):
     back = time.time()
     prober.start()
     try:
-        wait_until(lambda: ranks_of_ready(cluster, survivor) == 3 and healed(cluster), 60,
-                   "the instance on all three nodes again, served by each")
+        wait_until(
+            lambda: ranks_of_ready(cluster, survivor) == 3 and healed(cluster),
+            60,
+            "the instance on all three nodes again, served by each",
+        )
     finally:
         done.set()
         prober.join(70)
-    print(f"node back: holds a share again {time.time() - back:.1f} s after its return; "
-          f"{len(answers)} requests meanwhile, {answers.count(None)} not answered")
+    print(
+        f"node back: holds a share again {time.time() - back:.1f} s after its return; "
+        f"{len(answers)} requests meanwhile, {answers.count(None)} not answered"
+    )
     assert answers and None not in answers  # served throughout the handover
 
 
@@ -154,9 +162,18 @@ def test_a_killed_runner_is_named_in_the_table_and_health(cluster):
     started = threading.Event()
 
     def stream() -> None:
-        with httpx.stream("POST", f"{cluster.url(0)}/v1/chat/completions", timeout=120, json={
-                "model": DEFAULT_MODEL_ID, "stream": True, "max_tokens": 200, "temperature": 0,
-                "messages": [{"role": "user", "content": "Count from 1 to 300, one per line."}]}) as r:
+        with httpx.stream(
+            "POST",
+            f"{cluster.url(0)}/v1/chat/completions",
+            timeout=120,
+            json={
+                "model": DEFAULT_MODEL_ID,
+                "stream": True,
+                "max_tokens": 200,
+                "temperature": 0,
+                "messages": [{"role": "user", "content": "Count from 1 to 300, one per line."}],
+            },
+        ) as r:
             for line in r.iter_lines():
                 if line.startswith("data: {"):
                     events.append(json.loads(line[6:]))
@@ -170,8 +187,9 @@ def test_a_killed_runner_is_named_in_the_table_and_health(cluster):
     killed = time.time()
     failed = None  # the failed instance, as listed before it is placed again (at once: 3-4 s)
     while failed is None and time.time() < killed + 10:
-        listed = {x["instance_id"]: x for x in
-                  httpx.get(f"{cluster.url(0)}/cluster/instances", timeout=5).json()["instances"]}
+        listed = {
+            x["instance_id"]: x for x in httpx.get(f"{cluster.url(0)}/cluster/instances", timeout=5).json()["instances"]
+        }
         entry = listed.get(inst["instance_id"])
         if entry is not None and entry["status"] == "failed":
             failed = entry
@@ -216,8 +234,7 @@ def test_a_state_of_an_older_term_or_not_a_state_is_refused(cluster3):
     url = f"{cluster.url(1)}/internal/state"
     with member_client(cluster.cluster_key) as member:
         held = member.get(url).json()
-        older = dict(held, epoch=dict(held["epoch"], term=held["epoch"]["term"] - 1, seq=10**6),
-                     instances=[])
+        older = dict(held, epoch=dict(held["epoch"], term=held["epoch"]["term"] - 1, seq=10**6), instances=[])
         refused = member.post(url, json=older)
         assert refused.status_code == 409 and refused.json()["epoch"] == held["epoch"]
         assert member.post(url, json={"instances": []}).status_code == 400
@@ -243,8 +260,7 @@ def test_a_paused_coordinator_resumes_without_splitting_the_cluster(cluster):
                 break
             time.sleep(0.5)
         time.sleep(max(0.0, stopped + 20 - time.time()))
-        took_over = {httpx.get(f"{cluster.url(i)}/cluster/nodes", timeout=5).json()["epoch"]["term"]
-                     for i in others}
+        took_over = {httpx.get(f"{cluster.url(i)}/cluster/nodes", timeout=5).json()["epoch"]["term"] for i in others}
     finally:
         cluster.procs[first].send_signal(signal.SIGCONT)
     resumed = time.time()
@@ -259,8 +275,9 @@ def test_an_instance_pinned_to_a_node_goes_back_to_it(tmp_path):
     """An instance placed on one node (``--nodes``, not the coordinator) whose node is
     killed is placed on the other to serve on; once the node is back (same id) the
     instance goes back onto it (epochs rule 6; trial 6: it stayed on the other)."""
-    cluster = LocalCluster(nodes=2, base_port=free_port_block(2), runner_threads=1,
-                           log_dir=str(tmp_path), data_dir=str(tmp_path))
+    cluster = LocalCluster(
+        nodes=2, base_port=free_port_block(2), runner_threads=1, log_dir=str(tmp_path), data_dir=str(tmp_path)
+    )
     cluster.start()
     try:
         ids = ids_of(cluster)
@@ -275,13 +292,19 @@ def test_an_instance_pinned_to_a_node_goes_back_to_it(tmp_path):
         killed = time.time()
         cluster.procs[pinned].kill()
         cluster.procs[pinned].wait(10)
-        wait_until(lambda: nodes_serving() == [[ids[other]]] and "Paris" in (answer(cluster.url(other)) or ""),
-                   60, "the model served by the other node")
+        wait_until(
+            lambda: nodes_serving() == [[ids[other]]] and "Paris" in (answer(cluster.url(other)) or ""),
+            60,
+            "the model served by the other node",
+        )
         print(f"\npinned node killed: served on the other {time.time() - killed:.1f} s later")
         cluster.start_node(pinned)
         back = time.time()
-        wait_until(lambda: nodes_serving() == [[ids[pinned]]] and "Paris" in (answer(cluster.url(other)) or ""),
-                   60, "the instance back on its pinned node")
+        wait_until(
+            lambda: nodes_serving() == [[ids[pinned]]] and "Paris" in (answer(cluster.url(other)) or ""),
+            60,
+            "the instance back on its pinned node",
+        )
         print(f"pinned node back: serves the model again {time.time() - back:.1f} s after its return")
     finally:
         cluster.stop()
@@ -307,10 +330,14 @@ def test_a_node_lost_during_a_rejoin_s_handover_leaves_one_instance(cluster):
     wait_until(lambda: len(listed()) == 2, 60, "the rejoin's instance placed beside the serving one")
     cluster.procs[second].kill()  # during the handover
     cluster.procs[second].wait(10)
-    wait_until(lambda: [len(x["ranks"]) for x in listed() if x["status"] == "ready"] == [2], 60,
-               "the model served again by the two live nodes")
+    wait_until(
+        lambda: [len(x["ranks"]) for x in listed() if x["status"] == "ready"] == [2],
+        60,
+        "the model served again by the two live nodes",
+    )
     cluster.start_node(second)
-    wait_until(lambda: ranks_of_ready(cluster, survivor) == 3 and healed(cluster), 90,
-               "one instance on all three nodes")
+    wait_until(
+        lambda: ranks_of_ready(cluster, survivor) == 3 and healed(cluster), 90, "one instance on all three nodes"
+    )
     time.sleep(5)  # nothing else placed meanwhile
     assert [len(x["ranks"]) for x in listed()] == [3]

@@ -92,21 +92,53 @@ class Recorder:
             self.view.state = apply(self.view.state, Deleted(instance_id))
 
         return CoordinatorEffects(
-            commit=commit, drop_unpublished=drop, background=background, poll=unused,
-            model_card=unused, adopt=unused, check_whole=unused,
-            node_profiles=lambda node_ids: ([], {}), served_speeds=lambda: {},
-            free_bytes=lambda node_id: 0, runtime_baseline=lambda node_ids: 0, free_port=unused)
+            commit=commit,
+            drop_unpublished=drop,
+            background=background,
+            poll=unused,
+            model_card=unused,
+            adopt=unused,
+            check_whole=unused,
+            node_profiles=lambda node_ids: ([], {}),
+            served_speeds=lambda: {},
+            free_bytes=lambda node_id: 0,
+            runtime_baseline=lambda node_ids: 0,
+            free_port=unused,
+        )
 
 
-def instance(instance_id: str, status: InstanceStatus = READY, nodes: tuple[str, ...] = ("a",),
-             created_at: float = 0.0, replaced: tuple[str, ...] = (), ready_at: float | None = None,
-             incarnation: float = 0.0, retries: int = 0, stands_in_for: str | None = None,
-             rank_status: RankStatus = RankStatus.READY) -> Instance:
-    ranks = tuple(RankPlacement(n, f"{n}:1", RankShare(i, i + 1), status=rank_status, incarnation=incarnation)
-                  for i, n in enumerate(nodes))
-    return Instance(instance_id, "m", Sharding.PIPELINE, ranks, nodes[0], 1, 256, 1, status=status,
-                    created_at=created_at, replaced=replaced, ready_at=ready_at, retries=retries,
-                    stands_in_for=stands_in_for)
+def instance(
+    instance_id: str,
+    status: InstanceStatus = READY,
+    nodes: tuple[str, ...] = ("a",),
+    created_at: float = 0.0,
+    replaced: tuple[str, ...] = (),
+    ready_at: float | None = None,
+    incarnation: float = 0.0,
+    retries: int = 0,
+    stands_in_for: str | None = None,
+    rank_status: RankStatus = RankStatus.READY,
+) -> Instance:
+    ranks = tuple(
+        RankPlacement(n, f"{n}:1", RankShare(i, i + 1), status=rank_status, incarnation=incarnation)
+        for i, n in enumerate(nodes)
+    )
+    return Instance(
+        instance_id,
+        "m",
+        Sharding.PIPELINE,
+        ranks,
+        nodes[0],
+        1,
+        256,
+        1,
+        status=status,
+        created_at=created_at,
+        replaced=replaced,
+        ready_at=ready_at,
+        retries=retries,
+        stands_in_for=stands_in_for,
+    )
 
 
 def build(view: View) -> tuple[Coordinator, Recorder]:
@@ -122,19 +154,26 @@ def table(*instances: Instance) -> ClusterState:
 
 
 def test_deleting_an_instance_deletes_the_one_placed_beside_it():
-    view = View(table(instance("old", READY, created_at=0.0),
-                      instance("new", LOADING, created_at=1.0, replaced=("old",)),
-                      instance("other", READY, created_at=2.0)))
+    view = View(
+        table(
+            instance("old", READY, created_at=0.0),
+            instance("new", LOADING, created_at=1.0, replaced=("old",)),
+            instance("other", READY, created_at=2.0),
+        )
+    )
     coordinator, _ = build(view)
     assert asyncio.run(coordinator.delete_instance("old")) == "old"
     assert set(view.instances) == {"other"}
 
 
-@pytest.mark.parametrize("named, deleted, left", [
-    ("x", "x", set()),
-    ("gone", "y", set()),  # an old id names the instance placed again in its place
-    ("nothing", None, {"y"}),
-])
+@pytest.mark.parametrize(
+    "named, deleted, left",
+    [
+        ("x", "x", set()),
+        ("gone", "y", set()),  # an old id names the instance placed again in its place
+        ("nothing", None, {"y"}),
+    ],
+)
 def test_what_a_deletion_names(named, deleted, left):
     view = View(table(instance("y", replaced=("gone",))) if named != "x" else table(instance("x")))
     coordinator, _ = build(view)
@@ -145,14 +184,20 @@ def test_what_a_deletion_names(named, deleted, left):
 # -- lost instances ----------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("nodes, live, incarnations, failed, at_once", [
-    (("a", "b"), {"b"}, {"b": 7.0}, False, None),  # every node live, the same start
-    (("a", "b"), set(), {"b": 7.0}, True, False),  # b is down
-    (("a", "b"), {"b"}, {"b": 9.0}, True, True),  # b restarted since the placement: at once
-])
+@pytest.mark.parametrize(
+    "nodes, live, incarnations, failed, at_once",
+    [
+        (("a", "b"), {"b"}, {"b": 7.0}, False, None),  # every node live, the same start
+        (("a", "b"), set(), {"b": 7.0}, True, False),  # b is down
+        (("a", "b"), {"b"}, {"b": 9.0}, True, True),  # b restarted since the placement: at once
+    ],
+)
 def test_instances_with_a_rank_on_a_lost_node_fail(nodes, live, incarnations, failed, at_once):
-    view = View(table(instance("x", nodes=nodes, incarnation=7.0)), live=live,
-                peers={n: Peer(n, f"{n}:1", 0.0, started_at=s) for n, s in incarnations.items()})
+    view = View(
+        table(instance("x", nodes=nodes, incarnation=7.0)),
+        live=live,
+        peers={n: Peer(n, f"{n}:1", 0.0, started_at=s) for n, s in incarnations.items()},
+    )
     view.started_at = 7.0
     coordinator, recorder = build(view)
     asyncio.run(coordinator.fail_lost_instances())
@@ -202,16 +247,25 @@ def test_a_rank_that_only_lost_a_peer_waits_for_the_rank_that_failed():
 # -- handing over ------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("ready_for_s, busy, retired", [
-    (HANDOVER_S + 1, [], True),
-    (HANDOVER_S - 1, [], False),  # not every node routes to the new one yet
-    (HANDOVER_S + 1, ["old"], False),  # the old one still has requests
-    (None, [], False),  # the new one is not ready
-])
+@pytest.mark.parametrize(
+    "ready_for_s, busy, retired",
+    [
+        (HANDOVER_S + 1, [], True),
+        (HANDOVER_S - 1, [], False),  # not every node routes to the new one yet
+        (HANDOVER_S + 1, ["old"], False),  # the old one still has requests
+        (None, [], False),  # the new one is not ready
+    ],
+)
 def test_an_instance_stood_in_for_is_deleted_once_idle(ready_for_s, busy, retired):
     now = time.time()
-    new = instance("new", READY if ready_for_s is not None else LOADING, created_at=1.0, replaced=("old",),
-                   ready_at=None if ready_for_s is None else now - ready_for_s, stands_in_for="old")
+    new = instance(
+        "new",
+        READY if ready_for_s is not None else LOADING,
+        created_at=1.0,
+        replaced=("old",),
+        ready_at=None if ready_for_s is None else now - ready_for_s,
+        stands_in_for="old",
+    )
     view = View(table(instance("old", READY), new), busy=busy)
     coordinator, _ = build(view)
     asyncio.run(coordinator.retire_superseded())

@@ -22,9 +22,18 @@ def browser():
         pytest.skip("no chromium on this machine (scripts/test.sh installs Debian's as root)")
     with sync_api.sync_playwright() as playwright:
         # Flags as this sandbox needs them: no sandbox as root, no background connections.
-        browser = playwright.chromium.launch(executable_path=CHROMIUM, args=[
-            "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
-            "--disable-background-networking", "--disable-component-update", "--disable-sync"])
+        browser = playwright.chromium.launch(
+            executable_path=CHROMIUM,
+            args=[
+                "--no-sandbox",
+                "--disable-gpu",
+                "--disable-quic",
+                "--no-first-run",
+                "--disable-background-networking",
+                "--disable-component-update",
+                "--disable-sync",
+            ],
+        )
         yield browser
         browser.close()
 
@@ -33,14 +42,13 @@ def test_the_dashboard_shows_the_cluster_and_chats(cluster3, browser):
     page = browser.new_page()
     page.goto(cluster3.url(1) + "/", wait_until="domcontentloaded")
     page.wait_for_selector(".node .id")
-    ids = sorted(httpx.get(f"{cluster3.url(0)}/cluster/nodes", timeout=10).json()["nodes"],
-                 key=lambda n: n["node_id"])
+    ids = sorted(httpx.get(f"{cluster3.url(0)}/cluster/nodes", timeout=10).json()["nodes"], key=lambda n: n["node_id"])
     assert page.locator(".node").count() == 3
     assert page.locator(".badge.coord").count() == 1
     assert ids[0]["node_id"] in page.locator(".badge.coord").locator("xpath=..").inner_text()
     # memory as `shardline nodes` gives it: free of what the node offers
     card = page.locator(f'.node[data-node="{ids[0]["node_id"]}"]').inner_text()
-    assert f'{ids[0]["offered_bytes"] / 1e9:.2f} GB offered' in card, card
+    assert f"{ids[0]['offered_bytes'] / 1e9:.2f} GB offered" in card, card
     instance = httpx.get(f"{cluster3.url(0)}/cluster/instances", timeout=10).json()["instances"][0]
     row = page.locator(f'tr[data-instance="{instance["instance_id"]}"]')
     row.wait_for()
@@ -50,16 +58,22 @@ def test_the_dashboard_shows_the_cluster_and_chats(cluster3, browser):
     page.fill("#chat-temperature", "0")
     page.fill("#chat-input", CAPITAL_QUESTION)
     page.click("#chat-send")
-    page.wait_for_function("document.querySelector('#chat-send').disabled === false "
-                           "&& document.querySelectorAll('.msg.assistant').length === 1 "
-                           "&& document.querySelector('.msg.assistant').textContent.length > 0", timeout=60_000)
+    page.wait_for_function(
+        "document.querySelector('#chat-send').disabled === false "
+        "&& document.querySelectorAll('.msg.assistant').length === 1 "
+        "&& document.querySelector('.msg.assistant').textContent.length > 0",
+        timeout=60_000,
+    )
     assert "Paris" in page.locator(".msg.assistant").inner_text()
     assert page.locator(".msg.error").count() == 0
     assert "tokens/s" in page.locator("#chat-stats").inner_text()
     # the instance's prefix cache as this node's rank reports it, the chat's prompt counted
     # (a prompt this short is not kept: its one chunk is not computed as a whole chunk is)
-    page.wait_for_function(f"""document.querySelector('tr[data-instance="{instance["instance_id"]}"] .cache')
-                               .textContent.includes(' of 0 prompt') === false""", timeout=10_000)
+    page.wait_for_function(
+        f"""document.querySelector('tr[data-instance="{instance["instance_id"]}"] .cache')
+                               .textContent.includes(' of 0 prompt') === false""",
+        timeout=10_000,
+    )
     cache = row.locator(".cache").inner_text()
     assert cache.startswith("prefix cache:") and "prompt tokens cached" in cache, cache
     page.close()

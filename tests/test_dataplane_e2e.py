@@ -21,8 +21,9 @@ pytestmark = pytest.mark.timeout(300)
 
 def listening(process: psutil.Process) -> list[tuple[str, int]]:
     """(address, port) of each TCP socket ``process`` listens on."""
-    return sorted((c.laddr.ip, c.laddr.port) for c in process.net_connections(kind="tcp")
-                  if c.status == psutil.CONN_LISTEN)
+    return sorted(
+        (c.laddr.ip, c.laddr.port) for c in process.net_connections(kind="tcp") if c.status == psutil.CONN_LISTEN
+    )
 
 
 def test_runners_listen_on_the_node_address_only_and_serve(tmp_path):
@@ -35,8 +36,7 @@ def test_runners_listen_on_the_node_address_only_and_serve(tmp_path):
         # Rank 0: the store and gloo; rank 1: gloo. Every one on 127.0.0.1.
         assert all(sockets.values()), sockets
         assert all(ip == "127.0.0.1" for found in sockets.values() for ip, _ in found), sockets
-        stores = [pid for pid, found in sockets.items()
-                  if ("127.0.0.1", instance["master_port"]) in found]
+        stores = [pid for pid, found in sockets.items() if ("127.0.0.1", instance["master_port"]) in found]
         assert len(stores) == 1, (instance["master_port"], sockets)
         answer = capital_answer(cluster.url(1))
         assert answer is not None and "Paris" in answer
@@ -49,10 +49,21 @@ def test_rank0_finding_its_port_taken_reports_failed():
         port = taken.getsockname()[1]
         messages: queue.Queue[object] = queue.Queue()
         worker = Worker(lambda _instance, message: messages.put(message))
-        worker.start(RunnerSpec(
-            instance_id="inst", node_id="node", model_path="/nonexistent", rank=0,
-            world_size=2, share=RankShare(0, 1), master_addr="127.0.0.1", master_port=port,
-            host="127.0.0.1", threads=1, collective_timeout_s=60))
+        worker.start(
+            RunnerSpec(
+                instance_id="inst",
+                node_id="node",
+                model_path="/nonexistent",
+                rank=0,
+                world_size=2,
+                share=RankShare(0, 1),
+                master_addr="127.0.0.1",
+                master_port=port,
+                host="127.0.0.1",
+                threads=1,
+                collective_timeout_s=60,
+            )
+        )
         try:
             started = time.monotonic()
             message = messages.get(timeout=60)

@@ -18,16 +18,32 @@ pytestmark = [pytest.mark.fast, pytest.mark.timeout(60)]
 LAYERS = 3
 
 
-@pytest.mark.parametrize("longest, positions, span", [
-    (1, 4096, 256), (256, 4096, 256), (257, 4096, 512), (1000, 4096, 1024),
-    (4096, 4096, 4096), (300, 320, 320), (5000, 8192, 8192)])
+@pytest.mark.parametrize(
+    "longest, positions, span",
+    [
+        (1, 4096, 256),
+        (256, 4096, 256),
+        (257, 4096, 512),
+        (1000, 4096, 1024),
+        (4096, 4096, 4096),
+        (300, 320, 320),
+        (5000, 8192, 8192),
+    ],
+)
 def test_key_span_is_the_least_power_of_two_bucket_that_holds_the_longest_row(longest, positions, span):
     assert key_span(longest, positions) == span
 
 
-@pytest.mark.parametrize("positions, spans", [
-    (96, [96]), (256, [256]), (257, [256, 257]), (4096, [256, 512, 1024, 2048, 4096]),
-    (3000, [256, 512, 1024, 2048, 3000])])
+@pytest.mark.parametrize(
+    "positions, spans",
+    [
+        (96, [96]),
+        (256, [256]),
+        (257, [256, 257]),
+        (4096, [256, 512, 1024, 2048, 4096]),
+        (3000, [256, 512, 1024, 2048, 3000]),
+    ],
+)
 def test_key_spans_are_every_span_a_cache_gives(positions, spans):
     assert key_spans(positions) == spans
     assert {key_span(n, positions) for n in range(1, positions + 1)} == set(spans)
@@ -136,8 +152,13 @@ def test_captured_steps_match_the_eager_step_on_cuda(model_dir):
         logits = []
         for step in range(4):
             rows = [0] if step % 2 else [0, 2]
-            logits.append(shard(torch.tensor([5 + step] * len(rows), device="cuda"),
-                                shard.decode_batch(rows, [step] * len(rows)), cache).cpu())
+            logits.append(
+                shard(
+                    torch.tensor([5 + step] * len(rows), device="cuda"),
+                    shard.decode_batch(rows, [step] * len(rows)),
+                    cache,
+                ).cpu()
+            )
         eager.append(logits)
     assert len(graphs) == 2
     for captured, plain in zip(*eager):

@@ -16,8 +16,9 @@ from shardline.models.packed_groups import BLOCK_ROWS, PackedGroups, pack_groups
 pytestmark = [
     pytest.mark.fast,
     pytest.mark.timeout(60),
-    pytest.mark.skipif(not native_dequant.int4_gemv_built(),
-                       reason="the compiled int4 decode product needs AVX-512 VNNI and VBMI"),
+    pytest.mark.skipif(
+        not native_dequant.int4_gemv_built(), reason="the compiled int4 decode product needs AVX-512 VNNI and VBMI"
+    ),
 ]
 
 
@@ -79,13 +80,12 @@ def test_product_matches_float64(count, out, k, dtype):
         error = (got.double() - reference).abs()
         scale = rounded.abs() @ weight.abs().T  # what the sums' rounding scales with
         if dtype == torch.bfloat16:
-            assert (error <= 2 ** -8 * reference.abs() + 4e-6 * scale).all()
+            assert (error <= 2**-8 * reference.abs() + 4e-6 * scale).all()
         else:
             assert (error <= 4e-6 * scale).all()
         half_step = d.double().repeat_interleave(32, dim=1) / 2
         exact = x.double() @ weight.T
-        assert ((got.double() - exact).abs()
-                <= half_step @ weight.abs().T + 2 ** -8 * exact.abs() + 4e-6 * scale).all()
+        assert ((got.double() - exact).abs() <= half_step @ weight.abs().T + 2**-8 * exact.abs() + 4e-6 * scale).all()
 
 
 @pytest.mark.parametrize("count", [1, 2])
@@ -136,17 +136,24 @@ def test_bad_input_is_refused():
     assert product(held, torch.randn(0, 32)).shape == (0, 64)
 
 
-@pytest.mark.parametrize("rows, amx, takes", [
-    (65, False, True), (4096, False, True),  # no AMX prefill product: every chunk
-    (65, True, True), (95, True, True),  # AMX: short chunks (the int8 product is faster)
-    (96, True, False), (512, True, False),  # AMX: Int4Gemv.prefill on the tiles
-])
+@pytest.mark.parametrize(
+    "rows, amx, takes",
+    [
+        (65, False, True),
+        (4096, False, True),  # no AMX prefill product: every chunk
+        (65, True, True),
+        (95, True, True),  # AMX: short chunks (the int8 product is faster)
+        (96, True, False),
+        (512, True, False),  # AMX: Int4Gemv.prefill on the tiles
+    ],
+)
 def test_which_prefill_chunks_take_the_int8_product(rows, amx, takes):
     assert native_dequant.int8_prefill_takes(rows, amx) is takes
 
 
-amx = pytest.mark.skipif(not native_dequant.amx_ready(),
-                         reason="the AMX prefill product needs AMX-BF16 tiles (and Linux's leave)")
+amx = pytest.mark.skipif(
+    not native_dequant.amx_ready(), reason="the AMX prefill product needs AMX-BF16 tiles (and Linux's leave)"
+)
 
 
 @amx
@@ -163,7 +170,7 @@ def test_amx_prefill_is_the_dequantized_weights_product(count, out, k, rows):
     got = gemv.prefill(x)
     assert got.shape == (rows, out) and got.dtype == torch.bfloat16
     # float32 sums, then one bfloat16 rounding: within 2^-8 of each value (plus sums' error)
-    tolerance = reference.abs() * 2.0 ** -8 + 1e-5 * reference.abs().max()
+    tolerance = reference.abs() * 2.0**-8 + 1e-5 * reference.abs().max()
     assert ((got.double() - reference).abs() <= tolerance).all()
 
 
@@ -180,11 +187,13 @@ def test_prefill_chunks_from_96_rows_take_the_amx_product():
         gemv.prefill(torch.randn(100, 96))
 
 
-PACKED = {"Q6_K": [(16, 256), (48, 512), (64, 768)],  # groups of 16, 6 bits, symmetric
-          "Q5_0": [(16, 32), (48, 96)],  # 32, 5 bits, symmetric
-          "Q5_1": [(32, 64)],  # 32, 5 bits, offsets
-          "Q5_K": [(16, 256), (32, 512)],  # 32, 5 bits, offsets
-          "MXFP4": [(16, 32), (48, 96)]}  # 32, 4-bit codes of 5-bit integers, symmetric
+PACKED = {
+    "Q6_K": [(16, 256), (48, 512), (64, 768)],  # groups of 16, 6 bits, symmetric
+    "Q5_0": [(16, 32), (48, 96)],  # 32, 5 bits, symmetric
+    "Q5_1": [(32, 64)],  # 32, 5 bits, offsets
+    "Q5_K": [(16, 256), (32, 512)],  # 32, 5 bits, offsets
+    "MXFP4": [(16, 32), (48, 96)],
+}  # 32, 4-bit codes of 5-bit integers, symmetric
 PACKED_ROWS = [1, 2, 7, 17, 64]
 
 
@@ -197,16 +206,15 @@ def packed_of(type_name: str, out: int, k: int, seed: int = 0) -> PackedGroups:
 def group_terms(held: PackedGroups) -> torch.Tensor:
     """float64 ``[out, K]``: each weight's ``|offset|`` (``center * scale`` for a symmetric
     type), the size of the offset's share the kernel adds per group."""
+
     def row_major(t: torch.Tensor) -> torch.Tensor:
         return t.permute(0, 2, 1).reshape(held.shape[0], -1).double()
 
-    shares = (row_major(held.scale) * held.center if held.offset is None
-              else row_major(held.offset)).abs()
+    shares = (row_major(held.scale) * held.center if held.offset is None else row_major(held.offset)).abs()
     return shares.repeat_interleave(held.group, dim=1)
 
 
-@pytest.mark.parametrize("type_name, out, k", [(t, o, k) for t, shapes in PACKED.items()
-                                               for o, k in shapes])
+@pytest.mark.parametrize("type_name, out, k", [(t, o, k) for t, shapes in PACKED.items() for o, k in shapes])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 def test_packed_product_matches_float64(type_name, out, k, dtype):
     """The int8-rounded activations times the weights: the integer sums are exact, so the
@@ -246,8 +254,7 @@ def test_packed_rows_go_in_blocks_of_16():
     from shardline.models.linear import Int8Groups, resident_weight
 
     held = packed_of("Q5_0", 48, 64)
-    assert torch.equal(held.rows(16, 48).dequantize(torch.float32),
-                       held.dequantize(torch.float32)[16:48])
+    assert torch.equal(held.rows(16, 48).dequantize(torch.float32), held.dequantize(torch.float32)[16:48])
     with pytest.raises(ValueError, match="multiples of 16"):
         held.rows(8, 48)
     odd = unpack_blocks("Q5_0", random_quant_blocks("Q5_0", rows=BLOCK_ROWS + 8, blocks=2))

@@ -38,17 +38,21 @@ class Stream(threading.Thread):
         self.left = threading.Event()
 
     def run(self) -> None:
-        payload = {"model": DEFAULT_MODEL_ID, "stream": True, "max_tokens": 3000, "ignore_eos": True,
-                   "messages": [{"role": "user", "content": "Tell me a very long story."}]}
+        payload = {
+            "model": DEFAULT_MODEL_ID,
+            "stream": True,
+            "max_tokens": 3000,
+            "ignore_eos": True,
+            "messages": [{"role": "user", "content": "Tell me a very long story."}],
+        }
         try:
-            with httpx.stream("POST", f"{self.url}/v1/chat/completions", json=payload,
-                              timeout=120) as response:
+            with httpx.stream("POST", f"{self.url}/v1/chat/completions", json=payload, timeout=120) as response:
                 for line in response.iter_lines():
                     if self.left.is_set():
                         break
                     if not line.startswith("data: ") or line == "data: [DONE]":
                         continue
-                    chunk = json.loads(line[len("data: "):])
+                    chunk = json.loads(line[len("data: ") :])
                     if "error" in chunk:
                         self.error, self.code = chunk["error"]["message"], chunk["error"].get("code")
                         break
@@ -82,9 +86,15 @@ def wait_until_serving(cluster, node: int, timeout_s: float) -> str:
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         try:
-            response = httpx.post(f"{cluster.url(node)}/v1/chat/completions", timeout=60, json={
-                "model": DEFAULT_MODEL_ID, "temperature": 0,
-                "messages": [{"role": "user", "content": CAPITAL_QUESTION}]})
+            response = httpx.post(
+                f"{cluster.url(node)}/v1/chat/completions",
+                timeout=60,
+                json={
+                    "model": DEFAULT_MODEL_ID,
+                    "temperature": 0,
+                    "messages": [{"role": "user", "content": CAPITAL_QUESTION}],
+                },
+            )
             if response.status_code == 200:
                 return response.json()["choices"][0]["message"]["content"]
         except httpx.HTTPError:
@@ -98,8 +108,9 @@ def two_nodes(tmp_path, on: str = "both") -> Iterator[tuple[LocalCluster, int, i
     """A 2-node local cluster serving the default model as a pipeline on both nodes, or
     (``on="other"``) on the one that does not coordinate only; yields the cluster, the
     index of that node (the larger id: the victim) and of the coordinator."""
-    cluster = LocalCluster(nodes=2, base_port=free_port_block(2), runner_threads=1,
-                           log_dir=str(tmp_path), data_dir=str(tmp_path))
+    cluster = LocalCluster(
+        nodes=2, base_port=free_port_block(2), runner_threads=1, log_dir=str(tmp_path), data_dir=str(tmp_path)
+    )
     cluster.start()
     try:
         ids = [httpx.get(f"{cluster.url(i)}/health", timeout=5).json()["node_id"] for i in range(2)]
@@ -115,9 +126,16 @@ def two_nodes(tmp_path, on: str = "both") -> Iterator[tuple[LocalCluster, int, i
 def ask_capital(url: str) -> tuple[httpx.Response, float]:
     """A short greedy chat request to ``url`` and the seconds it took."""
     started = time.monotonic()
-    response = httpx.post(f"{url}/v1/chat/completions", timeout=60, json={
-        "model": DEFAULT_MODEL_ID, "messages": [{"role": "user", "content": CAPITAL_QUESTION}],
-        "max_tokens": 16, "temperature": 0})
+    response = httpx.post(
+        f"{url}/v1/chat/completions",
+        timeout=60,
+        json={
+            "model": DEFAULT_MODEL_ID,
+            "messages": [{"role": "user", "content": CAPITAL_QUESTION}],
+            "max_tokens": 16,
+            "temperature": 0,
+        },
+    )
     return response, time.monotonic() - started
 
 
@@ -146,8 +164,11 @@ def three_live_nodes_and_a_three_rank_instance(cluster, timeout_s: float = 90) -
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         try:
-            if all(sum(n["live"] for n in httpx.get(f"{cluster.url(i)}/cluster/nodes", timeout=5).json()["nodes"])
-                   == cluster.n for i in range(cluster.n)):
+            if all(
+                sum(n["live"] for n in httpx.get(f"{cluster.url(i)}/cluster/nodes", timeout=5).json()["nodes"])
+                == cluster.n
+                for i in range(cluster.n)
+            ):
                 break
         except (httpx.HTTPError, ValueError, KeyError):
             pass
@@ -160,8 +181,9 @@ def three_live_nodes_and_a_three_rank_instance(cluster, timeout_s: float = 90) -
     for inst in instances:
         httpx.delete(f"{cluster.url(0)}/cluster/instances/{inst['instance_id']}", timeout=30)
     while time.monotonic() < deadline and (
-            httpx.get(f"{cluster.url(0)}/cluster/instances").json()["instances"]
-            or any(runners_of(p.pid) for p in cluster.procs)):
+        httpx.get(f"{cluster.url(0)}/cluster/instances").json()["instances"]
+        or any(runners_of(p.pid) for p in cluster.procs)
+    ):
         time.sleep(0.2)
     cluster.place(None, "pipeline", timeout_s=max(1.0, deadline - time.monotonic()))
 
@@ -194,19 +216,22 @@ def test_a_request_whose_runner_dies_before_its_first_token_is_answered_by_the_n
     coordinator = coordinator_index(cluster)
     target = 2 if coordinator != 2 else 1
     (client_node,) = {0, 1, 2} - {coordinator, target}
-    (old_id,) = [i["instance_id"] for i in
-                 httpx.get(f"{cluster.url(0)}/cluster/instances").json()["instances"]]
-    payload = {"model": DEFAULT_MODEL_ID, "stream": True, "max_tokens": 8, "ignore_eos": True,
-               "return_progress": True,  # a chunk after each 512 prompt tokens prefilled
-               "messages": [{"role": "user", "content": "Summarize: " + "the cat sat on the mat. " * 250}]}
+    (old_id,) = [i["instance_id"] for i in httpx.get(f"{cluster.url(0)}/cluster/instances").json()["instances"]]
+    payload = {
+        "model": DEFAULT_MODEL_ID,
+        "stream": True,
+        "max_tokens": 8,
+        "ignore_eos": True,
+        "return_progress": True,  # a chunk after each 512 prompt tokens prefilled
+        "messages": [{"role": "user", "content": "Summarize: " + "the cat sat on the mat. " * 250}],
+    }
     texts, errors, fingerprints, killed_at = [], [], [], None
     started = time.monotonic()
-    with httpx.stream("POST", f"{cluster.url(client_node)}/v1/chat/completions", json=payload,
-                      timeout=60) as response:
+    with httpx.stream("POST", f"{cluster.url(client_node)}/v1/chat/completions", json=payload, timeout=60) as response:
         assert response.status_code == 200
         for line in response.iter_lines():
             if line.startswith("data: ") and line != "data: [DONE]":
-                chunk = json.loads(line[len("data: "):])
+                chunk = json.loads(line[len("data: ") :])
                 if "prompt_progress" in chunk and killed_at is None:
                     runners_of(cluster.procs[target].pid)[0].kill()
                     killed_at = time.monotonic() - started
@@ -218,8 +243,7 @@ def test_a_request_whose_runner_dies_before_its_first_token_is_answered_by_the_n
     took = time.monotonic() - started
     print(f"\nanswered {took:.1f} s after it was sent, its runner killed at {killed_at} s: {''.join(texts)!r}")
     assert killed_at is not None and not errors and "".join(texts), errors
-    ready = [i for i in httpx.get(f"{cluster.url(0)}/cluster/instances").json()["instances"]
-             if i["status"] == "ready"]
+    ready = [i for i in httpx.get(f"{cluster.url(0)}/cluster/instances").json()["instances"] if i["status"] == "ready"]
     assert [i["instance_id"] != old_id for i in ready] == [True]
     assert fingerprints[0].startswith(f"fp_{old_id[:12]}-"), fingerprints  # sent before the failure
     assert fingerprints[-1].startswith(f"fp_{ready[0]['instance_id'][:12]}-"), fingerprints  # what ran it
@@ -237,13 +261,21 @@ def test_a_request_while_its_model_is_placed_waits_for_it(cluster):
     while any(runners_of(p.pid) for p in cluster.procs) and time.monotonic() < deadline:
         time.sleep(0.2)  # the deleted instance's runners gone: the new one loads from nothing
     nodes = [httpx.get(f"{cluster.url(i)}/health", timeout=5).json()["node_id"] for i in range(cluster.n)]
-    placed = httpx.post(f"{cluster.url(0)}/cluster/instances", timeout=60,
-                        json={"sharding": "pipeline", "nodes": nodes})
+    placed = httpx.post(
+        f"{cluster.url(0)}/cluster/instances", timeout=60, json={"sharding": "pipeline", "nodes": nodes}
+    )
     assert placed.status_code == 201 and placed.json()["status"] == "loading", placed.text
     started = time.monotonic()
-    response = httpx.post(f"{cluster.url(1)}/v1/chat/completions", timeout=60, json={
-        "model": DEFAULT_MODEL_ID, "temperature": 0, "max_tokens": 16,
-        "messages": [{"role": "user", "content": CAPITAL_QUESTION}]})
+    response = httpx.post(
+        f"{cluster.url(1)}/v1/chat/completions",
+        timeout=60,
+        json={
+            "model": DEFAULT_MODEL_ID,
+            "temperature": 0,
+            "max_tokens": 16,
+            "messages": [{"role": "user", "content": CAPITAL_QUESTION}],
+        },
+    )
     took = time.monotonic() - started
     print(f"\nanswered {took:.1f} s after it was sent, its model loading: {response.text[:200]}")
     assert response.status_code == 200, response.text
@@ -253,8 +285,7 @@ def test_a_request_while_its_model_is_placed_waits_for_it(cluster):
 
 
 # The node victim last: the others need a third node, which it leaves dead.
-@pytest.mark.parametrize("victim", [
-    "runner", pytest.param("frozen runner", marks=pytest.mark.slow), "node"])
+@pytest.mark.parametrize("victim", ["runner", pytest.param("frozen runner", marks=pytest.mark.slow), "node"])
 def test_a_death_mid_stream_is_continued_and_the_model_is_placed_again(cluster, victim):
     """A rank's runner killed, frozen (the watchdog kills it) or its node killed after 5
     tokens of a stream: the stream pauses and goes on, continued on the instance placed
@@ -268,8 +299,7 @@ def test_a_death_mid_stream_is_continued_and_the_model_is_placed_again(cluster, 
     nodes = [psutil.Process(p.pid) for p in cluster.procs]
     old_runners = [r for n in nodes for r in runners_of(n.pid)]
     assert len(old_runners) == 3
-    (old_id,) = [i["instance_id"] for i in
-                 httpx.get(f"{cluster.url(0)}/cluster/instances").json()["instances"]]
+    (old_id,) = [i["instance_id"] for i in httpx.get(f"{cluster.url(0)}/cluster/instances").json()["instances"]]
     stream = Stream(cluster.url(client_node))
     stream.start()
     try:
@@ -321,9 +351,14 @@ def test_a_model_whose_runners_cannot_load_fails_with_the_reason(tmp_path):
 
     from conftest import free_port_block
 
-    with LocalCluster(nodes=1, base_port=free_port_block(1), runner_threads=1,
-                      log_dir=str(tmp_path / "logs"), data_dir=str(tmp_path / "logs"),
-                      model_dirs=[model_dir]) as cluster:
+    with LocalCluster(
+        nodes=1,
+        base_port=free_port_block(1),
+        runner_threads=1,
+        log_dir=str(tmp_path / "logs"),
+        data_dir=str(tmp_path / "logs"),
+        model_dirs=[model_dir],
+    ) as cluster:
         cluster.start()
         with pytest.raises(LocalClusterError, match="down_proj"):
             cluster.place(str(model_dir), timeout_s=60)
@@ -339,8 +374,11 @@ def test_a_model_whose_runners_cannot_load_fails_with_the_reason(tmp_path):
         else:
             raise AssertionError(f"never gave up: {instances}")
         assert "model.layers.1.mlp.down_proj.weight" in instances[0]["error"]
-        response = httpx.post(f"{cluster.url(0)}/v1/chat/completions", timeout=30, json={
-            "model": "broken-model", "messages": [{"role": "user", "content": "hi"}]})
+        response = httpx.post(
+            f"{cluster.url(0)}/v1/chat/completions",
+            timeout=30,
+            json={"model": "broken-model", "messages": [{"role": "user", "content": "hi"}]},
+        )
         assert response.status_code == 503
         assert "down_proj" in response.json()["error"]["message"]
         runners = runners_of(cluster.procs[0].pid)
@@ -406,8 +444,9 @@ def test_a_request_that_finds_its_instance_failed_waits_for_it_to_be_placed_agai
             proc.kill()
         deadline = time.monotonic() + 30
         while time.monotonic() < deadline and not any(
-                i["status"] == "failed"
-                for i in httpx.get(f"{cluster.url(asker)}/cluster/instances", timeout=5).json()["instances"]):
+            i["status"] == "failed"
+            for i in httpx.get(f"{cluster.url(asker)}/cluster/instances", timeout=5).json()["instances"]
+        ):
             time.sleep(0.1)
         response, took = ask_capital(cluster.url(asker))
         print(f"\nrequest sent as the instance showed failed: {response.status_code} after {took:.1f} s")

@@ -27,8 +27,7 @@ takes well under a second; a loaded 2-core machine gets some slack)."""
 
 
 def body(content: str, **extra) -> dict:
-    return {"model": DEFAULT_MODEL_ID, "messages": [{"role": "user", "content": content}],
-            "temperature": 0, **extra}
+    return {"model": DEFAULT_MODEL_ID, "messages": [{"role": "user", "content": content}], "temperature": 0, **extra}
 
 
 LONG = body("Tell me a very long story.", max_tokens=1500, ignore_eos=True)
@@ -39,8 +38,9 @@ def forwarded(tmp_path_factory):
     """A 2-node cluster with the default model on one node only: the url of the node that
     serves it and of the one that forwards to it."""
     root = tmp_path_factory.mktemp("forward-cancel")
-    cluster = LocalCluster(nodes=2, base_port=free_port_block(2), runner_threads=1,
-                           log_dir=str(root), data_dir=str(root))
+    cluster = LocalCluster(
+        nodes=2, base_port=free_port_block(2), runner_threads=1, log_dir=str(root), data_dir=str(root)
+    )
     cluster.start()
     try:
         cluster.place(None, "pipeline", on=[1])
@@ -66,8 +66,7 @@ def seconds_until_idle(url: str, left: float, limit_s: float = 20.0) -> float:
 
 def assert_serves_promptly(serving: str, asked: str) -> None:
     """A short request through the node asked is answered (the batch is free)."""
-    response = httpx.post(f"{asked}/v1/chat/completions", json=body(CAPITAL_QUESTION, max_tokens=12),
-                          timeout=30)
+    response = httpx.post(f"{asked}/v1/chat/completions", json=body(CAPITAL_QUESTION, max_tokens=12), timeout=30)
     assert response.status_code == 200, response.text
     assert "Paris" in response.json()["choices"][0]["message"]["content"]
     assert not running(serving)
@@ -75,8 +74,7 @@ def assert_serves_promptly(serving: str, asked: str) -> None:
 
 def test_a_forwarded_stream_whose_client_leaves_is_cancelled_where_it_runs(forwarded):
     serving, asked = forwarded
-    with httpx.stream("POST", f"{asked}/v1/chat/completions", json=dict(LONG, stream=True),
-                      timeout=60) as response:
+    with httpx.stream("POST", f"{asked}/v1/chat/completions", json=dict(LONG, stream=True), timeout=60) as response:
         assert response.status_code == 200
         lines = response.iter_lines()  # advanced by hand: leaving a for loop closes it
         received = 0
@@ -94,14 +92,15 @@ def test_a_forwarded_non_streamed_request_whose_client_leaves_is_cancelled_where
     host, port = asked.removeprefix("http://").split(":")
     payload = json.dumps(LONG).encode()
     with socket.create_connection((host, int(port)), timeout=10) as client:  # whose close is the leaving
-        client.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: %s\r\nContent-Type: application/json\r\n"
-                       b"Content-Length: %d\r\n\r\n%s" % (host.encode(), len(payload), payload))
+        client.sendall(
+            b"POST /v1/chat/completions HTTP/1.1\r\nHost: %s\r\nContent-Type: application/json\r\n"
+            b"Content-Length: %d\r\n\r\n%s" % (host.encode(), len(payload), payload)
+        )
         deadline = time.monotonic() + 30
         while not running(serving):
             assert time.monotonic() < deadline, "the request never ran on the serving node"
             time.sleep(0.02)
     stopped_s = seconds_until_idle(serving, time.monotonic())
-    print(f"\nforwarded non-streamed request: the serving node stopped {stopped_s:.2f} s after the "
-          f"client left")
+    print(f"\nforwarded non-streamed request: the serving node stopped {stopped_s:.2f} s after the client left")
     assert stopped_s < STOP_WITHIN_S
     assert_serves_promptly(serving, asked)

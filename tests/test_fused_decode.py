@@ -16,12 +16,12 @@ pytestmark = [pytest.mark.fast, pytest.mark.timeout(60)]
 
 needs_kernels = pytest.mark.skipif(
     not native_dequant.int4_gemv_built(),
-    reason="the fused decode layers need the compiled int4 decode product (AVX-512 BF16, VNNI, VBMI)")
+    reason="the fused decode layers need the compiled int4 decode product (AVX-512 BF16, VNNI, VBMI)",
+)
 
 LAYERS = 3
 MATRICES = ("attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate", "ffn_up", "ffn_down")
-MOE_MATRICES = ("attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate_exps", "ffn_up_exps",
-                "ffn_down_exps")
+MOE_MATRICES = ("attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate_exps", "ffn_up_exps", "ffn_down_exps")
 GGUF_ARCH = {"mixtral": "llama"}
 
 
@@ -38,8 +38,14 @@ def _gguf(tmp_path, arch: str, quant: str, others: str = ""):
     kinds = {n: other.get(n.split(".")[2], quant) for n in names}
     quantized = {kind: tuple(n for n, k in kinds.items() if k == kind) for kind in ("Q8_0", "MXFP4")}
     random = {n: kind for n, kind in kinds.items() if kind not in ("Q8_0", "MXFP4", "F32")}
-    return tm.write_gguf(model, tmp_path / f"{arch}-{quant}.gguf", arch=GGUF_ARCH.get(arch, arch),
-                         q8_0=quantized["Q8_0"], mxfp4=quantized["MXFP4"], random_quants=random)
+    return tm.write_gguf(
+        model,
+        tmp_path / f"{arch}-{quant}.gguf",
+        arch=GGUF_ARCH.get(arch, arch),
+        q8_0=quantized["Q8_0"],
+        mxfp4=quantized["MXFP4"],
+        random_quants=random,
+    )
 
 
 def _shard(path, dtype=torch.bfloat16):
@@ -47,16 +53,22 @@ def _shard(path, dtype=torch.bfloat16):
     return load_shard(source, 0, source.config.num_layers, dtype=dtype)
 
 
-@pytest.fixture(scope="module", params=[
-    ("llama", "Q8_0", ""), ("qwen2", "Q4_1", ""), ("qwen3", "Q8_0", ""),
-    # int4 planes beside packed 5-bit groups, symmetric (Q5_0) and with offsets (Q5_1)
-    ("qwen2", "Q4_1", "attn_q=Q5_0 ffn_down=Q5_1"),
-    # mixtures of experts: every expert's products, packed 5-bit experts beside int4 ones
-    ("qwen3moe", "Q8_0", ""), ("mixtral", "Q4_1", "ffn_down_exps=Q5_1"),
-    # gpt-oss: sinks, sliding windows (of 4 keys, every other layer), biases, clamped SwiGLU
-    ("gpt-oss", "Q8_0", "ffn_gate_exps=MXFP4 ffn_up_exps=MXFP4 ffn_down_exps=MXFP4")],
-    ids=lambda p: "-".join(p[:2]) + (
-        "-mixed" if p[2] else ""))
+@pytest.fixture(
+    scope="module",
+    params=[
+        ("llama", "Q8_0", ""),
+        ("qwen2", "Q4_1", ""),
+        ("qwen3", "Q8_0", ""),
+        # int4 planes beside packed 5-bit groups, symmetric (Q5_0) and with offsets (Q5_1)
+        ("qwen2", "Q4_1", "attn_q=Q5_0 ffn_down=Q5_1"),
+        # mixtures of experts: every expert's products, packed 5-bit experts beside int4 ones
+        ("qwen3moe", "Q8_0", ""),
+        ("mixtral", "Q4_1", "ffn_down_exps=Q5_1"),
+        # gpt-oss: sinks, sliding windows (of 4 keys, every other layer), biases, clamped SwiGLU
+        ("gpt-oss", "Q8_0", "ffn_gate_exps=MXFP4 ffn_up_exps=MXFP4 ffn_down_exps=MXFP4"),
+    ],
+    ids=lambda p: "-".join(p[:2]) + ("-mixed" if p[2] else ""),
+)
 def shard(request, tmp_path_factory):
     if not native_dequant.int4_gemv_built():
         pytest.skip("the fused decode layers need the compiled int4 decode product")
@@ -123,9 +135,11 @@ def test_fused_layers_match_the_torch_path(shard, rows, attention, monkeypatch):
     attention's sums, exp), which moves a bfloat16 rounding now and then (measured: no
     difference at all on these models). The cache rows written agree the same way."""
     if attention == "bfloat16" and shard.config.is_moe:
-        pytest.skip("a bfloat16 step on the attention output can flip a near-tie between two "
-                    "experts, which moves a row by tens of percent (seen: 0.28); the float32 "
-                    "attention case checks the experts")
+        pytest.skip(
+            "a bfloat16 step on the attention output can flip a near-tie between two "
+            "experts, which moves a row by tens of percent (seen: 0.28); the float32 "
+            "attention case checks the experts"
+        )
     if attention == "float32":
         _float32_attention(monkeypatch)
     bound = 6e-2 if attention == "bfloat16" else 2e-3
@@ -242,16 +256,18 @@ def test_a_position_outside_the_cache_is_refused(shard):
 
 
 @needs_kernels
-@pytest.mark.parametrize("arch, quant, others, dtype, why", [
-    ("llama", "Q8_0", "", torch.bfloat16, None),
-    ("qwen2", "Q4_1", "", torch.bfloat16, None),
-    ("llama", "Q8_0", "", torch.float32, "compute dtype torch.float32"),
-    ("llama", "Q8_0", "", torch.float16, "compute dtype torch.float16"),
-    ("llama", "Q4_1", "attn_q=Q5_0", torch.bfloat16, None),
-    ("llama", "Q5_0", "", torch.bfloat16, None),
-    ("llama", "Q5_1", "attn_q=F32", torch.bfloat16,
-     "layer 0 qkv: weight held as ['DenseWeight', 'PackedGroups']"),
-])
+@pytest.mark.parametrize(
+    "arch, quant, others, dtype, why",
+    [
+        ("llama", "Q8_0", "", torch.bfloat16, None),
+        ("qwen2", "Q4_1", "", torch.bfloat16, None),
+        ("llama", "Q8_0", "", torch.float32, "compute dtype torch.float32"),
+        ("llama", "Q8_0", "", torch.float16, "compute dtype torch.float16"),
+        ("llama", "Q4_1", "attn_q=Q5_0", torch.bfloat16, None),
+        ("llama", "Q5_0", "", torch.bfloat16, None),
+        ("llama", "Q5_1", "attn_q=F32", torch.bfloat16, "layer 0 qkv: weight held as ['DenseWeight', 'PackedGroups']"),
+    ],
+)
 def test_where_the_fused_layers_run(tmp_path, arch, quant, others, dtype, why):
     shard = _shard(_gguf(tmp_path, arch, quant, others), dtype)
     got = fused_decode.refusal(shard)

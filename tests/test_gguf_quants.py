@@ -16,7 +16,7 @@ def test_unpacked_groups_give_the_gguf_librarys_values(type_name):
     data = random_blocks(type_name, rows=6, blocks=3)
     oracle = dequantize(data, GGMLQuantizationType[type_name])
     unpacked = unpack_blocks(type_name, data)
-    assert unpacked.q.max() < 2 ** unpacked.bits
+    assert unpacked.q.max() < 2**unpacked.bits
     got = unpacked.dequantize()
     assert got.shape == oracle.shape
     np.testing.assert_allclose(got, oracle, rtol=1e-6, atol=1e-6 * np.abs(oracle).max())
@@ -39,8 +39,16 @@ def test_column_and_row_slices_keep_values():
     np.testing.assert_array_equal(both.dequantize(), whole.dequantize()[[0, 3]])
 
 
-F16_AT = {"Q4_0": [0], "Q4_1": [0, 2], "Q5_0": [0], "Q5_1": [0, 2], "Q8_0": [0], "Q4_K": [0, 2],
-          "Q5_K": [0, 2], "Q6_K": [208]}
+F16_AT = {
+    "Q4_0": [0],
+    "Q4_1": [0, 2],
+    "Q5_0": [0],
+    "Q5_1": [0, 2],
+    "Q8_0": [0],
+    "Q4_K": [0, 2],
+    "Q5_K": [0, 2],
+    "Q6_K": [208],
+}
 """Byte offsets of each type's f16 scales (and minimums) in its block (ggml-common.h)."""
 
 
@@ -69,7 +77,10 @@ def test_compiled_unpacking_gives_the_numpy_unpackers_groups(type_name):
         assert got.dtype == want.dtype and got.shape == want.shape
         np.testing.assert_array_equal(got.view(np.uint8), want.view(np.uint8), err_msg=field)
     assert (compiled.bits, compiled.group, compiled.symmetric_center) == (
-        numpy_groups.bits, numpy_groups.group, numpy_groups.symmetric_center)
+        numpy_groups.bits,
+        numpy_groups.group,
+        numpy_groups.symmetric_center,
+    )
 
 
 def test_mxfp4_exponents_from_subnormal_to_large_give_the_librarys_values():

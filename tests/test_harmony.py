@@ -13,17 +13,26 @@ pytestmark = pytest.mark.fast
 CALL = '<|channel|>commentary to=functions.get_weather <|constrain|>json<|message|>{"city": "Paris"}'
 
 
-@pytest.mark.parametrize("output, reasoning, answer", [
-    ("<|channel|>analysis<|message|>The user greets.<|end|><|start|>assistant<|channel|>final"
-     "<|message|>Hello!", "The user greets.", "Hello!"),
-    ("<|channel|>final<|message|>Paris.", "", "Paris."),
-    ("<|channel|>analysis<|message|>Still thinking", "Still thinking", ""),  # cut short
-    ("Plain text, no header.", "", "Plain text, no header."),
-    ("<|channel|>commentary<|message|>Let me look.<|end|><|start|>assistant<|channel|>final"
-     "<|message|>Done.", "", "Let me look.Done."),  # a preamble is answer text
-    ("<|channel|>final<|message|>if a < b then <|x|>", "", "if a < b then <|x|>"),
-    ("<|channel|>final<|message|>Hi<|end|> and text after the end", "", "Hi and text after the end"),
-])
+@pytest.mark.parametrize(
+    "output, reasoning, answer",
+    [
+        (
+            "<|channel|>analysis<|message|>The user greets.<|end|><|start|>assistant<|channel|>final<|message|>Hello!",
+            "The user greets.",
+            "Hello!",
+        ),
+        ("<|channel|>final<|message|>Paris.", "", "Paris."),
+        ("<|channel|>analysis<|message|>Still thinking", "Still thinking", ""),  # cut short
+        ("Plain text, no header.", "", "Plain text, no header."),
+        (
+            "<|channel|>commentary<|message|>Let me look.<|end|><|start|>assistant<|channel|>final<|message|>Done.",
+            "",
+            "Let me look.Done.",
+        ),  # a preamble is answer text
+        ("<|channel|>final<|message|>if a < b then <|x|>", "", "if a < b then <|x|>"),
+        ("<|channel|>final<|message|>Hi<|end|> and text after the end", "", "Hi and text after the end"),
+    ],
+)
 @pytest.mark.parametrize("step", [None, 1])
 def test_channels_split_into_reasoning_and_answer(output, reasoning, answer, step):
     splitter = HarmonySplitter()
@@ -33,16 +42,19 @@ def test_channels_split_into_reasoning_and_answer(output, reasoning, answer, ste
     assert "".join(a for _, a in got) == answer
 
 
-@pytest.mark.parametrize("output", [
-    "<|channel|>analysis<|message|>Need weather.<|end|><|start|>assistant" + CALL,
-    "<|channel|>analysis<|message|>Need weather.<|end|><|start|>assistant to=functions.get_weather"
-    '<|channel|>commentary json<|message|>{"city": "Paris"}',  # the recipient before the channel
-])
+@pytest.mark.parametrize(
+    "output",
+    [
+        "<|channel|>analysis<|message|>Need weather.<|end|><|start|>assistant" + CALL,
+        "<|channel|>analysis<|message|>Need weather.<|end|><|start|>assistant to=functions.get_weather"
+        '<|channel|>commentary json<|message|>{"city": "Paris"}',  # the recipient before the channel
+    ],
+)
 @pytest.mark.parametrize("step", [None, 3])
 def test_a_call_to_a_function_is_a_tool_call(output, step):
     splitter = HarmonySplitter()
     parser = ToolCallParser(ToolFormat.HERMES, ["get_weather"], {})
-    pieces = [output] if step is None else [output[i:i + step] for i in range(0, len(output), step)]
+    pieces = [output] if step is None else [output[i : i + step] for i in range(0, len(output), step)]
     reasoning, items = "", []
     for piece in pieces:
         r, a = splitter.feed(piece)

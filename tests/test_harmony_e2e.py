@@ -22,12 +22,19 @@ from shardline.local_cluster import LocalCluster
 
 pytestmark = pytest.mark.timeout(120)
 
-FIRST = ("<|channel|>analysis<|message|>Need the weather.<|end|><|start|>assistant<|channel|>commentary"
-         ' to=functions.get_weather <|constrain|>json<|message|>{"city": "Paris"}')
+FIRST = (
+    "<|channel|>analysis<|message|>Need the weather.<|end|><|start|>assistant<|channel|>commentary"
+    ' to=functions.get_weather <|constrain|>json<|message|>{"city": "Paris"}'
+)
 AFTER = "<|channel|>analysis<|message|>Got it.<|end|><|start|>assistant<|channel|>final<|message|>Sunny."
-WEATHER = {"type": "function", "function": {"name": "get_weather", "description": "The weather in a city.",
-                                            "parameters": {"type": "object", "properties": {"city": {"type": "string"}},
-                                                           "required": ["city"]}}}
+WEATHER = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "description": "The weather in a city.",
+        "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]},
+    },
+}
 ASK = [{"role": "user", "content": "Weather in Paris?"}]
 
 
@@ -37,8 +44,14 @@ def url(tmp_path_factory):
     model = write_scripted_model(root / "models" / "harmony", FIRST, AFTER, context=4096)
     template = model / "chat_template.jinja"
     template.write_text(template.read_text() + "{#- harmony: <|channel|> <|message|> -#}")
-    cluster = LocalCluster(nodes=1, base_port=free_port_block(1), runner_threads=1, log_dir=str(root),
-                           data_dir=str(root), model_dirs=[root / "models"])
+    cluster = LocalCluster(
+        nodes=1,
+        base_port=free_port_block(1),
+        runner_threads=1,
+        log_dir=str(root),
+        data_dir=str(root),
+        model_dirs=[root / "models"],
+    )
     cluster.start()
     try:
         cluster.place(str(model), "pipeline")
@@ -56,10 +69,14 @@ def test_chat_completions_reasoning_call_and_answer(url):
     [call] = message.tool_calls
     assert (call.function.name, json.loads(call.function.arguments)) == ("get_weather", {"city": "Paris"})
     assert not message.content
-    history = [*ASK, message.model_dump(exclude_none=True),
-               {"role": "tool", "tool_call_id": call.id, "content": "sunny, 21 C"}]
-    stream = client.chat.completions.create(model="harmony", messages=history, tools=[WEATHER], max_tokens=200,
-                                            stream=True)
+    history = [
+        *ASK,
+        message.model_dump(exclude_none=True),
+        {"role": "tool", "tool_call_id": call.id, "content": "sunny, 21 C"},
+    ]
+    stream = client.chat.completions.create(
+        model="harmony", messages=history, tools=[WEATHER], max_tokens=200, stream=True
+    )
     content, reasoning = "", ""
     for chunk in stream:
         if chunk.choices:
@@ -71,10 +88,18 @@ def test_chat_completions_reasoning_call_and_answer(url):
 
 def test_anthropic_thinking_block_and_tool_use(url):
     client = anthropic.Anthropic(base_url=url, api_key="unused", max_retries=0)
-    tool = {"name": "get_weather", "description": "The weather in a city.",
-            "input_schema": WEATHER["function"]["parameters"]}
-    answer = client.messages.create(model="harmony", max_tokens=2000, messages=ASK, tools=[tool],
-                                    thinking={"type": "enabled", "budget_tokens": 1024})
+    tool = {
+        "name": "get_weather",
+        "description": "The weather in a city.",
+        "input_schema": WEATHER["function"]["parameters"],
+    }
+    answer = client.messages.create(
+        model="harmony",
+        max_tokens=2000,
+        messages=ASK,
+        tools=[tool],
+        thinking={"type": "enabled", "budget_tokens": 1024},
+    )
     assert [b.type for b in answer.content] == ["thinking", "tool_use"], answer
     assert answer.content[0].thinking == "Need the weather."
     assert answer.content[1].input == {"city": "Paris"} and answer.stop_reason == "tool_use"

@@ -24,8 +24,9 @@ async def _events(script: list[tuple[float, object]], closed: list[str]):
 
 
 def _names(items: list[object]) -> list[str]:
-    return ["beat" if isinstance(i, Heartbeat) else "progress" if isinstance(i, PrefillProgress) else str(i)
-            for i in items]
+    return [
+        "beat" if isinstance(i, Heartbeat) else "progress" if isinstance(i, PrefillProgress) else str(i) for i in items
+    ]
 
 
 def _run(script: list[tuple[float, object]], every_s: float) -> tuple[list[str], list[str]]:
@@ -40,13 +41,16 @@ def _run(script: list[tuple[float, object]], every_s: float) -> tuple[list[str],
 PROGRESS = PrefillProgress(task_id=1, done=1, total=2)
 
 
-@pytest.mark.parametrize("script,names", [
-    ([(0.0, "a"), (0.0, "b")], ["a", "b"]),  # items as they come: no heartbeat
-    ([(0.75, "a")], ["beat", "beat", "a"]),  # a long wait: a heartbeat each 0.3 s
-    # prefill progress does not count as sent: the heartbeat comes 0.3 s after the start
-    ([(0.2, PROGRESS), (0.2, PROGRESS), (0.0, "a")], ["progress", "beat", "progress", "a"]),
-    ([(0.0, "a"), (0.45, "b"), (0.05, "c")], ["a", "beat", "b", "c"]),  # an item resets the clock
-])
+@pytest.mark.parametrize(
+    "script,names",
+    [
+        ([(0.0, "a"), (0.0, "b")], ["a", "b"]),  # items as they come: no heartbeat
+        ([(0.75, "a")], ["beat", "beat", "a"]),  # a long wait: a heartbeat each 0.3 s
+        # prefill progress does not count as sent: the heartbeat comes 0.3 s after the start
+        ([(0.2, PROGRESS), (0.2, PROGRESS), (0.0, "a")], ["progress", "beat", "progress", "a"]),
+        ([(0.0, "a"), (0.45, "b"), (0.05, "c")], ["a", "beat", "b", "c"]),  # an item resets the clock
+    ],
+)
 def test_heartbeats_fill_the_pauses(script, names):
     got, closed = _run(script, every_s=0.3)  # the pauses 0.1 s or more from a heartbeat's time
     assert got == names and closed == ["closed"]

@@ -26,6 +26,10 @@ def imported(path: Path) -> set[str]:
 
 
 def test_node_imports_no_http_framework_and_nothing_of_api():
-    found = {f"{p.name}: {name}" for p in sorted(NODE.glob("*.py")) for name in imported(p)
-             if name in SERVING or name.startswith(tuple(s + "." for s in SERVING))}
+    found = {
+        f"{p.name}: {name}"
+        for p in sorted(NODE.glob("*.py"))
+        for name in imported(p)
+        if name in SERVING or name.startswith(tuple(s + "." for s in SERVING))
+    }
     assert not found, f"node/ imports what serves HTTP: {sorted(found)}"

@@ -28,8 +28,14 @@ LONG = "Here is a long list of numbers to remember. " + " ".join(str(i) for i in
 @pytest.fixture(scope="module")
 def url(tmp_path_factory):
     log_dir = tmp_path_factory.mktemp("keepalive")
-    cluster = LocalCluster(nodes=1, base_port=free_port_block(1), runner_threads=1, log_dir=str(log_dir),
-                           data_dir=str(log_dir), node_args={0: ["--stream-heartbeat", str(HEARTBEAT_S)]})
+    cluster = LocalCluster(
+        nodes=1,
+        base_port=free_port_block(1),
+        runner_threads=1,
+        log_dir=str(log_dir),
+        data_dir=str(log_dir),
+        node_args={0: ["--stream-heartbeat", str(HEARTBEAT_S)]},
+    )
     try:
         cluster.start()
         cluster.place(None, "pipeline", context=8192, max_batch=4)
@@ -73,13 +79,25 @@ def _ollama_text(line: str) -> bool:
 
 
 CASES = {
-    "anthropic": ("/v1/messages", {"max_tokens": 2, "messages": [{"role": "user", "content": LONG}]},
-                  _anthropic_text, "event: ping"),
-    "openai-chat": ("/v1/chat/completions", {"max_tokens": 2, "messages": [{"role": "user", "content": LONG}]},
-                    _openai_text, ": keep-alive"),
+    "anthropic": (
+        "/v1/messages",
+        {"max_tokens": 2, "messages": [{"role": "user", "content": LONG}]},
+        _anthropic_text,
+        "event: ping",
+    ),
+    "openai-chat": (
+        "/v1/chat/completions",
+        {"max_tokens": 2, "messages": [{"role": "user", "content": LONG}]},
+        _openai_text,
+        ": keep-alive",
+    ),
     "openai-responses": ("/v1/responses", {"max_output_tokens": 2, "input": LONG}, _openai_text, ": keep-alive"),
-    "ollama": ("/api/chat", {"messages": [{"role": "user", "content": LONG}], "options": {"num_predict": 2}},
-               _ollama_text, '"content":""'),
+    "ollama": (
+        "/api/chat",
+        {"messages": [{"role": "user", "content": LONG}], "options": {"num_predict": 2}},
+        _ollama_text,
+        '"content":""',
+    ),
 }
 
 
@@ -95,8 +113,7 @@ def _heartbeats(url: str, api: str) -> tuple[list[float], int, float, list[str]]
         return is_output(line)
 
     gaps, _, first_s = _gaps_until_output(url, path, body, record)
-    beats = sum(keepalive in line.replace(" ", "") if api == "ollama" else line.startswith(keepalive)
-                for line in lines)
+    beats = sum(keepalive in line.replace(" ", "") if api == "ollama" else line.startswith(keepalive) for line in lines)
     return gaps, beats, first_s, lines
 
 

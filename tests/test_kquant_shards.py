@@ -31,14 +31,21 @@ def kquant_gguf(tmp_path_factory):
 
     transformers.logging.set_verbosity_error()
     config = transformers.LlamaConfig(
-        vocab_size=256, hidden_size=256, intermediate_size=512, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128,
-        bos_token_id=None, eos_token_id=None, pad_token_id=None)
+        vocab_size=256,
+        hidden_size=256,
+        intermediate_size=512,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=128,
+        bos_token_id=None,
+        eos_token_id=None,
+        pad_token_id=None,
+    )
     torch.manual_seed(0)
     model = transformers.LlamaForCausalLM(config).eval()
     path = tmp_path_factory.mktemp("kquant") / "k.gguf"
-    return tm.write_gguf(model, path, arch="llama",
-                         random_quants={name: t for name, (t, _) in K_TENSORS.items()})
+    return tm.write_gguf(model, path, arch="llama", random_quants={name: t for name, (t, _) in K_TENSORS.items()})
 
 
 def file_values(path, name) -> torch.Tensor:
@@ -57,8 +64,11 @@ def test_k_quant_weights_hold_the_files_values(kquant_gguf):
         assert (got - expected).abs().max() <= 1e-6 * expected.abs().max(), name
     bf16 = load_shard(open_weights(kquant_gguf), 0, 2, dtype=torch.bfloat16)
     forms = {m: type(dict(bf16.named_modules())[m].parts[0]) for _, m in K_TENSORS.values()}
-    assert forms == {"layers.0.attn.o": Int4Planes, "layers.0.mlp.down": PackedGroups,
-                     "layers.1.mlp.down": PackedGroups}
+    assert forms == {
+        "layers.0.attn.o": Int4Planes,
+        "layers.0.mlp.down": PackedGroups,
+        "layers.1.mlp.down": PackedGroups,
+    }
 
 
 @pytest.mark.parametrize("world", [2, 3])
@@ -66,11 +76,9 @@ def test_tensor_ranks_hold_exactly_their_columns(kquant_gguf, world):
     whole = dict(load_shard(open_weights(kquant_gguf), 0, 2, dtype=torch.float32).named_modules())
     source = open_weights(kquant_gguf)
     for share in tensor_shares(source.config, world):
-        part = dict(load_tensor_shard(open_weights(kquant_gguf), share,
-                                      dtype=torch.float32).named_modules())
+        part = dict(load_tensor_shard(open_weights(kquant_gguf), share, dtype=torch.float32).named_modules())
         hd = source.config.head_dim
-        spans = {"attn.o": (share.heads[0] * hd, share.heads[1] * hd),
-                 "mlp.down": tuple(share.columns)}
+        spans = {"attn.o": (share.heads[0] * hd, share.heads[1] * hd), "mlp.down": tuple(share.columns)}
         for _, module in K_TENSORS.values():
             start, end = spans[module.split(".", 2)[2]]
             expected = whole[module].dequantized()[:, start:end]

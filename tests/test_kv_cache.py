@@ -66,6 +66,7 @@ def test_releasing_a_slot_past_a_prefix_keeps_the_prefix_and_gives_back_the_rest
         assert t[1, :, :128].min().item() == 1  # every head keeps its prefix
         assert t[1, :, 128:].abs().sum().item() == 0
 
+
 def test_more_address_space_than_memory_is_reserved_without_taking_it():
     """A cache of more slots x context than the machine's RAM and swap (admission bounds
     what is written) maps: the kernel's overcommit check refused it without

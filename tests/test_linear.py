@@ -54,7 +54,7 @@ def test_bfloat16_differs_only_by_rounding_the_scales(type_name):
     held, oracle = resident(type_name, torch.bfloat16, seed=3)
     got = held.dequantize(torch.float64)
     # bf16 keeps 8 significant bits: each scale (and zero) is off by at most 2**-8 of itself.
-    assert ((got - oracle).norm() / oracle.norm()).item() < 2 ** -8
+    assert ((got - oracle).norm() / oracle.norm()).item() < 2**-8
 
 
 @pytest.mark.parametrize("type_name", ["Q4_0", "Q8_0", "Q5_1", "Q6_K"])
@@ -91,8 +91,7 @@ def test_compiled_row_lookup_is_the_torch_ops_bit_for_bit(type_name):
             held.embed(torch.tensor([3, bad]), torch.float32)
 
 
-@pytest.mark.parametrize("shift, add, top", [(0, 0, 16), (0, 0, 256), (4, 0, 256), (4, 8, 32),
-                                            (4, 6, 64)])
+@pytest.mark.parametrize("shift, add, top", [(0, 0, 16), (0, 0, 256), (4, 0, 256), (4, 8, 32), (4, 6, 64)])
 def test_compiled_int4_packing_is_torchs_bit_for_bit(shift, add, top):
     """The load's packing kernel writes the bytes torch's int4 packing makes of the same
     plane values: a 4-bit weight, an 8-bit one's low and high planes (Q8_0), a 5-bit
@@ -123,8 +122,10 @@ def test_int4_layout_is_understood_on_this_machine():
     assert sorted(position.tolist()) == list(range(block))
 
 
-@pytest.mark.parametrize("type_name, dtype", [("Q4_1", torch.bfloat16), ("Q8_0", torch.bfloat16),
-                                              ("Q6_K", torch.bfloat16), ("Q6_K", torch.float32)])
+@pytest.mark.parametrize(
+    "type_name, dtype",
+    [("Q4_1", torch.bfloat16), ("Q8_0", torch.bfloat16), ("Q6_K", torch.bfloat16), ("Q6_K", torch.float32)],
+)
 def test_each_row_is_computed_independently_of_the_batch(type_name, dtype):
     held, _ = resident(type_name, dtype, seed=5)
     layer = Linear(held.shape[1], held.shape[0])
@@ -175,8 +176,9 @@ def test_batched_decode_gives_the_same_greedy_tokens_as_alone(tmp_path):
         last = {i: int(torch.argmax(tm.prefill(shard, cache, prompts[i], slot=i))) for i in which}
         out = {i: [last[i]] for i in which}
         for step in range(steps):
-            logits = tm.decode(shard, cache, [out[i][-1] for i in which], list(which),
-                               [len(prompts[i]) + step for i in which])
+            logits = tm.decode(
+                shard, cache, [out[i][-1] for i in which], list(which), [len(prompts[i]) + step for i in which]
+            )
             for row, i in enumerate(which):
                 out[i].append(int(torch.argmax(logits[row])))
         return out
@@ -203,7 +205,7 @@ def test_the_default_gguf_is_held_in_its_own_bits():
     data = source._tensors["token_embd.weight"].data[:1]
     row = dequantize(np.ascontiguousarray(data), GGMLQuantizationType.Q8_0)
     got = shard.embed(torch.tensor([0])).float().numpy()
-    np.testing.assert_allclose(got, row, rtol=2 ** -7, atol=1e-6)
+    np.testing.assert_allclose(got, row, rtol=2**-7, atol=1e-6)
 
 
 @pytest.mark.parametrize("type_name", ["Q8_0", "Q6_K", "F32"])
@@ -224,8 +226,10 @@ def test_a_weight_converted_in_row_blocks_equals_one_converted_whole(monkeypatch
         reads.append((start, end))
         return groups[start:end] if type_name == "F32" else groups.rows(start, end)
 
-    for blocked in (resident_weight(groups, torch.bfloat16),
-                    resident_weight(linear.RowBlocks(read, (256, groups.shape[1])), torch.bfloat16)):
+    for blocked in (
+        resident_weight(groups, torch.bfloat16),
+        resident_weight(linear.RowBlocks(read, (256, groups.shape[1])), torch.bfloat16),
+    ):
         assert type(blocked) is type(whole)
         assert torch.equal(blocked.dequantize(torch.float32), whole.dequantize(torch.float32))
         if isinstance(whole, Int4Planes):
@@ -242,7 +246,7 @@ def test_an_lm_heads_largest_logits_are_float32_products(type_name):
     held, _ = resident(type_name, torch.bfloat16, seed=5)
     head = Linear(held.shape[1], held.shape[0], logits=True)
     head.set_parts([held])
-    x = (torch.randn(2, held.shape[1], generator=torch.Generator().manual_seed(6)) * 4 + 2)
+    x = torch.randn(2, held.shape[1], generator=torch.Generator().manual_seed(6)) * 4 + 2
     x = x.to(torch.bfloat16)
     exact = x.double() @ held.dequantize(torch.float64).T
     y = head(x)
@@ -307,8 +311,7 @@ def test_transposed_packed_dequant_is_the_eager_code(type_name, dtype, aligned):
 
     if kernel_library.kernels() is None:
         pytest.skip("no C compiler on this machine: the eager code is the only path")
-    held = resident_weight(unpack_blocks(type_name, random_blocks(type_name, rows=48, blocks=1,
-                                                                  seed=8)), dtype)
+    held = resident_weight(unpack_blocks(type_name, random_blocks(type_name, rows=48, blocks=1, seed=8)), dtype)
     assert isinstance(held, PackedGroups)
     rows, k = held.shape
     memory = torch.zeros(rows * k + 64, dtype=dtype)
@@ -318,8 +321,7 @@ def test_transposed_packed_dequant_is_the_eager_code(type_name, dtype, aligned):
     assert torch.equal(out, held._eager_rows(dtype).t())
 
 
-@pytest.mark.parametrize("type_name, bits", [("Q6_K", 7), ("Q5_K", 6), ("Q5_0", 5.5), ("Q5_1", 6),
-                                             ("MXFP4", 4.5)])
+@pytest.mark.parametrize("type_name, bits", [("Q6_K", 7), ("Q5_K", 6), ("Q5_0", 5.5), ("Q5_1", 6), ("MXFP4", 4.5)])
 def test_five_and_six_bit_types_are_held_in_about_their_files_bits(type_name, bits):
     """bfloat16: the integers' bits plus a bfloat16 scale (and offset) per group, against
     the file's 6.56 (Q6_K), 5.5 (Q5_K, Q5_0), 6 (Q5_1) and 4.25 (MXFP4: 4-bit codes)
@@ -341,7 +343,7 @@ def test_compiled_packing_gives_numpys_bytes(monkeypatch, bits):
 
     if kernel_library.kernels() is None:
         pytest.skip("no C compiler on this machine: numpy packs")
-    q = np.random.default_rng(bits).integers(0, 2 ** bits, (32, 256), dtype=np.uint8)
+    q = np.random.default_rng(bits).integers(0, 2**bits, (32, 256), dtype=np.uint8)
     compiled = _packed_bits(q, bits)
     monkeypatch.setattr(kernel_library, "kernels", lambda: None)
     for got, want in zip(compiled, _packed_bits(q, bits)):
@@ -359,10 +361,11 @@ def test_compiled_scales_and_zeros_round_as_torch_does(monkeypatch):
         pytest.skip("no C compiler on this machine: torch lays them out")
     g = torch.Generator().manual_seed(5)
     scale, zero = torch.randn(16, 6, generator=g), torch.randn(16, 6, generator=g) * 1e-3
-    special = torch.tensor([1 + 2 ** -8, 1 + 3 * 2 ** -8, float("inf"), -float("inf"), 3.4e38,
-                            1e-40, -0.0, 3.0e38])  # two ties, then the edges
+    special = torch.tensor(
+        [1 + 2**-8, 1 + 3 * 2**-8, float("inf"), -float("inf"), 3.4e38, 1e-40, -0.0, 3.0e38]
+    )  # two ties, then the edges
     scale.view(-1)[: len(special)] = special
-    zero.view(-1)[-len(special):] = special
+    zero.view(-1)[-len(special) :] = special
     compiled = torch.full((6, 40, 2), 7, dtype=torch.bfloat16)
     native_dequant.scales_zeros_into(scale, zero, compiled, 16)
     monkeypatch.setattr(kernel_library, "kernels", lambda: None)
@@ -448,7 +451,7 @@ def test_top_ids_are_the_largest_entries(rows, n, k, top_path):
     compiled pass likewise (the ascending row replaces its best at every entry)."""
     gen = torch.Generator().manual_seed(n)
     y = torch.randn(rows, n, generator=gen)
-    y[0, 128:128 + k] += 10.0  # all in one block
+    y[0, 128 : 128 + k] += 10.0  # all in one block
     if rows > 1:
         y[1, ::64] += 10.0  # one per block
     if rows > 2:

@@ -1,5 +1,6 @@
-"""The code passes ruff, mypy and the import contracts with the project's settings
-(pyproject.toml's ``[tool.ruff]``, ``[tool.mypy]`` and ``[tool.importlinter]``)."""
+"""The code passes ruff (its linter and its formatter), mypy and the import contracts with
+the project's settings (pyproject.toml's ``[tool.ruff]``, ``[tool.mypy]`` and
+``[tool.importlinter]``)."""
 
 from __future__ import annotations
 
@@ -15,16 +16,34 @@ ROOT = Path(__file__).resolve().parent.parent
 @pytest.mark.fast
 @pytest.mark.timeout(120)
 def test_ruff_finds_nothing():
-    result = subprocess.run([sys.executable, "-m", "ruff", "check", "--no-cache", "src", "tests"],
-                            cwd=ROOT, capture_output=True, text=True, timeout=100)
+    result = subprocess.run(
+        [sys.executable, "-m", "ruff", "check", "--no-cache", "src", "tests"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=100,
+    )
+    assert result.returncode == 0, result.stdout + result.stderr
+
+
+@pytest.mark.fast
+@pytest.mark.timeout(120)
+def test_the_code_is_as_ruff_formats_it():
+    """``ruff format`` would change nothing (``ruff format src tests`` writes it so)."""
+    result = subprocess.run(
+        [sys.executable, "-m", "ruff", "format", "--check", "--no-cache", "src", "tests"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=100,
+    )
     assert result.returncode == 0, result.stdout + result.stderr
 
 
 @pytest.mark.timeout(600)
 def test_mypy_finds_nothing():
     """Type-checks src/shardline (about 25 s on 2 cores without mypy's cache)."""
-    result = subprocess.run([sys.executable, "-m", "mypy"], cwd=ROOT, capture_output=True, text=True,
-                            timeout=580)
+    result = subprocess.run([sys.executable, "-m", "mypy"], cwd=ROOT, capture_output=True, text=True, timeout=580)
     assert result.returncode == 0, result.stdout + result.stderr
 
 
@@ -34,14 +53,20 @@ def test_imports_keep_to_their_floors_without_circles():
     """import-linter's contracts: cli > bench > local cluster > control > connect > api >
     node > runner > parallel > placement > models > the ground floor, and no circle among
     a package's modules (node's roles aside, written in the contract)."""
-    result = subprocess.run([str(Path(sys.executable).parent / "lint-imports"), "--no-cache"], cwd=ROOT,
-                            capture_output=True, text=True, timeout=100)
+    result = subprocess.run(
+        [str(Path(sys.executable).parent / "lint-imports"), "--no-cache"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=100,
+    )
     assert result.returncode == 0, result.stdout + result.stderr
 
 
 MAX_FUNCTION_LINES = 80
 """The most lines a function in src/shardline may take, ``def`` to its last line, its
 docstring included."""
+
 
 def _long_functions(root: Path) -> dict[tuple[str, str], int]:
     """Each function in ``root``'s modules over MAX_FUNCTION_LINES, by (path, qualified

@@ -29,11 +29,15 @@ from shardline.models.store import DEFAULT_MODEL_ID
 def test_nodes_stop_when_their_launcher_is_killed(tmp_path):
     base = free_port_block(2)
     launcher = subprocess.Popen(
-        [sys.executable, "-c",
-         "import time; from shardline.local_cluster import LocalCluster; "
-         f"c = LocalCluster(2, {base}, log_dir={str(tmp_path)!r}, data_dir={str(tmp_path)!r}); c.start(); "
-         "print('up', flush=True); time.sleep(600)"],
-        stdout=subprocess.PIPE, text=True,
+        [
+            sys.executable,
+            "-c",
+            "import time; from shardline.local_cluster import LocalCluster; "
+            f"c = LocalCluster(2, {base}, log_dir={str(tmp_path)!r}, data_dir={str(tmp_path)!r}); c.start(); "
+            "print('up', flush=True); time.sleep(600)",
+        ],
+        stdout=subprocess.PIPE,
+        text=True,
     )
     nodes = []
     try:
@@ -65,7 +69,8 @@ def test_a_node_that_exits_leaves_the_others_serving_or_is_started_again(tmp_pat
         cluster.start()
         node_id = httpx.get(f"{cluster.url(1)}/health", timeout=5).json()["node_id"]
         watcher = threading.Thread(
-            target=lambda: lines.extend(cluster.supervise(restart=restart, poll_s=0.1)), daemon=True)
+            target=lambda: lines.extend(cluster.supervise(restart=restart, poll_s=0.1)), daemon=True
+        )
         watcher.start()
         cluster.procs[1].kill()
         deadline = time.time() + 60
@@ -110,7 +115,9 @@ def test_a_cluster_started_again_serves_its_kept_model_once(tmp_path):
         assert served["instance_id"] != kept["instance_id"]  # placed again: its old rank is gone
         assert served["context"] == 256  # as it was placed, not the defaults
         table = again.instances()
-        assert [i["instance_id"] for i in table] == [served["instance_id"]], [(i["instance_id"], i["status"], i["error"], i["created_at"]) for i in table]
+        assert [i["instance_id"] for i in table] == [served["instance_id"]], [
+            (i["instance_id"], i["status"], i["error"], i["created_at"]) for i in table
+        ]
         runners = runners_of(again.procs[0].pid, recursive=True)
         assert len(runners) == 1
     finally:
@@ -125,18 +132,26 @@ def test_a_cluster_started_again_serves_its_kept_model_once(tmp_path):
 
 
 @pytest.mark.fast
-@pytest.mark.parametrize("sharding, asked, other", [
-    ("auto", ["a-pipe", "a-ring", "a-pipe1"], []), ("pipeline", ["a-pipe"], ["a-ring", "a-pipe1"]),
-    ("tensor", [], ["a-pipe", "a-ring", "a-pipe1"]), ("ring", ["a-ring"], ["a-pipe", "a-pipe1"])])
+@pytest.mark.parametrize(
+    "sharding, asked, other",
+    [
+        ("auto", ["a-pipe", "a-ring", "a-pipe1"], []),
+        ("pipeline", ["a-pipe"], ["a-ring", "a-pipe1"]),
+        ("tensor", [], ["a-pipe", "a-ring", "a-pipe1"]),
+        ("ring", ["a-ring"], ["a-pipe", "a-pipe1"]),
+    ],
+)
 def test_kept_instances_of_the_model_split_by_the_sharding_asked(sharding, asked, other):
     """Of a 2-node cluster's table; "a-pipe1": a pipeline on one node, as Ollama's load on
     demand placed the model again after a keep_alive of 0 (trial 9: `shardline cluster`
     then served it on 1 of its nodes, explaining that the sharding asked chose so)."""
     two, one = [{}, {}], [{}]
-    table = [{"instance_id": "a-pipe", "model_id": "a", "sharding": "pipeline", "ranks": two},
-             {"instance_id": "b-pipe", "model_id": "b", "sharding": "pipeline", "ranks": two},
-             {"instance_id": "a-ring", "model_id": "a", "sharding": "ring", "ranks": two},
-             {"instance_id": "a-pipe1", "model_id": "a", "sharding": "pipeline", "ranks": one}]
+    table = [
+        {"instance_id": "a-pipe", "model_id": "a", "sharding": "pipeline", "ranks": two},
+        {"instance_id": "b-pipe", "model_id": "b", "sharding": "pipeline", "ranks": two},
+        {"instance_id": "a-ring", "model_id": "a", "sharding": "ring", "ranks": two},
+        {"instance_id": "a-pipe1", "model_id": "a", "sharding": "pipeline", "ranks": one},
+    ]
     got = kept_instances(table, "a", sharding, 2)
     assert [[i["instance_id"] for i in part] for part in got] == [asked, other]
 
@@ -155,21 +170,28 @@ def test_table_model_id_names_a_local_path_by_the_id_the_nodes_add_it_under(tmp_
 
 def _view(me: str, live: list[str], term: int, acting: bool) -> dict:
     """A node's ``GET /cluster/nodes`` answer, as much of it as :func:`views_formed` reads."""
-    return {"node_id": me, "coordinator": min(live), "acting": acting,
-            "epoch": {"term": term, "seq": 1, "coordinator": min(live)},
-            "nodes": [{"node_id": n, "live": True} for n in live]}
+    return {
+        "node_id": me,
+        "coordinator": min(live),
+        "acting": acting,
+        "epoch": {"term": term, "seq": 1, "coordinator": min(live)},
+        "nodes": [{"node_id": n, "live": True} for n in live],
+    }
 
 
 @pytest.mark.fast
-@pytest.mark.parametrize("views, formed", [
-    ([_view("a", ["a", "b"], 2, True), _view("b", ["a", "b"], 2, False)], True),
-    # a restart's kept epoch names the node, which has not started its term yet: the
-    # 1-node bench's placement was refused ("taking over as coordinator")
-    ([_view("a", ["a"], 1, False)], False),
-    ([_view("a", ["a", "b"], 1, False), _view("b", ["a", "b"], 1, False)], False),
-    ([_view("a", ["a", "b"], 2, True), _view("b", ["b"], 2, False)], False),  # b does not hear a
-    ([_view("a", ["a", "b"], 3, True), _view("b", ["a", "b"], 2, False)], False),  # b's table is older
-])
+@pytest.mark.parametrize(
+    "views, formed",
+    [
+        ([_view("a", ["a", "b"], 2, True), _view("b", ["a", "b"], 2, False)], True),
+        # a restart's kept epoch names the node, which has not started its term yet: the
+        # 1-node bench's placement was refused ("taking over as coordinator")
+        ([_view("a", ["a"], 1, False)], False),
+        ([_view("a", ["a", "b"], 1, False), _view("b", ["a", "b"], 1, False)], False),
+        ([_view("a", ["a", "b"], 2, True), _view("b", ["b"], 2, False)], False),  # b does not hear a
+        ([_view("a", ["a", "b"], 3, True), _view("b", ["a", "b"], 2, False)], False),  # b's table is older
+    ],
+)
 def test_a_cluster_is_formed_once_its_coordinator_acts(views, formed):
     assert views_formed(views) is formed
 
@@ -198,8 +220,9 @@ def test_a_kept_instance_deleted_while_it_is_placed_again_stays_deleted(tmp_path
         deadline = time.monotonic() + 10  # a late re-placement would show within this
         while time.monotonic() < deadline:
             table = again.instances()
-            assert [i["instance_id"] for i in table] == [placed["instance_id"]], \
-                [(i["instance_id"], i["status"]) for i in table]
+            assert [i["instance_id"] for i in table] == [placed["instance_id"]], [
+                (i["instance_id"], i["status"]) for i in table
+            ]
             time.sleep(0.5)
     finally:
         again.stop()
@@ -220,13 +243,17 @@ def test_nodes_stopped_during_a_stream_end_it_and_keep_their_instance(tmp_path):
     cluster = start_cluster(2, tmp_path)
     instance_id = cluster.instances()[0]["instance_id"]
     lines: list[str] = []
-    body = {"model": "HuggingFaceTB/SmolLM2-135M-Instruct", "stream": True, "max_tokens": 2000,
-            "ignore_eos": True, "messages": [{"role": "user", "content": "Count."}]}
+    body = {
+        "model": "HuggingFaceTB/SmolLM2-135M-Instruct",
+        "stream": True,
+        "max_tokens": 2000,
+        "ignore_eos": True,
+        "messages": [{"role": "user", "content": "Count."}],
+    }
 
     def stream() -> None:
         try:
-            with httpx.stream("POST", f"{cluster.url(0)}/v1/chat/completions", json=body,
-                              timeout=60) as response:
+            with httpx.stream("POST", f"{cluster.url(0)}/v1/chat/completions", json=body, timeout=60) as response:
                 lines.extend(line for line in response.iter_lines() if line)
         except httpx.HTTPError:
             pass
@@ -261,12 +288,11 @@ def test_a_cluster_on_ports_in_use_is_refused_before_any_node_starts(tmp_path):
 
 
 @pytest.mark.fast
-@pytest.mark.parametrize("nodes, base, api_key, spin", [
-    (1, {}, None, None),
-    (3, {}, None, SHARED_SPIN_COUNT),
-    (3, {"GOMP_SPINCOUNT": "infinite"}, "k", "infinite"),
-], ids=["one node keeps libgomp's default", "nodes sharing the cores spin briefly",
-        "the user's own setting stands"])
+@pytest.mark.parametrize(
+    "nodes, base, api_key, spin",
+    [(1, {}, None, None), (3, {}, None, SHARED_SPIN_COUNT), (3, {"GOMP_SPINCOUNT": "infinite"}, "k", "infinite")],
+    ids=["one node keeps libgomp's default", "nodes sharing the cores spin briefly", "the user's own setting stands"],
+)
 def test_a_local_nodes_environment(nodes, base, api_key, spin):
     env = node_environment({"PATH": "/bin", **base}, nodes, "secret", api_key)
     assert env["PATH"] == "/bin" and env["SHARDLINE_CLUSTER_KEY"] == "secret"
@@ -274,12 +300,20 @@ def test_a_local_nodes_environment(nodes, base, api_key, spin):
 
 
 @pytest.mark.fast
-@pytest.mark.parametrize("available, nodes, asked, limit", [
-    (24 << 30, 1, None, None),
-    (24 << 30, 3, None, 8 << 30),
-    (24 << 30, 3, 600 << 20, 600 << 20),
-    (24 << 30, 1, 600 << 20, 600 << 20),
-], ids=["one node offers what is available", "nodes sharing a machine split it",
-        "the user's limit stands", "the user's limit stands on one node"])
+@pytest.mark.parametrize(
+    "available, nodes, asked, limit",
+    [
+        (24 << 30, 1, None, None),
+        (24 << 30, 3, None, 8 << 30),
+        (24 << 30, 3, 600 << 20, 600 << 20),
+        (24 << 30, 1, 600 << 20, 600 << 20),
+    ],
+    ids=[
+        "one node offers what is available",
+        "nodes sharing a machine split it",
+        "the user's limit stands",
+        "the user's limit stands on one node",
+    ],
+)
 def test_a_local_nodes_memory_offer(available, nodes, asked, limit):
     assert node_memory_limit(available, nodes, asked) == limit

@@ -39,8 +39,7 @@ class View:
 class Peers:
     """Manifests by (address, model id); a PeerError for an address in ``broken``."""
 
-    def __init__(self, manifests: dict[tuple[str, str], Manifest] | None = None,
-                 broken: tuple[str, ...] = ()) -> None:
+    def __init__(self, manifests: dict[tuple[str, str], Manifest] | None = None, broken: tuple[str, ...] = ()) -> None:
         self.manifests, self.broken = manifests or {}, broken
         self.asked: list[str] = []
 
@@ -75,21 +74,25 @@ class Recorder:
 
 
 def manifest(model_id: str = "org/m") -> Manifest:
-    return Manifest(model_id, "safetensors", (ModelFile("model.safetensors", 10, "0" * 64, True),),
-                    {"num_layers": 2})
+    return Manifest(model_id, "safetensors", (ModelFile("model.safetensors", 10, "0" * 64, True),), {"num_layers": 2})
 
 
 def summary(complete: bool, added_at: float = 5.0) -> dict:
-    return {"format": "safetensors", "total_bytes": 10, "present": [], "ranges": {},
-            "complete": complete, "added_at": added_at}
+    return {
+        "format": "safetensors",
+        "total_bytes": 10,
+        "present": [],
+        "ranges": {},
+        "complete": complete,
+        "added_at": added_at,
+    }
 
 
 def peer(node_id: str, models: dict[str, dict] | None = None) -> Peer:
     return Peer(node_id, f"{node_id}:1", 0.0, models=models or {})
 
 
-def build(tmp_path, view: View, peers: Peers | None = None, model_dirs=None
-          ) -> tuple[ModelLogistics, Recorder, Peers]:
+def build(tmp_path, view: View, peers: Peers | None = None, model_dirs=None) -> tuple[ModelLogistics, Recorder, Peers]:
     store = ModelStore(tmp_path / "models")
     peers = peers or Peers()
     recorder = Recorder()
@@ -97,26 +100,32 @@ def build(tmp_path, view: View, peers: Peers | None = None, model_dirs=None
     return ModelLogistics(view, store, dirs, peers, recorder.effects()), recorder, peers
 
 
-@pytest.mark.parametrize("model_id, peers, live, held", [
-    (DEFAULT_MODEL_ID, {}, set(), True),  # the embedded default: always
-    ("org/m", {}, set(), False),
-    ("org/m", {"b": {"org/m": summary(True)}}, {"b"}, True),  # a live peer's store
-    ("org/m", {"b": {"org/m": summary(False)}}, {"b"}, True),  # in part counts as held
-    ("org/m", {"b": {"org/m": summary(True)}}, set(), False),  # a peer not live
-])
+@pytest.mark.parametrize(
+    "model_id, peers, live, held",
+    [
+        (DEFAULT_MODEL_ID, {}, set(), True),  # the embedded default: always
+        ("org/m", {}, set(), False),
+        ("org/m", {"b": {"org/m": summary(True)}}, {"b"}, True),  # a live peer's store
+        ("org/m", {"b": {"org/m": summary(False)}}, {"b"}, True),  # in part counts as held
+        ("org/m", {"b": {"org/m": summary(True)}}, set(), False),  # a peer not live
+    ],
+)
 def test_held(tmp_path, model_id, peers, live, held):
     view = View(peers={n: peer(n, m) for n, m in peers.items()}, live=live)
     logistics, _, _ = build(tmp_path, view)
     assert logistics.held(model_id) is held
 
 
-@pytest.mark.parametrize("peers, live, whole", [
-    ({"b": {"org/m": summary(True)}}, {"b"}, True),
-    ({"b": {"org/m": summary(False)}, "c": {"org/m": summary(True)}}, {"b", "c"}, True),
-    ({"b": {"org/m": summary(False)}}, {"b"}, "part of it is on b"),
-    ({"b": {"org/m": summary(True)}}, set(), "no live node holds all"),  # b is down
-    ({}, set(), "no live node holds all"),
-])
+@pytest.mark.parametrize(
+    "peers, live, whole",
+    [
+        ({"b": {"org/m": summary(True)}}, {"b"}, True),
+        ({"b": {"org/m": summary(False)}, "c": {"org/m": summary(True)}}, {"b", "c"}, True),
+        ({"b": {"org/m": summary(False)}}, {"b"}, "part of it is on b"),
+        ({"b": {"org/m": summary(True)}}, set(), "no live node holds all"),  # b is down
+        ({}, set(), "no live node holds all"),
+    ],
+)
 def test_check_whole(tmp_path, peers, live, whole):
     view = View(peers={n: peer(n, m) for n, m in peers.items()}, live=live)
     logistics, recorder, _ = build(tmp_path, view)
@@ -135,8 +144,10 @@ def test_the_default_model_is_whole_without_asking(tmp_path):
 
 
 def test_a_manifest_comes_from_a_live_peer_that_holds_the_model(tmp_path):
-    view = View(peers={"b": peer("b", {"org/m": summary(True)}), "c": peer("c", {"org/m": summary(True)}),
-                       "d": peer("d")}, live={"b", "c", "d"})
+    view = View(
+        peers={"b": peer("b", {"org/m": summary(True)}), "c": peer("c", {"org/m": summary(True)}), "d": peer("d")},
+        live={"b", "c", "d"},
+    )
     peers = Peers({("c:1", "org/m"): manifest()}, broken=("b:1",))
     logistics, _, _ = build(tmp_path, view, peers)
     assert asyncio.run(logistics.manifest("org/m")) == manifest()
@@ -152,16 +163,23 @@ def test_a_model_no_node_holds_has_no_manifest_after_asking_the_peers_again(tmp_
 
 
 def test_cluster_models_lists_the_default_and_each_model_by_where_it_is(tmp_path):
-    view = View(peers={"b": peer("b", {"org/m": summary(True, added_at=7.0)}),
-                       "c": peer("c", {"org/m": summary(False), "org/n": summary(True, added_at=3.0)}),
-                       "d": peer("d", {"org/gone": summary(True)})},
-                live={"b", "c"})
+    view = View(
+        peers={
+            "b": peer("b", {"org/m": summary(True, added_at=7.0)}),
+            "c": peer("c", {"org/m": summary(False), "org/n": summary(True, added_at=3.0)}),
+            "d": peer("d", {"org/gone": summary(True)}),
+        },
+        live={"b", "c"},
+    )
     logistics, _, _ = build(tmp_path, view)
     models = {m["model_id"]: m for m in asyncio.run(logistics.cluster_models())}
     assert sorted(models) == sorted([DEFAULT_MODEL_ID, "org/m", "org/n"])  # d is down
     assert models[DEFAULT_MODEL_ID]["embedded"] and models[DEFAULT_MODEL_ID]["complete_on"] == ["a", "b", "c"]
     assert (models["org/m"]["complete_on"], models["org/m"]["partial_on"], models["org/m"]["added_at"]) == (
-        ["b"], ["c"], 7.0)
+        ["b"],
+        ["c"],
+        7.0,
+    )
     assert models["org/n"]["instances"] == []
 
 
@@ -172,11 +190,14 @@ def test_a_path_outside_the_model_directories_is_refused(tmp_path, name):
         asyncio.run(logistics.adopt(name))
 
 
-@pytest.mark.parametrize("name, adopted", [
-    (None, DEFAULT_MODEL_ID),
-    (DEFAULT_MODEL_ID, DEFAULT_MODEL_ID),
-    ("org/m", "org/m"),  # held by a live peer: as named
-])
+@pytest.mark.parametrize(
+    "name, adopted",
+    [
+        (None, DEFAULT_MODEL_ID),
+        (DEFAULT_MODEL_ID, DEFAULT_MODEL_ID),
+        ("org/m", "org/m"),  # held by a live peer: as named
+    ],
+)
 def test_what_a_request_names(tmp_path, name, adopted):
     view = View(peers={"b": peer("b", {"org/m": summary(True)})}, live={"b"})
     logistics, _, _ = build(tmp_path, view)

@@ -14,20 +14,32 @@ def entry(name: str) -> TokenLogprob:
 # Each step: a token (name, characters the detokenizer gave for it), then the characters of
 # text sent after it and whether they end before a stop string; the names sent with them.
 CASES = {
-    "plain text goes with its token": [
-        (("Hi", 2), 2, False, ["Hi"]), ((" there", 6), 6, False, [" there"])],
+    "plain text goes with its token": [(("Hi", 2), 2, False, ["Hi"]), ((" there", 6), 6, False, [" there"])],
     "a split character's first token waits for the token that completes it": [
-        (("<e2>", 0), 0, False, []), (("<80><99>", 1), 1, False, ["<e2>", "<80><99>"])],
+        (("<e2>", 0), 0, False, []),
+        (("<80><99>", 1), 1, False, ["<e2>", "<80><99>"]),
+    ],
     "text held for a possible stop string holds its tokens": [
-        (("Hi", 2), 2, False, ["Hi"]), (("\n", 1), 0, False, []), (("x", 1), 2, False, ["\n", "x"])],
+        (("Hi", 2), 2, False, ["Hi"]),
+        (("\n", 1), 0, False, []),
+        (("x", 1), 2, False, ["\n", "x"]),
+    ],
     "a stop string's tokens are dropped": [
-        (("Hi", 2), 2, False, ["Hi"]), (("EN", 2), 0, False, []), (("D", 1), 0, True, [])],
+        (("Hi", 2), 2, False, ["Hi"]),
+        (("EN", 2), 0, False, []),
+        (("D", 1), 0, True, []),
+    ],
     "a token spelling text before the stop and the stop's start is dropped": [
-        (("Hi", 2), 2, False, ["Hi"]), ((".E", 2), 1, False, []), (("ND", 2), 0, True, [])],
-    "a stop string inside one token drops it": [
-        (("a.END", 5), 2, True, [])],
+        (("Hi", 2), 2, False, ["Hi"]),
+        ((".E", 2), 1, False, []),
+        (("ND", 2), 0, True, []),
+    ],
+    "a stop string inside one token drops it": [(("a.END", 5), 2, True, [])],
     "a split character's tokens before a stop string go": [
-        (("<e2>", 0), 0, False, []), (("<80><99>", 1), 0, False, []), (("\n", 1), 1, True, ["<e2>", "<80><99>"])],
+        (("<e2>", 0), 0, False, []),
+        (("<80><99>", 1), 0, False, []),
+        (("\n", 1), 1, True, ["<e2>", "<80><99>"]),
+    ],
 }
 
 

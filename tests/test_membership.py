@@ -11,12 +11,7 @@ import pytest
 
 from shardline.models.config import RankShare, Sharding
 from shardline.node.epochs import NO_EPOCH, Epoch
-from shardline.node.membership import (
-    PEER_SILENT_S,
-    SPARE_IDLE_S,
-    Membership,
-    MembershipEffects,
-)
+from shardline.node.membership import PEER_SILENT_S, SPARE_IDLE_S, Membership, MembershipEffects
 from shardline.node.peer_client import KeyRefusedError, PeerError
 from shardline.node.state import ClusterState, TermStarted
 from shardline.node.status import InstanceStatus
@@ -64,8 +59,13 @@ class Clock:
 class Recorder:
     """Callbacks that record what membership asks, answering from ``answers``."""
 
-    def __init__(self, view: View, answers: dict[str, object] | None = None,
-                 theirs: ClusterState | None = None, loading: bool = False) -> None:
+    def __init__(
+        self,
+        view: View,
+        answers: dict[str, object] | None = None,
+        theirs: ClusterState | None = None,
+        loading: bool = False,
+    ) -> None:
         self.view, self.answers, self.theirs, self.is_loading = view, answers or {}, theirs, loading
         self.calls: list[tuple] = []
 
@@ -108,13 +108,19 @@ class Recorder:
             self.calls.append(("when_idle",))
 
         return MembershipEffects(
-            fetch_info=fetch_info, fetch_state=fetch_state, record_peer=record_peer,
+            fetch_info=fetch_info,
+            fetch_state=fetch_state,
+            record_peer=record_peer,
             add_peer=lambda address: self.calls.append(("add_peer", address)),
-            adopt=adopt, probe_link=lambda node_id, address: self.calls.append(("probe_link", node_id)),
-            enter_term=enter_term, publish=publish,
+            adopt=adopt,
+            probe_link=lambda node_id, address: self.calls.append(("probe_link", node_id)),
+            enter_term=enter_term,
+            publish=publish,
             place_again=lambda instance_id: self.calls.append(("place_again", instance_id)),
-            coordinate=coordinate, report_stale=report_stale,
-            loading=lambda: self.is_loading, when_idle=when_idle,
+            coordinate=coordinate,
+            report_stale=report_stale,
+            loading=lambda: self.is_loading,
+            when_idle=when_idle,
         )
 
     def named(self, name: str) -> list[tuple]:
@@ -122,25 +128,44 @@ class Recorder:
 
 
 def info(node_id: str, address: str, epoch: Epoch = NO_EPOCH, members: tuple[str, ...] = ()) -> NodeInfo:
-    return NodeInfo(node_id=node_id, address=address, started_at=T0, available_bytes=1, offered_bytes=1,
-                    committed_bytes=0, free_bytes=1, total_bytes=2, memory_limit_bytes=None, models={},
-                    epoch=epoch, coordinator=node_id, settled=True, profile=None, links={},
-                    members=list(members), busy=[])
+    return NodeInfo(
+        node_id=node_id,
+        address=address,
+        started_at=T0,
+        available_bytes=1,
+        offered_bytes=1,
+        committed_bytes=0,
+        free_bytes=1,
+        total_bytes=2,
+        memory_limit_bytes=None,
+        models={},
+        epoch=epoch,
+        coordinator=node_id,
+        settled=True,
+        profile=None,
+        links={},
+        members=list(members),
+        busy=[],
+    )
 
 
-def instance(instance_id: str, nodes: tuple[str, ...], status: InstanceStatus = InstanceStatus.READY,
-             wanted: tuple[str, ...] = ()) -> Instance:
+def instance(
+    instance_id: str,
+    nodes: tuple[str, ...],
+    status: InstanceStatus = InstanceStatus.READY,
+    wanted: tuple[str, ...] = (),
+) -> Instance:
     ranks = tuple(RankPlacement(n, f"{n}:1", RankShare(i, i + 1)) for i, n in enumerate(nodes))
-    return Instance(instance_id, "m", Sharding.PIPELINE, ranks, nodes[0], 1, 64, 1, status=status,
-                    wanted_nodes=wanted)
+    return Instance(instance_id, "m", Sharding.PIPELINE, ranks, nodes[0], 1, 64, 1, status=status, wanted_nodes=wanted)
 
 
 def peer(node_id: str, epoch: Epoch = NO_EPOCH) -> Peer:
     return Peer(node_id, f"{node_id}:1", T0, epoch=epoch)
 
 
-def build(view: View, recorder: Recorder | None = None, clock: Clock | None = None
-          ) -> tuple[Membership, Recorder, Clock]:
+def build(
+    view: View, recorder: Recorder | None = None, clock: Clock | None = None
+) -> tuple[Membership, Recorder, Clock]:
     recorder = recorder or Recorder(view)
     clock = clock or Clock()
     return Membership(view, recorder.effects(), clock=clock), recorder, clock
@@ -153,17 +178,19 @@ def test_a_peer_that_answers_is_recorded_its_members_added_and_its_link_probed()
     view = View(peer_addresses=["a:1"])
     membership, recorder, _ = build(view, Recorder(view, {"a:1": info("a", "a:1", members=("c:1", "b:1"))}))
     assert asyncio.run(membership.poll("a:1")) is True
-    assert recorder.calls == [("record_peer", "a"), ("add_peer", "c:1"), ("add_peer", "b:1"),
-                              ("probe_link", "a")]
+    assert recorder.calls == [("record_peer", "a"), ("add_peer", "c:1"), ("add_peer", "b:1"), ("probe_link", "a")]
     assert view.peers["a"].last_seen == T0 and "a:1" not in membership.unheard_peers
 
 
-@pytest.mark.parametrize("theirs, mine, fetched, answered", [
-    (Epoch(2, 1, "a", True), Epoch(1, 5, "b", True), True, True),  # newer: fetched and adopted
-    (Epoch(1, 5, "b", True), Epoch(1, 5, "b", True), False, True),  # the same: not fetched
-    (Epoch(3, 1, "a", False), Epoch(1, 1, "b", True), False, True),  # a minority's: older
-    (Epoch(2, 1, "a", True), NO_EPOCH, True, True),
-])
+@pytest.mark.parametrize(
+    "theirs, mine, fetched, answered",
+    [
+        (Epoch(2, 1, "a", True), Epoch(1, 5, "b", True), True, True),  # newer: fetched and adopted
+        (Epoch(1, 5, "b", True), Epoch(1, 5, "b", True), False, True),  # the same: not fetched
+        (Epoch(3, 1, "a", False), Epoch(1, 1, "b", True), False, True),  # a minority's: older
+        (Epoch(2, 1, "a", True), NO_EPOCH, True, True),
+    ],
+)
 def test_a_newer_table_is_fetched_and_adopted(theirs, mine, fetched, answered):
     view = View(peer_addresses=["a:1"], epoch=mine)
     state = ClusterState(epoch=theirs)
@@ -204,49 +231,61 @@ def test_a_given_peer_silent_since_the_start_is_warned_of_once(caplog, after_s, 
 # -- the election's state ----------------------------------------------------------------
 
 
-@pytest.mark.parametrize("node_id, live, acting, coordinator", [
-    ("a", {"b"}, 1, True),
-    ("a", {"b"}, None, False),  # the smallest id, but no term started
-    ("b", {"a"}, 1, False),  # a smaller id is live
-    ("b", set(), 3, True),  # alone
-])
+@pytest.mark.parametrize(
+    "node_id, live, acting, coordinator",
+    [
+        ("a", {"b"}, 1, True),
+        ("a", {"b"}, None, False),  # the smallest id, but no term started
+        ("b", {"a"}, 1, False),  # a smaller id is live
+        ("b", set(), 3, True),  # alone
+    ],
+)
 def test_who_acts_as_coordinator(node_id, live, acting, coordinator):
     membership, _, _ = build(View(node_id=node_id, live=live))
     membership.acting_term = acting
     assert membership.is_coordinator() is coordinator
 
 
-@pytest.mark.parametrize("now, heard_all_at, is_settled", [
-    (T0 + 1, None, False),
-    (T0 + 5, None, True),  # the election window passed
-    (T0 + 1, T0 + 0.5, True),  # heard the whole cluster since it started
-    (T0 + 1, T0, False),  # not since: heard before (at) the start
-])
+@pytest.mark.parametrize(
+    "now, heard_all_at, is_settled",
+    [
+        (T0 + 1, None, False),
+        (T0 + 5, None, True),  # the election window passed
+        (T0 + 1, T0 + 0.5, True),  # heard the whole cluster since it started
+        (T0 + 1, T0, False),  # not since: heard before (at) the start
+    ],
+)
 def test_settled(now, heard_all_at, is_settled):
     membership, _, clock = build(View())
     clock.now, membership.heard_all_at = now, heard_all_at
     assert membership.is_settled() is is_settled
 
 
-@pytest.mark.parametrize("live, peers, instances, majority", [
-    (set(), (), {}, True),  # alone, knowing nobody
-    ({"a"}, ("a", "c"), {}, True),  # 2 of 3
-    (set(), ("a",), {}, False),  # 1 of 2
-    ({"a"}, ("a",), {"x": instance("x", ("a", "c", "d"))}, False),  # the table names c, d: 2 of 4
-    ({"a"}, ("a",), {"x": instance("x", ("a",), wanted=("e", "f", "g"))}, False),  # wanted too
-])
+@pytest.mark.parametrize(
+    "live, peers, instances, majority",
+    [
+        (set(), (), {}, True),  # alone, knowing nobody
+        ({"a"}, ("a", "c"), {}, True),  # 2 of 3
+        (set(), ("a",), {}, False),  # 1 of 2
+        ({"a"}, ("a",), {"x": instance("x", ("a", "c", "d"))}, False),  # the table names c, d: 2 of 4
+        ({"a"}, ("a",), {"x": instance("x", ("a",), wanted=("e", "f", "g"))}, False),  # wanted too
+    ],
+)
 def test_hears_a_majority(live, peers, instances, majority):
     view = View(live=live, peers={p: peer(p) for p in peers}, instances=instances)
     membership, _, _ = build(view)
     assert membership.hears_majority() is majority
 
 
-@pytest.mark.parametrize("acting, coordinator, held, left_before, acting_after, left_after, resettled", [
-    (4, "a", 4, 0, None, 4, True),  # its own term given up for another's: settles again
-    (4, "b", 4, 0, 4, 4, False),  # its own table (published by itself): goes on
-    (None, "a", 2, 3, None, 3, False),  # not coordinating: the greatest term given up kept
-    (None, "a", 5, 3, None, 5, False),
-])
+@pytest.mark.parametrize(
+    "acting, coordinator, held, left_before, acting_after, left_after, resettled",
+    [
+        (4, "a", 4, 0, None, 4, True),  # its own term given up for another's: settles again
+        (4, "b", 4, 0, 4, 4, False),  # its own table (published by itself): goes on
+        (None, "a", 2, 3, None, 3, False),  # not coordinating: the greatest term given up kept
+        (None, "a", 5, 3, None, 5, False),
+    ],
+)
 def test_adopting_a_table(acting, coordinator, held, left_before, acting_after, left_after, resettled):
     membership, _, clock = build(View(node_id="b"))
     membership.acting_term, membership.left_term = acting, left_before
@@ -259,15 +298,19 @@ def test_adopting_a_table(acting, coordinator, held, left_before, acting_after, 
 # -- terms -------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("mine, left, peer_terms, term", [
-    (NO_EPOCH, 0, (), 1),
-    (Epoch(3, 7, "a", True), 0, (1,), 4),  # above its own
-    (Epoch(1, 1, "a", True), 0, (5, 2), 6),  # above every peer's
-    (Epoch(1, 1, "a", True), 8, (5,), 9),  # above a minority's term it gave up
-])
+@pytest.mark.parametrize(
+    "mine, left, peer_terms, term",
+    [
+        (NO_EPOCH, 0, (), 1),
+        (Epoch(3, 7, "a", True), 0, (1,), 4),  # above its own
+        (Epoch(1, 1, "a", True), 0, (5, 2), 6),  # above every peer's
+        (Epoch(1, 1, "a", True), 8, (5,), 9),  # above a minority's term it gave up
+    ],
+)
 def test_a_term_starts_above_every_term_seen(mine, left, peer_terms, term):
-    view = View(node_id="a", epoch=mine, peers={f"p{i}": peer(f"p{i}", Epoch(t, 1, f"p{i}"))
-                                                for i, t in enumerate(peer_terms)})
+    view = View(
+        node_id="a", epoch=mine, peers={f"p{i}": peer(f"p{i}", Epoch(t, 1, f"p{i}")) for i, t in enumerate(peer_terms)}
+    )
     membership, recorder, _ = build(view)
     membership.left_term = left
     asyncio.run(membership.start_term())
@@ -276,8 +319,7 @@ def test_a_term_starts_above_every_term_seen(mine, left, peer_terms, term):
 
 
 def test_a_new_term_places_the_failed_instances_again_after_publishing():
-    view = View(node_id="a", instances={"x": instance("x", ("a",), InstanceStatus.FAILED),
-                                        "y": instance("y", ("a",))})
+    view = View(node_id="a", instances={"x": instance("x", ("a",), InstanceStatus.FAILED), "y": instance("y", ("a",))})
     membership, recorder, _ = build(view)
     asyncio.run(membership.start_term())
     assert [c[0] for c in recorder.calls] == ["enter_term", "publish", "place_again"]
@@ -287,14 +329,17 @@ def test_a_new_term_places_the_failed_instances_again_after_publishing():
 # -- a round -----------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("node_id, live, answers, acting, settled_since, started, coordinates", [
-    ("a", set(), {}, None, T0 - 10, True, True),  # alone and settled: a term, then its duties
-    ("a", set(), {}, None, T0, True, True),  # no peer to hear: settles at once
-    ("b", {"a"}, {"a:1": "a"}, None, T0 - 10, False, False),  # a smaller id is live
-    ("b", {"a"}, {"a:1": "a"}, 2, T0 - 10, False, False),  # ... and it stops acting
-    ("a", {"b"}, {"b:1": "b"}, None, T0, True, True),  # heard the whole cluster: settles at once
-    ("a", {"b"}, {"b:1": PeerError("down")}, None, T0, False, False),  # a peer did not answer
-])
+@pytest.mark.parametrize(
+    "node_id, live, answers, acting, settled_since, started, coordinates",
+    [
+        ("a", set(), {}, None, T0 - 10, True, True),  # alone and settled: a term, then its duties
+        ("a", set(), {}, None, T0, True, True),  # no peer to hear: settles at once
+        ("b", {"a"}, {"a:1": "a"}, None, T0 - 10, False, False),  # a smaller id is live
+        ("b", {"a"}, {"a:1": "a"}, 2, T0 - 10, False, False),  # ... and it stops acting
+        ("a", {"b"}, {"b:1": "b"}, None, T0, True, True),  # heard the whole cluster: settles at once
+        ("a", {"b"}, {"b:1": PeerError("down")}, None, T0, False, False),  # a peer did not answer
+    ],
+)
 def test_a_rounds_election(node_id, live, answers, acting, settled_since, started, coordinates):
     view = View(node_id=node_id, live=live, peer_addresses=list(answers))
     answers = {a: info(n, a) if isinstance(n, str) else n for a, n in answers.items()}
@@ -311,8 +356,13 @@ def test_a_rounds_election(node_id, live, answers, acting, settled_since, starte
 
 
 def test_a_minoritys_term_heard_by_a_majority_starts_again():
-    view = View(node_id="a", live={"b"}, peer_addresses=["b:1"], epoch=Epoch(3, 2, "a", False),
-                peers={"b": peer("b"), "c": peer("c")})
+    view = View(
+        node_id="a",
+        live={"b"},
+        peer_addresses=["b:1"],
+        epoch=Epoch(3, 2, "a", False),
+        peers={"b": peer("b"), "c": peer("c")},
+    )
     membership, recorder, clock = build(view, Recorder(view, {"b:1": info("b", "b:1")}))
     membership.acting_term, membership.last_tick, clock.now = 3, T0, T0 + 1
     asyncio.run(membership.round())
@@ -330,12 +380,15 @@ def test_a_pause_longer_than_the_window_gives_up_coordinating(gap_s, resettled):
     assert membership.last_tick == T0 + gap_s
 
 
-@pytest.mark.parametrize("busy, loading, idle_for_s, idle", [
-    ([], False, SPARE_IDLE_S, True),
-    ([], False, SPARE_IDLE_S - 1, False),  # not idle long enough
-    (["x"], False, 100.0, False),  # requests on a rank here
-    ([], True, 100.0, False),  # a runner loading
-])
+@pytest.mark.parametrize(
+    "busy, loading, idle_for_s, idle",
+    [
+        ([], False, SPARE_IDLE_S, True),
+        ([], False, SPARE_IDLE_S - 1, False),  # not idle long enough
+        (["x"], False, 100.0, False),  # requests on a rank here
+        ([], True, 100.0, False),  # a runner loading
+    ],
+)
 def test_idle_work_waits_for_an_idle_node(busy, loading, idle_for_s, idle):
     view = View(node_id="b", live={"a"}, busy=busy)
     membership, recorder, clock = build(view, Recorder(view, loading=loading))

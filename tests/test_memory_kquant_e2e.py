@@ -31,10 +31,17 @@ HEARTBEAT_S = 1.0  # a runner reports its memory every second
 @pytest.fixture(scope="module")
 def kquant(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("kquant-memory")
-    path = tm.write_q4_k_m_gguf(tmp / "qwen2-q4_k_m.gguf", default_model_path(), layers=8,
-                                hidden=1024, intermediate=2816, heads=16, kv_heads=4)
-    cluster = LocalCluster(nodes=3, base_port=free_port_block(3), runner_threads=1,
-                           log_dir=str(tmp), data_dir=str(tmp), model_dirs=[path.parent])
+    path = tm.write_q4_k_m_gguf(
+        tmp / "qwen2-q4_k_m.gguf", default_model_path(), layers=8, hidden=1024, intermediate=2816, heads=16, kv_heads=4
+    )
+    cluster = LocalCluster(
+        nodes=3,
+        base_port=free_port_block(3),
+        runner_threads=1,
+        log_dir=str(tmp),
+        data_dir=str(tmp),
+        model_dirs=[path.parent],
+    )
     cluster.start()
     try:
         yield cluster, str(path)
@@ -42,19 +49,26 @@ def kquant(tmp_path_factory):
         cluster.stop()
 
 
-@pytest.mark.parametrize("model, sharding, nodes", [
-    ("q4_k_m", "pipeline", [0]), ("q4_k_m", "tensor", [0, 1]),
-    pytest.param("q4_k_m", "pipeline", [0, 1, 2], marks=pytest.mark.slow),
-    pytest.param("smollm2", "pipeline", [0], marks=pytest.mark.slow),
-    pytest.param("smollm2", "tensor", [0, 1], marks=pytest.mark.slow)])
+@pytest.mark.parametrize(
+    "model, sharding, nodes",
+    [
+        ("q4_k_m", "pipeline", [0]),
+        ("q4_k_m", "tensor", [0, 1]),
+        pytest.param("q4_k_m", "pipeline", [0, 1, 2], marks=pytest.mark.slow),
+        pytest.param("smollm2", "pipeline", [0], marks=pytest.mark.slow),
+        pytest.param("smollm2", "tensor", [0, 1], marks=pytest.mark.slow),
+    ],
+)
 def test_a_rank_holds_about_its_file_bytes(kquant, model, sharding, nodes):
     cluster, path = kquant
-    inst = cluster.place(path if model == "q4_k_m" else None, sharding, on=nodes, context=1024,
-                         max_batch=1)
+    inst = cluster.place(path if model == "q4_k_m" else None, sharding, on=nodes, context=1024, max_batch=1)
     try:
         model = inst["model_id"]
-        response = httpx.post(f"{cluster.url(0)}/v1/completions", timeout=180, json={
-            "model": model, "prompt": PROMPT, "max_tokens": 8, "temperature": 0})
+        response = httpx.post(
+            f"{cluster.url(0)}/v1/completions",
+            timeout=180,
+            json={"model": model, "prompt": PROMPT, "max_tokens": 8, "temperature": 0},
+        )
         assert response.status_code == 200, response.text
         time.sleep(0.5 + 2 * HEARTBEAT_S)  # a report from after the idle release (0.5 s)
         rows = rank_memory(cluster.url(0), model)
@@ -66,4 +80,3 @@ def test_a_rank_holds_about_its_file_bytes(kquant, model, sharding, nodes):
             check_rank(row, weights[row["node_id"]])
     finally:
         cluster.clear([inst["instance_id"]])
-

@@ -28,14 +28,22 @@ MODEL = "test/smollm2"
 def shardline(*args: str) -> subprocess.CompletedProcess:
     """The command's output to a pipe (no $COLUMNS: tables take the pipe's width)."""
     env = {k: v for k, v in os.environ.items() if k != "COLUMNS"}
-    return subprocess.run([sys.executable, "-m", "shardline.cli", *args], capture_output=True, text=True,
-                          timeout=300, env=env)
+    return subprocess.run(
+        [sys.executable, "-m", "shardline.cli", *args], capture_output=True, text=True, timeout=300, env=env
+    )
 
 
 def ask(url: str) -> str:
-    response = httpx.post(f"{url}/v1/chat/completions", timeout=120, json={
-        "model": MODEL, "temperature": 0, "max_tokens": 12,
-        "messages": [{"role": "user", "content": CAPITAL_QUESTION}]})
+    response = httpx.post(
+        f"{url}/v1/chat/completions",
+        timeout=120,
+        json={
+            "model": MODEL,
+            "temperature": 0,
+            "max_tokens": 12,
+            "messages": [{"role": "user", "content": CAPITAL_QUESTION}],
+        },
+    )
     assert response.status_code == 200, response.text
     return response.json()["choices"][0]["message"]["content"]
 
@@ -46,9 +54,15 @@ def cluster(tmp_path_factory):
     local models from ``local-models/`` (``--model-dir``)."""
     tmp = tmp_path_factory.mktemp("logistics")
     (tmp / "local-models").mkdir()
-    cluster = LocalCluster(nodes=3, base_port=free_port_block(3), runner_threads=1, log_dir=str(tmp),
-                           data_dir=str(tmp), node_args={2: ["--memory-limit", "10MB"]},
-                           model_dirs=[tmp / "local-models"])
+    cluster = LocalCluster(
+        nodes=3,
+        base_port=free_port_block(3),
+        runner_threads=1,
+        log_dir=str(tmp),
+        data_dir=str(tmp),
+        node_args={2: ["--memory-limit", "10MB"]},
+        model_dirs=[tmp / "local-models"],
+    )
     cluster.start()
     yield cluster
     cluster.stop()
@@ -65,8 +79,9 @@ def node_ids(cluster: LocalCluster) -> list[str]:
 @pytest.mark.slow
 def test_a_model_added_on_one_node_is_copied_to_its_ranks_and_served(cluster):
     ids = node_ids(cluster)
-    added = shardline("models", "add", str(default_model_path()), "--id", MODEL,
-                      "--data-dir", str(cluster.node_data_dir(0)))
+    added = shardline(
+        "models", "add", str(default_model_path()), "--id", MODEL, "--data-dir", str(cluster.node_data_dir(0))
+    )
     assert added.returncode == 0, added.stderr
     assert MODEL in added.stdout
     assert store_of(cluster, 1).model_ids() == [] and store_of(cluster, 2).model_ids() == []
@@ -78,8 +93,9 @@ def test_a_model_added_on_one_node_is_copied_to_its_ranks_and_served(cluster):
     tags = {t["name"]: t for t in httpx.get(f"{cluster.url(2)}/api/tags", timeout=10).json()["models"]}
     assert MODEL in tags and tags[MODEL]["size"] > 0 and "sharding" not in tags[MODEL]["details"]
 
-    placed = shardline("place", MODEL, "--sharding", "pipeline", "--nodes", f"{ids[0]},{ids[1]}",
-                       "--url", cluster.url(1))
+    placed = shardline(
+        "place", MODEL, "--sharding", "pipeline", "--nodes", f"{ids[0]},{ids[1]}", "--url", cluster.url(1)
+    )
     assert placed.returncode == 0, placed.stdout + placed.stderr
     assert "ready" in placed.stdout
     gguf = default_model_path().name
@@ -95,9 +111,19 @@ def test_a_model_added_on_one_node_is_copied_to_its_ranks_and_served(cluster):
     # Node 2 holds no rank: it copies the tokenizer (a few MB), not the weights, and serves
     # (forwarding to a node with a rank), streamed too.
     assert "Paris" in ask(cluster.url(2))
-    with httpx.stream("POST", f"{cluster.url(2)}/v1/chat/completions", timeout=120, json={
-            "model": MODEL, "stream": True, "max_tokens": 8, "temperature": 0, "ignore_eos": True,
-            "messages": [{"role": "user", "content": "Say hello."}]}) as response:
+    with httpx.stream(
+        "POST",
+        f"{cluster.url(2)}/v1/chat/completions",
+        timeout=120,
+        json={
+            "model": MODEL,
+            "stream": True,
+            "max_tokens": 8,
+            "temperature": 0,
+            "ignore_eos": True,
+            "messages": [{"role": "user", "content": "Say hello."}],
+        },
+    ) as response:
         chunks = [line for line in response.iter_lines() if line.startswith("data: {")]
     assert len(chunks) >= 3 and response.status_code == 200  # role, text, finish
     present = store_of(cluster, 2).present(MODEL)
@@ -108,8 +134,11 @@ def test_a_model_added_on_one_node_is_copied_to_its_ranks_and_served(cluster):
     nodes = shardline("nodes", "--url", cluster.url(0))
     assert all(i in nodes.stdout for i in ids)
     assert "memory: free / offered, placed" in nodes.stdout  # one line a header: 80 columns wrapped it
-    rows = [cell for line in nodes.stdout.splitlines()
-            if line.startswith("│") and (cell := line.split("│")[1].strip()) in ids]
+    rows = [
+        cell
+        for line in nodes.stdout.splitlines()
+        if line.startswith("│") and (cell := line.split("│")[1].strip()) in ids
+    ]
     assert rows == sorted(ids)  # one order, whichever node is asked
     deleted = shardline("delete", instance["instance_id"], "--url", cluster.url(2))
     assert deleted.returncode == 0, deleted.stderr
@@ -142,11 +171,15 @@ def test_a_local_path_given_to_any_node_is_placed_and_each_rank_copies_only_its_
     hf_model("llama", num_layers=4).save_pretrained(source, safe_serialization=True, max_shard_size="60KB")
     ids = node_ids(cluster)
     asked = max(range(3), key=lambda i: ids[i])  # not the coordinator (the smallest id)
-    placed = shardline("place", str(source), "--sharding", "pipeline", "--force", "--quantize", "int4",
-                       "--url", cluster.url(asked))
+    placed = shardline(
+        "place", str(source), "--sharding", "pipeline", "--force", "--quantize", "int4", "--url", cluster.url(asked)
+    )
     assert placed.returncode == 0, placed.stdout + placed.stderr
-    instance = next(i for i in httpx.get(f"{cluster.url(0)}/cluster/instances", timeout=5).json()["instances"]
-                    if i["model_id"] == "tiny-split")
+    instance = next(
+        i
+        for i in httpx.get(f"{cluster.url(0)}/cluster/instances", timeout=5).json()["instances"]
+        if i["model_id"] == "tiny-split"
+    )
     assert instance["status"] == "ready" and instance["quantize"] == "int4"
     for rank in instance["ranks"]:  # float32 files held in 5 bits a weight (norms in 16)
         assert rank["loaded"]["param_bytes"] < 0.25 * rank["loaded"]["bytes_read"], rank
@@ -158,8 +191,9 @@ def test_a_local_path_given_to_any_node_is_placed_and_each_rank_copies_only_its_
         i = ids.index(rank["node_id"])
         if i == asked:
             continue
-        reads = RankReads.of("pipeline", rank_index, RankShare(rank["layer_start"], rank["layer_end"]),
-                             manifest.config["num_layers"])
+        reads = RankReads.of(
+            "pipeline", rank_index, RankShare(rank["layer_start"], rank["layer_end"]), manifest.config["num_layers"]
+        )
         needed = set(manifest.shard_files(reads))
         assert store_of(cluster, i).present("tiny-split") == needed
     middle = ids.index(ranks[1]["node_id"])
@@ -175,6 +209,9 @@ def test_a_local_path_given_to_any_node_is_placed_and_each_rank_copies_only_its_
     assert removed.returncode == 0, removed.stderr
     assert "tiny-split" not in store_of(cluster, asked).model_ids()
     # the others hold only their shards' files: placing it again is refused at once
-    again = httpx.post(f"{cluster.url(0)}/cluster/instances", timeout=60,
-                       json={"model": "tiny-split", "sharding": "pipeline", "force": True})
+    again = httpx.post(
+        f"{cluster.url(0)}/cluster/instances",
+        timeout=60,
+        json={"model": "tiny-split", "sharding": "pipeline", "force": True},
+    )
     assert again.status_code == 404 and "holds all of model 'tiny-split'" in again.text, again.text

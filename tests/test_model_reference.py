@@ -30,6 +30,7 @@ CASES = [
     pytest.param("llama", 500_000.0, tm.LLAMA3_SCALING, False, id="llama3-rope-scaling"),
 ]
 
+
 def _prompt(seed: int, length: int = 11) -> list[int]:
     g = torch.Generator().manual_seed(seed)
     return torch.randint(0, tm.VOCAB, (length,), generator=g).tolist()
@@ -69,7 +70,7 @@ def test_matches_transformers(tmp_path, arch, rope_theta, rope_scaling, tie, lay
             min_new_tokens=NEW_TOKENS,
             pad_token_id=0,
         )
-    theirs = generated[0, len(prompt):].tolist()
+    theirs = generated[0, len(prompt) :].tolist()
     assert ours == theirs
 
     # Every decode step's logits against a full forward pass over the whole sequence.
@@ -98,8 +99,7 @@ def test_llama3_scaling_changes_the_logits(tmp_path):
 def test_from_hf_config_reads_rope_parameters():
     from shardline.models.config import ModelConfig
 
-    cfg = tm.hf_model("llama", num_layers=1, rope_theta=500_000.0,
-                      rope_scaling=tm.LLAMA3_SCALING).config.to_dict()
+    cfg = tm.hf_model("llama", num_layers=1, rope_theta=500_000.0, rope_scaling=tm.LLAMA3_SCALING).config.to_dict()
     assert "rope_theta" not in cfg and "rope_parameters" in cfg  # the transformers 5 layout
     config = ModelConfig.from_hf_config(cfg)
     assert config.rope_theta == 500_000.0

@@ -54,10 +54,7 @@ def test_pipeline_shards_match_one_shard(tmp_path, arch, bounds):
     model = tm.hf_model(arch, num_layers=LAYERS, rope_theta=THETA, tie=arch == "qwen3", seed=4)
     tm.save_hf(model, tmp_path, legacy_rope_keys=True)
     one = _whole(tmp_path)
-    shards = [
-        load_shard(open_weights(tmp_path), a, b, dtype=torch.float32)
-        for a, b in zip(bounds, bounds[1:])
-    ]
+    shards = [load_shard(open_weights(tmp_path), a, b, dtype=torch.float32) for a, b in zip(bounds, bounds[1:])]
     assert [s.is_first for s in shards] == [True] + [False] * (len(shards) - 1)
     assert [s.is_last for s in shards] == [False] * (len(shards) - 1) + [True]
     assert all(s.lm_head is None and s.norm is None for s in shards[:-1])
@@ -110,9 +107,7 @@ def test_safetensors_shard_reads_only_its_tensors(llama):
     read = set(source.tensors_read)
     assert len(read) == len(source.tensors_read), "a tensor was read twice"
     assert read == {n for n in all_names if _layer_of(n) in (1, 2)}
-    assert source.bytes_read == 4 * sum(
-        load_file(directory / "model.safetensors")[n].numel() for n in read
-    )
+    assert source.bytes_read == 4 * sum(load_file(directory / "model.safetensors")[n].numel() for n in read)
     assert source.bytes_read < file_bytes / 2
 
     first = open_weights(directory)
@@ -140,8 +135,7 @@ def test_tied_last_shard_reads_embedding_as_head(tmp_path):
     shard = load_shard(source, 2, 4, dtype=torch.float32)
     assert "model.embed_tokens.weight" in source.tensors_read
     assert shard.embed is None
-    torch.testing.assert_close(shard.lm_head.dequantized(), model.model.embed_tokens.weight.detach(),
-                               rtol=0, atol=0)
+    torch.testing.assert_close(shard.lm_head.dequantized(), model.model.embed_tokens.weight.detach(), rtol=0, atol=0)
 
 
 @pytest.mark.timeout(30)
@@ -233,18 +227,28 @@ GGUF_CASES = [
 @pytest.mark.timeout(30)
 @pytest.mark.parametrize("arch,scaling,tie", GGUF_CASES)
 def test_gguf_matches_safetensors(tmp_path, arch, scaling, tie):
-    model = tm.hf_model(arch, num_layers=3, rope_theta=THETA, rope_scaling=scaling, tie=tie,
-                        seed=12)
+    model = tm.hf_model(arch, num_layers=3, rope_theta=THETA, rope_scaling=scaling, tie=tie, seed=12)
     hf_dir = tm.save_hf(model, tmp_path / "hf", legacy_rope_keys=True)
     factors = tm.llama3_rope_factors(tm.HEAD_DIM, THETA, scaling) if scaling else None
-    path = tm.write_gguf(model, tmp_path / "tiny.gguf", arch=arch, rope_theta=THETA,
-                         rope_factors=factors)
+    path = tm.write_gguf(model, tmp_path / "tiny.gguf", arch=arch, rope_theta=THETA, rope_factors=factors)
 
     st_source, gguf_source = open_weights(hf_dir), open_weights(path)
     a, b = st_source.config, gguf_source.config
-    for field in ("architecture", "num_layers", "hidden_size", "intermediate_size",
-                  "num_heads", "num_kv_heads", "head_dim", "vocab_size", "rms_norm_eps",
-                  "rope_theta", "tie_word_embeddings", "attention_bias", "qk_norm"):
+    for field in (
+        "architecture",
+        "num_layers",
+        "hidden_size",
+        "intermediate_size",
+        "num_heads",
+        "num_kv_heads",
+        "head_dim",
+        "vocab_size",
+        "rms_norm_eps",
+        "rope_theta",
+        "tie_word_embeddings",
+        "attention_bias",
+        "qk_norm",
+    ):
         assert getattr(a, field) == pytest.approx(getattr(b, field)), field
 
     st = load_shard(st_source, 0, 3, dtype=torch.float32)
@@ -286,10 +290,8 @@ def test_gguf_q8_0_tensors(llama, tmp_path):
     from gguf.quants import dequantize, quantize
 
     model, directory = llama
-    quantized = ("token_embd.weight", "blk.0.attn_q.weight", "blk.1.attn_k.weight",
-                 "blk.2.ffn_down.weight")
-    path = tm.write_gguf(model, tmp_path / "q8.gguf", arch="llama", rope_theta=THETA,
-                         q8_0=quantized)
+    quantized = ("token_embd.weight", "blk.0.attn_q.weight", "blk.1.attn_k.weight", "blk.2.ffn_down.weight")
+    path = tm.write_gguf(model, tmp_path / "q8.gguf", arch="llama", rope_theta=THETA, q8_0=quantized)
     source = open_weights(path)
     types = {t.name: t.tensor_type for t in source.reader.tensors}
     assert all(types[n] == GGMLQuantizationType.Q8_0 for n in quantized)
@@ -302,14 +304,16 @@ def test_gguf_q8_0_tensors(llama, tmp_path):
 
     layers = model.model.layers
     # Q8_0 blocks run along rows, so the row permutation commutes with quantization.
-    torch.testing.assert_close(gg.layers[0].attn.qkv.dequantized()[:64],
-                               q8(layers[0].self_attn.q_proj.weight), rtol=0, atol=0)
-    torch.testing.assert_close(gg.layers[1].attn.qkv.dequantized()[64:96],
-                               q8(layers[1].self_attn.k_proj.weight), rtol=0, atol=0)
-    torch.testing.assert_close(gg.layers[2].mlp.down.dequantized(),
-                               q8(layers[2].mlp.down_proj.weight), rtol=0, atol=0)
-    torch.testing.assert_close(gg.embed.weight.dequantize(torch.float32), q8(model.model.embed_tokens.weight),
-                               rtol=0, atol=0)
+    torch.testing.assert_close(
+        gg.layers[0].attn.qkv.dequantized()[:64], q8(layers[0].self_attn.q_proj.weight), rtol=0, atol=0
+    )
+    torch.testing.assert_close(
+        gg.layers[1].attn.qkv.dequantized()[64:96], q8(layers[1].self_attn.k_proj.weight), rtol=0, atol=0
+    )
+    torch.testing.assert_close(gg.layers[2].mlp.down.dequantized(), q8(layers[2].mlp.down_proj.weight), rtol=0, atol=0)
+    torch.testing.assert_close(
+        gg.embed.weight.dequantize(torch.float32), q8(model.model.embed_tokens.weight), rtol=0, atol=0
+    )
 
     st = _whole(directory)
     prompt = _tokens(14, 12)
@@ -378,8 +382,9 @@ def test_unsupported_architectures(llama):
     with pytest.raises(UnsupportedModelError):
         ModelConfig.from_gguf_metadata({"general.architecture": "gpt2"}, set())
     with pytest.raises(UnsupportedModelError):
-        ModelConfig.from_hf_config({**cfg, "architectures": ["LlamaForCausalLM"],
-                                    "model_type": "llama", "num_key_value_heads": 3})
+        ModelConfig.from_hf_config(
+            {**cfg, "architectures": ["LlamaForCausalLM"], "model_type": "llama", "num_key_value_heads": 3}
+        )
 
 
 def test_a_copied_gguf_finds_the_metadata_its_original_cached(tmp_path, monkeypatch):
@@ -392,8 +397,7 @@ def test_a_copied_gguf_finds_the_metadata_its_original_cached(tmp_path, monkeypa
     from shardline.models.weights import GGUFSource
 
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
-    path = tm.write_gguf(tm.hf_model("qwen2", seed=6), tmp_path / "a.gguf", arch="qwen2",
-                         rope_theta=THETA)
+    path = tm.write_gguf(tm.hf_model("qwen2", seed=6), tmp_path / "a.gguf", arch="qwen2", rope_theta=THETA)
     first = GGUFSource(path)
     copy = tmp_path / "elsewhere" / "b.gguf"
     copy.parent.mkdir()
@@ -413,8 +417,7 @@ def test_a_reopened_gguf_reads_the_same_from_its_cached_header(tmp_path, monkeyp
 
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
     model = tm.hf_model("qwen2", seed=5)
-    path = tm.write_gguf(model, tmp_path / "q8.gguf", arch="qwen2", rope_theta=THETA,
-                         q8_0=("blk.1.ffn_down.weight",))
+    path = tm.write_gguf(model, tmp_path / "q8.gguf", arch="qwen2", rope_theta=THETA, q8_0=("blk.1.ffn_down.weight",))
     first = GGUFSource(path)
     assert header_cache_file(path).is_file()
     second = GGUFSource(path)
@@ -438,8 +441,8 @@ def test_in_memory_fields_read_as_the_library_does(monkeypatch, copy_bytes):
     path = str(default_model_path())
     fast, plain = gguf_header.in_memory_fields_reader()(path), GGUFReader(path)
     assert list(fast.fields) == list(plain.fields)
-    for key in ("tokenizer.ggml.tokens", "tokenizer.ggml.merges", "general.architecture",
-                "llama.block_count"):
+    for key in ("tokenizer.ggml.tokens", "tokenizer.ggml.merges", "general.architecture", "llama.block_count"):
         assert fast.fields[key].contents() == plain.fields[key].contents(), key
-    assert [(t.name, t.data_offset, list(t.shape)) for t in fast.tensors] == \
-        [(t.name, t.data_offset, list(t.shape)) for t in plain.tensors]
+    assert [(t.name, t.data_offset, list(t.shape)) for t in fast.tensors] == [
+        (t.name, t.data_offset, list(t.shape)) for t in plain.tensors
+    ]

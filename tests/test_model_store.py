@@ -13,13 +13,7 @@ from tiny_models import hf_model
 
 from shardline.models.file_pieces import HEADER_PIECE
 from shardline.models.rank_reads import RankReads
-from shardline.models.store import (
-    DEFAULT_MODEL_ID,
-    ModelNotFoundError,
-    ModelStore,
-    ModelStoreError,
-    default_model_path,
-)
+from shardline.models.store import DEFAULT_MODEL_ID, ModelNotFoundError, ModelStore, ModelStoreError, default_model_path
 from shardline.models.tokenizer import Tokenizer
 from shardline.models.weights import open_weights
 
@@ -63,15 +57,21 @@ def test_a_pipeline_rank_needs_only_the_files_of_its_layers(tmp_path, split_mode
     small = set(manifest.tokenizer_files())
     assert "config.json" in small and not small & weight_files
 
-    first_reads, middle_reads, last_reads = (RankReads(0, 2, True, False), RankReads(1, 3, False, False),
-                                             RankReads(2, 4, False, True))
+    first_reads, middle_reads, last_reads = (
+        RankReads(0, 2, True, False),
+        RankReads(1, 3, False, False),
+        RankReads(2, 4, False, True),
+    )
     first, middle, last = (set(manifest.shard_files(r)) for r in (first_reads, middle_reads, last_reads))
     assert small <= first and small <= middle and small <= last
     for rank_files, reads in ((first, first_reads), (middle, middle_reads), (last, last_reads)):
-        needed = {file for name, file in manifest.weight_map.items()
-                  if any(f"layers.{i}." in name for i in range(reads.layer_start, reads.layer_end))
-                  or (reads.embed and name == "model.embed_tokens.weight")
-                  or (reads.head and name in ("model.norm.weight", "lm_head.weight"))}
+        needed = {
+            file
+            for name, file in manifest.weight_map.items()
+            if any(f"layers.{i}." in name for i in range(reads.layer_start, reads.layer_end))
+            or (reads.embed and name == "model.embed_tokens.weight")
+            or (reads.head and name in ("model.norm.weight", "lm_head.weight"))
+        }
         assert rank_files & weight_files == needed
     # A middle rank skips the files of other layers and of the embedding and head.
     assert len(middle & weight_files) < len(weight_files)
@@ -100,13 +100,16 @@ def test_a_gguf_model_keeps_its_tokenizer_beside_it(tmp_path):
     pieces = manifest.shard_pieces(reads)[default_model_path().name]
     assert pieces[0].name == HEADER_PIECE and pieces[0].offset == 0
     assert {p.name.split(".")[1] for p in pieces[1:]} == {"3", "4", "5", "6"}
-    assert manifest.shard_pieces(RankReads.whole(30))[default_model_path().name] == \
-        list(manifest.pieces[default_model_path().name])
+    assert manifest.shard_pieces(RankReads.whole(30))[default_model_path().name] == list(
+        manifest.pieces[default_model_path().name]
+    )
     assert all(p.startswith("tokenizer/") for p in manifest.tokenizer_files())
     assert store.weights_path("test/smollm2") == store.model_dir("test/smollm2") / default_model_path().name
     # Hard-linked where the file system allows it: the same bytes, no copy.
-    assert os.path.samefile(store.weights_path("test/smollm2"), default_model_path()) or \
-        store.weights_path("test/smollm2").stat().st_size == default_model_path().stat().st_size
+    assert (
+        os.path.samefile(store.weights_path("test/smollm2"), default_model_path())
+        or store.weights_path("test/smollm2").stat().st_size == default_model_path().stat().st_size
+    )
     messages = [{"role": "user", "content": "What is the capital of France? été 東京"}]
     saved = Tokenizer(store.tokenizer_path("test/smollm2"))
     original = Tokenizer(default_model_path())
@@ -209,8 +212,7 @@ def test_nodes_starting_together_convert_the_default_tokenizer_once(tmp_path, mo
 
     monkeypatch.setattr(tokenizer_module, "save_tokenizer_files", convert)
     found: list[Path] = []
-    threads = [threading.Thread(target=lambda: found.append(store_module._default_tokenizer_dir()))
-               for _ in range(3)]
+    threads = [threading.Thread(target=lambda: found.append(store_module._default_tokenizer_dir())) for _ in range(3)]
     for t in threads:
         t.start()
     for t in threads:

@@ -29,8 +29,9 @@ Q8_0_EXPERTS = ("blk.1.ffn_up_exps.weight", "blk.2.ffn_down_exps.weight")
 
 def _prompts(count: int, vocab: int = tm.VOCAB) -> list[list[int]]:
     g = torch.Generator().manual_seed(17)
-    return [torch.randint(0, vocab, (int(n),), generator=g).tolist()
-            for n in torch.randint(3, 12, (count,), generator=g)]
+    return [
+        torch.randint(0, vocab, (int(n),), generator=g).tolist() for n in torch.randint(3, 12, (count,), generator=g)
+    ]
 
 
 @pytest.fixture(scope="module")
@@ -99,7 +100,7 @@ def test_greedy_text_and_logits_match_transformers(moe, family, fmt):
     worst = 0.0
     for prompt in _prompts(5):
         tokens, logits = tm.greedy(shard, prompt, 32)
-        expected = tm.hf_logits(model, prompt + tokens[:-1])[len(prompt) - 1:]
+        expected = tm.hf_logits(model, prompt + tokens[:-1])[len(prompt) - 1 :]
         assert tokens == expected.argmax(dim=-1).tolist()
         got = torch.stack(logits)
         worst = max(worst, ((got - expected).abs().max() / expected.abs().max()).item())
@@ -126,8 +127,7 @@ def test_a_shard_reads_only_the_expert_bytes_of_its_layers(moe, family):
 def test_pipeline_of_three_matches_one_shard(moe, family):
     _, paths = moe[family]
     one = load_shard(open_weights(paths["gguf"]), 0, LAYERS, dtype=torch.float32)
-    shards = [load_shard(open_weights(paths["gguf"]), i, i + 1, dtype=torch.float32)
-              for i in range(LAYERS)]
+    shards = [load_shard(open_weights(paths["gguf"]), i, i + 1, dtype=torch.float32) for i in range(LAYERS)]
     prompt = _prompts(1)[0]
     one_cache, caches = tm.new_cache(one), [tm.new_cache(s) for s in shards]
 
@@ -140,8 +140,9 @@ def test_pipeline_of_three_matches_one_shard(moe, family):
     for step in range(6):
         token, pos = int(expected[0].argmax()), len(prompt) + step
         expected = one(torch.tensor([token]), one.decode_batch([0], [pos]), one_cache)
-        got = tm.run_pipeline(shards, caches, torch.tensor([token]),
-                              lambda shard, pos=pos: shard.decode_batch([0], [pos]))
+        got = tm.run_pipeline(
+            shards, caches, torch.tensor([token]), lambda shard, pos=pos: shard.decode_batch([0], [pos])
+        )
         diffs.append((got - expected).abs().max().item())
     assert max(diffs) <= 1e-6, diffs
 
@@ -149,11 +150,15 @@ def test_pipeline_of_three_matches_one_shard(moe, family):
 def _tensor_job(rank, world, path, steps, whole_experts):
     source = open_weights(path)
     share = tensor_shares(source.config, world, whole_experts)[rank]
-    stage = load_tensor_stage(source, rank, world, slots=2, context=64, dtype=torch.float32,
-                              share=share)
+    stage = load_tensor_stage(source, rank, world, slots=2, context=64, dtype=torch.float32, share=share)
     tokens, logits = greedy_schedule(stage, _prompts(2), steps)
-    return {"tokens": tokens, "logits": logits, "columns": stage.shard.share.columns,
-            "experts": stage.shard.share.experts, "bytes_read": source.bytes_read}
+    return {
+        "tokens": tokens,
+        "logits": logits,
+        "columns": stage.shard.share.columns,
+        "experts": stage.shard.share.experts,
+        "bytes_read": source.bytes_read,
+    }
 
 
 @pytest.mark.timeout(120)
@@ -177,8 +182,7 @@ def test_two_tensor_ranks_each_hold_half_of_the_experts(moe, family, whole_exper
         assert [r["experts"] for r in results] == [(0, tm.EXPERTS // 2), (tm.EXPERTS // 2, tm.EXPERTS)]
         assert [r["columns"] for r in results] == [(0, tm.EXPERT_WIDTH)] * 2
     else:
-        assert [r["columns"] for r in results] == [(0, tm.EXPERT_WIDTH // 2),
-                                                   (tm.EXPERT_WIDTH // 2, tm.EXPERT_WIDTH)]
+        assert [r["columns"] for r in results] == [(0, tm.EXPERT_WIDTH // 2), (tm.EXPERT_WIDTH // 2, tm.EXPERT_WIDTH)]
     # Each rank reads about half of the experts' bytes, not all of them.
     expert_bytes = sum(t.n_bytes for t in source.reader.tensors if "_exps" in t.name)
     for r in results:
@@ -218,24 +222,42 @@ def test_configs_read_from_hf_and_gguf(moe):
         hf, gguf = (open_weights(paths[f]).config for f in ("safetensors", "gguf"))
         assert hf == replace(gguf, rms_norm_eps=hf.rms_norm_eps), family  # GGUF's is float32
         assert (hf.num_experts, hf.num_experts_per_tok, hf.intermediate_size) == (
-            tm.EXPERTS, tm.EXPERTS_PER_TOKEN, tm.EXPERT_WIDTH)
+            tm.EXPERTS,
+            tm.EXPERTS_PER_TOKEN,
+            tm.EXPERT_WIDTH,
+        )
         assert hf.architecture == FAMILIES[family]
         d = tm.HIDDEN
         assert hf.layer_param_count() - hf.active_layer_param_count() == (
-            (tm.EXPERTS - tm.EXPERTS_PER_TOKEN) * 3 * d * tm.EXPERT_WIDTH)
+            (tm.EXPERTS - tm.EXPERTS_PER_TOKEN) * 3 * d * tm.EXPERT_WIDTH
+        )
 
 
-@pytest.mark.parametrize("changes, words", [
-    ({"num_experts_per_tok": 9}, "chooses 9 experts per token of 8"),
-    ({"num_experts_per_tok": 0}, "chooses 0 experts"),
-    ({"mlp_only_layers": [1]}, "mix dense MLPs and experts"),
-    ({"decoder_sparse_step": 2}, "mix dense MLPs and experts"),
-])
+@pytest.mark.parametrize(
+    "changes, words",
+    [
+        ({"num_experts_per_tok": 9}, "chooses 9 experts per token of 8"),
+        ({"num_experts_per_tok": 0}, "chooses 0 experts"),
+        ({"mlp_only_layers": [1]}, "mix dense MLPs and experts"),
+        ({"decoder_sparse_step": 2}, "mix dense MLPs and experts"),
+    ],
+)
 def test_bad_router_configs_are_refused(changes, words):
-    cfg = {"architectures": ["Qwen3MoeForCausalLM"], "model_type": "qwen3_moe", "hidden_size": 64,
-           "intermediate_size": 256, "moe_intermediate_size": 64, "num_hidden_layers": 2,
-           "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16, "vocab_size": 128,
-           "num_experts": 8, "num_experts_per_tok": 2, **changes}
+    cfg = {
+        "architectures": ["Qwen3MoeForCausalLM"],
+        "model_type": "qwen3_moe",
+        "hidden_size": 64,
+        "intermediate_size": 256,
+        "moe_intermediate_size": 64,
+        "num_hidden_layers": 2,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "head_dim": 16,
+        "vocab_size": 128,
+        "num_experts": 8,
+        "num_experts_per_tok": 2,
+        **changes,
+    }
     with pytest.raises(UnsupportedModelError, match=words):
         ModelConfig.from_hf_config(cfg)
 

@@ -22,11 +22,9 @@ PROMPTS = ["Hello there", "Write a haiku about the sea."]
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory):
     """Three nodes, each with the tiny MoE model in its store."""
-    path = tm.save_with_tokenizer(tmp_path_factory.mktemp("moe") / "model", num_layers=3,
-                                  arch="qwen3moe")
+    path = tm.save_with_tokenizer(tmp_path_factory.mktemp("moe") / "model", num_layers=3, arch="qwen3moe")
     log_dir = str(tmp_path_factory.mktemp("moe-cluster"))
-    cluster = LocalCluster(nodes=3, base_port=free_port_block(3), runner_threads=1,
-                           log_dir=log_dir, data_dir=log_dir)
+    cluster = LocalCluster(nodes=3, base_port=free_port_block(3), runner_threads=1, log_dir=log_dir, data_dir=log_dir)
     try:
         cluster.start()
         for i in range(cluster.n):
@@ -55,7 +53,8 @@ def test_an_moe_model_gives_one_nodes_text_as_a_pipeline_and_as_tensor_ranks(clu
     with placed(cluster, "expert", [1, 2], "float32", model=MODEL) as inst:
         assert [r["tensor_share"]["experts"] for r in inst["ranks"]] == [[0, 4], [4, 8]]
         assert texts(cluster.url(0), PROMPTS, 12, MODEL) == one
-    preview = httpx.post(f"{cluster.url(0)}/cluster/placements/preview",
-                         json={"model": MODEL, "sharding": "auto"}, timeout=60).json()
+    preview = httpx.post(
+        f"{cluster.url(0)}/cluster/placements/preview", json={"model": MODEL, "sharding": "auto"}, timeout=60
+    ).json()
     shardings = {c["sharding"] for c in preview["candidates"] if c["feasible"]}
     assert {"pipeline", "tensor", "expert"} <= shardings, preview

@@ -39,38 +39,51 @@ class View:
         return sorted([*self.live, self.node_id])
 
 
-def instance(instance_id: str, ranks: tuple[tuple[str, int], ...],
-             status: InstanceStatus = InstanceStatus.READY) -> Instance:
-    placed = tuple(RankPlacement(n, f"{n}:1", RankShare(i, i + 1), estimated_bytes=b)
-                   for i, (n, b) in enumerate(ranks))
+def instance(
+    instance_id: str, ranks: tuple[tuple[str, int], ...], status: InstanceStatus = InstanceStatus.READY
+) -> Instance:
+    placed = tuple(RankPlacement(n, f"{n}:1", RankShare(i, i + 1), estimated_bytes=b) for i, (n, b) in enumerate(ranks))
     return Instance(instance_id, "org/m", Sharding.PIPELINE, placed, "a", 1, 64, 1, status=status)
 
 
-@pytest.mark.parametrize("limit, profile, offered", [
-    (5 * GB, {"accelerator": "cuda:0 H100", "accelerator_total_bytes": 80 * GB}, 5 * GB),  # the limit first
-    (None, {"accelerator": "cuda:0 H100", "accelerator_total_bytes": 80 * GB},
-     int(GPU_MEMORY_FRACTION * 80 * GB)),  # then the GPU's
-    (None, {"accelerator": "cpu"}, 12 * GB + GB),  # else what is available and its runners hold
-    (None, None, 12 * GB + GB),
-])
+@pytest.mark.parametrize(
+    "limit, profile, offered",
+    [
+        (5 * GB, {"accelerator": "cuda:0 H100", "accelerator_total_bytes": 80 * GB}, 5 * GB),  # the limit first
+        (
+            None,
+            {"accelerator": "cuda:0 H100", "accelerator_total_bytes": 80 * GB},
+            int(GPU_MEMORY_FRACTION * 80 * GB),
+        ),  # then the GPU's
+        (None, {"accelerator": "cpu"}, 12 * GB + GB),  # else what is available and its runners hold
+        (None, None, 12 * GB + GB),
+    ],
+)
 def test_what_a_node_offers(limit, profile, offered):
     memory = NodeMemory(View(memory_limit_bytes=limit, profile=profile), lambda: GB, lambda: 12 * GB)
     assert memory.offered() == offered
 
 
-@pytest.mark.parametrize("node_id, instances, committed, free", [
-    ("a", {}, 0, 10 * GB),
-    ("a", {"x": instance("x", (("a", 3 * GB), ("b", 4 * GB)))}, 3 * GB, 7 * GB),
-    ("b", {"x": instance("x", (("a", 3 * GB), ("b", 4 * GB)))}, 4 * GB, 2 * GB),  # b offers 6 GB
-    ("a", {"x": instance("x", (("a", 3 * GB),), InstanceStatus.FAILED)}, 0, 10 * GB),  # failed: not counted
-    ("b", {"x": instance("x", (("b", 9 * GB),))}, 9 * GB, 0),  # never below 0
-])
+@pytest.mark.parametrize(
+    "node_id, instances, committed, free",
+    [
+        ("a", {}, 0, 10 * GB),
+        ("a", {"x": instance("x", (("a", 3 * GB), ("b", 4 * GB)))}, 3 * GB, 7 * GB),
+        ("b", {"x": instance("x", (("a", 3 * GB), ("b", 4 * GB)))}, 4 * GB, 2 * GB),  # b offers 6 GB
+        ("a", {"x": instance("x", (("a", 3 * GB),), InstanceStatus.FAILED)}, 0, 10 * GB),  # failed: not counted
+        ("b", {"x": instance("x", (("b", 9 * GB),))}, 9 * GB, 0),  # never below 0
+    ],
+)
 def test_what_a_node_has_free(node_id, instances, committed, free):
-    view = View(memory_limit_bytes=10 * GB, instances=instances,
-                peers={"b": Peer("b", "b:1", 0.0, offered_bytes=6 * GB)})
+    view = View(
+        memory_limit_bytes=10 * GB, instances=instances, peers={"b": Peer("b", "b:1", 0.0, offered_bytes=6 * GB)}
+    )
     memory = NodeMemory(view, lambda: 0)
-    assert memory.of(node_id) == {"offered_bytes": memory.offered() if node_id == "a" else 6 * GB,
-                                  "committed_bytes": committed, "free_bytes": free}
+    assert memory.of(node_id) == {
+        "offered_bytes": memory.offered() if node_id == "a" else 6 * GB,
+        "committed_bytes": committed,
+        "free_bytes": free,
+    }
     assert memory.free(node_id) == free
 
 
@@ -84,9 +97,13 @@ def forecast(view: View, card=None) -> Forecast:
 
 
 def test_the_profiles_a_preview_sees():
-    view = View(profile={"matmul_flops": 5e12}, links={"b": {"latency_s": 0.001, "bandwidth_bytes_per_s": 1e9}},
-                peers={"b": Peer("b", "b:1", 0.0, profile=None,
-                                 links={"a": {"latency_s": 0.002, "bandwidth_bytes_per_s": 2e9}})})
+    view = View(
+        profile={"matmul_flops": 5e12},
+        links={"b": {"latency_s": 0.001, "bandwidth_bytes_per_s": 1e9}},
+        peers={
+            "b": Peer("b", "b:1", 0.0, profile=None, links={"a": {"latency_s": 0.002, "bandwidth_bytes_per_s": 2e9}})
+        },
+    )
     profiles, links = forecast(view).node_profiles(["a", "b"])
     assert [(p.node_id, p.available_bytes) for p in profiles] == [("a", 2 * GB), ("b", 2 * GB)]
     assert profiles[0].matmul_flops == 5e12 and profiles[1].matmul_flops == 100e9  # b: not measured yet
@@ -113,11 +130,14 @@ class ProfilerView:
         return self.busy
 
 
-@pytest.mark.parametrize("streams, busy, idle", [
-    ({}, [], True),
-    ({1: object()}, [], False),  # a request in flight
-    ({}, ["x"], False),  # a rank here with requests
-])
+@pytest.mark.parametrize(
+    "streams, busy, idle",
+    [
+        ({}, [], True),
+        ({1: object()}, [], False),  # a request in flight
+        ({}, ["x"], False),  # a rank here with requests
+    ],
+)
 def test_the_profiler_measures_only_an_idle_node(streams, busy, idle):
     from shardline.node.speeds import HostProfiler
 

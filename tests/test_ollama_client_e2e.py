@@ -61,8 +61,9 @@ def test_embeddings_are_refused_for_a_placed_model(cluster1):
         response = httpx.post(cluster1.url(0) + path, json={"model": DEFAULT_MODEL_ID, "input": "hi"}, timeout=30)
         assert response.status_code == 400
         assert response.json()["error"] == f"model '{DEFAULT_MODEL_ID}' does not support embeddings"
-    response = httpx.post(cluster1.url(0) + "/v1/embeddings", json={"model": DEFAULT_MODEL_ID, "input": "hi"},
-                          timeout=30)
+    response = httpx.post(
+        cluster1.url(0) + "/v1/embeddings", json={"model": DEFAULT_MODEL_ID, "input": "hi"}, timeout=30
+    )
     assert response.status_code == 400 and response.json()["error"]["param"] == "model"
 
 

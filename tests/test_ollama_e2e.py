@@ -20,9 +20,16 @@ def post(url: str, path: str, **body) -> httpx.Response:
 
 
 def openai_text(url: str, max_tokens: int) -> str:
-    response = httpx.post(f"{url}/v1/chat/completions", timeout=120, json={
-        "model": DEFAULT_MODEL_ID, "temperature": 0, "max_tokens": max_tokens,
-        "messages": [{"role": "user", "content": CAPITAL_QUESTION}]})
+    response = httpx.post(
+        f"{url}/v1/chat/completions",
+        timeout=120,
+        json={
+            "model": DEFAULT_MODEL_ID,
+            "temperature": 0,
+            "max_tokens": max_tokens,
+            "messages": [{"role": "user", "content": CAPITAL_QUESTION}],
+        },
+    )
     return response.json()["choices"][0]["message"]["content"]
 
 
@@ -33,8 +40,13 @@ def ndjson(url: str, path: str, **body) -> list[dict]:
 
 
 def test_chat_answers_as_the_openai_api_does(cluster3):
-    body = post(cluster3.url(0), "/api/chat", stream=False, options=GREEDY,
-                messages=[{"role": "user", "content": CAPITAL_QUESTION}]).json()
+    body = post(
+        cluster3.url(0),
+        "/api/chat",
+        stream=False,
+        options=GREEDY,
+        messages=[{"role": "user", "content": CAPITAL_QUESTION}],
+    ).json()
     assert body["done"] is True and body["message"]["role"] == "assistant"
     assert "Paris" in body["message"]["content"]
     assert body["message"]["content"] == openai_text(cluster3.url(1), 12)
@@ -43,10 +55,16 @@ def test_chat_answers_as_the_openai_api_does(cluster3):
 
 
 def test_chat_streams_by_default(cluster3):
-    whole = post(cluster3.url(0), "/api/chat", stream=False, options=GREEDY,
-                 messages=[{"role": "user", "content": CAPITAL_QUESTION}]).json()
-    lines = ndjson(cluster3.url(2), "/api/chat", options=GREEDY,
-                   messages=[{"role": "user", "content": CAPITAL_QUESTION}])
+    whole = post(
+        cluster3.url(0),
+        "/api/chat",
+        stream=False,
+        options=GREEDY,
+        messages=[{"role": "user", "content": CAPITAL_QUESTION}],
+    ).json()
+    lines = ndjson(
+        cluster3.url(2), "/api/chat", options=GREEDY, messages=[{"role": "user", "content": CAPITAL_QUESTION}]
+    )
     assert [line["done"] for line in lines] == [False] * (len(lines) - 1) + [True]
     assert "".join(line["message"]["content"] for line in lines) == whole["message"]["content"]
     assert lines[-1]["eval_count"] == whole["eval_count"]
@@ -55,8 +73,13 @@ def test_chat_streams_by_default(cluster3):
 def test_generate_applies_the_chat_template_unless_raw(cluster3):
     templated = post(cluster3.url(1), "/api/generate", prompt=CAPITAL_QUESTION, stream=False, options=GREEDY).json()
     assert templated["response"] == openai_text(cluster3.url(0), 12)
-    raw = ndjson(cluster3.url(1), "/api/generate", prompt="The capital of France is the city of", raw=True,
-                 options={"temperature": 0, "num_predict": 5})
+    raw = ndjson(
+        cluster3.url(1),
+        "/api/generate",
+        prompt="The capital of France is the city of",
+        raw=True,
+        options={"temperature": 0, "num_predict": 5},
+    )
     assert "Paris" in "".join(line["response"] for line in raw)
     assert raw[-1]["done_reason"] == "length" and raw[-1]["eval_count"] == 5
 
@@ -67,24 +90,44 @@ def test_tags_list_the_served_model_and_names_take_ollamas_tag(cluster3):
     assert httpx.get(f"{cluster3.url(0)}/api/version", timeout=10).json()["version"]
     loaded = httpx.post(f"{cluster3.url(0)}/api/generate", json={"model": DEFAULT_MODEL_ID + ":latest"}).json()
     assert loaded["done"] is True and loaded["done_reason"] == "load"
-    tagged = httpx.post(f"{cluster3.url(0)}/api/chat", timeout=120, json={
-        "model": DEFAULT_MODEL_ID + ":latest", "stream": False, "options": GREEDY,
-        "messages": [{"role": "user", "content": CAPITAL_QUESTION}]})
+    tagged = httpx.post(
+        f"{cluster3.url(0)}/api/chat",
+        timeout=120,
+        json={
+            "model": DEFAULT_MODEL_ID + ":latest",
+            "stream": False,
+            "options": GREEDY,
+            "messages": [{"role": "user", "content": CAPITAL_QUESTION}],
+        },
+    )
     assert tagged.status_code == 200 and "Paris" in tagged.json()["message"]["content"]
 
 
-@pytest.mark.parametrize("path, body, status", [
-    ("/api/chat", {"model": "no-such-model", "messages": [{"role": "user", "content": "hi"}]}, 404),
-    ("/api/generate", {"model": "no-such-model"}, 404),
-    ("/api/chat", {"model": DEFAULT_MODEL_ID, "messages": [], "keep_alive": "soon"}, 400),
-    ("/api/chat", {"model": DEFAULT_MODEL_ID, "messages": [{"role": "user", "content": "hi"}],
-                   "options": {"top_p": 5}}, 400),
-    ("/api/no-such-endpoint", {}, 404),
-    # a tool result naming no call made before it
-    ("/api/chat", {"model": DEFAULT_MODEL_ID, "stream": False, "messages": [
-        {"role": "user", "content": "hi"}, {"role": "tool", "content": "1", "tool_name": "f"}]}, 400),
-    ("/api/chat", [], 400),  # a body that is no object (was a 500)
-])
+@pytest.mark.parametrize(
+    "path, body, status",
+    [
+        ("/api/chat", {"model": "no-such-model", "messages": [{"role": "user", "content": "hi"}]}, 404),
+        ("/api/generate", {"model": "no-such-model"}, 404),
+        ("/api/chat", {"model": DEFAULT_MODEL_ID, "messages": [], "keep_alive": "soon"}, 400),
+        (
+            "/api/chat",
+            {"model": DEFAULT_MODEL_ID, "messages": [{"role": "user", "content": "hi"}], "options": {"top_p": 5}},
+            400,
+        ),
+        ("/api/no-such-endpoint", {}, 404),
+        # a tool result naming no call made before it
+        (
+            "/api/chat",
+            {
+                "model": DEFAULT_MODEL_ID,
+                "stream": False,
+                "messages": [{"role": "user", "content": "hi"}, {"role": "tool", "content": "1", "tool_name": "f"}],
+            },
+            400,
+        ),
+        ("/api/chat", [], 400),  # a body that is no object (was a 500)
+    ],
+)
 def test_bad_requests_get_ollama_errors(cluster3, path, body, status):
     response = httpx.post(f"{cluster3.url(2)}{path}", json=body, timeout=60)
     assert response.status_code == status, response.text

@@ -2,11 +2,7 @@
 
 import pytest
 
-from shardline.placement.layer_ranges import (
-    NodeCapacity,
-    PlacementError,
-    pipeline_layer_ranges,
-)
+from shardline.placement.layer_ranges import NodeCapacity, PlacementError, pipeline_layer_ranges
 
 pytestmark = [pytest.mark.fast, pytest.mark.timeout(30)]
 

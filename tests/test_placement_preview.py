@@ -24,8 +24,7 @@ pytestmark = [pytest.mark.fast, pytest.mark.timeout(30)]
 GB = 1 << 30
 
 
-def _node(name: str, available: int = 64 * GB, bandwidth: float = 100e9,
-          flops: float = 10e12) -> NodeProfile:
+def _node(name: str, available: int = 64 * GB, bandwidth: float = 100e9, flops: float = 10e12) -> NodeProfile:
     return NodeProfile(name, available, bandwidth, flops)
 
 
@@ -79,8 +78,9 @@ def test_a_model_that_does_not_fit_is_refused_with_node_and_shortfall():
 
 
 def test_tensor_shapes_that_cannot_split_are_refused():
-    config = _smollm2(num_layers=4, hidden_size=64, intermediate_size=128, num_heads=2,
-                      num_kv_heads=1, head_dim=32, vocab_size=256)
+    config = _smollm2(
+        num_layers=4, hidden_size=64, intermediate_size=128, num_heads=2, num_kv_heads=1, head_dim=32, vocab_size=256
+    )
     nodes = [_node(f"n{i}") for i in range(3)]
     candidates = preview(config, nodes, {}, PlacementOptions(256, 1, shardings=("tensor",)))
     three = _find(candidates, "tensor", 3)
@@ -91,8 +91,11 @@ def test_tensor_shapes_that_cannot_split_are_refused():
 
 
 def test_previews_are_ordered_by_predicted_decode_tokens_per_s():
-    nodes = [_node("a", 24 * GB, bandwidth=50e9), _node("b", 20 * GB, bandwidth=200e9),
-             _node("c", 4 * GB, bandwidth=100e9)]
+    nodes = [
+        _node("a", 24 * GB, bandwidth=50e9),
+        _node("b", 20 * GB, bandwidth=200e9),
+        _node("c", 4 * GB, bandwidth=100e9),
+    ]
     candidates = preview(_llama8b(), nodes, _mesh("abc", Link(50e-6, 10e9)), PlacementOptions(4096, 2))
     feasible = [c for c in candidates if c.feasible]
     assert len(feasible) >= 3 and any(not c.feasible for c in candidates)
@@ -108,8 +111,9 @@ def test_previews_are_ordered_by_predicted_decode_tokens_per_s():
 def test_slow_links_rank_tensor_below_pipeline():
     names = ["n0", "n1", "n2", "n3"]
     nodes = [_node(n, 16 * GB) for n in names]
-    candidates = preview(_llama8b(), nodes, _mesh(names, Link(10e-3, 1e9)),
-                         PlacementOptions(4096, 1, shardings=("pipeline", "tensor")))
+    candidates = preview(
+        _llama8b(), nodes, _mesh(names, Link(10e-3, 1e9)), PlacementOptions(4096, 1, shardings=("pipeline", "tensor"))
+    )
     pipeline, tensor = _find(candidates, "pipeline", 4), _find(candidates, "tensor", 4)
     assert pipeline.feasible and tensor.feasible
     assert tensor.predicted_decode_tokens_per_s < pipeline.predicted_decode_tokens_per_s
@@ -119,8 +123,9 @@ def test_slow_links_rank_tensor_below_pipeline():
 def test_fast_links_and_equal_nodes_rank_tensor_above_pipeline_for_a_big_model():
     names = ["n0", "n1", "n2", "n3"]
     nodes = [_node(n, 16 * GB) for n in names]
-    candidates = preview(_llama8b(), nodes, _mesh(names, Link(5e-6, 50e9)),
-                         PlacementOptions(4096, 1, shardings=("pipeline", "tensor")))
+    candidates = preview(
+        _llama8b(), nodes, _mesh(names, Link(5e-6, 50e9)), PlacementOptions(4096, 1, shardings=("pipeline", "tensor"))
+    )
     pipeline, tensor = _find(candidates, "pipeline", 4), _find(candidates, "tensor", 4)
     assert tensor.predicted_decode_tokens_per_s > 2 * pipeline.predicted_decode_tokens_per_s
     assert candidates[0] is tensor
@@ -128,8 +133,9 @@ def test_fast_links_and_equal_nodes_rank_tensor_above_pipeline_for_a_big_model()
 
 
 def test_pipeline_prediction_follows_the_formula():
-    config = _smollm2(num_layers=2, hidden_size=64, intermediate_size=128, num_heads=2,
-                      num_kv_heads=1, head_dim=32, vocab_size=256)
+    config = _smollm2(
+        num_layers=2, hidden_size=64, intermediate_size=128, num_heads=2, num_kv_heads=1, head_dim=32, vocab_size=256
+    )
     nodes = [_node("a", bandwidth=1e9, flops=1e12), _node("b", bandwidth=2e9, flops=1e12)]
     links = {("b", "a"): Link(1e-3, 1e6)}  # either key order
     shares = place_ranks(config, "pipeline", [NodeCapacity("a", GB), NodeCapacity("b", GB)], 100, 1)
@@ -137,38 +143,48 @@ def test_pipeline_prediction_follows_the_formula():
     decode, _ = predict_tokens_per_s(config, "pipeline", nodes, shares, links, context=100)
     linear = config.layer_param_count() - 2 * 64
     kv_layer = 2 * 1 * 32 * 2 * 50  # k and v, one KV head, bf16, 50 tokens on average
-    expected = ((linear + kv_layer) / 1e9 + (linear + 256 * 64 + kv_layer) / 2e9
-                + 1e-3 + 64 * 2 / 1e6 + 1e-3)
+    expected = (linear + kv_layer) / 1e9 + (linear + 256 * 64 + kv_layer) / 2e9 + 1e-3 + 64 * 2 / 1e6 + 1e-3
     assert decode == pytest.approx(1 / expected)
 
 
 @pytest.mark.parametrize("world", [2, 3, 4])
-@pytest.mark.parametrize("hidden_size, latencies_per_all_reduce", [
-    (64, lambda world: 1),  # a decode step's row: point-to-point, one hop
-    (40_000, lambda world: 2 * (world - 1)),  # a row over POINT_TO_POINT_BYTES: gloo's ring
-])
-def test_a_tensor_decode_all_reduce_pays_its_algorithms_link_latencies(
-        world, hidden_size, latencies_per_all_reduce):
+@pytest.mark.parametrize(
+    "hidden_size, latencies_per_all_reduce",
+    [
+        (64, lambda world: 1),  # a decode step's row: point-to-point, one hop
+        (40_000, lambda world: 2 * (world - 1)),  # a row over POINT_TO_POINT_BYTES: gloo's ring
+    ],
+)
+def test_a_tensor_decode_all_reduce_pays_its_algorithms_link_latencies(world, hidden_size, latencies_per_all_reduce):
     """A decode step's 2 all-reduces a layer each pay one latency where the sum is sent
     point to point (at most POINT_TO_POINT_BYTES), else gloo's ring all-reduce: a
     reduce-scatter and an all-gather of P-1 steps each, 2(P-1) latencies (measured on 2
     local nodes: 9.4 tokens/s where one latency a ring step less predicted 24); the step's
     proposals to rank 0 and back pay 2 more."""
     assert 40_000 * 4 > POINT_TO_POINT_BYTES >= 64 * 4
-    config = _smollm2(num_layers=4, hidden_size=hidden_size, intermediate_size=128, num_heads=4,
-                      num_kv_heads=4, head_dim=16, vocab_size=256)
+    config = _smollm2(
+        num_layers=4,
+        hidden_size=hidden_size,
+        intermediate_size=128,
+        num_heads=4,
+        num_kv_heads=4,
+        head_dim=16,
+        vocab_size=256,
+    )
     names = [f"n{i}" for i in range(world)]
     nodes = [_node(n) for n in names]
     shares = place_ranks(config, "tensor", [NodeCapacity(n, GB) for n in names], 100, 1)
 
     def step_s(latency_s: float) -> float:
-        decode, _ = predict_tokens_per_s(config, "tensor", nodes, shares,
-                                         _mesh(names, Link(latency_s, 1e15)), context=100)
+        decode, _ = predict_tokens_per_s(
+            config, "tensor", nodes, shares, _mesh(names, Link(latency_s, 1e15)), context=100
+        )
         return 1 / decode
 
     latency = 1e-3
     assert step_s(latency) - step_s(0.0) == pytest.approx(
-        (2 * 4 * latencies_per_all_reduce(world) + 2) * latency, rel=1e-6)
+        (2 * 4 * latencies_per_all_reduce(world) + 2) * latency, rel=1e-6
+    )
 
 
 def test_missing_links_default_to_1ms_and_100MB_per_s():

@@ -61,8 +61,9 @@ def test_gather_and_all_reduce_agree_on_every_rank(tmp_path, world):
     calls = 6
     results = spawn_ranks(world, _job, (calls,), tmp_path, timeout=75)
     for call in range(calls):
-        expected_table = torch.stack([torch.arange(4, dtype=torch.int64) + 100 * r + 10_000 * call
-                                      for r in range(world)])
+        expected_table = torch.stack(
+            [torch.arange(4, dtype=torch.int64) + 100 * r + 10_000 * call for r in range(world)]
+        )
         expected_sum = _values(0, call).clone()
         for r in range(1, world):
             expected_sum += _values(r, call)  # group rank order, as the ranks add
@@ -73,6 +74,8 @@ def test_gather_and_all_reduce_agree_on_every_rank(tmp_path, world):
             assert torch.equal(result["shared"][call], _values(source, call)), (rank, call)
     for result in results:
         assert torch.equal(result["large"], torch.full_like(result["large"], world * (world + 1) / 2))
-    assert ["met receives posted for" in results[-1]["refused"][0],
-            "met receives posted at rank" in results[-1]["refused"][1]] == [True, True]
+    assert [
+        "met receives posted for" in results[-1]["refused"][0],
+        "met receives posted at rank" in results[-1]["refused"][1],
+    ] == [True, True]
     assert all(result["refused"] == [] for result in results[:-1])

@@ -31,39 +31,48 @@ def test_a_chunks_rows_decide_its_computation(rows, cls):
     assert row_class(rows) == cls
 
 
-@pytest.mark.parametrize("matched, total, start", [
-    (0, 1100, 0),
-    (32, 1100, 32),  # first chunk 32..511: 480 rows, the cold 0..511's class
-    (512, 1100, 512),
-    (640, 1100, 640),  # 640..1023 (384 rows) as the cold 512..1023
-    (992, 1100, 928),  # 992..1023 would be 32 rows (fused) where the cold chunk has 512
-    (960, 1100, 928),  # 64 rows: fused too; 928..1023 is 96
-    (1056, 1100, 1024),  # the cold last chunk 1024..1099 is 76 rows (int8): none of it cached
-    (1088, 1100, 1024),
-    (1100, 1100, 1024),  # the same prompt again: its last chunk is prefilled again
-    (1088, 1130, 1024),  # last chunk 1024..1129 (106 rows): 1088.. would be 42
-    (1024, 1130, 1024),
-    (2048, 1100, 1024),  # a longer cached prefix: at most the prompt, less its last chunk
-    (1024, 1030, 1024),  # a 6-row last chunk, prefilled as the cold one
-], ids=lambda v: str(v))
+@pytest.mark.parametrize(
+    "matched, total, start",
+    [
+        (0, 1100, 0),
+        (32, 1100, 32),  # first chunk 32..511: 480 rows, the cold 0..511's class
+        (512, 1100, 512),
+        (640, 1100, 640),  # 640..1023 (384 rows) as the cold 512..1023
+        (992, 1100, 928),  # 992..1023 would be 32 rows (fused) where the cold chunk has 512
+        (960, 1100, 928),  # 64 rows: fused too; 928..1023 is 96
+        (1056, 1100, 1024),  # the cold last chunk 1024..1099 is 76 rows (int8): none of it cached
+        (1088, 1100, 1024),
+        (1100, 1100, 1024),  # the same prompt again: its last chunk is prefilled again
+        (1088, 1130, 1024),  # last chunk 1024..1129 (106 rows): 1088.. would be 42
+        (1024, 1130, 1024),
+        (2048, 1100, 1024),  # a longer cached prefix: at most the prompt, less its last chunk
+        (1024, 1030, 1024),  # a 6-row last chunk, prefilled as the cold one
+    ],
+    ids=lambda v: str(v),
+)
 def test_a_hit_resumes_where_its_first_chunk_has_the_cold_chunks_class(matched, total, start):
     assert reuse(matched, total, chunk=512, block=32) == start
 
 
-@pytest.mark.parametrize("matched, total, start", [
-    (128, 200, 128), (192, 200, 192), (200, 200, 192), (64, 65, 64), (64, 64, 0)])
+@pytest.mark.parametrize(
+    "matched, total, start", [(128, 200, 128), (192, 200, 192), (200, 200, 192), (64, 65, 64), (64, 64, 0)]
+)
 def test_small_chunks_resume_at_any_block(matched, total, start):
     """Chunks of 8 rows (the tests' runners): every chunk is in one class."""
     assert reuse(matched, total, chunk=8, block=64) == start
 
 
-@pytest.mark.parametrize("end, start, length, after", [
-    (0, 0, 512, 512),  # a whole chunk
-    (512, 512, 100, 612),  # a last chunk of a whole chunk's class
-    (512, 512, 76, 512),  # a shorter one is not cached
-    (0, 640, 384, 0),  # does not follow on
-    (640, 640, 384, 1024),  # a resumed first chunk (its class was checked by reuse)
-], ids=lambda v: str(v))
+@pytest.mark.parametrize(
+    "end, start, length, after",
+    [
+        (0, 0, 512, 512),  # a whole chunk
+        (512, 512, 100, 612),  # a last chunk of a whole chunk's class
+        (512, 512, 76, 512),  # a shorter one is not cached
+        (0, 640, 384, 0),  # does not follow on
+        (640, 640, 384, 1024),  # a resumed first chunk (its class was checked by reuse)
+    ],
+    ids=lambda v: str(v),
+)
 def test_rows_computed_in_a_whole_chunks_class_are_cached(end, start, length, after):
     assert exact_end(end, start, length, 512) == after
 
@@ -96,45 +105,76 @@ def test_a_hash_collision_matches_nothing():
     assert matched_tokens(A, block_hashes(A, B), cached(0, SYSTEM, 1), B) == 12
 
 
-@pytest.mark.parametrize("waiting, free_slots, pool, free_tokens, starts, evicted", [
-    # a hit takes the cached slot and resumes after the shared blocks; its tokens count
-    ([task(A)], [1, 2], [cached(0, A[:16], 1)], 0, [Start(0, 0, 16, 16)], []),
-    ([task(B_)], [1, 2], [cached(0, A[:16], 1)], 100, [Start(0, 0, 12, 16)], []),
-    # the furthest resume wins, then the most recently used
-    ([task(A)], [], [cached(0, SYSTEM, 5), cached(1, A[:16], 2)], 100, [Start(0, 1, 16, 16)], []),
-    ([task(A)], [], [cached(0, SYSTEM, 1), cached(1, SYSTEM, 2)], 100, [Start(0, 1, 12, 12)], []),
-    # a miss takes an empty slot before it evicts one; else the least recently used
-    ([task((5,) * 10)], [3], [cached(0, A[:16], 1)], 100, [Start(0, 3, 0)], []),
-    ([task((5,) * 10)], [], [cached(0, A[:16], 2), cached(1, B_[:12], 1)], 100, [Start(0, 1, 0)], [1]),
-    # the pool's tokens: the least recently used others go, never the hit's own
-    ([task(A, need=24)], [1], [cached(0, A[:16], 9), cached(2, B_[:12], 1), cached(3, SYSTEM, 2)], 4,
-     [Start(0, 0, 16, 16)], [2]),
-    # a task that would not fit without the cache waits, and nothing is evicted for it
-    ([task(A, need=40)], [1], [cached(0, A[:16], 9), cached(2, B_[:12], 1)], 8, [], []),
-    # ... and one that would fits: every cached token is evictable
-    ([task((5,) * 10, need=36)], [1], [cached(0, A[:16], 9), cached(2, B_[:12], 1)], 8,
-     [Start(0, 1, 0)], [2, 0]),
-    # two tasks sharing a prefix in one step: one slot, so the second misses
-    ([task(A), task(B_)], [1], [cached(0, SYSTEM, 1)], 100, [Start(0, 0, 12, 12), Start(1, 1, 0)], []),
-    # first come, first served: the second waits behind the first
-    ([task((5,) * 10, need=200), task(A)], [1], [cached(0, A[:16], 1)], 100, [], []),
-    # a task scoring its prompt resumes nowhere
-    ([task(A, may_reuse=False)], [1], [cached(0, A[:16], 1)], 100, [Start(0, 1, 0)], []),
-    # no slot at all: running sequences hold them all
-    ([task(A)], [], [], 100, [], []),
-    # another conversation holds a chunk more past the shared system prompt: copied from
-    ([task(B_)], [1], [cached(0, LONG, 1)], 100, [Start(0, 1, 12, source=0)], []),
-    ([task(B_)], [], [cached(0, LONG, 2), cached(3, A[:16], 1)], 100, [Start(0, 3, 12, source=0)], [3]),
-    # ... and then counts as used: the next task evicts another
-    ([task(B_), task((5,) * 10)], [1], [cached(0, LONG, 1), cached(2, (9,) * 8, 2)], 100,
-     [Start(0, 1, 12, source=0), Start(1, 2, 0)], [2]),
-    # ... unless that takes evicting it: then taken
-    ([task(B_)], [], [cached(0, LONG, 1)], 100, [Start(0, 0, 12, 28)], []),
-    ([task(B_, need=40)], [1], [cached(0, LONG, 1)], 20, [Start(0, 0, 12, 28)], []),
-], ids=["hit", "hit on a shared system prompt", "furthest", "most recent of equals", "empty slot first",
-        "least recently used slot", "evicted for tokens", "would not fit without the cache",
-        "fits once evicted", "one slot for two", "in order", "scored prompt", "no slot", "copied",
-        "copied into an evicted slot", "the copied prefix is used", "no other slot", "no other tokens"])
+@pytest.mark.parametrize(
+    "waiting, free_slots, pool, free_tokens, starts, evicted",
+    [
+        # a hit takes the cached slot and resumes after the shared blocks; its tokens count
+        ([task(A)], [1, 2], [cached(0, A[:16], 1)], 0, [Start(0, 0, 16, 16)], []),
+        ([task(B_)], [1, 2], [cached(0, A[:16], 1)], 100, [Start(0, 0, 12, 16)], []),
+        # the furthest resume wins, then the most recently used
+        ([task(A)], [], [cached(0, SYSTEM, 5), cached(1, A[:16], 2)], 100, [Start(0, 1, 16, 16)], []),
+        ([task(A)], [], [cached(0, SYSTEM, 1), cached(1, SYSTEM, 2)], 100, [Start(0, 1, 12, 12)], []),
+        # a miss takes an empty slot before it evicts one; else the least recently used
+        ([task((5,) * 10)], [3], [cached(0, A[:16], 1)], 100, [Start(0, 3, 0)], []),
+        ([task((5,) * 10)], [], [cached(0, A[:16], 2), cached(1, B_[:12], 1)], 100, [Start(0, 1, 0)], [1]),
+        # the pool's tokens: the least recently used others go, never the hit's own
+        (
+            [task(A, need=24)],
+            [1],
+            [cached(0, A[:16], 9), cached(2, B_[:12], 1), cached(3, SYSTEM, 2)],
+            4,
+            [Start(0, 0, 16, 16)],
+            [2],
+        ),
+        # a task that would not fit without the cache waits, and nothing is evicted for it
+        ([task(A, need=40)], [1], [cached(0, A[:16], 9), cached(2, B_[:12], 1)], 8, [], []),
+        # ... and one that would fits: every cached token is evictable
+        ([task((5,) * 10, need=36)], [1], [cached(0, A[:16], 9), cached(2, B_[:12], 1)], 8, [Start(0, 1, 0)], [2, 0]),
+        # two tasks sharing a prefix in one step: one slot, so the second misses
+        ([task(A), task(B_)], [1], [cached(0, SYSTEM, 1)], 100, [Start(0, 0, 12, 12), Start(1, 1, 0)], []),
+        # first come, first served: the second waits behind the first
+        ([task((5,) * 10, need=200), task(A)], [1], [cached(0, A[:16], 1)], 100, [], []),
+        # a task scoring its prompt resumes nowhere
+        ([task(A, may_reuse=False)], [1], [cached(0, A[:16], 1)], 100, [Start(0, 1, 0)], []),
+        # no slot at all: running sequences hold them all
+        ([task(A)], [], [], 100, [], []),
+        # another conversation holds a chunk more past the shared system prompt: copied from
+        ([task(B_)], [1], [cached(0, LONG, 1)], 100, [Start(0, 1, 12, source=0)], []),
+        ([task(B_)], [], [cached(0, LONG, 2), cached(3, A[:16], 1)], 100, [Start(0, 3, 12, source=0)], [3]),
+        # ... and then counts as used: the next task evicts another
+        (
+            [task(B_), task((5,) * 10)],
+            [1],
+            [cached(0, LONG, 1), cached(2, (9,) * 8, 2)],
+            100,
+            [Start(0, 1, 12, source=0), Start(1, 2, 0)],
+            [2],
+        ),
+        # ... unless that takes evicting it: then taken
+        ([task(B_)], [], [cached(0, LONG, 1)], 100, [Start(0, 0, 12, 28)], []),
+        ([task(B_, need=40)], [1], [cached(0, LONG, 1)], 20, [Start(0, 0, 12, 28)], []),
+    ],
+    ids=[
+        "hit",
+        "hit on a shared system prompt",
+        "furthest",
+        "most recent of equals",
+        "empty slot first",
+        "least recently used slot",
+        "evicted for tokens",
+        "would not fit without the cache",
+        "fits once evicted",
+        "one slot for two",
+        "in order",
+        "scored prompt",
+        "no slot",
+        "copied",
+        "copied into an evicted slot",
+        "the copied prefix is used",
+        "no other slot",
+        "no other tokens",
+    ],
+)
 def test_admission_with_cached_prefixes(waiting, free_slots, pool, free_tokens, starts, evicted):
     plan = plan_admission(waiting, free_slots, pool, free_tokens, C, B)
     assert list(plan.starts) == starts
@@ -150,9 +190,17 @@ def test_a_prefix_copied_from_is_evicted_after_the_copy():
     assert plan.evicted == (0,) and plan.evicted_before == (0, 1)
 
 
-@pytest.mark.parametrize("needs, slots, cached_slots, free", [
-    ([32, 32, 32], 4, 2, 100), ([64, 64], 4, 3, 100), ([128, 32], 4, 1, 100), ([32, 96, 32], 2, 2, 100),
-    ([100], 1, 1, 100), ([40, 40, 40], 0, 3, 40)])
+@pytest.mark.parametrize(
+    "needs, slots, cached_slots, free",
+    [
+        ([32, 32, 32], 4, 2, 100),
+        ([64, 64], 4, 3, 100),
+        ([128, 32], 4, 1, 100),
+        ([32, 96, 32], 2, 2, 100),
+        ([100], 1, 1, 100),
+        ([40, 40, 40], 0, 3, 40),
+    ],
+)
 def test_cached_prefixes_refuse_no_task_that_would_start_without_them(needs, slots, cached_slots, free):
     """The same tasks start whether the free slots and tokens are empty or held by cached
     prefixes that none of the tasks matches."""
@@ -169,24 +217,38 @@ def answered(slot: int, kept: int, rest: int, used: int = 1) -> CachedPrefix:
     return CachedPrefix(slot, tokens[:kept], tuple(block_hashes(tokens[:kept], 16)), used, rest=tokens[kept:])
 
 
-@pytest.mark.parametrize("prefixes, free_tokens, extension", [
-    # a 243-token prompt kept 240 and answered 64: 304 whole, started back to 96 rows (AMX's class)
-    ([answered(0, 240, 67)], 1000, Extension(0, 208, 96)),
-    # rows past the window's first 96 only: the chunk would read fewer rows than a cold one
-    ([answered(0, 512, 70)], 1000, None),
-    # a window at a time: the first ends at 512
-    ([answered(0, 480, 200)], 1000, Extension(0, 416, 96)),
-    ([answered(0, 512, 168)], 1000, Extension(0, 512, 160)),
-    # no whole block to add; no free pool tokens (nothing is evicted for it)
-    ([answered(0, 240, 15)], 1000, None),
-    ([answered(0, 240, 67)], 63, None),
-    ([answered(0, 240, 67)], 64, Extension(0, 208, 96)),
-    # the most recently used first; one that cannot grow leaves it to the next
-    ([answered(0, 240, 67, used=1), answered(1, 480, 200, used=2)], 1000, Extension(1, 416, 96)),
-    ([answered(0, 240, 67, used=1), answered(1, 512, 70, used=2)], 1000, Extension(0, 208, 96)),
-    ([], 1000, None),
-], ids=["answer", "short window", "to the window", "next window", "part block", "no pool", "pool",
-        "recent first", "skips", "none"])
+@pytest.mark.parametrize(
+    "prefixes, free_tokens, extension",
+    [
+        # a 243-token prompt kept 240 and answered 64: 304 whole, started back to 96 rows (AMX's class)
+        ([answered(0, 240, 67)], 1000, Extension(0, 208, 96)),
+        # rows past the window's first 96 only: the chunk would read fewer rows than a cold one
+        ([answered(0, 512, 70)], 1000, None),
+        # a window at a time: the first ends at 512
+        ([answered(0, 480, 200)], 1000, Extension(0, 416, 96)),
+        ([answered(0, 512, 168)], 1000, Extension(0, 512, 160)),
+        # no whole block to add; no free pool tokens (nothing is evicted for it)
+        ([answered(0, 240, 15)], 1000, None),
+        ([answered(0, 240, 67)], 63, None),
+        ([answered(0, 240, 67)], 64, Extension(0, 208, 96)),
+        # the most recently used first; one that cannot grow leaves it to the next
+        ([answered(0, 240, 67, used=1), answered(1, 480, 200, used=2)], 1000, Extension(1, 416, 96)),
+        ([answered(0, 240, 67, used=1), answered(1, 512, 70, used=2)], 1000, Extension(0, 208, 96)),
+        ([], 1000, None),
+    ],
+    ids=[
+        "answer",
+        "short window",
+        "to the window",
+        "next window",
+        "part block",
+        "no pool",
+        "pool",
+        "recent first",
+        "skips",
+        "none",
+    ],
+)
 def test_a_cached_prefix_grows_over_its_answer_in_a_whole_chunks_class(prefixes, free_tokens, extension):
     assert plan_extension(prefixes, free_tokens, chunk=512, block=16) == extension
 
@@ -200,7 +262,8 @@ def test_an_extended_prefix_holds_its_answer_blocks_with_their_hashes():
 
 
 def test_chunks_shorter_than_a_block_grow_a_prefix_a_block_of_whole_chunks_at_a_time():
-    prefix = CachedPrefix(0, tuple(range(128)), tuple(block_hashes(tuple(range(128)), 64)), 1,
-                          rest=tuple(range(128, 230)))
+    prefix = CachedPrefix(
+        0, tuple(range(128)), tuple(block_hashes(tuple(range(128)), 64)), 1, rest=tuple(range(128, 230))
+    )
     assert plan_extension([prefix], 1000, chunk=8, block=64) == Extension(0, 128, 64)
     assert plan_extension([prefix.extended(192, 64)], 1000, chunk=8, block=64) is None  # 38 left: no block

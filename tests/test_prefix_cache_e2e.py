@@ -48,11 +48,13 @@ def test_anthropic_client_sees_cache_reads_on_later_turns(url):
     for turn, question in enumerate(QUESTIONS):
         messages.append({"role": "user", "content": question})
         if turn < 2:
-            answer = client.messages.create(model=M, max_tokens=8, system=system(2), messages=messages,
-                                            extra_body={"temperature": 0})
+            answer = client.messages.create(
+                model=M, max_tokens=8, system=system(2), messages=messages, extra_body={"temperature": 0}
+            )
         else:  # streamed: the usage of message_delta, as the SDK accumulates it
-            with client.messages.stream(model=M, max_tokens=8, system=system(2), messages=messages,
-                                        extra_body={"temperature": 0}) as stream:
+            with client.messages.stream(
+                model=M, max_tokens=8, system=system(2), messages=messages, extra_body={"temperature": 0}
+            ) as stream:
                 answer = stream.get_final_message()
         usage = answer.usage
         reads.append(usage.cache_read_input_tokens)
@@ -81,8 +83,9 @@ def test_cache_prompt_false_prefills_the_whole_prompt(url):
     messages = [{"role": "system", "content": system(4)}, {"role": "user", "content": QUESTIONS[0]}]
 
     def ask(**extra) -> tuple[int, str]:
-        answer = client.chat.completions.create(model=M, messages=messages, temperature=0, max_tokens=8,
-                                                extra_body=extra)
+        answer = client.chat.completions.create(
+            model=M, messages=messages, temperature=0, max_tokens=8, extra_body=extra
+        )
         assert answer.usage is not None and answer.usage.prompt_tokens_details is not None
         return answer.usage.prompt_tokens_details.cached_tokens, answer.choices[0].message.content
 

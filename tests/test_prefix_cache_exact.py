@@ -43,8 +43,7 @@ def shard(tmp_path_factory):
 def engine(shard, prefix_cache: bool = True) -> tuple[Recording, list]:
     sent: list = []
     stage = PipelineStage(shard, tm.new_cache(shard, slots=2, context=1536), 0, 1)
-    e = Recording(stage, queue.Queue(), sent.append, "n", None, 2, 1536, 512, 512, 4096,
-                  prefix_cache=prefix_cache)
+    e = Recording(stage, queue.Queue(), sent.append, "n", None, 2, 1536, 512, 512, 4096, prefix_cache=prefix_cache)
     e.first_logits = {}
     return e, sent
 
@@ -66,11 +65,15 @@ def run(e: Recording, sent: list, t: Task, generated: list[int] | None = None) -
     raise AssertionError("the task did not end")
 
 
-@pytest.mark.parametrize("prefix, total, cached", [
-    (803, 1197, 768),  # the prefix's last chunk (512..802) read fewer keys than a cold one
-    (475, 655, 384),  # resumed inside the first chunk
-    (600, 1030, 512),  # the cold last chunk is 6 rows (the fused layers'), none of it cached
-], ids=lambda v: str(v))
+@pytest.mark.parametrize(
+    "prefix, total, cached",
+    [
+        (803, 1197, 768),  # the prefix's last chunk (512..802) read fewer keys than a cold one
+        (475, 655, 384),  # resumed inside the first chunk
+        (600, 1030, 512),  # the cold last chunk is 6 rows (the fused layers'), none of it cached
+    ],
+    ids=lambda v: str(v),
+)
 def test_a_resumed_prompt_gets_a_cold_prefills_bits(shard, prefix, total, cached):
     rng = random.Random(prefix)
     prompt = tuple(rng.randrange(tm.VOCAB) for _ in range(total))
@@ -128,7 +131,11 @@ def test_an_answer_is_cached_while_idle_with_a_cold_prefills_bits(shard):
     assert torch.equal(warm.first_logits[3], cold.first_logits[2])
     (mine,), (theirs,) = warm.cached.values(), cold.cached.values()
     for layer in range(2):
-        assert torch.equal(warm.stage.cache.k[layer][mine.slot, :, : after.tokens],
-                           cold.stage.cache.k[layer][theirs.slot, :, : after.tokens])
-        assert torch.equal(warm.stage.cache.v[layer][mine.slot, :, : after.tokens],
-                           cold.stage.cache.v[layer][theirs.slot, :, : after.tokens])
+        assert torch.equal(
+            warm.stage.cache.k[layer][mine.slot, :, : after.tokens],
+            cold.stage.cache.k[layer][theirs.slot, :, : after.tokens],
+        )
+        assert torch.equal(
+            warm.stage.cache.v[layer][mine.slot, :, : after.tokens],
+            cold.stage.cache.v[layer][theirs.slot, :, : after.tokens],
+        )

@@ -178,8 +178,9 @@ def test_tensor_and_ring_ranks_resume_from_the_same_cached_prefix(model_dir, sha
     system = tuple(random.Random(44).randrange(tm.VOCAB) for _ in range(600))
     first = task(400, system + tail(40))
     second = task(401, system + tail(700))
-    instance = Instance(model_dir, 2, max_batch=2, context=1536, sharding=sharding, prefill_chunk=256,
-                        prefill_step_tokens=1024)
+    instance = Instance(
+        model_dir, 2, max_batch=2, context=1536, sharding=sharding, prefill_chunk=256, prefill_step_tokens=1024
+    )
     try:
         expected = reference_tokens(model_dir, [first, second])
         results = run(instance, [first])
@@ -219,20 +220,26 @@ def test_two_conversations_sharing_a_system_prompt_both_hit_and_keep_their_own(m
 
 
 @pytest.mark.timeout(240)
-@pytest.mark.parametrize("sharding, chunk, prompt_len, answer, kept, grown", [
-    (Sharding.PIPELINE, 8, 170, 60, 2 * BLOCK, 3 * BLOCK),
-    (Sharding.TENSOR, 8, 170, 60, 2 * BLOCK, 3 * BLOCK),
-    (Sharding.RING, 256, 640, 140, 10 * BLOCK, 12 * BLOCK),
-], ids=["pipeline", "tensor", "ring"])
-def test_an_answer_is_cached_while_idle_and_the_next_turn_resumes_after_it(model_dir, sharding, chunk, prompt_len,
-                                                                           answer, kept, grown):
+@pytest.mark.parametrize(
+    "sharding, chunk, prompt_len, answer, kept, grown",
+    [
+        (Sharding.PIPELINE, 8, 170, 60, 2 * BLOCK, 3 * BLOCK),
+        (Sharding.TENSOR, 8, 170, 60, 2 * BLOCK, 3 * BLOCK),
+        (Sharding.RING, 256, 640, 140, 10 * BLOCK, 12 * BLOCK),
+    ],
+    ids=["pipeline", "tensor", "ring"],
+)
+def test_an_answer_is_cached_while_idle_and_the_next_turn_resumes_after_it(
+    model_dir, sharding, chunk, prompt_len, answer, kept, grown
+):
     """A finished turn's slot keeps its prompt's whole blocks; while nothing runs, every
     rank computes its answer's rows as a cold prefill would and the cached prefix grows
     over them; the next turn (prompt, answer, a new message) resumes after them and gets
     the tokens of a cold prefill."""
     first = task(600, tuple(random.Random(45).randrange(tm.VOCAB) for _ in range(prompt_len)), max_tokens=answer)
-    instance = Instance(model_dir, 2, max_batch=2, context=1536, sharding=sharding, prefill_chunk=chunk,
-                        prefill_step_tokens=1024)
+    instance = Instance(
+        model_dir, 2, max_batch=2, context=1536, sharding=sharding, prefill_chunk=chunk, prefill_step_tokens=1024
+    )
     try:
         results = run(instance, [first])
         said = tokens(results[0][600])

@@ -23,15 +23,18 @@ def c(name: str, matched: int = 0, local: bool = False, load: int = 0, created: 
     return Candidate(name, matched, local, load, created)
 
 
-@pytest.mark.parametrize("candidates, chosen", [
-    ([], None),
-    ([c("a")], "a"),
-    ([c("a", matched=2, local=True), c("b", matched=5)], "b"),  # the longest prefix first
-    ([c("a", matched=5, load=9), c("b", matched=5, local=True, load=9)], "b"),  # then a local one
-    ([c("a", local=True, load=3), c("b", local=True, load=1)], "b"),  # then the least loaded
-    ([c("a", load=1, created=2.0), c("b", load=1, created=1.0)], "b"),  # then the oldest
-    ([c("a", matched=1, load=50), c("b", local=True)], "a"),  # a hit outweighs the load
-])
+@pytest.mark.parametrize(
+    "candidates, chosen",
+    [
+        ([], None),
+        ([c("a")], "a"),
+        ([c("a", matched=2, local=True), c("b", matched=5)], "b"),  # the longest prefix first
+        ([c("a", matched=5, load=9), c("b", matched=5, local=True, load=9)], "b"),  # then a local one
+        ([c("a", local=True, load=3), c("b", local=True, load=1)], "b"),  # then the least loaded
+        ([c("a", load=1, created=2.0), c("b", load=1, created=1.0)], "b"),  # then the oldest
+        ([c("a", matched=1, load=50), c("b", local=True)], "a"),  # a hit outweighs the load
+    ],
+)
 def test_the_choice(candidates, chosen):
     assert choose(candidates) == chosen
 
@@ -58,17 +61,32 @@ def test_the_record_matches_leading_blocks_and_forgets_the_least_recently_used()
     assert record.matched("x", [1]) == 0
 
 
-def _instance(instance_id: str, node: str, created_at: float, context: int = 4096,
-              prefix_cache: bool = True) -> Instance:
-    return Instance(instance_id, "m", Sharding.PIPELINE,
-                    (RankPlacement(node, f"{node}:1", RankShare(0, 1), status=RankStatus.READY),),
-                    node, 1, context, 8, status=InstanceStatus.READY, created_at=created_at,
-                    prefix_cache=prefix_cache)
+def _instance(
+    instance_id: str, node: str, created_at: float, context: int = 4096, prefix_cache: bool = True
+) -> Instance:
+    return Instance(
+        instance_id,
+        "m",
+        Sharding.PIPELINE,
+        (RankPlacement(node, f"{node}:1", RankShare(0, 1), status=RankStatus.READY),),
+        node,
+        1,
+        context,
+        8,
+        status=InstanceStatus.READY,
+        created_at=created_at,
+        prefix_cache=prefix_cache,
+    )
 
 
 def _router(*instances: Instance) -> Router:
-    node = SimpleNamespace(node_id="a", streams={}, is_stopping=lambda: False, down_after_s=5.0,
-                           instances={i.instance_id: i for i in instances})
+    node = SimpleNamespace(
+        node_id="a",
+        streams={},
+        is_stopping=lambda: False,
+        down_after_s=5.0,
+        instances={i.instance_id: i for i in instances},
+    )
 
     async def generate(address, request, ran_on=None):
         yield TokenEvent(1, 42, "length")
@@ -108,8 +126,11 @@ def test_a_conversations_next_turn_goes_where_its_last_one_went():
 def test_routing_keeps_to_instances_as_long_and_to_caching_ones():
     """Only instances of at least the checked one's context are candidates; one without
     a prefix cache matches nothing; a forwarded request keeps to this node's instances."""
-    short, long_, plain = (_instance("short", "b", 1.0, context=2048), _instance("long", "c", 2.0),
-                           _instance("plain", "d", 0.5, prefix_cache=False))
+    short, long_, plain = (
+        _instance("short", "b", 1.0, context=2048),
+        _instance("long", "c", 2.0),
+        _instance("plain", "d", 0.5, prefix_cache=False),
+    )
     router = _router(short, long_, plain)
     prompt = SYSTEM
     _run(router, prompt, short)

@@ -21,8 +21,9 @@ pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
 @pytest.fixture(scope="module")
 def two_instances(tmp_path_factory):
     log_dir = tmp_path_factory.mktemp("prefix-routing")
-    cluster = LocalCluster(nodes=2, base_port=free_port_block(2), runner_threads=1, log_dir=str(log_dir),
-                           data_dir=str(log_dir))
+    cluster = LocalCluster(
+        nodes=2, base_port=free_port_block(2), runner_threads=1, log_dir=str(log_dir), data_dir=str(log_dir)
+    )
     try:
         cluster.start()
         older = cluster.place(None, "pipeline", on=[1])
@@ -34,10 +35,16 @@ def two_instances(tmp_path_factory):
 
 def ask(url: str, messages: list[dict]) -> tuple[str, int, str]:
     """(answer, cached prompt tokens, system_fingerprint) of one greedy request."""
-    body = httpx.post(f"{url}/v1/chat/completions", timeout=120, json={
-        "model": M, "messages": messages, "temperature": 0, "max_tokens": 8}).json()
-    return (body["choices"][0]["message"]["content"], body["usage"]["prompt_tokens_details"]["cached_tokens"],
-            body["system_fingerprint"])
+    body = httpx.post(
+        f"{url}/v1/chat/completions",
+        timeout=120,
+        json={"model": M, "messages": messages, "temperature": 0, "max_tokens": 8},
+    ).json()
+    return (
+        body["choices"][0]["message"]["content"],
+        body["usage"]["prompt_tokens_details"]["cached_tokens"],
+        body["system_fingerprint"],
+    )
 
 
 def test_a_conversations_next_turn_goes_to_the_instance_that_holds_its_prefix(two_instances):
@@ -45,9 +52,12 @@ def test_a_conversations_next_turn_goes_to_the_instance_that_holds_its_prefix(tw
     url = cluster.url(0)
     a = [{"role": "system", "content": build_prompt(400, 301)}, {"role": "user", "content": "Summarise it."}]
     b = [{"role": "system", "content": build_prompt(400, 302)}, {"role": "user", "content": "Summarise it."}]
-    with httpx.stream("POST", f"{url}/v1/chat/completions", timeout=120, json={
-            "model": M, "messages": a, "temperature": 0, "max_tokens": 600, "ignore_eos": True,
-            "stream": True}) as running:  # still running when b comes
+    with httpx.stream(
+        "POST",
+        f"{url}/v1/chat/completions",
+        timeout=120,
+        json={"model": M, "messages": a, "temperature": 0, "max_tokens": 600, "ignore_eos": True, "stream": True},
+    ) as running:  # still running when b comes
         lines = running.iter_lines()
         first = json.loads(next(line for line in lines if line.startswith("data:"))[5:])
         assert first["system_fingerprint"].startswith(f"fp_{older[:12]}")  # the oldest, both idle

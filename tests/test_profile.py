@@ -16,19 +16,8 @@ from fastapi import FastAPI
 from shardline.api.internal.link_probe import router as link_routes
 from shardline.cli import device_name
 from shardline.devices import pick_device
-from shardline.node.link_probe import (
-    LINK_HISTORY,
-    LinkMeter,
-    link_due,
-    measure_link,
-    steady_link,
-)
-from shardline.node.profile import (
-    HostProfile,
-    host_id,
-    measure_host,
-    measure_host_async,
-)
+from shardline.node.link_probe import LINK_HISTORY, LinkMeter, link_due, measure_link, steady_link
+from shardline.node.profile import HostProfile, host_id, measure_host, measure_host_async
 
 
 @pytest.fixture(scope="module")
@@ -125,17 +114,25 @@ def test_measure_link_peer_without_routes_raises():
 
 
 def _measured(rtt_s: float, bandwidth: float) -> dict:
-    return {"rtt_s": rtt_s, "latency_s": rtt_s / 2, "bandwidth_bytes_per_s": bandwidth,
-            "payload_bytes": 1, "transfer_s": 1 / bandwidth}
+    return {
+        "rtt_s": rtt_s,
+        "latency_s": rtt_s / 2,
+        "bandwidth_bytes_per_s": bandwidth,
+        "payload_bytes": 1,
+        "transfer_s": 1 / bandwidth,
+    }
 
 
-@pytest.mark.parametrize("history, rtt_s, bandwidth", [
-    ([_measured(1e-3, 1e8)], 1e-3, 1e8),
-    # pings queued behind another upload on a slow link: the least round trip stays
-    ([_measured(1e-3, 1e8), _measured(0.21, 2.5e5)], 1e-3, 2.5e5),
-    # the least of the last LINK_HISTORY only: an older one is forgotten
-    ([_measured(1e-4, 1e8)] + [_measured(2e-3, 1e8)] * LINK_HISTORY, 2e-3, 1e8),
-])
+@pytest.mark.parametrize(
+    "history, rtt_s, bandwidth",
+    [
+        ([_measured(1e-3, 1e8)], 1e-3, 1e8),
+        # pings queued behind another upload on a slow link: the least round trip stays
+        ([_measured(1e-3, 1e8), _measured(0.21, 2.5e5)], 1e-3, 2.5e5),
+        # the least of the last LINK_HISTORY only: an older one is forgotten
+        ([_measured(1e-4, 1e8)] + [_measured(2e-3, 1e8)] * LINK_HISTORY, 2e-3, 1e8),
+    ],
+)
 def test_a_link_is_its_least_round_trip_of_late_and_its_newest_bandwidth(history, rtt_s, bandwidth):
     link = steady_link(history)
     assert link["rtt_s"] == rtt_s and link["latency_s"] == rtt_s / 2
@@ -143,9 +140,16 @@ def test_a_link_is_its_least_round_trip_of_late_and_its_newest_bandwidth(history
 
 
 @pytest.mark.fast
-@pytest.mark.parametrize("now, last_at, samples, due", [
-    (100.0, None, 0, True), (104.0, 100.0, 1, False), (105.0, 100.0, 1, True),
-    (105.0, 100.0, LINK_HISTORY, False), (160.0, 100.0, LINK_HISTORY, True)])
+@pytest.mark.parametrize(
+    "now, last_at, samples, due",
+    [
+        (100.0, None, 0, True),
+        (104.0, 100.0, 1, False),
+        (105.0, 100.0, 1, True),
+        (105.0, 100.0, LINK_HISTORY, False),
+        (160.0, 100.0, LINK_HISTORY, True),
+    ],
+)
 def test_a_link_is_measured_every_few_seconds_until_it_has_a_history(now, last_at, samples, due):
     """A first measurement taken while the cluster starts is busy (trial 8: 12-21 ms
     against 1.2-2 ms idle); LINK_HISTORY of them 5 s apart, then a minute apart."""
@@ -179,9 +183,11 @@ def test_a_link_meter_measures_a_link_once_at_a_time_and_keeps_its_least_round_t
 def test_node_side_does_not_import_torch():
     """The node process (its HTTP app, the profile and link probe) never imports torch:
     only its runners and the profile's child do."""
-    code = ("import sys, shardline.api.app, shardline.node.profile, shardline.node.link_probe, "
-            "shardline.api.internal.link_probe as p; "
-            "from fastapi import FastAPI; FastAPI().include_router(p.router()); assert 'torch' not in sys.modules")
+    code = (
+        "import sys, shardline.api.app, shardline.node.profile, shardline.node.link_probe, "
+        "shardline.api.internal.link_probe as p; "
+        "from fastapi import FastAPI; FastAPI().include_router(p.router()); assert 'torch' not in sys.modules"
+    )
     subprocess.run([sys.executable, "-c", code], check=True, timeout=30)
 
 
@@ -192,23 +198,32 @@ class FakeTorch:
         import torch
 
         self.device = torch.device
-        self.cuda = type("cuda", (), {"is_available": staticmethod(lambda: gpus > 0),
-                                      "current_device": staticmethod(lambda: 0),
-                                      "device_count": staticmethod(lambda: gpus)})
+        self.cuda = type(
+            "cuda",
+            (),
+            {
+                "is_available": staticmethod(lambda: gpus > 0),
+                "current_device": staticmethod(lambda: 0),
+                "device_count": staticmethod(lambda: gpus),
+            },
+        )
         self.backends = type("backends", (), {})
 
 
 @pytest.mark.fast
-@pytest.mark.parametrize("asked, gpus, device", [
-    ("auto", 0, "cpu"),
-    ("auto", 2, "cuda:0"),  # the first GPU torch sees
-    ("cpu", 2, "cpu"),
-    ("cuda", 1, "cuda:0"),
-    ("cuda:1", 2, "cuda:1"),
-    ("cuda", 0, RuntimeError),  # asked for, not there: the runner fails with the reason
-    ("cuda:2", 2, RuntimeError),
-    ("mps", 0, RuntimeError),
-])
+@pytest.mark.parametrize(
+    "asked, gpus, device",
+    [
+        ("auto", 0, "cpu"),
+        ("auto", 2, "cuda:0"),  # the first GPU torch sees
+        ("cpu", 2, "cpu"),
+        ("cuda", 1, "cuda:0"),
+        ("cuda:1", 2, "cuda:1"),
+        ("cuda", 0, RuntimeError),  # asked for, not there: the runner fails with the reason
+        ("cuda:2", 2, RuntimeError),
+        ("mps", 0, RuntimeError),
+    ],
+)
 def test_a_node_s_device_is_what_its_runners_compute_on(asked, gpus, device):
     if device is RuntimeError:
         with pytest.raises(RuntimeError):
@@ -218,8 +233,19 @@ def test_a_node_s_device_is_what_its_runners_compute_on(asked, gpus, device):
 
 
 @pytest.mark.fast
-@pytest.mark.parametrize("text, ok", [("auto", True), ("cpu", True), ("cuda", True), ("cuda:3", True),
-                                      ("mps", True), ("gpu", False), ("cuda:", False), ("CUDA", False)])
+@pytest.mark.parametrize(
+    "text, ok",
+    [
+        ("auto", True),
+        ("cpu", True),
+        ("cuda", True),
+        ("cuda:3", True),
+        ("mps", True),
+        ("gpu", False),
+        ("cuda:", False),
+        ("CUDA", False),
+    ],
+)
 def test_device_names_are_checked_on_the_command_line(text, ok):
     import argparse
 

@@ -54,8 +54,7 @@ def test_a_constant_group_and_a_bad_shape():
 def test_a_loaded_shard_holds_its_16_bit_weights_in_the_quantized_bits(tmp_path):
     path = tm.save_hf(tm.hf_model("llama", num_layers=2, seed=3), tmp_path / "tiny")
     dense = load_shard(open_weights(path), 0, 2, dtype=torch.bfloat16)
-    quantized = {mode: load_shard(open_weights(path), 0, 2, dtype=torch.bfloat16, quantize=mode)
-                 for mode in Quantize}
+    quantized = {mode: load_shard(open_weights(path), 0, 2, dtype=torch.bfloat16, quantize=mode) for mode in Quantize}
     planes = quantized[Quantize.INT4].layers[0].mlp.down.parts[0]
     assert isinstance(planes, Int4Planes) and len(planes.packed) == 1
     assert len(quantized[Quantize.INT8].layers[0].mlp.down.parts[0].packed) == 2

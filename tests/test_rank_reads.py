@@ -14,13 +14,26 @@ pytestmark = pytest.mark.timeout(120)
 P, T, R = Sharding.PIPELINE, Sharding.TENSOR, Sharding.RING
 
 # 4 layers; blk.12 and blk.1x would be taken for blk.1 by a careless match
-GGUF_NAMES = ["token_embd.weight", "output_norm.weight", "output.weight", "rope_freqs.weight",
-              "blk.0.attn_q.weight", "blk.1.ffn_down_exps.weight", "blk.2.attn_norm.weight",
-              "blk.3.ffn_gate_inp.weight", "blk.12.attn_q.weight", "blk.1x.attn_q.weight",
-              "unknown.weight"]
+GGUF_NAMES = [
+    "token_embd.weight",
+    "output_norm.weight",
+    "output.weight",
+    "rope_freqs.weight",
+    "blk.0.attn_q.weight",
+    "blk.1.ffn_down_exps.weight",
+    "blk.2.attn_norm.weight",
+    "blk.3.ffn_gate_inp.weight",
+    "blk.12.attn_q.weight",
+    "blk.1x.attn_q.weight",
+    "unknown.weight",
+]
 EVERY = {"rope_freqs.weight"}
-LAYER = {0: {"blk.0.attn_q.weight"}, 1: {"blk.1.ffn_down_exps.weight"}, 2: {"blk.2.attn_norm.weight"},
-         3: {"blk.3.ffn_gate_inp.weight"}}
+LAYER = {
+    0: {"blk.0.attn_q.weight"},
+    1: {"blk.1.ffn_down_exps.weight"},
+    2: {"blk.2.attn_norm.weight"},
+    3: {"blk.3.ffn_gate_inp.weight"},
+}
 EMBED, HEAD = {"token_embd.weight"}, {"output_norm.weight", "output.weight"}
 
 
@@ -28,22 +41,25 @@ def layers(*indices: int) -> set[str]:
     return set().union(*(LAYER[i] for i in indices))
 
 
-@pytest.mark.parametrize("sharding, rank, share, tied, expected", [
-    # a pipeline: the first rank the embedding, the last the final norm and head
-    (P, 0, (0, 1), False, EVERY | EMBED | layers(0)),
-    (P, 1, (1, 3), False, EVERY | layers(1, 2)),
-    (P, 2, (3, 4), False, EVERY | HEAD | layers(3)),
-    # tied: the last rank's head is the embedding (the file has no output.weight)
-    (P, 2, (3, 4), True, EVERY | HEAD | EMBED | layers(3)),
-    (P, 1, (1, 3), True, EVERY | layers(1, 2)),
-    (P, 0, (0, 4), False, EVERY | EMBED | HEAD | layers(0, 1, 2, 3)),  # one rank: all it can read
-    # ring: every rank the whole model
-    (R, 1, (0, 4), False, EVERY | EMBED | HEAD | layers(0, 1, 2, 3)),
-    # tensor: every layer and the embedding on each rank, the head on rank 0
-    (T, 0, (0, 4), False, EVERY | EMBED | HEAD | layers(0, 1, 2, 3)),
-    (T, 1, (0, 4), False, EVERY | EMBED | layers(0, 1, 2, 3)),
-    (T, 1, (0, 4), True, EVERY | EMBED | layers(0, 1, 2, 3)),
-])
+@pytest.mark.parametrize(
+    "sharding, rank, share, tied, expected",
+    [
+        # a pipeline: the first rank the embedding, the last the final norm and head
+        (P, 0, (0, 1), False, EVERY | EMBED | layers(0)),
+        (P, 1, (1, 3), False, EVERY | layers(1, 2)),
+        (P, 2, (3, 4), False, EVERY | HEAD | layers(3)),
+        # tied: the last rank's head is the embedding (the file has no output.weight)
+        (P, 2, (3, 4), True, EVERY | HEAD | EMBED | layers(3)),
+        (P, 1, (1, 3), True, EVERY | layers(1, 2)),
+        (P, 0, (0, 4), False, EVERY | EMBED | HEAD | layers(0, 1, 2, 3)),  # one rank: all it can read
+        # ring: every rank the whole model
+        (R, 1, (0, 4), False, EVERY | EMBED | HEAD | layers(0, 1, 2, 3)),
+        # tensor: every layer and the embedding on each rank, the head on rank 0
+        (T, 0, (0, 4), False, EVERY | EMBED | HEAD | layers(0, 1, 2, 3)),
+        (T, 1, (0, 4), False, EVERY | EMBED | layers(0, 1, 2, 3)),
+        (T, 1, (0, 4), True, EVERY | EMBED | layers(0, 1, 2, 3)),
+    ],
+)
 def test_what_a_rank_reads_of_a_gguf_file(sharding, rank, share, tied, expected):
     config = {"num_layers": 4, "tie_word_embeddings": tied}
     names = [n for n in GGUF_NAMES if not (tied and n == "output.weight")]
@@ -51,16 +67,31 @@ def test_what_a_rank_reads_of_a_gguf_file(sharding, rank, share, tied, expected)
     assert rank_tensors(names, "gguf", config, sharding, rank, RankShare(*share)) == expected
 
 
-@pytest.mark.parametrize("reads, tied, expected", [
-    (RankReads(0, 1, embed=True, head=False), False, {"model.embed_tokens.weight", "model.layers.0.mlp.w"}),
-    (RankReads(1, 2, embed=False, head=True), False,
-     {"model.layers.1.mlp.w", "model.norm.weight", "lm_head.weight"}),
-    (RankReads(1, 2, embed=False, head=True), True,
-     {"model.layers.1.mlp.w", "model.norm.weight", "lm_head.weight", "model.embed_tokens.weight"}),
-])
+@pytest.mark.parametrize(
+    "reads, tied, expected",
+    [
+        (RankReads(0, 1, embed=True, head=False), False, {"model.embed_tokens.weight", "model.layers.0.mlp.w"}),
+        (
+            RankReads(1, 2, embed=False, head=True),
+            False,
+            {"model.layers.1.mlp.w", "model.norm.weight", "lm_head.weight"},
+        ),
+        (
+            RankReads(1, 2, embed=False, head=True),
+            True,
+            {"model.layers.1.mlp.w", "model.norm.weight", "lm_head.weight", "model.embed_tokens.weight"},
+        ),
+    ],
+)
 def test_what_a_rank_reads_of_a_safetensors_model(reads, tied, expected):
-    names = ["model.embed_tokens.weight", "model.norm.weight", "lm_head.weight", "model.layers.0.mlp.w",
-             "model.layers.1.mlp.w", "model.rotary_emb.inv_freq"]
+    names = [
+        "model.embed_tokens.weight",
+        "model.norm.weight",
+        "lm_head.weight",
+        "model.layers.0.mlp.w",
+        "model.layers.1.mlp.w",
+        "model.rotary_emb.inv_freq",
+    ]
     assert tensors_read(names, HF_NAMING, tied, reads) == expected
 
 
@@ -107,9 +138,11 @@ def model_files(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("reads")
     llama = tm.hf_model("llama", tie=True)
     factors = np.linspace(1.0, 4.0, tm.HEAD_DIM // 2, dtype=np.float32)
-    out = {"llama-tied": tm.write_gguf(llama, tmp / "llama.gguf", arch="llama", rope_factors=factors),
-           "qwen2": tm.write_gguf(tm.hf_model("qwen2"), tmp / "qwen2.gguf", arch="qwen2"),
-           "qwen3moe": tm.write_gguf(tm.hf_model("qwen3moe"), tmp / "moe.gguf", arch="qwen3moe")}
+    out = {
+        "llama-tied": tm.write_gguf(llama, tmp / "llama.gguf", arch="llama", rope_factors=factors),
+        "qwen2": tm.write_gguf(tm.hf_model("qwen2"), tmp / "qwen2.gguf", arch="qwen2"),
+        "qwen3moe": tm.write_gguf(tm.hf_model("qwen3moe"), tmp / "moe.gguf", arch="qwen3moe"),
+    }
     out["safetensors"] = tm.save_hf(tm.hf_model("llama"), tmp / "hf")
     return out
 

@@ -67,12 +67,15 @@ def test_reasoning_streams_as_it_comes():
     assert splitter.flush() == ("", "")
 
 
-@pytest.mark.parametrize("tail, opens", [
-    ("<|im_start|>assistant\n<think>\n", True),
-    ("<｜Assistant｜><think>", True),
-    ("<|im_start|>assistant\n", False),
-    ("<|im_start|>assistant\n<think>\n\n</think>\n\n", False),
-    ("<think> in a user's words</think><|im_start|>assistant\n", False),
-])
+@pytest.mark.parametrize(
+    "tail, opens",
+    [
+        ("<|im_start|>assistant\n<think>\n", True),
+        ("<｜Assistant｜><think>", True),
+        ("<|im_start|>assistant\n", False),
+        ("<|im_start|>assistant\n<think>\n\n</think>\n\n", False),
+        ("<think> in a user's words</think><|im_start|>assistant\n", False),
+    ],
+)
 def test_prompt_opens_thinking(tail, opens):
     assert prompt_opens_thinking(tail) is opens

@@ -30,8 +30,14 @@ def served(tmp_path_factory):
     """(the node's URL, the model's directory): one node serving the tiny reasoning model."""
     root = tmp_path_factory.mktemp("reasoning")
     directory = write_tiny_chat_model(root / "models" / MODEL, MODEL)
-    cluster = LocalCluster(nodes=1, base_port=free_port_block(1), runner_threads=1, log_dir=str(root),
-                           data_dir=str(root), model_dirs=[root / "models"])
+    cluster = LocalCluster(
+        nodes=1,
+        base_port=free_port_block(1),
+        runner_threads=1,
+        log_dir=str(root),
+        data_dir=str(root),
+        model_dirs=[root / "models"],
+    )
     cluster.start()
     try:
         cluster.place(str(directory), "pipeline")
@@ -56,7 +62,8 @@ def test_an_effort_reaches_a_template_that_reads_it(tmp_path):
     directory = write_chat_tokenizer(tmp_path / "effort", "qwen")
     (directory / "chat_template.jinja").write_text(
         "{%- if reasoning_effort is not defined %}{%- set reasoning_effort = 'medium' %}{%- endif -%}"
-        "{{ 'Reasoning: ' + reasoning_effort + '\\n' }}{%- for m in messages %}{{ m.content }}{%- endfor -%}")
+        "{{ 'Reasoning: ' + reasoning_effort + '\\n' }}{%- for m in messages %}{{ m.content }}{%- endfor -%}"
+    )
     effortful = Tokenizer(directory)
     assert effortful.render_chat(ASK) == "Reasoning: medium\n" + ASK[0]["content"]
     for effort, level in (("minimal", "low"), ("high", "high"), ("max", "high")):
@@ -78,11 +85,14 @@ def test_chat_completions(served):
     assert reasoning and message.content == ""
     assert thought.usage.completion_tokens_details.reasoning_tokens == NOISE
 
-    streamed = client.chat.completions.create(**args, extra_body=no_close, stream=True,
-                                              stream_options={"include_usage": True})
+    streamed = client.chat.completions.create(
+        **args, extra_body=no_close, stream=True, stream_options={"include_usage": True}
+    )
     chunks = list(streamed)
-    assert "".join((c.choices[0].delta.model_extra or {}).get("reasoning_content") or ""
-                   for c in chunks if c.choices) == reasoning
+    assert (
+        "".join((c.choices[0].delta.model_extra or {}).get("reasoning_content") or "" for c in chunks if c.choices)
+        == reasoning
+    )
     assert chunks[-1].usage.completion_tokens_details.reasoning_tokens == NOISE
 
     answered = client.chat.completions.create(**args, reasoning_effort="none", extra_body=no_close)
@@ -117,8 +127,14 @@ def test_responses_reasoning_item(served):
     assert [item.type for item in first.output] == ["reasoning", "message"]
     assert first.output[0].content[0].text
     assert first.usage.output_tokens_details.reasoning_tokens == first.usage.output_tokens
-    then = client.responses.create(model=MODEL, input="And?", max_output_tokens=NOISE, temperature=0,
-                                   previous_response_id=first.id, reasoning={"effort": "none"})
+    then = client.responses.create(
+        model=MODEL,
+        input="And?",
+        max_output_tokens=NOISE,
+        temperature=0,
+        previous_response_id=first.id,
+        reasoning={"effort": "none"},
+    )
     assert [item.type for item in then.output] == ["message"]  # the stored reasoning item left out
     assert then.usage.output_tokens_details.reasoning_tokens == 0
 

@@ -19,6 +19,10 @@ def test_a_condition_warns_once_until_it_ends(caplog):
         warnings.ended("peer a")
         warnings.warn("peer a", "could not reach %s", "a")
     levels = [(r.levelname, r.getMessage().split(" (")[0]) for r in caplog.records]
-    assert levels == [("WARNING", "could not reach a"), ("DEBUG", "could not reach a"),
-                      ("DEBUG", "could not reach a"), ("WARNING", "could not reach b"),
-                      ("WARNING", "could not reach a")]
+    assert levels == [
+        ("WARNING", "could not reach a"),
+        ("DEBUG", "could not reach a"),
+        ("DEBUG", "could not reach a"),
+        ("WARNING", "could not reach b"),
+        ("WARNING", "could not reach a"),
+    ]

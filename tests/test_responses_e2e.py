@@ -19,8 +19,9 @@ def client(cluster1) -> openai.OpenAI:
 
 
 def test_create_answers_as_chat_completions_do(cluster1, client):
-    response = client.responses.create(model=DEFAULT_MODEL_ID, input=CAPITAL_QUESTION, temperature=0,
-                                       max_output_tokens=12)
+    response = client.responses.create(
+        model=DEFAULT_MODEL_ID, input=CAPITAL_QUESTION, temperature=0, max_output_tokens=12
+    )
     assert response.output_text == capital_answer(cluster1.url(0)) and "Paris" in response.output_text
     assert response.id.startswith("resp_") and response.object == "response"
     assert response.status in ("completed", "incomplete") and response.usage is not None
@@ -30,22 +31,25 @@ def test_create_answers_as_chat_completions_do(cluster1, client):
 
 
 def test_max_output_tokens_leaves_it_incomplete(client):
-    response = client.responses.create(model=DEFAULT_MODEL_ID, input=CAPITAL_QUESTION, temperature=0,
-                                       max_output_tokens=3)
+    response = client.responses.create(
+        model=DEFAULT_MODEL_ID, input=CAPITAL_QUESTION, temperature=0, max_output_tokens=3
+    )
     assert response.status == "incomplete" and response.usage is not None and response.usage.output_tokens == 3
     assert response.incomplete_details is not None and response.incomplete_details.reason == "max_output_tokens"
 
 
 def test_stream_events_build_the_same_text(client):
-    whole = client.responses.create(model=DEFAULT_MODEL_ID, input=CAPITAL_QUESTION, temperature=0,
-                                    max_output_tokens=12)
-    with client.responses.stream(model=DEFAULT_MODEL_ID, input=CAPITAL_QUESTION, temperature=0,
-                                 max_output_tokens=12) as stream:
+    whole = client.responses.create(model=DEFAULT_MODEL_ID, input=CAPITAL_QUESTION, temperature=0, max_output_tokens=12)
+    with client.responses.stream(
+        model=DEFAULT_MODEL_ID, input=CAPITAL_QUESTION, temperature=0, max_output_tokens=12
+    ) as stream:
         events = list(stream)
         final = stream.get_final_response()
     types = [e.type for e in events]
     assert types[:2] == ["response.created", "response.in_progress"] and types[-1] in (
-        "response.completed", "response.incomplete")
+        "response.completed",
+        "response.incomplete",
+    )
     deltas = [e.delta for e in events if e.type == "response.output_text.delta"]
     assert len(deltas) > 1 and "".join(deltas) == whole.output_text == final.output_text
     assert [e.sequence_number for e in events] == list(range(len(events)))
@@ -58,11 +62,20 @@ def test_previous_response_id_continues_the_conversation(cluster1, client):
     alone = client.responses.create(input="What is the secret code?", **greedy)
     assert "4821" in second.output_text and "4821" not in alone.output_text
     assert second.previous_response_id == first.id
-    chat = httpx.post(f"{cluster1.url(0)}/v1/chat/completions", timeout=120, json={
-        "model": DEFAULT_MODEL_ID, "temperature": 0, "max_tokens": 16, "messages": [
-            {"role": "user", "content": "The secret code is 4821."},
-            {"role": "assistant", "content": first.output_text},
-            {"role": "user", "content": "What is the secret code?"}]}).json()
+    chat = httpx.post(
+        f"{cluster1.url(0)}/v1/chat/completions",
+        timeout=120,
+        json={
+            "model": DEFAULT_MODEL_ID,
+            "temperature": 0,
+            "max_tokens": 16,
+            "messages": [
+                {"role": "user", "content": "The secret code is 4821."},
+                {"role": "assistant", "content": first.output_text},
+                {"role": "user", "content": "What is the secret code?"},
+            ],
+        },
+    ).json()
     assert second.output_text == chat["choices"][0]["message"]["content"]  # the same conversation
     client.responses.delete(first.id)
     with pytest.raises(openai.NotFoundError) as info:
@@ -76,13 +89,21 @@ def test_store_false_is_not_kept(client):
         client.responses.retrieve(response.id)
 
 
-@pytest.mark.parametrize("body, param", [
-    ({"input": "hi", "frobnicate": True}, "frobnicate"),
-    ({"input": "hi", "reasoning": {"effort": "huge"}}, "reasoning.effort"),
-    ({"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "http://x/y.png"}]}],
-      "_": None}, "input[0].content[0].type"),
-    ({"input": "hi", "temperature": 3}, "temperature"),
-])
+@pytest.mark.parametrize(
+    "body, param",
+    [
+        ({"input": "hi", "frobnicate": True}, "frobnicate"),
+        ({"input": "hi", "reasoning": {"effort": "huge"}}, "reasoning.effort"),
+        (
+            {
+                "input": [{"role": "user", "content": [{"type": "input_image", "image_url": "http://x/y.png"}]}],
+                "_": None,
+            },
+            "input[0].content[0].type",
+        ),
+        ({"input": "hi", "temperature": 3}, "temperature"),
+    ],
+)
 def test_refused_fields_are_named(cluster1, body, param):
     body = {k: v for k, v in body.items() if k != "_"}
     response = httpx.post(f"{cluster1.url(0)}/v1/responses", json={"model": DEFAULT_MODEL_ID, **body}, timeout=30)

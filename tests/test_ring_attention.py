@@ -10,13 +10,7 @@ import torch.multiprocessing as mp
 import torch.nn.functional as F
 from conftest import free_port_block
 
-from shardline.parallel.ring import (
-    RingContext,
-    attend_block,
-    block_bounds,
-    merge,
-    zigzag_offsets,
-)
+from shardline.parallel.ring import RingContext, attend_block, block_bounds, merge, zigzag_offsets
 
 
 def plain_attention(q, k, v, q_pos, k_pos):
@@ -24,8 +18,11 @@ def plain_attention(q, k, v, q_pos, k_pos):
     heads, kv_heads = q.shape[1], k.shape[1]
     mask = k_pos.unsqueeze(0) <= q_pos.unsqueeze(1)
     out = F.scaled_dot_product_attention(
-        q.float().transpose(0, 1), k.float().transpose(0, 1).repeat_interleave(heads // kv_heads, 0),
-        v.float().transpose(0, 1).repeat_interleave(heads // kv_heads, 0), attn_mask=mask)
+        q.float().transpose(0, 1),
+        k.float().transpose(0, 1).repeat_interleave(heads // kv_heads, 0),
+        v.float().transpose(0, 1).repeat_interleave(heads // kv_heads, 0),
+        attn_mask=mask,
+    )
     return out.transpose(0, 1)
 
 
@@ -66,20 +63,27 @@ def test_zigzag_split_partitions_the_chunk_and_balances_causal_work(length, worl
 
 def _ring_rank(rank, world, port, length, start, result_dir):
     os.environ["GLOO_SOCKET_IFNAME"] = "lo"
-    torch.distributed.init_process_group(
-        "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+    torch.distributed.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
     torch.manual_seed(1)  # the same full tensors on every rank
     heads, kv_heads, d, ctx = 4, 2, 8, 64
     q_all = torch.randn(start + length, heads, d)
     k_all, v_all = torch.randn(start + length, kv_heads, d), torch.randn(start + length, kv_heads, d)
     k_cache, v_cache = torch.zeros(2, kv_heads, ctx, d), torch.zeros(2, kv_heads, ctx, d)
     k_cache[1, :, :start], v_cache[1, :, :start] = k_all[:start].transpose(0, 1), v_all[:start].transpose(0, 1)
-    ring = RingContext(torch.distributed.group.WORLD, rank, world, slot=1, start=start,
-                       length=length, device=torch.device("cpu"))
+    ring = RingContext(
+        torch.distributed.group.WORLD, rank, world, slot=1, start=start, length=length, device=torch.device("cpu")
+    )
     mine = start + zigzag_offsets(length, world, rank)
     out = ring.attend(q_all[mine], k_all[mine], v_all[mine], k_cache, v_cache)
-    torch.save({"positions": mine, "out": out, "k": k_cache[1, :, : start + length].clone(),
-                "v": v_cache[1, :, : start + length].clone()}, f"{result_dir}/{rank}.pt")
+    torch.save(
+        {
+            "positions": mine,
+            "out": out,
+            "k": k_cache[1, :, : start + length].clone(),
+            "v": v_cache[1, :, : start + length].clone(),
+        },
+        f"{result_dir}/{rank}.pt",
+    )
     torch.distributed.destroy_process_group()
 
 

@@ -59,12 +59,30 @@ def test_a_request_whose_instance_is_gone_fails_as_a_failed_instance(reserved):
     assert node.streams == {}
 
 
-def _instance(instance_id: str, status: InstanceStatus, created_at: float, replaced=(),
-              model: str = "m", node: str = "a", given_up: bool = False, context: int = 256) -> Instance:
-    return Instance(instance_id, model, Sharding.PIPELINE,
-                    (RankPlacement(node, f"{node}:1", RankShare(0, 1), status=RankStatus.READY),),
-                    node, 1, context, 1, status=status, created_at=created_at, replaced=replaced,
-                    given_up=given_up)
+def _instance(
+    instance_id: str,
+    status: InstanceStatus,
+    created_at: float,
+    replaced=(),
+    model: str = "m",
+    node: str = "a",
+    given_up: bool = False,
+    context: int = 256,
+) -> Instance:
+    return Instance(
+        instance_id,
+        model,
+        Sharding.PIPELINE,
+        (RankPlacement(node, f"{node}:1", RankShare(0, 1), status=RankStatus.READY),),
+        node,
+        1,
+        context,
+        1,
+        status=status,
+        created_at=created_at,
+        replaced=replaced,
+        given_up=given_up,
+    )
 
 
 READY, LOADING, FAILED = InstanceStatus.READY, InstanceStatus.LOADING, InstanceStatus.FAILED
@@ -73,29 +91,39 @@ READY, LOADING, FAILED = InstanceStatus.READY, InstanceStatus.LOADING, InstanceS
 GAVE_UP = "given up"  # failed, and the coordinator will not place it again
 
 
-@pytest.mark.parametrize("table, failed, waited_s, step", [
-    ({"new": READY}, ["old"], 0.0, ReadyWait.RUN),  # placed again and ready
-    ({"new": READY}, ["old"], 99.0, ReadyWait.RUN),  # ready is ready, however late
-    ({"old": READY}, ["old"], 1.0, ReadyWait.WAIT),  # not found failed yet: not run on again
-    ({"old": READY}, ["old"], 7.0, ReadyWait.RUN),  # still ready after the verdict: a lost link
-    ({"old": FAILED}, ["old"], 1.0, ReadyWait.WAIT),  # the coordinator places it again
-    ({"old": FAILED, "new": LOADING}, ["old"], 20.0, ReadyWait.WAIT),
-    ({"new": LOADING}, ["old"], 30.0, ReadyWait.GIVE_UP),
-    ({"old": GAVE_UP}, ["old"], 0.0, ReadyWait.GIVE_UP),  # could not be placed again
-    ({}, ["old"], 0.0, ReadyWait.GIVE_UP),  # deleted: nothing to wait for
-    ({"other": READY}, ["old"], 0.0, ReadyWait.GIVE_UP),  # another model's
-    # a request that comes while no instance is ready
-    ({"new": LOADING}, [], 5.0, ReadyWait.WAIT),  # placed, loading
-    ({"new": LOADING}, [], 30.0, ReadyWait.GIVE_UP),
-    ({"old": FAILED}, [], 0.0, ReadyWait.WAIT),  # about to be placed again
-    ({"old": GAVE_UP}, [], 0.0, ReadyWait.GIVE_UP),
-    ({"old": GAVE_UP, "new": LOADING}, [], 0.0, ReadyWait.WAIT),  # a later term's try
-    ({"old": READY}, [], 0.0, ReadyWait.RUN),
-])
+@pytest.mark.parametrize(
+    "table, failed, waited_s, step",
+    [
+        ({"new": READY}, ["old"], 0.0, ReadyWait.RUN),  # placed again and ready
+        ({"new": READY}, ["old"], 99.0, ReadyWait.RUN),  # ready is ready, however late
+        ({"old": READY}, ["old"], 1.0, ReadyWait.WAIT),  # not found failed yet: not run on again
+        ({"old": READY}, ["old"], 7.0, ReadyWait.RUN),  # still ready after the verdict: a lost link
+        ({"old": FAILED}, ["old"], 1.0, ReadyWait.WAIT),  # the coordinator places it again
+        ({"old": FAILED, "new": LOADING}, ["old"], 20.0, ReadyWait.WAIT),
+        ({"new": LOADING}, ["old"], 30.0, ReadyWait.GIVE_UP),
+        ({"old": GAVE_UP}, ["old"], 0.0, ReadyWait.GIVE_UP),  # could not be placed again
+        ({}, ["old"], 0.0, ReadyWait.GIVE_UP),  # deleted: nothing to wait for
+        ({"other": READY}, ["old"], 0.0, ReadyWait.GIVE_UP),  # another model's
+        # a request that comes while no instance is ready
+        ({"new": LOADING}, [], 5.0, ReadyWait.WAIT),  # placed, loading
+        ({"new": LOADING}, [], 30.0, ReadyWait.GIVE_UP),
+        ({"old": FAILED}, [], 0.0, ReadyWait.WAIT),  # about to be placed again
+        ({"old": GAVE_UP}, [], 0.0, ReadyWait.GIVE_UP),
+        ({"old": GAVE_UP, "new": LOADING}, [], 0.0, ReadyWait.WAIT),  # a later term's try
+        ({"old": READY}, [], 0.0, ReadyWait.RUN),
+    ],
+)
 def test_what_a_request_without_a_ready_instance_does(table, failed, waited_s, step):
-    instances = {name: _instance(name, FAILED if status == GAVE_UP else status, 0.0,
-                                 model="n" if name == "other" else "m", given_up=status == GAVE_UP)
-                 for name, status in table.items()}
+    instances = {
+        name: _instance(
+            name,
+            FAILED if status == GAVE_UP else status,
+            0.0,
+            model="n" if name == "other" else "m",
+            given_up=status == GAVE_UP,
+        )
+        for name, status in table.items()
+    }
     got, inst = ready_wait(instances, "m", "a", failed, waited_s, limit_s=30.0, verdict_s=6.0)
     assert got == step and (inst is not None) == (step == ReadyWait.RUN)
 
@@ -121,8 +149,12 @@ def test_a_request_whose_instance_failed_before_any_output_runs_on_the_next_one(
 
         placing = asyncio.create_task(place_again())
         started = asyncio.get_running_loop().time()
-        events = [e async for e in Router(node).generate(
-            TokenRequest("m", (1, 2), 4, SamplingParams(), ()), None, lambda i: ran_on.append(i.instance_id))]
+        events = [
+            e
+            async for e in Router(node).generate(
+                TokenRequest("m", (1, 2), 4, SamplingParams(), ()), None, lambda i: ran_on.append(i.instance_id)
+            )
+        ]
         await placing
         return events, asyncio.get_running_loop().time() - started
 
@@ -131,12 +163,16 @@ def test_a_request_whose_instance_failed_before_any_output_runs_on_the_next_one(
     assert 0.3 <= took < 2.0
 
 
-@pytest.mark.parametrize("new_status, chosen", [
-    (InstanceStatus.LOADING, "old"), (InstanceStatus.READY, "new"), (InstanceStatus.FAILED, "old")])
+@pytest.mark.parametrize(
+    "new_status, chosen",
+    [(InstanceStatus.LOADING, "old"), (InstanceStatus.READY, "new"), (InstanceStatus.FAILED, "old")],
+)
 def test_requests_go_to_an_instance_placed_beside_another_once_it_is_ready(new_status, chosen):
     """A rejoin places the new instance beside the serving one (state.superseded)."""
-    table = {"old": _instance("old", InstanceStatus.READY, 0.0),
-             "new": _instance("new", new_status, 1.0, replaced=("old",))}
+    table = {
+        "old": _instance("old", InstanceStatus.READY, 0.0),
+        "new": _instance("new", new_status, 1.0, replaced=("old",)),
+    }
     node = SimpleNamespace(node_id="a", instances=table)
     assert Router(node).ready_instance("m").instance_id == chosen
 
@@ -145,8 +181,7 @@ def test_a_request_whose_node_waited_is_not_run_again():
     """A forwarded request whose node answered with its own final error (it waited for
     the model already, or continued it as far as it goes): the error, at once, and the
     peer asked once."""
-    node = SimpleNamespace(node_id="a", instances={"x": _instance("x", READY, 0.0, node="b")}, streams={},
-                           **LIVE)
+    node = SimpleNamespace(node_id="a", instances={"x": _instance("x", READY, 0.0, node="b")}, streams={}, **LIVE)
     asked: list[str] = []
 
     async def generate(address, request, ran_on=None):
@@ -164,9 +199,14 @@ def test_a_request_runs_twice_at_most():
     """A request whose forwarded runs both fail before any output, the instance still
     ready in the table (a link lost, or a request that fails its runner): run again once,
     after the coordinator's verdict time, then the error."""
-    node = SimpleNamespace(node_id="a", instances={"x": _instance("x", READY, 0.0, node="b")}, streams={},
-                           is_stopping=lambda: False, down_after_s=-0.9,
-                           table_changed=asyncio.sleep)  # verdict after 0.1 s
+    node = SimpleNamespace(
+        node_id="a",
+        instances={"x": _instance("x", READY, 0.0, node="b")},
+        streams={},
+        is_stopping=lambda: False,
+        down_after_s=-0.9,
+        table_changed=asyncio.sleep,
+    )  # verdict after 0.1 s
     asked: list[str] = []
 
     async def generate(address, request, ran_on=None):
@@ -184,9 +224,12 @@ def test_a_forwarded_request_names_the_instance_its_node_ran_it_on():
     """The node forwarded to runs the request on another instance than the one this node
     chose (one of its own, or the one placed again after a failure there): the stream
     names it, and this node's fingerprint follows."""
-    node = SimpleNamespace(node_id="a", streams={}, **LIVE,
-                           instances={"x": _instance("x", READY, 0.0, node="b"),
-                                      "y": _instance("y", READY, 1.0, node="b")})
+    node = SimpleNamespace(
+        node_id="a",
+        streams={},
+        **LIVE,
+        instances={"x": _instance("x", READY, 0.0, node="b"), "y": _instance("y", READY, 1.0, node="b")},
+    )
 
     async def generate(address, request, ran_on=None):
         ran_on("y")
@@ -198,8 +241,12 @@ def test_a_forwarded_request_names_the_instance_its_node_ran_it_on():
     ran_on: list[str] = []
 
     async def run() -> list[int]:
-        return [e.token_id async for e in Router(node).generate(
-            TokenRequest("m", (1, 2), 4, SamplingParams(), ()), None, lambda i: ran_on.append(i.instance_id))]
+        return [
+            e.token_id
+            async for e in Router(node).generate(
+                TokenRequest("m", (1, 2), 4, SamplingParams(), ()), None, lambda i: ran_on.append(i.instance_id)
+            )
+        ]
 
     assert asyncio.run(run()) == [42, 43]
     assert ran_on == ["x", "y"]
@@ -209,8 +256,7 @@ def test_a_forwarded_request_whose_instance_left_the_table_for_another_runs_ther
     """This node missed the table in which the instance it forwarded to failed: it sees
     the instance gone and one placed again in its place (``replaced``). The request, with
     no output yet, runs there: a failure, not a deletion (which would end it)."""
-    node = SimpleNamespace(node_id="a", streams={}, instances={"old": _instance("old", READY, 0.0, node="b")},
-                           **LIVE)
+    node = SimpleNamespace(node_id="a", streams={}, instances={"old": _instance("old", READY, 0.0, node="b")}, **LIVE)
     asked: list[str] = []
 
     async def generate(address, request, ran_on=None):
@@ -238,18 +284,29 @@ def test_a_forwarded_request_whose_instance_left_the_table_for_another_runs_ther
     assert asked == ["b:1", "c:1"]
 
 
-@pytest.mark.parametrize("on, near_context, asked", [
-    ("long", 256, "c:1"), ("gone", 256, "b:1"), (None, 256, "b:1"),
-    ("gone", 5, "c:1"),  # the prompt (2) and max_tokens (4) do not fit the near one's context
-    (None, 6, "b:1"),  # they just fit
-])
+@pytest.mark.parametrize(
+    "on, near_context, asked",
+    [
+        ("long", 256, "c:1"),
+        ("gone", 256, "b:1"),
+        (None, 256, "b:1"),
+        ("gone", 5, "c:1"),  # the prompt (2) and max_tokens (4) do not fit the near one's context
+        (None, 6, "b:1"),  # they just fit
+    ],
+)
 def test_a_request_runs_on_the_instance_the_api_chose_while_it_is_ready(on, near_context, asked):
     """The API checked the request against another ready instance than this node's
     first choice (a longer context): it runs there; one no longer ready is passed over
     for the first ready instance whose context takes the request."""
-    node = SimpleNamespace(node_id="a", streams={}, **LIVE,
-                           instances={"near": _instance("near", READY, 0.0, node="b", context=near_context),
-                                      "long": _instance("long", READY, 1.0, node="c")})
+    node = SimpleNamespace(
+        node_id="a",
+        streams={},
+        **LIVE,
+        instances={
+            "near": _instance("near", READY, 0.0, node="b", context=near_context),
+            "long": _instance("long", READY, 1.0, node="c"),
+        },
+    )
     chosen = {"long": node.instances["long"], "gone": _instance("gone", READY, 2.0, node="d"), None: None}[on]
     seen: list[str] = []
 
@@ -271,9 +328,12 @@ def test_a_forwarded_request_is_ended_by_a_failure_of_the_instance_it_runs_on_on
     """The node forwarded to ran the request again on another instance (named in its
     stream): the first one failing in this node's table does not end it here; the one it
     runs on failing does."""
-    node = SimpleNamespace(node_id="a", streams={}, **LIVE,
-                           instances={"x": _instance("x", READY, 0.0, node="b"),
-                                      "y": _instance("y", READY, 1.0, node="b")})
+    node = SimpleNamespace(
+        node_id="a",
+        streams={},
+        **LIVE,
+        instances={"x": _instance("x", READY, 0.0, node="b"), "y": _instance("y", READY, 1.0, node="b")},
+    )
     tokens: list[int] = []
 
     async def generate(address, request, ran_on=None):
@@ -291,8 +351,10 @@ def test_a_forwarded_request_is_ended_by_a_failure_of_the_instance_it_runs_on_on
 
         async def fail(instance_id: str, after_s: float) -> None:
             await asyncio.sleep(after_s)
-            node.instances = {**node.instances, instance_id: _instance(instance_id, FAILED, 0.0, node="b",
-                                                                       given_up=True)}
+            node.instances = {
+                **node.instances,
+                instance_id: _instance(instance_id, FAILED, 0.0, node="b", given_up=True),
+            }
             router.end_forwarded()  # given up: not placed again, so not continued
 
         failing = [asyncio.create_task(fail("x", 0.2)), asyncio.create_task(fail("y", 0.6))]
@@ -319,8 +381,7 @@ def test_a_forwarded_stream_left_by_its_client_closes_its_stream_to_the_node(hea
 
     from shardline.api.heartbeat import with_heartbeats
 
-    node = SimpleNamespace(node_id="a", instances={"x": _instance("x", READY, 0.0, node="b")}, streams={},
-                           **LIVE)
+    node = SimpleNamespace(node_id="a", instances={"x": _instance("x", READY, 0.0, node="b")}, streams={}, **LIVE)
     closed: list[str] = []
 
     async def generate(address, request, ran_on=None):
@@ -354,36 +415,45 @@ FAILED_CODE, DELETED, STOPPING = EndCode.INSTANCE_FAILED, EndCode.INSTANCE_DELET
 FAIL, RUN_AGAIN, CONTINUE = AfterFailure.FAIL, AfterFailure.RUN_AGAIN, AfterFailure.CONTINUE
 
 
-@pytest.mark.parametrize("code, final, sent, other_output, runs, continuations, stopping, step", [
-    (FAILED_CODE, False, 0, False, 1, 0, False, RUN_AGAIN),  # nothing given yet: from the start
-    (FAILED_CODE, False, 0, False, 2, 0, False, FAIL),  # run twice already
-    (FAILED_CODE, False, 0, True, 1, 0, False, FAIL),  # prompt log-probabilities given, cut off
-    (FAILED_CODE, False, 50, False, 1, 0, False, CONTINUE),  # tokens given: go on from them
-    (FAILED_CODE, False, 50, True, 1, 0, False, CONTINUE),  # (the prompt's log-probabilities all given)
-    (FAILED_CODE, False, 90, False, 1, 1, False, CONTINUE),  # a second time
-    (FAILED_CODE, False, 120, False, 1, 2, False, FAIL),  # a third: no
-    (FAILED_CODE, False, 50, False, 2, 0, False, CONTINUE),  # run again before its first token: still
-    (FAILED_CODE, False, 200, False, 1, 0, False, FAIL),  # all its max_tokens given (no room to go on)
-    (FAILED_CODE, True, 50, False, 1, 0, False, FAIL),  # the node it was forwarded to decided
-    (FAILED_CODE, True, 0, False, 1, 0, False, FAIL),
-    (DELETED, False, 50, False, 1, 0, False, FAIL),  # deleted: nothing serves it on purpose
-    (STOPPING, False, 50, False, 1, 0, False, FAIL),
-    (FAILED_CODE, False, 50, False, 1, 0, True, FAIL),  # this node stops
-])
-def test_what_a_request_does_when_its_instance_fails(code, final, sent, other_output, runs, continuations,
-                                                     stopping, step):
+@pytest.mark.parametrize(
+    "code, final, sent, other_output, runs, continuations, stopping, step",
+    [
+        (FAILED_CODE, False, 0, False, 1, 0, False, RUN_AGAIN),  # nothing given yet: from the start
+        (FAILED_CODE, False, 0, False, 2, 0, False, FAIL),  # run twice already
+        (FAILED_CODE, False, 0, True, 1, 0, False, FAIL),  # prompt log-probabilities given, cut off
+        (FAILED_CODE, False, 50, False, 1, 0, False, CONTINUE),  # tokens given: go on from them
+        (FAILED_CODE, False, 50, True, 1, 0, False, CONTINUE),  # (the prompt's log-probabilities all given)
+        (FAILED_CODE, False, 90, False, 1, 1, False, CONTINUE),  # a second time
+        (FAILED_CODE, False, 120, False, 1, 2, False, FAIL),  # a third: no
+        (FAILED_CODE, False, 50, False, 2, 0, False, CONTINUE),  # run again before its first token: still
+        (FAILED_CODE, False, 200, False, 1, 0, False, FAIL),  # all its max_tokens given (no room to go on)
+        (FAILED_CODE, True, 50, False, 1, 0, False, FAIL),  # the node it was forwarded to decided
+        (FAILED_CODE, True, 0, False, 1, 0, False, FAIL),
+        (DELETED, False, 50, False, 1, 0, False, FAIL),  # deleted: nothing serves it on purpose
+        (STOPPING, False, 50, False, 1, 0, False, FAIL),
+        (FAILED_CODE, False, 50, False, 1, 0, True, FAIL),  # this node stops
+    ],
+)
+def test_what_a_request_does_when_its_instance_fails(
+    code, final, sent, other_output, runs, continuations, stopping, step
+):
     assert after_failure(code, final, sent, 200, other_output, runs, continuations, stopping) == step
 
 
-@pytest.mark.parametrize("prompt, resumed, sent, max_tokens, expected_prompt, expected_max, expected_resumed", [
-    ((1, 2), 0, [42], 4, (1, 2, 42), 3, 1),
-    ((1, 2), 0, [42, 43, 44], 4, (1, 2, 42, 43, 44), 1, 3),
-    ((1, 2, 7, 8), 2, [9], 10, (1, 2, 7, 8, 9), 9, 3),  # a continuation forwarded, continued again
-])
-def test_a_continuation_is_the_prompt_and_the_tokens_given(prompt, resumed, sent, max_tokens, expected_prompt,
-                                                            expected_max, expected_resumed):
-    sampling = SamplingParams(temperature=0.7, seed=3, logprobs=2, prompt_logprobs=1, grammar="g",
-                              frequency_penalty=0.5, resumed=resumed)
+@pytest.mark.parametrize(
+    "prompt, resumed, sent, max_tokens, expected_prompt, expected_max, expected_resumed",
+    [
+        ((1, 2), 0, [42], 4, (1, 2, 42), 3, 1),
+        ((1, 2), 0, [42, 43, 44], 4, (1, 2, 42, 43, 44), 1, 3),
+        ((1, 2, 7, 8), 2, [9], 10, (1, 2, 7, 8, 9), 9, 3),  # a continuation forwarded, continued again
+    ],
+)
+def test_a_continuation_is_the_prompt_and_the_tokens_given(
+    prompt, resumed, sent, max_tokens, expected_prompt, expected_max, expected_resumed
+):
+    sampling = SamplingParams(
+        temperature=0.7, seed=3, logprobs=2, prompt_logprobs=1, grammar="g", frequency_penalty=0.5, resumed=resumed
+    )
     request = TokenRequest("m", prompt, max_tokens, sampling, (0, 5))
     got = continuation(request, sent)
     assert (got.prompt, got.max_tokens, got.sampling.resumed) == (expected_prompt, expected_max, expected_resumed)
@@ -396,8 +466,7 @@ def _continuing_node(fail_after: int, place_again_s: float = 0.2, runs: int = 1)
     """A node that forwards to b, whose runs (``runs`` of them) give one token each
     (``fail_after`` in the first) and then lose b; the instance placed again on c
     0.2 s after b's first loss gives the rest."""
-    node = SimpleNamespace(node_id="a", instances={"x": _instance("x", READY, 0.0, node="b")}, streams={},
-                           **LIVE)
+    node = SimpleNamespace(node_id="a", instances={"x": _instance("x", READY, 0.0, node="b")}, streams={}, **LIVE)
     asked: list[TokenRequest] = []
     where: list[str] = []
 
@@ -410,8 +479,7 @@ def _continuing_node(fail_after: int, place_again_s: float = 0.2, runs: int = 1)
             raise PeerError("lost b:1")
         yield PrefillProgress(1, len(request.prompt), len(request.prompt))  # not the client's
         for i in range(request.max_tokens):
-            yield TokenEvent(1, 40 + len(request.prompt) - 2 + i,
-                             "length" if i == request.max_tokens - 1 else None)
+            yield TokenEvent(1, 40 + len(request.prompt) - 2 + i, "length" if i == request.max_tokens - 1 else None)
 
     node.peer_client = SimpleNamespace(generate=generate)
 
@@ -433,9 +501,14 @@ def test_a_request_whose_instance_failed_after_tokens_continues_on_the_next_one(
     async def run() -> list:
         placing = asyncio.create_task(place_again())
         router = Router(node)
-        events = [e async for e in router.generate(
-            TokenRequest("m", (1, 2), 4, SamplingParams(temperature=0.5, seed=1), (0,)), None,
-            lambda i: ran_on.append(i.instance_id))]
+        events = [
+            e
+            async for e in router.generate(
+                TokenRequest("m", (1, 2), 4, SamplingParams(temperature=0.5, seed=1), (0,)),
+                None,
+                lambda i: ran_on.append(i.instance_id),
+            )
+        ]
         await placing
         assert router.continuations == {"continued": 1, "failed": 0}
         return events
@@ -450,9 +523,14 @@ def test_a_request_continues_twice_at_most():
     """Each run gives a token, then loses its node (the instance still ready in the
     table: run on it again after the coordinator's verdict time): continued twice, then
     the error, its tokens given before it."""
-    node = SimpleNamespace(node_id="a", instances={"x": _instance("x", READY, 0.0, node="b")}, streams={},
-                           is_stopping=lambda: False, down_after_s=-0.9,
-                           table_changed=asyncio.sleep)  # verdict after 0.1 s
+    node = SimpleNamespace(
+        node_id="a",
+        instances={"x": _instance("x", READY, 0.0, node="b")},
+        streams={},
+        is_stopping=lambda: False,
+        down_after_s=-0.9,
+        table_changed=asyncio.sleep,
+    )  # verdict after 0.1 s
     asked: list[TokenRequest] = []
 
     async def generate(address, request, ran_on=None):
@@ -531,8 +609,16 @@ def test_a_client_that_went_away_is_not_continued():
 def test_a_continuation_is_queued_however_many_wait():
     """The queue bound refuses a new request, not the continuation of one let in."""
     inst = _instance("x", READY, 0.0, node="a")
-    node = SimpleNamespace(node_id="a", instances={"x": inst}, streams={}, engine_stats={}, max_waiting=1,
-                           _salt=1, _task_counter=iter(range(100)), **LIVE)
+    node = SimpleNamespace(
+        node_id="a",
+        instances={"x": inst},
+        streams={},
+        engine_stats={},
+        max_waiting=1,
+        _salt=1,
+        _task_counter=iter(range(100)),
+        **LIVE,
+    )
     router = Router(node)
     owners = [TokenRequest("m", (1,), 1) for _ in range(3)]  # what the API holds the place with
     assert router.reserve(inst, owners[0]) is not None
@@ -541,12 +627,15 @@ def test_a_continuation_is_queued_however_many_wait():
     assert router.reserve(inst, owners[2], bounded=False) is not None
 
 
-@pytest.mark.parametrize("waited_s, limit_s, verdict_s, look_s", [
-    (0.0, 30.0, 6.0, 1.0),  # nothing due within a second: the recheck bound
-    (5.5, 30.0, 6.0, 0.5),  # the verdict (the failed instance may be tried again)
-    (29.8, 30.0, 6.0, 0.2),  # the limit
-    (30.5, 30.0, 6.0, 0.0),  # past both: at once
-])
+@pytest.mark.parametrize(
+    "waited_s, limit_s, verdict_s, look_s",
+    [
+        (0.0, 30.0, 6.0, 1.0),  # nothing due within a second: the recheck bound
+        (5.5, 30.0, 6.0, 0.5),  # the verdict (the failed instance may be tried again)
+        (29.8, 30.0, 6.0, 0.2),  # the limit
+        (30.5, 30.0, 6.0, 0.0),  # past both: at once
+    ],
+)
 def test_a_waiting_request_looks_again_when_its_verdict_or_limit_comes(waited_s, limit_s, verdict_s, look_s):
     assert next_look_s(waited_s, limit_s, verdict_s) == pytest.approx(look_s)
 
@@ -554,8 +643,13 @@ def test_a_waiting_request_looks_again_when_its_verdict_or_limit_comes(waited_s,
 def test_a_waiting_request_sees_a_ready_instance_when_the_table_changes_not_on_a_clock():
     """The wait looks at the table when its node says the table changed: an instance that
     becomes ready 0.05 s in is run on then, long before the wait's own recheck."""
-    node = SimpleNamespace(node_id="a", streams={}, is_stopping=lambda: False, down_after_s=5.0,
-                           instances={"x": _instance("x", LOADING, 0.0)})
+    node = SimpleNamespace(
+        node_id="a",
+        streams={},
+        is_stopping=lambda: False,
+        down_after_s=5.0,
+        instances={"x": _instance("x", LOADING, 0.0)},
+    )
     looks: list[float] = []
 
     async def run() -> float:

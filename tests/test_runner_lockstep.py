@@ -55,9 +55,17 @@ class Instance:
     """``world`` runner processes forming one pipeline instance; one Worker per rank
     (``spec``: more :class:`RunnerSpec` fields)."""
 
-    def __init__(self, model_dir, world: int, max_batch: int = 4, context: int = 96,
-                 prefill_step_tokens: int = 1024, progress_timeout_s: float = 60,
-                 kv_tokens: int = 0, **spec) -> None:
+    def __init__(
+        self,
+        model_dir,
+        world: int,
+        max_batch: int = 4,
+        context: int = 96,
+        prefill_step_tokens: int = 1024,
+        progress_timeout_s: float = 60,
+        kv_tokens: int = 0,
+        **spec,
+    ) -> None:
         self.ranks = []
         port = free_port_block(1)
         layers = 4
@@ -67,16 +75,29 @@ class Instance:
         for r in range(world):
             rank = Rank()
             rank.worker = Worker(lambda _inst, msg, rank=rank: rank.receive(msg))
-            rank.worker.start(RunnerSpec(
-                instance_id="inst", node_id=NODE, model_path=str(model_dir), rank=r,
-                world_size=world, share=RankShare(0, layers) if whole else RankShare(bounds[r], bounds[r + 1]),
-                master_addr="127.0.0.1", master_port=port, dtype="float32",
-                max_batch=max_batch, context=context, kv_tokens=kv_tokens, prefill_chunk=chunk,
-                threads=1,
-                prefill_step_tokens=prefill_step_tokens,
-                prefill_burst_tokens=prefill_step_tokens, collective_timeout_s=30,
-                progress_timeout_s=progress_timeout_s, **spec,
-            ))
+            rank.worker.start(
+                RunnerSpec(
+                    instance_id="inst",
+                    node_id=NODE,
+                    model_path=str(model_dir),
+                    rank=r,
+                    world_size=world,
+                    share=RankShare(0, layers) if whole else RankShare(bounds[r], bounds[r + 1]),
+                    master_addr="127.0.0.1",
+                    master_port=port,
+                    dtype="float32",
+                    max_batch=max_batch,
+                    context=context,
+                    kv_tokens=kv_tokens,
+                    prefill_chunk=chunk,
+                    threads=1,
+                    prefill_step_tokens=prefill_step_tokens,
+                    prefill_burst_tokens=prefill_step_tokens,
+                    collective_timeout_s=30,
+                    progress_timeout_s=progress_timeout_s,
+                    **spec,
+                )
+            )
             self.ranks.append(rank)
         for r, rank in enumerate(self.ranks):
             message = self._next(rank, (Loaded, Failed), 120)
@@ -144,9 +165,13 @@ def model_dir(tmp_path_factory):
 def make_tasks(n: int, seed: int = 0, max_tokens: int = 12) -> list[Task]:
     rng = random.Random(seed)
     return [
-        Task(task_id=1000 + i, origin=NODE,
-             prompt=tuple(rng.randrange(tm.VOCAB) for _ in range(3 + 5 * i)),
-             max_tokens=max_tokens, sampling=SamplingParams(temperature=0.0))
+        Task(
+            task_id=1000 + i,
+            origin=NODE,
+            prompt=tuple(rng.randrange(tm.VOCAB) for _ in range(3 + 5 * i)),
+            max_tokens=max_tokens,
+            sampling=SamplingParams(temperature=0.0),
+        )
         for i in range(n)
     ]
 
@@ -242,8 +267,7 @@ def test_a_task_cancelled_while_queued_produces_no_tokens(model_dir):
         for r in range(2):
             instance.send(r, running)
             instance.send(r, queued)
-        instance.wait_stats(0, lambda s: s.running == (running.task_id,)
-                            and s.waiting == (queued.task_id,))
+        instance.wait_stats(0, lambda s: s.running == (running.task_id,) and s.waiting == (queued.task_id,))
         instance.send(0, Cancel(queued.task_id))
         results = instance.collect({running.task_id, queued.task_id})
         for r in range(2):
@@ -263,8 +287,7 @@ def test_a_task_cancelled_before_it_arrives_never_starts(model_dir):
         for r in range(2):
             instance.send(r, task)
         (later,) = make_tasks(1, seed=10)
-        later = Task(task_id=2000, origin=NODE, prompt=later.prompt, max_tokens=3,
-                     sampling=later.sampling)
+        later = Task(task_id=2000, origin=NODE, prompt=later.prompt, max_tokens=3, sampling=later.sampling)
         for r in range(2):
             instance.send(r, later)
         results = instance.collect({later.task_id})
@@ -297,8 +320,13 @@ def test_cancel_during_pipelined_prefill_at_several_chunks_then_serve_correctly(
     long_prompt = tuple(random.Random(11).randrange(tm.VOCAB) for _ in range(240))
     try:
         for i, chunk in enumerate([1, 6, 14]):
-            task = Task(task_id=3000 + i, origin=NODE, prompt=long_prompt, max_tokens=5,
-                        sampling=SamplingParams(temperature=0.0))
+            task = Task(
+                task_id=3000 + i,
+                origin=NODE,
+                prompt=long_prompt,
+                max_tokens=5,
+                sampling=SamplingParams(temperature=0.0),
+            )
             for r in range(3):
                 instance.send(r, task)
             reached = progress_until(instance, 2, task.task_id, chunk * 8)
@@ -310,8 +338,7 @@ def test_cancel_during_pipelined_prefill_at_several_chunks_then_serve_correctly(
             for r in range(3):
                 instance.wait_stats(r, lambda s: s.running == () and s.free_slots == 4)
             (after,) = make_tasks(1, seed=20 + i)
-            after = Task(task_id=4000 + i, origin=NODE, prompt=after.prompt, max_tokens=8,
-                         sampling=after.sampling)
+            after = Task(task_id=4000 + i, origin=NODE, prompt=after.prompt, max_tokens=8, sampling=after.sampling)
             for r in range(3):
                 instance.send(r, after)
             results = instance.collect({after.task_id})
@@ -325,8 +352,7 @@ def test_cancel_during_pipelined_prefill_at_several_chunks_then_serve_correctly(
 @pytest.mark.timeout(120)
 def test_pipelined_prefill_of_a_long_prompt_matches_one_shard_and_reports_progress(model_dir):
     prompt = tuple(random.Random(12).randrange(tm.VOCAB) for _ in range(83))  # not a chunk multiple
-    task = Task(task_id=5000, origin=NODE, prompt=prompt, max_tokens=6,
-                sampling=SamplingParams(temperature=0.0))
+    task = Task(task_id=5000, origin=NODE, prompt=prompt, max_tokens=6, sampling=SamplingParams(temperature=0.0))
     instance = Instance(model_dir, 3, context=128, prefill_step_tokens=24)
     try:
         for r in range(3):
@@ -388,8 +414,13 @@ def test_prompt_logprobs_reach_every_rank_and_match_one_shards_logits(model_dir)
     from shardline.models.weights import open_weights
 
     prompt = tuple(random.Random(13).randrange(tm.VOCAB) for _ in range(29))
-    scored = Task(task_id=6000, origin=NODE, prompt=prompt, max_tokens=4,
-                  sampling=SamplingParams(temperature=0.0, prompt_logprobs=3))
+    scored = Task(
+        task_id=6000,
+        origin=NODE,
+        prompt=prompt,
+        max_tokens=4,
+        sampling=SamplingParams(temperature=0.0, prompt_logprobs=3),
+    )
     beside = make_tasks(1, seed=5)[0]
     instance = Instance(model_dir, 3, context=64)
     try:

@@ -151,22 +151,33 @@ def test_logit_bias_minus_100_removes_the_token_greedy_would_pick():
 
 
 @pytest.mark.timeout(10)
-@pytest.mark.parametrize("frequency,presence,repetition,last_n,expected", [
-    # token 3: generated twice, in the prompt once; token 4: prompt only; token 5: never.
-    (0.5, 0.0, 1.0, 0, {3: 2.0 - 2 * 0.5, 4: -1.0, 5: 1.0}),
-    (0.0, 0.7, 1.0, 0, {3: 2.0 - 0.7, 4: -1.0, 5: 1.0}),
-    (0.5, 0.7, 1.0, 0, {3: 2.0 - 1.0 - 0.7, 4: -1.0, 5: 1.0}),
-    (-0.5, 0.0, 1.0, 0, {3: 2.0 + 1.0, 4: -1.0, 5: 1.0}),  # negative: encourages repeats
-    (0.0, 0.0, 2.0, 0, {3: 2.0 / 2, 4: -1.0 * 2, 5: 1.0}),  # CTRL: divide > 0, multiply < 0
-    (0.0, 0.0, 2.0, 2, {3: 2.0 / 2, 4: -1.0, 5: 1.0}),  # window of the last 2 of 4, 3, 3, 3: 4 out
-    (0.0, 0.0, 2.0, 4, {3: 2.0 / 2, 4: -1.0 * 2, 5: 1.0}),  # 4, 3, 3, 3: all in
-    (0.5, 0.0, 2.0, 0, {3: (2.0 - 1.0) / 2, 4: -2.0, 5: 1.0}),  # frequency first, then CTRL
-])
+@pytest.mark.parametrize(
+    "frequency,presence,repetition,last_n,expected",
+    [
+        # token 3: generated twice, in the prompt once; token 4: prompt only; token 5: never.
+        (0.5, 0.0, 1.0, 0, {3: 2.0 - 2 * 0.5, 4: -1.0, 5: 1.0}),
+        (0.0, 0.7, 1.0, 0, {3: 2.0 - 0.7, 4: -1.0, 5: 1.0}),
+        (0.5, 0.7, 1.0, 0, {3: 2.0 - 1.0 - 0.7, 4: -1.0, 5: 1.0}),
+        (-0.5, 0.0, 1.0, 0, {3: 2.0 + 1.0, 4: -1.0, 5: 1.0}),  # negative: encourages repeats
+        (0.0, 0.0, 2.0, 0, {3: 2.0 / 2, 4: -1.0 * 2, 5: 1.0}),  # CTRL: divide > 0, multiply < 0
+        (0.0, 0.0, 2.0, 2, {3: 2.0 / 2, 4: -1.0, 5: 1.0}),  # window of the last 2 of 4, 3, 3, 3: 4 out
+        (0.0, 0.0, 2.0, 4, {3: 2.0 / 2, 4: -1.0 * 2, 5: 1.0}),  # 4, 3, 3, 3: all in
+        (0.5, 0.0, 2.0, 0, {3: (2.0 - 1.0) / 2, 4: -2.0, 5: 1.0}),  # frequency first, then CTRL
+    ],
+)
 def test_penalties_change_a_repeated_tokens_logit_by_the_right_amount(
-        frequency, presence, repetition, last_n, expected):
-    sampler = Sampler(SamplingParams(temperature=0.0, frequency_penalty=frequency,
-                                     presence_penalty=presence, repetition_penalty=repetition,
-                                     repeat_last_n=last_n), prompt=(4, 3))
+    frequency, presence, repetition, last_n, expected
+):
+    sampler = Sampler(
+        SamplingParams(
+            temperature=0.0,
+            frequency_penalty=frequency,
+            presence_penalty=presence,
+            repetition_penalty=repetition,
+            repeat_last_n=last_n,
+        ),
+        prompt=(4, 3),
+    )
     logits = torch.zeros(VOCAB)
     logits[[3, 4, 5]] = torch.tensor([2.0, -1.0, 1.0])
     for _ in range(2):  # the sampler counts what it picks: force token 3 twice
@@ -215,10 +226,17 @@ def test_tally_matches_a_recount_after_many_adds_and_removes():
 
 
 @pytest.mark.timeout(10)
-@pytest.mark.parametrize("min_p,kept", [
-    # probabilities 0.5, 0.3, 0.15, 0.05 (ids 1, 3, 0, 2): kept where p >= min_p * 0.5
-    (0.05, {0, 1, 2, 3}), (0.2, {0, 1, 3}), (0.5, {1, 3}), (0.7, {1}), (1.0, {1}),
-])
+@pytest.mark.parametrize(
+    "min_p,kept",
+    [
+        # probabilities 0.5, 0.3, 0.15, 0.05 (ids 1, 3, 0, 2): kept where p >= min_p * 0.5
+        (0.05, {0, 1, 2, 3}),
+        (0.2, {0, 1, 3}),
+        (0.5, {1, 3}),
+        (0.7, {1}),
+        (1.0, {1}),
+    ],
+)
 def test_min_p_keeps_tokens_at_least_min_p_of_the_best(min_p, kept):
     from shardline.runner.sampling import apply_min_p
 
@@ -282,8 +300,11 @@ def test_logprob_table_round_trip():
 
 
 @pytest.mark.timeout(10)
-@pytest.mark.parametrize("vocab, k", [(6, 2), (3, 5), (6, 0), (40, 25)],
-                         ids=["two of six", "more asked than the vocabulary", "none", "capped at 20"])
+@pytest.mark.parametrize(
+    "vocab, k",
+    [(6, 2), (3, 5), (6, 0), (40, 25)],
+    ids=["two of six", "more asked than the vocabulary", "none", "capped at 20"],
+)
 def test_prompt_logprob_table_reads_back_as_each_rows_target_and_top(vocab, k):
     from shardline.runner.logprob_tables import prompt_logprob_table, read_logprobs
     from shardline.runner.sampling import MAX_TOP_LOGPROBS
@@ -313,10 +334,16 @@ def _sorted_nucleus(logits: torch.Tensor, top_p: float) -> set[int]:
 
 
 @pytest.mark.timeout(10)
-@pytest.mark.parametrize("scale, top_p", [
-    (3.0, 0.9), (3.0, 0.5), (1.0, 0.95),  # a peaked model: the nucleus is among the top 256
-    (0.05, 0.9), (0.05, 0.2),  # near-flat over 49,152: thousands kept, the candidates widen
-])
+@pytest.mark.parametrize(
+    "scale, top_p",
+    [
+        (3.0, 0.9),
+        (3.0, 0.5),
+        (1.0, 0.95),  # a peaked model: the nucleus is among the top 256
+        (0.05, 0.9),
+        (0.05, 0.2),  # near-flat over 49,152: thousands kept, the candidates widen
+    ],
+)
 def test_nucleus_is_top_p_by_its_definition(scale, top_p):
     from shardline.runner.sampling import nucleus
 
@@ -373,13 +400,17 @@ class _Recorder:
 
 
 @pytest.mark.timeout(10)
-@pytest.mark.parametrize("params", [
-    SamplingParams(temperature=0.9, top_p=0.95, seed=11),
-    SamplingParams(temperature=1.0, top_k=20, seed=5, frequency_penalty=0.7, presence_penalty=0.3),
-    SamplingParams(temperature=0.8, seed=3, repetition_penalty=1.5, repeat_last_n=6),
-    SamplingParams(temperature=0.0, frequency_penalty=1.0),
-    SamplingParams(temperature=1.0, min_p=0.05, seed=2**62 + 7),
-], ids=["seeded", "penalties", "repetition", "greedy", "min_p"])
+@pytest.mark.parametrize(
+    "params",
+    [
+        SamplingParams(temperature=0.9, top_p=0.95, seed=11),
+        SamplingParams(temperature=1.0, top_k=20, seed=5, frequency_penalty=0.7, presence_penalty=0.3),
+        SamplingParams(temperature=0.8, seed=3, repetition_penalty=1.5, repeat_last_n=6),
+        SamplingParams(temperature=0.0, frequency_penalty=1.0),
+        SamplingParams(temperature=1.0, min_p=0.05, seed=2**62 + 7),
+    ],
+    ids=["seeded", "penalties", "repetition", "greedy", "min_p"],
+)
 @pytest.mark.parametrize("after", [1, 9, 23])
 def test_a_continuation_samples_what_the_sampler_would_have(params, after):
     """A stream continued on another instance after ``after`` tokens: the prompt plus

@@ -14,8 +14,13 @@ END = 2
 def test_each_token_gets_the_shortest_context_that_decides_it():
     # after the prompt's [10, 11]: 20 21 20 22, then the end; 20 is followed by 21, then by 22
     rules = script_rules([10, 11], [20, 21, 20, 22, END], after_result=False)
-    assert rules == [Rule((11,), False, 20), Rule((20, 11), False, 21), Rule((21,), False, 20),
-                     Rule((20, 21), False, 22), Rule((22,), False, END)]
+    assert rules == [
+        Rule((11,), False, 20),
+        Rule((20, 11), False, 21),
+        Rule((21,), False, 20),
+        Rule((20, 21), False, 22),
+        Rule((22,), False, END),
+    ]
     assert script_rules([10, 11], [20, END], after_result=True) == [Rule((11,), True, 20), Rule((20,), True, END)]
     with pytest.raises(ValueError, match="longer than"):
         script_rules([10, 11], [20] * (MAX_ORDER + 2) + [END], after_result=False)
@@ -23,10 +28,20 @@ def test_each_token_gets_the_shortest_context_that_decides_it():
 
 PATH = "/tmp/pytest-of-user/pytest-1/test_a0/project/hello.txt"
 CALL = tool_call_text("Write", {"file_path": PATH, "content": "hi"})
-TOOLS = [{"type": "function", "function": {
-    "name": "Write", "description": "Writes a file.",
-    "parameters": {"type": "object", "properties": {"file_path": {"type": "string"}, "content": {"type": "string"}},
-                   "required": ["file_path", "content"]}}}]
+TOOLS = [
+    {
+        "type": "function",
+        "function": {
+            "name": "Write",
+            "description": "Writes a file.",
+            "parameters": {
+                "type": "object",
+                "properties": {"file_path": {"type": "string"}, "content": {"type": "string"}},
+                "required": ["file_path", "content"],
+            },
+        },
+    }
+]
 
 
 @pytest.fixture(scope="module")
@@ -46,25 +61,41 @@ def _answer(scripted, messages, generation_prompt=True):
     import torch
 
     tokenizer, model = scripted
-    ids = tokenizer.apply_chat_template(messages, tools=TOOLS, add_generation_prompt=generation_prompt,
-                                        tokenize=True, return_dict=False)
+    ids = tokenizer.apply_chat_template(
+        messages, tools=TOOLS, add_generation_prompt=generation_prompt, tokenize=True, return_dict=False
+    )
     prompt = torch.tensor([ids])
     with torch.no_grad():
-        out = model.generate(prompt, max_new_tokens=80, do_sample=False, eos_token_id=END, pad_token_id=END,
-                             output_logits=True, return_dict_in_generate=True)
+        out = model.generate(
+            prompt,
+            max_new_tokens=80,
+            do_sample=False,
+            eos_token_id=END,
+            pad_token_id=END,
+            output_logits=True,
+            return_dict_in_generate=True,
+        )
     top = torch.cat(out.logits).topk(2, dim=-1).values
-    return tokenizer.decode(out.sequences[0, prompt.shape[1]:]), float((top[:, 0] - top[:, 1]).min())
+    return tokenizer.decode(out.sequences[0, prompt.shape[1] :]), float((top[:, 0] - top[:, 1]).min())
 
 
 @pytest.mark.timeout(120)
 def test_the_call_then_after_its_result_the_answer(scripted):
-    system = "You write files. " + "Paths look like /tmp/x/y_z.txt, {\"json\": \"too\"}. " * 300  # ~5,000 tokens
+    system = "You write files. " + 'Paths look like /tmp/x/y_z.txt, {"json": "too"}. ' * 300  # ~5,000 tokens
     ask = [{"role": "system", "content": system}, {"role": "user", "content": "Create hello.txt with hi."}]
     call, margin = _answer(scripted, ask)
     assert call == CALL + "<|im_end|>" and margin > 20
-    history = [*ask, {"role": "assistant", "content": "", "tool_calls": [
-        {"type": "function", "function": {"name": "Write", "arguments": {"file_path": PATH, "content": "hi"}}}]},
-        {"role": "tool", "content": f"File created successfully at: {PATH}"}]
+    history = [
+        *ask,
+        {
+            "role": "assistant",
+            "content": "",
+            "tool_calls": [
+                {"type": "function", "function": {"name": "Write", "arguments": {"file_path": PATH, "content": "hi"}}}
+            ],
+        },
+        {"role": "tool", "content": f"File created successfully at: {PATH}"},
+    ]
     answer, margin = _answer(scripted, history)
     assert answer == "Done.<|im_end|>" and margin > 20
     # the result far back (a user turn after it): still the answer

@@ -41,16 +41,14 @@ PROMPTS = [
 ]
 # 2361 tokens with the chat template: a ring prefill of 3 chunks on 2 ranks (1024, 1024,
 # 313), of 2 on 3 ranks (1536, 825: not a multiple of 6, so the zig-zag blocks are uneven).
-LONG = " ".join(f"Fact {i}: the number {i} squared is {i * i}." for i in range(128)) + \
-    " Question: what is 17 squared?"
+LONG = " ".join(f"Fact {i}: the number {i} squared is {i * i}." for i in range(128)) + " Question: what is 17 squared?"
 
 
 @pytest.fixture(scope="module")
 def bare3(tmp_path_factory):
     """Three nodes with nothing placed."""
     log_dir = str(tmp_path_factory.mktemp("bare3"))
-    cluster = LocalCluster(nodes=3, base_port=free_port_block(3), runner_threads=1,
-                           log_dir=log_dir, data_dir=log_dir)
+    cluster = LocalCluster(nodes=3, base_port=free_port_block(3), runner_threads=1, log_dir=log_dir, data_dir=log_dir)
     try:
         cluster.start()
         yield cluster
@@ -69,8 +67,9 @@ def one_node(bare3):
 
 
 @contextlib.contextmanager
-def placed(cluster: LocalCluster, sharding: str, on: list[int], dtype: str = "bfloat16",
-           model: str | None = None, **options):
+def placed(
+    cluster: LocalCluster, sharding: str, on: list[int], dtype: str = "bfloat16", model: str | None = None, **options
+):
     inst = cluster.place(model, sharding, on=on, dtype=dtype, **options)
     try:
         yield inst
@@ -82,15 +81,19 @@ def placed(cluster: LocalCluster, sharding: str, on: list[int], dtype: str = "bf
 
 
 def body(content: str, max_tokens: int, model: str = DEFAULT_MODEL_ID, **extra) -> dict:
-    return {"model": model, "messages": [{"role": "user", "content": content}],
-            "temperature": 0, "max_tokens": max_tokens, **extra}
+    return {
+        "model": model,
+        "messages": [{"role": "user", "content": content}],
+        "temperature": 0,
+        "max_tokens": max_tokens,
+        **extra,
+    }
 
 
 def texts(url: str, prompts: list[str], max_tokens: int, model: str = DEFAULT_MODEL_ID) -> list[str]:
     out = []
     for prompt in prompts:
-        response = httpx.post(f"{url}/v1/chat/completions", json=body(prompt, max_tokens, model),
-                              timeout=300)
+        response = httpx.post(f"{url}/v1/chat/completions", json=body(prompt, max_tokens, model), timeout=300)
         assert response.status_code == 200, response.text
         out.append(response.json()["choices"][0]["message"]["content"])
     return out
@@ -152,8 +155,7 @@ def leave_during_prefill_and_check_every_rank_is_free(cluster, inst, paris: str)
                 break  # leave during the prefill
     deadline = time.time() + 10
     while time.time() < deadline:
-        views = [httpx.get(f"{cluster.url(i)}/cluster/instances/{inst['instance_id']}").json()
-                 for i in (0, 1)]
+        views = [httpx.get(f"{cluster.url(i)}/cluster/instances/{inst['instance_id']}").json() for i in (0, 1)]
         engines = [v["local_engine"] for v in views]
         if all(e and not e["running"] and not e["waiting"] for e in engines):
             break
@@ -193,9 +195,11 @@ def test_a_safetensors_model_quantized_on_load_holds_its_bits_and_answers(bare3,
             answers[quantize] = texts(bare3.url(0), PROMPTS, 16, safetensors_model)
     for quantize in ("int8", "int4"):
         same = sum(a == b for a, b in zip(answers[quantize], answers[None]))
-        print(f"\n{quantize}: {held[quantize] / 2**20:.0f} MiB of weights against "
-              f"{held[None] / 2**20:.0f} in bfloat16; {same} of {len(PROMPTS)} answers as in "
-              f"bfloat16; {answers[quantize]}")
+        print(
+            f"\n{quantize}: {held[quantize] / 2**20:.0f} MiB of weights against "
+            f"{held[None] / 2**20:.0f} in bfloat16; {same} of {len(PROMPTS)} answers as in "
+            f"bfloat16; {answers[quantize]}"
+        )
     # int8: 10 bits a weight; int4: 5 bits, with the embedding (a fifth of SmolLM2) in 10
     assert held["int8"] < 0.66 * held[None] and held["int4"] < 0.4 * held[None]
     assert "Paris" in answers["int8"][0] and "Paris" in answers["int4"][0]

@@ -22,9 +22,18 @@ pytestmark = pytest.mark.timeout(180)
 
 def spec(instance_id: str = "inst") -> RunnerSpec:
     """A one-rank spec whose weights do not exist: the runner fails at once after its spec."""
-    return RunnerSpec(instance_id=instance_id, node_id="node", model_path="/nonexistent", rank=0,
-                      world_size=1, share=RankShare(0, 1), master_addr="127.0.0.1", master_port=1,
-                      host="127.0.0.1", threads=1)
+    return RunnerSpec(
+        instance_id=instance_id,
+        node_id="node",
+        model_path="/nonexistent",
+        rank=0,
+        world_size=1,
+        share=RankShare(0, 1),
+        master_addr="127.0.0.1",
+        master_port=1,
+        host="127.0.0.1",
+        threads=1,
+    )
 
 
 def test_the_next_rank_runs_in_the_spare_and_another_is_started():
@@ -72,8 +81,9 @@ def test_a_spare_that_exits_is_replaced_and_one_that_keeps_exiting_is_given_up()
 def test_a_local_cluster_places_its_model_in_the_pre_started_runner(tmp_path):
     from shardline.local_cluster import LocalCluster
 
-    cluster = LocalCluster(1, free_port_block(1), runner_threads=1, log_dir=str(tmp_path),
-                           data_dir=str(tmp_path), spare_runners=True)
+    cluster = LocalCluster(
+        1, free_port_block(1), runner_threads=1, log_dir=str(tmp_path), data_dir=str(tmp_path), spare_runners=True
+    )
 
     def runners() -> set[int]:
         return {p.pid for p in runners_of(cluster.procs[0].pid)}
@@ -83,8 +93,7 @@ def test_a_local_cluster_places_its_model_in_the_pre_started_runner(tmp_path):
         before = wait_for(runners, what="the node's pre-started runner")
         assert len(before) == 1
         cluster.place(None, "pipeline", context=256, max_batch=1)
-        after = wait_for(lambda: r if len(r := runners()) == 2 else None,
-                         what="a new spare once the node is idle")
+        after = wait_for(lambda: r if len(r := runners()) == 2 else None, what="a new spare once the node is idle")
         assert before < after  # the rank runs in the process started ahead, beside a new spare
         answer = capital_answer(cluster.url(0))
         assert answer is not None and "Paris" in answer
@@ -114,8 +123,12 @@ def test_a_runner_whose_node_leaves_before_its_spec_exits_quietly():
     """A pre-started runner whose node stops (Ctrl-C during a cluster's start) exits with
     0 and no traceback when its socket closes before a spec came."""
     ours, theirs = socket.socketpair()
-    process = subprocess.Popen([sys.executable, "-m", "shardline.runner", str(theirs.fileno())],
-                               pass_fds=(theirs.fileno(),), stderr=subprocess.PIPE, text=True)
+    process = subprocess.Popen(
+        [sys.executable, "-m", "shardline.runner", str(theirs.fileno())],
+        pass_fds=(theirs.fileno(),),
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     theirs.close()
     ours.close()
     _, err = process.communicate(timeout=120)
@@ -123,11 +136,16 @@ def test_a_runner_whose_node_leaves_before_its_spec_exits_quietly():
 
 
 @pytest.mark.fast
-@pytest.mark.parametrize("env, want", [
-    ({}, {"TORCH_CPP_LOG_LEVEL": "ERROR", "RES_OPTIONS": "timeout:1 attempts:1"}),
-    # what the user set wins; everything else passes through
-    ({"RES_OPTIONS": "timeout:3", "GLOO_SOCKET_IFNAME": "eth1"},
-     {"TORCH_CPP_LOG_LEVEL": "ERROR", "RES_OPTIONS": "timeout:3", "GLOO_SOCKET_IFNAME": "eth1"}),
-])
+@pytest.mark.parametrize(
+    "env, want",
+    [
+        ({}, {"TORCH_CPP_LOG_LEVEL": "ERROR", "RES_OPTIONS": "timeout:1 attempts:1"}),
+        # what the user set wins; everything else passes through
+        (
+            {"RES_OPTIONS": "timeout:3", "GLOO_SOCKET_IFNAME": "eth1"},
+            {"TORCH_CPP_LOG_LEVEL": "ERROR", "RES_OPTIONS": "timeout:3", "GLOO_SOCKET_IFNAME": "eth1"},
+        ),
+    ],
+)
 def test_a_runners_environment_waits_1_s_for_dns_unless_the_user_says(env, want):
     assert runner_environment(env) == want

@@ -34,8 +34,7 @@ def ask(url: str) -> str:
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("sparse")
-    cluster = LocalCluster(nodes=3, base_port=free_port_block(3), runner_threads=1, log_dir=str(tmp),
-                           data_dir=str(tmp))
+    cluster = LocalCluster(nodes=3, base_port=free_port_block(3), runner_threads=1, log_dir=str(tmp), data_dir=str(tmp))
     cluster.start()
     yield cluster
     cluster.stop()
@@ -55,8 +54,12 @@ def pieces_read(cluster: LocalCluster, instance: dict, node_index: int) -> list[
     manifest = store_of(cluster, 0).manifest(MODEL)
     node_id = httpx.get(f"{cluster.url(node_index)}/health", timeout=5).json()["node_id"]
     rank, placement = next((r, p) for r, p in enumerate(instance["ranks"]) if p["node_id"] == node_id)
-    reads = RankReads.of(instance["sharding"], rank, RankShare(placement["layer_start"], placement["layer_end"]),
-                         manifest.config["num_layers"])
+    reads = RankReads.of(
+        instance["sharding"],
+        rank,
+        RankShare(placement["layer_start"], placement["layer_end"]),
+        manifest.config["num_layers"],
+    )
     return [p.range for p in manifest.shard_pieces(reads)[GGUF]]
 
 
@@ -90,8 +93,10 @@ def test_nodes_copy_only_the_pieces_their_ranks_read(cluster):
         assert GGUF not in store_of(cluster, i).present(MODEL)
         assert os.stat(store_of(cluster, i).model_dir(MODEL) / GGUF).st_size == size
         on_disk = allocated(cluster, i)
-        print(f"node {i}: placed in {took:.1f} s; {on_disk} bytes on disk for {total(needed)} bytes "
-              f"of header and tensors ({on_disk / total(needed):.3f}x); the file is {size}")
+        print(
+            f"node {i}: placed in {took:.1f} s; {on_disk} bytes on disk for {total(needed)} bytes "
+            f"of header and tensors ({on_disk / total(needed):.3f}x); the file is {size}"
+        )
         assert on_disk <= 1.1 * total(needed)
         assert sum(copied_bytes(cluster, i)) == total(needed) + tokenizer_bytes  # and the tokenizer's files
 
@@ -107,7 +112,9 @@ def test_nodes_copy_only_the_pieces_their_ranks_read(cluster):
         fetched = total(union) - total(first[i])  # only what it lacked
         assert sum(copied_bytes(cluster, i)) == total(first[i]) + tokenizer_bytes + fetched
         on_disk = allocated(cluster, i)
-        print(f"node {i} placed again: fetched {fetched} bytes; {on_disk} bytes on disk for {total(union)} "
-              f"held ({on_disk / total(union):.3f}x)")
+        print(
+            f"node {i} placed again: fetched {fetched} bytes; {on_disk} bytes on disk for {total(union)} "
+            f"held ({on_disk / total(union):.3f}x)"
+        )
         assert on_disk <= 1.1 * total(union)
     print(f"all in {time.monotonic() - started:.1f} s")

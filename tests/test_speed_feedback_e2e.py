@@ -32,9 +32,17 @@ def _idle_profile(url: str, ready_at: float, timeout_s: float = 120.0) -> dict:
 
 
 def _chat(url: str, content: str, max_tokens: int) -> dict:
-    response = httpx.post(f"{url}/v1/chat/completions", timeout=120, json={
-        "model": DEFAULT_MODEL_ID, "temperature": 0, "max_tokens": max_tokens, "ignore_eos": True,
-        "messages": [{"role": "user", "content": content}]})
+    response = httpx.post(
+        f"{url}/v1/chat/completions",
+        timeout=120,
+        json={
+            "model": DEFAULT_MODEL_ID,
+            "temperature": 0,
+            "max_tokens": max_tokens,
+            "ignore_eos": True,
+            "messages": [{"role": "user", "content": content}],
+        },
+    )
     assert response.status_code == 200, response.text
     return response.json()
 
@@ -61,24 +69,32 @@ def test_predicted_decode_is_near_the_measured_rate(tmp_path):
         predicted, measured = speed["predicted_decode_tokens_per_s"], speed["measured_decode_tokens_per_s"]
         error = predicted / measured - 1
         assert 2 * 30 <= speed["decode_context"] <= 2 * 150  # predicted where it was measured
-        print(f"\ndecode at context {speed['decode_context']}: predicted {predicted:.1f} tok/s, measured {measured:.1f} ({error:+.0%}); "
-              f"prefill: predicted {speed['predicted_prefill_tokens_per_s']:.0f}, measured "
-              f"{speed['measured_prefill_tokens_per_s']:.0f}; profile: "
-              f"{profile['matmul_flops'] / 1e9:.0f} GFLOP/s, "
-              f"{profile['memory_bandwidth_bytes_per_s'] / 1e9:.1f} GB/s, "
-              f"{profile['decode_layer_s'] * 1e3:.3f} ms/layer, int4 product "
-              f"{profile['decode_weight_bytes_per_s'] / 1e9:.1f} GB/s; resident weights "
-              f"{inst['ranks'][0]['loaded']['param_bytes'] / 1e6:.0f} MB")
+        print(
+            f"\ndecode at context {speed['decode_context']}: predicted {predicted:.1f} tok/s, measured {measured:.1f} ({error:+.0%}); "
+            f"prefill: predicted {speed['predicted_prefill_tokens_per_s']:.0f}, measured "
+            f"{speed['measured_prefill_tokens_per_s']:.0f}; profile: "
+            f"{profile['matmul_flops'] / 1e9:.0f} GFLOP/s, "
+            f"{profile['memory_bandwidth_bytes_per_s'] / 1e9:.1f} GB/s, "
+            f"{profile['decode_layer_s'] * 1e3:.3f} ms/layer, int4 product "
+            f"{profile['decode_weight_bytes_per_s'] / 1e9:.1f} GB/s; resident weights "
+            f"{inst['ranks'][0]['loaded']['param_bytes'] / 1e6:.0f} MB"
+        )
         # for comparison: the model before per-layer costs (weights and KV at the copy
         # bandwidth, products at the matmul rate), same profile, at the instance's context
         config = smollm2()
         weight = resident_bytes_per_weight(config, default_model_path().stat().st_size, "bfloat16", None)
         before = predict_tokens_per_s(
-            config, "pipeline", [NodeProfile("n", 0, profile["memory_bandwidth_bytes_per_s"],
-                                             profile["matmul_flops"])],
-            [RankShare(0, config.num_layers)], {}, inst["context"], decode_weight_bytes=weight)
-        print(f"bandwidth-only model at context {inst['context']}: decode {before[0]:.1f}, "
-              f"prefill {before[1]:.0f} tok/s")
+            config,
+            "pipeline",
+            [NodeProfile("n", 0, profile["memory_bandwidth_bytes_per_s"], profile["matmul_flops"])],
+            [RankShare(0, config.num_layers)],
+            {},
+            inst["context"],
+            decode_weight_bytes=weight,
+        )
+        print(
+            f"bandwidth-only model at context {inst['context']}: decode {before[0]:.1f}, prefill {before[1]:.0f} tok/s"
+        )
         # the goal is within 30% on an idle machine; the bound is generous for a shared one
         assert 0.5 <= predicted / measured <= 2.0, speed
         assert speed["measured_prefill_tokens_per_s"] > 0
@@ -88,9 +104,16 @@ def test_predicted_decode_is_near_the_measured_rate(tmp_path):
         # The preview of the same placement now ranks it by what it measured (its model's
         # figure, at the context the requests ran at, is the one shown beside it).
         node_id = inst["ranks"][0]["node_id"]
-        candidates = httpx.post(f"{url}/cluster/placements/preview", timeout=30, json={
-            "model": DEFAULT_MODEL_ID, "nodes": [node_id], "sharding": "pipeline",
-            "context": speed["decode_context"]}).json()["candidates"]
+        candidates = httpx.post(
+            f"{url}/cluster/placements/preview",
+            timeout=30,
+            json={
+                "model": DEFAULT_MODEL_ID,
+                "nodes": [node_id],
+                "sharding": "pipeline",
+                "context": speed["decode_context"],
+            },
+        ).json()["candidates"]
         [one] = [c for c in candidates if c["feasible"]]
         assert one["decode_basis"] == "measured" and one["prefill_basis"] == "measured"
         assert one["serving"] is True  # the instance runs on it now

@@ -46,10 +46,18 @@ pytestmark = [pytest.mark.fast, pytest.mark.timeout(10)]
 def inst(instance_id="i1", nodes=("a", "b", "c"), status=I.LOADING, ranks=None, **kw) -> Instance:
     """An instance of pipeline ranks on ``nodes`` (statuses ``ranks``, default loading)."""
     ranks = ranks or [R.LOADING] * len(nodes)
-    return Instance(instance_id, "m", Sharding.PIPELINE,
-                    tuple(RankPlacement(n, f"{n}:1", RankShare(0, 1), status=s, incarnation=1.0)
-                          for n, s in zip(nodes, ranks)),
-                    "a", 1, 256, 1, status=status, **{"created_at": 0.0, **kw})
+    return Instance(
+        instance_id,
+        "m",
+        Sharding.PIPELINE,
+        tuple(RankPlacement(n, f"{n}:1", RankShare(0, 1), status=s, incarnation=1.0) for n, s in zip(nodes, ranks)),
+        "a",
+        1,
+        256,
+        1,
+        status=status,
+        **{"created_at": 0.0, **kw},
+    )
 
 
 def state(*instances: Instance, epoch=Epoch(3, 2, "a")) -> ClusterState:
@@ -70,40 +78,80 @@ TRANSITIONS = [
     ("delete", state(inst(), inst("i2")), Deleted("i1"), {"i2": LOADING}),
     ("delete what is not there", state(inst()), Deleted("zz"), {"i1": LOADING}),
     ("delete a failed instance", state(inst(status=I.FAILED)), Deleted("i1"), {}),
-    ("a rank fetches", state(inst()), RankReported("i1", "b", R.FETCHING),
-     {"i1": (I.LOADING, (R.LOADING, R.FETCHING, R.LOADING))}),
-    ("a late fetch report after ready", state(inst(ranks=[R.READY] * 2 + [R.LOADING])),
-     RankReported("i1", "b", R.FETCHING), {"i1": (I.LOADING, (R.READY, R.READY, R.LOADING))}),
-    ("one rank ready", state(inst()), RankReported("i1", "a", R.READY),
-     {"i1": (I.LOADING, (R.READY, R.LOADING, R.LOADING))}),
-    ("the last rank ready: the instance is", state(inst(ranks=[R.READY, R.READY, R.LOADING])),
-     RankReported("i1", "c", R.READY, at=5.0), {"i1": (I.READY, (R.READY,) * 3)}),
-    ("a rank fails: the others stop", state(inst(ranks=[R.READY, R.READY, R.LOADING])),
-     RankReported("i1", "b", R.FAILED, "boom"), {"i1": (I.FAILED, (R.STOPPED, R.FAILED, R.STOPPED))}),
-    ("a rank of a ready instance fails", state(inst(status=I.READY, ranks=[R.READY] * 3)),
-     RankReported("i1", "c", R.FAILED, "oom"), {"i1": (I.FAILED, (R.STOPPED, R.STOPPED, R.FAILED))}),
-    ("a rank that lost a peer stops", state(inst(status=I.READY, ranks=[R.READY] * 3)),
-     RankReported("i1", "a", R.FAILED, "lost", peer_lost=True),
-     {"i1": (I.READY, (R.STOPPED, R.READY, R.READY))}),
-    ("a report on a failed instance", state(inst(status=I.FAILED, ranks=[R.FAILED] + [R.STOPPED] * 2)),
-     RankReported("i1", "b", R.READY), {"i1": (I.FAILED, (R.FAILED, R.STOPPED, R.STOPPED))}),
-    ("a report on an unknown instance", state(inst()), RankReported("zz", "a", R.READY),
-     {"i1": LOADING}),
-    ("a report from a node without a rank", state(inst()), RankReported("i1", "x", R.FAILED),
-     {"i1": LOADING}),
-    ("the coordinator fails an instance: down node failed", state(inst(ranks=[R.READY] * 3)),
-     InstanceFailed("i1", "down", ("b",)), {"i1": (I.FAILED, (R.STOPPED, R.FAILED, R.STOPPED))}),
-    ("failed with no node named: all stop", state(inst(ranks=[R.READY] * 3)),
-     InstanceFailed("i1", "restarted"), {"i1": (I.FAILED, (R.STOPPED,) * 3)}),
-    ("a failed rank stays failed", state(inst(ranks=[R.FAILED, R.READY, R.READY])),
-     InstanceFailed("i1", "x"), {"i1": (I.FAILED, (R.FAILED, R.STOPPED, R.STOPPED))}),
+    (
+        "a rank fetches",
+        state(inst()),
+        RankReported("i1", "b", R.FETCHING),
+        {"i1": (I.LOADING, (R.LOADING, R.FETCHING, R.LOADING))},
+    ),
+    (
+        "a late fetch report after ready",
+        state(inst(ranks=[R.READY] * 2 + [R.LOADING])),
+        RankReported("i1", "b", R.FETCHING),
+        {"i1": (I.LOADING, (R.READY, R.READY, R.LOADING))},
+    ),
+    (
+        "one rank ready",
+        state(inst()),
+        RankReported("i1", "a", R.READY),
+        {"i1": (I.LOADING, (R.READY, R.LOADING, R.LOADING))},
+    ),
+    (
+        "the last rank ready: the instance is",
+        state(inst(ranks=[R.READY, R.READY, R.LOADING])),
+        RankReported("i1", "c", R.READY, at=5.0),
+        {"i1": (I.READY, (R.READY,) * 3)},
+    ),
+    (
+        "a rank fails: the others stop",
+        state(inst(ranks=[R.READY, R.READY, R.LOADING])),
+        RankReported("i1", "b", R.FAILED, "boom"),
+        {"i1": (I.FAILED, (R.STOPPED, R.FAILED, R.STOPPED))},
+    ),
+    (
+        "a rank of a ready instance fails",
+        state(inst(status=I.READY, ranks=[R.READY] * 3)),
+        RankReported("i1", "c", R.FAILED, "oom"),
+        {"i1": (I.FAILED, (R.STOPPED, R.STOPPED, R.FAILED))},
+    ),
+    (
+        "a rank that lost a peer stops",
+        state(inst(status=I.READY, ranks=[R.READY] * 3)),
+        RankReported("i1", "a", R.FAILED, "lost", peer_lost=True),
+        {"i1": (I.READY, (R.STOPPED, R.READY, R.READY))},
+    ),
+    (
+        "a report on a failed instance",
+        state(inst(status=I.FAILED, ranks=[R.FAILED] + [R.STOPPED] * 2)),
+        RankReported("i1", "b", R.READY),
+        {"i1": (I.FAILED, (R.FAILED, R.STOPPED, R.STOPPED))},
+    ),
+    ("a report on an unknown instance", state(inst()), RankReported("zz", "a", R.READY), {"i1": LOADING}),
+    ("a report from a node without a rank", state(inst()), RankReported("i1", "x", R.FAILED), {"i1": LOADING}),
+    (
+        "the coordinator fails an instance: down node failed",
+        state(inst(ranks=[R.READY] * 3)),
+        InstanceFailed("i1", "down", ("b",)),
+        {"i1": (I.FAILED, (R.STOPPED, R.FAILED, R.STOPPED))},
+    ),
+    (
+        "failed with no node named: all stop",
+        state(inst(ranks=[R.READY] * 3)),
+        InstanceFailed("i1", "restarted"),
+        {"i1": (I.FAILED, (R.STOPPED,) * 3)},
+    ),
+    (
+        "a failed rank stays failed",
+        state(inst(ranks=[R.FAILED, R.READY, R.READY])),
+        InstanceFailed("i1", "x"),
+        {"i1": (I.FAILED, (R.FAILED, R.STOPPED, R.STOPPED))},
+    ),
     ("failing an unknown instance", state(inst()), InstanceFailed("zz", "x"), {"i1": LOADING}),
     ("rejoin dropped", state(inst()), RejoinDropped("i1"), {"i1": LOADING}),
 ]
 
 
-@pytest.mark.parametrize("before, event, after", [t[1:] for t in TRANSITIONS],
-                         ids=[t[0] for t in TRANSITIONS])
+@pytest.mark.parametrize("before, event, after", [t[1:] for t in TRANSITIONS], ids=[t[0] for t in TRANSITIONS])
 def test_apply(before, event, after):
     kept = copy.deepcopy(before)
     assert summary(apply(before, event)) == after
@@ -144,24 +192,40 @@ def test_not_placed_again_says_why_and_rejoin_dropped_forgets_the_nodes():
     assert s.instances["i1"].wanted_nodes == ()
 
 
-@pytest.mark.parametrize("before, event, epoch", [
-    (Epoch(3, 2, "a"), TermStarted(5, "b", True), Epoch(5, 0, "b", True)),
-    (Epoch(3, 2, "a", True), TermStarted(5, "b", False), Epoch(5, 0, "b", False)),
-    (Epoch(3, 2, "a"), TermStarted(3, "b", True), Epoch(3, 2, "a")),
-    (Epoch(3, 2, "a"), Published(), Epoch(3, 3, "a")),
-    (Epoch(3, 2, "a", True), Published(), Epoch(3, 3, "a", True)),
-    (Epoch(0, 0, ""), Published(), Epoch(0, 1, "")),
-], ids=["a term starts at sequence 0", "a minority's term: below the majority's table",
-        "not above the table's term", "publishing is the next sequence", "a majority's term",
-        "from nothing"])
+@pytest.mark.parametrize(
+    "before, event, epoch",
+    [
+        (Epoch(3, 2, "a"), TermStarted(5, "b", True), Epoch(5, 0, "b", True)),
+        (Epoch(3, 2, "a", True), TermStarted(5, "b", False), Epoch(5, 0, "b", False)),
+        (Epoch(3, 2, "a"), TermStarted(3, "b", True), Epoch(3, 2, "a")),
+        (Epoch(3, 2, "a"), Published(), Epoch(3, 3, "a")),
+        (Epoch(3, 2, "a", True), Published(), Epoch(3, 3, "a", True)),
+        (Epoch(0, 0, ""), Published(), Epoch(0, 1, "")),
+    ],
+    ids=[
+        "a term starts at sequence 0",
+        "a minority's term: below the majority's table",
+        "not above the table's term",
+        "publishing is the next sequence",
+        "a majority's term",
+        "from nothing",
+    ],
+)
 def test_epochs(before, event, epoch):
     assert apply(state(inst(), epoch=before), event).epoch == epoch
 
 
-@pytest.mark.parametrize("theirs, adopted", [
-    (Epoch(4, 1, "b"), True), (Epoch(3, 3, "a"), True), (Epoch(3, 2, "a"), False),
-    (Epoch(3, 1, "a"), False), (Epoch(2, 9, "c"), False),
-], ids=["newer term", "next sequence", "a replay", "older sequence", "older term"])
+@pytest.mark.parametrize(
+    "theirs, adopted",
+    [
+        (Epoch(4, 1, "b"), True),
+        (Epoch(3, 3, "a"), True),
+        (Epoch(3, 2, "a"), False),
+        (Epoch(3, 1, "a"), False),
+        (Epoch(2, 9, "c"), False),
+    ],
+    ids=["newer term", "next sequence", "a replay", "older sequence", "older term"],
+)
 def test_only_a_newer_table_is_adopted(theirs, adopted):
     mine = state(inst())
     theirs_state = state(inst("other"), epoch=theirs)
@@ -180,56 +244,84 @@ def test_a_state_round_trips_through_its_wire_form():
 # -- decisions --------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("instances, asked, named", [
-    ([inst("i1")], "i1", "i1"),
-    ([inst("i1")], "i0", None),
-    ([inst("i2", replaced=("i0", "i1"))], "i1", "i2"),
-    ([inst("i2", replaced=("i0", "i1"))], "i0", "i2"),
-    ([inst("i1", status=I.FAILED), inst("i2", replaced=("i1",))], "i1", "i1"),
-    ([inst("i2", replaced=("i1",)), inst("i3", replaced=("i1",), created_at=5.0)], "i1", "i3"),
-], ids=["itself", "unknown", "placed again for it", "for the one before it",
-        "the failed one while its successor loads", "the newest successor"])
+@pytest.mark.parametrize(
+    "instances, asked, named",
+    [
+        ([inst("i1")], "i1", "i1"),
+        ([inst("i1")], "i0", None),
+        ([inst("i2", replaced=("i0", "i1"))], "i1", "i2"),
+        ([inst("i2", replaced=("i0", "i1"))], "i0", "i2"),
+        ([inst("i1", status=I.FAILED), inst("i2", replaced=("i1",))], "i1", "i1"),
+        ([inst("i2", replaced=("i1",)), inst("i3", replaced=("i1",), created_at=5.0)], "i1", "i3"),
+    ],
+    ids=[
+        "itself",
+        "unknown",
+        "placed again for it",
+        "for the one before it",
+        "the failed one while its successor loads",
+        "the newest successor",
+    ],
+)
 def test_an_id_names_its_instance_or_the_one_placed_again_in_its_place(instances, asked, named):
     found = instance_named({i.instance_id: i for i in instances}, asked)
     assert (found.instance_id if found else None) == named
 
 
-@pytest.mark.parametrize("instances, code, error", [
-    ([inst("old", status=I.FAILED, error="rank 1 on node b: node down")],
-     EndCode.INSTANCE_FAILED, "rank 1 on node b: node down"),
-    # a node that missed the table in which it failed sees only its replacement
-    ([inst("new", replaced=("old",))],
-     EndCode.INSTANCE_FAILED, "gone; instance new was placed in its place"),
-    ([inst("newer", replaced=("older", "old"))],
-     EndCode.INSTANCE_FAILED, "gone; instance newer was placed in its place"),
-    ([], EndCode.INSTANCE_DELETED, DELETED),
-    ([inst("other", replaced=("another",))], EndCode.INSTANCE_DELETED, DELETED),
-], ids=["failed", "placed again", "placed again twice", "deleted", "another's replacement"])
-def test_requests_on_an_instance_gone_from_the_table_end_failed_where_it_was_placed_again(
-        instances, code, error):
+@pytest.mark.parametrize(
+    "instances, code, error",
+    [
+        (
+            [inst("old", status=I.FAILED, error="rank 1 on node b: node down")],
+            EndCode.INSTANCE_FAILED,
+            "rank 1 on node b: node down",
+        ),
+        # a node that missed the table in which it failed sees only its replacement
+        ([inst("new", replaced=("old",))], EndCode.INSTANCE_FAILED, "gone; instance new was placed in its place"),
+        (
+            [inst("newer", replaced=("older", "old"))],
+            EndCode.INSTANCE_FAILED,
+            "gone; instance newer was placed in its place",
+        ),
+        ([], EndCode.INSTANCE_DELETED, DELETED),
+        ([inst("other", replaced=("another",))], EndCode.INSTANCE_DELETED, DELETED),
+    ],
+    ids=["failed", "placed again", "placed again twice", "deleted", "another's replacement"],
+)
+def test_requests_on_an_instance_gone_from_the_table_end_failed_where_it_was_placed_again(instances, code, error):
     assert why_ended({i.instance_id: i for i in instances}, "old") == (code, error)
 
 
-@pytest.mark.parametrize("instances, standing, handed_over", [
-    # a ready instance on two nodes; the one placed beside it on three loads: it serves on
-    ([inst("old", status=I.READY), inst("new", replaced=("old",), created_at=1.0)],
-     {"old": "new"}, set()),
-    # the new one is ready: requests go to it, and the old is deleted once idle
-    ([inst("old", status=I.READY), inst("new", status=I.READY, replaced=("old",), created_at=1.0)],
-     {"old": "new"}, {"old"}),
-    # the new one failed: the old keeps serving
-    ([inst("old", status=I.READY), inst("new", status=I.FAILED, replaced=("old",), created_at=1.0)],
-     {}, set()),
-    # a failed instance's replacement: it deletes the failed one itself
-    ([inst("old", status=I.FAILED), inst("new", status=I.READY, replaced=("old",), created_at=1.0)],
-     {}, set()),
-    # the newest of two standing in
-    ([inst("old", status=I.READY), inst("a", replaced=("old",), created_at=1.0),
-      inst("b", status=I.READY, replaced=("old",), created_at=2.0)], {"old": "b"}, {"old"}),
-    # replaced ids no longer in the table
-    ([inst("new", status=I.READY, replaced=("gone",))], {}, set()),
-], ids=["loading beside", "ready beside", "failed beside", "a failure's replacement",
-        "the newest", "gone"])
+@pytest.mark.parametrize(
+    "instances, standing, handed_over",
+    [
+        # a ready instance on two nodes; the one placed beside it on three loads: it serves on
+        ([inst("old", status=I.READY), inst("new", replaced=("old",), created_at=1.0)], {"old": "new"}, set()),
+        # the new one is ready: requests go to it, and the old is deleted once idle
+        (
+            [inst("old", status=I.READY), inst("new", status=I.READY, replaced=("old",), created_at=1.0)],
+            {"old": "new"},
+            {"old"},
+        ),
+        # the new one failed: the old keeps serving
+        ([inst("old", status=I.READY), inst("new", status=I.FAILED, replaced=("old",), created_at=1.0)], {}, set()),
+        # a failed instance's replacement: it deletes the failed one itself
+        ([inst("old", status=I.FAILED), inst("new", status=I.READY, replaced=("old",), created_at=1.0)], {}, set()),
+        # the newest of two standing in
+        (
+            [
+                inst("old", status=I.READY),
+                inst("a", replaced=("old",), created_at=1.0),
+                inst("b", status=I.READY, replaced=("old",), created_at=2.0),
+            ],
+            {"old": "b"},
+            {"old"},
+        ),
+        # replaced ids no longer in the table
+        ([inst("new", status=I.READY, replaced=("gone",))], {}, set()),
+    ],
+    ids=["loading beside", "ready beside", "failed beside", "a failure's replacement", "the newest", "gone"],
+)
 def test_an_instance_placed_beside_another_takes_over_once_ready(instances, standing, handed_over):
     table = {i.instance_id: i for i in instances}
     assert {old: new.instance_id for old, new in standing_in(table).items()} == standing
@@ -243,16 +335,25 @@ def test_an_instance_placed_again_answers_for_the_newest_ids_before_it():
     assert replaced_ids(long) == (*long.replaced[1:], "new")
 
 
-@pytest.mark.parametrize("instances, live, incarnations, failed", [
-    ([inst()], {"a", "b", "c"}, {"a": 1.0, "b": 1.0, "c": 1.0}, []),
-    ([inst()], {"a", "c"}, {"a": 1.0, "b": 1.0, "c": 1.0}, [("i1", ("b",), False)]),
-    ([inst()], {"a", "b", "c"}, {"a": 1.0, "b": 2.0, "c": 1.0}, [("i1", (), True)]),
-    ([inst()], {"a", "b"}, {"a": 1.0, "b": 2.0, "c": 1.0}, [("i1", ("c",), False)]),
-    ([inst(status=I.FAILED)], {"a"}, {"a": 1.0}, []),
-    ([inst(), inst("i2", nodes=("a",))], {"a"}, {"a": 1.0, "b": 1.0, "c": 1.0},
-     [("i1", ("b", "c"), False)]),
-], ids=["all there", "a node down", "a node restarted", "one restarted, one down", "already failed",
-        "only the instance with a lost rank"])
+@pytest.mark.parametrize(
+    "instances, live, incarnations, failed",
+    [
+        ([inst()], {"a", "b", "c"}, {"a": 1.0, "b": 1.0, "c": 1.0}, []),
+        ([inst()], {"a", "c"}, {"a": 1.0, "b": 1.0, "c": 1.0}, [("i1", ("b",), False)]),
+        ([inst()], {"a", "b", "c"}, {"a": 1.0, "b": 2.0, "c": 1.0}, [("i1", (), True)]),
+        ([inst()], {"a", "b"}, {"a": 1.0, "b": 2.0, "c": 1.0}, [("i1", ("c",), False)]),
+        ([inst(status=I.FAILED)], {"a"}, {"a": 1.0}, []),
+        ([inst(), inst("i2", nodes=("a",))], {"a"}, {"a": 1.0, "b": 1.0, "c": 1.0}, [("i1", ("b", "c"), False)]),
+    ],
+    ids=[
+        "all there",
+        "a node down",
+        "a node restarted",
+        "one restarted, one down",
+        "already failed",
+        "only the instance with a lost rank",
+    ],
+)
 def test_lost_ranks_fail_their_instances(instances, live, incarnations, failed):
     """A restart (every node live) is placed again at once; a node down waits to be sure."""
     events = lost_rank_failures(state(*instances), live, incarnations)
@@ -265,27 +366,42 @@ def test_down_ranks_are_named_by_rank_and_node():
     assert down_rank_failure(inst(), {"a", "b", "c"}) is None
 
 
-@pytest.mark.parametrize("instances, node, running, preparing, plan", [
-    ([inst()], "b", set(), set(), RunnerPlan(start=(("i1", 1),))),
-    ([inst()], "b", {"i1"}, set(), RunnerPlan()),
-    ([inst()], "b", set(), {"i1"}, RunnerPlan()),
-    ([inst(status=I.FAILED)], "b", {"i1"}, set(), RunnerPlan(stop=("i1",))),
-    ([], "b", {"i1"}, {"i2"}, RunnerPlan(stop=("i1",), cancel=("i2",))),
-    ([inst()], "x", set(), set(), RunnerPlan()),
-    ([inst(), inst("i2", nodes=("c", "b"))], "b", {"i1"}, set(), RunnerPlan(start=(("i2", 1),))),
-], ids=["start its rank", "already running", "getting its files", "failed: stop",
-        "deleted: stop and cancel", "no rank here", "a second instance"])
+@pytest.mark.parametrize(
+    "instances, node, running, preparing, plan",
+    [
+        ([inst()], "b", set(), set(), RunnerPlan(start=(("i1", 1),))),
+        ([inst()], "b", {"i1"}, set(), RunnerPlan()),
+        ([inst()], "b", set(), {"i1"}, RunnerPlan()),
+        ([inst(status=I.FAILED)], "b", {"i1"}, set(), RunnerPlan(stop=("i1",))),
+        ([], "b", {"i1"}, {"i2"}, RunnerPlan(stop=("i1",), cancel=("i2",))),
+        ([inst()], "x", set(), set(), RunnerPlan()),
+        ([inst(), inst("i2", nodes=("c", "b"))], "b", {"i1"}, set(), RunnerPlan(start=(("i2", 1),))),
+    ],
+    ids=[
+        "start its rank",
+        "already running",
+        "getting its files",
+        "failed: stop",
+        "deleted: stop and cancel",
+        "no rank here",
+        "a second instance",
+    ],
+)
 def test_a_node_plans_its_runners_from_the_table(instances, node, running, preparing, plan):
     assert plan_runners(state(*instances), node, frozenset(running), frozenset(preparing)) == plan
 
 
-@pytest.mark.parametrize("ranks, status, runner, stale", [
-    ([R.LOADING] * 3, I.LOADING, R.READY, True),  # ready, not yet in the table
-    ([R.READY] * 3, I.READY, R.READY, False),
-    ([R.READY] * 3, I.READY, R.FAILED, True),
-    ([R.FAILED] + [R.STOPPED] * 2, I.FAILED, R.FAILED, False),  # failed: nothing to say
-    ([R.LOADING] * 3, I.LOADING, R.LOADING, False),  # still loading: nothing to say
-], ids=["ready unknown", "agreed", "failed unknown", "instance failed", "loading"])
+@pytest.mark.parametrize(
+    "ranks, status, runner, stale",
+    [
+        ([R.LOADING] * 3, I.LOADING, R.READY, True),  # ready, not yet in the table
+        ([R.READY] * 3, I.READY, R.READY, False),
+        ([R.READY] * 3, I.READY, R.FAILED, True),
+        ([R.FAILED] + [R.STOPPED] * 2, I.FAILED, R.FAILED, False),  # failed: nothing to say
+        ([R.LOADING] * 3, I.LOADING, R.LOADING, False),  # still loading: nothing to say
+    ],
+    ids=["ready unknown", "agreed", "failed unknown", "instance failed", "loading"],
+)
 def test_a_rank_the_table_shows_otherwise_is_reported_again(ranks, status, runner, stale):
     s = state(inst(status=status, ranks=ranks))
     assert stale_ranks(s, "a", {"i1": runner}) == (("i1",) if stale else ())
@@ -305,9 +421,14 @@ def random_event(rng, s: ClusterState, fresh: list[int]):
     if kind == 1:
         return Deleted(rng.choice(ids))
     if kind in (2, 3, 4):
-        return RankReported(rng.choice(ids), rng.choice("abcd"), rng.choice(list(R)),
-                            error=rng.choice([None, "boom"]), peer_lost=rng.random() < 0.2,
-                            at=float(rng.randint(1, 100)))
+        return RankReported(
+            rng.choice(ids),
+            rng.choice("abcd"),
+            rng.choice(list(R)),
+            error=rng.choice([None, "boom"]),
+            peer_lost=rng.random() < 0.2,
+            at=float(rng.randint(1, 100)),
+        )
     if kind == 5:
         return InstanceFailed(rng.choice(ids), "lost", tuple(rng.sample("abcd", rng.randint(0, 2))))
     if kind == 6:
@@ -355,13 +476,17 @@ OLD = inst("old", ("a", "b"), I.READY, replaced=("first",))
 STAND_IN = inst("new", ("a", "b", "c"), I.FAILED, replaced=("first", "old"), stands_in_for="old")
 
 
-@pytest.mark.parametrize("others, deleted", [
-    ([OLD], True),  # the serving one serves on: the rejoin tries again from it
-    ([dataclasses.replace(OLD, status=I.FAILED)], True),  # both failed: the old one is placed again
-    ([inst("again", ("a", "b"), I.LOADING, replaced=("first", "old"))], True),  # ... and was already
-    ([], False),  # the handover had deleted the old one: the stand-in was the only line
-    ([inst("other", ("c",), I.READY, replaced=("elsewhere",))], False),
-], ids=["old-serving", "old-failed-too", "old-placed-again", "handed-over", "unrelated"])
+@pytest.mark.parametrize(
+    "others, deleted",
+    [
+        ([OLD], True),  # the serving one serves on: the rejoin tries again from it
+        ([dataclasses.replace(OLD, status=I.FAILED)], True),  # both failed: the old one is placed again
+        ([inst("again", ("a", "b"), I.LOADING, replaced=("first", "old"))], True),  # ... and was already
+        ([], False),  # the handover had deleted the old one: the stand-in was the only line
+        ([inst("other", ("c",), I.READY, replaced=("elsewhere",))], False),
+    ],
+    ids=["old-serving", "old-failed-too", "old-placed-again", "handed-over", "unrelated"],
+)
 def test_a_failed_stand_in_is_deleted_while_the_line_it_stood_in_for_goes_on(others, deleted):
     """Trial 7: a node killed during a rejoin's handover failed both instances and both were
     placed again, then both rejoined: two copies of the model for good."""

@@ -6,15 +6,7 @@ an instance plans the same step from the same state."""
 import pytest
 
 from shardline.runner.prefix_cache import Admission, CachedPrefix, Extension, Start, Waiting
-from shardline.runner.step_plan import (
-    Chunk,
-    SequenceState,
-    StepLimits,
-    StepPlan,
-    finish_reason,
-    plan_step,
-    schedule,
-)
+from shardline.runner.step_plan import Chunk, SequenceState, StepLimits, StepPlan, finish_reason, plan_step, schedule
 
 pytestmark = [pytest.mark.fast, pytest.mark.timeout(10)]
 
@@ -25,58 +17,91 @@ def seq(prompt_len: int, prefilled: int = 0, generated: int = 0, scored: bool = 
     return SequenceState(prompt_len, prefilled, generated, max_tokens=16, scored=scored)
 
 
-@pytest.mark.parametrize("token, generated, prompt_len, max_tokens, context, reason", [
-    (5, 1, 10, 16, 64, None),
-    (2, 1, 10, 16, 64, "stop"),  # a stop token
-    (3, 4, 10, 16, 64, "stop"),  # any of them
-    (5, 16, 10, 16, 64, "length"),  # max_tokens generated
-    (5, 15, 10, 16, 64, None),
-    (2, 16, 10, 16, 64, "stop"),  # a stop token at max_tokens is a stop
-    (5, 4, 60, 16, 64, "length"),  # the context full
-    (5, 3, 60, 16, 64, None),
-    (2, 4, 60, 16, 64, "stop"),  # a stop token at the context's end is a stop
-    (5, 1, 10, 1, 64, "length"),  # max_tokens 1: one token
-    (5, 1, 63, 16, 64, "length"),  # a prompt one short of the context: one token
-], ids=["goes on", "stop token", "another stop token", "max tokens", "one short of max tokens",
-        "stop before max tokens", "context full", "one short of the context", "stop before the context",
-        "max tokens 1", "prompt fills the context"])
+@pytest.mark.parametrize(
+    "token, generated, prompt_len, max_tokens, context, reason",
+    [
+        (5, 1, 10, 16, 64, None),
+        (2, 1, 10, 16, 64, "stop"),  # a stop token
+        (3, 4, 10, 16, 64, "stop"),  # any of them
+        (5, 16, 10, 16, 64, "length"),  # max_tokens generated
+        (5, 15, 10, 16, 64, None),
+        (2, 16, 10, 16, 64, "stop"),  # a stop token at max_tokens is a stop
+        (5, 4, 60, 16, 64, "length"),  # the context full
+        (5, 3, 60, 16, 64, None),
+        (2, 4, 60, 16, 64, "stop"),  # a stop token at the context's end is a stop
+        (5, 1, 10, 1, 64, "length"),  # max_tokens 1: one token
+        (5, 1, 63, 16, 64, "length"),  # a prompt one short of the context: one token
+    ],
+    ids=[
+        "goes on",
+        "stop token",
+        "another stop token",
+        "max tokens",
+        "one short of max tokens",
+        "stop before max tokens",
+        "context full",
+        "one short of the context",
+        "stop before the context",
+        "max tokens 1",
+        "prompt fills the context",
+    ],
+)
 def test_the_finish_rule(token, generated, prompt_len, max_tokens, context, reason):
     assert finish_reason(token, generated, prompt_len, (2, 3), max_tokens, context) == reason
 
 
-@pytest.mark.parametrize("state, decoding", [
-    (seq(10), False),  # not prefilled
-    (seq(10, 8), False),  # partly prefilled
-    (seq(10, 10), False),  # prefilled but not yet sampled (never so after a step)
-    (seq(10, 10, 1), True),
-    (seq(10, 10, 5), True),
-])
+@pytest.mark.parametrize(
+    "state, decoding",
+    [
+        (seq(10), False),  # not prefilled
+        (seq(10, 8), False),  # partly prefilled
+        (seq(10, 10), False),  # prefilled but not yet sampled (never so after a step)
+        (seq(10, 10, 1), True),
+        (seq(10, 10, 5), True),
+    ],
+)
 def test_a_sequence_decodes_once_prefilled_and_sampled(state, decoding):
     assert state.decoding is decoding
 
 
-@pytest.mark.parametrize("seqs, decode, chunks", [
-    ([], (), ()),
-    ([seq(10, 10, 1), seq(12, 12, 3)], (0, 1), ()),  # decode only
-    ([seq(20)], (), (Chunk(0, 0, 8, False), Chunk(0, 8, 8, False), Chunk(0, 16, 4, True))),  # burst budget
-    ([seq(30)], (), (Chunk(0, 0, 8, False), Chunk(0, 8, 8, False), Chunk(0, 16, 8, False))),  # 24 a step
-    ([seq(10, 10, 1), seq(20)], (0,), (Chunk(1, 0, 8, False),)),  # a decode step's budget
-    ([seq(10, 10, 1), seq(20, 16)], (0,), (Chunk(1, 16, 4, True),)),
-    ([seq(6), seq(5)], (), (Chunk(0, 0, 6, True), Chunk(1, 0, 5, True))),  # oldest first
-    ([seq(20, 5)], (), (Chunk(0, 5, 3, False), Chunk(0, 8, 8, False), Chunk(0, 16, 4, True))),  # resumed
-    ([seq(10, scored=True)], (), (Chunk(0, 0, 8, False, True), Chunk(0, 8, 2, True, True))),
-], ids=["nothing", "decode only", "a whole prompt", "the burst budget", "the step budget while decoding",
-        "the last chunk", "oldest first", "resumed at chunk multiples", "a scored prompt"])
+@pytest.mark.parametrize(
+    "seqs, decode, chunks",
+    [
+        ([], (), ()),
+        ([seq(10, 10, 1), seq(12, 12, 3)], (0, 1), ()),  # decode only
+        ([seq(20)], (), (Chunk(0, 0, 8, False), Chunk(0, 8, 8, False), Chunk(0, 16, 4, True))),  # burst budget
+        ([seq(30)], (), (Chunk(0, 0, 8, False), Chunk(0, 8, 8, False), Chunk(0, 16, 8, False))),  # 24 a step
+        ([seq(10, 10, 1), seq(20)], (0,), (Chunk(1, 0, 8, False),)),  # a decode step's budget
+        ([seq(10, 10, 1), seq(20, 16)], (0,), (Chunk(1, 16, 4, True),)),
+        ([seq(6), seq(5)], (), (Chunk(0, 0, 6, True), Chunk(1, 0, 5, True))),  # oldest first
+        ([seq(20, 5)], (), (Chunk(0, 5, 3, False), Chunk(0, 8, 8, False), Chunk(0, 16, 4, True))),  # resumed
+        ([seq(10, scored=True)], (), (Chunk(0, 0, 8, False, True), Chunk(0, 8, 2, True, True))),
+    ],
+    ids=[
+        "nothing",
+        "decode only",
+        "a whole prompt",
+        "the burst budget",
+        "the step budget while decoding",
+        "the last chunk",
+        "oldest first",
+        "resumed at chunk multiples",
+        "a scored prompt",
+    ],
+)
 def test_a_steps_schedule(seqs, decode, chunks):
     assert schedule(seqs, LIMITS) == (decode, chunks)
 
 
-@pytest.mark.parametrize("chunk, want_logits, every_row", [
-    (Chunk(0, 0, 8, False), False, False),
-    (Chunk(0, 8, 2, True), True, False),  # its last row's logits
-    (Chunk(0, 0, 8, False, True), True, True),  # scored: every row's hidden state
-    (Chunk(0, 8, 2, True, True), True, True),
-])
+@pytest.mark.parametrize(
+    "chunk, want_logits, every_row",
+    [
+        (Chunk(0, 0, 8, False), False, False),
+        (Chunk(0, 8, 2, True), True, False),  # its last row's logits
+        (Chunk(0, 0, 8, False, True), True, True),  # scored: every row's hidden state
+        (Chunk(0, 8, 2, True, True), True, True),
+    ],
+)
 def test_a_chunks_outputs(chunk, want_logits, every_row):
     assert (chunk.want_logits, chunk.every_row) == (want_logits, every_row)
 
@@ -86,7 +111,9 @@ def test_a_plan_samples_the_decoding_then_the_prompts_its_chunks_end():
     decode, chunks = schedule(seqs, LIMITS)
     plan = StepPlan(Admission((), ()), seqs, decode, chunks, LIMITS.context)
     assert plan.decode == (0, 3)
-    assert [(c.seq, c.start, c.length, c.last) for c in plan.chunks] == [(1, 0, 6, True)]  # 2 tokens left: no 8-token chunk
+    assert [(c.seq, c.start, c.length, c.last) for c in plan.chunks] == [
+        (1, 0, 6, True)
+    ]  # 2 tokens left: no 8-token chunk
     assert plan.sampled == (0, 3, 1)
     assert (plan.first_chunk, plan.micro_batches) == (1, 2)
 
@@ -97,10 +124,12 @@ def test_a_plan_without_decoding_starts_its_chunks_at_the_first_micro_batch():
 
 
 def test_a_plans_finishes_follow_its_sampled_sequences():
-    seqs = (SequenceState(10, 10, 3, max_tokens=4, stop_token_ids=(2,)),
-            SequenceState(60, 60, 3, max_tokens=16, stop_token_ids=(2,)),
-            SequenceState(6, 0, 0, max_tokens=16, stop_token_ids=(2,)),
-            SequenceState(8, 8, 1, max_tokens=16, stop_token_ids=(2,)))
+    seqs = (
+        SequenceState(10, 10, 3, max_tokens=4, stop_token_ids=(2,)),
+        SequenceState(60, 60, 3, max_tokens=16, stop_token_ids=(2,)),
+        SequenceState(6, 0, 0, max_tokens=16, stop_token_ids=(2,)),
+        SequenceState(8, 8, 1, max_tokens=16, stop_token_ids=(2,)),
+    )
     decode, chunks = schedule(seqs, LIMITS)
     plan = StepPlan(Admission((), ()), seqs, decode, chunks, LIMITS.context)
     assert plan.sampled == (0, 1, 3, 2)
@@ -117,8 +146,11 @@ def test_admitted_tasks_join_the_step_prefilled_to_what_they_reuse():
     running = [seq(10, 10, 1)]
     plan = plan_step(running, waiting, wants, [0, 2], [cached], 64, LIMITS)
     assert plan.admission.starts == (Start(0, 1, 12, 12), Start(1, 0, 0))  # the cached slot, and the lowest free
-    assert plan.seqs == (running[0], SequenceState(20, 12, max_tokens=4), SequenceState(6, 0, max_tokens=2,
-                                                                                      scored=True))
+    assert plan.seqs == (
+        running[0],
+        SequenceState(20, 12, max_tokens=4),
+        SequenceState(6, 0, max_tokens=2, scored=True),
+    )
     assert plan.decode == (0,)
     # resumed at 12, cut at 16; the step budget (8 tokens while one decodes) leaves the other for later
     assert plan.chunks == (Chunk(1, 12, 4, False), Chunk(1, 16, 4, True))

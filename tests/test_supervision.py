@@ -75,8 +75,12 @@ class Pool:
         self.runners.pop(instance_id, None)
 
 
-def handle(status: RankStatus = RankStatus.LOADING, error: str | None = None,
-           loaded: Loaded | None = None, peer_lost: bool = False) -> SimpleNamespace:
+def handle(
+    status: RankStatus = RankStatus.LOADING,
+    error: str | None = None,
+    loaded: Loaded | None = None,
+    peer_lost: bool = False,
+) -> SimpleNamespace:
     return SimpleNamespace(status=status, error=error, loaded=loaded, peer_lost=peer_lost)
 
 
@@ -109,11 +113,11 @@ class Recorder:
             shard_weights=shard_weights,
             warm_tokenizer=lambda model_id: self.calls.append(("warm_tokenizer", model_id)),
             dispatch=lambda events: self.calls.append(("dispatch", events)),
-            fail_streams=lambda instance_id, error, code: self.calls.append(
-                ("fail_streams", instance_id, error, code)),
+            fail_streams=lambda instance_id, error, code: self.calls.append(("fail_streams", instance_id, error, code)),
             end_forwarded=lambda: self.calls.append(("end_forwarded",)),
             engine_stats=lambda instance_id, stats: self.calls.append(("engine_stats", instance_id, stats)),
-            send_report=send_report, runner_status=runner_status,
+            send_report=send_report,
+            runner_status=runner_status,
             repeated=RepeatedWarnings(logging.getLogger("test_supervision")),
         )
 
@@ -121,16 +125,24 @@ class Recorder:
         return [c for c in self.calls if c[0] == name]
 
 
-def instance(instance_id: str, nodes: tuple[str, ...] = ("a", "b"), status: InstanceStatus = InstanceStatus.LOADING,
-             sharding: Sharding = Sharding.PIPELINE, error: str | None = None,
-             rank_status: RankStatus = RankStatus.LOADING, replaced: tuple[str, ...] = ()) -> Instance:
+def instance(
+    instance_id: str,
+    nodes: tuple[str, ...] = ("a", "b"),
+    status: InstanceStatus = InstanceStatus.LOADING,
+    sharding: Sharding = Sharding.PIPELINE,
+    error: str | None = None,
+    rank_status: RankStatus = RankStatus.LOADING,
+    replaced: tuple[str, ...] = (),
+) -> Instance:
     ranks = tuple(RankPlacement(n, f"{n}:1", RankShare(i, i + 1), status=rank_status) for i, n in enumerate(nodes))
-    return Instance(instance_id, "m", sharding, ranks, "10.0.0.1", 29500, 64, 2, status=status, error=error,
-                    replaced=replaced)
+    return Instance(
+        instance_id, "m", sharding, ranks, "10.0.0.1", 29500, 64, 2, status=status, error=error, replaced=replaced
+    )
 
 
-def build(view: View, pool: Pool | None = None, recorder: Recorder | None = None,
-          settings: RunnerSettings = RunnerSettings()) -> tuple[Supervisor, Pool, Recorder]:
+def build(
+    view: View, pool: Pool | None = None, recorder: Recorder | None = None, settings: RunnerSettings = RunnerSettings()
+) -> tuple[Supervisor, Pool, Recorder]:
     pool = pool or Pool()
     recorder = recorder or Recorder()
     return Supervisor(view, pool, recorder.effects(), settings), pool, recorder
@@ -167,13 +179,24 @@ def test_another_ranks_node_does_not_warm_the_tokenizer_at_once():
     assert pool.started[0].rank == 1 and not recorder.named("warm_tokenizer")
 
 
-@pytest.mark.parametrize("instances, ended, code, error", [
-    ({}, "x", EndCode.INSTANCE_DELETED, "the instance was deleted"),  # gone
-    ({"x": instance("x", status=InstanceStatus.FAILED, error="rank 0 died")}, "x",
-     EndCode.INSTANCE_FAILED, "rank 0 died"),
-    ({"y": instance("y", replaced=("x",))}, "x", EndCode.INSTANCE_FAILED,
-     "gone; instance y was placed in its place"),
-])
+@pytest.mark.parametrize(
+    "instances, ended, code, error",
+    [
+        ({}, "x", EndCode.INSTANCE_DELETED, "the instance was deleted"),  # gone
+        (
+            {"x": instance("x", status=InstanceStatus.FAILED, error="rank 0 died")},
+            "x",
+            EndCode.INSTANCE_FAILED,
+            "rank 0 died",
+        ),
+        (
+            {"y": instance("y", replaced=("x",))},
+            "x",
+            EndCode.INSTANCE_FAILED,
+            "gone; instance y was placed in its place",
+        ),
+    ],
+)
 def test_a_runner_no_longer_placed_is_stopped_and_its_requests_told_why(instances, ended, code, error):
     view = View(node_id="z", instances=instances)  # no rank here: nothing to start
     supervisor, pool, recorder = build(view, Pool({ended: handle(RankStatus.READY)}))
@@ -236,21 +259,29 @@ def test_a_rank_whose_instance_failed_while_its_files_came_does_not_start():
 # -- a runner's spec ---------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("sharding, ranks, chunk", [
-    (Sharding.PIPELINE, 2, RunnerSpec.prefill_chunk),
-    (Sharding.TENSOR, 2, RunnerSpec.prefill_chunk),
-    (Sharding.RING, 3, ring_prefill_chunk(3)),
-    (Sharding.RING, 2, ring_prefill_chunk(2)),
-])
+@pytest.mark.parametrize(
+    "sharding, ranks, chunk",
+    [
+        (Sharding.PIPELINE, 2, RunnerSpec.prefill_chunk),
+        (Sharding.TENSOR, 2, RunnerSpec.prefill_chunk),
+        (Sharding.RING, 3, ring_prefill_chunk(3)),
+        (Sharding.RING, 2, ring_prefill_chunk(2)),
+    ],
+)
 def test_a_runners_spec(sharding, ranks, chunk):
     nodes = ("a", "b", "c")[:ranks]
     inst = instance("x", nodes, sharding=sharding)
-    supervisor, _, _ = build(View(node_id="b"), settings=RunnerSettings(threads=3, device="cpu",
-                                                                        progress_timeout_s=7.0))
+    supervisor, _, _ = build(
+        View(node_id="b"), settings=RunnerSettings(threads=3, device="cpu", progress_timeout_s=7.0)
+    )
     spec = supervisor.runner_spec(inst, 1, inst.ranks[1], Path("/store/m"))
     assert (spec.instance_id, spec.node_id, spec.rank, spec.world_size) == ("x", "b", 1, ranks)
     assert (spec.model_path, spec.host, spec.master_addr, spec.master_port) == (
-        "/store/m", "10.0.0.2", "10.0.0.1", 29500)
+        "/store/m",
+        "10.0.0.2",
+        "10.0.0.1",
+        29500,
+    )
     assert (spec.threads, spec.device, spec.progress_timeout_s) == (3, "cpu", 7.0)
     assert spec.prefill_chunk == chunk
     if sharding == Sharding.RING:
@@ -261,12 +292,15 @@ def test_a_runners_spec(sharding, ranks, chunk):
 # -- reports -----------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("coordinator, acting, stopping, sent, acted", [
-    ("a", False, False, True, False),  # another node coordinates: sent to it
-    ("b", True, False, False, True),  # this node coordinates: acted on here
-    ("b", False, False, False, False),  # this node would, but has no term yet: made again later
-    ("a", False, True, False, False),  # stopping: nothing to report
-])
+@pytest.mark.parametrize(
+    "coordinator, acting, stopping, sent, acted",
+    [
+        ("a", False, False, True, False),  # another node coordinates: sent to it
+        ("b", True, False, False, True),  # this node coordinates: acted on here
+        ("b", False, False, False, False),  # this node would, but has no term yet: made again later
+        ("a", False, True, False, False),  # stopping: nothing to report
+    ],
+)
 def test_where_a_report_goes(coordinator, acting, stopping, sent, acted):
     view = View(node_id="b", coordinator=coordinator, acting=acting, stopping=stopping)
     supervisor, _, recorder = build(view)
@@ -276,7 +310,11 @@ def test_where_a_report_goes(coordinator, acting, stopping, sent, acted):
         address, report = recorder.sent_to[0]
         assert address == "a:7000"
         assert (report.instance_id, report.node_id, report.status, report.loaded) == (
-            "x", "b", RankStatus.READY, {"bytes_read": 1})
+            "x",
+            "b",
+            RankStatus.READY,
+            {"bytes_read": 1},
+        )
 
 
 def test_a_report_that_fails_is_warned_of_once_until_one_goes_through(caplog):
@@ -301,17 +339,30 @@ def test_copy_progress_is_reported_as_fetching():
     assert report.status == RankStatus.FETCHING and report.fetched == {"done_bytes": 5, "total_bytes": 10}
 
 
-@pytest.mark.parametrize("table_rank, runner, reported", [
-    (RankStatus.LOADING, RankStatus.READY, True),  # the table missed its report
-    (RankStatus.READY, RankStatus.READY, False),
-    (RankStatus.LOADING, RankStatus.LOADING, False),  # still loading: nothing to tell
-    (RankStatus.READY, RankStatus.FAILED, True),
-])
+@pytest.mark.parametrize(
+    "table_rank, runner, reported",
+    [
+        (RankStatus.LOADING, RankStatus.READY, True),  # the table missed its report
+        (RankStatus.READY, RankStatus.READY, False),
+        (RankStatus.LOADING, RankStatus.LOADING, False),  # still loading: nothing to tell
+        (RankStatus.READY, RankStatus.FAILED, True),
+    ],
+)
 def test_ranks_the_table_has_wrong_are_reported_again(table_rank, runner, reported):
     view = View(node_id="b", instances={"x": instance("x", ("a", "b"), rank_status=table_rank)})
     loaded = Loaded((0,), 1, 2, 3, 4)
-    supervisor, _, recorder = build(view, Pool({"x": handle(runner, "boom" if runner == RankStatus.FAILED else None,
-                                                            loaded if runner == RankStatus.READY else None)}))
+    supervisor, _, recorder = build(
+        view,
+        Pool(
+            {
+                "x": handle(
+                    runner,
+                    "boom" if runner == RankStatus.FAILED else None,
+                    loaded if runner == RankStatus.READY else None,
+                )
+            }
+        ),
+    )
     asyncio.run(supervisor.report_stale())
     assert bool(recorder.sent_to) is reported
     if reported:
@@ -367,12 +418,14 @@ def test_a_failed_runner_fails_its_requests_at_once_and_is_reported():
     assert report.status == RankStatus.FAILED and report.error == "out of memory" and not report.peer_lost
 
 
-@pytest.mark.parametrize("named_error, expected", [
-    ("rank 0 on a: killed", "rank 0 on a: killed"),  # the coordinator names the rank that failed
-    (None, "lost contact"),  # nobody does within the grace: its own words
-])
-def test_a_rank_that_lost_a_peer_waits_for_the_coordinator_to_name_the_failure(named_error, expected,
-                                                                               monkeypatch):
+@pytest.mark.parametrize(
+    "named_error, expected",
+    [
+        ("rank 0 on a: killed", "rank 0 on a: killed"),  # the coordinator names the rank that failed
+        (None, "lost contact"),  # nobody does within the grace: its own words
+    ],
+)
+def test_a_rank_that_lost_a_peer_waits_for_the_coordinator_to_name_the_failure(named_error, expected, monkeypatch):
     monkeypatch.setattr("shardline.node.supervision.NAMING_GRACE_S", 0.3)
     view = View(node_id="b", instances={"x": instance("x")})
     supervisor, _, recorder = build(view)

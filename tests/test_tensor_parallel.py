@@ -39,17 +39,25 @@ THETA = 500_000.0
 # --- tiny models with any head count -------------------------------------------------
 
 
-def _hf_model(arch: str, heads: int, kv_heads: int, intermediate: int, *, tie: bool = False,
-              seed: int = 0):
+def _hf_model(arch: str, heads: int, kv_heads: int, intermediate: int, *, tie: bool = False, seed: int = 0):
     """A float32 tiny model like ``tm.hf_model`` with ``heads`` heads of tm.HEAD_DIM."""
     import transformers
 
     transformers.logging.set_verbosity_error()
     kwargs = dict(
-        vocab_size=tm.VOCAB, hidden_size=heads * tm.HEAD_DIM, intermediate_size=intermediate,
-        num_hidden_layers=LAYERS, num_attention_heads=heads, num_key_value_heads=kv_heads,
-        max_position_embeddings=256, rms_norm_eps=1e-6, rope_theta=THETA,
-        tie_word_embeddings=tie, bos_token_id=None, eos_token_id=None, pad_token_id=None,
+        vocab_size=tm.VOCAB,
+        hidden_size=heads * tm.HEAD_DIM,
+        intermediate_size=intermediate,
+        num_hidden_layers=LAYERS,
+        num_attention_heads=heads,
+        num_key_value_heads=kv_heads,
+        max_position_embeddings=256,
+        rms_norm_eps=1e-6,
+        rope_theta=THETA,
+        tie_word_embeddings=tie,
+        bos_token_id=None,
+        eos_token_id=None,
+        pad_token_id=None,
     )
     cls = {
         "llama": (transformers.LlamaConfig, transformers.LlamaForCausalLM),
@@ -85,8 +93,7 @@ def tiny_paths(tmp_path_factory) -> dict[str, Path]:
     for seed, (name, arch, heads, kv, inter, tie, fmt) in enumerate(TINY_CASES):
         model = _hf_model(arch, heads, kv, inter, tie=tie, seed=20 + seed)
         if fmt == "gguf":
-            paths[name] = tm.write_gguf(model, root / f"{name}.gguf", arch=arch,
-                                        rope_theta=THETA, q8_0=Q8_0_TENSORS)
+            paths[name] = tm.write_gguf(model, root / f"{name}.gguf", arch=arch, rope_theta=THETA, q8_0=Q8_0_TENSORS)
         else:
             paths[name] = tm.save_hf(model, root / name, legacy_rope_keys=True)
     return paths
@@ -165,9 +172,12 @@ def _tiny_job(rank, world, paths, steps):
         stage = load_tensor_stage(source, rank, world, slots=2, context=64, dtype=torch.float32)
         tokens, logits = greedy_schedule(stage, _prompts(source.config.vocab_size), steps)
         out[name] = {
-            "tokens": tokens, "logits": logits, "share": stage.shard.share,
+            "tokens": tokens,
+            "logits": logits,
+            "share": stage.shard.share,
             "layer_bytes": _layer_linear_bytes(stage.shard),
-            "bytes_read": source.bytes_read, "tensors_read": list(source.tensors_read),
+            "bytes_read": source.bytes_read,
+            "tensors_read": list(source.tensors_read),
             "kv_heads_cached": stage.cache.k[0].shape[1],
         }
     return out
@@ -175,8 +185,7 @@ def _tiny_job(rank, world, paths, steps):
 
 def _quantized_job(rank, world, path, steps):
     source = open_weights(path)
-    stage = load_tensor_stage(source, rank, world, slots=2, context=64, dtype=torch.float32,
-                              quantize=Quantize.INT4)
+    stage = load_tensor_stage(source, rank, world, slots=2, context=64, dtype=torch.float32, quantize=Quantize.INT4)
     tokens, logits = greedy_schedule(stage, _prompts(source.config.vocab_size), steps)
     return {"tokens": tokens, "logits": logits}
 
@@ -185,11 +194,14 @@ def _smollm2_job(rank, world, path, steps):
     source = open_weights(path)
     share = tensor_shares(source.config, world)[rank]
     shard = load_tensor_shard(source, share, dtype=torch.bfloat16)
-    out = {"share": share, "layer_bytes": _layer_linear_bytes(shard),
-           "all_bytes": weight_bytes(shard), "bytes_read": source.bytes_read}
+    out = {
+        "share": share,
+        "layer_bytes": _layer_linear_bytes(shard),
+        "all_bytes": weight_bytes(shard),
+        "bytes_read": source.bytes_read,
+    }
     for reduce_dtype in (torch.float32, torch.bfloat16):
-        cache = KVCache(source.config, len(shard.layers), 2, 64, torch.bfloat16,
-                        num_kv_heads=shard.num_kv_heads)
+        cache = KVCache(source.config, len(shard.layers), 2, 64, torch.bfloat16, num_kv_heads=shard.num_kv_heads)
         stage = TensorStage(shard, cache, rank, world, reduce_dtype=reduce_dtype)
         tokens, logits = greedy_schedule(stage, _prompts(source.config.vocab_size), steps)
         out[str(reduce_dtype)] = {"tokens": tokens, "logits": logits}
@@ -222,8 +234,7 @@ def test_tiny_models_match_one_rank(tiny_paths, tmp_path, world):
         assert shares == tensor_shares(config, world)
         assert [r["kv_heads_cached"] for r in ranks] == [s.num_kv_heads for s in shares]
         # Every rank reads the same tensors (slices of them), each layer tensor once.
-        layer_reads = [sorted(n for n in r["tensors_read"] if "layers." in n or "blk." in n)
-                       for r in ranks]
+        layer_reads = [sorted(n for n in r["tensors_read"] if "layers." in n or "blk." in n) for r in ranks]
         assert all(reads == layer_reads[0] for reads in layer_reads)
         assert len(set(layer_reads[0])) == len(layer_reads[0])
         # Layer weights: each rank's are its share of the whole, plus replicated KV heads.
@@ -233,14 +244,15 @@ def test_tiny_models_match_one_rank(tiny_paths, tmp_path, world):
         norms = LAYERS * esize * (2 * d + (2 * hd if config.qk_norm else 0))
         for r, share in zip(ranks, shares):
             q, kv = share.num_heads * hd, share.num_kv_heads * hd
-            expect = LAYERS * esize * (
-                d * (2 * q + 2 * kv) + 3 * d * share.num_columns
-                + ((q + 2 * kv) if config.attention_bias else 0)
-            ) + norms
+            expect = (
+                LAYERS
+                * esize
+                * (d * (2 * q + 2 * kv) + 3 * d * share.num_columns + ((q + 2 * kv) if config.attention_bias else 0))
+                + norms
+            )
             if name.endswith("gguf"):  # float32 Q8_0 downs: a byte each, float32 scale
                 cols = share.num_columns  # and offset per 32
-                expect += len(Q8_0_TENSORS) * (d * cols + cols // 32 * d * 2 * 4
-                                               - d * cols * esize)
+                expect += len(Q8_0_TENSORS) * (d * cols + cols // 32 * d * 2 * 4 - d * cols * esize)
             assert r["layer_bytes"] == expect, (name, share)
         extra_kv = (sum(s.num_kv_heads for s in shares) - config.num_kv_heads) * hd
         extra = LAYERS * esize * 2 * extra_kv * (d + (1 if config.attention_bias else 0))
@@ -312,16 +324,19 @@ def test_smollm2_matches_one_rank(tmp_path, world):
     for key in ("torch.float32", "torch.bfloat16"):
         got = results[0][key]
         diff = _max_diff(got["logits"], logits)
-        print(f"\nSmolLM2 {world} ranks, all-reduce in {key}: max|logit diff| {diff:.3f}, "
-              f"tokens equal: {got['tokens'] == tokens}")
+        print(
+            f"\nSmolLM2 {world} ranks, all-reduce in {key}: max|logit diff| {diff:.3f}, "
+            f"tokens equal: {got['tokens'] == tokens}"
+        )
         assert all(r[key]["tokens"] == got["tokens"] for r in results[1:])
-        _agree_until_a_near_tie(got["tokens"], tokens, got["logits"], logits,
-                                SMOLLM2_LOGIT_TOLERANCE)
+        _agree_until_a_near_tie(got["tokens"], tokens, got["logits"], logits, SMOLLM2_LOGIT_TOLERANCE)
     whole = _layer_linear_bytes(one)
     held = [r["layer_bytes"] for r in results]
-    print(f"layer bytes per rank {held} of {whole}; all weights per rank "
-          f"{[r['all_bytes'] for r in results]} (one rank {weight_bytes(one)}); "
-          f"file bytes read {[r['bytes_read'] for r in results]}")
+    print(
+        f"layer bytes per rank {held} of {whole}; all weights per rank "
+        f"{[r['all_bytes'] for r in results]} (one rank {weight_bytes(one)}); "
+        f"file bytes read {[r['bytes_read'] for r in results]}"
+    )
     # Each rank holds its share; a KV head on two ranks is 2% of a layer.
     for h in held:
         assert h <= (1 / world + 0.025) * whole
@@ -342,8 +357,7 @@ def test_one_rank_share_equals_load_shard(tiny_paths):
     linears = dict(single.named_modules())
     for name, module in whole.named_modules():
         if isinstance(module, Linear):
-            torch.testing.assert_close(linears[name].dequantized(), module.dequantized(),
-                                       rtol=0, atol=0, msg=name)
+            torch.testing.assert_close(linears[name].dequantized(), module.dequantized(), rtol=0, atol=0, msg=name)
 
 
 @pytest.mark.parametrize("name", ["llama-9h3kv-gguf", "qwen2-9h3kv-bias"])
@@ -351,16 +365,13 @@ def test_slices_read_equal_whole_tensors_sliced(tiny_paths, name):
     source = open_weights(tiny_paths[name])
     gguf = name.endswith("gguf")
     for tensor in ("o", "down", "q", "gate"):
-        full_name = source.LAYER_FORMAT.format(layer=0 if tensor == "o" else 1,
-                                               name=source.LAYER_NAMES[tensor])
+        full_name = source.LAYER_FORMAT.format(layer=0 if tensor == "o" else 1, name=source.LAYER_NAMES[tensor])
         whole = source.read(full_name)
         before = source.bytes_read
-        for rows, cols in [((16, 80), None), (None, (32, 96)), (None, (80, 144)),
-                           ((0, 64), (48, 80))]:
+        for rows, cols in [((16, 80), None), (None, (32, 96)), (None, (80, 144)), ((0, 64), (48, 80))]:
             part = source.read(full_name, rows, cols)
             r, c = slice(*rows) if rows else slice(None), slice(*cols) if cols else slice(None)
-            torch.testing.assert_close(part, whole[r, c], rtol=0, atol=0,
-                                       msg=f"{full_name} {rows} {cols}")
+            torch.testing.assert_close(part, whole[r, c], rtol=0, atol=0, msg=f"{full_name} {rows} {cols}")
         assert source.bytes_read - before < 4 * whole.numel() * whole.element_size()
     if gguf:
         # An aligned column slice of a Q8_0 tensor reads only its blocks.
@@ -378,8 +389,7 @@ def test_uneven_gqa_padding_matches_replicated_heads(tiny_paths):
     shares = tensor_shares(source.config, 2)
     assert [s.heads for s in shares] == [(0, 5), (5, 9)]
     assert [s.kv_heads for s in shares] == [(0, 1), (1, 2)]
-    shard = load_tensor_shard(open_weights(tiny_paths["llama-9h3kv-gguf"]), shares[1],
-                              dtype=torch.float32)
+    shard = load_tensor_shard(open_weights(tiny_paths["llama-9h3kv-gguf"]), shares[1], dtype=torch.float32)
     attn = shard.layers[0].attn
     assert attn.q_index.tolist() == [0, 0, 0, 1, 2, 3]
     assert attn.out_index.tolist() == [0, 3, 4, 5]

@@ -5,18 +5,8 @@ import pytest
 from model_shapes import smollm2 as _config
 
 from shardline.placement.layer_ranges import NodeCapacity, PlacementError
-from shardline.placement.ranks import (
-    RankShare,
-    model_param_count,
-    place_ranks,
-    rank_bytes,
-    resident_bytes_per_weight,
-)
-from shardline.placement.tensor import (
-    tensor_placement,
-    tensor_rank_bytes,
-    tensor_shares,
-)
+from shardline.placement.ranks import RankShare, model_param_count, place_ranks, rank_bytes, resident_bytes_per_weight
+from shardline.placement.tensor import tensor_placement, tensor_rank_bytes, tensor_shares
 
 pytestmark = [pytest.mark.fast, pytest.mark.timeout(30)]
 
@@ -45,14 +35,14 @@ def test_smollm2_on_three_ranks_is_even():
 def test_columns_split_in_blocks_of_32_larger_first():
     shares = tensor_shares(_config(intermediate_size=160, hidden_size=576), 3)
     assert [s.columns for s in shares] == [(0, 64), (64, 128), (128, 160)]
-    for s in tensor_shares(_config(num_heads=32, num_kv_heads=8, head_dim=128,
-                                   hidden_size=4096, intermediate_size=11008), 3):
+    for s in tensor_shares(
+        _config(num_heads=32, num_kv_heads=8, head_dim=128, hidden_size=4096, intermediate_size=11008), 3
+    ):
         assert s.columns[0] % 32 == 0 and s.columns[1] % 32 == 0
 
 
 def test_shares_cover_every_head_and_column_once():
-    config = _config(num_heads=14, num_kv_heads=2, head_dim=64, hidden_size=896,
-                     intermediate_size=4864)  # Qwen2-0.5B
+    config = _config(num_heads=14, num_kv_heads=2, head_dim=64, hidden_size=896, intermediate_size=4864)  # Qwen2-0.5B
     for world in range(1, 15):
         shares = tensor_shares(config, world)
         assert shares[0].heads[0] == 0 and shares[-1].heads[1] == 14
@@ -109,8 +99,7 @@ def test_refusal_names_the_node_and_shortfall():
     with pytest.raises(PlacementError) as info:
         tensor_placement(config, nodes, kv_tokens=2048 * 4)
     message = str(info.value)
-    assert f"node tiny (rank 1: heads 5-8, KV heads [1, 2], MLP columns 768-1535) needs " \
-           f"{need[1]} bytes" in message
+    assert f"node tiny (rank 1: heads 5-8, KV heads [1, 2], MLP columns 768-1535) needs {need[1]} bytes" in message
     assert "short by 1000 bytes" in message
     assert "roomy" not in message
     # Enough bytes: placed.
@@ -145,8 +134,7 @@ def test_resident_bytes_follow_the_files_bits():
     assert q4 == pytest.approx(1.15 * 0.6, rel=1e-6)
     assert resident_bytes_per_weight(config, 2 * params, "float32") == 4
     assert resident_bytes_per_weight(config, 0, "bfloat16") == 2
-    small = place_ranks(config, "pipeline", [NodeCapacity("a", GB)], 512, 1,
-                        weight_file_bytes=int(0.6 * params))
+    small = place_ranks(config, "pipeline", [NodeCapacity("a", GB)], 512, 1, weight_file_bytes=int(0.6 * params))
     assert small == [RankShare(0, config.num_layers)]
     # A node that holds the model counted in its file's bits cannot hold it at 2 bytes.
     need = rank_bytes(config, "pipeline", small, 0, 512, 1, weight_file_bytes=int(0.6 * params))

@@ -88,8 +88,11 @@ def test_prefill_and_decode_give_the_same_bits_at_one_and_two_threads(tmp_path):
     from shardline.models.weights import open_weights
 
     model = tm.hf_model("qwen3", num_layers=2, seed=4)
-    names = tuple(f"blk.{i}.{m}.weight" for i in range(2)
-                  for m in ("attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate", "ffn_up", "ffn_down"))
+    names = tuple(
+        f"blk.{i}.{m}.weight"
+        for i in range(2)
+        for m in ("attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate", "ffn_up", "ffn_down")
+    )
     source = open_weights(tm.write_gguf(model, tmp_path / "m.gguf", arch="qwen3", q8_0=names))
     shard = load_shard(source, 0, 2, dtype=torch.bfloat16)
     tokens = torch.randint(0, tm.VOCAB, (108,), generator=torch.Generator().manual_seed(1)).tolist()

@@ -40,31 +40,52 @@ SMOLLM2_TEMPLATE = (
     "{% for message in messages %}{% if loop.first and messages[0]['role'] != 'system' %}"
     "{{ '<|im_start|>system\nYou are a helpful AI assistant named SmolLM, trained by Hugging Face<|im_end|>\n' }}"
     "{% endif %}{{'<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>' + '\n'}}"
-    "{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}")
-LLAMA3_NO_TOOLS = ("{% for m in messages %}<|start_header_id|>{{ m.role }}<|end_header_id|>\n\n"
-                   "{{ m.content }}<|eot_id|>{% endfor %}")
+    "{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
+)
+LLAMA3_NO_TOOLS = (
+    "{% for m in messages %}<|start_header_id|>{{ m.role }}<|end_header_id|>\n\n{{ m.content }}<|eot_id|>{% endfor %}"
+)
 
 
-@pytest.mark.parametrize("template, fmt", [
-    (QWEN_STYLE_TEMPLATE, H),
-    (LLAMA_STYLE_TEMPLATE, L),
-    (SMOLLM2_TEMPLATE, H),  # no tool support: shardline's Hermes-style fallback
-    (LLAMA3_NO_TOOLS, H),  # Llama 3.0's layout takes no tools: the fallback too
-    ("{{ tools }}<|python_tag|>", L),
-    ("{{ tools }}<tool_call><|eot_id|>", H),
-    ("{% if tools %}[AVAILABLE_TOOLS]{{ tools | tojson }}[/AVAILABLE_TOOLS]{% endif %}[TOOL_CALLS] [", M),
-    (None, H),
-    ("", H),
-], ids=["qwen-style", "llama-style", "smollm2", "llama3.0", "python-tag", "tool-call-wins", "mistral", "none",
-        "empty"])
+@pytest.mark.parametrize(
+    "template, fmt",
+    [
+        (QWEN_STYLE_TEMPLATE, H),
+        (LLAMA_STYLE_TEMPLATE, L),
+        (SMOLLM2_TEMPLATE, H),  # no tool support: shardline's Hermes-style fallback
+        (LLAMA3_NO_TOOLS, H),  # Llama 3.0's layout takes no tools: the fallback too
+        ("{{ tools }}<|python_tag|>", L),
+        ("{{ tools }}<tool_call><|eot_id|>", H),
+        ("{% if tools %}[AVAILABLE_TOOLS]{{ tools | tojson }}[/AVAILABLE_TOOLS]{% endif %}[TOOL_CALLS] [", M),
+        (None, H),
+        ("", H),
+    ],
+    ids=[
+        "qwen-style",
+        "llama-style",
+        "smollm2",
+        "llama3.0",
+        "python-tag",
+        "tool-call-wins",
+        "mistral",
+        "none",
+        "empty",
+    ],
+)
 def test_tool_format_from_the_template_text(template, fmt):
     assert tool_format(template) is fmt
 
 
 def weather(name: str = "get_weather", parameters: object = None) -> dict:
-    params = parameters if parameters is not None else {
-        "type": "object", "properties": {"city": {"type": "string"}, "days": {"type": "integer"}},
-        "required": ["city"]}
+    params = (
+        parameters
+        if parameters is not None
+        else {
+            "type": "object",
+            "properties": {"city": {"type": "string"}, "days": {"type": "integer"}},
+            "required": ["city"],
+        }
+    )
     return {"type": "function", "function": {"name": name, "description": "The weather", "parameters": params}}
 
 
@@ -72,34 +93,41 @@ AUTO = ToolChoice(ToolChoiceMode.AUTO)
 REQUIRED = ToolChoice(ToolChoiceMode.REQUIRED)
 
 
-@pytest.mark.parametrize("tools, choice", [
-    ([weather()], AUTO),
-    ([weather(), weather("add", {"type": "object", "properties": {"a": {"type": "number"}}})], REQUIRED),
-    ([weather()], ToolChoice(ToolChoiceMode.NAMED, "get_weather")),
-    ([], ToolChoice(ToolChoiceMode.NONE)),
-    ([], AUTO),
-    ([{"type": "function", "function": {"name": "ping"}}], AUTO),  # no parameters: no arguments
-    ([weather("ns.tool:v1-x")], AUTO),
-], ids=["one", "required", "named", "none", "auto-empty", "no-parameters", "dotted-name"])
+@pytest.mark.parametrize(
+    "tools, choice",
+    [
+        ([weather()], AUTO),
+        ([weather(), weather("add", {"type": "object", "properties": {"a": {"type": "number"}}})], REQUIRED),
+        ([weather()], ToolChoice(ToolChoiceMode.NAMED, "get_weather")),
+        ([], ToolChoice(ToolChoiceMode.NONE)),
+        ([], AUTO),
+        ([{"type": "function", "function": {"name": "ping"}}], AUTO),  # no parameters: no arguments
+        ([weather("ns.tool:v1-x")], AUTO),
+    ],
+    ids=["one", "required", "named", "none", "auto-empty", "no-parameters", "dotted-name"],
+)
 def test_check_tools_accepts(tools, choice):
     check_tools(tools, choice)
 
 
-@pytest.mark.parametrize("tools, choice, message", [
-    ("garbage", AUTO, "tools must be a list"),
-    ([{"name": "x"}], AUTO, "tools[0] must be an object with type 'function'"),
-    ([{"type": "function"}], AUTO, "tools[0].function must be an object"),
-    ([{"type": "function", "function": {"description": "x"}}], AUTO, "tools[0].function.name must be"),
-    ([weather(""), weather()], AUTO, "tools[0].function.name must be"),
-    ([weather("has space")], AUTO, "tools[0].function.name must be"),
-    ([weather(), weather()], AUTO, "tools[1].function.name 'get_weather' is used by an earlier tool"),
-    ([weather(parameters={"type": "array"})], AUTO, "tools[0].function.parameters must be a JSON schema of type"),
-    ([weather(parameters=[1])], AUTO, "tools[0].function.parameters must be"),
-    ([{"type": "function", "function": {"name": "x", "description": 3}}], AUTO, "tools[0].function.description"),
-    ([], REQUIRED, "tool_choice asks for a tool call, which needs at least one tool"),
-    ([], ToolChoice(ToolChoiceMode.NAMED, "x"), "tool_choice asks for a tool call, which needs at least one tool"),
-    ([weather()], ToolChoice(ToolChoiceMode.NAMED, "other"), "names function 'other', which is not among"),
-])
+@pytest.mark.parametrize(
+    "tools, choice, message",
+    [
+        ("garbage", AUTO, "tools must be a list"),
+        ([{"name": "x"}], AUTO, "tools[0] must be an object with type 'function'"),
+        ([{"type": "function"}], AUTO, "tools[0].function must be an object"),
+        ([{"type": "function", "function": {"description": "x"}}], AUTO, "tools[0].function.name must be"),
+        ([weather(""), weather()], AUTO, "tools[0].function.name must be"),
+        ([weather("has space")], AUTO, "tools[0].function.name must be"),
+        ([weather(), weather()], AUTO, "tools[1].function.name 'get_weather' is used by an earlier tool"),
+        ([weather(parameters={"type": "array"})], AUTO, "tools[0].function.parameters must be a JSON schema of type"),
+        ([weather(parameters=[1])], AUTO, "tools[0].function.parameters must be"),
+        ([{"type": "function", "function": {"name": "x", "description": 3}}], AUTO, "tools[0].function.description"),
+        ([], REQUIRED, "tool_choice asks for a tool call, which needs at least one tool"),
+        ([], ToolChoice(ToolChoiceMode.NAMED, "x"), "tool_choice asks for a tool call, which needs at least one tool"),
+        ([weather()], ToolChoice(ToolChoiceMode.NAMED, "other"), "names function 'other', which is not among"),
+    ],
+)
 def test_check_tools_refuses_naming_the_problem(tools, choice, message):
     with pytest.raises(ValueError) as info:
         check_tools(tools, choice)
@@ -114,37 +142,72 @@ def call(id_: str | None, name: str, arguments: object) -> dict:
 USER = {"role": "user", "content": "Weather?"}
 
 
-@pytest.mark.parametrize("messages", [
-    [USER],
-    [USER, {"role": "assistant", "content": None, "tool_calls": [call("c1", "get_weather", {"city": "Paris"})]},
-     {"role": "tool", "content": "20C", "tool_call_id": "c1", "name": "get_weather"}],
-    [USER, {"role": "assistant", "content": "", "tool_calls": [call("c1", "f", '{"a": [1]}'), call("c2", "f", {})]},
-     {"role": "tool", "content": "x", "tool_call_id": "c2"}, {"role": "tool", "content": "y", "tool_call_id": "c1"}],
-    [USER, {"role": "assistant", "tool_calls": [call(None, "f", {})]}, {"role": "tool", "content": "x"}],  # Ollama
-    [USER, {"role": "tool", "content": "no id: nothing to match"}],
-])
+@pytest.mark.parametrize(
+    "messages",
+    [
+        [USER],
+        [
+            USER,
+            {"role": "assistant", "content": None, "tool_calls": [call("c1", "get_weather", {"city": "Paris"})]},
+            {"role": "tool", "content": "20C", "tool_call_id": "c1", "name": "get_weather"},
+        ],
+        [
+            USER,
+            {"role": "assistant", "content": "", "tool_calls": [call("c1", "f", '{"a": [1]}'), call("c2", "f", {})]},
+            {"role": "tool", "content": "x", "tool_call_id": "c2"},
+            {"role": "tool", "content": "y", "tool_call_id": "c1"},
+        ],
+        [USER, {"role": "assistant", "tool_calls": [call(None, "f", {})]}, {"role": "tool", "content": "x"}],  # Ollama
+        [USER, {"role": "tool", "content": "no id: nothing to match"}],
+    ],
+)
 def test_check_history_accepts(messages):
     check_history(messages)
 
 
-@pytest.mark.parametrize("messages, message", [
-    ([USER, {"role": "assistant", "tool_calls": [call("c1", "f", "{not json")]}],
-     "messages[1].tool_calls[0].function.arguments is not a JSON object: '{not json'"),
-    ([USER, {"role": "assistant", "tool_calls": [call("c1", "f", {}), call("c2", "f", "[1, 2]")]}],
-     "messages[1].tool_calls[1].function.arguments is not a JSON object"),
-    ([USER, {"role": "assistant", "tool_calls": [call("c1", "f", None)]}],
-     "messages[1].tool_calls[0].function.arguments is not a JSON object"),
-    ([USER, {"role": "assistant", "tool_calls": [{"id": "c1", "function": {"arguments": {}}}]}],
-     "messages[1].tool_calls[0].function.name is missing"),
-    ([USER, {"role": "assistant", "tool_calls": ["x"]}], "messages[1].tool_calls[0].function.name is missing"),
-    ([USER, {"role": "assistant", "tool_calls": {"id": "c1"}}], "messages[1].tool_calls must be a list"),
-    ([USER, {"role": "tool", "content": "x", "tool_call_id": "c9"}],
-     "messages[1].tool_call_id 'c9' matches no earlier assistant tool call"),
-    ([USER, {"role": "tool", "content": "x", "tool_call_id": "c1"},
-      {"role": "assistant", "tool_calls": [call("c1", "f", {})]}], "messages[1].tool_call_id 'c1' matches no"),
-    ([USER, {"role": "assistant", "tool_calls": [call(None, "f", {})]}, {"role": "tool", "content": "x", "name": "g"}],
-     "messages[2]: the tool result's name 'g' names no earlier assistant tool call"),
-])
+@pytest.mark.parametrize(
+    "messages, message",
+    [
+        (
+            [USER, {"role": "assistant", "tool_calls": [call("c1", "f", "{not json")]}],
+            "messages[1].tool_calls[0].function.arguments is not a JSON object: '{not json'",
+        ),
+        (
+            [USER, {"role": "assistant", "tool_calls": [call("c1", "f", {}), call("c2", "f", "[1, 2]")]}],
+            "messages[1].tool_calls[1].function.arguments is not a JSON object",
+        ),
+        (
+            [USER, {"role": "assistant", "tool_calls": [call("c1", "f", None)]}],
+            "messages[1].tool_calls[0].function.arguments is not a JSON object",
+        ),
+        (
+            [USER, {"role": "assistant", "tool_calls": [{"id": "c1", "function": {"arguments": {}}}]}],
+            "messages[1].tool_calls[0].function.name is missing",
+        ),
+        ([USER, {"role": "assistant", "tool_calls": ["x"]}], "messages[1].tool_calls[0].function.name is missing"),
+        ([USER, {"role": "assistant", "tool_calls": {"id": "c1"}}], "messages[1].tool_calls must be a list"),
+        (
+            [USER, {"role": "tool", "content": "x", "tool_call_id": "c9"}],
+            "messages[1].tool_call_id 'c9' matches no earlier assistant tool call",
+        ),
+        (
+            [
+                USER,
+                {"role": "tool", "content": "x", "tool_call_id": "c1"},
+                {"role": "assistant", "tool_calls": [call("c1", "f", {})]},
+            ],
+            "messages[1].tool_call_id 'c1' matches no",
+        ),
+        (
+            [
+                USER,
+                {"role": "assistant", "tool_calls": [call(None, "f", {})]},
+                {"role": "tool", "content": "x", "name": "g"},
+            ],
+            "messages[2]: the tool result's name 'g' names no earlier assistant tool call",
+        ),
+    ],
+)
 def test_check_history_names_the_first_malformed_entry(messages, message):
     with pytest.raises(ValueError) as info:
         check_history(messages)
@@ -169,15 +232,21 @@ HERMES_CASES = [
     (f"<tool_call>\n{PARIS}\n</tool_call>\n<tool_call>\n{ADD}\n</tool_call>\n", [C_PARIS, C_ADD]),
     (f"Let me check.\n\n<tool_call>\n{PARIS}\n</tool_call>", ["Let me check.", C_PARIS]),
     (f"<tool_call>{PARIS}</tool_call>\nDone: it is <b>.", [C_PARIS, "Done: it is <b>."]),
-    ('Hi\n<tool_call>\n{"name": "get_weather", "arguments": {"city": }\n</tool_call>\nBye',
-     ['Hi\n<tool_call>\n{"name": "get_weather", "arguments": {"city": }\n</tool_call>\nBye']),
-    ('<tool_call>\n{"name": "rm_rf", "arguments": {}}\n</tool_call>',
-     ['<tool_call>\n{"name": "rm_rf", "arguments": {}}\n</tool_call>']),
+    (
+        'Hi\n<tool_call>\n{"name": "get_weather", "arguments": {"city": }\n</tool_call>\nBye',
+        ['Hi\n<tool_call>\n{"name": "get_weather", "arguments": {"city": }\n</tool_call>\nBye'],
+    ),
+    (
+        '<tool_call>\n{"name": "rm_rf", "arguments": {}}\n</tool_call>',
+        ['<tool_call>\n{"name": "rm_rf", "arguments": {}}\n</tool_call>'],
+    ),
     (f"<tool_call>\n{PARIS}\n", [C_PARIS]),  # the end came before </tool_call>: still a whole call
     ('<tool_call>\n{"name": "get_weather", "argu', ['<tool_call>\n{"name": "get_weather", "argu']),
     ('<tool_call>{"name": "add", "arguments": "{\\"a\\": 1}"}</tool_call>', [("add", {"a": 1})]),
-    ('<tool_call>{"name": "add", "arguments": "[1]"}</tool_call>',
-     ['<tool_call>{"name": "add", "arguments": "[1]"}</tool_call>']),
+    (
+        '<tool_call>{"name": "add", "arguments": "[1]"}</tool_call>',
+        ['<tool_call>{"name": "add", "arguments": "[1]"}</tool_call>'],
+    ),
     ("", []),
 ]
 
@@ -226,8 +295,10 @@ FALLBACK_CASES = [
     (f"```\nprint({PARIS})\n```", [f"```\nprint({PARIS})\n```"]),
     ("[1, 2]", ["[1, 2]"]),
     ("[]", ["[]"]),
-    ('```json\n{"name": "get_weather", "arguments": {"city": "Par',
-     ['```json\n{"name": "get_weather", "arguments": {"city": "Par']),
+    (
+        '```json\n{"name": "get_weather", "arguments": {"city": "Par',
+        ['```json\n{"name": "get_weather", "arguments": {"city": "Par'],
+    ),
     ("`code` and ``more``", ["`code` and ``more``"]),
     ("```", ["```"]),
 ]
@@ -240,7 +311,7 @@ BARE_OBJECT_CASES = [
     ('{"a": 1}', ['{"a": 1}']),
 ]
 HERMES_FALLBACK_CASES = [
-    (f"{PARIS}\n<tool_call>\n{ADD}\n</tool_call>", [PARIS, C_ADD]),  # not a whole reply: Hermes' reading
+    (f"{PARIS}\n<tool_call>\n{ADD}\n</tool_call>", [PARIS, C_ADD])  # not a whole reply: Hermes' reading
 ]
 
 
@@ -267,11 +338,12 @@ def parse(fmt: ToolFormat, pieces: list[str]) -> list:
     return normal(out + parser.finish())
 
 
-@pytest.mark.parametrize("fmt, text, expected",
-                         [(H, *case) for case in HERMES_CASES + FALLBACK_CASES + BARE_OBJECT_CASES
-                          + HERMES_FALLBACK_CASES]
-                         + [(L, *case) for case in LLAMA_CASES + FALLBACK_CASES]
-                         + [(M, *case) for case in MISTRAL_CASES + FALLBACK_CASES + BARE_OBJECT_CASES])
+@pytest.mark.parametrize(
+    "fmt, text, expected",
+    [(H, *case) for case in HERMES_CASES + FALLBACK_CASES + BARE_OBJECT_CASES + HERMES_FALLBACK_CASES]
+    + [(L, *case) for case in LLAMA_CASES + FALLBACK_CASES]
+    + [(M, *case) for case in MISTRAL_CASES + FALLBACK_CASES + BARE_OBJECT_CASES],
+)
 def test_the_parser_gives_the_same_at_every_split(fmt, text, expected):
     assert parse(fmt, [text]) == expected
     assert parse(fmt, list(text)) == expected  # a character at a time
@@ -299,9 +371,14 @@ def test_a_reply_that_may_be_a_json_call_is_held_back_until_decided():
     assert normal(parser.finish()) == [C_PARIS]
     held = ToolCallParser(H, NAMES)
     assert held.feed(PARIS) == [] and held.feed(" ok") == [PARIS + " ok"]  # more text: not a call
-    for text, out in (("Sure", ["Sure"]), ("```py", ["```py"]), ("[1] and", ["[1] and"]), ('{"na', []),
-                      ('{"city": 1}, so', ['{"city": 1}, so']),
-                      ('{"name": "rm_rf", "arguments": {}} ', ['{"name": "rm_rf", "arguments": {}}'])):
+    for text, out in (
+        ("Sure", ["Sure"]),
+        ("```py", ["```py"]),
+        ("[1] and", ["[1] and"]),
+        ('{"na', []),
+        ('{"city": 1}, so', ['{"city": 1}, so']),
+        ('{"name": "rm_rf", "arguments": {}} ', ['{"name": "rm_rf", "arguments": {}}']),
+    ):
         assert ToolCallParser(H, NAMES).feed(text) == out, text
     llama = ToolCallParser(L, NAMES)  # its own bare objects: a call as soon as it is complete
     assert normal(llama.feed(PARIS)) == [C_PARIS]
@@ -337,28 +414,46 @@ def acceptance(grammar: str, texts: list[str], tokenizer: Tokenizer | None = Non
 
 
 def test_a_forced_call_grammar_takes_a_valid_call_and_nothing_else():
-    tools = [weather(), weather("add", {"type": "object", "properties": {"a": {"type": "number"}},
-                                        "required": ["a"], "additionalProperties": False})]
+    tools = [
+        weather(),
+        weather(
+            "add",
+            {
+                "type": "object",
+                "properties": {"a": {"type": "number"}},
+                "required": ["a"],
+                "additionalProperties": False,
+            },
+        ),
+    ]
     required = tool_call_grammar(H, tools, REQUIRED)
     named = tool_call_grammar(H, tools, ToolChoice(ToolChoiceMode.NAMED, "add"))
     llama = tool_call_grammar(L, tools, REQUIRED)
     assert required and named and llama
     paris = f"<tool_call>\n{PARIS}\n</tool_call>"
     add = '<tool_call>\n{"name": "add", "arguments": {"a": 2.5}}\n</tool_call>'
-    assert acceptance(required, [
-        paris, add,
-        '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris", "days": 3}}\n</tool_call>',
-        '<tool_call>\n{"name": "get_weather", "arguments": {"days": 3}}\n</tool_call>',  # city is required
-        '<tool_call>\n{"name": "get_weather", "arguments": {"city": 3}}\n</tool_call>',  # not a string
-        '<tool_call>\n{"name": "add", "arguments": {"a": 1, "b": 2}}\n</tool_call>',  # no more properties
-        '<tool_call>\n{"name": "other", "arguments": {}}\n</tool_call>',
-        "Sure! " + paris,
-        paris + "\nAnd more text",
-        paris[:-3],
-    ]) == [True, True, True, False, False, False, False, False, False, False]
+    assert (
+        acceptance(
+            required,
+            [
+                paris,
+                add,
+                '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris", "days": 3}}\n</tool_call>',
+                '<tool_call>\n{"name": "get_weather", "arguments": {"days": 3}}\n</tool_call>',  # city is required
+                '<tool_call>\n{"name": "get_weather", "arguments": {"city": 3}}\n</tool_call>',  # not a string
+                '<tool_call>\n{"name": "add", "arguments": {"a": 1, "b": 2}}\n</tool_call>',  # no more properties
+                '<tool_call>\n{"name": "other", "arguments": {}}\n</tool_call>',
+                "Sure! " + paris,
+                paris + "\nAnd more text",
+                paris[:-3],
+            ],
+        )
+        == [True, True, True, False, False, False, False, False, False, False]
+    )
     assert acceptance(named, [add, paris]) == [True, False]
-    assert acceptance(llama, ['{"name": "add", "parameters": {"a": 1}}', '{"name": "add", "arguments": {"a": 1}}',
-                              add]) == [True, False, False]
+    assert acceptance(
+        llama, ['{"name": "add", "parameters": {"a": 1}}', '{"name": "add", "arguments": {"a": 1}}', add]
+    ) == [True, False, False]
     parsed = parse(H, [add])  # what the grammar forces, the parser reads
     assert parsed == [("add", {"a": 2.5})]
 
@@ -373,8 +468,14 @@ def test_no_grammar_without_a_forced_call_and_a_clear_error_for_a_bad_schema():
 
 
 def strict_weather(**extra) -> dict:
-    tool = weather(parameters={"type": "object", "properties": {"city": {"type": "string"}},
-                               "required": ["city"], "additionalProperties": False})
+    tool = weather(
+        parameters={
+            "type": "object",
+            "properties": {"city": {"type": "string"}},
+            "required": ["city"],
+            "additionalProperties": False,
+        }
+    )
     tool["function"].update(strict=True, **extra)
     return tool
 
@@ -405,9 +506,15 @@ def test_a_strict_tools_call_with_arguments_outside_its_schema_is_content():
     assert isinstance((loose.feed(extra) + loose.finish())[0], ToolCall)
 
 
-MARKED_TOOL = weather("get_weather", {
-    "type": "object", "properties": {"city": {"type": "string", "maxLength": 8}, "unit": {"enum": ["C", "F"]}},
-    "required": ["city", "unit"], "additionalProperties": False})
+MARKED_TOOL = weather(
+    "get_weather",
+    {
+        "type": "object",
+        "properties": {"city": {"type": "string", "maxLength": 8}, "unit": {"enum": ["C", "F"]}},
+        "required": ["city", "unit"],
+        "additionalProperties": False,
+    },
+)
 
 
 def test_a_forced_call_names_the_markers_the_model_has_as_tokens():
@@ -440,7 +547,9 @@ def test_the_detokenizer_keeps_the_markers_among_special_tokens():
     assert "".join(detokenizer.push(i) for i in ids) + detokenizer.flush() == kept
 
 
-@pytest.mark.parametrize("choice", [REQUIRED, ToolChoice(ToolChoiceMode.NAMED, "get_weather")], ids=["required", "named"])
+@pytest.mark.parametrize(
+    "choice", [REQUIRED, ToolChoice(ToolChoiceMode.NAMED, "get_weather")], ids=["required", "named"]
+)
 def test_a_forced_call_over_marker_tokens_is_parsed_as_a_call(choice):
     """Random logits masked by the runner's constraint under the forced-call grammar, the
     tokens detokenized and parsed as the API does: one call, its arguments in the schema."""
@@ -451,12 +560,20 @@ def test_a_forced_call_over_marker_tokens_is_parsed_as_a_call(choice):
 
     tokenizer = marker_tokenizer()
     lltok = llguidance.hf.from_tokenizer(tokenizer._tok, eos_token=tokenizer.eos_token_ids)
-    other = weather("add", {"type": "object", "properties": {"a": {"type": "integer", "maximum": 9}},
-                            "required": ["a"], "additionalProperties": False})
+    other = weather(
+        "add",
+        {
+            "type": "object",
+            "properties": {"a": {"type": "integer", "maximum": 9}},
+            "required": ["a"],
+            "additionalProperties": False,
+        },
+    )
     tools = [MARKED_TOOL, other]
     stops = tuple(tokenizer.eos_token_ids)
-    constraint = Constraint.start(tool_call_grammar(H, tools, choice, marker_tokens(tokenizer, H)) or "",
-                                  lambda: lltok, stops)
+    constraint = Constraint.start(
+        tool_call_grammar(H, tools, choice, marker_tokens(tokenizer, H)) or "", lambda: lltok, stops
+    )
     generator = torch.Generator().manual_seed(1)
     ids = []
     for _ in range(300):

@@ -22,13 +22,7 @@ from shardline.models.file_pieces import HEADER_PIECE, Piece
 from shardline.models.rank_reads import RankReads
 from shardline.models.sparse_file import SparseRecord, read_record, record_path, write_record
 from shardline.models.store import Manifest, ModelFile, ModelStore, ModelStoreError, sha256_file
-from shardline.node.transfer import (
-    TransferError,
-    fetch_files,
-    fetch_pieces,
-    runs,
-    what_peer_serves,
-)
+from shardline.node.transfer import TransferError, fetch_files, fetch_pieces, runs, what_peer_serves
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -69,8 +63,7 @@ def test_a_copy_brings_the_files_asked_for_and_records_the_manifest(tmp_path, pe
     assert store.present("test/tiny") == set(wanted)
     assert received == sum(f.size for f in manifest.files if f.path in wanted)
     for path in wanted:
-        assert (store.model_dir("test/tiny") / path).read_bytes() == \
-            (source.model_dir("test/tiny") / path).read_bytes()
+        assert (store.model_dir("test/tiny") / path).read_bytes() == (source.model_dir("test/tiny") / path).read_bytes()
     assert not store.summary()["test/tiny"]["complete"]  # only the shard's files
     assert fetch_files(client, PEER, store, manifest, wanted) == 0  # nothing left to copy
 
@@ -109,10 +102,12 @@ def test_a_corrupt_copy_is_refused_and_a_retry_starts_afresh(tmp_path, peer):
 
 def test_a_peer_serves_only_the_files_of_its_manifests(tmp_path, peer):
     source, manifest, client, _ = peer
-    for params in ({"model": "test/tiny", "path": "../../peer/test--tiny/config.json"},
-                   {"model": "test/tiny", "path": "/etc/passwd"},
-                   {"model": "../test--tiny", "path": "config.json"},
-                   {"model": "test/absent", "path": "config.json"}):
+    for params in (
+        {"model": "test/tiny", "path": "../../peer/test--tiny/config.json"},
+        {"model": "test/tiny", "path": "/etc/passwd"},
+        {"model": "../test--tiny", "path": "config.json"},
+        {"model": "test/absent", "path": "config.json"},
+    ):
         assert client.get("/internal/models/file", params=params).status_code == 404
     assert client.get("/internal/models/manifest", params={"model": "test/absent"}).status_code == 404
     source.remove("test/tiny")
@@ -122,8 +117,9 @@ def test_a_peer_serves_only_the_files_of_its_manifests(tmp_path, peer):
 
 def files_outside(root, store_dir) -> dict:
     """Every file under ``root`` but outside ``store_dir``, with its bytes."""
-    return {p: p.read_bytes() for p in root.rglob("*")
-            if p.is_file() and not p.is_symlink() and store_dir not in p.parents}
+    return {
+        p: p.read_bytes() for p in root.rglob("*") if p.is_file() and not p.is_symlink() and store_dir not in p.parents
+    }
 
 
 @pytest.fixture()
@@ -145,14 +141,18 @@ EVIL = b"chosen bytes"
 EVIL_SHA = hashlib.sha256(EVIL).hexdigest()
 
 
-@pytest.mark.parametrize("path", ["tokenizer/../../../../x", "../x", "ABSOLUTE",
-                                  "a/../../x", "..\\..\\x", "x\x00y"])
+@pytest.mark.parametrize("path", ["tokenizer/../../../../x", "../x", "ABSOLUTE", "a/../../x", "..\\..\\x", "x\x00y"])
 def test_a_manifest_that_leaves_the_store_is_refused_and_nothing_is_written(tmp_path, evil_peer, path):
     client, asked = evil_peer
     path = str(tmp_path / "escaped") if path == "ABSOLUTE" else path
     store = ModelStore(tmp_path / "store" / "models")
-    data = {"model_id": "test/evil", "format": "safetensors", "config": {}, "weight_map": {},
-            "files": [{"path": path, "size": len(EVIL), "sha256": EVIL_SHA, "weights": False}]}
+    data = {
+        "model_id": "test/evil",
+        "format": "safetensors",
+        "config": {},
+        "weight_map": {},
+        "files": [{"path": path, "size": len(EVIL), "sha256": EVIL_SHA, "weights": False}],
+    }
     before = files_outside(tmp_path, tmp_path / "store")
 
     with pytest.raises(ModelStoreError, match="manifest refused"):  # where the JSON is parsed
@@ -182,8 +182,9 @@ def test_a_symlink_in_the_store_pointing_out_is_not_written_through(tmp_path, ev
     else:
         (model_dir / link).parent.mkdir(parents=True, exist_ok=True)
         (model_dir / link).symlink_to(outside / Path(link).name if "/" in link else outside)
-    manifest = Manifest("test/evil", "safetensors",
-                        (ModelFile("tokenizer/vocab.json", len(EVIL) + 1, EVIL_SHA, False),), {})
+    manifest = Manifest(
+        "test/evil", "safetensors", (ModelFile("tokenizer/vocab.json", len(EVIL) + 1, EVIL_SHA, False),), {}
+    )
     before = files_outside(tmp_path, tmp_path / "store")
 
     with pytest.raises(UnsafePathError, match="outside"):
@@ -319,12 +320,12 @@ def test_an_interrupted_piece_resumes_where_it_stopped(tmp_path, gguf_peer, writ
     with open(path, "wb") as f:
         f.truncate(len(whole))
         f.seek(big.offset)
-        f.write(whole[big.offset:half])
+        f.write(whole[big.offset : half])
 
     received = fetch_pieces(client, PEER, store, manifest, {"tiny.gguf": [big]})
     assert received == big.offset + big.size - half
     assert ranges == ([f"bytes={half}-{big.offset + big.size - 1}"] if written < 1 else [])
-    assert path.read_bytes()[big.offset:big.offset + big.size] == whole[big.offset:big.offset + big.size]
+    assert path.read_bytes()[big.offset : big.offset + big.size] == whole[big.offset : big.offset + big.size]
     assert read_record(path).present == (big.range,)
 
 
@@ -335,8 +336,13 @@ def test_a_corrupt_piece_is_refused_and_not_recorded(tmp_path, gguf_peer):
 
     @app.get("/internal/models/file")
     async def model_file(model: str, path: str):  # the range asked for, every byte wrong
-        return Response(b"\xff" * piece.size, status_code=206, headers={
-            "Content-Range": f"bytes {piece.offset}-{piece.offset + piece.size - 1}/{manifest.file(path).size}"})
+        return Response(
+            b"\xff" * piece.size,
+            status_code=206,
+            headers={
+                "Content-Range": f"bytes {piece.offset}-{piece.offset + piece.size - 1}/{manifest.file(path).size}"
+            },
+        )
 
     store = ModelStore(tmp_path / "mine")
     with TestClient(app) as client, pytest.raises(TransferError, match="corrupt"):
@@ -350,8 +356,13 @@ def test_a_peer_that_answers_the_whole_file_to_a_range_is_refused(tmp_path, gguf
     _, manifest, _, _ = gguf_peer
     client, _ = evil_peer
     with pytest.raises(TransferError, match="answered 200"):
-        fetch_pieces(client, PEER, ModelStore(tmp_path / "mine"), manifest,
-                     {"tiny.gguf": rank_pieces(manifest, RankReads(0, 1, True, False))})
+        fetch_pieces(
+            client,
+            PEER,
+            ModelStore(tmp_path / "mine"),
+            manifest,
+            {"tiny.gguf": rank_pieces(manifest, RankReads(0, 1, True, False))},
+        )
 
 
 def test_a_node_serves_only_the_bytes_it_holds_of_a_file_held_in_part(tmp_path, gguf_peer):
@@ -366,8 +377,15 @@ def test_a_node_serves_only_the_bytes_it_holds_of_a_file_held_in_part(tmp_path, 
     with served(middle) as (partial_client, _):
         ok = partial_client.get("/internal/models/file", params=params, headers={"Range": f"bytes=0-{end - 1}"})
         assert ok.status_code == 206 and ok.content == whole[:end]
-        for refused in (None, f"bytes=0-{size - 1}", "bytes=0-", f"bytes=-{size}", "bytes=0-1,5-6", "bytes=x-y",
-                        f"bytes={end - 1}-{end}"):  # the whole file, a hole's byte, several ranges
+        for refused in (
+            None,
+            f"bytes=0-{size - 1}",
+            "bytes=0-",
+            f"bytes=-{size}",
+            "bytes=0-1,5-6",
+            "bytes=x-y",
+            f"bytes={end - 1}-{end}",
+        ):  # the whole file, a hole's byte, several ranges
             headers = {"Range": refused} if refused else {}
             response = partial_client.get("/internal/models/file", params=params, headers=headers)
             assert response.status_code == 404, refused
@@ -376,8 +394,9 @@ def test_a_node_serves_only_the_bytes_it_holds_of_a_file_held_in_part(tmp_path, 
         assert fetch_pieces(partial_client, PEER, third, manifest, manifest.shard_pieces(reads)) > 0
         assert third.held_ranges(GGUF_MODEL, "tiny.gguf") == middle.held_ranges(GGUF_MODEL, "tiny.gguf")
         with pytest.raises(TransferError, match="404"):
-            fetch_pieces(partial_client, PEER, third, manifest,
-                         manifest.shard_pieces(RankReads(0, 1, embed=True, head=False)))
+            fetch_pieces(
+                partial_client, PEER, third, manifest, manifest.shard_pieces(RankReads(0, 1, embed=True, head=False))
+            )
 
 
 def test_what_a_peer_serves(gguf_peer):
@@ -391,8 +410,11 @@ def test_what_a_peer_serves(gguf_peer):
         ({"present": ["tiny.gguf", "tokenizer/vocab.json"]}, files, wanted),
         ({"present": [], "ranges": {"tiny.gguf": [[a.offset, b.offset + b.size]]}}, [], {"tiny.gguf": [a, b]}),
         ({"present": [], "ranges": {"tiny.gguf": [[0, a.size - 1]]}}, [], {}),  # a byte short
-        ({"present": [], "ranges": {"tiny.gguf": [[a.offset, a.offset + a.size], [c.offset, c.offset + c.size]]}},
-         [], {"tiny.gguf": [a, c]}),
+        (
+            {"present": [], "ranges": {"tiny.gguf": [[a.offset, a.offset + a.size], [c.offset, c.offset + c.size]]}},
+            [],
+            {"tiny.gguf": [a, c]},
+        ),
     ]
     for held, served_files, served_pieces in table:
         assert what_peer_serves(held, files, wanted) == (served_files, served_pieces), held
@@ -464,9 +486,10 @@ def test_a_run_cut_short_keeps_its_whole_pieces_and_resumes_inside_the_next(tmp_
 
     @app.get("/internal/models/file")
     async def model_file(model: str, path: str, request: FastAPIRequest):  # the right bytes, cut short
-        start, end = (int(n) for n in request.headers["range"][len("bytes="):].split("-"))
-        return Response(whole[start:cut], status_code=206,
-                        headers={"Content-Range": f"bytes {start}-{end}/{len(whole)}"})
+        start, end = (int(n) for n in request.headers["range"][len("bytes=") :].split("-"))
+        return Response(
+            whole[start:cut], status_code=206, headers={"Content-Range": f"bytes {start}-{end}/{len(whole)}"}
+        )
 
     store = ModelStore(tmp_path / "mine")
     with TestClient(app) as short, pytest.raises(TransferError, match="short"):
@@ -479,4 +502,4 @@ def test_a_run_cut_short_keeps_its_whole_pieces_and_resumes_inside_the_next(tmp_
     end = run[-1].offset + run[-1].size
     assert ranges == [f"bytes={cut}-{end - 1}"] and received == end - cut
     assert store.held_ranges(GGUF_MODEL, "tiny.gguf") == [(run[0].offset, end)]
-    assert path.read_bytes()[run[0].offset:end] == whole[run[0].offset:end]
+    assert path.read_bytes()[run[0].offset : end] == whole[run[0].offset : end]

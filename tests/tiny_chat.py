@@ -143,17 +143,26 @@ def write_chat_tokenizer(directory: Path, style: str, marker_tokens: bool = Fals
         from transformers import AutoTokenizer
 
         tokenizer = AutoTokenizer.from_pretrained(str(directory))
-        tokenizer.add_tokens([AddedToken(text, special=True, normalized=False) for text in MARKER_TOKENS],
-                             special_tokens=True)
+        tokenizer.add_tokens(
+            [AddedToken(text, special=True, normalized=False) for text in MARKER_TOKENS], special_tokens=True
+        )
         assert tokenizer.convert_tokens_to_ids(list(MARKER_TOKENS)) == list(MARKER_TOKENS.values())
         tokenizer.save_pretrained(str(directory))
     (directory / "chat_template.jinja").write_text(TEMPLATES[style])
     return directory
 
 
-def write_tiny_chat_model(directory: Path, style: str, *, layers: int = 2, seed: int = 0,
-                          marker_tokens: bool = False, context: int = 4096, ends_at_once: bool = False,
-                          says: tuple[int, ...] = ()) -> Path:
+def write_tiny_chat_model(
+    directory: Path,
+    style: str,
+    *,
+    layers: int = 2,
+    seed: int = 0,
+    marker_tokens: bool = False,
+    context: int = 4096,
+    ends_at_once: bool = False,
+    says: tuple[int, ...] = (),
+) -> Path:
     """A tiny random-weight model directory (safetensors, float32, hidden size 64, tied
     embeddings, trained context ``context``) with SmolLM2's tokenizer (with the call
     markers as special tokens where ``marker_tokens``: :func:`write_chat_tokenizer`) and
@@ -183,10 +192,21 @@ def write_tiny_chat_model(directory: Path, style: str, *, layers: int = 2, seed:
         raise ValueError("the qwen3 style's thinking markers take the ids marker_tokens would add")
     transformers.logging.set_verbosity_error()
     added = (len(MARKER_TOKENS) if marker_tokens else 0) + (len(THINK_TOKENS) if style == "qwen3" else 0)
-    kwargs = dict(vocab_size=49152 + added, hidden_size=64, intermediate_size=128, num_hidden_layers=layers,
-                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=context,
-                  rms_norm_eps=1e-6, rope_theta=10000.0, tie_word_embeddings=not (ends_at_once or says),
-                  bos_token_id=None, eos_token_id=None, pad_token_id=None)
+    kwargs = dict(
+        vocab_size=49152 + added,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=layers,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=context,
+        rms_norm_eps=1e-6,
+        rope_theta=10000.0,
+        tie_word_embeddings=not (ends_at_once or says),
+        bos_token_id=None,
+        eos_token_id=None,
+        pad_token_id=None,
+    )
     if style == "qwen":
         config = transformers.Qwen2Config(use_sliding_window=False, **kwargs)
         model = transformers.Qwen2ForCausalLM(config)
@@ -209,10 +229,10 @@ def write_tiny_chat_model(directory: Path, style: str, *, layers: int = 2, seed:
         if len(set(says)) != len(says) or len(says) > kwargs["hidden_size"] - 1:
             raise ValueError(f"says: up to {kwargs['hidden_size'] - 1} different tokens, got {says}")
         with torch.no_grad():
-            model.model.embed_tokens.weight[:, :len(says) + 1] = 0.0
+            model.model.embed_tokens.weight[:, : len(says) + 1] = 0.0
             model.model.embed_tokens.weight[:, 0] = 200.0
-            model.model.norm.weight[:len(says) + 1] = 1.0
-            model.lm_head.weight[:, :len(says) + 1] = 0.0
+            model.model.norm.weight[: len(says) + 1] = 1.0
+            model.lm_head.weight[:, : len(says) + 1] = 0.0
             model.lm_head.weight[says[0], 0] = 10.0
             for k, token in enumerate(says):
                 model.model.embed_tokens.weight[token, 1 + k] = 200.0

@@ -87,21 +87,36 @@ def hf_model(
         kwargs["use_sliding_window"] = False
     elif arch == "qwen3moe":
         config_cls, model_cls = transformers.Qwen3MoeConfig, transformers.Qwen3MoeForCausalLM
-        kwargs.update(head_dim=HEAD_DIM, use_sliding_window=False, num_experts=experts,
-                      num_experts_per_tok=EXPERTS_PER_TOKEN, moe_intermediate_size=EXPERT_WIDTH,
-                      norm_topk_prob=norm_topk_prob)
+        kwargs.update(
+            head_dim=HEAD_DIM,
+            use_sliding_window=False,
+            num_experts=experts,
+            num_experts_per_tok=EXPERTS_PER_TOKEN,
+            moe_intermediate_size=EXPERT_WIDTH,
+            norm_topk_prob=norm_topk_prob,
+        )
     elif arch == "mixtral":
         config_cls, model_cls = transformers.MixtralConfig, transformers.MixtralForCausalLM
-        kwargs.update(num_local_experts=experts, num_experts_per_tok=EXPERTS_PER_TOKEN,
-                      intermediate_size=EXPERT_WIDTH)
+        kwargs.update(num_local_experts=experts, num_experts_per_tok=EXPERTS_PER_TOKEN, intermediate_size=EXPERT_WIDTH)
     elif arch == "gpt-oss":  # a window of 4 and YaRN from 64 positions, so short prompts see both
         config_cls, model_cls = transformers.GptOssConfig, transformers.GptOssForCausalLM
         del kwargs["rope_theta"]
-        kwargs.update(head_dim=HEAD_DIM, num_local_experts=experts, intermediate_size=EXPERT_WIDTH,
-                      num_experts_per_tok=EXPERTS_PER_TOKEN, sliding_window=GPT_OSS_WINDOW,
-                      rope_parameters={"rope_type": "yarn", "factor": 8.0, "beta_fast": 32.0,
-                                       "beta_slow": 1.0, "truncate": False, "rope_theta": rope_theta,
-                                       "original_max_position_embeddings": 64})
+        kwargs.update(
+            head_dim=HEAD_DIM,
+            num_local_experts=experts,
+            intermediate_size=EXPERT_WIDTH,
+            num_experts_per_tok=EXPERTS_PER_TOKEN,
+            sliding_window=GPT_OSS_WINDOW,
+            rope_parameters={
+                "rope_type": "yarn",
+                "factor": 8.0,
+                "beta_fast": 32.0,
+                "beta_slow": 1.0,
+                "truncate": False,
+                "rope_theta": rope_theta,
+                "original_max_position_embeddings": 64,
+            },
+        )
     else:
         raise ValueError(arch)
     config = config_cls(**kwargs)
@@ -150,8 +165,7 @@ def save_hf(model, directory: Path, *, legacy_rope_keys: bool = False) -> Path:
 SMOLLM2_VOCAB = 49152
 
 
-def save_with_tokenizer(directory: Path, *, num_layers: int = 4, seed: int = 0,
-                        arch: str = "llama") -> Path:
+def save_with_tokenizer(directory: Path, *, num_layers: int = 4, seed: int = 0, arch: str = "llama") -> Path:
     """A tiny random ``arch`` model (llama) with SmolLM2's vocabulary, saved as safetensors with the embedded
     SmolLM2 GGUF's tokenizer files beside it, so the directory is a model a runner serves
     and tokenizes (constrained decoding needs a real tokenizer). Takes a few seconds."""
@@ -296,14 +310,18 @@ def write_gguf(
         if oss:  # [experts, in, out], gate and up interleaved: llama.cpp's converter splits them
             gate_up, down = state[prefix + "mlp.experts.gate_up_proj"], state[prefix + "mlp.experts.down_proj"]
             bias = state[prefix + "mlp.experts.gate_up_proj_bias"]
-            tensors.update({
-                f"blk.{i}.ffn_gate_inp.weight": state[prefix + "mlp.router.weight"],
-                f"blk.{i}.ffn_gate_inp.bias": state[prefix + "mlp.router.bias"],
-                f"blk.{i}.ffn_gate_exps.weight": gate_up[:, :, ::2].transpose(0, 2, 1),
-                f"blk.{i}.ffn_up_exps.weight": gate_up[:, :, 1::2].transpose(0, 2, 1),
-                f"blk.{i}.ffn_down_exps.weight": down.transpose(0, 2, 1),
-                f"blk.{i}.ffn_gate_exps.bias": bias[:, ::2], f"blk.{i}.ffn_up_exps.bias": bias[:, 1::2],
-                f"blk.{i}.ffn_down_exps.bias": state[prefix + "mlp.experts.down_proj_bias"]})
+            tensors.update(
+                {
+                    f"blk.{i}.ffn_gate_inp.weight": state[prefix + "mlp.router.weight"],
+                    f"blk.{i}.ffn_gate_inp.bias": state[prefix + "mlp.router.bias"],
+                    f"blk.{i}.ffn_gate_exps.weight": gate_up[:, :, ::2].transpose(0, 2, 1),
+                    f"blk.{i}.ffn_up_exps.weight": gate_up[:, :, 1::2].transpose(0, 2, 1),
+                    f"blk.{i}.ffn_down_exps.weight": down.transpose(0, 2, 1),
+                    f"blk.{i}.ffn_gate_exps.bias": bias[:, ::2],
+                    f"blk.{i}.ffn_up_exps.bias": bias[:, 1::2],
+                    f"blk.{i}.ffn_down_exps.bias": state[prefix + "mlp.experts.down_proj_bias"],
+                }
+            )
         elif experts:  # the router, and each kind of expert weight as one 3-D tensor
             gate_up = state[prefix + "mlp.experts.gate_up_proj"]  # [experts, 2 * width, hidden]
             width = gate_up.shape[1] // 2
@@ -317,8 +335,7 @@ def write_gguf(
             qtype = gguf.GGMLQuantizationType[random_quants[name]]
             *outer, cols = tensor.shape
             blocks = cols // gguf.GGML_QUANT_SIZES[qtype][0]
-            data = random_quant_blocks(random_quants[name], math.prod(outer), blocks,
-                                       seed=len(name))
+            data = random_quant_blocks(random_quants[name], math.prod(outer), blocks, seed=len(name))
             writer.add_tensor(name, data.reshape(*outer, -1), raw_dtype=qtype)
         elif name in q8_0:
             qtype = gguf.GGMLQuantizationType.Q8_0
@@ -351,8 +368,17 @@ def q4_k_m_type(name: str, layers: int) -> str:
     return "Q6_K" if more and name.endswith(("attn_v.weight", "ffn_down.weight")) else "Q4_K"
 
 
-def write_q4_k_m_gguf(path: Path, tokenizer_from: Path, *, layers: int, hidden: int,
-                      intermediate: int, heads: int, kv_heads: int, seed: int = 0) -> Path:
+def write_q4_k_m_gguf(
+    path: Path,
+    tokenizer_from: Path,
+    *,
+    layers: int,
+    hidden: int,
+    intermediate: int,
+    heads: int,
+    kv_heads: int,
+    seed: int = 0,
+) -> Path:
     """A Qwen2 GGUF of random weights in llama.cpp's Q4_K_M mix of types
     (:func:`q4_k_m_type`; F32 norms and biases) with a tied embedding and the tokenizer
     metadata (``tokenizer.*``) of the GGUF ``tokenizer_from``: a K-quant model that is
@@ -382,13 +408,19 @@ def write_q4_k_m_gguf(path: Path, tokenizer_from: Path, *, layers: int, hidden: 
     rng = np.random.default_rng(seed)
     vectors = {"output_norm.weight": np.ones(hidden, np.float32)}
     for i in range(layers):
-        shapes |= {f"blk.{i}.attn_q.weight": (hidden, hidden), f"blk.{i}.attn_k.weight": (kv, hidden),
-                   f"blk.{i}.attn_v.weight": (kv, hidden), f"blk.{i}.attn_output.weight": (hidden, hidden),
-                   f"blk.{i}.ffn_gate.weight": (intermediate, hidden),
-                   f"blk.{i}.ffn_up.weight": (intermediate, hidden),
-                   f"blk.{i}.ffn_down.weight": (hidden, intermediate)}
-        vectors |= {f"blk.{i}.attn_norm.weight": np.ones(hidden, np.float32),
-                    f"blk.{i}.ffn_norm.weight": np.ones(hidden, np.float32)}
+        shapes |= {
+            f"blk.{i}.attn_q.weight": (hidden, hidden),
+            f"blk.{i}.attn_k.weight": (kv, hidden),
+            f"blk.{i}.attn_v.weight": (kv, hidden),
+            f"blk.{i}.attn_output.weight": (hidden, hidden),
+            f"blk.{i}.ffn_gate.weight": (intermediate, hidden),
+            f"blk.{i}.ffn_up.weight": (intermediate, hidden),
+            f"blk.{i}.ffn_down.weight": (hidden, intermediate),
+        }
+        vectors |= {
+            f"blk.{i}.attn_norm.weight": np.ones(hidden, np.float32),
+            f"blk.{i}.ffn_norm.weight": np.ones(hidden, np.float32),
+        }
         for part, size in (("q", hidden), ("k", kv), ("v", kv)):
             vectors[f"blk.{i}.attn_{part}.bias"] = (rng.standard_normal(size) * 0.01).astype(np.float32)
     assert head_dim * heads == hidden
@@ -396,8 +428,9 @@ def write_q4_k_m_gguf(path: Path, tokenizer_from: Path, *, layers: int, hidden: 
         type_name = q4_k_m_type(name, layers)
         qtype = gguf.GGMLQuantizationType[type_name]
         blocks = cols // gguf.GGML_QUANT_SIZES[qtype][0]
-        writer.add_tensor(name, random_quant_blocks(type_name, rows, blocks, seed=seed + n,
-                                                    scale=1e-4), raw_dtype=qtype)
+        writer.add_tensor(
+            name, random_quant_blocks(type_name, rows, blocks, seed=seed + n, scale=1e-4), raw_dtype=qtype
+        )
     for name, vector in vectors.items():
         writer.add_tensor(name, vector)
     return _written(writer, path)
@@ -407,9 +440,7 @@ def write_q4_k_m_gguf(path: Path, tokenizer_from: Path, *, layers: int, hidden: 
 
 
 def new_cache(shard, slots: int = 1, context: int = 64) -> KVCache:
-    return KVCache(
-        shard.config, shard.layer_end - shard.layer_start, slots, context, shard.dtype
-    )
+    return KVCache(shard.config, shard.layer_end - shard.layer_start, slots, context, shard.dtype)
 
 
 def run_pipeline(shards, caches, inputs: torch.Tensor, make_batch) -> torch.Tensor:

@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING
 from shardline.cluster_commands import DEFAULT_PORT
 
 if TYPE_CHECKING:
+    from shardline.local_cluster import LocalCluster
     from shardline.node.runner_processes import Spare
 
 MIN_API_KEY_CHARS = 8
@@ -72,8 +73,11 @@ def _run(args: argparse.Namespace) -> int:
         print(f"shardline run: {exc}", file=sys.stderr)
         return 2
     if generated:
-        print(f"shardline: new cluster key {key}\n  (saved in {data_dir}; start the other nodes with "
-              f"--cluster-key {key})", flush=True)
+        print(
+            f"shardline: new cluster key {key}\n  (saved in {data_dir}; start the other nodes with "
+            f"--cluster-key {key})",
+            flush=True,
+        )
     first_spare = None if args.no_spare_runner else _start_first_spare()
     _serve_node(args, api_key, data_dir, key, model_dirs, first_spare)
     return 0
@@ -86,23 +90,26 @@ def _run_problem(args: argparse.Namespace, api_key: str | None, bind: str, model
     from shardline.runner.rendezvous import is_loopback
 
     if api_key is None and not args.no_api_key and not is_loopback(bind):
-        return (f"listening on {bind}, which other machines reach, needs an API key: "
-                f"give --api-key (or SHARDLINE_API_KEY), or --no-api-key to serve anyone who can "
-                f"reach it")
+        return (
+            f"listening on {bind}, which other machines reach, needs an API key: "
+            f"give --api-key (or SHARDLINE_API_KEY), or --no-api-key to serve anyone who can "
+            f"reach it"
+        )
     if api_key is not None and len(api_key) < MIN_API_KEY_CHARS:
         return f"the API key must be at least {MIN_API_KEY_CHARS} characters"
     if api_key is None and not is_loopback(bind):
         logging.getLogger("shardline").warning(
             "listening on %s without an API key (--no-api-key): anyone who can reach it can "
-            "use its models and its cluster API", bind)
+            "use its models and its cluster API",
+            bind,
+        )
     not_dirs = [str(d) for d in model_dirs if not d.is_dir()]
     if not_dirs:
         return f"--model-dir {', '.join(not_dirs)}: not a directory"
     from shardline.local_cluster import address_is_here, ports_in_use
 
     if not address_is_here(bind):
-        return (f"{bind} is not an address of this machine: give --host (or "
-                f"--bind) one of its addresses")
+        return f"{bind} is not an address of this machine: give --host (or --bind) one of its addresses"
     if ports_in_use([args.port], bind):
         return f"port {args.port} on {bind} is in use (another node?): give --port"
     return None
@@ -120,8 +127,14 @@ def _start_first_spare() -> Spare:
     return first_spare
 
 
-def _serve_node(args: argparse.Namespace, api_key: str | None, data_dir: Path, key: str,
-                model_dirs: list[Path], first_spare: Spare | None) -> None:
+def _serve_node(
+    args: argparse.Namespace,
+    api_key: str | None,
+    data_dir: Path,
+    key: str,
+    model_dirs: list[Path],
+    first_spare: Spare | None,
+) -> None:
     """Build the node of ``run``'s arguments and serve its HTTP API until Ctrl-C or
     SIGTERM."""
     import uvicorn
@@ -133,8 +146,11 @@ def _serve_node(args: argparse.Namespace, api_key: str | None, data_dir: Path, k
     from shardline.node import identity
     from shardline.node.node import Node
 
-    guard = GuardConfig(api_key=api_key, allowed_hosts=local_names([args.host, *args.allowed_host]),
-                        cors_origins=frozenset(args.cors_origin))
+    guard = GuardConfig(
+        api_key=api_key,
+        allowed_hosts=local_names([args.host, *args.allowed_host]),
+        cors_origins=frozenset(args.cors_origin),
+    )
     node = Node(
         host=args.host,
         port=args.port,
@@ -166,10 +182,15 @@ def _serve_node(args: argparse.Namespace, api_key: str | None, data_dir: Path, k
             node.stopping()
             super().handle_exit(sig, frame)
 
-    server = NodeServer(uvicorn.Config(create_app(node, guard, max_body_bytes=args.max_body_bytes,
-                                                      heartbeat_s=args.stream_heartbeat),
-                                       host=args.bind or args.host, port=args.port, log_level="warning",
-                                       http=header_timeout_protocol(args.header_timeout)))
+    server = NodeServer(
+        uvicorn.Config(
+            create_app(node, guard, max_body_bytes=args.max_body_bytes, heartbeat_s=args.stream_heartbeat),
+            host=args.bind or args.host,
+            port=args.port,
+            log_level="warning",
+            http=header_timeout_protocol(args.header_timeout),
+        )
+    )
     try:
         server.run()
     except KeyboardInterrupt:  # the signal uvicorn raises again once it has stopped (as uvicorn.run)
@@ -198,21 +219,75 @@ def _interrupt(signum, frame) -> None:
     raise KeyboardInterrupt
 
 
-def _cluster(args: argparse.Namespace) -> int:
+def _print_serving(args: argparse.Namespace, cluster: LocalCluster, instance: dict) -> None:
+    """What ``shardline cluster`` prints once its model serves: the placement, where the API
+    and the dashboard are, and a first request to try."""
     import httpx
 
     from shardline.cluster_commands import rank_share
+
+    url = cluster.url(0)
+    ranges = ", ".join(f"port {r['address'].rsplit(':', 1)[-1]} {rank_share(r)}" for r in instance["ranks"])
+    print(
+        f"\nshardline: {args.nodes}-node cluster serving {instance['model_id']} "
+        f"({instance['sharding']} on {len(instance['ranks'])} node(s))"
+    )
+    print(f"  per node: {ranges}")
+    if len(instance["ranks"]) < args.nodes:
+        print(
+            f"  ({len(instance['ranks'])} of the {args.nodes} nodes: --sharding {args.sharding} "
+            "predicted that placement fastest; `shardline place --preview` lists the others, "
+            "and --sharding pipeline places on every node)"
+        )
+    if cluster.memory_limit_bytes is not None:
+        print(
+            f"  each node offers models up to {cluster.memory_limit_bytes / 1e9:.2f} GB"
+            + (
+                ""
+                if args.memory_limit is not None
+                else f" (the machine's available memory / {args.nodes}; --memory-limit sets it)"
+            )
+        )
+    try:
+        others = [i for i in cluster.instances() if i.get("instance_id") != instance.get("instance_id")]
+    except httpx.HTTPError:  # only a note: the cluster serves either way
+        others = []
+    if others:  # the cluster's state on these ports keeps every instance placed before
+        print(
+            "  also serving, kept from an earlier run on these ports: "
+            + ", ".join(f"{i['model_id']} (instance {i['instance_id']})" for i in others)
+            + f"; `shardline delete ID --url {url}` removes one"
+        )
+    print(f"  API: {url}/v1  (any node: ports {args.port}-{args.port + args.nodes - 1})")
+    print(f"  dashboard: {url}/")
+    print("  try:")
+    auth = ' -H "Authorization: Bearer $SHARDLINE_API_KEY"' if cluster.api_key else ""  # the shell expands it
+    if cluster.api_key and not os.environ.get("SHARDLINE_API_KEY"):
+        print("  (the API key given with --api-key: set SHARDLINE_API_KEY to it in your shell first)")
+    print(f"    curl {url}/v1/chat/completions -H 'Content-Type: application/json'{auth} \\")
+    print(
+        f'      -d \'{{"model": "{instance["model_id"]}", "max_tokens": 64, '
+        f'"temperature": 0, "messages": '
+        f'[{{"role": "user", "content": "What is the name of the capital of France?"}}]}}\''
+    )
+
+
+def _cluster(args: argparse.Namespace) -> int:
     from shardline.local_cluster import LocalCluster, LocalClusterError, model_dirs_for
 
     api_key = args.api_key or os.environ.get("SHARDLINE_API_KEY") or None
     if api_key is not None and len(api_key) < MIN_API_KEY_CHARS:
-        print(f"shardline cluster: the API key must be at least {MIN_API_KEY_CHARS} characters",
-              file=sys.stderr)
+        print(f"shardline cluster: the API key must be at least {MIN_API_KEY_CHARS} characters", file=sys.stderr)
         return 2
     cluster = LocalCluster(
-        nodes=args.nodes, base_port=args.port, runner_threads=args.runner_threads,
-        api_key=api_key, model_dirs=model_dirs_for(args.model) + (args.model_dir or []),
-        spare_runners=True, memory_limit_bytes=args.memory_limit, device=args.device,
+        nodes=args.nodes,
+        base_port=args.port,
+        runner_threads=args.runner_threads,
+        api_key=api_key,
+        model_dirs=model_dirs_for(args.model) + (args.model_dir or []),
+        spare_runners=True,
+        memory_limit_bytes=args.memory_limit,
+        device=args.device,
     )
     # SIGTERM and SIGINT stop the nodes (they run in their own sessions); SIGINT is set
     # explicitly because a shell starts background jobs with it ignored.
@@ -225,37 +300,7 @@ def _cluster(args: argparse.Namespace) -> int:
         cluster.stop()
         print(f"shardline cluster: {str(exc) or 'interrupted'}", file=sys.stderr)
         return 1
-    url = cluster.url(0)
-    ranges = ", ".join(f"port {r['address'].rsplit(':', 1)[-1]} {rank_share(r)}" for r in instance["ranks"])
-    print(f"\nshardline: {args.nodes}-node cluster serving {instance['model_id']} "
-          f"({instance['sharding']} on {len(instance['ranks'])} node(s))")
-    print(f"  per node: {ranges}")
-    if len(instance["ranks"]) < args.nodes:
-        print(f"  ({len(instance['ranks'])} of the {args.nodes} nodes: --sharding {args.sharding} "
-              "predicted that placement fastest; `shardline place --preview` lists the others, "
-              "and --sharding pipeline places on every node)")
-    if cluster.memory_limit_bytes is not None:
-        print(f"  each node offers models up to {cluster.memory_limit_bytes / 1e9:.2f} GB"
-              + ("" if args.memory_limit is not None else
-                 f" (the machine's available memory / {args.nodes}; --memory-limit sets it)"))
-    try:
-        others = [i for i in cluster.instances() if i.get("instance_id") != instance.get("instance_id")]
-    except httpx.HTTPError:  # only a note: the cluster serves either way
-        others = []
-    if others:  # the cluster's state on these ports keeps every instance placed before
-        print("  also serving, kept from an earlier run on these ports: "
-              + ", ".join(f"{i['model_id']} (instance {i['instance_id']})" for i in others)
-              + f"; `shardline delete ID --url {url}` removes one")
-    print(f"  API: {url}/v1  (any node: ports {args.port}-{args.port + args.nodes - 1})")
-    print(f"  dashboard: {url}/")
-    print("  try:")
-    auth = ' -H "Authorization: Bearer $SHARDLINE_API_KEY"' if cluster.api_key else ""  # the shell expands it
-    if cluster.api_key and not os.environ.get("SHARDLINE_API_KEY"):
-        print("  (the API key given with --api-key: set SHARDLINE_API_KEY to it in your shell first)")
-    print(f"    curl {url}/v1/chat/completions -H 'Content-Type: application/json'{auth} \\")
-    print(f"      -d '{{\"model\": \"{instance['model_id']}\", \"max_tokens\": 64, "
-          f"\"temperature\": 0, \"messages\": "
-          f"[{{\"role\": \"user\", \"content\": \"What is the name of the capital of France?\"}}]}}'")
+    _print_serving(args, cluster, instance)
     print("  Ctrl-C stops the cluster.", flush=True)
     try:
         for line in cluster.supervise(restart=args.restart):
@@ -294,8 +339,9 @@ def build_parser() -> argparse.ArgumentParser:
     _add_run(sub)
     _add_cluster(sub)
 
-    bench = sub.add_parser("bench", help="measure prefill and decode tokens/s and TTFT; "
-                                              "--against URL: side by side with another server")
+    bench = sub.add_parser(
+        "bench", help="measure prefill and decode tokens/s and TTFT; --against URL: side by side with another server"
+    )
     from shardline.bench.arguments import add_arguments
 
     add_arguments(bench)
@@ -316,62 +362,113 @@ def _add_run(sub: argparse._SubParsersAction) -> None:
     run.add_argument("--bind", default=None, help="address to listen on (default: --host)")
     run.add_argument("--port", type=int, default=DEFAULT_PORT, help="HTTP port (default %(default)s)")
     run.add_argument("--peers", default="", help="other nodes as host:port,host:port")
-    run.add_argument("--node-id", default=None,
-                     help="this node's id (default: the one in the data directory, made on first start)")
-    run.add_argument("--data-dir", default=None,
-                     help="where the node keeps its id, cluster key and model store (default: "
-                          "$XDG_DATA_HOME/shardline)")
-    run.add_argument("--memory-limit", type=byte_size, default=None,
-                     help="the most memory this node offers to models, e.g. 8GB or 512MiB (default: all "
-                          "that is available)")
+    run.add_argument(
+        "--node-id", default=None, help="this node's id (default: the one in the data directory, made on first start)"
+    )
+    run.add_argument(
+        "--data-dir",
+        default=None,
+        help="where the node keeps its id, cluster key and model store (default: $XDG_DATA_HOME/shardline)",
+    )
+    run.add_argument(
+        "--memory-limit",
+        type=byte_size,
+        default=None,
+        help="the most memory this node offers to models, e.g. 8GB or 512MiB (default: all that is available)",
+    )
     _add_run_access(run)
     run.add_argument("--runner-threads", type=int, default=0, help="torch threads per runner (0: all cores)")
-    run.add_argument("--device", type=device_name, default="auto",
-                     help="what the runners compute on: auto (the first CUDA GPU torch sees, else "
-                          "the CPU), cpu, cuda, cuda:N or mps (default %(default)s)")
-    run.add_argument("--watchdog", type=float, default=10.0,
-                     help="seconds a runner may go silent before its instance fails (default %(default)s)")
-    run.add_argument("--progress-timeout", type=float, default=60.0,
-                     help="seconds a runner may wait inside an engine step without progress (a stalled "
-                          "peer or collective) before its instance fails; must exceed the time of one "
-                          "prefill chunk (default %(default)s)")
-    run.add_argument("--no-spare-runner", action="store_true",
-                     help="start each runner when its rank is placed, rather than keeping one "
-                          "started ahead with its imports done (it holds ~100 MB while it waits)")
-    run.add_argument("--no-rejoin", action="store_true",
-                     help="when this node coordinates, do not place an instance that lost "
-                          "nodes on them again when they return")
-    run.add_argument("--no-mdns", action="store_true",
-                     help="do not advertise this node or look for others by mDNS (use --peers only)")
-    run.add_argument("--model-dir", action="append", default=None, metavar="DIR",
-                     help="a directory under which a client of the cluster API may name a local "
-                          ".gguf file or safetensors directory as a model (repeatable; the model "
-                          "store is always one; other paths are refused)")
+    run.add_argument(
+        "--device",
+        type=device_name,
+        default="auto",
+        help="what the runners compute on: auto (the first CUDA GPU torch sees, else "
+        "the CPU), cpu, cuda, cuda:N or mps (default %(default)s)",
+    )
+    run.add_argument(
+        "--watchdog",
+        type=float,
+        default=10.0,
+        help="seconds a runner may go silent before its instance fails (default %(default)s)",
+    )
+    run.add_argument(
+        "--progress-timeout",
+        type=float,
+        default=60.0,
+        help="seconds a runner may wait inside an engine step without progress (a stalled "
+        "peer or collective) before its instance fails; must exceed the time of one "
+        "prefill chunk (default %(default)s)",
+    )
+    run.add_argument(
+        "--no-spare-runner",
+        action="store_true",
+        help="start each runner when its rank is placed, rather than keeping one "
+        "started ahead with its imports done (it holds ~100 MB while it waits)",
+    )
+    run.add_argument(
+        "--no-rejoin",
+        action="store_true",
+        help="when this node coordinates, do not place an instance that lost nodes on them again when they return",
+    )
+    run.add_argument(
+        "--no-mdns",
+        action="store_true",
+        help="do not advertise this node or look for others by mDNS (use --peers only)",
+    )
+    run.add_argument(
+        "--model-dir",
+        action="append",
+        default=None,
+        metavar="DIR",
+        help="a directory under which a client of the cluster API may name a local "
+        ".gguf file or safetensors directory as a model (repeatable; the model "
+        "store is always one; other paths are refused)",
+    )
     _add_run_limits(run)
-    run.add_argument("--exit-with-parent", action="store_true",
-                     help="stop when the process that started this node exits")
+    run.add_argument(
+        "--exit-with-parent", action="store_true", help="stop when the process that started this node exits"
+    )
     run.set_defaults(func=_run)
 
 
 def _add_run_access(run: argparse.ArgumentParser) -> None:
     """``run``'s keys and who may reach the node (hosts, web origins)."""
-    run.add_argument("--cluster-key", default=None,
-                     help="the cluster's shared secret (default: $SHARDLINE_CLUSTER_KEY, else the saved "
-                          "one, else a new one, printed at start)")
-    run.add_argument("--api-key", default=None,
-                     help="the key API clients must send (Authorization: Bearer, or x-api-key); default "
-                          "$SHARDLINE_API_KEY. Required when listening on an address other machines "
-                          "reach, unless --no-api-key")
-    run.add_argument("--no-api-key", action="store_true",
-                     help="serve without an API key on a non-loopback address (anyone who reaches "
-                          "the port can use and change the cluster)")
-    run.add_argument("--allowed-host", action="append", default=[], metavar="NAME",
-                     help="a name clients may reach this node by (the Host header), besides its "
-                          "addresses and host name; '*' allows any (repeatable)")
-    run.add_argument("--cors-origin", action="append", default=[], metavar="ORIGIN",
-                     help="a web origin (e.g. http://localhost:3000) whose pages may call this node "
-                          "from a browser; '*' allows any (repeatable; default: none but the "
-                          "node's own dashboard)")
+    run.add_argument(
+        "--cluster-key",
+        default=None,
+        help="the cluster's shared secret (default: $SHARDLINE_CLUSTER_KEY, else the saved "
+        "one, else a new one, printed at start)",
+    )
+    run.add_argument(
+        "--api-key",
+        default=None,
+        help="the key API clients must send (Authorization: Bearer, or x-api-key); default "
+        "$SHARDLINE_API_KEY. Required when listening on an address other machines "
+        "reach, unless --no-api-key",
+    )
+    run.add_argument(
+        "--no-api-key",
+        action="store_true",
+        help="serve without an API key on a non-loopback address (anyone who reaches "
+        "the port can use and change the cluster)",
+    )
+    run.add_argument(
+        "--allowed-host",
+        action="append",
+        default=[],
+        metavar="NAME",
+        help="a name clients may reach this node by (the Host header), besides its "
+        "addresses and host name; '*' allows any (repeatable)",
+    )
+    run.add_argument(
+        "--cors-origin",
+        action="append",
+        default=[],
+        metavar="ORIGIN",
+        help="a web origin (e.g. http://localhost:3000) whose pages may call this node "
+        "from a browser; '*' allows any (repeatable; default: none but the "
+        "node's own dashboard)",
+    )
 
 
 def _add_run_limits(run: argparse.ArgumentParser) -> None:
@@ -382,18 +479,33 @@ def _add_run_limits(run: argparse.ArgumentParser) -> None:
     from shardline.cluster_commands import byte_size
     from shardline.node.queue_bound import DEFAULT_MAX_WAITING
 
-    run.add_argument("--max-body-bytes", type=byte_size, default=DEFAULT_MAX_BODY_BYTES,
-                     help="the largest request body this node takes, e.g. 16MiB; larger ones get 413 "
-                          "(default %(default)s bytes)")
-    run.add_argument("--max-waiting", type=_non_negative_int, default=DEFAULT_MAX_WAITING,
-                     help="requests this node lets wait for one instance's batch; more get 429 with "
-                          "Retry-After (default %(default)s)")
-    run.add_argument("--header-timeout", type=float, default=DEFAULT_HEADER_TIMEOUT_S,
-                     help="seconds a client has to send a request's headers before the connection "
-                          "is closed (default %(default)s)")
-    run.add_argument("--stream-heartbeat", type=float, default=HEARTBEAT_S, metavar="SECONDS",
-                     help="seconds a stream waits with nothing to send (a long prompt's prefill) before it "
-                          "sends its API's keep-alive (default %(default)s)")
+    run.add_argument(
+        "--max-body-bytes",
+        type=byte_size,
+        default=DEFAULT_MAX_BODY_BYTES,
+        help="the largest request body this node takes, e.g. 16MiB; larger ones get 413 (default %(default)s bytes)",
+    )
+    run.add_argument(
+        "--max-waiting",
+        type=_non_negative_int,
+        default=DEFAULT_MAX_WAITING,
+        help="requests this node lets wait for one instance's batch; more get 429 with "
+        "Retry-After (default %(default)s)",
+    )
+    run.add_argument(
+        "--header-timeout",
+        type=float,
+        default=DEFAULT_HEADER_TIMEOUT_S,
+        help="seconds a client has to send a request's headers before the connection is closed (default %(default)s)",
+    )
+    run.add_argument(
+        "--stream-heartbeat",
+        type=float,
+        default=HEARTBEAT_S,
+        metavar="SECONDS",
+        help="seconds a stream waits with nothing to send (a long prompt's prefill) before it "
+        "sends its API's keep-alive (default %(default)s)",
+    )
 
 
 def _add_cluster(sub: argparse._SubParsersAction) -> None:
@@ -404,30 +516,53 @@ def _add_cluster(sub: argparse._SubParsersAction) -> None:
 
     cluster = sub.add_parser("cluster", help="start N nodes on 127.0.0.1 and place a model across them")
     cluster.add_argument("--nodes", type=int, default=3, help="how many nodes (default %(default)s)")
-    cluster.add_argument("--sharding", default="pipeline", choices=("auto", *SHARDING_NAMES),
-                         help="pipeline: a layer range per node; tensor: heads and MLP columns split "
-                              "across the nodes; ring: the whole model on every node, long prompts "
-                              "split across them; expert (mixture-of-experts models): tensor's heads, "
-                              "whole experts per node; auto: the placement with the best predicted decode "
-                              "tokens/s (default %(default)s)")
-    cluster.add_argument("--port", type=int, default=DEFAULT_PORT,
-                         help="first node's port; the others follow (default %(default)s)")
+    cluster.add_argument(
+        "--sharding",
+        default="pipeline",
+        choices=("auto", *SHARDING_NAMES),
+        help="pipeline: a layer range per node; tensor: heads and MLP columns split "
+        "across the nodes; ring: the whole model on every node, long prompts "
+        "split across them; expert (mixture-of-experts models): tensor's heads, "
+        "whole experts per node; auto: the placement with the best predicted decode "
+        "tokens/s (default %(default)s)",
+    )
+    cluster.add_argument(
+        "--port", type=int, default=DEFAULT_PORT, help="first node's port; the others follow (default %(default)s)"
+    )
     cluster.add_argument("--model", default=DEFAULT_MODEL_ID, help="model id or local path (default %(default)s)")
-    cluster.add_argument("--model-dir", action="append", default=None, metavar="DIR",
-                         help="more directories the nodes take local models from (repeatable; "
-                              "--model's own directory is passed on by itself)")
+    cluster.add_argument(
+        "--model-dir",
+        action="append",
+        default=None,
+        metavar="DIR",
+        help="more directories the nodes take local models from (repeatable; "
+        "--model's own directory is passed on by itself)",
+    )
     cluster.add_argument("--runner-threads", type=int, default=0, help="torch threads per runner (0: cores / nodes)")
-    cluster.add_argument("--device", type=device_name, default="auto",
-                         help="what the runners compute on, as for run (default %(default)s)")
-    cluster.add_argument("--memory-limit", type=byte_size, default=None,
-                         help="the most memory each node offers to models, e.g. 600MB (default: the "
-                              "memory available at start, split evenly between the nodes)")
-    cluster.add_argument("--api-key", default=None,
-                         help="an API key the nodes require of clients (default: $SHARDLINE_API_KEY, "
-                              "else none: the nodes listen on 127.0.0.1 only)")
-    cluster.add_argument("--restart", action="store_true",
-                         help="start a node that exits again (same port, id and data directory); "
-                              "without it the others keep serving")
+    cluster.add_argument(
+        "--device",
+        type=device_name,
+        default="auto",
+        help="what the runners compute on, as for run (default %(default)s)",
+    )
+    cluster.add_argument(
+        "--memory-limit",
+        type=byte_size,
+        default=None,
+        help="the most memory each node offers to models, e.g. 600MB (default: the "
+        "memory available at start, split evenly between the nodes)",
+    )
+    cluster.add_argument(
+        "--api-key",
+        default=None,
+        help="an API key the nodes require of clients (default: $SHARDLINE_API_KEY, "
+        "else none: the nodes listen on 127.0.0.1 only)",
+    )
+    cluster.add_argument(
+        "--restart",
+        action="store_true",
+        help="start a node that exits again (same port, id and data directory); without it the others keep serving",
+    )
     cluster.set_defaults(func=_cluster)
 
 
@@ -452,8 +587,11 @@ def main(argv: list[str] | None = None) -> int:
         if nodes < 1:
             command.error("--nodes must be at least 1")
         if not 1 <= args.port or args.port + nodes - 1 > 65535:
-            command.error("--port must lie in 1-65535" if args.command == "run" else
-                          "ports must lie in 1-65535 (--port, plus one per extra node)")
+            command.error(
+                "--port must lie in 1-65535"
+                if args.command == "run"
+                else "ports must lie in 1-65535 (--port, plus one per extra node)"
+            )
     if args.command in ("run", "cluster"):
         from shardline.node.profile import device_problem
 
@@ -462,8 +600,7 @@ def main(argv: list[str] | None = None) -> int:
             print(f"shardline {args.command}: --device {args.device}: {problem}", file=sys.stderr)
             return 2
     logging.basicConfig(
-        level=logging.DEBUG if args.verbose else logging.INFO,
-        format="%(asctime)s %(name)s %(levelname)s %(message)s",
+        level=logging.DEBUG if args.verbose else logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s"
     )
     logging.getLogger("httpx").setLevel(logging.DEBUG if args.verbose else logging.WARNING)
     try:

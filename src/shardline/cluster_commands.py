@@ -56,8 +56,9 @@ CONNECT_TIMEOUT_S = 5.0
 """Seconds a cluster command waits to connect to the node at ``--url``."""
 
 
-def _request(args: argparse.Namespace, method: str, path: str, body: dict | None = None,
-             timeout_s: float = 120.0) -> dict:
+def _request(
+    args: argparse.Namespace, method: str, path: str, body: dict | None = None, timeout_s: float = 120.0
+) -> dict:
     """A cluster-API call; its JSON body.
 
     Raises:
@@ -73,8 +74,10 @@ def _request(args: argparse.Namespace, method: str, path: str, body: dict | None
         timeout = httpx.Timeout(timeout_s, connect=CONNECT_TIMEOUT_S)
         response = httpx.request(method, url, json=body, timeout=timeout, headers=api_key_headers(args.api_key))
     except httpx.HTTPError as exc:
-        raise CommandError(f"no shardline node answers at {args.url} ({exc}); start one with "
-                           f"`shardline run`, or give --url the address of one (host:port)") from None
+        raise CommandError(
+            f"no shardline node answers at {args.url} ({exc}); start one with "
+            f"`shardline run`, or give --url the address of one (host:port)"
+        ) from None
     try:
         data = response.json()
     except ValueError:
@@ -109,8 +112,11 @@ def models_held(node: dict) -> str:
     from shardline.models.store import DEFAULT_MODEL_ID
 
     held = [f"{DEFAULT_MODEL_ID} (embedded)"] if node.get("live") else []
-    held += [m + ("" if v.get("complete") else " (part)")
-             for m, v in (node.get("models") or {}).items() if m != DEFAULT_MODEL_ID]
+    held += [
+        m + ("" if v.get("complete") else " (part)")
+        for m, v in (node.get("models") or {}).items()
+        if m != DEFAULT_MODEL_ID
+    ]
     return ", ".join(held) or "-"
 
 
@@ -118,11 +124,14 @@ def links_text(node: dict) -> str:
     """A node's measured links (``GET /cluster/nodes``' ``links``), for ``shardline
     nodes``: per peer (its id's first 4 characters) the round trip in ms and the upload
     bandwidth (MB/s, kB/s below 1 MB/s), a line each; ``-`` for none."""
+
     def rate(bytes_per_s: float) -> str:
         return f"{bytes_per_s / 1e6:.0f} MB/s" if bytes_per_s >= 1e6 else f"{bytes_per_s / 1e3:.0f} kB/s"
 
-    lines = [f"{peer[:4]}: {link['rtt_s'] * 1e3:.1f} ms, {rate(link['bandwidth_bytes_per_s'])}"
-             for peer, link in sorted((node.get("links") or {}).items())]
+    lines = [
+        f"{peer[:4]}: {link['rtt_s'] * 1e3:.1f} ms, {rate(link['bandwidth_bytes_per_s'])}"
+        for peer, link in sorted((node.get("links") or {}).items())
+    ]
     return "\n".join(lines) or "-"
 
 
@@ -132,19 +141,34 @@ def _nodes(args: argparse.Namespace) -> None:
     data = _request(args, "GET", "/cluster/nodes")
     serving = serving_by_node(_request(args, "GET", "/cluster/instances")["instances"])
     table = Table(title=f"coordinator: {data['coordinator']}")
-    for column in ("node", "address", "live", "memory: free / offered, placed", "accelerator",
-                   "links (round trip, upload)", "serving", "models held"):
+    for column in (
+        "node",
+        "address",
+        "live",
+        "memory: free / offered, placed",
+        "accelerator",
+        "links (round trip, upload)",
+        "serving",
+        "models held",
+    ):
         table.add_column(column, no_wrap=column in ("node", "address"))
     for n in sorted(data["nodes"], key=lambda n: n["node_id"]):
         profile = n.get("profile") or {}
         flops = profile.get("matmul_flops")
         accelerator = str(profile.get("accelerator") or "-")
-        memory = (f"{_gb(n.get('free_bytes'))} / {_gb(n.get('offered_bytes'))}" if n["live"]
-                  else "- (down)")  # its last report: nothing to place on
-        table.add_row(n["node_id"], n["address"], "yes" if n["live"] else "DOWN",
-                      f"{memory}\n{_gb(n.get('committed_bytes'))} placed",
-                      accelerator + (f"\n{flops / 1e12:.2f} TFLOP/s" if flops else ""), links_text(n),
-                      ", ".join(serving.get(n["node_id"], [])) or "-", models_held(n))
+        memory = (
+            f"{_gb(n.get('free_bytes'))} / {_gb(n.get('offered_bytes'))}" if n["live"] else "- (down)"
+        )  # its last report: nothing to place on
+        table.add_row(
+            n["node_id"],
+            n["address"],
+            "yes" if n["live"] else "DOWN",
+            f"{memory}\n{_gb(n.get('committed_bytes'))} placed",
+            accelerator + (f"\n{flops / 1e12:.2f} TFLOP/s" if flops else ""),
+            links_text(n),
+            ", ".join(serving.get(n["node_id"], [])) or "-",
+            models_held(n),
+        )
     _console().print(table)
 
 
@@ -152,8 +176,10 @@ def rank_share(rank: dict) -> str:
     """A rank's part of the model in words: its layers, or its heads and MLP columns."""
     share = rank.get("tensor_share")
     if share:
-        return (f"heads {share['heads'][0]}-{share['heads'][1] - 1}, "
-                f"columns {share['columns'][0]}-{share['columns'][1] - 1}")
+        return (
+            f"heads {share['heads'][0]}-{share['heads'][1] - 1}, "
+            f"columns {share['columns'][0]}-{share['columns'][1] - 1}"
+        )
     return f"layers {rank['layer_start']}-{rank['layer_end'] - 1}"
 
 
@@ -169,6 +195,7 @@ def _rank_text(rank: dict) -> str:
 def speed_text(predicted: float | None, measured: float | None, samples: int) -> str:
     """``predicted / measured (n)`` tokens/s for a table cell: ``-`` for a figure not
     known, ``n`` the requests the measured figure is the median of."""
+
     def figure(value: float | None) -> str:
         return "-" if value is None else f"{value:,.0f}" if value >= 100 else f"{value:.1f}"
 
@@ -179,21 +206,43 @@ def _instances(args: argparse.Namespace) -> None:
     from rich.table import Table
 
     data = _request(args, "GET", "/cluster/instances")
-    table = Table(caption="measured: the median of the requests that ran alone (n of them) on this "
-                          "placement (model, nodes, sharding), its earlier instances too; a request "
-                          "that shares decode steps with others is not timed, nor prefill of a short prompt")
-    for column in ("instance", "model", "sharding", "dtype", "status", "ranks",
-                   "decode tok/s\npredicted / measured", "prefill tok/s\npredicted / measured"):
+    table = Table(
+        caption="measured: the median of the requests that ran alone (n of them) on this "
+        "placement (model, nodes, sharding), its earlier instances too; a request "
+        "that shares decode steps with others is not timed, nor prefill of a short prompt"
+    )
+    for column in (
+        "instance",
+        "model",
+        "sharding",
+        "dtype",
+        "status",
+        "ranks",
+        "decode tok/s\npredicted / measured",
+        "prefill tok/s\npredicted / measured",
+    ):
         table.add_column(column, no_wrap=column == "instance")
     for i in data["instances"]:
         status = i["status"] + (f": {i['error']}" if i.get("error") else "")
         speed = i.get("speed") or {}
-        table.add_row(i["instance_id"], i["model_id"], i["sharding"], i["dtype"], status,
-                      "\n".join(_rank_text(r) for r in i["ranks"]),
-                      speed_text(speed.get("predicted_decode_tokens_per_s"),
-                                 speed.get("measured_decode_tokens_per_s"), speed.get("decode_samples", 0)),
-                      speed_text(speed.get("predicted_prefill_tokens_per_s"),
-                                 speed.get("measured_prefill_tokens_per_s"), speed.get("prefill_samples", 0)))
+        table.add_row(
+            i["instance_id"],
+            i["model_id"],
+            i["sharding"],
+            i["dtype"],
+            status,
+            "\n".join(_rank_text(r) for r in i["ranks"]),
+            speed_text(
+                speed.get("predicted_decode_tokens_per_s"),
+                speed.get("measured_decode_tokens_per_s"),
+                speed.get("decode_samples", 0),
+            ),
+            speed_text(
+                speed.get("predicted_prefill_tokens_per_s"),
+                speed.get("measured_prefill_tokens_per_s"),
+                speed.get("prefill_samples", 0),
+            ),
+        )
     _console().print(table if data["instances"] else "no instances")
 
 
@@ -253,31 +302,47 @@ def _place(args: argparse.Namespace) -> None:
     from rich.table import Table
 
     nodes = [n.strip() for n in args.nodes.split(",") if n.strip()] if args.nodes else None
-    body = {"model": args.model, "sharding": args.sharding, "nodes": nodes, "context": args.context,
-            "max_batch": args.max_batch, "dtype": args.dtype, "force": args.force,
-            "min_nodes": args.min_nodes, "max_nodes": args.max_nodes,
-            "kv_cache_bytes": args.kv_cache_bytes, "quantize": args.quantize,
-            "prefix_cache": not args.no_prefix_cache}
+    body = {
+        "model": args.model,
+        "sharding": args.sharding,
+        "nodes": nodes,
+        "context": args.context,
+        "max_batch": args.max_batch,
+        "dtype": args.dtype,
+        "force": args.force,
+        "min_nodes": args.min_nodes,
+        "max_nodes": args.max_nodes,
+        "kv_cache_bytes": args.kv_cache_bytes,
+        "quantize": args.quantize,
+        "prefix_cache": not args.no_prefix_cache,
+    }
     if args.preview:
         data = _request(args, "POST", "/cluster/placements/preview", body)
         table = Table()
-        for column in ("sharding", "nodes", "decode tok/s", "prefill tok/s", "KV tokens",
-                       "refused because"):
+        for column in ("sharding", "nodes", "decode tok/s", "prefill tok/s", "KV tokens", "refused because"):
             table.add_column(column)
         for c in data["candidates"]:
             # "measured": this placement served; "scaled": the model corrected by others'
             basis = {"measured": " (measured)", "scaled": " (scaled)"}
-            table.add_row(c["sharding"], ", ".join(c["node_ids"]) + (" (serving)" if c.get("serving") else ""),
-                          f"{c['predicted_decode_tokens_per_s']:.1f}{basis.get(c.get('decode_basis'), '')}"
-                          if c["feasible"] else "-",
-                          f"{c['predicted_prefill_tokens_per_s']:.0f}{basis.get(c.get('prefill_basis'), '')}"
-                          if c["feasible"] else "-",
-                          f"{c['kv_tokens']:,}" if c["feasible"] else "-",
-                          c["error"] or "")
+            table.add_row(
+                c["sharding"],
+                ", ".join(c["node_ids"]) + (" (serving)" if c.get("serving") else ""),
+                f"{c['predicted_decode_tokens_per_s']:.1f}{basis.get(c.get('decode_basis'), '')}"
+                if c["feasible"]
+                else "-",
+                f"{c['predicted_prefill_tokens_per_s']:.0f}{basis.get(c.get('prefill_basis'), '')}"
+                if c["feasible"]
+                else "-",
+                f"{c['kv_tokens']:,}" if c["feasible"] else "-",
+                c["error"] or "",
+            )
         _console().print(table)
         if not any(c["feasible"] for c in data["candidates"]):
-            raise CommandError("no placement fits (the reasons are above)" if data["candidates"]
-                               else "no candidate placement for these nodes and shardings")
+            raise CommandError(
+                "no placement fits (the reasons are above)"
+                if data["candidates"]
+                else "no candidate placement for these nodes and shardings"
+            )
         return
     inst = _request(args, "POST", "/cluster/instances", body)
     _console().print(f"placed {inst['model_id']} as instance {inst['instance_id']} ({inst['sharding']})")
@@ -303,14 +368,19 @@ def _place(args: argparse.Namespace) -> None:
         if inst["status"] == "failed":
             raise CommandError(f"instance {inst['instance_id']} failed: {inst['error']}")
         time.sleep(0.5)
-    raise CommandError(f"instance {inst['instance_id']} was not ready within {args.timeout:g} s "
-                       f"(it goes on loading; see `shardline instances`)")
+    raise CommandError(
+        f"instance {inst['instance_id']} was not ready within {args.timeout:g} s "
+        f"(it goes on loading; see `shardline instances`)"
+    )
 
 
 def _delete(args: argparse.Namespace) -> None:
     deleted = _request(args, "DELETE", f"/cluster/instances/{args.instance_id}")["deleted"]
-    _console().print(f"deleted {deleted}" if deleted == args.instance_id
-                     else f"deleted {deleted} (placed again in place of {args.instance_id})")
+    _console().print(
+        f"deleted {deleted}"
+        if deleted == args.instance_id
+        else f"deleted {deleted} (placed again in place of {args.instance_id})"
+    )
 
 
 def _models_list(args: argparse.Namespace) -> None:
@@ -321,9 +391,14 @@ def _models_list(args: argparse.Namespace) -> None:
     for column in ("model", "format", "size", "on nodes", "partly on", "instances"):
         table.add_column(column)
     for m in data["models"]:
-        table.add_row(m["model_id"], m["format"], "embedded" if m["embedded"] else _gb(m["total_bytes"]),
-                      ", ".join(m["complete_on"]), ", ".join(m["partial_on"]),
-                      ", ".join(f"{i['instance_id']} ({i['status']})" for i in m["instances"]))
+        table.add_row(
+            m["model_id"],
+            m["format"],
+            "embedded" if m["embedded"] else _gb(m["total_bytes"]),
+            ", ".join(m["complete_on"]),
+            ", ".join(m["partial_on"]),
+            ", ".join(f"{i['instance_id']} ({i['status']})" for i in m["instances"]),
+        )
     _console().print(table)
 
 
@@ -336,11 +411,7 @@ def _store(args: argparse.Namespace):
 
 def _models_add(args: argparse.Namespace) -> None:
     from shardline.models.config import UnsupportedModelError
-    from shardline.models.store import (
-        ModelNotFoundError,
-        ModelStoreError,
-        looks_like_path,
-    )
+    from shardline.models.store import ModelNotFoundError, ModelStoreError, looks_like_path
 
     store = _store(args)
     try:
@@ -352,8 +423,10 @@ def _models_add(args: argparse.Namespace) -> None:
             manifest = store.add_from_hub(args.source)
     except (ModelStoreError, ModelNotFoundError, UnsupportedModelError) as exc:
         raise CommandError(str(exc)) from None
-    _console().print(f"{manifest.model_id}: {len(manifest.files)} files, {_gb(manifest.total_bytes)} "
-                   f"({manifest.format}) in {store.model_dir(manifest.model_id)}")
+    _console().print(
+        f"{manifest.model_id}: {len(manifest.files)} files, {_gb(manifest.total_bytes)} "
+        f"({manifest.format}) in {store.model_dir(manifest.model_id)}"
+    )
 
 
 def _models_remove(args: argparse.Namespace) -> None:
@@ -365,13 +438,13 @@ def _models_remove(args: argparse.Namespace) -> None:
             listed = _request(args, "GET", "/cluster/instances", timeout_s=5.0)["instances"]
         except CommandError:
             listed = []  # no node answers: nothing of this cluster serves it
-        serving = [i["instance_id"] for i in listed
-                   if i["model_id"] == args.model_id and i["status"] != "failed"]
+        serving = [i["instance_id"] for i in listed if i["model_id"] == args.model_id and i["status"] != "failed"]
         if serving:
             raise CommandError(
                 f"{args.model_id} is served by instance {', '.join(serving)} (`shardline instances`); "
                 f"delete it first (`shardline delete {serving[0]}`), or pass --force to remove the "
-                "files anyway (a node without them cannot place the model again)")
+                "files anyway (a node without them cannot place the model again)"
+            )
     try:
         removed = store.remove(args.model_id)
     except ModelStoreError as exc:
@@ -389,8 +462,10 @@ def _run(func):
             print(f"shardline {args.command}: {exc}", file=sys.stderr)
             return 1
         except KeyboardInterrupt:
-            print(f"shardline {args.command}: interrupted (a placed instance goes on loading: see "
-                  f"`shardline instances`)", file=sys.stderr)
+            print(
+                f"shardline {args.command}: interrupted (a placed instance goes on loading: see `shardline instances`)",
+                file=sys.stderr,
+            )
             return 130
         return 0
 
@@ -400,78 +475,118 @@ def _run(func):
 def add_commands(sub, default_port: int) -> None:
     """Add the cluster commands to the ``shardline`` parser's subparsers."""
     from shardline.connect import CLIENTS
-    from shardline.models.store import DEFAULT_MODEL_ID
-    from shardline.placement.ranks import SHARDING_NAMES
 
     url_default = os.environ.get("SHARDLINE_URL", f"http://127.0.0.1:{default_port}")
 
-    def add_url(parser: argparse.ArgumentParser) -> None:
-        parser.add_argument("--url", default=url_default, type=node_url,
-                            help="a node of the cluster (default: $SHARDLINE_URL or %(default)s)")
-        parser.add_argument("--api-key", default=None,
-                            help="the cluster's API key, if it has one (default: $SHARDLINE_API_KEY)")
-
     def client(name: str, help: str, func) -> argparse.ArgumentParser:
         parser = sub.add_parser(name, help=help)
-        add_url(parser)
+        _add_url(parser, url_default)
         parser.set_defaults(func=_run(func))
         return parser
 
     client("nodes", "list the cluster's nodes with their memory, accelerator and speed", _nodes)
     client("instances", "list the placed models and each rank's share and status", _instances)
     place = client("place", "place a model on the cluster and wait until it serves", _place)
-    place.add_argument("model", nargs="?", default=DEFAULT_MODEL_ID,
-                       help="a model id in some node's store, a path on the node's machine under one "
-                            "of its --model-dir (added to its store), or a Hugging Face repo id in "
-                            "the local cache (default %(default)s)")
-    place.add_argument("--sharding", default="auto", choices=("auto", *SHARDING_NAMES),
-                       help="default %(default)s: the placement with the best predicted tokens/s")
-    place.add_argument("--nodes", default=None,
-                       help="node ids, comma-separated, in rank order (default: as --sharding chooses)")
-    place.add_argument("--min-nodes", type=int, default=None, help="without --nodes: use at least this many")
-    place.add_argument("--max-nodes", type=int, default=None, help="without --nodes: use at most this many")
-    place.add_argument("--context", type=int, default=None, help="tokens per sequence")
-    place.add_argument("--max-batch", type=int, default=None, help="sequences decoded together")
-    place.add_argument("--kv-cache-bytes", type=byte_size, default=None,
-                       help="the KV pool, e.g. 256MB: the whole model's keys and values (a ring "
-                            "rank holds all of it), at most max-batch sequences of the context "
-                            "(default: that, or as much as fits); requests wait for its blocks")
-    place.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float16", "float32"))
-    place.add_argument("--quantize", default=None, choices=("int8", "int4"),
-                       help="quantize the weights a model's files hold in 16 or 32 bits on load "
-                            "(int8: 10 bits a weight, int4: 5; quantized GGUF weights stay as "
-                            "they are)")
-    place.add_argument("--no-prefix-cache", action="store_true",
-                       help="keep no finished prompt for later ones that start the same: every "
-                            "prompt is prefilled whole (the cache lives in the KV pool either way)")
-    place.add_argument("--force", action="store_true",
-                       help="place even where the measured memory says it does not fit")
-    place.add_argument("--preview", action="store_true",
-                       help="list the feasible placements with predicted tokens/s instead")
-    place.add_argument("--no-wait", action="store_true", help="return once placed, before it loads")
-    place.add_argument("--timeout", type=float, default=600.0, help="seconds to wait (default %(default)s)")
+    _place_arguments(place)
     delete = client("delete", "delete an instance (its runners stop on every node)", _delete)
     delete.add_argument("instance_id")
     connect = client("connect", "print the settings that point a coding agent at a placed model", _connect)
     connect.add_argument("client", choices=CLIENTS, help="the agent: Claude Code, Codex, opencode, aider or llm")
     connect.add_argument("--model", default=None, help="a ready model's id (default: the one placed first)")
 
+    _model_commands(sub, url_default)
+
+
+def _add_url(parser: argparse.ArgumentParser, url_default: str) -> None:
+    """A cluster client's ``--url`` (default ``url_default``) and ``--api-key``."""
+    parser.add_argument(
+        "--url",
+        default=url_default,
+        type=node_url,
+        help="a node of the cluster (default: $SHARDLINE_URL or %(default)s)",
+    )
+    parser.add_argument(
+        "--api-key", default=None, help="the cluster's API key, if it has one (default: $SHARDLINE_API_KEY)"
+    )
+
+
+def _place_arguments(place: argparse.ArgumentParser) -> None:
+    """``shardline place``'s arguments: the model and what the placement is asked for."""
+    from shardline.models.store import DEFAULT_MODEL_ID
+    from shardline.placement.ranks import SHARDING_NAMES
+
+    place.add_argument(
+        "model",
+        nargs="?",
+        default=DEFAULT_MODEL_ID,
+        help="a model id in some node's store, a path on the node's machine under one "
+        "of its --model-dir (added to its store), or a Hugging Face repo id in "
+        "the local cache (default %(default)s)",
+    )
+    place.add_argument(
+        "--sharding",
+        default="auto",
+        choices=("auto", *SHARDING_NAMES),
+        help="default %(default)s: the placement with the best predicted tokens/s",
+    )
+    place.add_argument(
+        "--nodes", default=None, help="node ids, comma-separated, in rank order (default: as --sharding chooses)"
+    )
+    place.add_argument("--min-nodes", type=int, default=None, help="without --nodes: use at least this many")
+    place.add_argument("--max-nodes", type=int, default=None, help="without --nodes: use at most this many")
+    place.add_argument("--context", type=int, default=None, help="tokens per sequence")
+    place.add_argument("--max-batch", type=int, default=None, help="sequences decoded together")
+    place.add_argument(
+        "--kv-cache-bytes",
+        type=byte_size,
+        default=None,
+        help="the KV pool, e.g. 256MB: the whole model's keys and values (a ring "
+        "rank holds all of it), at most max-batch sequences of the context "
+        "(default: that, or as much as fits); requests wait for its blocks",
+    )
+    place.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float16", "float32"))
+    place.add_argument(
+        "--quantize",
+        default=None,
+        choices=("int8", "int4"),
+        help="quantize the weights a model's files hold in 16 or 32 bits on load "
+        "(int8: 10 bits a weight, int4: 5; quantized GGUF weights stay as "
+        "they are)",
+    )
+    place.add_argument(
+        "--no-prefix-cache",
+        action="store_true",
+        help="keep no finished prompt for later ones that start the same: every "
+        "prompt is prefilled whole (the cache lives in the KV pool either way)",
+    )
+    place.add_argument("--force", action="store_true", help="place even where the measured memory says it does not fit")
+    place.add_argument(
+        "--preview", action="store_true", help="list the feasible placements with predicted tokens/s instead"
+    )
+    place.add_argument("--no-wait", action="store_true", help="return once placed, before it loads")
+    place.add_argument("--timeout", type=float, default=600.0, help="seconds to wait (default %(default)s)")
+
+
+def _model_commands(sub, url_default: str) -> None:
+    """``shardline models list | add | remove``."""
     models = sub.add_parser("models", help="the models of the cluster and of this machine's store")
     models_sub = models.add_subparsers(dest="models_command", required=True)
     listing = models_sub.add_parser("list", help="every model a live node holds, and where")
-    add_url(listing)
+    _add_url(listing, url_default)
     listing.set_defaults(func=_run(_models_list))
     add = models_sub.add_parser("add", help="add a model to this machine's store")
-    add.add_argument("source", help="a .gguf file, a Hugging Face safetensors directory, or a Hugging Face "
-                                    "repo id (downloaded; offline, taken from the Hugging Face cache)")
-    add.add_argument("--id", default=None, help="the model's id (default: the file stem, directory name "
-                                                "or repo id)")
+    add.add_argument(
+        "source",
+        help="a .gguf file, a Hugging Face safetensors directory, or a Hugging Face "
+        "repo id (downloaded; offline, taken from the Hugging Face cache)",
+    )
+    add.add_argument("--id", default=None, help="the model's id (default: the file stem, directory name or repo id)")
     remove = models_sub.add_parser("remove", help="delete a model from this machine's store")
     remove.add_argument("model_id")
-    add_url(remove)
-    remove.add_argument("--force", action="store_true",
-                        help="remove it even while the cluster at --url serves it")
+    _add_url(remove, url_default)
+    remove.add_argument("--force", action="store_true", help="remove it even while the cluster at --url serves it")
     for parser, func in ((add, _models_add), (remove, _models_remove)):
-        parser.add_argument("--data-dir", default=None,
-                            help="the node's data directory (default: $XDG_DATA_HOME/shardline)")
+        parser.add_argument(
+            "--data-dir", default=None, help="the node's data directory (default: $XDG_DATA_HOME/shardline)"
+        )
         parser.set_defaults(func=_run(func))

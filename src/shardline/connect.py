@@ -89,8 +89,10 @@ Claude Code's 12.4; more with more tools), before the conversation and the answe
 def _context_note(context: int) -> tuple[str, ...]:
     if context >= AGENT_CONTEXT:
         return ()
-    return (f"this model's context is {context} tokens; an agent's own prompt and tools take 8-19 thousand: "
-            f"place it with --context {AGENT_CONTEXT} or more where its trained context allows",)
+    return (
+        f"this model's context is {context} tokens; an agent's own prompt and tools take 8-19 thousand: "
+        f"place it with --context {AGENT_CONTEXT} or more where its trained context allows",
+    )
 
 
 def connection(client: str, base_url: str, model: str, context: int, api_key: str | None = None) -> Connection:
@@ -100,49 +102,144 @@ def connection(client: str, base_url: str, model: str, context: int, api_key: st
     Raises:
         ValueError: a client not in :data:`CLIENTS`.
     """
-    key = api_key or NO_KEY
-    out = output_tokens(context)
-    v1 = f"{base_url}/v1"
-    if client == "claude":
-        # its compaction window, where it takes the model's (100,000 tokens at the least)
-        window = {"CLAUDE_CODE_AUTO_COMPACT_WINDOW": str(context)} if context >= CLAUDE_MIN_WINDOW else {}
-        return Connection(client, env={
-            "ANTHROPIC_BASE_URL": base_url, "ANTHROPIC_AUTH_TOKEN": key, "ANTHROPIC_MODEL": model,
-            "ANTHROPIC_DEFAULT_OPUS_MODEL": model, "ANTHROPIC_DEFAULT_SONNET_MODEL": model,
-            "ANTHROPIC_DEFAULT_HAIKU_MODEL": model, "CLAUDE_CODE_SUBAGENT_MODEL": model,
-            "CLAUDE_CODE_MAX_OUTPUT_TOKENS": str(out), **window, "CLAUDE_CODE_DISABLE_NONESSENTIAL_TRAFFIC": "1"},
-            command=("claude",), notes=_context_note(context) + (
-                "Claude Code takes a model it does not know for a 1,000,000-token one and compacts by that "
-                "(CLAUDE_CODE_AUTO_COMPACT_WINDOW takes no less than 100,000); a conversation past the model's "
-                "context gets Anthropic's 'prompt is too long', which it shows: /compact shortens the conversation",))
-    if client == "codex":
-        provider = [f'model = "{model}"', 'model_provider = "shardline"', f"model_context_window = {context}",
-                    "", "[model_providers.shardline]", 'name = "shardline"',
-                    f'base_url = "{v1}"', 'wire_api = "responses"', 'env_key = "SHARDLINE_API_KEY"']
-        return Connection(client, env={"SHARDLINE_API_KEY": key}, files={"~/.codex/config.toml": "\n".join(provider)},
-                          command=("codex",), notes=_context_note(context) + (
-                              "hosted tools (web_search) are not run by shardline: they are left out of the "
-                              "model's tools and named in the X-Shardline-Tools-Not-Offered header",))
-    if client == "opencode":
-        config = {"$schema": "https://opencode.ai/config.json", "model": f"shardline/{model}", "provider": {
-            "shardline": {"npm": "@ai-sdk/openai-compatible", "name": "shardline",
-                          "options": {"baseURL": v1, "apiKey": key},
-                          "models": {model: {"name": model, "tool_call": True,
-                                             "limit": {"context": context, "output": out}}}}}}
-        return Connection(client, files={"opencode.json": json.dumps(config, indent=2)}, command=("opencode",),
-                          notes=_context_note(context) + ("opencode.json goes in the project's folder (or ~/.config/opencode/opencode.json "
-                                 "for every project)",))
-    if client == "aider":
-        metadata = {f"openai/{model}": {"max_input_tokens": context - out, "max_output_tokens": out,
-                                        "max_tokens": out, "input_cost_per_token": 0.0,
-                                        "output_cost_per_token": 0.0, "litellm_provider": "openai", "mode": "chat"}}
-        return Connection(client, files={"~/.aider.model.metadata.json": json.dumps(metadata, indent=2)},
-                          command=("aider", "--model", f"openai/{model}", "--openai-api-base", v1,
-                                   "--openai-api-key", key))
-    if client == "llm":
-        entry = f"- model_id: {model}\n  model_name: {model}\n  api_base: \"{v1}\"\n  supports_tools: true\n"
-        return Connection(client, files={"~/.config/io.datasette.llm/extra-openai-models.yaml": entry},
-                          command=("llm", "-m", model, "--key", key, "hello"), notes=(
-                              "the file lives in llm's user directory: `dirname \"$(llm logs path)\"` prints it "
-                              "(on macOS ~/Library/Application Support/io.datasette.llm); add to it if it exists",))
-    raise ValueError(f"unknown client {client!r}: one of {', '.join(CLIENTS)}")
+    settings = _SETTINGS.get(client)
+    if settings is None:
+        raise ValueError(f"unknown client {client!r}: one of {', '.join(CLIENTS)}")
+    return settings(_Target(client, base_url, model, context, api_key or NO_KEY))
+
+
+@dataclass(frozen=True)
+class _Target:
+    """What a client's settings name: the client, the node (``base_url``), the model, its
+    context (tokens) and the API key."""
+
+    client: str
+    base_url: str
+    model: str
+    context: int
+    key: str
+
+    @property
+    def v1(self) -> str:
+        return f"{self.base_url}/v1"
+
+    @property
+    def out(self) -> int:
+        """The output tokens a client is told to ask for at most (:func:`output_tokens`)."""
+        return output_tokens(self.context)
+
+
+def _claude(t: _Target) -> Connection:
+    """Claude Code: Anthropic's API, by its environment."""
+    # its compaction window, where it takes the model's (100,000 tokens at the least)
+    window = {"CLAUDE_CODE_AUTO_COMPACT_WINDOW": str(t.context)} if t.context >= CLAUDE_MIN_WINDOW else {}
+    return Connection(
+        t.client,
+        env={
+            "ANTHROPIC_BASE_URL": t.base_url,
+            "ANTHROPIC_AUTH_TOKEN": t.key,
+            "ANTHROPIC_MODEL": t.model,
+            "ANTHROPIC_DEFAULT_OPUS_MODEL": t.model,
+            "ANTHROPIC_DEFAULT_SONNET_MODEL": t.model,
+            "ANTHROPIC_DEFAULT_HAIKU_MODEL": t.model,
+            "CLAUDE_CODE_SUBAGENT_MODEL": t.model,
+            "CLAUDE_CODE_MAX_OUTPUT_TOKENS": str(t.out),
+            **window,
+            "CLAUDE_CODE_DISABLE_NONESSENTIAL_TRAFFIC": "1",
+        },
+        command=("claude",),
+        notes=_context_note(t.context)
+        + (
+            "Claude Code takes a model it does not know for a 1,000,000-token one and compacts by that "
+            "(CLAUDE_CODE_AUTO_COMPACT_WINDOW takes no less than 100,000); a conversation past the model's "
+            "context gets Anthropic's 'prompt is too long', which it shows: /compact shortens the conversation",
+        ),
+    )
+
+
+def _codex(t: _Target) -> Connection:
+    """Codex: the Responses API, a provider in its config.toml."""
+    provider = [
+        f'model = "{t.model}"',
+        'model_provider = "shardline"',
+        f"model_context_window = {t.context}",
+        "",
+        "[model_providers.shardline]",
+        'name = "shardline"',
+        f'base_url = "{t.v1}"',
+        'wire_api = "responses"',
+        'env_key = "SHARDLINE_API_KEY"',
+    ]
+    return Connection(
+        t.client,
+        env={"SHARDLINE_API_KEY": t.key},
+        files={"~/.codex/config.toml": "\n".join(provider)},
+        command=("codex",),
+        notes=_context_note(t.context)
+        + (
+            "hosted tools (web_search) are not run by shardline: they are left out of the "
+            "model's tools and named in the X-Shardline-Tools-Not-Offered header",
+        ),
+    )
+
+
+def _opencode(t: _Target) -> Connection:
+    """opencode: an OpenAI-compatible provider in opencode.json."""
+    config = {
+        "$schema": "https://opencode.ai/config.json",
+        "model": f"shardline/{t.model}",
+        "provider": {
+            "shardline": {
+                "npm": "@ai-sdk/openai-compatible",
+                "name": "shardline",
+                "options": {"baseURL": t.v1, "apiKey": t.key},
+                "models": {
+                    t.model: {"name": t.model, "tool_call": True, "limit": {"context": t.context, "output": t.out}}
+                },
+            }
+        },
+    }
+    return Connection(
+        t.client,
+        files={"opencode.json": json.dumps(config, indent=2)},
+        command=("opencode",),
+        notes=_context_note(t.context)
+        + ("opencode.json goes in the project's folder (or ~/.config/opencode/opencode.json for every project)",),
+    )
+
+
+def _aider(t: _Target) -> Connection:
+    """aider: OpenAI's API by its flags, the model's limits in its metadata file."""
+    metadata = {
+        f"openai/{t.model}": {
+            "max_input_tokens": t.context - t.out,
+            "max_output_tokens": t.out,
+            "max_tokens": t.out,
+            "input_cost_per_token": 0.0,
+            "output_cost_per_token": 0.0,
+            "litellm_provider": "openai",
+            "mode": "chat",
+        }
+    }
+    return Connection(
+        t.client,
+        files={"~/.aider.model.metadata.json": json.dumps(metadata, indent=2)},
+        command=("aider", "--model", f"openai/{t.model}", "--openai-api-base", t.v1, "--openai-api-key", t.key),
+    )
+
+
+def _llm(t: _Target) -> Connection:
+    """llm: an extra OpenAI model in its YAML file."""
+    entry = f'- model_id: {t.model}\n  model_name: {t.model}\n  api_base: "{t.v1}"\n  supports_tools: true\n'
+    return Connection(
+        t.client,
+        files={"~/.config/io.datasette.llm/extra-openai-models.yaml": entry},
+        command=("llm", "-m", t.model, "--key", t.key, "hello"),
+        notes=(
+            'the file lives in llm\'s user directory: `dirname "$(llm logs path)"` prints it '
+            "(on macOS ~/Library/Application Support/io.datasette.llm); add to it if it exists",
+        ),
+    )
+
+
+_SETTINGS = {"claude": _claude, "codex": _codex, "opencode": _opencode, "aider": _aider, "llm": _llm}

@@ -60,8 +60,7 @@ threads each decoded 9.1 tokens/s with the default and 10.8 with this (one node 
 with the spin bounded, one node's 8-sequence decode of SmolLM2 lost ~15%."""
 
 
-def node_environment(base: dict[str, str], nodes: int, cluster_key: str,
-                     api_key: str | None) -> dict[str, str]:
+def node_environment(base: dict[str, str], nodes: int, cluster_key: str, api_key: str | None) -> dict[str, str]:
     """The environment of a local cluster's node (its runners inherit it): ``base`` with
     the cluster's key, the API key where one is set, and :data:`SHARED_SPIN_COUNT` where
     ``nodes`` share the machine and ``base`` sets no ``GOMP_SPINCOUNT`` of its own."""
@@ -108,8 +107,7 @@ def address_is_here(host: str) -> bool:
     another machine) or the name does not resolve; True on any other outcome (the server's
     own bind then says what is wrong)."""
     try:
-        family, kind, proto, _, address = socket.getaddrinfo(
-            bare_address(host), 0, type=socket.SOCK_STREAM)[0]
+        family, kind, proto, _, address = socket.getaddrinfo(bare_address(host), 0, type=socket.SOCK_STREAM)[0]
     except OSError:
         return False
     with socket.socket(family, kind, proto) as probe:
@@ -139,14 +137,16 @@ def views_formed(views: list[dict]) -> bool:
     settled and started a new term; placement asked of it then is refused)."""
     live = [sum(1 for n in v["nodes"] if n["live"]) for v in views]
     agreed = {(v["coordinator"], tuple(sorted(v["epoch"].items()))) for v in views}
-    if not (all(c == len(views) for c in live) and len(agreed) == 1
-            and views[0]["epoch"]["coordinator"] == views[0]["coordinator"]):
+    if not (
+        all(c == len(views) for c in live)
+        and len(agreed) == 1
+        and views[0]["epoch"]["coordinator"] == views[0]["coordinator"]
+    ):
         return False
     return all(v["acting"] for v in views if v["node_id"] == v["coordinator"])
 
 
-def kept_instances(instances: list[dict], model_id: str, sharding: str,
-                   nodes: int) -> tuple[list[dict], list[dict]]:
+def kept_instances(instances: list[dict], model_id: str, sharding: str, nodes: int) -> tuple[list[dict], list[dict]]:
     """Of a table's instances (``GET /cluster/instances``' entries), those of ``model_id``
     that serve it as asked of a cluster of ``nodes`` nodes (any for ``"auto"``; for a
     sharding named, that sharding on every node, as :meth:`LocalCluster.place` puts
@@ -155,8 +155,7 @@ def kept_instances(instances: list[dict], model_id: str, sharding: str,
     ``keep_alive: 0``; the one asked now replaces them). Instances of other models are
     in neither."""
     mine = [i for i in instances if i["model_id"] == model_id]
-    asked = [i for i in mine if sharding == "auto"
-             or (i["sharding"] == sharding and len(i["ranks"]) == nodes)]
+    asked = [i for i in mine if sharding == "auto" or (i["sharding"] == sharding and len(i["ranks"]) == nodes)]
     return asked, [i for i in mine if i not in asked]
 
 
@@ -191,11 +190,20 @@ class LocalCluster:
             in :attr:`memory_limit_bytes`.
     """
 
-    def __init__(self, nodes: int, base_port: int, runner_threads: int = 0,
-                 log_dir: str | None = None, data_dir: str | None = None,
-                 node_args: dict[int, list[str]] | None = None, api_key: str | None = None,
-                 model_dirs: Sequence[str | Path] | None = None, spare_runners: bool = False,
-                 memory_limit_bytes: int | None = None, device: str = "auto") -> None:
+    def __init__(
+        self,
+        nodes: int,
+        base_port: int,
+        runner_threads: int = 0,
+        log_dir: str | None = None,
+        data_dir: str | None = None,
+        node_args: dict[int, list[str]] | None = None,
+        api_key: str | None = None,
+        model_dirs: Sequence[str | Path] | None = None,
+        spare_runners: bool = False,
+        memory_limit_bytes: int | None = None,
+        device: str = "auto",
+    ) -> None:
         import psutil
 
         self.data_dir = Path(data_dir) if data_dir else default_data_dir() / "local-cluster" / str(base_port)
@@ -210,8 +218,7 @@ class LocalCluster:
         self.model_dirs = [str(d) for d in model_dirs or []]
         self.spare_runners = spare_runners
         self.device = device
-        self.memory_limit_bytes = node_memory_limit(int(psutil.virtual_memory().available), nodes,
-                                                    memory_limit_bytes)
+        self.memory_limit_bytes = node_memory_limit(int(psutil.virtual_memory().available), nodes, memory_limit_bytes)
         self.procs: list[subprocess.Popen | None] = []
         self.stopping = False
         self.instance: dict | None = None
@@ -230,13 +237,30 @@ class LocalCluster:
 
     def node_command(self, i: int) -> list[str]:
         peers = ",".join(f"127.0.0.1:{self.base_port + j}" for j in range(self.n) if j != i)
-        return [sys.executable, "-m", "shardline.cli", "run", "--host", "127.0.0.1",
-                "--port", str(self.base_port + i), "--peers", peers,
-                "--runner-threads", str(self.runner_threads), "--device", self.device,
-                "--exit-with-parent", "--no-mdns",
-                "--data-dir", str(self.node_data_dir(i)), *([] if self.spare_runners else ["--no-spare-runner"]),
-                *([] if self.memory_limit_bytes is None else ["--memory-limit", str(self.memory_limit_bytes)]),
-                *(arg for d in self.model_dirs for arg in ("--model-dir", d)), *self.node_args.get(i, [])]
+        return [
+            sys.executable,
+            "-m",
+            "shardline.cli",
+            "run",
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(self.base_port + i),
+            "--peers",
+            peers,
+            "--runner-threads",
+            str(self.runner_threads),
+            "--device",
+            self.device,
+            "--exit-with-parent",
+            "--no-mdns",
+            "--data-dir",
+            str(self.node_data_dir(i)),
+            *([] if self.spare_runners else ["--no-spare-runner"]),
+            *([] if self.memory_limit_bytes is None else ["--memory-limit", str(self.memory_limit_bytes)]),
+            *(arg for d in self.model_dirs for arg in ("--model-dir", d)),
+            *self.node_args.get(i, []),
+        ]
 
     def node_data_dir(self, i: int) -> Path:
         """Node i's data directory (its id, and its model store in ``models/``)."""
@@ -248,8 +272,9 @@ class LocalCluster:
             os.makedirs(self.log_dir, exist_ok=True)
             out = open(os.path.join(self.log_dir, f"node-{i}.log"), "ab")
         env = node_environment(dict(os.environ), self.n, self.cluster_key, self.api_key)
-        proc = subprocess.Popen(self.node_command(i), stdout=out, stderr=subprocess.STDOUT if out else None,
-                                start_new_session=True, env=env)
+        proc = subprocess.Popen(
+            self.node_command(i), stdout=out, stderr=subprocess.STDOUT if out else None, start_new_session=True, env=env
+        )
         if i < len(self.procs):
             self.procs[i] = proc
         else:
@@ -267,7 +292,8 @@ class LocalCluster:
         if busy:
             raise LocalClusterError(
                 f"port(s) {', '.join(map(str, busy))} on 127.0.0.1 are in use (another shardline "
-                f"cluster?): stop what listens there or pass another --port")
+                f"cluster?): stop what listens there or pass another --port"
+            )
         for i in range(self.n):
             self.start_node(i)
         self.wait_formed(range(self.n), timeout_s)
@@ -303,8 +329,14 @@ class LocalCluster:
             if proc is not None and proc.poll() is not None:
                 raise LocalClusterError(f"node {i} exited with code {proc.returncode}")
 
-    def place(self, model: str | None, sharding: str = "pipeline", timeout_s: float = 300.0,
-              on: list[int] | None = None, **options) -> dict:
+    def place(
+        self,
+        model: str | None,
+        sharding: str = "pipeline",
+        timeout_s: float = 300.0,
+        on: list[int] | None = None,
+        **options,
+    ) -> dict:
         """Place ``model`` on the nodes ``on`` (default all; the first is rank 0) and wait
         until every node sees it ready.
 
@@ -341,8 +373,7 @@ class LocalCluster:
         """The instance table, as node 0 sees it."""
         return self.http.get(f"{self.url(0)}/cluster/instances", timeout=5).json()["instances"]
 
-    def serve(self, model: str | None, sharding: str = "pipeline", timeout_s: float = 300.0,
-              **options) -> dict:
+    def serve(self, model: str | None, sharding: str = "pipeline", timeout_s: float = 300.0, **options) -> dict:
         """The instance serving ``model`` with ``sharding``, placed once across restarts.
 
         The nodes keep their instance table on disk: after a restart the coordinator finds
@@ -364,10 +395,15 @@ class LocalCluster:
             self._check_alive()
             kept, other = kept_instances(self.instances(), model_id, sharding, self.n)
             if other:  # placed otherwise before: the one asked now replaces it
-                log.info("deleting the kept %s of %s: --sharding %s on %d nodes replaces it",
-                         ", ".join(f"{i['sharding']} instance {i['instance_id']} on "
-                                   f"{len(i['ranks'])} node(s)" for i in other),
-                         model_id, sharding, self.n)
+                log.info(
+                    "deleting the kept %s of %s: --sharding %s on %d nodes replaces it",
+                    ", ".join(
+                        f"{i['sharding']} instance {i['instance_id']} on {len(i['ranks'])} node(s)" for i in other
+                    ),
+                    model_id,
+                    sharding,
+                    self.n,
+                )
                 self.clear([i["instance_id"] for i in other])
                 # the table again: the coordinator may have committed one's replacement
                 # (placed again after the restart) just before the delete, and that one
@@ -385,8 +421,7 @@ class LocalCluster:
                 break
             time.sleep(POLL_S)
         else:
-            raise LocalClusterError(f"the kept instance of {model_id} was not ready within "
-                                    f"{timeout_s:.0f} s")
+            raise LocalClusterError(f"the kept instance of {model_id} was not ready within {timeout_s:.0f} s")
         self.clear([i["instance_id"] for i in kept])
         return self.place(model, sharding, max(1.0, deadline - time.time()), **options)
 

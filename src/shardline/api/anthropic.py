@@ -25,13 +25,7 @@ from shardline.api.heartbeat import HEARTBEAT_S, Heartbeat
 from shardline.api.metrics import RequestMetrics
 from shardline.api.preparation import prepare, tokenize
 from shardline.api.request_body import parse_body
-from shardline.api.text_stream import (
-    APIError,
-    Chunk,
-    Generation,
-    GenerationRequest,
-    collect_unless_disconnected,
-)
+from shardline.api.text_stream import APIError, Chunk, Generation, GenerationRequest, collect_unless_disconnected
 from shardline.api.tools import NOT_OFFERED_HEADER, ToolCall
 from shardline.models.tokenizer import Tokenizer
 from shardline.node.node import Node
@@ -39,8 +33,11 @@ from shardline.node.queue_bound import QueueFullError
 from shardline.node.table import InstanceFailedError
 
 # APIError kinds as Anthropic names them.
-_ERROR_TYPES = {"invalid_request_error": "invalid_request_error", "not_found_error": "not_found_error",
-                "server_error": "api_error"}
+_ERROR_TYPES = {
+    "invalid_request_error": "invalid_request_error",
+    "not_found_error": "not_found_error",
+    "server_error": "api_error",
+}
 
 
 def error_body(kind: str, message: str) -> dict:
@@ -65,9 +62,9 @@ def _stop_reason(gen: Generation, finish: str) -> tuple[str, str | None]:
     return "end_turn", None
 
 
-async def edited(node: Node, req: CountTokensRequest, wait: bool = True,
-                 tokenized: tuple[Tokenizer, list[int]] | None = None,
-                 ) -> tuple[GenerationRequest, list[dict[str, Any]]]:
+async def edited(
+    node: Node, req: CountTokensRequest, wait: bool = True, tokenized: tuple[Tokenizer, list[int]] | None = None
+) -> tuple[GenerationRequest, list[dict[str, Any]]]:
     """``req`` in the engine's terms after its ``context_management`` edits, and the
     edits applied (Anthropic's ``applied_edits``). Where an edit's trigger counts input
     tokens, the unedited prompt is tokenized first, unless ``tokenized`` gives it (the
@@ -112,9 +109,11 @@ def router(node: Node, metrics: RequestMetrics | None = None, heartbeat_s: float
         message_id = f"msg_{uuid.uuid4().hex}"
         headers = {NOT_OFFERED_HEADER: ", ".join(req.not_offered())} if req.not_offered() else {}
         if req.stream:
-            return StreamingResponse(_stream(gen, req, message_id, applied, heartbeat_s),
-                                     media_type="text/event-stream",
-                                     headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no", **headers})
+            return StreamingResponse(
+                _stream(gen, req, message_id, applied, heartbeat_s),
+                media_type="text/event-stream",
+                headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no", **headers},
+            )
         try:
             chunks, finish = await collect_unless_disconnected(gen, request)
         except InstanceFailedError as exc:
@@ -122,10 +121,15 @@ def router(node: Node, metrics: RequestMetrics | None = None, heartbeat_s: float
         if finish is None:  # the client left; nobody reads this
             return JSONResponse(status_code=499, content=error_body("api_error", "client closed the request"))
         reason, sequence = _stop_reason(gen, finish)
-        return JSONResponse(dict(_message(gen, req, message_id, answer_blocks(req, chunks), applied),
-                                 stop_reason=reason, stop_sequence=sequence,
-                                 usage=dict(_input_usage(gen), output_tokens=gen.completion_tokens)),
-                            headers=headers)
+        return JSONResponse(
+            dict(
+                _message(gen, req, message_id, answer_blocks(req, chunks), applied),
+                stop_reason=reason,
+                stop_sequence=sequence,
+                usage=dict(_input_usage(gen), output_tokens=gen.completion_tokens),
+            ),
+            headers=headers,
+        )
 
     @api.post("/v1/messages/count_tokens")
     async def count_tokens(request: Request):
@@ -160,11 +164,19 @@ def answer_blocks(req: MessagesRequest, chunks: list[Chunk]) -> list[dict]:
     return blocks
 
 
-def _message(gen: Generation, req: MessagesRequest, message_id: str, content: list[dict],
-             applied: list[dict[str, Any]]) -> dict:
-    message: dict[str, Any] = {"id": message_id, "type": "message", "role": "assistant", "model": req.model,
-                                "content": content, "stop_reason": None, "stop_sequence": None,
-                                "usage": dict(_input_usage(gen), output_tokens=0)}
+def _message(
+    gen: Generation, req: MessagesRequest, message_id: str, content: list[dict], applied: list[dict[str, Any]]
+) -> dict:
+    message: dict[str, Any] = {
+        "id": message_id,
+        "type": "message",
+        "role": "assistant",
+        "model": req.model,
+        "content": content,
+        "stop_reason": None,
+        "stop_sequence": None,
+        "usage": dict(_input_usage(gen), output_tokens=0),
+    }
     if req.context_management is not None:  # the beta's answer: which edits changed the prompt
         message["context_management"] = {"applied_edits": applied}
     return message
@@ -178,8 +190,11 @@ def _input_usage(gen: Generation) -> dict[str, int]:
     own (``cache_control`` marks nothing more); before the request starts (a stream's
     ``message_start``) all count as input."""
     written = min(gen.cache_written, gen.computed_tokens)
-    return {"input_tokens": gen.computed_tokens - written, "cache_creation_input_tokens": written,
-            "cache_read_input_tokens": gen.cached_tokens}
+    return {
+        "input_tokens": gen.computed_tokens - written,
+        "cache_creation_input_tokens": written,
+        "cache_read_input_tokens": gen.cached_tokens,
+    }
 
 
 def _event(name: str, data: dict[str, Any]) -> str:
@@ -194,12 +209,17 @@ def _thinking_block(thinking: str) -> dict:
 
 def _tool_use(call: ToolCall) -> dict:
     """A tool call as a ``tool_use`` content block (``toolu_`` ids, as Anthropic's)."""
-    return {"type": "tool_use", "id": "toolu_" + call.id.removeprefix("call_"), "name": call.name,
-            "input": json.loads(call.arguments)}
+    return {
+        "type": "tool_use",
+        "id": "toolu_" + call.id.removeprefix("call_"),
+        "name": call.name,
+        "input": json.loads(call.arguments),
+    }
 
 
-async def _stream(gen: Generation, req: MessagesRequest, message_id: str, applied: list[dict[str, Any]],
-                  heartbeat_s: float) -> AsyncIterator[str]:
+async def _stream(
+    gen: Generation, req: MessagesRequest, message_id: str, applied: list[dict[str, Any]], heartbeat_s: float
+) -> AsyncIterator[str]:
     """Anthropic's events, the blocks of the non-streamed answer's ``content``: where the
     request enabled thinking, a reasoning model's thinking opens a ``thinking`` block
     first (its text as ``thinking_delta`` s unless display is omitted; a
@@ -208,8 +228,7 @@ async def _stream(gen: Generation, req: MessagesRequest, message_id: str, applie
     opens a new text block; an answer with neither is one empty text block. A ``ping``
     follows ``message_start``, and another each ``heartbeat_s`` seconds with nothing else
     to send."""
-    yield _event("message_start", {"type": "message_start",
-                                   "message": _message(gen, req, message_id, [], applied)})
+    yield _event("message_start", {"type": "message_start", "message": _message(gen, req, message_id, [], applied)})
     yield _event("ping", {"type": "ping"})
     blocks = _Blocks()
     reason, sequence = "end_turn", None
@@ -232,9 +251,14 @@ async def _stream(gen: Generation, req: MessagesRequest, message_id: str, applie
         return
     for event in blocks.end():
         yield event
-    yield _event("message_delta", {"type": "message_delta",
-                                   "delta": {"stop_reason": reason, "stop_sequence": sequence},
-                                   "usage": dict(_input_usage(gen), output_tokens=gen.completion_tokens)})
+    yield _event(
+        "message_delta",
+        {
+            "type": "message_delta",
+            "delta": {"stop_reason": reason, "stop_sequence": sequence},
+            "usage": dict(_input_usage(gen), output_tokens=gen.completion_tokens),
+        },
+    )
     yield _event("message_stop", {"type": "message_stop"})
 
 
@@ -264,22 +288,41 @@ class _Blocks:
         events = []
         if self.index < 0:  # the output's first block
             self.index, self.open_thinking = 0, True
-            events.append(_event("content_block_start", {"type": "content_block_start", "index": 0,
-                                                         "content_block": _thinking_block("")}))
+            events.append(
+                _event(
+                    "content_block_start",
+                    {"type": "content_block_start", "index": 0, "content_block": _thinking_block("")},
+                )
+            )
         if self.open_thinking and shows:
-            events.append(_event("content_block_delta", {"type": "content_block_delta", "index": self.index,
-                                                         "delta": {"type": "thinking_delta",
-                                                                   "thinking": reasoning}}))
+            events.append(
+                _event(
+                    "content_block_delta",
+                    {
+                        "type": "content_block_delta",
+                        "index": self.index,
+                        "delta": {"type": "thinking_delta", "thinking": reasoning},
+                    },
+                )
+            )
         return events
 
     def _text(self, text: str) -> list[str]:
         events = []
         if not self.open_text:
             self.index, self.open_text = self.index + 1, True
-            events.append(_event("content_block_start", {"type": "content_block_start", "index": self.index,
-                                                         "content_block": {"type": "text", "text": ""}}))
-        events.append(_event("content_block_delta", {"type": "content_block_delta", "index": self.index,
-                                                     "delta": {"type": "text_delta", "text": text}}))
+            events.append(
+                _event(
+                    "content_block_start",
+                    {"type": "content_block_start", "index": self.index, "content_block": {"type": "text", "text": ""}},
+                )
+            )
+        events.append(
+            _event(
+                "content_block_delta",
+                {"type": "content_block_delta", "index": self.index, "delta": {"type": "text_delta", "text": text}},
+            )
+        )
         return events
 
     def _tool_call(self, call: ToolCall) -> list[str]:
@@ -291,11 +334,23 @@ class _Blocks:
         block = _tool_use(call)
         index = self.index
         events += [
-            _event("content_block_start", {"type": "content_block_start", "index": index,
-                                           "content_block": dict(block, input={})}),
-            _event("content_block_delta", {"type": "content_block_delta", "index": index, "delta": {
-                "type": "input_json_delta", "partial_json": json.dumps(block["input"], ensure_ascii=False)}}),
-            _event("content_block_stop", {"type": "content_block_stop", "index": index})]
+            _event(
+                "content_block_start",
+                {"type": "content_block_start", "index": index, "content_block": dict(block, input={})},
+            ),
+            _event(
+                "content_block_delta",
+                {
+                    "type": "content_block_delta",
+                    "index": index,
+                    "delta": {
+                        "type": "input_json_delta",
+                        "partial_json": json.dumps(block["input"], ensure_ascii=False),
+                    },
+                },
+            ),
+            _event("content_block_stop", {"type": "content_block_stop", "index": index}),
+        ]
         return events
 
     def close_thinking(self) -> list[str]:
@@ -303,9 +358,17 @@ class _Blocks:
         if not self.open_thinking:
             return []
         self.open_thinking = False
-        return [_event("content_block_delta", {"type": "content_block_delta", "index": self.index,
-                                               "delta": {"type": "signature_delta", "signature": ""}}),
-                _event("content_block_stop", {"type": "content_block_stop", "index": self.index})]
+        return [
+            _event(
+                "content_block_delta",
+                {
+                    "type": "content_block_delta",
+                    "index": self.index,
+                    "delta": {"type": "signature_delta", "signature": ""},
+                },
+            ),
+            _event("content_block_stop", {"type": "content_block_stop", "index": self.index}),
+        ]
 
     def end(self) -> list[str]:
         """The events that close the answer's blocks: the thinking block's, an empty text
@@ -314,8 +377,12 @@ class _Blocks:
         events = self.close_thinking()
         if not self.answered:  # no text and no call: the non-streamed answer's one empty text block
             self.index, self.open_text = self.index + 1, True
-            events.append(_event("content_block_start", {"type": "content_block_start", "index": self.index,
-                                                         "content_block": {"type": "text", "text": ""}}))
+            events.append(
+                _event(
+                    "content_block_start",
+                    {"type": "content_block_start", "index": self.index, "content_block": {"type": "text", "text": ""}},
+                )
+            )
         if self.open_text:
             events.append(_event("content_block_stop", {"type": "content_block_stop", "index": self.index}))
         return events

@@ -113,8 +113,9 @@ class ToolResultBlock(BaseModel):
         return f"Error: {text}" if self.is_error else text
 
 
-Block = Annotated[TextBlock | ThinkingBlock | RedactedThinkingBlock | ToolUseBlock | ToolResultBlock,
-                  Field(discriminator="type")]
+Block = Annotated[
+    TextBlock | ThinkingBlock | RedactedThinkingBlock | ToolUseBlock | ToolResultBlock, Field(discriminator="type")
+]
 
 
 class Message(BaseModel):
@@ -144,10 +145,16 @@ class Message(BaseModel):
         then the text; an assistant's tool_use blocks as its ``tool_calls``; thinking
         blocks left out."""
         blocks = self.blocks()
-        out: list[dict[str, Any]] = [{"role": "tool", "content": b.text(), "tool_call_id": b.tool_use_id}
-                                     for b in blocks if isinstance(b, ToolResultBlock)]
-        calls = [{"id": b.id, "type": "function", "function": {"name": b.name, "arguments": b.input}}
-                 for b in blocks if isinstance(b, ToolUseBlock)]
+        out: list[dict[str, Any]] = [
+            {"role": "tool", "content": b.text(), "tool_call_id": b.tool_use_id}
+            for b in blocks
+            if isinstance(b, ToolResultBlock)
+        ]
+        calls = [
+            {"id": b.id, "type": "function", "function": {"name": b.name, "arguments": b.input}}
+            for b in blocks
+            if isinstance(b, ToolUseBlock)
+        ]
         text = self.text()
         if calls:
             out.append({"role": "assistant", "content": text or None, "tool_calls": calls})
@@ -192,8 +199,9 @@ class ToolChoiceParam(BaseModel):
             if self.name is None:
                 raise APIError(400, "tool_choice.name: required with type tool", param="tool_choice.name")
             return ToolChoice(ToolChoiceMode.NAMED, self.name)
-        return ToolChoice({"auto": ToolChoiceMode.AUTO, "any": ToolChoiceMode.REQUIRED,
-                           "none": ToolChoiceMode.NONE}[self.type])
+        return ToolChoice(
+            {"auto": ToolChoiceMode.AUTO, "any": ToolChoiceMode.REQUIRED, "none": ToolChoiceMode.NONE}[self.type]
+        )
 
 
 class Metadata(BaseModel):
@@ -252,8 +260,9 @@ class ClearToolUses(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
     type: Literal["clear_tool_uses_20250919"]
-    trigger: Annotated[InputTokens | ToolUses, Field(discriminator="type")] = InputTokens(type="input_tokens",
-                                                                                          value=100_000)
+    trigger: Annotated[InputTokens | ToolUses, Field(discriminator="type")] = InputTokens(
+        type="input_tokens", value=100_000
+    )
     keep: ToolUses = ToolUses(type="tool_uses", value=3)
     clear_at_least: InputTokens | None = None
     clear_tool_inputs: bool | list[str] = False
@@ -281,8 +290,9 @@ class ClearThinking(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
     type: Literal["clear_thinking_20251015"]
-    keep: Annotated[ThinkingTurns | AllThinkingTurns, Field(discriminator="type")] | Literal["all"] = \
-        ThinkingTurns(type="thinking_turns", value=1)
+    keep: Annotated[ThinkingTurns | AllThinkingTurns, Field(discriminator="type")] | Literal["all"] = ThinkingTurns(
+        type="thinking_turns", value=1
+    )
 
     def kept(self, turns: int) -> int:
         """How many of ``turns`` assistant turns with thinking keep it."""
@@ -301,8 +311,9 @@ class ContextManagement(BaseModel):
     @property
     def counts_tokens(self) -> bool:
         """Whether an edit's trigger or minimum needs the prompt's tokens counted."""
-        return any(isinstance(e, ClearToolUses) and (e.trigger.type == "input_tokens" or e.clear_at_least)
-                   for e in self.edits)
+        return any(
+            isinstance(e, ClearToolUses) and (e.trigger.type == "input_tokens" or e.clear_at_least) for e in self.edits
+        )
 
 
 class CountTokensRequest(BaseModel):
@@ -347,15 +358,23 @@ class CountTokensRequest(BaseModel):
             APIError: 400 for a ``tool_choice`` naming a tool with ``defer_loading``."""
         choice = self.tool_choice or ToolChoiceParam(type="auto")
         if choice.type == "tool" and f"custom:{choice.name}" in self.not_offered():
-            raise APIError(400, f"tool_choice.name: tool {choice.name!r} has defer_loading: it is found by a tool "
-                                "search, which this server does not run, so it is not offered to the model",
-                           param="tool_choice.name")
-        return GenerationRequest(model=self.model, prompt=self.chat(), api="anthropic", prompt_param="messages",
-                                 continue_final_message=self.messages[-1].role == "assistant",
-                                 tools=[t.function() for t in self.tools or [] if not t.defer_loading],
-                                 tool_choice=choice.choice(),
-                                 max_tool_calls=1 if choice.disable_parallel_tool_use else None,
-                                 thinking=self.thinks)
+            raise APIError(
+                400,
+                f"tool_choice.name: tool {choice.name!r} has defer_loading: it is found by a tool "
+                "search, which this server does not run, so it is not offered to the model",
+                param="tool_choice.name",
+            )
+        return GenerationRequest(
+            model=self.model,
+            prompt=self.chat(),
+            api="anthropic",
+            prompt_param="messages",
+            continue_final_message=self.messages[-1].role == "assistant",
+            tools=[t.function() for t in self.tools or [] if not t.defer_loading],
+            tool_choice=choice.choice(),
+            max_tool_calls=1 if choice.disable_parallel_tool_use else None,
+            thinking=self.thinks,
+        )
 
     @property
     def thinks(self) -> bool:
@@ -418,17 +437,26 @@ class MessagesRequest(CountTokensRequest):
 
     def to_generation(self) -> GenerationRequest:
         return dataclasses.replace(
-            super().to_generation(), max_tokens=self.max_tokens,
-            sampling=SamplingParams(self.temperature, self.top_p, self.top_k, None,
-                                    grammar=None if self.output_config is None else self.output_config.grammar()),
+            super().to_generation(),
+            max_tokens=self.max_tokens,
+            sampling=SamplingParams(
+                self.temperature,
+                self.top_p,
+                self.top_k,
+                None,
+                grammar=None if self.output_config is None else self.output_config.grammar(),
+            ),
             stop=list(self.stop_sequences or []),
-            effort=None if self.output_config is None else self.output_config.effort)
+            effort=None if self.output_config is None else self.output_config.effort,
+        )
 
 
 # -- context management ------------------------------------------------------------------
 
-def apply_edits(messages: list[Message], management: ContextManagement | None, input_tokens: int | None,
-                count: Callable[[str], int]) -> tuple[list[Message], list[dict[str, Any]]]:
+
+def apply_edits(
+    messages: list[Message], management: ContextManagement | None, input_tokens: int | None, count: Callable[[str], int]
+) -> tuple[list[Message], list[dict[str, Any]]]:
     """``messages`` after ``management``'s edits, in order, and Anthropic's
     ``applied_edits`` for the response (an edit that cleared nothing is not listed).
 
@@ -443,8 +471,9 @@ def apply_edits(messages: list[Message], management: ContextManagement | None, i
         if isinstance(edit, ClearThinking):
             messages, cleared_turns = _clear_thinking(messages, edit)
             if cleared_turns:
-                applied.append({"type": edit.type, "cleared_thinking_turns": cleared_turns,
-                                "cleared_input_tokens": 0})  # thinking is never in the prompt here
+                applied.append(
+                    {"type": edit.type, "cleared_thinking_turns": cleared_turns, "cleared_input_tokens": 0}
+                )  # thinking is never in the prompt here
         else:
             messages, uses, tokens = _clear_tool_uses(messages, edit, input_tokens, count)
             if uses:
@@ -455,9 +484,12 @@ def apply_edits(messages: list[Message], management: ContextManagement | None, i
 
 
 def _clear_thinking(messages: list[Message], edit: ClearThinking) -> tuple[list[Message], int]:
-    thinking = [i for i, m in enumerate(messages) if m.role == "assistant"
-                and any(isinstance(b, ThinkingBlock | RedactedThinkingBlock) for b in m.blocks())]
-    cleared = thinking[:len(thinking) - edit.kept(len(thinking))]
+    thinking = [
+        i
+        for i, m in enumerate(messages)
+        if m.role == "assistant" and any(isinstance(b, ThinkingBlock | RedactedThinkingBlock) for b in m.blocks())
+    ]
+    cleared = thinking[: len(thinking) - edit.kept(len(thinking))]
     out = list(messages)
     for i in cleared:
         kept = [b for b in out[i].blocks() if not isinstance(b, ThinkingBlock | RedactedThinkingBlock)]
@@ -465,12 +497,16 @@ def _clear_thinking(messages: list[Message], edit: ClearThinking) -> tuple[list[
     return out, len(cleared)
 
 
-def _clear_tool_uses(messages: list[Message], edit: ClearToolUses, input_tokens: int | None,
-                     count: Callable[[str], int]) -> tuple[list[Message], int, int]:
+def _clear_tool_uses(
+    messages: list[Message], edit: ClearToolUses, input_tokens: int | None, count: Callable[[str], int]
+) -> tuple[list[Message], int, int]:
     """The turns with the edit applied, the tool uses cleared and the tokens that freed."""
     uses = [(i, b) for i, m in enumerate(messages) for b in m.blocks() if isinstance(b, ToolUseBlock)]
-    triggered = len(uses) > edit.trigger.value if edit.trigger.type == "tool_uses" else (
-        input_tokens is not None and input_tokens > edit.trigger.value)
+    triggered = (
+        len(uses) > edit.trigger.value
+        if edit.trigger.type == "tool_uses"
+        else (input_tokens is not None and input_tokens > edit.trigger.value)
+    )
     if not triggered:
         return messages, 0, 0
     excluded = set(edit.exclude_tools or ())
@@ -484,8 +520,13 @@ def _clear_tool_uses(messages: list[Message], edit: ClearToolUses, input_tokens:
     out = []
     for message in messages:
         blocks = message.blocks()
-        if not any(isinstance(b, ToolResultBlock) and b.tool_use_id in ids or
-                   isinstance(b, ToolUseBlock) and b.id in clear_input for b in blocks):
+        if not any(
+            isinstance(b, ToolResultBlock)
+            and b.tool_use_id in ids
+            or isinstance(b, ToolUseBlock)
+            and b.id in clear_input
+            for b in blocks
+        ):
             out.append(message)
             continue
         edited: list[Any] = []

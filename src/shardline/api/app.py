@@ -10,17 +10,7 @@ from contextlib import asynccontextmanager
 from fastapi import FastAPI
 from fastapi.middleware.cors import CORSMiddleware
 
-from shardline.api import (
-    anthropic,
-    cluster,
-    completions,
-    dashboard,
-    health,
-    metrics,
-    ollama,
-    openai,
-    responses,
-)
+from shardline.api import anthropic, cluster, completions, dashboard, health, metrics, ollama, openai, responses
 from shardline.api.bounds import DEFAULT_MAX_BODY_BYTES, RequestBoundsMiddleware
 from shardline.api.exception_handlers import add_exception_handlers
 from shardline.api.heartbeat import HEARTBEAT_S
@@ -32,8 +22,9 @@ from shardline.api.response_store import ResponseStore
 from shardline.node.node import Node
 
 
-def create_app(node: Node, guard: GuardConfig, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
-               heartbeat_s: float = HEARTBEAT_S) -> FastAPI:
+def create_app(
+    node: Node, guard: GuardConfig, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES, heartbeat_s: float = HEARTBEAT_S
+) -> FastAPI:
     """The node's FastAPI app. ``guard``: the API key, Host allow-list and CORS origins
     (:mod:`shardline.api.http_guard`); request bodies over ``max_body_bytes`` are refused
     (413, :mod:`shardline.api.bounds`); streams send their API's keep-alive after
@@ -89,7 +80,13 @@ def add_guards(app: FastAPI, guard: GuardConfig, signing_key: bytes, max_body_by
     app.add_middleware(SignatureMiddleware, key=signing_key, names=guard.allowed_hosts)
     app.add_middleware(RequestBoundsMiddleware, max_body_bytes=max_body_bytes)
     if guard.cors_origins:
-        app.add_middleware(CORSMiddleware, allow_origins=sorted(guard.cors_origins), allow_methods=["*"],
-                           allow_headers=["*"], expose_headers=["Retry-After", "X-Request-Id"], max_age=600)
+        app.add_middleware(
+            CORSMiddleware,
+            allow_origins=sorted(guard.cors_origins),
+            allow_methods=["*"],
+            allow_headers=["*"],
+            expose_headers=["Retry-After", "X-Request-Id"],
+            max_age=600,
+        )
     app.add_middleware(GuardMiddleware, config=guard, decide=check_place)
     app.add_middleware(RequestIdMiddleware)  # outermost: every answer carries the id

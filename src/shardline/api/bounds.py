@@ -113,7 +113,7 @@ def json_depth(text: bytes, piece_bytes: int = 65536) -> int:
     times a piece)."""
     scanner = JsonDepthScanner()
     for start in range(0, len(text), piece_bytes):
-        scanner.feed(text[start:start + piece_bytes])
+        scanner.feed(text[start : start + piece_bytes])
     return scanner.max_depth
 
 
@@ -143,13 +143,19 @@ class RequestBoundsMiddleware:
             ``receive`` for the client's disconnect, for as long as it streams).
     """
 
-    def __init__(self, app: ASGIApp, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
-                 max_json_depth: int = DEFAULT_MAX_JSON_DEPTH,
-                 max_json_objects: int = DEFAULT_MAX_JSON_OBJECTS,
-                 body_timeout_s: float = DEFAULT_BODY_TIMEOUT_S) -> None:
+    def __init__(
+        self,
+        app: ASGIApp,
+        max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
+        max_json_depth: int = DEFAULT_MAX_JSON_DEPTH,
+        max_json_objects: int = DEFAULT_MAX_JSON_OBJECTS,
+        body_timeout_s: float = DEFAULT_BODY_TIMEOUT_S,
+    ) -> None:
         if max_body_bytes < 0 or max_json_depth < 1 or not body_timeout_s > 0:
-            raise ValueError(f"bounds must be positive: max_body_bytes {max_body_bytes}, "
-                             f"max_json_depth {max_json_depth}, body_timeout_s {body_timeout_s}")
+            raise ValueError(
+                f"bounds must be positive: max_body_bytes {max_body_bytes}, "
+                f"max_json_depth {max_json_depth}, body_timeout_s {body_timeout_s}"
+            )
         self.body_timeout_s = body_timeout_s
         self.app = app
         self.max_body_bytes = max_body_bytes
@@ -179,8 +185,7 @@ class RequestBoundsMiddleware:
             try:
                 message = await asyncio.wait_for(receive(), self.body_timeout_s)
             except TimeoutError:
-                refusal = (408, f"no more of the request body came in {self.body_timeout_s:g} s",
-                           "request_timeout")
+                refusal = (408, f"no more of the request body came in {self.body_timeout_s:g} s", "request_timeout")
                 raise _Refused(refusal[1]) from None
             if message["type"] != "http.request" or not message.get("more_body", False):
                 body_done = True
@@ -192,11 +197,17 @@ class RequestBoundsMiddleware:
                 elif scanner is not None and received == len(chunk) and _not_utf8(chunk):
                     refusal = (400, "the request body is not UTF-8 JSON", "not_utf8")
                 elif scanner is not None and scanner.feed(chunk) > self.max_json_depth:
-                    refusal = (400, f"the request's JSON nests deeper than {self.max_json_depth} levels",
-                               "json_too_deep")
+                    refusal = (
+                        400,
+                        f"the request's JSON nests deeper than {self.max_json_depth} levels",
+                        "json_too_deep",
+                    )
                 elif scanner is not None and scanner.objects > self.max_json_objects:
-                    refusal = (400, f"the request's JSON holds more than {self.max_json_objects} objects",
-                               "json_too_many_objects")
+                    refusal = (
+                        400,
+                        f"the request's JSON holds more than {self.max_json_objects} objects",
+                        "json_too_many_objects",
+                    )
                 if refusal is not None:
                     raise _Refused(refusal[1])
             return message
@@ -227,8 +238,7 @@ class RequestBoundsMiddleware:
         """Send the refusal; ``Connection: close``, as the rest of the body stays unread."""
         from shardline.api import errors  # not for the CLI's parser
 
-        response = errors.error_response(scope["path"], status, message, code=code,
-                                         headers={"Connection": "close"})
+        response = errors.error_response(scope["path"], status, message, code=code, headers={"Connection": "close"})
         await response(scope, _no_receive, send)
 
 

@@ -83,15 +83,29 @@ def nodes_view(node: Node) -> dict:
     out = [dict(node.info().model_dump(mode="json"), live=True)]
     for peer in node.peers.values():
         memory = node.memory.of(peer.node_id)  # walks the table: once a peer
-        out.append({"node_id": peer.node_id, "address": peer.address, "live": peer.node_id in live,
-                    "available_bytes": memory["free_bytes"], **memory, "total_bytes": peer.total_bytes,
-                    "profile": peer.profile, "links": peer.links, "models": peer.models})
+        out.append(
+            {
+                "node_id": peer.node_id,
+                "address": peer.address,
+                "live": peer.node_id in live,
+                "available_bytes": memory["free_bytes"],
+                **memory,
+                "total_bytes": peer.total_bytes,
+                "profile": peer.profile,
+                "links": peer.links,
+                "models": peer.models,
+            }
+        )
     # the epoch's majority mark is its term's start; hears_majority is now (a node cut
     # off alone keeps serving in its term, which a majority's table outranks)
-    return {"coordinator": node.coordinator_id(), "epoch": node.epoch.to_dict(),
-            "hears_majority": node.hears_majority(),
-            "node_id": node.node_id, "acting": node.is_coordinator(),
-            "nodes": sorted(out, key=lambda n: n["node_id"])}  # one order from every node
+    return {
+        "coordinator": node.coordinator_id(),
+        "epoch": node.epoch.to_dict(),
+        "hears_majority": node.hears_majority(),
+        "node_id": node.node_id,
+        "acting": node.is_coordinator(),
+        "nodes": sorted(out, key=lambda n: n["node_id"]),
+    }  # one order from every node
 
 
 async def instance_view(node: Node, inst: Instance, served: dict) -> dict:
@@ -105,18 +119,27 @@ async def instance_view(node: Node, inst: Instance, served: dict) -> dict:
     figure is the median of."""
     measured = served.get(placement_key(inst))
     decode, prefill = await node.forecast.first_order(
-        inst, measured.context if measured else None, wait=False,
-        prompt_tokens=measured.prompt_tokens if measured else None)
-    speed = {"predicted_decode_tokens_per_s": decode or None,
-             "predicted_prefill_tokens_per_s": prefill or None,
-             "measured_decode_tokens_per_s": measured.decode_tokens_per_s if measured else None,
-             "measured_prefill_tokens_per_s": measured.prefill_tokens_per_s if measured else None,
-             "decode_samples": len(measured.decode_samples) if measured else 0,
-             "decode_context": measured.context if measured else inst.context,
-             "prefill_samples": len(measured.prefill_samples) if measured else 0,
-             "prefill_prompt_tokens": measured.prompt_tokens if measured else None}
-    return dict(inst.to_dict(), local_engine=node.engine_stats.get(inst.instance_id),
-                local_memory=node.worker.memory(inst.instance_id), speed=speed)
+        inst,
+        measured.context if measured else None,
+        wait=False,
+        prompt_tokens=measured.prompt_tokens if measured else None,
+    )
+    speed = {
+        "predicted_decode_tokens_per_s": decode or None,
+        "predicted_prefill_tokens_per_s": prefill or None,
+        "measured_decode_tokens_per_s": measured.decode_tokens_per_s if measured else None,
+        "measured_prefill_tokens_per_s": measured.prefill_tokens_per_s if measured else None,
+        "decode_samples": len(measured.decode_samples) if measured else 0,
+        "decode_context": measured.context if measured else inst.context,
+        "prefill_samples": len(measured.prefill_samples) if measured else 0,
+        "prefill_prompt_tokens": measured.prompt_tokens if measured else None,
+    }
+    return dict(
+        inst.to_dict(),
+        local_engine=node.engine_stats.get(inst.instance_id),
+        local_memory=node.worker.memory(inst.instance_id),
+        speed=speed,
+    )
 
 
 async def preview(node: Node, body: CreateInstance) -> dict | JSONResponse:
@@ -131,17 +154,31 @@ async def preview(node: Node, body: CreateInstance) -> dict | JSONResponse:
         return cluster_error(404, str(exc), "model")
     except (PlacementError, ModelStoreError, UnsupportedModelError, PlacementRequestError) as exc:
         return cluster_error(400, str(exc))
-    serving = {(str(i.sharding), tuple(i.node_ids())) for i in node.instances.values()
-               if i.model_id == card.model_id and i.status != InstanceStatus.FAILED
-               and i.dtype == body.dtype and i.quantize == body.quantize}
-    return {"candidates": [
-        {"sharding": c.sharding, "node_ids": list(c.node_ids), "feasible": c.feasible,
-         "serving": (str(c.sharding), tuple(c.node_ids)) in serving,
-         "predicted_decode_tokens_per_s": c.predicted_decode_tokens_per_s,
-         "predicted_prefill_tokens_per_s": c.predicted_prefill_tokens_per_s,
-         "model_decode_tokens_per_s": c.model_decode_tokens_per_s,
-         "model_prefill_tokens_per_s": c.model_prefill_tokens_per_s,
-         "decode_basis": c.decode_basis, "prefill_basis": c.prefill_basis,
-         "shares": [dataclasses.asdict(s) for s in c.shares], "error": c.error,
-         "kv_tokens": c.kv_tokens}
-        for c in candidates]}
+    serving = {
+        (str(i.sharding), tuple(i.node_ids()))
+        for i in node.instances.values()
+        if i.model_id == card.model_id
+        and i.status != InstanceStatus.FAILED
+        and i.dtype == body.dtype
+        and i.quantize == body.quantize
+    }
+    return {
+        "candidates": [
+            {
+                "sharding": c.sharding,
+                "node_ids": list(c.node_ids),
+                "feasible": c.feasible,
+                "serving": (str(c.sharding), tuple(c.node_ids)) in serving,
+                "predicted_decode_tokens_per_s": c.predicted_decode_tokens_per_s,
+                "predicted_prefill_tokens_per_s": c.predicted_prefill_tokens_per_s,
+                "model_decode_tokens_per_s": c.model_decode_tokens_per_s,
+                "model_prefill_tokens_per_s": c.model_prefill_tokens_per_s,
+                "decode_basis": c.decode_basis,
+                "prefill_basis": c.prefill_basis,
+                "shares": [dataclasses.asdict(s) for s in c.shares],
+                "error": c.error,
+                "kv_tokens": c.kv_tokens,
+            }
+            for c in candidates
+        ]
+    }

@@ -82,10 +82,18 @@ class CompletionShape(ChatShape):
 
     def _chunk(self, index: int, delta: Any, finish: str | None, logprobs: dict | None = None, **extra) -> dict:
         """A chunk whose choice carries ``delta``, here the text (None: no choice)."""
-        choices = [] if delta is None else [{"index": index, "text": delta, "logprobs": logprobs,
-                                              "finish_reason": finish}]
-        return {"id": self.id, "object": "text_completion", "created": self.created,
-                "model": self.req.model, "system_fingerprint": self.fingerprint, "choices": choices, **extra}
+        choices = (
+            [] if delta is None else [{"index": index, "text": delta, "logprobs": logprobs, "finish_reason": finish}]
+        )
+        return {
+            "id": self.id,
+            "object": "text_completion",
+            "created": self.created,
+            "model": self.req.model,
+            "system_fingerprint": self.fingerprint,
+            "choices": choices,
+            **extra,
+        }
 
     def echo(self) -> str:
         """The prompt, when the request asks for it back (``echo``)."""
@@ -133,8 +141,9 @@ class CompletionShape(ChatShape):
     def _echo_logprobs(self, index: int, generated: list[TokenLogprob]) -> dict:
         gen = self.gens[index]
         first = legacy_token(list(piece_bytes(gen.tokenizer.piece(gen.prompt[0]))))
-        prompt = [dataclasses.replace(t, offset=self._prompt_starts[i])
-                  for i, t in enumerate(gen.prompt_logprobs, start=1)]
+        prompt = [
+            dataclasses.replace(t, offset=self._prompt_starts[i]) for i, t in enumerate(gen.prompt_logprobs, start=1)
+        ]
         return echoed_completion_logprobs(first, prompt, generated, len(self.echo()))
 
     def first(self, index: int) -> dict | None:
@@ -170,12 +179,23 @@ class CompletionShape(ChatShape):
             logprobs = self._echo_logprobs(index, generated)
         elif self.req.logprobs_wanted() is not None:
             logprobs = completion_logprobs(generated, len(echo))
-        return {"index": index, "text": echo + "".join(c.text for c in chunks), "logprobs": logprobs,
-                "finish_reason": finish}
+        return {
+            "index": index,
+            "text": echo + "".join(c.text for c in chunks),
+            "logprobs": logprobs,
+            "finish_reason": finish,
+        }
 
     def whole(self, choices: list[dict]) -> dict:
-        return {"id": self.id, "object": "text_completion", "created": self.created, "model": self.req.model,
-                "system_fingerprint": self.fingerprint, "choices": choices, "usage": self.usage_of()}
+        return {
+            "id": self.id,
+            "object": "text_completion",
+            "created": self.created,
+            "model": self.req.model,
+            "system_fingerprint": self.fingerprint,
+            "choices": choices,
+            "usage": self.usage_of(),
+        }
 
 
 def router(node: Node, metrics: RequestMetrics | None = None, heartbeat_s: float = HEARTBEAT_S) -> APIRouter:

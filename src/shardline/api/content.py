@@ -52,17 +52,20 @@ def check_parts(data: Any, api: str, messages_key: str = "messages") -> None:
         where = f"{messages_key}.{i}"
         if api == "ollama":
             if message.get("images"):
-                raise APIError(400, f"{text_only(model)}: {where}.images is not supported",
-                               param=f"{where}.images")
+                raise APIError(400, f"{text_only(model)}: {where}.images is not supported", param=f"{where}.images")
             continue
         content = message.get("content")
         if not isinstance(content, list):
             continue
         if not content:
-            raise APIError(400, f"{where}.content: an empty array of content parts; give at least one "
-                                f"part, or a string", param=f"{where}.content")
+            raise APIError(
+                400,
+                f"{where}.content: an empty array of content parts; give at least one part, or a string",
+                param=f"{where}.content",
+            )
         for j, part in enumerate(content):
             kind = part.get("type") if isinstance(part, dict) else None
             if kind in media:
-                raise APIError(400, f"{text_only(model)}: {where}.content.{j} is a {kind!r} part",
-                               param=f"{where}.content.{j}")
+                raise APIError(
+                    400, f"{text_only(model)}: {where}.content.{j} is a {kind!r} part", param=f"{where}.content.{j}"
+                )

@@ -17,8 +17,7 @@ async def ask_coordinator(node: Node, method: str, path: str, body: dict | None 
     while ``node``, the next coordinator, still hears the cluster, or when the
     coordinator cannot be reached)."""
     if node.coordinator_id() == node.node_id:
-        return 503, error_body(API.CLUSTER, 503, "this node is taking over as coordinator; try again in a few "
-                                                "seconds")
+        return 503, error_body(API.CLUSTER, 503, "this node is taking over as coordinator; try again in a few seconds")
     try:
         return await node.peer_client.forward(method, node.address_of(node.coordinator_id()), path, body)
     except PeerError as exc:

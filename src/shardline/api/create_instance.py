@@ -60,9 +60,18 @@ class CreateInstance(BaseModel):
         Raises:
             PlacementError: no sharding has its ``sharding``'s name.
         """
-        return PlacementOptions(self.context, self.max_batch, self.dtype, shardings_named(self.sharding),
-                                self.min_nodes, self.max_nodes, self.kv_cache_bytes,
-                                Quantize(self.quantize) if self.quantize else None, self.force, self.prefix_cache)
+        return PlacementOptions(
+            self.context,
+            self.max_batch,
+            self.dtype,
+            shardings_named(self.sharding),
+            self.min_nodes,
+            self.max_nodes,
+            self.kv_cache_bytes,
+            Quantize(self.quantize) if self.quantize else None,
+            self.force,
+            self.prefix_cache,
+        )
 
 
 async def create(node: Node, body: CreateInstance) -> tuple[int, dict]:

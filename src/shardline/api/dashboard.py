@@ -20,7 +20,10 @@ def router() -> APIRouter:
         """The web dashboard: nodes, instances and their shards, placing, a chat panel."""
         # Not inside another site's frame: a framed dashboard is same-origin to the node,
         # and a click there (say on Delete) would be the node's own page's (clickjacking).
-        return FileResponse(DASHBOARD, media_type="text/html", headers={
-            "X-Frame-Options": "DENY", "Content-Security-Policy": "frame-ancestors 'none'"})
+        return FileResponse(
+            DASHBOARD,
+            media_type="text/html",
+            headers={"X-Frame-Options": "DENY", "Content-Security-Policy": "frame-ancestors 'none'"},
+        )
 
     return routes

@@ -45,16 +45,30 @@ def api_of(path: str) -> API:
 
 
 # Error type names by HTTP status, as OpenAI and Anthropic name them.
-_OPENAI_TYPES = {400: "invalid_request_error", 401: "invalid_request_error", 403: "invalid_request_error",
-                 404: "invalid_request_error", 405: "invalid_request_error", 413: "invalid_request_error",
-                 421: "invalid_request_error", 429: "rate_limit_exceeded"}
-_ANTHROPIC_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
-                    404: "not_found_error", 405: "invalid_request_error", 413: "request_too_large",
-                    421: "invalid_request_error", 429: "rate_limit_error", 529: "overloaded_error"}
+_OPENAI_TYPES = {
+    400: "invalid_request_error",
+    401: "invalid_request_error",
+    403: "invalid_request_error",
+    404: "invalid_request_error",
+    405: "invalid_request_error",
+    413: "invalid_request_error",
+    421: "invalid_request_error",
+    429: "rate_limit_exceeded",
+}
+_ANTHROPIC_TYPES = {
+    400: "invalid_request_error",
+    401: "authentication_error",
+    403: "permission_error",
+    404: "not_found_error",
+    405: "invalid_request_error",
+    413: "request_too_large",
+    421: "invalid_request_error",
+    429: "rate_limit_error",
+    529: "overloaded_error",
+}
 
 
-def error_body(api: API, status: int, message: str, param: str | None = None,
-               code: str | None = None) -> dict:
+def error_body(api: API, status: int, message: str, param: str | None = None, code: str | None = None) -> dict:
     """The JSON error body ``api`` answers an HTTP ``status`` with (see the module doc);
     ``param`` names the offending request field, ``code`` a machine-readable reason."""
     if api in (API.OPENAI, API.CLUSTER):
@@ -82,8 +96,15 @@ def error_message(body: object) -> str | None:
     return None if detail is None else str(detail)
 
 
-def error_response(path: str, status: int, message: str, param: str | None = None,
-                   code: str | None = None, headers: Mapping[str, str] | None = None) -> JSONResponse:
+def error_response(
+    path: str,
+    status: int,
+    message: str,
+    param: str | None = None,
+    code: str | None = None,
+    headers: Mapping[str, str] | None = None,
+) -> JSONResponse:
     """A JSON error answer for a request to ``path``, in that path's API format."""
-    return JSONResponse(status_code=status, content=error_body(api_of(path), status, message, param, code),
-                        headers=headers)
+    return JSONResponse(
+        status_code=status, content=error_body(api_of(path), status, message, param, code), headers=headers
+    )

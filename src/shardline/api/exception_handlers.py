@@ -54,14 +54,14 @@ def add_exception_handlers(app: FastAPI) -> None:
 
     @app.exception_handler(QueueFullError)
     async def on_queue_full(request: Request, exc: QueueFullError):
-        return errors.error_response(request.url.path, 429, str(exc), code="queue_full",
-                                     headers={"Retry-After": str(exc.retry_after_s)})
+        return errors.error_response(
+            request.url.path, 429, str(exc), code="queue_full", headers={"Retry-After": str(exc.retry_after_s)}
+        )
 
     @app.exception_handler(ClientDisconnect)
     async def on_client_gone(request: Request, exc: ClientDisconnect):
         """A client that left before its request was read: one line, not a traceback."""
-        log.info("%s %s: the client disconnected before its request was read", request.method,
-                 request.url.path)
+        log.info("%s %s: the client disconnected before its request was read", request.method, request.url.path)
         return Response(status_code=499)  # nobody reads it
 
     @app.exception_handler(Exception)
@@ -70,5 +70,9 @@ def add_exception_handlers(app: FastAPI) -> None:
         log.error("%s %s failed: %r", request.method, request.url.path, exc)
         # Answered outside the middleware (Starlette's ServerErrorMiddleware): its id here.
         rid = request.scope.get(SCOPE_KEY)
-        return errors.error_response(request.url.path, 500, "internal error: the node's log has the details",
-                                     headers={"X-Request-Id": rid} if rid else None)
+        return errors.error_response(
+            request.url.path,
+            500,
+            "internal error: the node's log has the details",
+            headers={"X-Request-Id": rid} if rid else None,
+        )

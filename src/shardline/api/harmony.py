@@ -31,8 +31,7 @@ import re
 from shardline.api.tools import TOOL_CALL_CLOSE, TOOL_CALL_OPEN, partial_suffix
 from shardline.models.tokenizer import template_is_harmony
 
-START, CHANNEL, MESSAGE, END, CONSTRAIN = ("<|start|>", "<|channel|>", "<|message|>", "<|end|>",
-                                           "<|constrain|>")
+START, CHANNEL, MESSAGE, END, CONSTRAIN = ("<|start|>", "<|channel|>", "<|message|>", "<|end|>", "<|constrain|>")
 MARKERS = (START, CHANNEL, MESSAGE, END, CONSTRAIN)
 """The special tokens that structure the output (kept in its text for the splitter)."""
 
@@ -76,7 +75,7 @@ class HarmonySplitter:
                     self._header, self._pending = header, ""
                     break
                 self._open(header[:at])
-                self._header, self._pending = None, header[at + len(MESSAGE):]
+                self._header, self._pending = None, header[at + len(MESSAGE) :]
                 continue
             cut = self._body_end()
             if cut is None:  # the body goes on: keep back what may begin a marker
@@ -86,7 +85,7 @@ class HarmonySplitter:
                 break
             self._emit(self._pending[:cut], reasoning, answer)
             rest = self._pending[cut:]
-            self._pending = rest[len(END):] if rest.startswith(END) else rest  # <|start|> opens the next header
+            self._pending = rest[len(END) :] if rest.startswith(END) else rest  # <|start|> opens the next header
             self._close(answer)
         return "".join(reasoning), "".join(answer)
 
@@ -97,8 +96,7 @@ class HarmonySplitter:
         if self._header is None:
             self._emit(self._pending, reasoning, answer)
             self._close(answer)
-        elif self._header.strip() and MESSAGE not in self._header and not any(
-                m in self._header for m in MARKERS):
+        elif self._header.strip() and MESSAGE not in self._header and not any(m in self._header for m in MARKERS):
             answer.append(self._header)  # text that never became a header
         self._pending = ""
         return "".join(reasoning), "".join(answer)
@@ -137,18 +135,19 @@ def _hermes_call(name: str, body: str) -> str:
     try:
         arguments = json.loads(body or "{}")
     except json.JSONDecodeError:
-        return f"{TOOL_CALL_OPEN}\n{{\"name\": {json.dumps(name)}, \"arguments\": {body}}}\n{TOOL_CALL_CLOSE}"
-    return (f"{TOOL_CALL_OPEN}\n"
-            + json.dumps({"name": name, "arguments": arguments}, ensure_ascii=False)
-            + f"\n{TOOL_CALL_CLOSE}")
+        return f'{TOOL_CALL_OPEN}\n{{"name": {json.dumps(name)}, "arguments": {body}}}\n{TOOL_CALL_CLOSE}'
+    return (
+        f"{TOOL_CALL_OPEN}\n"
+        + json.dumps({"name": name, "arguments": arguments}, ensure_ascii=False)
+        + f"\n{TOOL_CALL_CLOSE}"
+    )
 
 
 def _may_be_header(text: str) -> bool:
     """Whether ``text`` may be (the start of) a message header: after whitespace it begins
     with a marker, a prefix of one, or a recipient."""
     head = text.lstrip()
-    return not head or head.startswith("to=") or any(
-        head.startswith(m) or m.startswith(head) for m in MARKERS)
+    return not head or head.startswith("to=") or any(head.startswith(m) or m.startswith(head) for m in MARKERS)
 
 
 def _held_back(text: str) -> int:

@@ -66,8 +66,7 @@ def header_timeout_protocol(timeout_s: float) -> type[asyncio.Protocol]:
         def _expire(self) -> None:
             self._header_timer = None
             if not self.transport.is_closing():
-                log.info("closing a connection from %s: no complete request headers in %.0f s",
-                         self.client, timeout_s)
+                log.info("closing a connection from %s: no complete request headers in %.0f s", self.client, timeout_s)
                 self.transport.close()
 
     return HeaderTimeoutH11Protocol

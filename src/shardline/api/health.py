@@ -34,12 +34,20 @@ def router(node: Node) -> APIRouter:
 def node_health(node: Node) -> dict:
     """This node's id, the coordinator it follows, its table's term, whether it has
     settled, and its ranks."""
-    own = [{"instance_id": inst.instance_id, "model_id": inst.model_id, "rank": rank,
-            "status": placement.status}
-           for inst in node.instances.values()
-           for rank, placement in enumerate(inst.ranks) if placement.node_id == node.node_id]
-    return {"status": "ok", "node_id": node.node_id, "coordinator": node.coordinator_id(),
-            "term": node.epoch.term, "settled": node.is_settled(), "ranks": own}
+    own = [
+        {"instance_id": inst.instance_id, "model_id": inst.model_id, "rank": rank, "status": placement.status}
+        for inst in node.instances.values()
+        for rank, placement in enumerate(inst.ranks)
+        if placement.node_id == node.node_id
+    ]
+    return {
+        "status": "ok",
+        "node_id": node.node_id,
+        "coordinator": node.coordinator_id(),
+        "term": node.epoch.term,
+        "settled": node.is_settled(),
+        "ranks": own,
+    }
 
 
 def models_health(node: Node) -> dict[str, dict]:
@@ -49,6 +57,5 @@ def models_health(node: Node) -> dict[str, dict]:
     for inst in node.instances.values():
         entry = models.setdefault(inst.model_id, {"ready": False, "instances": []})
         entry["ready"] = entry["ready"] or inst.status == InstanceStatus.READY
-        entry["instances"].append({"instance_id": inst.instance_id, "status": inst.status,
-                                   "error": inst.error})
+        entry["instances"].append({"instance_id": inst.instance_id, "status": inst.status, "error": inst.error})
     return models

@@ -26,8 +26,7 @@ def request_id(given: str | None, new: Callable[[], str] = lambda: uuid.uuid4().
     :data:`MAX_REQUEST_ID_CHARS` printable ASCII characters (space to ``~``) without
     leading or trailing spaces, else a new one (``new()``, by default a uuid4's 32 hex
     digits), so that a header a client made cannot inject anything into logs or answers."""
-    if (given and len(given) <= MAX_REQUEST_ID_CHARS and given == given.strip()
-            and all(" " <= c <= "~" for c in given)):
+    if given and len(given) <= MAX_REQUEST_ID_CHARS and given == given.strip() and all(" " <= c <= "~" for c in given):
         return given
     return new()
 
@@ -44,8 +43,7 @@ class RequestIdMiddleware:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
-        given = next((v.decode("latin-1") for k, v in scope.get("headers", ())
-                      if k.lower() == b"x-request-id"), None)
+        given = next((v.decode("latin-1") for k, v in scope.get("headers", ()) if k.lower() == b"x-request-id"), None)
         rid = request_id(given)
         scope[SCOPE_KEY] = rid
 

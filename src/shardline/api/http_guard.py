@@ -90,7 +90,7 @@ def host_name(host: str) -> str:
     (``[::1]:80`` -> ``::1``)."""
     host = host.strip().lower()
     if host.startswith("["):
-        return host[1:host.find("]")] if "]" in host else host[1:]
+        return host[1 : host.find("]")] if "]" in host else host[1:]
     name, _, port = host.rpartition(":")
     return name if name and port.isdigit() and ":" not in name else host
 
@@ -118,16 +118,25 @@ def check_place(config: GuardConfig, facts: RequestFacts) -> Refusal | None:
     the signature check."""
     if facts.path.startswith("/internal/"):
         return None
-    if facts.host is not None and ANY not in config.allowed_hosts \
-            and host_name(facts.host) not in config.allowed_hosts:
+    if facts.host is not None and ANY not in config.allowed_hosts and host_name(facts.host) not in config.allowed_hosts:
         name = host_name(facts.host)
-        return Refusal(403, f"Host {facts.host!r} is not a name of this node; start it with "
-                            f"--allowed-host {name} to allow that name" if name else
-                            "an empty Host header names no node: send this node's address or name")
-    if facts.origin is not None and not _same_origin(facts.origin, facts.host) \
-            and ANY not in config.cors_origins and facts.origin not in config.cors_origins:
-        return Refusal(403, f"cross-origin request from {facts.origin} refused; start the node with "
-                            f"--cors-origin {facts.origin} to allow that origin")
+        return Refusal(
+            403,
+            f"Host {facts.host!r} is not a name of this node; start it with --allowed-host {name} to allow that name"
+            if name
+            else "an empty Host header names no node: send this node's address or name",
+        )
+    if (
+        facts.origin is not None
+        and not _same_origin(facts.origin, facts.host)
+        and ANY not in config.cors_origins
+        and facts.origin not in config.cors_origins
+    ):
+        return Refusal(
+            403,
+            f"cross-origin request from {facts.origin} refused; start the node with "
+            f"--cors-origin {facts.origin} to allow that origin",
+        )
     return None
 
 
@@ -138,8 +147,11 @@ def check_key(config: GuardConfig, facts: RequestFacts) -> Refusal | None:
         return None
     presented = _presented_key(facts)
     if not presented:
-        return Refusal(401, "no API key: send it as 'Authorization: Bearer <key>' or 'x-api-key: <key>'",
-                       {"WWW-Authenticate": "Bearer"})
+        return Refusal(
+            401,
+            "no API key: send it as 'Authorization: Bearer <key>' or 'x-api-key: <key>'",
+            {"WWW-Authenticate": "Bearer"},
+        )
     if not hmac.compare_digest(presented.encode(), config.api_key.encode()):
         return Refusal(401, "wrong API key", {"WWW-Authenticate": "Bearer"}, "invalid_api_key")
     return None
@@ -179,8 +191,7 @@ class GuardMiddleware:
     """ASGI middleware applying ``decide`` (:func:`check_place` or :func:`check_key`) to
     every HTTP request."""
 
-    def __init__(self, app, config: GuardConfig,
-                 decide: Callable[[GuardConfig, RequestFacts], Refusal | None]) -> None:
+    def __init__(self, app, config: GuardConfig, decide: Callable[[GuardConfig, RequestFacts], Refusal | None]) -> None:
         self.app = app
         self.config = config
         self.decide = decide
@@ -188,13 +199,20 @@ class GuardMiddleware:
     async def __call__(self, scope, receive, send) -> None:
         if scope["type"] == "http":
             headers = _headers(scope)
-            facts = RequestFacts(scope["method"], scope["path"], headers.get("host"), headers.get("origin"),
-                                 headers.get("authorization"), headers.get("x-api-key"),
-                                 bool(scope.get(MEMBER_SCOPE_KEY)))
+            facts = RequestFacts(
+                scope["method"],
+                scope["path"],
+                headers.get("host"),
+                headers.get("origin"),
+                headers.get("authorization"),
+                headers.get("x-api-key"),
+                bool(scope.get(MEMBER_SCOPE_KEY)),
+            )
             refusal = self.decide(self.config, facts)
             if refusal is not None:
-                response = errors.error_response(scope["path"], refusal.status, refusal.message,
-                                                 code=refusal.code, headers=refusal.headers)
+                response = errors.error_response(
+                    scope["path"], refusal.status, refusal.message, code=refusal.code, headers=refusal.headers
+                )
                 await response(scope, receive, send)
                 return
         await self.app(scope, receive, send)
@@ -248,16 +266,27 @@ class SignatureMiddleware:
             target = scope.get("raw_path") or scope["path"].encode()
             if scope.get("query_string"):
                 target += b"?" + scope["query_string"]
-            request = signing.SignedRequest(scope["method"], target.decode("latin-1"), host or "",
-                                            headers.get(signing.MEMBER_HEADER.lower(), ""), body)
+            request = signing.SignedRequest(
+                scope["method"],
+                target.decode("latin-1"),
+                host or "",
+                headers.get(signing.MEMBER_HEADER.lower(), ""),
+                body,
+            )
             signature = signing.check_mac(self.key, fresh, request, time.time(), self.nonces)
         except signing.SignatureError as exc:
             client = (scope.get("client") or ("?",))[0]
             first = client not in self._warned and len(self._warned) < 1024  # a stranger polls each second
             self._warned.add(client)
-            log.log(logging.WARNING if first else logging.DEBUG, "refused %s %s from %s: %s%s",
-                    scope["method"], scope["path"], client, exc, " (further refusals of it: debug log)"
-                    if first else "")
+            log.log(
+                logging.WARNING if first else logging.DEBUG,
+                "refused %s %s from %s: %s%s",
+                scope["method"],
+                scope["path"],
+                client,
+                exc,
+                " (further refusals of it: debug log)" if first else "",
+            )
             response = errors.error_response(scope["path"], 401, str(exc))
             await response(scope, receive, send)
             return
@@ -301,8 +330,7 @@ class SignatureMiddleware:
 
     def _with_signature(self, start: dict, nonce: str, content_type: str, digest: str) -> dict:
         signature = signing.sign_response(self.key, nonce, start["status"], content_type, digest)
-        headers = list(start.get("headers", [])) + [(signing.AUTH_HEADER.lower().encode(),
-                                                     signature.header().encode())]
+        headers = list(start.get("headers", [])) + [(signing.AUTH_HEADER.lower().encode(), signature.header().encode())]
         return dict(start, headers=headers)
 
 

@@ -65,7 +65,7 @@ def parse_keep_alive(value: object) -> float | None:
     if value is None:
         return None
     if isinstance(value, bool) or not isinstance(value, (int, float, str)):
-        raise ValueError(f"keep_alive must be a duration such as \"5m\" or a number of seconds, not {value!r}")
+        raise ValueError(f'keep_alive must be a duration such as "5m" or a number of seconds, not {value!r}')
     if isinstance(value, str):
         text = value.strip()
         sign = -1.0 if text.startswith("-") else 1.0
@@ -75,8 +75,9 @@ def parse_keep_alive(value: object) -> float | None:
         elif _DURATION.fullmatch(body):
             seconds = sum(float(n) * _UNITS[unit] for n, unit in _PART.findall(body))
         else:
-            raise ValueError(f"keep_alive: {value!r} is not a duration (e.g. \"5m\", \"1h30m\", \"0\", or a "
-                             f"number of seconds)")
+            raise ValueError(
+                f'keep_alive: {value!r} is not a duration (e.g. "5m", "1h30m", "0", or a number of seconds)'
+            )
         seconds *= sign
     else:
         seconds = float(value)
@@ -115,8 +116,7 @@ class KeepAlive:
         self.running: Counter[str] = Counter()
         self._loading: dict[str, asyncio.Lock] = {}
 
-    async def load(self, node: "Node", model: str,
-                   timeout_s: float = LOAD_TIMEOUT_S) -> tuple[int, dict] | None:
+    async def load(self, node: "Node", model: str, timeout_s: float = LOAD_TIMEOUT_S) -> tuple[int, dict] | None:
         """Make sure ``model`` has a ready instance, as Ollama loads the model a request
         names: place one (``sharding: auto``, through the coordinator) when the node's
         table has none, then wait until one is ready. One placement at a time per model

@@ -104,8 +104,12 @@ def chat_logprobs(tokens: list[TokenLogprob]) -> dict:
 def logprob_entry(t: TokenLogprob) -> dict:
     """One token's entry as OpenAI (Chat Completions, Responses) and Ollama write it:
     ``{token, logprob, bytes, top_logprobs: [{token, logprob, bytes}]}``."""
-    return {"token": t.token, "logprob": t.logprob, "bytes": t.bytes,
-            "top_logprobs": [{"token": a.token, "logprob": a.logprob, "bytes": a.bytes} for a in t.top]}
+    return {
+        "token": t.token,
+        "logprob": t.logprob,
+        "bytes": t.bytes,
+        "top_logprobs": [{"token": a.token, "logprob": a.logprob, "bytes": a.bytes} for a in t.top],
+    }
 
 
 class HeldLogprobs:
@@ -179,13 +183,17 @@ def completion_logprobs(tokens: list[TokenLogprob], start: int) -> dict:
     character ``start`` of the choice's text: ``tokens`` (:func:`legacy_token`),
     ``token_logprobs``, ``top_logprobs`` (a ``{token: logprob}`` dict per position) and
     ``text_offset`` (``start`` plus each token's :attr:`TokenLogprob.offset`)."""
-    return {"tokens": [legacy_token(t.bytes) for t in tokens], "token_logprobs": [t.logprob for t in tokens],
-            "top_logprobs": [{legacy_token(a.bytes): a.logprob for a in t.top} for t in tokens],
-            "text_offset": [start + t.offset for t in tokens]}
+    return {
+        "tokens": [legacy_token(t.bytes) for t in tokens],
+        "token_logprobs": [t.logprob for t in tokens],
+        "top_logprobs": [{legacy_token(a.bytes): a.logprob for a in t.top} for t in tokens],
+        "text_offset": [start + t.offset for t in tokens],
+    }
 
 
-def echoed_completion_logprobs(first: str, prompt: list[TokenLogprob], generated: list[TokenLogprob],
-                               echo_length: int) -> dict:
+def echoed_completion_logprobs(
+    first: str, prompt: list[TokenLogprob], generated: list[TokenLogprob], echo_length: int
+) -> dict:
     """The legacy Completions' ``logprobs`` object of a choice that echoes its prompt:
     the prompt's first token (its text ``first``, with no log-probability: nothing comes
     before it, so ``null`` as OpenAI writes it), each later prompt token's (offsets in the
@@ -193,10 +201,12 @@ def echoed_completion_logprobs(first: str, prompt: list[TokenLogprob], generated
     text's length)."""
     head = completion_logprobs(prompt, 0)
     tail = completion_logprobs(generated, echo_length)
-    return {"tokens": [first, *head["tokens"], *tail["tokens"]],
-            "token_logprobs": [None, *head["token_logprobs"], *tail["token_logprobs"]],
-            "top_logprobs": [None, *head["top_logprobs"], *tail["top_logprobs"]],
-            "text_offset": [0, *head["text_offset"], *tail["text_offset"]]}
+    return {
+        "tokens": [first, *head["tokens"], *tail["tokens"]],
+        "token_logprobs": [None, *head["token_logprobs"], *tail["token_logprobs"]],
+        "top_logprobs": [None, *head["top_logprobs"], *tail["top_logprobs"]],
+        "text_offset": [0, *head["text_offset"], *tail["text_offset"]],
+    }
 
 
 def ollama_logprobs(tokens: list[TokenLogprob]) -> list[dict]:

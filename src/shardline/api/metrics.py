@@ -29,23 +29,45 @@ class RequestMetrics:
 
     def __init__(self, node: Node) -> None:
         self.registry = CollectorRegistry()
-        self.requests = Counter("shardline_requests", "Requests this node took, by API and finish reason",
-                                ["api", "finish_reason"], registry=self.registry)
-        self.prompt_tokens = Counter("shardline_prompt_tokens", "Prompt tokens of finished requests",
-                                     registry=self.registry)
+        self.requests = Counter(
+            "shardline_requests",
+            "Requests this node took, by API and finish reason",
+            ["api", "finish_reason"],
+            registry=self.registry,
+        )
+        self.prompt_tokens = Counter(
+            "shardline_prompt_tokens", "Prompt tokens of finished requests", registry=self.registry
+        )
         self.cached_prompt_tokens = Counter(
-            "shardline_cached_prompt_tokens", "Prompt tokens of finished requests that a prefix cache held "
-            "(not computed)", registry=self.registry)
-        self.generation_tokens = Counter("shardline_generation_tokens", "Tokens generated",
-                                         registry=self.registry)
-        self.ttft = Histogram("shardline_time_to_first_token_seconds", "Time to the first token",
-                              buckets=_TTFT_BUCKETS, registry=self.registry)
-        self.duration = Histogram("shardline_request_duration_seconds", "Time from taking a request to its end",
-                                  buckets=_TTFT_BUCKETS, registry=self.registry)
+            "shardline_cached_prompt_tokens",
+            "Prompt tokens of finished requests that a prefix cache held (not computed)",
+            registry=self.registry,
+        )
+        self.generation_tokens = Counter("shardline_generation_tokens", "Tokens generated", registry=self.registry)
+        self.ttft = Histogram(
+            "shardline_time_to_first_token_seconds",
+            "Time to the first token",
+            buckets=_TTFT_BUCKETS,
+            registry=self.registry,
+        )
+        self.duration = Histogram(
+            "shardline_request_duration_seconds",
+            "Time from taking a request to its end",
+            buckets=_TTFT_BUCKETS,
+            registry=self.registry,
+        )
         self.registry.register(_ClusterCollector(node))
 
-    def record(self, api: str, finish_reason: str, prompt_tokens: int, generated: int,
-               ttft_s: float | None, duration_s: float, cached_tokens: int = 0) -> None:
+    def record(
+        self,
+        api: str,
+        finish_reason: str,
+        prompt_tokens: int,
+        generated: int,
+        ttft_s: float | None,
+        duration_s: float,
+        cached_tokens: int = 0,
+    ) -> None:
         """One request ended (``finish_reason``: stop, length, error or cancelled);
         ``cached_tokens``: of its prompt, those its instance's prefix cache held."""
         self.requests.labels(api, finish_reason).inc()
@@ -69,23 +91,33 @@ class _ClusterCollector:
         live.add_metric([], len(node.live_node_ids()))
         instances = GaugeMetricFamily("shardline_instances", "Instances by status", labels=["status"])
         for status in InstanceStatus:
-            instances.add_metric([status.value],
-                                 sum(1 for i in node.instances.values() if i.status == status))
+            instances.add_metric([status.value], sum(1 for i in node.instances.values() if i.status == status))
         memory = GaugeMetricFamily("shardline_available_memory_bytes", "Memory this node offers to models")
         memory.add_metric([], node.info().available_bytes)
-        running = GaugeMetricFamily("shardline_running_sequences", "Sequences in this node's rank's batch",
-                                    labels=["instance"])
-        waiting = GaugeMetricFamily("shardline_waiting_sequences", "Requests waiting for a slot",
-                                    labels=["instance"])
-        cached = GaugeMetricFamily("shardline_prefix_cache_tokens", "Prompt tokens this node's rank holds in "
-                                   "its prefix cache", labels=["instance"])
-        cached_bytes = GaugeMetricFamily("shardline_prefix_cache_bytes", "Bytes of keys and values of this "
-                                         "node's rank's prefix cache (in its KV pool)", labels=["instance"])
-        admitted = CounterMetricFamily("shardline_rank_prompt_tokens", "Prompt tokens of the requests this "
-                                       "node's rank started", labels=["instance"])
-        reused = CounterMetricFamily("shardline_rank_reused_prompt_tokens", "Of those, the tokens its prefix "
-                                     "cache held (the hit rate: this / shardline_rank_prompt_tokens)",
-                                     labels=["instance"])
+        running = GaugeMetricFamily(
+            "shardline_running_sequences", "Sequences in this node's rank's batch", labels=["instance"]
+        )
+        waiting = GaugeMetricFamily("shardline_waiting_sequences", "Requests waiting for a slot", labels=["instance"])
+        cached = GaugeMetricFamily(
+            "shardline_prefix_cache_tokens",
+            "Prompt tokens this node's rank holds in its prefix cache",
+            labels=["instance"],
+        )
+        cached_bytes = GaugeMetricFamily(
+            "shardline_prefix_cache_bytes",
+            "Bytes of keys and values of this node's rank's prefix cache (in its KV pool)",
+            labels=["instance"],
+        )
+        admitted = CounterMetricFamily(
+            "shardline_rank_prompt_tokens",
+            "Prompt tokens of the requests this node's rank started",
+            labels=["instance"],
+        )
+        reused = CounterMetricFamily(
+            "shardline_rank_reused_prompt_tokens",
+            "Of those, the tokens its prefix cache held (the hit rate: this / shardline_rank_prompt_tokens)",
+            labels=["instance"],
+        )
         for instance_id, stats in node.engine_stats.items():
             running.add_metric([instance_id], len(stats.get("running", ())))
             waiting.add_metric([instance_id], len(stats.get("waiting", ())))
@@ -94,13 +126,14 @@ class _ClusterCollector:
             admitted.add_metric([instance_id], stats.get("prompt_tokens", 0))
             reused.add_metric([instance_id], stats.get("reused_tokens", 0))
         continuations = CounterMetricFamily(
-            "shardline_continuations", "Requests whose instance failed after they gave tokens, streamed by "
+            "shardline_continuations",
+            "Requests whose instance failed after they gave tokens, streamed by "
             "this node: continued on another instance (each time), or failed (ended with the error)",
-            labels=["outcome"])
+            labels=["outcome"],
+        )
         for outcome, count in node.router.continuations.items():
             continuations.add_metric([outcome], count)
-        yield from (live, instances, memory, running, waiting, cached, cached_bytes, admitted, reused,
-                    continuations)
+        yield from (live, instances, memory, running, waiting, cached, cached_bytes, admitted, reused, continuations)
 
 
 def router(metrics: RequestMetrics) -> APIRouter:

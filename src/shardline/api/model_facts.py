@@ -110,22 +110,34 @@ class ModelFacts:
     def details(self) -> dict[str, Any]:
         """Ollama's ``details``."""
         family = self.config["architecture"]
-        return {"parent_model": "", "format": self.format, "family": family, "families": [family],
-                "parameter_size": human_number(parameter_count(self.config)),
-                "quantization_level": self.quantization}
+        return {
+            "parent_model": "",
+            "format": self.format,
+            "family": family,
+            "families": [family],
+            "parameter_size": human_number(parameter_count(self.config)),
+            "quantization_level": self.quantization,
+        }
 
     def model_info(self) -> dict[str, Any]:
         """Ollama's ``model_info``: GGUF-style keys from the config, then the GGUF file's own."""
         c, arch = self.config, self.config["architecture"]
-        info = {"general.architecture": arch, "general.parameter_count": parameter_count(c),
-                f"{arch}.context_length": c["max_position_embeddings"],
-                f"{arch}.embedding_length": c["hidden_size"], f"{arch}.block_count": c["num_layers"],
-                f"{arch}.feed_forward_length": c["intermediate_size"],
-                f"{arch}.attention.head_count": c["num_heads"], f"{arch}.attention.head_count_kv": c["num_kv_heads"],
-                f"{arch}.vocab_size": c["vocab_size"], f"{arch}.rope.freq_base": c["rope_theta"]}
+        info = {
+            "general.architecture": arch,
+            "general.parameter_count": parameter_count(c),
+            f"{arch}.context_length": c["max_position_embeddings"],
+            f"{arch}.embedding_length": c["hidden_size"],
+            f"{arch}.block_count": c["num_layers"],
+            f"{arch}.feed_forward_length": c["intermediate_size"],
+            f"{arch}.attention.head_count": c["num_heads"],
+            f"{arch}.attention.head_count_kv": c["num_kv_heads"],
+            f"{arch}.vocab_size": c["vocab_size"],
+            f"{arch}.rope.freq_base": c["rope_theta"],
+        }
         if c.get("num_experts"):
-            info.update({f"{arch}.expert_count": c["num_experts"],
-                         f"{arch}.expert_used_count": c["num_experts_per_tok"]})
+            info.update(
+                {f"{arch}.expert_count": c["num_experts"], f"{arch}.expert_used_count": c["num_experts_per_tok"]}
+            )
         info.update({k: v for k, v in self.metadata.items() if k.startswith(("general.", f"{arch}."))})
         return info
 

@@ -46,13 +46,7 @@ from shardline.api.params import Endpoint, StopString
 from shardline.api.preparation import prepare
 from shardline.api.request_body import parse_body
 from shardline.api.structured import json_grammar
-from shardline.api.text_stream import (
-    APIError,
-    Chunk,
-    Generation,
-    GenerationRequest,
-    collect_unless_disconnected,
-)
+from shardline.api.text_stream import APIError, Chunk, Generation, GenerationRequest, collect_unless_disconnected
 from shardline.api.tools import ToolCall, openai_tool_choice
 from shardline.models.store import ModelNotFoundError
 from shardline.models.tokenizer import template_reasons
@@ -96,10 +90,18 @@ class Options(BaseModel):
     def sampling(self, logprobs: int | None, grammar: str | None) -> SamplingParams:
         repeat = self.repeat_penalty if self.repeat_last_n != 0 else 1.0
         return SamplingParams(
-            min(self.temperature, 2.0), self.top_p, self.top_k, self.seed,
-            min_p=self.min_p, frequency_penalty=self.frequency_penalty, presence_penalty=self.presence_penalty,
-            repetition_penalty=repeat, repeat_last_n=max(self.repeat_last_n, 0), logprobs=logprobs,
-            grammar=grammar)
+            min(self.temperature, 2.0),
+            self.top_p,
+            self.top_k,
+            self.seed,
+            min_p=self.min_p,
+            frequency_penalty=self.frequency_penalty,
+            presence_penalty=self.presence_penalty,
+            repetition_penalty=repeat,
+            repeat_last_n=max(self.repeat_last_n, 0),
+            logprobs=logprobs,
+            grammar=grammar,
+        )
 
 
 class OllamaMessage(BaseModel):
@@ -171,8 +173,11 @@ class _Request(BaseModel):
         check_parts(data, "ollama")
         think = data.get("think") if isinstance(data, dict) else None
         if think is not None and not isinstance(think, bool) and think not in THINK_LEVELS:
-            raise APIError(400, f"invalid think value: {json.dumps(think)} (must be \"high\", \"medium\", "
-                                '"low", "max", true, or false)', param="think")
+            raise APIError(
+                400,
+                f'invalid think value: {json.dumps(think)} (must be "high", "medium", "low", "max", true, or false)',
+                param="think",
+            )
 
     def keep_alive_s(self) -> float | None:
         """``keep_alive`` in seconds (:func:`parse_keep_alive`).
@@ -192,13 +197,19 @@ class _Request(BaseModel):
     def generation(self, prompt, prompt_param: str) -> GenerationRequest:
         o = self.options
         return GenerationRequest(
-            model=self.model.removesuffix(":latest"), prompt=prompt,
+            model=self.model.removesuffix(":latest"),
+            prompt=prompt,
             max_tokens=o.num_predict if o.num_predict > 0 else None,
             sampling=o.sampling(self.top_logprobs if self.logprobs else None, self.grammar()),
-            stop=list(o.stop or []), api="ollama", max_tokens_param="options.num_predict",
-            max_tokens_capped=True, prompt_param=prompt_param, context=o.num_ctx,
+            stop=list(o.stop or []),
+            api="ollama",
+            max_tokens_param="options.num_predict",
+            max_tokens_capped=True,
+            prompt_param=prompt_param,
+            context=o.num_ctx,
             thinking=True if isinstance(self.think, str) else self.think,
-            effort=self.think if isinstance(self.think, str) else None)
+            effort=self.think if isinstance(self.think, str) else None,
+        )
 
     def to_generation(self) -> GenerationRequest:
         """The request as every API's generation takes it (each Ollama route its own)."""
@@ -220,9 +231,13 @@ class ChatRequest(_Request):
             choice = openai_tool_choice(self.tool_choice)
         except ValueError as exc:
             raise APIError(400, str(exc), param="tool_choice") from None
-        return dataclasses.replace(self.generation([m.chat() for m in self.messages], "messages"),
-                                   tools=list(self.tools or []), tool_choice=choice, name_param="tool_name",
-                                   truncate_history=True)
+        return dataclasses.replace(
+            self.generation([m.chat() for m in self.messages], "messages"),
+            tools=list(self.tools or []),
+            tool_choice=choice,
+            name_param="tool_name",
+            truncate_history=True,
+        )
 
 
 class GenerateRequest(_Request):
@@ -288,14 +303,18 @@ def capabilities(template: str | None) -> list[str]:
     """Ollama's ``capabilities``: completion, tools where the chat template renders a
     ``tools`` variable (the template's text mentions it), and thinking where it writes
     ``<think>`` (a reasoning model's)."""
-    return (["completion"] + (["tools"] if template and "tools" in template else [])
-            + (["thinking"] if template_reasons(template) else []))
+    return (
+        ["completion"]
+        + (["tools"] if template and "tools" in template else [])
+        + (["thinking"] if template_reasons(template) else [])
+    )
 
 
 def _template_of(tokenizer: Any) -> str | None:
     """The tokenizer's chat template text (a named set: the default one)."""
-    template = getattr(tokenizer, "chat_template", None) or getattr(getattr(tokenizer, "_tok", None),
-                                                                    "chat_template", None)
+    template = getattr(tokenizer, "chat_template", None) or getattr(
+        getattr(tokenizer, "_tok", None), "chat_template", None
+    )
     if isinstance(template, dict):
         template = template.get("default") or next(iter(template.values()), None)
     return template if isinstance(template, str) else None
@@ -305,8 +324,9 @@ def _not_found(model: str) -> JSONResponse:
     return error_response(APIError(404, f"model '{model}' not found", "not_found_error", param="model"))
 
 
-def router(node: Node, metrics: RequestMetrics | None = None, keep: KeepAlive | None = None,
-           heartbeat_s: float = HEARTBEAT_S) -> APIRouter:
+def router(
+    node: Node, metrics: RequestMetrics | None = None, keep: KeepAlive | None = None, heartbeat_s: float = HEARTBEAT_S
+) -> APIRouter:
     """The Ollama routes; ``keep``: the node's keep_alive deadlines (a new set if None); a
     stream sends a chunk with no text after ``heartbeat_s`` seconds with nothing else to
     send."""
@@ -394,9 +414,16 @@ async def _tags(node: Node, facts: _Facts) -> dict | JSONResponse:
         if model_id in served:
             details["sharding"] = node.router.ready_instance(model_id).sharding
         when = served.get(model_id) or view["added_at"] or time.time()
-        out.append({"name": model_id, "model": model_id,
-                    "modified_at": datetime.fromtimestamp(when, timezone.utc).isoformat(),
-                    "size": f.file_bytes, "digest": f.digest, "details": details})
+        out.append(
+            {
+                "name": model_id,
+                "model": model_id,
+                "modified_at": datetime.fromtimestamp(when, timezone.utc).isoformat(),
+                "size": f.file_bytes,
+                "digest": f.digest,
+                "details": details,
+            }
+        )
     return {"models": out}
 
 
@@ -413,9 +440,19 @@ async def _ps(node: Node, keep: KeepAlive, facts: _Facts) -> dict | JSONResponse
             return error_response(exc)
         size, vram = held_bytes(inst)
         deadline = keep.expiries.get(inst.instance_id)
-        entry = out.setdefault(inst.model_id, {
-            "name": inst.model_id, "model": inst.model_id, "size": 0, "digest": f.digest,
-            "details": f.details(), "expires_at": deadline, "size_vram": 0, "context_length": 0})
+        entry = out.setdefault(
+            inst.model_id,
+            {
+                "name": inst.model_id,
+                "model": inst.model_id,
+                "size": 0,
+                "digest": f.digest,
+                "details": f.details(),
+                "expires_at": deadline,
+                "size_vram": 0,
+                "context_length": 0,
+            },
+        )
         entry["size"] += size
         entry["size_vram"] += vram
         entry["context_length"] = max(entry["context_length"], inst.context)
@@ -441,10 +478,15 @@ async def _show(node: Node, facts: _Facts, request: Request) -> dict | JSONRespo
     except APIError as exc:
         return error_response(exc)
     parameters = default_parameters(max(i.context for i in instances))
-    return {"modelfile": modelfile_text(model, template, parameters), "parameters": parameters_text(parameters),
-            "template": template or "", "details": f.details(), "model_info": f.model_info(),
-            "capabilities": capabilities(template),
-            "modified_at": datetime.fromtimestamp(min(i.created_at for i in instances), timezone.utc).isoformat()}
+    return {
+        "modelfile": modelfile_text(model, template, parameters),
+        "parameters": parameters_text(parameters),
+        "template": template or "",
+        "details": f.details(),
+        "model_info": f.model_info(),
+        "capabilities": capabilities(template),
+        "modified_at": datetime.fromtimestamp(min(i.created_at for i in instances), timezone.utc).isoformat(),
+    }
 
 
 async def _refuse_embeddings(node: Node, request: Request) -> JSONResponse:
@@ -458,8 +500,9 @@ async def _refuse_embeddings(node: Node, request: Request) -> JSONResponse:
     return error_response(APIError(400, f"model '{req.model}' does not support embeddings", param="model"))
 
 
-async def _load(node: Node, keep: KeepAlive, req: _Request, seconds: float | None,
-                content: Callable[..., dict]) -> JSONResponse | dict:
+async def _load(
+    node: Node, keep: KeepAlive, req: _Request, seconds: float | None, content: Callable[..., dict]
+) -> JSONResponse | dict:
     """A request with nothing to generate: unload the model (``keep_alive`` 0; nothing to
     do when it is not placed), else load it (:func:`_loaded`) and answer that it is loaded
     (and keep it ``seconds``), or why not."""
@@ -495,8 +538,15 @@ async def _loaded(node: Node, keep: KeepAlive, name: str) -> JSONResponse | None
     return error_response(APIError(status, f"model '{name}' could not be loaded: {message}"))
 
 
-async def _serve(node: Node, metrics: RequestMetrics | None, keep: KeepAlive, request: Request,
-                 request_type: type[_Request], content: Callable[..., dict], heartbeat_s: float):
+async def _serve(
+    node: Node,
+    metrics: RequestMetrics | None,
+    keep: KeepAlive,
+    request: Request,
+    request_type: type[_Request],
+    content: Callable[..., dict],
+    heartbeat_s: float,
+):
     try:
         req = await parse_body(request, request_type)
         seconds = req.keep_alive_s()
@@ -514,8 +564,9 @@ async def _serve(node: Node, metrics: RequestMetrics | None, keep: KeepAlive, re
         return error_response(exc)
     ids = [i.instance_id for i in placed(node, gen.req.model)]
     if req.stream:
-        return StreamingResponse(_stream(gen, req, content, keep, ids, seconds, load_s, heartbeat_s),
-                                 media_type="application/x-ndjson")
+        return StreamingResponse(
+            _stream(gen, req, content, keep, ids, seconds, load_s, heartbeat_s), media_type="application/x-ndjson"
+        )
     keep.begin(ids)
     try:
         chunks, finish = await collect_unless_disconnected(gen, request)
@@ -539,10 +590,19 @@ def _final(gen: Generation, req: _Request, body: dict, finish: str, load_s: floa
     tokens computed, as Ollama's does: not those its instance's prefix cache held."""
     now = time.monotonic()
     first = gen.first_token_at or now
-    return {"model": req.model, "created_at": _now(), **body, "done": True, "done_reason": "stop" if finish == "tool_calls" else finish,
-            "total_duration": int((now - gen.started + load_s) * 1e9), "load_duration": int(load_s * 1e9),
-            "prompt_eval_count": gen.computed_tokens, "prompt_eval_duration": int((first - gen.started) * 1e9),
-            "eval_count": gen.completion_tokens, "eval_duration": int((now - first) * 1e9)}
+    return {
+        "model": req.model,
+        "created_at": _now(),
+        **body,
+        "done": True,
+        "done_reason": "stop" if finish == "tool_calls" else finish,
+        "total_duration": int((now - gen.started + load_s) * 1e9),
+        "load_duration": int(load_s * 1e9),
+        "prompt_eval_count": gen.computed_tokens,
+        "prompt_eval_duration": int((first - gen.started) * 1e9),
+        "eval_count": gen.completion_tokens,
+        "eval_duration": int((now - first) * 1e9),
+    }
 
 
 def _chat_message(text: str, calls: tuple[ToolCall, ...] = (), thinking: str = "") -> dict:
@@ -561,8 +621,16 @@ def _generated(text: str, calls: tuple[ToolCall, ...] = (), thinking: str = "") 
     return {"response": text, "thinking": thinking} if thinking else {"response": text}
 
 
-async def _stream(gen: Generation, req: _Request, content: Callable[..., dict], keep: KeepAlive,
-                  ids: list[str], seconds: float | None, load_s: float, heartbeat_s: float) -> AsyncIterator[str]:
+async def _stream(
+    gen: Generation,
+    req: _Request,
+    content: Callable[..., dict],
+    keep: KeepAlive,
+    ids: list[str],
+    seconds: float | None,
+    load_s: float,
+    heartbeat_s: float,
+) -> AsyncIterator[str]:
     def line(data: dict) -> str:
         return json.dumps(data, ensure_ascii=False) + "\n"
 

@@ -25,9 +25,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validat
 
 from shardline.api.content import check_parts
 from shardline.api.heartbeat import HEARTBEAT_S, Heartbeat
-from shardline.api.logprobs import (
-    chat_logprobs,
-)
+from shardline.api.logprobs import chat_logprobs
 from shardline.api.metrics import RequestMetrics
 from shardline.api.params import Endpoint, StopString
 from shardline.api.preparation import prepare
@@ -185,20 +183,31 @@ class SamplingFields(BaseModel):
         """The sampling of choice ``choice`` (a seeded request's choices take seed,
         seed + 1, ...: n choices of one seed would all be the same)."""
         return SamplingParams(
-            temperature=self.temperature, top_p=self.top_p,
-            top_k=self.top_k, seed=None if self.seed is None else self.seed + choice, min_p=self.min_p,
-            frequency_penalty=self.frequency_penalty, presence_penalty=self.presence_penalty,
+            temperature=self.temperature,
+            top_p=self.top_p,
+            top_k=self.top_k,
+            seed=None if self.seed is None else self.seed + choice,
+            min_p=self.min_p,
+            frequency_penalty=self.frequency_penalty,
+            presence_penalty=self.presence_penalty,
             repetition_penalty=self.repetition_penalty,
             logit_bias=tuple(sorted((self.logit_bias or {}).items())),
-            logprobs=self.logprobs_wanted(), grammar=self.grammar())
+            logprobs=self.logprobs_wanted(),
+            grammar=self.grammar(),
+        )
 
-    def generation(self, prompt, max_tokens: int | None, max_tokens_param: str,
-                   prompt_param: str) -> GenerationRequest:
+    def generation(self, prompt, max_tokens: int | None, max_tokens_param: str, prompt_param: str) -> GenerationRequest:
         return GenerationRequest(
-            model=self.model, prompt=prompt, max_tokens=max_tokens, sampling=self.sampling(),
+            model=self.model,
+            prompt=prompt,
+            max_tokens=max_tokens,
+            sampling=self.sampling(),
             stop=[self.stop] if isinstance(self.stop, str) else list(self.stop or []),
-            ignore_eos=self.ignore_eos, max_tokens_param=max_tokens_param, prompt_param=prompt_param,
-            cache_prompt=self.cache_prompt)
+            ignore_eos=self.ignore_eos,
+            max_tokens_param=max_tokens_param,
+            prompt_param=prompt_param,
+            cache_prompt=self.cache_prompt,
+        )
 
 
 class JSONSchemaFormat(BaseModel):
@@ -226,11 +235,17 @@ class ResponseFormat(BaseModel):
         if self.type == "text":
             return None
         schema = self.json_schema.schema_ if self.json_schema is not None else None
-        problem = (strict_schema_problem(schema or ANY_OBJECT)
-                   if self.json_schema is not None and self.json_schema.strict else None)
+        problem = (
+            strict_schema_problem(schema or ANY_OBJECT)
+            if self.json_schema is not None and self.json_schema.strict
+            else None
+        )
         if problem:
-            raise APIError(400, f"response_format.json_schema.schema: a strict schema's {problem}",
-                           param="response_format.json_schema.schema")
+            raise APIError(
+                400,
+                f"response_format.json_schema.schema: a strict schema's {problem}",
+                param="response_format.json_schema.schema",
+            )
         try:
             return json_grammar(schema or None)  # None: any object (json_object, or an empty json_schema)
         except ValueError as exc:
@@ -286,9 +301,13 @@ class ChatCompletionRequest(SamplingFields):
         param = "max_completion_tokens" if self.max_completion_tokens else "max_tokens"
         return dataclasses.replace(
             self.generation([m.chat() for m in self.messages], limit, param, "messages"),
-            tools=list(self.tools or []), tool_choice=self.choice(),
-            max_tool_calls=None if self.parallel_tool_calls else 1, name_param="name", thinking=self.thinking(),
-            effort=self.reasoning_effort)
+            tools=list(self.tools or []),
+            tool_choice=self.choice(),
+            max_tool_calls=None if self.parallel_tool_calls else 1,
+            name_param="name",
+            thinking=self.thinking(),
+            effort=self.reasoning_effort,
+        )
 
     def thinking(self) -> bool:
         """Whether a reasoning model thinks: ``chat_template_kwargs.enable_thinking`` where
@@ -324,15 +343,19 @@ def router(node: Node, metrics: RequestMetrics | None = None, heartbeat_s: float
         for m in node.router.models():
             if m["id"] == model_id:
                 return model_object(m)
-        return error_response(APIError(404, f"The model '{model_id}' does not exist or is not loaded",
-                                       "not_found_error", param="model", code="model_not_found"))
+        return error_response(
+            APIError(
+                404,
+                f"The model '{model_id}' does not exist or is not loaded",
+                "not_found_error",
+                param="model",
+                code="model_not_found",
+            )
+        )
 
     @api.get("/v1/models")
     async def list_models() -> dict:
-        return {
-            "object": "list",
-            "data": [model_object(m) for m in node.router.models()],
-        }
+        return {"object": "list", "data": [model_object(m) for m in node.router.models()]}
 
     @api.post("/v1/embeddings")
     async def embeddings(request: Request):
@@ -343,10 +366,18 @@ def router(node: Node, metrics: RequestMetrics | None = None, heartbeat_s: float
         except APIError as exc:
             return error_response(exc)
         if not any(i.model_id == req.model for i in node.instances.values()):
-            return error_response(APIError(404, f"The model '{req.model}' does not exist or is not loaded",
-                                           "not_found_error", param="model", code="model_not_found"))
-        return error_response(APIError(400, f"model '{req.model}' does not support embeddings",
-                                       param="model", code="model_not_supported"))
+            return error_response(
+                APIError(
+                    404,
+                    f"The model '{req.model}' does not exist or is not loaded",
+                    "not_found_error",
+                    param="model",
+                    code="model_not_found",
+                )
+            )
+        return error_response(
+            APIError(400, f"model '{req.model}' does not support embeddings", param="model", code="model_not_supported")
+        )
 
     @api.post("/v1/chat/completions")
     async def chat_completions(request: Request):
@@ -371,10 +402,18 @@ class ChatShape:
 
     def _chunk(self, index: int, delta: Any, finish: str | None, logprobs: dict | None = None, **extra) -> dict:
         """A chunk whose choice ``index`` carries ``delta`` (a message delta; None: no choice)."""
-        choices = [] if delta is None else [{"index": index, "delta": delta, "logprobs": logprobs,
-                                              "finish_reason": finish}]
-        return {"id": self.id, "object": "chat.completion.chunk", "created": self.created,
-                "model": self.req.model, "system_fingerprint": self.fingerprint, "choices": choices, **extra}
+        choices = (
+            [] if delta is None else [{"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish}]
+        )
+        return {
+            "id": self.id,
+            "object": "chat.completion.chunk",
+            "created": self.created,
+            "model": self.req.model,
+            "system_fingerprint": self.fingerprint,
+            "choices": choices,
+            **extra,
+        }
 
     def _logprobs(self, index: int, chunk: Chunk) -> dict | None:
         return chat_logprobs(list(chunk.logprobs)) if self.req.logprobs_wanted() is not None else None
@@ -434,13 +473,26 @@ class ChatShape:
         return {"index": index, "message": message, "logprobs": logprobs, "finish_reason": finish}
 
     def whole(self, choices: list[dict]) -> dict:
-        return {"id": self.id, "object": "chat.completion", "created": self.created, "model": self.req.model,
-                "system_fingerprint": self.fingerprint, "choices": choices, "usage": self.usage_of()}
+        return {
+            "id": self.id,
+            "object": "chat.completion",
+            "created": self.created,
+            "model": self.req.model,
+            "system_fingerprint": self.fingerprint,
+            "choices": choices,
+            "usage": self.usage_of(),
+        }
 
 
-async def serve(node: Node, metrics: RequestMetrics | None, request: Request,
-                 request_type: type[SamplingFields], id_prefix: str,
-                 shape_type: type[ChatShape], heartbeat_s: float):
+async def serve(
+    node: Node,
+    metrics: RequestMetrics | None,
+    request: Request,
+    request_type: type[SamplingFields],
+    id_prefix: str,
+    shape_type: type[ChatShape],
+    heartbeat_s: float,
+):
     """Parse, prepare and run one request (``n`` sequences); stream it as server-sent
     events (an SSE comment after ``heartbeat_s`` seconds with nothing to send) or answer
     whole."""
@@ -466,8 +518,9 @@ async def serve(node: Node, metrics: RequestMetrics | None, request: Request,
         return error_response(APIError(503, str(exc), "server_error", code=exc.code))
     if any(finish is None for _, finish in results):  # the client left; nobody reads this
         return JSONResponse(status_code=499, content=error_body("client closed the request", "client_closed"))
-    return shape.whole([shape.choice(index, chunks, finish or "stop")
-                        for index, (chunks, finish) in enumerate(results)])
+    return shape.whole(
+        [shape.choice(index, chunks, finish or "stop") for index, (chunks, finish) in enumerate(results)]
+    )
 
 
 def _call_object(call: ToolCall) -> dict:
@@ -485,8 +538,9 @@ def _sse(data: Any) -> str:
     return f"data: {json.dumps(data, ensure_ascii=False)}\n\n"
 
 
-async def _stream(gens: list[Generation], shape: ChatShape, return_progress: bool,
-                  options: StreamOptions, heartbeat_s: float) -> AsyncIterator[str]:
+async def _stream(
+    gens: list[Generation], shape: ChatShape, return_progress: bool, options: StreamOptions, heartbeat_s: float
+) -> AsyncIterator[str]:
     def chunk(data: dict) -> str:
         # with include_usage, every chunk before the last carries "usage": null (OpenAI's
         # stream_options reference)

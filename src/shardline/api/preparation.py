@@ -49,8 +49,7 @@ async def prepare(node: Node, req: GenerationRequest, metrics: RequestMetrics | 
         QueueFullError: as many requests wait for the instance as this node queues (the
             app answers 429 with ``Retry-After``).
     """
-    inst, tokenizer, prompt = await tokenize(
-        node, req, lambda inst, prompt: check_room(req, len(prompt), inst.context))
+    inst, tokenizer, prompt = await tokenize(node, req, lambda inst, prompt: check_room(req, len(prompt), inst.context))
     inst = node.router.route(prompt, inst)  # the one holding most of its prefix, of those as long
     sampling = req.sampling
     if req.offers_tools and req.tool_choice.mode in (ToolChoiceMode.REQUIRED, ToolChoiceMode.NAMED):
@@ -69,8 +68,11 @@ def _forced_call(req: GenerationRequest, tokenizer: Tokenizer) -> SamplingParams
             (``response_format``), or a tool's schema does not compile.
     """
     if req.sampling.grammar is not None:
-        raise APIError(400, "tool_choice: a forced tool call cannot be combined with a structured output format",
-                       param="tool_choice")
+        raise APIError(
+            400,
+            "tool_choice: a forced tool call cannot be combined with a structured output format",
+            param="tool_choice",
+        )
     try:
         fmt = model_tool_format(tokenizer)
         grammar = tool_call_grammar(fmt, req.tools, req.tool_choice, marker_tokens(tokenizer, fmt))
@@ -79,8 +81,9 @@ def _forced_call(req: GenerationRequest, tokenizer: Tokenizer) -> SamplingParams
     return dataclasses.replace(req.sampling, grammar=grammar)
 
 
-async def _encode_chat(req: GenerationRequest, messages: list[dict[str, Any]], tokenizer: Tokenizer,
-                       instance_context: int) -> list[int]:
+async def _encode_chat(
+    req: GenerationRequest, messages: list[dict[str, Any]], tokenizer: Tokenizer, instance_context: int
+) -> list[int]:
     """The token ids of ``req``'s chat (``messages``); with ``truncate_history``, of the
     longest :func:`~shardline.api.prompt_bounds.without_oldest` that leaves the context
     room for a token (a binary search over how many messages go: a shorter chat has fewer
@@ -96,10 +99,14 @@ async def _encode_chat(req: GenerationRequest, messages: list[dict[str, Any]], t
 
     async def encode(i: int) -> list[int]:  # the chat without its i oldest messages
         if i not in encoded:
-            call = functools.partial(tokenizer.encode_chat, without_oldest(messages, i),
-                                     tools=req.tools if req.offers_tools else None,
-                                     continue_final_message=req.continue_final_message, thinking=req.thinking,
-                                   effort=req.effort)
+            call = functools.partial(
+                tokenizer.encode_chat,
+                without_oldest(messages, i),
+                tools=req.tools if req.offers_tools else None,
+                continue_final_message=req.continue_final_message,
+                thinking=req.thinking,
+                effort=req.effort,
+            )
             try:
                 encoded[i] = await asyncio.to_thread(call)
             except ChatTemplateError as exc:
@@ -116,31 +123,37 @@ async def _encode_chat(req: GenerationRequest, messages: list[dict[str, Any]], t
     return await encode(low)
 
 
-async def _check_names_rendered(req: GenerationRequest, tokenizer: Tokenizer,
-                                messages: list[dict[str, Any]]) -> None:
+async def _check_names_rendered(req: GenerationRequest, tokenizer: Tokenizer, messages: list[dict[str, Any]]) -> None:
     """Refuse a message ``name`` (of ``messages``, ``req``'s chat) the model's chat
     template does not render.
 
     Raises:
         APIError: 400 naming the first such message's name (or the template's error).
     """
-    unrendered = functools.partial(tokenizer.unrendered_names, messages,
-                                   tools=req.tools if req.offers_tools else None,
-                                   continue_final_message=req.continue_final_message, thinking=req.thinking,
-                                   effort=req.effort)
+    unrendered = functools.partial(
+        tokenizer.unrendered_names,
+        messages,
+        tools=req.tools if req.offers_tools else None,
+        continue_final_message=req.continue_final_message,
+        thinking=req.thinking,
+        effort=req.effort,
+    )
     try:
         unused = await asyncio.to_thread(unrendered)
     except ChatTemplateError as exc:
         raise APIError(400, str(exc), param=req.prompt_param) from exc
     if unused:
         where = f"{req.prompt_param}.{unused[0]}.{req.name_param}"
-        raise APIError(400, f"{where}: this model's chat template does not render names, so it would "
-                            "have no effect; leave it out", param=where)
+        raise APIError(
+            400,
+            f"{where}: this model's chat template does not render names, so it would have no effect; leave it out",
+            param=where,
+        )
 
 
-async def tokenize(node: Node, req: GenerationRequest,
-                   check: Callable[[Instance, list[int]], object] | None = None,
-                   wait: bool = True) -> tuple[Instance, Tokenizer, list[int]]:
+async def tokenize(
+    node: Node, req: GenerationRequest, check: Callable[[Instance, list[int]], object] | None = None, wait: bool = True
+) -> tuple[Instance, Tokenizer, list[int]]:
     """The ready instance, the tokenizer and the prompt's token ids of ``req``. Where none
     is ready but one is loading (placed, or placed again) or failed and about to be placed
     again, it waits for one (:meth:`~shardline.node.routing.Router.wait_for_ready`, at most
@@ -165,7 +178,9 @@ async def tokenize(node: Node, req: GenerationRequest,
         try:
             check_tools(req.tools, req.tool_choice)
         except ValueError as exc:
-            raise APIError(400, str(exc), param="tool_choice" if str(exc).startswith("tool_choice") else "tools") from exc
+            raise APIError(
+                400, str(exc), param="tool_choice" if str(exc).startswith("tool_choice") else "tools"
+            ) from exc
     early = None  # the prompt, tokenized and checked against a loading instance
     try:
         inst = node.router.ready_instance(req.model)
@@ -186,8 +201,7 @@ async def tokenize(node: Node, req: GenerationRequest,
     except APIError as exc:  # another ready instance of the model may have a longer context
         if exc.code != CONTEXT_LENGTH_EXCEEDED:
             raise
-        widest = max(ready_instances(node.instances, req.model, node.node_id), key=lambda i: i.context,
-                     default=None)
+        widest = max(ready_instances(node.instances, req.model, node.node_id), key=lambda i: i.context, default=None)
         if widest is None or widest.context <= inst.context:
             raise
         return await _checked(node, req, widest, check)
@@ -198,18 +212,27 @@ def _not_ready(node: Node, req: GenerationRequest) -> APIError:
     placed (loading, failed), a 404 where none is."""
     placed = [i for i in node.instances.values() if i.model_id == req.model]
     if placed:
-        detail = "; ".join(f"instance {i.instance_id} {i.status}" + (f": {i.error}" if i.error else "")
-                           for i in placed)
-        return APIError(503, f"The model '{req.model}' is not ready ({detail}); retry later",
-                        "server_error", param="model", code="model_not_ready")
+        detail = "; ".join(f"instance {i.instance_id} {i.status}" + (f": {i.error}" if i.error else "") for i in placed)
+        return APIError(
+            503,
+            f"The model '{req.model}' is not ready ({detail}); retry later",
+            "server_error",
+            param="model",
+            code="model_not_ready",
+        )
     known = ", ".join(m["id"] for m in node.router.models()) or "none"
-    return APIError(404, f"The model '{req.model}' does not exist or is not loaded (available: {known})",
-                    "not_found_error", param="model", code="model_not_found")
+    return APIError(
+        404,
+        f"The model '{req.model}' does not exist or is not loaded (available: {known})",
+        "not_found_error",
+        param="model",
+        code="model_not_found",
+    )
 
 
-async def _checked(node: Node, req: GenerationRequest, inst: Instance,
-                   check: Callable[[Instance, list[int]], object] | None,
-                   ) -> tuple[Instance, Tokenizer, list[int]]:
+async def _checked(
+    node: Node, req: GenerationRequest, inst: Instance, check: Callable[[Instance, list[int]], object] | None
+) -> tuple[Instance, Tokenizer, list[int]]:
     """:func:`_tokenized`, then ``check``."""
     tokenized = await _tokenized(node, req, inst)
     if check is not None:
@@ -217,9 +240,9 @@ async def _checked(node: Node, req: GenerationRequest, inst: Instance,
     return tokenized
 
 
-async def _checked_before_ready(node: Node, req: GenerationRequest,
-                                check: Callable[[Instance, list[int]], object] | None,
-                                ) -> tuple[Instance, Tokenizer, list[int]] | None:
+async def _checked_before_ready(
+    node: Node, req: GenerationRequest, check: Callable[[Instance, list[int]], object] | None
+) -> tuple[Instance, Tokenizer, list[int]] | None:
     """:func:`tokenize` 's work against the instance of ``req.model`` not given up on
     (loading, or failed and about to be placed again: what the request waits for) with
     the longest context, the newest of those, then ``check``; None where there is none,
@@ -244,16 +267,25 @@ async def _tokenized(node: Node, req: GenerationRequest, inst: Instance) -> tupl
     try:
         tokenizer = await node.logistics.tokenizer(req.model)
     except (ModelNotFoundError, TransferError, PeerError) as exc:
-        raise APIError(503, f"The model '{req.model}' cannot be tokenized on this node: {exc}",
-                       "server_error", param="model", code="model_not_ready") from exc
+        raise APIError(
+            503,
+            f"The model '{req.model}' cannot be tokenized on this node: {exc}",
+            "server_error",
+            param="model",
+            code="model_not_ready",
+        ) from exc
     if isinstance(req.prompt, str) or (req.prompt and isinstance(req.prompt[0], dict)):
         shortest: Any = req.prompt
         if req.truncate_history:  # what a chat past the context keeps, at the least
             shortest = without_oldest(shortest, droppable(shortest))
         at_least = min_prompt_tokens(shortest, tokenizer.max_token_chars)
         if at_least > inst.context:
-            raise APIError(400, too_long(req, at_least, inst.context, at_least=True), param=req.prompt_param,
-                           code=CONTEXT_LENGTH_EXCEEDED)
+            raise APIError(
+                400,
+                too_long(req, at_least, inst.context, at_least=True),
+                param=req.prompt_param,
+                code=CONTEXT_LENGTH_EXCEEDED,
+            )
     if isinstance(req.prompt, str):
         prompt = await asyncio.to_thread(tokenizer.encode, req.prompt)
     elif req.prompt and isinstance(req.prompt[0], dict):
@@ -268,12 +300,18 @@ async def _tokenized(node: Node, req: GenerationRequest, inst: Instance) -> tupl
         prompt = [t for t in req.prompt if isinstance(t, int)]  # token ids: a list of dicts went above
         bad = [t for t in prompt if not 0 <= t < tokenizer.vocab_size]
         if bad:
-            raise APIError(400, f"token ids outside the vocabulary (0-{tokenizer.vocab_size - 1}): {bad[:5]}",
-                           param=req.prompt_param)
+            raise APIError(
+                400,
+                f"token ids outside the vocabulary (0-{tokenizer.vocab_size - 1}): {bad[:5]}",
+                param=req.prompt_param,
+            )
     if not prompt:
         raise APIError(400, "the prompt is empty", param=req.prompt_param)
     outside = [t for t, _ in req.sampling.logit_bias if not 0 <= t < tokenizer.vocab_size]
     if outside:
-        raise APIError(400, f"logit_bias: token ids outside the vocabulary (0-{tokenizer.vocab_size - 1}): "
-                            f"{outside[:5]}", param="logit_bias")
+        raise APIError(
+            400,
+            f"logit_bias: token ids outside the vocabulary (0-{tokenizer.vocab_size - 1}): {outside[:5]}",
+            param="logit_bias",
+        )
     return inst, tokenizer, prompt

@@ -25,8 +25,7 @@ def prompt_chars(prompt: str | list[dict[str, Any]]) -> int:
     may be shortened by a template, e.g. without their reasoning)."""
     if isinstance(prompt, str):
         return len(prompt)
-    return sum(len(m["content"]) for m in prompt
-               if m.get("role") != "assistant" and isinstance(m.get("content"), str))
+    return sum(len(m["content"]) for m in prompt if m.get("role") != "assistant" and isinstance(m.get("content"), str))
 
 
 def min_prompt_tokens(prompt: str | list[dict[str, Any]], max_token_chars: int) -> int:

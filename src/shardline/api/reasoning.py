@@ -63,7 +63,7 @@ class ReasoningSplitter:
             if self._state is _State.START:
                 stripped = self._pending.lstrip()
                 if stripped.startswith(THINK_OPEN):
-                    self._pending, self._state = stripped[len(THINK_OPEN):], _State.INSIDE
+                    self._pending, self._state = stripped[len(THINK_OPEN) :], _State.INSIDE
                 elif THINK_OPEN.startswith(stripped):  # whitespace, or part of <think>: wait
                     break
                 else:
@@ -77,7 +77,7 @@ class ReasoningSplitter:
                 end = self._pending.find(THINK_CLOSE)
                 if end >= 0:
                     reasoning += self._pending[:end].rstrip()
-                    self._pending, self._state = self._pending[end + len(THINK_CLOSE):], _State.CLOSED
+                    self._pending, self._state = self._pending[end + len(THINK_CLOSE) :], _State.CLOSED
                     continue
                 keep = len(self._pending) - _held(self._pending)
                 reasoning += self._pending[:keep]
@@ -106,5 +106,5 @@ def _held(text: str) -> int:
     """How many characters at the end of reasoning ``text`` to hold back: a beginning of
     ``</think>`` and the whitespace before it (which ``</think>`` would drop)."""
     marker = partial_suffix(text, THINK_CLOSE)
-    body = text[:len(text) - marker]
+    body = text[: len(text) - marker]
     return marker + len(body) - len(body.rstrip())

@@ -41,8 +41,9 @@ _TYPE_TAGS = frozenset({"str", "int", "float", "bool", "list", "dict", "none"})
 def _union_tag(part: object) -> bool:
     """Whether a pydantic error location part names a union's branch or a dict's key
     (``str``, ``list[str]``, ``literal['json']``, ``[key]``) rather than a field or index."""
-    return isinstance(part, str) and (part in _TYPE_TAGS or "[" in part
-                                      or part.startswith(("constrained-", "function-")))
+    return isinstance(part, str) and (
+        part in _TYPE_TAGS or "[" in part or part.startswith(("constrained-", "function-"))
+    )
 
 
 class _NonFiniteNumber(ValueError):
@@ -67,14 +68,18 @@ def decode_json_body(raw: bytes) -> Any:
     except (json.JSONDecodeError, UnicodeDecodeError):
         raise APIError(400, "the request body is not valid JSON (UTF-8)") from None
     except _NonFiniteNumber as exc:
-        raise APIError(400, f"the request body is not valid JSON: {exc} is not a JSON number "
-                            f"(RFC 8259 has no NaN or infinities)") from None
+        raise APIError(
+            400, f"the request body is not valid JSON: {exc} is not a JSON number (RFC 8259 has no NaN or infinities)"
+        ) from None
     try:
         json.dumps(data, ensure_ascii=False).encode("utf-8")
     except UnicodeEncodeError as exc:
         lone = ord(exc.object[exc.start])
-        raise APIError(400, f"the request body is not valid JSON (UTF-8): a string holds the lone "
-                            f"surrogate \\u{lone:04x}, which is no character") from None
+        raise APIError(
+            400,
+            f"the request body is not valid JSON (UTF-8): a string holds the lone "
+            f"surrogate \\u{lone:04x}, which is no character",
+        ) from None
     return data
 
 
@@ -95,8 +100,11 @@ def parse_raw(raw: bytes, model: type[BaseModel]) -> Any:
             data = screen(endpoint, data)
         except ParamError as exc:
             raise APIError(400, exc.message, param=exc.param) from None
-        if (endpoint in (Endpoint.OLLAMA_CHAT, Endpoint.OLLAMA_GENERATE) and isinstance(data, dict)
-                and isinstance(data.get("options"), dict)):
+        if (
+            endpoint in (Endpoint.OLLAMA_CHAT, Endpoint.OLLAMA_GENERATE)
+            and isinstance(data, dict)
+            and isinstance(data.get("options"), dict)
+        ):
             try:
                 data["options"] = screen(Endpoint.OLLAMA_OPTIONS, data["options"])
             except ParamError as exc:

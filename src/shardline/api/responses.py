@@ -37,12 +37,7 @@ from shardline.api.responses_request import (
     normalize_input,
     to_generation,
 )
-from shardline.api.text_stream import (
-    APIError,
-    Chunk,
-    Generation,
-    collect_unless_disconnected,
-)
+from shardline.api.text_stream import APIError, Chunk, Generation, collect_unless_disconnected
 from shardline.api.tools import NOT_OFFERED_HEADER
 from shardline.node.node import Node
 from shardline.node.queue_bound import QueueFullError
@@ -79,12 +74,21 @@ def _sse(event: dict) -> str:
 
 
 def not_found(response_id: str) -> APIError:
-    return APIError(404, f"Response with id '{response_id}' not found.", "invalid_request_error",
-                    param="response_id", code="response_not_found")
+    return APIError(
+        404,
+        f"Response with id '{response_id}' not found.",
+        "invalid_request_error",
+        param="response_id",
+        code="response_not_found",
+    )
 
 
-def router(node: Node, metrics: RequestMetrics | None = None, store: ResponseStore | None = None,
-           heartbeat_s: float = HEARTBEAT_S) -> APIRouter:
+def router(
+    node: Node,
+    metrics: RequestMetrics | None = None,
+    store: ResponseStore | None = None,
+    heartbeat_s: float = HEARTBEAT_S,
+) -> APIRouter:
     """The Responses API's routes on ``node``; stored responses go to ``store`` (a new
     :class:`ResponseStore` with its default bounds when None); a stream sends an SSE
     comment after ``heartbeat_s`` seconds with nothing else to send."""
@@ -116,8 +120,9 @@ def router(node: Node, metrics: RequestMetrics | None = None, store: ResponseSto
     return api
 
 
-async def _create(node: Node, metrics: RequestMetrics | None, responses: ResponseStore, heartbeat_s: float,
-                  request: Request) -> Response:
+async def _create(
+    node: Node, metrics: RequestMetrics | None, responses: ResponseStore, heartbeat_s: float, request: Request
+) -> Response:
     """``POST /v1/responses``: the response, streamed or whole, continuing a stored one
     where the request names it (404 where none is stored), stored unless the request says
     not (and shared with the peers); 503 where the instance fails, 499 where the client
@@ -129,27 +134,34 @@ async def _create(node: Node, metrics: RequestMetrics | None, responses: Respons
         if req.previous_response_id is not None:
             previous = responses.get(req.previous_response_id)
             if previous is None:
-                raise APIError(404, f"Previous response with id '{req.previous_response_id}' not found.",
-                               param="previous_response_id", code="previous_response_not_found")
+                raise APIError(
+                    404,
+                    f"Previous response with id '{req.previous_response_id}' not found.",
+                    param="previous_response_id",
+                    code="previous_response_not_found",
+                )
             history = previous.conversation()
         gen = await prepare(node, to_generation(req, history, new_items), metrics)
     except APIError as exc:
         return error_response(exc)
     builder = OutputBuilder(req, new_id("resp"), int(time.time()))
     items = history + new_items
-    headers = ({NOT_OFFERED_HEADER: ", ".join(builder.tools.not_offered)} if builder.tools.not_offered else {})
+    headers = {NOT_OFFERED_HEADER: ", ".join(builder.tools.not_offered)} if builder.tools.not_offered else {}
 
     async def keep(response: dict) -> None:
         if req.store is not False:
             entry = StoredResponse.of(copy.deepcopy(response), items)
             if responses.put(response["id"], entry):
-                await share(node, SharedResponse(response_id=response["id"], response=entry.response,
-                                                 items=list(entry.items)))
+                await share(
+                    node, SharedResponse(response_id=response["id"], response=entry.response, items=list(entry.items))
+                )
 
     if req.stream:
-        return StreamingResponse(_stream(gen, builder, keep, heartbeat_s),
-                                 media_type="text/event-stream",
-                                 headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no", **headers})
+        return StreamingResponse(
+            _stream(gen, builder, keep, heartbeat_s),
+            media_type="text/event-stream",
+            headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no", **headers},
+        )
     try:
         chunks, finish = await collect_unless_disconnected(gen, request)
     except InstanceFailedError as exc:
@@ -158,8 +170,12 @@ async def _create(node: Node, metrics: RequestMetrics | None, responses: Respons
         return JSONResponse(status_code=499, content=error_body("client closed the request", "client_closed"))
     for chunk in chunks:
         builder.feed(_piece(chunk))
-    builder.finish(finish, usage_object(len(gen.prompt), gen.completion_tokens, gen.reasoning_tokens,
-                               gen.cached_tokens, gen.cache_written))
+    builder.finish(
+        finish,
+        usage_object(
+            len(gen.prompt), gen.completion_tokens, gen.reasoning_tokens, gen.cached_tokens, gen.cache_written
+        ),
+    )
     await keep(builder.response)
     return JSONResponse(builder.response, headers=headers)
 
@@ -175,12 +191,12 @@ def _check_retrieve_query(query: QueryParams) -> None:
         if key not in RETRIEVE_QUERY:
             raise bad(f"Unknown parameter: '{key}'.", key, "unknown_parameter")
     if query.get("stream", "false").lower() not in ("false", "0"):
-        raise bad("stream is for background responses, which this server does not run", "stream",
-                  "unsupported_parameter")
+        raise bad(
+            "stream is for background responses, which this server does not run", "stream", "unsupported_parameter"
+        )
     for value in query.getlist("include") + query.getlist("include[]"):
         if value != LOGPROBS_INCLUDE:
-            raise bad(f"include '{value}' is not supported by this server", "include",
-                      "unsupported_parameter")
+            raise bad(f"include '{value}' is not supported by this server", "include", "unsupported_parameter")
 
 
 async def share(node: Node, message: SharedResponse | ForgottenResponse) -> None:
@@ -224,8 +240,12 @@ async def _stream(gen: Generation, builder: OutputBuilder, keep, heartbeat_s: fl
         for event in builder.fail(str(exc), "server_error"):
             yield _sse(event)
         return
-    events = builder.finish(finish or "stop", usage_object(len(gen.prompt), gen.completion_tokens, gen.reasoning_tokens,
-                                   gen.cached_tokens, gen.cache_written))
+    events = builder.finish(
+        finish or "stop",
+        usage_object(
+            len(gen.prompt), gen.completion_tokens, gen.reasoning_tokens, gen.cached_tokens, gen.cache_written
+        ),
+    )
     await keep(builder.response)  # before the last event: a client may continue from it at once
     for event in events:
         yield _sse(event)

@@ -47,23 +47,40 @@ class Piece:
     reasoning: str = ""
 
 
-def usage_object(prompt_tokens: int, output_tokens: int, reasoning_tokens: int = 0, cached_tokens: int = 0,
-                 cache_write_tokens: int = 0) -> dict:
+def usage_object(
+    prompt_tokens: int,
+    output_tokens: int,
+    reasoning_tokens: int = 0,
+    cached_tokens: int = 0,
+    cache_write_tokens: int = 0,
+) -> dict:
     """OpenAI's ``ResponseUsage``: ``reasoning_tokens`` of the ``output_tokens``;
     ``cached_tokens`` of the ``prompt_tokens``, those a prefix cache held, and
     ``cache_write_tokens`` those the request left in it."""
-    return {"input_tokens": prompt_tokens,
-            "input_tokens_details": {"cached_tokens": cached_tokens, "cache_write_tokens": cache_write_tokens},
-            "output_tokens": output_tokens, "output_tokens_details": {"reasoning_tokens": reasoning_tokens},
-            "total_tokens": prompt_tokens + output_tokens}
+    return {
+        "input_tokens": prompt_tokens,
+        "input_tokens_details": {"cached_tokens": cached_tokens, "cache_write_tokens": cache_write_tokens},
+        "output_tokens": output_tokens,
+        "output_tokens_details": {"reasoning_tokens": reasoning_tokens},
+        "total_tokens": prompt_tokens + output_tokens,
+    }
 
 
 def echoed_tools(req: ResponsesRequest) -> list[dict]:
     """The request's tools as the response repeats them: function tools as ``FunctionTool``
     (null fields filled), the others as they came."""
-    return [{"type": "function", "name": t["name"], "description": t.get("description"),
-             "parameters": t.get("parameters"), "strict": t.get("strict")} if t.get("type") == "function" else t
-            for t in req.tools or []]
+    return [
+        {
+            "type": "function",
+            "name": t["name"],
+            "description": t.get("description"),
+            "parameters": t.get("parameters"),
+            "strict": t.get("strict"),
+        }
+        if t.get("type") == "function"
+        else t
+        for t in req.tools or []
+    ]
 
 
 def response_skeleton(req: ResponsesRequest, response_id: str, created_at: int) -> dict:
@@ -71,22 +88,37 @@ def response_skeleton(req: ResponsesRequest, response_id: str, created_at: int) 
     the request's fields it repeats, defaults filled as OpenAI fills them."""
     text = dict(req.text or {})
     return {
-        "id": response_id, "object": "response", "created_at": created_at, "status": "in_progress",
-        "background": False, "completed_at": None, "error": None, "incomplete_details": None,
-        "instructions": req.instructions, "max_output_tokens": req.max_output_tokens,
-        "max_tool_calls": req.max_tool_calls, "model": req.model, "output": [],
+        "id": response_id,
+        "object": "response",
+        "created_at": created_at,
+        "status": "in_progress",
+        "background": False,
+        "completed_at": None,
+        "error": None,
+        "incomplete_details": None,
+        "instructions": req.instructions,
+        "max_output_tokens": req.max_output_tokens,
+        "max_tool_calls": req.max_tool_calls,
+        "model": req.model,
+        "output": [],
         "parallel_tool_calls": req.parallel_tool_calls is not False,
-        "previous_response_id": req.previous_response_id, "prompt_cache_key": req.prompt_cache_key,
-        "reasoning": None, "safety_identifier": req.safety_identifier, "service_tier": "default",
+        "previous_response_id": req.previous_response_id,
+        "prompt_cache_key": req.prompt_cache_key,
+        "reasoning": None,
+        "safety_identifier": req.safety_identifier,
+        "service_tier": "default",
         "store": req.store is not False,
         "temperature": 1.0 if req.temperature is None else req.temperature,
         "text": {"format": text.get("format") or {"type": "text"}, "verbosity": "medium"},
-        "tool_choice": req.tool_choice or "auto", "tools": echoed_tools(req),
-        "top_logprobs": req.top_logprobs or 0, "top_p": 1.0 if req.top_p is None else req.top_p,
-        "truncation": "disabled", "usage": None, "user": req.user, "metadata": req.metadata or {},
+        "tool_choice": req.tool_choice or "auto",
+        "tools": echoed_tools(req),
+        "top_logprobs": req.top_logprobs or 0,
+        "top_p": 1.0 if req.top_p is None else req.top_p,
+        "truncation": "disabled",
+        "usage": None,
+        "user": req.user,
+        "metadata": req.metadata or {},
     }
-
-
 
 
 class OutputBuilder:
@@ -129,20 +161,30 @@ class OutputBuilder:
 
     def start(self) -> list[dict]:
         """``response.created`` and ``response.in_progress``."""
-        return [self._event("response.created", response=copy.deepcopy(self.response)),
-                self._event("response.in_progress", response=copy.deepcopy(self.response))]
+        return [
+            self._event("response.created", response=copy.deepcopy(self.response)),
+            self._event("response.in_progress", response=copy.deepcopy(self.response)),
+        ]
 
     def _open_message(self) -> list[dict]:
-        item: dict[str, Any] = {"id": new_id("msg"), "type": "message", "status": "in_progress", "role": "assistant", "content": []}
+        item: dict[str, Any] = {
+            "id": new_id("msg"),
+            "type": "message",
+            "status": "in_progress",
+            "role": "assistant",
+            "content": [],
+        }
         self.output.append(item)
         self.message = item
         index = len(self.output) - 1
         part = {"type": "output_text", "text": "", "annotations": [], "logprobs": []}
         item["content"].append(part)
-        return [self._event("response.output_item.added", output_index=index,
-                            item=dict(item, content=[])),
-                self._event("response.content_part.added", item_id=item["id"], output_index=index,
-                            content_index=0, part=dict(part))]
+        return [
+            self._event("response.output_item.added", output_index=index, item=dict(item, content=[])),
+            self._event(
+                "response.content_part.added", item_id=item["id"], output_index=index, content_index=0, part=dict(part)
+            ),
+        ]
 
     def _close_message(self, status: str) -> list[dict]:
         item, self.message = self.message, None
@@ -150,11 +192,24 @@ class OutputBuilder:
             return []
         item["status"] = status
         part, index = item["content"][0], self.output.index(item)
-        return [self._event("response.output_text.done", item_id=item["id"], output_index=index, content_index=0,
-                            text=part["text"], logprobs=part["logprobs"]),
-                self._event("response.content_part.done", item_id=item["id"], output_index=index,
-                            content_index=0, part=copy.deepcopy(part)),
-                self._event("response.output_item.done", output_index=index, item=copy.deepcopy(item))]
+        return [
+            self._event(
+                "response.output_text.done",
+                item_id=item["id"],
+                output_index=index,
+                content_index=0,
+                text=part["text"],
+                logprobs=part["logprobs"],
+            ),
+            self._event(
+                "response.content_part.done",
+                item_id=item["id"],
+                output_index=index,
+                content_index=0,
+                part=copy.deepcopy(part),
+            ),
+            self._event("response.output_item.done", output_index=index, item=copy.deepcopy(item)),
+        ]
 
     def _open_reasoning(self) -> list[dict]:
         item: dict[str, Any] = {"id": new_id("rs"), "type": "reasoning", "summary": [], "content": []}
@@ -163,20 +218,31 @@ class OutputBuilder:
         index = len(self.output) - 1
         part = {"type": "reasoning_text", "text": ""}
         item["content"].append(part)
-        return [self._event("response.output_item.added", output_index=index, item=dict(item, content=[])),
-                self._event("response.content_part.added", item_id=item["id"], output_index=index,
-                            content_index=0, part=dict(part))]
+        return [
+            self._event("response.output_item.added", output_index=index, item=dict(item, content=[])),
+            self._event(
+                "response.content_part.added", item_id=item["id"], output_index=index, content_index=0, part=dict(part)
+            ),
+        ]
 
     def _close_reasoning(self) -> list[dict]:
         item, self.reasoning = self.reasoning, None
         if item is None:
             return []
         part, index = item["content"][0], self.output.index(item)
-        return [self._event("response.reasoning_text.done", item_id=item["id"], output_index=index,
-                            content_index=0, text=part["text"]),
-                self._event("response.content_part.done", item_id=item["id"], output_index=index,
-                            content_index=0, part=dict(part)),
-                self._event("response.output_item.done", output_index=index, item=copy.deepcopy(item))]
+        return [
+            self._event(
+                "response.reasoning_text.done",
+                item_id=item["id"],
+                output_index=index,
+                content_index=0,
+                text=part["text"],
+            ),
+            self._event(
+                "response.content_part.done", item_id=item["id"], output_index=index, content_index=0, part=dict(part)
+            ),
+            self._event("response.output_item.done", output_index=index, item=copy.deepcopy(item)),
+        ]
 
     def _call(self, call: Any) -> list[dict]:
         if self.calls and not self.parallel:
@@ -185,18 +251,39 @@ class OutputBuilder:
         events = self._close_reasoning() + self._close_message("completed")
         if call.name in self.tools.custom:
             return events + self._custom_call(call)
-        item = {"id": new_id("fc"), "type": "function_call", "status": "in_progress", "call_id": call.id,
-                "name": call.name, "arguments": ""}
+        item = {
+            "id": new_id("fc"),
+            "type": "function_call",
+            "status": "in_progress",
+            "call_id": call.id,
+            "name": call.name,
+            "arguments": "",
+        }
         if call.name in self.tools.namespaces:
             item["namespace"] = self.tools.namespaces[call.name]
         self.output.append(item)
         index = len(self.output) - 1
         events.append(self._event("response.output_item.added", output_index=index, item=dict(item)))
         item["arguments"], item["status"] = call.arguments, "completed"
-        events.append(self._pad(self._event("response.function_call_arguments.delta", item_id=item["id"],
-                                            output_index=index, delta=call.arguments), call.arguments))
-        events.append(self._event("response.function_call_arguments.done", item_id=item["id"], output_index=index,
-                                  arguments=call.arguments))
+        events.append(
+            self._pad(
+                self._event(
+                    "response.function_call_arguments.delta",
+                    item_id=item["id"],
+                    output_index=index,
+                    delta=call.arguments,
+                ),
+                call.arguments,
+            )
+        )
+        events.append(
+            self._event(
+                "response.function_call_arguments.done",
+                item_id=item["id"],
+                output_index=index,
+                arguments=call.arguments,
+            )
+        )
         events.append(self._event("response.output_item.done", output_index=index, item=dict(item)))
         return events
 
@@ -205,18 +292,31 @@ class OutputBuilder:
         function's ``input`` argument (the arguments' JSON text where it gave no string)."""
         arguments = json.loads(call.arguments)
         text = arguments["input"] if isinstance(arguments.get("input"), str) else call.arguments
-        item: dict[str, Any] = {"id": new_id("ctc"), "type": "custom_tool_call", "status": "in_progress",
-                                "call_id": call.id, "name": call.name, "input": ""}
+        item: dict[str, Any] = {
+            "id": new_id("ctc"),
+            "type": "custom_tool_call",
+            "status": "in_progress",
+            "call_id": call.id,
+            "name": call.name,
+            "input": "",
+        }
         if call.name in self.tools.namespaces:
             item["namespace"] = self.tools.namespaces[call.name]
         self.output.append(item)
         index = len(self.output) - 1
         events = [self._event("response.output_item.added", output_index=index, item=dict(item))]
         item["input"], item["status"] = text, "completed"
-        events.append(self._pad(self._event("response.custom_tool_call_input.delta", item_id=item["id"],
-                                            output_index=index, delta=text), text))
-        events.append(self._event("response.custom_tool_call_input.done", item_id=item["id"], output_index=index,
-                                  input=text))
+        events.append(
+            self._pad(
+                self._event(
+                    "response.custom_tool_call_input.delta", item_id=item["id"], output_index=index, delta=text
+                ),
+                text,
+            )
+        )
+        events.append(
+            self._event("response.custom_tool_call_input.done", item_id=item["id"], output_index=index, input=text)
+        )
         events.append(self._event("response.output_item.done", output_index=index, item=dict(item)))
         return events
 
@@ -229,9 +329,18 @@ class OutputBuilder:
             assert self.reasoning is not None
             part, index = self.reasoning["content"][0], self.output.index(self.reasoning)
             part["text"] += piece.reasoning
-            events.append(self._pad(self._event("response.reasoning_text.delta", item_id=self.reasoning["id"],
-                                                output_index=index, content_index=0, delta=piece.reasoning),
-                                    piece.reasoning))
+            events.append(
+                self._pad(
+                    self._event(
+                        "response.reasoning_text.delta",
+                        item_id=self.reasoning["id"],
+                        output_index=index,
+                        content_index=0,
+                        delta=piece.reasoning,
+                    ),
+                    piece.reasoning,
+                )
+            )
         if piece.text:
             events += self._close_reasoning()
             if self.message is None:
@@ -241,9 +350,19 @@ class OutputBuilder:
             logprobs = [logprob_entry(e) for e in piece.logprobs] if self.logprobs else []
             part["text"] += piece.text
             part["logprobs"] += logprobs
-            events.append(self._pad(self._event("response.output_text.delta", item_id=self.message["id"],
-                                                output_index=index, content_index=0, delta=piece.text,
-                                                logprobs=logprobs), piece.text))
+            events.append(
+                self._pad(
+                    self._event(
+                        "response.output_text.delta",
+                        item_id=self.message["id"],
+                        output_index=index,
+                        content_index=0,
+                        delta=piece.text,
+                        logprobs=logprobs,
+                    ),
+                    piece.text,
+                )
+            )
         for call in piece.tool_calls:
             events += self._call(call)
         return events
@@ -257,9 +376,12 @@ class OutputBuilder:
         if self.message is None and all(item["type"] == "reasoning" for item in self.output):
             events += self._open_message()
         events += self._close_message("incomplete" if incomplete else "completed")
-        self.response.update(status="incomplete" if incomplete else "completed", usage=usage,
-                             incomplete_details={"reason": "max_output_tokens"} if incomplete else None,
-                             completed_at=None if incomplete else int(now or time.time()))
+        self.response.update(
+            status="incomplete" if incomplete else "completed",
+            usage=usage,
+            incomplete_details={"reason": "max_output_tokens"} if incomplete else None,
+            completed_at=None if incomplete else int(now or time.time()),
+        )
         kind = "response.incomplete" if incomplete else "response.completed"
         return events + [self._event(kind, response=copy.deepcopy(self.response))]
 
@@ -267,5 +389,7 @@ class OutputBuilder:
         """An ``error`` event then ``response.failed`` (the response, status ``failed``).
         ``code``: one of ``ResponseError``'s codes (``server_error``, ``rate_limit_exceeded``)."""
         self.response.update(status="failed", error={"code": code, "message": message})
-        return [self._event("error", code=code, message=message, param=None),
-                self._event("response.failed", response=copy.deepcopy(self.response))]
+        return [
+            self._event("error", code=code, message=message, param=None),
+            self._event("response.failed", response=copy.deepcopy(self.response)),
+        ]

@@ -29,16 +29,27 @@ from shardline.runner.protocol import SamplingParams
 # Values of fields that work, which this server does not serve.
 SERVICE_TIERS = (None, "auto", "default")
 LOGPROBS_INCLUDE = "message.output_text.logprobs"
-INCLUDABLE = frozenset({
-    LOGPROBS_INCLUDE, "reasoning.encrypted_content", "file_search_call.results", "web_search_call.results",
-    "web_search_call.action.sources", "message.input_image.image_url", "computer_call_output.output.image_url",
-    "code_interpreter_call.outputs"})
+INCLUDABLE = frozenset(
+    {
+        LOGPROBS_INCLUDE,
+        "reasoning.encrypted_content",
+        "file_search_call.results",
+        "web_search_call.results",
+        "web_search_call.action.sources",
+        "message.input_image.image_url",
+        "computer_call_output.output.image_url",
+        "code_interpreter_call.outputs",
+    }
+)
 """``include`` values of the reference: logprobs are given; the rest ask for parts of items
 this server never makes (reasoning, hosted tools' calls, images), so there is nothing to
 include (Codex asks for ``reasoning.encrypted_content`` on every request)."""
-REASONING = {"effort": (None, "none", "minimal", "low", "medium", "high", "xhigh", "max"),
-             "summary": (None, "auto", "concise", "detailed"), "generate_summary": (None, "auto", "concise", "detailed"),
-             "context": (None, "auto", "current_turn", "all_turns")}
+REASONING = {
+    "effort": (None, "none", "minimal", "low", "medium", "high", "xhigh", "max"),
+    "summary": (None, "auto", "concise", "detailed"),
+    "generate_summary": (None, "auto", "concise", "detailed"),
+    "context": (None, "auto", "current_turn", "all_turns"),
+}
 """``reasoning``'s fields and values: a reasoning model thinks unless ``effort`` is
 "none" (its reasoning a ``reasoning`` item with its text, no summary); a model that does
 not reason spends no effort and writes no summary, as OpenAI's non-reasoning models take
@@ -107,7 +118,8 @@ def check_fields(body: Any) -> ResponsesRequest:
             raise bad(f"Unknown parameter: '{name}'.", name, "unknown_parameter")
     try:
         req = ResponsesRequest.model_validate_json(  # strict JSON types, as in _parse
-            json.dumps({k: v for k, v in body.items() if k not in NULL_ONLY}), strict=True)
+            json.dumps({k: v for k, v in body.items() if k not in NULL_ONLY}), strict=True
+        )
     except ValidationError as exc:
         raise validation_error(exc) from None
     if req.truncation == "auto":
@@ -133,22 +145,36 @@ def _check_options(req: ResponsesRequest) -> None:
         if key not in REASONING:
             raise bad(f"Unknown parameter: 'reasoning.{key}'.", f"reasoning.{key}", "unknown_parameter")
         if value not in REASONING[key]:
-            raise bad(f"Invalid value for 'reasoning.{key}': {value!r}. Supported values are: "
-                      f"{', '.join(repr(v) for v in REASONING[key] if v)}.", f"reasoning.{key}", "invalid_value")
+            raise bad(
+                f"Invalid value for 'reasoning.{key}': {value!r}. Supported values are: "
+                f"{', '.join(repr(v) for v in REASONING[key] if v)}.",
+                f"reasoning.{key}",
+                "invalid_value",
+            )
     for index, item in enumerate(req.include or []):
         if item not in INCLUDABLE:
-            raise bad(f"Invalid value for 'include[{index}]': {item!r}. Supported values are: "
-                      f"{', '.join(sorted(INCLUDABLE))}.", f"include[{index}]", "invalid_value")
+            raise bad(
+                f"Invalid value for 'include[{index}]': {item!r}. Supported values are: "
+                f"{', '.join(sorted(INCLUDABLE))}.",
+                f"include[{index}]",
+                "invalid_value",
+            )
     if req.top_logprobs and LOGPROBS_INCLUDE not in (req.include or []):
-        raise bad(f"top_logprobs gives alternatives to the logprobs that include['{LOGPROBS_INCLUDE}'] "
-                  "asks for; include it, or leave top_logprobs out", "top_logprobs")
+        raise bad(
+            f"top_logprobs gives alternatives to the logprobs that include['{LOGPROBS_INCLUDE}'] "
+            "asks for; include it, or leave top_logprobs out",
+            "top_logprobs",
+        )
     if req.stream_options is not None:
         if not req.stream:
             raise bad("stream_options is only allowed when stream is true", "stream_options")
         extra = set(req.stream_options) - {"include_obfuscation"}
         if extra:
-            raise bad(f"Unknown parameter: 'stream_options.{sorted(extra)[0]}'.",
-                      f"stream_options.{sorted(extra)[0]}", "unknown_parameter")
+            raise bad(
+                f"Unknown parameter: 'stream_options.{sorted(extra)[0]}'.",
+                f"stream_options.{sorted(extra)[0]}",
+                "unknown_parameter",
+            )
     for key, value in (req.metadata or {}).items():
         if len(key) > 64 or len(value) > 512:
             raise bad("metadata keys are at most 64 characters and values 512", "metadata")
@@ -237,8 +263,9 @@ def normalize_input(input_: str | list[dict[str, Any]], model: str) -> list[dict
             if item.get("caller") not in (None, {"type": "direct"}):
                 raise unsupported(f"{at}.caller")
             arguments = json.dumps({"input": item["input"]}, ensure_ascii=False) if custom else item["arguments"]
-            items.append({"type": "function_call", "call_id": item["call_id"], "name": item["name"],
-                          "arguments": arguments})
+            items.append(
+                {"type": "function_call", "call_id": item["call_id"], "name": item["name"], "arguments": arguments}
+            )
         elif kind in ("function_call_output", "custom_tool_call_output"):
             _no_other_keys(item, _OUTPUT_KEYS, at)
             if not isinstance(item.get("call_id"), str) or not item["call_id"]:
@@ -250,9 +277,12 @@ def normalize_input(input_: str | list[dict[str, Any]], model: str) -> list[dict
         elif kind == "reasoning":
             _no_other_keys(item, _REASONING_KEYS, at)
         else:
-            raise bad(f"{at}.type: input items of type {kind!r} are not supported by this server (message, "
-                      "function_call, custom_tool_call, their outputs and reasoning are)", f"{at}.type",
-                      "unsupported_parameter")
+            raise bad(
+                f"{at}.type: input items of type {kind!r} are not supported by this server (message, "
+                "function_call, custom_tool_call, their outputs and reasoning are)",
+                f"{at}.type",
+                "unsupported_parameter",
+            )
     return items
 
 
@@ -284,14 +314,20 @@ def chat_messages(instructions: str | None, items: list[dict], first_new: int = 
             continue
         elif kind in ("function_call", "custom_tool_call"):  # a stored response's output holds the latter
             try:
-                arguments = ({"input": item["input"]} if kind == "custom_tool_call"
-                             else json.loads(item["arguments"] or "{}"))
+                arguments = (
+                    {"input": item["input"]} if kind == "custom_tool_call" else json.loads(item["arguments"] or "{}")
+                )
             except json.JSONDecodeError:
                 arguments = None
             if not isinstance(arguments, dict):
-                raise bad(f"{at}.arguments: the arguments of call {item['call_id']} are not a JSON object",
-                          f"{at}.arguments")
-            call = {"id": item["call_id"], "type": "function", "function": {"name": item["name"], "arguments": arguments}}
+                raise bad(
+                    f"{at}.arguments: the arguments of call {item['call_id']} are not a JSON object", f"{at}.arguments"
+                )
+            call = {
+                "id": item["call_id"],
+                "type": "function",
+                "function": {"name": item["name"], "arguments": arguments},
+            }
             names[item["call_id"]] = item["name"]
             last = messages[-1] if messages else None
             if last is not None and last["role"] == "assistant":
@@ -300,22 +336,53 @@ def chat_messages(instructions: str | None, items: list[dict], first_new: int = 
                 messages.append({"role": "assistant", "content": None, "tool_calls": [call]})
         else:  # function_call_output
             if item["call_id"] not in names:
-                raise bad(f"{at}.call_id: no function_call with call_id {item['call_id']!r} comes before it",
-                          f"{at}.call_id")
-            messages.append({"role": "tool", "content": item["output"], "tool_call_id": item["call_id"],
-                             "name": names[item["call_id"]]})
+                raise bad(
+                    f"{at}.call_id: no function_call with call_id {item['call_id']!r} comes before it", f"{at}.call_id"
+                )
+            messages.append(
+                {
+                    "role": "tool",
+                    "content": item["output"],
+                    "tool_call_id": item["call_id"],
+                    "name": names[item["call_id"]],
+                }
+            )
     return messages
 
 
 # -- tools and text format ---------------------------------------------------------------
 
-_TOOL_KEYS = {"type", "name", "description", "parameters", "strict", "defer_loading", "allowed_callers",
-              "output_schema", "async"}
+_TOOL_KEYS = {
+    "type",
+    "name",
+    "description",
+    "parameters",
+    "strict",
+    "defer_loading",
+    "allowed_callers",
+    "output_schema",
+    "async",
+}
 _CUSTOM_KEYS = {"type", "name", "description", "format", "defer_loading", "allowed_callers", "async"}
-HOSTED_TOOLS = frozenset({
-    "web_search", "web_search_2025_08_26", "web_search_preview", "web_search_preview_2025_03_11", "file_search",
-    "code_interpreter", "image_generation", "computer", "computer_use_preview", "mcp", "local_shell", "shell",
-    "apply_patch", "tool_search", "programmatic_tool_calling"})
+HOSTED_TOOLS = frozenset(
+    {
+        "web_search",
+        "web_search_2025_08_26",
+        "web_search_preview",
+        "web_search_preview_2025_03_11",
+        "file_search",
+        "code_interpreter",
+        "image_generation",
+        "computer",
+        "computer_use_preview",
+        "mcp",
+        "local_shell",
+        "shell",
+        "apply_patch",
+        "tool_search",
+        "programmatic_tool_calling",
+    }
+)
 """Tool types of the Responses API that the platform runs or that need a built-in call
 format (web search, code interpreter, MCP, shell, ...). This server runs none of them, so
 the model is not offered them: the request is served with the others, and the response
@@ -364,8 +431,11 @@ def _function_tool(tool: dict, at: str) -> dict:
         raise bad(f"{at}.parameters: a JSON schema object is required", f"{at}.parameters")
     if tool.get("strict") not in (None, True, False) or not isinstance(tool.get("description") or "", str):
         raise bad(f"{at}: strict must be a boolean and description a string", at)
-    function = {"name": name, "description": tool.get("description") or "",
-                "parameters": params if params is not None else {"type": "object", "properties": {}}}
+    function = {
+        "name": name,
+        "description": tool.get("description") or "",
+        "parameters": params if params is not None else {"type": "object", "properties": {}},
+    }
     if tool.get("strict"):  # checked and held to as in Chat Completions (api.tools)
         function["strict"] = True
     return {"type": "function", "function": function}
@@ -393,13 +463,23 @@ def _custom_tool(tool: dict, at: str) -> dict:
             raise bad(f"{at}.format: a grammar needs a definition and a syntax, lark or regex", f"{at}.format")
         problem = _grammar_problem(fmt["syntax"], fmt["definition"])
         if problem:
-            raise bad(f"{at}.format.definition: the {fmt['syntax']} grammar does not compile: {problem}",
-                      f"{at}.format.definition")
+            raise bad(
+                f"{at}.format.definition: the {fmt['syntax']} grammar does not compile: {problem}",
+                f"{at}.format.definition",
+            )
         described += f"\n\nThe input follows this {fmt['syntax']} grammar:\n{fmt['definition']}"
-    return {"type": "function", "function": {
-        "name": name, "description": described.strip(),
-        "parameters": {"type": "object", "properties": {"input": {"type": "string", "description": "the tool's input"}},
-                       "required": ["input"]}}}
+    return {
+        "type": "function",
+        "function": {
+            "name": name,
+            "description": described.strip(),
+            "parameters": {
+                "type": "object",
+                "properties": {"input": {"type": "string", "description": "the tool's input"}},
+                "required": ["input"],
+            },
+        },
+    }
 
 
 def _grammar_problem(syntax: str, definition: str) -> str | None:
@@ -410,8 +490,11 @@ def _grammar_problem(syntax: str, definition: str) -> str | None:
     if not definition.strip():
         return "it is empty"
     try:
-        grammar = (llguidance.LLMatcher.grammar_from_lark(definition) if syntax == "lark"
-                   else llguidance.LLMatcher.grammar_from_regex(definition))
+        grammar = (
+            llguidance.LLMatcher.grammar_from_lark(definition)
+            if syntax == "lark"
+            else llguidance.LLMatcher.grammar_from_regex(definition)
+        )
         return llguidance.LLMatcher.validate_grammar(grammar) or None
     except Exception as exc:  # llguidance raises ValueError or its own kinds
         return str(exc)
@@ -460,24 +543,37 @@ def parse_tools(tools: list[dict] | None, choice: str | dict | None) -> ToolSet:
         elif kind in ("function", "custom"):
             offer(tool, at)
         else:
-            raise bad(f"{at}.type: tools of type {kind!r} are not known to this server (function, custom, "
-                      "namespace and the hosted tools are)", f"{at}.type", "unsupported_parameter")
+            raise bad(
+                f"{at}.type: tools of type {kind!r} are not known to this server (function, custom, "
+                "namespace and the hosted tools are)",
+                f"{at}.type",
+                "unsupported_parameter",
+            )
     found = ToolSet(out, namespaces=namespaces, custom=frozenset(custom), not_offered=tuple(not_offered))
     if choice is None or choice in ("none", "auto", "required"):
         return dataclasses.replace(found, mode=str(choice or "auto"))
     if isinstance(choice, dict) and choice.get("type") in ("function", "custom") and set(choice) == {"type", "name"}:
         return dataclasses.replace(found, mode="named", name=str(choice["name"]))
-    if isinstance(choice, dict) and choice.get("type") == "allowed_tools" and choice.get("mode") in ("auto", "required"):
+    if (
+        isinstance(choice, dict)
+        and choice.get("type") == "allowed_tools"
+        and choice.get("mode") in ("auto", "required")
+    ):
         listed = choice.get("tools")
-        if not isinstance(listed, list) or any(not isinstance(t, dict) or t.get("type") not in ("function", "custom")
-                                               for t in listed):
+        if not isinstance(listed, list) or any(
+            not isinstance(t, dict) or t.get("type") not in ("function", "custom") for t in listed
+        ):
             raise bad("tool_choice.tools: a list of {type: function, name} is required", "tool_choice.tools")
         allowed = {t.get("name") for t in listed}
-        return dataclasses.replace(found, tools=[t for t in out if t["function"]["name"] in allowed],
-                                   mode=choice["mode"])
-    raise bad("tool_choice: none, auto, required, {type: function, name}, {type: custom, name} or "
-              "{type: allowed_tools} (hosted and MCP tools are not run by this server)", "tool_choice",
-              "unsupported_parameter")
+        return dataclasses.replace(
+            found, tools=[t for t in out if t["function"]["name"] in allowed], mode=choice["mode"]
+        )
+    raise bad(
+        "tool_choice: none, auto, required, {type: function, name}, {type: custom, name} or "
+        "{type: allowed_tools} (hosted and MCP tools are not run by this server)",
+        "tool_choice",
+        "unsupported_parameter",
+    )
 
 
 def text_format(text: dict | None) -> tuple[str, dict | None]:
@@ -513,6 +609,7 @@ def text_format(text: dict | None) -> tuple[str, dict | None]:
 
 # -- the generation request --------------------------------------------------------------
 
+
 def sampling(req: ResponsesRequest) -> SamplingParams:
     """Temperature and top_p (null: their defaults, 1; ``top_p`` 0 is greedy in the
     sampler), and logprobs when ``include`` asks for them (``top_logprobs`` of them)."""
@@ -543,7 +640,9 @@ def to_generation(req: ResponsesRequest, history: list[dict], new_items: list[di
             check_history(messages)
         except ValueError as exc:
             raise bad(str(exc), "tools" if tools else "input") from exc
-        extra.update(tools=tools, tool_choice=choice, max_tool_calls=None if req.parallel_tool_calls is not False else 1)
+        extra.update(
+            tools=tools, tool_choice=choice, max_tool_calls=None if req.parallel_tool_calls is not False else 1
+        )
     elif mode in ("required", "named"):
         raise bad(f"tool_choice {mode} needs tools", "tool_choice")
     kind, schema = text_format(req.text)
@@ -553,6 +652,15 @@ def to_generation(req: ResponsesRequest, history: list[dict], new_items: list[di
         except ValueError as exc:
             raise bad(f"text.format.schema: {exc}", "text.format.schema") from exc
     effort = (req.reasoning or {}).get("effort")
-    return GenerationRequest(model=req.model, prompt=messages, max_tokens=req.max_output_tokens,
-                             sampling=params, api="openai", max_tokens_param="max_output_tokens",
-                             prompt_param="input", thinking=effort != "none", effort=effort, **extra)
+    return GenerationRequest(
+        model=req.model,
+        prompt=messages,
+        max_tokens=req.max_output_tokens,
+        sampling=params,
+        api="openai",
+        max_tokens_param="max_output_tokens",
+        prompt_param="input",
+        thinking=effort != "none",
+        effort=effort,
+        **extra,
+    )

@@ -91,8 +91,7 @@ def strict_schema_problem(schema: Any, at: str = "") -> str | None:
         if missing:
             return f"required must list every property{where}: {', '.join(missing)} missing"
     children = [(f"properties.{k}", v) for k, v in (schema.get("properties") or {}).items()]
-    children += [(f"{key}.{k}", v) for key in ("$defs", "definitions")
-                 for k, v in (schema.get(key) or {}).items()]
+    children += [(f"{key}.{k}", v) for key in ("$defs", "definitions") for k, v in (schema.get(key) or {}).items()]
     children += [(f"anyOf.{i}", v) for i, v in enumerate(schema.get("anyOf") or [])]
     if isinstance(schema.get("items"), dict):
         children.append(("items", schema["items"]))

@@ -34,12 +34,7 @@ from shardline.api.tools import (
     tool_format,
     tool_names,
 )
-from shardline.models.tokenizer import (
-    THINK_OPEN,
-    IncrementalDetokenizer,
-    Tokenizer,
-    template_is_harmony,
-)
+from shardline.models.tokenizer import THINK_OPEN, IncrementalDetokenizer, Tokenizer, template_is_harmony
 from shardline.node.node import Node
 from shardline.node.table import Instance, InstanceFailedError
 from shardline.runner.protocol import PrefillProgress, SamplingParams, TokenEvent, TokenRequest
@@ -62,8 +57,14 @@ class APIError(Exception):
     (e.g. ``context_length_exceeded``), where known.
     """
 
-    def __init__(self, status: int, message: str, kind: str = "invalid_request_error",
-                 param: str | None = None, code: str | None = None) -> None:
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        kind: str = "invalid_request_error",
+        param: str | None = None,
+        code: str | None = None,
+    ) -> None:
         super().__init__(message)
         self.status, self.message, self.kind, self.param, self.code = status, message, kind, param, code
 
@@ -165,7 +166,7 @@ class StopMatcher:
                     hold = max(hold, k)
                     break
         out = self.pending[: len(self.pending) - hold]
-        self.pending = self.pending[len(out):]
+        self.pending = self.pending[len(out) :]
         return out, False
 
     def flush(self) -> str:
@@ -184,13 +185,18 @@ def check_room(req: GenerationRequest, prompt_tokens: int, instance_context: int
     context = req.window(instance_context)
     room = context - prompt_tokens
     if room < 1 or (req.max_tokens is not None and req.max_tokens > room and not req.max_tokens_capped):
-        raise APIError(400, too_long(req, prompt_tokens, context, own_window=context != instance_context),
-                       param=req.max_tokens_param if room >= 1 else req.prompt_param, code=CONTEXT_LENGTH_EXCEEDED)
+        raise APIError(
+            400,
+            too_long(req, prompt_tokens, context, own_window=context != instance_context),
+            param=req.max_tokens_param if room >= 1 else req.prompt_param,
+            code=CONTEXT_LENGTH_EXCEEDED,
+        )
     return room
 
 
-def too_long(req: GenerationRequest, prompt_tokens: int, context: int, own_window: bool = False,
-             at_least: bool = False) -> str:
+def too_long(
+    req: GenerationRequest, prompt_tokens: int, context: int, own_window: bool = False, at_least: bool = False
+) -> str:
     """The message of a request its context cannot take, in the words of its API's
     reference, which clients parse to shorten a request and retry: Anthropic's (Claude
     Code lowers ``max_tokens`` on "input length and `max_tokens` exceed context limit: A
@@ -202,15 +208,21 @@ def too_long(req: GenerationRequest, prompt_tokens: int, context: int, own_windo
     if req.api == "anthropic" and not own_window:
         if not fits:
             return f"prompt is too long: {tokens} tokens > {context - 1} maximum"
-        return (f"input length and `max_tokens` exceed context limit: {prompt_tokens} + {req.max_tokens} > "
-                f"{context}, decrease input length or `max_tokens` and try again")
+        return (
+            f"input length and `max_tokens` exceed context limit: {prompt_tokens} + {req.max_tokens} > "
+            f"{context}, decrease input length or `max_tokens` and try again"
+        )
     if req.api == "openai" and not own_window:
         if not fits or req.max_tokens is None:
-            return (f"This model's maximum context length is {context} tokens. However, your messages resulted "
-                    f"in {tokens} tokens. Please reduce the length of the messages.")
-        return (f"This model's maximum context length is {context} tokens. However, you requested "
-                f"{prompt_tokens + req.max_tokens} tokens ({prompt_tokens} in the messages, {req.max_tokens} in "
-                "the completion). Please reduce the length of the messages or completion.")
+            return (
+                f"This model's maximum context length is {context} tokens. However, your messages resulted "
+                f"in {tokens} tokens. Please reduce the length of the messages."
+            )
+        return (
+            f"This model's maximum context length is {context} tokens. However, you requested "
+            f"{prompt_tokens + req.max_tokens} tokens ({prompt_tokens} in the messages, {req.max_tokens} in "
+            "the completion). Please reduce the length of the messages or completion."
+        )
     asked = f" and {req.max_tokens} for the completion" if req.max_tokens is not None else ""
     whose = "the request's" if own_window else "this model's"
     return f"{whose} context is {context} tokens; the request asks for {tokens} in the prompt{asked}"
@@ -236,9 +248,16 @@ class Generation:
             ``cached_tokens``, once it ended.
     """
 
-    def __init__(self, node: Node, req: GenerationRequest, prompt: list[int], inst: Instance,
-                 tokenizer: Tokenizer, metrics: RequestMetrics | None = None,
-                 sampling: SamplingParams | None = None) -> None:
+    def __init__(
+        self,
+        node: Node,
+        req: GenerationRequest,
+        prompt: list[int],
+        inst: Instance,
+        tokenizer: Tokenizer,
+        metrics: RequestMetrics | None = None,
+        sampling: SamplingParams | None = None,
+    ) -> None:
         self.node = node
         self.metrics = metrics
         self.req = req
@@ -285,19 +304,32 @@ class Generation:
         Raises:
             InstanceFailedError: the instance failed mid-request.
         """
+
         def ran_on(inst: Instance) -> None:
             self.instance = inst  # a second one where the first failed before any output
 
-        events = self.node.router.generate(TokenRequest(
-            self.req.model, tuple(self.prompt), self.max_tokens, self.sampling, tuple(self.stop_ids),
-            self.req.cache_prompt),
-            self.task_id, ran_on, self.instance)
+        events = self.node.router.generate(
+            TokenRequest(
+                self.req.model,
+                tuple(self.prompt),
+                self.max_tokens,
+                self.sampling,
+                tuple(self.stop_ids),
+                self.req.cache_prompt,
+            ),
+            self.task_id,
+            ran_on,
+            self.instance,
+        )
         if heartbeat_s is not None:
             events = with_heartbeats(events, heartbeat_s)
         ended = "cancelled"  # unless it finishes, or fails
         held = HeldLogprobs()
-        parser = (ToolCallParser(self.tool_format, tool_names(self.req.tools), strict_schemas(self.req.tools))
-                  if self.req.offers_tools else None)
+        parser = (
+            ToolCallParser(self.tool_format, tool_names(self.req.tools), strict_schemas(self.req.tools))
+            if self.req.offers_tools
+            else None
+        )
         splitter: ReasoningSplitter | HarmonySplitter | None = None
         if self.reasons:
             splitter = HarmonySplitter() if self.harmony else ReasoningSplitter(self._starts_thinking())
@@ -332,11 +364,10 @@ class Generation:
         """Take a prefill step's progress: the cached tokens, the prompt's logprobs."""
         self.cached_tokens = event.cached
         self.prompt_logprobs.extend(
-            token_logprob(self.tokenizer.piece, self.prompt[i], logprob, top)
-            for i, logprob, top in event.logprobs)
+            token_logprob(self.tokenizer.piece, self.prompt[i], logprob, top) for i, logprob, top in event.logprobs
+        )
 
-    def _token_text(self, event: TokenEvent, held: HeldLogprobs,
-                    ) -> tuple[str, str | None, tuple[TokenLogprob, ...]]:
+    def _token_text(self, event: TokenEvent, held: HeldLogprobs) -> tuple[str, str | None, tuple[TokenLogprob, ...]]:
         """A token event's (text, finish reason, logprobs): the text safe to send (up to a
         stop string, which makes the finish "stop"; at the end the detokenizer's and the
         stop matcher's held text too), the finish reason (None until the output ends;
@@ -370,8 +401,9 @@ class Generation:
             logprobs += held.flush()
         return text, finish, logprobs
 
-    def _split_reasoning(self, splitter: ReasoningSplitter | HarmonySplitter, event: TokenEvent, text: str,
-                         finish: str | None) -> tuple[str, str]:
+    def _split_reasoning(
+        self, splitter: ReasoningSplitter | HarmonySplitter, event: TokenEvent, text: str, finish: str | None
+    ) -> tuple[str, str]:
         """``text`` as (reasoning, answer) (all held text at the finish); counts a token
         generated inside the thinking in ``reasoning_tokens``."""
         thinking = splitter.thinking
@@ -388,8 +420,15 @@ class Generation:
         if self.metrics is not None:
             now = time.monotonic()
             ttft = None if self.first_token_at is None else self.first_token_at - self.started
-            self.metrics.record(self.req.api, ended, len(self.prompt), self.completion_tokens, ttft,
-                                now - self.started, self.cached_tokens)
+            self.metrics.record(
+                self.req.api,
+                ended,
+                len(self.prompt),
+                self.completion_tokens,
+                ttft,
+                now - self.started,
+                self.cached_tokens,
+            )
 
     def _starts_thinking(self) -> bool:
         """Whether the output starts inside the thinking: the prompt opened it
@@ -400,8 +439,14 @@ class Generation:
         tail = self.tokenizer.decode(self.prompt[-PROMPT_TAIL_TOKENS:], skip_special_tokens=False)
         return prompt_opens_thinking(tail)
 
-    def _chunk(self, parser: ToolCallParser | None, text: str, finish: str | None,
-               logprobs: tuple[TokenLogprob, ...], reasoning: str = "") -> Chunk:
+    def _chunk(
+        self,
+        parser: ToolCallParser | None,
+        text: str,
+        finish: str | None,
+        logprobs: tuple[TokenLogprob, ...],
+        reasoning: str = "",
+    ) -> Chunk:
         """The chunk of ``text`` and ``reasoning`` (tool calls parsed out of ``text`` when
         tools are offered); a finished output that made calls ends ``tool_calls``."""
         if parser is None:
@@ -455,8 +500,12 @@ class Generation:
         """llama.cpp server's ``prompt_progress``: ``{total, cache, processed, time_ms}``
         (``processed`` counts the cached tokens too, as llama.cpp's does: the prefill's own
         progress is ``(processed - cache) / (total - cache)``)."""
-        return {"total": event.total, "cache": event.cached, "processed": event.done,
-                "time_ms": round((time.monotonic() - self.started) * 1000, 1)}
+        return {
+            "total": event.total,
+            "cache": event.cached,
+            "processed": event.done,
+            "time_ms": round((time.monotonic() - self.started) * 1000, 1),
+        }
 
 
 def model_tool_format(tokenizer: Tokenizer) -> ToolFormat:
@@ -469,8 +518,9 @@ def marker_tokens(tokenizer: Tokenizer, fmt: ToolFormat) -> dict[str, int]:
     """The call markers of ``fmt`` (:func:`~shardline.api.tools.call_markers`) that are one
     added token of ``tokenizer``'s vocabulary (Qwen2.5's ``<tool_call>``, Mistral's
     ``[TOOL_CALLS]``), by text, with the token's id."""
-    return {marker: token_id for marker in call_markers(fmt)
-            if (token_id := tokenizer.added_token_id(marker)) is not None}
+    return {
+        marker: token_id for marker in call_markers(fmt) if (token_id := tokenizer.added_token_id(marker)) is not None
+    }
 
 
 async def collect_unless_disconnected(

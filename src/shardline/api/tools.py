@@ -80,8 +80,11 @@ def call_markers(fmt: ToolFormat) -> tuple[str, ...]:
     JSON): a model may have them as single tokens, which the grammar then names as tokens
     and the detokenizer keeps in the text for :class:`ToolCallParser` even where they are
     special tokens."""
-    return {ToolFormat.HERMES: (TOOL_CALL_OPEN, TOOL_CALL_CLOSE), ToolFormat.LLAMA3_JSON: (),
-            ToolFormat.MISTRAL: (TOOL_CALLS,)}[fmt]
+    return {
+        ToolFormat.HERMES: (TOOL_CALL_OPEN, TOOL_CALL_CLOSE),
+        ToolFormat.LLAMA3_JSON: (),
+        ToolFormat.MISTRAL: (TOOL_CALLS,),
+    }[fmt]
 
 
 def tool_format(chat_template: str | None) -> ToolFormat:
@@ -98,8 +101,7 @@ def tool_format(chat_template: str | None) -> ToolFormat:
         return ToolFormat.HERMES
     if TOOL_CALLS in text:
         return ToolFormat.MISTRAL
-    if re.search(r"\btools\b", text) and any(
-            mark in text for mark in ("<|eot_id|>", PYTHON_TAG, '"parameters"')):
+    if re.search(r"\btools\b", text) and any(mark in text for mark in ("<|eot_id|>", PYTHON_TAG, '"parameters"')):
         return ToolFormat.LLAMA3_JSON
     return ToolFormat.HERMES
 
@@ -133,8 +135,9 @@ class ToolCall:
     @staticmethod
     def new(name: str, arguments: dict[str, Any]) -> ToolCall:
         """A call with a fresh id and ``arguments`` written as JSON (non-ASCII kept)."""
-        return ToolCall(id=f"call_{secrets.token_hex(12)}", name=name,
-                        arguments=json.dumps(arguments, ensure_ascii=False))
+        return ToolCall(
+            id=f"call_{secrets.token_hex(12)}", name=name, arguments=json.dumps(arguments, ensure_ascii=False)
+        )
 
 
 def openai_tool_choice(value: Any) -> ToolChoice:
@@ -150,8 +153,9 @@ def openai_tool_choice(value: Any) -> ToolChoice:
         name = value["function"].get("name")
         if isinstance(name, str):
             return ToolChoice(ToolChoiceMode.NAMED, name)
-    raise ValueError('tool_choice: expected "none", "auto", "required" or '
-                     '{"type": "function", "function": {"name": ...}}')
+    raise ValueError(
+        'tool_choice: expected "none", "auto", "required" or {"type": "function", "function": {"name": ...}}'
+    )
 
 
 def tool_names(tools: list[dict[str, Any]] | None) -> set[str]:
@@ -181,8 +185,9 @@ def check_tools(tools: list[dict[str, Any]], choice: ToolChoice) -> None:
             raise ValueError(f"{where}.function must be an object")
         name = function.get("name")
         if not isinstance(name, str) or not TOOL_NAME.fullmatch(name):
-            raise ValueError(f"{where}.function.name must be 1 to 128 letters, digits, '_', '-', '.' or ':', "
-                             f"got {name!r}")
+            raise ValueError(
+                f"{where}.function.name must be 1 to 128 letters, digits, '_', '-', '.' or ':', got {name!r}"
+            )
         if name in seen:
             raise ValueError(f"{where}.function.name {name!r} is used by an earlier tool")
         seen.add(name)
@@ -190,8 +195,9 @@ def check_tools(tools: list[dict[str, Any]], choice: ToolChoice) -> None:
         if description is not None and not isinstance(description, str):
             raise ValueError(f"{where}.function.description must be a string")
         parameters = function.get("parameters")
-        if parameters is not None and (not isinstance(parameters, dict)
-                                       or parameters.get("type", "object") != "object"):
+        if parameters is not None and (
+            not isinstance(parameters, dict) or parameters.get("type", "object") != "object"
+        ):
             raise ValueError(f"{where}.function.parameters must be a JSON schema of type 'object'")
         if function.get("strict") not in (None, True, False):
             raise ValueError(f"{where}.function.strict must be a boolean")
@@ -226,33 +232,37 @@ def check_history(messages: list[dict[str, Any]]) -> None:
             for j, call in enumerate(calls):
                 where = f"messages[{i}].tool_calls[{j}]"
                 function = call.get("function") if isinstance(call, dict) else None
-                if not isinstance(function, dict) or not isinstance(function.get("name"), str) \
-                        or not function["name"]:
+                if not isinstance(function, dict) or not isinstance(function.get("name"), str) or not function["name"]:
                     raise ValueError(f"{where}.function.name is missing")
                 if call_arguments(function.get("arguments")) is None:
-                    raise ValueError(f"{where}.function.arguments is not a JSON object: "
-                                     f"{str(function.get('arguments'))[:200]!r}")
+                    raise ValueError(
+                        f"{where}.function.arguments is not a JSON object: {str(function.get('arguments'))[:200]!r}"
+                    )
                 if isinstance(call.get("id"), str):
                     call_ids.add(call["id"])
                 call_names.add(function["name"])
         elif role == "tool":
             if message.get("tool_call_id") is not None and message["tool_call_id"] not in call_ids:
-                raise ValueError(f"messages[{i}].tool_call_id {message['tool_call_id']!r} matches no earlier "
-                                 "assistant tool call")
+                raise ValueError(
+                    f"messages[{i}].tool_call_id {message['tool_call_id']!r} matches no earlier assistant tool call"
+                )
             if message.get("name") is not None and message["name"] not in call_names:
-                raise ValueError(f"messages[{i}]: the tool result's name {message['name']!r} names no "
-                                 "earlier assistant tool call")
+                raise ValueError(
+                    f"messages[{i}]: the tool result's name {message['name']!r} names no earlier assistant tool call"
+                )
 
 
 def strict_schemas(tools: list[dict[str, Any]] | None) -> dict[str, dict[str, Any]]:
     """The ``parameters`` schema of each of ``tools`` (checked ones) marked ``strict``, by
     name: the calls whose arguments must match it."""
-    return {t["function"]["name"]: t["function"].get("parameters") or ANY_OBJECT
-            for t in tools or () if t["function"].get("strict")}
+    return {
+        t["function"]["name"]: t["function"].get("parameters") or ANY_OBJECT
+        for t in tools or ()
+        if t["function"].get("strict")
+    }
 
 
-def _call_from(value: Any, names: set[str],
-               strict: Mapping[str, dict[str, Any]]) -> ToolCall | None:
+def _call_from(value: Any, names: set[str], strict: Mapping[str, dict[str, Any]]) -> ToolCall | None:
     """A call from a parsed JSON value ``{"name", "arguments" | "parameters"}`` naming one
     of ``names`` (its arguments valid under its schema where ``strict`` holds one); None
     when it is not one."""
@@ -336,7 +346,7 @@ class _WholeReplyCalls:
         """True when ``text``, the output ended (``final``), is such a reply (its calls are
         :attr:`calls`); False when it is not and cannot become one; None while not known."""
         if self._stage in ("start", "open"):
-            rest = text[self._pos:].lstrip()
+            rest = text[self._pos :].lstrip()
             self._pos = len(text) - len(rest)
             if not rest:
                 return False if final else None
@@ -349,7 +359,7 @@ class _WholeReplyCalls:
             else:
                 return False
         if self._stage == "info":
-            info = re.match(r"[A-Za-z]*", text[self._pos:])
+            info = re.match(r"[A-Za-z]*", text[self._pos :])
             assert info is not None  # it matches the empty string
             word = info.group().lower()
             if self._pos + len(word) == len(text) and not final:
@@ -360,21 +370,21 @@ class _WholeReplyCalls:
             return self.read(text, final)
         if self._stage == "value":
             assert self._end is not None
-            if not _may_open_calls(text[self._start:self._start + 64]):
+            if not _may_open_calls(text[self._start : self._start + 64]):
                 return False
             end = self._end.find(text)
             if end is None:
                 return False if final else None
             try:
-                calls = self._parse(json.loads(text[self._start:end]))
+                calls = self._parse(json.loads(text[self._start : end]))
             except ValueError:
                 return False
             if calls is None:
                 return False
             self.calls, self._stage, self._pos = calls, "tail", end
-        rest = text[self._pos:].strip()
+        rest = text[self._pos :].strip()
         if self._fenced and rest.startswith(FENCE):
-            rest = rest[len(FENCE):].strip()
+            rest = rest[len(FENCE) :].strip()
         elif self._fenced and FENCE.startswith(rest) and not final:
             return None  # (part of) the closing fence may come
         if rest:
@@ -415,14 +425,16 @@ class ToolCallParser:
     LLAMA3_JSON's own reading takes the bare objects (calls as soon as each is complete).
     """
 
-    def __init__(self, fmt: ToolFormat, tool_names: set[str],
-                 strict: Mapping[str, dict[str, Any]] | None = None) -> None:
+    def __init__(
+        self, fmt: ToolFormat, tool_names: set[str], strict: Mapping[str, dict[str, Any]] | None = None
+    ) -> None:
         self._fmt = fmt
         self._names = set(tool_names)
         self._strict = dict(strict or {})
         self._buffer = ""  # text not yet given out
         self._whole: _WholeReplyCalls | None = _WholeReplyCalls(
-            self._calls, objects=fmt is not ToolFormat.LLAMA3_JSON)  # None once not such a reply
+            self._calls, objects=fmt is not ToolFormat.LLAMA3_JSON
+        )  # None once not such a reply
         self._open = TOOL_CALLS if fmt is ToolFormat.MISTRAL else TOOL_CALL_OPEN  # HERMES, MISTRAL
         self._in_call = False  # HERMES, MISTRAL: after a call's opening marker
         self._list_end: _JsonEnd | None = None  # MISTRAL: the call list's end, once it has begun
@@ -493,8 +505,8 @@ class ToolCallParser:
                 before = self._buffer[:start]
                 text = before.rstrip()
                 out.append(text)
-                self._space = before[len(text):]
-                self._buffer = self._buffer[start + len(self._open):]
+                self._space = before[len(text) :]
+                self._buffer = self._buffer[start + len(self._open) :]
                 self._in_call = True
                 continue
             if final:
@@ -504,11 +516,11 @@ class ToolCallParser:
                 self._buffer = ""
                 return _merged(out)
             keep = partial_suffix(self._buffer, self._open)
-            head = self._buffer[:len(self._buffer) - keep]
+            head = self._buffer[: len(self._buffer) - keep]
             sent = head.rstrip()  # whitespace before a call is dropped: hold it back too
             if sent:
                 out.append(sent)
-            self._buffer = self._buffer[len(sent):]
+            self._buffer = self._buffer[len(sent) :]
             return _merged(out)
 
     def _call_body(self, final: bool) -> tuple[str, int, str] | None:
@@ -548,7 +560,7 @@ class ToolCallParser:
         if self._mode == "start":
             rest = self._buffer.lstrip()
             if rest.startswith(PYTHON_TAG):
-                rest = rest[len(PYTHON_TAG):].lstrip()
+                rest = rest[len(PYTHON_TAG) :].lstrip()
             if rest.startswith("{"):
                 self._mode, self._pos = "calls", len(self._buffer) - len(rest)
             elif not final and (not rest or PYTHON_TAG.startswith(rest)):
@@ -588,7 +600,7 @@ class ToolCallParser:
             if end is None:
                 return out, True
             self._object = None
-            calls = self._parse_body(text[self._start:end])
+            calls = self._parse_body(text[self._start : end])
             if calls is None:
                 return out, False
             out.extend(calls)
@@ -617,8 +629,9 @@ def _arguments_schema(tool: dict[str, Any]) -> dict[str, Any]:
     return schema
 
 
-def tool_call_grammar(fmt: ToolFormat, tools: list[dict[str, Any]], choice: ToolChoice,
-                      marker_tokens: Mapping[str, int] | None = None) -> str | None:
+def tool_call_grammar(
+    fmt: ToolFormat, tools: list[dict[str, Any]], choice: ToolChoice, marker_tokens: Mapping[str, int] | None = None
+) -> str | None:
     """An llguidance grammar (its JSON text, for ``SamplingParams.grammar``) that forces
     exactly one call in ``fmt``: of any of ``tools`` for REQUIRED, of the named one for
     NAMED, its arguments matching the tool's ``parameters`` schema (written with
@@ -655,7 +668,8 @@ def tool_call_grammar(fmt: ToolFormat, tools: list[dict[str, Any]], choice: Tool
         name = tool["function"]["name"]
         schema = json.dumps(_arguments_schema(tool))
         problem = llguidance.LLMatcher.validate_grammar(
-            llguidance.LLMatcher.grammar_from_lark(f"start: %json {schema}"))
+            llguidance.LLMatcher.grammar_from_lark(f"start: %json {schema}")
+        )
         if problem:
             raise ValueError(f"tools: the parameters schema of function {name!r} cannot be enforced: {problem}")
         call = f'{{"name": {json.dumps(name)}, "{key}": '

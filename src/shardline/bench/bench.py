@@ -126,7 +126,7 @@ def build_prompt(words: int, variant: int = 0) -> str:
     while len(out) < words + skip:
         out.extend(_SENTENCES[i % len(_SENTENCES)].split())
         i += 1
-    return _PROMPT_PREFIX + " ".join(out[skip:skip + words])
+    return _PROMPT_PREFIX + " ".join(out[skip : skip + words])
 
 
 def chat_question(variant: int) -> str:
@@ -140,15 +140,27 @@ def agent_system_prompt(words: int, variant: int = 0) -> str:
     tool definitions as JSON schemas (each tool a name, a description of the bench's
     sentences and two parameters), as Claude Code, Codex and opencode send theirs.
     ``variant`` names the tools, so each variant's differs from its first tool on."""
-    out = ["You are a coding agent working in the user's repository. Use the tools below to "
-           "read, search and change files; answer briefly.\n\nTools:"]
+    out = [
+        "You are a coding agent working in the user's repository. Use the tools below to "
+        "read, search and change files; answer briefly.\n\nTools:"
+    ]
     count, i = len(out[0].split()), 0
     while count < words:
         description = " ".join(_SENTENCES[(variant + i + k) % len(_SENTENCES)] for k in range(3))
-        tool = json.dumps({"name": f"tool_{variant}_{i}", "description": description, "parameters": {
-            "type": "object", "properties": {"path": {"type": "string", "description": "a file's path"},
-                                             "limit": {"type": "integer", "description": "most lines"}},
-            "required": ["path"]}})
+        tool = json.dumps(
+            {
+                "name": f"tool_{variant}_{i}",
+                "description": description,
+                "parameters": {
+                    "type": "object",
+                    "properties": {
+                        "path": {"type": "string", "description": "a file's path"},
+                        "limit": {"type": "integer", "description": "most lines"},
+                    },
+                    "required": ["path"],
+                },
+            }
+        )
         out.append(tool)
         count += len(tool.split())
         i += 1
@@ -231,8 +243,9 @@ def connect_error_message(url: str, exc: Exception) -> str:
     return f"request to {url} failed: {type(exc).__name__}: {exc}"
 
 
-def _chat_body(model: str, prompt: str | list[dict[str, str]], max_tokens: int, stream: bool,
-               cache_prompt: bool | None = None) -> dict[str, Any]:
+def _chat_body(
+    model: str, prompt: str | list[dict[str, str]], max_tokens: int, stream: bool, cache_prompt: bool | None = None
+) -> dict[str, Any]:
     body: dict[str, Any] = {
         "model": model,
         "messages": [{"role": "user", "content": prompt}] if isinstance(prompt, str) else prompt,
@@ -248,8 +261,15 @@ def _chat_body(model: str, prompt: str | list[dict[str, str]], max_tokens: int, 
     return body
 
 
-async def stream_request(client: httpx.AsyncClient, url: str, model: str, prompt: str | list[dict[str, str]],
-                         max_tokens: int, prompt_tokens: int = 0, cache_prompt: bool | None = None) -> RequestResult:
+async def stream_request(
+    client: httpx.AsyncClient,
+    url: str,
+    model: str,
+    prompt: str | list[dict[str, str]],
+    max_tokens: int,
+    prompt_tokens: int = 0,
+    cache_prompt: bool | None = None,
+) -> RequestResult:
     """Send one streamed chat completion and time it.
 
     Args:
@@ -279,7 +299,7 @@ async def stream_request(client: httpx.AsyncClient, url: str, model: str, prompt
         async for line in response.aiter_lines():
             if not line.startswith("data:"):
                 continue
-            data = line[len("data:"):].strip()
+            data = line[len("data:") :].strip()
             if data == "[DONE]":
                 break
             now = time.perf_counter() - start
@@ -302,8 +322,15 @@ async def stream_request(client: httpx.AsyncClient, url: str, model: str, prompt
                     break
         end = time.perf_counter() - start
     if usage is None:
-        return RequestResult(prompt_tokens=prompt_tokens, completion_tokens=len(chunk_times), ttft_s=ttft,
-                             usage_from="chunks", chunk_times_s=chunk_times, end_s=end, text="".join(text))
+        return RequestResult(
+            prompt_tokens=prompt_tokens,
+            completion_tokens=len(chunk_times),
+            ttft_s=ttft,
+            usage_from="chunks",
+            chunk_times_s=chunk_times,
+            end_s=end,
+            text="".join(text),
+        )
     cached = (usage.get("prompt_tokens_details") or {}).get("cached_tokens")
     return RequestResult(
         prompt_tokens=int(usage.get("prompt_tokens", 0)),
@@ -316,8 +343,9 @@ async def stream_request(client: httpx.AsyncClient, url: str, model: str, prompt
     )
 
 
-async def count_prompt_tokens(client: httpx.AsyncClient, url: str, model: str,
-                              prompt: str | list[dict[str, str]]) -> int:
+async def count_prompt_tokens(
+    client: httpx.AsyncClient, url: str, model: str, prompt: str | list[dict[str, str]]
+) -> int:
     """Prompt tokens the server counts for ``prompt`` (a user message, or the chat's
     messages: one non-streamed one-token request)."""
     body = _chat_body(model, prompt, 1, stream=False)
@@ -330,8 +358,13 @@ async def count_prompt_tokens(client: httpx.AsyncClient, url: str, model: str,
         raise BenchError(f"{url} answered without usage.prompt_tokens") from exc
 
 
-async def calibrate_words(client: httpx.AsyncClient, url: str, model: str, target_tokens: int,
-                          build: Callable[[int], str | list[dict[str, str]]] = build_prompt) -> tuple[int, int]:
+async def calibrate_words(
+    client: httpx.AsyncClient,
+    url: str,
+    model: str,
+    target_tokens: int,
+    build: Callable[[int], str | list[dict[str, str]]] = build_prompt,
+) -> tuple[int, int]:
     """Words of text whose chat prompt is closest to ``target_tokens`` tokens.
 
     Args:
@@ -409,8 +442,15 @@ def summarize_level(concurrency: int, results: list[RequestResult], wall_s: floa
     }
 
 
-async def run_level(client: httpx.AsyncClient, url: str, model: str, prompts: list[str], gen_tokens: int,
-                    concurrency: int, prompt_tokens: int = 0) -> dict[str, Any]:
+async def run_level(
+    client: httpx.AsyncClient,
+    url: str,
+    model: str,
+    prompts: list[str],
+    gen_tokens: int,
+    concurrency: int,
+    prompt_tokens: int = 0,
+) -> dict[str, Any]:
     """Send one request per prompt with at most ``concurrency`` in flight; summarise them
     (:func:`summarize_level`).
 
@@ -456,13 +496,15 @@ async def run_level(client: httpx.AsyncClient, url: str, model: str, prompts: li
 # -- a conversation ----------------------------------------------------------------------
 
 
-def summarize_conversation(results: list[RequestResult], uncached: list[RequestResult],
-                           wall_s: float) -> dict[str, Any]:
+def summarize_conversation(
+    results: list[RequestResult], uncached: list[RequestResult], wall_s: float
+) -> dict[str, Any]:
     """Figures of one conversation (its turns' results, in order, and each turn's prompt sent
     again without the cache, one a turn): ``first_ttft_ms``, ``last_ttft_ms`` and
     ``last_uncached_ttft_ms`` (milliseconds), the last turn's prompt tokens, and each turn's
     prompt tokens, cached tokens (None where the server reports none), TTFT and TTFT
     without the cache."""
+
     def ms(r: RequestResult) -> float | None:
         return None if r.ttft_s is None else r.ttft_s * 1000
 
@@ -475,10 +517,19 @@ def summarize_conversation(results: list[RequestResult], uncached: list[RequestR
         "last_uncached_ttft_ms": ms(uncached[-1]) if uncached else None,
         "wall_s": wall_s,
         "usage_from": "usage" if all(r.usage_from == "usage" for r in results) else "chunks",
-        "per_request": [{"prompt_tokens": r.prompt_tokens, "cached_tokens": r.cached_tokens,
-                         "completion_tokens": r.completion_tokens, "start_s": r.start_s, "ttft_s": r.ttft_s,
-                         "end_s": r.end_s, "uncached_ttft_s": u.ttft_s, "uncached_cached_tokens": u.cached_tokens}
-                        for r, u in zip(results, uncached, strict=True)],
+        "per_request": [
+            {
+                "prompt_tokens": r.prompt_tokens,
+                "cached_tokens": r.cached_tokens,
+                "completion_tokens": r.completion_tokens,
+                "start_s": r.start_s,
+                "ttft_s": r.ttft_s,
+                "end_s": r.end_s,
+                "uncached_ttft_s": u.ttft_s,
+                "uncached_cached_tokens": u.cached_tokens,
+            }
+            for r, u in zip(results, uncached, strict=True)
+        ],
     }
 
 
@@ -486,8 +537,15 @@ UNCACHED_GEN_TOKENS = 2
 """Tokens a turn's prompt sent again without the cache generates: only its TTFT is a figure."""
 
 
-async def run_conversation(client: httpx.AsyncClient, url: str, model: str, user_messages: list[str],
-                           gen_tokens: int, system: str | None = None, think_s: float = 0.0) -> dict[str, Any]:
+async def run_conversation(
+    client: httpx.AsyncClient,
+    url: str,
+    model: str,
+    user_messages: list[str],
+    gen_tokens: int,
+    system: str | None = None,
+    think_s: float = 0.0,
+) -> dict[str, Any]:
     """One chat of ``len(user_messages)`` turns, one after another: each turn sends the chat
     so far (``system`` first where given, every earlier user message and the server's
     answer to it) with the next user message, and the answer it streams (``gen_tokens``

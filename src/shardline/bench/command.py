@@ -123,8 +123,9 @@ def _server(name: str, url: str, model: str | None, headers: dict[str, str]) -> 
     return Server(name, url, model, headers, nodes, sharding)
 
 
-def _wait_ready(url: str, model: str, headers: dict[str, str],
-                timeout_s: float = 120.0) -> tuple[int | None, str | None]:
+def _wait_ready(
+    url: str, model: str, headers: dict[str, str], timeout_s: float = 120.0
+) -> tuple[int | None, str | None]:
     """(nodes, sharding) of the model's ready shardline instance, waiting while it loads.
 
     shardline's ``/v1/models`` already lists a model while it is loading; its cluster API
@@ -176,11 +177,19 @@ def _progress(message: str) -> None:
 
 def _bench(args: argparse.Namespace, servers: list[Server]) -> int:
     rounds = args.rounds or (DEFAULT_ROUNDS_AGAINST if len(servers) == 2 else 1)
-    config = BenchConfig(prompt_tokens=list(args.prompt_tokens), gen_tokens=args.gen_tokens,
-                         concurrency=list(args.concurrency), runs=args.runs, rounds=rounds,
-                         chat_requests=args.chat_requests, warmup=args.warmup, turns=args.turns,
-                         turn_tokens=args.turn_tokens, system_tokens=args.system_tokens,
-                         think_s=args.think_s)
+    config = BenchConfig(
+        prompt_tokens=list(args.prompt_tokens),
+        gen_tokens=args.gen_tokens,
+        concurrency=list(args.concurrency),
+        runs=args.runs,
+        rounds=rounds,
+        chat_requests=args.chat_requests,
+        warmup=args.warmup,
+        turns=args.turns,
+        turn_tokens=args.turn_tokens,
+        system_tokens=args.system_tokens,
+        think_s=args.think_s,
+    )
     if args.busy:
         _progress(f"keeping {args.busy} core(s) busy with competing processes while the workloads run")
     with busy_cores(args.busy):
@@ -211,14 +220,24 @@ def _bench(args: argparse.Namespace, servers: list[Server]) -> int:
             print(line)
     for server in report["servers"]:
         if server["usage_from"] == "chunks":
-            _progress(f"{server['name']} ({server['url']}) sent no usage in its streams: completion tokens "
-                      "are its content chunks counted, prompt tokens the calibrated length")
-    short = [(w["name"], r["completion_tokens"]) for w in report["workloads"] if w["kind"] == "level"
-             for n in w["results"] for lv in w["results"][n]["rounds"] for r in lv["per_request"]
-             if r["completion_tokens"] < args.gen_tokens]
+            _progress(
+                f"{server['name']} ({server['url']}) sent no usage in its streams: completion tokens "
+                "are its content chunks counted, prompt tokens the calibrated length"
+            )
+    short = [
+        (w["name"], r["completion_tokens"])
+        for w in report["workloads"]
+        if w["kind"] == "level"
+        for n in w["results"]
+        for lv in w["results"][n]["rounds"]
+        for r in lv["per_request"]
+        if r["completion_tokens"] < args.gen_tokens
+    ]
     if short:
-        _progress(f"warning: {len(short)} request(s) generated fewer than {args.gen_tokens} tokens "
-                  f"(as few as {min(n for _, n in short)}): the server ignored ignore_eos or the context is full")
+        _progress(
+            f"warning: {len(short)} request(s) generated fewer than {args.gen_tokens} tokens "
+            f"(as few as {min(n for _, n in short)}): the server ignored ignore_eos or the context is full"
+        )
     if args.json_path:
         with open(args.json_path, "w") as f:
             json.dump(report, f, indent=2)
@@ -256,8 +275,12 @@ def _main(args: argparse.Namespace) -> int:
         if args.against is not None:  # checked first: a wrong URL fails before a cluster starts
             key = args.against_api_key
             try:
-                other = _server(OTHER, _normal_url(args.against), args.against_model,
-                                {"Authorization": f"Bearer {key}"} if key else {})
+                other = _server(
+                    OTHER,
+                    _normal_url(args.against),
+                    args.against_model,
+                    {"Authorization": f"Bearer {key}"} if key else {},
+                )
             except BenchError as exc:
                 return _fail(f"--against: {exc}")
         if args.url is not None:
@@ -269,19 +292,33 @@ def _main(args: argparse.Namespace) -> int:
             if busy is not None:
                 return _fail(f"port {busy} is in use; pick other ports with --port, or bench it with --url")
             log_dir = tempfile.mkdtemp(prefix="shardline-bench-")
-            _progress(f"starting a {args.nodes}-node cluster on ports {args.port}-"
-                      f"{args.port + args.nodes - 1} (node logs in {log_dir})")
-            cluster = LocalCluster(nodes=args.nodes, base_port=args.port,
-                                   runner_threads=args.runner_threads, log_dir=log_dir,
-                                   model_dirs=model_dirs_for(args.model), api_key=args.api_key)
+            _progress(
+                f"starting a {args.nodes}-node cluster on ports {args.port}-"
+                f"{args.port + args.nodes - 1} (node logs in {log_dir})"
+            )
+            cluster = LocalCluster(
+                nodes=args.nodes,
+                base_port=args.port,
+                runner_threads=args.runner_threads,
+                log_dir=log_dir,
+                model_dirs=model_dirs_for(args.model),
+                api_key=args.api_key,
+            )
             cluster.start()
             _progress(f"placing {args.model or DEFAULT_MODEL_ID} ({args.sharding})")
             cluster.clear()  # instances the bench's own nodes kept from an earlier run
             options = {} if args.context is None else {"context": args.context}
-            instance = cluster.place(args.model or DEFAULT_MODEL_ID, args.sharding,
-                                     prefix_cache=not args.no_prefix_cache, **options)
-            shardline = Server(SHARDLINE, cluster.url(0), instance["model_id"], api_key_headers(args.api_key),
-                               len(instance["ranks"]), instance["sharding"])
+            instance = cluster.place(
+                args.model or DEFAULT_MODEL_ID, args.sharding, prefix_cache=not args.no_prefix_cache, **options
+            )
+            shardline = Server(
+                SHARDLINE,
+                cluster.url(0),
+                instance["model_id"],
+                api_key_headers(args.api_key),
+                len(instance["ranks"]),
+                instance["sharding"],
+            )
         return _bench(args, [shardline] if other is None else [shardline, other])
     except BenchError as exc:
         return _fail(str(exc))

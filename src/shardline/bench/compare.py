@@ -60,8 +60,10 @@ SHARDLINE = "shardline"
 OTHER = "other"
 CHAT_GEN_TOKENS = 2
 """Tokens the short chat's requests generate: only their TTFT is a figure."""
-RATIO_DEFINITION = ("ratio = shardline / other: above 1 shardline is faster for tokens/s (higher is better), "
-                    "below 1 it is faster for TTFT (lower is better)")
+RATIO_DEFINITION = (
+    "ratio = shardline / other: above 1 shardline is faster for tokens/s (higher is better), "
+    "below 1 it is faster for TTFT (lower is better)"
+)
 
 
 @dataclass(frozen=True)
@@ -145,14 +147,23 @@ class Server:
 # -- pure decisions ----------------------------------------------------------------------
 
 
-def plan_workloads(prompt_tokens: list[int], concurrency: list[int], runs: int,
-                   chat_requests: int, turns: int = 0, turn_tokens: int = 250) -> list[Workload]:
+def plan_workloads(
+    prompt_tokens: list[int],
+    concurrency: list[int],
+    runs: int,
+    chat_requests: int,
+    turns: int = 0,
+    turn_tokens: int = 250,
+) -> list[Workload]:
     """A level per (prompt length, concurrency), prompt lengths outermost, each with
     ``max(runs, c)`` requests (none where ``runs`` is 0); then the short chat if
     ``chat_requests`` > 0; then a conversation of ``turns`` turns of ``turn_tokens`` if
     ``turns`` > 0."""
-    out = [Workload(f"prompt {p} c={c}", "level", p, c, max(runs, c))
-           for p in prompt_tokens for c in concurrency] if runs > 0 else []
+    out = (
+        [Workload(f"prompt {p} c={c}", "level", p, c, max(runs, c)) for p in prompt_tokens for c in concurrency]
+        if runs > 0
+        else []
+    )
     if chat_requests > 0:
         out.append(Workload("short chat", "chat", None, 1, chat_requests))
     if turns > 0:
@@ -185,8 +196,7 @@ def combine_rounds(rounds: list[dict[str, Any]], figures: tuple[Figure, ...]) ->
     return out
 
 
-def report_rows(workloads: list[dict[str, Any]], first: str = SHARDLINE,
-                second: str = OTHER) -> list[dict[str, Any]]:
+def report_rows(workloads: list[dict[str, Any]], first: str = SHARDLINE, second: str = OTHER) -> list[dict[str, Any]]:
     """The comparison's rows: one per workload and figure, with both servers' values, the
     ratio first / second and which direction is better.
 
@@ -199,8 +209,16 @@ def report_rows(workloads: list[dict[str, Any]], first: str = SHARDLINE,
         for fig in figures_of(w["kind"]):
             a = w["results"][first]["figures"][fig.key]
             b = w["results"][second]["figures"][fig.key]
-            rows.append({"workload": w["name"], "figure": fig.label, first: a, second: b,
-                         "ratio": ratio(a, b), "better": "higher" if fig.higher_is_better else "lower"})
+            rows.append(
+                {
+                    "workload": w["name"],
+                    "figure": fig.label,
+                    first: a,
+                    second: b,
+                    "ratio": ratio(a, b),
+                    "better": "higher" if fig.higher_is_better else "lower",
+                }
+            )
     return rows
 
 
@@ -217,8 +235,9 @@ async def _on(server: Server, call: Awaitable[T]) -> T:
         raise BenchError(f"{server.name}: {connect_error_message(server.url, exc)}") from exc
 
 
-async def _prepare(client: httpx.AsyncClient, server: Server, config: BenchConfig,
-                   say: Callable[[str], None]) -> dict[str, Any]:
+async def _prepare(
+    client: httpx.AsyncClient, server: Server, config: BenchConfig, say: Callable[[str], None]
+) -> dict[str, Any]:
     """Calibrate ``server``'s prompts and warm it up; its part of the report."""
     levels = config.prompt_tokens if config.runs > 0 else []
     if levels:
@@ -233,25 +252,50 @@ async def _prepare(client: httpx.AsyncClient, server: Server, config: BenchConfi
         turn = {"target": config.turn_tokens, "words": words, "tokens": tokens}
         if config.system_tokens:
             say(f"calibrating a system prompt of about {config.system_tokens} tokens on {server.name}")
-            words, tokens = await _on(server, calibrate_words(
-                client, server.url, server.model, config.system_tokens,
-                lambda n: [{"role": "system", "content": agent_system_prompt(n)},
-                           {"role": "user", "content": chat_question(0)}]))
+            words, tokens = await _on(
+                server,
+                calibrate_words(
+                    client,
+                    server.url,
+                    server.model,
+                    config.system_tokens,
+                    lambda n: [
+                        {"role": "system", "content": agent_system_prompt(n)},
+                        {"role": "user", "content": chat_question(0)},
+                    ],
+                ),
+            )
             turn |= {"system_words": words, "system_tokens": tokens}
     chat_tokens = None
     if config.chat_requests:
         chat_tokens = await _on(server, count_prompt_tokens(client, server.url, server.model, chat_question(0)))
     if config.warmup:
         say(f"warm-up request on {server.name}")
-        await _on(server, stream_request(client, server.url, server.model,
-                                         build_prompt(prompts[0]["words"]) if prompts else chat_question(0),
-                                         config.gen_tokens))
-    return {"name": server.name, "url": server.url, "model": server.model, "nodes": server.nodes,
-            "sharding": server.sharding, "prompts": prompts, "chat_prompt_tokens": chat_tokens, "turn": turn}
+        await _on(
+            server,
+            stream_request(
+                client,
+                server.url,
+                server.model,
+                build_prompt(prompts[0]["words"]) if prompts else chat_question(0),
+                config.gen_tokens,
+            ),
+        )
+    return {
+        "name": server.name,
+        "url": server.url,
+        "model": server.model,
+        "nodes": server.nodes,
+        "sharding": server.sharding,
+        "prompts": prompts,
+        "chat_prompt_tokens": chat_tokens,
+        "turn": turn,
+    }
 
 
-async def run_workloads(servers: list[Server], config: BenchConfig,
-                        progress: Callable[[str], None] | None = None) -> dict[str, Any]:
+async def run_workloads(
+    servers: list[Server], config: BenchConfig, progress: Callable[[str], None] | None = None
+) -> dict[str, Any]:
     """Run every workload on every server, ``config.rounds`` times, interleaved.
 
     Returns:
@@ -266,8 +310,9 @@ async def run_workloads(servers: list[Server], config: BenchConfig,
         BenchError: an HTTP error, a malformed answer or a failed connection, naming the server.
     """
     say = progress or (lambda _msg: None)
-    workloads = plan_workloads(config.prompt_tokens, config.concurrency, config.runs, config.chat_requests,
-                               config.turns, config.turn_tokens)
+    workloads = plan_workloads(
+        config.prompt_tokens, config.concurrency, config.runs, config.chat_requests, config.turns, config.turn_tokens
+    )
     by_name = {w.name: w for w in workloads}
     names = [s.name for s in servers]
     timeout = httpx.Timeout(30.0, read=600.0)
@@ -286,8 +331,9 @@ async def run_workloads(servers: list[Server], config: BenchConfig,
             unit = _unit(clients[server_name], server, info, work, variants, config)
             requests = "" if work.kind == "turns" else f" ({work.requests} requests)"
             say(f"round {round_ + 1}/{config.rounds}: {name} on {server_name}{requests}")
-            order.append({"round": round_, "workload": name, "server": server_name,
-                          "start_s": time.perf_counter() - started})
+            order.append(
+                {"round": round_, "workload": name, "server": server_name, "start_s": time.perf_counter() - started}
+            )
             results[name][server_name].append(await _on(server, unit))
     finally:
         for client in clients.values():
@@ -295,17 +341,23 @@ async def run_workloads(servers: list[Server], config: BenchConfig,
     return _report(config, workloads, names, prepared, order, results)
 
 
-def _unit(client: httpx.AsyncClient, server: Server, info: dict[str, Any], work: Workload, variants: range,
-          config: BenchConfig) -> Awaitable[dict[str, Any]]:
+def _unit(
+    client: httpx.AsyncClient,
+    server: Server,
+    info: dict[str, Any],
+    work: Workload,
+    variants: range,
+    config: BenchConfig,
+) -> Awaitable[dict[str, Any]]:
     """One measured unit of ``work`` on ``server`` (not yet started): a conversation of
     ``variants`` turns, or ``work.requests`` requests of its prompt level or short chat, the
     prompts calibrated to the server (``info``: its :func:`_prepare` record)."""
     if work.kind == "turns":
         conversation = [build_prompt(info["turn"]["words"], v) for v in variants]
-        system = (agent_system_prompt(info["turn"]["system_words"], variants[0])
-                  if config.system_tokens else None)
-        return run_conversation(client, server.url, server.model, conversation, config.gen_tokens, system,
-                                config.think_s)
+        system = agent_system_prompt(info["turn"]["system_words"], variants[0]) if config.system_tokens else None
+        return run_conversation(
+            client, server.url, server.model, conversation, config.gen_tokens, system, config.think_s
+        )
     if work.kind == "level":
         calibrated = next(p for p in info["prompts"] if p["target"] == work.prompt_tokens)
         prompts = [build_prompt(calibrated["words"], v) for v in variants]
@@ -316,17 +368,28 @@ def _unit(client: httpx.AsyncClient, server: Server, info: dict[str, Any], work:
     return run_level(client, server.url, server.model, prompts, gen, work.concurrency, tokens)
 
 
-def _report(config: BenchConfig, workloads: list[Workload], names: list[str], prepared: dict[str, dict[str, Any]],
-            order: list[dict[str, Any]], results: dict[str, dict[str, list[dict[str, Any]]]]) -> dict[str, Any]:
+def _report(
+    config: BenchConfig,
+    workloads: list[Workload],
+    names: list[str],
+    prepared: dict[str, dict[str, Any]],
+    order: list[dict[str, Any]],
+    results: dict[str, dict[str, list[dict[str, Any]]]],
+) -> dict[str, Any]:
     """:func:`run_workloads`' report of the rounds measured (``results``: workload ->
     server -> rounds); sets each server's ``usage_from`` in ``prepared``."""
     reports = []
     for w in workloads:
         entry: dict[str, Any] = {
-            "name": w.name, "kind": w.kind, "prompt_tokens": w.prompt_tokens, "concurrency": w.concurrency,
+            "name": w.name,
+            "kind": w.kind,
+            "prompt_tokens": w.prompt_tokens,
+            "concurrency": w.concurrency,
             "requests": w.requests,
-            "results": {n: {"figures": combine_rounds(results[w.name][n], w.figures), "rounds": results[w.name][n]}
-                        for n in names},
+            "results": {
+                n: {"figures": combine_rounds(results[w.name][n], w.figures), "rounds": results[w.name][n]}
+                for n in names
+            },
         }
         if len(names) == 2:
             a, b = (entry["results"][n]["figures"] for n in names)

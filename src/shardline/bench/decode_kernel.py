@@ -45,7 +45,7 @@ def random_planes(out: int, k: int, count: int, seed: int) -> list[tuple[torch.T
     for i in range(count):
         q = torch.randint(0, 16, (out, k), generator=gen, dtype=torch.int32)
         zero = (torch.randn(k // INT4_GROUP, out, generator=gen) * 0.01).to(torch.bfloat16)
-        sz = torch.stack((scale * 16 ** i, zero), dim=-1).contiguous()
+        sz = torch.stack((scale * 16**i, zero), dim=-1).contiguous()
         planes.append((torch._convert_weight_to_int4pack_for_cpu(q, 1), sz))
     return planes
 
@@ -60,8 +60,9 @@ def torch_product(planes: list[tuple[torch.Tensor, torch.Tensor]], x: torch.Tens
     return y
 
 
-def step_ms(products: list[Callable[[torch.Tensor], torch.Tensor]],
-            inputs: dict[int, torch.Tensor], repeat: int) -> float:
+def step_ms(
+    products: list[Callable[[torch.Tensor], torch.Tensor]], inputs: dict[int, torch.Tensor], repeat: int
+) -> float:
     """Milliseconds of one decode step's products (``repeat`` steps, mean): ``products``
     per :data:`SHAPES` entry."""
     started = time.perf_counter()
@@ -83,16 +84,23 @@ def main(argv: list[str] | None = None) -> None:
     if args.threads:
         torch.set_num_threads(args.threads)
     if not native_dequant.int4_gemv_built():
-        raise SystemExit("the compiled int4 decode product is not built on this machine "
-                         "(it needs AVX-512 VNNI and VBMI and a C compiler)")
+        raise SystemExit(
+            "the compiled int4 decode product is not built on this machine "
+            "(it needs AVX-512 VNNI and VBMI and a C compiler)"
+        )
     weights = [random_planes(out, k, count, seed) for seed, (_, out, k, count, _) in enumerate(SHAPES)]
     paths: dict[str, list[Callable[[torch.Tensor], torch.Tensor]]] = {
         "torch": [functools.partial(torch_product, planes) for planes in weights],
-             "compiled": [native_dequant.Int4Gemv(planes) for planes in weights]}
-    print(f"threads {torch.get_num_threads()}; one step = {LAYERS} layers + LM head; "
-          f"medians of {args.rounds} alternations")
-    print(f"{'rows':>4} {'torch ms':>9} {'compiled ms':>12} {'torch/compiled':>15}"
-          f" {'torch vs 1 row':>15} {'compiled vs 1 row':>18}")
+        "compiled": [native_dequant.Int4Gemv(planes) for planes in weights],
+    }
+    print(
+        f"threads {torch.get_num_threads()}; one step = {LAYERS} layers + LM head; "
+        f"medians of {args.rounds} alternations"
+    )
+    print(
+        f"{'rows':>4} {'torch ms':>9} {'compiled ms':>12} {'torch/compiled':>15}"
+        f" {'torch vs 1 row':>15} {'compiled vs 1 row':>18}"
+    )
     one: dict[str, float] = {}
     for rows in args.rows:
         gen = torch.Generator().manual_seed(rows)
@@ -105,9 +113,11 @@ def main(argv: list[str] | None = None) -> None:
                 times[name].append(step_ms(products, inputs, args.repeat))
         med = {name: statistics.median(t) for name, t in times.items()}
         one = one or med
-        print(f"{rows:>4} {med['torch']:>9.2f} {med['compiled']:>12.2f} "
-              f"{med['torch'] / med['compiled']:>15.2f} {med['torch'] / one['torch']:>15.2f} "
-              f"{med['compiled'] / one['compiled']:>18.2f}")
+        print(
+            f"{rows:>4} {med['torch']:>9.2f} {med['compiled']:>12.2f} "
+            f"{med['torch'] / med['compiled']:>15.2f} {med['torch'] / one['torch']:>15.2f} "
+            f"{med['compiled'] / one['compiled']:>18.2f}"
+        )
 
 
 if __name__ == "__main__":

@@ -80,8 +80,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--rounds", type=int, default=5, help="A B alternations")
     parser.add_argument("--repeat", type=int, default=5, help="steps per timing")
     parser.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's)")
-    parser.add_argument("--model", type=Path, default=None,
-                        help="a model file or folder (default: the embedded SmolLM2-135M)")
+    parser.add_argument(
+        "--model", type=Path, default=None, help="a model file or folder (default: the embedded SmolLM2-135M)"
+    )
     args = parser.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -93,17 +94,21 @@ def main(argv: list[str] | None = None) -> None:
     fused = shard.fused
     if fused is None:
         raise SystemExit("the fused decode layers do not run here (see the log line above)")
-    cache = KVCache(source.config, source.config.num_layers, max(args.rows),
-                    max(args.context) + 1, torch.bfloat16)
+    cache = KVCache(source.config, source.config.num_layers, max(args.rows), max(args.context) + 1, torch.bfloat16)
     gen = torch.Generator().manual_seed(0)
     for t in cache.k + cache.v:
-        t[:, :, : max(args.context)] = (torch.randn(t[:, :, : max(args.context)].shape,
-                                                    generator=gen) * 0.5).to(t.dtype)
-    print(f"threads {torch.get_num_threads()}; {path.name} bfloat16, one node; "
-          f"medians of {args.rounds} alternations x {args.repeat} steps")
+        t[:, :, : max(args.context)] = (torch.randn(t[:, :, : max(args.context)].shape, generator=gen) * 0.5).to(
+            t.dtype
+        )
+    print(
+        f"threads {torch.get_num_threads()}; {path.name} bfloat16, one node; "
+        f"medians of {args.rounds} alternations x {args.repeat} steps"
+    )
     parts = products(shard)
-    print(f"{'rows':>4} {'context':>7} {'torch ms':>9} {'fused ms':>9} {'torch/fused':>12}"
-          f" {'products ms':>12} {'torch beside':>13} {'fused beside':>13} {'ratio':>6}")
+    print(
+        f"{'rows':>4} {'context':>7} {'torch ms':>9} {'fused ms':>9} {'torch/fused':>12}"
+        f" {'products ms':>12} {'torch beside':>13} {'fused beside':>13} {'ratio':>6}"
+    )
     paths = {"torch": None, "fused": fused}
     for context in args.context:
         for rows in args.rows:
@@ -118,10 +123,13 @@ def main(argv: list[str] | None = None) -> None:
                 times["products"].append(products_ms(parts, rows, args.repeat))
             med = {name: statistics.median(t) for name, t in times.items()}
             beside = {name: med[name] - med["products"] for name in paths}
-            print(f"{rows:>4} {context:>7} {med['torch']:>9.2f} {med['fused']:>9.2f} "
-                  f"{med['torch'] / med['fused']:>12.2f} {med['products']:>12.2f} "
-                  f"{beside['torch']:>13.2f} {beside['fused']:>13.2f} "
-                  f"{beside['torch'] / beside['fused']:>6.1f}", flush=True)
+            print(
+                f"{rows:>4} {context:>7} {med['torch']:>9.2f} {med['fused']:>9.2f} "
+                f"{med['torch'] / med['fused']:>12.2f} {med['products']:>12.2f} "
+                f"{beside['torch']:>13.2f} {beside['fused']:>13.2f} "
+                f"{beside['torch'] / beside['fused']:>6.1f}",
+                flush=True,
+            )
     shard.fused = fused
 
 

@@ -26,8 +26,9 @@ class MemoryReportError(RuntimeError):
     """The instance or a rank's node could not be asked."""
 
 
-def rank_memory(url: str, model: str, headers: dict[str, str] | None = None,
-                timeout_s: float = 10.0) -> list[dict[str, Any]]:
+def rank_memory(
+    url: str, model: str, headers: dict[str, str] | None = None, timeout_s: float = 10.0
+) -> list[dict[str, Any]]:
     """One row per rank of ``model``'s ready instance on the cluster at ``url``: ``rank``,
     ``node_id``, ``share`` (layers or heads), ``file_bytes`` (read from the model's
     files), ``estimated_bytes``, ``baseline_bytes`` (the runtime placement counts on its
@@ -42,8 +43,9 @@ def rank_memory(url: str, model: str, headers: dict[str, str] | None = None,
         nodes = httpx.get(f"{url}/cluster/nodes", timeout=timeout_s, headers=headers).json()["nodes"]
     except (httpx.HTTPError, ValueError, KeyError) as exc:
         raise MemoryReportError(f"{url}: {exc}") from exc
-    baselines = {n["node_id"]: runtime_baseline([(n.get("profile") or {}).get(
-        "runtime_baseline_bytes") or 0]) for n in nodes}
+    baselines = {
+        n["node_id"]: runtime_baseline([(n.get("profile") or {}).get("runtime_baseline_bytes") or 0]) for n in nodes
+    }
     ready = [i for i in instances if i["model_id"] == model and i["status"] == "ready"]
     if not ready:
         raise MemoryReportError(f"no ready instance of {model} on {url}")
@@ -51,26 +53,32 @@ def rank_memory(url: str, model: str, headers: dict[str, str] | None = None,
     rows = []
     for r, rank in enumerate(inst["ranks"]):
         try:
-            views = httpx.get(f"http://{rank['address']}/cluster/instances",
-                              timeout=timeout_s, headers=headers).json()["instances"]
+            views = httpx.get(f"http://{rank['address']}/cluster/instances", timeout=timeout_s, headers=headers).json()[
+                "instances"
+            ]
         except (httpx.HTTPError, ValueError, KeyError) as exc:
             raise MemoryReportError(f"node {rank['node_id']} ({rank['address']}): {exc}") from exc
         mine = next((v for v in views if v["instance_id"] == inst["instance_id"]), None)
         memory = (mine or {}).get("local_memory") or {}
         share = rank.get("tensor_share")
-        rows.append({
-            "rank": r,
-            "node_id": rank["node_id"],
-            "share": (f"heads {share['heads'][0]}-{share['heads'][1] - 1}" if share
-                      else f"layers {rank['layer_start']}-{rank['layer_end'] - 1}"),
-            "file_bytes": (rank.get("loaded") or {}).get("bytes_read"),
-            "estimated_bytes": rank.get("estimated_bytes"),
-            "baseline_bytes": baselines.get(rank["node_id"]),
-            "rss_bytes": memory.get("rss_bytes"),
-            "peak_rss_bytes": memory.get("peak_rss_bytes"),
-            "load_peak_rss_bytes": memory.get("load_peak_rss_bytes"),
-            "runtime_rss_bytes": memory.get("runtime_rss_bytes"),
-        })
+        rows.append(
+            {
+                "rank": r,
+                "node_id": rank["node_id"],
+                "share": (
+                    f"heads {share['heads'][0]}-{share['heads'][1] - 1}"
+                    if share
+                    else f"layers {rank['layer_start']}-{rank['layer_end'] - 1}"
+                ),
+                "file_bytes": (rank.get("loaded") or {}).get("bytes_read"),
+                "estimated_bytes": rank.get("estimated_bytes"),
+                "baseline_bytes": baselines.get(rank["node_id"]),
+                "rss_bytes": memory.get("rss_bytes"),
+                "peak_rss_bytes": memory.get("peak_rss_bytes"),
+                "load_peak_rss_bytes": memory.get("load_peak_rss_bytes"),
+                "runtime_rss_bytes": memory.get("runtime_rss_bytes"),
+            }
+        )
     return rows
 
 
@@ -90,20 +98,42 @@ def print_memory(rows: list[dict[str, Any]], console=None) -> None:
 
     # Wide enough for every column when the output is not a terminal (rich assumes 80).
     console = console or Console(width=None if sys.stdout.isatty() else 120)
-    table = Table(caption="MiB. file: the model's bytes the rank read; est.: what placement "
-                          "counted it to hold; baseline: the runtime it counted (measured); runtime: "
-                          "its private resident memory before any weight; RSS: the same, "
-                          "idle after the workload; peak, load peak: the highest so far and "
-                          "while loading.",
-                  caption_justify="left")
-    for title in ("rank", "node", "share", "file", "est.", "baseline", "runtime", "RSS", "peak",
-                  "load\npeak", "est.\n/peak", "load\n/RSS"):
+    table = Table(
+        caption="MiB. file: the model's bytes the rank read; est.: what placement "
+        "counted it to hold; baseline: the runtime it counted (measured); runtime: "
+        "its private resident memory before any weight; RSS: the same, "
+        "idle after the workload; peak, load peak: the highest so far and "
+        "while loading.",
+        caption_justify="left",
+    )
+    for title in (
+        "rank",
+        "node",
+        "share",
+        "file",
+        "est.",
+        "baseline",
+        "runtime",
+        "RSS",
+        "peak",
+        "load\npeak",
+        "est.\n/peak",
+        "load\n/RSS",
+    ):
         table.add_column(title, justify="right", no_wrap=True)
     for row in rows:
-        table.add_row(str(row["rank"]), row["node_id"][:8], row["share"], _mib(row["file_bytes"]),
-                      _mib(row["estimated_bytes"]), _mib(row["baseline_bytes"]),
-                      _mib(row["runtime_rss_bytes"]), _mib(row["rss_bytes"]),
-                      _mib(row["peak_rss_bytes"]), _mib(row["load_peak_rss_bytes"]),
-                      _ratio(row["estimated_bytes"], row["peak_rss_bytes"]),
-                      _ratio(row["load_peak_rss_bytes"], row["rss_bytes"]))
+        table.add_row(
+            str(row["rank"]),
+            row["node_id"][:8],
+            row["share"],
+            _mib(row["file_bytes"]),
+            _mib(row["estimated_bytes"]),
+            _mib(row["baseline_bytes"]),
+            _mib(row["runtime_rss_bytes"]),
+            _mib(row["rss_bytes"]),
+            _mib(row["peak_rss_bytes"]),
+            _mib(row["load_peak_rss_bytes"]),
+            _ratio(row["estimated_bytes"], row["peak_rss_bytes"]),
+            _ratio(row["load_peak_rss_bytes"], row["rss_bytes"]),
+        )
     console.print(table)

@@ -130,18 +130,41 @@ SHAPES: dict[str, MoeShape] = {
     # max_position_embeddings 40960, num_hidden_layers 48, decoder_sparse_step 1 (every
     # layer MoE), tie_word_embeddings false.
     "qwen3-30b-a3b": MoeShape(
-        arch="qwen3moe", hidden=2048, heads=32, kv_heads=4, head_dim=128, experts=128,
-        experts_used=8, expert_width=768, qk_norm=True, rope_theta=1e6, context_length=40960,
-        rms_eps=1e-6, real_layers=48, source="Qwen/Qwen3-30B-A3B config.json"),
+        arch="qwen3moe",
+        hidden=2048,
+        heads=32,
+        kv_heads=4,
+        head_dim=128,
+        experts=128,
+        experts_used=8,
+        expert_width=768,
+        qk_norm=True,
+        rope_theta=1e6,
+        context_length=40960,
+        rms_eps=1e-6,
+        real_layers=48,
+        source="Qwen/Qwen3-30B-A3B config.json",
+    ),
     # Mixtral-8x7B (mistralai/Mixtral-8x7B-v0.1 config.json: hidden 4096, 32 heads, 8 KV
     # heads, head_dim 128, 8 experts, 2 a token, intermediate 14336, rope_theta 1e6, 32
     # layers), each width a quarter (hidden 1024, 8 heads / 2 KV heads of 128, experts
     # 3584 wide), the expert count and routing kept: a layer is 1/16 of Mixtral's.
     "mixtral-tiny": MoeShape(
-        arch="llama", hidden=1024, heads=8, kv_heads=2, head_dim=128, experts=8,
-        experts_used=2, expert_width=3584, qk_norm=False, rope_theta=1e6,
-        context_length=32768, rms_eps=1e-5, real_layers=32,
-        source="mistralai/Mixtral-8x7B-v0.1 config.json, every width / 4"),
+        arch="llama",
+        hidden=1024,
+        heads=8,
+        kv_heads=2,
+        head_dim=128,
+        experts=8,
+        experts_used=2,
+        expert_width=3584,
+        qk_norm=False,
+        rope_theta=1e6,
+        context_length=32768,
+        rms_eps=1e-5,
+        real_layers=32,
+        source="mistralai/Mixtral-8x7B-v0.1 config.json, every width / 4",
+    ),
     # openai/gpt-oss-20b config.json: hidden_size 2880, num_attention_heads 64,
     # num_key_value_heads 8, head_dim 64, num_local_experts 32, num_experts_per_tok 4,
     # intermediate_size 2880, rope_theta 150000, rope_scaling yarn factor 32 from 4096,
@@ -149,33 +172,83 @@ SHAPES: dict[str, MoeShape] = {
     # Its rows of 2880 are not whole K-quant blocks: MXFP4 experts, Q8_0 elsewhere, as
     # llama.cpp's MXFP4 file of it holds them.
     "gpt-oss-20b": MoeShape(
-        arch="gpt-oss", hidden=2880, heads=64, kv_heads=8, head_dim=64, experts=32,
-        experts_used=4, expert_width=2880, qk_norm=False, rope_theta=150000.0,
-        context_length=131072, rms_eps=1e-5, real_layers=24,
-        source="openai/gpt-oss-20b config.json", sliding_window=128, yarn=(32.0, 4096)),
+        arch="gpt-oss",
+        hidden=2880,
+        heads=64,
+        kv_heads=8,
+        head_dim=64,
+        experts=32,
+        experts_used=4,
+        expert_width=2880,
+        qk_norm=False,
+        rope_theta=150000.0,
+        context_length=131072,
+        rms_eps=1e-5,
+        real_layers=24,
+        source="openai/gpt-oss-20b config.json",
+        sliding_window=128,
+        yarn=(32.0, 4096),
+    ),
     # Qwen/Qwen2.5-1.5B-Instruct config.json: hidden_size 1536, num_attention_heads 12,
     # num_key_value_heads 2 (head_dim 128), intermediate_size 8960, rope_theta 1e6,
     # rms_norm_eps 1e-6, max_position_embeddings 32768, 28 layers, q/k/v biases. Dense; its
     # embeddings are tied, here an output matrix of its own (Q6_K, as llama.cpp's Q4_K_M
     # gives the tied one).
     "qwen2-1.5b": MoeShape(
-        arch="qwen2", hidden=1536, heads=12, kv_heads=2, head_dim=128, experts=0,
-        experts_used=0, expert_width=8960, qk_norm=False, rope_theta=1e6, context_length=32768,
-        rms_eps=1e-6, real_layers=28, source="Qwen/Qwen2.5-1.5B-Instruct config.json"),
+        arch="qwen2",
+        hidden=1536,
+        heads=12,
+        kv_heads=2,
+        head_dim=128,
+        experts=0,
+        experts_used=0,
+        expert_width=8960,
+        qk_norm=False,
+        rope_theta=1e6,
+        context_length=32768,
+        rms_eps=1e-6,
+        real_layers=28,
+        source="Qwen/Qwen2.5-1.5B-Instruct config.json",
+    ),
     # Small, for tests and smoke runs: Qwen3-MoE's layout (q/k norms, 4 of 16 experts), a
     # few MB a layer. Its ffn_down_exps rows (an expert's 128 columns) are not whole K-quant
     # blocks: Q8_0.
     "qwen3moe-small": MoeShape(
-        arch="qwen3moe", hidden=256, heads=4, kv_heads=2, head_dim=64, experts=16,
-        experts_used=4, expert_width=128, qk_norm=True, rope_theta=1e6, context_length=4096,
-        rms_eps=1e-6, real_layers=4, source="small test shape"),
+        arch="qwen3moe",
+        hidden=256,
+        heads=4,
+        kv_heads=2,
+        head_dim=64,
+        experts=16,
+        experts_used=4,
+        expert_width=128,
+        qk_norm=True,
+        rope_theta=1e6,
+        context_length=4096,
+        rms_eps=1e-6,
+        real_layers=4,
+        source="small test shape",
+    ),
     # gpt-oss's layout at test size: 2 of 8 MXFP4 experts 256 wide, 4 heads of 64 over 2
     # KV heads, a window of 128, YaRN from 4096 (rows of 256: Q4_K beside the experts).
     "gpt-oss-small": MoeShape(
-        arch="gpt-oss", hidden=256, heads=4, kv_heads=2, head_dim=64, experts=8,
-        experts_used=2, expert_width=256, qk_norm=False, rope_theta=150000.0,
-        context_length=8192, rms_eps=1e-5, real_layers=4, source="small test shape",
-        sliding_window=128, yarn=(2.0, 4096)),
+        arch="gpt-oss",
+        hidden=256,
+        heads=4,
+        kv_heads=2,
+        head_dim=64,
+        experts=8,
+        experts_used=2,
+        expert_width=256,
+        qk_norm=False,
+        rope_theta=150000.0,
+        context_length=8192,
+        rms_eps=1e-5,
+        real_layers=4,
+        source="small test shape",
+        sliding_window=128,
+        yarn=(2.0, 4096),
+    ),
 }
 
 MIXES = ("q4_k_m", "q4_k")
@@ -184,12 +257,19 @@ MIXES = ("q4_k_m", "q4_k")
 # --- random quantized blocks -------------------------------------------------------------
 
 # GGUF block byte offsets of each type's f16 scale fields.
-F16_FIELDS = {"Q4_0": [0], "Q4_1": [0, 2], "Q5_0": [0], "Q5_1": [0, 2], "Q8_0": [0],
-              "Q4_K": [0, 2], "Q5_K": [0, 2], "Q6_K": [208]}
+F16_FIELDS = {
+    "Q4_0": [0],
+    "Q4_1": [0, 2],
+    "Q5_0": [0],
+    "Q5_1": [0, 2],
+    "Q8_0": [0],
+    "Q4_K": [0, 2],
+    "Q5_K": [0, 2],
+    "Q6_K": [208],
+}
 
 
-def random_quant_blocks(type_name: str, rows: int, blocks: int, seed: int = 0,
-                        scale: float = 0.01) -> np.ndarray:
+def random_quant_blocks(type_name: str, rows: int, blocks: int, seed: int = 0, scale: float = 0.01) -> np.ndarray:
     """uint8 ``[rows, blocks * block_bytes]`` of GGUF type ``type_name``: random quants and
     group scales, finite f16 super-block scales (about ``scale``, normal-distributed, so
     of either sign). Each block's values have a nonzero mean (random group minimums): for
@@ -205,7 +285,7 @@ def random_quant_blocks(type_name: str, rows: int, blocks: int, seed: int = 0,
         return data.reshape(rows, blocks * size)
     for at in F16_FIELDS[type_name]:
         scales = (rng.standard_normal((rows, blocks)) * scale).astype(np.float16)
-        data[..., at:at + 2] = scales[..., None].view(np.uint8).reshape(rows, blocks, 2)
+        data[..., at : at + 2] = scales[..., None].view(np.uint8).reshape(rows, blocks, 2)
     return data.reshape(rows, blocks * size)
 
 
@@ -216,11 +296,10 @@ _Q6_K_SCALES = (8, 64)
 
 def _set_f16(data: np.ndarray, at: int, values: np.ndarray) -> None:
     """Write float ``values`` ``[n]`` as f16 at byte ``at`` of each block ``data[n, size]``."""
-    data[:, at:at + 2] = values.astype(np.float16)[:, None].view(np.uint8)
+    data[:, at : at + 2] = values.astype(np.float16)[:, None].view(np.uint8)
 
 
-def weight_blocks(type_name: str, rows: int, cols: int, std: float,
-                  rng: np.random.Generator) -> np.ndarray:
+def weight_blocks(type_name: str, rows: int, cols: int, std: float, rng: np.random.Generator) -> np.ndarray:
     """uint8 ``[rows, cols / block * block_bytes]``: blocks of GGUF type ``type_name``
     (Q8_0, Q4_K, Q5_K, Q6_K or MXFP4) whose weights are zero-mean (Q8_0, Q6_K: -0.5 quantum)
     with standard deviation ``std``: uniform random quants, each block's f16 scale drawn
@@ -330,12 +409,16 @@ def weight_stds(shape: MoeShape) -> dict[str, float]:
     d, q = shape.hidden, shape.heads * shape.head_dim
     return {
         "token_embd": 1.0,
-        "attn_q": 1 / math.sqrt(d), "attn_k": 1 / math.sqrt(d), "attn_v": 1 / math.sqrt(d),
+        "attn_q": 1 / math.sqrt(d),
+        "attn_k": 1 / math.sqrt(d),
+        "attn_v": 1 / math.sqrt(d),
         "attn_output": 0.5 / math.sqrt(q),
         "ffn_gate_inp": 1.5 / math.sqrt(d),
-        "ffn_gate_exps": 1 / math.sqrt(d), "ffn_up_exps": 1 / math.sqrt(d),
+        "ffn_gate_exps": 1 / math.sqrt(d),
+        "ffn_up_exps": 1 / math.sqrt(d),
         "ffn_down_exps": 1 / math.sqrt(shape.expert_width),
-        "ffn_gate": 1 / math.sqrt(d), "ffn_up": 1 / math.sqrt(d),
+        "ffn_gate": 1 / math.sqrt(d),
+        "ffn_up": 1 / math.sqrt(d),
         "ffn_down": 1 / math.sqrt(shape.expert_width),
         "output": 2.5 / math.sqrt(d),
         "norm": 0.02,
@@ -364,24 +447,23 @@ def plan_tensors(shape: MoeShape, layers: int, vocab: int, mix: str) -> list[Ten
     for i in range(layers):
         b = f"blk.{i}."
         plans += [norm(b + "attn_norm.weight", d)]
-        for kind, rows, cols in (("attn_q", q, d), ("attn_k", kv, d), ("attn_v", kv, d),
-                                 ("attn_output", d, q)):
+        for kind, rows, cols in (("attn_q", q, d), ("attn_k", kv, d), ("attn_v", kv, d), ("attn_output", d, q)):
             plans += [matrix(b + kind + ".weight", (rows, cols))]
             plans += [bias(b + kind + ".bias", (rows,))] if oss or (shape.qkv_bias and kind != "attn_output") else []
         if oss:
             plans += [TensorPlan(b + "attn_sinks.weight", (shape.heads,), "F32", 1.0)]
         if shape.qk_norm:
-            plans += [norm(b + "attn_q_norm.weight", shape.head_dim),
-                      norm(b + "attn_k_norm.weight", shape.head_dim)]
+            plans += [norm(b + "attn_q_norm.weight", shape.head_dim), norm(b + "attn_k_norm.weight", shape.head_dim)]
         plans += [norm(b + ("post_attention_norm.weight" if oss else "ffn_norm.weight"), d)]
         if shape.dense:
-            plans += [matrix(b + kind + ".weight", dims)
-                      for kind, dims in (("ffn_gate", (w, d)), ("ffn_up", (w, d)), ("ffn_down", (d, w)))]
+            plans += [
+                matrix(b + kind + ".weight", dims)
+                for kind, dims in (("ffn_gate", (w, d)), ("ffn_up", (w, d)), ("ffn_down", (d, w)))
+            ]
             continue
         plans += [TensorPlan(b + "ffn_gate_inp.weight", (e, d), "F32", std["ffn_gate_inp"])]
         plans += [bias(b + "ffn_gate_inp.bias", (e,))] if oss else []
-        for kind, dims in (("ffn_gate_exps", (e, w, d)), ("ffn_up_exps", (e, w, d)),
-                           ("ffn_down_exps", (e, d, w))):
+        for kind, dims in (("ffn_gate_exps", (e, w, d)), ("ffn_up_exps", (e, w, d)), ("ffn_down_exps", (e, d, w))):
             plans += [matrix(b + kind + ".weight", dims)]
             plans += [bias(b + kind + ".bias", dims[:2])] if oss else []
     plans += [norm("output_norm.weight", d), matrix("output.weight", (vocab, d))]
@@ -400,8 +482,7 @@ def _tensor_data(plan: TensorPlan, rng: np.random.Generator) -> np.ndarray:
 
 # GGUF metadata value types (the spec's gguf_metadata_value_type): struct formats of the
 # fixed-size ones; 8 is a string, 9 an array.
-_SCALAR_FORMATS = {0: "B", 1: "b", 2: "H", 3: "h", 4: "I", 5: "i", 6: "f", 7: "?",
-                   10: "Q", 11: "q", 12: "d"}
+_SCALAR_FORMATS = {0: "B", 1: "b", 2: "H", 3: "h", 4: "I", 5: "i", 6: "f", 7: "?", 10: "Q", 11: "q", 12: "d"}
 
 
 def _tokenizer_fields(path: Path) -> tuple[list[tuple[str, Any, Any, Any]], int]:
@@ -479,14 +560,19 @@ def _parse_tokenizer_fields(data: bytes, path: Path) -> list[tuple[str, Any, Any
         if key.startswith("tokenizer."):
             if vtype == 8:
                 val = val.decode()
-            fields.append((key, val, gguf.GGUFValueType(vtype),
-                           None if sub is None else gguf.GGUFValueType(sub)))
+            fields.append((key, val, gguf.GGUFValueType(vtype), None if sub is None else gguf.GGUFValueType(sub)))
     return fields
 
 
-def write_moe_gguf(path: str | Path, shape: MoeShape | str, layers: int, *,
-                   mix: str = "q4_k_m", seed: int = 0,
-                   tokenizer_from: str | Path | None = None) -> Path:
+def write_moe_gguf(
+    path: str | Path,
+    shape: MoeShape | str,
+    layers: int,
+    *,
+    mix: str = "q4_k_m",
+    seed: int = 0,
+    tokenizer_from: str | Path | None = None,
+) -> Path:
     """Write a random-weight MoE GGUF of ``shape`` (a :class:`MoeShape` or a key of
     :data:`SHAPES`) with ``layers`` layers to ``path``, with the tokenizer of the GGUF
     ``tokenizer_from`` (default: the embedded SmolLM2). Returns ``path``."""
@@ -529,21 +615,18 @@ def write_moe_gguf(path: str | Path, shape: MoeShape | str, layers: int, *,
         writer.add_rope_scaling_type(gguf.RopeScalingType.YARN)
         writer.add_rope_scaling_factor(shape.yarn[0])
         writer.add_rope_scaling_orig_ctx_len(shape.yarn[1])
-    writer.add_file_type(gguf.LlamaFileType.MOSTLY_Q4_K_M if mix == "q4_k_m"
-                         else gguf.LlamaFileType.MOSTLY_Q4_K_S)
+    writer.add_file_type(gguf.LlamaFileType.MOSTLY_Q4_K_M if mix == "q4_k_m" else gguf.LlamaFileType.MOSTLY_Q4_K_S)
     for name, value, vtype, sub in fields:
         writer.add_key_value(name, value, vtype, sub)
     for plan in plans:
         if plan.type_name == "F32":
-            writer.add_tensor_info(plan.name, plan.shape, np.dtype(np.float32),
-                                   4 * math.prod(plan.shape))
+            writer.add_tensor_info(plan.name, plan.shape, np.dtype(np.float32), 4 * math.prod(plan.shape))
         else:
             qtype = gguf.GGMLQuantizationType[plan.type_name]
             block, size = gguf.GGML_QUANT_SIZES[qtype]
             *outer, cols = plan.shape
             byte_shape = (*outer, cols // block * size)
-            writer.add_tensor_info(plan.name, byte_shape, np.dtype(np.uint8),
-                                   math.prod(byte_shape), raw_dtype=qtype)
+            writer.add_tensor_info(plan.name, byte_shape, np.dtype(np.uint8), math.prod(byte_shape), raw_dtype=qtype)
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_ti_data_to_file()
@@ -581,8 +664,10 @@ def check_model(path: str | Path, prompt_tokens: int = 96, seed: int = 0) -> dic
     chosen: list[list[torch.Tensor]] = [[] for _ in range(config.num_layers)]
     moes = [m for m in shard.modules() if isinstance(m, MixtureOfExperts)]
     for layer, moe in enumerate(moes):
+
         def hook(module, args, layer=layer):
             chosen[layer].append(module.route(args[0])[0])
+
         moe.register_forward_pre_hook(hook)
     g = torch.Generator().manual_seed(seed)
     prompt = torch.randint(0, config.vocab_size, (prompt_tokens,), generator=g)
@@ -602,35 +687,51 @@ def check_model(path: str | Path, prompt_tokens: int = 96, seed: int = 0) -> dic
         counts = torch.bincount(picks, minlength=config.num_experts).double()
         p = counts[counts > 0] / counts.sum()
         entropy = float(-(p * p.log()).sum() / math.log(config.num_experts)) if len(p) else 0.0
-        routing.append({"layer": layer, "distinct_experts": int((counts > 0).sum()),
-                        "entropy": round(entropy, 3)})
-    return {"experts": config.num_experts, "experts_used": config.num_experts_per_tok,
-            "prompt_tokens": prompt_tokens, "logit_std": float(stacked.std()),
-            "logit_absmax": float(stacked.abs().max()), "routing": routing}
+        routing.append({"layer": layer, "distinct_experts": int((counts > 0).sum()), "entropy": round(entropy, 3)})
+    return {
+        "experts": config.num_experts,
+        "experts_used": config.num_experts_per_tok,
+        "prompt_tokens": prompt_tokens,
+        "logit_std": float(stacked.std()),
+        "logit_absmax": float(stacked.abs().max()),
+        "routing": routing,
+    }
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         prog="python -m shardline.bench.moe_model",
-        description="Write a random-weight mixture-of-experts GGUF in a real model's layer shape.")
+        description="Write a random-weight mixture-of-experts GGUF in a real model's layer shape.",
+    )
     parser.add_argument("out", help="the GGUF file to write")
     parser.add_argument("--shape", default="qwen3-30b-a3b", choices=sorted(SHAPES))
     parser.add_argument("--layers", type=int, default=4)
-    parser.add_argument("--mix", default="q4_k_m", choices=MIXES,
-                        help="quantization types (default %(default)s: llama.cpp's Q4_K_M choices)")
+    parser.add_argument(
+        "--mix",
+        default="q4_k_m",
+        choices=MIXES,
+        help="quantization types (default %(default)s: llama.cpp's Q4_K_M choices)",
+    )
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--tokenizer-from", default=None,
-                        help="GGUF whose tokenizer.* keys to copy (default: the embedded SmolLM2)")
-    parser.add_argument("--check", action=argparse.BooleanOptionalAction, default=True,
-                        help="load it with shardline's loader in this process and check its logits and "
-                             "routing (default on)")
+    parser.add_argument(
+        "--tokenizer-from", default=None, help="GGUF whose tokenizer.* keys to copy (default: the embedded SmolLM2)"
+    )
+    parser.add_argument(
+        "--check",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="load it with shardline's loader in this process and check its logits and routing (default on)",
+    )
     args = parser.parse_args(argv)
     start = time.monotonic()
-    path = write_moe_gguf(args.out, args.shape, args.layers, mix=args.mix, seed=args.seed,
-                          tokenizer_from=args.tokenizer_from)
+    path = write_moe_gguf(
+        args.out, args.shape, args.layers, mix=args.mix, seed=args.seed, tokenizer_from=args.tokenizer_from
+    )
     size = path.stat().st_size
-    print(f"wrote {path}: {args.shape}, {args.layers} layers, {args.mix}, "
-          f"{size / 2**20:.0f} MiB in {time.monotonic() - start:.1f} s")
+    print(
+        f"wrote {path}: {args.shape}, {args.layers} layers, {args.mix}, "
+        f"{size / 2**20:.0f} MiB in {time.monotonic() - start:.1f} s"
+    )
     if args.check:
         start = time.monotonic()
         try:
@@ -638,12 +739,14 @@ def main(argv: list[str] | None = None) -> int:
         except ValueError as exc:
             print(f"check failed: {exc}", file=sys.stderr)
             return 1
-        spread = ", ".join(f"{r['distinct_experts']}/{report['experts']} (entropy {r['entropy']})"
-                           for r in report["routing"])
-        routed = (f"; experts chosen over a {report['prompt_tokens']}-token prompt, by layer: {spread}"
-                  if spread else "")
-        print(f"checked in {time.monotonic() - start:.1f} s: logits finite (std "
-              f"{report['logit_std']:.2f}, max |logit| {report['logit_absmax']:.1f}){routed}")
+        spread = ", ".join(
+            f"{r['distinct_experts']}/{report['experts']} (entropy {r['entropy']})" for r in report["routing"]
+        )
+        routed = f"; experts chosen over a {report['prompt_tokens']}-token prompt, by layer: {spread}" if spread else ""
+        print(
+            f"checked in {time.monotonic() - start:.1f} s: logits finite (std "
+            f"{report['logit_std']:.2f}, max |logit| {report['logit_absmax']:.1f}){routed}"
+        )
     return 0
 
 

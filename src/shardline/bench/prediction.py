@@ -16,8 +16,9 @@ from typing import Any
 import httpx
 
 
-def instance_speed(url: str, model: str, headers: dict[str, str] | None = None,
-                   timeout_s: float = 10.0, poll_s: float = 0.5) -> dict[str, Any] | None:
+def instance_speed(
+    url: str, model: str, headers: dict[str, str] | None = None, timeout_s: float = 10.0, poll_s: float = 0.5
+) -> dict[str, Any] | None:
     """The ``speed`` of ``model``'s ready instance on the shardline cluster at ``url``
     (keys as ``GET /cluster/instances`` gives them: ``predicted_decode_tokens_per_s``,
     ``measured_decode_tokens_per_s``, ``decode_samples``, ``decode_context``, ...); None
@@ -27,8 +28,7 @@ def instance_speed(url: str, model: str, headers: dict[str, str] | None = None,
     deadline = time.monotonic() + timeout_s
     while True:
         try:
-            instances = httpx.get(f"{url}/cluster/instances", timeout=timeout_s,
-                                  headers=headers).json()["instances"]
+            instances = httpx.get(f"{url}/cluster/instances", timeout=timeout_s, headers=headers).json()["instances"]
             ready = [i for i in instances if i["model_id"] == model and i["status"] == "ready"]
         except (httpx.HTTPError, ValueError, KeyError, TypeError):
             return None
@@ -60,12 +60,14 @@ def prediction_line(speed: dict[str, Any], bench_decode: float | None) -> str | 
     parts = []
     cluster = speed.get("measured_decode_tokens_per_s")
     if cluster:
-        parts.append(f"{cluster:.1f} by the cluster (median of {speed.get('decode_samples', 0)} "
-                     "requests that ran alone)")
+        parts.append(
+            f"{cluster:.1f} by the cluster (median of {speed.get('decode_samples', 0)} requests that ran alone)"
+        )
     if bench_decode:
         parts.append(f"{bench_decode:.1f} by this bench (concurrency 1)")
-    line = (f"placement's predicted decode: {predicted:.1f} tokens/s "
-            f"(sequences up to {speed.get('decode_context')} tokens)")
+    line = (
+        f"placement's predicted decode: {predicted:.1f} tokens/s (sequences up to {speed.get('decode_context')} tokens)"
+    )
     measured = bench_decode or cluster
     if not measured:
         return line

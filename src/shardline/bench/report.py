@@ -35,8 +35,10 @@ def _server_line(server: dict[str, Any]) -> str:
 def _header(report: dict[str, Any]) -> str:
     cfg = report["config"]
     rounds = cfg["rounds"]
-    text = (f"[bold]shardline bench[/bold] · prompt {' / '.join(map(str, cfg['prompt_tokens']))} tokens · "
-            f"gen {cfg['gen_tokens']} tokens · concurrency {' / '.join(map(str, cfg['concurrency']))}")
+    text = (
+        f"[bold]shardline bench[/bold] · prompt {' / '.join(map(str, cfg['prompt_tokens']))} tokens · "
+        f"gen {cfg['gen_tokens']} tokens · concurrency {' / '.join(map(str, cfg['concurrency']))}"
+    )
     if rounds > 1:
         text += f" · {rounds} rounds, medians"
     return text
@@ -53,11 +55,22 @@ def print_report(report: dict[str, Any], console=None) -> None:
     console.print(_header(report), highlight=False)
     console.print(f"[dim]{_server_line(server)}[/dim]", highlight=False)
     name = server["name"]
-    table = Table(caption="TTFT, prefill, per-request decode and prompt tokens: medians over the level's "
-                          "requests (each starts its text elsewhere: a few tokens off the calibrated count).\n"
-                          f"{report['aggregate_definition']}.", caption_justify="left")
-    for title in ("concur-\nrency", "reqs", "prompt\ntokens", "gen\ntokens", "TTFT\n(ms)", "prefill\ntok/s",
-                  "decode\ntok/s\nper req.", "decode\ntok/s\naggregate"):
+    table = Table(
+        caption="TTFT, prefill, per-request decode and prompt tokens: medians over the level's "
+        "requests (each starts its text elsewhere: a few tokens off the calibrated count).\n"
+        f"{report['aggregate_definition']}.",
+        caption_justify="left",
+    )
+    for title in (
+        "concur-\nrency",
+        "reqs",
+        "prompt\ntokens",
+        "gen\ntokens",
+        "TTFT\n(ms)",
+        "prefill\ntok/s",
+        "decode\ntok/s\nper req.",
+        "decode\ntok/s\naggregate",
+    ):
         table.add_column(title, justify="right", no_wrap=True)
     chat = None
     conversations = []
@@ -69,15 +82,24 @@ def print_report(report: dict[str, Any], console=None) -> None:
         if w["kind"] == "turns":
             conversations.append(w["results"][name])
             continue
-        table.add_row(str(w["concurrency"]), str(fig["requests"]), _fmt(fig["median_prompt_tokens"], 0),
-                      _fmt(fig["median_completion_tokens"], 0), _fmt(fig["median_ttft_ms"]),
-                      _fmt(fig["median_prefill_tokens_per_s"]), _fmt(fig["median_decode_tokens_per_s"]),
-                      _fmt(fig["aggregate_decode_tokens_per_s"]))
+        table.add_row(
+            str(w["concurrency"]),
+            str(fig["requests"]),
+            _fmt(fig["median_prompt_tokens"], 0),
+            _fmt(fig["median_completion_tokens"], 0),
+            _fmt(fig["median_ttft_ms"]),
+            _fmt(fig["median_prefill_tokens_per_s"]),
+            _fmt(fig["median_decode_tokens_per_s"]),
+            _fmt(fig["aggregate_decode_tokens_per_s"]),
+        )
     if table.rows:
         console.print(table)
     if chat is not None:
-        console.print(f"short chat ({_fmt(chat['median_prompt_tokens'], 0)} prompt tokens): "
-                      f"TTFT {_fmt(chat['median_ttft_ms'])} ms (median of {chat['requests']})", highlight=False)
+        console.print(
+            f"short chat ({_fmt(chat['median_prompt_tokens'], 0)} prompt tokens): "
+            f"TTFT {_fmt(chat['median_ttft_ms'])} ms (median of {chat['requests']})",
+            highlight=False,
+        )
     for result in conversations:
         console.print(conversation_line(result), highlight=False)
 
@@ -90,14 +112,22 @@ def conversation_line(result: dict[str, Any]) -> str:
     def ms(seconds: float | None) -> str:
         return _fmt(None if seconds is None else seconds * 1000, 0)
 
-    turns = [f"{r['prompt_tokens']}" + (f" ({r['cached_tokens']} cached)" if r.get("cached_tokens") else "")
-             + f": {ms(r['ttft_s'])} / {ms(r.get('uncached_ttft_s'))} ms"
-             for r in result["rounds"][-1]["per_request"]]
-    gain = _ratio(None if not fig.get("last_uncached_ttft_ms") or fig["last_ttft_ms"] is None
-                  else fig["last_ttft_ms"] / fig["last_uncached_ttft_ms"])
-    return (f"conversation of {len(turns)} turns: TTFT first {_fmt(fig['first_ttft_ms'])} ms, last "
-            f"{_fmt(fig['last_ttft_ms'])} ms, last without the cache {_fmt(fig.get('last_uncached_ttft_ms'))} ms "
-            f"({gain}); per turn, prompt tokens: TTFT / without the cache: {', '.join(turns)}")
+    turns = [
+        f"{r['prompt_tokens']}"
+        + (f" ({r['cached_tokens']} cached)" if r.get("cached_tokens") else "")
+        + f": {ms(r['ttft_s'])} / {ms(r.get('uncached_ttft_s'))} ms"
+        for r in result["rounds"][-1]["per_request"]
+    ]
+    gain = _ratio(
+        None
+        if not fig.get("last_uncached_ttft_ms") or fig["last_ttft_ms"] is None
+        else fig["last_ttft_ms"] / fig["last_uncached_ttft_ms"]
+    )
+    return (
+        f"conversation of {len(turns)} turns: TTFT first {_fmt(fig['first_ttft_ms'])} ms, last "
+        f"{_fmt(fig['last_ttft_ms'])} ms, last without the cache {_fmt(fig.get('last_uncached_ttft_ms'))} ms "
+        f"({gain}); per turn, prompt tokens: TTFT / without the cache: {', '.join(turns)}"
+    )
 
 
 def print_comparison(report: dict[str, Any], console=None) -> None:
@@ -120,12 +150,17 @@ def print_comparison(report: dict[str, Any], console=None) -> None:
     table.add_column("better", no_wrap=True)
     previous = None
     for row in report["rows"]:
-        table.add_row("" if row["workload"] == previous else row["workload"], row["figure"],
-                      _fmt(row[first["name"]]), _fmt(row[second["name"]]), _ratio(row["ratio"]), row["better"])
+        table.add_row(
+            "" if row["workload"] == previous else row["workload"],
+            row["figure"],
+            _fmt(row[first["name"]]),
+            _fmt(row[second["name"]]),
+            _ratio(row["ratio"]),
+            row["better"],
+        )
         previous = row["workload"]
     console.print(table)
     for w in report.get("workloads", []):
         if w["kind"] == "turns":
             for server in (first, second):
-                console.print(f"{server['name']}: {conversation_line(w['results'][server['name']])}",
-                              highlight=False)
+                console.print(f"{server['name']}: {conversation_line(w['results'][server['name']])}", highlight=False)

@@ -39,8 +39,7 @@ SCHEMA = {
         "name": {"type": "string"},
         "age": {"type": "integer"},
         "tags": {"type": "array", "items": {"type": "string"}},
-        "address": {"type": "object", "properties": {"city": {"type": "string"},
-                                                     "zip": {"type": "string"}}},
+        "address": {"type": "object", "properties": {"city": {"type": "string"}, "zip": {"type": "string"}}},
     },
     "required": ["name", "age", "tags"],
 }
@@ -93,12 +92,13 @@ def main(argv: list[str] | None = None) -> None:
         ("+ penalties", lambda: Sampler(penalised, prompt)),
         ("+ logprobs(5)", lambda: Sampler(replace(greedy, logprobs=5), prompt)),
         ("+ JSON schema", lambda: Sampler(greedy, prompt, Constraint.start(grammar, tokenizer, (STOP,)))),
-        ("all of them", lambda: Sampler(replace(penalised, logprobs=5), prompt,
-                                        Constraint.start(grammar, tokenizer, (STOP,)))),
+        (
+            "all of them",
+            lambda: Sampler(replace(penalised, logprobs=5), prompt, Constraint.start(grammar, tokenizer, (STOP,))),
+        ),
     ]
     print(f"vocab {VOCAB}, {args.tokens} tokens x {args.passes} passes, {args.threads} thread(s)")
-    print(f"grammar tokenizer built once per runner: {tokenizer_s:.2f} s; "
-          f"matcher per request: {matcher_ms:.2f} ms")
+    print(f"grammar tokenizer built once per runner: {tokenizer_s:.2f} s; matcher per request: {matcher_ms:.2f} ms")
     print(f"{'sampling':>14} {'ms/token':>9} {'added ms':>9} {'ratio':>6}")
     base = 0.0
     for label, make in cases:

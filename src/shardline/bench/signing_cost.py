@@ -56,14 +56,19 @@ async def _per_request_s(signed: bool, path: str, body: bytes, n: int) -> float:
 
 def main() -> None:
     print(f"{'body':>12} {'unsigned ms':>12} {'signed ms':>10} {'added ms':>9} {'ratio':>6}")
-    for label, path, size, n in (("none", "/internal/echo", 0, 2000), ("2 KiB", "/internal/echo", 2048, 2000),
-                                 ("40 KiB", "/internal/echo", 40960, 1000), ("1 MiB", "/internal/echo", 2**20, 100),
-                                 ("1 MiB probe", "/internal/echo-bytes", 2**20, 100)):
+    for label, path, size, n in (
+        ("none", "/internal/echo", 0, 2000),
+        ("2 KiB", "/internal/echo", 2048, 2000),
+        ("40 KiB", "/internal/echo", 40960, 1000),
+        ("1 MiB", "/internal/echo", 2**20, 100),
+        ("1 MiB probe", "/internal/echo-bytes", 2**20, 100),
+    ):
         body = b"x" * size
         plain = min(asyncio.run(_per_request_s(False, path, body, n)) for _ in range(3))
         signed = min(asyncio.run(_per_request_s(True, path, body, n)) for _ in range(3))
-        print(f"{label:>12} {plain * 1e3:12.3f} {signed * 1e3:10.3f} {(signed - plain) * 1e3:9.3f} "
-              f"{signed / plain:6.2f}")
+        print(
+            f"{label:>12} {plain * 1e3:12.3f} {signed * 1e3:10.3f} {(signed - plain) * 1e3:9.3f} {signed / plain:6.2f}"
+        )
 
 
 if __name__ == "__main__":

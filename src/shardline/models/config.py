@@ -42,8 +42,14 @@ _HF_ARCHITECTURES = {
     "MixtralForCausalLM": "llama",
     "Qwen3MoeForCausalLM": "qwen3moe",
 }
-_HF_MODEL_TYPES = {"llama": "llama", "mistral": "llama", "mixtral": "llama", "qwen2": "qwen2",
-                   "qwen3": "qwen3", "qwen3_moe": "qwen3moe"}
+_HF_MODEL_TYPES = {
+    "llama": "llama",
+    "mistral": "llama",
+    "mixtral": "llama",
+    "qwen2": "qwen2",
+    "qwen3": "qwen3",
+    "qwen3_moe": "qwen3moe",
+}
 
 
 class UnsupportedModelError(ValueError):
@@ -107,19 +113,15 @@ class ModelConfig:
     def __post_init__(self) -> None:
         if self.architecture not in SUPPORTED_ARCHITECTURES:
             raise UnsupportedModelError(
-                f"architecture {self.architecture!r} is not supported "
-                f"(supported: {', '.join(SUPPORTED_ARCHITECTURES)})"
+                f"architecture {self.architecture!r} is not supported (supported: {', '.join(SUPPORTED_ARCHITECTURES)})"
             )
         object.__setattr__(self, "sliding_layers", tuple(self.sliding_layers))  # from JSON lists
         kind = (self.rope_scaling or {}).get("rope_type") or (self.rope_scaling or {}).get("type")
         if kind not in (None, "default", "llama3", "linear", "yarn"):
-            raise UnsupportedModelError(
-                f"RoPE scaling {kind!r} is not supported (supported: llama3, linear, yarn)"
-            )
+            raise UnsupportedModelError(f"RoPE scaling {kind!r} is not supported (supported: llama3, linear, yarn)")
         if self.num_heads % self.num_kv_heads:
             raise UnsupportedModelError(
-                f"{self.num_heads} attention heads do not group evenly over "
-                f"{self.num_kv_heads} KV heads"
+                f"{self.num_heads} attention heads do not group evenly over {self.num_kv_heads} KV heads"
             )
         if self.architecture == "qwen3moe" and not self.is_moe:
             raise UnsupportedModelError("a qwen3moe model needs an expert count")
@@ -185,7 +187,8 @@ class ModelConfig:
         if arch is None and (cfg.get("model_type") == "gpt_oss" or "GptOssForCausalLM" in names):
             raise UnsupportedModelError(
                 "gpt-oss is supported from GGUF files (e.g. ggml-org/gpt-oss-20b-GGUF), not "
-                "from its safetensors checkpoints (MXFP4 blocks in a layout of their own)")
+                "from its safetensors checkpoints (MXFP4 blocks in a layout of their own)"
+            )
         if arch is None:
             raise UnsupportedModelError(
                 f"model architectures {names or cfg.get('model_type')!r} are not supported "
@@ -204,7 +207,8 @@ class ModelConfig:
             if cfg.get("mlp_only_layers") or cfg.get("decoder_sparse_step", 1) != 1:
                 raise UnsupportedModelError(
                     "a model whose layers mix dense MLPs and experts (mlp_only_layers, "
-                    "decoder_sparse_step) is not supported")
+                    "decoder_sparse_step) is not supported"
+                )
             inter = cfg.get("moe_intermediate_size") or inter
         return cls(
             architecture=arch,
@@ -229,9 +233,7 @@ class ModelConfig:
         )
 
     @classmethod
-    def from_gguf_metadata(
-        cls, meta: dict[str, Any], tensor_names: set[str], embedding_rows: int = 0
-    ) -> "ModelConfig":
+    def from_gguf_metadata(cls, meta: dict[str, Any], tensor_names: set[str], embedding_rows: int = 0) -> "ModelConfig":
         """Build from GGUF key/value metadata, the file's tensor names and the token
         embedding's rows (the vocabulary, where the metadata has no ``vocab_size``).
 
@@ -242,8 +244,7 @@ class ModelConfig:
         arch = meta.get("general.architecture")
         if arch not in SUPPORTED_ARCHITECTURES:
             raise UnsupportedModelError(
-                f"GGUF architecture {arch!r} is not supported "
-                f"(supported: {', '.join(SUPPORTED_ARCHITECTURES)})"
+                f"GGUF architecture {arch!r} is not supported (supported: {', '.join(SUPPORTED_ARCHITECTURES)})"
             )
 
         def key(name: str, default: Any = None) -> Any:
@@ -260,9 +261,11 @@ class ModelConfig:
                 "original_max_position_embeddings": key("rope.scaling.original_context_length"),
             }
             if rope_scaling["rope_type"] == "yarn":  # llama.cpp's defaults, gpt-oss's config
-                rope_scaling.update(beta_fast=float(key("rope.scaling.yarn_beta_fast", 32.0)),
-                                    beta_slow=float(key("rope.scaling.yarn_beta_slow", 1.0)),
-                                    truncate=arch != "gpt-oss")
+                rope_scaling.update(
+                    beta_fast=float(key("rope.scaling.yarn_beta_fast", 32.0)),
+                    beta_slow=float(key("rope.scaling.yarn_beta_slow", 1.0)),
+                    truncate=arch != "gpt-oss",
+                )
         oss = arch == "gpt-oss"  # llama.cpp: a window on even layers, the clamped SwiGLU
         experts = int(key("expert_count", 0) or 0)
         # llama.cpp renormalizes the chosen experts' weights of both families (Mixtral's
@@ -358,24 +361,19 @@ class TensorShare:
         kv = list(self.kv_heads)
         if kv != list(range(needed[0], needed[-1] + 1)):
             raise ValueError(
-                f"KV heads {self.kv_heads} are not the KV heads {tuple(needed)} that query "
-                f"heads [{start}, {end}) read"
+                f"KV heads {self.kv_heads} are not the KV heads {tuple(needed)} that query heads [{start}, {end}) read"
             )
         c0, c1 = self.columns
         if not 0 <= c0 < c1 <= config.intermediate_size:
-            raise ValueError(
-                f"MLP column range {self.columns} is not inside [0, {config.intermediate_size})"
-            )
+            raise ValueError(f"MLP column range {self.columns} is not inside [0, {config.intermediate_size})")
         if not 0 <= self.rank < self.world_size:
             raise ValueError(f"rank {self.rank} is not in [0, {self.world_size})")
         if self.experts is not None:
             e0, e1 = self.experts
             if not config.is_moe or not 0 <= e0 < e1 <= config.num_experts:
-                raise ValueError(f"expert range {self.experts} is not inside "
-                                 f"[0, {config.num_experts}) experts")
+                raise ValueError(f"expert range {self.experts} is not inside [0, {config.num_experts}) experts")
             if self.columns != (0, config.intermediate_size):
                 raise ValueError("a rank that holds whole experts holds all their columns")
-
 
 
 @dataclass(frozen=True)

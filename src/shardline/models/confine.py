@@ -109,7 +109,8 @@ def check_manifest_json(data: object) -> dict:
         raise UnsafePathError("config is not an object")
     weight_map = data.get("weight_map", {})
     if not isinstance(weight_map, dict) or not all(
-            isinstance(k, str) and isinstance(v, str) and v in seen for k, v in weight_map.items()):
+        isinstance(k, str) and isinstance(v, str) and v in seen for k, v in weight_map.items()
+    ):
         raise UnsafePathError("weight_map is not an object of tensor names to listed files")
     pieces = data.get("pieces", {})
     sizes = {entry["path"]: entry["size"] for entry in files}

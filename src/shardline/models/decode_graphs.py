@@ -46,8 +46,9 @@ GRAPH_MAX_ROWS = 32
 T = TypeVar("T")
 
 
-def capture(device: torch.device, step: Callable[[], T],
-            pool: _POOL_HANDLE | None = None) -> tuple[torch.cuda.CUDAGraph, T]:
+def capture(
+    device: torch.device, step: Callable[[], T], pool: _POOL_HANDLE | None = None
+) -> tuple[torch.cuda.CUDAGraph, T]:
     """``step`` captured as a CUDA graph on ``device`` (in ``pool`` where given), having
     run it once eagerly on a side stream first (CUDA's lazy initialisations must not be
     captured); the graph and what the captured ``step`` returned (tensors the graph
@@ -104,8 +105,9 @@ def captures_head(shard: DecoderShard) -> bool:
     return shard.norm is not None and shard.lm_head is not None and len(shard.lm_head.parts) == 1
 
 
-def padded_decode(shard: DecoderShard, inputs: torch.Tensor, rows: torch.Tensor, span: int,
-                  cache: KVCache, head: bool = False) -> torch.Tensor:
+def padded_decode(
+    shard: DecoderShard, inputs: torch.Tensor, rows: torch.Tensor, span: int, cache: KVCache, head: bool = False
+) -> torch.Tensor:
     """One decode step through ``shard``'s embedding (if it has one) and layers, and with
     ``head`` its final norm and LM head, with shapes that depend only on the row count and
     ``span``: what a graph captures.
@@ -129,10 +131,21 @@ def padded_decode(shard: DecoderShard, inputs: torch.Tensor, rows: torch.Tensor,
     positions = lengths - 1
     cos, sin = shard.rope(positions)
     keys = torch.arange(span, device=rows.device)
-    batch = ForwardBatch(prefill=False, slot=-1, start=0, slots=slots, positions=positions,
-                         cos=cos, sin=sin, attn_mask=None, kv_len=span, rows=[],
-                         logit_rows=keys[: len(slots)], key_span=span,
-                         key_mask=keys.unsqueeze(0) < lengths.unsqueeze(1))
+    batch = ForwardBatch(
+        prefill=False,
+        slot=-1,
+        start=0,
+        slots=slots,
+        positions=positions,
+        cos=cos,
+        sin=sin,
+        attn_mask=None,
+        kv_len=span,
+        rows=[],
+        logit_rows=keys[: len(slots)],
+        key_span=span,
+        key_mask=keys.unsqueeze(0) < lengths.unsqueeze(1),
+    )
     h = shard.embed(inputs) if shard.embed is not None else inputs
     for i, layer in enumerate(shard.layers):
         h = layer(h, batch, cache.k[i], cache.v[i])
@@ -175,8 +188,7 @@ class DecodeGraphs:
         if cache is not self._cache:
             self._graphs.clear()
             self._cache = cache
-        meta = torch.tensor([[slot for slot, _ in rows], [length for _, length in rows]],
-                            dtype=torch.long)
+        meta = torch.tensor([[slot for slot, _ in rows], [length for _, length in rows]], dtype=torch.long)
         span = key_span(max(length for _, length in rows), cache.k[0].shape[2])
         captured = self._graphs.get((len(rows), span))
         if captured is None:
@@ -200,15 +212,17 @@ class DecodeGraphs:
         spans = key_spans(cache.k[0].shape[2])
         most = min(rows, GRAPH_MAX_ROWS)
         for n in range(1, most + 1):
-            inputs = (torch.zeros(n, dtype=torch.long) if self.shard.embed is not None
-                      else torch.zeros(n, hidden, dtype=self.shard.dtype, device=device))
+            inputs = (
+                torch.zeros(n, dtype=torch.long)
+                if self.shard.embed is not None
+                else torch.zeros(n, hidden, dtype=self.shard.dtype, device=device)
+            )
             meta = torch.tensor([[0] * n, [1] * n], dtype=torch.long)
             for span in spans:
                 self._graphs[(n, span)] = self._capture(inputs, meta, span, cache)
         return len(self._graphs), most
 
-    def _capture(self, inputs: torch.Tensor, meta: torch.Tensor, span: int,
-                 cache: KVCache) -> _Captured:
+    def _capture(self, inputs: torch.Tensor, meta: torch.Tensor, span: int, cache: KVCache) -> _Captured:
         """Capture the step for these inputs (:func:`capture`), then replay it once: the
         eager run before the capture writes the step's own keys and values, which the
         replay writes again, so the step runs as if once."""
@@ -216,8 +230,9 @@ class DecodeGraphs:
         inputs, rows = inputs.to(device, copy=True), meta.to(device)
         if self._pool is None:
             self._pool = torch.cuda.graph_pool_handle()
-        graph, out = capture(device, lambda: padded_decode(self.shard, inputs, rows, span, cache, self.head),
-                             self._pool)
+        graph, out = capture(
+            device, lambda: padded_decode(self.shard, inputs, rows, span, cache, self.head), self._pool
+        )
         graph.replay()
         return _Captured(graph, inputs, rows, out)
 

@@ -48,13 +48,13 @@ class MLP(nn.Module):
     hidden_size]`` in the compute dtype (float32 with a ``share``).
     """
 
-    def __init__(self, config: ModelConfig, share: TensorShare | None = None,
-                 biases: bool = False) -> None:
+    def __init__(self, config: ModelConfig, share: TensorShare | None = None, biases: bool = False) -> None:
         super().__init__()
         inter = share.num_columns if share else config.intermediate_size
         self.gate_up = Linear(config.hidden_size, 2 * inter, bias=biases)
-        self.down = Linear(inter, config.hidden_size, partial=share is not None,
-                           bias=biases and (share is None or share.rank == 0))
+        self.down = Linear(
+            inter, config.hidden_size, partial=share is not None, bias=biases and (share is None or share.rank == 0)
+        )
         self.limit, self.alpha = config.swiglu_limit, config.swiglu_alpha
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -98,15 +98,16 @@ class MixtureOfExperts(nn.Module):
         self.norm_topk_prob = config.norm_topk_prob
         self.partial = share is not None
         self.first, last = share.expert_range(config) if share else (0, config.num_experts)
-        self.router = nn.Parameter(torch.empty(config.num_experts, config.hidden_size),
-                                   requires_grad=False)
-        self.router_bias = nn.Parameter(torch.empty(config.num_experts), requires_grad=False
-                                        ) if config.expert_bias else None
+        self.router = nn.Parameter(torch.empty(config.num_experts, config.hidden_size), requires_grad=False)
+        self.router_bias = (
+            nn.Parameter(torch.empty(config.num_experts), requires_grad=False) if config.expert_bias else None
+        )
         # Whole experts (expert sharding) are each on one rank: their own outputs and
         # biases, added once in the all-reduce; split ones are a share of every expert.
         whole = share is not None and share.experts is not None
-        self.experts = nn.ModuleList(MLP(config, None if whole else share, biases=config.expert_bias)
-                                     for _ in range(self.first, last))
+        self.experts = nn.ModuleList(
+            MLP(config, None if whole else share, biases=config.expert_bias) for _ in range(self.first, last)
+        )
 
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """The experts of each row and their weights: int64 ``[N, top_k]`` expert ids and

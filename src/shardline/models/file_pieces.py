@@ -104,8 +104,11 @@ def check_pieces(data: object, size: int) -> list[Piece]:
         piece = Piece(**entry)
         if not isinstance(piece.name, str) or piece.name in names:
             raise ValueError(f"piece name {piece.name!r} is not a string, or repeats")
-        if not all(isinstance(v, int) and not isinstance(v, bool) for v in (piece.offset, piece.size)) \
-                or piece.offset != end or piece.size < 0:
+        if (
+            not all(isinstance(v, int) and not isinstance(v, bool) for v in (piece.offset, piece.size))
+            or piece.offset != end
+            or piece.size < 0
+        ):
             raise ValueError(f"piece {piece.name!r} does not start at byte {end}")
         if not isinstance(piece.sha256, str) or not _SHA256.fullmatch(piece.sha256):
             raise ValueError(f"piece {piece.name!r}: sha256 is not 64 hex digits")

@@ -62,9 +62,26 @@ MAX_PARTS = 3
 
 _P = ctypes.c_void_p
 _I = ctypes.c_int64
-_POINTERS = ("qkv", "o", "gate_up", "down", "attn_norm", "mlp_norm", "qkv_bias", "q_norm",
-             "k_norm", "k_cache", "v_cache", "router", "experts", "sinks", "router_bias", "o_bias",
-             "gate_up_bias", "down_bias")
+_POINTERS = (
+    "qkv",
+    "o",
+    "gate_up",
+    "down",
+    "attn_norm",
+    "mlp_norm",
+    "qkv_bias",
+    "q_norm",
+    "k_norm",
+    "k_cache",
+    "v_cache",
+    "router",
+    "experts",
+    "sinks",
+    "router_bias",
+    "o_bias",
+    "gate_up_bias",
+    "down_bias",
+)
 
 
 class _Part(ctypes.Structure):
@@ -88,15 +105,29 @@ class _Layer(ctypes.Structure):
 class _Shape(ctypes.Structure):
     """``decode_shape_t`` of the C source."""
 
-    _fields_ = [*((name, _I) for name in ("hidden", "heads", "kv_heads", "hd", "inter", "slots",
-                                          "positions", "experts", "top_k", "norm_topk")),
-                *((name, ctypes.c_float) for name in ("eps", "swiglu_limit", "swiglu_alpha"))]
+    _fields_ = [
+        *(
+            (name, _I)
+            for name in (
+                "hidden",
+                "heads",
+                "kv_heads",
+                "hd",
+                "inter",
+                "slots",
+                "positions",
+                "experts",
+                "top_k",
+                "norm_topk",
+            )
+        ),
+        *((name, ctypes.c_float) for name in ("eps", "swiglu_limit", "swiglu_alpha")),
+    ]
 
 
 def _built() -> bool:
     lib = kernel_library.kernels()
-    return (lib is not None and native_dequant.int4_gemv_built()
-            and bool(lib.decode_layers_built()))
+    return lib is not None and native_dequant.int4_gemv_built() and bool(lib.decode_layers_built())
 
 
 def _product_refusal(linear: Linear) -> str | None:
@@ -107,11 +138,14 @@ def _product_refusal(linear: Linear) -> str | None:
         return "a partial or logits product"
     forms = [type(p).__name__ for p in linear.parts]
     if len(linear.parts) > MAX_PARTS or not all(
-            (isinstance(p, PackedGroups) and p.scale.dtype == torch.bfloat16)
-            or (isinstance(p, Int4Planes) and p._gemv() is not None)
-            for p in linear.parts):
-        return (f"weight held as {forms} (up to {MAX_PARTS} parts of int4 planes the compiled "
-                "decode product takes, or packed 5/6-bit groups)")
+        (isinstance(p, PackedGroups) and p.scale.dtype == torch.bfloat16)
+        or (isinstance(p, Int4Planes) and p._gemv() is not None)
+        for p in linear.parts
+    ):
+        return (
+            f"weight held as {forms} (up to {MAX_PARTS} parts of int4 planes the compiled "
+            "decode product takes, or packed 5/6-bit groups)"
+        )
     return None
 
 
@@ -139,9 +173,11 @@ def _feed_forward_products(mlp: MLP | MixtureOfExperts) -> list[tuple[str, Linea
     each expert's."""
     if isinstance(mlp, MLP):
         return [("gate_up", mlp.gate_up), ("down", mlp.down)]
-    return [(f"expert {e} {name}", linear) for e, expert in enumerate(mlp.experts)
-            for name, linear in (("gate_up", cast(MLP, expert).gate_up),
-                                 ("down", cast(MLP, expert).down))]
+    return [
+        (f"expert {e} {name}", linear)
+        for e, expert in enumerate(mlp.experts)
+        for name, linear in (("gate_up", cast(MLP, expert).gate_up), ("down", cast(MLP, expert).down))
+    ]
 
 
 def refusal(shard: DecoderShard) -> str | None:
@@ -170,8 +206,7 @@ def refusal(shard: DecoderShard) -> str | None:
         layer = cast(DecoderLayer, module)
         if layer.all_reduce is not None or layer.attn.q_index is not None:
             return f"layer {i}: an all-reduce or padded query groups"
-        for name, linear in (("qkv", layer.attn.qkv), ("o", layer.attn.o),
-                             *_feed_forward_products(layer.mlp)):
+        for name, linear in (("qkv", layer.attn.qkv), ("o", layer.attn.o), *_feed_forward_products(layer.mlp)):
             if why := _product_refusal(linear):
                 return f"layer {i} {name}: {why}"
     return None
@@ -223,18 +258,21 @@ class FusedDecode:
                 experts = [cast(MLP, expert) for expert in mlp.experts]
             gate_up_bias, down_bias = (
                 None if any(b is None for b in biases) else torch.stack(cast(list[torch.Tensor], biases))
-                for biases in ([e.gate_up.bias for e in experts], [e.down.bias for e in experts]))
+                for biases in ([e.gate_up.bias for e in experts], [e.down.bias for e in experts])
+            )
             vectors = {  # name -> (vector or None, the dtype the kernel reads)
                 "attn_norm": (layer.attn_norm.weight, torch.bfloat16),
                 "mlp_norm": (layer.mlp_norm.weight, torch.bfloat16),
-                "qkv_bias": (attn.qkv.bias, torch.bfloat16), "o_bias": (attn.o.bias, torch.bfloat16),
+                "qkv_bias": (attn.qkv.bias, torch.bfloat16),
+                "o_bias": (attn.o.bias, torch.bfloat16),
                 "q_norm": (attn.q_norm.weight if attn.q_norm else None, torch.bfloat16),
                 "k_norm": (attn.k_norm.weight if attn.k_norm else None, torch.bfloat16),
-                "sinks": (attn.sinks, torch.float32), "gate_up_bias": (gate_up_bias, torch.bfloat16),
-                "down_bias": (down_bias, torch.bfloat16)}
+                "sinks": (attn.sinks, torch.float32),
+                "gate_up_bias": (gate_up_bias, torch.bfloat16),
+                "down_bias": (down_bias, torch.bfloat16),
+            }
             if isinstance(mlp, MixtureOfExperts):
-                vectors |= {"router": (mlp.router, torch.float32),
-                            "router_bias": (mlp.router_bias, torch.float64)}
+                vectors |= {"router": (mlp.router, torch.float32), "router_bias": (mlp.router_bias, torch.float64)}
             for name, (vector, dtype) in vectors.items():
                 if vector is None:
                     ptrs[name] = None
@@ -244,10 +282,14 @@ class FusedDecode:
                 ptrs[name] = held.data_ptr()
             self._layers.append(ptrs)
             self._windows.append(attn.window)
-        self._sizes = (config.hidden_size, config.num_heads, config.num_kv_heads,
-                       config.head_dim, config.intermediate_size)
-        self._experts = (config.num_experts, config.num_experts_per_tok,
-                         int(config.norm_topk_prob))
+        self._sizes = (
+            config.hidden_size,
+            config.num_heads,
+            config.num_kv_heads,
+            config.head_dim,
+            config.intermediate_size,
+        )
+        self._experts = (config.num_experts, config.num_experts_per_tok, int(config.norm_topk_prob))
         self._floats = (config.rms_norm_eps, config.swiglu_limit, config.swiglu_alpha)
         self._cache: weakref.ref[KVCache] | None = None
         self._array: ctypes.Array[_Layer] | None = None
@@ -265,18 +307,24 @@ class FusedDecode:
         array = (_Layer * len(self._layers))()
         for entry, ptrs, window, k, v in zip(array, self._layers, self._windows, cache.k, cache.v):
             for t in (k, v):
-                if (t.dtype != torch.bfloat16 or not t.is_contiguous() or t.device.type != "cpu"
-                        or t.shape[1] != kv_heads or t.shape[3] != hd):
-                    raise ValueError(f"KV cache {t.dtype} {tuple(t.shape)}: the fused decode "
-                                     f"layers take contiguous bfloat16 [slots, {kv_heads}, "
-                                     f"positions, {hd}]")
+                if (
+                    t.dtype != torch.bfloat16
+                    or not t.is_contiguous()
+                    or t.device.type != "cpu"
+                    or t.shape[1] != kv_heads
+                    or t.shape[3] != hd
+                ):
+                    raise ValueError(
+                        f"KV cache {t.dtype} {tuple(t.shape)}: the fused decode "
+                        f"layers take contiguous bfloat16 [slots, {kv_heads}, "
+                        f"positions, {hd}]"
+                    )
             values = ptrs | {"k_cache": k.data_ptr(), "v_cache": v.data_ptr()}
             for name in _POINTERS:
                 setattr(entry, name, values[name])
             entry.window = window
         slots, _, positions, _ = cache.k[0].shape
-        self._shape = _Shape(hidden, heads, kv_heads, hd, inter, slots, positions,
-                             *self._experts, *self._floats)
+        self._shape = _Shape(hidden, heads, kv_heads, hd, inter, slots, positions, *self._experts, *self._floats)
         self._array, self._cache = array, weakref.ref(cache)
 
     def __call__(self, h: torch.Tensor, batch: ForwardBatch, cache: KVCache) -> torch.Tensor:
@@ -297,13 +345,22 @@ class FusedDecode:
         cos, sin = batch.cos.contiguous(), batch.sin.contiguous()
         assert self._array is not None
         rc = self._lib.decode_layers(
-            ctypes.addressof(self._shape), ctypes.addressof(self._array), len(self._layers),
-            x.data_ptr(), x.shape[0], slots.data_ptr(), positions.data_ptr(), cos.data_ptr(),
-            sin.data_ptr())
+            ctypes.addressof(self._shape),
+            ctypes.addressof(self._array),
+            len(self._layers),
+            x.data_ptr(),
+            x.shape[0],
+            slots.data_ptr(),
+            positions.data_ptr(),
+            cos.data_ptr(),
+            sin.data_ptr(),
+        )
         if rc == -2:
-            raise ValueError(f"decode rows at slots {batch.slots.tolist()} positions "
-                             f"{batch.positions.tolist()}: outside the KV cache "
-                             f"{tuple(cache.k[0].shape)}")
+            raise ValueError(
+                f"decode rows at slots {batch.slots.tolist()} positions "
+                f"{batch.positions.tolist()}: outside the KV cache "
+                f"{tuple(cache.k[0].shape)}"
+            )
         if rc:
             raise MemoryError("fused decode layers: no memory for the step's scratch")
         return x

@@ -62,8 +62,9 @@ def in_memory_fields_reader(leave_out: tuple[str, ...] = ()):
         def _build_fields(self, offs: int, count: int) -> int:
             end = self._parsed_fields(offs, count)
             if leave_out:
-                self.fields = OrderedDict((k, v) for k, v in self.fields.items()
-                                          if not any(part in k for part in leave_out))
+                self.fields = OrderedDict(
+                    (k, v) for k, v in self.fields.items() if not any(part in k for part in leave_out)
+                )
             return end
 
         def _parsed_fields(self, offs: int, count: int) -> int:
@@ -171,8 +172,10 @@ def _unreadable(path: Path, exc: Exception) -> str:
     size = path.stat().st_size
     if magic != b"GGUF":
         return f"not a GGUF file (it starts with {magic!r}, not b'GGUF')"
-    return (f"a GGUF file cut short or corrupt ({size:,} bytes: a partial download or copy?); "
-            f"the gguf reader says: {type(exc).__name__}: {exc}")
+    return (
+        f"a GGUF file cut short or corrupt ({size:,} bytes: a partial download or copy?); "
+        f"the gguf reader says: {type(exc).__name__}: {exc}"
+    )
 
 
 def gguf_config(reader, metadata: dict[str, Any]):
@@ -187,8 +190,9 @@ def gguf_config(reader, metadata: dict[str, Any]):
 
     tensors = {t.name: t for t in reader.tensors}
     embedding = tensors.get("token_embd.weight")
-    return ModelConfig.from_gguf_metadata(metadata, set(tensors),
-                                          int(embedding.shape[-1]) if embedding is not None else 0)
+    return ModelConfig.from_gguf_metadata(
+        metadata, set(tensors), int(embedding.shape[-1]) if embedding is not None else 0
+    )
 
 
 if __name__ == "__main__":  # warm the cache: python -m shardline.models.gguf_header FILE...

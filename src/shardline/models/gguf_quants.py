@@ -78,8 +78,7 @@ class GroupQuant:
 
     def rows(self, start: int, end: int) -> GroupQuant:
         """Rows ``[start, end)``."""
-        return replace(self, q=self.q[start:end], scale=self.scale[start:end],
-                       offset=self.offset[start:end])
+        return replace(self, q=self.q[start:end], scale=self.scale[start:end], offset=self.offset[start:end])
 
     def cols(self, start: int, end: int) -> GroupQuant:
         """Columns ``[start, end)``; both must fall on group boundaries (or ``end`` at
@@ -91,13 +90,21 @@ class GroupQuant:
         g = self.group
         if start % g or (end % g and end != self.q.shape[1]):
             raise ValueError(f"columns [{start}, {end}) cut through groups of {g}")
-        return replace(self, q=self.q[:, start:end], scale=self.scale[:, start // g : -(-end // g)],
-                       offset=self.offset[:, start // g : -(-end // g)])
+        return replace(
+            self,
+            q=self.q[:, start:end],
+            scale=self.scale[:, start // g : -(-end // g)],
+            offset=self.offset[:, start // g : -(-end // g)],
+        )
 
     def contiguous(self) -> GroupQuant:
         """The same groups in C-contiguous arrays (after slicing)."""
-        return replace(self, q=np.ascontiguousarray(self.q), scale=np.ascontiguousarray(self.scale),
-                       offset=np.ascontiguousarray(self.offset))
+        return replace(
+            self,
+            q=np.ascontiguousarray(self.q),
+            scale=np.ascontiguousarray(self.scale),
+            offset=np.ascontiguousarray(self.offset),
+        )
 
     def take_rows(self, index: np.ndarray) -> GroupQuant:
         """Rows in the order of ``index`` (int ``[rows]``)."""
@@ -122,9 +129,12 @@ class GroupQuant:
         for p in parts[1:]:
             if (p.q.shape[1], p.form) != (first.q.shape[1], first.form):
                 raise ValueError("only groups of one shape and type concatenate")
-        return replace(first, q=np.concatenate([p.q for p in parts]),
-                       scale=np.concatenate([p.scale for p in parts]),
-                       offset=np.concatenate([p.offset for p in parts]))
+        return replace(
+            first,
+            q=np.concatenate([p.q for p in parts]),
+            scale=np.concatenate([p.scale for p in parts]),
+            offset=np.concatenate([p.offset for p in parts]),
+        )
 
 
 def _f16(raw: np.ndarray) -> np.ndarray:
@@ -218,8 +228,7 @@ _MXFP4_VALUES = np.array([0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -1
 def _unpack_mxfp4(b):
     e = b[..., 0].astype(np.int32)
     # 2**(e - 128) as float32 bits (e < 2: the subnormals 2**-128 and 2**-127)
-    bits = np.where(e < 2, np.uint32(0x00200000) << e.astype(np.uint32),
-                    (e - 1).astype(np.uint32) << np.uint32(23))
+    bits = np.where(e < 2, np.uint32(0x00200000) << e.astype(np.uint32), (e - 1).astype(np.uint32) << np.uint32(23))
     d = bits.astype(np.uint32).view(np.float32)
     q = (_MXFP4_VALUES[_nibbles(b[..., 1:17], 16)] + 16).astype(np.uint8)
     return q, d, -16 * d
@@ -298,8 +307,12 @@ def unpack_blocks(type_name: str, data: np.ndarray) -> GroupQuant:
     rows = data.shape[0]
     blocks = data.reshape(rows, -1, size)
     cols = blocks.shape[1] * per_block
-    out = GroupQuant(np.empty((rows, cols), np.uint8), np.empty((rows, cols // form.group), np.float32),
-                     np.empty((rows, cols // form.group), np.float32), *form)
+    out = GroupQuant(
+        np.empty((rows, cols), np.uint8),
+        np.empty((rows, cols // form.group), np.float32),
+        np.empty((rows, cols // form.group), np.float32),
+        *form,
+    )
     for start in range(0, rows, UNPACK_ROWS):
         q, scale, offset = unpack(np.ascontiguousarray(blocks[start : start + UNPACK_ROWS]))
         n = q.shape[0]

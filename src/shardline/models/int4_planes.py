@@ -14,14 +14,7 @@ import torch
 
 from shardline.models import kernel_library, native_dequant
 from shardline.models.gguf_quants import GroupQuant
-from shardline.models.weight_products import (
-    KERNEL_MAX_ROWS,
-    blocked_product,
-    gemm_dtype,
-    in_dtype,
-    native,
-    scratch,
-)
+from shardline.models.weight_products import KERNEL_MAX_ROWS, blocked_product, gemm_dtype, in_dtype, native, scratch
 
 INT4_GROUP = 32
 
@@ -60,13 +53,13 @@ class Int4Planes:
         scratch for a dense GEMM (torch's kernel is 2.8x slower than that for 512 rows of a
         576 x 3072 product, and in float32 has no fast path at all: 20x slower for one
         row)."""
-        if (x.shape[0] > KERNEL_MAX_ROWS and x.dtype == torch.bfloat16
-                and native_dequant.amx_prefill(x.shape[0])):
+        if x.shape[0] > KERNEL_MAX_ROWS and x.dtype == torch.bfloat16 and native_dequant.amx_prefill(x.shape[0]):
             gemv = self._gemv()
             if gemv is not None:
                 return gemv.prefill(x)
         if x.dtype in (torch.bfloat16, torch.float32) and (
-                x.shape[0] <= KERNEL_MAX_ROWS or native_dequant.int8_prefill(x.shape[0])):
+            x.shape[0] <= KERNEL_MAX_ROWS or native_dequant.int8_prefill(x.shape[0])
+        ):
             gemv = self._gemv()
             if gemv is not None:
                 return gemv(x)
@@ -90,8 +83,12 @@ class Int4Planes:
         Int4Gemv.refusal`: scales not in bfloat16, ...)."""
         if self.gemv is True:
             planes = list(zip(self.packed, self.scales_zeros))
-            takes = (native_dequant.int4_gemv_built() and self._kernel_half(torch.bfloat16) == 32
-                     and self.rows_readable() and native_dequant.Int4Gemv.refusal(planes) is None)
+            takes = (
+                native_dequant.int4_gemv_built()
+                and self._kernel_half(torch.bfloat16) == 32
+                and self.rows_readable()
+                and native_dequant.Int4Gemv.refusal(planes) is None
+            )
             self.gemv = native_dequant.Int4Gemv(planes) if takes else False
         return self.gemv if isinstance(self.gemv, native_dequant.Int4Gemv) else None
 
@@ -138,8 +135,12 @@ class Int4Planes:
         where the eager code runs (no kernels, another nibble order, or scales or
         ``dtype`` in float16)."""
         layout = int4pack_layout()
-        if (native(dtype) is None or layout is None or _nibble_row_order() != "halves"
-                or self.scales_zeros[0].dtype != torch.bfloat16):
+        if (
+            native(dtype) is None
+            or layout is None
+            or _nibble_row_order() != "halves"
+            or self.scales_zeros[0].dtype != torch.bfloat16
+        ):
             return None
         return layout[0] // 2 if layout[0] in (32, 64) else None
 
@@ -150,8 +151,7 @@ class Int4Planes:
         if half is None:
             return self._rows(start, end, dtype).t()
         out = scratch("out", self.in_features, end - start, dtype)
-        return native_dequant.int4_planes_t(list(zip(self.packed, self.scales_zeros)), half,
-                                            start, out)
+        return native_dequant.int4_planes_t(list(zip(self.packed, self.scales_zeros)), half, start, out)
 
     def _plane_rows(self, i: int, ids: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         block, position = int4pack_layout()  # type: ignore[misc]
@@ -170,14 +170,18 @@ class Int4Planes:
         Raises:
             IndexError: an id outside ``[0, out)`` (as torch's indexing raises).
         """
-        if (kernel_library.kernels() is not None and self.rows_readable()
-                and all(sz.dtype == torch.bfloat16 for sz in self.scales_zeros)):
+        if (
+            kernel_library.kernels() is not None
+            and self.rows_readable()
+            and all(sz.dtype == torch.bfloat16 for sz in self.scales_zeros)
+        ):
             if ids.numel() and not 0 <= int(ids.min()) <= int(ids.max()) < self.out_features:
                 raise IndexError(f"row ids {ids.tolist()[:8]} outside 0-{self.out_features - 1}")
             block, position = int4pack_layout()  # type: ignore[misc]
             out = torch.empty(ids.numel(), self.in_features)
-            native_dequant.int4_planes_rows(list(zip(self.packed, self.scales_zeros)), block,
-                                            position, ids.reshape(-1).long(), out)
+            native_dequant.int4_planes_rows(
+                list(zip(self.packed, self.scales_zeros)), block, position, ids.reshape(-1).long(), out
+            )
             return out if dtype == torch.float32 else out.to(dtype)
         rows = self._plane_rows(0, ids, torch.float32)
         for i in range(1, len(self.packed)):
@@ -189,8 +193,7 @@ class Int4Planes:
         if self.rows_readable():
             return self._rows(0, self.out_features, dtype).clone()
         # The kernel's product with the identity: W.T, exactly (float32).
-        planes = Int4Planes(self.packed, [sz.float() for sz in self.scales_zeros],
-                            self.out_features, self.in_features)
+        planes = Int4Planes(self.packed, [sz.float() for sz in self.scales_zeros], self.out_features, self.in_features)
         return planes.matmul(torch.eye(self.in_features)).t().to(dtype)
 
     def rows_readable(self) -> bool:
@@ -200,9 +203,7 @@ class Int4Planes:
         return layout is not None and self.out_features % layout[0] == 0
 
 
-
-def pack_int4_planes(g: GroupQuant, dtype: torch.dtype, into: Int4Planes | None = None,
-                     start: int = 0) -> Int4Planes:
+def pack_int4_planes(g: GroupQuant, dtype: torch.dtype, into: Int4Planes | None = None, start: int = 0) -> Int4Planes:
     """Split integer groups of 32 into one (<= 4 bits) or two int4 planes, packed by the
     compiled :func:`~shardline.models.native_dequant.int4_pack_halves` where this machine's
     layout is the one it writes, else by torch. With ``into`` (an :class:`Int4Planes` of the
@@ -232,13 +233,20 @@ def pack_int4_planes(g: GroupQuant, dtype: torch.dtype, into: Int4Planes | None 
         else:
             planes.append((4, 8, 16 * scale, offset + 8 * scale))
     if into is None:
-        into = Int4Planes([torch.empty(rows, cols // 2, dtype=torch.uint8) for _ in planes],
-                          [torch.empty(cols // INT4_GROUP, rows, 2, dtype=dtype) for _ in planes],
-                          rows, cols)
+        into = Int4Planes(
+            [torch.empty(rows, cols // 2, dtype=torch.uint8) for _ in planes],
+            [torch.empty(cols // INT4_GROUP, rows, 2, dtype=dtype) for _ in planes],
+            rows,
+            cols,
+        )
     assert len(into.packed) == len(planes) and into.in_features == cols
     layout = int4pack_layout()
-    compiled = (kernel_library.kernels() is not None and layout is not None
-                and rows % layout[0] == 0 and _nibble_row_order() == "halves")
+    compiled = (
+        kernel_library.kernels() is not None
+        and layout is not None
+        and rows % layout[0] == 0
+        and _nibble_row_order() == "halves"
+    )
     for i, (shift, add, s, z) in enumerate(planes):
         out = into.packed[i][start : start + rows]
         if compiled:
@@ -288,14 +296,14 @@ def _nibble_order(packed: torch.Tensor, block: int) -> torch.Tensor:
     return torch.stack((first & 15, first >> 4), dim=1).reshape(-1).long() % block
 
 
-def _gather_rows(packed: torch.Tensor, in_features: int, block: int, position: torch.Tensor,
-                 ids: torch.Tensor) -> torch.Tensor:
+def _gather_rows(
+    packed: torch.Tensor, in_features: int, block: int, position: torch.Tensor, ids: torch.Tensor
+) -> torch.Tensor:
     """The 4-bit values of rows ``ids`` (int64 ``[T]``) of a packed plane, uint8
     ``[T, in_features]``, for the layout ``(block, position)`` of :func:`int4pack_layout`."""
     packed = packed.view(-1, in_features, block // 2)
     pos = position[ids % block]
-    nibbles = packed[(ids // block)[:, None], torch.arange(in_features)[None, :],
-                     (pos // 2)[:, None]]
+    nibbles = packed[(ids // block)[:, None], torch.arange(in_features)[None, :], (pos // 2)[:, None]]
     return (nibbles >> (4 * (pos % 2))[:, None]) & 15
 
 

@@ -92,8 +92,12 @@ def _build(flags: list[str]) -> Path:
     with tempfile.NamedTemporaryFile(dir=path.parent, suffix=".so.tmp", delete=False) as tmp:
         pass
     try:
-        subprocess.run([_compiler(), *flags, *map(str, SOURCES), "-o", tmp.name], check=True,
-                       capture_output=True, timeout=COMPILE_TIMEOUT_S)
+        subprocess.run(
+            [_compiler(), *flags, *map(str, SOURCES), "-o", tmp.name],
+            check=True,
+            capture_output=True,
+            timeout=COMPILE_TIMEOUT_S,
+        )
         Path(tmp.name).replace(path)  # atomic: runners starting together each build, one wins
     finally:
         Path(tmp.name).unlink(missing_ok=True)
@@ -113,8 +117,10 @@ def kernels() -> ctypes.CDLL | None:
             continue
         declare(lib)
         return lib
-    log.warning("no C compiler could build %s: prefill dequantizes with torch ops (slower)",
-                " ".join(path.name for path in SOURCES))
+    log.warning(
+        "no C compiler could build %s: prefill dequantizes with torch ops (slower)",
+        " ".join(path.name for path in SOURCES),
+    )
     return None
 
 

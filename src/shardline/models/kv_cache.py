@@ -12,8 +12,9 @@ import torch
 
 from shardline.models.config import ModelConfig
 
-MAP_NORESERVE = getattr(mmap, "MAP_NORESERVE", 0x4000 if sys.platform == "linux" and platform.machine() in (
-    "x86_64", "aarch64") else 0)
+MAP_NORESERVE = getattr(
+    mmap, "MAP_NORESERVE", 0x4000 if sys.platform == "linux" and platform.machine() in ("x86_64", "aarch64") else 0
+)
 """mmap's flag (Python 3.13 names it): 0x4000 in Linux's asm-generic/mman-common.h, which
 x86-64 and arm64 use; 0 (no flag) elsewhere."""
 
@@ -121,5 +122,4 @@ class KVCache:
             return
         for region in range(regions):
             for head in range(heads):
-                self._mapping.madvise(advice, region * step + base + head * head_bytes + kept,
-                                      head_bytes - kept)
+                self._mapping.madvise(advice, region * step + base + head * head_bytes + kept, head_bytes - kept)

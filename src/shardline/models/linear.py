@@ -50,14 +50,7 @@ from shardline.models import kernel_library, native_dequant
 from shardline.models.gguf_quants import GroupQuant
 from shardline.models.int4_planes import INT4_GROUP, Int4Planes, pack_int4_planes
 from shardline.models.packed_groups import PackedGroups, pack_groups, packs
-from shardline.models.weight_products import (
-    KERNEL_MAX_ROWS,
-    blocked_product,
-    gemm_dtype,
-    in_dtype,
-    native,
-    scratch,
-)
+from shardline.models.weight_products import KERNEL_MAX_ROWS, blocked_product, gemm_dtype, in_dtype, native, scratch
 
 REFINED_LOGITS = 16
 """Outputs per row of the LM head recomputed in float32 (:attr:`Linear.logits`)."""
@@ -96,7 +89,6 @@ class DenseWeight:
         return self.weight.index_select(0, ids).to(dtype)
 
 
-
 @dataclass
 class Int8Groups:
     """``q`` uint8 ``[out, in]`` with ``scale`` and ``offset`` ``[out, in // group]``
@@ -115,8 +107,7 @@ class Int8Groups:
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in (self.q, self.scale, self.offset))
 
-    def _fill(self, work: torch.Tensor, q: torch.Tensor, scale: torch.Tensor,
-              offset: torch.Tensor) -> torch.Tensor:
+    def _fill(self, work: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, offset: torch.Tensor) -> torch.Tensor:
         # In float32 (rounded once afterwards): in bfloat16, ``q * scale`` would round
         # before the offset (often -128 * scale) cancels most of it. Three plain passes
         # beat one mixed-dtype addcmul, which converts its inputs first.
@@ -137,8 +128,9 @@ class Int8Groups:
         if native(dtype) is None:
             return self._rows(start, end, dtype).t()
         out = scratch("out", end - start, self.q.shape[1], dtype)
-        return native_dequant.int8_groups(self.q[start:end], self.scale[start:end],
-                                          self.offset[start:end], self.group, out).t()
+        return native_dequant.int8_groups(
+            self.q[start:end], self.scale[start:end], self.offset[start:end], self.group, out
+        ).t()
 
     def dequantize(self, dtype: torch.dtype) -> torch.Tensor:
         return self._rows(0, self.q.shape[0], dtype).clone()
@@ -148,15 +140,13 @@ class Int8Groups:
         a product that reads one byte a weight (the compiled kernel, in float32, each row
         on its own), else the weight dequantized block by block and a dense GEMM."""
         if x.shape[0] <= KERNEL_MAX_ROWS and self.group % 8 == 0 and kernel_library.kernels():
-            return native_dequant.int8_groups_gemv(self.q, self.scale, self.offset, self.group,
-                                                   x.float()).to(x.dtype)
+            return native_dequant.int8_groups_gemv(self.q, self.scale, self.offset, self.group, x.float()).to(x.dtype)
         work = 0 if native(x.dtype) else 4  # float32 work
         return blocked_product(x, self.q.shape[0], self._columns, work)
 
     def embed(self, ids: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         work = torch.empty(len(ids), self.q.shape[1])
         return self._fill(work, self.q[ids], self.scale[ids], self.offset[ids]).to(dtype)
-
 
 
 ResidentWeight = DenseWeight | Int8Groups | Int4Planes | PackedGroups
@@ -178,8 +168,12 @@ PACK_ROWS = 4096
 temporaries (unpacked groups, the packing's int32 copies) to this many rows of a tensor."""
 
 
-def resident_weight(source: GroupQuant | torch.Tensor | RowBlocks, dtype: torch.dtype,
-                    device: torch.device | str = "cpu", int4: bool = True) -> ResidentWeight:
+def resident_weight(
+    source: GroupQuant | torch.Tensor | RowBlocks,
+    dtype: torch.dtype,
+    device: torch.device | str = "cpu",
+    int4: bool = True,
+) -> ResidentWeight:
     """The resident form of one weight ``[out, in]``: a float tensor stays dense in
     ``dtype``; 5- and 6-bit integer groups become :class:`PackedGroups` where
     :func:`~shardline.models.packed_groups.packs` allows; other integer groups become
@@ -207,8 +201,13 @@ def resident_weight(source: GroupQuant | torch.Tensor | RowBlocks, dtype: torch.
     else:
         assert isinstance(first, GroupQuant)
         convert = lambda g: _int8_groups(g.contiguous(), device)  # type: ignore[union-attr, arg-type]  # noqa: E731
-        if (int4 and torch.device(device).type == "cpu" and first.group == INT4_GROUP
-                and cols % INT4_GROUP == 0 and rows % 16 == 0):
+        if (
+            int4
+            and torch.device(device).type == "cpu"
+            and first.group == INT4_GROUP
+            and cols % INT4_GROUP == 0
+            and rows % 16 == 0
+        ):
             try:
                 held = pack_int4_planes(first.contiguous(), dtype)
                 convert = lambda g: pack_int4_planes(g.contiguous(), dtype)  # type: ignore[union-attr, arg-type]  # noqa: E731
@@ -231,12 +230,17 @@ def resident_weight(source: GroupQuant | torch.Tensor | RowBlocks, dtype: torch.
 
 
 def _int8_groups(g: GroupQuant, device: torch.device | str) -> Int8Groups:
-    return Int8Groups(torch.from_numpy(g.q).to(device), torch.from_numpy(g.scale).to(device),
-                      torch.from_numpy(g.offset).to(device), g.group)
+    return Int8Groups(
+        torch.from_numpy(g.q).to(device),
+        torch.from_numpy(g.scale).to(device),
+        torch.from_numpy(g.offset).to(device),
+        g.group,
+    )
 
 
 def _empty_rows(like: ResidentWeight, rows: int) -> ResidentWeight:
     """A resident weight of ``like``'s form and columns with ``rows`` rows, unfilled."""
+
     def grown(t: torch.Tensor, dim: int = 0) -> torch.Tensor:
         shape = list(t.shape)
         shape[dim] = rows
@@ -249,8 +253,9 @@ def _empty_rows(like: ResidentWeight, rows: int) -> ResidentWeight:
     if isinstance(like, PackedGroups):
         return like.empty_rows(rows)
     # torch's packed layout is a run of row blocks along its first dimension
-    return Int4Planes([grown(p) for p in like.packed], [grown(sz, 1) for sz in like.scales_zeros],
-                      rows, like.in_features)
+    return Int4Planes(
+        [grown(p) for p in like.packed], [grown(sz, 1) for sz in like.scales_zeros], rows, like.in_features
+    )
 
 
 def _set_rows(whole: ResidentWeight, start: int, part: ResidentWeight) -> None:
@@ -271,8 +276,6 @@ def _set_rows(whole: ResidentWeight, start: int, part: ResidentWeight) -> None:
         raise TypeError(f"row block {type(part).__name__} into {type(whole).__name__}")
 
 
-
-
 class Linear(nn.Module):
     """``y = x @ W.T (+ bias)`` for ``x`` of shape ``[rows, in_features]``, ``W`` held as
     one or more :data:`ResidentWeight` parts stacked along the output rows (a fused q/k/v
@@ -291,8 +294,9 @@ class Linear(nn.Module):
             25.33 against "L" 25.24 in float32, tied at 25.5 in bfloat16 and lost).
     """
 
-    def __init__(self, in_features: int, out_features: int, bias: bool = False,
-                 partial: bool = False, logits: bool = False) -> None:
+    def __init__(
+        self, in_features: int, out_features: int, bias: bool = False, partial: bool = False, logits: bool = False
+    ) -> None:
         super().__init__()
         self.in_features = in_features
         self.out_features = out_features
@@ -309,8 +313,9 @@ class Linear(nn.Module):
         """
         rows = sum(p.shape[0] for p in parts)
         if rows != self.out_features or any(p.shape[1] != self.in_features for p in parts):
-            raise ValueError(f"weight parts {[p.shape for p in parts]} do not make "
-                             f"[{self.out_features}, {self.in_features}]")
+            raise ValueError(
+                f"weight parts {[p.shape for p in parts]} do not make [{self.out_features}, {self.in_features}]"
+            )
         self.parts = parts
 
     def nbytes(self) -> int:
@@ -342,11 +347,19 @@ class Linear(nn.Module):
         packed 5/6-bit head on the CPU takes one compiled call for all of it
         (:func:`~shardline.models.native_dequant.packed_groups_refine`: 0.1 ms where the
         ops below took 0.3 of a 49,152-row head's decode step)."""
-        if x.dtype == torch.float32 or not len(y) or self.out_features < REFINED_LOGITS or any(
-                isinstance(p, Int4Planes) and not p.rows_readable() for p in self.parts):
+        if (
+            x.dtype == torch.float32
+            or not len(y)
+            or self.out_features < REFINED_LOGITS
+            or any(isinstance(p, Int4Planes) and not p.rows_readable() for p in self.parts)
+        ):
             return y
-        if (len(self.parts) == 1 and isinstance(self.parts[0], PackedGroups) and y.device.type == "cpu"
-                and kernel_library.kernels() is not None):  # one compiled call
+        if (
+            len(self.parts) == 1
+            and isinstance(self.parts[0], PackedGroups)
+            and y.device.type == "cpu"
+            and kernel_library.kernels() is not None
+        ):  # one compiled call
             return native_dequant.packed_groups_refine(self.parts[0], x.float(), y.contiguous(), REFINED_LOGITS)
         ids = top_ids(y, REFINED_LOGITS)  # [rows, k]
         flat, start = ids.reshape(-1), 0
@@ -384,8 +397,7 @@ def top_ids(y: torch.Tensor, k: int) -> torch.Tensor:
     49,152-entry row's top 16 in 0.009 ms against torch.topk's 0.084 (2-vCPU Zen 4 VM;
     the ops above took 0.12 ms right after a decode step's LM head)."""
     rows, n = y.shape
-    if y.device.type == "cpu" and y.dtype == torch.float32 and k <= min(64, n) \
-            and kernel_library.kernels() is not None:
+    if y.device.type == "cpu" and y.dtype == torch.float32 and k <= min(64, n) and kernel_library.kernels() is not None:
         return native_dequant.top_k_rows(y, k)
     if n % TOP_BLOCK or n // TOP_BLOCK < k:
         return y.topk(k, dim=-1).indices
@@ -418,8 +430,11 @@ def weight_bytes(module: nn.Module) -> int:
     total = sum(p.numel() * p.element_size() for p in params)
     seen: set[int] = set()
     for layer in module.modules():
-        held = layer.parts if isinstance(layer, Linear) else (
-            [layer.weight] if isinstance(layer, Embedding) and layer.weight is not None else [])
+        held = (
+            layer.parts
+            if isinstance(layer, Linear)
+            else ([layer.weight] if isinstance(layer, Embedding) and layer.weight is not None else [])
+        )
         for part in held:
             if id(part) not in seen:
                 seen.add(id(part))

@@ -55,8 +55,9 @@ class RingAttention(Protocol):
     ``[n, H, d]``, keys and values ``[n, KVH, d]`` and the layer's caches in; ``[n, H * d]``
     out."""
 
-    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-               k_cache: torch.Tensor, v_cache: torch.Tensor) -> torch.Tensor: ...
+    def attend(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor
+    ) -> torch.Tensor: ...
 
 
 @dataclass
@@ -129,9 +130,7 @@ class RMSNorm(nn.Module):
         return self.weight * normed.to(x.dtype)
 
 
-def rope_inverse_frequencies(
-    config: ModelConfig, freq_factors: torch.Tensor | None = None
-) -> torch.Tensor:
+def rope_inverse_frequencies(config: ModelConfig, freq_factors: torch.Tensor | None = None) -> torch.Tensor:
     """RoPE inverse frequencies, float32 ``[head_dim // 2]``.
 
     Applies Llama 3 frequency scaling when ``config.rope_scaling`` asks for it (as in
@@ -212,8 +211,7 @@ class Attention(nn.Module):
     q_index: torch.Tensor | None  # buffers (see __init__)
     out_index: torch.Tensor | None
 
-    def __init__(self, config: ModelConfig, share: TensorShare | None = None,
-                 window: int = 0) -> None:
+    def __init__(self, config: ModelConfig, share: TensorShare | None = None, window: int = 0) -> None:
         super().__init__()
         self.num_heads = share.num_heads if share else config.num_heads
         self.num_kv_heads = share.num_kv_heads if share else config.num_kv_heads
@@ -221,16 +219,18 @@ class Attention(nn.Module):
         q_out = self.num_heads * config.head_dim
         kv_out = self.num_kv_heads * config.head_dim
         self.qkv = Linear(config.hidden_size, q_out + 2 * kv_out, bias=config.attention_bias)
-        self.o = Linear(q_out, config.hidden_size, partial=share is not None,
-                        bias=config.output_bias and (share is None or share.rank == 0))
+        self.o = Linear(
+            q_out,
+            config.hidden_size,
+            partial=share is not None,
+            bias=config.output_bias and (share is None or share.rank == 0),
+        )
         self.window = window
-        self.sinks = nn.Parameter(torch.empty(self.num_heads), requires_grad=False
-                                  ) if config.attention_sinks else None
+        self.sinks = nn.Parameter(torch.empty(self.num_heads), requires_grad=False) if config.attention_sinks else None
         self.q_norm = RMSNorm(config.head_dim, config.rms_norm_eps) if config.qk_norm else None
         self.k_norm = RMSNorm(config.head_dim, config.rms_norm_eps) if config.qk_norm else None
         self.split = (q_out, kv_out, kv_out)
-        q_index, out_index = _gqa_padding(share.local_kv_heads(config) if share else None,
-                                          self.num_kv_heads)
+        q_index, out_index = _gqa_padding(share.local_kv_heads(config) if share else None, self.num_kv_heads)
         self.attn_heads = len(q_index) if q_index is not None else self.num_heads
         # Explicitly on the CPU (not the meta device shards are built on); the loader moves
         # them to the shard's device.
@@ -257,8 +257,9 @@ class Attention(nn.Module):
 
         if self.sinks is not None or self.window:
             if batch.ring is not None or batch.key_mask is not None:
-                raise ValueError("attention sinks and sliding windows run neither ring "
-                                 "prefill nor fixed-shape decode steps")
+                raise ValueError(
+                    "attention sinks and sliding windows run neither ring prefill nor fixed-shape decode steps"
+                )
             out = self._windowed(q, k, v, batch, k_cache, v_cache)
         elif batch.ring is not None:
             out = batch.ring.attend(q, k, v, k_cache, v_cache).view(n, attn_heads, hd)
@@ -299,8 +300,15 @@ class Attention(nn.Module):
             out = out.index_select(1, self.out_index)
         return self.o(out.reshape(n, heads * hd))
 
-    def _windowed(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, batch: ForwardBatch,
-                  k_cache: torch.Tensor, v_cache: torch.Tensor) -> torch.Tensor:
+    def _windowed(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        batch: ForwardBatch,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+    ) -> torch.Tensor:
         """Attention with gpt-oss's sinks and sliding window (transformers' eager
         ``GptOssAttention``), each row over its own keys: the rows' keys and values
         written, then for each sequence (a prefill chunk is one) its queries ``[n, heads,
@@ -329,8 +337,9 @@ class Attention(nn.Module):
                 seen = keys[None, :] <= positions[:, None]
                 if self.window:
                     seen &= keys[None, :] > positions[:, None] - self.window
-                outs.append(_sink_attention(q[lo:hi], k_cache[slot, :, begin:end],
-                                            v_cache[slot, :, begin:end], seen, sinks))
+                outs.append(
+                    _sink_attention(q[lo:hi], k_cache[slot, :, begin:end], v_cache[slot, :, begin:end], seen, sinks)
+                )
         return torch.cat(outs) if len(outs) > 1 else outs[0]
 
 
@@ -339,8 +348,9 @@ WINDOWED_QUERY_BLOCK = 64
 its float32 scores to ``heads x 64 x keys``)."""
 
 
-def _sink_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, seen: torch.Tensor,
-                    sinks: torch.Tensor | None) -> torch.Tensor:
+def _sink_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, seen: torch.Tensor, sinks: torch.Tensor | None
+) -> torch.Tensor:
     """Softmax attention of queries ``q`` ``[n, heads, hd]`` over keys and values ``k``,
     ``v`` ``[kv_heads, S, hd]`` where bool ``seen`` ``[n, S]`` is True, with float32
     ``sinks`` ``[heads]`` (a logit per head that joins each query's softmax and is
@@ -351,7 +361,7 @@ def _sink_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, seen: tor
     group = heads // k.shape[0]
     keys = k.float().repeat_interleave(group, 0)  # [heads, S, hd]
     values = v.float().repeat_interleave(group, 0)
-    scores = torch.matmul(q.float().transpose(0, 1), keys.transpose(1, 2)) * hd ** -0.5
+    scores = torch.matmul(q.float().transpose(0, 1), keys.transpose(1, 2)) * hd**-0.5
     scores = scores.masked_fill(~seen, float("-inf"))  # [heads, n, S]
     if sinks is not None:
         scores = torch.cat((scores, sinks.float()[:, None, None].expand(heads, n, 1)), dim=-1)
@@ -368,14 +378,12 @@ class DecoderLayer(nn.Module):
     compute dtype once, as the one-rank layer rounds its whole output once.
     """
 
-    def __init__(self, config: ModelConfig, share: TensorShare | None = None,
-                 layer: int = 0) -> None:
+    def __init__(self, config: ModelConfig, share: TensorShare | None = None, layer: int = 0) -> None:
         super().__init__()
         self.attn_norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.attn = Attention(config, share, window=config.window_of(layer))
         self.mlp_norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.mlp: MLP | MixtureOfExperts = (MixtureOfExperts(config, share) if config.is_moe
-                                            else MLP(config, share))
+        self.mlp: MLP | MixtureOfExperts = MixtureOfExperts(config, share) if config.is_moe else MLP(config, share)
         self.all_reduce: Callable[[torch.Tensor], torch.Tensor] | None = None
 
     def forward(
@@ -432,10 +440,7 @@ class DecoderShard(nn.Module):
     ) -> None:
         super().__init__()
         if not 0 <= layer_start < layer_end <= config.num_layers:
-            raise ValueError(
-                f"layer range [{layer_start}, {layer_end}) is not inside "
-                f"[0, {config.num_layers})"
-            )
+            raise ValueError(f"layer range [{layer_start}, {layer_end}) is not inside [0, {config.num_layers})")
         if share is not None:
             share.check(config)
             if (layer_start, layer_end) != (0, config.num_layers):
@@ -447,17 +452,13 @@ class DecoderShard(nn.Module):
         self.is_first = layer_start == 0
         self.is_last = layer_end == config.num_layers
         self.embed = Embedding() if self.is_first else None
-        self.layers = nn.ModuleList(
-            DecoderLayer(config, share, layer) for layer in range(layer_start, layer_end)
-        )
+        self.layers = nn.ModuleList(DecoderLayer(config, share, layer) for layer in range(layer_start, layer_end))
         self.norm: RMSNorm | None = None
         self.lm_head: Linear | None = None
         if self.is_last and head:
             self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
             self.lm_head = Linear(config.hidden_size, config.vocab_size, bias=False, logits=True)
-        self.register_buffer(
-            "inv_freq", rope_inverse_frequencies(config, rope_freq_factors), persistent=False
-        )
+        self.register_buffer("inv_freq", rope_inverse_frequencies(config, rope_freq_factors), persistent=False)
         self.rope_factor = rope_attention_factor(config)
 
     @property
@@ -483,8 +484,9 @@ class DecoderShard(nn.Module):
     def device(self) -> torch.device:
         return self._layer(0).attn_norm.weight.device
 
-    def prefill_batch(self, slot: int, start: int, length: int, want_logits: bool,
-                      every_row: bool = False) -> ForwardBatch:
+    def prefill_batch(
+        self, slot: int, start: int, length: int, want_logits: bool, every_row: bool = False
+    ) -> ForwardBatch:
         """Describe a prefill chunk: positions ``start .. start+length-1`` of ``slot``;
         with ``want_logits`` the logits of its last position, or with ``every_row`` the
         final-norm hidden states of each (``hidden_out``: a prompt's log-probabilities)."""
@@ -494,8 +496,11 @@ class DecoderShard(nn.Module):
         if start > 0:
             keys = torch.arange(start + length, device=device)
             mask = keys.unsqueeze(0) <= positions.unsqueeze(1)  # [length, start+length]
-        rows = (torch.arange(length, device=device) if want_logits and every_row
-                else torch.tensor([length - 1] if want_logits else [], dtype=torch.long, device=device))
+        rows = (
+            torch.arange(length, device=device)
+            if want_logits and every_row
+            else torch.tensor([length - 1] if want_logits else [], dtype=torch.long, device=device)
+        )
         cos, sin = self.rope(positions)
         return ForwardBatch(
             prefill=True,
@@ -520,12 +525,22 @@ class DecoderShard(nn.Module):
         them), so building it launches nothing on the GPU."""
         device = self.device
         rows = [(slot, p + 1) for slot, p in zip(slots, positions)]
-        if self.graphs is not None and len(slots) <= GRAPH_MAX_ROWS and (
-                self.graphs.head or self.lm_head is None):
+        if self.graphs is not None and len(slots) <= GRAPH_MAX_ROWS and (self.graphs.head or self.lm_head is None):
             empty = torch.empty(0)
-            return ForwardBatch(prefill=False, slot=-1, start=0, slots=empty, positions=empty,
-                                cos=empty, sin=empty, attn_mask=None, kv_len=max(positions) + 1,
-                                rows=rows, logit_rows=empty, graphed=True)
+            return ForwardBatch(
+                prefill=False,
+                slot=-1,
+                start=0,
+                slots=empty,
+                positions=empty,
+                cos=empty,
+                sin=empty,
+                attn_mask=None,
+                kv_len=max(positions) + 1,
+                rows=rows,
+                logit_rows=empty,
+                graphed=True,
+            )
         pos = torch.tensor(positions, dtype=torch.long, device=device)
         cos, sin = self.rope(pos)
         return ForwardBatch(
@@ -555,14 +570,16 @@ class DecoderShard(nn.Module):
 
     @torch.inference_mode()
     def forward(self, inputs: torch.Tensor, batch: ForwardBatch, cache: KVCache) -> torch.Tensor:
-        if batch.graphed or (self.graphs is not None and not batch.prefill
-                             and len(batch.rows) <= GRAPH_MAX_ROWS):
+        if batch.graphed or (self.graphs is not None and not batch.prefill and len(batch.rows) <= GRAPH_MAX_ROWS):
             assert self.graphs is not None
             h = self.graphs.run(inputs, batch.rows, cache)  # embedding and layers
             if self.graphs.head:
                 return h  # and the final norm and LM head: logits
-        elif self.fused is not None and batch.ring is None and len(inputs) <= (
-                FUSED_PREFILL_MAX_ROWS if batch.prefill else KERNEL_MAX_ROWS):
+        elif (
+            self.fused is not None
+            and batch.ring is None
+            and len(inputs) <= (FUSED_PREFILL_MAX_ROWS if batch.prefill else KERNEL_MAX_ROWS)
+        ):
             h = self.fused(self.embed(inputs) if self.embed is not None else inputs, batch, cache)
         else:
             h = self.embed(inputs) if self.embed is not None else inputs
@@ -580,8 +597,9 @@ class DecoderShard(nn.Module):
         return self.lm_head(hidden).float()
 
 
-def _masked_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                             slots: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+def _masked_decode_attention(
+    q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slots: torch.Tensor, mask: torch.Tensor
+) -> torch.Tensor:
     """Decode attention of fixed shapes: query rows ``q`` ``[N, heads, head_dim]``, each
     over the first ``S`` positions of its slot (int64 ``slots`` ``[N]``) of the caches
     ``[slots, kv_heads, positions, head_dim]`` where bool ``mask`` ``[N, S]`` is True.
@@ -593,14 +611,12 @@ def _masked_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: to
     keys = k_cache[:, :, :span].index_select(0, slots)  # [N, kv_heads, S, hd]
     values = v_cache[:, :, :span].index_select(0, slots)
     out = F.scaled_dot_product_attention(
-        q.reshape(n, kv_heads, heads // kv_heads, hd), keys, values,
-        attn_mask=mask[:, None, None, :])  # [N, kv_heads, group, hd]
+        q.reshape(n, kv_heads, heads // kv_heads, hd), keys, values, attn_mask=mask[:, None, None, :]
+    )  # [N, kv_heads, group, hd]
     return out.reshape(n, heads, hd)
 
 
-def _gqa_padding(
-    local_kv: list[int] | None, num_kv_heads: int
-) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+def _gqa_padding(local_kv: list[int] | None, num_kv_heads: int) -> tuple[torch.Tensor | None, torch.Tensor | None]:
     """Index tensors that pad uneven query groups to one group size (see :class:`Attention`).
 
     ``local_kv[i]`` is the local KV head of local query head i (ascending). Returns
@@ -624,4 +640,3 @@ def _gqa_padding(
         q_index.extend(mine + [mine[0]] * (group - len(mine)))
     as_tensor = lambda v: torch.tensor(v, dtype=torch.long, device="cpu")  # noqa: E731
     return as_tensor(q_index), as_tensor(out_index)
-

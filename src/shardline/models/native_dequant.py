@@ -43,8 +43,7 @@ def _ptr(t: torch.Tensor | None) -> int | None:
     return t.data_ptr()
 
 
-def _plane_pointers(planes: list[tuple[torch.Tensor, torch.Tensor]],
-                    byte_offset: int = 0) -> list[int | None]:
+def _plane_pointers(planes: list[tuple[torch.Tensor, torch.Tensor]], byte_offset: int = 0) -> list[int | None]:
     """``p0, sz0, p1, sz1`` for the C kernels: each int4 plane's packed bytes (from
     ``byte_offset``) and its bfloat16 scales, None for a second plane where there is one."""
     pointers: list[int | None] = []
@@ -54,8 +53,9 @@ def _plane_pointers(planes: list[tuple[torch.Tensor, torch.Tensor]],
     return pointers + [None, None] * (2 - len(planes))
 
 
-def int4_planes_t(planes: list[tuple[torch.Tensor, torch.Tensor]], half: int, start: int,
-                  out: torch.Tensor) -> torch.Tensor:
+def int4_planes_t(
+    planes: list[tuple[torch.Tensor, torch.Tensor]], half: int, start: int, out: torch.Tensor
+) -> torch.Tensor:
     """Fill ``out`` ``[K, rows]`` (bfloat16 or float32) with rows ``[start, start + rows)``
     of ``W`` transposed, ``W`` the sum of one or two int4 planes in torch's CPU layout
     with ``half`` = block rows / 2 (16 or 32) and the "halves" nibble order
@@ -75,13 +75,19 @@ def int4_planes_t(planes: list[tuple[torch.Tensor, torch.Tensor]], half: int, st
     assert out.dtype in (torch.bfloat16, torch.float32) and rows % block == 0 == start % block
     pointers = _plane_pointers(planes, start // block * K * half)
     out_features = planes[0][1].shape[1]
-    getattr(lib, f"int4_planes_t_{half}")(*pointers, out_features, start, rows, K, _ptr(out),
-                                          int(out.dtype == torch.bfloat16))
+    getattr(lib, f"int4_planes_t_{half}")(
+        *pointers, out_features, start, rows, K, _ptr(out), int(out.dtype == torch.bfloat16)
+    )
     return out
 
 
-def int4_planes_rows(planes: list[tuple[torch.Tensor, torch.Tensor]], block: int,
-                     position: torch.Tensor, ids: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+def int4_planes_rows(
+    planes: list[tuple[torch.Tensor, torch.Tensor]],
+    block: int,
+    position: torch.Tensor,
+    ids: torch.Tensor,
+    out: torch.Tensor,
+) -> torch.Tensor:
     """Fill float32 ``out`` ``[len(ids), K]`` with rows ``ids`` of ``W``, the sum of one or
     two int4 planes in torch's CPU layout of blocks of ``block`` rows, a block's row ``r``
     at nibble ``position[r]`` (:func:`shardline.models.int4_planes.int4pack_layout`):
@@ -100,8 +106,16 @@ def int4_planes_rows(planes: list[tuple[torch.Tensor, torch.Tensor]], block: int
     K = out.shape[1]
     assert out.dtype == torch.float32 and out.shape[0] == ids.numel() and K % 32 == 0
     assert ids.dtype == position.dtype == torch.int64
-    lib.int4_planes_rows(*_plane_pointers(planes), planes[0][1].shape[1], K, block, _ptr(position.contiguous()),
-                         _ptr(ids.contiguous()), ids.numel(), _ptr(out))
+    lib.int4_planes_rows(
+        *_plane_pointers(planes),
+        planes[0][1].shape[1],
+        K,
+        block,
+        _ptr(position.contiguous()),
+        _ptr(ids.contiguous()),
+        ids.numel(),
+        _ptr(out),
+    )
     return out
 
 
@@ -127,8 +141,9 @@ def loading_with(threads: int) -> Iterator[None]:
         _load_threads = before
 
 
-def int4_pack_halves(q: torch.Tensor, shift: int, add: int, block: int,
-                     out: torch.Tensor | None = None) -> torch.Tensor:
+def int4_pack_halves(
+    q: torch.Tensor, shift: int, add: int, block: int, out: torch.Tensor | None = None
+) -> torch.Tensor:
     """Pack ``((q >> shift) & 15) + add`` of uint8 ``q`` ``[rows, cols]`` (values the
     caller keeps in 0..15) into torch's CPU int4 layout for blocks of ``block`` rows in the
     "halves" nibble order (:func:`shardline.models.int4_planes.int4pack_layout`): uint8
@@ -162,8 +177,7 @@ def scales_zeros_into(scale: torch.Tensor, zero: torch.Tensor, out: torch.Tensor
         return
     assert out.shape[0] == groups and out.shape[2] == 2 and start + rows <= out.shape[1]
     scale, zero = scale.contiguous(), zero.contiguous()  # held while the kernel reads them
-    lib.scales_zeros_bf16(_ptr(scale), _ptr(zero), rows, groups, _ptr(out), out.shape[1], start,
-                          load_threads())
+    lib.scales_zeros_bf16(_ptr(scale), _ptr(zero), rows, groups, _ptr(out), out.shape[1], start, load_threads())
 
 
 _UNPACKED = ("Q4_0", "Q4_1", "Q8_0", "Q5_0", "Q5_1", "Q4_K", "Q5_K", "Q6_K")
@@ -188,8 +202,16 @@ def unpack_blocks(type_name: str, data: np.ndarray) -> gguf_quants.GroupQuant:
     q = np.empty((rows, cols), np.uint8)
     scale = np.empty((rows, cols // form.group), np.float32)
     offset = np.empty((rows, cols // form.group), np.float32)
-    lib.unpack_blocks(data.ctypes.data, rows, blocks, _UNPACKED.index(type_name), q.ctypes.data,
-                      scale.ctypes.data, offset.ctypes.data, load_threads())
+    lib.unpack_blocks(
+        data.ctypes.data,
+        rows,
+        blocks,
+        _UNPACKED.index(type_name),
+        q.ctypes.data,
+        scale.ctypes.data,
+        offset.ctypes.data,
+        load_threads(),
+    )
     return gguf_quants.GroupQuant(q, scale, offset, *form)
 
 
@@ -297,11 +319,14 @@ class Int4Gemv:
         if N % 64:
             return f"{N} rows (a multiple of 64)"
         for packed, sz in planes:
-            if (packed.dtype != torch.uint8 or packed.numel() != N * groups * 16
-                    or sz.dtype != torch.bfloat16 or sz.shape != (groups, N, 2)):
+            if (
+                packed.dtype != torch.uint8
+                or packed.numel() != N * groups * 16
+                or sz.dtype != torch.bfloat16
+                or sz.shape != (groups, N, 2)
+            ):
                 return "planes of N * K / 2 bytes with bfloat16 [K / 32, N, 2] scales and zeros"
-        if len(planes) == 2 and not torch.equal(planes[1][1][..., 0].float(),
-                                                16 * planes[0][1][..., 0].float()):
+        if len(planes) == 2 and not torch.equal(planes[1][1][..., 0].float(), 16 * planes[0][1][..., 0].float()):
             return "a second plane whose scales are not 16 times the first's"
         return None
 
@@ -319,11 +344,11 @@ class Int4Gemv:
         """
         M, K = x.shape
         if K != self.K or x.dtype != torch.bfloat16:
-            raise ValueError(f"int4 prefill product of {x.dtype} x {tuple(x.shape)} with "
-                             f"[{self.N}, {self.K}] (bfloat16)")
+            raise ValueError(
+                f"int4 prefill product of {x.dtype} x {tuple(x.shape)} with [{self.N}, {self.K}] (bfloat16)"
+            )
         y = torch.empty(M, self.N, dtype=x.dtype)
-        rc = kernel_library.loaded().int4_planes_amx_prefill(self.address, x.contiguous().data_ptr(), M,
-                                               y.data_ptr())
+        rc = kernel_library.loaded().int4_planes_amx_prefill(self.address, x.contiguous().data_ptr(), M, y.data_ptr())
         if rc == -1:
             raise MemoryError("int4 prefill product: no memory for its scratch")
         if rc:
@@ -338,17 +363,18 @@ class Int4Gemv:
         """
         M, K = x.shape
         if K != self.K or x.dtype not in (torch.bfloat16, torch.float32):
-            raise ValueError(f"int4 decode product of {x.dtype} x {tuple(x.shape)} with "
-                             f"[{self.N}, {self.K}] (bfloat16 or float32)")
+            raise ValueError(
+                f"int4 decode product of {x.dtype} x {tuple(x.shape)} with [{self.N}, {self.K}] (bfloat16 or float32)"
+            )
         y = torch.empty(M, self.N, dtype=x.dtype)
-        if self._kernel(self.address, x.contiguous().data_ptr(), x.dtype == torch.float32, M,
-                        y.data_ptr()):
+        if self._kernel(self.address, x.contiguous().data_ptr(), x.dtype == torch.float32, M, y.data_ptr()):
             raise MemoryError("int4 decode product: no memory for the activations' int8 copy")
         return y
 
 
-def int8_groups(q: torch.Tensor, scale: torch.Tensor, offset: torch.Tensor, group: int,
-                out: torch.Tensor) -> torch.Tensor:
+def int8_groups(
+    q: torch.Tensor, scale: torch.Tensor, offset: torch.Tensor, group: int, out: torch.Tensor
+) -> torch.Tensor:
     """Fill ``out`` ``[rows, K]`` (bfloat16 or float32) with ``q * scale + offset`` for
     ``q`` uint8 ``[rows, K]`` and float32 ``scale``, ``offset`` ``[rows, K / group]``.
 
@@ -358,13 +384,13 @@ def int8_groups(q: torch.Tensor, scale: torch.Tensor, offset: torch.Tensor, grou
     lib = kernel_library.loaded()
     rows, K = q.shape
     assert out.shape == q.shape and out.dtype in (torch.bfloat16, torch.float32)
-    lib.int8_groups(_ptr(q), _ptr(scale), _ptr(offset), rows, K, group, _ptr(out),
-                    int(out.dtype == torch.bfloat16))
+    lib.int8_groups(_ptr(q), _ptr(scale), _ptr(offset), rows, K, group, _ptr(out), int(out.dtype == torch.bfloat16))
     return out
 
 
-def int8_groups_gemv(q: torch.Tensor, scale: torch.Tensor, offset: torch.Tensor, group: int,
-                     x: torch.Tensor) -> torch.Tensor:
+def int8_groups_gemv(
+    q: torch.Tensor, scale: torch.Tensor, offset: torch.Tensor, group: int, x: torch.Tensor
+) -> torch.Tensor:
     """``x @ W.T`` in float32 ``[M, rows]`` for a few rows of float32 ``x`` ``[M, K]`` and
     ``W = q * scale + offset`` (``q`` uint8 ``[rows, K]``, float32 ``scale`` and
     ``offset`` ``[rows, K / group]``, ``group`` a multiple of 8), reading one byte a
@@ -381,8 +407,7 @@ def int8_groups_gemv(q: torch.Tensor, scale: torch.Tensor, offset: torch.Tensor,
     x = x.contiguous()
     xsum = x.view(M, K // group, group).sum(-1).contiguous()
     y = torch.empty(M, rows)
-    lib.int8_groups_gemv(_ptr(q), _ptr(scale), _ptr(offset), rows, K, group, _ptr(x),
-                         _ptr(xsum), M, _ptr(y))
+    lib.int8_groups_gemv(_ptr(q), _ptr(scale), _ptr(offset), rows, K, group, _ptr(x), _ptr(xsum), M, _ptr(y))
     return y
 
 
@@ -402,8 +427,9 @@ def packed_groups_rows(w, out: torch.Tensor, ids: torch.Tensor | None = None) ->
             raise IndexError(f"rows {ids.tolist()} of a weight of {w.shape[0]}")
     work = torch.empty(w.shape[1])
     weight = PackedWeight.of(w)  # held through the call
-    lib.packed_groups_rows(ctypes.addressof(weight), _ptr(ids), n, _ptr(out),
-                           int(out.dtype == torch.bfloat16), _ptr(work))
+    lib.packed_groups_rows(
+        ctypes.addressof(weight), _ptr(ids), n, _ptr(out), int(out.dtype == torch.bfloat16), _ptr(work)
+    )
     return out
 
 
@@ -429,17 +455,35 @@ class PackedWeight(ctypes.Structure):
     layers) take it. It points into the weight's tensors: hold the weight while it is
     used."""
 
-    _fields_ = [("low", _P), ("high", _P), ("scale", _P), ("offset", _P),
-                ("center", ctypes.c_int32), ("hb", ctypes.c_int32),
-                ("scales_bf16", ctypes.c_int32), ("group", _I), ("rows", _I), ("K", _I),
-                ("codebook", _P)]
+    _fields_ = [
+        ("low", _P),
+        ("high", _P),
+        ("scale", _P),
+        ("offset", _P),
+        ("center", ctypes.c_int32),
+        ("hb", ctypes.c_int32),
+        ("scales_bf16", ctypes.c_int32),
+        ("group", _I),
+        ("rows", _I),
+        ("K", _I),
+        ("codebook", _P),
+    ]
 
     @classmethod
     def of(cls, w) -> PackedWeight:
         assert w.scale.dtype in (torch.bfloat16, torch.float32)
-        return cls(_ptr(w.low), _ptr(w.high), _ptr(w.scale), _ptr(w.offset), w.center,
-                   w.high_bits, int(w.scale.dtype == torch.bfloat16), w.group, *w.shape,
-                   _ptr(w.codebook))
+        return cls(
+            _ptr(w.low),
+            _ptr(w.high),
+            _ptr(w.scale),
+            _ptr(w.offset),
+            w.center,
+            w.high_bits,
+            int(w.scale.dtype == torch.bfloat16),
+            w.group,
+            *w.shape,
+            _ptr(w.codebook),
+        )
 
 
 def packed_groups_gemv(w, x: torch.Tensor) -> torch.Tensor:
@@ -467,8 +511,7 @@ def packed_groups_gemv(w, x: torch.Tensor) -> torch.Tensor:
     weight = PackedWeight.of(w)  # held through the call
     if w.scale.dtype == torch.bfloat16 and int4_gemv_built():
         x = x.contiguous()
-        rc = lib.packed_groups_q8_gemv(ctypes.addressof(weight), _ptr(x),
-                                       x.dtype == torch.float32, M, _ptr(y))
+        rc = lib.packed_groups_q8_gemv(ctypes.addressof(weight), _ptr(x), x.dtype == torch.float32, M, _ptr(y))
     else:
         x = x.float().contiguous()
         rc = lib.packed_groups_gemv(ctypes.addressof(weight), _ptr(x), M, _ptr(y))

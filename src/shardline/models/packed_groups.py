@@ -52,10 +52,15 @@ BLOCK_ROWS = 16
 def packs(g: GroupQuant, device: torch.device | str, dtype: torch.dtype) -> bool:
     """Whether ``g`` is held as :class:`PackedGroups`: 5 or 6 bits in groups of 16 or 32,
     rows of whole chunks in whole blocks, on the CPU, in bfloat16 or float32."""
-    return (g.bits in (5, 6) and g.group in (16, 32) and g.shape[1] % CHUNK == 0
-            and (g.codebook is None or len(g.codebook) <= 16)
-            and g.shape[0] % BLOCK_ROWS == 0
-            and torch.device(device).type == "cpu" and dtype in (torch.bfloat16, torch.float32))
+    return (
+        g.bits in (5, 6)
+        and g.group in (16, 32)
+        and g.shape[1] % CHUNK == 0
+        and (g.codebook is None or len(g.codebook) <= 16)
+        and g.shape[0] % BLOCK_ROWS == 0
+        and torch.device(device).type == "cpu"
+        and dtype in (torch.bfloat16, torch.float32)
+    )
 
 
 def _interleaved(rows: torch.Tensor, words: int) -> torch.Tensor:
@@ -118,28 +123,46 @@ class PackedGroups:
             ValueError: a bound inside a block.
         """
         if start % BLOCK_ROWS or end % BLOCK_ROWS:
-            raise ValueError(f"rows [{start}, {end}) of packed groups: bounds are multiples of "
-                             f"{BLOCK_ROWS}")
+            raise ValueError(f"rows [{start}, {end}) of packed groups: bounds are multiples of {BLOCK_ROWS}")
         a, b = start // BLOCK_ROWS, end // BLOCK_ROWS
-        return PackedGroups(self.low[a:b], self.high[a:b], self.scale[a:b],
-                            None if self.offset is None else self.offset[a:b],
-                            self.center, self.bits, self.group, self.codebook)
+        return PackedGroups(
+            self.low[a:b],
+            self.high[a:b],
+            self.scale[a:b],
+            None if self.offset is None else self.offset[a:b],
+            self.center,
+            self.bits,
+            self.group,
+            self.codebook,
+        )
 
     def empty_rows(self, rows: int) -> PackedGroups:
         """An unfilled weight of this form and columns with ``rows`` rows (a multiple of
         :data:`BLOCK_ROWS`)."""
+
         def grown(t: torch.Tensor) -> torch.Tensor:
             return torch.empty((rows // BLOCK_ROWS, *t.shape[1:]), dtype=t.dtype)
 
-        return PackedGroups(grown(self.low), grown(self.high), grown(self.scale),
-                            None if self.offset is None else grown(self.offset),
-                            self.center, self.bits, self.group, self.codebook)
+        return PackedGroups(
+            grown(self.low),
+            grown(self.high),
+            grown(self.scale),
+            None if self.offset is None else grown(self.offset),
+            self.center,
+            self.bits,
+            self.group,
+            self.codebook,
+        )
 
     def set_rows(self, start: int, part: PackedGroups) -> None:
         """Copy ``part`` into rows ``[start, start + part rows)``."""
         mine = self.rows(start, start + part.shape[0])
-        for into, values in ((mine.low, part.low), (mine.high, part.high),
-                             (mine.scale, part.scale), (mine.offset, part.offset)):
+        for into, values in (
+            (mine.low, part.low),
+            (mine.high, part.high),
+            (mine.scale, part.scale),
+            (mine.offset, part.offset),
+        ):
             if into is not None and values is not None:
                 into.copy_(values)
 
@@ -238,9 +261,15 @@ def pack_groups(g: GroupQuant, dtype: torch.dtype) -> PackedGroups:
         return t.view(-1, BLOCK_ROWS, t.shape[1]).permute(0, 2, 1).contiguous()
 
     return PackedGroups(
-        torch.from_numpy(low_bytes), torch.from_numpy(high_bytes), blocked(g.scale),
-        None if symmetric else blocked(g.offset), g.symmetric_center or 0, g.bits, g.group,
-        codebook)
+        torch.from_numpy(low_bytes),
+        torch.from_numpy(high_bytes),
+        blocked(g.scale),
+        None if symmetric else blocked(g.offset),
+        g.symmetric_center or 0,
+        g.bits,
+        g.group,
+        codebook,
+    )
 
 
 def _packed_bits(q: np.ndarray, bits: int) -> tuple[np.ndarray, np.ndarray]:
@@ -254,8 +283,9 @@ def _packed_bits(q: np.ndarray, bits: int) -> tuple[np.ndarray, np.ndarray]:
     if lib is not None:
         low = np.empty((rows // BLOCK_ROWS, cols * 8), np.uint8)
         high = np.empty((rows // BLOCK_ROWS, cols * 2 * hb), np.uint8)
-        lib.pack_groups_bits(q.ctypes.data, rows, cols, bits, low.ctypes.data, high.ctypes.data,
-                             native_dequant.load_threads())
+        lib.pack_groups_bits(
+            q.ctypes.data, rows, cols, bits, low.ctypes.data, high.ctypes.data, native_dequant.load_threads()
+        )
         return low, high
     chunks = q.reshape(rows, cols // CHUNK, CHUNK)
     low = (chunks[..., : CHUNK // 2] & 15) | ((chunks[..., CHUNK // 2 :] & 15) << 4)
@@ -267,7 +297,9 @@ def _packed_bits(q: np.ndarray, bits: int) -> tuple[np.ndarray, np.ndarray]:
         high = np.bitwise_or.reduce(pairs, axis=2)
     else:  # bit i of the word: weight i
         high = np.bitwise_or.reduce(top.reshape(rows, cols // CHUNK, 4, 8) << np.arange(8, dtype=np.uint8), axis=3)
-    planes = (torch.from_numpy(np.ascontiguousarray(low).reshape(rows, -1)),
-              torch.from_numpy(np.ascontiguousarray(high).reshape(rows, -1)))
+    planes = (
+        torch.from_numpy(np.ascontiguousarray(low).reshape(rows, -1)),
+        torch.from_numpy(np.ascontiguousarray(high).reshape(rows, -1)),
+    )
     high_blocks = _interleaved(planes[1], hb).numpy() if hb else np.empty((rows // BLOCK_ROWS, 0), np.uint8)
     return _interleaved(planes[0], 4).numpy(), high_blocks

@@ -40,10 +40,10 @@ class Naming:
     everywhere: tuple[str, ...] = ()  # read by every rank where present
 
 
-GGUF_NAMING = Naming("token_embd.weight", "output_norm.weight", "output.weight",
-                     re.compile(r"blk\.(\d+)\."), ("rope_freqs.weight",))
-HF_NAMING = Naming("model.embed_tokens.weight", "model.norm.weight", "lm_head.weight",
-                   re.compile(r"\.layers\.(\d+)\."))
+GGUF_NAMING = Naming(
+    "token_embd.weight", "output_norm.weight", "output.weight", re.compile(r"blk\.(\d+)\."), ("rope_freqs.weight",)
+)
+HF_NAMING = Naming("model.embed_tokens.weight", "model.norm.weight", "lm_head.weight", re.compile(r"\.layers\.(\d+)\."))
 NAMINGS = {"gguf": GGUF_NAMING, "safetensors": HF_NAMING}
 
 
@@ -63,8 +63,7 @@ class RankReads:
         ``num_layers`` layers reads (see the module doc)."""
         if Sharding(sharding) in (Sharding.TENSOR, Sharding.EXPERT):
             return cls(0, num_layers, embed=True, head=rank == 0)
-        return cls(share.layer_start, share.layer_end, embed=share.layer_start == 0,
-                   head=share.layer_end == num_layers)
+        return cls(share.layer_start, share.layer_end, embed=share.layer_start == 0, head=share.layer_end == num_layers)
 
     @classmethod
     def whole(cls, num_layers: int) -> "RankReads":
@@ -91,8 +90,9 @@ def tensors_read(names: Iterable[str], naming: Naming, tied: bool, reads: RankRe
     return frozenset(out)
 
 
-def rank_tensors(names: Iterable[str], fmt: str, config: dict, sharding: Sharding | str, rank: int,
-                 share: RankShare) -> frozenset[str]:
+def rank_tensors(
+    names: Iterable[str], fmt: str, config: dict, sharding: Sharding | str, rank: int, share: RankShare
+) -> frozenset[str]:
     """The tensors among ``names`` of a model in format ``fmt`` ("gguf" or "safetensors")
     with card ``config`` (``ModelConfig.to_dict()``) that rank ``rank`` of an instance of
     ``sharding`` holding ``share`` reads."""

@@ -60,9 +60,9 @@ def _stack(parts: list[Part]) -> list[Part | RowBlocks]:
     runs: list[list[Part]] = []
     for part in parts:
         last = runs[-1][-1] if runs else None
-        if ((isinstance(part, torch.Tensor) and isinstance(last, torch.Tensor))
-                or (isinstance(part, GroupQuant) and isinstance(last, GroupQuant)
-                    and part.form == last.form)):
+        if (isinstance(part, torch.Tensor) and isinstance(last, torch.Tensor)) or (
+            isinstance(part, GroupQuant) and isinstance(last, GroupQuant) and part.form == last.form
+        ):
             runs[-1].append(part)
         else:
             runs.append([part])
@@ -83,8 +83,11 @@ def _stacked_groups(parts: list[GroupQuant]) -> RowBlocks:
     starts = np.cumsum([0] + [p.shape[0] for p in parts])
 
     def read(start: int, end: int) -> GroupQuant:
-        pieces = [p.rows(max(start, a) - a, min(end, b) - a)
-                  for p, a, b in zip(parts, starts[:-1], starts[1:]) if start < b and end > a]
+        pieces = [
+            p.rows(max(start, a) - a, min(end, b) - a)
+            for p, a, b in zip(parts, starts[:-1], starts[1:])
+            if start < b and end > a
+        ]
         return pieces[0] if len(pieces) == 1 else GroupQuant.concat(pieces)
 
     return RowBlocks(read, (int(starts[-1]), parts[0].shape[1]))
@@ -94,11 +97,7 @@ _Tensors = Iterator[tuple[str, list[Part | RowBlocks] | torch.Tensor]]
 
 
 def shard_tensors(
-    source: WeightSource,
-    layer_start: int,
-    layer_end: int,
-    share: TensorShare | None = None,
-    head: bool = True,
+    source: WeightSource, layer_start: int, layer_end: int, share: TensorShare | None = None, head: bool = True
 ) -> _Tensors:
     """The weights of a :class:`~shardline.models.llama.DecoderShard`, one at a time.
 
@@ -138,8 +137,10 @@ def shard_tensors(
         yield "norm.weight", reader.vector(None, "norm")
         tied = config.tie_word_embeddings
         if not (tied and layer_start == 0):  # a tied head on the first shard reuses embed
-            yield "lm_head", [reader.row_blocks("LM head", "embed" if tied else "head",
-                                                (config.vocab_size, config.hidden_size))]
+            yield (
+                "lm_head",
+                [reader.row_blocks("LM head", "embed" if tied else "head", (config.vocab_size, config.hidden_size))],
+            )
 
 
 class _ShardReader:
@@ -173,8 +174,9 @@ class _ShardReader:
             self.kv_span = span(kv0 * hd, (kv0 + self.kv_heads) * hd, self.kv_rows)
             self.col_span = span(*share.columns, self.inter)
 
-    def weight(self, label: str, layer: int | None, part: str, shape: tuple[int, ...],
-               rows: Span = None, cols: Span = None) -> Part:
+    def weight(
+        self, label: str, layer: int | None, part: str, shape: tuple[int, ...], rows: Span = None, cols: Span = None
+    ) -> Part:
         """Check the file's whole shape, then read the slice as the file stores it."""
         name = self.checked(label, _names(self.source, layer, part), shape)
         return self.source.read_weight(name, rows, cols)
@@ -211,8 +213,9 @@ class _ShardReader:
             k = _take_rows(k, _unpermute_index(kv_heads * hd, kv_heads))
         yield p + "attn.qkv", _stack([q, k, v])
         if config.attention_bias:
-            qb, kb, vb = (self.vector(layer, n, s) for n, s in
-                          (("q_bias", q_span), ("k_bias", kv_span), ("v_bias", kv_span)))
+            qb, kb, vb = (
+                self.vector(layer, n, s) for n, s in (("q_bias", q_span), ("k_bias", kv_span), ("v_bias", kv_span))
+            )
             if self.permuted:
                 qb = qb[torch.from_numpy(_unpermute_index(heads * hd, heads))]
                 kb = kb[torch.from_numpy(_unpermute_index(kv_heads * hd, kv_heads))]
@@ -233,8 +236,7 @@ class _ShardReader:
         gate = self.weight(f"layer {layer} gate", layer, "gate", (inter, d), col_span)
         up = self.weight(f"layer {layer} up", layer, "up", (inter, d), col_span)
         yield p + "mlp.gate_up", _stack([gate, up])
-        yield p + "mlp.down", [self.weight(f"layer {layer} down", layer, "down", (d, inter),
-                                           cols=col_span)]
+        yield p + "mlp.down", [self.weight(f"layer {layer} down", layer, "down", (d, inter), cols=col_span)]
 
     def experts(self, p: str, layer: int) -> _Tensors:
         """An MoE layer's router (float32 here, whole on every rank) and each expert's
@@ -248,21 +250,23 @@ class _ShardReader:
         whole = share is not None and share.experts is not None  # expert sharding
         if config.expert_bias:
             yield p + "mlp.router_bias", source.read(router.removesuffix(".weight") + ".bias").float()
-            biases = {part: source.read(source.expert_bias_tensor(layer, part)).float()
-                      for part in ("gate", "up", "down")}  # [experts, rows], small
+            biases = {
+                part: source.read(source.expert_bias_tensor(layer, part)).float() for part in ("gate", "up", "down")
+            }  # [experts, rows], small
             c0, c1 = share.columns if share else (0, inter)
         first, last = share.expert_range(config) if share else (0, config.num_experts)
 
-        def expert(e: int, part: str, shape: tuple[int, int], rows: Span = None,
-                   cols: Span = None) -> Part:
+        def expert(e: int, part: str, shape: tuple[int, int], rows: Span = None, cols: Span = None) -> Part:
             name, index = source.expert_tensor(layer, part, e)
             self.checked(f"layer {layer} expert {e} {part} ({name!r})", name, shape, index)
             return source.read_weight(name, rows, cols, index)
 
         for e in range(first, last):
             q = f"{p}mlp.experts.{e - first}."
-            yield q + "gate_up", _stack([expert(e, "gate", (inter, d), col_span),
-                                         expert(e, "up", (inter, d), col_span)])
+            yield (
+                q + "gate_up",
+                _stack([expert(e, "gate", (inter, d), col_span), expert(e, "up", (inter, d), col_span)]),
+            )
             yield q + "down", [expert(e, "down", (d, inter), cols=col_span)]
             if config.expert_bias:
                 yield q + "gate_up.bias", torch.cat((biases["gate"][e, c0:c1], biases["up"][e, c0:c1]))
@@ -319,8 +323,7 @@ def load_tensor_shard(
     """
     if head is None:
         head = share.rank == 0
-    return _build_shard(source, 0, source.config.num_layers, dtype, device, share=share,
-                        head=head, quantize=quantize)
+    return _build_shard(source, 0, source.config.num_layers, dtype, device, share=share, head=head, quantize=quantize)
 
 
 def _int4_for(dtype: torch.dtype) -> bool:
@@ -330,8 +333,9 @@ def _int4_for(dtype: torch.dtype) -> bool:
     return dtype != torch.float32
 
 
-def _embedding_weights(part: Part | RowBlocks, dtype: torch.dtype,
-                       device: torch.device | str) -> tuple[ResidentWeight, ResidentWeight]:
+def _embedding_weights(
+    part: Part | RowBlocks, dtype: torch.dtype, device: torch.device | str
+) -> tuple[ResidentWeight, ResidentWeight]:
     """The embedding's resident form and a tied LM head's: both the form the weight takes
     as a linear layer, one object (so a first pipeline rank's rows equal a one-node
     shard's), unless rows cannot be read from torch's int4 layout on this machine: then
@@ -388,15 +392,14 @@ def _build_shard(
             continue
         module = modules[name]
         assert isinstance(module, Linear)
-        module.set_parts([resident_weight(held(p, vocab=name == "lm_head"), dtype, device,
-                                          int4=_int4_for(dtype)) for p in value])
+        module.set_parts(
+            [resident_weight(held(p, vocab=name == "lm_head"), dtype, device, int4=_int4_for(dtype)) for p in value]
+        )
         del value
         release_free_memory()  # keeps the load's peak near the weights held so far
     missing, unexpected = shard.load_state_dict(dense, strict=False, assign=True)
     if missing or unexpected:
-        raise WeightFormatError(
-            f"shard weights do not match: missing {missing}, unexpected {unexpected}"
-        )
+        raise WeightFormatError(f"shard weights do not match: missing {missing}, unexpected {unexpected}")
     shard.inv_freq = rope_inverse_frequencies(config, source.rope_freq_factors).to(device)
     for module in shard.modules():  # index buffers built on the CPU (see Attention)
         for name, buffer in module.named_buffers(recurse=False):

@@ -65,8 +65,12 @@ class SparseRecord:
         return total(self.present)
 
     def to_dict(self) -> dict:
-        return {"sha256": self.sha256, "size": self.size, "present": [list(r) for r in self.present],
-                "writing": list(self.writing) if self.writing else None}
+        return {
+            "sha256": self.sha256,
+            "size": self.size,
+            "present": [list(r) for r in self.present],
+            "writing": list(self.writing) if self.writing else None,
+        }
 
     @classmethod
     def from_dict(cls, data: dict) -> "SparseRecord":
@@ -76,8 +80,7 @@ class SparseRecord:
         if present and present[-1][1] > size:
             raise ValueError(f"a range ends past the file's {size} bytes")
         writing = data.get("writing")
-        return cls(str(data["sha256"]), size, present,
-                   (int(writing[0]), int(writing[1])) if writing else None)
+        return cls(str(data["sha256"]), size, present, (int(writing[0]), int(writing[1])) if writing else None)
 
 
 def record_path(path: Path) -> Path:

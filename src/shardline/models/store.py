@@ -218,11 +218,13 @@ def check_model_id(model_id: object) -> str:
     if not isinstance(model_id, str):
         raise ModelStoreError(f"a model id is a string, not {type(model_id).__name__}")
     if any(len(part) > MAX_ID_PART_CHARS for part in model_id.split("/")):
-        raise ModelStoreError(f"model id {shown(model_id)} is too long: a name and an org are at most "
-                              f"{MAX_ID_PART_CHARS} characters each")
+        raise ModelStoreError(
+            f"model id {shown(model_id)} is too long: a name and an org are at most {MAX_ID_PART_CHARS} characters each"
+        )
     if not _ID.fullmatch(model_id) or ".." in model_id:
         raise ModelStoreError(
-            f"model id {shown(model_id)} is not of the form name or org/name (letters, digits, '.', '_', '-')")
+            f"model id {shown(model_id)} is not of the form name or org/name (letters, digits, '.', '_', '-')"
+        )
     return model_id
 
 
@@ -345,8 +347,10 @@ def _local_files(source: Path) -> tuple[dict[str, Path], str]:
         raise ModelStoreError(f"{source}: no such file or directory")
     if source.is_file() and source.suffix == ".gguf":
         if record_path(source).exists():
-            raise ModelStoreError(f"{source} is a copy held in part (only the pieces of some ranks): "
-                                  f"add the whole file from a node that holds it")
+            raise ModelStoreError(
+                f"{source} is a copy held in part (only the pieces of some ranks): "
+                f"add the whole file from a node that holds it"
+            )
         return {source.name: source}, "gguf"
     if source.is_dir() and (source / "config.json").is_file():
         files = {}
@@ -357,8 +361,7 @@ def _local_files(source: Path) -> tuple[dict[str, Path], str]:
         if not any(name.endswith(".safetensors") for name in files):
             raise ModelStoreError(f"{source} has config.json but no .safetensors files")
         return files, "safetensors"
-    raise ModelStoreError(
-        f"{source} is neither a .gguf file nor a directory with config.json and safetensors")
+    raise ModelStoreError(f"{source} is neither a .gguf file nor a directory with config.json and safetensors")
 
 
 class ModelStore:
@@ -438,8 +441,7 @@ class ModelStore:
         out = set()
         for f in manifest.files:
             try:
-                if (directory / f.path).stat().st_size == f.size and \
-                        not record_path(directory / f.path).exists():
+                if (directory / f.path).stat().st_size == f.size and not record_path(directory / f.path).exists():
                     out.add(f.path)
             except OSError:
                 pass
@@ -498,14 +500,17 @@ class ModelStore:
         for manifest, written in self._manifests_written():  # read once each: peers ask every second
             present = self._present(manifest)
             ranges = {path: [list(r) for r in held] for path, held in self._partial(manifest).items() if held}
-            out[manifest.model_id] = {"format": manifest.format, "total_bytes": manifest.total_bytes,
-                                      "present": sorted(present), "ranges": ranges,
-                                      "complete": len(present) == len(manifest.files),
-                                      "added_at": written}
+            out[manifest.model_id] = {
+                "format": manifest.format,
+                "total_bytes": manifest.total_bytes,
+                "present": sorted(present),
+                "ranges": ranges,
+                "complete": len(present) == len(manifest.files),
+                "added_at": written,
+            }
         return out
 
-    def add_local(self, path: str | Path, model_id: str | None = None,
-                  roots: Iterable[Path] | None = None) -> Manifest:
+    def add_local(self, path: str | Path, model_id: str | None = None, roots: Iterable[Path] | None = None) -> Manifest:
         """Add a ``.gguf`` file or a Hugging Face safetensors directory under ``model_id``
         (default: the file's stem or the directory's name); hard-linked where possible.
         With ``roots`` (a client's ``--model-dir`` list), every file taken must lie under
@@ -529,10 +534,14 @@ class ModelStore:
             roots = list(roots)
             outside = sorted(name for name, file in files.items() if resolve_under(str(file), roots) is None)
             if outside:
-                raise ModelStoreError(f"{source}: {', '.join(outside)} resolve(s) outside the model "
-                                      f"directories (a symlink to elsewhere)")
-        model_id = check_model_id(model_id if model_id is not None  # "" is refused, not defaulted
-                                  else local_model_id(source))
+                raise ModelStoreError(
+                    f"{source}: {', '.join(outside)} resolve(s) outside the model directories (a symlink to elsewhere)"
+                )
+        model_id = check_model_id(
+            model_id
+            if model_id is not None  # "" is refused, not defaulted
+            else local_model_id(source)
+        )
         try:  # the model card first: an architecture it cannot run is refused before any copy or hash
             _weights_config(source)
         except UnsupportedModelError:
@@ -540,11 +549,13 @@ class ModelStore:
         except Exception as exc:  # the gguf reader and json raise many kinds
             raise ModelStoreError(f"{source} is not a model shardline can read: {exc}") from None
         known = self.manifest(model_id)
-        if known is not None and self.present(model_id) == {f.path for f in known.files} and \
-                (fmt != "gguf" or known.pieces) and \
-                {f.path: f.size for f in known.files if f.weights} == \
-                {name: file.stat().st_size for name, file in files.items()
-                 if name.endswith((".gguf", ".safetensors"))}:
+        if (
+            known is not None
+            and self.present(model_id) == {f.path for f in known.files}
+            and (fmt != "gguf" or known.pieces)
+            and {f.path: f.size for f in known.files if f.weights}
+            == {name: file.stat().st_size for name, file in files.items() if name.endswith((".gguf", ".safetensors"))}
+        ):
             return known
         return self._install(source, files, fmt, model_id)
 
@@ -580,8 +591,9 @@ class ModelStore:
             staging.rename(target)
         finally:
             shutil.rmtree(staging, ignore_errors=True)
-        log.info("added %s to the model store (%d files, %d bytes)", model_id, len(manifest.files),
-                 manifest.total_bytes)
+        log.info(
+            "added %s to the model store (%d files, %d bytes)", model_id, len(manifest.files), manifest.total_bytes
+        )
         return manifest
 
     def add_from_hub(self, repo_id: str, download: bool = True) -> Manifest:
@@ -608,8 +620,7 @@ class ModelStore:
             try:
                 local = snapshot_download(repo_id, allow_patterns=list(HF_PATTERNS), local_files_only=True)
             except Exception:
-                raise ModelNotFoundError(
-                    f"{repo_id!r} is not in the local Hugging Face cache ({reason})") from None
+                raise ModelNotFoundError(f"{repo_id!r} is not in the local Hugging Face cache ({reason})") from None
         return self.add_local(local, repo_id)
 
     def _describe(self, directory: Path, model_id: str, fmt: str) -> Manifest:

@@ -161,9 +161,14 @@ class Tokenizer:
         output is split by :class:`~shardline.api.reasoning.ReasoningSplitter`)."""
         return template_reasons(self.chat_template)
 
-    def render_chat(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None,
-                    continue_final_message: bool = False, thinking: bool | None = None,
-                    effort: str | None = None) -> str:
+    def render_chat(
+        self,
+        messages: list[dict[str, Any]],
+        tools: list[dict[str, Any]] | None = None,
+        continue_final_message: bool = False,
+        thinking: bool | None = None,
+        effort: str | None = None,
+    ) -> str:
         """The prompt text for ``messages`` with the assistant's turn opened, or with the
         final (assistant) message left open to be continued (``continue_final_message``:
         Anthropic's prefill; transformers' option of that name).
@@ -188,16 +193,27 @@ class Tokenizer:
         """
         messages, tools = self._chat_inputs(messages, tools)
         try:
-            return str(self._tok.apply_chat_template(
-                messages, tools=tools, add_generation_prompt=not continue_final_message,
-                continue_final_message=continue_final_message, tokenize=False, **_thinking_kwargs(thinking, effort),
-            ))
+            return str(
+                self._tok.apply_chat_template(
+                    messages,
+                    tools=tools,
+                    add_generation_prompt=not continue_final_message,
+                    continue_final_message=continue_final_message,
+                    tokenize=False,
+                    **_thinking_kwargs(thinking, effort),
+                )
+            )
         except Exception as exc:  # jinja2's TemplateError and template-raised exceptions
             raise ChatTemplateError(f"chat template failed: {exc}") from exc
 
-    def unrendered_names(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None,
-                         continue_final_message: bool = False, thinking: bool | None = None,
-                         effort: str | None = None) -> list[int]:
+    def unrendered_names(
+        self,
+        messages: list[dict[str, Any]],
+        tools: list[dict[str, Any]] | None = None,
+        continue_final_message: bool = False,
+        thinking: bool | None = None,
+        effort: str | None = None,
+    ) -> list[int]:
         """Indices of the messages other than tool results whose ``name`` (a participant's)
         the chat template leaves out: the prompt :meth:`render_chat` gives is the same
         without it (most templates render no participant names; a request's name would be
@@ -219,15 +235,19 @@ class Tokenizer:
         full = self.render_chat(messages, tools, continue_final_message, thinking, effort)
         unrendered = []
         for i in named:
-            without = [{k: v for k, v in m.items() if k != "name"} if j == i else m
-                       for j, m in enumerate(messages)]
+            without = [{k: v for k, v in m.items() if k != "name"} if j == i else m for j, m in enumerate(messages)]
             if self.render_chat(without, tools, continue_final_message, thinking, effort) == full:
                 unrendered.append(i)
         return unrendered
 
-    def encode_chat(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None,
-                    continue_final_message: bool = False, thinking: bool | None = None,
-                    effort: str | None = None) -> list[int]:
+    def encode_chat(
+        self,
+        messages: list[dict[str, Any]],
+        tools: list[dict[str, Any]] | None = None,
+        continue_final_message: bool = False,
+        thinking: bool | None = None,
+        effort: str | None = None,
+    ) -> list[int]:
         """Token ids of :meth:`render_chat`'s prompt (same arguments), where only the
         template's own markup makes control tokens.
 
@@ -255,16 +275,22 @@ class Tokenizer:
         messages, tools = self._chat_inputs(messages, tools)
         try:
             ids = self._tok.apply_chat_template(
-                messages, tools=tools, add_generation_prompt=not continue_final_message,
-                continue_final_message=continue_final_message, tokenize=True, return_dict=False,
-                sanitize_control_tokens=True, **_thinking_kwargs(thinking, effort),
+                messages,
+                tools=tools,
+                add_generation_prompt=not continue_final_message,
+                continue_final_message=continue_final_message,
+                tokenize=True,
+                return_dict=False,
+                sanitize_control_tokens=True,
+                **_thinking_kwargs(thinking, effort),
             )
         except Exception as exc:  # jinja2's errors, template-raised ones, "Can't sanitize ..."
             raise ChatTemplateError(f"chat template failed: {exc}") from exc
         return [int(i) for i in ids]
 
-    def _chat_inputs(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None
-                     ) -> tuple[list[dict[str, Any]], list[dict[str, Any]] | None]:
+    def _chat_inputs(
+        self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None
+    ) -> tuple[list[dict[str, Any]], list[dict[str, Any]] | None]:
         """The messages and tools to give the template (a chat without tools unchanged)."""
         tools = tools or None
         has_calls = any(m.get("tool_calls") for m in messages)
@@ -275,8 +301,15 @@ class Tokenizer:
         return with_tools_in_text(messages, tools), None
 
 
-REASONING_LEVELS = {"none": "low", "minimal": "low", "low": "low", "medium": "medium",
-                    "high": "high", "xhigh": "high", "max": "high"}
+REASONING_LEVELS = {
+    "none": "low",
+    "minimal": "low",
+    "low": "low",
+    "medium": "medium",
+    "high": "high",
+    "xhigh": "high",
+    "max": "high",
+}
 """OpenAI's reasoning efforts (Chat Completions' ``reasoning_effort``, Responses'
 ``reasoning.effort``, Anthropic's ``output_config.effort``; Ollama's ``think`` levels are
 low to max) as the levels
@@ -318,15 +351,19 @@ def save_tokenizer_files(gguf_file: Path, directory: Path) -> None:
         ValueError: the conversion failed (the message ends with the child's last error line).
     """
     try:
-        done = subprocess.run([sys.executable, "-m", "shardline.models.tokenizer", str(gguf_file),
-                               str(directory)], capture_output=True, text=True,
-                              timeout=SAVE_TIMEOUT_S)
+        done = subprocess.run(
+            [sys.executable, "-m", "shardline.models.tokenizer", str(gguf_file), str(directory)],
+            capture_output=True,
+            text=True,
+            timeout=SAVE_TIMEOUT_S,
+        )
     except subprocess.TimeoutExpired:
         raise ValueError(f"reading the tokenizer of {gguf_file} took over {SAVE_TIMEOUT_S:g} s") from None
     if done.returncode != 0:
         lines = [line for line in done.stderr.splitlines() if line.strip()]
-        raise ValueError(f"cannot read the tokenizer of {gguf_file}: "
-                         f"{lines[-1] if lines else f'exit code {done.returncode}'}")
+        raise ValueError(
+            f"cannot read the tokenizer of {gguf_file}: {lines[-1] if lines else f'exit code {done.returncode}'}"
+        )
 
 
 class IncrementalDetokenizer:

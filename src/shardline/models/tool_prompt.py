@@ -84,8 +84,7 @@ def call_text(call: dict[str, Any]) -> str:
     return f"<tool_call>\n{json.dumps(body, ensure_ascii=False)}\n</tool_call>"
 
 
-def with_tools_in_text(messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None
-                       ) -> list[dict[str, Any]]:
+def with_tools_in_text(messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None) -> list[dict[str, Any]]:
     """``messages`` for a template without tool support: ``tools`` (when any) in the
     system message (added after the first system message's text, or as a new first
     message), assistant calls appended to the assistant's text as ``<tool_call>`` blocks,

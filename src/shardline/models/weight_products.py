@@ -36,7 +36,7 @@ def scratch(name: str, rows: int, cols: int, dtype: torch.dtype) -> torch.Tensor
         if buf is None or buf.numel() < rows * cols:
             raw = torch.empty(rows * cols * dtype.itemsize + 4096, dtype=torch.uint8)
             skip = -raw.data_ptr() % 4096
-            buf = raw[skip: skip + rows * cols * dtype.itemsize].view(dtype)
+            buf = raw[skip : skip + rows * cols * dtype.itemsize].view(dtype)
             SCRATCH_BUFFERS[(name, dtype)] = buf
         return buf[: rows * cols].view(rows, cols)
 
@@ -69,8 +69,7 @@ def gemm_dtype(dtype: torch.dtype) -> torch.dtype:
     return dtype if fast else torch.float32
 
 
-def blocked_product(x: torch.Tensor, out_features: int, columns,
-                     work_per_weight: int = 0) -> torch.Tensor:
+def blocked_product(x: torch.Tensor, out_features: int, columns, work_per_weight: int = 0) -> torch.Tensor:
     """``x @ W.T`` with ``W``'s output rows dequantized a block at a time by
     ``columns(start, end, dtype)``, which returns ``W.T``'s columns ``[in, end - start]``
     in the GEMM's dtype (:func:`gemm_dtype`; a scratch view, valid until the next call,
@@ -93,4 +92,3 @@ def blocked_product(x: torch.Tensor, out_features: int, columns,
 def native(dtype: torch.dtype):
     """The compiled kernels when they can write ``dtype``, else None (eager torch ops)."""
     return kernel_library.kernels() if dtype in (torch.bfloat16, torch.float32) else None
-

@@ -100,8 +100,7 @@ class WeightSource:
             return shape[1:]
         return shape
 
-    def read(self, name: str, rows: Span = None, cols: Span = None,
-             expert: int | None = None) -> torch.Tensor:
+    def read(self, name: str, rows: Span = None, cols: Span = None, expert: int | None = None) -> torch.Tensor:
         """The tensor ``name`` as float32 (or its stored float dtype), PyTorch layout.
 
         ``rows`` / ``cols`` (``(start, end)``, end exclusive) read only that slice of the
@@ -123,8 +122,9 @@ class WeightSource:
         if not self.tensors_read or self.tensors_read[-1] != name:
             self.tensors_read.append(name)
 
-    def read_weight(self, name: str, rows: Span = None, cols: Span = None,
-                    expert: int | None = None) -> torch.Tensor | GroupQuant:
+    def read_weight(
+        self, name: str, rows: Span = None, cols: Span = None, expert: int | None = None
+    ) -> torch.Tensor | GroupQuant:
         """A linear weight as the file stores it: :class:`GroupQuant` for a quantized
         GGUF type that has an exact integer-group form and whose column range falls on
         its groups, else the float tensor of :meth:`read` (``expert`` as there).
@@ -146,16 +146,25 @@ class WeightSource:
 class GGUFSource(WeightSource):
     """Weights and configuration from one GGUF file (memory-mapped)."""
 
-    TOP_NAMES = {"embed": "token_embd.weight", "norm": "output_norm.weight",
-                 "head": "output.weight"}
+    TOP_NAMES = {"embed": "token_embd.weight", "norm": "output_norm.weight", "head": "output.weight"}
     LAYER_FORMAT = "blk.{layer}.{name}"
     LAYER_NAMES = {
-        "attn_norm": "attn_norm.weight", "mlp_norm": "ffn_norm.weight",
-        "q": "attn_q.weight", "k": "attn_k.weight", "v": "attn_v.weight",
-        "q_bias": "attn_q.bias", "k_bias": "attn_k.bias", "v_bias": "attn_v.bias",
-        "o": "attn_output.weight", "q_norm": "attn_q_norm.weight", "k_norm": "attn_k_norm.weight",
-        "gate": "ffn_gate.weight", "up": "ffn_up.weight", "down": "ffn_down.weight",
-        "o_bias": "attn_output.bias", "sinks": "attn_sinks.weight",
+        "attn_norm": "attn_norm.weight",
+        "mlp_norm": "ffn_norm.weight",
+        "q": "attn_q.weight",
+        "k": "attn_k.weight",
+        "v": "attn_v.weight",
+        "q_bias": "attn_q.bias",
+        "k_bias": "attn_k.bias",
+        "v_bias": "attn_v.bias",
+        "o": "attn_output.weight",
+        "q_norm": "attn_q_norm.weight",
+        "k_norm": "attn_k_norm.weight",
+        "gate": "ffn_gate.weight",
+        "up": "ffn_up.weight",
+        "down": "ffn_down.weight",
+        "o_bias": "attn_output.bias",
+        "sinks": "attn_sinks.weight",
     }
 
     def expert_tensor(self, layer: int, part: str, expert: int) -> tuple[str, int | None]:
@@ -190,13 +199,13 @@ class GGUFSource(WeightSource):
     def _shape(self, name: str) -> tuple[int, ...]:
         return tuple(int(d) for d in reversed(self._tensors[name].shape))
 
-    def read_weight(self, name: str, rows: Span = None, cols: Span = None,
-                    expert: int | None = None) -> torch.Tensor | GroupQuant:
+    def read_weight(
+        self, name: str, rows: Span = None, cols: Span = None, expert: int | None = None
+    ) -> torch.Tensor | GroupQuant:
         from gguf import GGML_QUANT_SIZES
 
         t = self._tensors[name] if name in self._tensors else None
-        if t is None or t.tensor_type.name not in SUPPORTED_TYPES or len(
-                self.shape(name, expert)) != 2:
+        if t is None or t.tensor_type.name not in SUPPORTED_TYPES or len(self.shape(name, expert)) != 2:
             return self.read(name, rows, cols, expert)
         type_name = t.tensor_type.name
         block, size = GGML_QUANT_SIZES[t.tensor_type]
@@ -268,10 +277,7 @@ class GGUFSource(WeightSource):
         # The range cuts blocks: dequantize a few rows at a time and keep the columns.
         self.bytes_read += int(data.nbytes)
         step = self.UNALIGNED_ROW_CHUNK
-        pieces = [
-            self._decode(data[r : r + step], t.tensor_type)[:, c0:c1]
-            for r in range(0, data.shape[0], step)
-        ]
+        pieces = [self._decode(data[r : r + step], t.tensor_type)[:, c0:c1] for r in range(0, data.shape[0], step)]
         return torch.from_numpy(np.ascontiguousarray(np.concatenate(pieces)))
 
     @staticmethod
@@ -291,28 +297,39 @@ class GGUFSource(WeightSource):
 class SafetensorsSource(WeightSource):
     """Weights from a Hugging Face model directory (config.json + *.safetensors)."""
 
-    TOP_NAMES = {"embed": "model.embed_tokens.weight", "norm": "model.norm.weight",
-                 "head": "lm_head.weight"}
+    TOP_NAMES = {"embed": "model.embed_tokens.weight", "norm": "model.norm.weight", "head": "lm_head.weight"}
     LAYER_FORMAT = "model.layers.{layer}.{name}"
     LAYER_NAMES = {
-        "attn_norm": "input_layernorm.weight", "mlp_norm": "post_attention_layernorm.weight",
-        "q": "self_attn.q_proj.weight", "k": "self_attn.k_proj.weight",
-        "v": "self_attn.v_proj.weight", "q_bias": "self_attn.q_proj.bias",
-        "k_bias": "self_attn.k_proj.bias", "v_bias": "self_attn.v_proj.bias",
-        "o": "self_attn.o_proj.weight", "q_norm": "self_attn.q_norm.weight",
-        "k_norm": "self_attn.k_norm.weight", "gate": "mlp.gate_proj.weight",
-        "up": "mlp.up_proj.weight", "down": "mlp.down_proj.weight",
+        "attn_norm": "input_layernorm.weight",
+        "mlp_norm": "post_attention_layernorm.weight",
+        "q": "self_attn.q_proj.weight",
+        "k": "self_attn.k_proj.weight",
+        "v": "self_attn.v_proj.weight",
+        "q_bias": "self_attn.q_proj.bias",
+        "k_bias": "self_attn.k_proj.bias",
+        "v_bias": "self_attn.v_proj.bias",
+        "o": "self_attn.o_proj.weight",
+        "q_norm": "self_attn.q_norm.weight",
+        "k_norm": "self_attn.k_norm.weight",
+        "gate": "mlp.gate_proj.weight",
+        "up": "mlp.up_proj.weight",
+        "down": "mlp.down_proj.weight",
     }
     # Where a layer's router and experts are, by the checkpoint's model_type: Mixtral's
     # w1, w3 and w2 are the gate, up and down projections.
     MOE_NAMES = {
-        "mixtral": ("block_sparse_moe.gate.weight",
-                    {"gate": "block_sparse_moe.experts.{expert}.w1.weight",
-                     "up": "block_sparse_moe.experts.{expert}.w3.weight",
-                     "down": "block_sparse_moe.experts.{expert}.w2.weight"}),
-        "qwen3_moe": ("mlp.gate.weight",
-                      {part: f"mlp.experts.{{expert}}.{part}_proj.weight"
-                       for part in ("gate", "up", "down")}),
+        "mixtral": (
+            "block_sparse_moe.gate.weight",
+            {
+                "gate": "block_sparse_moe.experts.{expert}.w1.weight",
+                "up": "block_sparse_moe.experts.{expert}.w3.weight",
+                "down": "block_sparse_moe.experts.{expert}.w2.weight",
+            },
+        ),
+        "qwen3_moe": (
+            "mlp.gate.weight",
+            {part: f"mlp.experts.{{expert}}.{part}_proj.weight" for part in ("gate", "up", "down")},
+        ),
     }
 
     def expert_tensor(self, layer: int, part: str, expert: int) -> tuple[str, int | None]:
@@ -336,7 +353,8 @@ class SafetensorsSource(WeightSource):
         if self.config.is_moe and self.model_type not in self.MOE_NAMES:
             raise WeightFormatError(
                 f"a mixture of experts of model_type {self.model_type!r}: its expert "
-                f"tensors' names are not known (known: {', '.join(self.MOE_NAMES)})")
+                f"tensors' names are not known (known: {', '.join(self.MOE_NAMES)})"
+            )
         files = sorted(self.path.glob("*.safetensors"))
         if not files:
             raise WeightFormatError(f"{self.path} has no .safetensors files")
@@ -386,6 +404,4 @@ def open_weights(path: str | Path) -> WeightSource:
         return GGUFSource(path)
     if path.is_dir() and (path / "config.json").is_file():
         return SafetensorsSource(path)
-    raise WeightFormatError(
-        f"{path} is neither a .gguf file nor a directory with config.json and safetensors"
-    )
+    raise WeightFormatError(f"{path} is neither a .gguf file nor a directory with config.json and safetensors")

@@ -18,10 +18,7 @@ from dataclasses import dataclass
 from typing import Protocol
 
 from shardline.models.config import ModelConfig, Sharding
-from shardline.models.store import (
-    ModelCard,
-    ModelNotFoundError,
-)
+from shardline.models.store import ModelCard, ModelNotFoundError
 from shardline.node.epochs import RejoinView, rejoinable
 from shardline.node.peer_client import PeerError
 from shardline.node.state import (
@@ -43,12 +40,7 @@ from shardline.node.state import (
 from shardline.node.status import InstanceStatus, RankStatus
 from shardline.node.table import Instance, Peer, RankPlacement
 from shardline.placement.layer_ranges import NodeCapacity, PlacementError
-from shardline.placement.ranks import (
-    ContextRequestError,
-    PlacementOptions,
-    place_with_kv_pool,
-    rank_bytes,
-)
+from shardline.placement.ranks import ContextRequestError, PlacementOptions, place_with_kv_pool, rank_bytes
 from shardline.placement.served import PlacementKey, ServedSpeed
 from shardline.runner.rendezvous import ranks_share_a_gpu
 
@@ -148,8 +140,7 @@ class Coordinator:
         restarted since the placement (epochs rule 5)."""
         incarnations = {p.node_id: p.started_at for p in self.view.peers.values()}
         incarnations[self.view.node_id] = self.view.started_at
-        for event in lost_rank_failures(self.view.cluster_state, set(self.view.live_node_ids()),
-                                        incarnations):
+        for event in lost_rank_failures(self.view.cluster_state, set(self.view.live_node_ids()), incarnations):
             await self._fail_instance(event)
 
     async def rejoin_returned_nodes(self) -> None:
@@ -162,9 +153,12 @@ class Coordinator:
         live = self.view.live_node_ids()
         busy = self._busy()
         standing = standing_in(self.view.instances)
-        views = {i.instance_id: RejoinView(i.status, tuple(i.node_ids()), tuple(i.wanted_nodes),
-                                           i.instance_id in busy, i.instance_id in standing)
-                 for i in self.view.instances.values()}
+        views = {
+            i.instance_id: RejoinView(
+                i.status, tuple(i.node_ids()), tuple(i.wanted_nodes), i.instance_id in busy, i.instance_id in standing
+            )
+            for i in self.view.instances.values()
+        }
         for instance_id in rejoinable(views, live):
             inst = self.view.instances[instance_id]
             if instance_id in busy and instance_id in self._no_room_beside:
@@ -173,8 +167,15 @@ class Coordinator:
                 card = await self.effects.model_card(inst.model_id)
 
                 async def place() -> Instance:
-                    return await self._place(card, inst.sharding, list(inst.wanted_nodes), inst.placement_options(),
-                                             replaced=replaced_ids(inst), stands_in_for=instance_id)
+                    return await self._place(
+                        card,
+                        inst.sharding,
+                        list(inst.wanted_nodes),
+                        inst.placement_options(),
+                        replaced=replaced_ids(inst),
+                        stands_in_for=instance_id,
+                    )
+
                 try:
                     new = await place()
                     how = "beside it (it serves until the new one is ready)"
@@ -189,13 +190,18 @@ class Coordinator:
                     new = await place()
                     how = "in its place (no room for both)"
             except (PlacementError, ModelNotFoundError, PeerError) as exc:
-                log.warning("could not place %s on its returning node(s) again: %s",
-                            inst.model_id, exc)
+                log.warning("could not place %s on its returning node(s) again: %s", inst.model_id, exc)
                 back = () if instance_id in self.view.instances else (Placed(inst),)
                 await self.effects.commit(*back, RejoinDropped(instance_id))
                 continue
-            log.info("instance %s of %s: its node(s) are back; placed again on %s as %s, %s",
-                     instance_id, inst.model_id, ", ".join(inst.wanted_nodes), new.instance_id, how)
+            log.info(
+                "instance %s of %s: its node(s) are back; placed again on %s as %s, %s",
+                instance_id,
+                inst.model_id,
+                ", ".join(inst.wanted_nodes),
+                new.instance_id,
+                how,
+            )
 
     def _busy(self) -> set[str]:
         """The instances a node of the cluster reports a request running or waiting on."""
@@ -214,8 +220,14 @@ class Coordinator:
             if new.ready_at is None or now - new.ready_at < HANDOVER_S:
                 continue
             await self.effects.commit(Deleted(old))
-            log.info("instance %s of %s handed over to %s (%s on %d node(s))", old,
-                     new.model_id, new.instance_id, new.sharding, len(new.ranks))
+            log.info(
+                "instance %s of %s handed over to %s (%s on %d node(s))",
+                old,
+                new.model_id,
+                new.instance_id,
+                new.sharding,
+                len(new.ranks),
+            )
 
     async def runner_status(self, report: RankReported) -> bool:
         """Coordinator: a node reports one of its ranks as fetching files, ready or failed.
@@ -236,14 +248,23 @@ class Coordinator:
             # Only a symptom: another rank failed or its node went down. Wait for that
             # rank's own report (or its node's silence) to name it.
             rank = after.node_ids().index(report.node_id)
-            self.effects.background(self._fail_after_grace(
-                report.instance_id, f"rank {rank} on node {report.node_id} {report.error}"))
-        elif (after.status == InstanceStatus.READY and before.status == InstanceStatus.LOADING
-              and after.instance_id not in self._announced):
+            self.effects.background(
+                self._fail_after_grace(report.instance_id, f"rank {rank} on node {report.node_id} {report.error}")
+            )
+        elif (
+            after.status == InstanceStatus.READY
+            and before.status == InstanceStatus.LOADING
+            and after.instance_id not in self._announced
+        ):
             # two ranks' reports committed together both see loading -> ready: said once
             self._announced.add(after.instance_id)
-            log.info("instance %s of %s is ready: %s on %d node(s)", after.instance_id,
-                     after.model_id, after.sharding, len(after.ranks))
+            log.info(
+                "instance %s of %s is ready: %s on %d node(s)",
+                after.instance_id,
+                after.model_id,
+                after.sharding,
+                len(after.ranks),
+            )
         return True
 
     def _first_word_of_failure(self, instance_id: str) -> bool:
@@ -301,12 +322,10 @@ class Coordinator:
         self.replacing.add(instance_id)
         try:
             failed = self.view.instances.get(instance_id)
-            if wait and not (failed is not None and failed.ready_at is not None
-                             and await self._all_answer(failed)):
+            if wait and not (failed is not None and failed.ready_at is not None and await self._all_answer(failed)):
                 await asyncio.sleep(self.view.down_after_s + 1)
             failed = self.view.instances.get(instance_id)
-            if failed is not None and failed.status == InstanceStatus.FAILED \
-                    and self.view.is_coordinator():
+            if failed is not None and failed.status == InstanceStatus.FAILED and self.view.is_coordinator():
                 await self._place_again(failed)
         finally:
             self.replacing.discard(instance_id)
@@ -316,8 +335,7 @@ class Coordinator:
         node already found down is not chosen again, so it need not be waited for:
         trial 6 saw 6 s of 503s after the node-down failure for nothing)."""
         live = set(self.view.live_node_ids())
-        others = {r.address for r in inst.ranks
-                  if r.node_id != self.view.node_id and r.node_id in live}
+        others = {r.address for r in inst.ranks if r.node_id != self.view.node_id and r.node_id in live}
         answers = await asyncio.gather(*(self.effects.poll(address) for address in others))
         return all(answers)
 
@@ -326,8 +344,12 @@ class Coordinator:
             # A rejoin's instance, placed beside one that still serves or is placed again
             # itself: deleted, not placed again (the rejoin rule tries again from that
             # one; placing both again left two copies for good: trials 6 and 7).
-            log.info("instance %s, placed beside %s, failed: deleted; the model goes on from %s",
-                     failed.instance_id, failed.stands_in_for, failed.stands_in_for)
+            log.info(
+                "instance %s, placed beside %s, failed: deleted; the model goes on from %s",
+                failed.instance_id,
+                failed.stands_in_for,
+                failed.stands_in_for,
+            )
             await self.effects.commit(Deleted(failed.instance_id))
             return
         retries = failed.retries + 1 if failed.ready_at is None else 0
@@ -335,19 +357,27 @@ class Coordinator:
             # Leave the failed instance in the table, so its error stays visible.
             log.error("giving up on %s after %d failed placements", failed.model_id, retries)
             if not failed.given_up:
-                await self.effects.commit(NotPlacedAgain(failed.instance_id,
-                                                      f"gave up after {retries} failed placements"))
+                await self.effects.commit(
+                    NotPlacedAgain(failed.instance_id, f"gave up after {retries} failed placements")
+                )
             return
         live = set(self.view.live_node_ids())
         wanted = list(failed.wanted_nodes) or failed.node_ids()
         nodes = [n for n in wanted if n in live] or None
         try:
             card = await self.effects.model_card(failed.model_id)
-            await self._place(card, failed.sharding, nodes, failed.placement_options(), retries,
-                              wanted_nodes=wanted, replaces=failed.instance_id, replaced=replaced_ids(failed))
+            await self._place(
+                card,
+                failed.sharding,
+                nodes,
+                failed.placement_options(),
+                retries,
+                wanted_nodes=wanted,
+                replaces=failed.instance_id,
+                replaced=replaced_ids(failed),
+            )
         except _Deleted:
-            log.info("not placing %s again: its instance %s was deleted meanwhile",
-                     failed.model_id, failed.instance_id)
+            log.info("not placing %s again: its instance %s was deleted meanwhile", failed.model_id, failed.instance_id)
             return
         except (PlacementError, ModelNotFoundError, PeerError, ContextRequestError) as exc:
             # Left in the table with its error; a later term tries again.
@@ -359,8 +389,9 @@ class Coordinator:
         if failed.instance_id in self.view.instances:
             await self.effects.commit(Deleted(failed.instance_id))
 
-    async def create_instance(self, model: str | None, node_ids: list[str] | None = None,
-                              options: PlacementOptions = PlacementOptions()) -> Instance:
+    async def create_instance(
+        self, model: str | None, node_ids: list[str] | None = None, options: PlacementOptions = PlacementOptions()
+    ) -> Instance:
         """Coordinator: place ``model`` (an id, see :meth:`adopt`) under ``options`` and
         start loading it.
 
@@ -394,8 +425,9 @@ class Coordinator:
             chosen, node_ids = best.sharding, list(best.node_ids)
         return await self._place(card, chosen, node_ids, options)
 
-    async def preview(self, card: ModelCard, node_ids: list[str] | None, options: PlacementOptions,
-                      best_only: bool = False):
+    async def preview(
+        self, card: ModelCard, node_ids: list[str] | None, options: PlacementOptions, best_only: bool = False
+    ):
         """Candidate placements of a model on the live nodes (``node_ids``: these; None:
         all) under ``options``, fastest predicted first (``shardline.placement.preview``);
         with ``best_only`` just the best feasible one.
@@ -413,13 +445,20 @@ class Coordinator:
         profiles, links = self.effects.node_profiles(chosen)
         choose = auto if best_only else preview
         chosen_placements = choose(
-            config, profiles, links, options, weight_file_bytes=card.weight_file_bytes,
-            baseline_bytes=self.effects.runtime_baseline(chosen), model_id=card.model_id,
-            served=list(self.effects.served_speeds().values()))
+            config,
+            profiles,
+            links,
+            options,
+            weight_file_bytes=card.weight_file_bytes,
+            baseline_bytes=self.effects.runtime_baseline(chosen),
+            model_id=card.model_id,
+            served=list(self.effects.served_speeds().values()),
+        )
         return [chosen_placements] if best_only else chosen_placements
 
-    def _placement_inputs(self, card: ModelCard, node_ids: list[str] | None, options: PlacementOptions
-                          ) -> tuple[ModelConfig, list[str], PlacementOptions]:
+    def _placement_inputs(
+        self, card: ModelCard, node_ids: list[str] | None, options: PlacementOptions
+    ) -> tuple[ModelConfig, list[str], PlacementOptions]:
         """The model's config, the chosen live nodes (default all) and ``options`` with the
         instance's context and max_batch (defaults filled in), for placing or previewing.
 
@@ -433,8 +472,9 @@ class Coordinator:
         unknown = [n for n in chosen if n not in live]
         if unknown:
             raise PlacementError(f"nodes not in the cluster (or down): {', '.join(unknown)}")
-        options = options.resolved(config.max_position_embeddings, card.model_id, self.view.default_context,
-                                   self.view.default_max_batch)
+        options = options.resolved(
+            config.max_position_embeddings, card.model_id, self.view.default_context, self.view.default_max_batch
+        )
         return config, chosen, options
 
     async def _place(
@@ -466,25 +506,14 @@ class Coordinator:
         await self.effects.check_whole(card.model_id)
         config, chosen, options = self._placement_inputs(card, node_ids, options)
         context, max_batch = options.sizes()
-        capacities = [NodeCapacity(n, self.effects.free_bytes(n)) for n in chosen]
-        baseline = self.effects.runtime_baseline(chosen)
-        shares, kv_tokens = place_with_kv_pool(config, sharding, capacities, options, card.weight_file_bytes,
-                                               baseline)
-        estimated = [rank_bytes(config, sharding, shares, r, context, max_batch, options.dtype,
-                                card.weight_file_bytes, baseline, kv_tokens=kv_tokens,
-                                quantize=options.quantize)
-                     for r in range(len(shares))]
+        ranks, kv_tokens = self._ranks(card, config, sharding, chosen, options)
         master_addr = self.view.address_of(chosen[0]).rsplit(":", 1)[0]
         port = await self._free_port(chosen[0])
         inst = Instance(
             instance_id=uuid.uuid4().hex[:8],
             model_id=card.model_id,
             sharding=Sharding(sharding),
-            ranks=tuple(
-                RankPlacement(n, self.view.address_of(n), share, estimated_bytes=need,
-                              incarnation=self.view.incarnation_of(n))
-                for n, share, need in zip(chosen, shares, estimated)
-            ),
+            ranks=ranks,
             master_addr=master_addr,
             master_port=port,
             context=context,
@@ -503,10 +532,47 @@ class Coordinator:
         )
         if replaces is not None and replaces not in self.view.instances:
             raise _Deleted(replaces)
-        log.info("placed %s as instance %s (%s on %s)", card.model_id, inst.instance_id,
-                 sharding, ", ".join(chosen))
+        log.info("placed %s as instance %s (%s on %s)", card.model_id, inst.instance_id, sharding, ", ".join(chosen))
         await self.effects.commit(Placed(inst))
         return inst
+
+    def _ranks(
+        self, card: ModelCard, config: ModelConfig, sharding: Sharding, chosen: list[str], options: PlacementOptions
+    ) -> tuple[tuple[RankPlacement, ...], int]:
+        """The ranks of ``card`` under ``sharding`` on ``chosen`` (in rank order) and
+        ``options`` (resolved), each with its share and the bytes it will hold, and the KV
+        pool's tokens (:func:`~shardline.placement.ranks.place_with_kv_pool`).
+
+        Raises:
+            PlacementError: it does not fit.
+        """
+        context, max_batch = options.sizes()
+        capacities = [NodeCapacity(n, self.effects.free_bytes(n)) for n in chosen]
+        baseline = self.effects.runtime_baseline(chosen)
+        shares, kv_tokens = place_with_kv_pool(config, sharding, capacities, options, card.weight_file_bytes, baseline)
+        estimated = [
+            rank_bytes(
+                config,
+                sharding,
+                shares,
+                r,
+                context,
+                max_batch,
+                options.dtype,
+                card.weight_file_bytes,
+                baseline,
+                kv_tokens=kv_tokens,
+                quantize=options.quantize,
+            )
+            for r in range(len(shares))
+        ]
+        ranks = tuple(
+            RankPlacement(
+                n, self.view.address_of(n), share, estimated_bytes=need, incarnation=self.view.incarnation_of(n)
+            )
+            for n, share, need in zip(chosen, shares, estimated)
+        )
+        return ranks, kv_tokens
 
     async def _free_port(self, node_id: str) -> int:
         if node_id == self.view.node_id:
@@ -522,9 +588,12 @@ class Coordinator:
         inst = instance_named(self.view.instances, instance_id)
         if inst is None:
             return None
-        beside = [new.instance_id for old, new in standing_in(self.view.instances).items()
-                  if old == inst.instance_id]
+        beside = [new.instance_id for old, new in standing_in(self.view.instances).items() if old == inst.instance_id]
         await self.effects.commit(Deleted(inst.instance_id), *(Deleted(i) for i in beside))
-        log.info("deleted instance %s of %s%s", inst.instance_id, inst.model_id,
-                 f" and {', '.join(beside)} placed beside it" if beside else "")
+        log.info(
+            "deleted instance %s of %s%s",
+            inst.instance_id,
+            inst.model_id,
+            f" and {', '.join(beside)} placed beside it" if beside else "",
+        )
         return inst.instance_id

@@ -15,13 +15,7 @@ import logging
 import socket
 from typing import Callable
 
-from zeroconf import (
-    IPVersion,
-    ServiceBrowser,
-    ServiceInfo,
-    ServiceStateChange,
-    Zeroconf,
-)
+from zeroconf import IPVersion, ServiceBrowser, ServiceInfo, ServiceStateChange, Zeroconf
 
 log = logging.getLogger(__name__)
 
@@ -50,7 +44,10 @@ class Discovery:
         self.zeroconf: Zeroconf | None = None
         self.browser: ServiceBrowser | None = None
         self.info = ServiceInfo(
-            SERVICE_TYPE, f"{node_id}.{SERVICE_TYPE}", addresses=[socket.inet_aton(host)], port=port,
+            SERVICE_TYPE,
+            f"{node_id}.{SERVICE_TYPE}",
+            addresses=[socket.inet_aton(host)],
+            port=port,
             properties={"node_id": node_id},
         )
 
@@ -62,8 +59,7 @@ class Discovery:
         self.zeroconf.register_service(self.info)
         self.browser = ServiceBrowser(self.zeroconf, SERVICE_TYPE, handlers=[self._changed])
 
-    def _changed(self, zeroconf: Zeroconf, service_type: str, name: str,
-                 state_change: ServiceStateChange) -> None:
+    def _changed(self, zeroconf: Zeroconf, service_type: str, name: str, state_change: ServiceStateChange) -> None:
         if state_change is ServiceStateChange.Removed or name == self.info.name:
             return
         info = zeroconf.get_service_info(service_type, name, timeout=3000)

@@ -76,8 +76,7 @@ class Epoch:
         return self.key() < other.key()
 
     def to_dict(self) -> dict:
-        return {"term": self.term, "seq": self.seq, "coordinator": self.coordinator,
-                "majority": self.majority}
+        return {"term": self.term, "seq": self.seq, "coordinator": self.coordinator, "majority": self.majority}
 
     def next(self) -> "Epoch":
         """The next publication in this term."""
@@ -119,8 +118,7 @@ def settled(now: float, since: float, window_s: float, heard_all_at: float | Non
     return now - since >= window_s or (heard_all_at is not None and heard_all_at > since)
 
 
-def heard_whole_cluster(answered: Iterable[bool], heard: Iterable[str],
-                        named: Iterable[str]) -> bool:
+def heard_whole_cluster(answered: Iterable[bool], heard: Iterable[str], named: Iterable[str]) -> bool:
     """Whether a membership round heard the whole cluster (rule 3): every peer address
     polled ``answered`` as a member, and the nodes heard (``heard``: live peers' ids, this
     node's own) include every node its own table names (``named``: the nodes of its
@@ -138,8 +136,9 @@ def paused(now: float, last_tick: float, window_s: float) -> bool:
     return now - last_tick > window_s
 
 
-def lost_instances(ranks: Mapping[str, Iterable[tuple[str, float]]],
-                   incarnations: Mapping[str, float]) -> dict[str, list[str]]:
+def lost_instances(
+    ranks: Mapping[str, Iterable[tuple[str, float]]], incarnations: Mapping[str, float]
+) -> dict[str, list[str]]:
     """Instances with a rank whose node restarted since the placement, and those nodes.
 
     Args:
@@ -154,8 +153,7 @@ def lost_instances(ranks: Mapping[str, Iterable[tuple[str, float]]],
     """
     lost = {}
     for instance_id, placed in ranks.items():
-        gone = [node for node, then in placed
-                if then and node in incarnations and incarnations[node] != then]
+        gone = [node for node, then in placed if then and node in incarnations and incarnations[node] != then]
         if gone:
             lost[instance_id] = gone
     return lost
@@ -183,7 +181,12 @@ def rejoinable(instances: Mapping[str, RejoinView], live: Iterable[str]) -> list
     wait until it is idle: trial 6 saw steady traffic keep a returned node out for as
     long as it lasted). In ``instances``' order."""
     up = set(live)
-    return [instance_id for instance_id, view in instances.items()
-            if view.status == InstanceStatus.READY and not view.stood_in_for
-            and view.wanted
-            and set(view.nodes) != set(view.wanted) and set(view.wanted) <= up]
+    return [
+        instance_id
+        for instance_id, view in instances.items()
+        if view.status == InstanceStatus.READY
+        and not view.stood_in_for
+        and view.wanted
+        and set(view.nodes) != set(view.wanted)
+        and set(view.wanted) <= up
+    ]

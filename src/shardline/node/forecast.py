@@ -49,10 +49,14 @@ class Forecast:
         background: run a coroutine as a task of the node's.
     """
 
-    def __init__(self, view: ForecastView, free_bytes: Callable[[str], int],
-                 own_served: Callable[[], Iterable[ServedSpeed]],
-                 model_card: Callable[[str], Awaitable[ModelCard]],
-                 background: Callable[[Coroutine[object, object, object]], None]) -> None:
+    def __init__(
+        self,
+        view: ForecastView,
+        free_bytes: Callable[[str], int],
+        own_served: Callable[[], Iterable[ServedSpeed]],
+        model_card: Callable[[str], Awaitable[ModelCard]],
+        background: Callable[[Coroutine[object, object, object]], None],
+    ) -> None:
         self.view = view
         self.free_bytes = free_bytes
         self.own_served = own_served
@@ -74,15 +78,20 @@ class Forecast:
         for node_id in node_ids:
             profile, available = self.view.profile_of(node_id), self.free_bytes(node_id)
             measured = self.view.links if node_id == self.view.node_id else self.view.peers[node_id].links
-            profiles.append(NodeProfile(node_id, available,
-                                        profile.get("memory_bandwidth_bytes_per_s") or 10e9,
-                                        profile.get("matmul_flops") or 100e9,
-                                        profile.get("decode_layer_s") or 0.0,
-                                        profile.get("decode_weight_bytes_per_s") or 0.0,
-                                        profile.get("host_id") or "",
-                                        profile.get("cpu_count") or 0,
-                                        profile.get("threads") or 0,
-                                        profile.get("host_layer_s") or 0.0))
+            profiles.append(
+                NodeProfile(
+                    node_id,
+                    available,
+                    profile.get("memory_bandwidth_bytes_per_s") or 10e9,
+                    profile.get("matmul_flops") or 100e9,
+                    profile.get("decode_layer_s") or 0.0,
+                    profile.get("decode_weight_bytes_per_s") or 0.0,
+                    profile.get("host_id") or "",
+                    profile.get("cpu_count") or 0,
+                    profile.get("threads") or 0,
+                    profile.get("host_layer_s") or 0.0,
+                )
+            )
             for other, link in measured.items():
                 links[(node_id, other)] = Link(link["latency_s"], link["bandwidth_bytes_per_s"])
         return profiles, links
@@ -101,9 +110,9 @@ class Forecast:
                         continue  # a node of another version
         return merge(records)
 
-    async def first_order(self, inst: Instance, context: int | None = None,
-                          wait: bool = True, *,
-                          prompt_tokens: int | None = None) -> tuple[float, float]:
+    async def first_order(
+        self, inst: Instance, context: int | None = None, wait: bool = True, *, prompt_tokens: int | None = None
+    ) -> tuple[float, float]:
         """The preview's first-order (decode, prefill) tokens/s for an instance's
         placement, from its nodes' profiles now, decode for sequences growing to
         ``context`` tokens (None: the instance's context), prefill of a prompt of
@@ -124,12 +133,20 @@ class Forecast:
                 card = self._cards[inst.model_id] = await self.model_card(inst.model_id)
             config = ModelConfig.from_dict(card.config)
             profiles, links = self.node_profiles(inst.node_ids())
-            weight = resident_bytes_per_weight(config, card.weight_file_bytes, inst.dtype,
-                                               Quantize(inst.quantize) if inst.quantize else None)
-            return predict_tokens_per_s(config, inst.sharding, profiles, [r.share for r in inst.ranks],
-                                        links, context or inst.context, inst.dtype,
-                                        decode_weight_bytes=weight,
-                                        prompt_tokens=prompt_tokens or PREFILL_CHUNK_TOKENS)
+            weight = resident_bytes_per_weight(
+                config, card.weight_file_bytes, inst.dtype, Quantize(inst.quantize) if inst.quantize else None
+            )
+            return predict_tokens_per_s(
+                config,
+                inst.sharding,
+                profiles,
+                [r.share for r in inst.ranks],
+                links,
+                context or inst.context,
+                inst.dtype,
+                decode_weight_bytes=weight,
+                prompt_tokens=prompt_tokens or PREFILL_CHUNK_TOKENS,
+            )
         except (KeyError, ModelNotFoundError, PeerError, PlacementError) as exc:
             # Once an instance: every listing asks again (a failed instance's dead node
             # stays unknown; a dashboard lists every second).

@@ -22,8 +22,15 @@ UPLOAD_PATH = "/internal/echo-bytes"
 not hashed for the signature: see ``shardline.node.signing.UNHASHED_PATHS``)."""
 
 
-async def measure_link(client: Any, base_url: str, payload_bytes: int = 4 * 2**20,
-                       pings: int = 5, *, transfers: int = 2, timeout_s: float = 30.0) -> dict:
+async def measure_link(
+    client: Any,
+    base_url: str,
+    payload_bytes: int = 4 * 2**20,
+    pings: int = 5,
+    *,
+    transfers: int = 2,
+    timeout_s: float = 30.0,
+) -> dict:
     """Measure the link to a peer node over ``client`` (an ``httpx.AsyncClient``).
 
     Args:
@@ -73,8 +80,9 @@ async def measure_link(client: Any, base_url: str, payload_bytes: int = 4 * 2**2
     best = float("inf")
     for _ in range(max(transfers, 1)):
         start = time.perf_counter()
-        response = await client.post(echo_url, content=payload, timeout=timeout_s,
-                                     headers={"content-type": "application/octet-stream"})
+        response = await client.post(
+            echo_url, content=payload, timeout=timeout_s, headers={"content-type": "application/octet-stream"}
+        )
         response.raise_for_status()
         received = int(response.json()["bytes"])
         best = min(best, time.perf_counter() - start)
@@ -109,7 +117,6 @@ def steady_link(history: list[dict]) -> dict:
         raise ValueError("a link's history holds no measurement")
     rtt = min(h["rtt_s"] for h in history[-LINK_HISTORY:])
     return {**history[-1], "rtt_s": rtt, "latency_s": rtt / 2}
-
 
 
 LINK_INTERVAL_S = 60.0
@@ -147,7 +154,9 @@ class LinkMeter:
         """Whether the link to ``node_id`` is due to be measured at ``now`` (seconds since
         the epoch) and not being measured; True marks it measured then, so the caller
         measures it once."""
-        if node_id in self._measuring or not link_due(now, self._measured_at.get(node_id), len(self._history.get(node_id, []))):
+        if node_id in self._measuring or not link_due(
+            now, self._measured_at.get(node_id), len(self._history.get(node_id, []))
+        ):
             return False
         self._measured_at[node_id] = now
         return True

@@ -55,9 +55,15 @@ class ModelPeers(Protocol):
     """What logistics asks of peers (``shardline.node.peer_client.PeerClient``)."""
 
     async def manifest(self, address: str, model_id: str) -> Manifest | None: ...
-    async def copy_files(self, address: str, store: ModelStore, manifest: Manifest, paths: list[str],
-                         progress: CopyProgress | None = None,
-                         pieces: dict[str, list[Piece]] | None = None) -> int: ...
+    async def copy_files(
+        self,
+        address: str,
+        store: ModelStore,
+        manifest: Manifest,
+        paths: list[str],
+        progress: CopyProgress | None = None,
+        pieces: dict[str, list[Piece]] | None = None,
+    ) -> int: ...
 
 
 @dataclass(frozen=True)
@@ -85,8 +91,14 @@ class ModelLogistics:
         effects: what it asks of the node.
     """
 
-    def __init__(self, view: LogisticsView, store: ModelStore, model_dirs: list[Path],
-                 peers: ModelPeers, effects: LogisticsEffects) -> None:
+    def __init__(
+        self,
+        view: LogisticsView,
+        store: ModelStore,
+        model_dirs: list[Path],
+        peers: ModelPeers,
+        effects: LogisticsEffects,
+    ) -> None:
         self.view = view
         self.store = store
         self.model_dirs = model_dirs
@@ -151,16 +163,17 @@ class ModelLogistics:
         if manifest is not None:
             return manifest
         for peer in await self._peers_holding(lambda models: model_id in models):
-                try:
-                    manifest = await self.peer_client.manifest(peer.address, model_id)
-                    if manifest is not None:
-                        return manifest
-                except PeerError as exc:
-                    log.warning("manifest of %s from %s: %s", model_id, peer.node_id, exc)
+            try:
+                manifest = await self.peer_client.manifest(peer.address, model_id)
+                if manifest is not None:
+                    return manifest
+            except PeerError as exc:
+                log.warning("manifest of %s from %s: %s", model_id, peer.node_id, exc)
         raise ModelNotFoundError(
             f"model {model_id!r} is not on any node: add it with `shardline models add {model_id}` "
             f"(a Hugging Face repo id) or `shardline models add PATH` (a .gguf file or a safetensors "
-            f"directory) on one node")
+            f"directory) on one node"
+        )
 
     async def _peers_holding(self, holds) -> list[Peer]:
         """The live peers whose store summary satisfies ``holds(models)``; when none does,
@@ -184,23 +197,42 @@ class ModelLogistics:
         live = set(node.live_node_ids())
         stores = {node.node_id: self.store.summary()}
         stores.update({p.node_id: p.models for p in node.peers.values() if p.node_id in live})
-        out: dict[str, dict] = {DEFAULT_MODEL_ID: {"model_id": DEFAULT_MODEL_ID, "format": "gguf",
-                                                   "total_bytes": None, "embedded": True,
-                                                   "complete_on": sorted(live), "partial_on": [],
-                                                   "added_at": None}}
+        out: dict[str, dict] = {
+            DEFAULT_MODEL_ID: {
+                "model_id": DEFAULT_MODEL_ID,
+                "format": "gguf",
+                "total_bytes": None,
+                "embedded": True,
+                "complete_on": sorted(live),
+                "partial_on": [],
+                "added_at": None,
+            }
+        }
         for node_id, summary in stores.items():
             for model_id, entry in summary.items():
-                view = out.setdefault(model_id, {"model_id": model_id, "format": entry["format"],
-                                                 "total_bytes": entry["total_bytes"], "embedded": False,
-                                                 "complete_on": [], "partial_on": [], "added_at": None})
+                view = out.setdefault(
+                    model_id,
+                    {
+                        "model_id": model_id,
+                        "format": entry["format"],
+                        "total_bytes": entry["total_bytes"],
+                        "embedded": False,
+                        "complete_on": [],
+                        "partial_on": [],
+                        "added_at": None,
+                    },
+                )
                 complete = entry.get("complete", False)
                 view["complete_on" if complete else "partial_on"].append(node_id)
                 added = entry.get("added_at")
                 if complete and added is not None and not view["embedded"]:
                     view["added_at"] = min(added, view["added_at"] or added)
         for view in out.values():
-            view["instances"] = [{"instance_id": i.instance_id, "status": i.status}
-                                 for i in node.instances.values() if i.model_id == view["model_id"]]
+            view["instances"] = [
+                {"instance_id": i.instance_id, "status": i.status}
+                for i in node.instances.values()
+                if i.model_id == view["model_id"]
+            ]
         return sorted(out.values(), key=lambda v: v["model_id"])
 
     async def refresh_peers(self) -> None:
@@ -208,8 +240,9 @@ class ModelLogistics:
         live = set(self.view.live_node_ids())
         await asyncio.gather(*(self.effects.poll(p.address) for p in self.view.peers.values() if p.node_id in live))
 
-    async def _fetch(self, manifest: Manifest, paths: list[str], on_progress=None,
-                     pieces: dict[str, list[Piece]] | None = None) -> None:
+    async def _fetch(
+        self, manifest: Manifest, paths: list[str], on_progress=None, pieces: dict[str, list[Piece]] | None = None
+    ) -> None:
         """Copy what this store lacks of ``paths`` (whole files) and ``pieces`` (of files
         held in part: :mod:`shardline.models.sparse_file`) of a model from live peers:
         each peer in turn, most of it first, copies what it holds of what is still
@@ -234,13 +267,15 @@ class ModelLogistics:
             if not files and not parts:
                 return
             first = (files, parts)
-            holders = await self._peers_holding(lambda models: any(
-                what_peer_serves(models.get(model_id, {}), files, parts)))
+            holders = await self._peers_holding(
+                lambda models: any(what_peer_serves(models.get(model_id, {}), files, parts))
+            )
             holders.sort(key=lambda p: -size(*what_peer_serves(p.models.get(model_id, {}), files, parts)))
             total = size(paths, pieces)
             progress = CopyProgress(f"copying {model_id}", total, on_progress)
             error: Exception = ModelNotFoundError(
-                f"no live node has {', '.join(files + list(parts))} of {model_id} (or the parts a rank reads)")
+                f"no live node has {', '.join(files + list(parts))} of {model_id} (or the parts a rank reads)"
+            )
             try:
                 for peer in holders:
                     served = what_peer_serves(peer.models.get(model_id, {}), files, parts)
@@ -249,7 +284,8 @@ class ModelLogistics:
                     progress.done = total - size(files, parts)  # what is here already
                     try:
                         received = await self.peer_client.copy_files(
-                            peer.address, store, manifest, served[0], progress, served[1])
+                            peer.address, store, manifest, served[0], progress, served[1]
+                        )
                         log.info("copied %d bytes of %s from %s", received, model_id, peer.node_id)
                     except (TransferError, PeerError) as exc:
                         log.warning("copying %s from %s failed: %s", model_id, peer.node_id, exc)
@@ -273,8 +309,9 @@ class ModelLogistics:
             file = self.store.model_dir(manifest.model_id) / path
             command = [sys.executable, "-m", "shardline.models.gguf_header", str(file)]
             try:
-                await asyncio.to_thread(subprocess.run, command, check=True, capture_output=True,
-                                        timeout=GGUF_HEADER_TIMEOUT_S)
+                await asyncio.to_thread(
+                    subprocess.run, command, check=True, capture_output=True, timeout=GGUF_HEADER_TIMEOUT_S
+                )
             except (OSError, subprocess.SubprocessError) as exc:
                 log.warning("parsing %s's metadata ahead of its runners failed: %s", file, exc)
 
@@ -302,15 +339,18 @@ class ModelLogistics:
             local, exists = None, False
         if local is not None and (exists or looks_like_path(model)):
             try:
-                return (await asyncio.to_thread(self.store.add_local, model, None,
-                                                self.model_dirs)).model_id
+                return (await asyncio.to_thread(self.store.add_local, model, None, self.model_dirs)).model_id
             except OSError as exc:
                 raise ModelStoreError(f"cannot read the model at {shown(model)}: {exc.strerror}") from exc
         if looks_like_path(model):
-            log.warning("refused to take in %r: its real path is under none of the model directories %s",
-                        model, [str(d) for d in self.model_dirs])
+            log.warning(
+                "refused to take in %r: its real path is under none of the model directories %s",
+                model,
+                [str(d) for d in self.model_dirs],
+            )
             raise ModelStoreError(
-                f"model {shown(model)} is not a model id known to the cluster, nor a path under a --model-dir")
+                f"model {shown(model)} is not a model id known to the cluster, nor a path under a --model-dir"
+            )
         check_model_id(model)  # neither a path nor an id: a clear 400, not a failed lookup
         if "/" in model:
             try:
@@ -335,22 +375,29 @@ class ModelLogistics:
             return
         await self.refresh_peers()  # their summaries are up to a second old: an add, a remove
         live = set(self.view.live_node_ids())
-        holders = {p.node_id: p.models.get(model_id, {}) for p in self.view.peers.values()
-                   if p.node_id in live and model_id in p.models}
+        holders = {
+            p.node_id: p.models.get(model_id, {})
+            for p in self.view.peers.values()
+            if p.node_id in live and model_id in p.models
+        }
         if any(h.get("complete") for h in holders.values()):
             return
         partial = sorted(([self.view.node_id] if mine else []) + list(holders))
         raise ModelNotFoundError(
             f"no live node holds all of model {model_id!r}'s files"
             + (f" (part of it is on {', '.join(partial)})" if partial else "")
-            + ": add it again with `shardline models add` on a node")
+            + ": add it again with `shardline models add` on a node"
+        )
 
     def held(self, model_id: str) -> bool:
         """Whether ``model_id`` is the embedded default, in this node's store, or in a live
         peer's (as the peer last reported its store)."""
         live = set(self.view.live_node_ids())
-        return model_id == DEFAULT_MODEL_ID or self.store.manifest(model_id) is not None or any(
-            model_id in p.models for p in self.view.peers.values() if p.node_id in live)
+        return (
+            model_id == DEFAULT_MODEL_ID
+            or self.store.manifest(model_id) is not None
+            or any(model_id in p.models for p in self.view.peers.values() if p.node_id in live)
+        )
 
     async def model_card(self, model_id: str) -> ModelCard:
         """A model's id and config, for placement: the embedded default, or a model in this
@@ -380,5 +427,6 @@ class ModelLogistics:
                     manifest = await self.manifest(model_id)
                     await self._fetch(manifest, manifest.tokenizer_files())
                 self.tokenizers[model_id] = await asyncio.to_thread(
-                    lambda: Tokenizer(self.store.tokenizer_path(model_id)))
+                    lambda: Tokenizer(self.store.tokenizer_path(model_id))
+                )
             return self.tokenizers[model_id]

@@ -13,15 +13,7 @@ from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass
 from typing import Protocol
 
-from shardline.node.epochs import (
-    Epoch,
-    heard_majority,
-    heard_whole_cluster,
-    newer,
-    next_term,
-    paused,
-    settled,
-)
+from shardline.node.epochs import Epoch, heard_majority, heard_whole_cluster, newer, next_term, paused, settled
 from shardline.node.peer_client import KeyRefusedError, PeerError
 from shardline.node.state import ClusterState, TermStarted
 from shardline.node.status import InstanceStatus
@@ -101,8 +93,9 @@ class MembershipEffects:
 class Membership:
     """The membership role of a node: the rounds, and the election's state."""
 
-    def __init__(self, view: MembershipView, effects: MembershipEffects,
-                 clock: Callable[[], float] = time.time) -> None:
+    def __init__(
+        self, view: MembershipView, effects: MembershipEffects, clock: Callable[[], float] = time.time
+    ) -> None:
         self.view = view
         self.effects = effects
         self.clock = clock
@@ -168,8 +161,10 @@ class Membership:
         view, effects = self.view, self.effects
         now = self.clock()
         if paused(now, self.last_tick, view.down_after_s):
-            log.warning("this node was paused for %.0f s: it hears the cluster again "
-                        "before it acts as coordinator", now - self.last_tick)
+            log.warning(
+                "this node was paused for %.0f s: it hears the cluster again before it acts as coordinator",
+                now - self.last_tick,
+            )
             self.settled_since, self.acting_term = now, None
         self.last_tick = now
         answered = await asyncio.gather(*(self.poll(a) for a in view.peer_addresses))
@@ -200,8 +195,11 @@ class Membership:
         majority = self.hears_majority()
         self.effects.enter_term(TermStarted(term, view.node_id, majority))
         self.acting_term = term
-        log.info("coordinator for term %d%s", term, "" if majority else
-                 " (heard by a minority of the nodes it knows: a majority's table wins over it)")
+        log.info(
+            "coordinator for term %d%s",
+            term,
+            "" if majority else " (heard by a minority of the nodes it knows: a majority's table wins over it)",
+        )
         # failed before this term (perhaps while no node coordinated): placed again. Taken
         # before publishing: one that fails while this publishes is placed again by its
         # own failure.
@@ -224,17 +222,32 @@ class Membership:
         except PeerError:  # down, or not a node of this version
             if address in self.unheard_peers and self.clock() - view.started_at >= PEER_SILENT_S:
                 self.unheard_peers.discard(address)
-                log.warning("peer %s (--peers) has not answered in %.0f s: check its address and "
-                            "port, and that a node runs there", address, PEER_SILENT_S)
+                log.warning(
+                    "peer %s (--peers) has not answered in %.0f s: check its address and "
+                    "port, and that a node runs there",
+                    address,
+                    PEER_SILENT_S,
+                )
             return False
         self.unheard_peers.discard(address)
         self.refused.discard(address)
-        effects.record_peer(Peer(
-            info.node_id, info.address, self.clock(), info.available_bytes, info.total_bytes,
-            info.profile, info.links, info.models, offered_bytes=info.offered_bytes,
-            started_at=info.started_at, epoch=info.epoch, busy=tuple(info.busy),
-            served=info.served,
-        ))
+        effects.record_peer(
+            Peer(
+                info.node_id,
+                info.address,
+                self.clock(),
+                info.available_bytes,
+                info.total_bytes,
+                info.profile,
+                info.links,
+                info.models,
+                offered_bytes=info.offered_bytes,
+                started_at=info.started_at,
+                epoch=info.epoch,
+                busy=tuple(info.busy),
+                served=info.served,
+            )
+        )
         for member in info.members:  # membership both ways, through any member
             effects.add_peer(member)
         effects.probe_link(info.node_id, address)

@@ -39,9 +39,7 @@ from pathlib import Path
 
 import psutil
 
-from shardline.models.store import (
-    ModelStore,
-)
+from shardline.models.store import ModelStore
 from shardline.node.coordinator import Coordinator, CoordinatorEffects
 from shardline.node.epochs import Epoch
 from shardline.node.forecast import Forecast
@@ -56,15 +54,7 @@ from shardline.node.routing import RequestStream, Router
 from shardline.node.runner_processes import Spare, Worker
 from shardline.node.signing import signing_key
 from shardline.node.speeds import HostProfiler, ServedLog
-from shardline.node.state import (
-    Adopted,
-    ClusterState,
-    Deleted,
-    Event,
-    Published,
-    TermStarted,
-    apply,
-)
+from shardline.node.state import Adopted, ClusterState, Deleted, Event, Published, TermStarted, apply
 from shardline.node.supervision import RunnerSettings, SupervisionEffects, Supervisor
 from shardline.node.table import EndCode, Instance, InstanceFailedError, Peer
 from shardline.node.table_file import load_table, save_table
@@ -182,8 +172,14 @@ class Node:
         # the roles: each reads this node (a narrow view of it, typed in its module) and
         # changes it through the callbacks given here (the node is their composition root)
         self._control_roles()
-        self._local_roles(store, RunnerSettings(runner_threads, device, progress_timeout_s), watchdog_s,
-                          spare_runner, first_spare, state_path)
+        self._local_roles(
+            store,
+            RunnerSettings(runner_threads, device, progress_timeout_s),
+            watchdog_s,
+            spare_runner,
+            first_spare,
+            state_path,
+        )
         self.discovery = None
         if mdns:
             from shardline.node.discovery import Discovery
@@ -193,64 +189,97 @@ class Node:
     def _control_roles(self) -> None:
         """The roles of the cluster's control: membership (peers, terms, the coordinator's
         election) and the coordinator (placement, the table's changes)."""
-        self.membership = Membership(self, MembershipEffects(
-            fetch_info=lambda address: self.peer_client.info(address),
-            fetch_state=lambda address: self.peer_client.state(address),
-            record_peer=self._record_peer,
-            add_peer=self.add_peer,
-            adopt=self.apply_state,
-            probe_link=self._probe_link,
-            enter_term=self._enter_term,
-            publish=self.publish,
-            place_again=lambda instance_id: self.background(self.coordinator.replace(instance_id)),
-            coordinate=self._coordinate,
-            report_stale=lambda: self.supervisor.report_stale(),
-            loading=lambda: self.worker.loading(),
-            when_idle=self._when_idle,
-        ))
-        self.coordinator = Coordinator(self, CoordinatorEffects(
-            commit=self.commit,
-            drop_unpublished=self._drop_unpublished,
-            background=self.background,
-            poll=lambda address: self.membership.poll(address),
-            model_card=lambda model_id: self.logistics.model_card(model_id),
-            adopt=lambda model: self.logistics.adopt(model),
-            check_whole=lambda model_id: self.logistics.check_whole(model_id),
-            node_profiles=lambda node_ids: self.forecast.node_profiles(node_ids),
-            served_speeds=lambda: self.forecast.served_speeds(),
-            free_bytes=lambda node_id: self.memory.free(node_id),
-            runtime_baseline=lambda node_ids: self.memory.runtime_baseline(node_ids),
-            free_port=lambda address: self.peer_client.free_port(address),
-        ))
+        self.membership = Membership(
+            self,
+            MembershipEffects(
+                fetch_info=lambda address: self.peer_client.info(address),
+                fetch_state=lambda address: self.peer_client.state(address),
+                record_peer=self._record_peer,
+                add_peer=self.add_peer,
+                adopt=self.apply_state,
+                probe_link=self._probe_link,
+                enter_term=self._enter_term,
+                publish=self.publish,
+                place_again=lambda instance_id: self.background(self.coordinator.replace(instance_id)),
+                coordinate=self._coordinate,
+                report_stale=lambda: self.supervisor.report_stale(),
+                loading=lambda: self.worker.loading(),
+                when_idle=self._when_idle,
+            ),
+        )
+        self.coordinator = Coordinator(
+            self,
+            CoordinatorEffects(
+                commit=self.commit,
+                drop_unpublished=self._drop_unpublished,
+                background=self.background,
+                poll=lambda address: self.membership.poll(address),
+                model_card=lambda model_id: self.logistics.model_card(model_id),
+                adopt=lambda model: self.logistics.adopt(model),
+                check_whole=lambda model_id: self.logistics.check_whole(model_id),
+                node_profiles=lambda node_ids: self.forecast.node_profiles(node_ids),
+                served_speeds=lambda: self.forecast.served_speeds(),
+                free_bytes=lambda node_id: self.memory.free(node_id),
+                runtime_baseline=lambda node_ids: self.memory.runtime_baseline(node_ids),
+                free_port=lambda address: self.peer_client.free_port(address),
+            ),
+        )
 
-    def _local_roles(self, store: ModelStore, settings: RunnerSettings, watchdog_s: float, spare_runner: bool,
-                     first_spare: Spare | None, state_path: Path | None) -> None:
+    def _local_roles(
+        self,
+        store: ModelStore,
+        settings: RunnerSettings,
+        watchdog_s: float,
+        spare_runner: bool,
+        first_spare: Spare | None,
+        state_path: Path | None,
+    ) -> None:
         """The roles of this node's own work: its memory and speed forecasts, its runners
         (worker and supervisor), model files (logistics), requests (router), its profile
         and the speeds its requests showed."""
         self.memory = NodeMemory(self, lambda: self.worker.resident_bytes())
-        self.forecast = Forecast(self, self.memory.free, lambda: self.served.speeds.values(),
-                                 lambda model_id: self.logistics.model_card(model_id), self.background)
-        self.worker = Worker(lambda instance_id, message: self.supervisor.on_runner_message(instance_id, message),
-                             watchdog_s=watchdog_s, spare=spare_runner)
+        self.forecast = Forecast(
+            self,
+            self.memory.free,
+            lambda: self.served.speeds.values(),
+            lambda model_id: self.logistics.model_card(model_id),
+            self.background,
+        )
+        self.worker = Worker(
+            lambda instance_id, message: self.supervisor.on_runner_message(instance_id, message),
+            watchdog_s=watchdog_s,
+            spare=spare_runner,
+        )
         self._first_spare = first_spare
-        self.supervisor = Supervisor(self, self.worker, SupervisionEffects(
-            shard_weights=lambda inst, rank, placement: self.logistics.shard_weights(inst, rank, placement),
-            warm_tokenizer=lambda model_id: self.logistics.warm_tokenizer(model_id),
-            dispatch=lambda events: self.router.dispatch(events),
-            fail_streams=lambda instance_id, error, code: self.router.fail_streams(instance_id, error, code),
-            end_forwarded=lambda: self.router.end_forwarded(),
-            engine_stats=self._keep_engine_stats,
-            send_report=lambda address, report: self.peer_client.report(address, report),
-            runner_status=lambda event: self.coordinator.runner_status(event),
-            repeated=self.repeated,
-        ), settings)
-        self.logistics = ModelLogistics(self, store, self.model_dirs, self.peer_client, LogisticsEffects(
-            poll=lambda address: self.membership.poll(address),
-            background=self.background,
-            report_fetching=lambda instance_id, done, total: self.supervisor.report_fetching(
-                instance_id, done, total),
-        ))
+        self.supervisor = Supervisor(
+            self,
+            self.worker,
+            SupervisionEffects(
+                shard_weights=lambda inst, rank, placement: self.logistics.shard_weights(inst, rank, placement),
+                warm_tokenizer=lambda model_id: self.logistics.warm_tokenizer(model_id),
+                dispatch=lambda events: self.router.dispatch(events),
+                fail_streams=lambda instance_id, error, code: self.router.fail_streams(instance_id, error, code),
+                end_forwarded=lambda: self.router.end_forwarded(),
+                engine_stats=self._keep_engine_stats,
+                send_report=lambda address, report: self.peer_client.report(address, report),
+                runner_status=lambda event: self.coordinator.runner_status(event),
+                repeated=self.repeated,
+            ),
+            settings,
+        )
+        self.logistics = ModelLogistics(
+            self,
+            store,
+            self.model_dirs,
+            self.peer_client,
+            LogisticsEffects(
+                poll=lambda address: self.membership.poll(address),
+                background=self.background,
+                report_fetching=lambda instance_id, done, total: self.supervisor.report_fetching(
+                    instance_id, done, total
+                ),
+            ),
+        )
         self.router = Router(self)
         from shardline.node.identity import default_data_dir
         from shardline.node.profile import PROFILE_FORMAT
@@ -259,12 +288,16 @@ class Node:
         # runners on 2 and 1 threads here, and a shared file made every start of the
         # other kind measure (a torch child beside the start-up, killed at placement)
         self.profiler = HostProfiler(
-            self, self._keep_profile,
-            default_data_dir() / f"host-profile-v{PROFILE_FORMAT}-{settings.device}-threads"
-                                 f"{settings.threads}.json",
-            threads=settings.threads, device=settings.device)
-        self.served = ServedLog(lambda *args, **kwargs: self.forecast.first_order(*args, **kwargs),
-                                None if state_path is None else state_path.parent / "served-speeds.json")
+            self,
+            self._keep_profile,
+            default_data_dir() / f"host-profile-v{PROFILE_FORMAT}-{settings.device}-threads{settings.threads}.json",
+            threads=settings.threads,
+            device=settings.device,
+        )
+        self.served = ServedLog(
+            lambda *args, **kwargs: self.forecast.first_order(*args, **kwargs),
+            None if state_path is None else state_path.parent / "served-speeds.json",
+        )
 
     # -- lifecycle -----------------------------------------------------------------------
 
@@ -307,8 +340,7 @@ class Node:
         return self._loop
 
     def _begin_stop(self) -> None:
-        log.info("stopping: %d open request(s) end with an error, the runners are stopped",
-                 len(self.streams))
+        log.info("stopping: %d open request(s) end with an error, the runners are stopped", len(self.streams))
         self._stopping = True
         for task in self._background:
             task.cancel()
@@ -339,19 +371,31 @@ class Node:
         if self.profile is not None:
             profile = dict(self.profile, available_bytes=memory["free_bytes"])
         return NodeInfo(
-            node_id=self.node_id, address=self.address, started_at=self.started_at,
-            available_bytes=memory["free_bytes"], **memory,
-            total_bytes=int(psutil.virtual_memory().total), memory_limit_bytes=self.memory_limit_bytes,
-            models=self.store.summary(), epoch=self.epoch, coordinator=self.coordinator_id(),
-            settled=self.is_settled(), profile=profile, links=self.links,
-            members=self.member_addresses(), busy=self.busy_instances(),
+            node_id=self.node_id,
+            address=self.address,
+            started_at=self.started_at,
+            available_bytes=memory["free_bytes"],
+            **memory,
+            total_bytes=int(psutil.virtual_memory().total),
+            memory_limit_bytes=self.memory_limit_bytes,
+            models=self.store.summary(),
+            epoch=self.epoch,
+            coordinator=self.coordinator_id(),
+            settled=self.is_settled(),
+            profile=profile,
+            links=self.links,
+            members=self.member_addresses(),
+            busy=self.busy_instances(),
             served=self.served.to_list(),
         )
 
     def busy_instances(self) -> list[str]:
         """Instances whose rank on this node has requests running, waiting or held."""
-        return sorted(i for i, stats in self.engine_stats.items()
-                      if stats.get("running") or stats.get("waiting") or stats.get("held"))
+        return sorted(
+            i
+            for i, stats in self.engine_stats.items()
+            if stats.get("running") or stats.get("waiting") or stats.get("held")
+        )
 
     def member_addresses(self) -> list[str]:
         """Addresses of the live peers: told to every node that polls this one, so that a
@@ -506,8 +550,7 @@ class Node:
             )
             for address, result in zip(targets, results):
                 if isinstance(result, PeerError):
-                    self.repeated.warn(("publish", address), "could not publish the table to %s: %s",
-                                       address, result)
+                    self.repeated.warn(("publish", address), "could not publish the table to %s: %s", address, result)
                 elif isinstance(result, BaseException):
                     raise result
                 else:

@@ -38,8 +38,12 @@ class NodeMemory:
     """The node's view of every live node's memory, from its own table (so placements in
     a row never count the same bytes twice) and the offers its peers report."""
 
-    def __init__(self, view: MemoryView, runner_bytes: Callable[[], int],
-                 available_bytes: Callable[[], int] = lambda: int(psutil.virtual_memory().available)) -> None:
+    def __init__(
+        self,
+        view: MemoryView,
+        runner_bytes: Callable[[], int],
+        available_bytes: Callable[[], int] = lambda: int(psutil.virtual_memory().available),
+    ) -> None:
         self.view = view
         self.runner_bytes = runner_bytes  # what this node's runners hold (theirs to keep)
         self.available_bytes = available_bytes  # what the system has available
@@ -61,11 +65,14 @@ class NodeMemory:
         on it, of every instance not failed, to hold) and ``free_bytes`` (what the next
         placement may give it) of a live node."""
         offered = self.offered() if node_id == self.view.node_id else self.view.peers[node_id].offered_bytes
-        ranks = ((r.node_id, r.estimated_bytes) for inst in self.view.instances.values()
-                 if inst.status != InstanceStatus.FAILED for r in inst.ranks)
+        ranks = (
+            (r.node_id, r.estimated_bytes)
+            for inst in self.view.instances.values()
+            if inst.status != InstanceStatus.FAILED
+            for r in inst.ranks
+        )
         committed = committed_bytes(ranks, node_id)
-        return {"offered_bytes": offered, "committed_bytes": committed,
-                "free_bytes": free_bytes(offered, committed)}
+        return {"offered_bytes": offered, "committed_bytes": committed, "free_bytes": free_bytes(offered, committed)}
 
     def free(self, node_id: str) -> int:
         """Bytes a live node can give the next placement (``of(node_id)["free_bytes"]``)."""

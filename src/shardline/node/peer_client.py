@@ -77,9 +77,17 @@ class PeerClient:
     async def aclose(self) -> None:
         await self.http.aclose()
 
-    async def _call(self, method: str, address: str, path: str, *, ok: tuple[int, ...] = (200,),
-                    timeout: float = 10.0, message: pydantic.BaseModel | None = None,
-                    **kwargs: Any) -> httpx.Response:
+    async def _call(
+        self,
+        method: str,
+        address: str,
+        path: str,
+        *,
+        ok: tuple[int, ...] = (200,),
+        timeout: float = 10.0,
+        message: pydantic.BaseModel | None = None,
+        **kwargs: Any,
+    ) -> httpx.Response:
         if message is not None:  # the body: a wire message as JSON
             kwargs["content"] = message.model_dump_json()
             kwargs["headers"] = {**kwargs.get("headers", {}), "Content-Type": "application/json"}
@@ -103,8 +111,9 @@ class PeerClient:
 
     async def info(self, address: str, timeout: float = 2.0) -> NodeInfo:
         """Poll a peer (``GET /internal/info``), naming this node as a member."""
-        response = await self._call("GET", address, "/internal/info", timeout=timeout,
-                                    headers={MEMBER_HEADER: self.own_address})
+        response = await self._call(
+            "GET", address, "/internal/info", timeout=timeout, headers={MEMBER_HEADER: self.own_address}
+        )
         return self._parse(NodeInfo, response, address)
 
     async def state(self, address: str) -> ClusterState:
@@ -114,8 +123,7 @@ class PeerClient:
     async def push_state(self, address: str, state: ClusterState) -> bool:
         """Send a table (``POST /internal/state``); whether the peer adopted it (False: it
         holds a newer or the same epoch)."""
-        response = await self._call("POST", address, "/internal/state", ok=(200, 409),
-                                    message=StateMessage.of(state))
+        response = await self._call("POST", address, "/internal/state", ok=(200, 409), message=StateMessage.of(state))
         self._parse(StateReply, response, address)
         return response.status_code == 200
 
@@ -126,8 +134,7 @@ class PeerClient:
     async def report(self, address: str, report: RankReport) -> bool:
         """Report a rank's status to the coordinator at ``address``; False when that node
         does not coordinate (503)."""
-        response = await self._call("POST", address, "/internal/runner-status", ok=(200, 503),
-                                    message=report)
+        response = await self._call("POST", address, "/internal/runner-status", ok=(200, 503), message=report)
         return response.status_code == 200
 
     async def share_response(self, address: str, message: SharedResponse | ForgottenResponse) -> bool:
@@ -144,9 +151,9 @@ class PeerClient:
         response = await self._call("POST", address, path, message=message)
         return self._parse(Delivered, response, address).delivered
 
-    async def generate(self, address: str, request: TokenRequest,
-                       ran_on: Callable[[str], None] | None = None,
-                       ) -> AsyncGenerator[TokenEvent | PrefillProgress, None]:
+    async def generate(
+        self, address: str, request: TokenRequest, ran_on: Callable[[str], None] | None = None
+    ) -> AsyncGenerator[TokenEvent | PrefillProgress, None]:
         """Run ``request`` through the peer (``POST /internal/generate``) and yield its
         events; ``ran_on`` is called with the id of each instance the peer runs it on,
         before that instance's events.
@@ -161,11 +168,17 @@ class PeerClient:
         """
         body = json.dumps(dataclasses.asdict(request))
         try:
-            async with self.http.stream("POST", f"http://{address}/internal/generate", content=body,
-                                        headers={"Content-Type": "application/json"}) as response:
+            async with self.http.stream(
+                "POST",
+                f"http://{address}/internal/generate",
+                content=body,
+                headers={"Content-Type": "application/json"},
+            ) as response:
                 if response.status_code == 429:
-                    raise QueueFullError(f"{address}: the model's queue is full; retry later",
-                                         retry_after(response.headers.get("retry-after")))
+                    raise QueueFullError(
+                        f"{address}: the model's queue is full; retry later",
+                        retry_after(response.headers.get("retry-after")),
+                    )
                 if response.status_code != 200:
                     raise PeerError(f"{address} refused the request: {response.status_code}")
                 self._check(response, f"{address}/internal/generate", streamed=True)
@@ -175,8 +188,9 @@ class PeerClient:
                     line = self._parse_line(raw, address)
                     if line.error is not None:
                         codes = {c.value: c for c in EndCode}
-                        raise InstanceFailedError(line.error, codes.get(line.code or "", EndCode.INSTANCE_FAILED),
-                                                  final=True)
+                        raise InstanceFailedError(
+                            line.error, codes.get(line.code or "", EndCode.INSTANCE_FAILED), final=True
+                        )
                     if line.instance_id is not None and ran_on is not None:
                         ran_on(line.instance_id)
                     event = line.token or line.progress
@@ -200,8 +214,9 @@ class PeerClient:
             PeerError: the call failed, or the answer is not a safe manifest of ``model_id``
                 (the reason is logged too).
         """
-        response = await self._call("GET", address, "/internal/models/manifest", ok=(200, 404),
-                                    params={"model": model_id})
+        response = await self._call(
+            "GET", address, "/internal/models/manifest", ok=(200, 404), params={"model": model_id}
+        )
         if response.status_code == 404:
             return None
         try:
@@ -222,9 +237,15 @@ class PeerClient:
         except (httpx.HTTPError, ValueError) as exc:
             raise PeerError(f"link to {address}: {exc!r}") from exc
 
-    async def copy_files(self, address: str, store: ModelStore, manifest: Manifest, paths: list[str],
-                         progress: CopyProgress | None = None,
-                         pieces: dict[str, list[Piece]] | None = None) -> int:
+    async def copy_files(
+        self,
+        address: str,
+        store: ModelStore,
+        manifest: Manifest,
+        paths: list[str],
+        progress: CopyProgress | None = None,
+        pieces: dict[str, list[Piece]] | None = None,
+    ) -> int:
         """Copy a model's files ``paths`` whole, and ``pieces`` of its files held in part,
         from the peer's store into ``store``, in a worker thread
         (:func:`shardline.node.transfer.fetch_files` and ``fetch_pieces``: resumable,
@@ -235,6 +256,7 @@ class PeerClient:
                 outside the model's directory in the store (refused, nothing written there).
             PeerError: the connection failed (what arrived is kept for a resume).
         """
+
         def copy() -> int:
             with httpx.Client(auth=self.auth) as client:
                 received = fetch_files(client, f"http://{address}", store, manifest, paths, progress)

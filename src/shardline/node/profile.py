@@ -197,9 +197,19 @@ def _failed_profile(note: str, elapsed: float) -> HostProfile:
 
 
 def _command(device: str, seconds: float, threads: int, samples: int) -> list[str]:
-    return [sys.executable, "-m", "shardline.node.profile", "--device", device,
-            "--seconds", repr(float(seconds)), "--threads", str(int(threads)),
-            "--samples", str(int(samples))]
+    return [
+        sys.executable,
+        "-m",
+        "shardline.node.profile",
+        "--device",
+        device,
+        "--seconds",
+        repr(float(seconds)),
+        "--threads",
+        str(int(threads)),
+        "--samples",
+        str(int(samples)),
+    ]
 
 
 def _parse(returncode: int | None, stdout: str, stderr: str, elapsed: float) -> HostProfile:
@@ -216,8 +226,9 @@ def _parse(returncode: int | None, stdout: str, stderr: str, elapsed: float) -> 
     return profile
 
 
-def measure_host(device: str = "auto", seconds: float = 0.5, timeout_s: float = 60.0,
-                 threads: int = 0, samples: int = 5) -> HostProfile:
+def measure_host(
+    device: str = "auto", seconds: float = 0.5, timeout_s: float = 60.0, threads: int = 0, samples: int = 5
+) -> HostProfile:
     """Measure this machine in a child process (torch is imported there, never here).
 
     Args:
@@ -240,19 +251,19 @@ def measure_host(device: str = "auto", seconds: float = 0.5, timeout_s: float = 
     """
     start = time.perf_counter()
     try:
-        done = subprocess.run(_command(device, seconds, threads, samples), capture_output=True, text=True,
-                              timeout=timeout_s)
+        done = subprocess.run(
+            _command(device, seconds, threads, samples), capture_output=True, text=True, timeout=timeout_s
+        )
     except subprocess.TimeoutExpired:
-        return _failed_profile(f"profile child timed out after {timeout_s} s",
-                               time.perf_counter() - start)
+        return _failed_profile(f"profile child timed out after {timeout_s} s", time.perf_counter() - start)
     except OSError as exc:
         return _failed_profile(f"profile child did not start: {exc}", time.perf_counter() - start)
     return _parse(done.returncode, done.stdout, done.stderr, time.perf_counter() - start)
 
 
-async def measure_host_async(device: str = "auto", seconds: float = 0.5,
-                             timeout_s: float = 60.0, threads: int = 0,
-                             samples: int = 5) -> HostProfile:
+async def measure_host_async(
+    device: str = "auto", seconds: float = 0.5, timeout_s: float = 60.0, threads: int = 0, samples: int = 5
+) -> HostProfile:
     """:func:`measure_host` without blocking the event loop (``asyncio`` child process).
 
     Same arguments and result; never raises for a failed measurement (a child that times
@@ -261,8 +272,10 @@ async def measure_host_async(device: str = "auto", seconds: float = 0.5,
     start = time.perf_counter()
     try:
         proc = await asyncio.create_subprocess_exec(
-            *_command(device, seconds, threads, samples), stdin=asyncio.subprocess.DEVNULL,
-            stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE,
+            *_command(device, seconds, threads, samples),
+            stdin=asyncio.subprocess.DEVNULL,
+            stdout=asyncio.subprocess.PIPE,
+            stderr=asyncio.subprocess.PIPE,
         )
     except OSError as exc:
         return _failed_profile(f"profile child did not start: {exc}", time.perf_counter() - start)
@@ -271,13 +284,13 @@ async def measure_host_async(device: str = "auto", seconds: float = 0.5,
     except asyncio.TimeoutError:
         _kill(proc)
         await proc.wait()
-        return _failed_profile(f"profile child timed out after {timeout_s} s",
-                               time.perf_counter() - start)
+        return _failed_profile(f"profile child timed out after {timeout_s} s", time.perf_counter() - start)
     except BaseException:
         _kill(proc)
         raise
-    return _parse(proc.returncode, stdout.decode(errors="replace"),
-                  stderr.decode(errors="replace"), time.perf_counter() - start)
+    return _parse(
+        proc.returncode, stdout.decode(errors="replace"), stderr.decode(errors="replace"), time.perf_counter() - start
+    )
 
 
 def _kill(proc: asyncio.subprocess.Process) -> None:
@@ -320,11 +333,9 @@ def device_problem(device: str, timeout_s: float = 60.0) -> str | None:
     process (torch's import, 1-2 s: the node never imports torch)."""
     if device in ("auto", "cpu"):
         return None
-    code = ("import sys, torch\nfrom shardline.devices import pick_device\n"
-            "pick_device(torch, sys.argv[1])")
+    code = "import sys, torch\nfrom shardline.devices import pick_device\npick_device(torch, sys.argv[1])"
     try:
-        done = subprocess.run([sys.executable, "-c", code, device], capture_output=True, text=True,
-                              timeout=timeout_s)
+        done = subprocess.run([sys.executable, "-c", code, device], capture_output=True, text=True, timeout=timeout_s)
     except subprocess.TimeoutExpired:
         return f"torch did not answer within {timeout_s:g} s"
     if done.returncode == 0:
@@ -383,7 +394,8 @@ def _measure(device: str, seconds: float, threads: int = 0, samples: int = 1) ->
 
     # Matmul: 2·n³ FLOP a product.
     result["matmul_flops"], result["matmul_dtype"] = _matmul_rate(
-        torch, dev, dtypes, n, seconds * 2 / 3, sync, samples, notes)
+        torch, dev, dtypes, n, seconds * 2 / 3, sync, samples, notes
+    )
 
     # Memory bandwidth: copy a 256 MiB tensor into another (read + write bytes per second).
     size = _COPY_BYTES
@@ -393,7 +405,8 @@ def _measure(device: str, seconds: float, threads: int = 0, samples: int = 1) ->
     src = torch.ones(size // 4, dtype=torch.float32, device=dev)
     dst = torch.zeros_like(src)  # both touched: page faults are not timed
     result["memory_bandwidth_bytes_per_s"] = _timed_rate(
-        lambda: dst.copy_(src), 2.0 * size, seconds / 3, sync, samples=max(samples, 3))
+        lambda: dst.copy_(src), 2.0 * size, seconds / 3, sync, samples=max(samples, 3)
+    )
     result["note"] = "; ".join(notes)
     return result
 
@@ -420,8 +433,11 @@ def _accelerator(torch: Any, dev: Any, result: dict) -> tuple[Callable[[], None]
 
         return sync, [torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16], _MATMUL_N_GPU
     if dev.type == "mps":
-        total = int(torch.mps.recommended_max_memory()) if hasattr(torch.mps, "recommended_max_memory") \
+        total = (
+            int(torch.mps.recommended_max_memory())
+            if hasattr(torch.mps, "recommended_max_memory")
             else result["total_bytes"]
+        )
         used = int(torch.mps.driver_allocated_memory()) if hasattr(torch.mps, "driver_allocated_memory") else 0
         result["accelerator"] = "mps"
         result["accelerator_total_bytes"] = total
@@ -440,8 +456,16 @@ def _accelerator(torch: Any, dev: Any, result: dict) -> tuple[Callable[[], None]
     return no_sync, [torch.bfloat16, torch.float32], _MATMUL_N_CPU  # both timed; the faster is reported
 
 
-def _matmul_rate(torch: Any, dev: Any, dtypes: list, n: int, budget_s: float, sync: Callable[[], None],
-                 samples: int, notes: list[str]) -> tuple[float, str]:
+def _matmul_rate(
+    torch: Any,
+    dev: Any,
+    dtypes: list,
+    n: int,
+    budget_s: float,
+    sync: Callable[[], None],
+    samples: int,
+    notes: list[str],
+) -> tuple[float, str]:
     """(FLOP/s, dtype name) of the fastest n x n product among ``dtypes`` within
     ``budget_s`` seconds (on the CPU each dtype gets its share; on an accelerator the
     first that runs is taken); a dtype that fails is noted in ``notes``. (0.0, "") where
@@ -451,9 +475,13 @@ def _matmul_rate(torch: Any, dev: Any, dtypes: list, n: int, budget_s: float, sy
         try:
             a = torch.randn(n, n, device=dev).to(dtype)
             b = torch.randn(n, n, device=dev).to(dtype)
-            rate = _timed_rate(lambda: torch.mm(a, b), 2.0 * n**3,
-                               budget_s / (len(dtypes) if dev.type == "cpu" else 1), sync,
-                               samples=samples)
+            rate = _timed_rate(
+                lambda: torch.mm(a, b),
+                2.0 * n**3,
+                budget_s / (len(dtypes) if dev.type == "cpu" else 1),
+                sync,
+                samples=samples,
+            )
         except (RuntimeError, TypeError) as exc:  # a dtype this device lacks
             notes.append(f"{str(dtype).removeprefix('torch.')} matmul failed: {str(exc)[:200]}")
             continue
@@ -475,8 +503,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"unknown device {args.device!r} (auto, cpu, cuda, cuda:N or mps)", file=sys.stderr)
         return 2
     try:
-        result = _measure(args.device, max(args.seconds, 0.0), max(args.threads, 0),
-                          max(args.samples, 1))
+        result = _measure(args.device, max(args.seconds, 0.0), max(args.threads, 0), max(args.samples, 1))
     except Exception as exc:  # noqa: BLE001 (reported to the parent as the note)
         print(f"{type(exc).__name__}: {exc}".replace("\n", " "), file=sys.stderr)
         return 1
@@ -484,11 +511,7 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
-__all__ = [
-    "HostProfile",
-    "measure_host",
-    "measure_host_async",
-]
+__all__ = ["HostProfile", "measure_host", "measure_host_async"]
 
 
 if __name__ == "__main__":

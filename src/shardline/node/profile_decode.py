@@ -111,8 +111,7 @@ def _probe_shard(weight, dtype):
     from shardline.models.linear import Linear  # noqa: PLC0415
     from shardline.models.llama import DecoderShard  # noqa: PLC0415
 
-    config = ModelConfig("llama", PROBE_LAYERS, 256, 512, 4, 2, 64, 512, 1e-5, 10000.0, 128,
-                         True)
+    config = ModelConfig("llama", PROBE_LAYERS, 256, 512, 4, 2, 64, 512, 1e-5, 10000.0, 128, True)
     shard = DecoderShard(config, 0, PROBE_LAYERS)
     for param in shard.parameters():
         param.data = param.data.to(dtype)
@@ -159,8 +158,7 @@ def decode_weight_rate(samples: int) -> float:
     values = torch.randn(rows, cols, generator=torch.Generator().manual_seed(1)) * 0.05
     linear = Linear(cols, rows)
     linear.set_parts([resident_weight(quantize_groups(values, Quantize.INT4), torch.bfloat16)])
-    linears = [linear] + [copy.deepcopy(linear)
-                          for _ in range(max(DECODE_PROBE_BYTES // linear.nbytes(), 1) - 1)]
+    linears = [linear] + [copy.deepcopy(linear) for _ in range(max(DECODE_PROBE_BYTES // linear.nbytes(), 1) - 1)]
     row = torch.randn(1, cols).to(torch.bfloat16)
     times = []
     with torch.inference_mode():

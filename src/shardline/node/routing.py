@@ -26,13 +26,7 @@ from shardline.node.state import superseded, why_ended
 from shardline.node.status import InstanceStatus
 from shardline.node.table import EndCode, Instance, InstanceFailedError, NoInstanceError
 from shardline.node.wire import CancelMessage, TaskMessage
-from shardline.runner.protocol import (
-    Cancel,
-    PrefillProgress,
-    Task,
-    TokenEvent,
-    TokenRequest,
-)
+from shardline.runner.protocol import Cancel, PrefillProgress, Task, TokenEvent, TokenRequest
 
 log = logging.getLogger(__name__)
 
@@ -73,8 +67,16 @@ class AfterFailure(Enum):
     """It gave tokens: run its :func:`continuation` on the model's next ready instance."""
 
 
-def after_failure(code: EndCode, final: bool, sent: int, max_tokens: int, other_output: bool,
-                  runs: int, continuations: int, stopping: bool) -> AfterFailure:
+def after_failure(
+    code: EndCode,
+    final: bool,
+    sent: int,
+    max_tokens: int,
+    other_output: bool,
+    runs: int,
+    continuations: int,
+    stopping: bool,
+) -> AfterFailure:
     """What a request on a node that is ``stopping`` or not does when its instance fails
     under it (an InstanceFailedError of ``code``, ``final`` where the node it was
     forwarded to has decided already) after it gave ``sent`` tokens of its ``max_tokens``
@@ -101,21 +103,31 @@ def continuation(request: TokenRequest, sent: Sequence[int]) -> TokenRequest:
     Its tokens follow ``sent`` as the request's would have: at temperature 0 the same
     text wherever the prefill of the prompt gives the logits decode gave."""
     sent = tuple(sent)
-    return replace(request, prompt=request.prompt + sent, max_tokens=request.max_tokens - len(sent),
-                   sampling=replace(request.sampling, resumed=request.sampling.resumed + len(sent),
-                                    prompt_logprobs=None))
+    return replace(
+        request,
+        prompt=request.prompt + sent,
+        max_tokens=request.max_tokens - len(sent),
+        sampling=replace(request.sampling, resumed=request.sampling.resumed + len(sent), prompt_logprobs=None),
+    )
 
 
-def ready_instances(instances: Mapping[str, Instance], model_id: str, node_id: str,
-                    avoid: Collection[str] = (), tokens: int = 0) -> list[Instance]:
+def ready_instances(
+    instances: Mapping[str, Instance], model_id: str, node_id: str, avoid: Collection[str] = (), tokens: int = 0
+) -> list[Instance]:
     """The ready instances of ``model_id`` in a table whose context takes ``tokens`` (a
     request's prompt and completion: :func:`request_tokens`), those with a rank on
     ``node_id`` first, then the oldest first; not one a ready instance stands in for
     (``state.superseded``: it is being handed over), nor those in ``avoid``."""
     old = superseded(instances)
-    ready = [i for i in instances.values() if i.model_id == model_id
-             and i.status == InstanceStatus.READY and i.instance_id not in old
-             and i.instance_id not in avoid and i.context >= tokens]
+    ready = [
+        i
+        for i in instances.values()
+        if i.model_id == model_id
+        and i.status == InstanceStatus.READY
+        and i.instance_id not in old
+        and i.instance_id not in avoid
+        and i.context >= tokens
+    ]
     return sorted(ready, key=lambda i: (node_id not in i.node_ids(), i.created_at))
 
 
@@ -142,9 +154,16 @@ class ReadyWait(Enum):
     or the failure)."""
 
 
-def ready_wait(instances: Mapping[str, Instance], model_id: str, node_id: str,
-               failed: Collection[str], waited_s: float, limit_s: float = READY_WAIT_S,
-               verdict_s: float = 6.0, tokens: int = 0) -> tuple[ReadyWait, Instance | None]:
+def ready_wait(
+    instances: Mapping[str, Instance],
+    model_id: str,
+    node_id: str,
+    failed: Collection[str],
+    waited_s: float,
+    limit_s: float = READY_WAIT_S,
+    verdict_s: float = 6.0,
+    tokens: int = 0,
+) -> tuple[ReadyWait, Instance | None]:
     """The next step of a request on ``node_id`` with no ready instance of ``model_id``,
     ``waited_s`` seconds into its wait, and with :attr:`ReadyWait.RUN` the instance to run
     on (:func:`ready_instances`' first): run on a ready instance; wait while the model has another
@@ -156,8 +175,7 @@ def ready_wait(instances: Mapping[str, Instance], model_id: str, node_id: str,
     a node down, ``down_after_s + 1``): a hand-off that did not reach a rank comes before
     the verdict, and an instance still ready after it was not at fault (a lost
     connection). ``tokens``: the context the request needs (:func:`ready_instances`)."""
-    ready = ready_instances(instances, model_id, node_id, avoid=failed if waited_s < verdict_s else (),
-                            tokens=tokens)
+    ready = ready_instances(instances, model_id, node_id, avoid=failed if waited_s < verdict_s else (), tokens=tokens)
     if ready:
         return ReadyWait.RUN, ready[0]
     if waited_s >= limit_s or not any(i.model_id == model_id and not i.given_up for i in instances.values()):
@@ -216,8 +234,9 @@ class RoutingPeers(Protocol):
     """What the router asks of peers (``shardline.node.peer_client.PeerClient``)."""
 
     async def deliver(self, address: str, message: TaskMessage | CancelMessage) -> bool: ...
-    def generate(self, address: str, request: TokenRequest, ran_on: Callable[[str], None] | None = None,
-                 ) -> AsyncGenerator[TokenEvent | PrefillProgress, None]: ...
+    def generate(
+        self, address: str, request: TokenRequest, ran_on: Callable[[str], None] | None = None
+    ) -> AsyncGenerator[TokenEvent | PrefillProgress, None]: ...
 
 
 class LocalRunners(Protocol):
@@ -230,8 +249,9 @@ class LocalRunners(Protocol):
 class ServedRecorder(Protocol):
     """Where the router records what requests showed of speed (``speeds.ServedLog``)."""
 
-    async def add(self, inst: Instance, decode: float | None, prefill: float | None,
-                  position: float, prompt_tokens: int) -> None: ...
+    async def add(
+        self, inst: Instance, decode: float | None, prefill: float | None, position: float, prompt_tokens: int
+    ) -> None: ...
 
 
 class RouterView(Protocol):
@@ -297,21 +317,33 @@ class Router:
         (:func:`~shardline.node.prefix_routing.choose`: the longest prefix this node sent
         it, then a rank on this node, then the fewest requests in flight, then the
         oldest); ``within`` where none is ready."""
-        ready = [i for i in ready_instances(self.node.instances, within.model_id, self.node.node_id,
-                                            tokens=within.context)
-                 if not local_only or self.node.node_id in i.node_ids()]
+        ready = [
+            i
+            for i in ready_instances(self.node.instances, within.model_id, self.node.node_id, tokens=within.context)
+            if not local_only or self.node.node_id in i.node_ids()
+        ]
         if len(ready) < 2:
             return ready[0] if ready else within
         hashes = route_hashes(prompt)
-        chosen = choose([Candidate(i.instance_id, self.prefixes.matched(i.instance_id, hashes) if i.prefix_cache
-                                   else 0, self.node.node_id in i.node_ids(), self._in_flight(i.instance_id),
-                                   i.created_at) for i in ready])
+        chosen = choose(
+            [
+                Candidate(
+                    i.instance_id,
+                    self.prefixes.matched(i.instance_id, hashes) if i.prefix_cache else 0,
+                    self.node.node_id in i.node_ids(),
+                    self._in_flight(i.instance_id),
+                    i.created_at,
+                )
+                for i in ready
+            ]
+        )
         return next(i for i in ready if i.instance_id == chosen)
 
     def _in_flight(self, instance_id: str) -> int:
         """Requests this node runs on the instance's ranks or forwards to it."""
-        return (sum(s.instance_id == instance_id for s in self.node.streams.values())
-                + len(self._forwarding.get(instance_id, ())))
+        return sum(s.instance_id == instance_id for s in self.node.streams.values()) + len(
+            self._forwarding.get(instance_id, ())
+        )
 
     def models(self) -> list[dict]:
         """Models with a ready instance: ``[{"id", "created"}]``."""
@@ -351,16 +383,21 @@ class Router:
         own = {task_id for task_id, s in self.node.streams.items() if s.instance_id == inst.instance_id}
         waiting = waiting_count(own, self.node.engine_stats.get(inst.instance_id))
         if bounded and not admits(waiting, self.node.max_waiting):
-            raise QueueFullError(f"the model {inst.model_id!r} has {waiting} requests waiting, as many "
-                                 f"as this node queues ({self.node.max_waiting}); retry later")
+            raise QueueFullError(
+                f"the model {inst.model_id!r} has {waiting} requests waiting, as many "
+                f"as this node queues ({self.node.max_waiting}); retry later"
+            )
         task_id = self.new_task_id()
         self.node.streams[task_id] = RequestStream(inst.instance_id, asyncio.Queue())
         return task_id
 
-    async def generate(self, request: TokenRequest, task_id: int | None = None,
-                       ran_on: Callable[[Instance], None] | None = None,
-                       on: Instance | None = None,
-                       ) -> AsyncGenerator[TokenEvent | PrefillProgress, None]:
+    async def generate(
+        self,
+        request: TokenRequest,
+        task_id: int | None = None,
+        ran_on: Callable[[Instance], None] | None = None,
+        on: Instance | None = None,
+    ) -> AsyncGenerator[TokenEvent | PrefillProgress, None]:
         """Run one request on a ready instance of its model and yield its events: the
         progress of a prefill that takes more than one engine step, then its tokens.
         ``task_id``: the place :meth:`reserve` took for it, if one was taken; ``ran_on``:
@@ -399,8 +436,9 @@ class Router:
             try:
                 # closed here, so that its cleanup (its stream, the ranks' cancel) runs when
                 # this closes, not when the loop collects it
-                async with contextlib.aclosing(self._attempt(runs.running, task_id, runs.chosen, runs.tried,
-                                                             ran_on, runs.tasks)) as events:
+                async with contextlib.aclosing(
+                    self._attempt(runs.running, task_id, runs.chosen, runs.tried, ran_on, runs.tasks)
+                ) as events:
                     async for event in events:
                         if runs.passes(event):
                             yield event
@@ -418,47 +456,86 @@ class Router:
             InstanceFailedError: ``exc``, where the request ends with it.
         """
         request, sent = runs.request, runs.sent
-        step = after_failure(exc.code, exc.final, len(sent), request.max_tokens, runs.shown, len(runs.tried),
-                             runs.continuations, self.node.is_stopping())
+        step = after_failure(
+            exc.code,
+            exc.final,
+            len(sent),
+            request.max_tokens,
+            runs.shown,
+            len(runs.tried),
+            runs.continuations,
+            self.node.is_stopping(),
+        )
         if step == AfterFailure.FAIL:
             if sent and exc.code == EndCode.INSTANCE_FAILED and not exc.final:
                 self.continuations["failed"] += 1
-                log.info("%s: the request (model %r, tasks %s) ends after %d tokens, not "
-                         "continued (%d continuations)", exc, request.model_id, runs.tasks, len(sent),
-                         runs.continuations)
+                log.info(
+                    "%s: the request (model %r, tasks %s) ends after %d tokens, not continued (%d continuations)",
+                    exc,
+                    request.model_id,
+                    runs.tasks,
+                    len(sent),
+                    runs.continuations,
+                )
             raise exc
         if step == AfterFailure.RUN_AGAIN:
             runs.failed_at = runs.failed_at or time.monotonic()
-            log.info("%s: the request had no output yet; waiting for its model %r to be "
-                     "served again", exc, request.model_id)
-            runs.chosen = await self.wait_for_ready(request.model_id, runs.tried, runs.failed_at,
-                                                    request_tokens(request))
+            log.info(
+                "%s: the request had no output yet; waiting for its model %r to be served again", exc, request.model_id
+            )
+            runs.chosen = await self.wait_for_ready(
+                request.model_id, runs.tried, runs.failed_at, request_tokens(request)
+            )
             if runs.chosen is None:
                 raise exc
             return
         since = time.monotonic()
-        log.info("%s: the request (model %r, tasks %s) gave %d tokens; waiting for its "
-                 "model to be served again to continue it", exc, request.model_id, runs.tasks, len(sent))
-        runs.chosen = await self.wait_for_ready(request.model_id, runs.tried, since, request_tokens(request),
-                                                limit_s=CONTINUE_WAIT_S)
+        log.info(
+            "%s: the request (model %r, tasks %s) gave %d tokens; waiting for its "
+            "model to be served again to continue it",
+            exc,
+            request.model_id,
+            runs.tasks,
+            len(sent),
+        )
+        runs.chosen = await self.wait_for_ready(
+            request.model_id, runs.tried, since, request_tokens(request), limit_s=CONTINUE_WAIT_S
+        )
         if runs.chosen is None:
             self.continuations["failed"] += 1
-            log.info("the request (model %r, tasks %s) ends after %d tokens: its model was "
-                     "not served again (it could not be placed, or not within %.0f s)",
-                     request.model_id, runs.tasks, len(sent), CONTINUE_WAIT_S)
+            log.info(
+                "the request (model %r, tasks %s) ends after %d tokens: its model was "
+                "not served again (it could not be placed, or not within %.0f s)",
+                request.model_id,
+                runs.tasks,
+                len(sent),
+                CONTINUE_WAIT_S,
+            )
             raise exc
         runs.continuations += 1
         self.continuations["continued"] += 1
         runs.running = continuation(request, sent)
-        log.info("the request (model %r, tasks %s) continues after %d tokens on instance %s "
-                 "(from %s), %.1f s after the failure (continuation %d of at most %d)",
-                 request.model_id, runs.tasks, len(sent), runs.chosen.instance_id,
-                 runs.tried[-1] if runs.tried else None, time.monotonic() - since, runs.continuations,
-                 MAX_CONTINUATIONS)
+        log.info(
+            "the request (model %r, tasks %s) continues after %d tokens on instance %s "
+            "(from %s), %.1f s after the failure (continuation %d of at most %d)",
+            request.model_id,
+            runs.tasks,
+            len(sent),
+            runs.chosen.instance_id,
+            runs.tried[-1] if runs.tried else None,
+            time.monotonic() - since,
+            runs.continuations,
+            MAX_CONTINUATIONS,
+        )
 
-    async def wait_for_ready(self, model_id: str, failed: Collection[str] = (),
-                             since: float | None = None, tokens: int = 0,
-                             limit_s: float = READY_WAIT_S) -> Instance | None:
+    async def wait_for_ready(
+        self,
+        model_id: str,
+        failed: Collection[str] = (),
+        since: float | None = None,
+        tokens: int = 0,
+        limit_s: float = READY_WAIT_S,
+    ) -> Instance | None:
         """A ready instance of ``model_id`` once there is one (:func:`ready_wait` says
         whether to wait; ``failed``, ``tokens`` and ``limit_s`` are its, ``since`` when the
         wait began, ``time.monotonic()`` seconds, default now); None where there is nothing
@@ -468,17 +545,30 @@ class Router:
         verdict_s = self.node.down_after_s + 1
         while not self.node.is_stopping():
             waited = time.monotonic() - since
-            step, inst = ready_wait(self.node.instances, model_id, self.node.node_id, failed, waited,
-                                    limit_s=limit_s, verdict_s=verdict_s, tokens=tokens)
+            step, inst = ready_wait(
+                self.node.instances,
+                model_id,
+                self.node.node_id,
+                failed,
+                waited,
+                limit_s=limit_s,
+                verdict_s=verdict_s,
+                tokens=tokens,
+            )
             if step != ReadyWait.WAIT:
                 return inst
             await self.node.table_changed(next_look_s(waited, limit_s, verdict_s))
         return None
 
-    async def _attempt(self, request: TokenRequest, task_id: int | None, chosen: Instance | None,
-                       tried: list[str], ran_on: Callable[[Instance], None] | None,
-                       tasks: list[int] | None = None,
-                       ) -> AsyncGenerator[TokenEvent | PrefillProgress, None]:
+    async def _attempt(
+        self,
+        request: TokenRequest,
+        task_id: int | None,
+        chosen: Instance | None,
+        tried: list[str],
+        ran_on: Callable[[Instance], None] | None,
+        tasks: list[int] | None = None,
+    ) -> AsyncGenerator[TokenEvent | PrefillProgress, None]:
         """One run of :meth:`generate`'s request (or its continuation) on an instance (the
         reserved one, where it still is; else ``chosen``, else the first ready one), or
         through the node of one; the instance's id is appended to ``tried``, the instance
@@ -495,21 +585,29 @@ class Router:
             if task_id is not None:
                 self.node.streams.pop(task_id, None)  # its instance is gone: find another
             stream = None
-            ready = ready_instances(self.node.instances, request.model_id, self.node.node_id,
-                                    tokens=request_tokens(request))
-            inst = next((i for i in ready if chosen is not None and i.instance_id == chosen.instance_id),
-                        ready[0] if ready else None)  # chosen, while it is ready
+            ready = ready_instances(
+                self.node.instances, request.model_id, self.node.node_id, tokens=request_tokens(request)
+            )
+            inst = next(
+                (i for i in ready if chosen is not None and i.instance_id == chosen.instance_id),
+                ready[0] if ready else None,
+            )  # chosen, while it is ready
             if inst is None:
-                raise InstanceFailedError(f"no ready instance serves model {request.model_id!r} any "
-                                          "more (its instance failed or its nodes restarted since the "
-                                          "request came); retry later")
+                raise InstanceFailedError(
+                    f"no ready instance serves model {request.model_id!r} any "
+                    "more (its instance failed or its nodes restarted since the "
+                    "request came); retry later"
+                )
         tried.append(inst.instance_id)
         if ran_on is not None:
             ran_on(inst)
         if inst.prefix_cache:  # its cache will hold this prompt: later ones that start alike go there
             self.prefixes.keep_only(set(self.node.instances))
-            self.prefixes.record(inst.instance_id, route_hashes(request.prompt),
-                                 (inst.kv_tokens or inst.max_batch * inst.context) // ROUTE_BLOCK)
+            self.prefixes.record(
+                inst.instance_id,
+                route_hashes(request.prompt),
+                (inst.kv_tokens or inst.max_batch * inst.context) // ROUTE_BLOCK,
+            )
         if stream is None:
             if self.node.node_id not in inst.node_ids():
                 async with contextlib.aclosing(self._forward(inst, request, ran_on)) as forwarded:
@@ -521,12 +619,28 @@ class Router:
         assert task_id is not None and stream is not None
         if tasks is not None:
             tasks.append(task_id)
-        task = Task.of(task_id, self.node.node_id, request)
+        async with contextlib.aclosing(
+            self._run_here(stream, inst, Task.of(task_id, self.node.node_id, request))
+        ) as run:
+            async for event in run:
+                yield event
+
+    async def _run_here(
+        self, stream: RequestStream, inst: Instance, task: Task
+    ) -> AsyncGenerator[TokenEvent | PrefillProgress, None]:
+        """Hand ``task`` to ``inst``'s ranks and yield its events from ``stream`` (this
+        node's runner's) until it finishes, its speed kept; closed early, it is cancelled
+        on every rank.
+
+        Raises:
+            InstanceFailedError: the instance failed under it (its stream's error).
+        """
         finished = False
         stats = self.node.engine_stats
-        timing = RequestTiming.start(task_id, len(request.prompt), stats.get(inst.instance_id))
+        timing = RequestTiming.start(task.task_id, len(task.prompt), stats.get(inst.instance_id))
         handing = asyncio.get_running_loop().create_task(
-            self._hand_over(stream, inst, TaskMessage(instance_id=inst.instance_id, task=task)))
+            self._hand_over(stream, inst, TaskMessage(instance_id=inst.instance_id, task=task))
+        )
         try:
             while True:
                 event = await stream.queue.get()
@@ -553,8 +667,9 @@ class Router:
         its prediction may read the model's card)."""
         decode, prefill = timing.rates()
         if decode is not None or prefill is not None:
-            task = asyncio.get_running_loop().create_task(self.node.served.add(
-                inst, decode, prefill, timing.position, timing.prompt_tokens))
+            task = asyncio.get_running_loop().create_task(
+                self.node.served.add(inst, decode, prefill, timing.position, timing.prompt_tokens)
+            )
             self._recording.add(task)  # held until done (the loop keeps weak references)
             task.add_done_callback(self._recording.discard)
 
@@ -579,8 +694,10 @@ class Router:
         local = message.task if isinstance(message, TaskMessage) else Cancel(message.task_id)
         missed = []  # why, per rank that did not take it
         if self.node.node_id in inst.node_ids() and not self.deliver_local(inst.instance_id, local):
-            missed.append(f"this node's runner ({self.node.node_id}) is not running (it stops when "
-                          f"another rank of the instance fails)")
+            missed.append(
+                f"this node's runner ({self.node.node_id}) is not running (it stops when "
+                f"another rank of the instance fails)"
+            )
         remote = [r for r in inst.ranks if r.node_id != self.node.node_id]
         results = await asyncio.gather(
             *(self.node.peer_client.deliver(r.address, message) for r in remote), return_exceptions=True
@@ -591,11 +708,13 @@ class Router:
             if isinstance(result, PeerError):
                 missed.append(f"node {rank.node_id} could not be reached ({result})")
             elif result is not True:
-                missed.append(f"node {rank.node_id}'s runner is not running (it stops when another "
-                              f"rank of the instance fails)")
+                missed.append(
+                    f"node {rank.node_id}'s runner is not running (it stops when another rank of the instance fails)"
+                )
         if missed:
-            raise InstanceFailedError(f"instance {inst.instance_id}: the request could not be handed "
-                                      f"to every rank: {'; '.join(missed)}")
+            raise InstanceFailedError(
+                f"instance {inst.instance_id}: the request could not be handed to every rank: {'; '.join(missed)}"
+            )
 
     async def _cancel(self, inst: Instance, task_id: int) -> None:
         """Tell every rank to drop a task (best effort: a rank that is gone has no batch;
@@ -620,8 +739,7 @@ class Router:
             if stream is not None:
                 stream.queue.put_nowait(event)
 
-    def fail_streams(self, instance_id: str, error: str | None,
-                     code: EndCode = EndCode.INSTANCE_FAILED) -> None:
+    def fail_streams(self, instance_id: str, error: str | None, code: EndCode = EndCode.INSTANCE_FAILED) -> None:
         for stream in list(self.node.streams.values()):
             if stream.instance_id == instance_id:
                 stream.queue.put_nowait(InstanceFailedError(f"instance {instance_id}: {error}", code))
@@ -636,9 +754,9 @@ class Router:
                 for event in ended:
                     event.set()
 
-    async def _forward(self, inst: Instance, request: TokenRequest,
-                       ran_on: Callable[[Instance], None] | None = None,
-                       ) -> AsyncGenerator[TokenEvent | PrefillProgress, None]:
+    async def _forward(
+        self, inst: Instance, request: TokenRequest, ran_on: Callable[[Instance], None] | None = None
+    ) -> AsyncGenerator[TokenEvent | PrefillProgress, None]:
         """Run the request through the node of the instance's first rank, until it ends or
         the instance it runs on fails in the table (:meth:`end_forwarded`). ``ran_on`` is
         called with each instance that node names as the one running it (from this node's

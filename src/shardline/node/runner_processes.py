@@ -143,8 +143,13 @@ class Worker:
     :meth:`start_spare` starts it, :meth:`start` hands it the next spec.
     """
 
-    def __init__(self, on_message: Callable[[str, object], None], watchdog_s: float = 10.0,
-                 startup_s: float = 300.0, spare: bool = False) -> None:
+    def __init__(
+        self,
+        on_message: Callable[[str, object], None],
+        watchdog_s: float = 10.0,
+        startup_s: float = 300.0,
+        spare: bool = False,
+    ) -> None:
         self.on_message = on_message
         self.watchdog_s = watchdog_s
         self.startup_s = startup_s
@@ -165,8 +170,12 @@ class Worker:
         ``started``: a runner already started for this (the node's command starts the first
         before its own imports), kept instead of a new one, or else stopped."""
         with self._lock:
-            if (not self.spare_enabled or self._stopped or self.spare is not None
-                    or any(h.status == RankStatus.LOADING for h in self.runners.values())):
+            if (
+                not self.spare_enabled
+                or self._stopped
+                or self.spare is not None
+                or any(h.status == RankStatus.LOADING for h in self.runners.values())
+            ):
                 if started is not None:
                     started.conn.close()  # the runner exits at end-of-file
                 return
@@ -186,8 +195,12 @@ class Worker:
                 self.spare_enabled = False
         spare.conn.close()
         if not self.spare_enabled:
-            log.error("the pre-started runner exited with code %s, %d times in a row soon after "
-                      "starting: runners start when placed from now on", code, self._early_exits)
+            log.error(
+                "the pre-started runner exited with code %s, %d times in a row soon after "
+                "starting: runners start when placed from now on",
+                code,
+                self._early_exits,
+            )
             return
         log.warning("the pre-started runner exited with code %s; starting another", code)
         self.start_spare()
@@ -213,12 +226,8 @@ class Worker:
             self.runners[spec.instance_id] = handle
         if old is not None:
             self._kill(old)
-        threading.Thread(
-            target=self._serve, args=(handle,), daemon=True, name=f"runner-{spec.rank}"
-        ).start()
-        threading.Thread(
-            target=self._watch, args=(handle,), daemon=True, name=f"watchdog-{spec.rank}"
-        ).start()
+        threading.Thread(target=self._serve, args=(handle,), daemon=True, name=f"runner-{spec.rank}").start()
+        threading.Thread(target=self._watch, args=(handle,), daemon=True, name=f"watchdog-{spec.rank}").start()
         return handle
 
     def _watch(self, handle: RunnerHandle) -> None:
@@ -288,8 +297,10 @@ class Worker:
         """Resident bytes of this node's live runners, as they last reported, and of the
         pre-started one (the next rank's runtime, which placement counts for that rank)."""
         return self.spare_bytes() + sum(
-            h.memory.rss_bytes for h in list(self.runners.values())
-            if h.memory is not None and h.status not in (RankStatus.FAILED, RankStatus.STOPPED))
+            h.memory.rss_bytes
+            for h in list(self.runners.values())
+            if h.memory is not None and h.status not in (RankStatus.FAILED, RankStatus.STOPPED)
+        )
 
     def stop(self, instance_id: str) -> None:
         """Kill the runner of an instance (if any) and reap it."""

@@ -120,16 +120,29 @@ def sign_request(key: bytes, request: SignedRequest, now: float, nonce: str | No
     """The signature of ``request`` at ``now`` (unix seconds)."""
     nonce = nonce or secrets.token_hex(16)
     t = int(now)
-    return Signature(t, nonce, _mac(key, "shardline-v1 request", request.method.upper(), request.target,
-                                    request.host.lower(), request.member, str(t), nonce,
-                                    STREAM_BODY if request.body is None else body_hash(request.body)))
+    return Signature(
+        t,
+        nonce,
+        _mac(
+            key,
+            "shardline-v1 request",
+            request.method.upper(),
+            request.target,
+            request.host.lower(),
+            request.member,
+            str(t),
+            nonce,
+            STREAM_BODY if request.body is None else body_hash(request.body),
+        ),
+    )
 
 
 def sign_response(key: bytes, request_nonce: str, status: int, content_type: str, body_digest: str) -> Signature:
     """The signature of an answer to the request with ``request_nonce``; ``body_digest`` is
     :func:`body_hash` of the body, or :data:`STREAM_BODY`."""
-    return Signature(0, request_nonce, _mac(key, "shardline-v1 response", request_nonce, str(status),
-                                            content_type, body_digest))
+    return Signature(
+        0, request_nonce, _mac(key, "shardline-v1 response", request_nonce, str(status), content_type, body_digest)
+    )
 
 
 class NonceCache:
@@ -145,8 +158,7 @@ class NonceCache:
             clock lags this one's by d seconds is refused for the first d seconds.
     """
 
-    def __init__(self, window_s: float = 2 * CLOCK_SKEW_S, max_entries: int = 200_000,
-                 not_before: float = 0.0) -> None:
+    def __init__(self, window_s: float = 2 * CLOCK_SKEW_S, max_entries: int = 200_000, not_before: float = 0.0) -> None:
         self.window_s = window_s
         self.max_entries = max_entries
         self.not_before = int(not_before)
@@ -180,8 +192,10 @@ def check_fresh(header: str | None, now: float, nonces: NonceCache) -> Signature
     signature = Signature.parse(header)
     offset = signature.time - now
     if abs(offset) > CLOCK_SKEW_S:
-        raise SignatureError(f"the request's time is {offset:+.0f} s from this node's clock "
-                             f"(allowed: {CLOCK_SKEW_S:.0f} s): set the clocks right (NTP)")
+        raise SignatureError(
+            f"the request's time is {offset:+.0f} s from this node's clock "
+            f"(allowed: {CLOCK_SKEW_S:.0f} s): set the clocks right (NTP)"
+        )
     if signature.time < nonces.not_before:
         raise SignatureError("signed before this node started: a replayed request")
     if nonces.seen(signature.nonce):
@@ -189,8 +203,7 @@ def check_fresh(header: str | None, now: float, nonces: NonceCache) -> Signature
     return signature
 
 
-def verify_request(key: bytes, header: str | None, request: SignedRequest, now: float,
-                   nonces: NonceCache) -> Signature:
+def verify_request(key: bytes, header: str | None, request: SignedRequest, now: float, nonces: NonceCache) -> Signature:
     """Check a request's signature; the parsed signature when good.
 
     Raises:
@@ -201,8 +214,7 @@ def verify_request(key: bytes, header: str | None, request: SignedRequest, now: 
     return check_mac(key, check_fresh(header, now, nonces), request, now, nonces)
 
 
-def check_mac(key: bytes, signature: Signature, request: SignedRequest, now: float,
-              nonces: NonceCache) -> Signature:
+def check_mac(key: bytes, signature: Signature, request: SignedRequest, now: float, nonces: NonceCache) -> Signature:
     """The rest of :func:`verify_request` for a ``signature`` :func:`check_fresh` passed:
     its MAC over ``request``, then its nonce recorded; ``signature`` when good.
 
@@ -217,8 +229,14 @@ def check_mac(key: bytes, signature: Signature, request: SignedRequest, now: flo
     return signature
 
 
-def verify_response(key: bytes, request_header: str | None, response_header: str | None, status: int,
-                    content_type: str, body: bytes | None) -> None:
+def verify_response(
+    key: bytes,
+    request_header: str | None,
+    response_header: str | None,
+    status: int,
+    content_type: str,
+    body: bytes | None,
+) -> None:
     """Check an answer's signature against the request it answers (``body`` None: a
     streamed body, signed as :data:`STREAM_BODY`).
 
@@ -251,8 +269,13 @@ class SignedAuth(httpx.Auth):
 
     def auth_flow(self, request: httpx.Request) -> Generator[httpx.Request, httpx.Response, None]:
         body = None if request.url.path in UNHASHED_PATHS else request.content
-        signed = SignedRequest(request.method, request_target(request.url), request.headers.get("host", ""),
-                               request.headers.get(MEMBER_HEADER, ""), body)
+        signed = SignedRequest(
+            request.method,
+            request_target(request.url),
+            request.headers.get("host", ""),
+            request.headers.get(MEMBER_HEADER, ""),
+            body,
+        )
         signature = sign_request(self.key, signed, time.time())
         request.headers[AUTH_HEADER] = signature.header()
         yield request
@@ -265,6 +288,11 @@ def check_answer(key: bytes, response: httpx.Response, streamed: bool = False) -
     Raises:
         SignatureError: see :func:`verify_response`.
     """
-    verify_response(key, response.request.headers.get(AUTH_HEADER), response.headers.get(AUTH_HEADER),
-                    response.status_code, response.headers.get("content-type", ""),
-                    None if streamed else response.content)
+    verify_response(
+        key,
+        response.request.headers.get(AUTH_HEADER),
+        response.headers.get(AUTH_HEADER),
+        response.status_code,
+        response.headers.get("content-type", ""),
+        None if streamed else response.content,
+    )

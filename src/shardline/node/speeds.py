@@ -41,13 +41,7 @@ import psutil
 
 from shardline.machine_cache import write_atomically
 from shardline.node.status import InstanceStatus, RankStatus
-from shardline.placement.served import (
-    PlacementKey,
-    ServedSpeed,
-    record,
-    request_rates,
-    with_prediction,
-)
+from shardline.placement.served import PlacementKey, ServedSpeed, record, request_rates, with_prediction
 
 if TYPE_CHECKING:
     from shardline.node.table import Instance
@@ -79,20 +73,31 @@ the event loop); another program decoding on the cores uses most of them."""
 _SETTLED = (RankStatus.READY, RankStatus.FAILED, RankStatus.STOPPED)
 
 
-def node_idle(in_flight: int, busy: Iterable[str], rank_statuses: Iterable[RankStatus],
-              other_load_percent: float = 0.0) -> bool:
+def node_idle(
+    in_flight: int, busy: Iterable[str], rank_statuses: Iterable[RankStatus], other_load_percent: float = 0.0
+) -> bool:
     """Whether a node's runners leave its machine alone: no request of it in flight
     (``in_flight`` streams), no instance with requests on its rank (``busy``), none of
     its ranks starting, fetching or loading (``rank_statuses``), and other programs using
     under :data:`OTHER_LOAD_PERCENT` of the machine's CPUs (``other_load_percent``: the
     system-wide use, percent of all CPUs, over the last second; 0 where it does not
     count)."""
-    return (in_flight == 0 and not list(busy) and all(s in _SETTLED for s in rank_statuses)
-            and other_load_percent < OTHER_LOAD_PERCENT)
+    return (
+        in_flight == 0
+        and not list(busy)
+        and all(s in _SETTLED for s in rank_statuses)
+        and other_load_percent < OTHER_LOAD_PERCENT
+    )
 
 
-def measure_due(now: float, idle_since: float | None, measured_at: float | None,
-                first_guess: bool, idle_s: float = IDLE_S, interval_s: float = INTERVAL_S) -> bool:
+def measure_due(
+    now: float,
+    idle_since: float | None,
+    measured_at: float | None,
+    first_guess: bool,
+    idle_s: float = IDLE_S,
+    interval_s: float = INTERVAL_S,
+) -> bool:
     """Whether to measure the machine now.
 
     Args:
@@ -137,9 +142,16 @@ class HostProfiler:
         idle_s, interval_s: :func:`measure_due`'s.
     """
 
-    def __init__(self, view: ProfilerView, keep: Callable[[dict | None], None], cache: Path | None,
-                 threads: int = 0, device: str = "auto", idle_s: float = IDLE_S,
-                 interval_s: float = INTERVAL_S) -> None:
+    def __init__(
+        self,
+        view: ProfilerView,
+        keep: Callable[[dict | None], None],
+        cache: Path | None,
+        threads: int = 0,
+        device: str = "auto",
+        idle_s: float = IDLE_S,
+        interval_s: float = INTERVAL_S,
+    ) -> None:
         self.view = view
         self.keep = keep
         self.cache = cache
@@ -155,9 +167,13 @@ class HostProfiler:
         has no profile yet, or its measurement runs: the child's own start spikes the
         load, and the samples' median outlasts a burst)."""
         node = self.view
-        statuses = [r.status for inst in node.instances.values()
-                    if inst.status != InstanceStatus.FAILED
-                    for r in inst.ranks if r.node_id == node.node_id]
+        statuses = [
+            r.status
+            for inst in node.instances.values()
+            if inst.status != InstanceStatus.FAILED
+            for r in inst.ranks
+            if r.node_id == node.node_id
+        ]
         other = 0.0 if any_load else psutil.cpu_percent()
         return node_idle(len(node.streams), node.busy_instances(), statuses, other)
 
@@ -220,8 +236,11 @@ class HostProfiler:
         """:meth:`_measure_while_idle`'s measurement, the machine's lock held."""
         from shardline.node.profile import measure_host_async
 
-        task = asyncio.create_task(measure_host_async(
-            device=self.device, seconds=PROFILE_SECONDS, threads=self.threads, samples=PROFILE_SAMPLES))
+        task = asyncio.create_task(
+            measure_host_async(
+                device=self.device, seconds=PROFILE_SECONDS, threads=self.threads, samples=PROFILE_SAMPLES
+            )
+        )
         while not task.done():
             await asyncio.wait({task}, timeout=0.25)
             if not task.done() and not self.idle(any_load=True):
@@ -235,9 +254,12 @@ class HostProfiler:
             if self.view.profile is not None:
                 return False  # keep what it had
         self.keep(profile.to_dict())
-        log.info("host profile: %.0f GFLOP/s, %.1f GB/s, %.2f ms a decode layer",
-                 profile.matmul_flops / 1e9, profile.memory_bandwidth_bytes_per_s / 1e9,
-                 profile.decode_layer_s * 1e3)
+        log.info(
+            "host profile: %.0f GFLOP/s, %.1f GB/s, %.2f ms a decode layer",
+            profile.matmul_flops / 1e9,
+            profile.memory_bandwidth_bytes_per_s / 1e9,
+            profile.decode_layer_s * 1e3,
+        )
         if not profile.note and self.cache is not None:
             try:
                 write_atomically(self.cache, json.dumps(self.view.profile))
@@ -276,8 +298,7 @@ def _machine_lock(cache: Path | None) -> Iterator[bool]:
 
 def placement_key(inst: "Instance") -> PlacementKey:
     """The placement an instance is, for its speed."""
-    return PlacementKey(inst.model_id, str(inst.sharding), tuple(inst.node_ids()), inst.dtype,
-                        inst.quantize)
+    return PlacementKey(inst.model_id, str(inst.sharding), tuple(inst.node_ids()), inst.dtype, inst.quantize)
 
 
 class ServedLog:
@@ -305,16 +326,16 @@ class ServedLog:
     def to_list(self) -> list[dict]:
         return [s.to_dict() for s in self.speeds.values()]
 
-    async def add(self, inst: "Instance", decode: float | None, prefill: float | None,
-                  position: float, prompt_tokens: int) -> None:
+    async def add(
+        self, inst: "Instance", decode: float | None, prefill: float | None, position: float, prompt_tokens: int
+    ) -> None:
         """Record one request's rates for ``inst``'s placement (``position``: its decode's
         mean position; ``prompt_tokens``: its prompt), with the first-order prediction
         for it now (decode at the samples' context, prefill at their prompt length)."""
         if decode is None and prefill is None:
             return
         key = placement_key(inst)
-        speed = record(self.speeds.get(key), key, decode, prefill, position, time.time(),
-                       prompt_tokens)
+        speed = record(self.speeds.get(key), key, decode, prefill, position, time.time(), prompt_tokens)
         predicted = await self.predict(inst, speed.context, prompt_tokens=speed.prompt_tokens)
         self.speeds[key] = with_prediction(speed, predicted)
         if self.path is not None:
@@ -364,5 +385,12 @@ class RequestTiming:
 
     def rates(self) -> tuple[float | None, float | None]:
         """(decode, prefill) tokens/s (:func:`~shardline.placement.served.request_rates`)."""
-        return request_rates(self.prompt_tokens, self.generated, self.sent_at, self.first_token_at,
-                             self.last_token_at, self.alone, self.started_alone)
+        return request_rates(
+            self.prompt_tokens,
+            self.generated,
+            self.sent_at,
+            self.first_token_at,
+            self.last_token_at,
+            self.alone,
+            self.started_alone,
+        )

@@ -68,9 +68,12 @@ def standing_in(instances: Mapping[str, Instance]) -> dict[str, Instance]:
         if inst.status == InstanceStatus.FAILED:
             continue
         for old in inst.replaced:
-            if old in instances and old != inst.instance_id \
-                    and instances[old].status != InstanceStatus.FAILED and (
-                    old not in successors or successors[old].created_at < inst.created_at):
+            if (
+                old in instances
+                and old != inst.instance_id
+                and instances[old].status != InstanceStatus.FAILED
+                and (old not in successors or successors[old].created_at < inst.created_at)
+            ):
                 successors[old] = inst
     return successors
 
@@ -84,14 +87,14 @@ def stand_in_not_needed(instances: Mapping[str, Instance], failed: Instance) -> 
     old = failed.stands_in_for
     return old is not None and any(
         other.instance_id != failed.instance_id and (other.instance_id == old or old in other.replaced)
-        for other in instances.values())
+        for other in instances.values()
+    )
 
 
 def superseded(instances: Mapping[str, Instance]) -> set[str]:
     """The ids of the instances a ready one stands in for (:func:`standing_in`): requests
     go to the new one, and the coordinator deletes the old once it is idle."""
-    return {old for old, new in standing_in(instances).items()
-            if new.status == InstanceStatus.READY}
+    return {old for old, new in standing_in(instances).items() if new.status == InstanceStatus.READY}
 
 
 def instance_named(instances: Mapping[str, Instance], instance_id: str) -> Instance | None:
@@ -208,23 +211,36 @@ class Adopted:
     state: ClusterState
 
 
-Event = (Placed | Deleted | RankReported | InstanceFailed | NotPlacedAgain | RejoinDropped
-         | TermStarted | Published | Adopted)
+Event = (
+    Placed
+    | Deleted
+    | RankReported
+    | InstanceFailed
+    | NotPlacedAgain
+    | RejoinDropped
+    | TermStarted
+    | Published
+    | Adopted
+)
 
 
 # -- apply -------------------------------------------------------------------------------
 
 
 def _with(state: ClusterState, instance: Instance) -> ClusterState:
-    return dataclasses.replace(state, instances={**state.instances,
-                                                 instance.instance_id: instance})
+    return dataclasses.replace(state, instances={**state.instances, instance.instance_id: instance})
 
 
 def _fail(inst: Instance, error: str, failed_nodes: tuple[str, ...]) -> Instance:
     """``inst`` failed with ``error`` (invariant 4)."""
-    ranks = tuple(dataclasses.replace(r, status=RankStatus.FAILED) if r.node_id in failed_nodes
-                  else r if r.status == RankStatus.FAILED
-                  else dataclasses.replace(r, status=RankStatus.STOPPED) for r in inst.ranks)
+    ranks = tuple(
+        dataclasses.replace(r, status=RankStatus.FAILED)
+        if r.node_id in failed_nodes
+        else r
+        if r.status == RankStatus.FAILED
+        else dataclasses.replace(r, status=RankStatus.STOPPED)
+        for r in inst.ranks
+    )
     return dataclasses.replace(inst, status=InstanceStatus.FAILED, error=error, ranks=ranks)
 
 
@@ -233,10 +249,15 @@ def _reported(inst: Instance, event: RankReported) -> Instance:
     ranks = []
     for rank in inst.ranks:
         if rank.node_id == event.node_id and not (
-                event.status == RankStatus.FETCHING and rank.status == RankStatus.READY):
+            event.status == RankStatus.FETCHING and rank.status == RankStatus.READY
+        ):
             rank = dataclasses.replace(
-                rank, status=RankStatus.STOPPED if event.peer_lost else event.status,
-                error=event.error, loaded=event.loaded, fetched=event.fetched or rank.fetched)
+                rank,
+                status=RankStatus.STOPPED if event.peer_lost else event.status,
+                error=event.error,
+                loaded=event.loaded,
+                fetched=event.fetched or rank.fetched,
+            )
         ranks.append(rank)
     inst = dataclasses.replace(inst, ranks=tuple(ranks))
     if event.status == RankStatus.FAILED and not event.peer_lost:
@@ -255,8 +276,9 @@ def apply(state: ClusterState, event: Event) -> ClusterState:
     if isinstance(event, Placed):
         return _with(state, event.instance)
     if isinstance(event, Deleted):
-        return dataclasses.replace(state, instances={
-            k: v for k, v in state.instances.items() if k != event.instance_id})
+        return dataclasses.replace(
+            state, instances={k: v for k, v in state.instances.items() if k != event.instance_id}
+        )
     if isinstance(event, TermStarted):  # only a term above the table's (invariant 5)
         if event.term <= state.epoch.term:
             return state
@@ -275,8 +297,9 @@ def apply(state: ClusterState, event: Event) -> ClusterState:
     if isinstance(event, InstanceFailed):
         return _with(state, _fail(inst, event.error, event.failed_nodes))
     if isinstance(event, NotPlacedAgain):
-        return _with(state, dataclasses.replace(
-            inst, error=f"{inst.error}; not placed again: {event.reason}", given_up=True))
+        return _with(
+            state, dataclasses.replace(inst, error=f"{inst.error}; not placed again: {event.reason}", given_up=True)
+        )
     if isinstance(event, RejoinDropped):
         return _with(state, dataclasses.replace(inst, wanted_nodes=()))
     raise TypeError(f"not an event: {event!r}")
@@ -285,25 +308,24 @@ def apply(state: ClusterState, event: Event) -> ClusterState:
 # -- decisions read off the state ----------------------------------------------------------
 
 
-def lost_rank_failures(state: ClusterState, live: set[str],
-                       incarnations: Mapping[str, float]) -> list[InstanceFailed]:
+def lost_rank_failures(state: ClusterState, live: set[str], incarnations: Mapping[str, float]) -> list[InstanceFailed]:
     """The coordinator's failures of instances with a rank on a node that is down (not in
     ``live``), or that restarted since the placement (``incarnations``: each node's start
     time as last heard; ``cluster_state`` rule 5)."""
     active = [i for i in state.instances.values() if i.status != InstanceStatus.FAILED]
     restarted = lost_instances(
-        {i.instance_id: [(r.node_id, r.incarnation) for r in i.ranks] for i in active},
-        incarnations)
+        {i.instance_id: [(r.node_id, r.incarnation) for r in i.ranks] for i in active}, incarnations
+    )
     events = []
     for inst in active:
         down = tuple(n for n in inst.node_ids() if n not in live)
         if down:
-            events.append(InstanceFailed(inst.instance_id, f"node(s) {', '.join(down)} are down",
-                                         down))
+            events.append(InstanceFailed(inst.instance_id, f"node(s) {', '.join(down)} are down", down))
         elif inst.instance_id in restarted:
             gone = ", ".join(restarted[inst.instance_id])
-            events.append(InstanceFailed(inst.instance_id,
-                                         f"node(s) {gone} restarted: their ranks are gone", at_once=True))
+            events.append(
+                InstanceFailed(inst.instance_id, f"node(s) {gone} restarted: their ranks are gone", at_once=True)
+            )
     return events
 
 
@@ -327,8 +349,7 @@ class RunnerPlan:
     cancel: tuple[str, ...] = ()
 
 
-def plan_runners(state: ClusterState, node_id: str, running: frozenset[str],
-                 preparing: frozenset[str]) -> RunnerPlan:
+def plan_runners(state: ClusterState, node_id: str, running: frozenset[str], preparing: frozenset[str]) -> RunnerPlan:
     """The plan of node ``node_id``, which has runners for the instance ids ``running``
     and is getting the files of ``preparing``."""
     wanted = {}
@@ -336,14 +357,13 @@ def plan_runners(state: ClusterState, node_id: str, running: frozenset[str],
         if inst.status != InstanceStatus.FAILED and node_id in inst.node_ids():
             wanted[inst.instance_id] = inst.node_ids().index(node_id)
     return RunnerPlan(
-        start=tuple(sorted((i, r) for i, r in wanted.items()
-                           if i not in running and i not in preparing)),
+        start=tuple(sorted((i, r) for i, r in wanted.items() if i not in running and i not in preparing)),
         stop=tuple(sorted(running - wanted.keys())),
-        cancel=tuple(sorted(preparing - wanted.keys())))
+        cancel=tuple(sorted(preparing - wanted.keys())),
+    )
 
 
-def stale_ranks(state: ClusterState, node_id: str,
-                runners: Mapping[str, RankStatus]) -> tuple[str, ...]:
+def stale_ranks(state: ClusterState, node_id: str, runners: Mapping[str, RankStatus]) -> tuple[str, ...]:
     """Instances whose rank on ``node_id`` the table shows otherwise than its runner
     (``runners``: instance id -> the runner's status), where the runner is ready or
     failed: its report went to a coordinator that has since changed, or to none while one
@@ -351,11 +371,9 @@ def stale_ranks(state: ClusterState, node_id: str,
     out = []
     for inst in state.instances.values():
         status = runners.get(inst.instance_id)
-        if inst.status == InstanceStatus.FAILED or status not in (RankStatus.READY,
-                                                                  RankStatus.FAILED):
+        if inst.status == InstanceStatus.FAILED or status not in (RankStatus.READY, RankStatus.FAILED):
             continue
         mine = [r for r in inst.ranks if r.node_id == node_id]
         if mine and mine[0].status != status:
             out.append(inst.instance_id)
     return tuple(out)
-

@@ -26,18 +26,8 @@ from shardline.node.status import InstanceStatus, RankStatus
 from shardline.node.table import EndCode, Instance, RankPlacement
 from shardline.node.transfer import TransferError
 from shardline.node.wire import RankReport
-from shardline.placement.ranks import (
-    ring_prefill_chunk,
-)
-from shardline.runner.protocol import (
-    EngineStats,
-    Failed,
-    Loaded,
-    PrefillProgress,
-    RunnerSpec,
-    TokenEvent,
-    Tokens,
-)
+from shardline.placement.ranks import ring_prefill_chunk
+from shardline.runner.protocol import EngineStats, Failed, Loaded, PrefillProgress, RunnerSpec, TokenEvent, Tokens
 
 log = logging.getLogger(__name__)
 
@@ -113,8 +103,13 @@ class SupervisionEffects:
 class Supervisor:
     """This node's runners against the instance table, and their reports. One per node."""
 
-    def __init__(self, view: SupervisionView, runners: RunnerPool, effects: SupervisionEffects,
-                 settings: RunnerSettings = RunnerSettings()) -> None:
+    def __init__(
+        self,
+        view: SupervisionView,
+        runners: RunnerPool,
+        effects: SupervisionEffects,
+        settings: RunnerSettings = RunnerSettings(),
+    ) -> None:
         self.view = view
         self.pool = runners
         self.effects = effects
@@ -125,8 +120,7 @@ class Supervisor:
         """Start runners for ranks placed here; stop runners of instances gone or failed
         (:func:`~shardline.node.state.plan_runners`)."""
         view, effects = self.view, self.effects
-        plan = plan_runners(view.cluster_state, view.node_id, frozenset(self.pool.runners),
-                            frozenset(self.preparing))
+        plan = plan_runners(view.cluster_state, view.node_id, frozenset(self.pool.runners), frozenset(self.preparing))
         for instance_id in plan.cancel:
             self.preparing.pop(instance_id).cancel()
         effects.end_forwarded()
@@ -137,19 +131,18 @@ class Supervisor:
             effects.engine_stats(instance_id, None)
         for instance_id, rank in plan.start:
             inst = view.instances[instance_id]
-            self.preparing[instance_id] = asyncio.create_task(
-                self._prepare_rank(inst, rank, inst.ranks[rank]))
+            self.preparing[instance_id] = asyncio.create_task(self._prepare_rank(inst, rank, inst.ranks[rank]))
 
     async def report_stale(self) -> None:
         """Report again each of this node's ranks whose runner is ready or failed where the
         table says otherwise (:func:`~shardline.node.state.stale_ranks`)."""
         runners = dict(self.pool.runners)
-        for instance_id in stale_ranks(self.view.cluster_state, self.view.node_id,
-                                       {i: h.status for i, h in runners.items()}):
+        for instance_id in stale_ranks(
+            self.view.cluster_state, self.view.node_id, {i: h.status for i, h in runners.items()}
+        ):
             handle = runners[instance_id]
             loaded = dataclasses.asdict(handle.loaded) if handle.loaded else None
-            await self.report_runner(instance_id, handle.status, handle.error, loaded,
-                                     peer_lost=handle.peer_lost)
+            await self.report_runner(instance_id, handle.status, handle.error, loaded, peer_lost=handle.peer_lost)
 
     async def _prepare_rank(self, inst: Instance, rank: int, placement: RankPlacement) -> None:
         """Get the files of this node's shard of ``inst`` (copying what is missing from a
@@ -164,13 +157,13 @@ class Supervisor:
             else:
                 log.exception("getting the files of %s failed", inst.model_id)
             self.preparing.pop(inst.instance_id, None)
-            await self.report_runner(inst.instance_id, RankStatus.FAILED,
-                                     f"could not get the files of {inst.model_id}: {exc}", None)
+            await self.report_runner(
+                inst.instance_id, RankStatus.FAILED, f"could not get the files of {inst.model_id}: {exc}", None
+            )
             return
         self.preparing.pop(inst.instance_id, None)
         current = self.view.instances.get(inst.instance_id)
-        if current is None or current.status == InstanceStatus.FAILED \
-                or inst.instance_id in self.pool.runners:
+        if current is None or current.status == InstanceStatus.FAILED or inst.instance_id in self.pool.runners:
             return
         self.pool.start(self.runner_spec(current, rank, placement, weights))
         if rank == 0:  # the others' nodes load it once idle (Membership.round)
@@ -202,7 +195,9 @@ class Supervisor:
             device=self.settings.device,
             collectives_on_cpu=inst.collectives_on_cpu,
             progress_timeout_s=self.settings.progress_timeout_s,
-            prefill_chunk=chunk, prefill_step_tokens=step, prefill_burst_tokens=burst,
+            prefill_chunk=chunk,
+            prefill_step_tokens=step,
+            prefill_burst_tokens=burst,
             prefix_cache=inst.prefix_cache,
         )
 
@@ -216,22 +211,26 @@ class Supervisor:
         elif isinstance(message, EngineStats):
             effects.engine_stats(instance_id, dataclasses.asdict(message))
         elif isinstance(message, Loaded):
-            report = self.report_runner(instance_id, RankStatus.READY, None,
-                                        dataclasses.asdict(message))
+            report = self.report_runner(instance_id, RankStatus.READY, None, dataclasses.asdict(message))
             asyncio.run_coroutine_threadsafe(report, loop)
         elif isinstance(message, Failed):
             if message.peer_lost:  # the coordinator names the rank that failed: wait for it
                 asyncio.run_coroutine_threadsafe(self._fail_streams_when_known(instance_id, message.error), loop)
             else:
-                loop.call_soon_threadsafe(effects.fail_streams, instance_id, message.error,
-                                          EndCode.INSTANCE_FAILED)
-            report = self.report_runner(instance_id, RankStatus.FAILED, message.error, None,
-                                        peer_lost=message.peer_lost)
+                loop.call_soon_threadsafe(effects.fail_streams, instance_id, message.error, EndCode.INSTANCE_FAILED)
+            report = self.report_runner(
+                instance_id, RankStatus.FAILED, message.error, None, peer_lost=message.peer_lost
+            )
             asyncio.run_coroutine_threadsafe(report, loop)
 
     async def report_runner(
-        self, instance_id: str, status: RankStatus, error: str | None, loaded: dict | None,
-        fetched: dict | None = None, peer_lost: bool = False,
+        self,
+        instance_id: str,
+        status: RankStatus,
+        error: str | None,
+        loaded: dict | None,
+        fetched: dict | None = None,
+        peer_lost: bool = False,
     ) -> None:
         """Report this node's rank of ``instance_id`` to the coordinator (itself, or over
         ``/internal/runner-status``); a report that finds no coordinator is made again by
@@ -239,24 +238,31 @@ class Supervisor:
         view, effects = self.view, self.effects
         if view.is_stopping():
             return  # its ranks stop with it: nothing for the coordinator to act on
-        report = RankReport(instance_id=instance_id, node_id=view.node_id, status=status,
-                            error=error, loaded=loaded, fetched=fetched, peer_lost=peer_lost)
+        report = RankReport(
+            instance_id=instance_id,
+            node_id=view.node_id,
+            status=status,
+            error=error,
+            loaded=loaded,
+            fetched=fetched,
+            peer_lost=peer_lost,
+        )
         coordinator = view.coordinator_id()
         if coordinator != view.node_id:
             try:
                 await effects.send_report(view.address_of(coordinator), report)
                 effects.repeated.ended(("report", coordinator))
             except PeerError as exc:
-                effects.repeated.warn(("report", coordinator), "report of %s to the coordinator: %s",
-                                      instance_id, exc)
+                effects.repeated.warn(("report", coordinator), "report of %s to the coordinator: %s", instance_id, exc)
         elif view.is_coordinator():
             await effects.runner_status(report.event())
 
     async def report_fetching(self, instance_id: str, done: int, total: int) -> None:
         """Report that this node's rank of ``instance_id`` has copied ``done`` of its
         ``total`` bytes."""
-        await self.report_runner(instance_id, RankStatus.FETCHING, None, None,
-                                 fetched={"done_bytes": done, "total_bytes": total})
+        await self.report_runner(
+            instance_id, RankStatus.FETCHING, None, None, fetched={"done_bytes": done, "total_bytes": total}
+        )
 
     async def _fail_streams_when_known(self, instance_id: str, error: str) -> None:
         """Fail this node's requests on ``instance_id`` with the error the coordinator
@@ -270,5 +276,4 @@ class Supervisor:
             await asyncio.sleep(0.1)
         inst = self.view.instances.get(instance_id)
         code, named = why_ended(self.view.instances, instance_id)  # deleted: that stopped the ranks
-        self.effects.fail_streams(instance_id, error if inst is not None and not inst.error else named,
-                                  code)
+        self.effects.fail_streams(instance_id, error if inst is not None and not inst.error else named, code)

@@ -41,8 +41,7 @@ class InstanceFailedError(RuntimeError):
     this answer after its own wait for the model to be served again (a forwarded
     request's), so the node that forwarded it does not wait again."""
 
-    def __init__(self, message: str, code: EndCode = EndCode.INSTANCE_FAILED,
-                 final: bool = False) -> None:
+    def __init__(self, message: str, code: EndCode = EndCode.INSTANCE_FAILED, final: bool = False) -> None:
         super().__init__(message)
         self.code = code
         self.final = final
@@ -97,16 +96,21 @@ class Instance:
         ``layer_start``, ``layer_end``, ``tensor_share``); the wire form is
         ``wire.StateMessage``'s."""
         view = dataclasses.asdict(self)
-        view["ranks"] = [{**{k: v for k, v in rank.items() if k != "share"}, **rank["share"]}
-                         for rank in view["ranks"]]
+        view["ranks"] = [{**{k: v for k, v in rank.items() if k != "share"}, **rank["share"]} for rank in view["ranks"]]
         return view
 
     def placement_options(self) -> PlacementOptions:
         """What it was placed with, to place it again so (its sharding alone)."""
-        return PlacementOptions(self.context, self.max_batch, self.dtype, (self.sharding,),
-                                kv_cache_bytes=self.kv_cache_bytes,
-                                quantize=Quantize(self.quantize) if self.quantize else None, force=self.force,
-                                prefix_cache=self.prefix_cache)
+        return PlacementOptions(
+            self.context,
+            self.max_batch,
+            self.dtype,
+            (self.sharding,),
+            kv_cache_bytes=self.kv_cache_bytes,
+            quantize=Quantize(self.quantize) if self.quantize else None,
+            force=self.force,
+            prefix_cache=self.prefix_cache,
+        )
 
     def node_ids(self) -> list[str]:
         return [r.node_id for r in self.ranks]

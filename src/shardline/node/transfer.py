@@ -30,6 +30,7 @@ import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import httpx
 
@@ -37,12 +38,7 @@ from shardline.models.byte_ranges import covers
 from shardline.models.confine import UnsafePathError, check_manifest_json
 from shardline.models.file_pieces import Piece
 from shardline.models.sparse_file import RECORD_SUFFIX, SparseRecord, read_record, record_path, write_record
-from shardline.models.store import (
-    PARTIAL_SUFFIX,
-    Manifest,
-    ModelFile,
-    ModelStore,
-)
+from shardline.models.store import PARTIAL_SUFFIX, Manifest, ModelFile, ModelStore
 
 log = logging.getLogger(__name__)
 
@@ -59,8 +55,9 @@ class CopyProgress:
     """Bytes copied of a total: a rich progress bar on a terminal, else a log line each
     10%; ``on_advance(done, total)`` is called at most once a second and at the end."""
 
-    def __init__(self, description: str, total_bytes: int,
-                 on_advance: Callable[[int, int], None] | None = None) -> None:
+    def __init__(
+        self, description: str, total_bytes: int, on_advance: Callable[[int, int], None] | None = None
+    ) -> None:
         self.description = description
         self.total = total_bytes
         self.done = 0
@@ -78,8 +75,13 @@ class CopyProgress:
                 TransferSpeedColumn,
             )
 
-            self._bar = Progress(TextColumn("{task.description}"), BarColumn(), DownloadColumn(),
-                                 TransferSpeedColumn(), TimeRemainingColumn())
+            self._bar = Progress(
+                TextColumn("{task.description}"),
+                BarColumn(),
+                DownloadColumn(),
+                TransferSpeedColumn(),
+                TimeRemainingColumn(),
+            )
             self._task = self._bar.add_task(description, total=total_bytes)
             self._bar.start()
 
@@ -91,8 +93,13 @@ class CopyProgress:
             tenth = self.done * 10 // max(self.total, 1)
             if tenth > self._logged:
                 self._logged = tenth
-                log.info("%s: %d of %d bytes (%d%%)", self.description, self.done, self.total,
-                         self.done * 100 // max(self.total, 1))
+                log.info(
+                    "%s: %d of %d bytes (%d%%)",
+                    self.description,
+                    self.done,
+                    self.total,
+                    self.done * 100 // max(self.total, 1),
+                )
         now = time.monotonic()
         if self.on_advance is not None and (now - self._last_call >= 1.0 or self.done >= self.total):
             self._last_call = now
@@ -103,8 +110,14 @@ class CopyProgress:
             self._bar.stop()
 
 
-def fetch_files(client: httpx.Client, base_url: str, store: ModelStore, manifest: Manifest,
-                paths: list[str], progress: CopyProgress | None = None) -> int:
+def fetch_files(
+    client: httpx.Client,
+    base_url: str,
+    store: ModelStore,
+    manifest: Manifest,
+    paths: list[str],
+    progress: CopyProgress | None = None,
+) -> int:
     """Copy ``paths`` of ``manifest``'s model from the peer at ``base_url`` into ``store``,
     skipping files already present and resuming ``.partial`` ones. Blocking (run it in a
     thread). Records the manifest first. Returns the bytes received.
@@ -130,8 +143,14 @@ def fetch_files(client: httpx.Client, base_url: str, store: ModelStore, manifest
     return received
 
 
-def fetch_pieces(client: httpx.Client, base_url: str, store: ModelStore, manifest: Manifest,
-                 pieces: dict[str, list[Piece]], progress: CopyProgress | None = None) -> int:
+def fetch_pieces(
+    client: httpx.Client,
+    base_url: str,
+    store: ModelStore,
+    manifest: Manifest,
+    pieces: dict[str, list[Piece]],
+    progress: CopyProgress | None = None,
+) -> int:
     """Copy ``pieces`` (by file) of ``manifest``'s model from the peer at ``base_url`` into
     ``store``'s sparse files (:mod:`shardline.models.sparse_file`), skipping pieces held
     and files present whole, one range request for each run of pieces side by side,
@@ -166,8 +185,7 @@ def fetch_pieces(client: httpx.Client, base_url: str, store: ModelStore, manifes
         fd = os.open(target, os.O_RDWR | os.O_NOFOLLOW)
         try:
             for run in runs([p for p in wanted if not record.holds(p.range)]):
-                record, got = _fetch_run(client, base_url, manifest.model_id, entry, target, fd, record, run,
-                                         progress)
+                record, got = _fetch_run(client, base_url, manifest.model_id, entry, target, fd, record, run, progress)
                 received += got
         finally:
             os.close(fd)
@@ -177,8 +195,9 @@ def fetch_pieces(client: httpx.Client, base_url: str, store: ModelStore, manifes
     return received
 
 
-def what_peer_serves(held: dict, files: list[str], pieces: dict[str, list[Piece]]) -> tuple[
-        list[str], dict[str, list[Piece]]]:
+def what_peer_serves(
+    held: dict, files: list[str], pieces: dict[str, list[Piece]]
+) -> tuple[list[str], dict[str, list[Piece]]]:
     """Of ``files`` (wanted whole) and ``pieces`` (by file), what a peer whose store
     summary of the model is ``held`` (``ModelStore.summary()``'s entry: ``present``,
     ``ranges``) can serve: the files it holds whole, and the pieces of files it holds
@@ -187,8 +206,11 @@ def what_peer_serves(held: dict, files: list[str], pieces: dict[str, list[Piece]
     ranges = held.get("ranges", {})
     out: dict[str, list[Piece]] = {}
     for path, wanted in pieces.items():
-        servable = wanted if path in present else [
-            p for p in wanted if covers([tuple(r) for r in ranges.get(path, ())], p.range)]
+        servable = (
+            wanted
+            if path in present
+            else [p for p in wanted if covers([tuple(r) for r in ranges.get(path, ())], p.range)]
+        )
         if servable:
             out[path] = servable
     return [f for f in files if f in present], out
@@ -225,60 +247,58 @@ def runs(pieces: list[Piece]) -> list[list[Piece]]:
     return out
 
 
-def _fetch_run(client: httpx.Client, base_url: str, model_id: str, entry: ModelFile, target: Path,
-               fd: int, record: SparseRecord, run: list[Piece],
-               progress: CopyProgress | None) -> tuple[SparseRecord, int]:
+def _fetch_run(
+    client: httpx.Client,
+    base_url: str,
+    model_id: str,
+    entry: ModelFile,
+    target: Path,
+    fd: int,
+    record: SparseRecord,
+    run: list[Piece],
+    progress: CopyProgress | None,
+) -> tuple[SparseRecord, int]:
     """Copy a run of pieces side by side (:func:`runs`) with one range request into the
     open sparse file ``fd`` at their offsets, each checked and recorded as it ends; the
     record with them held, and the bytes received."""
-    index, hasher = 0, hashlib.sha256()
-    position = run[0].offset
-    if record.writing is not None and record.writing[0] == position and \
-            position < record.writing[1] <= position + run[0].size:
-        resumed = record.writing[1]  # bytes written before an interruption: hashed from disk
-        while position < resumed:
-            block = os.pread(fd, min(CHUNK_BYTES, resumed - position), position)
-            if not block:
-                break
-            hasher.update(block)
-            position += len(block)
-        log.info("resuming %s/%s piece %s at byte %d of %d", model_id, entry.path, run[0].name,
-                 position - run[0].offset, run[0].size)
-        if progress is not None:
-            progress.advance(position - run[0].offset)
-        if position == run[0].offset + run[0].size:  # written to its end before the interruption
-            record = _checked(record, run[0], hasher.hexdigest(), target, base_url, model_id, entry.path)
-            index, hasher = 1, hashlib.sha256()
-            if index == len(run):
-                return record, 0
+    record, index, hasher, position = _resumed(fd, record, run, target, base_url, model_id, entry, progress)
+    if index == len(run):
+        return record, 0
     end = run[-1].offset + run[-1].size
     received, noted = 0, position
     params = {"model": model_id, "path": entry.path}
     try:
-        with client.stream("GET", f"{base_url}/internal/models/file", params=params,
-                           headers={"Range": f"bytes={position}-{end - 1}"}, timeout=30.0) as response:
+        with client.stream(
+            "GET",
+            f"{base_url}/internal/models/file",
+            params=params,
+            headers={"Range": f"bytes={position}-{end - 1}"},
+            timeout=30.0,
+        ) as response:
             expected = f"bytes {position}-{end - 1}/"
             if response.status_code != 206 or not response.headers.get("content-range", "").startswith(expected):
-                raise TransferError(f"{base_url} answered {response.status_code} "
-                                    f"({response.headers.get('content-range')}) for bytes {position}-{end - 1} "
-                                    f"of {model_id}/{entry.path}")
+                raise TransferError(
+                    f"{base_url} answered {response.status_code} "
+                    f"({response.headers.get('content-range')}) for bytes {position}-{end - 1} "
+                    f"of {model_id}/{entry.path}"
+                )
             for chunk in response.iter_bytes(CHUNK_BYTES):
                 if position + len(chunk) > end:
-                    raise TransferError(f"{base_url} sent more than bytes {run[0].offset}-{end - 1} of "
-                                        f"{model_id}/{entry.path}")
+                    raise TransferError(
+                        f"{base_url} sent more than bytes {run[0].offset}-{end - 1} of {model_id}/{entry.path}"
+                    )
                 received += len(chunk)
                 if progress is not None:
                     progress.advance(len(chunk))
                 while chunk:  # split at the pieces' ends
                     piece = run[index]
-                    part = chunk[:piece.offset + piece.size - position]
+                    part = chunk[: piece.offset + piece.size - position]
                     os.pwrite(fd, part, position)
                     hasher.update(part)
                     position += len(part)
-                    chunk = chunk[len(part):]
+                    chunk = chunk[len(part) :]
                     if position == piece.offset + piece.size:
-                        record = _checked(record, piece, hasher.hexdigest(), target, base_url, model_id,
-                                          entry.path)
+                        record = _checked(record, piece, hasher.hexdigest(), target, base_url, model_id, entry.path)
                         index, hasher, noted = index + 1, hashlib.sha256(), position
                     elif position - noted >= RECORD_EVERY_BYTES:
                         record, noted = record.writing_to(piece.offset, position), position
@@ -290,13 +310,59 @@ def _fetch_run(client: httpx.Client, base_url: str, model_id: str, entry: ModelF
     if index < len(run):
         if position > run[index].offset:
             write_record(target, record.writing_to(run[index].offset, position))
-        raise TransferError(f"{base_url} sent bytes {run[0].offset}-{position - 1} of {model_id}/{entry.path}, "
-                            f"short of {end}")
+        raise TransferError(
+            f"{base_url} sent bytes {run[0].offset}-{position - 1} of {model_id}/{entry.path}, short of {end}"
+        )
     return record, received
 
 
-def _checked(record: SparseRecord, piece: Piece, sha256: str, target: Path, base_url: str, model_id: str,
-             path: str) -> SparseRecord:
+def _resumed(
+    fd: int,
+    record: SparseRecord,
+    run: list[Piece],
+    target: Path,
+    base_url: str,
+    model_id: str,
+    entry: ModelFile,
+    progress: CopyProgress | None,
+) -> tuple[SparseRecord, int, Any, int]:
+    """Where the copy of ``run`` starts: past what an interrupted copy wrote of its first
+    piece (``record.writing``; hashed from disk, and the piece checked and recorded where
+    it was written to its end). Returns the record, the index of the piece the copy goes
+    on with, that piece's hasher so far and the byte offset."""
+    index, hasher = 0, hashlib.sha256()
+    position = run[0].offset
+    if (
+        record.writing is not None
+        and record.writing[0] == position
+        and position < record.writing[1] <= position + run[0].size
+    ):
+        resumed = record.writing[1]  # bytes written before an interruption: hashed from disk
+        while position < resumed:
+            block = os.pread(fd, min(CHUNK_BYTES, resumed - position), position)
+            if not block:
+                break
+            hasher.update(block)
+            position += len(block)
+        log.info(
+            "resuming %s/%s piece %s at byte %d of %d",
+            model_id,
+            entry.path,
+            run[0].name,
+            position - run[0].offset,
+            run[0].size,
+        )
+        if progress is not None:
+            progress.advance(position - run[0].offset)
+        if position == run[0].offset + run[0].size:  # written to its end before the interruption
+            record = _checked(record, run[0], hasher.hexdigest(), target, base_url, model_id, entry.path)
+            index, hasher = 1, hashlib.sha256()
+    return record, index, hasher, position
+
+
+def _checked(
+    record: SparseRecord, piece: Piece, sha256: str, target: Path, base_url: str, model_id: str, path: str
+) -> SparseRecord:
     """``record`` with ``piece`` held, written, once its bytes' SHA-256 is the manifest's.
 
     Raises:
@@ -304,15 +370,23 @@ def _checked(record: SparseRecord, piece: Piece, sha256: str, target: Path, base
     """
     if sha256 != piece.sha256:
         write_record(target, record.not_writing())
-        raise TransferError(f"copy of {model_id}/{path} piece {piece.name} from {base_url} is corrupt: "
-                            f"SHA-256 {sha256[:12]}..., expected {piece.sha256[:12]}...")
+        raise TransferError(
+            f"copy of {model_id}/{path} piece {piece.name} from {base_url} is corrupt: "
+            f"SHA-256 {sha256[:12]}..., expected {piece.sha256[:12]}..."
+        )
     record = record.holding(piece.range)
     write_record(target, record)
     return record
 
 
-def _fetch_file(client: httpx.Client, base_url: str, store: ModelStore, model_id: str,
-                entry: ModelFile, progress: CopyProgress | None) -> int:
+def _fetch_file(
+    client: httpx.Client,
+    base_url: str,
+    store: ModelStore,
+    model_id: str,
+    entry: ModelFile,
+    progress: CopyProgress | None,
+) -> int:
     try:  # checked before making its directory, and again after, before any write
         target = store.confined_path(model_id, entry.path)
         target.parent.mkdir(parents=True, exist_ok=True)
@@ -335,8 +409,9 @@ def _fetch_file(client: httpx.Client, base_url: str, store: ModelStore, model_id
     if offset < entry.size:
         headers = {"Range": f"bytes={offset}-"} if offset else {}
         params = {"model": model_id, "path": entry.path}
-        with client.stream("GET", f"{base_url}/internal/models/file", params=params, headers=headers,
-                           timeout=30.0) as response:
+        with client.stream(
+            "GET", f"{base_url}/internal/models/file", params=params, headers=headers, timeout=30.0
+        ) as response:
             if response.status_code == 200 and offset:  # the peer ignored the range: start over
                 hasher, offset = hashlib.sha256(), 0
             elif response.status_code not in (200, 206):
@@ -354,7 +429,8 @@ def _fetch_file(client: httpx.Client, base_url: str, store: ModelStore, model_id
         partial.unlink()
         raise TransferError(
             f"copy of {model_id}/{entry.path} from {base_url} is corrupt: {size} bytes, SHA-256 "
-            f"{hasher.hexdigest()[:12]}..., expected {entry.size} bytes, {entry.sha256[:12]}...")
+            f"{hasher.hexdigest()[:12]}..., expected {entry.size} bytes, {entry.sha256[:12]}..."
+        )
     partial.replace(target)
     record_path(target).unlink(missing_ok=True)  # it was held in part: now whole
     return received

@@ -114,9 +114,16 @@ class RankReport(Message):
 
     def event(self, at: float | None = None) -> RankReported:
         """The event the coordinator applies, taken at ``at`` (default: now, seconds)."""
-        return RankReported(self.instance_id, self.node_id, self.status, self.error,
-                            self.loaded, self.fetched, self.peer_lost,
-                            time.time() if at is None else at)
+        return RankReported(
+            self.instance_id,
+            self.node_id,
+            self.status,
+            self.error,
+            self.loaded,
+            self.fetched,
+            self.peer_lost,
+            time.time() if at is None else at,
+        )
 
 
 class TaskMessage(Message):

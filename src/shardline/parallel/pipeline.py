@@ -46,17 +46,22 @@ class PipelineStage(Stage):
     (:mod:`shardline.parallel.compute_slots`; None: it computes whenever it can).
     """
 
-    def __init__(self, shard: DecoderShard, cache: KVCache, rank: int, world_size: int,
-                 progress: Progress | None = None, wire_device: torch.device | None = None,
-                 slots: ComputeSlots | None = None) -> None:
+    def __init__(
+        self,
+        shard: DecoderShard,
+        cache: KVCache,
+        rank: int,
+        world_size: int,
+        progress: Progress | None = None,
+        wire_device: torch.device | None = None,
+        slots: ComputeSlots | None = None,
+    ) -> None:
         super().__init__(shard, cache, rank, world_size, sampler=world_size - 1, progress=progress)
         self.wire_device = wire_device or shard.device
         self.slots = slots
 
     def run(
-        self,
-        microbatches: list[tuple[torch.Tensor, ForwardBatch]],
-        computed: Callable[[int], None] | None = None,
+        self, microbatches: list[tuple[torch.Tensor, ForwardBatch]], computed: Callable[[int], None] | None = None
     ) -> list[torch.Tensor | None]:
         """See :meth:`Stage.run`; only rank 0 reads the token ids, the others receive
         hidden states ``[N, hidden_size]`` from the previous rank."""
@@ -80,8 +85,10 @@ class PipelineStage(Stage):
                 work.wait()
                 inputs = inputs.to(shard.device)
             if self.slots is not None:
-                progress.mark(f"waiting for a compute slot for micro-batch {tag} (cores shared "
-                              "with the other runners of this machine)")
+                progress.mark(
+                    f"waiting for a compute slot for micro-batch {tag} (cores shared "
+                    "with the other runners of this machine)"
+                )
             with self.slots.held() if self.slots is not None else contextlib.nullcontext():
                 progress.mark(f"computing micro-batch {tag}")
                 out = shard(inputs, batch, self.cache)

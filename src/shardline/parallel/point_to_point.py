@@ -38,8 +38,9 @@ def _wait(works: list[dist.Work | None]) -> None:
         work.wait()
 
 
-def broadcast(tensor: torch.Tensor, root: int, rank: int, world_size: int,
-              group: dist.ProcessGroup | None = None) -> torch.Tensor:
+def broadcast(
+    tensor: torch.Tensor, root: int, rank: int, world_size: int, group: dist.ProcessGroup | None = None
+) -> torch.Tensor:
     """Group rank ``root``'s ``tensor`` (contiguous, the same shape and dtype on every
     rank), written into ``tensor`` on the others and returned: ``root`` sends it to each
     (P - 1 messages, one hop).
@@ -48,8 +49,13 @@ def broadcast(tensor: torch.Tensor, root: int, rank: int, world_size: int,
         RuntimeError: a send or receive failed or timed out (a peer rank is gone).
     """
     if rank == root:
-        _wait([dist.isend(tensor, dst=_global(group, r), group=group, tag=BROADCAST_TAG)
-               for r in range(world_size) if r != root])
+        _wait(
+            [
+                dist.isend(tensor, dst=_global(group, r), group=group, tag=BROADCAST_TAG)
+                for r in range(world_size)
+                if r != root
+            ]
+        )
     else:
         _wait([dist.irecv(tensor, src=_global(group, root), group=group, tag=BROADCAST_TAG)])
     return tensor
@@ -66,24 +72,32 @@ class GatherReceives:
         self.works = works
 
 
-def post_gather(root: int, like: torch.Tensor, world_size: int,
-                group: dist.ProcessGroup | None = None) -> GatherReceives:
+def post_gather(
+    root: int, like: torch.Tensor, world_size: int, group: dist.ProcessGroup | None = None
+) -> GatherReceives:
     """Post, at group rank ``root``, the receives of a :func:`gather_at` of tensors shaped
     as ``like``, for :func:`gather_at` to wait on (``posted``). gloo sends a message whose
     receive is not posted yet only once the receiver asks for it: a round trip to the
     sender's transport thread when the receive comes (2 ranks on a loaded 2-vCPU VM,
     ``irecv`` posted after the message was sent: 1.7 ms median, 0.01 ms posted before). A
     root that posts before it computes takes the others' tensors while it computes."""
-    parts: list[torch.Tensor | None] = [None if r == root else torch.empty_like(like)
-                                        for r in range(world_size)]
-    works = [dist.irecv(part, src=_global(group, r), group=group, tag=GATHER_TAG)
-             for r, part in enumerate(parts) if part is not None]
+    parts: list[torch.Tensor | None] = [None if r == root else torch.empty_like(like) for r in range(world_size)]
+    works = [
+        dist.irecv(part, src=_global(group, r), group=group, tag=GATHER_TAG)
+        for r, part in enumerate(parts)
+        if part is not None
+    ]
     return GatherReceives(root, parts, works)
 
 
-def gather_at(root: int, tensor: torch.Tensor, rank: int, world_size: int,
-              group: dist.ProcessGroup | None = None,
-              posted: GatherReceives | None = None) -> torch.Tensor:
+def gather_at(
+    root: int,
+    tensor: torch.Tensor,
+    rank: int,
+    world_size: int,
+    group: dist.ProcessGroup | None = None,
+    posted: GatherReceives | None = None,
+) -> torch.Tensor:
     """Every rank's ``tensor`` (the same shape and dtype on every rank), stacked in group
     rank order: ``[world_size, *tensor.shape]``, on every rank.
 
@@ -100,14 +114,17 @@ def gather_at(root: int, tensor: torch.Tensor, rank: int, world_size: int,
             dtype (they would take this gather's messages, or the next one's).
     """
     if posted is not None and (posted.root != root or rank != root):
-        raise RuntimeError(f"a gather rooted at rank {root} (this rank {rank}) met receives posted at "
-                           f"rank {posted.root}")
+        raise RuntimeError(
+            f"a gather rooted at rank {root} (this rank {rank}) met receives posted at rank {posted.root}"
+        )
     if rank == root:
         posted = posted or post_gather(root, tensor, world_size, group)
         parts = [tensor if part is None else part for part in posted.parts]
         if any(p.shape != tensor.shape or p.dtype != tensor.dtype for p in parts):
-            raise RuntimeError(f"a gather of {tensor.dtype} {list(tensor.shape)} met receives posted "
-                               f"for {[(p.dtype, list(p.shape)) for p in parts]}")
+            raise RuntimeError(
+                f"a gather of {tensor.dtype} {list(tensor.shape)} met receives posted "
+                f"for {[(p.dtype, list(p.shape)) for p in parts]}"
+            )
         _wait(posted.works)
         return broadcast(torch.stack(parts), root, rank, world_size, group)
     sent = tensor.contiguous()  # referenced until its send completes
@@ -118,8 +135,9 @@ def gather_at(root: int, tensor: torch.Tensor, rank: int, world_size: int,
     return table
 
 
-def all_reduce(tensor: torch.Tensor, rank: int, world_size: int,
-               group: dist.ProcessGroup | None = None) -> torch.Tensor:
+def all_reduce(
+    tensor: torch.Tensor, rank: int, world_size: int, group: dist.ProcessGroup | None = None
+) -> torch.Tensor:
     """The sum of every rank's ``tensor`` (any shape, the same on every rank), written
     into ``tensor`` and returned: bit-identical on every rank.
 
@@ -134,10 +152,18 @@ def all_reduce(tensor: torch.Tensor, rank: int, world_size: int,
     """
     sent = tensor.contiguous()  # referenced until its sends complete
     parts = [sent if r == rank else torch.empty_like(sent) for r in range(world_size)]
-    _wait([dist.irecv(parts[r], src=_global(group, r), group=group, tag=ALL_REDUCE_TAG)
-           for r in range(world_size) if r != rank]
-          + [dist.isend(sent, dst=_global(group, r), group=group, tag=ALL_REDUCE_TAG)
-             for r in range(world_size) if r != rank])
+    _wait(
+        [
+            dist.irecv(parts[r], src=_global(group, r), group=group, tag=ALL_REDUCE_TAG)
+            for r in range(world_size)
+            if r != rank
+        ]
+        + [
+            dist.isend(sent, dst=_global(group, r), group=group, tag=ALL_REDUCE_TAG)
+            for r in range(world_size)
+            if r != rank
+        ]
+    )
     total = parts[0].clone()
     for part in parts[1:]:
         total += part

@@ -48,9 +48,7 @@ def zigzag_offsets(length: int, world: int, rank: int) -> torch.Tensor:
     return torch.cat((torch.arange(a0, a1), torch.arange(b0, b1)))
 
 
-def attend_block(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool
-) -> tuple[torch.Tensor, torch.Tensor]:
+def attend_block(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool) -> tuple[torch.Tensor, torch.Tensor]:
     """Attention of a block of queries to a block of keys, with its log-sum-exp.
 
     Args:
@@ -112,8 +110,17 @@ class RingContext:
     Raises (from :meth:`attend`): RuntimeError when a transfer fails or times out.
     """
 
-    def __init__(self, group, rank: int, world: int, slot: int, start: int, length: int,
-                 device: torch.device, wire_device: torch.device | None = None) -> None:
+    def __init__(
+        self,
+        group,
+        rank: int,
+        world: int,
+        slot: int,
+        start: int,
+        length: int,
+        device: torch.device,
+        wire_device: torch.device | None = None,
+    ) -> None:
         self.group, self.rank, self.world = group, rank, world
         self.wire_device = wire_device or device
         self.slot, self.start, self.length = slot, start, length
@@ -124,8 +131,7 @@ class RingContext:
         self.on_hop: Callable[[int], None] | None = None  # called after each hop (the progress watchdog)
 
     def attend(
-        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-        k_cache: torch.Tensor, v_cache: torch.Tensor,
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor
     ) -> torch.Tensor:
         """Attention of this rank's queries to the cache prefix and the whole chunk.
 
@@ -158,10 +164,13 @@ class RingContext:
                 src = (self.rank - 1) % self.world
                 incoming = torch.empty(
                     (2, self.positions[(source - 1) % self.world].shape[0], *block.shape[2:]),
-                    dtype=block.dtype, device=self.wire_device,
+                    dtype=block.dtype,
+                    device=self.wire_device,
                 )
-                ops = [dist.P2POp(dist.isend, sent, (self.rank + 1) % self.world, self.group),
-                       dist.P2POp(dist.irecv, incoming, src, self.group)]
+                ops = [
+                    dist.P2POp(dist.isend, sent, (self.rank + 1) % self.world, self.group),
+                    dist.P2POp(dist.irecv, incoming, src, self.group),
+                ]
                 pending = dist.batch_isend_irecv(ops)
             k_pos = self.positions[source]
             k_cache[self.slot, :, k_pos] = block[0].transpose(0, 1)
@@ -199,31 +208,50 @@ class RingStage(Stage):
     :class:`~shardline.parallel.stage.Stage` for the arguments.
     """
 
-    def __init__(self, shard: DecoderShard, cache: KVCache, rank: int, world_size: int,
-                 group=None, progress: Progress | None = None, min_tokens_per_rank: int = 128,
-                 wire_device: torch.device | None = None) -> None:
+    def __init__(
+        self,
+        shard: DecoderShard,
+        cache: KVCache,
+        rank: int,
+        world_size: int,
+        group=None,
+        progress: Progress | None = None,
+        min_tokens_per_rank: int = 128,
+        wire_device: torch.device | None = None,
+    ) -> None:
         super().__init__(shard, cache, rank, world_size, sampler=0, group=group, progress=progress)
         self.min_tokens_per_rank = min_tokens_per_rank
         self.wire_device = wire_device  # see RingContext
 
-    def prefill_batch(self, slot: int, start: int, length: int, want_logits: bool,
-                      every_row: bool = False, key_span: int = 0) -> ForwardBatch:
+    def prefill_batch(
+        self, slot: int, start: int, length: int, want_logits: bool, every_row: bool = False, key_span: int = 0
+    ) -> ForwardBatch:
         """A ring chunk when long enough (rows: this rank's zig-zag share, logits of the
         chunk's last position on rank 0), else, or for the logits of ``every_row`` (a
         prompt's log-probabilities), the whole chunk on every rank (``key_span``:
         :func:`~shardline.parallel.stage.span_keys`; a ring chunk reads its own keys)."""
         if self.world_size == 1 or every_row or length < self.min_tokens_per_rank * self.world_size:
             return super().prefill_batch(slot, start, length, want_logits, every_row, key_span)
-        ring = RingContext(self.group, self.rank, self.world_size, slot, start, length, self.shard.device,
-                           self.wire_device)
+        ring = RingContext(
+            self.group, self.rank, self.world_size, slot, start, length, self.shard.device, self.wire_device
+        )
         positions = ring.positions[self.rank]
         cos, sin = self.shard.rope(positions)
         last = [positions.shape[0] - 1] if want_logits and self.samples else []
         ring.on_hop = lambda hop: self.progress.mark(f"ring hop {hop + 1} of {self.world_size}")
         return ForwardBatch(
-            prefill=True, slot=slot, start=start, slots=torch.tensor([slot]), positions=positions,
-            cos=cos, sin=sin, attn_mask=None, kv_len=start + length, rows=[],
-            logit_rows=torch.tensor(last, dtype=torch.long, device=self.shard.device), ring=ring,
+            prefill=True,
+            slot=slot,
+            start=start,
+            slots=torch.tensor([slot]),
+            positions=positions,
+            cos=cos,
+            sin=sin,
+            attn_mask=None,
+            kv_len=start + length,
+            rows=[],
+            logit_rows=torch.tensor(last, dtype=torch.long, device=self.shard.device),
+            ring=ring,
         )
 
     def decode_batch(self, slots: list[int], positions: list[int]) -> ForwardBatch:

@@ -43,8 +43,7 @@ def span_keys(batch: ForwardBatch, span: int, positions: int) -> ForwardBatch:
     keys = min(-(-end // span) * span, positions) if span else end
     if keys <= end or batch.ring is not None:
         return batch
-    batch.attn_mask = (torch.arange(keys, device=batch.positions.device).unsqueeze(0)
-                       <= batch.positions.unsqueeze(1))
+    batch.attn_mask = torch.arange(keys, device=batch.positions.device).unsqueeze(0) <= batch.positions.unsqueeze(1)
     batch.kv_len = keys
     return batch
 
@@ -68,9 +67,16 @@ class Stage:
     #: watchdog's report ("" where nothing; e.g. " (all-reduces with every rank)").
     computing_waits_on = ""
 
-    def __init__(self, shard: DecoderShard, cache: KVCache, rank: int, world_size: int,
-                 sampler: int, group: dist.ProcessGroup | None = None,
-                 progress: Progress | None = None) -> None:
+    def __init__(
+        self,
+        shard: DecoderShard,
+        cache: KVCache,
+        rank: int,
+        world_size: int,
+        sampler: int,
+        group: dist.ProcessGroup | None = None,
+        progress: Progress | None = None,
+    ) -> None:
         self.shard = shard
         self.cache = cache
         self.rank = rank
@@ -81,13 +87,15 @@ class Stage:
         self.samples = rank == sampler
         self.progress = progress or Progress()
 
-    def prefill_batch(self, slot: int, start: int, length: int, want_logits: bool,
-                      every_row: bool = False, key_span: int = 0) -> ForwardBatch:
+    def prefill_batch(
+        self, slot: int, start: int, length: int, want_logits: bool, every_row: bool = False, key_span: int = 0
+    ) -> ForwardBatch:
         """A prefill chunk: positions ``start .. start+length-1`` of ``slot``; logits of
         its last position on the sampling rank when ``want_logits``, of every position
         with ``every_row`` too; ``key_span``: see :func:`span_keys`."""
-        return span_keys(self.shard.prefill_batch(slot, start, length, want_logits, every_row),
-                         key_span, self.cache.k[0].shape[2])
+        return span_keys(
+            self.shard.prefill_batch(slot, start, length, want_logits, every_row), key_span, self.cache.k[0].shape[2]
+        )
 
     def decode_batch(self, slots: list[int], positions: list[int]) -> ForwardBatch:
         """A decode step: one token at ``positions[i]`` for the sequence in ``slots[i]``."""
@@ -99,9 +107,7 @@ class Stage:
         return tokens
 
     def run(
-        self,
-        microbatches: list[tuple[torch.Tensor, ForwardBatch]],
-        computed: Callable[[int], None] | None = None,
+        self, microbatches: list[tuple[torch.Tensor, ForwardBatch]], computed: Callable[[int], None] | None = None
     ) -> list[torch.Tensor | None]:
         """Run each ``(token ids, batch)`` in order; ``token ids`` is int64 ``[N]``, the same
         on every rank. ``computed(i)`` is called once this rank has computed micro-batch
@@ -159,8 +165,7 @@ class Stage:
         the sampling rank to all, in place (:meth:`Collectives.broadcast`). Called only in
         steps where a sequence asks for log-probabilities, on every rank alike."""
         if self.world_size > 1:
-            self.progress.mark(f"receiving log-probabilities of {table.shape[0]} tokens "
-                               f"from rank {self.sampler}")
+            self.progress.mark(f"receiving log-probabilities of {table.shape[0]} tokens from rank {self.sampler}")
             self.collectives.broadcast(table, self.sampler)
             self.progress.mark("log-probabilities shared")
         return table

@@ -51,7 +51,8 @@ from shardline.parallel.stage import Stage
 
 
 def make_all_reduce(
-    group: dist.ProcessGroup | None, reduce_dtype: torch.dtype | None = torch.float32,
+    group: dist.ProcessGroup | None,
+    reduce_dtype: torch.dtype | None = torch.float32,
     wire_device: torch.device | None = None,
 ) -> Callable[[torch.Tensor], torch.Tensor]:
     """A sum over ``group``'s ranks of ``[N, hidden]`` partial outputs, in place where it can.
@@ -102,10 +103,7 @@ class TensorStage(Stage):
         if world_size > 1 and shard.share is None:
             raise ValueError("a tensor stage of several ranks needs a tensor-parallel shard")
         if cache.k and cache.k[0].shape[1] != shard.num_kv_heads:
-            raise ValueError(
-                f"the KV cache holds {cache.k[0].shape[1]} KV heads, the shard "
-                f"{shard.num_kv_heads}"
-            )
+            raise ValueError(f"the KV cache holds {cache.k[0].shape[1]} KV heads, the shard {shard.num_kv_heads}")
         super().__init__(shard, cache, rank, world_size, sampler=0, group=group, progress=progress)
         if self.samples and shard.lm_head is None:
             raise ValueError("the sampling rank's shard has no LM head")
@@ -142,10 +140,16 @@ def load_tensor_stage(
     if share is None:
         share = tensor_shares(source.config, world_size)[rank]
     if (share.rank, share.world_size) != (rank, world_size):
-        raise ValueError(f"share of rank {share.rank}/{share.world_size} given to rank "
-                         f"{rank}/{world_size}")
+        raise ValueError(f"share of rank {share.rank}/{share.world_size} given to rank {rank}/{world_size}")
     shard = load_tensor_shard(source, share, dtype=dtype, device=device, quantize=quantize)
-    cache = KVCache(source.config, len(shard.layers), slots, context, dtype, device,
-                    num_kv_heads=shard.num_kv_heads)
-    return TensorStage(shard, cache, rank, world_size, group=group,
-                       reduce_dtype=reduce_dtype, progress=progress, wire_device=wire_device)
+    cache = KVCache(source.config, len(shard.layers), slots, context, dtype, device, num_kv_heads=shard.num_kv_heads)
+    return TensorStage(
+        shard,
+        cache,
+        rank,
+        world_size,
+        group=group,
+        reduce_dtype=reduce_dtype,
+        progress=progress,
+        wire_device=wire_device,
+    )

@@ -27,7 +27,10 @@ class NodeCapacity:
 
 
 def pipeline_layer_ranges(
-    num_layers: int, nodes: list[NodeCapacity], bytes_per_layer: int, admit: bool = True,
+    num_layers: int,
+    nodes: list[NodeCapacity],
+    bytes_per_layer: int,
+    admit: bool = True,
     fixed_bytes: list[int] | None = None,
 ) -> list[tuple[int, int]]:
     """Split ``num_layers`` into one contiguous ``[start, end)`` range per node, in order.
@@ -45,15 +48,12 @@ def pipeline_layer_ranges(
     if not nodes:
         raise PlacementError("no nodes to place the model on")
     if len(nodes) > num_layers:
-        raise PlacementError(
-            f"{len(nodes)} nodes but only {num_layers} layers: each pipeline rank needs a layer"
-        )
+        raise PlacementError(f"{len(nodes)} nodes but only {num_layers} layers: each pipeline rank needs a layer")
     per_layer = max(bytes_per_layer, 1)
     fixed = fixed_bytes or [0] * len(nodes)
     if not admit:
         nodes = [NodeCapacity(n.node_id, max(n.available_bytes, 1)) for n in nodes]
-    caps = [max(n.available_bytes - f, 0) // per_layer if admit else num_layers
-            for n, f in zip(nodes, fixed)]
+    caps = [max(n.available_bytes - f, 0) // per_layer if admit else num_layers for n, f in zip(nodes, fixed)]
     for node, cap, f in zip(nodes, caps, fixed):
         if cap < 1:
             need = per_layer + f

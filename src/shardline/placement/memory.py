@@ -40,8 +40,9 @@ def runtime_baseline(measured: list[int]) -> int:
     return max(measured) + RUNNER_EXTRA_BYTES
 
 
-def prefill_scratch_bytes(hidden: int, intermediate: int, largest_weight: int,
-                          dtype_bytes: int, chunk_tokens: int = 512) -> int:
+def prefill_scratch_bytes(
+    hidden: int, intermediate: int, largest_weight: int, dtype_bytes: int, chunk_tokens: int = 512
+) -> int:
     """Scratch of one prefill chunk: the largest weight dequantized into the compute dtype
     of ``dtype_bytes`` bytes (at most :data:`DEQUANT_SCRATCH_BYTES`) and the chunk's
     float32 activations (hidden states, the fused gate/up output and the attention's

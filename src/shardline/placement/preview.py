@@ -66,9 +66,7 @@ class Candidate:
         return self.error is None
 
 
-
-def _subsets(nodes: Sequence[NodeProfile], max_nodes: int | None,
-             min_nodes: int = 1) -> list[list[NodeProfile]]:
+def _subsets(nodes: Sequence[NodeProfile], max_nodes: int | None, min_nodes: int = 1) -> list[list[NodeProfile]]:
     """For k = min_nodes .. max_nodes, the k nodes with the most available bytes, most first
     (ties in the given order)."""
     ranked = sorted(nodes, key=lambda n: -n.available_bytes)
@@ -98,11 +96,15 @@ def _measured_placements(
     out: list[tuple[Sharding, list[NodeProfile]]] = []
     for speed in sorted(served, key=lambda s: s.at):
         key = speed.key
-        if (key.model_id != model_id or key.dtype != dtype or key.quantize != quantize
-                or key.sharding not in shardings
-                or not max(min_nodes, 1) <= len(key.node_ids) <= top
-                or not all(i in by_id for i in key.node_ids)
-                or (key.sharding, key.node_ids) in seen):
+        if (
+            key.model_id != model_id
+            or key.dtype != dtype
+            or key.quantize != quantize
+            or key.sharding not in shardings
+            or not max(min_nodes, 1) <= len(key.node_ids) <= top
+            or not all(i in by_id for i in key.node_ids)
+            or (key.sharding, key.node_ids) in seen
+        ):
             continue
         seen.add((key.sharding, key.node_ids))
         out.append((Sharding(key.sharding), [by_id[i] for i in key.node_ids]))
@@ -162,43 +164,81 @@ def preview(
         KVCacheRequestError: ``kv_cache_bytes`` holds less than one sequence.
         ValueError: ``options`` without a context or max_batch.
     """
-    context, _ = options.sizes()
+    options.sizes()  # set, or a ValueError
     dtype, quantize = options.dtype, options.quantize
     check_dtype(dtype)
-    decode_weight_bytes = resident_bytes_per_weight(config, weight_file_bytes, dtype, quantize)
     quantized = quantize.value if quantize else None
     options.kv_tokens(config)  # a pool of less than one sequence is refused first
-    placements = _placements(config, nodes, options.shardings, options.max_nodes, options.min_nodes or 1,
-                             served, model_id, dtype, quantized)
-    feasible: list[Candidate] = []
-    infeasible: list[Candidate] = []
-    for sharding, subset in placements:
-        ids = tuple(n.node_id for n in subset)
-        capacities = [NodeCapacity(n.node_id, n.available_bytes) for n in subset]
-        try:
-            shares, kv_pool = place_with_kv_pool(config, sharding, capacities, options, weight_file_bytes,
-                                                 baseline_bytes)
-        except PlacementError as exc:
-            infeasible.append(Candidate(sharding, ids, error=str(exc)))
-            continue
-        model = predict_tokens_per_s(
-            config, sharding, subset, shares, links, context, dtype,
-            decode_weight_bytes=decode_weight_bytes,
+    placements = _placements(
+        config, nodes, options.shardings, options.max_nodes, options.min_nodes or 1, served, model_id, dtype, quantized
+    )
+    candidates = [
+        _candidate(config, sharding, subset, links, options, weight_file_bytes, baseline_bytes, model_id, served)
+        for sharding, subset in placements
+    ]
+    feasible = [c for c in candidates if c.feasible]
+    infeasible = [c for c in candidates if not c.feasible]
+    feasible.sort(
+        key=lambda c: (
+            -(c.predicted_decode_tokens_per_s or 0.0),
+            -(c.predicted_prefill_tokens_per_s or 0.0),
+            len(c.node_ids),
         )
-        key = PlacementKey(model_id, str(sharding), ids, dtype, quantized)
-        decode, prefill, decode_basis, prefill_basis = calibrate(key, model, served)
-        feasible.append(Candidate(sharding, ids, tuple(shares), decode, prefill,
-                                  kv_tokens=kv_pool, model_decode_tokens_per_s=model[0],
-                                  model_prefill_tokens_per_s=model[1],
-                                  decode_basis=decode_basis, prefill_basis=prefill_basis))
-    feasible.sort(key=lambda c: (-(c.predicted_decode_tokens_per_s or 0.0),
-                                 -(c.predicted_prefill_tokens_per_s or 0.0), len(c.node_ids)))
+    )
     return feasible + infeasible
 
 
-def _placements(config: ModelConfig, nodes: Sequence[NodeProfile], shardings: Sequence[Sharding],
-                max_nodes: int | None, min_nodes: int, served: Sequence[ServedSpeed], model_id: str,
-                dtype: str, quantized: str | None) -> list[tuple[Sharding, list[NodeProfile]]]:
+def _candidate(
+    config: ModelConfig,
+    sharding: Sharding,
+    subset: Sequence[NodeProfile],
+    links: Mapping[tuple[str, str], Link] | None,
+    options: PlacementOptions,
+    weight_file_bytes: int,
+    baseline_bytes: int,
+    model_id: str,
+    served: Sequence[ServedSpeed],
+) -> Candidate:
+    """One placement of :func:`preview`'s: ``sharding`` on ``subset`` (in rank order),
+    feasible with its shares and speeds, or refused with its error."""
+    ids = tuple(n.node_id for n in subset)
+    capacities = [NodeCapacity(n.node_id, n.available_bytes) for n in subset]
+    try:
+        shares, kv_pool = place_with_kv_pool(config, sharding, capacities, options, weight_file_bytes, baseline_bytes)
+    except PlacementError as exc:
+        return Candidate(sharding, ids, error=str(exc))
+    dtype, quantize = options.dtype, options.quantize
+    decode_weight_bytes = resident_bytes_per_weight(config, weight_file_bytes, dtype, quantize)
+    model = predict_tokens_per_s(
+        config, sharding, subset, shares, links, options.sizes()[0], dtype, decode_weight_bytes=decode_weight_bytes
+    )
+    key = PlacementKey(model_id, str(sharding), ids, dtype, quantize.value if quantize else None)
+    decode, prefill, decode_basis, prefill_basis = calibrate(key, model, served)
+    return Candidate(
+        sharding,
+        ids,
+        tuple(shares),
+        decode,
+        prefill,
+        kv_tokens=kv_pool,
+        model_decode_tokens_per_s=model[0],
+        model_prefill_tokens_per_s=model[1],
+        decode_basis=decode_basis,
+        prefill_basis=prefill_basis,
+    )
+
+
+def _placements(
+    config: ModelConfig,
+    nodes: Sequence[NodeProfile],
+    shardings: Sequence[Sharding],
+    max_nodes: int | None,
+    min_nodes: int,
+    served: Sequence[ServedSpeed],
+    model_id: str,
+    dtype: str,
+    quantized: str | None,
+) -> list[tuple[Sharding, list[NodeProfile]]]:
     """The (sharding, nodes in rank order) placements :func:`preview` weighs, in its
     enumeration order: each node subset under each sharding (of several, those that
     :func:`applies` to the model; one node as a pipeline where pipeline is asked for), then
@@ -206,11 +246,15 @@ def _placements(config: ModelConfig, nodes: Sequence[NodeProfile], shardings: Se
     if len(shardings) > 1:  # all of them (auto): only those the model can take
         shardings = [s for s in shardings if applies(s, config)]
     one_node = Sharding.PIPELINE if Sharding.PIPELINE in shardings else None  # else as asked
-    placements = [(sharding, subset) for subset in _subsets(nodes, max_nodes, min_nodes)
-                  for sharding in shardings
-                  if len(subset) > 1 or sharding == one_node or one_node is None]
-    placements += _measured_placements(served, nodes, placements, model_id, dtype, quantized,
-                                       shardings, min_nodes, max_nodes)
+    placements = [
+        (sharding, subset)
+        for subset in _subsets(nodes, max_nodes, min_nodes)
+        for sharding in shardings
+        if len(subset) > 1 or sharding == one_node or one_node is None
+    ]
+    placements += _measured_placements(
+        served, nodes, placements, model_id, dtype, quantized, shardings, min_nodes, max_nodes
+    )
     return placements
 
 
@@ -231,13 +275,19 @@ def auto(
         PlacementError: no candidate is feasible; the message lists each candidate's
             sharding, nodes and why it was refused.
     """
-    candidates = preview(config, nodes, links, options, weight_file_bytes=weight_file_bytes,
-                         baseline_bytes=baseline_bytes, model_id=model_id, served=served)
+    candidates = preview(
+        config,
+        nodes,
+        links,
+        options,
+        weight_file_bytes=weight_file_bytes,
+        baseline_bytes=baseline_bytes,
+        model_id=model_id,
+        served=served,
+    )
     if candidates and candidates[0].feasible:
         return candidates[0]
     if not candidates:
         raise PlacementError("no placement to try: no nodes (or no sharding) given")
-    reasons = "; ".join(
-        f"{c.sharding} on [{', '.join(c.node_ids)}]: {c.error}" for c in candidates
-    )
+    reasons = "; ".join(f"{c.sharding} on [{', '.join(c.node_ids)}]: {c.error}" for c in candidates)
     raise PlacementError(f"no placement fits: {reasons}")

@@ -5,12 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 
 from shardline.models.config import ModelConfig, Quantize, RankShare, Sharding
-from shardline.placement.layer_ranges import (
-    MemoryShortError,
-    NodeCapacity,
-    PlacementError,
-    pipeline_layer_ranges,
-)
+from shardline.placement.layer_ranges import MemoryShortError, NodeCapacity, PlacementError, pipeline_layer_ranges
 from shardline.placement.memory import RUNTIME_BASELINE_BYTES, prefill_scratch_bytes
 from shardline.placement.ring import ring_admission, ring_working_bytes
 from shardline.placement.tensor import tensor_placement, tensor_rank_bytes
@@ -31,6 +26,7 @@ def shardings_named(name: str) -> tuple[Sharding, ...]:
     if name not in SHARDINGS:
         raise PlacementError(f"sharding {name!r} is not supported (supported: auto, {', '.join(SHARDINGS)})")
     return (Sharding(name),)
+
 
 DTYPE_BYTES = {"bfloat16": 2, "float16": 2, "float32": 4}
 
@@ -69,8 +65,7 @@ class PlacementOptions:
     force: bool = False
     prefix_cache: bool = True
 
-    def resolved(self, trained: int, model: str, default_context: int, default_max_batch: int
-                 ) -> "PlacementOptions":
+    def resolved(self, trained: int, model: str, default_context: int, default_max_batch: int) -> "PlacementOptions":
         """These options with ``context`` (default: ``default_context``, at most the
         model's ``trained`` context) and ``max_batch`` set.
 
@@ -118,8 +113,9 @@ def model_param_count(config: ModelConfig) -> int:
     return config.num_layers * config.layer_param_count() + _vocab_params(config)
 
 
-def resident_bytes_per_weight(config: ModelConfig, weight_file_bytes: int, dtype: str,
-                              quantize: Quantize | None = None) -> float:
+def resident_bytes_per_weight(
+    config: ModelConfig, weight_file_bytes: int, dtype: str, quantize: Quantize | None = None
+) -> float:
     """Bytes a weight element takes in a runner's memory, on average.
 
     Quantized GGUF weights stay in the file's bits (:mod:`shardline.models.linear`): about
@@ -137,21 +133,24 @@ def resident_bytes_per_weight(config: ModelConfig, weight_file_bytes: int, dtype
     return min(1.15 * per_weight, float(DTYPE_BYTES[dtype]))
 
 
-def held_bytes_per_weight(config: ModelConfig, weight_file_bytes: int, dtype: str,
-                          quantize: Quantize | None = None) -> tuple[float, float]:
+def held_bytes_per_weight(
+    config: ModelConfig, weight_file_bytes: int, dtype: str, quantize: Quantize | None = None
+) -> tuple[float, float]:
     """:func:`resident_bytes_per_weight` of the layers' weights and of the embedding and LM
     head, which quantizing on load keeps in int8 at least (:attr:`Quantize.vocab`)."""
-    return (resident_bytes_per_weight(config, weight_file_bytes, dtype, quantize),
-            resident_bytes_per_weight(config, weight_file_bytes, dtype,
-                                      quantize.vocab if quantize else None))
+    return (
+        resident_bytes_per_weight(config, weight_file_bytes, dtype, quantize),
+        resident_bytes_per_weight(config, weight_file_bytes, dtype, quantize.vocab if quantize else None),
+    )
 
 
 def _runtime_and_scratch(config: ModelConfig, baseline_bytes: int, dtype: str) -> int:
     """What every rank holds besides weights and KV cache: its runtime and the scratch of
     a prefill chunk in ``dtype``."""
     largest = 2 * config.intermediate_size * config.hidden_size  # the fused gate/up
-    return baseline_bytes + prefill_scratch_bytes(config.hidden_size, config.intermediate_size,
-                                                  largest, DTYPE_BYTES[dtype])
+    return baseline_bytes + prefill_scratch_bytes(
+        config.hidden_size, config.intermediate_size, largest, DTYPE_BYTES[dtype]
+    )
 
 
 def _pipeline_fixed(config: ModelConfig, rank: int, world_size: int, vocab_bytes: float) -> int:
@@ -166,14 +165,23 @@ def _pipeline_fixed(config: ModelConfig, rank: int, world_size: int, vocab_bytes
 
 def _ring_working(config: ModelConfig, world_size: int, kv_bytes: int) -> int:
     """Bytes of a ring prefill's working set on each of ``world_size`` ranks."""
-    return ring_working_bytes(ring_prefill_chunk(world_size), world_size, config.num_heads,
-                              config.num_kv_heads, config.head_dim, config.hidden_size,
-                              config.intermediate_size, kv_bytes)
+    return ring_working_bytes(
+        ring_prefill_chunk(world_size),
+        world_size,
+        config.num_heads,
+        config.num_kv_heads,
+        config.head_dim,
+        config.hidden_size,
+        config.intermediate_size,
+        kv_bytes,
+    )
 
 
 def _kv_hint(kv_cache: int, kv_tokens: int) -> str:
-    return (f"a KV cache of {kv_tokens} tokens is {kv_cache} bytes for the whole model: a "
-            f"smaller kv_cache_bytes, context or max_batch needs less")
+    return (
+        f"a KV cache of {kv_tokens} tokens is {kv_cache} bytes for the whole model: a "
+        f"smaller kv_cache_bytes, context or max_batch needs less"
+    )
 
 
 class PlacementRequestError(ValueError):
@@ -199,8 +207,9 @@ def check_context(context: int, trained: int, model: str) -> None:
         ContextRequestError: ``context`` is over ``trained``.
     """
     if context > trained:
-        raise ContextRequestError(f"context {context} is over {model}'s trained context of {trained} "
-                                  f"tokens: ask for {trained} or fewer")
+        raise ContextRequestError(
+            f"context {context} is over {model}'s trained context of {trained} tokens: ask for {trained} or fewer"
+        )
 
 
 def kv_pool_tokens(context: int, max_batch: int, kv_tokens: int | None = None) -> int:
@@ -210,8 +219,7 @@ def kv_pool_tokens(context: int, max_batch: int, kv_tokens: int | None = None) -
     return full if kv_tokens is None else min(kv_tokens, full)
 
 
-def kv_tokens_for_bytes(config: ModelConfig, kv_cache_bytes: int, dtype: str,
-                        context: int) -> int:
+def kv_tokens_for_bytes(config: ModelConfig, kv_cache_bytes: int, dtype: str, context: int) -> int:
     """Tokens a KV pool of ``kv_cache_bytes`` (the whole model's, all ranks together)
     holds in ``dtype``.
 
@@ -224,14 +232,24 @@ def kv_tokens_for_bytes(config: ModelConfig, kv_cache_bytes: int, dtype: str,
         raise KVCacheRequestError(
             f"kv_cache_bytes {kv_cache_bytes} holds {tokens} tokens of this model "
             f"({per_token} bytes each in {dtype}), fewer than one sequence of the context "
-            f"({context} tokens): give at least {context * per_token} or a smaller context")
+            f"({context} tokens): give at least {context * per_token} or a smaller context"
+        )
     return tokens
 
 
-def rank_bytes(config: ModelConfig, sharding: Sharding, shares: list[RankShare], rank: int,
-               context: int, max_batch: int, dtype: str = "bfloat16",
-               weight_file_bytes: int = 0, baseline_bytes: int = RUNTIME_BASELINE_BYTES,
-               kv_tokens: int | None = None, quantize: Quantize | None = None) -> int:
+def rank_bytes(
+    config: ModelConfig,
+    sharding: Sharding,
+    shares: list[RankShare],
+    rank: int,
+    context: int,
+    max_batch: int,
+    dtype: str = "bfloat16",
+    weight_file_bytes: int = 0,
+    baseline_bytes: int = RUNTIME_BASELINE_BYTES,
+    kv_tokens: int | None = None,
+    quantize: Quantize | None = None,
+) -> int:
     """Bytes rank ``rank`` of a placement (``shares``, one per rank) holds in memory: its
     runtime (``baseline_bytes``), prefill scratch, weights at
     :func:`resident_bytes_per_weight` each (``quantize``: quantized on load), and its
@@ -248,29 +266,44 @@ def rank_bytes(config: ModelConfig, sharding: Sharding, shares: list[RankShare],
     share = shares[rank]
     if sharding in (Sharding.TENSOR, Sharding.EXPERT):
         assert share.tensor_share is not None
-        return fixed + tensor_rank_bytes(config, share.tensor_share,
-                                         kv_tokens=tokens, weight_bytes=weight_bytes,
-                                         kv_element_bytes=kv_bytes, vocab_bytes=vocab_bytes)
+        return fixed + tensor_rank_bytes(
+            config,
+            share.tensor_share,
+            kv_tokens=tokens,
+            weight_bytes=weight_bytes,
+            kv_element_bytes=kv_bytes,
+            vocab_bytes=vocab_bytes,
+        )
     kv_per_layer = tokens * config.kv_bytes_per_token(kv_bytes) // config.num_layers
     if sharding == Sharding.RING:
-        return (fixed + _ring_weights(config, weight_bytes, vocab_bytes)
-                + kv_per_layer * config.num_layers + _ring_working(config, world, kv_bytes))
+        return (
+            fixed
+            + _ring_weights(config, weight_bytes, vocab_bytes)
+            + kv_per_layer * config.num_layers
+            + _ring_working(config, world, kv_bytes)
+        )
     per_layer = int(weight_bytes * config.layer_param_count()) + kv_per_layer
     return fixed + _pipeline_fixed(config, rank, world, vocab_bytes) + share.num_layers * per_layer
 
 
 def _ring_weights(config: ModelConfig, weight_bytes: float, vocab_bytes: float) -> int:
     """Bytes of the whole model's weights (what every ring rank holds)."""
-    return int(weight_bytes * config.num_layers * config.layer_param_count()
-               + vocab_bytes * _vocab_params(config))
+    return int(weight_bytes * config.num_layers * config.layer_param_count() + vocab_bytes * _vocab_params(config))
 
 
-def place_ranks(config: ModelConfig, sharding: Sharding, nodes: list[NodeCapacity], context: int,
-                max_batch: int, dtype: str = "bfloat16", admit: bool = True,
-                weight_file_bytes: int = 0,
-                baseline_bytes: int = RUNTIME_BASELINE_BYTES,
-                kv_tokens: int | None = None,
-                quantize: Quantize | None = None) -> list[RankShare]:
+def place_ranks(
+    config: ModelConfig,
+    sharding: Sharding,
+    nodes: list[NodeCapacity],
+    context: int,
+    max_batch: int,
+    dtype: str = "bfloat16",
+    admit: bool = True,
+    weight_file_bytes: int = 0,
+    baseline_bytes: int = RUNTIME_BASELINE_BYTES,
+    kv_tokens: int | None = None,
+    quantize: Quantize | None = None,
+) -> list[RankShare]:
     """Each node's share (node i is rank i) of a model under ``sharding``.
 
     Each rank must fit :func:`rank_bytes` (runtime, prefill scratch, weights in the file's
@@ -286,17 +319,29 @@ def place_ranks(config: ModelConfig, sharding: Sharding, nodes: list[NodeCapacit
     """
     tokens = kv_pool_tokens(context, max_batch, kv_tokens)
     try:
-        return _place(config, sharding, nodes, tokens, dtype, admit,
-                      held_bytes_per_weight(config, weight_file_bytes, dtype, quantize),
-                      baseline_bytes)
+        return _place(
+            config,
+            sharding,
+            nodes,
+            tokens,
+            dtype,
+            admit,
+            held_bytes_per_weight(config, weight_file_bytes, dtype, quantize),
+            baseline_bytes,
+        )
     except MemoryShortError as exc:
         kv = tokens * config.kv_bytes_per_token(DTYPE_BYTES[dtype])
         raise MemoryShortError(f"{exc}; {_kv_hint(kv, tokens)}") from None
 
 
-def place_with_kv_pool(config: ModelConfig, sharding: Sharding, nodes: list[NodeCapacity],
-                       options: PlacementOptions, weight_file_bytes: int = 0,
-                       baseline_bytes: int = RUNTIME_BASELINE_BYTES) -> tuple[list[RankShare], int]:
+def place_with_kv_pool(
+    config: ModelConfig,
+    sharding: Sharding,
+    nodes: list[NodeCapacity],
+    options: PlacementOptions,
+    weight_file_bytes: int = 0,
+    baseline_bytes: int = RUNTIME_BASELINE_BYTES,
+) -> tuple[list[RankShare], int]:
     """:func:`place_ranks` under ``options`` (resolved: :meth:`PlacementOptions.sizes`)
     and the KV pool's tokens it was placed with.
 
@@ -315,8 +360,19 @@ def place_with_kv_pool(config: ModelConfig, sharding: Sharding, nodes: list[Node
     kv_tokens = options.kv_tokens(config)
 
     def place(tokens: int) -> list[RankShare]:
-        return place_ranks(config, sharding, nodes, context, max_batch, options.dtype, not options.force,
-                           weight_file_bytes, baseline_bytes, kv_tokens=tokens, quantize=options.quantize)
+        return place_ranks(
+            config,
+            sharding,
+            nodes,
+            context,
+            max_batch,
+            options.dtype,
+            not options.force,
+            weight_file_bytes,
+            baseline_bytes,
+            kv_tokens=tokens,
+            quantize=options.quantize,
+        )
 
     full = kv_pool_tokens(context, max_batch, kv_tokens)
     try:
@@ -335,9 +391,16 @@ def place_with_kv_pool(config: ModelConfig, sharding: Sharding, nodes: list[Node
     return best
 
 
-def _place(config: ModelConfig, sharding: Sharding, nodes: list[NodeCapacity], kv_tokens: int,
-           dtype: str, admit: bool, held: tuple[float, float],
-           baseline_bytes: int) -> list[RankShare]:
+def _place(
+    config: ModelConfig,
+    sharding: Sharding,
+    nodes: list[NodeCapacity],
+    kv_tokens: int,
+    dtype: str,
+    admit: bool,
+    held: tuple[float, float],
+    baseline_bytes: int,
+) -> list[RankShare]:
     """:func:`place_ranks` without the KV hint, weights at ``held`` bytes each (layers,
     embedding and head: :func:`held_bytes_per_weight`)."""
     weight_bytes, vocab_bytes = held
@@ -347,20 +410,27 @@ def _place(config: ModelConfig, sharding: Sharding, nodes: list[NodeCapacity], k
     fixed = _runtime_and_scratch(config, baseline_bytes, dtype)
     if sharding == Sharding.PIPELINE:
         per_layer = int(weight_bytes * config.layer_param_count()) + kv_cache // layers
-        rank_fixed = [fixed + _pipeline_fixed(config, r, len(nodes), vocab_bytes)
-                      for r in range(len(nodes))]
-        return [RankShare(s, e) for s, e in
-                pipeline_layer_ranges(layers, nodes, per_layer, admit, rank_fixed)]
+        rank_fixed = [fixed + _pipeline_fixed(config, r, len(nodes), vocab_bytes) for r in range(len(nodes))]
+        return [RankShare(s, e) for s, e in pipeline_layer_ranges(layers, nodes, per_layer, admit, rank_fixed)]
     if sharding in (Sharding.TENSOR, Sharding.EXPERT):
-        shares = tensor_placement(config, nodes, kv_tokens=kv_tokens,
-                                  weight_bytes=weight_bytes, kv_element_bytes=kv_bytes,
-                                  vocab_bytes=vocab_bytes, admit=admit, fixed_bytes=fixed,
-                                  whole_experts=sharding == Sharding.EXPERT)
+        shares = tensor_placement(
+            config,
+            nodes,
+            kv_tokens=kv_tokens,
+            weight_bytes=weight_bytes,
+            kv_element_bytes=kv_bytes,
+            vocab_bytes=vocab_bytes,
+            admit=admit,
+            fixed_bytes=fixed,
+            whole_experts=sharding == Sharding.EXPERT,
+        )
         return [RankShare(0, layers, share) for share in shares]
     if sharding == Sharding.RING:
         if config.attention_sinks or config.sliding_window:
-            raise PlacementError(f"ring sharding does not run {config.architecture}'s attention "
-                                 "(sinks, sliding window) yet: place it as pipeline or tensor")
+            raise PlacementError(
+                f"ring sharding does not run {config.architecture}'s attention "
+                "(sinks, sliding window) yet: place it as pipeline or tensor"
+            )
         weights = _ring_weights(config, weight_bytes, vocab_bytes) + fixed
         ring_admission(nodes, weights, kv_cache, _ring_working(config, len(nodes), kv_bytes), admit)
         return [RankShare(0, layers) for _ in nodes]

@@ -133,8 +133,11 @@ class ServedSpeed:
 
     def to_dict(self) -> dict:
         """A JSON form (:meth:`from_dict` reads it back), with the medians added."""
-        return dict(dataclasses.asdict(self), decode_tokens_per_s=self.decode_tokens_per_s,
-                    prefill_tokens_per_s=self.prefill_tokens_per_s)
+        return dict(
+            dataclasses.asdict(self),
+            decode_tokens_per_s=self.decode_tokens_per_s,
+            prefill_tokens_per_s=self.prefill_tokens_per_s,
+        )
 
     @classmethod
     def from_dict(cls, data: dict) -> "ServedSpeed":
@@ -145,18 +148,27 @@ class ServedSpeed:
         """
         key = dict(data["key"])
         key["node_ids"] = tuple(key["node_ids"])
-        return cls(PlacementKey(**key), tuple(float(x) for x in data.get("decode_samples", ())),
-                   tuple(float(x) for x in data.get("prefill_samples", ())),
-                   tuple(float(x) for x in data.get("decode_positions", ())),
-                   float(data.get("predicted_decode_tokens_per_s") or 0.0),
-                   float(data.get("predicted_prefill_tokens_per_s") or 0.0),
-                   float(data.get("at") or 0.0),
-                   tuple(int(x) for x in data.get("prefill_lengths", ())))
+        return cls(
+            PlacementKey(**key),
+            tuple(float(x) for x in data.get("decode_samples", ())),
+            tuple(float(x) for x in data.get("prefill_samples", ())),
+            tuple(float(x) for x in data.get("decode_positions", ())),
+            float(data.get("predicted_decode_tokens_per_s") or 0.0),
+            float(data.get("predicted_prefill_tokens_per_s") or 0.0),
+            float(data.get("at") or 0.0),
+            tuple(int(x) for x in data.get("prefill_lengths", ())),
+        )
 
 
-def request_rates(prompt_tokens: int, generated: int, sent_at: float,
-                  first_token_at: float | None, last_token_at: float | None,
-                  alone: bool, started_alone: bool) -> tuple[float | None, float | None]:
+def request_rates(
+    prompt_tokens: int,
+    generated: int,
+    sent_at: float,
+    first_token_at: float | None,
+    last_token_at: float | None,
+    alone: bool,
+    started_alone: bool,
+) -> tuple[float | None, float | None]:
     """(decode, prefill) tokens/s one finished request shows, or None for each it cannot
     (its decode's mean position is ``prompt_tokens + generated / 2``).
 
@@ -187,9 +199,15 @@ def request_rates(prompt_tokens: int, generated: int, sent_at: float,
     return decode, prefill
 
 
-def record(previous: ServedSpeed | None, key: PlacementKey, decode: float | None,
-           prefill: float | None, position: float, at: float,
-           prompt_tokens: int = 0) -> ServedSpeed:
+def record(
+    previous: ServedSpeed | None,
+    key: PlacementKey,
+    decode: float | None,
+    prefill: float | None,
+    position: float,
+    at: float,
+    prompt_tokens: int = 0,
+) -> ServedSpeed:
     """``previous`` (None: nothing yet) with one request's rates added (None: not taken;
     ``position``: the decode sample's mean position, tokens; ``prompt_tokens``: the
     prefill sample's prompt), the newest :data:`KEEP_SAMPLES` of each kept; its
@@ -201,17 +219,22 @@ def record(previous: ServedSpeed | None, key: PlacementKey, decode: float | None
     prefills, lengths = old.prefill_samples, old.prefill_lengths
     if prefill is not None:
         prefills, lengths = prefills + (prefill,), lengths + (prompt_tokens,)
-    return dataclasses.replace(old, decode_samples=decodes[-KEEP_SAMPLES:],
-                               decode_positions=positions[-KEEP_SAMPLES:],
-                               prefill_samples=prefills[-KEEP_SAMPLES:],
-                               prefill_lengths=lengths[-KEEP_SAMPLES:], at=at)
+    return dataclasses.replace(
+        old,
+        decode_samples=decodes[-KEEP_SAMPLES:],
+        decode_positions=positions[-KEEP_SAMPLES:],
+        prefill_samples=prefills[-KEEP_SAMPLES:],
+        prefill_lengths=lengths[-KEEP_SAMPLES:],
+        at=at,
+    )
 
 
 def with_prediction(speed: ServedSpeed, predicted: tuple[float, float]) -> ServedSpeed:
     """``speed`` with the model's (decode at :attr:`ServedSpeed.context`, prefill of a
     prompt of :attr:`ServedSpeed.prompt_tokens`) tokens/s for its placement."""
-    return dataclasses.replace(speed, predicted_decode_tokens_per_s=predicted[0],
-                               predicted_prefill_tokens_per_s=predicted[1])
+    return dataclasses.replace(
+        speed, predicted_decode_tokens_per_s=predicted[0], predicted_prefill_tokens_per_s=predicted[1]
+    )
 
 
 def merge(speeds: Iterable[ServedSpeed]) -> dict[PlacementKey, ServedSpeed]:
@@ -226,8 +249,9 @@ def merge(speeds: Iterable[ServedSpeed]) -> dict[PlacementKey, ServedSpeed]:
     return out
 
 
-def _one(predicted: float, measured: float | None,
-         related: Sequence[Sequence[tuple[float | None, float]]]) -> tuple[float, Basis]:
+def _one(
+    predicted: float, measured: float | None, related: Sequence[Sequence[tuple[float | None, float]]]
+) -> tuple[float, Basis]:
     """``measured``, else ``predicted`` times the median measured / predicted ratio of the
     first tier of ``related`` (pairs of measured and predicted figures) that has one,
     else ``predicted``."""
@@ -240,8 +264,9 @@ def _one(predicted: float, measured: float | None,
     return predicted, "model"
 
 
-def calibrate(key: PlacementKey, predicted: tuple[float, float],
-              speeds: Sequence[ServedSpeed]) -> tuple[float, float, Basis, Basis]:
+def calibrate(
+    key: PlacementKey, predicted: tuple[float, float], speeds: Sequence[ServedSpeed]
+) -> tuple[float, float, Basis, Basis]:
     """The candidate ``key``'s (decode, prefill) tokens/s corrected by what the cluster
     measured (the module's rule: measured, else scaled, else predicted), and the basis of
     each.
@@ -256,19 +281,30 @@ def calibrate(key: PlacementKey, predicted: tuple[float, float],
     """
     exact = next((s for s in speeds if s.key == key), None)
     nodes = set(key.node_ids)
-    related = [s for s in speeds if s.key != key and s.key.model_id == key.model_id
-               and s.key.dtype == key.dtype and s.key.quantize == key.quantize
-               and nodes & set(s.key.node_ids)]
-    tiers = ([s for s in related if s.key.sharding == key.sharding and set(s.key.node_ids) == nodes],
-             [s for s in related if len(s.key.node_ids) == 1])
+    related = [
+        s
+        for s in speeds
+        if s.key != key
+        and s.key.model_id == key.model_id
+        and s.key.dtype == key.dtype
+        and s.key.quantize == key.quantize
+        and nodes & set(s.key.node_ids)
+    ]
+    tiers = (
+        [s for s in related if s.key.sharding == key.sharding and set(s.key.node_ids) == nodes],
+        [s for s in related if len(s.key.node_ids) == 1],
+    )
     decode, decode_basis = _one(
-        predicted[0], exact.decode_tokens_per_s if exact else None,
-        [[(s.decode_tokens_per_s, s.predicted_decode_tokens_per_s) for s in t] for t in tiers])
+        predicted[0],
+        exact.decode_tokens_per_s if exact else None,
+        [[(s.decode_tokens_per_s, s.predicted_decode_tokens_per_s) for s in t] for t in tiers],
+    )
     prefill, prefill_basis = _one(
-        predicted[1], exact.prefill_tokens_per_s if exact else None,
-        [[(s.prefill_tokens_per_s, s.predicted_prefill_tokens_per_s) for s in t] for t in tiers])
+        predicted[1],
+        exact.prefill_tokens_per_s if exact else None,
+        [[(s.prefill_tokens_per_s, s.predicted_prefill_tokens_per_s) for s in t] for t in tiers],
+    )
     return decode, prefill, decode_basis, prefill_basis
 
 
-__all__ = ["PlacementKey", "ServedSpeed", "calibrate", "merge", "record", "request_rates",
-           "with_prediction"]
+__all__ = ["PlacementKey", "ServedSpeed", "calibrate", "merge", "record", "request_rates", "with_prediction"]

@@ -134,9 +134,7 @@ def check_dtype(dtype: str) -> None:
         PlacementError: ``dtype`` is not one of :data:`~shardline.placement.ranks.DTYPE_BYTES`.
     """
     if dtype not in DTYPE_BYTES:
-        raise PlacementError(
-            f"dtype {dtype!r} is not supported (supported: {', '.join(DTYPE_BYTES)})"
-        )
+        raise PlacementError(f"dtype {dtype!r} is not supported (supported: {', '.join(DTYPE_BYTES)})")
 
 
 def _linear_per_layer(config: ModelConfig) -> int:
@@ -157,8 +155,7 @@ def _tensor_linear_per_layer(config: ModelConfig, share: TensorShare) -> int:
     if share.experts is not None:  # whole experts: a token's k fall on this rank's share of them
         e0, e1 = share.experts
         experts *= (e1 - e0) / config.num_experts
-    return int(d * (q + 2 * kv) + q * d + experts * 3 * d * share.num_columns
-               + config.num_experts * d)
+    return int(d * (q + 2 * kv) + q * d + experts * 3 * d * share.num_columns + config.num_experts * d)
 
 
 def _secs(num: float, rate: float) -> float:
@@ -173,8 +170,11 @@ def _step_s(node: NodeProfile, weight_bytes: float, kv_bytes: float, layers: flo
     """Seconds ``node`` takes for its part of a one-sequence decode step: its weights at
     its weight-read rate, its KV cache at its memory bandwidth, ``layers`` layers' fixed
     cost."""
-    return (_secs(weight_bytes, node.weight_read_bytes_per_s)
-            + _secs(kv_bytes, node.memory_bandwidth_bytes_per_s) + layers * node.decode_layer_s)
+    return (
+        _secs(weight_bytes, node.weight_read_bytes_per_s)
+        + _secs(kv_bytes, node.memory_bandwidth_bytes_per_s)
+        + layers * node.decode_layer_s
+    )
 
 
 def _prefill_s(node: NodeProfile, flops: float, layers: float, activations: float) -> float:
@@ -183,9 +183,11 @@ def _prefill_s(node: NodeProfile, flops: float, layers: float, activations: floa
     (norms, activation function, residuals, attention at a chunk's length:
     :data:`PREFILL_ACTIVATION_BYTES` each at its memory bandwidth) and ``layers`` layers'
     fixed cost, paid once a chunk."""
-    return (_secs(flops, node.matmul_flops)
-            + _secs(activations * PREFILL_ACTIVATION_BYTES, node.memory_bandwidth_bytes_per_s)
-            + layers * node.decode_layer_s / PREFILL_CHUNK_TOKENS)
+    return (
+        _secs(flops, node.matmul_flops)
+        + _secs(activations * PREFILL_ACTIVATION_BYTES, node.memory_bandwidth_bytes_per_s)
+        + layers * node.decode_layer_s / PREFILL_CHUNK_TOKENS
+    )
 
 
 def attention_flops(query_width: int, prompt_tokens: int) -> float:
@@ -272,25 +274,42 @@ class _Terms:
         return len(self.nodes)
 
 
-def _terms(config: ModelConfig, nodes: Sequence[NodeProfile], shares: Sequence[RankShare],
-           links: Mapping[tuple[str, str], Link] | None, context: int, dtype: str,
-           decode_weight_bytes: float, prompt_tokens: int) -> _Terms:
+def _terms(
+    config: ModelConfig,
+    nodes: Sequence[NodeProfile],
+    shares: Sequence[RankShare],
+    links: Mapping[tuple[str, str], Link] | None,
+    context: int,
+    dtype: str,
+    decode_weight_bytes: float,
+    prompt_tokens: int,
+) -> _Terms:
     """The :class:`_Terms` of a placement. Raises :class:`PlacementError` for an unknown
     ``dtype``."""
     check_dtype(dtype)
     e = DTYPE_BYTES[dtype]
     ids = [n.node_id for n in nodes]
-    pairs = [link_between(links, a, b) for i, a in enumerate(ids) for b in ids[i + 1:]]
+    pairs = [link_between(links, a, b) for i, a in enumerate(ids) for b in ids[i + 1 :]]
     lat_max = max((k.latency_s for k in pairs), default=0.0)
     return _Terms(
-        config=config, nodes=nodes, shares=shares, links=links, e=e, w=decode_weight_bytes,
-        n=prompt_tokens, head=config.vocab_size * config.hidden_size, avg_tokens=context / 2,
-        kv_token=config.kv_bytes_per_token(e), ids=ids, lat_max=lat_max,
+        config=config,
+        nodes=nodes,
+        shares=shares,
+        links=links,
+        e=e,
+        w=decode_weight_bytes,
+        n=prompt_tokens,
+        head=config.vocab_size * config.hidden_size,
+        avg_tokens=context / 2,
+        kv_token=config.kv_bytes_per_token(e),
+        ids=ids,
+        lat_max=lat_max,
         bw_min=min((k.bandwidth_bytes_per_s for k in pairs), default=float("inf")),
         gather=2 * lat_max if len(nodes) > 1 else 0.0,  # proposals to the sampling rank 0 and back
         act=config.hidden_size + config.intermediate_size,
         attention=attention_flops(config.num_heads * config.head_dim, prompt_tokens),
-        shared=oversubscription(nodes))
+        shared=oversubscription(nodes),
+    )
 
 
 def predict_tokens_per_s(
@@ -369,9 +388,7 @@ def predict_tokens_per_s(
         return _tensor_speed(t)
     if sharding == Sharding.RING:
         return _ring_speed(t)
-    raise PlacementError(
-        f"sharding {sharding!r} is not supported (supported: {', '.join(SHARDINGS)})"
-    )
+    raise PlacementError(f"sharding {sharding!r} is not supported (supported: {', '.join(SHARDINGS)})")
 
 
 def _pipeline_speed(t: _Terms) -> tuple[float, float]:
@@ -394,8 +411,9 @@ def _pipeline_speed(t: _Terms) -> tuple[float, float]:
         layers = share.num_layers
         linear = layers * _linear_per_layer(config)
         weights = t.w * (linear + (t.head if rank == P - 1 else 0))
-        decode += (_step_s(node, weights, t.kv_token * layers / L * t.avg_tokens, layers)
-                   + (node.step_host_s if rank == P - 1 else 0.0))
+        decode += _step_s(node, weights, t.kv_token * layers / L * t.avg_tokens, layers) + (
+            node.step_host_s if rank == P - 1 else 0.0
+        )
         stage = _prefill_s(node, 2 * linear + layers * t.attention, layers, layers * t.act)
         slowest = max(slowest, t.shared[rank] * stage)
         through += stage
@@ -405,8 +423,7 @@ def _pipeline_speed(t: _Terms) -> tuple[float, float]:
         decode += link.latency_s + hop
         slowest = max(slowest, hop + link.latency_s / PREFILL_CHUNK_TOKENS)
         through += hop + link.latency_s / PREFILL_CHUNK_TOKENS
-    last_bcast = max((link_between(t.links, ids[-1], o).latency_s for o in ids[:-1]),
-                     default=0.0)
+    last_bcast = max((link_between(t.links, ids[-1], o).latency_s for o in ids[:-1]), default=0.0)
     chunks = max(1, -(-t.n // PREFILL_CHUNK_TOKENS))
     prefill = (through + (chunks - 1) * slowest) / chunks
     return _per_s(decode + last_bcast), _per_s(prefill)
@@ -441,14 +458,17 @@ def _tensor_speed(t: _Terms) -> tuple[float, float]:
         kv = 2 * L * ts.num_kv_heads * config.head_dim * t.e * t.avg_tokens
         decode = max(decode, t.shared[rank] * _step_s(node, weights, kv, L))
         heads_attention = attention_flops(ts.num_heads * config.head_dim, t.n)
-        prefill = max(prefill, t.shared[rank] * _prefill_s(
-            node, 2 * linear + L * heads_attention, L, L * (d + ts.num_columns)))
+        prefill = max(
+            prefill, t.shared[rank] * _prefill_s(node, 2 * linear + L * heads_attention, L, L * (d + ts.num_columns))
+        )
     decode += t.nodes[0].step_host_s
     if P > 1:
+
         def allreduce(tokens: int) -> float:
             if tokens * d * 4 <= POINT_TO_POINT_BYTES:
                 return (P - 1) * tokens * d * 4 / t.bw_min + t.lat_max
             return 2 * (P - 1) / P * tokens * d * 4 / t.bw_min + 2 * (P - 1) * t.lat_max
+
         decode += 2 * L * allreduce(1) + t.gather
         prefill += 2 * L * allreduce(PREFILL_CHUNK_TOKENS) / PREFILL_CHUNK_TOKENS
     return _per_s(decode), _per_s(prefill)
@@ -467,11 +487,11 @@ def _ring_speed(t: _Terms) -> tuple[float, float]:
     L, P = t.L, t.P
     linear = L * _linear_per_layer(t.config)
     weights = t.w * (linear + t.head)
-    decode = max(f * _step_s(n, weights, t.kv_token * t.avg_tokens, L)
-                 for n, f in zip(t.nodes, t.shared))
+    decode = max(f * _step_s(n, weights, t.kv_token * t.avg_tokens, L) for n, f in zip(t.nodes, t.shared))
     decode += t.nodes[0].step_host_s + t.gather
-    prefill = max(f * _prefill_s(n, (2 * linear + L * t.attention) / P, L, L * t.act / P)
-                  for n, f in zip(t.nodes, t.shared))
+    prefill = max(
+        f * _prefill_s(n, (2 * linear + L * t.attention) / P, L, L * t.act / P) for n, f in zip(t.nodes, t.shared)
+    )
     if P > 1:
         prefill += (P - 1) / P * _secs(t.kv_token, t.bw_min)
         prefill += L * (P - 1) * t.lat_max / ring_prefill_chunk(P, PREFILL_CHUNK_TOKENS)

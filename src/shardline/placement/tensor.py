@@ -45,8 +45,7 @@ def _even(total: int, parts: int) -> list[tuple[int, int]]:
     return ranges
 
 
-def tensor_shares(config: ModelConfig, world_size: int,
-                  whole_experts: bool = False) -> list[TensorShare]:
+def tensor_shares(config: ModelConfig, world_size: int, whole_experts: bool = False) -> list[TensorShare]:
     """Each of ``world_size`` ranks' heads, KV heads and MLP columns (see the module doc);
     with ``whole_experts`` (expert sharding) each rank's heads and a run of whole experts
     (as even as the count allows, the first ranks one more), all of their columns.
@@ -66,14 +65,19 @@ def tensor_shares(config: ModelConfig, world_size: int,
     inter = config.intermediate_size
     if whole_experts:
         if not config.is_moe:
-            raise PlacementError(f"expert sharding needs a mixture-of-experts model; "
-                                 f"{config.architecture} has no experts")
+            raise PlacementError(
+                f"expert sharding needs a mixture-of-experts model; {config.architecture} has no experts"
+            )
         if config.num_experts < world_size:
-            raise PlacementError(f"{world_size} expert ranks but only {config.num_experts} "
-                                 f"experts: each rank needs at least one")
-        return [TensorShare(rank, world_size, heads, _kv_heads(config, heads), (0, inter), experts)
-                for rank, (heads, experts) in enumerate(zip(_even(config.num_heads, world_size),
-                                                            _even(config.num_experts, world_size)))]
+            raise PlacementError(
+                f"{world_size} expert ranks but only {config.num_experts} experts: each rank needs at least one"
+            )
+        return [
+            TensorShare(rank, world_size, heads, _kv_heads(config, heads), (0, inter), experts)
+            for rank, (heads, experts) in enumerate(
+                zip(_even(config.num_heads, world_size), _even(config.num_experts, world_size))
+            )
+        ]
     if world_size > 1 and inter % COLUMN_BLOCK:
         raise PlacementError(
             f"intermediate size {inter} is not a multiple of {COLUMN_BLOCK}: the MLP columns "
@@ -87,12 +91,16 @@ def tensor_shares(config: ModelConfig, world_size: int,
         )
     scale = COLUMN_BLOCK if world_size > 1 else inter
     shares = []
-    for rank, (heads, cols) in enumerate(
-        zip(_even(config.num_heads, world_size), _even(blocks, world_size))
-    ):
-        shares.append(TensorShare(rank=rank, world_size=world_size, heads=heads,
-                                  kv_heads=_kv_heads(config, heads),
-                                  columns=(cols[0] * scale, cols[1] * scale)))
+    for rank, (heads, cols) in enumerate(zip(_even(config.num_heads, world_size), _even(blocks, world_size))):
+        shares.append(
+            TensorShare(
+                rank=rank,
+                world_size=world_size,
+                heads=heads,
+                kv_heads=_kv_heads(config, heads),
+                columns=(cols[0] * scale, cols[1] * scale),
+            )
+        )
     return shares
 
 
@@ -169,10 +177,17 @@ def tensor_placement(
         return shares
     short = []
     for node, share in zip(nodes, shares):
-        need = tensor_rank_bytes(
-            config, share, kv_tokens=kv_tokens, weight_bytes=weight_bytes, vocab_bytes=vocab_bytes,
-            kv_element_bytes=kv_element_bytes,
-        ) + fixed_bytes
+        need = (
+            tensor_rank_bytes(
+                config,
+                share,
+                kv_tokens=kv_tokens,
+                weight_bytes=weight_bytes,
+                vocab_bytes=vocab_bytes,
+                kv_element_bytes=kv_element_bytes,
+            )
+            + fixed_bytes
+        )
         if need > node.available_bytes:
             short.append(
                 f"node {node.node_id} (rank {share.rank}: heads {share.heads[0]}-"

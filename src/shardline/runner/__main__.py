@@ -79,8 +79,10 @@ class Outbox:
                 self.send(Heartbeat(*memory_now()))
                 progress = self.progress
                 if progress is not None and progress.stalled_for() > self.progress_timeout_s:
-                    error = (f"no progress for {progress.stalled_for():.0f} s while "
-                             f"{progress.doing} (progress timeout {self.progress_timeout_s:g} s)")
+                    error = (
+                        f"no progress for {progress.stalled_for():.0f} s while "
+                        f"{progress.doing} (progress timeout {self.progress_timeout_s:g} s)"
+                    )
                     log.error("%s", error)
                     self.send(Failed(error))
                     os._exit(4)
@@ -102,8 +104,7 @@ def decode_threads(world_size: int, shard, threads: int):
     return ThreadGovernor(threads)
 
 
-def load_stage(spec: RunnerSpec, source, group, progress: Progress, dtype, device, comm_device,
-               threads: int):
+def load_stage(spec: RunnerSpec, source, group, progress: Progress, dtype, device, comm_device, threads: int):
     """Load this rank's shard and KV cache as the stage its instance's sharding needs
     (``comm_device``: where tensors travel between ranks: a pipeline's hidden states, a
     tensor instance's sums, a ring's key and value blocks; ``threads``: the rank's serving
@@ -123,14 +124,25 @@ def load_stage(spec: RunnerSpec, source, group, progress: Progress, dtype, devic
 
     quantize = Quantize(spec.quantize) if spec.quantize else None
     if spec.sharding in (Sharding.TENSOR, Sharding.EXPERT):
-        return load_tensor_stage(source, spec.rank, spec.world_size, slots=spec.max_batch,
-                                 context=spec.context, dtype=dtype, device=device,
-                                 share=spec.share.tensor_share, group=group,
-                                 progress=progress, quantize=quantize, wire_device=comm_device)
+        return load_tensor_stage(
+            source,
+            spec.rank,
+            spec.world_size,
+            slots=spec.max_batch,
+            context=spec.context,
+            dtype=dtype,
+            device=device,
+            share=spec.share.tensor_share,
+            group=group,
+            progress=progress,
+            quantize=quantize,
+            wire_device=comm_device,
+        )
     if spec.sharding not in (Sharding.PIPELINE, Sharding.RING):
         raise ValueError(f"unknown sharding {spec.sharding!r}")
-    shard = load_shard(source, spec.share.layer_start, spec.share.layer_end, dtype=dtype, device=device,
-                       quantize=quantize)
+    shard = load_shard(
+        source, spec.share.layer_start, spec.share.layer_end, dtype=dtype, device=device, quantize=quantize
+    )
     cache = KVCache(source.config, len(shard.layers), spec.max_batch, spec.context, dtype, device)
     if spec.sharding == Sharding.RING:
         return RingStage(shard, cache, spec.rank, spec.world_size, group, progress, wire_device=comm_device)
@@ -140,8 +152,7 @@ def load_stage(spec: RunnerSpec, source, group, progress: Progress, dtype, devic
             slots = ComputeSlots.on_this_machine(threads)
         except OSError as exc:  # a temp dir it cannot write: computes whenever it can
             log.warning("no compute slots (%s): this stage computes beside the machine's others", exc)
-    return PipelineStage(shard, cache, spec.rank, spec.world_size, progress, wire_device=comm_device,
-                         slots=slots)
+    return PipelineStage(shard, cache, spec.rank, spec.world_size, progress, wire_device=comm_device, slots=slots)
 
 
 def serve(conn, outbox: Outbox, started: float) -> None:
@@ -185,10 +196,17 @@ def serve(conn, outbox: Outbox, started: float) -> None:
     group, comm_device = _join_group(spec, device)
     joined = time.monotonic()
     stage = _load_shard(spec, outbox, group, dtype, device, comm_device, serving_threads)
-    log.info("rank %d of %s loaded on %s in %.2f s from its spec (imports %.2f s%s, process "
-             "group %.2f s, shard %.2f s)", spec.rank, spec.instance_id, device, time.monotonic() - given,
-             imported - started, ", done before the spec" if given - imported > 0.05 else "",
-             joined - given, time.monotonic() - joined)
+    log.info(
+        "rank %d of %s loaded on %s in %.2f s from its spec (imports %.2f s%s, process group %.2f s, shard %.2f s)",
+        spec.rank,
+        spec.instance_id,
+        device,
+        time.monotonic() - given,
+        imported - started,
+        ", done before the spec" if given - imported > 0.05 else "",
+        joined - given,
+        time.monotonic() - joined,
+    )
     _engine(spec, stage, inbox, outbox, group, comm_device, serving_threads).run()
     if group is not None:
         dist.destroy_process_group()
@@ -210,8 +228,15 @@ def _join_group(spec: RunnerSpec, device):
     if spec.world_size > 1:
         if nccl:
             comm_device = device
-        join(spec.rank, spec.world_size, spec.master_addr, spec.master_port, spec.host,
-             cuda=nccl, timeout=timedelta(seconds=spec.collective_timeout_s))
+        join(
+            spec.rank,
+            spec.world_size,
+            spec.master_addr,
+            spec.master_port,
+            spec.host,
+            cuda=nccl,
+            timeout=timedelta(seconds=spec.collective_timeout_s),
+        )
         group = dist.group.WORLD
     return group, comm_device
 
@@ -240,13 +265,19 @@ def _load_shard(spec: RunnerSpec, outbox: Outbox, group, dtype, device, comm_dev
     if stage.shard.graphs is not None:
         warming = time.monotonic()
         captured, most = stage.shard.graphs.warm(cache, spec.max_batch)
-        log.info("captured %d decode graphs (1-%d rows, key spans up to %d) in %.2f s", captured,
-                 most, cache.k[0].shape[2], time.monotonic() - warming)
+        log.info(
+            "captured %d decode graphs (1-%d rows, key spans up to %d) in %.2f s",
+            captured,
+            most,
+            cache.k[0].shape[2],
+            time.monotonic() - warming,
+        )
     if group is not None:
         dist.barrier(group)  # every rank holds its shard before any serves
         outbox.watch(progress, spec.progress_timeout_s)
-    layers = sorted({int(m.group(1)) for name in source.tensors_read
-                     if (m := re.match(r"(?:blk|model\.layers)\.(\d+)\.", name))})
+    layers = sorted(
+        {int(m.group(1)) for name in source.tensors_read if (m := re.match(r"(?:blk|model\.layers)\.(\d+)\.", name))}
+    )
     # Unmap the weight file: every weight is held in its resident form now, and the
     # file's pages would otherwise count in this process's memory.
     tensors_read, bytes_read = len(source.tensors_read), source.bytes_read
@@ -255,13 +286,24 @@ def _load_shard(spec: RunnerSpec, outbox: Outbox, group, dtype, device, comm_dev
     release_free_memory()
     pool = pool_tokens(spec.kv_tokens, spec.max_batch, spec.context, cache.block_tokens)
     pool_bytes = pool * cache.bytes_per_token
-    outbox.send(Loaded(tuple(layers), tensors_read, bytes_read, param_bytes, pool_bytes,
-                       *memory_now(), runtime_rss, device=str(device)))
+    outbox.send(
+        Loaded(
+            tuple(layers),
+            tensors_read,
+            bytes_read,
+            param_bytes,
+            pool_bytes,
+            *memory_now(),
+            runtime_rss,
+            device=str(device),
+        )
+    )
     return stage
 
 
-def _engine(spec: RunnerSpec, stage, inbox: queue.Queue[object], outbox: Outbox, group, comm_device,
-            serving_threads: int):
+def _engine(
+    spec: RunnerSpec, stage, inbox: queue.Queue[object], outbox: Outbox, group, comm_device, serving_threads: int
+):
     """The rank's :class:`~shardline.runner.engine.Engine` over its loaded ``stage``."""
     from shardline.runner.constraint import GrammarTokenizer
     from shardline.runner.engine import Engine
@@ -301,8 +343,8 @@ def _peer_lost(exc: BaseException) -> bool:
     """Whether a collective failed because a peer rank's connection went away."""
     text = str(exc)
     return isinstance(exc, RuntimeError) and any(
-        marker in text for marker in ("Connection closed by peer", "Connection reset by peer",
-                                      "Broken pipe", "Socket Timeout")
+        marker in text
+        for marker in ("Connection closed by peer", "Connection reset by peer", "Broken pipe", "Socket Timeout")
     )
 
 

@@ -41,8 +41,9 @@ def proposal_length(k: int, sampled: int) -> int:
     return 2 + 2 * k + sampled
 
 
-def encode_proposal(task_ids: list[int], cancel_ids: list[int], k: int,
-                    tokens: list[int] | None = None) -> torch.Tensor:
+def encode_proposal(
+    task_ids: list[int], cancel_ids: list[int], k: int, tokens: list[int] | None = None
+) -> torch.Tensor:
     """int64 ``[2 + 2k + M]``: the k smallest of each list (later ones wait for a later
     step), then ``tokens`` (``M`` sampled ids; none: ``M = 0``)."""
     tasks = sorted(task_ids)[:k]

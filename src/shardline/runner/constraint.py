@@ -125,8 +125,14 @@ class Constraint:
         failed: why the constraint ends the sequence at once (None while it works).
     """
 
-    def __init__(self, matcher: Any, eos_tokens: tuple[int, ...], stop_token_ids: tuple[int, ...],
-                 vocab: int = 0, failed: str | None = None) -> None:
+    def __init__(
+        self,
+        matcher: Any,
+        eos_tokens: tuple[int, ...],
+        stop_token_ids: tuple[int, ...],
+        vocab: int = 0,
+        failed: str | None = None,
+    ) -> None:
         self.matcher = matcher
         self.eos_tokens = eos_tokens
         self.stop_token_ids = stop_token_ids
@@ -134,8 +140,7 @@ class Constraint:
         self._mask = np.zeros((vocab + 31) // 32, dtype=np.int32)  # llguidance's bitmask
 
     @classmethod
-    def start(cls, grammar: str, tokenizer: Any, stop_token_ids: tuple[int, ...],
-              task_id: int = 0) -> "Constraint":
+    def start(cls, grammar: str, tokenizer: Any, stop_token_ids: tuple[int, ...], task_id: int = 0) -> "Constraint":
         """A constraint for ``grammar`` (llguidance ``TopLevelGrammar`` JSON text), with
         ``tokenizer`` a callable returning the llguidance tokenizer (it may raise)."""
         try:
@@ -148,8 +153,7 @@ class Constraint:
         except Exception as exc:  # noqa: BLE001 - never fails the runner (module docstring)
             log.error("task %d: grammar refused, ending the sequence: %s", task_id, exc)
             return cls(None, (), stop_token_ids, failed=str(exc))
-        return cls(matcher, tuple(int(t) for t in llt.eos_tokens), stop_token_ids,
-                   vocab=int(llt.vocab_size))
+        return cls(matcher, tuple(int(t) for t in llt.eos_tokens), stop_token_ids, vocab=int(llt.vocab_size))
 
     def bits(self, vocab: int) -> np.ndarray:
         """The uint8 ``[vocab]`` of tokens allowed next (1) and not (0)."""
@@ -199,4 +203,3 @@ class Constraint:
     def finished(self) -> bool:
         """The grammar is complete: only the stop tokens are allowed now."""
         return self.failed is None and self.matcher.is_stopped()
-

@@ -58,15 +58,7 @@ from shardline.runner.block_hashes import block_hashes
 from shardline.runner.constraint import Constraint
 from shardline.runner.logprob_tables import logprob_table, logprob_width, prompt_logprob_table, read_logprobs
 from shardline.runner.prefix_cache import Admission, CachedPrefix, Extension, Waiting, exact_end
-from shardline.runner.protocol import (
-    Cancel,
-    EngineStats,
-    PrefillProgress,
-    Shutdown,
-    Task,
-    TokenEvent,
-    Tokens,
-)
+from shardline.runner.protocol import Cancel, EngineStats, PrefillProgress, Shutdown, Task, TokenEvent, Tokens
 from shardline.runner.sampling import MAX_TOP_LOGPROBS, Sampler
 from shardline.runner.step_plan import Chunk, SequenceState, StepLimits, StepPlan, plan_step, prefill_plan
 from shardline.runner.threads import ThreadGovernor
@@ -78,8 +70,7 @@ AGREE_K = 32
 next (:func:`shardline.runner.agreement.encode_proposal`)."""
 
 
-def kv_reservation(prompt_tokens: int, max_tokens: int, context: int, block_tokens: int,
-                   pool_tokens: int) -> int:
+def kv_reservation(prompt_tokens: int, max_tokens: int, context: int, block_tokens: int, pool_tokens: int) -> int:
     """KV-pool tokens a task reserves for its lifetime: its prompt and ``max_tokens``
     completion tokens (at most ``context`` in all), rounded up to whole blocks of
     ``block_tokens`` (the pages its positions take), at most the pool's
@@ -88,8 +79,9 @@ def kv_reservation(prompt_tokens: int, max_tokens: int, context: int, block_toke
     return min(-(-tokens // block_tokens) * block_tokens, pool_tokens)
 
 
-def idle_release(worked: bool, busy: bool, idle_since: float | None, now: float,
-                 delay_s: float) -> tuple[bool, float | None]:
+def idle_release(
+    worked: bool, busy: bool, idle_since: float | None, now: float, delay_s: float
+) -> tuple[bool, float | None]:
     """Whether an idle rank hands its scratch back now, and when its idle time began.
 
     ``worked``: it ran a forward pass since it last did; ``busy``: a sequence runs or
@@ -154,15 +146,22 @@ class Sequence:
 
     def state(self) -> SequenceState:
         """It as a step's plan sees it."""
-        return SequenceState(self.prompt_len, self.prefilled, len(self.generated), self.task.max_tokens,
-                             self.task.stop_token_ids, self.scored)
+        return SequenceState(
+            self.prompt_len,
+            self.prefilled,
+            len(self.generated),
+            self.task.max_tokens,
+            self.task.stop_token_ids,
+            self.scored,
+        )
 
 
 def queued_state(task: Task) -> SequenceState:
     """A waiting task as a step's plan sees it (:meth:`Sequence.state` once admitted, its
     prefill yet to start)."""
-    return SequenceState(len(task.prompt), 0, 0, task.max_tokens, task.stop_token_ids,
-                         task.sampling.prompt_logprobs is not None)
+    return SequenceState(
+        len(task.prompt), 0, 0, task.max_tokens, task.stop_token_ids, task.sampling.prompt_logprobs is not None
+    )
 
 
 class Engine:
@@ -331,13 +330,27 @@ class Engine:
         running sequences, the waiting tasks (with what admission sees of them, returned
         beside it for :meth:`admit`) and the free and cached slots."""
         block = self.stage.cache.block_tokens
-        wants = [Waiting(t.prompt, self._prompt_hashes(t), kv_reservation(
-            len(t.prompt), t.max_tokens, self.context, block, self.kv_tokens), self._may_reuse(t))
-            for t in self.waiting]
-        limits = StepLimits(self.context, self.prefill_chunk, block, self.prefill_step_tokens,
-                            self.prefill_burst_tokens)
-        plan = plan_step([s.state() for s in self.running], [queued_state(t) for t in self.waiting], wants,
-                         self.free_slots, list(self.cached.values()), self.free_kv_tokens, limits)
+        wants = [
+            Waiting(
+                t.prompt,
+                self._prompt_hashes(t),
+                kv_reservation(len(t.prompt), t.max_tokens, self.context, block, self.kv_tokens),
+                self._may_reuse(t),
+            )
+            for t in self.waiting
+        ]
+        limits = StepLimits(
+            self.context, self.prefill_chunk, block, self.prefill_step_tokens, self.prefill_burst_tokens
+        )
+        plan = plan_step(
+            [s.state() for s in self.running],
+            [queued_state(t) for t in self.waiting],
+            wants,
+            self.free_slots,
+            list(self.cached.values()),
+            self.free_kv_tokens,
+            limits,
+        )
         return plan, wants
 
     def admit(self, plan: Admission, wants: list[Waiting]) -> None:
@@ -363,8 +376,15 @@ class Engine:
                 cache.copy(start.source, start.slot, start.reused)
                 self._clock += 1
                 self.cached[start.source] = replace(self.cached[start.source], used=self._clock)
-            seq = Sequence(task, start.slot, kv_reserved=want.need, prefilled=start.reused,
-                           reused=start.reused, exact_end=start.reused, hashes=want.hashes)
+            seq = Sequence(
+                task,
+                start.slot,
+                kv_reserved=want.need,
+                prefilled=start.reused,
+                reused=start.reused,
+                exact_end=start.reused,
+                hashes=want.hashes,
+            )
             self.free_kv_tokens -= want.need
             self.prompt_tokens += len(task.prompt)
             self.reused_tokens += start.reused
@@ -399,8 +419,9 @@ class Engine:
     def _sampler(self, task: Task) -> Sampler:
         constraint = None
         if task.sampling.grammar is not None:
-            constraint = Constraint.start(task.sampling.grammar, self._grammar_tokenizer,
-                                          task.stop_token_ids, task.task_id)
+            constraint = Constraint.start(
+                task.sampling.grammar, self._grammar_tokenizer, task.stop_token_ids, task.task_id
+            )
         return Sampler(task.sampling, task.prompt, constraint)
 
     def _grammar_tokenizer(self) -> object:
@@ -423,8 +444,9 @@ class Engine:
         self.stage.cache.release(seq.slot, keep)
         self._clock += 1
         sequence = seq.task.prompt + tuple(seq.generated)
-        self.cached[seq.slot] = CachedPrefix(seq.slot, sequence[:keep], tuple(seq.hashes[: keep // block]),
-                                             self._clock, rest=sequence[keep:])
+        self.cached[seq.slot] = CachedPrefix(
+            seq.slot, sequence[:keep], tuple(seq.hashes[: keep // block]), self._clock, rest=sequence[keep:]
+        )
         self.free_kv_tokens -= keep
 
     def _kept(self, seq: Sequence) -> int:
@@ -451,8 +473,12 @@ class Engine:
             self._extend(plan.extension)
         if self.on_idle is not None:
             release, self._idle_since = idle_release(
-                self._worked, bool(self.running or self.waiting), self._idle_since,
-                time.monotonic(), self.idle_release_s)
+                self._worked,
+                bool(self.running or self.waiting),
+                self._idle_since,
+                time.monotonic(),
+                self.idle_release_s,
+            )
             if release:
                 self._worked = False
                 self.on_idle()
@@ -475,8 +501,13 @@ class Engine:
             if index >= plan.first_chunk:
                 seq, chunk = chunks[index - plan.first_chunk]
                 if seq.task.origin == self.node_id and not seq.scored:  # (scored: once shared)
-                    self.emit([PrefillProgress(seq.task.task_id, chunk.start + chunk.length, seq.prompt_len,
-                                               cached=seq.reused)])
+                    self.emit(
+                        [
+                            PrefillProgress(
+                                seq.task.task_id, chunk.start + chunk.length, seq.prompt_len, cached=seq.reused
+                            )
+                        ]
+                    )
 
         if plan.sampled:  # the exchange after it (_sample_and_advance) carries their ids
             self.stage.expect_gather(proposal_length(AGREE_K, len(plan.sampled)))
@@ -486,7 +517,7 @@ class Engine:
             logits = outputs[0]
             assert logits is not None  # the sampling rank has logits for every micro-batch
             rows = [logits[i] for i in range(len(decoding))]
-        rows += self._advance_prefill(chunks, outputs[plan.first_chunk:])
+        rows += self._advance_prefill(chunks, outputs[plan.first_chunk :])
         if plan.sampled:
             self._sample_and_advance(plan, [seqs[i] for i in plan.sampled], rows)
 
@@ -496,16 +527,20 @@ class Engine:
         prefix = self.cached[extension.slot]
         end = extension.start + extension.length
         tokens = prefix.token_ids + prefix.rest
-        micro = [(torch.tensor(tokens[start : start + length], dtype=torch.long),
-                  self.stage.prefill_batch(extension.slot, start, length, want_logits=False,
-                                           key_span=self.prefill_chunk))
-                 for _, start, length in prefill_plan([(end, extension.start)], self.prefill_chunk, end)]
+        micro = [
+            (
+                torch.tensor(tokens[start : start + length], dtype=torch.long),
+                self.stage.prefill_batch(extension.slot, start, length, want_logits=False, key_span=self.prefill_chunk),
+            )
+            for _, start, length in prefill_plan([(end, extension.start)], self.prefill_chunk, end)
+        ]
         self._compute(micro, lambda _: None, 0, decode_only=False)
         self.free_kv_tokens -= end - prefix.tokens
         self.cached[extension.slot] = prefix.extended(end, self.stage.cache.block_tokens)
 
-    def _micro_batches(self, decoding: list[Sequence],
-                       chunks: list[tuple[Sequence, Chunk]]) -> list[tuple[torch.Tensor, ForwardBatch]]:
+    def _micro_batches(
+        self, decoding: list[Sequence], chunks: list[tuple[Sequence, Chunk]]
+    ) -> list[tuple[torch.Tensor, ForwardBatch]]:
         """The step's micro-batches, their input ids and batch: one decode token of every
         sequence in ``decoding`` (if any), then each prefill chunk."""
         stage = self.stage
@@ -515,14 +550,26 @@ class Engine:
             batch = stage.decode_batch([s.slot for s in decoding], [s.next_position for s in decoding])
             micro.append((torch.tensor([s.generated[-1] for s in decoding], dtype=torch.long), batch))
         for seq, chunk in chunks:
-            batch = stage.prefill_batch(seq.slot, chunk.start, chunk.length, want_logits=chunk.want_logits,
-                                        every_row=chunk.every_row, key_span=key_span)
-            micro.append((torch.tensor(seq.task.prompt[chunk.start : chunk.start + chunk.length],
-                                       dtype=torch.long), batch))
+            batch = stage.prefill_batch(
+                seq.slot,
+                chunk.start,
+                chunk.length,
+                want_logits=chunk.want_logits,
+                every_row=chunk.every_row,
+                key_span=key_span,
+            )
+            micro.append(
+                (torch.tensor(seq.task.prompt[chunk.start : chunk.start + chunk.length], dtype=torch.long), batch)
+            )
         return micro
 
-    def _compute(self, micro: list[tuple[torch.Tensor, ForwardBatch]], computed: Callable[[int], None],
-                 decoding: int, decode_only: bool) -> list[torch.Tensor | None]:
+    def _compute(
+        self,
+        micro: list[tuple[torch.Tensor, ForwardBatch]],
+        computed: Callable[[int], None],
+        decoding: int,
+        decode_only: bool,
+    ) -> list[torch.Tensor | None]:
         """Run the micro-batches at the thread governor's count; time a decode-only step
         (of ``decoding`` rows) for it."""
         threads = self.threads
@@ -537,8 +584,9 @@ class Engine:
                 log.debug("decode steps: %d compute threads next", threads.threads)
         return outputs
 
-    def _advance_prefill(self, chunks: list[tuple[Sequence, Chunk]],
-                         outputs: list[torch.Tensor | None]) -> list[torch.Tensor]:
+    def _advance_prefill(
+        self, chunks: list[tuple[Sequence, Chunk]], outputs: list[torch.Tensor | None]
+    ) -> list[torch.Tensor]:
         """Record the step's prefill chunks (``outputs``: theirs) in their sequences, share
         a scored prompt's log-probabilities; the logits of the prompts' last rows that the
         chunks end (on the sampling rank)."""
@@ -555,8 +603,7 @@ class Engine:
                 rows.append(out[-1])
         return rows
 
-    def _share_prompt_logprobs(self, seq: Sequence, start: int, length: int,
-                               hidden: torch.Tensor | None) -> None:
+    def _share_prompt_logprobs(self, seq: Sequence, start: int, length: int, hidden: torch.Tensor | None) -> None:
         """Share the log-probabilities of the prompt tokens a chunk gives (of tokens
         ``start + 1 .. start + length``, those in the prompt) from the sampling rank, and
         send them (:class:`PrefillProgress` ``logprobs``) where the task streams. Called
@@ -575,10 +622,16 @@ class Engine:
                 assert hidden is not None  # every row's, on the sampling rank
                 targets = torch.tensor(seq.task.prompt[start + 1 : start + 1 + n], dtype=torch.long)
                 hidden = hidden[:n]
-                table = torch.cat([
-                    prompt_logprob_table(self.stage.shard.logits(hidden[b : b + SCORE_BLOCK_ROWS]),
-                                         targets[b : b + SCORE_BLOCK_ROWS], width)
-                    for b in range(0, n, SCORE_BLOCK_ROWS)]).to(self.comm_device)
+                table = torch.cat(
+                    [
+                        prompt_logprob_table(
+                            self.stage.shard.logits(hidden[b : b + SCORE_BLOCK_ROWS]),
+                            targets[b : b + SCORE_BLOCK_ROWS],
+                            width,
+                        )
+                        for b in range(0, n, SCORE_BLOCK_ROWS)
+                    ]
+                ).to(self.comm_device)
             else:
                 table = torch.empty((n, 1 + 2 * width), dtype=torch.float32, device=self.comm_device)
             rows = self.stage.share_logprobs(table).cpu().tolist()
@@ -607,16 +660,27 @@ class Engine:
                 k = wanted[index]
                 logprob, top = (None, ()) if k is None or width is None else read_logprobs(rows[index], width, k)
                 written = max(0, self._kept(seq) - seq.reused) if finish is not None else 0
-                events.append(TokenEvent(seq.task.task_id, token, finish, seq.prompt_len, logprob, top,
-                                         cached_tokens=seq.reused, cache_written=written))
+                events.append(
+                    TokenEvent(
+                        seq.task.task_id,
+                        token,
+                        finish,
+                        seq.prompt_len,
+                        logprob,
+                        top,
+                        cached_tokens=seq.reused,
+                        cache_written=written,
+                    )
+                )
             if finish is not None:
                 self._finish(seq)
         self.emit(events)
         self.apply_agreement(agreement)
         self._agreed = True
 
-    def _sample(self, seqs: list[Sequence], logits: list[torch.Tensor],
-                width: int | None) -> tuple[list[int], torch.Tensor | None]:
+    def _sample(
+        self, seqs: list[Sequence], logits: list[torch.Tensor], width: int | None
+    ) -> tuple[list[int], torch.Tensor | None]:
         """The sampled ids (on the sampling rank; as many zeros elsewhere) and, where
         ``width`` is set, the log-probability table to share (elsewhere, one to receive
         it into)."""
@@ -653,7 +717,10 @@ class Engine:
         )
         last = self._last_stats
         if last is None or (stats.running, stats.waiting, stats.held, stats.cached_tokens) != (
-            last.running, last.waiting, last.held, last.cached_tokens
+            last.running,
+            last.waiting,
+            last.held,
+            last.cached_tokens,
         ):
             self._last_stats = stats
             self.send(stats)

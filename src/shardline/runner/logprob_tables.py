@@ -42,8 +42,7 @@ def prompt_logprob_table(logits: torch.Tensor, targets: torch.Tensor, k: int) ->
     ``[n]``; returns float32 ``[n, 1 + 2 k]`` on ``logits``' device."""
     logprobs = torch.log_softmax(logits.float(), dim=-1)
     k = min(k, MAX_TOP_LOGPROBS)
-    table = torch.full((logits.shape[0], 1 + 2 * k), float("nan"), dtype=torch.float32,
-                       device=logits.device)
+    table = torch.full((logits.shape[0], 1 + 2 * k), float("nan"), dtype=torch.float32, device=logits.device)
     table[:, 0] = logprobs.gather(1, targets.to(logits.device).view(-1, 1)).squeeze(1)
     shown = min(k, logits.shape[1])
     if shown:
@@ -57,6 +56,7 @@ def read_logprobs(row: list[float], width: int, k: int) -> tuple[float, tuple[tu
     """A row of :func:`logprob_table` back as the chosen token's log-probability and its
     ``k`` top entries."""
     k = min(k, width)
-    top = tuple((int(row[1 + j]), row[1 + width + j]) for j in range(k)
-                if row[1 + j] == row[1 + j])  # NaN: the vocabulary has fewer tokens
+    top = tuple(
+        (int(row[1 + j]), row[1 + width + j]) for j in range(k) if row[1 + j] == row[1 + j]
+    )  # NaN: the vocabulary has fewer tokens
     return row[0], top

@@ -65,8 +65,7 @@ def row_class(rows: int) -> int:
     return (rows > FUSED_PREFILL_MAX_ROWS) + (rows >= AMX_PREFILL_MIN_ROWS)
 
 
-def matched_tokens(prompt: tuple[int, ...], prompt_hashes: list[int], cached: "CachedPrefix",
-                   block: int) -> int:
+def matched_tokens(prompt: tuple[int, ...], prompt_hashes: list[int], cached: "CachedPrefix", block: int) -> int:
     """Tokens of the longest run of whole blocks that starts both ``prompt`` and the cached
     prefix (their token ids compared too: a hash collision matches nothing)."""
     n = 0
@@ -134,8 +133,7 @@ class CachedPrefix:
         """It holding its first ``end`` tokens (of ``token_ids + rest``; whole blocks) once
         an :class:`Extension` computed them."""
         tokens = self.token_ids + self.rest
-        return replace(self, token_ids=tokens[:end], hashes=tuple(block_hashes(tokens[:end], block)),
-                       rest=tokens[end:])
+        return replace(self, token_ids=tokens[:end], hashes=tuple(block_hashes(tokens[:end], block)), rest=tokens[end:])
 
 
 @dataclass(frozen=True)
@@ -216,8 +214,23 @@ class Admission:
     evicted_before: tuple[int, ...] = ()
 
 
-def plan_admission(waiting: list[Waiting], free_slots: list[int], cached: list[CachedPrefix],
-                   free_tokens: int, chunk: int, block: int) -> Admission:
+def _furthest(task: Waiting, pool: list[CachedPrefix], chunk: int, block: int) -> tuple[CachedPrefix | None, int]:
+    """The cached prefix of ``pool`` (least recently used first) from which ``task``
+    resumes furthest (:func:`reuse`; the most recently used of equals) and where it
+    resumes; (None, 0) where none gives it a token."""
+    best: CachedPrefix | None = None
+    best_reuse = 0
+    if task.may_reuse:
+        for prefix in reversed(pool):  # most recently used first: it wins ties
+            r = reuse(matched_tokens(task.prompt, task.hashes, prefix, block), len(task.prompt), chunk, block)
+            if r > best_reuse:
+                best, best_reuse = prefix, r
+    return best, best_reuse
+
+
+def plan_admission(
+    waiting: list[Waiting], free_slots: list[int], cached: list[CachedPrefix], free_tokens: int, chunk: int, block: int
+) -> Admission:
     """Which waiting tasks start, in order, and where (first come, first served: the first
     that cannot start and every task behind it wait).
 
@@ -257,17 +270,15 @@ def plan_admission(waiting: list[Waiting], free_slots: list[int], cached: list[C
         return victim.slot
 
     for index, task in enumerate(waiting):
-        best: CachedPrefix | None = None
-        best_reuse = 0
-        if task.may_reuse:
-            for prefix in reversed(pool):  # most recently used first: it wins ties
-                r = reuse(matched_tokens(task.prompt, task.hashes, prefix, block), len(task.prompt), chunk, block)
-                if r > best_reuse:
-                    best, best_reuse = prefix, r
+        best, best_reuse = _furthest(task, pool, chunk, block)
         others = sum(c.tokens for c in pool if c is not best)
         held = best.tokens if best is not None else 0
-        if best is not None and held - best_reuse >= chunk and (free or len(pool) > 1) \
-                and task.need <= free_tokens + others:  # a copy of its shared part
+        if (
+            best is not None
+            and held - best_reuse >= chunk
+            and (free or len(pool) > 1)
+            and task.need <= free_tokens + others
+        ):  # a copy of its shared part
             slot = free.pop(0) if free else evict(best)
             while free_tokens < task.need:
                 evict(best)

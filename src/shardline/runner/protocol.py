@@ -121,8 +121,15 @@ class Task:
     @classmethod
     def of(cls, task_id: int, origin: str, request: TokenRequest) -> "Task":
         """The task every rank runs for ``request``."""
-        return cls(task_id, origin, request.prompt, request.max_tokens, request.sampling,
-                   request.stop_token_ids, request.cache_prompt)
+        return cls(
+            task_id,
+            origin,
+            request.prompt,
+            request.max_tokens,
+            request.sampling,
+            request.stop_token_ids,
+            request.cache_prompt,
+        )
 
 
 @dataclass(frozen=True)

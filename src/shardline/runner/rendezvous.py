@@ -97,9 +97,11 @@ def bind_failure(address: str, port: int, error: OSError) -> str:
     bind): names the two usual causes, a port taken since the coordinator chose it and an
     address that is not this machine's."""
     reason = error.strerror or str(error)
-    return (f"cannot listen on {address}:{port} for the instance's process group ({reason}): "
-            f"the port was taken since it was chosen, or {address} is not an address of this "
-            f"machine (--host must be one); the instance is placed again on another port")
+    return (
+        f"cannot listen on {address}:{port} for the instance's process group ({reason}): "
+        f"the port was taken since it was chosen, or {address} is not an address of this "
+        f"machine (--host must be one); the instance is placed again on another port"
+    )
 
 
 def listen(address: str, port: int) -> socket.socket:
@@ -135,8 +137,9 @@ def _register_gloo(hostname: str) -> None:
         try:
             options._devices = [gloo.create_device(hostname=hostname)]
         except RuntimeError as exc:
-            raise RendezvousError(f"gloo cannot bind to {hostname} ({exc}): --host must be an "
-                                  f"address of this machine") from exc
+            raise RendezvousError(
+                f"gloo cannot bind to {hostname} ({exc}): --host must be an address of this machine"
+            ) from exc
         options._timeout = timeout
         options._threads = 2  # what torch's gloo gives one device
         group = gloo(store, rank, size, options)
@@ -161,8 +164,9 @@ def _use_nccl_interface_of(host: str | None) -> None:
     log.warning("no network interface holds %s: NCCL uses its default interface", host)
 
 
-def join(rank: int, world_size: int, master_addr: str, master_port: int, host: str | None,
-         cuda: bool, timeout: timedelta) -> None:
+def join(
+    rank: int, world_size: int, master_addr: str, master_port: int, host: str | None, cuda: bool, timeout: timedelta
+) -> None:
     """Join the default process group: gloo on CPU, NCCL on CUDA (the CUDA device already
     set). Rank 0 listens on ``master_addr:master_port`` only; every rank connects there.
 
@@ -175,8 +179,7 @@ def join(rank: int, world_size: int, master_addr: str, master_port: int, host: s
     address = bare_address(master_addr)
     if rank == 0:
         listener = listen(address, master_port)
-        store = dist.TCPStore(address, master_port, world_size, True, timeout,
-                              master_listen_fd=listener.detach())
+        store = dist.TCPStore(address, master_port, world_size, True, timeout, master_listen_fd=listener.detach())
     else:
         store = dist.TCPStore(address, master_port, world_size, False, timeout)
     if cuda:

@@ -83,8 +83,9 @@ def apply_logit_bias(logits: torch.Tensor, bias: tuple[tuple[int, float], ...]) 
     return logits
 
 
-def apply_frequency_presence(logits: torch.Tensor, ids: torch.Tensor, counts: torch.Tensor,
-                             frequency: float, presence: float) -> torch.Tensor:
+def apply_frequency_presence(
+    logits: torch.Tensor, ids: torch.Tensor, counts: torch.Tensor, frequency: float, presence: float
+) -> torch.Tensor:
     """OpenAI's penalties, ``logit[j] -= count[j] * frequency + (count[j] > 0) * presence``,
     for the generated tokens ``ids`` (int64 ``[n]``, distinct) with their ``counts``
     (float32 ``[n]``, each > 0); the other logits (count 0) are unchanged. In place;
@@ -214,8 +215,7 @@ class Sampler:
         constraint: its grammar's mask, or None.
     """
 
-    def __init__(self, params: SamplingParams, prompt: tuple[int, ...] = (),
-                 constraint: Mask | None = None) -> None:
+    def __init__(self, params: SamplingParams, prompt: tuple[int, ...] = (), constraint: Mask | None = None) -> None:
         self.params = params
         self.constraint = constraint
         self.generator = None
@@ -226,10 +226,11 @@ class Sampler:
             self.generator.manual_seed(seed % (2**63))
             for _ in range(resumed):  # the draws of the output already given
                 torch.rand((), generator=self.generator, dtype=torch.float64)
-        self.penalised = (params.frequency_penalty != 0 or params.presence_penalty != 0
-                          or params.repetition_penalty != 1.0)
+        self.penalised = (
+            params.frequency_penalty != 0 or params.presence_penalty != 0 or params.repetition_penalty != 1.0
+        )
         self.prompt = prompt[: len(prompt) - resumed]
-        self.resumed = prompt[len(prompt) - resumed:]  # output already given
+        self.resumed = prompt[len(prompt) - resumed :]  # output already given
         if constraint is not None:
             for token in self.resumed:
                 constraint.consume(token)
@@ -246,8 +247,7 @@ class Sampler:
         copied to the CPU first unless the sampling is the plain argmax (which stays
         where it is: today's path)."""
         p = self.params
-        if logits.device.type != "cpu" and (self.processed or p.logprobs is not None
-                                            or not p.greedy):
+        if logits.device.type != "cpu" and (self.processed or p.logprobs is not None or not p.greedy):
             logits = logits.cpu()  # the counts, masks and generator are on the CPU
         x = self.process(logits) if self.processed else logits
         token = self._pick(x)
@@ -272,9 +272,13 @@ class Sampler:
                 generated = counts.generated
                 ids = generated.ids()
                 if ids.shape[0]:
-                    x = apply_frequency_presence(x, torch.from_numpy(ids.copy()),
-                                                 torch.from_numpy(generated.counts[ids]),
-                                                 p.frequency_penalty, p.presence_penalty)
+                    x = apply_frequency_presence(
+                        x,
+                        torch.from_numpy(ids.copy()),
+                        torch.from_numpy(generated.counts[ids]),
+                        p.frequency_penalty,
+                        p.presence_penalty,
+                    )
             if p.repetition_penalty != 1.0:
                 ids = counts.window.ids()
                 if ids.shape[0]:

@@ -107,11 +107,13 @@ class StepPlan:
         the step's agreed ids), None where it goes on (:func:`finish_reason`)."""
         return tuple(
             finish_reason(token, s.generated + 1, s.prompt_len, s.stop_token_ids, s.max_tokens, self.context)
-            for s, token in zip((self.seqs[i] for i in self.sampled), tokens))
+            for s, token in zip((self.seqs[i] for i in self.sampled), tokens)
+        )
 
 
-def finish_reason(token: int, generated: int, prompt_len: int, stop_token_ids: Sequence[int],
-                  max_tokens: int, context: int) -> str | None:
+def finish_reason(
+    token: int, generated: int, prompt_len: int, stop_token_ids: Sequence[int], max_tokens: int, context: int
+) -> str | None:
     """Why a sequence ends after it generated ``token`` (its ``generated``-th token):
     ``"stop"`` for one of its stop tokens (which it emits), ``"length"`` at ``max_tokens``
     generated or a full context (prompt and generated tokens), else None."""
@@ -148,14 +150,21 @@ def schedule(seqs: Sequence[SequenceState], limits: StepLimits) -> tuple[tuple[i
     decode = tuple(i for i, s in enumerate(seqs) if s.decoding)
     budget = limits.step_tokens if decode else limits.burst_tokens
     planned = prefill_plan([(s.prompt_len, s.prefilled) for s in seqs], limits.chunk, budget)
-    chunks = tuple(Chunk(i, start, length, start + length == seqs[i].prompt_len, seqs[i].scored)
-                   for i, start, length in planned)
+    chunks = tuple(
+        Chunk(i, start, length, start + length == seqs[i].prompt_len, seqs[i].scored) for i, start, length in planned
+    )
     return decode, chunks
 
 
-def plan_step(running: Sequence[SequenceState], waiting: Sequence[SequenceState], wants: Sequence[Waiting],
-              free_slots: list[int], cached: list[CachedPrefix], free_tokens: int,
-              limits: StepLimits) -> StepPlan:
+def plan_step(
+    running: Sequence[SequenceState],
+    waiting: Sequence[SequenceState],
+    wants: Sequence[Waiting],
+    free_slots: list[int],
+    cached: list[CachedPrefix],
+    free_tokens: int,
+    limits: StepLimits,
+) -> StepPlan:
     """Plan a step: admit waiting tasks (``waiting``, as admission sees them: ``wants``)
     into the free and cached slots and the free pool tokens
     (:func:`~shardline.runner.prefix_cache.plan_admission`; each starts prefilled to the

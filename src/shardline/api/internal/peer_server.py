@@ -64,8 +64,12 @@ def _membership_routes(routes: APIRouter, node: Node) -> None:
         """A coordinator's table: adopted when its epoch is newer than this node's, else
         refused with 409 (an older term's, or a replay)."""
         if not await node.apply_state(message.state()):
-            return JSONResponse(status_code=409, content=StateReply(
-                epoch=node.epoch, detail="the state is not newer than this node's").model_dump(mode="json"))
+            return JSONResponse(
+                status_code=409,
+                content=StateReply(epoch=node.epoch, detail="the state is not newer than this node's").model_dump(
+                    mode="json"
+                ),
+            )
         return StateReply(epoch=node.epoch)
 
     @routes.get("/internal/free-port")
@@ -94,8 +98,9 @@ def _task_routes(routes: APIRouter, node: Node) -> None:
     async def generate(request: TokenRequest):
         routed: Instance | None = None
         try:  # a full queue is a 429 here (QueueFullError), before the stream begins
-            routed = node.router.route(request.prompt, node.router.ready_instance(
-                request.model_id, request_tokens(request)), local_only=True)
+            routed = node.router.route(
+                request.prompt, node.router.ready_instance(request.model_id, request_tokens(request)), local_only=True
+            )
             task_id = node.router.reserve(routed, request, bounded=request.sampling.resumed == 0)
         except NoInstanceError:
             task_id = None  # told in the stream
@@ -104,8 +109,9 @@ def _task_routes(routes: APIRouter, node: Node) -> None:
         return StreamingResponse(stream_lines(events, ran_on), media_type="application/x-ndjson")
 
 
-async def stream_lines(events: AsyncGenerator[TokenEvent | PrefillProgress, None],
-                       ran_on: list[str]) -> AsyncIterator[str]:
+async def stream_lines(
+    events: AsyncGenerator[TokenEvent | PrefillProgress, None], ran_on: list[str]
+) -> AsyncIterator[str]:
     """``/internal/generate``'s answer: a :class:`StreamLine` (JSON) a line for each of
     ``events``, each instance it ran on (``ran_on``, as it grows) named before that
     instance's events, and a failure as the last line."""

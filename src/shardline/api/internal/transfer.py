@@ -62,8 +62,9 @@ def model_file_response(store: ModelStore, model: str, path: str, range_header: 
     if not whole:
         wanted = single_range(range_header, size)
         if wanted is None or not covers(held, wanted):
-            return JSONResponse(status_code=404, content={
-                "detail": f"{model}: {path!r} is not here whole, nor the bytes asked for"})
+            return JSONResponse(
+                status_code=404, content={"detail": f"{model}: {path!r} is not here whole, nor the bytes asked for"}
+            )
     try:
         real = store.confined_path(model, path)
     except (UnsafePathError, ModelStoreError) as exc:
@@ -73,10 +74,12 @@ def model_file_response(store: ModelStore, model: str, path: str, range_header: 
         return FileResponse(real, media_type="application/octet-stream")
     assert wanted is not None
     start, end = wanted
-    return StreamingResponse(_read_range(real, start, end), status_code=206,
-                             media_type="application/octet-stream",
-                             headers={"Content-Range": f"bytes {start}-{end - 1}/{size}",
-                                      "Content-Length": str(end - start)})
+    return StreamingResponse(
+        _read_range(real, start, end),
+        status_code=206,
+        media_type="application/octet-stream",
+        headers={"Content-Range": f"bytes {start}-{end - 1}/{size}", "Content-Length": str(end - start)},
+    )
 
 
 def single_range(header: str | None, size: int) -> Range | None:
@@ -85,7 +88,7 @@ def single_range(header: str | None, size: int) -> Range | None:
     or one that is empty or past the end."""
     if header is None or not header.startswith("bytes=") or "," in header:
         return None
-    first, _, last = header[len("bytes="):].strip().partition("-")
+    first, _, last = header[len("bytes=") :].strip().partition("-")
     try:
         if not first:
             start, end = max(size - int(last), 0), size
