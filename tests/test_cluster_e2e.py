@@ -270,6 +270,14 @@ def test_bad_placements_are_refused_before_anything_starts(cluster3, extra, word
     assert placed(cluster3.url(0)) == before
 
 
+@pytest.mark.parametrize("path", ["/cluster/instances", "/cluster/placements/preview"])
+def test_an_unknown_sharding_is_refused_naming_it(cluster3, path):
+    response = httpx.post(f"{cluster3.url(0)}{path}", json={"sharding": "zigzag"}, timeout=30)
+    assert response.status_code == 400
+    error = response.json()["error"]
+    assert error["param"] == "sharding" and "sharding 'zigzag' is not supported" in error["message"]
+
+
 def test_preview_keeps_to_the_sharding_asked_for(cluster3):
     response = httpx.post(f"{cluster3.url(2)}/cluster/placements/preview", json={"sharding": "tensor"}, timeout=60)
     candidates = response.json()["candidates"]

@@ -147,6 +147,9 @@ async def preview(node: Node, body: CreateInstance) -> dict | JSONResponse:
     for an unknown model, 400 for one or a request that cannot be placed)."""
     try:
         options = body.placement_options()
+    except PlacementError as exc:  # no sharding of that name
+        return cluster_error(400, str(exc), "sharding")
+    try:
         model_id = await node.logistics.adopt(body.model)
         card = await node.logistics.model_card(model_id)
         candidates = await node.coordinator.preview(card, body.nodes, options)

@@ -94,6 +94,7 @@ async def create(node: Node, body: CreateInstance) -> tuple[int, dict]:
     except (ModelStoreError, UnsupportedModelError, PlacementRequestError) as exc:
         return 400, error_body(API.CLUSTER, 400, str(exc))
     except PlacementError as exc:
-        status = 400 if body.sharding not in SHARDINGS + ("auto",) else 409
-        return status, error_body(API.CLUSTER, status, str(exc))
+        if body.sharding not in SHARDINGS + ("auto",):  # no sharding of that name
+            return 400, error_body(API.CLUSTER, 400, str(exc), "sharding")
+        return 409, error_body(API.CLUSTER, 409, str(exc))
     return 201, inst.to_dict()
