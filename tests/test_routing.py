@@ -203,10 +203,8 @@ def test_a_request_runs_twice_at_most():
         node_id="a",
         instances={"x": _instance("x", READY, 0.0, node="b")},
         streams={},
-        is_stopping=lambda: False,
-        down_after_s=-0.9,
-        table_changed=asyncio.sleep,
-    )  # verdict after 0.1 s
+        **{**LIVE, "down_after_s": -0.9},  # verdict after 0.1 s
+    )
     asked: list[str] = []
 
     async def generate(address, request, ran_on=None):
@@ -527,10 +525,8 @@ def test_a_request_continues_twice_at_most():
         node_id="a",
         instances={"x": _instance("x", READY, 0.0, node="b")},
         streams={},
-        is_stopping=lambda: False,
-        down_after_s=-0.9,
-        table_changed=asyncio.sleep,
-    )  # verdict after 0.1 s
+        **{**LIVE, "down_after_s": -0.9},  # verdict after 0.1 s
+    )
     asked: list[TokenRequest] = []
 
     async def generate(address, request, ran_on=None):

@@ -152,11 +152,11 @@ class Node:
         self.rejoin = rejoin  # place an instance again on its returning nodes (rule 6)
         self.started_at = time.time()
         self._table_event = asyncio.Event()  # set and replaced whenever the table changes
-        self.cluster_state = ClusterState()  # the instance table and its epoch (node.state)
         self.state_path = state_path  # where the table and its epoch are kept
         kept = None if state_path is None else load_table(state_path)
-        if kept is not None:  # desired state: no runner starts from it until a coordinator publishes
-            self.cluster_state = kept
+        # the instance table and its epoch (node.state); a kept one is desired state: no
+        # runner starts from it until a coordinator publishes
+        self._cluster_state = ClusterState() if kept is None else kept
         self.streams: dict[int, RequestStream] = {}
         self.engine_stats: dict[str, dict] = {}  # instance id -> this node's rank's batch
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -493,7 +493,7 @@ class Node:
 
     @cluster_state.setter
     def cluster_state(self, state: ClusterState) -> None:
-        changed = getattr(self, "_cluster_state", None) is not state
+        changed = state is not self._cluster_state
         self._cluster_state = state
         if changed:  # wake those waiting on the table (table_changed)
             self._table_event.set()

@@ -168,12 +168,24 @@ def preview(
     dtype, quantize = options.dtype, options.quantize
     check_dtype(dtype)
     quantized = quantize.value if quantize else None
+    decode_weight_bytes = resident_bytes_per_weight(config, weight_file_bytes, dtype, quantize)
     options.kv_tokens(config)  # a pool of less than one sequence is refused first
     placements = _placements(
         config, nodes, options.shardings, options.max_nodes, options.min_nodes or 1, served, model_id, dtype, quantized
     )
     candidates = [
-        _candidate(config, sharding, subset, links, options, weight_file_bytes, baseline_bytes, model_id, served)
+        _candidate(
+            config,
+            sharding,
+            subset,
+            links,
+            options,
+            weight_file_bytes,
+            baseline_bytes,
+            decode_weight_bytes,
+            model_id,
+            served,
+        )
         for sharding, subset in placements
     ]
     feasible = [c for c in candidates if c.feasible]
@@ -196,11 +208,14 @@ def _candidate(
     options: PlacementOptions,
     weight_file_bytes: int,
     baseline_bytes: int,
+    decode_weight_bytes: float,
     model_id: str,
     served: Sequence[ServedSpeed],
 ) -> Candidate:
     """One placement of :func:`preview`'s: ``sharding`` on ``subset`` (in rank order),
-    feasible with its shares and speeds, or refused with its error."""
+    feasible with its shares and speeds, or refused with its error (``decode_weight_bytes``:
+    :func:`~shardline.placement.ranks.resident_bytes_per_weight`'s, the same for every
+    candidate)."""
     ids = tuple(n.node_id for n in subset)
     capacities = [NodeCapacity(n.node_id, n.available_bytes) for n in subset]
     try:
@@ -208,7 +223,6 @@ def _candidate(
     except PlacementError as exc:
         return Candidate(sharding, ids, error=str(exc))
     dtype, quantize = options.dtype, options.quantize
-    decode_weight_bytes = resident_bytes_per_weight(config, weight_file_bytes, dtype, quantize)
     model = predict_tokens_per_s(
         config, sharding, subset, shares, links, options.sizes()[0], dtype, decode_weight_bytes=decode_weight_bytes
     )
