@@ -218,27 +218,37 @@ def answered(slot: int, kept: int, rest: int, used: int = 1) -> CachedPrefix:
 
 
 @pytest.mark.parametrize(
-    "prefixes, free_tokens, extension",
+    "prefixes, free_tokens, extension, context",
     [
         # a 243-token prompt kept 240 and answered 64: 304 whole, started back to 96 rows (AMX's class)
-        ([answered(0, 240, 67)], 1000, Extension(0, 208, 96)),
-        # rows past the window's first 96 only: the chunk would read fewer rows than a cold one
-        ([answered(0, 512, 70)], 1000, None),
+        ([answered(0, 240, 67)], 1000, Extension(0, 208, 96), 4096),
+        # rows past the window's start only: padded with 32 rows thrown away to 96 rows
+        ([answered(0, 512, 70)], 1000, Extension(0, 512, 64, pad=32), 4096),
+        # ... not past the context; the pad's pool tokens free
+        ([answered(0, 512, 70)], 1000, None, 600),
+        ([answered(0, 512, 70)], 95, None, 4096),
+        ([answered(0, 512, 70)], 96, Extension(0, 512, 64, pad=32), 4096),
+        # at the window's end: started back, not padded past it (the chunk would read more keys)
+        ([answered(0, 992, 40)], 1000, Extension(0, 928, 96), 4096),
         # a window at a time: the first ends at 512
-        ([answered(0, 480, 200)], 1000, Extension(0, 416, 96)),
-        ([answered(0, 512, 168)], 1000, Extension(0, 512, 160)),
+        ([answered(0, 480, 200)], 1000, Extension(0, 416, 96), 4096),
+        ([answered(0, 512, 168)], 1000, Extension(0, 512, 160), 4096),
         # no whole block to add; no free pool tokens (nothing is evicted for it)
-        ([answered(0, 240, 15)], 1000, None),
-        ([answered(0, 240, 67)], 63, None),
-        ([answered(0, 240, 67)], 64, Extension(0, 208, 96)),
+        ([answered(0, 240, 15)], 1000, None, 4096),
+        ([answered(0, 240, 67)], 63, None, 4096),
+        ([answered(0, 240, 67)], 64, Extension(0, 208, 96), 4096),
         # the most recently used first; one that cannot grow leaves it to the next
-        ([answered(0, 240, 67, used=1), answered(1, 480, 200, used=2)], 1000, Extension(1, 416, 96)),
-        ([answered(0, 240, 67, used=1), answered(1, 512, 70, used=2)], 1000, Extension(0, 208, 96)),
-        ([], 1000, None),
+        ([answered(0, 240, 67, used=1), answered(1, 480, 200, used=2)], 1000, Extension(1, 416, 96), 4096),
+        ([answered(0, 240, 67, used=1), answered(1, 240, 15, used=2)], 1000, Extension(0, 208, 96), 4096),
+        ([], 1000, None, 4096),
     ],
     ids=[
         "answer",
-        "short window",
+        "padded",
+        "context",
+        "no pool for the pad",
+        "pool for the pad",
+        "window end",
         "to the window",
         "next window",
         "part block",
@@ -249,8 +259,8 @@ def answered(slot: int, kept: int, rest: int, used: int = 1) -> CachedPrefix:
         "none",
     ],
 )
-def test_a_cached_prefix_grows_over_its_answer_in_a_whole_chunks_class(prefixes, free_tokens, extension):
-    assert plan_extension(prefixes, free_tokens, chunk=512, block=16) == extension
+def test_a_cached_prefix_grows_over_its_answer_in_a_whole_chunks_class(prefixes, free_tokens, extension, context):
+    assert plan_extension(prefixes, free_tokens, chunk=512, block=16, context=context) == extension
 
 
 def test_an_extended_prefix_holds_its_answer_blocks_with_their_hashes():
@@ -265,5 +275,5 @@ def test_chunks_shorter_than_a_block_grow_a_prefix_a_block_of_whole_chunks_at_a_
     prefix = CachedPrefix(
         0, tuple(range(128)), tuple(block_hashes(tuple(range(128)), 64)), 1, rest=tuple(range(128, 230))
     )
-    assert plan_extension([prefix], 1000, chunk=8, block=64) == Extension(0, 128, 64)
-    assert plan_extension([prefix.extended(192, 64)], 1000, chunk=8, block=64) is None  # 38 left: no block
+    assert plan_extension([prefix], 1000, chunk=8, block=64, context=4096) == Extension(0, 128, 64)
+    assert plan_extension([prefix.extended(192, 64)], 1000, chunk=8, block=64, context=4096) is None  # 38 left: no block

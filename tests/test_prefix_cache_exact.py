@@ -107,35 +107,60 @@ def test_a_seeded_sample_is_the_same_with_and_without_a_hit(shard):
     assert mine == theirs and len(set(mine)) > 1
 
 
-def test_an_answer_is_cached_while_idle_with_a_cold_prefills_bits(shard):
+@pytest.fixture(scope="module")
+def blocks_of_32(tmp_path_factory):
+    """A tiny Qwen3 of 64-wide heads in int4: KV blocks of 32 positions (SmolLM2's), shorter
+    than a whole chunk's class needs (:data:`~shardline.models.native_dequant.AMX_PREFILL_MIN_ROWS`),
+    and where the compiled kernels are built, chunks of up to 64 rows take the fused
+    layers, whose bits differ from a whole chunk's."""
+    from shardline.models.config import Quantize
+    from shardline.models.shard_loader import load_shard
+    from shardline.models.weights import open_weights
+
+    path = tmp_path_factory.mktemp("tiny-qwen3")
+    tm.save_hf(tm.hf_model("qwen3", num_layers=2, seed=4, head_dim=64), path)
+    shard = load_shard(open_weights(path), 0, 2, dtype=torch.bfloat16, quantize=Quantize.INT4)
+    return shard
+
+
+@pytest.mark.parametrize(
+    "model, prompt_len, answer_len",
+    [
+        ("shard", 700, 100),  # blocks of 128: the answer's rows a whole chunk's class
+        ("blocks_of_32", 520, 40),  # cached to 512, the answer's one block padded to 96 rows
+        ("blocks_of_32", 700, 30),  # cached to 512 (whole chunks), rows 512-703 in one go
+    ],
+    ids=["blocks of 128", "padded", "rest of the chunk"],
+)
+def test_an_answer_is_cached_while_idle_with_a_cold_prefills_bits(request, model, prompt_len, answer_len):
     """A conversation's next turn holds this turn's answer: computed while the engine idles,
     as a cold prefill computes it, it is cached too, and the next turn resumes after it
     with a cold prefill's logits and keys."""
+    shard = request.getfixturevalue(model)
     rng = random.Random(7)
-    prompt = tuple(rng.randrange(tm.VOCAB) for _ in range(700))
+    prompt = tuple(rng.randrange(tm.VOCAB) for _ in range(prompt_len))
     greedy = SamplingParams(temperature=0.0)
     warm, warm_sent = engine(shard)
     block = warm.stage.cache.block_tokens
     answer: list[int] = []
-    run(warm, warm_sent, Task(1, "n", prompt, 100, greedy), answer)
+    run(warm, warm_sent, Task(1, "n", prompt, answer_len, greedy), answer)
     (before,) = warm.cached.values()
-    assert before.tokens == 700 // block * block and len(before.rest) == 800 - before.tokens
+    assert len(before.rest) == prompt_len + answer_len - before.tokens
     for _ in range(3):
         warm.step()  # idle: nothing runs or waits
     (after,) = warm.cached.values()
-    assert after.tokens == 800 // block * block > before.tokens  # whole blocks of prompt + answer
+    grown = (prompt_len + answer_len) // block * block
+    assert after.tokens == grown > before.tokens  # whole blocks of prompt + answer
     turn = prompt + tuple(answer) + tuple(rng.randrange(tm.VOCAB) for _ in range(300))
     cold, cold_sent = engine(shard)
     assert run(cold, cold_sent, Task(2, "n", turn, 1, greedy)) == 0
-    assert run(warm, warm_sent, Task(3, "n", turn, 1, greedy)) == after.tokens
+    assert run(warm, warm_sent, Task(3, "n", turn, 1, greedy)) == grown
     assert torch.equal(warm.first_logits[3], cold.first_logits[2])
     (mine,), (theirs,) = warm.cached.values(), cold.cached.values()
     for layer in range(2):
         assert torch.equal(
-            warm.stage.cache.k[layer][mine.slot, :, : after.tokens],
-            cold.stage.cache.k[layer][theirs.slot, :, : after.tokens],
+            warm.stage.cache.k[layer][mine.slot, :, :grown], cold.stage.cache.k[layer][theirs.slot, :, :grown]
         )
         assert torch.equal(
-            warm.stage.cache.v[layer][mine.slot, :, : after.tokens],
-            cold.stage.cache.v[layer][theirs.slot, :, : after.tokens],
+            warm.stage.cache.v[layer][mine.slot, :, :grown], cold.stage.cache.v[layer][theirs.slot, :, :grown]
         )

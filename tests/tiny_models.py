@@ -51,11 +51,13 @@ def hf_model(
     vocab: int = VOCAB,
     experts: int = EXPERTS,
     norm_topk_prob: bool = True,
+    head_dim: int = HEAD_DIM,
 ):
     """A float32, eval-mode ``*ForCausalLM`` of ``arch`` ("llama", "qwen2", "qwen3", and
     the mixtures of experts "qwen3moe" and "mixtral", of ``experts`` experts
     :data:`EXPERT_WIDTH` wide, :data:`EXPERTS_PER_TOKEN` a token) with a vocabulary of
-    ``vocab`` tokens (49,152 to pair it with SmolLM2's tokenizer: :func:`save_with_tokenizer`)."""
+    ``vocab`` tokens (49,152 to pair it with SmolLM2's tokenizer: :func:`save_with_tokenizer`);
+    ``head_dim``: qwen3's (the others' is :data:`HIDDEN` / :data:`HEADS`)."""
     import transformers
 
     transformers.logging.set_verbosity_error()
@@ -83,7 +85,7 @@ def hf_model(
         kwargs["use_sliding_window"] = False
     elif arch == "qwen3":
         config_cls, model_cls = transformers.Qwen3Config, transformers.Qwen3ForCausalLM
-        kwargs["head_dim"] = HEAD_DIM
+        kwargs["head_dim"] = head_dim
         kwargs["use_sliding_window"] = False
     elif arch == "qwen3moe":
         config_cls, model_cls = transformers.Qwen3MoeConfig, transformers.Qwen3MoeForCausalLM

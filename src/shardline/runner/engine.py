@@ -523,18 +523,23 @@ class Engine:
 
     def _extend(self, extension: Extension) -> None:
         """Compute a cached prefix's rows ``extension`` names (prefill chunks, no logits)
-        and cache them (:func:`~shardline.runner.prefix_cache.plan_extension`)."""
+        and its pad rows (the last token again, at the positions after them, given back
+        once computed), and cache them
+        (:func:`~shardline.runner.prefix_cache.plan_extension`)."""
         prefix = self.cached[extension.slot]
         end = extension.start + extension.length
-        tokens = prefix.token_ids + prefix.rest
+        tokens = (prefix.token_ids + prefix.rest)[:end]
+        tokens += tokens[-1:] * extension.pad
         micro = [
             (
                 torch.tensor(tokens[start : start + length], dtype=torch.long),
                 self.stage.prefill_batch(extension.slot, start, length, want_logits=False, key_span=self.prefill_chunk),
             )
-            for _, start, length in prefill_plan([(end, extension.start)], self.prefill_chunk, end)
+            for _, start, length in prefill_plan([(len(tokens), extension.start)], self.prefill_chunk, len(tokens))
         ]
         self._compute(micro, lambda _: None, 0, decode_only=False)
+        if extension.pad:
+            self.stage.cache.release(extension.slot, end)
         self.free_kv_tokens -= end - prefix.tokens
         self.cached[extension.slot] = prefix.extended(end, self.stage.cache.block_tokens)
 

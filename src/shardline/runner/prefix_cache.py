@@ -140,14 +140,24 @@ class CachedPrefix:
 class Extension:
     """Rows ``start .. start + length - 1`` of cached slot ``slot``'s ``token_ids + rest``
     prefilled (cut at multiples of the chunk), so its cached prefix grows to ``start +
-    length`` tokens."""
+    length`` tokens; ``pad``: rows after them computed in the same chunk and thrown away
+    (their positions given back), so that the chunk has a whole chunk's
+    :func:`row_class`."""
 
     slot: int
     start: int
     length: int
+    pad: int = 0
 
 
-def plan_extension(cached: list[CachedPrefix], free_tokens: int, chunk: int, block: int) -> Extension | None:
+def fewest_rows(cls: int) -> int:
+    """The fewest rows a prefill chunk of :func:`row_class` ``cls`` has."""
+    return (1, FUSED_PREFILL_MAX_ROWS + 1, AMX_PREFILL_MIN_ROWS)[cls]
+
+
+def plan_extension(
+    cached: list[CachedPrefix], free_tokens: int, chunk: int, block: int, context: int
+) -> Extension | None:
     """The rows that make a cached prefix cover more of its sequence while the engine
     idles (nothing runs or waits), or None.
 
@@ -156,7 +166,8 @@ def plan_extension(cached: list[CachedPrefix], free_tokens: int, chunk: int, blo
     turn would prefill them before its new tokens. Computed here while nothing else runs,
     as a cold prefill would (whole blocks, cut at multiples of ``chunk``, each piece
     reading its window's keys, in a whole chunk's :func:`row_class`: started a block at a
-    time earlier, recomputing cached rows to the same bits, until it is), they are cached
+    time earlier, recomputing cached rows to the same bits, and where that is not enough
+    padded with rows after them in the window, short of ``context``), they are cached
     exactly. The most recently used prefix first; to the end of its chunk window (or of
     its next block, where a block is longer), so a task that arrives waits at most a
     chunk; only pool tokens that are free, nothing evicted."""
@@ -171,8 +182,13 @@ def plan_extension(cached: list[CachedPrefix], free_tokens: int, chunk: int, blo
         while start > a and row_class(min(a + chunk, end) - start) != whole:
             start = max(a, (start - 1) // block * block)
         last = (end - 1) // chunk * chunk
-        if row_class(min(a + chunk, end) - start) == whole and row_class(end - max(last, start)) == whole:
-            return Extension(prefix.slot, start, end - start)
+        pad = 0
+        if last == start // chunk * chunk and row_class(end - start) != whole:  # one piece: pad it
+            pad = fewest_rows(whole) - (end - start)
+            if end + pad > min(a + chunk, context) or end + pad - keep > free_tokens:
+                continue
+        if row_class(min(a + chunk, end + pad) - start) == whole and row_class(end + pad - max(last, start)) == whole:
+            return Extension(prefix.slot, start, end - start, pad)
     return None
 
 

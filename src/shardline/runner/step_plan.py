@@ -178,5 +178,5 @@ def plan_step(
     decode, chunks = schedule(seqs, limits)
     extension = None
     if not running and not waiting:
-        extension = plan_extension(cached, free_tokens, limits.chunk, limits.block)
+        extension = plan_extension(cached, free_tokens, limits.chunk, limits.block, limits.context)
     return StepPlan(admission, seqs, decode, chunks, limits.context, extension)
