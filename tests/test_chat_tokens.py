@@ -8,6 +8,7 @@ the request model's ``to_generation`` and :func:`shardline.api.preparation.prepa
 from __future__ import annotations
 
 import asyncio
+from dataclasses import replace
 from types import SimpleNamespace
 from typing import Any
 
@@ -20,7 +21,7 @@ from shardline.models.config import RankShare, Sharding
 from shardline.models.store import DEFAULT_MODEL_ID, ModelNotFoundError, ModelStore
 from shardline.models.tokenizer import ChatTemplateError, Tokenizer
 from shardline.node.status import InstanceStatus, RankStatus
-from shardline.node.table import Instance, NoInstanceError, RankPlacement
+from shardline.node.table import Instance, RankPlacement
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -144,6 +145,22 @@ def test_messages_the_template_cannot_render_are_a_chat_template_error(tokenizer
         tokenizer.encode_chat([{"role": "user"}])
 
 
+def instance(instance_id: str, node_id: str, context: int, status: InstanceStatus = InstanceStatus.READY) -> Instance:
+    """An instance of the default model, its one rank on ``node_id``."""
+    return Instance(
+        instance_id,
+        M,
+        Sharding.PIPELINE,
+        (RankPlacement(node_id, f"{node_id}:1", RankShare(0, 1), status=RankStatus.READY),),
+        node_id,
+        1,
+        context,
+        1,
+        status=status,
+        created_at=0.0,
+    )
+
+
 def prepared(tokenizer: Tokenizer, request: Any) -> list[int]:
     """The prompt ids ``prepare`` gives an API's parsed request, on a node stub that serves
     the default model with ``tokenizer``."""
@@ -152,11 +169,15 @@ def prepared(tokenizer: Tokenizer, request: Any) -> list[int]:
         return tokenizer
 
     router = SimpleNamespace(
-        ready_instance=lambda model: SimpleNamespace(context=8192),
         route=lambda prompt, inst: inst,  # one instance: routing keeps it
         reserve=lambda inst, gen: 1,
     )  # the queue bound: always room here
-    node: Any = SimpleNamespace(router=router, logistics=SimpleNamespace(tokenizer=tokenizer_of))
+    node: Any = SimpleNamespace(
+        node_id="a",
+        instances={"i": instance("i", "a", 8192)},
+        router=router,
+        logistics=SimpleNamespace(tokenizer=tokenizer_of),
+    )
     return asyncio.run(prepare(node, request.to_generation())).prompt
 
 
@@ -241,9 +262,7 @@ def test_names_the_template_does_not_render_are_found(tokenizer, monkeypatch):
 def loading_node(tokenizer: Tokenizer) -> tuple[Any, list[str], list[str]]:
     """A node stub where no instance of the default model is ready and one of context 64
     loads (ready once waited for); the models waited for and tokenized, in order."""
-    loading = SimpleNamespace(
-        instance_id="i", model_id=M, given_up=False, created_at=0.0, context=64, status="loading", error=None
-    )
+    loading = instance("i", "a", 64, InstanceStatus.LOADING)
     waited: list[str] = []
     tokenized: list[str] = []
 
@@ -253,18 +272,15 @@ def loading_node(tokenizer: Tokenizer) -> tuple[Any, list[str], list[str]]:
 
     async def wait_for_ready(model: str) -> Any:
         waited.append(model)
-        return loading  # now ready
-
-    def ready_instance(model: str) -> Any:
-        raise NoInstanceError(model)
+        node.instances["i"] = replace(loading, status=InstanceStatus.READY)  # now ready
+        return node.instances["i"]
 
     router = SimpleNamespace(
-        ready_instance=ready_instance,
-        wait_for_ready=wait_for_ready,
-        route=lambda prompt, inst: inst,
-        reserve=lambda inst, gen: 1,
+        wait_for_ready=wait_for_ready, route=lambda prompt, inst: inst, reserve=lambda inst, gen: 1
     )
-    node = SimpleNamespace(router=router, instances={"i": loading}, logistics=SimpleNamespace(tokenizer=tokenizer_of))
+    node = SimpleNamespace(
+        node_id="a", router=router, instances={"i": loading}, logistics=SimpleNamespace(tokenizer=tokenizer_of)
+    )
     return node, waited, tokenized
 
 
@@ -304,27 +320,13 @@ def test_a_request_too_long_for_the_local_instance_goes_to_one_with_a_longer_con
     does one whose own window (Ollama's num_ctx) only that one holds; one that fits both
     stays local."""
 
-    def instance(instance_id: str, node_id: str, context: int) -> Instance:
-        return Instance(
-            instance_id,
-            M,
-            Sharding.PIPELINE,
-            (RankPlacement(node_id, f"{node_id}:1", RankShare(0, 1), status=RankStatus.READY),),
-            node_id,
-            1,
-            context,
-            1,
-            status=InstanceStatus.READY,
-            created_at=0.0,
-        )
-
     instances = {"short": instance("short", "a", 64), "long": instance("long", "b", 4096)}
 
     async def tokenizer_of(model: str) -> Tokenizer:
         return tokenizer
 
     router = SimpleNamespace(
-        ready_instance=lambda model: instances["short"], reserve=lambda inst, gen: None, route=lambda prompt, inst: inst
+        reserve=lambda inst, gen: None, route=lambda prompt, inst: inst
     )  # routing by prefix aside: the context's choice
     node: Any = SimpleNamespace(
         node_id="a", router=router, instances=instances, logistics=SimpleNamespace(tokenizer=tokenizer_of)

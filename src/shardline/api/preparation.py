@@ -1,9 +1,10 @@
-"""A request checked, tokenized and given its place: :func:`prepare` finds the ready
-instance of the model (waiting for one that loads), tokenizes the prompt with the model's
-tokenizer and chat template, refuses what the context or vocabulary cannot take (400s
-in the API's format, :class:`~shardline.api.text_stream.APIError`), and takes the
-request's place in the instance's queue; :func:`tokenize` is the part that counts tokens
-(Anthropic's ``count_tokens``)."""
+"""A request checked, tokenized and given its place: :func:`prepare` takes the node's
+admission of it (:func:`~shardline.node.admission.admit`: the ready instance of the
+model, or one that loads to wait for, or the refusal, worded here), tokenizes the prompt
+with the model's tokenizer and chat template, refuses what the context or vocabulary
+cannot take (400s in the API's format, :class:`~shardline.api.text_stream.APIError`),
+and takes the request's place in the instance's queue; :func:`tokenize` is the part that
+counts tokens (Anthropic's ``count_tokens``)."""
 
 from __future__ import annotations
 
@@ -27,10 +28,10 @@ from shardline.api.text_stream import (
 from shardline.api.tools import ToolChoiceMode, check_history, check_tools, tool_call_grammar
 from shardline.models.store import ModelNotFoundError
 from shardline.models.tokenizer import ChatTemplateError, Tokenizer
+from shardline.node.admission import Ready, Refused, Wait, admit, refused
 from shardline.node.node import Node
 from shardline.node.peer_client import PeerError
-from shardline.node.routing import ready_instances
-from shardline.node.table import Instance, NoInstanceError
+from shardline.node.table import Instance
 from shardline.node.transfer import TransferError
 from shardline.runner.protocol import SamplingParams
 
@@ -154,25 +155,28 @@ async def _check_names_rendered(req: GenerationRequest, tokenizer: Tokenizer, me
 async def tokenize(
     node: Node, req: GenerationRequest, check: Callable[[Instance, list[int]], object] | None = None, wait: bool = True
 ) -> tuple[Instance, Tokenizer, list[int]]:
-    """The ready instance, the tokenizer and the prompt's token ids of ``req``. Where none
-    is ready but one is loading (placed, or placed again) or failed and about to be placed
-    again, it waits for one (:meth:`~shardline.node.routing.Router.wait_for_ready`, at most
-    :data:`~shardline.node.routing.READY_WAIT_S`), having first tokenized the prompt
-    against that instance and called ``check`` (the instance, the prompt's ids; it raises
-    the caller's 400s), so that a request its context refuses is refused at once, not
-    after the wait; without ``wait`` (counting tokens runs nothing), that instance and
-    the prompt are the answer, and nothing is waited for. Where the ready instance it
-    prefers (one with a rank on this node) refuses the request for its context, and
-    another ready instance of the model has a longer one, that one is the answer; so is
-    one whose context holds the request's own window (Ollama's ``num_ctx``) where the
-    preferred one's does not.
+    """The instance, the tokenizer and the prompt's token ids of ``req``, where the node's
+    :func:`~shardline.node.admission.admit` sends it. :class:`Ready`: its instance (a rank
+    on this node first; one whose context holds the request's own window, Ollama's
+    ``num_ctx``, where that one's does not), or its ``wider`` one where ``check`` (the
+    instance, the prompt's ids; it raises the caller's 400s) refuses the prompt for the
+    context. :class:`Wait`: the prompt is tokenized against its instance and checked
+    first, so that a request its context refuses is refused at once, not after the wait;
+    then it waits for a ready one (:meth:`~shardline.node.routing.Router.wait_for_ready`,
+    at most :data:`~shardline.node.routing.READY_WAIT_S`) and is admitted again on the
+    table then. Without ``wait`` (counting tokens runs nothing), that instance and the
+    prompt are the answer, and nothing is waited for.
+
+    Returns:
+        The instance, the model's tokenizer and the prompt's token ids.
 
     Raises:
         APIError: 404 for a model no instance serves; 503 for one not ready after the
-            wait, failed and given up on, or whose tokenizer cannot be had; 400 for messages the chat template refuses, token ids
+            wait, failed and given up on, or whose tokenizer cannot be had; 400 for tools
+            or ``tool_choice`` refused, messages the chat template refuses, token ids
             outside the vocabulary, ``logit_bias`` ids outside it, or a text or chat prompt
             whose characters alone prove it longer than the context (refused before it is
-            tokenized: :mod:`shardline.api.prompt_bounds`).
+            tokenized: :mod:`shardline.api.prompt_bounds`); and what ``check`` raises.
     """
     if req.tools or req.tool_choice.mode in (ToolChoiceMode.REQUIRED, ToolChoiceMode.NAMED):
         try:
@@ -181,49 +185,51 @@ async def tokenize(
             raise APIError(
                 400, str(exc), param="tool_choice" if str(exc).startswith("tool_choice") else "tools"
             ) from exc
+    admission = admit(node.instances, req.model, node.node_id, req.context)
     early = None  # the prompt, tokenized and checked against a loading instance
-    try:
-        inst = node.router.ready_instance(req.model)
-    except NoInstanceError:
-        early = await _checked_before_ready(node, req, check)
+    if isinstance(admission, Wait):
+        early = await _checked_early(node, req, admission.instance, check)
         if early is not None and not wait:
             return early
-        ready = await node.router.wait_for_ready(req.model) if wait else None  # READY_WAIT_S at most
-        if ready is None:
-            raise _not_ready(node, req) from None
-        inst = ready
-    if req.context is not None and inst.context < req.context:  # a window (num_ctx) another has
-        inst = next(iter(ready_instances(node.instances, req.model, node.node_id, tokens=req.context)), inst)
+        if not wait or await node.router.wait_for_ready(req.model) is None:  # READY_WAIT_S at most
+            raise _refusal(refused(node.instances, req.model))
+        admission = admit(node.instances, req.model, node.node_id, req.context)
+    if not isinstance(admission, Ready):
+        raise _refusal(admission if isinstance(admission, Refused) else refused(node.instances, req.model))
+    inst = admission.instance
     if early is not None and early[0].context == inst.context:
         return inst, early[1], early[2]
     try:
         return await _checked(node, req, inst, check)
     except APIError as exc:  # another ready instance of the model may have a longer context
-        if exc.code != CONTEXT_LENGTH_EXCEEDED:
+        if exc.code != CONTEXT_LENGTH_EXCEEDED or admission.wider is None:
             raise
-        widest = max(ready_instances(node.instances, req.model, node.node_id), key=lambda i: i.context, default=None)
-        if widest is None or widest.context <= inst.context:
-            raise
-        return await _checked(node, req, widest, check)
+        return await _checked(node, req, admission.wider, check)
 
 
-def _not_ready(node: Node, req: GenerationRequest) -> APIError:
-    """The error of a request whose model has no ready instance: a 503 where one is
-    placed (loading, failed), a 404 where none is."""
-    placed = [i for i in node.instances.values() if i.model_id == req.model]
-    if placed:
-        detail = "; ".join(f"instance {i.instance_id} {i.status}" + (f": {i.error}" if i.error else "") for i in placed)
+def _refusal(refusal: Refused) -> APIError:
+    """The error of a request :func:`~shardline.node.admission.admit` refused (or that
+    waited in vain): a 503 naming each instance and its status where the model is placed
+    (loading, failed), a 404 naming the models served where it is not.
+
+    Returns:
+        The :class:`APIError` (``model_not_ready``, ``model_not_found``), to raise.
+    """
+    if refusal.placed:
+        detail = "; ".join(
+            f"instance {i.instance_id} {i.status}" + (f": {i.error}" if i.error else "") for i in refusal.placed
+        )
         return APIError(
             503,
-            f"The model '{req.model}' is not ready ({detail}); retry later",
+            f"The model '{refusal.model_id}' is not ready ({detail}); retry later",
             "server_error",
             param="model",
             code="model_not_ready",
         )
-    known = ", ".join(m["id"] for m in node.router.models()) or "none"
+    known = ", ".join(refusal.available) or "none"
     return APIError(
         404,
-        f"The model '{req.model}' does not exist or is not loaded (available: {known})",
+        f"The model '{refusal.model_id}' does not exist or is not loaded (available: {known})",
         "not_found_error",
         param="model",
         code="model_not_found",
@@ -233,29 +239,35 @@ def _not_ready(node: Node, req: GenerationRequest) -> APIError:
 async def _checked(
     node: Node, req: GenerationRequest, inst: Instance, check: Callable[[Instance, list[int]], object] | None
 ) -> tuple[Instance, Tokenizer, list[int]]:
-    """:func:`_tokenized`, then ``check``."""
+    """:func:`_tokenized`, then ``check``.
+
+    Returns:
+        ``inst``, the tokenizer and the prompt's token ids.
+
+    Raises:
+        APIError: as :func:`_tokenized`, and what ``check`` raises.
+    """
     tokenized = await _tokenized(node, req, inst)
     if check is not None:
         check(inst, tokenized[2])
     return tokenized
 
 
-async def _checked_before_ready(
-    node: Node, req: GenerationRequest, check: Callable[[Instance, list[int]], object] | None
+async def _checked_early(
+    node: Node, req: GenerationRequest, inst: Instance, check: Callable[[Instance, list[int]], object] | None
 ) -> tuple[Instance, Tokenizer, list[int]] | None:
-    """:func:`tokenize` 's work against the instance of ``req.model`` not given up on
-    (loading, or failed and about to be placed again: what the request waits for) with
-    the longest context, the newest of those, then ``check``; None where there is none,
-    or its tokenizer cannot be had yet (a 503 that the wait may cure).
+    """:func:`_checked` against ``inst``, the instance a request waits for
+    (:class:`~shardline.node.admission.Wait`'s).
+
+    Returns:
+        ``inst``, the tokenizer and the prompt's token ids; None where a 5xx stops it (its
+        tokenizer cannot be had yet: the wait may cure it).
 
     Raises:
         APIError: a 4xx of the request (the prompt, its context, the vocabulary).
     """
-    waiting = [i for i in node.instances.values() if i.model_id == req.model and not i.given_up]
-    if not waiting:
-        return None
     try:
-        return await _checked(node, req, max(waiting, key=lambda i: (i.context, i.created_at)), check)
+        return await _checked(node, req, inst, check)
     except APIError as exc:
         if exc.status >= 500:
             return None
