@@ -276,4 +276,6 @@ def test_chunks_shorter_than_a_block_grow_a_prefix_a_block_of_whole_chunks_at_a_
         0, tuple(range(128)), tuple(block_hashes(tuple(range(128)), 64)), 1, rest=tuple(range(128, 230))
     )
     assert plan_extension([prefix], 1000, chunk=8, block=64, context=4096) == Extension(0, 128, 64)
-    assert plan_extension([prefix.extended(192, 64)], 1000, chunk=8, block=64, context=4096) is None  # 38 left: no block
+    assert (
+        plan_extension([prefix.extended(192, 64)], 1000, chunk=8, block=64, context=4096) is None
+    )  # 38 left: no block
