@@ -278,6 +278,63 @@ def test_an_ollama_stream_and_a_request_not_streamed_are_continued_too(pipeline3
     serving(pipeline3, url, 3)
 
 
+def stream_events(
+    url: str, path: str, body: dict, kill_after: int | None = None, kill: Callable[[], None] | None = None
+) -> tuple[str, list[dict]]:
+    """Stream an Anthropic Messages or a Responses API request: its text and every event;
+    with ``kill``, called once ``kill_after`` events with text have come."""
+    text, events, pieces = "", [], 0
+    with httpx.stream(
+        "POST", f"{url}{path}", json={"model": DEFAULT_MODEL_ID, "stream": True, **body}, timeout=120
+    ) as r:
+        assert r.status_code == 200, r.read()
+        for line in r.iter_lines():
+            if not line.startswith("data: "):
+                continue
+            event = json.loads(line[len("data: ") :])
+            events.append(event)
+            if event["type"] == "content_block_delta":
+                piece = event["delta"].get("text") or ""
+            else:
+                piece = event.get("delta") or "" if event["type"] == "response.output_text.delta" else ""
+            text += piece
+            pieces += bool(piece)
+            if kill is not None and pieces == kill_after:
+                kill()
+                kill = None
+    return text, events
+
+
+@pytest.mark.slow
+def test_anthropic_and_responses_streams_are_continued_too(pipeline3):
+    """An Anthropic Messages stream and a Responses API stream, their runner killed after
+    50 text events: no error event, an undisturbed run's text, stop reason and usage."""
+    client, target = roles(pipeline3, [0, 1, 2])
+    url = pipeline3.url(client)
+    story = "Tell me a very long story about a lighthouse keeper."
+    for path, body, end in (
+        ("/v1/messages", {"messages": STORY, "max_tokens": 200, "temperature": 0}, "message_delta"),
+        ("/v1/responses", {"input": story, "max_output_tokens": 200, "temperature": 0}, "response.incomplete"),
+    ):
+        serving(pipeline3, url, 3)
+        text, events = stream_events(url, path, body)
+        assert sum(e["type"] in ("content_block_delta", "response.output_text.delta") for e in events) > 60, text
+        serving(pipeline3, url, 3)
+        continued = metric(url, 'shardline_continuations_total{outcome="continued"}')
+        again, disturbed = stream_events(url, path, body, 50, killer(pipeline3, target, "runner"))
+        assert metric(url, 'shardline_continuations_total{outcome="continued"}') == continued + 1, path
+        assert not [e for e in disturbed if e["type"] in ("error", "response.failed")], path
+        assert again == text, path
+        ends = (end, "response.completed")  # a Responses answer that ended before max_output_tokens
+        (last,), (last_again,) = [e for e in events if e["type"] in ends], [e for e in disturbed if e["type"] in ends]
+        if end == "message_delta":
+            assert last_again["delta"] == last["delta"] and last_again["usage"] == last["usage"]
+        else:
+            assert last_again["response"]["usage"] == last["response"]["usage"]
+            assert last_again["response"]["status"] == last["response"]["status"]
+    serving(pipeline3, url, 3)
+
+
 # The node victim last: it leaves two nodes.
 @pytest.mark.slow
 @pytest.mark.parametrize(
@@ -306,14 +363,13 @@ def test_a_pipeline_stream_continues_on_the_instance_placed_again(pipeline3, bod
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("sharding, ranks", [("tensor", 2), ("ring", 3)])
+@pytest.mark.parametrize("sharding, ranks", [("tensor", 2), ("ring", 2)])
 def test_a_tensor_or_ring_stream_continues_after_a_runner_and_then_a_node_is_lost(tmp_path, sharding, ranks):
-    """Three nodes, the default model as a float32 tensor instance on two, or a ring on
-    all three (a ring is placed again on the nodes of the failed one that are left, and
-    needs two): a runner killed after 50 tokens of a 200-token greedy stream (the
-    instance placed again on the same nodes), then, in a second stream, the node of
-    another rank killed (placed again on the nodes left: tensor-1, ring-2): each time the
-    text of an undisturbed run."""
+    """Three nodes, the default model as a float32 tensor or ring instance on two: a
+    runner killed after 50 tokens of a 200-token greedy stream (the instance placed again
+    on the same nodes), then, in a second stream, the node of the other rank killed
+    (placed again on the node left: tensor-1, and a pipeline of one rank for the ring,
+    which needs two): each time the text of an undisturbed run."""
     cluster = LocalCluster(
         nodes=3, base_port=free_port_block(3), runner_threads=1, log_dir=str(tmp_path), data_dir=str(tmp_path)
     )

@@ -29,6 +29,7 @@ from shardline.node.state import (
     lost_rank_failures,
     plan_runners,
     replaced_ids,
+    sharding_again,
     stale_ranks,
     stand_in_not_needed,
     standing_in,
@@ -333,6 +334,20 @@ def test_an_instance_placed_again_answers_for_the_newest_ids_before_it():
     assert replaced_ids(inst("i2", replaced=("i0", "i1"))) == ("i0", "i1", "i2")
     long = inst("new", replaced=tuple(f"x{k}" for k in range(REPLACED_KEPT)))
     assert replaced_ids(long) == (*long.replaced[1:], "new")
+
+
+@pytest.mark.parametrize(
+    "sharding, nodes, again",
+    [
+        (Sharding.RING, ["a", "b"], Sharding.RING),
+        (Sharding.RING, ["a"], Sharding.PIPELINE),  # a ring needs two nodes
+        (Sharding.RING, None, Sharding.RING),  # none of its own live: any nodes, a ring
+        (Sharding.TENSOR, ["a"], Sharding.TENSOR),
+        (Sharding.PIPELINE, ["a"], Sharding.PIPELINE),
+    ],
+)
+def test_a_ring_left_one_node_is_placed_again_as_a_pipeline(sharding, nodes, again):
+    assert sharding_again(dataclasses.replace(inst(), sharding=sharding), nodes) == again
 
 
 @pytest.mark.parametrize(

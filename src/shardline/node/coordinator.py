@@ -33,6 +33,7 @@ from shardline.node.state import (
     instance_named,
     lost_rank_failures,
     replaced_ids,
+    sharding_again,
     stand_in_not_needed,
     standing_in,
     superseded,
@@ -368,7 +369,7 @@ class Coordinator:
             card = await self.effects.model_card(failed.model_id)
             await self._place(
                 card,
-                failed.sharding,
+                sharding_again(failed, nodes),
                 nodes,
                 failed.placement_options(),
                 retries,

@@ -34,6 +34,7 @@ import dataclasses
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
+from shardline.models.config import Sharding
 from shardline.node.epochs import NO_EPOCH, Epoch, lost_instances, newer
 from shardline.node.status import InstanceStatus, RankStatus
 from shardline.node.table import DELETED, EndCode, Instance
@@ -56,6 +57,16 @@ def replaced_ids(failed: Instance) -> tuple[str, ...]:
     """The ``replaced`` of an instance placed again for ``failed``: ``failed``'s own and
     those it stood in for, oldest first, the newest :data:`REPLACED_KEPT`."""
     return (*failed.replaced, failed.instance_id)[-REPLACED_KEPT:]
+
+
+def sharding_again(failed: Instance, nodes: list[str] | None) -> Sharding:
+    """The sharding ``failed`` is placed again under on ``nodes`` (its nodes still live;
+    None: none is, any may be taken): its own, but a pipeline where a ring is left one
+    node (a ring needs two; on one node a pipeline of one rank computes what a ring of
+    one would), so its model, and the streams continued on it, go on."""
+    if failed.sharding == Sharding.RING and nodes is not None and len(nodes) < 2:
+        return Sharding.PIPELINE
+    return Sharding(failed.sharding)
 
 
 def standing_in(instances: Mapping[str, Instance]) -> dict[str, Instance]:
