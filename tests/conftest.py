@@ -14,7 +14,10 @@ import psutil
 import pytest
 
 from shardline.local_cluster import LocalCluster
+from shardline.models.config import RankShare, Sharding
 from shardline.node.signing import SignedAuth, signing_key
+from shardline.node.status import InstanceStatus, RankStatus
+from shardline.node.table import Instance, RankPlacement
 
 
 def wait_until(
@@ -149,3 +152,29 @@ def runners_of(pid: int, recursive: bool = False) -> list[psutil.Process]:
             if "shardline.runner" in " ".join(child.cmdline()):
                 runners.append(child)
     return runners
+
+
+def one_rank_instance(
+    instance_id: str,
+    status: InstanceStatus = InstanceStatus.READY,
+    created_at: float = 0.0,
+    node: str = "a",
+    context: int = 256,
+    model: str = "m",
+    **fields,
+) -> Instance:
+    """A pipeline instance of ``model`` with one ready rank, on ``node`` (``fields``: the
+    instance's other fields: ``given_up``, ``replaced``, ``error``, ...), for table tests."""
+    return Instance(
+        instance_id,
+        model,
+        Sharding.PIPELINE,
+        (RankPlacement(node, f"{node}:1", RankShare(0, 1), status=RankStatus.READY),),
+        node,
+        1,
+        context,
+        1,
+        status=status,
+        created_at=created_at,
+        **fields,
+    )

@@ -13,15 +13,15 @@ from types import SimpleNamespace
 from typing import Any
 
 import pytest
+from conftest import one_rank_instance
 
 from shardline.api import anthropic_request, completions, ollama, openai
 from shardline.api.preparation import prepare, tokenize
 from shardline.api.text_stream import APIError
-from shardline.models.config import RankShare, Sharding
 from shardline.models.store import DEFAULT_MODEL_ID, ModelNotFoundError, ModelStore
 from shardline.models.tokenizer import ChatTemplateError, Tokenizer
-from shardline.node.status import InstanceStatus, RankStatus
-from shardline.node.table import Instance, RankPlacement
+from shardline.node.status import InstanceStatus
+from shardline.node.table import Instance
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -147,18 +147,7 @@ def test_messages_the_template_cannot_render_are_a_chat_template_error(tokenizer
 
 def instance(instance_id: str, node_id: str, context: int, status: InstanceStatus = InstanceStatus.READY) -> Instance:
     """An instance of the default model, its one rank on ``node_id``."""
-    return Instance(
-        instance_id,
-        M,
-        Sharding.PIPELINE,
-        (RankPlacement(node_id, f"{node_id}:1", RankShare(0, 1), status=RankStatus.READY),),
-        node_id,
-        1,
-        context,
-        1,
-        status=status,
-        created_at=0.0,
-    )
+    return one_rank_instance(instance_id, status, node=node_id, context=context, model=M)
 
 
 def prepared(tokenizer: Tokenizer, request: Any) -> list[int]:

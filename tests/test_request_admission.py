@@ -11,47 +11,23 @@ from types import SimpleNamespace
 from typing import Any
 
 import pytest
+from conftest import one_rank_instance
 
 from shardline.api.preparation import tokenize
 from shardline.api.text_stream import APIError, GenerationRequest
-from shardline.models.config import RankShare, Sharding
 from shardline.models.store import ModelNotFoundError
 from shardline.node.admission import Ready, Refused, Wait, admit, refused
-from shardline.node.status import InstanceStatus, RankStatus
-from shardline.node.table import Instance, RankPlacement
+from shardline.node.status import InstanceStatus
+from shardline.node.table import Instance
 
 pytestmark = [pytest.mark.fast, pytest.mark.timeout(10)]
 
 READY, LOADING, FAILED = InstanceStatus.READY, InstanceStatus.LOADING, InstanceStatus.FAILED
 
 
-def instance(
-    instance_id: str,
-    status: InstanceStatus = READY,
-    created_at: float = 0.0,
-    node: str = "a",
-    context: int = 256,
-    model: str = "m",
-    given_up: bool = False,
-    replaced: tuple[str, ...] = (),
-    error: str | None = None,
-) -> Instance:
-    """An instance of ``model`` with one rank, on ``node``."""
-    return Instance(
-        instance_id,
-        model,
-        Sharding.PIPELINE,
-        (RankPlacement(node, f"{node}:1", RankShare(0, 1), status=RankStatus.READY),),
-        node,
-        1,
-        context,
-        1,
-        status=status,
-        error=error,
-        created_at=created_at,
-        replaced=replaced,
-        given_up=given_up,
-    )
+def instance(instance_id: str, status: InstanceStatus = READY, **fields) -> Instance:
+    """An instance with one rank (:func:`conftest.one_rank_instance`)."""
+    return one_rank_instance(instance_id, status, **fields)
 
 
 def table(*instances: Instance) -> dict[str, Instance]:

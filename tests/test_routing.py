@@ -12,8 +12,8 @@ from dataclasses import replace
 from types import SimpleNamespace
 
 import pytest
+from conftest import one_rank_instance
 
-from shardline.models.config import RankShare, Sharding
 from shardline.node import routing
 from shardline.node.peer_client import PeerError
 from shardline.node.queue_bound import QueueFullError
@@ -28,8 +28,8 @@ from shardline.node.routing import (
     next_look_s,
     ready_wait,
 )
-from shardline.node.status import InstanceStatus, RankStatus
-from shardline.node.table import EndCode, Instance, InstanceFailedError, RankPlacement
+from shardline.node.status import InstanceStatus
+from shardline.node.table import EndCode, Instance, InstanceFailedError
 from shardline.runner.protocol import PrefillProgress, SamplingParams, TokenEvent, TokenRequest
 
 pytestmark = [pytest.mark.fast, pytest.mark.timeout(10)]
@@ -59,30 +59,8 @@ def test_a_request_whose_instance_is_gone_fails_as_a_failed_instance(reserved):
     assert node.streams == {}
 
 
-def _instance(
-    instance_id: str,
-    status: InstanceStatus,
-    created_at: float,
-    replaced=(),
-    model: str = "m",
-    node: str = "a",
-    given_up: bool = False,
-    context: int = 256,
-) -> Instance:
-    return Instance(
-        instance_id,
-        model,
-        Sharding.PIPELINE,
-        (RankPlacement(node, f"{node}:1", RankShare(0, 1), status=RankStatus.READY),),
-        node,
-        1,
-        context,
-        1,
-        status=status,
-        created_at=created_at,
-        replaced=replaced,
-        given_up=given_up,
-    )
+def _instance(instance_id: str, status: InstanceStatus, created_at: float, replaced=(), **fields) -> Instance:
+    return one_rank_instance(instance_id, status, created_at, replaced=replaced, **fields)
 
 
 READY, LOADING, FAILED = InstanceStatus.READY, InstanceStatus.LOADING, InstanceStatus.FAILED
