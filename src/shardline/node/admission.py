@@ -11,8 +11,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import TypeAlias
 
-from shardline.node.routing import ready_instances
-from shardline.node.status import InstanceStatus
+from shardline.node.routing import awaited, ready_instances, served_models
 from shardline.node.table import Instance
 
 
@@ -69,7 +68,7 @@ def admit(instances: Mapping[str, Instance], model_id: str, node_id: str, window
             chosen = next((i for i in ready if i.context >= window), chosen)
         widest = max(ready, key=lambda i: i.context)  # the first of the longest
         return Ready(chosen, widest if widest.context > chosen.context else None)
-    waiting = [i for i in instances.values() if i.model_id == model_id and not i.given_up]
+    waiting = awaited(instances, model_id)
     if waiting:
         return Wait(max(waiting, key=lambda i: (i.context, i.created_at)))
     return refused(instances, model_id)
@@ -84,5 +83,4 @@ def refused(instances: Mapping[str, Instance], model_id: str) -> Refused:
         The :class:`Refused`; never raises.
     """
     placed = tuple(i for i in instances.values() if i.model_id == model_id)
-    available = dict.fromkeys(i.model_id for i in instances.values() if i.status == InstanceStatus.READY)
-    return Refused(model_id, placed, tuple(available))
+    return Refused(model_id, placed, tuple(served_models(instances)))

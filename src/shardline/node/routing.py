@@ -131,6 +131,22 @@ def ready_instances(
     return sorted(ready, key=lambda i: (node_id not in i.node_ids(), i.created_at))
 
 
+def awaited(instances: Mapping[str, Instance], model_id: str) -> list[Instance]:
+    """The instances of ``model_id`` a request that finds none ready may wait for: each
+    not ``given_up`` (loading, or failed and about to be placed again), in table order."""
+    return [i for i in instances.values() if i.model_id == model_id and not i.given_up]
+
+
+def served_models(instances: Mapping[str, Instance]) -> dict[str, float]:
+    """The models with a ready instance, in table order, each with its first such
+    instance's ``created_at``."""
+    seen: dict[str, float] = {}
+    for inst in instances.values():
+        if inst.status == InstanceStatus.READY:
+            seen.setdefault(inst.model_id, inst.created_at)
+    return seen
+
+
 def request_tokens(request: TokenRequest) -> int:
     """The context a request needs: its prompt and ``max_tokens`` (which the API set to
     what the context it checked the request against leaves, at most). An instance of a
@@ -178,7 +194,7 @@ def ready_wait(
     ready = ready_instances(instances, model_id, node_id, avoid=failed if waited_s < verdict_s else (), tokens=tokens)
     if ready:
         return ReadyWait.RUN, ready[0]
-    if waited_s >= limit_s or not any(i.model_id == model_id and not i.given_up for i in instances.values()):
+    if waited_s >= limit_s or not awaited(instances, model_id):
         return ReadyWait.GIVE_UP, None
     return ReadyWait.WAIT, None
 
@@ -346,12 +362,8 @@ class Router:
         )
 
     def models(self) -> list[dict]:
-        """Models with a ready instance: ``[{"id", "created"}]``."""
-        seen: dict[str, float] = {}
-        for inst in self.node.instances.values():
-            if inst.status == InstanceStatus.READY:
-                seen.setdefault(inst.model_id, inst.created_at)
-        return [{"id": m, "created": int(t)} for m, t in seen.items()]
+        """Models with a ready instance: ``[{"id", "created"}]`` (:func:`served_models`)."""
+        return [{"id": m, "created": int(t)} for m, t in served_models(self.node.instances).items()]
 
     def new_task_id(self) -> int:
         """int64 ids that sort by creation time: ms (41 bits) | node salt (10) | counter (12)."""
