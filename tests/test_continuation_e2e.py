@@ -4,8 +4,9 @@ runner or a node SIGKILLed mid-stream). The client sees a pause, no error, and a
 temperature 0 the text of an undisturbed run; a seeded sample gives its text too, a
 ``json_schema`` answer and a forced tool call parse (their grammar's matcher advanced
 over the tokens given). Where the model cannot be placed again, the client gets the error
-within the continuation's bound (60 s). A stored Responses API response is served by every
-node, also after the node that answered it died."""
+within the continuation's bound (60 s). A stored Responses API response, and an Ollama
+``keep_alive`` deadline, are served by every node, also after the node that took them
+died."""
 
 from __future__ import annotations
 
@@ -14,6 +15,7 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from datetime import datetime
 
 import httpx
 import psutil
@@ -186,6 +188,11 @@ def check_continued(reference: Streamed, disturbed: Streamed, max_tokens: int, w
     assert reference.usage["completion_tokens"] == len(reference.tokens) + (reference.finish != "length")
     if reference.finish == "length":
         assert len(reference.tokens) == max_tokens
+
+
+def instances_of(url: str) -> list[dict]:
+    """The instance table as the node at ``url`` holds it."""
+    return httpx.get(f"{url}/cluster/instances", timeout=5).json()["instances"]
 
 
 def metric(url: str, name: str) -> float:
@@ -414,11 +421,13 @@ def test_a_stream_whose_model_cannot_be_placed_again_ends_with_the_error_in_time
         cluster.stop()
 
 
-def test_a_stored_response_is_served_by_every_node_and_after_its_node_died(tmp_path):
+def test_a_stored_response_and_a_keep_alive_outlive_the_node_that_took_them(tmp_path):
     """Two nodes, the model on the second; a response stored by the first (which forwards
     its request): the second retrieves it and continues from it (``previous_response_id``),
     a deletion there reaches the first, and once the first is killed the second still
-    continues from the first's response."""
+    continues from the first's response. An Ollama ``keep_alive`` given to the first is
+    the second's ``/api/ps`` deadline too, and the model is unloaded at it though the first
+    died (each node kept its own deadlines before)."""
     cluster = LocalCluster(
         nodes=2, base_port=free_port_block(2), runner_threads=1, log_dir=str(tmp_path), data_dir=str(tmp_path)
     )
@@ -449,9 +458,26 @@ def test_a_stored_response_is_served_by_every_node_and_after_its_node_died(tmp_p
         assert "4821" in text(here) and text(there) == text(here)
         assert httpx.delete(f"{second}/v1/responses/{there['id']}", timeout=10).status_code == 200
         assert httpx.get(f"{first}/v1/responses/{there['id']}", timeout=10).status_code == 404
+        kept = httpx.post(
+            f"{first}/api/chat",
+            json={"model": DEFAULT_MODEL_ID, "messages": [{"role": "user", "content": "Hi"}], "stream": False}
+            | {"options": {"temperature": 0, "num_predict": 4}, "keep_alive": "12s"},
+            timeout=60,
+        )
+        assert kept.status_code == 200, kept.text
+        kept_at = time.time()
+
+        def expires_at() -> str | None:
+            (model,) = httpx.get(f"{second}/api/ps", timeout=5).json()["models"]
+            return None if model["expires_at"].startswith("9999") else model["expires_at"]
+
+        expires = datetime.fromisoformat(wait_until(expires_at, 10, "the deadline on the other node")).timestamp()
+        assert 11 < expires - kept_at <= 12.5
         psutil.Process(cluster.procs[0].pid).kill()
         cluster.procs[0].wait(10)
         after = create(second, **asked)
         assert text(after) == text(here)
+        wait_until(lambda: not instances_of(second), 30, "the model unloaded at its deadline")
+        assert time.time() >= expires - 1.0
     finally:
         cluster.stop()

@@ -6,6 +6,8 @@ placed beside another, and the limit on placing again."""
 from __future__ import annotations
 
 import asyncio
+import dataclasses
+import math
 import time
 from dataclasses import dataclass, field
 
@@ -179,6 +181,26 @@ def test_what_a_deletion_names(named, deleted, left):
     coordinator, _ = build(view)
     assert asyncio.run(coordinator.delete_instance(named)) == deleted
     assert set(view.instances) == (left if named != "x" else set())
+
+
+# -- keep_alive ---------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "seconds, acting, until",
+    [
+        (60.0, True, 1060.0),
+        (0.0, True, 1000.0),  # unloaded once idle
+        (math.inf, True, None),  # for ever
+        (60.0, False, 5.0),  # not the coordinator: nothing changes
+    ],
+)
+def test_keep_alive_records_the_deadline_in_the_table(seconds, acting, until):
+    view = View(table(dataclasses.replace(instance("x"), keep_until=5.0)), acting=acting)
+    coordinator, recorder = build(view)
+    assert asyncio.run(coordinator.keep_alive(["x", "gone"], seconds, now=1000.0)) is acting
+    assert view.instances["x"].keep_until == until and set(view.instances) == {"x"}
+    assert len(recorder.committed) == (1 if acting else 0)  # none for the id the table lacks
 
 
 # -- lost instances ----------------------------------------------------------------------

@@ -6,6 +6,7 @@ from __future__ import annotations
 import math
 
 import pytest
+from conftest import one_rank_instance
 
 from shardline.api.content import check_parts
 from shardline.api.errors import API, error_body, error_message
@@ -57,17 +58,18 @@ def test_keep_alive_refuses_what_is_not_a_duration(value):
 
 
 @pytest.mark.parametrize(
-    "now, expiries, busy, due",
+    "now, deadlines, busy, due",
     [
         (100.0, {}, set(), []),
         (100.0, {"a": 99.0, "b": 100.0, "c": 101.0}, set(), ["a", "b"]),  # at the deadline: due
         (100.0, {"a": 99.0, "b": 50.0}, {"a"}, ["b"]),  # a request runs: kept until it ends
-        (100.0, {"a": math.inf}, set(), []),  # for ever
+        (100.0, {"a": None}, set(), []),  # no deadline: kept for ever
         (1e12, {"z": 1.0, "a": 2.0}, {"q"}, ["a", "z"]),  # sorted; busy ids without deadlines ignored
     ],
 )
-def test_expired_instances_are_the_idle_ones_past_their_deadline(now, expiries, busy, due):
-    assert expired(now, expiries, busy) == due
+def test_expired_instances_are_the_idle_ones_past_their_deadline(now, deadlines, busy, due):
+    instances = [one_rank_instance(i, keep_until=until) for i, until in deadlines.items()]
+    assert expired(now, instances, busy) == due
 
 
 R, L, F = InstanceStatus.READY, InstanceStatus.LOADING, InstanceStatus.FAILED
@@ -89,16 +91,25 @@ def test_a_model_loaded_on_request_is_ready_failed_or_still_loading(statuses, st
     assert load_state(statuses) is state
 
 
-def test_keep_alive_deadline_counts_from_the_end_of_the_last_request():
-    keep = KeepAlive()
+class _Node:
+    """What :meth:`KeepAlive.end` uses of a node: its background tasks (recorded, not run)."""
+
+    def __init__(self) -> None:
+        self.tasks: list[str] = []
+
+    def background(self, coroutine) -> None:
+        self.tasks.append(coroutine.__qualname__)
+        coroutine.close()
+
+
+def test_a_request_with_a_keep_alive_asks_for_its_deadline_when_it_ends():
+    keep, node = KeepAlive(), _Node()
     keep.begin(["a"])
-    keep.begin(["a"])
-    keep.end(["a"], 60.0, now=1000.0)
-    assert keep.running["a"] == 1 and keep.expiries == {"a": 1060.0}
-    keep.end(["a"], None, now=2000.0)  # absent keep_alive: the deadline stays
-    assert "a" not in keep.running and keep.expiries == {"a": 1060.0}
-    keep.keep(["a"], math.inf, now=3000.0)
-    assert keep.expiries == {"a": math.inf}
+    keep.begin(["a", "b"])
+    keep.end(node, ["a", "b"], 60.0)  # type: ignore[arg-type]
+    assert keep.running == {"a": 1} and node.tasks == ["keep"]
+    keep.end(node, ["a"], None)  # type: ignore[arg-type]  # absent keep_alive: the deadline stays
+    assert keep.running == {} and node.tasks == ["keep"]
 
 
 @pytest.mark.parametrize(

@@ -16,6 +16,7 @@ from shardline.node.state import (
     ClusterState,
     Deleted,
     InstanceFailed,
+    KeptAlive,
     NotPlacedAgain,
     Placed,
     Published,
@@ -191,6 +192,15 @@ def test_not_placed_again_says_why_and_rejoin_dropped_forgets_the_nodes():
     assert s.instances["i1"].given_up  # requests stop waiting for it
     s = apply(state(inst(wanted_nodes=("a", "b", "c", "d"))), RejoinDropped("i1"))
     assert s.instances["i1"].wanted_nodes == ()
+
+
+def test_kept_alive_sets_and_clears_the_deadline_of_a_live_instance():
+    s = apply(state(inst()), KeptAlive("i1", 1060.0))
+    assert s.instances["i1"].keep_until == 1060.0
+    assert apply(s, KeptAlive("i1", None)).instances["i1"].keep_until is None  # for ever
+    assert apply(s, KeptAlive("zz", 5.0)) == s  # unknown: nothing
+    failed = state(inst(status=I.FAILED))
+    assert apply(failed, KeptAlive("i1", 5.0)) == failed  # a failed one is placed again, or not
 
 
 @pytest.mark.parametrize(
@@ -447,7 +457,13 @@ def random_event(rng, s: ClusterState, fresh: list[int]):
     if kind == 5:
         return InstanceFailed(rng.choice(ids), "lost", tuple(rng.sample("abcd", rng.randint(0, 2))))
     if kind == 6:
-        return rng.choice([NotPlacedAgain(rng.choice(ids), "no room"), RejoinDropped(rng.choice(ids))])
+        return rng.choice(
+            [
+                NotPlacedAgain(rng.choice(ids), "no room"),
+                RejoinDropped(rng.choice(ids)),
+                KeptAlive(rng.choice(ids), 9.0),
+            ]
+        )
     if kind == 7:
         return rng.choice([Published(), TermStarted(rng.randint(0, 6), rng.choice("abcd"), rng.random() < 0.7)])
     theirs = state(epoch=Epoch(rng.randint(0, 6), rng.randint(0, 5), rng.choice("abcd"), rng.random() < 0.7))

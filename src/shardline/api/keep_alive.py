@@ -11,10 +11,13 @@ for a model the cluster has no instance of loads it (:meth:`KeepAlive.load`: pla
 ``POST /cluster/instances`` with ``sharding: auto`` places it, then waited for), so a
 client's ``keep_alive`` never leaves the model out of reach. With ``0`` the node
 deletes every instance of the model through the coordinator (as ``DELETE
-/cluster/instances/{id}`` does) once no request of it runs; with a duration the node
-records a deadline per instance (this node's: another node that took no such request does
-not know it) and deletes the instance once that much time has passed idle after the last
-request that set it. The node checks the deadlines every :data:`CHECK_INTERVAL_S`.
+/cluster/instances/{id}`` does) once no request of it runs; with a duration the node asks
+the coordinator to record a deadline on each instance in the table
+(``Instance.keep_until``; :meth:`~shardline.node.coordinator.Coordinator.keep_alive`), so
+that every node shows it in ``/api/ps`` and it outlives the node that set it; the
+coordinator deletes the instance once that much time has passed idle after the last
+request that set it (an instance placed again keeps its deadline). The coordinator checks
+the deadlines every :data:`CHECK_INTERVAL_S`.
 """
 
 from __future__ import annotations
@@ -25,13 +28,16 @@ import math
 import re
 import time
 from collections import Counter
-from collections.abc import Collection, Iterable, Mapping
+from collections.abc import Collection, Iterable
 from typing import TYPE_CHECKING
 
 from shardline.api.coordinator_forward import ask_coordinator
 from shardline.api.errors import API, error_body
 from shardline.api.model_facts import placed
+from shardline.node.peer_client import PeerError
 from shardline.node.status import InstanceStatus
+from shardline.node.table import Instance
+from shardline.node.wire import KeepAliveMessage
 
 if TYPE_CHECKING:
     from shardline.node.node import Node
@@ -86,10 +92,14 @@ def parse_keep_alive(value: object) -> float | None:
     return math.inf if seconds < 0 else seconds
 
 
-def expired(now: float, expiries: Mapping[str, float], busy: Collection[str]) -> list[str]:
-    """The instance ids whose deadline (``time.time()`` seconds) is at or before ``now``
-    and that have no request running (``busy``), sorted."""
-    return sorted(i for i, deadline in expiries.items() if deadline <= now and i not in busy)
+def expired(now: float, instances: Iterable[Instance], busy: Collection[str]) -> list[str]:
+    """The ids of ``instances`` whose keep_alive deadline (``keep_until``, ``time.time()``
+    seconds) is at or before ``now`` and that have no request running (``busy``), sorted."""
+    return sorted(
+        i.instance_id
+        for i in instances
+        if i.keep_until is not None and i.keep_until <= now and i.instance_id not in busy
+    )
 
 
 def load_state(statuses: Collection[InstanceStatus]) -> bool | None:
@@ -104,15 +114,14 @@ def load_state(statuses: Collection[InstanceStatus]) -> bool | None:
 
 
 class KeepAlive:
-    """One node's keep_alive deadlines and its Ollama requests in flight.
+    """One node's Ollama requests in flight, and its way to the keep_alive deadlines the
+    table holds.
 
     Attributes:
-        expiries: instance id -> ``time.time()`` deadline (``math.inf``: for ever).
         running: instance id -> Ollama requests of it this node runs now.
     """
 
     def __init__(self) -> None:
-        self.expiries: dict[str, float] = {}
         self.running: Counter[str] = Counter()
         self._loading: dict[str, asyncio.Lock] = {}
 
@@ -149,19 +158,13 @@ class KeepAlive:
         """A request of these instances started (they are busy until :meth:`end`)."""
         self.running.update(instance_ids)
 
-    def end(self, instance_ids: Iterable[str], seconds: float | None, now: float | None = None) -> None:
+    def end(self, node: "Node", instance_ids: list[str], seconds: float | None) -> None:
         """A request ended; with ``seconds`` (its keep_alive), their deadline is that long
-        from now."""
+        from now (recorded in the background: :meth:`keep`)."""
         self.running.subtract(instance_ids)
         self.running = +self.running  # drop zeros
         if seconds is not None:
-            self.keep(instance_ids, seconds, now)
-
-    def keep(self, instance_ids: Iterable[str], seconds: float, now: float | None = None) -> None:
-        """Keep the instances ``seconds`` from ``now`` (default: the time now)."""
-        deadline = (time.time() if now is None else now) + seconds
-        for instance_id in instance_ids:
-            self.expiries[instance_id] = deadline
+            node.background(keep(node, instance_ids, seconds))
 
     def busy(self, node: "Node") -> set[str]:
         """The instances with a request running anywhere this node knows of: its own
@@ -174,13 +177,12 @@ class KeepAlive:
         return out
 
     async def check(self, node: "Node", now: float | None = None) -> list[str]:
-        """Delete the instances whose deadline passed while idle, and forget deadlines of
-        instances that are gone; the ids deleted."""
-        for instance_id in [i for i in self.expiries if i not in node.instances]:
-            del self.expiries[instance_id]
-        due = expired(time.time() if now is None else now, self.expiries, self.busy(node))
+        """Coordinator: delete the instances whose deadline passed while idle; the ids
+        deleted (none where this node does not coordinate)."""
+        if not node.is_coordinator():
+            return []
+        due = expired(time.time() if now is None else now, node.instances.values(), self.busy(node))
         for instance_id in due:
-            del self.expiries[instance_id]
             status, body = await unload(node, instance_id)
             log.info("keep_alive: unloading instance %s: %s %s", instance_id, status, body)
         return due
@@ -193,6 +195,23 @@ class KeepAlive:
                 await self.check(node)
             except Exception as exc:  # noqa: BLE001 - the loop must outlive one failed check
                 log.warning("keep_alive check failed: %r", exc)
+
+
+async def keep(node: "Node", instance_ids: list[str], seconds: float) -> None:
+    """Record in the table that the instances are kept ``seconds`` idle from now
+    (``math.inf``: for ever), through the coordinator; a coordinator that cannot be
+    reached is logged, and the deadlines stay as they were."""
+    if node.is_coordinator():
+        await node.coordinator.keep_alive(instance_ids, seconds)
+        return
+    message = KeepAliveMessage(instance_ids=instance_ids, seconds=None if math.isinf(seconds) else seconds)
+    try:
+        if await node.peer_client.keep_alive(node.address_of(node.coordinator_id()), message):
+            return
+        problem = "it does not coordinate (any more)"
+    except PeerError as exc:
+        problem = str(exc)
+    log.warning("keep_alive of %s not recorded by the coordinator: %s", ", ".join(instance_ids), problem)
 
 
 async def unload(node: "Node", instance_id: str) -> tuple[int, dict]:

@@ -39,6 +39,7 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 from shardline.api.content import check_parts
 from shardline.api.heartbeat import HEARTBEAT_S, Heartbeat
 from shardline.api.keep_alive import KeepAlive, parse_keep_alive, unload
+from shardline.api.keep_alive import keep as keep_instances
 from shardline.api.logprobs import ollama_logprobs
 from shardline.api.metrics import RequestMetrics
 from shardline.api.model_facts import ModelFacts, held_bytes, model_facts, placed
@@ -351,7 +352,7 @@ def router(
     async def ps() -> dict | JSONResponse:
         """The models with a ready instance: bytes their ranks hold (``size``; on GPUs
         ``size_vram``), and when keep_alive unloads them (``expires_at``)."""
-        return await _ps(node, keep, facts)
+        return await _ps(node, facts)
 
     @api.post("/api/show")
     async def show(request: Request):
@@ -427,7 +428,7 @@ async def _tags(node: Node, facts: _Facts) -> dict | JSONResponse:
     return {"models": out}
 
 
-async def _ps(node: Node, keep: KeepAlive, facts: _Facts) -> dict | JSONResponse:
+async def _ps(node: Node, facts: _Facts) -> dict | JSONResponse:
     """``/api/ps``' body (see :func:`router`); an error response where a model's facts
     cannot be read."""
     out: dict[str, dict] = {}
@@ -439,7 +440,7 @@ async def _ps(node: Node, keep: KeepAlive, facts: _Facts) -> dict | JSONResponse
         except APIError as exc:
             return error_response(exc)
         size, vram = held_bytes(inst)
-        deadline = keep.expiries.get(inst.instance_id)
+        deadline = inst.keep_until
         entry = out.setdefault(
             inst.model_id,
             {
@@ -519,7 +520,7 @@ async def _load(
         return refused
     instances = placed(node, model)
     if seconds is not None:
-        keep.keep([i.instance_id for i in instances], seconds)
+        await keep_instances(node, [i.instance_id for i in instances], seconds)
     return {"model": req.model, "created_at": _now(), **content(""), "done": True, "done_reason": "load"}
 
 
@@ -565,7 +566,7 @@ async def _serve(
     ids = [i.instance_id for i in placed(node, gen.req.model)]
     if req.stream:
         return StreamingResponse(
-            _stream(gen, req, content, keep, ids, seconds, load_s, heartbeat_s), media_type="application/x-ndjson"
+            _stream(node, gen, req, content, keep, ids, seconds, load_s, heartbeat_s), media_type="application/x-ndjson"
         )
     keep.begin(ids)
     try:
@@ -573,7 +574,7 @@ async def _serve(
     except InstanceFailedError as exc:
         return error_response(APIError(500, str(exc)))
     finally:
-        keep.end(ids, seconds)
+        keep.end(node, ids, seconds)
     if finish is None:  # the client left; nobody reads this
         return JSONResponse(status_code=499, content={"error": "client closed the request"})
     thinking = "".join(c.reasoning for c in chunks) if req.think is not False else ""
@@ -622,6 +623,7 @@ def _generated(text: str, calls: tuple[ToolCall, ...] = (), thinking: str = "") 
 
 
 async def _stream(
+    node: Node,
     gen: Generation,
     req: _Request,
     content: Callable[..., dict],
@@ -653,4 +655,4 @@ async def _stream(
     except (InstanceFailedError, QueueFullError) as exc:  # QueueFullError: a forwarded request refused
         yield line({"error": str(exc)})
     finally:
-        keep.end(ids, seconds)
+        keep.end(node, ids, seconds)

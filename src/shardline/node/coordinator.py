@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import math
 import socket
 import time
 import uuid
@@ -25,6 +26,7 @@ from shardline.node.state import (
     ClusterState,
     Deleted,
     InstanceFailed,
+    KeptAlive,
     NotPlacedAgain,
     Placed,
     RankReported,
@@ -530,6 +532,7 @@ class Coordinator:
             collectives_on_cpu=ranks_share_a_gpu([self.view.profile_of(n) for n in chosen]),
             stands_in_for=stands_in_for,
             prefix_cache=options.prefix_cache,
+            keep_until=self._kept_until(replaces or stands_in_for),
         )
         if replaces is not None and replaces not in self.view.instances:
             raise _Deleted(replaces)
@@ -579,6 +582,26 @@ class Coordinator:
         if node_id == self.view.node_id:
             return free_port()
         return await self.effects.free_port(self.view.address_of(node_id))
+
+    def _kept_until(self, instance_id: str | None) -> float | None:
+        """The keep_alive deadline of the instance a new one takes the place of (None
+        where there is none): a model placed again is unloaded when it would have been."""
+        inst = self.view.instances.get(instance_id) if instance_id else None
+        return inst.keep_until if inst else None
+
+    async def keep_alive(self, instance_ids: list[str], seconds: float, now: float | None = None) -> bool:
+        """Coordinator: keep the instances ``seconds`` idle from ``now`` (``time.time()``
+        by default; ``math.inf``: for ever) before they are unloaded (Ollama's
+        ``keep_alive``), in the table, so that every node serves and keeps the deadline.
+        Ids the table does not hold are skipped. False (nothing changes) where this node
+        does not coordinate."""
+        if not self.view.is_coordinator():
+            return False
+        until = None if math.isinf(seconds) else (time.time() if now is None else now) + seconds
+        events = [KeptAlive(i, until) for i in instance_ids if i in self.view.instances]
+        if events:
+            await self.effects.commit(*events)
+        return True
 
     async def delete_instance(self, instance_id: str) -> str | None:
         """Coordinator: remove the instance ``instance_id`` names (itself, or the one

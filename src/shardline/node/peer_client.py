@@ -36,6 +36,7 @@ from shardline.node.wire import (
     Delivered,
     ForgottenResponse,
     FreePort,
+    KeepAliveMessage,
     NodeInfo,
     RankReport,
     SharedResponse,
@@ -135,6 +136,12 @@ class PeerClient:
         """Report a rank's status to the coordinator at ``address``; False when that node
         does not coordinate (503)."""
         response = await self._call("POST", address, "/internal/runner-status", ok=(200, 503), message=report)
+        return response.status_code == 200
+
+    async def keep_alive(self, address: str, message: KeepAliveMessage) -> bool:
+        """Ask the coordinator at ``address`` to keep instances (``POST
+        /internal/keep-alive``); False when that node does not coordinate (503)."""
+        response = await self._call("POST", address, "/internal/keep-alive", ok=(200, 503), message=message)
         return response.status_code == 200
 
     async def share_response(self, address: str, message: SharedResponse | ForgottenResponse) -> bool:

@@ -201,6 +201,15 @@ class RejoinDropped:
 
 
 @dataclass(frozen=True)
+class KeptAlive:
+    """Ollama's ``keep_alive`` set the instance's deadline: deleted once idle after
+    ``until`` (``time.time()`` seconds, the coordinator's clock); None: kept for ever."""
+
+    instance_id: str
+    until: float | None
+
+
+@dataclass(frozen=True)
 class TermStarted:
     """``coordinator`` coordinates from now on, in ``term``, having heard a ``majority``
     of the nodes it knows, or not (``cluster_state`` rule 4)."""
@@ -229,6 +238,7 @@ Event = (
     | InstanceFailed
     | NotPlacedAgain
     | RejoinDropped
+    | KeptAlive
     | TermStarted
     | Published
     | Adopted
@@ -313,6 +323,8 @@ def apply(state: ClusterState, event: Event) -> ClusterState:
         )
     if isinstance(event, RejoinDropped):
         return _with(state, dataclasses.replace(inst, wanted_nodes=()))
+    if isinstance(event, KeptAlive):
+        return _with(state, dataclasses.replace(inst, keep_until=event.until))
     raise TypeError(f"not an event: {event!r}")
 
 

@@ -90,6 +90,7 @@ class Instance:
     stands_in_for: str | None = None  # placed beside this serving instance on its returning nodes
     given_up: bool = False  # failed, and the coordinator will not place it again (NotPlacedAgain)
     prefix_cache: bool = True  # its ranks keep finished prompts for later ones (runner.prefix_cache)
+    keep_until: float | None = None  # Ollama keep_alive: deleted once idle past this time.time() (None: kept)
 
     def to_dict(self) -> dict:
         """A JSON view (the cluster API's, each rank's share flattened into it:

@@ -15,7 +15,8 @@ Routes: ``GET /internal/info`` -> :class:`NodeInfo`; ``GET /internal/state`` ->
 :class:`TaskMessage` and ``POST /internal/cancel`` :class:`CancelMessage` -> :class:`Delivered`;
 ``POST /internal/generate`` :class:`~shardline.runner.protocol.TokenRequest` -> lines
 of :class:`StreamLine` (NDJSON); ``POST /internal/responses`` :class:`SharedResponse` and
-``POST /internal/responses/forget`` :class:`ForgottenResponse` -> :class:`Delivered`. Model files (``shardline.node.transfer``) and the link
+``POST /internal/responses/forget`` :class:`ForgottenResponse` -> :class:`Delivered`; ``POST
+/internal/keep-alive`` :class:`KeepAliveMessage` (503 where the node does not coordinate). Model files (``shardline.node.transfer``) and the link
 probe (``shardline.node.link_probe``) carry raw bytes.
 """
 
@@ -174,3 +175,12 @@ class ForgottenResponse(Message):
     """``POST /internal/responses/forget``: a stored response deleted on another node."""
 
     response_id: str
+
+
+class KeepAliveMessage(Message):
+    """``POST /internal/keep-alive``: a node asks the coordinator to keep instances
+    ``seconds`` idle from now before they are unloaded (Ollama's ``keep_alive``; None: for
+    ever), as :meth:`~shardline.node.coordinator.Coordinator.keep_alive` records it."""
+
+    instance_ids: list[str]
+    seconds: float | None

@@ -7,6 +7,7 @@ modules beside this one."""
 
 from __future__ import annotations
 
+import math
 from collections.abc import AsyncGenerator, AsyncIterator
 
 from fastapi import APIRouter, Request
@@ -23,6 +24,7 @@ from shardline.node.wire import (
     Delivered,
     ForgottenResponse,
     FreePort,
+    KeepAliveMessage,
     NodeInfo,
     RankReport,
     SharedResponse,
@@ -46,7 +48,8 @@ def router(node: Node, stored: ResponseStore) -> APIRouter:
 
 
 def _membership_routes(routes: APIRouter, node: Node) -> None:
-    """``PeerClient.info``, ``state``, ``push_state``, ``free_port`` and ``report``."""
+    """``PeerClient.info``, ``state``, ``push_state``, ``free_port``, ``report`` and
+    ``keep_alive``."""
 
     @routes.get("/internal/info")
     async def info(request: Request) -> NodeInfo:
@@ -75,6 +78,13 @@ def _membership_routes(routes: APIRouter, node: Node) -> None:
     @routes.get("/internal/free-port")
     async def get_free_port() -> FreePort:
         return FreePort(port=free_port())
+
+    @routes.post("/internal/keep-alive")
+    async def keep_alive(message: KeepAliveMessage):
+        seconds = math.inf if message.seconds is None else message.seconds
+        if not await node.coordinator.keep_alive(message.instance_ids, seconds):
+            return JSONResponse(status_code=503, content={"detail": "this node does not coordinate"})
+        return {"ok": True}
 
     @routes.post("/internal/runner-status")
     async def runner_status(report: RankReport):
