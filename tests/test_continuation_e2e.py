@@ -421,8 +421,10 @@ def test_a_stream_whose_model_cannot_be_placed_again_ends_with_the_error_in_time
         cluster.stop()
 
 
-def test_a_stored_response_and_a_keep_alive_outlive_the_node_that_took_them(tmp_path):
-    """Two nodes, the model on the second; a response stored by the first (which forwards
+def test_a_forwarded_stream_is_continued_once_and_a_stored_response_and_a_keep_alive_outlive_their_node(tmp_path):
+    """Two nodes, the model (float32) on the second. A stream the first forwards there, the
+    runner killed after 50 tokens, is continued once, by the first (it streams to the
+    client), with an undisturbed run's text. A response stored by the first (which forwards
     its request): the second retrieves it and continues from it (``previous_response_id``),
     a deletion there reaches the first, and once the first is killed the second still
     continues from the first's response. An Ollama ``keep_alive`` given to the first is
@@ -433,8 +435,15 @@ def test_a_stored_response_and_a_keep_alive_outlive_the_node_that_took_them(tmp_
     )
     cluster.start()
     try:
-        cluster.place(None, "pipeline", on=[1])
+        cluster.place(None, "pipeline", on=[1], dtype="float32")
         first, second = cluster.url(0), cluster.url(1)
+        body = {**GREEDY, "max_tokens": 100}
+        reference = stream_chat(first, body)
+        disturbed = stream_chat(first, body, 50, killer(cluster, 1, "runner"))
+        check_continued(reference, disturbed, 100, "forwarded, runner killed")
+        continued = 'shardline_continuations_total{outcome="continued"}'
+        assert (metric(first, continued), metric(second, continued)) == (1, 0)
+        serving(cluster, first, 1)
         greedy = {"model": DEFAULT_MODEL_ID, "temperature": 0, "max_output_tokens": 16}
 
         def create(url: str, **body) -> dict:
