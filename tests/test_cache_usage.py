@@ -116,7 +116,7 @@ def test_anthropic_usage_splits_the_prompt_into_read_written_and_input():
 def test_ollama_counts_only_the_prompt_tokens_it_computed():
     req = ollama_api.ChatRequest(model="m", messages=[{"role": "user", "content": "hi"}])
     lines = asyncio.run(
-        drain(ollama_api._stream(generation(), req, ollama_api._chat_message, KeepAlive(), [], None, 0.0, 60))
+        drain(ollama_api._stream(None, generation(), req, ollama_api._chat_message, KeepAlive(), [], None, 0.0, 60))
     )
     last = ollama.ChatResponse.model_validate(json.loads(lines[-1]))
     assert last.done and last.prompt_eval_count == PROMPT - CACHED

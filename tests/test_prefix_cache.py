@@ -47,6 +47,8 @@ def test_a_chunks_rows_decide_its_computation(rows, cls):
         (1024, 1130, 1024),
         (2048, 1100, 1024),  # a longer cached prefix: at most the prompt, less its last chunk
         (1024, 1030, 1024),  # a 6-row last chunk, prefilled as the cold one
+        (2073, 2308, 2073),  # a block part full: 2073..2307 (235 rows) as the cold 2048..2307 (260)
+        (1000, 1100, 928),  # 1000..1023 is 24 rows: back a block at a time to 96
     ],
     ids=lambda v: str(v),
 )
@@ -55,10 +57,12 @@ def test_a_hit_resumes_where_its_first_chunk_has_the_cold_chunks_class(matched, 
 
 
 @pytest.mark.parametrize(
-    "matched, total, start", [(128, 200, 128), (192, 200, 192), (200, 200, 192), (64, 65, 64), (64, 64, 0)]
+    "matched, total, start",
+    [(128, 200, 128), (192, 200, 192), (200, 200, 199), (64, 65, 64), (64, 64, 63), (150, 200, 150)],
 )
-def test_small_chunks_resume_at_any_block(matched, total, start):
-    """Chunks of 8 rows (the tests' runners): every chunk is in one class."""
+def test_small_chunks_resume_at_any_token(matched, total, start):
+    """Chunks of 8 rows (the tests' runners): every chunk is in one class; the same
+    prompt again resumes at its last token (its logits are computed)."""
     assert reuse(matched, total, chunk=8, block=64) == start
 
 
@@ -86,7 +90,7 @@ def test_block_hashes_are_chained_so_a_block_names_every_token_before_it():
 
 
 def cached(slot: int, tokens: tuple[int, ...], used: int) -> CachedPrefix:
-    return CachedPrefix(slot, tokens, tuple(block_hashes(tokens, B)), used)
+    return CachedPrefix(slot, tokens, tuple(block_hashes(tokens, B)), used, block=B)
 
 
 def task(tokens: tuple[int, ...], need: int = 16, may_reuse: bool = True) -> Waiting:
@@ -100,9 +104,23 @@ LONG = SYSTEM + tuple(range(16))  # another conversation: 7 blocks, a chunk (8) 
 
 
 def test_a_hash_collision_matches_nothing():
-    fake = CachedPrefix(0, (9,) * 12, tuple(block_hashes(SYSTEM, B)), 1)
+    fake = CachedPrefix(0, (9,) * 12, tuple(block_hashes(SYSTEM, B)), 1, block=B)
     assert matched_tokens(A, block_hashes(A, B), fake, B) == 0
     assert matched_tokens(A, block_hashes(A, B), cached(0, SYSTEM, 1), B) == 12
+
+
+@pytest.mark.parametrize(
+    "prompt, kept, matched",
+    [
+        (A, A[:16], 16),
+        (A, A[:14], 14),  # its last block part full
+        (SYSTEM + (1, 2, 9), A[:16], 14),  # shared to the middle of a block
+        (A[:13], A[:16], 13),  # the prompt ends inside it
+        ((0,) + A[1:], A[:16], 0),  # the first block differs
+    ],
+)
+def test_a_prompt_matches_whole_blocks_by_hash_then_token_by_token(prompt, kept, matched):
+    assert matched_tokens(prompt, block_hashes(prompt, B), cached(0, kept, 1), B) == matched
 
 
 @pytest.mark.parametrize(
@@ -153,6 +171,8 @@ def test_a_hash_collision_matches_nothing():
         # ... unless that takes evicting it: then taken
         ([task(B_)], [], [cached(0, LONG, 1)], 100, [Start(0, 0, 12, 28)], []),
         ([task(B_, need=40)], [1], [cached(0, LONG, 1)], 20, [Start(0, 0, 12, 28)], []),
+        # 5 tokens past the shared 12, in 8 tokens of pages: less than a chunk more, taken
+        ([task(B_)], [1], [cached(0, LONG[:17], 1)], 100, [Start(0, 0, 12, 20)], []),
     ],
     ids=[
         "hit",
@@ -173,6 +193,7 @@ def test_a_hash_collision_matches_nothing():
         "the copied prefix is used",
         "no other slot",
         "no other tokens",
+        "a block part full is not a chunk more",
     ],
 )
 def test_admission_with_cached_prefixes(waiting, free_slots, pool, free_tokens, starts, evicted):
@@ -214,32 +235,33 @@ def test_cached_prefixes_refuse_no_task_that_would_start_without_them(needs, slo
 def answered(slot: int, kept: int, rest: int, used: int = 1) -> CachedPrefix:
     """A cached prefix of ``kept`` tokens whose sequence went on ``rest`` tokens more."""
     tokens = tuple(range(kept + rest))
-    return CachedPrefix(slot, tokens[:kept], tuple(block_hashes(tokens[:kept], 16)), used, rest=tokens[kept:])
+    return CachedPrefix(slot, tokens[:kept], tuple(block_hashes(tokens[:kept], 16)), used, rest=tokens[kept:], block=16)
 
 
 @pytest.mark.parametrize(
     "prefixes, free_tokens, extension, context",
     [
-        # a 243-token prompt kept 240 and answered 64: 304 whole, started back to 96 rows (AMX's class)
-        ([answered(0, 240, 67)], 1000, Extension(0, 208, 96), 4096),
-        # rows past the window's start only: padded with 32 rows thrown away to 96 rows
-        ([answered(0, 512, 70)], 1000, Extension(0, 512, 64, pad=32), 4096),
-        # ... not past the context; the pad's pool tokens free
+        # a 243-token prompt kept 240 and answered 64: 307 whole, started back to 99 rows (AMX's class)
+        ([answered(0, 240, 67)], 1000, Extension(0, 208, 99), 4096),
+        # rows past the window's start only: padded with 26 rows thrown away to 96 rows
+        ([answered(0, 512, 70)], 1000, Extension(0, 512, 70, pad=26), 4096),
+        # ... not past the context; the pad's pool tokens free (whole blocks: 608 - 512)
         ([answered(0, 512, 70)], 1000, None, 600),
         ([answered(0, 512, 70)], 95, None, 4096),
-        ([answered(0, 512, 70)], 96, Extension(0, 512, 64, pad=32), 4096),
+        ([answered(0, 512, 70)], 96, Extension(0, 512, 70, pad=26), 4096),
         # at the window's end: started back, not padded past it (the chunk would read more keys)
         ([answered(0, 992, 40)], 1000, Extension(0, 928, 96), 4096),
         # a window at a time: the first ends at 512
         ([answered(0, 480, 200)], 1000, Extension(0, 416, 96), 4096),
-        ([answered(0, 512, 168)], 1000, Extension(0, 512, 160), 4096),
-        # no whole block to add; no free pool tokens (nothing is evicted for it)
-        ([answered(0, 240, 15)], 1000, None, 4096),
-        ([answered(0, 240, 67)], 63, None, 4096),
-        ([answered(0, 240, 67)], 64, Extension(0, 208, 96), 4096),
+        ([answered(0, 512, 168)], 1000, Extension(0, 512, 168), 4096),
+        # less than a block to add: its last block part full
+        ([answered(0, 240, 15)], 1000, Extension(0, 144, 111), 4096),
+        # no free pool tokens (nothing is evicted for it): 320 - 240 for its pages
+        ([answered(0, 240, 67)], 79, None, 4096),
+        ([answered(0, 240, 67)], 80, Extension(0, 208, 99), 4096),
         # the most recently used first; one that cannot grow leaves it to the next
         ([answered(0, 240, 67, used=1), answered(1, 480, 200, used=2)], 1000, Extension(1, 416, 96), 4096),
-        ([answered(0, 240, 67, used=1), answered(1, 240, 15, used=2)], 1000, Extension(0, 208, 96), 4096),
+        ([answered(0, 240, 67, used=1), answered(1, 240, 0, used=2)], 1000, Extension(0, 208, 99), 4096),
         ([], 1000, None, 4096),
     ],
     ids=[
@@ -264,7 +286,7 @@ def test_a_cached_prefix_grows_over_its_answer_in_a_whole_chunks_class(prefixes,
 
 
 def test_an_extended_prefix_holds_its_answer_blocks_with_their_hashes():
-    prefix = answered(3, 240, 67, used=5).extended(304, 16)
+    prefix = answered(3, 240, 67, used=5).extended(304)
     tokens = tuple(range(307))
     assert prefix.token_ids == tokens[:304] and prefix.rest == tokens[304:]
     assert prefix.hashes == tuple(block_hashes(tokens[:304], 16)) and (prefix.slot, prefix.used) == (3, 5)
@@ -273,9 +295,8 @@ def test_an_extended_prefix_holds_its_answer_blocks_with_their_hashes():
 
 def test_chunks_shorter_than_a_block_grow_a_prefix_a_block_of_whole_chunks_at_a_time():
     prefix = CachedPrefix(
-        0, tuple(range(128)), tuple(block_hashes(tuple(range(128)), 64)), 1, rest=tuple(range(128, 230))
+        0, tuple(range(128)), tuple(block_hashes(tuple(range(128)), 64)), 1, rest=tuple(range(128, 230)), block=64
     )
     assert plan_extension([prefix], 1000, chunk=8, block=64, context=4096) == Extension(0, 128, 64)
-    assert (
-        plan_extension([prefix.extended(192, 64)], 1000, chunk=8, block=64, context=4096) is None
-    )  # 38 left: no block
+    # the 38 left: to the sequence's end, its last block part full
+    assert plan_extension([prefix.extended(192)], 1000, chunk=8, block=64, context=4096) == Extension(0, 192, 38)

@@ -19,8 +19,16 @@ QUESTIONS = ["What is the text about?", "Name one place in it.", "And one person
 
 
 def system(variant: int) -> str:
-    """A system prompt of about 300 tokens, its own per client (no hit from another test)."""
-    return build_prompt(220, 200 + variant)
+    """A system prompt of about 300 tokens, its own per client from its first words: a hit
+    from another test's is only the chat template's few tokens before it
+    (:data:`TEMPLATE_HEADER`)."""
+    return f"Conversation {variant}. " + build_prompt(220, 200 + variant)
+
+
+TEMPLATE_HEADER = 8
+"""At most the tokens every conversation's prompt starts with (SmolLM2's template:
+``<|im_start|>system\n`` and the first words), which a first turn finds cached (the prefix
+cache matches token by token)."""
 
 
 @pytest.fixture(scope="module")
@@ -38,7 +46,7 @@ def test_openai_client_sees_cached_tokens_on_later_turns(url):
         assert answer.usage is not None and answer.usage.prompt_tokens_details is not None
         cached.append(answer.usage.prompt_tokens_details.cached_tokens)
         messages.append({"role": "assistant", "content": answer.choices[0].message.content})
-    assert cached[0] == 0 and cached[1] > 150 and cached[2] > cached[1], cached
+    assert cached[0] <= TEMPLATE_HEADER and cached[1] > 150 and cached[2] > cached[1], cached
 
 
 def test_anthropic_client_sees_cache_reads_on_later_turns(url):
@@ -60,7 +68,7 @@ def test_anthropic_client_sees_cache_reads_on_later_turns(url):
         reads.append(usage.cache_read_input_tokens)
         totals.append(usage.input_tokens + (usage.cache_creation_input_tokens or 0) + (reads[-1] or 0))
         messages.append({"role": "assistant", "content": answer.content[0].text})
-    assert reads[0] == 0 and reads[1] > 150 and reads[2] > reads[1], reads
+    assert reads[0] <= TEMPLATE_HEADER and reads[1] > 150 and reads[2] > reads[1], reads
     assert totals[0] < totals[1] < totals[2]  # the whole prompt, however it was split
 
 
@@ -92,5 +100,5 @@ def test_cache_prompt_false_prefills_the_whole_prompt(url):
     first = ask()
     uncached = ask(cache_prompt=False)
     cached = ask(cache_prompt=True)
-    assert first[0] == 0 and uncached[0] == 0 and cached[0] > 150, (first, uncached, cached)
+    assert first[0] <= TEMPLATE_HEADER and uncached[0] == 0 and cached[0] > 150, (first, uncached, cached)
     assert first[1] == uncached[1] == cached[1]

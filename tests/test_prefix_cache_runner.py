@@ -17,7 +17,7 @@ from shardline.runner.protocol import Failed, PrefillProgress, SamplingParams, T
 
 BLOCK = 64  # float32 positions of the tiny model's 16-wide heads in a 4 KiB block
 rng = random.Random(43)
-SYSTEM = tuple(rng.randrange(tm.VOCAB) for _ in range(150))  # two whole blocks and a part
+SYSTEM = tuple(rng.randrange(tm.VOCAB) for _ in range(150))  # two whole blocks and a part of one
 
 
 def task(task_id: int, prompt: tuple[int, ...], max_tokens: int = 6) -> Task:
@@ -72,30 +72,31 @@ def model_dir(tmp_path_factory):
 @pytest.mark.parametrize("world", [1, 2])
 def test_a_prompt_sharing_a_finished_ones_blocks_resumes_there_with_the_cold_tokens(model_dir, world):
     first = task(100, SYSTEM + tail(20))
-    second = task(101, SYSTEM + tail(30))  # shares 150 tokens: two whole blocks
+    second = task(101, SYSTEM + tail(30))  # shares 150 tokens: two whole blocks and 22 of the third
     instance = Instance(model_dir, world, max_batch=2, context=256)
     try:
         expected = reference_tokens(model_dir, [first, second])
         one = run(instance, [first])[-1]
         assert tokens(one[100]) == expected[100]
         assert all(e.cached_tokens == 0 for e in one[100] if isinstance(e, TokenEvent))
-        stats = instance.wait_stats(world - 1, lambda s: s.running == () and s.cached_slots == 1)
-        assert stats.cached_tokens == 2 * BLOCK and stats.free_slots == 2
+        # its prompt, then (computed while idle) its answer: 176 tokens in three blocks
+        stats = instance.wait_stats(world - 1, lambda s: s.running == () and s.cached_tokens == 176)
+        assert stats.cached_slots == 1 and stats.free_slots == 2
         results = run(instance, [second])
         for r in range(world):
             events = results[r][101]
             assert tokens(events) == expected[101]  # the cold prefill's tokens
-            assert {e.cached_tokens for e in events if isinstance(e, TokenEvent)} == {2 * BLOCK}
+            assert {e.cached_tokens for e in events if isinstance(e, TokenEvent)} == {150}
         progress = [e for e in results[-1][101] if isinstance(e, PrefillProgress)]
-        assert progress[0].done == 2 * BLOCK + 8 and {p.cached for p in progress} == {2 * BLOCK}
+        assert progress[0].done == 152 and {p.cached for p in progress} == {150}  # to the chunk's end
         stats = instance.wait_stats(world - 1, lambda s: s.running == () and s.reused_tokens > 0)
         assert stats.prompt_tokens == len(first.prompt) + len(second.prompt)
-        assert stats.reused_tokens == 2 * BLOCK
-        # The same prompt again resumes from the whole blocks the second one cached.
+        assert stats.reused_tokens == 150
+        # The same prompt again resumes at its last token (its logits are computed).
         again = task(102, second.prompt)
         results = run(instance, [again])
         assert tokens(results[-1][102]) == expected[101]
-        assert results[-1][102][-1].cached_tokens == 2 * BLOCK  # 180 tokens: two whole blocks
+        assert results[-1][102][-1].cached_tokens == 179
     finally:
         instance.stop()
 
@@ -173,8 +174,9 @@ def test_with_prefix_caching_off_every_prompt_is_prefilled_whole(model_dir):
 @pytest.mark.parametrize("sharding", [Sharding.TENSOR, Sharding.RING])
 def test_tensor_and_ring_ranks_resume_from_the_same_cached_prefix(model_dir, sharding):
     """256-token chunks (a ring chunk takes at least 128 a rank): the second prompt resumes
-    at 576 (nine blocks of the first's 640 cached) and its rest, 576..1299, is prefilled
-    in chunks cut at multiples of 256, those of 256 tokens ring-prefilled on a ring."""
+    after the 600 tokens it shares with the first's 646 cached (its prompt and answer) and
+    its rest, 600..1299, is prefilled in chunks cut at multiples of 256, those of 256
+    tokens ring-prefilled on a ring."""
     system = tuple(random.Random(44).randrange(tm.VOCAB) for _ in range(600))
     first = task(400, system + tail(40))
     second = task(401, system + tail(700))
@@ -185,11 +187,11 @@ def test_tensor_and_ring_ranks_resume_from_the_same_cached_prefix(model_dir, sha
         expected = reference_tokens(model_dir, [first, second])
         results = run(instance, [first])
         assert all(tokens(results[r][400]) == expected[400] for r in range(2))
-        instance.wait_stats(0, lambda s: s.running == () and s.cached_tokens == 640)
+        instance.wait_stats(0, lambda s: s.running == () and s.cached_tokens == 646)
         results = run(instance, [second])
         for r in range(2):
             assert tokens(results[r][401]) == expected[401]
-            assert results[r][401][-1].cached_tokens == 576
+            assert results[r][401][-1].cached_tokens == 600
         progress = [e.done for e in results[0][401] if isinstance(e, PrefillProgress)]
         assert progress == [768, 1024, 1280, 1300]
     finally:
@@ -199,9 +201,9 @@ def test_tensor_and_ring_ranks_resume_from_the_same_cached_prefix(model_dir, sha
 @pytest.mark.timeout(180)
 def test_two_conversations_sharing_a_system_prompt_both_hit_and_keep_their_own(model_dir):
     """A's first turn is cached; B's shares only the system prompt with it, so B copies
-    those blocks into a slot of its own and A's cached turn stays: each second turn then
-    resumes after its own first turn (2 slots, 8-token chunks: A keeps 64 tokens past the
-    shared 128, more than a chunk)."""
+    those tokens into a slot of its own and A's cached turn stays: each second turn then
+    resumes after its own first turn's prompt (2 slots, 8-token chunks: A keeps 60 tokens
+    or more past the shared 150, more than a chunk)."""
     a1, b1 = task(500, SYSTEM + tail(60)), task(501, SYSTEM + tail(50))
     a2, b2 = task(502, a1.prompt + tail(40)), task(503, b1.prompt + tail(40))
     instance = Instance(model_dir, 2, max_batch=2, context=256)
@@ -214,7 +216,7 @@ def test_two_conversations_sharing_a_system_prompt_both_hit_and_keep_their_own(m
                 assert tokens(results[r][t.task_id]) == expected[t.task_id]
             cached[t.task_id] = results[1][t.task_id][-1].cached_tokens
             instance.wait_stats(1, lambda s, t=t: s.running == () and s.prompt_tokens >= len(t.prompt))
-        assert cached == {500: 0, 501: 2 * BLOCK, 502: 3 * BLOCK, 503: 3 * BLOCK}
+        assert cached == {500: 0, 501: 150, 502: 210, 503: 200}
     finally:
         instance.stop()
 
@@ -223,16 +225,16 @@ def test_two_conversations_sharing_a_system_prompt_both_hit_and_keep_their_own(m
 @pytest.mark.parametrize(
     "sharding, chunk, prompt_len, answer, kept, grown",
     [
-        (Sharding.PIPELINE, 8, 170, 60, 2 * BLOCK, 3 * BLOCK),
-        (Sharding.TENSOR, 8, 170, 60, 2 * BLOCK, 3 * BLOCK),
-        (Sharding.RING, 256, 640, 140, 10 * BLOCK, 12 * BLOCK),
+        (Sharding.PIPELINE, 8, 170, 60, 170, 230),
+        (Sharding.TENSOR, 8, 170, 60, 170, 230),
+        (Sharding.RING, 256, 640, 140, 640, 780),
     ],
     ids=["pipeline", "tensor", "ring"],
 )
 def test_an_answer_is_cached_while_idle_and_the_next_turn_resumes_after_it(
     model_dir, sharding, chunk, prompt_len, answer, kept, grown
 ):
-    """A finished turn's slot keeps its prompt's whole blocks; while nothing runs, every
+    """A finished turn's slot keeps its prompt's rows; while nothing runs, every
     rank computes its answer's rows as a cold prefill would and the cached prefix grows
     over them; the next turn (prompt, answer, a new message) resumes after them and gets
     the tokens of a cold prefill."""

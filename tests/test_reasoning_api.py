@@ -505,7 +505,9 @@ def test_ollama_thinking(think):
     req = ollama_api.ChatRequest(**body)
     lines = asyncio.run(
         drain(
-            ollama_api._stream(generation(QWEN3_OUTPUT), req, ollama_api._chat_message, KeepAlive(), [], None, 0.0, 60)
+            ollama_api._stream(
+                None, generation(QWEN3_OUTPUT), req, ollama_api._chat_message, KeepAlive(), [], None, 0.0, 60
+            )
         )
     )
     parts = [ollama.ChatResponse.model_validate(json.loads(line)) for line in lines]
@@ -513,7 +515,11 @@ def test_ollama_thinking(think):
     assert "".join(p.message.thinking or "" for p in parts) == ("" if think is False else "Let me see.")
     req = ollama_api.GenerateRequest(model="m", prompt="hi", **({} if think is None else {"think": think}))
     lines = asyncio.run(
-        drain(ollama_api._stream(generation(QWEN3_OUTPUT), req, ollama_api._generated, KeepAlive(), [], None, 0.0, 60))
+        drain(
+            ollama_api._stream(
+                None, generation(QWEN3_OUTPUT), req, ollama_api._generated, KeepAlive(), [], None, 0.0, 60
+            )
+        )
     )
     parts = [ollama.GenerateResponse.model_validate(json.loads(line)) for line in lines]
     assert "".join(p.response for p in parts) == "Paris."

@@ -139,7 +139,7 @@ def test_a_plans_finishes_follow_its_sampled_sequences():
 
 def test_admitted_tasks_join_the_step_prefilled_to_what_they_reuse():
     prompt = tuple(range(20))
-    cached = CachedPrefix(1, prompt[:12], (0, 1, 2), used=1)  # hashes as the waiting prompt's
+    cached = CachedPrefix(1, prompt[:12], (0, 1, 2), used=1, block=LIMITS.block)  # hashes as the waiting prompt's
     hashes = [0, 1, 2, 3, 4]
     wants = [Waiting(prompt, hashes, need=24), Waiting(tuple(range(100, 106)), [9, 8], need=8)]
     waiting = [SequenceState(20, max_tokens=4), SequenceState(6, max_tokens=2, scored=True)]
@@ -171,7 +171,7 @@ def test_a_task_that_does_not_fit_waits_outside_the_plan():
 
 def test_a_cached_prefix_grows_only_in_a_step_where_nothing_runs_or_waits():
     tokens = tuple(range(24))
-    answered = CachedPrefix(1, tokens[:12], (0, 1, 2), used=1, rest=tokens[12:])
+    answered = CachedPrefix(1, tokens[:12], (0, 1, 2), used=1, rest=tokens[12:], block=LIMITS.block)
     idle = plan_step([], [], [], [0], [answered], 64, LIMITS)
     assert idle.extension == Extension(1, 12, 4) and idle.chunks == () and idle.decode == ()
     assert plan_step([seq(10, 10, 1)], [], [], [0], [answered], 64, LIMITS).extension is None

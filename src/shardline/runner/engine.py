@@ -430,8 +430,8 @@ class Engine:
         return self.grammar_tokenizer()
 
     def _finish(self, seq: Sequence) -> None:
-        """End ``seq``: its slot keeps the whole blocks of its exact prompt rows as a cached
-        prefix (with prefix caching), or is emptied."""
+        """End ``seq``: its slot keeps its exact prompt rows as a cached prefix (with prefix
+        caching), or is emptied."""
         self.running.remove(seq)
         self.free_kv_tokens += seq.kv_reserved
         block = self.stage.cache.block_tokens
@@ -444,16 +444,16 @@ class Engine:
         self.stage.cache.release(seq.slot, keep)
         self._clock += 1
         sequence = seq.task.prompt + tuple(seq.generated)
-        self.cached[seq.slot] = CachedPrefix(
-            seq.slot, sequence[:keep], tuple(seq.hashes[: keep // block]), self._clock, rest=sequence[keep:]
+        prefix = CachedPrefix(
+            seq.slot, sequence[:keep], tuple(seq.hashes[: keep // block]), self._clock, sequence[keep:], block=block
         )
-        self.free_kv_tokens -= keep
+        self.cached[seq.slot] = prefix
+        self.free_kv_tokens -= prefix.tokens
 
     def _kept(self, seq: Sequence) -> int:
-        """Prompt tokens ``seq``'s slot keeps as a cached prefix when it ends: the whole
-        blocks of its exact rows (none without prefix caching)."""
-        block = self.stage.cache.block_tokens
-        return min(seq.exact_end, seq.kv_reserved) // block * block if self.prefix_cache else 0
+        """Prompt tokens ``seq``'s slot keeps as a cached prefix when it ends: its exact
+        rows (none without prefix caching)."""
+        return min(seq.exact_end, seq.kv_reserved) if self.prefix_cache else 0
 
     # -- execution -----------------------------------------------------------------------
 
@@ -540,8 +540,9 @@ class Engine:
         self._compute(micro, lambda _: None, 0, decode_only=False)
         if extension.pad:
             self.stage.cache.release(extension.slot, end)
-        self.free_kv_tokens -= end - prefix.tokens
-        self.cached[extension.slot] = prefix.extended(end, self.stage.cache.block_tokens)
+        extended = prefix.extended(end)
+        self.free_kv_tokens -= extended.tokens - prefix.tokens
+        self.cached[extension.slot] = extended
 
     def _micro_batches(
         self, decoding: list[Sequence], chunks: list[tuple[Sequence, Chunk]]
@@ -715,7 +716,7 @@ class Engine:
             steps=self.steps,
             free_kv_tokens=self.free_kv_tokens + sum(c.tokens for c in self.cached.values()),
             cached_slots=len(self.cached),
-            cached_tokens=sum(c.tokens for c in self.cached.values()),
+            cached_tokens=sum(len(c.token_ids) for c in self.cached.values()),
             cached_bytes=sum(c.tokens for c in self.cached.values()) * self.stage.cache.bytes_per_token,
             prompt_tokens=self.prompt_tokens,
             reused_tokens=self.reused_tokens,

@@ -3,19 +3,23 @@ a later prompt that starts with the same tokens takes that slot and prefills onl
 rest (vLLM's automatic prefix caching, Kwon et al. 2023, keyed the same way, but by slot:
 a slot's positions are one view of the KV cache, :class:`~shardline.models.kv_cache.KVCache`).
 
-- A finished (or cancelled) sequence's slot becomes a *cached prefix*: the whole blocks of
-  its prompt whose keys and values have the bits a cold prefill of them gives
+- A finished (or cancelled) sequence's slot becomes a *cached prefix*: the rows of its
+  prompt whose keys and values have the bits a cold prefill of them gives
   (:attr:`Sequence.exact_end <shardline.runner.engine.Sequence>`; its generated tokens
   and a short last chunk are left out: see below), with their token ids and a hash
-  chained over each block (:func:`~shardline.runner.block_hashes.block_hashes`). Its pages past them go back to the
-  system; the pages it keeps count in the KV pool (:attr:`CachedPrefix.tokens`), so
-  caching adds no memory beyond the pool placement counted.
+  chained over each whole block (:func:`~shardline.runner.block_hashes.block_hashes`).
+  Its pages past them go back to the system; the pages it keeps (its last one possibly
+  part full) count in the KV pool (:attr:`CachedPrefix.tokens`), so caching adds no
+  memory beyond the pool placement counted.
 - While nothing runs or waits, a cached prefix grows over the rest of its sequence (its
   generated tokens, which a conversation's next turn re-sends), a chunk a step, computed
   as a cold prefill computes them (:func:`plan_extension`): the next turn prefills only
   its new tokens.
-- A waiting task takes the cached slot whose tokens match the longest run of its prompt's
-  whole blocks (:func:`reuse`), prefills from there, and reports those tokens as cached.
+- A waiting task takes the cached slot whose tokens match the longest run of its prompt
+  (:func:`matched_tokens`: whole blocks by their hashes, then token by token; a block
+  part full or shared in part is shared too, SGLang's radix cache shares single tokens),
+  resumes where :func:`reuse` says, prefills from there, and reports those tokens as
+  cached.
   Nothing is copied: the slot's keys are already where its attention reads them. Where
   the slot holds at least a chunk more than the task shares with it (another
   conversation that shares its system prompt), the task instead copies the shared
@@ -50,7 +54,7 @@ cached prefix's short last chunk having read fewer keys.)
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 
 from shardline.models.llama import FUSED_PREFILL_MAX_ROWS
 from shardline.models.native_dequant import AMX_PREFILL_MIN_ROWS
@@ -66,15 +70,22 @@ def row_class(rows: int) -> int:
 
 
 def matched_tokens(prompt: tuple[int, ...], prompt_hashes: list[int], cached: "CachedPrefix", block: int) -> int:
-    """Tokens of the longest run of whole blocks that starts both ``prompt`` and the cached
-    prefix (their token ids compared too: a hash collision matches nothing)."""
+    """Tokens that start both ``prompt`` and the cached prefix: the longest run of whole
+    blocks whose hashes match (their token ids compared too: a hash collision matches
+    nothing), then token by token into the next block. The task takes the slot in place or
+    copies positions, so a block need not be whole to be shared."""
     n = 0
     for mine, theirs in zip(prompt_hashes, cached.hashes):
         if mine != theirs:
             break
         n += 1
     tokens = n * block
-    return tokens if prompt[:tokens] == cached.token_ids[:tokens] else 0
+    if prompt[:tokens] != cached.token_ids[:tokens]:
+        return 0
+    end = min(len(prompt), len(cached.token_ids), tokens + block)
+    while tokens < end and prompt[tokens] == cached.token_ids[tokens]:
+        tokens += 1
+    return tokens
 
 
 def exact_end(end: int, start: int, length: int, chunk: int) -> int:
@@ -91,13 +102,13 @@ def reuse(matched: int, total: int, chunk: int, block: int) -> int:
     """Where a prompt of ``total`` tokens whose first ``matched`` tokens are cached resumes
     its prefill so that it gives a cold prefill's bits (0: it prefills all).
 
-    Whole blocks, short of the last token (its logits are computed). A cold prefill cuts at
+    Short of the last token (its logits are computed). A cold prefill cuts at
     multiples of ``chunk``, its last chunk possibly short; the resumed one cuts at the same
     multiples. A cached row has a whole chunk's class (:func:`exact_end`), so no cached row
     may fall in a cold last chunk of another class, and the resumed first chunk
     ``[start, e)`` must have the class of the cold ``[a, e)``: ``start`` is lowered, a
     block of ``block`` tokens at a time, until it does (at ``a`` at worst)."""
-    start = min(matched, (total - 1) // block * block)
+    start = min(matched, total - 1)
     last = (total - 1) // chunk * chunk  # the cold prefill's last chunk starts there
     if row_class(total - last) != row_class(chunk):
         start = min(start, last)
@@ -112,28 +123,33 @@ def reuse(matched: int, total: int, chunk: int, block: int) -> int:
 
 @dataclass(frozen=True)
 class CachedPrefix:
-    """A free slot's cached prompt: keys and values of ``token_ids`` (whole blocks) at
-    positions ``0 .. len - 1``; ``used``: when it was last cached or taken (a counter every
-    rank advances alike), for least-recently-used eviction; ``rest``: the tokens that
-    followed them in its sequence (the prompt's rows computed in another class, the
-    generated tokens), not cached yet (:func:`plan_extension`)."""
+    """A free slot's cached prompt: keys and values of ``token_ids`` at positions ``0 ..
+    len - 1`` (its last block possibly part full); ``hashes``: its whole blocks'
+    (:func:`~shardline.runner.block_hashes.block_hashes`); ``used``: when it was last
+    cached or taken (a counter every rank advances alike), for least-recently-used
+    eviction; ``rest``: the tokens that followed them in its sequence (the prompt's rows
+    computed in another class, the generated tokens), not cached yet
+    (:func:`plan_extension`); ``block``: the KV block, tokens."""
 
     slot: int
     token_ids: tuple[int, ...]
     hashes: tuple[int, ...]
     used: int
     rest: tuple[int, ...] = ()
+    block: int = field(kw_only=True)
 
     @property
     def tokens(self) -> int:
-        """KV-pool tokens its pages hold."""
-        return len(self.token_ids)
+        """KV-pool tokens its pages hold: its tokens rounded up to whole blocks."""
+        return -(-len(self.token_ids) // self.block) * self.block
 
-    def extended(self, end: int, block: int) -> "CachedPrefix":
-        """It holding its first ``end`` tokens (of ``token_ids + rest``; whole blocks) once
-        an :class:`Extension` computed them."""
+    def extended(self, end: int) -> "CachedPrefix":
+        """It holding its first ``end`` tokens (of ``token_ids + rest``) once an
+        :class:`Extension` computed them."""
         tokens = self.token_ids + self.rest
-        return replace(self, token_ids=tokens[:end], hashes=tuple(block_hashes(tokens[:end], block)), rest=tokens[end:])
+        return replace(
+            self, token_ids=tokens[:end], hashes=tuple(block_hashes(tokens[:end], self.block)), rest=tokens[end:]
+        )
 
 
 @dataclass(frozen=True)
@@ -169,14 +185,19 @@ def plan_extension(
     time earlier, recomputing cached rows to the same bits, and where that is not enough
     padded with rows after them in the window, short of ``context``), they are cached
     exactly. The most recently used prefix first; to the end of its chunk window (or of
-    its next block, where a block is longer), so a task that arrives waits at most a
-    chunk; only pool tokens that are free, nothing evicted."""
+    its next block, where a block is longer) or of its sequence (a block part full), so a
+    task that arrives waits at most a chunk; only pool tokens that are free, nothing
+    evicted."""
     whole = row_class(chunk)
+
+    def pages(tokens: int) -> int:  # pool tokens of a slot's first ``tokens`` positions
+        return -(-tokens // block) * block
+
     for prefix in sorted(cached, key=lambda c: -c.used):
-        keep = prefix.tokens
+        keep = len(prefix.token_ids)
         a = keep // chunk * chunk
-        end = min(keep + len(prefix.rest), max(a + chunk, keep + block)) // block * block
-        if end <= keep or end - keep > free_tokens:
+        end = min(keep + len(prefix.rest), max(a + chunk, (keep // block + 1) * block))
+        if end <= keep or pages(end) - prefix.tokens > free_tokens:
             continue
         start = keep
         while start > a and row_class(min(a + chunk, end) - start) != whole:
@@ -185,7 +206,7 @@ def plan_extension(
         pad = 0
         if last == start // chunk * chunk and row_class(end - start) != whole:  # one piece: pad it
             pad = fewest_rows(whole) - (end - start)
-            if end + pad > min(a + chunk, context) or end + pad - keep > free_tokens:
+            if end + pad > min(a + chunk, context) or pages(end + pad) - prefix.tokens > free_tokens:
                 continue
         if row_class(min(a + chunk, end + pad) - start) == whole and row_class(end + pad - max(last, start)) == whole:
             return Extension(prefix.slot, start, end - start, pad)
@@ -207,8 +228,8 @@ class Waiting:
 @dataclass(frozen=True)
 class Start:
     """A task admitted: its index among the waiting, its slot, the prompt tokens it takes
-    from a cached prefix (0: none), the tokens that prefix held when it takes the
-    prefix's own slot, and ``source``: the cached slot whose first ``reused`` positions it
+    from a cached prefix (0: none), the pool tokens that prefix held (its pages) when it
+    takes the prefix's own slot, and ``source``: the cached slot whose first ``reused`` positions it
     copies into its own (None: none, or its slot is the prefix's)."""
 
     index: int
@@ -291,7 +312,7 @@ def plan_admission(
         held = best.tokens if best is not None else 0
         if (
             best is not None
-            and held - best_reuse >= chunk
+            and len(best.token_ids) - best_reuse >= chunk
             and (free or len(pool) > 1)
             and task.need <= free_tokens + others
         ):  # a copy of its shared part

@@ -234,8 +234,8 @@ class EngineStats:
         free_kv_tokens: tokens of the KV pool no running sequence has reserved (those
             of cached prefixes among them).
         cached_slots, cached_tokens, cached_bytes: slots holding a cached prefix, their
-            tokens, and the bytes of this rank's keys and values of them
-            (:mod:`shardline.runner.prefix_cache`).
+            tokens, and the bytes of the pages this rank holds their keys and values in
+            (whole blocks; :mod:`shardline.runner.prefix_cache`).
         prompt_tokens, reused_tokens: prompt tokens of the tasks admitted so far, and of
             those the ones taken from cached prefixes (the hit rate).
     """
