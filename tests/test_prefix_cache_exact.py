@@ -108,22 +108,6 @@ def test_a_seeded_sample_is_the_same_with_and_without_a_hit(shard):
     assert mine == theirs and len(set(mine)) > 1
 
 
-@pytest.fixture(scope="module")
-def blocks_of_32(tmp_path_factory):
-    """A tiny Qwen3 of 64-wide heads in int4: KV blocks of 32 positions (SmolLM2's), shorter
-    than a whole chunk's class needs (:data:`~shardline.models.native_dequant.AMX_PREFILL_MIN_ROWS`),
-    and where the compiled kernels are built, chunks of up to 64 rows take the fused
-    layers, whose bits differ from a whole chunk's."""
-    from shardline.models.config import Quantize
-    from shardline.models.shard_loader import load_shard
-    from shardline.models.weights import open_weights
-
-    path = tmp_path_factory.mktemp("tiny-qwen3")
-    tm.save_hf(tm.hf_model("qwen3", num_layers=2, seed=4, head_dim=64), path)
-    shard = load_shard(open_weights(path), 0, 2, dtype=torch.bfloat16, quantize=Quantize.INT4)
-    return shard
-
-
 @pytest.mark.parametrize(
     "model, prompt_len, answer_len",
     [

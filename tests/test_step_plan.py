@@ -6,7 +6,16 @@ an instance plans the same step from the same state."""
 import pytest
 
 from shardline.runner.prefix_cache import Admission, CachedPrefix, Extension, Start, Waiting
-from shardline.runner.step_plan import Chunk, SequenceState, StepLimits, StepPlan, finish_reason, plan_step, schedule
+from shardline.runner.step_plan import (
+    Chunk,
+    SequenceState,
+    StepLimits,
+    StepPlan,
+    finish_reason,
+    plan_step,
+    prefill_plan,
+    schedule,
+)
 
 pytestmark = [pytest.mark.fast, pytest.mark.timeout(10)]
 
@@ -177,3 +186,20 @@ def test_a_cached_prefix_grows_only_in_a_step_where_nothing_runs_or_waits():
     assert plan_step([seq(10, 10, 1)], [], [], [0], [answered], 64, LIMITS).extension is None
     wants = [Waiting(tuple(range(50, 56)), [1], need=8)]
     assert plan_step([], [SequenceState(6)], wants, [0], [answered], 64, LIMITS).extension is None
+
+
+@pytest.mark.parametrize(
+    "total, start, replay, chunk, pieces",
+    [
+        (600, 0, 0, 512, [(0, 512), (512, 88)]),
+        # a continuation: the prompt cut as before, the output already given in pieces of 64
+        (1100, 0, 150, 512, [(0, 512), (512, 438), (950, 64), (1014, 64), (1078, 22)]),
+        (700, 650, 100, 512, [(650, 50)]),  # resumed inside the output given
+        (700, 500, 100, 512, [(500, 12), (512, 88), (600, 64), (664, 36)]),
+        (40, 0, 20, 8, [(0, 8), (8, 8), (16, 4), (20, 8), (28, 8), (36, 4)]),  # pieces of a short chunk
+    ],
+    ids=lambda v: str(v),
+)
+def test_a_continuations_output_given_is_prefilled_in_decodes_pieces(total, start, replay, chunk, pieces):
+    planned = prefill_plan([(total, start)], chunk, 10**6, [replay])
+    assert [(s, n) for _, s, n in planned] == pieces

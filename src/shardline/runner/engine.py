@@ -153,6 +153,7 @@ class Sequence:
             self.task.max_tokens,
             self.task.stop_token_ids,
             self.scored,
+            self.task.sampling.resumed,
         )
 
 
@@ -160,7 +161,13 @@ def queued_state(task: Task) -> SequenceState:
     """A waiting task as a step's plan sees it (:meth:`Sequence.state` once admitted, its
     prefill yet to start)."""
     return SequenceState(
-        len(task.prompt), 0, 0, task.max_tokens, task.stop_token_ids, task.sampling.prompt_logprobs is not None
+        len(task.prompt),
+        0,
+        0,
+        task.max_tokens,
+        task.stop_token_ids,
+        task.sampling.prompt_logprobs is not None,
+        task.sampling.resumed,
     )
 
 
@@ -330,15 +337,20 @@ class Engine:
         running sequences, the waiting tasks (with what admission sees of them, returned
         beside it for :meth:`admit`) and the free and cached slots."""
         block = self.stage.cache.block_tokens
-        wants = [
-            Waiting(
-                t.prompt,
-                self._prompt_hashes(t),
-                kv_reservation(len(t.prompt), t.max_tokens, self.context, block, self.kv_tokens),
-                self._may_reuse(t),
+        wants = []
+        for t in self.waiting:
+            # A continuation's output already given is computed as decode computed it, not
+            # taken from the cache (whose rows have a cold prefill's bits): it matches its
+            # prompt before that only.
+            given = len(t.prompt) - t.sampling.resumed
+            wants.append(
+                Waiting(
+                    t.prompt[:given],
+                    self._prompt_hashes(t)[: given // block],
+                    kv_reservation(len(t.prompt), t.max_tokens, self.context, block, self.kv_tokens),
+                    self._may_reuse(t),
+                )
             )
-            for t in self.waiting
-        ]
         limits = StepLimits(
             self.context, self.prefill_chunk, block, self.prefill_step_tokens, self.prefill_burst_tokens
         )

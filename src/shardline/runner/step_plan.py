@@ -13,14 +13,18 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 from typing import Sequence
 
+from shardline.models.llama import FUSED_PREFILL_MAX_ROWS
 from shardline.runner.prefix_cache import Admission, CachedPrefix, Extension, Waiting, plan_admission, plan_extension
 
 
 @dataclass(frozen=True, slots=True)
 class SequenceState:
     """A sequence as a step's plan sees it: its prompt's length, the prompt tokens
-    prefilled, the tokens generated so far, its limits, and whether its prompt is scored
-    (``prompt_logprobs``: its chunks give every row's hidden state)."""
+    prefilled, the tokens generated so far, its limits, whether its prompt is scored
+    (``prompt_logprobs``: its chunks give every row's hidden state), and ``replay``: its
+    prompt's last tokens that are output a stream already gave (a continuation's,
+    ``SamplingParams.resumed``), prefilled as decode steps compute them
+    (:func:`prefill_plan`)."""
 
     prompt_len: int
     prefilled: int = 0
@@ -28,6 +32,7 @@ class SequenceState:
     max_tokens: int = 1
     stop_token_ids: tuple[int, ...] = ()
     scored: bool = False
+    replay: int = 0
 
     @property
     def decoding(self) -> bool:
@@ -126,15 +131,28 @@ def finish_reason(
     return None
 
 
-def prefill_plan(prompts: list[tuple[int, int]], chunk: int, budget: int) -> list[tuple[int, int, int]]:
+def prefill_plan(
+    prompts: list[tuple[int, int]], chunk: int, budget: int, replays: Sequence[int] = ()
+) -> list[tuple[int, int, int]]:
     """A step's prefill chunks ``(index of the prompt, start, length)``, oldest prompt
     first, whole chunks up to ``budget`` prompt tokens (at least one chunk), cut at
     multiples of ``chunk`` (a prompt resumed from a cached prefix is cut where its cold
-    prefill is). ``prompts``: per sequence, (prompt tokens, tokens prefilled)."""
+    prefill is). ``prompts``: per sequence, (prompt tokens, tokens prefilled).
+
+    ``replays[i]`` (0 where absent): prompt i's last tokens are output already given (a
+    continuation's): its chunks end where they begin, and they are cut in pieces of at
+    most :data:`~shardline.models.llama.FUSED_PREFILL_MAX_ROWS` (and ``chunk``), which
+    the compiled decode layers compute row by row as decode steps do, so their keys,
+    values and the next token's logits have the bits the interrupted stream's decode
+    gave them (where those layers run the shard: the CPU)."""
     plan: list[tuple[int, int, int]] = []
     for index, (total, start) in enumerate(prompts):
+        given = total - (replays[index] if index < len(replays) else 0)  # where the replay starts
         while start < total:
-            length = min(chunk - start % chunk, total - start)
+            if start < given:
+                length = min(chunk - start % chunk, given - start)
+            else:
+                length = min(FUSED_PREFILL_MAX_ROWS, chunk, total - start)
             if plan and length > budget:
                 return plan
             plan.append((index, start, length))
@@ -149,7 +167,7 @@ def schedule(seqs: Sequence[SequenceState], limits: StepLimits) -> tuple[tuple[i
     ``burst_tokens``)."""
     decode = tuple(i for i, s in enumerate(seqs) if s.decoding)
     budget = limits.step_tokens if decode else limits.burst_tokens
-    planned = prefill_plan([(s.prompt_len, s.prefilled) for s in seqs], limits.chunk, budget)
+    planned = prefill_plan([(s.prompt_len, s.prefilled) for s in seqs], limits.chunk, budget, [s.replay for s in seqs])
     chunks = tuple(
         Chunk(i, start, length, start + length == seqs[i].prompt_len, seqs[i].scored) for i, start, length in planned
     )
