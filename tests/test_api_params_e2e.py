@@ -275,6 +275,20 @@ def test_sampling_extensions_are_checked(url):
     assert long["usage"]["completion_tokens"] == 40 and long["choices"][0]["finish_reason"] == "length"
 
 
+def test_speculative_decoding_is_the_same_greedy_text(url):
+    """llama.cpp's ``speculative.n_max``: drafts by prompt lookup, the same greedy text; a
+    value out of range is refused naming it."""
+    quote = "The quick brown fox jumps over the lazy dog near the river bank. " * 3
+    body = {"messages": [{"role": "user", "content": f"Repeat exactly: {quote}"}], "max_tokens": 48}
+    plain = _chat(url, **body)["choices"][0]["message"]["content"]
+    drafted = _chat(url, **body, **{"speculative.n_max": 8})["choices"][0]["message"]["content"]
+    assert drafted == plain and len(plain) > 40
+    response = httpx.post(
+        f"{url}/v1/completions", timeout=60, json={"model": M, "prompt": "Hi", "speculative.n_max": 99}
+    )
+    assert response.status_code == 400 and response.json()["error"]["param"] == "speculative.n_max"
+
+
 def test_response_format_json_schema_parses(url):
     schema = {
         "type": "object",

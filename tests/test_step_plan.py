@@ -11,6 +11,7 @@ from shardline.runner.step_plan import (
     SequenceState,
     StepLimits,
     StepPlan,
+    cap_drafts,
     finish_reason,
     plan_step,
     prefill_plan,
@@ -141,9 +142,49 @@ def test_a_plans_finishes_follow_its_sampled_sequences():
     )
     decode, chunks = schedule(seqs, LIMITS)
     plan = StepPlan(Admission((), ()), seqs, decode, chunks, LIMITS.context)
-    assert plan.sampled == (0, 1, 3, 2)
+    assert plan.sampled == (0, 1, 3, 2) and plan.sampled_ids == 4
     # the 4th token of 4; the context's 64th; one more; a stop token as the first
-    assert plan.finishes([7, 7, 7, 2]) == ("length", "length", None, "stop")
+    assert plan.outcomes([7, 7, 7, 2]) == (((7,), "length"), ((7,), "length"), ((7,), None), ((2,), "stop"))
+
+
+@pytest.mark.parametrize(
+    "draft, ids, outcome",
+    [
+        ((5, 6, 7), [5, 6, 7, 8], ((5, 6, 7, 8), None)),  # every drafted token matched: one more
+        ((5, 6, 7), [5, 9, -1, -1], ((5, 9), None)),  # the second differed: the token in its place
+        ((5, 6, 7), [4, -1, -1, -1], ((4,), None)),
+        ((5, 2, 7), [5, 2, 7, 8], ((5, 2), "stop")),  # a stop token ends it, the rest dropped
+        ((5, 6, 7, 8, 9), [5, 6, 7, 8, 9, 1], ((5, 6, 7, 8, 9, 1), None)),
+    ],
+)
+def test_a_decoding_sequence_takes_its_drafts_tokens_up_to_the_first_that_differed(draft, ids, outcome):
+    seqs = (
+        SequenceState(10, 10, 3, max_tokens=16, stop_token_ids=(2,), draft=draft),
+        SequenceState(6, 6, 1, max_tokens=16),
+    )
+    plan = StepPlan(Admission((), ()), seqs, (0, 1), (), LIMITS.context)
+    assert plan.sampled_ids == 1 + len(draft) + 1
+    assert plan.outcomes([*ids, 3]) == (outcome, ((3,), None))
+
+
+def test_max_tokens_ends_a_draft_early():
+    seqs = (SequenceState(10, 10, 3, max_tokens=5, draft=(5, 6, 7)),)
+    plan = StepPlan(Admission((), ()), seqs, (0,), (), LIMITS.context)
+    assert plan.outcomes([5, 6, 7, 8]) == (((5, 6), "length"),)
+
+
+@pytest.mark.parametrize(
+    "drafts, decoding, rows, kept",
+    [
+        ([(1, 2), (3,)], 2, 8, [(1, 2), (3,)]),  # 2 + 3 rows: room
+        ([(1, 2, 3), (4, 5)], 2, 5, [(1, 2, 3), ()]),  # the oldest first
+        ([(1, 2, 3), (4, 5)], 2, 4, [(1, 2), ()]),
+        ([(1,), (2,)], 2, 2, [(), ()]),  # no room past one row each
+    ],
+)
+def test_drafts_are_cut_to_the_decode_rows_a_step_may_have(drafts, decoding, rows, kept):
+    seqs = [SequenceState(4, 4, 1, max_tokens=16, draft=d) for d in drafts]
+    assert [s.draft for s in cap_drafts(seqs, rows)] == kept
 
 
 def test_admitted_tasks_join_the_step_prefilled_to_what_they_reuse():

@@ -44,6 +44,7 @@ from shardline.node.node import Node
 from shardline.node.queue_bound import QueueFullError
 from shardline.node.table import InstanceFailedError
 from shardline.runner.protocol import PrefillProgress, SamplingParams
+from shardline.runner.speculation import MAX_DRAFT_TOKENS
 
 MAX_CHOICES = 8
 """Most choices (``n``) one request may ask for: each is its own sequence in the batch."""
@@ -161,6 +162,8 @@ class SamplingFields(BaseModel):
     return_progress: bool = False
     # As in llama.cpp's server: false prefills the whole prompt, its cached prefix unused.
     cache_prompt: bool = True
+    # llama.cpp's per-request speculation bound: most tokens drafted a step (prompt lookup).
+    speculative_n_max: int = Field(default=0, ge=0, le=MAX_DRAFT_TOKENS, alias="speculative.n_max")
 
     @model_validator(mode="after")
     def _check_bias(self):
@@ -194,6 +197,7 @@ class SamplingFields(BaseModel):
             logit_bias=tuple(sorted((self.logit_bias or {}).items())),
             logprobs=self.logprobs_wanted(),
             grammar=self.grammar(),
+            draft_tokens=self.speculative_n_max,
         )
 
     def generation(self, prompt, max_tokens: int | None, max_tokens_param: str, prompt_param: str) -> GenerationRequest:

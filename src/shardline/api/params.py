@@ -190,6 +190,14 @@ _OPENAI_SAMPLING: tuple[tuple, ...] = (
         "extension (llama.cpp): false prefills the whole prompt, its cached prefix unused (default true)",
         "test_prefix_cache_e2e.py::test_cache_prompt_false_prefills_the_whole_prompt",
     ),
+    (
+        "speculative.n_max",
+        True,
+        "extension (llama.cpp): most tokens drafted a step by prompt lookup and checked in the "
+        "decode step (0 to 16, default 0); greedy requests without logprobs or a grammar; the "
+        "same text, in fewer steps where the output repeats the prompt",
+        "test_speculative_decoding_is_the_same_greedy_text",
+    ),
 )
 
 _OLLAMA_COMMON: tuple[tuple, ...] = (

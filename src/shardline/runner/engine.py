@@ -51,7 +51,9 @@ from typing import Callable
 
 import torch
 
+from shardline.models.decode_graphs import GRAPH_MAX_ROWS
 from shardline.models.llama import ForwardBatch
+from shardline.models.weight_products import KERNEL_MAX_ROWS
 from shardline.parallel.pipeline import PipelineStage
 from shardline.runner.agreement import Agreement, decide, encode_proposal, proposal_length, sampled_tokens
 from shardline.runner.block_hashes import block_hashes
@@ -60,10 +62,15 @@ from shardline.runner.logprob_tables import logprob_table, logprob_width, prompt
 from shardline.runner.prefix_cache import Admission, CachedPrefix, Extension, Waiting, exact_end
 from shardline.runner.protocol import Cancel, EngineStats, PrefillProgress, Shutdown, Task, TokenEvent, Tokens
 from shardline.runner.sampling import MAX_TOP_LOGPROBS, Sampler
-from shardline.runner.step_plan import Chunk, SequenceState, StepLimits, StepPlan, plan_step, prefill_plan
+from shardline.runner.speculation import Drafter
+from shardline.runner.step_plan import Chunk, SequenceState, StepLimits, StepPlan, cap_drafts, plan_step, prefill_plan
 from shardline.runner.threads import ThreadGovernor
 
 log = logging.getLogger(__name__)
+
+DECODE_MAX_ROWS = min(KERNEL_MAX_ROWS, GRAPH_MAX_ROWS)
+"""Most rows of a decode step with drafts: each row computed as a lone decode row is (the
+compiled kernel's, a CUDA graph's), so a drafted row has the bits decoding it would give."""
 
 AGREE_K = 32
 """Most tasks (and, apart, cancellations) a rank proposes in one step; more wait for the
@@ -117,7 +124,9 @@ class Sequence:
     (its prefill started there); ``exact_end``: its first rows whose keys and values have
     the bits a cold prefill gives (:func:`~shardline.runner.prefix_cache.exact_end`),
     which its slot keeps as a cached prefix when it ends; ``hashes``: its prompt's
-    :func:`~shardline.runner.prefix_cache.block_hashes` (empty without prefix caching)."""
+    :func:`~shardline.runner.prefix_cache.block_hashes` (empty without prefix caching);
+    ``drafter``: its drafts where it speculates
+    (:attr:`SamplingParams.speculates <shardline.runner.protocol.SamplingParams>`)."""
 
     task: Task
     slot: int
@@ -128,6 +137,7 @@ class Sequence:
     reused: int = 0
     exact_end: int = 0
     hashes: list[int] = field(default_factory=list)
+    drafter: Drafter | None = None
 
     @property
     def prompt_len(self) -> int:
@@ -144,8 +154,8 @@ class Sequence:
         """Position of the next token fed to the model (the last generated one)."""
         return self.prompt_len + len(self.generated) - 1
 
-    def state(self) -> SequenceState:
-        """It as a step's plan sees it."""
+    def state(self, context: int) -> SequenceState:
+        """It as a step's plan sees it (``context``: the instance's, which bounds a draft)."""
         return SequenceState(
             self.prompt_len,
             self.prefilled,
@@ -154,7 +164,17 @@ class Sequence:
             self.task.stop_token_ids,
             self.scored,
             self.task.sampling.resumed,
+            self.draft(context),
         )
+
+    def draft(self, context: int) -> tuple[int, ...]:
+        """The tokens it guesses follow its next one, where it decodes and speculates: up
+        to ``draft_tokens``, short of its ``max_tokens`` and of ``context`` (a step then
+        gives at most one token past the draft)."""
+        if self.drafter is None or self.prefilled < self.prompt_len or not self.generated:
+            return ()
+        room = min(self.task.max_tokens - len(self.generated), context - self.prompt_len - len(self.generated)) - 1
+        return self.drafter.draft(room)
 
 
 def queued_state(task: Task) -> SequenceState:
@@ -355,7 +375,7 @@ class Engine:
             self.context, self.prefill_chunk, block, self.prefill_step_tokens, self.prefill_burst_tokens
         )
         plan = plan_step(
-            [s.state() for s in self.running],
+            cap_drafts([s.state(self.context) for s in self.running], DECODE_MAX_ROWS),
             [queued_state(t) for t in self.waiting],
             wants,
             self.free_slots,
@@ -396,6 +416,7 @@ class Engine:
                 reused=start.reused,
                 exact_end=start.reused,
                 hashes=want.hashes,
+                drafter=Drafter(task.prompt, task.sampling.draft_tokens) if task.sampling.speculates else None,
             )
             self.free_kv_tokens -= want.need
             self.prompt_tokens += len(task.prompt)
@@ -503,7 +524,7 @@ class Engine:
         then sample the sequences it samples (:meth:`_sample_and_advance`)."""
         seqs = list(self.running)  # the plan's sequences: admitted as it planned
         assert len(seqs) == len(plan.seqs)
-        decoding = [seqs[i] for i in plan.decode]
+        decoding = [(seqs[i], plan.seqs[i].draft) for i in plan.decode]
         chunks = [(seqs[c.seq], c) for c in plan.chunks]
         micro = self._micro_batches(decoding, chunks)
         if not micro:
@@ -522,13 +543,16 @@ class Engine:
                     )
 
         if plan.sampled:  # the exchange after it (_sample_and_advance) carries their ids
-            self.stage.expect_gather(proposal_length(AGREE_K, len(plan.sampled)))
+            self.stage.expect_gather(proposal_length(AGREE_K, plan.sampled_ids))
         outputs = self._compute(micro, computed, len(decoding), decode_only=not chunks)
-        rows: list[torch.Tensor] = []
+        rows: list[torch.Tensor] = []  # per sampled sequence, its rows of logits [1 + draft, vocab]
         if decoding and self.stage.samples:
             logits = outputs[0]
             assert logits is not None  # the sampling rank has logits for every micro-batch
-            rows = [logits[i] for i in range(len(decoding))]
+            at = 0
+            for _, draft in decoding:
+                rows.append(logits[at : at + 1 + len(draft)])
+                at += 1 + len(draft)
         rows += self._advance_prefill(chunks, outputs[plan.first_chunk :])
         if plan.sampled:
             self._sample_and_advance(plan, [seqs[i] for i in plan.sampled], rows)
@@ -557,16 +581,23 @@ class Engine:
         self.cached[extension.slot] = extended
 
     def _micro_batches(
-        self, decoding: list[Sequence], chunks: list[tuple[Sequence, Chunk]]
+        self, decoding: list[tuple[Sequence, tuple[int, ...]]], chunks: list[tuple[Sequence, Chunk]]
     ) -> list[tuple[torch.Tensor, ForwardBatch]]:
-        """The step's micro-batches, their input ids and batch: one decode token of every
-        sequence in ``decoding`` (if any), then each prefill chunk."""
+        """The step's micro-batches, their input ids and batch: the decode rows of every
+        sequence in ``decoding`` (if any: its next token, then its draft's tokens, each at
+        its own position of its slot: every row's key and value is written before any row
+        attends, so a drafted row sees those before it), then each prefill chunk."""
         stage = self.stage
         micro = []
         key_span = self.prefill_chunk if self.prefix_cache else 0  # a cold prefill's bits on a hit
         if decoding:
-            batch = stage.decode_batch([s.slot for s in decoding], [s.next_position for s in decoding])
-            micro.append((torch.tensor([s.generated[-1] for s in decoding], dtype=torch.long), batch))
+            slots, positions, tokens = [], [], []
+            for s, draft in decoding:
+                for j, token in enumerate((s.generated[-1], *draft)):
+                    slots.append(s.slot)
+                    positions.append(s.next_position + j)
+                    tokens.append(token)
+            micro.append((torch.tensor(tokens, dtype=torch.long), stage.decode_batch(slots, positions)))
         for seq, chunk in chunks:
             batch = stage.prefill_batch(
                 seq.slot,
@@ -618,7 +649,7 @@ class Engine:
                 assert out is not None
                 if seq.scored:  # every row's hidden state
                     out = self.stage.shard.logits(out[-1:])
-                rows.append(out[-1])
+                rows.append(out[-1:])
         return rows
 
     def _share_prompt_logprobs(self, seq: Sequence, start: int, length: int, hidden: torch.Tensor | None) -> None:
@@ -659,37 +690,43 @@ class Engine:
 
     def _sample_and_advance(self, plan: StepPlan, seqs: list[Sequence], logits: list[torch.Tensor]) -> None:
         """Sample ``plan``'s sampled sequences ``seqs`` on the sampling rank (``logits``:
-        float32 ``[vocab]`` per sequence), share the ids (and the log-probabilities, when
-        any sequence asks) with every rank, append them and end the sequences that
-        finished (:meth:`StepPlan.finishes <shardline.runner.step_plan.StepPlan.finishes>`);
-        then apply the agreement on the next step's tasks exchanged with the ids
+        float32 ``[1 + draft, vocab]`` per sequence: its next token's row, then one per
+        drafted token), share the ids (and the log-probabilities, when any sequence asks)
+        with every rank, append the tokens each takes and end the sequences that finished
+        (:meth:`StepPlan.outcomes <shardline.runner.step_plan.StepPlan.outcomes>`); then
+        apply the agreement on the next step's tasks exchanged with the ids
         (:meth:`exchange`)."""
         wanted = [s.task.sampling.logprobs for s in seqs]
         width = logprob_width(wanted)  # the same on every rank: all know the params
-        sampled, table = self._sample(seqs, logits, width)
+        drafts = [plan.seqs[i].draft for i in plan.sampled]
+        sampled, table = self._sample(seqs, logits, drafts, width)
         agreement, ids = self.exchange(sampled)
         rows: list[list[float]] = []
         if table is not None and width is not None:
             rows = self.stage.share_logprobs(table).cpu().tolist()
         events: list[TokenEvent | PrefillProgress] = []
-        for index, (seq, token, finish) in enumerate(zip(seqs, ids, plan.finishes(ids))):
-            seq.generated.append(token)
+        for index, (seq, (tokens, finish)) in enumerate(zip(seqs, plan.outcomes(ids))):
+            seq.generated.extend(tokens)
+            if seq.drafter is not None:
+                seq.drafter.took(len(drafts[index]), tokens)
             if seq.task.origin == self.node_id:
                 k = wanted[index]
                 logprob, top = (None, ()) if k is None or width is None else read_logprobs(rows[index], width, k)
                 written = max(0, self._kept(seq) - seq.reused) if finish is not None else 0
-                events.append(
-                    TokenEvent(
-                        seq.task.task_id,
-                        token,
-                        finish,
-                        seq.prompt_len,
-                        logprob,
-                        top,
-                        cached_tokens=seq.reused,
-                        cache_written=written,
+                for j, token in enumerate(tokens):
+                    last = j == len(tokens) - 1
+                    events.append(
+                        TokenEvent(
+                            seq.task.task_id,
+                            token,
+                            finish if last else None,
+                            seq.prompt_len,
+                            logprob,
+                            top,
+                            cached_tokens=seq.reused,
+                            cache_written=written if last else 0,
+                        )
                     )
-                )
             if finish is not None:
                 self._finish(seq)
         self.emit(events)
@@ -697,22 +734,31 @@ class Engine:
         self._agreed = True
 
     def _sample(
-        self, seqs: list[Sequence], logits: list[torch.Tensor], width: int | None
+        self, seqs: list[Sequence], logits: list[torch.Tensor], drafts: list[tuple[int, ...]], width: int | None
     ) -> tuple[list[int], torch.Tensor | None]:
-        """The sampled ids (on the sampling rank; as many zeros elsewhere) and, where
-        ``width`` is set, the log-probability table to share (elsewhere, one to receive
-        it into)."""
+        """The sampled ids (on the sampling rank; as many zeros elsewhere): per sequence its
+        next token and, where it drafted, the next after each drafted token it matched
+        (greedy, so each is the token decoding would have given; -1 for each row past
+        the first mismatch); and, where ``width`` is set, the log-probability table to
+        share (elsewhere, one to receive it into)."""
+        count = sum(1 + len(d) for d in drafts)
         if not self.stage.samples:
             table = None
             if width is not None:
                 table = torch.empty((len(seqs), 1 + 2 * width), dtype=torch.float32, device=self.comm_device)
-            return [0] * len(seqs), table
+            return [0] * count, table
+        ids: list[int] = []
         choices = []
-        for s, row in zip(seqs, logits):
+        for s, rows, draft in zip(seqs, logits, drafts):
             assert s.sampler is not None  # admitted on the sampling rank with one
-            choices.append(s.sampler.choose(row))
+            first = s.sampler.choose(rows[0])
+            choices.append(first)
+            mine = [first.token]
+            while len(mine) <= len(draft) and mine[-1] == draft[len(mine) - 1]:
+                mine.append(s.sampler.choose(rows[len(mine)]).token)
+            ids += mine + [-1] * (1 + len(draft) - len(mine))
         table = logprob_table(choices, width).to(self.comm_device) if width is not None else None
-        return [c.token for c in choices], table
+        return ids, table
 
     def emit(self, events: list[TokenEvent | PrefillProgress]) -> None:
         if events:

@@ -52,6 +52,10 @@ class SamplingParams:
             ``TopLevelGrammar``'s JSON text or Lark text): tokens it forbids are masked on
             the sampling rank (constrained decoding, :mod:`shardline.runner.constraint`);
             None: unconstrained.
+        draft_tokens: k > 0: speculative decoding by prompt lookup
+            (:mod:`shardline.runner.speculation`), up to k drafted tokens checked a step,
+            for a greedy sequence without a grammar or log-probabilities (any other
+            decodes a token a step); 0: none.
     """
 
     temperature: float = 1.0
@@ -68,11 +72,18 @@ class SamplingParams:
     grammar: str | None = None
     prompt_logprobs: int | None = None
     resumed: int = 0
+    draft_tokens: int = 0
 
     @property
     def greedy(self) -> bool:
         """The argmax is taken: temperature 0, top-k 1 or top-p 0 leave one token."""
         return self.temperature <= 0 or self.top_k == 1 or self.top_p <= 0
+
+    @property
+    def speculates(self) -> bool:
+        """It drafts tokens (``draft_tokens``): greedy, with no grammar and no
+        log-probabilities (every drafted row would need its own)."""
+        return self.draft_tokens > 0 and self.greedy and self.grammar is None and self.logprobs is None
 
 
 @dataclass(frozen=True)

@@ -21,10 +21,11 @@ from shardline.runner.prefix_cache import Admission, CachedPrefix, Extension, Wa
 class SequenceState:
     """A sequence as a step's plan sees it: its prompt's length, the prompt tokens
     prefilled, the tokens generated so far, its limits, whether its prompt is scored
-    (``prompt_logprobs``: its chunks give every row's hidden state), and ``replay``: its
+    (``prompt_logprobs``: its chunks give every row's hidden state), ``replay``: its
     prompt's last tokens that are output a stream already gave (a continuation's,
     ``SamplingParams.resumed``), prefilled as decode steps compute them
-    (:func:`prefill_plan`)."""
+    (:func:`prefill_plan`), and ``draft``: the tokens it guesses follow its next one
+    (:mod:`~shardline.runner.speculation`), checked in this step's decode rows."""
 
     prompt_len: int
     prefilled: int = 0
@@ -33,6 +34,7 @@ class SequenceState:
     stop_token_ids: tuple[int, ...] = ()
     scored: bool = False
     replay: int = 0
+    draft: tuple[int, ...] = ()
 
     @property
     def decoding(self) -> bool:
@@ -107,13 +109,33 @@ class StepPlan:
         that decode, then those whose prompt a chunk ends."""
         return self.decode + tuple(c.seq for c in self.chunks if c.last)
 
-    def finishes(self, tokens: Sequence[int]) -> tuple[str | None, ...]:
-        """Why each sampled sequence (:attr:`sampled`) ends after its ``tokens`` (one each,
-        the step's agreed ids), None where it goes on (:func:`finish_reason`)."""
-        return tuple(
-            finish_reason(token, s.generated + 1, s.prompt_len, s.stop_token_ids, s.max_tokens, self.context)
-            for s, token in zip((self.seqs[i] for i in self.sampled), tokens)
-        )
+    @property
+    def sampled_ids(self) -> int:
+        """Token ids the step's exchange carries: per sampled sequence one, and one per
+        token of a decoding sequence's draft (the ids it takes, then -1s)."""
+        return sum(1 + len(self.seqs[i].draft) for i in self.sampled)
+
+    def outcomes(self, ids: Sequence[int]) -> tuple[tuple[tuple[int, ...], str | None], ...]:
+        """Per sampled sequence (:attr:`sampled`), the tokens it takes of the step's agreed
+        ``ids`` (:attr:`sampled_ids` of them: its own, -1 past those it takes) and why it
+        ends after them (:func:`finish_reason`; None: it goes on): at most to its first
+        token that ends it."""
+        out = []
+        at = 0
+        for s in (self.seqs[i] for i in self.sampled):
+            mine = [t for t in ids[at : at + 1 + len(s.draft)] if t >= 0]
+            at += 1 + len(s.draft)
+            taken: list[int] = []
+            finish = None
+            for token in mine:
+                taken.append(token)
+                finish = finish_reason(
+                    token, s.generated + len(taken), s.prompt_len, s.stop_token_ids, s.max_tokens, self.context
+                )
+                if finish is not None:
+                    break
+            out.append((tuple(taken), finish))
+        return tuple(out)
 
 
 def finish_reason(
@@ -172,6 +194,19 @@ def schedule(seqs: Sequence[SequenceState], limits: StepLimits) -> tuple[tuple[i
         Chunk(i, start, length, start + length == seqs[i].prompt_len, seqs[i].scored) for i, start, length in planned
     )
     return decode, chunks
+
+
+def cap_drafts(seqs: Sequence[SequenceState], max_rows: int) -> tuple[SequenceState, ...]:
+    """``seqs`` with their drafts cut, oldest sequence's first served, so that the step's
+    decode rows (one per decoding sequence and one per drafted token) are at most
+    ``max_rows``: past that the decode step takes other kernels, whose bits differ."""
+    room = max_rows - sum(1 for s in seqs if s.decoding)
+    out = []
+    for s in seqs:
+        take = max(0, min(len(s.draft), room))
+        room -= take
+        out.append(s if take == len(s.draft) else replace(s, draft=s.draft[:take]))
+    return tuple(out)
 
 
 def plan_step(

@@ -1,0 +1,130 @@
+"""Speculative decoding by prompt lookup (``SamplingParams.draft_tokens``): a greedy
+sequence's drafted tokens ride in the decode rows, and it takes the tokens greedy
+decoding would have given, so its text is the text without speculation, alone or beside
+others, in fewer steps where its output repeats (one engine in this process, tiny random
+models: int4 with the compiled decode layers where they are built, bfloat16 and float32
+through torch's)."""
+
+from __future__ import annotations
+
+import queue
+import random
+from dataclasses import replace
+
+import pytest
+import tiny_models as tm
+import torch
+
+from shardline.parallel.pipeline import PipelineStage
+from shardline.runner.engine import Engine
+from shardline.runner.protocol import SamplingParams, Task, TokenEvent, Tokens
+
+pytestmark = pytest.mark.timeout(120)
+
+GREEDY = SamplingParams(temperature=0.0)
+
+
+@pytest.fixture(scope="module", params=["bfloat16", "float32"])
+def torch_layers(request, tmp_path_factory):
+    from shardline.models.shard_loader import load_shard
+    from shardline.models.weights import open_weights
+
+    path = tmp_path_factory.mktemp("tiny-llama")
+    tm.save_hf(tm.hf_model("llama", num_layers=2, seed=3), path)
+    return load_shard(open_weights(path), 0, 2, dtype=getattr(torch, request.param))
+
+
+def run(shard, tasks: list[Task]) -> tuple[dict[int, list[int]], int]:
+    """``tasks`` sent together to a fresh engine (4 slots, 64-token chunks), run to their
+    ends: each one's tokens, and the steps it took."""
+    sent: list = []
+    stage = PipelineStage(shard, tm.new_cache(shard, slots=4, context=1024), 0, 1)
+    engine = Engine(stage, queue.Queue(), sent.append, "n", None, 4, 1024, 64, 64, 4096)
+    for task in tasks:
+        engine.inbox.put(task)
+    tokens: dict[int, list[int]] = {t.task_id: [] for t in tasks}
+    ended: set[int] = set()
+    for step in range(1, 1000):
+        engine.step()
+        for message in sent:
+            for event in message.events if isinstance(message, Tokens) else ():
+                if isinstance(event, TokenEvent):
+                    tokens[event.task_id].append(event.token_id)
+                    if event.finish_reason is not None:
+                        ended.add(event.task_id)
+        sent.clear()
+        if len(ended) == len(tasks):
+            return tokens, step
+    raise AssertionError("the tasks did not end")
+
+
+def repeating_prompt(seed: int) -> tuple[int, ...]:
+    """A prompt that says the same 40 tokens three times: the model's greedy output tends
+    to go on repeating, which drafts guess."""
+    rng = random.Random(seed)
+    piece = tuple(rng.randrange(tm.VOCAB) for _ in range(40))
+    return piece * 3
+
+
+def check_the_same_text_in_fewer_steps(shard) -> None:
+    prompt = repeating_prompt(1)
+    plain, plain_steps = run(shard, [Task(1, "n", prompt, 60, GREEDY)])
+    drafted, drafted_steps = run(shard, [Task(1, "n", prompt, 60, replace(GREEDY, draft_tokens=5))])
+    assert drafted == plain
+    assert drafted_steps < plain_steps, (drafted_steps, plain_steps)  # drafts were taken
+
+
+def test_a_speculating_sequence_gives_the_same_text_in_fewer_steps(torch_layers):
+    check_the_same_text_in_fewer_steps(torch_layers)
+
+
+def test_with_the_compiled_decode_layers_too(blocks_of_32):
+    check_the_same_text_in_fewer_steps(blocks_of_32)
+
+
+def test_speculation_beside_other_sequences_changes_no_text(blocks_of_32):
+    """A speculating sequence, a plain greedy one, a seeded sample and one asking for
+    log-probabilities (which does not speculate) together give each one's text alone."""
+    rng = random.Random(2)
+    other = tuple(rng.randrange(tm.VOCAB) for _ in range(70))
+    tasks = [
+        Task(1, "n", repeating_prompt(3), 50, replace(GREEDY, draft_tokens=4)),
+        Task(2, "n", other, 30, GREEDY),
+        Task(3, "n", repeating_prompt(4), 40, SamplingParams(temperature=0.8, seed=5, draft_tokens=4)),
+        Task(4, "n", repeating_prompt(5), 40, replace(GREEDY, draft_tokens=4, logprobs=2)),
+    ]
+    together, _ = run(blocks_of_32, tasks)
+    for task in tasks:
+        alone, _ = run(blocks_of_32, [task])
+        assert together[task.task_id] == alone[task.task_id], task.task_id
+        assert len(alone[task.task_id]) == task.max_tokens
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    path = tmp_path_factory.mktemp("tiny-llama-4")
+    tm.save_hf(tm.hf_model("llama", num_layers=4, seed=7), path)
+    return path
+
+
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize("sharding", ["pipeline", "tensor"])
+def test_every_rank_takes_the_same_drafted_tokens(model_dir, sharding):
+    """Two runner processes (float32, gloo): every rank drafts alike and takes the
+    sampling rank's tokens, which are the one-shard model's greedy ones."""
+    from test_prefix_cache_runner import run as run_on
+    from test_prefix_cache_runner import tokens
+    from test_runner_lockstep import NODE, Instance, reference_tokens
+
+    from shardline.models.config import Sharding
+
+    tasks = [Task(700 + i, NODE, repeating_prompt(10 + i), 40, replace(GREEDY, draft_tokens=4)) for i in range(2)]
+    instance = Instance(model_dir, 2, max_batch=2, context=512, sharding=Sharding(sharding))
+    try:
+        expected = reference_tokens(model_dir, tasks)
+        results = run_on(instance, tasks)
+        for r in range(2):
+            for task in tasks:
+                assert tokens(results[r][task.task_id]) == expected[task.task_id]
+    finally:
+        instance.stop()
