@@ -197,3 +197,15 @@ def blocks_of_32(tmp_path_factory):
     tm.save_hf(tm.hf_model("qwen3", num_layers=2, seed=4, head_dim=64), path)
     shard = load_shard(open_weights(path), 0, 2, dtype=torch.bfloat16, quantize=Quantize.INT4)
     return shard
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    """A tiny random Llama of 4 layers (seed 7) saved as Hugging Face files: the runner
+    processes' model in the lockstep, prefix cache and speculation tests (a module may
+    define its own)."""
+    import tiny_models as tm
+
+    path = tmp_path_factory.mktemp("tiny-llama")
+    tm.save_hf(tm.hf_model("llama", num_layers=4, seed=7), path)
+    return path

@@ -61,13 +61,6 @@ def tokens(events: list) -> list[int]:
     return [e.token_id for e in events if isinstance(e, TokenEvent)]
 
 
-@pytest.fixture(scope="module")
-def model_dir(tmp_path_factory):
-    path = tmp_path_factory.mktemp("tiny-llama")
-    tm.save_hf(tm.hf_model("llama", num_layers=4, seed=7), path)
-    return path
-
-
 @pytest.mark.timeout(180)
 @pytest.mark.parametrize("world", [1, 2])
 def test_a_prompt_sharing_a_finished_ones_blocks_resumes_there_with_the_cold_tokens(model_dir, world):

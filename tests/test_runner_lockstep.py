@@ -155,13 +155,6 @@ class Instance:
             rank.worker.stop_all()
 
 
-@pytest.fixture(scope="module")
-def model_dir(tmp_path_factory):
-    path = tmp_path_factory.mktemp("tiny-llama")
-    tm.save_hf(tm.hf_model("llama", num_layers=4, seed=7), path)
-    return path
-
-
 def make_tasks(n: int, seed: int = 0, max_tokens: int = 12) -> list[Task]:
     rng = random.Random(seed)
     return [

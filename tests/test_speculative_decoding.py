@@ -100,13 +100,6 @@ def test_speculation_beside_other_sequences_changes_no_text(blocks_of_32):
         assert len(alone[task.task_id]) == task.max_tokens
 
 
-@pytest.fixture(scope="module")
-def model_dir(tmp_path_factory):
-    path = tmp_path_factory.mktemp("tiny-llama-4")
-    tm.save_hf(tm.hf_model("llama", num_layers=4, seed=7), path)
-    return path
-
-
 @pytest.mark.timeout(240)
 @pytest.mark.parametrize("sharding", ["pipeline", "tensor"])
 def test_every_rank_takes_the_same_drafted_tokens(model_dir, sharding):
