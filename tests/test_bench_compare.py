@@ -13,17 +13,26 @@ import pytest
 
 from shardline import cli
 from shardline.api.params import Endpoint, screen
-from shardline.bench.bench import agent_system_prompt, build_prompt, chat_question, run_conversation, stream_request
+from shardline.bench.bench import (
+    agent_system_prompt,
+    build_prompt,
+    chat_question,
+    edit_request,
+    run_conversation,
+    run_edits,
+    stream_request,
+)
 from shardline.bench.compare import (
     LEVEL_FIGURES,
     Workload,
     combine_rounds,
+    figures_of,
     interleave,
     plan_workloads,
     ratio,
     report_rows,
 )
-from shardline.bench.report import conversation_line
+from shardline.bench.report import conversation_line, edit_line
 
 pytestmark = pytest.mark.fast
 
@@ -411,3 +420,37 @@ def test_a_conversation_thinks_before_each_turn_but_the_first():
     gaps = [b - a for a, b in zip(sent, sent[1:])]
     assert len(gaps) == 5 and all(g >= 0.2 for g in gaps[1::2])
     assert result["requests"] == 3 and result["wall_s"] <= elapsed - 0.4  # the waits are not its time
+
+
+def test_the_code_editing_workload_comes_last():
+    assert plan_workloads([32], [1], 1, 0, turns=2, edits=3)[-1] == Workload("code editing", "edit", None, 1, 3)
+
+
+def test_code_editing_sends_each_file_without_then_with_speculation():
+    bodies = []
+
+    def handler(request: httpx.Request) -> httpx.Response:
+        body = json.loads(request.content)
+        bodies.append(body)
+        events = [
+            {"choices": [{"delta": {"content": "def"}}]},
+            {"choices": [{"delta": {"content": " first_step"}}]},
+            {"choices": [], "usage": {"prompt_tokens": 900, "completion_tokens": 2}},
+        ]
+        return httpx.Response(200, content=_sse(*events), headers={"content-type": "text/event-stream"})
+
+    prompts = [edit_request(30, v) for v in (1, 2)]
+
+    async def go():
+        async with httpx.AsyncClient(transport=httpx.MockTransport(handler)) as client:
+            return await run_edits(client, "http://x", "m", prompts, 2, 8)
+
+    result = asyncio.run(go())
+    assert [b["speculative.n_max"] for b in bodies] == [0, 0, 8, 8]
+    assert [b["messages"][0]["content"] for b in bodies] == prompts * 2
+    assert all(screen(Endpoint.CHAT, b) == b for b in bodies)  # shardline's screen lets it pass
+    assert result["requests"] == 2 and result["speculative_requests"] == 2
+    assert result["median_decode_tokens_per_s"] > 0 and result["speculative_median_decode_tokens_per_s"] > 0
+    assert "def step_29(" in prompts[0] and prompts[0] != prompts[1]
+    figures = combine_rounds([result], figures_of("edit"))
+    assert "with speculative decoding" in edit_line(figures)

@@ -113,6 +113,27 @@ def _workload_arguments(parser: argparse.ArgumentParser) -> None:
         "tool definitions, as a coding agent's does (default %(default)s: none)",
     )
     parser.add_argument(
+        "--edits",
+        type=int,
+        default=0,
+        help="also a code-editing workload of this many requests a round: a Python file to "
+        "repeat with one change, each sent without speculative decoding and again with "
+        "speculative.n_max set to --speculative (figures: decode tok/s of both); 0: none "
+        "(default %(default)s)",
+    )
+    parser.add_argument(
+        "--edit-functions",
+        type=int,
+        default=30,
+        help="functions of the code-editing workload's file, about 40 tokens each (default %(default)s)",
+    )
+    parser.add_argument(
+        "--speculative",
+        type=int,
+        default=8,
+        help="speculative.n_max of the code-editing workload's speculative requests (default %(default)s)",
+    )
+    parser.add_argument(
         "--think-s",
         type=float,
         default=0.0,

@@ -244,7 +244,12 @@ def connect_error_message(url: str, exc: Exception) -> str:
 
 
 def _chat_body(
-    model: str, prompt: str | list[dict[str, str]], max_tokens: int, stream: bool, cache_prompt: bool | None = None
+    model: str,
+    prompt: str | list[dict[str, str]],
+    max_tokens: int,
+    stream: bool,
+    cache_prompt: bool | None = None,
+    extra: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
     body: dict[str, Any] = {
         "model": model,
@@ -258,7 +263,7 @@ def _chat_body(
         body["stream_options"] = {"include_usage": True}
     if cache_prompt is not None:
         body["cache_prompt"] = cache_prompt
-    return body
+    return body | (extra or {})
 
 
 async def stream_request(
@@ -269,6 +274,7 @@ async def stream_request(
     max_tokens: int,
     prompt_tokens: int = 0,
     cache_prompt: bool | None = None,
+    extra: dict[str, Any] | None = None,
 ) -> RequestResult:
     """Send one streamed chat completion and time it.
 
@@ -279,6 +285,7 @@ async def stream_request(
         prompt_tokens: the prompt's calibrated length, taken where the stream has no usage.
         cache_prompt: sent as the body's ``cache_prompt`` (False: the whole prompt
             prefilled, on shardline and llama-server); None: not sent.
+        extra: more fields of the body (``speculative.n_max``).
 
     Returns:
         The request's token counts and timings (seconds).
@@ -287,7 +294,7 @@ async def stream_request(
         BenchError: an HTTP error or an error event in the stream.
         httpx.HTTPError: the connection failed.
     """
-    body = _chat_body(model, prompt, max_tokens, stream=True, cache_prompt=cache_prompt)
+    body = _chat_body(model, prompt, max_tokens, stream=True, cache_prompt=cache_prompt, extra=extra)
     start = time.perf_counter()
     ttft = None
     chunk_times: list[float] = []
@@ -450,6 +457,7 @@ async def run_level(
     gen_tokens: int,
     concurrency: int,
     prompt_tokens: int = 0,
+    extra: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
     """Send one request per prompt with at most ``concurrency`` in flight; summarise them
     (:func:`summarize_level`).
@@ -458,6 +466,7 @@ async def run_level(
         prompts: the requests' user messages (:func:`build_prompt`, :func:`chat_question`).
         gen_tokens: completion tokens per request.
         prompt_tokens: the prompts' calibrated length, for a server whose stream has no usage.
+        extra: more fields of each request's body.
 
     Raises:
         BenchError, httpx.HTTPError: the first request that failed (:func:`stream_request`).
@@ -476,7 +485,7 @@ async def run_level(
             except asyncio.QueueEmpty:
                 return
             sent = time.perf_counter() - level_start
-            result = await stream_request(client, url, model, prompts[i], gen_tokens, prompt_tokens)
+            result = await stream_request(client, url, model, prompts[i], gen_tokens, prompt_tokens, extra=extra)
             result.start_s = sent
             results.append(result)
 
@@ -491,6 +500,47 @@ async def run_level(
         raise first from None
     wall = time.perf_counter() - level_start
     return summarize_level(concurrency, results, wall)
+
+
+# -- code editing ------------------------------------------------------------------------
+
+
+def code_file(functions: int, variant: int = 0) -> str:
+    """A Python file of ``functions`` small functions (about 40 tokens each), its numbers
+    varied by ``variant``: what a coding agent asks a model to repeat with a change."""
+    out = [f'"""Helpers of module {variant}."""\n']
+    for i in range(functions):
+        a, b = (variant * 7 + i * 3) % 17 + 1, (variant * 5 + i) % 13 + 2
+        out.append(
+            f"def step_{i}(values, scale={a}):\n"
+            f'    """Return each value times {a}, plus {b} where it is odd."""\n'
+            f"    return [v * scale + ({b} if v % 2 else 0) for v in values]\n"
+        )
+    return "\n\n".join(out)
+
+
+def edit_request(functions: int, variant: int) -> str:
+    """A user message asking for :func:`code_file` back with one change: the output
+    repeats the prompt, which speculative decoding by prompt lookup guesses."""
+    return (
+        f"```python\n{code_file(functions, variant)}\n```\n\nRepeat the whole file above, "
+        "unchanged but for the first function's name: call it `first_step`."
+    )
+
+
+SPECULATIVE = "speculative.n_max"
+"""The request field that asks for speculative decoding (llama.cpp's, shardline's)."""
+
+
+async def run_edits(
+    client: httpx.AsyncClient, url: str, model: str, prompts: list[str], gen_tokens: int, draft_tokens: int
+) -> dict[str, Any]:
+    """The code-editing workload: each prompt (:func:`edit_request`) sent without
+    speculative decoding (``speculative.n_max`` 0), then with ``draft_tokens``; the
+    figures of both (:func:`summarize_level`'s), those with it under ``speculative_``."""
+    plain = await run_level(client, url, model, prompts, gen_tokens, 1, extra={SPECULATIVE: 0})
+    drafted = await run_level(client, url, model, prompts, gen_tokens, 1, extra={SPECULATIVE: draft_tokens})
+    return plain | {f"speculative_{key}": value for key, value in drafted.items()}
 
 
 # -- a conversation ----------------------------------------------------------------------

@@ -23,6 +23,7 @@ from shardline.bench.compare import OTHER, SHARDLINE, BenchConfig, Server, run_w
 from shardline.bench.contention import busy_cores, busy_refusal
 from shardline.cluster_commands import api_key_headers
 from shardline.local_cluster import LocalCluster, LocalClusterError, model_dirs_for
+from shardline.runner.speculation import MAX_DRAFT_TOKENS
 
 
 def _fail(message: str) -> int:
@@ -49,8 +50,8 @@ def _workload_problem(args: argparse.Namespace) -> str | None:
             return f"{option} values must differ (each gives its own levels)"
     if args.runs < 0:
         return "--runs must be at least 0"
-    if args.runs == 0 and not args.chat_requests and not args.turns:
-        return "--runs 0 leaves nothing to measure: give --chat-requests or --turns"
+    if args.runs == 0 and not args.chat_requests and not args.turns and not args.edits:
+        return "--runs 0 leaves nothing to measure: give --chat-requests, --turns or --edits"
     if args.chat_requests < 0:
         return "--chat-requests must be at least 0"
     if args.turns < 0:
@@ -65,6 +66,8 @@ def _workload_problem(args: argparse.Namespace) -> str | None:
         return "--think-s must be at least 0, and needs --turns"
     if args.context is not None and (args.context < 1 or args.url is not None):
         return "--context must be at least 1, and is the local cluster's (not with --url)"
+    if args.edits < 0 or args.edit_functions < 1 or not 1 <= args.speculative <= MAX_DRAFT_TOKENS:
+        return f"--edits must be at least 0, --edit-functions at least 1, --speculative 1 to {MAX_DRAFT_TOKENS}"
     if args.rounds is not None and args.rounds < 1:
         return "--rounds must be at least 1"
     return None
@@ -189,6 +192,9 @@ def _bench(args: argparse.Namespace, servers: list[Server]) -> int:
         turn_tokens=args.turn_tokens,
         system_tokens=args.system_tokens,
         think_s=args.think_s,
+        edits=args.edits,
+        edit_functions=args.edit_functions,
+        draft_tokens=args.speculative,
     )
     if args.busy:
         _progress(f"keeping {args.busy} core(s) busy with competing processes while the workloads run")

@@ -50,8 +50,10 @@ from shardline.bench.bench import (
     chat_question,
     connect_error_message,
     count_prompt_tokens,
+    edit_request,
     median,
     run_conversation,
+    run_edits,
     run_level,
     stream_request,
 )
@@ -91,14 +93,20 @@ TURN_FIGURES = (
 )
 
 
+EDIT_FIGURES = (
+    Figure("median_decode_tokens_per_s", "decode tok/s", higher_is_better=True),
+    Figure("speculative_median_decode_tokens_per_s", "decode tok/s, speculative", higher_is_better=True),
+)
+
+
 def figures_of(kind: str) -> tuple[Figure, ...]:
     """The figures a workload of ``kind`` reports."""
-    return {"level": LEVEL_FIGURES, "chat": CHAT_FIGURES, "turns": TURN_FIGURES}[kind]
+    return {"level": LEVEL_FIGURES, "chat": CHAT_FIGURES, "turns": TURN_FIGURES, "edit": EDIT_FIGURES}[kind]
 
 
 @dataclass(frozen=True)
 class Workload:
-    """One measured unit. ``kind``: ``"level"``, ``"chat"`` or ``"turns"``;
+    """One measured unit. ``kind``: ``"level"``, ``"chat"``, ``"turns"`` or ``"edit"``;
     ``prompt_tokens``: the level's prompt length to calibrate to, a conversation's turn's
     (None for the chat); ``requests``: per round (a conversation's: its turns)."""
 
@@ -129,6 +137,9 @@ class BenchConfig:
     turn_tokens: int = 250
     system_tokens: int = 0
     think_s: float = 0.0
+    edits: int = 0
+    edit_functions: int = 30
+    draft_tokens: int = 8
 
 
 @dataclass
@@ -154,11 +165,12 @@ def plan_workloads(
     chat_requests: int,
     turns: int = 0,
     turn_tokens: int = 250,
+    edits: int = 0,
 ) -> list[Workload]:
     """A level per (prompt length, concurrency), prompt lengths outermost, each with
     ``max(runs, c)`` requests (none where ``runs`` is 0); then the short chat if
     ``chat_requests`` > 0; then a conversation of ``turns`` turns of ``turn_tokens`` if
-    ``turns`` > 0."""
+    ``turns`` > 0; then ``edits`` code-editing requests, if any."""
     out = (
         [Workload(f"prompt {p} c={c}", "level", p, c, max(runs, c)) for p in prompt_tokens for c in concurrency]
         if runs > 0
@@ -168,6 +180,8 @@ def plan_workloads(
         out.append(Workload("short chat", "chat", None, 1, chat_requests))
     if turns > 0:
         out.append(Workload(f"conversation {turns} turns", "turns", turn_tokens, 1, turns))
+    if edits > 0:
+        out.append(Workload("code editing", "edit", None, 1, edits))
     return out
 
 
@@ -311,7 +325,13 @@ async def run_workloads(
     """
     say = progress or (lambda _msg: None)
     workloads = plan_workloads(
-        config.prompt_tokens, config.concurrency, config.runs, config.chat_requests, config.turns, config.turn_tokens
+        config.prompt_tokens,
+        config.concurrency,
+        config.runs,
+        config.chat_requests,
+        config.turns,
+        config.turn_tokens,
+        config.edits,
     )
     by_name = {w.name: w for w in workloads}
     names = [s.name for s in servers]
@@ -352,6 +372,9 @@ def _unit(
     """One measured unit of ``work`` on ``server`` (not yet started): a conversation of
     ``variants`` turns, or ``work.requests`` requests of its prompt level or short chat, the
     prompts calibrated to the server (``info``: its :func:`_prepare` record)."""
+    if work.kind == "edit":
+        edits = [edit_request(config.edit_functions, v) for v in variants]
+        return run_edits(client, server.url, server.model, edits, config.gen_tokens, config.draft_tokens)
     if work.kind == "turns":
         conversation = [build_prompt(info["turn"]["words"], v) for v in variants]
         system = agent_system_prompt(info["turn"]["system_words"], variants[0]) if config.system_tokens else None

@@ -74,6 +74,7 @@ def print_report(report: dict[str, Any], console=None) -> None:
         table.add_column(title, justify="right", no_wrap=True)
     chat = None
     conversations = []
+    edits = []
     for w in report["workloads"]:
         fig = w["results"][name]["figures"]
         if w["kind"] == "chat":
@@ -81,6 +82,9 @@ def print_report(report: dict[str, Any], console=None) -> None:
             continue
         if w["kind"] == "turns":
             conversations.append(w["results"][name])
+            continue
+        if w["kind"] == "edit":
+            edits.append(fig)
             continue
         table.add_row(
             str(w["concurrency"]),
@@ -102,6 +106,18 @@ def print_report(report: dict[str, Any], console=None) -> None:
         )
     for result in conversations:
         console.print(conversation_line(result), highlight=False)
+    for fig in edits:
+        console.print(edit_line(fig), highlight=False)
+
+
+def edit_line(fig: dict) -> str:
+    """The code-editing workload's figures (medians over rounds) in one line."""
+    plain, drafted = fig["median_decode_tokens_per_s"], fig["speculative_median_decode_tokens_per_s"]
+    gain = f"{drafted / plain:.2f}x" if plain and drafted else "n/a"
+    return (
+        f"code editing ({fig['requests']} requests, {_fmt(fig['median_prompt_tokens'], 0)} prompt tokens): "
+        f"decode {_fmt(plain)} tok/s, with speculative decoding {_fmt(drafted)} tok/s ({gain})"
+    )
 
 
 def conversation_line(result: dict[str, Any]) -> str:
