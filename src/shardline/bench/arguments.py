@@ -17,6 +17,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     """Add ``shardline bench``'s options to its subparser."""
     _cluster_arguments(parser)
     _workload_arguments(parser)
+    _edit_arguments(parser)
     _comparison_arguments(parser)
 
 
@@ -113,6 +114,17 @@ def _workload_arguments(parser: argparse.ArgumentParser) -> None:
         "tool definitions, as a coding agent's does (default %(default)s: none)",
     )
     parser.add_argument(
+        "--think-s",
+        type=float,
+        default=0.0,
+        help="seconds the conversation waits before each turn after the first, as a person "
+        "reading and typing or an agent running its tool would (default %(default)s)",
+    )
+
+
+def _edit_arguments(parser: argparse.ArgumentParser) -> None:
+    """The code-editing workload: its requests, its file, its speculation."""
+    parser.add_argument(
         "--edits",
         type=int,
         default=0,
@@ -132,13 +144,6 @@ def _workload_arguments(parser: argparse.ArgumentParser) -> None:
         type=int,
         default=8,
         help="speculative.n_max of the code-editing workload's speculative requests (default %(default)s)",
-    )
-    parser.add_argument(
-        "--think-s",
-        type=float,
-        default=0.0,
-        help="seconds the conversation waits before each turn after the first, as a person "
-        "reading and typing or an agent running its tool would (default %(default)s)",
     )
 
 

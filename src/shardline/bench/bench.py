@@ -328,6 +328,14 @@ async def stream_request(
                         ttft = now
                     break
         end = time.perf_counter() - start
+    return _request_result(usage, prompt_tokens, ttft, chunk_times, end, "".join(text))
+
+
+def _request_result(
+    usage: dict | None, prompt_tokens: int, ttft: float | None, chunk_times: list[float], end: float, text: str
+) -> RequestResult:
+    """A streamed request's result: its counts from the stream's ``usage``, or where it had
+    none, the calibrated ``prompt_tokens`` and the content chunks counted."""
     if usage is None:
         return RequestResult(
             prompt_tokens=prompt_tokens,
@@ -336,7 +344,7 @@ async def stream_request(
             usage_from="chunks",
             chunk_times_s=chunk_times,
             end_s=end,
-            text="".join(text),
+            text=text,
         )
     cached = (usage.get("prompt_tokens_details") or {}).get("cached_tokens")
     return RequestResult(
@@ -346,7 +354,7 @@ async def stream_request(
         chunk_times_s=chunk_times,
         end_s=end,
         cached_tokens=None if cached is None else int(cached),
-        text="".join(text),
+        text=text,
     )
 
 
