@@ -100,6 +100,7 @@ def test_speculation_beside_other_sequences_changes_no_text(blocks_of_32):
         assert len(alone[task.task_id]) == task.max_tokens
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(240)
 @pytest.mark.parametrize("sharding", ["pipeline", "tensor"])
 def test_every_rank_takes_the_same_drafted_tokens(model_dir, sharding):
