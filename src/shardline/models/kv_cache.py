@@ -23,6 +23,12 @@ KV_BLOCK_BYTES = 4096
 4 KiB page on Linux x86-64; fixed, so every rank of an instance counts the same)."""
 
 
+def whole_blocks(tokens: int, block: int) -> int:
+    """``tokens`` rounded up to whole blocks of ``block`` tokens: the positions their pages
+    hold."""
+    return -(-tokens // block) * block
+
+
 class KVCache:
     """Key/value cache for the layers of one shard.
 
@@ -57,7 +63,7 @@ class KVCache:
         heads = config.num_kv_heads if num_kv_heads is None else num_kv_heads
         element = torch.empty((), dtype=dtype).element_size()
         self.block_tokens = max(1, KV_BLOCK_BYTES // (config.head_dim * element))
-        positions = -(-context // self.block_tokens) * self.block_tokens
+        positions = whole_blocks(context, self.block_tokens)
         shape = (2, num_layers, slots, heads, positions, config.head_dim)
         self.slots = slots
         self.context = context
@@ -90,7 +96,7 @@ class KVCache:
 
     def blocks_for(self, tokens: int) -> int:
         """Tokens rounded up to whole blocks: what ``tokens`` positions of a sequence take."""
-        return -(-tokens // self.block_tokens) * self.block_tokens
+        return whole_blocks(tokens, self.block_tokens)
 
     def copy(self, source: int, slot: int, tokens: int) -> None:
         """Copy the keys and values of ``source``'s first ``tokens`` positions into ``slot``

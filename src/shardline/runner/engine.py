@@ -52,6 +52,7 @@ from typing import Callable
 import torch
 
 from shardline.models.decode_graphs import GRAPH_MAX_ROWS
+from shardline.models.kv_cache import whole_blocks
 from shardline.models.llama import ForwardBatch
 from shardline.models.weight_products import KERNEL_MAX_ROWS
 from shardline.parallel.pipeline import PipelineStage
@@ -83,7 +84,7 @@ def kv_reservation(prompt_tokens: int, max_tokens: int, context: int, block_toke
     ``block_tokens`` (the pages its positions take), at most the pool's
     ``pool_tokens``."""
     tokens = min(prompt_tokens + max_tokens, context)
-    return min(-(-tokens // block_tokens) * block_tokens, pool_tokens)
+    return min(whole_blocks(tokens, block_tokens), pool_tokens)
 
 
 def idle_release(
@@ -108,7 +109,7 @@ def pool_tokens(kv_tokens: int, max_batch: int, context: int, block_tokens: int)
     (so every slot can take a whole context)."""
     if kv_tokens and kv_tokens < max_batch * context:
         return kv_tokens
-    return max_batch * -(-context // block_tokens) * block_tokens
+    return max_batch * whole_blocks(context, block_tokens)
 
 
 SCORE_BLOCK_ROWS = 16

@@ -56,6 +56,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
 
+from shardline.models.kv_cache import whole_blocks
 from shardline.models.llama import FUSED_PREFILL_MAX_ROWS
 from shardline.models.native_dequant import AMX_PREFILL_MIN_ROWS
 from shardline.runner.block_hashes import block_hashes
@@ -141,7 +142,7 @@ class CachedPrefix:
     @property
     def tokens(self) -> int:
         """KV-pool tokens its pages hold: its tokens rounded up to whole blocks."""
-        return -(-len(self.token_ids) // self.block) * self.block
+        return whole_blocks(len(self.token_ids), self.block)
 
     def extended(self, end: int) -> "CachedPrefix":
         """It holding its first ``end`` tokens (of ``token_ids + rest``) once an
@@ -189,15 +190,11 @@ def plan_extension(
     task that arrives waits at most a chunk; only pool tokens that are free, nothing
     evicted."""
     whole = row_class(chunk)
-
-    def pages(tokens: int) -> int:  # pool tokens of a slot's first ``tokens`` positions
-        return -(-tokens // block) * block
-
     for prefix in sorted(cached, key=lambda c: -c.used):
         keep = len(prefix.token_ids)
         a = keep // chunk * chunk
         end = min(keep + len(prefix.rest), max(a + chunk, (keep // block + 1) * block))
-        if end <= keep or pages(end) - prefix.tokens > free_tokens:
+        if end <= keep or whole_blocks(end, block) - prefix.tokens > free_tokens:
             continue
         start = keep
         while start > a and row_class(min(a + chunk, end) - start) != whole:
@@ -206,7 +203,7 @@ def plan_extension(
         pad = 0
         if last == start // chunk * chunk and row_class(end - start) != whole:  # one piece: pad it
             pad = fewest_rows(whole) - (end - start)
-            if end + pad > min(a + chunk, context) or pages(end + pad) - prefix.tokens > free_tokens:
+            if end + pad > min(a + chunk, context) or whole_blocks(end + pad, block) - prefix.tokens > free_tokens:
                 continue
         if row_class(min(a + chunk, end + pad) - start) == whole and row_class(end + pad - max(last, start)) == whole:
             return Extension(prefix.slot, start, end - start, pad)
