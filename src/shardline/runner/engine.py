@@ -364,10 +364,13 @@ class Engine:
             # taken from the cache (whose rows have a cold prefill's bits): it matches its
             # prompt before that only.
             given = len(t.prompt) - t.sampling.resumed
+            prompt, hashes = t.prompt, self._prompt_hashes(t)
+            if t.sampling.resumed:  # (not a copy of every waiting prompt at every step)
+                prompt, hashes = prompt[:given], hashes[: given // block]
             wants.append(
                 Waiting(
-                    t.prompt[:given],
-                    self._prompt_hashes(t)[: given // block],
+                    prompt,
+                    hashes,
                     kv_reservation(len(t.prompt), t.max_tokens, self.context, block, self.kv_tokens),
                     self._may_reuse(t),
                 )
