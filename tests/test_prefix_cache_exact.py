@@ -40,9 +40,12 @@ def shard(tmp_path_factory):
     return load_shard(open_weights(path), 0, 2, dtype=torch.bfloat16)
 
 
-def engine(shard, prefix_cache: bool = True) -> tuple[Recording, list]:
+def engine(shard, prefix_cache: bool = True, stages: int = 1) -> tuple[Recording, list]:
+    """An engine of one rank; ``stages``: the micro-batches it plans for (a pipeline's
+    world size: its chunks cut in pieces, :func:`~shardline.runner.step_plan.fill_stages`)."""
     sent: list = []
     stage = PipelineStage(shard, tm.new_cache(shard, slots=2, context=1536), 0, 1)
+    stage.stages = stages
     e = Recording(stage, queue.Queue(), sent.append, "n", None, 2, 1536, 512, 512, 4096, prefix_cache=prefix_cache)
     e.first_logits = {}
     return e, sent
@@ -92,6 +95,29 @@ def test_a_resumed_prompt_gets_a_cold_prefills_bits(shard, prefix, total, cached
         for kv in (warm.stage.cache.k, warm.stage.cache.v):
             other = (cold.stage.cache.k if kv is warm.stage.cache.k else cold.stage.cache.v)[layer]
             assert torch.equal(kv[layer][mine.slot, :, :kept], other[theirs.slot, :, :kept])
+
+
+@pytest.mark.parametrize("prefix, total", [(0, 700), (600, 1030)], ids=lambda v: str(v))
+def test_a_pipelines_pieces_of_a_chunk_give_the_whole_chunks_bits(shard, prefix, total):
+    """A 3-stage pipeline's plan cuts a chunk of 192-512 rows in pieces of 96-171: the same
+    first logits and keys and values as the whole chunks, cold and on a hit."""
+    rng = random.Random(total)
+    prompt = tuple(rng.randrange(tm.VOCAB) for _ in range(total))
+    greedy = SamplingParams(temperature=0.0)
+    whole, whole_sent = engine(shard)
+    cut, cut_sent = engine(shard, stages=3)
+    for e, sent in ((whole, whole_sent), (cut, cut_sent)):
+        if prefix:
+            run(e, sent, Task(1, "n", prompt[:prefix], 1, greedy))
+        assert run(e, sent, Task(2, "n", prompt, 1, greedy)) == prefix
+    assert torch.equal(cut.first_logits[2], whole.first_logits[2])
+    (mine,), (theirs,) = cut.cached.values(), whole.cached.values()
+    assert len(mine.token_ids) == len(theirs.token_ids)
+    for a, b in ((cut.stage.cache.k, whole.stage.cache.k), (cut.stage.cache.v, whole.stage.cache.v)):
+        for layer in range(2):
+            assert torch.equal(
+                a[layer][mine.slot, :, : len(mine.token_ids)], b[layer][theirs.slot, :, : len(mine.token_ids)]
+            )
 
 
 def test_a_seeded_sample_is_the_same_with_and_without_a_hit(shard):

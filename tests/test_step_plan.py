@@ -12,6 +12,7 @@ from shardline.runner.step_plan import (
     StepLimits,
     StepPlan,
     cap_drafts,
+    fill_stages,
     finish_reason,
     plan_step,
     prefill_plan,
@@ -244,3 +245,32 @@ def test_a_cached_prefix_grows_only_in_a_step_where_nothing_runs_or_waits():
 def test_a_continuations_output_given_is_prefilled_in_decodes_pieces(total, start, replay, chunk, pieces):
     planned = prefill_plan([(total, start)], chunk, 10**6, [replay])
     assert [(s, n) for _, s, n in planned] == pieces
+
+
+@pytest.mark.parametrize(
+    "planned, busy, stages, expected",
+    [
+        # a hit's one chunk of 227 rows on 3 stages: two pieces (three would be under 96 rows)
+        ([(0, 2079, 227)], 0, 3, [(0, 2079, 114), (0, 2193, 113)]),
+        ([(0, 0, 512)], 0, 3, [(0, 0, 171), (0, 171, 171), (0, 342, 170)]),
+        ([(0, 0, 512)], 1, 3, [(0, 0, 256), (0, 256, 256)]),  # the decode rows fill a stage
+        ([(0, 0, 512)], 0, 1, [(0, 0, 512)]),  # tensor and ring: one micro-batch at a time
+        ([(0, 0, 191)], 0, 3, [(0, 0, 191)]),  # too short to cut
+        ([(0, 0, 192)], 0, 3, [(0, 0, 96), (0, 96, 96)]),
+        ([(0, 0, 512), (1, 0, 512), (2, 0, 100)], 0, 3, [(0, 0, 512), (1, 0, 512), (2, 0, 100)]),  # full already
+        ([(0, 0, 100), (1, 0, 400)], 0, 3, [(0, 0, 100), (1, 0, 200), (1, 200, 200)]),  # the longest is cut
+        ([(0, 0, 512), (1, 512, 300)], 0, 4, [(0, 0, 256), (0, 256, 256), (1, 512, 150), (1, 662, 150)]),
+        ([], 0, 3, []),
+    ],
+    ids=lambda v: str(v),
+)
+def test_a_pipelines_chunks_are_cut_to_fill_its_stages(planned, busy, stages, expected):
+    assert fill_stages(planned, busy, stages) == expected
+
+
+def test_a_pipeline_cuts_a_steps_chunks_but_not_a_scored_prompts():
+    pipeline = StepLimits(context=4096, chunk=512, block=16, step_tokens=2048, burst_tokens=4096, stages=3)
+    _, chunks = schedule((seq(400),), pipeline)
+    assert [(c.start, c.length, c.last) for c in chunks] == [(0, 134, False), (134, 133, False), (267, 133, True)]
+    _, chunks = schedule((seq(400, scored=True),), pipeline)
+    assert [(c.start, c.length) for c in chunks] == [(0, 400)]

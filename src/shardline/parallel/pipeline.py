@@ -58,6 +58,7 @@ class PipelineStage(Stage):
     ) -> None:
         super().__init__(shard, cache, rank, world_size, sampler=world_size - 1, progress=progress)
         self.wire_device = wire_device or shard.device
+        self.stages = world_size
         self.slots = slots
 
     def run(

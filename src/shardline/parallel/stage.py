@@ -61,6 +61,9 @@ class Stage:
 
     Attributes:
         samples: True on the sampling rank.
+        stages: micro-batches of a step the instance computes at once, each on its
+            own ranks: a pipeline's world size; 1 where every rank computes each
+            micro-batch (tensor and ring).
     """
 
     #: What a micro-batch's computation waits on besides this rank, for the progress
@@ -85,6 +88,7 @@ class Stage:
         self.collectives = Collectives(group, rank, world_size)
         self.sampler = sampler
         self.samples = rank == sampler
+        self.stages = 1
         self.progress = progress or Progress()
 
     def prefill_batch(

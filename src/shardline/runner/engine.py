@@ -376,7 +376,12 @@ class Engine:
                 )
             )
         limits = StepLimits(
-            self.context, self.prefill_chunk, block, self.prefill_step_tokens, self.prefill_burst_tokens
+            self.context,
+            self.prefill_chunk,
+            block,
+            self.prefill_step_tokens,
+            self.prefill_burst_tokens,
+            self.stage.stages,
         )
         plan = plan_step(
             cap_drafts([s.state(self.context) for s in self.running], DECODE_MAX_ROWS),
