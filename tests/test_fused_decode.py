@@ -25,13 +25,13 @@ MOE_MATRICES = ("attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate_exps", "f
 GGUF_ARCH = {"mixtral": "llama"}
 
 
-def _gguf(tmp_path, arch: str, quant: str, others: str = ""):
+def _gguf(tmp_path, arch: str, quant: str, others: str = "", head_dim: int = tm.HEAD_DIM):
     """A tiny GGUF of ``arch`` whose layer matrices (of an MoE, its attention and expert
     tensors) are ``quant``: "Q8_0" (the model's weights quantized: two int4 planes) or
     another type (random blocks), but for those ``others`` names (``"ffn_down=Q5_1"``), as
     in a Q4_K_M file, whose v and down are in more bits than the rest; F32 the model's own
-    values."""
-    model = tm.hf_model(arch, num_layers=LAYERS, rope_theta=10000.0, seed=5)
+    values. ``head_dim``: qwen3's (64 and 128 take the attention compiled for that size)."""
+    model = tm.hf_model(arch, num_layers=LAYERS, rope_theta=10000.0, seed=5, head_dim=head_dim)
     matrices = MOE_MATRICES if arch in ("qwen3moe", "mixtral", "gpt-oss") else MATRICES
     names = [f"blk.{i}.{m}.weight" for i in range(LAYERS) for m in matrices]
     other = dict(pair.split("=") for pair in others.split())
@@ -59,6 +59,9 @@ def _shard(path, dtype=torch.bfloat16):
         ("llama", "Q8_0", ""),
         ("qwen2", "Q4_1", ""),
         ("qwen3", "Q8_0", ""),
+        # the attention compiled for heads of 64 and 128 (SmolLM2's, Qwen2.5's and Llama's)
+        ("qwen3", "Q8_0", "", 64),
+        ("qwen3", "Q8_0", "", 128),
         # int4 planes beside packed 5-bit groups, symmetric (Q5_0) and with offsets (Q5_1)
         ("qwen2", "Q4_1", "attn_q=Q5_0 ffn_down=Q5_1"),
         # mixtures of experts: every expert's products, packed 5-bit experts beside int4 ones
@@ -67,13 +70,13 @@ def _shard(path, dtype=torch.bfloat16):
         # gpt-oss: sinks, sliding windows (of 4 keys, every other layer), biases, clamped SwiGLU
         ("gpt-oss", "Q8_0", "ffn_gate_exps=MXFP4 ffn_up_exps=MXFP4 ffn_down_exps=MXFP4"),
     ],
-    ids=lambda p: "-".join(p[:2]) + ("-mixed" if p[2] else ""),
+    ids=lambda p: "-".join(p[:2]) + ("-mixed" if p[2] else "") + (f"-hd{p[3]}" if len(p) > 3 else ""),
 )
 def shard(request, tmp_path_factory):
     if not native_dequant.int4_gemv_built():
         pytest.skip("the fused decode layers need the compiled int4 decode product")
-    arch, quant, others = request.param
-    loaded = _shard(_gguf(tmp_path_factory.mktemp(arch), arch, quant, others))
+    arch, quant, others, *head_dim = request.param
+    loaded = _shard(_gguf(tmp_path_factory.mktemp(arch), arch, quant, others, *head_dim))
     assert loaded.fused is not None, fused_decode.refusal(loaded)
     return loaded
 

@@ -149,8 +149,9 @@ static inline float sum8(__m256 v) {
  * per head g, part[g] = (m, l, a[hd]) with m the largest score q[g] k * scale, l the sum
  * of e^(score - m) and a the sum of e^(score - m) v, in float32. Scores: bfloat16
  * products (exact in float32) summed in float32 (vdpbf16ps). */
-static void attend(const uint16_t *q16, int64_t group, const uint16_t *K, const uint16_t *V,
-                   int64_t L, int64_t hd, float scale, float *part) {
+static inline __attribute__((always_inline)) void attend_body(
+        const uint16_t *q16, int64_t group, const uint16_t *K, const uint16_t *V, int64_t L,
+        int64_t hd, float scale, float *part) {
     __m256bh q[MAX_GROUP][MAX_HD / 16];
     __m512 acc[MAX_GROUP][MAX_HD / 16];
     float s[MAX_GROUP][CHUNK] __attribute__((aligned(64)));
@@ -215,6 +216,36 @@ static void attend(const uint16_t *q16, int64_t group, const uint16_t *K, const 
         pg[1] = total[g];
         for (int64_t d = 0; d < vecs; d++) _mm512_storeu_ps(pg + 2 + 16 * d, acc[g][d]);
     }
+}
+
+/* attend_body for one head size and group: the compiler unrolls its loops over the head
+ * and the group and keeps q and the accumulators in registers, the same operations in the
+ * same order (the same bits). SmolLM2's 64 x 3 over 2,048 keys, one thread: 14.2 us a call
+ * against 27.6 us with both known only at run time (128 x 6: 14.6 against 19.1 us). */
+#define ATTEND_FOR(HD, G)                                                                   \
+    static void attend_##HD##_##G(const uint16_t *q16, const uint16_t *K, const uint16_t *V, \
+                                  int64_t L, float scale, float *part) {                    \
+        attend_body(q16, G, K, V, L, HD, scale, part);                                      \
+    }
+#define ATTEND_GROUPS(HD) \
+    ATTEND_FOR(HD, 1) ATTEND_FOR(HD, 2) ATTEND_FOR(HD, 3) ATTEND_FOR(HD, 4) \
+    ATTEND_FOR(HD, 5) ATTEND_FOR(HD, 6) ATTEND_FOR(HD, 7) ATTEND_FOR(HD, 8)
+ATTEND_GROUPS(64)
+ATTEND_GROUPS(128)
+
+typedef void (*attend_fn)(const uint16_t *, const uint16_t *, const uint16_t *, int64_t, float, float *);
+static const attend_fn ATTEND_64[8] = {attend_64_1, attend_64_2, attend_64_3, attend_64_4,
+                                       attend_64_5, attend_64_6, attend_64_7, attend_64_8};
+static const attend_fn ATTEND_128[8] = {attend_128_1, attend_128_2, attend_128_3, attend_128_4,
+                                        attend_128_5, attend_128_6, attend_128_7, attend_128_8};
+
+/* attend_body, specialized where the head size is 64 or 128 and the group at most 8. */
+static void attend(const uint16_t *q16, int64_t group, const uint16_t *K, const uint16_t *V,
+                   int64_t L, int64_t hd, float scale, float *part) {
+    if ((hd == 64 || hd == 128) && group >= 1 && group <= 8)
+        (hd == 64 ? ATTEND_64 : ATTEND_128)[group - 1](q16, K, V, L, scale, part);
+    else
+        attend_body(q16, group, K, V, L, hd, scale, part);
 }
 
 /* out[hd] (bfloat16) = the attention of one query head from its blocks' parts (each
