@@ -161,6 +161,9 @@ WITH_CORS = GuardConfig(api_key=None, allowed_hosts=HOSTS, cors_origins=frozense
         (KEYED, RequestFacts("DELETE", "/cluster/instances/x"), 401),
         (KEYED, RequestFacts("POST", "/cluster/instances", member=True), None),  # forwarded by a member
         (KEYED, RequestFacts("GET", "/"), None),
+        (KEYED, RequestFacts("GET", "/favicon.svg"), None),  # the dashboard's icon, asked before the key
+        (KEYED, RequestFacts("GET", "/favicon.ico"), None),
+        (KEYED, RequestFacts("GET", "/cluster/connect/claude"), 401),  # its settings hold the key
         (KEYED, RequestFacts("GET", "/health"), None),
         (KEYED, RequestFacts("GET", "/metrics"), None),
         (KEYED, RequestFacts("GET", "/health", host="evil.example"), 403),  # Host first

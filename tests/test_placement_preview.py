@@ -50,6 +50,29 @@ def test_uneven_memory_gives_uneven_pipeline_ranges():
     assert list(two.shares) == place_ranks(config, "pipeline", capacities, 4096, 8)
 
 
+def test_each_rank_s_bytes_are_what_the_coordinator_records_and_fit_its_node():
+    """``rank_bytes``: what a placed rank's ``estimated_bytes`` would be (the dashboard
+    shows it per node before placing); none for a refused candidate."""
+    from shardline.placement.ranks import rank_bytes
+
+    config = _smollm2()
+    nodes = [_node("small", 1 * GB), _node("big", 3 * GB)]
+    options = PlacementOptions(4096, 8, shardings=("pipeline", "tensor", "ring"))
+    candidates = preview(config, nodes, {}, options)
+    for c in candidates:
+        if not c.feasible:
+            assert c.rank_bytes == ()
+            continue
+        assert len(c.rank_bytes) == len(c.node_ids)
+        capacity = {n.node_id: n.available_bytes for n in nodes}
+        expected = [
+            rank_bytes(config, c.sharding, list(c.shares), r, 4096, 8, kv_tokens=c.kv_tokens)
+            for r in range(len(c.shares))
+        ]
+        assert list(c.rank_bytes) == expected
+        assert all(0 < b <= capacity[n] for b, n in zip(c.rank_bytes, c.node_ids))
+
+
 def test_one_node_is_a_pipeline_of_one_and_subsets_are_the_largest_nodes():
     nodes = [_node("a", 8 * GB), _node("b", 16 * GB), _node("c", 12 * GB)]
     candidates = preview(_smollm2(), nodes, {}, PlacementOptions(2048, 4))

@@ -1,18 +1,20 @@
 """The cluster API (``/cluster/...``): the nodes, the models they hold, the instances and
-their placement preview, placing an instance and deleting one. Any node answers; placing
-and deleting go through the coordinator. Errors are OpenAI-shaped
-(:func:`cluster_error`, :mod:`shardline.api.errors`)."""
+their placement preview, placing an instance and deleting one, and the settings that point
+a coding agent at a placed model (``shardline connect``'s). Any node answers; placing and
+deleting go through the coordinator. Errors are OpenAI-shaped (:func:`cluster_error`,
+:mod:`shardline.api.errors`)."""
 
 from __future__ import annotations
 
 import dataclasses
 
-from fastapi import APIRouter
+from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse
 
 from shardline.api import errors
 from shardline.api.create_instance import CreateInstance, create
 from shardline.api.keep_alive import unload
+from shardline.connect import CLIENTS, connection
 from shardline.models.config import UnsupportedModelError
 from shardline.models.store import ModelNotFoundError, ModelStoreError
 from shardline.node.node import Node
@@ -73,7 +75,56 @@ def router(node: Node) -> APIRouter:
         status, content = await unload(node, instance_id)  # through the coordinator
         return JSONResponse(status_code=status, content=content)
 
+    @routes.get("/cluster/connect/{client}")
+    async def connect(client: str, request: Request, model: str | None = None):
+        """The settings that point ``client`` (Claude Code, Codex, opencode, aider, llm) at
+        a ready model, as ``shardline connect CLIENT --url`` this node prints them: 404 for
+        an unknown client, or where no model (``model``) is ready."""
+        base_url = str(request.base_url).rstrip("/")  # the node as the client reached it
+        return connect_view(node, client, model, base_url, presented_key(request))
+
     return routes
+
+
+def presented_key(request: Request) -> str | None:
+    """The API key a request presented (``Authorization: Bearer`` or ``x-api-key``), or
+    None: the key an agent's settings give, as ``shardline connect --api-key`` does."""
+    authorization = request.headers.get("authorization") or ""
+    if authorization[:7].lower() == "bearer ":
+        return authorization[7:].strip() or None
+    return request.headers.get("x-api-key") or None
+
+
+def connect_view(node: Node, client: str, model: str | None, base_url: str, key: str | None) -> dict | JSONResponse:
+    """``GET /cluster/connect/{client}``'s answer: ``client``'s settings for ``model`` (else
+    the first ready instance's model, as ``shardline connect`` picks) at ``base_url``, with
+    the instance's context: ``{"client", "model", "context", "base_url", "env", "files",
+    "command", "notes", "text"}`` (``text``: what ``shardline connect`` prints). A 404 (in
+    the cluster API's error shape) for a client not in :data:`~shardline.connect.CLIENTS`,
+    or where no instance of the model is ready."""
+    if client not in CLIENTS:
+        return cluster_error(404, f"unknown client {client!r}: one of {', '.join(CLIENTS)}", "client")
+    ready = [
+        i
+        for i in node.instances.values()
+        if i.status == InstanceStatus.READY and (model is None or i.model_id == model)
+    ]
+    if not ready:
+        which = f"model {model!r} is not ready on the cluster: place it" if model else "no model is ready: place one"
+        return cluster_error(404, f"{which} first", "model")
+    chosen = ready[0]
+    settings = connection(client, base_url, chosen.model_id, chosen.context, key)
+    return {
+        "client": client,
+        "model": chosen.model_id,
+        "context": chosen.context,
+        "base_url": base_url,
+        "env": settings.env,
+        "files": settings.files,
+        "command": list(settings.command),
+        "notes": list(settings.notes),
+        "text": settings.text(),
+    }
 
 
 def nodes_view(node: Node) -> dict:
@@ -181,6 +232,7 @@ async def preview(node: Node, body: CreateInstance) -> dict | JSONResponse:
                 "shares": [dataclasses.asdict(s) for s in c.shares],
                 "error": c.error,
                 "kv_tokens": c.kv_tokens,
+                "rank_bytes": list(c.rank_bytes),
             }
             for c in candidates
         ]

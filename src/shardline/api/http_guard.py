@@ -35,9 +35,9 @@ from shardline.node import signing
 
 log = logging.getLogger(__name__)
 
-PUBLIC_PATHS = frozenset({"/", "/health", "/metrics"})
-"""Served without an API key: the dashboard page (it asks for the key), the health check
-and the Prometheus metrics, as vLLM and llama.cpp's server leave them open."""
+PUBLIC_PATHS = frozenset({"/", "/favicon.svg", "/favicon.ico", "/health", "/metrics"})
+"""Served without an API key: the dashboard page (it asks for the key) and its icon, the
+health check and the Prometheus metrics, as vLLM and llama.cpp's server leave them open."""
 
 MEMBER_SCOPE_KEY = "shardline.member"
 """Set in the ASGI scope of a request a cluster member signed."""

@@ -21,7 +21,7 @@ from typing import Mapping, Sequence
 from shardline.models.config import ModelConfig, RankShare, Sharding
 from shardline.placement.layer_ranges import NodeCapacity, PlacementError
 from shardline.placement.memory import RUNTIME_BASELINE_BYTES
-from shardline.placement.ranks import PlacementOptions, place_with_kv_pool, resident_bytes_per_weight
+from shardline.placement.ranks import PlacementOptions, place_with_kv_pool, rank_bytes, resident_bytes_per_weight
 from shardline.placement.served import Basis, PlacementKey, ServedSpeed, calibrate
 from shardline.placement.speed import Link, NodeProfile, check_dtype, predict_tokens_per_s
 
@@ -47,6 +47,9 @@ class Candidate:
         decode_basis, prefill_basis: where each ``predicted_*`` figure comes from
             (:data:`shardline.placement.served.Basis`: ``"model"``, ``"measured"``,
             ``"scaled"``).
+        rank_bytes: the bytes each rank would hold (:func:`~shardline.placement.ranks.rank_bytes`,
+            what the coordinator records as a placed rank's ``estimated_bytes``); empty when
+            infeasible.
     """
 
     sharding: Sharding
@@ -60,6 +63,7 @@ class Candidate:
     model_prefill_tokens_per_s: float | None = None
     decode_basis: Basis = "model"
     prefill_basis: Basis = "model"
+    rank_bytes: tuple[int, ...] = ()
 
     @property
     def feasible(self) -> bool:
@@ -213,9 +217,9 @@ def _candidate(
     served: Sequence[ServedSpeed],
 ) -> Candidate:
     """One placement of :func:`preview`'s: ``sharding`` on ``subset`` (in rank order),
-    feasible with its shares and speeds, or refused with its error (``decode_weight_bytes``:
-    :func:`~shardline.placement.ranks.resident_bytes_per_weight`'s, the same for every
-    candidate)."""
+    feasible with its shares, speeds and each rank's bytes, or refused with its error
+    (``decode_weight_bytes``: :func:`~shardline.placement.ranks.resident_bytes_per_weight`'s,
+    the same for every candidate)."""
     ids = tuple(n.node_id for n in subset)
     capacities = [NodeCapacity(n.node_id, n.available_bytes) for n in subset]
     try:
@@ -228,6 +232,23 @@ def _candidate(
     )
     key = PlacementKey(model_id, str(sharding), ids, dtype, quantize.value if quantize else None)
     decode, prefill, decode_basis, prefill_basis = calibrate(key, model, served)
+    context, max_batch = options.sizes()
+    held = tuple(
+        rank_bytes(
+            config,
+            sharding,
+            shares,
+            r,
+            context,
+            max_batch,
+            dtype,
+            weight_file_bytes,
+            baseline_bytes,
+            kv_tokens=kv_pool,
+            quantize=quantize,
+        )
+        for r in range(len(shares))
+    )
     return Candidate(
         sharding,
         ids,
@@ -239,6 +260,7 @@ def _candidate(
         model_prefill_tokens_per_s=model[1],
         decode_basis=decode_basis,
         prefill_basis=prefill_basis,
+        rank_bytes=held,
     )
 
 
