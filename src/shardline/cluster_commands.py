@@ -255,8 +255,8 @@ def _connect(args: argparse.Namespace) -> None:
     if args.model is not None:
         ready = [i for i in ready if i["model_id"] == args.model]
     if not ready:
-        which = f"model {args.model!r} is" if args.model else "no model is"
-        raise CommandError(f"{which} ready on the cluster: place one first (`shardline place MODEL`)")
+        which = f"model {args.model!r} is not" if args.model else "no model is"
+        raise CommandError(f"{which} ready on the cluster: place it first (`shardline place MODEL`)")
     chosen = ready[0]
     key = args.api_key or os.environ.get("SHARDLINE_API_KEY")
     print(connection(args.client, args.url, chosen["model_id"], chosen["context"], key).text(), end="")
