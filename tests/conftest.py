@@ -113,11 +113,22 @@ def capital_answer(url: str) -> str | None:
     return response.json()["choices"][0]["message"]["content"] if response.status_code == 200 else None
 
 
+def local_cluster(nodes: int, log_dir, **settings) -> LocalCluster:
+    """``nodes`` local nodes (not started) on free ports, one runner thread each, their logs
+    and data in ``log_dir``; ``settings``: LocalCluster's others (``api_key``, ...)."""
+    return LocalCluster(
+        nodes=nodes,
+        base_port=free_port_block(nodes),
+        runner_threads=1,
+        log_dir=str(log_dir),
+        data_dir=str(log_dir),
+        **settings,
+    )
+
+
 def start_cluster(nodes: int, log_dir, **options) -> LocalCluster:
     """Start ``nodes`` local nodes and place the default model across all of them."""
-    cluster = LocalCluster(
-        nodes=nodes, base_port=free_port_block(nodes), runner_threads=1, log_dir=str(log_dir), data_dir=str(log_dir)
-    )
+    cluster = local_cluster(nodes, log_dir)
     try:
         cluster.start()
         cluster.place(None, "pipeline", **options)

@@ -14,10 +14,9 @@ import time
 
 import httpx
 import pytest
-from conftest import CAPITAL_QUESTION, free_port_block, placed, wait_until
+from conftest import CAPITAL_QUESTION, local_cluster, placed, wait_until
 
 from shardline.connect import CLIENTS, connection
-from shardline.local_cluster import LocalCluster
 
 pytestmark = pytest.mark.timeout(240)
 
@@ -278,14 +277,7 @@ def test_a_killed_node_greys_and_its_instance_changes_within_10_s(tmp_path, brow
     """On a cluster with an API key (the page asks for it once): a node killed is drawn
     down, and its instance's status changes, within 10 s; the instance placed again on
     the other two is drawn there."""
-    cluster = LocalCluster(
-        nodes=3,
-        base_port=free_port_block(3),
-        runner_threads=1,
-        log_dir=str(tmp_path),
-        data_dir=str(tmp_path),
-        api_key=API_KEY,
-    )
+    cluster = local_cluster(3, tmp_path, api_key=API_KEY)
     try:
         cluster.start()
         cluster.place(None, "pipeline")

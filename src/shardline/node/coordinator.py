@@ -43,7 +43,7 @@ from shardline.node.state import (
 from shardline.node.status import InstanceStatus, RankStatus
 from shardline.node.table import Instance, Peer, RankPlacement
 from shardline.placement.layer_ranges import NodeCapacity, PlacementError
-from shardline.placement.ranks import ContextRequestError, PlacementOptions, place_with_kv_pool, rank_bytes
+from shardline.placement.ranks import ContextRequestError, PlacementOptions, place_with_kv_pool, ranks_bytes
 from shardline.placement.served import PlacementKey, ServedSpeed
 from shardline.runner.rendezvous import ranks_share_a_gpu
 
@@ -550,26 +550,10 @@ class Coordinator:
         Raises:
             PlacementError: it does not fit.
         """
-        context, max_batch = options.sizes()
         capacities = [NodeCapacity(n, self.effects.free_bytes(n)) for n in chosen]
         baseline = self.effects.runtime_baseline(chosen)
         shares, kv_tokens = place_with_kv_pool(config, sharding, capacities, options, card.weight_file_bytes, baseline)
-        estimated = [
-            rank_bytes(
-                config,
-                sharding,
-                shares,
-                r,
-                context,
-                max_batch,
-                options.dtype,
-                card.weight_file_bytes,
-                baseline,
-                kv_tokens=kv_tokens,
-                quantize=options.quantize,
-            )
-            for r in range(len(shares))
-        ]
+        estimated = ranks_bytes(config, sharding, shares, options, card.weight_file_bytes, baseline, kv_tokens)
         ranks = tuple(
             RankPlacement(
                 n, self.view.address_of(n), share, estimated_bytes=need, incarnation=self.view.incarnation_of(n)

@@ -21,7 +21,7 @@ from typing import Mapping, Sequence
 from shardline.models.config import ModelConfig, RankShare, Sharding
 from shardline.placement.layer_ranges import NodeCapacity, PlacementError
 from shardline.placement.memory import RUNTIME_BASELINE_BYTES
-from shardline.placement.ranks import PlacementOptions, place_with_kv_pool, rank_bytes, resident_bytes_per_weight
+from shardline.placement.ranks import PlacementOptions, place_with_kv_pool, ranks_bytes, resident_bytes_per_weight
 from shardline.placement.served import Basis, PlacementKey, ServedSpeed, calibrate
 from shardline.placement.speed import Link, NodeProfile, check_dtype, predict_tokens_per_s
 
@@ -232,23 +232,7 @@ def _candidate(
     )
     key = PlacementKey(model_id, str(sharding), ids, dtype, quantize.value if quantize else None)
     decode, prefill, decode_basis, prefill_basis = calibrate(key, model, served)
-    context, max_batch = options.sizes()
-    held = tuple(
-        rank_bytes(
-            config,
-            sharding,
-            shares,
-            r,
-            context,
-            max_batch,
-            dtype,
-            weight_file_bytes,
-            baseline_bytes,
-            kv_tokens=kv_pool,
-            quantize=quantize,
-        )
-        for r in range(len(shares))
-    )
+    held = ranks_bytes(config, sharding, shares, options, weight_file_bytes, baseline_bytes, kv_pool)
     return Candidate(
         sharding,
         ids,

@@ -334,6 +334,36 @@ def place_ranks(
         raise MemoryShortError(f"{exc}; {_kv_hint(kv, tokens)}") from None
 
 
+def ranks_bytes(
+    config: ModelConfig,
+    sharding: Sharding,
+    shares: list[RankShare],
+    options: PlacementOptions,
+    weight_file_bytes: int,
+    baseline_bytes: int,
+    kv_tokens: int,
+) -> tuple[int, ...]:
+    """:func:`rank_bytes` of every rank of ``shares``, placed under ``options`` (resolved)
+    with a KV pool of ``kv_tokens`` (:func:`place_with_kv_pool`'s)."""
+    context, max_batch = options.sizes()
+    return tuple(
+        rank_bytes(
+            config,
+            sharding,
+            shares,
+            r,
+            context,
+            max_batch,
+            options.dtype,
+            weight_file_bytes,
+            baseline_bytes,
+            kv_tokens=kv_tokens,
+            quantize=options.quantize,
+        )
+        for r in range(len(shares))
+    )
+
+
 def place_with_kv_pool(
     config: ModelConfig,
     sharding: Sharding,
