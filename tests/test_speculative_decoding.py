@@ -1,7 +1,7 @@
-"""Speculative decoding by prompt lookup (``SamplingParams.draft_tokens``): a greedy
-sequence's drafted tokens ride in the decode rows, and it takes the tokens greedy
-decoding would have given, so its text is the text without speculation, alone or beside
-others, in fewer steps where its output repeats (one engine in this process, tiny random
+"""Speculative decoding by prompt lookup (``SamplingParams.draft_tokens``): a sequence's
+drafted tokens ride in the decode rows, and it takes the tokens decoding would have given
+(greedy's, or a seeded sample's, drawn as decoding draws them), so its text is the text
+without speculation, alone or beside others, in fewer steps where its output repeats (one engine in this process, tiny random
 models: int4 with the compiled decode layers where they are built, bfloat16 and float32
 through torch's)."""
 
@@ -80,6 +80,19 @@ def test_a_speculating_sequence_gives_the_same_text_in_fewer_steps(torch_layers)
 
 def test_with_the_compiled_decode_layers_too(blocks_of_32):
     check_the_same_text_in_fewer_steps(blocks_of_32)
+
+
+@pytest.mark.parametrize("temperature", [0.05, 0.8])
+def test_a_seeded_sample_is_the_same_text_with_drafts(blocks_of_32, temperature):
+    """A seeded sample drafts too: each row is sampled as decoding samples it, one draw a
+    token taken, so the text is the same; nearly greedy, drafts are taken (fewer steps)."""
+    prompt = repeating_prompt(6)
+    seeded = SamplingParams(temperature=temperature, seed=11)
+    plain, plain_steps = run(blocks_of_32, [Task(1, "n", prompt, 60, seeded)])
+    drafted, drafted_steps = run(blocks_of_32, [Task(1, "n", prompt, 60, replace(seeded, draft_tokens=5))])
+    assert drafted == plain and len(set(plain[1])) > 1
+    if temperature < 0.1:
+        assert drafted_steps < plain_steps, (drafted_steps, plain_steps)
 
 
 def test_speculation_beside_other_sequences_changes_no_text(blocks_of_32):

@@ -194,8 +194,9 @@ _OPENAI_SAMPLING: tuple[tuple, ...] = (
         "speculative.n_max",
         True,
         "extension (llama.cpp): most tokens drafted a step by prompt lookup and checked in the "
-        "decode step (0 to 16, default 0); greedy requests without logprobs or a grammar; the "
-        "same text, in fewer steps where the output repeats the prompt",
+        "decode step (0 to 16, default 0); requests without logprobs or a grammar, greedy or "
+        "sampled; the same text (a seeded sample's too), in fewer steps where the output "
+        "repeats the prompt",
         "test_speculative_decoding_is_the_same_greedy_text",
     ),
 )

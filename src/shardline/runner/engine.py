@@ -747,9 +747,17 @@ class Engine:
     ) -> tuple[list[int], torch.Tensor | None]:
         """The sampled ids (on the sampling rank; as many zeros elsewhere): per sequence its
         next token and, where it drafted, the next after each drafted token it matched
-        (greedy, so each is the token decoding would have given; -1 for each row past
-        the first mismatch); and, where ``width`` is set, the log-probability table to
-        share (elsewhere, one to receive it into)."""
+        (-1 for each row past the first mismatch); and, where ``width`` is set, the
+        log-probability table to share (elsewhere, one to receive it into).
+
+        Each row is sampled as decoding samples that token (argmax, or one draw of the
+        sequence's generator), in order, until one differs from the draft: the tokens, and
+        the generator's draws, are decoding's, so a seeded sample is the same text with or
+        without speculation. For a draft of one token a guess (n-gram lookup), this takes
+        a drafted token with probability p(token), as the rejection rule of speculative
+        sampling does (Leviathan et al. 2023, Chen et al. 2023: accept with min(1, p/q), q
+        = 1 here), and after a rejection its sample is one from p without that token,
+        as theirs is from the residual max(0, p - q)."""
         count = sum(1 + len(d) for d in drafts)
         if not self.stage.samples:
             table = None

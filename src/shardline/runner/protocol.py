@@ -81,9 +81,11 @@ class SamplingParams:
 
     @property
     def speculates(self) -> bool:
-        """It drafts tokens (``draft_tokens``): greedy, with no grammar and no
-        log-probabilities (every drafted row would need its own)."""
-        return self.draft_tokens > 0 and self.greedy and self.grammar is None and self.logprobs is None
+        """It drafts tokens (``draft_tokens``), with no grammar and no log-probabilities
+        (every drafted row would need its own). Greedy or sampled: each drafted row is
+        sampled as decoding would sample it, one draw of the sequence's generator a token
+        taken (:meth:`~shardline.runner.engine.Engine._sample`)."""
+        return self.draft_tokens > 0 and self.grammar is None and self.logprobs is None
 
 
 @dataclass(frozen=True)

@@ -3,8 +3,8 @@ its next tokens as those that followed the latest earlier occurrence of its last
 tokens, in its prompt or its output. Code edits, quoted documents and an agent's tool
 output repeat what the prompt holds, so the guess is often right; a step then checks
 the guess in the decode batch (the draft's rows ride along, each at its own position) and
-takes the tokens greedy decoding would have given up to the first that differs, plus
-that one (Saxena 2023, "prompt lookup decoding"; vLLM's ngram proposer and llama.cpp's
+takes the tokens decoding would have given (greedy's, or a sample's drawn as decoding
+draws it) up to the first that differs, plus that one (Saxena 2023, "prompt lookup decoding"; vLLM's ngram proposer and llama.cpp's
 ``--spec-type ngram`` guess the same way; the index here is shardline's own).
 
 Every rank holds the same tokens, so every rank keeps the same index and drafts the same
