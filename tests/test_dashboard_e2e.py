@@ -267,6 +267,11 @@ def test_the_connect_endpoint_gives_what_shardline_connect_prints(cluster1):
     assert unknown.status_code == 404 and unknown.json()["error"]["param"] == "client"
     absent = httpx.get(f"{url}/cluster/connect/claude", params={"model": "no/such-model"}, timeout=10)
     assert absent.status_code == 404 and "not" in absent.json()["error"]["message"]
+    # an empty model is no model (the default's settings); a long one is not sent back whole
+    empty = httpx.get(f"{url}/cluster/connect/claude", params={"model": ""}, timeout=10)
+    assert empty.status_code == 200 and empty.json()["model"] == instance["model_id"]
+    long = httpx.get(f"{url}/cluster/connect/claude", params={"model": "x" * 20_000}, timeout=10)
+    assert long.status_code == 404 and len(long.text) < 1_000 and "20000 characters" in long.text
 
 
 API_KEY = "sk-dashboard-test-0123"

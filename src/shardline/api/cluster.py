@@ -81,7 +81,7 @@ def router(node: Node) -> APIRouter:
         a ready model, as ``shardline connect CLIENT --url`` this node prints them: 404 for
         an unknown client, or where no model (``model``) is ready."""
         base_url = str(request.base_url).rstrip("/")  # the node as the client reached it
-        return connect_view(node, client, model, base_url, presented_key(request))
+        return connect_view(node, client, model or None, base_url, presented_key(request))
 
     return routes
 
@@ -103,14 +103,16 @@ def connect_view(node: Node, client: str, model: str | None, base_url: str, key:
     the cluster API's error shape) for a client not in :data:`~shardline.connect.CLIENTS`,
     or where no instance of the model is ready."""
     if client not in CLIENTS:
-        return cluster_error(404, f"unknown client {client!r}: one of {', '.join(CLIENTS)}", "client")
+        return cluster_error(404, f"unknown client {shown(client)}: one of {', '.join(CLIENTS)}", "client")
     ready = [
         i
         for i in node.instances.values()
         if i.status == InstanceStatus.READY and (model is None or i.model_id == model)
     ]
     if not ready:
-        which = f"model {model!r} is not ready on the cluster: place it" if model else "no model is ready: place one"
+        which = (
+            f"model {shown(model)} is not ready on the cluster: place it" if model else "no model is ready: place one"
+        )
         return cluster_error(404, f"{which} first", "model")
     chosen = ready[0]
     settings = connection(client, base_url, chosen.model_id, chosen.context, key)
@@ -125,6 +127,16 @@ def connect_view(node: Node, client: str, model: str | None, base_url: str, key:
         "notes": list(settings.notes),
         "text": settings.text(),
     }
+
+
+SHOWN_CHARS = 200
+"""Most characters of a value an error message repeats (a 100,000-character one is not
+worth sending back)."""
+
+
+def shown(value: str) -> str:
+    """``value`` as an error message quotes it (``repr``), cut to :data:`SHOWN_CHARS`."""
+    return repr(value) if len(value) <= SHOWN_CHARS else repr(value[:SHOWN_CHARS]) + f"... ({len(value)} characters)"
 
 
 def nodes_view(node: Node) -> dict:
