@@ -13,6 +13,7 @@ from fastapi.responses import JSONResponse
 
 from shardline.api import errors
 from shardline.api.create_instance import CreateInstance, create
+from shardline.api.http_guard import presented_key
 from shardline.api.keep_alive import unload
 from shardline.connect import CLIENTS, connection
 from shardline.models.config import UnsupportedModelError
@@ -81,18 +82,10 @@ def router(node: Node) -> APIRouter:
         a ready model, as ``shardline connect CLIENT --url`` this node prints them: 404 for
         an unknown client, or where no model (``model``) is ready."""
         base_url = str(request.base_url).rstrip("/")  # the node as the client reached it
-        return connect_view(node, client, model or None, base_url, presented_key(request))
+        key = presented_key(request.headers.get("authorization"), request.headers.get("x-api-key")) or None
+        return connect_view(node, client, model or None, base_url, key)
 
     return routes
-
-
-def presented_key(request: Request) -> str | None:
-    """The API key a request presented (``Authorization: Bearer`` or ``x-api-key``), or
-    None: the key an agent's settings give, as ``shardline connect --api-key`` does."""
-    authorization = request.headers.get("authorization") or ""
-    if authorization[:7].lower() == "bearer ":
-        return authorization[7:].strip() or None
-    return request.headers.get("x-api-key") or None
 
 
 def connect_view(node: Node, client: str, model: str | None, base_url: str, key: str | None) -> dict | JSONResponse:

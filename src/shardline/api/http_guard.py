@@ -100,10 +100,12 @@ def _same_origin(origin: str, host: str | None) -> bool:
     return host is not None and parts.scheme in ("http", "https") and parts.netloc.lower() == host.strip().lower()
 
 
-def _presented_key(facts: RequestFacts) -> str | None:
-    if facts.authorization and facts.authorization[:7].lower() == "bearer ":
-        return facts.authorization[7:].strip()
-    return facts.x_api_key
+def presented_key(authorization: str | None, x_api_key: str | None) -> str | None:
+    """The API key a request presents: ``Authorization: Bearer KEY``'s, else its
+    ``x-api-key`` header's (None: neither)."""
+    if authorization and authorization[:7].lower() == "bearer ":
+        return authorization[7:].strip()
+    return x_api_key
 
 
 def check(config: GuardConfig, facts: RequestFacts) -> Refusal | None:
@@ -145,7 +147,7 @@ def check_key(config: GuardConfig, facts: RequestFacts) -> Refusal | None:
     :data:`PUBLIC_PATHS`, ``/internal`` or a request a cluster member signed."""
     if config.api_key is None or facts.member or facts.path in PUBLIC_PATHS or facts.path.startswith("/internal/"):
         return None
-    presented = _presented_key(facts)
+    presented = presented_key(facts.authorization, facts.x_api_key)
     if not presented:
         return Refusal(
             401,
