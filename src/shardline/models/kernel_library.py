@@ -159,6 +159,9 @@ def declare(lib: ctypes.CDLL) -> None:
     lib.decode_layers_built.restype = ctypes.c_int
     lib.decode_layers.argtypes = [_P, _P, _I, _P, _I, _P, _P, _P, _P]
     lib.decode_layers.restype = ctypes.c_int
+    lib.prefill_attention_built.restype = ctypes.c_int
+    lib.prefill_attention.argtypes = [_P, _I, _I, _I, _P, _P, _I, _I, _I, _I, ctypes.c_float, _P]
+    lib.prefill_attention.restype = ctypes.c_int
 
 
 def loaded() -> ctypes.CDLL:

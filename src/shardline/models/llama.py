@@ -32,6 +32,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from shardline.models import prefill_attention
 from shardline.models.config import ModelConfig, TensorShare
 from shardline.models.decode_graphs import GRAPH_MAX_ROWS
 from shardline.models.feed_forward import MLP, MixtureOfExperts
@@ -267,15 +268,10 @@ class Attention(nn.Module):
             slot, start = batch.slot, batch.start
             k_cache[slot, :, start : start + n] = k.transpose(0, 1)
             v_cache[slot, :, start : start + n] = v.transpose(0, 1)
-            out = F.scaled_dot_product_attention(
-                q.transpose(0, 1).unsqueeze(0),
-                k_cache[slot : slot + 1, :, : batch.kv_len],
-                v_cache[slot : slot + 1, :, : batch.kv_len],
-                attn_mask=batch.attn_mask,
-                is_causal=batch.attn_mask is None,
-                enable_gqa=True,
-            )  # [1, attn_heads, n, hd]
-            out = out.squeeze(0).transpose(0, 1)  # [n, attn_heads, hd]
+            if prefill_attention.takes(q, k_cache):
+                out = prefill_attention.attend(q, k_cache, v_cache, slot, start)
+            else:
+                out = self._prefill_sdpa(q, batch, k_cache, v_cache)
         elif batch.key_mask is not None:
             k_cache[batch.slots, :, batch.positions] = k
             v_cache[batch.slots, :, batch.positions] = v
@@ -299,6 +295,24 @@ class Attention(nn.Module):
         if self.out_index is not None:
             out = out.index_select(1, self.out_index)
         return self.o(out.reshape(n, heads * hd))
+
+    @staticmethod
+    def _prefill_sdpa(
+        q: torch.Tensor, batch: ForwardBatch, k_cache: torch.Tensor, v_cache: torch.Tensor
+    ) -> torch.Tensor:
+        """A prefill chunk's attention with torch's: queries ``q`` ``[n, attn_heads, hd]``
+        over the first ``batch.kv_len`` positions of its slot (its keys and values
+        written), under ``batch.attn_mask`` or causal. Returns ``[n, attn_heads, hd]``."""
+        slot = batch.slot
+        out = F.scaled_dot_product_attention(
+            q.transpose(0, 1).unsqueeze(0),
+            k_cache[slot : slot + 1, :, : batch.kv_len],
+            v_cache[slot : slot + 1, :, : batch.kv_len],
+            attn_mask=batch.attn_mask,
+            is_causal=batch.attn_mask is None,
+            enable_gqa=True,
+        )  # [1, attn_heads, n, hd]
+        return out.squeeze(0).transpose(0, 1)
 
     def _windowed(
         self,

@@ -1,0 +1,251 @@
+/* Prefill attention: a prefill chunk's rows, each over the keys of its slot up to its own
+ * position (causal), in bfloat16 with float32 softmax (see
+ * shardline/models/prefill_attention.py, which decides where this runs; the reference is
+ * torch's scaled_dot_product_attention with the same mask).
+ *
+ * For query row i (position p = start + i) and query head h (reading KV head h / group):
+ *
+ *   s_j = (q . k_j) * scale          j = 0 .. p; bfloat16 products summed in float32
+ *                                    (vdpbf16ps), over the head a pair of dims at a time
+ *   out = bf(sum_j e^(s_j - m) v_j / sum_j e^(s_j - m))   online softmax (Milakov &
+ *                                    Gimelshein 2018) over blocks of KEY_BLOCK keys
+ *                                    counted from position 0, in float32
+ *
+ * Why this and not torch's flash attention: a row's bits here depend on its query, its
+ * position and the keys and values up to it, nothing else: the key blocks start at
+ * position 0, a block's keys past the row weigh exactly 0 and add nothing, and each row
+ * runs the same instructions in the same order whatever rows share its chunk and where
+ * the chunk starts or ends. (torch's depends on how many keys the chunk reads: see
+ * parallel/stage.py span_keys.) A resumed prompt then needs no key span, and reads no
+ * key past its rows. Speed: the keys of a block are scored against a tile of query rows
+ * and heads at once, 16 keys a vdpbf16ps (keys transposed into pairs of dims), values
+ * summed in float32 FMAs; SmolLM2's 232 rows over 2,321 keys, one thread: 17 ms a layer
+ * with torch's flash attention, see prefill_attention.py for this one's.
+ *
+ * Threads (OpenMP) take (KV head, tile of rows) tasks, dynamically (later rows read
+ * more keys); a row is computed by one task alone. */
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+#include "kernels.h"
+
+#if defined(__AVX512F__) && defined(__AVX512BF16__)
+#include <immintrin.h>
+
+int prefill_attention_built(void) { return 1; }
+
+#define KEY_BLOCK 64   /* keys a block: 4 vectors of 16 scores */
+#define TILE_HEADS 24  /* query vectors (rows x group heads) a task, at most */
+#define MAX_TILE 32
+#define MAX_HD 256
+
+static inline __m512 from16(const uint16_t *p) {
+    return _mm512_castsi512_ps(
+        _mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)p)), 16));
+}
+
+/* e^x, x <= 0 (clamped at -87), Cephes' expf polynomial (as decode_layer.c's exp16). */
+static inline __m512 exp16n(__m512 x) {
+    x = _mm512_max_ps(x, _mm512_set1_ps(-87.0f));
+    __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
+                                    _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
+    r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
+    __m512 p = _mm512_set1_ps(1.9875691500e-4f);
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
+    __m512 y = _mm512_add_ps(_mm512_fmadd_ps(p, _mm512_mul_ps(r, r), r), _mm512_set1_ps(1.0f));
+    return _mm512_scalef_ps(y, n);
+}
+
+/* Keys 0 .. end - 1 of one KV head (K: [positions, hd]) as blocks of KEY_BLOCK keys,
+ * each [hd / 2][KEY_BLOCK] pairs of dims (a key's dims 2d and 2d + 1 in one 32-bit
+ * lane), keys past end 0: kt [blocks][hd / 2][KEY_BLOCK]. */
+static void transpose_keys(const uint16_t *K, int64_t end, int64_t hd, uint32_t *kt) {
+    int64_t pairs = hd / 2;
+    for (int64_t k0 = 0; k0 < end; k0 += KEY_BLOCK) {
+        uint32_t *block = kt + (k0 / KEY_BLOCK) * pairs * KEY_BLOCK;
+        for (int64_t j = 0; j < KEY_BLOCK; j++) {
+            if (k0 + j < end) {
+                const uint32_t *kj = (const uint32_t *)(K + (k0 + j) * hd);
+                for (int64_t d = 0; d < pairs; d++) block[d * KEY_BLOCK + j] = kj[d];
+            } else {
+                for (int64_t d = 0; d < pairs; d++) block[d * KEY_BLOCK + j] = 0;
+            }
+        }
+    }
+}
+
+/* One task: rows r0 .. r0 + rows - 1 of the chunk, the `group` query heads of KV head
+ * kvh. q: [n, q_stride] bfloat16 (a row's heads, hd each); kt: the KV head's keys
+ * (transpose_keys); V: its values [positions, hd]; out: [n, heads, hd].
+ *
+ * Every query vector (row, head) of the task runs every block up to the task's last row
+ * alike, its keys past its row weighing exactly 0 (scores -inf, weights 0, values past
+ * the chunk 0): x + 0 * v is x, and no accumulator is -0 (a block whose rescale is 0
+ * zeroes it), so a row's bits are those of its own keys whatever the task. */
+static inline __attribute__((always_inline)) void tile_body(
+        const uint16_t *q, int64_t q_stride, int64_t heads, int64_t group, int64_t kvh,
+        const uint32_t *kt, const uint16_t *V, int64_t start, int64_t r0, int64_t rows,
+        int64_t hd, float scale, uint16_t *out) {
+    float vf[KEY_BLOCK][MAX_HD] __attribute__((aligned(64)));  /* values, float32 */
+    float p[MAX_TILE][KEY_BLOCK] __attribute__((aligned(64))); /* weights */
+    float acc[MAX_TILE][MAX_HD] __attribute__((aligned(64)));
+    uint32_t qp[MAX_TILE][MAX_HD / 2];                         /* query dim pairs */
+    float keep[MAX_TILE], best[MAX_TILE];
+    __m512 total[MAX_TILE];
+    int64_t last[MAX_TILE]; /* each query vector's last key (its row's position) */
+    int64_t nq = rows * group, pairs = hd / 2, vecs = hd / 16;
+    for (int64_t t = 0; t < nq; t++) {
+        int64_t r = r0 + t / group, h = kvh * group + t % group;
+        memcpy(qp[t], q + r * q_stride + h * hd, (size_t)hd * 2);
+        for (int64_t d = 0; d < hd; d++) acc[t][d] = 0.0f;
+        total[t] = _mm512_setzero_ps();
+        best[t] = -INFINITY;
+        last[t] = start + r;
+    }
+    for (int64_t t = nq; t < MAX_TILE; t++) memset(qp[t], 0, sizeof qp[t]);
+    int64_t end = start + r0 + rows; /* keys 0 .. end - 1 are read */
+    const __m512 sc = _mm512_set1_ps(scale), ninf = _mm512_set1_ps(-INFINITY);
+    const __m512 cut = _mm512_set1_ps(-60.0f);
+    for (int64_t k0 = 0; k0 < end; k0 += KEY_BLOCK) {
+        int64_t live = end - k0 < KEY_BLOCK ? end - k0 : KEY_BLOCK;
+        const uint32_t *kb = kt + (k0 / KEY_BLOCK) * pairs * KEY_BLOCK;
+        for (int64_t j = 0; j < KEY_BLOCK; j++)
+            for (int64_t d = 0; d < vecs; d++)
+                _mm512_store_ps(vf[j] + 16 * d,
+                                j < live ? from16(V + (k0 + j) * hd + 16 * d) : _mm512_setzero_ps());
+        /* scores, 4 query vectors x 64 keys at a time, then each vector's softmax step */
+        for (int64_t t0 = 0; t0 < nq; t0 += 4) {
+            __m512 s[4][4];
+            for (int i = 0; i < 4; i++)
+                for (int v = 0; v < 4; v++) s[i][v] = _mm512_setzero_ps();
+            for (int64_t d = 0; d < pairs; d++) {
+                __m512bh k[4];
+                for (int v = 0; v < 4; v++) k[v] = (__m512bh)_mm512_load_si512(kb + d * KEY_BLOCK + 16 * v);
+                for (int i = 0; i < 4; i++) {
+                    __m512bh qd = (__m512bh)_mm512_set1_epi32((int)qp[t0 + i][d]);
+                    for (int v = 0; v < 4; v++) s[i][v] = _mm512_dpbf16_ps(s[i][v], k[v], qd);
+                }
+            }
+            for (int i = 0; i < 4 && t0 + i < nq; i++) {
+                int64_t t = t0 + i, seen = last[t] - k0 + 1;
+                __mmask16 m[4];
+                __m512 top = ninf;
+                for (int v = 0; v < 4; v++) {
+                    int64_t c = seen - 16 * v;
+                    m[v] = c >= 16 ? 0xFFFF : c <= 0 ? 0 : (__mmask16)((1u << c) - 1);
+                    s[i][v] = _mm512_mask_mul_ps(ninf, m[v], s[i][v], sc);
+                    top = _mm512_max_ps(top, s[i][v]);
+                }
+                float most = _mm512_reduce_max_ps(top);
+                float now = most > best[t] ? most : best[t];
+                keep[t] = expf(best[t] - now); /* 0 for the first block; 1 where no key is live */
+                best[t] = now;
+                __m512 mv = _mm512_set1_ps(now), kp = _mm512_set1_ps(keep[t]), sum = _mm512_mul_ps(total[t], kp);
+                for (int v = 0; v < 4; v++) {
+                    /* below e^-60 (relative to the largest, 1) a weight is 0: no denormals */
+                    __m512 x = _mm512_sub_ps(s[i][v], mv);
+                    __m512 w = _mm512_maskz_mov_ps(m[v] & _mm512_cmp_ps_mask(x, cut, _CMP_GE_OQ), exp16n(x));
+                    _mm512_store_ps(p[t] + 16 * v, w);
+                    sum = _mm512_add_ps(sum, w);
+                }
+                total[t] = sum;
+            }
+        }
+        /* weighted values: QB query vectors at a time over the block's keys */
+        const int64_t qb = vecs <= 4 ? 4 : vecs <= 8 ? 2 : 1;
+        for (int64_t t0 = 0; t0 < nq; t0 += qb) {
+            int64_t nb = nq - t0 < qb ? nq - t0 : qb;
+            __m512 a[4][MAX_HD / 16];
+            for (int64_t i = 0; i < nb; i++) {
+                __m512 kp = _mm512_set1_ps(keep[t0 + i]);
+                for (int64_t d = 0; d < vecs; d++)
+                    a[i][d] = keep[t0 + i] == 0.0f ? _mm512_setzero_ps()
+                                                   : _mm512_mul_ps(_mm512_load_ps(acc[t0 + i] + 16 * d), kp);
+            }
+            for (int64_t j = 0; j < KEY_BLOCK; j++) {
+                for (int64_t d = 0; d < vecs; d++) {
+                    __m512 vv = _mm512_load_ps(vf[j] + 16 * d);
+                    for (int64_t i = 0; i < nb; i++)
+                        a[i][d] = _mm512_fmadd_ps(_mm512_set1_ps(p[t0 + i][j]), vv, a[i][d]);
+                }
+            }
+            for (int64_t i = 0; i < nb; i++)
+                for (int64_t d = 0; d < vecs; d++) _mm512_store_ps(acc[t0 + i] + 16 * d, a[i][d]);
+        }
+    }
+    for (int64_t t = 0; t < nq; t++) {
+        int64_t r = r0 + t / group, h = kvh * group + t % group;
+        __m512 inv = _mm512_set1_ps(1.0f / _mm512_reduce_add_ps(total[t]));
+        for (int64_t d = 0; d < vecs; d++)
+            _mm256_storeu_si256((__m256i *)(out + (r * heads + h) * hd + 16 * d),
+                                (__m256i)_mm512_cvtneps_pbh(_mm512_mul_ps(_mm512_load_ps(acc[t] + 16 * d), inv)));
+    }
+}
+
+/* tile_body for one head size: the compiler unrolls the loops over the head (the same
+ * operations in the same order: the same bits). */
+#define TILE_FOR(HD)                                                                          \
+    static void tile_##HD(const uint16_t *q, int64_t q_stride, int64_t heads, int64_t group,   \
+                          int64_t kvh, const uint32_t *kt, const uint16_t *V, int64_t start,   \
+                          int64_t r0, int64_t rows, float scale, uint16_t *out) {              \
+        tile_body(q, q_stride, heads, group, kvh, kt, V, start, r0, rows, HD, scale, out);    \
+    }
+TILE_FOR(64)
+TILE_FOR(128)
+
+/* out [n, heads, hd] = the causal attention of query rows q ([n, q_stride] bfloat16, row
+ * i at position start + i, heads of hd each) over the cache of one slot, K and V
+ * ([kv_heads, positions, hd] bfloat16, kv_stride elements between KV heads), where the
+ * chunk's own keys and values are already written. hd a multiple of 32, at most MAX_HD;
+ * heads a multiple of kv_heads, heads / kv_heads at most MAX_TILE. Returns 0, -1 for a
+ * shape it does not take, -2 where memory for the transposed keys is short (nothing
+ * written either way). */
+int prefill_attention(const uint16_t *q, int64_t n, int64_t q_stride, int64_t heads,
+                      const uint16_t *K, const uint16_t *V, int64_t kv_heads, int64_t kv_stride,
+                      int64_t start, int64_t hd, float scale, uint16_t *out) {
+    if (hd % 32 || hd > MAX_HD || kv_heads <= 0 || heads % kv_heads || n <= 0) return -1;
+    int64_t group = heads / kv_heads;
+    if (group > MAX_TILE) return -1;
+    int64_t end = start + n, blocks = (end + KEY_BLOCK - 1) / KEY_BLOCK;
+    int64_t per_head = blocks * (hd / 2) * KEY_BLOCK;
+    uint32_t *kt = aligned_alloc(64, (size_t)(kv_heads * per_head * 4));
+    if (!kt) return -2;
+#pragma omp parallel for schedule(static) if (kv_heads > 1 && !in_parallel())
+    for (int64_t kvh = 0; kvh < kv_heads; kvh++)
+        transpose_keys(K + kvh * kv_stride, end, hd, kt + kvh * per_head);
+    int64_t rows = TILE_HEADS / group > 0 ? TILE_HEADS / group : 1;
+    int64_t tiles = (n + rows - 1) / rows, tasks = tiles * kv_heads;
+#pragma omp parallel for schedule(dynamic, 1) if (tasks > 1 && !in_parallel())
+    for (int64_t task = 0; task < tasks; task++) {
+        /* the last tiles (most keys) first */
+        int64_t tile = tiles - 1 - task / kv_heads, kvh = task % kv_heads;
+        int64_t r0 = tile * rows, m = n - r0 < rows ? n - r0 : rows;
+        const uint32_t *kh = kt + kvh * per_head;
+        const uint16_t *Vh = V + kvh * kv_stride;
+        if (hd == 64)
+            tile_64(q, q_stride, heads, group, kvh, kh, Vh, start, r0, m, scale, out);
+        else if (hd == 128)
+            tile_128(q, q_stride, heads, group, kvh, kh, Vh, start, r0, m, scale, out);
+        else
+            tile_body(q, q_stride, heads, group, kvh, kh, Vh, start, r0, m, hd, scale, out);
+    }
+    free(kt);
+    return 0;
+}
+
+#else /* not built: prefill_attention.py calls it only where prefill_attention_built() */
+int prefill_attention_built(void) { return 0; }
+int prefill_attention(const uint16_t *q, int64_t n, int64_t q_stride, int64_t heads,
+                      const uint16_t *K, const uint16_t *V, int64_t kv_heads, int64_t kv_stride,
+                      int64_t start, int64_t hd, float scale, uint16_t *out) {
+    (void)q; (void)n; (void)q_stride; (void)heads; (void)K; (void)V; (void)kv_heads;
+    (void)kv_stride; (void)start; (void)hd; (void)scale; (void)out;
+    return -1;
+}
+#endif
