@@ -8,7 +8,7 @@ import tiny_models as tm
 import torch
 import torch.nn.functional as F
 
-from shardline.models import fused_decode, native_dequant
+from shardline.models import fused_decode, native_dequant, prefill_attention
 from shardline.models.shard_loader import load_shard
 from shardline.models.weights import open_weights
 
@@ -115,8 +115,11 @@ def _restore(cache, saved) -> None:
 
 
 def _float32_attention(monkeypatch) -> None:
-    """The torch path's attention in float32 (inputs and output still bfloat16)."""
+    """The torch path's attention in float32 (inputs and output still bfloat16), its
+    prefill chunks' too (not the compiled prefill attention, which rounds probabilities
+    to bfloat16 as torch's bfloat16 attention does)."""
     sdpa = F.scaled_dot_product_attention
+    monkeypatch.setattr(prefill_attention, "takes", lambda q, k_cache: False)
 
     def upcast(q, k, v, **kwargs):
         return sdpa(q.float(), k.float(), v.float(), **kwargs).to(q.dtype)

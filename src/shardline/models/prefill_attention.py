@@ -7,14 +7,14 @@ A row's bits depend on its query, its position and the keys and values up to it 
 rows share its chunk), where torch's CPU flash attention's depend on how many keys the
 chunk reads: so a prompt resumed from a cached prefix gives a cold prefill's bits with
 no key span (:func:`~shardline.parallel.stage.span_keys`), and no chunk reads a key past
-its last row. Scores are bfloat16 products summed in float32 (vdpbf16ps), the softmax
-and the weighted values in float32 (torch's rounds its probabilities to bfloat16), the
-output rounded to bfloat16.
+its last row. Scores are bfloat16 products summed in float32 (vdpbf16ps), the softmax in
+float32, its weights rounded to bfloat16 (as torch's bfloat16 attention rounds its
+probabilities) and summed into the values in float32, the output rounded to bfloat16.
 
 Speed, one layer, one thread (a 2-vCPU AMD EPYC VM, ``python -m
 shardline.bench.prefill_attention``): SmolLM2-135M's heads, 232 rows at positions
-2,089-2,320, 6.3 ms against torch's 16.6; 512 rows from position 0, 1.7 against 7.2; a
-1.5B Qwen2's (12 heads over 2 KV heads of 128), 1.8-3.0x.
+2,089-2,320, 5.3 ms against torch's 16.7; 512 rows from position 0, 1.3 against 7.0; a
+1.5B Qwen2's (12 heads over 2 KV heads of 128), 3.4-5.7x.
 
 It runs where the kernels are built for a CPU with AVX-512 BF16, the cache is bfloat16
 on the CPU and the head size is a multiple of 32 (at most 256); elsewhere torch's
@@ -30,6 +30,7 @@ import math
 import torch
 
 from shardline.models import kernel_library
+
 
 @functools.cache
 def built() -> bool:

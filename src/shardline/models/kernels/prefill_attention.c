@@ -7,9 +7,12 @@
  *
  *   s_j = (q . k_j) * scale          j = 0 .. p; bfloat16 products summed in float32
  *                                    (vdpbf16ps), over the head a pair of dims at a time
- *   out = bf(sum_j e^(s_j - m) v_j / sum_j e^(s_j - m))   online softmax (Milakov &
- *                                    Gimelshein 2018) over blocks of KEY_BLOCK keys
- *                                    counted from position 0, in float32
+ *   w_j = e^(s_j - m)                online softmax (Milakov & Gimelshein 2018) over
+ *                                    blocks of KEY_BLOCK keys counted from position 0,
+ *                                    in float32
+ *   out = bf(sum_j bf(w_j) v_j / sum_j w_j)   the weights rounded to bfloat16 (as
+ *                                    torch's bfloat16 attention rounds them), summed
+ *                                    into the values in float32 (vdpbf16ps)
  *
  * Why this and not torch's flash attention: a row's bits here depend on its query, its
  * position and the keys and values up to it, nothing else: the key blocks start at
@@ -18,9 +21,9 @@
  * the chunk starts or ends. (torch's depends on how many keys the chunk reads: see
  * parallel/stage.py span_keys.) A resumed prompt then needs no key span, and reads no
  * key past its rows. Speed: the keys of a block are scored against a tile of query rows
- * and heads at once, 16 keys a vdpbf16ps (keys transposed into pairs of dims), values
- * summed in float32 FMAs; SmolLM2's 232 rows over 2,321 keys, one thread: 17 ms a layer
- * with torch's flash attention, see prefill_attention.py for this one's.
+ * and heads at once, 16 keys a vdpbf16ps (keys transposed into pairs of dims), and the
+ * values of two keys summed into 16 dims a vdpbf16ps (values interleaved by key pairs);
+ * see prefill_attention.py for what it gains over torch's.
  *
  * Threads (OpenMP) take (KV head, tile of rows) tasks, dynamically (later rows read
  * more keys); a row is computed by one task alone. */
@@ -92,8 +95,10 @@ static inline __attribute__((always_inline)) void tile_body(
         const uint16_t *q, int64_t q_stride, int64_t heads, int64_t group, int64_t kvh,
         const uint32_t *kt, const uint16_t *V, int64_t start, int64_t r0, int64_t rows,
         int64_t hd, float scale, uint16_t *out) {
-    float vf[KEY_BLOCK][MAX_HD] __attribute__((aligned(64)));  /* values, float32 */
+    /* values of key pairs: vt[j / 2][d] holds dim d of keys j and j + 1 */
+    uint32_t vt[KEY_BLOCK / 2][MAX_HD] __attribute__((aligned(64)));
     float p[MAX_TILE][KEY_BLOCK] __attribute__((aligned(64))); /* weights */
+    uint32_t pp[MAX_TILE][KEY_BLOCK / 2];                      /* weights' bfloat16 pairs */
     float acc[MAX_TILE][MAX_HD] __attribute__((aligned(64)));
     uint32_t qp[MAX_TILE][MAX_HD / 2];                         /* query dim pairs */
     float keep[MAX_TILE], best[MAX_TILE];
@@ -115,10 +120,18 @@ static inline __attribute__((always_inline)) void tile_body(
     for (int64_t k0 = 0; k0 < end; k0 += KEY_BLOCK) {
         int64_t live = end - k0 < KEY_BLOCK ? end - k0 : KEY_BLOCK;
         const uint32_t *kb = kt + (k0 / KEY_BLOCK) * pairs * KEY_BLOCK;
-        for (int64_t j = 0; j < KEY_BLOCK; j++)
-            for (int64_t d = 0; d < vecs; d++)
-                _mm512_store_ps(vf[j] + 16 * d,
-                                j < live ? from16(V + (k0 + j) * hd + 16 * d) : _mm512_setzero_ps());
+        const __m512i pair_index = _mm512_set_epi16(
+            31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9, 24, 8,
+            23, 7, 22, 6, 21, 5, 20, 4, 19, 3, 18, 2, 17, 1, 16, 0);
+        for (int64_t j = 0; j < KEY_BLOCK; j += 2)
+            for (int64_t d = 0; d < vecs; d++) {
+                __m256i a = j < live ? _mm256_loadu_si256((const __m256i *)(V + (k0 + j) * hd + 16 * d))
+                                     : _mm256_setzero_si256();
+                __m256i b = j + 1 < live ? _mm256_loadu_si256((const __m256i *)(V + (k0 + j + 1) * hd + 16 * d))
+                                         : _mm256_setzero_si256();
+                __m512i both = _mm512_inserti64x4(_mm512_castsi256_si512(a), b, 1);
+                _mm512_store_si512(vt[j / 2] + 16 * d, _mm512_permutexvar_epi16(pair_index, both));
+            }
         /* scores, 4 query vectors x 64 keys at a time, then each vector's softmax step */
         for (int64_t t0 = 0; t0 < nq; t0 += 4) {
             __m512 s[4][4];
@@ -155,6 +168,9 @@ static inline __attribute__((always_inline)) void tile_body(
                     sum = _mm512_add_ps(sum, w);
                 }
                 total[t] = sum;
+                for (int v = 0; v < 4; v += 2) /* bfloat16 pairs (j, j + 1), round to nearest */
+                    _mm512_storeu_si512(pp[t] + 8 * v, (__m512i)_mm512_cvtne2ps_pbh(
+                        _mm512_load_ps(p[t] + 16 * v + 16), _mm512_load_ps(p[t] + 16 * v)));
             }
         }
         /* weighted values: QB query vectors at a time over the block's keys */
@@ -168,11 +184,11 @@ static inline __attribute__((always_inline)) void tile_body(
                     a[i][d] = keep[t0 + i] == 0.0f ? _mm512_setzero_ps()
                                                    : _mm512_mul_ps(_mm512_load_ps(acc[t0 + i] + 16 * d), kp);
             }
-            for (int64_t j = 0; j < KEY_BLOCK; j++) {
+            for (int64_t j = 0; j < KEY_BLOCK / 2; j++) {
                 for (int64_t d = 0; d < vecs; d++) {
-                    __m512 vv = _mm512_load_ps(vf[j] + 16 * d);
+                    __m512bh vv = (__m512bh)_mm512_load_si512(vt[j] + 16 * d);
                     for (int64_t i = 0; i < nb; i++)
-                        a[i][d] = _mm512_fmadd_ps(_mm512_set1_ps(p[t0 + i][j]), vv, a[i][d]);
+                        a[i][d] = _mm512_dpbf16_ps(a[i][d], vv, (__m512bh)_mm512_set1_epi32((int)pp[t0 + i][j]));
                 }
             }
             for (int64_t i = 0; i < nb; i++)
