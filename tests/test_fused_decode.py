@@ -211,7 +211,7 @@ def test_greedy_text_is_the_torch_paths(shard, monkeypatch):
     assert fused == reference
 
 
-@pytest.mark.parametrize("start, length", [(0, 1), (0, 9), (0, 64), (13, 20)])
+@pytest.mark.parametrize("start, length", [(0, 1), (0, 9), (0, 64), (13, 20), (500, 20), (700, 40)])
 def test_a_prefill_chunk_is_its_tokens_decoded_one_by_one(shard, start, length):
     """A prefill chunk of up to 64 tokens runs through the fused layers as one row per
     token (the kernel writes every row's key and value before any row attends): its last
