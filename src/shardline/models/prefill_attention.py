@@ -13,8 +13,8 @@ probabilities) and summed into the values in float32, the output rounded to bflo
 
 Speed, one layer, one thread (a 2-vCPU AMD EPYC VM, ``python -m
 shardline.bench.prefill_attention``): SmolLM2-135M's heads, 232 rows at positions
-2,089-2,320, 5.3 ms against torch's 16.7; 512 rows from position 0, 1.3 against 7.0; a
-1.5B Qwen2's (12 heads over 2 KV heads of 128), 3.4-5.7x.
+2,089-2,320, 4.9 ms against torch's 17.3; 512 rows from position 0, 1.4 against 7.6; a
+1.5B Qwen2's (12 heads over 2 KV heads of 128), 3.5-5.9x.
 
 It runs where the kernels are built for a CPU with AVX-512 BF16, the cache is bfloat16
 on the CPU and the head size is a multiple of 32 (at most 256); elsewhere torch's
