@@ -18,6 +18,7 @@ import torch
 from shardline.parallel.pipeline import PipelineStage
 from shardline.runner.engine import Engine
 from shardline.runner.protocol import SamplingParams, Task, TokenEvent, Tokens
+from shardline.runner.speculation import MAX_DRAFT_TOKENS, default_drafts
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -34,12 +35,13 @@ def torch_layers(request, tmp_path_factory):
     return load_shard(open_weights(path), 0, 2, dtype=getattr(torch, request.param))
 
 
-def run(shard, tasks: list[Task]) -> tuple[dict[int, list[int]], int]:
-    """``tasks`` sent together to a fresh engine (4 slots, 64-token chunks), run to their
-    ends: each one's tokens, and the steps it took."""
+def run(shard, tasks: list[Task], default_drafts: int = 0) -> tuple[dict[int, list[int]], int]:
+    """``tasks`` sent together to a fresh engine (4 slots, 64-token chunks; a request that
+    names no draft drafts ``default_drafts``), run to their ends: each one's tokens, and
+    the steps it took."""
     sent: list = []
     stage = PipelineStage(shard, tm.new_cache(shard, slots=4, context=1024), 0, 1)
-    engine = Engine(stage, queue.Queue(), sent.append, "n", None, 4, 1024, 64, 64, 4096)
+    engine = Engine(stage, queue.Queue(), sent.append, "n", None, 4, 1024, 64, 64, 4096, draft_tokens=default_drafts)
     for task in tasks:
         engine.inbox.put(task)
     tokens: dict[int, list[int]] = {t.task_id: [] for t in tasks}
@@ -80,6 +82,40 @@ def test_a_speculating_sequence_gives_the_same_text_in_fewer_steps(torch_layers)
 
 def test_with_the_compiled_decode_layers_too(blocks_of_32):
     check_the_same_text_in_fewer_steps(blocks_of_32)
+
+
+def test_a_request_that_names_no_draft_takes_the_instances_default(blocks_of_32):
+    """On by default (a dense model's instance drafts :func:`default_drafts` tokens for a
+    request that names none): the same text in fewer steps; a request's 0 turns it off."""
+    prompt = repeating_prompt(1)
+    plain, plain_steps = run(blocks_of_32, [Task(1, "n", prompt, 60, replace(GREEDY, draft_tokens=0))], 8)
+    default, default_steps = run(blocks_of_32, [Task(1, "n", prompt, 60, GREEDY)], 8)
+    off, off_steps = run(blocks_of_32, [Task(1, "n", prompt, 60, GREEDY)], 0)
+    assert default == plain == off
+    assert default_steps < plain_steps == off_steps
+
+
+@pytest.mark.fast
+@pytest.mark.parametrize(
+    "params,default,drafts",
+    [
+        (GREEDY, 16, 16),  # names none: the instance's
+        (GREEDY, 0, 0),
+        (replace(GREEDY, draft_tokens=0), 16, 0),  # asked off
+        (replace(GREEDY, draft_tokens=4), 0, 4),  # asked on where the default is off
+        (SamplingParams(temperature=0.7, seed=1), 16, 16),  # sampled too
+        (replace(GREEDY, logprobs=2), 16, 0),  # each drafted row would need its own
+        (replace(GREEDY, grammar="start: /a+/", draft_tokens=4), 16, 0),
+    ],
+)
+def test_drafts_a_request_may_make(params, default, drafts):
+    assert params.drafts(default) == drafts
+
+
+@pytest.mark.fast
+def test_on_by_default_for_dense_models_only():
+    assert default_drafts(moe=False) == MAX_DRAFT_TOKENS
+    assert default_drafts(moe=True) == 0
 
 
 @pytest.mark.parametrize("temperature", [0.05, 0.8])

@@ -162,8 +162,9 @@ class SamplingFields(BaseModel):
     return_progress: bool = False
     # As in llama.cpp's server: false prefills the whole prompt, its cached prefix unused.
     cache_prompt: bool = True
-    # llama.cpp's per-request speculation bound: most tokens drafted a step (prompt lookup).
-    speculative_n_max: int = Field(default=0, ge=0, le=MAX_DRAFT_TOKENS, alias="speculative.n_max")
+    # llama.cpp's per-request speculation bound: most tokens drafted a step (prompt lookup;
+    # 0: none; absent: the instance's default, runner.speculation.default_drafts).
+    speculative_n_max: int | None = Field(default=None, ge=0, le=MAX_DRAFT_TOKENS, alias="speculative.n_max")
 
     @model_validator(mode="after")
     def _check_bias(self):

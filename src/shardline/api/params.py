@@ -194,9 +194,9 @@ _OPENAI_SAMPLING: tuple[tuple, ...] = (
         "speculative.n_max",
         True,
         "extension (llama.cpp): most tokens drafted a step by prompt lookup and checked in the "
-        "decode step (0 to 16, default 0); requests without logprobs or a grammar, greedy or "
-        "sampled; the same text (a seeded sample's too), in fewer steps where the output "
-        "repeats the prompt",
+        "decode step (0 to 16; 0: none; absent: 16 for a dense model, 0 for a mixture of "
+        "experts); requests without logprobs or a grammar, greedy or sampled; the same text "
+        "(a seeded sample's too), in fewer steps where the output repeats the prompt",
         "test_speculative_decoding_is_the_same_greedy_text",
     ),
 )

@@ -307,6 +307,7 @@ def _engine(
     """The rank's :class:`~shardline.runner.engine.Engine` over its loaded ``stage``."""
     from shardline.runner.constraint import GrammarTokenizer
     from shardline.runner.engine import Engine
+    from shardline.runner.speculation import default_drafts
 
     return Engine(
         stage,
@@ -324,6 +325,7 @@ def _engine(
         on_idle=_release_idle_memory,
         grammar_tokenizer=GrammarTokenizer(spec.model_path),
         prefix_cache=spec.prefix_cache,
+        draft_tokens=default_drafts(stage.shard.config.is_moe),
         threads=decode_threads(spec.world_size, stage.shard, serving_threads),
     )
 

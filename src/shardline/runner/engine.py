@@ -127,7 +127,7 @@ class Sequence:
     which its slot keeps as a cached prefix when it ends; ``hashes``: its prompt's
     :func:`~shardline.runner.prefix_cache.block_hashes` (empty without prefix caching);
     ``drafter``: its drafts where it speculates
-    (:attr:`SamplingParams.speculates <shardline.runner.protocol.SamplingParams>`)."""
+    (:meth:`SamplingParams.drafts <shardline.runner.protocol.SamplingParams.drafts>`)."""
 
     task: Task
     slot: int
@@ -230,6 +230,9 @@ class Engine:
             later prompt that starts the same (:mod:`shardline.runner.prefix_cache`);
             False: every prompt is prefilled whole and a slot is emptied when its sequence
             ends.
+        draft_tokens: tokens a request that names none may draft a step (speculative
+            decoding by prompt lookup, :mod:`shardline.runner.speculation`; 0: it does
+            not speculate): :func:`~shardline.runner.speculation.default_drafts`.
         threads: sets the compute threads of every step from the measured times of the
             decode-only ones (:mod:`shardline.runner.threads`). None: torch's count
             throughout.
@@ -254,6 +257,7 @@ class Engine:
         idle_release_s: float = 0.5,
         grammar_tokenizer: Callable[[], object] | None = None,
         prefix_cache: bool = True,
+        draft_tokens: int = 0,
         threads: ThreadGovernor | None = None,
     ) -> None:
         self.stage = stage
@@ -288,6 +292,7 @@ class Engine:
         self._agreed = False  # the last step's token exchange agreed on this step's tasks
         self.grammar_tokenizer = grammar_tokenizer
         self.prefix_cache = prefix_cache
+        self.draft_tokens = draft_tokens
         self.cached: dict[int, CachedPrefix] = {}  # free slots holding a cached prefix
         self._clock = 0  # advanced whenever a slot is cached: the cached prefixes' recency
         self._hashes: dict[int, list[int]] = {}  # waiting tasks' prompt block hashes
@@ -425,7 +430,7 @@ class Engine:
                 reused=start.reused,
                 exact_end=start.reused,
                 hashes=want.hashes,
-                drafter=Drafter(task.prompt, task.sampling.draft_tokens) if task.sampling.speculates else None,
+                drafter=Drafter(task.prompt, drafts) if (drafts := task.sampling.drafts(self.draft_tokens)) else None,
             )
             self.free_kv_tokens -= want.need
             self.prompt_tokens += len(task.prompt)

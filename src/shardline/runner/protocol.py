@@ -54,8 +54,8 @@ class SamplingParams:
             None: unconstrained.
         draft_tokens: k > 0: speculative decoding by prompt lookup
             (:mod:`shardline.runner.speculation`), up to k drafted tokens checked a step,
-            for a greedy sequence without a grammar or log-probabilities (any other
-            decodes a token a step); 0: none.
+            for a sequence without a grammar or log-probabilities (any other decodes a
+            token a step); 0: none; None: the instance's default (:meth:`drafts`).
     """
 
     temperature: float = 1.0
@@ -72,20 +72,23 @@ class SamplingParams:
     grammar: str | None = None
     prompt_logprobs: int | None = None
     resumed: int = 0
-    draft_tokens: int = 0
+    draft_tokens: int | None = None
 
     @property
     def greedy(self) -> bool:
         """The argmax is taken: temperature 0, top-k 1 or top-p 0 leave one token."""
         return self.temperature <= 0 or self.top_k == 1 or self.top_p <= 0
 
-    @property
-    def speculates(self) -> bool:
-        """It drafts tokens (``draft_tokens``), with no grammar and no log-probabilities
-        (every drafted row would need its own). Greedy or sampled: each drafted row is
-        sampled as decoding would sample it, one draw of the sequence's generator a token
-        taken (:meth:`~shardline.runner.engine.Engine._sample`)."""
-        return self.draft_tokens > 0 and self.grammar is None and self.logprobs is None
+    def drafts(self, default: int) -> int:
+        """Tokens it may draft a step (0: it does not speculate): ``draft_tokens``, or the
+        instance's ``default`` where the request named none; 0 with a grammar or
+        log-probabilities (every drafted row would need its own). Greedy or sampled: each
+        drafted row is sampled as decoding would sample it, one draw of the sequence's
+        generator a token taken (:meth:`~shardline.runner.engine.Engine._sample`), so the
+        text is the same with or without drafts."""
+        if self.grammar is not None or self.logprobs is not None:
+            return 0
+        return default if self.draft_tokens is None else self.draft_tokens
 
 
 @dataclass(frozen=True)

@@ -32,6 +32,20 @@ step of 3 rows costs about what one of 1 does (a 1.5B Q4_K_M model on 2 Zen 4 co
 33, 36 ms for 1, 2, 3 rows; 58 ms for 5), so a wrong guess costs little."""
 
 
+def default_drafts(moe: bool) -> int:
+    """Tokens a request that names no ``speculative.n_max`` may draft a step on an
+    instance of a mixture-of-experts model (``moe``) or a dense one:
+    :data:`MAX_DRAFT_TOKENS` for a dense model, where it was measured to win (SmolLM2 on
+    one node of a 2-vCPU VM, its calibrated 128- and 512-token prompts: decode 168 -> 223
+    and 163 -> 351 tokens/s alone, 115 -> 132 and 93 -> 117 four at a time; see
+    docs/performance.md), 0 for an MoE, whose drafted rows route to experts the step would
+    not otherwise read. A draft costs little where nothing repeats: none is made without an
+    earlier match of the last tokens, and a sequence drafts :data:`FIRST_DRAFT` tokens
+    until one is taken whole. A function of the model alone, so every rank of an instance
+    (whatever its device) drafts alike."""
+    return 0 if moe else MAX_DRAFT_TOKENS
+
+
 class NgramIndex:
     """Where each n-gram (``NGRAM_MIN`` to ``NGRAM_MAX`` tokens) of a growing token
     sequence last occurred, to look up its last tokens in O(``NGRAM_MAX``) per token.
