@@ -149,6 +149,18 @@ def test_speculation_beside_other_sequences_changes_no_text(blocks_of_32):
         assert len(alone[task.task_id]) == task.max_tokens
 
 
+def test_two_sequences_draft_side_by_side(blocks_of_32):
+    """Up to SPECULATE_MAX_BATCH sequences decoding, drafts ride beside another's row:
+    the same texts in fewer steps (more, and drafts wait: the test above)."""
+    prompts = (repeating_prompt(3), repeating_prompt(4))
+    plain, plain_steps = run(blocks_of_32, [Task(i, "n", p, 50, GREEDY) for i, p in enumerate(prompts)])
+    drafted, drafted_steps = run(
+        blocks_of_32, [Task(i, "n", p, 50, replace(GREEDY, draft_tokens=4)) for i, p in enumerate(prompts)]
+    )
+    assert drafted == plain
+    assert drafted_steps < plain_steps, (drafted_steps, plain_steps)
+
+
 @pytest.mark.slow
 @pytest.mark.timeout(240)
 @pytest.mark.parametrize("sharding", ["pipeline", "tensor"])

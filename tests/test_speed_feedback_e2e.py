@@ -40,6 +40,7 @@ def _chat(url: str, content: str, max_tokens: int) -> dict:
             "temperature": 0,
             "max_tokens": max_tokens,
             "ignore_eos": True,
+            "speculative.n_max": 0,  # the prediction is of plain decoding, a token a step
             "messages": [{"role": "user", "content": content}],
         },
     )

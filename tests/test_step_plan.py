@@ -181,6 +181,7 @@ def test_max_tokens_ends_a_draft_early():
         ([(1, 2, 3), (4, 5)], 2, 5, [(1, 2, 3), ()]),  # the oldest first
         ([(1, 2, 3), (4, 5)], 2, 4, [(1, 2), ()]),
         ([(1,), (2,)], 2, 2, [(), ()]),  # no room past one row each
+        ([(1, 2), (3,), (4,)], 3, 32, [(), (), ()]),  # more than SPECULATE_MAX_BATCH decode
     ],
 )
 def test_drafts_are_cut_to_the_decode_rows_a_step_may_have(drafts, decoding, rows, kept):

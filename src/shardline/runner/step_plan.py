@@ -235,11 +235,21 @@ def schedule(seqs: Sequence[SequenceState], limits: StepLimits) -> tuple[tuple[i
     return decode, chunks
 
 
+SPECULATE_MAX_BATCH = 2
+"""Most sequences decoding in a step for it to carry drafts (vLLM's
+``speculative_disable_by_batch_size``): a wider batch already fills the step's products,
+and a draft not taken is work the others wait for. SmolLM2 on a 3-node pipeline of a
+2-vCPU VM, four requests at once, drafts on: aggregate decode 302 -> 272 tokens/s (128-token
+prompts) and 177 -> 148 (512); alone 143 -> 145 and 131 -> 308 (docs/performance.md)."""
+
+
 def cap_drafts(seqs: Sequence[SequenceState], max_rows: int) -> tuple[SequenceState, ...]:
     """``seqs`` with their drafts cut, oldest sequence's first served, so that the step's
     decode rows (one per decoding sequence and one per drafted token) are at most
-    ``max_rows``: past that the decode step takes other kernels, whose bits differ."""
-    room = max_rows - sum(1 for s in seqs if s.decoding)
+    ``max_rows``: past that the decode step takes other kernels, whose bits differ. Where
+    more than :data:`SPECULATE_MAX_BATCH` sequences decode, none drafts."""
+    decoding = sum(1 for s in seqs if s.decoding)
+    room = max_rows - decoding if decoding <= SPECULATE_MAX_BATCH else 0
     out = []
     for s in seqs:
         take = max(0, min(len(s.draft), room))
