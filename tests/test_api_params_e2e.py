@@ -276,15 +276,17 @@ def test_sampling_extensions_are_checked(url):
 
 
 def test_speculative_decoding_is_the_same_greedy_text(url):
-    """llama.cpp's ``speculative.n_max``: drafts by prompt lookup, the same greedy text
-    and the same seeded sample; a value out of range is refused naming it."""
+    """llama.cpp's ``speculative.n_max``: drafts by prompt lookup (0: none; absent: the
+    dense model's default), the same greedy text and the same seeded sample; a value out
+    of range is refused naming it."""
     quote = "The quick brown fox jumps over the lazy dog near the river bank. " * 3
     body = {"messages": [{"role": "user", "content": f"Repeat exactly: {quote}"}], "max_tokens": 48}
-    plain = _chat(url, **body)["choices"][0]["message"]["content"]
+    plain = _chat(url, **body, **{"speculative.n_max": 0})["choices"][0]["message"]["content"]
     drafted = _chat(url, **body, **{"speculative.n_max": 8})["choices"][0]["message"]["content"]
-    assert drafted == plain and len(plain) > 40
+    default = _chat(url, **body)["choices"][0]["message"]["content"]
+    assert drafted == plain == default and len(plain) > 40
     seeded = body | {"temperature": 0.7, "seed": 7}
-    plain = _chat(url, **seeded)["choices"][0]["message"]["content"]
+    plain = _chat(url, **seeded, **{"speculative.n_max": 0})["choices"][0]["message"]["content"]
     drafted = _chat(url, **seeded, **{"speculative.n_max": 8})["choices"][0]["message"]["content"]
     assert drafted == plain and plain  # a seeded sample drafts too, the same text
     response = httpx.post(
