@@ -140,6 +140,8 @@ def test_metrics_give_each_ranks_prefix_cache_and_hit_rate():
                 "cached_bytes": 640 * 2304,
                 "prompt_tokens": 1000,
                 "reused_tokens": 576,
+                "drafted_tokens": 300,
+                "accepted_tokens": 210,
             }
         },
     )
@@ -151,5 +153,7 @@ def test_metrics_give_each_ranks_prefix_cache_and_hit_rate():
         'shardline_prefix_cache_bytes{instance="inst"} 1.47456e+06',
         'shardline_rank_prompt_tokens_total{instance="inst"} 1000.0',
         'shardline_rank_reused_prompt_tokens_total{instance="inst"} 576.0',
+        'shardline_rank_drafted_tokens_total{instance="inst"} 300.0',
+        'shardline_rank_accepted_draft_tokens_total{instance="inst"} 210.0',
     ):
         assert line in text, text

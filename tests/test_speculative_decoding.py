@@ -17,8 +17,8 @@ import torch
 
 from shardline.parallel.pipeline import PipelineStage
 from shardline.runner.engine import Engine
-from shardline.runner.protocol import SamplingParams, Task, TokenEvent, Tokens
-from shardline.runner.speculation import MAX_DRAFT_TOKENS, default_drafts
+from shardline.runner.protocol import EngineStats, SamplingParams, Task, TokenEvent, Tokens
+from shardline.runner.speculation import MAX_DRAFT_TOKENS, accepted, default_drafts
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -110,6 +110,36 @@ def test_a_request_that_names_no_draft_takes_the_instances_default(blocks_of_32)
 )
 def test_drafts_a_request_may_make(params, default, drafts):
     assert params.drafts(default) == drafts
+
+
+@pytest.mark.fast
+@pytest.mark.parametrize(
+    "draft,taken,n",
+    [
+        ((5, 6, 7), (5, 6, 9), 2),  # two matched, then the one sampled after them
+        ((5, 6, 7), (5, 6, 7, 8), 3),  # the whole draft, and one more
+        ((5, 6, 7), (4,), 0),
+        ((5, 6, 7), (5,), 1),  # finished on the first drafted token
+        ((), (4,), 0),
+    ],
+)
+def test_accepted_counts_the_drafted_tokens_taken(draft, taken, n):
+    assert accepted(draft, taken) == n
+
+
+def test_the_engine_counts_drafted_and_accepted_tokens(blocks_of_32):
+    sent: list = []
+    stage = PipelineStage(blocks_of_32, tm.new_cache(blocks_of_32, slots=4, context=1024), 0, 1)
+    engine = Engine(stage, queue.Queue(), sent.append, "n", None, 4, 1024, 64, 64, 4096, draft_tokens=8)
+    engine.inbox.put(Task(1, "n", repeating_prompt(1), 60, GREEDY))
+    for _ in range(200):
+        engine.step()
+        stats = [m for m in sent if isinstance(m, EngineStats)]
+        if stats and stats[-1].running == () and stats[-1].steps > 1:
+            break
+    last = stats[-1]
+    assert 0 < last.accepted_tokens <= last.drafted_tokens, last
+    assert (last.drafted_tokens, last.accepted_tokens) == (engine.drafted_tokens, engine.accepted_tokens)
 
 
 @pytest.mark.fast

@@ -118,6 +118,16 @@ class _ClusterCollector:
             "Of those, the tokens its prefix cache held (the hit rate: this / shardline_rank_prompt_tokens)",
             labels=["instance"],
         )
+        drafted = CounterMetricFamily(
+            "shardline_rank_drafted_tokens",
+            "Tokens this node's rank's speculative decoding drafted and checked",
+            labels=["instance"],
+        )
+        accepted = CounterMetricFamily(
+            "shardline_rank_accepted_draft_tokens",
+            "Of those, the tokens taken (the acceptance rate: this / shardline_rank_drafted_tokens)",
+            labels=["instance"],
+        )
         for instance_id, stats in node.engine_stats.items():
             running.add_metric([instance_id], len(stats.get("running", ())))
             waiting.add_metric([instance_id], len(stats.get("waiting", ())))
@@ -125,6 +135,8 @@ class _ClusterCollector:
             cached_bytes.add_metric([instance_id], stats.get("cached_bytes", 0))
             admitted.add_metric([instance_id], stats.get("prompt_tokens", 0))
             reused.add_metric([instance_id], stats.get("reused_tokens", 0))
+            drafted.add_metric([instance_id], stats.get("drafted_tokens", 0))
+            accepted.add_metric([instance_id], stats.get("accepted_tokens", 0))
         continuations = CounterMetricFamily(
             "shardline_continuations",
             "Requests whose instance failed after they gave tokens, streamed by "
@@ -133,7 +145,8 @@ class _ClusterCollector:
         )
         for outcome, count in node.router.continuations.items():
             continuations.add_metric([outcome], count)
-        yield from (live, instances, memory, running, waiting, cached, cached_bytes, admitted, reused, continuations)
+        yield from (live, instances, memory, running, waiting, cached, cached_bytes, admitted, reused)
+        yield from (drafted, accepted, continuations)
 
 
 def router(metrics: RequestMetrics) -> APIRouter:

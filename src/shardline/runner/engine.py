@@ -63,7 +63,7 @@ from shardline.runner.logprob_tables import logprob_table, logprob_width, prompt
 from shardline.runner.prefix_cache import Admission, CachedPrefix, Extension, Waiting, exact_end
 from shardline.runner.protocol import Cancel, EngineStats, PrefillProgress, Shutdown, Task, TokenEvent, Tokens
 from shardline.runner.sampling import MAX_TOP_LOGPROBS, Sampler
-from shardline.runner.speculation import Drafter
+from shardline.runner.speculation import Drafter, accepted
 from shardline.runner.step_plan import Chunk, SequenceState, StepLimits, StepPlan, cap_drafts, plan_step, prefill_plan
 from shardline.runner.threads import ThreadGovernor
 
@@ -298,6 +298,8 @@ class Engine:
         self._hashes: dict[int, list[int]] = {}  # waiting tasks' prompt block hashes
         self.prompt_tokens = 0  # prompt tokens of the tasks admitted so far
         self.reused_tokens = 0  # of those, the ones taken from cached prefixes
+        self.drafted_tokens = 0  # drafted tokens checked in a step (speculative decoding)
+        self.accepted_tokens = 0  # of those, the ones taken
 
     # -- inbox and agreement -------------------------------------------------------------
 
@@ -723,6 +725,8 @@ class Engine:
             seq.generated.extend(tokens)
             if seq.drafter is not None:
                 seq.drafter.took(len(drafts[index]), tokens)
+                self.drafted_tokens += len(drafts[index])
+                self.accepted_tokens += accepted(drafts[index], tokens)
             if seq.task.origin == self.node_id:
                 k = wanted[index]
                 logprob, top = (None, ()) if k is None or width is None else read_logprobs(rows[index], width, k)
@@ -800,6 +804,8 @@ class Engine:
             cached_bytes=sum(c.tokens for c in self.cached.values()) * self.stage.cache.bytes_per_token,
             prompt_tokens=self.prompt_tokens,
             reused_tokens=self.reused_tokens,
+            drafted_tokens=self.drafted_tokens,
+            accepted_tokens=self.accepted_tokens,
         )
         last = self._last_stats
         if last is None or (stats.running, stats.waiting, stats.held, stats.cached_tokens) != (

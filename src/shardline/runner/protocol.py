@@ -254,6 +254,8 @@ class EngineStats:
             (whole blocks; :mod:`shardline.runner.prefix_cache`).
         prompt_tokens, reused_tokens: prompt tokens of the tasks admitted so far, and of
             those the ones taken from cached prefixes (the hit rate).
+        drafted_tokens, accepted_tokens: tokens drafted by speculative decoding so far
+            and checked in a step, and of those the ones taken (the acceptance rate).
     """
 
     running: tuple[int, ...]
@@ -267,6 +269,8 @@ class EngineStats:
     cached_bytes: int = 0
     prompt_tokens: int = 0
     reused_tokens: int = 0
+    drafted_tokens: int = 0
+    accepted_tokens: int = 0
 
 
 @dataclass(frozen=True)

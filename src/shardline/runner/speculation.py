@@ -46,6 +46,16 @@ def default_drafts(moe: bool) -> int:
     return 0 if moe else MAX_DRAFT_TOKENS
 
 
+def accepted(draft: tuple[int, ...], taken: list[int] | tuple[int, ...]) -> int:
+    """How many of ``draft``'s tokens a step took: those ``taken`` (the drafted tokens it
+    matched, then the one after the last match, or fewer where the sequence finished)
+    begins with."""
+    n = 0
+    while n < min(len(draft), len(taken)) and taken[n] == draft[n]:
+        n += 1
+    return n
+
+
 class NgramIndex:
     """Where each n-gram (``NGRAM_MIN`` to ``NGRAM_MAX`` tokens) of a growing token
     sequence last occurred, to look up its last tokens in O(``NGRAM_MAX``) per token.
