@@ -96,11 +96,6 @@ typedef struct {
 #define CHUNK 128 /* keys scored at a time */
 #define SPLIT 512 /* keys a thread takes: a row's keys split in blocks by its length alone */
 
-static inline __m512 load16(const uint16_t *p) {
-    return _mm512_castsi512_ps(
-        _mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)p)), 16));
-}
-
 /* v rounded to bfloat16 (round to nearest even), back in float32. */
 static inline __m512 round16(__m512 v) {
     return _mm512_castsi512_ps(
@@ -129,13 +124,13 @@ static void rms_norm(const uint16_t *x, const uint16_t *w, int64_t n, float eps,
                      uint16_t *out) {
     __m512 acc = _mm512_setzero_ps();
     for (int64_t i = 0; i < n; i += 16) {
-        __m512 v = load16(x + i);
+        __m512 v = from_bf16_16(x + i);
         acc = _mm512_fmadd_ps(v, v, acc);
     }
     __m512 r = _mm512_set1_ps(1.0f / sqrtf(_mm512_reduce_add_ps(acc) / (float)n + eps));
     for (int64_t i = 0; i < n; i += 16) /* bf(w * bf(x * r)): vcvtneps2bf16 rounds as to_bf16 */
         _mm256_storeu_si256((__m256i *)(out + i), (__m256i)_mm512_cvtneps_pbh(_mm512_mul_ps(
-                                load16(w + i), round16(_mm512_mul_ps(load16(x + i), r)))));
+                                from_bf16_16(w + i), round16(_mm512_mul_ps(from_bf16_16(x + i), r)))));
 }
 
 static inline float sum8(__m256 v) {
@@ -203,7 +198,7 @@ static inline __attribute__((always_inline)) void attend_body(
         for (int64_t t = 0; t < n; t++) {
             const uint16_t *v = V + (t0 + t) * hd;
             __m512 vv[MAX_HD / 16];
-            for (int64_t d = 0; d < vecs; d++) vv[d] = load16(v + 16 * d);
+            for (int64_t d = 0; d < vecs; d++) vv[d] = from_bf16_16(v + 16 * d);
             for (int64_t g = 0; g < group; g++) {
                 __m512 p = _mm512_set1_ps(s[g][t]);
                 for (int64_t d = 0; d < vecs; d++) acc[g][d] = _mm512_fmadd_ps(p, vv[d], acc[g][d]);
@@ -285,8 +280,8 @@ static void norm_and_rope(const decode_shape_t *S, const decode_layer_t *Lr, uin
         int64_t d = 0;
         if (half % 16 == 0) /* 16 lanes never straddle the halves */
             for (; d < hd; d += 16) {
-                __m512 c = round16(_mm512_mul_ps(load16(a + d), load16(cos + d)));
-                __m512 r = round16(_mm512_mul_ps(load16(a + (d + half) % hd), load16(sin + d)));
+                __m512 c = round16(_mm512_mul_ps(from_bf16_16(a + d), from_bf16_16(cos + d)));
+                __m512 r = round16(_mm512_mul_ps(from_bf16_16(a + (d + half) % hd), from_bf16_16(sin + d)));
                 _mm256_storeu_si256((__m256i *)(x + d),
                                     (__m256i)_mm512_cvtneps_pbh(_mm512_add_ps(c, r)));
             }
@@ -338,7 +333,7 @@ static int product(const product_t *p, const uint16_t *x, int64_t M, uint16_t *y
 static inline void add_rows(uint16_t *x, const uint16_t *y, int64_t n) {
     for (int64_t i = 0; i < n; i += 16)
         _mm256_storeu_si256((__m256i *)(x + i), (__m256i)_mm512_cvtneps_pbh(
-                                _mm512_add_ps(load16(x + i), load16(y + i))));
+                                _mm512_add_ps(from_bf16_16(x + i), from_bf16_16(y + i))));
 }
 
 /* act [M, inter] = bf(bf(silu(g)) * u) of gu [M, 2 inter] (each row's g then u; first
@@ -355,8 +350,8 @@ static void swiglu(uint16_t *gu, int64_t M, int64_t inter, const uint16_t *bias,
         uint16_t *a = act + m * inter;
         if (limit > 0.0f) {
             for (int64_t i = 0; i < inter; i += 16) {
-                __m512 gv = _mm512_min_ps(load16(g + i), hi);
-                __m512 uv = _mm512_max_ps(_mm512_min_ps(load16(u + i), hi), lo);
+                __m512 gv = _mm512_min_ps(from_bf16_16(g + i), hi);
+                __m512 uv = _mm512_max_ps(_mm512_min_ps(from_bf16_16(u + i), hi), lo);
                 __m512 t = round16(_mm512_mul_ps(gv, _mm512_set1_ps(alpha)));
                 __m512 sig = round16(_mm512_div_ps(one, _mm512_add_ps(one, exp16(_mm512_sub_ps(_mm512_setzero_ps(), t)))));
                 __m512 glu = round16(_mm512_mul_ps(gv, sig));
@@ -366,11 +361,11 @@ static void swiglu(uint16_t *gu, int64_t M, int64_t inter, const uint16_t *bias,
             continue;
         }
         for (int64_t i = 0; i < inter; i += 16) {
-            __m512 gv = load16(g + i);
+            __m512 gv = from_bf16_16(g + i);
             __m512 e = exp16(_mm512_sub_ps(_mm512_setzero_ps(), gv));
             __m512 silu = _mm512_div_ps(gv, _mm512_add_ps(_mm512_set1_ps(1.0f), e));
             _mm256_storeu_si256((__m256i *)(a + i), (__m256i)_mm512_cvtneps_pbh(
-                                    _mm512_mul_ps(round16(silu), load16(u + i))));
+                                    _mm512_mul_ps(round16(silu), from_bf16_16(u + i))));
         }
     }
 }
@@ -496,7 +491,7 @@ static int experts(const decode_shape_t *S, const decode_layer_t *Lr, const uint
         __m512 w = _mm512_set1_ps(row_weight[j]);
         for (int64_t i = 0; i < H; i += 16)
             _mm512_storeu_ps(a + i, _mm512_add_ps(_mm512_loadu_ps(a + i),
-                                                  _mm512_mul_ps(load16(ys + j * H + i), w)));
+                                                  _mm512_mul_ps(from_bf16_16(ys + j * H + i), w)));
     }
     for (int64_t i = 0; i < M * H; i += 16)
         _mm256_storeu_si256((__m256i *)(y + i), (__m256i)_mm512_cvtneps_pbh(_mm512_loadu_ps(acc + i)));

@@ -39,6 +39,12 @@ static inline float from_bf16(uint16_t h) {
 #if defined(__AVX512F__) && defined(__AVX512BW__)
 #include <immintrin.h>
 
+/* from_bf16 of 16 bfloat16 values at p. */
+static inline __m512 from_bf16_16(const void *p) {
+    return _mm512_castsi512_ps(
+        _mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)p)), 16));
+}
+
 /* to_bf16 of 16 float32 lanes. */
 static inline __m256i bf16_16(__m512 v) {
     __m512i u = _mm512_castps_si512(v);
@@ -129,8 +135,7 @@ static inline void quantize_row(const void *x, int x_f32, int64_t K, int64_t gro
         for (int h = 0; h < 2; h++) {
             int64_t k = g * 32 + 16 * h;
             v[h] = x_f32 ? _mm512_loadu_ps((const float *)x + k)
-                         : _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(
-                               _mm256_loadu_si256((const __m256i *)((const uint16_t *)x + k))), 16));
+                         : from_bf16_16((const uint16_t *)x + k);
         }
         float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_and_ps(v[0], magnitude),
                                                          _mm512_and_ps(v[1], magnitude)));

@@ -335,8 +335,7 @@ static inline void chunk_quads(const uint8_t *l, const uint8_t *h, int hb, const
 /* Group g's 16 scales (or offsets) of a block ([groups, 16] from p) as float32. */
 static inline __m512 group16(const uint8_t *p, int64_t g, int bf16) {
     if (bf16)
-        return _mm512_castsi512_ps(_mm512_slli_epi32(
-            _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)(p + g * 32))), 16));
+        return from_bf16_16(p + g * 32);
     return _mm512_loadu_ps(p + g * 64);
 }
 

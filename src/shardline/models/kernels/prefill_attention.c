@@ -43,11 +43,6 @@ int prefill_attention_built(void) { return 1; }
 #define MAX_TILE 32
 #define MAX_HD 256
 
-static inline __m512 from16(const uint16_t *p) {
-    return _mm512_castsi512_ps(
-        _mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)p)), 16));
-}
-
 /* e^x for x <= 0 (clamped at -87), within ~3e-6 relative: x = n ln 2 + r, |r| <= ln 2 / 2,
  * e^r by its Taylor polynomial of degree 5 (error under r^6 / 720), 2^n added to the
  * exponent's bits (n rounded by the 1.5 x 2^23 shift). Weights are rounded to bfloat16
