@@ -607,9 +607,11 @@ async def run_conversation(
     """One chat of ``len(user_messages)`` turns, one after another: each turn sends the chat
     so far (``system`` first where given, every earlier user message and the server's
     answer to it) with the next user message, and the answer it streams (``gen_tokens``
-    tokens) joins the chat; then the same messages again with ``cache_prompt: false``
-    (:data:`UNCACHED_GEN_TOKENS` tokens), for the turn's TTFT without the cache; then, but
-    after the last turn, it waits ``think_s`` seconds. Summarised by
+    tokens) joins the chat; half ``think_s`` later the same messages go again with
+    ``cache_prompt: false`` (:data:`UNCACHED_GEN_TOKENS` tokens), for the turn's TTFT
+    without the cache, and the next turn follows half ``think_s`` after that. The first
+    half is the server's to finish what the turn left (shardline's cache extends over the
+    answer while idle), so the uncached prompt does not wait behind it. Summarised by
     :func:`summarize_conversation` (the wall time without the waits).
 
     Raises:
@@ -621,13 +623,16 @@ async def run_conversation(
     started = time.perf_counter()
     for turn, text in enumerate(user_messages):
         if turn and think_s:
-            await asyncio.sleep(think_s)
-            started += think_s
+            await asyncio.sleep(think_s / 2)
+            started += think_s / 2
         messages.append({"role": "user", "content": text})
         sent = time.perf_counter() - started
         result = await stream_request(client, url, model, list(messages), gen_tokens)
         result.start_s = sent
         results.append(result)
+        if think_s:
+            await asyncio.sleep(think_s / 2)
+            started += think_s / 2
         again = await stream_request(client, url, model, list(messages), UNCACHED_GEN_TOKENS, cache_prompt=False)
         again.start_s = result.start_s + result.end_s
         uncached.append(again)
