@@ -92,3 +92,67 @@ def test_a_slot_is_freed_when_its_holder_is_killed(tmp_path):
     finally:
         holder.kill()
         holder.wait(5)
+
+
+def test_spare_takes_every_free_slot_and_gives_them_all_back(tmp_path):
+    first, second = ComputeSlots(3, tmp_path), ComputeSlots(3, tmp_path)
+    with first.held(spare=True) as held:
+        assert held == 3
+        _, entered = _taking(second)
+        assert not entered.wait(0.2)  # every slot taken
+    assert entered.wait(5)
+    with first.held() as one, second.held(spare=True) as rest:
+        assert (one, rest) == (1, 2)  # a stage without spare takes one; the other the rest
+    first.close()
+    second.close()
+
+
+def test_a_prefill_micro_batch_computes_on_the_spare_slots_threads(tmp_path):
+    """A one-rank pipeline stage with two slots free: its prefill micro-batch runs at
+    twice the thread count, its decode micro-batch at the count (a tiny model; the shard's
+    ``forward`` records the count it ran at)."""
+    import tiny_models as tm
+    import torch
+
+    from shardline.models.shard_loader import load_shard
+    from shardline.models.weights import open_weights
+    from shardline.parallel.pipeline import PipelineStage
+
+    tm.save_hf(tm.hf_model("llama", num_layers=2, seed=3), tmp_path / "m")
+    shard = load_shard(open_weights(tmp_path / "m"), 0, 2, dtype=torch.float32)
+    counts: list[int] = []
+    shard.register_forward_pre_hook(lambda *_: counts.append(torch.get_num_threads()))
+    slots = ComputeSlots(2, tmp_path / "slots")
+    stage = PipelineStage(shard, tm.new_cache(shard, slots=1, context=64), 0, 1, slots=slots, spare_threads=True)
+    held = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        stage.run([(torch.arange(1, 9), stage.prefill_batch(0, 0, 8, True))])
+        stage.run([(torch.tensor([9]), stage.decode_batch([0], [8]))])
+        after = torch.get_num_threads()
+    finally:
+        torch.set_num_threads(held)
+        slots.close()
+    assert counts == [2, 1] and after == 1
+
+
+@pytest.mark.parametrize(
+    "rank, index, width, stages, alone",
+    [
+        (0, 0, 1, 1, True),  # one stage
+        (0, 0, 2, 3, True),  # the fill: rank 0's first
+        (1, 0, 2, 3, False),  # beside rank 0's second
+        (0, 1, 2, 3, False),
+        (2, 0, 2, 3, False),  # beside rank 1's second
+        (2, 1, 2, 3, True),  # the drain: the last rank's last
+        (1, 0, 1, 3, True),  # one micro-batch passes alone
+        (1, 1, 4, 3, False),
+        (0, 0, 4, 2, True),
+        (1, 3, 4, 2, True),
+        (1, 2, 4, 2, False),
+    ],
+)
+def test_a_micro_batch_computes_alone_in_the_fill_and_drain(rank, index, width, stages, alone):
+    from shardline.parallel.pipeline import computes_alone
+
+    assert computes_alone(rank, index, width, stages) is alone
