@@ -74,34 +74,26 @@ class ComputeSlots:
         return cls(slot_count(usable_cpus(), threads), slots_directory())
 
     @contextlib.contextmanager
-    def held(self, spare: bool = False) -> Iterator[int]:
+    def held(self) -> Iterator[None]:
         """Hold a free slot for the block, waiting for one when all are taken (the wait
-        has no timeout: holders only compute, and the kernel frees a dead one's); with
-        ``spare``, also every other slot free once it has one (cores no other stage
-        computes on now, which its block may use). Yields the slots held, at least 1."""
-        first = next((fd for fd in self._files if _take_free(fd)), None)
-        if first is None:
-            first = self._files[os.getpid() % self.count]
-            fcntl.flock(first, fcntl.LOCK_EX)
-        taken = [first]
-        if spare:
-            taken += [fd for fd in self._files if fd != first and _take_free(fd)]
+        has no timeout: holders only compute, and the kernel frees a dead one's)."""
+        taken = None
+        for fd in self._files:
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                continue
+            taken = fd
+            break
+        if taken is None:
+            taken = self._files[os.getpid() % self.count]
+            fcntl.flock(taken, fcntl.LOCK_EX)
         try:
-            yield len(taken)
+            yield
         finally:
-            for fd in taken:
-                fcntl.flock(fd, fcntl.LOCK_UN)
+            fcntl.flock(taken, fcntl.LOCK_UN)
 
     def close(self) -> None:
         for fd in self._files:
             os.close(fd)
         self._files = []
-
-
-def _take_free(fd: int) -> bool:
-    """Lock slot file ``fd`` if no one holds it; whether it did."""
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except BlockingIOError:
-        return False
-    return True

@@ -24,7 +24,7 @@ step ends, so no transfer outlives its step; cancellations only take effect betw
 from __future__ import annotations
 
 import contextlib
-from typing import Callable, Iterator
+from typing import Callable
 
 import torch
 import torch.distributed as dist
@@ -44,11 +44,6 @@ class PipelineStage(Stage):
     shard's device; the CPU where ranks on one GPU talk gloo, which NCCL refuses them).
     ``slots``: the machine's compute slots a CPU stage computes each micro-batch in
     (:mod:`shardline.parallel.compute_slots`; None: it computes whenever it can).
-    ``spare_threads``: a prefill micro-batch that no other stage computes beside
-    (:func:`computes_alone`) also takes the slots free when it starts and computes at its
-    thread count times the slots it holds; only where a micro-batch's bits do not depend
-    on the thread count (the runner sets it for a shard with the fused decode layers, as
-    for its thread governor, :mod:`shardline.runner.threads`).
     """
 
     def __init__(
@@ -60,13 +55,11 @@ class PipelineStage(Stage):
         progress: Progress | None = None,
         wire_device: torch.device | None = None,
         slots: ComputeSlots | None = None,
-        spare_threads: bool = False,
     ) -> None:
         super().__init__(shard, cache, rank, world_size, sampler=world_size - 1, progress=progress)
         self.wire_device = wire_device or shard.device
         self.stages = world_size
         self.slots = slots
-        self.spare_threads = spare_threads
 
     def run(
         self, microbatches: list[tuple[torch.Tensor, ForwardBatch]], computed: Callable[[int], None] | None = None
@@ -97,11 +90,9 @@ class PipelineStage(Stage):
                     f"waiting for a compute slot for micro-batch {tag} (cores shared "
                     "with the other runners of this machine)"
                 )
-            spare = self.spare_threads and batch.prefill and computes_alone(self.rank, tag, len(microbatches), self.stages)
-            with self.slots.held(spare) if self.slots is not None else contextlib.nullcontext(1) as held:
+            with self.slots.held() if self.slots is not None else contextlib.nullcontext():
                 progress.mark(f"computing micro-batch {tag}")
-                with _threads_times(held):
-                    out = shard(inputs, batch, self.cache)
+                out = shard(inputs, batch, self.cache)
             if computed is not None:
                 computed(tag)
             if self.samples:
@@ -116,28 +107,3 @@ class PipelineStage(Stage):
             work.wait()
         progress.mark("step done")
         return outputs
-
-
-def computes_alone(rank: int, index: int, width: int, stages: int) -> bool:
-    """Whether stage ``rank`` computes micro-batch ``index`` of a step of ``width`` while
-    no other stage computes, on the schedule's stage times (stage r computes micro-batch
-    i in stage time r + i): the pipeline's fill and drain, where a machine's cores that
-    its stages share sit idle (3 stages, 2 micro-batches: rank 0's first and rank 2's
-    last; every one of a 1-micro-batch step)."""
-    time = rank + index
-    busy = range(max(0, time - width + 1), min(stages - 1, time) + 1)  # ranks computing then
-    return len(busy) == 1
-
-
-@contextlib.contextmanager
-def _threads_times(factor: int) -> Iterator[None]:
-    """torch's thread count times ``factor`` for the block, then as it was."""
-    if factor == 1:
-        yield
-        return
-    count = torch.get_num_threads()
-    torch.set_num_threads(count * factor)
-    try:
-        yield
-    finally:
-        torch.set_num_threads(count)

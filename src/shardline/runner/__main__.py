@@ -152,16 +152,7 @@ def load_stage(spec: RunnerSpec, source, group, progress: Progress, dtype, devic
             slots = ComputeSlots.on_this_machine(threads)
         except OSError as exc:  # a temp dir it cannot write: computes whenever it can
             log.warning("no compute slots (%s): this stage computes beside the machine's others", exc)
-    return PipelineStage(
-        shard,
-        cache,
-        spec.rank,
-        spec.world_size,
-        progress,
-        wire_device=comm_device,
-        slots=slots,
-        spare_threads=shard.fused is not None,
-    )
+    return PipelineStage(shard, cache, spec.rank, spec.world_size, progress, wire_device=comm_device, slots=slots)
 
 
 def serve(conn, outbox: Outbox, started: float) -> None:
