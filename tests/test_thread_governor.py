@@ -87,9 +87,9 @@ def test_a_busy_core_lowers_prefill_too_and_a_free_one_raises_it_again():
     "times, prefill",
     [
         ({2: 0.010, 1: 0.0089}, 2),  # 11% faster: adopted for decode only
-        ({2: 0.010, 1: 0.0050}, 2),  # a node streaming beside it
-        ({2: 0.010, 1: 0.0025}, 1),  # a quarter of the time: a collapse
-        ({2: 0.010, 1: 0.0002}, 1),  # a core taken
+        ({2: 0.010, 1: 0.0051}, 2),
+        ({2: 0.010, 1: 0.0050}, 1),  # half the time: a collapse
+        ({2: 0.010, 1: 0.0010}, 1),
     ],
 )
 def test_prefill_follows_decode_down_only_on_a_collapse(times, prefill):

@@ -54,13 +54,10 @@ FASTER = 0.9
 KEPT = 8
 """Recent step times kept per thread count."""
 
-COLLAPSE = 0.25
+COLLAPSE = 0.5
 """A lower count adopted by a probe that took at most this share of the higher count's
-recent median is a collapse of the higher count (a core taken: SmolLM2's 2-thread decode
-step went from ~14 ms to ~1 s, 0.02 of it at one thread), not a shared machine's slices
-(a local cluster's node and bench client streaming 200 tokens/s beside it: 2-thread steps
-of 5 ms went to 10-17, one thread's 5-6, 0.3-0.5): steps with prefill rows then take the
-lower count too."""
+recent median is a collapse of the higher count (a core taken), not a shared machine's
+few percent: steps with prefill rows then take the lower count too."""
 
 
 @dataclass
