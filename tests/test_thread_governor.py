@@ -64,40 +64,6 @@ def test_a_batch_that_changes_every_few_steps_still_gets_its_probes():
     assert governor.threads == 2
 
 
-def test_a_shared_machine_lowers_decode_but_not_prefill():
-    """A one-row decode step 20% faster at one thread (the node and its clients take
-    slices of a core while tokens stream): decode adopts one thread, a prefill step keeps
-    both."""
-    governor = ThreadGovernor(2)
-    ran = run(governor, {2: 0.010, 1: 0.008}, PROBE_EVERY + 10)
-    assert governor.threads == 1 and ran[-1] == 1
-    assert governor.prefill == 2
-
-
-def test_a_busy_core_lowers_prefill_too_and_a_free_one_raises_it_again():
-    governor = ThreadGovernor(2)
-    run(governor, {2: 0.010, 1: 0.016}, 20)
-    run(governor, {2: 0.400, 1: 0.020}, 50)  # two threads collapse: 20x slower
-    assert governor.threads == 1 and governor.prefill == 1
-    run(governor, {2: 0.010, 1: 0.016}, PROBE_MOST + 10)
-    assert governor.threads == 2 and governor.prefill == 2
-
-
-@pytest.mark.parametrize(
-    "times, prefill",
-    [
-        ({2: 0.010, 1: 0.0089}, 2),  # 11% faster: adopted for decode only
-        ({2: 0.010, 1: 0.0051}, 2),
-        ({2: 0.010, 1: 0.0050}, 1),  # half the time: a collapse
-        ({2: 0.010, 1: 0.0010}, 1),
-    ],
-)
-def test_prefill_follows_decode_down_only_on_a_collapse(times, prefill):
-    governor = ThreadGovernor(2)
-    run(governor, times, PROBE_EVERY + 5)
-    assert governor.threads == 1 and governor.prefill == prefill
-
-
 @pytest.mark.parametrize("most", [0, 1])
 def test_one_thread_is_never_governed(most):
     governor = ThreadGovernor(most)
@@ -145,49 +111,3 @@ def test_prefill_and_decode_give_the_same_bits_at_one_and_two_threads(tmp_path):
         torch.set_num_threads(held)
     for a, b in zip(*results):
         assert torch.equal(a, b)
-
-
-def test_the_engine_runs_prefill_steps_at_the_prefill_count(tmp_path):
-    """An engine whose governor decodes at one thread and prefills at two: each step runs
-    at its count (a tiny model; the stage's ``run`` records the count it ran at)."""
-    import queue
-
-    import tiny_models as tm
-    import torch
-
-    from shardline.models.shard_loader import load_shard
-    from shardline.models.weights import open_weights
-    from shardline.parallel.pipeline import PipelineStage
-    from shardline.runner.engine import Engine
-    from shardline.runner.protocol import SamplingParams, Task, TokenEvent, Tokens
-
-    tm.save_hf(tm.hf_model("llama", num_layers=2, seed=3), tmp_path)
-    shard = load_shard(open_weights(tmp_path), 0, 2, dtype=torch.float32)
-    stage = PipelineStage(shard, tm.new_cache(shard, slots=2, context=256), 0, 1)
-    ran: list[tuple[bool, int]] = []
-    compute = stage.run
-
-    def recorded(micro, computed):
-        ran.append((any(batch.prefill for _, batch in micro), torch.get_num_threads()))
-        return compute(micro, computed)
-
-    stage.run = recorded  # type: ignore[method-assign]
-    sent: list = []
-    governor = ThreadGovernor(2, threads=1)
-    engine = Engine(stage, queue.Queue(), sent.append, "n", None, 2, 256, 32, 32, 512, threads=governor)
-    engine.inbox.put(Task(1, "n", tuple(range(1, 80)), 6, SamplingParams(temperature=0.0)))
-    held = torch.get_num_threads()
-    try:
-        for _ in range(50):
-            engine.step()
-            if any(
-                isinstance(e, TokenEvent) and e.finish_reason
-                for m in sent
-                if isinstance(m, Tokens)
-                for e in m.events
-            ):
-                break
-    finally:
-        torch.set_num_threads(held)
-    assert {count for prefill, count in ran if prefill} == {2}
-    assert {count for prefill, count in ran if not prefill} == {1}

@@ -635,13 +635,11 @@ class Engine:
         decoding: int,
         decode_only: bool,
     ) -> list[torch.Tensor | None]:
-        """Run the micro-batches at the thread governor's count (its decode count for a
-        decode-only step, else its prefill count); time a decode-only step (of
-        ``decoding`` rows) for it."""
+        """Run the micro-batches at the thread governor's count; time a decode-only step
+        (of ``decoding`` rows) for it."""
         threads = self.threads
-        count = None if threads is None else threads.threads if decode_only else threads.prefill
-        if count is not None and count != torch.get_num_threads():
-            torch.set_num_threads(count)
+        if threads is not None and threads.threads != torch.get_num_threads():
+            torch.set_num_threads(threads.threads)
         started = time.perf_counter()
         outputs = self.stage.run(micro, computed)
         assert len(outputs) == len(micro)  # one each (None off the sampling rank)

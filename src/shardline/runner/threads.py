@@ -11,16 +11,8 @@ thread count it runs, now and then times one step at another count (a probe), an
 the faster. Two steps that take far longer than the recent ones at their count probe at
 once.
 
-Only decode-only steps are timed (a prefill chunk's time is another figure). A step with
-prefill rows runs at :attr:`ThreadGovernor.prefill`: the configured count, lowered only
-where decode's lower count won by a collapse (:data:`COLLAPSE`), a core taken by another
-process, which stalls a prefill's parallel regions as it does decode's. A decode step can
-win at fewer threads on a machine that is merely shared: a local cluster's node and its
-clients take slices of a core while tokens stream, which a one-row step's many short
-regions feel and a prefill chunk, computed while nothing streams, does not (SmolLM2, one
-node of a 2-vCPU VM: decode adopted one thread while its conversation's turns streamed,
-and the next turn's 232 new rows, prefilled at that one thread, took 249 ms to their
-first token against 140-170 at two). The count does not change a sequence's tokens: the decode
+Only decode-only steps are timed (a prefill chunk's time is another figure); every step
+runs at the chosen count. The count does not change a sequence's tokens: the decode
 products (the fused decode layers, the compiled int4 and packed-group products, the LM
 head's) give each output the same bits whatever the thread count (each thread computes
 whole outputs), and so did the prefill of SmolLM2's Q4_1 and of a Q4_K_M mixture of
@@ -54,11 +46,6 @@ FASTER = 0.9
 KEPT = 8
 """Recent step times kept per thread count."""
 
-COLLAPSE = 0.5
-"""A lower count adopted by a probe that took at most this share of the higher count's
-recent median is a collapse of the higher count (a core taken), not a shared machine's
-few percent: steps with prefill rows then take the lower count too."""
-
 
 @dataclass
 class ThreadGovernor:
@@ -74,9 +61,6 @@ class ThreadGovernor:
         probing: the count the current probe left (None: no probe running).
         since_probe: decode steps since the last probe.
         interval: decode steps between probes now (see :data:`PROBE_EVERY`).
-        prefill: the count a step with prefill rows runs at: :attr:`most` at first, lowered
-            to a count decode adopted by a collapse (:data:`COLLAPSE`), raised to a count
-            decode adopted above it.
     """
 
     most: int
@@ -86,12 +70,10 @@ class ThreadGovernor:
     probing: int | None = None
     since_probe: int = 0
     interval: int = PROBE_EVERY
-    prefill: int = 0
 
     def __post_init__(self) -> None:
         self.most = max(1, self.most)
         self.threads = self.threads or self.most
-        self.prefill = self.prefill or self.most
 
     def timed(self, rows: int, seconds: float) -> int:
         """Record a decode step of ``rows`` rows that took ``seconds`` at
@@ -111,10 +93,6 @@ class ThreadGovernor:
             if before and seconds <= FASTER * statistics.median(before):
                 self.recent[left] = []  # the machine changed: those times no longer hold
                 self.interval = PROBE_EVERY
-                if ran > left:
-                    self.prefill = max(self.prefill, ran)
-                elif seconds <= COLLAPSE * statistics.median(before):
-                    self.prefill = min(self.prefill, ran)
                 return self.threads  # adopted
             self.threads, self.interval = left, min(2 * self.interval, PROBE_MOST)
             return self.threads
