@@ -111,3 +111,49 @@ def test_prefill_and_decode_give_the_same_bits_at_one_and_two_threads(tmp_path):
         torch.set_num_threads(held)
     for a, b in zip(*results):
         assert torch.equal(a, b)
+
+
+def test_the_governor_times_no_step_that_carried_drafts(tmp_path):
+    """A speculating sequence's steps have 1 to 16 rows more than it has sequences: the
+    engine times only its steps without drafts for the governor (a tiny model whose
+    greedy output repeats its prompt, drafted by prompt lookup)."""
+    import queue
+    import random
+    from dataclasses import replace
+
+    import tiny_models as tm
+    import torch
+
+    from shardline.models.shard_loader import load_shard
+    from shardline.models.weights import open_weights
+    from shardline.parallel.pipeline import PipelineStage
+    from shardline.runner.engine import Engine
+    from shardline.runner.protocol import SamplingParams, Task, TokenEvent, Tokens
+
+    tm.save_hf(tm.hf_model("llama", num_layers=2, seed=3), tmp_path)
+    shard = load_shard(open_weights(tmp_path), 0, 2, dtype=torch.float32)
+    rng = random.Random(1)
+    prompt = tuple(rng.randrange(tm.VOCAB) for _ in range(40)) * 3
+
+    def steps(drafts: int) -> tuple[int, int, int]:
+        """Tokens drafted, decode steps the engine timed and decode steps it ran (all
+        but the prompt's), for one task of 60 tokens."""
+        stage = PipelineStage(shard, tm.new_cache(shard, slots=2, context=512), 0, 1)
+        governor = ThreadGovernor(1)
+        timed: list[int] = []
+        governor.timed = lambda rows, seconds: timed.append(rows) or 1  # type: ignore[method-assign]
+        sent: list = []
+        engine = Engine(stage, queue.Queue(), sent.append, "n", None, 2, 512, 64, 64, 1024, threads=governor)
+        params = replace(SamplingParams(temperature=0.0), draft_tokens=drafts)
+        engine.inbox.put(Task(1, "n", prompt, 60, params))
+        for step in range(1, 200):
+            engine.step()
+            if any(
+                isinstance(e, TokenEvent) and e.finish_reason for m in sent if isinstance(m, Tokens) for e in m.events
+            ):
+                return engine.drafted_tokens, len(timed), step - 1
+        raise AssertionError("the task did not end")
+
+    assert steps(0) == (0, 59, 59)  # every decode step after the prefill's token
+    drafted, timed, ran = steps(8)
+    assert drafted > 0 and timed < ran
