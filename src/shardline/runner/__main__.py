@@ -307,8 +307,10 @@ def _engine(
     """The rank's :class:`~shardline.runner.engine.Engine` over its loaded ``stage``."""
     from shardline.runner.constraint import GrammarTokenizer
     from shardline.runner.engine import Engine
+    from shardline.runner.other_load import OtherLoad
     from shardline.runner.speculation import default_drafts
 
+    governor = decode_threads(spec.world_size, stage.shard, serving_threads)
     return Engine(
         stage,
         inbox,
@@ -326,7 +328,8 @@ def _engine(
         grammar_tokenizer=GrammarTokenizer(spec.model_path),
         prefix_cache=spec.prefix_cache,
         draft_tokens=default_drafts(stage.shard.config.is_moe),
-        threads=decode_threads(spec.world_size, stage.shard, serving_threads),
+        threads=governor,
+        other_load=None if governor is None else OtherLoad(),
     )
 
 

@@ -55,11 +55,13 @@ from shardline.models.decode_graphs import GRAPH_MAX_ROWS
 from shardline.models.kv_cache import whole_blocks
 from shardline.models.llama import ForwardBatch
 from shardline.models.weight_products import KERNEL_MAX_ROWS
+from shardline.parallel.compute_slots import usable_cpus
 from shardline.parallel.pipeline import PipelineStage
 from shardline.runner.agreement import Agreement, decide, encode_proposal, proposal_length, sampled_tokens
 from shardline.runner.block_hashes import block_hashes
 from shardline.runner.constraint import Constraint
 from shardline.runner.logprob_tables import logprob_table, logprob_width, prompt_logprob_table, read_logprobs
+from shardline.runner.other_load import OtherLoad, prefill_count
 from shardline.runner.prefix_cache import Admission, CachedPrefix, Extension, Waiting, exact_end
 from shardline.runner.protocol import Cancel, EngineStats, PrefillProgress, Shutdown, Task, TokenEvent, Tokens
 from shardline.runner.sampling import MAX_TOP_LOGPROBS, Sampler
@@ -236,6 +238,9 @@ class Engine:
         threads: sets the compute threads of every step from the measured times of the
             decode-only ones (:mod:`shardline.runner.threads`). None: torch's count
             throughout.
+        other_load: with ``threads``, the other processes' CPU use, which lets a step
+            with prefill rows take more threads than decode's
+            (:mod:`shardline.runner.other_load`). None: every step at the governed count.
     """
 
     def __init__(
@@ -259,9 +264,11 @@ class Engine:
         prefix_cache: bool = True,
         draft_tokens: int = 0,
         threads: ThreadGovernor | None = None,
+        other_load: OtherLoad | None = None,
     ) -> None:
         self.stage = stage
         self.threads = threads
+        self.other_load = other_load
         self.inbox = inbox
         self.send = send
         self.node_id = node_id
@@ -636,7 +643,9 @@ class Engine:
         decoding: int,
         timed: bool,
     ) -> list[torch.Tensor | None]:
-        """Run the micro-batches at the thread governor's count; with ``timed`` (a
+        """Run the micro-batches at the thread governor's count (a step with prefill rows
+        at up to the configured count, as far as the other processes leave CPUs free:
+        :func:`~shardline.runner.other_load.prefill_count`); with ``timed`` (a
         decode-only step without drafts: ``decoding`` rows), time the step for it. A step
         whose sequences drafted has as many rows more as they drafted, 1 to 16 a sequence,
         and takes up to 3x as long: timed under the sequences' count, such steps set off
@@ -644,8 +653,16 @@ class Engine:
         against the long ones' median (SmolLM2 under one busy core: two threads adopted
         again, decode at 17-28 tokens/s and a prompt's first token after 7.5 s)."""
         threads = self.threads
-        if threads is not None and threads.threads != torch.get_num_threads():
-            torch.set_num_threads(threads.threads)
+        count = None
+        if threads is not None:
+            count = threads.threads
+            if self.other_load is not None:
+                if any(batch.prefill for _, batch in micro):
+                    count = prefill_count(count, threads.most, usable_cpus(), self.other_load.cores())
+                else:
+                    self.other_load.sample()
+        if count is not None and count != torch.get_num_threads():
+            torch.set_num_threads(count)
         started = time.perf_counter()
         outputs = self.stage.run(micro, computed)
         assert len(outputs) == len(micro)  # one each (None off the sampling rank)

@@ -1,0 +1,101 @@
+"""How many of the machine's CPUs other processes kept busy lately: what a runner's prefill
+step may take beyond its decode steps' thread count (issue 47).
+
+A one-rank runner's decode steps run at the count its thread governor measured fastest
+(:mod:`shardline.runner.threads`). That count also drops where the machine is merely
+shared while tokens stream: a local cluster's node and its clients take slices of a core
+beside each decode step, and a one-row step's many short parallel regions feel them. A
+prompt's prefill comes while nothing streams; at the decode count it took a
+conversation's next turn 1.3-1.9x as long (SmolLM2, one node of a 2-vCPU VM: a 2,321-token
+prompt cold 1,413 ms at one thread, 1,087 at two). But a prefill's regions stall under a
+core really taken as decode's do (at two threads under one busy core: 3-11 s to a
+128-token prompt's first token, 0.1-0.2 s at one), and the governor's step times do not
+tell the two apart. The CPU time the machine spent outside this process does: a prefill
+step takes as many threads, up to the configured count, as the other processes left CPUs
+free since a reading at least :data:`WINDOW_S` old (:func:`prefill_count`), whatever
+decode's count.
+
+The reading is psutil's system CPU times (``/proc/stat`` on Linux: 10 ms ticks) against
+this process's own CPU time; steal counts as taken.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from collections.abc import Callable
+
+import psutil
+
+WINDOW_S = 0.1
+"""The shortest span a reading covers, seconds (ten of ``/proc/stat``'s ticks a CPU)."""
+
+KEPT_S = 2.0
+"""Samples older than this are dropped but the newest of them: a reading covers from
+:data:`WINDOW_S` to a little over this span (more after a longer step)."""
+
+EVERY_S = 0.02
+"""The least time between kept samples, seconds."""
+
+
+def busy_cpu_seconds() -> float:
+    """CPU seconds the machine has spent busy since boot, all CPUs together (psutil's
+    times but idle and I/O wait; guest time is in user time on Linux)."""
+    times = psutil.cpu_times()
+    idle = times.idle + getattr(times, "iowait", 0.0)
+    total = sum(value for name, value in times._asdict().items() if name not in ("guest", "guest_nice"))
+    return total - idle
+
+
+def prefill_count(governed: int, most: int, cpus: int, others: float | None) -> int:
+    """Threads of a step with prefill rows: the ``cpus`` the other processes' ``others``
+    busy cores leave free (rounded to the nearest), at least 1 and at most ``most`` (the
+    configured count); ``governed`` (the decode steps' count) where ``others`` is unknown
+    (None)."""
+    if others is None:
+        return governed
+    return max(1, min(most, int(cpus - others + 0.5)))
+
+
+class OtherLoad:
+    """Busy cores of the machine's other processes, read at each step.
+
+    ``busy`` and ``own``: the machine's busy CPU seconds and this process's CPU seconds
+    (:func:`busy_cpu_seconds`, ``time.process_time``); ``clock``: seconds, monotonic.
+    """
+
+    def __init__(
+        self,
+        busy: Callable[[], float] = busy_cpu_seconds,
+        own: Callable[[], float] = time.process_time,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.busy, self.own, self.clock = busy, own, clock
+        self.samples: deque[tuple[float, float, float]] = deque()
+
+    def sample(self) -> None:
+        """Keep a reading for later spans (at most one each :data:`EVERY_S`, so a decode
+        step pays a clock read, not psutil's)."""
+        now = self.clock()
+        if not self.samples or now - self.samples[-1][0] >= EVERY_S:
+            self._take(now)
+
+    def cores(self) -> float | None:
+        """The other processes' busy cores from the newest sample at least
+        :data:`WINDOW_S` old to now (None where there is none; never below 0)."""
+        now = self._take(self.clock())
+        base = None
+        for sample in self.samples:
+            if now[0] - sample[0] < WINDOW_S:
+                break
+            base = sample
+        if base is None:
+            return None
+        return max(0.0, ((now[1] - base[1]) - (now[2] - base[2])) / (now[0] - base[0]))
+
+    def _take(self, at: float) -> tuple[float, float, float]:
+        reading = (at, self.busy(), self.own())
+        while len(self.samples) >= 2 and at - self.samples[1][0] >= KEPT_S:
+            self.samples.popleft()  # the newest sample older than KEPT_S stays, a base
+        self.samples.append(reading)
+        return reading

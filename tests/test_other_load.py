@@ -1,0 +1,80 @@
+"""The other processes' busy cores and a prefill step's thread count
+(:mod:`shardline.runner.other_load`): readings in, cores and counts out."""
+
+import pytest
+
+from shardline.runner.other_load import KEPT_S, WINDOW_S, OtherLoad, busy_cpu_seconds, prefill_count
+
+pytestmark = pytest.mark.fast
+
+
+@pytest.mark.parametrize(
+    "governed, most, cpus, others, count",
+    [
+        (1, 2, 2, 0.1, 2),  # quiet but for the node: both, whatever decode's count
+        (1, 2, 2, 0.45, 2),
+        (2, 2, 2, 0.55, 1),  # more than half a core taken
+        (2, 2, 2, 1.0, 1),  # a busy core
+        (2, 2, 2, 2.0, 1),  # both busy: still one
+        (1, 2, 2, None, 1),  # not measured yet: decode's
+        (2, 2, 2, None, 2),
+        (4, 8, 16, 3.0, 8),  # the configured count at most
+        (2, 8, 8, 5.2, 3),
+    ],
+)
+def test_prefill_count(governed, most, cpus, others, count):
+    assert prefill_count(governed, most, cpus, others) == count
+
+
+class Machine:
+    """A clock, the machine's busy CPU seconds and this process's, moved by hand."""
+
+    def __init__(self) -> None:
+        self.now = self.busy = self.own = 0.0
+
+    def run(self, seconds: float, others: float, own: float) -> None:
+        """``seconds`` pass with ``others`` cores busy elsewhere and ``own`` here."""
+        self.now += seconds
+        self.busy += seconds * (others + own)
+        self.own += seconds * own
+
+    def load(self) -> OtherLoad:
+        return OtherLoad(busy=lambda: self.busy, own=lambda: self.own, clock=lambda: self.now)
+
+
+def test_a_reading_counts_only_the_other_processes_over_a_window():
+    machine = Machine()
+    load = machine.load()
+    assert load.cores() is None  # nothing to measure from
+    machine.run(WINDOW_S / 2, others=1.0, own=2.0)
+    assert load.cores() is None  # no sample old enough
+    machine.run(WINDOW_S, others=1.0, own=2.0)
+    assert load.cores() == pytest.approx(1.0)  # this process's own two cores left out
+
+
+def test_samples_taken_at_decode_steps_make_the_window_recent():
+    machine = Machine()
+    load = machine.load()
+    load.sample()
+    machine.run(1.0, others=1.0, own=1.0)  # a busy spell
+    for _ in range(20):  # then 0.3 s of decode steps, the machine quiet
+        load.sample()
+        machine.run(0.015, others=0.0, own=1.0)
+    assert load.cores() == pytest.approx(0.0, abs=1e-9)  # from a sample 0.1-0.12 s old
+
+
+def test_old_samples_go_but_the_newest_of_them_stays_a_base():
+    machine = Machine()
+    load = machine.load()
+    for _ in range(10):
+        load.sample()
+        machine.run(1.0, others=0.5, own=0.0)
+    assert len(load.samples) <= KEPT_S / 1.0 + 2
+    machine.run(5.0, others=0.5, own=1.0)  # a long step
+    assert load.cores() == pytest.approx(0.5)
+
+
+def test_this_machine_reads_busy_cpu_seconds():
+    first = busy_cpu_seconds()
+    sum(i * i for i in range(200_000))
+    assert busy_cpu_seconds() >= first > 0
