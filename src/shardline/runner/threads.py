@@ -11,8 +11,10 @@ thread count it runs, now and then times one step at another count (a probe), an
 the faster. Two steps that take far longer than the recent ones at their count probe at
 once.
 
-Only decode-only steps are timed (a prefill chunk's time is another figure); every step
-runs at the chosen count. The count does not change a sequence's tokens: the decode
+Only decode-only steps without drafts are timed (a prefill chunk's time is another
+figure, and a drafted step has up to 16 rows a sequence more); decode steps run at the
+chosen count, a step with prefill rows at the count the machine's free CPUs give
+(:mod:`shardline.runner.other_load`). The count does not change a sequence's tokens: the decode
 products (the fused decode layers, the compiled int4 and packed-group products, the LM
 head's) give each output the same bits whatever the thread count (each thread computes
 whole outputs), and so did the prefill of SmolLM2's Q4_1 and of a Q4_K_M mixture of
