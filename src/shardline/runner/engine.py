@@ -55,7 +55,6 @@ from shardline.models.decode_graphs import GRAPH_MAX_ROWS
 from shardline.models.kv_cache import whole_blocks
 from shardline.models.llama import ForwardBatch
 from shardline.models.weight_products import KERNEL_MAX_ROWS
-from shardline.parallel.compute_slots import usable_cpus
 from shardline.parallel.pipeline import PipelineStage
 from shardline.runner.agreement import Agreement, decide, encode_proposal, proposal_length, sampled_tokens
 from shardline.runner.block_hashes import block_hashes
@@ -658,7 +657,7 @@ class Engine:
             count = threads.threads
             if self.other_load is not None:
                 if any(batch.prefill for _, batch in micro):
-                    count = prefill_count(count, threads.most, usable_cpus(), self.other_load.cores())
+                    count = prefill_count(count, threads.most, self.other_load.cpus, self.other_load.cores())
                 else:
                     self.other_load.sample()
         if count is not None and count != torch.get_num_threads():

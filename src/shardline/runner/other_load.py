@@ -27,6 +27,8 @@ from collections.abc import Callable
 
 import psutil
 
+from shardline.parallel.compute_slots import usable_cpus
+
 WINDOW_S = 0.1
 """The shortest span a reading covers, seconds (ten of ``/proc/stat``'s ticks a CPU)."""
 
@@ -61,7 +63,8 @@ class OtherLoad:
     """Busy cores of the machine's other processes, read at each step.
 
     ``busy`` and ``own``: the machine's busy CPU seconds and this process's CPU seconds
-    (:func:`busy_cpu_seconds`, ``time.process_time``); ``clock``: seconds, monotonic.
+    (:func:`busy_cpu_seconds`, ``time.process_time``); ``clock``: seconds, monotonic;
+    ``cpus``: the CPUs this process may run on (read once, at start).
     """
 
     def __init__(
@@ -69,8 +72,10 @@ class OtherLoad:
         busy: Callable[[], float] = busy_cpu_seconds,
         own: Callable[[], float] = time.process_time,
         clock: Callable[[], float] = time.monotonic,
+        cpus: int | None = None,
     ) -> None:
         self.busy, self.own, self.clock = busy, own, clock
+        self.cpus = usable_cpus() if cpus is None else cpus
         self.samples: deque[tuple[float, float, float]] = deque()
 
     def sample(self) -> None:
