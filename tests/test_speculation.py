@@ -21,7 +21,9 @@ pytestmark = [pytest.mark.fast, pytest.mark.timeout(10)]
     ],
 )
 def test_a_draft_is_what_followed_the_last_tokens_before(tokens, k, draft):
-    assert NgramIndex(tokens).draft(k) == draft
+    drafter = Drafter(tokens, k=16)
+    drafter.length = k
+    assert drafter.draft(16) == draft
 
 
 def test_an_index_grown_token_by_token_drafts_as_one_built_at_once():
@@ -29,7 +31,7 @@ def test_an_index_grown_token_by_token_drafts_as_one_built_at_once():
     grown = NgramIndex(tokens[:3])
     for i in range(3, len(tokens)):
         grown.extend(tokens[i : i + 1])
-        assert grown.draft(3) == NgramIndex(tokens[: i + 1]).draft(3)
+        assert grown.find() == NgramIndex(tokens[: i + 1]).find()
 
 
 def test_a_drafter_drafts_more_while_its_drafts_are_taken_whole():
@@ -40,7 +42,53 @@ def test_a_drafter_drafts_more_while_its_drafts_are_taken_whole():
     drafter.took(4, [7, 8, 9, 1, 2])
     assert drafter.length == 8
     assert drafter.draft(3) == (3, 4, 5)  # no more than the room
-    drafter.took(8, [3, 9])  # the second differed: back to short drafts
+    drafter.took(3, [3, 9])  # the second differed: one more than it took, at least 2
     assert drafter.length == 2
     drafter.took(0, [9])  # a step without a draft changes nothing
     assert drafter.length == 2 and drafter.ngrams.tokens[-3:] == [3, 9, 9]
+
+
+def test_a_draft_taken_in_part_sets_the_next_length():
+    drafter = Drafter(tuple(range(1, 21)) + (1, 2, 3), k=16)
+    drafter.length = 8
+    assert drafter.draft(16) == (4, 5, 6, 7, 8, 9, 10, 11)
+    drafter.took(8, [4, 5, 6, 7, 8, 0])  # five of eight taken
+    assert drafter.length == 6
+
+
+def test_after_a_changed_token_the_draft_goes_on_from_its_source():
+    # the prompt's 1..12, then the output copies 1, 2, 3, 4, changes 5 into 50, copies on
+    drafter = Drafter(tuple(range(1, 13)) + (1, 2, 3), k=16)
+    assert drafter.draft(16) == (4, 5)
+    drafter.took(2, [4, 50])  # the 4 taken, the 5 changed: (3, 4, 50) occurred nowhere
+    assert drafter.ngrams.find() is None
+    assert drafter.draft(16) == (6, 7)  # the source goes on past the changed token
+    drafter.took(2, [6, 7, 8])
+    assert drafter.draft(16)[:2] == (9, 10)
+
+
+def test_a_followed_source_keeps_its_place_over_a_later_occurrence():
+    prompt = (10, 11, 12, 1, 2, 3, 4, 5, 20, 21, 12, 1, 2, 3, 6, 7, 30, 10, 11, 12)
+    drafter = Drafter(prompt, k=16)
+    assert drafter.draft(16) == (1, 2)  # after (10, 11, 12)
+    drafter.took(2, [1, 2, 3])
+    later = drafter.ngrams.find()  # (12, 1, 2, 3) last occurred before 6
+    assert later is not None and drafter.ngrams.tokens[later] == 6
+    assert drafter.draft(16) == (4, 5, 20, 21)  # the copy goes on where it was
+
+
+def test_a_followed_draft_missed_at_its_first_token_is_followed_once_more():
+    prompt = (10, 11, 12, 1, 2, 3, 4, 5, 20, 21, 22, 30, 10, 11, 12)
+    drafter = Drafter(prompt, k=16)
+    drafter.took(2, [1, 2, 3])
+    assert drafter.draft(16) == (4, 5, 20, 21)
+    drafter.took(4, [40])  # a changed token: the source goes on past it
+    assert drafter.draft(16) == (5, 20)
+    drafter.took(2, [41])  # missed again: no longer followed, and nothing to look up
+    assert drafter.draft(16) == ()
+
+
+def test_a_draft_not_taken_at_all_is_not_followed():
+    drafter = Drafter(tuple(range(1, 13)) + (1, 2, 3), k=16)
+    drafter.took(2, [40])  # its first token differed
+    assert drafter.ngrams.find() is None and drafter.draft(16) == ()
