@@ -3,7 +3,7 @@
 
 import pytest
 
-from shardline.runner.other_load import KEPT_S, WINDOW_S, OtherLoad, busy_cpu_seconds, prefill_count
+from shardline.runner.other_load import KEPT_S, WINDOW_S, OtherLoad, busy_cpu_seconds, free_count
 
 pytestmark = pytest.mark.fast
 
@@ -22,8 +22,8 @@ pytestmark = pytest.mark.fast
         (2, 8, 8, 5.2, 3),
     ],
 )
-def test_prefill_count(governed, most, cpus, others, count):
-    assert prefill_count(governed, most, cpus, others) == count
+def test_free_count(governed, most, cpus, others, count):
+    assert free_count(governed, most, cpus, others) == count
 
 
 class Machine:
@@ -45,7 +45,7 @@ class Machine:
 def test_a_reading_counts_only_the_other_processes_over_a_window():
     machine = Machine()
     load = machine.load()
-    assert load.cores() is None  # nothing to measure from
+    assert load.cores() is None  # the reading at start is not old enough
     machine.run(WINDOW_S / 2, others=1.0, own=2.0)
     assert load.cores() is None  # no sample old enough
     machine.run(WINDOW_S, others=1.0, own=2.0)

@@ -157,3 +157,64 @@ def test_the_governor_times_no_step_that_carried_drafts(tmp_path):
     assert steps(0) == (0, 59, 59)  # every decode step after the prefill's token
     drafted, timed, ran = steps(8)
     assert drafted > 0 and timed < ran
+
+
+def test_a_governor_without_times_takes_the_free_cpus_count_until_its_steps_say_otherwise():
+    governor = ThreadGovernor(2)
+    assert governor.unseeded
+    assert governor.seed(1) == 1 and not governor.unseeded  # one core taken elsewhere
+    ran = run(governor, {2: 0.400, 1: 0.020}, 300)
+    assert ran.count(2) == 1 and governor.threads == 1  # one probe of two, lost
+    assert ThreadGovernor(2).seed(5) == 2 and ThreadGovernor(2).seed(0) == 1
+
+
+def test_a_fresh_runner_decodes_at_the_count_the_free_cpus_give(tmp_path):
+    """The first decode steps of a runner whose machine has a core busy elsewhere run at
+    one thread, not at the configured two (a tiny model; the other processes' load
+    stubbed)."""
+    import queue
+
+    import tiny_models as tm
+    import torch
+
+    from shardline.models.shard_loader import load_shard
+    from shardline.models.weights import open_weights
+    from shardline.parallel.pipeline import PipelineStage
+    from shardline.runner.engine import Engine
+    from shardline.runner.protocol import SamplingParams, Task
+
+    class BusyCore:
+        cpus = 2
+
+        def cores(self) -> float:
+            return 1.0
+
+        def sample(self) -> None:
+            pass
+
+    tm.save_hf(tm.hf_model("llama", num_layers=2, seed=3), tmp_path)
+    shard = load_shard(open_weights(tmp_path), 0, 2, dtype=torch.float32)
+    stage = PipelineStage(shard, tm.new_cache(shard, slots=2, context=256), 0, 1)
+    governor = ThreadGovernor(2)
+    before = torch.get_num_threads()
+    try:
+        engine = Engine(
+            stage,
+            queue.Queue(),
+            lambda m: None,
+            "n",
+            None,
+            2,
+            256,
+            64,
+            64,
+            1024,
+            threads=governor,
+            other_load=BusyCore(),
+        )  # type: ignore[arg-type]
+        engine.inbox.put(Task(1, "n", (5, 6, 7, 8), 8, SamplingParams(temperature=0.0)))
+        engine.step()  # the prefill
+        engine.step()  # the first decode step
+        assert governor.seeded and governor.threads == 1 and torch.get_num_threads() == 1
+    finally:
+        torch.set_num_threads(before)

@@ -60,7 +60,7 @@ from shardline.runner.agreement import Agreement, decide, encode_proposal, propo
 from shardline.runner.block_hashes import block_hashes
 from shardline.runner.constraint import Constraint
 from shardline.runner.logprob_tables import logprob_table, logprob_width, prompt_logprob_table, read_logprobs
-from shardline.runner.other_load import OtherLoad, prefill_count
+from shardline.runner.other_load import OtherLoad, free_count
 from shardline.runner.prefix_cache import Admission, CachedPrefix, Extension, Waiting, exact_end
 from shardline.runner.protocol import Cancel, EngineStats, PrefillProgress, Shutdown, Task, TokenEvent, Tokens
 from shardline.runner.sampling import MAX_TOP_LOGPROBS, Sampler
@@ -515,6 +515,8 @@ class Engine:
     def step(self) -> None:
         """One lockstep iteration (see the module docstring)."""
         self.drain_inbox()
+        if self.other_load is not None:  # idle too (a step each idle wait): a recent base
+            self.other_load.sample()
         self.progress.begin("agreeing on tasks with the other ranks")
         if not self._agreed:
             self.apply_agreement(self.exchange([])[0])
@@ -655,11 +657,12 @@ class Engine:
         count = None
         if threads is not None:
             count = threads.threads
-            if self.other_load is not None:
+            load = self.other_load
+            if load is not None:
                 if any(batch.prefill for _, batch in micro):
-                    count = prefill_count(count, threads.most, self.other_load.cpus, self.other_load.cores())
-                else:
-                    self.other_load.sample()
+                    count = free_count(count, threads.most, load.cpus, load.cores())
+                elif threads.unseeded:  # no times to go by: start from the free CPUs
+                    count = threads.seed(free_count(count, threads.most, load.cpus, load.cores()))
         if count is not None and count != torch.get_num_threads():
             torch.set_num_threads(count)
         started = time.perf_counter()

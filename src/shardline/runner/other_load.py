@@ -12,8 +12,11 @@ core really taken as decode's do (at two threads under one busy core: 3-11 s to 
 128-token prompt's first token, 0.1-0.2 s at one), and the governor's step times do not
 tell the two apart. The CPU time the machine spent outside this process does: a prefill
 step takes as many threads, up to the configured count, as the other processes left CPUs
-free since a reading at least :data:`WINDOW_S` old (:func:`prefill_count`), whatever
-decode's count.
+free since a reading at least :data:`WINDOW_S` old (:func:`free_count`), whatever
+decode's count. Decode steps start at that count too, where the governor has no times
+to go by (a fresh runner, a batch of another size): a fresh runner's first request under
+one busy core decoded at 7-16 tokens/s at the configured two threads, its drafted steps
+untimed, before it started from the free CPUs.
 
 The reading is psutil's system CPU times (``/proc/stat`` on Linux: 10 ms ticks) against
 this process's own CPU time; steal counts as taken.
@@ -49,11 +52,11 @@ def busy_cpu_seconds() -> float:
     return total - idle
 
 
-def prefill_count(governed: int, most: int, cpus: int, others: float | None) -> int:
-    """Threads of a step with prefill rows: the ``cpus`` the other processes' ``others``
-    busy cores leave free (rounded to the nearest), at least 1 and at most ``most`` (the
-    configured count); ``governed`` (the decode steps' count) where ``others`` is unknown
-    (None)."""
+def free_count(governed: int, most: int, cpus: int, others: float | None) -> int:
+    """Threads the free CPUs give (a step with prefill rows; a decode step the governor
+    has no times for): the ``cpus`` the other processes' ``others`` busy cores leave free
+    (rounded to the nearest), at least 1 and at most ``most`` (the configured count);
+    ``governed`` (the decode steps' count) where ``others`` is unknown (None)."""
     if others is None:
         return governed
     return max(1, min(most, int(cpus - others + 0.5)))
@@ -64,7 +67,8 @@ class OtherLoad:
 
     ``busy`` and ``own``: the machine's busy CPU seconds and this process's CPU seconds
     (:func:`busy_cpu_seconds`, ``time.process_time``); ``clock``: seconds, monotonic;
-    ``cpus``: the CPUs this process may run on (read once, at start).
+    ``cpus``: the CPUs this process may run on (read once, at start). The first reading
+    is taken at start: the first step's span goes back to it.
     """
 
     def __init__(
@@ -77,6 +81,7 @@ class OtherLoad:
         self.busy, self.own, self.clock = busy, own, clock
         self.cpus = usable_cpus() if cpus is None else cpus
         self.samples: deque[tuple[float, float, float]] = deque()
+        self._take(self.clock())
 
     def sample(self) -> None:
         """Keep a reading for later spans (at most one each :data:`EVERY_S`, so a decode

@@ -14,7 +14,8 @@ once.
 Only decode-only steps without drafts are timed (a prefill chunk's time is another
 figure, and a drafted step has up to 16 rows a sequence more); decode steps run at the
 chosen count, a step with prefill rows at the count the machine's free CPUs give
-(:mod:`shardline.runner.other_load`). The count does not change a sequence's tokens: the decode
+(:mod:`shardline.runner.other_load`), and so do a fresh runner's first decode steps,
+until one is timed (:meth:`ThreadGovernor.seed`). The count does not change a sequence's tokens: the decode
 products (the fused decode layers, the compiled int4 and packed-group products, the LM
 head's) give each output the same bits whatever the thread count (each thread computes
 whole outputs), and so did the prefill of SmolLM2's Q4_1 and of a Q4_K_M mixture of
@@ -63,6 +64,7 @@ class ThreadGovernor:
         probing: the count the current probe left (None: no probe running).
         since_probe: decode steps since the last probe.
         interval: decode steps between probes now (see :data:`PROBE_EVERY`).
+        seeded: the count was once set from the free CPUs (:meth:`seed`).
     """
 
     most: int
@@ -72,6 +74,7 @@ class ThreadGovernor:
     probing: int | None = None
     since_probe: int = 0
     interval: int = PROBE_EVERY
+    seeded: bool = False
 
     def __post_init__(self) -> None:
         self.most = max(1, self.most)
@@ -107,6 +110,18 @@ class ThreadGovernor:
         if self.most > 1 and len(self.recent[ran]) >= 2 and (slow or self.since_probe >= self.interval):
             self.since_probe, self.probing = 0, ran
             self.threads = ran - 1 if (slow or ran == self.most) and ran > 1 else ran + 1
+        return self.threads
+
+    @property
+    def unseeded(self) -> bool:
+        """No step timed yet and no count set from the free CPUs (a fresh runner): the
+        next decode step may take :meth:`seed`'s."""
+        return not self.recent and self.probing is None and not self.seeded
+
+    def seed(self, count: int) -> int:
+        """Run at ``count`` (the free CPUs', :func:`~shardline.runner.other_load.free_count`),
+        1 to :attr:`most`, until the step times say otherwise; returns it."""
+        self.threads, self.seeded = max(1, min(self.most, count)), True
         return self.threads
 
     def _keep(self, threads: int, seconds: float) -> None:
