@@ -3,7 +3,7 @@ step times in, the count of each next step out."""
 
 import pytest
 
-from shardline.runner.threads import PROBE_EVERY, PROBE_MOST, ThreadGovernor
+from shardline.runner.threads import PROBE_EVERY, PROBE_MOST, TRIAL, ThreadGovernor
 
 pytestmark = pytest.mark.fast
 
@@ -68,6 +68,21 @@ def test_a_batch_that_changes_every_few_steps_still_gets_its_probes():
 def test_one_thread_is_never_governed(most):
     governor = ThreadGovernor(most)
     assert run(governor, {1: 0.5}, 300) == [1] * 300
+
+
+def test_a_probe_that_won_by_luck_goes_back_after_its_trial():
+    """Under a busy core, one probe step at two threads falls in a quiet slice (8 ms
+    against one thread's 20): adopted, then the next steps at two take 400 ms, and the
+    governor goes back to one once :data:`TRIAL` steps at two (the probe's among them)
+    are timed."""
+    governor = ThreadGovernor(2, threads=1)
+    run(governor, {1: 0.020}, PROBE_EVERY)  # the next step is a probe at 2
+    assert governor.threads == 2 and governor.probing == 1
+    governor.timed(1, 0.008)
+    assert governor.threads == 2 and governor.trial is not None
+    ran = run(governor, {2: 0.400, 1: 0.020}, 50)
+    assert ran[: TRIAL - 1] == [2] * (TRIAL - 1) and ran[TRIAL - 1 :] == [1] * (51 - TRIAL)
+    assert governor.interval == 2 * PROBE_EVERY
 
 
 def test_one_slow_step_is_a_hiccup_not_a_busy_core():

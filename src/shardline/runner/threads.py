@@ -49,6 +49,12 @@ FASTER = 0.9
 KEPT = 8
 """Recent step times kept per thread count."""
 
+TRIAL = 3
+"""Steps at an adopted probe's count (the probe's among them) whose median must beat the
+count it left, or it goes back: one step at two threads can fall in a slice where the
+busy core's other process is off it, and the slow-step rule has no history at the new
+count to judge by."""
+
 
 @dataclass
 class ThreadGovernor:
@@ -65,6 +71,8 @@ class ThreadGovernor:
         since_probe: decode steps since the last probe.
         interval: decode steps between probes now (see :data:`PROBE_EVERY`).
         seeded: the count was once set from the free CPUs (:meth:`seed`).
+        trial: after an adopted probe, the count it left and that count's median step
+            time, until :data:`TRIAL` steps at the new count judge it.
     """
 
     most: int
@@ -75,6 +83,7 @@ class ThreadGovernor:
     since_probe: int = 0
     interval: int = PROBE_EVERY
     seeded: bool = False
+    trial: tuple[int, float] | None = None
 
     def __post_init__(self) -> None:
         self.most = max(1, self.most)
@@ -86,7 +95,7 @@ class ThreadGovernor:
         if rows != self.rows:
             # The steps since the last probe still count: a batch that changes size often
             # must not hold off every probe.
-            self.rows, self.recent = rows, {}
+            self.rows, self.recent, self.trial = rows, {}, None
             if self.probing is not None:  # a probe of another batch size: back, unjudged
                 self.threads, self.probing = self.probing, None
                 return self.threads
@@ -97,13 +106,22 @@ class ThreadGovernor:
             self._keep(ran, seconds)
             if before and seconds <= FASTER * statistics.median(before):
                 self.recent[left] = []  # the machine changed: those times no longer hold
+                self.recent[ran] = [seconds]  # nor do the earlier ones at this count
+                self.trial = (left, statistics.median(before))
                 self.interval = PROBE_EVERY
-                return self.threads  # adopted
+                return self.threads  # adopted, on trial
             self.threads, self.interval = left, min(2 * self.interval, PROBE_MOST)
             return self.threads
         self._keep(ran, seconds)
         self.since_probe += 1
         times = self.recent[ran]
+        if self.trial is not None and len(times) >= TRIAL:
+            left, median = self.trial
+            self.trial = None
+            if statistics.median(times[-TRIAL:]) > median:  # a lucky probe: back
+                self.recent[ran] = []
+                self.threads, self.interval = left, min(2 * self.interval, PROBE_MOST)
+                return self.threads
         slow = len(times) >= 6 and min(times[-2:]) > SLOW * statistics.median(times[:-2])
         if slow:  # two in a row (one is a hiccup: a collection, a page fault): the machine changed
             self.recent[ran] = times[-2:]
