@@ -2,7 +2,7 @@
 
 import pytest
 
-from shardline.runner.speculation import AFTER_PART, Drafter, NgramIndex
+from shardline.runner.speculation import Drafter, NgramIndex
 
 pytestmark = [pytest.mark.fast, pytest.mark.timeout(10)]
 
@@ -42,23 +42,10 @@ def test_a_drafter_drafts_more_while_its_drafts_are_taken_whole():
     drafter.took(4, [7, 8, 9, 1, 2])
     assert drafter.length == 8
     assert drafter.draft(3) == (3, 4, 5)  # no more than the room
-    drafter.took(3, [3, 9])  # the second differed: one more than it took, at least 2
+    drafter.took(3, [3, 9])  # the second differed: back to short drafts
     assert drafter.length == 2
     drafter.took(0, [9])  # a step without a draft changes nothing
     assert drafter.length == 2 and drafter.ngrams.tokens[-3:] == [3, 9, 9]
-
-
-def test_a_draft_taken_in_part_sets_the_next_length():
-    drafter = Drafter(tuple(range(1, 21)) + (1, 2, 3), k=16)
-    drafter.length = 8
-    assert drafter.draft(16) == (4, 5, 6, 7, 8, 9, 10, 11)
-    drafter.took(8, [4, 5, 6, 7, 8, 0])  # five of eight taken: one more
-    assert drafter.length == 6
-    drafter.length = 16
-    drafter.took(16, list(drafter.draft(16)[:12]) + [0])  # twelve taken: at most AFTER_PART
-    assert drafter.length == AFTER_PART == 8
-    drafter.took(8, [0, 9])  # none taken: 2
-    assert drafter.length == 2
 
 
 def test_after_a_changed_token_the_draft_goes_on_from_its_source():

@@ -13,10 +13,9 @@ core really taken as decode's do (at two threads under one busy core: 3-11 s to 
 tell the two apart. The CPU time the machine spent outside this process does: a prefill
 step takes as many threads, up to the configured count, as the other processes left CPUs
 free since a reading at least :data:`WINDOW_S` old (:func:`free_count`), whatever
-decode's count. Decode steps start at that count too, where the governor has no times
-to go by (a fresh runner, a batch of another size): a fresh runner's first request under
-one busy core decoded at 7-16 tokens/s at the configured two threads, its drafted steps
-untimed, before it started from the free CPUs.
+decode's count. A fresh runner's decode steps start at that count too, until the
+governor has a time to go by: its first requests under one busy core decoded at 7-16
+tokens/s at the configured two threads (their drafted steps are not timed), 140-330 since.
 
 The reading is psutil's system CPU times (``/proc/stat`` on Linux: 10 ms ticks) against
 this process's own CPU time; steal counts as taken.

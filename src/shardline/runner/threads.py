@@ -15,13 +15,14 @@ Only decode-only steps without drafts are timed (a prefill chunk's time is anoth
 figure, and a drafted step has up to 16 rows a sequence more); decode steps run at the
 chosen count, a step with prefill rows at the count the machine's free CPUs give
 (:mod:`shardline.runner.other_load`), and so do a fresh runner's first decode steps,
-until one is timed (:meth:`ThreadGovernor.seed`). The count does not change a sequence's tokens: the decode
-products (the fused decode layers, the compiled int4 and packed-group products, the LM
-head's) give each output the same bits whatever the thread count (each thread computes
-whole outputs), and so did the prefill of SmolLM2's Q4_1 and of a Q4_K_M mixture of
-experts on a Zen 4 CPU, checked at 1 and 2 threads (tests/test_thread_governor.py checks
-a tiny model's prefill and decode at both counts, so a CPU where the GEMMs sum otherwise
-is caught). Under one busy core of a 2-vCPU VM a SmolLM2 runner decoded 110-120 tokens/s
+until one is timed (:meth:`ThreadGovernor.seed`); a probe adopted is on trial for
+:data:`TRIAL` steps. The count does not change a sequence's tokens: the decode products
+(the fused decode layers, the compiled int4 and packed-group products, the LM head's)
+give each output the same bits whatever the thread count (each thread computes whole
+outputs), and so did the prefill of SmolLM2's Q4_1 and of a Q4_K_M mixture of experts on
+a Zen 4 CPU, checked at 1 and 2 threads (tests/test_thread_governor.py checks a tiny
+model's prefill and decode at both counts, so a CPU where the GEMMs sum otherwise is
+caught). Under one busy core of a 2-vCPU VM a SmolLM2 runner decoded 110-120 tokens/s
 with it against 1-4 without (2026-12-06, ``shardline bench --busy 1``).
 """
 
