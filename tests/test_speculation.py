@@ -37,12 +37,12 @@ def test_an_index_grown_token_by_token_drafts_as_one_built_at_once():
 def test_a_drafter_drafts_more_while_its_drafts_are_taken_whole():
     drafter = Drafter((1, 2, 3, 4, 5, 6, 7, 8, 9, 1, 2, 3), k=8)
     assert drafter.draft(10) == (4, 5)  # the first draft is short
-    drafter.took(2, [4, 5, 6])  # taken whole, and one more
+    assert drafter.took(2, [4, 5, 6]) == 2  # taken whole, and one more
     assert drafter.length == 4 and drafter.draft(10) == (7, 8, 9, 1)
     drafter.took(4, [7, 8, 9, 1, 2])
     assert drafter.length == 8
     assert drafter.draft(3) == (3, 4, 5)  # no more than the room
-    drafter.took(3, [3, 9])  # the second differed: back to short drafts
+    assert drafter.took(3, [3, 9]) == 1  # the second differed: back to short drafts
     assert drafter.length == 2
     drafter.took(0, [9])  # a step without a draft changes nothing
     assert drafter.length == 2 and drafter.ngrams.tokens[-3:] == [3, 9, 9]

@@ -64,7 +64,7 @@ from shardline.runner.other_load import OtherLoad, free_count
 from shardline.runner.prefix_cache import Admission, CachedPrefix, Extension, Waiting, exact_end
 from shardline.runner.protocol import Cancel, EngineStats, PrefillProgress, Shutdown, Task, TokenEvent, Tokens
 from shardline.runner.sampling import MAX_TOP_LOGPROBS, Sampler
-from shardline.runner.speculation import Drafter, accepted
+from shardline.runner.speculation import Drafter
 from shardline.runner.step_plan import Chunk, SequenceState, StepLimits, StepPlan, cap_drafts, plan_step, prefill_plan
 from shardline.runner.threads import ThreadGovernor
 
@@ -749,9 +749,8 @@ class Engine:
         for index, (seq, (tokens, finish)) in enumerate(zip(seqs, plan.outcomes(ids))):
             seq.generated.extend(tokens)
             if seq.drafter is not None:
-                seq.drafter.took(len(drafts[index]), tokens)
                 self.drafted_tokens += len(drafts[index])
-                self.accepted_tokens += accepted(drafts[index], tokens)
+                self.accepted_tokens += seq.drafter.took(len(drafts[index]), tokens)
             if seq.task.origin == self.node_id:
                 k = wanted[index]
                 logprob, top = (None, ()) if k is None or width is None else read_logprobs(rows[index], width, k)

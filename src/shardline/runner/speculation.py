@@ -127,10 +127,10 @@ class Drafter:
         start, n = self._source(), min(self.length, room)
         return () if start is None or n < 1 else tuple(self.ngrams.tokens[start : start + n])
 
-    def took(self, drafted: int, tokens: list[int] | tuple[int, ...]) -> None:
+    def took(self, drafted: int, tokens: list[int] | tuple[int, ...]) -> int:
         """A step checked a draft of ``drafted`` tokens (:meth:`draft`'s, before this
         call) and the sequence took ``tokens`` (those of the draft it matched, then one
-        more, or fewer where it finished)."""
+        more, or fewer where it finished); returns how many of the draft it took."""
         start = self._source()
         taken = 0 if start is None else accepted(tuple(self.ngrams.tokens[start : start + drafted]), tokens)
         self.ngrams.extend(tokens)
@@ -140,3 +140,4 @@ class Drafter:
         if drafted:
             whole = len(tokens) > drafted
             self.length = min(self.k, self.length * 2) if whole else min(FIRST_DRAFT, self.k)
+        return taken
