@@ -139,6 +139,24 @@ static inline float sum8(__m256 v) {
     return _mm_cvtss_f32(_mm_add_ss(a, _mm_movehdup_ps(a)));
 }
 
+/* sum8 of each of d[0..7], in key order, each summed in sum8's order (lanes i and i + 4,
+ * then i and i + 2, then 0 and 1: the same additions, the same bits), with the
+ * transposes of an 8 x 8 reduction: ~2.6 operations a key where sum8 takes ~6. With it
+ * attend_body's scores take 8 keys a head at once: one call over 1,800 keys (a 2-vCPU
+ * AMD EPYC VM, one thread, 2026-12-07) 8.6 -> 5.4 us for 64 x 3, 28.6 -> 20.7 us for
+ * 128 x 6; SmolLM2's decode step at 1,800 positions 13.65 -> 12.67 ms for 9 rows (one
+ * sequence's 8 drafted tokens), 4.79 -> 4.73 ms for one; the same logits. */
+static inline __m256 sum8x8(const __m256 d[8]) {
+    __m256 p[4];
+    for (int i = 0; i < 4; i++) /* [lanes i + i+4 of d[2i] | of d[2i+1]] */
+        p[i] = _mm256_add_ps(_mm256_permute2f128_ps(d[2 * i], d[2 * i + 1], 0x20),
+                             _mm256_permute2f128_ps(d[2 * i], d[2 * i + 1], 0x31));
+    __m256 q0 = _mm256_add_ps(_mm256_shuffle_ps(p[0], p[1], 0x44), _mm256_shuffle_ps(p[0], p[1], 0xEE));
+    __m256 q1 = _mm256_add_ps(_mm256_shuffle_ps(p[2], p[3], 0x44), _mm256_shuffle_ps(p[2], p[3], 0xEE));
+    __m256 r = _mm256_add_ps(_mm256_shuffle_ps(q0, q1, 0x88), _mm256_shuffle_ps(q0, q1, 0xDD));
+    return _mm256_permutevar8x32_ps(r, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7)); /* keys 0, 2, 4, 6 | 1, 3, 5, 7 -> 0..7 */
+}
+
 /* The query heads of one KV head (group of them, q16: group x hd bfloat16) of one row
  * over L keys (K, V: hd bfloat16 a key), each key and value read once for the group:
  * per head g, part[g] = (m, l, a[hd]) with m the largest score q[g] k * scale, l the sum
@@ -164,7 +182,26 @@ static inline __attribute__((always_inline)) void attend_body(
         int64_t n = L - t0 < CHUNK ? L - t0 : CHUNK;
         float top[MAX_GROUP];
         for (int64_t g = 0; g < group; g++) top[g] = -INFINITY;
-        for (int64_t t = 0; t < n; t++) {
+        int64_t t = 0;
+        for (; t + 8 <= n; t += 8) { /* 8 keys a head at once, each as the loop below scores it */
+            const uint16_t *k = K + (t0 + t) * hd;
+            for (int64_t g = 0; g < group; g++) {
+                __m256 dot[8];
+                for (int j = 0; j < 8; j++) {
+                    dot[j] = _mm256_setzero_ps();
+                    for (int64_t d = 0; d < vecs; d++)
+                        dot[j] = _mm256_dpbf16_ps(
+                            dot[j], q[g][d], (__m256bh)_mm256_loadu_si256((const __m256i *)(k + j * hd + 16 * d)));
+                }
+                __m256 v = _mm256_mul_ps(sum8x8(dot), _mm256_set1_ps(scale));
+                _mm256_store_ps(s[g] + t, v);
+                __m128 m = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+                m = _mm_max_ps(m, _mm_movehl_ps(m, m));
+                float most = _mm_cvtss_f32(_mm_max_ss(m, _mm_movehdup_ps(m)));
+                top[g] = most > top[g] ? most : top[g];
+            }
+        }
+        for (; t < n; t++) {
             const uint16_t *k = K + (t0 + t) * hd;
             __m256bh kv[MAX_HD / 16];
             for (int64_t d = 0; d < vecs; d++)
