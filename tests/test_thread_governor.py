@@ -233,3 +233,49 @@ def test_a_fresh_runner_decodes_at_the_count_the_free_cpus_give(tmp_path):
         assert governor.seeded and governor.threads == 1 and torch.get_num_threads() == 1
     finally:
         torch.set_num_threads(before)
+
+
+def test_a_fresh_runner_without_a_reading_yet_keeps_its_count_and_seeds_later(tmp_path):
+    """A decode step before the free-CPU reading spans 0.1 s runs at the configured
+    count and leaves the governor unseeded, so a later step seeds it."""
+    import queue
+
+    import tiny_models as tm
+    import torch
+
+    from shardline.models.shard_loader import load_shard
+    from shardline.models.weights import open_weights
+    from shardline.parallel.pipeline import PipelineStage
+    from shardline.runner.engine import Engine
+    from shardline.runner.protocol import SamplingParams, Task
+
+    class NoReadingYet:
+        cpus = 2
+        reading: float | None = None
+
+        def cores(self) -> float | None:
+            return self.reading
+
+        def sample(self) -> None:
+            pass
+
+    tm.save_hf(tm.hf_model("llama", num_layers=2, seed=3), tmp_path)
+    shard = load_shard(open_weights(tmp_path), 0, 2, dtype=torch.float32)
+    stage = PipelineStage(shard, tm.new_cache(shard, slots=2, context=256), 0, 1)
+    governor = ThreadGovernor(2)
+    governor.timed = lambda rows, seconds: governor.threads  # type: ignore[method-assign]
+    load = NoReadingYet()
+    before = torch.get_num_threads()
+    try:
+        engine = Engine(
+            stage, queue.Queue(), lambda m: None, "n", None, 2, 256, 64, 64, 1024, threads=governor, other_load=load
+        )  # type: ignore[arg-type]
+        engine.inbox.put(Task(1, "n", (5, 6, 7, 8), 8, SamplingParams(temperature=0.0)))
+        engine.step()  # the prefill
+        engine.step()  # a decode step: no reading yet
+        assert governor.unseeded and governor.threads == 2
+        load.reading = 1.0
+        engine.step()
+        assert governor.seeded and governor.threads == 1
+    finally:
+        torch.set_num_threads(before)

@@ -661,8 +661,8 @@ class Engine:
             if load is not None:
                 if any(batch.prefill for _, batch in micro):
                     count = free_count(count, threads.most, load.cpus, load.cores())
-                elif threads.unseeded:  # no times to go by: start from the free CPUs
-                    count = threads.seed(free_count(count, threads.most, load.cpus, load.cores()))
+                elif threads.unseeded and (others := load.cores()) is not None:  # no times yet
+                    count = threads.seed(free_count(count, threads.most, load.cpus, others))
         if count is not None and count != torch.get_num_threads():
             torch.set_num_threads(count)
         started = time.perf_counter()
