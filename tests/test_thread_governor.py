@@ -183,10 +183,26 @@ def test_a_governor_without_times_takes_the_free_cpus_count_until_its_steps_say_
     assert ThreadGovernor(2).seed(5) == 2 and ThreadGovernor(2).seed(0) == 1
 
 
-def test_a_fresh_runner_decodes_at_the_count_the_free_cpus_give(tmp_path):
-    """The first decode steps of a runner whose machine has a core busy elsewhere run at
-    one thread, not at the configured two (a tiny model; the other processes' load
-    stubbed)."""
+class Reading:
+    """The other processes' load as the engine reads it (``OtherLoad``'s part it uses):
+    ``others`` busy cores of 2, None while no reading spans 0.1 s."""
+
+    cpus = 2
+
+    def __init__(self, others: float | None) -> None:
+        self.others = others
+
+    def cores(self) -> float | None:
+        return self.others
+
+    def sample(self) -> None:
+        pass
+
+
+@pytest.fixture
+def fresh_engine(tmp_path):
+    """A function that gives a tiny model's engine with a fresh governor of two threads
+    and ``load`` for its readings, one task queued (torch's thread count restored after)."""
     import queue
 
     import tiny_models as tm
@@ -198,84 +214,44 @@ def test_a_fresh_runner_decodes_at_the_count_the_free_cpus_give(tmp_path):
     from shardline.runner.engine import Engine
     from shardline.runner.protocol import SamplingParams, Task
 
-    class BusyCore:
-        cpus = 2
-
-        def cores(self) -> float:
-            return 1.0
-
-        def sample(self) -> None:
-            pass
-
     tm.save_hf(tm.hf_model("llama", num_layers=2, seed=3), tmp_path)
     shard = load_shard(open_weights(tmp_path), 0, 2, dtype=torch.float32)
-    stage = PipelineStage(shard, tm.new_cache(shard, slots=2, context=256), 0, 1)
-    governor = ThreadGovernor(2)
-    before = torch.get_num_threads()
-    try:
-        engine = Engine(
-            stage,
-            queue.Queue(),
-            lambda m: None,
-            "n",
-            None,
-            2,
-            256,
-            64,
-            64,
-            1024,
-            threads=governor,
-            other_load=BusyCore(),
-        )  # type: ignore[arg-type]
-        engine.inbox.put(Task(1, "n", (5, 6, 7, 8), 8, SamplingParams(temperature=0.0)))
-        engine.step()  # the prefill
-        engine.step()  # the first decode step
-        assert governor.seeded and governor.threads == 1 and torch.get_num_threads() == 1
-    finally:
-        torch.set_num_threads(before)
 
-
-def test_a_fresh_runner_without_a_reading_yet_keeps_its_count_and_seeds_later(tmp_path):
-    """A decode step before the free-CPU reading spans 0.1 s runs at the configured
-    count and leaves the governor unseeded, so a later step seeds it."""
-    import queue
-
-    import tiny_models as tm
-    import torch
-
-    from shardline.models.shard_loader import load_shard
-    from shardline.models.weights import open_weights
-    from shardline.parallel.pipeline import PipelineStage
-    from shardline.runner.engine import Engine
-    from shardline.runner.protocol import SamplingParams, Task
-
-    class NoReadingYet:
-        cpus = 2
-        reading: float | None = None
-
-        def cores(self) -> float | None:
-            return self.reading
-
-        def sample(self) -> None:
-            pass
-
-    tm.save_hf(tm.hf_model("llama", num_layers=2, seed=3), tmp_path)
-    shard = load_shard(open_weights(tmp_path), 0, 2, dtype=torch.float32)
-    stage = PipelineStage(shard, tm.new_cache(shard, slots=2, context=256), 0, 1)
-    governor = ThreadGovernor(2)
-    governor.timed = lambda rows, seconds: governor.threads  # type: ignore[method-assign]
-    load = NoReadingYet()
-    before = torch.get_num_threads()
-    try:
+    def make(governor: ThreadGovernor, load: Reading) -> Engine:
+        stage = PipelineStage(shard, tm.new_cache(shard, slots=2, context=256), 0, 1)
         engine = Engine(
             stage, queue.Queue(), lambda m: None, "n", None, 2, 256, 64, 64, 1024, threads=governor, other_load=load
         )  # type: ignore[arg-type]
         engine.inbox.put(Task(1, "n", (5, 6, 7, 8), 8, SamplingParams(temperature=0.0)))
-        engine.step()  # the prefill
-        engine.step()  # a decode step: no reading yet
-        assert governor.unseeded and governor.threads == 2
-        load.reading = 1.0
-        engine.step()
-        assert governor.seeded and governor.threads == 1
-    finally:
-        torch.set_num_threads(before)
+        return engine
+
+    before = torch.get_num_threads()
+    yield make
+    torch.set_num_threads(before)
+
+
+def test_a_fresh_runner_decodes_at_the_count_the_free_cpus_give(fresh_engine):
+    """The first decode steps of a runner whose machine has a core busy elsewhere run at
+    one thread, not at the configured two."""
+    import torch
+
+    governor = ThreadGovernor(2)
+    engine = fresh_engine(governor, Reading(1.0))
+    engine.step()  # the prefill
+    engine.step()  # the first decode step
+    assert governor.seeded and governor.threads == 1 and torch.get_num_threads() == 1
+
+
+def test_a_fresh_runner_without_a_reading_yet_keeps_its_count_and_seeds_later(fresh_engine):
+    """A decode step before the free-CPU reading spans 0.1 s runs at the configured
+    count and leaves the governor unseeded, so a later step seeds it."""
+    governor = ThreadGovernor(2)
+    governor.timed = lambda rows, seconds: governor.threads  # type: ignore[method-assign]
+    load = Reading(None)
+    engine = fresh_engine(governor, load)
+    engine.step()  # the prefill
+    engine.step()  # a decode step: no reading yet
+    assert governor.unseeded and governor.threads == 2
+    load.others = 1.0
+    engine.step()
+    assert governor.seeded and governor.threads == 1
