@@ -1,12 +1,13 @@
 """Speculative decoding's drafts by prompt lookup (n-gram speculation): a sequence guesses
 its next tokens as those that followed the latest earlier occurrence of its last few
-tokens, in its prompt or its output. Code edits, quoted documents and an agent's tool
-output repeat what the prompt holds, so the guess is often right; a step then checks
-the guess in the decode batch (the draft's rows ride along, each at its own position) and
-takes the tokens decoding would have given (greedy's, or a sample's drawn as decoding
-draws it) up to the first that differs, plus that one (Saxena 2023, "prompt lookup
-decoding"; vLLM's ngram proposer and llama.cpp's ``--spec-type ngram`` guess the same
-way; the index here is shardline's own).
+tokens, in its prompt or its output, and while those guesses are taken, as the tokens
+that follow in the text it is copying (:class:`Drafter`). Code edits, quoted documents
+and an agent's tool output repeat what the prompt holds, so the guess is often right; a
+step then checks the guess in the decode batch (the draft's rows ride along, each at its
+own position) and takes the tokens decoding would have given (greedy's, or a sample's
+drawn as decoding draws it) up to the first that differs, plus that one (Saxena 2023,
+"prompt lookup decoding"; vLLM's ngram proposer and llama.cpp's ``--spec-type ngram``
+guess the same way; the index here is shardline's own).
 
 Every rank holds the same tokens, so every rank keeps the same index and drafts the same
 tokens with no message of its own.
