@@ -238,8 +238,9 @@ class Engine:
             decode-only ones (:mod:`shardline.runner.threads`). None: torch's count
             throughout.
         other_load: with ``threads``, the other processes' CPU use, which lets a step
-            with prefill rows take more threads than decode's
-            (:mod:`shardline.runner.other_load`). None: every step at the governed count.
+            with prefill rows take more threads than decode's, and gives a fresh runner's
+            decode steps their first count (:mod:`shardline.runner.other_load`). None:
+            every step at the governed count.
     """
 
     def __init__(
@@ -646,9 +647,10 @@ class Engine:
     ) -> list[torch.Tensor | None]:
         """Run the micro-batches at the thread governor's count (a step with prefill rows
         at up to the configured count, as far as the other processes leave CPUs free:
-        :func:`~shardline.runner.other_load.prefill_count`); with ``timed`` (a
-        decode-only step without drafts: ``decoding`` rows), time the step for it. A step
-        whose sequences drafted has as many rows more as they drafted, 1 to 16 a sequence,
+        :func:`~shardline.runner.other_load.free_count`, as do a fresh runner's decode
+        steps until the governor has a time); with ``timed`` (a decode-only step without
+        drafts: ``decoding`` rows), time the step for it. A step whose sequences drafted
+        has as many rows more as they drafted, 1 to 16 a sequence,
         and takes up to 3x as long: timed under the sequences' count, such steps set off
         the governor's slow-step probes, and a probe that landed on a short draft won
         against the long ones' median (SmolLM2 under one busy core: two threads adopted

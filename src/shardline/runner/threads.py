@@ -111,8 +111,7 @@ class ThreadGovernor:
                 self.trial = (left, statistics.median(before))
                 self.interval = PROBE_EVERY
                 return self.threads  # adopted, on trial
-            self.threads, self.interval = left, min(2 * self.interval, PROBE_MOST)
-            return self.threads
+            return self._back(left)
         self._keep(ran, seconds)
         self.since_probe += 1
         times = self.recent[ran]
@@ -121,14 +120,19 @@ class ThreadGovernor:
             self.trial = None
             if statistics.median(times[-TRIAL:]) > median:  # a lucky probe: back
                 self.recent[ran] = []
-                self.threads, self.interval = left, min(2 * self.interval, PROBE_MOST)
-                return self.threads
+                return self._back(left)
         slow = len(times) >= 6 and min(times[-2:]) > SLOW * statistics.median(times[:-2])
         if slow:  # two in a row (one is a hiccup: a collection, a page fault): the machine changed
             self.recent[ran] = times[-2:]
         if self.most > 1 and len(self.recent[ran]) >= 2 and (slow or self.since_probe >= self.interval):
             self.since_probe, self.probing = 0, ran
             self.threads = ran - 1 if (slow or ran == self.most) and ran > 1 else ran + 1
+        return self.threads
+
+    def _back(self, left: int) -> int:
+        """Return to ``left``, the count a probe that lost (or lost its trial) left, and
+        wait twice as long for the next probe (at most :data:`PROBE_MOST` steps)."""
+        self.threads, self.interval = left, min(2 * self.interval, PROBE_MOST)
         return self.threads
 
     @property
