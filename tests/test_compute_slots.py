@@ -9,6 +9,7 @@ import threading
 import pytest
 
 from shardline.parallel.compute_slots import ComputeSlots, slot_count
+from shardline.parallel.pipeline import alone
 
 
 @pytest.mark.parametrize(
@@ -25,6 +26,22 @@ from shardline.parallel.compute_slots import ComputeSlots, slot_count
 )
 def test_slot_count(cpus, threads, slots):
     assert slot_count(cpus, threads) == slots
+
+
+@pytest.mark.parametrize(
+    "stages, microbatches, alone_at",
+    [
+        # (rank, micro-batch) pairs computed while no other stage has one to compute
+        (3, 2, {(0, 0), (2, 1)}),  # a turn's two pieces: the first on rank 0, the last on 2
+        (3, 4, {(0, 0), (2, 3)}),
+        (3, 1, {(0, 0), (1, 0), (2, 0)}),  # one micro-batch: each stage in turn
+        (2, 2, {(0, 0), (1, 1)}),
+        (1, 3, {(0, 0), (0, 1), (0, 2)}),  # one stage
+    ],
+)
+def test_a_stage_computes_alone_in_the_pipelines_fill_and_drain(stages, microbatches, alone_at):
+    found = {(r, m) for r in range(stages) for m in range(microbatches) if alone(r, m, stages, microbatches)}
+    assert found == alone_at
 
 
 def _taking(slots: ComputeSlots) -> tuple[threading.Thread, threading.Event]:
@@ -61,6 +78,22 @@ def test_two_slots_let_two_stages_compute_at_once(tmp_path):
     waiter.join(5)
     with first.held(), second.held():  # and again, in either order
         pass
+    first.close()
+    second.close()
+
+
+def test_a_stage_alone_takes_the_free_slots_it_asks_for_and_no_more(tmp_path):
+    first, second = ComputeSlots(3, tmp_path), ComputeSlots(3, tmp_path)
+    with first.held(2) as taken:
+        assert taken == 2  # all free: two of three
+        with second.held(3) as others:
+            assert others == 1  # the one left
+    with first.held(5) as taken:
+        assert taken == 3
+        waiter, entered = _taking(second)
+        assert not entered.wait(0.2)  # every slot held: it waits, as for one
+    assert entered.wait(5)  # all released at once
+    waiter.join(5)
     first.close()
     second.close()
 

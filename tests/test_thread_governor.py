@@ -217,7 +217,7 @@ def fresh_engine(tmp_path):
     tm.save_hf(tm.hf_model("llama", num_layers=2, seed=3), tmp_path)
     shard = load_shard(open_weights(tmp_path), 0, 2, dtype=torch.float32)
 
-    def make(governor: ThreadGovernor, load: Reading) -> Engine:
+    def make(governor: ThreadGovernor | None, load: Reading) -> Engine:
         stage = PipelineStage(shard, tm.new_cache(shard, slots=2, context=256), 0, 1)
         engine = Engine(
             stage, queue.Queue(), lambda m: None, "n", None, 2, 256, 64, 64, 1024, threads=governor, other_load=load
@@ -255,3 +255,55 @@ def test_a_fresh_runner_without_a_reading_yet_keeps_its_count_and_seeds_later(fr
     load.others = 1.0
     engine.step()
     assert governor.seeded and governor.threads == 1
+
+
+def threads_of_forwards(engine) -> list[int]:
+    """The torch thread count of each forward pass of ``engine``'s shard, as they run."""
+    import torch
+
+    counts: list[int] = []
+    shard = engine.stage.shard
+    forward = shard.forward
+
+    def counted(*args, **kwargs):
+        counts.append(torch.get_num_threads())
+        return forward(*args, **kwargs)
+
+    shard.forward = counted  # type: ignore[method-assign]
+    return counts
+
+
+@pytest.mark.parametrize("others, prefill_threads", [(0.0, 2), (1.0, 1), (None, 1)])
+def test_a_pipeline_stage_prefills_on_the_free_cpus_and_decodes_at_its_count(fresh_engine, others, prefill_threads):
+    """A rank of several has no governor: its prefill steps ask for the threads the free
+    CPUs give, its decode steps run at the count it started with (the configured one)."""
+    import torch
+
+    torch.set_num_threads(1)
+    engine = fresh_engine(None, Reading(others))
+    counts = threads_of_forwards(engine)
+    engine.step()  # the prefill
+    engine.step()  # a decode step
+    assert counts == [prefill_threads, 1] and torch.get_num_threads() == 1
+
+
+@pytest.mark.parametrize("held_elsewhere, prefill_threads", [(0, 2), (1, 1)])
+def test_a_pipeline_stage_computes_on_the_slots_the_others_leave(
+    fresh_engine, tmp_path, held_elsewhere, prefill_threads
+):
+    """The prefill's two threads are two compute slots of one thread: where another
+    runner of the machine computes in one of them, the stage takes the other alone."""
+    import contextlib
+
+    import torch
+
+    from shardline.parallel.compute_slots import ComputeSlots
+
+    torch.set_num_threads(1)
+    engine = fresh_engine(None, Reading(0.0))
+    engine.stage.slots = ComputeSlots(2, tmp_path / "slots", threads=1)
+    other = ComputeSlots(2, tmp_path / "slots")
+    counts = threads_of_forwards(engine)
+    with other.held() if held_elsewhere else contextlib.nullcontext():
+        engine.step()
+    assert counts == [prefill_threads] and torch.get_num_threads() == 2  # the step's, asked for

@@ -13,7 +13,8 @@ micro-batch i and the transfer between them proceeds in the background: a step o
 micro-batches takes about W + P - 1 stage times instead of W * P (GPipe's schedule,
 Huang et al., 2019, without the backward pass). Stages on one machine's CPUs overlap only
 as far as its cores give threads for: each computes a micro-batch holding a compute slot
-(:mod:`shardline.parallel.compute_slots`).
+(:mod:`shardline.parallel.compute_slots`), and a micro-batch computed while the others
+have none (:func:`alone`: the fill's first, the drain's last) on the free ones too.
 
 Every rank derives the step's micro-batches (their count and shapes) from state that is
 identical on all ranks, so each send is matched by exactly one receive of the same shape,
@@ -24,7 +25,7 @@ step ends, so no transfer outlives its step; cancellations only take effect betw
 from __future__ import annotations
 
 import contextlib
-from typing import Callable
+from typing import Callable, Iterator
 
 import torch
 import torch.distributed as dist
@@ -34,6 +35,16 @@ from shardline.models.llama import DecoderShard, ForwardBatch
 from shardline.parallel.compute_slots import ComputeSlots
 from shardline.parallel.progress import Progress
 from shardline.parallel.stage import Stage
+
+
+def alone(rank: int, tag: int, stages: int, microbatches: int) -> bool:
+    """Whether stage ``rank`` of ``stages`` computes micro-batch ``tag`` of a step of
+    ``microbatches`` while no other stage has one to compute, in the schedule's stage
+    times (stage r computes micro-batch m at time r + m): the pipeline's fill and drain,
+    the first micro-batch on rank 0 and the last on the last rank (each micro-batch on
+    each stage where there is one; every micro-batch where there is one stage)."""
+    t = rank + tag
+    return max(0, t - microbatches + 1) == rank == min(stages - 1, t)
 
 
 class PipelineStage(Stage):
@@ -76,6 +87,7 @@ class PipelineStage(Stage):
                 received.append((buffer, dist.irecv(buffer, src=self.rank - 1, tag=tag)))
         sends = []
         outputs: list[torch.Tensor | None] = []
+        wanted = torch.get_num_threads()
         for tag, (tokens, batch) in enumerate(microbatches):
             if self.rank == 0:
                 inputs = tokens.to(shard.device)
@@ -90,7 +102,7 @@ class PipelineStage(Stage):
                     f"waiting for a compute slot for micro-batch {tag} (cores shared "
                     "with the other runners of this machine)"
                 )
-            with self.slots.held() if self.slots is not None else contextlib.nullcontext():
+            with self._threads_held(wanted, alone(self.rank, tag, self.world_size, len(microbatches))):
                 progress.mark(f"computing micro-batch {tag}")
                 out = shard(inputs, batch, self.cache)
             if computed is not None:
@@ -101,9 +113,27 @@ class PipelineStage(Stage):
                 out = out.to(self.wire_device).contiguous()  # kept referenced until its send completes
                 sends.append((out, dist.isend(out, dst=self.rank + 1, tag=tag)))
                 outputs.append(None)
+        if torch.get_num_threads() != wanted:
+            torch.set_num_threads(wanted)
         for tag, (_, work) in enumerate(sends):
             progress.mark(f"sending micro-batch {tag} to rank {self.rank + 1}")
             assert work is not None  # isend returns its work outside a coalescing context
             work.wait()
         progress.mark("step done")
         return outputs
+
+    @contextlib.contextmanager
+    def _threads_held(self, wanted: int, alone: bool) -> Iterator[None]:
+        """Compute the block on up to ``wanted`` threads, as far as the machine's compute
+        slots give them: one slot (waiting for it), and where the stage computes
+        :func:`alone`, more of those free at once while one holds fewer threads than
+        wanted; torch's count where the stage takes no slots."""
+        if self.slots is None:
+            yield
+            return
+        per = self.slots.threads
+        with self.slots.held(-(-wanted // per) if alone else 1) as taken:
+            count = min(wanted, taken * per)
+            if torch.get_num_threads() != count:
+                torch.set_num_threads(count)
+            yield

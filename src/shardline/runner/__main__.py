@@ -104,6 +104,13 @@ def decode_threads(world_size: int, shard, threads: int):
     return ThreadGovernor(threads)
 
 
+def lends_threads(world_size: int, stage) -> bool:
+    """Whether a rank's prefill steps take the threads of the compute slots its machine's
+    other stages leave free (:class:`~shardline.parallel.pipeline.PipelineStage`): a CPU
+    pipeline stage of several (one rank alone has its thread governor's count)."""
+    return world_size > 1 and getattr(stage, "slots", None) is not None
+
+
 def load_stage(spec: RunnerSpec, source, group, progress: Progress, dtype, device, comm_device, threads: int):
     """Load this rank's shard and KV cache as the stage its instance's sharding needs
     (``comm_device``: where tensors travel between ranks: a pipeline's hidden states, a
@@ -329,7 +336,7 @@ def _engine(
         prefix_cache=spec.prefix_cache,
         draft_tokens=default_drafts(stage.shard.config.is_moe),
         threads=governor,
-        other_load=None if governor is None else OtherLoad(),
+        other_load=OtherLoad() if governor is not None or lends_threads(spec.world_size, stage) else None,
     )
 
 

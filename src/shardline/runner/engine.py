@@ -237,10 +237,14 @@ class Engine:
         threads: sets the compute threads of every step from the measured times of the
             decode-only ones (:mod:`shardline.runner.threads`). None: torch's count
             throughout.
-        other_load: with ``threads``, the other processes' CPU use, which lets a step
-            with prefill rows take more threads than decode's, and gives a fresh runner's
-            decode steps their first count (:mod:`shardline.runner.other_load`). None:
-            every step at the governed count.
+        other_load: the other processes' CPU use (:mod:`shardline.runner.other_load`).
+            With ``threads``, it lets a step with prefill rows take more threads than
+            decode's and gives a fresh runner's decode steps their first count; without
+            (a CPU pipeline stage of several ranks), a step with prefill rows asks for the
+            threads the free CPUs give (its stage computes on as many as the machine's
+            compute slots give it: :mod:`shardline.parallel.compute_slots`) and the
+            others run at torch's count at construction (the configured one). None:
+            every step at the governed count, or torch's.
     """
 
     def __init__(
@@ -269,6 +273,7 @@ class Engine:
         self.stage = stage
         self.threads = threads
         self.other_load = other_load
+        self.serving_threads = torch.get_num_threads()
         self.inbox = inbox
         self.send = send
         self.node_id = node_id
@@ -648,23 +653,28 @@ class Engine:
         """Run the micro-batches at the thread governor's count (a step with prefill rows
         at up to the configured count, as far as the other processes leave CPUs free:
         :func:`~shardline.runner.other_load.free_count`, as do a fresh runner's decode
-        steps until the governor has a time); with ``timed`` (a decode-only step without
+        steps until the governor has a time; a pipeline stage of several ranks, without
+        a governor, asks for up to every CPU for a step with prefill rows, as far as
+        they are free); with ``timed`` (a decode-only step without
         drafts: ``decoding`` rows), time the step for it. A step whose sequences drafted
         has as many rows more as they drafted, 1 to 16 a sequence,
         and takes up to 3x as long: timed under the sequences' count, such steps set off
         the governor's slow-step probes, and a probe that landed on a short draft won
         against the long ones' median (SmolLM2 under one busy core: two threads adopted
         again, decode at 17-28 tokens/s and a prompt's first token after 7.5 s)."""
-        threads = self.threads
+        threads, load = self.threads, self.other_load
+        prefill = any(batch.prefill for _, batch in micro)
         count = None
         if threads is not None:
             count = threads.threads
-            load = self.other_load
             if load is not None:
-                if any(batch.prefill for _, batch in micro):
+                if prefill:
                     count = free_count(count, threads.most, load.cpus, load.cores())
                 elif threads.unseeded and (others := load.cores()) is not None:  # no times yet
                     count = threads.seed(free_count(count, threads.most, load.cpus, others))
+        elif load is not None:  # a CPU pipeline stage: its compute slots give it the threads
+            serving = self.serving_threads
+            count = free_count(serving, load.cpus, load.cpus, load.cores()) if prefill else serving
         if count is not None and count != torch.get_num_threads():
             torch.set_num_threads(count)
         started = time.perf_counter()
