@@ -101,6 +101,7 @@ SYSTEM = tuple(range(100, 112))  # 12 tokens: 3 blocks
 A = SYSTEM + (1, 2, 3, 4, 5, 6)
 B_ = SYSTEM + (7, 8, 9)
 LONG = SYSTEM + tuple(range(16))  # another conversation: 7 blocks, a chunk (8) past the system prompt
+SHORT = SYSTEM[:4] + tuple(range(60, 67))  # another, sharing a block (a template's header), 7 tokens past it
 
 
 def test_a_hash_collision_matches_nothing():
@@ -173,6 +174,10 @@ def test_a_prompt_matches_whole_blocks_by_hash_then_token_by_token(prompt, kept,
         ([task(B_, need=40)], [1], [cached(0, LONG, 1)], 20, [Start(0, 0, 12, 28)], []),
         # 5 tokens past the shared 12, in 8 tokens of pages: less than a chunk more, taken
         ([task(B_)], [1], [cached(0, LONG[:17], 1)], 100, [Start(0, 0, 12, 20)], []),
+        # less than a chunk past the shared part but more than it: copied while a slot is empty
+        ([task(B_)], [1], [cached(0, SHORT, 1)], 100, [Start(0, 1, 4, source=0)], []),
+        # ... and taken where none is (no eviction for it)
+        ([task(B_)], [], [cached(0, SHORT, 1), cached(2, (9,) * 8, 2)], 100, [Start(0, 0, 4, 12)], []),
     ],
     ids=[
         "hit",
@@ -194,6 +199,8 @@ def test_a_prompt_matches_whole_blocks_by_hash_then_token_by_token(prompt, kept,
         "no other slot",
         "no other tokens",
         "a block part full is not a chunk more",
+        "sharing less than it holds past it",
+        "sharing less, no empty slot",
     ],
 )
 def test_admission_with_cached_prefixes(waiting, free_slots, pool, free_tokens, starts, evicted):

@@ -13,6 +13,7 @@ import tiny_models as tm
 from test_runner_lockstep import NODE, Instance, reference_tokens
 
 from shardline.models.config import Sharding
+from shardline.runner.prefix_cache import reuse
 from shardline.runner.protocol import Failed, PrefillProgress, SamplingParams, Task, TokenEvent, Tokens
 
 BLOCK = 64  # float32 positions of the tiny model's 16-wide heads in a 4 KiB block
@@ -90,6 +91,32 @@ def test_a_prompt_sharing_a_finished_ones_blocks_resumes_there_with_the_cold_tok
         results = run(instance, [again])
         assert tokens(results[-1][102]) == expected[101]
         assert results[-1][102][-1].cached_tokens == 179
+    finally:
+        instance.stop()
+
+
+@pytest.mark.timeout(180)
+def test_a_conversation_sharing_only_a_header_leaves_the_other_cached(model_dir):
+    """Two conversations take turns, sharing only their first 10 tokens (a chat
+    template's header): the second copies those into an empty slot rather than take the
+    first's (which holds less than a chunk past them), so the first's next request finds
+    its whole prompt cached again."""
+    first = task(300, SYSTEM + tail(20))
+    other = task(301, SYSTEM[:10] + tail(100))
+    again = task(302, first.prompt)
+    instance = Instance(model_dir, 1, max_batch=2, context=512, prefill_chunk=256)
+    try:
+        expected = reference_tokens(model_dir, [first, other])
+        run(instance, [first])
+        instance.wait_stats(0, lambda s: s.running == () and s.cached_slots == 1)
+        results = run(instance, [other])[0]
+        assert tokens(results[301]) == expected[301]
+        assert results[301][-1].cached_tokens == 10
+        instance.wait_stats(0, lambda s: s.running == () and s.cached_slots == 2)
+        results = run(instance, [again])[0]
+        assert tokens(results[302]) == expected[300]
+        # as far as a resumed prefill keeps a cold one's bits (its slot holds all 170)
+        assert results[302][-1].cached_tokens == reuse(len(first.prompt), len(first.prompt), 256, BLOCK) > 10
     finally:
         instance.stop()
 
