@@ -206,7 +206,9 @@ def test_unknown_model_error_code(cluster3):
         timeout=30,
         json={"model": "no-such/model", "messages": [{"role": "user", "content": "hi"}]},
     )
+    assert response.status_code == 404
     assert response.json()["error"]["code"] == "model_not_found"
+    assert response.json()["error"]["type"] == "invalid_request_error"  # as OpenAI types it
     assert DEFAULT_MODEL_ID in response.json()["error"]["message"]
 
 

@@ -54,9 +54,15 @@ def error_body(message: str, type_: str, param: str | None = None, code: str | N
     return {"error": {"message": message, "type": type_, "param": param, "code": code}}
 
 
+_ERROR_TYPES = {"not_found_error": "invalid_request_error"}
+"""APIError kinds OpenAI names otherwise: it has no type of its own for a 404 (an unknown
+model is an ``invalid_request_error`` of code ``model_not_found``)."""
+
+
 def error_response(exc: APIError) -> JSONResponse:
     """An :class:`APIError` in OpenAI's format."""
-    return JSONResponse(status_code=exc.status, content=error_body(exc.message, exc.kind, exc.param, exc.code))
+    kind = _ERROR_TYPES.get(exc.kind, exc.kind)
+    return JSONResponse(status_code=exc.status, content=error_body(exc.message, kind, exc.param, exc.code))
 
 
 class TextPart(BaseModel):
