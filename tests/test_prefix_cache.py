@@ -174,10 +174,10 @@ def test_a_prompt_matches_whole_blocks_by_hash_then_token_by_token(prompt, kept,
         ([task(B_, need=40)], [1], [cached(0, LONG, 1)], 20, [Start(0, 0, 12, 28)], []),
         # 5 tokens past the shared 12, in 8 tokens of pages: less than a chunk more, taken
         ([task(B_)], [1], [cached(0, LONG[:17], 1)], 100, [Start(0, 0, 12, 20)], []),
-        # less than a chunk past the shared part but more than it: copied while a slot is empty
+        # less than a chunk past the shared part but more than it: copied, as above
         ([task(B_)], [1], [cached(0, SHORT, 1)], 100, [Start(0, 1, 4, source=0)], []),
-        # ... and taken where none is (no eviction for it)
-        ([task(B_)], [], [cached(0, SHORT, 1), cached(2, (9,) * 8, 2)], 100, [Start(0, 0, 4, 12)], []),
+        ([task(B_)], [], [cached(0, SHORT, 2), cached(2, (9,) * 8, 1)], 100, [Start(0, 2, 4, source=0)], [2]),
+        ([task(B_)], [], [cached(0, SHORT, 1)], 100, [Start(0, 0, 4, 12)], []),
     ],
     ids=[
         "hit",
@@ -200,7 +200,8 @@ def test_a_prompt_matches_whole_blocks_by_hash_then_token_by_token(prompt, kept,
         "no other tokens",
         "a block part full is not a chunk more",
         "sharing less than it holds past it",
-        "sharing less, no empty slot",
+        "sharing less, copied into an evicted slot",
+        "sharing less, no other slot",
     ],
 )
 def test_admission_with_cached_prefixes(waiting, free_slots, pool, free_tokens, starts, evicted):

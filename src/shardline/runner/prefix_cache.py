@@ -284,11 +284,12 @@ def plan_admission(
     for it: it would not have fit without the cache either.
 
     Where that cached slot holds at least ``chunk`` tokens past those the task resumes
-    after, or while an empty slot is free, more tokens past them than before them (the
-    task shares little of it: a chat template's header, a short system prompt, and
-    another conversation follows), the task copies them into a slot of its own instead
-    (``Start.source``), if it gets one, and its reservation, without evicting the prefix
-    it copies (which counts as used now); else it takes the slot as above.
+    after, or more past them than before them (the task shares little of it: a chat
+    template's header, a short system prompt, and another conversation follows), the
+    task copies them into a slot of its own instead (``Start.source``), if it gets one
+    (an empty slot, or the least recently used other cached one, evicted), and its
+    reservation, without evicting the prefix it copies (which counts as used now); else
+    it takes the slot as above.
     """
     free = sorted(free_slots)
     pool = sorted(cached, key=lambda c: c.used)  # least recently used first
@@ -312,7 +313,8 @@ def plan_admission(
         past = len(best.token_ids) - best_reuse if best is not None else 0
         if (
             best is not None
-            and (past >= chunk and (free or len(pool) > 1) or free and past > best_reuse)
+            and (past >= chunk or past > best_reuse)
+            and (free or len(pool) > 1)
             and task.need <= free_tokens + others
         ):  # a copy of its shared part
             slot = free.pop(0) if free else evict(best)
