@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from shardline.connect import CLIENTS, NO_KEY, connection, output_tokens
+from shardline.connect import AGENT_PROMPTS, CLIENTS, NO_KEY, connection, output_tokens
 
 pytestmark = pytest.mark.fast
 
@@ -21,6 +21,24 @@ URL, MODEL = "http://10.0.0.2:52415", "qwen2.5-7b-instruct-q4_k_m"
 @pytest.mark.parametrize("context,out", [(2048, 512), (8192, 2048), (32768, 8192), (200_000, 32_000), (512, 256)])
 def test_output_tokens_leave_the_prompt_three_quarters(context, out):
     assert output_tokens(context) == out
+
+
+@pytest.mark.parametrize(
+    "client, context, out, fits",
+    [
+        ("opencode", 8192, 392, True),  # SmolLM2's context: what its 7.8 thousand leave, not 2,048
+        ("codex", 8192, 256, False),
+        ("claude", 8192, 256, False),
+        ("opencode", 16384, 4096, True),
+    ],
+)
+def test_an_agents_output_leaves_room_for_its_own_prompt(client, context, out, fits):
+    settings = connection(client, URL, MODEL, context)
+    assert output_tokens(context, AGENT_PROMPTS[client]) == out
+    assert ("(fits with" in settings.text()) == fits and f"with {out} output tokens" in settings.text()
+    if client == "opencode":
+        config = json.loads(settings.files["opencode.json"])
+        assert config["provider"]["shardline"]["models"][MODEL]["limit"] == {"context": context, "output": out}
 
 
 def test_claude_code_env():

@@ -182,19 +182,29 @@ def _serve_node(
             node.stopping()
             super().handle_exit(sig, frame)
 
-    server = NodeServer(
-        uvicorn.Config(
-            create_app(node, guard, max_body_bytes=args.max_body_bytes, heartbeat_s=args.stream_heartbeat),
-            host=args.bind or args.host,
-            port=args.port,
-            log_level="warning",
-            http=header_timeout_protocol(args.header_timeout),
-        )
+    config = uvicorn.Config(
+        create_app(node, guard, max_body_bytes=args.max_body_bytes, heartbeat_s=args.stream_heartbeat),
+        host=args.bind or args.host,
+        port=args.port,
+        log_level="warning",
+        http=header_timeout_protocol(args.header_timeout),
     )
+    access = logging.getLogger("uvicorn.access")  # its 4xx and 5xx lines: what an operator looks for
+    access.setLevel(logging.INFO)
+    access.addFilter(error_response_line)
+    server = NodeServer(config)
     try:
         server.run()
     except KeyboardInterrupt:  # the signal uvicorn raises again once it has stopped (as uvicorn.run)
         pass
+
+
+def error_response_line(record: logging.LogRecord) -> bool:
+    """Whether a line of uvicorn's access log (``client - "METHOD path HTTP/v" status``) is
+    kept: an error's (status 400 or more). Every request's would bury the rest: the
+    dashboard asks for the cluster's state every second."""
+    args = record.args
+    return isinstance(args, tuple) and len(args) == 5 and isinstance(args[4], int) and args[4] >= 400
 
 
 def _kill_if_running(process: subprocess.Popen) -> None:

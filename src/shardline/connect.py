@@ -69,11 +69,19 @@ class Connection:
         return "\n".join(lines) + "\n"
 
 
-def output_tokens(context: int) -> int:
+AGENT_PROMPTS = {"claude": 12_800, "codex": 9_000, "opencode": 7_800}
+"""Tokens of each agent's first request before the user's first word (its system prompt
+and tools), counted with SmolLM2's tokenizer (Claude Code 2.1.332, Codex 0.171.0,
+opencode 1.18.33; 2026-12-07; more with more tools or MCP servers)."""
+
+
+def output_tokens(context: int, prompt: int = 0) -> int:
     """The completion tokens a client is told to ask for: a quarter of the context (the
-    rest for the prompt: an agent's system prompt and tools alone are 8-19 thousand
-    tokens), at most 32,000 (what Claude Code and opencode ask for by default)."""
-    return min(32_000, max(256, context // 4))
+    rest for the conversation), or what its own first prompt of ``prompt`` tokens leaves
+    where that is less; at least 256 and at most 32,000 (what Claude Code and opencode
+    ask for by default). opencode at 8,192 tokens asked for 2,048 beside its 7.8 thousand,
+    was refused and compacted in a loop."""
+    return min(32_000, max(256, min(context // 4, context - prompt)))
 
 
 CLAUDE_MIN_WINDOW = 100_000
@@ -81,17 +89,21 @@ CLAUDE_MIN_WINDOW = 100_000
 reads as this): a model of a longer context is given it, so Claude Code compacts before
 the model's context is full."""
 AGENT_CONTEXT = 32768
-"""The context an agent needs: its own system prompt and tools take 8-19 thousand tokens
-(first requests counted with SmolLM2's tokenizer: opencode's 7.8 thousand, Codex's 9.0,
-Claude Code's 12.4; more with more tools), before the conversation and the answer."""
+"""The context an agent needs: its own system prompt and tools (:data:`AGENT_PROMPTS`),
+then the conversation and the answer."""
 
 
-def _context_note(context: int) -> tuple[str, ...]:
-    if context >= AGENT_CONTEXT:
+def _context_note(t: "_Target") -> tuple[str, ...]:
+    """An agent's note where the context is short of :data:`AGENT_CONTEXT`: whether its own
+    first prompt fits beside the output it is told to ask for."""
+    if t.context >= AGENT_CONTEXT:
         return ()
+    prompt = AGENT_PROMPTS[t.client]
+    fits = "fits" if prompt + t.out <= t.context else "does not fit"
     return (
-        f"this model's context is {context} tokens; an agent's own prompt and tools take 8-19 thousand: "
-        f"place it with --context {AGENT_CONTEXT} or more where its trained context allows",
+        f"this model's context is {t.context} tokens; the agent's own prompt and tools take about "
+        f"{prompt:,} ({fits} with {t.out} output tokens): place it with --context {AGENT_CONTEXT} or more "
+        "where its trained context allows",
     )
 
 
@@ -126,7 +138,7 @@ class _Target:
     @property
     def out(self) -> int:
         """The output tokens a client is told to ask for at most (:func:`output_tokens`)."""
-        return output_tokens(self.context)
+        return output_tokens(self.context, AGENT_PROMPTS.get(self.client, 0))
 
 
 def _claude(t: _Target) -> Connection:
@@ -148,7 +160,7 @@ def _claude(t: _Target) -> Connection:
             "CLAUDE_CODE_DISABLE_NONESSENTIAL_TRAFFIC": "1",
         },
         command=("claude",),
-        notes=_context_note(t.context)
+        notes=_context_note(t)
         + (
             "Claude Code takes a model it does not know for a 1,000,000-token one and compacts by that "
             "(CLAUDE_CODE_AUTO_COMPACT_WINDOW takes no less than 100,000); a conversation past the model's "
@@ -175,7 +187,7 @@ def _codex(t: _Target) -> Connection:
         env={"SHARDLINE_API_KEY": t.key},
         files={"~/.codex/config.toml": "\n".join(provider)},
         command=("codex",),
-        notes=_context_note(t.context)
+        notes=_context_note(t)
         + (
             "hosted tools (web_search) are not run by shardline: they are left out of the "
             "model's tools and named in the X-Shardline-Tools-Not-Offered header",
@@ -203,7 +215,7 @@ def _opencode(t: _Target) -> Connection:
         t.client,
         files={"opencode.json": json.dumps(config, indent=2)},
         command=("opencode",),
-        notes=_context_note(t.context)
+        notes=_context_note(t)
         + ("opencode.json goes in the project's folder (or ~/.config/opencode/opencode.json for every project)",),
     )
 
