@@ -5,7 +5,8 @@ Loads the embedded SmolLM2-135M GGUF (or ``--model PATH``, any model file or fol
 shardline reads) as a one-node shard in bfloat16 and times one
 decode step (embedding, the layers, final norm and LM head) for ``rows`` sequences
 whose caches hold ``context`` positions (filled with random keys and values: attention
-costs the same whatever they are), through the layers' torch ops (the reference) and
+costs the same whatever they are), or with ``--drafted`` for one sequence's ``rows``
+rows at positions ``context ..`` (a speculative step's drafted rows), through the layers' torch ops (the reference) and
 through the fused decode layers (:mod:`shardline.models.fused_decode`), and the step's
 weight products alone (each weight part's decode product on the same rows: SmolLM2's
 121 calls of the compiled int4 product, the LM head's included). The three alternate, A B C A B C, and each figure is the median of the
@@ -31,14 +32,18 @@ from shardline.models.store import default_model_path
 from shardline.models.weights import open_weights
 
 
-def step_ms(shard, cache: KVCache, rows: int, context: int, repeat: int) -> float:
-    """Milliseconds of one decode step of ``rows`` sequences at position ``context``
+def step_ms(shard, cache: KVCache, rows: int, context: int, repeat: int, drafted: bool = False) -> float:
+    """Milliseconds of one decode step of ``rows`` sequences at position ``context``, or
+    with ``drafted`` of one sequence's rows at positions ``context .. context + rows - 1``
     (``repeat`` steps, median)."""
     ids = torch.arange(rows) + 100
+    slots, positions = (
+        ([0] * rows, [context + i for i in range(rows)]) if drafted else (list(range(rows)), [context] * rows)
+    )
     times = []
     for _ in range(repeat):
         started = time.perf_counter()
-        batch = shard.decode_batch(list(range(rows)), [context] * rows)
+        batch = shard.decode_batch(slots, positions)
         shard(ids, batch, cache)
         times.append(time.perf_counter() - started)
     return statistics.median(times) * 1e3
@@ -81,6 +86,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--repeat", type=int, default=5, help="steps per timing")
     parser.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's)")
     parser.add_argument(
+        "--drafted", action="store_true", help="the rows are one sequence's, at consecutive positions (drafted tokens)"
+    )
+    parser.add_argument(
         "--model", type=Path, default=None, help="a model file or folder (default: the embedded SmolLM2-135M)"
     )
     args = parser.parse_args(argv)
@@ -94,7 +102,9 @@ def main(argv: list[str] | None = None) -> None:
     fused = shard.fused
     if fused is None:
         raise SystemExit("the fused decode layers do not run here (see the log line above)")
-    cache = KVCache(source.config, source.config.num_layers, max(args.rows), max(args.context) + 1, torch.bfloat16)
+    cache = KVCache(
+        source.config, source.config.num_layers, max(args.rows), max(args.context) + max(args.rows), torch.bfloat16
+    )
     gen = torch.Generator().manual_seed(0)
     for t in cache.k + cache.v:
         t[:, :, : max(args.context)] = (torch.randn(t[:, :, : max(args.context)].shape, generator=gen) * 0.5).to(
@@ -102,6 +112,7 @@ def main(argv: list[str] | None = None) -> None:
         )
     print(
         f"threads {torch.get_num_threads()}; {path.name} bfloat16, one node; "
+        f"{'one sequence' + chr(39) + 's drafted rows' if args.drafted else 'a row a sequence'}; "
         f"medians of {args.rounds} alternations x {args.repeat} steps"
     )
     parts = products(shard)
@@ -115,11 +126,11 @@ def main(argv: list[str] | None = None) -> None:
             times: dict[str, list[float]] = {name: [] for name in [*paths, "products"]}
             for path in paths.values():  # warm up
                 shard.fused = path
-                step_ms(shard, cache, rows, context, 1)
+                step_ms(shard, cache, rows, context, 1, args.drafted)
             for _ in range(args.rounds):
                 for name, path in paths.items():
                     shard.fused = path
-                    times[name].append(step_ms(shard, cache, rows, context, args.repeat))
+                    times[name].append(step_ms(shard, cache, rows, context, args.repeat, args.drafted))
                 times["products"].append(products_ms(parts, rows, args.repeat))
             med = {name: statistics.median(t) for name, t in times.items()}
             beside = {name: med[name] - med["products"] for name in paths}
