@@ -77,11 +77,12 @@ opencode 1.18.33; 2026-12-07; more with more tools or MCP servers)."""
 
 def output_tokens(context: int, prompt: int = 0) -> int:
     """The completion tokens a client is told to ask for: a quarter of the context (the
-    rest for the conversation), or what its own first prompt of ``prompt`` tokens leaves
-    where that is less; at least 256 and at most 32,000 (what Claude Code and opencode
-    ask for by default). opencode at 8,192 tokens asked for 2,048 beside its 7.8 thousand,
-    was refused and compacted in a loop."""
-    return min(32_000, max(256, min(context // 4, context - prompt)))
+    rest for the conversation), or half what its own first prompt of ``prompt`` tokens
+    leaves where that is less (a turn's next requests add the tool calls and results);
+    at least 256 and at most 32,000 (what Claude Code and opencode ask for by default).
+    opencode at 8,192 tokens asked for 2,048 beside its 7.8 thousand, was refused and
+    compacted in a loop; at 256 its first turn's requests (7,779 and 7,842 tokens) fit."""
+    return min(32_000, max(256, min(context // 4, (context - prompt) // 2)))
 
 
 CLAUDE_MIN_WINDOW = 100_000
