@@ -94,7 +94,7 @@ AGENT_CONTEXT = 32768
 then the conversation and the answer."""
 
 
-def _context_note(t: "_Target") -> tuple[str, ...]:
+def _context_note(t: _Target) -> tuple[str, ...]:
     """An agent's note where the context is short of :data:`AGENT_CONTEXT`: whether its own
     first prompt fits beside the output it is told to ask for."""
     if t.context >= AGENT_CONTEXT:

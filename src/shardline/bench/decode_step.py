@@ -6,12 +6,13 @@ shardline reads) as a one-node shard in bfloat16 and times one
 decode step (embedding, the layers, final norm and LM head) for ``rows`` sequences
 whose caches hold ``context`` positions (filled with random keys and values: attention
 costs the same whatever they are), or with ``--drafted`` for one sequence's ``rows``
-rows at positions ``context ..`` (a speculative step's drafted rows), through the layers' torch ops (the reference) and
-through the fused decode layers (:mod:`shardline.models.fused_decode`), and the step's
-weight products alone (each weight part's decode product on the same rows: SmolLM2's
-121 calls of the compiled int4 product, the LM head's included). The three alternate, A B C A B C, and each figure is the median of the
-rounds; it prints ms per step for each, the ratio torch / fused, and the time beside the
-products (step minus products) on each path with its ratio.
+rows at positions ``context ..`` (a speculative step's drafted rows), through the
+layers' torch ops (the reference) and through the fused decode layers
+(:mod:`shardline.models.fused_decode`), and the step's weight products alone (each
+weight part's decode product on the same rows: SmolLM2's 121 calls of the compiled int4
+product, the LM head's included). The three alternate, A B C A B C, and each figure is
+the median of the rounds; it prints ms per step for each, the ratio torch / fused, and
+the time beside the products (step minus products) on each path with its ratio.
 """
 
 from __future__ import annotations
@@ -110,9 +111,9 @@ def main(argv: list[str] | None = None) -> None:
         t[:, :, : max(args.context)] = (torch.randn(t[:, :, : max(args.context)].shape, generator=gen) * 0.5).to(
             t.dtype
         )
+    rows_are = "one sequence's drafted rows" if args.drafted else "a row a sequence"
     print(
-        f"threads {torch.get_num_threads()}; {path.name} bfloat16, one node; "
-        f"{'one sequence' + chr(39) + 's drafted rows' if args.drafted else 'a row a sequence'}; "
+        f"threads {torch.get_num_threads()}; {path.name} bfloat16, one node; {rows_are}; "
         f"medians of {args.rounds} alternations x {args.repeat} steps"
     )
     parts = products(shard)

@@ -574,10 +574,10 @@ int decode_layers(const decode_shape_t *S, const decode_layer_t *layers, int64_t
     uint16_t *gu = y + M * H, *act = gu + M * 2 * S->inter;
     /* attention tasks: (row, KV head, block of SPLIT keys), a (row, KV head)'s blocks
      * adjacent; each writes group parts of hd + 2 floats. A layer's tasks depend on its
-     * window; a full layer's are the most. They run in task_order's order. */
+     * window; a full layer's are the most. They run in task_order's order (keyed). */
     int64_t most = 0;
     for (int64_t m = 0; m < M; m++) most += kvh * (positions[m] / SPLIT + 1);
-    int64_t *task_row = malloc((size_t)most * 5 * sizeof(int64_t));
+    int64_t *task_row = malloc((size_t)most * 4 * sizeof(int64_t));
     task_key_t *keyed = malloc((size_t)most * sizeof(task_key_t));
     float *parts = malloc((size_t)(most * group * (hd + 2)) * sizeof(float));
     if (!task_row || !keyed || !parts) {
@@ -588,7 +588,6 @@ int decode_layers(const decode_shape_t *S, const decode_layer_t *layers, int64_t
         return -1;
     }
     int64_t *task_kv = task_row + most, *task_block = task_kv + most, *task_begin = task_block + most;
-    int64_t *order = task_begin + most;
     int64_t tasks = 0, tasks_window = -1; /* the window the tasks are for */
     float scale = 1.0f / sqrtf((float)hd);
     int rc = 0;
@@ -621,12 +620,11 @@ int decode_layers(const decode_shape_t *S, const decode_layer_t *layers, int64_t
                     }
             }
             qsort(keyed, (size_t)tasks, sizeof(task_key_t), task_order);
-            for (int64_t i = 0; i < tasks; i++) order[i] = keyed[i].task;
             tasks_window = Lr->window;
         }
 #pragma omp parallel for schedule(static)
         for (int64_t i = 0; i < tasks; i++) {
-            int64_t task = order[i];
+            int64_t task = keyed[i].task;
             int64_t m = task_row[task], j = task_kv[task], b = task_block[task];
             int64_t key = task_begin[task] + b * SPLIT, keys = positions[m] + 1 - key;
             int64_t base = (slots[m] * kvh + j) * S->positions * hd + key * hd;
