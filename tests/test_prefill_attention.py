@@ -55,6 +55,7 @@ def _reference(q, k, v, slot, start, dtype):
         (12, 2, 128, 30, 150),  # a 1.5B Qwen2's
         (4, 4, 64, 5, 3),  # no grouping, fewer rows than a tile
         (16, 1, 96, 64, 64),  # a head size of neither specialization, 16 heads a KV head
+        (30, 1, 64, 70, 3),  # 30 heads a KV head: a task of one row, its last group of vectors short
     ],
 )
 def test_it_is_as_close_to_float32_attention_as_torchs_bfloat16(heads, kv_heads, hd, start, n):

@@ -11,10 +11,12 @@ its last row. Scores are bfloat16 products summed in float32 (vdpbf16ps), the so
 float32, its weights rounded to bfloat16 (as torch's bfloat16 attention rounds its
 probabilities) and summed into the values in float32, the output rounded to bfloat16.
 
-Speed, one layer, one thread (a 2-vCPU AMD EPYC VM, ``python -m
-shardline.bench.prefill_attention``): SmolLM2-135M's heads, 232 rows at positions
-2,089-2,320, 4.9 ms against torch's 17.3; 512 rows from position 0, 1.4 against 7.6; a
-1.5B Qwen2's (12 heads over 2 KV heads of 128), 3.5-5.9x.
+Speed, one layer, one thread (a 2-vCPU AMD EPYC VM, AVX-512 BF16, ``python -m
+shardline.bench.prefill_attention --threads 1``; 2026-12-07): SmolLM2-135M's heads, 232
+rows at positions 2,089-2,320, 3.7 ms against torch's 14.7; 512 rows from position 0,
+1.1 against 7.1; a 1.5B Qwen2's (12 heads over 2 KV heads of 128, two threads), 4.3-7.0x.
+The loops are bound by the products (vdpbf16ps) and the softmax's exponentials, at about
+60% of the products' peak on that CPU.
 
 It runs where the kernels are built for a CPU with AVX-512 BF16, the cache is bfloat16
 on the CPU and the head size is a multiple of 32 (at most 256); elsewhere torch's

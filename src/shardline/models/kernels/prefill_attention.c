@@ -22,8 +22,9 @@
  * parallel/stage.py span_keys.) A resumed prompt then needs no key span, and reads no
  * key past its rows. Speed: the keys of a block are scored against a tile of query rows
  * and heads at once, 16 keys a vdpbf16ps (keys transposed into pairs of dims), and the
- * values of two keys summed into 16 dims a vdpbf16ps (values interleaved by key pairs);
- * see prefill_attention.py for what it gains over torch's.
+ * values of two keys summed into 16 dims a vdpbf16ps (values interleaved by key pairs;
+ * keys and values transposed once a call, for every tile); see prefill_attention.py for
+ * what it gains over torch's.
  *
  * Threads (OpenMP) take (KV head, tile of rows) tasks, dynamically (later rows read
  * more keys); a row is computed by one task alone. */
@@ -40,7 +41,12 @@ int prefill_attention_built(void) { return 1; }
 
 #define KEY_BLOCK 64   /* keys a block: 4 vectors of 16 scores */
 #define TILE_HEADS 24  /* query vectors (rows x group heads) a task, at most */
-#define MAX_TILE 32
+#define MAX_TILE 32    /* query vectors a task holds, at most: whole groups of QV */
+#define QV 4           /* query vectors scored together (16 float32 accumulators) */
+_Static_assert(MAX_TILE % QV == 0, "a task's query vectors are scored QV at a time");
+/* A loaded vector kept in a register for the instructions that use it (GCC otherwise
+ * loads it again for each, and the loads, not the products, bound the loop). */
+#define HELD(x) __asm__("" : "+v"(x))
 #define MAX_HD 256
 
 /* e^x for x <= 0 (clamped at -87), within ~3e-6 relative: x = n ln 2 + r, |r| <= ln 2 / 2,
@@ -82,21 +88,41 @@ static void transpose_keys(const uint16_t *K, int64_t end, int64_t hd, uint32_t 
     }
 }
 
+/* Values 0 .. end - 1 of one KV head (V: [positions, hd]) as blocks of KEY_BLOCK keys,
+ * each [KEY_BLOCK / 2][hd] pairs of keys (dim d of keys j and j + 1 in one 32-bit lane),
+ * keys past end 0: vt [blocks][KEY_BLOCK / 2][hd]. */
+static void transpose_values(const uint16_t *V, int64_t end, int64_t hd, uint32_t *vt) {
+    const __m512i pair_index = _mm512_set_epi16(
+        31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9, 24, 8,
+        23, 7, 22, 6, 21, 5, 20, 4, 19, 3, 18, 2, 17, 1, 16, 0);
+    int64_t vecs = hd / 16;
+    for (int64_t k0 = 0; k0 < end; k0 += KEY_BLOCK) {
+        uint32_t *block = vt + (k0 / KEY_BLOCK) * (KEY_BLOCK / 2) * hd;
+        for (int64_t j = 0; j < KEY_BLOCK; j += 2)
+            for (int64_t d = 0; d < vecs; d++) {
+                __m256i a = k0 + j < end ? _mm256_loadu_si256((const __m256i *)(V + (k0 + j) * hd + 16 * d))
+                                         : _mm256_setzero_si256();
+                __m256i b = k0 + j + 1 < end ? _mm256_loadu_si256((const __m256i *)(V + (k0 + j + 1) * hd + 16 * d))
+                                             : _mm256_setzero_si256();
+                __m512i both = _mm512_inserti64x4(_mm512_castsi256_si512(a), b, 1);
+                _mm512_store_si512(block + (j / 2) * hd + 16 * d, _mm512_permutexvar_epi16(pair_index, both));
+            }
+    }
+}
+
 /* One task: rows r0 .. r0 + rows - 1 of the chunk, the `group` query heads of KV head
- * kvh. q: [n, q_stride] bfloat16 (a row's heads, hd each); kt: the KV head's keys
- * (transpose_keys); V: its values [positions, hd]; out: [n, heads, hd].
+ * kvh. q: [n, q_stride] bfloat16 (a row's heads, hd each); kt, vt: the KV head's keys
+ * and values (transpose_keys, transpose_values); out: [n, heads, hd].
  *
  * Every query vector (row, head) of the task runs every block up to the task's last row
  * alike, its keys past its row weighing exactly 0 (scores -inf, weights 0, values past
  * the chunk 0): x + 0 * v is x, and no accumulator is -0 (a block whose rescale is 0
- * zeroes it), so a row's bits are those of its own keys whatever the task. */
+ * zeroes it), so a row's bits are those of its own keys whatever the task. The softmax
+ * steps of QV query vectors run side by side, each in its own lanes. */
 static inline __attribute__((always_inline)) void tile_body(
         const uint16_t *q, int64_t q_stride, int64_t heads, int64_t group, int64_t kvh,
-        const uint32_t *kt, const uint16_t *V, int64_t start, int64_t r0, int64_t rows,
+        const uint32_t *kt, const uint32_t *vt, int64_t start, int64_t r0, int64_t rows,
         int64_t hd, float scale, uint16_t *out) {
-    /* values of key pairs: vt[j / 2][d] holds dim d of keys j and j + 1 */
-    uint32_t vt[KEY_BLOCK / 2][MAX_HD] __attribute__((aligned(64)));
-    float p[MAX_TILE][KEY_BLOCK] __attribute__((aligned(64))); /* weights */
     uint32_t pp[MAX_TILE][KEY_BLOCK / 2];                      /* weights' bfloat16 pairs */
     float acc[MAX_TILE][MAX_HD] __attribute__((aligned(64)));
     uint32_t qp[MAX_TILE][MAX_HD / 2];                         /* query dim pairs */
@@ -112,64 +138,72 @@ static inline __attribute__((always_inline)) void tile_body(
         best[t] = -INFINITY;
         last[t] = start + r;
     }
-    for (int64_t t = nq; t < MAX_TILE; t++) memset(qp[t], 0, sizeof qp[t]);
+    for (int64_t t = nq; t < MAX_TILE; t++) { /* a last group of QV's idle vectors */
+        memset(qp[t], 0, sizeof qp[t]);
+        best[t] = -INFINITY;
+        last[t] = -1;
+    }
     int64_t end = start + r0 + rows; /* keys 0 .. end - 1 are read */
     const __m512 sc = _mm512_set1_ps(scale), ninf = _mm512_set1_ps(-INFINITY);
     const __m512 cut = _mm512_set1_ps(-60.0f);
     for (int64_t k0 = 0; k0 < end; k0 += KEY_BLOCK) {
-        int64_t live = end - k0 < KEY_BLOCK ? end - k0 : KEY_BLOCK;
         const uint32_t *kb = kt + (k0 / KEY_BLOCK) * pairs * KEY_BLOCK;
-        const __m512i pair_index = _mm512_set_epi16(
-            31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9, 24, 8,
-            23, 7, 22, 6, 21, 5, 20, 4, 19, 3, 18, 2, 17, 1, 16, 0);
-        for (int64_t j = 0; j < KEY_BLOCK; j += 2)
-            for (int64_t d = 0; d < vecs; d++) {
-                __m256i a = j < live ? _mm256_loadu_si256((const __m256i *)(V + (k0 + j) * hd + 16 * d))
-                                     : _mm256_setzero_si256();
-                __m256i b = j + 1 < live ? _mm256_loadu_si256((const __m256i *)(V + (k0 + j + 1) * hd + 16 * d))
-                                         : _mm256_setzero_si256();
-                __m512i both = _mm512_inserti64x4(_mm512_castsi256_si512(a), b, 1);
-                _mm512_store_si512(vt[j / 2] + 16 * d, _mm512_permutexvar_epi16(pair_index, both));
-            }
-        /* scores, 4 query vectors x 64 keys at a time, then each vector's softmax step */
-        for (int64_t t0 = 0; t0 < nq; t0 += 4) {
-            __m512 s[4][4];
-            for (int i = 0; i < 4; i++)
+        const uint32_t *vb = vt + (k0 / KEY_BLOCK) * (KEY_BLOCK / 2) * hd;
+        /* scores, QV query vectors x 64 keys at a time, then their softmax steps */
+        for (int64_t t0 = 0; t0 < nq; t0 += QV) {
+            __m512 s[QV][4];
+            for (int i = 0; i < QV; i++)
                 for (int v = 0; v < 4; v++) s[i][v] = _mm512_setzero_ps();
             for (int64_t d = 0; d < pairs; d++) {
                 __m512bh k[4];
-                for (int v = 0; v < 4; v++) k[v] = (__m512bh)_mm512_load_si512(kb + d * KEY_BLOCK + 16 * v);
-                for (int i = 0; i < 4; i++) {
+                for (int v = 0; v < 4; v++) {
+                    k[v] = (__m512bh)_mm512_load_si512(kb + d * KEY_BLOCK + 16 * v);
+                    HELD(k[v]);
+                }
+                for (int i = 0; i < QV; i++) {
                     __m512bh qd = (__m512bh)_mm512_set1_epi32((int)qp[t0 + i][d]);
                     for (int v = 0; v < 4; v++) s[i][v] = _mm512_dpbf16_ps(s[i][v], k[v], qd);
                 }
             }
-            for (int i = 0; i < 4 && t0 + i < nq; i++) {
-                int64_t t = t0 + i, seen = last[t] - k0 + 1;
-                __mmask16 m[4];
+            /* each vector's largest score so far, in lane i (lanes QV.. idle) */
+            __mmask16 m[QV][4];
+            float most[16] __attribute__((aligned(64))), was[16] __attribute__((aligned(64)));
+            for (int i = 0; i < 16; i++) most[i] = was[i] = 0.0f;
+            for (int i = 0; i < QV; i++) {
+                was[i] = best[t0 + i];
+                int64_t seen = last[t0 + i] - k0 + 1;
                 __m512 top = ninf;
                 for (int v = 0; v < 4; v++) {
                     int64_t c = seen - 16 * v;
-                    m[v] = c >= 16 ? 0xFFFF : c <= 0 ? 0 : (__mmask16)((1u << c) - 1);
-                    s[i][v] = _mm512_mask_mul_ps(ninf, m[v], s[i][v], sc);
+                    m[i][v] = c >= 16 ? 0xFFFF : c <= 0 ? 0 : (__mmask16)((1u << c) - 1);
+                    s[i][v] = _mm512_mask_mul_ps(ninf, m[i][v], s[i][v], sc);
                     top = _mm512_max_ps(top, s[i][v]);
                 }
-                float most = _mm512_reduce_max_ps(top);
-                float now = most > best[t] ? most : best[t];
-                keep[t] = expf(best[t] - now); /* 0 for the first block; 1 where no key is live */
-                best[t] = now;
-                __m512 mv = _mm512_set1_ps(now), kp = _mm512_set1_ps(keep[t]), sum = _mm512_mul_ps(total[t], kp);
+                most[i] = _mm512_reduce_max_ps(top);
+            }
+            __m512 before = _mm512_load_ps(was), now = _mm512_max_ps(before, _mm512_load_ps(most));
+            /* the rescale e^(was - now): 0 for the first block (was -inf), 1 where no key
+             * is live (now is was) */
+            __mmask16 seen_any = _mm512_cmp_ps_mask(before, ninf, _CMP_NEQ_OQ);
+            __m512 kp4 = _mm512_maskz_mov_ps(seen_any, exp16n(_mm512_maskz_sub_ps(seen_any, before, now)));
+            float nowf[16] __attribute__((aligned(64))), kpf[16] __attribute__((aligned(64)));
+            _mm512_store_ps(nowf, now);
+            _mm512_store_ps(kpf, kp4);
+            for (int i = 0; i < QV && t0 + i < nq; i++) {
+                int64_t t = t0 + i;
+                keep[t] = kpf[i];
+                best[t] = nowf[i];
+                __m512 mv = _mm512_set1_ps(nowf[i]), sum = total[t], w[4];
+                if (kpf[i] != 1.0f) sum = _mm512_mul_ps(sum, _mm512_set1_ps(kpf[i]));
                 for (int v = 0; v < 4; v++) {
                     /* below e^-60 (relative to the largest, 1) a weight is 0: no denormals */
                     __m512 x = _mm512_sub_ps(s[i][v], mv);
-                    __m512 w = _mm512_maskz_mov_ps(m[v] & _mm512_cmp_ps_mask(x, cut, _CMP_GE_OQ), exp16n(x));
-                    _mm512_store_ps(p[t] + 16 * v, w);
-                    sum = _mm512_add_ps(sum, w);
+                    w[v] = _mm512_maskz_mov_ps(m[i][v] & _mm512_cmp_ps_mask(x, cut, _CMP_GE_OQ), exp16n(x));
+                    sum = _mm512_add_ps(sum, w[v]);
                 }
                 total[t] = sum;
                 for (int v = 0; v < 4; v += 2) /* bfloat16 pairs (j, j + 1), round to nearest */
-                    _mm512_storeu_si512(pp[t] + 8 * v, (__m512i)_mm512_cvtne2ps_pbh(
-                        _mm512_load_ps(p[t] + 16 * v + 16), _mm512_load_ps(p[t] + 16 * v)));
+                    _mm512_storeu_si512(pp[t] + 8 * v, (__m512i)_mm512_cvtne2ps_pbh(w[v + 1], w[v]));
             }
         }
         /* weighted values: QB query vectors at a time over the block's keys */
@@ -179,15 +213,32 @@ static inline __attribute__((always_inline)) void tile_body(
             __m512 a[4][MAX_HD / 16];
             for (int64_t i = 0; i < nb; i++) {
                 __m512 kp = _mm512_set1_ps(keep[t0 + i]);
-                for (int64_t d = 0; d < vecs; d++)
-                    a[i][d] = keep[t0 + i] == 0.0f ? _mm512_setzero_ps()
-                                                   : _mm512_mul_ps(_mm512_load_ps(acc[t0 + i] + 16 * d), kp);
+                for (int64_t d = 0; d < vecs; d++) /* (x 1 leaves x's bits) */
+                    a[i][d] = keep[t0 + i] == 0.0f   ? _mm512_setzero_ps()
+                              : keep[t0 + i] == 1.0f ? _mm512_load_ps(acc[t0 + i] + 16 * d)
+                                                     : _mm512_mul_ps(_mm512_load_ps(acc[t0 + i] + 16 * d), kp);
             }
-            for (int64_t j = 0; j < KEY_BLOCK / 2; j++) {
-                for (int64_t d = 0; d < vecs; d++) {
-                    __m512bh vv = (__m512bh)_mm512_load_si512(vt[j] + 16 * d);
-                    for (int64_t i = 0; i < nb; i++)
-                        a[i][d] = _mm512_dpbf16_ps(a[i][d], vv, (__m512bh)_mm512_set1_epi32((int)pp[t0 + i][j]));
+            if (vecs <= 8 && nb == qb) {
+                for (int64_t j = 0; j < KEY_BLOCK / 2; j++) {
+                    __m512bh vv[8], w[4];
+                    for (int64_t d = 0; d < vecs; d++) {
+                        vv[d] = (__m512bh)_mm512_load_si512(vb + j * hd + 16 * d);
+                        HELD(vv[d]);
+                    }
+                    for (int64_t i = 0; i < qb; i++) {
+                        w[i] = (__m512bh)_mm512_set1_epi32((int)pp[t0 + i][j]);
+                        HELD(w[i]);
+                    }
+                    for (int64_t i = 0; i < qb; i++)
+                        for (int64_t d = 0; d < vecs; d++) a[i][d] = _mm512_dpbf16_ps(a[i][d], vv[d], w[i]);
+                }
+            } else {
+                for (int64_t j = 0; j < KEY_BLOCK / 2; j++) {
+                    for (int64_t d = 0; d < vecs; d++) {
+                        __m512bh vv = (__m512bh)_mm512_load_si512(vb + j * hd + 16 * d);
+                        for (int64_t i = 0; i < nb; i++)
+                            a[i][d] = _mm512_dpbf16_ps(a[i][d], vv, (__m512bh)_mm512_set1_epi32((int)pp[t0 + i][j]));
+                    }
                 }
             }
             for (int64_t i = 0; i < nb; i++)
@@ -207,9 +258,9 @@ static inline __attribute__((always_inline)) void tile_body(
  * operations in the same order: the same bits). */
 #define TILE_FOR(HD)                                                                          \
     static void tile_##HD(const uint16_t *q, int64_t q_stride, int64_t heads, int64_t group,   \
-                          int64_t kvh, const uint32_t *kt, const uint16_t *V, int64_t start,   \
+                          int64_t kvh, const uint32_t *kt, const uint32_t *vt, int64_t start,  \
                           int64_t r0, int64_t rows, float scale, uint16_t *out) {              \
-        tile_body(q, q_stride, heads, group, kvh, kt, V, start, r0, rows, HD, scale, out);    \
+        tile_body(q, q_stride, heads, group, kvh, kt, vt, start, r0, rows, HD, scale, out);   \
     }
 TILE_FOR(64)
 TILE_FOR(128)
@@ -229,11 +280,17 @@ int prefill_attention(const uint16_t *q, int64_t n, int64_t q_stride, int64_t he
     if (group > MAX_TILE) return -1;
     int64_t end = start + n, blocks = (end + KEY_BLOCK - 1) / KEY_BLOCK;
     int64_t per_head = blocks * (hd / 2) * KEY_BLOCK;
-    uint32_t *kt = aligned_alloc(64, (size_t)(kv_heads * per_head * 4));
+    uint32_t *kt = aligned_alloc(64, (size_t)(2 * kv_heads * per_head * 4));
     if (!kt) return -2;
-#pragma omp parallel for schedule(static) if (kv_heads > 1 && !in_parallel())
-    for (int64_t kvh = 0; kvh < kv_heads; kvh++)
-        transpose_keys(K + kvh * kv_stride, end, hd, kt + kvh * per_head);
+    uint32_t *vt = kt + kv_heads * per_head;
+#pragma omp parallel for schedule(static) if (!in_parallel())
+    for (int64_t task = 0; task < 2 * kv_heads; task++) {
+        int64_t kvh = task / 2;
+        if (task % 2)
+            transpose_values(V + kvh * kv_stride, end, hd, vt + kvh * per_head);
+        else
+            transpose_keys(K + kvh * kv_stride, end, hd, kt + kvh * per_head);
+    }
     int64_t rows = TILE_HEADS / group > 0 ? TILE_HEADS / group : 1;
     int64_t tiles = (n + rows - 1) / rows, tasks = tiles * kv_heads;
 #pragma omp parallel for schedule(dynamic, 1) if (tasks > 1 && !in_parallel())
@@ -242,13 +299,13 @@ int prefill_attention(const uint16_t *q, int64_t n, int64_t q_stride, int64_t he
         int64_t tile = tiles - 1 - task / kv_heads, kvh = task % kv_heads;
         int64_t r0 = tile * rows, m = n - r0 < rows ? n - r0 : rows;
         const uint32_t *kh = kt + kvh * per_head;
-        const uint16_t *Vh = V + kvh * kv_stride;
+        const uint32_t *vh = vt + kvh * per_head;
         if (hd == 64)
-            tile_64(q, q_stride, heads, group, kvh, kh, Vh, start, r0, m, scale, out);
+            tile_64(q, q_stride, heads, group, kvh, kh, vh, start, r0, m, scale, out);
         else if (hd == 128)
-            tile_128(q, q_stride, heads, group, kvh, kh, Vh, start, r0, m, scale, out);
+            tile_128(q, q_stride, heads, group, kvh, kh, vh, start, r0, m, scale, out);
         else
-            tile_body(q, q_stride, heads, group, kvh, kh, Vh, start, r0, m, hd, scale, out);
+            tile_body(q, q_stride, heads, group, kvh, kh, vh, start, r0, m, hd, scale, out);
     }
     free(kt);
     return 0;
