@@ -1,11 +1,21 @@
 """The other processes' busy cores and a prefill step's thread count
 (:mod:`shardline.runner.other_load`): readings in, cores and counts out."""
 
+import subprocess
+import sys
 import time
 
 import pytest
 
-from shardline.runner.other_load import KEPT_S, WINDOW_S, OtherLoad, busy_cpu_seconds, free_count
+from shardline.runner.other_load import (
+    KEPT_S,
+    STEADY_S,
+    WINDOW_S,
+    OtherLoad,
+    RunnerAndNode,
+    busy_cpu_seconds,
+    free_count,
+)
 
 pytestmark = pytest.mark.fast
 
@@ -63,6 +73,60 @@ def test_samples_taken_at_decode_steps_make_the_window_recent():
         load.sample()
         machine.run(0.015, others=0.0, own=1.0)
     assert load.cores() == pytest.approx(0.0, abs=1e-9)  # from a sample 0.1-0.12 s old
+
+
+def _quiet_then(machine: Machine, load: OtherLoad, seconds: float, others: float) -> None:
+    """1 s of idle steps (a sample each 50 ms), then ``seconds`` with ``others`` cores
+    busy elsewhere, sampled alike."""
+    for _ in range(20):
+        load.sample()
+        machine.run(0.05, others=0.0, own=0.0)
+    for _ in range(round(seconds / 0.05)):
+        load.sample()
+        machine.run(0.05, others=others, own=0.0)
+
+
+@pytest.mark.parametrize(
+    "seconds, others, threads",
+    [
+        (0.15, 1.0, 2),  # a client building its request just before it: not a core taken
+        (0.2, 1.0, 2),
+        (0.3, 1.0, 1),  # a core taken for 0.3 s: counted
+        (1.0, 1.0, 1),  # a busy core
+        (1.0, 2.0, 1),
+        (1.0, 0.4, 2),  # less than half a core, steadily
+    ],
+)
+def test_a_burst_shorter_than_the_steady_span_takes_no_thread(seconds, others, threads):
+    machine = Machine()
+    load = machine.load()
+    _quiet_then(machine, load, seconds, others)
+    assert free_count(1, 2, 2, load.cores()) == threads
+
+
+def test_load_that_stopped_frees_the_cores_at_once():
+    machine = Machine()
+    load = machine.load()
+    _quiet_then(machine, load, 1.0, 1.0)
+    for _ in range(3):  # 0.15 s quiet after a busy second
+        load.sample()
+        machine.run(0.05, others=0.0, own=0.0)
+    assert load.cores() == pytest.approx(0.0, abs=1e-9)
+    assert STEADY_S > WINDOW_S
+
+
+def test_the_node_s_cpu_counts_as_the_runner_s_own():
+    """A runner (here a child process) counts its parent's CPU seconds as its own: the
+    node's tokenizing is the request's work, not another process's load."""
+    began = time.process_time()
+    while time.process_time() - began < 0.2:  # the parent (the "node") busy 0.2 s
+        pass
+    spent = time.process_time()
+    code = "from shardline.runner.other_load import RunnerAndNode; import time; print(RunnerAndNode()() - time.process_time())"
+    parent = float(subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout)
+    assert parent >= spent - 0.02  # the parent's CPU seconds, 10 ms ticks
+    mine = time.process_time()
+    assert RunnerAndNode()() >= mine
 
 
 def test_old_samples_go_but_the_newest_of_them_stays_a_base():

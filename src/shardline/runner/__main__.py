@@ -314,7 +314,7 @@ def _engine(
     """The rank's :class:`~shardline.runner.engine.Engine` over its loaded ``stage``."""
     from shardline.runner.constraint import GrammarTokenizer
     from shardline.runner.engine import Engine
-    from shardline.runner.other_load import OtherLoad
+    from shardline.runner.other_load import OtherLoad, RunnerAndNode
     from shardline.runner.speculation import default_drafts
 
     governor = decode_threads(spec.world_size, stage.shard, serving_threads)
@@ -336,7 +336,9 @@ def _engine(
         prefix_cache=spec.prefix_cache,
         draft_tokens=default_drafts(stage.shard.config.is_moe),
         threads=governor,
-        other_load=OtherLoad() if governor is not None or lends_threads(spec.world_size, stage) else None,
+        other_load=OtherLoad(own=RunnerAndNode())
+        if governor is not None or lends_threads(spec.world_size, stage)
+        else None,
     )
 
 

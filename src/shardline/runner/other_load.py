@@ -18,7 +18,13 @@ governor has a time to go by: its first requests under one busy core decoded at 
 tokens/s at the configured two threads (their drafted steps are not timed), 140-330 since.
 
 The reading is psutil's system CPU times (``/proc/stat`` on Linux: 10 ms ticks) against
-this process's own CPU time; steal counts as taken.
+this process's own CPU time and its node's (the runner's parent, whose work is the
+requests' own: tokenizing a prompt, streaming its tokens); steal counts as taken. A
+burst shorter than :data:`STEADY_S` is not a core taken: the node tokenizing an
+agent's prompt, or a client building its request, just before the prompt's step kept a
+2-vCPU machine's 1,930-token prefill at one thread (1.3-1.4 s against 0.7 s, a 150 ms
+burst in the client; the step takes the whole prompt), where the burst was over when
+the step began.
 """
 
 from __future__ import annotations
@@ -40,6 +46,34 @@ KEPT_S = 2.0
 
 EVERY_S = 0.02
 """The least time between kept samples, seconds."""
+
+STEADY_S = 0.5
+"""A reading is at most the other processes' busy cores over this span too, seconds: a
+process that keeps a core busy counts within about half of it, a shorter burst does not.
+(A core taken for good while a step runs at two threads stalls it: 3-11 s to a
+128-token prompt's first token; the step after one that long reads the core taken.)"""
+
+
+class RunnerAndNode:
+    """CPU seconds this process and its parent (a runner's node, looked up once) have
+    spent, the parent's other children left out; this process's alone without a parent
+    or once it is gone."""
+
+    def __init__(self) -> None:
+        try:
+            self.node: psutil.Process | None = psutil.Process().parent()
+        except psutil.Error:
+            self.node = None
+
+    def __call__(self) -> float:
+        mine = time.process_time()
+        if self.node is not None:
+            try:
+                times = self.node.cpu_times()
+                return mine + times.user + times.system
+            except psutil.Error:
+                self.node = None
+        return mine
 
 
 def busy_cpu_seconds() -> float:
@@ -65,7 +99,8 @@ class OtherLoad:
     """Busy cores of the machine's other processes, read at each step.
 
     ``busy`` and ``own``: the machine's busy CPU seconds and this process's CPU seconds
-    (:func:`busy_cpu_seconds`, ``time.process_time``); ``clock``: seconds, monotonic;
+    (:func:`busy_cpu_seconds`; ``time.process_time``, or for a runner
+    :class:`RunnerAndNode`, its node's too); ``clock``: seconds, monotonic;
     ``cpus``: the CPUs this process may run on (read once, at start). The first reading
     is taken at start: the first step's span goes back to it.
     """
@@ -91,16 +126,24 @@ class OtherLoad:
 
     def cores(self) -> float | None:
         """The other processes' busy cores from the newest sample at least
-        :data:`WINDOW_S` old to now (None where there is none; never below 0)."""
+        :data:`WINDOW_S` old to now, and at most from the newest at least
+        :data:`STEADY_S` old (or the oldest kept) to now (None where there is no sample
+        :data:`WINDOW_S` old; never below 0)."""
         now = self._take(self.clock())
-        base = None
+        recent = steady = None
         for sample in self.samples:
             if now[0] - sample[0] < WINDOW_S:
                 break
-            base = sample
-        if base is None:
+            if steady is None or now[0] - sample[0] >= STEADY_S:
+                steady = sample
+            recent = sample
+        if recent is None or steady is None:
             return None
-        return max(0.0, ((now[1] - base[1]) - (now[2] - base[2])) / (now[0] - base[0]))
+
+        def since(base: tuple[float, float, float]) -> float:
+            return ((now[1] - base[1]) - (now[2] - base[2])) / (now[0] - base[0])
+
+        return max(0.0, min(since(recent), since(steady)))
 
     def _take(self, at: float) -> tuple[float, float, float]:
         reading = (at, self.busy(), self.own())
