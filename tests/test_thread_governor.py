@@ -217,12 +217,12 @@ def fresh_engine(tmp_path):
     tm.save_hf(tm.hf_model("llama", num_layers=2, seed=3), tmp_path)
     shard = load_shard(open_weights(tmp_path), 0, 2, dtype=torch.float32)
 
-    def make(governor: ThreadGovernor | None, load: Reading) -> Engine:
+    def make(governor: ThreadGovernor | None, load: Reading, prompt: tuple[int, ...] = (5, 6, 7, 8)) -> Engine:
         stage = PipelineStage(shard, tm.new_cache(shard, slots=2, context=256), 0, 1)
         engine = Engine(
             stage, queue.Queue(), lambda m: None, "n", None, 2, 256, 64, 64, 1024, threads=governor, other_load=load
         )  # type: ignore[arg-type]
-        engine.inbox.put(Task(1, "n", (5, 6, 7, 8), 8, SamplingParams(temperature=0.0)))
+        engine.inbox.put(Task(1, "n", prompt, 8, SamplingParams(temperature=0.0)))
         return engine
 
     before = torch.get_num_threads()
@@ -271,6 +271,19 @@ def threads_of_forwards(engine) -> list[int]:
 
     shard.forward = counted  # type: ignore[method-assign]
     return counts
+
+
+def test_a_prompt_prefilled_in_one_step_reads_the_free_cpus_at_each_chunk(fresh_engine):
+    """A step that prefills a prompt in several chunks reads the free CPUs again before
+    each chunk after the first: a core taken when the step began (a client's burst just
+    before its request) costs the first chunk a thread, not the whole prompt."""
+    readings = iter([1.0] + [0.0] * 50)
+    load = Reading(None)
+    load.cores = lambda: next(readings)  # type: ignore[method-assign]
+    engine = fresh_engine(ThreadGovernor(2), load, tuple(3 + i % 50 for i in range(200)))
+    counts = threads_of_forwards(engine)
+    engine.step()  # the whole prompt: chunks of 64, 64, 64, 8 rows
+    assert counts == [1, 2, 2, 2]
 
 
 @pytest.mark.parametrize("others, prefill_threads", [(0.0, 2), (1.0, 1), (None, 1)])

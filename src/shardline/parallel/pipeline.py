@@ -76,7 +76,9 @@ class PipelineStage(Stage):
         self, microbatches: list[tuple[torch.Tensor, ForwardBatch]], computed: Callable[[int], None] | None = None
     ) -> list[torch.Tensor | None]:
         """See :meth:`Stage.run`; only rank 0 reads the token ids, the others receive
-        hidden states ``[N, hidden_size]`` from the previous rank."""
+        hidden states ``[N, hidden_size]`` from the previous rank. Each micro-batch asks
+        for torch's thread count as ``computed`` left it after the one before (the first,
+        as the call found it), and the call leaves the count it found."""
         shard, progress = self.shard, self.progress
         received = []
         if self.rank > 0:
@@ -87,7 +89,7 @@ class PipelineStage(Stage):
                 received.append((buffer, dist.irecv(buffer, src=self.rank - 1, tag=tag)))
         sends = []
         outputs: list[torch.Tensor | None] = []
-        wanted = torch.get_num_threads()
+        found = wanted = torch.get_num_threads()
         for tag, (tokens, batch) in enumerate(microbatches):
             if self.rank == 0:
                 inputs = tokens.to(shard.device)
@@ -107,14 +109,15 @@ class PipelineStage(Stage):
                 out = shard(inputs, batch, self.cache)
             if computed is not None:
                 computed(tag)
+                wanted = torch.get_num_threads()
             if self.samples:
                 outputs.append(out)
             else:
                 out = out.to(self.wire_device).contiguous()  # kept referenced until its send completes
                 sends.append((out, dist.isend(out, dst=self.rank + 1, tag=tag)))
                 outputs.append(None)
-        if torch.get_num_threads() != wanted:
-            torch.set_num_threads(wanted)
+        if torch.get_num_threads() != found:
+            torch.set_num_threads(found)
         for tag, (_, work) in enumerate(sends):
             progress.mark(f"sending micro-batch {tag} to rank {self.rank + 1}")
             assert work is not None  # isend returns its work outside a coalescing context
@@ -127,7 +130,8 @@ class PipelineStage(Stage):
         """Compute the block on up to ``wanted`` threads, as far as the machine's compute
         slots give them: one slot (waiting for it), and where the stage computes
         :func:`alone`, more of those free at once while one holds fewer threads than
-        wanted; torch's count where the stage takes no slots."""
+        wanted; torch's count where the stage takes no slots. Torch's count is ``wanted``
+        again after the block."""
         if self.slots is None:
             yield
             return
@@ -136,4 +140,8 @@ class PipelineStage(Stage):
             count = min(wanted, taken * per)
             if torch.get_num_threads() != count:
                 torch.set_num_threads(count)
-            yield
+            try:
+                yield
+            finally:
+                if torch.get_num_threads() != wanted:
+                    torch.set_num_threads(wanted)

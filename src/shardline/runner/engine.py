@@ -651,7 +651,8 @@ class Engine:
         timed: bool,
     ) -> list[torch.Tensor | None]:
         """Run the micro-batches at the thread governor's count (a step with prefill rows
-        at up to the configured count, as far as the other processes leave CPUs free:
+        at up to the configured count, as far as the other processes leave CPUs free,
+        read again before each of its micro-batches after the first:
         :func:`~shardline.runner.other_load.free_count`, as do a fresh runner's decode
         steps until the governor has a time; a pipeline stage of several ranks, without
         a governor, asks for up to every CPU for a step with prefill rows, as far as
@@ -670,6 +671,7 @@ class Engine:
             if load is not None:
                 if prefill:
                     count = free_count(count, threads.most, load.cpus, load.cores())
+                    computed = self._recounted(computed, threads, load)  # and at each chunk
                 elif threads.unseeded and (others := load.cores()) is not None:  # no times yet
                     count = threads.seed(free_count(count, threads.most, load.cpus, others))
         elif load is not None:  # a CPU pipeline stage: its compute slots give it the threads
@@ -685,6 +687,22 @@ class Engine:
             if threads.timed(decoding, time.perf_counter() - started) != before:
                 log.debug("decode steps: %d compute threads next", threads.threads)
         return outputs
+
+    @staticmethod
+    def _recounted(computed: Callable[[int], None], threads: ThreadGovernor, load: OtherLoad) -> Callable[[int], None]:
+        """``computed``, then the threads the free CPUs give now for the step's next
+        micro-batch: a prompt prefilled in one step (up to ``prefill_burst_tokens``, seconds
+        of an agent's) follows the machine's load chunk by chunk, not the reading at its
+        start alone (a burst of the client's just before it, a process that starts or stops
+        during it)."""
+
+        def then(index: int) -> None:
+            computed(index)
+            count = free_count(threads.threads, threads.most, load.cpus, load.cores())
+            if count != torch.get_num_threads():
+                torch.set_num_threads(count)
+
+        return then
 
     def _advance_prefill(
         self, chunks: list[tuple[Sequence, Chunk]], outputs: list[torch.Tensor | None]
