@@ -670,8 +670,12 @@ class Engine:
             count = threads.threads
             if load is not None:
                 if prefill:
-                    count = free_count(count, threads.most, load.cpus, load.cores())
-                    computed = self._recounted(computed, threads, load)  # and at each chunk
+
+                    def free() -> int:  # the threads the free CPUs give now
+                        return free_count(threads.threads, threads.most, load.cpus, load.cores())
+
+                    count = free()
+                    computed = self._recounted(computed, free)  # and at each chunk
                 elif threads.unseeded and (others := load.cores()) is not None:  # no times yet
                     count = threads.seed(free_count(count, threads.most, load.cpus, others))
         elif load is not None:  # a CPU pipeline stage: its compute slots give it the threads
@@ -689,16 +693,16 @@ class Engine:
         return outputs
 
     @staticmethod
-    def _recounted(computed: Callable[[int], None], threads: ThreadGovernor, load: OtherLoad) -> Callable[[int], None]:
-        """``computed``, then the threads the free CPUs give now for the step's next
-        micro-batch: a prompt prefilled in one step (up to ``prefill_burst_tokens``, seconds
-        of an agent's) follows the machine's load chunk by chunk, not the reading at its
-        start alone (a burst of the client's just before it, a process that starts or stops
-        during it)."""
+    def _recounted(computed: Callable[[int], None], free: Callable[[], int]) -> Callable[[int], None]:
+        """``computed``, then ``free()`` threads (those the free CPUs give now) for the
+        step's next micro-batch: a prompt prefilled in one step (up to
+        ``prefill_burst_tokens``, seconds of an agent's) follows the machine's load chunk
+        by chunk, not the reading at its start alone (a burst of the client's just before
+        it, a process that starts or stops during it)."""
 
         def then(index: int) -> None:
             computed(index)
-            count = free_count(threads.threads, threads.most, load.cpus, load.cores())
+            count = free()
             if count != torch.get_num_threads():
                 torch.set_num_threads(count)
 
