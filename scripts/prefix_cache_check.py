@@ -6,8 +6,9 @@ one engine per setting, 512-token chunks as a runner cuts them).
 
 ``exact``: 20 prompts of 416-1,674 tokens; each prefilled cold on one engine, and on
 another after a prompt that is its first 200-1,600 tokens (a hit); prints whether their 16
-greedy tokens are the same. ``--naive`` resumes at the longest block match and caches
-every prefilled row without the key span (what :mod:`shardline.runner.prefix_cache` and
+greedy tokens are the same. ``--naive`` resumes at the longest match and caches every
+prefilled row, each piece computed as its own rows and without the key span (what
+:mod:`shardline.runner.prefix_cache`, ``ForwardBatch.computed_as`` and
 :func:`shardline.parallel.stage.span_keys` prevent).
 
 ``turns``: conversations of 8 turns, each adding 250 new tokens to the prompt and then the
@@ -42,8 +43,19 @@ class Runner:
     def __init__(self, shard, config, prefix_cache: bool) -> None:
         self.sent: list = []
         cache = KVCache(config, len(shard.layers), 8, 4096, torch.bfloat16)
-        self.engine = Engine(PipelineStage(shard, cache, 0, 1), queue.Queue(), self.sent.append, "n", None, 8,
-                             4096, 512, 512, 4096, prefix_cache=prefix_cache)
+        self.engine = Engine(
+            PipelineStage(shard, cache, 0, 1),
+            queue.Queue(),
+            self.sent.append,
+            "n",
+            None,
+            8,
+            4096,
+            512,
+            512,
+            4096,
+            prefix_cache=prefix_cache,
+        )
         self.ids = iter(range(1, 1 << 40))
 
     def run(self, prompt, max_tokens: int) -> tuple[float, list[int], int]:
@@ -68,8 +80,9 @@ def naive() -> None:
     import shardline.runner.engine as engine
     import shardline.runner.prefix_cache as prefix_cache
 
-    prefix_cache.reuse = lambda matched, total, chunk, block: min(matched, (total - 1) // block * block)
-    engine.exact_end = lambda end, start, length, chunk: start + length if start == end else end  # type: ignore[assignment]
+    prefix_cache.reuse = lambda matched, total, chunk: min(matched, total - 1)
+    engine.exact_end = lambda end, start, length, chunk, computed_as: start + length if start == end else end  # type: ignore[assignment]
+    engine.Engine._computed_as = lambda self, seq, chunk: 0  # type: ignore[method-assign]
     stage.span_keys = lambda batch, span, positions: batch  # type: ignore[assignment]
 
 
@@ -84,8 +97,11 @@ def exact(shard, config) -> None:
         warm.run(prefix, 1)
         _, theirs, cached = warm.run(prompt, 16)
         differ += mine != theirs
-        print(f"{i:2d}: prefix {len(prefix):4d}, prompt {len(prompt):4d}, cached {cached:4d}: "
-              f"{'same' if mine == theirs else 'differs'}", flush=True)
+        print(
+            f"{i:2d}: prefix {len(prefix):4d}, prompt {len(prompt):4d}, cached {cached:4d}: "
+            f"{'same' if mine == theirs else 'differs'}",
+            flush=True,
+        )
     print(f"{differ} of 20 differ")
 
 
@@ -99,20 +115,25 @@ def turns(shard, config, conversations: int) -> None:
         for i in range(8):
             user = [rng.randrange(1000, 40000) for _ in range(250)]
             times, cached = {}, 0
-            for r in ((on, off) if (c + i) % 2 == 0 else (off, on)):
+            for r in (on, off) if (c + i) % 2 == 0 else (off, on):
                 prompts[id(r)] += user
                 times[id(r)], answer, got = r.run(prompts[id(r)], 64)
                 cached = got if r is on else cached
                 prompts[id(r)] += answer
             a, b = times[id(on)], times[id(off)]
             per_turn[i].append((len(prompts[id(on)]) - 64, cached, a, b))
-            print(f"conversation {c} turn {i + 1}: prompt {per_turn[i][-1][0]:5d}, cached {cached:5d}: "
-                  f"TTFT {a * 1000:6.0f} ms with the cache, {b * 1000:6.0f} ms without ({a / b:.2f}x)", flush=True)
+            print(
+                f"conversation {c} turn {i + 1}: prompt {per_turn[i][-1][0]:5d}, cached {cached:5d}: "
+                f"TTFT {a * 1000:6.0f} ms with the cache, {b * 1000:6.0f} ms without ({a / b:.2f}x)",
+                flush=True,
+            )
     print(f"medians over {conversations} conversations:")
     for i, rows in enumerate(per_turn):
         a, b = statistics.median(r[2] for r in rows), statistics.median(r[3] for r in rows)
-        print(f"turn {i + 1}: prompt {rows[0][0]:5d}, cached {rows[0][1]:5d}: TTFT {a * 1000:6.0f} ms with the "
-              f"cache, {b * 1000:6.0f} ms without ({a / b:.2f}x)")
+        print(
+            f"turn {i + 1}: prompt {rows[0][0]:5d}, cached {rows[0][1]:5d}: TTFT {a * 1000:6.0f} ms with the "
+            f"cache, {b * 1000:6.0f} ms without ({a / b:.2f}x)"
+        )
 
 
 def main() -> None:

@@ -311,11 +311,10 @@ title (``--title``), else its first turn also asks the model for one (a request 
 own, 0.6 thousand tokens), which the counts below would add to the turn's."""
 CACHED_SHARE = 0.95
 """Of the first turn's prompt, the share the second turn must find cached. What it may
-miss is under 256 tokens of the 7-12 thousand (6-176 measured with whole-block caching):
-a hit resumes a KV block (128 tokens of the tiny model served in bfloat16) or more
-further back where its first chunk would otherwise compute in another way than a cold
-prefill's (:func:`~shardline.runner.prefix_cache.reuse`), and a prompt's short last chunk
-is not cached (:func:`~shardline.runner.prefix_cache.exact_end`)."""
+miss is under 256 tokens of the 7-12 thousand (6-176 measured with whole-block caching,
+when a hit still resumed 96 rows before its chunk's end): a prompt's short last chunk is
+not cached (:func:`~shardline.runner.prefix_cache.exact_end`), and a prompt that ends in
+one resumes at its start (:func:`~shardline.runner.prefix_cache.reuse`)."""
 
 
 def _served(url: str) -> tuple[float, float, float]:

@@ -18,6 +18,7 @@ from shardline.runner.prefix_cache import (
     plan_extension,
     reuse,
     row_class,
+    window_rows,
 )
 
 pytestmark = [pytest.mark.fast, pytest.mark.timeout(10)]
@@ -35,25 +36,25 @@ def test_a_chunks_rows_decide_its_computation(rows, cls):
     "matched, total, start",
     [
         (0, 1100, 0),
-        (32, 1100, 32),  # first chunk 32..511: 480 rows, the cold 0..511's class
+        (32, 1100, 32),  # first piece 32..511, computed as the cold 0..511
         (512, 1100, 512),
-        (640, 1100, 640),  # 640..1023 (384 rows) as the cold 512..1023
-        (992, 1100, 928),  # 992..1023 would be 32 rows (fused) where the cold chunk has 512
-        (960, 1100, 928),  # 64 rows: fused too; 928..1023 is 96
+        (640, 1100, 640),  # 640..1023 as the cold 512..1023
+        (992, 1100, 992),  # 992..1023 is 32 rows, computed as the cold chunk's 512
+        (1000, 1100, 1000),
         (1056, 1100, 1024),  # the cold last chunk 1024..1099 is 76 rows (int8): none of it cached
         (1088, 1100, 1024),
         (1100, 1100, 1024),  # the same prompt again: its last chunk is prefilled again
-        (1088, 1130, 1024),  # last chunk 1024..1129 (106 rows): 1088.. would be 42
+        (1088, 1130, 1088),  # last chunk 1024..1129 (106 rows): 1088..1129 computed as it
         (1024, 1130, 1024),
         (2048, 1100, 1024),  # a longer cached prefix: at most the prompt, less its last chunk
         (1024, 1030, 1024),  # a 6-row last chunk, prefilled as the cold one
-        (2073, 2308, 2073),  # a block part full: 2073..2307 (235 rows) as the cold 2048..2307 (260)
-        (1000, 1100, 928),  # 1000..1023 is 24 rows: back a block at a time to 96
+        (2073, 2308, 2073),  # a block part full
+        (6000, 6050, 6000),  # an agent's short turn: its 50 rows alone
     ],
     ids=lambda v: str(v),
 )
-def test_a_hit_resumes_where_its_first_chunk_has_the_cold_chunks_class(matched, total, start):
-    assert reuse(matched, total, chunk=512, block=32) == start
+def test_a_hit_resumes_where_its_match_ends_unless_a_short_last_chunk_holds_it(matched, total, start):
+    assert reuse(matched, total, chunk=512) == start
 
 
 @pytest.mark.parametrize(
@@ -63,22 +64,32 @@ def test_a_hit_resumes_where_its_first_chunk_has_the_cold_chunks_class(matched, 
 def test_small_chunks_resume_at_any_token(matched, total, start):
     """Chunks of 8 rows (the tests' runners): every chunk is in one class; the same
     prompt again resumes at its last token (its logits are computed)."""
-    assert reuse(matched, total, chunk=8, block=64) == start
+    assert reuse(matched, total, chunk=8) == start
 
 
 @pytest.mark.parametrize(
-    "end, start, length, after",
+    "start, total, rows",
+    [(0, 1100, 512), (32, 1100, 512), (1000, 1100, 512), (1024, 1100, 76), (1090, 1100, 76), (0, 40, 40)],
+)
+def test_a_piece_is_computed_as_the_cold_chunk_it_lies_in(start, total, rows):
+    assert window_rows(start, total, 512) == rows
+
+
+@pytest.mark.parametrize(
+    "end, start, length, computed_as, after",
     [
-        (0, 0, 512, 512),  # a whole chunk
-        (512, 512, 100, 612),  # a last chunk of a whole chunk's class
-        (512, 512, 76, 512),  # a shorter one is not cached
-        (0, 640, 384, 0),  # does not follow on
-        (640, 640, 384, 1024),  # a resumed first chunk (its class was checked by reuse)
+        (0, 0, 512, 512, 512),  # a whole chunk
+        (512, 512, 100, 100, 612),  # a last chunk of a whole chunk's class
+        (512, 512, 76, 76, 512),  # a shorter one is not cached
+        (0, 640, 384, 512, 0),  # does not follow on
+        (640, 640, 384, 512, 1024),  # a resumed first piece
+        (992, 992, 32, 512, 1024),  # a short one, computed as its chunk
+        (512, 512, 40, 76, 512),  # a piece of a short last chunk
     ],
     ids=lambda v: str(v),
 )
-def test_rows_computed_in_a_whole_chunks_class_are_cached(end, start, length, after):
-    assert exact_end(end, start, length, 512) == after
+def test_rows_computed_in_a_whole_chunks_class_are_cached(end, start, length, computed_as, after):
+    assert exact_end(end, start, length, 512, computed_as) == after
 
 
 def test_block_hashes_are_chained_so_a_block_names_every_token_before_it():
@@ -247,40 +258,31 @@ def answered(slot: int, kept: int, rest: int, used: int = 1) -> CachedPrefix:
 
 
 @pytest.mark.parametrize(
-    "prefixes, free_tokens, extension, context",
+    "prefixes, free_tokens, extension",
     [
-        # a 243-token prompt kept 240 and answered 64: 307 whole, started back to 99 rows (AMX's class)
-        ([answered(0, 240, 67)], 1000, Extension(0, 208, 99), 4096),
-        # rows past the window's start only: padded with 26 rows thrown away to 96 rows
-        ([answered(0, 512, 70)], 1000, Extension(0, 512, 70, pad=26), 4096),
-        # ... not past the context; the pad's pool tokens free (whole blocks: 608 - 512)
-        ([answered(0, 512, 70)], 1000, None, 600),
-        ([answered(0, 512, 70)], 95, None, 4096),
-        ([answered(0, 512, 70)], 96, Extension(0, 512, 70, pad=26), 4096),
-        # at the window's end: started back, not padded past it (the chunk would read more keys)
-        ([answered(0, 992, 40)], 1000, Extension(0, 928, 96), 4096),
-        # a window at a time: the first ends at 512
-        ([answered(0, 480, 200)], 1000, Extension(0, 416, 96), 4096),
-        ([answered(0, 512, 168)], 1000, Extension(0, 512, 168), 4096),
+        # a 243-token prompt kept 240 and answered 64: its 67 rows, computed as a whole chunk
+        ([answered(0, 240, 67)], 1000, Extension(0, 240, 67)),
+        ([answered(0, 512, 70)], 1000, Extension(0, 512, 70)),
+        # at the window's end: to it (the next window is the next step's)
+        ([answered(0, 992, 40)], 1000, Extension(0, 992, 32)),
+        ([answered(0, 480, 200)], 1000, Extension(0, 480, 32)),
+        ([answered(0, 512, 168)], 1000, Extension(0, 512, 168)),
         # less than a block to add: its last block part full
-        ([answered(0, 240, 15)], 1000, Extension(0, 144, 111), 4096),
+        ([answered(0, 240, 15)], 1000, Extension(0, 240, 15)),
         # no free pool tokens (nothing is evicted for it): 320 - 240 for its pages
-        ([answered(0, 240, 67)], 79, None, 4096),
-        ([answered(0, 240, 67)], 80, Extension(0, 208, 99), 4096),
+        ([answered(0, 240, 67)], 79, None),
+        ([answered(0, 240, 67)], 80, Extension(0, 240, 67)),
         # the most recently used first; one that cannot grow leaves it to the next
-        ([answered(0, 240, 67, used=1), answered(1, 480, 200, used=2)], 1000, Extension(1, 416, 96), 4096),
-        ([answered(0, 240, 67, used=1), answered(1, 240, 0, used=2)], 1000, Extension(0, 208, 99), 4096),
-        ([], 1000, None, 4096),
+        ([answered(0, 240, 67, used=1), answered(1, 480, 200, used=2)], 1000, Extension(1, 480, 32)),
+        ([answered(0, 240, 67, used=1), answered(1, 240, 0, used=2)], 1000, Extension(0, 240, 67)),
+        ([], 1000, None),
     ],
     ids=[
         "answer",
-        "padded",
-        "context",
-        "no pool for the pad",
-        "pool for the pad",
+        "next window",
         "window end",
         "to the window",
-        "next window",
+        "whole window",
         "part block",
         "no pool",
         "pool",
@@ -289,8 +291,8 @@ def answered(slot: int, kept: int, rest: int, used: int = 1) -> CachedPrefix:
         "none",
     ],
 )
-def test_a_cached_prefix_grows_over_its_answer_in_a_whole_chunks_class(prefixes, free_tokens, extension, context):
-    assert plan_extension(prefixes, free_tokens, chunk=512, block=16, context=context) == extension
+def test_a_cached_prefix_grows_over_its_answer(prefixes, free_tokens, extension):
+    assert plan_extension(prefixes, free_tokens, chunk=512, block=16) == extension
 
 
 def test_an_extended_prefix_holds_its_answer_blocks_with_their_hashes():
@@ -305,6 +307,6 @@ def test_chunks_shorter_than_a_block_grow_a_prefix_a_block_of_whole_chunks_at_a_
     prefix = CachedPrefix(
         0, tuple(range(128)), tuple(block_hashes(tuple(range(128)), 64)), 1, rest=tuple(range(128, 230)), block=64
     )
-    assert plan_extension([prefix], 1000, chunk=8, block=64, context=4096) == Extension(0, 128, 64)
+    assert plan_extension([prefix], 1000, chunk=8, block=64) == Extension(0, 128, 64)
     # the 38 left: to the sequence's end, its last block part full
-    assert plan_extension([prefix.extended(192)], 1000, chunk=8, block=64, context=4096) == Extension(0, 192, 38)
+    assert plan_extension([prefix.extended(192)], 1000, chunk=8, block=64) == Extension(0, 192, 38)

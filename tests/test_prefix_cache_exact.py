@@ -72,8 +72,9 @@ def run(e: Recording, sent: list, t: Task, generated: list[int] | None = None) -
     "prefix, total, cached",
     [
         (803, 1197, 803),  # the prefix's last chunk (512..802) read its window's keys, as a cold one
-        (475, 655, 384),  # resumed inside the first chunk
-        (600, 1030, 600),  # the prefix's 88-row last chunk cached once idle, padded to a whole chunk's class
+        (475, 655, 475),  # resumed inside the first chunk: 37 rows computed as its 512
+        (600, 1030, 600),  # the prefix's 88-row last chunk cached once idle, computed as a whole chunk
+        (1000, 1030, 1000),  # an agent's short turn: 24 rows as their chunk, then the 6-row last chunk
     ],
     ids=lambda v: str(v),
 )
@@ -138,10 +139,10 @@ def test_a_seeded_sample_is_the_same_with_and_without_a_hit(shard):
     "model, prompt_len, answer_len",
     [
         ("shard", 700, 100),  # blocks of 128: the answer's rows a whole chunk's class
-        ("blocks_of_32", 520, 40),  # cached to 512, the answer's one block padded to 96 rows
-        ("blocks_of_32", 700, 30),  # cached to 700 (a block part full), recomputed from 608 with the answer
+        ("blocks_of_32", 520, 40),  # cached to 512, the answer's 48 rows computed as a whole chunk
+        ("blocks_of_32", 700, 30),  # cached to 700 (a block part full), the answer's 30 rows after it
     ],
-    ids=["blocks of 128", "padded", "rest of the chunk"],
+    ids=["blocks of 128", "short", "rest of the chunk"],
 )
 def test_an_answer_is_cached_while_idle_with_a_cold_prefills_bits(request, model, prompt_len, answer_len):
     """A conversation's next turn holds this turn's answer: computed while the engine idles,

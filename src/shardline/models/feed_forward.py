@@ -29,6 +29,7 @@ from torch import nn
 
 from shardline.models.config import ModelConfig, TensorShare
 from shardline.models.linear import Linear
+from shardline.models.weight_products import computed_as
 
 
 class MLP(nn.Module):
@@ -126,12 +127,13 @@ class MixtureOfExperts(nn.Module):
         order = flat.argsort(stable=True)  # grouped by expert, rows ascending within each
         experts, counts = flat[order].unique_consecutive(return_counts=True)
         start = 0
-        for expert, count in zip(experts.tolist(), counts.tolist()):
-            picks = order[start : start + count]
-            start += count
-            if not 0 <= expert - self.first < len(self.experts):
-                continue  # another rank's (expert sharding)
-            rows = picks // self.top_k
-            y = self.experts[expert - self.first](x.index_select(0, rows))
-            out.index_add_(0, rows, y.float() * flat_weights[picks, None])
+        with computed_as(0):  # an expert's product as for the rows that chose it
+            for expert, count in zip(experts.tolist(), counts.tolist()):
+                picks = order[start : start + count]
+                start += count
+                if not 0 <= expert - self.first < len(self.experts):
+                    continue  # another rank's (expert sharding)
+                rows = picks // self.top_k
+                y = self.experts[expert - self.first](x.index_select(0, rows))
+                out.index_add_(0, rows, y.float() * flat_weights[picks, None])
         return out if self.partial else out.to(x.dtype)

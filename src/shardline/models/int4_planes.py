@@ -14,7 +14,15 @@ import torch
 
 from shardline.models import kernel_library, native_dequant
 from shardline.models.gguf_quants import GroupQuant
-from shardline.models.weight_products import KERNEL_MAX_ROWS, blocked_product, gemm_dtype, in_dtype, native, scratch
+from shardline.models.weight_products import (
+    KERNEL_MAX_ROWS,
+    blocked_product,
+    gemm_dtype,
+    in_dtype,
+    native,
+    product_rows,
+    scratch,
+)
 
 INT4_GROUP = 32
 
@@ -53,18 +61,19 @@ class Int4Planes:
         scratch for a dense GEMM (torch's kernel is 2.8x slower than that for 512 rows of a
         576 x 3072 product, and in float32 has no fast path at all: 20x slower for one
         row)."""
-        if x.shape[0] > KERNEL_MAX_ROWS and x.dtype == torch.bfloat16 and native_dequant.amx_prefill(x.shape[0]):
+        rows = product_rows(x.shape[0])
+        if rows > KERNEL_MAX_ROWS and x.dtype == torch.bfloat16 and native_dequant.amx_prefill(rows):
             gemv = self._gemv()
             if gemv is not None:
                 return gemv.prefill(x)
         if x.dtype in (torch.bfloat16, torch.float32) and (
-            x.shape[0] <= KERNEL_MAX_ROWS or native_dequant.int8_prefill(x.shape[0])
+            rows <= KERNEL_MAX_ROWS or native_dequant.int8_prefill(rows)
         ):
             gemv = self._gemv()
             if gemv is not None:
                 return gemv(x)
         x = x.contiguous()
-        dense = x.shape[0] > KERNEL_MAX_ROWS or x.dtype == torch.float32
+        dense = rows > KERNEL_MAX_ROWS or x.dtype == torch.float32
         if dense and self.rows_readable():
             # the kernel writes the output; else float32 work, plane and nibbles
             work = 0 if self._kernel_half(gemm_dtype(x.dtype)) else 9

@@ -50,7 +50,15 @@ from shardline.models import kernel_library, native_dequant
 from shardline.models.gguf_quants import GroupQuant
 from shardline.models.int4_planes import INT4_GROUP, Int4Planes, pack_int4_planes
 from shardline.models.packed_groups import PackedGroups, pack_groups, packs
-from shardline.models.weight_products import KERNEL_MAX_ROWS, blocked_product, gemm_dtype, in_dtype, native, scratch
+from shardline.models.weight_products import (
+    KERNEL_MAX_ROWS,
+    blocked_product,
+    gemm_dtype,
+    in_dtype,
+    native,
+    product_rows,
+    scratch,
+)
 
 REFINED_LOGITS = 16
 """Outputs per row of the LM head recomputed in float32 (:attr:`Linear.logits`)."""
@@ -73,7 +81,7 @@ class DenseWeight:
         """``x @ weight.T`` for ``x`` ``[rows, in]`` in the weight's dtype: a prefill
         product whose GEMM runs in another dtype (:func:`gemm_dtype`) converts the weight
         a block of rows at a time into scratch."""
-        if x.shape[0] <= KERNEL_MAX_ROWS or gemm_dtype(x.dtype) == x.dtype:
+        if product_rows(x.shape[0]) <= KERNEL_MAX_ROWS or gemm_dtype(x.dtype) == x.dtype:
             return F.linear(x, self.weight.to(x.dtype))
 
         def columns(start: int, end: int, dtype: torch.dtype) -> torch.Tensor:
@@ -139,7 +147,7 @@ class Int8Groups:
         """``x @ W.T`` for ``x`` ``[rows, in]``: up to :data:`KERNEL_MAX_ROWS` rows (decode)
         a product that reads one byte a weight (the compiled kernel, in float32, each row
         on its own), else the weight dequantized block by block and a dense GEMM."""
-        if x.shape[0] <= KERNEL_MAX_ROWS and self.group % 8 == 0 and kernel_library.kernels():
+        if product_rows(x.shape[0]) <= KERNEL_MAX_ROWS and self.group % 8 == 0 and kernel_library.kernels():
             return native_dequant.int8_groups_gemv(self.q, self.scale, self.offset, self.group, x.float()).to(x.dtype)
         work = 0 if native(x.dtype) else 4  # float32 work
         return blocked_product(x, self.q.shape[0], self._columns, work)

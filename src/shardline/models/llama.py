@@ -38,7 +38,7 @@ from shardline.models.decode_graphs import GRAPH_MAX_ROWS
 from shardline.models.feed_forward import MLP, MixtureOfExperts
 from shardline.models.kv_cache import KVCache
 from shardline.models.linear import Embedding, Linear
-from shardline.models.weight_products import KERNEL_MAX_ROWS
+from shardline.models.weight_products import KERNEL_MAX_ROWS, computed_as
 
 FUSED_PREFILL_MAX_ROWS = 64
 """Prefill chunks of up to this many tokens run through the fused decode layers too (each
@@ -93,6 +93,12 @@ class ForwardBatch:
         graphed: a decode step the shard's CUDA graphs take whole
             (:meth:`DecoderShard.decode_batch`): only ``rows`` and ``kv_len`` are set, the
             tensors are empty.
+        computed_as: prefill only: the layers (fused or torch) and the products'
+            kernels are chosen as for a chunk of at least this many rows
+            (:func:`~shardline.models.weight_products.computed_as`; the experts of a
+            mixture of experts as for their own rows): a prompt resumed from a cached
+            prefix computes its rows as the whole chunk a cold prefill does. 0: the
+            chunk's own rows.
     """
 
     prefill: bool
@@ -111,6 +117,7 @@ class ForwardBatch:
     key_span: int = 0
     key_mask: torch.Tensor | None = None
     graphed: bool = False
+    computed_as: int = 0
 
 
 class RMSNorm(nn.Module):
@@ -592,13 +599,14 @@ class DecoderShard(nn.Module):
         elif (
             self.fused is not None
             and batch.ring is None
-            and len(inputs) <= (FUSED_PREFILL_MAX_ROWS if batch.prefill else KERNEL_MAX_ROWS)
+            and max(len(inputs), batch.computed_as) <= (FUSED_PREFILL_MAX_ROWS if batch.prefill else KERNEL_MAX_ROWS)
         ):
             h = self.fused(self.embed(inputs) if self.embed is not None else inputs, batch, cache)
         else:
             h = self.embed(inputs) if self.embed is not None else inputs
-            for i, layer in enumerate(self.layers):
-                h = layer(h, batch, cache.k[i], cache.v[i])
+            with computed_as(batch.computed_as):
+                for i, layer in enumerate(self.layers):
+                    h = layer(h, batch, cache.k[i], cache.v[i])
         if self.lm_head is None or self.norm is None:
             return h
         h = self.norm(h.index_select(0, batch.logit_rows))

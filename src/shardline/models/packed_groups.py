@@ -40,7 +40,7 @@ import torch
 
 from shardline.models import kernel_library, native_dequant
 from shardline.models.gguf_quants import GroupQuant
-from shardline.models.weight_products import KERNEL_MAX_ROWS, blocked_product, scratch
+from shardline.models.weight_products import KERNEL_MAX_ROWS, blocked_product, product_rows, scratch
 
 CHUNK = 32
 """Weights per chunk of the layout."""
@@ -222,7 +222,7 @@ class PackedGroups:
         """``x @ W.T`` for ``x`` ``[rows, in]``: up to :data:`~shardline.models.weight_products.KERNEL_MAX_ROWS` rows (decode)
         the kernel's product (:func:`~shardline.models.native_dequant.packed_groups_gemv`),
         else blocks of rows dequantized into scratch and a dense GEMM (prefill)."""
-        if x.shape[0] <= KERNEL_MAX_ROWS and kernel_library.kernels():
+        if product_rows(x.shape[0]) <= KERNEL_MAX_ROWS and kernel_library.kernels():
             return native_dequant.packed_groups_gemv(self, x).to(x.dtype)
 
         def columns(start: int, end: int, dtype: torch.dtype) -> torch.Tensor:

@@ -8,7 +8,10 @@ Used by every resident form (:mod:`shardline.models.linear`,
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import functools
+from collections.abc import Iterator
 
 import torch
 
@@ -21,6 +24,29 @@ that computes each row on its own (the compiled int4-plane product,
 :class:`~shardline.models.native_dequant.Int4Gemv`, else torch's int4 kernel; the packed
 and int8 groups' compiled products): up to this batch size a sequence's output does not
 depend on what else is in its batch."""
+
+_COMPUTED_AS: contextvars.ContextVar[int] = contextvars.ContextVar("computed_as", default=0)
+
+
+@contextlib.contextmanager
+def computed_as(rows: int) -> Iterator[None]:
+    """Within the block, products choose their kernel as for at least ``rows`` rows
+    (:func:`product_rows`): a prefill piece resumed from a cached prefix is computed as
+    the whole chunk a cold prefill computes those rows in, so each row gets that chunk's
+    bits (the kernels below give each row the same bits whatever the rows beside it;
+    :mod:`shardline.runner.prefix_cache`). 0: as many rows as the product has."""
+    token = _COMPUTED_AS.set(rows)
+    try:
+        yield
+    finally:
+        _COMPUTED_AS.reset(token)
+
+
+def product_rows(rows: int) -> int:
+    """The rows a product of ``rows`` rows chooses its kernel for: at least those of the
+    enclosing :func:`computed_as`."""
+    return max(rows, _COMPUTED_AS.get())
+
 
 SCRATCH_BUFFERS: dict[tuple[str, torch.dtype], torch.Tensor] = {}
 

@@ -61,7 +61,7 @@ from shardline.runner.block_hashes import block_hashes
 from shardline.runner.constraint import Constraint
 from shardline.runner.logprob_tables import logprob_table, logprob_width, prompt_logprob_table, read_logprobs
 from shardline.runner.other_load import OtherLoad, free_count
-from shardline.runner.prefix_cache import Admission, CachedPrefix, Extension, Waiting, exact_end
+from shardline.runner.prefix_cache import Admission, CachedPrefix, Extension, Waiting, exact_end, window_rows
 from shardline.runner.protocol import Cancel, EngineStats, PrefillProgress, Shutdown, Task, TokenEvent, Tokens
 from shardline.runner.sampling import MAX_TOP_LOGPROBS, Sampler
 from shardline.runner.speculation import Drafter
@@ -589,24 +589,23 @@ class Engine:
             self._sample_and_advance(plan, [seqs[i] for i in plan.sampled], rows)
 
     def _extend(self, extension: Extension) -> None:
-        """Compute a cached prefix's rows ``extension`` names (prefill chunks, no logits)
-        and its pad rows (the last token again, at the positions after them, given back
-        once computed), and cache them
+        """Compute a cached prefix's rows ``extension`` names (prefill chunks, no logits,
+        each computed as a whole chunk) and cache them
         (:func:`~shardline.runner.prefix_cache.plan_extension`)."""
         prefix = self.cached[extension.slot]
         end = extension.start + extension.length
         tokens = (prefix.token_ids + prefix.rest)[:end]
-        tokens += tokens[-1:] * extension.pad
+        chunk = self.prefill_chunk
         micro = [
             (
                 torch.tensor(tokens[start : start + length], dtype=torch.long),
-                self.stage.prefill_batch(extension.slot, start, length, want_logits=False, key_span=self.prefill_chunk),
+                self.stage.prefill_batch(
+                    extension.slot, start, length, want_logits=False, key_span=chunk, computed_as=chunk
+                ),
             )
-            for _, start, length in prefill_plan([(len(tokens), extension.start)], self.prefill_chunk, len(tokens))
+            for _, start, length in prefill_plan([(end, extension.start)], chunk, end)
         ]
         self._compute(micro, lambda _: None, 0, timed=False)
-        if extension.pad:
-            self.stage.cache.release(extension.slot, end)
         extended = prefix.extended(end)
         self.free_kv_tokens -= extended.tokens - prefix.tokens
         self.cached[extension.slot] = extended
@@ -620,7 +619,8 @@ class Engine:
         attends, so a drafted row sees those before it), then each prefill chunk."""
         stage = self.stage
         micro = []
-        key_span = self.prefill_chunk if self.prefix_cache else 0  # a cold prefill's bits on a hit
+        # a cold prefill's bits on a hit: the keys and the kernels of the chunk it computes
+        key_span = self.prefill_chunk if self.prefix_cache else 0
         if decoding:
             slots, positions, tokens = [], [], []
             for s, draft in decoding:
@@ -637,6 +637,7 @@ class Engine:
                 want_logits=chunk.want_logits,
                 every_row=chunk.every_row,
                 key_span=key_span,
+                computed_as=self._computed_as(seq, chunk) if key_span else 0,
             )
             micro.append(
                 (torch.tensor(seq.task.prompt[chunk.start : chunk.start + chunk.length], dtype=torch.long), batch)
@@ -708,6 +709,14 @@ class Engine:
 
         return then
 
+    def _computed_as(self, seq: Sequence, chunk: Chunk) -> int:
+        """The rows ``chunk`` of ``seq`` is computed as: the cold prefill's chunk its rows
+        lie in (:func:`~shardline.runner.prefix_cache.window_rows`; a continuation's
+        prompt ends where its replayed output starts), or 0 for replayed output (its own
+        rows: decode's computation, :func:`~shardline.runner.step_plan.prefill_plan`)."""
+        given = seq.prompt_len - seq.task.sampling.resumed
+        return window_rows(chunk.start, given, self.prefill_chunk) if chunk.start < given else 0
+
     def _advance_prefill(
         self, chunks: list[tuple[Sequence, Chunk]], outputs: list[torch.Tensor | None]
     ) -> list[torch.Tensor]:
@@ -717,7 +726,8 @@ class Engine:
         rows: list[torch.Tensor] = []
         for (seq, chunk), out in zip(chunks, outputs):
             seq.prefilled = chunk.start + chunk.length
-            seq.exact_end = exact_end(seq.exact_end, chunk.start, chunk.length, self.prefill_chunk)
+            computed_as = self._computed_as(seq, chunk)
+            seq.exact_end = exact_end(seq.exact_end, chunk.start, chunk.length, self.prefill_chunk, computed_as)
             if seq.scored:
                 self._share_prompt_logprobs(seq, chunk.start, chunk.length, out)
             if chunk.last and self.stage.samples:

@@ -43,13 +43,17 @@ than :data:`~shardline.models.llama.FUSED_PREFILL_MAX_ROWS` rows takes the torch
 whose products give each row the same bits whatever the chunk's size; a shorter one takes
 the fused decode layers, and products of fewer than
 :data:`~shardline.models.native_dequant.AMX_PREFILL_MIN_ROWS` rows another product
-(:func:`row_class`). So a hit resumes where its first chunk, cut where a cold prefill
-cuts (at multiples of the chunk), falls in the cold chunk's class (:func:`reuse`), and
-only rows computed in a whole chunk's class are cached (:func:`exact_end`): a hit then
-gives a cold prefill's bits, and the same tokens, greedy or seeded. (SmolLM2-135M Q4_1
-in bfloat16, 20 prompts of 416-1,674 tokens resumed from a cached 224-1,440: 0 of 20
-texts (16 greedy tokens) differed; without the key span 2 did, the rows of a
-cached prefix's short last chunk having read fewer keys.)
+(:func:`row_class`). So every prefill piece is computed as the chunk a cold prefill,
+cut at multiples of the chunk, computes its rows in (:func:`window_rows`;
+:func:`~shardline.models.weight_products.computed_as`): a hit resumes where its match
+ends, however few rows are left in that chunk, and only rows computed in a whole chunk's
+class are cached (:func:`exact_end`): a hit then gives a cold prefill's bits, and the
+same tokens, greedy or seeded. (SmolLM2-135M Q4_1 in bfloat16, 20 prompts of 416-1,674
+tokens resumed from a cached 224-1,440: 0 of 20 texts (16 greedy tokens) differed;
+without the key span 2 did, the rows of a cached prefix's short last chunk having read
+fewer keys. Resuming an agent's 50-token turn after 6,000 cached tokens, computed as its
+chunk rather than started 96 rows back to reach that chunk's class: SmolLM2 126 -> 78 ms,
+a 1.5B Q4_K_M model 497 -> 237 ms, 2 vCPUs.)
 """
 
 from __future__ import annotations
@@ -89,37 +93,39 @@ def matched_tokens(prompt: tuple[int, ...], prompt_hashes: list[int], cached: "C
     return tokens
 
 
-def exact_end(end: int, start: int, length: int, chunk: int) -> int:
-    """A sequence's prefix of cacheable rows after a prefill chunk ``start .. start +
-    length - 1``: rows ``0 .. end - 1`` had the bits a cold prefill of whole chunks gives
-    them; the chunk extends that where it follows on and falls in a whole chunk's
-    :func:`row_class`."""
-    if start == end and row_class(length) == row_class(chunk):
+def window_rows(start: int, total: int, chunk: int) -> int:
+    """Rows of the chunk a cold prefill of a ``total``-token prompt computes position
+    ``start`` in (cut at multiples of ``chunk``, its last chunk possibly short): what a
+    prefill piece starting there is computed as (:func:`row_class`), so each of its rows
+    gets a cold prefill's bits."""
+    a = start // chunk * chunk
+    return min(a + chunk, total) - a
+
+
+def exact_end(end: int, start: int, length: int, chunk: int, computed_as: int) -> int:
+    """A sequence's prefix of cacheable rows after a prefill piece ``start .. start +
+    length - 1`` computed as a chunk of ``computed_as`` rows: rows ``0 .. end - 1`` had
+    the bits a cold prefill of whole chunks gives them; the piece extends that where it
+    follows on and was computed in a whole chunk's :func:`row_class`."""
+    if start == end and row_class(computed_as) == row_class(chunk):
         return start + length
     return end
 
 
-def reuse(matched: int, total: int, chunk: int, block: int) -> int:
+def reuse(matched: int, total: int, chunk: int) -> int:
     """Where a prompt of ``total`` tokens whose first ``matched`` tokens are cached resumes
     its prefill so that it gives a cold prefill's bits (0: it prefills all).
 
-    Short of the last token (its logits are computed). A cold prefill cuts at
-    multiples of ``chunk``, its last chunk possibly short; the resumed one cuts at the same
-    multiples. A cached row has a whole chunk's class (:func:`exact_end`), so no cached row
-    may fall in a cold last chunk of another class, and the resumed first chunk
-    ``[start, e)`` must have the class of the cold ``[a, e)``: ``start`` is lowered, a
-    block of ``block`` tokens at a time, until it does (at ``a`` at worst)."""
+    Short of the last token (its logits are computed). A cached row was computed in a
+    whole chunk's class (:func:`exact_end`), so none may stand for a row of a cold last
+    chunk of another class (a short one): the prompt then resumes at that chunk's start.
+    Elsewhere it resumes at ``matched``, its first piece computed as the cold chunk it
+    lies in (:func:`window_rows`), however few rows it has."""
     start = min(matched, total - 1)
     last = (total - 1) // chunk * chunk  # the cold prefill's last chunk starts there
     if row_class(total - last) != row_class(chunk):
         start = min(start, last)
-    if start <= 0:
-        return 0
-    a = start // chunk * chunk
-    e = min(a + chunk, total)
-    while start > a and row_class(e - start) != row_class(e - a):
-        start = max(a, (start - 1) // block * block)
-    return start
+    return max(start, 0)
 
 
 @dataclass(frozen=True)
@@ -155,58 +161,32 @@ class CachedPrefix:
 
 @dataclass(frozen=True)
 class Extension:
-    """Rows ``start .. start + length - 1`` of cached slot ``slot``'s ``token_ids + rest``
-    prefilled (cut at multiples of the chunk), so its cached prefix grows to ``start +
-    length`` tokens; ``pad``: rows after them computed in the same chunk and thrown away
-    (their positions given back), so that the chunk has a whole chunk's
-    :func:`row_class`."""
+    """A cached prefix's slot ``slot`` grows over its sequence's tokens ``start .. start +
+    length - 1``, computed as whole chunks (:func:`row_class`)."""
 
     slot: int
     start: int
     length: int
-    pad: int = 0
 
 
-def fewest_rows(cls: int) -> int:
-    """The fewest rows a prefill chunk of :func:`row_class` ``cls`` has."""
-    return (1, FUSED_PREFILL_MAX_ROWS + 1, AMX_PREFILL_MIN_ROWS)[cls]
-
-
-def plan_extension(
-    cached: list[CachedPrefix], free_tokens: int, chunk: int, block: int, context: int
-) -> Extension | None:
+def plan_extension(cached: list[CachedPrefix], free_tokens: int, chunk: int, block: int) -> Extension | None:
     """The rows that make a cached prefix cover more of its sequence while the engine
     idles (nothing runs or waits), or None.
 
     A conversation's next prompt holds this one's answer: generated rows have decode's
     bits, not a cold prefill's, so they are not cached when the sequence ends, and the next
     turn would prefill them before its new tokens. Computed here while nothing else runs,
-    as a cold prefill would (whole blocks, cut at multiples of ``chunk``, each piece
-    reading its window's keys, in a whole chunk's :func:`row_class`: started a block at a
-    time earlier, recomputing cached rows to the same bits, and where that is not enough
-    padded with rows after them in the window, short of ``context``), they are cached
-    exactly. The most recently used prefix first; to the end of its chunk window (or of
-    its next block, where a block is longer) or of its sequence (a block part full), so a
-    task that arrives waits at most a chunk; only pool tokens that are free, nothing
-    evicted."""
-    whole = row_class(chunk)
+    as a cold prefill would (cut at multiples of ``chunk``, each piece reading its
+    window's keys, computed as a whole chunk), they are cached exactly. The most recently
+    used prefix first; to the end of its chunk window (or of its next block, where a block
+    is longer) or of its sequence (a block part full), so a task that arrives waits at
+    most a chunk; only pool tokens that are free, nothing evicted."""
     for prefix in sorted(cached, key=lambda c: -c.used):
         keep = len(prefix.token_ids)
         a = keep // chunk * chunk
         end = min(keep + len(prefix.rest), max(a + chunk, (keep // block + 1) * block))
-        if end <= keep or whole_blocks(end, block) - prefix.tokens > free_tokens:
-            continue
-        start = keep
-        while start > a and row_class(min(a + chunk, end) - start) != whole:
-            start = max(a, (start - 1) // block * block)
-        last = (end - 1) // chunk * chunk
-        pad = 0
-        if last == start // chunk * chunk and row_class(end - start) != whole:  # one piece: pad it
-            pad = fewest_rows(whole) - (end - start)
-            if end + pad > min(a + chunk, context) or whole_blocks(end + pad, block) - prefix.tokens > free_tokens:
-                continue
-        if row_class(min(a + chunk, end + pad) - start) == whole and row_class(end + pad - max(last, start)) == whole:
-            return Extension(prefix.slot, start, end - start, pad)
+        if end > keep and whole_blocks(end, block) - prefix.tokens <= free_tokens:
+            return Extension(prefix.slot, keep, end - keep)
     return None
 
 
@@ -256,7 +236,7 @@ def _furthest(task: Waiting, pool: list[CachedPrefix], chunk: int, block: int) -
     best_reuse = 0
     if task.may_reuse:
         for prefix in reversed(pool):  # most recently used first: it wins ties
-            r = reuse(matched_tokens(task.prompt, task.hashes, prefix, block), len(task.prompt), chunk, block)
+            r = reuse(matched_tokens(task.prompt, task.hashes, prefix, block), len(task.prompt), chunk)
             if r > best_reuse:
                 best, best_reuse = prefix, r
     return best, best_reuse

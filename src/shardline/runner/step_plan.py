@@ -280,5 +280,5 @@ def plan_step(
     decode, chunks = schedule(seqs, limits)
     extension = None
     if not running and not waiting:
-        extension = plan_extension(cached, free_tokens, limits.chunk, limits.block, limits.context)
+        extension = plan_extension(cached, free_tokens, limits.chunk, limits.block)
     return StepPlan(admission, seqs, decode, chunks, limits.context, extension)
