@@ -619,8 +619,7 @@ class Engine:
         attends, so a drafted row sees those before it), then each prefill chunk."""
         stage = self.stage
         micro = []
-        # a cold prefill's bits on a hit: the keys and the kernels of the chunk it computes
-        key_span = self.prefill_chunk if self.prefix_cache else 0
+        key_span = self.prefill_chunk if self.prefix_cache else 0  # a cold prefill's bits on a hit
         if decoding:
             slots, positions, tokens = [], [], []
             for s, draft in decoding:
@@ -637,7 +636,7 @@ class Engine:
                 want_logits=chunk.want_logits,
                 every_row=chunk.every_row,
                 key_span=key_span,
-                computed_as=self._computed_as(seq, chunk) if key_span else 0,
+                computed_as=self._computed_as(seq, chunk),
             )
             micro.append(
                 (torch.tensor(seq.task.prompt[chunk.start : chunk.start + chunk.length], dtype=torch.long), batch)
@@ -712,7 +711,8 @@ class Engine:
     def _computed_as(self, seq: Sequence, chunk: Chunk) -> int:
         """The rows ``chunk`` of ``seq`` is computed as: the cold prefill's chunk its rows
         lie in (:func:`~shardline.runner.prefix_cache.window_rows`; a continuation's
-        prompt ends where its replayed output starts), or 0 for replayed output (its own
+        prompt ends where its replayed output starts), so a piece of it (a hit's first,
+        a pipeline's fill) gives that chunk's bits; or 0 for replayed output (its own
         rows: decode's computation, :func:`~shardline.runner.step_plan.prefill_plan`)."""
         given = seq.prompt_len - seq.task.sampling.resumed
         return window_rows(chunk.start, given, self.prefill_chunk) if chunk.start < given else 0
