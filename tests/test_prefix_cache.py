@@ -266,7 +266,8 @@ def answered(slot: int, kept: int, rest: int, used: int = 1) -> CachedPrefix:
         # at the window's end: to it (the next window is the next step's)
         ([answered(0, 992, 40)], 1000, Extension(0, 992, 32)),
         ([answered(0, 480, 200)], 1000, Extension(0, 480, 32)),
-        ([answered(0, 512, 168)], 1000, Extension(0, 512, 168)),
+        ([answered(0, 512, 100)], 1000, Extension(0, 512, 100)),
+        ([answered(0, 512, 168)], 1000, Extension(0, 512, 128)),  # at most 128 rows a step
         # less than a block to add: its last block part full
         ([answered(0, 240, 15)], 1000, Extension(0, 240, 15)),
         # no free pool tokens (nothing is evicted for it): 320 - 240 for its pages
@@ -283,6 +284,7 @@ def answered(slot: int, kept: int, rest: int, used: int = 1) -> CachedPrefix:
         "window end",
         "to the window",
         "whole window",
+        "at most 128",
         "part block",
         "no pool",
         "pool",

@@ -169,6 +169,12 @@ class Extension:
     length: int
 
 
+EXTENSION_ROWS = 128
+"""Most rows a cached prefix grows by in a step: a task that arrives while it grows
+waits for at most these (a 1.5B Q4_K_M model's first turn after another conversation's
+answer waited 1,083 ms against 712 without the cache, for a 512-row step)."""
+
+
 def plan_extension(cached: list[CachedPrefix], free_tokens: int, chunk: int, block: int) -> Extension | None:
     """The rows that make a cached prefix cover more of its sequence while the engine
     idles (nothing runs or waits), or None.
@@ -178,13 +184,13 @@ def plan_extension(cached: list[CachedPrefix], free_tokens: int, chunk: int, blo
     turn would prefill them before its new tokens. Computed here while nothing else runs,
     as a cold prefill would (cut at multiples of ``chunk``, each piece reading its
     window's keys, computed as a whole chunk), they are cached exactly. The most recently
-    used prefix first; to the end of its chunk window (or of its next block, where a block
-    is longer) or of its sequence (a block part full), so a task that arrives waits at
-    most a chunk; only pool tokens that are free, nothing evicted."""
+    used prefix first; at most :data:`EXTENSION_ROWS`, to the end of its chunk window (or
+    of its next block, where a block is longer) or of its sequence (a block part full);
+    only pool tokens that are free, nothing evicted."""
     for prefix in sorted(cached, key=lambda c: -c.used):
         keep = len(prefix.token_ids)
         a = keep // chunk * chunk
-        end = min(keep + len(prefix.rest), max(a + chunk, (keep // block + 1) * block))
+        end = min(keep + len(prefix.rest), max(a + chunk, (keep // block + 1) * block), keep + EXTENSION_ROWS)
         if end > keep and whole_blocks(end, block) - prefix.tokens <= free_tokens:
             return Extension(prefix.slot, keep, end - keep)
     return None
