@@ -56,6 +56,7 @@ from shardline.models.weight_products import (
     gemm_dtype,
     in_dtype,
     native,
+    padded_rows,
     product_rows,
     scratch,
 )
@@ -79,10 +80,13 @@ class DenseWeight:
 
     def matmul(self, x: torch.Tensor) -> torch.Tensor:
         """``x @ weight.T`` for ``x`` ``[rows, in]`` in the weight's dtype: a prefill
-        product whose GEMM runs in another dtype (:func:`gemm_dtype`) converts the weight
-        a block of rows at a time into scratch."""
-        if product_rows(x.shape[0]) <= KERNEL_MAX_ROWS or gemm_dtype(x.dtype) == x.dtype:
+        product's rows padded (:func:`~shardline.models.weight_products.padded_rows`),
+        and where its GEMM runs in another dtype (:func:`gemm_dtype`) the weight
+        converted a block of rows at a time into scratch."""
+        if product_rows(x.shape[0]) <= KERNEL_MAX_ROWS:
             return F.linear(x, self.weight.to(x.dtype))
+        if gemm_dtype(x.dtype) == x.dtype:  # rows padded as blocked_product pads them
+            return F.linear(padded_rows(x, x.dtype), self.weight.to(x.dtype))[: x.shape[0]]
 
         def columns(start: int, end: int, dtype: torch.dtype) -> torch.Tensor:
             out = scratch("out", end - start, self.weight.shape[1], dtype)
