@@ -97,8 +97,8 @@ class ForwardBatch:
             kernels are chosen as for a chunk of at least this many rows
             (:func:`~shardline.models.weight_products.computed_as`; the experts of a
             mixture of experts as for their own rows): a prompt resumed from a cached
-            prefix computes its rows as the whole chunk a cold prefill does. 0: the
-            chunk's own rows.
+            prefix computes its rows as the whole chunk a cold prefill does (a ring
+            rank's share too). 0: the chunk's own rows. Set by the engine.
     """
 
     prefill: bool

@@ -224,22 +224,14 @@ class RingStage(Stage):
         self.wire_device = wire_device  # see RingContext
 
     def prefill_batch(
-        self,
-        slot: int,
-        start: int,
-        length: int,
-        want_logits: bool,
-        every_row: bool = False,
-        key_span: int = 0,
-        computed_as: int = 0,
+        self, slot: int, start: int, length: int, want_logits: bool, every_row: bool = False, key_span: int = 0
     ) -> ForwardBatch:
         """A ring chunk when long enough (rows: this rank's zig-zag share, logits of the
         chunk's last position on rank 0), else, or for the logits of ``every_row`` (a
-        prompt's log-probabilities), the whole chunk on every rank (``key_span``,
-        ``computed_as``: :meth:`Stage.prefill_batch`; a ring chunk reads its own keys, and
-        its share's products are chosen for the share's rows)."""
+        prompt's log-probabilities), the whole chunk on every rank (``key_span``:
+        :func:`~shardline.parallel.stage.span_keys`; a ring chunk reads its own keys)."""
         if self.world_size == 1 or every_row or length < self.min_tokens_per_rank * self.world_size:
-            return super().prefill_batch(slot, start, length, want_logits, every_row, key_span, computed_as)
+            return super().prefill_batch(slot, start, length, want_logits, every_row, key_span)
         ring = RingContext(
             self.group, self.rank, self.world_size, slot, start, length, self.shard.device, self.wire_device
         )

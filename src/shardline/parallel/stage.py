@@ -92,24 +92,14 @@ class Stage:
         self.progress = progress or Progress()
 
     def prefill_batch(
-        self,
-        slot: int,
-        start: int,
-        length: int,
-        want_logits: bool,
-        every_row: bool = False,
-        key_span: int = 0,
-        computed_as: int = 0,
+        self, slot: int, start: int, length: int, want_logits: bool, every_row: bool = False, key_span: int = 0
     ) -> ForwardBatch:
         """A prefill chunk: positions ``start .. start+length-1`` of ``slot``; logits of
         its last position on the sampling rank when ``want_logits``, of every position
-        with ``every_row`` too; ``key_span``: see :func:`span_keys`; ``computed_as``: the
-        rows its layers and products are chosen for (:attr:`ForwardBatch.computed_as`)."""
-        batch = span_keys(
+        with ``every_row`` too; ``key_span``: see :func:`span_keys`."""
+        return span_keys(
             self.shard.prefill_batch(slot, start, length, want_logits, every_row), key_span, self.cache.k[0].shape[2]
         )
-        batch.computed_as = computed_as
-        return batch
 
     def decode_batch(self, slots: list[int], positions: list[int]) -> ForwardBatch:
         """A decode step: one token at ``positions[i]`` for the sequence in ``slots[i]``."""

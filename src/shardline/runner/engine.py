@@ -596,15 +596,11 @@ class Engine:
         end = extension.start + extension.length
         tokens = (prefix.token_ids + prefix.rest)[:end]
         chunk = self.prefill_chunk
-        micro = [
-            (
-                torch.tensor(tokens[start : start + length], dtype=torch.long),
-                self.stage.prefill_batch(
-                    extension.slot, start, length, want_logits=False, key_span=chunk, computed_as=chunk
-                ),
-            )
-            for _, start, length in prefill_plan([(end, extension.start)], chunk, end)
-        ]
+        micro = []
+        for _, start, length in prefill_plan([(end, extension.start)], chunk, end):
+            batch = self.stage.prefill_batch(extension.slot, start, length, want_logits=False, key_span=chunk)
+            batch.computed_as = chunk
+            micro.append((torch.tensor(tokens[start : start + length], dtype=torch.long), batch))
         self._compute(micro, lambda _: None, 0, timed=False)
         extended = prefix.extended(end)
         self.free_kv_tokens -= extended.tokens - prefix.tokens
@@ -636,8 +632,8 @@ class Engine:
                 want_logits=chunk.want_logits,
                 every_row=chunk.every_row,
                 key_span=key_span,
-                computed_as=self._computed_as(seq, chunk),
             )
+            batch.computed_as = self._computed_as(seq, chunk)
             micro.append(
                 (torch.tensor(seq.task.prompt[chunk.start : chunk.start + chunk.length], dtype=torch.long), batch)
             )
