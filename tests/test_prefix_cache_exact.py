@@ -69,16 +69,20 @@ def run(e: Recording, sent: list, t: Task, generated: list[int] | None = None) -
 
 
 @pytest.mark.parametrize(
-    "prefix, total, cached",
+    "model, prefix, total, cached",
     [
-        (803, 1197, 803),  # the prefix's last chunk (512..802) read its window's keys, as a cold one
-        (475, 655, 475),  # resumed inside the first chunk: 37 rows computed as its 512
-        (600, 1030, 600),  # the prefix's 88-row last chunk cached once idle, computed as a whole chunk
-        (1000, 1030, 1000),  # an agent's short turn: 24 rows as their chunk, then the 6-row last chunk
+        ("shard", 803, 1197, 803),  # the prefix's last chunk (512..802) read its window's keys, as a cold one
+        ("shard", 475, 655, 475),  # resumed inside the first chunk: 37 rows computed as its 512
+        ("shard", 600, 1030, 600),  # the prefix's 88-row last chunk cached once idle, computed as a whole chunk
+        ("shard", 1000, 1030, 1000),  # an agent's short turn: 24 rows as their chunk, then the 6-row last chunk
+        # int4, where 64 rows or fewer take the fused layers: 9 and 24 rows computed as their chunk
+        ("blocks_of_32", 1015, 1100, 1015),
+        ("blocks_of_32", 1000, 1030, 1000),
     ],
     ids=lambda v: str(v),
 )
-def test_a_resumed_prompt_gets_a_cold_prefills_bits(shard, prefix, total, cached):
+def test_a_resumed_prompt_gets_a_cold_prefills_bits(request, model, prefix, total, cached):
+    shard = request.getfixturevalue(model)
     rng = random.Random(prefix)
     prompt = tuple(rng.randrange(tm.VOCAB) for _ in range(total))
     greedy = SamplingParams(temperature=0.0)
@@ -92,7 +96,7 @@ def test_a_resumed_prompt_gets_a_cold_prefills_bits(shard, prefix, total, cached
     (mine,), (theirs,) = warm.cached.values(), cold.cached.values()
     kept = len(mine.token_ids)
     assert kept == len(theirs.token_ids) > cached
-    for layer in range(2):
+    for layer in range(len(warm.stage.cache.k)):
         for kv in (warm.stage.cache.k, warm.stage.cache.v):
             other = (cold.stage.cache.k if kv is warm.stage.cache.k else cold.stage.cache.v)[layer]
             assert torch.equal(kv[layer][mine.slot, :, :kept], other[theirs.slot, :, :kept])
