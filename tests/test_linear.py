@@ -14,7 +14,7 @@ from shardline.models.int4_planes import Int4Planes, int4pack_layout
 from shardline.models.linear import DenseWeight, Linear, resident_weight, top_ids, weight_bytes
 from shardline.models.packed_groups import PackedGroups
 from shardline.models.shard_loader import load_shard
-from shardline.models.weight_products import gemm_dtype
+from shardline.models.weight_products import computed_as, gemm_dtype
 from shardline.models.weights import open_weights
 
 pytestmark = pytest.mark.timeout(60)
@@ -134,6 +134,28 @@ def test_each_row_is_computed_independently_of_the_batch(type_name, dtype):
     together = layer(x)
     for i in range(8):
         assert torch.equal(layer(x[i : i + 1]), together[i : i + 1])
+
+
+@pytest.mark.parametrize(
+    "type_name, dtype",
+    [("Q4_1", torch.bfloat16), ("Q6_K", torch.bfloat16), ("Q6_K", torch.float32), ("BF16", torch.bfloat16)],
+)
+def test_a_piece_computed_as_its_chunk_gets_the_chunks_rows(type_name, dtype):
+    """A prefill piece of any rows, computed as a chunk of 300 (the products' kernels as
+    for 300 rows, its rows padded for the GEMM), gives those rows of the 300-row product
+    bit for bit: a prefix-cache hit's first piece, however short."""
+    if type_name == "BF16":
+        held = resident_weight(torch.randn(96, 256).to(torch.bfloat16), dtype)
+    else:
+        held, _ = resident(type_name, dtype, seed=7)
+    layer = Linear(held.shape[1], held.shape[0])
+    layer.set_parts([held])
+    x = torch.randn(300, held.shape[1], dtype=dtype)
+    with torch.inference_mode():
+        whole = layer(x)
+        with computed_as(300):
+            for start, rows in ((0, 1), (3, 9), (10, 23), (40, 65), (13, 287)):
+                assert torch.equal(layer(x[start : start + rows]), whole[start : start + rows]), (start, rows)
 
 
 def test_parts_of_different_types_stack_by_rows():
