@@ -128,9 +128,10 @@ row's bits are its own (the padded rows are zeros, thrown away)."""
 
 def padded_rows(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """``x`` ``[rows, in]`` in ``dtype`` with zero rows after it to a multiple of
-    :data:`GEMM_ROWS` (a scratch buffer where any are added, valid until the next call)."""
+    :data:`GEMM_ROWS` (a scratch buffer where any are added, valid until the next call);
+    off the CPU (another GEMM, and the scratch is the CPU's) unpadded."""
     rows = -(-x.shape[0] // GEMM_ROWS) * GEMM_ROWS
-    if rows == x.shape[0]:
+    if rows == x.shape[0] or x.device.type != "cpu":
         return x.to(dtype)
     out = scratch("gemm_in", rows, x.shape[1], dtype)
     out[: x.shape[0]].copy_(x)
