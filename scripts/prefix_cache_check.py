@@ -1,10 +1,10 @@
-"""The prefix cache on the default model in this process (SmolLM2-135M Q4_1 in bfloat16,
-one engine per setting, 512-token chunks as a runner cuts them).
+"""The prefix cache on the default model (SmolLM2-135M Q4_1), or ``--model``'s, in bfloat16
+in this process (one engine per setting, 512-token chunks as a runner cuts them).
 
-    PYTHONPATH=src python scripts/prefix_cache_check.py exact [--threads 1] [--naive]
-    PYTHONPATH=src python scripts/prefix_cache_check.py turns [--threads 1] [--conversations 3]
+    PYTHONPATH=src python scripts/prefix_cache_check.py exact [--threads 1] [--naive] [--prompts 20] [--model PATH]
+    PYTHONPATH=src python scripts/prefix_cache_check.py turns [--threads 1] [--conversations 3] [--model PATH]
 
-``exact``: 20 prompts of 416-1,674 tokens; each prefilled cold on one engine, and on
+``exact``: 20 prompts (``--prompts``) of 416-1,674 tokens; each prefilled cold on one engine, and on
 another after a prompt that is its first 200-1,600 tokens (a hit); prints whether their 16
 greedy tokens are the same. ``--naive`` resumes at the longest match and caches every
 prefilled row, each piece computed as its own rows and without the key span (what
@@ -86,11 +86,11 @@ def naive() -> None:
     stage.span_keys = lambda batch, span, positions: batch  # type: ignore[assignment]
 
 
-def exact(shard, config) -> None:
+def exact(shard, config, prompts: int) -> None:
     rng = random.Random(1)
     cold, warm = Runner(shard, config, True), Runner(shard, config, True)
     differ = 0
-    for i in range(20):
+    for i in range(prompts):
         prefix = [rng.randrange(1000, 40000) for _ in range(rng.randrange(200, 1600))]
         prompt = prefix + [rng.randrange(1000, 40000) for _ in range(rng.randrange(20, 400))]
         _, mine, _ = cold.run(prompt, 16)
@@ -102,7 +102,7 @@ def exact(shard, config) -> None:
             f"{'same' if mine == theirs else 'differs'}",
             flush=True,
         )
-    print(f"{differ} of 20 differ")
+    print(f"{differ} of {prompts} differ")
 
 
 def turns(shard, config, conversations: int) -> None:
@@ -142,14 +142,16 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--naive", action="store_true")
     parser.add_argument("--conversations", type=int, default=3)
+    parser.add_argument("--prompts", type=int, default=20, help="exact: prompts compared")
+    parser.add_argument("--model", help="a GGUF or safetensors model (default: the default model)")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     if args.naive:
         naive()
-    source = open_weights(default_model_path())
+    source = open_weights(args.model or default_model_path())
     shard = load_shard(source, 0, source.config.num_layers, dtype=torch.bfloat16)
     if args.what == "exact":
-        exact(shard, source.config)
+        exact(shard, source.config, args.prompts)
     else:
         turns(shard, source.config, args.conversations)
 
