@@ -27,7 +27,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 
 from shardline.parallel import point_to_point  # noqa: E402
 
-SHAPES = [((20,), torch.int64), ((1, 576), torch.float32), ((8, 4096), torch.float32), ((512, 576), torch.float32)]
+SHAPES = [((20,), torch.int64), ((1, 576), torch.float32), ((8, 4096), torch.float32),
+          ((512, 576), torch.float32)]
 """An agreement proposal, one and 8 rows of a decode step's partial sum, a prefill
 chunk's."""
 
@@ -54,11 +55,8 @@ def _rank(rank: int, world: int, port: int, iterations: int, results) -> None:
     rows = []
     for shape, dtype in SHAPES:
         x = torch.ones(shape, dtype=dtype)
-        names = (
-            ["gloo all_gather", "gather_at"]
-            if dtype == torch.int64
-            else ["gloo all_reduce", "point_to_point all_reduce"]
-        )
+        names = (["gloo all_gather", "gather_at"] if dtype == torch.int64
+                 else ["gloo all_reduce", "point_to_point all_reduce"])
         times: dict[str, list[float]] = {n: [] for n in names}
         cpu: dict[str, float] = dict.fromkeys(names, 0.0)
         for _ in range(iterations // 50):
@@ -72,14 +70,8 @@ def _rank(rank: int, world: int, port: int, iterations: int, results) -> None:
                     times[name].append((time.perf_counter() - t0) * 1e3)
                 cpu[name] += _cpu_ms() - c0
         for name in names:
-            rows.append(
-                (
-                    f"{list(shape)} {str(dtype).removeprefix('torch.')}",
-                    name,
-                    statistics.median(times[name]),
-                    cpu[name] / len(times[name]),
-                )
-            )
+            rows.append((f"{list(shape)} {str(dtype).removeprefix('torch.')}", name,
+                         statistics.median(times[name]), cpu[name] / len(times[name])))
     if rank == 0:
         results.put(rows)
     dist.barrier()
@@ -93,9 +85,8 @@ def main() -> None:
     parser.add_argument("--port", type=int, default=29651)
     args = parser.parse_args()
     results = mp.get_context("spawn").SimpleQueue()
-    mp.spawn(
-        _rank, args=(args.world_size, args.port, max(50, args.iterations), results), nprocs=args.world_size, join=True
-    )
+    mp.spawn(_rank, args=(args.world_size, args.port, max(50, args.iterations), results),
+             nprocs=args.world_size, join=True)
     rows = results.get()
     print(f"{args.world_size} ranks on 127.0.0.1, gloo, rank 0's figures")
     print(f"{'tensor':<20} {'unit':<27} {'median ms':>10} {'CPU ms':>7} {'ratio':>6}")

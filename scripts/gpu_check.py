@@ -66,48 +66,32 @@ def write_model(name: str, directory: Path, tokenizer: Path) -> Path:
     hidden, inter, layers, heads, kv_heads, tied = SHAPES[name]
     head_dim = hidden // heads
     config = {
-        "architectures": ["LlamaForCausalLM"],
-        "model_type": "llama",
-        "hidden_size": hidden,
-        "intermediate_size": inter,
-        "num_hidden_layers": layers,
-        "num_attention_heads": heads,
-        "num_key_value_heads": kv_heads,
-        "vocab_size": VOCAB,
-        "max_position_embeddings": 8192,
-        "rms_norm_eps": 1e-5,
-        "rope_theta": 100000.0,
-        "tie_word_embeddings": tied,
-        "torch_dtype": "bfloat16",
-        "bos_token_id": 1,
-        "eos_token_id": 2,
-        "head_dim": head_dim,
+        "architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": hidden,
+        "intermediate_size": inter, "num_hidden_layers": layers, "num_attention_heads": heads,
+        "num_key_value_heads": kv_heads, "vocab_size": VOCAB, "max_position_embeddings": 8192,
+        "rms_norm_eps": 1e-5, "rope_theta": 100000.0, "tie_word_embeddings": tied,
+        "torch_dtype": "bfloat16", "bos_token_id": 1, "eos_token_id": 2, "head_dim": head_dim,
     }
     gen = torch.Generator(device=DEVICE).manual_seed(0)
 
     def rand(*shape: int, scale: float) -> torch.Tensor:
         return (torch.randn(*shape, generator=gen, device=DEVICE) * scale).to(torch.bfloat16).cpu()
 
-    tensors = {
-        "model.embed_tokens.weight": rand(VOCAB, hidden, scale=1.0),
-        "model.norm.weight": torch.ones(hidden, dtype=torch.bfloat16),
-    }
+    tensors = {"model.embed_tokens.weight": rand(VOCAB, hidden, scale=1.0),
+               "model.norm.weight": torch.ones(hidden, dtype=torch.bfloat16)}
     if not tied:
-        tensors["lm_head.weight"] = rand(VOCAB, hidden, scale=hidden**-0.5)
+        tensors["lm_head.weight"] = rand(VOCAB, hidden, scale=hidden ** -0.5)
     for i in range(layers):
         p = f"model.layers.{i}."
         tensors[p + "input_layernorm.weight"] = torch.ones(hidden, dtype=torch.bfloat16)
         tensors[p + "post_attention_layernorm.weight"] = torch.ones(hidden, dtype=torch.bfloat16)
-        for part, rows in (
-            ("q_proj", heads * head_dim),
-            ("k_proj", kv_heads * head_dim),
-            ("v_proj", kv_heads * head_dim),
-        ):
-            tensors[p + f"self_attn.{part}.weight"] = rand(rows, hidden, scale=hidden**-0.5)
-        tensors[p + "self_attn.o_proj.weight"] = rand(hidden, heads * head_dim, scale=hidden**-0.5)
-        tensors[p + "mlp.gate_proj.weight"] = rand(inter, hidden, scale=hidden**-0.5)
-        tensors[p + "mlp.up_proj.weight"] = rand(inter, hidden, scale=hidden**-0.5)
-        tensors[p + "mlp.down_proj.weight"] = rand(hidden, inter, scale=inter**-0.5)
+        for part, rows in (("q_proj", heads * head_dim), ("k_proj", kv_heads * head_dim),
+                           ("v_proj", kv_heads * head_dim)):
+            tensors[p + f"self_attn.{part}.weight"] = rand(rows, hidden, scale=hidden ** -0.5)
+        tensors[p + "self_attn.o_proj.weight"] = rand(hidden, heads * head_dim, scale=hidden ** -0.5)
+        tensors[p + "mlp.gate_proj.weight"] = rand(inter, hidden, scale=hidden ** -0.5)
+        tensors[p + "mlp.up_proj.weight"] = rand(inter, hidden, scale=hidden ** -0.5)
+        tensors[p + "mlp.down_proj.weight"] = rand(hidden, inter, scale=inter ** -0.5)
     directory.mkdir(parents=True, exist_ok=True)
     save_file(tensors, str(directory / "model.safetensors"), metadata={"format": "pt"})
     (directory / "config.json").write_text(json.dumps(config))
@@ -156,15 +140,9 @@ def in_process(name: str, path: Path, bandwidth: float) -> None:
     shard = load_shard(source, 0, config.num_layers, dtype=torch.bfloat16, device=DEVICE)
     sync()
     weight_bytes = shard_weight_bytes(shard)
-    note(
-        f"{name}.load",
-        {
-            "seconds": round(time.perf_counter() - started, 2),
-            "weight_bytes": weight_bytes,
-            "fused_decode": shard.fused is not None,
-            "decode_graphs": shard.graphs is not None,
-        },
-    )
+    note(f"{name}.load", {"seconds": round(time.perf_counter() - started, 2), "weight_bytes": weight_bytes,
+                          "fused_decode": shard.fused is not None,
+                          "decode_graphs": shard.graphs is not None})
     cache = KVCache(config, config.num_layers, 8, 2048 + 8, torch.bfloat16, device=DEVICE)
     for t in cache.k + cache.v:
         t.normal_(0, 0.5)
@@ -181,17 +159,12 @@ def in_process(name: str, path: Path, bandwidth: float) -> None:
                 ms = timed_ms(lambda: shard(ids, shard.decode_batch(list(range(rows)), [context] * rows), cache), 20)
                 read = weight_bytes + rows * context * kv_bytes_per_token
                 rate = read / (ms / 1e3)
-                note(
-                    f"{name}.decode.{path}.c{context}.rows{rows}",
-                    {
-                        "ms": round(ms, 3),
-                        "tokens_per_s": round(rows / ms * 1e3, 1),
-                        "bytes_per_s": round(rate / 1e9, 1) * 1e9,
-                        "of_copy_bandwidth": round(rate / bandwidth, 3),
-                        "of_h200_peak": round(rate / H200_BYTES_PER_S, 3),
-                    },
-                )
+                note(f"{name}.decode.{path}.c{context}.rows{rows}", {
+                    "ms": round(ms, 3), "tokens_per_s": round(rows / ms * 1e3, 1),
+                    "bytes_per_s": round(rate / 1e9, 1) * 1e9,
+                    "of_copy_bandwidth": round(rate / bandwidth, 3), "of_h200_peak": round(rate / H200_BYTES_PER_S, 3)})
     shard.graphs = graphs
+
 
 
 def agreement(path: Path) -> None:
@@ -216,25 +189,16 @@ def agreement(path: Path) -> None:
                 for position in range(16, 20):  # capture, then replays
                     out = shard(torch.tensor([position], device=device), shard.decode_batch([1], [position]), kv)
                 steps[way] = out[0].float().cpu()
-            note(
-                f"agreement.{device}-{str(dtype).removeprefix('torch.')}.decode_graphs_vs_eager",
-                {
-                    "max_abs_diff_over_std": round(
-                        float((steps["graphs"] - steps["eager"]).abs().max() / steps["eager"].std()), 5
-                    ),
-                    "same_top_token": bool(steps["graphs"].argmax() == steps["eager"].argmax()),
-                    "graphs_captured": len(graphs),
-                },
-            )
+            note(f"agreement.{device}-{str(dtype).removeprefix('torch.')}.decode_graphs_vs_eager", {
+                "max_abs_diff_over_std": round(float((steps["graphs"] - steps["eager"]).abs().max()
+                                                     / steps["eager"].std()), 5),
+                "same_top_token": bool(steps["graphs"].argmax() == steps["eager"].argmax()),
+                "graphs_captured": len(graphs)})
     ref = logits.pop("cpu-float32") if DEVICE == "cuda" else logits["cpu-float32"]
     for key, value in logits.items():
-        note(
-            f"agreement.{key}_vs_cpu-float32",
-            {
-                "max_abs_diff_over_std": round(float((value - ref).abs().max() / ref.std()), 5),
-                "same_top_token": bool(value.argmax() == ref.argmax()),
-            },
-        )
+        note(f"agreement.{key}_vs_cpu-float32", {
+            "max_abs_diff_over_std": round(float((value - ref).abs().max() / ref.std()), 5),
+            "same_top_token": bool(value.argmax() == ref.argmax())})
 
 
 def stream(url: str, model_id: str, label: str, rounds: int = 3) -> None:
@@ -245,32 +209,18 @@ def stream(url: str, model_id: str, label: str, rounds: int = 3) -> None:
         sent = time.perf_counter()
         first = None
         chunks = 0
-        with httpx.stream(
-            "POST",
-            f"{url}/v1/completions",
-            timeout=120,
-            json={
-                "model": model_id,
-                "prompt": "The capital of France is",
-                "max_tokens": 128,
-                "temperature": 0,
-                "stream": True,
-            },
-        ) as response:
+        with httpx.stream("POST", f"{url}/v1/completions", timeout=120, json={
+                "model": model_id, "prompt": "The capital of France is", "max_tokens": 128,
+                "temperature": 0, "stream": True}) as response:
             for line in response.iter_lines():
                 if line.startswith("data: {") and json.loads(line[6:])["choices"][0].get("text"):
                     chunks += 1
                     first = first or time.perf_counter()
         done = time.perf_counter()
-        note(
-            f"{label}.stream{round_}",
-            {
-                "status": response.status_code,
-                "chunks": chunks,
-                "ttft_ms": round(((first or done) - sent) * 1e3, 1),
-                "decode_tokens_per_s": round((chunks - 1) / (done - first), 1) if first and chunks > 1 else None,
-            },
-        )
+        note(f"{label}.stream{round_}", {
+            "status": response.status_code, "chunks": chunks,
+            "ttft_ms": round(((first or done) - sent) * 1e3, 1),
+            "decode_tokens_per_s": round((chunks - 1) / (done - first), 1) if first and chunks > 1 else None})
 
 
 def concurrent(url: str, model_id: str, label: str, clients: int) -> None:
@@ -282,16 +232,11 @@ def concurrent(url: str, model_id: str, label: str, clients: int) -> None:
     import httpx
 
     def body(i: int) -> dict:
-        return {
-            "model": model_id,
-            "prompt": "The capital of France is" + " very" * (i * 37),
-            "max_tokens": 128,
-            "temperature": 0,
-        }
+        return {"model": model_id, "prompt": "The capital of France is" + " very" * (i * 37),
+                "max_tokens": 128, "temperature": 0}
 
-    alone = [
-        httpx.post(f"{url}/v1/completions", json=body(i), timeout=120).json()["choices"][0]["text"] for i in range(2)
-    ]
+    alone = [httpx.post(f"{url}/v1/completions", json=body(i), timeout=120).json()["choices"][0]["text"]
+             for i in range(2)]
     texts: list[str | None] = [None] * clients
     tokens = [0] * clients
 
@@ -306,15 +251,9 @@ def concurrent(url: str, model_id: str, label: str, clients: int) -> None:
     for t in threads:
         t.join()
     wall = time.perf_counter() - started
-    note(
-        label,
-        {
-            "tokens": sum(tokens),
-            "seconds": round(wall, 2),
-            "aggregate_tokens_per_s": round(sum(tokens) / wall, 1),
-            "first_two_texts_as_alone": [texts[i] == alone[i] for i in range(2)],
-        },
-    )
+    note(label, {"tokens": sum(tokens), "seconds": round(wall, 2),
+                 "aggregate_tokens_per_s": round(sum(tokens) / wall, 1),
+                 "first_two_texts_as_alone": [texts[i] == alone[i] for i in range(2)]})
 
 
 def profiled(cluster) -> bool:
@@ -328,15 +267,8 @@ def end_to_end(models: Path, big: Path, log_dir: Path, work: Path) -> None:
 
     from shardline.local_cluster import LocalCluster
 
-    cluster = LocalCluster(
-        nodes=1,
-        base_port=52900,
-        log_dir=str(log_dir / "one"),
-        runner_threads=2,
-        data_dir=str(work / "one-data"),
-        model_dirs=[models],
-        device=DEVICE,
-    )
+    cluster = LocalCluster(nodes=1, base_port=52900, log_dir=str(log_dir / "one"), runner_threads=2,
+                           data_dir=str(work / "one-data"), model_dirs=[models], device=DEVICE)
     try:
         started = time.perf_counter()
         cluster.start()
@@ -345,54 +277,31 @@ def end_to_end(models: Path, big: Path, log_dir: Path, work: Path) -> None:
             time.sleep(1)
         note("e2e.one_node.profiled_s", round(time.perf_counter() - started, 1))
         inst = cluster.place(str(big), "pipeline", timeout_s=180, context=4096)
-        note(
-            "e2e.one_node.placed",
-            {
-                "seconds_to_ready": round(time.perf_counter() - started, 1),
-                "ranks": [r.get("loaded", {}).get("device") for r in inst["ranks"]],
-            },
-        )
+        note("e2e.one_node.placed", {"seconds_to_ready": round(time.perf_counter() - started, 1),
+                                     "ranks": [r.get("loaded", {}).get("device") for r in inst["ranks"]]})
         stream(cluster.url(0), inst["model_id"], "e2e.one_node")
         node = cluster.http.get(f"{cluster.url(0)}/cluster/nodes", timeout=5).json()["nodes"][0]
         note("e2e.one_node.profile", node.get("profile"))
-        speed = cluster.http.get(f"{cluster.url(0)}/cluster/instances/{inst['instance_id']}", timeout=10).json()[
-            "speed"
-        ]
+        speed = cluster.http.get(f"{cluster.url(0)}/cluster/instances/{inst['instance_id']}", timeout=10).json()["speed"]
         note("e2e.one_node.speed", speed)
         for clients in (4, 8, 16):
             concurrent(cluster.url(0), inst["model_id"], f"e2e.one_node.c{clients}", clients)
-        for label, params in (
-            ("logit_bias", {"logit_bias": {"100": 5}}),
-            ("logprobs", {"logprobs": 3}),
-            ("seeded", {"temperature": 0.8, "seed": 1, "top_p": 0.9, "top_k": 40}),
-            ("penalties", {"frequency_penalty": 0.5, "presence_penalty": 0.3}),
-            ("echo_logprobs", {"echo": True, "logprobs": 2}),
-            ("n2", {"n": 2, "temperature": 0.7}),
-            ("json", {"response_format": {"type": "json_object"}}),
-        ):
+        for label, params in (("logit_bias", {"logit_bias": {"100": 5}}), ("logprobs", {"logprobs": 3}),
+                              ("seeded", {"temperature": 0.8, "seed": 1, "top_p": 0.9, "top_k": 40}),
+                              ("penalties", {"frequency_penalty": 0.5, "presence_penalty": 0.3}),
+                              ("echo_logprobs", {"echo": True, "logprobs": 2}),
+                              ("n2", {"n": 2, "temperature": 0.7}),
+                              ("json", {"response_format": {"type": "json_object"}})):
             path = "/v1/chat/completions" if label == "json" else "/v1/completions"
-            body = (
-                {"messages": [{"role": "user", "content": "Give a JSON object."}]}
-                if label == "json"
-                else {"prompt": "The capital of France is"}
-            )
-            reply = httpx.post(
-                f"{cluster.url(0)}{path}",
-                timeout=120,
-                json={"model": inst["model_id"], "max_tokens": 8, **body, **params},
-            )
+            body = ({"messages": [{"role": "user", "content": "Give a JSON object."}]} if label == "json"
+                    else {"prompt": "The capital of France is"})
+            reply = httpx.post(f"{cluster.url(0)}{path}", timeout=120, json={
+                "model": inst["model_id"], "max_tokens": 8, **body, **params})
             note(f"e2e.params.{label}", {"status": reply.status_code, "body": reply.text[:200]})
     finally:
         cluster.stop()
-    cluster = LocalCluster(
-        nodes=2,
-        base_port=52910,
-        log_dir=str(log_dir / "two"),
-        runner_threads=2,
-        data_dir=str(work / "two-data"),
-        model_dirs=[models],
-        device=DEVICE,
-    )
+    cluster = LocalCluster(nodes=2, base_port=52910, log_dir=str(log_dir / "two"), runner_threads=2,
+                           data_dir=str(work / "two-data"), model_dirs=[models], device=DEVICE)
     try:
         cluster.start()
         deadline = time.time() + 90
@@ -403,26 +312,13 @@ def end_to_end(models: Path, big: Path, log_dir: Path, work: Path) -> None:
             try:
                 cluster.clear()
                 inst = cluster.place(str(big), sharding, timeout_s=180, context=4096)
-                note(
-                    label,
-                    {
-                        "status": inst["status"],
-                        "collectives_on_cpu": inst.get("collectives_on_cpu"),
-                        "ranks": [r.get("loaded", {}).get("device") for r in inst["ranks"]],
-                    },
-                )
+                note(label, {"status": inst["status"], "collectives_on_cpu": inst.get("collectives_on_cpu"),
+                             "ranks": [r.get("loaded", {}).get("device") for r in inst["ranks"]]})
                 stream(cluster.url(0), inst["model_id"], label, rounds=2)
                 if sharding == "ring":  # a prompt long enough to go round the ring (128 a rank)
-                    reply = httpx.post(
-                        f"{cluster.url(0)}/v1/completions",
-                        timeout=120,
-                        json={
-                            "model": inst["model_id"],
-                            "prompt": "The capital of France is" + " very" * 400,
-                            "max_tokens": 8,
-                            "temperature": 0,
-                        },
-                    )
+                    reply = httpx.post(f"{cluster.url(0)}/v1/completions", timeout=120, json={
+                        "model": inst["model_id"], "prompt": "The capital of France is" + " very" * 400,
+                        "max_tokens": 8, "temperature": 0})
                     note(f"{label}.long_prompt", {"status": reply.status_code, "usage": reply.json().get("usage")})
             except Exception as exc:  # noqa: BLE001 (what it says is the finding)
                 note(label, {"refused_or_failed": str(exc)[:600]})
@@ -445,7 +341,8 @@ def main() -> int:
         print("no CUDA device", file=sys.stderr)
         return 2
     args.out.mkdir(parents=True, exist_ok=True)
-    note("device", {"name": torch.cuda.get_device_name() if DEVICE == "cuda" else "cpu", "torch": torch.__version__})
+    note("device", {"name": torch.cuda.get_device_name() if DEVICE == "cuda" else "cpu",
+                    "torch": torch.__version__})
     models = args.work / "models"
     steps = []
     bandwidth = copy_bandwidth() if DEVICE == "cuda" else H200_BYTES_PER_S

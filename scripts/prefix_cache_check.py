@@ -1,12 +1,14 @@
 """The prefix cache on the default model (SmolLM2-135M Q4_1), or ``--model``'s, in bfloat16
 in this process (one engine per setting, 512-token chunks as a runner cuts them).
 
-    PYTHONPATH=src python scripts/prefix_cache_check.py exact [--threads 1] [--naive] [--prompts 20] [--model PATH]
-    PYTHONPATH=src python scripts/prefix_cache_check.py turns [--threads 1] [--conversations 3] [--model PATH]
+    PYTHONPATH=src python scripts/prefix_cache_check.py exact [--threads 1] [--naive]
+        [--prompts 20] [--model PATH]
+    PYTHONPATH=src python scripts/prefix_cache_check.py turns [--threads 1]
+        [--conversations 3] [--model PATH]
 
-``exact``: 20 prompts (``--prompts``) of 416-1,674 tokens; each prefilled cold on one engine, and on
-another after a prompt that is its first 200-1,600 tokens (a hit); prints whether their 16
-greedy tokens are the same. ``--naive`` resumes at the longest match and caches every
+``exact``: 20 prompts (``--prompts``) of 416-1,674 tokens; each prefilled cold on one
+engine, and on another after a prompt that is its first 200-1,600 tokens (a hit); prints
+whether their 16 greedy tokens are the same. ``--naive`` resumes at the longest match and caches every
 prefilled row, each piece computed as its own rows and without the key span (what
 :mod:`shardline.runner.prefix_cache`, ``ForwardBatch.computed_as`` and
 :func:`shardline.parallel.stage.span_keys` prevent).

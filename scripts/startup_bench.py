@@ -82,10 +82,8 @@ def place_again(url: str, nodes: int, port: int, deadline: float) -> tuple[float
     made.raise_for_status()
     instance_id = made.json()["instance_id"]
     while time.time() < deadline:
-        views = [
-            httpx.get(f"http://127.0.0.1:{port + i}/cluster/instances", timeout=10).json()["instances"]
-            for i in range(nodes)
-        ]
+        views = [httpx.get(f"http://127.0.0.1:{port + i}/cluster/instances", timeout=10).json()["instances"]
+                 for i in range(nodes)]
         if all(any(x["instance_id"] == instance_id and x["status"] == "ready" for x in v) for v in views):
             ready = time.time()
             return ready - start, wait_answer(url, deadline) - start
@@ -93,17 +91,8 @@ def place_again(url: str, nodes: int, port: int, deadline: float) -> tuple[float
     raise TimeoutError("not ready again")
 
 
-def launch(
-    src: str,
-    nodes: int,
-    port: int,
-    data_home: Path,
-    log: Path,
-    again: bool,
-    keep: bool,
-    timeout_s: float,
-    settle_s: float = 0.0,
-) -> dict[str, float]:
+def launch(src: str, nodes: int, port: int, data_home: Path, log: Path, again: bool, keep: bool,
+           timeout_s: float, settle_s: float = 0.0) -> dict[str, float]:
     """One launch of ``shardline cluster`` from ``src``; seconds from launch to each event."""
     cluster_dir = data_home / "shardline" / "local-cluster" / str(port)
     if not keep:
@@ -112,12 +101,8 @@ def launch(
     env.pop("SHARDLINE_API_KEY", None)
     with open(log, "wb") as out:
         start = time.time()
-        proc = subprocess.Popen(
-            [sys.executable, "-m", "shardline.cli", "cluster", "--nodes", str(nodes), "--port", str(port)],
-            stdout=out,
-            stderr=subprocess.STDOUT,
-            env=env,
-        )
+        proc = subprocess.Popen([sys.executable, "-m", "shardline.cli", "cluster", "--nodes", str(nodes),
+                                 "--port", str(port)], stdout=out, stderr=subprocess.STDOUT, env=env)
         try:
             url = f"http://127.0.0.1:{port}"
             times = {"answer": wait_answer(url, start + timeout_s) - start}
@@ -138,43 +123,27 @@ def launch(
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument(
-        "--src",
-        action="append",
-        required=True,
-        metavar="NAME=DIR",
-        help="a source tree to run (its src/ directory), as NAME=DIR; repeat for A/B",
-    )
+    parser.add_argument("--src", action="append", required=True, metavar="NAME=DIR",
+                        help="a source tree to run (its src/ directory), as NAME=DIR; repeat for A/B")
     parser.add_argument("--nodes", type=int, nargs="+", default=[1, 3])
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--port", type=int, default=23400)
     parser.add_argument("--place-again", action="store_true", help="also DELETE and place again")
-    parser.add_argument(
-        "--settle",
-        type=float,
-        default=10.0,
-        help="seconds between the first answer and placing again (default %(default)s)",
-    )
-    parser.add_argument(
-        "--kept", action="store_true", help="time a restart that finds the previous launch's kept instance"
-    )
-    parser.add_argument(
-        "--data-home",
-        default=None,
-        help="XDG_DATA_HOME for the nodes (default: the caller's; a cluster "
-        "directory per port is made and removed under it)",
-    )
+    parser.add_argument("--settle", type=float, default=10.0,
+                        help="seconds between the first answer and placing again (default %(default)s)")
+    parser.add_argument("--kept", action="store_true",
+                        help="time a restart that finds the previous launch's kept instance")
+    parser.add_argument("--data-home", default=None,
+                        help="XDG_DATA_HOME for the nodes (default: the caller's; a cluster "
+                             "directory per port is made and removed under it)")
     parser.add_argument("--timeout", type=float, default=120.0)
     args = parser.parse_args()
     variants = [tuple(s.split("=", 1)) if "=" in s else (s, s) for s in args.src]
     data_home = Path(args.data_home or os.environ.get("XDG_DATA_HOME") or Path.home() / ".local" / "share")
     logs = Path(tempfile.mkdtemp(prefix="startup-bench-"))
     results: dict[tuple[str, int], list[dict[str, float]]] = {}
-    ports = {
-        (name, n): args.port + 10 * i + 100 * j
-        for i, (name, _) in enumerate(variants)
-        for j, n in enumerate(args.nodes)
-    }
+    ports = {(name, n): args.port + 10 * i + 100 * j
+             for i, (name, _) in enumerate(variants) for j, n in enumerate(args.nodes)}
     try:
         if args.kept:  # leave a kept instance for the first timed launch to find
             for (name, src), n in ((v, n) for v in variants for n in args.nodes):
@@ -183,14 +152,11 @@ def main() -> int:
             for n in args.nodes:
                 for name, src in variants:
                     log = logs / f"{name}-{n}-{r}.log"
-                    times = launch(
-                        src, n, ports[name, n], data_home, log, args.place_again, args.kept, args.timeout, args.settle
-                    )
+                    times = launch(src, n, ports[name, n], data_home, log, args.place_again, args.kept,
+                                   args.timeout, args.settle)
                     results.setdefault((name, n), []).append(times)
-                    print(
-                        f"round {r} nodes {n} {name}: " + "  ".join(f"{k} {v:.2f}" for k, v in sorted(times.items())),
-                        flush=True,
-                    )
+                    print(f"round {r} nodes {n} {name}: " + "  ".join(f"{k} {v:.2f}" for k, v in sorted(times.items())),
+                          flush=True)
     finally:
         for port in ports.values():
             shutil.rmtree(data_home / "shardline" / "local-cluster" / str(port), ignore_errors=True)
@@ -201,10 +167,8 @@ def main() -> int:
         first = None
         for name, _ in variants:
             runs = results[name, n]
-            med = {
-                k: statistics.median(t[k] for t in runs if k in t) if any(k in t for t in runs) else float("nan")
-                for k in keys
-            }
+            med = {k: statistics.median(t[k] for t in runs if k in t) if any(k in t for t in runs) else float("nan")
+                   for k in keys}
             cells = []
             for k in keys:
                 ratio = f" ({med[k] / first[k]:.2f}x)" if first and first[k] else ""
