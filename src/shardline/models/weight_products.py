@@ -121,7 +121,7 @@ def blocked_product(x: torch.Tensor, out_features: int, columns, work_per_weight
 GEMM_ROWS = 16
 """A prefill GEMM's rows are padded to a multiple of this. oneDNN's bfloat16 GEMM took
 up to 1.6x as long for some row counts as for the multiple of 16 above them (a 1.5B
-Q4_K_M model's 8,960 x 1,536 down projection, 2 threads of a Zen 5 VM: 259 rows 20-22
+Q4_K_M model's 8,960 x 1,536 down projection, 2 threads of an AMD EPYC VM: 259 rows 20-22
 ms, 287 19.5, 301 20.5-21.6, 511 27.3, against 12.8-13.8 and 19.5 padded), where a
 row's bits are its own (the padded rows are zeros, thrown away)."""
 

@@ -52,8 +52,8 @@ same tokens, greedy or seeded. (SmolLM2-135M Q4_1 in bfloat16, 20 prompts of 416
 tokens resumed from a cached 224-1,440: 0 of 20 texts (16 greedy tokens) differed;
 without the key span 2 did, the rows of a cached prefix's short last chunk having read
 fewer keys. Resuming an agent's 50-token turn after 6,000 cached tokens, computed as its
-chunk rather than started 96 rows back to reach that chunk's class: SmolLM2 126 -> 78 ms,
-a 1.5B Q4_K_M model 497 -> 237 ms, 2 vCPUs.)
+chunk rather than started 96 rows back to reach that chunk's class: SmolLM2 126 -> 62-70
+ms, a 1.5B Q4_K_M model 497 -> 274 ms, 2 vCPUs.)
 """
 
 from __future__ import annotations
