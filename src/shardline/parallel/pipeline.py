@@ -47,6 +47,13 @@ def alone(rank: int, tag: int, stages: int, microbatches: int) -> bool:
     return max(0, t - microbatches + 1) == rank == min(stages - 1, t)
 
 
+def use_threads(count: int) -> None:
+    """Run torch's next operations on ``count`` threads (no call where it already does:
+    each sets up OpenMP's team again)."""
+    if torch.get_num_threads() != count:
+        torch.set_num_threads(count)
+
+
 class PipelineStage(Stage):
     """This rank's part of the pipeline; world size 1 is a plain single-node model.
 
@@ -116,8 +123,7 @@ class PipelineStage(Stage):
                 out = out.to(self.wire_device).contiguous()  # kept referenced until its send completes
                 sends.append((out, dist.isend(out, dst=self.rank + 1, tag=tag)))
                 outputs.append(None)
-        if torch.get_num_threads() != found:
-            torch.set_num_threads(found)
+        use_threads(found)
         for tag, (_, work) in enumerate(sends):
             progress.mark(f"sending micro-batch {tag} to rank {self.rank + 1}")
             assert work is not None  # isend returns its work outside a coalescing context
@@ -137,11 +143,8 @@ class PipelineStage(Stage):
             return
         per = self.slots.threads
         with self.slots.held(-(-wanted // per) if alone else 1) as taken:
-            count = min(wanted, taken * per)
-            if torch.get_num_threads() != count:
-                torch.set_num_threads(count)
+            use_threads(min(wanted, taken * per))
             try:
                 yield
             finally:
-                if torch.get_num_threads() != wanted:
-                    torch.set_num_threads(wanted)
+                use_threads(wanted)

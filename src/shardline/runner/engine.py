@@ -55,7 +55,7 @@ from shardline.models.decode_graphs import GRAPH_MAX_ROWS
 from shardline.models.kv_cache import whole_blocks
 from shardline.models.llama import ForwardBatch
 from shardline.models.weight_products import KERNEL_MAX_ROWS
-from shardline.parallel.pipeline import PipelineStage
+from shardline.parallel.pipeline import PipelineStage, use_threads
 from shardline.runner.agreement import Agreement, decide, encode_proposal, proposal_length, sampled_tokens
 from shardline.runner.block_hashes import block_hashes
 from shardline.runner.constraint import Constraint
@@ -677,8 +677,8 @@ class Engine:
         elif load is not None:  # a CPU pipeline stage: its compute slots give it the threads
             serving = self.serving_threads
             count = free_count(serving, load.cpus, load.cpus, load.cores()) if prefill else serving
-        if count is not None and count != torch.get_num_threads():
-            torch.set_num_threads(count)
+        if count is not None:
+            use_threads(count)
         started = time.perf_counter()
         outputs = self.stage.run(micro, computed)
         assert len(outputs) == len(micro)  # one each (None off the sampling rank)
@@ -698,9 +698,7 @@ class Engine:
 
         def then(index: int) -> None:
             computed(index)
-            count = free()
-            if count != torch.get_num_threads():
-                torch.set_num_threads(count)
+            use_threads(free())
 
         return then
 
