@@ -34,6 +34,22 @@ def test_an_index_grown_token_by_token_drafts_as_one_built_at_once():
         assert grown.find() == NgramIndex(tokens[: i + 1]).find()
 
 
+@pytest.mark.parametrize("steps", [(1, 4, 2, 7), (9,), (2, 2, 2, 2, 2)])
+def test_tokens_appended_between_lookups_are_all_indexed(steps):
+    # The index catches up at a lookup: tokens appended since, several at once, count
+    # as if each had been looked up after.
+    tokens = [1, 2, 3, 4, 2, 3, 9, 1, 2, 3, 4, 5, 2, 3, 4, 1, 2, 3, 9, 1]
+    lazy, every = NgramIndex(tokens[:2]), NgramIndex(tokens[:2])
+    at = 2
+    for step in steps:
+        for token in tokens[at : at + step]:
+            every.extend([token])
+            every.find()
+        lazy.extend(tokens[at : at + step])
+        at += step
+        assert lazy.find() == every.find()
+
+
 def test_a_drafter_drafts_more_while_its_drafts_are_taken_whole():
     drafter = Drafter((1, 2, 3, 4, 5, 6, 7, 8, 9, 1, 2, 3), k=8)
     assert drafter.draft(10) == (4, 5)  # the first draft is short
