@@ -19,9 +19,15 @@ pytestmark = pytest.mark.timeout(120)
 
 
 class Recording(Engine):
-    """An engine that keeps the logits each sequence's first token was sampled from."""
+    """An engine that keeps the logits each sequence's first token was sampled from, and
+    the rows of each micro-batch it computed."""
 
     first_logits: dict[int, torch.Tensor]
+    micro_rows: list[int]
+
+    def _compute(self, micro, computed, decoding, timed):
+        self.micro_rows += [int(tokens.shape[0]) for tokens, _ in micro]
+        return super()._compute(micro, computed, decoding, timed)
 
     def _sample_and_advance(self, plan, seqs, logits):
         for seq, row in zip(seqs, logits):
@@ -47,7 +53,7 @@ def engine(shard, prefix_cache: bool = True, stages: int = 1) -> tuple[Recording
     stage = PipelineStage(shard, tm.new_cache(shard, slots=2, context=1536), 0, 1)
     stage.stages = stages
     e = Recording(stage, queue.Queue(), sent.append, "n", None, 2, 1536, 512, 512, 4096, prefix_cache=prefix_cache)
-    e.first_logits = {}
+    e.first_logits, e.micro_rows = {}, []
     return e, sent
 
 
@@ -78,6 +84,10 @@ def run(e: Recording, sent: list, t: Task, generated: list[int] | None = None) -
         # int4, where 64 rows or fewer take the fused layers: 9 and 24 rows computed as their chunk
         ("blocks_of_32", 1015, 1100, 1015),
         ("blocks_of_32", 1000, 1030, 1000),
+        # where the compiled prefill attention runs, a piece that runs on into the short
+        # last chunk: 221 + 173 and 24 + 106 rows
+        ("blocks_of_32", 803, 1197, 803),
+        ("blocks_of_32", 1000, 1130, 1000),
     ],
     ids=lambda v: str(v),
 )
@@ -100,6 +110,27 @@ def test_a_resumed_prompt_gets_a_cold_prefills_bits(request, model, prefix, tota
         for kv in (warm.stage.cache.k, warm.stage.cache.v):
             other = (cold.stage.cache.k if kv is warm.stage.cache.k else cold.stage.cache.v)[layer]
             assert torch.equal(kv[layer][mine.slot, :, :kept], other[theirs.slot, :, :kept])
+
+
+def test_ranks_that_compute_prefill_rows_apart_run_a_hit_on_into_the_short_last_chunk(blocks_of_32, shard):
+    """The compiled prefill attention (64-wide heads, where it is built) computes each row
+    apart from the rows beside it: a hit's 24 rows to the chunk's end and the prompt's
+    106-row last chunk run as one micro-batch; torch's attention (16-wide heads) reads as
+    many keys as its chunk, so there the two stay apart."""
+    from shardline.models import prefill_attention
+
+    rng = random.Random(5)
+    prompt = tuple(rng.randrange(tm.VOCAB) for _ in range(1130))
+    greedy = SamplingParams(temperature=0.0)
+    for model, apart in ((blocks_of_32, prefill_attention.built()), (shard, False)):
+        e, sent = engine(model)
+        assert e.rows_apart == apart
+        run(e, sent, Task(1, "n", prompt[:1000], 1, greedy))
+        e.micro_rows.clear()
+        assert run(e, sent, Task(2, "n", prompt, 1, greedy)) == 1000
+        hit = [rows for rows in e.micro_rows if rows > 1][:2]  # (not the cached answer's 1-row extension)
+        assert hit == ([130] if apart else [24, 106])
+    assert not engine(blocks_of_32, prefix_cache=False)[0].rows_apart
 
 
 @pytest.mark.parametrize("prefix, total", [(0, 700), (600, 1030)], ids=lambda v: str(v))

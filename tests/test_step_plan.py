@@ -275,3 +275,36 @@ def test_a_pipeline_cuts_a_steps_chunks_but_not_a_scored_prompts():
     assert [(c.start, c.length, c.last) for c in chunks] == [(0, 134, False), (134, 133, False), (267, 133, True)]
     _, chunks = schedule((seq(400, scored=True),), pipeline)
     assert [(c.start, c.length) for c in chunks] == [(0, 400)]
+
+
+@pytest.mark.parametrize(
+    "total, start, budget, replay, plan",
+    [
+        (2335, 2039, 4096, 0, [(0, 2039, 296)]),  # 9 rows to the chunk's end and the 287-row last chunk
+        (700, 300, 4096, 0, [(0, 300, 400)]),
+        (1130, 1000, 4096, 0, [(0, 1000, 130)]),
+        (1100, 1000, 4096, 0, [(0, 1000, 24), (0, 1024, 76)]),  # a last chunk of another class (76 rows)
+        (1300, 700, 4096, 0, [(0, 700, 324), (0, 1024, 276)]),  # together more than a chunk
+        (2000, 1000, 4096, 0, [(0, 1000, 24), (0, 1024, 512), (0, 1536, 464)]),  # the next chunk is whole
+        (1130, 1024, 4096, 0, [(0, 1024, 106)]),  # resumed at a chunk's start: nothing to join
+        (1130, 1000, 100, 0, [(0, 1000, 130)]),  # one piece, the step's first
+        (1130, 1000, 4096, 106, [(0, 1000, 24), (0, 1024, 64), (0, 1088, 42)]),  # replayed as decode computed it
+        (1300, 1000, 4096, 100, [(0, 1000, 200), (0, 1200, 64), (0, 1264, 36)]),  # joined up to the replay
+    ],
+    ids=[
+        "an agent's turn",
+        "rest of the first chunk and the next",
+        "short rest",
+        "another class",
+        "more than a chunk",
+        "a whole chunk next",
+        "at a chunk's start",
+        "over the budget alone",
+        "the output given is not joined",
+        "joined up to the output given",
+    ],
+)
+def test_where_rows_are_apart_a_resumed_piece_runs_on_into_the_short_last_chunk(total, start, budget, replay, plan):
+    assert prefill_plan([(total, start)], 512, budget, [replay], rows_apart=True) == plan
+    if plan[0][2] > 512 - start % 512:  # joined: without rows apart it is cut at the chunk's end
+        assert prefill_plan([(total, start)], 512, budget, [replay])[0] == (0, start, 512 - start % 512)

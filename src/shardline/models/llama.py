@@ -487,6 +487,26 @@ class DecoderShard(nn.Module):
         """KV heads this shard caches per layer (all of them unless tensor-parallel)."""
         return self._layer(0).attn.num_kv_heads
 
+    def prefill_rows_apart(self, cache: KVCache) -> bool:
+        """Whether its prefill forward gives each row the bits it would have beside any
+        other rows, given the row count it is computed as (``ForwardBatch.computed_as``:
+        the products' kernels by that count, whose rows are their own): every layer's
+        attention over ``cache`` is the compiled prefill attention
+        (:func:`~shardline.models.prefill_attention.takes`, each row over the keys up to
+        its own), none has attention sinks or a sliding window, and none is a mixture of
+        experts (whose experts compute their rows by their own count). Torch's prefill
+        attention's bits depend on the keys its chunk reads."""
+        if self.config.is_moe:
+            return False
+        for i in range(len(self.layers)):
+            attn = self._layer(i).attn
+            if attn.sinks is not None or attn.window:
+                return False
+            q = torch.empty((1, attn.attn_heads, self.config.head_dim), dtype=self.dtype, device=self.device)
+            if not prefill_attention.takes(q, cache.k[i]):
+                return False
+        return True
+
     def set_all_reduce(self, fn: Callable[[torch.Tensor], torch.Tensor] | None) -> None:
         """Set every layer's all-reduce (see :class:`DecoderLayer`)."""
         for i in range(len(self.layers)):

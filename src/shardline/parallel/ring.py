@@ -254,6 +254,11 @@ class RingStage(Stage):
             ring=ring,
         )
 
+    def prefill_rows_apart(self) -> bool:
+        """Not on a ring of several ranks: a ring chunk's rows attend round the ring, in
+        shares its length decides."""
+        return self.world_size == 1 and super().prefill_rows_apart()
+
     def decode_batch(self, slots: list[int], positions: list[int]) -> ForwardBatch:
         """A decode step, on every rank alike; only the sampling rank computes logits."""
         batch = self.shard.decode_batch(slots, positions)

@@ -105,6 +105,20 @@ class Stage:
         """A decode step: one token at ``positions[i]`` for the sequence in ``slots[i]``."""
         return self.shard.decode_batch(slots, positions)
 
+    def prefill_rows_apart(self) -> bool:
+        """Whether this rank computes each prefill row's bits apart from the rows beside
+        it (:meth:`DecoderShard.prefill_rows_apart
+        <shardline.models.llama.DecoderShard.prefill_rows_apart>`)."""
+        return self.shard.prefill_rows_apart(self.cache)
+
+    def all_agree(self, holds: bool, device: torch.device) -> bool:
+        """Whether ``holds`` is true on every rank (each rank calls this at the same
+        point; ``device``: the communication device), by a sum over the group."""
+        if self.world_size == 1:
+            return holds
+        self.progress.mark("agreeing with every rank on what each computes alike")
+        return int(self.collectives.all_reduce(torch.tensor([0 if holds else 1], device=device)).item()) == 0
+
     def local_tokens(self, tokens: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
         """The token ids this rank embeds for ``batch`` (int64, on the CPU): all of
         ``tokens`` ``[N]`` here; a subclass may take a part (a ring rank's share)."""

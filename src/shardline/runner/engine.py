@@ -230,7 +230,9 @@ class Engine:
         prefix_cache: a finished sequence's slot keeps its prompt's keys and values for a
             later prompt that starts the same (:mod:`shardline.runner.prefix_cache`);
             False: every prompt is prefilled whole and a slot is emptied when its sequence
-            ends.
+            ends. With it, constructing the engine is a collective of the group: the ranks
+            agree whether each computes a prefill row apart from the rows beside it
+            (:meth:`Stage.all_agree <shardline.parallel.stage.Stage.all_agree>`).
         draft_tokens: tokens a request that names none may draft a step (speculative
             decoding by prompt lookup, :mod:`shardline.runner.speculation`; 0: it does
             not speculate): :func:`~shardline.runner.speculation.default_drafts`.
@@ -304,6 +306,9 @@ class Engine:
         self._agreed = False  # the last step's token exchange agreed on this step's tasks
         self.grammar_tokenizer = grammar_tokenizer
         self.prefix_cache = prefix_cache
+        # A resumed prompt's pieces may run as one where every rank's rows are apart
+        # (step_plan.prefill_plan): agreed once, every rank plans alike.
+        self.rows_apart = prefix_cache and stage.all_agree(stage.prefill_rows_apart(), self.comm_device)
         self.draft_tokens = draft_tokens
         self.cached: dict[int, CachedPrefix] = {}  # free slots holding a cached prefix
         self._clock = 0  # advanced whenever a slot is cached: the cached prefixes' recency
@@ -401,6 +406,7 @@ class Engine:
             self.prefill_step_tokens,
             self.prefill_burst_tokens,
             self.stage.stages,
+            self.rows_apart,
         )
         plan = plan_step(
             cap_drafts([s.state(self.context) for s in self.running], DECODE_MAX_ROWS),

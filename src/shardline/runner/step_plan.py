@@ -15,7 +15,15 @@ from typing import Sequence
 
 from shardline.models.llama import FUSED_PREFILL_MAX_ROWS
 from shardline.models.native_dequant import AMX_PREFILL_MIN_ROWS
-from shardline.runner.prefix_cache import Admission, CachedPrefix, Extension, Waiting, plan_admission, plan_extension
+from shardline.runner.prefix_cache import (
+    Admission,
+    CachedPrefix,
+    Extension,
+    Waiting,
+    plan_admission,
+    plan_extension,
+    row_class,
+)
 
 
 @dataclass(frozen=True, slots=True)
@@ -72,7 +80,8 @@ class StepLimits:
     prefill chunk, the KV block, the prompt tokens prefilled per step while others
     decode (``step_tokens``) and while none does (``burst_tokens``), and ``stages``: the
     micro-batches the instance computes at once (a pipeline's world size, else 1;
-    :func:`fill_stages`)."""
+    :func:`fill_stages`), and ``rows_apart``: every rank computes a prefill row's bits
+    apart from the rows beside it (:func:`prefill_plan`'s ``rows_apart``)."""
 
     context: int
     chunk: int
@@ -80,6 +89,7 @@ class StepLimits:
     step_tokens: int
     burst_tokens: int
     stages: int = 1
+    rows_apart: bool = False
 
 
 @dataclass(frozen=True)
@@ -158,12 +168,21 @@ def finish_reason(
 
 
 def prefill_plan(
-    prompts: list[tuple[int, int]], chunk: int, budget: int, replays: Sequence[int] = ()
+    prompts: list[tuple[int, int]], chunk: int, budget: int, replays: Sequence[int] = (), rows_apart: bool = False
 ) -> list[tuple[int, int, int]]:
     """A step's prefill chunks ``(index of the prompt, start, length)``, oldest prompt
     first, whole chunks up to ``budget`` prompt tokens (at least one chunk), cut at
     multiples of ``chunk`` (a prompt resumed from a cached prefix is cut where its cold
     prefill is). ``prompts``: per sequence, (prompt tokens, tokens prefilled).
+
+    With ``rows_apart`` (every rank computes each prefill row's bits apart from the rows
+    beside it, given the :func:`~shardline.runner.prefix_cache.row_class` it is computed
+    in: the compiled prefill attention, no mixture of experts), a prompt resumed inside a
+    chunk is not cut at that chunk's end where the rest of the chunk and the next one, the
+    prompt's short last, make at most ``chunk`` rows of one class: one piece, computed as
+    the chunk it starts in, gives each row the bits of the two (a 1.5B Q4_K_M model on 2
+    vCPUs, 296 new rows after 2,039 cached: 1,043-1,062 -> 978-1,010 ms, the 9-row piece
+    to the chunk's end having cost as much as a forward's dequantized weights).
 
     ``replays[i]`` (0 where absent): prompt i's last tokens are output already given (a
     continuation's): its chunks end where they begin, and they are cut in pieces of at
@@ -177,6 +196,14 @@ def prefill_plan(
         while start < total:
             if start < given:
                 length = min(chunk - start % chunk, given - start)
+                after = min(chunk, given - start - length)  # the next cold chunk's rows
+                if (
+                    rows_apart
+                    and start % chunk
+                    and 0 < after <= chunk - length
+                    and row_class(after) == row_class(chunk)
+                ):
+                    length += after
             else:
                 length = min(FUSED_PREFILL_MAX_ROWS, chunk, total - start)
             if plan and length > budget:
@@ -226,7 +253,9 @@ def schedule(seqs: Sequence[SequenceState], limits: StepLimits) -> tuple[tuple[i
     scored prompt's chunks excepted)."""
     decode = tuple(i for i, s in enumerate(seqs) if s.decoding)
     budget = limits.step_tokens if decode else limits.burst_tokens
-    planned = prefill_plan([(s.prompt_len, s.prefilled) for s in seqs], limits.chunk, budget, [s.replay for s in seqs])
+    planned = prefill_plan(
+        [(s.prompt_len, s.prefilled) for s in seqs], limits.chunk, budget, [s.replay for s in seqs], limits.rows_apart
+    )
     if limits.stages > 1 and not any(seqs[i].scored for i, _, _ in planned):
         planned = fill_stages(planned, 1 if decode else 0, limits.stages)
     chunks = tuple(
