@@ -8,7 +8,7 @@ import threading
 
 import pytest
 
-from shardline.parallel.compute_slots import ComputeSlots, slot_count
+from shardline.parallel.compute_slots import ComputeSlots, slot_count, stages_at_once
 from shardline.parallel.pipeline import alone
 
 
@@ -26,6 +26,23 @@ from shardline.parallel.pipeline import alone
 )
 def test_slot_count(cpus, threads, slots):
     assert slot_count(cpus, threads) == slots
+
+
+@pytest.mark.parametrize(
+    "pools, at_once",
+    [
+        ([("a", 2), ("a", 2), ("a", 2)], 2),  # a local 3-node cluster on 2 vCPUs, a thread a stage
+        ([("a", 1), ("a", 1), ("a", 1)], 1),  # two threads a stage: one slot
+        ([("a", 2), ("b", 2), ("c", 2)], 3),  # three machines
+        ([("a", 2), ("a", 2), ("b", 1)], 3),
+        ([("a", 8), ("a", 8)], 2),  # no more than its ranks
+        ([("a", 2), ("a", 1), ("a", 2)], 1),  # the fewest counted
+        ([("", 0), ("", 0)], 2),  # GPU stages take no slots
+        ([("a", 2), ("", 0), ("a", 2)], 3),
+    ],
+)
+def test_the_stages_that_compute_at_once(pools, at_once):
+    assert stages_at_once(pools) == at_once
 
 
 @pytest.mark.parametrize(

@@ -17,7 +17,8 @@ from shardline.api.internal.link_probe import router as link_routes
 from shardline.cli import device_name
 from shardline.devices import pick_device
 from shardline.node.link_probe import LINK_HISTORY, LinkMeter, link_due, measure_link, steady_link
-from shardline.node.profile import HostProfile, host_id, measure_host, measure_host_async
+from shardline.node.profile import HostProfile, measure_host, measure_host_async
+from shardline.parallel.compute_slots import host_id
 
 
 @pytest.fixture(scope="module")

@@ -13,16 +13,13 @@ from __future__ import annotations
 import argparse
 import asyncio
 import dataclasses
-import hashlib
 import json
 import os
 import re
-import socket
 import statistics
 import subprocess
 import sys
 import time
-import uuid
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -36,7 +33,7 @@ from shardline.node.profile_decode import (
     decode_weight_rate,
     runner_runtime,
 )
-from shardline.parallel.compute_slots import usable_cpus
+from shardline.parallel.compute_slots import host_id, usable_cpus
 from shardline.process_memory import memory_now, release_free_memory
 
 DEVICE_RE = re.compile(r"^(auto|cpu|mps|cuda(:\d+)?)$")
@@ -126,8 +123,8 @@ class HostProfile:
             unmeasured (MPS).
         threads: torch intra-op threads the measurement ran with (a runner's
             ``--runner-threads``; 0: torch's default).
-        host_id: the machine (:func:`host_id`): nodes with the same id share its CPUs,
-            so ranks of theirs computing at once slow each other (the preview counts it:
+        host_id: the machine (:func:`~shardline.parallel.compute_slots.host_id`): nodes
+            with the same id share its CPUs, so ranks of theirs computing at once slow each other (the preview counts it:
             :func:`~shardline.placement.speed.oversubscription`).
         samples: how many timed windows each rate is the median of.
         measured_at: when it was measured, seconds since the epoch.
@@ -165,20 +162,6 @@ class HostProfile:
         take their defaults (so nodes of different versions can read each other's)."""
         names = {f.name for f in dataclasses.fields(cls)}
         return cls(**{k: v for k, v in data.items() if k in names})
-
-
-def host_id() -> str:
-    """An id of the running kernel, the same for every process (and container) that shares
-    this machine's CPUs and different on another machine: a SHA-256 digest (16 hex digits)
-    of Linux's ``/proc/sys/kernel/random/boot_id`` (new at each boot; see the kernel's
-    ``Documentation/admin-guide/sysctl/kernel.rst``), else, where there is none (macOS),
-    of the host name and a network interface's MAC address (:func:`uuid.getnode`)."""
-    try:
-        with open("/proc/sys/kernel/random/boot_id") as f:
-            seed = f.read().strip()
-    except OSError:
-        seed = f"{socket.gethostname()}/{uuid.getnode():012x}"
-    return hashlib.sha256(seed.encode()).hexdigest()[:16]
 
 
 def _host_memory() -> dict:

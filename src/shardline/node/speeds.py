@@ -179,8 +179,9 @@ class HostProfiler:
 
     def first_guess(self) -> dict | None:
         """The cached profile, if it was measured with this node's runner threads (with
-        this boot's :func:`~shardline.node.profile.host_id`)."""
-        from shardline.node.profile import HostProfile, host_id
+        this boot's :func:`~shardline.parallel.compute_slots.host_id`)."""
+        from shardline.node.profile import HostProfile
+        from shardline.parallel.compute_slots import host_id
 
         if self.cache is None:
             return None

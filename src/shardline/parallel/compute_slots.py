@@ -37,10 +37,13 @@ from __future__ import annotations
 
 import contextlib
 import fcntl
+import hashlib
 import os
+import socket
 import tempfile
+import uuid
+from collections.abc import Iterator, Sequence
 from pathlib import Path
-from typing import Iterator
 
 
 def usable_cpus() -> int:
@@ -50,6 +53,36 @@ def usable_cpus() -> int:
         return len(os.sched_getaffinity(0))
     except (AttributeError, OSError):
         return os.cpu_count() or 1
+
+
+def host_id() -> str:
+    """An id of the running kernel, the same for every process (and container) that shares
+    this machine's CPUs and different on another machine: a SHA-256 digest (16 hex digits)
+    of Linux's ``/proc/sys/kernel/random/boot_id`` (new at each boot; see the kernel's
+    ``Documentation/admin-guide/sysctl/kernel.rst``), else, where there is none (macOS),
+    of the host name and a network interface's MAC address (:func:`uuid.getnode`)."""
+    try:
+        with open("/proc/sys/kernel/random/boot_id") as f:
+            seed = f.read().strip()
+    except OSError:
+        seed = f"{socket.gethostname()}/{uuid.getnode():012x}"
+    return hashlib.sha256(seed.encode()).hexdigest()[:16]
+
+
+def stages_at_once(pools: Sequence[tuple[str, int]]) -> int:
+    """How many of a pipeline's stages can compute at once, ``pools`` giving each rank's
+    compute slots: (its machine's :func:`host_id`, the slots there), or ("", 0) for a
+    stage that takes none (it computes whenever it can: a GPU's). The ranks of one
+    machine compute at most as many at once as its slots (the fewest any of them counts),
+    each of the others on its own."""
+    machines: dict[str, list[int]] = {}
+    alone = 0
+    for machine, count in pools:
+        if machine and count > 0:
+            machines.setdefault(machine, []).append(count)
+        else:
+            alone += 1
+    return alone + sum(min(len(counts), min(counts)) for counts in machines.values())
 
 
 def slot_count(cpus: int, threads: int) -> int:

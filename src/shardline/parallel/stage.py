@@ -111,6 +111,13 @@ class Stage:
         <shardline.models.llama.DecoderShard.prefill_rows_apart>`)."""
         return self.shard.prefill_rows_apart(self.cache)
 
+    def stages_at_once(self, device: torch.device) -> int:
+        """Micro-batches of a step the instance computes at once: :attr:`stages` (tensor
+        and ring ranks compute each micro-batch together: 1). ``device``: the
+        communication device (a subclass may exchange what it needs with the others:
+        every rank calls this at the same point)."""
+        return self.stages
+
     def all_agree(self, holds: bool, device: torch.device) -> bool:
         """Whether ``holds`` is true on every rank (each rank calls this at the same
         point; ``device``: the communication device), by a sum over the group."""

@@ -196,6 +196,10 @@ def queued_state(task: Task) -> SequenceState:
 class Engine:
     """Lockstep scheduler and executor for one rank.
 
+    Constructing it is a collective of the group (every rank constructs its engine): the
+    ranks exchange what each step's plan reads of them all (:meth:`Stage.stages_at_once
+    <shardline.parallel.stage.Stage.stages_at_once>`, the prefix cache's rows apart).
+
     Args:
         stage: this rank's pipeline stage (model shard + KV cache).
         inbox: messages from the node: Task, Cancel, Shutdown.
@@ -230,9 +234,9 @@ class Engine:
         prefix_cache: a finished sequence's slot keeps its prompt's keys and values for a
             later prompt that starts the same (:mod:`shardline.runner.prefix_cache`);
             False: every prompt is prefilled whole and a slot is emptied when its sequence
-            ends. With it, constructing the engine is a collective of the group: the ranks
-            agree whether each computes a prefill row apart from the rows beside it
-            (:meth:`Stage.all_agree <shardline.parallel.stage.Stage.all_agree>`).
+            ends. With it, the ranks agree whether each computes a prefill row apart from
+            the rows beside it (:meth:`Stage.all_agree
+            <shardline.parallel.stage.Stage.all_agree>`).
         draft_tokens: tokens a request that names none may draft a step (speculative
             decoding by prompt lookup, :mod:`shardline.runner.speculation`; 0: it does
             not speculate): :func:`~shardline.runner.speculation.default_drafts`.
@@ -309,6 +313,7 @@ class Engine:
         # A resumed prompt's pieces may run as one where every rank's rows are apart
         # (step_plan.prefill_plan): agreed once, every rank plans alike.
         self.rows_apart = prefix_cache and stage.all_agree(stage.prefill_rows_apart(), self.comm_device)
+        self.stages_at_once = stage.stages_at_once(self.comm_device)  # a step's micro-batches to fill
         self.draft_tokens = draft_tokens
         self.cached: dict[int, CachedPrefix] = {}  # free slots holding a cached prefix
         self._clock = 0  # advanced whenever a slot is cached: the cached prefixes' recency
@@ -405,7 +410,7 @@ class Engine:
             block,
             self.prefill_step_tokens,
             self.prefill_burst_tokens,
-            self.stage.stages,
+            self.stages_at_once,
             self.rows_apart,
         )
         plan = plan_step(

@@ -78,8 +78,10 @@ class Chunk:
 class StepLimits:
     """The engine's settings a step's plan reads: the context (tokens per sequence), the
     prefill chunk, the KV block, the prompt tokens prefilled per step while others
-    decode (``step_tokens``) and while none does (``burst_tokens``), and ``stages``: the
-    micro-batches the instance computes at once (a pipeline's world size, else 1;
+    decode (``step_tokens``) and while none does (``burst_tokens``), ``stages``: the
+    micro-batches the instance computes at once (a pipeline's stages that can, its world
+    size or fewer where ranks share a machine's cores:
+    :meth:`~shardline.parallel.pipeline.PipelineStage.stages_at_once`; else 1;
     :func:`fill_stages`), and ``rows_apart``: every rank computes a prefill row's bits
     apart from the rows beside it (:func:`prefill_plan`'s ``rows_apart``)."""
 
