@@ -124,7 +124,8 @@ class HostProfile:
         threads: torch intra-op threads the measurement ran with (a runner's
             ``--runner-threads``; 0: torch's default).
         host_id: the machine (:func:`~shardline.parallel.compute_slots.host_id`): nodes
-            with the same id share its CPUs, so ranks of theirs computing at once slow each other (the preview counts it:
+            with the same id share its CPUs, so ranks of theirs computing at once slow
+            each other (the preview counts it:
             :func:`~shardline.placement.speed.oversubscription`).
         samples: how many timed windows each rate is the median of.
         measured_at: when it was measured, seconds since the epoch.

@@ -90,6 +90,7 @@ class PipelineStage(Stage):
         1,141 ms (2-vCPU VM, ``shardline bench --turns 8``, one round each)."""
         if self.world_size == 1:
             return self.stages
+        self.progress.mark("telling every rank this machine's compute slots")
         table = torch.zeros((self.world_size, 2), dtype=torch.int64, device=device)
         if self.slots is not None:
             table[self.rank, 0] = int(host_id(), 16) >> 1  # 64 bits of hex, as an int64 > 0
