@@ -133,6 +133,19 @@ def test_ranks_that_compute_prefill_rows_apart_run_a_hit_on_into_the_short_last_
     assert not engine(blocks_of_32, prefix_cache=False)[0].rows_apart
 
 
+def test_tensor_ranks_of_three_or_more_do_not_compute_rows_apart(blocks_of_32):
+    """Their sums of a piece's rows go by gloo's ring all-reduce, in an order its size
+    decides: a tensor stage computes rows apart on one or two ranks only (its ranks'
+    count read alone here)."""
+    from shardline.models import prefill_attention
+    from shardline.parallel.tensor import TensorStage
+
+    stage = TensorStage(blocks_of_32, tm.new_cache(blocks_of_32, slots=2, context=1536), 0, 1)
+    for world_size, apart in ((1, prefill_attention.built()), (2, prefill_attention.built()), (3, False)):
+        stage.world_size = world_size
+        assert stage.prefill_rows_apart() == apart
+
+
 @pytest.mark.parametrize("prefix, total", [(0, 700), (600, 1030)], ids=lambda v: str(v))
 def test_a_pipelines_pieces_of_a_chunk_give_the_whole_chunks_bits(shard, prefix, total):
     """A 3-stage pipeline's plan cuts a chunk of 192-512 rows in pieces of 96-171: the same

@@ -109,6 +109,13 @@ class TensorStage(Stage):
             raise ValueError("the sampling rank's shard has no LM head")
         shard.set_all_reduce(make_all_reduce(group, reduce_dtype, wire_device) if world_size > 1 else None)
 
+    def prefill_rows_apart(self) -> bool:
+        """Not on three ranks or more either: a prefill piece's sums go by gloo's ring
+        all-reduce, whose segments (cut by the buffer's size) add the ranks' parts in
+        another order each, so a row's sum depends on the rows beside it; two ranks' sum
+        is one addition whatever the order."""
+        return self.world_size <= 2 and super().prefill_rows_apart()
+
 
 def load_tensor_stage(
     source,
