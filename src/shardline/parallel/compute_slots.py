@@ -42,7 +42,7 @@ import os
 import socket
 import tempfile
 import uuid
-from collections.abc import Iterator, Sequence
+from collections.abc import Hashable, Iterator, Sequence
 from pathlib import Path
 
 
@@ -69,13 +69,13 @@ def host_id() -> str:
     return hashlib.sha256(seed.encode()).hexdigest()[:16]
 
 
-def stages_at_once(pools: Sequence[tuple[str, int]]) -> int:
+def stages_at_once(pools: Sequence[tuple[Hashable, int]]) -> int:
     """How many of a pipeline's stages can compute at once, ``pools`` giving each rank's
-    compute slots: (its machine's :func:`host_id`, the slots there), or ("", 0) for a
-    stage that takes none (it computes whenever it can: a GPU's). The ranks of one
-    machine compute at most as many at once as its slots (the fewest any of them counts),
-    each of the others on its own."""
-    machines: dict[str, list[int]] = {}
+    compute slots: (its machine, e.g. :func:`host_id` or a number made of it, the slots
+    there), or a false machine (``""``, 0) and 0 slots for a stage that takes none (it
+    computes whenever it can: a GPU's). The ranks of one machine compute at most as many
+    at once as its slots (the fewest any of them counts), each of the others on its own."""
+    machines: dict[Hashable, list[int]] = {}
     alone = 0
     for machine, count in pools:
         if machine and count > 0:

@@ -95,8 +95,8 @@ class PipelineStage(Stage):
         if self.slots is not None:
             table[self.rank, 0] = int(host_id(), 16) >> 1  # 64 bits of hex, as an int64 > 0
             table[self.rank, 1] = self.slots.count
-        rows = self.collectives.all_reduce(table).cpu().tolist()
-        return min(self.stages, stages_at_once([(f"{machine:x}" if machine else "", count) for machine, count in rows]))
+        rows = self.collectives.all_reduce(table).cpu().tolist()  # [machine, slots] a rank, 0s: none
+        return min(self.stages, stages_at_once([(machine, count) for machine, count in rows]))
 
     def run(
         self, microbatches: list[tuple[torch.Tensor, ForwardBatch]], computed: Callable[[int], None] | None = None
