@@ -35,13 +35,15 @@ def torch_layers(request, tmp_path_factory):
     return load_shard(open_weights(path), 0, 2, dtype=getattr(torch, request.param))
 
 
-def run(shard, tasks: list[Task], default_drafts: int = 0) -> tuple[dict[int, list[int]], int]:
+def run(shard, tasks: list[Task], default_drafts: int = 0, **engine_args) -> tuple[dict[int, list[int]], int]:
     """``tasks`` sent together to a fresh engine (4 slots, 64-token chunks; a request that
-    names no draft drafts ``default_drafts``), run to their ends: each one's tokens, and
-    the steps it took."""
+    names no draft drafts ``default_drafts``; ``engine_args``: more of its arguments), run
+    to their ends: each one's tokens, and the steps it took."""
     sent: list = []
     stage = PipelineStage(shard, tm.new_cache(shard, slots=4, context=1024), 0, 1)
-    engine = Engine(stage, queue.Queue(), sent.append, "n", None, 4, 1024, 64, 64, 4096, draft_tokens=default_drafts)
+    engine = Engine(
+        stage, queue.Queue(), sent.append, "n", None, 4, 1024, 64, 64, 4096, draft_tokens=default_drafts, **engine_args
+    )
     for task in tasks:
         engine.inbox.put(task)
     tokens: dict[int, list[int]] = {t.task_id: [] for t in tasks}

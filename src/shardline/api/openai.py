@@ -171,6 +171,9 @@ class SamplingFields(BaseModel):
     # llama.cpp's per-request speculation bound: most tokens drafted a step (prompt lookup;
     # 0: none; absent: the instance's default, runner.speculation.default_drafts).
     speculative_n_max: int | None = Field(default=None, ge=0, le=MAX_DRAFT_TOKENS, alias="speculative.n_max")
+    # llama.cpp's: a draft model's draft ends before a guess it gives less probability
+    # (absent: runner.draft_model.P_MIN; prompt lookup ignores it).
+    speculative_p_min: float | None = Field(default=None, ge=0.0, le=1.0, alias="speculative.p_min")
 
     @model_validator(mode="after")
     def _check_bias(self):
@@ -205,6 +208,7 @@ class SamplingFields(BaseModel):
             logprobs=self.logprobs_wanted(),
             grammar=self.grammar(),
             draft_tokens=self.speculative_n_max,
+            draft_p_min=self.speculative_p_min,
         )
 
     def generation(self, prompt, max_tokens: int | None, max_tokens_param: str, prompt_param: str) -> GenerationRequest:

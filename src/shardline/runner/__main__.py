@@ -162,6 +162,30 @@ def load_stage(spec: RunnerSpec, source, group, progress: Progress, dtype, devic
     return PipelineStage(shard, cache, spec.rank, spec.world_size, progress, wire_device=comm_device, slots=slots)
 
 
+def load_draft_model(spec: RunnerSpec, dtype, device, vocab: int):
+    """The instance's draft model (``spec.draft_model_path``, every layer, quantized as
+    the target's file is) with a KV cache of the engine's slots and context
+    (:class:`~shardline.runner.draft_model.DraftModel`; ``vocab``: the target's
+    vocabulary size).
+
+    Raises:
+        WeightFormatError: a tensor the draft model needs is missing or misshapen.
+    """
+    from shardline.models.config import Quantize
+    from shardline.models.kv_cache import KVCache
+    from shardline.models.shard_loader import load_shard
+    from shardline.models.weights import open_weights
+    from shardline.runner.draft_model import DraftModel
+
+    assert spec.draft_model_path is not None
+    source = open_weights(spec.draft_model_path)
+    layers = source.config.num_layers
+    quantize = Quantize(spec.quantize) if spec.quantize else None
+    shard = load_shard(source, 0, layers, dtype=dtype, device=device, quantize=quantize)
+    cache = KVCache(source.config, layers, spec.max_batch, spec.context, dtype, device)
+    return DraftModel(shard, cache, spec.prefill_chunk, vocab)
+
+
 def serve(conn, outbox: Outbox, started: float) -> None:
     """Import what a rank needs, then wait for the node's RunnerSpec (a runner may be
     started ahead of its placement: ``Worker``'s pre-started runner), join the process
@@ -202,7 +226,7 @@ def serve(conn, outbox: Outbox, started: float) -> None:
     threading.Thread(target=_read_inbox, args=(conn, inbox), daemon=True).start()
     group, comm_device = _join_group(spec, device)
     joined = time.monotonic()
-    stage = _load_shard(spec, outbox, group, dtype, device, comm_device, serving_threads)
+    stage, draft = _load_shard(spec, outbox, group, dtype, device, comm_device, serving_threads)
     log.info(
         "rank %d of %s loaded on %s in %.2f s from its spec (imports %.2f s%s, process group %.2f s, shard %.2f s)",
         spec.rank,
@@ -214,7 +238,7 @@ def serve(conn, outbox: Outbox, started: float) -> None:
         joined - given,
         time.monotonic() - joined,
     )
-    _engine(spec, stage, inbox, outbox, group, comm_device, serving_threads).run()
+    _engine(spec, stage, draft, inbox, outbox, group, comm_device, serving_threads).run()
     if group is not None:
         dist.destroy_process_group()
 
@@ -249,9 +273,10 @@ def _join_group(spec: RunnerSpec, device):
 
 
 def _load_shard(spec: RunnerSpec, outbox: Outbox, group, dtype, device, comm_device, serving_threads: int):
-    """Load this rank's stage (:func:`load_stage`), warm its decode graphs, wait for every
-    rank to hold its shard, unmap the weight file and send the node :class:`Loaded`.
-    Leaves torch at ``serving_threads`` threads. Returns the stage."""
+    """Load this rank's stage (:func:`load_stage`) and, where it samples, the instance's
+    draft model (:func:`load_draft_model`), warm its decode graphs, wait for every rank to
+    hold its shard, unmap the weight file and send the node :class:`Loaded`. Leaves torch
+    at ``serving_threads`` threads. Returns the stage and the draft model (or None)."""
     import torch
     import torch.distributed as dist
 
@@ -266,8 +291,10 @@ def _load_shard(spec: RunnerSpec, outbox: Outbox, group, dtype, device, comm_dev
     progress = Progress()
     with large_allocations_mapped(), native_dequant.loading_with(serving_threads - 1):
         stage = load_stage(spec, source, group, progress, dtype, device, comm_device, serving_threads)
+        vocab = stage.shard.config.vocab_size
+        draft = load_draft_model(spec, dtype, device, vocab) if spec.draft_model_path and stage.samples else None
     cache = stage.cache
-    param_bytes = weight_bytes(stage.shard)
+    param_bytes = weight_bytes(stage.shard) + (weight_bytes(draft.shard) if draft is not None else 0)
     torch.set_num_threads(serving_threads)
     if stage.shard.graphs is not None:
         warming = time.monotonic()
@@ -292,7 +319,7 @@ def _load_shard(spec: RunnerSpec, outbox: Outbox, group, dtype, device, comm_dev
     gc.collect()
     release_free_memory()
     pool = pool_tokens(spec.kv_tokens, spec.max_batch, spec.context, cache.block_tokens)
-    pool_bytes = pool * cache.bytes_per_token
+    pool_bytes = pool * (cache.bytes_per_token + (draft.cache.bytes_per_token if draft is not None else 0))
     outbox.send(
         Loaded(
             tuple(layers),
@@ -305,13 +332,14 @@ def _load_shard(spec: RunnerSpec, outbox: Outbox, group, dtype, device, comm_dev
             device=str(device),
         )
     )
-    return stage
+    return stage, draft
 
 
 def _engine(
-    spec: RunnerSpec, stage, inbox: queue.Queue[object], outbox: Outbox, group, comm_device, serving_threads: int
+    spec: RunnerSpec, stage, draft, inbox: queue.Queue[object], outbox: Outbox, group, comm_device, serving_threads: int
 ):
-    """The rank's :class:`~shardline.runner.engine.Engine` over its loaded ``stage``."""
+    """The rank's :class:`~shardline.runner.engine.Engine` over its loaded ``stage`` (and
+    ``draft``: the draft model where this rank holds one)."""
     from shardline.runner.constraint import GrammarTokenizer
     from shardline.runner.engine import Engine
     from shardline.runner.other_load import OtherLoad, RunnerAndNode
@@ -335,6 +363,8 @@ def _engine(
         grammar_tokenizer=GrammarTokenizer(spec.model_path),
         prefix_cache=spec.prefix_cache,
         draft_tokens=default_drafts(stage.shard.config.is_moe),
+        model_drafts=spec.draft_model_path is not None,
+        draft_model=draft,
         threads=governor,
         other_load=OtherLoad(own=RunnerAndNode())
         if governor is not None or lends_threads(spec.world_size, stage)

@@ -59,6 +59,7 @@ from shardline.parallel.pipeline import PipelineStage, use_threads
 from shardline.runner.agreement import Agreement, decide, encode_proposal, proposal_length, sampled_tokens
 from shardline.runner.block_hashes import block_hashes
 from shardline.runner.constraint import Constraint
+from shardline.runner.draft_model import NO_TOKEN, P_MIN, DraftModel, ModelDrafts
 from shardline.runner.logprob_tables import logprob_table, logprob_width, prompt_logprob_table, read_logprobs
 from shardline.runner.other_load import OtherLoad, free_count
 from shardline.runner.prefix_cache import Admission, CachedPrefix, Extension, Waiting, exact_end, window_rows
@@ -139,7 +140,7 @@ class Sequence:
     reused: int = 0
     exact_end: int = 0
     hashes: list[int] = field(default_factory=list)
-    drafter: Drafter | None = None
+    drafter: Drafter | ModelDrafts | None = None
 
     @property
     def prompt_len(self) -> int:
@@ -251,6 +252,15 @@ class Engine:
             compute slots give it: :mod:`shardline.parallel.compute_slots`) and the
             others run at torch's count at construction (the configured one). None:
             every step at the governed count, or torch's.
+        model_drafts: the instance has a draft model (every rank is told): its
+            sequences' drafts come from it, not from prompt lookup, ``draft_tokens``
+            places each in the exchange after the sampled ids
+            (:mod:`shardline.runner.draft_model`).
+        draft_model: the draft model, on the sampling rank (required there with
+            ``model_drafts``; ignored elsewhere).
+
+    Raises:
+        ValueError: ``model_drafts`` on the sampling rank without ``draft_model``.
     """
 
     def __init__(
@@ -275,7 +285,11 @@ class Engine:
         draft_tokens: int = 0,
         threads: ThreadGovernor | None = None,
         other_load: OtherLoad | None = None,
+        model_drafts: bool = False,
+        draft_model: DraftModel | None = None,
     ) -> None:
+        if model_drafts and stage.samples and draft_model is None:
+            raise ValueError("the sampling rank of an instance with a draft model needs the draft model")
         self.stage = stage
         self.threads = threads
         self.other_load = other_load
@@ -315,6 +329,8 @@ class Engine:
         self.rows_apart = prefix_cache and stage.all_agree(stage.prefill_rows_apart(), self.comm_device)
         self.stages_at_once = stage.stages_at_once(self.comm_device)  # a step's micro-batches to fill
         self.draft_tokens = draft_tokens
+        self.model_drafts = model_drafts
+        self.draft_model = draft_model if stage.samples else None
         self.cached: dict[int, CachedPrefix] = {}  # free slots holding a cached prefix
         self._clock = 0  # advanced whenever a slot is cached: the cached prefixes' recency
         self._hashes: dict[int, list[int]] = {}  # waiting tasks' prompt block hashes
@@ -440,7 +456,7 @@ class Engine:
             self._hashes.pop(task.task_id, None)
             if start.slot in self.cached:  # its cached prefix: the first ``reused`` positions are kept
                 self.free_kv_tokens += self.cached.pop(start.slot).tokens
-                cache.release(start.slot, start.reused)
+                self._release(start.slot, start.reused)
             else:
                 self.free_slots.remove(start.slot)
             if start.source is not None:  # another conversation's: its shared positions copied
@@ -455,7 +471,7 @@ class Engine:
                 reused=start.reused,
                 exact_end=start.reused,
                 hashes=want.hashes,
-                drafter=Drafter(task.prompt, drafts) if (drafts := task.sampling.drafts(self.draft_tokens)) else None,
+                drafter=self._drafter(task),
             )
             self.free_kv_tokens -= want.need
             self.prompt_tokens += len(task.prompt)
@@ -464,11 +480,26 @@ class Engine:
                 seq.sampler = self._sampler(task)
             self.running.append(seq)
 
+    def _drafter(self, task: Task) -> Drafter | ModelDrafts | None:
+        """Where an admitted ``task``'s drafts come from: the draft model's, or prompt
+        lookup's; None where it does not speculate."""
+        drafts = task.sampling.drafts(self.draft_tokens)
+        if not drafts:
+            return None
+        return ModelDrafts(drafts) if self.model_drafts else Drafter(task.prompt, drafts)
+
+    def _release(self, slot: int, keep: int = 0) -> None:
+        """Give back the memory of ``slot``'s keys and values past its first ``keep``
+        positions (and the draft model's, where this rank holds one)."""
+        self.stage.cache.release(slot, keep)
+        if self.draft_model is not None:
+            self.draft_model.release(slot, keep)
+
     def _evict(self, slots: tuple[int, ...]) -> None:
         """Empty these cached slots (their pages back to the system) and free them."""
         for slot in slots:
             self.free_kv_tokens += self.cached.pop(slot).tokens
-            self.stage.cache.release(slot)
+            self._release(slot)
             self.free_slots.append(slot)
         self.free_slots.sort()
 
@@ -509,11 +540,11 @@ class Engine:
         block = self.stage.cache.block_tokens
         keep = self._kept(seq)
         if keep <= 0:
-            self.stage.cache.release(seq.slot)
+            self._release(seq.slot)
             self.free_slots.append(seq.slot)
             self.free_slots.sort()
             return
-        self.stage.cache.release(seq.slot, keep)
+        self._release(seq.slot, keep)
         self._clock += 1
         sequence = seq.task.prompt + tuple(seq.generated)
         prefix = CachedPrefix(
@@ -584,7 +615,7 @@ class Engine:
                     )
 
         if plan.sampled:  # the exchange after it (_sample_and_advance) carries their ids
-            self.stage.expect_gather(proposal_length(AGREE_K, plan.sampled_ids))
+            self.stage.expect_gather(proposal_length(AGREE_K, plan.sampled_ids + self._draft_places(plan, seqs)))
         plain = not chunks and not any(draft for _, draft in decoding)  # one row a sequence
         outputs = self._compute(micro, computed, len(decoding), timed=plain)
         rows: list[torch.Tensor] = []  # per sampled sequence, its rows of logits [1 + draft, vocab]
@@ -790,7 +821,8 @@ class Engine:
         width = logprob_width(wanted)  # the same on every rank: all know the params
         drafts = [plan.seqs[i].draft for i in plan.sampled]
         sampled, table = self._sample(seqs, logits, drafts, width)
-        agreement, ids = self.exchange(sampled)
+        agreement, ids = self.exchange(sampled + self._next_drafts(plan, seqs, sampled))
+        ids, places = ids[: len(sampled)], ids[len(sampled) :]
         rows: list[list[float]] = []
         if table is not None and width is not None:
             rows = self.stage.share_logprobs(table).cpu().tolist()
@@ -800,6 +832,9 @@ class Engine:
             if seq.drafter is not None:
                 self.drafted_tokens += len(drafts[index])
                 self.accepted_tokens += seq.drafter.took(len(drafts[index]), tokens)
+            if isinstance(seq.drafter, ModelDrafts):
+                seq.drafter.received(places[: seq.drafter.k])
+                places = places[seq.drafter.k :]
             if seq.task.origin == self.node_id:
                 k = wanted[index]
                 logprob, top = (None, ()) if k is None or width is None else read_logprobs(rows[index], width, k)
@@ -823,6 +858,41 @@ class Engine:
         self.emit(events)
         self.apply_agreement(agreement)
         self._agreed = True
+
+    @staticmethod
+    def _draft_places(plan: StepPlan, seqs: list[Sequence]) -> int:
+        """Places the step's exchange carries for the next drafts of its sampled
+        sequences (``seqs``: the plan's), after their ids: ``k`` each where a draft model
+        drafts (:class:`~shardline.runner.draft_model.ModelDrafts`)."""
+        return sum(d.k for i in plan.sampled if isinstance(d := seqs[i].drafter, ModelDrafts))
+
+    def _next_drafts(self, plan: StepPlan, seqs: list[Sequence], sampled: list[int]) -> list[int]:
+        """The exchange's places for the next drafts of the sampled ``seqs`` (the plan's
+        :attr:`~shardline.runner.step_plan.StepPlan.sampled` ones; ``sampled``: the ids
+        :meth:`_sample` gave): on the sampling rank, for each whose draft model drafts,
+        up to its ``k`` tokens guessed after those it takes now (none where they end it,
+        or none fit its ``max_tokens`` or the context), padded with
+        :data:`~shardline.runner.draft_model.NO_TOKEN`; zeros elsewhere."""
+        places: list[int] = []
+        model = self.draft_model
+        outcomes = plan.outcomes(sampled) if model is not None else ()
+        for index, seq in enumerate(seqs):
+            if not isinstance(seq.drafter, ModelDrafts):
+                continue
+            k = seq.drafter.k
+            if model is None:
+                places += [0] * k
+                continue
+            tokens, finish = outcomes[index]
+            drafted: list[int] = []
+            if finish is None:
+                so_far = [*seq.task.prompt, *seq.generated, *tokens]
+                made = len(so_far) - seq.prompt_len
+                room = min(seq.task.max_tokens - made, self.context - len(so_far)) - 1
+                p_min = seq.task.sampling.draft_p_min
+                drafted = model.draft(seq.slot, so_far, min(k, room), P_MIN if p_min is None else p_min)
+            places += drafted + [NO_TOKEN] * (k - len(drafted))
+        return places
 
     def _sample(
         self, seqs: list[Sequence], logits: list[torch.Tensor], drafts: list[tuple[int, ...]], width: int | None

@@ -55,7 +55,12 @@ class SamplingParams:
         draft_tokens: k > 0: speculative decoding by prompt lookup
             (:mod:`shardline.runner.speculation`), up to k drafted tokens checked a step,
             for a sequence without a grammar or log-probabilities (any other decodes a
-            token a step); 0: none; None: the instance's default (:meth:`drafts`).
+            token a step); 0: none; None: the instance's default (:meth:`drafts`). On
+            an instance with a draft model, the draft model drafts them
+            (:mod:`shardline.runner.draft_model`).
+        draft_p_min: a draft model's draft ends before its first guess of a lower
+            probability (llama.cpp's ``speculative.p_min``); None:
+            :data:`~shardline.runner.draft_model.P_MIN`. Prompt lookup ignores it.
     """
 
     temperature: float = 1.0
@@ -73,6 +78,7 @@ class SamplingParams:
     prompt_logprobs: int | None = None
     resumed: int = 0
     draft_tokens: int | None = None
+    draft_p_min: float | None = None
 
     @property
     def greedy(self) -> bool:
@@ -343,6 +349,10 @@ class RunnerSpec:
         threads: torch intra-op threads (0: torch's default).
         prefix_cache: a finished sequence's slot keeps its prompt's keys and values for
             later prompts that start the same (:mod:`shardline.runner.prefix_cache`).
+        draft_model_path: the instance's draft model (a .gguf file or Hugging Face
+            directory of the same tokenizer, on this machine where this rank samples;
+            :mod:`shardline.runner.draft_model`), every rank told; None: drafts by
+            prompt lookup.
     """
 
     instance_id: str
@@ -369,3 +379,4 @@ class RunnerSpec:
     progress_timeout_s: float = 60.0
     threads: int = 0
     prefix_cache: bool = True
+    draft_model_path: str | None = None
