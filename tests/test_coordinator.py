@@ -106,6 +106,7 @@ class Recorder:
             free_bytes=lambda node_id: 0,
             runtime_baseline=lambda node_ids: 0,
             free_port=unused,
+            tokenizer=unused,
         )
 
 

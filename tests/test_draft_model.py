@@ -188,7 +188,13 @@ def test_every_rank_takes_the_draft_models_tokens(model_dir, sharding):
     asks = replace(GREEDY, draft_tokens=4, draft_p_min=0.0)  # a tiny random model is never sure
     tasks = [Task(800 + i, NODE, tuple(range(3 + i, 40 + i)), 40, asks) for i in range(2)]
     instance = Instance(
-        model_dir, 2, max_batch=2, context=512, sharding=Sharding(sharding), draft_model_path=str(model_dir)
+        model_dir,
+        2,
+        max_batch=2,
+        context=512,
+        sharding=Sharding(sharding),
+        model_drafts=True,
+        draft_model_path=str(model_dir),
     )
     try:
         expected = reference_tokens(model_dir, tasks)
@@ -224,3 +230,54 @@ def test_a_draft_ends_before_a_guess_it_doubts(target):
     model = drafting(target)["draft_model"]
     assert model.draft(0, list(range(5, 40)), 4) == []
     assert len(model.draft(0, list(range(5, 40)), 4, p_min=0.0)) == 4
+
+
+@pytest.fixture(scope="module")
+def smollm2_tokenizer_dir(tmp_path_factory):
+    from shardline.models.store import default_model_path
+    from shardline.models.tokenizer import Tokenizer
+
+    directory = tmp_path_factory.mktemp("smollm2-tokenizer")
+    Tokenizer(default_model_path()).save(directory)
+    return directory
+
+
+def _edited(source, target, edit) -> object:
+    """A copy of the tokenizer files in ``source`` with ``edit(name, text) -> text``
+    applied to each, loaded."""
+    import shutil
+
+    from shardline.models.tokenizer import Tokenizer
+
+    shutil.copytree(source, target)
+    for path in target.iterdir():
+        path.write_text(edit(path.name, path.read_text()))
+    return Tokenizer(target)
+
+
+def _swap_two_tokens(name: str, text: str) -> str:
+    import json
+
+    if name != "tokenizer.json":
+        return text
+    data = json.loads(text)
+    vocab = data["model"]["vocab"]
+    a, b = "Paris", "London"
+    vocab[a], vocab[b] = vocab[b], vocab[a]
+    return json.dumps(data)
+
+
+def _other_end(name: str, text: str) -> str:
+    return text.replace('"eos_token_id": [2]', '"eos_token_id": [0]') if name == "generation_config.json" else text
+
+
+@pytest.mark.parametrize(
+    "edit,reason", [(lambda _name, text: text, None), (_swap_two_tokens, "token"), (_other_end, "end-of-sequence ids")]
+)
+def test_a_draft_model_needs_the_targets_tokenizer(smollm2_tokenizer_dir, tmp_path, edit, reason):
+    """llama.cpp's check: the same pieces for the same ids, and the same end ids."""
+    from shardline.models.tokenizer import Tokenizer, draft_mismatch
+
+    target = Tokenizer(smollm2_tokenizer_dir)
+    mismatch = draft_mismatch(target, _edited(smollm2_tokenizer_dir, tmp_path / "draft", edit))
+    assert (mismatch is None) if reason is None else (reason in mismatch)

@@ -20,6 +20,7 @@ from shardline.placement.ranks import (
     PlacementOptions,
     RankShare,
     check_context,
+    draft_model_bytes,
     kv_pool_tokens,
     kv_tokens_for_bytes,
     model_param_count,
@@ -199,3 +200,15 @@ def test_a_context_over_the_trained_one_is_refused(context, trained, refused):
 )
 def test_a_node_computing_on_a_gpu_offers_most_of_its_memory(profile, offered):
     assert gpu_bytes(profile) == offered
+
+
+def test_a_draft_model_counts_as_a_one_rank_instance_of_it_without_a_runtime():
+    """The sampling rank's draft model: SmolLM2's weights, KV cache for the instance's
+    slots and context, and a prefill chunk's scratch: a one-rank instance of it, less
+    its runtime."""
+    config = smollm2_config()
+    options = PlacementOptions(context=2048, max_batch=4, draft_model="m")
+    alone = rank_bytes(config, "pipeline", [RankShare(0, 30)], 0, 2048, 4, weight_file_bytes=FILE)
+    assert draft_model_bytes(config, FILE, options) == pytest.approx(alone - RUNTIME_BASELINE_BYTES, abs=8)
+    longer = draft_model_bytes(config, FILE, PlacementOptions(context=4096, max_batch=4))
+    assert longer - draft_model_bytes(config, FILE, options) == 4 * 2048 * config.kv_bytes_per_token(2)

@@ -99,6 +99,10 @@ class Recorder:
             assert isinstance(self.weights, Path)
             return self.weights
 
+        async def draft_weights(inst: Instance) -> Path:
+            self.calls.append(("draft_weights", inst.instance_id))
+            return Path("draft")
+
         async def send_report(address: str, report: RankReport) -> bool:
             if self.send_error is not None:
                 raise self.send_error
@@ -111,6 +115,7 @@ class Recorder:
 
         return SupervisionEffects(
             shard_weights=shard_weights,
+            draft_weights=draft_weights,
             warm_tokenizer=lambda model_id: self.calls.append(("warm_tokenizer", model_id)),
             dispatch=lambda events: self.calls.append(("dispatch", events)),
             fail_streams=lambda instance_id, error, code: self.calls.append(("fail_streams", instance_id, error, code)),
@@ -177,6 +182,30 @@ def test_another_ranks_node_does_not_warm_the_tokenizer_at_once():
 
     asyncio.run(run())
     assert pool.started[0].rank == 1 and not recorder.named("warm_tokenizer")
+
+
+@pytest.mark.parametrize(
+    "node, sharding, rank, draft",
+    [
+        ("a", Sharding.PIPELINE, 0, None),
+        ("b", Sharding.PIPELINE, 1, "draft"),  # a pipeline's last rank samples
+        ("a", Sharding.TENSOR, 0, "draft"),  # a tensor instance's first
+        ("b", Sharding.TENSOR, 1, None),
+    ],
+)
+def test_the_sampling_rank_of_an_instance_with_a_draft_model_gets_it_whole(node, sharding, rank, draft):
+    inst = dataclasses.replace(instance("x", ("a", "b"), sharding=sharding), draft_model="small")
+    view = View(node_id=node, instances={"x": inst})
+    supervisor, pool, recorder = build(view)
+
+    async def run() -> None:
+        await supervisor.reconcile()
+        await supervisor.preparing["x"]
+
+    asyncio.run(run())
+    spec = pool.started[0]
+    assert spec.rank == rank and spec.model_drafts and spec.draft_model_path == draft
+    assert recorder.named("draft_weights") == ([("draft_weights", "x")] if draft else [])
 
 
 @pytest.mark.parametrize(

@@ -315,6 +315,7 @@ def _place(args: argparse.Namespace) -> None:
         "kv_cache_bytes": args.kv_cache_bytes,
         "quantize": args.quantize,
         "prefix_cache": not args.no_prefix_cache,
+        "draft_model": args.draft_model,
     }
     if args.preview:
         data = _request(args, "POST", "/cluster/placements/preview", body)
@@ -558,6 +559,13 @@ def _place_arguments(place: argparse.ArgumentParser) -> None:
         action="store_true",
         help="keep no finished prompt for later ones that start the same: every "
         "prompt is prefilled whole (the cache lives in the KV pool either way)",
+    )
+    place.add_argument(
+        "--draft-model",
+        default=None,
+        metavar="MODEL",
+        help="a model of the same tokenizer (an id or a path) that the sampling rank holds whole "
+        "and drafts with for speculative decoding (default: drafts by prompt lookup)",
     )
     place.add_argument("--force", action="store_true", help="place even where the measured memory says it does not fit")
     place.add_argument(

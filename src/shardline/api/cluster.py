@@ -12,7 +12,7 @@ from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse
 
 from shardline.api import errors
-from shardline.api.create_instance import CreateInstance, create
+from shardline.api.create_instance import CreateInstance, adopt_models, create
 from shardline.api.http_guard import presented_key
 from shardline.api.keep_alive import unload
 from shardline.connect import CLIENTS, connection
@@ -24,7 +24,7 @@ from shardline.node.state import instance_named
 from shardline.node.status import InstanceStatus
 from shardline.node.table import Instance
 from shardline.placement.layer_ranges import PlacementError
-from shardline.placement.ranks import PlacementRequestError
+from shardline.placement.ranks import DraftModelError, PlacementRequestError
 
 
 def cluster_error(status: int, message: str, param: str | None = None) -> JSONResponse:
@@ -201,16 +201,21 @@ async def instance_view(node: Node, inst: Instance, served: dict) -> dict:
 async def preview(node: Node, body: CreateInstance) -> dict | JSONResponse:
     """``POST /cluster/placements/preview``'s answer: the candidates, or a refusal (404
     for an unknown model, 400 for one or a request that cannot be placed)."""
+    refused = await adopt_models(node, body)
+    if refused is not None:
+        return cluster_error(400, *refused)
     try:
         options = body.placement_options()
     except PlacementError as exc:  # no sharding of that name
         return cluster_error(400, str(exc), "sharding")
     try:
-        model_id = await node.logistics.adopt(body.model)
-        card = await node.logistics.model_card(model_id)
+        assert body.model is not None  # adopted: the default model's id where none was named
+        card = await node.logistics.model_card(body.model)
         candidates = await node.coordinator.preview(card, body.nodes, options)
     except ModelNotFoundError as exc:
         return cluster_error(404, str(exc), "model")
+    except DraftModelError as exc:
+        return cluster_error(400, str(exc), "draft_model")
     except (PlacementError, ModelStoreError, UnsupportedModelError, PlacementRequestError) as exc:
         return cluster_error(400, str(exc))
     serving = {

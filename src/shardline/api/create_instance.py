@@ -14,7 +14,13 @@ from shardline.models.config import Quantize, UnsupportedModelError
 from shardline.models.store import ModelNotFoundError, ModelStoreError
 from shardline.node.node import Node
 from shardline.placement.layer_ranges import PlacementError
-from shardline.placement.ranks import SHARDINGS, PlacementOptions, PlacementRequestError, shardings_named
+from shardline.placement.ranks import (
+    SHARDINGS,
+    DraftModelError,
+    PlacementOptions,
+    PlacementRequestError,
+    shardings_named,
+)
 
 
 class CreateInstance(BaseModel):
@@ -35,6 +41,7 @@ class CreateInstance(BaseModel):
     dtype: Literal["bfloat16", "float16", "float32"] = "bfloat16"
     force: bool = False  # skip memory admission
     prefix_cache: bool = True  # finished prompts kept for later ones that start the same
+    draft_model: str | None = None  # a model of the same tokenizer drafting for speculative decoding
     min_nodes: int | None = Field(default=None, ge=1)  # without "nodes": the fewest to use
     max_nodes: int | None = Field(default=None, ge=1)  # without "nodes": the most to use
 
@@ -71,7 +78,25 @@ class CreateInstance(BaseModel):
             Quantize(self.quantize) if self.quantize else None,
             self.force,
             self.prefix_cache,
+            self.draft_model,
         )
+
+
+async def adopt_models(node: Node, body: CreateInstance) -> tuple[str, str] | None:
+    """Put ``body``'s ``model`` and ``draft_model`` into this node's store where they name a
+    path or cached repo on this machine, so that the coordinator (perhaps another machine)
+    finds them by id, and name them by id in ``body``; or the refusal, its message and the
+    parameter it names, where one is not a model shardline can run."""
+    try:
+        body.model = await node.logistics.adopt(body.model)
+    except (ModelStoreError, UnsupportedModelError) as exc:
+        return str(exc), "model"
+    if body.draft_model is not None:
+        try:
+            body.draft_model = await node.logistics.adopt(body.draft_model)
+        except (ModelStoreError, UnsupportedModelError) as exc:
+            return f"draft_model: {exc}", "draft_model"
+    return None
 
 
 async def create(node: Node, body: CreateInstance) -> tuple[int, dict]:
@@ -79,18 +104,17 @@ async def create(node: Node, body: CreateInstance) -> tuple[int, dict]:
     HTTP status and JSON body ``POST /cluster/instances`` answers (201 and the instance; 400
     for a model or a request that cannot be placed, 404 for an unknown model, 409 when the
     cluster has no room, 503 while there is no coordinator to ask)."""
-    try:
-        # A path or cached repo on this machine goes into this node's store first, so the
-        # coordinator (perhaps another machine) finds it there by id.
-        body.model = await node.logistics.adopt(body.model)
-    except (ModelStoreError, UnsupportedModelError) as exc:
-        return 400, error_body(API.CLUSTER, 400, str(exc), "model")
+    refused = await adopt_models(node, body)
+    if refused is not None:
+        return 400, error_body(API.CLUSTER, 400, *refused)
     if not node.is_coordinator():
         return await ask_coordinator(node, "POST", "/cluster/instances", body.model_dump())
     try:
         inst = await node.coordinator.create_instance(body.model, body.nodes, body.placement_options())
     except ModelNotFoundError as exc:
         return 404, error_body(API.CLUSTER, 404, str(exc), "model")
+    except DraftModelError as exc:
+        return 400, error_body(API.CLUSTER, 400, str(exc), "draft_model")
     except (ModelStoreError, UnsupportedModelError, PlacementRequestError) as exc:
         return 400, error_body(API.CLUSTER, 400, str(exc))
     except PlacementError as exc:

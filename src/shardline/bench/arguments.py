@@ -163,6 +163,13 @@ def _comparison_arguments(parser: argparse.ArgumentParser) -> None:
         help="place the local cluster's instance without its prefix cache: every prompt prefilled whole",
     )
     parser.add_argument(
+        "--draft-model",
+        default=None,
+        metavar="MODEL",
+        help="a model of the same tokenizer (an id or a path) that the local instance's sampling "
+        "rank drafts with for speculative decoding, instead of prompt lookup",
+    )
+    parser.add_argument(
         "--rounds",
         type=int,
         default=None,

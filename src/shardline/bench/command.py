@@ -307,13 +307,15 @@ def _main(args: argparse.Namespace) -> int:
                 base_port=args.port,
                 runner_threads=args.runner_threads,
                 log_dir=log_dir,
-                model_dirs=model_dirs_for(args.model),
+                model_dirs=model_dirs_for(args.model) + model_dirs_for(args.draft_model),
                 api_key=args.api_key,
             )
             cluster.start()
             _progress(f"placing {args.model or DEFAULT_MODEL_ID} ({args.sharding})")
             cluster.clear()  # instances the bench's own nodes kept from an earlier run
             options = {} if args.context is None else {"context": args.context}
+            if args.draft_model is not None:
+                options["draft_model"] = args.draft_model
             instance = cluster.place(
                 args.model or DEFAULT_MODEL_ID, args.sharding, prefix_cache=not args.no_prefix_cache, **options
             )

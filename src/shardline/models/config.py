@@ -410,6 +410,11 @@ class Sharding(StrEnum):
     ``--enable-expert-parallel``): a token's experts run on the ranks that hold them and
     the layer's one all-reduce sums their outputs. A mixture-of-experts model only."""
 
+    def sampling_rank(self, world_size: int) -> int:
+        """The rank that holds the logits and samples (and holds a draft model,
+        :mod:`shardline.runner.draft_model`): a pipeline's last, the others' first."""
+        return world_size - 1 if self is Sharding.PIPELINE else 0
+
 
 class Quantize(str, Enum):
     """How weights a file holds in 16 or 32 bits are quantized on load

@@ -96,6 +96,10 @@ class Tokenizer:
     def vocab_size(self) -> int:
         return len(self._tok)
 
+    def tokens(self) -> list[str]:
+        """Every id's vocabulary piece, in id order (added tokens included)."""
+        return [str(t) for t in self._tok.convert_ids_to_tokens(list(range(len(self._tok))))]
+
     @functools.cached_property
     def max_token_chars(self) -> int:
         """Characters of the longest token string in the vocabulary, added and special
@@ -316,6 +320,27 @@ low to max) as the levels
 gpt-oss's chat template writes (``Reasoning: low|medium|high``, harmony's three): a
 model that cannot reason less than low spends its least on "none" and "minimal", and its
 most on the levels above high."""
+
+
+VOCAB_SIZE_SLACK = 128
+"""Most ids a draft model's vocabulary may differ from its target's by (llama.cpp's
+``SPEC_VOCAB_MAX_SIZE_DIFFERENCE``: a family's models pad their vocabularies apart)."""
+
+
+def draft_mismatch(target: Tokenizer, draft: Tokenizer) -> str | None:
+    """Why ``draft``'s token ids do not stand for the same text as ``target``'s, so a draft
+    model of that tokenizer cannot draft for the target; None where they do: vocabulary
+    sizes within :data:`VOCAB_SIZE_SLACK`, the same end-of-sequence ids and the same piece
+    for every id both have (the checks of llama.cpp's ``common_speculative_are_compatible``,
+    which compares the pieces past the first few ids only)."""
+    if abs(target.vocab_size - draft.vocab_size) > VOCAB_SIZE_SLACK:
+        return f"vocabularies of {target.vocab_size} and {draft.vocab_size} tokens"
+    if target.eos_token_ids != draft.eos_token_ids:
+        return f"end-of-sequence ids {target.eos_token_ids} and {draft.eos_token_ids}"
+    for token_id, (a, b) in enumerate(zip(target.tokens(), draft.tokens())):
+        if a != b:
+            return f"token {token_id} is {a!r} in one and {b!r} in the other"
+    return None
 
 
 def reasoning_level(effort: str | None) -> str | None:

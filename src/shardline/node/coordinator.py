@@ -20,6 +20,7 @@ from typing import Protocol
 
 from shardline.models.config import ModelConfig, Sharding
 from shardline.models.store import ModelCard, ModelNotFoundError
+from shardline.models.tokenizer import Tokenizer, draft_mismatch
 from shardline.node.epochs import RejoinView, rejoinable
 from shardline.node.peer_client import PeerError
 from shardline.node.state import (
@@ -43,7 +44,15 @@ from shardline.node.state import (
 from shardline.node.status import InstanceStatus, RankStatus
 from shardline.node.table import Instance, Peer, RankPlacement
 from shardline.placement.layer_ranges import NodeCapacity, PlacementError
-from shardline.placement.ranks import ContextRequestError, PlacementOptions, place_with_kv_pool, ranks_bytes
+from shardline.placement.ranks import (
+    ContextRequestError,
+    DraftModelError,
+    PlacementOptions,
+    draft_bytes_by_rank,
+    draft_model_bytes,
+    place_with_kv_pool,
+    ranks_bytes,
+)
 from shardline.placement.served import PlacementKey, ServedSpeed
 from shardline.runner.rendezvous import ranks_share_a_gpu
 
@@ -124,6 +133,8 @@ class CoordinatorEffects:
     """Runtime bytes per rank on these nodes (the node memory)."""
     free_port: Callable[[str], Awaitable[int]]
     """A free port on the peer at this address."""
+    tokenizer: Callable[[str], Awaitable[Tokenizer]]
+    """A model's tokenizer (the logistics)."""
 
 
 class Coordinator:
@@ -456,6 +467,7 @@ class Coordinator:
             baseline_bytes=self.effects.runtime_baseline(chosen),
             model_id=card.model_id,
             served=list(self.effects.served_speeds().values()),
+            draft_bytes=await self._draft_bytes(card, options),
         )
         return [chosen_placements] if best_only else chosen_placements
 
@@ -509,7 +521,7 @@ class Coordinator:
         await self.effects.check_whole(card.model_id)
         config, chosen, options = self._placement_inputs(card, node_ids, options)
         context, max_batch = options.sizes()
-        ranks, kv_tokens = self._ranks(card, config, sharding, chosen, options)
+        ranks, kv_tokens = self._ranks(card, config, sharding, chosen, options, await self._draft_bytes(card, options))
         master_addr = self.view.address_of(chosen[0]).rsplit(":", 1)[0]
         port = await self._free_port(chosen[0])
         inst = Instance(
@@ -532,6 +544,7 @@ class Coordinator:
             collectives_on_cpu=ranks_share_a_gpu([self.view.profile_of(n) for n in chosen]),
             stands_in_for=stands_in_for,
             prefix_cache=options.prefix_cache,
+            draft_model=options.draft_model,
             keep_until=self._kept_until(replaces or stands_in_for),
         )
         if replaces is not None and replaces not in self.view.instances:
@@ -540,20 +553,51 @@ class Coordinator:
         await self.effects.commit(Placed(inst))
         return inst
 
+    async def _draft_bytes(self, card: ModelCard, options: PlacementOptions) -> int:
+        """Bytes the sampling rank of ``card``'s instance holds for ``options``' (resolved)
+        draft model (:func:`~shardline.placement.ranks.draft_model_bytes`; 0 without one).
+
+        Raises:
+            ModelNotFoundError: no live node holds the draft model whole.
+            DraftModelError: its tokenizer is not the model's
+                (:func:`~shardline.models.tokenizer.draft_mismatch`).
+        """
+        if options.draft_model is None:
+            return 0
+        draft = await self.effects.model_card(options.draft_model)
+        await self.effects.check_whole(draft.model_id)
+        mismatch = draft_mismatch(
+            await self.effects.tokenizer(card.model_id), await self.effects.tokenizer(draft.model_id)
+        )
+        if mismatch is not None:
+            raise DraftModelError(
+                f"draft_model {draft.model_id} cannot draft for {card.model_id}: another tokenizer ({mismatch})"
+            )
+        return draft_model_bytes(ModelConfig.from_dict(draft.config), draft.weight_file_bytes, options)
+
     def _ranks(
-        self, card: ModelCard, config: ModelConfig, sharding: Sharding, chosen: list[str], options: PlacementOptions
+        self,
+        card: ModelCard,
+        config: ModelConfig,
+        sharding: Sharding,
+        chosen: list[str],
+        options: PlacementOptions,
+        draft_bytes: int = 0,
     ) -> tuple[tuple[RankPlacement, ...], int]:
         """The ranks of ``card`` under ``sharding`` on ``chosen`` (in rank order) and
-        ``options`` (resolved), each with its share and the bytes it will hold, and the KV
-        pool's tokens (:func:`~shardline.placement.ranks.place_with_kv_pool`).
+        ``options`` (resolved), each with its share and the bytes it will hold (the
+        sampling rank ``draft_bytes`` more, its draft model's), and the KV pool's tokens
+        (:func:`~shardline.placement.ranks.place_with_kv_pool`).
 
         Raises:
             PlacementError: it does not fit.
         """
-        capacities = [NodeCapacity(n, self.effects.free_bytes(n)) for n in chosen]
+        drafts = draft_bytes_by_rank(sharding, len(chosen), draft_bytes)
+        capacities = [NodeCapacity(n, self.effects.free_bytes(n) - d) for n, d in zip(chosen, drafts)]
         baseline = self.effects.runtime_baseline(chosen)
         shares, kv_tokens = place_with_kv_pool(config, sharding, capacities, options, card.weight_file_bytes, baseline)
         estimated = ranks_bytes(config, sharding, shares, options, card.weight_file_bytes, baseline, kv_tokens)
+        estimated = tuple(need + d for need, d in zip(estimated, drafts))
         ranks = tuple(
             RankPlacement(
                 n, self.view.address_of(n), share, estimated_bytes=need, incarnation=self.view.incarnation_of(n)

@@ -139,19 +139,39 @@ class ModelLogistics:
             ModelNotFoundError: no live node has the files.
             TransferError, PeerError: every copy failed.
         """
-        if inst.model_id == DEFAULT_MODEL_ID:
-            return self.store.weights_path(inst.model_id)
-        manifest = await self.manifest(inst.model_id)
-        reads = RankReads.of(inst.sharding, rank, placement.share, int(manifest.config["num_layers"]))
+        return await self._weights(
+            inst.model_id, inst.instance_id, lambda layers: RankReads.of(inst.sharding, rank, placement.share, layers)
+        )
+
+    async def draft_weights(self, inst: Instance) -> Path:
+        """The local path of ``inst``'s draft model (:mod:`shardline.runner.draft_model`),
+        which its sampling rank on this node reads whole, after copying from peers what
+        this node's store lacks (progress goes to the coordinator, as the shard's).
+
+        Raises:
+            ModelNotFoundError: no live node has the files.
+            TransferError, PeerError: every copy failed.
+        """
+        assert inst.draft_model is not None
+        return await self._weights(inst.draft_model, inst.instance_id, RankReads.whole)
+
+    async def _weights(self, model_id: str, instance_id: str, reads_of: Callable[[int], RankReads]) -> Path:
+        """The local path of ``model_id``'s weights, once this node holds what a rank that
+        reads ``reads_of(the model's layer count)`` reads (progress reported for
+        ``instance_id``)."""
+        if model_id == DEFAULT_MODEL_ID:
+            return self.store.weights_path(model_id)
+        manifest = await self.manifest(model_id)
+        reads = reads_of(int(manifest.config["num_layers"]))
 
         loop = asyncio.get_running_loop()
 
         def progress(done: int, total: int) -> None:  # called from the copy's thread
-            report = self.effects.report_fetching(inst.instance_id, done, total)
+            report = self.effects.report_fetching(instance_id, done, total)
             asyncio.run_coroutine_threadsafe(report, loop)
 
         await self._fetch(manifest, manifest.shard_files(reads), progress, manifest.shard_pieces(reads))
-        return self.store.weights_path(inst.model_id)
+        return self.store.weights_path(model_id)
 
     async def manifest(self, model_id: str) -> Manifest:
         """The model's manifest from this node's store, else from a live peer's.

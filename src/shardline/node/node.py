@@ -222,6 +222,7 @@ class Node:
                 free_bytes=lambda node_id: self.memory.free(node_id),
                 runtime_baseline=lambda node_ids: self.memory.runtime_baseline(node_ids),
                 free_port=lambda address: self.peer_client.free_port(address),
+                tokenizer=lambda model_id: self.logistics.tokenizer(model_id),
             ),
         )
 
@@ -256,6 +257,7 @@ class Node:
             self.worker,
             SupervisionEffects(
                 shard_weights=lambda inst, rank, placement: self.logistics.shard_weights(inst, rank, placement),
+                draft_weights=lambda inst: self.logistics.draft_weights(inst),
                 warm_tokenizer=lambda model_id: self.logistics.warm_tokenizer(model_id),
                 dispatch=lambda events: self.router.dispatch(events),
                 fail_streams=lambda instance_id, error, code: self.router.fail_streams(instance_id, error, code),

@@ -82,6 +82,8 @@ class SupervisionEffects:
 
     shard_weights: Callable[[Instance, int, RankPlacement], Awaitable[Path]]
     """The local path of a rank's files, copied from peers first (the logistics)."""
+    draft_weights: Callable[[Instance], Awaitable[Path]]
+    """The local path of an instance's draft model, copied whole first (the logistics)."""
     warm_tokenizer: Callable[[str], None]
     """Load a model's tokenizer in the background (the logistics)."""
     dispatch: Callable[[tuple[TokenEvent | PrefillProgress, ...]], None]
@@ -149,6 +151,9 @@ class Supervisor:
         peer), then start its runner; a failure to get them fails the rank."""
         try:
             weights = await self.effects.shard_weights(inst, rank, placement)
+            draft = None
+            if inst.draft_model is not None and rank == inst.sharding.sampling_rank(len(inst.ranks)):
+                draft = await self.effects.draft_weights(inst)
         except asyncio.CancelledError:
             raise
         except Exception as exc:  # any failure must fail the rank, not leave it loading
@@ -165,12 +170,15 @@ class Supervisor:
         current = self.view.instances.get(inst.instance_id)
         if current is None or current.status == InstanceStatus.FAILED or inst.instance_id in self.pool.runners:
             return
-        self.pool.start(self.runner_spec(current, rank, placement, weights))
+        self.pool.start(self.runner_spec(current, rank, placement, weights, draft))
         if rank == 0:  # the others' nodes load it once idle (Membership.round)
             self.effects.warm_tokenizer(inst.model_id)
 
-    def runner_spec(self, inst: Instance, rank: int, placement: RankPlacement, weights: Path) -> RunnerSpec:
-        """The spec of the runner of ``rank`` of ``inst`` on this node, reading ``weights``."""
+    def runner_spec(
+        self, inst: Instance, rank: int, placement: RankPlacement, weights: Path, draft: Path | None = None
+    ) -> RunnerSpec:
+        """The spec of the runner of ``rank`` of ``inst`` on this node, reading ``weights``
+        (and ``draft``, the draft model's, where it samples for an instance with one)."""
         chunk, step, burst = RunnerSpec.prefill_chunk, RunnerSpec.prefill_step_tokens, RunnerSpec.prefill_burst_tokens
         if inst.sharding == Sharding.RING:
             chunk = step = ring_prefill_chunk(len(inst.ranks))
@@ -199,6 +207,8 @@ class Supervisor:
             prefill_step_tokens=step,
             prefill_burst_tokens=burst,
             prefix_cache=inst.prefix_cache,
+            model_drafts=inst.draft_model is not None,
+            draft_model_path=str(draft) if draft is not None else None,
         )
 
     def on_runner_message(self, instance_id: str, message: object) -> None:

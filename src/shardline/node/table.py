@@ -91,6 +91,7 @@ class Instance:
     given_up: bool = False  # failed, and the coordinator will not place it again (NotPlacedAgain)
     prefix_cache: bool = True  # its ranks keep finished prompts for later ones (runner.prefix_cache)
     keep_until: float | None = None  # Ollama keep_alive: deleted once idle past this time.time() (None: kept)
+    draft_model: str | None = None  # the id of the model its sampling rank drafts with (runner.draft_model)
 
     def to_dict(self) -> dict:
         """A JSON view (the cluster API's, each rank's share flattened into it:
@@ -111,6 +112,7 @@ class Instance:
             quantize=Quantize(self.quantize) if self.quantize else None,
             force=self.force,
             prefix_cache=self.prefix_cache,
+            draft_model=self.draft_model,
         )
 
     def node_ids(self) -> list[str]:

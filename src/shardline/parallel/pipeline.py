@@ -30,6 +30,7 @@ from typing import Callable, Iterator
 import torch
 import torch.distributed as dist
 
+from shardline.models.config import Sharding
 from shardline.models.kv_cache import KVCache
 from shardline.models.llama import DecoderShard, ForwardBatch
 from shardline.parallel.compute_slots import ComputeSlots, host_id, stages_at_once
@@ -74,7 +75,9 @@ class PipelineStage(Stage):
         wire_device: torch.device | None = None,
         slots: ComputeSlots | None = None,
     ) -> None:
-        super().__init__(shard, cache, rank, world_size, sampler=world_size - 1, progress=progress)
+        super().__init__(
+            shard, cache, rank, world_size, sampler=Sharding.PIPELINE.sampling_rank(world_size), progress=progress
+        )
         self.wire_device = wire_device or shard.device
         self.stages = world_size
         self.slots = slots

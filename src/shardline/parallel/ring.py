@@ -27,6 +27,7 @@ from collections.abc import Callable
 import torch
 import torch.distributed as dist
 
+from shardline.models.config import Sharding
 from shardline.models.kv_cache import KVCache
 from shardline.models.llama import DecoderShard, ForwardBatch
 from shardline.parallel.progress import Progress
@@ -219,7 +220,9 @@ class RingStage(Stage):
         min_tokens_per_rank: int = 128,
         wire_device: torch.device | None = None,
     ) -> None:
-        super().__init__(shard, cache, rank, world_size, sampler=0, group=group, progress=progress)
+        super().__init__(
+            shard, cache, rank, world_size, Sharding.RING.sampling_rank(world_size), group=group, progress=progress
+        )
         self.min_tokens_per_rank = min_tokens_per_rank
         self.wire_device = wire_device  # see RingContext
 

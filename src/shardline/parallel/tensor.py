@@ -42,7 +42,7 @@ from collections.abc import Callable
 import torch
 import torch.distributed as dist
 
-from shardline.models.config import TensorShare
+from shardline.models.config import Sharding, TensorShare
 from shardline.models.kv_cache import KVCache
 from shardline.models.llama import DecoderShard
 from shardline.parallel.collectives import Collectives
@@ -104,7 +104,9 @@ class TensorStage(Stage):
             raise ValueError("a tensor stage of several ranks needs a tensor-parallel shard")
         if cache.k and cache.k[0].shape[1] != shard.num_kv_heads:
             raise ValueError(f"the KV cache holds {cache.k[0].shape[1]} KV heads, the shard {shard.num_kv_heads}")
-        super().__init__(shard, cache, rank, world_size, sampler=0, group=group, progress=progress)
+        super().__init__(
+            shard, cache, rank, world_size, Sharding.TENSOR.sampling_rank(world_size), group=group, progress=progress
+        )
         if self.samples and shard.lm_head is None:
             raise ValueError("the sampling rank's shard has no LM head")
         shard.set_all_reduce(make_all_reduce(group, reduce_dtype, wire_device) if world_size > 1 else None)

@@ -21,7 +21,13 @@ from typing import Mapping, Sequence
 from shardline.models.config import ModelConfig, RankShare, Sharding
 from shardline.placement.layer_ranges import NodeCapacity, PlacementError
 from shardline.placement.memory import RUNTIME_BASELINE_BYTES
-from shardline.placement.ranks import PlacementOptions, place_with_kv_pool, ranks_bytes, resident_bytes_per_weight
+from shardline.placement.ranks import (
+    PlacementOptions,
+    draft_bytes_by_rank,
+    place_with_kv_pool,
+    ranks_bytes,
+    resident_bytes_per_weight,
+)
 from shardline.placement.served import Basis, PlacementKey, ServedSpeed, calibrate
 from shardline.placement.speed import Link, NodeProfile, check_dtype, predict_tokens_per_s
 
@@ -135,6 +141,7 @@ def preview(
     baseline_bytes: int = RUNTIME_BASELINE_BYTES,
     model_id: str = "",
     served: Sequence[ServedSpeed] = (),
+    draft_bytes: int = 0,
 ) -> list[Candidate]:
     """Every candidate placement of ``config`` on ``nodes`` under ``options`` (resolved:
     :meth:`~shardline.placement.ranks.PlacementOptions.sizes`), feasible ones first,
@@ -156,7 +163,8 @@ def preview(
     tokens/s), decode reading :func:`~shardline.placement.ranks.resident_bytes_per_weight`
     bytes a weight, then corrected by what placements of ``model_id`` measured while
     serving (``served``: :func:`shardline.placement.served.calibrate`'s rule; the
-    uncorrected figures stay in ``model_*``).
+    uncorrected figures stay in ``model_*``). The sampling rank's node holds
+    ``draft_bytes`` more, a draft model's (:func:`~shardline.placement.ranks.draft_bytes_by_rank`).
 
     Returns:
         Feasible candidates sorted by predicted decode tokens/s, descending (ties: prefill
@@ -189,6 +197,7 @@ def preview(
             decode_weight_bytes,
             model_id,
             served,
+            draft_bytes,
         )
         for sharding, subset in placements
     ]
@@ -215,13 +224,15 @@ def _candidate(
     decode_weight_bytes: float,
     model_id: str,
     served: Sequence[ServedSpeed],
+    draft_bytes: int = 0,
 ) -> Candidate:
     """One placement of :func:`preview`'s: ``sharding`` on ``subset`` (in rank order),
     feasible with its shares, speeds and each rank's bytes, or refused with its error
     (``decode_weight_bytes``: :func:`~shardline.placement.ranks.resident_bytes_per_weight`'s,
-    the same for every candidate)."""
+    the same for every candidate; ``draft_bytes``: a draft model's, on the sampling rank)."""
     ids = tuple(n.node_id for n in subset)
-    capacities = [NodeCapacity(n.node_id, n.available_bytes) for n in subset]
+    drafts = draft_bytes_by_rank(sharding, len(subset), draft_bytes)
+    capacities = [NodeCapacity(n.node_id, n.available_bytes - d) for n, d in zip(subset, drafts)]
     try:
         shares, kv_pool = place_with_kv_pool(config, sharding, capacities, options, weight_file_bytes, baseline_bytes)
     except PlacementError as exc:
@@ -233,6 +244,7 @@ def _candidate(
     key = PlacementKey(model_id, str(sharding), ids, dtype, quantize.value if quantize else None)
     decode, prefill, decode_basis, prefill_basis = calibrate(key, model, served)
     held = ranks_bytes(config, sharding, shares, options, weight_file_bytes, baseline_bytes, kv_pool)
+    held = tuple(h + d for h, d in zip(held, drafts))
     return Candidate(
         sharding,
         ids,
@@ -288,6 +300,7 @@ def auto(
     baseline_bytes: int = RUNTIME_BASELINE_BYTES,
     model_id: str = "",
     served: Sequence[ServedSpeed] = (),
+    draft_bytes: int = 0,
 ) -> Candidate:
     """The feasible candidate of :func:`preview` with the highest predicted decode tokens/s.
 
@@ -304,6 +317,7 @@ def auto(
         baseline_bytes=baseline_bytes,
         model_id=model_id,
         served=served,
+        draft_bytes=draft_bytes,
     )
     if candidates and candidates[0].feasible:
         return candidates[0]

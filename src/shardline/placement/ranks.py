@@ -52,6 +52,9 @@ class PlacementOptions:
             files hold them.
         force: memory admission skipped (the user knows better than the measured memory).
         prefix_cache: the ranks keep finished prompts for later ones that start the same.
+        draft_model: a model of the same tokenizer that the sampling rank holds whole
+            beside its shard to draft tokens for speculative decoding (its id;
+            :mod:`shardline.runner.draft_model`); None: drafts by prompt lookup.
     """
 
     context: int | None = None
@@ -64,6 +67,7 @@ class PlacementOptions:
     quantize: Quantize | None = None
     force: bool = False
     prefix_cache: bool = True
+    draft_model: str | None = None
 
     def resolved(self, trained: int, model: str, default_context: int, default_max_batch: int) -> "PlacementOptions":
         """These options with ``context`` (default: ``default_context``, at most the
@@ -189,6 +193,10 @@ class PlacementRequestError(ValueError):
     room for it is a :class:`~shardline.placement.layer_ranges.PlacementError`)."""
 
 
+class DraftModelError(PlacementRequestError):
+    """A draft model that cannot draft for the model: another tokenizer."""
+
+
 class KVCacheRequestError(PlacementRequestError):
     """A ``kv_cache_bytes`` that cannot hold one sequence of the instance's context."""
 
@@ -284,6 +292,28 @@ def rank_bytes(
         )
     per_layer = int(weight_bytes * config.layer_param_count()) + kv_per_layer
     return fixed + _pipeline_fixed(config, rank, world, vocab_bytes) + share.num_layers * per_layer
+
+
+def draft_model_bytes(config: ModelConfig, weight_file_bytes: int, options: PlacementOptions) -> int:
+    """Bytes the sampling rank holds for a draft model of ``config`` (its file
+    ``weight_file_bytes``) beside its shard, placed under ``options`` (resolved): every
+    weight at :func:`held_bytes_per_weight`, a KV cache of ``max_batch`` sequences of
+    ``context`` tokens in the compute dtype (its slots and context are the engine's) and
+    its prefill chunk's scratch."""
+    context, max_batch = options.sizes()
+    weight_bytes, vocab_bytes = held_bytes_per_weight(config, weight_file_bytes, options.dtype, options.quantize)
+    kv = max_batch * context * config.kv_bytes_per_token(DTYPE_BYTES[options.dtype])
+    return _ring_weights(config, weight_bytes, vocab_bytes) + kv + _runtime_and_scratch(config, 0, options.dtype)
+
+
+def draft_bytes_by_rank(sharding: Sharding, world_size: int, draft_bytes: int) -> list[int]:
+    """Per rank of a placement of ``world_size`` ranks under ``sharding``, the bytes it
+    holds for the instance's draft model (:func:`draft_model_bytes`; 0: none): all on the
+    sampling rank (:meth:`Sharding.sampling_rank
+    <shardline.models.config.Sharding.sampling_rank>`), which its node must have besides
+    the rank's share."""
+    sampler = Sharding(sharding).sampling_rank(world_size)
+    return [draft_bytes if r == sampler else 0 for r in range(world_size)]
 
 
 def _ring_weights(config: ModelConfig, weight_bytes: float, vocab_bytes: float) -> int:

@@ -292,7 +292,7 @@ def _load_shard(spec: RunnerSpec, outbox: Outbox, group, dtype, device, comm_dev
     with large_allocations_mapped(), native_dequant.loading_with(serving_threads - 1):
         stage = load_stage(spec, source, group, progress, dtype, device, comm_device, serving_threads)
         vocab = stage.shard.config.vocab_size
-        draft = load_draft_model(spec, dtype, device, vocab) if spec.draft_model_path and stage.samples else None
+        draft = load_draft_model(spec, dtype, device, vocab) if spec.model_drafts and stage.samples else None
     cache = stage.cache
     param_bytes = weight_bytes(stage.shard) + (weight_bytes(draft.shard) if draft is not None else 0)
     torch.set_num_threads(serving_threads)
@@ -363,7 +363,7 @@ def _engine(
         grammar_tokenizer=GrammarTokenizer(spec.model_path),
         prefix_cache=spec.prefix_cache,
         draft_tokens=default_drafts(stage.shard.config.is_moe),
-        model_drafts=spec.draft_model_path is not None,
+        model_drafts=spec.model_drafts,
         draft_model=draft,
         threads=governor,
         other_load=OtherLoad(own=RunnerAndNode())

@@ -349,10 +349,11 @@ class RunnerSpec:
         threads: torch intra-op threads (0: torch's default).
         prefix_cache: a finished sequence's slot keeps its prompt's keys and values for
             later prompts that start the same (:mod:`shardline.runner.prefix_cache`).
-        draft_model_path: the instance's draft model (a .gguf file or Hugging Face
-            directory of the same tokenizer, on this machine where this rank samples;
-            :mod:`shardline.runner.draft_model`), every rank told; None: drafts by
-            prompt lookup.
+        model_drafts: the instance has a draft model (:mod:`shardline.runner.draft_model`):
+            its sequences' drafts come from the sampling rank's, not from prompt lookup.
+        draft_model_path: on the sampling rank of such an instance, the draft model's
+            weights on this machine (a .gguf file or Hugging Face directory of the same
+            tokenizer); None elsewhere.
     """
 
     instance_id: str
@@ -379,4 +380,5 @@ class RunnerSpec:
     progress_timeout_s: float = 60.0
     threads: int = 0
     prefix_cache: bool = True
+    model_drafts: bool = False
     draft_model_path: str | None = None
