@@ -65,6 +65,26 @@ REFINED_LOGITS = 16
 """Outputs per row of the LM head recomputed in float32 (:attr:`Linear.logits`)."""
 
 
+def rows_apart_product(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """``x @ weight.T`` for ``x`` ``[rows, in]`` (a decode step's rows, at most
+    :data:`KERNEL_MAX_ROWS`) in ``weight``'s dtype, each row's bits its own whatever the
+    rows beside it, as the quantized forms' decode kernels give them (a sequence's
+    greedy text must not change with its batch, nor with its draft's rows). On the CPU
+    torch's BLAS sums in an order that depends on the row count: in 16 bits its one-row
+    product (a GEMV) differs from its GEMM, whose 2 to 64 rows agree (SmolLM2's down
+    projection in bfloat16, oneDNN on an AMD EPYC), so one row is computed as two; in
+    float32 MKL's SGEMM differs between 1, 2-3 and 4 or more rows, so each row is its own
+    matrix-vector product (the one-row step unchanged; k rows cost k of them). Elsewhere
+    (CUDA) one product."""
+    if x.device.type != "cpu" or x.shape[0] == 0:
+        return F.linear(x, weight)
+    if x.dtype == torch.float32:
+        return torch.cat([F.linear(row, weight) for row in x.split(1)]) if x.shape[0] > 1 else F.linear(x, weight)
+    if x.shape[0] == 1:
+        return F.linear(x.expand(2, -1).contiguous(), weight)[:1]
+    return F.linear(x, weight)
+
+
 @dataclass
 class DenseWeight:
     """``weight`` ``[out, in]`` in the compute dtype."""
@@ -84,7 +104,7 @@ class DenseWeight:
         and where its GEMM runs in another dtype (:func:`gemm_dtype`) the weight
         converted a block of rows at a time into scratch."""
         if product_rows(x.shape[0]) <= KERNEL_MAX_ROWS:
-            return F.linear(x, self.weight.to(x.dtype))
+            return rows_apart_product(x, self.weight.to(x.dtype))
         if gemm_dtype(x.dtype) == x.dtype:  # rows padded as blocked_product pads them
             return F.linear(padded_rows(x, x.dtype), self.weight.to(x.dtype))[: x.shape[0]]
 
