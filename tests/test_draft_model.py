@@ -281,3 +281,33 @@ def test_a_draft_model_needs_the_targets_tokenizer(smollm2_tokenizer_dir, tmp_pa
     target = Tokenizer(smollm2_tokenizer_dir)
     mismatch = draft_mismatch(target, _edited(smollm2_tokenizer_dir, tmp_path / "draft", edit))
     assert (mismatch is None) if reason is None else (reason in mismatch)
+
+
+def test_the_draft_model_follows_the_prompts_prefill_chunk_by_chunk(target):
+    """A prompt's keys and values reach the draft model as the target's prefill chunks
+    end (64 tokens each here), so its first draft computes one token, not the prompt."""
+    args = drafting(target)
+    model = args["draft_model"]
+    caught_up: list[int] = []
+    extend = model.extend
+    model.extend = lambda slot, tokens: (caught_up.append(len(tokens)), extend(slot, tokens))
+    prompt = tuple(3 + i % 120 for i in range(200))
+    alone, _ = run(target, [Task(1, "n", prompt, 8, GREEDY)])
+    drafted, _ = run(target, [Task(1, "n", prompt, 8, replace(ALWAYS, draft_tokens=3))], **args)
+    assert drafted == alone
+    assert caught_up == [64, 128, 192, 200]
+
+
+def test_no_draft_is_made_for_a_step_that_carries_none(target):
+    """Three sequences decoding: the next step carries no drafts (step_plan.draft_room),
+    so the draft model drafts nothing for them."""
+    args = drafting(target)
+    model = args["draft_model"]
+    asked: list[int] = []
+    draft = model.draft
+    model.draft = lambda slot, tokens, k, p_min: (asked.append(k), draft(slot, tokens, k, p_min))[1]
+    tasks = [Task(i, "n", tuple(range(10 + i, 50 + i)), 12, replace(ALWAYS, draft_tokens=4)) for i in range(3)]
+    together, _ = run(target, tasks, **args)
+    assert asked and set(asked) == {0}
+    for task in tasks:
+        assert together[task.task_id] == run(target, [task])[0][task.task_id]

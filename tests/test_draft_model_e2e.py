@@ -49,13 +49,18 @@ def test_the_last_rank_drafts_with_the_draft_model_and_the_text_is_the_same(clus
     assert _accepted(url) > before  # its own guesses: most are taken
 
 
-def test_a_draft_model_that_is_no_model_is_refused_naming_it(cluster, tmp_path):
-    response = httpx.post(
-        f"{cluster.url(0)}/cluster/instances",
-        json={"model": M, "draft_model": str(tmp_path / "nothing.gguf")},
-        timeout=60,
-    )
-    assert response.status_code == 400 and response.json()["error"]["param"] == "draft_model", response.text
+@pytest.mark.parametrize(
+    "draft,status",
+    [
+        ("/nowhere/nothing.gguf", 400),  # a path that is no model
+        ("", 400),
+        ("nobody/no-such-model", 404),  # an id no node holds
+    ],
+)
+@pytest.mark.parametrize("path", ["/cluster/instances", "/cluster/placements/preview"])
+def test_a_draft_model_that_is_no_model_is_refused_naming_it(cluster, draft, status, path):
+    response = httpx.post(f"{cluster.url(0)}{path}", json={"model": M, "draft_model": draft}, timeout=60)
+    assert response.status_code == status and response.json()["error"]["param"] == "draft_model", response.text
 
 
 def test_the_preview_counts_the_draft_model_on_the_sampling_rank(cluster):

@@ -24,7 +24,7 @@ from shardline.node.state import instance_named
 from shardline.node.status import InstanceStatus
 from shardline.node.table import Instance
 from shardline.placement.layer_ranges import PlacementError
-from shardline.placement.ranks import DraftModelError, PlacementRequestError
+from shardline.placement.ranks import DraftModelError, DraftModelNotFoundError, PlacementRequestError
 
 
 def cluster_error(status: int, message: str, param: str | None = None) -> JSONResponse:
@@ -212,6 +212,8 @@ async def preview(node: Node, body: CreateInstance) -> dict | JSONResponse:
         assert body.model is not None  # adopted: the default model's id where none was named
         card = await node.logistics.model_card(body.model)
         candidates = await node.coordinator.preview(card, body.nodes, options)
+    except DraftModelNotFoundError as exc:
+        return cluster_error(404, str(exc), "draft_model")
     except ModelNotFoundError as exc:
         return cluster_error(404, str(exc), "model")
     except DraftModelError as exc:

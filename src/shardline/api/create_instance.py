@@ -17,6 +17,7 @@ from shardline.placement.layer_ranges import PlacementError
 from shardline.placement.ranks import (
     SHARDINGS,
     DraftModelError,
+    DraftModelNotFoundError,
     PlacementOptions,
     PlacementRequestError,
     shardings_named,
@@ -41,7 +42,7 @@ class CreateInstance(BaseModel):
     dtype: Literal["bfloat16", "float16", "float32"] = "bfloat16"
     force: bool = False  # skip memory admission
     prefix_cache: bool = True  # finished prompts kept for later ones that start the same
-    draft_model: str | None = None  # a model of the same tokenizer drafting for speculative decoding
+    draft_model: str | None = Field(default=None, min_length=1)  # of the same tokenizer: drafts for speculation
     min_nodes: int | None = Field(default=None, ge=1)  # without "nodes": the fewest to use
     max_nodes: int | None = Field(default=None, ge=1)  # without "nodes": the most to use
 
@@ -111,6 +112,8 @@ async def create(node: Node, body: CreateInstance) -> tuple[int, dict]:
         return await ask_coordinator(node, "POST", "/cluster/instances", body.model_dump())
     try:
         inst = await node.coordinator.create_instance(body.model, body.nodes, body.placement_options())
+    except DraftModelNotFoundError as exc:
+        return 404, error_body(API.CLUSTER, 404, str(exc), "draft_model")
     except ModelNotFoundError as exc:
         return 404, error_body(API.CLUSTER, 404, str(exc), "model")
     except DraftModelError as exc:

@@ -43,11 +43,13 @@ from shardline.node.state import (
 )
 from shardline.node.status import InstanceStatus, RankStatus
 from shardline.node.table import Instance, Peer, RankPlacement
+from shardline.node.transfer import TransferError
 from shardline.placement.layer_ranges import NodeCapacity, PlacementError
 from shardline.placement.ranks import (
-    ContextRequestError,
     DraftModelError,
+    DraftModelNotFoundError,
     PlacementOptions,
+    PlacementRequestError,
     draft_bytes_by_rank,
     draft_model_bytes,
     place_with_kv_pool,
@@ -203,7 +205,7 @@ class Coordinator:
                     self.effects.drop_unpublished(instance_id)
                     new = await place()
                     how = "in its place (no room for both)"
-            except (PlacementError, ModelNotFoundError, PeerError) as exc:
+            except (PlacementError, ModelNotFoundError, PeerError, PlacementRequestError) as exc:
                 log.warning("could not place %s on its returning node(s) again: %s", inst.model_id, exc)
                 back = () if instance_id in self.view.instances else (Placed(inst),)
                 await self.effects.commit(*back, RejoinDropped(instance_id))
@@ -393,7 +395,7 @@ class Coordinator:
         except _Deleted:
             log.info("not placing %s again: its instance %s was deleted meanwhile", failed.model_id, failed.instance_id)
             return
-        except (PlacementError, ModelNotFoundError, PeerError, ContextRequestError) as exc:
+        except (PlacementError, ModelNotFoundError, PeerError, PlacementRequestError) as exc:
             # Left in the table with its error; a later term tries again.
             log.error("could not place %s again: %s", failed.model_id, exc)
             await self.effects.commit(NotPlacedAgain(failed.instance_id, str(exc)))
@@ -558,17 +560,25 @@ class Coordinator:
         draft model (:func:`~shardline.placement.ranks.draft_model_bytes`; 0 without one).
 
         Raises:
-            ModelNotFoundError: no live node holds the draft model whole.
+            DraftModelNotFoundError: no live node holds the draft model whole.
             DraftModelError: its tokenizer is not the model's
-                (:func:`~shardline.models.tokenizer.draft_mismatch`).
+                (:func:`~shardline.models.tokenizer.draft_mismatch`), or cannot be read.
         """
         if options.draft_model is None:
             return 0
-        draft = await self.effects.model_card(options.draft_model)
-        await self.effects.check_whole(draft.model_id)
-        mismatch = draft_mismatch(
-            await self.effects.tokenizer(card.model_id), await self.effects.tokenizer(draft.model_id)
-        )
+        try:
+            draft = await self.effects.model_card(options.draft_model)
+            await self.effects.check_whole(draft.model_id)
+        except ModelNotFoundError as exc:
+            raise DraftModelNotFoundError(f"draft_model: {exc}") from None
+        try:
+            target_tokens, draft_tokens = (
+                await self.effects.tokenizer(card.model_id),
+                await self.effects.tokenizer(draft.model_id),
+            )
+        except (ModelNotFoundError, TransferError, PeerError, OSError, ValueError) as exc:
+            raise DraftModelError(f"draft_model {draft.model_id}: its tokenizer could not be compared: {exc}") from None
+        mismatch = await asyncio.to_thread(draft_mismatch, target_tokens, draft_tokens)
         if mismatch is not None:
             raise DraftModelError(
                 f"draft_model {draft.model_id} cannot draft for {card.model_id}: another tokenizer ({mismatch})"

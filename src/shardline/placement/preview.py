@@ -231,9 +231,9 @@ def _candidate(
     (``decode_weight_bytes``: :func:`~shardline.placement.ranks.resident_bytes_per_weight`'s,
     the same for every candidate; ``draft_bytes``: a draft model's, on the sampling rank)."""
     ids = tuple(n.node_id for n in subset)
-    drafts = draft_bytes_by_rank(sharding, len(subset), draft_bytes)
-    capacities = [NodeCapacity(n.node_id, n.available_bytes - d) for n, d in zip(subset, drafts)]
     try:
+        drafts = draft_bytes_by_rank(sharding, len(subset), draft_bytes)
+        capacities = [NodeCapacity(n.node_id, n.available_bytes - d) for n, d in zip(subset, drafts)]
         shares, kv_pool = place_with_kv_pool(config, sharding, capacities, options, weight_file_bytes, baseline_bytes)
     except PlacementError as exc:
         return Candidate(sharding, ids, error=str(exc))

@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 
 from shardline.models.config import ModelConfig, Quantize, RankShare, Sharding
+from shardline.models.store import ModelNotFoundError
 from shardline.placement.layer_ranges import MemoryShortError, NodeCapacity, PlacementError, pipeline_layer_ranges
 from shardline.placement.memory import RUNTIME_BASELINE_BYTES, prefill_scratch_bytes
 from shardline.placement.ring import ring_admission, ring_working_bytes
@@ -197,6 +198,10 @@ class DraftModelError(PlacementRequestError):
     """A draft model that cannot draft for the model: another tokenizer."""
 
 
+class DraftModelNotFoundError(ModelNotFoundError):
+    """No live node holds the draft model a placement names."""
+
+
 class KVCacheRequestError(PlacementRequestError):
     """A ``kv_cache_bytes`` that cannot hold one sequence of the instance's context."""
 
@@ -311,7 +316,15 @@ def draft_bytes_by_rank(sharding: Sharding, world_size: int, draft_bytes: int) -
     holds for the instance's draft model (:func:`draft_model_bytes`; 0: none): all on the
     sampling rank (:meth:`Sharding.sampling_rank
     <shardline.models.config.Sharding.sampling_rank>`), which its node must have besides
-    the rank's share."""
+    the rank's share.
+
+    Raises:
+        PlacementError: with a draft model, an unknown sharding.
+    """
+    if not draft_bytes:
+        return [0] * world_size
+    if sharding not in SHARDINGS:
+        raise PlacementError(f"sharding {sharding!r} is not supported (supported: {', '.join(SHARDINGS)})")
     sampler = Sharding(sharding).sampling_rank(world_size)
     return [draft_bytes if r == sampler else 0 for r in range(world_size)]
 

@@ -163,10 +163,10 @@ def load_stage(spec: RunnerSpec, source, group, progress: Progress, dtype, devic
 
 
 def load_draft_model(spec: RunnerSpec, dtype, device, vocab: int):
-    """The instance's draft model (``spec.draft_model_path``, every layer, quantized as
-    the target's file is) with a KV cache of the engine's slots and context
-    (:class:`~shardline.runner.draft_model.DraftModel`; ``vocab``: the target's
-    vocabulary size).
+    """The instance's draft model (``spec.draft_model_path``, every layer, quantized on
+    load as the instance asks, its CUDA decode graphs warmed) with a KV cache of the
+    engine's slots and context (:class:`~shardline.runner.draft_model.DraftModel`;
+    ``vocab``: the target's vocabulary size).
 
     Raises:
         WeightFormatError: a tensor the draft model needs is missing or misshapen.
@@ -183,6 +183,8 @@ def load_draft_model(spec: RunnerSpec, dtype, device, vocab: int):
     quantize = Quantize(spec.quantize) if spec.quantize else None
     shard = load_shard(source, 0, layers, dtype=dtype, device=device, quantize=quantize)
     cache = KVCache(source.config, layers, spec.max_batch, spec.context, dtype, device)
+    if shard.graphs is not None:  # its decode steps' CUDA graphs, captured now rather than while serving
+        shard.graphs.warm(cache, spec.max_batch)
     return DraftModel(shard, cache, spec.prefill_chunk, vocab)
 
 

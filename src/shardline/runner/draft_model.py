@@ -31,13 +31,19 @@ NO_TOKEN = -1
 
 
 def common_prefix(a: list[int], b: list[int]) -> int:
-    """Tokens ``a`` and ``b`` begin with alike."""
-    n = 0
-    for x, y in zip(a, b):
-        if x != y:
-            break
-        n += 1
-    return n
+    """Tokens ``a`` and ``b`` begin with alike (list slices compared, so a prompt of
+    thousands of tokens takes microseconds, not a Python loop over it)."""
+    n = min(len(a), len(b))
+    if a[:n] == b[:n]:
+        return n
+    low, high = 0, n - 1  # a[:low] == b[:low]; a[:high + 1] != b[:high + 1]
+    while low < high:
+        mid = (low + high + 1) // 2
+        if a[:mid] == b[:mid]:
+            low = mid
+        else:
+            high = mid - 1
+    return low
 
 
 class DraftModel:
@@ -69,6 +75,12 @@ class DraftModel:
         self.positions = int(cache.k[0].shape[2])
         self.held: dict[int, list[int]] = {}  # slot -> tokens whose keys and values it holds
 
+    def extend(self, slot: int, tokens: list[int]) -> None:
+        """Compute the keys and values of ``tokens`` (the sequence so far) past those the
+        slot holds of them: called as the target's prefill chunks end, so a prompt's
+        first draft does not compute the whole prompt at once."""
+        self._catch_up(slot, tokens, len(tokens))
+
     def draft(self, slot: int, tokens: list[int], k: int, p_min: float = P_MIN) -> list[int]:
         """Up to ``k`` tokens the draft model guesses follow ``tokens`` (the sequence so
         far, prompt and output) greedily, ending before its first guess of probability
@@ -77,14 +89,7 @@ class DraftModel:
         k = min(k, self.positions - n)
         if k < 1 or n < 1:
             return []
-        held = self.held.get(slot, [])
-        start = min(common_prefix(held, tokens), n - 1)  # the last token is fed: its logits
-        logits = None
-        while start < n:
-            length = min(self.chunk, n - start)
-            batch = self.shard.prefill_batch(slot, start, length, want_logits=start + length == n)
-            logits = self.shard(torch.tensor(tokens[start : start + length], dtype=torch.long), batch, self.cache)
-            start += length
+        logits = self._catch_up(slot, tokens, n - 1)  # the last token is fed: its logits
         assert logits is not None
         out: list[int] = []
         fed = list(tokens)
@@ -97,10 +102,34 @@ class DraftModel:
             if len(out) == k:
                 break
             batch = self.shard.decode_batch([slot], [len(fed)])
-            logits = self.shard(torch.tensor([out[-1]], dtype=torch.long), batch, self.cache)
-            fed.append(out[-1])
+            logits = self.shard(torch.tensor([token], dtype=torch.long, device=self.shard.device), batch, self.cache)
+            fed.append(token)
         self.held[slot] = fed
         return out
+
+    def _catch_up(self, slot: int, tokens: list[int], most: int) -> torch.Tensor | None:
+        """Compute ``tokens``' keys and values from the first the slot does not hold (at
+        most from ``most``) to their end, :attr:`chunk` at a time; the slot then holds
+        ``tokens``. Returns the last token's float32 logits ``[1, vocab]`` where any was
+        computed."""
+        start = min(common_prefix(self.held.get(slot, []), tokens), most)
+        n, logits = len(tokens), None
+        while start < n:
+            length = min(self.chunk, n - start)
+            batch = self.shard.prefill_batch(slot, start, length, want_logits=start + length == n)
+            ids = torch.tensor(tokens[start : start + length], dtype=torch.long, device=self.shard.device)
+            logits = self.shard(ids, batch, self.cache)
+            start += length
+        self.held[slot] = list(tokens)
+        return logits
+
+    def copy(self, source: int, slot: int, tokens: int) -> None:
+        """``slot`` takes the keys and values of ``source``'s first ``tokens`` positions, as
+        the engine's slot does (a cached prefix another sequence shares,
+        :meth:`KVCache.copy <shardline.models.kv_cache.KVCache.copy>`)."""
+        held = self.held.get(source, [])[:tokens]
+        self.cache.copy(source, slot, len(held))
+        self.held[slot] = held
 
     def release(self, slot: int, keep: int = 0) -> None:
         """``slot``'s keys and values past its first ``keep`` positions are not needed (the

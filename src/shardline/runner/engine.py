@@ -66,7 +66,16 @@ from shardline.runner.prefix_cache import Admission, CachedPrefix, Extension, Wa
 from shardline.runner.protocol import Cancel, EngineStats, PrefillProgress, Shutdown, Task, TokenEvent, Tokens
 from shardline.runner.sampling import MAX_TOP_LOGPROBS, Sampler
 from shardline.runner.speculation import Drafter
-from shardline.runner.step_plan import Chunk, SequenceState, StepLimits, StepPlan, cap_drafts, plan_step, prefill_plan
+from shardline.runner.step_plan import (
+    Chunk,
+    SequenceState,
+    StepLimits,
+    StepPlan,
+    cap_drafts,
+    draft_room,
+    plan_step,
+    prefill_plan,
+)
 from shardline.runner.threads import ThreadGovernor
 
 log = logging.getLogger(__name__)
@@ -461,6 +470,8 @@ class Engine:
                 self.free_slots.remove(start.slot)
             if start.source is not None:  # another conversation's: its shared positions copied
                 cache.copy(start.source, start.slot, start.reused)
+                if self.draft_model is not None:
+                    self.draft_model.copy(start.source, start.slot, start.reused)
                 self._clock += 1
                 self.cached[start.source] = replace(self.cached[start.source], used=self._clock)
             seq = Sequence(
@@ -766,6 +777,8 @@ class Engine:
             seq.exact_end = exact_end(seq.exact_end, chunk.start, chunk.length, self.prefill_chunk, computed_as)
             if seq.scored:
                 self._share_prompt_logprobs(seq, chunk.start, chunk.length, out)
+            if self.draft_model is not None and isinstance(seq.drafter, ModelDrafts):
+                self.draft_model.extend(seq.slot, list(seq.task.prompt[: seq.prefilled]))
             if chunk.last and self.stage.samples:
                 assert out is not None
                 if seq.scored:  # every row's hidden state
@@ -871,11 +884,17 @@ class Engine:
         :attr:`~shardline.runner.step_plan.StepPlan.sampled` ones; ``sampled``: the ids
         :meth:`_sample` gave): on the sampling rank, for each whose draft model drafts,
         up to its ``k`` tokens guessed after those it takes now (none where they end it,
-        or none fit its ``max_tokens`` or the context), padded with
-        :data:`~shardline.runner.draft_model.NO_TOKEN`; zeros elsewhere."""
+        or none fit its ``max_tokens`` or the context, nor past what the next step's
+        decode rows may carry: :func:`~shardline.runner.step_plan.draft_room`, the rule
+        that cuts them there), padded with :data:`~shardline.runner.draft_model.NO_TOKEN`;
+        zeros elsewhere."""
         places: list[int] = []
         model = self.draft_model
         outcomes = plan.outcomes(sampled) if model is not None else ()
+        going_on = sum(1 for _, finish in outcomes if finish is None)
+        sampled_now = {id(s) for s in seqs}
+        others = sum(1 for s in self.running if id(s) not in sampled_now and s.generated)
+        budget = draft_room(going_on + others, DECODE_MAX_ROWS)
         for index, seq in enumerate(seqs):
             if not isinstance(seq.drafter, ModelDrafts):
                 continue
@@ -890,7 +909,8 @@ class Engine:
                 made = len(so_far) - seq.prompt_len
                 room = min(seq.task.max_tokens - made, self.context - len(so_far)) - 1
                 p_min = seq.task.sampling.draft_p_min
-                drafted = model.draft(seq.slot, so_far, min(k, room), P_MIN if p_min is None else p_min)
+                drafted = model.draft(seq.slot, so_far, min(k, room, budget), P_MIN if p_min is None else p_min)
+                budget -= len(drafted)
             places += drafted + [NO_TOKEN] * (k - len(drafted))
         return places
 

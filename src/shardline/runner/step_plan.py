@@ -274,13 +274,19 @@ and a draft not taken is work the others wait for. SmolLM2 on a 3-node pipeline 
 prompts) and 177 -> 148 (512); alone 143 -> 145 and 131 -> 308 (docs/performance.md)."""
 
 
+def draft_room(decoding: int, max_rows: int) -> int:
+    """Drafted tokens a step where ``decoding`` sequences decode may carry, all of them
+    together: its decode rows are at most ``max_rows``, and none where more than
+    :data:`SPECULATE_MAX_BATCH` decode."""
+    return max_rows - decoding if decoding <= SPECULATE_MAX_BATCH else 0
+
+
 def cap_drafts(seqs: Sequence[SequenceState], max_rows: int) -> tuple[SequenceState, ...]:
     """``seqs`` with their drafts cut, oldest sequence's first served, so that the step's
     decode rows (one per decoding sequence and one per drafted token) are at most
     ``max_rows``: past that the decode step takes other kernels, whose bits differ. Where
     more than :data:`SPECULATE_MAX_BATCH` sequences decode, none drafts."""
-    decoding = sum(1 for s in seqs if s.decoding)
-    room = max_rows - decoding if decoding <= SPECULATE_MAX_BATCH else 0
+    room = draft_room(sum(1 for s in seqs if s.decoding), max_rows)
     out = []
     for s in seqs:
         take = max(0, min(len(s.draft), room))
