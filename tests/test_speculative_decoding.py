@@ -199,19 +199,29 @@ def test_two_sequences_draft_side_by_side(blocks_of_32):
 def test_every_rank_takes_the_same_drafted_tokens(model_dir, sharding):
     """Two runner processes (float32, gloo): every rank drafts alike and takes the
     sampling rank's tokens, which are the one-shard model's greedy ones."""
+    from test_runner_lockstep import NODE
+
+    tasks = [Task(700 + i, NODE, repeating_prompt(10 + i), 40, replace(GREEDY, draft_tokens=4)) for i in range(2)]
+    every_rank_takes_the_greedy_tokens(model_dir, sharding, tasks)
+
+
+def every_rank_takes_the_greedy_tokens(model_dir, sharding: str, tasks: list[Task], **spec) -> list:
+    """Run ``tasks`` on an instance of two runner processes (float32, gloo; ``spec``: more
+    :class:`RunnerSpec` fields) and check that every rank streams the one-shard model's
+    greedy tokens; each rank's last EngineStats once the tasks ended."""
     from test_prefix_cache_runner import run as run_on
     from test_prefix_cache_runner import tokens
-    from test_runner_lockstep import NODE, Instance, reference_tokens
+    from test_runner_lockstep import Instance, reference_tokens
 
     from shardline.models.config import Sharding
 
-    tasks = [Task(700 + i, NODE, repeating_prompt(10 + i), 40, replace(GREEDY, draft_tokens=4)) for i in range(2)]
-    instance = Instance(model_dir, 2, max_batch=2, context=512, sharding=Sharding(sharding))
+    instance = Instance(model_dir, 2, max_batch=2, context=512, sharding=Sharding(sharding), **spec)
     try:
         expected = reference_tokens(model_dir, tasks)
         results = run_on(instance, tasks)
         for r in range(2):
             for task in tasks:
                 assert tokens(results[r][task.task_id]) == expected[task.task_id]
+        return [instance.wait_stats(r, lambda s: s.running == ()) for r in range(2)]
     finally:
         instance.stop()
