@@ -207,11 +207,20 @@ def test_openai_speculative_p_min_reaches_the_task():
 
 
 def test_a_draft_ends_before_a_guess_it_doubts(target):
-    """At llama.cpp's default ``p_min`` a tiny random model (its guesses under 0.75)
-    drafts nothing; at 0 the whole ``k``."""
+    """At ``p_min`` 0.75 a tiny random model (its guesses under it) drafts nothing; at
+    the default, llama.cpp's 0, the whole ``k``."""
     model = drafting(target)["draft_model"]
-    assert model.draft(0, list(range(5, 40)), 4) == []
-    assert len(model.draft(0, list(range(5, 40)), 4, p_min=0.0)) == 4
+    assert model.draft(0, list(range(5, 40)), 4, p_min=0.75) == []
+    assert len(model.draft(0, list(range(5, 40)), 4)) == 4
+
+
+@pytest.mark.fast
+def test_a_draft_model_drafts_llama_cpps_three_tokens_by_default():
+    from shardline.runner.speculation import DRAFT_MODEL_TOKENS, MAX_DRAFT_TOKENS, default_drafts
+
+    assert default_drafts(moe=False, draft_model=True) == DRAFT_MODEL_TOKENS == 3
+    assert default_drafts(moe=False) == MAX_DRAFT_TOKENS
+    assert default_drafts(moe=True, draft_model=True) == 0
 
 
 @pytest.fixture(scope="module")

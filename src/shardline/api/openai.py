@@ -172,7 +172,7 @@ class SamplingFields(BaseModel):
     # 0: none; absent: the instance's default, runner.speculation.default_drafts).
     speculative_n_max: int | None = Field(default=None, ge=0, le=MAX_DRAFT_TOKENS, alias="speculative.n_max")
     # llama.cpp's: a draft model's draft ends before a guess it gives less probability
-    # (absent: runner.draft_model.P_MIN; prompt lookup ignores it).
+    # (absent: runner.draft_model.P_MIN, 0; prompt lookup ignores it).
     speculative_p_min: float | None = Field(default=None, ge=0.0, le=1.0, alias="speculative.p_min")
 
     @model_validator(mode="after")

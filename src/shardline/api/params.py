@@ -195,16 +195,17 @@ _OPENAI_SAMPLING: tuple[tuple, ...] = (
         True,
         "extension (llama.cpp): most tokens drafted a step (by prompt lookup, or the instance's "
         "draft model) and checked in the decode step (0 to 16; 0: none; absent: 16 for a dense "
-        "model, 0 for a mixture of experts); requests without logprobs or a grammar, greedy or "
-        "sampled; the same text (a seeded sample's too), in fewer steps where the output repeats "
-        "the prompt",
+        "model, 3 with a draft model, 0 for a mixture of experts); requests without logprobs or "
+        "a grammar, greedy or sampled; the same text (a seeded sample's too), in fewer steps "
+        "where the output repeats the prompt",
         "test_speculative_decoding_is_the_same_greedy_text",
     ),
     (
         "speculative.p_min",
         True,
         "extension (llama.cpp): on an instance with a draft model, its draft ends before a "
-        "guess it gives a lower probability (0 to 1; absent: 0.75); prompt lookup ignores it",
+        "guess it gives a lower probability (0 to 1; absent: 0, as llama.cpp's); prompt lookup "
+        "ignores it",
         "test_draft_model.py::test_openai_speculative_p_min_reaches_the_task",
     ),
 )

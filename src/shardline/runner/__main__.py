@@ -364,7 +364,7 @@ def _engine(
         on_idle=_release_idle_memory,
         grammar_tokenizer=GrammarTokenizer(spec.model_path),
         prefix_cache=spec.prefix_cache,
-        draft_tokens=default_drafts(stage.shard.config.is_moe),
+        draft_tokens=default_drafts(stage.shard.config.is_moe, spec.model_drafts),
         model_drafts=spec.model_drafts,
         draft_model=draft,
         threads=governor,

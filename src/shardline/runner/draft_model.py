@@ -21,10 +21,12 @@ from shardline.models.kv_cache import KVCache
 from shardline.models.llama import DecoderShard
 from shardline.runner.speculation import accepted
 
-P_MIN = 0.75
-"""A draft ends at its first token the draft model gives less probability than this
-(llama.cpp's ``speculative.p_min`` default): a token it doubts is likely refused and
-costs a row of the check and a step of its own."""
+P_MIN = 0.0
+"""A draft ends before its first guess the draft model gives less probability than this,
+where a request names no ``speculative.p_min``: none (llama.cpp's default since it
+drafts :data:`~shardline.runner.speculation.DRAFT_MODEL_TOKENS`; 0.75 before). With a draft model that guesses well,
+the doubted guesses are taken too: SmolLM2 in bfloat16 drafted by its Q4_1 file, 1 node,
+chat: 1.14x decode at 0.75 (most steps drafted nothing), 1.97x at 0 with 3 tokens."""
 
 NO_TOKEN = -1
 """A draft's place past its end in the exchange."""

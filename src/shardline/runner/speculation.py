@@ -21,6 +21,11 @@ MAX_DRAFT_TOKENS = 16
 """Most tokens a request may have drafted a step (llama.cpp's ``speculative.n_max``
 default is 16 too)."""
 
+DRAFT_MODEL_TOKENS = 3
+"""Tokens a request that names no ``speculative.n_max`` has drafted a step by a draft
+model (:mod:`shardline.runner.draft_model`; llama.cpp's ``--spec-draft-n-max``
+default): each costs a step of the draft model on the step's path, taken or not."""
+
 NGRAM_MAX = 4
 """The longest suffix looked up, tokens."""
 NGRAM_MIN = 3
@@ -33,9 +38,11 @@ step of 3 rows costs about what one of 1 does (a 1.5B Q4_K_M model on 2 Zen 4 co
 33, 36 ms for 1, 2, 3 rows; 58 ms for 5), so a wrong guess costs little."""
 
 
-def default_drafts(moe: bool) -> int:
+def default_drafts(moe: bool, draft_model: bool = False) -> int:
     """Tokens a request that names no ``speculative.n_max`` may draft a step on an
-    instance of a mixture-of-experts model (``moe``) or a dense one:
+    instance of a mixture-of-experts model (``moe``) or a dense one (with a
+    ``draft_model``, which drafts instead of prompt lookup:
+    :data:`DRAFT_MODEL_TOKENS`):
     :data:`MAX_DRAFT_TOKENS` for a dense model, where it was measured to win (SmolLM2 on
     one node of a 2-vCPU VM, its calibrated 128- and 512-token prompts: decode 168 -> 223
     and 163 -> 351 tokens/s alone, 115 -> 132 and 93 -> 117 four at a time; see
@@ -44,7 +51,9 @@ def default_drafts(moe: bool) -> int:
     earlier match of the last tokens, and a sequence drafts :data:`FIRST_DRAFT` tokens
     until one is taken whole. A function of the model alone, so every rank of an instance
     (whatever its device) drafts alike."""
-    return 0 if moe else MAX_DRAFT_TOKENS
+    if moe:
+        return 0
+    return DRAFT_MODEL_TOKENS if draft_model else MAX_DRAFT_TOKENS
 
 
 def accepted(draft: tuple[int, ...], taken: list[int] | tuple[int, ...]) -> int:
