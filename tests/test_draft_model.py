@@ -302,3 +302,41 @@ def test_no_draft_is_made_for_a_step_that_carries_none(target):
     assert asked and set(asked) == {0}
     for task in tasks:
         assert together[task.task_id] == run(target, [task])[0][task.task_id]
+
+
+@pytest.mark.fast
+@pytest.mark.parametrize("listed,refused", [("draft_model", True), ("model_id", True), (None, False)])
+def test_removing_a_draft_models_files_is_refused_while_an_instance_drafts_with_it(
+    tmp_path, monkeypatch, listed, refused
+):
+    """``shardline models remove`` keeps the files of a model an instance serves, as its
+    model or its draft model (a node without them cannot place it again)."""
+    import argparse
+
+    from shardline import cluster_commands
+    from shardline.cluster_commands import CommandError, _models_remove
+
+    (tmp_path / "models" / "small").mkdir(parents=True)
+    instance = {"instance_id": "abc", "model_id": "big", "draft_model": None, "status": "ready"}
+    if listed is not None:
+        instance[listed] = "small"
+    monkeypatch.setattr(cluster_commands, "_request", lambda *a, **k: {"instances": [instance]})
+    args = argparse.Namespace(model_id="small", data_dir=str(tmp_path), force=False)
+    if refused:
+        with pytest.raises(CommandError, match="abc"):
+            _models_remove(args)
+    else:
+        _models_remove(args)
+    assert (tmp_path / "models" / "small").exists() == refused
+
+
+def test_a_draft_model_that_does_not_load_is_named_in_the_error(tmp_path, model_dir):
+    """A rank's failure is reported by its text: a draft model whose files do not load
+    says it is the draft model's."""
+    from shardline.models.config import RankShare
+    from shardline.runner.__main__ import DraftModelLoadError, load_draft_model
+    from shardline.runner.protocol import RunnerSpec
+
+    spec = RunnerSpec("i", "n", str(model_dir), 0, 1, RankShare(0, 4), "127.0.0.1", 1, draft_model_path=str(tmp_path))
+    with pytest.raises(DraftModelLoadError, match=f"the draft model {tmp_path}"):
+        load_draft_model(spec, torch.float32, torch.device("cpu"), tm.VOCAB)

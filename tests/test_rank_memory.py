@@ -20,6 +20,7 @@ from shardline.placement.ranks import (
     PlacementOptions,
     RankShare,
     check_context,
+    draft_hint,
     draft_model_bytes,
     kv_pool_tokens,
     kv_tokens_for_bytes,
@@ -27,6 +28,7 @@ from shardline.placement.ranks import (
     place_ranks,
     place_with_kv_pool,
     rank_bytes,
+    with_draft_model,
 )
 
 pytestmark = [pytest.mark.fast, pytest.mark.timeout(10)]
@@ -203,12 +205,31 @@ def test_a_node_computing_on_a_gpu_offers_most_of_its_memory(profile, offered):
 
 
 def test_a_draft_model_counts_as_a_one_rank_instance_of_it_without_a_runtime():
-    """The sampling rank's draft model: SmolLM2's weights, KV cache for the instance's
-    slots and context, and a prefill chunk's scratch: a one-rank instance of it, less
-    its runtime."""
+    """The sampling rank's draft model: SmolLM2's weights, keys and values for the
+    target's KV pool and a prefill chunk's scratch: a one-rank instance of it, less its
+    runtime; a smaller pool, less."""
     config = smollm2_config()
     options = PlacementOptions(context=2048, max_batch=4, draft_model="m")
     alone = rank_bytes(config, "pipeline", [RankShare(0, 30)], 0, 2048, 4, weight_file_bytes=FILE)
-    assert draft_model_bytes(config, FILE, options) == pytest.approx(alone - RUNTIME_BASELINE_BYTES, abs=8)
-    longer = draft_model_bytes(config, FILE, PlacementOptions(context=4096, max_batch=4))
-    assert longer - draft_model_bytes(config, FILE, options) == 4 * 2048 * config.kv_bytes_per_token(2)
+    assert draft_model_bytes(config, FILE, options, 4 * 2048) == pytest.approx(alone - RUNTIME_BASELINE_BYTES, abs=8)
+    smaller = draft_model_bytes(config, FILE, options, 5_555)
+    assert draft_model_bytes(config, FILE, options, 4 * 2048) - smaller == (
+        4 * 2048 - 5_555
+    ) * config.kv_bytes_per_token(2)
+
+
+@pytest.mark.parametrize(
+    "sharding,free,draft,left,held",
+    [
+        ("pipeline", [100, 100], 30, [100, 70], [0, 30]),  # a pipeline's last samples
+        ("tensor", [100, 100], 30, [70, 100], [30, 0]),  # the others' first
+        ("pipeline", [100, 20], 30, [100, 0], [0, 30]),  # never below nothing
+        ("ring", [100], 0, [100], [0]),
+    ],
+)
+def test_the_sampling_ranks_node_sets_the_draft_model_aside(sharding, free, draft, left, held):
+    nodes = [NodeCapacity(f"n{i}", b) for i, b in enumerate(free)]
+    capacities, drafts = with_draft_model(sharding, nodes, draft)
+    assert [c.available_bytes for c in capacities] == left and drafts == held
+    assert [c.node_id for c in capacities] == [n.node_id for n in nodes]
+    assert ("draft model" in draft_hint(draft)) == bool(draft)

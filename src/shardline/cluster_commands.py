@@ -439,10 +439,15 @@ def _models_remove(args: argparse.Namespace) -> None:
             listed = _request(args, "GET", "/cluster/instances", timeout_s=5.0)["instances"]
         except CommandError:
             listed = []  # no node answers: nothing of this cluster serves it
-        serving = [i["instance_id"] for i in listed if i["model_id"] == args.model_id and i["status"] != "failed"]
+        serving = [
+            i["instance_id"]
+            for i in listed
+            if args.model_id in (i["model_id"], i.get("draft_model")) and i["status"] != "failed"
+        ]
         if serving:
             raise CommandError(
-                f"{args.model_id} is served by instance {', '.join(serving)} (`shardline instances`); "
+                f"{args.model_id} is served by instance {', '.join(serving)} (as its model or its draft "
+                "model: `shardline instances`); "
                 f"delete it first (`shardline delete {serving[0]}`), or pass --force to remove the "
                 "files anyway (a node without them cannot place the model again)"
             )
@@ -564,8 +569,8 @@ def _place_arguments(place: argparse.ArgumentParser) -> None:
         "--draft-model",
         default=None,
         metavar="MODEL",
-        help="a model of the same tokenizer (an id or a path) that the sampling rank holds whole "
-        "and drafts with for speculative decoding (default: drafts by prompt lookup)",
+        help="a model of the same tokenizer that the sampling rank holds whole and drafts with for "
+        "speculative decoding: an id, or a path as MODEL takes one (default: drafts by prompt lookup)",
     )
     place.add_argument("--force", action="store_true", help="place even where the measured memory says it does not fit")
     place.add_argument(

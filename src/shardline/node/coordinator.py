@@ -50,10 +50,11 @@ from shardline.placement.ranks import (
     DraftModelNotFoundError,
     PlacementOptions,
     PlacementRequestError,
-    draft_bytes_by_rank,
+    draft_hint,
     draft_model_bytes,
     place_with_kv_pool,
     ranks_bytes,
+    with_draft_model,
 )
 from shardline.placement.served import PlacementKey, ServedSpeed
 from shardline.runner.rendezvous import ranks_share_a_gpu
@@ -583,7 +584,9 @@ class Coordinator:
             raise DraftModelError(
                 f"draft_model {draft.model_id} cannot draft for {card.model_id}: another tokenizer ({mismatch})"
             )
-        return draft_model_bytes(ModelConfig.from_dict(draft.config), draft.weight_file_bytes, options)
+        context, max_batch = options.sizes()
+        pool = options.kv_tokens(ModelConfig.from_dict(card.config)) or max_batch * context
+        return draft_model_bytes(ModelConfig.from_dict(draft.config), draft.weight_file_bytes, options, pool)
 
     def _ranks(
         self,
@@ -602,10 +605,15 @@ class Coordinator:
         Raises:
             PlacementError: it does not fit.
         """
-        drafts = draft_bytes_by_rank(sharding, len(chosen), draft_bytes)
-        capacities = [NodeCapacity(n, self.effects.free_bytes(n) - d) for n, d in zip(chosen, drafts)]
+        free = [NodeCapacity(n, self.effects.free_bytes(n)) for n in chosen]
+        capacities, drafts = with_draft_model(sharding, free, draft_bytes)
         baseline = self.effects.runtime_baseline(chosen)
-        shares, kv_tokens = place_with_kv_pool(config, sharding, capacities, options, card.weight_file_bytes, baseline)
+        try:
+            shares, kv_tokens = place_with_kv_pool(
+                config, sharding, capacities, options, card.weight_file_bytes, baseline
+            )
+        except PlacementError as exc:
+            raise type(exc)(f"{exc}{draft_hint(draft_bytes)}") from None
         estimated = ranks_bytes(config, sharding, shares, options, card.weight_file_bytes, baseline, kv_tokens)
         estimated = tuple(need + d for need, d in zip(estimated, drafts))
         ranks = tuple(

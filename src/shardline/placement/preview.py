@@ -23,10 +23,11 @@ from shardline.placement.layer_ranges import NodeCapacity, PlacementError
 from shardline.placement.memory import RUNTIME_BASELINE_BYTES
 from shardline.placement.ranks import (
     PlacementOptions,
-    draft_bytes_by_rank,
+    draft_hint,
     place_with_kv_pool,
     ranks_bytes,
     resident_bytes_per_weight,
+    with_draft_model,
 )
 from shardline.placement.served import Basis, PlacementKey, ServedSpeed, calibrate
 from shardline.placement.speed import Link, NodeProfile, check_dtype, predict_tokens_per_s
@@ -232,11 +233,11 @@ def _candidate(
     the same for every candidate; ``draft_bytes``: a draft model's, on the sampling rank)."""
     ids = tuple(n.node_id for n in subset)
     try:
-        drafts = draft_bytes_by_rank(sharding, len(subset), draft_bytes)
-        capacities = [NodeCapacity(n.node_id, n.available_bytes - d) for n, d in zip(subset, drafts)]
+        free = [NodeCapacity(n.node_id, n.available_bytes) for n in subset]
+        capacities, drafts = with_draft_model(sharding, free, draft_bytes)
         shares, kv_pool = place_with_kv_pool(config, sharding, capacities, options, weight_file_bytes, baseline_bytes)
     except PlacementError as exc:
-        return Candidate(sharding, ids, error=str(exc))
+        return Candidate(sharding, ids, error=f"{exc}{draft_hint(draft_bytes)}")
     dtype, quantize = options.dtype, options.quantize
     model = predict_tokens_per_s(
         config, sharding, subset, shares, links, options.sizes()[0], dtype, decode_weight_bytes=decode_weight_bytes

@@ -299,16 +299,37 @@ def rank_bytes(
     return fixed + _pipeline_fixed(config, rank, world, vocab_bytes) + share.num_layers * per_layer
 
 
-def draft_model_bytes(config: ModelConfig, weight_file_bytes: int, options: PlacementOptions) -> int:
+def draft_model_bytes(config: ModelConfig, weight_file_bytes: int, options: PlacementOptions, kv_tokens: int) -> int:
     """Bytes the sampling rank holds for a draft model of ``config`` (its file
     ``weight_file_bytes``) beside its shard, placed under ``options`` (resolved): every
-    weight at :func:`held_bytes_per_weight`, a KV cache of ``max_batch`` sequences of
-    ``context`` tokens in the compute dtype (its slots and context are the engine's) and
+    weight at :func:`held_bytes_per_weight`, keys and values of ``kv_tokens`` positions
+    in the compute dtype (the target's KV pool: its cache has the engine's slots, whose
+    pages are written only as far as the sequences' tokens, which the pool bounds) and
     its prefill chunk's scratch."""
-    context, max_batch = options.sizes()
     weight_bytes, vocab_bytes = held_bytes_per_weight(config, weight_file_bytes, options.dtype, options.quantize)
-    kv = max_batch * context * config.kv_bytes_per_token(DTYPE_BYTES[options.dtype])
+    kv = kv_tokens * config.kv_bytes_per_token(DTYPE_BYTES[options.dtype])
     return _ring_weights(config, weight_bytes, vocab_bytes) + kv + _runtime_and_scratch(config, 0, options.dtype)
+
+
+def with_draft_model(
+    sharding: Sharding, nodes: list[NodeCapacity], draft_bytes: int
+) -> tuple[list[NodeCapacity], list[int]]:
+    """``nodes`` (in rank order) with what each can give the model's shares once the
+    sampling rank's node holds ``draft_bytes`` of a draft model (at least 0), and those
+    bytes per rank (:func:`draft_bytes_by_rank`).
+
+    Raises:
+        PlacementError: with a draft model, an unknown sharding.
+    """
+    drafts = draft_bytes_by_rank(sharding, len(nodes), draft_bytes)
+    return [NodeCapacity(n.node_id, max(0, n.available_bytes - d)) for n, d in zip(nodes, drafts)], drafts
+
+
+def draft_hint(draft_bytes: int) -> str:
+    """What a refusal adds where a draft model's bytes were set aside first ("" without)."""
+    if not draft_bytes:
+        return ""
+    return f"; the sampling rank's node also holds the draft model, {draft_bytes / 2**20:,.0f} MiB"
 
 
 def draft_bytes_by_rank(sharding: Sharding, world_size: int, draft_bytes: int) -> list[int]:

@@ -162,6 +162,11 @@ def load_stage(spec: RunnerSpec, source, group, progress: Progress, dtype, devic
     return PipelineStage(shard, cache, spec.rank, spec.world_size, progress, wire_device=comm_device, slots=slots)
 
 
+class DraftModelLoadError(RuntimeError):
+    """The instance's draft model could not be loaded (its error names it: a rank's
+    failure is reported by its text)."""
+
+
 def load_draft_model(spec: RunnerSpec, dtype, device, vocab: int):
     """The instance's draft model (``spec.draft_model_path``, every layer, quantized on
     load as the instance asks, its CUDA decode graphs warmed) with a KV cache of the
@@ -169,7 +174,8 @@ def load_draft_model(spec: RunnerSpec, dtype, device, vocab: int):
     ``vocab``: the target's vocabulary size).
 
     Raises:
-        WeightFormatError: a tensor the draft model needs is missing or misshapen.
+        DraftModelLoadError: its files are not a model the runner can load (a tensor
+            missing or misshapen, an unknown architecture, a file it cannot read).
     """
     from shardline.models.config import Quantize
     from shardline.models.kv_cache import KVCache
@@ -178,10 +184,13 @@ def load_draft_model(spec: RunnerSpec, dtype, device, vocab: int):
     from shardline.runner.draft_model import DraftModel
 
     assert spec.draft_model_path is not None
-    source = open_weights(spec.draft_model_path)
-    layers = source.config.num_layers
-    quantize = Quantize(spec.quantize) if spec.quantize else None
-    shard = load_shard(source, 0, layers, dtype=dtype, device=device, quantize=quantize)
+    try:
+        source = open_weights(spec.draft_model_path)
+        layers = source.config.num_layers
+        quantize = Quantize(spec.quantize) if spec.quantize else None
+        shard = load_shard(source, 0, layers, dtype=dtype, device=device, quantize=quantize)
+    except (OSError, ValueError) as exc:  # a WeightFormatError or UnsupportedModelError among them
+        raise DraftModelLoadError(f"the draft model {spec.draft_model_path}: {type(exc).__name__}: {exc}") from exc
     cache = KVCache(source.config, layers, spec.max_batch, spec.context, dtype, device)
     if shard.graphs is not None:  # its decode steps' CUDA graphs, captured now rather than while serving
         shard.graphs.warm(cache, spec.max_batch)
