@@ -340,3 +340,23 @@ def test_a_draft_model_that_does_not_load_is_named_in_the_error(tmp_path, model_
     spec = RunnerSpec("i", "n", str(model_dir), 0, 1, RankShare(0, 4), "127.0.0.1", 1, draft_model_path=str(tmp_path))
     with pytest.raises(DraftModelLoadError, match=f"the draft model {tmp_path}"):
         load_draft_model(spec, torch.float32, torch.device("cpu"), tm.VOCAB)
+
+
+@pytest.mark.fast
+def test_shardline_instances_shows_the_draft_model(monkeypatch, capsys):
+    import argparse
+
+    from shardline import cluster_commands
+
+    instance = {
+        "instance_id": "abc",
+        "model_id": "big",
+        "draft_model": "small",
+        "sharding": "pipeline",
+        "dtype": "bfloat16",
+        "status": "ready",
+        "ranks": [],
+    }
+    monkeypatch.setattr(cluster_commands, "_request", lambda *a, **k: {"instances": [instance]})
+    cluster_commands._instances(argparse.Namespace())
+    assert "drafted by small" in capsys.readouterr().out

@@ -227,7 +227,7 @@ def _instances(args: argparse.Namespace) -> None:
         speed = i.get("speed") or {}
         table.add_row(
             i["instance_id"],
-            i["model_id"],
+            i["model_id"] + (f"\ndrafted by {i['draft_model']}" if i.get("draft_model") else ""),
             i["sharding"],
             i["dtype"],
             status,
