@@ -55,6 +55,6 @@ def test_a_products_rows_are_computed_apart(dtype):
     weight = (torch.randn(576, 1536) * 0.05).to(dtype)
     x = torch.randn(64, 1536).to(dtype)
     one = rows_apart_product(x[:1], weight)
-    for k in (2, 3, 4, 5, 16, 64):
+    for k in (2, 3, 4, 5, 9):  # a draft's rows, a few sequences (to 64 on the AMD EPYC VM)
         assert torch.equal(rows_apart_product(x[:k], weight)[:1], one), k
     assert rows_apart_product(x[:0], weight).shape == (0, 576)

@@ -72,7 +72,9 @@ def rows_apart_product(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     greedy text must not change with its batch, nor with its draft's rows). On the CPU
     torch's BLAS sums in an order that depends on the row count: in 16 bits its one-row
     product (a GEMV) differs from its GEMM, whose 2 to 64 rows agree (SmolLM2's down
-    projection in bfloat16, oneDNN on an AMD EPYC), so one row is computed as two; in
+    projection in bfloat16, oneDNN on an AMD EPYC with AVX-512 BF16; not checked on a
+    CPU with AMX, whose kernels oneDNN may choose by row count), so one row is computed
+    as two; in
     float32 MKL's SGEMM differs between 1, 2-3 and 4 or more rows, so each row is its own
     matrix-vector product (the one-row step unchanged; k rows cost k of them). Elsewhere
     (CUDA) one product."""
