@@ -74,10 +74,9 @@ def rows_apart_product(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     product (a GEMV) differs from its GEMM, whose 2 to 64 rows agree (SmolLM2's down
     projection in bfloat16, oneDNN on an AMD EPYC with AVX-512 BF16; not checked on a
     CPU with AMX, whose kernels oneDNN may choose by row count), so one row is computed
-    as two; in
-    float32 MKL's SGEMM differs between 1, 2-3 and 4 or more rows, so each row is its own
-    matrix-vector product (the one-row step unchanged; k rows cost k of them). Elsewhere
-    (CUDA) one product."""
+    as two; in float32 MKL's SGEMM differs between 1, 2-3 and 4 or more rows, so each row
+    is its own matrix-vector product (the one-row step unchanged; k rows cost k of them).
+    Elsewhere (CUDA) one product."""
     if x.device.type != "cpu" or x.shape[0] == 0:
         return F.linear(x, weight)
     if x.dtype == torch.float32:

@@ -613,6 +613,8 @@ class Coordinator:
                 config, sharding, capacities, options, card.weight_file_bytes, baseline
             )
         except PlacementError as exc:
+            if not draft_bytes:
+                raise
             raise type(exc)(f"{exc}{draft_hint(draft_bytes)}") from None
         estimated = ranks_bytes(config, sharding, shares, options, card.weight_file_bytes, baseline, kv_tokens)
         estimated = tuple(need + d for need, d in zip(estimated, drafts))

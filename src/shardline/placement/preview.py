@@ -165,7 +165,7 @@ def preview(
     bytes a weight, then corrected by what placements of ``model_id`` measured while
     serving (``served``: :func:`shardline.placement.served.calibrate`'s rule; the
     uncorrected figures stay in ``model_*``). The sampling rank's node holds
-    ``draft_bytes`` more, a draft model's (:func:`~shardline.placement.ranks.draft_bytes_by_rank`).
+    ``draft_bytes`` more, a draft model's (:func:`~shardline.placement.ranks.with_draft_model`).
 
     Returns:
         Feasible candidates sorted by predicted decode tokens/s, descending (ties: prefill

@@ -315,13 +315,20 @@ def with_draft_model(
     sharding: Sharding, nodes: list[NodeCapacity], draft_bytes: int
 ) -> tuple[list[NodeCapacity], list[int]]:
     """``nodes`` (in rank order) with what each can give the model's shares once the
-    sampling rank's node holds ``draft_bytes`` of a draft model (at least 0), and those
-    bytes per rank (:func:`draft_bytes_by_rank`).
+    sampling rank's node (:meth:`Sharding.sampling_rank
+    <shardline.models.config.Sharding.sampling_rank>`) holds ``draft_bytes`` of a draft
+    model (:func:`draft_model_bytes`; at least 0 left), and those bytes per rank (all on
+    the sampling rank; 0 each without a draft model).
 
     Raises:
         PlacementError: with a draft model, an unknown sharding.
     """
-    drafts = draft_bytes_by_rank(sharding, len(nodes), draft_bytes)
+    if not draft_bytes:
+        return list(nodes), [0] * len(nodes)
+    if sharding not in SHARDINGS:
+        shardings_named(sharding)  # raises: no sharding of that name
+    sampler = Sharding(sharding).sampling_rank(len(nodes))
+    drafts = [draft_bytes if r == sampler else 0 for r in range(len(nodes))]
     return [NodeCapacity(n.node_id, max(0, n.available_bytes - d)) for n, d in zip(nodes, drafts)], drafts
 
 
@@ -330,24 +337,6 @@ def draft_hint(draft_bytes: int) -> str:
     if not draft_bytes:
         return ""
     return f"; the sampling rank's node also holds the draft model, {draft_bytes / 2**20:,.0f} MiB"
-
-
-def draft_bytes_by_rank(sharding: Sharding, world_size: int, draft_bytes: int) -> list[int]:
-    """Per rank of a placement of ``world_size`` ranks under ``sharding``, the bytes it
-    holds for the instance's draft model (:func:`draft_model_bytes`; 0: none): all on the
-    sampling rank (:meth:`Sharding.sampling_rank
-    <shardline.models.config.Sharding.sampling_rank>`), which its node must have besides
-    the rank's share.
-
-    Raises:
-        PlacementError: with a draft model, an unknown sharding.
-    """
-    if not draft_bytes:
-        return [0] * world_size
-    if sharding not in SHARDINGS:
-        raise PlacementError(f"sharding {sharding!r} is not supported (supported: {', '.join(SHARDINGS)})")
-    sampler = Sharding(sharding).sampling_rank(world_size)
-    return [draft_bytes if r == sampler else 0 for r in range(world_size)]
 
 
 def _ring_weights(config: ModelConfig, weight_bytes: float, vocab_bytes: float) -> int:

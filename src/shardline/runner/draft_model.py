@@ -95,7 +95,7 @@ class DraftModel:
         logits = self._catch_up(slot, tokens, n - 1)  # the last token is fed: its logits
         assert logits is not None
         out: list[int] = []
-        fed = list(tokens)
+        fed = self.held[slot]  # the tokens its keys and values hold, each guess fed appended
         while True:
             best = torch.softmax(logits[-1].float(), dim=-1).max(dim=-1)
             token = int(best.indices)
@@ -107,7 +107,6 @@ class DraftModel:
             batch = self.shard.decode_batch([slot], [len(fed)])
             logits = self.shard(torch.tensor([token], dtype=torch.long, device=self.shard.device), batch, self.cache)
             fed.append(token)
-        self.held[slot] = fed
         return out
 
     def _catch_up(self, slot: int, tokens: list[int], most: int) -> torch.Tensor | None:

@@ -626,7 +626,8 @@ class Engine:
                     )
 
         if plan.sampled:  # the exchange after it (_sample_and_advance) carries their ids
-            self.stage.expect_gather(proposal_length(AGREE_K, plan.sampled_ids + self._draft_places(plan, seqs)))
+            places = self._draft_places([seqs[i] for i in plan.sampled])
+            self.stage.expect_gather(proposal_length(AGREE_K, plan.sampled_ids + places))
         plain = not chunks and not any(draft for _, draft in decoding)  # one row a sequence
         outputs = self._compute(micro, computed, len(decoding), timed=plain)
         rows: list[torch.Tensor] = []  # per sampled sequence, its rows of logits [1 + draft, vocab]
@@ -873,11 +874,11 @@ class Engine:
         self._agreed = True
 
     @staticmethod
-    def _draft_places(plan: StepPlan, seqs: list[Sequence]) -> int:
-        """Places the step's exchange carries for the next drafts of its sampled
-        sequences (``seqs``: the plan's), after their ids: ``k`` each where a draft model
-        drafts (:class:`~shardline.runner.draft_model.ModelDrafts`)."""
-        return sum(d.k for i in plan.sampled if isinstance(d := seqs[i].drafter, ModelDrafts))
+    def _draft_places(sampled: list[Sequence]) -> int:
+        """Places the step's exchange carries for the next drafts of its ``sampled``
+        sequences, after their ids: ``k`` each where a draft model drafts
+        (:class:`~shardline.runner.draft_model.ModelDrafts`)."""
+        return sum(s.drafter.k for s in sampled if isinstance(s.drafter, ModelDrafts))
 
     def _next_drafts(self, plan: StepPlan, seqs: list[Sequence], sampled: list[int]) -> list[int]:
         """The exchange's places for the next drafts of the sampled ``seqs`` (the plan's
@@ -888,9 +889,11 @@ class Engine:
         decode rows may carry: :func:`~shardline.runner.step_plan.draft_room`, the rule
         that cuts them there), padded with :data:`~shardline.runner.draft_model.NO_TOKEN`;
         zeros elsewhere."""
-        places: list[int] = []
         model = self.draft_model
-        outcomes = plan.outcomes(sampled) if model is not None else ()
+        if model is None:
+            return [0] * self._draft_places(seqs)
+        places: list[int] = []
+        outcomes = plan.outcomes(sampled)
         going_on = sum(1 for _, finish in outcomes if finish is None)
         sampled_now = {id(s) for s in seqs}
         others = sum(1 for s in self.running if id(s) not in sampled_now and s.generated)
@@ -899,9 +902,6 @@ class Engine:
             if not isinstance(seq.drafter, ModelDrafts):
                 continue
             k = seq.drafter.k
-            if model is None:
-                places += [0] * k
-                continue
             tokens, finish = outcomes[index]
             drafted: list[int] = []
             if finish is None:
