@@ -58,10 +58,13 @@ def test_a_drafter_drafts_more_while_its_drafts_are_taken_whole():
     drafter.took(4, [7, 8, 9, 1, 2])
     assert drafter.length == 8
     assert drafter.draft(3) == (3, 4, 5)  # no more than the room
-    assert drafter.took(3, [3, 9]) == 1  # the second differed: back to short drafts
+    assert drafter.took(3, [3, 9]) == 1  # the second differed: as many again (the copy goes on)
+    assert drafter.length == 8
+    assert drafter.draft(10) == (5, 6, 7, 8, 9, 1, 2, 3)  # past the changed token
+    assert drafter.took(8, [40]) == 0  # none taken: back to short drafts
     assert drafter.length == 2
     drafter.took(0, [9])  # a step without a draft changes nothing
-    assert drafter.length == 2 and drafter.ngrams.tokens[-3:] == [3, 9, 9]
+    assert drafter.length == 2 and drafter.ngrams.tokens[-3:] == [9, 40, 9]
 
 
 def test_after_a_changed_token_the_draft_goes_on_from_its_source():
