@@ -145,6 +145,29 @@ def test_the_profiler_measures_only_an_idle_node(streams, busy, idle):
     assert profiler.idle(any_load=True) is idle
 
 
+@pytest.mark.parametrize("had", [None, {"decode_weight_bytes_per_s": 2.1e10}])
+def test_a_profile_measured_beside_other_work_is_not_cached(tmp_path, monkeypatch, had):
+    """Other programs kept most of the CPUs busy while it measured: nothing cached, the
+    profile the node had kept (none: the disturbed one, better than none), measured again
+    RETRY_S later."""
+    import shardline.node.profile as profile_module
+    from shardline.node.profile import HostProfile
+    from shardline.node.speeds import INTERVAL_S, RETRY_S, HostProfiler
+
+    async def measured(**_):
+        return HostProfile(cpu_count=2, decode_weight_bytes_per_s=2.2e8, other_cores=1.9, threads=2)
+
+    monkeypatch.setattr(profile_module, "measure_host_async", measured)
+    kept: list[dict | None] = []
+    cache = tmp_path / "profile.json"
+    profiler = HostProfiler(ProfilerView(profile=had), kept.append, cache, threads=2)
+    assert asyncio.run(profiler._measure(None)) is (had is None)
+    assert not cache.exists()
+    assert [k["decode_weight_bytes_per_s"] for k in kept if k] == ([] if had else [2.2e8])
+    assert profiler.measured_at is not None
+    assert profiler.measured_at + INTERVAL_S - RETRY_S == pytest.approx(__import__("time").monotonic(), abs=1.0)
+
+
 def test_a_cached_profile_of_other_runner_threads_is_no_first_guess(tmp_path):
     from shardline.node.profile import HostProfile
     from shardline.node.speeds import HostProfiler

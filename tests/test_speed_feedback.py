@@ -10,7 +10,7 @@ from model_shapes import smollm2 as _smollm2
 from shardline.cluster_commands import links_text, models_held, serving_by_node, speed_text
 from shardline.models.config import RankShare
 from shardline.models.store import DEFAULT_MODEL_ID
-from shardline.node.speeds import measure_due, node_idle
+from shardline.node.speeds import disturbed, measure_due, node_idle
 from shardline.node.status import RankStatus
 from shardline.placement.preview import preview
 from shardline.placement.ranks import PlacementOptions
@@ -59,6 +59,31 @@ def test_node_idle(in_flight, busy, statuses, idle):
 )
 def test_other_programs_load_makes_a_node_not_idle(other_load_percent, idle):
     assert node_idle(0, [], [R], other_load_percent) is idle
+
+
+@pytest.mark.parametrize(
+    "other_cores, cpus, disturbs",
+    [
+        (0.05, 2, False),  # the node's own heartbeats
+        (0.39, 2, False),
+        (0.41, 2, True),  # over a fifth of the machine
+        (1.9, 2, True),  # llama-server decoding beside the measurement
+        (1.5, 16, False),
+        (0.0, 0, False),  # no CPU count read
+    ],
+)
+def test_a_profile_measured_beside_other_work_is_disturbed(other_cores, cpus, disturbs):
+    assert disturbed(other_cores, cpus) is disturbs
+
+
+@pytest.mark.parametrize(
+    "busy_s, own_s, wall_s, cores",
+    [(3.0, 2.0, 1.0, 1.0), (2.0, 2.0, 1.0, 0.0), (1.9, 2.0, 1.0, 0.0), (1.0, 0.0, 0.0, 0.0)],
+)
+def test_other_cores(busy_s, own_s, wall_s, cores):
+    from shardline.node.profile import other_cores
+
+    assert other_cores(busy_s, own_s, wall_s) == pytest.approx(cores)
 
 
 @pytest.mark.parametrize(

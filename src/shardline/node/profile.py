@@ -35,6 +35,7 @@ from shardline.node.profile_decode import (
 )
 from shardline.parallel.compute_slots import host_id, usable_cpus
 from shardline.process_memory import memory_now, release_free_memory
+from shardline.runner.other_load import busy_cpu_seconds
 
 DEVICE_RE = re.compile(r"^(auto|cpu|mps|cuda(:\d+)?)$")
 """The devices a node's runners (and its profile) compute on: ``auto`` is the first CUDA
@@ -128,6 +129,10 @@ class HostProfile:
             each other (the preview counts it:
             :func:`~shardline.placement.speed.oversubscription`).
         samples: how many timed windows each rate is the median of.
+        other_cores: CPUs other processes kept busy while it measured (the machine's
+            busy CPU seconds beside the measuring child's own, over its wall time:
+            :func:`other_cores`); a node keeps a profile measured beside much of that as
+            a first guess only (:func:`~shardline.node.speeds.disturbed`).
         measured_at: when it was measured, seconds since the epoch.
         measure_s: wall time the measurement took (child start to exit), seconds.
         note: why measured figures are missing (the measurement failed or timed out),
@@ -150,6 +155,7 @@ class HostProfile:
     threads: int = 0
     host_id: str = ""
     samples: int = 0
+    other_cores: float = 0.0
     measured_at: float = 0.0
     measure_s: float = 0.0
     note: str = ""
@@ -354,8 +360,22 @@ def _nvml_memory(index: int) -> tuple[int, int] | None:
         return None
 
 
+def other_cores(busy_s: float, own_s: float, wall_s: float) -> float:
+    """CPUs other processes kept busy over ``wall_s`` seconds in which the machine spent
+    ``busy_s`` busy CPU seconds, ``own_s`` of them this process's (0 for no time)."""
+    return max(0.0, (busy_s - own_s) / wall_s) if wall_s > 0 else 0.0
+
+
 def _measure(device: str, seconds: float, threads: int = 0, samples: int = 1) -> dict:
     """The child's work: every HostProfile field as a dict (imports torch)."""
+    busy, own, start = busy_cpu_seconds(), time.process_time(), time.monotonic()
+    result = _measure_rates(device, seconds, threads, samples)
+    result["other_cores"] = other_cores(busy_cpu_seconds() - busy, time.process_time() - own, time.monotonic() - start)
+    return result
+
+
+def _measure_rates(device: str, seconds: float, threads: int, samples: int) -> dict:
+    """:func:`_measure`'s figures but the other processes' load."""
     import torch  # noqa: PLC0415 (only in the child)
 
     if threads > 0:

@@ -16,7 +16,10 @@ while its runners work measures them, not the machine. Other programs' load is c
 before it starts (the child's own start spikes the load): a node serving nothing while
 llama-server decoded on its 2 cores measured 39 ms a decode layer where the idle
 machine takes under 0.1 ms, and cached that for the machine. With no profile at all it
-measures whatever the load: better than none, and measured again later.
+measures whatever the load: better than none, and measured again later. Load that comes
+once it measures is read at the end (the child's ``other_cores``): a profile measured
+beside other programs' work (:func:`disturbed`) is not cached, is kept only where the
+node has no other, and is measured again :data:`RETRY_S` later once the node is idle.
 It never holds up the node's start: it runs in the background. Nodes of one machine (a
 local cluster) share the file: each waits ``idle_s`` plus up to 10 s by its id before it
 measures, one at a time (a lock file beside the cache), and takes a profile another
@@ -59,6 +62,10 @@ importing torch, 1.5 s of CPU) would only be killed, having taken that CPU from 
 INTERVAL_S = 3600.0
 """Seconds between measurements of an idle node's machine."""
 
+RETRY_S = 60.0
+"""Seconds after a measurement other programs disturbed (:func:`disturbed`) before the
+node, once idle, measures again."""
+
 PROFILE_SECONDS = 1.0
 """The timed loops of one measurement, seconds in all (child start and imports aside)."""
 
@@ -88,6 +95,15 @@ def node_idle(
         and all(s in _SETTLED for s in rank_statuses)
         and other_load_percent < OTHER_LOAD_PERCENT
     )
+
+
+def disturbed(other_cores: float, cpus: int) -> bool:
+    """Whether a profile was measured beside other programs' work: they kept over
+    :data:`OTHER_LOAD_PERCENT` of the machine's ``cpus`` busy while it ran
+    (``HostProfile.other_cores``). Its figures are then theirs as much as the machine's
+    (a node measuring while llama-server decoded on its 2 cores read its weights at 0.22
+    GB/s where the quiet machine reads 21), so it is a first guess at most."""
+    return other_cores * 100 > OTHER_LOAD_PERCENT * max(cpus, 1)
 
 
 def measure_due(
@@ -250,6 +266,17 @@ class HostProfiler:
                 self.measured_at = tried_before  # this try does not count
                 return False
         profile = task.result()
+        if disturbed(profile.other_cores, profile.cpu_count):
+            log.warning(
+                "host profile: other programs kept %.1f of %d CPUs busy while it measured; measuring again once they rest",
+                profile.other_cores,
+                profile.cpu_count,
+            )
+            self.measured_at = time.monotonic() - self.interval_s + RETRY_S
+            if self.view.profile is not None:
+                return False  # keep what it had
+            self.keep(profile.to_dict())  # better than none, not cached
+            return True
         if profile.note:
             log.warning("host profile: %s", profile.note)
             if self.view.profile is not None:
