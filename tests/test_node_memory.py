@@ -147,9 +147,8 @@ def test_the_profiler_measures_only_an_idle_node(streams, busy, idle):
 
 @pytest.mark.parametrize("had", [None, {"decode_weight_bytes_per_s": 2.1e10}])
 def test_a_profile_measured_beside_other_work_is_not_cached(tmp_path, monkeypatch, had):
-    """Other programs kept most of the CPUs busy while it measured: nothing cached, the
-    profile the node had kept (none: the disturbed one, better than none), measured again
-    RETRY_S later."""
+    """Other programs kept most of the CPUs busy while it measured: nothing kept or
+    cached, the next measurement RETRY_S later and only while other programs rest."""
     import shardline.node.profile as profile_module
     from shardline.node.profile import HostProfile
     from shardline.node.speeds import INTERVAL_S, RETRY_S, HostProfiler
@@ -161,9 +160,8 @@ def test_a_profile_measured_beside_other_work_is_not_cached(tmp_path, monkeypatc
     kept: list[dict | None] = []
     cache = tmp_path / "profile.json"
     profiler = HostProfiler(ProfilerView(profile=had), kept.append, cache, threads=2)
-    assert asyncio.run(profiler._measure(None)) is (had is None)
-    assert not cache.exists()
-    assert [k["decode_weight_bytes_per_s"] for k in kept if k] == ([] if had else [2.2e8])
+    assert asyncio.run(profiler._measure(None)) is True  # quiet only, next
+    assert not cache.exists() and kept == []
     assert profiler.measured_at is not None
     assert profiler.measured_at + INTERVAL_S - RETRY_S == pytest.approx(__import__("time").monotonic(), abs=1.0)
 

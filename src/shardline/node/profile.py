@@ -131,8 +131,8 @@ class HostProfile:
         samples: how many timed windows each rate is the median of.
         other_cores: CPUs other processes kept busy while it measured (the machine's
             busy CPU seconds beside the measuring child's own, over its wall time:
-            :func:`other_cores`); a node keeps a profile measured beside much of that as
-            a first guess only (:func:`~shardline.node.speeds.disturbed`).
+            :func:`other_cores`); a node does not keep a profile measured beside much
+            of that (:func:`~shardline.node.speeds.disturbed`).
         measured_at: when it was measured, seconds since the epoch.
         measure_s: wall time the measurement took (child start to exit), seconds.
         note: why measured figures are missing (the measurement failed or timed out),

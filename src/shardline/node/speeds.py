@@ -18,8 +18,10 @@ llama-server decoded on its 2 cores measured 39 ms a decode layer where the idle
 machine takes under 0.1 ms, and cached that for the machine. With no profile at all it
 measures whatever the load: better than none, and measured again later. Load that comes
 once it measures is read at the end (the child's ``other_cores``): a profile measured
-beside other programs' work (:func:`disturbed`) is not cached, is kept only where the
-node has no other, and is measured again :data:`RETRY_S` later once the node is idle.
+beside other programs' work (:func:`disturbed`) is neither kept nor cached (a first
+one under a busy core read weights 100x slower than the quiet machine: no profile, the
+preview's defaults, is nearer), and the node measures again :data:`RETRY_S` later, once
+it is idle and other programs rest.
 It never holds up the node's start: it runs in the background. Nodes of one machine (a
 local cluster) share the file: each waits ``idle_s`` plus up to 10 s by its id before it
 measures, one at a time (a lock file beside the cache), and takes a profile another
@@ -102,7 +104,7 @@ def disturbed(other_cores: float, cpus: int) -> bool:
     :data:`OTHER_LOAD_PERCENT` of the machine's ``cpus`` busy while it ran
     (``HostProfile.other_cores``). Its figures are then theirs as much as the machine's
     (a node measuring while llama-server decoded on its 2 cores read its weights at 0.22
-    GB/s where the quiet machine reads 21), so it is a first guess at most."""
+    GB/s where the quiet machine reads 21), so the node does not keep it."""
     return other_cores * 100 > OTHER_LOAD_PERCENT * max(cpus, 1)
 
 
@@ -222,26 +224,27 @@ class HostProfiler:
     async def run(self) -> None:
         """Forever: keep ``node.profile`` (the first guess, then idle measurements)."""
         self.keep(self.first_guess())
-        guessed = self.view.profile is not None
+        quiet_only = self.view.profile is not None  # measure only while other programs rest
         idle_since: float | None = None
         while True:
             now = time.monotonic()
-            idle_since = (idle_since or now) if self.idle(any_load=not guessed) else None
-            if measure_due(now, idle_since, self.measured_at, guessed, self.idle_s, self.interval_s):
+            idle_since = (idle_since or now) if self.idle(any_load=not quiet_only) else None
+            if measure_due(now, idle_since, self.measured_at, quiet_only, self.idle_s, self.interval_s):
                 tried_before, self.measured_at = self.measured_at, now
                 fresh = self._fresh_cache()
                 if fresh is not None:
                     self.keep(fresh)
-                    guessed = True
+                    quiet_only = True
                 elif await self._measure_while_idle(tried_before):
-                    guessed = True
+                    quiet_only = True
                 idle_since = None
             await asyncio.sleep(1.0)
 
     async def _measure_while_idle(self, tried_before: float | None) -> bool:
         """Measure; kill the child and keep nothing if the node stops being idle first
-        (``measured_at`` back to ``tried_before``: measured again once idle). Whether a
-        profile was taken."""
+        (``measured_at`` back to ``tried_before``: measured again once idle). Whether
+        the next measurement waits for other programs to rest: a profile was taken, or
+        their work disturbed this one."""
         with _machine_lock(self.cache) as mine:
             if not mine:  # another node of this machine measures: its profile is taken after
                 log.debug("host profile: another node of this machine is measuring it")
@@ -273,10 +276,7 @@ class HostProfiler:
                 profile.cpu_count,
             )
             self.measured_at = time.monotonic() - self.interval_s + RETRY_S
-            if self.view.profile is not None:
-                return False  # keep what it had
-            self.keep(profile.to_dict())  # better than none, not cached
-            return True
+            return True  # neither kept nor cached: its figures are the other work's too
         if profile.note:
             log.warning("host profile: %s", profile.note)
             if self.view.profile is not None:
