@@ -1,5 +1,6 @@
 """The fused decode layers (``models/fused_decode.py``, ``kernels/decode_layer.c``)
-against the torch path they replace, on tiny int4-plane models: close outputs, each row
+against the torch path they replace, on tiny int4-plane, packed-group and dense bfloat16
+models: close outputs, each row
 the same bits whatever runs beside it, the same greedy text, short prefill chunks the same
 bits as their tokens decoded one by one; and where they run."""
 
@@ -64,6 +65,9 @@ def _shard(path, dtype=torch.bfloat16):
         ("qwen3", "Q8_0", "", 128),
         # int4 planes beside packed 5-bit groups, symmetric (Q5_0) and with offsets (Q5_1)
         ("qwen2", "Q4_1", "attn_q=Q5_0 ffn_down=Q5_1"),
+        # dense bfloat16 weights (a safetensors model's), alone and beside packed groups
+        ("llama", "F32", ""),
+        ("llama", "Q5_1", "attn_q=F32"),
         # mixtures of experts: every expert's products, packed 5-bit experts beside int4 ones
         ("qwen3moe", "Q8_0", ""),
         ("mixtral", "Q4_1", "ffn_down_exps=Q5_1"),
@@ -271,7 +275,7 @@ def test_a_position_outside_the_cache_is_refused(shard):
         ("llama", "Q8_0", "", torch.float16, "compute dtype torch.float16"),
         ("llama", "Q4_1", "attn_q=Q5_0", torch.bfloat16, None),
         ("llama", "Q5_0", "", torch.bfloat16, None),
-        ("llama", "Q5_1", "attn_q=F32", torch.bfloat16, "layer 0 qkv: weight held as ['DenseWeight', 'PackedGroups']"),
+        ("llama", "Q5_1", "attn_q=F32", torch.bfloat16, None),  # dense beside packed groups
     ],
 )
 def test_where_the_fused_layers_run(tmp_path, arch, quant, others, dtype, why):

@@ -9,8 +9,10 @@ DecoderLayer` with the same bfloat16 rounding points (RMSNorm normalized in floa
 rounded, scaled; the int4-plane products of :class:`~shardline.models.native_dequant.
 Int4Gemv` and, for the weights a file stores in 5- or 6-bit types (a Q4_K_M model's
 Q6_K ``attn_v`` and ``ffn_down``), the products of :class:`~shardline.models.
-packed_groups.PackedGroups` (:func:`~shardline.models.native_dequant.packed_groups_gemv`)
-rounded to bfloat16, part by part as :class:`~shardline.models.linear.Linear` does,
+packed_groups.PackedGroups` (:func:`~shardline.models.native_dequant.packed_groups_gemv`),
+and for dense bfloat16 weights (a safetensors model's) the compiled dense product
+(:func:`~shardline.models.native_dequant.dense_gemv`, which the torch path's decode
+products call too), rounded to bfloat16, part by part as :class:`~shardline.models.linear.Linear` does,
 called from C; RoPE; the cache write; one-query attention in float32 over the slot's
 prefix, with gpt-oss's sliding window and sink logits; the residual adds; SwiGLU, or
 gpt-oss's clamped one, and the biases gpt-oss adds). It differs from the torch path mainly in
@@ -42,7 +44,7 @@ from shardline.models import kernel_library, native_dequant
 from shardline.models.feed_forward import MLP, MixtureOfExperts
 from shardline.models.int4_planes import Int4Planes
 from shardline.models.kv_cache import KVCache
-from shardline.models.linear import Linear
+from shardline.models.linear import DenseWeight, Linear
 from shardline.models.llama import DecoderLayer
 from shardline.models.packed_groups import PackedGroups
 
@@ -87,7 +89,7 @@ _POINTERS = (
 class _Part(ctypes.Structure):
     """``product_part_t`` of the C source."""
 
-    _fields_ = [("int4", _P), ("packed", _P)]
+    _fields_ = [("int4", _P), ("packed", _P), ("dense", _P)]
 
 
 class _Product(ctypes.Structure):
@@ -132,19 +134,21 @@ def _built() -> bool:
 
 def _product_refusal(linear: Linear) -> str | None:
     """Why the fused layers cannot take ``linear``'s product, or None: up to
-    :data:`MAX_PARTS` parts, each int4 planes that the compiled decode product takes or
-    packed 5/6-bit groups with bfloat16 scales, returned in the compute dtype."""
+    :data:`MAX_PARTS` parts, each int4 planes that the compiled decode product takes,
+    packed 5/6-bit groups with bfloat16 scales, or dense bfloat16 values (contiguous,
+    where the compiled dense product is built), returned in the compute dtype."""
     if linear.partial or linear.logits:
         return "a partial or logits product"
     forms = [type(p).__name__ for p in linear.parts]
     if len(linear.parts) > MAX_PARTS or not all(
         (isinstance(p, PackedGroups) and p.scale.dtype == torch.bfloat16)
         or (isinstance(p, Int4Planes) and p._gemv() is not None)
+        or (isinstance(p, DenseWeight) and p.compiled())
         for p in linear.parts
     ):
         return (
             f"weight held as {forms} (up to {MAX_PARTS} parts of int4 planes the compiled "
-            "decode product takes, or packed 5/6-bit groups)"
+            "decode product takes, packed 5/6-bit groups, or dense bfloat16 values)"
         )
     return None
 
@@ -159,6 +163,10 @@ def _product(linear: Linear, held: list[object]) -> _Product:
             assert gemv is not None, "taken by _product_refusal()"
             entry.int4 = gemv.address
             held.append(gemv)
+        elif isinstance(part, DenseWeight):
+            dense = native_dequant.DenseT.of(part.weight)
+            entry.dense = ctypes.addressof(dense)
+            held += [part, dense]
         else:
             assert isinstance(part, PackedGroups), "taken by _product_refusal()"
             weight = native_dequant.PackedWeight.of(part)
@@ -187,7 +195,8 @@ def refusal(shard: DecoderShard) -> str | None:
     query groups), head_dim, hidden and intermediate sizes are multiples of 16 (head_dim at
     most :data:`MAX_HEAD_DIM`), at most :data:`MAX_GROUP` query heads a KV head, and each
     layer's four products are up to :data:`MAX_PARTS` parts of int4 planes the compiled
-    decode product takes or packed 5/6-bit groups. Qwen2's q/k/v bias, Qwen3's q/k norms,
+    decode product takes, packed 5/6-bit groups, or dense bfloat16 values (a safetensors
+    model's). Qwen2's q/k/v bias, Qwen3's q/k norms,
     mixture-of-experts layers (every expert's products as above) and gpt-oss's attention
     sinks, sliding windows, biases and clamped SwiGLU are supported."""
     config = shard.config

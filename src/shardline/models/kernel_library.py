@@ -156,6 +156,9 @@ def declare(lib: ctypes.CDLL) -> None:
     lib.unpack_blocks.argtypes = [_P, _I, _I, _C, _P, _P, _P, _C]
     lib.pack_groups_bits.argtypes = [_P, _I, _I, _C, _P, _P, _C]
     lib.scales_zeros_bf16.argtypes = [_P, _P, _I, _I, _P, _I, _I, _C]
+    lib.dense_gemv_built.restype = ctypes.c_int
+    lib.dense_bf16_gemv.argtypes = [_P, _P, _I, _P]
+    lib.dense_bf16_gemv.restype = ctypes.c_int
     lib.decode_layers_built.restype = ctypes.c_int
     lib.decode_layers.argtypes = [_P, _P, _I, _P, _I, _P, _P, _P, _P]
     lib.decode_layers.restype = ctypes.c_int

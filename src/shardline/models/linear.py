@@ -99,12 +99,30 @@ class DenseWeight:
     def nbytes(self) -> int:
         return self.weight.numel() * self.weight.element_size()
 
+    def compiled(self) -> bool:
+        """Whether decode's products take the compiled dense product
+        (:func:`~shardline.models.native_dequant.dense_gemv`): a contiguous bfloat16
+        weight on a CPU where it is built (AVX-512 BF16)."""
+        w = self.weight
+        return (
+            w.dtype == torch.bfloat16
+            and w.device.type == "cpu"
+            and w.is_contiguous()
+            and native_dequant.dense_gemv_built()
+        )
+
     def matmul(self, x: torch.Tensor) -> torch.Tensor:
-        """``x @ weight.T`` for ``x`` ``[rows, in]`` in the weight's dtype: a prefill
-        product's rows padded (:func:`~shardline.models.weight_products.padded_rows`),
-        and where its GEMM runs in another dtype (:func:`gemm_dtype`) the weight
-        converted a block of rows at a time into scratch."""
+        """``x @ weight.T`` for ``x`` ``[rows, in]`` in the weight's dtype: a decode
+        step's rows (up to :data:`KERNEL_MAX_ROWS`) each on its own, by the compiled
+        dense product where it takes the weight (:meth:`compiled`; the fused decode
+        layers call the same one, so their products are these bits) and the rows are
+        bfloat16, else :func:`rows_apart_product`; a prefill product's rows padded
+        (:func:`~shardline.models.weight_products.padded_rows`), and where its GEMM runs
+        in another dtype (:func:`gemm_dtype`) the weight converted a block of rows at a
+        time into scratch."""
         if product_rows(x.shape[0]) <= KERNEL_MAX_ROWS:
+            if x.dtype == torch.bfloat16 and self.compiled():
+                return native_dequant.dense_gemv(self.weight, x).to(torch.bfloat16)
             return rows_apart_product(x, self.weight.to(x.dtype))
         if gemm_dtype(x.dtype) == x.dtype:  # rows padded as blocked_product pads them
             return F.linear(padded_rows(x, x.dtype), self.weight.to(x.dtype))[: x.shape[0]]

@@ -223,6 +223,46 @@ def int4_gemv_built() -> bool:
     return lib is not None and bool(lib.int4_planes_gemv_built())
 
 
+@functools.cache
+def dense_gemv_built() -> bool:
+    """Whether :func:`dense_gemv` runs here: the kernels are built for a CPU with
+    AVX-512 BF16."""
+    lib = kernel_library.kernels()
+    return lib is not None and bool(lib.dense_gemv_built())
+
+
+class DenseT(ctypes.Structure):
+    """``dense_t`` of the C source: a dense bfloat16 weight ``[N, K]``."""
+
+    _fields_ = [("w", ctypes.c_void_p), ("N", ctypes.c_int64), ("K", ctypes.c_int64)]
+
+    @classmethod
+    def of(cls, weight: torch.Tensor) -> DenseT:
+        """``weight`` (contiguous bfloat16 ``[N, K]`` on the CPU, kept alive by the
+        caller) as the C struct."""
+        assert weight.dtype == torch.bfloat16 and weight.is_contiguous() and weight.dim() == 2
+        return cls(weight.data_ptr(), weight.shape[0], weight.shape[1])
+
+
+def dense_gemv(weight: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    """``x @ weight.T`` in float32 ``[M, N]`` for ``x`` ``[M, K]`` and ``weight``
+    ``[N, K]``, both bfloat16 on the CPU, ``weight`` contiguous (a decode step's rows): the
+    compiled ``dense_bf16_gemv`` (``kernels/dense_gemv.c``), AVX-512 BF16 dot products
+    whose order is fixed per output, so an output depends only on its row of ``x`` and
+    of the weight; threads (torch's count) split the weight's rows.
+
+    Raises:
+        RuntimeError: the kernels are not built (:func:`dense_gemv_built` is False).
+    """
+    if not dense_gemv_built():
+        raise RuntimeError("the dense bfloat16 decode product is not built here (AVX-512 BF16)")
+    x = x.contiguous()
+    y = torch.empty(x.shape[0], weight.shape[0])
+    held = DenseT.of(weight)  # alive through the call (addressof keeps no reference)
+    kernel_library.loaded().dense_bf16_gemv(ctypes.addressof(held), _ptr(x), x.shape[0], _ptr(y))
+    return y
+
+
 AMX_PREFILL_MIN_ROWS = 96
 """Prefill chunks of at least this many rows take :meth:`Int4Gemv.prefill` where
 :func:`amx_ready`; shorter ones the int8 product. Measured on a 2-vCPU Sapphire Rapids VM

@@ -8,7 +8,9 @@
  *   h  = rms_norm(x) * w1                (normalized in float32, rounded, scaled, rounded)
  *   qkv = h @ Wqkv^T (+ bias)            (int4_planes_gemv, int4_gemv.c, or for a part of
  *                                        packed 5/6-bit groups packed_groups_q8_gemv,
- *                                        packed_groups.c, rounded to bfloat16)
+ *                                        packed_groups.c, or of dense bfloat16 values
+ *                                        dense_bf16_gemv, dense_gemv.c, rounded to
+ *                                        bfloat16)
  *   q, k = rms_norm per head (Qwen3), then RoPE: bf(bf(a * cos) + bf(rot(a) * sin))
  *   k, v -> the slot's cache at the row's position ([slots, kv_heads, positions, hd])
  *   a  = softmax(q k^T / sqrt(hd)) v     over positions 0 .. position, in float32
@@ -48,11 +50,12 @@
 
 int decode_layers_built(void) { return 1; }
 
-/* One row block of a product's weight: int4 planes or packed 5/6-bit groups (the other
- * NULL). */
+/* One row block of a product's weight: int4 planes, packed 5/6-bit groups or dense
+ * bfloat16 values (the others NULL). */
 typedef struct {
     const int4_gemv_t *int4;
     const packed_groups_t *packed;
+    const dense_t *dense;
 } product_part_t;
 
 #define MAX_PARTS 3
@@ -331,11 +334,11 @@ static void norm_and_rope(const decode_shape_t *S, const decode_layer_t *Lr, uin
 }
 
 /* y [M, N] bfloat16 = x [M, K] bfloat16 @ W^T, W = p's parts stacked: each int4 part's
- * output as int4_planes_gemv rounds it, each packed part's float32 product
- * (packed_groups_q8_gemv) rounded to bfloat16: the torch path's Linear, part by part.
- * Returns 0, or -1 without memory. */
+ * output as int4_planes_gemv rounds it, each packed or dense part's float32 product
+ * (packed_groups_q8_gemv, dense_bf16_gemv) rounded to bfloat16: the torch path's Linear,
+ * part by part. Returns 0, or -1 without memory. */
 static inline int64_t part_rows(const product_part_t *part) {
-    return part->int4 ? part->int4->N : part->packed->rows;
+    return part->int4 ? part->int4->N : part->packed ? part->packed->rows : part->dense->N;
 }
 
 static int product(const product_t *p, const uint16_t *x, int64_t M, uint16_t *y, int64_t N) {
@@ -356,7 +359,8 @@ static int product(const product_t *p, const uint16_t *x, int64_t M, uint16_t *y
             if (!(rc = int4_planes_gemv(part->int4, x, 0, M, o16)))
                 for (int64_t m = 0; m < M; m++)
                     memcpy(y + m * N + at, o16 + m * rows, (size_t)rows * 2);
-        } else if (!(rc = packed_groups_q8_gemv(part->packed, x, 0, M, out))) {
+        } else if (!(rc = part->packed ? packed_groups_q8_gemv(part->packed, x, 0, M, out)
+                                       : dense_bf16_gemv(part->dense, x, M, out))) {
             for (int64_t m = 0; m < M; m++)
                 for (int64_t r = 0; r < rows; r++) y[m * N + at + r] = to_bf16(out[m * rows + r]);
         }

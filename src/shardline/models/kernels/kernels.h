@@ -180,4 +180,17 @@ int packed_groups_q8_gemv(const packed_groups_t *w, const void *x, int x_f32, in
 void packed_groups_rows(const packed_groups_t *pw, const int64_t *ids, int64_t n, void *out,
                         int out_bf16, float *work);
 
+/* A dense bfloat16 weight [N, K], row-major (dense_gemv.c). */
+typedef struct {
+    const uint16_t *w;
+    int64_t N, K;
+} dense_t;
+
+/* Whether dense_bf16_gemv is built: it needs AVX-512 BF16. */
+int dense_gemv_built(void);
+
+/* y [M, N] float32 = x [M, K] bfloat16 @ W^T, each output by the same instructions
+ * whatever the batch (see dense_gemv.c). Returns 0 (-1 where it is not built). */
+int dense_bf16_gemv(const dense_t *w, const uint16_t *x, int64_t M, float *y);
+
 #endif
