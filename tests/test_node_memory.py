@@ -5,6 +5,7 @@ callables, no cluster and no node."""
 from __future__ import annotations
 
 import asyncio
+import time
 from dataclasses import dataclass, field
 
 import pytest
@@ -146,24 +147,31 @@ def test_the_profiler_measures_only_an_idle_node(streams, busy, idle):
 
 
 @pytest.mark.parametrize("had", [None, {"decode_weight_bytes_per_s": 2.1e10}])
-def test_a_profile_measured_beside_other_work_is_not_cached(tmp_path, monkeypatch, had):
-    """Other programs kept most of the CPUs busy while it measured: nothing kept or
-    cached, the next measurement RETRY_S later and only while other programs rest."""
+def test_a_profile_measured_beside_other_work_is_not_kept(tmp_path, monkeypatch, had):
+    """Other programs kept most of the CPUs busy while it measured: nothing kept, the next
+    measurement RETRY_S later and only while other programs rest; with no profile held,
+    the try is cached, which the machine's other nodes take as no first guess but as a
+    reason to measure only while other programs rest too."""
     import shardline.node.profile as profile_module
     from shardline.node.profile import HostProfile
     from shardline.node.speeds import INTERVAL_S, RETRY_S, HostProfiler
 
     async def measured(**_):
-        return HostProfile(cpu_count=2, decode_weight_bytes_per_s=2.2e8, other_cores=1.9, threads=2)
+        return HostProfile(
+            cpu_count=2, decode_weight_bytes_per_s=2.2e8, other_cores=1.9, threads=2, measured_at=time.time()
+        )
 
     monkeypatch.setattr(profile_module, "measure_host_async", measured)
     kept: list[dict | None] = []
     cache = tmp_path / "profile.json"
     profiler = HostProfiler(ProfilerView(profile=had), kept.append, cache, threads=2)
     assert asyncio.run(profiler._measure(None)) is True  # quiet only, next
-    assert not cache.exists() and kept == []
+    assert kept == []
     assert profiler.measured_at is not None
-    assert profiler.measured_at + INTERVAL_S - RETRY_S == pytest.approx(__import__("time").monotonic(), abs=1.0)
+    assert profiler.measured_at + INTERVAL_S - RETRY_S == pytest.approx(time.monotonic(), abs=1.0)
+    assert cache.exists() is (had is None)
+    other = HostProfiler(ProfilerView(node_id="b"), kept.append, cache, threads=2)
+    assert other.first_guess() is None and other._tried_beside_load() is (had is None)
 
 
 def test_a_cached_profile_of_other_runner_threads_is_no_first_guess(tmp_path):

@@ -18,10 +18,13 @@ llama-server decoded on its 2 cores measured 39 ms a decode layer where the idle
 machine takes under 0.1 ms, and cached that for the machine. With no profile at all it
 measures whatever the load: better than none, and measured again later. Load that comes
 once it measures is read at the end (the child's ``other_cores``): a profile measured
-beside other programs' work (:func:`disturbed`) is neither kept nor cached (a first
-one under a busy core read weights 100x slower than the quiet machine: no profile, the
-preview's defaults, is nearer), and the node measures again :data:`RETRY_S` later, once
-it is idle and other programs rest.
+beside other programs' work (:func:`disturbed`) is not kept (a first one under a busy
+core read weights 100x slower than the quiet machine: no profile, the preview's
+defaults, is nearer), and the node measures again :data:`RETRY_S` later, once it is idle
+and other programs rest; where the machine has no good profile cached, it is cached as
+the machine's last try, which no node takes as a first guess, and a node that finds such
+a try of the last hour measures only once other programs rest too (a test suite's nodes
+each measured beside it).
 It never holds up the node's start: it runs in the background. Nodes of one machine (a
 local cluster) share the file: each waits ``idle_s`` plus up to 10 s by its id before it
 measures, one at a time (a lock file beside the cache), and takes a profile another
@@ -49,6 +52,7 @@ from shardline.node.status import InstanceStatus, RankStatus
 from shardline.placement.served import PlacementKey, ServedSpeed, record, request_rates, with_prediction
 
 if TYPE_CHECKING:
+    from shardline.node.profile import HostProfile
     from shardline.node.table import Instance
 
 log = logging.getLogger(__name__)
@@ -195,11 +199,10 @@ class HostProfiler:
         other = 0.0 if any_load else psutil.cpu_percent()
         return node_idle(len(node.streams), node.busy_instances(), statuses, other)
 
-    def first_guess(self) -> dict | None:
-        """The cached profile, if it was measured with this node's runner threads (with
-        this boot's :func:`~shardline.parallel.compute_slots.host_id`)."""
+    def _cached(self) -> HostProfile | None:
+        """The machine's cached profile, if it was measured with this node's runner
+        threads."""
         from shardline.node.profile import HostProfile
-        from shardline.parallel.compute_slots import host_id
 
         if self.cache is None:
             return None
@@ -207,9 +210,30 @@ class HostProfiler:
             cached = HostProfile.from_dict(json.loads(self.cache.read_text()))
         except (OSError, ValueError, TypeError):
             return None
-        if cached.threads != self.threads:
+        return cached if cached.threads == self.threads else None
+
+    def first_guess(self) -> dict | None:
+        """The cached profile, if it was measured with this node's runner threads and
+        not beside other programs' work (:func:`disturbed`), with this boot's
+        :func:`~shardline.parallel.compute_slots.host_id`."""
+        from shardline.parallel.compute_slots import host_id
+
+        cached = self._cached()
+        if cached is None or disturbed(cached.other_cores, cached.cpu_count):
             return None
         return dict(cached.to_dict(), host_id=host_id())
+
+    def _tried_beside_load(self) -> bool:
+        """Whether the machine's last measurement (another node's, or an earlier run's)
+        was disturbed within ``interval_s``: measure again only once other programs rest,
+        not whatever the load (nodes starting one after another on a busy machine, a
+        test suite's, would each measure beside it)."""
+        cached = self._cached()
+        return (
+            cached is not None
+            and disturbed(cached.other_cores, cached.cpu_count)
+            and time.time() - cached.measured_at < self.interval_s
+        )
 
     def _fresh_cache(self) -> dict | None:
         """The cached profile when another node of this machine measured it within
@@ -224,7 +248,8 @@ class HostProfiler:
     async def run(self) -> None:
         """Forever: keep ``node.profile`` (the first guess, then idle measurements)."""
         self.keep(self.first_guess())
-        quiet_only = self.view.profile is not None  # measure only while other programs rest
+        # measure only while other programs rest
+        quiet_only = self.view.profile is not None or self._tried_beside_load()
         idle_since: float | None = None
         while True:
             now = time.monotonic()
@@ -276,7 +301,10 @@ class HostProfiler:
                 profile.cpu_count,
             )
             self.measured_at = time.monotonic() - self.interval_s + RETRY_S
-            return True  # neither kept nor cached: its figures are the other work's too
+            if self.view.profile is None and self.cache is not None:  # the machine's nodes wait for quiet
+                with contextlib.suppress(OSError):
+                    write_atomically(self.cache, json.dumps(profile.to_dict()))
+            return True  # not kept: its figures are the other work's too
         if profile.note:
             log.warning("host profile: %s", profile.note)
             if self.view.profile is not None:
