@@ -52,6 +52,7 @@ from shardline.placement.ranks import (
     PlacementRequestError,
     draft_hint,
     draft_model_bytes,
+    kv_pool_tokens,
     place_with_kv_pool,
     ranks_bytes,
     with_draft_model,
@@ -584,8 +585,7 @@ class Coordinator:
             raise DraftModelError(
                 f"draft_model {draft.model_id} cannot draft for {card.model_id}: another tokenizer ({mismatch})"
             )
-        context, max_batch = options.sizes()
-        pool = options.kv_tokens(ModelConfig.from_dict(card.config)) or max_batch * context
+        pool = kv_pool_tokens(*options.sizes(), options.kv_tokens(ModelConfig.from_dict(card.config)))
         return draft_model_bytes(ModelConfig.from_dict(draft.config), draft.weight_file_bytes, options, pool)
 
     def _ranks(

@@ -301,9 +301,8 @@ class HostProfiler:
                 profile.cpu_count,
             )
             self.measured_at = time.monotonic() - self.interval_s + RETRY_S
-            if self.view.profile is None and self.cache is not None:  # the machine's nodes wait for quiet
-                with contextlib.suppress(OSError):
-                    write_atomically(self.cache, json.dumps(profile.to_dict()))
+            if self.view.profile is None:  # the machine's nodes wait for quiet
+                self._write_cache(profile.to_dict())
             return True  # not kept: its figures are the other work's too
         if profile.note:
             log.warning("host profile: %s", profile.note)
@@ -316,12 +315,16 @@ class HostProfiler:
             profile.memory_bandwidth_bytes_per_s / 1e9,
             profile.decode_layer_s * 1e3,
         )
-        if not profile.note and self.cache is not None:
-            try:
-                write_atomically(self.cache, json.dumps(self.view.profile))
-            except OSError:
-                pass
+        if not profile.note:
+            self._write_cache(self.view.profile)
         return not profile.note
+
+    def _write_cache(self, profile: dict | None) -> None:
+        """Write ``profile`` as the machine's cached one (none where there is no cache
+        file, or it cannot be written)."""
+        if self.cache is not None:
+            with contextlib.suppress(OSError):
+                write_atomically(self.cache, json.dumps(profile))
 
 
 @contextlib.contextmanager
