@@ -138,7 +138,10 @@ class Sequence:
     which its slot keeps as a cached prefix when it ends; ``hashes``: its prompt's
     :func:`~shardline.runner.prefix_cache.block_hashes` (empty without prefix caching);
     ``drafter``: its drafts where it speculates
-    (:meth:`SamplingParams.drafts <shardline.runner.protocol.SamplingParams.drafts>`)."""
+    (:meth:`SamplingParams.drafts <shardline.runner.protocol.SamplingParams.drafts>`);
+    ``touched``: its slot's positions below which pages may be written (the cached
+    prefix it was admitted to, then every row it computed, a draft's too): where its end
+    gives them back (:meth:`KVCache.release <shardline.models.kv_cache.KVCache.release>`)."""
 
     task: Task
     slot: int
@@ -150,6 +153,7 @@ class Sequence:
     exact_end: int = 0
     hashes: list[int] = field(default_factory=list)
     drafter: Drafter | ModelDrafts | None = None
+    touched: int = 0
 
     @property
     def prompt_len(self) -> int:
@@ -463,9 +467,12 @@ class Engine:
             done = before
             task, want = self.waiting.pop(0), wants[start.index]
             self._hashes.pop(task.task_id, None)
+            touched = start.reused
             if start.slot in self.cached:  # its cached prefix: the first ``reused`` positions are kept
-                self.free_kv_tokens += self.cached.pop(start.slot).tokens
-                self._release(start.slot, start.reused)
+                cached = self.cached.pop(start.slot).tokens
+                self.free_kv_tokens += cached
+                self._admitted_to_cached(start.slot, start.reused, want.need, cached)
+                touched = max(touched, cached)
             else:
                 self.free_slots.remove(start.slot)
             if start.source is not None:  # another conversation's: its shared positions copied
@@ -483,6 +490,7 @@ class Engine:
                 exact_end=start.reused,
                 hashes=want.hashes,
                 drafter=self._drafter(task),
+                touched=touched,
             )
             self.free_kv_tokens -= want.need
             self.prompt_tokens += len(task.prompt)
@@ -499,18 +507,32 @@ class Engine:
             return None
         return ModelDrafts(drafts) if self.model_drafts else Drafter(task.prompt, drafts)
 
-    def _release(self, slot: int, keep: int = 0) -> None:
+    def _release(self, slot: int, keep: int, touched: int) -> None:
         """Give back the memory of ``slot``'s keys and values past its first ``keep``
-        positions (and the draft model's, where this rank holds one)."""
-        self.stage.cache.release(slot, keep)
+        positions, written below ``touched`` (and the draft model's, where this rank holds
+        one)."""
+        self.stage.cache.release(slot, keep, touched)
         if self.draft_model is not None:
             self.draft_model.release(slot, keep)
+
+    def _admitted_to_cached(self, slot: int, reused: int, reserved: int, cached: int) -> None:
+        """A sequence that reserves ``reserved`` positions takes cached ``slot``, whose
+        first ``cached`` positions hold a prefix, resuming after ``reused`` of them: the
+        pages past its reservation go back; those within it stay until it ends (it
+        rewrites them as it grows, and its reservation counts them), since giving pages
+        back costs a system call a layer and head (~2 ms of a 2-vCPU VM, at a
+        conversation's every turn). The draft model's slot keeps ``reused`` positions (it
+        holds the tokens it has keys for)."""
+        self.stage.cache.release(slot, max(reused, reserved), cached)
+        if self.draft_model is not None:
+            self.draft_model.release(slot, reused)
 
     def _evict(self, slots: tuple[int, ...]) -> None:
         """Empty these cached slots (their pages back to the system) and free them."""
         for slot in slots:
-            self.free_kv_tokens += self.cached.pop(slot).tokens
-            self._release(slot)
+            prefix = self.cached.pop(slot)
+            self.free_kv_tokens += prefix.tokens
+            self._release(slot, 0, prefix.tokens)
             self.free_slots.append(slot)
         self.free_slots.sort()
 
@@ -551,11 +573,11 @@ class Engine:
         block = self.stage.cache.block_tokens
         keep = self._kept(seq)
         if keep <= 0:
-            self._release(seq.slot)
+            self._release(seq.slot, 0, seq.touched)
             self.free_slots.append(seq.slot)
             self.free_slots.sort()
             return
-        self._release(seq.slot, keep)
+        self._release(seq.slot, keep, seq.touched)
         self._clock += 1
         sequence = seq.task.prompt + tuple(seq.generated)
         prefix = CachedPrefix(
@@ -673,12 +695,14 @@ class Engine:
         if decoding:
             slots, positions, tokens = [], [], []
             for s, draft in decoding:
+                s.touched = max(s.touched, s.next_position + len(draft) + 1)
                 for j, token in enumerate((s.generated[-1], *draft)):
                     slots.append(s.slot)
                     positions.append(s.next_position + j)
                     tokens.append(token)
             micro.append((torch.tensor(tokens, dtype=torch.long), stage.decode_batch(slots, positions)))
         for seq, chunk in chunks:
+            seq.touched = max(seq.touched, chunk.start + chunk.length)
             batch = stage.prefill_batch(
                 seq.slot,
                 chunk.start,
