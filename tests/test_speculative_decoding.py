@@ -225,3 +225,20 @@ def every_rank_takes_the_greedy_tokens(model_dir, sharding: str, tasks: list[Tas
         return [instance.wait_stats(r, lambda s: s.running == ()) for r in range(2)]
     finally:
         instance.stop()
+
+
+def test_each_token_says_how_many_draft_rows_its_step_carried(torch_layers):
+    """``TokenEvent.drafted``: what the streaming node times plain decode steps by."""
+    sent: list = []
+    stage = PipelineStage(torch_layers, tm.new_cache(torch_layers, slots=4, context=1024), 0, 1)
+    engine = Engine(stage, queue.Queue(), sent.append, "n", None, 4, 1024, 64, 64, 4096)
+    engine.inbox.put(Task(1, "n", repeating_prompt(1), 60, replace(GREEDY, draft_tokens=5)))
+    events: list[TokenEvent] = []
+    while not events or events[-1].finish_reason is None:
+        engine.step()
+        events += [e for m in sent if isinstance(m, Tokens) for e in m.events if isinstance(e, TokenEvent)]
+        sent.clear()
+    assert events[0].drafted == 0  # the prefill's token
+    drafted = [e.drafted for e in events[1:]]
+    assert max(drafted) > 0 and set(drafted) <= set(range(6))  # up to 5 rows a step
+    assert 0 in drafted  # and plain steps between (none the repetition's n-grams match)

@@ -10,12 +10,14 @@ from model_shapes import smollm2 as _smollm2
 from shardline.cluster_commands import links_text, models_held, serving_by_node, speed_text
 from shardline.models.config import RankShare
 from shardline.models.store import DEFAULT_MODEL_ID
-from shardline.node.speeds import disturbed, measure_due, node_idle
+from shardline.node import speeds
+from shardline.node.speeds import RequestTiming, disturbed, measure_due, node_idle
 from shardline.node.status import RankStatus
 from shardline.placement.preview import preview
 from shardline.placement.ranks import PlacementOptions
 from shardline.placement.served import (
     KEEP_SAMPLES,
+    MIN_DECODE_STEPS,
     MIN_PREFILL_TOKENS,
     PlacementKey,
     ServedSpeed,
@@ -104,20 +106,43 @@ def test_measure_due(now, idle_since, measured_at, guess, due):
 
 
 @pytest.mark.parametrize(
-    "prompt, generated, first, last, alone, started_alone, want",
+    "prompt, cached, ttft, steps, plain_s, alone, started_alone, want",
     [
-        # 9 tokens, 8 after the first in 0.1 s: 80 tok/s; 512 prompt tokens in 0.25 s
-        (512, 9, 1.25, 1.35, True, True, (80.0, 2048.0)),
-        (512, 9, 1.25, 1.35, False, True, (None, 2048.0)),  # shared the batch while decoding
-        (512, 9, 1.25, 1.35, True, False, (80.0, None)),  # something else ran at its start
-        (MIN_PREFILL_TOKENS - 1, 9, 1.25, 1.35, True, True, (80.0, None)),  # prompt too short
-        (512, 7, 1.25, 1.35, True, True, (None, 2048.0)),  # too few tokens for a decode rate
-        (512, 0, None, None, True, True, (None, None)),  # no token at all
+        # 8 plain steps in 0.1 s: 80 tok/s; 512 prompt tokens in 0.25 s
+        (512, 0, 0.25, 8, 0.1, True, True, (80.0, 2048.0)),
+        (512, 0, 0.25, 8, 0.1, False, True, (None, 2048.0)),  # shared the batch while decoding
+        (512, 0, 0.25, 8, 0.1, True, False, (80.0, None)),  # something else ran at its start
+        (MIN_PREFILL_TOKENS - 1, 0, 0.25, 8, 0.1, True, True, (80.0, None)),  # prompt too short
+        (512, 64, 0.25, 8, 0.1, True, True, (80.0, None)),  # resumed from a cached prefix
+        (512, 0, 0.25, MIN_DECODE_STEPS - 1, 0.1, True, True, (None, 2048.0)),  # too few plain steps
+        (512, 0, None, 0, 0.0, True, True, (None, None)),  # no token at all
     ],
 )
-def test_request_rates(prompt, generated, first, last, alone, started_alone, want):
-    got = request_rates(prompt, generated, 1.0, first, last, alone, started_alone)
+def test_request_rates(prompt, cached, ttft, steps, plain_s, alone, started_alone, want):
+    got = request_rates(prompt, cached, ttft, steps, plain_s, alone, started_alone)
     assert tuple(None if rate is None else round(rate, 6) for rate in got) == want
+
+
+def test_a_request_that_speculated_is_timed_by_its_plain_steps(monkeypatch):
+    """Tokens reach the node a step at a time: a drafted step's (here 4 tokens, 30 ms
+    after the step before) are left out, the plain ones (10 ms each) give the rate."""
+    clock = [100.0]
+    monkeypatch.setattr(speeds.time, "monotonic", lambda: clock[0])
+    timing = RequestTiming.start(7, 600, {"running": []})
+    steps = [(0.2, 0, 1)] + [(0.01, 0, 1)] * 4 + [(0.03, 5, 4)] + [(0.01, 0, 1)] * 4 + [(0.03, 8, 2)]
+    for seconds, drafted, tokens in steps:
+        clock[0] += seconds
+        for _ in range(tokens):
+            timing.token({"running": [7]}, drafted, cached_tokens=0)
+    decode, prefill = timing.rates()
+    assert timing.generated == 15 and timing.plain_steps == 8
+    assert decode == pytest.approx(100.0) and prefill == pytest.approx(3000.0)
+    # the same prompt resumed from a cache: no prefill rate
+    timing = RequestTiming.start(8, 600, None)
+    for _ in range(9):
+        clock[0] += 0.01
+        timing.token(None, 0, cached_tokens=512)
+    assert timing.rates() == (pytest.approx(100.0), None)
 
 
 KEY = PlacementKey("m", "pipeline", ("a",), "bfloat16", None)

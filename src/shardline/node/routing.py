@@ -660,7 +660,7 @@ class Router:
                     raise event
                 if isinstance(event, TokenEvent):
                     if event.token_id >= 0:
-                        timing.token(stats.get(inst.instance_id))
+                        timing.token(stats.get(inst.instance_id), event.drafted, event.cached_tokens)
                     if event.finish_reason is not None:
                         finished = True
                         if event.finish_reason != "cancelled":

@@ -407,8 +407,8 @@ class ServedLog:
 @dataclass
 class RequestTiming:
     """One request this node streams, timed for :class:`ServedLog` (``time.monotonic()``
-    seconds). ``alone``/``started_alone``: see
-    :func:`~shardline.placement.served.request_rates`."""
+    seconds). ``cached_tokens``, ``plain_steps``, ``plain_s``, ``alone`` and
+    ``started_alone``: see :func:`~shardline.placement.served.request_rates`."""
 
     task_id: int
     prompt_tokens: int
@@ -418,6 +418,9 @@ class RequestTiming:
     last_token_at: float | None = None
     generated: int = 0
     alone: bool = True
+    cached_tokens: int = 0
+    plain_steps: int = 0
+    plain_s: float = 0.0
 
     @classmethod
     def start(cls, task_id: int, prompt_tokens: int, stats: Mapping | None) -> "RequestTiming":
@@ -425,15 +428,21 @@ class RequestTiming:
         (``EngineStats`` as a dict, None: none yet)."""
         return cls(task_id, prompt_tokens, time.monotonic(), not (stats or {}).get("running"))
 
-    def token(self, stats: Mapping | None) -> None:
-        """A token of the request reached the node; ``stats`` its batch now."""
+    def token(self, stats: Mapping | None, drafted: int = 0, cached_tokens: int = 0) -> None:
+        """A token of the request reached the node; ``stats`` its batch now; ``drafted``
+        and ``cached_tokens``: the token's event's
+        (:class:`~shardline.runner.protocol.TokenEvent`)."""
         now = time.monotonic()
         others = set((stats or {}).get("running") or ()) - {self.task_id}
         if self.first_token_at is None:
             self.first_token_at = now
             self.started_alone = self.started_alone and not others
-        elif others:
-            self.alone = False
+            self.cached_tokens = cached_tokens
+        else:
+            self.alone = self.alone and not others
+            if not drafted:  # a plain step's one token: the time since the step before's
+                self.plain_steps += 1
+                self.plain_s += now - (self.last_token_at or now)
         self.last_token_at = now
         self.generated += 1
 
@@ -444,12 +453,7 @@ class RequestTiming:
 
     def rates(self) -> tuple[float | None, float | None]:
         """(decode, prefill) tokens/s (:func:`~shardline.placement.served.request_rates`)."""
+        ttft = None if self.first_token_at is None else self.first_token_at - self.sent_at
         return request_rates(
-            self.prompt_tokens,
-            self.generated,
-            self.sent_at,
-            self.first_token_at,
-            self.last_token_at,
-            self.alone,
-            self.started_alone,
+            self.prompt_tokens, self.cached_tokens, ttft, self.plain_steps, self.plain_s, self.alone, self.started_alone
         )

@@ -36,13 +36,15 @@ KEEP_SAMPLES = 16
 """Per-request rates a :class:`ServedSpeed` keeps of each kind (the newest); its figure is
 their median."""
 
-MIN_DECODE_TOKENS = 8
-"""Generated tokens a request needs for its decode rate to count (the first token is the
-prefill's; the rate is taken over the tokens after it)."""
+MIN_DECODE_STEPS = 7
+"""Plain decode steps a request needs for its decode rate to count (steps that gave one
+token with no draft beside it: 8 generated tokens without speculation, the first being
+the prefill's)."""
 
 MIN_PREFILL_TOKENS = 256
-"""Prompt tokens a request needs for its prefill rate to count: the time to the first
-token also holds a fixed part (the task's agreement round, one engine wake-up, the
+"""Prompt tokens a request needs for its prefill rate to count (all of them computed: a
+prompt that resumed from a cached prefix does not count); the time to the first token
+also holds a fixed part (the task's agreement round, one engine wake-up, the
 first token's sampling and delivery; ~10-30 ms on a 2-core VM), which would understate
 the rate of a short prompt against the preview's "one long prompt"."""
 
@@ -162,40 +164,43 @@ class ServedSpeed:
 
 def request_rates(
     prompt_tokens: int,
-    generated: int,
-    sent_at: float,
-    first_token_at: float | None,
-    last_token_at: float | None,
+    cached_tokens: int,
+    ttft: float | None,
+    plain_steps: int,
+    plain_s: float,
     alone: bool,
     started_alone: bool,
 ) -> tuple[float | None, float | None]:
-    """(decode, prefill) tokens/s one finished request shows, or None for each it cannot
-    (its decode's mean position is ``prompt_tokens + generated / 2``).
+    """(decode, prefill) tokens/s one finished request shows, or None for each it cannot.
+
+    What the preview predicts is a plain decode step of one sequence and a cold prompt's
+    prefill, so only those count: a step that carried drafts (speculative decoding)
+    computes more rows and may give several tokens (a code edit's drafted decode ran
+    3.1x the plain rate, and counted whole it had put the prediction at 0.32x "measured"),
+    and a prompt resumed from a cached prefix computed only its new part.
 
     Args:
-        prompt_tokens: tokens of its prompt.
-        generated: tokens it generated (the first one included).
-        sent_at, first_token_at, last_token_at: when the task was handed to its ranks
-            and when its first and last tokens reached the node, seconds on one clock.
+        prompt_tokens: tokens of its prompt; ``cached_tokens`` of them came from a cached
+            prefix (not computed).
+        ttft: seconds from handing the task to its ranks to its first token reaching the
+            node (None: no token).
+        plain_steps, plain_s: its decode steps that gave one token with no draft beside
+            it, and the seconds they took (from the token before each to its own).
         alone: no other sequence ran in its instance's batch from its first token to
             its last (decode of one sequence, what the preview predicts).
         started_alone: nothing else ran in the batch when it was handed over and up to
             its first token (its prefill had the ranks to itself).
 
     Returns:
-        decode: ``(generated - 1) / (last_token_at - first_token_at)`` when ``alone``
-        and ``generated >= MIN_DECODE_TOKENS``; prefill: ``prompt_tokens /
-        (first_token_at - sent_at)`` when ``started_alone`` and ``prompt_tokens >=
-        MIN_PREFILL_TOKENS``.
+        decode: ``plain_steps / plain_s`` when ``alone`` and ``plain_steps >=
+        MIN_DECODE_STEPS``; prefill: ``prompt_tokens / ttft`` when ``started_alone``,
+        ``cached_tokens`` is 0 and ``prompt_tokens >= MIN_PREFILL_TOKENS``.
     """
     decode = prefill = None
-    if first_token_at is not None:
-        span = (last_token_at or first_token_at) - first_token_at
-        if alone and generated >= MIN_DECODE_TOKENS and span > 0:
-            decode = (generated - 1) / span
-        ttft = first_token_at - sent_at
-        if started_alone and prompt_tokens >= MIN_PREFILL_TOKENS and ttft > 0:
-            prefill = prompt_tokens / ttft
+    if alone and plain_steps >= MIN_DECODE_STEPS and plain_s > 0:
+        decode = plain_steps / plain_s
+    if ttft is not None and ttft > 0 and started_alone and not cached_tokens and prompt_tokens >= MIN_PREFILL_TOKENS:
+        prefill = prompt_tokens / ttft
     return decode, prefill
 
 

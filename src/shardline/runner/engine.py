@@ -889,6 +889,7 @@ class Engine:
                             top,
                             cached_tokens=seq.reused,
                             cache_written=written if last else 0,
+                            drafted=len(drafts[index]),
                         )
                     )
             if finish is not None:

@@ -204,6 +204,10 @@ class TokenEvent:
     cached prefix rather than its prefill (:mod:`shardline.runner.prefix_cache`);
     ``cache_written``, on its last event: the prompt tokens past those that its slot keeps
     cached once it ends.
+    ``drafted``: the draft rows its sequence carried in the step that gave it (guesses
+    checked beside the next token: :mod:`shardline.runner.speculation`); 0 for a plain
+    decode step's token and the prefill's first. The node that streams the task times
+    plain steps apart (a drafted step computes more rows and may give several tokens).
     """
 
     task_id: int
@@ -214,6 +218,7 @@ class TokenEvent:
     top_logprobs: tuple[tuple[int, float], ...] = ()
     cached_tokens: int = 0
     cache_written: int = 0
+    drafted: int = 0
 
 
 @dataclass(frozen=True)
