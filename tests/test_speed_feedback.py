@@ -113,7 +113,8 @@ def test_measure_due(now, idle_since, measured_at, guess, due):
         (512, 0, 0.25, 8, 0.1, False, True, (None, 2048.0)),  # shared the batch while decoding
         (512, 0, 0.25, 8, 0.1, True, False, (80.0, None)),  # something else ran at its start
         (MIN_PREFILL_TOKENS - 1, 0, 0.25, 8, 0.1, True, True, (80.0, None)),  # prompt too short
-        (512, 64, 0.25, 8, 0.1, True, True, (80.0, None)),  # resumed from a cached prefix
+        (512, 32, 0.24, 8, 0.1, True, True, (80.0, 2000.0)),  # a chat template's header cached
+        (512, 65, 0.25, 8, 0.1, True, True, (80.0, None)),  # a next turn: resumed from its cache
         (512, 0, 0.25, MIN_DECODE_STEPS - 1, 0.1, True, True, (None, 2048.0)),  # too few plain steps
         (512, 0, None, 0, 0.0, True, True, (None, None)),  # no token at all
     ],
