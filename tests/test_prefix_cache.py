@@ -5,7 +5,9 @@ Tables over pure functions: every rank of an instance makes the same decisions f
 same state."""
 
 import pytest
+import torch
 
+from shardline.models.kv_cache import SLOTS_PER_SEQUENCE, cache_slots
 from shardline.runner.block_hashes import block_hashes
 from shardline.runner.prefix_cache import (
     CachedPrefix,
@@ -219,6 +221,27 @@ def test_admission_with_cached_prefixes(waiting, free_slots, pool, free_tokens, 
     plan = plan_admission(waiting, free_slots, pool, free_tokens, C, B)
     assert list(plan.starts) == starts
     assert list(plan.evicted) == evicted
+
+
+@pytest.mark.parametrize(
+    "room, starts",
+    [
+        (None, [Start(0, 0, 12, 12), Start(1, 1, 0), Start(2, 2, 0)]),  # as many as the slots take
+        (2, [Start(0, 0, 12, 12), Start(1, 1, 0)]),  # the batch's places, more slots than them
+        (0, []),  # the batch full: cached prefixes are not evicted for a task that cannot run
+    ],
+)
+def test_no_more_tasks_start_than_the_batch_has_room_for(room, starts):
+    """Where the KV cache has more slots than the batch (:func:`cache_slots`), the free
+    and cached slots do not bound how many tasks start: the batch's places do."""
+    waiting = [task(A), task((5,) * 10), task((6,) * 10)]
+    plan = plan_admission(waiting, [1, 2, 3], [cached(0, SYSTEM, 1)], 100, C, B, room)
+    assert list(plan.starts) == starts and plan.evicted == ()
+
+
+def test_a_cpu_rank_maps_more_slots_than_its_batch_and_a_gpu_rank_does_not():
+    assert cache_slots(8, "cpu") == 8 * SLOTS_PER_SEQUENCE > 8
+    assert cache_slots(8, torch.device("cuda", 0)) == 8 and cache_slots(3, "mps") == 3
 
 
 def test_a_prefix_copied_from_is_evicted_after_the_copy():

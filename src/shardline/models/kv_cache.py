@@ -23,6 +23,26 @@ KV_BLOCK_BYTES = 4096
 4 KiB page on Linux x86-64; fixed, so every rank of an instance counts the same)."""
 
 
+SLOTS_PER_SEQUENCE = 4
+"""KV-cache slots a CPU rank maps for each sequence of its batch (:func:`cache_slots`)."""
+
+
+def cache_slots(max_batch: int, device: torch.device | str) -> int:
+    """KV-cache slots of a rank whose instance decodes ``max_batch`` sequences together.
+
+    A slot that holds no running sequence may hold a finished one's cached prompt
+    (:mod:`shardline.runner.prefix_cache`), so the slots bound how many conversations stay
+    cached: with ``max_batch`` of them, 12 conversations taking turns on an instance of 8
+    found about half their turns evicted (the first 29 tokens cached, 2 s to prefill the
+    rest alone and 7-13 s beside others, against 0.2-0.5 s) while the KV pool's tokens
+    had room for all 12. On the CPU a slot is address space until written, so
+    :data:`SLOTS_PER_SEQUENCE` times as many cost nothing (the KV pool still bounds the
+    tokens written); elsewhere (a GPU's cache is allocated whole) ``max_batch``. The
+    engine uses the extra slots where every rank has them
+    (:class:`~shardline.runner.engine.Engine`)."""
+    return max_batch * (SLOTS_PER_SEQUENCE if torch.device(device).type == "cpu" else 1)
+
+
 def whole_blocks(tokens: int, block: int) -> int:
     """``tokens`` rounded up to whole blocks of ``block`` tokens: the positions their pages
     hold."""

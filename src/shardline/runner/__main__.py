@@ -122,7 +122,7 @@ def load_stage(spec: RunnerSpec, source, group, progress: Progress, dtype, devic
         ValueError: an unknown sharding.
     """
     from shardline.models.config import Quantize, Sharding
-    from shardline.models.kv_cache import KVCache
+    from shardline.models.kv_cache import KVCache, cache_slots
     from shardline.models.shard_loader import load_shard
     from shardline.parallel.compute_slots import ComputeSlots
     from shardline.parallel.pipeline import PipelineStage
@@ -135,7 +135,7 @@ def load_stage(spec: RunnerSpec, source, group, progress: Progress, dtype, devic
             source,
             spec.rank,
             spec.world_size,
-            slots=spec.max_batch,
+            slots=cache_slots(spec.max_batch, device),
             context=spec.context,
             dtype=dtype,
             device=device,
@@ -150,7 +150,7 @@ def load_stage(spec: RunnerSpec, source, group, progress: Progress, dtype, devic
     shard = load_shard(
         source, spec.share.layer_start, spec.share.layer_end, dtype=dtype, device=device, quantize=quantize
     )
-    cache = KVCache(source.config, len(shard.layers), spec.max_batch, spec.context, dtype, device)
+    cache = KVCache(source.config, len(shard.layers), cache_slots(spec.max_batch, device), spec.context, dtype, device)
     if spec.sharding == Sharding.RING:
         return RingStage(shard, cache, spec.rank, spec.world_size, group, progress, wire_device=comm_device)
     slots = None
@@ -178,7 +178,7 @@ def load_draft_model(spec: RunnerSpec, dtype, device, vocab: int):
             missing or misshapen, an unknown architecture, a file it cannot read).
     """
     from shardline.models.config import Quantize
-    from shardline.models.kv_cache import KVCache
+    from shardline.models.kv_cache import KVCache, cache_slots
     from shardline.models.shard_loader import load_shard
     from shardline.models.weights import open_weights
     from shardline.runner.draft_model import DraftModel
@@ -191,7 +191,7 @@ def load_draft_model(spec: RunnerSpec, dtype, device, vocab: int):
         shard = load_shard(source, 0, layers, dtype=dtype, device=device, quantize=quantize)
     except (OSError, ValueError) as exc:  # a WeightFormatError or UnsupportedModelError among them
         raise DraftModelLoadError(f"the draft model {spec.draft_model_path}: {type(exc).__name__}: {exc}") from exc
-    cache = KVCache(source.config, layers, spec.max_batch, spec.context, dtype, device)
+    cache = KVCache(source.config, layers, cache_slots(spec.max_batch, device), spec.context, dtype, device)
     if shard.graphs is not None:  # its decode steps' CUDA graphs, captured now rather than while serving
         shard.graphs.warm(cache, spec.max_batch)
     return DraftModel(shard, cache, spec.prefill_chunk, vocab)

@@ -52,7 +52,7 @@ from typing import Callable
 import torch
 
 from shardline.models.decode_graphs import GRAPH_MAX_ROWS
-from shardline.models.kv_cache import whole_blocks
+from shardline.models.kv_cache import cache_slots, whole_blocks
 from shardline.models.llama import ForwardBatch
 from shardline.models.weight_products import KERNEL_MAX_ROWS
 from shardline.parallel.pipeline import PipelineStage, use_threads
@@ -221,7 +221,9 @@ class Engine:
             EngineStats whenever the batch changed.
         node_id: tasks whose ``origin`` equals it are emitted by this rank.
         group: the instance's process group, or None for a single rank.
-        max_batch: KV-cache slots, the most sequences running at once.
+        max_batch: the most sequences running at once; the KV cache's slots where they
+            are as many (on the CPU, where every rank has :func:`~shardline.models.kv_cache.cache_slots`'
+            more, the finished sequences' cached prompts keep the others: :meth:`_slots`).
         context: most tokens per sequence.
         kv_tokens: tokens of the KV pool, all sequences together (see
             :func:`pool_tokens`; 0: ``max_batch`` whole contexts).
@@ -324,7 +326,8 @@ class Engine:
         self.cancelled: OrderedDict[int, None] = OrderedDict()  # agreed, kept bounded
         self.waiting: list[Task] = []
         self.running: list[Sequence] = []
-        self.free_slots = list(range(max_batch))
+        self.draft_model = draft_model if stage.samples else None
+        self.free_slots = list(range(self._slots(max_batch, prefix_cache)))
         self.kv_tokens = pool_tokens(kv_tokens, max_batch, context, stage.cache.block_tokens)
         self.free_kv_tokens = self.kv_tokens
         self.stopping = False
@@ -343,7 +346,6 @@ class Engine:
         self.stages_at_once = stage.stages_at_once(self.comm_device)  # a step's micro-batches to fill
         self.draft_tokens = draft_tokens
         self.model_drafts = model_drafts
-        self.draft_model = draft_model if stage.samples else None
         self.cached: dict[int, CachedPrefix] = {}  # free slots holding a cached prefix
         self._clock = 0  # advanced whenever a slot is cached: the cached prefixes' recency
         self._hashes: dict[int, list[int]] = {}  # waiting tasks' prompt block hashes
@@ -351,6 +353,18 @@ class Engine:
         self.reused_tokens = 0  # of those, the ones taken from cached prefixes
         self.drafted_tokens = 0  # drafted tokens checked in a step (speculative decoding)
         self.accepted_tokens = 0  # of those, the ones taken
+
+    def _slots(self, max_batch: int, prefix_cache: bool) -> int:
+        """The KV-cache slots the engine uses: :func:`~shardline.models.kv_cache.cache_slots`'
+        CPU count where every rank's caches (its draft model's too) have them and the
+        prefix cache keeps finished prompts there, else ``max_batch``; agreed by the ranks
+        (a collective: every rank calls it at its start)."""
+        wide = cache_slots(max_batch, "cpu")
+        caches = [self.stage.cache] + ([self.draft_model.cache] if self.draft_model is not None else [])
+        holds = all(c.slots >= wide for c in caches)
+        if wide > max_batch and prefix_cache and self.stage.all_agree(holds, self.comm_device):
+            return wide
+        return max_batch
 
     # -- inbox and agreement -------------------------------------------------------------
 
@@ -441,6 +455,7 @@ class Engine:
             self.prefill_burst_tokens,
             self.stages_at_once,
             self.rows_apart,
+            self.max_batch,
         )
         plan = plan_step(
             cap_drafts([s.state(self.context) for s in self.running], DECODE_MAX_ROWS),
@@ -984,7 +999,7 @@ class Engine:
             running=tuple(s.task.task_id for s in self.running),
             waiting=tuple(t.task_id for t in self.waiting),
             held=tuple(sorted(self.held)),
-            free_slots=len(self.free_slots) + len(self.cached),
+            free_slots=self.max_batch - len(self.running),
             steps=self.steps,
             free_kv_tokens=self.free_kv_tokens + sum(c.tokens for c in self.cached.values()),
             cached_slots=len(self.cached),

@@ -250,7 +250,13 @@ def _furthest(task: Waiting, pool: list[CachedPrefix], chunk: int, block: int) -
 
 
 def plan_admission(
-    waiting: list[Waiting], free_slots: list[int], cached: list[CachedPrefix], free_tokens: int, chunk: int, block: int
+    waiting: list[Waiting],
+    free_slots: list[int],
+    cached: list[CachedPrefix],
+    free_tokens: int,
+    chunk: int,
+    block: int,
+    room: int | None = None,
 ) -> Admission:
     """Which waiting tasks start, in order, and where (first come, first served: the first
     that cannot start and every task behind it wait).
@@ -262,6 +268,10 @@ def plan_admission(
         free_tokens: pool tokens neither reserved by a running sequence nor held by a
             cached prefix.
         chunk, block: the prefill chunk and the KV block, tokens.
+        room: most tasks that may start (the batch's places no running sequence holds,
+            where the KV cache has more slots than the batch:
+            :func:`~shardline.models.kv_cache.cache_slots`); None: as many as the slots
+            take.
 
     A task takes the cached slot from which it resumes furthest (:func:`reuse`; the most
     recently used of equals), whose tokens count toward its reservation; else an empty
@@ -294,6 +304,8 @@ def plan_admission(
         return victim.slot
 
     for index, task in enumerate(waiting):
+        if room is not None and len(starts) >= room:
+            break  # the batch is full
         best, best_reuse = _furthest(task, pool, chunk, block)
         others = sum(c.tokens for c in pool if c is not best)
         held = best.tokens if best is not None else 0

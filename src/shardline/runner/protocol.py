@@ -255,8 +255,9 @@ class EngineStats:
         waiting: agreed task ids waiting for a slot and KV blocks, in the order they will
             start.
         held: task ids this rank holds that not every rank holds yet.
-        free_slots: KV-cache slots no running sequence holds (a cached prefix's among
-            them: it is evicted for a task that needs the slot).
+        free_slots: places of the batch no running sequence holds (``max_batch`` less the
+            running; a cached prefix's slot among them where the KV cache has no more
+            slots than the batch: it is evicted for a task that needs the slot).
         steps: engine steps run so far.
         free_kv_tokens: tokens of the KV pool no running sequence has reserved (those
             of cached prefixes among them).

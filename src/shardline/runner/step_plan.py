@@ -82,8 +82,9 @@ class StepLimits:
     micro-batches the instance computes at once (a pipeline's stages that can, its world
     size or fewer where ranks share a machine's cores:
     :meth:`~shardline.parallel.pipeline.PipelineStage.stages_at_once`; else 1;
-    :func:`fill_stages`), and ``rows_apart``: every rank computes a prefill row's bits
-    apart from the rows beside it (:func:`prefill_plan`'s ``rows_apart``)."""
+    :func:`fill_stages`), ``rows_apart``: every rank computes a prefill row's bits
+    apart from the rows beside it (:func:`prefill_plan`'s ``rows_apart``), and ``batch``:
+    the most sequences running at once (None: as many as the free slots take)."""
 
     context: int
     chunk: int
@@ -92,6 +93,7 @@ class StepLimits:
     burst_tokens: int
     stages: int = 1
     rows_apart: bool = False
+    batch: int | None = None
 
 
 @dataclass(frozen=True)
@@ -312,7 +314,8 @@ def plan_step(
     (:func:`~shardline.runner.prefix_cache.plan_extension`)."""
     admission = Admission((), ())
     if wants:
-        admission = plan_admission(list(wants), free_slots, cached, free_tokens, limits.chunk, limits.block)
+        room = None if limits.batch is None else max(0, limits.batch - len(running))
+        admission = plan_admission(list(wants), free_slots, cached, free_tokens, limits.chunk, limits.block, room)
     seqs = tuple(running) + tuple(replace(waiting[s.index], prefilled=s.reused) for s in admission.starts)
     decode, chunks = schedule(seqs, limits)
     extension = None
