@@ -383,6 +383,17 @@ def test_runs_0_measures_no_level():
     ]
 
 
+@pytest.mark.parametrize("runs, named", [(0, False), (3, True)])
+def test_the_header_names_the_levels_prompts_only_where_they_ran(runs, named):
+    from shardline.bench.report import _header, _server_line
+
+    config = {"prompt_tokens": [512], "gen_tokens": 64, "concurrency": [1], "runs": runs, "rounds": 1}
+    server = {"url": "http://h:1", "model": "m", "prompts": [{"target": 512, "tokens": 509}] if runs else []}
+    server |= {"chat_prompt_tokens": None, "nodes": None, "sharding": None}
+    assert ("prompt 512 tokens" in _header({"config": config})) is named
+    assert ("calibrated" in _server_line(server)) is named
+
+
 @pytest.mark.parametrize(
     "given, root",
     [

@@ -23,8 +23,9 @@ def _server_line(server: dict[str, Any]) -> str:
         parts.append(f"{server['nodes']} {'node' if server['nodes'] == 1 else 'nodes'}")
     if server["sharding"]:
         parts.append(server["sharding"])
-    real = ", ".join(f"{p['target']}→{p['tokens']}" for p in server["prompts"])
-    parts.append(f"prompt tokens {real} calibrated")
+    if server["prompts"]:  # (none without the plain levels: --runs 0)
+        real = ", ".join(f"{p['target']}→{p['tokens']}" for p in server["prompts"])
+        parts.append(f"prompt tokens {real} calibrated")
     if server["chat_prompt_tokens"] is not None:
         parts.append(f"chat {server['chat_prompt_tokens']}")
     if server.get("usage_from") == "chunks":
@@ -35,10 +36,12 @@ def _server_line(server: dict[str, Any]) -> str:
 def _header(report: dict[str, Any]) -> str:
     cfg = report["config"]
     rounds = cfg["rounds"]
-    text = (
-        f"[bold]shardline bench[/bold] · prompt {' / '.join(map(str, cfg['prompt_tokens']))} tokens · "
-        f"gen {cfg['gen_tokens']} tokens · concurrency {' / '.join(map(str, cfg['concurrency']))}"
-    )
+    text = f"[bold]shardline bench[/bold] · gen {cfg['gen_tokens']} tokens"
+    if cfg.get("runs", 1):  # the plain levels ran (not --runs 0): their prompts and concurrency
+        text = (
+            f"[bold]shardline bench[/bold] · prompt {' / '.join(map(str, cfg['prompt_tokens']))} tokens · "
+            f"gen {cfg['gen_tokens']} tokens · concurrency {' / '.join(map(str, cfg['concurrency']))}"
+        )
     if rounds > 1:
         text += f" · {rounds} rounds, medians"
     return text
