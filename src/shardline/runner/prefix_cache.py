@@ -288,56 +288,69 @@ def plan_admission(
     reservation, without evicting the prefix it copies (which counts as used now); else
     it takes the slot as above.
     """
-    free = sorted(free_slots)
-    pool = sorted(cached, key=lambda c: c.used)  # least recently used first
+    free = _Free(sorted(free_slots), sorted(cached, key=lambda c: c.used), free_tokens)
     starts: list[Start] = []
-    evicted: list[int] = []
     before: list[int] = []  # evictions made before each start
-
-    def evict(keep: CachedPrefix | None) -> int:
-        """Evict the least recently used cached slot but ``keep``; its slot."""
-        victim = next(c for c in pool if c is not keep)
-        pool.remove(victim)
-        evicted.append(victim.slot)
-        nonlocal free_tokens
-        free_tokens += victim.tokens
-        return victim.slot
-
     for index, task in enumerate(waiting):
         if room is not None and len(starts) >= room:
             break  # the batch is full
-        best, best_reuse = _furthest(task, pool, chunk, block)
-        others = sum(c.tokens for c in pool if c is not best)
-        held = best.tokens if best is not None else 0
+        best, best_reuse = _furthest(task, free.pool, chunk, block)
+        others = sum(c.tokens for c in free.pool if c is not best)
         past = len(best.token_ids) - best_reuse if best is not None else 0
         if (
             best is not None
             and (past >= chunk or past > best_reuse)
-            and (free or len(pool) > 1)
-            and task.need <= free_tokens + others
+            and (free.slots or len(free.pool) > 1)
+            and task.need <= free.tokens + others
         ):  # a copy of its shared part
-            slot = free.pop(0) if free else evict(best)
-            while free_tokens < task.need:
-                evict(best)
-            pool.remove(best)
-            pool.append(best)  # used now: the most recent
-            free_tokens -= task.need
+            slot = free.slot(best)
+            free.reserve(task.need, best)
+            free.pool.remove(best)
+            free.pool.append(best)  # used now: the most recent
             starts.append(Start(index, slot, best_reuse, source=best.slot))
-            before.append(len(evicted))
-            continue
-        if best is None and not free and not pool:
-            break  # no slot
-        if task.need > free_tokens + held + others:
-            break  # it would not fit without the cache either
-        if best is not None:  # its slot, and the tokens it held
-            slot = best.slot
-            pool.remove(best)
-            free_tokens += held
         else:
-            slot = free.pop(0) if free else evict(None)
-        while free_tokens < task.need:
-            evict(None)
-        free_tokens -= task.need
-        starts.append(Start(index, slot, best_reuse, held))
-        before.append(len(evicted))
-    return Admission(tuple(starts), tuple(evicted), tuple(before))
+            held = best.tokens if best is not None else 0
+            if best is None and not free.slots and not free.pool:
+                break  # no slot
+            if task.need > free.tokens + held + others:
+                break  # it would not fit without the cache either
+            if best is not None:  # its slot, and the tokens it held
+                slot = best.slot
+                free.pool.remove(best)
+                free.tokens += held
+            else:
+                slot = free.slot(None)
+            free.reserve(task.need, None)
+            starts.append(Start(index, slot, best_reuse, held))
+        before.append(len(free.evicted))
+    return Admission(tuple(starts), tuple(free.evicted), tuple(before))
+
+
+@dataclass
+class _Free:
+    """What :func:`plan_admission` may give the tasks it starts: the empty ``slots``
+    (ascending), the cached prefixes in ``pool`` (least recently used first), the pool's
+    free ``tokens``, and the cached slots ``evicted`` so far (in order)."""
+
+    slots: list[int]
+    pool: list[CachedPrefix]
+    tokens: int
+    evicted: list[int] = field(default_factory=list)
+
+    def evict(self, keep: CachedPrefix | None) -> int:
+        """Evict the least recently used cached slot but ``keep``; its slot."""
+        victim = next(c for c in self.pool if c is not keep)
+        self.pool.remove(victim)
+        self.evicted.append(victim.slot)
+        self.tokens += victim.tokens
+        return victim.slot
+
+    def slot(self, keep: CachedPrefix | None) -> int:
+        """The lowest empty slot, else the least recently used cached one but ``keep``'s."""
+        return self.slots.pop(0) if self.slots else self.evict(keep)
+
+    def reserve(self, need: int, keep: CachedPrefix | None) -> None:
+        """Take ``need`` pool tokens, evicting cached slots but ``keep``'s while short."""
+        while self.tokens < need:
+            self.evict(keep)
+        self.tokens -= need
