@@ -61,14 +61,15 @@ def test_zigzag_split_partitions_the_chunk_and_balances_causal_work(length, worl
         assert max(work) / min(work) < 1.05
 
 
-def _ring_rank(rank, world, port, length, start, result_dir):
+def _ring_rank(rank, world, port, length, start, result_dir, dtype=torch.float32, d=8):
     os.environ["GLOO_SOCKET_IFNAME"] = "lo"
     torch.distributed.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
     torch.manual_seed(1)  # the same full tensors on every rank
-    heads, kv_heads, d, ctx = 4, 2, 8, 64
-    q_all = torch.randn(start + length, heads, d)
-    k_all, v_all = torch.randn(start + length, kv_heads, d), torch.randn(start + length, kv_heads, d)
-    k_cache, v_cache = torch.zeros(2, kv_heads, ctx, d), torch.zeros(2, kv_heads, ctx, d)
+    heads, kv_heads, ctx = 4, 2, 64
+    q_all = torch.randn(start + length, heads, d).to(dtype)
+    k_all = torch.randn(start + length, kv_heads, d).to(dtype)
+    v_all = torch.randn(start + length, kv_heads, d).to(dtype)
+    k_cache, v_cache = torch.zeros(2, kv_heads, ctx, d, dtype=dtype), torch.zeros(2, kv_heads, ctx, d, dtype=dtype)
     k_cache[1, :, :start], v_cache[1, :, :start] = k_all[:start].transpose(0, 1), v_all[:start].transpose(0, 1)
     ring = RingContext(
         torch.distributed.group.WORLD, rank, world, slot=1, start=start, length=length, device=torch.device("cpu")
@@ -104,3 +105,32 @@ def test_ring_attention_across_processes_equals_plain_causal_attention(tmp_path,
         # every rank's cache holds the whole chunk's k/v after the ring
         assert torch.equal(got["k"], k_all.transpose(0, 1))
         assert torch.equal(got["v"], v_all.transpose(0, 1))
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("world,length,start", [(2, 37, 0), (2, 45, 19), (3, 50, 11)])
+def test_a_ring_row_has_one_nodes_bits_where_the_compiled_attention_runs(tmp_path, world, length, start):
+    """bfloat16 on a CPU with AVX-512 BF16: each rank attends its rows over the cache once
+    every block has passed, so a row's bits are those the whole chunk's attention on one
+    rank gives (and a prompt resumed from a cached prefix, whose rows run whole, gets the
+    cold ring prefill's)."""
+    from shardline.models import prefill_attention
+
+    if not prefill_attention.built():
+        pytest.skip("the compiled prefill attention is not built on this CPU")
+    d = 32
+    mp.spawn(
+        _ring_rank, args=(world, free_port_block(1), length, start, str(tmp_path), torch.bfloat16, d), nprocs=world
+    )
+    torch.manual_seed(1)
+    heads, kv_heads = 4, 2
+    q_all = torch.randn(start + length, heads, d).to(torch.bfloat16)
+    k_all = torch.randn(start + length, kv_heads, d).to(torch.bfloat16)
+    v_all = torch.randn(start + length, kv_heads, d).to(torch.bfloat16)
+    k_cache = torch.zeros(2, kv_heads, 64, d, dtype=torch.bfloat16)
+    v_cache = torch.zeros(2, kv_heads, 64, d, dtype=torch.bfloat16)
+    k_cache[1, :, : start + length], v_cache[1, :, : start + length] = k_all.transpose(0, 1), v_all.transpose(0, 1)
+    whole = prefill_attention.attend(q_all[start:], k_cache, v_cache, 1, start)  # one rank, every row
+    for rank in range(world):
+        got = torch.load(tmp_path / f"{rank}.pt")
+        assert torch.equal(got["out"].view(-1, heads, d), whole[got["positions"] - start])
