@@ -36,12 +36,13 @@ def _server_line(server: dict[str, Any]) -> str:
 def _header(report: dict[str, Any]) -> str:
     cfg = report["config"]
     rounds = cfg["rounds"]
-    text = f"[bold]shardline bench[/bold] · gen {cfg['gen_tokens']} tokens"
-    if cfg.get("runs", 1):  # the plain levels ran (not --runs 0): their prompts and concurrency
-        text = (
-            f"[bold]shardline bench[/bold] · prompt {' / '.join(map(str, cfg['prompt_tokens']))} tokens · "
-            f"gen {cfg['gen_tokens']} tokens · concurrency {' / '.join(map(str, cfg['concurrency']))}"
-        )
+    levels = cfg.get("runs", 1)  # the plain levels ran (not --runs 0): their prompts and concurrency
+    text = "[bold]shardline bench[/bold] · "
+    if levels:
+        text += f"prompt {' / '.join(map(str, cfg['prompt_tokens']))} tokens · "
+    text += f"gen {cfg['gen_tokens']} tokens"
+    if levels:
+        text += f" · concurrency {' / '.join(map(str, cfg['concurrency']))}"
     if rounds > 1:
         text += f" · {rounds} rounds, medians"
     return text

@@ -157,6 +157,7 @@ class RingContext:
         q_parts = q.split(splits)
         acc: list[tuple[torch.Tensor, torch.Tensor] | None] = [None, None]
         exact = prefill_attention.takes(q, k_cache)  # each row over the cache once all blocks passed
+        attending = () if exact else mine  # the blocks whose queries attend each passing block
 
         def add(i: int, part: tuple[torch.Tensor, torch.Tensor]) -> None:
             held = acc[i]
@@ -190,7 +191,7 @@ class RingContext:
             theirs = self.blocks[source]
             k_parts = block[0].split([hi - lo for lo, hi in theirs])
             v_parts = block[1].split([hi - lo for lo, hi in theirs])
-            for i, q_block in enumerate(mine if not exact else ()):
+            for i, q_block in enumerate(attending):
                 for j, k_block in enumerate(theirs):
                     if k_block[0] >= q_block[1] or k_block[0] == k_block[1] or q_block[0] == q_block[1]:
                         continue  # keys after the queries (or an empty block): nothing seen

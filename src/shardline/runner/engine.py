@@ -362,7 +362,7 @@ class Engine:
         wide = cache_slots(max_batch, "cpu")
         caches = [self.stage.cache] + ([self.draft_model.cache] if self.draft_model is not None else [])
         holds = all(c.slots >= wide for c in caches)
-        if wide > max_batch and prefix_cache and self.stage.all_agree(holds, self.comm_device):
+        if prefix_cache and self.stage.all_agree(holds, self.comm_device):
             return wide
         return max_batch
 
